@@ -1,0 +1,1 @@
+//! Command line: flags to one resolved configuration.

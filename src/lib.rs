@@ -1,0 +1,15 @@
+//! vidgen: text-to-video with open video diffusion models, on whatever memory the machine has.
+//!
+//! The file tree mirrors the architecture: `cli` turns flags into one resolved configuration,
+//! `memory` probes the device and plans memory, `offload` moves weights between host and device,
+//! `models` holds one folder per model family, `schedulers` the diffusion samplers, `pipeline`
+//! runs the stages and is the one place where components are loaded, placed and released, and
+//! `output` writes the frames.
+
+pub mod cli;
+pub mod memory;
+pub mod models;
+pub mod offload;
+pub mod output;
+pub mod pipeline;
+pub mod schedulers;

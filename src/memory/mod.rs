@@ -1,0 +1,1 @@
+//! Device probe, memory accounting and planning.

@@ -1,0 +1,1 @@
+//! Model-agnostic offload engine: what lives where, and when it moves.

@@ -1,0 +1,1 @@
+//! Writers for the generated frames: MP4, PNG folders and safetensors.
