@@ -1,1 +1,179 @@
 //! Command line: flags to one resolved configuration.
+//!
+//! [`args`] holds what was said (each option defined once, for flags and config keys alike);
+//! [`resolve`] derives what it means, once: defaults < config file < command line < device.
+
+pub mod args;
+pub mod resolve;
+
+use args::{Cli, Command, GenerateArgs};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
+use std::ffi::OsString;
+use std::path::Path;
+
+pub use resolve::ResolvedConfig;
+
+/// Bad input from the user: reported as one line, exit code 2.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageError(pub String);
+
+impl UsageError {
+    pub fn new(message: impl Into<String>) -> Self {
+        UsageError(message.into())
+    }
+}
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// What `main` should do after parsing.
+pub enum Parsed {
+    /// Help or version text, to be printed on stdout, exit 0.
+    Info(String),
+    /// A `generate` invocation with its options merged with the config file.
+    Generate(Box<GenerateArgs>),
+}
+
+/// Parses the command line and merges the `--config` file under it.
+pub fn parse(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageError> {
+    let mut command = Cli::command();
+    let argv = expand_negations(&command, argv.into_iter().collect());
+    let matches = match command.try_get_matches_from_mut(argv) {
+        Ok(m) => m,
+        Err(e) => return clap_outcome(e),
+    };
+    let cli = Cli::from_arg_matches(&matches).map_err(|e| UsageError::new(first_lines(&e)))?;
+    match cli.command {
+        Command::Generate(mut args) => {
+            let sub = matches
+                .subcommand_matches("generate")
+                .expect("clap matched the generate subcommand");
+            if let Some(path) = args.config.clone() {
+                args.options = merge_config_file(&path, &args.options, |key| {
+                    sub.value_source(key) == Some(ValueSource::CommandLine)
+                })?;
+            }
+            Ok(Parsed::Generate(args))
+        }
+    }
+}
+
+/// Rewrites `--no-X` into `--X=false` for every on/off option X, so each stays one clap argument.
+fn expand_negations(command: &clap::Command, argv: Vec<OsString>) -> Vec<OsString> {
+    let toggles: Vec<String> = command
+        .get_subcommands()
+        .flat_map(|s| s.get_arguments())
+        .filter(|a| a.get_num_args().is_some_and(|n| n.min_values() == 0 && n.max_values() == 1))
+        .flat_map(|a| {
+            let mut names: Vec<String> = a.get_long().into_iter().map(String::from).collect();
+            names.extend(a.get_all_aliases().unwrap_or_default().into_iter().map(String::from));
+            names
+        })
+        .collect();
+    let mut seen_separator = false;
+    argv.into_iter()
+        .map(|arg| {
+            if seen_separator {
+                return arg;
+            }
+            let Some(text) = arg.to_str() else { return arg };
+            if text == "--" {
+                seen_separator = true;
+                return arg;
+            }
+            match text.strip_prefix("--no-") {
+                Some(name) if toggles.iter().any(|t| t == name) => format!("--{name}=false").into(),
+                _ => arg,
+            }
+        })
+        .collect()
+}
+
+fn clap_outcome(e: clap::Error) -> Result<Parsed, UsageError> {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => Ok(Parsed::Info(e.render().to_string())),
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Err(UsageError::new(
+            "no command given: run `vidgen generate --prompt \"...\"`, or `vidgen --help`",
+        )),
+        _ => Err(UsageError::new(first_lines(&e))),
+    }
+}
+
+/// Folds clap's multi-line error into one line: the problem plus clap's tip, if any.
+fn first_lines(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let problem = lines
+        .next()
+        .unwrap_or("invalid arguments")
+        .trim_start_matches("error: ")
+        .to_string();
+    let tip = lines.find_map(|l| l.strip_prefix("tip: ").map(str::to_string));
+    match tip {
+        Some(tip) => format!("{problem}; {tip}"),
+        None => format!("{problem}; see `vidgen generate --help`"),
+    }
+}
+
+/// Lays a TOML config file under the command line: a key is taken from the file unless its
+/// flag was given on the command line.
+fn merge_config_file(
+    path: &Path,
+    cli: &args::GenerateOptions,
+    given_on_command_line: impl Fn(&str) -> bool,
+) -> Result<args::GenerateOptions, UsageError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        UsageError::new(format!(
+            "cannot read config file {}: {e}; pass a readable TOML file to --config",
+            path.display()
+        ))
+    })?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| {
+        let msg = e.message().to_string();
+        let line = e
+            .span()
+            .map(|s| format!(" (line {})", text[..s.start].lines().count().max(1)))
+            .unwrap_or_default();
+        UsageError::new(format!(
+            "config file {} is not valid TOML{line}: {msg}; fix the syntax",
+            path.display()
+        ))
+    })?;
+    let serde_json::Value::Object(mut merged) =
+        serde_json::to_value(cli).expect("options serialize to a JSON object")
+    else {
+        unreachable!("options serialize to a JSON object")
+    };
+    let defaults = merged.clone();
+    for (key, value) in table {
+        if !merged.contains_key(&key) {
+            return Err(UsageError::new(format!(
+                "unknown key `{key}` in config file {}; keys are the generate flags in snake_case (see `vidgen generate --help`)",
+                path.display()
+            )));
+        }
+        let value = serde_json::to_value(value).expect("TOML values convert to JSON");
+        // Check each key alone so a bad value is reported with its key.
+        let mut single = defaults.clone();
+        single.insert(key.clone(), value.clone());
+        if let Err(e) = serde_json::from_value::<args::GenerateOptions>(single.into_iter().collect()) {
+            return Err(UsageError::new(format!(
+                "bad value for `{key}` in config file {}: {e}; use the same values as the --{} flag",
+                path.display(),
+                key.replace('_', "-")
+            )));
+        }
+        if !given_on_command_line(&key) {
+            merged.insert(key, value);
+        }
+    }
+    serde_json::from_value(serde_json::Value::Object(merged))
+        .map_err(|e| UsageError::new(format!("config file {}: {e}", path.display())))
+}

@@ -1,1 +1,11 @@
 //! Device probe, memory accounting and planning.
+//!
+//! The probe answers what kind of memory the selected device has; the rules in [`overrides`]
+//! then adjust the offload options to it, so a unified-memory machine (DGX Spark) never pays
+//! for host copies that only duplicate what the GPU already sees.
+
+pub mod overrides;
+pub mod probe;
+
+pub use overrides::{apply_memory_rules, Override};
+pub use probe::{probe, DeviceInfo, DeviceKind, MemoryModel};

@@ -1,0 +1,326 @@
+//! What the user said: every `generate` option, defined once.
+//!
+//! The same struct is parsed from the command line (clap, hyphenated flags) and from a `--config`
+//! TOML file (serde, snake_case keys), so a flag and its config key can never drift apart. Values
+//! here are validated for form only; what they mean is derived once, in [`super::resolve`].
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The command line of the `vidgen` binary.
+#[derive(Parser, Debug)]
+#[command(
+    name = "vidgen",
+    version,
+    about = "Text to video with open video diffusion models, on whatever memory the machine has"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands of `vidgen`.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate videos from text prompts.
+    #[command(after_help = "Every on/off flag also takes a value (--vae-cpu-offload=false) and has a \
+                            --no- form (--no-vae-cpu-offload).\n\
+                            Resolution order: defaults < --config file < command line < what the device forces.")]
+    Generate(Box<GenerateArgs>),
+}
+
+/// Flags of `vidgen generate` that steer this invocation but are not options of the run.
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// TOML file with the same options as snake_case keys; command-line flags win over it.
+    #[arg(long, value_name = "FILE.toml")]
+    pub config: Option<PathBuf>,
+    /// Resolve everything, print the resolved config and the planned stages, load nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// With --dry-run: print exactly one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub options: GenerateOptions,
+}
+
+/// Every option of a run. Field names are the config-file keys; the flags are their hyphenated forms.
+#[derive(Args, Serialize, Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateOptions {
+    // ----- FastVideo's inference options -----
+    /// Keep the DiT's weights in host memory when it is not computing.
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub dit_cpu_offload: bool,
+    /// Shard the DiT across GPUs with FSDP (multi-GPU).
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub use_fsdp_inference: bool,
+    /// Stream the DiT's blocks from host memory, prefetching the next while one computes.
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub dit_layerwise_offload: bool,
+    /// Keep the text encoder's weights off the GPU.
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub text_encoder_cpu_offload: bool,
+    /// Keep the image encoder's weights in host memory between uses.
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub image_encoder_cpu_offload: bool,
+    /// Keep the VAE's weights in host memory, copied to the GPU for decoding only.
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub vae_cpu_offload: bool,
+    /// Hold offloaded weights in page-locked host memory (fast, asynchronous copies).
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub pin_cpu_memory: bool,
+    /// Load each component on first use and free it after its last stage [default: auto].
+    #[arg(long, help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
+    pub lazy_module_load: Tristate,
+    /// Load the text encoder, encode, free it, then load the DiT and VAE [default: auto].
+    #[arg(long, visible_alias = "sequential-load", help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
+    pub h3_sequential_load: Tristate,
+
+    // ----- diffusers-style group offloading -----
+    /// What moves together: a run of blocks, or each Linear/Conv/Embedding alone.
+    #[arg(long, help_heading = "Group offload (diffusers)", value_enum, default_value_t = OffloadType::BlockLevel)]
+    pub offload_type: OffloadType,
+    /// Blocks per group with --offload-type block-level.
+    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    pub num_blocks_per_group: u32,
+    /// Prefetch groups on a dedicated copy stream (off: synchronous copies).
+    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub offload_stream: bool,
+    /// How many groups ahead the copy stream runs.
+    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    pub prefetch_depth: u32,
+    /// diffusers' enable_model_cpu_offload: whole components move to the GPU in pipeline order.
+    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub model_cpu_offload: bool,
+    /// diffusers' enable_sequential_cpu_offload: every leaf moves synchronously when used.
+    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub sequential_cpu_offload: bool,
+
+    // ----- generation -----
+    /// A Hub repo id, a local diffusers folder, or synthetic:<name> (random weights, real configs).
+    #[arg(long, help_heading = "Generation", default_value = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")]
+    pub model: String,
+    /// The text prompt.
+    #[arg(long, help_heading = "Generation")]
+    pub prompt: Option<String>,
+    /// A file of prompts, one per line (or .jsonl objects).
+    #[arg(long, help_heading = "Generation", value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
+    /// What the video should not show (classifier-free guidance).
+    #[arg(long, help_heading = "Generation", default_value = "")]
+    pub negative_prompt: String,
+    /// Frame height in pixels (a multiple of 16).
+    #[arg(long, help_heading = "Generation", default_value_t = 480)]
+    pub height: u32,
+    /// Frame width in pixels (a multiple of 16).
+    #[arg(long, help_heading = "Generation", default_value_t = 832)]
+    pub width: u32,
+    /// Number of frames, 4k+1.
+    #[arg(long, help_heading = "Generation", default_value_t = 81)]
+    pub num_frames: u32,
+    /// Frames per second of the video file.
+    #[arg(long, help_heading = "Generation", default_value_t = 16)]
+    pub fps: u32,
+    /// Denoising steps.
+    #[arg(long, help_heading = "Generation", default_value_t = 50)]
+    pub num_inference_steps: u32,
+    /// Classifier-free guidance scale (1 disables the negative pass).
+    #[arg(long, help_heading = "Generation", default_value_t = 5.0)]
+    pub guidance_scale: f64,
+    /// Timestep shift of the flow schedule [default: the scheduler config's].
+    #[arg(long, help_heading = "Generation")]
+    pub flow_shift: Option<f64>,
+    /// Sampler: UniPC multistep (diffusers' default for Wan) or flow-matching Euler.
+    #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerChoice::Unipc)]
+    pub scheduler: SchedulerChoice,
+    /// Text tokens per prompt (padded or truncated).
+    #[arg(long, help_heading = "Generation", default_value_t = 512)]
+    pub max_sequence_length: u32,
+    /// Random seed of the initial noise [default: random].
+    #[arg(long, help_heading = "Generation")]
+    pub seed: Option<u64>,
+    /// Initial latents (safetensors, tensor `latents`) instead of seeded noise.
+    #[arg(long, help_heading = "Generation", value_name = "FILE")]
+    pub latents: Option<PathBuf>,
+    /// Decode the VAE in spatial tiles (less memory).
+    #[arg(long, help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub vae_tiling: bool,
+
+    // ----- output -----
+    /// Folder the outputs are written to.
+    #[arg(long, help_heading = "Output", default_value = "outputs", value_name = "DIR")]
+    pub output_path: PathBuf,
+    /// File name without extension [default: a slug of the prompt plus the seed].
+    #[arg(long, help_heading = "Output", value_name = "NAME")]
+    pub output_video_name: Option<String>,
+    /// mp4 (H.264), png (one file per frame) or safetensors (f32 frames, for exact comparison).
+    #[arg(long, help_heading = "Output", value_enum, default_value_t = OutputKind::Mp4)]
+    pub output_type: OutputKind,
+
+    // ----- device -----
+    /// auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, help_heading = "Device", default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceChoice,
+    /// Number of GPUs.
+    #[arg(long, help_heading = "Device", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    pub num_gpus: u32,
+    /// Compute dtype [default: bf16 on a GPU, f32 on the CPU].
+    #[arg(long, help_heading = "Device", value_enum)]
+    pub dtype: Option<DTypeChoice>,
+    /// Memory model of the device; auto probes it (forcing it plans for another machine).
+    #[arg(long, help_heading = "Device", value_enum, default_value_t = MemoryModelChoice::Auto)]
+    pub memory_model: MemoryModelChoice,
+}
+
+/// An on/off option whose default is decided by the device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "TristateRepr", into = "TristateRepr")]
+pub enum Tristate {
+    Auto,
+    On,
+    Off,
+}
+
+/// How a tri-state is written in a config file: `true`, `false` or `"auto"`.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum TristateRepr {
+    Bool(bool),
+    Word(String),
+}
+
+impl TryFrom<TristateRepr> for Tristate {
+    type Error = String;
+    fn try_from(repr: TristateRepr) -> Result<Self, String> {
+        match repr {
+            TristateRepr::Bool(b) => Ok(if b { Tristate::On } else { Tristate::Off }),
+            TristateRepr::Word(w) => w.parse(),
+        }
+    }
+}
+
+impl From<Tristate> for TristateRepr {
+    fn from(t: Tristate) -> Self {
+        match t {
+            Tristate::Auto => TristateRepr::Word("auto".into()),
+            Tristate::On => TristateRepr::Bool(true),
+            Tristate::Off => TristateRepr::Bool(false),
+        }
+    }
+}
+
+impl std::str::FromStr for Tristate {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Tristate::Auto),
+            "true" | "on" | "yes" | "1" => Ok(Tristate::On),
+            "false" | "off" | "no" | "0" => Ok(Tristate::Off),
+            _ => Err(format!("'{s}' is not auto, true or false")),
+        }
+    }
+}
+
+/// diffusers' group-offload granularity.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OffloadType {
+    BlockLevel,
+    LeafLevel,
+}
+
+/// The sampler.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulerChoice {
+    Unipc,
+    Euler,
+}
+
+/// The output format.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputKind {
+    Mp4,
+    Png,
+    Safetensors,
+}
+
+/// The compute dtype.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DTypeChoice {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// The memory model, as asked.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryModelChoice {
+    Auto,
+    Discrete,
+    Unified,
+}
+
+/// The device, as asked.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    /// A CUDA device; `None` is `cuda` (device 0).
+    Cuda(Option<usize>),
+    Metal,
+}
+
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    s.parse()
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda(None)),
+            "metal" => Ok(DeviceChoice::Metal),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(DeviceChoice::Cuda(Some(n))),
+                _ => Err(format!(
+                    "unknown device '{s}': use auto, cpu, cuda, cuda:N or metal"
+                )),
+            },
+        }
+    }
+}
+
+impl TryFrom<String> for DeviceChoice {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<DeviceChoice> for String {
+    fn from(d: DeviceChoice) -> String {
+        d.to_string()
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => f.write_str("auto"),
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(None) => f.write_str("cuda"),
+            DeviceChoice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+            DeviceChoice::Metal => f.write_str("metal"),
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! What the options mean, derived once: the one configuration every later stage reads.
+
+use super::args::{DTypeChoice, GenerateArgs, GenerateOptions, Tristate};
+use super::UsageError;
+use crate::memory::{apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, Override};
+use candle_core::DType;
+use serde_json::json;
+
+/// The resolved run configuration. Nothing after resolution looks at raw flags.
+#[derive(Clone, Debug)]
+pub struct ResolvedConfig {
+    /// Every option with its final value: tri-states resolved, device and dtype concrete.
+    pub options: GenerateOptions,
+    /// The selected device and its memory model.
+    pub device: DeviceInfo,
+    /// What the device changed, in order.
+    pub overrides: Vec<Override>,
+    /// Resolve and plan only.
+    pub dry_run: bool,
+    /// Machine-readable dry-run output.
+    pub json: bool,
+}
+
+impl ResolvedConfig {
+    /// Validates the options, probes the device and applies what it forces.
+    pub fn resolve(args: GenerateArgs) -> Result<Self, UsageError> {
+        let mut options = args.options;
+        validate(&options, args.dry_run)?;
+        let device = probe(options.device, options.num_gpus, options.memory_model)?;
+        options.device = device.choice();
+        options.dtype = Some(options.dtype.unwrap_or(match device.kind {
+            DeviceKind::Cpu => DTypeChoice::F32,
+            DeviceKind::Cuda | DeviceKind::Metal => DTypeChoice::Bf16,
+        }));
+        let overrides = apply_memory_rules(&mut options, &device);
+        Ok(ResolvedConfig {
+            options,
+            device,
+            overrides,
+            dry_run: args.dry_run,
+            json: args.json,
+        })
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        match self.options.dtype {
+            Some(DTypeChoice::Bf16) => DType::BF16,
+            Some(DTypeChoice::F16) => DType::F16,
+            Some(DTypeChoice::F32) | None => DType::F32,
+        }
+    }
+
+    /// Whether components load on first use and are freed after their last stage.
+    pub fn lazy_module_load(&self) -> bool {
+        self.options.lazy_module_load == Tristate::On
+    }
+
+    /// Whether the text encoder is loaded, used and freed before the DiT and VAE load.
+    pub fn h3_sequential_load(&self) -> bool {
+        self.options.h3_sequential_load == Tristate::On
+    }
+
+    /// The memory model in force.
+    pub fn memory_model(&self) -> MemoryModel {
+        self.device.memory_model
+    }
+
+    /// The `--dry-run --json` keys this struct owns; later stages add their own keys.
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "config": self.options,
+            "memory_model": self.device.memory_model,
+            "device": self.device,
+            "overrides": self.overrides,
+        })
+    }
+}
+
+/// Checks what no later stage could fix, with one line naming the problem and the fix.
+fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
+    match (&o.prompt, &o.prompt_file) {
+        (Some(_), Some(_)) => {
+            return Err(UsageError::new(
+                "both --prompt and --prompt-file given; use one of them",
+            ))
+        }
+        (None, None) if !dry_run => {
+            return Err(UsageError::new(
+                "no prompt given; pass --prompt \"...\" or --prompt-file FILE",
+            ))
+        }
+        _ => {}
+    }
+    for (name, value) in [("height", o.height), ("width", o.width)] {
+        if value == 0 || value % 16 != 0 {
+            let up = value.div_ceil(16).max(1) * 16;
+            return Err(UsageError::new(format!(
+                "--{name} {value} is not a positive multiple of 16; use e.g. --{name} {up}"
+            )));
+        }
+    }
+    if o.num_frames == 0 || (o.num_frames - 1) % 4 != 0 {
+        let down = ((o.num_frames.saturating_sub(1)) / 4) * 4 + 1;
+        return Err(UsageError::new(format!(
+            "--num-frames {} is not of the form 4k+1; use e.g. --num-frames {down} or {}",
+            o.num_frames,
+            down + 4
+        )));
+    }
+    for (name, value) in [
+        ("num-inference-steps", o.num_inference_steps),
+        ("fps", o.fps),
+        ("max-sequence-length", o.max_sequence_length),
+    ] {
+        if value == 0 {
+            return Err(UsageError::new(format!(
+                "--{name} must be at least 1; pass a positive number"
+            )));
+        }
+    }
+    if !o.guidance_scale.is_finite() || o.guidance_scale < 0.0 {
+        return Err(UsageError::new(format!(
+            "--guidance-scale {} must be a finite number >= 0 (1 disables guidance)",
+            o.guidance_scale
+        )));
+    }
+    if let Some(shift) = o.flow_shift {
+        if !shift.is_finite() || shift <= 0.0 {
+            return Err(UsageError::new(format!(
+                "--flow-shift {shift} must be a positive number (Wan uses 3.0 at 480p, 5.0 at 720p)"
+            )));
+        }
+    }
+    if let Some(name) = &o.output_video_name {
+        if name.is_empty() || name.contains(['/', '\\']) || name.chars().any(char::is_control) {
+            return Err(UsageError::new(format!(
+                "--output-video-name {name:?} must be a plain file name without path separators; put folders in --output-path"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! What the device forces: the last step of resolution, after defaults, config file and flags.
+
+use super::probe::{DeviceInfo, DeviceKind, MemoryModel};
+use crate::cli::args::{GenerateOptions, Tristate};
+use serde::Serialize;
+
+/// One change the device made to what the user asked, with its reason.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Override {
+    pub option: &'static str,
+    pub from: serde_json::Value,
+    pub to: serde_json::Value,
+    pub reason: String,
+}
+
+impl std::fmt::Display for Override {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} -> {} ({})",
+            self.option, self.from, self.to, self.reason
+        )
+    }
+}
+
+/// Records changes to options, each with the reason in force.
+struct Changes<'a> {
+    list: Vec<Override>,
+    reason: &'a str,
+}
+
+impl Changes<'_> {
+    fn set(&mut self, option: &'static str, value: &mut bool, to: bool) {
+        if *value != to {
+            self.list.push(Override {
+                option,
+                from: (*value).into(),
+                to: to.into(),
+                reason: self.reason.to_string(),
+            });
+            *value = to;
+        }
+    }
+}
+
+/// Resolves `auto` to the device's default; an explicit choice stays as asked.
+fn resolve_auto(value: &mut Tristate, auto: bool) {
+    if *value == Tristate::Auto {
+        *value = if auto { Tristate::On } else { Tristate::Off };
+    }
+}
+
+/// Applies the memory-model rules to the options and returns every change made.
+///
+/// - unified memory: host offload only adds copies, so every `*_cpu_offload` and layerwise
+///   offload turns off; FSDP stays on CUDA and turns off on Metal; lazy load defaults on, and
+///   sequential load defaults on only when lazy load ended up off (lazy owns deferral).
+/// - discrete GPU: both auto modes resolve off; layerwise offload excludes FSDP, so FSDP and its
+///   `dit_cpu_offload` turn off when both are asked.
+/// - no accelerator: every host-offload option resolves off.
+pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) -> Vec<Override> {
+    let reason = match device.memory_model {
+        MemoryModel::Unified => format!("unified memory: {}", device.name),
+        MemoryModel::Discrete => {
+            "dit_layerwise_offload cannot combine with FSDP".to_string()
+        }
+        MemoryModel::None => "no accelerator".to_string(),
+    };
+    let mut changes = Changes {
+        list: Vec::new(),
+        reason: &reason,
+    };
+    let o = options;
+    match device.memory_model {
+        MemoryModel::Unified => {
+            changes.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
+            changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
+            changes.set("text_encoder_cpu_offload", &mut o.text_encoder_cpu_offload, false);
+            changes.set("image_encoder_cpu_offload", &mut o.image_encoder_cpu_offload, false);
+            changes.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
+            if device.kind == DeviceKind::Metal {
+                changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
+            }
+            resolve_auto(&mut o.lazy_module_load, true);
+            let lazy = o.lazy_module_load == Tristate::On;
+            resolve_auto(&mut o.h3_sequential_load, !lazy);
+        }
+        MemoryModel::Discrete => {
+            resolve_auto(&mut o.lazy_module_load, false);
+            resolve_auto(&mut o.h3_sequential_load, false);
+            if o.dit_layerwise_offload && o.use_fsdp_inference {
+                changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
+                changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
+            }
+        }
+        MemoryModel::None => {
+            changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
+            changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
+            changes.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
+            changes.set("text_encoder_cpu_offload", &mut o.text_encoder_cpu_offload, false);
+            changes.set("image_encoder_cpu_offload", &mut o.image_encoder_cpu_offload, false);
+            changes.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
+            changes.set("pin_cpu_memory", &mut o.pin_cpu_memory, false);
+            changes.set("model_cpu_offload", &mut o.model_cpu_offload, false);
+            changes.set("sequential_cpu_offload", &mut o.sequential_cpu_offload, false);
+            // Host memory is the only memory: loading late and freeing early lowers the peak.
+            resolve_auto(&mut o.lazy_module_load, true);
+            let lazy = o.lazy_module_load == Tristate::On;
+            resolve_auto(&mut o.h3_sequential_load, !lazy);
+        }
+    }
+    changes.list
+}
