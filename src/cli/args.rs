@@ -24,9 +24,13 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Generate videos from text prompts.
-    #[command(after_help = "Every on/off flag also takes a value (--vae-cpu-offload=false) and has a \
+    #[command(
+        allow_negative_numbers = true,
+        args_override_self = true,
+        after_help = "Every on/off flag also takes a value (--vae-cpu-offload=false) and has a \
                             --no- form (--no-vae-cpu-offload).\n\
-                            Resolution order: defaults < --config file < command line < what the device forces.")]
+                            Resolution order: defaults < --config file < command line < what the device forces."
+    )]
     Generate(Box<GenerateArgs>),
 }
 
@@ -101,7 +105,11 @@ pub struct GenerateOptions {
 
     // ----- generation -----
     /// A Hub repo id, a local diffusers folder, or synthetic:<name> (random weights, real configs).
-    #[arg(long, help_heading = "Generation", default_value = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")]
+    #[arg(
+        long,
+        help_heading = "Generation",
+        default_value = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    )]
     pub model: String,
     /// The text prompt.
     #[arg(long, help_heading = "Generation")]
@@ -113,19 +121,19 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", default_value = "")]
     pub negative_prompt: String,
     /// Frame height in pixels (a multiple of 16).
-    #[arg(long, help_heading = "Generation", default_value_t = 480)]
+    #[arg(long, help_heading = "Generation", default_value_t = 480, value_parser = clap::value_parser!(u32).range(1..))]
     pub height: u32,
     /// Frame width in pixels (a multiple of 16).
-    #[arg(long, help_heading = "Generation", default_value_t = 832)]
+    #[arg(long, help_heading = "Generation", default_value_t = 832, value_parser = clap::value_parser!(u32).range(1..))]
     pub width: u32,
     /// Number of frames, 4k+1.
-    #[arg(long, help_heading = "Generation", default_value_t = 81)]
+    #[arg(long, help_heading = "Generation", default_value_t = 81, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_frames: u32,
     /// Frames per second of the video file.
-    #[arg(long, help_heading = "Generation", default_value_t = 16)]
+    #[arg(long, help_heading = "Generation", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub fps: u32,
     /// Denoising steps.
-    #[arg(long, help_heading = "Generation", default_value_t = 50)]
+    #[arg(long, help_heading = "Generation", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_inference_steps: u32,
     /// Classifier-free guidance scale (1 disables the negative pass).
     #[arg(long, help_heading = "Generation", default_value_t = 5.0)]
@@ -137,7 +145,7 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerChoice::Unipc)]
     pub scheduler: SchedulerChoice,
     /// Text tokens per prompt (padded or truncated).
-    #[arg(long, help_heading = "Generation", default_value_t = 512)]
+    #[arg(long, help_heading = "Generation", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_sequence_length: u32,
     /// Random seed of the initial noise [default: random].
     #[arg(long, help_heading = "Generation")]
@@ -151,7 +159,12 @@ pub struct GenerateOptions {
 
     // ----- output -----
     /// Folder the outputs are written to.
-    #[arg(long, help_heading = "Output", default_value = "outputs", value_name = "DIR")]
+    #[arg(
+        long,
+        help_heading = "Output",
+        default_value = "outputs",
+        value_name = "DIR"
+    )]
     pub output_path: PathBuf,
     /// File name without extension [default: a slug of the prompt plus the seed].
     #[arg(long, help_heading = "Output", value_name = "NAME")]

@@ -69,10 +69,18 @@ fn expand_negations(command: &clap::Command, argv: Vec<OsString>) -> Vec<OsStrin
     let toggles: Vec<String> = command
         .get_subcommands()
         .flat_map(|s| s.get_arguments())
-        .filter(|a| a.get_num_args().is_some_and(|n| n.min_values() == 0 && n.max_values() == 1))
+        .filter(|a| {
+            a.get_num_args()
+                .is_some_and(|n| n.min_values() == 0 && n.max_values() == 1)
+        })
         .flat_map(|a| {
             let mut names: Vec<String> = a.get_long().into_iter().map(String::from).collect();
-            names.extend(a.get_all_aliases().unwrap_or_default().into_iter().map(String::from));
+            names.extend(
+                a.get_all_aliases()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(String::from),
+            );
             names
         })
         .collect();
@@ -98,7 +106,9 @@ fn expand_negations(command: &clap::Command, argv: Vec<OsString>) -> Vec<OsStrin
 fn clap_outcome(e: clap::Error) -> Result<Parsed, UsageError> {
     use clap::error::ErrorKind;
     match e.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => Ok(Parsed::Info(e.render().to_string())),
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            Ok(Parsed::Info(e.render().to_string()))
+        }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Err(UsageError::new(
             "no command given: run `vidgen generate --prompt \"...\"`, or `vidgen --help`",
         )),
@@ -115,7 +125,12 @@ fn first_lines(e: &clap::Error) -> String {
         .unwrap_or("invalid arguments")
         .trim_start_matches("error: ")
         .to_string();
-    let tip = lines.find_map(|l| l.strip_prefix("tip: ").map(str::to_string));
+    let tip = lines.find_map(|l| {
+        l.strip_prefix("tip: ").map(str::to_string).or_else(|| {
+            l.starts_with("[possible values")
+                .then(|| format!("use one of the {}", l.trim_matches(['[', ']'])))
+        })
+    });
     match tip {
         Some(tip) => format!("{problem}; {tip}"),
         None => format!("{problem}; see `vidgen generate --help`"),
@@ -163,7 +178,9 @@ fn merge_config_file(
         // Check each key alone so a bad value is reported with its key.
         let mut single = defaults.clone();
         single.insert(key.clone(), value.clone());
-        if let Err(e) = serde_json::from_value::<args::GenerateOptions>(single.into_iter().collect()) {
+        if let Err(e) =
+            serde_json::from_value::<args::GenerateOptions>(single.into_iter().collect())
+        {
             return Err(UsageError::new(format!(
                 "bad value for `{key}` in config file {}: {e}; use the same values as the --{} flag",
                 path.display(),

@@ -113,9 +113,10 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
         ("fps", o.fps),
         ("max-sequence-length", o.max_sequence_length),
     ] {
+        // A config file bypasses clap's range checks.
         if value == 0 {
             return Err(UsageError::new(format!(
-                "--{name} must be at least 1; pass a positive number"
+                "{name} must be at least 1; pass a positive number"
             )));
         }
     }

@@ -61,9 +61,7 @@ fn resolve_auto(value: &mut Tristate, auto: bool) {
 pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) -> Vec<Override> {
     let reason = match device.memory_model {
         MemoryModel::Unified => format!("unified memory: {}", device.name),
-        MemoryModel::Discrete => {
-            "dit_layerwise_offload cannot combine with FSDP".to_string()
-        }
+        MemoryModel::Discrete => "dit_layerwise_offload cannot combine with FSDP".to_string(),
         MemoryModel::None => "no accelerator".to_string(),
     };
     let mut changes = Changes {
@@ -75,8 +73,16 @@ pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) ->
         MemoryModel::Unified => {
             changes.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
             changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
-            changes.set("text_encoder_cpu_offload", &mut o.text_encoder_cpu_offload, false);
-            changes.set("image_encoder_cpu_offload", &mut o.image_encoder_cpu_offload, false);
+            changes.set(
+                "text_encoder_cpu_offload",
+                &mut o.text_encoder_cpu_offload,
+                false,
+            );
+            changes.set(
+                "image_encoder_cpu_offload",
+                &mut o.image_encoder_cpu_offload,
+                false,
+            );
             changes.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
             if device.kind == DeviceKind::Metal {
                 changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
@@ -97,12 +103,24 @@ pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) ->
             changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
             changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
             changes.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
-            changes.set("text_encoder_cpu_offload", &mut o.text_encoder_cpu_offload, false);
-            changes.set("image_encoder_cpu_offload", &mut o.image_encoder_cpu_offload, false);
+            changes.set(
+                "text_encoder_cpu_offload",
+                &mut o.text_encoder_cpu_offload,
+                false,
+            );
+            changes.set(
+                "image_encoder_cpu_offload",
+                &mut o.image_encoder_cpu_offload,
+                false,
+            );
             changes.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
             changes.set("pin_cpu_memory", &mut o.pin_cpu_memory, false);
             changes.set("model_cpu_offload", &mut o.model_cpu_offload, false);
-            changes.set("sequential_cpu_offload", &mut o.sequential_cpu_offload, false);
+            changes.set(
+                "sequential_cpu_offload",
+                &mut o.sequential_cpu_offload,
+                false,
+            );
             // Host memory is the only memory: loading late and freeing early lowers the peak.
             resolve_auto(&mut o.lazy_module_load, true);
             let lazy = o.lazy_module_load == Tristate::On;

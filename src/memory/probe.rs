@@ -102,7 +102,13 @@ pub fn probe(
     forced: MemoryModelChoice,
 ) -> Result<DeviceInfo, UsageError> {
     let (kind, ordinal, name, total_memory, probed) = match device {
-        DeviceChoice::Cpu => (DeviceKind::Cpu, 0, "cpu".to_string(), None, MemoryModel::None),
+        DeviceChoice::Cpu => (
+            DeviceKind::Cpu,
+            0,
+            "cpu".to_string(),
+            None,
+            MemoryModel::None,
+        ),
         DeviceChoice::Metal => metal()?,
         DeviceChoice::Cuda(ordinal) => cuda(ordinal.unwrap_or(0), num_gpus)?,
         DeviceChoice::Auto => {
@@ -111,7 +117,13 @@ pub fn probe(
             } else if cfg!(feature = "metal") {
                 metal()?
             } else {
-                (DeviceKind::Cpu, 0, "cpu".to_string(), None, MemoryModel::None)
+                (
+                    DeviceKind::Cpu,
+                    0,
+                    "cpu".to_string(),
+                    None,
+                    MemoryModel::None,
+                )
             }
         }
     };
@@ -158,7 +170,13 @@ fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, UsageError> {
     } else {
         MemoryModel::Discrete
     };
-    Ok((DeviceKind::Cuda, ordinal, dev.name.clone(), Some(dev.total_memory), model))
+    Ok((
+        DeviceKind::Cuda,
+        ordinal,
+        dev.name.clone(),
+        Some(dev.total_memory),
+        model,
+    ))
 }
 
 fn metal() -> Result<Probed, UsageError> {
@@ -167,5 +185,11 @@ fn metal() -> Result<Probed, UsageError> {
             "--device metal: this vidgen was built without Metal; rebuild with `cargo build --release --features metal` or use --device cpu",
         ));
     }
-    Ok((DeviceKind::Metal, 0, "Apple GPU".into(), None, MemoryModel::Unified))
+    Ok((
+        DeviceKind::Metal,
+        0,
+        "Apple GPU".into(),
+        None,
+        MemoryModel::Unified,
+    ))
 }

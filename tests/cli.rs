@@ -1,0 +1,471 @@
+//! Runs the binary: the resolution table, config-file precedence and every bad input.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn vidgen(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("run vidgen")
+}
+
+/// `--dry-run --json` with extra flags: the parsed JSON object and stderr.
+fn dry_run(extra: &[&str]) -> (Value, String) {
+    let mut args = vec!["generate", "--dry-run", "--json", "--device", "cpu"];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "vidgen {args:?} failed: {stderr}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
+    (json, stderr)
+}
+
+fn config_bool(json: &Value, key: &str) -> bool {
+    json["config"][key]
+        .as_bool()
+        .unwrap_or_else(|| panic!("config.{key} is not a boolean: {}", json["config"][key]))
+}
+
+/// Asserts a one-line error, exit code 2, and that the message mentions each needle.
+fn assert_usage_error(args: &[&str], needles: &[&str]) {
+    let out = vidgen(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{args:?}: exit code; stderr: {stderr}"
+    );
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "{args:?}: not one line: {stderr}"
+    );
+    assert!(stderr.starts_with("error: "), "{args:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    for needle in needles {
+        assert!(
+            stderr.contains(needle),
+            "{args:?}: {stderr:?} lacks {needle:?}"
+        );
+    }
+    assert!(out.stdout.is_empty(), "{args:?}: stdout must stay empty");
+}
+
+const HOST_OFFLOAD: [&str; 5] = [
+    "dit_layerwise_offload",
+    "dit_cpu_offload",
+    "text_encoder_cpu_offload",
+    "image_encoder_cpu_offload",
+    "vae_cpu_offload",
+];
+
+#[test]
+fn defaults_follow_fastvideo_and_diffusers() {
+    let (json, _) = dry_run(&["--memory-model", "discrete"]);
+    let c = &json["config"];
+    for key in HOST_OFFLOAD
+        .iter()
+        .chain(&["pin_cpu_memory", "offload_stream"])
+    {
+        assert!(config_bool(&json, key), "{key} defaults on");
+    }
+    for key in [
+        "use_fsdp_inference",
+        "model_cpu_offload",
+        "sequential_cpu_offload",
+    ] {
+        assert!(!config_bool(&json, key), "{key} defaults off");
+    }
+    assert_eq!(c["offload_type"], "block-level");
+    assert_eq!(c["num_blocks_per_group"], 1);
+    assert_eq!(c["prefetch_depth"], 1);
+    assert_eq!(c["model"], "Wan-AI/Wan2.1-T2V-1.3B-Diffusers");
+    assert_eq!(
+        (c["height"].as_u64(), c["width"].as_u64()),
+        (Some(480), Some(832))
+    );
+    assert_eq!(
+        (c["num_frames"].as_u64(), c["fps"].as_u64()),
+        (Some(81), Some(16))
+    );
+    assert_eq!(c["num_inference_steps"], 50);
+    assert_eq!(c["guidance_scale"], 5.0);
+    assert_eq!(c["max_sequence_length"], 512);
+    assert_eq!(c["output_path"], "outputs");
+    assert_eq!(c["output_type"], "mp4");
+    assert_eq!(c["dtype"], "f32", "f32 on the CPU");
+    assert_eq!(json["memory_model"], "discrete");
+}
+
+#[test]
+fn unified_memory_turns_host_offload_off_and_defers_loading() {
+    let (json, stderr) = dry_run(&["--memory-model", "unified"]);
+    assert_eq!(json["memory_model"], "unified");
+    for key in HOST_OFFLOAD {
+        assert!(!config_bool(&json, key), "{key} off on unified memory");
+        let line = format!("{key}: true -> false (unified memory: ");
+        assert_eq!(
+            stderr.matches(&line).count(),
+            1,
+            "{key} reported once: {stderr}"
+        );
+    }
+    assert!(config_bool(&json, "pin_cpu_memory"), "pinning unchanged");
+    assert!(config_bool(&json, "lazy_module_load"), "lazy auto -> on");
+    assert!(
+        !config_bool(&json, "h3_sequential_load"),
+        "lazy owns deferral"
+    );
+    let overrides = json["overrides"].as_array().unwrap();
+    assert_eq!(overrides.len(), HOST_OFFLOAD.len());
+    for o in overrides {
+        assert_eq!(
+            (o["from"].as_bool(), o["to"].as_bool()),
+            (Some(true), Some(false))
+        );
+        assert!(o["reason"].as_str().unwrap().starts_with("unified memory"));
+    }
+}
+
+#[test]
+fn unified_memory_sequential_load_arms_only_without_lazy() {
+    let (json, _) = dry_run(&["--memory-model", "unified", "--no-lazy-module-load"]);
+    assert!(!config_bool(&json, "lazy_module_load"));
+    assert!(config_bool(&json, "h3_sequential_load"));
+    let (json, _) = dry_run(&["--memory-model", "unified", "--no-sequential-load"]);
+    assert!(config_bool(&json, "lazy_module_load"));
+    assert!(!config_bool(&json, "h3_sequential_load"));
+    let (json, _) = dry_run(&["--memory-model", "unified", "--h3-sequential-load"]);
+    assert!(config_bool(&json, "lazy_module_load") && config_bool(&json, "h3_sequential_load"));
+}
+
+#[test]
+fn unified_memory_keeps_fsdp_on_cuda_class_devices() {
+    let (json, _) = dry_run(&["--memory-model", "unified", "--use-fsdp-inference"]);
+    assert!(config_bool(&json, "use_fsdp_inference"));
+}
+
+#[test]
+fn discrete_resolves_autos_off_and_keeps_explicit_choices() {
+    let (json, stderr) = dry_run(&["--memory-model", "discrete"]);
+    assert!(!config_bool(&json, "lazy_module_load"));
+    assert!(!config_bool(&json, "h3_sequential_load"));
+    assert!(json["overrides"].as_array().unwrap().is_empty(), "{stderr}");
+    assert!(
+        stderr.is_empty(),
+        "nothing changed, nothing printed: {stderr}"
+    );
+    let (json, _) = dry_run(&[
+        "--memory-model",
+        "discrete",
+        "--lazy-module-load",
+        "--sequential-load=true",
+    ]);
+    assert!(config_bool(&json, "lazy_module_load") && config_bool(&json, "h3_sequential_load"));
+    let (json, _) = dry_run(&["--memory-model", "discrete", "--lazy-module-load=auto"]);
+    assert!(!config_bool(&json, "lazy_module_load"));
+}
+
+#[test]
+fn discrete_layerwise_excludes_fsdp() {
+    let (json, stderr) = dry_run(&["--memory-model", "discrete", "--use-fsdp-inference"]);
+    assert!(config_bool(&json, "dit_layerwise_offload"));
+    assert!(!config_bool(&json, "use_fsdp_inference"));
+    assert!(!config_bool(&json, "dit_cpu_offload"));
+    assert!(stderr.contains(
+        "use_fsdp_inference: true -> false (dit_layerwise_offload cannot combine with FSDP)"
+    ));
+    assert!(stderr.contains("dit_cpu_offload: true -> false"));
+    let (json, _) = dry_run(&[
+        "--memory-model",
+        "discrete",
+        "--use-fsdp-inference",
+        "--no-dit-layerwise-offload",
+    ]);
+    assert!(config_bool(&json, "use_fsdp_inference") && config_bool(&json, "dit_cpu_offload"));
+}
+
+#[test]
+fn cpu_device_turns_every_host_offload_off() {
+    let (json, stderr) = dry_run(&[]);
+    assert_eq!(json["memory_model"], "none");
+    assert_eq!(json["config"]["device"], "cpu");
+    for key in HOST_OFFLOAD.iter().chain(&["pin_cpu_memory"]) {
+        assert!(!config_bool(&json, key), "{key} off without an accelerator");
+        assert!(
+            stderr.contains(&format!("{key}: true -> false (no accelerator)")),
+            "{stderr}"
+        );
+    }
+    for key in [
+        "use_fsdp_inference",
+        "model_cpu_offload",
+        "sequential_cpu_offload",
+    ] {
+        let (json, stderr) = dry_run(&[&format!("--{}", key.replace('_', "-"))]);
+        assert!(!config_bool(&json, key), "{key}");
+        assert!(stderr.contains(&format!("{key}: true -> false (no accelerator)")));
+    }
+}
+
+#[test]
+fn each_flag_has_a_negation_and_an_explicit_value() {
+    for key in HOST_OFFLOAD
+        .iter()
+        .chain(&["pin_cpu_memory", "offload_stream"])
+    {
+        let flag = key.replace('_', "-");
+        let (json, _) = dry_run(&["--memory-model", "discrete", &format!("--no-{flag}")]);
+        assert!(!config_bool(&json, key), "--no-{flag}");
+        let (json, _) = dry_run(&[
+            "--memory-model",
+            "discrete",
+            &format!("--{flag}=false"),
+            &format!("--{flag}"),
+        ]);
+        assert!(config_bool(&json, key), "last --{flag} wins");
+    }
+}
+
+#[test]
+fn config_file_sits_between_defaults_and_the_command_line() {
+    let dir = tempdir();
+    let path = dir.join("run.toml");
+    std::fs::write(
+        &path,
+        "height = 320\nwidth = 512\nvae_cpu_offload = false\nlazy_module_load = true\nnum_inference_steps = 7\noffload_type = \"leaf-level\"\n",
+    )
+    .unwrap();
+    let p = path.to_str().unwrap();
+    let (json, _) = dry_run(&[
+        "--memory-model",
+        "discrete",
+        "--config",
+        p,
+        "--width",
+        "640",
+        "--vae-cpu-offload",
+    ]);
+    let c = &json["config"];
+    assert_eq!(c["height"], 320, "file over default");
+    assert_eq!(c["width"], 640, "command line over file");
+    assert_eq!(c["num_inference_steps"], 7);
+    assert_eq!(c["offload_type"], "leaf-level");
+    assert!(config_bool(&json, "vae_cpu_offload"), "flag over file");
+    assert!(config_bool(&json, "lazy_module_load"), "file over auto");
+    // What the device forces wins over the file too.
+    let (json, _) = dry_run(&["--memory-model", "unified", "--config", p]);
+    assert!(!config_bool(&json, "vae_cpu_offload"));
+}
+
+#[test]
+fn bad_inputs_are_one_line_errors_with_exit_code_2() {
+    let dir = tempdir();
+    let unknown_key = dir.join("unknown.toml");
+    std::fs::write(&unknown_key, "heigth = 480\n").unwrap();
+    let bad_value = dir.join("bad.toml");
+    std::fs::write(&bad_value, "height = \"tall\"\n").unwrap();
+    let zero = dir.join("zero.toml");
+    std::fs::write(&zero, "num_inference_steps = 0\n").unwrap();
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (
+            vec!["generate", "--prompt", "a", "--frobnicate"],
+            vec!["--frobnicate"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--prompt-file", "p.txt"],
+            vec!["--prompt", "--prompt-file"],
+        ),
+        (
+            vec!["generate", "--device", "cpu"],
+            vec!["no prompt", "--prompt"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--height", "500"],
+            vec!["--height 500", "multiple of 16"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--width", "0"],
+            vec!["--width"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--num-frames", "80"],
+            vec!["4k+1", "81"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--num-frames", "0"],
+            vec!["--num-frames"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--num-inference-steps", "0"],
+            vec!["--num-inference-steps"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--num-inference-steps", "-5"],
+            vec!["--num-inference-steps"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--fps", "0"],
+            vec!["--fps"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--fps", "-1"],
+            vec!["--fps"],
+        ),
+        (
+            vec![
+                "generate",
+                "--prompt",
+                "a",
+                "--config",
+                "/nonexistent/run.toml",
+            ],
+            vec!["config file", "/nonexistent/run.toml"],
+        ),
+        (
+            vec![
+                "generate",
+                "--prompt",
+                "a",
+                "--config",
+                unknown_key.to_str().unwrap(),
+            ],
+            vec!["unknown key `heigth`"],
+        ),
+        (
+            vec![
+                "generate",
+                "--prompt",
+                "a",
+                "--config",
+                bad_value.to_str().unwrap(),
+            ],
+            vec!["`height`"],
+        ),
+        (
+            vec![
+                "generate",
+                "--prompt",
+                "a",
+                "--config",
+                zero.to_str().unwrap(),
+            ],
+            vec!["num-inference-steps"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--device", "tpu"],
+            vec!["tpu", "cuda:N"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--dtype", "f64"],
+            vec!["f64", "bf16"],
+        ),
+        (
+            vec![
+                "generate",
+                "--prompt",
+                "a",
+                "--device",
+                "cpu",
+                "--num-gpus",
+                "2",
+            ],
+            vec!["--num-gpus 2"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--num-gpus", "64"],
+            vec!["--num-gpus 64"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--output-video-name", "../x"],
+            vec!["--output-video-name"],
+        ),
+        (
+            vec!["generate", "--prompt", "a", "--lazy-module-load=maybe"],
+            vec!["maybe"],
+        ),
+    ];
+    for (args, needles) in cases {
+        assert_usage_error(&args, &needles);
+    }
+}
+
+#[test]
+fn help_documents_every_flag_with_its_default() {
+    let out = vidgen(&["generate", "--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for (flag, default) in [
+        ("--dit-cpu-offload", "true"),
+        ("--use-fsdp-inference", "false"),
+        ("--dit-layerwise-offload", "true"),
+        ("--text-encoder-cpu-offload", "true"),
+        ("--image-encoder-cpu-offload", "true"),
+        ("--vae-cpu-offload", "true"),
+        ("--pin-cpu-memory", "true"),
+        ("--lazy-module-load", "auto"),
+        ("--h3-sequential-load", "auto"),
+        ("--offload-type", "block-level"),
+        ("--num-blocks-per-group", "1"),
+        ("--offload-stream", "true"),
+        ("--prefetch-depth", "1"),
+        ("--model-cpu-offload", "false"),
+        ("--sequential-cpu-offload", "false"),
+        ("--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+        ("--height", "480"),
+        ("--width", "832"),
+        ("--num-frames", "81"),
+        ("--fps", "16"),
+        ("--num-inference-steps", "50"),
+        ("--guidance-scale", "5"),
+        ("--max-sequence-length", "512"),
+        ("--output-path", "outputs"),
+        ("--output-type", "mp4"),
+        ("--device", "auto"),
+        ("--num-gpus", "1"),
+        ("--memory-model", "auto"),
+    ] {
+        let pos = help
+            .find(&format!("{flag} "))
+            .or_else(|| help.find(&format!("{flag}\n")))
+            .unwrap_or_else(|| panic!("{flag} missing from help"));
+        let entry: String = help[pos..]
+            .split("\n      --")
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            entry.contains(&format!("[default: {default}]")),
+            "{flag}: {entry}"
+        );
+    }
+    for flag in [
+        "--sequential-load",
+        "--flow-shift",
+        "--seed",
+        "--latents",
+        "--output-video-name",
+        "--dtype",
+        "--negative-prompt",
+        "--config",
+        "--dry-run",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from help");
+    }
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "vidgen-cli-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
