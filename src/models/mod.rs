@@ -1,4 +1,7 @@
-//! Model families. Models expose their blocks and know nothing of offloading.
+//! Model families, and how their files and weights are found. Models expose their blocks and
+//! know nothing of offloading.
 
 pub mod attention;
+pub mod loader;
+pub mod source;
 pub mod wan;
