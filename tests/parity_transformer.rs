@@ -200,6 +200,21 @@ fn config_rejects_image_to_video() {
     assert!(cfg.validate().is_err());
 }
 
+#[test]
+fn config_defaults_nulls_and_unknown_keys() {
+    let cfg: WanTransformerConfig = serde_json::from_str(
+        r#"{"num_layers": 3, "in_channels": 36, "out_channels": null, "qk_norm": null,
+            "pos_embed_seq_len": null, "some_future_key": [1, 2]}"#,
+    )
+    .unwrap();
+    assert_eq!(cfg.num_layers, 3);
+    assert_eq!(cfg.out_channels(), 36);
+    assert_eq!(cfg.patch_size, [1, 2, 2]);
+    assert_eq!(cfg.rope_dims(), [44, 42, 42]);
+    assert_eq!(cfg.inner_dim(), 5120);
+    cfg.validate().unwrap();
+}
+
 /// A bf16 load (the real models' runtime dtype) runs with the f32-kept modules and lands near
 /// the f32 reference; bf16 is a different computation, so only a loose bound applies.
 #[test]

@@ -30,20 +30,27 @@ use crate::models::attention::sdpa;
 pub struct WanTransformerConfig {
     /// Conv3d patch (frames, height, width).
     pub patch_size: [usize; 3],
+    /// Attention heads per layer.
     pub num_attention_heads: usize,
+    /// Width of one head (also sets the RoPE split).
     pub attention_head_dim: usize,
+    /// Latent channels in.
     pub in_channels: usize,
     /// `null` means "same as `in_channels`", as in diffusers.
     pub out_channels: Option<usize>,
+    /// Width of the text-encoder embeddings.
     pub text_dim: usize,
     /// Width of the sinusoidal timestep embedding.
     pub freq_dim: usize,
+    /// Hidden width of each block's feed-forward.
     pub ffn_dim: usize,
+    /// Number of transformer blocks.
     pub num_layers: usize,
     /// Whether cross-attention queries go through an affine LayerNorm (`norm2`).
     pub cross_attn_norm: bool,
     /// Informational: diffusers 0.42.1 always applies RMSNorm across heads to q and k.
     pub qk_norm: Option<String>,
+    /// Epsilon of every LayerNorm and RMSNorm.
     pub eps: f64,
     /// Image-to-video only; must be `null` for text-to-video.
     pub image_dim: Option<usize>,
