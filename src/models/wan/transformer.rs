@@ -1,1 +1,612 @@
-//! (in progress)
+//! Wan2.1 text-to-video diffusion transformer (diffusers `WanTransformer3DModel`).
+//!
+//! The forward pass is split in three public stages so that an external engine can run the
+//! blocks one at a time (loading each block's weights just before it runs) without the model
+//! knowing anything about it:
+//!
+//! 1. [`WanTransformer3DModel::prepare`]: patch embedding, time and text embeddings, RoPE tables.
+//! 2. [`WanTransformerBlock::forward`] for every block, in order, starting from
+//!    [`BlockInputs::take_hidden_states`].
+//! 3. [`WanTransformer3DModel::finish`]: output norm and modulation, `proj_out`, unpatchify.
+//!
+//! [`WanTransformer3DModel::forward`] chains the three. A model built with
+//! [`WanTransformer3DModel::new_without_blocks`] holds no block weights; the caller then
+//! builds each block with [`WanTransformerBlock::new`] from `vb.pp("blocks.{i}")`.
+//!
+//! Dtypes follow diffusers' bf16 runs: the modules diffusers keeps in float32
+//! (`_keep_in_fp32_modules`: rope, time_embedder, scale_shift_table, norm1/norm2/norm3) are loaded
+//! and computed in f32, every other weight uses the `VarBuilder` dtype, and the modulation and
+//! residual updates are upcast to f32 exactly where diffusers upcasts.
+
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::sdpa;
+
+/// `transformer/config.json` of a diffusers Wan checkpoint; missing keys take diffusers' defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct WanTransformerConfig {
+    /// Conv3d patch (frames, height, width).
+    pub patch_size: [usize; 3],
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of one head (also sets the RoPE split).
+    pub attention_head_dim: usize,
+    /// Latent channels in.
+    pub in_channels: usize,
+    /// `null` means "same as `in_channels`", as in diffusers.
+    pub out_channels: Option<usize>,
+    /// Width of the text-encoder embeddings.
+    pub text_dim: usize,
+    /// Width of the sinusoidal timestep embedding.
+    pub freq_dim: usize,
+    /// Hidden width of each block's feed-forward.
+    pub ffn_dim: usize,
+    /// Number of transformer blocks.
+    pub num_layers: usize,
+    /// Whether cross-attention queries go through an affine LayerNorm (`norm2`).
+    pub cross_attn_norm: bool,
+    /// Informational: diffusers 0.42.1 always applies RMSNorm across heads to q and k.
+    pub qk_norm: Option<String>,
+    /// Epsilon of every LayerNorm and RMSNorm.
+    pub eps: f64,
+    /// Image-to-video only; must be `null` for text-to-video.
+    pub image_dim: Option<usize>,
+    /// Image-to-video only; must be `null` for text-to-video.
+    pub added_kv_proj_dim: Option<usize>,
+    /// Longest grid extent (in patches) along any axis that RoPE supports.
+    pub rope_max_seq_len: usize,
+}
+
+impl Default for WanTransformerConfig {
+    fn default() -> Self {
+        Self {
+            patch_size: [1, 2, 2],
+            num_attention_heads: 40,
+            attention_head_dim: 128,
+            in_channels: 16,
+            out_channels: Some(16),
+            text_dim: 4096,
+            freq_dim: 256,
+            ffn_dim: 13824,
+            num_layers: 40,
+            cross_attn_norm: true,
+            qk_norm: Some("rms_norm_across_heads".to_string()),
+            eps: 1e-6,
+            image_dim: None,
+            added_kv_proj_dim: None,
+            rope_max_seq_len: 1024,
+        }
+    }
+}
+
+impl WanTransformerConfig {
+    /// Model width: heads x head dim.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Output channels (`out_channels or in_channels`).
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+
+    /// RoPE split of a head into (frame, height, width) parts, as diffusers computes it.
+    pub fn rope_dims(&self) -> [usize; 3] {
+        let hw = 2 * (self.attention_head_dim / 6);
+        [self.attention_head_dim - 2 * hw, hw, hw]
+    }
+
+    /// Rejects configurations this text-to-video model cannot run.
+    pub fn validate(&self) -> Result<()> {
+        if self.image_dim.is_some() || self.added_kv_proj_dim.is_some() {
+            candle_core::bail!(
+                "image_dim/added_kv_proj_dim are set: image-to-video Wan checkpoints are not supported"
+            );
+        }
+        if self.num_attention_heads == 0 || self.attention_head_dim == 0 {
+            candle_core::bail!("num_attention_heads and attention_head_dim must be positive");
+        }
+        if !self.attention_head_dim.is_multiple_of(2) {
+            candle_core::bail!(
+                "attention_head_dim {} must be even for RoPE",
+                self.attention_head_dim
+            );
+        }
+        if self.patch_size.contains(&0) || self.in_channels == 0 || self.freq_dim == 0 {
+            candle_core::bail!("patch_size, in_channels and freq_dim must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    hidden_states: Option<Tensor>,
+    /// Time embedding `[B, inner]` (model dtype), used by the output head.
+    pub temb: Tensor,
+    /// Per-block modulation input `[B, 6, inner]` (model dtype).
+    pub timestep_proj: Tensor,
+    /// Projected text `[B, L, inner]` (model dtype): keys and values of cross-attention.
+    pub encoder_hidden_states: Tensor,
+    /// RoPE cosines `[seq, head_dim / 2]` in f32, one per interleaved pair.
+    pub rope_cos: Tensor,
+    /// RoPE sines, same layout as `rope_cos`.
+    pub rope_sin: Tensor,
+    /// Batch size.
+    pub batch: usize,
+    /// Token grid (frames, height, width) after patching.
+    pub grid: [usize; 3],
+}
+
+impl BlockInputs {
+    /// Takes the patch tokens `[B, seq, inner]` that feed block 0 (once; the inputs do not keep
+    /// a copy, so the activation memory is not held twice).
+    pub fn take_hidden_states(&mut self) -> Result<Tensor> {
+        self.hidden_states
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block-0 hidden states already taken".into()))
+    }
+}
+
+/// LayerNorm over the last dim computed in f32 (two-pass, no E[x^2]-E[x]^2 cancellation),
+/// optionally affine. Matches diffusers' `FP32LayerNorm`.
+fn layer_norm_f32(x: &Tensor, affine: Option<&(Tensor, Tensor)>, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    match affine {
+        Some((w, b)) => y.broadcast_mul(w)?.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// Linear -> GELU(tanh) -> Linear (diffusers `FeedForward` / `PixArtAlphaTextProjection`).
+#[derive(Debug, Clone)]
+struct GeluMlp {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl GeluMlp {
+    fn new(fc1: Linear, fc2: Linear) -> Self {
+        Self { fc1, fc2 }
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.fc1.forward(x)?.gelu()?)
+    }
+}
+
+/// Self- or cross-attention with RMSNorm across heads on q and k.
+#[derive(Debug, Clone)]
+struct WanAttention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    norm_q: Tensor,
+    norm_k: Tensor,
+    heads: usize,
+    head_dim: usize,
+    eps: f32,
+}
+
+impl WanAttention {
+    fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        Ok(Self {
+            to_q: candle_nn::linear(dim, dim, vb.pp("to_q"))?,
+            to_k: candle_nn::linear(dim, dim, vb.pp("to_k"))?,
+            to_v: candle_nn::linear(dim, dim, vb.pp("to_v"))?,
+            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            norm_q: vb.get(dim, "norm_q.weight")?,
+            norm_k: vb.get(dim, "norm_k.weight")?,
+            heads: cfg.num_attention_heads,
+            head_dim: cfg.attention_head_dim,
+            eps: cfg.eps as f32,
+        })
+    }
+
+    /// `[B, seq, inner]` -> `[B, heads, seq, head_dim]`.
+    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        x.reshape((b, n, self.heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    /// Interleaved-pair rotation computed in f32 (as diffusers does), cast back.
+    fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        candle_nn::rotary_emb::rope_i(&x.to_dtype(DType::F32)?, cos, sin)?.to_dtype(dtype)
+    }
+
+    /// `context` is `None` for self-attention; `rope` is (cos, sin) for self-attention.
+    fn forward(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        rope: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        let context = context.unwrap_or(x);
+        let q = candle_nn::ops::rms_norm(&self.to_q.forward(x)?, &self.norm_q, self.eps)?;
+        let k = candle_nn::ops::rms_norm(&self.to_k.forward(context)?, &self.norm_k, self.eps)?;
+        let v = self.to_v.forward(context)?;
+        let (mut q, mut k, v) = (
+            self.split_heads(&q)?,
+            self.split_heads(&k)?,
+            self.split_heads(&v)?,
+        );
+        if let Some((cos, sin)) = rope {
+            q = Self::rotate(&q, cos, sin)?;
+            k = Self::rotate(&k, cos, sin)?;
+        }
+        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
+        let (b, _, n, _) = out.dims4()?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, n, self.heads * self.head_dim))?;
+        self.to_out.forward(&out)
+    }
+}
+
+/// One Wan transformer block; constructible alone from `vb.pp("blocks.{i}")`.
+#[derive(Debug, Clone)]
+pub struct WanTransformerBlock {
+    attn1: WanAttention,
+    attn2: WanAttention,
+    /// Affine cross-attention LayerNorm (f32 weight, bias), absent when `cross_attn_norm` is false.
+    norm2: Option<(Tensor, Tensor)>,
+    ffn: GeluMlp,
+    /// `[1, 6, inner]` in f32.
+    scale_shift_table: Tensor,
+    eps: f64,
+}
+
+impl WanTransformerBlock {
+    /// Loads one block; `vb` points at `blocks.{i}`. norm2 and scale_shift_table load in f32.
+    pub fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let f32_vb = vb.clone().set_dtype(DType::F32);
+        let norm2 = if cfg.cross_attn_norm {
+            let nvb = f32_vb.pp("norm2");
+            Some((nvb.get(dim, "weight")?, nvb.get(dim, "bias")?))
+        } else {
+            None
+        };
+        let ffn = GeluMlp::new(
+            candle_nn::linear(dim, cfg.ffn_dim, vb.pp("ffn.net.0.proj"))?,
+            candle_nn::linear(cfg.ffn_dim, dim, vb.pp("ffn.net.2"))?,
+        );
+        Ok(Self {
+            attn1: WanAttention::new(cfg, vb.pp("attn1"))?,
+            attn2: WanAttention::new(cfg, vb.pp("attn2"))?,
+            norm2,
+            ffn,
+            scale_shift_table: f32_vb.get((1, 6, dim), "scale_shift_table")?,
+            eps: cfg.eps,
+        })
+    }
+
+    /// Runs the block on `x` `[B, seq, inner]` (model dtype); returns the same shape and dtype.
+    pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let dtype = x.dtype();
+        // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale, c_gate.
+        let e = self
+            .scale_shift_table
+            .broadcast_add(&inputs.timestep_proj.to_dtype(DType::F32)?)?;
+        let m = |i: usize| e.narrow(1, i, 1);
+        let (shift, scale, gate) = (m(0)?, m(1)?, m(2)?);
+        let (c_shift, c_scale, c_gate) = (m(3)?, m(4)?, m(5)?);
+
+        // 1. Self-attention.
+        let xf = x.to_dtype(DType::F32)?;
+        let h = layer_norm_f32(&xf, None, self.eps)?
+            .broadcast_mul(&(scale + 1.0)?)?
+            .broadcast_add(&shift)?
+            .to_dtype(dtype)?;
+        let attn = self
+            .attn1
+            .forward(&h, None, Some((&inputs.rope_cos, &inputs.rope_sin)))?;
+        let x = (xf + attn.to_dtype(DType::F32)?.broadcast_mul(&gate)?)?.to_dtype(dtype)?;
+
+        // 2. Cross-attention (no gate, residual in the model dtype).
+        let h = match &self.norm2 {
+            Some(affine) => layer_norm_f32(&x, Some(affine), self.eps)?.to_dtype(dtype)?,
+            None => x.clone(),
+        };
+        let x = (&x
+            + self
+                .attn2
+                .forward(&h, Some(&inputs.encoder_hidden_states), None)?)?;
+
+        // 3. Feed-forward.
+        let xf = x.to_dtype(DType::F32)?;
+        let h = layer_norm_f32(&xf, None, self.eps)?
+            .broadcast_mul(&(c_scale + 1.0)?)?
+            .broadcast_add(&c_shift)?
+            .to_dtype(dtype)?;
+        let ff = self.ffn.forward(&h)?;
+        (xf + ff.to_dtype(DType::F32)?.broadcast_mul(&c_gate)?)?.to_dtype(dtype)
+    }
+}
+
+/// Sinusoidal timestep embedding `[B, freq_dim]` in f32, `[cos | sin]`, exactly as diffusers'
+/// `Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0)`; `timestep` may be of any dtype.
+pub fn timestep_embedding(timestep: &Tensor, freq_dim: usize) -> Result<Tensor> {
+    let half = freq_dim / 2;
+    // exponent = (-ln(10000) * arange(half)) / half in f32, then exp; computed on the host in
+    // f64 and rounded, which is the correctly rounded value of torch's f32 ops.
+    let neg_log = -(10000f64.ln()) as f32;
+    let freqs: Vec<f32> = (0..half)
+        .map(|j| {
+            let e = (neg_log * j as f32) / half as f32;
+            (e as f64).exp() as f32
+        })
+        .collect();
+    let t = timestep.to_dtype(DType::F32)?.flatten_all()?;
+    let b = t.dim(0)?;
+    let freqs = Tensor::from_vec(freqs, (1, half), timestep.device())?;
+    let args = t.reshape((b, 1))?.broadcast_mul(&freqs)?;
+    let mut parts = vec![args.cos()?, args.sin()?];
+    if !freq_dim.is_multiple_of(2) {
+        parts.push(Tensor::zeros((b, 1), DType::F32, timestep.device())?);
+    }
+    Tensor::cat(&parts, 1)
+}
+
+/// Per-axis RoPE table `[len, dim / 2]` (cos, sin) of positions `0..len`, computed in f64 and
+/// cast to f32 like diffusers' `get_1d_rotary_pos_embed(freqs_dtype=float64)`.
+fn rope_axis(dim: usize, len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = dim / 2;
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for p in 0..len {
+        for j in 0..half {
+            let inv_freq = 1.0 / 10000f64.powf((2 * j) as f64 / dim as f64);
+            let angle = p as f64 * inv_freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (len, half), device)?,
+        Tensor::from_vec(sin, (len, half), device)?,
+    ))
+}
+
+/// The diffusers `WanTransformer3DModel` for text-to-video.
+#[derive(Debug, Clone)]
+pub struct WanTransformer3DModel {
+    cfg: WanTransformerConfig,
+    /// Conv3d with kernel = stride = patch, stored as a linear over flattened patches.
+    patch_embedding: Linear,
+    /// f32 (kept in fp32).
+    time_embedder: (Linear, Linear),
+    time_proj: Linear,
+    text_embedder: GeluMlp,
+    blocks: Vec<WanTransformerBlock>,
+    /// `[1, 2, inner]` in f32.
+    scale_shift_table: Tensor,
+    proj_out: Linear,
+    dtype: DType,
+}
+
+impl WanTransformer3DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the blocks (for an engine that streams blocks itself);
+    /// `blocks()` is then empty and `forward` refuses to run.
+    pub fn new_without_blocks(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let [pt, ph, pw] = cfg.patch_size;
+        let pvb = vb.pp("patch_embedding");
+        let patch_w = pvb
+            .get((dim, cfg.in_channels, pt, ph, pw), "weight")?
+            .reshape((dim, cfg.in_channels * pt * ph * pw))?;
+        let patch_embedding = Linear::new(patch_w, Some(pvb.get(dim, "bias")?));
+
+        let cvb = vb.pp("condition_embedder");
+        let tvb = cvb.pp("time_embedder").set_dtype(DType::F32);
+        let time_embedder = (
+            candle_nn::linear(cfg.freq_dim, dim, tvb.pp("linear_1"))?,
+            candle_nn::linear(dim, dim, tvb.pp("linear_2"))?,
+        );
+        let time_proj = candle_nn::linear(dim, 6 * dim, cvb.pp("time_proj"))?;
+        let text_embedder = GeluMlp::new(
+            candle_nn::linear(cfg.text_dim, dim, cvb.pp("text_embedder.linear_1"))?,
+            candle_nn::linear(dim, dim, cvb.pp("text_embedder.linear_2"))?,
+        );
+        let proj_out =
+            candle_nn::linear(dim, cfg.out_channels() * pt * ph * pw, vb.pp("proj_out"))?;
+        let scale_shift_table = vb
+            .clone()
+            .set_dtype(DType::F32)
+            .get((1, 2, dim), "scale_shift_table")?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            patch_embedding,
+            time_embedder,
+            time_proj,
+            text_embedder,
+            blocks: Vec::new(),
+            scale_shift_table,
+            proj_out,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &WanTransformerConfig {
+        &self.cfg
+    }
+
+    /// The loaded blocks, in execution order (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[WanTransformerBlock] {
+        &self.blocks
+    }
+
+    /// Patch embedding, time/text embeddings and RoPE tables for `latents` `[B, C, F, H, W]`,
+    /// `timestep` `[B]` (or one value for the whole batch; any dtype, cast to f32) and
+    /// `encoder_hidden_states` `[B, L, text_dim]`.
+    pub fn prepare(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (b, c, f, h, w) = latents.dims5()?;
+        if c != cfg.in_channels {
+            candle_core::bail!(
+                "latents have {c} channels, the transformer expects {}",
+                cfg.in_channels
+            );
+        }
+        let [pt, ph, pw] = cfg.patch_size;
+        let grid = [f / pt, h / ph, w / pw];
+        if grid.contains(&0) {
+            candle_core::bail!(
+                "latents [{f}, {h}, {w}] are smaller than one patch {:?}",
+                cfg.patch_size
+            );
+        }
+        if let Some(&g) = grid.iter().find(|&&g| g > cfg.rope_max_seq_len) {
+            candle_core::bail!(
+                "latent grid extent {g} exceeds rope_max_seq_len {}",
+                cfg.rope_max_seq_len
+            );
+        }
+        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
+        if eb != b || text_dim != cfg.text_dim {
+            candle_core::bail!(
+                "encoder_hidden_states {:?} do not match batch {b} and text_dim {}",
+                encoder_hidden_states.dims(),
+                cfg.text_dim
+            );
+        }
+        let device = latents.device();
+
+        // Patch embedding: Conv3d with kernel = stride = patch, as a matmul over patches.
+        let [gf, gh, gw] = grid;
+        let patches = latents
+            .narrow(2, 0, gf * pt)?
+            .narrow(3, 0, gh * ph)?
+            .narrow(4, 0, gw * pw)?
+            .to_dtype(self.dtype)?
+            .reshape(vec![b, c, gf, pt, gh, ph, gw, pw])?
+            .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
+            .reshape((b, gf * gh * gw, c * pt * ph * pw))?;
+        let hidden_states = self.patch_embedding.forward(&patches)?;
+
+        // Time embedding (time_embedder in f32, then cast to the text dtype).
+        let timestep = match timestep.elem_count() {
+            1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
+            n if n == b => timestep.flatten_all()?,
+            n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+        };
+        let t_emb = timestep_embedding(&timestep.to_device(device)?, cfg.freq_dim)?;
+        let (lin1, lin2) = &self.time_embedder;
+        let temb = lin2
+            .forward(&candle_nn::ops::silu(&lin1.forward(&t_emb)?)?)?
+            .to_dtype(self.dtype)?;
+        let timestep_proj = self
+            .time_proj
+            .forward(&candle_nn::ops::silu(&temb)?)?
+            .reshape((b, 6, cfg.inner_dim()))?;
+        let encoder_hidden_states = self
+            .text_embedder
+            .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
+
+        // RoPE: per token (frame, row, col), the t|h|w parts concatenated.
+        let dims = cfg.rope_dims();
+        let mut cos_parts = Vec::with_capacity(3);
+        let mut sin_parts = Vec::with_capacity(3);
+        for (axis, (&dim, &len)) in dims.iter().zip(grid.iter()).enumerate() {
+            let (cos, sin) = rope_axis(dim, len, device)?;
+            let mut shape = [1, 1, 1, dim / 2];
+            shape[axis] = len;
+            let target = (gf, gh, gw, dim / 2);
+            cos_parts.push(cos.reshape(shape.to_vec())?.broadcast_as(target)?);
+            sin_parts.push(sin.reshape(shape.to_vec())?.broadcast_as(target)?);
+        }
+        let seq = gf * gh * gw;
+        let half = cfg.attention_head_dim / 2;
+        let rope_cos = Tensor::cat(&cos_parts, 3)?
+            .reshape((seq, half))?
+            .contiguous()?;
+        let rope_sin = Tensor::cat(&sin_parts, 3)?
+            .reshape((seq, half))?
+            .contiguous()?;
+
+        Ok(BlockInputs {
+            hidden_states: Some(hidden_states),
+            temb,
+            timestep_proj,
+            encoder_hidden_states,
+            rope_cos,
+            rope_sin,
+            batch: b,
+            grid,
+        })
+    }
+
+    /// Output norm with (scale_shift_table + temb) modulation, `proj_out` and unpatchify:
+    /// `[B, seq, inner]` -> `[B, out_channels, F, H, W]` (model dtype).
+    pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let e = self
+            .scale_shift_table
+            .broadcast_add(&inputs.temb.to_dtype(DType::F32)?.unsqueeze(1)?)?;
+        let (shift, scale) = (e.i((.., 0..1))?, e.i((.., 1..2))?);
+        let h = layer_norm_f32(x, None, self.cfg.eps)?
+            .broadcast_mul(&(scale + 1.0)?)?
+            .broadcast_add(&shift)?
+            .to_dtype(dtype)?;
+        let h = self.proj_out.forward(&h)?;
+
+        let [pt, ph, pw] = self.cfg.patch_size;
+        let [gf, gh, gw] = inputs.grid;
+        let oc = self.cfg.out_channels();
+        h.reshape(vec![inputs.batch, gf, gh, gw, pt, ph, pw, oc])?
+            .permute(vec![0, 7, 1, 4, 2, 5, 3, 6])?
+            .reshape((inputs.batch, oc, gf * pt, gh * ph, gw * pw))
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+    ) -> Result<Tensor> {
+        if self.blocks.len() != self.cfg.num_layers {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                self.cfg.num_layers
+            );
+        }
+        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
+        let mut x = inputs.take_hidden_states()?;
+        for block in &self.blocks {
+            x = block.forward(&x, &inputs)?;
+        }
+        self.finish(&x, &inputs)
+    }
+}
