@@ -180,7 +180,11 @@ fn png_exact_ties_go_to_even() {
         let x = (k as f32 + 0.5) / 255.0;
         assert_eq!(x * 255.0, k as f32 + 0.5, "tie construction for {k}");
         values.push(x);
-        want.push(if k % 2 == 0 { k as u8 } else { (k + 1) as u8 });
+        want.push(if k.is_multiple_of(2) {
+            k as u8
+        } else {
+            (k + 1) as u8
+        });
     }
     let frames = Tensor::from_vec(values, (1, h, w, 3), &Device::Cpu).unwrap();
     output::write_png_frames(&out, &frames).unwrap();

@@ -120,7 +120,8 @@ impl SchedulerConfig {
 }
 
 /// A sampler that has had its schedule set: steps are consumed in order, one per call.
-pub trait Scheduler {
+/// `Send` so the pipeline may run it on a worker thread.
+pub trait Scheduler: Send {
     /// The timesteps handed to the model, one per step (integers for UniPC, fractional for Euler).
     fn timesteps(&self) -> &[f64];
     /// The sigma schedule, `timesteps().len() + 1` values ending with the final sigma.

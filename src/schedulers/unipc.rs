@@ -315,7 +315,8 @@ fn solve(a: &[Vec<f32>], b: &[f32]) -> Result<Vec<f32>> {
                     .then(q.cmp(&p))
             })
             .unwrap_or(col);
-        if a[pivot][col] == 0.0 || !a[pivot][col].is_finite() {
+        // Like LAPACK, only an exact zero pivot is singular; NaN/inf propagate as in torch.
+        if a[pivot][col] == 0.0 {
             candle_core::bail!(
                 "UniPC: singular coefficient matrix in the corrector/predictor solve"
             );
@@ -323,20 +324,51 @@ fn solve(a: &[Vec<f32>], b: &[f32]) -> Result<Vec<f32>> {
         a.swap(col, pivot);
         x.swap(col, pivot);
         let inv = 1.0 / a[col][col];
-        for row in col + 1..n {
-            let l = a[row][col] * inv;
-            for c in col + 1..n {
-                a[row][c] -= l * a[col][c];
+        let (top, bottom) = a.split_at_mut(col + 1);
+        let pivot_row = &top[col];
+        let (x_top, x_bottom) = x.split_at_mut(col + 1);
+        for (row, xr) in bottom.iter_mut().zip(x_bottom.iter_mut()) {
+            let l = row[col] * inv;
+            for (dst, &p) in row[col + 1..].iter_mut().zip(&pivot_row[col + 1..]) {
+                *dst -= l * p;
             }
-            x[row] -= l * x[col];
+            *xr -= l * x_top[col];
         }
     }
     for row in (0..n).rev() {
         let mut v = x[row];
-        for c in row + 1..n {
-            v -= a[row][c] * x[c];
+        for (&arc, &xc) in a[row][row + 1..].iter().zip(&x[row + 1..]) {
+            v -= arc * xc;
         }
         x[row] = v / a[row][row];
     }
     Ok(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::solve;
+
+    #[test]
+    fn solve_with_pivoting() {
+        // [[1, 1], [-3, 1]] x = [1, 5] -> x = [-1, 2]; |-3| > 1 forces a row swap.
+        let x = solve(&[vec![1.0, 1.0], vec![-3.0, 1.0]], &[1.0, 5.0]).unwrap();
+        assert!(
+            (x[0] + 1.0).abs() < 1e-6 && (x[1] - 2.0).abs() < 1e-6,
+            "{x:?}"
+        );
+        let x = solve(
+            &[
+                vec![2.0, 1.0, 1.0],
+                vec![4.0, -6.0, 0.0],
+                vec![-2.0, 7.0, 2.0],
+            ],
+            &[5.0, -2.0, 9.0],
+        )
+        .unwrap();
+        for (g, w) in x.iter().zip([1.0f32, 1.0, 2.0]) {
+            assert!((g - w).abs() < 1e-5, "{x:?}");
+        }
+        assert!(solve(&[vec![1.0, 1.0], vec![1.0, 1.0]], &[1.0, 2.0]).is_err());
+    }
 }
