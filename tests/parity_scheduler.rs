@@ -219,3 +219,26 @@ fn bh1_and_sigma_min_run() {
         }
     }
 }
+
+#[test]
+fn bf16_model_output_keeps_f32_sample() {
+    // As in diffusers' bf16 runs: the velocity comes in bf16, the latents stay f32.
+    let r = common::reference("scheduler");
+    let cfg = fixture_config();
+    let mut s = build(SchedulerKind::UniPc, &cfg, 4, None).unwrap();
+    let mut sample = r["loop4.sample_0"].clone();
+    for i in 0..4 {
+        let v = r[&format!("loop4.model_output_{i}")]
+            .to_dtype(DType::BF16)
+            .unwrap();
+        sample = s.step(&v, &sample).unwrap();
+        assert_eq!(sample.dtype(), DType::F32);
+        common::assert_close(
+            "bf16 velocity",
+            &sample,
+            &r[&format!("loop4.sample_{}", i + 1)],
+            5e-2,
+            1e-2,
+        );
+    }
+}
