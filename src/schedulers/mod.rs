@@ -1,4 +1,213 @@
 //! Diffusion samplers: given the model output at a timestep, compute the next sample.
+//!
+//! Both samplers reproduce diffusers 0.42.1 number for number: the schedule is computed in f64 like
+//! numpy and stored as f32 like the torch tensors, and the per-step scalar arithmetic runs in f32.
 
 pub mod euler;
 pub mod unipc;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+use std::path::Path;
+
+/// `scheduler/scheduler_config.json` of a diffusers `UniPCMultistepScheduler`, with diffusers'
+/// defaults for missing keys. Keys that do not matter for flow-matching models are ignored.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    /// Length of the training schedule; timesteps are `sigma * num_train_timesteps`.
+    pub num_train_timesteps: usize,
+    /// Multistep order of UniPC (2 for Wan).
+    pub solver_order: usize,
+    /// What the model predicts; only `flow_prediction` (velocity) is supported.
+    pub prediction_type: String,
+    /// UniPC's B(h) variant: `bh1` or `bh2` (`midpoint`, `heun`, `logrho` mean `bh2`, as in diffusers).
+    pub solver_type: String,
+    /// Drop to first order at the last steps (stabilises few-step sampling).
+    pub lower_order_final: bool,
+    /// Use the flow-matching sigma schedule (required).
+    pub use_flow_sigmas: bool,
+    /// Shift of the flow sigmas: `shift*s / (1 + (shift-1)*s)`.
+    pub flow_shift: f64,
+    /// Final sigma: `zero` or `sigma_min` (the last schedule sigma repeated).
+    pub final_sigmas_type: String,
+    /// Timestep spacing; irrelevant with flow sigmas but validated like diffusers.
+    pub timestep_spacing: String,
+    /// UniPC in data-prediction form (required for flow prediction).
+    pub predict_x0: bool,
+    /// Step indices after which the corrector is skipped.
+    pub disable_corrector: Vec<usize>,
+    /// Dynamic thresholding of the x0 prediction (not supported).
+    pub thresholding: bool,
+    /// Resolution-dependent shifting (not supported).
+    pub use_dynamic_shifting: bool,
+    /// Karras sigmas (not supported).
+    pub use_karras_sigmas: bool,
+    /// Exponential sigmas (not supported).
+    pub use_exponential_sigmas: bool,
+    /// Beta sigmas (not supported).
+    pub use_beta_sigmas: bool,
+    /// Stretch of the schedule to a terminal value (not supported).
+    pub shift_terminal: Option<f64>,
+    /// External predictor scheduler (not supported).
+    pub solver_p: Option<serde_json::Value>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        // The defaults of `UniPCMultistepScheduler.__init__`.
+        Self {
+            num_train_timesteps: 1000,
+            solver_order: 2,
+            prediction_type: "epsilon".into(),
+            solver_type: "bh2".into(),
+            lower_order_final: true,
+            use_flow_sigmas: false,
+            flow_shift: 1.0,
+            final_sigmas_type: "zero".into(),
+            timestep_spacing: "linspace".into(),
+            predict_x0: true,
+            disable_corrector: Vec::new(),
+            thresholding: false,
+            use_dynamic_shifting: false,
+            use_karras_sigmas: false,
+            use_exponential_sigmas: false,
+            use_beta_sigmas: false,
+            shift_terminal: None,
+            solver_p: None,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Reads a `scheduler_config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> anyhow::Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading scheduler config {}", path.display()))?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("parsing scheduler config {}", path.display()))
+    }
+
+    /// Settings shared by every sampler here: a flow-matching (velocity) model.
+    fn check_flow_model(&self) -> anyhow::Result<()> {
+        if self.prediction_type != "flow_prediction" {
+            bail!(
+                "scheduler config: prediction_type {:?} is not supported (only \"flow_prediction\")",
+                self.prediction_type
+            );
+        }
+        if self.num_train_timesteps == 0 {
+            bail!("scheduler config: num_train_timesteps must be positive");
+        }
+        if self.use_dynamic_shifting {
+            bail!("scheduler config: use_dynamic_shifting is not supported");
+        }
+        for (key, on) in [
+            ("use_karras_sigmas", self.use_karras_sigmas),
+            ("use_exponential_sigmas", self.use_exponential_sigmas),
+            ("use_beta_sigmas", self.use_beta_sigmas),
+        ] {
+            if on {
+                bail!("scheduler config: {key} = true is not supported (flow sigmas only)");
+            }
+        }
+        if self.shift_terminal.is_some_and(|s| s != 0.0) {
+            bail!("scheduler config: shift_terminal is not supported");
+        }
+        Ok(())
+    }
+}
+
+/// A sampler that has had its schedule set: steps are consumed in order, one per call.
+/// `Send` so the pipeline may run it on a worker thread.
+pub trait Scheduler: Send {
+    /// The timesteps handed to the model, one per step (integers for UniPC, fractional for Euler).
+    fn timesteps(&self) -> &[f64];
+    /// The sigma schedule, `timesteps().len() + 1` values ending with the final sigma.
+    fn sigmas(&self) -> &[f32];
+    /// Advances `sample` by one step given the model output at the current timestep.
+    fn step(
+        &mut self,
+        model_output: &candle_core::Tensor,
+        sample: &candle_core::Tensor,
+    ) -> candle_core::Result<candle_core::Tensor>;
+}
+
+/// Which sampler to run (`--scheduler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SchedulerKind {
+    /// UniPC multistep (the scheduler Wan ships with).
+    #[default]
+    #[value(name = "unipc")]
+    UniPc,
+    /// Flow-matching Euler (first order).
+    #[value(name = "euler")]
+    Euler,
+}
+
+/// Builds a sampler with its schedule for `num_steps` steps; `flow_shift` overrides the config's.
+pub fn build(
+    kind: SchedulerKind,
+    cfg: &SchedulerConfig,
+    num_steps: usize,
+    flow_shift: Option<f64>,
+) -> anyhow::Result<Box<dyn Scheduler>> {
+    if num_steps == 0 {
+        bail!("the number of inference steps must be at least 1");
+    }
+    let shift = flow_shift.unwrap_or(cfg.flow_shift);
+    if !(shift.is_finite() && shift > 0.0) {
+        bail!("flow shift must be a positive number, got {shift}");
+    }
+    Ok(match kind {
+        SchedulerKind::UniPc => Box::new(unipc::UniPcMultistep::new(cfg, num_steps, shift)?),
+        SchedulerKind::Euler => Box::new(euler::FlowMatchEuler::new(cfg, num_steps, shift)?),
+    })
+}
+
+/// `numpy.linspace(start, stop, num)` (endpoint included) with numpy's exact float64 arithmetic.
+fn np_linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
+    if num == 1 {
+        return vec![start];
+    }
+    let div = (num - 1) as f64;
+    let delta = stop - start;
+    let step = delta / div;
+    let mut y: Vec<f64> = (0..num)
+        .map(|i| {
+            let i = i as f64;
+            if step == 0.0 {
+                i / div * delta + start
+            } else {
+                i * step + start
+            }
+        })
+        .collect();
+    if let Some(last) = y.last_mut() {
+        *last = stop;
+    }
+    y
+}
+
+/// Multiplies by an f32 scalar in the tensor's own dtype (like a 0-dim torch tensor would).
+fn scale(t: &candle_core::Tensor, s: f32) -> candle_core::Result<candle_core::Tensor> {
+    t.affine(f64::from(s), 0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::np_linspace;
+
+    #[test]
+    fn linspace_matches_numpy() {
+        assert_eq!(np_linspace(1.0, 0.001, 1), vec![1.0]);
+        let y = np_linspace(0.0, 1.0, 5);
+        assert_eq!(y, vec![0.0, 0.25, 0.5, 0.75, 1.0]);
+        // numpy.linspace(1, 0.001, 5)[1] == 0.75025 (i*step + start, not start + i*delta/div)
+        assert_eq!(
+            np_linspace(1.0, 0.001, 5)[1],
+            1.0 * ((0.001 - 1.0) / 4.0) + 1.0
+        );
+    }
+}

@@ -1,0 +1,35 @@
+//! PNG folder writer: one 8-bit RGB PNG per frame, rounded like diffusers' PIL path.
+
+use super::{Clip, Partial};
+use anyhow::{Context, Result};
+use candle_core::Tensor;
+use std::path::Path;
+
+/// Writes `frame_00000.png`, `frame_00001.png`, ... into the folder `dir` (created; it must not
+/// exist as a non-empty folder). Values become `round_half_even(x * 255)`, as numpy does for
+/// `output_type="pil"`.
+pub fn write_png_frames(dir: &Path, frames: &Tensor) -> Result<()> {
+    let run = || -> Result<()> {
+        let clip = Clip::from_tensor(frames)?;
+        let (w, h) = (
+            u32::try_from(clip.width).context("frame width")?,
+            u32::try_from(clip.height).context("frame height")?,
+        );
+        let temp = Partial::dir(dir)?;
+        for i in 0..clip.frames {
+            let bytes: Vec<u8> = clip
+                .frame(i)
+                .iter()
+                .map(|&x| (x * 255.0).round_ties_even() as u8)
+                .collect();
+            let image = image::RgbImage::from_raw(w, h, bytes)
+                .context("frame buffer does not match its size")?;
+            let file = temp.path().join(format!("frame_{i:05}.png"));
+            image
+                .save_with_format(&file, image::ImageFormat::Png)
+                .with_context(|| format!("writing {}", file.display()))?;
+        }
+        temp.commit(dir)
+    };
+    run().with_context(|| format!("writing PNG frames to {}", dir.display()))
+}
