@@ -8,6 +8,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+pub use crate::output::OutputType;
+pub use crate::schedulers::SchedulerKind;
+
 /// The command line of the `vidgen` binary.
 #[derive(Parser, Debug)]
 #[command(
@@ -142,8 +145,8 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation")]
     pub flow_shift: Option<f64>,
     /// Sampler: UniPC multistep (diffusers' default for Wan) or flow-matching Euler.
-    #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerChoice::Unipc)]
-    pub scheduler: SchedulerChoice,
+    #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerKind::UniPc)]
+    pub scheduler: SchedulerKind,
     /// Text tokens per prompt (padded or truncated).
     #[arg(long, help_heading = "Generation", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_sequence_length: u32,
@@ -170,8 +173,8 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Output", value_name = "NAME")]
     pub output_video_name: Option<String>,
     /// mp4 (H.264), png (one file per frame) or safetensors (f32 frames, for exact comparison).
-    #[arg(long, help_heading = "Output", value_enum, default_value_t = OutputKind::Mp4)]
-    pub output_type: OutputKind,
+    #[arg(long, help_heading = "Output", value_enum, default_value_t = OutputType::Mp4)]
+    pub output_type: OutputType,
 
     // ----- device -----
     /// auto, cpu, cuda, cuda:N or metal.
@@ -243,23 +246,6 @@ impl std::str::FromStr for Tristate {
 pub enum OffloadType {
     BlockLevel,
     LeafLevel,
-}
-
-/// The sampler.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SchedulerChoice {
-    Unipc,
-    Euler,
-}
-
-/// The output format.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OutputKind {
-    Mp4,
-    Png,
-    Safetensors,
 }
 
 /// The compute dtype.

@@ -26,7 +26,9 @@ const PICKLE_SUFFIXES: [&str; 5] = [".bin", ".pt", ".pth", ".ckpt", ".pkl"];
 /// Finds the weight files of `component` (e.g. "transformer").
 pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weights> {
     if let ModelSource::Synthetic(name) = source {
-        return Ok(Weights::Synthetic { seed: fnv1a(&format!("{name}/{component}")) });
+        return Ok(Weights::Synthetic {
+            seed: fnv1a(&format!("{name}/{component}")),
+        });
     }
     for base in WEIGHT_NAMES {
         let index = format!("{component}/{base}.safetensors.index.json");
@@ -40,14 +42,25 @@ pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weight
     if let ModelSource::Local(dir) = source {
         let folder = dir.join(component);
         let entries: Vec<String> = std::fs::read_dir(&folder)
-            .map(|rd| rd.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
             .unwrap_or_default();
-        let mut found: Vec<&String> = entries.iter().filter(|n| n.ends_with(".safetensors")).collect();
+        let mut found: Vec<&String> = entries
+            .iter()
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
         found.sort();
         if !found.is_empty() {
-            return Ok(Weights::Files(found.into_iter().map(|n| folder.join(n)).collect()));
+            return Ok(Weights::Files(
+                found.into_iter().map(|n| folder.join(n)).collect(),
+            ));
         }
-        if let Some(p) = entries.iter().find(|n| PICKLE_SUFFIXES.iter().any(|s| n.ends_with(s))) {
+        if let Some(p) = entries
+            .iter()
+            .find(|n| PICKLE_SUFFIXES.iter().any(|s| n.ends_with(s)))
+        {
             bail!("{} holds only pickle weights ({p}); vidgen loads safetensors only (pickle can run code): convert them, e.g. with diffusers' save_pretrained(safe_serialization=True)", folder.display());
         }
     }
@@ -56,7 +69,8 @@ pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weight
 
 /// The shard files named by a `*.safetensors.index.json`, each checked to exist.
 fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index_path).with_context(|| format!("reading {}", index_path.display()))?;
+    let text = std::fs::read_to_string(index_path)
+        .with_context(|| format!("reading {}", index_path.display()))?;
     let index: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", index_path.display()))?;
     let map = index["weight_map"]
@@ -65,20 +79,34 @@ fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<V
     let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
     shards
         .into_iter()
-        .map(|shard| match source.file(&format!("{component}/{shard}"))? {
-            Some(FileRef::Path(p)) => Ok(p),
-            _ => bail!("shard {component}/{shard} named in {} is missing; re-download the model", index_path.display()),
-        })
+        .map(
+            |shard| match source.file(&format!("{component}/{shard}"))? {
+                Some(FileRef::Path(p)) => Ok(p),
+                _ => bail!(
+                    "shard {component}/{shard} named in {} is missing; re-download the model",
+                    index_path.display()
+                ),
+            },
+        )
         .collect()
 }
 
 /// A `VarBuilder` over the weights, converting each tensor to `dtype` on `device` when a model asks.
-pub fn var_builder(weights: &Weights, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+pub fn var_builder(
+    weights: &Weights,
+    dtype: DType,
+    device: &Device,
+) -> Result<VarBuilder<'static>> {
     let backend: Box<dyn SimpleBackend> = match weights {
         Weights::Files(files) => {
             // SAFETY: the files are memory mapped read-only; vidgen never writes to model files.
             let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }
-                .with_context(|| format!("opening {} (truncated or not a safetensors file?)", describe(files)))?;
+                .with_context(|| {
+                    format!(
+                        "opening {} (truncated or not a safetensors file?)",
+                        describe(files)
+                    )
+                })?;
             Box::new(st)
         }
         Weights::Synthetic { seed } => Box::new(SyntheticWeights { seed: *seed }),
@@ -87,7 +115,11 @@ pub fn var_builder(weights: &Weights, dtype: DType, device: &Device) -> Result<V
 }
 
 fn describe(files: &[PathBuf]) -> String {
-    files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    files
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Seeded random weights: each tensor's values depend only on the model seed and the tensor's
@@ -107,31 +139,44 @@ impl SyntheticWeights {
         if is_norm {
             return vec![1.0; n];
         }
-        let amplitude = if dims.len() >= 2 && !name.contains("embed_tokens") && !name.starts_with("shared") {
-            let fan_in: usize = dims[1..].iter().product();
-            (3.0 / fan_in.max(1) as f32).sqrt()
-        } else {
-            0.05
-        };
+        let amplitude =
+            if dims.len() >= 2 && !name.contains("embed_tokens") && !name.starts_with("shared") {
+                let fan_in: usize = dims[1..].iter().product();
+                (3.0 / fan_in.max(1) as f32).sqrt()
+            } else {
+                0.05
+            };
         let tensor_seed = self.seed ^ fnv1a(name);
         const CHUNK: usize = 1 << 16;
         let mut values = vec![0f32; n];
-        values.par_chunks_mut(CHUNK).enumerate().for_each(|(i, chunk)| {
-            let mut state = tensor_seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            for v in chunk {
-                let bits = splitmix64(&mut state);
-                let unit = (bits >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
-                *v = (unit * 2.0 - 1.0) * amplitude;
-            }
-        });
+        values
+            .par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(i, chunk)| {
+                let mut state = tensor_seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                for v in chunk {
+                    let bits = splitmix64(&mut state);
+                    let unit = (bits >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+                    *v = (unit * 2.0 - 1.0) * amplitude;
+                }
+            });
         values
     }
 }
 
 impl SimpleBackend for SyntheticWeights {
-    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         let values = self.make(&s, name);
-        Tensor::from_vec(values, s, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)
+        Tensor::from_vec(values, s, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(dev)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
@@ -153,5 +198,7 @@ fn splitmix64(state: &mut u64) -> u64 {
 
 /// A stable 64-bit hash of a name (FNV-1a).
 pub fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }

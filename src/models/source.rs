@@ -9,16 +9,37 @@ use std::path::{Path, PathBuf};
 macro_rules! synthetic_files {
     ($name:literal) => {
         &[
-            ("model_index.json", include_str!(concat!("../../assets/", $name, "/model_index.json"))),
-            ("transformer/config.json", include_str!(concat!("../../assets/", $name, "/transformer/config.json"))),
-            ("vae/config.json", include_str!(concat!("../../assets/", $name, "/vae/config.json"))),
-            ("text_encoder/config.json", include_str!(concat!("../../assets/", $name, "/text_encoder/config.json"))),
-            ("scheduler/scheduler_config.json", include_str!(concat!("../../assets/", $name, "/scheduler/scheduler_config.json"))),
-            ("tokenizer/tokenizer.json", include_str!(concat!("../../assets/", $name, "/tokenizer/tokenizer.json"))),
+            (
+                "model_index.json",
+                include_str!(concat!("../../assets/", $name, "/model_index.json")),
+            ),
+            (
+                "transformer/config.json",
+                include_str!(concat!("../../assets/", $name, "/transformer/config.json")),
+            ),
+            (
+                "vae/config.json",
+                include_str!(concat!("../../assets/", $name, "/vae/config.json")),
+            ),
+            (
+                "text_encoder/config.json",
+                include_str!(concat!("../../assets/", $name, "/text_encoder/config.json")),
+            ),
+            (
+                "scheduler/scheduler_config.json",
+                include_str!(concat!(
+                    "../../assets/",
+                    $name,
+                    "/scheduler/scheduler_config.json"
+                )),
+            ),
+            (
+                "tokenizer/tokenizer.json",
+                include_str!(concat!("../../assets/", $name, "/tokenizer/tokenizer.json")),
+            ),
         ]
     };
 }
-
 
 /// The configs shipped for synthetic models: (name, [(relative path, contents)]).
 const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
@@ -26,7 +47,6 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-t2v-14b", synthetic_files!("wan2.1-t2v-14b")),
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
 ];
-
 
 /// A model as named by `--model`.
 #[derive(Clone, Debug)]
@@ -47,7 +67,11 @@ impl ModelSource {
                 Some((n, _)) => Ok(ModelSource::Synthetic(n)),
                 None => bail!(
                     "unknown synthetic model '{name}'; use one of: {}",
-                    SYNTHETIC.iter().map(|(n, _)| format!("synthetic:{n}")).collect::<Vec<_>>().join(", ")
+                    SYNTHETIC
+                        .iter()
+                        .map(|(n, _)| format!("synthetic:{n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             };
         }
@@ -94,7 +118,8 @@ impl ModelSource {
     pub fn json<T: DeserializeOwned>(&self, relative: &str) -> Result<T> {
         let file = self.require(relative)?;
         let text = file.read()?;
-        serde_json::from_str(&text).with_context(|| format!("{self}: {relative} is not a valid config"))
+        serde_json::from_str(&text)
+            .with_context(|| format!("{self}: {relative} is not a valid config"))
     }
 
     /// Reads a config without fetching anything: for `--dry-run`, which never downloads.
@@ -128,7 +153,9 @@ impl FileRef {
     /// The file's text.
     pub fn read(&self) -> Result<String> {
         match self {
-            FileRef::Path(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())),
+            FileRef::Path(p) => {
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+            }
             FileRef::Embedded(t) => Ok(t.to_string()),
         }
     }
@@ -150,7 +177,8 @@ mod hub {
     }
 
     fn offline() -> bool {
-        std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false" | "FALSE"))
+        std::env::var("HF_HUB_OFFLINE")
+            .is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false" | "FALSE"))
     }
 
     /// A file already in the cache.
@@ -169,7 +197,10 @@ mod hub {
             }
             return Ok(None);
         }
-        let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()).or_else(|| cache().token());
+        let token = std::env::var("HF_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or_else(|| cache().token());
         let api = hf_hub::api::sync::ApiBuilder::from_cache(cache())
             .with_token(token)
             .with_progress(true)

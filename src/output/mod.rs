@@ -16,7 +16,18 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// The kind of output file (`--output-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum OutputType {
     /// H.264 video in an MP4 container.
     #[default]

@@ -135,7 +135,18 @@ pub trait Scheduler: Send {
 }
 
 /// Which sampler to run (`--scheduler`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum SchedulerKind {
     /// UniPC multistep (the scheduler Wan ships with).
     #[default]

@@ -12,7 +12,9 @@ pub fn fixture_dir() -> PathBuf {
 
 /// Loads one of the `reference/*.safetensors` files onto the CPU.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    let path = fixture_dir().join("reference").join(format!("{name}.safetensors"));
+    let path = fixture_dir()
+        .join("reference")
+        .join(format!("{name}.safetensors"));
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
@@ -20,18 +22,39 @@ pub fn reference(name: &str) -> HashMap<String, Tensor> {
 /// Asserts |actual - expected| <= atol + rtol * |expected| elementwise (the fixture README's rule).
 pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, atol: f64, rtol: f64) {
     assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
-    let a = actual.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let e = expected.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let a = actual
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    let e = expected
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
     let mut worst = (0.0f64, 0usize);
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());
-        if !(excess <= worst.0) {
-            worst = (if excess.is_nan() { f64::INFINITY } else { excess }, i);
+        if excess.is_nan() || excess > worst.0 {
+            worst = (
+                if excess.is_nan() {
+                    f64::INFINITY
+                } else {
+                    excess
+                },
+                i,
+            );
         }
     }
     assert!(
         worst.0 <= 0.0,
         "{what}: element {} is {} but the reference is {} (atol {atol}, rtol {rtol})",
-        worst.1, a[worst.1], e[worst.1]
+        worst.1,
+        a[worst.1],
+        e[worst.1]
     );
 }
