@@ -308,12 +308,13 @@ fn bf16_run_keeps_wo_in_f32_and_stays_close() {
         .forward(&model.embed(&ids).unwrap(), &r["attention_mask"])
         .unwrap();
     assert_eq!(h.dtype(), DType::F32);
+    // bf16 rounding moves values by ~0.035 at |ref| ~3; a real bug moves them by > 0.5.
     assert_close(
         "bf16 prompt_embeds",
         &embeds,
         &r["prompt_embeds"],
-        0.1,
         0.05,
+        0.02,
     );
 }
 
