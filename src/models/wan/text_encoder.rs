@@ -1,1 +1,469 @@
-//! (in progress)
+//! UMT5 encoder, the text encoder of Wan2.1 (transformers' `UMT5EncoderModel`).
+//!
+//! Unlike T5 (and candle-transformers' `t5.rs`) every block owns its relative-position bias,
+//! and attention scores are not scaled by 1/sqrt(d_kv). Padded keys are masked; padded
+//! queries are computed normally (the pipeline zeroes those rows afterwards, see
+//! [`UMT5EncoderModel::prompt_embeds`]).
+//!
+//! Dtypes follow a transformers bf16/fp16 load: the FFN output projections `wo` stay in f32
+//! (`_keep_in_fp32_modules`), so from the first FFN on the residual stream is f32 (PyTorch
+//! promotes `bf16 + f32`); RMSNorm is computed in f32 and cast to its weight's dtype; the
+//! attention softmax (scores, bias, mask) runs in f32.
+//!
+//! The model is a plain list of blocks so an engine can run it block by block, loading each
+//! block's weights just before it runs: [`UMT5Embedding`], [`UMT5Block`] and
+//! [`UMT5LayerNorm`] (the final norm) can each be built alone.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use serde::Deserialize;
+use std::path::Path;
+
+/// `text_encoder/config.json` (transformers' `UMT5Config`); unknown keys are ignored and
+/// missing ones take transformers' defaults.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct UMT5Config {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub d_kv: usize,
+    pub d_ff: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub relative_attention_num_buckets: usize,
+    pub relative_attention_max_distance: usize,
+    pub layer_norm_epsilon: f64,
+    /// `"gated-gelu"` or `"{act}"` / `"gated-{act}"`. As in transformers it alone decides the
+    /// FFN activation; a `dense_act_fn` key in the file is ignored.
+    pub feed_forward_proj: String,
+}
+
+impl Default for UMT5Config {
+    fn default() -> Self {
+        Self {
+            vocab_size: 250112,
+            d_model: 512,
+            d_kv: 64,
+            d_ff: 1024,
+            num_layers: 8,
+            num_heads: 6,
+            relative_attention_num_buckets: 32,
+            relative_attention_max_distance: 128,
+            layer_norm_epsilon: 1e-6,
+            feed_forward_proj: "gated-gelu".to_string(),
+        }
+    }
+}
+
+impl UMT5Config {
+    /// Reads `text_encoder/config.json`.
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("parsing {}: {e}", path.display()))
+    }
+
+    /// The FFN's gating and activation, derived from `feed_forward_proj` as transformers does
+    /// (`"gated-gelu"` means gelu_new).
+    fn feed_forward(&self) -> Result<(bool, Activation)> {
+        let parts: Vec<&str> = self.feed_forward_proj.split('-').collect();
+        let (gated, name) = match parts.as_slice() {
+            [act] => (false, *act),
+            ["gated", act] => (true, *act),
+            _ => candle_core::bail!(
+                "umt5 feed_forward_proj {:?} is not \"{{act}}\" or \"gated-{{act}}\"",
+                self.feed_forward_proj
+            ),
+        };
+        let act = match (self.feed_forward_proj.as_str(), name) {
+            ("gated-gelu", _) | (_, "gelu_new" | "gelu_pytorch_tanh") => Activation::GeluTanh,
+            (_, "gelu") => Activation::GeluErf,
+            (_, "relu") => Activation::Relu,
+            (_, "silu" | "swish") => Activation::Silu,
+            (_, other) => candle_core::bail!("umt5 activation {other:?} is not supported"),
+        };
+        Ok((gated, act))
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.d_model == 0 || self.d_kv == 0 || self.num_heads == 0 || self.d_ff == 0 {
+            candle_core::bail!("umt5 config has a zero size: {self:?}");
+        }
+        if self.relative_attention_num_buckets < 4 || self.relative_attention_max_distance == 0 {
+            candle_core::bail!(
+                "umt5 config needs at least 4 relative attention buckets and a max distance: {self:?}"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The FFN activations a UMT5 config can name.
+#[derive(Debug, Clone, Copy)]
+enum Activation {
+    /// transformers' `gelu_new`: 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))).
+    GeluTanh,
+    GeluErf,
+    Relu,
+    Silu,
+}
+
+impl Activation {
+    fn apply(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::GeluTanh => x.gelu(),
+            Self::GeluErf => x.gelu_erf(),
+            Self::Relu => x.relu(),
+            Self::Silu => x.silu(),
+        }
+    }
+}
+
+/// `a + b` with PyTorch's promotion of mixed float dtypes (bf16 + f32 -> f32).
+fn add_promoted(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dtype() == b.dtype() {
+        return a + b;
+    }
+    let dtype = if a.dtype() == DType::F64 || b.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    a.to_dtype(dtype)? + b.to_dtype(dtype)?
+}
+
+/// T5-style RMSNorm (no mean subtraction, no bias): statistics in f32, the normalised value cast
+/// to the weight's dtype before the scale, as transformers' `UMT5LayerNorm` does.
+#[derive(Debug, Clone)]
+pub struct UMT5LayerNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl UMT5LayerNorm {
+    /// Loads `{vb}.weight` of shape `[size]`.
+    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            eps,
+        })
+    }
+
+    /// The encoder's final norm, `encoder.final_layer_norm` under the checkpoint root `vb`.
+    pub fn final_norm(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(
+            cfg.d_model,
+            cfg.layer_norm_epsilon,
+            vb.pp("encoder.final_layer_norm"),
+        )
+    }
+}
+
+impl Module for UMT5LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_dtype(DType::F32)?;
+        let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        x.broadcast_mul(&inv_rms)?
+            .to_dtype(self.weight.dtype())?
+            .broadcast_mul(&self.weight)
+    }
+}
+
+/// The token embedding: `encoder.embed_tokens.weight`, or the tied `shared.weight` that
+/// transformers stores instead. No scaling.
+#[derive(Debug, Clone)]
+pub struct UMT5Embedding {
+    embedding: Embedding,
+}
+
+impl UMT5Embedding {
+    /// Loads the embedding from the checkpoint root `vb`.
+    pub fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        const NAMES: [&str; 2] = ["encoder.embed_tokens.weight", "shared.weight"];
+        let name = NAMES
+            .into_iter()
+            .find(|n| vb.contains_tensor(n))
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "cannot find the umt5 token embedding: neither {} nor {} is in the weights",
+                    vb.pp(NAMES[0]).prefix(),
+                    vb.pp(NAMES[1]).prefix()
+                ))
+            })?;
+        let weight = vb.get((cfg.vocab_size, cfg.d_model), name)?;
+        Ok(Self {
+            embedding: Embedding::new(weight, cfg.d_model),
+        })
+    }
+
+    /// `[batch, seq]` integer ids to `[batch, seq, d_model]`.
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.embedding.forward(input_ids)
+    }
+}
+
+/// Bucket of a relative position `key_pos - query_pos` (bidirectional), computed with the
+/// float32 arithmetic of transformers' `_relative_position_bucket`.
+pub fn relative_position_bucket(
+    relative_position: i64,
+    num_buckets: usize,
+    max_distance: usize,
+) -> usize {
+    let half = num_buckets / 2;
+    let offset = if relative_position > 0 { half } else { 0 };
+    let n = relative_position.unsigned_abs() as usize;
+    let max_exact = half / 2;
+    if n < max_exact {
+        return offset + n;
+    }
+    let log_ratio = (n as f32 / max_exact as f32).ln()
+        / ((max_distance as f64 / max_exact as f64).ln() as f32)
+        * (half - max_exact) as f32;
+    // `as` saturates (and maps NaN to 0), as the clamp to the last bucket needs.
+    let large = (max_exact + log_ratio as usize).min(half.saturating_sub(1));
+    offset + large
+}
+
+/// Self-attention with a per-block relative position bias and no score scaling.
+#[derive(Debug, Clone)]
+struct UMT5Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    relative_attention_bias: Tensor,
+    num_heads: usize,
+    d_kv: usize,
+    num_buckets: usize,
+    max_distance: usize,
+}
+
+impl UMT5Attention {
+    fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        let inner = cfg.num_heads * cfg.d_kv;
+        Ok(Self {
+            q: candle_nn::linear_no_bias(cfg.d_model, inner, vb.pp("q"))?,
+            k: candle_nn::linear_no_bias(cfg.d_model, inner, vb.pp("k"))?,
+            v: candle_nn::linear_no_bias(cfg.d_model, inner, vb.pp("v"))?,
+            o: candle_nn::linear_no_bias(inner, cfg.d_model, vb.pp("o"))?,
+            relative_attention_bias: vb.get(
+                (cfg.relative_attention_num_buckets, cfg.num_heads),
+                "relative_attention_bias.weight",
+            )?,
+            num_heads: cfg.num_heads,
+            d_kv: cfg.d_kv,
+            num_buckets: cfg.relative_attention_num_buckets,
+            max_distance: cfg.relative_attention_max_distance,
+        })
+    }
+
+    /// `[1, heads, len, len]` f32 bias of this block.
+    fn position_bias(&self, len: usize, device: &Device) -> Result<Tensor> {
+        let mut buckets = Vec::with_capacity(len * len);
+        for query in 0..len as i64 {
+            for key in 0..len as i64 {
+                let bucket =
+                    relative_position_bucket(key - query, self.num_buckets, self.max_distance);
+                buckets.push(bucket as u32);
+            }
+        }
+        let buckets = Tensor::from_vec(buckets, len * len, device)?;
+        self.relative_attention_bias
+            .to_dtype(DType::F32)?
+            .index_select(&buckets, 0)?
+            .reshape((len, len, self.num_heads))?
+            .permute((2, 0, 1))?
+            .unsqueeze(0)
+    }
+
+    /// `x`: normed hidden states `[b, len, d_model]`; `key_bias`: `[b, 1, 1, len]` f32, 0 for
+    /// real keys and f32::MIN for padding.
+    fn forward(&self, x: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
+        let (b, len, _) = x.dims3()?;
+        let heads = |proj: &Linear| -> Result<Tensor> {
+            proj.forward(x)?
+                .reshape((b, len, self.num_heads, self.d_kv))?
+                .transpose(1, 2)?
+                .to_dtype(DType::F32)?
+                .contiguous()
+        };
+        let (q, k, v) = (heads(&self.q)?, heads(&self.k)?, heads(&self.v)?);
+        let scores = q
+            .matmul(&k.t()?.contiguous()?)?
+            .broadcast_add(&self.position_bias(len, x.device())?)?
+            .broadcast_add(key_bias)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, len, self.num_heads * self.d_kv))?
+            .to_dtype(x.dtype())?;
+        self.o.forward(&out)
+    }
+}
+
+/// `DenseReluDense`: gated `wo(act(wi_0 x) * wi_1 x)` or plain `wo(act(wi x))`; `wo` is kept
+/// in f32 when the weights are loaded in a 16-bit dtype.
+#[derive(Debug, Clone)]
+struct UMT5FeedForward {
+    wi: Linear,
+    gate: Option<Linear>,
+    wo: Linear,
+    act: Activation,
+}
+
+impl UMT5FeedForward {
+    fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        let (gated, act) = cfg.feed_forward()?;
+        let (wi, gate) = if gated {
+            (
+                candle_nn::linear_no_bias(cfg.d_model, cfg.d_ff, vb.pp("wi_0"))?,
+                Some(candle_nn::linear_no_bias(
+                    cfg.d_model,
+                    cfg.d_ff,
+                    vb.pp("wi_1"),
+                )?),
+            )
+        } else {
+            (
+                candle_nn::linear_no_bias(cfg.d_model, cfg.d_ff, vb.pp("wi"))?,
+                None,
+            )
+        };
+        let wo_dtype = match vb.dtype() {
+            DType::BF16 | DType::F16 => DType::F32,
+            dtype => dtype,
+        };
+        let wo = candle_nn::linear_no_bias(cfg.d_ff, cfg.d_model, vb.pp("wo").set_dtype(wo_dtype))?;
+        Ok(Self { wi, gate, wo, act })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = self.act.apply(&self.wi.forward(x)?)?;
+        if let Some(gate) = &self.gate {
+            h = (h * gate.forward(x)?)?;
+        }
+        self.wo.forward(&h.to_dtype(self.wo.weight().dtype())?)
+    }
+}
+
+/// One encoder block: `h += attn(norm(h))`, then `h += ffn(norm(h))`.
+#[derive(Debug, Clone)]
+pub struct UMT5Block {
+    attn_norm: UMT5LayerNorm,
+    attn: UMT5Attention,
+    ffn_norm: UMT5LayerNorm,
+    ffn: UMT5FeedForward,
+}
+
+impl UMT5Block {
+    /// Loads one block from `vb` = `encoder.block.{i}` of the checkpoint.
+    pub fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let (l0, l1) = (vb.pp("layer.0"), vb.pp("layer.1"));
+        let norm = |vb: VarBuilder| UMT5LayerNorm::new(cfg.d_model, cfg.layer_norm_epsilon, vb);
+        Ok(Self {
+            attn_norm: norm(l0.pp("layer_norm"))?,
+            attn: UMT5Attention::new(cfg, l0.pp("SelfAttention"))?,
+            ffn_norm: norm(l1.pp("layer_norm"))?,
+            ffn: UMT5FeedForward::new(cfg, l1.pp("DenseReluDense"))?,
+        })
+    }
+
+    /// `h`: `[batch, seq, d_model]`; `attention_mask`: `[batch, seq]`, 1 for real tokens and 0
+    /// for `<pad>` (any numeric dtype).
+    pub fn forward(&self, h: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let (b, len, _) = h.dims3()?;
+        let key_bias = attention_mask
+            .to_device(h.device())?
+            .to_dtype(DType::F32)?
+            .affine(f64::from(f32::MAX), -f64::from(f32::MAX))?
+            .reshape((b, 1, 1, len))?;
+        let attn = self.attn.forward(&self.attn_norm.forward(h)?, &key_bias)?;
+        let h = add_promoted(h, &attn)?;
+        let ffn = self.ffn.forward(&self.ffn_norm.forward(&h)?)?;
+        add_promoted(&h, &ffn)
+    }
+}
+
+/// The UMT5 encoder stack: embedding, blocks, final norm.
+#[derive(Debug, Clone)]
+pub struct UMT5EncoderModel {
+    embed_tokens: UMT5Embedding,
+    blocks: Vec<UMT5Block>,
+    final_layer_norm: UMT5LayerNorm,
+}
+
+impl UMT5EncoderModel {
+    /// Loads the whole encoder from the checkpoint root `vb` (`text_encoder/model*.safetensors`).
+    pub fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let blocks = (0..cfg.num_layers)
+            .map(|i| UMT5Block::new(cfg, vb.pp(format!("encoder.block.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embed_tokens: UMT5Embedding::new(cfg, vb.clone())?,
+            blocks,
+            final_layer_norm: UMT5LayerNorm::final_norm(cfg, vb)?,
+        })
+    }
+
+    /// Token embeddings (`hidden_states[0]`).
+    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.embed_tokens.forward(input_ids)
+    }
+
+    /// The blocks in order, for running the encoder one block at a time.
+    pub fn blocks(&self) -> &[UMT5Block] {
+        &self.blocks
+    }
+
+    /// `encoder.final_layer_norm`.
+    pub fn final_norm(&self, h: &Tensor) -> Result<Tensor> {
+        self.final_layer_norm.forward(h)
+    }
+
+    /// `last_hidden_state` for `[batch, seq]` ids and mask (1 real, 0 `<pad>`).
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let mut h = self.embed(input_ids)?;
+        for block in &self.blocks {
+            h = block.forward(&h, attention_mask)?;
+        }
+        self.final_norm(&h)
+    }
+
+    /// WanPipeline's `_get_t5_prompt_embeds`: `last_hidden_state` with every row at or beyond a
+    /// prompt's `seq_len` replaced by exact zeros (the length stays `seq`).
+    pub fn prompt_embeds(&self, input_ids: &Tensor, seq_lens: &[usize]) -> Result<Tensor> {
+        let (_, len) = input_ids.dims2()?;
+        let mask = attention_mask(seq_lens, len, input_ids.device())?;
+        zero_padding_rows(&self.forward(input_ids, &mask)?, seq_lens)
+    }
+}
+
+/// `[batch, max_len]` u32 mask: 1 for the first `seq_lens[i]` positions, 0 after.
+pub fn attention_mask(seq_lens: &[usize], max_len: usize, device: &Device) -> Result<Tensor> {
+    if let Some(bad) = seq_lens.iter().find(|&&l| l == 0 || l > max_len) {
+        candle_core::bail!("prompt length {bad} is not within 1..={max_len}");
+    }
+    let mask: Vec<u32> = seq_lens
+        .iter()
+        .flat_map(|&l| (0..max_len).map(move |i| u32::from(i < l)))
+        .collect();
+    Tensor::from_vec(mask, (seq_lens.len(), max_len), device)
+}
+
+/// Replaces rows `>= seq_lens[i]` of `[batch, seq, dim]` hidden states by exact (+0.0) zeros.
+pub fn zero_padding_rows(hidden: &Tensor, seq_lens: &[usize]) -> Result<Tensor> {
+    let (b, len, _) = hidden.dims3()?;
+    if seq_lens.len() != b {
+        candle_core::bail!("{} prompt lengths for a batch of {b}", seq_lens.len());
+    }
+    let keep = attention_mask(seq_lens, len, hidden.device())?
+        .to_dtype(DType::U8)?
+        .unsqueeze(2)?
+        .broadcast_as(hidden.shape())?;
+    keep.where_cond(hidden, &hidden.zeros_like()?)
+}
