@@ -484,15 +484,21 @@ impl PromptTokenizer {
     /// Loads `tokenizer.json`; the file's own truncation/padding settings are dropped because
     /// every call sets its own length.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let mut tokenizer = Tokenizer::from_file(path)
+        let tokenizer = Tokenizer::from_file(path)
             .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
-        tokenizer
-            .with_truncation(None)
-            .map_err(|e| anyhow!("tokenizer {}: {e}", path.display()))?;
+        Self::with_tokenizer(tokenizer).with_context(|| format!("tokenizer {}", path.display()))
+    }
+
+    /// Parses the text of a `tokenizer.json` (for tokenizers shipped inside the binary).
+    pub fn from_json(json: &str) -> Result<Self> {
+        let tokenizer: Tokenizer = json.parse().map_err(|e| anyhow!("parsing tokenizer.json: {e}"))?;
+        Self::with_tokenizer(tokenizer)
+    }
+
+    fn with_tokenizer(mut tokenizer: Tokenizer) -> Result<Self> {
+        tokenizer.with_truncation(None).map_err(|e| anyhow!("{e}"))?;
         tokenizer.with_padding(None);
-        let pad_id = tokenizer
-            .token_to_id("<pad>")
-            .with_context(|| format!("tokenizer {} has no <pad> token", path.display()))?;
+        let pad_id = tokenizer.token_to_id("<pad>").context("the tokenizer has no <pad> token")?;
         Ok(Self { tokenizer, pad_id })
     }
 
