@@ -169,3 +169,98 @@ fn wrong_latent_channels_is_an_error() {
     let v = Tensor::zeros((1, 2, 5, 32, 32), DType::F32, &Device::Cpu).unwrap();
     assert!(vae.encode(&v).is_err());
 }
+
+/// The half-precision path (norms and SiLU in f32, the rest in the weights' dtype). candle's CPU
+/// matmul has no bf16, so f16 stands in for the bf16 a CUDA run uses.
+#[test]
+fn decode_runs_in_half_precision() {
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[weights_path()], DType::F16, &Device::Cpu).unwrap()
+    };
+    let vae = AutoencoderKLWan::new(&config(), vb).unwrap();
+    let r = common::reference("vae");
+    let z = vae.denormalize(&r["decode.latents_normalized"]).unwrap();
+    assert_eq!(z.dtype(), DType::F16);
+    let video = vae.decode(&z).unwrap();
+    assert_eq!(video.dtype(), DType::F16);
+    let video = video.to_dtype(DType::F32).unwrap();
+    let diff = (video - &r["decode.video"]).unwrap().abs().unwrap();
+    let max = diff
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let mean = diff.mean_all().unwrap().to_scalar::<f32>().unwrap();
+    eprintln!("f16 decode: max |d| {max}, mean |d| {mean}");
+    assert!(
+        max < 0.05 && mean < 0.005,
+        "f16 decode: max {max}, mean {mean}"
+    );
+}
+
+/// diffusers' tiled decode on 16-pixel tiles every 8 pixels (2x2 latents, stride 1): regions that
+/// no blend touches equal the plain decode of their tile, and the horizontal overlaps of the first
+/// row of tiles are the linear fade `a * (1 - x/8) + b * (x/8)` between neighbouring tiles.
+#[test]
+fn tiled_decode_places_and_blends_tiles() {
+    use vidgen::models::wan::vae::WanVaeTiling;
+    let vae = load();
+    let r = common::reference("vae");
+    let z = &r["decode.latents_denormalized"];
+    // One tile covering everything is the plain decode.
+    let whole = WanVaeTiling::default();
+    let plain = vae.decode(z).unwrap();
+    common::assert_close(
+        "untiled",
+        &vae.decode_tiled(z, &whole).unwrap(),
+        &plain,
+        0.0,
+        0.0,
+    );
+
+    let tiling = WanVaeTiling {
+        tile_min_height: 16,
+        tile_min_width: 16,
+        tile_stride_height: 8,
+        tile_stride_width: 8,
+    };
+    let tiled = vae.decode_tiled(z, &tiling).unwrap();
+    assert_eq!(tiled.dims(), plain.dims());
+    let tile = |i: usize, j: usize| {
+        vae.decode(&z.narrow(3, i, 2).unwrap().narrow(4, j, 2).unwrap())
+            .unwrap()
+    };
+    let region = |t: &Tensor, h0: usize, h: usize, w0: usize, w: usize| {
+        t.narrow(3, h0, h).unwrap().narrow(4, w0, w).unwrap()
+    };
+    let t00 = tile(0, 0);
+    let t01 = tile(0, 1);
+    common::assert_close(
+        "tile 0,0",
+        &region(&tiled, 0, 8, 0, 8),
+        &region(&t00, 0, 8, 0, 8),
+        1e-6,
+        0.0,
+    );
+    // Tile (0, 1) lands at x = 8..16; its columns 0..8 are blended with tile (0, 0)'s 8..16.
+    let a = flat(&region(&t00, 0, 8, 8, 8));
+    let b = flat(&region(&t01, 0, 8, 0, 8));
+    let got = flat(&region(&tiled, 0, 8, 8, 8));
+    let mut checked = 0;
+    for (idx, ((a, b), g)) in a.iter().zip(&b).zip(&got).enumerate() {
+        let x = (idx % 8) as f32;
+        // Where a tile hit the clamp, the un-clamped value it blended is unknown here.
+        if a.abs() < 1.0 && b.abs() < 1.0 {
+            let want = a * (1.0 - x / 8.0) + b * (x / 8.0);
+            assert!((g - want).abs() <= 1e-6, "blend at {idx}: {g} vs {want}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 1000);
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}

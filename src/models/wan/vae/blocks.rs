@@ -548,3 +548,30 @@ impl Downsample {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Splitting a conv2d over images and row bands must not change any output value.
+    #[test]
+    fn banded_conv2d_equals_direct() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 5, 13, 11), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (4, 5, 3, 3), &dev)?;
+        for (padding, stride) in [(1, 1), (0, 2), (1, 2)] {
+            let direct = x.conv2d(&w, padding, stride, 1, 1)?;
+            // Limits forcing: one image per call, several rows per call, one row per call.
+            for limit in [2000, 200, 1] {
+                let banded = conv2d_banded(&x, &w, padding, stride, limit)?;
+                let diff = (banded - &direct)?.abs()?.flatten_all()?.max(0)?;
+                assert!(
+                    diff.to_scalar::<f32>()? < 1e-5,
+                    "pad {padding} stride {stride}"
+                );
+            }
+        }
+        Ok(())
+    }
+}

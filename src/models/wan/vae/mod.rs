@@ -155,6 +155,58 @@ impl WanVaeConfig {
     }
 }
 
+/// Spatial tiling of [`AutoencoderKLWan::decode_tiled`], in video pixels (diffusers'
+/// `enable_tiling` arguments): tiles of `min` pixels start every `stride` pixels and the
+/// `min - stride` overlap is blended linearly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WanVaeTiling {
+    /// Tile height; latents no taller than `tile_min_height / 8` are decoded in one piece.
+    pub tile_min_height: usize,
+    /// Tile width; latents no wider than `tile_min_width / 8` are decoded in one piece.
+    pub tile_min_width: usize,
+    /// Vertical distance between tile starts.
+    pub tile_stride_height: usize,
+    /// Horizontal distance between tile starts.
+    pub tile_stride_width: usize,
+}
+
+impl Default for WanVaeTiling {
+    /// diffusers' defaults: 256-pixel tiles every 192 pixels.
+    fn default() -> Self {
+        Self {
+            tile_min_height: 256,
+            tile_min_width: 256,
+            tile_stride_height: 192,
+            tile_stride_width: 192,
+        }
+    }
+}
+
+/// diffusers' `blend_v` / `blend_h`: the first `extent` rows (dim 3) or columns (dim 4) of `b`
+/// fade from the last ones of `a` into `b`'s own; computed in f32.
+fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
+    let extent = extent.min(a.dim(dim)?).min(b.dim(dim)?);
+    if extent == 0 {
+        return Ok(b.clone());
+    }
+    let ramp = |f: &dyn Fn(f64) -> f64| -> Result<Tensor> {
+        let w: Vec<f32> = (0..extent)
+            .map(|y| f(y as f64 / extent as f64) as f32)
+            .collect();
+        let shape: Vec<usize> = (0..5).map(|d| if d == dim { extent } else { 1 }).collect();
+        Tensor::from_vec(w, shape, b.device())
+    };
+    let a_tail = a
+        .narrow(dim, a.dim(dim)? - extent, extent)?
+        .to_dtype(DType::F32)?;
+    let b_head = b.narrow(dim, 0, extent)?.to_dtype(DType::F32)?;
+    let mixed = (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)?
+        + b_head.broadcast_mul(&ramp(&|r| r)?)?)?
+    .to_dtype(b.dtype())?;
+    let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
+    Tensor::cat(&[mixed, rest], dim)
+}
+
 /// A layer of the encoder's flat `down_blocks` list.
 enum DownLayer {
     Res(ResBlock),
@@ -387,6 +439,60 @@ impl AutoencoderKLWan {
     /// 8h, 8w]` (for the Wan2.1 ratios) clamped to [-1, 1], in the VAE dtype.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.decode_unclamped(z)?.clamp(-1.0, 1.0)
+    }
+
+    /// Decodes like [`Self::decode`] but in overlapping spatial tiles blended together, exactly
+    /// as diffusers' `tiled_decode`, so memory is bounded by the tile size instead of the frame
+    /// size. Latents that fit in one tile are decoded directly.
+    pub fn decode_tiled(&self, z: &Tensor, tiling: &WanVaeTiling) -> Result<Tensor> {
+        let (_, _, _, height, width) = z.dims5()?;
+        let sf = self.cfg.scale_factor_spatial();
+        let (min_h, min_w) = (tiling.tile_min_height / sf, tiling.tile_min_width / sf);
+        let (stride_h, stride_w) = (
+            tiling.tile_stride_height / sf,
+            tiling.tile_stride_width / sf,
+        );
+        if min_h == 0 || min_w == 0 || stride_h == 0 || stride_w == 0 {
+            bail!("vae tiling: tiles and strides must be at least {sf} pixels, got {tiling:?}")
+        }
+        if width <= min_w && height <= min_h {
+            return self.decode(z);
+        }
+        let sample_stride_h = tiling.tile_stride_height;
+        let sample_stride_w = tiling.tile_stride_width;
+        let blend_h = tiling.tile_min_height.saturating_sub(sample_stride_h);
+        let blend_w = tiling.tile_min_width.saturating_sub(sample_stride_w);
+        let mut above: Vec<Tensor> = Vec::new();
+        let mut result_rows = Vec::new();
+        for i in (0..height).step_by(stride_h) {
+            let mut row: Vec<Tensor> = Vec::new();
+            let mut cropped = Vec::new();
+            for (j_idx, j) in (0..width).step_by(stride_w).enumerate() {
+                let latent =
+                    z.narrow(3, i, min_h.min(height - i))?
+                        .narrow(4, j, min_w.min(width - j))?;
+                let mut tile = self.decode_unclamped(&latent)?;
+                if let Some(up) = above.get(j_idx) {
+                    tile = blend(up, &tile, blend_h, 3)?;
+                }
+                if let Some(left) = row.last() {
+                    tile = blend(left, &tile, blend_w, 4)?;
+                }
+                let th = sample_stride_h.min(tile.dim(3)?);
+                let tw = sample_stride_w.min(tile.dim(4)?);
+                cropped.push(tile.narrow(3, 0, th)?.narrow(4, 0, tw)?);
+                row.push(tile);
+            }
+            result_rows.push(Tensor::cat(&cropped, 4)?);
+            above = row;
+        }
+        drop(above);
+        let out = Tensor::cat(&result_rows, 3)?;
+        let out_h = out.dim(3)?.min(height * sf);
+        let out_w = out.dim(4)?.min(width * sf);
+        out.narrow(3, 0, out_h)?
+            .narrow(4, 0, out_w)?
+            .clamp(-1.0, 1.0)
     }
 
     /// Decode without the final clamp (the tiles of a tiled decode are blended first).
