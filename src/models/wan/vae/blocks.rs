@@ -1,0 +1,577 @@
+//! Layers of the Wan2.1 VAE (diffusers' `AutoencoderKLWan`), working on chunks of frames.
+//!
+//! Activations are kept frames-major, `[batch, frames, channels, height, width]`, so a frame is a
+//! contiguous `[batch, channels, h, w]` image that candle's conv2d consumes without copies. Every
+//! causal conv keeps the last two input frames of the previous chunk in a [`FeatCache`] slot,
+//! exactly like diffusers' `feat_cache`, which bounds the memory of a decode by one latent frame.
+
+use candle_core::{bail, DType, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::models::attention::sdpa;
+
+/// Frames of context a causal conv keeps between chunks (diffusers' `CACHE_T`).
+const CACHE_T: usize = 2;
+
+/// Largest im2col scratch (elements) one conv2d call may build: candle's CUDA conv2d is
+/// im2col + matmul, whose scratch is `C_in * k * k` times the output image (1.4 GB in f32 for
+/// one 96-channel 480x832 frame). Larger convolutions are split into row bands.
+const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
+
+/// State of one cache slot, as diffusers' `feat_cache[idx]` (`None`, `"Rep"` or a tensor).
+enum Slot {
+    Empty,
+    /// An `upsample3d` that has seen its first chunk, which it passed through un-doubled.
+    Rep,
+    /// The last (up to two) input frames of the previous chunk, `[B, t, C, H, W]`.
+    Frames(Tensor),
+}
+
+/// Per-call temporal cache: one slot per causal conv (and per 3D resample), visited in order.
+#[derive(Default)]
+pub(super) struct FeatCache {
+    slots: Vec<Slot>,
+    idx: usize,
+}
+
+impl FeatCache {
+    /// Rewinds to the first slot; called before every chunk (diffusers' `feat_idx = [0]`).
+    pub(super) fn start_chunk(&mut self) {
+        self.idx = 0;
+    }
+
+    fn next_slot(&mut self) -> &mut Slot {
+        if self.idx == self.slots.len() {
+            self.slots.push(Slot::Empty);
+        }
+        self.idx += 1;
+        &mut self.slots[self.idx - 1]
+    }
+}
+
+/// Frame `t` of a frames-major tensor, as `[B, C, H, W]`.
+fn frame(x: &Tensor, t: usize) -> Result<Tensor> {
+    x.narrow(1, t, 1)?.squeeze(1)
+}
+
+/// The last `min(n, T)` frames of `x`, copied so the cache does not keep the whole chunk alive.
+fn last_frames(x: &Tensor, n: usize) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    let keep = n.min(t);
+    x.narrow(1, t - keep, keep)?.force_contiguous()
+}
+
+/// SiLU evaluated in f32 and rounded once, as torch does for half-precision inputs.
+pub(super) fn silu(x: &Tensor) -> Result<Tensor> {
+    if x.dtype() == DType::F32 {
+        x.silu()
+    } else {
+        x.to_dtype(DType::F32)?.silu()?.to_dtype(x.dtype())
+    }
+}
+
+/// conv2d (no bias) whose im2col scratch stays below [`MAX_IM2COL_ELEMENTS`].
+pub(super) fn conv2d_lean(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    conv2d_banded(x, w, padding, stride, MAX_IM2COL_ELEMENTS)
+}
+
+/// conv2d split over images and then over output-row bands so that no call's im2col exceeds
+/// `limit` elements. Every output element is computed by the same dot product as unsplit.
+fn conv2d_banded(
+    x: &Tensor,
+    w: &Tensor,
+    padding: usize,
+    stride: usize,
+    limit: usize,
+) -> Result<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let (_, _, kh, kw) = w.dims4()?;
+    if h + 2 * padding < kh || wd + 2 * padding < kw || stride == 0 {
+        bail!("conv2d: a {h}x{wd} input (padding {padding}) is smaller than the {kh}x{kw} kernel")
+    }
+    let h_out = (h + 2 * padding - kh) / stride + 1;
+    let w_out = (wd + 2 * padding - kw) / stride + 1;
+    let per_row = w_out * c * kh * kw;
+    if n * h_out * per_row <= limit {
+        return x.conv2d(w, padding, stride, 1, 1);
+    }
+    let xp = if padding > 0 {
+        x.pad_with_zeros(2, padding, padding)?
+            .pad_with_zeros(3, padding, padding)?
+    } else {
+        x.clone()
+    };
+    let images_per_call = limit / (h_out * per_row);
+    let mut outs = Vec::new();
+    if images_per_call >= 1 {
+        let mut n0 = 0;
+        while n0 < n {
+            let len = images_per_call.min(n - n0);
+            outs.push(xp.narrow(0, n0, len)?.conv2d(w, 0, stride, 1, 1)?);
+            n0 += len;
+        }
+        return Tensor::cat(&outs, 0);
+    }
+    let rows_per_call = (limit / per_row).max(1);
+    for i in 0..n {
+        let image = xp.narrow(0, i, 1)?;
+        let mut bands = Vec::with_capacity(h_out.div_ceil(rows_per_call));
+        let mut r0 = 0;
+        while r0 < h_out {
+            let rows = rows_per_call.min(h_out - r0);
+            let band = image.narrow(2, r0 * stride, (rows - 1) * stride + kh)?;
+            bands.push(band.conv2d(w, 0, stride, 1, 1)?);
+            r0 += rows;
+        }
+        outs.push(Tensor::cat(&bands, 2)?);
+    }
+    Tensor::cat(&outs, 0)
+}
+
+/// A 2D convolution with bias (`nn.Conv2d`), memory-lean on large images.
+struct Conv2d {
+    weight: Tensor,
+    bias: Tensor,
+    padding: usize,
+    stride: usize,
+}
+
+impl Conv2d {
+    fn new(
+        cin: usize,
+        cout: usize,
+        k: usize,
+        padding: usize,
+        stride: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let weight = vb.get((cout, cin, k, k), "weight")?;
+        let bias = vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?;
+        Ok(Self {
+            weight,
+            bias,
+            padding,
+            stride,
+        })
+    }
+
+    /// `[N, C, H, W]` -> `[N, C_out, H', W']`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv2d_lean(x, &self.weight, self.padding, self.stride)?.broadcast_add(&self.bias)
+    }
+}
+
+/// diffusers' `WanCausalConv3d`: zero padding of `2 * pad_t` frames in front (or the cached
+/// frames of the previous chunk instead), none behind; symmetric spatial padding. Computed one
+/// output frame at a time as a sum over the temporal taps of 2D convolutions.
+pub(super) struct CausalConv3d {
+    /// `weight[:, :, k]` for each temporal tap `k`, each `[C_out, C_in, kh, kw]`.
+    taps: Vec<Tensor>,
+    bias: Tensor,
+    front_pad: usize,
+    pad_s: usize,
+    stride_t: usize,
+}
+
+impl CausalConv3d {
+    /// A conv with a cubic `k` kernel and padding `pad` in every dimension.
+    pub(super) fn cube(
+        cin: usize,
+        cout: usize,
+        k: usize,
+        pad: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::new(cin, cout, (k, k, k), 1, (pad, pad), vb)
+    }
+
+    /// `kernel` = (t, h, w) with h == w, `pad` = (temporal, spatial).
+    fn new(
+        cin: usize,
+        cout: usize,
+        kernel: (usize, usize, usize),
+        stride_t: usize,
+        pad: (usize, usize),
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (kt, kh, kw) = kernel;
+        let weight = vb.get((cout, cin, kt, kh, kw), "weight")?;
+        let bias = vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?;
+        let taps = (0..kt)
+            .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            taps,
+            bias,
+            front_pad: 2 * pad.0,
+            pad_s: pad.1,
+            stride_t,
+        })
+    }
+
+    /// `x`: `[B, T, C, H, W]`; `cache`: frames that precede `x` (replacing front zero padding).
+    pub(super) fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
+        let t_in = x.dim(1)?;
+        let cache = cache.filter(|_| self.front_pad > 0);
+        let cached = match cache {
+            Some(c) => c.dim(1)?,
+            None => 0,
+        };
+        let zeros = self.front_pad.saturating_sub(cached);
+        let t_full = zeros + cached + t_in;
+        let kt = self.taps.len();
+        if t_full < kt {
+            bail!("causal conv3d: {t_full} frames (with padding) for a temporal kernel of {kt}")
+        }
+        let t_out = (t_full - kt) / self.stride_t + 1;
+        let mut outs = Vec::with_capacity(t_out);
+        for o in 0..t_out {
+            let mut acc: Option<Tensor> = None;
+            for (k, tap) in self.taps.iter().enumerate() {
+                let i = o * self.stride_t + k;
+                // A zero padding frame contributes exactly nothing.
+                let input = if i < zeros {
+                    continue;
+                } else if i < zeros + cached {
+                    match cache {
+                        Some(c) => frame(c, i - zeros)?,
+                        None => continue,
+                    }
+                } else {
+                    frame(x, i - zeros - cached)?
+                };
+                let y = conv2d_lean(&input, tap, self.pad_s, 1)?;
+                acc = Some(match acc {
+                    Some(a) => (a + y)?,
+                    None => y,
+                });
+            }
+            let y = match acc {
+                Some(a) => a.broadcast_add(&self.bias)?,
+                None => bail!("causal conv3d: output frame {o} sees only padding"),
+            };
+            outs.push(y);
+        }
+        Tensor::stack(&outs, 1)
+    }
+
+    /// Runs the conv on one chunk with this conv's cache slot, then stores the last
+    /// [`CACHE_T`] input frames (topped up with the previous chunk's last frame when the
+    /// chunk is a single frame), as every cached conv of diffusers' Wan VAE does.
+    pub(super) fn forward_cached(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let slot = cache.next_slot();
+        let prev = match slot {
+            Slot::Frames(p) => Some(p.clone()),
+            _ => None,
+        };
+        let mut cache_x = last_frames(x, CACHE_T)?;
+        if cache_x.dim(1)? < CACHE_T {
+            if let Some(p) = &prev {
+                cache_x = Tensor::cat(&[last_frames(p, 1)?, cache_x], 1)?;
+            }
+        }
+        let y = self.forward(x, prev.as_ref())?;
+        *slot = Slot::Frames(cache_x);
+        Ok(y)
+    }
+}
+
+/// diffusers' `WanRMS_norm`: `F.normalize` over channels (x / max(|x|_2, 1e-12)) * sqrt(C) * gamma,
+/// the normalisation computed in f32.
+pub(super) struct ChannelNorm {
+    gamma: Tensor,
+    scale: f64,
+}
+
+impl ChannelNorm {
+    /// `images`: the 2D variant (gamma `[C, 1, 1]`, in attention) rather than the 3D one
+    /// (gamma `[C, 1, 1, 1]`).
+    pub(super) fn new(dim: usize, images: bool, vb: VarBuilder) -> Result<Self> {
+        let gamma = if images {
+            vb.get((dim, 1, 1), "gamma")?
+        } else {
+            vb.get((dim, 1, 1, 1), "gamma")?.reshape((dim, 1, 1))?
+        };
+        Ok(Self {
+            gamma,
+            scale: (dim as f64).sqrt(),
+        })
+    }
+
+    /// Normalises over the channel dimension, the third from last (`[.., C, H, W]`).
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let ch = x.rank() - 3;
+        let xf = x.to_dtype(DType::F32)?;
+        let norm = xf.sqr()?.sum_keepdim(ch)?.sqrt()?.maximum(1e-12)?;
+        let normalized = xf.broadcast_div(&norm)?;
+        // torch rounds the normalised tensor to the input dtype, then scales in f32 and rounds.
+        let scaled = if dtype == DType::F32 {
+            (normalized * self.scale)?
+        } else {
+            (normalized.to_dtype(dtype)?.to_dtype(DType::F32)? * self.scale)?.to_dtype(dtype)?
+        };
+        scaled.broadcast_mul(&self.gamma)
+    }
+}
+
+/// diffusers' `WanResidualBlock`.
+pub(super) struct ResBlock {
+    norm1: ChannelNorm,
+    conv1: CausalConv3d,
+    norm2: ChannelNorm,
+    conv2: CausalConv3d,
+    shortcut: Option<CausalConv3d>,
+}
+
+impl ResBlock {
+    pub(super) fn new(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Self> {
+        let shortcut = if in_dim != out_dim {
+            Some(CausalConv3d::cube(
+                in_dim,
+                out_dim,
+                1,
+                0,
+                vb.pp("conv_shortcut"),
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            norm1: ChannelNorm::new(in_dim, false, vb.pp("norm1"))?,
+            conv1: CausalConv3d::cube(in_dim, out_dim, 3, 1, vb.pp("conv1"))?,
+            norm2: ChannelNorm::new(out_dim, false, vb.pp("norm2"))?,
+            conv2: CausalConv3d::cube(out_dim, out_dim, 3, 1, vb.pp("conv2"))?,
+            shortcut,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let h = match &self.shortcut {
+            Some(conv) => conv.forward(x, None)?,
+            None => x.clone(),
+        };
+        let y = silu(&self.norm1.forward(x)?)?;
+        let y = self.conv1.forward_cached(&y, cache)?;
+        let y = silu(&self.norm2.forward(&y)?)?;
+        let y = self.conv2.forward_cached(&y, cache)?;
+        y + h
+    }
+}
+
+/// diffusers' `WanAttentionBlock`: single-head self-attention over the pixels of each frame.
+pub(super) struct AttentionBlock {
+    norm: ChannelNorm,
+    to_qkv: Conv2d,
+    proj: Conv2d,
+}
+
+impl AttentionBlock {
+    pub(super) fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            norm: ChannelNorm::new(dim, true, vb.pp("norm"))?,
+            to_qkv: Conv2d::new(dim, 3 * dim, 1, 0, 1, vb.pp("to_qkv"))?,
+            proj: Conv2d::new(dim, dim, 1, 0, 1, vb.pp("proj"))?,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c, h, w) = x.dims5()?;
+        let frames = x.reshape((b * t, c, h, w))?;
+        let qkv = self.to_qkv.forward(&self.norm.forward(&frames)?)?;
+        let qkv = qkv.reshape((b * t, 1, 3 * c, h * w))?.transpose(2, 3)?;
+        let q = qkv.narrow(3, 0, c)?;
+        let k = qkv.narrow(3, c, c)?;
+        let v = qkv.narrow(3, 2 * c, c)?;
+        let o = sdpa(&q, &k, &v, 1.0 / (c as f64).sqrt())?;
+        let o = o.squeeze(1)?.transpose(1, 2)?.reshape((b * t, c, h, w))?;
+        let o = self.proj.forward(&o)?.reshape((b, t, c, h, w))?;
+        o + x
+    }
+}
+
+/// diffusers' `WanMidBlock` with one attention layer: res, attention, res.
+pub(super) struct MidBlock {
+    res0: ResBlock,
+    attn: AttentionBlock,
+    res1: ResBlock,
+}
+
+impl MidBlock {
+    pub(super) fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            res0: ResBlock::new(dim, dim, vb.pp("resnets.0"))?,
+            attn: AttentionBlock::new(dim, vb.pp("attentions.0"))?,
+            res1: ResBlock::new(dim, dim, vb.pp("resnets.1"))?,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let x = self.res0.forward(x, cache)?;
+        let x = self.attn.forward(&x)?;
+        self.res1.forward(&x, cache)
+    }
+}
+
+/// Applies a per-image operation to every frame of `[B, T, C, H, W]`, one frame at a time.
+fn map_frames(x: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let outs = (0..x.dim(1)?)
+        .map(|t| f(&frame(x, t)?))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&outs, 1)
+}
+
+/// diffusers' `WanResample` in `upsample2d` / `upsample3d` mode: (3D: a temporal conv C -> 2C
+/// whose halves become two consecutive frames) then nearest x2 and a 3x3 conv.
+pub(super) struct Upsample {
+    conv: Conv2d,
+    time_conv: Option<CausalConv3d>,
+}
+
+impl Upsample {
+    pub(super) fn new(dim: usize, out_dim: usize, temporal: bool, vb: VarBuilder) -> Result<Self> {
+        let time_conv = if temporal {
+            Some(CausalConv3d::new(
+                dim,
+                2 * dim,
+                (3, 1, 1),
+                1,
+                (1, 0),
+                vb.pp("time_conv"),
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            conv: Conv2d::new(dim, out_dim, 3, 1, 1, vb.pp("resample.1"))?,
+            time_conv,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let x = match &self.time_conv {
+            Some(time_conv) => Self::time_upsample(time_conv, x, cache)?,
+            None => x.clone(),
+        };
+        map_frames(&x, |f| {
+            let (_, _, h, w) = f.dims4()?;
+            self.conv.forward(&f.upsample_nearest2d(2 * h, 2 * w)?)
+        })
+    }
+
+    /// The first chunk passes through un-doubled (slot becomes `Rep`); later chunks run the
+    /// temporal conv over zero padding (after `Rep`) or the cached frames, doubling the frames.
+    fn time_upsample(
+        time_conv: &CausalConv3d,
+        x: &Tensor,
+        cache: &mut FeatCache,
+    ) -> Result<Tensor> {
+        let slot = cache.next_slot();
+        let y = match slot {
+            Slot::Empty => {
+                *slot = Slot::Rep;
+                return Ok(x.clone());
+            }
+            Slot::Rep => {
+                let mut cache_x = last_frames(x, CACHE_T)?;
+                if cache_x.dim(1)? < CACHE_T {
+                    cache_x = Tensor::cat(&[cache_x.zeros_like()?, cache_x], 1)?;
+                }
+                let y = time_conv.forward(x, None)?;
+                *slot = Slot::Frames(cache_x);
+                y
+            }
+            Slot::Frames(prev) => {
+                let prev = prev.clone();
+                let mut cache_x = last_frames(x, CACHE_T)?;
+                if cache_x.dim(1)? < CACHE_T {
+                    cache_x = Tensor::cat(&[last_frames(&prev, 1)?, cache_x], 1)?;
+                }
+                let y = time_conv.forward(x, Some(&prev))?;
+                *slot = Slot::Frames(cache_x);
+                y
+            }
+        };
+        let (b, t, c2, h, w) = y.dims5()?;
+        // Channels [0, C) are frame 2t, channels [C, 2C) frame 2t + 1.
+        y.reshape((b, 2 * t, c2 / 2, h, w))
+    }
+}
+
+/// diffusers' `WanResample` in `downsample2d` / `downsample3d` mode: zero pad right/bottom, 3x3
+/// stride-2 conv, then (3D) a stride-2 temporal conv over the previous chunk's last frame and
+/// this chunk; the very first chunk passes through.
+pub(super) struct Downsample {
+    conv: Conv2d,
+    time_conv: Option<CausalConv3d>,
+}
+
+impl Downsample {
+    pub(super) fn new(dim: usize, temporal: bool, vb: VarBuilder) -> Result<Self> {
+        let time_conv = if temporal {
+            Some(CausalConv3d::new(
+                dim,
+                dim,
+                (3, 1, 1),
+                2,
+                (0, 0),
+                vb.pp("time_conv"),
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            conv: Conv2d::new(dim, dim, 3, 0, 2, vb.pp("resample.1"))?,
+            time_conv,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let x = map_frames(x, |f| {
+            self.conv
+                .forward(&f.pad_with_zeros(3, 0, 1)?.pad_with_zeros(2, 0, 1)?)
+        })?;
+        let Some(time_conv) = &self.time_conv else {
+            return Ok(x);
+        };
+        let slot = cache.next_slot();
+        match slot {
+            Slot::Frames(prev) => {
+                let input = Tensor::cat(&[last_frames(prev, 1)?, x.clone()], 1)?;
+                *slot = Slot::Frames(last_frames(&x, 1)?);
+                time_conv.forward(&input, None)
+            }
+            _ => {
+                *slot = Slot::Frames(x.clone());
+                Ok(x)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Splitting a conv2d over images and row bands must not change any output value.
+    #[test]
+    fn banded_conv2d_equals_direct() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 5, 13, 11), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (4, 5, 3, 3), &dev)?;
+        for (padding, stride) in [(1, 1), (0, 2), (1, 2)] {
+            let direct = x.conv2d(&w, padding, stride, 1, 1)?;
+            // Limits forcing: one image per call, several rows per call, one row per call.
+            for limit in [2000, 200, 1] {
+                let banded = conv2d_banded(&x, &w, padding, stride, limit)?;
+                let diff = (banded - &direct)?.abs()?.flatten_all()?.max(0)?;
+                assert!(
+                    diff.to_scalar::<f32>()? < 1e-5,
+                    "pad {padding} stride {stride}"
+                );
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,563 @@
+//! The Wan2.1 video VAE (diffusers' `AutoencoderKLWan`): a causal 3D-conv autoencoder that
+//! compresses video 4x in time (first frame alone) and 8x in space into `z_dim` channels.
+//!
+//! Like diffusers, decoding runs one latent frame at a time and encoding the first frame, then
+//! four frames at a time, with every causal conv caching the last two frames it saw, so memory
+//! does not grow with the number of frames.
+
+mod blocks;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+use serde::Deserialize;
+
+use blocks::{
+    silu, AttentionBlock, CausalConv3d, ChannelNorm, Downsample, FeatCache, MidBlock, ResBlock,
+    Upsample,
+};
+
+/// Frames per encoder chunk after the first one (hard-coded in diffusers).
+const ENCODE_CHUNK_FRAMES: usize = 4;
+
+fn default_base_dim() -> usize {
+    96
+}
+fn default_z_dim() -> usize {
+    16
+}
+fn default_dim_mult() -> Vec<usize> {
+    vec![1, 2, 4, 4]
+}
+fn default_num_res_blocks() -> usize {
+    2
+}
+fn default_temperal_downsample() -> Vec<bool> {
+    vec![false, true, true]
+}
+fn default_channels() -> usize {
+    3
+}
+fn default_latents_mean() -> Vec<f64> {
+    vec![
+        -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715,
+        0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+    ]
+}
+fn default_latents_std() -> Vec<f64> {
+    vec![
+        2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652,
+        1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+    ]
+}
+
+/// `vae/config.json` of a Wan2.1 diffusers checkpoint. Missing keys take diffusers' defaults;
+/// keys written by newer diffusers (`scale_factor_*`, ...) are ignored, and the Wan2.2 variants
+/// (`is_residual`, `patch_size`) are rejected by [`WanVaeConfig::validate`].
+#[derive(Debug, Clone, Deserialize)]
+pub struct WanVaeConfig {
+    /// Channels of the encoder's first stage (and of the decoder's last one).
+    #[serde(default = "default_base_dim")]
+    pub base_dim: usize,
+    /// Decoder base channels when they differ from `base_dim`.
+    #[serde(default)]
+    pub decoder_base_dim: Option<usize>,
+    /// Latent channels.
+    #[serde(default = "default_z_dim")]
+    pub z_dim: usize,
+    /// Channel multiplier per stage; `len - 1` spatial 2x resamplings.
+    #[serde(default = "default_dim_mult")]
+    pub dim_mult: Vec<usize>,
+    /// Residual blocks per encoder stage (the decoder has one more).
+    #[serde(default = "default_num_res_blocks")]
+    pub num_res_blocks: usize,
+    /// Encoder stage scales (1, 1/2, ...) that get an attention block after each res block.
+    #[serde(default)]
+    pub attn_scales: Vec<f64>,
+    /// Which encoder resamplings also halve time (the decoder mirrors it). Sic, diffusers' key.
+    #[serde(default = "default_temperal_downsample")]
+    pub temperal_downsample: Vec<bool>,
+    /// Per-channel mean of the latent distribution (for the pipeline's de-normalisation).
+    #[serde(default = "default_latents_mean")]
+    pub latents_mean: Vec<f64>,
+    /// Per-channel std of the latent distribution.
+    #[serde(default = "default_latents_std")]
+    pub latents_std: Vec<f64>,
+    /// Wan2.2 residual up/down blocks (unsupported).
+    #[serde(default)]
+    pub is_residual: Option<bool>,
+    /// Video channels in.
+    #[serde(default = "default_channels")]
+    pub in_channels: usize,
+    /// Video channels out.
+    #[serde(default = "default_channels")]
+    pub out_channels: usize,
+    /// Wan2.2 pixel patchification (unsupported).
+    #[serde(default)]
+    pub patch_size: Option<usize>,
+}
+
+impl WanVaeConfig {
+    /// Spatial compression: 2^(number of resampling stages).
+    pub fn scale_factor_spatial(&self) -> usize {
+        1 << self.dim_mult.len().saturating_sub(1)
+    }
+
+    /// Temporal compression: 2^(number of temporal resamplings).
+    pub fn scale_factor_temporal(&self) -> usize {
+        1 << self.temporal_resamplings()
+    }
+
+    fn temporal_resamplings(&self) -> usize {
+        let stages = self.dim_mult.len().saturating_sub(1);
+        self.temperal_downsample
+            .iter()
+            .take(stages)
+            .filter(|&&t| t)
+            .count()
+    }
+
+    /// Rejects configurations this Wan2.1 implementation cannot build.
+    pub fn validate(&self) -> Result<()> {
+        if self.is_residual == Some(true) {
+            bail!("vae config: is_residual=true (the Wan2.2 VAE) is not supported")
+        }
+        if let Some(p) = self.patch_size {
+            bail!("vae config: patch_size={p} (the Wan2.2 VAE) is not supported")
+        }
+        if self.dim_mult.is_empty() || self.dim_mult.contains(&0) {
+            bail!(
+                "vae config: dim_mult {:?} must be non-empty and positive",
+                self.dim_mult
+            )
+        }
+        let stages = self.dim_mult.len() - 1;
+        if self.temperal_downsample.len() < stages {
+            bail!(
+                "vae config: temperal_downsample has {} entries for {stages} resampling stages",
+                self.temperal_downsample.len()
+            )
+        }
+        if self.base_dim == 0 || self.z_dim == 0 || self.decoder_base_dim == Some(0) {
+            bail!("vae config: base_dim, decoder_base_dim and z_dim must be positive")
+        }
+        if self.in_channels == 0 || self.out_channels == 0 {
+            bail!("vae config: in_channels and out_channels must be positive")
+        }
+        if self.latents_mean.len() != self.z_dim || self.latents_std.len() != self.z_dim {
+            bail!(
+                "vae config: latents_mean ({}) and latents_std ({}) need z_dim = {} entries",
+                self.latents_mean.len(),
+                self.latents_std.len(),
+                self.z_dim
+            )
+        }
+        Ok(())
+    }
+}
+
+/// Spatial tiling of [`AutoencoderKLWan::decode_tiled`], in video pixels (diffusers'
+/// `enable_tiling` arguments): tiles of `min` pixels start every `stride` pixels and the
+/// `min - stride` overlap is blended linearly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WanVaeTiling {
+    /// Tile height; latents no taller than `tile_min_height / 8` are decoded in one piece.
+    pub tile_min_height: usize,
+    /// Tile width; latents no wider than `tile_min_width / 8` are decoded in one piece.
+    pub tile_min_width: usize,
+    /// Vertical distance between tile starts.
+    pub tile_stride_height: usize,
+    /// Horizontal distance between tile starts.
+    pub tile_stride_width: usize,
+}
+
+impl Default for WanVaeTiling {
+    /// diffusers' defaults: 256-pixel tiles every 192 pixels.
+    fn default() -> Self {
+        Self {
+            tile_min_height: 256,
+            tile_min_width: 256,
+            tile_stride_height: 192,
+            tile_stride_width: 192,
+        }
+    }
+}
+
+/// diffusers' `blend_v` / `blend_h`: the first `extent` rows (dim 3) or columns (dim 4) of `b`
+/// fade from the last ones of `a` into `b`'s own; computed in f32.
+fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
+    let extent = extent.min(a.dim(dim)?).min(b.dim(dim)?);
+    if extent == 0 {
+        return Ok(b.clone());
+    }
+    let ramp = |f: &dyn Fn(f64) -> f64| -> Result<Tensor> {
+        let w: Vec<f32> = (0..extent)
+            .map(|y| f(y as f64 / extent as f64) as f32)
+            .collect();
+        let shape: Vec<usize> = (0..5).map(|d| if d == dim { extent } else { 1 }).collect();
+        Tensor::from_vec(w, shape, b.device())
+    };
+    let a_tail = a
+        .narrow(dim, a.dim(dim)? - extent, extent)?
+        .to_dtype(DType::F32)?;
+    let b_head = b.narrow(dim, 0, extent)?.to_dtype(DType::F32)?;
+    let mixed = (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)?
+        + b_head.broadcast_mul(&ramp(&|r| r)?)?)?
+    .to_dtype(b.dtype())?;
+    let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
+    Tensor::cat(&[mixed, rest], dim)
+}
+
+/// A layer of the encoder's flat `down_blocks` list.
+enum DownLayer {
+    Res(ResBlock),
+    Attention(AttentionBlock),
+    Resample(Downsample),
+}
+
+/// diffusers' `WanEncoder3d` (Wan2.1 layout): video -> `2 * z_dim` channels (before quant_conv).
+struct Encoder {
+    conv_in: CausalConv3d,
+    down: Vec<DownLayer>,
+    mid: MidBlock,
+    head: Head,
+}
+
+impl Encoder {
+    fn new(cfg: &WanVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.base_dim;
+        let dims: Vec<usize> = std::iter::once(1)
+            .chain(cfg.dim_mult.iter().copied())
+            .map(|m| m * dim)
+            .collect();
+        let conv_in = CausalConv3d::cube(cfg.in_channels, dims[0], 3, 1, vb.pp("conv_in"))?;
+        let vb_down = vb.pp("down_blocks");
+        let mut down = Vec::new();
+        let mut scale = 1.0f64;
+        let stages = cfg.dim_mult.len();
+        for i in 0..stages {
+            let mut in_dim = dims[i];
+            let out_dim = dims[i + 1];
+            for _ in 0..cfg.num_res_blocks {
+                down.push(DownLayer::Res(ResBlock::new(
+                    in_dim,
+                    out_dim,
+                    vb_down.pp(down.len()),
+                )?));
+                if cfg.attn_scales.contains(&scale) {
+                    down.push(DownLayer::Attention(AttentionBlock::new(
+                        out_dim,
+                        vb_down.pp(down.len()),
+                    )?));
+                }
+                in_dim = out_dim;
+            }
+            if i != stages - 1 {
+                let temporal = cfg.temperal_downsample[i];
+                down.push(DownLayer::Resample(Downsample::new(
+                    out_dim,
+                    temporal,
+                    vb_down.pp(down.len()),
+                )?));
+                scale /= 2.0;
+            }
+        }
+        let out_dim = dims[stages];
+        Ok(Self {
+            conv_in,
+            down,
+            mid: MidBlock::new(out_dim, vb.pp("mid_block"))?,
+            head: Head::new(out_dim, 2 * cfg.z_dim, vb)?,
+        })
+    }
+
+    /// One chunk `[B, T, C, H, W]` (frames-major) with the cache of the previous chunks.
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let mut x = self.conv_in.forward_cached(x, cache)?;
+        for layer in &self.down {
+            x = match layer {
+                DownLayer::Res(res) => res.forward(&x, cache)?,
+                DownLayer::Attention(attn) => attn.forward(&x)?,
+                DownLayer::Resample(resample) => resample.forward(&x, cache)?,
+            };
+        }
+        let x = self.mid.forward(&x, cache)?;
+        self.head.forward(&x, cache)
+    }
+}
+
+/// `norm_out` -> SiLU -> `conv_out`, the tail shared by encoder and decoder.
+struct Head {
+    norm: ChannelNorm,
+    conv: CausalConv3d,
+}
+
+impl Head {
+    fn new(dim: usize, out: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            norm: ChannelNorm::new(dim, false, vb.pp("norm_out"))?,
+            conv: CausalConv3d::cube(dim, out, 3, 1, vb.pp("conv_out"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let x = silu(&self.norm.forward(x)?)?;
+        self.conv.forward_cached(&x, cache)
+    }
+}
+
+/// An up stage of the decoder: `num_res_blocks + 1` res blocks and an optional upsampler.
+struct UpBlock {
+    resnets: Vec<ResBlock>,
+    upsampler: Option<Upsample>,
+}
+
+/// diffusers' `WanDecoder3d` (Wan2.1 layout): `z_dim` channels -> video.
+struct Decoder {
+    conv_in: CausalConv3d,
+    mid: MidBlock,
+    up: Vec<UpBlock>,
+    head: Head,
+}
+
+impl Decoder {
+    fn new(cfg: &WanVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.decoder_base_dim.unwrap_or(cfg.base_dim);
+        let stages = cfg.dim_mult.len();
+        let dims: Vec<usize> = std::iter::once(cfg.dim_mult[stages - 1])
+            .chain(cfg.dim_mult.iter().rev().copied())
+            .map(|m| m * dim)
+            .collect();
+        let temporal_up: Vec<bool> = cfg.temperal_downsample[..stages - 1]
+            .iter()
+            .rev()
+            .copied()
+            .collect();
+        let conv_in = CausalConv3d::cube(cfg.z_dim, dims[0], 3, 1, vb.pp("conv_in"))?;
+        let mid = MidBlock::new(dims[0], vb.pp("mid_block"))?;
+        let mut up = Vec::with_capacity(stages);
+        for i in 0..stages {
+            let vb_up = vb.pp("up_blocks").pp(i);
+            // Wan2.1: every upsampler halves the channels, so later stages start at half.
+            let mut in_dim = if i > 0 { dims[i] / 2 } else { dims[i] };
+            let out_dim = dims[i + 1];
+            let mut resnets = Vec::with_capacity(cfg.num_res_blocks + 1);
+            for j in 0..=cfg.num_res_blocks {
+                resnets.push(ResBlock::new(in_dim, out_dim, vb_up.pp("resnets").pp(j))?);
+                in_dim = out_dim;
+            }
+            let upsampler = if i != stages - 1 {
+                Some(Upsample::new(
+                    out_dim,
+                    out_dim / 2,
+                    temporal_up[i],
+                    vb_up.pp("upsamplers.0"),
+                )?)
+            } else {
+                None
+            };
+            up.push(UpBlock { resnets, upsampler });
+        }
+        let last = dims[stages];
+        Ok(Self {
+            conv_in,
+            mid,
+            up,
+            head: Head::new(last, cfg.out_channels, vb)?,
+        })
+    }
+
+    /// One latent frame `[B, 1, z_dim, h, w]` (frames-major) with the cache of the previous ones.
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let x = self.conv_in.forward_cached(x, cache)?;
+        let mut x = self.mid.forward(&x, cache)?;
+        for block in &self.up {
+            for res in &block.resnets {
+                x = res.forward(&x, cache)?;
+            }
+            if let Some(upsampler) = &block.upsampler {
+                x = upsampler.forward(&x, cache)?;
+            }
+        }
+        self.head.forward(&x, cache)
+    }
+}
+
+/// diffusers' `AutoencoderKLWan` (Wan2.1): `encode` video to a diagonal Gaussian, `decode`
+/// latents to video. Runs in the dtype of its `VarBuilder` (f32 normally; bf16 works, with the
+/// norms computed in f32).
+pub struct AutoencoderKLWan {
+    cfg: WanVaeConfig,
+    encoder: Encoder,
+    quant_conv: CausalConv3d,
+    post_quant_conv: CausalConv3d,
+    decoder: Decoder,
+    dtype: DType,
+    device: Device,
+}
+
+impl AutoencoderKLWan {
+    /// Builds the VAE from `vae/diffusion_pytorch_model.safetensors` (diffusers names).
+    pub fn new(cfg: &WanVaeConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let z = cfg.z_dim;
+        Ok(Self {
+            encoder: Encoder::new(cfg, vb.pp("encoder"))?,
+            quant_conv: CausalConv3d::cube(2 * z, 2 * z, 1, 0, vb.pp("quant_conv"))?,
+            post_quant_conv: CausalConv3d::cube(z, z, 1, 0, vb.pp("post_quant_conv"))?,
+            decoder: Decoder::new(cfg, vb.pp("decoder"))?,
+            cfg: cfg.clone(),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        })
+    }
+
+    /// The configuration the VAE was built from.
+    pub fn config(&self) -> &WanVaeConfig {
+        &self.cfg
+    }
+
+    /// The dtype the VAE computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Maps latents from the transformer's normalised space to the VAE's, exactly as
+    /// `WanPipeline` does: `z / (1 / latents_std) + latents_mean` per channel, in the VAE dtype.
+    pub fn denormalize(&self, latents: &Tensor) -> Result<Tensor> {
+        let z = self.cfg.z_dim;
+        let latents = self.check_latents(latents)?;
+        let stats = |v: &[f64]| -> Result<Tensor> {
+            let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+            Tensor::from_vec(v, (1, z, 1, 1, 1), &self.device)?.to_dtype(self.dtype)
+        };
+        let mean = stats(&self.cfg.latents_mean)?;
+        let inv_std = stats(&self.cfg.latents_std)?.recip()?;
+        latents.broadcast_div(&inv_std)?.broadcast_add(&mean)
+    }
+
+    /// Decodes de-normalised latents `[B, z_dim, F, h, w]` to video `[B, C_out, 1 + 4(F-1),
+    /// 8h, 8w]` (for the Wan2.1 ratios) clamped to [-1, 1], in the VAE dtype.
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        self.decode_unclamped(z)?.clamp(-1.0, 1.0)
+    }
+
+    /// Decodes like [`Self::decode`] but in overlapping spatial tiles blended together, exactly
+    /// as diffusers' `tiled_decode`, so memory is bounded by the tile size instead of the frame
+    /// size. Latents that fit in one tile are decoded directly.
+    pub fn decode_tiled(&self, z: &Tensor, tiling: &WanVaeTiling) -> Result<Tensor> {
+        let (_, _, _, height, width) = z.dims5()?;
+        let sf = self.cfg.scale_factor_spatial();
+        let (min_h, min_w) = (tiling.tile_min_height / sf, tiling.tile_min_width / sf);
+        let (stride_h, stride_w) = (
+            tiling.tile_stride_height / sf,
+            tiling.tile_stride_width / sf,
+        );
+        if min_h == 0 || min_w == 0 || stride_h == 0 || stride_w == 0 {
+            bail!("vae tiling: tiles and strides must be at least {sf} pixels, got {tiling:?}")
+        }
+        if width <= min_w && height <= min_h {
+            return self.decode(z);
+        }
+        let sample_stride_h = tiling.tile_stride_height;
+        let sample_stride_w = tiling.tile_stride_width;
+        let blend_h = tiling.tile_min_height.saturating_sub(sample_stride_h);
+        let blend_w = tiling.tile_min_width.saturating_sub(sample_stride_w);
+        let mut above: Vec<Tensor> = Vec::new();
+        let mut result_rows = Vec::new();
+        for i in (0..height).step_by(stride_h) {
+            let mut row: Vec<Tensor> = Vec::new();
+            let mut cropped = Vec::new();
+            for (j_idx, j) in (0..width).step_by(stride_w).enumerate() {
+                let latent =
+                    z.narrow(3, i, min_h.min(height - i))?
+                        .narrow(4, j, min_w.min(width - j))?;
+                let mut tile = self.decode_unclamped(&latent)?;
+                if let Some(up) = above.get(j_idx) {
+                    tile = blend(up, &tile, blend_h, 3)?;
+                }
+                if let Some(left) = row.last() {
+                    tile = blend(left, &tile, blend_w, 4)?;
+                }
+                let th = sample_stride_h.min(tile.dim(3)?);
+                let tw = sample_stride_w.min(tile.dim(4)?);
+                cropped.push(tile.narrow(3, 0, th)?.narrow(4, 0, tw)?);
+                row.push(tile);
+            }
+            result_rows.push(Tensor::cat(&cropped, 4)?);
+            above = row;
+        }
+        drop(above);
+        let out = Tensor::cat(&result_rows, 3)?;
+        let out_h = out.dim(3)?.min(height * sf);
+        let out_w = out.dim(4)?.min(width * sf);
+        out.narrow(3, 0, out_h)?
+            .narrow(4, 0, out_w)?
+            .clamp(-1.0, 1.0)
+    }
+
+    /// Decode without the final clamp (the tiles of a tiled decode are blended first).
+    fn decode_unclamped(&self, z: &Tensor) -> Result<Tensor> {
+        let z = self.check_latents(z)?;
+        let frames = z.dim(2)?;
+        let z = z.permute((0, 2, 1, 3, 4))?.contiguous()?;
+        let x = self.post_quant_conv.forward(&z, None)?;
+        let mut cache = FeatCache::default();
+        let mut outs = Vec::with_capacity(frames);
+        for i in 0..frames {
+            cache.start_chunk();
+            let out = self.decoder.forward(&x.narrow(1, i, 1)?, &mut cache)?;
+            outs.push(out.permute((0, 2, 1, 3, 4))?.contiguous()?);
+        }
+        Tensor::cat(&outs, 2)
+    }
+
+    /// Encodes video `[B, C_in, T, H, W]` in [-1, 1] to the latent distribution
+    /// `(mean, logvar)`, each `[B, z_dim, 1 + (T-1)/4, H/8, W/8]`; logvar clamped to [-30, 20].
+    /// The mean is also the mode. Trailing frames beyond `1 + 4k` are ignored, as in diffusers.
+    pub fn encode(&self, video: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (_, c, t, _, _) = video.dims5()?;
+        if c != self.cfg.in_channels || t == 0 {
+            bail!(
+                "vae encode: expected [B, {}, T>0, H, W] video, got {:?}",
+                self.cfg.in_channels,
+                video.dims()
+            )
+        }
+        let x = video
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()?;
+        let mut cache = FeatCache::default();
+        let chunks = 1 + (t - 1) / ENCODE_CHUNK_FRAMES;
+        let mut outs = Vec::with_capacity(chunks);
+        for i in 0..chunks {
+            cache.start_chunk();
+            let chunk = if i == 0 {
+                x.narrow(1, 0, 1)?
+            } else {
+                x.narrow(1, 1 + ENCODE_CHUNK_FRAMES * (i - 1), ENCODE_CHUNK_FRAMES)?
+            };
+            outs.push(self.encoder.forward(&chunk, &mut cache)?);
+        }
+        let moments = self.quant_conv.forward(&Tensor::cat(&outs, 1)?, None)?;
+        let moments = moments.permute((0, 2, 1, 3, 4))?.contiguous()?;
+        let z = self.cfg.z_dim;
+        let mean = moments.narrow(1, 0, z)?.contiguous()?;
+        let logvar = moments.narrow(1, z, z)?.clamp(-30.0, 20.0)?;
+        Ok((mean, logvar))
+    }
+
+    /// Casts latents to the VAE's dtype and device after checking they are `[B, z_dim, F>0, h, w]`.
+    fn check_latents(&self, z: &Tensor) -> Result<Tensor> {
+        let (_, c, f, _, _) = z.dims5()?;
+        if c != self.cfg.z_dim || f == 0 {
+            bail!(
+                "vae: expected [B, {}, F>0, h, w] latents, got {:?}",
+                self.cfg.z_dim,
+                z.dims()
+            )
+        }
+        z.to_dtype(self.dtype)?.to_device(&self.device)
+    }
+}
