@@ -31,23 +31,59 @@ fn scratch(name: &str) -> PathBuf {
 fn generate(dir: &Path, guidance: &str, extra: &[&str]) -> Tensor {
     let refs = reference("pipeline");
     let latents = dir.join("latents.safetensors");
-    let init: HashMap<String, Tensor> = [("latents".to_string(), refs["latents_init"].clone())].into();
+    let init: HashMap<String, Tensor> =
+        [("latents".to_string(), refs["latents_init"].clone())].into();
     candle_core::safetensors::save(&init, &latents).unwrap();
     let (prompt, negative) = fixture_prompt();
     let model = fixture_dir();
     let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(["generate", "--model", model.to_str().unwrap(), "--prompt", &prompt, "--negative-prompt", &negative])
-        .args(["--height", "32", "--width", "32", "--num-frames", "9", "--num-inference-steps", "3"])
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            &prompt,
+            "--negative-prompt",
+            &negative,
+        ])
+        .args([
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num-frames",
+            "9",
+            "--num-inference-steps",
+            "3",
+        ])
         .args(["--guidance-scale", guidance, "--max-sequence-length", "20"])
-        .args(["--latents", latents.to_str().unwrap(), "--device", "cpu", "--dtype", "f32"])
-        .args(["--output-type", "safetensors", "--output-path", dir.to_str().unwrap(), "--output-video-name", "v"])
+        .args([
+            "--latents",
+            latents.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+        ])
+        .args([
+            "--output-type",
+            "safetensors",
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--output-video-name",
+            "v",
+        ])
         .args(extra)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "vidgen failed: {stderr}");
     let written = dir.join("v.safetensors");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), written.display().to_string(), "stdout carries only the path");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        written.display().to_string(),
+        "stdout carries only the path"
+    );
     candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone()
 }
 
@@ -58,7 +94,9 @@ fn cfg5_frames_match_diffusers() {
     let expected = reference("pipeline")["cfg5.frames"].squeeze(0).unwrap();
     assert_close("cfg5.frames", &frames, &expected, 1e-4, 1e-4);
     // The uint8 MP4 path truncates: at most 1 off, on at most 0.1% of values.
-    let trunc = reference("pipeline")["cfg5.frames_uint8_trunc"].squeeze(0).unwrap();
+    let trunc = reference("pipeline")["cfg5.frames_uint8_trunc"]
+        .squeeze(0)
+        .unwrap();
     let ours = (frames * 255.0).unwrap().floor().unwrap();
     let diff: Vec<f32> = (ours - trunc.to_dtype(candle_core::DType::F32).unwrap())
         .unwrap()
@@ -75,9 +113,19 @@ fn cfg5_frames_match_diffusers() {
 #[test]
 fn cfg1_frames_match_diffusers_under_every_load_policy() {
     let expected = reference("pipeline")["cfg1.frames"].squeeze(0).unwrap();
-    for extra in [&["--lazy-module-load=false", "--sequential-load=false"][..], &["--lazy-module-load"], &["--no-lazy-module-load", "--sequential-load"]] {
+    for extra in [
+        &["--lazy-module-load=false", "--sequential-load=false"][..],
+        &["--lazy-module-load"],
+        &["--no-lazy-module-load", "--sequential-load"],
+    ] {
         let dir = scratch(&format!("cfg1-{}", extra.len() + extra[0].len()));
         let frames = generate(&dir, "1", extra);
-        assert_close(&format!("cfg1.frames {extra:?}"), &frames, &expected, 1e-4, 1e-4);
+        assert_close(
+            &format!("cfg1.frames {extra:?}"),
+            &frames,
+            &expected,
+            1e-4,
+            1e-4,
+        );
     }
 }

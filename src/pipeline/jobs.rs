@@ -48,7 +48,10 @@ struct PromptLine {
 pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     let o = &config.options;
     let lines = match (&o.prompt, &o.prompt_file) {
-        (Some(p), _) => vec![PromptLine { prompt: p.clone(), ..Default::default() }],
+        (Some(p), _) => vec![PromptLine {
+            prompt: p.clone(),
+            ..Default::default()
+        }],
         (None, Some(file)) => read_prompt_file(file)?,
         (None, None) => bail!("no prompt given; pass --prompt \"...\" or --prompt-file FILE"),
     };
@@ -57,15 +60,24 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     let mut jobs = Vec::with_capacity(lines.len());
     for (i, line) in lines.into_iter().enumerate() {
         let seed = line.seed.unwrap_or(base_seed.wrapping_add(i as u64));
-        let name = match line.output_video_name.or_else(|| o.output_video_name.clone().filter(|_| !batch)) {
+        let name = match line
+            .output_video_name
+            .or_else(|| o.output_video_name.clone().filter(|_| !batch))
+        {
             Some(n) => n,
             None if batch => format!("{}_{:03}_seed{seed}", slug(&line.prompt), i + 1),
             None => format!("{}_seed{seed}", slug(&line.prompt)),
         };
         let ext = o.output_type.extension();
-        let file = if ext == "png" { name } else { format!("{name}.{ext}") };
+        let file = if ext == "png" {
+            name
+        } else {
+            format!("{name}.{ext}")
+        };
         jobs.push(Job {
-            negative_prompt: line.negative_prompt.unwrap_or_else(|| o.negative_prompt.clone()),
+            negative_prompt: line
+                .negative_prompt
+                .unwrap_or_else(|| o.negative_prompt.clone()),
             seed,
             num_frames: line.num_frames.unwrap_or(o.num_frames),
             height: line.height.unwrap_or(o.height),
@@ -85,9 +97,14 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
 }
 
 fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!("--prompt-file {} is not valid UTF-8 (byte {}); save it as UTF-8", path.display(), e.utf8_error().valid_up_to())
+        anyhow::anyhow!(
+            "--prompt-file {} is not valid UTF-8 (byte {}); save it as UTF-8",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
     })?;
     let jsonl = path.extension().is_some_and(|e| e == "jsonl");
     let mut lines = Vec::new();
@@ -98,15 +115,22 @@ fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
         }
         let at = || format!("{}:{}", path.display(), n + 1);
         if jsonl {
-            let parsed: PromptLine = serde_json::from_str(line).with_context(|| format!("{}: bad JSON line", at()))?;
+            let parsed: PromptLine =
+                serde_json::from_str(line).with_context(|| format!("{}: bad JSON line", at()))?;
             check_line(&parsed).with_context(|| format!("{}: bad value", at()))?;
             lines.push(parsed);
         } else {
-            lines.push(PromptLine { prompt: line.to_string(), ..Default::default() });
+            lines.push(PromptLine {
+                prompt: line.to_string(),
+                ..Default::default()
+            });
         }
     }
     if lines.is_empty() {
-        bail!("--prompt-file {} has no prompts (blank lines and # comments are skipped)", path.display());
+        bail!(
+            "--prompt-file {} has no prompts (blank lines and # comments are skipped)",
+            path.display()
+        );
     }
     Ok(lines)
 }
@@ -134,7 +158,10 @@ fn check_line(line: &PromptLine) -> Result<()> {
 /// A file-name-safe summary of a prompt: lowercase words joined by '-', at most 48 bytes.
 pub fn slug(prompt: &str) -> String {
     let mut out = String::new();
-    for word in prompt.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()) {
+    for word in prompt
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+    {
         let word: String = word.chars().flat_map(char::to_lowercase).collect();
         if out.len() + word.len() + 1 > 48 {
             break;

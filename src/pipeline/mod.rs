@@ -42,7 +42,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     for o in &config.overrides {
         eprintln!("{o}");
     }
-    let source = ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
+    let source =
+        ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if config.dry_run {
         let plan = plan(&config, &source);
         if config.json {
@@ -54,7 +55,10 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     }
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     std::fs::create_dir_all(&config.options.output_path).with_context(|| {
-        format!("cannot create the output folder {}; pass a writable --output-path", config.options.output_path.display())
+        format!(
+            "cannot create the output folder {}; pass a writable --output-path",
+            config.options.output_path.display()
+        )
     })?;
     let progress = Arc::new(Progress::new(false));
     if source.is_synthetic() {
@@ -65,7 +69,9 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let order = batch_order(&config);
     let mut pipeline = WanT2V::new(config, source, device, progress.clone())?;
     let total = jobs.len();
-    let reports = runner::run(&mut pipeline, &mut jobs, policy, order, |i, stage| progress.stage(i, total, stage));
+    let reports = runner::run(&mut pipeline, &mut jobs, policy, order, |i, stage| {
+        progress.stage(i, total, stage)
+    });
     let mut failed = 0;
     for (job, report) in jobs.iter().zip(&reports) {
         match &report.error {
@@ -76,8 +82,11 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 eprintln!("error: prompt {:?}: {e}", job.prompt);
             }
         }
-        let times: Vec<String> =
-            report.stage_times.iter().map(|(s, d)| format!("{s} {:.2}s", d.as_secs_f64())).collect();
+        let times: Vec<String> = report
+            .stage_times
+            .iter()
+            .map(|(s, d)| format!("{s} {:.2}s", d.as_secs_f64()))
+            .collect();
         progress.note(&format!("  {}", times.join(", ")));
     }
     if failed > 0 {

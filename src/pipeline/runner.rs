@@ -106,7 +106,11 @@ impl<C: Copy + Eq + Debug + 'static> Schedule<C> {
 }
 
 fn first_after_zero<C>(stages: &[StageSpec<C>]) -> usize {
-    stages.iter().skip(1).position(|s| !s.uses.is_empty()).map_or(0, |i| i + 1)
+    stages
+        .iter()
+        .skip(1)
+        .position(|s| !s.uses.is_empty())
+        .map_or(0, |i| i + 1)
 }
 
 /// Runs every job through the pipeline. A failing job is reported and the others go on.
@@ -123,7 +127,12 @@ pub fn run<P: Pipeline>(
     let schedule = Schedule::plan(stages, pipeline.deferrable(), policy);
     let mut reports: Vec<JobReport> = jobs.iter().map(|_| JobReport::default()).collect();
     let mut loaded: Vec<P::Component> = Vec::new();
-    let mut step = |pipeline: &mut P, loaded: &mut Vec<P::Component>, stage: usize, job_index: usize, job: &mut P::Job, report: &mut JobReport| {
+    let mut step = |pipeline: &mut P,
+                    loaded: &mut Vec<P::Component>,
+                    stage: usize,
+                    job_index: usize,
+                    job: &mut P::Job,
+                    report: &mut JobReport| {
         if report.error.is_some() {
             return;
         }
@@ -132,7 +141,9 @@ pub fn run<P: Pipeline>(
         let result = ensure_loaded(pipeline, loaded, &schedule.load_before[stage])
             .and_then(|()| ensure_loaded(pipeline, loaded, stages[stage].uses))
             .and_then(|()| pipeline.run_stage(stage, job));
-        report.stage_times.push((stages[stage].name, start.elapsed()));
+        report
+            .stage_times
+            .push((stages[stage].name, start.elapsed()));
         if let Err(e) = result {
             report.error = Some(format!("{}: {e:#}", stages[stage].name));
         }
@@ -163,7 +174,11 @@ pub fn run<P: Pipeline>(
     reports
 }
 
-fn ensure_loaded<P: Pipeline>(pipeline: &mut P, loaded: &mut Vec<P::Component>, wanted: &[P::Component]) -> Result<()> {
+fn ensure_loaded<P: Pipeline>(
+    pipeline: &mut P,
+    loaded: &mut Vec<P::Component>,
+    wanted: &[P::Component],
+) -> Result<()> {
     for c in wanted {
         if !loaded.contains(c) {
             pipeline.load(*c)?;

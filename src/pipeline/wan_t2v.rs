@@ -36,10 +36,22 @@ impl Component {
 }
 
 const STAGES: &[StageSpec<Component>] = &[
-    StageSpec { name: "encode_text", uses: &[Component::TextEncoder] },
-    StageSpec { name: "denoise", uses: &[Component::Transformer] },
-    StageSpec { name: "decode", uses: &[Component::Vae] },
-    StageSpec { name: "write", uses: &[] },
+    StageSpec {
+        name: "encode_text",
+        uses: &[Component::TextEncoder],
+    },
+    StageSpec {
+        name: "denoise",
+        uses: &[Component::Transformer],
+    },
+    StageSpec {
+        name: "decode",
+        uses: &[Component::Vae],
+    },
+    StageSpec {
+        name: "write",
+        uses: &[],
+    },
 ];
 
 /// The stages of Wan T2V.
@@ -53,7 +65,11 @@ pub fn deferrable() -> &'static [Component] {
 }
 
 /// Every component only feeds tensors forward, so each may load late and free early.
-const DEFERRABLE: &[Component] = &[Component::TextEncoder, Component::Transformer, Component::Vae];
+const DEFERRABLE: &[Component] = &[
+    Component::TextEncoder,
+    Component::Transformer,
+    Component::Vae,
+];
 
 /// The configs of a Wan T2V model: everything planning needs, no weights.
 #[derive(Clone, Debug)]
@@ -145,11 +161,16 @@ impl WanT2V {
 
     /// The prompt embeddings `[1, L, text_dim]` of one text, zero padded past its length.
     fn embed(&self, text: &str) -> Result<Tensor> {
-        let encoder = self.text_encoder.as_ref().context("text encoder not loaded")?;
+        let encoder = self
+            .text_encoder
+            .as_ref()
+            .context("text encoder not loaded")?;
         let max_len = self.config.options.max_sequence_length as usize;
         let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
         let ids = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
-        Ok(encoder.prompt_embeds(&ids, &[seq_len])?.to_dtype(self.config.dtype())?)
+        Ok(encoder
+            .prompt_embeds(&ids, &[seq_len])?
+            .to_dtype(self.config.dtype())?)
     }
 
     fn encode_text(&self, job: &mut Job) -> Result<()> {
@@ -163,15 +184,23 @@ impl WanT2V {
     }
 
     fn initial_latents(&self, job: &Job) -> Result<Tensor> {
-        let shape = self.configs.latent_shape(job.num_frames, job.height, job.width);
+        let shape = self
+            .configs
+            .latent_shape(job.num_frames, job.height, job.width);
         match &self.config.options.latents {
             Some(path) => {
                 let tensors = candle_core::safetensors::load(path, &Device::Cpu)
                     .with_context(|| format!("reading --latents {}", path.display()))?;
                 let tensor = match tensors.get("latents") {
                     Some(t) => t.clone(),
-                    None if tensors.len() == 1 => tensors.into_values().next().unwrap_or_else(|| unreachable!()),
-                    None => bail!("--latents {} has no tensor named `latents` and more than one tensor", path.display()),
+                    None if tensors.len() == 1 => tensors
+                        .into_values()
+                        .next()
+                        .unwrap_or_else(|| unreachable!()),
+                    None => bail!(
+                        "--latents {} has no tensor named `latents` and more than one tensor",
+                        path.display()
+                    ),
                 };
                 if tensor.dims() != shape {
                     bail!(
@@ -191,7 +220,10 @@ impl WanT2V {
     }
 
     fn denoise(&self, job: &mut Job) -> Result<()> {
-        let model = self.transformer.as_ref().context("transformer not loaded")?;
+        let model = self
+            .transformer
+            .as_ref()
+            .context("transformer not loaded")?;
         let dtype = self.config.dtype();
         let cond = job.prompt_embeds.as_ref().context("prompt not encoded")?;
         let mut scheduler = schedulers::build(
@@ -230,7 +262,11 @@ impl WanT2V {
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?)?;
         let video = vae.decode(&z)?; // [1, 3, T, H, W] in [-1, 1]
         let frames = ((video * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
-        let frames = frames.squeeze(0)?.permute((1, 2, 3, 0))?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let frames = frames
+            .squeeze(0)?
+            .permute((1, 2, 3, 0))?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
         job.frames = Some(frames);
         Ok(())
     }
@@ -239,14 +275,32 @@ impl WanT2V {
         let frames = job.frames.take().context("nothing decoded")?;
         let metadata = vec![
             ("title".to_string(), job.prompt.clone()),
-            ("comment".to_string(), format!("vidgen: {} seed {}", self.config.options.model, job.seed)),
+            (
+                "comment".to_string(),
+                format!("vidgen: {} seed {}", self.config.options.model, job.seed),
+            ),
             ("vidgen_prompt".to_string(), job.prompt.clone()),
-            ("vidgen_negative_prompt".to_string(), job.negative_prompt.clone()),
+            (
+                "vidgen_negative_prompt".to_string(),
+                job.negative_prompt.clone(),
+            ),
             ("vidgen_seed".to_string(), job.seed.to_string()),
-            ("vidgen_model".to_string(), self.config.options.model.clone()),
-            ("vidgen_config".to_string(), serde_json::to_string(&self.config.options)?),
+            (
+                "vidgen_model".to_string(),
+                self.config.options.model.clone(),
+            ),
+            (
+                "vidgen_config".to_string(),
+                serde_json::to_string(&self.config.options)?,
+            ),
         ];
-        crate::output::write(self.config.options.output_type, &job.output, &frames, self.config.options.fps, &metadata)?;
+        crate::output::write(
+            self.config.options.output_type,
+            &job.output,
+            &frames,
+            self.config.options.fps,
+            &metadata,
+        )?;
         job.written = true;
         Ok(())
     }
@@ -270,11 +324,14 @@ impl Pipeline for WanT2V {
         match component {
             Component::TextEncoder => {
                 let vb = self.vb(component, dtype)?;
-                self.text_encoder = Some(UMT5EncoderModel::new(&self.configs.text_encoder, vb).with_context(what)?);
+                self.text_encoder =
+                    Some(UMT5EncoderModel::new(&self.configs.text_encoder, vb).with_context(what)?);
             }
             Component::Transformer => {
                 let vb = self.vb(component, dtype)?;
-                self.transformer = Some(WanTransformer3DModel::new(&self.configs.transformer, vb).with_context(what)?);
+                self.transformer = Some(
+                    WanTransformer3DModel::new(&self.configs.transformer, vb).with_context(what)?,
+                );
             }
             Component::Vae => {
                 // diffusers runs the Wan VAE in f32.

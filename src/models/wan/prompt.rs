@@ -491,14 +491,20 @@ impl PromptTokenizer {
 
     /// Parses the text of a `tokenizer.json` (for tokenizers shipped inside the binary).
     pub fn from_json(json: &str) -> Result<Self> {
-        let tokenizer: Tokenizer = json.parse().map_err(|e| anyhow!("parsing tokenizer.json: {e}"))?;
+        let tokenizer: Tokenizer = json
+            .parse()
+            .map_err(|e| anyhow!("parsing tokenizer.json: {e}"))?;
         Self::with_tokenizer(tokenizer)
     }
 
     fn with_tokenizer(mut tokenizer: Tokenizer) -> Result<Self> {
-        tokenizer.with_truncation(None).map_err(|e| anyhow!("{e}"))?;
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| anyhow!("{e}"))?;
         tokenizer.with_padding(None);
-        let pad_id = tokenizer.token_to_id("<pad>").context("the tokenizer has no <pad> token")?;
+        let pad_id = tokenizer
+            .token_to_id("<pad>")
+            .context("the tokenizer has no <pad> token")?;
         Ok(Self { tokenizer, pad_id })
     }
 

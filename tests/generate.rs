@@ -1,0 +1,254 @@
+//! The binary end to end: MP4 output read back by ffprobe, and bad model inputs.
+
+mod common;
+
+use common::fixture_dir;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-generate-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn vidgen(model: &Path, out: &Path, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ])
+        .args([
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num-frames",
+            "9",
+            "--num-inference-steps",
+            "2",
+        ])
+        .args([
+            "--max-sequence-length",
+            "16",
+            "--output-path",
+            out.to_str().unwrap(),
+        ])
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn mp4_has_the_right_frames_size_and_fps() {
+    let out = scratch("mp4");
+    let run = vidgen(
+        &fixture_dir(),
+        &out,
+        &["--prompt", "a red fox", "--seed", "3", "--fps", "12"],
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let path = out.join("a-red-fox_seed3.mp4");
+    assert_eq!(
+        String::from_utf8_lossy(&run.stdout).trim(),
+        path.display().to_string()
+    );
+    let probe = Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-count_frames",
+            "-show_entries",
+            "stream=codec_name,pix_fmt,width,height,nb_read_frames,r_frame_rate:format_tags",
+            "-of",
+            "json",
+        ])
+        .arg(&path)
+        .output()
+        .expect("ffprobe");
+    let info: serde_json::Value = serde_json::from_slice(&probe.stdout).unwrap();
+    let s = &info["streams"][0];
+    assert_eq!(s["codec_name"], "h264");
+    assert_eq!(s["pix_fmt"], "yuv420p");
+    assert_eq!(
+        (s["width"].as_u64(), s["height"].as_u64()),
+        (Some(48), Some(32))
+    );
+    assert_eq!(s["nb_read_frames"], "9");
+    assert_eq!(s["r_frame_rate"], "12/1");
+    let tags = &info["format"]["tags"];
+    assert_eq!(tags["vidgen_prompt"], "a red fox");
+    assert_eq!(tags["vidgen_seed"], "3");
+    let leftovers: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("partial"))
+        .collect();
+    assert!(leftovers.is_empty());
+}
+
+#[test]
+fn same_seed_same_video_other_seed_other_video() {
+    let out = scratch("seed");
+    let frames = |seed: &str, name: &str| {
+        let run = vidgen(
+            &fixture_dir(),
+            &out,
+            &[
+                "--prompt",
+                "a boat",
+                "--seed",
+                seed,
+                "--output-type",
+                "safetensors",
+                "--output-video-name",
+                name,
+            ],
+        );
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let t = candle_core::safetensors::load(
+            out.join(format!("{name}.safetensors")),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        t["frames"].flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    let a = frames("1", "a");
+    assert_eq!(a, frames("1", "b"));
+    assert_ne!(a, frames("2", "c"));
+}
+
+fn copy_fixture(dst: &Path) {
+    for entry in walk(&fixture_dir()) {
+        let rel = entry.strip_prefix(fixture_dir()).unwrap();
+        if rel.starts_with("reference") {
+            continue;
+        }
+        let target = dst.join(rel);
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &target).unwrap();
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p))
+        } else {
+            out.push(p)
+        }
+    }
+    out
+}
+
+fn assert_fails(run: &Output, needles: &[&str], out: &Path) {
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "should fail");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{stderr:?} lacks {n:?}");
+    }
+    let files: Vec<_> = std::fs::read_dir(out)
+        .map(|r| r.filter_map(|e| e.ok()).map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(files.is_empty(), "left behind: {files:?}");
+}
+
+#[test]
+fn bad_models_fail_with_a_message_and_leave_nothing() {
+    // A tensor whose shape disagrees with the config: the error names it and both shapes.
+    let model = scratch("bad-shape-model");
+    copy_fixture(&model);
+    let weights = model.join("transformer/diffusion_pytorch_model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    let t = tensors["proj_out.bias"].clone();
+    tensors.insert(
+        "proj_out.bias".into(),
+        candle_core::Tensor::cat(&[&t, &t], 0).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    let out = scratch("bad-shape-out");
+    assert_fails(
+        &vidgen(&model, &out, &["--prompt", "x"]),
+        &["proj_out.bias", "[64]", "[128]"],
+        &out,
+    );
+
+    // A truncated weights file.
+    let model = scratch("truncated-model");
+    copy_fixture(&model);
+    let weights = model.join("vae/diffusion_pytorch_model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    let out = scratch("truncated-out");
+    assert_fails(&vidgen(&model, &out, &["--prompt", "x"]), &["vae"], &out);
+
+    // A folder that is not a diffusers model.
+    let model = scratch("not-a-model");
+    let out = scratch("not-a-model-out");
+    assert_fails(
+        &vidgen(&model, &out, &["--prompt", "x"]),
+        &["model_index.json"],
+        &out,
+    );
+
+    // A Hub id that is not cached while offline.
+    let out = scratch("offline-out");
+    let run = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--model",
+            "nobody/not-cached-model",
+            "--prompt",
+            "x",
+            "--device",
+            "cpu",
+            "--output-path",
+            out.to_str().unwrap(),
+        ])
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HUB_CACHE", scratch("empty-cache"))
+        .output()
+        .unwrap();
+    assert_fails(&run, &["nobody/not-cached-model", "HF_HUB_OFFLINE"], &out);
+}
+
+#[test]
+fn latents_of_the_wrong_shape_are_refused() {
+    let dir = scratch("latents");
+    let path = dir.join("l.safetensors");
+    let t = candle_core::Tensor::zeros(
+        (1, 16, 3, 4, 5),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    candle_core::safetensors::save(&[("latents".to_string(), t)].into_iter().collect(), &path)
+        .unwrap();
+    let out = scratch("latents-out");
+    let run = vidgen(
+        &fixture_dir(),
+        &out,
+        &["--prompt", "x", "--latents", path.to_str().unwrap()],
+    );
+    assert_fails(
+        &run,
+        &["--latents", "[1, 16, 3, 4, 5]", "[1, 16, 3, 4, 6]"],
+        &out,
+    );
+}
