@@ -94,6 +94,18 @@ fn decode_matches() {
 }
 
 #[test]
+fn batch_of_two_decodes_each() {
+    let vae = load();
+    let r = common::reference("vae");
+    let z = &r["decode.latents_denormalized"];
+    let video = vae.decode(&Tensor::cat(&[z, z], 0).unwrap()).unwrap();
+    for b in 0..2 {
+        let one = video.narrow(0, b, 1).unwrap();
+        common::assert_close("batched decode.video", &one, &r["decode.video"], ATOL, RTOL);
+    }
+}
+
+#[test]
 fn decode_one_frame_matches() {
     let vae = load();
     let r = common::reference("vae");

@@ -3,7 +3,7 @@
 //!
 //! Like diffusers, decoding runs one latent frame at a time and encoding the first frame, then
 //! four frames at a time, with every causal conv caching the last two frames it saw, so memory
-//! does not grow with the number of frames.
+//! does not grow with the number of frames (only the output does).
 
 mod blocks;
 
