@@ -100,7 +100,7 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
             )));
         }
     }
-    if o.num_frames == 0 || (o.num_frames - 1) % 4 != 0 {
+    if o.num_frames == 0 || !(o.num_frames - 1).is_multiple_of(4) {
         let down = ((o.num_frames.saturating_sub(1)) / 4) * 4 + 1;
         return Err(UsageError::new(format!(
             "--num-frames {} is not of the form 4k+1; use e.g. --num-frames {down} or {}",

@@ -207,7 +207,7 @@ pub fn fnv1a(text: &str) -> u64 {
 /// latents for a given seed.
 pub fn seeded_normal(seed: u64, shape: &[usize]) -> candle_core::Result<Tensor> {
     let n: usize = shape.iter().product();
-    let mut state = seed ^ 0x5EED_0F_C0FFEE;
+    let mut state = seed ^ 0x5EED_0FC0_FFEE;
     let mut values = Vec::with_capacity(n + 1);
     while values.len() < n {
         // Box-Muller: two uniforms in (0, 1] give two independent normals.

@@ -9,7 +9,7 @@ use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
 use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
-use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
+use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::schedulers::{self, SchedulerConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -260,7 +260,12 @@ impl WanT2V {
         let vae = self.vae.as_ref().context("VAE not loaded")?;
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?)?;
-        let video = vae.decode(&z)?; // [1, 3, T, H, W] in [-1, 1]
+        // [1, 3, T, H, W] in [-1, 1]
+        let video = if self.config.options.vae_tiling {
+            vae.decode_tiled(&z, &WanVaeTiling::default())?
+        } else {
+            vae.decode(&z)?
+        };
         let frames = ((video * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
         let frames = frames
             .squeeze(0)?
