@@ -176,6 +176,24 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Output", value_enum, default_value_t = OutputType::Mp4)]
     pub output_type: OutputType,
 
+    // ----- batches and unattended runs -----
+    /// prompt: each prompt through every stage; stage: every prompt through a stage before the
+    /// next (each component loads once); auto: stage with lazy or sequential load, else prompt.
+    #[arg(long, help_heading = "Batch", value_enum, default_value_t = BatchOrderChoice::Auto)]
+    pub batch_order: BatchOrderChoice,
+    /// Replace outputs that already exist (otherwise such a prompt fails and the others go on).
+    #[arg(long, help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub overwrite: bool,
+    /// Skip the prompts whose output already exists (rerun an interrupted batch).
+    #[arg(long, help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub resume: bool,
+    /// Print only errors on stderr (no progress).
+    #[arg(long, help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub quiet: bool,
+    /// Write per-prompt stage timings and metrics as JSON to FILE (also when the run fails).
+    #[arg(long, help_heading = "Batch", value_name = "FILE")]
+    pub stats_json: Option<PathBuf>,
+
     // ----- device -----
     /// auto, cpu, cuda, cuda:N or metal.
     #[arg(long, help_heading = "Device", default_value = "auto", value_parser = parse_device)]
@@ -246,6 +264,18 @@ impl std::str::FromStr for Tristate {
 pub enum OffloadType {
     BlockLevel,
     LeafLevel,
+}
+
+/// The order a batch walks the stages in, as asked.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchOrderChoice {
+    /// Stage-major when components load late (lazy or sequential load), else prompt-major.
+    Auto,
+    /// Each prompt goes through every stage before the next starts.
+    Prompt,
+    /// Every prompt passes a stage before any goes to the next.
+    Stage,
 }
 
 /// The compute dtype.

@@ -140,5 +140,27 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
             )));
         }
     }
+    if o.resume && o.overwrite {
+        return Err(UsageError::new(
+            "--resume skips existing outputs and --overwrite replaces them; pass only one",
+        ));
+    }
+    if let Some(path) = &o.stats_json {
+        if path.is_dir() {
+            return Err(UsageError::new(format!(
+                "--stats-json {} is a folder; pass a file path such as {}",
+                path.display(),
+                path.join("stats.json").display()
+            )));
+        }
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        if let Some(parent) = parent.filter(|p| !p.is_dir()) {
+            return Err(UsageError::new(format!(
+                "--stats-json {}: the folder {} does not exist; create it or pass another path",
+                path.display(),
+                parent.display()
+            )));
+        }
+    }
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! between stages (kept small: embeddings, latents, frames).
 
 use crate::cli::ResolvedConfig;
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -10,6 +10,10 @@ use std::path::{Path, PathBuf};
 /// One video to make and its state between stages.
 #[derive(Debug)]
 pub struct Job {
+    /// Position in the batch, from 0.
+    pub index: usize,
+    /// Where the prompt came from: `FILE:LINE` for a prompt file, `--prompt` otherwise.
+    pub origin: String,
     pub prompt: String,
     pub negative_prompt: String,
     pub seed: u64,
@@ -26,7 +30,25 @@ pub struct Job {
     pub frames: Option<Tensor>,
     /// Whether the output file is complete.
     pub written: bool,
+    /// The stage at which Ctrl-C stopped this job, if it did.
+    pub stopped_at: Option<&'static str>,
+    /// Measurements the pipeline records for this job (e.g. `forward_seconds`,
+    /// `peak_device_bytes`); written as the job's `metrics` object by `--stats-json`.
+    pub metrics: serde_json::Map<String, serde_json::Value>,
 }
+
+/// The keys of a `.jsonl` prompt-file line.
+const LINE_KEYS: &[&str] = &[
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "num_frames",
+    "height",
+    "width",
+    "num_inference_steps",
+    "guidance_scale",
+    "output_video_name",
+];
 
 /// Per-prompt overrides accepted on a `.jsonl` prompt-file line.
 #[derive(Deserialize, Default)]
@@ -43,22 +65,29 @@ struct PromptLine {
     output_video_name: Option<String>,
 }
 
+/// The longest file name (without extension) vidgen writes: room is left for the extension and
+/// the temporary `.NAME.EXT.partial` within the usual 255-byte limit.
+const MAX_NAME_BYTES: usize = 200;
+
 /// Builds the jobs of a run from `--prompt` or `--prompt-file`; every line is checked before
-/// any model loads.
+/// any model loads, and two prompts may not write the same file.
 pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     let o = &config.options;
     let lines = match (&o.prompt, &o.prompt_file) {
-        (Some(p), _) => vec![PromptLine {
-            prompt: p.clone(),
-            ..Default::default()
-        }],
+        (Some(p), _) => vec![(
+            "--prompt".to_string(),
+            PromptLine {
+                prompt: p.clone(),
+                ..Default::default()
+            },
+        )],
         (None, Some(file)) => read_prompt_file(file)?,
         (None, None) => bail!("no prompt given; pass --prompt \"...\" or --prompt-file FILE"),
     };
     let base_seed = o.seed.unwrap_or_else(random_seed);
     let batch = lines.len() > 1;
-    let mut jobs = Vec::with_capacity(lines.len());
-    for (i, line) in lines.into_iter().enumerate() {
+    let mut jobs: Vec<Job> = Vec::with_capacity(lines.len());
+    for (i, (origin, line)) in lines.into_iter().enumerate() {
         let seed = line.seed.unwrap_or(base_seed.wrapping_add(i as u64));
         let name = match line
             .output_video_name
@@ -74,7 +103,17 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
         } else {
             format!("{name}.{ext}")
         };
+        let output = o.output_path.join(file);
+        if let Some(other) = jobs.iter().find(|j| j.output == output) {
+            bail!(
+                "{origin}: writes {} like {}; give one of them another output_video_name",
+                output.display(),
+                other.origin
+            );
+        }
         jobs.push(Job {
+            index: i,
+            origin,
             negative_prompt: line
                 .negative_prompt
                 .unwrap_or_else(|| o.negative_prompt.clone()),
@@ -84,28 +123,39 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             width: line.width.unwrap_or(o.width),
             num_inference_steps: line.num_inference_steps.unwrap_or(o.num_inference_steps),
             guidance_scale: line.guidance_scale.unwrap_or(o.guidance_scale),
-            output: o.output_path.join(file),
+            output,
             prompt: line.prompt,
             prompt_embeds: None,
             negative_embeds: None,
             latents: None,
             frames: None,
             written: false,
+            stopped_at: None,
+            metrics: serde_json::Map::new(),
         });
     }
     Ok(jobs)
 }
 
-fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
+/// Whether something (a file, folder or dangling link) is already at `path`.
+pub fn output_exists(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// The prompts of a file with their `FILE:LINE` origins.
+fn read_prompt_file(path: &Path) -> Result<Vec<(String, PromptLine)>> {
     let bytes = std::fs::read(path)
         .with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "--prompt-file {} is not valid UTF-8 (byte {}); save it as UTF-8",
-            path.display(),
-            e.utf8_error().valid_up_to()
+        let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+        let line = valid.iter().filter(|b| **b == b'\n').count() + 1;
+        let column = valid.len() - valid.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1) + 1;
+        anyhow!(
+            "{}:{line}: not valid UTF-8 (byte {column} of the line); save the file as UTF-8",
+            path.display()
         )
     })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let jsonl = path.extension().is_some_and(|e| e == "jsonl");
     let mut lines = Vec::new();
     for (n, raw) in text.lines().enumerate() {
@@ -113,63 +163,123 @@ fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let at = || format!("{}:{}", path.display(), n + 1);
-        if jsonl {
-            let parsed: PromptLine =
-                serde_json::from_str(line).with_context(|| format!("{}: bad JSON line", at()))?;
-            check_line(&parsed).with_context(|| format!("{}: bad value", at()))?;
-            lines.push(parsed);
+        let at = format!("{}:{}", path.display(), n + 1);
+        let parsed = if jsonl {
+            parse_line(line).with_context(|| at.clone())?
         } else {
-            lines.push(PromptLine {
+            PromptLine {
                 prompt: line.to_string(),
                 ..Default::default()
-            });
-        }
+            }
+        };
+        check_line(&parsed).with_context(|| at.clone())?;
+        lines.push((at, parsed));
     }
     if lines.is_empty() {
         bail!(
-            "--prompt-file {} has no prompts (blank lines and # comments are skipped)",
+            "--prompt-file {} has no prompts (blank lines and # comments are skipped); put one prompt per line",
             path.display()
         );
     }
     Ok(lines)
 }
 
+/// One `.jsonl` line: a JSON object with `prompt` and optional overrides; an error names the
+/// bad key.
+fn parse_line(line: &str) -> Result<PromptLine> {
+    let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+        let message = e.to_string();
+        let message = message
+            .rfind(" at line ")
+            .map_or(message.as_str(), |i| &message[..i]);
+        anyhow!(
+            "not valid JSON ({message} at column {}); each line must be one JSON object",
+            e.column()
+        )
+    })?;
+    let serde_json::Value::Object(map) = value else {
+        bail!("expected a JSON object such as {{\"prompt\": \"a red fox\", \"seed\": 1}}");
+    };
+    let keys = LINE_KEYS.join(", ");
+    if !map.contains_key("prompt") {
+        bail!("no `prompt` key; each line needs one (keys: {keys})");
+    }
+    for (key, value) in &map {
+        if !LINE_KEYS.contains(&key.as_str()) {
+            bail!("unknown key `{key}`; keys are {keys}");
+        }
+        // Each key alone against a valid prompt, so a bad value is reported with its key.
+        let single = serde_json::json!({ "prompt": "", key.as_str(): value });
+        if let Err(e) = serde_json::from_value::<PromptLine>(single) {
+            bail!("bad value for `{key}`: {e}");
+        }
+    }
+    Ok(serde_json::from_value(serde_json::Value::Object(map))?)
+}
+
 fn check_line(line: &PromptLine) -> Result<()> {
+    if line.prompt.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
     for (name, v) in [("height", line.height), ("width", line.width)] {
         if let Some(v) = v.filter(|v| *v == 0 || v % 16 != 0) {
-            bail!("{name} {v} is not a positive multiple of 16");
+            bail!("height/width must be positive multiples of 16; `{name}` is {v}");
         }
     }
     if let Some(f) = line.num_frames.filter(|f| *f == 0 || (f - 1) % 4 != 0) {
-        bail!("num_frames {f} is not of the form 4k+1");
+        bail!("`num_frames` {f} is not of the form 4k+1 (e.g. 81)");
     }
     if line.num_inference_steps == Some(0) {
-        bail!("num_inference_steps must be at least 1");
+        bail!("`num_inference_steps` must be at least 1");
+    }
+    if let Some(g) = line.guidance_scale.filter(|g| !g.is_finite() || *g < 0.0) {
+        bail!("`guidance_scale` {g} must be a finite number >= 0");
     }
     if let Some(name) = &line.output_video_name {
-        if name.is_empty() || name.contains(['/', '\\']) {
-            bail!("output_video_name {name:?} must be a plain file name");
+        if name.is_empty()
+            || name.starts_with('.')
+            || name.len() > MAX_NAME_BYTES
+            || name.contains(['/', '\\'])
+            || name.chars().any(char::is_control)
+        {
+            bail!(
+                "`output_video_name` {name:?} must be a plain file name: no path separators or control characters, not starting with '.', at most {MAX_NAME_BYTES} bytes"
+            );
         }
     }
     Ok(())
 }
 
-/// A file-name-safe summary of a prompt: lowercase words joined by '-', at most 48 bytes.
+/// A file-name-safe summary of a prompt: lowercase alphanumeric words joined by '-', at most 48
+/// bytes, never empty (so no path separators, dots or control characters).
 pub fn slug(prompt: &str) -> String {
+    const MAX: usize = 48;
     let mut out = String::new();
-    for word in prompt
-        .split(|c: char| !c.is_alphanumeric())
-        .filter(|w| !w.is_empty())
-    {
-        let word: String = word.chars().flat_map(char::to_lowercase).collect();
-        if out.len() + word.len() + 1 > 48 {
+    for word in prompt.split(|c: char| !c.is_alphanumeric()) {
+        // Lowercasing can yield combining marks (e.g. from 'İ'): keep only alphanumerics.
+        let word: String = word
+            .chars()
+            .flat_map(char::to_lowercase)
+            .filter(|c| c.is_alphanumeric())
+            .collect();
+        if word.is_empty() {
+            continue;
+        }
+        if out.is_empty() {
+            // A first word longer than the bound is cut at a character boundary.
+            let mut end = 0;
+            for c in word.chars().take_while(|c| {
+                end += c.len_utf8();
+                end <= MAX
+            }) {
+                out.push(c);
+            }
+        } else if out.len() + 1 + word.len() <= MAX {
+            out.push('-');
+            out.push_str(&word);
+        } else {
             break;
         }
-        if !out.is_empty() {
-            out.push('-');
-        }
-        out.push_str(&word);
     }
     if out.is_empty() {
         "video".into()

@@ -1,21 +1,28 @@
 //! The stage runner and the pipelines: the single place where components are loaded, placed on
 //! a device and released.
 
+pub mod interrupt;
 pub mod jobs;
 pub mod progress;
 pub mod runner;
 pub mod wan_t2v;
 
+use crate::cli::args::BatchOrderChoice;
 use crate::cli::{ResolvedConfig, UsageError};
 use crate::memory::DeviceKind;
 use crate::models::source::ModelSource;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
+use interrupt::Interrupted;
+use jobs::Job;
 use progress::Progress;
-use runner::{BatchOrder, LoadPolicy, Schedule};
+use runner::{BatchOrder, JobReport, LoadPolicy, Pipeline, Schedule, StageSpec};
+use serde::Serialize;
 use serde_json::json;
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use wan_t2v::{WanConfigs, WanT2V};
 
 /// When components load, from the resolved options.
@@ -29,18 +36,78 @@ pub fn load_policy(config: &ResolvedConfig) -> LoadPolicy {
     }
 }
 
-/// Stage-major when components are loaded late (each then loads once per batch).
+/// The order a batch walks the stages in: `--batch-order`, where `auto` is stage-major when
+/// components are loaded late (each then loads once per batch) and prompt-major otherwise.
 pub fn batch_order(config: &ResolvedConfig) -> BatchOrder {
-    match load_policy(config) {
-        LoadPolicy::Eager => BatchOrder::Prompt,
-        LoadPolicy::Lazy | LoadPolicy::Sequential => BatchOrder::Stage,
+    match config.options.batch_order {
+        BatchOrderChoice::Prompt => BatchOrder::Prompt,
+        BatchOrderChoice::Stage => BatchOrder::Stage,
+        BatchOrderChoice::Auto => match load_policy(config) {
+            LoadPolicy::Eager => BatchOrder::Prompt,
+            LoadPolicy::Lazy | LoadPolicy::Sequential => BatchOrder::Stage,
+        },
+    }
+}
+
+/// What became of one prompt of a run.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Status {
+    /// Its output is complete.
+    Written,
+    /// It failed; the others went on.
+    Failed,
+    /// Its output already existed and `--resume` skipped it.
+    Skipped,
+    /// Ctrl-C stopped it.
+    Interrupted,
+    /// The run ended (a model that did not load) before it started.
+    NotRun,
+}
+
+/// The outcome of one job: its status, why it failed and how long each stage took.
+struct Outcome {
+    status: Status,
+    error: Option<String>,
+    stage_times: Vec<(&'static str, Duration)>,
+}
+
+impl Outcome {
+    fn new(status: Status, error: Option<String>) -> Self {
+        Outcome {
+            status,
+            error,
+            stage_times: Vec::new(),
+        }
+    }
+
+    fn from_report(job: &Job, report: JobReport) -> Self {
+        let (status, error) = match (report.error, job.stopped_at) {
+            (_, Some(stage)) => (
+                Status::Interrupted,
+                Some(format!("interrupted by Ctrl-C at {stage}")),
+            ),
+            (Some(e), None) => (Status::Failed, Some(e)),
+            (None, None) if job.written => (Status::Written, None),
+            (None, None) => (Status::Failed, Some("no output was written".into())),
+        };
+        Outcome {
+            status,
+            error,
+            stage_times: report.stage_times,
+        }
     }
 }
 
 /// Runs (or, with `--dry-run`, plans) a resolved job.
+///
+/// Every prompt is checked before any model loads (bad input: exit 2). A failing prompt does
+/// not stop the others; the run then ends with a summary of what failed and exit code 1, or 130
+/// after Ctrl-C. Paths go to stdout as each file is complete.
 pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
+    let progress = Arc::new(Progress::new(config.options.quiet));
     for o in &config.overrides {
-        eprintln!("{o}");
+        progress.note(&o.to_string());
     }
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
@@ -54,46 +121,313 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
-    std::fs::create_dir_all(&config.options.output_path).with_context(|| {
-        format!(
-            "cannot create the output folder {}; pass a writable --output-path",
-            config.options.output_path.display()
-        )
-    })?;
-    let progress = Arc::new(Progress::new(false));
+    check_output_folder(&config.options.output_path)?;
+    interrupt::install(config.options.quiet);
+    let started = Instant::now();
+    let mut outcomes: Vec<Outcome> = jobs
+        .iter()
+        .map(|job| existing_output(&config, job, &progress))
+        .collect();
     if source.is_synthetic() {
         progress.note(&format!("note: {source} has random weights: the output is noise, for measuring speed and memory"));
     }
-    let device = candle_device(&config)?;
-    let policy = load_policy(&config);
-    let order = batch_order(&config);
-    let mut pipeline = WanT2V::new(config, source, device, progress.clone())?;
-    let total = jobs.len();
-    let reports = runner::run(&mut pipeline, &mut jobs, policy, order, |i, stage| {
-        progress.stage(i, total, stage)
-    });
-    let mut failed = 0;
-    for (job, report) in jobs.iter().zip(&reports) {
-        match &report.error {
-            None if job.written => println!("{}", job.output.display()),
-            None => {}
-            Some(e) => {
-                failed += 1;
-                eprintln!("error: prompt {:?}: {e}", job.prompt);
+    let result = generate(&config, source, &progress, &mut jobs, &mut outcomes);
+    let mut code = summarize(&jobs, &outcomes, &progress);
+    if let Some(path) = &config.options.stats_json {
+        let stats = stats(
+            &config,
+            &jobs,
+            &outcomes,
+            started.elapsed(),
+            result.as_ref().err(),
+        );
+        if let Err(e) = write_stats(path, &stats) {
+            progress.error(&format!("error: {e:#}"));
+            if code == ExitCode::SUCCESS {
+                code = ExitCode::from(1);
             }
         }
-        let times: Vec<String> = report
-            .stage_times
-            .iter()
-            .map(|(s, d)| format!("{s} {:.2}s", d.as_secs_f64()))
-            .collect();
-        progress.note(&format!("  {}", times.join(", ")));
+    }
+    result.map(|()| code)
+}
+
+/// Creates the output folder and checks that files can be made in it, before any model loads.
+fn check_output_folder(dir: &Path) -> Result<(), UsageError> {
+    let fix = "pass a writable --output-path";
+    std::fs::create_dir_all(dir).map_err(|e| {
+        UsageError::new(format!(
+            "cannot create the output folder {}: {e}; {fix}",
+            dir.display()
+        ))
+    })?;
+    let probe = dir.join(format!(".vidgen-write-test-{}", std::process::id()));
+    match std::fs::File::create(&probe) {
+        Ok(_) => {
+            // Best effort: an empty hidden file is all that could remain.
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(UsageError::new(format!(
+            "the output folder {} is not writable: {e}; {fix}",
+            dir.display()
+        ))),
+    }
+}
+
+/// The outcome a job starts with: not run yet, or decided by an output that already exists
+/// (skipped with `--resume`, failed unless `--overwrite`).
+fn existing_output(config: &ResolvedConfig, job: &Job, progress: &Progress) -> Outcome {
+    let o = &config.options;
+    if o.overwrite || !jobs::output_exists(&job.output) {
+        return Outcome::new(Status::NotRun, None);
+    }
+    if o.resume {
+        progress.note(&format!(
+            "skipping {} ({}): it exists (--resume)",
+            job.output.display(),
+            job.origin
+        ));
+        return Outcome::new(Status::Skipped, None);
+    }
+    Outcome::new(
+        Status::Failed,
+        Some(format!(
+            "{} already exists; pass --overwrite to replace it or --resume to skip it",
+            job.output.display()
+        )),
+    )
+}
+
+/// Loads the pipeline and runs every job not yet decided, recording each outcome.
+fn generate(
+    config: &ResolvedConfig,
+    source: ModelSource,
+    progress: &Arc<Progress>,
+    jobs: &mut Vec<Job>,
+    outcomes: &mut [Outcome],
+) -> Result<()> {
+    let device = candle_device(config)?;
+    let mut pipeline = WanT2V::new(config.clone(), source, device, progress.clone())?;
+    let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
+        .into_iter()
+        .partition(|j| outcomes[j.index].status == Status::NotRun);
+    let positions: Vec<usize> = todo.iter().map(|j| j.index).collect();
+    let total = outcomes.len();
+    let mut guarded = Guarded {
+        inner: &mut pipeline,
+        progress,
+        overwrite: config.options.overwrite,
+    };
+    let reports = runner::run(
+        &mut guarded,
+        &mut todo,
+        load_policy(config),
+        batch_order(config),
+        |i, stage| {
+            if !interrupt::interrupted() {
+                progress.stage(positions[i], total, stage);
+            }
+        },
+    );
+    for (job, report) in todo.iter().zip(reports) {
+        outcomes[job.index] = Outcome::from_report(job, report);
+    }
+    jobs.extend(done);
+    jobs.extend(todo);
+    jobs.sort_by_key(|j| j.index);
+    Ok(())
+}
+
+/// A pipeline with what an unattended run adds around each stage: Ctrl-C is honoured at every
+/// stage boundary, an output that appeared meanwhile is not overwritten, loads are announced,
+/// and each path goes to stdout as soon as its file is complete.
+struct Guarded<'a, P> {
+    inner: &'a mut P,
+    progress: &'a Progress,
+    overwrite: bool,
+}
+
+impl<P: Pipeline<Job = Job>> Pipeline for Guarded<'_, P> {
+    type Component = P::Component;
+    type Job = Job;
+
+    fn stages(&self) -> &'static [StageSpec<P::Component>] {
+        self.inner.stages()
+    }
+
+    fn deferrable(&self) -> &'static [P::Component] {
+        self.inner.deferrable()
+    }
+
+    fn load(&mut self, component: P::Component) -> Result<()> {
+        if interrupt::interrupted() {
+            // Nothing loads after Ctrl-C. `run_stage` refuses every stage from now on, so the
+            // component the runner now counts as loaded is never used.
+            return Ok(());
+        }
+        let name = match serde_json::to_value(component) {
+            Ok(serde_json::Value::String(s)) => s,
+            _ => format!("{component:?}"),
+        };
+        self.progress.note(&format!("loading {name}"));
+        self.inner.load(component)
+    }
+
+    fn release(&mut self, component: P::Component) {
+        self.inner.release(component)
+    }
+
+    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        let stage = self.inner.stages()[index].name;
+        if let Err(e) = interrupt::check() {
+            job.stopped_at = Some(stage);
+            return Err(e.into());
+        }
+        if !self.overwrite && !job.written && jobs::output_exists(&job.output) {
+            bail!(
+                "{} appeared during the run; pass --overwrite to replace it",
+                job.output.display()
+            );
+        }
+        let was_written = job.written;
+        let result = self.inner.run_stage(index, job);
+        match &result {
+            Err(e) if e.is::<Interrupted>() => job.stopped_at = Some(stage),
+            Ok(()) if job.written && !was_written => println!("{}", job.output.display()),
+            _ => {}
+        }
+        result
+    }
+}
+
+/// Reports every job on stderr (failures as errors, so also with --quiet) and picks the exit
+/// code: 130 after Ctrl-C, 1 if any prompt failed, else 0.
+fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCode {
+    let total = jobs.len();
+    let count = |s: Status| outcomes.iter().filter(|o| o.status == s).count();
+    for (job, outcome) in jobs.iter().zip(outcomes) {
+        let at = format!(
+            "[{}/{total}] {} {:?}",
+            job.index + 1,
+            job.origin,
+            job.prompt
+        );
+        if !outcome.stage_times.is_empty() {
+            let times: Vec<String> = outcome
+                .stage_times
+                .iter()
+                .map(|(s, d)| format!("{s} {:.2}s", d.as_secs_f64()))
+                .collect();
+            progress.note(&format!("{at}: {}", times.join(", ")));
+        }
+        if let (Status::Failed, Some(e)) = (outcome.status, &outcome.error) {
+            progress.error(&format!("error: {at}: {e}"));
+        }
+    }
+    let (written, failed, skipped) = (
+        count(Status::Written),
+        count(Status::Failed),
+        count(Status::Skipped),
+    );
+    let mut tally = format!("{written} of {total} written");
+    if skipped > 0 {
+        tally += &format!(", {skipped} skipped (--resume)");
     }
     if failed > 0 {
-        eprintln!("{failed} of {total} prompts failed");
-        return Ok(ExitCode::from(1));
+        tally += &format!(", {failed} failed");
     }
-    Ok(ExitCode::SUCCESS)
+    let stopped = jobs
+        .iter()
+        .zip(outcomes)
+        .find(|(_, o)| o.status == Status::Interrupted);
+    if let Some((job, _)) = stopped {
+        let unfinished = count(Status::Interrupted) + count(Status::NotRun);
+        progress.error(&format!(
+            "interrupted at {} of [{}/{total}] ({}): {tally}, {unfinished} not made; finished videos are kept, rerun with --resume to make the rest",
+            job.stopped_at.unwrap_or("start"),
+            job.index + 1,
+            job.origin
+        ));
+        return ExitCode::from(interrupt::EXIT_CODE);
+    }
+    if failed > 0 {
+        progress.error(&format!("{failed} of {total} prompts failed ({tally})"));
+        return ExitCode::from(1);
+    }
+    if written + skipped == total {
+        progress.note(&format!("done: {tally}"));
+    }
+    ExitCode::SUCCESS
+}
+
+/// The `--stats-json` document (schema in the README).
+fn stats(
+    config: &ResolvedConfig,
+    jobs: &[Job],
+    outcomes: &[Outcome],
+    wall: Duration,
+    error: Option<&anyhow::Error>,
+) -> serde_json::Value {
+    let mut out = config.to_json();
+    let status = if error.is_some() {
+        "error"
+    } else if outcomes.iter().any(|o| o.status == Status::Interrupted) {
+        "interrupted"
+    } else if outcomes.iter().any(|o| o.status == Status::Failed) {
+        "failed"
+    } else {
+        "ok"
+    };
+    out["vidgen_version"] = json!(env!("CARGO_PKG_VERSION"));
+    out["load_policy"] = json!(load_policy(config));
+    out["batch_order"] = json!(batch_order(config));
+    out["status"] = json!(status);
+    out["error"] = json!(error.map(|e| format!("{e:#}")));
+    out["wall_seconds"] = json!(wall.as_secs_f64());
+    out["jobs"] = jobs
+        .iter()
+        .zip(outcomes)
+        .map(|(j, o)| {
+            json!({
+                "index": j.index + 1,
+                "origin": j.origin,
+                "prompt": j.prompt,
+                "negative_prompt": j.negative_prompt,
+                "seed": j.seed,
+                "num_frames": j.num_frames,
+                "height": j.height,
+                "width": j.width,
+                "num_inference_steps": j.num_inference_steps,
+                "guidance_scale": j.guidance_scale,
+                "output": j.output,
+                "status": o.status,
+                "error": o.error,
+                "stages": o.stage_times.iter().map(|(name, d)| json!({
+                    "name": name,
+                    "seconds": d.as_secs_f64(),
+                })).collect::<Vec<_>>(),
+                "seconds": o.stage_times.iter().map(|(_, d)| d.as_secs_f64()).sum::<f64>(),
+                "metrics": j.metrics,
+            })
+        })
+        .collect();
+    out
+}
+
+/// Writes `stats` to `path` through a temporary file renamed into place.
+fn write_stats(path: &Path, stats: &serde_json::Value) -> Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("--stats-json {} does not name a file", path.display()))?;
+    let temp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    let text = serde_json::to_string_pretty(stats)? + "\n";
+    let written = std::fs::write(&temp, text).and_then(|()| std::fs::rename(&temp, path));
+    if let Err(e) = written {
+        // Best effort: the write error is the one worth reporting.
+        let _ = std::fs::remove_file(&temp);
+        return Err(e).with_context(|| format!("cannot write --stats-json {}", path.display()));
+    }
+    Ok(())
 }
 
 fn candle_device(config: &ResolvedConfig) -> Result<Device> {

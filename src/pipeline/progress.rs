@@ -62,6 +62,12 @@ impl Progress {
         }
     }
 
+    /// An error: shown even with --quiet.
+    pub fn error(&self, message: &str) {
+        self.finish_bar();
+        eprintln!("{message}");
+    }
+
     fn finish_bar(&self) {
         if let Some(b) = self.bar.lock().unwrap_or_else(|e| e.into_inner()).take() {
             b.finish_and_clear();

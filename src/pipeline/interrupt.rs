@@ -1,0 +1,47 @@
+//! Ctrl-C: the first asks the run to stop at the next stage boundary or denoising step, so the
+//! video in progress is abandoned cleanly and finished ones stay; the second exits at once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// The exit code of a run stopped by Ctrl-C (128 + SIGINT, as shells report it).
+pub const EXIT_CODE: u8 = 130;
+
+/// The error a stage returns when it stops because of Ctrl-C.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted by Ctrl-C")]
+pub struct Interrupted;
+
+/// Installs the Ctrl-C handler. `quiet` suppresses the notice printed on the first Ctrl-C.
+///
+/// Installing twice in one process keeps the first handler.
+pub fn install(quiet: bool) {
+    let handler = move || {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            eprintln!("interrupted again: exiting now");
+            std::process::exit(i32::from(EXIT_CODE));
+        }
+        if !quiet {
+            eprintln!(
+                "interrupted: stopping at the next step (finished videos are kept); press Ctrl-C again to exit at once"
+            );
+        }
+    };
+    // The only error is a handler already set (a library caller's, or an earlier run's).
+    let _ = ctrlc::set_handler(handler);
+}
+
+/// Whether Ctrl-C was pressed.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// `Err(Interrupted)` once Ctrl-C was pressed: long loops call it between steps.
+pub fn check() -> Result<(), Interrupted> {
+    if interrupted() {
+        Err(Interrupted)
+    } else {
+        Ok(())
+    }
+}
