@@ -402,6 +402,7 @@ fn stats(
                 "output": j.output,
                 "status": o.status,
                 "error": o.error,
+                "stopped_at": j.stopped_at,
                 "stages": o.stage_times.iter().map(|(name, d)| json!({
                     "name": name,
                     "seconds": d.as_secs_f64(),
