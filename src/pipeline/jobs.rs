@@ -26,6 +26,8 @@ pub struct Job {
     pub frames: Option<Tensor>,
     /// Whether the output file is complete.
     pub written: bool,
+    /// What the pipeline measured (forward times, memory peaks per stage), for --stats-json.
+    pub metrics: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Per-prompt overrides accepted on a `.jsonl` prompt-file line.
@@ -91,6 +93,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             latents: None,
             frames: None,
             written: false,
+            metrics: serde_json::Map::new(),
         });
     }
     Ok(jobs)
