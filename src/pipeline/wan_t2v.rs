@@ -9,8 +9,11 @@ use crate::models::loader::{component_weights, seeded_normal, var_builder};
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
-use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
+use crate::models::wan::transformer::{
+    WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
+};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
+use crate::offload;
 use crate::schedulers::{self, SchedulerConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -119,7 +122,7 @@ pub struct WanT2V {
     device: Device,
     tokenizer: PromptTokenizer,
     text_encoder: Option<UMT5EncoderModel>,
-    transformer: Option<WanTransformer3DModel>,
+    transformer: Option<Dit>,
     vae: Option<AutoencoderKLWan>,
     progress: std::sync::Arc<Progress>,
     meter: MemoryMeter,
@@ -287,9 +290,7 @@ impl WanT2V {
             }
             Component::Transformer => {
                 let vb = self.vb(component, dtype)?;
-                self.transformer = Some(
-                    WanTransformer3DModel::new(&self.configs.transformer, vb).with_context(what)?,
-                );
+                self.transformer = Some(self.place_dit(vb).with_context(what)?);
             }
             Component::Vae => {
                 // diffusers runs the Wan VAE in f32.
@@ -298,6 +299,39 @@ impl WanT2V {
             }
         }
         Ok(())
+    }
+
+    /// Places the DiT: resident, or with its blocks streamed from host memory by the offload
+    /// engine (`--dit-layerwise-offload`, blocks per group and prefetch depth as configured).
+    fn place_dit(&self, vb: candle_nn::VarBuilder<'static>) -> Result<Dit> {
+        let cfg = &self.configs.transformer;
+        let o = &self.config.options;
+        if !o.dit_layerwise_offload {
+            return Ok(Dit::Resident(WanTransformer3DModel::new(cfg, vb)?));
+        }
+        let model = WanTransformer3DModel::new_without_blocks(cfg, vb.clone())?;
+        let per_group = o.num_blocks_per_group.max(1) as usize;
+        let num_layers = cfg.num_layers;
+        let layers = move |g: usize| g * per_group..((g + 1) * per_group).min(num_layers);
+        let groups = (0..num_layers.div_ceil(per_group))
+            .map(|g| offload::host_group(&vb, |vb| build_group(cfg, layers(g), &vb)))
+            .collect::<Result<Vec<_>>>()?;
+        let build_cfg = cfg.clone();
+        let streamer = offload::Streamer::new(
+            groups,
+            move |g, vb| build_group(&build_cfg, layers(g), &vb),
+            self.config.dtype(),
+            self.device.clone(),
+            o.prefetch_depth as usize,
+        );
+        self.progress.note(&format!(
+            "dit layerwise offload: {} blocks in host memory ({:.2} GiB), {} per group, prefetch depth {}",
+            cfg.num_layers,
+            streamer.host_bytes() as f64 / (1u64 << 30) as f64,
+            per_group,
+            o.prefetch_depth
+        ));
+        Ok(Dit::Streamed { model, streamer })
     }
 
     /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
@@ -421,6 +455,52 @@ impl Pipeline for WanT2V {
         stages[name] = serde_json::to_value(peaks)?;
         Ok(())
     }
+}
+
+/// The DiT as placed: all weights on the device, or blocks streamed by the offload engine.
+enum Dit {
+    Resident(WanTransformer3DModel),
+    Streamed {
+        model: WanTransformer3DModel,
+        streamer: offload::Streamer<Vec<WanTransformerBlock>>,
+    },
+}
+
+impl Dit {
+    fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        text: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Dit::Resident(model) => model.forward(latents, timestep, text),
+            Dit::Streamed { model, streamer } => {
+                let mut inputs = model.prepare(latents, timestep, text)?;
+                let mut x = inputs.take_hidden_states()?;
+                streamer
+                    .for_each(|group| {
+                        for block in group {
+                            x = block.forward(&x, &inputs)?;
+                        }
+                        Ok(())
+                    })
+                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+                model.finish(&x, &inputs)
+            }
+        }
+    }
+}
+
+/// Builds the blocks `layers` from a `VarBuilder` rooted at the transformer.
+fn build_group(
+    cfg: &WanTransformerConfig,
+    layers: std::ops::Range<usize>,
+    vb: &candle_nn::VarBuilder<'static>,
+) -> candle_core::Result<Vec<WanTransformerBlock>> {
+    layers
+        .map(|i| WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}"))))
+        .collect()
 }
 
 /// One line for a stage's memory: device peaks (used / reserved by the pool) and host RSS.
