@@ -528,14 +528,17 @@ fn a_second_ctrl_c_exits_at_once() {
             "--prompt-file",
             &prompts,
             "--height",
-            "64",
+            "128",
             "--width",
-            "64",
-            "--num-inference-steps",
-            "4",
+            "128",
+            "--num-frames",
+            "9",
         ],
     );
+    // Decoding takes seconds at this size: both signals arrive while it runs (the pause lets
+    // the VAE load and the decode begin; a stage not yet begun would just be skipped).
     live.wait_for(|is_stdout, line| !is_stdout && line == "[1/3] decode");
+    std::thread::sleep(Duration::from_millis(500));
     let start = Instant::now();
     live.sigint();
     live.wait_for(|is_stdout, line| !is_stdout && line.starts_with("interrupted:"));

@@ -29,6 +29,11 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Runs the documented parity command line and returns the written frames.
 fn generate(dir: &Path, guidance: &str, extra: &[&str]) -> Tensor {
+    generate_logged(dir, guidance, extra).0
+}
+
+/// [`generate`], also returning stderr.
+fn generate_logged(dir: &Path, guidance: &str, extra: &[&str]) -> (Tensor, String) {
     let refs = reference("pipeline");
     let latents = dir.join("latents.safetensors");
     let init: HashMap<String, Tensor> =
@@ -84,7 +89,8 @@ fn generate(dir: &Path, guidance: &str, extra: &[&str]) -> Tensor {
         written.display().to_string(),
         "stdout carries only the path"
     );
-    candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone()
+    let frames = candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone();
+    (frames, stderr.to_string())
 }
 
 #[test]
@@ -126,6 +132,48 @@ fn cfg1_frames_match_diffusers_under_every_load_policy() {
             &expected,
             1e-4,
             1e-4,
+        );
+    }
+}
+
+/// The offload engine changes where weights live, never what is computed: streamed blocks give
+/// the resident output bit for bit (planned as on a discrete GPU, run on the CPU).
+#[test]
+fn layerwise_offload_equals_resident_bit_for_bit() {
+    let resident = generate(
+        &scratch("resident"),
+        "5",
+        &["--memory-model", "discrete", "--no-dit-layerwise-offload"],
+    );
+    let expected = reference("pipeline")["cfg5.frames"].squeeze(0).unwrap();
+    assert_close("resident", &resident, &expected, 1e-4, 1e-4);
+    let resident = resident.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for extra in [
+        &["--num-blocks-per-group", "1"][..],
+        &["--num-blocks-per-group", "2", "--prefetch-depth", "2"],
+    ] {
+        let mut args = vec!["--memory-model", "discrete", "--dit-layerwise-offload"];
+        args.extend_from_slice(extra);
+        let dir = scratch(&format!("layerwise-{}", extra[1]));
+        let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args(["generate", "--dry-run", "--json", "--device", "cpu"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            plan["config"]["dit_layerwise_offload"], true,
+            "the engine is really on"
+        );
+        let (streamed, log) = generate_logged(&dir, "5", &args);
+        assert!(
+            log.contains("dit layerwise offload: 2 blocks in host memory"),
+            "engine not used: {log}"
+        );
+        let streamed = streamed.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            streamed == resident,
+            "{extra:?}: streamed output differs from resident"
         );
     }
 }

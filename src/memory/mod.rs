@@ -4,6 +4,7 @@
 //! then adjust the offload options to it, so a unified-memory machine (DGX Spark) never pays
 //! for host copies that only duplicate what the GPU already sees.
 
+pub mod accounting;
 pub mod overrides;
 pub mod probe;
 

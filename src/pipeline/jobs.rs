@@ -32,8 +32,8 @@ pub struct Job {
     pub written: bool,
     /// The stage at which Ctrl-C stopped this job, if it did.
     pub stopped_at: Option<&'static str>,
-    /// Measurements the pipeline records for this job (e.g. `forward_seconds`,
-    /// `peak_device_bytes`); written as the job's `metrics` object by `--stats-json`.
+    /// What the pipeline measured (forward times, memory peaks per stage): the job's `metrics`
+    /// object in `--stats-json`.
     pub metrics: serde_json::Map<String, serde_json::Value>,
 }
 

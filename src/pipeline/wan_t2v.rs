@@ -4,12 +4,16 @@ use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::{Pipeline, StageSpec};
 use crate::cli::ResolvedConfig;
+use crate::memory::accounting::{MemoryMeter, MemoryPeaks};
 use crate::models::loader::{component_weights, seeded_normal, var_builder};
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
-use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
+use crate::models::wan::transformer::{
+    WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
+};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
+use crate::offload;
 use crate::schedulers::{self, SchedulerConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -118,9 +122,10 @@ pub struct WanT2V {
     device: Device,
     tokenizer: PromptTokenizer,
     text_encoder: Option<UMT5EncoderModel>,
-    transformer: Option<WanTransformer3DModel>,
+    transformer: Option<Dit>,
     vae: Option<AutoencoderKLWan>,
     progress: std::sync::Arc<Progress>,
+    meter: MemoryMeter,
 }
 
 impl WanT2V {
@@ -132,6 +137,7 @@ impl WanT2V {
         progress: std::sync::Arc<Progress>,
     ) -> Result<Self> {
         let configs = WanConfigs::read(&source)?;
+        let meter = MemoryMeter::new(&device);
         let tokenizer = match source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
@@ -146,6 +152,7 @@ impl WanT2V {
             transformer: None,
             vae: None,
             progress,
+            meter,
         })
     }
 
@@ -234,13 +241,18 @@ impl WanT2V {
         )?;
         let mut latents = self.initial_latents(job)?;
         let timesteps = scheduler.timesteps().to_vec();
+        let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
         for (i, t) in timesteps.iter().enumerate() {
             let input = latents.to_dtype(dtype)?;
             let timestep = Tensor::new(&[*t as f32], &self.device)?;
-            let noise_cond = model.forward(&input, &timestep, cond)?;
+            let noise_cond = self.timed(&mut forward_seconds, || {
+                model.forward(&input, &timestep, cond)
+            })?;
             let noise = match &job.negative_embeds {
                 Some(uncond) => {
-                    let noise_uncond = model.forward(&input, &timestep, uncond)?;
+                    let noise_uncond = self.timed(&mut forward_seconds, || {
+                        model.forward(&input, &timestep, uncond)
+                    })?;
                     // diffusers combines in the transformer dtype.
                     let diff = (&noise_cond - &noise_uncond)?;
                     (noise_uncond + (diff * job.guidance_scale)?)?
@@ -250,10 +262,89 @@ impl WanT2V {
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             self.progress.step(i + 1, timesteps.len());
         }
+        job.metrics
+            .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
+        self.progress.note(&format!(
+            "  transformer forwards: {}",
+            forward_seconds
+                .iter()
+                .map(|s| format!("{s:.3}s"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ));
         job.latents = Some(latents);
         job.prompt_embeds = None;
         job.negative_embeds = None;
         Ok(())
+    }
+
+    /// Builds a component from its weights on the run device.
+    fn load_component(&mut self, component: Component) -> Result<()> {
+        let dtype = self.config.dtype();
+        let what = || format!("loading {} of {}", component.folder(), self.source);
+        match component {
+            Component::TextEncoder => {
+                let vb = self.vb(component, dtype)?;
+                self.text_encoder =
+                    Some(UMT5EncoderModel::new(&self.configs.text_encoder, vb).with_context(what)?);
+            }
+            Component::Transformer => {
+                let vb = self.vb(component, dtype)?;
+                self.transformer = Some(self.place_dit(vb).with_context(what)?);
+            }
+            Component::Vae => {
+                // diffusers runs the Wan VAE in f32.
+                let vb = self.vb(component, DType::F32)?;
+                self.vae = Some(AutoencoderKLWan::new(&self.configs.vae, vb).with_context(what)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Places the DiT: resident, or with its blocks streamed from host memory by the offload
+    /// engine (`--dit-layerwise-offload`, blocks per group and prefetch depth as configured).
+    fn place_dit(&self, vb: candle_nn::VarBuilder<'static>) -> Result<Dit> {
+        let cfg = &self.configs.transformer;
+        let o = &self.config.options;
+        if !o.dit_layerwise_offload {
+            return Ok(Dit::Resident(WanTransformer3DModel::new(cfg, vb)?));
+        }
+        let model = WanTransformer3DModel::new_without_blocks(cfg, vb.clone())?;
+        let per_group = o.num_blocks_per_group.max(1) as usize;
+        let num_layers = cfg.num_layers;
+        let layers = move |g: usize| g * per_group..((g + 1) * per_group).min(num_layers);
+        let groups = (0..num_layers.div_ceil(per_group))
+            .map(|g| offload::host_group(&vb, |vb| build_group(cfg, layers(g), &vb)))
+            .collect::<Result<Vec<_>>>()?;
+        let build_cfg = cfg.clone();
+        let streamer = offload::Streamer::new(
+            groups,
+            move |g, vb| build_group(&build_cfg, layers(g), &vb),
+            self.config.dtype(),
+            self.device.clone(),
+            o.prefetch_depth as usize,
+        );
+        self.progress.note(&format!(
+            "dit layerwise offload: {} blocks in host memory ({:.2} GiB), {} per group, prefetch depth {}",
+            cfg.num_layers,
+            streamer.host_bytes() as f64 / (1u64 << 30) as f64,
+            per_group,
+            o.prefetch_depth
+        ));
+        Ok(Dit::Streamed { model, streamer })
+    }
+
+    /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
+    fn timed<T>(
+        &self,
+        seconds: &mut Vec<f64>,
+        f: impl FnOnce() -> candle_core::Result<T>,
+    ) -> Result<T> {
+        let start = std::time::Instant::now();
+        let out = f()?;
+        self.device.synchronize()?;
+        seconds.push(start.elapsed().as_secs_f64());
+        Ok(out)
     }
 
     fn decode(&self, job: &mut Job) -> Result<()> {
@@ -324,26 +415,16 @@ impl Pipeline for WanT2V {
     }
 
     fn load(&mut self, component: Component) -> Result<()> {
-        let dtype = self.config.dtype();
-        let what = || format!("loading {} of {}", component.folder(), self.source);
-        match component {
-            Component::TextEncoder => {
-                let vb = self.vb(component, dtype)?;
-                self.text_encoder =
-                    Some(UMT5EncoderModel::new(&self.configs.text_encoder, vb).with_context(what)?);
-            }
-            Component::Transformer => {
-                let vb = self.vb(component, dtype)?;
-                self.transformer = Some(
-                    WanTransformer3DModel::new(&self.configs.transformer, vb).with_context(what)?,
-                );
-            }
-            Component::Vae => {
-                // diffusers runs the Wan VAE in f32.
-                let vb = self.vb(component, DType::F32)?;
-                self.vae = Some(AutoencoderKLWan::new(&self.configs.vae, vb).with_context(what)?);
-            }
-        }
+        let start = std::time::Instant::now();
+        self.meter.reset();
+        self.load_component(component)?;
+        self.device.synchronize()?;
+        self.progress.note(&format!(
+            "loaded {} in {:.2}s: {}",
+            component.folder(),
+            start.elapsed().as_secs_f64(),
+            describe_peaks(&self.meter.peaks())
+        ));
         Ok(())
     }
 
@@ -356,11 +437,79 @@ impl Pipeline for WanT2V {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        match STAGES[index].name {
+        let name = STAGES[index].name;
+        self.meter.reset();
+        match name {
             "encode_text" => self.encode_text(job),
             "denoise" => self.denoise(job),
             "decode" => self.decode(job),
             _ => self.write(job),
+        }?;
+        let peaks = self.meter.peaks();
+        self.progress
+            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
+        let stages = job
+            .metrics
+            .entry("stages")
+            .or_insert_with(|| serde_json::json!({}));
+        stages[name] = serde_json::to_value(peaks)?;
+        Ok(())
+    }
+}
+
+/// The DiT as placed: all weights on the device, or blocks streamed by the offload engine.
+enum Dit {
+    Resident(WanTransformer3DModel),
+    Streamed {
+        model: WanTransformer3DModel,
+        streamer: offload::Streamer<Vec<WanTransformerBlock>>,
+    },
+}
+
+impl Dit {
+    fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        text: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Dit::Resident(model) => model.forward(latents, timestep, text),
+            Dit::Streamed { model, streamer } => {
+                let mut inputs = model.prepare(latents, timestep, text)?;
+                let mut x = inputs.take_hidden_states()?;
+                streamer
+                    .for_each(|group| {
+                        for block in group {
+                            x = block.forward(&x, &inputs)?;
+                        }
+                        Ok(())
+                    })
+                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+                model.finish(&x, &inputs)
+            }
         }
     }
+}
+
+/// Builds the blocks `layers` from a `VarBuilder` rooted at the transformer.
+fn build_group(
+    cfg: &WanTransformerConfig,
+    layers: std::ops::Range<usize>,
+    vb: &candle_nn::VarBuilder<'static>,
+) -> candle_core::Result<Vec<WanTransformerBlock>> {
+    layers
+        .map(|i| WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}"))))
+        .collect()
+}
+
+/// One line for a stage's memory: device peaks (used / reserved by the pool) and host RSS.
+fn describe_peaks(p: &MemoryPeaks) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    format!(
+        "device peak {:.2} GiB used, {:.2} GiB reserved; host RSS peak {:.2} GiB",
+        p.device_used_peak as f64 / GIB,
+        p.device_reserved_peak as f64 / GIB,
+        p.host_rss_peak as f64 / GIB
+    )
 }
