@@ -243,6 +243,7 @@ impl WanT2V {
         let timesteps = scheduler.timesteps().to_vec();
         let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
         for (i, t) in timesteps.iter().enumerate() {
+            crate::pipeline::interrupt::check()?;
             let input = latents.to_dtype(dtype)?;
             let timestep = Tensor::new(&[*t as f32], &self.device)?;
             let noise_cond = self.timed(&mut forward_seconds, || {
