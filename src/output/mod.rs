@@ -4,9 +4,11 @@
 //! to a hidden temporary name next to the destination and renames it into place only when the
 //! output is complete, so an interrupted or failed run never leaves a half-written file behind.
 
+#[cfg(feature = "mp4")]
 mod mp4;
 mod png;
 
+#[cfg(feature = "mp4")]
 pub use mp4::write_mp4;
 pub use png::write_png_frames;
 
@@ -60,7 +62,13 @@ pub fn write(
     metadata: &[(String, String)],
 ) -> Result<()> {
     match output_type {
+        #[cfg(feature = "mp4")]
         OutputType::Mp4 => write_mp4(path, frames, fps, metadata),
+        #[cfg(not(feature = "mp4"))]
+        OutputType::Mp4 => {
+            let _ = (fps, path);
+            anyhow::bail!("this vidgen was built without MP4 support (cargo feature `mp4`); use --output-type png or safetensors")
+        }
         OutputType::Png => write_png_frames(path, frames),
         OutputType::Safetensors => write_safetensors_with_metadata(path, frames, metadata),
     }
