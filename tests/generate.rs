@@ -198,6 +198,21 @@ fn bad_models_fail_with_a_message_and_leave_nothing() {
     let out = scratch("truncated-out");
     assert_fails(&vidgen(&model, &out, &["--prompt", "x"]), &["vae"], &out);
 
+    // Pickle weights are refused (loading them could run code).
+    let model = scratch("pickle-model");
+    copy_fixture(&model);
+    std::fs::rename(
+        model.join("vae/diffusion_pytorch_model.safetensors"),
+        model.join("vae/diffusion_pytorch_model.bin"),
+    )
+    .unwrap();
+    let out = scratch("pickle-out");
+    assert_fails(
+        &vidgen(&model, &out, &["--prompt", "x"]),
+        &["pickle", "diffusion_pytorch_model.bin", "safetensors"],
+        &out,
+    );
+
     // A folder that is not a diffusers model.
     let model = scratch("not-a-model");
     let out = scratch("not-a-model-out");

@@ -180,10 +180,12 @@ impl WanT2V {
             .to_dtype(self.config.dtype())?)
     }
 
+    /// Encodes the prompts; the embeddings wait for the denoise stage in host memory, so a
+    /// stage-major batch holds no device memory between stages.
     fn encode_text(&self, job: &mut Job) -> Result<()> {
-        job.prompt_embeds = Some(self.embed(&job.prompt)?);
+        job.prompt_embeds = Some(self.embed(&job.prompt)?.to_device(&Device::Cpu)?);
         job.negative_embeds = if job.guidance_scale > 1.0 {
-            Some(self.embed(&job.negative_prompt)?)
+            Some(self.embed(&job.negative_prompt)?.to_device(&Device::Cpu)?)
         } else {
             None
         };
@@ -232,7 +234,16 @@ impl WanT2V {
             .as_ref()
             .context("transformer not loaded")?;
         let dtype = self.config.dtype();
-        let cond = job.prompt_embeds.as_ref().context("prompt not encoded")?;
+        let cond = job
+            .prompt_embeds
+            .as_ref()
+            .context("prompt not encoded")?
+            .to_device(&self.device)?;
+        let cond = &cond;
+        let uncond = match &job.negative_embeds {
+            Some(t) => Some(t.to_device(&self.device)?),
+            None => None,
+        };
         let mut scheduler = schedulers::build(
             self.config.options.scheduler,
             &self.configs.scheduler,
@@ -249,7 +260,7 @@ impl WanT2V {
             let noise_cond = self.timed(&mut forward_seconds, || {
                 model.forward(&input, &timestep, cond)
             })?;
-            let noise = match &job.negative_embeds {
+            let noise = match &uncond {
                 Some(uncond) => {
                     let noise_uncond = self.timed(&mut forward_seconds, || {
                         model.forward(&input, &timestep, uncond)
@@ -273,7 +284,7 @@ impl WanT2V {
                 .collect::<Vec<_>>()
                 .join(" ")
         ));
-        job.latents = Some(latents);
+        job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.negative_embeds = None;
         Ok(())
@@ -351,7 +362,7 @@ impl WanT2V {
     fn decode(&self, job: &mut Job) -> Result<()> {
         let vae = self.vae.as_ref().context("VAE not loaded")?;
         let latents = job.latents.take().context("nothing denoised")?;
-        let z = vae.denormalize(&latents.to_dtype(DType::F32)?)?;
+        let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&self.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
         let video = if self.config.options.vae_tiling {
             vae.decode_tiled(&z, &WanVaeTiling::default())?
@@ -440,12 +451,15 @@ impl Pipeline for WanT2V {
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
         let name = STAGES[index].name;
         self.meter.reset();
-        match name {
+        let result = match name {
             "encode_text" => self.encode_text(job),
             "denoise" => self.denoise(job),
             "decode" => self.decode(job),
             _ => self.write(job),
-        }?;
+        };
+        if let Err(e) = result {
+            return Err(self.explain_out_of_memory(name, e));
+        }
         let peaks = self.meter.peaks();
         self.progress
             .note(&format!("  {name}: {}", describe_peaks(&peaks)));
@@ -455,6 +469,34 @@ impl Pipeline for WanT2V {
             .or_insert_with(|| serde_json::json!({}));
         stages[name] = serde_json::to_value(peaks)?;
         Ok(())
+    }
+}
+
+impl WanT2V {
+    /// Turns a device out-of-memory error into one that names the stage, the memory in use and
+    /// the flags that lower the peak; other errors pass through.
+    fn explain_out_of_memory(&self, stage: &str, e: anyhow::Error) -> anyhow::Error {
+        let text = format!("{e:#}");
+        if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
+            return e;
+        }
+        let o = &self.config.options;
+        let mut fixes = Vec::new();
+        if !o.dit_layerwise_offload {
+            fixes.push("--dit-layerwise-offload");
+        }
+        if !self.config.lazy_module_load() {
+            fixes.push("--lazy-module-load");
+        }
+        if stage == "decode" && !o.vae_tiling {
+            fixes.push("--vae-tiling");
+        }
+        fixes.push("smaller --height/--width/--num-frames");
+        e.context(format!(
+            "out of device memory in stage {stage} ({}); try {}",
+            describe_peaks(&self.meter.peaks()),
+            fixes.join(", ")
+        ))
     }
 }
 
