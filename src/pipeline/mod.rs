@@ -120,6 +120,12 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    if config.options.use_fsdp_inference {
+        return Err(UsageError::new(
+            "--use-fsdp-inference is not supported yet (multi-GPU comes later); use --dit-layerwise-offload or --no-use-fsdp-inference",
+        )
+        .into());
+    }
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
