@@ -43,6 +43,25 @@ impl Changes<'_> {
     }
 }
 
+impl Changes<'_> {
+    /// Turns off every option that keeps a component's weights in host memory.
+    fn host_offload_off(&mut self, o: &mut GenerateOptions) {
+        self.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
+        self.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
+        self.set(
+            "text_encoder_cpu_offload",
+            &mut o.text_encoder_cpu_offload,
+            false,
+        );
+        self.set(
+            "image_encoder_cpu_offload",
+            &mut o.image_encoder_cpu_offload,
+            false,
+        );
+        self.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
+    }
+}
+
 /// Resolves `auto` to the device's default; an explicit choice stays as asked.
 fn resolve_auto(value: &mut Tristate, auto: bool) {
     if *value == Tristate::Auto {
@@ -71,19 +90,7 @@ pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) ->
     let o = options;
     match device.memory_model {
         MemoryModel::Unified => {
-            changes.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
-            changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
-            changes.set(
-                "text_encoder_cpu_offload",
-                &mut o.text_encoder_cpu_offload,
-                false,
-            );
-            changes.set(
-                "image_encoder_cpu_offload",
-                &mut o.image_encoder_cpu_offload,
-                false,
-            );
-            changes.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
+            changes.host_offload_off(o);
             if device.kind == DeviceKind::Metal {
                 changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
             }
@@ -100,20 +107,8 @@ pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) ->
             }
         }
         MemoryModel::None => {
-            changes.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
+            changes.host_offload_off(o);
             changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
-            changes.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
-            changes.set(
-                "text_encoder_cpu_offload",
-                &mut o.text_encoder_cpu_offload,
-                false,
-            );
-            changes.set(
-                "image_encoder_cpu_offload",
-                &mut o.image_encoder_cpu_offload,
-                false,
-            );
-            changes.set("vae_cpu_offload", &mut o.vae_cpu_offload, false);
             changes.set("pin_cpu_memory", &mut o.pin_cpu_memory, false);
             changes.set("model_cpu_offload", &mut o.model_cpu_offload, false);
             changes.set(

@@ -43,6 +43,17 @@ struct Recorder {
     seen: Arc<Mutex<Vec<(String, Tensor)>>>,
 }
 
+impl Recorder {
+    /// Notes a tensor handed to the model.
+    fn record(&self, name: &str, t: Tensor) -> candle_core::Result<Tensor> {
+        self.seen
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
+            .push((name.to_string(), t.clone()));
+        Ok(t)
+    }
+}
+
 impl SimpleBackend for Recorder {
     fn get(
         &self,
@@ -52,31 +63,13 @@ impl SimpleBackend for Recorder {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        let t = self
-            .inner
-            .clone()
-            .set_dtype(dtype)
-            .get_with_hints(s, name, h)?
-            .to_device(dev)?;
-        self.seen
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
-            .push((name.to_string(), t.clone()));
-        Ok(t)
+        let vb = self.inner.clone().set_dtype(dtype);
+        self.record(name, vb.get_with_hints(s, name, h)?.to_device(dev)?)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let t = self
-            .inner
-            .clone()
-            .set_dtype(dtype)
-            .get_unchecked(name)?
-            .to_device(dev)?;
-        self.seen
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
-            .push((name.to_string(), t.clone()));
-        Ok(t)
+        let vb = self.inner.clone().set_dtype(dtype);
+        self.record(name, vb.get_unchecked(name)?.to_device(dev)?)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
