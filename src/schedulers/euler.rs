@@ -67,12 +67,7 @@ impl Scheduler for FlowMatchEuler {
     /// back to the model dtype, exactly as diffusers does.
     fn step(&mut self, model_output: &Tensor, sample: &Tensor) -> Result<Tensor> {
         let i = self.step_index;
-        if i >= self.timesteps.len() {
-            candle_core::bail!(
-                "Euler: all {} steps of the schedule were already taken",
-                self.timesteps.len()
-            );
-        }
+        super::check_step("Euler", i, self.timesteps.len())?;
         let dt = self.sigmas[i + 1] - self.sigmas[i];
         let sample = sample.to_dtype(DType::F32)?;
         let update = scale(model_output, dt)?.to_dtype(DType::F32)?;

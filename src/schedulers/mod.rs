@@ -206,6 +206,14 @@ fn scale(t: &candle_core::Tensor, s: f32) -> candle_core::Result<candle_core::Te
     t.affine(f64::from(s), 0.0)
 }
 
+/// Refuses a step past the end of the schedule (an error, not a panic on the sigma table).
+fn check_step(scheduler: &str, index: usize, steps: usize) -> candle_core::Result<()> {
+    if index >= steps {
+        candle_core::bail!("{scheduler}: all {steps} steps of the schedule were already taken");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::np_linspace;

@@ -240,12 +240,7 @@ impl Scheduler for UniPcMultistep {
 
     fn step(&mut self, model_output: &Tensor, sample: &Tensor) -> Result<Tensor> {
         let i = self.step_index;
-        if i >= self.timesteps.len() {
-            candle_core::bail!(
-                "UniPC: all {} steps of the schedule were already taken",
-                self.timesteps.len()
-            );
-        }
+        super::check_step("UniPC", i, self.timesteps.len())?;
         let use_corrector = i > 0 && !self.disable_corrector.contains(&(i - 1));
         let m = self.convert_model_output(model_output, sample)?;
         let sample = match (&self.last_sample, use_corrector) {

@@ -22,20 +22,15 @@ pub fn reference(name: &str) -> HashMap<String, Tensor> {
 /// Asserts |actual - expected| <= atol + rtol * |expected| elementwise (the fixture README's rule).
 pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, atol: f64, rtol: f64) {
     assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
-    let a = actual
-        .to_dtype(candle_core::DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
-    let e = expected
-        .to_dtype(candle_core::DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let values = |t: &Tensor| -> Vec<f64> {
+        t.to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+    };
+    let (a, e) = (values(actual), values(expected));
     let mut worst = (0.0f64, 0usize);
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());
