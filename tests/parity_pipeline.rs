@@ -136,44 +136,73 @@ fn cfg1_frames_match_diffusers_under_every_load_policy() {
     }
 }
 
-/// The offload engine changes where weights live, never what is computed: streamed blocks give
-/// the resident output bit for bit (planned as on a discrete GPU, run on the CPU).
+/// The offload engine changes where weights live, never what is computed: every placement
+/// mode gives the resident output bit for bit (planned as on a discrete GPU, run on the CPU).
 #[test]
-fn layerwise_offload_equals_resident_bit_for_bit() {
-    let resident = generate(
-        &scratch("resident"),
-        "5",
-        &["--memory-model", "discrete", "--no-dit-layerwise-offload"],
-    );
+fn every_offload_mode_equals_resident_bit_for_bit() {
+    let resident_only = [
+        "--memory-model",
+        "discrete",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+        "--no-text-encoder-cpu-offload",
+        "--no-vae-cpu-offload",
+    ];
+    let (resident, log) = generate_logged(&scratch("resident"), "5", &resident_only);
+    assert!(log.contains("transformer: resident"), "{log}");
     let expected = reference("pipeline")["cfg5.frames"].squeeze(0).unwrap();
     assert_close("resident", &resident, &expected, 1e-4, 1e-4);
     let resident = resident.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    for extra in [
-        &["--num-blocks-per-group", "1"][..],
-        &["--num-blocks-per-group", "2", "--prefetch-depth", "2"],
-    ] {
-        let mut args = vec!["--memory-model", "discrete", "--dit-layerwise-offload"];
-        args.extend_from_slice(extra);
-        let dir = scratch(&format!("layerwise-{}", extra[1]));
-        let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
-            .args(["generate", "--dry-run", "--json", "--device", "cpu"])
-            .args(&args)
-            .output()
-            .unwrap();
-        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(
-            plan["config"]["dit_layerwise_offload"], true,
-            "the engine is really on"
-        );
-        let (streamed, log) = generate_logged(&dir, "5", &args);
+    // (flags, a line the log must show: the mode really ran)
+    let modes: [(&[&str], &str); 9] = [
+        (
+            &[],
+            "transformer: streamed in groups of 1 block(s), prefetch depth 1 on a copy stream",
+        ),
+        (
+            &["--num-blocks-per-group", "2", "--prefetch-depth", "2"],
+            "groups of 2 block(s), prefetch depth 2",
+        ),
+        (
+            &["--no-offload-stream"],
+            "transformer: streamed in groups of 1 block(s), synchronous copies",
+        ),
+        (&["--no-pin-cpu-memory"], "transformer: streamed"),
+        (&["--max-pinned-memory", "1MiB"], "transformer: streamed"),
+        (
+            &["--no-dit-layerwise-offload"],
+            "transformer: parked in host memory",
+        ),
+        (
+            &["--text-encoder-compute", "cpu"],
+            "text_encoder: on the CPU",
+        ),
+        (
+            &["--model-cpu-offload"],
+            "text_encoder: parked in host memory",
+        ),
+        (
+            &["--sequential-cpu-offload"],
+            "transformer: streamed in groups of 1 block(s), synchronous copies",
+        ),
+    ];
+    for (flags, shows) in modes {
+        let mut args = vec!["--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let dir = scratch(&format!("offload-{}", flags.join("").replace('-', "")));
+        let (offloaded, log) = generate_logged(&dir, "5", &args);
         assert!(
-            log.contains("dit layerwise offload: 2 blocks in host memory"),
-            "engine not used: {log}"
+            log.contains(shows),
+            "{flags:?}: expected `{shows}` in {log}"
         );
-        let streamed = streamed.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert!(
-            streamed == resident,
-            "{extra:?}: streamed output differs from resident"
+            log.contains("vae: parked in host memory"),
+            "{flags:?}: {log}"
+        );
+        let offloaded = offloaded.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            offloaded == resident,
+            "{flags:?}: offloaded output differs from resident"
         );
     }
 }

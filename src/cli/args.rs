@@ -79,6 +79,15 @@ pub struct GenerateOptions {
     /// Hold offloaded weights in page-locked host memory (fast, asynchronous copies).
     #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub pin_cpu_memory: bool,
+    /// Pin at most SIZE of host memory (e.g. 2GiB): offloaded weights stay in the memory map
+    /// and stream through a pinned staging ring. Unset: every offloaded weight is pinned.
+    #[arg(long, help_heading = "Offload (FastVideo)", value_name = "SIZE", value_parser = parse_size)]
+    #[serde(default, deserialize_with = "size_or_bytes")]
+    pub max_pinned_memory: Option<u64>,
+    /// Where an offloaded text encoder computes: streamed through the GPU block by block, or
+    /// on the CPU.
+    #[arg(long, help_heading = "Offload (FastVideo)", value_enum, default_value_t = ComputeDevice::Gpu)]
+    pub text_encoder_compute: ComputeDevice,
     /// Load each component on first use and free it after its last stage [default: auto].
     #[arg(long, help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
     pub lazy_module_load: Tristate,
@@ -255,6 +264,59 @@ impl std::str::FromStr for Tristate {
             "false" | "off" | "no" | "0" => Ok(Tristate::Off),
             _ => Err(format!("'{s}' is not auto, true or false")),
         }
+    }
+}
+
+/// Where a component computes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDevice {
+    Gpu,
+    Cpu,
+}
+
+/// Parses a byte size: a number with an optional unit (B, K/KB/KiB, M/MB/MiB, G/GB/GiB,
+/// T/TB/TiB; every unit is a power of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size like 2GiB, 512M or 1073741824"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => {
+            return Err(format!(
+                "'{text}' has an unknown unit (use B, KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !(1.0..=u64::MAX as f64).contains(&bytes) {
+        return Err(format!("'{text}' is not a positive size"));
+    }
+    Ok(bytes as u64)
+}
+
+/// A size in a config file: bytes as a number, or a string such as "2GiB".
+fn size_or_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Option::<Size>::deserialize(d)? {
+        None => Ok(None),
+        Some(Size::Bytes(b)) => Ok(Some(b)),
+        Some(Size::Text(t)) => parse_size(&t).map(Some).map_err(serde::de::Error::custom),
     }
 }
 

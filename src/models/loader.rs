@@ -3,12 +3,14 @@
 
 use super::source::{FileRef, ModelSource};
 use anyhow::{bail, Context, Result};
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Where a component's weights come from.
 #[derive(Clone, Debug)]
@@ -91,27 +93,145 @@ fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<V
         .collect()
 }
 
+/// A component's opened weights: memory-mapped safetensors or the seeded synthetic generator.
+/// Models read them through a `VarBuilder`; the offload engine reads raw bytes straight into
+/// its own host buffers (no intermediate tensor when the stored dtype is the one wanted).
+#[derive(Clone)]
+pub enum WeightSet {
+    Mapped(Arc<MmapedSafetensors>),
+    Synthetic(SyntheticWeights),
+}
+
+impl WeightSet {
+    /// Opens (memory maps) the weight files, or sets up the generator.
+    pub fn open(weights: &Weights) -> Result<Self> {
+        Ok(match weights {
+            Weights::Files(files) => {
+                // SAFETY: the files are memory mapped read-only; vidgen never writes to model files.
+                let st = unsafe { MmapedSafetensors::multi(files) }.with_context(|| {
+                    format!(
+                        "opening {} (truncated or not a safetensors file?)",
+                        describe(files)
+                    )
+                })?;
+                WeightSet::Mapped(Arc::new(st))
+            }
+            Weights::Synthetic { seed } => WeightSet::Synthetic(SyntheticWeights { seed: *seed }),
+        })
+    }
+
+    /// A `VarBuilder` converting each tensor to `dtype` on `device` when a model asks.
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
+    }
+
+    /// Checks that `name` exists with `shape` (synthetic weights have every shape asked for).
+    pub fn check(&self, name: &str, shape: &Shape) -> candle_core::Result<()> {
+        if let WeightSet::Mapped(st) = self {
+            let stored: Shape = st.get(name)?.shape().into();
+            if &stored != shape {
+                Err(candle_core::Error::UnexpectedShape {
+                    msg: format!("shape mismatch for {name}"),
+                    expected: shape.clone(),
+                    got: stored,
+                })?
+            }
+        }
+        Ok(())
+    }
+
+    /// The stored bytes of `name` when they already are `dtype` (zero copy from the map).
+    pub fn mapped_bytes(&self, name: &str, dtype: DType) -> Option<&[u8]> {
+        match self {
+            WeightSet::Mapped(st) => {
+                let view = st.get(name).ok()?;
+                (DType::try_from(view.dtype()).ok()? == dtype).then(|| view.data())
+            }
+            WeightSet::Synthetic(_) => None,
+        }
+    }
+
+    /// Writes tensor `name` as `dtype` into `dst` (exactly its byte size): a plain copy from
+    /// the map when the stored dtype matches, a conversion otherwise.
+    pub fn read_into(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        dst: &mut [u8],
+    ) -> candle_core::Result<()> {
+        if let Some(bytes) = self.mapped_bytes(name, dtype) {
+            dst.copy_from_slice(bytes);
+            return Ok(());
+        }
+        let tensor = match self {
+            WeightSet::Mapped(st) => st.load(name, &Device::Cpu)?,
+            WeightSet::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
+        };
+        write_bytes(&tensor.to_dtype(dtype)?, dst)
+    }
+}
+
+impl SimpleBackend for WeightSet {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            WeightSet::Mapped(st) => SimpleBackend::get(st.as_ref(), s, name, h, dtype, dev),
+            WeightSet::Synthetic(g) => g.get(s, name, h, dtype, dev),
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            WeightSet::Mapped(st) => SimpleBackend::get_unchecked(st.as_ref(), name, dtype, dev),
+            WeightSet::Synthetic(g) => g.get_unchecked(name, dtype, dev),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        match self {
+            WeightSet::Mapped(st) => SimpleBackend::contains_tensor(st.as_ref(), name),
+            WeightSet::Synthetic(_) => true,
+        }
+    }
+}
+
+/// Copies a host tensor's elements, as laid out in memory, into `dst`.
+pub fn write_bytes(tensor: &Tensor, dst: &mut [u8]) -> candle_core::Result<()> {
+    fn copy<T: Copy>(values: &[T], dst: &mut [u8]) {
+        // SAFETY: T is a plain numeric type (no padding, every bit pattern valid as bytes).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+        };
+        dst.copy_from_slice(bytes);
+    }
+    let flat = tensor.flatten_all()?;
+    match flat.dtype() {
+        DType::BF16 => copy(&flat.to_vec1::<half::bf16>()?, dst),
+        DType::F16 => copy(&flat.to_vec1::<half::f16>()?, dst),
+        DType::F32 => copy(&flat.to_vec1::<f32>()?, dst),
+        DType::F64 => copy(&flat.to_vec1::<f64>()?, dst),
+        DType::U8 => copy(&flat.to_vec1::<u8>()?, dst),
+        DType::U32 => copy(&flat.to_vec1::<u32>()?, dst),
+        DType::I64 => copy(&flat.to_vec1::<i64>()?, dst),
+        other => candle_core::bail!("cannot offload {other:?} tensors"),
+    }
+    Ok(())
+}
+
 /// A `VarBuilder` over the weights, converting each tensor to `dtype` on `device` when a model asks.
 pub fn var_builder(
     weights: &Weights,
     dtype: DType,
     device: &Device,
 ) -> Result<VarBuilder<'static>> {
-    let backend: Box<dyn SimpleBackend> = match weights {
-        Weights::Files(files) => {
-            // SAFETY: the files are memory mapped read-only; vidgen never writes to model files.
-            let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }
-                .with_context(|| {
-                    format!(
-                        "opening {} (truncated or not a safetensors file?)",
-                        describe(files)
-                    )
-                })?;
-            Box::new(st)
-        }
-        Weights::Synthetic { seed } => Box::new(SyntheticWeights { seed: *seed }),
-    };
-    Ok(VarBuilder::from_backend(backend, dtype, device.clone()))
+    Ok(WeightSet::open(weights)?.var_builder(dtype, device))
 }
 
 fn describe(files: &[PathBuf]) -> String {
@@ -124,6 +244,7 @@ fn describe(files: &[PathBuf]) -> String {
 
 /// Seeded random weights: each tensor's values depend only on the model seed and the tensor's
 /// name, so runs are repeatable and every device sees the same model.
+#[derive(Clone)]
 pub struct SyntheticWeights {
     pub seed: u64,
 }

@@ -3,6 +3,7 @@
 
 pub mod interrupt;
 pub mod jobs;
+pub mod placement;
 pub mod progress;
 pub mod runner;
 pub mod wan_t2v;

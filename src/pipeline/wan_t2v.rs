@@ -1,22 +1,26 @@
 //! Wan2.1 text-to-video as a list of stages, step for step as diffusers' `WanPipeline`.
 
 use super::jobs::Job;
+use super::placement::Held;
+use super::placement::{Blockwise, Placed, Placement};
 use super::progress::Progress;
 use super::runner::{Pipeline, StageSpec};
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::{MemoryMeter, MemoryPeaks};
-use crate::models::loader::{component_weights, seeded_normal, var_builder};
+use crate::models::loader::{component_weights, seeded_normal, WeightSet};
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
-use crate::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
+use crate::models::wan::text_encoder::{
+    attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
+};
 use crate::models::wan::transformer::{
     WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
-use crate::offload;
 use crate::schedulers::{self, SchedulerConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
 use serde::Serialize;
 
 /// The loadable parts of Wan T2V.
@@ -121,9 +125,10 @@ pub struct WanT2V {
     configs: WanConfigs,
     device: Device,
     tokenizer: PromptTokenizer,
-    text_encoder: Option<UMT5EncoderModel>,
-    transformer: Option<Dit>,
-    vae: Option<AutoencoderKLWan>,
+    placement: Placement,
+    text_encoder: Option<Placed<UMT5EncoderModel>>,
+    transformer: Option<Placed<WanTransformer3DModel>>,
+    vae: Option<Placed<AutoencoderKLWan>>,
     progress: std::sync::Arc<Progress>,
     meter: MemoryMeter,
 }
@@ -142,7 +147,9 @@ impl WanT2V {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };
+        let placement = Placement::new(&config.options)?;
         Ok(WanT2V {
+            placement,
             config,
             source,
             configs,
@@ -161,31 +168,37 @@ impl WanT2V {
         &self.configs
     }
 
-    fn vb(&self, component: Component, dtype: DType) -> Result<candle_nn::VarBuilder<'static>> {
-        let weights = component_weights(&self.source, component.folder())?;
-        var_builder(&weights, dtype, &self.device)
-    }
-
-    /// The prompt embeddings `[1, L, text_dim]` of one text, zero padded past its length.
-    fn embed(&self, text: &str) -> Result<Tensor> {
-        let encoder = self
-            .text_encoder
-            .as_ref()
-            .context("text encoder not loaded")?;
+    /// The prompt embeddings `[1, L, text_dim]` of one text, zero padded past its length
+    /// (`_get_t5_prompt_embeds`), with the encoder's blocks resident or streamed.
+    fn embed(&self, encoder: &Held<'_, UMT5EncoderModel>, text: &str) -> Result<Tensor> {
         let max_len = self.config.options.max_sequence_length as usize;
         let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
-        let ids = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
-        Ok(encoder
-            .prompt_embeds(&ids, &[seq_len])?
-            .to_dtype(self.config.dtype())?)
+        let model = encoder.model();
+        let device = model.device();
+        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+        let mask = attention_mask(&[seq_len], max_len, &device)?;
+        let mut h = model.embed(&ids)?;
+        encoder.for_each_block(UMT5EncoderModel::blocks, |block: &UMT5Block| {
+            h = block.forward(&h, &mask)?;
+            Ok(())
+        })?;
+        Ok(zero_padding_rows(&model.final_norm(&h)?, &[seq_len])?.to_dtype(self.config.dtype())?)
     }
 
     /// Encodes the prompts; the embeddings wait for the denoise stage in host memory, so a
     /// stage-major batch holds no device memory between stages.
     fn encode_text(&self, job: &mut Job) -> Result<()> {
-        job.prompt_embeds = Some(self.embed(&job.prompt)?.to_device(&Device::Cpu)?);
+        let placed = self
+            .text_encoder
+            .as_ref()
+            .context("text encoder not loaded")?;
+        let encoder = placed.hold()?;
+        job.prompt_embeds = Some(self.embed(&encoder, &job.prompt)?.to_device(&Device::Cpu)?);
         job.negative_embeds = if job.guidance_scale > 1.0 {
-            Some(self.embed(&job.negative_prompt)?.to_device(&Device::Cpu)?)
+            Some(
+                self.embed(&encoder, &job.negative_prompt)?
+                    .to_device(&Device::Cpu)?,
+            )
         } else {
             None
         };
@@ -229,10 +242,12 @@ impl WanT2V {
     }
 
     fn denoise(&self, job: &mut Job) -> Result<()> {
-        let model = self
+        let placed = self
             .transformer
             .as_ref()
             .context("transformer not loaded")?;
+        let copies_before = copy_stats(placed);
+        let model = &placed.hold()?;
         let dtype = self.config.dtype();
         let cond = job
             .prompt_embeds
@@ -258,12 +273,12 @@ impl WanT2V {
             let input = latents.to_dtype(dtype)?;
             let timestep = Tensor::new(&[*t as f32], &self.device)?;
             let noise_cond = self.timed(&mut forward_seconds, || {
-                model.forward(&input, &timestep, cond)
+                dit_forward(model, &input, &timestep, cond)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
                     let noise_uncond = self.timed(&mut forward_seconds, || {
-                        model.forward(&input, &timestep, uncond)
+                        dit_forward(model, &input, &timestep, uncond)
                     })?;
                     // diffusers combines in the transformer dtype.
                     let diff = (&noise_cond - &noise_uncond)?;
@@ -276,6 +291,26 @@ impl WanT2V {
         }
         job.metrics
             .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
+        if let (Some(before), Some((after, pinned))) = (copies_before, copy_stats(placed)) {
+            let copies = after.since(&before.0);
+            self.progress.note(&format!(
+                "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
+                copies.bytes as f64 / 1e9,
+                copies.busy_seconds,
+                copies.gb_per_second(),
+                pinned as f64 / (1u64 << 30) as f64
+            ));
+            job.metrics.insert(
+                "offload".into(),
+                serde_json::json!({
+                    "bytes_copied": copies.bytes,
+                    "groups_copied": copies.groups,
+                    "copy_busy_seconds": copies.busy_seconds,
+                    "copy_gb_per_second": copies.gb_per_second(),
+                    "pinned_bytes": pinned,
+                }),
+            );
+        }
         self.progress.note(&format!(
             "  transformer forwards: {}",
             forward_seconds
@@ -290,60 +325,62 @@ impl WanT2V {
         Ok(())
     }
 
-    /// Builds a component from its weights on the run device.
+    /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: Component) -> Result<()> {
         let dtype = self.config.dtype();
         let what = || format!("loading {} of {}", component.folder(), self.source);
+        let weights = WeightSet::open(&component_weights(&self.source, component.folder())?)
+            .with_context(what)?;
         match component {
             Component::TextEncoder => {
-                let vb = self.vb(component, dtype)?;
-                self.text_encoder =
-                    Some(UMT5EncoderModel::new(&self.configs.text_encoder, vb).with_context(what)?);
+                let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
+                self.text_encoder = Some(placed.with_context(what)?);
             }
             Component::Transformer => {
-                let vb = self.vb(component, dtype)?;
-                self.transformer = Some(self.place_dit(vb).with_context(what)?);
+                let placed = self.place(component, &self.configs.transformer, &weights, dtype);
+                self.transformer = Some(placed.with_context(what)?);
             }
             Component::Vae => {
                 // diffusers runs the Wan VAE in f32.
-                let vb = self.vb(component, DType::F32)?;
-                self.vae = Some(AutoencoderKLWan::new(&self.configs.vae, vb).with_context(what)?);
+                let placed = self.place(component, &self.configs.vae, &weights, DType::F32);
+                self.vae = Some(placed.with_context(what)?);
             }
         }
         Ok(())
     }
 
-    /// Places the DiT: resident, or with its blocks streamed from host memory by the offload
-    /// engine (`--dit-layerwise-offload`, blocks per group and prefetch depth as configured).
-    fn place_dit(&self, vb: candle_nn::VarBuilder<'static>) -> Result<Dit> {
-        let cfg = &self.configs.transformer;
-        let o = &self.config.options;
-        if !o.dit_layerwise_offload {
-            return Ok(Dit::Resident(WanTransformer3DModel::new(cfg, vb)?));
-        }
-        let model = WanTransformer3DModel::new_without_blocks(cfg, vb.clone())?;
-        let per_group = o.num_blocks_per_group.max(1) as usize;
-        let num_layers = cfg.num_layers;
-        let layers = move |g: usize| g * per_group..((g + 1) * per_group).min(num_layers);
-        let groups = (0..num_layers.div_ceil(per_group))
-            .map(|g| offload::host_group(&vb, |vb| build_group(cfg, layers(g), &vb)))
-            .collect::<Result<Vec<_>>>()?;
-        let build_cfg = cfg.clone();
-        let streamer = offload::Streamer::new(
-            groups,
-            move |g, vb| build_group(&build_cfg, layers(g), &vb),
-            self.config.dtype(),
-            self.device.clone(),
-            o.prefetch_depth as usize,
-        );
-        self.progress.note(&format!(
-            "dit layerwise offload: {} blocks in host memory ({:.2} GiB), {} per group, prefetch depth {}",
-            cfg.num_layers,
-            streamer.host_bytes() as f64 / (1u64 << 30) as f64,
-            per_group,
-            o.prefetch_depth
-        ));
-        Ok(Dit::Streamed { model, streamer })
+    /// Builds `component` as the placement says and reports where its weights went.
+    fn place<M: Blockwise>(
+        &self,
+        component: Component,
+        cfg: &M::Config,
+        weights: &WeightSet,
+        dtype: DType,
+    ) -> Result<Placed<M>> {
+        let residency = match component {
+            Component::TextEncoder => self.placement.text_encoder,
+            Component::Transformer => self.placement.dit,
+            Component::Vae => self.placement.vae,
+        };
+        let placed = Placed::load(
+            cfg,
+            weights,
+            residency,
+            self.placement.memory,
+            dtype,
+            &self.device,
+        )?;
+        const GIB: f64 = (1u64 << 30) as f64;
+        self.progress.note(&match placed.offloaded() {
+            Some(o) => format!(
+                "{}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
+                component.folder(),
+                o.host_bytes() as f64 / GIB,
+                o.stats().1 as f64 / GIB
+            ),
+            None => format!("{}: {residency}", component.folder()),
+        });
+        Ok(placed)
     }
 
     /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
@@ -360,7 +397,8 @@ impl WanT2V {
     }
 
     fn decode(&self, job: &mut Job) -> Result<()> {
-        let vae = self.vae.as_ref().context("VAE not loaded")?;
+        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let vae = held.model();
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&self.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
@@ -500,50 +538,79 @@ impl WanT2V {
     }
 }
 
-/// The DiT as placed: all weights on the device, or blocks streamed by the offload engine.
-enum Dit {
-    Resident(WanTransformer3DModel),
-    Streamed {
-        model: WanTransformer3DModel,
-        streamer: offload::Streamer<Vec<WanTransformerBlock>>,
-    },
+/// One DiT forward: prepare, the blocks (resident or streamed), finish.
+fn dit_forward(
+    dit: &Held<'_, WanTransformer3DModel>,
+    latents: &Tensor,
+    timestep: &Tensor,
+    text: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let model = dit.model();
+    let mut inputs = model.prepare(latents, timestep, text)?;
+    let mut x = inputs.take_hidden_states()?;
+    dit.for_each_block(WanTransformer3DModel::blocks, |block| {
+        x = block.forward(&x, &inputs)?;
+        Ok(())
+    })
+    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    model.finish(&x, &inputs)
 }
 
-impl Dit {
-    fn forward(
-        &self,
-        latents: &Tensor,
-        timestep: &Tensor,
-        text: &Tensor,
-    ) -> candle_core::Result<Tensor> {
-        match self {
-            Dit::Resident(model) => model.forward(latents, timestep, text),
-            Dit::Streamed { model, streamer } => {
-                let mut inputs = model.prepare(latents, timestep, text)?;
-                let mut x = inputs.take_hidden_states()?;
-                streamer
-                    .for_each(|group| {
-                        for block in group {
-                            x = block.forward(&x, &inputs)?;
-                        }
-                        Ok(())
-                    })
-                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
-                model.finish(&x, &inputs)
-            }
-        }
+/// The engine's copy counters and pinned bytes of a placed component, if it is offloaded.
+fn copy_stats<M: Blockwise>(placed: &Placed<M>) -> Option<(crate::offload::CopyStats, usize)> {
+    placed.offloaded().map(|o| o.stats())
+}
+
+impl Blockwise for WanTransformer3DModel {
+    type Config = WanTransformerConfig;
+    type Block = WanTransformerBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}")))
     }
 }
 
-/// Builds the blocks `layers` from a `VarBuilder` rooted at the transformer.
-fn build_group(
-    cfg: &WanTransformerConfig,
-    layers: std::ops::Range<usize>,
-    vb: &candle_nn::VarBuilder<'static>,
-) -> candle_core::Result<Vec<WanTransformerBlock>> {
-    layers
-        .map(|i| WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}"))))
-        .collect()
+impl Blockwise for UMT5EncoderModel {
+    type Config = UMT5Config;
+    type Block = UMT5Block;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        Self::block(cfg, i, vb)
+    }
+}
+
+/// The VAE has no repeated blocks to stream: it is resident or parked whole.
+impl Blockwise for AutoencoderKLWan {
+    type Config = WanVaeConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the Wan VAE is offloaded whole, not block by block")
+    }
 }
 
 /// One line for a stage's memory: device peaks (used / reserved by the pool) and host RSS.

@@ -399,15 +399,31 @@ pub struct UMT5EncoderModel {
 impl UMT5EncoderModel {
     /// Loads the whole encoder from the checkpoint root `vb` (`text_encoder/model*.safetensors`).
     pub fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
-        cfg.validate()?;
-        let blocks = (0..cfg.num_layers)
-            .map(|i| UMT5Block::new(cfg, vb.pp(format!("encoder.block.{i}"))))
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| Self::block(cfg, i, vb.clone()))
             .collect::<Result<Vec<_>>>()?;
+        Ok(model)
+    }
+
+    /// Loads the embedding and the final norm only (for an engine that streams the blocks).
+    pub fn new_without_blocks(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
         Ok(Self {
             embed_tokens: UMT5Embedding::new(cfg, vb.clone())?,
-            blocks,
+            blocks: Vec::new(),
             final_layer_norm: UMT5LayerNorm::final_norm(cfg, vb)?,
         })
+    }
+
+    /// Block `i` from the checkpoint root `vb`.
+    pub fn block(cfg: &UMT5Config, i: usize, vb: VarBuilder) -> Result<UMT5Block> {
+        UMT5Block::new(cfg, vb.pp(format!("encoder.block.{i}")))
+    }
+
+    /// The device the embedding (and so the encoder's input) lives on.
+    pub fn device(&self) -> Device {
+        self.embed_tokens.embedding.embeddings().device().clone()
     }
 
     /// Token embeddings (`hidden_states[0]`).

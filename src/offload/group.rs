@@ -1,0 +1,179 @@
+//! What moves together: a group's tensors, laid out once as one host image.
+
+use crate::models::loader::WeightSet;
+use anyhow::Result;
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+use std::sync::{Arc, Mutex};
+
+/// Byte alignment of every tensor in a host image and on the device (what cuBLAS and
+/// vectorised kernels like; the padding is a rounding error next to a weight).
+const ALIGN: usize = 256;
+
+/// One tensor of a group and where its bytes sit in the group's host image.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    pub name: String,
+    pub shape: Shape,
+    pub dtype: DType,
+    /// Bytes from the start of the image.
+    pub offset: usize,
+}
+
+impl Slot {
+    /// The tensor's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.shape.elem_count() * self.dtype.size_in_bytes()
+    }
+}
+
+/// A run of same-dtype tensors: one copy and one device allocation.
+#[derive(Clone, Debug)]
+pub struct Section {
+    pub dtype: DType,
+    /// Bytes from the start of the image.
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// A group's host image: its tensors packed by dtype, each aligned.
+#[derive(Clone, Debug, Default)]
+pub struct GroupLayout {
+    pub slots: Vec<Slot>,
+    pub sections: Vec<Section>,
+    /// Size of the image in bytes (the tensors plus alignment padding).
+    pub bytes: usize,
+}
+
+impl GroupLayout {
+    /// Lays out `requests` (name, shape, dtype) in request order within each dtype; a tensor
+    /// asked for twice is stored once.
+    fn new(requests: Vec<(String, Shape, DType)>) -> Self {
+        let mut layout = GroupLayout::default();
+        let mut dtypes: Vec<DType> = Vec::new();
+        for (_, _, dtype) in &requests {
+            if !dtypes.contains(dtype) {
+                dtypes.push(*dtype);
+            }
+        }
+        let mut offset = 0;
+        for dtype in dtypes {
+            let start = offset;
+            for (name, shape, _) in requests.iter().filter(|r| r.2 == dtype) {
+                if layout.slots.iter().any(|s| &s.name == name) {
+                    continue;
+                }
+                let slot = Slot {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype,
+                    offset,
+                };
+                offset = (offset + slot.bytes()).next_multiple_of(ALIGN);
+                layout.slots.push(slot);
+            }
+            layout.sections.push(Section {
+                dtype,
+                offset: start,
+                bytes: offset - start,
+            });
+        }
+        layout.bytes = offset;
+        layout
+    }
+
+    /// Bytes of the tensors themselves (without padding).
+    pub fn tensor_bytes(&self) -> usize {
+        self.slots.iter().map(Slot::bytes).sum()
+    }
+
+    /// The tensors as views of per-section device tensors (`sections[i]` holds section i as a
+    /// flat 1-D tensor of its dtype).
+    pub fn views(&self, sections: &[Tensor]) -> candle_core::Result<Vec<(String, Tensor)>> {
+        self.slots
+            .iter()
+            .map(|slot| {
+                let (index, section) = self
+                    .sections
+                    .iter()
+                    .enumerate()
+                    .find(|(_, s)| {
+                        s.dtype == slot.dtype
+                            && (s.offset..s.offset + s.bytes.max(1)).contains(&slot.offset)
+                    })
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!("no section for {}", slot.name))
+                    })?;
+                let size = slot.dtype.size_in_bytes();
+                let view = sections[index]
+                    .narrow(
+                        0,
+                        (slot.offset - section.offset) / size,
+                        slot.shape.elem_count(),
+                    )?
+                    .reshape(slot.shape.clone())?;
+                Ok((slot.name.clone(), view))
+            })
+            .collect()
+    }
+}
+
+/// Notes the tensors a model's constructor asks for and hands it zero placeholders (no weight
+/// is read: recording a 14B model costs nothing), checking each against the weights so a
+/// missing tensor or a wrong shape fails here, at load time.
+struct Recorder {
+    weights: WeightSet,
+    seen: Arc<Mutex<Vec<(String, Shape, DType)>>>,
+}
+
+impl SimpleBackend for Recorder {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.weights.check(name, &s)?;
+        self.seen
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
+            .push((name.to_string(), s.clone(), dtype));
+        Tensor::zeros(s, dtype, &Device::Cpu)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("offloaded models must give the shape of {name}")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.weights.contains_tensor(name)
+    }
+}
+
+/// The layout of the group that `build` makes: the tensors it asks for, in the dtypes it asks
+/// for them (a module kept in f32 stays f32).
+pub fn record<B>(
+    weights: &WeightSet,
+    dtype: DType,
+    build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<B>,
+) -> Result<GroupLayout> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let recorder = Recorder {
+        weights: weights.clone(),
+        seen: seen.clone(),
+    };
+    drop(build(VarBuilder::from_backend(
+        Box::new(recorder),
+        dtype,
+        Device::Cpu,
+    ))?);
+    let requests = std::mem::take(
+        &mut *seen
+            .lock()
+            .map_err(|_| anyhow::anyhow!("recorder poisoned"))?,
+    );
+    Ok(GroupLayout::new(requests))
+}

@@ -1,0 +1,192 @@
+//! Running groups through the device in order, `depth` groups ahead of the one computing.
+
+use super::group::record;
+use super::host::{HostMemory, HostStore};
+use super::transfer::{CopyStats, Transfer, Uploaded};
+use crate::models::loader::WeightSet;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::sync_channel;
+use std::sync::Mutex;
+
+/// Builds group `i` (e.g. a run of transformer blocks) from a `VarBuilder` over its device copies.
+pub type BuildGroup<B> =
+    Box<dyn Fn(usize, VarBuilder<'static>) -> candle_core::Result<B> + Send + Sync>;
+
+/// How groups move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamOptions {
+    /// Copy on a stream of their own, on a thread of their own, while groups compute; off:
+    /// each group is copied on the compute stream just before it runs.
+    pub stream: bool,
+    /// Groups on the device ahead of the computing one.
+    pub depth: usize,
+}
+
+/// An offloaded model part: groups held on the host, moved to the device around their use.
+pub struct Offloaded<B> {
+    store: HostStore,
+    transfer: Transfer,
+    build: BuildGroup<B>,
+    dtype: DType,
+    device: Device,
+    options: StreamOptions,
+    /// The first groups of the next pass, prefetched while the last ones computed.
+    pending: Mutex<VecDeque<Uploaded>>,
+}
+
+impl<B> Offloaded<B> {
+    /// Offloads `count` parts of a model whose weights are `weights`: part i is what
+    /// `build(i, vb)` asks for, held on the host as `memory` says and moved as `options` say.
+    pub fn from_weights(
+        weights: &WeightSet,
+        count: usize,
+        build: impl Fn(usize, VarBuilder<'static>) -> candle_core::Result<B> + Send + Sync + 'static,
+        dtype: DType,
+        device: &Device,
+        memory: HostMemory,
+        options: StreamOptions,
+    ) -> Result<Self> {
+        let layouts = (0..count)
+            .map(|i| record(weights, dtype, |vb| build(i, vb)))
+            .collect::<Result<Vec<_>>>()?;
+        let store = HostStore::new(layouts, weights, memory, device)?;
+        let staging = match memory {
+            HostMemory::Bounded { max_pinned } => Some(max_pinned),
+            _ => None,
+        };
+        let transfer = Transfer::new(device, options.stream, staging)?;
+        Ok(Self::new(
+            store,
+            transfer,
+            Box::new(build),
+            dtype,
+            device,
+            options,
+        ))
+    }
+
+    pub fn new(
+        store: HostStore,
+        transfer: Transfer,
+        build: BuildGroup<B>,
+        dtype: DType,
+        device: &Device,
+        options: StreamOptions,
+    ) -> Self {
+        Offloaded {
+            store,
+            transfer,
+            build,
+            dtype,
+            device: device.clone(),
+            options: StreamOptions {
+                depth: options.depth.max(1),
+                ..options
+            },
+            pending: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// The host side (bytes held, pinned or not).
+    pub fn store(&self) -> &HostStore {
+        &self.store
+    }
+
+    /// Pinned host bytes: arenas plus the staging ring.
+    pub fn pinned_bytes(&self) -> usize {
+        self.store.pinned_bytes() + self.transfer.staging_bytes()
+    }
+
+    /// Copies so far (call after a device sync).
+    pub fn copy_stats(&self) -> CopyStats {
+        self.transfer.stats()
+    }
+
+    /// Group `index` on the device, built; dropped by the caller when done.
+    pub fn fetch(&self, index: usize) -> Result<B> {
+        let uploaded = self.transfer.upload(&self.store, index)?;
+        self.make(uploaded)
+    }
+
+    /// Call once a fetched group's work is queued and before dropping it.
+    pub fn retire(&self) -> Result<()> {
+        self.transfer.retire()
+    }
+
+    fn make(&self, uploaded: Uploaded) -> Result<B> {
+        self.transfer.ready(&uploaded)?;
+        let index = uploaded.index;
+        let map: HashMap<String, candle_core::Tensor> = uploaded.tensors.into_iter().collect();
+        (self.build)(
+            index,
+            VarBuilder::from_tensors(map, self.dtype, &self.device),
+        )
+        .with_context(|| format!("building offloaded group {index} on the device"))
+    }
+
+    /// Runs `f` on every group in order; each group is on the device only around its turn,
+    /// and at most `depth + 1` groups are on the device at once.
+    pub fn for_each(&self, mut f: impl FnMut(&B) -> Result<()>) -> Result<()> {
+        let n = self.store.len();
+        if !self.options.stream {
+            for index in 0..n {
+                let group = self.fetch(index)?;
+                f(&group)?;
+                self.retire()?;
+            }
+            return Ok(());
+        }
+        let depth = self.options.depth.min(n);
+        let poisoned = || anyhow::anyhow!("offload state poisoned");
+        let mut ready = std::mem::take(&mut *self.pending.lock().map_err(|_| poisoned())?);
+        let first_missing = ready.len();
+        // A copy thread uploads in order: the rest of this pass, then the first `depth` groups
+        // of the next one. It takes a permit per upload; a retired group returns one.
+        let (uploads, received) = sync_channel::<Result<Uploaded>>(n + depth);
+        let (permits, permit) = sync_channel::<()>(n + depth);
+        for _ in first_missing..=depth {
+            permits.send(()).ok();
+        }
+        std::thread::scope(|scope| -> Result<()> {
+            scope.spawn(move || {
+                for index in first_missing..n + depth {
+                    if permit.recv().is_err() {
+                        break;
+                    }
+                    let uploaded = self.transfer.upload(&self.store, index % n);
+                    let failed = uploaded.is_err();
+                    if uploads.send(uploaded).is_err() || failed {
+                        break;
+                    }
+                }
+            });
+            let stopped = || anyhow::anyhow!("offload copy thread stopped");
+            let result = (|| -> Result<()> {
+                for _ in 0..n {
+                    let uploaded = match ready.pop_front() {
+                        Some(u) => u,
+                        None => received.recv().map_err(|_| stopped())??,
+                    };
+                    let group = self.make(uploaded)?;
+                    f(&group)?;
+                    self.retire()?;
+                    drop(group);
+                    permits.send(()).ok();
+                }
+                for _ in 0..depth {
+                    ready.push_back(received.recv().map_err(|_| stopped())??);
+                }
+                Ok(())
+            })();
+            // Stops the copy thread if the pass ended early; the scope joins it.
+            drop(permits);
+            drop(received);
+            result
+        })?;
+        *self.pending.lock().map_err(|_| poisoned())? = ready;
+        Ok(())
+    }
+}
