@@ -6,6 +6,7 @@
 
 pub mod accounting;
 pub mod overrides;
+pub mod plan;
 pub mod probe;
 
 pub use overrides::{apply_memory_rules, Override};

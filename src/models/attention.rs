@@ -12,7 +12,7 @@
 use candle_core::{DType, Result, Tensor, D};
 
 /// Upper bound on score-matrix elements materialised at once.
-const MAX_SCORE_ELEMENTS: usize = 1 << 27;
+pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 
 /// Attention over `[batch, heads, seq, head_dim]` tensors; `scale` multiplies q·kᵀ.
 /// Softmax accumulates in f32 for every dtype.

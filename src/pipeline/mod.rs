@@ -10,6 +10,7 @@ pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
 use crate::cli::{ResolvedConfig, UsageError};
+use crate::memory::plan::{self as memory_plan, gib, MemoryPlan};
 use crate::memory::DeviceKind;
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
@@ -113,11 +114,11 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if config.dry_run {
-        let plan = plan(&config, &source);
+        let plan = DryRun::new(&config, &source);
         if config.json {
-            println!("{plan}");
+            println!("{}", plan.json());
         } else {
-            println!("{}", serde_json::to_string_pretty(&plan)?);
+            print!("{}", plan.text());
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -446,48 +447,241 @@ fn candle_device(config: &ResolvedConfig) -> Result<Device> {
     })
 }
 
-/// The `--dry-run` report: the resolved config, the model's geometry where its configs can be
-/// read without downloading, and the planned stages with when each component loads.
-fn plan(config: &ResolvedConfig, source: &ModelSource) -> serde_json::Value {
-    let mut out = config.to_json();
-    let policy = load_policy(config);
-    let stages = wan_t2v::stages();
-    let schedule = Schedule::plan(stages, wan_t2v::deferrable(), policy);
-    out["load_policy"] = json!(policy);
-    out["batch_order"] = json!(batch_order(config));
-    out["stages"] = stages
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            json!({
-                "name": s.name,
-                "components": s.uses,
-                "load_before": schedule.load_before[i],
-                "release_after": schedule.release_after[i],
-            })
-        })
-        .collect();
-    out["model"] = match dry_run_configs(source) {
-        Some(c) => {
-            let o = &config.options;
-            let t = &c.transformer;
-            json!({
-                "source": source.to_string(),
-                "configs_read": true,
-                "transformer_layers": t.num_layers,
-                "transformer_inner_dim": t.inner_dim(),
-                "latent_shape": c.latent_shape(o.num_frames, o.height, o.width),
-                "vae_scale_factor_spatial": c.vae.scale_factor_spatial(),
-                "vae_scale_factor_temporal": c.vae.scale_factor_temporal(),
-                "text_encoder_layers": c.text_encoder.num_layers,
-            })
-        }
-        None => json!({ "source": source.to_string(), "configs_read": false }),
-    };
-    out
+/// The `--dry-run` report: the resolved config, the planned stages with when each component
+/// loads, and, where the model's configs can be read without downloading, the model's geometry
+/// and the memory each stage is predicted to need.
+struct DryRun<'a> {
+    config: &'a ResolvedConfig,
+    source: &'a ModelSource,
+    schedule: Schedule<wan_t2v::Component>,
+    /// The model's configs and where they came from (`model` or `shipped`).
+    configs: Option<(WanConfigs, &'static str)>,
+    /// The memory plan, or why there is none.
+    memory: Result<MemoryPlan, String>,
 }
 
-fn dry_run_configs(source: &ModelSource) -> Option<WanConfigs> {
+impl<'a> DryRun<'a> {
+    fn new(config: &'a ResolvedConfig, source: &'a ModelSource) -> Self {
+        let schedule = Schedule::plan(
+            wan_t2v::stages(),
+            wan_t2v::deferrable(),
+            load_policy(config),
+        );
+        let configs = dry_run_configs(source);
+        let memory = match &configs {
+            Some((c, _)) => memory_plan::wan::plan(c, config).map_err(|e| format!("{e:#}")),
+            None => Err("the model's configs are not readable without a download (a dry run never downloads)".into()),
+        };
+        DryRun {
+            config,
+            source,
+            schedule,
+            configs,
+            memory,
+        }
+    }
+
+    /// The `--dry-run --json` object (keys documented in the README).
+    fn json(&self) -> serde_json::Value {
+        let config = self.config;
+        let mut out = config.to_json();
+        out["load_policy"] = json!(load_policy(config));
+        out["batch_order"] = json!(batch_order(config));
+        out["stages"] = wan_t2v::stages()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let mut stage = json!({
+                    "name": s.name,
+                    "components": s.uses,
+                    "load_before": self.schedule.load_before[i],
+                    "release_after": self.schedule.release_after[i],
+                });
+                if let Some(m) = self.memory.as_ref().ok().and_then(|m| m.stage(s.name)) {
+                    stage["memory"] = json!({
+                        "weight_bytes": m.weight_bytes,
+                        "activation_bytes": m.activation_bytes,
+                        "peak_bytes": m.peak_bytes,
+                        "peak_gib": round2(gib(m.peak_bytes)),
+                    });
+                }
+                stage
+            })
+            .collect();
+        let source = self.source.to_string();
+        out["model"] = match &self.configs {
+            Some((c, from)) => {
+                let o = &config.options;
+                let t = &c.transformer;
+                json!({
+                    "source": source,
+                    "configs_read": true,
+                    "configs_from": from,
+                    "transformer_layers": t.num_layers,
+                    "transformer_inner_dim": t.inner_dim(),
+                    "latent_shape": c.latent_shape(o.num_frames, o.height, o.width),
+                    "vae_scale_factor_spatial": c.vae.scale_factor_spatial(),
+                    "vae_scale_factor_temporal": c.vae.scale_factor_temporal(),
+                    "text_encoder_layers": c.text_encoder.num_layers,
+                })
+            }
+            None => json!({ "source": source, "configs_read": false }),
+        };
+        out["memory_plan"] = match &self.memory {
+            Ok(m) => {
+                let total = config.device.total_memory;
+                json!({
+                    "peak_stage": m.peak().map(|s| s.name),
+                    "peak_bytes": m.peak().map(|s| s.peak_bytes),
+                    "peak_gib": m.peak().map(|s| round2(gib(s.peak_bytes))),
+                    "required_bytes": m.required_bytes(),
+                    "device_total_bytes": total,
+                    "fits": total.map(|t| m.fits(t)),
+                })
+            }
+            Err(_) => serde_json::Value::Null,
+        };
+        out
+    }
+
+    /// The same report for people: a summary, the options as config-file keys, and one line per
+    /// stage with its predicted memory.
+    fn text(&self) -> String {
+        let config = self.config;
+        let o = &config.options;
+        let d = &config.device;
+        let mut out = String::from("vidgen dry run: nothing is loaded\n");
+        let from = match &self.configs {
+            Some((_, "shipped")) => "published configs shipped with vidgen",
+            Some(_) => "configs read",
+            None => "configs not readable without a download",
+        };
+        out += &format!("model        {} ({from})\n", self.source);
+        let size = d
+            .total_memory
+            .map_or("size unknown".into(), |t| format!("{:.2} GiB", gib(t)));
+        out += &format!(
+            "device       {} ({}), memory model {}, {size}\n",
+            d.spec(),
+            d.name,
+            json!(d.memory_model).as_str().unwrap_or("?")
+        );
+        out += &format!(
+            "dtype        {} (the VAE runs in f32)\n",
+            config.dtype().as_str()
+        );
+        out += &format!(
+            "video        {} frames of {}x{}",
+            o.num_frames, o.height, o.width
+        );
+        if let Some((c, _)) = &self.configs {
+            out += &format!(
+                ", latents {:?}",
+                c.latent_shape(o.num_frames, o.height, o.width)
+            );
+        }
+        out += &format!(
+            "\nload policy  {}, batch order {}\n",
+            json!(load_policy(config)).as_str().unwrap_or("?"),
+            json!(batch_order(config)).as_str().unwrap_or("?")
+        );
+        out += "options (as --config file keys)\n";
+        if let serde_json::Value::Object(options) = json!(o) {
+            for (key, value) in options.iter().filter(|(_, v)| !v.is_null()) {
+                out += &format!("  {key} = {value}\n");
+            }
+        }
+        let names = |cs: &[wan_t2v::Component]| match json!(cs) {
+            serde_json::Value::Array(a) if !a.is_empty() => a
+                .iter()
+                .filter_map(|c| c.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            _ => "-".into(),
+        };
+        let mut rows = vec![["stage", "uses", "loads before", "released after"].map(String::from)];
+        for (i, s) in wan_t2v::stages().iter().enumerate() {
+            rows.push([
+                s.name.to_string(),
+                names(s.uses),
+                names(&self.schedule.load_before[i]),
+                names(&self.schedule.release_after[i]),
+            ]);
+        }
+        let widths: Vec<usize> = (0..4)
+            .map(|col| rows.iter().map(|r| r[col].len()).max().unwrap_or(0))
+            .collect();
+        for (i, row) in rows.iter().enumerate() {
+            for (cell, width) in row.iter().zip(&widths) {
+                out += &format!("{cell:<width$}  ");
+            }
+            let stage = i
+                .checked_sub(1)
+                .and_then(|s| self.memory.as_ref().ok()?.stage(wan_t2v::stages()[s].name));
+            match stage {
+                Some(m) => {
+                    out += &format!(
+                        "{:>11.2}  {:>15.2}  {:>8.2}",
+                        gib(m.weight_bytes),
+                        gib(m.activation_bytes),
+                        gib(m.peak_bytes)
+                    )
+                }
+                None if i == 0 && self.memory.is_ok() => {
+                    out += "weights GiB  activations GiB  peak GiB"
+                }
+                None => {}
+            }
+            out = out.trim_end().to_string() + "\n";
+        }
+        match &self.memory {
+            Ok(m) => {
+                out += &format!("predicted peak {}", m.describe_peak());
+                if let Some(total) = d.total_memory {
+                    let verdict = if m.fits(total) {
+                        "fits"
+                    } else {
+                        "does not fit"
+                    };
+                    out += &format!(
+                        "; {:.2} GiB with the allocator's slack and the context: {verdict} in {:.2} GiB",
+                        gib(m.required_bytes()),
+                        gib(total)
+                    );
+                }
+                out += "\n";
+            }
+            Err(why) => out += &format!("memory not predicted: {why}\n"),
+        }
+        out
+    }
+}
+
+/// Rounds to two decimals, for GiB figures in JSON.
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// The model's configs without downloading, and where they came from: the model itself (a
+/// folder, the Hub cache, a synthetic model), else, for a Hub id whose published configs vidgen
+/// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-), those.
+fn dry_run_configs(source: &ModelSource) -> Option<(WanConfigs, &'static str)> {
+    if let Some(configs) = readable_configs(source) {
+        return Some((configs, "model"));
+    }
+    let ModelSource::Hub(repo) = source else {
+        return None;
+    };
+    let name = repo
+        .strip_prefix("Wan-AI/")?
+        .strip_suffix("-Diffusers")?
+        .to_lowercase();
+    let shipped = ModelSource::parse(&format!("synthetic:{name}")).ok()?;
+    readable_configs(&shipped).map(|c| (c, "shipped"))
+}
+
+/// The configs of `source` where they can be read without downloading.
+fn readable_configs(source: &ModelSource) -> Option<WanConfigs> {
     let read = |rel: &str| source.cached_json(rel);
     read("model_index.json")?;
     Some(WanConfigs {

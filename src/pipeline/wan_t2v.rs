@@ -7,6 +7,7 @@ use super::progress::Progress;
 use super::runner::{Pipeline, StageSpec};
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::{MemoryMeter, MemoryPeaks};
+use crate::memory::plan;
 use crate::models::loader::{component_weights, seeded_normal, WeightSet};
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
@@ -511,29 +512,29 @@ impl Pipeline for WanT2V {
 }
 
 impl WanT2V {
-    /// Turns a device out-of-memory error into one that names the stage, the memory in use and
-    /// the flags that lower the peak; other errors pass through.
+    /// Turns a device out-of-memory error into one that names the stage, the memory in use, the
+    /// peak and the device's size, and the option set the memory plan predicts to fit; other
+    /// errors pass through.
     fn explain_out_of_memory(&self, stage: &str, e: anyhow::Error) -> anyhow::Error {
         let text = format!("{e:#}");
         if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
             return e;
         }
-        let o = &self.config.options;
-        let mut fixes = Vec::new();
-        if !o.dit_layerwise_offload {
-            fixes.push("--dit-layerwise-offload");
-        }
-        if !self.config.lazy_module_load() {
-            fixes.push("--lazy-module-load");
-        }
-        if stage == "decode" && !o.vae_tiling {
-            fixes.push("--vae-tiling");
-        }
-        fixes.push("smaller --height/--width/--num-frames");
+        let peaks = self.meter.peaks();
+        let total = self.config.device.total_memory;
+        let in_use = match (peaks.device_in_use_now, total) {
+            (0, _) => String::new(),
+            (used, Some(total)) => format!(
+                "; {:.2} of {:.2} GiB in use on the device",
+                plan::gib(used),
+                plan::gib(total)
+            ),
+            (used, None) => format!("; {:.2} GiB in use on the device", plan::gib(used)),
+        };
+        let advice = plan::advice(&self.config, &|c| plan::wan::plan(&self.configs, c), total);
         e.context(format!(
-            "out of device memory in stage {stage} ({}); try {}",
-            describe_peaks(&self.meter.peaks()),
-            fixes.join(", ")
+            "out of device memory in stage {stage} ({}{in_use}); {advice}",
+            describe_peaks(&peaks)
         ))
     }
 }
