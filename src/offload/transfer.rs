@@ -261,7 +261,7 @@ impl Transfer {
 mod cuda {
     use anyhow::{Context, Result};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-    use candle_core::{backprop::BackpropOp, DType, Storage, Tensor};
+    use candle_core::{op::BackpropOp, DType, Storage, Tensor};
     use cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
     use std::sync::{Arc, Mutex};
 

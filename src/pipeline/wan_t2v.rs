@@ -540,7 +540,7 @@ impl WanT2V {
 }
 
 /// One DiT forward: prepare, the blocks (resident or streamed), finish.
-fn dit_forward(
+pub fn dit_forward(
     dit: &Held<'_, WanTransformer3DModel>,
     latents: &Tensor,
     timestep: &Tensor,
