@@ -1,0 +1,86 @@
+//! Times `sdpa` (the fused kernel where it applies) against the chunked path on a CUDA GPU, at
+//! Wan2.1's attention shapes, and checks both against the chunked path in f32.
+//!
+//! `cargo run --release --no-default-features --features cuda --example attn_bench`
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use vidgen::models::attention::{sdpa, sdpa_chunked};
+
+/// Median seconds of `reps` timed calls after one warm-up call.
+fn time(dev: &Device, reps: usize, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[reps / 2])
+}
+
+/// Max absolute and relative-norm error of `out` against `reference`.
+fn errors(out: &Tensor, reference: &Tensor) -> Result<(f32, f32)> {
+    let diff = (out.to_dtype(DType::F32)? - reference)?;
+    let max = diff.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let norm = |t: &Tensor| -> Result<f32> { Ok(t.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?) };
+    Ok((max, norm(&diff)? / norm(reference)?))
+}
+
+fn main() -> Result<()> {
+    let dev = Device::cuda_if_available(0)?;
+    if !dev.is_cuda() {
+        bail!("attn_bench needs a CUDA build (--features cuda) and a GPU");
+    }
+    // (name, dtype, batch, heads, q_len, kv_len, head_dim)
+    let shapes = [
+        ("1.3B self", DType::BF16, 1, 12, 32760, 32760, 128),
+        ("1.3B cross", DType::BF16, 1, 12, 32760, 512, 128),
+        ("14B self", DType::BF16, 1, 40, 32760, 32760, 128),
+        ("14B cross", DType::BF16, 1, 40, 32760, 512, 128),
+        ("odd", DType::BF16, 2, 3, 1000, 333, 128),
+        ("f16 self", DType::F16, 1, 12, 32760, 32760, 128),
+        ("d64 self", DType::BF16, 1, 24, 32760, 32760, 64),
+    ];
+    println!(
+        "{:<11} {:>5} {:>24} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "shape",
+        "dtype",
+        "b,h,q,kv,d",
+        "old ms",
+        "fused ms",
+        "TFLOP/s",
+        "fused max",
+        "fused rel",
+        "old max",
+        "old rel"
+    );
+    for (name, dtype, b, h, n, m, d) in shapes {
+        let rand = |len: usize| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1f32, (b, h, len, d), &dev)?.to_dtype(dtype)?)
+        };
+        let (q, k, v) = (rand(n)?, rand(m)?, rand(m)?);
+        let scale = 1.0 / (d as f64).sqrt();
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let reference = sdpa_chunked(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale)?;
+        let (fused_max, fused_rel) = errors(&sdpa(&q, &k, &v, scale)?, &reference)?;
+        let (old_max, old_rel) = errors(&sdpa_chunked(&q, &k, &v, scale)?, &reference)?;
+        drop(reference);
+        let old = time(&dev, 3, || sdpa_chunked(&q, &k, &v, scale))?;
+        let fused = time(&dev, 10, || sdpa(&q, &k, &v, scale))?;
+        let tflops = 4.0 * (b * h * n * m * d) as f64 / fused / 1e12;
+        println!(
+            "{name:<11} {:>5} {:>24} {:>10.3} {:>10.3} {tflops:>8.1} {fused_max:>10.2e} {fused_rel:>10.2e} {old_max:>10.2e} {old_rel:>10.2e}",
+            format!("{dtype:?}"),
+            format!("{b},{h},{n},{m},{d}"),
+            old * 1e3,
+            fused * 1e3,
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,180 @@
+//! Fused attention forward on CUDA (`flash_attn.cu`, the FlashAttention-2 scheme): scores and
+//! probabilities stay on the chip, so one pass reads q, k and v and writes the output once.
+
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
+};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+const MODULE: &str = "vidgen_flash_attn";
+/// Warps per block (`NW` in the kernel).
+const WARPS: usize = 4;
+/// Query rows per block: each warp owns two m-tiles of 16 rows (`MT` in the kernel).
+const ROWS_PER_BLOCK: usize = 32 * WARPS;
+/// Key/value rows per shared-memory tile (`BC` in the kernel).
+const KEYS_PER_TILE: usize = 64;
+/// Elements of padding per shared-memory row (`PAD` in the kernel).
+const ROW_PAD: usize = 8;
+
+/// Whether the fused kernel computes `sdpa` for these inputs: CUDA (compute capability 8.0 or
+/// newer), bf16 or f16, head_dim 64 or 128, matching batch and heads, at least one key.
+pub(super) fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let Device::Cuda(dev) = q.device() else {
+        return false;
+    };
+    let (Ok((b, h, n, d)), Ok((kb, kh, m, kd)), Ok(v_dims)) = (q.dims4(), k.dims4(), v.dims4())
+    else {
+        return false;
+    };
+    matches!(q.dtype(), DType::BF16 | DType::F16)
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+        && matches!(d, 64 | 128)
+        && (kb, kh, kd) == (b, h, d)
+        && v_dims == (b, h, m, d)
+        && n > 0
+        && m > 0
+        && b * h <= u16::MAX as usize
+        && n.max(m) < i32::MAX as usize
+        && dev
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .is_ok_and(|(major, _)| major >= 8)
+}
+
+/// Attention over `[batch, heads, seq, head_dim]`; the caller checked [`supported`].
+/// The result is a `[batch, heads, q_len, head_dim]` view of `[batch, q_len, heads, head_dim]`
+/// storage, so merging the heads afterwards is free.
+pub(super) fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let op = FlashAttn {
+        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+    };
+    aligned(q)?
+        .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
+        .transpose(1, 2)
+}
+
+/// The kernel reads rows with 16-byte copies: every stride but the last (1) and the start
+/// offset must be multiples of 8 elements; otherwise a contiguous copy is made.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let layout = t.layout();
+    let ok = layout.start_offset().is_multiple_of(8)
+        && layout.stride().last() == Some(&1)
+        && layout
+            .dims()
+            .iter()
+            .zip(layout.stride())
+            .all(|(&dim, &stride)| dim == 1 || stride == 1 || stride.is_multiple_of(8));
+    if ok {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+struct FlashAttn {
+    /// `scale * log2(e)`: the kernel exponentiates in base 2.
+    scale_log2: f32,
+}
+
+impl FlashAttn {
+    #[allow(clippy::too_many_arguments)]
+    fn launch<T: DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        dtype: &str,
+        q: &CudaSlice<T>,
+        ql: &Layout,
+        k: &CudaSlice<T>,
+        kl: &Layout,
+        v: &CudaSlice<T>,
+        vl: &Layout,
+    ) -> Result<(CudaSlice<T>, Shape)> {
+        let (b, h, n, d) = ql.shape().dims4()?;
+        let m = kl.dims()[2];
+        let func = dev.get_or_load_custom_func(&format!("flash_fwd_{dtype}_d{d}"), MODULE, PTX)?;
+        let smem = (ROWS_PER_BLOCK + 4 * KEYS_PER_TILE) * (d + ROW_PAD) * std::mem::size_of::<T>();
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        // SAFETY: every element is written by the kernel (each query row of each head).
+        let out = unsafe { dev.alloc::<T>(b * n * h * d) }?;
+        let q = q.slice(ql.start_offset()..);
+        let k = k.slice(kl.start_offset()..);
+        let v = v.slice(vl.start_offset()..);
+        let (q_len, kv_len, heads) = (n as i32, m as i32, h as i32);
+        let strides = |l: &Layout| -> [i64; 3] {
+            let s = l.stride();
+            [s[0] as i64, s[1] as i64, s[2] as i64]
+        };
+        let (qs, ks, vs) = (strides(ql), strides(kl), strides(vl));
+        // Output storage is [batch, q_len, heads, head_dim].
+        let os = [(n * h * d) as i64, d as i64, (h * d) as i64];
+        let mut builder = func.builder();
+        builder.arg(&q).arg(&k).arg(&v).arg(&out);
+        builder.arg(&q_len).arg(&kv_len).arg(&heads);
+        for s in qs.iter().chain(&ks).chain(&vs).chain(&os) {
+            builder.arg(s);
+        }
+        builder.arg(&self.scale_log2);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(ROWS_PER_BLOCK) as u32, (b * h) as u32, 1),
+            block_dim: ((32 * WARPS) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the arguments match the kernel's signature; `supported` and `aligned` checked
+        // the shapes, head_dim and the 16-byte alignment the kernel's copies need.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok((out, Shape::from((b, n, h, d))))
+    }
+}
+
+impl CustomOp3 for FlashAttn {
+    fn name(&self) -> &'static str {
+        "flash-attn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("flash-attn runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        use CudaStorageSlice as S;
+        let dev = &q.device;
+        let (slice, shape) = match (&q.slice, &k.slice, &v.slice) {
+            (S::BF16(q), S::BF16(k), S::BF16(v)) => {
+                let (o, shape) = self.launch(dev, "bf16", q, ql, k, kl, v, vl)?;
+                (S::BF16(o), shape)
+            }
+            (S::F16(q), S::F16(k), S::F16(v)) => {
+                let (o, shape) = self.launch(dev, "f16", q, ql, k, kl, v, vl)?;
+                (S::F16(o), shape)
+            }
+            _ => candle_core::bail!("flash-attn takes bf16 or f16 q, k and v of one dtype"),
+        };
+        let device = dev.clone();
+        Ok((CudaStorage { slice, device }, shape))
+    }
+}
