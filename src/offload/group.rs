@@ -37,7 +37,18 @@ pub struct Section {
     pub bytes: usize,
 }
 
-/// A group's host image: its tensors packed by dtype, each aligned.
+/// How a group's tensors share device allocations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Packing {
+    /// One allocation and one copy per dtype: what streamed blocks want (few, large copies).
+    ByDtype,
+    /// One allocation per tensor: for a whole component whose constructor may derive new
+    /// tensors from some weights, so dropping the originals frees them (a shared allocation
+    /// would stay alive as long as any one of its views).
+    PerTensor,
+}
+
+/// A group's host image: its tensors laid out by dtype, each aligned.
 #[derive(Clone, Debug, Default)]
 pub struct GroupLayout {
     pub slots: Vec<Slot>,
@@ -49,7 +60,7 @@ pub struct GroupLayout {
 impl GroupLayout {
     /// Lays out `requests` (name, shape, dtype) in request order within each dtype; a tensor
     /// asked for twice is stored once.
-    fn new(requests: Vec<(String, Shape, DType)>) -> Self {
+    fn new(requests: Vec<(String, Shape, DType)>, packing: Packing) -> Self {
         let mut layout = GroupLayout::default();
         let mut dtypes: Vec<DType> = Vec::new();
         for (_, _, dtype) in &requests {
@@ -70,14 +81,24 @@ impl GroupLayout {
                     dtype,
                     offset,
                 };
-                offset = (offset + slot.bytes()).next_multiple_of(ALIGN);
+                let end = (offset + slot.bytes()).next_multiple_of(ALIGN);
+                if packing == Packing::PerTensor {
+                    layout.sections.push(Section {
+                        dtype,
+                        offset,
+                        bytes: end - offset,
+                    });
+                }
+                offset = end;
                 layout.slots.push(slot);
             }
-            layout.sections.push(Section {
-                dtype,
-                offset: start,
-                bytes: offset - start,
-            });
+            if packing == Packing::ByDtype {
+                layout.sections.push(Section {
+                    dtype,
+                    offset: start,
+                    bytes: offset - start,
+                });
+            }
         }
         layout.bytes = offset;
         layout
@@ -158,6 +179,7 @@ impl SimpleBackend for Recorder {
 pub fn record<B>(
     weights: &WeightSet,
     dtype: DType,
+    packing: Packing,
     build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<B>,
 ) -> Result<GroupLayout> {
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -175,5 +197,5 @@ pub fn record<B>(
             .lock()
             .map_err(|_| anyhow::anyhow!("recorder poisoned"))?,
     );
-    Ok(GroupLayout::new(requests))
+    Ok(GroupLayout::new(requests, packing))
 }

@@ -14,7 +14,7 @@ pub mod host;
 pub mod streamer;
 pub mod transfer;
 
-pub use group::{record, GroupLayout};
+pub use group::{record, GroupLayout, Packing};
 pub use host::{HostMemory, HostStore};
 pub use streamer::{BuildGroup, Offloaded, StreamOptions};
 pub use transfer::{CopyStats, Transfer};

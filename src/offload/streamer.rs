@@ -1,15 +1,16 @@
 //! Running groups through the device in order, `depth` groups ahead of the one computing.
 
-use super::group::record;
+use super::group::{record, Packing};
 use super::host::{HostMemory, HostStore};
-use super::transfer::{CopyStats, Transfer, Uploaded};
+use super::transfer::{CopyStats, DeviceSlot, Transfer, Uploaded};
 use crate::models::loader::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::sync_channel;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// Builds group `i` (e.g. a run of transformer blocks) from a `VarBuilder` over its device copies.
 pub type BuildGroup<B> =
@@ -35,14 +36,21 @@ pub struct Offloaded<B> {
     options: StreamOptions,
     /// The first groups of the next pass, prefetched while the last ones computed.
     pending: Mutex<VecDeque<Uploaded>>,
+    /// Device slots for streamed groups (`depth + 1`), made on the first pass.
+    slots: OnceLock<Vec<DeviceSlot>>,
+    /// Uploads so far: upload k goes to slot k mod (depth + 1).
+    uploads: AtomicUsize,
 }
 
 impl<B> Offloaded<B> {
     /// Offloads `count` parts of a model whose weights are `weights`: part i is what
     /// `build(i, vb)` asks for, held on the host as `memory` says and moved as `options` say.
+    /// `packing` chooses how a part's tensors share device allocations.
+    #[allow(clippy::too_many_arguments)]
     pub fn from_weights(
         weights: &WeightSet,
         count: usize,
+        packing: Packing,
         build: impl Fn(usize, VarBuilder<'static>) -> candle_core::Result<B> + Send + Sync + 'static,
         dtype: DType,
         device: &Device,
@@ -50,7 +58,7 @@ impl<B> Offloaded<B> {
         options: StreamOptions,
     ) -> Result<Self> {
         let layouts = (0..count)
-            .map(|i| record(weights, dtype, |vb| build(i, vb)))
+            .map(|i| record(weights, dtype, packing, |vb| build(i, vb)))
             .collect::<Result<Vec<_>>>()?;
         let store = HostStore::new(layouts, weights, memory, device)?;
         let staging = match memory {
@@ -87,6 +95,8 @@ impl<B> Offloaded<B> {
                 ..options
             },
             pending: Mutex::new(VecDeque::new()),
+            slots: OnceLock::new(),
+            uploads: AtomicUsize::new(0),
         }
     }
 
@@ -105,15 +115,11 @@ impl<B> Offloaded<B> {
         self.transfer.stats()
     }
 
-    /// Group `index` on the device, built; dropped by the caller when done.
+    /// Group `index` in fresh device memory, built; copied on the compute stream, so the
+    /// caller just drops it when done.
     pub fn fetch(&self, index: usize) -> Result<B> {
-        let uploaded = self.transfer.upload(&self.store, index)?;
+        let uploaded = self.transfer.upload(&self.store, index, None)?;
         self.make(uploaded)
-    }
-
-    /// Call once a fetched group's work is queued and before dropping it.
-    pub fn retire(&self) -> Result<()> {
-        self.transfer.retire()
     }
 
     fn make(&self, uploaded: Uploaded) -> Result<B> {
@@ -133,13 +139,18 @@ impl<B> Offloaded<B> {
         let n = self.store.len();
         if !self.options.stream {
             for index in 0..n {
-                let group = self.fetch(index)?;
-                f(&group)?;
-                self.retire()?;
+                f(&self.fetch(index)?)?;
             }
             return Ok(());
         }
         let depth = self.options.depth.min(n);
+        let slots = match self.slots.get() {
+            Some(slots) => slots,
+            None => {
+                let made = self.transfer.slots(&self.store, depth + 1)?;
+                self.slots.get_or_init(|| made)
+            }
+        };
         let poisoned = || anyhow::anyhow!("offload state poisoned");
         let mut ready = std::mem::take(&mut *self.pending.lock().map_err(|_| poisoned())?);
         let first_missing = ready.len();
@@ -156,7 +167,10 @@ impl<B> Offloaded<B> {
                     if permit.recv().is_err() {
                         break;
                     }
-                    let uploaded = self.transfer.upload(&self.store, index % n);
+                    let k = self.uploads.fetch_add(1, Ordering::Relaxed) % slots.len();
+                    let uploaded =
+                        self.transfer
+                            .upload(&self.store, index % n, Some((k, &slots[k])));
                     let failed = uploaded.is_err();
                     if uploads.send(uploaded).is_err() || failed {
                         break;
@@ -170,10 +184,13 @@ impl<B> Offloaded<B> {
                         Some(u) => u,
                         None => received.recv().map_err(|_| stopped())??,
                     };
+                    let slot = uploaded.slot;
                     let group = self.make(uploaded)?;
                     f(&group)?;
-                    self.retire()?;
                     drop(group);
+                    if let Some(k) = slot {
+                        self.transfer.retire(&slots[k])?;
+                    }
                     permits.send(()).ok();
                 }
                 for _ in 0..depth {
@@ -181,6 +198,12 @@ impl<B> Offloaded<B> {
                 }
                 Ok(())
             })();
+            if result.is_err() {
+                // Whatever the early exit left queued must finish before a slot is refilled.
+                for slot in slots {
+                    self.transfer.retire(slot).ok();
+                }
+            }
             // Stops the copy thread if the pass ended early; the scope joins it.
             drop(permits);
             drop(received);

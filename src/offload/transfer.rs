@@ -1,8 +1,7 @@
-//! Moving a group's host image to the device: one allocation and one copy per dtype section,
-//! on a dedicated copy stream ordered with CUDA events, or through a pinned staging ring.
+//! Moving a group's host image to the device: one copy per dtype section, into device slots
+//! reused round-robin, on a dedicated copy stream ordered with CUDA events (or through a pinned
+//! staging ring in bounded mode); a whole parked component gets fresh memory instead.
 
-#[cfg(feature = "cuda")]
-use super::host::Arena;
 use super::host::HostStore;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
@@ -43,60 +42,47 @@ impl CopyStats {
 /// A group on the device, waiting for its copies to land.
 pub struct Uploaded {
     pub index: usize,
+    /// The device slot it was copied into (streamed groups), to retire after use.
+    pub slot: Option<usize>,
     pub tensors: Vec<(String, Tensor)>,
     #[cfg(feature = "cuda")]
     ready: Option<cudarc::driver::CudaEvent>,
 }
 
+/// Device buffers that streamed groups are copied into, reused round-robin: no allocation or
+/// free per group, so nothing on the copy stream waits for the allocator, and the pool holds
+/// exactly what is used.
+#[derive(Default)]
+pub struct DeviceSlot {
+    /// One flat buffer per dtype (its first bytes hold the group's section), with its address.
+    #[cfg(feature = "cuda")]
+    buffers: Vec<(candle_core::DType, Tensor, u64)>,
+    /// Recorded on the compute stream once the slot's last group was used: the next copy into
+    /// the slot waits for it.
+    #[cfg(feature = "cuda")]
+    done: Mutex<Option<cudarc::driver::CudaEvent>>,
+}
+
 /// Moves groups from a `HostStore` to a device.
 pub struct Transfer {
     device: Device,
-    /// The bounded mode's pinned staging ring (CUDA only: elsewhere copies need no staging).
-    #[cfg(feature = "cuda")]
-    staging: Option<Vec<Mutex<StagingSlot>>>,
-    #[cfg(feature = "cuda")]
-    next_slot: Mutex<usize>,
     stats: Mutex<CopyStats>,
     #[cfg(feature = "cuda")]
-    cuda: Option<cuda::Copier>,
-}
-
-/// One buffer of the staging ring and the copy that last read it.
-#[cfg(feature = "cuda")]
-struct StagingSlot {
-    buffer: Arena,
-    done: Option<cudarc::driver::CudaEvent>,
+    cuda: Option<cuda::CudaTransfer>,
 }
 
 impl Transfer {
-    /// Copies to `device`; with `stream`, on a copy stream of its own (CUDA). `staging_bytes`
-    /// sets up the bounded mode's ring of two pinned buffers of half that size each.
+    /// Copies to `device`; with `stream`, streamed groups are copied on a stream of their own
+    /// (CUDA). `staging_bytes` sets up the bounded mode's ring of two pinned buffers of half
+    /// that size each.
     pub fn new(device: &Device, stream: bool, staging_bytes: Option<usize>) -> Result<Self> {
-        #[cfg(feature = "cuda")]
-        let staging = match (staging_bytes, device) {
-            (Some(total), Device::Cuda(_)) => Some(
-                (0..2)
-                    .map(|_| {
-                        Ok(Mutex::new(StagingSlot {
-                            buffer: Arena::new((total / 2).max(1 << 20), true, device)?,
-                            done: None,
-                        }))
-                    })
-                    .collect::<Result<Vec<_>>>()?,
-            ),
-            _ => None,
-        };
         let _ = (stream, staging_bytes);
         Ok(Transfer {
             device: device.clone(),
-            #[cfg(feature = "cuda")]
-            staging,
-            #[cfg(feature = "cuda")]
-            next_slot: Mutex::new(0),
             stats: Mutex::new(CopyStats::default()),
             #[cfg(feature = "cuda")]
             cuda: match device {
-                Device::Cuda(dev) => Some(cuda::Copier::new(dev, stream)?),
+                Device::Cuda(dev) => Some(cuda::CudaTransfer::new(dev, stream, staging_bytes)?),
                 _ => None,
             },
         })
@@ -105,21 +91,42 @@ impl Transfer {
     /// Pinned bytes of the staging ring.
     pub fn staging_bytes(&self) -> usize {
         #[cfg(feature = "cuda")]
-        if let Some(ring) = &self.staging {
-            return ring
-                .iter()
-                .filter_map(|s| s.lock().ok().map(|s| s.buffer.bytes().len()))
-                .sum();
+        if let Some(cuda) = &self.cuda {
+            return cuda.staging_bytes();
         }
         0
     }
 
-    /// Starts moving group `index` to the device; its tensors may be used once `ready` ran.
-    pub fn upload(&self, store: &HostStore, index: usize) -> Result<Uploaded> {
-        let layout = &store.group(index).layout;
+    /// `count` device slots big enough for any group of `store` (empty off CUDA, where each
+    /// group gets fresh tensors).
+    pub fn slots(&self, store: &HostStore, count: usize) -> Result<Vec<DeviceSlot>> {
         #[cfg(feature = "cuda")]
-        if let Some(copier) = &self.cuda {
-            return self.upload_cuda(copier, store, index);
+        if let Some(cuda) = &self.cuda {
+            return cuda.slots(store, count);
+        }
+        let _ = store;
+        Ok((0..count).map(|_| DeviceSlot::default()).collect())
+    }
+
+    /// Starts moving group `index` to the device: into `slot` (on the copy stream) or into fresh
+    /// memory (on the compute stream). Its tensors may be used once `ready` ran.
+    pub fn upload(
+        &self,
+        store: &HostStore,
+        index: usize,
+        slot: Option<(usize, &DeviceSlot)>,
+    ) -> Result<Uploaded> {
+        let layout = &store.group(index).layout;
+        self.count(layout.bytes);
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            let (tensors, ready) = cuda.upload(store, index, slot.map(|s| s.1))?;
+            return Ok(Uploaded {
+                index,
+                slot: slot.map(|s| s.0),
+                tensors,
+                ready,
+            });
         }
         // Other devices: assemble the image on the host and let candle copy each section.
         let mut image = vec![0u8; layout.bytes];
@@ -136,9 +143,9 @@ impl Transfer {
                 )
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        self.count(layout.bytes);
         Ok(Uploaded {
             index,
+            slot: slot.map(|s| s.0),
             tensors: layout.views(&sections)?,
             #[cfg(feature = "cuda")]
             ready: None,
@@ -149,28 +156,32 @@ impl Transfer {
     /// just before the group computes: the wait is placed at that point of the stream).
     pub fn ready(&self, uploaded: &Uploaded) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let (Some(copier), Some(event)) = (&self.cuda, &uploaded.ready) {
-            copier.compute_waits(event)?;
+        if let (Some(cuda), Some(event)) = (&self.cuda, &uploaded.ready) {
+            cuda.compute_waits(event)?;
         }
         let _ = uploaded;
         Ok(())
     }
 
-    /// Call on the computing thread after a group's last use and before dropping it: its
-    /// memory is freed on the copy stream, which must first see the compute finish.
-    pub fn retire(&self) -> Result<()> {
+    /// Call on the computing thread once a streamed group's work is queued: the next copy into
+    /// its slot waits for that work to finish.
+    pub fn retire(&self, slot: &DeviceSlot) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(copier) = &self.cuda {
-            copier.copy_waits_for_compute()?;
+        if let Some(cuda) = &self.cuda {
+            cuda.retire(slot)?;
         }
+        let _ = slot;
         Ok(())
     }
 
-    /// The copies so far; reads the copy stream's timing events, so call it after a sync.
+    /// The copies so far; reads the copy timing events, so call it after a device sync.
     pub fn stats(&self) -> CopyStats {
         #[cfg(feature = "cuda")]
-        if let Some(copier) = &self.cuda {
-            self.count_busy(copier.busy_seconds());
+        if let Some(cuda) = &self.cuda {
+            let busy = cuda.busy_seconds();
+            if let Ok(mut s) = self.stats.lock() {
+                s.busy_seconds += busy;
+            }
         }
         self.stats.lock().map(|s| *s).unwrap_or_default()
     }
@@ -181,106 +192,76 @@ impl Transfer {
             s.groups += 1;
         }
     }
-
-    #[cfg(feature = "cuda")]
-    fn count_busy(&self, seconds: f64) {
-        if let Ok(mut s) = self.stats.lock() {
-            s.busy_seconds += seconds;
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn upload_cuda(
-        &self,
-        copier: &cuda::Copier,
-        store: &HostStore,
-        index: usize,
-    ) -> Result<Uploaded> {
-        let layout = &store.group(index).layout;
-        let mut targets = Vec::with_capacity(layout.sections.len());
-        let mut sections = Vec::with_capacity(layout.sections.len());
-        for s in &layout.sections {
-            let (tensor, ptr) = copier.alloc(s.dtype, s.bytes / s.dtype.size_in_bytes())?;
-            sections.push(tensor);
-            targets.push((s.offset..s.offset + s.bytes, ptr));
-        }
-        let timing = copier.begin()?;
-        match (store.image(index), &self.staging) {
-            (Some((image, _)), None) => {
-                for (range, ptr) in &targets {
-                    copier.copy(*ptr, &image[range.clone()])?;
-                }
-            }
-            (_, Some(ring)) => {
-                let chunk = ring[0].lock().map_or(1 << 20, |s| s.buffer.bytes().len());
-                let mut start = 0;
-                while start < layout.bytes {
-                    let end = (start + chunk).min(layout.bytes);
-                    let slot_index = {
-                        let mut next = self
-                            .next_slot
-                            .lock()
-                            .map_err(|_| anyhow::anyhow!("staging ring poisoned"))?;
-                        *next = (*next + 1) % ring.len();
-                        *next
-                    };
-                    let mut slot = ring[slot_index]
-                        .lock()
-                        .map_err(|_| anyhow::anyhow!("staging ring poisoned"))?;
-                    if let Some(done) = slot.done.take() {
-                        done.synchronize()?;
-                    }
-                    let staged = &mut slot.buffer.bytes_mut()[..end - start];
-                    store.gather(index, start..end, staged)?;
-                    for (range, ptr) in &targets {
-                        let (lo, hi) = (range.start.max(start), range.end.min(end));
-                        if lo < hi {
-                            copier.copy(
-                                ptr + (lo - range.start) as u64,
-                                &slot.buffer.bytes()[lo - start..hi - start],
-                            )?;
-                        }
-                    }
-                    slot.done = Some(copier.mark()?);
-                    start = end;
-                }
-            }
-            (None, None) => anyhow::bail!("group {index} has no host image and no staging ring"),
-        }
-        let ready = copier.end(timing)?;
-        self.count(layout.bytes);
-        Ok(Uploaded {
-            index,
-            tensors: layout.views(&sections)?,
-            ready: Some(ready),
-        })
-    }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use super::super::host::{Arena, HostStore};
+    use super::DeviceSlot;
     use anyhow::{Context, Result};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-    use candle_core::{op::BackpropOp, DType, Storage, Tensor};
+    use candle_core::{op::BackpropOp, DType, Device, Storage, Tensor};
     use cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
     use std::sync::{Arc, Mutex};
 
-    /// Issues copies on a stream of its own and orders them against candle's compute stream.
-    pub struct Copier {
+    /// One buffer of the staging ring and the copy that last read it.
+    struct StagingSlot {
+        buffer: Arena,
+        done: Option<CudaEvent>,
+    }
+
+    /// Copies on a stream of their own, ordered against candle's compute stream with events.
+    pub struct CudaTransfer {
         device: CudaDevice,
+        /// Where streamed groups are copied (the compute stream itself without `stream`).
         copy: Arc<CudaStream>,
+        staging: Option<Vec<Mutex<StagingSlot>>>,
+        next_staging: Mutex<usize>,
         /// Timing events around each group's copies, read (and cleared) by `busy_seconds`.
         timings: Mutex<Vec<(CudaEvent, CudaEvent)>>,
     }
 
-    impl Copier {
-        pub fn new(device: &CudaDevice, stream: bool) -> Result<Self> {
+    /// Allocates `elems` of `dtype` on `stream`: a flat tensor and its address.
+    fn alloc(
+        device: &CudaDevice,
+        stream: &Arc<CudaStream>,
+        dtype: DType,
+        elems: usize,
+    ) -> Result<(Tensor, u64)> {
+        macro_rules! alloc {
+            ($t:ty) => {{
+                // SAFETY: every byte a tensor view covers is written by a copy before use.
+                let slice = unsafe { stream.alloc::<$t>(elems) }?;
+                let ptr = slice.device_ptr(stream).0;
+                (CudaStorage::wrap_cuda_slice(slice, device.clone()), ptr)
+            }};
+        }
+        let (storage, ptr) = match dtype {
+            DType::BF16 => alloc!(half::bf16),
+            DType::F16 => alloc!(half::f16),
+            DType::F32 => alloc!(f32),
+            DType::F64 => alloc!(f64),
+            DType::U8 => alloc!(u8),
+            DType::U32 => alloc!(u32),
+            DType::I64 => alloc!(i64),
+            other => anyhow::bail!("cannot offload {other:?} tensors"),
+        };
+        let tensor = Tensor::from_storage(Storage::Cuda(storage), elems, BackpropOp::none(), false);
+        Ok((tensor, ptr))
+    }
+
+    impl CudaTransfer {
+        pub fn new(
+            device: &CudaDevice,
+            stream: bool,
+            staging_bytes: Option<usize>,
+        ) -> Result<Self> {
             let compute = device.cuda_stream();
             let copy = if stream {
                 // cudarc would otherwise track every tensor's use across streams with events on
                 // each kernel launch; candle computes on one stream and the offload engine
                 // orders its copies with its own events, so that tracking is turned off.
-                // SAFETY: the only cross-stream tensors are the engine's, synchronised below.
+                // SAFETY: the only cross-stream memory is the engine's slots, ordered below.
                 unsafe { compute.context().disable_event_tracking() };
                 compute
                     .context()
@@ -289,73 +270,177 @@ mod cuda {
             } else {
                 compute
             };
-            Ok(Copier {
+            let staging = match staging_bytes {
+                Some(total) => Some(
+                    (0..2)
+                        .map(|_| {
+                            let bytes = (total / 2).max(1 << 20);
+                            Ok(Mutex::new(StagingSlot {
+                                buffer: Arena::new(bytes, true, &Device::Cuda(device.clone()))?,
+                                done: None,
+                            }))
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                ),
+                None => None,
+            };
+            Ok(CudaTransfer {
                 device: device.clone(),
                 copy,
+                staging,
+                next_staging: Mutex::new(0),
                 timings: Mutex::new(Vec::new()),
             })
         }
 
-        /// `elems` of `dtype` on the device, allocated in copy-stream order, as a flat tensor,
-        /// with the raw address the copies write to.
-        pub fn alloc(&self, dtype: DType, elems: usize) -> Result<(Tensor, u64)> {
-            macro_rules! alloc {
-                ($t:ty) => {{
-                    // SAFETY: every byte is written by the copies before the compute reads it.
-                    let slice = unsafe { self.copy.alloc::<$t>(elems) }?;
-                    let ptr = slice.device_ptr(&self.copy).0;
-                    (
-                        CudaStorage::wrap_cuda_slice(slice, self.device.clone()),
-                        ptr,
-                    )
-                }};
+        pub fn staging_bytes(&self) -> usize {
+            self.staging.as_ref().map_or(0, |ring| {
+                ring.iter()
+                    .filter_map(|s| s.lock().ok().map(|s| s.buffer.bytes().len()))
+                    .sum()
+            })
+        }
+
+        pub fn slots(&self, store: &HostStore, count: usize) -> Result<Vec<DeviceSlot>> {
+            let mut need: Vec<(DType, usize)> = Vec::new();
+            for index in 0..store.len() {
+                for s in &store.group(index).layout.sections {
+                    match need.iter_mut().find(|(d, _)| *d == s.dtype) {
+                        Some((_, bytes)) => *bytes = (*bytes).max(s.bytes),
+                        None => need.push((s.dtype, s.bytes)),
+                    }
+                }
             }
-            let (storage, ptr) = match dtype {
-                DType::BF16 => alloc!(half::bf16),
-                DType::F16 => alloc!(half::f16),
-                DType::F32 => alloc!(f32),
-                DType::F64 => alloc!(f64),
-                DType::U8 => alloc!(u8),
-                DType::U32 => alloc!(u32),
-                DType::I64 => alloc!(i64),
-                other => anyhow::bail!("cannot offload {other:?} tensors"),
-            };
-            let tensor =
-                Tensor::from_storage(Storage::Cuda(storage), elems, BackpropOp::none(), false);
-            Ok((tensor, ptr))
+            let compute = self.device.cuda_stream();
+            let slots = (0..count)
+                .map(|_| {
+                    let buffers = need
+                        .iter()
+                        .map(|&(dtype, bytes)| {
+                            let (t, ptr) = alloc(
+                                &self.device,
+                                &compute,
+                                dtype,
+                                bytes / dtype.size_in_bytes(),
+                            )?;
+                            Ok((dtype, t, ptr))
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(DeviceSlot {
+                        buffers,
+                        done: Mutex::new(None),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // The slots are used from the copy stream: their allocation must be complete.
+            compute.synchronize()?;
+            Ok(slots)
         }
 
-        /// Starts a group's copies: a timing event on the copy stream.
-        pub fn begin(&self) -> Result<CudaEvent> {
-            Ok(self
-                .copy
-                .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
-        }
-
-        /// Copies `src` (pinned: asynchronous; pageable: staged by the driver) to `dst`.
-        pub fn copy(&self, dst: u64, src: &[u8]) -> Result<()> {
-            // SAFETY: `dst` is a live allocation of at least `src.len()` bytes made by `alloc`;
-            // host memory outlives the copy (arenas live as long as the engine; a staging slot
-            // is reused only after its `mark` event completed).
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.copy.cu_stream()) }?;
-            Ok(())
-        }
-
-        /// An event after the copies issued so far (a staging slot may be refilled after it).
-        pub fn mark(&self) -> Result<CudaEvent> {
-            Ok(self.copy.record_event(None)?)
-        }
-
-        /// Ends a group's copies: returns the event the compute stream waits for.
-        pub fn end(&self, begin: CudaEvent) -> Result<CudaEvent> {
-            let end = self
-                .copy
-                .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            let ready = self.copy.record_event(None)?;
+        /// Copies group `index` into `slot` on the copy stream, or into fresh memory on the
+        /// compute stream; returns its tensors and, for a slot, the event the compute waits for.
+        pub fn upload(
+            &self,
+            store: &HostStore,
+            index: usize,
+            slot: Option<&DeviceSlot>,
+        ) -> Result<(Vec<(String, Tensor)>, Option<CudaEvent>)> {
+            let layout = &store.group(index).layout;
+            let (stream, mut sections, mut targets) = (
+                match slot {
+                    Some(_) => self.copy.clone(),
+                    None => self.device.cuda_stream(),
+                },
+                Vec::with_capacity(layout.sections.len()),
+                Vec::with_capacity(layout.sections.len()),
+            );
+            for s in &layout.sections {
+                let elems = s.bytes / s.dtype.size_in_bytes();
+                let (tensor, ptr) = match slot {
+                    Some(slot) => {
+                        let (_, base, ptr) = slot
+                            .buffers
+                            .iter()
+                            .find(|(d, _, _)| *d == s.dtype)
+                            .context("device slot lacks a dtype")?;
+                        (base.narrow(0, 0, elems)?, *ptr)
+                    }
+                    None => alloc(&self.device, &stream, s.dtype, elems)?,
+                };
+                sections.push(tensor);
+                targets.push((s.offset..s.offset + s.bytes, ptr));
+            }
+            if let Some(slot) = slot {
+                let done = slot
+                    .done
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("slot poisoned"))?
+                    .take();
+                if let Some(done) = done {
+                    stream.wait(&done)?;
+                }
+            }
+            let begin = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            match (store.image(index), &self.staging) {
+                (Some((image, _)), None) => {
+                    for (range, ptr) in &targets {
+                        copy(&stream, *ptr, &image[range.clone()])?;
+                    }
+                }
+                (_, Some(ring)) => self.staged(&stream, store, index, &targets, ring)?,
+                (None, None) => {
+                    anyhow::bail!("group {index} has no host image and no staging ring")
+                }
+            }
+            let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            let ready = slot.map(|_| stream.record_event(None)).transpose()?;
             if let Ok(mut t) = self.timings.lock() {
                 t.push((begin, end));
             }
-            Ok(ready)
+            Ok((layout.views(&sections)?, ready))
+        }
+
+        /// Bounded mode: gathers the image chunk by chunk into the pinned staging ring (CPU
+        /// threads) and copies each chunk to its sections.
+        fn staged(
+            &self,
+            stream: &Arc<CudaStream>,
+            store: &HostStore,
+            index: usize,
+            targets: &[(std::ops::Range<usize>, u64)],
+            ring: &[Mutex<StagingSlot>],
+        ) -> Result<()> {
+            let poisoned = || anyhow::anyhow!("staging ring poisoned");
+            let bytes = store.group(index).layout.bytes;
+            let chunk = ring[0].lock().map_err(|_| poisoned())?.buffer.bytes().len();
+            let mut start = 0;
+            while start < bytes {
+                let end = (start + chunk).min(bytes);
+                let next = {
+                    let mut next = self.next_staging.lock().map_err(|_| poisoned())?;
+                    *next = (*next + 1) % ring.len();
+                    *next
+                };
+                let mut staging = ring[next].lock().map_err(|_| poisoned())?;
+                if let Some(done) = staging.done.take() {
+                    done.synchronize()?;
+                }
+                store.gather(
+                    index,
+                    start..end,
+                    &mut staging.buffer.bytes_mut()[..end - start],
+                )?;
+                for (range, ptr) in targets {
+                    let (lo, hi) = (range.start.max(start), range.end.min(end));
+                    if lo < hi {
+                        let src = &staging.buffer.bytes()[lo - start..hi - start];
+                        copy(stream, ptr + (lo - range.start) as u64, src)?;
+                    }
+                }
+                staging.done = Some(stream.record_event(None)?);
+                start = end;
+            }
+            Ok(())
         }
 
         /// The compute stream (this thread's) waits for `event`.
@@ -363,15 +448,17 @@ mod cuda {
             Ok(self.device.cuda_stream().wait(event)?)
         }
 
-        /// The copy stream waits for the work queued on this thread's compute stream so far.
-        pub fn copy_waits_for_compute(&self) -> Result<()> {
-            if !Arc::ptr_eq(&self.copy, &self.device.cuda_stream()) {
-                self.copy.join(&self.device.cuda_stream())?;
-            }
+        /// Records, on this thread's compute stream, that `slot`'s group is no longer needed.
+        pub fn retire(&self, slot: &DeviceSlot) -> Result<()> {
+            let event = self.device.cuda_stream().record_event(None)?;
+            *slot
+                .done
+                .lock()
+                .map_err(|_| anyhow::anyhow!("slot poisoned"))? = Some(event);
             Ok(())
         }
 
-        /// Seconds the copy stream spent in the recorded copies (events must have completed).
+        /// Seconds spent in the recorded copies (their events must have completed).
         pub fn busy_seconds(&self) -> f64 {
             let Ok(mut timings) = self.timings.lock() else {
                 return 0.0;
@@ -384,5 +471,14 @@ mod cuda {
             timings.clear();
             total
         }
+    }
+
+    /// Copies `src` (pinned: asynchronous; pageable: staged by the driver) to `dst` on `stream`.
+    fn copy(stream: &CudaStream, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: `dst` is a live device buffer of at least `src.len()` bytes; host memory
+        // outlives the copy (arenas live as long as the engine; a staging buffer is refilled
+        // only after the event recorded after its copies completed).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+        Ok(())
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::cli::args::{ComputeDevice, GenerateOptions, OffloadType};
 use crate::models::loader::WeightSet;
-use crate::offload::{HostMemory, Offloaded, StreamOptions};
+use crate::offload::{HostMemory, Offloaded, Packing, StreamOptions};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -166,6 +166,7 @@ impl<M: Blockwise> Placed<M> {
                 Placed::Parked(Offloaded::from_weights(
                     weights,
                     1,
+                    Packing::PerTensor,
                     move |_, vb| M::whole(&cfg, vb),
                     dtype,
                     device,
@@ -187,6 +188,7 @@ impl<M: Blockwise> Placed<M> {
                 let blocks = Offloaded::from_weights(
                     weights,
                     n.div_ceil(per_group),
+                    Packing::ByDtype,
                     move |g, vb| {
                         (g * per_group..((g + 1) * per_group).min(n))
                             .map(|i| M::block(&cfg, i, vb.clone()))
@@ -208,7 +210,7 @@ impl<M: Blockwise> Placed<M> {
         Ok(match self {
             Placed::Resident(m) => Held::Borrowed(m, None),
             Placed::Streamed { outer, blocks } => Held::Borrowed(outer, Some(blocks)),
-            Placed::Parked(offloaded) => Held::Moved(offloaded.fetch(0)?, offloaded),
+            Placed::Parked(offloaded) => Held::Moved(offloaded.fetch(0)?),
         })
     }
 
@@ -250,8 +252,8 @@ impl<M: Blockwise> OffloadedRef<'_, M> {
 pub enum Held<'a, M: Blockwise> {
     /// Resident (with its streamed blocks, if any).
     Borrowed(&'a M, Option<&'a Offloaded<Vec<M::Block>>>),
-    /// Moved in from host memory for this stage.
-    Moved(M, &'a Offloaded<M>),
+    /// Moved in from host memory for this stage (its device memory is freed on drop).
+    Moved(M),
 }
 
 impl<M: Blockwise> Held<'_, M> {
@@ -259,7 +261,7 @@ impl<M: Blockwise> Held<'_, M> {
     pub fn model(&self) -> &M {
         match self {
             Held::Borrowed(m, _) => m,
-            Held::Moved(m, _) => m,
+            Held::Moved(m) => m,
         }
     }
 
@@ -282,16 +284,6 @@ impl<M: Blockwise> Held<'_, M> {
                 }
                 Ok(())
             }
-        }
-    }
-}
-
-impl<M: Blockwise> Drop for Held<'_, M> {
-    fn drop(&mut self) {
-        if let Held::Moved(_, offloaded) = self {
-            // Orders the free after the stage's queued work; an error here surfaces at the next
-            // device call.
-            let _ = offloaded.retire();
         }
     }
 }
