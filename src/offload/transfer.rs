@@ -204,6 +204,9 @@ mod cuda {
     use cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
     use std::sync::{Arc, Mutex};
 
+    /// A group's tensors by name.
+    type NamedTensors = Vec<(String, Tensor)>;
+
     /// One buffer of the staging ring and the copy that last read it.
     struct StagingSlot {
         buffer: Arena,
@@ -344,7 +347,7 @@ mod cuda {
             store: &HostStore,
             index: usize,
             slot: Option<&DeviceSlot>,
-        ) -> Result<(Vec<(String, Tensor)>, Option<CudaEvent>)> {
+        ) -> Result<(NamedTensors, Option<CudaEvent>)> {
             let layout = &store.group(index).layout;
             let (stream, mut sections, mut targets) = (
                 match slot {
