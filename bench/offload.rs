@@ -4,6 +4,10 @@
 //! cargo build --release --features cuda --example offload_bench
 //! offload_bench MODEL FORWARDS FRAMESxHEIGHTxWIDTH 'label: flags' ...   (a label starting with "vae" decodes instead)
 //!
+//! With `VIDGEN_BENCH_FILES=DIR`, a synthetic model's weights are first written to DIR as
+//! safetensors (bf16, f32 where the model keeps f32) and every mode loads them from that file,
+//! as from a downloaded checkpoint sitting in the page cache (DIR on a tmpfs such as /dev/shm).
+//!
 //! Prints one JSON object per mode: s/forward, setup seconds, model memory (pool bytes in use
 //! once placed), inference peaks (used / reserved), pinned and host bytes, bytes copied, copy
 //! busy time and throughput.
@@ -14,10 +18,12 @@ use clap::Parser;
 use std::time::Instant;
 use vidgen::cli::args::GenerateOptions;
 use vidgen::memory::accounting::MemoryMeter;
-use vidgen::models::loader::{component_weights, seeded_normal, WeightSet};
+use vidgen::models::loader::{component_weights, seeded_normal, WeightSet, Weights};
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
+use vidgen::offload::group::Slot;
+use vidgen::offload::{record, Packing};
 use vidgen::pipeline::placement::{Placed, Placement};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
 
@@ -49,7 +55,10 @@ fn main() -> Result<()> {
         let placement = Placement::new(&options)?;
         let vae = label.starts_with("vae");
         let folder = if vae { "vae" } else { "transformer" };
-        let weights = WeightSet::open(&component_weights(&source, folder)?)?;
+        let weights = match std::env::var_os("VIDGEN_BENCH_FILES") {
+            Some(dir) => materialized(&source, folder, &configs, dir.as_ref())?,
+            None => WeightSet::open(&component_weights(&source, folder)?)?,
+        };
         meter.reset();
         let start = Instant::now();
         let (mut times, peaks_load, stats);
@@ -164,4 +173,84 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The component's synthetic weights written once to `dir` as safetensors, then opened from
+/// there (memory mapped, as a downloaded checkpoint would be).
+fn materialized(
+    source: &ModelSource,
+    folder: &str,
+    configs: &WanConfigs,
+    dir: &std::path::Path,
+) -> Result<WeightSet> {
+    let path = dir.join(format!(
+        "{}-{folder}.safetensors",
+        source.to_string().replace([':', '/'], "-")
+    ));
+    if !path.exists() {
+        let synthetic = WeightSet::open(&component_weights(source, folder)?)?;
+        let layout = if folder == "vae" {
+            record(&synthetic, DType::F32, Packing::PerTensor, |vb| {
+                AutoencoderKLWan::new(&configs.vae, vb)
+            })?
+        } else {
+            record(&synthetic, DType::BF16, Packing::PerTensor, |vb| {
+                WanTransformer3DModel::new(&configs.transformer, vb)
+            })?
+        };
+        let start = Instant::now();
+        std::fs::create_dir_all(dir)?;
+        let views: Vec<(String, Lazy)> = layout
+            .slots
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    Lazy {
+                        weights: synthetic.clone(),
+                        slot: s.clone(),
+                        dims: s.shape.dims().to_vec(),
+                    },
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &path)?;
+        eprintln!(
+            "wrote {} in {:.1}s",
+            path.display(),
+            start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(WeightSet::open(&Weights::Files(vec![path]))?)
+}
+
+/// A tensor whose bytes are made when the writer asks for them.
+struct Lazy {
+    weights: WeightSet,
+    slot: Slot,
+    dims: Vec<usize>,
+}
+
+impl safetensors::View for Lazy {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.slot.dtype.into()
+    }
+    fn shape(&self) -> &[usize] {
+        &self.dims
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let mut bytes = vec![0u8; self.slot.bytes()];
+        self.weights
+            .read_into(
+                &self.slot.name,
+                &self.slot.shape,
+                self.slot.dtype,
+                &mut bytes,
+            )
+            .expect("synthetic weights are always readable");
+        bytes.into()
+    }
+    fn data_len(&self) -> usize {
+        self.slot.bytes()
+    }
 }
