@@ -267,3 +267,32 @@ fn latents_of_the_wrong_shape_are_refused() {
         &out,
     );
 }
+
+/// Loading reports its bytes: without a terminal, a line per quarter of each component's
+/// stored bytes, ending at 100%, in every placement (resident and offloaded).
+#[test]
+fn loading_reports_progress_in_bytes() {
+    let out = scratch("load-progress");
+    for placement in [&["--memory-model", "discrete"][..], &[]] {
+        let mut args = vec!["--prompt", "a boat", "--output-type", "safetensors"];
+        args.extend_from_slice(placement);
+        let run = vidgen(&fixture_dir(), &out, &args);
+        let log = String::from_utf8_lossy(&run.stderr);
+        assert!(run.status.success(), "{log}");
+        for component in ["text_encoder", "transformer", "vae"] {
+            let stored: u64 = walk(&fixture_dir().join(component))
+                .iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+                .map(|p| std::fs::metadata(p).unwrap().len())
+                .sum();
+            let done = format!("reading {component}: 100% of ");
+            let line = log
+                .lines()
+                .find(|l| l.contains(&done))
+                .unwrap_or_else(|| panic!("{placement:?}: no `{done}` in {log}"));
+            let bytes: u64 = line.rsplit(' ').nth(1).unwrap().parse().unwrap();
+            // A file is its tensors' bytes plus a JSON header.
+            assert!(bytes <= stored && bytes > stored / 2, "{line}");
+        }
+    }
+}

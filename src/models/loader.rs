@@ -93,11 +93,20 @@ fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<V
         .collect()
 }
 
+/// Called with the bytes of each tensor read (stored size), for progress reports.
+pub type OnRead = Arc<dyn Fn(u64) + Send + Sync>;
+
 /// A component's opened weights: memory-mapped safetensors or the seeded synthetic generator.
 /// Models read them through a `VarBuilder`; the offload engine reads raw bytes straight into
 /// its own host buffers (no intermediate tensor when the stored dtype is the one wanted).
 #[derive(Clone)]
-pub enum WeightSet {
+pub struct WeightSet {
+    source: Source,
+    on_read: Option<OnRead>,
+}
+
+#[derive(Clone)]
+enum Source {
     Mapped(Arc<MmapedSafetensors>),
     Synthetic(SyntheticWeights),
 }
@@ -105,7 +114,7 @@ pub enum WeightSet {
 impl WeightSet {
     /// Opens (memory maps) the weight files, or sets up the generator.
     pub fn open(weights: &Weights) -> Result<Self> {
-        Ok(match weights {
+        let source = match weights {
             Weights::Files(files) => {
                 // SAFETY: the files are memory mapped read-only; vidgen never writes to model files.
                 let st = unsafe { MmapedSafetensors::multi(files) }.with_context(|| {
@@ -114,10 +123,48 @@ impl WeightSet {
                         describe(files)
                     )
                 })?;
-                WeightSet::Mapped(Arc::new(st))
+                Source::Mapped(Arc::new(st))
             }
-            Weights::Synthetic { seed } => WeightSet::Synthetic(SyntheticWeights { seed: *seed }),
+            Weights::Synthetic { seed } => Source::Synthetic(SyntheticWeights { seed: *seed }),
+        };
+        Ok(WeightSet {
+            source,
+            on_read: None,
         })
+    }
+
+    /// The same weights, reporting every tensor read to `on_read`.
+    pub fn with_progress(mut self, on_read: OnRead) -> Self {
+        self.on_read = Some(on_read);
+        self
+    }
+
+    /// Bytes of every stored tensor (`None` for synthetic weights, which have no files).
+    pub fn stored_bytes(&self) -> Option<u64> {
+        match &self.source {
+            Source::Mapped(st) => Some(
+                st.tensors()
+                    .iter()
+                    .map(|(_, v)| v.data().len() as u64)
+                    .sum(),
+            ),
+            Source::Synthetic(_) => None,
+        }
+    }
+
+    fn report(&self, bytes: usize) {
+        if let Some(f) = &self.on_read {
+            f(bytes as u64);
+        }
+    }
+
+    /// Reports `name` as read: its stored size in a file, else the size made.
+    fn report_read(&self, name: &str, made: &Tensor) {
+        let bytes = match &self.source {
+            Source::Mapped(st) => st.get(name).map_or(0, |v| v.data().len()),
+            Source::Synthetic(_) => made.elem_count() * made.dtype().size_in_bytes(),
+        };
+        self.report(bytes);
     }
 
     /// A `VarBuilder` converting each tensor to `dtype` on `device` when a model asks.
@@ -127,7 +174,7 @@ impl WeightSet {
 
     /// Checks that `name` exists with `shape` (synthetic weights have every shape asked for).
     pub fn check(&self, name: &str, shape: &Shape) -> candle_core::Result<()> {
-        if let WeightSet::Mapped(st) = self {
+        if let Source::Mapped(st) = &self.source {
             let stored: Shape = st.get(name)?.shape().into();
             if &stored != shape {
                 Err(candle_core::Error::UnexpectedShape {
@@ -142,12 +189,12 @@ impl WeightSet {
 
     /// The stored bytes of `name` when they already are `dtype` (zero copy from the map).
     pub fn mapped_bytes(&self, name: &str, dtype: DType) -> Option<&[u8]> {
-        match self {
-            WeightSet::Mapped(st) => {
+        match &self.source {
+            Source::Mapped(st) => {
                 let view = st.get(name).ok()?;
                 (DType::try_from(view.dtype()).ok()? == dtype).then(|| view.data())
             }
-            WeightSet::Synthetic(_) => None,
+            Source::Synthetic(_) => None,
         }
     }
 
@@ -162,12 +209,14 @@ impl WeightSet {
     ) -> candle_core::Result<()> {
         if let Some(bytes) = self.mapped_bytes(name, dtype) {
             dst.copy_from_slice(bytes);
+            self.report(bytes.len());
             return Ok(());
         }
-        let tensor = match self {
-            WeightSet::Mapped(st) => st.load(name, &Device::Cpu)?,
-            WeightSet::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
+        let tensor = match &self.source {
+            Source::Mapped(st) => st.load(name, &Device::Cpu)?,
+            Source::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
         };
+        self.report_read(name, &tensor);
         write_bytes(&tensor.to_dtype(dtype)?, dst)
     }
 }
@@ -181,23 +230,27 @@ impl SimpleBackend for WeightSet {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        match self {
-            WeightSet::Mapped(st) => SimpleBackend::get(st.as_ref(), s, name, h, dtype, dev),
-            WeightSet::Synthetic(g) => g.get(s, name, h, dtype, dev),
-        }
+        let t = match &self.source {
+            Source::Mapped(st) => SimpleBackend::get(st.as_ref(), s, name, h, dtype, dev)?,
+            Source::Synthetic(g) => g.get(s, name, h, dtype, dev)?,
+        };
+        self.report_read(name, &t);
+        Ok(t)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        match self {
-            WeightSet::Mapped(st) => SimpleBackend::get_unchecked(st.as_ref(), name, dtype, dev),
-            WeightSet::Synthetic(g) => g.get_unchecked(name, dtype, dev),
-        }
+        let t = match &self.source {
+            Source::Mapped(st) => SimpleBackend::get_unchecked(st.as_ref(), name, dtype, dev)?,
+            Source::Synthetic(g) => g.get_unchecked(name, dtype, dev)?,
+        };
+        self.report_read(name, &t);
+        Ok(t)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        match self {
-            WeightSet::Mapped(st) => SimpleBackend::contains_tensor(st.as_ref(), name),
-            WeightSet::Synthetic(_) => true,
+        match &self.source {
+            Source::Mapped(st) => SimpleBackend::contains_tensor(st.as_ref(), name),
+            Source::Synthetic(_) => true,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Progress on stderr: bars on a terminal, plain lines otherwise (logs, CI), nothing with --quiet.
 
+use crate::models::loader::OnRead;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::Mutex;
@@ -52,6 +53,43 @@ impl Progress {
             b.finish();
             *bar = None;
         }
+    }
+
+    /// A byte counter for reading `what` (`total` bytes when known): a bar on a terminal, a
+    /// line at each quarter otherwise. The next message or stage ends it.
+    pub fn bytes(self: &std::sync::Arc<Self>, what: &str, total: Option<u64>) -> OnRead {
+        if self.quiet {
+            return std::sync::Arc::new(|_| {});
+        }
+        self.finish_bar();
+        let what = what.to_string();
+        if !self.terminal {
+            let Some(total) = total.filter(|&t| t > 0) else {
+                return std::sync::Arc::new(|_| {});
+            };
+            let done = std::sync::atomic::AtomicU64::new(0);
+            return std::sync::Arc::new(move |n| {
+                let before = done.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                let (q0, q1) = (before * 4 / total, (before + n) * 4 / total);
+                if q1 > q0 && q1 <= 4 {
+                    eprintln!("  {what}: {}% of {total} bytes", q1 * 25);
+                }
+            });
+        }
+        let template = match total {
+            Some(_) => "  {msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+            None => "  {msg} {spinner} {bytes} {bytes_per_sec}",
+        };
+        let bar = match total {
+            Some(t) => ProgressBar::new(t),
+            None => ProgressBar::new_spinner(),
+        };
+        bar.set_style(
+            ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar.set_message(what);
+        *self.bar.lock().unwrap_or_else(|e| e.into_inner()) = Some(bar.clone());
+        std::sync::Arc::new(move |n| bar.inc(n))
     }
 
     /// A message that is not an error (shown unless --quiet).

@@ -332,6 +332,11 @@ impl WanT2V {
         let what = || format!("loading {} of {}", component.folder(), self.source);
         let weights = WeightSet::open(&component_weights(&self.source, component.folder())?)
             .with_context(what)?;
+        let total = weights.stored_bytes();
+        let weights = weights.with_progress(
+            self.progress
+                .bytes(&format!("reading {}", component.folder()), total),
+        );
         match component {
             Component::TextEncoder => {
                 let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
