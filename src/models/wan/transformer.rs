@@ -18,11 +18,19 @@
 //! and computed in f32, every other weight uses the `VarBuilder` dtype, and the modulation and
 //! residual updates are upcast to f32 exactly where diffusers upcasts.
 
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
+
+#[cfg(feature = "cuda")]
+#[path = "../kernels/wan_ops.rs"]
+mod wan_ops;
+
+/// Tokens per feed-forward chunk: bounds the `[tokens, ffn_dim]` intermediate (and its GELU)
+/// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
+const FFN_CHUNK: usize = 8192;
 
 /// `transformer/config.json` of a diffusers Wan checkpoint; missing keys take diffusers' defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -152,18 +160,98 @@ impl BlockInputs {
     }
 }
 
-/// LayerNorm over the last dim computed in f32 (two-pass, no E[x^2]-E[x]^2 cancellation),
-/// optionally affine. Matches diffusers' `FP32LayerNorm`.
-fn layer_norm_f32(x: &Tensor, affine: Option<&(Tensor, Tensor)>, eps: f64) -> Result<Tensor> {
-    let x = x.to_dtype(DType::F32)?;
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let y = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
-    match affine {
-        Some((w, b)) => y.broadcast_mul(w)?.broadcast_add(b),
-        None => Ok(y),
+/// Where a `[rows, dim]` slab sits in the block's `[batch * seq, dim]` hidden states: its first
+/// row and the rows per batch entry, which pick each row's modulation and RoPE position.
+#[derive(Debug, Clone, Copy)]
+struct Rows {
+    row0: usize,
+    seq: usize,
+}
+
+impl Rows {
+    /// `[batch, dim]` per-batch-entry rows of `m` shaped to broadcast over the slab viewed as
+    /// `[groups, rows / groups, dim]`, and that view's shape: one group when the slab lies in one
+    /// batch entry, else the whole tensor (one group per batch entry).
+    fn per_batch(&self, m: &Tensor, rows: usize) -> Result<(Tensor, (usize, usize))> {
+        let entries = m.dim(0)?;
+        let first = self.row0 / self.seq;
+        if entries == 1 || self.row0 % self.seq + rows <= self.seq {
+            let m = m.narrow(0, if entries == 1 { 0 } else { first }, 1)?;
+            Ok((m.unsqueeze(1)?, (1, rows)))
+        } else if self.row0 == 0 && rows == entries * self.seq {
+            Ok((m.unsqueeze(1)?, (entries, self.seq)))
+        } else {
+            candle_core::bail!("rows {}..+{rows} straddle batch entries", self.row0)
+        }
     }
+
+    #[cfg(feature = "cuda")]
+    fn kernel(self) -> wan_ops::Rows {
+        wan_ops::Rows {
+            row0: self.row0,
+            seq: self.seq,
+        }
+    }
+}
+
+/// `LayerNorm(x) * w + b` in f32, cast to `x`'s dtype; `x` `[rows, dim]`, `w` and `b` f32
+/// `[1 or batch, dim]`: the modulated norms (w = 1 + scale, b = shift) and the affine `norm2`.
+fn norm_affine(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if wan_ops::rows_supported(x) {
+        return wan_ops::layer_norm(x, w, b, at.kernel(), eps);
+    }
+    // Two-pass mean and variance (no E[x^2]-E[x]^2 cancellation), as diffusers'
+    // `FP32LayerNorm`; the modulation is applied in f32 too.
+    let (rows, dim) = x.dims2()?;
+    let (w, (groups, per)) = at.per_batch(w, rows)?;
+    let (b, _) = at.per_batch(b, rows)?;
+    let xf = x.to_dtype(DType::F32)?.reshape((groups, per, dim))?;
+    let mean = xf.mean_keepdim(D::Minus1)?;
+    let xc = xf.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_div(&(var + eps)?.sqrt()?)?
+        .broadcast_mul(&w)?
+        .broadcast_add(&b)?
+        .reshape((rows, dim))?
+        .to_dtype(x.dtype())
+}
+
+/// `res + (delta + bias) * gate` with the gate product and sum in f32 (diffusers' gated
+/// residual); without a gate, `res + (delta + bias)` in the model dtype. `delta` is consumed:
+/// the CUDA kernel writes the result into its storage.
+fn residual(
+    res: &Tensor,
+    delta: Tensor,
+    bias: Option<&Tensor>,
+    gate: Option<&Tensor>,
+    at: Rows,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if wan_ops::supported(&delta) {
+        return wan_ops::residual_into_delta(res, delta, bias, gate, at.kernel());
+    }
+    let delta = match bias {
+        Some(bias) => delta.broadcast_add(bias)?,
+        None => delta,
+    };
+    let Some(gate) = gate else {
+        return res + delta;
+    };
+    let (rows, dim) = delta.dims2()?;
+    let (gate, (groups, per)) = at.per_batch(gate, rows)?;
+    let shape = (groups, per, dim);
+    let sum = (res.to_dtype(DType::F32)?.reshape(shape)?
+        + delta
+            .to_dtype(DType::F32)?
+            .reshape(shape)?
+            .broadcast_mul(&gate)?)?;
+    sum.reshape((rows, dim))?.to_dtype(res.dtype())
+}
+
+/// `x @ W^T` of a Linear without its bias, for `x` `[rows, in]`: the fused ops add the bias.
+fn matmul_t(x: &Tensor, linear: &Linear) -> Result<Tensor> {
+    x.matmul(&linear.weight().t()?)
 }
 
 /// Linear -> GELU(tanh) -> Linear (diffusers `FeedForward` / `PixArtAlphaTextProjection`).
@@ -180,6 +268,21 @@ impl GeluMlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.fc2.forward(&self.fc1.forward(x)?.gelu()?)
+    }
+
+    /// `fc2(gelu(fc1(x)))` for `x` `[rows, in]`, leaving out `fc2`'s bias (the residual adds it).
+    fn forward_without_out_bias(&self, x: &Tensor) -> Result<Tensor> {
+        let h = matmul_t(x, &self.fc1)?;
+        let bias = self.fc1.bias();
+        #[cfg(feature = "cuda")]
+        if let (true, Some(bias)) = (wan_ops::supported(&h), bias) {
+            return matmul_t(&wan_ops::bias_gelu(h, bias)?, &self.fc2);
+        }
+        let h = match bias {
+            Some(bias) => h.broadcast_add(bias)?,
+            None => h,
+        };
+        matmul_t(&h.gelu()?, &self.fc2)
     }
 }
 
@@ -213,46 +316,98 @@ impl WanAttention {
         })
     }
 
-    /// `[B, seq, inner]` -> `[B, heads, seq, head_dim]`.
-    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, n, _) = x.dims3()?;
-        x.reshape((b, n, self.heads, self.head_dim))?
+    /// `to_q`/`to_k` output `x` `[rows, inner]` (bias not yet added): bias, RMSNorm across heads
+    /// and, for self-attention, RoPE, in place on CUDA.
+    fn norm_rope(
+        &self,
+        x: Tensor,
+        linear: &Linear,
+        weight: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+        at: Rows,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if wan_ops::rows_supported(&x) {
+            return wan_ops::rms_rope(
+                x,
+                linear.bias(),
+                weight,
+                rope,
+                self.head_dim,
+                at.kernel(),
+                self.eps,
+            );
+        }
+        let x = match linear.bias() {
+            Some(bias) => x.broadcast_add(bias)?,
+            None => x,
+        };
+        let x = candle_nn::ops::rms_norm(&x, weight, self.eps)?;
+        let Some((cos, sin)) = rope else {
+            return Ok(x);
+        };
+        // Interleaved-pair rotation computed in f32 (as diffusers does), cast back.
+        let (rows, dim) = x.dims2()?;
+        let (groups, per) = if at.row0 == 0 && rows.is_multiple_of(at.seq) {
+            (rows / at.seq, at.seq)
+        } else {
+            candle_core::bail!("RoPE needs whole sequences, got rows {}..+{rows}", at.row0)
+        };
+        let heads = x
+            .reshape((groups, per, self.heads, self.head_dim))?
             .transpose(1, 2)?
-            .contiguous()
+            .contiguous()?
+            .to_dtype(DType::F32)?;
+        candle_nn::rotary_emb::rope_i(&heads, cos, sin)?
+            .to_dtype(x.dtype())?
+            .transpose(1, 2)?
+            .reshape((rows, dim))
     }
 
-    /// Interleaved-pair rotation computed in f32 (as diffusers does), cast back.
-    fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        candle_nn::rotary_emb::rope_i(&x.to_dtype(DType::F32)?, cos, sin)?.to_dtype(dtype)
-    }
-
-    /// `context` is `None` for self-attention; `rope` is (cos, sin) for self-attention.
+    /// Attention of `x` `[batch * seq, inner]` (consumed, so it is freed once projected) over
+    /// itself (`context` `None`, with `rope` (cos, sin)) or over `context` `[batch, L, inner]`.
+    /// Returns `[batch * seq, inner]` before `to_out`'s bias, which the residual adds.
     fn forward(
         &self,
-        x: &Tensor,
+        x: Tensor,
+        batch: usize,
         context: Option<&Tensor>,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<Tensor> {
-        let context = context.unwrap_or(x);
-        let q = candle_nn::ops::rms_norm(&self.to_q.forward(x)?, &self.norm_q, self.eps)?;
-        let k = candle_nn::ops::rms_norm(&self.to_k.forward(context)?, &self.norm_k, self.eps)?;
-        let v = self.to_v.forward(context)?;
-        let (mut q, mut k, v) = (
-            self.split_heads(&q)?,
-            self.split_heads(&k)?,
-            self.split_heads(&v)?,
-        );
-        if let Some((cos, sin)) = rope {
-            q = Self::rotate(&q, cos, sin)?;
-            k = Self::rotate(&k, cos, sin)?;
-        }
-        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
-        let (b, _, n, _) = out.dims4()?;
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, n, self.heads * self.head_dim))?;
-        self.to_out.forward(&out)
+        let (rows, dim) = x.dims2()?;
+        let seq = rows / batch;
+        let q = matmul_t(&x, &self.to_q)?;
+        let q = self.norm_rope(q, &self.to_q, &self.norm_q, rope, Rows { row0: 0, seq })?;
+        let (k, v, kv_len) = match context {
+            None => {
+                let k = matmul_t(&x, &self.to_k)?;
+                let k = self.norm_rope(k, &self.to_k, &self.norm_k, rope, Rows { row0: 0, seq })?;
+                (k, self.to_v.forward(&x)?, seq)
+            }
+            Some(context) => {
+                let (_, len, _) = context.dims3()?;
+                let context = context.reshape((batch * len, dim))?;
+                let k = matmul_t(&context, &self.to_k)?;
+                let at = Rows { row0: 0, seq: len };
+                let k = self.norm_rope(k, &self.to_k, &self.norm_k, None, at)?;
+                (k, self.to_v.forward(&context)?, len)
+            }
+        };
+        drop(x);
+        // [batch * n, inner] -> [batch, heads, n, head_dim] views: the fused attention reads
+        // strided heads, the chunked path copies what it needs.
+        let split = |t: Tensor, n: usize| {
+            t.reshape((batch, n, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let out = sdpa(
+            &split(q, seq)?,
+            &split(k, kv_len)?,
+            &split(v, kv_len)?,
+            1.0 / (self.head_dim as f64).sqrt(),
+        )?;
+        let out = out.transpose(1, 2)?.reshape((rows, dim))?;
+        matmul_t(&out, &self.to_out)
     }
 }
 
@@ -297,44 +452,50 @@ impl WanTransformerBlock {
 
     /// Runs the block on `x` `[B, seq, inner]` (model dtype); returns the same shape and dtype.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let dtype = x.dtype();
-        // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale, c_gate.
+        let (batch, seq, dim) = x.dims3()?;
+        let all = Rows { row0: 0, seq };
+        // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
+        // c_gate, each [B, inner] f32; scales as 1 + scale.
         let e = self
             .scale_shift_table
             .broadcast_add(&inputs.timestep_proj.to_dtype(DType::F32)?)?;
-        let m = |i: usize| e.narrow(1, i, 1);
-        let (shift, scale, gate) = (m(0)?, m(1)?, m(2)?);
-        let (c_shift, c_scale, c_gate) = (m(3)?, m(4)?, m(5)?);
+        let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
+        let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
+        let (c_shift, c_scale, c_gate) = (m(3)?, (m(4)? + 1.0)?, m(5)?);
+        let x = x.reshape((batch * seq, dim))?;
 
         // 1. Self-attention.
-        let xf = x.to_dtype(DType::F32)?;
-        let h = layer_norm_f32(&xf, None, self.eps)?
-            .broadcast_mul(&(scale + 1.0)?)?
-            .broadcast_add(&shift)?
-            .to_dtype(dtype)?;
-        let attn = self
-            .attn1
-            .forward(&h, None, Some((&inputs.rope_cos, &inputs.rope_sin)))?;
-        let x = (xf + attn.to_dtype(DType::F32)?.broadcast_mul(&gate)?)?.to_dtype(dtype)?;
+        let h = norm_affine(&x, &scale, &shift, all, self.eps)?;
+        let rope = (&inputs.rope_cos, &inputs.rope_sin);
+        let attn = self.attn1.forward(h, batch, None, Some(rope))?;
+        let x = residual(&x, attn, self.attn1.to_out.bias(), Some(&gate), all)?;
 
         // 2. Cross-attention (no gate, residual in the model dtype).
         let h = match &self.norm2 {
-            Some(affine) => layer_norm_f32(&x, Some(affine), self.eps)?.to_dtype(dtype)?,
+            Some((w, b)) => norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?,
             None => x.clone(),
         };
-        let x = (&x
-            + self
-                .attn2
-                .forward(&h, Some(&inputs.encoder_hidden_states), None)?)?;
+        let context = &inputs.encoder_hidden_states;
+        let attn = self.attn2.forward(h, batch, Some(context), None)?;
+        let x = residual(&x, attn, self.attn2.to_out.bias(), None, all)?;
 
-        // 3. Feed-forward.
-        let xf = x.to_dtype(DType::F32)?;
-        let h = layer_norm_f32(&xf, None, self.eps)?
-            .broadcast_mul(&(c_scale + 1.0)?)?
-            .broadcast_add(&c_shift)?
-            .to_dtype(dtype)?;
-        let ff = self.ffn.forward(&h)?;
-        (xf + ff.to_dtype(DType::F32)?.broadcast_mul(&c_gate)?)?.to_dtype(dtype)
+        // 3. Feed-forward by token chunks, each written back into `x` (which this block owns):
+        // the [tokens, ffn_dim] intermediate never exists whole. Row chunks of a Linear are
+        // exact.
+        for b in 0..batch {
+            for start in (0..seq).step_by(FFN_CHUNK) {
+                let at = Rows {
+                    row0: b * seq + start,
+                    seq,
+                };
+                let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
+                let h = norm_affine(&rows, &c_scale, &c_shift, at, self.eps)?;
+                let ff = self.ffn.forward_without_out_bias(&h)?;
+                let out = residual(&rows, ff, self.ffn.fc2.bias(), Some(&c_gate), at)?;
+                x.slice_set(&out, 0, at.row0)?;
+            }
+        }
+        x.reshape((batch, seq, dim))
     }
 }
 
@@ -569,15 +730,14 @@ impl WanTransformer3DModel {
     /// Output norm with (scale_shift_table + temb) modulation, `proj_out` and unpatchify:
     /// `[B, seq, inner]` -> `[B, out_channels, F, H, W]` (model dtype).
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let dtype = x.dtype();
+        let (batch, seq, dim) = x.dims3()?;
         let e = self
             .scale_shift_table
             .broadcast_add(&inputs.temb.to_dtype(DType::F32)?.unsqueeze(1)?)?;
-        let (shift, scale) = (e.i((.., 0..1))?, e.i((.., 1..2))?);
-        let h = layer_norm_f32(x, None, self.cfg.eps)?
-            .broadcast_mul(&(scale + 1.0)?)?
-            .broadcast_add(&shift)?
-            .to_dtype(dtype)?;
+        let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
+        let (shift, scale) = (m(0)?, (m(1)? + 1.0)?);
+        let x = x.reshape((batch * seq, dim))?;
+        let h = norm_affine(&x, &scale, &shift, Rows { row0: 0, seq }, self.cfg.eps)?;
         let h = self.proj_out.forward(&h)?;
 
         let [pt, ph, pw] = self.cfg.patch_size;
@@ -608,5 +768,141 @@ impl WanTransformer3DModel {
             x = block.forward(&x, &inputs)?;
         }
         self.finish(&x, &inputs)
+    }
+}
+
+/// The fused CUDA kernels against the candle compositions they stand in for (run on the CPU in
+/// f32 on the same bf16-rounded inputs); skipped without a CUDA device.
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::*;
+
+    /// Random `shape` rounded to bf16, as (CUDA bf16, CPU f32) copies of the same values.
+    fn pair(seed: u64, shape: &[usize], dev: &Device) -> (Tensor, Tensor) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let n = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        let cpu = Tensor::from_vec(v, shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .and_then(|t| t.to_dtype(DType::F32))
+            .unwrap();
+        let gpu = cpu.to_dtype(DType::BF16).unwrap().to_device(dev).unwrap();
+        (gpu, cpu)
+    }
+
+    /// max |gpu - cpu| / max |cpu|.
+    fn rel(gpu: &Tensor, cpu: &Tensor) -> f32 {
+        let gpu = gpu
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let diff = (gpu - cpu).unwrap().abs().unwrap().max_all().unwrap();
+        let scale = cpu.abs().unwrap().max_all().unwrap();
+        diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn fused_kernels_match_compositions() {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let (batch, seq, heads, head_dim) = (2, 300, 12, 128);
+        let dim = heads * head_dim;
+        let rows = batch * seq;
+        let (x, x_ref) = pair(1, &[rows, dim], &dev);
+        let f32_pair = |seed, shape: &[usize]| {
+            let (_, cpu) = pair(seed, shape, &dev);
+            (cpu.to_device(&dev).unwrap(), cpu)
+        };
+        let (w, w_ref) = f32_pair(2, &[batch, dim]);
+        let (b, b_ref) = f32_pair(3, &[batch, dim]);
+        let all = Rows { row0: 0, seq };
+        let chunk = Rows {
+            row0: seq + 100,
+            seq,
+        };
+        let tol = 1e-2;
+
+        // Modulated LayerNorm: whole tensor, and a chunk inside the second batch entry.
+        let got = norm_affine(&x, &w, &b, all, 1e-6).unwrap();
+        let want = norm_affine(&x_ref, &w_ref, &b_ref, all, 1e-6).unwrap();
+        assert!(rel(&got, &want) < tol, "norm {}", rel(&got, &want));
+        let part = |t: &Tensor| t.narrow(0, chunk.row0, 150).unwrap();
+        let got = norm_affine(&part(&x), &w, &b, chunk, 1e-6).unwrap();
+        let want = norm_affine(&part(&x_ref), &w_ref, &b_ref, chunk, 1e-6).unwrap();
+        assert!(rel(&got, &want) < tol, "chunk norm {}", rel(&got, &want));
+
+        // Gated residual with a bias, and plain.
+        let (d, d_ref) = pair(4, &[rows, dim], &dev);
+        let (bias, bias_ref) = pair(5, &[dim], &dev);
+        let got = residual(&x, d.copy().unwrap(), Some(&bias), Some(&w), all).unwrap();
+        let want = residual(&x_ref, d_ref.clone(), Some(&bias_ref), Some(&w_ref), all).unwrap();
+        assert!(rel(&got, &want) < tol, "residual {}", rel(&got, &want));
+        let got = residual(&x, d.copy().unwrap(), None, None, all).unwrap();
+        let want = residual(&x_ref, d_ref.clone(), None, None, all).unwrap();
+        assert!(
+            rel(&got, &want) < tol,
+            "plain residual {}",
+            rel(&got, &want)
+        );
+
+        // q/k: bias, RMSNorm across heads, RoPE.
+        let cfg = WanTransformerConfig {
+            num_attention_heads: heads,
+            attention_head_dim: head_dim,
+            ..Default::default()
+        };
+        let attn = |dev: &Device, dtype| {
+            let (wq, wq_ref) = pair(6, &[dim, dim], &Device::Cpu);
+            let w = if dtype == DType::BF16 { wq } else { wq_ref };
+            let t = |v: &Tensor| v.to_dtype(dtype).unwrap().to_device(dev).unwrap();
+            let lin = Linear::new(t(&w), Some(t(&bias_ref)));
+            WanAttention {
+                to_q: lin.clone(),
+                to_k: lin.clone(),
+                to_v: lin.clone(),
+                to_out: lin,
+                norm_q: t(&(bias_ref.abs().unwrap() + 0.5).unwrap()),
+                norm_k: t(&bias_ref),
+                heads: cfg.num_attention_heads,
+                head_dim: cfg.attention_head_dim,
+                eps: 1e-6,
+            }
+        };
+        let (gpu_attn, cpu_attn) = (attn(&dev, DType::BF16), attn(&Device::Cpu, DType::F32));
+        let (angles, _) = f32_pair(7, &[seq, head_dim / 2]);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let cpu_rope = (
+            cos.to_device(&Device::Cpu).unwrap(),
+            sin.to_device(&Device::Cpu).unwrap(),
+        );
+        let got = gpu_attn
+            .norm_rope(
+                d.copy().unwrap(),
+                &gpu_attn.to_q,
+                &gpu_attn.norm_q,
+                Some((&cos, &sin)),
+                all,
+            )
+            .unwrap();
+        let want = cpu_attn
+            .norm_rope(
+                d_ref.clone(),
+                &cpu_attn.to_q,
+                &cpu_attn.norm_q,
+                Some((&cpu_rope.0, &cpu_rope.1)),
+                all,
+            )
+            .unwrap();
+        assert!(rel(&got, &want) < tol, "rms+rope {}", rel(&got, &want));
+
+        // Bias + GELU inside the feed-forward.
+        let mlp = |a: &WanAttention| GeluMlp::new(a.to_q.clone(), a.to_k.clone());
+        let got = mlp(&gpu_attn).forward_without_out_bias(&x).unwrap();
+        let want = mlp(&cpu_attn).forward_without_out_bias(&x_ref).unwrap();
+        assert!(rel(&got, &want) < tol, "ffn {}", rel(&got, &want));
     }
 }
