@@ -163,9 +163,10 @@ extern "C" __global__ void wan_rms_rope_bf16(bf16 *x, const bf16 *__restrict__ b
   }
 }
 
-// In place on x [rows, dim]: x = gelu_tanh(bf16(x + bias)), the GELU in f32.
-extern "C" __global__ void wan_bias_gelu_bf16(bf16 *x, const bf16 *__restrict__ bias, long n,
-                                              int dim) {
+// In place on x [rows, dim]: x = bf16(x + bias) (a Linear's bias, as candle adds it), then when
+// `gelu` is set x = gelu_tanh(x) with the GELU in f32.
+extern "C" __global__ void wan_bias_act_bf16(bf16 *x, const bf16 *__restrict__ bias, long n,
+                                             int dim, int gelu) {
   const long pairs = n / 2;
   for (long p = blockIdx.x * (long)blockDim.x + threadIdx.x; p < pairs;
        p += (long)gridDim.x * blockDim.x) {
@@ -173,9 +174,11 @@ extern "C" __global__ void wan_bias_gelu_bf16(bf16 *x, const bf16 *__restrict__ 
     float2 v = __bfloat1622float2(reinterpret_cast<bf162 *>(x)[p]);
     v.x = add_rounded(v.x, __bfloat162float(bias[c]));
     v.y = add_rounded(v.y, __bfloat162float(bias[c + 1]));
-    const float k = 0.7978845608028654f; // sqrt(2 / pi)
-    const float g0 = 0.5f * v.x * (1.f + tanhf(k * (v.x + 0.044715f * v.x * v.x * v.x)));
-    const float g1 = 0.5f * v.y * (1.f + tanhf(k * (v.y + 0.044715f * v.y * v.y * v.y)));
-    reinterpret_cast<bf162 *>(x)[p] = __floats2bfloat162_rn(g0, g1);
+    if (gelu) {
+      const float k = 0.7978845608028654f; // sqrt(2 / pi)
+      v.x = 0.5f * v.x * (1.f + tanhf(k * (v.x + 0.044715f * v.x * v.x * v.x)));
+      v.y = 0.5f * v.y * (1.f + tanhf(k * (v.y + 0.044715f * v.y * v.y * v.y)));
+    }
+    reinterpret_cast<bf162 *>(x)[p] = __floats2bfloat162_rn(v.x, v.y);
   }
 }

@@ -1,5 +1,5 @@
 //! Fused CUDA kernels of the Wan DiT block (`wan_ops.cu`): LayerNorm with modulation, gated
-//! residual, q/k RMSNorm with RoPE and bias + GELU, each one pass over bf16 storage with f32
+//! residual, q/k RMSNorm with RoPE and bias (+ GELU), each one pass over bf16 storage with f32
 //! math. They replace chains of candle ops that each stored a full-size f32 temporary.
 //!
 //! Every kernel writes in place into a tensor the caller owns (a fresh output, or a projection
@@ -243,17 +243,18 @@ pub(crate) fn rms_rope(
     Ok(x)
 }
 
-/// In place on `x` `[rows, dim]`: `gelu_tanh(x + bias)`.
-pub(crate) fn bias_gelu(x: Tensor, bias: &Tensor) -> Result<Tensor> {
+/// In place on `x` `[rows, dim]`: `x + bias`, then GELU(tanh) when `gelu`.
+pub(crate) fn bias_act(x: Tensor, bias: &Tensor, gelu: bool) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
     x.inplace_op1(&element_launch(
-        "wan_bias_gelu_bf16",
+        "wan_bias_act_bf16",
         rows * dim,
         vec![
             Arg::Dst,
             Arg::Tensor(Some(bias)),
             Arg::Long((rows * dim) as i64),
             Arg::Int(dim as i32),
+            Arg::Int(gelu.into()),
         ],
     ))?;
     Ok(x)

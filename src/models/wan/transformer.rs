@@ -254,6 +254,23 @@ fn matmul_t(x: &Tensor, linear: &Linear) -> Result<Tensor> {
     x.matmul(&linear.weight().t()?)
 }
 
+/// `linear(x)` for `x` `[rows, in]`, then GELU(tanh) when `gelu`; on CUDA the bias (and GELU)
+/// are applied in place, so the bias-less product and the result never coexist.
+fn linear_act(x: &Tensor, linear: &Linear, gelu: bool) -> Result<Tensor> {
+    let y = matmul_t(x, linear)?;
+    let y = match linear.bias() {
+        #[cfg(feature = "cuda")]
+        Some(bias) if wan_ops::supported(&y) => return wan_ops::bias_act(y, bias, gelu),
+        Some(bias) => y.broadcast_add(bias)?,
+        None => y,
+    };
+    if gelu {
+        y.gelu()
+    } else {
+        Ok(y)
+    }
+}
+
 /// Linear -> GELU(tanh) -> Linear (diffusers `FeedForward` / `PixArtAlphaTextProjection`).
 #[derive(Debug, Clone)]
 struct GeluMlp {
@@ -272,17 +289,7 @@ impl GeluMlp {
 
     /// `fc2(gelu(fc1(x)))` for `x` `[rows, in]`, leaving out `fc2`'s bias (the residual adds it).
     fn forward_without_out_bias(&self, x: &Tensor) -> Result<Tensor> {
-        let h = matmul_t(x, &self.fc1)?;
-        let bias = self.fc1.bias();
-        #[cfg(feature = "cuda")]
-        if let (true, Some(bias)) = (wan_ops::supported(&h), bias) {
-            return matmul_t(&wan_ops::bias_gelu(h, bias)?, &self.fc2);
-        }
-        let h = match bias {
-            Some(bias) => h.broadcast_add(bias)?,
-            None => h,
-        };
-        matmul_t(&h.gelu()?, &self.fc2)
+        matmul_t(&linear_act(x, &self.fc1, true)?, &self.fc2)
     }
 }
 
@@ -382,7 +389,7 @@ impl WanAttention {
             None => {
                 let k = matmul_t(&x, &self.to_k)?;
                 let k = self.norm_rope(k, &self.to_k, &self.norm_k, rope, Rows { row0: 0, seq })?;
-                (k, self.to_v.forward(&x)?, seq)
+                (k, linear_act(&x, &self.to_v, false)?, seq)
             }
             Some(context) => {
                 let (_, len, _) = context.dims3()?;
@@ -390,7 +397,7 @@ impl WanAttention {
                 let k = matmul_t(&context, &self.to_k)?;
                 let at = Rows { row0: 0, seq: len };
                 let k = self.norm_rope(k, &self.to_k, &self.norm_k, None, at)?;
-                (k, self.to_v.forward(&context)?, len)
+                (k, linear_act(&context, &self.to_v, false)?, len)
             }
         };
         drop(x);
@@ -898,6 +905,11 @@ mod cuda_tests {
             )
             .unwrap();
         assert!(rel(&got, &want) < tol, "rms+rope {}", rel(&got, &want));
+
+        // Bias in place (the v projection).
+        let got = linear_act(&x, &gpu_attn.to_v, false).unwrap();
+        let want = linear_act(&x_ref, &cpu_attn.to_v, false).unwrap();
+        assert!(rel(&got, &want) < tol, "linear {}", rel(&got, &want));
 
         // Bias + GELU inside the feed-forward.
         let mlp = |a: &WanAttention| GeluMlp::new(a.to_q.clone(), a.to_k.clone());
