@@ -43,10 +43,10 @@ fi
 # 2. The offload table.
 for M in ${MODELS:-1.3b 14b}; do
   if [ "$M" = 1.3b ]; then
-    MODES=("resident: $OFF" "layerwise: " "block-n2: --num-blocks-per-group 2" "block-n4: --num-blocks-per-group 4"
-      "depth2: --prefetch-depth 2" "no-stream: --offload-stream=false" "bounded-1g: --max-pinned-memory 1GiB"
-      "no-pin: --pin-cpu-memory=false" "sequential: --sequential-cpu-offload" "parked: --dit-layerwise-offload=false"
-      "resident-again: $OFF" "vae-resident: --vae-cpu-offload=false" "vae-parked: --vae-cpu-offload")
+    MODES=("resident: $OFF" "layerwise: " "block-n2: --num-blocks-per-group 2" "depth2: --prefetch-depth 2"
+      "no-stream: --offload-stream=false" "bounded-1g: --max-pinned-memory 1GiB" "no-pin: --pin-cpu-memory=false"
+      "sequential: --sequential-cpu-offload" "parked: --dit-layerwise-offload=false"
+      "vae-resident: --vae-cpu-offload=false" "vae-parked: --vae-cpu-offload")
   else
     MODES=("resident: $OFF" "layerwise: " "bounded-2g: --max-pinned-memory 2GiB" "no-stream: --offload-stream=false")
   fi
