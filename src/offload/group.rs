@@ -141,8 +141,8 @@ impl GroupLayout {
 }
 
 /// Notes the tensors a model's constructor asks for and hands it zero placeholders (no weight
-/// is read: recording a 14B model costs nothing), checking each against the weights so a
-/// missing tensor or a wrong shape fails here, at load time.
+/// is read and no memory is written: recording a 14B model costs nothing), checking each
+/// against the weights so a missing tensor or a wrong shape fails here, at load time.
 struct Recorder {
     weights: WeightSet,
     seen: Arc<Mutex<Vec<(String, Shape, DType)>>>,
@@ -162,7 +162,8 @@ impl SimpleBackend for Recorder {
             .lock()
             .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
             .push((name.to_string(), s.clone(), dtype));
-        Tensor::zeros(s, dtype, &Device::Cpu)
+        // One zero broadcast to the shape: no memory, however large the tensor.
+        Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(s)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
