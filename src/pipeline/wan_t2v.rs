@@ -473,8 +473,13 @@ impl Pipeline for WanT2V {
     fn load(&mut self, component: Component) -> Result<()> {
         let start = std::time::Instant::now();
         self.meter.reset();
-        self.load_component(component)?;
-        self.device.synchronize()?;
+        let loaded = self
+            .load_component(component)
+            .and_then(|()| Ok(self.device.synchronize()?));
+        if let Err(e) = loaded {
+            let when = format!("while loading {}", component.folder());
+            return Err(self.explain_out_of_memory(&when, e));
+        }
         self.progress.note(&format!(
             "loaded {} in {:.2}s: {}",
             component.folder(),
@@ -502,7 +507,7 @@ impl Pipeline for WanT2V {
             _ => self.write(job),
         };
         if let Err(e) = result {
-            return Err(self.explain_out_of_memory(name, e));
+            return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
         }
         let peaks = self.meter.peaks();
         self.progress
@@ -520,7 +525,7 @@ impl WanT2V {
     /// Turns a device out-of-memory error into one that names the stage, the memory in use, the
     /// peak and the device's size, and the option set the memory plan predicts to fit; other
     /// errors pass through.
-    fn explain_out_of_memory(&self, stage: &str, e: anyhow::Error) -> anyhow::Error {
+    fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
         let text = format!("{e:#}");
         if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
             return e;
@@ -538,7 +543,7 @@ impl WanT2V {
         };
         let advice = plan::advice(&self.config, &|c| plan::wan::plan(&self.configs, c), total);
         e.context(format!(
-            "out of device memory in stage {stage} ({}{in_use}); {advice}",
+            "out of device memory {when} ({}{in_use}); {advice}",
             describe_peaks(&peaks)
         ))
     }
@@ -628,4 +633,63 @@ fn describe_peaks(p: &MemoryPeaks) -> String {
         p.device_reserved_peak as f64 / GIB,
         p.host_rss_peak as f64 / GIB
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiny fixture's pipeline on the CPU, as a run would build it.
+    fn tiny() -> WanT2V {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/wan-tiny-a");
+        let argv = [
+            "vidgen",
+            "generate",
+            "--model",
+            fixture,
+            "--prompt",
+            "a",
+            "--device",
+            "cpu",
+            "--memory-model",
+            "discrete",
+            "--no-dit-layerwise-offload",
+        ];
+        let crate::cli::Parsed::Generate(args) = crate::cli::parse(argv.map(Into::into)).unwrap()
+        else {
+            panic!("not a generate command")
+        };
+        let config = ResolvedConfig::resolve(*args).unwrap();
+        let source = ModelSource::parse(fixture).unwrap();
+        let progress = std::sync::Arc::new(Progress::new(true));
+        WanT2V::new(config, source, Device::Cpu, progress).unwrap()
+    }
+
+    /// A device out-of-memory error, at load or in a stage, names when it happened and what to
+    /// change; any other error passes through untouched.
+    #[test]
+    fn out_of_memory_errors_say_when_and_what_fits() {
+        let pipeline = tiny();
+        let oom = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
+        let text = format!(
+            "{:#}",
+            pipeline.explain_out_of_memory("while loading transformer", oom)
+        );
+        assert!(
+            text.starts_with("out of device memory while loading transformer ("),
+            "{text}"
+        );
+        assert!(text.contains("device peak"), "{text}");
+        assert!(text.contains("--dit-layerwise-offload"), "advice: {text}");
+        assert!(
+            text.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "the cause is kept: {text}"
+        );
+        let other = anyhow::anyhow!("shape mismatch for blocks.0.attn1.to_q.weight");
+        let text = format!(
+            "{:#}",
+            pipeline.explain_out_of_memory("in stage denoise", other)
+        );
+        assert_eq!(text, "shape mismatch for blocks.0.attn1.to_q.weight");
+    }
 }
