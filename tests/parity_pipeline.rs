@@ -154,7 +154,7 @@ fn every_offload_mode_equals_resident_bit_for_bit() {
     assert_close("resident", &resident, &expected, 1e-4, 1e-4);
     let resident = resident.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     // (flags, a line the log must show: the mode really ran)
-    let modes: [(&[&str], &str); 9] = [
+    let modes: [(&[&str], &str); 10] = [
         (
             &[],
             "transformer: streamed in groups of 1 block(s), prefetch depth 1 on a copy stream",
@@ -183,7 +183,11 @@ fn every_offload_mode_equals_resident_bit_for_bit() {
         ),
         (
             &["--sequential-cpu-offload"],
-            "transformer: streamed in groups of 1 block(s), synchronous copies",
+            "transformer: streamed step by step (each step of a block its own group), synchronous copies",
+        ),
+        (
+            &["--offload-type", "leaf-level"],
+            "transformer: streamed step by step (each step of a block its own group), prefetch depth 1 on a copy stream",
         ),
     ];
     for (flags, shows) in modes {

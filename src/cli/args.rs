@@ -96,7 +96,7 @@ pub struct GenerateOptions {
     pub h3_sequential_load: Tristate,
 
     // ----- diffusers-style group offloading -----
-    /// What moves together: a run of blocks (leaf-level, each Linear/Conv/Embedding alone, is refused for now).
+    /// What moves together: a run of blocks, or (leaf-level) each step of a block alone.
     #[arg(long, help_heading = "Group offload (diffusers)", value_enum, default_value_t = OffloadType::BlockLevel)]
     pub offload_type: OffloadType,
     /// Blocks per group with --offload-type block-level.
@@ -111,7 +111,7 @@ pub struct GenerateOptions {
     /// diffusers' enable_model_cpu_offload: whole components move to the GPU in pipeline order.
     #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub model_cpu_offload: bool,
-    /// diffusers' enable_sequential_cpu_offload: one block at a time, copied synchronously when used.
+    /// diffusers' enable_sequential_cpu_offload: step by step, copied synchronously when used.
     #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub sequential_cpu_offload: bool,
 

@@ -104,9 +104,8 @@ impl Footprint {
     /// blocks of `block` bytes each (a component without blocks is all `outer`).
     ///
     /// Resident weights stay on the device; parked ones come in whole for the component's
-    /// stage; streamed blocks pass through in groups, with a copy stream `depth` groups ahead
-    /// of the computing one, and the first `depth` groups of the next pass wait on the device
-    /// between passes (without a stream, one group at a time). On the CPU nothing is on the
+    /// stage; streamed blocks pass through `depth + 1` device slots of a group each, which stay
+    /// allocated between passes (without a stream, one group at a time). On the CPU nothing is on the
     /// device.
     pub fn placed(
         residency: Residency,
@@ -118,15 +117,20 @@ impl Footprint {
             Residency::Resident => (whole, whole),
             Residency::OnCpu => return Footprint::default(),
             Residency::Parked => (whole, 0),
+            // A step-by-step group is counted as a whole block: an upper bound (the largest
+            // step of a Wan block is about two fifths of it).
             Residency::Streamed {
                 blocks_per_group,
                 options,
+                ..
             } => {
                 let per_group = blocks_per_group.max(1) as u64;
                 let groups = blocks.div_ceil(per_group);
                 let (computing, waiting) = if options.stream {
+                    // depth + 1 device slots, kept between passes (the first groups of the next
+                    // pass are prefetched into them).
                     let depth = (options.depth.max(1) as u64).min(groups);
-                    ((depth + 1).min(groups), depth)
+                    ((depth + 1).min(groups), (depth + 1).min(groups))
                 } else {
                     (1, 0)
                 };
@@ -820,14 +824,15 @@ mod tests {
         assert_eq!(plan.stage("second").unwrap().weight_bytes, b.active_weights);
     }
 
-    /// Streaming keeps depth + 1 groups on the device while computing and depth groups
-    /// prefetched for the next pass; without a copy stream one group; parked weights leave.
+    /// Streaming keeps depth + 1 groups on the device while computing and between passes (its
+    /// device slots); without a copy stream one group; parked weights leave.
     #[test]
     fn placement_decides_the_weights_on_the_device() {
         let (outer, block, blocks) = (1_000_000, 1_000, 10);
         let whole = outer + block * blocks;
         let streamed = |per_group, stream, depth| Residency::Streamed {
             blocks_per_group: per_group,
+            by_step: false,
             options: StreamOptions { stream, depth },
         };
         let at = |r| Footprint::placed(r, (outer, block, blocks), 5);
@@ -837,7 +842,7 @@ mod tests {
         assert_eq!(at(Residency::OnCpu), Footprint::default());
         let f = at(streamed(2, true, 1));
         assert_eq!(f.active_weights, outer + 2 * 2 * block);
-        assert_eq!(f.idle_weights, outer + 2 * block);
+        assert_eq!(f.idle_weights, outer + 2 * 2 * block);
         // Depth beyond the groups there are: every block, never more.
         assert_eq!(at(streamed(4, true, 8)).active_weights, whole);
         let f = at(streamed(3, false, 4));

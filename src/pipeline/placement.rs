@@ -5,7 +5,7 @@
 use crate::cli::args::{ComputeDevice, GenerateOptions, OffloadType};
 use crate::models::loader::WeightSet;
 use crate::offload::{HostMemory, Offloaded, Packing, StreamOptions};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use serde::Serialize;
@@ -20,9 +20,11 @@ pub enum Residency {
     OnCpu,
     /// In host memory; the whole component moves to the device for its stage.
     Parked,
-    /// In host memory; the repeated blocks move through the device in groups.
+    /// In host memory; the repeated blocks move through the device in groups (`by_step`: each
+    /// step of a block, e.g. attention or feed-forward, is a group of its own).
     Streamed {
         blocks_per_group: usize,
+        by_step: bool,
         #[serde(skip)]
         options: StreamOptions,
     },
@@ -36,10 +38,16 @@ impl std::fmt::Display for Residency {
             Residency::Parked => write!(f, "parked in host memory, moved in whole for its stage"),
             Residency::Streamed {
                 blocks_per_group,
+                by_step,
                 options,
             } => write!(
                 f,
-                "streamed in groups of {blocks_per_group} block(s), {}",
+                "streamed {}, {}",
+                if *by_step {
+                    "step by step (each step of a block its own group)".to_string()
+                } else {
+                    format!("in groups of {blocks_per_group} block(s)")
+                },
                 if options.stream {
                     format!("prefetch depth {} on a copy stream", options.depth)
                 } else {
@@ -66,17 +74,16 @@ impl Placement {
     /// at a time; `--model-cpu-offload` parks every component whole; otherwise each
     /// component follows its own flag (`--dit-layerwise-offload` over `--dit-cpu-offload`).
     pub fn new(o: &GenerateOptions) -> Result<Self> {
-        if o.offload_type == OffloadType::LeafLevel {
-            bail!("--offload-type leaf-level is not available yet; use block-level (the default) with --num-blocks-per-group 1 for the smallest groups");
-        }
-        let streamed = |stream, depth, per_group| Residency::Streamed {
+        let streamed = |stream, depth, per_group, by_step| Residency::Streamed {
             blocks_per_group: per_group,
+            by_step,
             options: StreamOptions { stream, depth },
         };
         let layerwise = streamed(
             o.offload_stream,
             o.prefetch_depth as usize,
             o.num_blocks_per_group as usize,
+            o.offload_type == OffloadType::LeafLevel,
         );
         let memory = match (o.max_pinned_memory, o.pin_cpu_memory) {
             (Some(bytes), _) => HostMemory::Bounded {
@@ -86,7 +93,7 @@ impl Placement {
             (None, false) => HostMemory::Pageable,
         };
         let (text_encoder, dit, vae) = if o.sequential_cpu_offload {
-            let sync = streamed(false, 1, 1);
+            let sync = streamed(false, 1, 1, true);
             (sync, sync, Residency::Parked)
         } else if o.model_cpu_offload {
             (Residency::Parked, Residency::Parked, Residency::Parked)
@@ -130,6 +137,20 @@ pub trait Blockwise: Sized + 'static {
     fn num_blocks(cfg: &Self::Config) -> usize;
     /// Block `i` from the root `VarBuilder`.
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block>;
+    /// How many steps a block can be split into for finer streaming (1: it cannot).
+    fn steps(_: &Self::Config) -> usize {
+        1
+    }
+    /// Step `step` of block `i` alone, as a block that runs just that step.
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        let _ = step;
+        Self::block(cfg, i, vb)
+    }
 }
 
 /// A component as placed.
@@ -179,17 +200,30 @@ impl<M: Blockwise> Placed<M> {
             }
             Residency::Streamed {
                 blocks_per_group,
+                by_step,
                 options,
             } => {
                 let outer = M::outer(cfg, weights.var_builder(dtype, device))?;
                 let n = M::num_blocks(cfg);
-                let per_group = blocks_per_group.max(1);
+                let steps = if by_step { M::steps(cfg).max(1) } else { 1 };
+                let per_group = if steps > 1 {
+                    1
+                } else {
+                    blocks_per_group.max(1)
+                };
                 let cfg = cfg.clone();
                 let blocks = Offloaded::from_weights(
                     weights,
-                    n.div_ceil(per_group),
+                    if steps > 1 {
+                        n * steps
+                    } else {
+                        n.div_ceil(per_group)
+                    },
                     Packing::ByDtype,
                     move |g, vb| {
+                        if steps > 1 {
+                            return Ok(vec![M::block_step(&cfg, g / steps, g % steps, vb)?]);
+                        }
                         (g * per_group..((g + 1) * per_group).min(n))
                             .map(|i| M::block(&cfg, i, vb.clone()))
                             .collect()

@@ -15,7 +15,7 @@ use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
 };
 use crate::models::wan::transformer::{
-    WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
+    BlockStep, WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::schedulers::{self, SchedulerConfig};
@@ -586,6 +586,17 @@ impl Blockwise for WanTransformer3DModel {
     }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
         WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}")))
+    }
+    fn steps(_: &Self::Config) -> usize {
+        BlockStep::ALL.len()
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        WanTransformerBlock::with_steps(cfg, vb.pp(format!("blocks.{i}")), &[BlockStep::ALL[step]])
     }
 }
 

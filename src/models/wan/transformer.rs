@@ -418,88 +418,151 @@ impl WanAttention {
     }
 }
 
-/// One Wan transformer block; constructible alone from `vb.pp("blocks.{i}")`.
+/// The steps of a block, in execution order. A block can be built with only some of them (an
+/// offload engine streaming steps rather than whole blocks); running such a partial block
+/// applies just its steps, with exactly the arithmetic of the whole block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockStep {
+    /// Modulated LayerNorm, self-attention with RoPE, gated residual.
+    SelfAttention,
+    /// Optional affine LayerNorm, cross-attention to the text, residual.
+    CrossAttention,
+    /// Modulated LayerNorm, GELU MLP by token chunks, gated residual.
+    FeedForward,
+}
+
+impl BlockStep {
+    pub const ALL: [BlockStep; 3] = [
+        BlockStep::SelfAttention,
+        BlockStep::CrossAttention,
+        BlockStep::FeedForward,
+    ];
+}
+
+/// One `WanTransformerBlock` of diffusers (or some of its steps, see [`BlockStep`]).
 #[derive(Debug, Clone)]
 pub struct WanTransformerBlock {
-    attn1: WanAttention,
-    attn2: WanAttention,
-    /// Affine cross-attention LayerNorm (f32 weight, bias), absent when `cross_attn_norm` is false.
-    norm2: Option<(Tensor, Tensor)>,
-    ffn: GeluMlp,
-    /// `[1, 6, inner]` in f32.
-    scale_shift_table: Tensor,
+    attn1: Option<WanAttention>,
+    /// Cross-attention and its affine LayerNorm (f32 weight, bias; absent when
+    /// `cross_attn_norm` is false).
+    attn2: Option<(WanAttention, Option<(Tensor, Tensor)>)>,
+    ffn: Option<GeluMlp>,
+    /// `[1, 6, inner]` in f32 (loaded by the steps that modulate).
+    scale_shift_table: Option<Tensor>,
     eps: f64,
 }
 
 impl WanTransformerBlock {
     /// Loads one block; `vb` points at `blocks.{i}`. norm2 and scale_shift_table load in f32.
     pub fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, vb, &BlockStep::ALL)
+    }
+
+    /// Loads only the weights of `steps`; `vb` points at `blocks.{i}`.
+    pub fn with_steps(
+        cfg: &WanTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
         cfg.validate()?;
         let dim = cfg.inner_dim();
         let f32_vb = vb.clone().set_dtype(DType::F32);
-        let norm2 = if cfg.cross_attn_norm {
-            let nvb = f32_vb.pp("norm2");
-            Some((nvb.get(dim, "weight")?, nvb.get(dim, "bias")?))
+        let has = |s| steps.contains(&s);
+        let attn2 = if has(BlockStep::CrossAttention) {
+            let norm2 = if cfg.cross_attn_norm {
+                let nvb = f32_vb.pp("norm2");
+                Some((nvb.get(dim, "weight")?, nvb.get(dim, "bias")?))
+            } else {
+                None
+            };
+            Some((WanAttention::new(cfg, vb.pp("attn2"))?, norm2))
         } else {
             None
         };
-        let ffn = GeluMlp::new(
-            candle_nn::linear(dim, cfg.ffn_dim, vb.pp("ffn.net.0.proj"))?,
-            candle_nn::linear(cfg.ffn_dim, dim, vb.pp("ffn.net.2"))?,
-        );
+        let ffn = if has(BlockStep::FeedForward) {
+            Some(GeluMlp::new(
+                candle_nn::linear(dim, cfg.ffn_dim, vb.pp("ffn.net.0.proj"))?,
+                candle_nn::linear(cfg.ffn_dim, dim, vb.pp("ffn.net.2"))?,
+            ))
+        } else {
+            None
+        };
+        let modulated = has(BlockStep::SelfAttention) || has(BlockStep::FeedForward);
         Ok(Self {
-            attn1: WanAttention::new(cfg, vb.pp("attn1"))?,
-            attn2: WanAttention::new(cfg, vb.pp("attn2"))?,
-            norm2,
+            attn1: if has(BlockStep::SelfAttention) {
+                Some(WanAttention::new(cfg, vb.pp("attn1"))?)
+            } else {
+                None
+            },
+            attn2,
             ffn,
-            scale_shift_table: f32_vb.get((1, 6, dim), "scale_shift_table")?,
+            scale_shift_table: if modulated {
+                Some(f32_vb.get((1, 6, dim), "scale_shift_table")?)
+            } else {
+                None
+            },
             eps: cfg.eps,
         })
     }
 
-    /// Runs the block on `x` `[B, seq, inner]` (model dtype); returns the same shape and dtype.
+    /// Runs the block's steps on `x` `[B, seq, inner]` (model dtype); returns the same shape
+    /// and dtype.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
         let all = Rows { row0: 0, seq };
         // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
         // c_gate, each [B, inner] f32; scales as 1 + scale.
-        let e = self
-            .scale_shift_table
-            .broadcast_add(&inputs.timestep_proj.to_dtype(DType::F32)?)?;
-        let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
-        let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
-        let (c_shift, c_scale, c_gate) = (m(3)?, (m(4)? + 1.0)?, m(5)?);
-        let x = x.reshape((batch * seq, dim))?;
+        let e = match &self.scale_shift_table {
+            Some(table) => Some(table.broadcast_add(&inputs.timestep_proj.to_dtype(DType::F32)?)?),
+            None => None,
+        };
+        let m = |i: usize| match &e {
+            Some(e) => e.narrow(1, i, 1)?.squeeze(1)?.contiguous(),
+            None => candle_core::bail!("block step needs the scale_shift_table"),
+        };
+        let mut x = x.reshape((batch * seq, dim))?;
 
         // 1. Self-attention.
-        let h = norm_affine(&x, &scale, &shift, all, self.eps)?;
-        let rope = (&inputs.rope_cos, &inputs.rope_sin);
-        let attn = self.attn1.forward(h, batch, None, Some(rope))?;
-        let x = residual(&x, attn, self.attn1.to_out.bias(), Some(&gate), all)?;
+        if let Some(attn1) = &self.attn1 {
+            let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
+            let h = norm_affine(&x, &scale, &shift, all, self.eps)?;
+            let rope = (&inputs.rope_cos, &inputs.rope_sin);
+            let attn = attn1.forward(h, batch, None, Some(rope))?;
+            x = residual(&x, attn, attn1.to_out.bias(), Some(&gate), all)?;
+        }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
-        let h = match &self.norm2 {
-            Some((w, b)) => norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?,
-            None => x.clone(),
-        };
-        let context = &inputs.encoder_hidden_states;
-        let attn = self.attn2.forward(h, batch, Some(context), None)?;
-        let x = residual(&x, attn, self.attn2.to_out.bias(), None, all)?;
+        if let Some((attn2, norm2)) = &self.attn2 {
+            let h = match norm2 {
+                Some((w, b)) => norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?,
+                None => x.clone(),
+            };
+            let context = &inputs.encoder_hidden_states;
+            let attn = attn2.forward(h, batch, Some(context), None)?;
+            x = residual(&x, attn, attn2.to_out.bias(), None, all)?;
+        }
 
         // 3. Feed-forward by token chunks, each written back into `x` (which this block owns):
         // the [tokens, ffn_dim] intermediate never exists whole. Row chunks of a Linear are
         // exact.
-        for b in 0..batch {
-            for start in (0..seq).step_by(FFN_CHUNK) {
-                let at = Rows {
-                    row0: b * seq + start,
-                    seq,
-                };
-                let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
-                let h = norm_affine(&rows, &c_scale, &c_shift, at, self.eps)?;
-                let ff = self.ffn.forward_without_out_bias(&h)?;
-                let out = residual(&rows, ff, self.ffn.fc2.bias(), Some(&c_gate), at)?;
-                x.slice_set(&out, 0, at.row0)?;
+        if let Some(ffn) = &self.ffn {
+            let (c_shift, c_scale, c_gate) = (m(3)?, (m(4)? + 1.0)?, m(5)?);
+            if self.attn1.is_none() && self.attn2.is_none() {
+                // The input is the caller's: write the chunks into a copy.
+                x = x.copy()?;
+            }
+            for b in 0..batch {
+                for start in (0..seq).step_by(FFN_CHUNK) {
+                    let at = Rows {
+                        row0: b * seq + start,
+                        seq,
+                    };
+                    let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
+                    let h = norm_affine(&rows, &c_scale, &c_shift, at, self.eps)?;
+                    let ff = ffn.forward_without_out_bias(&h)?;
+                    let out = residual(&rows, ff, ffn.fc2.bias(), Some(&c_gate), at)?;
+                    x.slice_set(&out, 0, at.row0)?;
+                }
             }
         }
         x.reshape((batch, seq, dim))
