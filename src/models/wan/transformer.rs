@@ -30,7 +30,7 @@ mod wan_ops;
 
 /// Tokens per feed-forward chunk: bounds the `[tokens, ffn_dim]` intermediate (and its GELU)
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
-const FFN_CHUNK: usize = 8192;
+pub const FFN_CHUNK: usize = 8192;
 
 /// `transformer/config.json` of a diffusers Wan checkpoint; missing keys take diffusers' defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
