@@ -131,12 +131,18 @@ impl HostStore {
             };
             groups.push(HostGroup { layout, place });
         }
+        // Each arena is pinned and then filled by its own task, so filling the first arenas
+        // overlaps pinning the later ones (the driver may pin one allocation at a time).
         let pinned = memory == HostMemory::Pinned;
-        let mut arenas = arena_sizes
+        let arenas = arena_sizes
             .par_iter()
-            .map(|&bytes| Arena::new(bytes, pinned, device))
+            .enumerate()
+            .map(|(index, &bytes)| {
+                let mut arena = Arena::new(bytes, pinned, device)?;
+                fill(&groups, index, &mut arena, weights)?;
+                Ok(arena)
+            })
             .collect::<Result<Vec<_>>>()?;
-        fill(&groups, &mut arenas, weights)?;
         Ok(HostStore {
             groups,
             arenas,
@@ -230,29 +236,26 @@ impl HostStore {
     }
 }
 
-/// Reads every arena-placed tensor into its bytes of its arena, in parallel.
-fn fill(groups: &[HostGroup], arenas: &mut [Arena], weights: &WeightSet) -> Result<()> {
-    let mut jobs = Vec::new();
-    let mut by_arena: Vec<Vec<(usize, &super::group::Slot)>> =
-        arenas.iter().map(|_| Vec::new()).collect();
-    for group in groups {
-        if let Place::Arena { arena, offset } = group.place {
-            for slot in &group.layout.slots {
-                by_arena[arena].push((offset + slot.offset, slot));
-            }
-        }
-    }
-    for (arena, mut slots) in arenas.iter_mut().zip(by_arena) {
-        slots.sort_by_key(|(at, _)| *at);
-        let mut rest = arena.bytes_mut();
-        let mut consumed = 0;
-        for (at, slot) in slots {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(at - consumed);
-            let (dst, tail) = tail.split_at_mut(slot.bytes());
-            jobs.push((slot, dst));
-            rest = tail;
-            consumed = at + slot.bytes();
-        }
+/// Reads every tensor placed in arena `index` into its bytes of `arena`, in parallel.
+fn fill(groups: &[HostGroup], index: usize, arena: &mut Arena, weights: &WeightSet) -> Result<()> {
+    let mut slots: Vec<(usize, &super::group::Slot)> = groups
+        .iter()
+        .filter_map(|g| match g.place {
+            Place::Arena { arena, offset } if arena == index => Some((offset, &g.layout.slots)),
+            _ => None,
+        })
+        .flat_map(|(offset, slots)| slots.iter().map(move |s| (offset + s.offset, s)))
+        .collect();
+    slots.sort_by_key(|(at, _)| *at);
+    let mut jobs = Vec::with_capacity(slots.len());
+    let mut rest = arena.bytes_mut();
+    let mut consumed = 0;
+    for (at, slot) in slots {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(at - consumed);
+        let (dst, tail) = tail.split_at_mut(slot.bytes());
+        jobs.push((slot, dst));
+        rest = tail;
+        consumed = at + slot.bytes();
     }
     jobs.into_par_iter()
         .try_for_each(|(slot, dst)| weights.read_into(&slot.name, &slot.shape, slot.dtype, dst))
