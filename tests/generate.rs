@@ -296,3 +296,47 @@ fn loading_reports_progress_in_bytes() {
         }
     }
 }
+
+/// `--stats-json` carries the offload engine's copies for the denoise stage: every pass moves
+/// each block once, plus the first block of the pass after the last (prefetched); a resident
+/// run has none.
+#[test]
+fn stats_count_the_blocks_the_engine_moved() {
+    let out = scratch("offload-stats");
+    let stats = |name: &str, flags: &[&str]| {
+        let path = out.join(format!("{name}.json"));
+        let mut args = vec![
+            "--prompt",
+            "a boat",
+            "--output-type",
+            "safetensors",
+            "--memory-model",
+            "discrete",
+        ];
+        args.extend_from_slice(&["--stats-json", path.to_str().unwrap()]);
+        args.extend_from_slice(flags);
+        let run = vidgen(&fixture_dir(), &out, &args);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        json["jobs"][0]["metrics"].clone()
+    };
+    let layers = 2; // tests/fixtures/wan-tiny-a/transformer/config.json
+    let passes = 2 * 2; // 2 steps, each with the negative prompt's pass (guidance 5)
+    let streamed = stats("streamed", &["--dit-layerwise-offload"]);
+    assert_eq!(
+        streamed["forward_seconds"].as_array().unwrap().len(),
+        passes
+    );
+    assert_eq!(streamed["offload"]["groups_copied"], passes * layers + 1);
+    assert!(streamed["offload"]["bytes_copied"].as_u64().unwrap() > 0);
+    let resident = stats(
+        "resident",
+        &["--no-dit-layerwise-offload", "--no-dit-cpu-offload"],
+    );
+    assert!(resident.get("offload").is_none(), "{resident}");
+}
