@@ -239,7 +239,9 @@ fn planned_weight_bytes_equal_what_the_tiny_models_hold() {
             );
             assert_eq!(
                 held("text_encoder", &|vb| UMT5EncoderModel::new_without_blocks(
-                    te, vb
+                    te,
+                    vb.clone(),
+                    vb
                 )
                 .map(drop)),
                 wan::text_encoder_outer(te).bytes(dtype),

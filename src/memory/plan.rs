@@ -395,7 +395,7 @@ pub mod wan {
     use crate::models::wan::text_encoder::UMT5Config;
     use crate::models::wan::transformer::{WanTransformerConfig, FFN_CHUNK};
     use crate::models::wan::vae::{WanVaeConfig, WanVaeTiling};
-    use crate::pipeline::placement::Placement;
+    use crate::pipeline::placement::{Placement, Residency};
     use crate::pipeline::runner::Schedule;
     use crate::pipeline::wan_t2v::{self, Component, WanConfigs};
     use candle_core::DType;
@@ -468,6 +468,11 @@ pub mod wan {
     pub fn text_encoder_outer(cfg: &UMT5Config) -> Params {
         let d = cfg.d_model as u64;
         Params::new(cfg.vocab_size as u64 * d + d)
+    }
+
+    /// The UMT5 token table alone: it stays in host memory when the blocks are streamed.
+    pub fn text_encoder_table(cfg: &UMT5Config) -> Params {
+        Params::new(cfg.vocab_size as u64 * cfg.d_model as u64)
     }
 
     /// One UMT5 block, as `UMT5EncoderModel::block` requests it: no biases, the FFN output
@@ -720,7 +725,11 @@ pub mod wan {
             Component::TextEncoder => Footprint::placed(
                 placement.text_encoder,
                 (
-                    text_encoder_outer(te).bytes(dtype),
+                    text_encoder_outer(te).bytes(dtype)
+                        - match placement.text_encoder {
+                            Residency::Streamed { .. } => text_encoder_table(te).bytes(dtype),
+                            _ => 0,
+                        },
                     text_encoder_block(te).bytes(dtype),
                     te.num_layers as u64,
                 ),

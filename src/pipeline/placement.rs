@@ -132,8 +132,9 @@ pub trait Blockwise: Sized + 'static {
     type Block: 'static;
     /// The whole model from its root `VarBuilder`.
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
-    /// Everything but the repeated blocks.
-    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
+    /// Everything but the repeated blocks; lookup tables (exact on any device) may come from
+    /// `host_vb`, in host memory, when the blocks are streamed.
+    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self>;
     fn num_blocks(cfg: &Self::Config) -> usize;
     /// Block `i` from the root `VarBuilder`.
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block>;
@@ -203,7 +204,11 @@ impl<M: Blockwise> Placed<M> {
                 by_step,
                 options,
             } => {
-                let outer = M::outer(cfg, weights.var_builder(dtype, device))?;
+                let outer = M::outer(
+                    cfg,
+                    weights.var_builder(dtype, device),
+                    weights.var_builder(dtype, &Device::Cpu),
+                )?;
                 let n = M::num_blocks(cfg);
                 let steps = if by_step { M::steps(cfg).max(1) } else { 1 };
                 let per_group = if steps > 1 {

@@ -578,7 +578,7 @@ impl Blockwise for WanTransformer3DModel {
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
-    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
         Self::new_without_blocks(cfg, vb)
     }
     fn num_blocks(cfg: &Self::Config) -> usize {
@@ -606,8 +606,9 @@ impl Blockwise for UMT5EncoderModel {
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
-    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
+    /// The token table stays in host memory: only the looked-up rows move.
+    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb, host_vb)
     }
     fn num_blocks(cfg: &Self::Config) -> usize {
         cfg.num_layers
@@ -624,7 +625,7 @@ impl Blockwise for AutoencoderKLWan {
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
-    fn outer(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
     fn num_blocks(_: &Self::Config) -> usize {

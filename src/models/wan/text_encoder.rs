@@ -399,7 +399,7 @@ pub struct UMT5EncoderModel {
 impl UMT5EncoderModel {
     /// Loads the whole encoder from the checkpoint root `vb` (`text_encoder/model*.safetensors`).
     pub fn new(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
-        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        let mut model = Self::new_without_blocks(cfg, vb.clone(), vb.clone())?;
         model.blocks = (0..cfg.num_layers)
             .map(|i| Self::block(cfg, i, vb.clone()))
             .collect::<Result<Vec<_>>>()?;
@@ -407,10 +407,16 @@ impl UMT5EncoderModel {
     }
 
     /// Loads the embedding and the final norm only (for an engine that streams the blocks).
-    pub fn new_without_blocks(cfg: &UMT5Config, vb: VarBuilder) -> Result<Self> {
+    /// The token table (vocab x d_model, the largest tensor) comes from `table_vb`, which may
+    /// be on another device than `vb`: a lookup is exact anywhere, so it can stay in host memory.
+    pub fn new_without_blocks(
+        cfg: &UMT5Config,
+        vb: VarBuilder,
+        table_vb: VarBuilder,
+    ) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
-            embed_tokens: UMT5Embedding::new(cfg, vb.clone())?,
+            embed_tokens: UMT5Embedding::new(cfg, table_vb)?,
             blocks: Vec::new(),
             final_layer_norm: UMT5LayerNorm::final_norm(cfg, vb)?,
         })
@@ -421,14 +427,17 @@ impl UMT5EncoderModel {
         UMT5Block::new(cfg, vb.pp(format!("encoder.block.{i}")))
     }
 
-    /// The device the embedding (and so the encoder's input) lives on.
+    /// The device the encoder computes on (where its final norm lives).
     pub fn device(&self) -> Device {
-        self.embed_tokens.embedding.embeddings().device().clone()
+        self.final_layer_norm.weight.device().clone()
     }
 
-    /// Token embeddings (`hidden_states[0]`).
+    /// Token embeddings (`hidden_states[0]`), on the compute device wherever the table is.
     pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.embed_tokens.forward(input_ids)
+        let table = self.embed_tokens.embedding.embeddings().device();
+        self.embed_tokens
+            .forward(&input_ids.to_device(table)?)?
+            .to_device(&self.device())
     }
 
     /// The blocks in order, for running the encoder one block at a time.
