@@ -4,10 +4,10 @@
 //! blocks, or a whole component). The engine records which tensors each part asks for
 //! ([`group::record`]), lays them out once as a host image in a few exact-size arenas, pinned or
 //! pageable ([`host::HostStore`]), and moves a part to the device just before it runs
-//! ([`transfer::Transfer`]: one allocation and one copy per dtype, on a copy stream ordered with
-//! CUDA events) while the previous parts compute ([`streamer::Offloaded`]). A finished part's
-//! device copy is dropped; the host copy stays, nothing is copied back. Models know nothing
-//! of this: they only see a `VarBuilder`.
+//! ([`transfer::Transfer`]: one copy per dtype into device slots reused round-robin, on a copy
+//! stream ordered with CUDA events) while the previous parts compute ([`streamer::Offloaded`]).
+//! A finished part's slot is refilled with a later part; the host copy stays, nothing is copied
+//! back. Models know nothing of this: they only see a `VarBuilder`.
 
 pub mod group;
 pub mod host;
