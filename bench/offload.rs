@@ -17,14 +17,14 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use std::time::Instant;
 use vidgen::cli::args::GenerateOptions;
-use vidgen::memory::accounting::MemoryMeter;
+use vidgen::memory::accounting::{MemoryMeter, MemoryPeaks};
 use vidgen::models::loader::{component_weights, seeded_normal, WeightSet, Weights};
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::group::Slot;
-use vidgen::offload::{record, Packing};
-use vidgen::pipeline::placement::{Placed, Placement};
+use vidgen::offload::{record, Packing, Usage};
+use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement, Residency};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
 
 #[derive(Parser)]
@@ -59,74 +59,36 @@ fn main() -> Result<()> {
             Some(dir) => materialized(&source, folder, &configs, dir.as_ref())?,
             None => WeightSet::open(&component_weights(&source, folder)?)?,
         };
-        meter.reset();
-        let start = Instant::now();
-        let (mut times, peaks_load, stats);
-        let model_memory;
-        if vae {
-            let placed = Placed::<AutoencoderKLWan>::load(
-                &configs.vae,
-                &weights,
-                placement.vae,
-                placement.memory,
+        let m = if vae {
+            let z = |device: &Device| Ok(Tensor::randn(0f32, 1f32, &shape[..], device)?);
+            measure::<AutoencoderKLWan, _>(
+                (&configs.vae, &weights, placement.vae, &placement),
                 DType::F32,
-                &device,
-            )?;
-            device.synchronize()?;
-            let setup = start.elapsed().as_secs_f64();
-            peaks_load = meter.peaks();
-            meter.reset();
-            model_memory = meter.peaks().device_used_peak;
-            let z = Tensor::randn(0f32, 1f32, &shape[..], &device)?;
-            times = Vec::new();
-            for _ in 0..forwards {
-                let t = Instant::now();
-                let held = placed.hold()?;
-                let video = held.model().decode(&z)?;
-                device.synchronize()?;
-                drop((video, held));
-                times.push(t.elapsed().as_secs_f64());
-            }
-            stats = (
-                setup,
-                placed.offloaded().map(|o| (o.stats(), o.host_bytes())),
-            );
+                (&device, &meter, forwards),
+                false,
+                z,
+                |held, z| Ok(held.model().decode(z)?),
+            )?
         } else {
-            let placed = Placed::<WanTransformer3DModel>::load(
-                &configs.transformer,
-                &weights,
-                placement.dit,
-                placement.memory,
+            let text_dim = configs.transformer.text_dim;
+            let inputs = |device: &Device| {
+                let bf16 = |t: Tensor| t.to_dtype(DType::BF16)?.to_device(device);
+                Ok((
+                    bf16(seeded_normal(1, &shape)?)?,
+                    Tensor::new(&[999f32], device)?,
+                    bf16(seeded_normal(2, &[1, 512, text_dim])?)?,
+                ))
+            };
+            let m = measure::<WanTransformer3DModel, _>(
+                (&configs.transformer, &weights, placement.dit, &placement),
                 DType::BF16,
-                &device,
+                (&device, &meter, forwards),
+                true,
+                inputs,
+                |held, (latents, timestep, text)| Ok(dit_forward(held, latents, timestep, text)?),
             )?;
-            device.synchronize()?;
-            let setup = start.elapsed().as_secs_f64();
-            peaks_load = meter.peaks();
-            meter.reset();
-            model_memory = meter.peaks().device_used_peak;
-            let latents = seeded_normal(1, &shape)?
-                .to_dtype(DType::BF16)?
-                .to_device(&device)?;
-            let text = seeded_normal(2, &[1, 512, configs.transformer.text_dim])?
-                .to_dtype(DType::BF16)?
-                .to_device(&device)?;
-            let timestep = Tensor::new(&[999f32], &device)?;
-            let held = placed.hold()?;
-            dit_forward(&held, &latents, &timestep, &text)?; // warm-up
-            device.synchronize()?;
-            meter.reset();
-            let before = placed.offloaded().map(|o| o.stats().0);
-            times = Vec::new();
-            let mut out = None;
-            for _ in 0..forwards {
-                let t = Instant::now();
-                out = Some(dit_forward(&held, &latents, &timestep, &text)?);
-                device.synchronize()?;
-                times.push(t.elapsed().as_secs_f64());
-            }
-            let out = out
-                .context("no forward ran")?
+            let out = m
+                .output
                 .to_dtype(DType::F32)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
@@ -140,39 +102,99 @@ fn main() -> Result<()> {
             };
             println!("{{\"label\":\"{label}\",\"max_abs_diff_vs_first_mode\":{diff}}}");
             first_output.get_or_insert(out);
-            stats = (
-                setup,
-                placed.offloaded().map(|o| {
-                    let (after, pinned) = o.stats();
-                    (
-                        (after.since(&before.unwrap_or_default()), pinned),
-                        o.host_bytes(),
-                    )
-                }),
-            );
-            drop(held);
-        }
-        let peaks = meter.peaks();
+            m
+        };
+        let mut times = m.times;
         times.sort_by(f64::total_cmp);
-        let ((copies, pinned), host) = stats.1.unwrap_or_default();
+        let (copies, pinned, host) = (m.usage.copies, m.usage.pinned_bytes, m.usage.host_bytes);
         const GIB: f64 = (1u64 << 30) as f64;
         println!(
             "{}",
             serde_json::json!({
                 "label": label, "flags": flags,
                 "s_per_forward": times[times.len() / 2], "times": times,
-                "setup_s": stats.0,
-                "load_peak_gib": peaks_load.device_used_peak as f64 / GIB,
-                "model_memory_gib": model_memory as f64 / GIB,
-                "peak_alloc_gib": peaks.device_used_peak as f64 / GIB,
-                "peak_reserved_gib": peaks.device_reserved_peak as f64 / GIB,
+                "setup_s": m.setup,
+                "load_peak_gib": m.load.device_used_peak as f64 / GIB,
+                "model_memory_gib": m.model_memory as f64 / GIB,
+                "peak_alloc_gib": m.peaks.device_used_peak as f64 / GIB,
+                "peak_reserved_gib": m.peaks.device_reserved_peak as f64 / GIB,
                 "pinned_gib": pinned as f64 / GIB, "host_gib": host as f64 / GIB,
                 "copied_gb": copies.bytes as f64 / 1e9, "copy_busy_s": copies.busy_seconds,
-                "copy_gb_s": copies.gb_per_second(), "host_rss_peak_gib": peaks.host_rss_peak as f64 / GIB,
+                "copy_gb_s": copies.gb_per_second(), "host_rss_peak_gib": m.peaks.host_rss_peak as f64 / GIB,
             })
         );
     }
     Ok(())
+}
+
+/// One mode's measurements.
+struct Measured {
+    setup: f64,
+    /// Pool peaks while loading.
+    load: MemoryPeaks,
+    /// Pool bytes in use once placed.
+    model_memory: u64,
+    times: Vec<f64>,
+    /// Pool peaks over the timed runs.
+    peaks: MemoryPeaks,
+    /// Copies during the timed runs, and host bytes held.
+    usage: Usage,
+    /// The last run's output.
+    output: Tensor,
+}
+
+/// Places component `M` as `residency` says, makes its inputs, then times `forwards` runs of
+/// `run` (after one untimed warm-up with `warm_up`; the pool peaks are reset after it). A
+/// parked component is held for all runs with `warm_up`, else moved in for each run (as the
+/// pipeline moves the VAE in for each decode).
+fn measure<M: Blockwise, I>(
+    (cfg, weights, residency, placement): (&M::Config, &WeightSet, Residency, &Placement),
+    dtype: DType,
+    (device, meter, forwards): (&Device, &MemoryMeter, usize),
+    warm_up: bool,
+    inputs: impl FnOnce(&Device) -> Result<I>,
+    run: impl Fn(&Held<'_, M>, &I) -> Result<Tensor>,
+) -> Result<Measured> {
+    meter.reset();
+    let start = Instant::now();
+    let placed = Placed::<M>::load(cfg, weights, residency, placement.memory, dtype, device)?;
+    device.synchronize()?;
+    let setup = start.elapsed().as_secs_f64();
+    let load = meter.peaks();
+    meter.reset();
+    let model_memory = meter.peaks().device_used_peak;
+    let inputs = inputs(device)?;
+    let held = warm_up.then(|| placed.hold()).transpose()?;
+    let step = || match &held {
+        Some(held) => run(held, &inputs),
+        None => run(&placed.hold()?, &inputs),
+    };
+    if warm_up {
+        step()?;
+        device.synchronize()?;
+        meter.reset();
+    }
+    let before = placed.offload_usage().unwrap_or_default();
+    let mut times = Vec::with_capacity(forwards);
+    let mut output = None;
+    for _ in 0..forwards {
+        drop(output.take());
+        let t = Instant::now();
+        output = Some(step()?);
+        device.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let mut usage = placed.offload_usage().unwrap_or_default();
+    usage.copies = usage.copies.since(&before.copies);
+    Ok(Measured {
+        setup,
+        load,
+        model_memory,
+        times,
+        peaks: meter.peaks(),
+        usage,
+        output: output.context("no run was timed")?,
+    })
 }
 
 /// The component's synthetic weights written once to `dir` as safetensors, then opened from

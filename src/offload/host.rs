@@ -210,12 +210,11 @@ impl HostStore {
             return Ok(());
         }
         let layout = &self.groups[index].layout;
-        let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::new();
-        let mut rest = dst;
-        let mut at = range.start;
+        let mut sources = Vec::new();
+        let mut ranges = Vec::new();
         for slot in &layout.slots {
             let (start, end) = (slot.offset, slot.offset + slot.bytes());
-            let (lo, hi) = (start.max(at), end.min(range.end));
+            let (lo, hi) = (start.max(range.start), end.min(range.end));
             if lo >= hi {
                 continue;
             }
@@ -223,12 +222,10 @@ impl HostStore {
                 .weights
                 .mapped_bytes(&slot.name, slot.dtype)
                 .with_context(|| format!("{} is no longer mapped", slot.name))?;
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(lo - at);
-            let (piece, tail) = tail.split_at_mut(hi - lo);
-            pieces.push((piece, &bytes[lo - start..hi - start]));
-            rest = tail;
-            at = hi;
+            sources.push(&bytes[lo - start..hi - start]);
+            ranges.push(lo - range.start..hi - range.start);
         }
+        let pieces: Vec<_> = carve(dst, ranges).into_iter().zip(sources).collect();
         pieces
             .into_par_iter()
             .for_each(|(d, s)| d.copy_from_slice(s));
@@ -247,17 +244,28 @@ fn fill(groups: &[HostGroup], index: usize, arena: &mut Arena, weights: &WeightS
         .flat_map(|(offset, slots)| slots.iter().map(move |s| (offset + s.offset, s)))
         .collect();
     slots.sort_by_key(|(at, _)| *at);
-    let mut jobs = Vec::with_capacity(slots.len());
-    let mut rest = arena.bytes_mut();
-    let mut consumed = 0;
-    for (at, slot) in slots {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(at - consumed);
-        let (dst, tail) = tail.split_at_mut(slot.bytes());
-        jobs.push((slot, dst));
-        rest = tail;
-        consumed = at + slot.bytes();
-    }
-    jobs.into_par_iter()
-        .try_for_each(|(slot, dst)| weights.read_into(&slot.name, &slot.shape, slot.dtype, dst))
+    let ranges = slots.iter().map(|(at, s)| *at..at + s.bytes());
+    carve(arena.bytes_mut(), ranges)
+        .into_par_iter()
+        .zip(slots.par_iter())
+        .try_for_each(|(dst, (_, slot))| {
+            weights.read_into(&slot.name, &slot.shape, slot.dtype, dst)
+        })
         .context("reading offloaded weights into host memory")
+}
+
+/// Disjoint mutable pieces of `buffer` at `ranges` (sorted, not overlapping), so threads can
+/// fill them in parallel.
+fn carve(buffer: &mut [u8], ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<&mut [u8]> {
+    let mut pieces = Vec::new();
+    let mut rest = buffer;
+    let mut consumed = 0;
+    for range in ranges {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(range.start - consumed);
+        let (piece, tail) = tail.split_at_mut(range.len());
+        pieces.push(piece);
+        rest = tail;
+        consumed = range.end;
+    }
+    pieces
 }

@@ -16,5 +16,5 @@ pub mod transfer;
 
 pub use group::{record, GroupLayout, Packing};
 pub use host::{HostMemory, HostStore};
-pub use streamer::{BuildGroup, Offloaded, StreamOptions};
+pub use streamer::{BuildGroup, Offloaded, StreamOptions, Usage};
 pub use transfer::{CopyStats, Transfer};

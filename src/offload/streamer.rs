@@ -16,6 +16,16 @@ use std::sync::{Mutex, OnceLock};
 pub type BuildGroup<B> =
     Box<dyn Fn(usize, VarBuilder<'static>) -> candle_core::Result<B> + Send + Sync>;
 
+/// What an offloaded part holds on the host and has moved.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    pub copies: CopyStats,
+    /// Pinned host bytes: arenas plus the staging ring.
+    pub pinned_bytes: usize,
+    /// Bytes held in host arenas, pinned or not (the memory map is not counted).
+    pub host_bytes: usize,
+}
+
 /// How groups move.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamOptions {
@@ -100,19 +110,14 @@ impl<B> Offloaded<B> {
         }
     }
 
-    /// The host side (bytes held, pinned or not).
-    pub fn store(&self) -> &HostStore {
-        &self.store
-    }
-
-    /// Pinned host bytes: arenas plus the staging ring.
-    pub fn pinned_bytes(&self) -> usize {
-        self.store.pinned_bytes() + self.transfer.staging_bytes()
-    }
-
-    /// Copies so far (call after a device sync).
-    pub fn copy_stats(&self) -> CopyStats {
-        self.transfer.stats()
+    /// What the engine holds on the host and has copied so far (call after a device sync:
+    /// the copy times come from CUDA events).
+    pub fn usage(&self) -> Usage {
+        Usage {
+            copies: self.transfer.stats(),
+            pinned_bytes: self.store.pinned_bytes() + self.transfer.staging_bytes(),
+            host_bytes: self.store.arena_bytes(),
+        }
     }
 
     /// Group `index` in fresh device memory, built; copied on the compute stream, so the

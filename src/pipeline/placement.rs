@@ -4,7 +4,7 @@
 
 use crate::cli::args::{ComputeDevice, GenerateOptions, OffloadType};
 use crate::models::loader::WeightSet;
-use crate::offload::{HostMemory, Offloaded, Packing, StreamOptions};
+use crate::offload::{HostMemory, Offloaded, Packing, StreamOptions, Usage};
 use anyhow::Result;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -253,36 +253,12 @@ impl<M: Blockwise> Placed<M> {
         })
     }
 
-    /// The offload engine's parts, for accounting.
-    pub fn offloaded(&self) -> Option<OffloadedRef<'_, M>> {
+    /// What the offload engine holds and has moved for this component (`None` if resident).
+    pub fn offload_usage(&self) -> Option<Usage> {
         match self {
             Placed::Resident(_) => None,
-            Placed::Parked(o) => Some(OffloadedRef::Whole(o)),
-            Placed::Streamed { blocks, .. } => Some(OffloadedRef::Blocks(blocks)),
-        }
-    }
-}
-
-/// An engine handle of either kind.
-pub enum OffloadedRef<'a, M: Blockwise> {
-    Whole(&'a Offloaded<M>),
-    Blocks(&'a Offloaded<Vec<M::Block>>),
-}
-
-impl<M: Blockwise> OffloadedRef<'_, M> {
-    /// Copies so far (after a device sync) and pinned host bytes.
-    pub fn stats(&self) -> (crate::offload::CopyStats, usize) {
-        match self {
-            OffloadedRef::Whole(o) => (o.copy_stats(), o.pinned_bytes()),
-            OffloadedRef::Blocks(o) => (o.copy_stats(), o.pinned_bytes()),
-        }
-    }
-
-    /// Bytes held in host arenas (the memory map not counted).
-    pub fn host_bytes(&self) -> usize {
-        match self {
-            OffloadedRef::Whole(o) => o.store().arena_bytes(),
-            OffloadedRef::Blocks(o) => o.store().arena_bytes(),
+            Placed::Parked(o) => Some(o.usage()),
+            Placed::Streamed { blocks, .. } => Some(blocks.usage()),
         }
     }
 }

@@ -247,7 +247,7 @@ impl WanT2V {
             .transformer
             .as_ref()
             .context("transformer not loaded")?;
-        let copies_before = copy_stats(placed);
+        let before = placed.offload_usage();
         let model = &placed.hold()?;
         let dtype = self.config.dtype();
         let cond = job
@@ -292,8 +292,8 @@ impl WanT2V {
         }
         job.metrics
             .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
-        if let (Some(before), Some((after, pinned))) = (copies_before, copy_stats(placed)) {
-            let copies = after.since(&before.0);
+        if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
+            let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
             self.progress.note(&format!(
                 "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
                 copies.bytes as f64 / 1e9,
@@ -377,12 +377,12 @@ impl WanT2V {
             &self.device,
         )?;
         const GIB: f64 = (1u64 << 30) as f64;
-        self.progress.note(&match placed.offloaded() {
-            Some(o) => format!(
+        self.progress.note(&match placed.offload_usage() {
+            Some(u) => format!(
                 "{}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
                 component.folder(),
-                o.host_bytes() as f64 / GIB,
-                o.stats().1 as f64 / GIB
+                u.host_bytes as f64 / GIB,
+                u.pinned_bytes as f64 / GIB
             ),
             None => format!("{}: {residency}", component.folder()),
         });
@@ -565,11 +565,6 @@ pub fn dit_forward(
     })
     .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
     model.finish(&x, &inputs)
-}
-
-/// The engine's copy counters and pinned bytes of a placed component, if it is offloaded.
-fn copy_stats<M: Blockwise>(placed: &Placed<M>) -> Option<(crate::offload::CopyStats, usize)> {
-    placed.offloaded().map(|o| o.stats())
 }
 
 impl Blockwise for WanTransformer3DModel {
