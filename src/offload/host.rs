@@ -88,7 +88,6 @@ pub struct HostStore {
     groups: Vec<HostGroup>,
     arenas: Vec<Arena>,
     weights: WeightSet,
-    memory: HostMemory,
 }
 
 impl HostStore {
@@ -147,7 +146,6 @@ impl HostStore {
             groups,
             arenas,
             weights: weights.clone(),
-            memory,
         })
     }
 
@@ -161,10 +159,6 @@ impl HostStore {
 
     pub fn group(&self, index: usize) -> &HostGroup {
         &self.groups[index]
-    }
-
-    pub fn memory(&self) -> HostMemory {
-        self.memory
     }
 
     /// Bytes held in host arenas (pinned or pageable; the memory map is not counted).
@@ -181,20 +175,11 @@ impl HostStore {
             .sum()
     }
 
-    /// Bytes of all groups' images.
-    pub fn image_bytes(&self) -> usize {
-        self.groups.iter().map(|g| g.layout.bytes).sum()
-    }
-
-    /// The group's whole image when it sits in one arena, with whether it is pinned.
-    pub fn image(&self, index: usize) -> Option<(&[u8], bool)> {
+    /// The group's whole image when it sits in an arena.
+    pub fn image(&self, index: usize) -> Option<&[u8]> {
         match self.groups[index].place {
             Place::Arena { arena, offset } => {
-                let a = &self.arenas[arena];
-                Some((
-                    &a.bytes()[offset..offset + self.groups[index].layout.bytes],
-                    a.is_pinned(),
-                ))
+                Some(&self.arenas[arena].bytes()[offset..offset + self.groups[index].layout.bytes])
             }
             Place::Mapped => None,
         }
@@ -203,7 +188,7 @@ impl HostStore {
     /// Copies bytes `range` of group `index`'s image into `dst` (CPU threads in parallel).
     pub fn gather(&self, index: usize, range: Range<usize>, dst: &mut [u8]) -> Result<()> {
         const PIECE: usize = 8 << 20;
-        if let Some((image, _)) = self.image(index) {
+        if let Some(image) = self.image(index) {
             dst.par_chunks_mut(PIECE)
                 .zip(image[range].par_chunks(PIECE))
                 .for_each(|(d, s)| d.copy_from_slice(s));

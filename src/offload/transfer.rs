@@ -385,7 +385,7 @@ mod cuda {
             }
             let begin = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             match (store.image(index), &self.staging) {
-                (Some((image, _)), None) => {
+                (Some(image), None) => {
                     for (range, ptr) in &targets {
                         copy(&stream, *ptr, &image[range.clone()])?;
                     }
