@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 OFF="--dit-layerwise-offload=false --dit-cpu-offload=false"
 # 1. Every placement mode on CUDA gives the resident frames bit for bit (tiny fixture, f32, CFG 5),
 #    and the resident frames match diffusers'.
-if [ -x .device/vidgen ]; then
+[ -f bench/pin_cost.py ] && [ -z "${NO_PIN_COST:-}" ] && python3 bench/pin_cost.py 8
+if [ -x .device/vidgen ] && [ -z "${NO_TINY:-}" ]; then
   P=$(python3 -c 'import json;print(json.load(open("tests/fixtures/wan-tiny-a/reference/README.json"))["files"]["pipeline.safetensors"]["inputs"]["prompt"])')
   tiny() {  # name, flags...
     local name=$1; shift
@@ -30,6 +31,7 @@ if [ -x .device/vidgen ]; then
   tiny layerwise; tiny n2-depth2 --num-blocks-per-group 2 --prefetch-depth 2; tiny no-stream --offload-stream=false
   tiny no-pin --pin-cpu-memory=false; tiny bounded --max-pinned-memory 1MiB; tiny parked --dit-layerwise-offload=false
   tiny te-cpu --text-encoder-compute cpu; tiny model-offload --model-cpu-offload; tiny sequential --sequential-cpu-offload
+  tiny leaf-level --offload-type leaf-level; tiny lazy --lazy-module-load; tiny h3-sequential --h3-sequential-load
   python3 - "$OUT/tiny" <<'PY'
 import sys, glob, os
 from safetensors.numpy import load_file
@@ -43,12 +45,15 @@ fi
 # 2. The offload table.
 for M in ${MODELS:-1.3b 14b}; do
   if [ "$M" = 1.3b ]; then
-    MODES=("resident: $OFF" "layerwise: " "block-n2: --num-blocks-per-group 2" "depth2: --prefetch-depth 2"
-      "no-stream: --offload-stream=false" "bounded-1g: --max-pinned-memory 1GiB" "no-pin: --pin-cpu-memory=false"
+    MODES=("resident: $OFF" "layerwise: " "block-n2: --num-blocks-per-group 2" "block-n4: --num-blocks-per-group 4"
+      "no-stream: --offload-stream=false" "no-stream-n2: --offload-stream=false --num-blocks-per-group 2"
+      "no-stream-n4: --offload-stream=false --num-blocks-per-group 4" "depth2: --prefetch-depth 2"
+      "leaf-level: --offload-type leaf-level" "bounded-1g: --max-pinned-memory 1GiB" "no-pin: --pin-cpu-memory=false"
       "sequential: --sequential-cpu-offload" "parked: --dit-layerwise-offload=false"
       "vae-resident: --vae-cpu-offload=false" "vae-parked: --vae-cpu-offload")
   else
-    MODES=("resident: $OFF" "layerwise: " "bounded-2g: --max-pinned-memory 2GiB" "no-stream: --offload-stream=false")
+    MODES=("resident: $OFF" "layerwise: " "leaf-level: --offload-type leaf-level" "bounded-2g: --max-pinned-memory 2GiB"
+      "no-stream: --offload-stream=false")
   fi
   /usr/bin/time -v $B synthetic:wan2.1-t2v-$M "$N" 81x480x832 "${MODES[@]}" > "$OUT/offload-$M.jsonl" 2> "$OUT/offload-$M.log"
   echo "== $M: exit $?"; cat "$OUT/offload-$M.jsonl"; grep -E "wrote|Maximum resident|Elapsed" "$OUT/offload-$M.log"
@@ -58,6 +63,6 @@ done
 #    stream modes only: the budget), for the side-by-side ratio.
 if [ -f .device/wan_offload_bench.py ] && [ -n "${PEER:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/whl/*.whl && export PYTHONPATH=/tmp/site
-  python3 .device/wan_offload_bench.py --out "$OUT/peer" --skip bw,sdpa,big,seq --budget-s "${PEER_BUDGET:-75}" > "$OUT/peer.log" 2>&1
+  python3 .device/wan_offload_bench.py --out "$OUT/peer" --skip "${PEER_SKIP:-bw,sdpa,big,seq}" --budget-s "${PEER_BUDGET:-75}" > "$OUT/peer.log" 2>&1
   echo "== peer: exit $?"; cat "$OUT/peer/results.md"
 fi

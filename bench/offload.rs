@@ -113,7 +113,8 @@ fn main() -> Result<()> {
             serde_json::json!({
                 "label": label, "flags": flags,
                 "s_per_forward": times[times.len() / 2], "times": times,
-                "setup_s": m.setup,
+                "setup_s": m.setup, "host_setup_s": m.usage.setup.seconds,
+                "fill_task_s": m.usage.setup.fill_task_seconds, "lock_task_s": m.usage.setup.lock_task_seconds,
                 "load_peak_gib": m.load.device_used_peak as f64 / GIB,
                 "model_memory_gib": m.model_memory as f64 / GIB,
                 "peak_alloc_gib": m.peaks.device_used_peak as f64 / GIB,

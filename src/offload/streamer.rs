@@ -1,7 +1,7 @@
 //! Running groups through the device in order, `depth` groups ahead of the one computing.
 
 use super::group::{record, Packing};
-use super::host::{HostMemory, HostStore};
+use super::host::{HostMemory, HostSetup, HostStore};
 use super::transfer::{CopyStats, DeviceSlot, Transfer, Uploaded};
 use crate::models::loader::WeightSet;
 use anyhow::{Context, Result};
@@ -24,6 +24,8 @@ pub struct Usage {
     pub pinned_bytes: usize,
     /// Bytes held in host arenas, pinned or not (the memory map is not counted).
     pub host_bytes: usize,
+    /// How long filling and locking the host arenas took.
+    pub setup: HostSetup,
 }
 
 /// How groups move.
@@ -117,6 +119,7 @@ impl<B> Offloaded<B> {
             copies: self.transfer.stats(),
             pinned_bytes: self.store.pinned_bytes() + self.transfer.staging_bytes(),
             host_bytes: self.store.arena_bytes(),
+            setup: self.store.setup(),
         }
     }
 

@@ -278,10 +278,10 @@ mod cuda {
                     (0..2)
                         .map(|_| {
                             let bytes = (total / 2).max(1 << 20);
-                            Ok(Mutex::new(StagingSlot {
-                                buffer: Arena::new(bytes, true, &Device::Cuda(device.clone()))?,
-                                done: None,
-                            }))
+                            let mut buffer =
+                                Arena::new(bytes, true, &Device::Cuda(device.clone()))?;
+                            buffer.lock()?;
+                            Ok(Mutex::new(StagingSlot { buffer, done: None }))
                         })
                         .collect::<Result<Vec<_>>>()?,
                 ),
