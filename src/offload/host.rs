@@ -45,7 +45,7 @@ impl Arena {
     }
 
     /// Page-locks a pinned arena (a no-op for pageable ones). Locking memory that is already
-    /// filled runs at ~40 GiB/s where allocating pinned memory runs at ~2 GiB/s, and the
+    /// filled runs at ~23 GiB/s where allocating pinned memory runs at ~2 GiB/s, and the
     /// filling writes each page once (`bench/pin_cost.py`).
     pub fn lock(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
@@ -77,8 +77,8 @@ impl Arena {
     }
 }
 
-/// Anonymous memory (in huge pages where the kernel allows) that is registered with the CUDA
-/// driver, page-locked, once it has been filled.
+/// Anonymous memory that is registered with the CUDA driver, page-locked, once it has been
+/// filled.
 #[cfg(feature = "cuda")]
 pub struct Locked {
     map: memmap2::MmapMut,
@@ -89,10 +89,10 @@ pub struct Locked {
 #[cfg(feature = "cuda")]
 impl Locked {
     fn new(bytes: usize, dev: &candle_core::CudaDevice) -> Result<Self> {
+        // Ordinary pages: huge pages lock faster in a process that has used the memory before,
+        // but made a process's first setup slow and unpredictable (bench/RESULTS.md).
         let map = memmap2::MmapMut::map_anon(bytes)
             .with_context(|| format!("allocating {bytes} bytes of host memory"))?;
-        // Fewer pages to fault in and to lock; the kernel may decline (then 4 KiB pages).
-        let _ = map.advise(memmap2::Advice::HugePage);
         Ok(Locked {
             map,
             ctx: dev.cuda_stream().context().clone(),
