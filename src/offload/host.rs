@@ -125,8 +125,8 @@ impl Locked {
 impl Drop for Locked {
     fn drop(&mut self) {
         if self.locked && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: registered in `lock`; no copy from it is pending (the engine that
-            // owned it synchronized its streams before dropping it).
+            // SAFETY: registered in `lock`; no copy from it is pending (`Offloaded` waits
+            // for its copies before its store is dropped).
             let _ =
                 unsafe { cudarc::driver::sys::cuMemHostUnregister(self.map.as_mut_ptr().cast()) };
         }

@@ -221,3 +221,11 @@ impl<B> Offloaded<B> {
         Ok(())
     }
 }
+
+impl<B> Drop for Offloaded<B> {
+    /// Copies prefetched for a next pass may still be reading host memory: they finish before
+    /// the arenas are released.
+    fn drop(&mut self) {
+        let _ = self.transfer.wait_idle();
+    }
+}

@@ -163,6 +163,16 @@ impl Transfer {
         Ok(())
     }
 
+    /// Blocks until every copy issued so far has completed, so the host memory they read can be
+    /// released.
+    pub fn wait_idle(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            cuda.wait_idle()?;
+        }
+        Ok(())
+    }
+
     /// Call on the computing thread once a streamed group's work is queued: the next copy into
     /// its slot waits for that work to finish.
     pub fn retire(&self, slot: &DeviceSlot) -> Result<()> {
@@ -444,6 +454,12 @@ mod cuda {
                 start = end;
             }
             Ok(())
+        }
+
+        /// Waits for the copy stream and the compute stream (copies without `stream` run there).
+        pub fn wait_idle(&self) -> Result<()> {
+            self.copy.synchronize()?;
+            Ok(self.device.cuda_stream().synchronize()?)
         }
 
         /// The compute stream (this thread's) waits for `event`.
