@@ -1,6 +1,6 @@
 //! Runs the binary: the resolution table, config-file precedence and every bad input.
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::process::{Command, Output};
 
 fn vidgen(args: &[&str]) -> Output {
@@ -99,6 +99,83 @@ fn defaults_follow_fastvideo_and_diffusers() {
     assert_eq!(c["output_type"], "mp4");
     assert_eq!(c["dtype"], "f32", "f32 on the CPU");
     assert_eq!(json["memory_model"], "discrete");
+}
+
+#[test]
+fn dry_run_shows_where_each_component_lives() {
+    let placement = |extra: &[&str]| {
+        let mut args = vec!["--memory-model", "discrete"];
+        args.extend_from_slice(extra);
+        dry_run(&args).0["placement"].clone()
+    };
+    let p = placement(&[]);
+    assert_eq!(p["dit"]["mode"], "streamed");
+    assert_eq!(
+        (
+            &p["dit"]["by_step"],
+            &p["dit"]["stream"],
+            &p["dit"]["depth"]
+        ),
+        (&json!(false), &json!(true), &json!(1))
+    );
+    assert_eq!(p["text_encoder"]["mode"], "streamed");
+    assert_eq!(p["vae"]["mode"], "parked");
+    assert_eq!(p["host_memory"]["kind"], "pinned");
+
+    // Leaf-level streams the DiT step by step; the text encoder's blocks have no steps, so it
+    // streams whole blocks, and a step is its own group whatever --num-blocks-per-group says.
+    let p = placement(&[
+        "--offload-type",
+        "leaf-level",
+        "--num-blocks-per-group",
+        "3",
+    ]);
+    assert_eq!(p["dit"]["by_step"], true);
+    assert_eq!(p["dit"]["blocks_per_group"], 1);
+    assert_eq!(p["text_encoder"]["by_step"], false);
+    assert_eq!(p["text_encoder"]["blocks_per_group"], 3);
+
+    let p = placement(&["--sequential-cpu-offload"]);
+    assert_eq!(
+        (&p["dit"]["by_step"], &p["dit"]["stream"]),
+        (&json!(true), &json!(false))
+    );
+    let p = placement(&["--model-cpu-offload"]);
+    for role in ["text_encoder", "dit", "vae"] {
+        assert_eq!(p[role]["mode"], "parked", "{role}");
+    }
+    let p = placement(&[
+        "--max-pinned-memory",
+        "2GiB",
+        "--text-encoder-compute",
+        "cpu",
+    ]);
+    assert_eq!(p["host_memory"]["kind"], "bounded");
+    assert_eq!(p["host_memory"]["max_pinned"], 2u64 << 30);
+    assert_eq!(p["text_encoder"]["mode"], "on_cpu");
+
+    let p = dry_run(&["--memory-model", "unified"]).0["placement"].clone();
+    for role in ["text_encoder", "dit", "vae"] {
+        assert_eq!(p[role]["mode"], "resident", "{role}");
+    }
+}
+
+#[test]
+fn dry_run_names_options_that_act_on_nothing() {
+    let (json, _) = dry_run(&["--memory-model", "discrete"]);
+    let notes = json["notes"].as_array().expect("notes is a list");
+    assert!(
+        notes.iter().any(|n| n.as_str().is_some_and(
+            |n| n.contains("--image-encoder-cpu-offload") && n.contains("no image encoder")
+        )),
+        "{notes:?}"
+    );
+    let (json, _) = dry_run(&[
+        "--memory-model",
+        "discrete",
+        "--no-image-encoder-cpu-offload",
+    ]);
+    assert_eq!(json["notes"], json!([]));
 }
 
 #[test]

@@ -716,7 +716,7 @@ pub mod wan {
     /// them, and its activations at the run's video size.
     pub fn plan(configs: &WanConfigs, config: &ResolvedConfig) -> anyhow::Result<MemoryPlan> {
         let o = &config.options;
-        let placement = Placement::new(o)?;
+        let placement = wan_t2v::effective_placement(Placement::new(o)?, configs);
         let dtype = config.dtype();
         let latent = configs.latent_shape(o.num_frames, o.height, o.width);
         let text_len = o.max_sequence_length as usize;

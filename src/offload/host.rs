@@ -14,7 +14,8 @@ use std::time::Instant;
 const ARENA_BYTES: usize = 1 << 30;
 
 /// How offloaded weights are held on the host.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
 pub enum HostMemory {
     /// Page-locked arenas: copies run asynchronously at full link speed.
     Pinned,
@@ -23,6 +24,20 @@ pub enum HostMemory {
     /// At most `max_pinned` bytes pinned: weights stay in the memory map (or, where they need
     /// converting or have no file, in pageable memory) and pass through a pinned staging ring.
     Bounded { max_pinned: usize },
+}
+
+impl std::fmt::Display for HostMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostMemory::Pinned => write!(f, "pinned"),
+            HostMemory::Pageable => write!(f, "pageable"),
+            HostMemory::Bounded { max_pinned } => write!(
+                f,
+                "in the memory map, through a {:.2} GiB pinned staging ring",
+                *max_pinned as f64 / (1u64 << 30) as f64
+            ),
+        }
+    }
 }
 
 /// One allocation of host memory.

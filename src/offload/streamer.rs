@@ -29,7 +29,7 @@ pub struct Usage {
 }
 
 /// How groups move.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct StreamOptions {
     /// Copy on a stream of their own, on a thread of their own, while groups compute; off:
     /// each group is copied on the compute stream just before it runs.

@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use interrupt::Interrupted;
 use jobs::Job;
+use placement::Placement;
 use progress::Progress;
 use runner::{BatchOrder, JobReport, LoadPolicy, Pipeline, Schedule, StageSpec};
 use serde::Serialize;
@@ -458,6 +459,8 @@ struct DryRun<'a> {
     configs: Option<(WanConfigs, &'static str)>,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
+    /// Where each component's weights live, or why the options give no placement.
+    placement: Result<Placement, String>,
 }
 
 impl<'a> DryRun<'a> {
@@ -472,12 +475,19 @@ impl<'a> DryRun<'a> {
             Some((c, _)) => memory_plan::wan::plan(c, config).map_err(|e| format!("{e:#}")),
             None => Err("the model's configs are not readable without a download (a dry run never downloads)".into()),
         };
+        let placement = Placement::new(&config.options)
+            .map(|p| match &configs {
+                Some((c, _)) => wan_t2v::effective_placement(p, c),
+                None => p,
+            })
+            .map_err(|e| format!("{e:#}"));
         DryRun {
             config,
             source,
             schedule,
             configs,
             memory,
+            placement,
         }
     }
 
@@ -487,6 +497,11 @@ impl<'a> DryRun<'a> {
         let mut out = config.to_json();
         out["load_policy"] = json!(load_policy(config));
         out["batch_order"] = json!(batch_order(config));
+        out["placement"] = match &self.placement {
+            Ok(p) => json!(p),
+            Err(why) => json!({ "error": why }),
+        };
+        out["notes"] = json!(wan_t2v::inert_options(&config.options));
         out["stages"] = wan_t2v::stages()
             .iter()
             .enumerate()
@@ -585,6 +600,20 @@ impl<'a> DryRun<'a> {
             json!(load_policy(config)).as_str().unwrap_or("?"),
             json!(batch_order(config)).as_str().unwrap_or("?")
         );
+        match &self.placement {
+            Ok(p) => {
+                out += &format!("text encoder {}\n", p.text_encoder);
+                out += &format!("transformer  {}\n", p.dit);
+                out += &format!("vae          {}\n", p.vae);
+                if p.uses_host_memory() {
+                    out += &format!("host memory  {}\n", p.memory);
+                }
+            }
+            Err(why) => out += &format!("placement    none: {why}\n"),
+        }
+        for note in wan_t2v::inert_options(o) {
+            out += &format!("note         {note}\n");
+        }
         out += "options (as --config file keys)\n";
         if let serde_json::Value::Object(options) = json!(o) {
             for (key, value) in options.iter().filter(|(_, v)| !v.is_null()) {

@@ -25,9 +25,29 @@ pub enum Residency {
     Streamed {
         blocks_per_group: usize,
         by_step: bool,
-        #[serde(skip)]
+        #[serde(flatten)]
         options: StreamOptions,
     },
+}
+
+impl Residency {
+    /// What this residency means for a model whose blocks split into `steps` steps: streaming
+    /// step by step moves one step per group, and falls back to whole blocks when a block has
+    /// no steps.
+    pub fn for_steps(self, steps: usize) -> Residency {
+        match self {
+            Residency::Streamed {
+                blocks_per_group,
+                by_step: true,
+                options,
+            } => Residency::Streamed {
+                blocks_per_group: if steps > 1 { 1 } else { blocks_per_group },
+                by_step: steps > 1,
+                options,
+            },
+            other => other,
+        }
+    }
 }
 
 impl std::fmt::Display for Residency {
@@ -64,7 +84,8 @@ pub struct Placement {
     pub text_encoder: Residency,
     pub dit: Residency,
     pub vae: Residency,
-    #[serde(skip)]
+    /// How offloaded weights are held on the host.
+    #[serde(rename = "host_memory")]
     pub memory: HostMemory,
 }
 
@@ -126,6 +147,15 @@ impl Placement {
     }
 }
 
+impl Placement {
+    /// Whether any component keeps its weights in host memory.
+    pub fn uses_host_memory(&self) -> bool {
+        [self.text_encoder, self.dit, self.vae]
+            .iter()
+            .any(|r| matches!(r, Residency::Parked | Residency::Streamed { .. }))
+    }
+}
+
 /// A model the engine can place: built whole, or as its outer part plus blocks built apart.
 pub trait Blockwise: Sized + 'static {
     type Config: Clone + Send + Sync + 'static;
@@ -175,7 +205,7 @@ impl<M: Blockwise> Placed<M> {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        Ok(match residency {
+        Ok(match residency.for_steps(M::steps(cfg)) {
             Residency::Resident => {
                 Placed::Resident(M::whole(cfg, weights.var_builder(dtype, device))?)
             }
@@ -210,12 +240,8 @@ impl<M: Blockwise> Placed<M> {
                     weights.var_builder(dtype, &Device::Cpu),
                 )?;
                 let n = M::num_blocks(cfg);
-                let steps = if by_step { M::steps(cfg).max(1) } else { 1 };
-                let per_group = if steps > 1 {
-                    1
-                } else {
-                    blocks_per_group.max(1)
-                };
+                let steps = if by_step { M::steps(cfg) } else { 1 };
+                let per_group = blocks_per_group.max(1);
                 let cfg = cfg.clone();
                 let blocks = Offloaded::from_weights(
                     weights,

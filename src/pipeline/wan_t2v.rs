@@ -5,6 +5,7 @@ use super::placement::Held;
 use super::placement::{Blockwise, Placed, Placement};
 use super::progress::Progress;
 use super::runner::{Pipeline, StageSpec};
+use crate::cli::args::GenerateOptions;
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::{MemoryMeter, MemoryPeaks};
 use crate::memory::plan;
@@ -71,6 +72,34 @@ pub fn stages() -> &'static [StageSpec<Component>] {
 /// The components safe to defer.
 pub fn deferrable() -> &'static [Component] {
     DEFERRABLE
+}
+
+/// `placement` as it applies to these models (streaming by step only where blocks have steps).
+pub fn effective_placement(placement: Placement, configs: &WanConfigs) -> Placement {
+    Placement {
+        text_encoder: placement
+            .text_encoder
+            .for_steps(UMT5EncoderModel::steps(&configs.text_encoder)),
+        dit: placement
+            .dit
+            .for_steps(WanTransformer3DModel::steps(&configs.transformer)),
+        vae: placement
+            .vae
+            .for_steps(AutoencoderKLWan::steps(&configs.vae)),
+        ..placement
+    }
+}
+
+/// Options this pipeline accepts but that act on nothing in it, each with why.
+pub fn inert_options(o: &GenerateOptions) -> Vec<String> {
+    let mut notes = Vec::new();
+    if o.image_encoder_cpu_offload {
+        notes.push(
+            "--image-encoder-cpu-offload has nothing to move: Wan2.1 text-to-video has no image encoder"
+                .to_string(),
+        );
+    }
+    notes
 }
 
 /// Every component only feeds tensors forward, so each may load late and free early.
@@ -367,7 +396,8 @@ impl WanT2V {
             Component::TextEncoder => self.placement.text_encoder,
             Component::Transformer => self.placement.dit,
             Component::Vae => self.placement.vae,
-        };
+        }
+        .for_steps(M::steps(cfg));
         let placed = Placed::load(
             cfg,
             weights,
