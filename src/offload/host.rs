@@ -10,7 +10,8 @@ use std::ops::Range;
 use std::time::Instant;
 
 /// Largest arena: groups are packed into arenas of at most this size (one larger group gets
-/// an arena of its own), so pinning runs in parallel and no allocation is rounded up.
+/// an arena of its own), so arenas are filled and locked in parallel and no allocation is
+/// rounded up.
 const ARENA_BYTES: usize = 1 << 30;
 
 /// How offloaded weights are held on the host.
@@ -130,7 +131,12 @@ impl Locked {
             )
         }
         .result()
-        .with_context(|| format!("page-locking {} bytes of host memory", self.map.len()))?;
+        .with_context(|| {
+            format!(
+                "page-locking {} bytes of host memory failed: pin less with --max-pinned-memory SIZE, or none with --no-pin-cpu-memory",
+                self.map.len()
+            )
+        })?;
         self.locked = true;
         Ok(())
     }
