@@ -17,7 +17,7 @@ use vidgen::models::loader::{component_weights, var_builder};
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
 use vidgen::models::wan::transformer::{
-    WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
+    BlockStep, WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
 use vidgen::pipeline::wan_t2v::WanConfigs;
@@ -275,6 +275,18 @@ fn planned_weight_bytes_equal_what_the_tiny_models_hold() {
                 wan::transformer_block(dit).bytes(dtype),
                 "{what}"
             );
+            for (step, planned) in BlockStep::ALL.into_iter().zip(wan::transformer_steps(dit)) {
+                assert_eq!(
+                    held("transformer", &|vb| WanTransformerBlock::with_steps(
+                        dit,
+                        vb.pp("blocks.0"),
+                        &[step]
+                    )
+                    .map(drop)),
+                    planned.bytes(dtype),
+                    "{what}: {step:?}"
+                );
+            }
         }
         // The VAE runs in f32 whatever the run dtype.
         assert_eq!(
@@ -353,6 +365,48 @@ fn layerwise_offload_lowers_the_denoise_weights_by_the_streamed_blocks() {
         assert_eq!(
             resident.stage("denoise").unwrap().activation_bytes,
             streamed.stage("denoise").unwrap().activation_bytes
+        );
+    }
+}
+
+/// Step-by-step streaming (`--offload-type leaf-level`) keeps `depth + 1` of the largest step
+/// of a block on the device (one without a stream), not whole blocks.
+#[test]
+fn leaf_level_offload_holds_the_largest_steps_not_whole_blocks() {
+    let configs = shipped("wan2.1-t2v-14b");
+    let dit = &configs.transformer;
+    let bf16 = |p: Params| p.bytes(DType::BF16);
+    let step = wan::transformer_steps(dit)
+        .map(bf16)
+        .into_iter()
+        .max()
+        .unwrap();
+    let shared = bf16(wan::transformer_shared(dit));
+    assert!(
+        2 * step < bf16(wan::transformer_block(dit)),
+        "a step is well under a block"
+    );
+    for (depth, stream) in [(1u64, true), (2, true), (1, false)] {
+        let d = depth.to_string();
+        let mut args = vec![
+            "--memory-model",
+            "discrete",
+            "--dtype",
+            "bf16",
+            "--lazy-module-load",
+        ];
+        args.extend(["--offload-type", "leaf-level", "--prefetch-depth", &d]);
+        if !stream {
+            args.push("--no-offload-stream");
+        }
+        let on_device = if stream { depth + 1 } else { 1 };
+        assert_eq!(
+            plan_of(&configs, &args)
+                .stage("denoise")
+                .unwrap()
+                .weight_bytes,
+            shared + on_device * step,
+            "{args:?}"
         );
     }
 }

@@ -117,8 +117,7 @@ impl Footprint {
             Residency::Resident => (whole, whole),
             Residency::OnCpu => return Footprint::default(),
             Residency::Parked => (whole, 0),
-            // A step-by-step group is counted as a whole block: an upper bound (the largest
-            // step of a Wan block is about two fifths of it).
+            // Step by step, `blocks` counts steps and `block` is the largest one.
             Residency::Streamed {
                 blocks_per_group,
                 options,
@@ -434,6 +433,21 @@ pub mod wan {
     /// One block, as `WanTransformerBlock::new` requests it (norm2 and the modulation table
     /// kept f32).
     pub fn transformer_block(cfg: &WanTransformerConfig) -> Params {
+        let (attention, norm2, ffn, modulation) = transformer_block_parts(cfg);
+        attention * 2 + norm2 + ffn + modulation
+    }
+
+    /// Each step of a DiT block as `WanTransformerBlock::with_steps` requests it alone
+    /// (self-attention, cross-attention, feed-forward): the groups of step-by-step streaming.
+    /// The modulated steps each hold the block's modulation table.
+    pub fn transformer_steps(cfg: &WanTransformerConfig) -> [Params; 3] {
+        let (attention, norm2, ffn, modulation) = transformer_block_parts(cfg);
+        [attention + modulation, attention + norm2, ffn + modulation]
+    }
+
+    /// A DiT block's parts: one attention, the cross-attention norm, the feed-forward and the
+    /// modulation table (the norm and the table kept in f32).
+    fn transformer_block_parts(cfg: &WanTransformerConfig) -> (Params, Params, Params, Params) {
         let d = cfg.inner_dim();
         let attention = Params::new(4 * linear(d, d) + 2 * d as u64);
         let norm2 = if cfg.cross_attn_norm {
@@ -442,7 +456,7 @@ pub mod wan {
             Params::default()
         };
         let ffn = Params::new(linear(d, cfg.ffn_dim) + linear(cfg.ffn_dim, d));
-        attention * 2 + norm2 + ffn + Params::f32(6 * d as u64)
+        (attention, norm2, ffn, Params::f32(6 * d as u64))
     }
 
     /// Everything but the blocks, as `WanTransformer3DModel::new_without_blocks` requests it
@@ -735,15 +749,25 @@ pub mod wan {
                 ),
                 text_encoder_activations(te, text_len, dtype),
             ),
-            Component::Transformer => Footprint::placed(
-                placement.dit,
-                (
-                    transformer_shared(dit).bytes(dtype),
-                    transformer_block(dit).bytes(dtype),
-                    dit.num_layers as u64,
-                ),
-                transformer_activations(dit, latent, text_len, dtype),
-            ),
+            Component::Transformer => {
+                let layers = dit.num_layers as u64;
+                // Step by step, every group is counted as the largest step (an upper bound).
+                let (unit, units) = match placement.dit {
+                    Residency::Streamed { by_step: true, .. } => {
+                        let steps = transformer_steps(dit).map(|p| p.bytes(dtype));
+                        (
+                            steps.into_iter().max().unwrap_or(0),
+                            layers * steps.len() as u64,
+                        )
+                    }
+                    _ => (transformer_block(dit).bytes(dtype), layers),
+                };
+                Footprint::placed(
+                    placement.dit,
+                    (transformer_shared(dit).bytes(dtype), unit, units),
+                    transformer_activations(dit, latent, text_len, dtype),
+                )
+            }
             Component::Vae => Footprint::placed(
                 placement.vae,
                 (vae(vae_cfg).bytes(DType::F32), 0, 0),
