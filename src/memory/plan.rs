@@ -19,7 +19,7 @@
 //! | 33 x 240 x 416 | | 0.65 / 0.65 | 2.02 / 2.05 |
 //! | 21 x 720 x 1280 | | 1.46 / 1.42 | tiled 1.82 / 1.67 |
 
-use crate::cli::args::{GenerateOptions, Tristate};
+use crate::cli::args::{GenerateOptions, OffloadType, Tristate};
 use crate::cli::ResolvedConfig;
 use crate::memory::apply_memory_rules;
 use crate::pipeline::placement::Residency;
@@ -263,11 +263,16 @@ struct Saving {
 }
 
 /// The savings in the order the advice adds them: the cheapest in speed first.
-const SAVINGS: [Saving; 4] = [
+const SAVINGS: [Saving; 5] = [
     Saving {
         flag: "--dit-layerwise-offload",
         turn_on: |o| o.dit_layerwise_offload = true,
         is_on: |o| o.dit_layerwise_offload,
+    },
+    Saving {
+        flag: "--offload-type leaf-level",
+        turn_on: |o| o.offload_type = OffloadType::LeafLevel,
+        is_on: |o| o.offload_type == OffloadType::LeafLevel,
     },
     Saving {
         flag: "--text-encoder-cpu-offload",
@@ -290,9 +295,10 @@ const SAVINGS: [Saving; 4] = [
 pub type PlanFor<'a> = &'a dyn Fn(&ResolvedConfig) -> anyhow::Result<MemoryPlan>;
 
 /// Option sets from the run's own, each adding one saving to the previous (DiT layerwise
-/// offload, text encoder offload, lazy load, VAE tiling), then, when the device size is known,
-/// with the most frames (fewer than asked) that fit. Each set goes through the device's memory
-/// rules, so a saving the device would undo (host offload on unified memory) is not offered.
+/// offload, step-by-step streaming, text encoder offload, lazy load, VAE tiling), then, when
+/// the device size is known, with the most frames (fewer than asked) that fit. Each set goes
+/// through the device's memory rules, so a saving the device would undo (host offload on
+/// unified memory) is not offered, and a set is offered only if it needs less than the last.
 pub fn candidates(
     config: &ResolvedConfig,
     plan_for: PlanFor,
@@ -300,27 +306,38 @@ pub fn candidates(
 ) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = Vec::new();
     let mut next = config.clone();
-    let mut add = |candidate: &ResolvedConfig| {
+    let mut least = plan_for(config).map_or(u64::MAX, |p| p.required_bytes());
+    // Offers `candidate` with `plan` if it needs less than the last offer.
+    let mut offer = |candidate: &ResolvedConfig, plan: MemoryPlan| {
         let flags = changed_flags(&config.options, &candidate.options);
-        if flags.is_empty() || out.last().is_some_and(|c| c.flags == flags) {
-            return;
-        }
-        if let Ok(plan) = plan_for(candidate) {
+        if !flags.is_empty() && plan.required_bytes() < least {
+            least = plan.required_bytes();
             out.push(Candidate { flags, plan });
         }
     };
     for saving in &SAVINGS {
-        (saving.turn_on)(&mut next.options);
-        apply_memory_rules(&mut next.options, &next.device);
-        add(&next);
+        let mut tried = next.clone();
+        (saving.turn_on)(&mut tried.options);
+        apply_memory_rules(&mut tried.options, &tried.device);
+        // A saving that changes no stage here (e.g. step-by-step streaming with nothing
+        // streamed) is left out; one that lowers a stage that is not the peak is kept, as a
+        // later saving may make that stage the peak.
+        if let Ok(after) = plan_for(&tried) {
+            if plan_for(&next).ok().as_ref() != Some(&after) {
+                next = tried;
+                offer(&next, after);
+            }
+        }
     }
     if let Some(total) = total {
         // Frames come as 4k+1; take the largest k below the run's that fits, else one frame.
         for k in (0..(config.options.num_frames - 1) / 4).rev() {
             next.options.num_frames = 4 * k + 1;
-            if k == 0 || plan_for(&next).is_ok_and(|p| p.fits(total)) {
-                add(&next);
-                break;
+            if let Ok(plan) = plan_for(&next) {
+                if k == 0 || plan.fits(total) {
+                    offer(&next, plan);
+                    break;
+                }
             }
         }
     }
@@ -918,12 +935,13 @@ mod tests {
         let found = candidates(&config, &plan_for, Some(generous));
         let flags: Vec<String> = found.iter().map(|c| c.flags.join(" ")).collect();
         assert_eq!(
-            flags[..4],
+            flags[..5],
             [
                 "--dit-layerwise-offload",
-                "--dit-layerwise-offload --text-encoder-cpu-offload",
-                "--dit-layerwise-offload --text-encoder-cpu-offload --lazy-module-load",
-                "--dit-layerwise-offload --text-encoder-cpu-offload --lazy-module-load --vae-tiling",
+                "--dit-layerwise-offload --offload-type leaf-level",
+                "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload",
+                "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load",
+                "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling",
             ]
         );
         for (k, c) in found.iter().enumerate() {
