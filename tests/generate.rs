@@ -339,4 +339,14 @@ fn stats_count_the_blocks_the_engine_moved() {
         &["--no-dit-layerwise-offload", "--no-dit-cpu-offload"],
     );
     assert!(resident.get("offload").is_none(), "{resident}");
+
+    // Bounded below the blocks' size, weights stay in the memory map (the fixture is f32, as
+    // the CPU runs); bounded above it, they are all held, as when pinned without a bound.
+    let held = |m: &serde_json::Value| m["offload"]["host_bytes"].as_u64().unwrap();
+    let bounded = stats("bounded", &["--max-pinned-memory", "4KiB"]);
+    assert_eq!(held(&bounded), 0, "{bounded}");
+    assert_eq!(bounded["offload"]["groups_copied"], passes * layers + 1);
+    let roomy = stats("roomy", &["--max-pinned-memory", "1GiB"]);
+    assert_eq!(held(&roomy), held(&streamed), "{roomy}");
+    assert!(held(&streamed) > 0);
 }

@@ -72,11 +72,16 @@ impl<B> Offloaded<B> {
         let layouts = (0..count)
             .map(|i| record(weights, dtype, packing, |vb| build(i, vb)))
             .collect::<Result<Vec<_>>>()?;
-        let store = HostStore::new(layouts, weights, memory, device)?;
-        let staging = match memory {
-            HostMemory::Bounded { max_pinned } => Some(max_pinned),
-            _ => None,
+        let total: usize = layouts.iter().map(|l| l.bytes).sum();
+        let largest = layouts.iter().map(|l| l.bytes).max().unwrap_or(0);
+        // A bound the whole part fits in pins it all (no staging); otherwise the ring's two
+        // buffers need be no larger than a group each.
+        let (memory, staging) = match memory {
+            HostMemory::Bounded { max_pinned } if max_pinned >= total => (HostMemory::Pinned, None),
+            HostMemory::Bounded { max_pinned } => (memory, Some(max_pinned.min(2 * largest))),
+            other => (other, None),
         };
+        let store = HostStore::new(layouts, weights, memory, device)?;
         let transfer = Transfer::new(device, options.stream, staging)?;
         Ok(Self::new(
             store,

@@ -338,6 +338,7 @@ impl WanT2V {
                     "copy_busy_seconds": copies.busy_seconds,
                     "copy_gb_per_second": copies.gb_per_second(),
                     "pinned_bytes": pinned,
+                    "host_bytes": after.host_bytes,
                 }),
             );
         }
