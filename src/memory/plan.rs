@@ -306,7 +306,8 @@ pub fn candidates(
 ) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = Vec::new();
     let mut next = config.clone();
-    let mut least = plan_for(config).map_or(u64::MAX, |p| p.required_bytes());
+    let mut current = plan_for(config).ok();
+    let mut least = current.as_ref().map_or(u64::MAX, |p| p.required_bytes());
     // Offers `candidate` with `plan` if it needs less than the last offer.
     let mut offer = |candidate: &ResolvedConfig, plan: MemoryPlan| {
         let flags = changed_flags(&config.options, &candidate.options);
@@ -323,8 +324,9 @@ pub fn candidates(
         // streamed) is left out; one that lowers a stage that is not the peak is kept, as a
         // later saving may make that stage the peak.
         if let Ok(after) = plan_for(&tried) {
-            if plan_for(&next).ok().as_ref() != Some(&after) {
+            if current.as_ref() != Some(&after) {
                 next = tried;
+                current = Some(after.clone());
                 offer(&next, after);
             }
         }
@@ -411,7 +413,7 @@ pub mod wan {
     use crate::models::wan::text_encoder::UMT5Config;
     use crate::models::wan::transformer::{WanTransformerConfig, FFN_CHUNK};
     use crate::models::wan::vae::{WanVaeConfig, WanVaeTiling};
-    use crate::pipeline::placement::{Placement, Residency};
+    use crate::pipeline::placement::Residency;
     use crate::pipeline::runner::Schedule;
     use crate::pipeline::wan_t2v::{self, Component, WanConfigs};
     use candle_core::DType;
@@ -747,7 +749,7 @@ pub mod wan {
     /// them, and its activations at the run's video size.
     pub fn plan(configs: &WanConfigs, config: &ResolvedConfig) -> anyhow::Result<MemoryPlan> {
         let o = &config.options;
-        let placement = wan_t2v::effective_placement(Placement::new(o)?, configs);
+        let placement = wan_t2v::placement(o, configs)?;
         let dtype = config.dtype();
         let latent = configs.latent_shape(o.num_frames, o.height, o.width);
         let text_len = o.max_sequence_length as usize;

@@ -475,12 +475,11 @@ impl<'a> DryRun<'a> {
             Some((c, _)) => memory_plan::wan::plan(c, config).map_err(|e| format!("{e:#}")),
             None => Err("the model's configs are not readable without a download (a dry run never downloads)".into()),
         };
-        let placement = Placement::new(&config.options)
-            .map(|p| match &configs {
-                Some((c, _)) => wan_t2v::effective_placement(p, c),
-                None => p,
-            })
-            .map_err(|e| format!("{e:#}"));
+        let placement = match &configs {
+            Some((c, _)) => wan_t2v::placement(&config.options, c),
+            None => Placement::new(&config.options),
+        }
+        .map_err(|e| format!("{e:#}"));
         DryRun {
             config,
             source,

@@ -145,9 +145,7 @@ impl Placement {
             memory,
         })
     }
-}
 
-impl Placement {
     /// Whether any component keeps its weights in host memory.
     pub fn uses_host_memory(&self) -> bool {
         [self.text_encoder, self.dit, self.vae]

@@ -74,9 +74,11 @@ pub fn deferrable() -> &'static [Component] {
     DEFERRABLE
 }
 
-/// `placement` as it applies to these models (streaming by step only where blocks have steps).
-pub fn effective_placement(placement: Placement, configs: &WanConfigs) -> Placement {
-    Placement {
+/// Where the options put each component, as it applies to these models (streaming by step
+/// only where blocks have steps).
+pub fn placement(options: &GenerateOptions, configs: &WanConfigs) -> Result<Placement> {
+    let placement = Placement::new(options)?;
+    Ok(Placement {
         text_encoder: placement
             .text_encoder
             .for_steps(UMT5EncoderModel::steps(&configs.text_encoder)),
@@ -87,7 +89,7 @@ pub fn effective_placement(placement: Placement, configs: &WanConfigs) -> Placem
             .vae
             .for_steps(AutoencoderKLWan::steps(&configs.vae)),
         ..placement
-    }
+    })
 }
 
 /// Options this pipeline accepts but that act on nothing in it, each with why.
@@ -177,7 +179,7 @@ impl WanT2V {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };
-        let placement = Placement::new(&config.options)?;
+        let placement = placement(&config.options, &configs)?;
         Ok(WanT2V {
             placement,
             config,
@@ -397,8 +399,7 @@ impl WanT2V {
             Component::TextEncoder => self.placement.text_encoder,
             Component::Transformer => self.placement.dit,
             Component::Vae => self.placement.vae,
-        }
-        .for_steps(M::steps(cfg));
+        };
         let placed = Placed::load(
             cfg,
             weights,
