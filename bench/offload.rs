@@ -18,14 +18,17 @@ use clap::Parser;
 use std::time::Instant;
 use vidgen::cli::args::GenerateOptions;
 use vidgen::memory::accounting::{MemoryMeter, MemoryPeaks};
-use vidgen::models::loader::{component_weights, seeded_normal, WeightSet, Weights};
+use vidgen::models::source::component_weights;
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::group::Slot;
+use vidgen::offload::Residency;
 use vidgen::offload::{record, Packing, Usage};
-use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement, Residency};
+use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement};
+use vidgen::pipeline::registry::{Family, RunShape};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
+use vidgen::weights::{seeded_normal, WeightSet, Weights};
 
 #[derive(Parser)]
 struct Flags {
@@ -52,7 +55,17 @@ fn main() -> Result<()> {
         let mut argv = vec!["bench".to_string()];
         argv.extend(flags.split_whitespace().map(String::from));
         let options = Flags::try_parse_from(argv)?.options;
-        let placement = Placement::new(&options)?;
+        let run = RunShape {
+            dtype: DType::BF16,
+            num_frames: size[0],
+            height: size[1],
+            width: size[2],
+            text_len: 512,
+            vae_tiling: false,
+        };
+        let spec = configs.spec(&run);
+        let placement = Placement::new(&vidgen::cli::resolve::memory_options(&options), &spec);
+        let residency = |name| spec.component(name).map(|i| placement.residencies[i]);
         let vae = label.starts_with("vae");
         let folder = if vae { "vae" } else { "transformer" };
         let weights = match std::env::var_os("VIDGEN_BENCH_FILES") {
@@ -62,7 +75,12 @@ fn main() -> Result<()> {
         let m = if vae {
             let z = |device: &Device| Ok(Tensor::randn(0f32, 1f32, &shape[..], device)?);
             measure::<AutoencoderKLWan, _>(
-                (&configs.vae, &weights, placement.vae, &placement),
+                (
+                    &configs.vae,
+                    &weights,
+                    residency("vae").context("no vae")?,
+                    &placement,
+                ),
                 DType::F32,
                 (&device, &meter, forwards),
                 false,
@@ -80,7 +98,12 @@ fn main() -> Result<()> {
                 ))
             };
             let m = measure::<WanTransformer3DModel, _>(
-                (&configs.transformer, &weights, placement.dit, &placement),
+                (
+                    &configs.transformer,
+                    &weights,
+                    residency("transformer").context("no transformer")?,
+                    &placement,
+                ),
                 DType::BF16,
                 (&device, &meter, forwards),
                 true,
@@ -213,11 +236,11 @@ fn materialized(
     if !path.exists() {
         let synthetic = WeightSet::open(&component_weights(source, folder)?)?;
         let layout = if folder == "vae" {
-            record(&synthetic, DType::F32, Packing::PerTensor, |vb| {
+            record(Some(&synthetic), DType::F32, Packing::PerTensor, |vb| {
                 AutoencoderKLWan::new(&configs.vae, vb)
             })?
         } else {
-            record(&synthetic, DType::BF16, Packing::PerTensor, |vb| {
+            record(Some(&synthetic), DType::BF16, Packing::PerTensor, |vb| {
                 WanTransformer3DModel::new(&configs.transformer, vb)
             })?
         };

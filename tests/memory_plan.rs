@@ -1,6 +1,8 @@
-//! The memory plan against what it predicts: parameter counts against the published state
-//! dicts (`tests/fixtures/wan2.1-configs.json`, written by diffusers/transformers), weight bytes
-//! against what the tiny models really hold, and the dry run's report.
+//! The memory plan against what it predicts: weight bytes recorded from the model constructors
+//! against the published state dicts (`tests/fixtures/wan2.1-configs.json`, written by
+//! diffusers/transformers) and against what the tiny models and the offload engine really hold,
+//! the plans of the load policies and offload modes, the out-of-memory advice, and the dry run's
+//! report.
 
 mod common;
 
@@ -12,15 +14,19 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use vidgen::cli::{parse, Parsed, ResolvedConfig};
-use vidgen::memory::plan::{gib, wan, MemoryPlan, Params};
-use vidgen::models::loader::{component_weights, var_builder};
-use vidgen::models::source::ModelSource;
+use vidgen::memory::plan::{first_fitting, gib, MemoryPlan};
+use vidgen::models::source::{component_weights, ModelSource};
 use vidgen::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
 use vidgen::models::wan::transformer::{
     BlockStep, WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
+use vidgen::offload::{record, HostMemory, Packing, Residency, StreamOptions};
+use vidgen::pipeline::placement::{Blockwise, Placed};
+use vidgen::pipeline::plan::Planner;
+use vidgen::pipeline::spec::{Constructors, ModelConstructors};
 use vidgen::pipeline::wan_t2v::WanConfigs;
+use vidgen::weights::{var_builder, WeightSet};
 
 const REPOS: [(&str, &str, &str); 2] = [
     (
@@ -63,12 +69,17 @@ fn kept_f32_modules(component: &str) -> Vec<String> {
         .collect()
 }
 
-/// Parameters of the tensors of a published state dict whose names pass `wanted`; a tensor
-/// counts as kept f32 when a module of `kept` is one of its name's parts (as the libraries
-/// match `_keep_in_fp32_modules`).
-fn state_dict_params(state_dict: &str, kept: &[String], wanted: impl Fn(&str) -> bool) -> Params {
+/// Bytes in `dtype` of the tensors of a published state dict whose names pass `wanted`; a tensor
+/// stays f32 when a module of `kept` is one of its name's parts (as the libraries match
+/// `_keep_in_fp32_modules`).
+fn state_dict_bytes(
+    state_dict: &str,
+    kept: &[String],
+    dtype: DType,
+    wanted: impl Fn(&str) -> bool,
+) -> u64 {
     let tensors = published()["state_dicts"][state_dict]["tensors"].clone();
-    let mut params = Params::default();
+    let mut bytes = 0;
     for (name, shape) in tensors.as_object().unwrap() {
         if !wanted(name) {
             continue;
@@ -79,76 +90,118 @@ fn state_dict_params(state_dict: &str, kept: &[String], wanted: impl Fn(&str) ->
             .iter()
             .map(|d| d.as_u64().unwrap())
             .product();
-        params.count += n;
-        if name.split('.').any(|part| kept.iter().any(|k| k == part)) {
-            params.kept_f32 += n;
-        }
+        let kept_f32 = name.split('.').any(|part| kept.iter().any(|k| k == part));
+        bytes += n * if kept_f32 {
+            4
+        } else {
+            dtype.size_in_bytes() as u64
+        };
     }
-    params
+    bytes
 }
 
 fn shipped(name: &str) -> WanConfigs {
     WanConfigs::read(&ModelSource::parse(&format!("synthetic:{name}")).unwrap()).unwrap()
 }
 
+/// Tensor bytes `build` asks for, recorded from the constructors alone (nothing allocated).
+fn recorded<B>(
+    dtype: DType,
+    build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<B>,
+) -> u64 {
+    record(None, dtype, Packing::ByDtype, build)
+        .unwrap()
+        .tensor_bytes() as u64
+}
+
+fn streamed(blocks_per_group: usize, by_step: bool, stream: bool, depth: usize) -> Residency {
+    Residency::Streamed {
+        blocks_per_group,
+        by_step,
+        options: StreamOptions { stream, depth },
+    }
+}
+
+/// The constructors of the published 1.3B and 14B DiTs ask for exactly the published tensors,
+/// in bf16 with diffusers' f32 modules kept f32: whole, their outer part, and one block.
 #[test]
-fn transformer_parameters_match_the_published_state_dicts() {
+fn transformer_weights_match_the_published_state_dicts() {
     let kept = kept_f32_modules("transformer");
-    // The f32 share diffusers keeps, as published (GiB to three decimals).
-    for ((repo, state_dict, name), f32_gib) in REPOS.iter().zip(["0.012", "0.109"]) {
+    for (repo, state_dict, name) in REPOS {
         let cfg: WanTransformerConfig = published_config(repo, "transformer/config.json");
         assert_eq!(shipped(name).transformer, cfg, "{name}: shipped config");
-        let all = state_dict_params(state_dict, &kept, |_| true);
+        let bf16 = DType::BF16;
+        let model = ModelConstructors::<WanTransformer3DModel>(cfg.clone());
+        let resident = model.layout(Residency::Resident, bf16, None).unwrap();
         assert_eq!(
-            Some(all.count),
-            published()["state_dicts"][state_dict]["num_parameters"].as_u64()
+            resident.direct_bytes as u64,
+            state_dict_bytes(state_dict, &kept, bf16, |_| true),
+            "{repo}"
         );
-        assert_eq!(wan::transformer(&cfg), all, "{repo}");
+        let layers = cfg.num_layers;
+        let streaming = model
+            .layout(streamed(1, false, true, 1), bf16, None)
+            .unwrap();
         assert_eq!(
-            wan::transformer_block(&cfg),
-            state_dict_params(state_dict, &kept, |n| n.starts_with("blocks.0."))
+            streaming.direct_bytes as u64,
+            state_dict_bytes(state_dict, &kept, bf16, |n| !n.starts_with("blocks."))
         );
+        assert_eq!(streaming.groups.len(), layers);
         assert_eq!(
-            wan::transformer_shared(&cfg),
-            state_dict_params(state_dict, &kept, |n| !n.starts_with("blocks."))
+            streaming.groups[0].tensor_bytes() as u64,
+            state_dict_bytes(state_dict, &kept, bf16, |n| n.starts_with("blocks.0."))
         );
-        let f32_bytes = wan::transformer(&cfg).kept_f32 * 4;
-        assert_eq!(format!("{:.3}", gib(f32_bytes)), f32_gib, "{repo}");
     }
 }
 
 #[test]
-fn text_encoder_and_vae_parameters_match_the_published_state_dicts() {
+fn text_encoder_and_vae_weights_match_the_published_state_dicts() {
     let te_dict = "text_encoder_UMT5EncoderModel_umt5-xxl";
     let kept = kept_f32_modules("text_encoder");
     let (repo, _, name) = REPOS[0];
     let cfg: UMT5Config = published_config(repo, "text_encoder/config.json");
     // The tied embedding is listed under both names and stored (and loaded) once.
     let stored = |n: &str| n != "encoder.embed_tokens.weight";
+    let bf16 = DType::BF16;
+    let encoder = ModelConstructors::<UMT5EncoderModel>(cfg.clone());
     assert_eq!(
-        wan::text_encoder(&cfg),
-        state_dict_params(te_dict, &kept, stored)
+        encoder
+            .layout(Residency::Resident, bf16, None)
+            .unwrap()
+            .direct_bytes as u64,
+        state_dict_bytes(te_dict, &kept, bf16, stored)
     );
     assert_eq!(
-        wan::text_encoder(&shipped(name).text_encoder),
-        wan::text_encoder(&cfg)
+        resident::<UMT5EncoderModel>(&shipped(name).text_encoder, bf16),
+        state_dict_bytes(te_dict, &kept, bf16, stored)
     );
+    let streaming = encoder
+        .layout(streamed(1, false, true, 1), bf16, None)
+        .unwrap();
     assert_eq!(
-        wan::text_encoder_block(&cfg),
-        state_dict_params(te_dict, &kept, |n| n.starts_with("encoder.block.0."))
+        streaming.groups[0].tensor_bytes() as u64,
+        state_dict_bytes(te_dict, &kept, bf16, |n| n.starts_with("encoder.block.0."))
     );
+    // Streamed, the token table stays in host memory: only the final norm is on the device.
     assert_eq!(
-        wan::text_encoder_outer(&cfg),
-        state_dict_params(te_dict, &kept, |n| stored(n) && !n.contains(".block."))
+        streaming.direct_bytes as u64,
+        state_dict_bytes(te_dict, &kept, bf16, |n| n
+            .starts_with("encoder.final_layer_norm"))
     );
 
     let vae_dict = "vae_AutoencoderKLWan_Wan2.1";
     let cfg: WanVaeConfig = published_config(repo, "vae/config.json");
-    let all = state_dict_params(vae_dict, &[], |_| true);
-    assert_eq!(wan::vae(&cfg).count, all.count);
-    assert_eq!(wan::vae(&shipped(name).vae).count, all.count);
+    let vae_bytes = |cfg: &WanVaeConfig| {
+        ModelConstructors::<AutoencoderKLWan>(cfg.clone())
+            .layout(Residency::Resident, DType::F32, None)
+            .unwrap()
+            .direct_bytes as u64
+    };
+    let all = state_dict_bytes(vae_dict, &[], DType::F32, |_| true);
+    assert_eq!(vae_bytes(&cfg), all);
+    assert_eq!(vae_bytes(&shipped(name).vae), all);
     assert_eq!(
-        Some(all.count),
+        Some(all / 4),
         published()["state_dicts"][vae_dict]["num_parameters"].as_u64()
     );
 }
@@ -216,10 +269,10 @@ fn held<M>(
 }
 
 /// For the tiny fixture (real safetensors) and the shipped tiny configs (synthetic weights),
-/// in every run dtype: the plan's bytes of each component, and of the parts the offload
-/// engine moves apart, are what the models hold.
+/// in every run dtype: the bytes recorded from the constructors alone (what the plan counts) are
+/// what the models hold once built from real weights.
 #[test]
-fn planned_weight_bytes_equal_what_the_tiny_models_hold() {
+fn recorded_weight_bytes_equal_what_the_tiny_models_hold() {
     let fixture = ModelSource::parse(common::fixture_dir().to_str().unwrap()).unwrap();
     let synthetic = ModelSource::parse("synthetic:wan2.1-tiny").unwrap();
     for source in [fixture, synthetic] {
@@ -227,76 +280,91 @@ fn planned_weight_bytes_equal_what_the_tiny_models_hold() {
         let (te, dit) = (&configs.text_encoder, &configs.transformer);
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let what = format!("{source} in {dtype:?}");
-            let held =
+            let check =
                 |component, build: &dyn Fn(VarBuilder<'static>) -> candle_core::Result<()>| {
-                    held(&source, component, dtype, build)
+                    assert_eq!(
+                        held(&source, component, dtype, build),
+                        recorded(dtype, build),
+                        "{what}: {component}"
+                    );
                 };
-            assert_eq!(
-                held("text_encoder", &|vb| UMT5EncoderModel::new(te, vb)
-                    .map(drop)),
-                wan::text_encoder(te).bytes(dtype),
-                "{what}"
-            );
-            assert_eq!(
-                held("text_encoder", &|vb| UMT5EncoderModel::new_without_blocks(
-                    te,
-                    vb.clone(),
-                    vb
-                )
-                .map(drop)),
-                wan::text_encoder_outer(te).bytes(dtype),
-                "{what}"
-            );
-            assert_eq!(
-                held("text_encoder", &|vb| UMT5EncoderModel::block(te, 0, vb)
-                    .map(drop)),
-                wan::text_encoder_block(te).bytes(dtype),
-                "{what}"
-            );
-            assert_eq!(
-                held("transformer", &|vb| WanTransformer3DModel::new(dit, vb)
-                    .map(drop)),
-                wan::transformer(dit).bytes(dtype),
-                "{what}"
-            );
-            assert_eq!(
-                held("transformer", &|vb| {
-                    WanTransformer3DModel::new_without_blocks(dit, vb).map(drop)
-                }),
-                wan::transformer_shared(dit).bytes(dtype),
-                "{what}"
-            );
-            assert_eq!(
-                held("transformer", &|vb| WanTransformerBlock::new(
-                    dit,
-                    vb.pp("blocks.0")
-                )
-                .map(drop)),
-                wan::transformer_block(dit).bytes(dtype),
-                "{what}"
-            );
-            for (step, planned) in BlockStep::ALL.into_iter().zip(wan::transformer_steps(dit)) {
-                assert_eq!(
-                    held("transformer", &|vb| WanTransformerBlock::with_steps(
-                        dit,
-                        vb.pp("blocks.0"),
-                        &[step]
-                    )
-                    .map(drop)),
-                    planned.bytes(dtype),
-                    "{what}: {step:?}"
-                );
+            check("text_encoder", &|vb| {
+                UMT5EncoderModel::new(te, vb).map(drop)
+            });
+            check("text_encoder", &|vb| {
+                UMT5EncoderModel::block(te, 0, vb).map(drop)
+            });
+            check("transformer", &|vb| {
+                WanTransformer3DModel::new(dit, vb).map(drop)
+            });
+            check("transformer", &|vb| {
+                WanTransformer3DModel::new_without_blocks(dit, vb).map(drop)
+            });
+            for step in BlockStep::ALL {
+                check("transformer", &|vb| {
+                    WanTransformerBlock::with_steps(dit, vb.pp("blocks.0"), &[step]).map(drop)
+                });
             }
         }
-        // The VAE runs in f32 whatever the run dtype.
+        let vae = |vb| AutoencoderKLWan::new(&configs.vae, vb).map(drop);
         assert_eq!(
-            held(&source, "vae", DType::F32, |vb| AutoencoderKLWan::new(
-                &configs.vae,
-                vb
-            )),
-            wan::vae(&configs.vae).bytes(DType::BF16),
+            held(&source, "vae", DType::F32, vae),
+            recorded(DType::F32, vae),
             "{source}"
         );
+    }
+}
+
+/// For every streamed mode, the plan's device bytes of a streamed component are what the
+/// offload engine holds for it: the groups it records from the real weights are the groups the
+/// plan records from the configs alone, and its slots (or, without a copy stream, the largest
+/// group) are the plan's; the outer part is what the model holds. One group of every block
+/// (`--num-blocks-per-group` = the layer count) included.
+#[test]
+fn the_plan_holds_what_the_offload_engine_allocates() {
+    let source = ModelSource::parse(common::fixture_dir().to_str().unwrap()).unwrap();
+    let configs = WanConfigs::read(&source).unwrap();
+    let dit = &configs.transformer;
+    let weights = WeightSet::open(&component_weights(&source, "transformer").unwrap()).unwrap();
+    let layers = dit.num_layers;
+    let dtype = DType::BF16;
+    let mut modes = Vec::new();
+    for (per_group, by_step) in [(1, false), (2, false), (layers, false), (1, true)] {
+        for (stream, depth) in [(true, 1), (true, 2), (true, 4), (false, 1)] {
+            modes.push(streamed(per_group, by_step, stream, depth));
+        }
+    }
+    let constructors = ModelConstructors::<WanTransformer3DModel>(dit.clone());
+    for residency in modes {
+        let planned = constructors.layout(residency, dtype, None).unwrap();
+        let placed = Placed::<WanTransformer3DModel>::load(
+            dit,
+            &weights,
+            residency,
+            HostMemory::Pageable,
+            dtype,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let Placed::Streamed { blocks, .. } = &placed else {
+            panic!("{residency:?}: not streamed");
+        };
+        let engine = blocks.layouts();
+        assert_eq!(engine.len(), planned.groups.len(), "{residency:?}");
+        for (e, p) in engine.iter().zip(&planned.groups) {
+            assert_eq!((e.bytes, e.tensor_bytes()), (p.bytes, p.tensor_bytes()));
+        }
+        let weights = planned.device_weights(residency);
+        let usage = placed.offload_usage().unwrap();
+        assert_eq!(
+            weights.active,
+            (planned.direct_bytes + usage.device_bytes) as u64,
+            "{residency:?}"
+        );
+        let outer = held(&source, "transformer", dtype, |vb| {
+            WanTransformer3DModel::outer(dit, vb.clone(), vb).map(drop)
+        });
+        assert_eq!(planned.direct_bytes as u64, outer, "{residency:?}");
     }
 }
 
@@ -313,19 +381,32 @@ fn resolve(args: &[&str]) -> ResolvedConfig {
 }
 
 fn plan_of(configs: &WanConfigs, args: &[&str]) -> MemoryPlan {
-    wan::plan(configs, &resolve(args)).unwrap()
+    let config = resolve(args);
+    let planner = Planner::new(configs, &config);
+    planner.plan(&planner.request()).unwrap()
+}
+
+/// Resident bytes of a component's constructors.
+fn resident<M: Blockwise>(cfg: &M::Config, dtype: DType) -> u64 {
+    ModelConstructors::<M>(cfg.clone())
+        .layout(Residency::Resident, dtype, None)
+        .unwrap()
+        .direct_bytes as u64
 }
 
 /// bf16 bytes of one published 14B block: f32 for the modules diffusers keeps in f32.
 fn published_14b_block_bf16_bytes() -> u64 {
-    let p = state_dict_params(REPOS[1].1, &kept_f32_modules("transformer"), |n| {
-        n.starts_with("blocks.0.")
-    });
-    (p.count - p.kept_f32) * 2 + p.kept_f32 * 4
+    state_dict_bytes(
+        REPOS[1].1,
+        &kept_f32_modules("transformer"),
+        DType::BF16,
+        |n| n.starts_with("blocks.0."),
+    )
 }
 
 /// Streaming the DiT's blocks takes all but the groups in flight off the device while
-/// denoising: (prefetch depth + 1) groups with a copy stream, one group without.
+/// denoising: (prefetch depth + 1) groups with a copy stream, one group without, each at most
+/// its tensors plus their 256-byte alignment.
 #[test]
 fn layerwise_offload_lowers_the_denoise_weights_by_the_streamed_blocks() {
     let configs = shipped("wan2.1-t2v-14b");
@@ -360,7 +441,11 @@ fn layerwise_offload_lowers_the_denoise_weights_by_the_streamed_blocks() {
         let saved = |name| {
             resident.stage(name).unwrap().weight_bytes - streamed.stage(name).unwrap().weight_bytes
         };
-        assert_eq!(saved("denoise"), (layers - kept) * block, "{args:?}");
+        let padding = saved("denoise").abs_diff((layers - kept) * block);
+        assert!(
+            padding <= kept * 256 * 32,
+            "{args:?}: {padding} bytes of padding"
+        );
         assert_eq!(saved("decode"), 0, "{args:?}: lazy, the DiT is gone");
         assert_eq!(
             resident.stage("denoise").unwrap().activation_bytes,
@@ -375,15 +460,23 @@ fn layerwise_offload_lowers_the_denoise_weights_by_the_streamed_blocks() {
 fn leaf_level_offload_holds_the_largest_steps_not_whole_blocks() {
     let configs = shipped("wan2.1-t2v-14b");
     let dit = &configs.transformer;
-    let bf16 = |p: Params| p.bytes(DType::BF16);
-    let step = wan::transformer_steps(dit)
-        .map(bf16)
-        .into_iter()
+    let bf16 = DType::BF16;
+    let step = BlockStep::ALL
+        .iter()
+        .map(|&s| {
+            record(None, bf16, Packing::ByDtype, |vb| {
+                WanTransformerBlock::with_steps(dit, vb.pp("blocks.0"), &[s])
+            })
+            .unwrap()
+            .bytes as u64
+        })
         .max()
         .unwrap();
-    let shared = bf16(wan::transformer_shared(dit));
+    let shared = recorded(bf16, |vb| {
+        WanTransformer3DModel::new_without_blocks(dit, vb)
+    });
     assert!(
-        2 * step < bf16(wan::transformer_block(dit)),
+        2 * step < published_14b_block_bf16_bytes(),
         "a step is well under a block"
     );
     for (depth, stream) in [(1u64, true), (2, true), (1, false)] {
@@ -418,9 +511,9 @@ fn leaf_level_offload_holds_the_largest_steps_not_whole_blocks() {
 fn the_load_policy_decides_which_weights_each_stage_holds() {
     let configs = shipped("wan2.1-t2v-1.3b");
     let dtype = DType::BF16;
-    let te = wan::text_encoder(&configs.text_encoder).bytes(dtype);
-    let dit = wan::transformer(&configs.transformer).bytes(dtype);
-    let vae = wan::vae(&configs.vae).bytes(dtype);
+    let te = resident::<UMT5EncoderModel>(&configs.text_encoder, dtype);
+    let dit = resident::<WanTransformer3DModel>(&configs.transformer, dtype);
+    let vae = resident::<AutoencoderKLWan>(&configs.vae, DType::F32);
     let resident = [
         "--memory-model",
         "discrete",
@@ -446,12 +539,12 @@ fn the_load_policy_decides_which_weights_each_stage_holds() {
     }
 }
 
-/// Parked components are on the device only for their own stage; a text encoder computing
-/// on the CPU never is.
+/// Parked components are on the device only for their own stage (as the one image the engine
+/// moves in); a text encoder computing on the CPU never is.
 #[test]
 fn offloaded_components_leave_the_device_between_their_stages() {
     let configs = shipped("wan2.1-t2v-1.3b");
-    let vae = wan::vae(&configs.vae).bytes(DType::BF16);
+    let vae = resident::<AutoencoderKLWan>(&configs.vae, DType::F32);
     let args = [
         "--memory-model",
         "discrete",
@@ -469,7 +562,7 @@ fn offloaded_components_leave_the_device_between_their_stages() {
         ]
         .concat(),
     );
-    let resident = plan_of(
+    let resident_plan = plan_of(
         &configs,
         &[
             &args[..],
@@ -477,13 +570,18 @@ fn offloaded_components_leave_the_device_between_their_stages() {
         ]
         .concat(),
     );
-    for (stage, difference) in [("encode_text", vae), ("denoise", vae), ("decode", 0)] {
+    for (stage, difference) in [("encode_text", vae), ("denoise", vae)] {
         assert_eq!(
-            resident.stage(stage).unwrap().weight_bytes - parked.stage(stage).unwrap().weight_bytes,
+            resident_plan.stage(stage).unwrap().weight_bytes
+                - parked.stage(stage).unwrap().weight_bytes,
             difference,
             "{stage}"
         );
     }
+    // Moved in whole for the decode: its tensors, each aligned to 256 bytes.
+    let decode = |p: &MemoryPlan| p.stage("decode").unwrap().weight_bytes;
+    assert!(decode(&parked) >= decode(&resident_plan));
+    assert!(decode(&parked) - decode(&resident_plan) < 256 * 1024);
     let on_cpu = plan_of(
         &configs,
         &[
@@ -497,10 +595,10 @@ fn offloaded_components_leave_the_device_between_their_stages() {
         ]
         .concat(),
     );
-    let te = wan::text_encoder(&configs.text_encoder).bytes(DType::BF16);
+    let te = resident::<UMT5EncoderModel>(&configs.text_encoder, DType::BF16);
     let encode = |p: &MemoryPlan| p.stage("encode_text").unwrap().clone();
     assert_eq!(
-        encode(&resident).weight_bytes - encode(&on_cpu).weight_bytes,
+        encode(&resident_plan).weight_bytes - encode(&on_cpu).weight_bytes,
         te
     );
     assert_eq!(encode(&on_cpu).activation_bytes, 0);
@@ -526,6 +624,146 @@ fn vae_tiling_lowers_the_decode_of_large_videos_only() {
     assert!(decode(&large, true) < decode(&large, false));
     let one_tile = ["--height", "256", "--width", "256"];
     assert_eq!(decode(&one_tile, true), decode(&one_tile, false));
+}
+
+/// 14B with every component resident and loaded eagerly.
+fn resident_14b() -> (WanConfigs, ResolvedConfig) {
+    let config = resolve(&[
+        "--memory-model",
+        "discrete",
+        "--dtype",
+        "bf16",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+        "--no-text-encoder-cpu-offload",
+        "--no-vae-cpu-offload",
+    ]);
+    (shipped("wan2.1-t2v-14b"), config)
+}
+
+/// The candidates in order, each needing less than the one before here, and the first that
+/// fits a device is the one the advice names.
+#[test]
+fn the_first_candidate_that_fits_is_chosen() {
+    let (configs, config) = resident_14b();
+    let planner = Planner::new(&configs, &config);
+    let current = planner.plan(&planner.request()).unwrap();
+    let found = planner.candidates(Some(current.required_bytes()));
+    let flags: Vec<String> = found.iter().map(|c| c.flags.join(" ")).collect();
+    assert_eq!(
+        flags[..5],
+        [
+            "--dit-layerwise-offload",
+            "--dit-layerwise-offload --offload-type leaf-level",
+            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload",
+            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load",
+            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling",
+        ]
+    );
+    for (k, c) in found.iter().enumerate() {
+        assert!(
+            found[..k]
+                .iter()
+                .all(|e| e.plan.required_bytes() > c.plan.required_bytes()),
+            "candidate {k} ({}) needs no less than an earlier one",
+            flags[k]
+        );
+        let total = c.plan.required_bytes();
+        let chosen = first_fitting(&found, total).expect("a candidate fits");
+        assert_eq!(chosen.flags, c.flags, "device of {:.2} GiB", gib(total));
+        let mut on_device = config.clone();
+        on_device.device.total_memory = Some(total);
+        let text = Planner::new(&configs, &on_device).advice();
+        assert!(
+            text.contains(&format!("predicted to fit: {}", flags[k])),
+            "{text}"
+        );
+        assert!(text.contains(&format!("{:.2} GiB", gib(total))), "{text}");
+    }
+    let too_small = found.last().unwrap().plan.required_bytes() - 1;
+    assert!(first_fitting(&found, too_small).is_none());
+}
+
+/// With the device a little smaller than the tiled 81-frame run needs, the last candidate
+/// is the most frames (4k+1) that fit: four more would not.
+#[test]
+fn fewer_frames_are_the_most_that_fit() {
+    let (configs, config) = resident_14b();
+    let planner = Planner::new(&configs, &config);
+    let all_savings = planner.candidates(None);
+    let leanest = all_savings.last().unwrap();
+    let total = leanest.plan.required_bytes() - 1;
+    let found = planner.candidates(Some(total));
+    let last = found.last().unwrap();
+    let frames: u32 = last
+        .flags
+        .last()
+        .and_then(|f| f.strip_prefix("--num-frames "))
+        .expect("a --num-frames candidate")
+        .parse()
+        .unwrap();
+    assert!(frames < config.options.num_frames && (frames - 1).is_multiple_of(4));
+    assert!(last.plan.fits(total));
+    let mut more = planner.request();
+    more.options.dit_layerwise_offload = true;
+    more.options.leaf_level = true;
+    more.options.text_encoder_cpu_offload = true;
+    more.options.lazy_module_load = Some(true);
+    more.options.vae_tiling = true;
+    more.num_frames = frames + 4;
+    assert!(!planner.plan(&more).unwrap().fits(total));
+    assert_eq!(first_fitting(&found, total).unwrap().flags, last.flags);
+}
+
+/// On unified memory the device rules turn host offload off, so it is never offered.
+#[test]
+fn savings_the_device_would_undo_are_not_offered() {
+    let configs = shipped("wan2.1-t2v-14b");
+    let config = resolve(&["--memory-model", "unified", "--no-lazy-module-load"]);
+    let found = Planner::new(&configs, &config).candidates(Some(1 << 40));
+    assert!(!found.is_empty());
+    for c in &found {
+        assert!(
+            !c.flags.iter().any(|f| f.contains("offload")),
+            "{:?}",
+            c.flags
+        );
+    }
+    assert_eq!(found[0].flags, ["--lazy-module-load"]);
+}
+
+/// Nothing fits a device smaller than the leanest candidate: the advice says so and names
+/// the leanest; without a known size, or when the run's own options should fit, it names the
+/// leanest too.
+#[test]
+fn advice_without_a_fit_names_the_leanest() {
+    let (configs, config) = resident_14b();
+    let advice = |total: Option<u64>| {
+        let mut on_device = config.clone();
+        on_device.device.total_memory = total;
+        Planner::new(&configs, &on_device).advice()
+    };
+    let text = advice(Some(1 << 30));
+    assert!(
+        text.contains("nothing the plan knows is predicted to fit"),
+        "{text}"
+    );
+    assert!(text.contains("--num-frames 1 (predicted peak"), "{text}");
+    let planner = Planner::new(&configs, &config);
+    let current = planner.plan(&planner.request()).unwrap();
+    for total in [None, Some(current.required_bytes())] {
+        let text = advice(total);
+        assert!(text.contains(&current.describe_peak()), "{text}");
+        assert!(
+            text.contains("the leanest option set: --dit-layerwise-offload"),
+            "{text}"
+        );
+        assert_eq!(
+            text.contains("other processes may hold device memory"),
+            total.is_some(),
+            "{text}"
+        );
+    }
 }
 
 fn dry_run(args: &[&str], hf_home: &std::path::Path) -> String {

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+pub use crate::memory::probe::{parse_device, DeviceChoice};
 pub use crate::output::OutputType;
 pub use crate::schedulers::SchedulerKind;
 
@@ -356,62 +357,4 @@ pub enum MemoryModelChoice {
     Auto,
     Discrete,
     Unified,
-}
-
-/// The device, as asked.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub enum DeviceChoice {
-    Auto,
-    Cpu,
-    /// A CUDA device; `None` is `cuda` (device 0).
-    Cuda(Option<usize>),
-    Metal,
-}
-
-fn parse_device(s: &str) -> Result<DeviceChoice, String> {
-    s.parse()
-}
-
-impl std::str::FromStr for DeviceChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(DeviceChoice::Auto),
-            "cpu" => Ok(DeviceChoice::Cpu),
-            "cuda" => Ok(DeviceChoice::Cuda(None)),
-            "metal" => Ok(DeviceChoice::Metal),
-            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(DeviceChoice::Cuda(Some(n))),
-                _ => Err(format!(
-                    "unknown device '{s}': use auto, cpu, cuda, cuda:N or metal"
-                )),
-            },
-        }
-    }
-}
-
-impl TryFrom<String> for DeviceChoice {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        s.parse()
-    }
-}
-
-impl From<DeviceChoice> for String {
-    fn from(d: DeviceChoice) -> String {
-        d.to_string()
-    }
-}
-
-impl std::fmt::Display for DeviceChoice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceChoice::Auto => f.write_str("auto"),
-            DeviceChoice::Cpu => f.write_str("cpu"),
-            DeviceChoice::Cuda(None) => f.write_str("cuda"),
-            DeviceChoice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
-            DeviceChoice::Metal => f.write_str("metal"),
-        }
-    }
 }

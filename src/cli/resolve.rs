@@ -1,8 +1,13 @@
 //! What the options mean, derived once: the one configuration every later stage reads.
 
-use super::args::{DTypeChoice, GenerateArgs, GenerateOptions, Tristate};
+use super::args::{
+    ComputeDevice, DTypeChoice, GenerateArgs, GenerateOptions, MemoryModelChoice, OffloadType,
+    Tristate,
+};
 use super::UsageError;
-use crate::memory::{apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, Override};
+use crate::memory::{
+    apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, MemoryOptions, Override,
+};
 use candle_core::DType;
 use serde_json::json;
 
@@ -11,6 +16,8 @@ use serde_json::json;
 pub struct ResolvedConfig {
     /// Every option with its final value: tri-states resolved, device and dtype concrete.
     pub options: GenerateOptions,
+    /// What the memory options mean, after the device's rules.
+    pub memory: MemoryOptions,
     /// The selected device and its memory model.
     pub device: DeviceInfo,
     /// What the device changed, in order.
@@ -26,15 +33,24 @@ impl ResolvedConfig {
     pub fn resolve(args: GenerateArgs) -> Result<Self, UsageError> {
         let mut options = args.options;
         validate(&options, args.dry_run)?;
-        let device = probe(options.device, options.num_gpus, options.memory_model)?;
+        let forced = match options.memory_model {
+            MemoryModelChoice::Auto => None,
+            MemoryModelChoice::Discrete => Some(MemoryModel::Discrete),
+            MemoryModelChoice::Unified => Some(MemoryModel::Unified),
+        };
+        let device = probe(options.device, options.num_gpus, forced)
+            .map_err(|e| UsageError::new(e.to_string()))?;
         options.device = device.choice();
         options.dtype = Some(options.dtype.unwrap_or(match device.kind {
             DeviceKind::Cpu => DTypeChoice::F32,
             DeviceKind::Cuda | DeviceKind::Metal => DTypeChoice::Bf16,
         }));
-        let overrides = apply_memory_rules(&mut options, &device);
+        let mut memory = memory_options(&options);
+        let overrides = apply_memory_rules(&mut memory, &device);
+        report_memory_options(&memory, &mut options);
         Ok(ResolvedConfig {
             options,
+            memory,
             device,
             overrides,
             dry_run: args.dry_run,
@@ -51,16 +67,6 @@ impl ResolvedConfig {
         }
     }
 
-    /// Whether components load on first use and are freed after their last stage.
-    pub fn lazy_module_load(&self) -> bool {
-        self.options.lazy_module_load == Tristate::On
-    }
-
-    /// Whether the text encoder is loaded, used and freed before the DiT and VAE load.
-    pub fn h3_sequential_load(&self) -> bool {
-        self.options.h3_sequential_load == Tristate::On
-    }
-
     /// The memory model in force.
     pub fn memory_model(&self) -> MemoryModel {
         self.device.memory_model
@@ -75,6 +81,56 @@ impl ResolvedConfig {
             "overrides": self.overrides,
         })
     }
+}
+
+/// What the memory flags mean.
+pub fn memory_options(o: &GenerateOptions) -> MemoryOptions {
+    let tristate = |t: Tristate| match t {
+        Tristate::Auto => None,
+        Tristate::On => Some(true),
+        Tristate::Off => Some(false),
+    };
+    MemoryOptions {
+        dit_cpu_offload: o.dit_cpu_offload,
+        use_fsdp_inference: o.use_fsdp_inference,
+        dit_layerwise_offload: o.dit_layerwise_offload,
+        text_encoder_cpu_offload: o.text_encoder_cpu_offload,
+        image_encoder_cpu_offload: o.image_encoder_cpu_offload,
+        vae_cpu_offload: o.vae_cpu_offload,
+        pin_cpu_memory: o.pin_cpu_memory,
+        max_pinned_memory: o.max_pinned_memory,
+        text_encoder_on_cpu: o.text_encoder_compute == ComputeDevice::Cpu,
+        lazy_module_load: tristate(o.lazy_module_load),
+        h3_sequential_load: tristate(o.h3_sequential_load),
+        leaf_level: o.offload_type == OffloadType::LeafLevel,
+        num_blocks_per_group: o.num_blocks_per_group as usize,
+        offload_stream: o.offload_stream,
+        prefetch_depth: o.prefetch_depth as usize,
+        model_cpu_offload: o.model_cpu_offload,
+        sequential_cpu_offload: o.sequential_cpu_offload,
+        vae_tiling: o.vae_tiling,
+    }
+}
+
+/// Writes what the device's rules decided back into the options, so the reported `config` is
+/// the configuration that runs.
+fn report_memory_options(m: &MemoryOptions, o: &mut GenerateOptions) {
+    let tristate = |t: Option<bool>| match t {
+        None => Tristate::Auto,
+        Some(true) => Tristate::On,
+        Some(false) => Tristate::Off,
+    };
+    o.dit_cpu_offload = m.dit_cpu_offload;
+    o.use_fsdp_inference = m.use_fsdp_inference;
+    o.dit_layerwise_offload = m.dit_layerwise_offload;
+    o.text_encoder_cpu_offload = m.text_encoder_cpu_offload;
+    o.image_encoder_cpu_offload = m.image_encoder_cpu_offload;
+    o.vae_cpu_offload = m.vae_cpu_offload;
+    o.pin_cpu_memory = m.pin_cpu_memory;
+    o.model_cpu_offload = m.model_cpu_offload;
+    o.sequential_cpu_offload = m.sequential_cpu_offload;
+    o.lazy_module_load = tristate(m.lazy_module_load);
+    o.h3_sequential_load = tristate(m.h3_sequential_load);
 }
 
 /// Checks what no later stage could fix, with one line naming the problem and the fix.

@@ -5,9 +5,11 @@
 //! for host copies that only duplicate what the GPU already sees.
 
 pub mod accounting;
+pub mod options;
 pub mod overrides;
 pub mod plan;
 pub mod probe;
 
+pub use options::MemoryOptions;
 pub use overrides::{apply_memory_rules, Override};
-pub use probe::{probe, DeviceInfo, DeviceKind, MemoryModel};
+pub use probe::{probe, DeviceChoice, DeviceError, DeviceInfo, DeviceKind, MemoryModel};

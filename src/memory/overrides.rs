@@ -1,7 +1,7 @@
 //! What the device forces: the last step of resolution, after defaults, config file and flags.
 
+use super::options::MemoryOptions;
 use super::probe::{DeviceInfo, DeviceKind, MemoryModel};
-use crate::cli::args::{GenerateOptions, Tristate};
 use serde::Serialize;
 
 /// One change the device made to what the user asked, with its reason.
@@ -45,7 +45,7 @@ impl Changes<'_> {
 
 impl Changes<'_> {
     /// Turns off every option that keeps a component's weights in host memory.
-    fn host_offload_off(&mut self, o: &mut GenerateOptions) {
+    fn host_offload_off(&mut self, o: &mut MemoryOptions) {
         self.set("dit_layerwise_offload", &mut o.dit_layerwise_offload, false);
         self.set("dit_cpu_offload", &mut o.dit_cpu_offload, false);
         self.set(
@@ -63,10 +63,8 @@ impl Changes<'_> {
 }
 
 /// Resolves `auto` to the device's default; an explicit choice stays as asked.
-fn resolve_auto(value: &mut Tristate, auto: bool) {
-    if *value == Tristate::Auto {
-        *value = if auto { Tristate::On } else { Tristate::Off };
-    }
+fn resolve_auto(value: &mut Option<bool>, auto: bool) {
+    value.get_or_insert(auto);
 }
 
 /// Applies the memory-model rules to the options and returns every change made.
@@ -77,7 +75,7 @@ fn resolve_auto(value: &mut Tristate, auto: bool) {
 /// - discrete GPU: both auto modes resolve off; layerwise offload excludes FSDP, so FSDP and its
 ///   `dit_cpu_offload` turn off when both are asked.
 /// - no accelerator: every host-offload option resolves off.
-pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) -> Vec<Override> {
+pub fn apply_memory_rules(options: &mut MemoryOptions, device: &DeviceInfo) -> Vec<Override> {
     let reason = match device.memory_model {
         MemoryModel::Unified => format!("unified memory: {}", device.name),
         MemoryModel::Discrete => "dit_layerwise_offload cannot combine with FSDP".to_string(),
@@ -95,7 +93,7 @@ pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) ->
                 changes.set("use_fsdp_inference", &mut o.use_fsdp_inference, false);
             }
             resolve_auto(&mut o.lazy_module_load, true);
-            let lazy = o.lazy_module_load == Tristate::On;
+            let lazy = o.lazy();
             resolve_auto(&mut o.h3_sequential_load, !lazy);
         }
         MemoryModel::Discrete => {
@@ -118,7 +116,7 @@ pub fn apply_memory_rules(options: &mut GenerateOptions, device: &DeviceInfo) ->
             );
             // Host memory is the only memory: loading late and freeing early lowers the peak.
             resolve_auto(&mut o.lazy_module_load, true);
-            let lazy = o.lazy_module_load == Tristate::On;
+            let lazy = o.lazy();
             resolve_auto(&mut o.h3_sequential_load, !lazy);
         }
     }

@@ -1,8 +1,17 @@
 //! Which device runs the job and what kind of memory it has.
 
-use crate::cli::args::{DeviceChoice, MemoryModelChoice};
-use crate::cli::UsageError;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+/// A device the run cannot have, with the fix (the command line reports it as bad input).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DeviceError(String);
+
+impl DeviceError {
+    fn new(message: impl Into<String>) -> Self {
+        DeviceError(message.into())
+    }
+}
 
 /// How the accelerator's memory relates to host memory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -99,8 +108,8 @@ fn cuda_devices() -> Vec<CudaDevice> {
 pub fn probe(
     device: DeviceChoice,
     num_gpus: u32,
-    forced: MemoryModelChoice,
-) -> Result<DeviceInfo, UsageError> {
+    forced: Option<MemoryModel>,
+) -> Result<DeviceInfo, DeviceError> {
     let (kind, ordinal, name, total_memory, probed) = match device {
         DeviceChoice::Cpu => (
             DeviceKind::Cpu,
@@ -128,15 +137,14 @@ pub fn probe(
         }
     };
     if kind != DeviceKind::Cuda && num_gpus > 1 {
-        return Err(UsageError::new(format!(
+        return Err(DeviceError::new(format!(
             "--num-gpus {num_gpus} asks for more GPUs than there are: 0 CUDA GPUs on the selected device {}; use --num-gpus 1 or --device cuda on a machine with {num_gpus} GPUs",
             name
         )));
     }
     let (memory_model, forced) = match forced {
-        MemoryModelChoice::Auto => (probed, false),
-        MemoryModelChoice::Discrete => (MemoryModel::Discrete, true),
-        MemoryModelChoice::Unified => (MemoryModel::Unified, true),
+        None => (probed, false),
+        Some(model) => (model, true),
     };
     Ok(DeviceInfo {
         kind,
@@ -150,16 +158,16 @@ pub fn probe(
 
 type Probed = (DeviceKind, usize, String, Option<u64>, MemoryModel);
 
-fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, UsageError> {
+fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
     if !cfg!(feature = "cuda") {
-        return Err(UsageError::new(
+        return Err(DeviceError::new(
             "--device cuda: this vidgen was built without CUDA; rebuild with `cargo build --release --features cuda` or use --device cpu",
         ));
     }
     let devices = cuda_devices();
     let wanted = ordinal + num_gpus as usize;
     if devices.len() < wanted {
-        return Err(UsageError::new(format!(
+        return Err(DeviceError::new(format!(
             "--num-gpus {num_gpus} from cuda:{ordinal} needs {wanted} CUDA GPUs but {} found; lower --num-gpus or pick another --device",
             devices.len()
         )));
@@ -179,9 +187,9 @@ fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, UsageError> {
     ))
 }
 
-fn metal() -> Result<Probed, UsageError> {
+fn metal() -> Result<Probed, DeviceError> {
     if !cfg!(feature = "metal") {
-        return Err(UsageError::new(
+        return Err(DeviceError::new(
             "--device metal: this vidgen was built without Metal; rebuild with `cargo build --release --features metal` or use --device cpu",
         ));
     }
@@ -192,4 +200,62 @@ fn metal() -> Result<Probed, UsageError> {
         None,
         MemoryModel::Unified,
     ))
+}
+
+/// The device, as asked.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    /// A CUDA device; `None` is `cuda` (device 0).
+    Cuda(Option<usize>),
+    Metal,
+}
+
+pub fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    s.parse()
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda(None)),
+            "metal" => Ok(DeviceChoice::Metal),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(DeviceChoice::Cuda(Some(n))),
+                _ => Err(format!(
+                    "unknown device '{s}': use auto, cpu, cuda, cuda:N or metal"
+                )),
+            },
+        }
+    }
+}
+
+impl TryFrom<String> for DeviceChoice {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<DeviceChoice> for String {
+    fn from(d: DeviceChoice) -> String {
+        d.to_string()
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => f.write_str("auto"),
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(None) => f.write_str("cuda"),
+            DeviceChoice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+            DeviceChoice::Metal => f.write_str("metal"),
+        }
+    }
 }

@@ -17,7 +17,7 @@ use candle_core::{DType, Result, Tensor, D};
 
 #[cfg(feature = "cuda")]
 #[path = "kernels/flash_attn.rs"]
-mod flash_attn;
+pub mod flash_attn;
 
 /// Upper bound on score-matrix elements materialised at once.
 pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
@@ -121,10 +121,42 @@ mod cuda_tests {
             (DType::BF16, (1, 2, 300, 1, 64), 1.0),
             (DType::F16, (2, 2, 250, 700, 64), 3.0),
         ];
-        for (dtype, dims, spread) in cases {
-            let err = relative_error(&dev, dtype, dims, spread)?;
-            assert!(err < 1e-2, "{dtype:?} {dims:?}: relative error {err:.2e}");
+        // Every configuration: the device's own, then GB10's 99 KB per block, then a limit only
+        // the one-m-tile configuration fits.
+        for limit in [None, Some(101_376), Some(90_000)] {
+            match limit {
+                Some(bytes) => {
+                    std::env::set_var(flash_attn::SHARED_MEMORY_LIMIT_ENV, bytes.to_string())
+                }
+                None => std::env::remove_var(flash_attn::SHARED_MEMORY_LIMIT_ENV),
+            }
+            for (dtype, dims, spread) in cases {
+                let err = relative_error(&dev, dtype, dims, spread)?;
+                assert!(
+                    err < 1e-2,
+                    "{dtype:?} {dims:?} limit {limit:?}: relative error {err:.2e}"
+                );
+            }
         }
+        std::env::remove_var(flash_attn::SHARED_MEMORY_LIMIT_ENV);
         Ok(())
+    }
+
+    #[test]
+    fn tiles_fit_gb10_shared_memory() {
+        use flash_attn::tile_for;
+        // GB10 (sm_121) allows 101,376 B per block: the fast configuration fits at head_dim 128.
+        let gb10 = tile_for(128, 2, 101_376).unwrap();
+        assert_eq!(
+            (gb10.m_tiles, gb10.rows, gb10.shared_bytes),
+            (2, 128, 98_304)
+        );
+        let small = tile_for(128, 2, 98_303).unwrap();
+        assert_eq!(
+            (small.m_tiles, small.rows, small.shared_bytes),
+            (1, 64, 81_920)
+        );
+        assert_eq!(tile_for(128, 2, 48 * 1024), None);
+        assert_eq!(tile_for(64, 2, 48 * 1024).map(|t| t.m_tiles), Some(1));
     }
 }

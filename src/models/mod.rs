@@ -2,6 +2,5 @@
 //! know nothing of offloading.
 
 pub mod attention;
-pub mod loader;
 pub mod source;
 pub mod wan;

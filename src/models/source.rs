@@ -2,8 +2,10 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
+use crate::weights::Weights;
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 macro_rules! synthetic_files {
@@ -212,4 +214,76 @@ mod hub {
             Err(e) => Err(e).with_context(|| format!("downloading {relative} of {repo} (set HF_TOKEN for gated repos, HF_HUB_OFFLINE=1 to use only the cache)")),
         }
     }
+}
+
+/// File names diffusers and transformers use for a component's weights, sharded first.
+const WEIGHT_NAMES: [&str; 2] = ["diffusion_pytorch_model", "model"];
+const PICKLE_SUFFIXES: [&str; 5] = [".bin", ".pt", ".pth", ".ckpt", ".pkl"];
+
+/// Finds the weight files of `component` (e.g. "transformer").
+pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weights> {
+    if let ModelSource::Synthetic(name) = source {
+        return Ok(Weights::Synthetic {
+            seed: crate::weights::fnv1a(&format!("{name}/{component}")),
+        });
+    }
+    for base in WEIGHT_NAMES {
+        let index = format!("{component}/{base}.safetensors.index.json");
+        if let Some(FileRef::Path(index_path)) = source.file(&index)? {
+            return sharded(source, component, &index_path).map(Weights::Files);
+        }
+        if let Some(FileRef::Path(p)) = source.file(&format!("{component}/{base}.safetensors"))? {
+            return Ok(Weights::Files(vec![p]));
+        }
+    }
+    if let ModelSource::Local(dir) = source {
+        let folder = dir.join(component);
+        let entries: Vec<String> = std::fs::read_dir(&folder)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut found: Vec<&String> = entries
+            .iter()
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        found.sort();
+        if !found.is_empty() {
+            return Ok(Weights::Files(
+                found.into_iter().map(|n| folder.join(n)).collect(),
+            ));
+        }
+        if let Some(p) = entries
+            .iter()
+            .find(|n| PICKLE_SUFFIXES.iter().any(|s| n.ends_with(s)))
+        {
+            bail!("{} holds only pickle weights ({p}); vidgen loads safetensors only (pickle can run code): convert them, e.g. with diffusers' save_pretrained(safe_serialization=True)", folder.display());
+        }
+    }
+    bail!("{source} has no safetensors weights for {component} ({component}/diffusion_pytorch_model.safetensors or model.safetensors, or a .safetensors.index.json)")
+}
+
+/// The shard files named by a `*.safetensors.index.json`, each checked to exist.
+fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index_path)
+        .with_context(|| format!("reading {}", index_path.display()))?;
+    let index: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", index_path.display()))?;
+    let map = index["weight_map"]
+        .as_object()
+        .with_context(|| format!("{} has no weight_map", index_path.display()))?;
+    let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    shards
+        .into_iter()
+        .map(
+            |shard| match source.file(&format!("{component}/{shard}"))? {
+                Some(FileRef::Path(p)) => Ok(p),
+                _ => bail!(
+                    "shard {component}/{shard} named in {} is missing; re-download the model",
+                    index_path.display()
+                ),
+            },
+        )
+        .collect()
 }

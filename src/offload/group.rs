@@ -1,6 +1,6 @@
 //! What moves together: a group's tensors, laid out once as one host image.
 
-use crate::models::loader::WeightSet;
+use crate::weights::WeightSet;
 use anyhow::Result;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -141,10 +141,11 @@ impl GroupLayout {
 }
 
 /// Notes the tensors a model's constructor asks for and hands it zero placeholders (no weight
-/// is read and no memory is written: recording a 14B model costs nothing), checking each
-/// against the weights so a missing tensor or a wrong shape fails here, at load time.
+/// is read and no memory is written: recording a 14B model costs nothing). With weights, each
+/// request is checked against them so a missing tensor or a wrong shape fails here, at load
+/// time; without, the shapes are what the constructors ask for (the memory plan's count).
 struct Recorder {
-    weights: WeightSet,
+    weights: Option<WeightSet>,
     seen: Arc<Mutex<Vec<(String, Shape, DType)>>>,
 }
 
@@ -157,7 +158,9 @@ impl SimpleBackend for Recorder {
         dtype: DType,
         _: &Device,
     ) -> candle_core::Result<Tensor> {
-        self.weights.check(name, &s)?;
+        if let Some(weights) = &self.weights {
+            weights.check(name, &s)?;
+        }
         self.seen
             .lock()
             .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
@@ -171,32 +174,48 @@ impl SimpleBackend for Recorder {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.weights.contains_tensor(name)
+        self.weights
+            .as_ref()
+            .is_none_or(|w| w.contains_tensor(name))
+    }
+}
+
+/// The tensors one or more `VarBuilder`s handed out were asked for.
+#[derive(Clone, Default)]
+pub struct Recording {
+    seen: Arc<Mutex<Vec<(String, Shape, DType)>>>,
+}
+
+impl Recording {
+    /// A recording `VarBuilder` (checked against `weights` when given).
+    pub fn var_builder(&self, weights: Option<&WeightSet>, dtype: DType) -> VarBuilder<'static> {
+        let recorder = Recorder {
+            weights: weights.cloned(),
+            seen: self.seen.clone(),
+        };
+        VarBuilder::from_backend(Box::new(recorder), dtype, Device::Cpu)
+    }
+
+    /// What was asked for so far, laid out as one group.
+    pub fn layout(&self, packing: Packing) -> Result<GroupLayout> {
+        let requests = self
+            .seen
+            .lock()
+            .map_err(|_| anyhow::anyhow!("recorder poisoned"))?
+            .clone();
+        Ok(GroupLayout::new(requests, packing))
     }
 }
 
 /// The layout of the group that `build` makes: the tensors it asks for, in the dtypes it asks
-/// for them (a module kept in f32 stays f32).
+/// for them (a module kept in f32 stays f32), checked against `weights` when given.
 pub fn record<B>(
-    weights: &WeightSet,
+    weights: Option<&WeightSet>,
     dtype: DType,
     packing: Packing,
     build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<B>,
 ) -> Result<GroupLayout> {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let recorder = Recorder {
-        weights: weights.clone(),
-        seen: seen.clone(),
-    };
-    drop(build(VarBuilder::from_backend(
-        Box::new(recorder),
-        dtype,
-        Device::Cpu,
-    ))?);
-    let requests = std::mem::take(
-        &mut *seen
-            .lock()
-            .map_err(|_| anyhow::anyhow!("recorder poisoned"))?,
-    );
-    Ok(GroupLayout::new(requests, packing))
+    let recording = Recording::default();
+    drop(build(recording.var_builder(weights, dtype))?);
+    recording.layout(packing)
 }

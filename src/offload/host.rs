@@ -2,7 +2,7 @@
 //! fast asynchronous copies, or pageable), or, in bounded mode, the memory map itself.
 
 use super::group::GroupLayout;
-use crate::models::loader::WeightSet;
+use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::Device;
 use rayon::prelude::*;

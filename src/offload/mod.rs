@@ -11,10 +11,12 @@
 
 pub mod group;
 pub mod host;
+pub mod residency;
 pub mod streamer;
 pub mod transfer;
 
-pub use group::{record, GroupLayout, Packing};
+pub use group::{record, GroupLayout, Packing, Recording};
 pub use host::{HostMemory, HostStore};
+pub use residency::{ComponentLayout, DeviceWeights, Residency};
 pub use streamer::{BuildGroup, Offloaded, StreamOptions, Usage};
 pub use transfer::{CopyStats, Transfer};

@@ -1,9 +1,11 @@
 //! Running groups through the device in order, `depth` groups ahead of the one computing.
 
+use super::group::GroupLayout;
 use super::group::{record, Packing};
 use super::host::{HostMemory, HostSetup, HostStore};
+use super::residency::{prefetch_depth, slot_count, ComponentLayout, Residency};
 use super::transfer::{CopyStats, DeviceSlot, Transfer, Uploaded};
-use crate::models::loader::WeightSet;
+use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -26,6 +28,10 @@ pub struct Usage {
     pub host_bytes: usize,
     /// How long filling and locking the host arenas took.
     pub setup: HostSetup,
+    /// Device bytes the part takes while it computes: its slots, or without a copy stream the
+    /// largest group in fresh memory ([`ComponentLayout::device_weights`]'s rule, which the
+    /// memory plan counts by).
+    pub device_bytes: usize,
 }
 
 /// How groups move.
@@ -48,9 +54,9 @@ pub struct Offloaded<B> {
     options: StreamOptions,
     /// The first groups of the next pass, prefetched while the last ones computed.
     pending: Mutex<VecDeque<Uploaded>>,
-    /// Device slots for streamed groups (`depth + 1`), made on the first pass.
+    /// Device slots for streamed groups ([`slot_count`]), made on the first pass.
     slots: OnceLock<Vec<DeviceSlot>>,
-    /// Uploads so far: upload k goes to slot k mod (depth + 1).
+    /// Uploads so far: upload k goes to slot k mod the slot count.
     uploads: AtomicUsize,
 }
 
@@ -70,7 +76,7 @@ impl<B> Offloaded<B> {
         options: StreamOptions,
     ) -> Result<Self> {
         let layouts = (0..count)
-            .map(|i| record(weights, dtype, packing, |vb| build(i, vb)))
+            .map(|i| record(Some(weights), dtype, packing, |vb| build(i, vb)))
             .collect::<Result<Vec<_>>>()?;
         let total: usize = layouts.iter().map(|l| l.bytes).sum();
         let largest = layouts.iter().map(|l| l.bytes).max().unwrap_or(0);
@@ -120,12 +126,29 @@ impl<B> Offloaded<B> {
     /// What the engine holds on the host and has copied so far (call after a device sync:
     /// the copy times come from CUDA events).
     pub fn usage(&self) -> Usage {
+        let residency = Residency::Streamed {
+            blocks_per_group: 1,
+            by_step: false,
+            options: self.options,
+        };
+        let layout = ComponentLayout {
+            direct_bytes: 0,
+            groups: self.layouts(),
+        };
         Usage {
             copies: self.transfer.stats(),
             pinned_bytes: self.store.pinned_bytes() + self.transfer.staging_bytes(),
             host_bytes: self.store.arena_bytes(),
             setup: self.store.setup(),
+            device_bytes: layout.device_weights(residency).active as usize,
         }
+    }
+
+    /// The layouts of the part's groups, in order.
+    pub fn layouts(&self) -> Vec<GroupLayout> {
+        (0..self.store.len())
+            .map(|i| self.store.group(i).layout.clone())
+            .collect()
     }
 
     /// Group `index` in fresh device memory, built; copied on the compute stream, so the
@@ -147,7 +170,7 @@ impl<B> Offloaded<B> {
     }
 
     /// Runs `f` on every group in order; each group is on the device only around its turn,
-    /// and at most `depth + 1` groups are on the device at once.
+    /// and at most [`slot_count`] groups are on the device at once.
     pub fn for_each(&self, mut f: impl FnMut(&B) -> Result<()>) -> Result<()> {
         let n = self.store.len();
         if !self.options.stream {
@@ -156,11 +179,13 @@ impl<B> Offloaded<B> {
             }
             return Ok(());
         }
-        let depth = self.options.depth.min(n);
+        let depth = prefetch_depth(n, self.options);
         let slots = match self.slots.get() {
             Some(slots) => slots,
             None => {
-                let made = self.transfer.slots(&self.store, depth + 1)?;
+                let made = self
+                    .transfer
+                    .slots(&self.store, slot_count(n, self.options))?;
                 self.slots.get_or_init(|| made)
             }
         };

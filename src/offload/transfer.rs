@@ -315,15 +315,10 @@ mod cuda {
         }
 
         pub fn slots(&self, store: &HostStore, count: usize) -> Result<Vec<DeviceSlot>> {
-            let mut need: Vec<(DType, usize)> = Vec::new();
-            for index in 0..store.len() {
-                for s in &store.group(index).layout.sections {
-                    match need.iter_mut().find(|(d, _)| *d == s.dtype) {
-                        Some((_, bytes)) => *bytes = (*bytes).max(s.bytes),
-                        None => need.push((s.dtype, s.bytes)),
-                    }
-                }
-            }
+            let layouts: Vec<_> = (0..store.len())
+                .map(|i| store.group(i).layout.clone())
+                .collect();
+            let need = crate::offload::residency::slot_sections(&layouts);
             let compute = self.device.cuda_stream();
             let slots = (0..count)
                 .map(|_| {

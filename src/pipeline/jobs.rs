@@ -292,5 +292,5 @@ fn random_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    crate::models::loader::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
+    crate::weights::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
 }

@@ -4,39 +4,38 @@
 pub mod interrupt;
 pub mod jobs;
 pub mod placement;
+pub mod plan;
 pub mod progress;
+pub mod registry;
 pub mod runner;
+pub mod spec;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
 use crate::cli::{ResolvedConfig, UsageError};
-use crate::memory::plan::{self as memory_plan, gib, MemoryPlan};
-use crate::memory::DeviceKind;
+use crate::memory::plan::{gib, MemoryPlan};
+use crate::memory::{DeviceKind, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use interrupt::Interrupted;
 use jobs::Job;
 use placement::Placement;
+use plan::Planner;
 use progress::Progress;
-use runner::{BatchOrder, JobReport, LoadPolicy, Pipeline, Schedule, StageSpec};
+use registry::{Configs, Family, RunShape};
+use runner::{BatchOrder, JobReport, LoadPolicy, Pipeline, Schedule};
 use serde::Serialize;
 use serde_json::json;
+use spec::{PipelineSpec, Role};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use wan_t2v::{WanConfigs, WanT2V};
 
 /// When components load, from the resolved options.
 pub fn load_policy(config: &ResolvedConfig) -> LoadPolicy {
-    if config.lazy_module_load() {
-        LoadPolicy::Lazy
-    } else if config.h3_sequential_load() {
-        LoadPolicy::Sequential
-    } else {
-        LoadPolicy::Eager
-    }
+    plan::load_policy(&config.memory)
 }
 
 /// The order a batch walks the stages in: `--batch-order`, where `auto` is stage-major when
@@ -216,14 +215,15 @@ fn generate(
     outcomes: &mut [Outcome],
 ) -> Result<()> {
     let device = candle_device(config)?;
-    let mut pipeline = WanT2V::new(config.clone(), source, device, progress.clone())?;
+    let family = registry::family(Configs::Fetch(&source))?;
+    let mut pipeline = family.open(config.clone(), source, device, progress.clone())?;
     let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
         .into_iter()
         .partition(|j| outcomes[j.index].status == Status::NotRun);
     let positions: Vec<usize> = todo.iter().map(|j| j.index).collect();
     let total = outcomes.len();
     let mut guarded = Guarded {
-        inner: &mut pipeline,
+        inner: pipeline.as_mut(),
         progress,
         overwrite: config.options.overwrite,
     };
@@ -250,44 +250,36 @@ fn generate(
 /// A pipeline with what an unattended run adds around each stage: Ctrl-C is honoured at every
 /// stage boundary, an output that appeared meanwhile is not overwritten, loads are announced,
 /// and each path goes to stdout as soon as its file is complete.
-struct Guarded<'a, P> {
-    inner: &'a mut P,
+struct Guarded<'a> {
+    inner: &'a mut dyn Pipeline<Job = Job>,
     progress: &'a Progress,
     overwrite: bool,
 }
 
-impl<P: Pipeline<Job = Job>> Pipeline for Guarded<'_, P> {
-    type Component = P::Component;
+impl Pipeline for Guarded<'_> {
     type Job = Job;
 
-    fn stages(&self) -> &'static [StageSpec<P::Component>] {
-        self.inner.stages()
+    fn spec(&self) -> &PipelineSpec {
+        self.inner.spec()
     }
 
-    fn deferrable(&self) -> &'static [P::Component] {
-        self.inner.deferrable()
-    }
-
-    fn load(&mut self, component: P::Component) -> Result<()> {
+    fn load(&mut self, component: usize) -> Result<()> {
         if interrupt::interrupted() {
             // Nothing loads after Ctrl-C. `run_stage` refuses every stage from now on, so the
             // component the runner now counts as loaded is never used.
             return Ok(());
         }
-        let name = match serde_json::to_value(component) {
-            Ok(serde_json::Value::String(s)) => s,
-            _ => format!("{component:?}"),
-        };
+        let name = self.inner.spec().components[component].name;
         self.progress.note(&format!("loading {name}"));
         self.inner.load(component)
     }
 
-    fn release(&mut self, component: P::Component) {
+    fn release(&mut self, component: usize) {
         self.inner.release(component)
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let stage = self.inner.stages()[index].name;
+        let stage = self.inner.spec().stages[index].name;
         if let Err(e) = interrupt::check() {
             job.stopped_at = Some(stage);
             return Err(e.into());
@@ -449,45 +441,52 @@ fn candle_device(config: &ResolvedConfig) -> Result<Device> {
 }
 
 /// The `--dry-run` report: the resolved config, the planned stages with when each component
-/// loads, and, where the model's configs can be read without downloading, the model's geometry
-/// and the memory each stage is predicted to need.
+/// loads, and, where the model's configs can be read without downloading, the model's geometry,
+/// where each component lives and the memory each stage is predicted to need. Everything comes
+/// from the family's description, so every family is reported alike.
 struct DryRun<'a> {
     config: &'a ResolvedConfig,
     source: &'a ModelSource,
-    schedule: Schedule<wan_t2v::Component>,
-    /// The model's configs and where they came from (`model` or `shipped`).
-    configs: Option<(WanConfigs, &'static str)>,
+    /// The family's description and facts, where its configs could be read, and where they came
+    /// from (`model` or `shipped`); else why not.
+    described: Result<Described, String>,
+}
+
+/// What a dry run knows of a model whose configs it read.
+struct Described {
+    spec: PipelineSpec,
+    facts: serde_json::Value,
+    from: &'static str,
+    schedule: Schedule,
+    placement: Placement,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
-    /// Where each component's weights live, or why the options give no placement.
-    placement: Result<Placement, String>,
 }
 
 impl<'a> DryRun<'a> {
     fn new(config: &'a ResolvedConfig, source: &'a ModelSource) -> Self {
-        let schedule = Schedule::plan(
-            wan_t2v::stages(),
-            wan_t2v::deferrable(),
-            load_policy(config),
-        );
-        let configs = dry_run_configs(source);
-        let memory = match &configs {
-            Some((c, _)) => memory_plan::wan::plan(c, config).map_err(|e| format!("{e:#}")),
-            None => Err("the model's configs are not readable without a download (a dry run never downloads)".into()),
-        };
-        let placement = match &configs {
-            Some((c, _)) => wan_t2v::placement(&config.options, c),
-            None => Placement::new(&config.options),
-        }
-        .map_err(|e| format!("{e:#}"));
+        let described = dry_run_family(source).map(|(family, from)| {
+            let planner = Planner::new(family.as_ref(), config);
+            let request = planner.request();
+            let spec = planner.spec(&request);
+            Described {
+                facts: family.facts(&RunShape::of(config)),
+                from,
+                schedule: Schedule::plan(&spec, load_policy(config)),
+                placement: Placement::new(&config.memory, &spec),
+                memory: planner.plan(&request).map_err(|e| format!("{e:#}")),
+                spec,
+            }
+        });
         DryRun {
             config,
             source,
-            schedule,
-            configs,
-            memory,
-            placement,
+            described,
         }
+    }
+
+    fn memory(&self) -> Option<&MemoryPlan> {
+        self.described.as_ref().ok()?.memory.as_ref().ok()
     }
 
     /// The `--dry-run --json` object (keys documented in the README).
@@ -496,53 +495,56 @@ impl<'a> DryRun<'a> {
         let mut out = config.to_json();
         out["load_policy"] = json!(load_policy(config));
         out["batch_order"] = json!(batch_order(config));
-        out["placement"] = match &self.placement {
-            Ok(p) => json!(p),
-            Err(why) => json!({ "error": why }),
-        };
-        out["notes"] = json!(wan_t2v::inert_options(&config.options));
-        out["stages"] = wan_t2v::stages()
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let mut stage = json!({
-                    "name": s.name,
-                    "components": s.uses,
-                    "load_before": self.schedule.load_before[i],
-                    "release_after": self.schedule.release_after[i],
-                });
-                if let Some(m) = self.memory.as_ref().ok().and_then(|m| m.stage(s.name)) {
-                    stage["memory"] = json!({
-                        "weight_bytes": m.weight_bytes,
-                        "activation_bytes": m.activation_bytes,
-                        "peak_bytes": m.peak_bytes,
-                        "peak_gib": round2(gib(m.peak_bytes)),
-                    });
-                }
-                stage
-            })
-            .collect();
         let source = self.source.to_string();
-        out["model"] = match &self.configs {
-            Some((c, from)) => {
-                let o = &config.options;
-                let t = &c.transformer;
-                json!({
+        match &self.described {
+            Ok(d) => {
+                out["pipeline"] = json!(d.spec.title);
+                out["placement"] = d.placement.json();
+                out["notes"] = json!(inert_options(&config.memory, &d.spec));
+                out["stages"] = d
+                    .spec
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let mut stage = json!({
+                            "name": s.name,
+                            "components": d.spec.names(&s.uses),
+                            "load_before": d.spec.names(&d.schedule.load_before[i]),
+                            "release_after": d.spec.names(&d.schedule.release_after[i]),
+                        });
+                        if let Some(m) = self.memory().and_then(|m| m.stage(s.name)) {
+                            stage["memory"] = json!({
+                                "weight_bytes": m.weight_bytes,
+                                "activation_bytes": m.activation_bytes,
+                                "peak_bytes": m.peak_bytes,
+                                "peak_gib": round2(gib(m.peak_bytes)),
+                            });
+                        }
+                        stage
+                    })
+                    .collect();
+                let mut model = json!({
                     "source": source,
                     "configs_read": true,
-                    "configs_from": from,
-                    "transformer_layers": t.num_layers,
-                    "transformer_inner_dim": t.inner_dim(),
-                    "latent_shape": c.latent_shape(o.num_frames, o.height, o.width),
-                    "vae_scale_factor_spatial": c.vae.scale_factor_spatial(),
-                    "vae_scale_factor_temporal": c.vae.scale_factor_temporal(),
-                    "text_encoder_layers": c.text_encoder.num_layers,
-                })
+                    "configs_from": d.from,
+                });
+                if let (Some(model), serde_json::Value::Object(facts)) =
+                    (model.as_object_mut(), &d.facts)
+                {
+                    model.extend(facts.clone());
+                }
+                out["model"] = model;
             }
-            None => json!({ "source": source, "configs_read": false }),
-        };
-        out["memory_plan"] = match &self.memory {
-            Ok(m) => {
+            Err(why) => {
+                out["placement"] = json!({ "error": why });
+                out["notes"] = json!([]);
+                out["stages"] = json!([]);
+                out["model"] = json!({ "source": source, "configs_read": false });
+            }
+        }
+        out["memory_plan"] = match self.memory() {
+            Some(m) => {
                 let total = config.device.total_memory;
                 json!({
                     "peak_stage": m.peak().map(|s| s.name),
@@ -553,7 +555,7 @@ impl<'a> DryRun<'a> {
                     "fits": total.map(|t| m.fits(t)),
                 })
             }
-            Err(_) => serde_json::Value::Null,
+            None => serde_json::Value::Null,
         };
         out
     }
@@ -565,12 +567,17 @@ impl<'a> DryRun<'a> {
         let o = &config.options;
         let d = &config.device;
         let mut out = String::from("vidgen dry run: nothing is loaded\n");
-        let from = match &self.configs {
-            Some((_, "shipped")) => "published configs shipped with vidgen",
-            Some(_) => "configs read",
-            None => "configs not readable without a download",
+        let from = match &self.described {
+            Ok(Described {
+                from: "shipped", ..
+            }) => "published configs shipped with vidgen",
+            Ok(_) => "configs read",
+            Err(_) => "configs not readable without a download",
         };
         out += &format!("model        {} ({from})\n", self.source);
+        if let Ok(described) = &self.described {
+            out += &format!("pipeline     {}\n", described.spec.title);
+        }
         let size = d
             .total_memory
             .map_or("size unknown".into(), |t| format!("{:.2} GiB", gib(t)));
@@ -580,60 +587,72 @@ impl<'a> DryRun<'a> {
             d.name,
             json!(d.memory_model).as_str().unwrap_or("?")
         );
+        out += &format!("dtype        {}", config.dtype().as_str());
+        if let Ok(described) = &self.described {
+            let kept: Vec<String> = described
+                .spec
+                .components
+                .iter()
+                .filter_map(|c| {
+                    let dtype = c.dtype?;
+                    (dtype != config.dtype())
+                        .then(|| format!("the {} runs in {}", c.name, dtype.as_str()))
+                })
+                .collect();
+            if !kept.is_empty() {
+                out += &format!(" ({})", kept.join(", "));
+            }
+        }
         out += &format!(
-            "dtype        {} (the VAE runs in f32)\n",
-            config.dtype().as_str()
-        );
-        out += &format!(
-            "video        {} frames of {}x{}",
+            "\nvideo        {} frames of {}x{}",
             o.num_frames, o.height, o.width
         );
-        if let Some((c, _)) = &self.configs {
-            out += &format!(
-                ", latents {:?}",
-                c.latent_shape(o.num_frames, o.height, o.width)
-            );
+        if let Some(latent) = self
+            .described
+            .as_ref()
+            .ok()
+            .and_then(|d| d.facts.get("latent_shape"))
+        {
+            out += &format!(", latents {latent}");
         }
         out += &format!(
             "\nload policy  {}, batch order {}\n",
             json!(load_policy(config)).as_str().unwrap_or("?"),
             json!(batch_order(config)).as_str().unwrap_or("?")
         );
-        match &self.placement {
-            Ok(p) => {
-                out += &format!("text encoder {}\n", p.text_encoder);
-                out += &format!("transformer  {}\n", p.dit);
-                out += &format!("vae          {}\n", p.vae);
-                if p.uses_host_memory() {
-                    out += &format!("host memory  {}\n", p.memory);
-                }
+        let described = match &self.described {
+            Ok(described) => described,
+            Err(why) => {
+                out += &format!("placement    unknown: {why}\n");
+                out += &options_text(o);
+                out += &format!("stages       unknown: {why}\nmemory not predicted: {why}\n");
+                return out;
             }
-            Err(why) => out += &format!("placement    none: {why}\n"),
+        };
+        let p = &described.placement;
+        for (name, residency) in p.components() {
+            out += &format!("{name:<12} {residency}\n");
         }
-        for note in wan_t2v::inert_options(o) {
+        if p.uses_host_memory() {
+            out += &format!("host memory  {}\n", p.memory);
+        }
+        for note in inert_options(&config.memory, &described.spec) {
             out += &format!("note         {note}\n");
         }
-        out += "options (as --config file keys)\n";
-        if let serde_json::Value::Object(options) = json!(o) {
-            for (key, value) in options.iter().filter(|(_, v)| !v.is_null()) {
-                out += &format!("  {key} = {value}\n");
-            }
-        }
-        let names = |cs: &[wan_t2v::Component]| match json!(cs) {
-            serde_json::Value::Array(a) if !a.is_empty() => a
-                .iter()
-                .filter_map(|c| c.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-            _ => "-".into(),
+        out += &options_text(o);
+        let spec = &described.spec;
+        let names = |cs: &[usize]| match spec.names(cs) {
+            n if n.is_empty() => "-".to_string(),
+            n => n.join(","),
         };
+        let memory = &described.memory;
         let mut rows = vec![["stage", "uses", "loads before", "released after"].map(String::from)];
-        for (i, s) in wan_t2v::stages().iter().enumerate() {
+        for (i, s) in spec.stages.iter().enumerate() {
             rows.push([
                 s.name.to_string(),
-                names(s.uses),
-                names(&self.schedule.load_before[i]),
-                names(&self.schedule.release_after[i]),
+                names(&s.uses),
+                names(&described.schedule.load_before[i]),
+                names(&described.schedule.release_after[i]),
             ]);
         }
         let widths: Vec<usize> = (0..4)
@@ -645,7 +664,7 @@ impl<'a> DryRun<'a> {
             }
             let stage = i
                 .checked_sub(1)
-                .and_then(|s| self.memory.as_ref().ok()?.stage(wan_t2v::stages()[s].name));
+                .and_then(|s| memory.as_ref().ok()?.stage(spec.stages[s].name));
             match stage {
                 Some(m) => {
                     out += &format!(
@@ -655,14 +674,12 @@ impl<'a> DryRun<'a> {
                         gib(m.peak_bytes)
                     )
                 }
-                None if i == 0 && self.memory.is_ok() => {
-                    out += "weights GiB  activations GiB  peak GiB"
-                }
+                None if i == 0 && memory.is_ok() => out += "weights GiB  activations GiB  peak GiB",
                 None => {}
             }
             out = out.trim_end().to_string() + "\n";
         }
-        match &self.memory {
+        match memory {
             Ok(m) => {
                 out += &format!("predicted peak {}", m.describe_peak());
                 if let Some(total) = d.total_memory {
@@ -685,37 +702,72 @@ impl<'a> DryRun<'a> {
     }
 }
 
+/// The options as config-file keys, one per line.
+fn options_text(o: &crate::cli::args::GenerateOptions) -> String {
+    let mut out = String::from("options (as --config file keys)\n");
+    if let serde_json::Value::Object(options) = json!(o) {
+        for (key, value) in options.iter().filter(|(_, v)| !v.is_null()) {
+            out += &format!("  {key} = {value}\n");
+        }
+    }
+    out
+}
+
+/// Options that act on no component of the pipeline, each with why: an offload flag whose role
+/// no component plays.
+pub fn inert_options(o: &MemoryOptions, spec: &PipelineSpec) -> Vec<String> {
+    let flags = [
+        (
+            o.image_encoder_cpu_offload,
+            Role::ImageEncoder,
+            "--image-encoder-cpu-offload",
+        ),
+        (
+            o.text_encoder_cpu_offload,
+            Role::TextEncoder,
+            "--text-encoder-cpu-offload",
+        ),
+        (o.vae_cpu_offload, Role::Vae, "--vae-cpu-offload"),
+    ];
+    flags
+        .into_iter()
+        .filter(|&(on, role, _)| on && !spec.components.iter().any(|c| c.role == role))
+        .map(|(_, role, flag)| {
+            format!(
+                "{flag} has nothing to move: {} has no {}",
+                spec.title,
+                role.describe()
+            )
+        })
+        .collect()
+}
+
 /// Rounds to two decimals, for GiB figures in JSON.
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
-/// The model's configs without downloading, and where they came from: the model itself (a
+/// The model's family without downloading, and where its configs came from: the model itself (a
 /// folder, the Hub cache, a synthetic model), else, for a Hub id whose published configs vidgen
 /// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-), those.
-fn dry_run_configs(source: &ModelSource) -> Option<(WanConfigs, &'static str)> {
-    if let Some(configs) = readable_configs(source) {
-        return Some((configs, "model"));
-    }
-    let ModelSource::Hub(repo) = source else {
-        return None;
+fn dry_run_family(source: &ModelSource) -> Result<(Box<dyn Family>, &'static str), String> {
+    let not_read = match registry::family(Configs::OnDisk(source)) {
+        Ok(family) => return Ok((family, "model")),
+        Err(e) => format!("{e:#}"),
     };
-    let name = repo
-        .strip_prefix("Wan-AI/")?
-        .strip_suffix("-Diffusers")?
-        .to_lowercase();
-    let shipped = ModelSource::parse(&format!("synthetic:{name}")).ok()?;
-    readable_configs(&shipped).map(|c| (c, "shipped"))
-}
-
-/// The configs of `source` where they can be read without downloading.
-fn readable_configs(source: &ModelSource) -> Option<WanConfigs> {
-    let read = |rel: &str| source.cached_json(rel);
-    read("model_index.json")?;
-    Some(WanConfigs {
-        transformer: serde_json::from_value(read("transformer/config.json")?).ok()?,
-        vae: serde_json::from_value(read("vae/config.json")?).ok()?,
-        text_encoder: serde_json::from_value(read("text_encoder/config.json")?).ok()?,
-        scheduler: serde_json::from_value(read("scheduler/scheduler_config.json")?).ok()?,
-    })
+    let shipped = match source {
+        ModelSource::Hub(repo) => repo
+            .strip_prefix("Wan-AI/")
+            .and_then(|r| r.strip_suffix("-Diffusers"))
+            .and_then(|name| {
+                ModelSource::parse(&format!("synthetic:{}", name.to_lowercase())).ok()
+            }),
+        _ => None,
+    };
+    match shipped {
+        Some(shipped) => registry::family(Configs::OnDisk(&shipped))
+            .map(|family| (family, "shipped"))
+            .map_err(|e| format!("{e:#}")),
+        None => Err(not_read),
+    }
 }

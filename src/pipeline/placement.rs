@@ -2,110 +2,38 @@
 //! the one place that builds a component accordingly (resident, parked in host memory and
 //! moved in for its stage, or streamed block by block).
 
-use crate::cli::args::{ComputeDevice, GenerateOptions, OffloadType};
-use crate::models::loader::WeightSet;
-use crate::offload::{HostMemory, Offloaded, Packing, StreamOptions, Usage};
+use super::spec::{GroupPlan, PipelineSpec, Role};
+use crate::memory::MemoryOptions;
+use crate::offload::{HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage};
+use crate::weights::WeightSet;
 use anyhow::Result;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use serde::Serialize;
 
-/// Where one component's weights live.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "mode")]
-pub enum Residency {
-    /// On the device for as long as the component is loaded.
-    Resident,
-    /// On the CPU, computing there (`--text-encoder-compute cpu`).
-    OnCpu,
-    /// In host memory; the whole component moves to the device for its stage.
-    Parked,
-    /// In host memory; the repeated blocks move through the device in groups (`by_step`: each
-    /// step of a block, e.g. attention or feed-forward, is a group of its own).
-    Streamed {
-        blocks_per_group: usize,
-        by_step: bool,
-        #[serde(flatten)]
-        options: StreamOptions,
-    },
-}
-
-impl Residency {
-    /// What this residency means for a model whose blocks split into `steps` steps: streaming
-    /// step by step moves one step per group, and falls back to whole blocks when a block has
-    /// no steps.
-    pub fn for_steps(self, steps: usize) -> Residency {
-        match self {
-            Residency::Streamed {
-                blocks_per_group,
-                by_step: true,
-                options,
-            } => Residency::Streamed {
-                blocks_per_group: if steps > 1 { 1 } else { blocks_per_group },
-                by_step: steps > 1,
-                options,
-            },
-            other => other,
-        }
-    }
-}
-
-impl std::fmt::Display for Residency {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Residency::Resident => write!(f, "resident"),
-            Residency::OnCpu => write!(f, "on the CPU"),
-            Residency::Parked => write!(f, "parked in host memory, moved in whole for its stage"),
-            Residency::Streamed {
-                blocks_per_group,
-                by_step,
-                options,
-            } => write!(
-                f,
-                "streamed {}, {}",
-                if *by_step {
-                    "step by step (each step of a block its own group)".to_string()
-                } else {
-                    format!("in groups of {blocks_per_group} block(s)")
-                },
-                if options.stream {
-                    format!("prefetch depth {} on a copy stream", options.depth)
-                } else {
-                    "synchronous copies".to_string()
-                }
-            ),
-        }
-    }
-}
-
-/// The residency of every role a pipeline's component can play, plus how host memory is held.
-#[derive(Clone, Copy, Debug, Serialize)]
+/// Where every component of a pipeline lives, plus how host memory is held.
+#[derive(Clone, Debug)]
 pub struct Placement {
-    pub text_encoder: Residency,
-    pub dit: Residency,
-    pub vae: Residency,
+    /// One residency per component, in [`PipelineSpec::components`] order.
+    pub residencies: Vec<Residency>,
     /// How offloaded weights are held on the host.
-    #[serde(rename = "host_memory")]
     pub memory: HostMemory,
+    /// Each component's name and role, for reports.
+    named: Vec<(&'static str, Role)>,
 }
 
 impl Placement {
-    /// Derives placements from resolved options (after the memory-model rules):
-    /// `--sequential-cpu-offload` streams every blockwise component synchronously, one block
-    /// at a time; `--model-cpu-offload` parks every component whole; otherwise each
-    /// component follows its own flag (`--dit-layerwise-offload` over `--dit-cpu-offload`).
-    pub fn new(o: &GenerateOptions) -> Result<Self> {
-        let streamed = |stream, depth, per_group, by_step| Residency::Streamed {
-            blocks_per_group: per_group,
-            by_step,
-            options: StreamOptions { stream, depth },
-        };
-        let layerwise = streamed(
-            o.offload_stream,
-            o.prefetch_depth as usize,
-            o.num_blocks_per_group as usize,
-            o.offload_type == OffloadType::LeafLevel,
-        );
+    /// Derives each component's residency from the memory options by its role (after the
+    /// memory-model rules): `--sequential-cpu-offload` streams every blockwise component
+    /// synchronously, one step at a time, and parks the rest; `--model-cpu-offload` parks
+    /// every component whole; otherwise each follows its role's flag (for DiTs,
+    /// `--dit-layerwise-offload` over `--dit-cpu-offload`). Streaming step by step applies
+    /// where a model's blocks have steps.
+    pub fn new(o: &MemoryOptions, spec: &PipelineSpec) -> Self {
+        let residencies = spec
+            .components
+            .iter()
+            .map(|c| role_residency(o, c.role).for_steps(c.constructors.steps()))
+            .collect();
         let memory = match (o.max_pinned_memory, o.pin_cpu_memory) {
             (Some(bytes), _) => HostMemory::Bounded {
                 max_pinned: bytes as usize,
@@ -113,44 +41,86 @@ impl Placement {
             (None, true) => HostMemory::Pinned,
             (None, false) => HostMemory::Pageable,
         };
-        let (text_encoder, dit, vae) = if o.sequential_cpu_offload {
-            let sync = streamed(false, 1, 1, true);
-            (sync, sync, Residency::Parked)
-        } else if o.model_cpu_offload {
-            (Residency::Parked, Residency::Parked, Residency::Parked)
-        } else {
-            let text_encoder = match (o.text_encoder_cpu_offload, o.text_encoder_compute) {
-                (false, _) => Residency::Resident,
-                (true, ComputeDevice::Cpu) => Residency::OnCpu,
-                (true, ComputeDevice::Gpu) => layerwise,
-            };
-            let dit = if o.dit_layerwise_offload {
-                layerwise
-            } else if o.dit_cpu_offload {
-                Residency::Parked
-            } else {
-                Residency::Resident
-            };
-            let vae = if o.vae_cpu_offload {
-                Residency::Parked
-            } else {
-                Residency::Resident
-            };
-            (text_encoder, dit, vae)
-        };
-        Ok(Placement {
-            text_encoder,
-            dit,
-            vae,
+        Placement {
+            residencies,
             memory,
-        })
+            named: spec.components.iter().map(|c| (c.name, c.role)).collect(),
+        }
     }
 
     /// Whether any component keeps its weights in host memory.
     pub fn uses_host_memory(&self) -> bool {
-        [self.text_encoder, self.dit, self.vae]
+        self.residencies.iter().any(|r| r.uses_host_memory())
+    }
+
+    /// Each component's name with its residency.
+    pub fn components(&self) -> impl Iterator<Item = (&'static str, Residency)> + '_ {
+        self.named
             .iter()
-            .any(|r| matches!(r, Residency::Parked | Residency::Streamed { .. }))
+            .zip(&self.residencies)
+            .map(|(&(name, _), &r)| (name, r))
+    }
+
+    /// The `placement` object of the dry-run JSON: each role present (its first component),
+    /// `components` by name, and `host_memory`.
+    pub fn json(&self) -> serde_json::Value {
+        let mut out = serde_json::Map::new();
+        for role in Role::ALL {
+            if let Some(i) = self.named.iter().position(|&(_, r)| r == role) {
+                out.insert(role.key().into(), serde_json::json!(self.residencies[i]));
+            }
+        }
+        out.insert(
+            "components".into(),
+            self.components()
+                .map(|(name, r)| (name.to_string(), serde_json::json!(r)))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+        );
+        out.insert("host_memory".into(), serde_json::json!(self.memory));
+        out.into()
+    }
+}
+
+/// The residency the flags give a component of `role`.
+fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
+    let streamed = |stream, depth, per_group, by_step| Residency::Streamed {
+        blocks_per_group: per_group,
+        by_step,
+        options: StreamOptions { stream, depth },
+    };
+    let parked_if = |offload: bool| {
+        if offload {
+            Residency::Parked
+        } else {
+            Residency::Resident
+        }
+    };
+    if o.sequential_cpu_offload {
+        return match role {
+            Role::TextEncoder | Role::Dit => streamed(false, 1, 1, true),
+            _ => Residency::Parked,
+        };
+    }
+    if o.model_cpu_offload {
+        return Residency::Parked;
+    }
+    let layerwise = streamed(
+        o.offload_stream,
+        o.prefetch_depth,
+        o.num_blocks_per_group,
+        o.leaf_level,
+    );
+    match role {
+        Role::TextEncoder => match (o.text_encoder_cpu_offload, o.text_encoder_on_cpu) {
+            (false, _) => Residency::Resident,
+            (true, true) => Residency::OnCpu,
+            (true, false) => layerwise,
+        },
+        Role::Dit if o.dit_layerwise_offload => layerwise,
+        Role::Dit => parked_if(o.dit_cpu_offload),
+        Role::ImageEncoder => parked_if(o.image_encoder_cpu_offload),
+        Role::Vae | Role::AudioVae => parked_if(o.vae_cpu_offload),
     }
 }
 
@@ -237,26 +207,12 @@ impl<M: Blockwise> Placed<M> {
                     weights.var_builder(dtype, device),
                     weights.var_builder(dtype, &Device::Cpu),
                 )?;
-                let n = M::num_blocks(cfg);
-                let steps = if by_step { M::steps(cfg) } else { 1 };
-                let per_group = blocks_per_group.max(1);
-                let cfg = cfg.clone();
+                let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
                 let blocks = Offloaded::from_weights(
                     weights,
-                    if steps > 1 {
-                        n * steps
-                    } else {
-                        n.div_ceil(per_group)
-                    },
+                    groups.count,
                     Packing::ByDtype,
-                    move |g, vb| {
-                        if steps > 1 {
-                            return Ok(vec![M::block_step(&cfg, g / steps, g % steps, vb)?]);
-                        }
-                        (g * per_group..((g + 1) * per_group).min(n))
-                            .map(|i| M::block(&cfg, i, vb.clone()))
-                            .collect()
-                    },
+                    move |g, vb| groups.build(g, vb),
                     dtype,
                     device,
                     memory,

@@ -1,6 +1,6 @@
 //! Progress on stderr: bars on a terminal, plain lines otherwise (logs, CI), nothing with --quiet.
 
-use crate::models::loader::OnRead;
+use crate::weights::OnRead;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::Mutex;

@@ -1,33 +1,24 @@
-//! The stage runner: a pipeline is an ordered list of stages, each naming the components it uses.
-//! The runner decides when each component is loaded and released; pipelines only say how.
+//! The stage runner: a pipeline is an ordered list of stages, each naming the components it uses
+//! ([`PipelineSpec`]). The runner decides when each component is loaded and released; pipelines
+//! only say how.
 
+use super::spec::{PipelineSpec, StageSpec};
 use anyhow::Result;
 use serde::Serialize;
-use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
-/// One step of a pipeline and the components it needs loaded.
-#[derive(Debug, Serialize)]
-pub struct StageSpec<C: 'static> {
-    pub name: &'static str,
-    pub uses: &'static [C],
-}
-
-/// A pipeline the runner can drive: its stages, and how to load, release and run.
+/// A pipeline the runner can drive: its description, and how to load, release and run.
+/// Components and stages are named by their index in the description.
 pub trait Pipeline {
-    /// A loadable component (text encoder, DiT, VAE, ...).
-    type Component: Copy + Eq + Debug + Serialize + 'static;
     /// The state of one request as it moves through the stages.
     type Job;
 
-    /// The stages, in order.
-    fn stages(&self) -> &'static [StageSpec<Self::Component>];
-    /// Components checked as safe to load late and free early (FastVideo's `_lazy_module_names`).
-    fn deferrable(&self) -> &'static [Self::Component];
+    /// The pipeline as data.
+    fn spec(&self) -> &PipelineSpec;
     /// Loads a component and places it on its device.
-    fn load(&mut self, component: Self::Component) -> Result<()>;
+    fn load(&mut self, component: usize) -> Result<()>;
     /// Frees a component's memory.
-    fn release(&mut self, component: Self::Component);
+    fn release(&mut self, component: usize);
     /// Runs stage `index` for one job.
     fn run_stage(&mut self, index: usize, job: &mut Self::Job) -> Result<()>;
 }
@@ -64,33 +55,35 @@ pub struct JobReport {
 }
 
 /// Which components are alive before and after each stage under a policy.
-pub struct Schedule<C: 'static> {
+#[derive(Clone, Debug)]
+pub struct Schedule {
     /// Components to load before stage i.
-    pub load_before: Vec<Vec<C>>,
+    pub load_before: Vec<Vec<usize>>,
     /// Components to release after stage i.
-    pub release_after: Vec<Vec<C>>,
+    pub release_after: Vec<Vec<usize>>,
 }
 
-impl<C: Copy + Eq + Debug + 'static> Schedule<C> {
-    /// Plans the loads and releases of `stages` under `policy`.
-    pub fn plan(stages: &[StageSpec<C>], deferrable: &[C], policy: LoadPolicy) -> Self {
+impl Schedule {
+    /// Plans the loads and releases of `spec`'s stages under `policy`.
+    pub fn plan(spec: &PipelineSpec, policy: LoadPolicy) -> Self {
+        let stages = &spec.stages;
         let n = stages.len();
         let mut load_before = vec![Vec::new(); n];
         let mut release_after = vec![Vec::new(); n];
-        let mut all: Vec<C> = Vec::new();
+        let mut all: Vec<usize> = Vec::new();
         for s in stages {
-            for c in s.uses {
+            for c in &s.uses {
                 if !all.contains(c) {
                     all.push(*c);
                 }
             }
         }
-        let first = |c: &C| stages.iter().position(|s| s.uses.contains(c)).unwrap_or(0);
-        let last = |c: &C| stages.iter().rposition(|s| s.uses.contains(c)).unwrap_or(0);
+        let first = |c: &usize| stages.iter().position(|s| s.uses.contains(c)).unwrap_or(0);
+        let last = |c: &usize| stages.iter().rposition(|s| s.uses.contains(c)).unwrap_or(0);
         for c in all {
             let (load_at, release_at) = match policy {
                 LoadPolicy::Eager => (0, n - 1),
-                LoadPolicy::Lazy if deferrable.contains(&c) => (first(&c), last(&c)),
+                LoadPolicy::Lazy if spec.components[c].deferrable => (first(&c), last(&c)),
                 LoadPolicy::Lazy => (0, n - 1),
                 LoadPolicy::Sequential if last(&c) == 0 => (0, 0),
                 LoadPolicy::Sequential => (first_after_zero(stages), n - 1),
@@ -105,7 +98,7 @@ impl<C: Copy + Eq + Debug + 'static> Schedule<C> {
     }
 }
 
-fn first_after_zero<C>(stages: &[StageSpec<C>]) -> usize {
+fn first_after_zero(stages: &[StageSpec]) -> usize {
     stages
         .iter()
         .skip(1)
@@ -123,12 +116,12 @@ pub fn run<P: Pipeline>(
     order: BatchOrder,
     mut on_stage: impl FnMut(usize, &'static str),
 ) -> Vec<JobReport> {
-    let stages = pipeline.stages();
-    let schedule = Schedule::plan(stages, pipeline.deferrable(), policy);
+    let stages = pipeline.spec().stages.clone();
+    let schedule = Schedule::plan(pipeline.spec(), policy);
     let mut reports: Vec<JobReport> = jobs.iter().map(|_| JobReport::default()).collect();
-    let mut loaded: Vec<P::Component> = Vec::new();
+    let mut loaded: Vec<usize> = Vec::new();
     let mut step = |pipeline: &mut P,
-                    loaded: &mut Vec<P::Component>,
+                    loaded: &mut Vec<usize>,
                     stage: usize,
                     job_index: usize,
                     job: &mut P::Job,
@@ -139,7 +132,7 @@ pub fn run<P: Pipeline>(
         on_stage(job_index, stages[stage].name);
         let start = Instant::now();
         let result = ensure_loaded(pipeline, loaded, &schedule.load_before[stage])
-            .and_then(|()| ensure_loaded(pipeline, loaded, stages[stage].uses))
+            .and_then(|()| ensure_loaded(pipeline, loaded, &stages[stage].uses))
             .and_then(|()| pipeline.run_stage(stage, job));
         report
             .stage_times
@@ -176,8 +169,8 @@ pub fn run<P: Pipeline>(
 
 fn ensure_loaded<P: Pipeline>(
     pipeline: &mut P,
-    loaded: &mut Vec<P::Component>,
-    wanted: &[P::Component],
+    loaded: &mut Vec<usize>,
+    wanted: &[usize],
 ) -> Result<()> {
     for c in wanted {
         if !loaded.contains(c) {
@@ -188,7 +181,7 @@ fn ensure_loaded<P: Pipeline>(
     Ok(())
 }
 
-fn release<P: Pipeline>(pipeline: &mut P, loaded: &mut Vec<P::Component>, which: &[P::Component]) {
+fn release<P: Pipeline>(pipeline: &mut P, loaded: &mut Vec<usize>, which: &[usize]) {
     for c in which {
         if let Some(pos) = loaded.iter().position(|l| l == c) {
             pipeline.release(*c);

@@ -1,16 +1,17 @@
 //! Wan2.1 text-to-video as a list of stages, step for step as diffusers' `WanPipeline`.
 
 use super::jobs::Job;
-use super::placement::Held;
-use super::placement::{Blockwise, Placed, Placement};
+use super::placement::{Blockwise, Held, Placed, Placement};
+use super::plan::Planner;
 use super::progress::Progress;
-use super::runner::{Pipeline, StageSpec};
-use crate::cli::args::GenerateOptions;
+use super::registry::{Configs, Family, RunShape};
+use super::runner::Pipeline;
+use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::{MemoryMeter, MemoryPeaks};
-use crate::memory::plan;
-use crate::models::loader::{component_weights, seeded_normal, WeightSet};
-use crate::models::source::{FileRef, ModelSource};
+use crate::memory::plan::gib;
+use crate::models::source::{component_weights, FileRef, ModelSource};
+use crate::models::wan::activations;
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
@@ -20,96 +21,124 @@ use crate::models::wan::transformer::{
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::schedulers::{self, SchedulerConfig};
+use crate::weights::{seeded_normal, WeightSet};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use serde::Serialize;
+use std::sync::Arc;
 
-/// The loadable parts of Wan T2V.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Component {
-    TextEncoder,
-    Transformer,
-    Vae,
+/// Components, by their index in the description.
+const TEXT_ENCODER: usize = 0;
+const TRANSFORMER: usize = 1;
+const VAE: usize = 2;
+
+/// Stages, by their index in the description.
+const ENCODE_TEXT: usize = 0;
+const DENOISE: usize = 1;
+const DECODE: usize = 2;
+
+/// Reads a Wan T2V model's configs (the registry's entry point).
+pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
+    Ok(Box::new(WanConfigs::from_configs(configs)?))
 }
 
-impl Component {
-    /// The component's folder in the diffusers layout.
-    pub fn folder(self) -> &'static str {
-        match self {
-            Component::TextEncoder => "text_encoder",
-            Component::Transformer => "transformer",
-            Component::Vae => "vae",
+impl Family for WanConfigs {
+    /// Text encoder, DiT and VAE (in f32, as diffusers runs it), each used by one stage and
+    /// safe to defer: every component only feeds tensors forward.
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        let component = |name, role, dtype, constructors| ComponentSpec {
+            name,
+            role,
+            dtype,
+            deferrable: true,
+            constructors,
+        };
+        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        let tiling = shape.vae_tiling.then(WanVaeTiling::default);
+        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        };
+        PipelineSpec {
+            title: "Wan2.1 text-to-video",
+            components: vec![
+                component(
+                    "text_encoder",
+                    Role::TextEncoder,
+                    None,
+                    Arc::new(ModelConstructors::<UMT5EncoderModel>(
+                        self.text_encoder.clone(),
+                    )),
+                ),
+                component(
+                    "transformer",
+                    Role::Dit,
+                    None,
+                    Arc::new(ModelConstructors::<WanTransformer3DModel>(
+                        self.transformer.clone(),
+                    )),
+                ),
+                component(
+                    "vae",
+                    Role::Vae,
+                    Some(DType::F32),
+                    Arc::new(ModelConstructors::<AutoencoderKLWan>(self.vae.clone())),
+                ),
+            ],
+            stages: vec![
+                stage(
+                    "encode_text",
+                    &[TEXT_ENCODER],
+                    activations::text_encoder_activations(
+                        &self.text_encoder,
+                        shape.text_len,
+                        shape.dtype,
+                    ),
+                ),
+                stage(
+                    "denoise",
+                    &[TRANSFORMER],
+                    activations::transformer_activations(
+                        &self.transformer,
+                        latent,
+                        shape.text_len,
+                        shape.dtype,
+                    ),
+                ),
+                stage(
+                    "decode",
+                    &[VAE],
+                    activations::vae_decode_activations(&self.vae, latent, tiling.as_ref()),
+                ),
+                stage("write", &[], 0),
+            ],
         }
     }
-}
 
-const STAGES: &[StageSpec<Component>] = &[
-    StageSpec {
-        name: "encode_text",
-        uses: &[Component::TextEncoder],
-    },
-    StageSpec {
-        name: "denoise",
-        uses: &[Component::Transformer],
-    },
-    StageSpec {
-        name: "decode",
-        uses: &[Component::Vae],
-    },
-    StageSpec {
-        name: "write",
-        uses: &[],
-    },
-];
-
-/// The stages of Wan T2V.
-pub fn stages() -> &'static [StageSpec<Component>] {
-    STAGES
-}
-
-/// The components safe to defer.
-pub fn deferrable() -> &'static [Component] {
-    DEFERRABLE
-}
-
-/// Where the options put each component, as it applies to these models (streaming by step
-/// only where blocks have steps).
-pub fn placement(options: &GenerateOptions, configs: &WanConfigs) -> Result<Placement> {
-    let placement = Placement::new(options)?;
-    Ok(Placement {
-        text_encoder: placement
-            .text_encoder
-            .for_steps(UMT5EncoderModel::steps(&configs.text_encoder)),
-        dit: placement
-            .dit
-            .for_steps(WanTransformer3DModel::steps(&configs.transformer)),
-        vae: placement
-            .vae
-            .for_steps(AutoencoderKLWan::steps(&configs.vae)),
-        ..placement
-    })
-}
-
-/// Options this pipeline accepts but that act on nothing in it, each with why.
-pub fn inert_options(o: &GenerateOptions) -> Vec<String> {
-    let mut notes = Vec::new();
-    if o.image_encoder_cpu_offload {
-        notes.push(
-            "--image-encoder-cpu-offload has nothing to move: Wan2.1 text-to-video has no image encoder"
-                .to_string(),
-        );
+    fn facts(&self, shape: &RunShape) -> serde_json::Value {
+        serde_json::json!({
+            "transformer_layers": self.transformer.num_layers,
+            "transformer_inner_dim": self.transformer.inner_dim(),
+            "latent_shape": self.latent_shape(shape.num_frames, shape.height, shape.width),
+            "vae_scale_factor_spatial": self.vae.scale_factor_spatial(),
+            "vae_scale_factor_temporal": self.vae.scale_factor_temporal(),
+            "text_encoder_layers": self.text_encoder.num_layers,
+        })
     }
-    notes
-}
 
-/// Every component only feeds tensors forward, so each may load late and free early.
-const DEFERRABLE: &[Component] = &[
-    Component::TextEncoder,
-    Component::Transformer,
-    Component::Vae,
-];
+    fn open(
+        self: Box<Self>,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
+        Ok(Box::new(WanT2V::new(
+            *self, config, source, device, progress,
+        )?))
+    }
+}
 
 /// The configs of a Wan T2V model: everything planning needs, no weights.
 #[derive(Clone, Debug)]
@@ -121,18 +150,18 @@ pub struct WanConfigs {
 }
 
 impl WanConfigs {
-    /// Reads model_index.json and every component's config.
+    /// Reads every component's config of `source`.
     pub fn read(source: &ModelSource) -> Result<Self> {
-        let index: serde_json::Value = source.json("model_index.json")?;
-        let class = index["_class_name"].as_str().unwrap_or("");
-        if class != "WanPipeline" {
-            bail!("{source} is a {class:?} pipeline; vidgen runs Wan2.1 text-to-video (WanPipeline) models");
-        }
+        Self::from_configs(Configs::Fetch(source))
+    }
+
+    /// Reads every component's config.
+    pub fn from_configs(configs: Configs) -> Result<Self> {
         Ok(WanConfigs {
-            transformer: source.json("transformer/config.json")?,
-            vae: source.json("vae/config.json")?,
-            text_encoder: source.json("text_encoder/config.json")?,
-            scheduler: source.json("scheduler/scheduler_config.json")?,
+            transformer: configs.read("transformer/config.json")?,
+            vae: configs.read("vae/config.json")?,
+            text_encoder: configs.read("text_encoder/config.json")?,
+            scheduler: configs.read("scheduler/scheduler_config.json")?,
         })
     }
 
@@ -155,36 +184,39 @@ pub struct WanT2V {
     config: ResolvedConfig,
     source: ModelSource,
     configs: WanConfigs,
+    spec: PipelineSpec,
     device: Device,
     tokenizer: PromptTokenizer,
     placement: Placement,
     text_encoder: Option<Placed<UMT5EncoderModel>>,
     transformer: Option<Placed<WanTransformer3DModel>>,
     vae: Option<Placed<AutoencoderKLWan>>,
-    progress: std::sync::Arc<Progress>,
+    progress: Arc<Progress>,
     meter: MemoryMeter,
 }
 
 impl WanT2V {
-    /// Reads configs and the tokenizer; loads no weights.
+    /// Reads the tokenizer; loads no weights.
     pub fn new(
+        configs: WanConfigs,
         config: ResolvedConfig,
         source: ModelSource,
         device: Device,
-        progress: std::sync::Arc<Progress>,
+        progress: Arc<Progress>,
     ) -> Result<Self> {
-        let configs = WanConfigs::read(&source)?;
+        let spec = configs.spec(&RunShape::of(&config));
         let meter = MemoryMeter::new(&device);
         let tokenizer = match source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };
-        let placement = placement(&config.options, &configs)?;
+        let placement = Placement::new(&config.memory, &spec);
         Ok(WanT2V {
             placement,
             config,
             source,
             configs,
+            spec,
             device,
             tokenizer,
             text_encoder: None,
@@ -341,6 +373,7 @@ impl WanT2V {
                     "copy_gb_per_second": copies.gb_per_second(),
                     "pinned_bytes": pinned,
                     "host_bytes": after.host_bytes,
+                    "device_bytes": after.device_bytes,
                 }),
             );
         }
@@ -359,28 +392,28 @@ impl WanT2V {
     }
 
     /// Builds a component from its weights, placed as the options say.
-    fn load_component(&mut self, component: Component) -> Result<()> {
-        let dtype = self.config.dtype();
-        let what = || format!("loading {} of {}", component.folder(), self.source);
-        let weights = WeightSet::open(&component_weights(&self.source, component.folder())?)
-            .with_context(what)?;
+    fn load_component(&mut self, component: usize) -> Result<()> {
+        let spec = self.spec.components[component].clone();
+        let dtype = spec.dtype(self.config.dtype());
+        let what = || format!("loading {} of {}", spec.name, self.source);
+        let weights =
+            WeightSet::open(&component_weights(&self.source, spec.name)?).with_context(what)?;
         let total = weights.stored_bytes();
         let weights = weights.with_progress(
             self.progress
-                .bytes(&format!("reading {}", component.folder()), total),
+                .bytes(&format!("reading {}", spec.name), total),
         );
         match component {
-            Component::TextEncoder => {
+            TEXT_ENCODER => {
                 let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
                 self.text_encoder = Some(placed.with_context(what)?);
             }
-            Component::Transformer => {
+            TRANSFORMER => {
                 let placed = self.place(component, &self.configs.transformer, &weights, dtype);
                 self.transformer = Some(placed.with_context(what)?);
             }
-            Component::Vae => {
-                // diffusers runs the Wan VAE in f32.
-                let placed = self.place(component, &self.configs.vae, &weights, DType::F32);
+            _ => {
+                let placed = self.place(component, &self.configs.vae, &weights, dtype);
                 self.vae = Some(placed.with_context(what)?);
             }
         }
@@ -390,16 +423,13 @@ impl WanT2V {
     /// Builds `component` as the placement says and reports where its weights went.
     fn place<M: Blockwise>(
         &self,
-        component: Component,
+        component: usize,
         cfg: &M::Config,
         weights: &WeightSet,
         dtype: DType,
     ) -> Result<Placed<M>> {
-        let residency = match component {
-            Component::TextEncoder => self.placement.text_encoder,
-            Component::Transformer => self.placement.dit,
-            Component::Vae => self.placement.vae,
-        };
+        let residency = self.placement.residencies[component];
+        let name = self.spec.components[component].name;
         let placed = Placed::load(
             cfg,
             weights,
@@ -411,12 +441,11 @@ impl WanT2V {
         const GIB: f64 = (1u64 << 30) as f64;
         self.progress.note(&match placed.offload_usage() {
             Some(u) => format!(
-                "{}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
-                component.folder(),
+                "{name}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
                 u.host_bytes as f64 / GIB,
                 u.pinned_bytes as f64 / GIB
             ),
-            None => format!("{}: {residency}", component.folder()),
+            None => format!("{name}: {residency}"),
         });
         Ok(placed)
     }
@@ -491,51 +520,46 @@ impl WanT2V {
 }
 
 impl Pipeline for WanT2V {
-    type Component = Component;
     type Job = Job;
 
-    fn stages(&self) -> &'static [StageSpec<Component>] {
-        STAGES
+    fn spec(&self) -> &PipelineSpec {
+        &self.spec
     }
 
-    fn deferrable(&self) -> &'static [Component] {
-        DEFERRABLE
-    }
-
-    fn load(&mut self, component: Component) -> Result<()> {
+    fn load(&mut self, component: usize) -> Result<()> {
         let start = std::time::Instant::now();
         self.meter.reset();
         let loaded = self
             .load_component(component)
             .and_then(|()| Ok(self.device.synchronize()?));
+        let name = self.spec.components[component].name;
         if let Err(e) = loaded {
-            let when = format!("while loading {}", component.folder());
+            let when = format!("while loading {name}");
             return Err(self.explain_out_of_memory(&when, e));
         }
         self.progress.note(&format!(
-            "loaded {} in {:.2}s: {}",
-            component.folder(),
+            "loaded {name} in {:.2}s{}",
             start.elapsed().as_secs_f64(),
             describe_peaks(&self.meter.peaks())
         ));
         Ok(())
     }
 
-    fn release(&mut self, component: Component) {
+    fn release(&mut self, component: usize) {
         match component {
-            Component::TextEncoder => self.text_encoder = None,
-            Component::Transformer => self.transformer = None,
-            Component::Vae => self.vae = None,
+            TEXT_ENCODER => self.text_encoder = None,
+            TRANSFORMER => self.transformer = None,
+            _ => self.vae = None,
         }
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let name = STAGES[index].name;
+        let name = self.spec.stages[index].name;
         self.meter.reset();
-        let result = match name {
-            "encode_text" => self.encode_text(job),
-            "denoise" => self.denoise(job),
-            "decode" => self.decode(job),
+        let result = match index {
+            ENCODE_TEXT => self.encode_text(job),
+            DENOISE => self.denoise(job),
+            DECODE => self.decode(job),
             _ => self.write(job),
         };
         if let Err(e) = result {
@@ -543,7 +567,7 @@ impl Pipeline for WanT2V {
         }
         let peaks = self.meter.peaks();
         self.progress
-            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
+            .note(&format!("  {name}{}", describe_peaks(&peaks)));
         let stages = job
             .metrics
             .entry("stages")
@@ -568,12 +592,12 @@ impl WanT2V {
             (0, _) => String::new(),
             (used, Some(total)) => format!(
                 "; {:.2} of {:.2} GiB in use on the device",
-                plan::gib(used),
-                plan::gib(total)
+                gib(used),
+                gib(total)
             ),
-            (used, None) => format!("; {:.2} GiB in use on the device", plan::gib(used)),
+            (used, None) => format!("; {:.2} GiB in use on the device", gib(used)),
         };
-        let advice = plan::advice(&self.config, &|c| plan::wan::plan(&self.configs, c), total);
+        let advice = Planner::new(&self.configs, &self.config).advice();
         e.context(format!(
             "out of device memory {when} ({}{in_use}); {advice}",
             describe_peaks(&peaks)
@@ -663,13 +687,21 @@ impl Blockwise for AutoencoderKLWan {
     }
 }
 
-/// One line for a stage's memory: device peaks (used / reserved by the pool) and host RSS.
+/// What a stage's memory peaks were, as a suffix: device peaks (used / reserved by the pool)
+/// where there is a device pool, and host RSS.
 fn describe_peaks(p: &MemoryPeaks) -> String {
     const GIB: f64 = (1u64 << 30) as f64;
+    let device = if p.device_reserved_peak > 0 {
+        format!(
+            "device peak {:.2} GiB used, {:.2} GiB reserved; ",
+            p.device_used_peak as f64 / GIB,
+            p.device_reserved_peak as f64 / GIB
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "device peak {:.2} GiB used, {:.2} GiB reserved; host RSS peak {:.2} GiB",
-        p.device_used_peak as f64 / GIB,
-        p.device_reserved_peak as f64 / GIB,
+        ": {device}host RSS peak {:.2} GiB",
         p.host_rss_peak as f64 / GIB
     )
 }
@@ -700,8 +732,9 @@ mod tests {
         };
         let config = ResolvedConfig::resolve(*args).unwrap();
         let source = ModelSource::parse(fixture).unwrap();
-        let progress = std::sync::Arc::new(Progress::new(true));
-        WanT2V::new(config, source, Device::Cpu, progress).unwrap()
+        let progress = Arc::new(Progress::new(true));
+        let configs = WanConfigs::read(&source).unwrap();
+        WanT2V::new(configs, config, source, Device::Cpu, progress).unwrap()
     }
 
     /// A device out-of-memory error, at load or in a stage, names when it happened and what to
@@ -718,7 +751,7 @@ mod tests {
             text.starts_with("out of device memory while loading transformer ("),
             "{text}"
         );
-        assert!(text.contains("device peak"), "{text}");
+        assert!(text.contains("host RSS peak"), "{text}");
         assert!(text.contains("--dit-layerwise-offload"), "advice: {text}");
         assert!(
             text.contains("CUDA_ERROR_OUT_OF_MEMORY"),

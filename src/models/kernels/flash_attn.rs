@@ -1,7 +1,7 @@
 //! Fused attention forward on CUDA (`flash_attn.cu`, the FlashAttention-2 scheme): scores and
 //! probabilities stay on the chip, so one pass reads q, k and v and writes the output once.
 
-use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
@@ -12,15 +12,61 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
 const MODULE: &str = "vidgen_flash_attn";
 /// Warps per block (`NW` in the kernel).
 const WARPS: usize = 4;
-/// Query rows per block: each warp owns two m-tiles of 16 rows (`MT` in the kernel).
-const ROWS_PER_BLOCK: usize = 32 * WARPS;
 /// Key/value rows per shared-memory tile (`BC` in the kernel).
 const KEYS_PER_TILE: usize = 64;
-/// Elements of padding per shared-memory row (`PAD` in the kernel).
-const ROW_PAD: usize = 8;
+/// m-tiles of 16 query rows per warp (`MT` in the kernel) that a kernel was compiled for,
+/// fastest first: more rows a block reuse each key/value fragment more but need more shared memory.
+const M_TILES: [usize; 2] = [2, 1];
+/// Caps the per-block shared memory the kernel may use below what the device allows, in bytes:
+/// runs the configuration a smaller GPU would get (e.g. 101376, GB10's 99 KB, on an H200).
+pub const SHARED_MEMORY_LIMIT_ENV: &str = "VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK";
+
+/// One compiled launch configuration of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tile {
+    /// m-tiles per warp (`MT`).
+    pub m_tiles: usize,
+    /// Query rows per block.
+    pub rows: usize,
+    /// Dynamic shared memory per block, bytes: query tile plus double-buffered keys and values.
+    pub shared_bytes: usize,
+}
+
+/// The fastest configuration whose shared memory fits `limit` bytes per block.
+pub fn tile_for(head_dim: usize, elem_bytes: usize, limit: usize) -> Option<Tile> {
+    M_TILES.iter().find_map(|&m_tiles| {
+        let rows = 16 * m_tiles * WARPS;
+        let shared_bytes = (rows + 4 * KEYS_PER_TILE) * head_dim * elem_bytes;
+        (shared_bytes <= limit).then_some(Tile {
+            m_tiles,
+            rows,
+            shared_bytes,
+        })
+    })
+}
+
+/// Shared memory a block may opt into on `dev` (`SHARED_MEMORY_LIMIT_ENV` can lower it).
+fn shared_memory_limit(dev: &CudaDevice) -> Option<usize> {
+    let device = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .ok()?;
+    let device = usize::try_from(device).ok()?;
+    let cap = std::env::var(SHARED_MEMORY_LIMIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    Some(cap.map_or(device, |cap| cap.min(device)))
+}
+
+/// The configuration the kernel launches with on `dev`, if any fits its launch limits.
+pub fn device_tile(dev: &CudaDevice, head_dim: usize, dtype: DType) -> Option<Tile> {
+    tile_for(head_dim, dtype.size_in_bytes(), shared_memory_limit(dev)?)
+}
 
 /// Whether the fused kernel computes `sdpa` for these inputs: CUDA (compute capability 8.0 or
-/// newer), bf16 or f16, head_dim 64 or 128, matching batch and heads, at least one key.
+/// newer), bf16 or f16, head_dim 64 or 128, matching batch and heads, at least one key, and a
+/// configuration within the device's shared-memory limit.
 pub(super) fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let Device::Cuda(dev) = q.device() else {
         return false;
@@ -44,6 +90,7 @@ pub(super) fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
             .context()
             .compute_capability()
             .is_ok_and(|(major, _)| major >= 8)
+        && device_tile(dev, d, q.dtype()).is_some()
 }
 
 /// Attention over `[batch, heads, seq, head_dim]`; the caller checked [`supported`].
@@ -96,11 +143,15 @@ impl FlashAttn {
     ) -> Result<(CudaSlice<T>, Shape)> {
         let (b, h, n, d) = ql.shape().dims4()?;
         let m = kl.dims()[2];
-        let func = dev.get_or_load_custom_func(&format!("flash_fwd_{dtype}_d{d}"), MODULE, PTX)?;
-        let smem = (ROWS_PER_BLOCK + 4 * KEYS_PER_TILE) * (d + ROW_PAD) * std::mem::size_of::<T>();
+        let limit = shared_memory_limit(dev).unwrap_or(0);
+        let Some(tile) = tile_for(d, std::mem::size_of::<T>(), limit) else {
+            candle_core::bail!("flash-attn: no configuration fits {limit} B of shared memory")
+        };
+        let name = format!("flash_fwd_{dtype}_d{d}_m{}", tile.m_tiles);
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
+            tile.shared_bytes as i32,
         )
         .w()?;
         // SAFETY: every element is written by the kernel (each query row of each head).
@@ -124,9 +175,9 @@ impl FlashAttn {
         }
         builder.arg(&self.scale_log2);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(ROWS_PER_BLOCK) as u32, (b * h) as u32, 1),
+            grid_dim: (n.div_ceil(tile.rows) as u32, (b * h) as u32, 1),
             block_dim: ((32 * WARPS) as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
+            shared_mem_bytes: tile.shared_bytes as u32,
         };
         // SAFETY: the arguments match the kernel's signature; `supported` and `aligned` checked
         // the shapes, head_dim and the 16-byte alignment the kernel's copies need.

@@ -11,12 +11,12 @@ use candle_nn::VarBuilder;
 use crate::models::attention::sdpa;
 
 /// Frames of context a causal conv keeps between chunks (diffusers' `CACHE_T`).
-const CACHE_T: usize = 2;
+pub(crate) const CACHE_T: usize = 2;
 
 /// Largest im2col scratch (elements) one conv2d call may build: candle's CUDA conv2d is
 /// im2col + matmul, whose scratch is `C_in * k * k` times the output image (1.4 GB in f32 for
 /// one 96-channel 480x832 frame). Larger convolutions are split into row bands.
-const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
+pub(crate) const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
 
 /// State of one cache slot, as diffusers' `feat_cache[idx]` (`None`, `"Rep"` or a tensor).
 enum Slot {

@@ -5,7 +5,7 @@
 //! four frames at a time, with every causal conv caching the last two frames it saw, so memory
 //! does not grow with the number of frames (only the output does).
 
-mod blocks;
+pub(crate) mod blocks;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;

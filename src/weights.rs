@@ -1,15 +1,14 @@
-//! Weights: safetensors (single or sharded, memory mapped, converted to the run dtype at load)
-//! or seeded random weights for synthetic models. Models see only a `VarBuilder`.
+//! Weight I/O, below models and the offload engine: safetensors (single or sharded, memory
+//! mapped, checked and converted to the run dtype at load) or seeded random weights for
+//! synthetic models. Models see only a `VarBuilder`; where the files are is `models::source`'s.
 
-use super::source::{FileRef, ModelSource};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
-use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Where a component's weights come from.
@@ -19,78 +18,6 @@ pub enum Weights {
     Files(Vec<PathBuf>),
     /// Seeded random weights shaped by the model's own requests.
     Synthetic { seed: u64 },
-}
-
-/// File names diffusers and transformers use for a component's weights, sharded first.
-const WEIGHT_NAMES: [&str; 2] = ["diffusion_pytorch_model", "model"];
-const PICKLE_SUFFIXES: [&str; 5] = [".bin", ".pt", ".pth", ".ckpt", ".pkl"];
-
-/// Finds the weight files of `component` (e.g. "transformer").
-pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weights> {
-    if let ModelSource::Synthetic(name) = source {
-        return Ok(Weights::Synthetic {
-            seed: fnv1a(&format!("{name}/{component}")),
-        });
-    }
-    for base in WEIGHT_NAMES {
-        let index = format!("{component}/{base}.safetensors.index.json");
-        if let Some(FileRef::Path(index_path)) = source.file(&index)? {
-            return sharded(source, component, &index_path).map(Weights::Files);
-        }
-        if let Some(FileRef::Path(p)) = source.file(&format!("{component}/{base}.safetensors"))? {
-            return Ok(Weights::Files(vec![p]));
-        }
-    }
-    if let ModelSource::Local(dir) = source {
-        let folder = dir.join(component);
-        let entries: Vec<String> = std::fs::read_dir(&folder)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        let mut found: Vec<&String> = entries
-            .iter()
-            .filter(|n| n.ends_with(".safetensors"))
-            .collect();
-        found.sort();
-        if !found.is_empty() {
-            return Ok(Weights::Files(
-                found.into_iter().map(|n| folder.join(n)).collect(),
-            ));
-        }
-        if let Some(p) = entries
-            .iter()
-            .find(|n| PICKLE_SUFFIXES.iter().any(|s| n.ends_with(s)))
-        {
-            bail!("{} holds only pickle weights ({p}); vidgen loads safetensors only (pickle can run code): convert them, e.g. with diffusers' save_pretrained(safe_serialization=True)", folder.display());
-        }
-    }
-    bail!("{source} has no safetensors weights for {component} ({component}/diffusion_pytorch_model.safetensors or model.safetensors, or a .safetensors.index.json)")
-}
-
-/// The shard files named by a `*.safetensors.index.json`, each checked to exist.
-fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index_path)
-        .with_context(|| format!("reading {}", index_path.display()))?;
-    let index: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", index_path.display()))?;
-    let map = index["weight_map"]
-        .as_object()
-        .with_context(|| format!("{} has no weight_map", index_path.display()))?;
-    let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
-    shards
-        .into_iter()
-        .map(
-            |shard| match source.file(&format!("{component}/{shard}"))? {
-                Some(FileRef::Path(p)) => Ok(p),
-                _ => bail!(
-                    "shard {component}/{shard} named in {} is missing; re-download the model",
-                    index_path.display()
-                ),
-            },
-        )
-        .collect()
 }
 
 /// Called with the bytes of each tensor read (stored size), for progress reports.

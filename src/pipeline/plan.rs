@@ -1,0 +1,144 @@
+//! A family's memory plan from its description alone: the placement the options give each
+//! component, the weights its constructors ask for as the offload engine would hold them, and
+//! the schedule's loads and releases.
+
+use super::placement::Placement;
+use super::registry::{Family, RunShape};
+use super::runner::{LoadPolicy, Schedule};
+use super::spec::PipelineSpec;
+use crate::cli::ResolvedConfig;
+use crate::memory::plan::{self as memory_plan, MemoryPlan, PlanStage, Request};
+use crate::memory::MemoryOptions;
+use crate::offload::{DeviceWeights, Residency};
+use anyhow::Result;
+use candle_core::DType;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// When components load, from the memory options.
+pub fn load_policy(o: &MemoryOptions) -> LoadPolicy {
+    if o.lazy() {
+        LoadPolicy::Lazy
+    } else if o.sequential() {
+        LoadPolicy::Sequential
+    } else {
+        LoadPolicy::Eager
+    }
+}
+
+/// Plans a family's runs; remembers each component's recorded weights (they depend on the
+/// residency and dtype only), so weighing many option sets records each layout once.
+pub struct Planner<'a> {
+    family: &'a dyn Family,
+    config: &'a ResolvedConfig,
+    weights: RefCell<HashMap<(usize, String, DType), DeviceWeights>>,
+}
+
+impl<'a> Planner<'a> {
+    pub fn new(family: &'a dyn Family, config: &'a ResolvedConfig) -> Self {
+        Planner {
+            family,
+            config,
+            weights: RefCell::default(),
+        }
+    }
+
+    /// The run's own request: its resolved memory options and frame count.
+    pub fn request(&self) -> Request {
+        Request {
+            options: self.config.memory.clone(),
+            num_frames: self.config.options.num_frames,
+        }
+    }
+
+    /// The description of the run `request` asks for.
+    pub fn spec(&self, request: &Request) -> PipelineSpec {
+        self.family.spec(&self.shape(request))
+    }
+
+    fn shape(&self, request: &Request) -> RunShape {
+        RunShape {
+            num_frames: request.num_frames,
+            vae_tiling: request.options.vae_tiling,
+            ..RunShape::of(self.config)
+        }
+    }
+
+    /// The memory plan of `request`.
+    pub fn plan(&self, request: &Request) -> Result<MemoryPlan> {
+        let shape = self.shape(request);
+        let spec = self.family.spec(&shape);
+        let placement = Placement::new(&request.options, &spec);
+        let schedule = Schedule::plan(&spec, load_policy(&request.options));
+        let weights = spec
+            .components
+            .iter()
+            .zip(&placement.residencies)
+            .enumerate()
+            .map(|(i, (c, &residency))| {
+                self.device_weights(i, &spec, residency, c.dtype(shape.dtype))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A stage whose components all compute on the CPU holds no device activations.
+        let on_device = |uses: &[usize]| {
+            uses.iter()
+                .any(|&c| placement.residencies[c] != Residency::OnCpu)
+        };
+        let stages: Vec<PlanStage> = spec
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| PlanStage {
+                name: s.name,
+                uses: &s.uses,
+                load_before: &schedule.load_before[i],
+                release_after: &schedule.release_after[i],
+                activation_bytes: if on_device(&s.uses) {
+                    s.activation_bytes
+                } else {
+                    0
+                },
+            })
+            .collect();
+        Ok(MemoryPlan::new(&stages, &weights))
+    }
+
+    fn device_weights(
+        &self,
+        index: usize,
+        spec: &PipelineSpec,
+        residency: Residency,
+        dtype: DType,
+    ) -> Result<DeviceWeights> {
+        let key = (index, format!("{residency:?}"), dtype);
+        if let Some(w) = self.weights.borrow().get(&key) {
+            return Ok(*w);
+        }
+        let layout = spec.components[index]
+            .constructors
+            .layout(residency, dtype, None)?;
+        let w = layout.device_weights(residency);
+        self.weights.borrow_mut().insert(key, w);
+        Ok(w)
+    }
+
+    /// Out-of-memory advice for the run (see [`memory_plan::advice`]).
+    pub fn advice(&self) -> String {
+        memory_plan::advice(
+            &self.request(),
+            &self.config.device,
+            &|r| self.plan(r),
+            self.config.device.total_memory,
+        )
+    }
+
+    /// Option sets that need less memory (see [`memory_plan::candidates`]).
+    pub fn candidates(&self, total: Option<u64>) -> Vec<memory_plan::Candidate> {
+        memory_plan::candidates(
+            &self.request(),
+            &self.config.device,
+            &|r| self.plan(r),
+            total,
+        )
+    }
+}

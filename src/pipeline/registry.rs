@@ -1,0 +1,112 @@
+//! Which family runs a model: `model_index.json`'s `_class_name` (what diffusers loads it
+//! as) maps to a family, one line each. A family reads its configs into a [`Family`]; the
+//! frame asks it for its description and, to run, for a pipeline.
+
+use super::jobs::Job;
+use super::progress::Progress;
+use super::runner::Pipeline;
+use super::spec::PipelineSpec;
+use super::wan_t2v;
+use crate::cli::ResolvedConfig;
+use crate::models::source::ModelSource;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+/// What the description of a run depends on: sizes that set activation estimates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RunShape {
+    pub dtype: DType,
+    pub num_frames: u32,
+    pub height: u32,
+    pub width: u32,
+    /// Text tokens per prompt (`--max-sequence-length`).
+    pub text_len: usize,
+    pub vae_tiling: bool,
+}
+
+impl RunShape {
+    /// The shape of a resolved run.
+    pub fn of(config: &ResolvedConfig) -> Self {
+        let o = &config.options;
+        RunShape {
+            dtype: config.dtype(),
+            num_frames: o.num_frames,
+            height: o.height,
+            width: o.width,
+            text_len: o.max_sequence_length as usize,
+            vae_tiling: config.memory.vae_tiling,
+        }
+    }
+}
+
+/// A model family with its configs read: everything the frame needs to plan, report and run it.
+pub trait Family {
+    /// The pipeline as data for a run of `shape`.
+    fn spec(&self, shape: &RunShape) -> PipelineSpec;
+    /// The model's geometry for the dry run's `model` object (layers, widths, latent shape).
+    fn facts(&self, shape: &RunShape) -> serde_json::Value;
+    /// The runnable pipeline (tokenizers and configs read; no weights loaded).
+    fn open(
+        self: Box<Self>,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>>;
+}
+
+/// Where configs are read from: the model (downloading if needed), or only what is on disk
+/// (a dry run never downloads).
+#[derive(Clone, Copy)]
+pub enum Configs<'a> {
+    Fetch(&'a ModelSource),
+    OnDisk(&'a ModelSource),
+}
+
+impl Configs<'_> {
+    /// A config file, parsed; a file that does not parse names itself and the problem.
+    pub fn read<T: DeserializeOwned>(&self, rel: &str) -> Result<T> {
+        match *self {
+            Configs::Fetch(source) => source.json(rel),
+            Configs::OnDisk(source) => {
+                let value = source.cached_json(rel).with_context(|| {
+                    format!("{rel} of {source} is not on disk (a dry run never downloads)")
+                })?;
+                serde_json::from_value(value).with_context(|| format!("{rel} of {source}"))
+            }
+        }
+    }
+}
+
+/// One family: the `_class_name`s it runs and how it reads a model's configs.
+pub struct FamilyEntry {
+    pub class_names: &'static [&'static str],
+    pub read: fn(Configs) -> Result<Box<dyn Family>>,
+}
+
+/// Every family vidgen runs.
+pub const FAMILIES: &[FamilyEntry] = &[FamilyEntry {
+    class_names: &["WanPipeline"],
+    read: wan_t2v::read,
+}];
+
+/// The family of a model, with its configs read.
+pub fn family(configs: Configs) -> Result<Box<dyn Family>> {
+    let index: serde_json::Value = configs.read("model_index.json")?;
+    let class = index["_class_name"].as_str().unwrap_or("");
+    match FAMILIES.iter().find(|f| f.class_names.contains(&class)) {
+        Some(entry) => (entry.read)(configs),
+        None => {
+            let known: Vec<&str> = FAMILIES
+                .iter()
+                .flat_map(|f| f.class_names.iter().copied())
+                .collect();
+            bail!(
+                "model_index.json names a {class:?} pipeline; vidgen runs {}",
+                known.join(", ")
+            )
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! A pipeline as data: its components (each with a role and the constructors that build it) and
+//! its stages (the components each uses, in order, and the activations each is expected to
+//! hold). The runner, the placement, the memory plan, the out-of-memory advice, the dry run and
+//! the stats read only this, so a new family adds no code to any of them.
+
+use super::placement::Blockwise;
+use crate::offload::{ComponentLayout, GroupLayout, Packing, Recording, Residency};
+use crate::weights::WeightSet;
+use anyhow::Result;
+use candle_core::DType;
+use serde::Serialize;
+use std::sync::Arc;
+
+/// What a component does in its pipeline; the role decides which flags place it (FastVideo's
+/// `--text-encoder-cpu-offload` for every text encoder, the DiT flags for every DiT, ...).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    TextEncoder,
+    ImageEncoder,
+    Dit,
+    Vae,
+    AudioVae,
+}
+
+impl Role {
+    /// Every role, in the order reports list them.
+    pub const ALL: [Role; 5] = [
+        Role::TextEncoder,
+        Role::ImageEncoder,
+        Role::Dit,
+        Role::Vae,
+        Role::AudioVae,
+    ];
+
+    /// The role's key in the dry-run JSON's `placement` (`dit` for the DiTs).
+    pub fn key(self) -> &'static str {
+        match self {
+            Role::TextEncoder => "text_encoder",
+            Role::ImageEncoder => "image_encoder",
+            Role::Dit => "dit",
+            Role::Vae => "vae",
+            Role::AudioVae => "audio_vae",
+        }
+    }
+
+    /// The role in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Role::TextEncoder => "text encoder",
+            Role::ImageEncoder => "image encoder",
+            Role::Dit => "DiT",
+            Role::Vae => "VAE",
+            Role::AudioVae => "audio VAE",
+        }
+    }
+}
+
+/// A component's constructors behind one object: what the plan records and the run builds.
+pub trait Constructors: Send + Sync {
+    /// How many steps a block splits into for step-by-step streaming (1: it cannot).
+    fn steps(&self) -> usize;
+    /// The tensors the component's constructors ask for, laid out as the engine holds them
+    /// under `residency` (see [`ComponentLayout`]); checked against `weights` when given.
+    fn layout(
+        &self,
+        residency: Residency,
+        dtype: DType,
+        weights: Option<&WeightSet>,
+    ) -> Result<ComponentLayout>;
+}
+
+/// The constructors of a [`Blockwise`] model with its config.
+pub struct ModelConstructors<M: Blockwise>(pub M::Config);
+
+impl<M: Blockwise> Constructors for ModelConstructors<M> {
+    fn steps(&self) -> usize {
+        M::steps(&self.0)
+    }
+
+    fn layout(
+        &self,
+        residency: Residency,
+        dtype: DType,
+        weights: Option<&WeightSet>,
+    ) -> Result<ComponentLayout> {
+        let cfg = &self.0;
+        let record = |packing, build: &dyn Fn(candle_nn::VarBuilder<'static>) -> _| {
+            crate::offload::record(weights, dtype, packing, build)
+        };
+        let whole = || -> Result<GroupLayout> {
+            record(Packing::PerTensor, &|vb| M::whole(cfg, vb).map(drop))
+        };
+        Ok(match residency.for_steps(M::steps(cfg)) {
+            Residency::Resident => ComponentLayout {
+                direct_bytes: whole()?.tensor_bytes(),
+                groups: Vec::new(),
+            },
+            Residency::OnCpu => ComponentLayout::default(),
+            Residency::Parked => ComponentLayout {
+                direct_bytes: 0,
+                groups: vec![whole()?],
+            },
+            Residency::Streamed {
+                blocks_per_group,
+                by_step,
+                ..
+            } => {
+                // What stays in host memory (a token table) is recorded apart and not counted.
+                let (device, host) = (Recording::default(), Recording::default());
+                drop(M::outer(
+                    cfg,
+                    device.var_builder(weights, dtype),
+                    host.var_builder(weights, dtype),
+                )?);
+                let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
+                ComponentLayout {
+                    direct_bytes: device.layout(Packing::PerTensor)?.tensor_bytes(),
+                    groups: (0..groups.count)
+                        .map(|g| record(Packing::ByDtype, &|vb| groups.build(g, vb).map(drop)))
+                        .collect::<Result<_>>()?,
+                }
+            }
+        })
+    }
+}
+
+/// How a streamed model's blocks form groups: runs of `per_group` blocks, or one block step
+/// per group. The engine builds its groups and the plan counts them through this one rule.
+pub struct GroupPlan<M: Blockwise> {
+    cfg: M::Config,
+    blocks: usize,
+    per_group: usize,
+    /// Steps per block when streaming step by step, else 1.
+    steps: usize,
+    /// Groups in all.
+    pub count: usize,
+}
+
+impl<M: Blockwise> GroupPlan<M> {
+    pub fn new(cfg: &M::Config, blocks_per_group: usize, by_step: bool) -> Self {
+        let blocks = M::num_blocks(cfg);
+        let steps = if by_step { M::steps(cfg) } else { 1 };
+        let per_group = blocks_per_group.max(1);
+        let count = if steps > 1 {
+            blocks * steps
+        } else {
+            blocks.div_ceil(per_group)
+        };
+        GroupPlan {
+            cfg: cfg.clone(),
+            blocks,
+            per_group,
+            steps,
+            count,
+        }
+    }
+
+    /// Group `g`'s blocks (or its one block step) from the root `VarBuilder`.
+    pub fn build(
+        &self,
+        g: usize,
+        vb: candle_nn::VarBuilder<'static>,
+    ) -> candle_core::Result<Vec<M::Block>> {
+        if self.steps > 1 {
+            return Ok(vec![M::block_step(
+                &self.cfg,
+                g / self.steps,
+                g % self.steps,
+                vb,
+            )?]);
+        }
+        (g * self.per_group..((g + 1) * self.per_group).min(self.blocks))
+            .map(|i| M::block(&self.cfg, i, vb.clone()))
+            .collect()
+    }
+}
+
+/// One loadable component of a pipeline.
+#[derive(Clone)]
+pub struct ComponentSpec {
+    /// Its folder in the diffusers layout (`text_encoder`, `transformer_2`, ...), also its
+    /// name in reports.
+    pub name: &'static str,
+    pub role: Role,
+    /// The dtype it loads and runs in when not the run's (diffusers runs the Wan VAE in f32).
+    pub dtype: Option<DType>,
+    /// Safe to load late and free early: it only feeds tensors forward
+    /// (FastVideo's `_lazy_module_names`).
+    pub deferrable: bool,
+    /// Its constructors, which count and place its weights.
+    pub constructors: Arc<dyn Constructors>,
+}
+
+impl ComponentSpec {
+    /// The dtype the component's weights take in a run of `dtype`.
+    pub fn dtype(&self, run: DType) -> DType {
+        self.dtype.unwrap_or(run)
+    }
+}
+
+/// One step of a pipeline.
+#[derive(Clone, Debug, Serialize)]
+pub struct StageSpec {
+    pub name: &'static str,
+    /// Indices of the components it uses, into [`PipelineSpec::components`].
+    pub uses: Vec<usize>,
+    /// Device bytes of activations and scratch it is expected to hold at its peak, above the
+    /// weights (0 on the CPU is still an estimate of host bytes).
+    #[serde(skip)]
+    pub activation_bytes: u64,
+}
+
+/// A pipeline as data.
+#[derive(Clone)]
+pub struct PipelineSpec {
+    /// What it makes, in words ("Wan2.1 text-to-video").
+    pub title: &'static str,
+    pub components: Vec<ComponentSpec>,
+    pub stages: Vec<StageSpec>,
+}
+
+impl PipelineSpec {
+    /// The names of components `indices`.
+    pub fn names(&self, indices: &[usize]) -> Vec<&'static str> {
+        indices.iter().map(|&i| self.components[i].name).collect()
+    }
+
+    /// The index of the component named `name`.
+    pub fn component(&self, name: &str) -> Option<usize> {
+        self.components.iter().position(|c| c.name == name)
+    }
+}
