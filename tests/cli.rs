@@ -471,6 +471,133 @@ fn bad_inputs_are_one_line_errors_with_exit_code_2() {
     }
 }
 
+/// A copy of the fixture model's configs and tokenizer (all a dry run reads) in a fresh folder,
+/// with `edit` applied to the JSON of `file`.
+fn model_with(name: &str, file: &str, edit: impl FnOnce(&mut Value)) -> std::path::PathBuf {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a");
+    let dst = tempdir().join(name);
+    let _ = std::fs::remove_dir_all(&dst);
+    for rel in [
+        "model_index.json",
+        "transformer/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "scheduler/scheduler_config.json",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+        "tokenizer/special_tokens_map.json",
+    ] {
+        std::fs::create_dir_all(dst.join(rel).parent().unwrap()).unwrap();
+        std::fs::copy(src.join(rel), dst.join(rel)).unwrap();
+    }
+    let mut json: Value =
+        serde_json::from_str(&std::fs::read_to_string(dst.join(file)).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(dst.join(file), json.to_string()).unwrap();
+    dst
+}
+
+#[test]
+fn configs_the_model_cannot_run_are_one_line_errors_naming_file_and_key() {
+    let cases: Vec<(&str, &str, Value, &str)> = vec![
+        (
+            "dim-mult",
+            "vae/config.json",
+            json!({"dim_mult": []}),
+            "dim_mult",
+        ),
+        (
+            "temperal",
+            "vae/config.json",
+            json!({"temperal_downsample": [false]}),
+            "temperal_downsample",
+        ),
+        (
+            "patch",
+            "transformer/config.json",
+            json!({"patch_size": [1, 0, 2]}),
+            "patch_size",
+        ),
+        (
+            "heads",
+            "transformer/config.json",
+            json!({"num_attention_heads": "many"}),
+            "num_attention_heads",
+        ),
+        (
+            "umt5",
+            "text_encoder/config.json",
+            json!({"d_model": 0}),
+            "d_model",
+        ),
+        (
+            "sampler",
+            "scheduler/scheduler_config.json",
+            json!({"solver_type": "bh9"}),
+            "solver_type",
+        ),
+        (
+            "index",
+            "model_index.json",
+            json!({"_class_name": null}),
+            "_class_name",
+        ),
+    ];
+    for (name, file, patch, key) in cases {
+        let model = model_with(name, file, |json| {
+            for (k, v) in patch.as_object().unwrap() {
+                json[k] = v.clone();
+            }
+        });
+        let model = model.to_str().unwrap();
+        // Discrete memory: no device overrides on stderr besides the error.
+        let quiet_device = ["--device", "cpu", "--memory-model", "discrete"];
+        for run in [
+            &["--dry-run"][..],
+            &["--dry-run", "--json"],
+            &["--prompt", "a"],
+        ] {
+            let mut args = vec!["generate", "--model", model];
+            args.extend_from_slice(run);
+            args.extend_from_slice(&quiet_device);
+            assert_usage_error(&args, &[model, file, &format!("`{key}`")]);
+        }
+    }
+    // The fixture's own configs pass.
+    let model = model_with("fine", "model_index.json", |_| {});
+    let (json, _) = dry_run(&["--model", model.to_str().unwrap()]);
+    assert_eq!(json["model"]["configs_read"], true);
+}
+
+#[test]
+fn output_names_are_checked_before_anything_loads() {
+    let model = model_with("names", "model_index.json", |_| {});
+    let model = model.to_str().unwrap();
+    let long = "x".repeat(201);
+    for (name, needle) in [
+        (long.as_str(), "200"),
+        (".hidden", "'.'"),
+        ("a/b", "separator"),
+    ] {
+        assert_usage_error(
+            &[
+                "generate",
+                "--prompt",
+                "a",
+                "--device",
+                "cpu",
+                "--memory-model",
+                "discrete",
+                "--model",
+                model,
+                "--output-video-name",
+                name,
+            ],
+            &["--output-video-name", needle],
+        );
+    }
+}
+
 #[test]
 fn help_documents_every_flag_with_its_default() {
     let out = vidgen(&["generate", "--help"]);

@@ -1,6 +1,7 @@
 //! What the options mean, derived once: the one configuration every later stage reads.
 
 use super::args::{DTypeChoice, GenerateArgs, GenerateOptions, Tristate};
+use super::video::{Spelling, VideoSettings};
 use super::UsageError;
 use crate::memory::{apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, Override};
 use candle_core::DType;
@@ -92,51 +93,31 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
         }
         _ => {}
     }
-    for (name, value) in [("height", o.height), ("width", o.width)] {
-        if value == 0 || value % 16 != 0 {
-            let up = value.div_ceil(16).max(1) * 16;
-            return Err(UsageError::new(format!(
-                "--{name} {value} is not a positive multiple of 16; use e.g. --{name} {up}"
-            )));
-        }
+    VideoSettings {
+        height: Some(o.height),
+        width: Some(o.width),
+        num_frames: Some(o.num_frames),
+        num_inference_steps: Some(o.num_inference_steps),
+        guidance_scale: Some(o.guidance_scale),
+        output_video_name: o.output_video_name.as_deref(),
     }
-    if o.num_frames == 0 || !(o.num_frames - 1).is_multiple_of(4) {
-        let down = ((o.num_frames.saturating_sub(1)) / 4) * 4 + 1;
-        return Err(UsageError::new(format!(
-            "--num-frames {} is not of the form 4k+1; use e.g. --num-frames {down} or {}",
-            o.num_frames,
-            down + 4
-        )));
-    }
+    .check(Spelling::Flag)
+    .map_err(UsageError)?;
     for (name, value) in [
-        ("num-inference-steps", o.num_inference_steps),
         ("fps", o.fps),
         ("max-sequence-length", o.max_sequence_length),
     ] {
         // A config file bypasses clap's range checks.
         if value == 0 {
             return Err(UsageError::new(format!(
-                "{name} must be at least 1; pass a positive number"
+                "--{name} 0: must be at least 1; pass a positive number"
             )));
         }
-    }
-    if !o.guidance_scale.is_finite() || o.guidance_scale < 0.0 {
-        return Err(UsageError::new(format!(
-            "--guidance-scale {} must be a finite number >= 0 (1 disables guidance)",
-            o.guidance_scale
-        )));
     }
     if let Some(shift) = o.flow_shift {
         if !shift.is_finite() || shift <= 0.0 {
             return Err(UsageError::new(format!(
                 "--flow-shift {shift} must be a positive number (Wan uses 3.0 at 480p, 5.0 at 720p)"
-            )));
-        }
-    }
-    if let Some(name) = &o.output_video_name {
-        if name.is_empty() || name.contains(['/', '\\']) || name.chars().any(char::is_control) {
-            return Err(UsageError::new(format!(
-                "--output-video-name {name:?} must be a plain file name without path separators; put folders in --output-path"
             )));
         }
     }

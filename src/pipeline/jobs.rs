@@ -1,6 +1,7 @@
 //! Requests: one per prompt, with its sizes, seed and output path, and the tensors that wait
 //! between stages (kept small: embeddings, latents, frames).
 
+use crate::cli::video::{Spelling, VideoSettings};
 use crate::cli::ResolvedConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
@@ -64,10 +65,6 @@ struct PromptLine {
     guidance_scale: Option<f64>,
     output_video_name: Option<String>,
 }
-
-/// The longest file name (without extension) vidgen writes: room is left for the extension and
-/// the temporary `.NAME.EXT.partial` within the usual 255-byte limit.
-const MAX_NAME_BYTES: usize = 200;
 
 /// Builds the jobs of a run from `--prompt` or `--prompt-file`; every line is checked before
 /// any model loads, and two prompts may not write the same file.
@@ -221,33 +218,16 @@ fn check_line(line: &PromptLine) -> Result<()> {
     if line.prompt.trim().is_empty() {
         bail!("the prompt is empty");
     }
-    for (name, v) in [("height", line.height), ("width", line.width)] {
-        if let Some(v) = v.filter(|v| *v == 0 || v % 16 != 0) {
-            bail!("height/width must be positive multiples of 16; `{name}` is {v}");
-        }
+    VideoSettings {
+        height: line.height,
+        width: line.width,
+        num_frames: line.num_frames,
+        num_inference_steps: line.num_inference_steps,
+        guidance_scale: line.guidance_scale,
+        output_video_name: line.output_video_name.as_deref(),
     }
-    if let Some(f) = line.num_frames.filter(|f| *f == 0 || (f - 1) % 4 != 0) {
-        bail!("`num_frames` {f} is not of the form 4k+1 (e.g. 81)");
-    }
-    if line.num_inference_steps == Some(0) {
-        bail!("`num_inference_steps` must be at least 1");
-    }
-    if let Some(g) = line.guidance_scale.filter(|g| !g.is_finite() || *g < 0.0) {
-        bail!("`guidance_scale` {g} must be a finite number >= 0");
-    }
-    if let Some(name) = &line.output_video_name {
-        if name.is_empty()
-            || name.starts_with('.')
-            || name.len() > MAX_NAME_BYTES
-            || name.contains(['/', '\\'])
-            || name.chars().any(char::is_control)
-        {
-            bail!(
-                "`output_video_name` {name:?} must be a plain file name: no path separators or control characters, not starting with '.', at most {MAX_NAME_BYTES} bytes"
-            );
-        }
-    }
-    Ok(())
+    .check(Spelling::LineKey)
+    .map_err(|e| anyhow!(e))
 }
 
 /// A file-name-safe summary of a prompt: lowercase alphanumeric words joined by '-', at most 48
