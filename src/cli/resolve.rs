@@ -16,6 +16,8 @@ pub struct ResolvedConfig {
     pub device: DeviceInfo,
     /// What the device changed, in order.
     pub overrides: Vec<Override>,
+    /// Whether `options.seed` was drawn at random because none was given (see [`draw_seed`]).
+    pub seed_drawn: bool,
     /// Resolve and plan only.
     pub dry_run: bool,
     /// Machine-readable dry-run output.
@@ -34,10 +36,17 @@ impl ResolvedConfig {
             DeviceKind::Cuda | DeviceKind::Metal => DTypeChoice::Bf16,
         }));
         let overrides = apply_memory_rules(&mut options, &device);
+        // A run without --seed still has one base seed, recorded with the resolved options
+        // (--stats-json, the video's metadata); a dry run makes nothing, so draws none.
+        let seed_drawn = options.seed.is_none() && !args.dry_run;
+        if seed_drawn {
+            options.seed = Some(draw_seed());
+        }
         Ok(ResolvedConfig {
             options,
             device,
             overrides,
+            seed_drawn,
             dry_run: args.dry_run,
             json: args.json,
         })
@@ -74,8 +83,17 @@ impl ResolvedConfig {
             "memory_model": self.device.memory_model,
             "device": self.device,
             "overrides": self.overrides,
+            "seed_drawn": self.seed_drawn,
         })
     }
+}
+
+/// A base seed for a run without `--seed`: below 10^9, so it is short to read and retype.
+pub fn draw_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    crate::models::loader::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
 }
 
 /// Checks what no later stage could fix, with one line naming the problem and the fix.
