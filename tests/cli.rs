@@ -472,6 +472,15 @@ fn bad_inputs_are_one_line_errors_with_exit_code_2() {
             vec!["generate", "--prompt", "a", "--lazy-module-load=maybe"],
             vec!["maybe"],
         ),
+        (
+            vec![
+                "generate",
+                "--dry-run",
+                "--max-sequence-length",
+                "4294967295",
+            ],
+            vec!["--max-sequence-length", "65536"],
+        ),
     ];
     for (args, needles) in cases {
         assert_usage_error(&args, &needles);

@@ -132,6 +132,15 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
             )));
         }
     }
+    // Attention over the text grows with its square: far past any text encoder's training
+    // length, and where the memory plan's byte counts would overflow.
+    const MAX_TEXT_TOKENS: u32 = 1 << 16;
+    if o.max_sequence_length > MAX_TEXT_TOKENS {
+        return Err(UsageError::new(format!(
+            "--max-sequence-length {} is more than {MAX_TEXT_TOKENS} tokens; Wan uses 512",
+            o.max_sequence_length
+        )));
+    }
     if let Some(shift) = o.flow_shift {
         if !shift.is_finite() || shift <= 0.0 {
             return Err(UsageError::new(format!(
