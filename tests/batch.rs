@@ -732,3 +732,103 @@ fn a_missing_shard_and_a_lying_header_are_named() {
 fn json_str(s: &str) -> Value {
     Value::String(s.to_string())
 }
+
+/// A batch without --seed: one drawn base seed, recorded on stderr and in --stats-json, and a
+/// rerun with --resume finds the finished prompts although it draws another seed.
+#[test]
+fn resume_without_a_seed_finds_finished_prompts() {
+    let dir = scratch("resume-seedless");
+    let out = dir.join("out");
+    let prompts = write(&dir.join("p.txt"), "a fox\na boat\na tree\n");
+    let stats = dir.join("stats.json");
+    let run_batch = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args([
+                "generate",
+                "--model",
+                "synthetic:wan2.1-tiny",
+                "--device",
+                "cpu",
+            ])
+            .args(["--height", "32", "--width", "32", "--num-frames", "5"])
+            .args(["--num-inference-steps", "2", "--max-sequence-length", "16"])
+            .args([
+                "--prompt-file",
+                &prompts,
+                "--output-path",
+                out.to_str().unwrap(),
+            ])
+            .args(["--stats-json", stats.to_str().unwrap()])
+            .args(extra)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    let read_stats =
+        || -> Value { serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap() };
+
+    let first = run_batch(&[]);
+    let stderr = text(&first.stderr);
+    assert!(first.status.success(), "{stderr}");
+    let json = read_stats();
+    let base = json["config"]["seed"]
+        .as_u64()
+        .expect("the drawn seed is recorded");
+    assert_eq!(json["seed_drawn"], true);
+    assert!(
+        stderr.contains(&format!("drew base seed {base}"))
+            && stderr.contains(&format!("--seed {base}")),
+        "{stderr}"
+    );
+    let seeds: Vec<u64> = json["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["seed"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seeds, [base, base + 1, base + 2]);
+    let made = names(&out);
+    assert_eq!(made.len(), 3);
+    assert!(
+        made.contains(&format!("a-fox_001_seed{base}.mp4")),
+        "{made:?}"
+    );
+
+    // One video lost: --resume makes only that one, and finds the others whatever the seed.
+    let boat = out.join(format!("a-boat_002_seed{}.mp4", base + 1));
+    std::fs::remove_file(&boat).unwrap();
+    let second = run_batch(&["--resume"]);
+    let stderr = text(&second.stderr);
+    assert!(second.status.success(), "{stderr}");
+    assert_eq!(stderr.matches("(--resume)").count(), 3, "{stderr}");
+    let written = lines(&second.stdout);
+    assert_eq!(written.len(), 1, "{written:?}");
+    assert!(written[0].contains("a-boat_002_seed"), "{written:?}");
+    assert_eq!(names(&out).len(), 3, "{:?}", names(&out));
+    let json = read_stats();
+    let statuses: Vec<&str> = json["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["skipped", "written", "skipped"]);
+    assert_eq!(
+        json["jobs"][0]["seed"], base,
+        "a skipped prompt reports its file's seed"
+    );
+
+    // Everything is there: nothing runs, nothing new appears.
+    let third = run_batch(&["--resume"]);
+    assert!(third.status.success(), "{}", text(&third.stderr));
+    assert!(third.stdout.is_empty());
+    assert!(!text(&third.stderr).contains("loading"));
+    assert_eq!(names(&out).len(), 3, "{:?}", names(&out));
+
+    // A fixed seed asks for exactly those videos: they are made next to the others.
+    let fixed = run_batch(&["--resume", "--seed", "7"]);
+    assert!(fixed.status.success(), "{}", text(&fixed.stderr));
+    assert_eq!(lines(&fixed.stdout).len(), 3);
+    assert!(names(&out).contains(&"a-tree_003_seed9.mp4".to_string()));
+    assert_eq!(read_stats()["seed_drawn"], false);
+}

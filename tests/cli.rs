@@ -266,6 +266,16 @@ fn discrete_layerwise_excludes_fsdp() {
     assert!(config_bool(&json, "use_fsdp_inference") && config_bool(&json, "dit_cpu_offload"));
 }
 
+/// Whether a stderr line reports `key` turned off for want of an accelerator (alone, as
+/// `key: true -> false (no accelerator)`, or in the one line of every such change).
+fn reported_off_without_accelerator(stderr: &str, key: &str) -> bool {
+    stderr.lines().any(|l| {
+        l.ends_with("(no accelerator)")
+            && l.contains("true -> false")
+            && l.split([',', ':', ' ']).any(|word| word == key)
+    })
+}
+
 #[test]
 fn cpu_device_turns_every_host_offload_off() {
     let (json, stderr) = dry_run(&[]);
@@ -273,10 +283,7 @@ fn cpu_device_turns_every_host_offload_off() {
     assert_eq!(json["config"]["device"], "cpu");
     for key in HOST_OFFLOAD.iter().chain(&["pin_cpu_memory"]) {
         assert!(!config_bool(&json, key), "{key} off without an accelerator");
-        assert!(
-            stderr.contains(&format!("{key}: true -> false (no accelerator)")),
-            "{stderr}"
-        );
+        assert!(reported_off_without_accelerator(&stderr, key), "{stderr}");
     }
     for key in [
         "use_fsdp_inference",
@@ -285,7 +292,7 @@ fn cpu_device_turns_every_host_offload_off() {
     ] {
         let (json, stderr) = dry_run(&[&format!("--{}", key.replace('_', "-"))]);
         assert!(!config_bool(&json, key), "{key}");
-        assert!(stderr.contains(&format!("{key}: true -> false (no accelerator)")));
+        assert!(reported_off_without_accelerator(&stderr, key), "{stderr}");
     }
 }
 
@@ -465,10 +472,246 @@ fn bad_inputs_are_one_line_errors_with_exit_code_2() {
             vec!["generate", "--prompt", "a", "--lazy-module-load=maybe"],
             vec!["maybe"],
         ),
+        (
+            vec![
+                "generate",
+                "--dry-run",
+                "--max-sequence-length",
+                "4294967295",
+            ],
+            vec!["--max-sequence-length", "65536"],
+        ),
     ];
     for (args, needles) in cases {
         assert_usage_error(&args, &needles);
     }
+}
+
+/// A copy of the fixture model's configs and tokenizer (all a dry run reads) in a fresh folder,
+/// with `edit` applied to the JSON of `file`.
+fn model_with(name: &str, file: &str, edit: impl FnOnce(&mut Value)) -> std::path::PathBuf {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a");
+    let dst = tempdir().join(name);
+    let _ = std::fs::remove_dir_all(&dst);
+    for rel in [
+        "model_index.json",
+        "transformer/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "scheduler/scheduler_config.json",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+        "tokenizer/special_tokens_map.json",
+    ] {
+        std::fs::create_dir_all(dst.join(rel).parent().unwrap()).unwrap();
+        std::fs::copy(src.join(rel), dst.join(rel)).unwrap();
+    }
+    let mut json: Value =
+        serde_json::from_str(&std::fs::read_to_string(dst.join(file)).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(dst.join(file), json.to_string()).unwrap();
+    dst
+}
+
+#[test]
+fn configs_the_model_cannot_run_are_one_line_errors_naming_file_and_key() {
+    let cases: Vec<(&str, &str, Value, &str)> = vec![
+        (
+            "dim-mult",
+            "vae/config.json",
+            json!({"dim_mult": []}),
+            "dim_mult",
+        ),
+        (
+            "temperal",
+            "vae/config.json",
+            json!({"temperal_downsample": [false]}),
+            "temperal_downsample",
+        ),
+        (
+            "patch",
+            "transformer/config.json",
+            json!({"patch_size": [1, 0, 2]}),
+            "patch_size",
+        ),
+        (
+            "heads",
+            "transformer/config.json",
+            json!({"num_attention_heads": "many"}),
+            "num_attention_heads",
+        ),
+        (
+            "umt5",
+            "text_encoder/config.json",
+            json!({"d_model": 0}),
+            "d_model",
+        ),
+        (
+            "sampler",
+            "scheduler/scheduler_config.json",
+            json!({"solver_type": "bh9"}),
+            "solver_type",
+        ),
+        (
+            "index",
+            "model_index.json",
+            json!({"_class_name": null}),
+            "_class_name",
+        ),
+    ];
+    for (name, file, patch, key) in cases {
+        let model = model_with(name, file, |json| {
+            for (k, v) in patch.as_object().unwrap() {
+                json[k] = v.clone();
+            }
+        });
+        let model = model.to_str().unwrap();
+        // Discrete memory: no device overrides on stderr besides the error.
+        let quiet_device = ["--device", "cpu", "--memory-model", "discrete"];
+        for run in [
+            &["--dry-run"][..],
+            &["--dry-run", "--json"],
+            &["--prompt", "a"],
+        ] {
+            let mut args = vec!["generate", "--model", model];
+            args.extend_from_slice(run);
+            args.extend_from_slice(&quiet_device);
+            assert_usage_error(&args, &[model, file, &format!("`{key}`")]);
+        }
+    }
+    // The fixture's own configs pass.
+    let model = model_with("fine", "model_index.json", |_| {});
+    let (json, _) = dry_run(&["--model", model.to_str().unwrap()]);
+    assert_eq!(json["model"]["configs_read"], true);
+}
+
+#[test]
+fn output_names_are_checked_before_anything_loads() {
+    let model = model_with("names", "model_index.json", |_| {});
+    let model = model.to_str().unwrap();
+    let long = "x".repeat(201);
+    for (name, needle) in [
+        (long.as_str(), "200"),
+        (".hidden", "'.'"),
+        ("a/b", "separator"),
+    ] {
+        assert_usage_error(
+            &[
+                "generate",
+                "--prompt",
+                "a",
+                "--device",
+                "cpu",
+                "--memory-model",
+                "discrete",
+                "--model",
+                model,
+                "--output-video-name",
+                name,
+            ],
+            &["--output-video-name", needle],
+        );
+    }
+}
+
+/// Resolves a `generate` command line as the binary does.
+fn resolve(args: &[&str]) -> vidgen::cli::ResolvedConfig {
+    let argv = ["vidgen", "generate", "--dry-run"].iter().chain(args);
+    let vidgen::cli::Parsed::Generate(parsed) =
+        vidgen::cli::parse(argv.map(|a| (*a).into())).unwrap()
+    else {
+        panic!("not a generate command")
+    };
+    vidgen::cli::ResolvedConfig::resolve(*parsed).unwrap()
+}
+
+#[test]
+fn the_cpu_reports_what_it_turns_off_in_one_line() {
+    use vidgen::memory::overrides::report_lines;
+    let cpu = resolve(&["--device", "cpu", "--model-cpu-offload"]);
+    let lines = report_lines(&cpu.overrides);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    for key in HOST_OFFLOAD
+        .iter()
+        .chain(&["pin_cpu_memory", "model_cpu_offload"])
+    {
+        assert!(
+            reported_off_without_accelerator(&lines[0], key),
+            "{lines:?}"
+        );
+    }
+    // Elsewhere each change is a decision of its own, with its own line.
+    let unified = resolve(&["--device", "cpu", "--memory-model", "unified"]);
+    assert_eq!(
+        report_lines(&unified.overrides),
+        unified
+            .overrides
+            .iter()
+            .map(|o| o.to_string())
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn memory_lines_show_no_device_figures_where_none_were_measured() {
+    use vidgen::memory::accounting::MemoryPeaks;
+    use vidgen::pipeline::progress::describe_peaks;
+    let host_only = MemoryPeaks {
+        host_rss_peak: 3 << 29,
+        ..Default::default()
+    };
+    assert_eq!(describe_peaks(&host_only), "host RSS peak 1.50 GiB");
+    let cuda = MemoryPeaks {
+        device_used_peak: 1 << 30,
+        device_reserved_peak: 2 << 30,
+        device_in_use_now: 3 << 30,
+        host_rss_peak: 1 << 30,
+    };
+    assert_eq!(
+        describe_peaks(&cuda),
+        "device peak 1.00 GiB used, 2.00 GiB reserved; host RSS peak 1.00 GiB"
+    );
+}
+
+/// The whole binary on the CPU: one override line, no device peaks. Needs the two call sites
+/// in src/pipeline (the refactor in progress there) to use `Progress::overrides` and
+/// `progress::describe_peaks`.
+#[test]
+fn a_cpu_run_prints_one_override_line_and_no_device_peaks() {
+    let out = tempdir().join("cpu-run");
+    let run = vidgen(&[
+        "generate",
+        "--model",
+        "synthetic:wan2.1-tiny",
+        "--device",
+        "cpu",
+        "--prompt",
+        "a fox",
+        "--seed",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-frames",
+        "5",
+        "--num-inference-steps",
+        "1",
+        "--max-sequence-length",
+        "16",
+        "--overwrite",
+        "--output-path",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let moot: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("no accelerator"))
+        .collect();
+    assert_eq!(moot.len(), 1, "{stderr}");
+    assert!(!stderr.contains("device peak"), "{stderr}");
+    assert!(stderr.contains("host RSS peak"), "{stderr}");
 }
 
 #[test]
@@ -506,9 +749,12 @@ fn help_documents_every_flag_with_its_default() {
         ("--num-gpus", "1"),
         ("--memory-model", "auto"),
     ] {
-        let pos = help
-            .find(&format!("{flag} "))
-            .or_else(|| help.find(&format!("{flag}\n")))
+        // An on/off flag is shown with its negation: `--[no-]dit-cpu-offload`.
+        let negatable = format!("--[no-]{}", &flag[2..]);
+        let pos = [flag, negatable.as_str()]
+            .iter()
+            .flat_map(|f| [format!("{f} "), format!("{f}\n")])
+            .find_map(|f| help.find(&f))
             .unwrap_or_else(|| panic!("{flag} missing from help"));
         let entry: String = help[pos..]
             .split("\n      --")
@@ -521,6 +767,23 @@ fn help_documents_every_flag_with_its_default() {
             entry.contains(&format!("[default: {default}]")),
             "{flag}: {entry}"
         );
+        assert_eq!(entry.matches("[default:").count(), 1, "{flag}: {entry}");
+    }
+    for on_off in HOST_OFFLOAD.iter().chain(&[
+        "use_fsdp_inference",
+        "pin_cpu_memory",
+        "lazy_module_load",
+        "h3_sequential_load",
+        "offload_stream",
+        "model_cpu_offload",
+        "sequential_cpu_offload",
+        "vae_tiling",
+        "overwrite",
+        "resume",
+        "quiet",
+    ]) {
+        let negatable = format!("--[no-]{} [<", on_off.replace('_', "-"));
+        assert!(help.contains(&negatable), "{negatable} missing from help");
     }
     for flag in [
         "--sequential-load",

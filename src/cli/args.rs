@@ -60,25 +60,25 @@ pub struct GenerateArgs {
 pub struct GenerateOptions {
     // ----- FastVideo's inference options -----
     /// Keep the DiT's weights in host memory when it is not computing.
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]dit-cpu-offload", alias = "dit-cpu-offload", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub dit_cpu_offload: bool,
     /// Shard the DiT across GPUs with FSDP (multi-GPU).
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]use-fsdp-inference", alias = "use-fsdp-inference", help_heading = "Offload (FastVideo)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub use_fsdp_inference: bool,
     /// Stream the DiT's blocks from host memory, prefetching the next while one computes.
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]dit-layerwise-offload", alias = "dit-layerwise-offload", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub dit_layerwise_offload: bool,
     /// Keep the text encoder's weights off the GPU.
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]text-encoder-cpu-offload", alias = "text-encoder-cpu-offload", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub text_encoder_cpu_offload: bool,
     /// Keep the image encoder's weights in host memory between uses.
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]image-encoder-cpu-offload", alias = "image-encoder-cpu-offload", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub image_encoder_cpu_offload: bool,
     /// Keep the VAE's weights in host memory, copied to the GPU for decoding only.
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]vae-cpu-offload", alias = "vae-cpu-offload", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub vae_cpu_offload: bool,
     /// Hold offloaded weights in page-locked host memory (fast, asynchronous copies).
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]pin-cpu-memory", alias = "pin-cpu-memory", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub pin_cpu_memory: bool,
     /// Pin at most SIZE of host memory (e.g. 2GiB): offloaded weights stay in the memory map
     /// and stream through a pinned staging ring. Unset: every offloaded weight is pinned.
@@ -89,11 +89,11 @@ pub struct GenerateOptions {
     /// on the CPU.
     #[arg(long, help_heading = "Offload (FastVideo)", value_enum, default_value_t = ComputeDevice::Gpu)]
     pub text_encoder_compute: ComputeDevice,
-    /// Load each component on first use and free it after its last stage [default: auto].
-    #[arg(long, help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
+    /// Load each component on first use and free it after its last stage (auto: by the device).
+    #[arg(long = "[no-]lazy-module-load", alias = "lazy-module-load", help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
     pub lazy_module_load: Tristate,
-    /// Load the text encoder, encode, free it, then load the DiT and VAE [default: auto].
-    #[arg(long, visible_alias = "sequential-load", help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
+    /// Load the text encoder, encode, free it, then load the DiT and VAE (auto: by the device).
+    #[arg(long = "[no-]h3-sequential-load", alias = "h3-sequential-load", visible_alias = "sequential-load", help_heading = "Offload (FastVideo)", default_value = "auto", num_args = 0..=1, default_missing_value = "true", value_name = "auto|BOOL")]
     pub h3_sequential_load: Tristate,
 
     // ----- diffusers-style group offloading -----
@@ -104,16 +104,16 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub num_blocks_per_group: u32,
     /// Prefetch groups on a dedicated copy stream (off: synchronous copies).
-    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]offload-stream", alias = "offload-stream", help_heading = "Group offload (diffusers)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub offload_stream: bool,
     /// How many groups ahead the copy stream runs.
     #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub prefetch_depth: u32,
     /// diffusers' enable_model_cpu_offload: whole components move to the GPU in pipeline order.
-    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]model-cpu-offload", alias = "model-cpu-offload", help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub model_cpu_offload: bool,
     /// diffusers' enable_sequential_cpu_offload: step by step, copied synchronously when used.
-    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]sequential-cpu-offload", alias = "sequential-cpu-offload", help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub sequential_cpu_offload: bool,
 
     // ----- generation -----
@@ -167,7 +167,7 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub latents: Option<PathBuf>,
     /// Decode the VAE in spatial tiles (less memory).
-    #[arg(long, help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]vae-tiling", alias = "vae-tiling", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub vae_tiling: bool,
 
     // ----- output -----
@@ -192,13 +192,13 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Batch", value_enum, default_value_t = BatchOrderChoice::Auto)]
     pub batch_order: BatchOrderChoice,
     /// Replace outputs that already exist (otherwise such a prompt fails and the others go on).
-    #[arg(long, help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]overwrite", alias = "overwrite", help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub overwrite: bool,
     /// Skip the prompts whose output already exists (rerun an interrupted batch).
-    #[arg(long, help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]resume", alias = "resume", help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub resume: bool,
     /// Print only errors on stderr (no progress).
-    #[arg(long, help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long = "[no-]quiet", alias = "quiet", help_heading = "Batch", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub quiet: bool,
     /// Write per-prompt stage timings and metrics as JSON to FILE (also when the run fails).
     #[arg(long, help_heading = "Batch", value_name = "FILE")]

@@ -5,6 +5,7 @@
 
 pub mod args;
 pub mod resolve;
+pub mod video;
 
 use args::{Cli, Command, GenerateArgs};
 use clap::parser::ValueSource;

@@ -4,6 +4,7 @@ use super::args::{
     ComputeDevice, DTypeChoice, GenerateArgs, GenerateOptions, MemoryModelChoice, OffloadType,
     Tristate,
 };
+use super::video::{Spelling, VideoSettings};
 use super::UsageError;
 use crate::memory::{
     apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, MemoryOptions, Override,
@@ -22,6 +23,8 @@ pub struct ResolvedConfig {
     pub device: DeviceInfo,
     /// What the device changed, in order.
     pub overrides: Vec<Override>,
+    /// Whether `options.seed` was drawn at random because none was given (see [`draw_seed`]).
+    pub seed_drawn: bool,
     /// Resolve and plan only.
     pub dry_run: bool,
     /// Machine-readable dry-run output.
@@ -48,11 +51,18 @@ impl ResolvedConfig {
         let mut memory = memory_options(&options);
         let overrides = apply_memory_rules(&mut memory, &device);
         report_memory_options(&memory, &mut options);
+                // A run without --seed still has one base seed, recorded with the resolved options
+        // (--stats-json, the video's metadata); a dry run makes nothing, so draws none.
+        let seed_drawn = options.seed.is_none() && !args.dry_run;
+        if seed_drawn {
+            options.seed = Some(draw_seed());
+        }
         Ok(ResolvedConfig {
             options,
             memory,
             device,
             overrides,
+            seed_drawn,
             dry_run: args.dry_run,
             json: args.json,
         })
@@ -79,6 +89,7 @@ impl ResolvedConfig {
             "memory_model": self.device.memory_model,
             "device": self.device,
             "overrides": self.overrides,
+            "seed_drawn": self.seed_drawn,
         })
     }
 }
@@ -133,6 +144,14 @@ fn report_memory_options(m: &MemoryOptions, o: &mut GenerateOptions) {
     o.h3_sequential_load = tristate(m.h3_sequential_load);
 }
 
+/// A base seed for a run without `--seed`: below 10^9, so it is short to read and retype.
+pub fn draw_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    crate::weights::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
+}
+
 /// Checks what no later stage could fix, with one line naming the problem and the fix.
 fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
     match (&o.prompt, &o.prompt_file) {
@@ -148,51 +167,40 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
         }
         _ => {}
     }
-    for (name, value) in [("height", o.height), ("width", o.width)] {
-        if value == 0 || value % 16 != 0 {
-            let up = value.div_ceil(16).max(1) * 16;
-            return Err(UsageError::new(format!(
-                "--{name} {value} is not a positive multiple of 16; use e.g. --{name} {up}"
-            )));
-        }
+    VideoSettings {
+        height: Some(o.height),
+        width: Some(o.width),
+        num_frames: Some(o.num_frames),
+        num_inference_steps: Some(o.num_inference_steps),
+        guidance_scale: Some(o.guidance_scale),
+        output_video_name: o.output_video_name.as_deref(),
     }
-    if o.num_frames == 0 || !(o.num_frames - 1).is_multiple_of(4) {
-        let down = ((o.num_frames.saturating_sub(1)) / 4) * 4 + 1;
-        return Err(UsageError::new(format!(
-            "--num-frames {} is not of the form 4k+1; use e.g. --num-frames {down} or {}",
-            o.num_frames,
-            down + 4
-        )));
-    }
+    .check(Spelling::Flag)
+    .map_err(UsageError)?;
     for (name, value) in [
-        ("num-inference-steps", o.num_inference_steps),
         ("fps", o.fps),
         ("max-sequence-length", o.max_sequence_length),
     ] {
         // A config file bypasses clap's range checks.
         if value == 0 {
             return Err(UsageError::new(format!(
-                "{name} must be at least 1; pass a positive number"
+                "--{name} 0: must be at least 1; pass a positive number"
             )));
         }
     }
-    if !o.guidance_scale.is_finite() || o.guidance_scale < 0.0 {
+    // Attention over the text grows with its square: far past any text encoder's training
+    // length, and where the memory plan's byte counts would overflow.
+    const MAX_TEXT_TOKENS: u32 = 1 << 16;
+    if o.max_sequence_length > MAX_TEXT_TOKENS {
         return Err(UsageError::new(format!(
-            "--guidance-scale {} must be a finite number >= 0 (1 disables guidance)",
-            o.guidance_scale
+            "--max-sequence-length {} is more than {MAX_TEXT_TOKENS} tokens; Wan uses 512",
+            o.max_sequence_length
         )));
     }
     if let Some(shift) = o.flow_shift {
         if !shift.is_finite() || shift <= 0.0 {
             return Err(UsageError::new(format!(
                 "--flow-shift {shift} must be a positive number (Wan uses 3.0 at 480p, 5.0 at 720p)"
-            )));
-        }
-    }
-    if let Some(name) = &o.output_video_name {
-        if name.is_empty() || name.contains(['/', '\\']) || name.chars().any(char::is_control) {
-            return Err(UsageError::new(format!(
-                "--output-video-name {name:?} must be a plain file name without path separators; put folders in --output-path"
             )));
         }
     }

@@ -23,6 +23,34 @@ impl std::fmt::Display for Override {
     }
 }
 
+/// Why the CPU changes options: with no accelerator there is nothing to offload to.
+const NO_ACCELERATOR: &str = "no accelerator";
+
+/// The lines that report `overrides` on stderr: one per change, except the changes the lack of
+/// an accelerator forces, which share one line (`a, b: true -> false (no accelerator)`): on the
+/// CPU every host-offload option is moot, not a decision worth a line each.
+pub fn report_lines(overrides: &[Override]) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    let mut moot: Vec<(&serde_json::Value, &serde_json::Value, Vec<&str>)> = Vec::new();
+    for o in overrides {
+        if o.reason != NO_ACCELERATOR {
+            lines.push(o.to_string());
+            continue;
+        }
+        match moot
+            .iter_mut()
+            .find(|(from, to, _)| **from == o.from && **to == o.to)
+        {
+            Some((_, _, options)) => options.push(o.option),
+            None => moot.push((&o.from, &o.to, vec![o.option])),
+        }
+    }
+    let grouped = moot.into_iter().map(|(from, to, options)| {
+        format!("{}: {from} -> {to} ({NO_ACCELERATOR})", options.join(", "))
+    });
+    grouped.chain(lines).collect()
+}
+
 /// Records changes to options, each with the reason in force.
 struct Changes<'a> {
     list: Vec<Override>,
@@ -79,7 +107,7 @@ pub fn apply_memory_rules(options: &mut MemoryOptions, device: &DeviceInfo) -> V
     let reason = match device.memory_model {
         MemoryModel::Unified => format!("unified memory: {}", device.name),
         MemoryModel::Discrete => "dit_layerwise_offload cannot combine with FSDP".to_string(),
-        MemoryModel::None => "no accelerator".to_string(),
+        MemoryModel::None => NO_ACCELERATOR.to_string(),
     };
     let mut changes = Changes {
         list: Vec::new(),

@@ -3,9 +3,14 @@
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
 use crate::weights::Weights;
-use anyhow::{bail, Context, Result};
-use serde::de::DeserializeOwned;
 use std::collections::BTreeSet;
+use crate::models::wan::text_encoder::UMT5Config;
+use crate::models::wan::transformer::WanTransformerConfig;
+use crate::models::wan::vae::WanVaeConfig;
+use crate::schedulers::SchedulerConfig;
+use anyhow::{anyhow, bail, Context, Result};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 macro_rules! synthetic_files {
@@ -62,8 +67,17 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// Interprets `--model`: `synthetic:<name>`, an existing folder, or a Hub id.
+    /// Interprets `--model`: `synthetic:<name>`, an existing folder, or a Hub id, and checks
+    /// every config it can read without a download (see [`ModelSource::check_configs`]), so a
+    /// config the model cannot run is refused before anything loads, in a dry run too.
     pub fn parse(model: &str) -> Result<Self> {
+        let source = Self::locate(model)?;
+        source.check_configs()?;
+        Ok(source)
+    }
+
+    /// Where `--model` points, nothing read yet.
+    fn locate(model: &str) -> Result<Self> {
         if let Some(name) = model.strip_prefix("synthetic:") {
             return match SYNTHETIC.iter().find(|(n, _)| *n == name) {
                 Some((n, _)) => Ok(ModelSource::Synthetic(n)),
@@ -116,22 +130,193 @@ impl ModelSource {
         })
     }
 
-    /// Reads and parses a JSON file of the model.
+    /// Reads and parses a JSON file of the model; a config is checked as it is read
+    /// ([`ModelSource::read_config`]).
     pub fn json<T: DeserializeOwned>(&self, relative: &str) -> Result<T> {
         let file = self.require(relative)?;
-        let text = file.read()?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("{self}: {relative} is not a valid config"))
+        let value = self.read_config(relative, &file)?;
+        parse_keyed(value).with_context(|| format!("{self}: {relative}"))
     }
 
-    /// Reads a config without fetching anything: for `--dry-run`, which never downloads.
-    pub fn cached_json(&self, relative: &str) -> Option<serde_json::Value> {
-        let file = match self {
-            ModelSource::Hub(repo) => hub::cached(repo, relative).map(FileRef::Path),
-            _ => self.file(relative).ok().flatten(),
-        }?;
-        serde_json::from_str(&file.read().ok()?).ok()
+    /// Reads a config without fetching anything: for `--dry-run`, which never downloads. `None`
+    /// when it is not readable so, or does not pass its check (which `parse` already reported).
+    pub fn cached_json(&self, relative: &str) -> Option<Value> {
+        let file = self.readable(relative).ok()??;
+        self.read_config(relative, &file).ok()
     }
+
+    /// Reads `model_index.json` and the config of every component it names that vidgen knows
+    /// (see [`COMPONENT_CONFIGS`]), each checked as it is read: an error is one line naming the
+    /// file and the key. Only what is readable without a download is read; a missing file is
+    /// left to the stage that needs it, which names it.
+    pub fn check_configs(&self) -> Result<()> {
+        let Some(index) = self.readable(MODEL_INDEX)? else {
+            return Ok(());
+        };
+        let index = self.read_config(MODEL_INDEX, &index)?;
+        for (folder, class) in components(&index) {
+            let Some(config) = COMPONENT_CONFIGS.iter().find(|c| c.class == class) else {
+                continue;
+            };
+            let relative = format!("{folder}/{}", config.file);
+            if let Some(file) = self.readable(&relative)? {
+                self.read_config(&relative, &file)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A file of the model where it is readable without a download (the Hub cache only).
+    fn readable(&self, relative: &str) -> Result<Option<FileRef>> {
+        match self {
+            ModelSource::Hub(repo) => Ok(hub::cached(repo, relative).map(FileRef::Path)),
+            _ => self.file(relative),
+        }
+    }
+
+    /// The one place a config is read: parsed as JSON, then checked by the rules of what it
+    /// configures (`model_index.json` by its own, a component's config by the class
+    /// `model_index.json` gives its folder). Errors name the file and the key.
+    fn read_config(&self, relative: &str, file: &FileRef) -> Result<Value> {
+        let at = || format!("{self}: {relative}");
+        let text = file.read().with_context(at)?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| {
+            anyhow!(
+                "{}: not valid JSON ({e}); fix the file or download the model again",
+                at()
+            )
+        })?;
+        let check = if relative == MODEL_INDEX {
+            Some(check_model_index as fn(&Value) -> Result<()>)
+        } else {
+            self.config_check(relative)
+        };
+        if let Some(check) = check {
+            check(&value).map_err(|e| anyhow!("{}: {e:#}", at()))?;
+        }
+        Ok(value)
+    }
+
+    /// The check of a component's config file, by the class `model_index.json` names for its
+    /// folder (`None` for files vidgen does not interpret, or without a readable index).
+    fn config_check(&self, relative: &str) -> Option<fn(&Value) -> Result<()>> {
+        let (folder, file) = relative.split_once('/')?;
+        let index: Value =
+            serde_json::from_str(&self.readable(MODEL_INDEX).ok()??.read().ok()?).ok()?;
+        let class = components(&index).into_iter().find(|(f, _)| f == folder)?.1;
+        COMPONENT_CONFIGS
+            .iter()
+            .find(|c| c.class == class && c.file == file)
+            .map(|c| c.check)
+    }
+}
+
+const MODEL_INDEX: &str = "model_index.json";
+
+/// A component class whose config vidgen interprets: the file in its folder and its check
+/// (parsed with diffusers' defaults, then the config type's `validate`). A family adds one
+/// line per class.
+struct ComponentConfig {
+    class: &'static str,
+    file: &'static str,
+    check: fn(&Value) -> Result<()>,
+}
+
+const COMPONENT_CONFIGS: &[ComponentConfig] = &[
+    ComponentConfig {
+        class: "WanTransformer3DModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<WanTransformerConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLWan",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<WanVaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "UMT5EncoderModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<UMT5Config>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "UniPCMultistepScheduler",
+        file: "scheduler_config.json",
+        check: |v| parse_keyed::<SchedulerConfig>(v.clone())?.validate(),
+    },
+];
+
+/// A model error as its message alone: a one-line error has no room for the backtrace candle
+/// attaches when `RUST_BACKTRACE` is set.
+fn message(e: candle_core::Error) -> anyhow::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => anyhow!("{inner}"),
+        other => anyhow!("{other}"),
+    }
+}
+
+/// `model_index.json`: an object naming its pipeline class, each component a
+/// `[library, class]` pair (`[null, null]` for an absent one).
+fn check_model_index(index: &Value) -> Result<()> {
+    let Value::Object(map) = index else {
+        bail!("must be a JSON object with `_class_name` and the components");
+    };
+    match map.get("_class_name") {
+        Some(Value::String(_)) => {}
+        Some(other) => bail!("`_class_name` is {other}: it must name the pipeline class"),
+        None => bail!("`_class_name` is missing: it names the pipeline class"),
+    }
+    for (key, value) in map.iter().filter(|(k, _)| !k.starts_with('_')) {
+        let Value::Array(pair) = value else {
+            continue; // a pipeline argument such as `boundary_ratio`, not a component
+        };
+        let names_ok = pair.len() == 2 && pair.iter().all(|v| v.is_string() || v.is_null());
+        if !names_ok {
+            bail!(
+                "`{key}` is {value}: a component must be [\"library\", \"Class\"] or [null, null]"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The components `model_index.json` names: (folder, class), absent ones left out.
+fn components(index: &Value) -> Vec<(String, String)> {
+    let Value::Object(map) = index else {
+        return Vec::new();
+    };
+    map.iter()
+        .filter(|(k, _)| !k.starts_with('_'))
+        .filter_map(|(k, v)| Some((k.clone(), v.get(1)?.as_str()?.to_string())))
+        .collect()
+}
+
+/// Deserializes a config; a value of the wrong type is reported with its key (each key is
+/// tried alone, the others taking their defaults, where the type has defaults for all).
+fn parse_keyed<T: DeserializeOwned>(value: Value) -> Result<T> {
+    serde_json::from_value::<T>(value.clone()).map_err(|e| {
+        let all_defaults = serde_json::from_value::<T>(serde_json::json!({})).is_ok();
+        let bad_key = value.as_object().filter(|_| all_defaults).and_then(|map| {
+            map.iter().find_map(|(key, v)| {
+                let alone = serde_json::json!({ key.as_str(): v });
+                serde_json::from_value::<T>(alone)
+                    .err()
+                    .map(|e| anyhow!("`{key}`: {e}"))
+            })
+        });
+        bad_key.unwrap_or_else(|| anyhow!("{e}"))
+    })
 }
 
 impl std::fmt::Display for ModelSource {

@@ -1,6 +1,8 @@
 //! Requests: one per prompt, with its sizes, seed and output path, and the tensors that wait
 //! between stages (kept small: embeddings, latents, frames).
 
+use crate::cli::resolve::draw_seed;
+use crate::cli::video::{Spelling, VideoSettings};
 use crate::cli::ResolvedConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
@@ -65,12 +67,18 @@ struct PromptLine {
     output_video_name: Option<String>,
 }
 
-/// The longest file name (without extension) vidgen writes: room is left for the extension and
-/// the temporary `.NAME.EXT.partial` within the usual 255-byte limit.
-const MAX_NAME_BYTES: usize = 200;
-
 /// Builds the jobs of a run from `--prompt` or `--prompt-file`; every line is checked before
 /// any model loads, and two prompts may not write the same file.
+///
+/// Seeds: prompt *i* gets the base seed + *i* − 1 unless its line sets one. Without `--seed`
+/// the base seed is drawn (printed here on stderr, and in `--stats-json` as `config.seed`), so
+/// such a prompt's seed is free: it asked for a video of its prompt with any seed. `--resume`
+/// therefore counts it finished when its derived name exists with any seed
+/// (`<slug>_<iii>_seed<N>`), and reports that file and its seed. Refusing `--resume` without
+/// `--seed` was the other choice; it was not taken because whoever reruns an interrupted
+/// overnight batch expects the same command line to finish it, and a first run started without
+/// `--seed` could then never be resumed. A fixed seed (`--seed`, a line's `seed`) or an
+/// explicit name still needs that exact file.
 pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     let o = &config.options;
     let lines = match (&o.prompt, &o.prompt_file) {
@@ -84,26 +92,39 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
         (None, Some(file)) => read_prompt_file(file)?,
         (None, None) => bail!("no prompt given; pass --prompt \"...\" or --prompt-file FILE"),
     };
-    let base_seed = o.seed.unwrap_or_else(random_seed);
+    let base_seed = o.seed.unwrap_or_else(draw_seed);
+    let seed_free = config.seed_drawn || o.seed.is_none();
     let batch = lines.len() > 1;
+    let ext = o.output_type.extension();
+    // PNG output is a folder of frames, named without an extension.
+    let file_name = |name: &str| match ext {
+        "png" => name.to_string(),
+        _ => format!("{name}.{ext}"),
+    };
     let mut jobs: Vec<Job> = Vec::with_capacity(lines.len());
+    // Whether some prompt to be made takes its seed from the drawn base seed.
+    let mut base_seed_used = false;
     for (i, (origin, line)) in lines.into_iter().enumerate() {
-        let seed = line.seed.unwrap_or(base_seed.wrapping_add(i as u64));
-        let name = match line
+        let mut seed = line.seed.unwrap_or(base_seed.wrapping_add(i as u64));
+        let explicit_name = line
             .output_video_name
-            .or_else(|| o.output_video_name.clone().filter(|_| !batch))
-        {
-            Some(n) => n,
-            None if batch => format!("{}_{:03}_seed{seed}", slug(&line.prompt), i + 1),
-            None => format!("{}_seed{seed}", slug(&line.prompt)),
+            .clone()
+            .or_else(|| o.output_video_name.clone().filter(|_| !batch));
+        let stem = match &explicit_name {
+            Some(_) => String::new(),
+            None if batch => format!("{}_{:03}_seed", slug(&line.prompt), i + 1),
+            None => format!("{}_seed", slug(&line.prompt)),
         };
-        let ext = o.output_type.extension();
-        let file = if ext == "png" {
-            name
-        } else {
-            format!("{name}.{ext}")
-        };
-        let output = o.output_path.join(file);
+        let mut output = o.output_path.join(match &explicit_name {
+            Some(name) => file_name(name),
+            None => file_name(&format!("{stem}{seed}")),
+        });
+        if o.resume && seed_free && line.seed.is_none() && explicit_name.is_none() {
+            if let Some((found, found_seed)) = finished_with_any_seed(&o.output_path, &stem, ext) {
+                (output, seed) = (found, found_seed);
+            }
+        }
+        base_seed_used |= line.seed.is_none() && seed == base_seed.wrapping_add(i as u64);
         if let Some(other) = jobs.iter().find(|j| j.output == output) {
             bail!(
                 "{origin}: writes {} like {}; give one of them another output_video_name",
@@ -134,7 +155,37 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             metrics: serde_json::Map::new(),
         });
     }
+    if seed_free && base_seed_used && !o.quiet {
+        eprintln!(
+            "seed: none given, drew base seed {base_seed} (prompt i gets {base_seed} + i - 1); pass --seed {base_seed} to make the same videos again"
+        );
+    }
     Ok(jobs)
+}
+
+/// A finished output named `<stem><seed>[.ext]` in `dir`, with that seed: what `--resume`
+/// finds for a prompt whose seed is free. Temporaries (`.NAME.partial`) do not match.
+fn finished_with_any_seed(dir: &Path, stem: &str, ext: &str) -> Option<(PathBuf, u64)> {
+    let suffix = if ext == "png" {
+        String::new()
+    } else {
+        format!(".{ext}")
+    };
+    let mut found: Vec<(PathBuf, u64)> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let name = entry.file_name().into_string().ok()?;
+            let digits = name.strip_prefix(stem)?.strip_suffix(suffix.as_str())?;
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            Some((entry.path(), digits.parse().ok()?))
+        })
+        .collect();
+    // Several runs may have finished it: take one deterministically.
+    found.sort();
+    found.into_iter().next()
 }
 
 /// Whether something (a file, folder or dangling link) is already at `path`.
@@ -221,33 +272,16 @@ fn check_line(line: &PromptLine) -> Result<()> {
     if line.prompt.trim().is_empty() {
         bail!("the prompt is empty");
     }
-    for (name, v) in [("height", line.height), ("width", line.width)] {
-        if let Some(v) = v.filter(|v| *v == 0 || v % 16 != 0) {
-            bail!("height/width must be positive multiples of 16; `{name}` is {v}");
-        }
+    VideoSettings {
+        height: line.height,
+        width: line.width,
+        num_frames: line.num_frames,
+        num_inference_steps: line.num_inference_steps,
+        guidance_scale: line.guidance_scale,
+        output_video_name: line.output_video_name.as_deref(),
     }
-    if let Some(f) = line.num_frames.filter(|f| *f == 0 || (f - 1) % 4 != 0) {
-        bail!("`num_frames` {f} is not of the form 4k+1 (e.g. 81)");
-    }
-    if line.num_inference_steps == Some(0) {
-        bail!("`num_inference_steps` must be at least 1");
-    }
-    if let Some(g) = line.guidance_scale.filter(|g| !g.is_finite() || *g < 0.0) {
-        bail!("`guidance_scale` {g} must be a finite number >= 0");
-    }
-    if let Some(name) = &line.output_video_name {
-        if name.is_empty()
-            || name.starts_with('.')
-            || name.len() > MAX_NAME_BYTES
-            || name.contains(['/', '\\'])
-            || name.chars().any(char::is_control)
-        {
-            bail!(
-                "`output_video_name` {name:?} must be a plain file name: no path separators or control characters, not starting with '.', at most {MAX_NAME_BYTES} bytes"
-            );
-        }
-    }
-    Ok(())
+    .check(Spelling::LineKey)
+    .map_err(|e| anyhow!(e))
 }
 
 /// A file-name-safe summary of a prompt: lowercase alphanumeric words joined by '-', at most 48
@@ -286,11 +320,4 @@ pub fn slug(prompt: &str) -> String {
     } else {
         out
     }
-}
-
-fn random_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    crate::weights::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
 }

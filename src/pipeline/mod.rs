@@ -108,9 +108,7 @@ impl Outcome {
 /// after Ctrl-C. Paths go to stdout as each file is complete.
 pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let progress = Arc::new(Progress::new(config.options.quiet));
-    for o in &config.overrides {
-        progress.note(&o.to_string());
-    }
+    progress.overrides(&config.overrides);
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if config.dry_run {

@@ -1,5 +1,7 @@
 //! Progress on stderr: bars on a terminal, plain lines otherwise (logs, CI), nothing with --quiet.
 
+use crate::memory::accounting::MemoryPeaks;
+use crate::memory::overrides::{report_lines, Override};
 use crate::weights::OnRead;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
@@ -100,6 +102,13 @@ impl Progress {
         }
     }
 
+    /// What the device changed in the options, as [`report_lines`] groups them.
+    pub fn overrides(&self, overrides: &[Override]) {
+        for line in report_lines(overrides) {
+            self.note(&line);
+        }
+    }
+
     /// An error: shown even with --quiet.
     pub fn error(&self, message: &str) {
         self.finish_bar();
@@ -111,4 +120,21 @@ impl Progress {
             b.finish_and_clear();
         }
     }
+}
+
+/// One line for the memory of a stage or a load: the device pool's peaks (used / reserved) and
+/// the host RSS peak. Without a device pool (the CPU, Metal) every device figure is 0, not a
+/// measurement, so only the host peak is shown.
+pub fn describe_peaks(p: &MemoryPeaks) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let host = format!("host RSS peak {:.2} GiB", p.host_rss_peak as f64 / GIB);
+    let measured = p.device_used_peak > 0 || p.device_reserved_peak > 0 || p.device_in_use_now > 0;
+    if !measured {
+        return host;
+    }
+    format!(
+        "device peak {:.2} GiB used, {:.2} GiB reserved; {host}",
+        p.device_used_peak as f64 / GIB,
+        p.device_reserved_peak as f64 / GIB,
+    )
 }

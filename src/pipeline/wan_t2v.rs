@@ -3,12 +3,12 @@
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
 use super::plan::Planner;
-use super::progress::Progress;
+use super::progress::{describe_peaks, Progress};
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use crate::cli::ResolvedConfig;
-use crate::memory::accounting::{MemoryMeter, MemoryPeaks};
+use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::gib;
 use crate::models::source::{component_weights, FileRef, ModelSource};
 use crate::models::wan::activations;
@@ -538,7 +538,7 @@ impl Pipeline for WanT2V {
             return Err(self.explain_out_of_memory(&when, e));
         }
         self.progress.note(&format!(
-            "loaded {name} in {:.2}s{}",
+            "loaded {name} in {:.2}s: {}",
             start.elapsed().as_secs_f64(),
             describe_peaks(&self.meter.peaks())
         ));
@@ -567,7 +567,7 @@ impl Pipeline for WanT2V {
         }
         let peaks = self.meter.peaks();
         self.progress
-            .note(&format!("  {name}{}", describe_peaks(&peaks)));
+            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
         let stages = job
             .metrics
             .entry("stages")
@@ -687,24 +687,6 @@ impl Blockwise for AutoencoderKLWan {
     }
 }
 
-/// What a stage's memory peaks were, as a suffix: device peaks (used / reserved by the pool)
-/// where there is a device pool, and host RSS.
-fn describe_peaks(p: &MemoryPeaks) -> String {
-    const GIB: f64 = (1u64 << 30) as f64;
-    let device = if p.device_reserved_peak > 0 {
-        format!(
-            "device peak {:.2} GiB used, {:.2} GiB reserved; ",
-            p.device_used_peak as f64 / GIB,
-            p.device_reserved_peak as f64 / GIB
-        )
-    } else {
-        String::new()
-    };
-    format!(
-        ": {device}host RSS peak {:.2} GiB",
-        p.host_rss_peak as f64 / GIB
-    )
-}
 
 #[cfg(test)]
 mod tests {

@@ -89,19 +89,34 @@ impl SchedulerConfig {
             .with_context(|| format!("parsing scheduler config {}", path.display()))
     }
 
+    /// Rejects a config that no sampler here can run, naming the key: checked when the config
+    /// is read, so a bad scheduler config fails before any model loads, not at the first step.
+    /// It must be a flow-matching config and a valid UniPC one (the class Wan ships with).
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.check_flow_model()?;
+        unipc::check_config(self)?;
+        if !(self.flow_shift.is_finite() && self.flow_shift > 0.0) {
+            bail!(
+                "`flow_shift` {} must be a positive number (Wan uses 3.0 at 480p, 5.0 at 720p)",
+                self.flow_shift
+            );
+        }
+        Ok(())
+    }
+
     /// Settings shared by every sampler here: a flow-matching (velocity) model.
     fn check_flow_model(&self) -> anyhow::Result<()> {
         if self.prediction_type != "flow_prediction" {
             bail!(
-                "scheduler config: prediction_type {:?} is not supported (only \"flow_prediction\")",
+                "`prediction_type` {:?} is not supported (only \"flow_prediction\")",
                 self.prediction_type
             );
         }
         if self.num_train_timesteps == 0 {
-            bail!("scheduler config: num_train_timesteps must be positive");
+            bail!("`num_train_timesteps` is 0: it must be positive");
         }
         if self.use_dynamic_shifting {
-            bail!("scheduler config: use_dynamic_shifting is not supported");
+            bail!("`use_dynamic_shifting` = true is not supported");
         }
         for (key, on) in [
             ("use_karras_sigmas", self.use_karras_sigmas),
@@ -109,11 +124,11 @@ impl SchedulerConfig {
             ("use_beta_sigmas", self.use_beta_sigmas),
         ] {
             if on {
-                bail!("scheduler config: {key} = true is not supported (flow sigmas only)");
+                bail!("`{key}` = true is not supported (flow sigmas only)");
             }
         }
         if self.shift_terminal.is_some_and(|s| s != 0.0) {
-            bail!("scheduler config: shift_terminal is not supported");
+            bail!("`shift_terminal` is not supported");
         }
         Ok(())
     }

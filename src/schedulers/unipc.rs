@@ -7,7 +7,7 @@ use candle_core::{Result, Tensor};
 
 /// The B(h) function of UniPC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SolverType {
+pub(super) enum SolverType {
     /// B(h) = h.
     Bh1,
     /// B(h) = e^h - 1.
@@ -41,38 +41,7 @@ impl UniPcMultistep {
     /// Validates the config and computes the schedule of `set_timesteps(num_steps)` with `flow_shift`.
     pub fn new(cfg: &SchedulerConfig, num_steps: usize, flow_shift: f64) -> anyhow::Result<Self> {
         cfg.check_flow_model()?;
-        if !cfg.use_flow_sigmas {
-            bail!(
-                "scheduler config: UniPC needs use_flow_sigmas = true for flow_prediction models"
-            );
-        }
-        if !cfg.predict_x0 {
-            bail!("scheduler config: predict_x0 = false is not supported with flow_prediction");
-        }
-        let solver_type = match cfg.solver_type.as_str() {
-            "bh1" => SolverType::Bh1,
-            // diffusers silently maps these DPM-Solver names to bh2.
-            "bh2" | "midpoint" | "heun" | "logrho" => SolverType::Bh2,
-            other => bail!("scheduler config: solver_type {other:?} is not supported (bh1 or bh2)"),
-        };
-        if cfg.solver_order == 0 {
-            bail!("scheduler config: solver_order must be at least 1");
-        }
-        if cfg.thresholding {
-            bail!("scheduler config: thresholding is not supported");
-        }
-        if cfg.solver_p.as_ref().is_some_and(|v| !v.is_null()) {
-            bail!("scheduler config: solver_p is not supported");
-        }
-        if !matches!(
-            cfg.timestep_spacing.as_str(),
-            "linspace" | "leading" | "trailing"
-        ) {
-            bail!(
-                "scheduler config: timestep_spacing {:?} is not supported",
-                cfg.timestep_spacing
-            );
-        }
+        let solver_type = check_config(cfg)?;
         if num_steps == 0 {
             bail!("the number of inference steps must be at least 1");
         }
@@ -89,12 +58,11 @@ impl UniPcMultistep {
         }
         // int64 cast truncates toward zero.
         let timesteps: Vec<f64> = s.iter().map(|v| (v * n_train).trunc()).collect();
-        let last = match cfg.final_sigmas_type.as_str() {
-            "zero" => 0.0,
-            "sigma_min" => s[num_steps - 1],
-            other => bail!(
-                "scheduler config: final_sigmas_type {other:?} is not supported (zero or sigma_min)"
-            ),
+        // `check_config` admits only "zero" and "sigma_min".
+        let last = if cfg.final_sigmas_type == "sigma_min" {
+            s[num_steps - 1]
+        } else {
+            0.0
         };
         let sigmas: Vec<f32> = s
             .iter()
@@ -227,6 +195,48 @@ impl UniPcMultistep {
         };
         x_t.to_dtype(sample.dtype())
     }
+}
+
+/// The UniPC settings of a config that this sampler can run, naming the bad key; the B(h)
+/// variant it selects.
+pub(super) fn check_config(cfg: &SchedulerConfig) -> anyhow::Result<SolverType> {
+    if !cfg.use_flow_sigmas {
+        bail!("`use_flow_sigmas` must be true: UniPC runs flow_prediction models on flow sigmas");
+    }
+    if !cfg.predict_x0 {
+        bail!("`predict_x0` = false is not supported with flow_prediction");
+    }
+    let solver_type = match cfg.solver_type.as_str() {
+        "bh1" => SolverType::Bh1,
+        // diffusers silently maps these DPM-Solver names to bh2.
+        "bh2" | "midpoint" | "heun" | "logrho" => SolverType::Bh2,
+        other => bail!("`solver_type` {other:?} is not supported (bh1 or bh2)"),
+    };
+    if cfg.solver_order == 0 {
+        bail!("`solver_order` is 0: it must be at least 1");
+    }
+    if cfg.thresholding {
+        bail!("`thresholding` = true is not supported");
+    }
+    if cfg.solver_p.as_ref().is_some_and(|v| !v.is_null()) {
+        bail!("`solver_p` is not supported");
+    }
+    if !matches!(
+        cfg.timestep_spacing.as_str(),
+        "linspace" | "leading" | "trailing"
+    ) {
+        bail!(
+            "`timestep_spacing` {:?} is not supported (linspace, leading or trailing)",
+            cfg.timestep_spacing
+        );
+    }
+    if !matches!(cfg.final_sigmas_type.as_str(), "zero" | "sigma_min") {
+        bail!(
+            "`final_sigmas_type` {:?} is not supported (zero or sigma_min)",
+            cfg.final_sigmas_type
+        );
+    }
+    Ok(solver_type)
 }
 
 impl Scheduler for UniPcMultistep {

@@ -71,7 +71,7 @@ impl UMT5Config {
             [act] => (false, *act),
             ["gated", act] => (true, *act),
             _ => candle_core::bail!(
-                "umt5 feed_forward_proj {:?} is not \"{{act}}\" or \"gated-{{act}}\"",
+                "`feed_forward_proj` {:?} is not \"{{act}}\" or \"gated-{{act}}\"",
                 self.feed_forward_proj
             ),
         };
@@ -80,20 +80,56 @@ impl UMT5Config {
             (_, "gelu") => Activation::GeluErf,
             (_, "relu") => Activation::Relu,
             (_, "silu" | "swish") => Activation::Silu,
-            (_, other) => candle_core::bail!("umt5 activation {other:?} is not supported"),
+            (_, other) => candle_core::bail!(
+                "`feed_forward_proj` names the activation {other:?}, which is not supported (gelu, gelu_new, relu, silu)"
+            ),
         };
         Ok((gated, act))
     }
 
-    fn validate(&self) -> Result<()> {
-        if self.d_model == 0 || self.d_kv == 0 || self.num_heads == 0 || self.d_ff == 0 {
-            candle_core::bail!("umt5 config has a zero size: {self:?}");
-        }
-        if self.relative_attention_num_buckets < 4 || self.relative_attention_max_distance == 0 {
+    /// Rejects configurations this encoder cannot run, naming the key: the config is checked
+    /// when it is read, before anything is built or planned from it.
+    pub fn validate(&self) -> Result<()> {
+        super::check_sizes(&[
+            ("d_model", self.d_model),
+            ("d_kv", self.d_kv),
+            ("d_ff", self.d_ff),
+            ("num_heads", self.num_heads),
+            (
+                "num_heads` x `d_kv",
+                self.num_heads.saturating_mul(self.d_kv),
+            ),
+            ("num_layers", self.num_layers.max(1)),
+            (
+                "relative_attention_num_buckets",
+                self.relative_attention_num_buckets,
+            ),
+            (
+                "relative_attention_max_distance",
+                self.relative_attention_max_distance,
+            ),
+        ])?;
+        // The token table is the one size far above the others (UMT5: 256k tokens).
+        if self.vocab_size == 0 || self.vocab_size > super::MAX_CONFIG_SIZE << 8 {
             candle_core::bail!(
-                "umt5 config needs at least 4 relative attention buckets and a max distance: {self:?}"
+                "`vocab_size` is {}: it must be positive and at most {}",
+                self.vocab_size,
+                super::MAX_CONFIG_SIZE << 8
             );
         }
+        if self.relative_attention_num_buckets < 4 {
+            candle_core::bail!(
+                "`relative_attention_num_buckets` is {}: it must be at least 4",
+                self.relative_attention_num_buckets
+            );
+        }
+        if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon >= 0.0) {
+            candle_core::bail!(
+                "`layer_norm_epsilon` {} must be a finite number >= 0",
+                self.layer_norm_epsilon
+            );
+        }
+        self.feed_forward()?;
         Ok(())
     }
 }

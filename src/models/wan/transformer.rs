@@ -107,24 +107,63 @@ impl WanTransformerConfig {
         [self.attention_head_dim - 2 * hw, hw, hw]
     }
 
-    /// Rejects configurations this text-to-video model cannot run.
+    /// Rejects configurations this text-to-video model cannot run, naming the key: the config
+    /// is checked when it is read, so nothing downstream (constructors, the memory plan) meets
+    /// a zero size or an odd head width.
     pub fn validate(&self) -> Result<()> {
-        if self.image_dim.is_some() || self.added_kv_proj_dim.is_some() {
+        for (key, set) in [
+            ("image_dim", self.image_dim.is_some()),
+            ("added_kv_proj_dim", self.added_kv_proj_dim.is_some()),
+        ] {
+            if set {
+                candle_core::bail!(
+                    "`{key}` is set: image-to-video Wan checkpoints are not supported (text-to-video needs null)"
+                );
+            }
+        }
+        if self.patch_size.contains(&0) {
             candle_core::bail!(
-                "image_dim/added_kv_proj_dim are set: image-to-video Wan checkpoints are not supported"
+                "`patch_size` {:?} must be three positive numbers",
+                self.patch_size
             );
         }
-        if self.num_attention_heads == 0 || self.attention_head_dim == 0 {
-            candle_core::bail!("num_attention_heads and attention_head_dim must be positive");
+        super::check_sizes(&[
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels()),
+            ("text_dim", self.text_dim),
+            ("freq_dim", self.freq_dim),
+            ("ffn_dim", self.ffn_dim),
+            ("num_layers", self.num_layers),
+            ("rope_max_seq_len", self.rope_max_seq_len),
+        ])?;
+        // Heads x head width is the model's width: bounded like every other width.
+        super::check_sizes(&[(
+            "num_attention_heads` x `attention_head_dim",
+            self.num_attention_heads
+                .saturating_mul(self.attention_head_dim),
+        )])?;
+        if self.patch_size.iter().any(|&p| p > super::MAX_CONFIG_SIZE) {
+            candle_core::bail!(
+                "`patch_size` {:?} is larger than any model",
+                self.patch_size
+            );
         }
         if !self.attention_head_dim.is_multiple_of(2) {
             candle_core::bail!(
-                "attention_head_dim {} must be even for RoPE",
+                "`attention_head_dim` {} must be even for RoPE",
                 self.attention_head_dim
             );
         }
-        if self.patch_size.contains(&0) || self.in_channels == 0 || self.freq_dim == 0 {
-            candle_core::bail!("patch_size, in_channels and freq_dim must be positive");
+        if !self.freq_dim.is_multiple_of(2) {
+            candle_core::bail!(
+                "`freq_dim` {} must be even (half sines, half cosines)",
+                self.freq_dim
+            );
+        }
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            candle_core::bail!("`eps` {} must be a finite number >= 0", self.eps);
         }
         Ok(())
     }

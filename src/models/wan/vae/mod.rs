@@ -16,6 +16,10 @@ use blocks::{
     Upsample,
 };
 
+/// The most spatial resamplings a config may ask: 2^8 = 256x smaller frames is far beyond
+/// any video VAE, and keeps `1 << stages` (the scale factor) well inside a usize.
+const MAX_RESAMPLINGS: usize = 8;
+
 /// Frames per encoder chunk after the first one (hard-coded in diffusers).
 const ENCODE_CHUNK_FRAMES: usize = 4;
 
@@ -116,40 +120,78 @@ impl WanVaeConfig {
             .count()
     }
 
-    /// Rejects configurations this Wan2.1 implementation cannot build.
+    /// Rejects configurations this Wan2.1 implementation cannot build, naming the key: the
+    /// config is checked when it is read, so nothing downstream (constructors, the memory plan)
+    /// meets an empty `dim_mult` or a short `temperal_downsample`.
     pub fn validate(&self) -> Result<()> {
         if self.is_residual == Some(true) {
-            bail!("vae config: is_residual=true (the Wan2.2 VAE) is not supported")
+            bail!("`is_residual` is true (the Wan2.2 VAE): not supported")
         }
         if let Some(p) = self.patch_size {
-            bail!("vae config: patch_size={p} (the Wan2.2 VAE) is not supported")
+            bail!("`patch_size` is {p} (the Wan2.2 VAE): not supported, only null")
         }
         if self.dim_mult.is_empty() || self.dim_mult.contains(&0) {
             bail!(
-                "vae config: dim_mult {:?} must be non-empty and positive",
+                "`dim_mult` {:?} must be a non-empty list of positive numbers",
                 self.dim_mult
             )
         }
         let stages = self.dim_mult.len() - 1;
+        if stages > MAX_RESAMPLINGS {
+            bail!(
+                "`dim_mult` has {} entries: at most {} (each after the first halves the frame)",
+                self.dim_mult.len(),
+                MAX_RESAMPLINGS + 1
+            )
+        }
         if self.temperal_downsample.len() < stages {
             bail!(
-                "vae config: temperal_downsample has {} entries for {stages} resampling stages",
-                self.temperal_downsample.len()
+                "`temperal_downsample` has {} entries, `dim_mult` {:?} needs {stages} (one per resampling stage)",
+                self.temperal_downsample.len(),
+                self.dim_mult
             )
         }
-        if self.base_dim == 0 || self.z_dim == 0 || self.decoder_base_dim == Some(0) {
-            bail!("vae config: base_dim, decoder_base_dim and z_dim must be positive")
+        // The widest stage is a base width times the largest multiplier.
+        let widest = self.dim_mult.iter().copied().max().unwrap_or(1);
+        super::check_sizes(&[
+            ("base_dim", self.base_dim),
+            (
+                "decoder_base_dim",
+                self.decoder_base_dim.unwrap_or(self.base_dim),
+            ),
+            ("z_dim", self.z_dim),
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("num_res_blocks", self.num_res_blocks.max(1)),
+            (
+                "base_dim` x `dim_mult",
+                self.base_dim.saturating_mul(widest),
+            ),
+            (
+                "decoder_base_dim` x `dim_mult",
+                self.decoder_base_dim
+                    .unwrap_or(self.base_dim)
+                    .saturating_mul(widest),
+            ),
+        ])?;
+        for (key, values) in [
+            ("latents_mean", &self.latents_mean),
+            ("latents_std", &self.latents_std),
+        ] {
+            if values.len() != self.z_dim {
+                bail!(
+                    "`{key}` has {} entries, `z_dim` {} needs one per latent channel",
+                    values.len(),
+                    self.z_dim
+                )
+            }
         }
-        if self.in_channels == 0 || self.out_channels == 0 {
-            bail!("vae config: in_channels and out_channels must be positive")
-        }
-        if self.latents_mean.len() != self.z_dim || self.latents_std.len() != self.z_dim {
-            bail!(
-                "vae config: latents_mean ({}) and latents_std ({}) need z_dim = {} entries",
-                self.latents_mean.len(),
-                self.latents_std.len(),
-                self.z_dim
-            )
+        if let Some(bad) = self
+            .latents_std
+            .iter()
+            .find(|s| !(s.is_finite() && **s > 0.0))
+        {
+            bail!("`latents_std` holds {bad}: every entry must be a positive number")
         }
         Ok(())
     }

@@ -1,0 +1,109 @@
+//! The checks of one video's settings, in one place: the flags (`--height`, `--output-video-name`,
+//! ...) and each prompt-file line's overrides go through the same rules, before anything loads.
+
+/// The longest file name (without extension) vidgen writes: room is left for the extension and
+/// the temporary `.NAME.EXT.partial` within the usual 255-byte limit.
+pub const MAX_NAME_BYTES: usize = 200;
+
+/// How a setting is named in an error: as the flag that gave it or as a prompt-file key.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Spelling {
+    /// `--num-frames 80`
+    Flag,
+    /// `` `num_frames` is 80 ``
+    LineKey,
+}
+
+impl Spelling {
+    /// The setting `key` (snake_case) with its value, as the user wrote it.
+    fn said(self, key: &str, value: impl std::fmt::Display) -> String {
+        match self {
+            Spelling::Flag => format!("--{} {value}", key.replace('_', "-")),
+            Spelling::LineKey => format!("`{key}` is {value}"),
+        }
+    }
+}
+
+/// The settings of one video that a flag or a prompt-file line may set; `None` is not given
+/// here (a line then takes the flag's value, which was checked on its own).
+#[derive(Clone, Debug, Default)]
+pub struct VideoSettings<'a> {
+    pub height: Option<u32>,
+    pub width: Option<u32>,
+    pub num_frames: Option<u32>,
+    pub num_inference_steps: Option<u32>,
+    pub guidance_scale: Option<f64>,
+    pub output_video_name: Option<&'a str>,
+}
+
+impl VideoSettings<'_> {
+    /// The first setting no video can have, as one line naming it (spelled as `spelling`
+    /// says) and the fix.
+    pub fn check(&self, spelling: Spelling) -> Result<(), String> {
+        for (key, value) in [("height", self.height), ("width", self.width)] {
+            if let Some(v) = value.filter(|v| *v == 0 || v % 16 != 0) {
+                let up = v.div_ceil(16).max(1) * 16;
+                return Err(format!(
+                    "{}: not a positive multiple of 16; use e.g. {up}",
+                    spelling.said(key, v)
+                ));
+            }
+        }
+        if let Some(f) = self
+            .num_frames
+            .filter(|f| *f == 0 || !(f - 1).is_multiple_of(4))
+        {
+            let down = (f.saturating_sub(1) / 4) * 4 + 1;
+            return Err(format!(
+                "{}: not of the form 4k+1; use e.g. {down} or {}",
+                spelling.said("num_frames", f),
+                down + 4
+            ));
+        }
+        if self.num_inference_steps == Some(0) {
+            return Err(format!(
+                "{}: must be at least 1",
+                spelling.said("num_inference_steps", 0)
+            ));
+        }
+        if let Some(g) = self.guidance_scale.filter(|g| !g.is_finite() || *g < 0.0) {
+            return Err(format!(
+                "{}: must be a finite number >= 0 (1 disables guidance)",
+                spelling.said("guidance_scale", g)
+            ));
+        }
+        if let Some(name) = self.output_video_name {
+            check_name(name).map_err(|why| {
+                format!(
+                    "{}: {why}; it must be a plain file name (folders go in --output-path)",
+                    spelling.said("output_video_name", format!("{name:?}"))
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Why `name` cannot be an output file name, if it cannot: it must stay one file in the output
+/// folder, visible, and short enough for the temporary name next to it.
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("it is empty".into());
+    }
+    if name.contains(['/', '\\']) {
+        return Err("it holds a path separator".into());
+    }
+    if name.chars().any(char::is_control) {
+        return Err("it holds a control character".into());
+    }
+    if name.starts_with('.') {
+        return Err("it starts with '.' (a hidden file)".into());
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "it is {} bytes, more than {MAX_NAME_BYTES}",
+            name.len()
+        ));
+    }
+    Ok(())
+}
