@@ -2,6 +2,7 @@
 //! know nothing of offloading.
 
 pub mod attention;
+pub mod clip;
 pub mod loader;
 pub mod source;
 pub mod wan;
