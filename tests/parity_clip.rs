@@ -22,15 +22,20 @@ fn vision_config() -> ClipVisionConfig {
 #[test]
 fn vision_hidden_states_match_transformers() {
     let cfg = vision_config();
-    let model =
-        ClipVisionModel::new(&cfg, common::var_builder_in(I2V, "image_encoder/model.safetensors"))
-            .unwrap();
+    let model = ClipVisionModel::new(
+        &cfg,
+        common::var_builder_in(I2V, "image_encoder/model.safetensors"),
+    )
+    .unwrap();
     let r = common::reference_in(I2V, "image_encoder");
     let states = model.hidden_states(&r["pixel_values"]).unwrap();
     assert_eq!(states.len(), cfg.num_hidden_layers + 1);
     for (k, state) in states.iter().enumerate() {
         let name = format!("debug.hidden_states.{k}");
-        eprintln!("{name}: max |diff| {:e}", common::max_abs_diff(state, &r[&name]));
+        eprintln!(
+            "{name}: max |diff| {:e}",
+            common::max_abs_diff(state, &r[&name])
+        );
         common::assert_close(&name, state, &r[&name], ATOL, RTOL);
     }
 }
@@ -85,7 +90,13 @@ fn image_from_processor_to_embeds() {
     let model = ClipVisionModel::new_up_to_layer(&vcfg, vcfg.num_hidden_layers - 1, vb).unwrap();
     let embeds = model.last_hidden_state(&pixels).unwrap();
     let r = common::reference_in(I2V, "image_encoder");
-    common::assert_close("image_embeds (from png)", &embeds, &r["image_embeds"], ATOL, RTOL);
+    common::assert_close(
+        "image_embeds (from png)",
+        &embeds,
+        &r["image_embeds"],
+        ATOL,
+        RTOL,
+    );
 }
 
 #[test]
@@ -122,10 +133,18 @@ fn text_model_matches_transformers() {
 fn configs_reject_what_cannot_run() {
     let mut cfg = vision_config();
     cfg.num_attention_heads = 3;
-    assert!(cfg.validate().unwrap_err().to_string().contains("num_attention_heads"));
+    assert!(cfg
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("num_attention_heads"));
     let mut cfg = vision_config();
     cfg.patch_size = 0;
-    assert!(cfg.validate().unwrap_err().to_string().contains("patch_size"));
+    assert!(cfg
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("patch_size"));
     let mut cfg: ClipTextConfig = common::config_in(HUNYUAN, "text_encoder_2/config.json");
     cfg.hidden_size = 0;
     assert!(cfg.validate().is_err());

@@ -46,7 +46,8 @@ impl ClipEncoderConfig {
         if self.hidden_size == 0 || self.intermediate_size == 0 {
             candle_core::bail!("clip config: hidden_size and intermediate_size must be positive")
         }
-        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
         {
             candle_core::bail!(
                 "clip config: num_attention_heads {} must divide hidden_size {}",
@@ -112,7 +113,10 @@ fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
         .flat_map(|i| (0..l).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
     let mask = Tensor::from_vec(mask, (l, l), q.device())?;
-    let scores = (q.to_dtype(DType::F32)?.matmul(&k.to_dtype(DType::F32)?.t()?)? * scale)?
+    let scores = (q
+        .to_dtype(DType::F32)?
+        .matmul(&k.to_dtype(DType::F32)?.t()?)?
+        * scale)?
         .broadcast_add(&mask)?;
     let probs = candle_nn::ops::softmax_last_dim(&scores)?;
     probs.to_dtype(v.dtype())?.matmul(v)
@@ -149,7 +153,9 @@ impl ClipEncoderLayer {
             .self_attn
             .forward(&self.layer_norm1.forward(x)?, causal)?;
         let x = (x + h)?;
-        let h = self.act.apply(&self.fc1.forward(&self.layer_norm2.forward(&x)?)?)?;
+        let h = self
+            .act
+            .apply(&self.fc1.forward(&self.layer_norm2.forward(&x)?)?)?;
         x + self.fc2.forward(&h)?
     }
 }

@@ -285,9 +285,9 @@ impl ClipImageProcessorConfig {
         if self.do_center_crop {
             match (self.crop_size.height, self.crop_size.width) {
                 (Some(h), Some(w)) if h > 0 && w > 0 => {}
-                _ => candle_core::bail!(
-                    "image processor: crop_size needs positive height and width"
-                ),
+                _ => {
+                    candle_core::bail!("image processor: crop_size needs positive height and width")
+                }
             }
         }
         if self.do_normalize
@@ -331,10 +331,7 @@ impl ClipImageProcessor {
                         (short, long)
                     }
                 }
-                None => (
-                    cfg.size.height.unwrap_or(h),
-                    cfg.size.width.unwrap_or(w),
-                ),
+                None => (cfg.size.height.unwrap_or(h), cfg.size.width.unwrap_or(w)),
             };
             let filter = PilFilter::from_pil(cfg.resample)?;
             img = resize_like_pil(&img, new_w as u32, new_h as u32, filter);

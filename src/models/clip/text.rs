@@ -155,8 +155,15 @@ impl ClipTextModel {
             )
         }
         let ids: Vec<Vec<i64>> = input_ids.to_dtype(DType::I64)?.to_vec2()?;
-        if let Some(&bad) = ids.iter().flatten().find(|&&t| t < 0 || t as usize >= self.cfg.vocab_size) {
-            candle_core::bail!("clip text: token id {bad} outside vocab_size {}", self.cfg.vocab_size)
+        if let Some(&bad) = ids
+            .iter()
+            .flatten()
+            .find(|&&t| t < 0 || t as usize >= self.cfg.vocab_size)
+        {
+            candle_core::bail!(
+                "clip text: token id {bad} outside vocab_size {}",
+                self.cfg.vocab_size
+            )
         }
         let ids_u32 = input_ids.to_dtype(DType::U32)?;
         let mut x = self

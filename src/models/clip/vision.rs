@@ -107,7 +107,11 @@ impl ClipVisionModel {
     /// The embeddings and the first `num_layers` layers only, without `post_layernorm`: enough
     /// for `hidden_states[num_layers]` (the Wan pipelines' `hidden_states[-2]` is
     /// `num_layers = num_hidden_layers - 1`).
-    pub fn new_up_to_layer(cfg: &ClipVisionConfig, num_layers: usize, vb: VarBuilder) -> Result<Self> {
+    pub fn new_up_to_layer(
+        cfg: &ClipVisionConfig,
+        num_layers: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         if num_layers > cfg.num_hidden_layers {
             candle_core::bail!(
                 "image encoder: {num_layers} layers requested, num_hidden_layers is {}",
@@ -117,7 +121,12 @@ impl ClipVisionModel {
         Self::build(cfg, num_layers, false, vb)
     }
 
-    fn build(cfg: &ClipVisionConfig, num_layers: usize, post: bool, vb: VarBuilder) -> Result<Self> {
+    fn build(
+        cfg: &ClipVisionConfig,
+        num_layers: usize,
+        post: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         cfg.validate()?;
         let vb = if vb.contains_tensor("vision_model.embeddings.class_embedding") {
             vb.pp("vision_model")
@@ -142,7 +151,11 @@ impl ClipVisionModel {
             .map(|i| ClipEncoderLayer::new(&enc, vb.pp(format!("encoder.layers.{i}"))))
             .collect::<Result<_>>()?;
         let post_layernorm = if post {
-            Some(candle_nn::layer_norm(d, cfg.layer_norm_eps, vb.pp("post_layernorm"))?)
+            Some(candle_nn::layer_norm(
+                d,
+                cfg.layer_norm_eps,
+                vb.pp("post_layernorm"),
+            )?)
         } else {
             None
         };
@@ -188,7 +201,10 @@ impl ClipVisionModel {
             .flatten_from(2)?
             .transpose(1, 2)?;
         let d = cfg.hidden_size;
-        let class = self.class_embedding.reshape((1, 1, d))?.broadcast_as((b, 1, d))?;
+        let class = self
+            .class_embedding
+            .reshape((1, 1, d))?
+            .broadcast_as((b, 1, d))?;
         let x = Tensor::cat(&[class.contiguous()?, patches.contiguous()?], 1)?
             .broadcast_add(&self.position_embedding.unsqueeze(0)?)?;
         self.pre_layrnorm.forward(&x)

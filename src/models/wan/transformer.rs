@@ -1,4 +1,6 @@
-//! Wan2.1 text-to-video diffusion transformer (diffusers `WanTransformer3DModel`).
+//! The Wan diffusion transformer (diffusers `WanTransformer3DModel`): Wan2.1 T2V and I2V
+//! (image embedder and the image branch of cross-attention), Wan2.2 TI2V-5B (per-token
+//! timesteps) and each A14B expert.
 //!
 //! The forward pass is split in three public stages so that an external engine can run the
 //! blocks one at a time (loading each block's weights just before it runs) without the model
@@ -9,7 +11,8 @@
 //!    [`BlockInputs::take_hidden_states`].
 //! 3. [`WanTransformer3DModel::finish`]: output norm and modulation, `proj_out`, unpatchify.
 //!
-//! [`WanTransformer3DModel::forward`] chains the three. A model built with
+//! [`WanTransformer3DModel::forward`] chains the three ([`WanTransformer3DModel::prepare_with_image`]
+//! and [`WanTransformer3DModel::forward_with_image`] for image-to-video checkpoints). A model built with
 //! [`WanTransformer3DModel::new_without_blocks`] holds no block weights; the caller then
 //! builds each block with [`WanTransformerBlock::new`] from `vb.pp("blocks.{i}")`.
 //!
@@ -60,12 +63,16 @@ pub struct WanTransformerConfig {
     pub qk_norm: Option<String>,
     /// Epsilon of every LayerNorm and RMSNorm.
     pub eps: f64,
-    /// Image-to-video only; must be `null` for text-to-video.
+    /// Width of the CLIP image embeddings (Wan2.1 I2V); `null` without an image branch.
     pub image_dim: Option<usize>,
-    /// Image-to-video only; must be `null` for text-to-video.
+    /// Input width of the image keys/values of cross-attention (`add_k_proj`/`add_v_proj`);
+    /// set together with `image_dim` and equal to the inner dim (the image tokens are embedded
+    /// to it first).
     pub added_kv_proj_dim: Option<usize>,
     /// Longest grid extent (in patches) along any axis that RoPE supports.
     pub rope_max_seq_len: usize,
+    /// First-last-frame (FLF2V) image position embedding; not supported.
+    pub pos_embed_seq_len: Option<usize>,
 }
 
 impl Default for WanTransformerConfig {
@@ -86,6 +93,7 @@ impl Default for WanTransformerConfig {
             image_dim: None,
             added_kv_proj_dim: None,
             rope_max_seq_len: 1024,
+            pos_embed_seq_len: None,
         }
     }
 }
@@ -107,11 +115,35 @@ impl WanTransformerConfig {
         [self.attention_head_dim - 2 * hw, hw, hw]
     }
 
-    /// Rejects configurations this text-to-video model cannot run.
+    /// Whether the model has the image branch (Wan2.1 I2V: image embedder, added k/v).
+    pub fn has_image_branch(&self) -> bool {
+        self.added_kv_proj_dim.is_some()
+    }
+
+    /// Rejects configurations this model cannot run.
     pub fn validate(&self) -> Result<()> {
-        if self.image_dim.is_some() || self.added_kv_proj_dim.is_some() {
+        match (self.image_dim, self.added_kv_proj_dim) {
+            (None, None) => {}
+            (Some(image_dim), Some(kv)) => {
+                if image_dim == 0 {
+                    candle_core::bail!("transformer config: image_dim must be positive");
+                }
+                if kv != self.inner_dim() {
+                    candle_core::bail!(
+                        "transformer config: added_kv_proj_dim {kv} must equal the inner dim {} \
+                         (heads x head dim): the image tokens are embedded to it",
+                        self.inner_dim()
+                    );
+                }
+            }
+            _ => candle_core::bail!(
+                "transformer config: image_dim and added_kv_proj_dim must be set together"
+            ),
+        }
+        if let Some(n) = self.pos_embed_seq_len {
             candle_core::bail!(
-                "image_dim/added_kv_proj_dim are set: image-to-video Wan checkpoints are not supported"
+                "transformer config: pos_embed_seq_len {n} (first-last-frame image position \
+                 embedding) is not supported"
             );
         }
         if self.num_attention_heads == 0 || self.attention_head_dim == 0 {
@@ -130,16 +162,26 @@ impl WanTransformerConfig {
     }
 }
 
+/// diffusers' cross-attention takes the *last* 512 context rows as text and the rows before
+/// them as image tokens (hard-coded: "512 is the context length of the text encoder"), so an
+/// image-to-video model only computes what diffusers computes with exactly 512 text rows.
+pub const IMAGE_BRANCH_TEXT_LEN: usize = 512;
+
 /// Everything the blocks and the output head need, computed once per forward by `prepare`.
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
     hidden_states: Option<Tensor>,
-    /// Time embedding `[B, inner]` (model dtype), used by the output head.
+    /// Time embedding (model dtype), used by the output head: `[B, inner]`, or `[B, seq,
+    /// inner]` with per-token timesteps (Wan2.2 `expand_timesteps`).
     pub temb: Tensor,
-    /// Per-block modulation input `[B, 6, inner]` (model dtype).
+    /// Per-block modulation input (model dtype): `[B, 6, inner]`, or `[B, seq, 6, inner]` with
+    /// per-token timesteps.
     pub timestep_proj: Tensor,
     /// Projected text `[B, L, inner]` (model dtype): keys and values of cross-attention.
     pub encoder_hidden_states: Tensor,
+    /// Embedded image tokens `[B, N, inner]` (model dtype) of an image-to-video model: the keys
+    /// and values of cross-attention's image branch.
+    pub encoder_hidden_states_image: Option<Tensor>,
     /// RoPE cosines `[seq, head_dim / 2]` in f32, one per interleaved pair.
     pub rope_cos: Tensor,
     /// RoPE sines, same layout as `rope_cos`.
@@ -151,6 +193,27 @@ pub struct BlockInputs {
 }
 
 impl BlockInputs {
+    /// Whether the timesteps are per token (`temb` `[B, seq, inner]`).
+    pub fn per_token_timesteps(&self) -> bool {
+        self.temb.rank() == 3
+    }
+
+    /// `table` `[1, k, inner]` (f32) + `emb` (`timestep_proj` with `emb_k` = 6, or `temb` with
+    /// `emb_k` = 1) in f32, as `[entries, k, inner]`, and the rows each entry covers: `seq`
+    /// (one entry per batch entry) or 1 (one per token).
+    fn modulation(
+        &self,
+        table: &Tensor,
+        emb: &Tensor,
+        emb_k: usize,
+        seq: usize,
+    ) -> Result<(Tensor, usize)> {
+        let dim = table.dim(2)?;
+        let emb = emb.to_dtype(DType::F32)?.reshape(((), emb_k, dim))?;
+        let rows_per_entry = if self.per_token_timesteps() { 1 } else { seq };
+        Ok((table.broadcast_add(&emb)?, rows_per_entry))
+    }
+
     /// Takes the patch tokens `[B, seq, inner]` that feed block 0 (once; the inputs do not keep
     /// a copy, so the activation memory is not held twice).
     pub fn take_hidden_states(&mut self) -> Result<Tensor> {
@@ -178,8 +241,13 @@ impl Rows {
         if entries == 1 || self.row0 % self.seq + rows <= self.seq {
             let m = m.narrow(0, if entries == 1 { 0 } else { first }, 1)?;
             Ok((m.unsqueeze(1)?, (1, rows)))
-        } else if self.row0 == 0 && rows == entries * self.seq {
-            Ok((m.unsqueeze(1)?, (entries, self.seq)))
+        } else if self.row0.is_multiple_of(self.seq)
+            && rows.is_multiple_of(self.seq)
+            && first + rows / self.seq <= entries
+        {
+            // Whole entries (whole batch entries, or runs of tokens when `seq` is 1).
+            let m = m.narrow(0, first, rows / self.seq)?;
+            Ok((m.unsqueeze(1)?, (rows / self.seq, self.seq)))
         } else {
             candle_core::bail!("rows {}..+{rows} straddle batch entries", self.row0)
         }
@@ -293,6 +361,24 @@ impl GeluMlp {
     }
 }
 
+/// The image branch of an I2V cross-attention: keys (RMSNorm across heads) and values of the
+/// embedded image tokens.
+#[derive(Debug, Clone)]
+struct AddedKv {
+    add_k_proj: Linear,
+    add_v_proj: Linear,
+    norm_added_k: Tensor,
+}
+
+/// What a cross-attention attends to: the projected text and, for I2V, the image tokens.
+#[derive(Debug, Clone, Copy)]
+struct CrossContext<'a> {
+    /// `[batch, L, inner]`.
+    text: &'a Tensor,
+    /// `[batch, N, inner]`.
+    image: Option<&'a Tensor>,
+}
+
 /// Self- or cross-attention with RMSNorm across heads on q and k.
 #[derive(Debug, Clone)]
 struct WanAttention {
@@ -302,15 +388,39 @@ struct WanAttention {
     to_out: Linear,
     norm_q: Tensor,
     norm_k: Tensor,
+    /// Cross-attention of an image-to-video model only.
+    added: Option<AddedKv>,
     heads: usize,
     head_dim: usize,
     eps: f32,
 }
 
 impl WanAttention {
+    /// Self-attention, or cross-attention without an image branch.
     fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, None, vb)
+    }
+
+    /// Cross-attention, with the image branch when the config has one.
+    fn cross(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let added = match cfg.added_kv_proj_dim {
+            Some(kv) => {
+                let dim = cfg.inner_dim();
+                Some(AddedKv {
+                    add_k_proj: candle_nn::linear(kv, dim, vb.pp("add_k_proj"))?,
+                    add_v_proj: candle_nn::linear(kv, dim, vb.pp("add_v_proj"))?,
+                    norm_added_k: vb.get(dim, "norm_added_k.weight")?,
+                })
+            }
+            None => None,
+        };
+        Self::build(cfg, added, vb)
+    }
+
+    fn build(cfg: &WanTransformerConfig, added: Option<AddedKv>, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
         Ok(Self {
+            added,
             to_q: candle_nn::linear(dim, dim, vb.pp("to_q"))?,
             to_k: candle_nn::linear(dim, dim, vb.pp("to_k"))?,
             to_v: candle_nn::linear(dim, dim, vb.pp("to_v"))?,
@@ -371,14 +481,30 @@ impl WanAttention {
             .reshape((rows, dim))
     }
 
+    /// Keys and values `[batch * len, inner]` of `context` `[batch, len, inner]` through
+    /// (`to_k`, `norm_k`, `to_v`) or the image branch's (`add_k_proj`, `norm_added_k`,
+    /// `add_v_proj`); no RoPE.
+    fn context_kv(
+        &self,
+        context: &Tensor,
+        (k_proj, k_norm, v_proj): (&Linear, &Tensor, &Linear),
+    ) -> Result<(Tensor, Tensor, usize)> {
+        let (batch, len, dim) = context.dims3()?;
+        let context = context.reshape((batch * len, dim))?;
+        let k = matmul_t(&context, k_proj)?;
+        let k = self.norm_rope(k, k_proj, k_norm, None, Rows { row0: 0, seq: len })?;
+        Ok((k, linear_act(&context, v_proj, false)?, len))
+    }
+
     /// Attention of `x` `[batch * seq, inner]` (consumed, so it is freed once projected) over
-    /// itself (`context` `None`, with `rope` (cos, sin)) or over `context` `[batch, L, inner]`.
+    /// itself (`context` `None`, with `rope` (cos, sin)) or over a cross context; an image
+    /// branch's attention output is added to the text one before `to_out`, as diffusers does.
     /// Returns `[batch * seq, inner]` before `to_out`'s bias, which the residual adds.
     fn forward(
         &self,
         x: Tensor,
         batch: usize,
-        context: Option<&Tensor>,
+        context: Option<CrossContext>,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<Tensor> {
         let (rows, dim) = x.dims2()?;
@@ -392,12 +518,7 @@ impl WanAttention {
                 (k, linear_act(&x, &self.to_v, false)?, seq)
             }
             Some(context) => {
-                let (_, len, _) = context.dims3()?;
-                let context = context.reshape((batch * len, dim))?;
-                let k = matmul_t(&context, &self.to_k)?;
-                let at = Rows { row0: 0, seq: len };
-                let k = self.norm_rope(k, &self.to_k, &self.norm_k, None, at)?;
-                (k, linear_act(&context, &self.to_v, false)?, len)
+                self.context_kv(context.text, (&self.to_k, &self.norm_k, &self.to_v))?
             }
         };
         drop(x);
@@ -407,12 +528,26 @@ impl WanAttention {
             t.reshape((batch, n, self.heads, self.head_dim))?
                 .transpose(1, 2)
         };
-        let out = sdpa(
-            &split(q, seq)?,
-            &split(k, kv_len)?,
-            &split(v, kv_len)?,
-            1.0 / (self.head_dim as f64).sqrt(),
-        )?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let q = split(q, seq)?;
+        let mut out = sdpa(&q, &split(k, kv_len)?, &split(v, kv_len)?, scale)?;
+        let image = context.and_then(|c| c.image);
+        match (&self.added, image) {
+            (Some(added), Some(image)) => {
+                let (k, v, n) = self.context_kv(
+                    image,
+                    (&added.add_k_proj, &added.norm_added_k, &added.add_v_proj),
+                )?;
+                out = (out + sdpa(&q, &split(k, n)?, &split(v, n)?, scale)?)?;
+            }
+            (Some(_), None) if context.is_some() => {
+                candle_core::bail!("image-to-video cross-attention needs the image tokens")
+            }
+            (None, Some(_)) => {
+                candle_core::bail!("image tokens given to a cross-attention without image branch")
+            }
+            _ => {}
+        }
         let out = out.transpose(1, 2)?.reshape((rows, dim))?;
         matmul_t(&out, &self.to_out)
     }
@@ -475,7 +610,7 @@ impl WanTransformerBlock {
             } else {
                 None
             };
-            Some((WanAttention::new(cfg, vb.pp("attn2"))?, norm2))
+            Some((WanAttention::cross(cfg, vb.pp("attn2"))?, norm2))
         } else {
             None
         };
@@ -511,11 +646,17 @@ impl WanTransformerBlock {
         let (batch, seq, dim) = x.dims3()?;
         let all = Rows { row0: 0, seq };
         // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
-        // c_gate, each [B, inner] f32; scales as 1 + scale.
-        let e = match &self.scale_shift_table {
-            Some(table) => Some(table.broadcast_add(&inputs.timestep_proj.to_dtype(DType::F32)?)?),
-            None => None,
+        // c_gate, each [entries, inner] f32 (an entry per batch entry, or per token with
+        // per-token timesteps); scales as 1 + scale.
+        let (e, mod_seq) = match &self.scale_shift_table {
+            Some(table) => {
+                let (e, rows) = inputs.modulation(table, &inputs.timestep_proj, 6, seq)?;
+                (Some(e), rows)
+            }
+            None => (None, seq),
         };
+        // Where the modulation of a row is found: the row's entry is (row0 + row) / mod_seq.
+        let modulated = |row0: usize| Rows { row0, seq: mod_seq };
         let m = |i: usize| match &e {
             Some(e) => e.narrow(1, i, 1)?.squeeze(1)?.contiguous(),
             None => candle_core::bail!("block step needs the scale_shift_table"),
@@ -525,10 +666,10 @@ impl WanTransformerBlock {
         // 1. Self-attention.
         if let Some(attn1) = &self.attn1 {
             let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
-            let h = norm_affine(&x, &scale, &shift, all, self.eps)?;
+            let h = norm_affine(&x, &scale, &shift, modulated(0), self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let attn = attn1.forward(h, batch, None, Some(rope))?;
-            x = residual(&x, attn, attn1.to_out.bias(), Some(&gate), all)?;
+            x = residual(&x, attn, attn1.to_out.bias(), Some(&gate), modulated(0))?;
         }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
@@ -537,7 +678,10 @@ impl WanTransformerBlock {
                 Some((w, b)) => norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?,
                 None => x.clone(),
             };
-            let context = &inputs.encoder_hidden_states;
+            let context = CrossContext {
+                text: &inputs.encoder_hidden_states,
+                image: inputs.encoder_hidden_states_image.as_ref(),
+            };
             let attn = attn2.forward(h, batch, Some(context), None)?;
             x = residual(&x, attn, attn2.to_out.bias(), None, all)?;
         }
@@ -558,9 +702,10 @@ impl WanTransformerBlock {
                         seq,
                     };
                     let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
-                    let h = norm_affine(&rows, &c_scale, &c_shift, at, self.eps)?;
+                    let h = norm_affine(&rows, &c_scale, &c_shift, modulated(at.row0), self.eps)?;
                     let ff = ffn.forward_without_out_bias(&h)?;
-                    let out = residual(&rows, ff, ffn.fc2.bias(), Some(&c_gate), at)?;
+                    let out =
+                        residual(&rows, ff, ffn.fc2.bias(), Some(&c_gate), modulated(at.row0))?;
                     x.slice_set(&out, 0, at.row0)?;
                 }
             }
@@ -613,7 +758,62 @@ fn rope_axis(dim: usize, len: usize, device: &Device) -> Result<(Tensor, Tensor)
     ))
 }
 
-/// The diffusers `WanTransformer3DModel` for text-to-video.
+/// diffusers' `WanImageEmbedding`: FP32LayerNorm -> Linear -> GELU (erf) -> Linear ->
+/// FP32LayerNorm, embedding CLIP image tokens `[B, N, image_dim]` to `[B, N, inner]`.
+#[derive(Debug, Clone)]
+struct ImageEmbedder {
+    /// f32 (weight, bias) of both norms.
+    norm1: (Tensor, Tensor),
+    fc1: Linear,
+    fc2: Linear,
+    norm2: (Tensor, Tensor),
+}
+
+/// Epsilon of `WanImageEmbedding`'s FP32LayerNorms (diffusers' default, not the config's).
+const IMAGE_EMBEDDER_NORM_EPS: f64 = 1e-5;
+
+impl ImageEmbedder {
+    fn new(image_dim: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
+        let f32_vb = vb.clone().set_dtype(DType::F32);
+        let norm = |name: &str, n: usize| -> Result<(Tensor, Tensor)> {
+            let nvb = f32_vb.pp(name);
+            Ok((nvb.get(n, "weight")?, nvb.get(n, "bias")?))
+        };
+        Ok(Self {
+            norm1: norm("norm1", image_dim)?,
+            fc1: candle_nn::linear(image_dim, image_dim, vb.pp("ff.net.0.proj"))?,
+            fc2: candle_nn::linear(image_dim, dim, vb.pp("ff.net.2"))?,
+            norm2: norm("norm2", dim)?,
+        })
+    }
+
+    /// `[B, N, image_dim]` -> `[B, N, inner]` in `dtype`; the norms run in f32 (FP32LayerNorm
+    /// casts its output back to the input dtype).
+    fn forward(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let norm = |x: &Tensor, (w, bias): &(Tensor, Tensor)| -> Result<Tensor> {
+            let d = x.dim(D::Minus1)?;
+            let rows = x.reshape((b * n, d))?;
+            let whole = Rows {
+                row0: 0,
+                seq: b * n,
+            };
+            norm_affine(
+                &rows,
+                &w.unsqueeze(0)?,
+                &bias.unsqueeze(0)?,
+                whole,
+                IMAGE_EMBEDDER_NORM_EPS,
+            )?
+            .reshape((b, n, d))
+        };
+        let h = norm(&x.to_dtype(dtype)?, &self.norm1)?;
+        let h = self.fc2.forward(&self.fc1.forward(&h)?.gelu_erf()?)?;
+        norm(&h, &self.norm2)
+    }
+}
+
+/// The diffusers `WanTransformer3DModel` (Wan2.1 T2V/I2V, Wan2.2 TI2V and A14B experts).
 #[derive(Debug, Clone)]
 pub struct WanTransformer3DModel {
     cfg: WanTransformerConfig,
@@ -623,6 +823,8 @@ pub struct WanTransformer3DModel {
     time_embedder: (Linear, Linear),
     time_proj: Linear,
     text_embedder: GeluMlp,
+    /// Image-to-video models only.
+    image_embedder: Option<ImageEmbedder>,
     blocks: Vec<WanTransformerBlock>,
     /// `[1, 2, inner]` in f32.
     scale_shift_table: Tensor,
@@ -663,6 +865,14 @@ impl WanTransformer3DModel {
             candle_nn::linear(cfg.text_dim, dim, cvb.pp("text_embedder.linear_1"))?,
             candle_nn::linear(dim, dim, cvb.pp("text_embedder.linear_2"))?,
         );
+        let image_embedder = match cfg.image_dim {
+            Some(image_dim) => Some(ImageEmbedder::new(
+                image_dim,
+                dim,
+                cvb.pp("image_embedder"),
+            )?),
+            None => None,
+        };
         let proj_out =
             candle_nn::linear(dim, cfg.out_channels() * pt * ph * pw, vb.pp("proj_out"))?;
         let scale_shift_table = vb
@@ -675,6 +885,7 @@ impl WanTransformer3DModel {
             time_embedder,
             time_proj,
             text_embedder,
+            image_embedder,
             blocks: Vec::new(),
             scale_shift_table,
             proj_out,
@@ -693,13 +904,28 @@ impl WanTransformer3DModel {
     }
 
     /// Patch embedding, time/text embeddings and RoPE tables for `latents` `[B, C, F, H, W]`,
-    /// `timestep` `[B]` (or one value for the whole batch; any dtype, cast to f32) and
-    /// `encoder_hidden_states` `[B, L, text_dim]`.
+    /// `timestep` and `encoder_hidden_states` `[B, L, text_dim]` of a model without image
+    /// branch. `timestep` (any dtype, cast to f32) is `[B]` (or one value for the whole batch),
+    /// or `[B or 1, seq]` for per-token timesteps (Wan2.2 `expand_timesteps`: one value per
+    /// token in (frame, row, column) order).
     pub fn prepare(
         &self,
         latents: &Tensor,
         timestep: &Tensor,
         encoder_hidden_states: &Tensor,
+    ) -> Result<BlockInputs> {
+        self.prepare_with_image(latents, timestep, encoder_hidden_states, None)
+    }
+
+    /// [`Self::prepare`] with, for an image-to-video model, the CLIP image tokens
+    /// `encoder_hidden_states_image` `[B, N, image_dim]` (the image encoder's penultimate hidden
+    /// states). Such a model needs them and exactly [`IMAGE_BRANCH_TEXT_LEN`] text rows.
+    pub fn prepare_with_image(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_hidden_states_image: Option<&Tensor>,
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
         let (b, c, f, h, w) = latents.dims5()?;
@@ -723,7 +949,7 @@ impl WanTransformer3DModel {
                 cfg.rope_max_seq_len
             );
         }
-        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
+        let (eb, text_len, text_dim) = encoder_hidden_states.dims3()?;
         if eb != b || text_dim != cfg.text_dim {
             candle_core::bail!(
                 "encoder_hidden_states {:?} do not match batch {b} and text_dim {}",
@@ -731,6 +957,33 @@ impl WanTransformer3DModel {
                 cfg.text_dim
             );
         }
+        let image_tokens = match (&self.image_embedder, encoder_hidden_states_image) {
+            (Some(embedder), Some(image)) => {
+                let (ib, _, image_dim) = image.dims3()?;
+                if ib != b || Some(image_dim) != cfg.image_dim {
+                    candle_core::bail!(
+                        "encoder_hidden_states_image {:?} do not match batch {b} and image_dim {:?}",
+                        image.dims(),
+                        cfg.image_dim
+                    );
+                }
+                if text_len != IMAGE_BRANCH_TEXT_LEN {
+                    candle_core::bail!(
+                        "image-to-video needs exactly {IMAGE_BRANCH_TEXT_LEN} text rows \
+                         (max_sequence_length {IMAGE_BRANCH_TEXT_LEN}), got {text_len}: diffusers \
+                         splits the joint context at len - {IMAGE_BRANCH_TEXT_LEN}"
+                    );
+                }
+                Some(embedder.forward(&image.to_device(latents.device())?, self.dtype)?)
+            }
+            (Some(_), None) => candle_core::bail!(
+                "this image-to-video transformer needs the image encoder's hidden states"
+            ),
+            (None, Some(_)) => {
+                candle_core::bail!("image embeddings given to a transformer without image_dim")
+            }
+            (None, None) => None,
+        };
         let device = latents.device();
 
         // Patch embedding: Conv3d with kernel = stride = patch, as a matmul over patches.
@@ -745,21 +998,41 @@ impl WanTransformer3DModel {
             .reshape((b, gf * gh * gw, c * pt * ph * pw))?;
         let hidden_states = self.patch_embedding.forward(&patches)?;
 
-        // Time embedding (time_embedder in f32, then cast to the text dtype).
-        let timestep = match timestep.elem_count() {
-            1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
-            n if n == b => timestep.flatten_all()?,
-            n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+        // Time embedding (time_embedder in f32, then cast to the text dtype), per batch entry
+        // or, for a 2-D timestep, per token.
+        let seq = gf * gh * gw;
+        let per_token = timestep.rank() == 2;
+        let timestep = if per_token {
+            let (tb, tseq) = timestep.dims2()?;
+            if tseq != seq || (tb != b && tb != 1) {
+                candle_core::bail!(
+                    "per-token timestep {:?} does not match batch {b} and {seq} tokens",
+                    timestep.dims()
+                );
+            }
+            timestep.broadcast_as((b, seq))?.flatten_all()?
+        } else {
+            match timestep.elem_count() {
+                1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
+                n if n == b => timestep.flatten_all()?,
+                n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+            }
         };
         let t_emb = timestep_embedding(&timestep.to_device(device)?, cfg.freq_dim)?;
         let (lin1, lin2) = &self.time_embedder;
         let temb = lin2
             .forward(&candle_nn::ops::silu(&lin1.forward(&t_emb)?)?)?
             .to_dtype(self.dtype)?;
-        let timestep_proj = self
-            .time_proj
-            .forward(&candle_nn::ops::silu(&temb)?)?
-            .reshape((b, 6, cfg.inner_dim()))?;
+        let timestep_proj = self.time_proj.forward(&candle_nn::ops::silu(&temb)?)?;
+        let inner = cfg.inner_dim();
+        let (temb, timestep_proj) = if per_token {
+            (
+                temb.reshape((b, seq, inner))?,
+                timestep_proj.reshape((b, seq, 6, inner))?,
+            )
+        } else {
+            (temb, timestep_proj.reshape((b, 6, inner))?)
+        };
         let encoder_hidden_states = self
             .text_embedder
             .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
@@ -776,7 +1049,6 @@ impl WanTransformer3DModel {
             cos_parts.push(cos.reshape(shape.to_vec())?.broadcast_as(target)?);
             sin_parts.push(sin.reshape(shape.to_vec())?.broadcast_as(target)?);
         }
-        let seq = gf * gh * gw;
         let half = cfg.attention_head_dim / 2;
         let rope_cos = Tensor::cat(&cos_parts, 3)?
             .reshape((seq, half))?
@@ -790,6 +1062,7 @@ impl WanTransformer3DModel {
             temb,
             timestep_proj,
             encoder_hidden_states,
+            encoder_hidden_states_image: image_tokens,
             rope_cos,
             rope_sin,
             batch: b,
@@ -801,13 +1074,15 @@ impl WanTransformer3DModel {
     /// `[B, seq, inner]` -> `[B, out_channels, F, H, W]` (model dtype).
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
-        let e = self
-            .scale_shift_table
-            .broadcast_add(&inputs.temb.to_dtype(DType::F32)?.unsqueeze(1)?)?;
+        let (e, mod_seq) = inputs.modulation(&self.scale_shift_table, &inputs.temb, 1, seq)?;
         let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
         let (shift, scale) = (m(0)?, (m(1)? + 1.0)?);
         let x = x.reshape((batch * seq, dim))?;
-        let h = norm_affine(&x, &scale, &shift, Rows { row0: 0, seq }, self.cfg.eps)?;
+        let at = Rows {
+            row0: 0,
+            seq: mod_seq,
+        };
+        let h = norm_affine(&x, &scale, &shift, at, self.cfg.eps)?;
         let h = self.proj_out.forward(&h)?;
 
         let [pt, ph, pw] = self.cfg.patch_size;
@@ -825,6 +1100,18 @@ impl WanTransformer3DModel {
         timestep: &Tensor,
         encoder_hidden_states: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_with_image(latents, timestep, encoder_hidden_states, None)
+    }
+
+    /// [`Self::forward`] with the image tokens of an image-to-video model (see
+    /// [`Self::prepare_with_image`]).
+    pub fn forward_with_image(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_hidden_states_image: Option<&Tensor>,
+    ) -> Result<Tensor> {
         if self.blocks.len() != self.cfg.num_layers {
             candle_core::bail!(
                 "transformer holds {} of {} blocks; run them through blocks() instead",
@@ -832,7 +1119,12 @@ impl WanTransformer3DModel {
                 self.cfg.num_layers
             );
         }
-        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
+        let mut inputs = self.prepare_with_image(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+        )?;
         let mut x = inputs.take_hidden_states()?;
         for block in &self.blocks {
             x = block.forward(&x, &inputs)?;
@@ -937,6 +1229,7 @@ mod cuda_tests {
                 to_out: lin,
                 norm_q: t(&(bias_ref.abs().unwrap() + 0.5).unwrap()),
                 norm_k: t(&bias_ref),
+                added: None,
                 heads: cfg.num_attention_heads,
                 head_dim: cfg.attention_head_dim,
                 eps: 1e-6,

@@ -1,0 +1,281 @@
+//! Parity of the Wan family's model parts with diffusers 0.42.1 on the tiny fixtures:
+//! Wan2.1 I2V (`wan21-i2v-tiny-a`: image branch of the transformer, condition latents),
+//! Wan2.2 TI2V-5B (`wan22-ti2v-tiny-a`: per-token timesteps, the 48-channel VAE) and the two
+//! Wan2.2 A14B experts (`wan22-a14b-tiny-a`).
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use vidgen::models::wan::transformer::{
+    WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
+};
+
+const I2V: &str = "wan21-i2v-tiny-a";
+const TI2V: &str = "wan22-ti2v-tiny-a";
+const A14B: &str = "wan22-a14b-tiny-a";
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+fn check(what: &str, actual: &Tensor, expected: &Tensor) {
+    eprintln!(
+        "{what}: max |diff| {:e}",
+        common::max_abs_diff(actual, expected)
+    );
+    common::assert_close(what, actual, expected, ATOL, RTOL);
+}
+
+fn transformer(fixture: &str, folder: &str) -> (WanTransformerConfig, WanTransformer3DModel) {
+    let cfg: WanTransformerConfig = common::config_in(fixture, &format!("{folder}/config.json"));
+    let vb = common::var_builder_in(
+        fixture,
+        &format!("{folder}/diffusion_pytorch_model.safetensors"),
+    );
+    let model = WanTransformer3DModel::new(&cfg, vb).unwrap();
+    (cfg, model)
+}
+
+/// `[seq, D/2]` pair table -> diffusers' `[1, seq, 1, D]` repeat-interleaved layout.
+fn interleave(t: &Tensor) -> Tensor {
+    let (seq, half) = t.dims2().unwrap();
+    t.unsqueeze(2)
+        .unwrap()
+        .broadcast_as((seq, half, 2))
+        .unwrap()
+        .reshape((1, seq, 1, 2 * half))
+        .unwrap()
+}
+
+/// Runs the staged forward (the offload engine's path: blocks built one by one) and checks every
+/// `{prefix}debug.*` tensor the fixture holds, then the output against `output`.
+fn check_staged(
+    fixture: &str,
+    folder: &str,
+    r: &HashMap<String, Tensor>,
+    prefix: &str,
+    (latents, timestep, text, image): (&Tensor, &Tensor, &Tensor, Option<&Tensor>),
+    output: &str,
+) {
+    let cfg: WanTransformerConfig = common::config_in(fixture, &format!("{folder}/config.json"));
+    let vb = common::var_builder_in(
+        fixture,
+        &format!("{folder}/diffusion_pytorch_model.safetensors"),
+    );
+    let model = WanTransformer3DModel::new_without_blocks(&cfg, vb.clone()).unwrap();
+    let mut inputs = model
+        .prepare_with_image(latents, timestep, text, image)
+        .unwrap();
+    let d = |name: &str| format!("{prefix}debug.{name}");
+    check(
+        &d("rope_cos"),
+        &interleave(&inputs.rope_cos),
+        &r[&d("rope_cos")],
+    );
+    check(
+        &d("rope_sin"),
+        &interleave(&inputs.rope_sin),
+        &r[&d("rope_sin")],
+    );
+    check(&d("temb"), &inputs.temb, &r[&d("temb")]);
+    let tp = if inputs.per_token_timesteps() {
+        inputs.timestep_proj.flatten_from(2).unwrap()
+    } else {
+        inputs.timestep_proj.flatten_from(1).unwrap()
+    };
+    check(&d("timestep_proj"), &tp, &r[&d("timestep_proj")]);
+    check(
+        &d("text_embedder"),
+        &inputs.encoder_hidden_states,
+        &r[&d("text_embedder")],
+    );
+    if let Some(img) = &inputs.encoder_hidden_states_image {
+        check(&d("image_embedder"), img, &r[&d("image_embedder")]);
+    }
+    let mut x = inputs.take_hidden_states().unwrap();
+    let [gf, gh, gw] = inputs.grid;
+    let patch = x
+        .reshape((1, gf, gh, gw, cfg.inner_dim()))
+        .unwrap()
+        .permute((0, 4, 1, 2, 3))
+        .unwrap();
+    check(&d("patch_embedding"), &patch, &r[&d("patch_embedding")]);
+    for k in 0..cfg.num_layers {
+        let block = WanTransformerBlock::new(&cfg, vb.pp(format!("blocks.{k}"))).unwrap();
+        x = block.forward(&x, &inputs).unwrap();
+        check(&d(&format!("block.{k}")), &x, &r[&d(&format!("block.{k}"))]);
+    }
+    let out = model.finish(&x, &inputs).unwrap();
+    check(output, &out, &r[output]);
+}
+
+fn float_timestep(t: f32) -> Tensor {
+    Tensor::new(&[t], &Device::Cpu).unwrap()
+}
+
+#[test]
+fn i2v_transformer_matches_diffusers() {
+    let (cfg, model) = transformer(I2V, "transformer");
+    assert!(cfg.has_image_branch());
+    let r = common::reference_in(I2V, "transformer");
+    let (x, text, image) = (
+        &r["hidden_states"],
+        &r["encoder_hidden_states"],
+        &r["encoder_hidden_states_image"],
+    );
+    let out = model
+        .forward_with_image(x, &r["timestep_int"], text, Some(image))
+        .unwrap();
+    check("output_t999", &out, &r["output_t999"]);
+    let out = model
+        .forward_with_image(x, &float_timestep(937.5), text, Some(image))
+        .unwrap();
+    check("output_t937_5", &out, &r["output_t937_5"]);
+    check_staged(
+        I2V,
+        "transformer",
+        &r,
+        "",
+        (x, &r["timestep_int"], text, Some(image)),
+        "output_t999",
+    );
+}
+
+#[test]
+fn i2v_transformer_refuses_what_diffusers_would_split_wrongly() {
+    let (_, model) = transformer(I2V, "transformer");
+    let r = common::reference_in(I2V, "transformer");
+    let (x, t, text, image) = (
+        &r["hidden_states"],
+        &r["timestep_int"],
+        &r["encoder_hidden_states"],
+        &r["encoder_hidden_states_image"],
+    );
+    // No image tokens.
+    assert!(model.forward(x, t, text).is_err());
+    // A text context of another length than 512.
+    let short = text.narrow(1, 0, 20).unwrap();
+    let err = model
+        .forward_with_image(x, t, &short, Some(image))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("512"), "{err}");
+    // Image tokens given to a text-to-video model.
+    let (_, t2v) = transformer(A14B, "transformer");
+    let ra = common::reference_in(A14B, "transformer");
+    assert!(t2v
+        .forward_with_image(
+            &ra["hidden_states"],
+            &ra["timestep_int"],
+            &ra["encoder_hidden_states"],
+            Some(image)
+        )
+        .is_err());
+}
+
+#[test]
+fn ti2v_transformer_per_token_timesteps_match_diffusers() {
+    let (_, model) = transformer(TI2V, "transformer");
+    let r = common::reference_in(TI2V, "transformer");
+    let (x, text) = (&r["hidden_states"], &r["encoder_hidden_states"]);
+    let out = model.forward(x, &r["timestep_int"], text).unwrap();
+    check("output_t999", &out, &r["output_t999"]);
+    assert_eq!(r["timestep_expanded"].dtype(), DType::F32);
+    let out = model.forward(x, &r["timestep_expanded"], text).unwrap();
+    check("expanded.output", &out, &r["expanded.output"]);
+    let out = model.forward(x, &r["timestep_i2v"], text).unwrap();
+    check("i2v_ts.output", &out, &r["i2v_ts.output"]);
+    check_staged(
+        TI2V,
+        "transformer",
+        &r,
+        "expanded.",
+        (x, &r["timestep_expanded"], text, None),
+        "expanded.output",
+    );
+    // A per-token timestep with the wrong token count is refused.
+    let wrong = r["timestep_expanded"].narrow(1, 0, 5).unwrap();
+    assert!(model.forward(x, &wrong, text).is_err());
+}
+
+#[test]
+fn per_token_timesteps_batch_of_two() {
+    let (_, model) = transformer(TI2V, "transformer");
+    let r = common::reference_in(TI2V, "transformer");
+    let two = |t: &Tensor| Tensor::cat(&[t, t], 0).unwrap();
+    let x = two(&r["hidden_states"]);
+    let text = two(&r["encoder_hidden_states"]);
+    let ts = Tensor::cat(&[&r["timestep_expanded"], &r["timestep_i2v"]], 0).unwrap();
+    let out = model.forward(&x, &ts, &text).unwrap();
+    check(
+        "batch[0]",
+        &out.narrow(0, 0, 1).unwrap(),
+        &r["expanded.output"],
+    );
+    check(
+        "batch[1]",
+        &out.narrow(0, 1, 1).unwrap(),
+        &r["i2v_ts.output"],
+    );
+}
+
+#[test]
+fn a14b_experts_match_diffusers() {
+    let r = common::reference_in(A14B, "transformer");
+    let (x, text) = (&r["hidden_states"], &r["encoder_hidden_states"]);
+    let (_, high) = transformer(A14B, "transformer");
+    let (_, low) = transformer(A14B, "transformer_2");
+    let out = high.forward(x, &r["timestep_int"], text).unwrap();
+    check(
+        "transformer.t999.output",
+        &out,
+        &r["transformer.t999.output"],
+    );
+    let out = low.forward(x, &r["timestep_low"], text).unwrap();
+    check(
+        "transformer_2.t500.output",
+        &out,
+        &r["transformer_2.t500.output"],
+    );
+    let out = low.forward(x, &r["timestep_int"], text).unwrap();
+    check(
+        "transformer_2.t999.output",
+        &out,
+        &r["transformer_2.t999.output"],
+    );
+    check_staged(
+        A14B,
+        "transformer_2",
+        &r,
+        "transformer_2.t500.",
+        (x, &r["timestep_low"], text, None),
+        "transformer_2.t500.output",
+    );
+}
+
+#[test]
+fn transformer_config_validation() {
+    let cfg: WanTransformerConfig = common::config_in(I2V, "transformer/config.json");
+    cfg.validate().unwrap();
+    let mut bad = cfg.clone();
+    bad.added_kv_proj_dim = Some(cfg.inner_dim() + 1);
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("added_kv_proj_dim"));
+    let mut bad = cfg.clone();
+    bad.image_dim = None;
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("image_dim"));
+    let mut bad = cfg;
+    bad.pos_embed_seq_len = Some(514);
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("pos_embed_seq_len"));
+}
