@@ -8,6 +8,11 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
+use vidgen::models::clip::load_rgb_image;
+use vidgen::models::wan::condition::{
+    first_frame_condition, first_frame_mask, image_condition, per_token_timesteps,
+    preprocess_image, replace_first_frame,
+};
 use vidgen::models::wan::transformer::{
     WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
@@ -298,7 +303,11 @@ fn wan22_vae_config_sizes() {
     assert_eq!(cfg.scale_factor_temporal(), 4);
     let mut bad = cfg.clone();
     bad.patch_size = Some(0);
-    assert!(bad.validate().unwrap_err().to_string().contains("patch_size"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("patch_size"));
     let mut bad = cfg;
     bad.dim_mult = vec![1, 3, 4, 4];
     assert!(bad.validate().unwrap_err().to_string().contains("dim_mult"));
@@ -309,11 +318,19 @@ fn wan22_vae_decode_matches_diffusers() {
     let vae = vae(TI2V);
     let r = common::reference_in(TI2V, "vae");
     let z = vae.denormalize(&r["decode.latents_normalized"]).unwrap();
-    check("decode.latents_denormalized", &z, &r["decode.latents_denormalized"]);
+    check(
+        "decode.latents_denormalized",
+        &z,
+        &r["decode.latents_denormalized"],
+    );
     let video = vae.decode(&r["decode.latents_denormalized"]).unwrap();
     check("decode.video", &video, &r["decode.video"]);
     let one = r["decode.latents_denormalized"].narrow(2, 0, 1).unwrap();
-    check("decode1.video", &vae.decode(&one).unwrap(), &r["decode1.video"]);
+    check(
+        "decode1.video",
+        &vae.decode(&one).unwrap(),
+        &r["decode1.video"],
+    );
 }
 
 #[test]
@@ -333,8 +350,16 @@ fn wan22_vae_encode_matches_diffusers() {
         &video.narrow(2, 0, 1).unwrap(),
     );
     let (mean, logvar) = vae.encode(video).unwrap();
-    check("encode.latent_dist.mean", &mean, &r["encode.latent_dist.mean"]);
-    check("encode.latent_dist.logvar", &logvar, &r["encode.latent_dist.logvar"]);
+    check(
+        "encode.latent_dist.mean",
+        &mean,
+        &r["encode.latent_dist.mean"],
+    );
+    check(
+        "encode.latent_dist.logvar",
+        &logvar,
+        &r["encode.latent_dist.logvar"],
+    );
 }
 
 #[test]
@@ -357,4 +382,88 @@ fn wan22_vae_tiled_decode_of_one_tile_is_the_decode() {
         .decode_tiled(&r["decode.latents_denormalized"], &WanVaeTiling::default())
         .unwrap();
     check("decode_tiled (one tile)", &whole, &r["decode.video"]);
+}
+
+fn input_image(fixture: &str) -> image::RgbImage {
+    load_rgb_image(&common::fixture_dir_named(fixture).join("reference/input.png")).unwrap()
+}
+
+#[test]
+fn i2v_condition_latents_match_diffusers() {
+    let vae = vae(I2V);
+    let r = common::reference_in(I2V, "vae");
+    let (_, _, frames, h, w) = r["video_condition"].dims5().unwrap();
+    let sf = vae.config().scale_factor_spatial();
+    let image = preprocess_image(&input_image(I2V), h, w, sf, &Device::Cpu).unwrap();
+    check("image", &image, &r["image"]);
+    let (mean, _) = vae.encode(&r["video_condition"]).unwrap();
+    check("latent_dist.mean", &mean, &r["latent_dist.mean"]);
+    let condition = image_condition(&vae, &image, frames, 1, DType::F32).unwrap();
+    check("condition", &condition, &r["condition"]);
+    check("mask", &condition.narrow(1, 0, 4).unwrap(), &r["mask"]);
+    // Batch of two: the same condition twice; a frame count that is not 1 + 4k is refused.
+    let two = image_condition(&vae, &image, frames, 2, DType::F32).unwrap();
+    check(
+        "condition[1]",
+        &two.narrow(0, 1, 1).unwrap(),
+        &r["condition"],
+    );
+    assert!(image_condition(&vae, &image, frames - 1, 1, DType::F32).is_err());
+
+    // What the transformer got at step 0: [latents | condition].
+    let p = common::reference_in(I2V, "pipeline");
+    let input = Tensor::cat(&[&p["latents_init"], &condition], 1).unwrap();
+    check(
+        "cfg5.step0.latent_model_input",
+        &input,
+        &p["cfg5.step0.latent_model_input"],
+    );
+}
+
+#[test]
+fn ti2v_first_frame_condition_matches_diffusers() {
+    let vae = vae(TI2V);
+    let p = common::reference_in(TI2V, "pipeline_i2v");
+    let (_, _, h, w) = p["image"].dims4().unwrap();
+    let sf = vae.config().scale_factor_spatial();
+    let image = preprocess_image(&input_image(TI2V), h, w, sf, &Device::Cpu).unwrap();
+    check("image", &image, &p["image"]);
+    let condition = first_frame_condition(&vae, &image, 1, DType::F32).unwrap();
+    check("condition", &condition, &p["condition"]);
+    let latents = &p["latents_init"];
+    let (_, _, frames, lh, lw) = latents.dims5().unwrap();
+    let mask = first_frame_mask(frames, (lh, lw), DType::F32, &Device::Cpu).unwrap();
+    check("first_frame_mask", &mask, &p["first_frame_mask"]);
+    let input = replace_first_frame(latents, &condition, &mask).unwrap();
+    check(
+        "i2v_cfg5.step0.latent_model_input",
+        &input,
+        &p["i2v_cfg5.step0.latent_model_input"],
+    );
+    // Per-token timesteps: 0 on frame 0's tokens, t elsewhere (timesteps of the 3-step run).
+    for (i, t) in [999.0, 909.0, 714.0].into_iter().enumerate() {
+        let ts = per_token_timesteps(t, &mask, 1, (2, 2)).unwrap();
+        let name = format!("i2v_cfg5.step{i}.timestep");
+        common::assert_close(&name, &ts, &p[&name], 0.0, 0.0);
+    }
+    // T2V: a mask of ones gives t everywhere.
+    let t2v = common::reference_in(TI2V, "pipeline");
+    let ones = mask.ones_like().unwrap();
+    let ts = per_token_timesteps(999.0, &ones, 1, (2, 2)).unwrap();
+    common::assert_close(
+        "cfg5.step0.timestep",
+        &ts,
+        &t2v["cfg5.step0.timestep"],
+        0.0,
+        0.0,
+    );
+    // After the loop frame 0 is the condition again: the decode input's frame 0 is the
+    // de-normalised condition.
+    let decode_in = &p["i2v_cfg5.vae_decode_input"];
+    let denorm = vae.denormalize(&condition).unwrap();
+    check(
+        "i2v_cfg5.vae_decode_input[frame 0]",
+        &decode_in.narrow(2, 0, 1).unwrap(),
+        &denorm,
+    );
 }

@@ -560,7 +560,12 @@ pub(super) struct AvgDown3D {
 
 impl AvgDown3D {
     /// Fails unless `in_dim * factor_t * factor_s^2` is a multiple of `out_dim`.
-    pub(super) fn new(in_dim: usize, out_dim: usize, factor_t: usize, factor_s: usize) -> Result<Self> {
+    pub(super) fn new(
+        in_dim: usize,
+        out_dim: usize,
+        factor_t: usize,
+        factor_s: usize,
+    ) -> Result<Self> {
         if out_dim == 0 || !(in_dim * factor_t * factor_s * factor_s).is_multiple_of(out_dim) {
             bail!("vae: residual down block {in_dim} -> {out_dim} channels cannot average groups")
         }
@@ -607,7 +612,12 @@ pub(super) struct DupUp3D {
 
 impl DupUp3D {
     /// Fails unless `out_dim * factor_t * factor_s^2` is a multiple of `in_dim`.
-    pub(super) fn new(in_dim: usize, out_dim: usize, factor_t: usize, factor_s: usize) -> Result<Self> {
+    pub(super) fn new(
+        in_dim: usize,
+        out_dim: usize,
+        factor_t: usize,
+        factor_s: usize,
+    ) -> Result<Self> {
         let cells = out_dim * factor_t * factor_s * factor_s;
         if in_dim == 0 || !cells.is_multiple_of(in_dim) {
             bail!("vae: residual up block {in_dim} -> {out_dim} channels cannot repeat evenly")

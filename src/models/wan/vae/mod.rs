@@ -610,6 +610,28 @@ impl AutoencoderKLWan {
         latents.broadcast_div(&inv_std)?.broadcast_add(&mean)
     }
 
+    /// Maps VAE latents (a mode of [`Self::encode`]) to the transformer's normalised space as
+    /// `WanImageToVideoPipeline` does: `(z - latents_mean) * (1 / latents_std)` per channel,
+    /// the reciprocal taken in f32 and everything else in `latents`' dtype and device.
+    pub fn normalize(&self, latents: &Tensor) -> Result<Tensor> {
+        let z = self.cfg.z_dim;
+        let (_, c, _, _, _) = latents.dims5()?;
+        if c != z {
+            bail!(
+                "vae normalize: expected {z} latent channels, got {:?}",
+                latents.dims()
+            )
+        }
+        let (dtype, device) = (latents.dtype(), latents.device());
+        let stats = |v: &[f64]| -> Result<Tensor> {
+            let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+            Tensor::from_vec(v, (1, z, 1, 1, 1), device)
+        };
+        let mean = stats(&self.cfg.latents_mean)?.to_dtype(dtype)?;
+        let inv_std = stats(&self.cfg.latents_std)?.recip()?.to_dtype(dtype)?;
+        latents.broadcast_sub(&mean)?.broadcast_mul(&inv_std)
+    }
+
     /// Decodes de-normalised latents `[B, z_dim, F, h, w]` to video `[B, C_out / p², 1 + 4(F-1),
     /// s·h, s·w]` (`s` = [`WanVaeConfig::scale_factor_spatial`], `p` the patch) clamped to
     /// [-1, 1], in the VAE dtype.
@@ -687,7 +709,9 @@ impl AutoencoderKLWan {
         let mut outs = Vec::with_capacity(frames);
         for i in 0..frames {
             cache.start_chunk();
-            let out = self.decoder.forward(&x.narrow(1, i, 1)?, &mut cache, i == 0)?;
+            let out = self
+                .decoder
+                .forward(&x.narrow(1, i, 1)?, &mut cache, i == 0)?;
             outs.push(out.permute((0, 2, 1, 3, 4))?.contiguous()?);
         }
         Tensor::cat(&outs, 2)
