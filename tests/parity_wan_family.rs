@@ -467,3 +467,55 @@ fn ti2v_first_frame_condition_matches_diffusers() {
         &denorm,
     );
 }
+
+/// The transformer inputs the I2V pipeline builds (prompt embeds of the text encoder, image
+/// embeds of the image encoder, [latents | condition]) give its step-0 noise predictions.
+#[test]
+fn i2v_step0_noise_predictions_match_diffusers() {
+    let (_, model) = transformer(I2V, "transformer");
+    let text = common::reference_in(I2V, "text_encoder");
+    let image = common::reference_in(I2V, "image_encoder");
+    let p = common::reference_in(I2V, "pipeline");
+    let input = &p["cfg5.step0.latent_model_input"];
+    let t = p["cfg5.step0.timestep"].to_dtype(DType::I64).unwrap();
+    let embeds = &text["prompt_embeds"];
+    for (row, name) in [(0, "cfg5.step0.noise_pred_cond"), (1, "cfg5.step0.noise_pred_uncond")] {
+        let out = model
+            .forward_with_image(
+                input,
+                &t,
+                &embeds.narrow(0, row, 1).unwrap(),
+                Some(&image["image_embeds"]),
+            )
+            .unwrap();
+        check(name, &out, &p[name]);
+    }
+}
+
+/// Wan2.2 TI2V image-to-video: the step-0 input with per-token timesteps (0 on frame 0).
+#[test]
+fn ti2v_i2v_step0_noise_predictions_match_diffusers() {
+    let (_, model) = transformer(TI2V, "transformer");
+    let text = common::reference_in(TI2V, "text_encoder");
+    let p = common::reference_in(TI2V, "pipeline_i2v");
+    let input = &p["i2v_cfg5.step0.latent_model_input"];
+    let t = &p["i2v_cfg5.step0.timestep"];
+    let embeds = &text["prompt_embeds"];
+    for (row, name) in [
+        (0, "i2v_cfg5.step0.noise_pred_cond"),
+        (1, "i2v_cfg5.step0.noise_pred_uncond"),
+    ] {
+        let out = model
+            .forward(input, t, &embeds.narrow(0, row, 1).unwrap())
+            .unwrap();
+        check(name, &out, &p[name]);
+    }
+    // Both CFG branches in one batch.
+    let two = Tensor::cat(&[input, input], 0).unwrap();
+    let out = model.forward(&two, t, embeds).unwrap();
+    check(
+        "batched uncond",
+        &out.narrow(0, 1, 1).unwrap(),
+        &p["i2v_cfg5.step0.noise_pred_uncond"],
+    );
+}
