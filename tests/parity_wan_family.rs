@@ -85,12 +85,23 @@ fn check_staged(
         &interleave(&inputs.rope_sin),
         &r[&d("rope_sin")],
     );
-    check(&d("temb"), &inputs.temb, &r[&d("temb")]);
-    let tp = if inputs.per_token_timesteps() {
-        inputs.timestep_proj.flatten_from(2).unwrap()
+    // Per-token references ([B, seq, ...]) against the entries spread over the tokens.
+    let (temb, tp) = if r[&d("temb")].rank() == 3 {
+        (
+            inputs.per_token(&inputs.temb).unwrap(),
+            inputs
+                .per_token(&inputs.timestep_proj)
+                .unwrap()
+                .flatten_from(2)
+                .unwrap(),
+        )
     } else {
-        inputs.timestep_proj.flatten_from(1).unwrap()
+        (
+            inputs.temb.clone(),
+            inputs.timestep_proj.flatten_from(1).unwrap(),
+        )
     };
+    check(&d("temb"), &temb, &r[&d("temb")]);
     check(&d("timestep_proj"), &tp, &r[&d("timestep_proj")]);
     check(
         &d("text_embedder"),
@@ -200,6 +211,31 @@ fn ti2v_transformer_per_token_timesteps_match_diffusers() {
         "expanded.",
         (x, &r["timestep_expanded"], text, None),
         "expanded.output",
+    );
+    // Equal per-token timesteps need one embedding per video; TI2V image-to-video's (frame 0
+    // at 0) one per run, the staged path giving the same output.
+    let (_, model) = transformer(TI2V, "transformer");
+    let inputs = model.prepare(x, &r["timestep_expanded"], text).unwrap();
+    assert!(!inputs.per_token_timesteps());
+    let inputs = model.prepare(x, &r["timestep_i2v"], text).unwrap();
+    let runs = inputs.timestep_runs.clone().unwrap();
+    assert_eq!(
+        runs.iter().map(|r| (r.row0, r.len)).collect::<Vec<_>>(),
+        vec![(0, 4), (4, 4)]
+    );
+    assert_eq!(inputs.temb.dims(), &[2, 24]);
+    let mut staged = inputs.clone();
+    let mut h = staged.take_hidden_states().unwrap();
+    let cfg: WanTransformerConfig = common::config_in(TI2V, "transformer/config.json");
+    let vb = common::var_builder_in(TI2V, "transformer/diffusion_pytorch_model.safetensors");
+    for k in 0..cfg.num_layers {
+        let block = WanTransformerBlock::new(&cfg, vb.pp(format!("blocks.{k}"))).unwrap();
+        h = block.forward(&h, &staged).unwrap();
+    }
+    check(
+        "i2v_ts.output (staged)",
+        &model.finish(&h, &staged).unwrap(),
+        &r["i2v_ts.output"],
     );
     // A per-token timestep with the wrong token count is refused.
     let wrong = r["timestep_expanded"].narrow(1, 0, 5).unwrap();
@@ -479,7 +515,10 @@ fn i2v_step0_noise_predictions_match_diffusers() {
     let input = &p["cfg5.step0.latent_model_input"];
     let t = p["cfg5.step0.timestep"].to_dtype(DType::I64).unwrap();
     let embeds = &text["prompt_embeds"];
-    for (row, name) in [(0, "cfg5.step0.noise_pred_cond"), (1, "cfg5.step0.noise_pred_uncond")] {
+    for (row, name) in [
+        (0, "cfg5.step0.noise_pred_cond"),
+        (1, "cfg5.step0.noise_pred_uncond"),
+    ] {
         let out = model
             .forward_with_image(
                 input,

@@ -167,16 +167,52 @@ impl WanTransformerConfig {
 /// image-to-video model only computes what diffusers computes with exactly 512 text rows.
 pub const IMAGE_BRANCH_TEXT_LEN: usize = 512;
 
+/// Consecutive rows of the `[batch * seq, inner]` hidden states that share one timestep (so one
+/// time embedding and one modulation): per-token timesteps are stored per run, not per token
+/// (Wan2.2 TI2V image-to-video has two runs per video: the first frame's tokens at 0, the rest
+/// at t), which spares the `[tokens, 6, inner]` tables diffusers builds (4 GB in bf16 at
+/// 704x1280x121, 8 GB more in f32 inside every block) with the same values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimestepRun {
+    /// First row, counted over the whole batch (`batch entry * seq + token`).
+    pub row0: usize,
+    /// Rows in the run.
+    pub len: usize,
+}
+
+/// Splits per-token timesteps (`values` `[batch * seq]`) into runs of equal values, never
+/// across batch entries.
+fn split_timestep_runs(values: &[f32], seq: usize) -> Vec<TimestepRun> {
+    let mut runs = Vec::new();
+    for entry in values.chunks(seq) {
+        let base = runs.last().map_or(0, |r: &TimestepRun| r.row0 + r.len);
+        let mut start = 0;
+        for i in 1..=entry.len() {
+            if i == entry.len() || entry[i].to_bits() != entry[start].to_bits() {
+                runs.push(TimestepRun {
+                    row0: base + start,
+                    len: i - start,
+                });
+                start = i;
+            }
+        }
+    }
+    runs
+}
+
 /// Everything the blocks and the output head need, computed once per forward by `prepare`.
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
     hidden_states: Option<Tensor>,
-    /// Time embedding (model dtype), used by the output head: `[B, inner]`, or `[B, seq,
-    /// inner]` with per-token timesteps (Wan2.2 `expand_timesteps`).
+    /// Time embedding `[entries, inner]` (model dtype), used by the output head: one entry per
+    /// batch entry, or per [`TimestepRun`] with per-token timesteps (Wan2.2
+    /// `expand_timesteps`).
     pub temb: Tensor,
-    /// Per-block modulation input (model dtype): `[B, 6, inner]`, or `[B, seq, 6, inner]` with
-    /// per-token timesteps.
+    /// Per-block modulation input `[entries, 6, inner]` (model dtype), entries as `temb`.
     pub timestep_proj: Tensor,
+    /// With per-token timesteps that differ within a batch entry: the runs, entry `k` of `temb`
+    /// and `timestep_proj` being run `k`'s. `None`: entry `b` is batch entry `b`'s.
+    pub timestep_runs: Option<Vec<TimestepRun>>,
     /// Projected text `[B, L, inner]` (model dtype): keys and values of cross-attention.
     pub encoder_hidden_states: Tensor,
     /// Embedded image tokens `[B, N, inner]` (model dtype) of an image-to-video model: the keys
@@ -193,25 +229,122 @@ pub struct BlockInputs {
 }
 
 impl BlockInputs {
-    /// Whether the timesteps are per token (`temb` `[B, seq, inner]`).
+    /// Whether the timesteps differ within a batch entry (entries are [`TimestepRun`]s).
     pub fn per_token_timesteps(&self) -> bool {
-        self.temb.rank() == 3
+        self.timestep_runs.is_some()
+    }
+
+    /// An entry-indexed tensor (`temb`, `timestep_proj`: `[entries, ...]`) spread to one row
+    /// per token, `[batch, seq, ...]`: the layout diffusers computes (for inspection and tests).
+    pub fn per_token(&self, t: &Tensor) -> Result<Tensor> {
+        let [gf, gh, gw] = self.grid;
+        let seq = gf * gh * gw;
+        let rest = t.dims()[1..].to_vec();
+        let parts = match &self.timestep_runs {
+            Some(runs) => runs
+                .iter()
+                .enumerate()
+                .map(|(k, r)| {
+                    let mut shape = vec![r.len];
+                    shape.extend(&rest);
+                    t.narrow(0, k, 1)?.broadcast_as(shape)
+                })
+                .collect::<Result<Vec<_>>>()?,
+            None => (0..self.batch)
+                .map(|b| {
+                    let mut shape = vec![seq];
+                    shape.extend(&rest);
+                    t.narrow(0, b, 1)?.broadcast_as(shape)
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let mut shape = vec![self.batch, seq];
+        shape.extend(rest);
+        Tensor::cat(&parts, 0)?.reshape(shape)
     }
 
     /// `table` `[1, k, inner]` (f32) + `emb` (`timestep_proj` with `emb_k` = 6, or `temb` with
-    /// `emb_k` = 1) in f32, as `[entries, k, inner]`, and the rows each entry covers: `seq`
-    /// (one entry per batch entry) or 1 (one per token).
-    fn modulation(
-        &self,
-        table: &Tensor,
-        emb: &Tensor,
-        emb_k: usize,
-        seq: usize,
-    ) -> Result<(Tensor, usize)> {
+    /// `emb_k` = 1) in f32: `[entries, k, inner]`.
+    fn modulation(&self, table: &Tensor, emb: &Tensor, emb_k: usize) -> Result<Tensor> {
         let dim = table.dim(2)?;
-        let emb = emb.to_dtype(DType::F32)?.reshape(((), emb_k, dim))?;
-        let rows_per_entry = if self.per_token_timesteps() { 1 } else { seq };
-        Ok((table.broadcast_add(&emb)?, rows_per_entry))
+        table.broadcast_add(&emb.to_dtype(DType::F32)?.reshape(((), emb_k, dim))?)
+    }
+
+    /// The pieces `(first row within the slab, rows, entry)` of the slab `row0..row0 + rows`
+    /// that lie in one timestep run each (`None` without runs: the slab's rows pick their
+    /// batch entry's modulation through [`Rows`]).
+    fn run_pieces(&self, row0: usize, rows: usize) -> Option<Vec<(usize, usize, usize)>> {
+        let runs = self.timestep_runs.as_ref()?;
+        let end = row0 + rows;
+        Some(
+            runs.iter()
+                .enumerate()
+                .filter_map(|(k, r)| {
+                    let (a, b) = (r.row0.max(row0), (r.row0 + r.len).min(end));
+                    if a < b {
+                        Some((a - row0, b - a, k))
+                    } else {
+                        None
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// [`norm_affine`] of the slab `x` (rows `row0..` of the `[batch * seq]` hidden states),
+    /// each row with its entry's `scale` and `shift` (`[entries, inner]`).
+    fn modulated_norm(
+        &self,
+        x: &Tensor,
+        (scale, shift): (&Tensor, &Tensor),
+        (row0, seq): (usize, usize),
+        eps: f64,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let Some(pieces) = self.run_pieces(row0, rows) else {
+            return norm_affine(x, scale, shift, Rows { row0, seq }, eps);
+        };
+        let parts = pieces
+            .into_iter()
+            .map(|(start, len, k)| {
+                norm_affine(
+                    &x.narrow(0, start, len)?,
+                    &scale.narrow(0, k, 1)?,
+                    &shift.narrow(0, k, 1)?,
+                    Rows { row0: 0, seq: len },
+                    eps,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
+    /// [`residual`] with a gate `[entries, inner]` for the slab at `row0`, each row with its
+    /// entry's gate.
+    fn modulated_residual(
+        &self,
+        res: &Tensor,
+        delta: Tensor,
+        (bias, gate): (Option<&Tensor>, &Tensor),
+        (row0, seq): (usize, usize),
+    ) -> Result<Tensor> {
+        let rows = res.dim(0)?;
+        let Some(pieces) = self.run_pieces(row0, rows) else {
+            return residual(res, delta, bias, Some(gate), Rows { row0, seq });
+        };
+        let parts = pieces
+            .into_iter()
+            .map(|(start, len, k)| {
+                residual(
+                    &res.narrow(0, start, len)?,
+                    delta.narrow(0, start, len)?,
+                    bias,
+                    Some(&gate.narrow(0, k, 1)?),
+                    Rows { row0: 0, seq: len },
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
     }
 
     /// Takes the patch tokens `[B, seq, inner]` that feed block 0 (once; the inputs do not keep
@@ -241,13 +374,8 @@ impl Rows {
         if entries == 1 || self.row0 % self.seq + rows <= self.seq {
             let m = m.narrow(0, if entries == 1 { 0 } else { first }, 1)?;
             Ok((m.unsqueeze(1)?, (1, rows)))
-        } else if self.row0.is_multiple_of(self.seq)
-            && rows.is_multiple_of(self.seq)
-            && first + rows / self.seq <= entries
-        {
-            // Whole entries (whole batch entries, or runs of tokens when `seq` is 1).
-            let m = m.narrow(0, first, rows / self.seq)?;
-            Ok((m.unsqueeze(1)?, (rows / self.seq, self.seq)))
+        } else if self.row0 == 0 && rows == entries * self.seq {
+            Ok((m.unsqueeze(1)?, (entries, self.seq)))
         } else {
             candle_core::bail!("rows {}..+{rows} straddle batch entries", self.row0)
         }
@@ -646,17 +774,12 @@ impl WanTransformerBlock {
         let (batch, seq, dim) = x.dims3()?;
         let all = Rows { row0: 0, seq };
         // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
-        // c_gate, each [entries, inner] f32 (an entry per batch entry, or per token with
-        // per-token timesteps); scales as 1 + scale.
-        let (e, mod_seq) = match &self.scale_shift_table {
-            Some(table) => {
-                let (e, rows) = inputs.modulation(table, &inputs.timestep_proj, 6, seq)?;
-                (Some(e), rows)
-            }
-            None => (None, seq),
+        // c_gate, each [entries, inner] f32 (an entry per batch entry, or per timestep run);
+        // scales as 1 + scale.
+        let e = match &self.scale_shift_table {
+            Some(table) => Some(inputs.modulation(table, &inputs.timestep_proj, 6)?),
+            None => None,
         };
-        // Where the modulation of a row is found: the row's entry is (row0 + row) / mod_seq.
-        let modulated = |row0: usize| Rows { row0, seq: mod_seq };
         let m = |i: usize| match &e {
             Some(e) => e.narrow(1, i, 1)?.squeeze(1)?.contiguous(),
             None => candle_core::bail!("block step needs the scale_shift_table"),
@@ -666,10 +789,10 @@ impl WanTransformerBlock {
         // 1. Self-attention.
         if let Some(attn1) = &self.attn1 {
             let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
-            let h = norm_affine(&x, &scale, &shift, modulated(0), self.eps)?;
+            let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let attn = attn1.forward(h, batch, None, Some(rope))?;
-            x = residual(&x, attn, attn1.to_out.bias(), Some(&gate), modulated(0))?;
+            x = inputs.modulated_residual(&x, attn, (attn1.to_out.bias(), &gate), (0, seq))?;
         }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
@@ -702,10 +825,11 @@ impl WanTransformerBlock {
                         seq,
                     };
                     let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
-                    let h = norm_affine(&rows, &c_scale, &c_shift, modulated(at.row0), self.eps)?;
+                    let place = (at.row0, seq);
+                    let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
                     let ff = ffn.forward_without_out_bias(&h)?;
                     let out =
-                        residual(&rows, ff, ffn.fc2.bias(), Some(&c_gate), modulated(at.row0))?;
+                        inputs.modulated_residual(&rows, ff, (ffn.fc2.bias(), &c_gate), place)?;
                     x.slice_set(&out, 0, at.row0)?;
                 }
             }
@@ -1001,8 +1125,8 @@ impl WanTransformer3DModel {
         // Time embedding (time_embedder in f32, then cast to the text dtype), per batch entry
         // or, for a 2-D timestep, per token.
         let seq = gf * gh * gw;
-        let per_token = timestep.rank() == 2;
-        let timestep = if per_token {
+        let mut timestep_runs = None;
+        let timestep = if timestep.rank() == 2 {
             let (tb, tseq) = timestep.dims2()?;
             if tseq != seq || (tb != b && tb != 1) {
                 candle_core::bail!(
@@ -1010,7 +1134,18 @@ impl WanTransformer3DModel {
                     timestep.dims()
                 );
             }
-            timestep.broadcast_as((b, seq))?.flatten_all()?
+            // One embedding per run of equal timesteps (the values per token are the same).
+            let values: Vec<f32> = timestep
+                .to_dtype(DType::F32)?
+                .broadcast_as((b, seq))?
+                .flatten_all()?
+                .to_vec1()?;
+            let runs = split_timestep_runs(&values, seq);
+            let starts: Vec<f32> = runs.iter().map(|r| values[r.row0]).collect();
+            if runs.len() > b {
+                timestep_runs = Some(runs);
+            }
+            Tensor::new(starts, &Device::Cpu)?
         } else {
             match timestep.elem_count() {
                 1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
@@ -1023,16 +1158,10 @@ impl WanTransformer3DModel {
         let temb = lin2
             .forward(&candle_nn::ops::silu(&lin1.forward(&t_emb)?)?)?
             .to_dtype(self.dtype)?;
-        let timestep_proj = self.time_proj.forward(&candle_nn::ops::silu(&temb)?)?;
-        let inner = cfg.inner_dim();
-        let (temb, timestep_proj) = if per_token {
-            (
-                temb.reshape((b, seq, inner))?,
-                timestep_proj.reshape((b, seq, 6, inner))?,
-            )
-        } else {
-            (temb, timestep_proj.reshape((b, 6, inner))?)
-        };
+        let timestep_proj = self
+            .time_proj
+            .forward(&candle_nn::ops::silu(&temb)?)?
+            .reshape(((), 6, cfg.inner_dim()))?;
         let encoder_hidden_states = self
             .text_embedder
             .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
@@ -1061,6 +1190,7 @@ impl WanTransformer3DModel {
             hidden_states: Some(hidden_states),
             temb,
             timestep_proj,
+            timestep_runs,
             encoder_hidden_states,
             encoder_hidden_states_image: image_tokens,
             rope_cos,
@@ -1074,15 +1204,11 @@ impl WanTransformer3DModel {
     /// `[B, seq, inner]` -> `[B, out_channels, F, H, W]` (model dtype).
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
-        let (e, mod_seq) = inputs.modulation(&self.scale_shift_table, &inputs.temb, 1, seq)?;
+        let e = inputs.modulation(&self.scale_shift_table, &inputs.temb, 1)?;
         let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
         let (shift, scale) = (m(0)?, (m(1)? + 1.0)?);
         let x = x.reshape((batch * seq, dim))?;
-        let at = Rows {
-            row0: 0,
-            seq: mod_seq,
-        };
-        let h = norm_affine(&x, &scale, &shift, at, self.cfg.eps)?;
+        let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.cfg.eps)?;
         let h = self.proj_out.forward(&h)?;
 
         let [pt, ph, pw] = self.cfg.patch_size;
