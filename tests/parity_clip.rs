@@ -153,3 +153,30 @@ fn configs_reject_what_cannot_run() {
     p.resample = 0;
     assert!(p.validate().unwrap_err().to_string().contains("resample"));
 }
+
+#[test]
+fn jpeg_input_decodes_to_rgb() {
+    let png = common::fixture_dir_named(I2V).join("reference/input.png");
+    let img = load_rgb_image(&png).unwrap();
+    let dir = std::env::temp_dir().join(format!("vidgen-jpeg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let jpeg = dir.join("input.jpg");
+    img.save_with_format(&jpeg, image::ImageFormat::Jpeg)
+        .unwrap();
+    let decoded = load_rgb_image(&jpeg).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(decoded.dimensions(), img.dimensions());
+    // Lossy, but the same picture.
+    let mean_abs: f64 = img
+        .as_raw()
+        .iter()
+        .zip(decoded.as_raw())
+        .map(|(&a, &b)| (a as f64 - b as f64).abs())
+        .sum::<f64>()
+        / img.as_raw().len() as f64;
+    assert!(mean_abs < 12.0, "mean |png - jpeg| = {mean_abs}");
+    assert!(load_rgb_image(&dir.join("missing.png"))
+        .unwrap_err()
+        .to_string()
+        .contains("missing.png"));
+}

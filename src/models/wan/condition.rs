@@ -163,6 +163,9 @@ pub fn per_token_timesteps(
     (ph, pw): (usize, usize),
 ) -> Result<Tensor> {
     let (_, _, frames, h, w) = mask.dims5()?;
+    if ph == 0 || pw == 0 {
+        bail!("per-token timesteps: patch ({ph}, {pw}) must be positive")
+    }
     let (gh, gw) = (h.div_ceil(ph), w.div_ceil(pw));
     let grid = mask
         .get(0)?
