@@ -180,3 +180,42 @@ fn jpeg_input_decodes_to_rgb() {
         .to_string()
         .contains("missing.png"));
 }
+
+/// The Pillow port against `PIL.Image.resize` (Pillow 13.0.0, tests/fixtures/pil-resize/make.py):
+/// up- and downscaling, one axis only, every supported filter, bit-exact.
+#[test]
+fn resize_is_bit_exact_with_pillow() {
+    use vidgen::models::clip::{resize_like_pil, PilFilter};
+    let src = load_rgb_image(&common::fixture_dir_named(I2V).join("reference/input.png")).unwrap();
+    let dir = common::fixture_dir_named("pil-resize");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("png") {
+            continue;
+        }
+        let stem = path.file_stem().unwrap().to_str().unwrap().to_string();
+        let (name, size) = stem.split_once('_').unwrap();
+        let (w, h) = size.split_once('x').unwrap();
+        let (w, h): (u32, u32) = (w.parse().unwrap(), h.parse().unwrap());
+        let filter = match name {
+            "lanczos" => PilFilter::Lanczos,
+            "bicubic" => PilFilter::Bicubic,
+            "bilinear" => PilFilter::Bilinear,
+            "box" => PilFilter::Box,
+            "hamming" => PilFilter::Hamming,
+            other => panic!("unknown filter {other}"),
+        };
+        let want = load_rgb_image(&path).unwrap();
+        let got = resize_like_pil(&src, w, h, filter);
+        let differing = got
+            .as_raw()
+            .iter()
+            .zip(want.as_raw())
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(differing, 0, "{stem}: {differing} bytes differ from Pillow");
+        checked += 1;
+    }
+    assert_eq!(checked, 8);
+}
