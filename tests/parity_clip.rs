@@ -44,7 +44,7 @@ fn vision_hidden_states_match_transformers() {
 fn penultimate_layer_is_the_wan_image_embeds() {
     let cfg = vision_config();
     let vb = common::var_builder_in(I2V, "image_encoder/model.safetensors");
-    let model = ClipVisionModel::new_up_to_layer(&cfg, cfg.num_hidden_layers - 1, vb).unwrap();
+    let model = ClipVisionModel::new_penultimate(&cfg, vb).unwrap();
     assert_eq!(model.num_layers(), cfg.num_hidden_layers - 1);
     let r = common::reference_in(I2V, "image_encoder");
     let embeds = model.last_hidden_state(&r["pixel_values"]).unwrap();

@@ -104,6 +104,13 @@ impl ClipVisionModel {
         Self::build(cfg, cfg.num_hidden_layers, true, vb)
     }
 
+    /// What the Wan image-to-video pipelines use: every layer but the last, so that
+    /// [`Self::last_hidden_state`] is transformers' `hidden_states[-2]` (the `image_embeds`).
+    pub fn new_penultimate(cfg: &ClipVisionConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Self::new_up_to_layer(cfg, cfg.num_hidden_layers - 1, vb)
+    }
+
     /// The embeddings and the first `num_layers` layers only, without `post_layernorm`: enough
     /// for `hidden_states[num_layers]` (the Wan pipelines' `hidden_states[-2]` is
     /// `num_layers = num_hidden_layers - 1`).

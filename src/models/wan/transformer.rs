@@ -11,9 +11,10 @@
 //!    [`BlockInputs::take_hidden_states`].
 //! 3. [`WanTransformer3DModel::finish`]: output norm and modulation, `proj_out`, unpatchify.
 //!
-//! [`WanTransformer3DModel::forward`] chains the three ([`WanTransformer3DModel::prepare_with_image`]
-//! and [`WanTransformer3DModel::forward_with_image`] for image-to-video checkpoints). A model built with
-//! [`WanTransformer3DModel::new_without_blocks`] holds no block weights; the caller then
+//! [`WanTransformer3DModel::forward`] chains the three
+//! ([`WanTransformer3DModel::prepare_with_image`] and
+//! [`WanTransformer3DModel::forward_with_image`] for image-to-video checkpoints). A model built
+//! with [`WanTransformer3DModel::new_without_blocks`] holds no block weights; the caller then
 //! builds each block with [`WanTransformerBlock::new`] from `vb.pp("blocks.{i}")`.
 //!
 //! Dtypes follow diffusers' bf16 runs: the modules diffusers keeps in float32
@@ -688,7 +689,8 @@ impl WanAttention {
 pub enum BlockStep {
     /// Modulated LayerNorm, self-attention with RoPE, gated residual.
     SelfAttention,
-    /// Optional affine LayerNorm, cross-attention to the text, residual.
+    /// Optional affine LayerNorm, cross-attention to the text (and, for I2V, the image tokens
+    /// through `add_k_proj`/`add_v_proj`/`norm_added_k`), residual.
     CrossAttention,
     /// Modulated LayerNorm, GELU MLP by token chunks, gated residual.
     FeedForward,
