@@ -2,5 +2,6 @@
 //! know nothing of offloading.
 
 pub mod attention;
+pub mod clip;
 pub mod source;
 pub mod wan;

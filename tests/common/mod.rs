@@ -7,16 +7,63 @@ use std::path::PathBuf;
 
 /// The tiny diffusers checkpoint with its reference outputs.
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a")
+    fixture_dir_named("wan-tiny-a")
+}
+
+/// `tests/fixtures/<name>`: another fixture folder (e.g. `wan21-i2v-tiny-a`).
+pub fn fixture_dir_named(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// Loads one of the `reference/*.safetensors` files onto the CPU.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    let path = fixture_dir()
+    reference_in("wan-tiny-a", name)
+}
+
+/// Loads `reference/<file>.safetensors` of fixture folder `fixture` onto the CPU.
+pub fn reference_in(fixture: &str, file: &str) -> HashMap<String, Tensor> {
+    let path = fixture_dir_named(fixture)
         .join("reference")
-        .join(format!("{name}.safetensors"));
+        .join(format!("{file}.safetensors"));
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+}
+
+/// Reads and parses `<fixture>/<relative path>` (a config.json).
+pub fn config_in<T: serde::de::DeserializeOwned>(fixture: &str, relative: &str) -> T {
+    let path = fixture_dir_named(fixture).join(relative);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+}
+
+/// An f32 CPU `VarBuilder` over `<fixture>/<relative path>` (a safetensors file).
+pub fn var_builder_in(fixture: &str, relative: &str) -> candle_nn::VarBuilder<'static> {
+    let path = fixture_dir_named(fixture).join(relative);
+    unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[path],
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap()
+    }
+}
+
+/// max |a - b| over all elements.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_dtype(candle_core::DType::F64).unwrap() - b.to_dtype(candle_core::DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
 }
 
 /// Asserts |actual - expected| <= atol + rtol * |expected| elementwise (the fixture README's rule).

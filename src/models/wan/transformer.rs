@@ -1,4 +1,6 @@
-//! Wan2.1 text-to-video diffusion transformer (diffusers `WanTransformer3DModel`).
+//! The Wan diffusion transformer (diffusers `WanTransformer3DModel`): Wan2.1 T2V and I2V
+//! (image embedder and the image branch of cross-attention), Wan2.2 TI2V-5B (per-token
+//! timesteps) and each A14B expert.
 //!
 //! The forward pass is split in three public stages so that an external engine can run the
 //! blocks one at a time (loading each block's weights just before it runs) without the model
@@ -9,8 +11,10 @@
 //!    [`BlockInputs::take_hidden_states`].
 //! 3. [`WanTransformer3DModel::finish`]: output norm and modulation, `proj_out`, unpatchify.
 //!
-//! [`WanTransformer3DModel::forward`] chains the three. A model built with
-//! [`WanTransformer3DModel::new_without_blocks`] holds no block weights; the caller then
+//! [`WanTransformer3DModel::forward`] chains the three
+//! ([`WanTransformer3DModel::prepare_with_image`] and
+//! [`WanTransformer3DModel::forward_with_image`] for image-to-video checkpoints). A model built
+//! with [`WanTransformer3DModel::new_without_blocks`] holds no block weights; the caller then
 //! builds each block with [`WanTransformerBlock::new`] from `vb.pp("blocks.{i}")`.
 //!
 //! Dtypes follow diffusers' bf16 runs: the modules diffusers keeps in float32
@@ -60,12 +64,16 @@ pub struct WanTransformerConfig {
     pub qk_norm: Option<String>,
     /// Epsilon of every LayerNorm and RMSNorm.
     pub eps: f64,
-    /// Image-to-video only; must be `null` for text-to-video.
+    /// Width of the CLIP image embeddings (Wan2.1 I2V); `null` without an image branch.
     pub image_dim: Option<usize>,
-    /// Image-to-video only; must be `null` for text-to-video.
+    /// Input width of the image keys/values of cross-attention (`add_k_proj`/`add_v_proj`);
+    /// set together with `image_dim` and equal to the inner dim (the image tokens are embedded
+    /// to it first).
     pub added_kv_proj_dim: Option<usize>,
     /// Longest grid extent (in patches) along any axis that RoPE supports.
     pub rope_max_seq_len: usize,
+    /// First-last-frame (FLF2V) image position embedding; not supported.
+    pub pos_embed_seq_len: Option<usize>,
 }
 
 impl Default for WanTransformerConfig {
@@ -86,6 +94,7 @@ impl Default for WanTransformerConfig {
             image_dim: None,
             added_kv_proj_dim: None,
             rope_max_seq_len: 1024,
+            pos_embed_seq_len: None,
         }
     }
 }
@@ -107,19 +116,36 @@ impl WanTransformerConfig {
         [self.attention_head_dim - 2 * hw, hw, hw]
     }
 
-    /// Rejects configurations this text-to-video model cannot run, naming the key: the config
-    /// is checked when it is read, so nothing downstream (constructors, the memory plan) meets
-    /// a zero size or an odd head width.
+    /// Whether the model has the image branch (Wan2.1 I2V: image embedder, added k/v).
+    pub fn has_image_branch(&self) -> bool {
+        self.added_kv_proj_dim.is_some()
+    }
+
+    /// Rejects configurations this model cannot run.
     pub fn validate(&self) -> Result<()> {
-        for (key, set) in [
-            ("image_dim", self.image_dim.is_some()),
-            ("added_kv_proj_dim", self.added_kv_proj_dim.is_some()),
-        ] {
-            if set {
-                candle_core::bail!(
-                    "`{key}` is set: image-to-video Wan checkpoints are not supported (text-to-video needs null)"
-                );
+        match (self.image_dim, self.added_kv_proj_dim) {
+            (None, None) => {}
+            (Some(image_dim), Some(kv)) => {
+                if image_dim == 0 {
+                    candle_core::bail!("transformer config: image_dim must be positive");
+                }
+                if kv != self.inner_dim() {
+                    candle_core::bail!(
+                        "transformer config: added_kv_proj_dim {kv} must equal the inner dim {} \
+                         (heads x head dim): the image tokens are embedded to it",
+                        self.inner_dim()
+                    );
+                }
             }
+            _ => candle_core::bail!(
+                "transformer config: image_dim and added_kv_proj_dim must be set together"
+            ),
+        }
+        if let Some(n) = self.pos_embed_seq_len {
+            candle_core::bail!(
+                "transformer config: pos_embed_seq_len {n} (first-last-frame image position \
+                 embedding) is not supported"
+            );
         }
         if self.patch_size.contains(&0) {
             candle_core::bail!(
@@ -169,16 +195,62 @@ impl WanTransformerConfig {
     }
 }
 
+/// diffusers' cross-attention takes the *last* 512 context rows as text and the rows before
+/// them as image tokens (hard-coded: "512 is the context length of the text encoder"), so an
+/// image-to-video model only computes what diffusers computes with exactly 512 text rows.
+pub const IMAGE_BRANCH_TEXT_LEN: usize = 512;
+
+/// Consecutive rows of the `[batch * seq, inner]` hidden states that share one timestep (so one
+/// time embedding and one modulation): per-token timesteps are stored per run, not per token
+/// (Wan2.2 TI2V image-to-video has two runs per video: the first frame's tokens at 0, the rest
+/// at t), which spares the `[tokens, 6, inner]` tables diffusers builds (4 GB in bf16 at
+/// 704x1280x121, 8 GB more in f32 inside every block) with the same values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimestepRun {
+    /// First row, counted over the whole batch (`batch entry * seq + token`).
+    pub row0: usize,
+    /// Rows in the run.
+    pub len: usize,
+}
+
+/// Splits per-token timesteps (`values` `[batch * seq]`) into runs of equal values, never
+/// across batch entries.
+fn split_timestep_runs(values: &[f32], seq: usize) -> Vec<TimestepRun> {
+    let mut runs = Vec::new();
+    for entry in values.chunks(seq) {
+        let base = runs.last().map_or(0, |r: &TimestepRun| r.row0 + r.len);
+        let mut start = 0;
+        for i in 1..=entry.len() {
+            if i == entry.len() || entry[i].to_bits() != entry[start].to_bits() {
+                runs.push(TimestepRun {
+                    row0: base + start,
+                    len: i - start,
+                });
+                start = i;
+            }
+        }
+    }
+    runs
+}
+
 /// Everything the blocks and the output head need, computed once per forward by `prepare`.
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
     hidden_states: Option<Tensor>,
-    /// Time embedding `[B, inner]` (model dtype), used by the output head.
+    /// Time embedding `[entries, inner]` (model dtype), used by the output head: one entry per
+    /// batch entry, or per [`TimestepRun`] with per-token timesteps (Wan2.2
+    /// `expand_timesteps`).
     pub temb: Tensor,
-    /// Per-block modulation input `[B, 6, inner]` (model dtype).
+    /// Per-block modulation input `[entries, 6, inner]` (model dtype), entries as `temb`.
     pub timestep_proj: Tensor,
+    /// With per-token timesteps that differ within a batch entry: the runs, entry `k` of `temb`
+    /// and `timestep_proj` being run `k`'s. `None`: entry `b` is batch entry `b`'s.
+    pub timestep_runs: Option<Vec<TimestepRun>>,
     /// Projected text `[B, L, inner]` (model dtype): keys and values of cross-attention.
     pub encoder_hidden_states: Tensor,
+    /// Embedded image tokens `[B, N, inner]` (model dtype) of an image-to-video model: the keys
+    /// and values of cross-attention's image branch.
+    pub encoder_hidden_states_image: Option<Tensor>,
     /// RoPE cosines `[seq, head_dim / 2]` in f32, one per interleaved pair.
     pub rope_cos: Tensor,
     /// RoPE sines, same layout as `rope_cos`.
@@ -190,6 +262,124 @@ pub struct BlockInputs {
 }
 
 impl BlockInputs {
+    /// Whether the timesteps differ within a batch entry (entries are [`TimestepRun`]s).
+    pub fn per_token_timesteps(&self) -> bool {
+        self.timestep_runs.is_some()
+    }
+
+    /// An entry-indexed tensor (`temb`, `timestep_proj`: `[entries, ...]`) spread to one row
+    /// per token, `[batch, seq, ...]`: the layout diffusers computes (for inspection and tests).
+    pub fn per_token(&self, t: &Tensor) -> Result<Tensor> {
+        let [gf, gh, gw] = self.grid;
+        let seq = gf * gh * gw;
+        let rest = t.dims()[1..].to_vec();
+        let parts = match &self.timestep_runs {
+            Some(runs) => runs
+                .iter()
+                .enumerate()
+                .map(|(k, r)| {
+                    let mut shape = vec![r.len];
+                    shape.extend(&rest);
+                    t.narrow(0, k, 1)?.broadcast_as(shape)
+                })
+                .collect::<Result<Vec<_>>>()?,
+            None => (0..self.batch)
+                .map(|b| {
+                    let mut shape = vec![seq];
+                    shape.extend(&rest);
+                    t.narrow(0, b, 1)?.broadcast_as(shape)
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let mut shape = vec![self.batch, seq];
+        shape.extend(rest);
+        Tensor::cat(&parts, 0)?.reshape(shape)
+    }
+
+    /// `table` `[1, k, inner]` (f32) + `emb` (`timestep_proj` with `emb_k` = 6, or `temb` with
+    /// `emb_k` = 1) in f32: `[entries, k, inner]`.
+    fn modulation(&self, table: &Tensor, emb: &Tensor, emb_k: usize) -> Result<Tensor> {
+        let dim = table.dim(2)?;
+        table.broadcast_add(&emb.to_dtype(DType::F32)?.reshape(((), emb_k, dim))?)
+    }
+
+    /// The pieces `(first row within the slab, rows, entry)` of the slab `row0..row0 + rows`
+    /// that lie in one timestep run each (`None` without runs: the slab's rows pick their
+    /// batch entry's modulation through [`Rows`]).
+    fn run_pieces(&self, row0: usize, rows: usize) -> Option<Vec<(usize, usize, usize)>> {
+        let runs = self.timestep_runs.as_ref()?;
+        let end = row0 + rows;
+        Some(
+            runs.iter()
+                .enumerate()
+                .filter_map(|(k, r)| {
+                    let (a, b) = (r.row0.max(row0), (r.row0 + r.len).min(end));
+                    if a < b {
+                        Some((a - row0, b - a, k))
+                    } else {
+                        None
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// [`norm_affine`] of the slab `x` (rows `row0..` of the `[batch * seq]` hidden states),
+    /// each row with its entry's `scale` and `shift` (`[entries, inner]`).
+    fn modulated_norm(
+        &self,
+        x: &Tensor,
+        (scale, shift): (&Tensor, &Tensor),
+        (row0, seq): (usize, usize),
+        eps: f64,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let Some(pieces) = self.run_pieces(row0, rows) else {
+            return norm_affine(x, scale, shift, Rows { row0, seq }, eps);
+        };
+        let parts = pieces
+            .into_iter()
+            .map(|(start, len, k)| {
+                norm_affine(
+                    &x.narrow(0, start, len)?,
+                    &scale.narrow(0, k, 1)?,
+                    &shift.narrow(0, k, 1)?,
+                    Rows { row0: 0, seq: len },
+                    eps,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
+    /// [`residual`] with a gate `[entries, inner]` for the slab at `row0`, each row with its
+    /// entry's gate.
+    fn modulated_residual(
+        &self,
+        res: &Tensor,
+        delta: Tensor,
+        (bias, gate): (Option<&Tensor>, &Tensor),
+        (row0, seq): (usize, usize),
+    ) -> Result<Tensor> {
+        let rows = res.dim(0)?;
+        let Some(pieces) = self.run_pieces(row0, rows) else {
+            return residual(res, delta, bias, Some(gate), Rows { row0, seq });
+        };
+        let parts = pieces
+            .into_iter()
+            .map(|(start, len, k)| {
+                residual(
+                    &res.narrow(0, start, len)?,
+                    delta.narrow(0, start, len)?,
+                    bias,
+                    Some(&gate.narrow(0, k, 1)?),
+                    Rows { row0: 0, seq: len },
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
     /// Takes the patch tokens `[B, seq, inner]` that feed block 0 (once; the inputs do not keep
     /// a copy, so the activation memory is not held twice).
     pub fn take_hidden_states(&mut self) -> Result<Tensor> {
@@ -332,6 +522,24 @@ impl GeluMlp {
     }
 }
 
+/// The image branch of an I2V cross-attention: keys (RMSNorm across heads) and values of the
+/// embedded image tokens.
+#[derive(Debug, Clone)]
+struct AddedKv {
+    add_k_proj: Linear,
+    add_v_proj: Linear,
+    norm_added_k: Tensor,
+}
+
+/// What a cross-attention attends to: the projected text and, for I2V, the image tokens.
+#[derive(Debug, Clone, Copy)]
+struct CrossContext<'a> {
+    /// `[batch, L, inner]`.
+    text: &'a Tensor,
+    /// `[batch, N, inner]`.
+    image: Option<&'a Tensor>,
+}
+
 /// Self- or cross-attention with RMSNorm across heads on q and k.
 #[derive(Debug, Clone)]
 struct WanAttention {
@@ -341,15 +549,39 @@ struct WanAttention {
     to_out: Linear,
     norm_q: Tensor,
     norm_k: Tensor,
+    /// Cross-attention of an image-to-video model only.
+    added: Option<AddedKv>,
     heads: usize,
     head_dim: usize,
     eps: f32,
 }
 
 impl WanAttention {
+    /// Self-attention, or cross-attention without an image branch.
     fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, None, vb)
+    }
+
+    /// Cross-attention, with the image branch when the config has one.
+    fn cross(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let added = match cfg.added_kv_proj_dim {
+            Some(kv) => {
+                let dim = cfg.inner_dim();
+                Some(AddedKv {
+                    add_k_proj: candle_nn::linear(kv, dim, vb.pp("add_k_proj"))?,
+                    add_v_proj: candle_nn::linear(kv, dim, vb.pp("add_v_proj"))?,
+                    norm_added_k: vb.get(dim, "norm_added_k.weight")?,
+                })
+            }
+            None => None,
+        };
+        Self::build(cfg, added, vb)
+    }
+
+    fn build(cfg: &WanTransformerConfig, added: Option<AddedKv>, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
         Ok(Self {
+            added,
             to_q: candle_nn::linear(dim, dim, vb.pp("to_q"))?,
             to_k: candle_nn::linear(dim, dim, vb.pp("to_k"))?,
             to_v: candle_nn::linear(dim, dim, vb.pp("to_v"))?,
@@ -410,14 +642,30 @@ impl WanAttention {
             .reshape((rows, dim))
     }
 
+    /// Keys and values `[batch * len, inner]` of `context` `[batch, len, inner]` through
+    /// (`to_k`, `norm_k`, `to_v`) or the image branch's (`add_k_proj`, `norm_added_k`,
+    /// `add_v_proj`); no RoPE.
+    fn context_kv(
+        &self,
+        context: &Tensor,
+        (k_proj, k_norm, v_proj): (&Linear, &Tensor, &Linear),
+    ) -> Result<(Tensor, Tensor, usize)> {
+        let (batch, len, dim) = context.dims3()?;
+        let context = context.reshape((batch * len, dim))?;
+        let k = matmul_t(&context, k_proj)?;
+        let k = self.norm_rope(k, k_proj, k_norm, None, Rows { row0: 0, seq: len })?;
+        Ok((k, linear_act(&context, v_proj, false)?, len))
+    }
+
     /// Attention of `x` `[batch * seq, inner]` (consumed, so it is freed once projected) over
-    /// itself (`context` `None`, with `rope` (cos, sin)) or over `context` `[batch, L, inner]`.
+    /// itself (`context` `None`, with `rope` (cos, sin)) or over a cross context; an image
+    /// branch's attention output is added to the text one before `to_out`, as diffusers does.
     /// Returns `[batch * seq, inner]` before `to_out`'s bias, which the residual adds.
     fn forward(
         &self,
         x: Tensor,
         batch: usize,
-        context: Option<&Tensor>,
+        context: Option<CrossContext>,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<Tensor> {
         let (rows, dim) = x.dims2()?;
@@ -431,12 +679,7 @@ impl WanAttention {
                 (k, linear_act(&x, &self.to_v, false)?, seq)
             }
             Some(context) => {
-                let (_, len, _) = context.dims3()?;
-                let context = context.reshape((batch * len, dim))?;
-                let k = matmul_t(&context, &self.to_k)?;
-                let at = Rows { row0: 0, seq: len };
-                let k = self.norm_rope(k, &self.to_k, &self.norm_k, None, at)?;
-                (k, linear_act(&context, &self.to_v, false)?, len)
+                self.context_kv(context.text, (&self.to_k, &self.norm_k, &self.to_v))?
             }
         };
         drop(x);
@@ -446,12 +689,26 @@ impl WanAttention {
             t.reshape((batch, n, self.heads, self.head_dim))?
                 .transpose(1, 2)
         };
-        let out = sdpa(
-            &split(q, seq)?,
-            &split(k, kv_len)?,
-            &split(v, kv_len)?,
-            1.0 / (self.head_dim as f64).sqrt(),
-        )?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let q = split(q, seq)?;
+        let mut out = sdpa(&q, &split(k, kv_len)?, &split(v, kv_len)?, scale)?;
+        let image = context.and_then(|c| c.image);
+        match (&self.added, image) {
+            (Some(added), Some(image)) => {
+                let (k, v, n) = self.context_kv(
+                    image,
+                    (&added.add_k_proj, &added.norm_added_k, &added.add_v_proj),
+                )?;
+                out = (out + sdpa(&q, &split(k, n)?, &split(v, n)?, scale)?)?;
+            }
+            (Some(_), None) if context.is_some() => {
+                candle_core::bail!("image-to-video cross-attention needs the image tokens")
+            }
+            (None, Some(_)) => {
+                candle_core::bail!("image tokens given to a cross-attention without image branch")
+            }
+            _ => {}
+        }
         let out = out.transpose(1, 2)?.reshape((rows, dim))?;
         matmul_t(&out, &self.to_out)
     }
@@ -464,7 +721,8 @@ impl WanAttention {
 pub enum BlockStep {
     /// Modulated LayerNorm, self-attention with RoPE, gated residual.
     SelfAttention,
-    /// Optional affine LayerNorm, cross-attention to the text, residual.
+    /// Optional affine LayerNorm, cross-attention to the text (and, for I2V, the image tokens
+    /// through `add_k_proj`/`add_v_proj`/`norm_added_k`), residual.
     CrossAttention,
     /// Modulated LayerNorm, GELU MLP by token chunks, gated residual.
     FeedForward,
@@ -514,7 +772,7 @@ impl WanTransformerBlock {
             } else {
                 None
             };
-            Some((WanAttention::new(cfg, vb.pp("attn2"))?, norm2))
+            Some((WanAttention::cross(cfg, vb.pp("attn2"))?, norm2))
         } else {
             None
         };
@@ -550,9 +808,10 @@ impl WanTransformerBlock {
         let (batch, seq, dim) = x.dims3()?;
         let all = Rows { row0: 0, seq };
         // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
-        // c_gate, each [B, inner] f32; scales as 1 + scale.
+        // c_gate, each [entries, inner] f32 (an entry per batch entry, or per timestep run);
+        // scales as 1 + scale.
         let e = match &self.scale_shift_table {
-            Some(table) => Some(table.broadcast_add(&inputs.timestep_proj.to_dtype(DType::F32)?)?),
+            Some(table) => Some(inputs.modulation(table, &inputs.timestep_proj, 6)?),
             None => None,
         };
         let m = |i: usize| match &e {
@@ -564,10 +823,10 @@ impl WanTransformerBlock {
         // 1. Self-attention.
         if let Some(attn1) = &self.attn1 {
             let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
-            let h = norm_affine(&x, &scale, &shift, all, self.eps)?;
+            let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let attn = attn1.forward(h, batch, None, Some(rope))?;
-            x = residual(&x, attn, attn1.to_out.bias(), Some(&gate), all)?;
+            x = inputs.modulated_residual(&x, attn, (attn1.to_out.bias(), &gate), (0, seq))?;
         }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
@@ -576,7 +835,10 @@ impl WanTransformerBlock {
                 Some((w, b)) => norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?,
                 None => x.clone(),
             };
-            let context = &inputs.encoder_hidden_states;
+            let context = CrossContext {
+                text: &inputs.encoder_hidden_states,
+                image: inputs.encoder_hidden_states_image.as_ref(),
+            };
             let attn = attn2.forward(h, batch, Some(context), None)?;
             x = residual(&x, attn, attn2.to_out.bias(), None, all)?;
         }
@@ -597,9 +859,11 @@ impl WanTransformerBlock {
                         seq,
                     };
                     let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
-                    let h = norm_affine(&rows, &c_scale, &c_shift, at, self.eps)?;
+                    let place = (at.row0, seq);
+                    let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
                     let ff = ffn.forward_without_out_bias(&h)?;
-                    let out = residual(&rows, ff, ffn.fc2.bias(), Some(&c_gate), at)?;
+                    let out =
+                        inputs.modulated_residual(&rows, ff, (ffn.fc2.bias(), &c_gate), place)?;
                     x.slice_set(&out, 0, at.row0)?;
                 }
             }
@@ -652,7 +916,62 @@ fn rope_axis(dim: usize, len: usize, device: &Device) -> Result<(Tensor, Tensor)
     ))
 }
 
-/// The diffusers `WanTransformer3DModel` for text-to-video.
+/// diffusers' `WanImageEmbedding`: FP32LayerNorm -> Linear -> GELU (erf) -> Linear ->
+/// FP32LayerNorm, embedding CLIP image tokens `[B, N, image_dim]` to `[B, N, inner]`.
+#[derive(Debug, Clone)]
+struct ImageEmbedder {
+    /// f32 (weight, bias) of both norms.
+    norm1: (Tensor, Tensor),
+    fc1: Linear,
+    fc2: Linear,
+    norm2: (Tensor, Tensor),
+}
+
+/// Epsilon of `WanImageEmbedding`'s FP32LayerNorms (diffusers' default, not the config's).
+const IMAGE_EMBEDDER_NORM_EPS: f64 = 1e-5;
+
+impl ImageEmbedder {
+    fn new(image_dim: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
+        let f32_vb = vb.clone().set_dtype(DType::F32);
+        let norm = |name: &str, n: usize| -> Result<(Tensor, Tensor)> {
+            let nvb = f32_vb.pp(name);
+            Ok((nvb.get(n, "weight")?, nvb.get(n, "bias")?))
+        };
+        Ok(Self {
+            norm1: norm("norm1", image_dim)?,
+            fc1: candle_nn::linear(image_dim, image_dim, vb.pp("ff.net.0.proj"))?,
+            fc2: candle_nn::linear(image_dim, dim, vb.pp("ff.net.2"))?,
+            norm2: norm("norm2", dim)?,
+        })
+    }
+
+    /// `[B, N, image_dim]` -> `[B, N, inner]` in `dtype`; the norms run in f32 (FP32LayerNorm
+    /// casts its output back to the input dtype).
+    fn forward(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let norm = |x: &Tensor, (w, bias): &(Tensor, Tensor)| -> Result<Tensor> {
+            let d = x.dim(D::Minus1)?;
+            let rows = x.reshape((b * n, d))?;
+            let whole = Rows {
+                row0: 0,
+                seq: b * n,
+            };
+            norm_affine(
+                &rows,
+                &w.unsqueeze(0)?,
+                &bias.unsqueeze(0)?,
+                whole,
+                IMAGE_EMBEDDER_NORM_EPS,
+            )?
+            .reshape((b, n, d))
+        };
+        let h = norm(&x.to_dtype(dtype)?, &self.norm1)?;
+        let h = self.fc2.forward(&self.fc1.forward(&h)?.gelu_erf()?)?;
+        norm(&h, &self.norm2)
+    }
+}
+
+/// The diffusers `WanTransformer3DModel` (Wan2.1 T2V/I2V, Wan2.2 TI2V and A14B experts).
 #[derive(Debug, Clone)]
 pub struct WanTransformer3DModel {
     cfg: WanTransformerConfig,
@@ -662,6 +981,8 @@ pub struct WanTransformer3DModel {
     time_embedder: (Linear, Linear),
     time_proj: Linear,
     text_embedder: GeluMlp,
+    /// Image-to-video models only.
+    image_embedder: Option<ImageEmbedder>,
     blocks: Vec<WanTransformerBlock>,
     /// `[1, 2, inner]` in f32.
     scale_shift_table: Tensor,
@@ -702,6 +1023,14 @@ impl WanTransformer3DModel {
             candle_nn::linear(cfg.text_dim, dim, cvb.pp("text_embedder.linear_1"))?,
             candle_nn::linear(dim, dim, cvb.pp("text_embedder.linear_2"))?,
         );
+        let image_embedder = match cfg.image_dim {
+            Some(image_dim) => Some(ImageEmbedder::new(
+                image_dim,
+                dim,
+                cvb.pp("image_embedder"),
+            )?),
+            None => None,
+        };
         let proj_out =
             candle_nn::linear(dim, cfg.out_channels() * pt * ph * pw, vb.pp("proj_out"))?;
         let scale_shift_table = vb
@@ -714,6 +1043,7 @@ impl WanTransformer3DModel {
             time_embedder,
             time_proj,
             text_embedder,
+            image_embedder,
             blocks: Vec::new(),
             scale_shift_table,
             proj_out,
@@ -732,13 +1062,28 @@ impl WanTransformer3DModel {
     }
 
     /// Patch embedding, time/text embeddings and RoPE tables for `latents` `[B, C, F, H, W]`,
-    /// `timestep` `[B]` (or one value for the whole batch; any dtype, cast to f32) and
-    /// `encoder_hidden_states` `[B, L, text_dim]`.
+    /// `timestep` and `encoder_hidden_states` `[B, L, text_dim]` of a model without image
+    /// branch. `timestep` (any dtype, cast to f32) is `[B]` (or one value for the whole batch),
+    /// or `[B or 1, seq]` for per-token timesteps (Wan2.2 `expand_timesteps`: one value per
+    /// token in (frame, row, column) order).
     pub fn prepare(
         &self,
         latents: &Tensor,
         timestep: &Tensor,
         encoder_hidden_states: &Tensor,
+    ) -> Result<BlockInputs> {
+        self.prepare_with_image(latents, timestep, encoder_hidden_states, None)
+    }
+
+    /// [`Self::prepare`] with, for an image-to-video model, the CLIP image tokens
+    /// `encoder_hidden_states_image` `[B, N, image_dim]` (the image encoder's penultimate hidden
+    /// states). Such a model needs them and exactly [`IMAGE_BRANCH_TEXT_LEN`] text rows.
+    pub fn prepare_with_image(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_hidden_states_image: Option<&Tensor>,
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
         let (b, c, f, h, w) = latents.dims5()?;
@@ -762,7 +1107,7 @@ impl WanTransformer3DModel {
                 cfg.rope_max_seq_len
             );
         }
-        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
+        let (eb, text_len, text_dim) = encoder_hidden_states.dims3()?;
         if eb != b || text_dim != cfg.text_dim {
             candle_core::bail!(
                 "encoder_hidden_states {:?} do not match batch {b} and text_dim {}",
@@ -770,6 +1115,33 @@ impl WanTransformer3DModel {
                 cfg.text_dim
             );
         }
+        let image_tokens = match (&self.image_embedder, encoder_hidden_states_image) {
+            (Some(embedder), Some(image)) => {
+                let (ib, _, image_dim) = image.dims3()?;
+                if ib != b || Some(image_dim) != cfg.image_dim {
+                    candle_core::bail!(
+                        "encoder_hidden_states_image {:?} do not match batch {b} and image_dim {:?}",
+                        image.dims(),
+                        cfg.image_dim
+                    );
+                }
+                if text_len != IMAGE_BRANCH_TEXT_LEN {
+                    candle_core::bail!(
+                        "image-to-video needs exactly {IMAGE_BRANCH_TEXT_LEN} text rows \
+                         (max_sequence_length {IMAGE_BRANCH_TEXT_LEN}), got {text_len}: diffusers \
+                         splits the joint context at len - {IMAGE_BRANCH_TEXT_LEN}"
+                    );
+                }
+                Some(embedder.forward(&image.to_device(latents.device())?, self.dtype)?)
+            }
+            (Some(_), None) => candle_core::bail!(
+                "this image-to-video transformer needs the image encoder's hidden states"
+            ),
+            (None, Some(_)) => {
+                candle_core::bail!("image embeddings given to a transformer without image_dim")
+            }
+            (None, None) => None,
+        };
         let device = latents.device();
 
         // Patch embedding: Conv3d with kernel = stride = patch, as a matmul over patches.
@@ -784,11 +1156,36 @@ impl WanTransformer3DModel {
             .reshape((b, gf * gh * gw, c * pt * ph * pw))?;
         let hidden_states = self.patch_embedding.forward(&patches)?;
 
-        // Time embedding (time_embedder in f32, then cast to the text dtype).
-        let timestep = match timestep.elem_count() {
-            1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
-            n if n == b => timestep.flatten_all()?,
-            n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+        // Time embedding (time_embedder in f32, then cast to the text dtype), per batch entry
+        // or, for a 2-D timestep, per token.
+        let seq = gf * gh * gw;
+        let mut timestep_runs = None;
+        let timestep = if timestep.rank() == 2 {
+            let (tb, tseq) = timestep.dims2()?;
+            if tseq != seq || (tb != b && tb != 1) {
+                candle_core::bail!(
+                    "per-token timestep {:?} does not match batch {b} and {seq} tokens",
+                    timestep.dims()
+                );
+            }
+            // One embedding per run of equal timesteps (the values per token are the same).
+            let values: Vec<f32> = timestep
+                .to_dtype(DType::F32)?
+                .broadcast_as((b, seq))?
+                .flatten_all()?
+                .to_vec1()?;
+            let runs = split_timestep_runs(&values, seq);
+            let starts: Vec<f32> = runs.iter().map(|r| values[r.row0]).collect();
+            if runs.len() > b {
+                timestep_runs = Some(runs);
+            }
+            Tensor::new(starts, &Device::Cpu)?
+        } else {
+            match timestep.elem_count() {
+                1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
+                n if n == b => timestep.flatten_all()?,
+                n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+            }
         };
         let t_emb = timestep_embedding(&timestep.to_device(device)?, cfg.freq_dim)?;
         let (lin1, lin2) = &self.time_embedder;
@@ -798,7 +1195,7 @@ impl WanTransformer3DModel {
         let timestep_proj = self
             .time_proj
             .forward(&candle_nn::ops::silu(&temb)?)?
-            .reshape((b, 6, cfg.inner_dim()))?;
+            .reshape(((), 6, cfg.inner_dim()))?;
         let encoder_hidden_states = self
             .text_embedder
             .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
@@ -815,7 +1212,6 @@ impl WanTransformer3DModel {
             cos_parts.push(cos.reshape(shape.to_vec())?.broadcast_as(target)?);
             sin_parts.push(sin.reshape(shape.to_vec())?.broadcast_as(target)?);
         }
-        let seq = gf * gh * gw;
         let half = cfg.attention_head_dim / 2;
         let rope_cos = Tensor::cat(&cos_parts, 3)?
             .reshape((seq, half))?
@@ -828,7 +1224,9 @@ impl WanTransformer3DModel {
             hidden_states: Some(hidden_states),
             temb,
             timestep_proj,
+            timestep_runs,
             encoder_hidden_states,
+            encoder_hidden_states_image: image_tokens,
             rope_cos,
             rope_sin,
             batch: b,
@@ -840,13 +1238,11 @@ impl WanTransformer3DModel {
     /// `[B, seq, inner]` -> `[B, out_channels, F, H, W]` (model dtype).
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
-        let e = self
-            .scale_shift_table
-            .broadcast_add(&inputs.temb.to_dtype(DType::F32)?.unsqueeze(1)?)?;
+        let e = inputs.modulation(&self.scale_shift_table, &inputs.temb, 1)?;
         let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
         let (shift, scale) = (m(0)?, (m(1)? + 1.0)?);
         let x = x.reshape((batch * seq, dim))?;
-        let h = norm_affine(&x, &scale, &shift, Rows { row0: 0, seq }, self.cfg.eps)?;
+        let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.cfg.eps)?;
         let h = self.proj_out.forward(&h)?;
 
         let [pt, ph, pw] = self.cfg.patch_size;
@@ -864,6 +1260,18 @@ impl WanTransformer3DModel {
         timestep: &Tensor,
         encoder_hidden_states: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_with_image(latents, timestep, encoder_hidden_states, None)
+    }
+
+    /// [`Self::forward`] with the image tokens of an image-to-video model (see
+    /// [`Self::prepare_with_image`]).
+    pub fn forward_with_image(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_hidden_states_image: Option<&Tensor>,
+    ) -> Result<Tensor> {
         if self.blocks.len() != self.cfg.num_layers {
             candle_core::bail!(
                 "transformer holds {} of {} blocks; run them through blocks() instead",
@@ -871,7 +1279,12 @@ impl WanTransformer3DModel {
                 self.cfg.num_layers
             );
         }
-        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
+        let mut inputs = self.prepare_with_image(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+        )?;
         let mut x = inputs.take_hidden_states()?;
         for block in &self.blocks {
             x = block.forward(&x, &inputs)?;
@@ -976,6 +1389,7 @@ mod cuda_tests {
                 to_out: lin,
                 norm_q: t(&(bias_ref.abs().unwrap() + 0.5).unwrap()),
                 norm_k: t(&bias_ref),
+                added: None,
                 heads: cfg.num_attention_heads,
                 head_dim: cfg.attention_head_dim,
                 eps: 1e-6,

@@ -549,6 +549,111 @@ impl Downsample {
     }
 }
 
+/// diffusers' `AvgDown3D`, the parameter-free shortcut of a Wan2.2 residual down block: frames
+/// zero-padded in front to a multiple of `factor_t`, each `factor_t x factor_s x factor_s` cell
+/// folded into channels, and groups of channels averaged down to `out_dim`.
+pub(super) struct AvgDown3D {
+    out_dim: usize,
+    factor_t: usize,
+    factor_s: usize,
+}
+
+impl AvgDown3D {
+    /// Fails unless `in_dim * factor_t * factor_s^2` is a multiple of `out_dim`.
+    pub(super) fn new(
+        in_dim: usize,
+        out_dim: usize,
+        factor_t: usize,
+        factor_s: usize,
+    ) -> Result<Self> {
+        if out_dim == 0 || !(in_dim * factor_t * factor_s * factor_s).is_multiple_of(out_dim) {
+            bail!("vae: residual down block {in_dim} -> {out_dim} channels cannot average groups")
+        }
+        Ok(Self {
+            out_dim,
+            factor_t,
+            factor_s,
+        })
+    }
+
+    /// `[B, T, C, H, W]` (frames-major) -> `[B, ceil(T / f_t), out, H / f_s, W / f_s]`.
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (ft, fs) = (self.factor_t, self.factor_s);
+        let (b, t, c, h, w) = x.dims5()?;
+        let pad = (ft - t % ft) % ft;
+        let x = x.permute((0, 2, 1, 3, 4))?;
+        let x = if pad > 0 {
+            x.pad_with_zeros(2, pad, 0)?
+        } else {
+            x
+        };
+        let (t2, h2, w2) = ((t + pad) / ft, h / fs, w / fs);
+        let group = c * ft * fs * fs / self.out_dim;
+        x.contiguous()?
+            .reshape(vec![b, c, t2, ft, h2, fs, w2, fs])?
+            .permute(vec![0, 1, 3, 5, 7, 2, 4, 6])?
+            .contiguous()?
+            .reshape(vec![b, self.out_dim, group, t2, h2, w2])?
+            .mean(2)?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()
+    }
+}
+
+/// diffusers' `DupUp3D`, the parameter-free shortcut of a Wan2.2 residual up block: channels
+/// repeated, then unfolded into `factor_t x factor_s x factor_s` cells; on the first chunk the
+/// first `factor_t - 1` output frames are dropped.
+pub(super) struct DupUp3D {
+    out_dim: usize,
+    factor_t: usize,
+    factor_s: usize,
+    repeats: usize,
+}
+
+impl DupUp3D {
+    /// Fails unless `out_dim * factor_t * factor_s^2` is a multiple of `in_dim`.
+    pub(super) fn new(
+        in_dim: usize,
+        out_dim: usize,
+        factor_t: usize,
+        factor_s: usize,
+    ) -> Result<Self> {
+        let cells = out_dim * factor_t * factor_s * factor_s;
+        if in_dim == 0 || !cells.is_multiple_of(in_dim) {
+            bail!("vae: residual up block {in_dim} -> {out_dim} channels cannot repeat evenly")
+        }
+        Ok(Self {
+            out_dim,
+            factor_t,
+            factor_s,
+            repeats: cells / in_dim,
+        })
+    }
+
+    /// `[B, T, C, H, W]` (frames-major) -> `[B, T * f_t (- (f_t - 1) on the first chunk), out,
+    /// H * f_s, W * f_s]`.
+    pub(super) fn forward(&self, x: &Tensor, first_chunk: bool) -> Result<Tensor> {
+        let (ft, fs, out) = (self.factor_t, self.factor_s, self.out_dim);
+        let (b, t, c, h, w) = x.dims5()?;
+        // repeat_interleave over channels: channel j comes from j / repeats.
+        let x = x
+            .permute((0, 2, 1, 3, 4))?
+            .unsqueeze(2)?
+            .broadcast_as(vec![b, c, self.repeats, t, h, w])?
+            .contiguous()?
+            .reshape(vec![b, out, ft, fs, fs, t, h, w])?
+            .permute(vec![0, 1, 5, 2, 6, 3, 7, 4])?
+            .contiguous()?
+            .reshape((b, out, t * ft, h * fs, w * fs))?;
+        let x = if first_chunk && ft > 1 {
+            x.narrow(2, ft - 1, t * ft - (ft - 1))?
+        } else {
+            x
+        };
+        x.permute((0, 2, 1, 3, 4))?.contiguous()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,5 +1,8 @@
-//! The Wan2.1 video VAE (diffusers' `AutoencoderKLWan`): a causal 3D-conv autoencoder that
-//! compresses video 4x in time (first frame alone) and 8x in space into `z_dim` channels.
+//! The Wan video VAE (diffusers' `AutoencoderKLWan`): a causal 3D-conv autoencoder that
+//! compresses video 4x in time (first frame alone) and 8x in space into `z_dim` channels
+//! (Wan2.1), or, with `patch_size` 2 and `is_residual` (Wan2.2 TI2V-5B), 16x in space into 48
+//! channels: pixels are folded 2x2 into channels first, and every down/up stage adds a
+//! parameter-free shortcut (`AvgDown3D` / `DupUp3D`) to its residual blocks.
 //!
 //! Like diffusers, decoding runs one latent frame at a time and encoding the first frame, then
 //! four frames at a time, with every causal conv caching the last two frames it saw, so memory
@@ -12,8 +15,8 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use blocks::{
-    silu, AttentionBlock, CausalConv3d, ChannelNorm, Downsample, FeatCache, MidBlock, ResBlock,
-    Upsample,
+    silu, AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache,
+    MidBlock, ResBlock, Upsample,
 };
 
 /// The most spatial resamplings a config may ask: 2^8 = 256x smaller frames is far beyond
@@ -54,9 +57,9 @@ fn default_latents_std() -> Vec<f64> {
     ]
 }
 
-/// `vae/config.json` of a Wan2.1 diffusers checkpoint. Missing keys take diffusers' defaults;
-/// keys written by newer diffusers (`scale_factor_*`, ...) are ignored, and the Wan2.2 variants
-/// (`is_residual`, `patch_size`) are rejected by [`WanVaeConfig::validate`].
+/// `vae/config.json` of a Wan diffusers checkpoint (Wan2.1, or Wan2.2 with `is_residual` and
+/// `patch_size`). Missing keys take diffusers' defaults; keys the sizes are derived from
+/// (`scale_factor_*`, ...) are ignored.
 #[derive(Debug, Clone, Deserialize)]
 pub struct WanVaeConfig {
     /// Channels of the encoder's first stage (and of the decoder's last one).
@@ -86,7 +89,7 @@ pub struct WanVaeConfig {
     /// Per-channel std of the latent distribution.
     #[serde(default = "default_latents_std")]
     pub latents_std: Vec<f64>,
-    /// Wan2.2 residual up/down blocks (unsupported).
+    /// Wan2.2 residual up/down blocks (with the `AvgDown3D`/`DupUp3D` shortcuts).
     #[serde(default)]
     pub is_residual: Option<bool>,
     /// Video channels in.
@@ -95,15 +98,26 @@ pub struct WanVaeConfig {
     /// Video channels out.
     #[serde(default = "default_channels")]
     pub out_channels: usize,
-    /// Wan2.2 pixel patchification (unsupported).
+    /// Wan2.2 pixel patchification: `p x p` pixels folded into channels before the encoder
+    /// (`in_channels` = 3p²) and unfolded after the decoder.
     #[serde(default)]
     pub patch_size: Option<usize>,
 }
 
 impl WanVaeConfig {
-    /// Spatial compression: 2^(number of resampling stages).
+    /// Spatial compression: 2^(number of resampling stages) x `patch_size`.
     pub fn scale_factor_spatial(&self) -> usize {
-        1 << self.dim_mult.len().saturating_sub(1)
+        (1 << self.dim_mult.len().saturating_sub(1)) * self.patch()
+    }
+
+    /// Whether the down/up stages are Wan2.2 residual blocks.
+    pub fn is_residual(&self) -> bool {
+        self.is_residual == Some(true)
+    }
+
+    /// Pixel patch side (1 without patchification).
+    pub fn patch(&self) -> usize {
+        self.patch_size.unwrap_or(1)
     }
 
     /// Temporal compression: 2^(number of temporal resamplings).
@@ -120,15 +134,12 @@ impl WanVaeConfig {
             .count()
     }
 
-    /// Rejects configurations this Wan2.1 implementation cannot build, naming the key: the
-    /// config is checked when it is read, so nothing downstream (constructors, the memory plan)
-    /// meets an empty `dim_mult` or a short `temperal_downsample`.
+    /// Rejects configurations this implementation cannot build, naming the key: the config is
+    /// checked when it is read, so nothing downstream (constructors, the memory plan) meets an
+    /// empty `dim_mult` or a short `temperal_downsample`.
     pub fn validate(&self) -> Result<()> {
-        if self.is_residual == Some(true) {
-            bail!("`is_residual` is true (the Wan2.2 VAE): not supported")
-        }
-        if let Some(p) = self.patch_size {
-            bail!("`patch_size` is {p} (the Wan2.2 VAE): not supported, only null")
+        if self.patch_size == Some(0) {
+            bail!("`patch_size` must be positive")
         }
         if self.dim_mult.is_empty() || self.dim_mult.contains(&0) {
             bail!(
@@ -193,6 +204,38 @@ impl WanVaeConfig {
         {
             bail!("`latents_std` holds {bad}: every entry must be a positive number")
         }
+        if self.is_residual() {
+            // The shortcuts fold/unfold 2x2(x2) cells into channels: group sizes must divide.
+            let enc: Vec<usize> = std::iter::once(1)
+                .chain(self.dim_mult.iter().copied())
+                .map(|m| m * self.base_dim)
+                .collect();
+            let dec_dim = self.decoder_base_dim.unwrap_or(self.base_dim);
+            let dec: Vec<usize> = std::iter::once(self.dim_mult[stages])
+                .chain(self.dim_mult.iter().rev().copied())
+                .map(|m| m * dec_dim)
+                .collect();
+            // Stage i < stages resamples (2x2 space, x2 time where temporal); the last does not.
+            let cell = |temporal: bool| if temporal { 8 } else { 4 };
+            for i in 0..=stages {
+                let down_cell = if i < stages {
+                    cell(self.temperal_downsample[i])
+                } else {
+                    1
+                };
+                let up_ok = i == stages
+                    || (dec[i + 1] * cell(self.temperal_downsample[stages - 1 - i]))
+                        .is_multiple_of(dec[i]);
+                if !(enc[i] * down_cell).is_multiple_of(enc[i + 1]) || !up_ok {
+                    bail!(
+                        "vae config: dim_mult {:?} with base_dim {} / decoder_base_dim {dec_dim} \
+                         gives residual stages whose shortcut channels do not divide",
+                        self.dim_mult,
+                        self.base_dim
+                    )
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -249,14 +292,96 @@ fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
     Tensor::cat(&[mixed, rest], dim)
 }
 
+/// diffusers' `patchify`: `[B, C, T, H, W]` -> `[B, C·p², T, H/p, W/p]`, channel
+/// `c·p² + pw·p + ph` holding pixel `(p·i + ph, p·j + pw)` (the w offset before the h offset).
+pub fn patchify(x: &Tensor, p: usize) -> Result<Tensor> {
+    if p == 1 {
+        return Ok(x.clone());
+    }
+    let (b, c, t, h, w) = x.dims5()?;
+    x.contiguous()?
+        .reshape(vec![b, c, t, h / p, p, w / p, p])?
+        .permute(vec![0, 1, 6, 4, 2, 3, 5])?
+        .contiguous()?
+        .reshape((b, c * p * p, t, h / p, w / p))
+}
+
+/// diffusers' `unpatchify`, the inverse of [`patchify`].
+pub fn unpatchify(x: &Tensor, p: usize) -> Result<Tensor> {
+    if p == 1 {
+        return Ok(x.clone());
+    }
+    let (b, cp, t, h, w) = x.dims5()?;
+    let c = cp / (p * p);
+    x.contiguous()?
+        .reshape(vec![b, c, p, p, t, h, w])?
+        .permute(vec![0, 1, 4, 5, 3, 6, 2])?
+        .contiguous()?
+        .reshape((b, c, t, h * p, w * p))
+}
+
 /// A layer of the encoder's flat `down_blocks` list.
 enum DownLayer {
     Res(ResBlock),
     Attention(AttentionBlock),
     Resample(Downsample),
+    /// Wan2.2: a whole stage with its shortcut.
+    Residual(ResidualDownBlock),
 }
 
-/// diffusers' `WanEncoder3d` (Wan2.1 layout): video -> `2 * z_dim` channels (before quant_conv).
+/// diffusers' `WanResidualDownBlock`: res blocks and an optional downsampler, plus
+/// `AvgDown3D` of the stage's input.
+struct ResidualDownBlock {
+    resnets: Vec<ResBlock>,
+    downsampler: Option<Downsample>,
+    shortcut: AvgDown3D,
+}
+
+impl ResidualDownBlock {
+    fn new(
+        cfg: &WanVaeConfig,
+        (in_dim, out_dim): (usize, usize),
+        temporal: bool,
+        down: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let shortcut = AvgDown3D::new(
+            in_dim,
+            out_dim,
+            if temporal { 2 } else { 1 },
+            if down { 2 } else { 1 },
+        )?;
+        let mut resnets = Vec::with_capacity(cfg.num_res_blocks);
+        let mut dim = in_dim;
+        for j in 0..cfg.num_res_blocks {
+            resnets.push(ResBlock::new(dim, out_dim, vb.pp("resnets").pp(j))?);
+            dim = out_dim;
+        }
+        let downsampler = if down {
+            Some(Downsample::new(out_dim, temporal, vb.pp("downsampler"))?)
+        } else {
+            None
+        };
+        Ok(Self {
+            resnets,
+            downsampler,
+            shortcut,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let mut h = x.clone();
+        for res in &self.resnets {
+            h = res.forward(&h, cache)?;
+        }
+        if let Some(down) = &self.downsampler {
+            h = down.forward(&h, cache)?;
+        }
+        h + self.shortcut.forward(x)?
+    }
+}
+
+/// diffusers' `WanEncoder3d`: (patchified) video -> `2 * z_dim` channels (before quant_conv).
 struct Encoder {
     conv_in: CausalConv3d,
     down: Vec<DownLayer>,
@@ -276,7 +401,19 @@ impl Encoder {
         let mut down = Vec::new();
         let mut scale = 1.0f64;
         let stages = cfg.dim_mult.len();
-        for i in 0..stages {
+        for i in (0..stages).filter(|_| cfg.is_residual()) {
+            // Wan2.2: one block per stage; no attention in the down path.
+            let last = i == stages - 1;
+            let temporal = !last && cfg.temperal_downsample[i];
+            down.push(DownLayer::Residual(ResidualDownBlock::new(
+                cfg,
+                (dims[i], dims[i + 1]),
+                temporal,
+                !last,
+                vb_down.pp(i),
+            )?));
+        }
+        for i in (0..stages).filter(|_| !cfg.is_residual()) {
             let mut in_dim = dims[i];
             let out_dim = dims[i + 1];
             for _ in 0..cfg.num_res_blocks {
@@ -320,6 +457,7 @@ impl Encoder {
                 DownLayer::Res(res) => res.forward(&x, cache)?,
                 DownLayer::Attention(attn) => attn.forward(&x)?,
                 DownLayer::Resample(resample) => resample.forward(&x, cache)?,
+                DownLayer::Residual(block) => block.forward(&x, cache)?,
             };
         }
         let x = self.mid.forward(&x, cache)?;
@@ -347,13 +485,31 @@ impl Head {
     }
 }
 
-/// An up stage of the decoder: `num_res_blocks + 1` res blocks and an optional upsampler.
+/// An up stage of the decoder: `num_res_blocks + 1` res blocks and an optional upsampler
+/// (Wan2.2: plus `DupUp3D` of the stage's input).
 struct UpBlock {
     resnets: Vec<ResBlock>,
     upsampler: Option<Upsample>,
+    shortcut: Option<DupUp3D>,
 }
 
-/// diffusers' `WanDecoder3d` (Wan2.1 layout): `z_dim` channels -> video.
+impl UpBlock {
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
+        let mut h = x.clone();
+        for res in &self.resnets {
+            h = res.forward(&h, cache)?;
+        }
+        if let Some(upsampler) = &self.upsampler {
+            h = upsampler.forward(&h, cache)?;
+        }
+        match &self.shortcut {
+            Some(shortcut) => h + shortcut.forward(x, first_chunk)?,
+            None => Ok(h),
+        }
+    }
+}
+
+/// diffusers' `WanDecoder3d`: `z_dim` channels -> (patchified) video.
 struct Decoder {
     conv_in: CausalConv3d,
     mid: MidBlock,
@@ -379,25 +535,48 @@ impl Decoder {
         let mut up = Vec::with_capacity(stages);
         for i in 0..stages {
             let vb_up = vb.pp("up_blocks").pp(i);
-            // Wan2.1: every upsampler halves the channels, so later stages start at half.
-            let mut in_dim = if i > 0 { dims[i] / 2 } else { dims[i] };
+            let residual = cfg.is_residual();
+            // Wan2.1: every upsampler halves the channels, so later stages start at half;
+            // Wan2.2's upsamplers keep them.
+            let stage_in = if i > 0 && !residual {
+                dims[i] / 2
+            } else {
+                dims[i]
+            };
+            let mut in_dim = stage_in;
             let out_dim = dims[i + 1];
             let mut resnets = Vec::with_capacity(cfg.num_res_blocks + 1);
             for j in 0..=cfg.num_res_blocks {
                 resnets.push(ResBlock::new(in_dim, out_dim, vb_up.pp("resnets").pp(j))?);
                 in_dim = out_dim;
             }
-            let upsampler = if i != stages - 1 {
-                Some(Upsample::new(
+            let up_flag = i != stages - 1;
+            let upsampler = match (up_flag, residual) {
+                (false, _) => None,
+                (true, false) => Some(Upsample::new(
                     out_dim,
                     out_dim / 2,
                     temporal_up[i],
                     vb_up.pp("upsamplers.0"),
-                )?)
+                )?),
+                (true, true) => Some(Upsample::new(
+                    out_dim,
+                    out_dim,
+                    temporal_up[i],
+                    vb_up.pp("upsampler"),
+                )?),
+            };
+            let shortcut = if up_flag && residual {
+                let factor_t = if temporal_up[i] { 2 } else { 1 };
+                Some(DupUp3D::new(stage_in, out_dim, factor_t, 2)?)
             } else {
                 None
             };
-            up.push(UpBlock { resnets, upsampler });
+            up.push(UpBlock {
+                resnets,
+                upsampler,
+                shortcut,
+            });
         }
         let last = dims[stages];
         Ok(Self {
@@ -408,17 +587,13 @@ impl Decoder {
         })
     }
 
-    /// One latent frame `[B, 1, z_dim, h, w]` (frames-major) with the cache of the previous ones.
-    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+    /// One latent frame `[B, 1, z_dim, h, w]` (frames-major) with the cache of the previous ones;
+    /// `first_chunk` for latent frame 0.
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
         let x = self.conv_in.forward_cached(x, cache)?;
         let mut x = self.mid.forward(&x, cache)?;
         for block in &self.up {
-            for res in &block.resnets {
-                x = res.forward(&x, cache)?;
-            }
-            if let Some(upsampler) = &block.upsampler {
-                x = upsampler.forward(&x, cache)?;
-            }
+            x = block.forward(&x, cache, first_chunk)?;
         }
         self.head.forward(&x, cache)
     }
@@ -477,8 +652,31 @@ impl AutoencoderKLWan {
         latents.broadcast_div(&inv_std)?.broadcast_add(&mean)
     }
 
-    /// Decodes de-normalised latents `[B, z_dim, F, h, w]` to video `[B, C_out, 1 + 4(F-1),
-    /// 8h, 8w]` (for the Wan2.1 ratios) clamped to [-1, 1], in the VAE dtype.
+    /// Maps VAE latents (a mode of [`Self::encode`]) to the transformer's normalised space as
+    /// `WanImageToVideoPipeline` does: `(z - latents_mean) * (1 / latents_std)` per channel,
+    /// the reciprocal taken in f32 and everything else in `latents`' dtype and device.
+    pub fn normalize(&self, latents: &Tensor) -> Result<Tensor> {
+        let z = self.cfg.z_dim;
+        let (_, c, _, _, _) = latents.dims5()?;
+        if c != z {
+            bail!(
+                "vae normalize: expected {z} latent channels, got {:?}",
+                latents.dims()
+            )
+        }
+        let (dtype, device) = (latents.dtype(), latents.device());
+        let stats = |v: &[f64]| -> Result<Tensor> {
+            let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+            Tensor::from_vec(v, (1, z, 1, 1, 1), device)
+        };
+        let mean = stats(&self.cfg.latents_mean)?.to_dtype(dtype)?;
+        let inv_std = stats(&self.cfg.latents_std)?.recip()?.to_dtype(dtype)?;
+        latents.broadcast_sub(&mean)?.broadcast_mul(&inv_std)
+    }
+
+    /// Decodes de-normalised latents `[B, z_dim, F, h, w]` to video `[B, C_out / p², 1 + 4(F-1),
+    /// s·h, s·w]` (`s` = [`WanVaeConfig::scale_factor_spatial`], `p` the patch) clamped to
+    /// [-1, 1], in the VAE dtype.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.decode_unclamped(z)?.clamp(-1.0, 1.0)
     }
@@ -500,10 +698,12 @@ impl AutoencoderKLWan {
         if width <= min_w && height <= min_h {
             return self.decode(z);
         }
-        let sample_stride_h = tiling.tile_stride_height;
-        let sample_stride_w = tiling.tile_stride_width;
-        let blend_h = tiling.tile_min_height.saturating_sub(sample_stride_h);
-        let blend_w = tiling.tile_min_width.saturating_sub(sample_stride_w);
+        // Tiles are blended in the decoder's (patchified) output space, as diffusers does.
+        let p = self.cfg.patch();
+        let sample_stride_h = tiling.tile_stride_height / p;
+        let sample_stride_w = tiling.tile_stride_width / p;
+        let blend_h = (tiling.tile_min_height / p).saturating_sub(sample_stride_h);
+        let blend_w = (tiling.tile_min_width / p).saturating_sub(sample_stride_w);
         let mut above: Vec<Tensor> = Vec::new();
         let mut result_rows = Vec::new();
         for i in (0..height).step_by(stride_h) {
@@ -513,7 +713,7 @@ impl AutoencoderKLWan {
                 let latent =
                     z.narrow(3, i, min_h.min(height - i))?
                         .narrow(4, j, min_w.min(width - j))?;
-                let mut tile = self.decode_unclamped(&latent)?;
+                let mut tile = self.decode_patched(&latent)?;
                 if let Some(up) = above.get(j_idx) {
                     tile = blend(up, &tile, blend_h, 3)?;
                 }
@@ -530,15 +730,19 @@ impl AutoencoderKLWan {
         }
         drop(above);
         let out = Tensor::cat(&result_rows, 3)?;
-        let out_h = out.dim(3)?.min(height * sf);
-        let out_w = out.dim(4)?.min(width * sf);
-        out.narrow(3, 0, out_h)?
-            .narrow(4, 0, out_w)?
-            .clamp(-1.0, 1.0)
+        let out_h = out.dim(3)?.min(height * sf / p);
+        let out_w = out.dim(4)?.min(width * sf / p);
+        unpatchify(&out.narrow(3, 0, out_h)?.narrow(4, 0, out_w)?, p)?.clamp(-1.0, 1.0)
     }
 
-    /// Decode without the final clamp (the tiles of a tiled decode are blended first).
+    /// Decode without the final clamp.
     fn decode_unclamped(&self, z: &Tensor) -> Result<Tensor> {
+        unpatchify(&self.decode_patched(z)?, self.cfg.patch())
+    }
+
+    /// The decoder's output before unpatchify and clamp, `[B, C_out, T, H / p, W / p]` (the
+    /// tiles of a tiled decode are blended in this space).
+    fn decode_patched(&self, z: &Tensor) -> Result<Tensor> {
         let z = self.check_latents(z)?;
         let frames = z.dim(2)?;
         let z = z.permute((0, 2, 1, 3, 4))?.contiguous()?;
@@ -547,27 +751,30 @@ impl AutoencoderKLWan {
         let mut outs = Vec::with_capacity(frames);
         for i in 0..frames {
             cache.start_chunk();
-            let out = self.decoder.forward(&x.narrow(1, i, 1)?, &mut cache)?;
+            let out = self
+                .decoder
+                .forward(&x.narrow(1, i, 1)?, &mut cache, i == 0)?;
             outs.push(out.permute((0, 2, 1, 3, 4))?.contiguous()?);
         }
         Tensor::cat(&outs, 2)
     }
 
-    /// Encodes video `[B, C_in, T, H, W]` in [-1, 1] to the latent distribution
-    /// `(mean, logvar)`, each `[B, z_dim, 1 + (T-1)/4, H/8, W/8]`; logvar clamped to [-30, 20].
-    /// The mean is also the mode. Trailing frames beyond `1 + 4k` are ignored, as in diffusers.
+    /// Encodes video `[B, C_in / p², T, H, W]` in [-1, 1] to the latent distribution
+    /// `(mean, logvar)`, each `[B, z_dim, 1 + (T-1)/4, H/s, W/s]` (`s` =
+    /// [`WanVaeConfig::scale_factor_spatial`]); logvar clamped to [-30, 20]. The mean is also
+    /// the mode. Trailing frames beyond `1 + 4k` are ignored, as in diffusers.
     pub fn encode(&self, video: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (_, c, t, _, _) = video.dims5()?;
-        if c != self.cfg.in_channels || t == 0 {
+        let (_, c, t, h, w) = video.dims5()?;
+        let p = self.cfg.patch();
+        if c * p * p != self.cfg.in_channels || t == 0 || h % p != 0 || w % p != 0 {
             bail!(
-                "vae encode: expected [B, {}, T>0, H, W] video, got {:?}",
-                self.cfg.in_channels,
+                "vae encode: expected [B, {}, T>0, H, W] video with H, W multiples of {p}, got {:?}",
+                self.cfg.in_channels / (p * p),
                 video.dims()
             )
         }
-        let x = video
-            .to_dtype(self.dtype)?
-            .to_device(&self.device)?
+        let video = video.to_dtype(self.dtype)?.to_device(&self.device)?;
+        let x = patchify(&video, p)?
             .permute((0, 2, 1, 3, 4))?
             .contiguous()?;
         let mut cache = FeatCache::default();

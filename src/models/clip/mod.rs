@@ -1,0 +1,16 @@
+//! CLIP (transformers' `CLIPVisionModelWithProjection` and `CLIPTextModel`) and its image
+//! preprocessing. The Wan image-to-video pipelines condition on the vision tower's penultimate
+//! hidden states; HunyuanVideo's `text_encoder_2` is the text tower (its pooled output). Both
+//! towers share one encoder-layer implementation.
+
+pub mod encoder;
+pub mod image_processor;
+pub mod text;
+pub mod vision;
+
+pub use encoder::{ClipActivation, ClipEncoderConfig, ClipEncoderLayer};
+pub use image_processor::{
+    load_rgb_image, resize_like_pil, ClipImageProcessor, ClipImageProcessorConfig, PilFilter,
+};
+pub use text::{ClipTextConfig, ClipTextModel, ClipTextOutput};
+pub use vision::{ClipVisionConfig, ClipVisionModel};
