@@ -4,4 +4,5 @@
 pub mod attention;
 pub mod loader;
 pub mod source;
+pub mod t5;
 pub mod wan;
