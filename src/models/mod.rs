@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod loader;
+pub mod ltx;
 pub mod source;
 pub mod t5;
 pub mod wan;
