@@ -159,7 +159,7 @@ impl LtxVaeConfig {
                     "ltx vae config: a residual upsampler needs decoder_block_out_channels divisible by 8, got {out}"
                 );
             }
-            channels = out;
+            channels = out / factor;
         }
         if !(self.scaling_factor.is_finite() && self.scaling_factor != 0.0) {
             candle_core::bail!("ltx vae config: scaling_factor must be a non-zero number");
