@@ -11,7 +11,9 @@ use candle_nn::VarBuilder;
 use common::{assert_close, named_fixture_dir, reference_in};
 use std::path::{Path, PathBuf};
 use vidgen::models::ltx::prompt::prompt_embeds;
-use vidgen::models::ltx::transformer::{unpack_latents, LtxTransformer3DModel, LtxTransformerConfig};
+use vidgen::models::ltx::transformer::{
+    unpack_latents, LtxTransformer3DModel, LtxTransformerConfig,
+};
 use vidgen::models::ltx::vae::{add_decode_noise, AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig};
 use vidgen::models::t5::encoder::{T5Config, T5EncoderModel};
 use vidgen::models::t5::tokenizer::PromptTokenizer;
@@ -34,7 +36,14 @@ fn vb(path: PathBuf) -> VarBuilder<'static> {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 /// Runs the pipeline for `run` (`cfg3` or `cfg1`) and checks every recorded stage.
@@ -64,7 +73,8 @@ fn run_pipeline(run: &str, guidance_scale: f64) {
 
     // 1. Text: T5 without attention mask; the masks go to cross-attention.
     let te_cfg = T5Config::from_file(&d.join("text_encoder/config.json")).unwrap();
-    let encoder = T5EncoderModel::new(&te_cfg, vb(d.join("text_encoder/model.safetensors"))).unwrap();
+    let encoder =
+        T5EncoderModel::new(&te_cfg, vb(d.join("text_encoder/model.safetensors"))).unwrap();
     let tokenizer = PromptTokenizer::from_file(&d.join("tokenizer/tokenizer.json")).unwrap();
     let (mut embeds, mut mask) = prompt_embeds(&encoder, &tokenizer, prompt, max_len).unwrap();
     let guided = guidance_scale > 1.0;
@@ -77,7 +87,10 @@ fn run_pipeline(run: &str, guidance_scale: f64) {
 
     // 2. Sizes from the configs.
     let vae_cfg: LtxVaeConfig = json(&d.join("vae/config.json"));
-    let (r_t, r_s) = (vae_cfg.temporal_compression_ratio(), vae_cfg.spatial_compression_ratio());
+    let (r_t, r_s) = (
+        vae_cfg.temporal_compression_ratio(),
+        vae_cfg.spatial_compression_ratio(),
+    );
     let grid = [(num_frames - 1) / r_t + 1, height / r_s, width / r_s];
     let tr_cfg: LtxTransformerConfig = json(&d.join("transformer/config.json"));
     let transformer = LtxTransformer3DModel::new(
@@ -86,7 +99,8 @@ fn run_pipeline(run: &str, guidance_scale: f64) {
     )
     .unwrap();
     let rope_scale = LtxTransformerConfig::rope_interpolation_scale(r_t, r_s, frame_rate);
-    let sched_cfg = FlowMatchEulerConfig::from_file(d.join("scheduler/scheduler_config.json")).unwrap();
+    let sched_cfg =
+        FlowMatchEulerConfig::from_file(d.join("scheduler/scheduler_config.json")).unwrap();
     let mut scheduler =
         FlowMatchEuler::for_sequence_length(&sched_cfg, steps, grid.iter().product()).unwrap();
 
@@ -97,18 +111,42 @@ fn run_pipeline(run: &str, guidance_scale: f64) {
         let batch = if guided { 2 } else { 1 };
         let input = Tensor::cat(&vec![&latents; batch], 0).unwrap();
         let timestep = Tensor::full(t as f32, batch, &Device::Cpu).unwrap();
-        assert_close(&format!("{run}.step{i}.timestep"), &timestep, &r[&format!("{run}.step{i}.timestep")], 0.0, 1e-6);
+        assert_close(
+            &format!("{run}.step{i}.timestep"),
+            &timestep,
+            &r[&format!("{run}.step{i}.timestep")],
+            0.0,
+            1e-6,
+        );
         let pred = transformer
             .forward(&input, &embeds, &timestep, Some(&mask), grid, rope_scale)
             .unwrap();
         let pred = if guided {
             let uncond = pred.narrow(0, 0, 1).unwrap();
             let cond = pred.narrow(0, 1, 1).unwrap();
-            assert_close(&format!("{run}.step{i}.noise_pred_uncond"), &uncond, &r[&format!("{run}.step{i}.noise_pred_uncond")], ATOL, RTOL);
-            assert_close(&format!("{run}.step{i}.noise_pred_cond"), &cond, &r[&format!("{run}.step{i}.noise_pred_cond")], ATOL, RTOL);
+            assert_close(
+                &format!("{run}.step{i}.noise_pred_uncond"),
+                &uncond,
+                &r[&format!("{run}.step{i}.noise_pred_uncond")],
+                ATOL,
+                RTOL,
+            );
+            assert_close(
+                &format!("{run}.step{i}.noise_pred_cond"),
+                &cond,
+                &r[&format!("{run}.step{i}.noise_pred_cond")],
+                ATOL,
+                RTOL,
+            );
             (&uncond + ((&cond - &uncond).unwrap() * guidance_scale).unwrap()).unwrap()
         } else {
-            assert_close(&format!("{run}.step{i}.noise_pred_cond"), &pred, &r[&format!("{run}.step{i}.noise_pred_cond")], ATOL, RTOL);
+            assert_close(
+                &format!("{run}.step{i}.noise_pred_cond"),
+                &pred,
+                &r[&format!("{run}.step{i}.noise_pred_cond")],
+                ATOL,
+                RTOL,
+            );
             pred
         };
         latents = scheduler.step(&pred, &latents).unwrap();
@@ -119,13 +157,37 @@ fn run_pipeline(run: &str, guidance_scale: f64) {
     drop(transformer);
 
     // 4. Decode: unpack, de-normalise, decode noise, timestep-conditioned decoder.
-    let vae = AutoencoderKLLTXVideo::new(&vae_cfg, vb(d.join("vae/diffusion_pytorch_model.safetensors"))).unwrap();
-    let z = unpack_latents(&latents, grid[0], grid[1], grid[2], tr_cfg.patch_size, tr_cfg.patch_size_t).unwrap();
+    let vae = AutoencoderKLLTXVideo::new(
+        &vae_cfg,
+        vb(d.join("vae/diffusion_pytorch_model.safetensors")),
+    )
+    .unwrap();
+    let z = unpack_latents(
+        &latents,
+        grid[0],
+        grid[1],
+        grid[2],
+        tr_cfg.patch_size,
+        tr_cfg.patch_size_t,
+    )
+    .unwrap();
     let z = vae.denormalize(&z).unwrap();
     let z = add_decode_noise(&z, &r[&format!("{run}.decode_noise")], decode_noise_scale).unwrap();
-    assert_close(&format!("{run}.vae_decode_input"), &z, &r[&format!("{run}.vae_decode_input")], ATOL, RTOL);
+    assert_close(
+        &format!("{run}.vae_decode_input"),
+        &z,
+        &r[&format!("{run}.vae_decode_input")],
+        ATOL,
+        RTOL,
+    );
     let timestep = Tensor::new(&[decode_timestep as f32], &Device::Cpu).unwrap();
-    assert_close("vae_decode_timestep", &timestep, &r[&format!("{run}.vae_decode_timestep")], 0.0, 0.0);
+    assert_close(
+        "vae_decode_timestep",
+        &timestep,
+        &r[&format!("{run}.vae_decode_timestep")],
+        0.0,
+        0.0,
+    );
     let draws: Vec<Tensor> = (0..)
         .map_while(|k| r.get(&format!("{run}.injected_noise.{k}")).cloned())
         .collect();
@@ -153,4 +215,3 @@ fn guided_run_matches() {
 fn unguided_run_matches() {
     run_pipeline("cfg1", 1.0);
 }
-

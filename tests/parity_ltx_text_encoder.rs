@@ -44,8 +44,8 @@ fn config() -> T5Config {
 
 fn encoder() -> T5EncoderModel {
     let path = dir().join("text_encoder/model.safetensors");
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }
-        .unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }.unwrap();
     T5EncoderModel::new(&config(), vb).unwrap()
 }
 
@@ -79,10 +79,17 @@ fn config_is_t5_not_umt5() {
     let umt5: T5Config = serde_json::from_str(r#"{"model_type": "umt5"}"#).unwrap();
     assert_eq!((umt5.variant, umt5.vocab_size), (T5Variant::Umt5, 250112));
     let t5: T5Config = serde_json::from_str("{}").unwrap();
-    assert_eq!((t5.variant, t5.d_ff, t5.feed_forward_proj.as_str()), (T5Variant::T5, 2048, "relu"));
+    assert_eq!(
+        (t5.variant, t5.d_ff, t5.feed_forward_proj.as_str()),
+        (T5Variant::T5, 2048, "relu")
+    );
     assert!(serde_json::from_str::<T5Config>(r#"{"model_type": "bert"}"#).is_err());
     let zero: T5Config = serde_json::from_str(r#"{"num_heads": 0}"#).unwrap();
-    assert!(zero.validate().unwrap_err().to_string().contains("num_heads"));
+    assert!(zero
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("num_heads"));
 }
 
 #[test]
@@ -90,8 +97,16 @@ fn tokenizes_like_the_pipeline_without_cleaning() {
     let r = reference_in(&dir(), "text_encoder");
     let (ids, mask) = tokens();
     assert_eq!(to_i64(&ids), to_i64(&r["input_ids"]), "input_ids");
-    assert_eq!(to_i64(&mask), to_i64(&r["attention_mask"]), "attention_mask");
-    assert_eq!(to_i64(&mask), to_i64(&r["prompt_attention_mask"]), "prompt_attention_mask");
+    assert_eq!(
+        to_i64(&mask),
+        to_i64(&r["attention_mask"]),
+        "attention_mask"
+    );
+    assert_eq!(
+        to_i64(&mask),
+        to_i64(&r["prompt_attention_mask"]),
+        "prompt_attention_mask"
+    );
     let tok = tokenizer();
     for case in readme()["tokenizer_cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
@@ -115,7 +130,13 @@ fn encoder_matches_reference_blockwise_and_whole() {
     let ones = Tensor::ones(ids.dims2().unwrap(), DType::U32, &Device::Cpu).unwrap();
 
     let mut h = model.embed(&ids).unwrap();
-    assert_close("hidden_states.0", &h, &r["debug.hidden_states.0"], ATOL, RTOL);
+    assert_close(
+        "hidden_states.0",
+        &h,
+        &r["debug.hidden_states.0"],
+        ATOL,
+        RTOL,
+    );
     // Block by block as a streaming engine runs it: block 0's bias is carried along.
     let mut bias = None;
     for (i, block) in model.blocks().iter().enumerate() {
@@ -126,14 +147,34 @@ fn encoder_matches_reference_blockwise_and_whole() {
         }
     }
     let last = model.final_norm(&h).unwrap();
-    assert_close("last_hidden_state (blockwise)", &last, &r["last_hidden_state"], ATOL, RTOL);
+    assert_close(
+        "last_hidden_state (blockwise)",
+        &last,
+        &r["last_hidden_state"],
+        ATOL,
+        RTOL,
+    );
     let name = format!("debug.hidden_states.{}", cfg.num_layers);
     assert_close(&name, &last, &r[&name], ATOL, RTOL);
 
     let whole = model.forward_unmasked(&ids).unwrap();
-    let diff = (&whole - &r["last_hidden_state"]).unwrap().abs().unwrap().max_all().unwrap();
-    println!("last_hidden_state max |diff| {}", diff.to_scalar::<f32>().unwrap());
-    assert_close("last_hidden_state", &whole, &r["last_hidden_state"], ATOL, RTOL);
+    let diff = (&whole - &r["last_hidden_state"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap();
+    println!(
+        "last_hidden_state max |diff| {}",
+        diff.to_scalar::<f32>().unwrap()
+    );
+    assert_close(
+        "last_hidden_state",
+        &whole,
+        &r["last_hidden_state"],
+        ATOL,
+        RTOL,
+    );
 }
 
 #[test]
@@ -154,8 +195,8 @@ fn prompt_embeds_keep_pad_rows_and_return_the_mask() {
 fn later_t5_blocks_need_the_shared_bias() {
     let cfg = config();
     let path = dir().join("text_encoder/model.safetensors");
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }
-        .unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }.unwrap();
     // Block 1 has no table of its own in a T5 checkpoint.
     assert!(T5Block::new(&cfg, vb.pp("encoder.block.1")).is_err());
     let block = T5EncoderModel::block(&cfg, 1, vb).unwrap();

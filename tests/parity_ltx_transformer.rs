@@ -51,7 +51,14 @@ fn call() -> ([usize; 3], [f64; 3]) {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -60,10 +67,25 @@ fn rope_tables_match() {
     let cfg = config();
     let (grid, scale) = call();
     // The pipeline's scale for frame_rate 25 is the fixture's.
-    assert_eq!(LtxTransformerConfig::rope_interpolation_scale(8, 32, 25.0), scale);
+    assert_eq!(
+        LtxTransformerConfig::rope_interpolation_scale(8, 32, 25.0),
+        scale
+    );
     let (cos, sin) = rope_tables(cfg.inner_dim(), grid, scale, [1, 1, 1], &Device::Cpu).unwrap();
-    assert_close("rope_cos", &cos.unsqueeze(0).unwrap(), &r["debug.rope_cos"], 1e-6, 1e-6);
-    assert_close("rope_sin", &sin.unsqueeze(0).unwrap(), &r["debug.rope_sin"], 1e-6, 1e-6);
+    assert_close(
+        "rope_cos",
+        &cos.unsqueeze(0).unwrap(),
+        &r["debug.rope_cos"],
+        1e-6,
+        1e-6,
+    );
+    assert_close(
+        "rope_sin",
+        &sin.unsqueeze(0).unwrap(),
+        &r["debug.rope_sin"],
+        1e-6,
+        1e-6,
+    );
 }
 
 #[test]
@@ -78,26 +100,51 @@ fn stages_and_output_match() {
 
     let (temb, embedded) = model.time_embedding(&r["timestep"], DType::F32).unwrap();
     assert_close("temb", &temb, &r["debug.temb"], ATOL, RTOL);
-    assert_close("embedded_timestep", &embedded, &r["debug.embedded_timestep"], ATOL, RTOL);
+    assert_close(
+        "embedded_timestep",
+        &embedded,
+        &r["debug.embedded_timestep"],
+        ATOL,
+        RTOL,
+    );
 
     let mut inputs = model
         .prepare(x, text, &r["timestep"], Some(mask), grid, scale)
         .unwrap();
-    assert_close("caption_projection", &inputs.encoder_hidden_states, &r["debug.caption_projection"], ATOL, RTOL);
+    assert_close(
+        "caption_projection",
+        &inputs.encoder_hidden_states,
+        &r["debug.caption_projection"],
+        ATOL,
+        RTOL,
+    );
     let mut h = inputs.take_hidden_states().unwrap();
     assert_close("proj_in", &h, &r["debug.proj_in"], ATOL, RTOL);
     for (i, block) in model.blocks().iter().enumerate() {
         h = block.forward(&h, &inputs).unwrap();
-        assert_close(&format!("block.{i}"), &h, &r[&format!("debug.block.{i}")], ATOL, RTOL);
+        assert_close(
+            &format!("block.{i}"),
+            &h,
+            &r[&format!("debug.block.{i}")],
+            ATOL,
+            RTOL,
+        );
     }
     let out = model.finish(&h, &inputs).unwrap();
     println!("output max |diff| {}", max_diff(&out, &r["output"]));
     assert_close("output (staged)", &out, &r["output"], ATOL, RTOL);
 
-    let out = model.forward(x, text, &r["timestep"], Some(mask), grid, scale).unwrap();
+    let out = model
+        .forward(x, text, &r["timestep"], Some(mask), grid, scale)
+        .unwrap();
     assert_close("output", &out, &r["output"], ATOL, RTOL);
-    let out = model.forward(x, text, &r["timestep_1000"], Some(mask), grid, scale).unwrap();
-    println!("output_t1000 max |diff| {}", max_diff(&out, &r["output_t1000"]));
+    let out = model
+        .forward(x, text, &r["timestep_1000"], Some(mask), grid, scale)
+        .unwrap();
+    println!(
+        "output_t1000 max |diff| {}",
+        max_diff(&out, &r["output_t1000"])
+    );
     assert_close("output_t1000", &out, &r["output_t1000"], ATOL, RTOL);
 }
 
@@ -140,13 +187,22 @@ fn packing_round_trips_in_token_order_f_h_w() {
     let packed = pack_latents(&x, 1, 1).unwrap();
     assert_eq!(packed.dims(), &[2, 48, 3]);
     // Token 1 is (f 0, h 0, w 1): channel c holds x[0, c, 0, 0, 1].
-    let t1 = packed.narrow(1, 1, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let t1 = packed
+        .narrow(1, 1, 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     assert_eq!(&t1[..3], &[1.0, 49.0, 97.0]);
     let back = unpack_latents(&packed, 2, 4, 6, 1, 1).unwrap();
     assert_eq!(max_diff(&back, &x), 0.0);
     let packed2 = pack_latents(&x, 2, 2).unwrap();
     assert_eq!(packed2.dims(), &[2, 6, 24]);
-    assert_eq!(max_diff(&unpack_latents(&packed2, 1, 2, 3, 2, 2).unwrap(), &x), 0.0);
+    assert_eq!(
+        max_diff(&unpack_latents(&packed2, 1, 2, 3, 2, 2).unwrap(), &x),
+        0.0
+    );
     assert!(pack_latents(&x, 5, 1).is_err());
 }
 

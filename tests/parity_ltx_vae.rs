@@ -23,8 +23,8 @@ fn config() -> LtxVaeConfig {
 
 fn vae() -> AutoencoderKLLTXVideo {
     let path = dir().join("vae/diffusion_pytorch_model.safetensors");
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }
-        .unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }.unwrap();
     AutoencoderKLLTXVideo::new(&config(), vb).unwrap()
 }
 
@@ -35,7 +35,14 @@ fn draws(r: &HashMap<String, Tensor>, prefix: &str) -> Vec<Tensor> {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -49,7 +56,13 @@ fn compression_ratios_from_the_config() {
 fn denormalizes_latents() {
     let r = reference_in(&dir(), "vae");
     let got = vae().denormalize(&r["decode.latents_normalized"]).unwrap();
-    assert_close("latents_denormalized", &got, &r["decode.latents_denormalized"], 1e-6, 1e-6);
+    assert_close(
+        "latents_denormalized",
+        &got,
+        &r["decode.latents_denormalized"],
+        1e-6,
+        1e-6,
+    );
 }
 
 #[test]
@@ -66,8 +79,17 @@ fn decode_matches_with_replayed_noise() {
         )
         .unwrap();
     assert_eq!(noise.used(), 6, "every draw used, in order");
-    println!("decode max |diff| {}", max_diff(&video, &r["decode_t0_05.video"]));
-    assert_close("decode_t0_05.video", &video, &r["decode_t0_05.video"], ATOL, RTOL);
+    println!(
+        "decode max |diff| {}",
+        max_diff(&video, &r["decode_t0_05.video"])
+    );
+    assert_close(
+        "decode_t0_05.video",
+        &video,
+        &r["decode_t0_05.video"],
+        ATOL,
+        RTOL,
+    );
 }
 
 #[test]
@@ -79,7 +101,9 @@ fn missing_or_misshapen_noise_is_an_error() {
     let mut short = GivenNoise::new(draws(&r, "decode_t0_05.")[..3].to_vec());
     let err = vae.decode(z, Some(t), &mut short).unwrap_err().to_string();
     assert!(err.contains("draw 3"), "{err}");
-    let mut wrong = GivenNoise::new(vec![Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap()]);
+    let mut wrong = GivenNoise::new(vec![
+        Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap()
+    ]);
     assert!(vae.decode(z, Some(t), &mut wrong).is_err());
     let mut none = GivenNoise::new(Vec::new());
     assert!(vae.decode(z, None, &mut none).is_err(), "timestep required");
@@ -88,8 +112,14 @@ fn missing_or_misshapen_noise_is_an_error() {
 #[test]
 fn hostile_configs_are_errors_naming_the_key() {
     for (json, key) in [
-        (r#"{"decoder_block_out_channels": []}"#, "decoder_block_out_channels"),
-        (r#"{"decoder_layers_per_block": [1]}"#, "decoder_layers_per_block"),
+        (
+            r#"{"decoder_block_out_channels": []}"#,
+            "decoder_block_out_channels",
+        ),
+        (
+            r#"{"decoder_layers_per_block": [1]}"#,
+            "decoder_layers_per_block",
+        ),
         (r#"{"upsample_factor": [3, 3, 3, 3]}"#, "upsample_factor"),
         (r#"{"patch_size": 0}"#, "patch_size"),
         (r#"{"scaling_factor": 0.0}"#, "scaling_factor"),

@@ -84,7 +84,10 @@ impl FlowMatchEulerConfig {
             bail!("scheduler config: num_train_timesteps must be positive");
         }
         if !(self.shift.is_finite() && self.shift > 0.0) {
-            bail!("scheduler config: shift must be a positive number, got {}", self.shift);
+            bail!(
+                "scheduler config: shift must be a positive number, got {}",
+                self.shift
+            );
         }
         if self.base_image_seq_len == self.max_image_seq_len {
             bail!("scheduler config: max_image_seq_len must differ from base_image_seq_len");
@@ -95,7 +98,10 @@ impl FlowMatchEulerConfig {
                 self.time_shift_type
             );
         }
-        if self.shift_terminal.is_some_and(|t| !(t.is_finite() && t < 1.0)) {
+        if self
+            .shift_terminal
+            .is_some_and(|t| !(t.is_finite() && t < 1.0))
+        {
             bail!("scheduler config: shift_terminal must be below 1");
         }
         for (key, on) in [

@@ -152,7 +152,9 @@ impl LtxTransformerConfig {
         }
         self.gelu()?;
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
-            candle_core::bail!("ltx transformer config: norm_eps must be a finite non-negative number");
+            candle_core::bail!(
+                "ltx transformer config: norm_eps must be a finite non-negative number"
+            );
         }
         Ok(())
     }
@@ -281,7 +283,9 @@ pub fn rope_tables(
 /// weight, cast back to `x`'s dtype.
 fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     let xf = x.to_dtype(DType::F32)?;
-    let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
     let y = xf.broadcast_mul(&inv)?;
     let y = match weight {
         Some(w) => y.broadcast_mul(&w.to_dtype(DType::F32)?)?,
@@ -388,7 +392,10 @@ impl LtxAttention {
 /// (one entry per interleaved pair), computed in f32 and cast back.
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (b, s, dim) = x.dims3()?;
-    let xf = x.to_dtype(DType::F32)?.reshape((b, 1, s, dim))?.contiguous()?;
+    let xf = x
+        .to_dtype(DType::F32)?
+        .reshape((b, 1, s, dim))?
+        .contiguous()?;
     candle_nn::rotary_emb::rope_i(&xf, cos, sin)?
         .reshape((b, s, dim))?
         .to_dtype(x.dtype())
@@ -599,11 +606,20 @@ impl LtxTransformer3DModel {
             dim,
             grid,
             rope_interpolation_scale,
-            [self.cfg.patch_size_t, self.cfg.patch_size, self.cfg.patch_size],
+            [
+                self.cfg.patch_size_t,
+                self.cfg.patch_size,
+                self.cfg.patch_size,
+            ],
             device,
         )?;
         // One entry per interleaved pair (the tables repeat each value twice).
-        let half = |t: Tensor| t.reshape((s, dim / 2, 2))?.narrow(2, 0, 1)?.squeeze(2)?.contiguous();
+        let half = |t: Tensor| {
+            t.reshape((s, dim / 2, 2))?
+                .narrow(2, 0, 1)?
+                .squeeze(2)?
+                .contiguous()
+        };
         let encoder_key_bias = match encoder_attention_mask {
             Some(mask) => {
                 let len = mask.dim(D::Minus1)?;

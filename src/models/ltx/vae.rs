@@ -127,9 +127,21 @@ impl LtxVaeConfig {
             candle_core::bail!("ltx vae config: spatio_temporal_scaling has too many entries");
         }
         for (key, len, need) in [
-            ("decoder_layers_per_block", self.decoder_layers_per_block.len(), n + 1),
-            ("decoder_inject_noise", self.decoder_inject_noise.len(), n + 1),
-            ("decoder_spatio_temporal_scaling", self.decoder_spatio_temporal_scaling.len(), n),
+            (
+                "decoder_layers_per_block",
+                self.decoder_layers_per_block.len(),
+                n + 1,
+            ),
+            (
+                "decoder_inject_noise",
+                self.decoder_inject_noise.len(),
+                n + 1,
+            ),
+            (
+                "decoder_spatio_temporal_scaling",
+                self.decoder_spatio_temporal_scaling.len(),
+                n,
+            ),
             ("upsample_residual", self.upsample_residual.len(), n),
             ("upsample_factor", self.upsample_factor.len(), n),
         ] {
@@ -165,7 +177,9 @@ impl LtxVaeConfig {
             candle_core::bail!("ltx vae config: scaling_factor must be a non-zero number");
         }
         if !(self.resnet_norm_eps.is_finite() && self.resnet_norm_eps >= 0.0) {
-            candle_core::bail!("ltx vae config: resnet_norm_eps must be a finite non-negative number");
+            candle_core::bail!(
+                "ltx vae config: resnet_norm_eps must be a finite non-negative number"
+            );
         }
         Ok(())
     }
@@ -207,7 +221,9 @@ impl InjectedNoise for GivenNoise {
     fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor> {
         let k = self.used;
         let Some(draw) = self.draws.get(k) else {
-            candle_core::bail!("the decoder needs injected noise draw {k}, but only {k} were given");
+            candle_core::bail!(
+                "the decoder needs injected noise draw {k}, but only {k} were given"
+            );
         };
         if draw.dims() != [height, width] {
             candle_core::bail!(
@@ -310,7 +326,9 @@ impl CausalConv3d {
             parts.push(x.narrow(2, t - 1, 1)?.repeat((1, 1, back, 1, 1))?);
         }
         // Frames-major so a run of frames is a batch of images.
-        let padded = Tensor::cat(&parts, 2)?.permute((0, 2, 1, 3, 4))?.contiguous()?;
+        let padded = Tensor::cat(&parts, 2)?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()?;
         let t_out = t + front + back + 1 - k;
         let pad = k / 2;
         let per_frame = (h * w * c * k * k).max(1);
@@ -323,7 +341,9 @@ impl CausalConv3d {
                 let len = frames_per_call.min(t_out - t0);
                 let mut acc: Option<Tensor> = None;
                 for (tap, weight) in self.taps.iter().enumerate() {
-                    let y = video.narrow(0, t0 + tap, len)?.conv2d(weight, pad, 1, 1, 1)?;
+                    let y = video
+                        .narrow(0, t0 + tap, len)?
+                        .conv2d(weight, pad, 1, 1, 1)?;
                     acc = Some(match acc {
                         Some(a) => (a + y)?,
                         None => y,
@@ -338,7 +358,9 @@ impl CausalConv3d {
         }
         let y = Tensor::cat(&outs, 0)?;
         let (_, cout, ho, wo) = y.dims4()?;
-        y.reshape((b, t_out, cout, ho, wo))?.permute((0, 2, 1, 3, 4))?.contiguous()
+        y.reshape((b, t_out, cout, ho, wo))?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()
     }
 }
 
@@ -438,7 +460,9 @@ impl ResnetBlock {
     fn inject(x: &Tensor, scale: &Tensor, noise: &mut dyn InjectedNoise) -> Result<Tensor> {
         let (_, _, _, h, w) = x.dims5()?;
         let draw = noise.next(h, w, x.device())?.to_dtype(x.dtype())?;
-        let spatial = draw.unsqueeze(0)?.broadcast_mul(&scale.to_dtype(x.dtype())?)?;
+        let spatial = draw
+            .unsqueeze(0)?
+            .broadcast_mul(&scale.to_dtype(x.dtype())?)?;
         x.broadcast_add(&spatial.unsqueeze(0)?.unsqueeze(2)?)
     }
 
@@ -578,13 +602,8 @@ impl AutoencoderKLLTXVideo {
         let causal = cfg.decoder_causal;
         let dvb = vb.pp("decoder");
         let mut channels = reversed(&cfg.decoder_block_out_channels, 0);
-        let conv_in = CausalConv3d::new(
-            cfg.latent_channels,
-            channels,
-            3,
-            causal,
-            dvb.pp("conv_in"),
-        )?;
+        let conv_in =
+            CausalConv3d::new(cfg.latent_channels, channels, 3, causal, dvb.pp("conv_in"))?;
         let time_embedder = |dim: usize, vb: VarBuilder| -> Result<Option<TimeEmbedder>> {
             if cfg.timestep_conditioning {
                 Ok(Some(TimeEmbedder::new(dim, vb.pp("time_embedder"))?))
@@ -617,7 +636,13 @@ impl AutoencoderKLLTXVideo {
             let output = reversed(&cfg.decoder_block_out_channels, i) / factor;
             let inject = reversed(&cfg.decoder_inject_noise, i + 1);
             let conv_in = if input != output {
-                Some(ResnetBlock::new(input, output, cfg, inject, vb.pp("conv_in"))?)
+                Some(ResnetBlock::new(
+                    input,
+                    output,
+                    cfg,
+                    inject,
+                    vb.pp("conv_in"),
+                )?)
             } else {
                 None
             };
@@ -638,7 +663,9 @@ impl AutoencoderKLLTXVideo {
                 None
             };
             let resnets = (0..reversed(&cfg.decoder_layers_per_block, i + 1))
-                .map(|j| ResnetBlock::new(output, output, cfg, inject, vb.pp(format!("resnets.{j}"))))
+                .map(|j| {
+                    ResnetBlock::new(output, output, cfg, inject, vb.pp(format!("resnets.{j}")))
+                })
                 .collect::<Result<Vec<_>>>()?;
             up_blocks.push(DecoderBlock {
                 conv_in,
@@ -757,5 +784,6 @@ impl AutoencoderKLLTXVideo {
 pub fn add_decode_noise(latents: &Tensor, noise: &Tensor, scale: f64) -> Result<Tensor> {
     let s = scale as f32;
     let keep = 1.0f32 - s;
-    latents.affine(f64::from(keep), 0.0)? + noise.to_dtype(latents.dtype())?.affine(f64::from(s), 0.0)?
+    latents.affine(f64::from(keep), 0.0)?
+        + noise.to_dtype(latents.dtype())?.affine(f64::from(s), 0.0)?
 }

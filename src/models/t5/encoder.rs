@@ -192,10 +192,14 @@ impl T5Config {
             );
         }
         if self.relative_attention_max_distance == 0 {
-            candle_core::bail!("text encoder config: relative_attention_max_distance must be positive");
+            candle_core::bail!(
+                "text encoder config: relative_attention_max_distance must be positive"
+            );
         }
         if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon >= 0.0) {
-            candle_core::bail!("text encoder config: layer_norm_epsilon must be a finite non-negative number");
+            candle_core::bail!(
+                "text encoder config: layer_norm_epsilon must be a finite non-negative number"
+            );
         }
         self.feed_forward()?;
         Ok(())
