@@ -288,8 +288,8 @@ fn channel_layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> R
 /// over batches of frames.
 #[derive(Debug, Clone)]
 struct CausalConv3d {
-    /// `weight[:, :, k]` per temporal tap, each `[C_out, C_in, k, k]`.
-    taps: Vec<Tensor>,
+    /// `[C_out, C_in, k, k, k]`, as loaded (a temporal tap is sliced out when it runs).
+    weight: Tensor,
     bias: Tensor,
     causal: bool,
 }
@@ -297,12 +297,8 @@ struct CausalConv3d {
 impl CausalConv3d {
     fn new(cin: usize, cout: usize, k: usize, causal: bool, vb: VarBuilder) -> Result<Self> {
         let vb = vb.pp("conv");
-        let weight = vb.get((cout, cin, k, k, k), "weight")?;
-        let taps = (0..k)
-            .map(|t| weight.narrow(2, t, 1)?.squeeze(2)?.contiguous())
-            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            taps,
+            weight: vb.get((cout, cin, k, k, k), "weight")?,
             bias: vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?,
             causal,
         })
@@ -311,7 +307,10 @@ impl CausalConv3d {
     /// `[B, C, T, H, W]` -> `[B, C_out, T, H, W]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, c, t, h, w) = x.dims5()?;
-        let k = self.taps.len();
+        let k = self.weight.dim(2)?;
+        let taps = (0..k)
+            .map(|tap| self.weight.narrow(2, tap, 1)?.squeeze(2)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
         let (front, back) = if self.causal {
             (k - 1, 0)
         } else {
@@ -340,7 +339,7 @@ impl CausalConv3d {
             while t0 < t_out {
                 let len = frames_per_call.min(t_out - t0);
                 let mut acc: Option<Tensor> = None;
-                for (tap, weight) in self.taps.iter().enumerate() {
+                for (tap, weight) in taps.iter().enumerate() {
                     let y = video
                         .narrow(0, t0 + tap, len)?
                         .conv2d(weight, pad, 1, 1, 1)?;
