@@ -8,7 +8,7 @@ use candle_nn::VarBuilder;
 use common::{assert_close, named_fixture_dir, reference_in};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig};
+use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, SeededNoise};
 
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
@@ -79,6 +79,7 @@ fn decode_matches_with_replayed_noise() {
         )
         .unwrap();
     assert_eq!(noise.used(), 6, "every draw used, in order");
+    noise.check_all_used().unwrap();
     println!(
         "decode max |diff| {}",
         max_diff(&video, &r["decode_t0_05.video"])
@@ -105,6 +106,15 @@ fn missing_or_misshapen_noise_is_an_error() {
         Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap()
     ]);
     assert!(vae.decode(z, Some(t), &mut wrong).is_err());
+    let mut extra = draws(&r, "decode_t0_05.");
+    extra.push(extra[0].clone());
+    let mut extra = GivenNoise::new(extra);
+    vae.decode(z, Some(t), &mut extra).unwrap();
+    assert!(extra.check_all_used().is_err(), "an unused draw");
+    let mut seeded = SeededNoise::new(7);
+    let a = vae.decode(z, Some(t), &mut seeded).unwrap();
+    let b = vae.decode(z, Some(t), &mut SeededNoise::new(7)).unwrap();
+    assert_eq!(max_diff(&a, &b), 0.0, "seeded noise is reproducible");
     let mut none = GivenNoise::new(Vec::new());
     assert!(vae.decode(z, None, &mut none).is_err(), "timestep required");
 }

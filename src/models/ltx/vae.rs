@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
+use crate::models::loader::seeded_normal;
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the resnets' and the output's RMSNorms (hard-coded in diffusers).
@@ -214,6 +215,43 @@ impl GivenNoise {
     /// How many draws the decoder took.
     pub fn used(&self) -> usize {
         self.used
+    }
+
+    /// After a decode: an error when some given draws were never used (a draws file with
+    /// tensors the run does not need).
+    pub fn check_all_used(&self) -> Result<()> {
+        if self.used != self.draws.len() {
+            candle_core::bail!(
+                "{} injected noise draws were given but the decoder used {}",
+                self.draws.len(),
+                self.used
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Draws for runs without a draws file: `seeded_normal` with one seed per draw derived from
+/// `seed` (vidgen's own generator: not the numbers of torch's global RNG).
+#[derive(Debug, Clone)]
+pub struct SeededNoise {
+    seed: u64,
+    draws: u64,
+}
+
+impl SeededNoise {
+    pub fn new(seed: u64) -> Self {
+        Self { seed, draws: 0 }
+    }
+}
+
+impl InjectedNoise for SeededNoise {
+    fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor> {
+        let seed = self
+            .seed
+            .wrapping_add(self.draws.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        self.draws += 1;
+        seeded_normal(seed, &[height, width])?.to_device(device)
     }
 }
 
