@@ -230,11 +230,11 @@ fn torch_linspace_f32(start: f32, end: f32, steps: usize) -> Vec<f32> {
         .collect()
 }
 
-/// `LTXVideoRotaryPosEmbed` for a `num_frames x height x width` token grid: (cos, sin), each
-/// `[F·H·W, dim]` f32, in diffusers' layout (per frequency the (f, h, w) angles, each
-/// repeat-interleaved x2, `dim % 6` padding entries in front with cos 1 and sin 0). Every step
-/// is the f32 arithmetic of diffusers.
-pub fn rope_tables(
+/// `LTXVideoRotaryPosEmbed` for a `num_frames x height x width` token grid, one entry per
+/// interleaved pair: (cos, sin), each `[F·H·W, dim / 2]` f32 — per frequency the (f, h, w)
+/// angles, after `dim % 6 / 2` padding entries (cos 1, sin 0). Every angle is diffusers' f32
+/// arithmetic; the per-axis values are computed once on the host and gathered on `device`.
+pub fn rope_pair_tables(
     dim: usize,
     grid: [usize; 3],
     rope_interpolation_scale: [f64; 3],
@@ -242,41 +242,76 @@ pub fn rope_tables(
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
     let n = dim / 6;
-    let pad = dim % 6;
     let freqs: Vec<f32> = torch_linspace_f32(0.0, 1.0, n)
         .into_iter()
         .map(|e| ROPE_THETA.powf(e) * std::f32::consts::PI / 2.0)
         .collect();
-    // Normalised coordinate of index i on each axis: i * scale * patch / base, op by op in f32.
-    let coord = |axis: usize, i: usize| -> f32 {
-        i as f32 * rope_interpolation_scale[axis] as f32 * patch[axis] as f32
-            / ROPE_BASE[axis] as f32
-    };
     let [frames, height, width] = grid;
     let tokens = frames * height * width;
-    let mut cos = Vec::with_capacity(tokens * dim);
-    let mut sin = Vec::with_capacity(tokens * dim);
-    for f in 0..frames {
-        for h in 0..height {
-            for w in 0..width {
-                let coords = [coord(0, f), coord(1, h), coord(2, w)];
-                cos.extend(std::iter::repeat_n(1f32, pad));
-                sin.extend(std::iter::repeat_n(0f32, pad));
-                for &freq in &freqs {
-                    for c in coords {
-                        let angle = freq * (c * 2.0 - 1.0);
-                        let (s, co) = angle.sin_cos();
-                        cos.extend([co, co]);
-                        sin.extend([s, s]);
-                    }
-                }
+    // Per axis a `[len, n]` table; per token the axis index to gather.
+    let mut cos_parts = Vec::with_capacity(3);
+    let mut sin_parts = Vec::with_capacity(3);
+    for (axis, len) in grid.into_iter().enumerate() {
+        let mut cos = Vec::with_capacity(len * n);
+        let mut sin = Vec::with_capacity(len * n);
+        for i in 0..len {
+            // i * scale * patch / base, op by op in f32.
+            let coord = i as f32 * rope_interpolation_scale[axis] as f32 * patch[axis] as f32
+                / ROPE_BASE[axis] as f32;
+            for &freq in &freqs {
+                let (s, c) = (freq * (coord * 2.0 - 1.0)).sin_cos();
+                cos.push(c);
+                sin.push(s);
             }
         }
+        let index: Vec<u32> = (0..tokens)
+            .map(|t| match axis {
+                0 => t / (height * width),
+                1 => t / width % height,
+                _ => t % width,
+            } as u32)
+            .collect();
+        let index = Tensor::from_vec(index, tokens, device)?;
+        let gather = |v: Vec<f32>| Tensor::from_vec(v, (len, n), device)?.index_select(&index, 0);
+        cos_parts.push(gather(cos)?);
+        sin_parts.push(gather(sin)?);
+    }
+    // [S, n, 3] -> [S, 3n]: for each frequency the (f, h, w) angles.
+    let interleave = |parts: &[Tensor]| Tensor::stack(parts, 2)?.reshape((tokens, 3 * n));
+    let (cos, sin) = (interleave(&cos_parts)?, interleave(&sin_parts)?);
+    let pad = dim / 2 - 3 * n;
+    if pad == 0 {
+        return Ok((cos, sin));
     }
     Ok((
-        Tensor::from_vec(cos, (tokens, dim), device)?,
-        Tensor::from_vec(sin, (tokens, dim), device)?,
+        Tensor::cat(
+            &[&Tensor::ones((tokens, pad), DType::F32, device)?, &cos],
+            1,
+        )?,
+        Tensor::cat(
+            &[&Tensor::zeros((tokens, pad), DType::F32, device)?, &sin],
+            1,
+        )?,
     ))
+}
+
+/// [`rope_pair_tables`] in diffusers' full layout `[F·H·W, dim]` (every entry repeated for
+/// both members of its pair), as `LTXVideoRotaryPosEmbed` returns it.
+pub fn rope_tables(
+    dim: usize,
+    grid: [usize; 3],
+    rope_interpolation_scale: [f64; 3],
+    patch: [usize; 3],
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let (cos, sin) = rope_pair_tables(dim, grid, rope_interpolation_scale, patch, device)?;
+    let full = |t: Tensor| -> Result<Tensor> {
+        let (s, half) = t.dims2()?;
+        t.unsqueeze(2)?
+            .broadcast_as((s, half, 2))?
+            .reshape((s, 2 * half))
+    };
+    Ok((full(cos)?, full(sin)?))
 }
 
 /// RMSNorm over the last dim computed in f32 (diffusers' `RMSNorm`), optionally scaled by a
@@ -602,7 +637,7 @@ impl LtxTransformer3DModel {
         let dtype = hidden_states.dtype();
         let device = hidden_states.device();
         let dim = self.cfg.inner_dim();
-        let (cos, sin) = rope_tables(
+        let (rope_cos, rope_sin) = rope_pair_tables(
             dim,
             grid,
             rope_interpolation_scale,
@@ -613,13 +648,6 @@ impl LtxTransformer3DModel {
             ],
             device,
         )?;
-        // One entry per interleaved pair (the tables repeat each value twice).
-        let half = |t: Tensor| {
-            t.reshape((s, dim / 2, 2))?
-                .narrow(2, 0, 1)?
-                .squeeze(2)?
-                .contiguous()
-        };
         let encoder_key_bias = match encoder_attention_mask {
             Some(mask) => {
                 let len = mask.dim(D::Minus1)?;
@@ -646,8 +674,8 @@ impl LtxTransformer3DModel {
             embedded_timestep: embedded.reshape((b, 1, dim))?,
             encoder_hidden_states: caption,
             encoder_key_bias,
-            rope_cos: half(cos)?,
-            rope_sin: half(sin)?,
+            rope_cos,
+            rope_sin,
         })
     }
 
