@@ -90,6 +90,8 @@ fn config_is_t5_not_umt5() {
         .unwrap_err()
         .to_string()
         .contains("num_heads"));
+    let huge: T5Config = serde_json::from_str(r#"{"d_kv": 18446744073709551615}"#).unwrap();
+    assert!(huge.validate().unwrap_err().to_string().contains("d_kv"));
 }
 
 #[test]

@@ -214,6 +214,10 @@ fn hostile_configs_are_errors_naming_the_key() {
         (r#"{"qk_norm": "rms_norm"}"#, "qk_norm"),
         (r#"{"activation_fn": "swiglu"}"#, "activation_fn"),
         (r#"{"patch_size": 0}"#, "patch_size"),
+        (
+            r#"{"num_attention_heads": 18446744073709551615}"#,
+            "num_attention_heads",
+        ),
     ] {
         let cfg: LtxTransformerConfig = serde_json::from_str(json).unwrap();
         let err = cfg.validate().unwrap_err().to_string();

@@ -133,6 +133,11 @@ fn hostile_configs_are_errors_naming_the_key() {
         (r#"{"upsample_factor": [3, 3, 3, 3]}"#, "upsample_factor"),
         (r#"{"patch_size": 0}"#, "patch_size"),
         (r#"{"scaling_factor": 0.0}"#, "scaling_factor"),
+        (r#"{"patch_size": 4611686018427387904}"#, "patch_size"),
+        (
+            r#"{"decoder_block_out_channels": [18446744073709551615]}"#,
+            "decoder_block_out_channels",
+        ),
     ] {
         let cfg: LtxVaeConfig = serde_json::from_str(json).unwrap();
         let err = cfg.validate().unwrap_err().to_string();

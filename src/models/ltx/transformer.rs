@@ -23,6 +23,8 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_with_bias};
 use crate::models::wan::transformer::timestep_embedding;
 
+/// Largest width or patch size a config may give (far above any real model).
+const MAX_SIZE: usize = 1 << 16;
 /// Width of the sinusoidal timestep projection (`Timesteps(256)` in AdaLayerNormSingle).
 const TIMESTEP_PROJ_DIM: usize = 256;
 /// Epsilon of `LTXAttention`'s q/k RMSNorm (hard-coded in diffusers, not in the config).
@@ -118,6 +120,23 @@ impl LtxTransformerConfig {
 
     /// Rejects a config this model cannot run, with a one-line error naming the key.
     pub fn validate(&self) -> Result<()> {
+        // Bounds far above any real model keep the size arithmetic from overflowing.
+        for (key, value) in [
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels()),
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("cross_attention_dim", self.cross_attention_dim),
+            ("caption_channels", self.caption_channels),
+            ("patch_size", self.patch_size),
+            ("patch_size_t", self.patch_size_t),
+        ] {
+            if value > MAX_SIZE {
+                candle_core::bail!(
+                    "ltx transformer config: {key} {value} is larger than {MAX_SIZE}"
+                );
+            }
+        }
         for (key, value) in [
             ("in_channels", self.in_channels),
             ("num_attention_heads", self.num_attention_heads),

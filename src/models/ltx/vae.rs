@@ -20,6 +20,8 @@ use crate::models::wan::transformer::timestep_embedding;
 const RMS_EPS: f64 = 1e-8;
 /// Width of the sinusoidal timestep projection of the PixArt time embedders.
 const TIMESTEP_PROJ_DIM: usize = 256;
+/// Largest channel count or patch size a config may give (far above any real model).
+const MAX_SIZE: usize = 1 << 16;
 /// Upper bound on im2col elements of one conv2d call (frames are convolved in batches).
 const MAX_IM2COL_ELEMENTS: usize = 1 << 27;
 
@@ -122,6 +124,21 @@ impl LtxVaeConfig {
         ] {
             if value == 0 {
                 candle_core::bail!("ltx vae config: {key} must be positive");
+            }
+        }
+        // Bounds far above any real model keep the size arithmetic below from overflowing.
+        let widths = self.decoder_block_out_channels.iter();
+        for (key, value) in [
+            ("latent_channels", self.latent_channels),
+            ("out_channels", self.out_channels),
+            ("patch_size", self.patch_size),
+            ("patch_size_t", self.patch_size_t),
+        ]
+        .into_iter()
+        .chain(widths.map(|&w| ("decoder_block_out_channels", w)))
+        {
+            if value > MAX_SIZE {
+                candle_core::bail!("ltx vae config: {key} {value} is larger than {MAX_SIZE}");
             }
         }
         if self.spatio_temporal_scaling.len() > 16 {

@@ -1,8 +1,8 @@
 //! The T5 encoder stack shared by the T5 family (transformers' `T5EncoderModel`,
-//! `MT5EncoderModel`, `T5EncoderModel`): LTX-Video and CogVideoX use T5 v1.1, Wan2.1 T5.
+//! `MT5EncoderModel`, `UMT5EncoderModel`): LTX-Video and CogVideoX use T5 v1.1, Wan2.1 UMT5.
 //!
 //! The variants differ in one place: T5 and mT5 compute the relative-position bias in the first
-//! block only and every later block reuses it, while each T5 block owns its own bias table.
+//! block only and every later block reuses it, while each UMT5 block owns its own bias table.
 //! Attention scores are not scaled by 1/sqrt(d_kv). Padded keys are masked when a mask is
 //! given; padded queries are computed normally (Wan zeroes those rows afterwards, see
 //! [`T5EncoderModel::prompt_embeds`]; LTX-Video keeps them and passes an all-ones mask).
@@ -183,6 +183,10 @@ impl T5Config {
         ] {
             if value == 0 {
                 candle_core::bail!("text encoder config: {key} must be positive");
+            }
+            // Far above any real model; keeps `num_heads * d_kv` and friends from overflowing.
+            if value > 1 << 24 {
+                candle_core::bail!("text encoder config: {key} {value} is too large");
             }
         }
         if self.relative_attention_num_buckets < 4 {
