@@ -8,7 +8,9 @@ use candle_nn::VarBuilder;
 use common::{assert_close, named_fixture_dir, reference_in};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, SeededNoise};
+use vidgen::models::ltx::vae::{
+    latent_dist, AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVideoEncoder, SeededNoise,
+};
 
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
@@ -143,4 +145,34 @@ fn hostile_configs_are_errors_naming_the_key() {
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains(key), "{json}: {err}");
     }
+}
+
+#[test]
+fn encode_matches() {
+    let r = reference_in(&dir(), "vae");
+    let path = dir().join("vae/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu) }.unwrap();
+    let encoder = LtxVideoEncoder::new(&config(), vb).unwrap();
+    let moments = encoder.encode(&r["encode.video"]).unwrap();
+    println!(
+        "moments max |diff| {}",
+        max_diff(&moments, &r["encode.moments"])
+    );
+    assert_close("encode.moments", &moments, &r["encode.moments"], ATOL, RTOL);
+    let (mean, logvar) = latent_dist(&moments).unwrap();
+    assert_close(
+        "latent_dist.mean",
+        &mean,
+        &r["encode.latent_dist.mean"],
+        ATOL,
+        RTOL,
+    );
+    assert_close(
+        "latent_dist.logvar",
+        &logvar,
+        &r["encode.latent_dist.logvar"],
+        ATOL,
+        RTOL,
+    );
 }

@@ -1,4 +1,4 @@
-//! LTX-Video's VAE decoder (diffusers `AutoencoderKLLTXVideo`), in the 0.9.1 layout as well
+//! LTX-Video's VAE (diffusers `AutoencoderKLLTXVideo`), in the 0.9.1 layout as well
 //! as the 0.9.0 one: a non-causal 3D-conv decoder whose up blocks upsample 2x in time, height
 //! and width by depth-to-space (dropping the first output frame, so T -> 2T - 1), followed by a
 //! 4x4 un-patchify. With `timestep_conditioning` every block modulates its norms by an embedding
@@ -6,7 +6,8 @@
 //! spatial noise after their convs. That noise is `torch.randn` from the global RNG in diffusers;
 //! here it is an input ([`InjectedNoise`]) so the draws of a reference run can be replayed.
 //!
-//! Only decoding is implemented (text-to-video never encodes). Activations stay
+//! The decoder ([`AutoencoderKLLTXVideo`]) is what text-to-video needs; the encoder
+//! ([`LtxVideoEncoder`]) is built separately, for image-to-video. Activations stay
 //! `[B, C, T, H, W]` like diffusers'.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -59,6 +60,12 @@ pub struct LtxVaeConfig {
     pub scaling_factor: f64,
     /// Causal time padding in the decoder (LTX-Video: false, replicate both ends).
     pub decoder_causal: bool,
+    /// Causal time padding in the encoder (LTX-Video: true).
+    pub encoder_causal: bool,
+    /// `LTXVideoDownBlock3D` (or `LTXVideo095DownBlock3D` with `conv` downsampling) per block.
+    pub down_block_types: Vec<String>,
+    /// Downsampling of each `LTXVideo095DownBlock3D` (only `conv` is supported).
+    pub downsample_type: Vec<String>,
     pub spatial_compression_ratio: Option<usize>,
     pub temporal_compression_ratio: Option<usize>,
 }
@@ -84,6 +91,9 @@ impl Default for LtxVaeConfig {
             resnet_norm_eps: 1e-6,
             scaling_factor: 1.0,
             decoder_causal: false,
+            encoder_causal: true,
+            down_block_types: vec!["LTXVideoDownBlock3D".into(); 4],
+            downsample_type: vec!["conv".into(); 4],
             spatial_compression_ratio: None,
             temporal_compression_ratio: None,
         }
@@ -337,29 +347,42 @@ fn channel_layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> R
         .to_dtype(x.dtype())
 }
 
-/// `LTXVideoCausalConv3d` with stride 1 and a cubic kernel: time padded by replicating the
-/// first frame (causal: `k - 1` in front; else `(k - 1) / 2` at each end, the last frame
-/// behind), space zero-padded by `k / 2`. Computed as a sum over temporal taps of 2D convs
-/// over batches of frames.
+/// `LTXVideoCausalConv3d` with a cubic kernel and the same stride on every axis: time padded
+/// by replicating the first frame (causal: `k - 1` in front; else `(k - 1) / 2` at each end,
+/// the last frame behind), space zero-padded by `k / 2`. Computed as a sum over temporal taps
+/// of 2D convs over batches of frames.
 #[derive(Debug, Clone)]
 struct CausalConv3d {
     /// `[C_out, C_in, k, k, k]`, as loaded (a temporal tap is sliced out when it runs).
     weight: Tensor,
     bias: Tensor,
     causal: bool,
+    stride: usize,
 }
 
 impl CausalConv3d {
     fn new(cin: usize, cout: usize, k: usize, causal: bool, vb: VarBuilder) -> Result<Self> {
+        Self::strided(cin, cout, k, 1, causal, vb)
+    }
+
+    fn strided(
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+        causal: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let vb = vb.pp("conv");
         Ok(Self {
             weight: vb.get((cout, cin, k, k, k), "weight")?,
             bias: vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?,
             causal,
+            stride,
         })
     }
 
-    /// `[B, C, T, H, W]` -> `[B, C_out, T, H, W]`.
+    /// `[B, C, T, H, W]` -> `[B, C_out, T', H', W']` (the same sizes at stride 1).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, c, t, h, w) = x.dims5()?;
         let k = self.weight.dim(2)?;
@@ -383,7 +406,8 @@ impl CausalConv3d {
         let padded = Tensor::cat(&parts, 2)?
             .permute((0, 2, 1, 3, 4))?
             .contiguous()?;
-        let t_out = t + front + back + 1 - k;
+        let st = self.stride;
+        let t_out = (t + front + back - k) / st + 1;
         let pad = k / 2;
         let per_frame = (h * w * c * k * k).max(1);
         let frames_per_call = (MAX_IM2COL_ELEMENTS / per_frame).clamp(1, t_out.max(1));
@@ -395,9 +419,15 @@ impl CausalConv3d {
                 let len = frames_per_call.min(t_out - t0);
                 let mut acc: Option<Tensor> = None;
                 for (tap, weight) in taps.iter().enumerate() {
-                    let y = video
-                        .narrow(0, t0 + tap, len)?
-                        .conv2d(weight, pad, 1, 1, 1)?;
+                    // Input frames (t0 + j)·stride + tap of the padded video, j < len.
+                    let frames = if st == 1 {
+                        video.narrow(0, t0 + tap, len)?
+                    } else {
+                        let index: Vec<u32> =
+                            (0..len).map(|j| ((t0 + j) * st + tap) as u32).collect();
+                        video.index_select(&Tensor::new(index, video.device())?, 0)?
+                    };
+                    let y = frames.conv2d(weight, pad, st, 1, 1)?;
                     acc = Some(match acc {
                         Some(a) => (a + y)?,
                         None => y,
@@ -469,15 +499,38 @@ struct ResnetBlock {
     eps: f64,
 }
 
+/// What a resnet of the encoder or the decoder has.
+#[derive(Debug, Clone, Copy)]
+struct ResnetOptions {
+    causal: bool,
+    timestep_conditioning: bool,
+    inject_noise: bool,
+    eps: f64,
+}
+
+impl ResnetOptions {
+    fn decoder(cfg: &LtxVaeConfig, inject_noise: bool) -> Self {
+        Self {
+            causal: cfg.decoder_causal,
+            timestep_conditioning: cfg.timestep_conditioning,
+            inject_noise,
+            eps: cfg.resnet_norm_eps,
+        }
+    }
+
+    fn encoder(cfg: &LtxVaeConfig) -> Self {
+        Self {
+            causal: cfg.encoder_causal,
+            timestep_conditioning: false,
+            inject_noise: false,
+            eps: cfg.resnet_norm_eps,
+        }
+    }
+}
+
 impl ResnetBlock {
-    fn new(
-        cin: usize,
-        cout: usize,
-        cfg: &LtxVaeConfig,
-        inject_noise: bool,
-        vb: VarBuilder,
-    ) -> Result<Self> {
-        let causal = cfg.decoder_causal;
+    fn new(cin: usize, cout: usize, options: ResnetOptions, vb: VarBuilder) -> Result<Self> {
+        let causal = options.causal;
         let shortcut = if cin != cout {
             Some((
                 vb.get(cin, "norm3.weight")?,
@@ -487,7 +540,7 @@ impl ResnetBlock {
         } else {
             None
         };
-        let noise_scales = if inject_noise {
+        let noise_scales = if options.inject_noise {
             Some((
                 vb.get((cin, 1, 1), "per_channel_scale1")?,
                 vb.get((cin, 1, 1), "per_channel_scale2")?,
@@ -495,7 +548,7 @@ impl ResnetBlock {
         } else {
             None
         };
-        let scale_shift_table = if cfg.timestep_conditioning {
+        let scale_shift_table = if options.timestep_conditioning {
             Some(vb.get((4, cin), "scale_shift_table")?)
         } else {
             None
@@ -506,7 +559,7 @@ impl ResnetBlock {
             shortcut,
             noise_scales,
             scale_shift_table,
-            eps: cfg.resnet_norm_eps,
+            eps: options.eps,
         })
     }
 
@@ -675,8 +728,7 @@ impl AutoencoderKLLTXVideo {
                     ResnetBlock::new(
                         channels,
                         channels,
-                        cfg,
-                        reversed(&cfg.decoder_inject_noise, 0),
+                        ResnetOptions::decoder(cfg, reversed(&cfg.decoder_inject_noise, 0)),
                         mid_vb.pp(format!("resnets.{i}")),
                     )
                 })
@@ -693,8 +745,7 @@ impl AutoencoderKLLTXVideo {
                 Some(ResnetBlock::new(
                     input,
                     output,
-                    cfg,
-                    inject,
+                    ResnetOptions::decoder(cfg, inject),
                     vb.pp("conv_in"),
                 )?)
             } else {
@@ -718,7 +769,12 @@ impl AutoencoderKLLTXVideo {
             };
             let resnets = (0..reversed(&cfg.decoder_layers_per_block, i + 1))
                 .map(|j| {
-                    ResnetBlock::new(output, output, cfg, inject, vb.pp(format!("resnets.{j}")))
+                    ResnetBlock::new(
+                        output,
+                        output,
+                        ResnetOptions::decoder(cfg, inject),
+                        vb.pp(format!("resnets.{j}")),
+                    )
                 })
                 .collect::<Result<Vec<_>>>()?;
             up_blocks.push(DecoderBlock {
@@ -840,4 +896,185 @@ pub fn add_decode_noise(latents: &Tensor, noise: &Tensor, scale: f64) -> Result<
     let keep = 1.0f32 - s;
     latents.affine(f64::from(keep), 0.0)?
         + noise.to_dtype(latents.dtype())?.affine(f64::from(s), 0.0)?
+}
+
+/// One `LTXVideoDownBlock3D`: resnets, an optional stride-2 conv, an optional
+/// width-changing resnet.
+#[derive(Debug, Clone)]
+struct EncoderBlock {
+    resnets: Vec<ResnetBlock>,
+    downsampler: Option<CausalConv3d>,
+    conv_out: Option<ResnetBlock>,
+}
+
+/// The VAE encoder (`encoder.*`, diffusers' `LTXVideoEncoder3d` with `LTXVideoDownBlock3D`s):
+/// patchify, conv_in, down blocks, mid block, RMSNorm, SiLU, conv_out to `latent_channels + 1`
+/// (the mean channels and one log-variance channel). Not needed for text-to-video.
+#[derive(Debug, Clone)]
+pub struct LtxVideoEncoder {
+    cfg: LtxVaeConfig,
+    conv_in: CausalConv3d,
+    down_blocks: Vec<EncoderBlock>,
+    mid_resnets: Vec<ResnetBlock>,
+    conv_out: CausalConv3d,
+}
+
+impl LtxVideoEncoder {
+    /// Loads `encoder.*` from the VAE checkpoint root `vb`.
+    pub fn new(cfg: &LtxVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let n = cfg.block_out_channels.len();
+        if n == 0 || cfg.in_channels == 0 {
+            candle_core::bail!(
+                "ltx vae config: block_out_channels and in_channels must be non-empty"
+            );
+        }
+        for (key, len, need) in [
+            ("layers_per_block", cfg.layers_per_block.len(), n + 1),
+            (
+                "spatio_temporal_scaling",
+                cfg.spatio_temporal_scaling.len(),
+                n,
+            ),
+            ("down_block_types", cfg.down_block_types.len(), n),
+        ] {
+            if len < need {
+                candle_core::bail!(
+                    "ltx vae config: {key} has {len} entries, the encoder needs {need}"
+                );
+            }
+        }
+        if let Some(other) = cfg.down_block_types[..n]
+            .iter()
+            .find(|t| t.as_str() != "LTXVideoDownBlock3D")
+        {
+            candle_core::bail!(
+                "ltx vae config: down_block_types {other:?} is not supported (only LTXVideoDownBlock3D)"
+            );
+        }
+        if cfg
+            .block_out_channels
+            .iter()
+            .chain([&cfg.in_channels])
+            .any(|&c| c > MAX_SIZE)
+        {
+            candle_core::bail!(
+                "ltx vae config: block_out_channels or in_channels larger than {MAX_SIZE}"
+            );
+        }
+        cfg.validate()?;
+        let vb = vb.pp("encoder");
+        let options = ResnetOptions::encoder(cfg);
+        let causal = cfg.encoder_causal;
+        let patch_channels = cfg.in_channels * cfg.patch_size * cfg.patch_size * cfg.patch_size_t;
+        let mut output = cfg.block_out_channels[0];
+        let conv_in = CausalConv3d::new(patch_channels, output, 3, causal, vb.pp("conv_in"))?;
+        let mut down_blocks = Vec::with_capacity(n);
+        for i in 0..n {
+            let input = output;
+            output = cfg.block_out_channels[(i + 1).min(n - 1)];
+            let bvb = vb.pp(format!("down_blocks.{i}"));
+            let resnets = (0..cfg.layers_per_block[i])
+                .map(|j| ResnetBlock::new(input, input, options, bvb.pp(format!("resnets.{j}"))))
+                .collect::<Result<Vec<_>>>()?;
+            let downsampler = if cfg.spatio_temporal_scaling[i] {
+                Some(CausalConv3d::strided(
+                    input,
+                    input,
+                    3,
+                    2,
+                    causal,
+                    bvb.pp("downsamplers.0"),
+                )?)
+            } else {
+                None
+            };
+            let conv_out = if input != output {
+                Some(ResnetBlock::new(
+                    input,
+                    output,
+                    options,
+                    bvb.pp("conv_out"),
+                )?)
+            } else {
+                None
+            };
+            down_blocks.push(EncoderBlock {
+                resnets,
+                downsampler,
+                conv_out,
+            });
+        }
+        let mid_resnets = (0..cfg.layers_per_block[n])
+            .map(|j| {
+                ResnetBlock::new(
+                    output,
+                    output,
+                    options,
+                    vb.pp(format!("mid_block.resnets.{j}")),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let conv_out = CausalConv3d::new(
+            output,
+            cfg.latent_channels + 1,
+            3,
+            causal,
+            vb.pp("conv_out"),
+        )?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            conv_in,
+            down_blocks,
+            mid_resnets,
+            conv_out,
+        })
+    }
+
+    /// `video` `[B, in_channels, T, H, W]` in [-1, 1] (T = 1 + 8k, H and W multiples of the
+    /// spatial ratio) -> moments `[B, 2·latent_channels, T', H', W']`: the means, then the
+    /// log-variance channel repeated `latent_channels` times.
+    pub fn encode(&self, video: &Tensor) -> Result<Tensor> {
+        let (b, c, t, h, w) = video.dims5()?;
+        let (p, pt) = (self.cfg.patch_size, self.cfg.patch_size_t);
+        if t % pt != 0 || h % p != 0 || w % p != 0 {
+            candle_core::bail!("a {t}x{h}x{w} video does not split into {pt}x{p}x{p} patches");
+        }
+        let (tp, hp, wp) = (t / pt, h / p, w / p);
+        // Patchify: channel = c·(p_t·p·p) + t·p·p + w·p + h, as diffusers orders it.
+        let x = video
+            .reshape(vec![b, c, tp, pt, hp, p, wp, p])?
+            .permute(vec![0, 1, 3, 7, 5, 2, 4, 6])?
+            .reshape((b, c * pt * p * p, tp, hp, wp))?;
+        let mut noise = GivenNoise::new(Vec::new());
+        let mut h = self.conv_in.forward(&x)?;
+        for block in &self.down_blocks {
+            for resnet in &block.resnets {
+                h = resnet.forward(&h, None, &mut noise)?;
+            }
+            if let Some(down) = &block.downsampler {
+                h = down.forward(&h)?;
+            }
+            if let Some(conv_out) = &block.conv_out {
+                h = conv_out.forward(&h, None, &mut noise)?;
+            }
+        }
+        for resnet in &self.mid_resnets {
+            h = resnet.forward(&h, None, &mut noise)?;
+        }
+        let h = self
+            .conv_out
+            .forward(&channel_rms_norm(&h, RMS_EPS)?.silu()?)?;
+        let latent = self.cfg.latent_channels;
+        let logvar = h.narrow(1, latent, 1)?;
+        Tensor::cat(&[h, logvar.repeat((1, latent - 1, 1, 1, 1))?], 1)
+    }
+}
+
+/// `DiagonalGaussianDistribution(moments)`: (mean, logvar clamped to [-30, 20]).
+pub fn latent_dist(moments: &Tensor) -> Result<(Tensor, Tensor)> {
+    let c = moments.dim(1)? / 2;
+    Ok((
+        moments.narrow(1, 0, c)?,
+        moments.narrow(1, c, c)?.clamp(-30f32, 20f32)?,
+    ))
 }
