@@ -27,7 +27,7 @@ fn vision_hidden_states_match_transformers() {
         common::var_builder_in(I2V, "image_encoder/model.safetensors"),
     )
     .unwrap();
-    let r = common::reference_in(I2V, "image_encoder");
+    let r = common::named_reference(I2V, "image_encoder");
     let states = model.hidden_states(&r["pixel_values"]).unwrap();
     assert_eq!(states.len(), cfg.num_hidden_layers + 1);
     for (k, state) in states.iter().enumerate() {
@@ -46,7 +46,7 @@ fn penultimate_layer_is_the_wan_image_embeds() {
     let vb = common::var_builder_in(I2V, "image_encoder/model.safetensors");
     let model = ClipVisionModel::new_penultimate(&cfg, vb).unwrap();
     assert_eq!(model.num_layers(), cfg.num_hidden_layers - 1);
-    let r = common::reference_in(I2V, "image_encoder");
+    let r = common::named_reference(I2V, "image_encoder");
     let embeds = model.last_hidden_state(&r["pixel_values"]).unwrap();
     eprintln!(
         "image_embeds: max |diff| {:e}",
@@ -68,9 +68,9 @@ fn image_processor_matches_pil_backend() {
     let cfg: ClipImageProcessorConfig =
         common::config_in(I2V, "image_processor/preprocessor_config.json");
     let processor = ClipImageProcessor::new(&cfg).unwrap();
-    let img = load_rgb_image(&common::fixture_dir_named(I2V).join("reference/input.png")).unwrap();
+    let img = load_rgb_image(&common::named_fixture_dir(I2V).join("reference/input.png")).unwrap();
     let pixels = processor.preprocess(&img, &Device::Cpu).unwrap();
-    let r = common::reference_in(I2V, "image_encoder");
+    let r = common::named_reference(I2V, "image_encoder");
     let diff = common::max_abs_diff(&pixels, &r["pixel_values"]);
     eprintln!("pixel_values: max |diff| {diff:e}");
     common::assert_close("pixel_values", &pixels, &r["pixel_values"], 1e-6, 0.0);
@@ -80,7 +80,7 @@ fn image_processor_matches_pil_backend() {
 fn image_from_processor_to_embeds() {
     let cfg: ClipImageProcessorConfig =
         common::config_in(I2V, "image_processor/preprocessor_config.json");
-    let img = load_rgb_image(&common::fixture_dir_named(I2V).join("reference/input.png")).unwrap();
+    let img = load_rgb_image(&common::named_fixture_dir(I2V).join("reference/input.png")).unwrap();
     let pixels = ClipImageProcessor::new(&cfg)
         .unwrap()
         .preprocess(&img, &Device::Cpu)
@@ -89,7 +89,7 @@ fn image_from_processor_to_embeds() {
     let vb = common::var_builder_in(I2V, "image_encoder/model.safetensors");
     let model = ClipVisionModel::new_up_to_layer(&vcfg, vcfg.num_hidden_layers - 1, vb).unwrap();
     let embeds = model.last_hidden_state(&pixels).unwrap();
-    let r = common::reference_in(I2V, "image_encoder");
+    let r = common::named_reference(I2V, "image_encoder");
     common::assert_close(
         "image_embeds (from png)",
         &embeds,
@@ -104,7 +104,7 @@ fn text_model_matches_transformers() {
     let cfg: ClipTextConfig = common::config_in(HUNYUAN, "text_encoder_2/config.json");
     let vb = common::var_builder_in(HUNYUAN, "text_encoder_2/model.safetensors");
     let model = ClipTextModel::new(&cfg, vb).unwrap();
-    let r = common::reference_in(HUNYUAN, "text_encoder");
+    let r = common::named_reference(HUNYUAN, "text_encoder");
     let ids = &r["clip.input_ids"];
     assert_eq!(ids.dtype(), DType::I64);
     let out = model.forward(ids).unwrap();
@@ -156,7 +156,7 @@ fn configs_reject_what_cannot_run() {
 
 #[test]
 fn jpeg_input_decodes_to_rgb() {
-    let png = common::fixture_dir_named(I2V).join("reference/input.png");
+    let png = common::named_fixture_dir(I2V).join("reference/input.png");
     let img = load_rgb_image(&png).unwrap();
     let dir = std::env::temp_dir().join(format!("vidgen-jpeg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -186,8 +186,8 @@ fn jpeg_input_decodes_to_rgb() {
 #[test]
 fn resize_is_bit_exact_with_pillow() {
     use vidgen::models::clip::{resize_like_pil, PilFilter};
-    let src = load_rgb_image(&common::fixture_dir_named(I2V).join("reference/input.png")).unwrap();
-    let dir = common::fixture_dir_named("pil-resize");
+    let src = load_rgb_image(&common::named_fixture_dir(I2V).join("reference/input.png")).unwrap();
+    let dir = common::named_fixture_dir("pil-resize");
     let mut checked = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();

@@ -136,7 +136,7 @@ fn float_timestep(t: f32) -> Tensor {
 fn i2v_transformer_matches_diffusers() {
     let (cfg, model) = transformer(I2V, "transformer");
     assert!(cfg.has_image_branch());
-    let r = common::reference_in(I2V, "transformer");
+    let r = common::named_reference(I2V, "transformer");
     let (x, text, image) = (
         &r["hidden_states"],
         &r["encoder_hidden_states"],
@@ -163,7 +163,7 @@ fn i2v_transformer_matches_diffusers() {
 #[test]
 fn i2v_transformer_refuses_what_diffusers_would_split_wrongly() {
     let (_, model) = transformer(I2V, "transformer");
-    let r = common::reference_in(I2V, "transformer");
+    let r = common::named_reference(I2V, "transformer");
     let (x, t, text, image) = (
         &r["hidden_states"],
         &r["timestep_int"],
@@ -181,7 +181,7 @@ fn i2v_transformer_refuses_what_diffusers_would_split_wrongly() {
     assert!(err.contains("512"), "{err}");
     // Image tokens given to a text-to-video model.
     let (_, t2v) = transformer(A14B, "transformer");
-    let ra = common::reference_in(A14B, "transformer");
+    let ra = common::named_reference(A14B, "transformer");
     assert!(t2v
         .forward_with_image(
             &ra["hidden_states"],
@@ -195,7 +195,7 @@ fn i2v_transformer_refuses_what_diffusers_would_split_wrongly() {
 #[test]
 fn ti2v_transformer_per_token_timesteps_match_diffusers() {
     let (_, model) = transformer(TI2V, "transformer");
-    let r = common::reference_in(TI2V, "transformer");
+    let r = common::named_reference(TI2V, "transformer");
     let (x, text) = (&r["hidden_states"], &r["encoder_hidden_states"]);
     let out = model.forward(x, &r["timestep_int"], text).unwrap();
     check("output_t999", &out, &r["output_t999"]);
@@ -245,7 +245,7 @@ fn ti2v_transformer_per_token_timesteps_match_diffusers() {
 #[test]
 fn per_token_timesteps_batch_of_two() {
     let (_, model) = transformer(TI2V, "transformer");
-    let r = common::reference_in(TI2V, "transformer");
+    let r = common::named_reference(TI2V, "transformer");
     let two = |t: &Tensor| Tensor::cat(&[t, t], 0).unwrap();
     let x = two(&r["hidden_states"]);
     let text = two(&r["encoder_hidden_states"]);
@@ -265,7 +265,7 @@ fn per_token_timesteps_batch_of_two() {
 
 #[test]
 fn a14b_experts_match_diffusers() {
-    let r = common::reference_in(A14B, "transformer");
+    let r = common::named_reference(A14B, "transformer");
     let (x, text) = (&r["hidden_states"], &r["encoder_hidden_states"]);
     let (_, high) = transformer(A14B, "transformer");
     let (_, low) = transformer(A14B, "transformer_2");
@@ -352,7 +352,7 @@ fn wan22_vae_config_sizes() {
 #[test]
 fn wan22_vae_decode_matches_diffusers() {
     let vae = vae(TI2V);
-    let r = common::reference_in(TI2V, "vae");
+    let r = common::named_reference(TI2V, "vae");
     let z = vae.denormalize(&r["decode.latents_normalized"]).unwrap();
     check(
         "decode.latents_denormalized",
@@ -372,7 +372,7 @@ fn wan22_vae_decode_matches_diffusers() {
 #[test]
 fn wan22_vae_encode_matches_diffusers() {
     let vae = vae(TI2V);
-    let r = common::reference_in(TI2V, "vae");
+    let r = common::named_reference(TI2V, "vae");
     let video = &r["encode.video"];
     let patched = patchify(&video.narrow(2, 0, 1).unwrap(), 2).unwrap();
     check(
@@ -401,7 +401,7 @@ fn wan22_vae_encode_matches_diffusers() {
 #[test]
 fn wan22_vae_tiled_decode_of_one_tile_is_the_decode() {
     let vae = vae(TI2V);
-    let r = common::reference_in(TI2V, "vae");
+    let r = common::named_reference(TI2V, "vae");
     let tiling = WanVaeTiling {
         tile_min_height: 32,
         tile_min_width: 32,
@@ -421,13 +421,13 @@ fn wan22_vae_tiled_decode_of_one_tile_is_the_decode() {
 }
 
 fn input_image(fixture: &str) -> image::RgbImage {
-    load_rgb_image(&common::fixture_dir_named(fixture).join("reference/input.png")).unwrap()
+    load_rgb_image(&common::named_fixture_dir(fixture).join("reference/input.png")).unwrap()
 }
 
 #[test]
 fn i2v_condition_latents_match_diffusers() {
     let vae = vae(I2V);
-    let r = common::reference_in(I2V, "vae");
+    let r = common::named_reference(I2V, "vae");
     let (_, _, frames, h, w) = r["video_condition"].dims5().unwrap();
     let sf = vae.config().scale_factor_spatial();
     let image = preprocess_image(&input_image(I2V), h, w, sf, &Device::Cpu).unwrap();
@@ -447,7 +447,7 @@ fn i2v_condition_latents_match_diffusers() {
     assert!(image_condition(&vae, &image, frames - 1, 1, DType::F32).is_err());
 
     // What the transformer got at step 0: [latents | condition].
-    let p = common::reference_in(I2V, "pipeline");
+    let p = common::named_reference(I2V, "pipeline");
     let input = Tensor::cat(&[&p["latents_init"], &condition], 1).unwrap();
     check(
         "cfg5.step0.latent_model_input",
@@ -459,7 +459,7 @@ fn i2v_condition_latents_match_diffusers() {
 #[test]
 fn ti2v_first_frame_condition_matches_diffusers() {
     let vae = vae(TI2V);
-    let p = common::reference_in(TI2V, "pipeline_i2v");
+    let p = common::named_reference(TI2V, "pipeline_i2v");
     let (_, _, h, w) = p["image"].dims4().unwrap();
     let sf = vae.config().scale_factor_spatial();
     let image = preprocess_image(&input_image(TI2V), h, w, sf, &Device::Cpu).unwrap();
@@ -483,7 +483,7 @@ fn ti2v_first_frame_condition_matches_diffusers() {
         common::assert_close(&name, &ts, &p[&name], 0.0, 0.0);
     }
     // T2V: a mask of ones gives t everywhere.
-    let t2v = common::reference_in(TI2V, "pipeline");
+    let t2v = common::named_reference(TI2V, "pipeline");
     let ones = mask.ones_like().unwrap();
     let ts = per_token_timesteps(999.0, &ones, 1, (2, 2)).unwrap();
     common::assert_close(
@@ -509,9 +509,9 @@ fn ti2v_first_frame_condition_matches_diffusers() {
 #[test]
 fn i2v_step0_noise_predictions_match_diffusers() {
     let (_, model) = transformer(I2V, "transformer");
-    let text = common::reference_in(I2V, "text_encoder");
-    let image = common::reference_in(I2V, "image_encoder");
-    let p = common::reference_in(I2V, "pipeline");
+    let text = common::named_reference(I2V, "text_encoder");
+    let image = common::named_reference(I2V, "image_encoder");
+    let p = common::named_reference(I2V, "pipeline");
     let input = &p["cfg5.step0.latent_model_input"];
     let t = p["cfg5.step0.timestep"].to_dtype(DType::I64).unwrap();
     let embeds = &text["prompt_embeds"];
@@ -535,8 +535,8 @@ fn i2v_step0_noise_predictions_match_diffusers() {
 #[test]
 fn ti2v_i2v_step0_noise_predictions_match_diffusers() {
     let (_, model) = transformer(TI2V, "transformer");
-    let text = common::reference_in(TI2V, "text_encoder");
-    let p = common::reference_in(TI2V, "pipeline_i2v");
+    let text = common::named_reference(TI2V, "text_encoder");
+    let p = common::named_reference(TI2V, "pipeline_i2v");
     let input = &p["i2v_cfg5.step0.latent_model_input"];
     let t = &p["i2v_cfg5.step0.timestep"];
     let embeds = &text["prompt_embeds"];

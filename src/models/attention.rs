@@ -35,6 +35,29 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
 /// [`sdpa`] by query chunks through matmul and softmax, on any device and dtype: the path of
 /// every input the fused CUDA kernel does not take, and the reference it is checked against.
 pub fn sdpa_chunked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    sdpa_chunked_with_bias(q, k, v, scale, None)
+}
+
+/// [`sdpa`] with an additive bias on the scores before the softmax (a float `attn_mask`),
+/// e.g. `[batch, 1, 1, kv_len]` to mask padded keys; any shape that broadcasts to
+/// `[batch, heads, q_len, kv_len]` works. Always the chunked path.
+pub fn sdpa_with_bias(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    bias: &Tensor,
+) -> Result<Tensor> {
+    sdpa_chunked_with_bias(q, k, v, scale, Some(bias))
+}
+
+fn sdpa_chunked_with_bias(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
     let (b, h, q_len, _) = q.dims4()?;
     let kv_len = k.dim(2)?;
     let per_query = (b * h * kv_len).max(1);
@@ -57,7 +80,16 @@ pub fn sdpa_chunked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
     while start < q_len {
         let len = chunk.min(q_len - start);
         let q_chunk = q.narrow(2, start, len)?.contiguous()?;
-        let scores = q_chunk.matmul(&k_t)?;
+        let mut scores = q_chunk.matmul(&k_t)?;
+        if let Some(bias) = bias {
+            // A bias with a query axis longer than 1 is cut to this chunk's queries.
+            let bias = if bias.rank() == 4 && bias.dim(2)? == q_len && q_len > 1 {
+                bias.narrow(2, start, len)?
+            } else {
+                bias.clone()
+            };
+            scores = scores.broadcast_add(&bias.to_dtype(scores.dtype())?)?;
+        }
         let probs = if softmax_in_place {
             candle_nn::ops::softmax_last_dim(&scores)?
         } else {

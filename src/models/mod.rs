@@ -3,5 +3,7 @@
 
 pub mod attention;
 pub mod clip;
+pub mod ltx;
 pub mod source;
+pub mod t5;
 pub mod wan;

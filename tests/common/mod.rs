@@ -7,11 +7,11 @@ use std::path::PathBuf;
 
 /// The tiny diffusers checkpoint with its reference outputs.
 pub fn fixture_dir() -> PathBuf {
-    fixture_dir_named("wan-tiny-a")
+    named_fixture_dir("wan-tiny-a")
 }
 
-/// `tests/fixtures/<name>`: another fixture folder (e.g. `wan21-i2v-tiny-a`).
-pub fn fixture_dir_named(name: &str) -> PathBuf {
+/// `tests/fixtures/<name>`: another family's fixture folder (e.g. `ltx-video-tiny-a`).
+pub fn named_fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
@@ -19,21 +19,24 @@ pub fn fixture_dir_named(name: &str) -> PathBuf {
 
 /// Loads one of the `reference/*.safetensors` files onto the CPU.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    reference_in("wan-tiny-a", name)
+    reference_in(&fixture_dir(), name)
 }
 
-/// Loads `reference/<file>.safetensors` of fixture folder `fixture` onto the CPU.
-pub fn reference_in(fixture: &str, file: &str) -> HashMap<String, Tensor> {
-    let path = fixture_dir_named(fixture)
-        .join("reference")
-        .join(format!("{file}.safetensors"));
+/// Loads `reference/<name>.safetensors` of the fixture folder `dir` onto the CPU.
+pub fn reference_in(dir: &std::path::Path, name: &str) -> HashMap<String, Tensor> {
+    let path = dir.join("reference").join(format!("{name}.safetensors"));
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
 
+/// Loads `reference/<name>.safetensors` of fixture folder `fixture` onto the CPU.
+pub fn named_reference(fixture: &str, name: &str) -> HashMap<String, Tensor> {
+    reference_in(&named_fixture_dir(fixture), name)
+}
+
 /// Reads and parses `<fixture>/<relative path>` (a config.json).
 pub fn config_in<T: serde::de::DeserializeOwned>(fixture: &str, relative: &str) -> T {
-    let path = fixture_dir_named(fixture).join(relative);
+    let path = named_fixture_dir(fixture).join(relative);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
@@ -41,7 +44,7 @@ pub fn config_in<T: serde::de::DeserializeOwned>(fixture: &str, relative: &str) 
 
 /// An f32 CPU `VarBuilder` over `<fixture>/<relative path>` (a safetensors file).
 pub fn var_builder_in(fixture: &str, relative: &str) -> candle_nn::VarBuilder<'static> {
-    let path = fixture_dir_named(fixture).join(relative);
+    let path = named_fixture_dir(fixture).join(relative);
     unsafe {
         candle_nn::VarBuilder::from_mmaped_safetensors(
             &[path],

@@ -10,9 +10,7 @@
 //! Mac Roman ...), its `badness` heuristic (Latin-1 / Windows-1252 text whose bytes form valid
 //! UTF-8 is always repaired) and its NBSP-restoring and lossy-sequence variants.
 
-use anyhow::{anyhow, bail, Context, Result};
-use std::path::Path;
-use tokenizers::{PostProcessor, Tokenizer, TruncationDirection};
+pub use crate::models::t5::tokenizer::PromptTokenizer;
 use unicode_normalization::UnicodeNormalization;
 
 /// ftfy repeats its fixes until the text stops changing; this bounds that loop.
@@ -470,69 +468,5 @@ fn ftfy_entity(entity: &str, name: &str, numeric: bool) -> String {
             value.to_uppercase()
         }
         _ => entity.to_string(),
-    }
-}
-
-/// The T5 tokenizer of the checkpoint (`tokenizer/tokenizer.json`), used the way
-/// WanPipeline calls it: `padding="max_length"`, `truncation=True`, `</s>` appended.
-pub struct PromptTokenizer {
-    tokenizer: Tokenizer,
-    pad_id: u32,
-}
-
-impl PromptTokenizer {
-    /// Loads `tokenizer.json`; the file's own truncation/padding settings are dropped because
-    /// every call sets its own length.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let tokenizer = Tokenizer::from_file(path)
-            .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
-        Self::with_tokenizer(tokenizer).with_context(|| format!("tokenizer {}", path.display()))
-    }
-
-    /// Parses the text of a `tokenizer.json` (for tokenizers shipped inside the binary).
-    pub fn from_json(json: &str) -> Result<Self> {
-        let tokenizer: Tokenizer = json
-            .parse()
-            .map_err(|e| anyhow!("parsing tokenizer.json: {e}"))?;
-        Self::with_tokenizer(tokenizer)
-    }
-
-    fn with_tokenizer(mut tokenizer: Tokenizer) -> Result<Self> {
-        tokenizer
-            .with_truncation(None)
-            .map_err(|e| anyhow!("{e}"))?;
-        tokenizer.with_padding(None);
-        let pad_id = tokenizer
-            .token_to_id("<pad>")
-            .context("the tokenizer has no <pad> token")?;
-        Ok(Self { tokenizer, pad_id })
-    }
-
-    /// Token ids of an already cleaned prompt, right-padded with `<pad>` to `max_len`, and the
-    /// number of real tokens (including the final `</s>`, which truncation keeps last).
-    pub fn encode(&self, cleaned: &str, max_len: usize) -> Result<(Vec<u32>, usize)> {
-        let added = self
-            .tokenizer
-            .get_post_processor()
-            .map_or(0, |p| p.added_tokens(false));
-        if max_len <= added {
-            bail!("max_sequence_length {max_len} leaves no room for the prompt ({added} special tokens)");
-        }
-        let mut encoding = self
-            .tokenizer
-            .encode(cleaned, false)
-            .map_err(|e| anyhow!("tokenizing {cleaned:?}: {e}"))?;
-        encoding.truncate(max_len - added, 0, TruncationDirection::Right);
-        let encoding = self
-            .tokenizer
-            .post_process(encoding, None, true)
-            .map_err(|e| anyhow!("tokenizing {cleaned:?}: {e}"))?;
-        let mut ids = encoding.get_ids().to_vec();
-        let seq_len = ids.len();
-        if seq_len > max_len {
-            bail!("tokenizer produced {seq_len} tokens for max_sequence_length {max_len}");
-        }
-        ids.resize(max_len, self.pad_id);
-        Ok((ids, seq_len))
     }
 }

@@ -1,0 +1,748 @@
+//! LTX-Video's diffusion transformer (diffusers `LTXVideoTransformer3DModel`).
+//!
+//! It works on **packed** latents `[B, F·H·W, C]` (token order f, h, w; see [`pack_latents`]).
+//! The forward pass is split like Wan's so an engine can stream the blocks:
+//!
+//! 1. [`LtxTransformer3DModel::prepare`]: `proj_in`, the AdaLayerNormSingle time embedding, the
+//!    caption projection, the cross-attention mask bias and the RoPE tables.
+//! 2. [`LtxTransformerBlock::forward`] for every block in order, starting from
+//!    [`LtxBlockInputs::take_hidden_states`].
+//! 3. [`LtxTransformer3DModel::finish`]: LayerNorm, modulation by the embedded timestep,
+//!    `proj_out`.
+//!
+//! [`LtxTransformer3DModel::forward`] chains the three; [`LtxTransformer3DModel::new_without_blocks`]
+//! holds no block weights (each block is built with [`LtxTransformerBlock::new`] from
+//! `vb.pp("transformer_blocks.{i}")`).
+//!
+//! Norms and RoPE are computed in f32 and cast back to the model dtype, as diffusers does.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::{sdpa, sdpa_with_bias};
+use crate::models::wan::transformer::timestep_embedding;
+
+/// Largest width or patch size a config may give (far above any real model).
+const MAX_SIZE: usize = 1 << 16;
+/// Width of the sinusoidal timestep projection (`Timesteps(256)` in AdaLayerNormSingle).
+const TIMESTEP_PROJ_DIM: usize = 256;
+/// Epsilon of `LTXAttention`'s q/k RMSNorm (hard-coded in diffusers, not in the config).
+const QK_NORM_EPS: f64 = 1e-5;
+/// Epsilon of the output LayerNorm (hard-coded in diffusers).
+const NORM_OUT_EPS: f64 = 1e-6;
+/// Additive bias of a masked text key: diffusers' `(1 - mask) * -10000.0`.
+const MASKED_KEY_BIAS: f64 = -10000.0;
+/// RoPE bases of `LTXVideoRotaryPosEmbed`: frames, height, width, and theta.
+const ROPE_BASE: [f64; 3] = [20.0, 2048.0, 2048.0];
+const ROPE_THETA: f32 = 10000.0;
+
+/// `transformer/config.json` of `LTXVideoTransformer3DModel`; missing keys take diffusers'
+/// defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct LtxTransformerConfig {
+    /// Channels of a packed latent token.
+    pub in_channels: usize,
+    /// `null` means "same as `in_channels`".
+    pub out_channels: Option<usize>,
+    /// Spatial patch of the packing (affects the RoPE coordinates).
+    pub patch_size: usize,
+    /// Temporal patch of the packing (affects the RoPE coordinates).
+    pub patch_size_t: usize,
+    pub num_attention_heads: usize,
+    pub attention_head_dim: usize,
+    /// Width of the text keys/values after the caption projection (must be the inner width).
+    pub cross_attention_dim: usize,
+    pub num_layers: usize,
+    /// `gelu-approximate` (tanh) or `gelu` (erf) in the feed-forward.
+    pub activation_fn: String,
+    /// Only `rms_norm_across_heads` exists in diffusers.
+    pub qk_norm: String,
+    /// Whether the blocks' two RMSNorms have a weight.
+    pub norm_elementwise_affine: bool,
+    /// Epsilon of the blocks' RMSNorms.
+    pub norm_eps: f64,
+    /// Width of the text-encoder embeddings.
+    pub caption_channels: usize,
+    /// Whether q/k/v projections have biases.
+    pub attention_bias: bool,
+    /// Whether the attention output projection has a bias.
+    pub attention_out_bias: bool,
+}
+
+impl Default for LtxTransformerConfig {
+    fn default() -> Self {
+        Self {
+            in_channels: 128,
+            out_channels: Some(128),
+            patch_size: 1,
+            patch_size_t: 1,
+            num_attention_heads: 32,
+            attention_head_dim: 64,
+            cross_attention_dim: 2048,
+            num_layers: 28,
+            activation_fn: "gelu-approximate".into(),
+            qk_norm: "rms_norm_across_heads".into(),
+            norm_elementwise_affine: false,
+            norm_eps: 1e-6,
+            caption_channels: 4096,
+            attention_bias: true,
+            attention_out_bias: true,
+        }
+    }
+}
+
+impl LtxTransformerConfig {
+    /// Model width: heads x head dim.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Output channels (`out_channels or in_channels`).
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+
+    /// The pipeline's `rope_interpolation_scale`: (temporal compression / frame rate, spatial
+    /// compression, spatial compression) of the VAE.
+    pub fn rope_interpolation_scale(
+        temporal_compression: usize,
+        spatial_compression: usize,
+        frame_rate: f64,
+    ) -> [f64; 3] {
+        [
+            temporal_compression as f64 / frame_rate,
+            spatial_compression as f64,
+            spatial_compression as f64,
+        ]
+    }
+
+    /// Rejects a config this model cannot run, with a one-line error naming the key.
+    pub fn validate(&self) -> Result<()> {
+        // Bounds far above any real model keep the size arithmetic from overflowing.
+        for (key, value) in [
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels()),
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("cross_attention_dim", self.cross_attention_dim),
+            ("caption_channels", self.caption_channels),
+            ("patch_size", self.patch_size),
+            ("patch_size_t", self.patch_size_t),
+        ] {
+            if value > MAX_SIZE {
+                candle_core::bail!(
+                    "ltx transformer config: {key} {value} is larger than {MAX_SIZE}"
+                );
+            }
+        }
+        for (key, value) in [
+            ("in_channels", self.in_channels),
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("caption_channels", self.caption_channels),
+            ("patch_size", self.patch_size),
+            ("patch_size_t", self.patch_size_t),
+            ("out_channels", self.out_channels()),
+        ] {
+            if value == 0 {
+                candle_core::bail!("ltx transformer config: {key} must be positive");
+            }
+        }
+        if self.inner_dim() < 6 || !self.inner_dim().is_multiple_of(2) {
+            candle_core::bail!(
+                "ltx transformer config: num_attention_heads x attention_head_dim = {} must be even and at least 6 (RoPE)",
+                self.inner_dim()
+            );
+        }
+        if self.cross_attention_dim != self.inner_dim() {
+            candle_core::bail!(
+                "ltx transformer config: cross_attention_dim {} must equal num_attention_heads x attention_head_dim = {}",
+                self.cross_attention_dim,
+                self.inner_dim()
+            );
+        }
+        if self.qk_norm != "rms_norm_across_heads" {
+            candle_core::bail!(
+                "ltx transformer config: qk_norm {:?} is not supported (only \"rms_norm_across_heads\")",
+                self.qk_norm
+            );
+        }
+        self.gelu()?;
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            candle_core::bail!(
+                "ltx transformer config: norm_eps must be a finite non-negative number"
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether the feed-forward GELU is the tanh approximation.
+    fn gelu(&self) -> Result<bool> {
+        match self.activation_fn.as_str() {
+            "gelu-approximate" => Ok(true),
+            "gelu" => Ok(false),
+            other => candle_core::bail!(
+                "ltx transformer config: activation_fn {other:?} is not supported (\"gelu-approximate\" or \"gelu\")"
+            ),
+        }
+    }
+}
+
+/// `[B, C, F, H, W]` latents to `[B, F/p_t · H/p · W/p, C·p_t·p·p]` tokens (the pipeline's
+/// `_pack_latents`).
+pub fn pack_latents(latents: &Tensor, patch_size: usize, patch_size_t: usize) -> Result<Tensor> {
+    let (b, c, f, h, w) = latents.dims5()?;
+    let (p, pt) = (patch_size, patch_size_t);
+    if p == 0 || pt == 0 || f % pt != 0 || h % p != 0 || w % p != 0 {
+        candle_core::bail!("latents {f}x{h}x{w} do not split into {pt}x{p}x{p} patches");
+    }
+    let (fp, hp, wp) = (f / pt, h / p, w / p);
+    latents
+        .reshape(vec![b, c, fp, pt, hp, p, wp, p])?
+        .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
+        .reshape((b, fp * hp * wp, c * pt * p * p))
+}
+
+/// Inverse of [`pack_latents`]: `[B, S, D]` tokens of a `num_frames x height x width` grid
+/// (in patches) back to `[B, C, F, H, W]` (the pipeline's `_unpack_latents`).
+pub fn unpack_latents(
+    latents: &Tensor,
+    num_frames: usize,
+    height: usize,
+    width: usize,
+    patch_size: usize,
+    patch_size_t: usize,
+) -> Result<Tensor> {
+    let (b, s, d) = latents.dims3()?;
+    let (p, pt) = (patch_size, patch_size_t);
+    let patch = pt * p * p;
+    if s != num_frames * height * width || patch == 0 || d % patch != 0 {
+        candle_core::bail!(
+            "{s} tokens of {d} channels are not a {num_frames}x{height}x{width} grid of {pt}x{p}x{p} patches"
+        );
+    }
+    let c = d / patch;
+    latents
+        .reshape(vec![b, num_frames, height, width, c, pt, p, p])?
+        .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
+        .reshape((b, c, num_frames * pt, height * p, width * p))
+}
+
+/// `torch.linspace(start, end, steps)` in f32: `start + i*step` for the first half,
+/// `end - (steps-1-i)*step` for the second, as ATen computes it.
+fn torch_linspace_f32(start: f32, end: f32, steps: usize) -> Vec<f32> {
+    if steps == 1 {
+        return vec![start];
+    }
+    let step = (end - start) / (steps - 1) as f32;
+    let halfway = steps / 2;
+    (0..steps)
+        .map(|i| {
+            if i < halfway {
+                start + step * i as f32
+            } else {
+                end - step * (steps - 1 - i) as f32
+            }
+        })
+        .collect()
+}
+
+/// `LTXVideoRotaryPosEmbed` for a `num_frames x height x width` token grid, one entry per
+/// interleaved pair: (cos, sin), each `[F·H·W, dim / 2]` f32 — per frequency the (f, h, w)
+/// angles, after `dim % 6 / 2` padding entries (cos 1, sin 0). Every angle is diffusers' f32
+/// arithmetic; the per-axis values are computed once on the host and gathered on `device`.
+pub fn rope_pair_tables(
+    dim: usize,
+    grid: [usize; 3],
+    rope_interpolation_scale: [f64; 3],
+    patch: [usize; 3],
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let n = dim / 6;
+    let freqs: Vec<f32> = torch_linspace_f32(0.0, 1.0, n)
+        .into_iter()
+        .map(|e| ROPE_THETA.powf(e) * std::f32::consts::PI / 2.0)
+        .collect();
+    let [frames, height, width] = grid;
+    let tokens = frames * height * width;
+    // Per axis a `[len, n]` table; per token the axis index to gather.
+    let mut cos_parts = Vec::with_capacity(3);
+    let mut sin_parts = Vec::with_capacity(3);
+    for (axis, len) in grid.into_iter().enumerate() {
+        let mut cos = Vec::with_capacity(len * n);
+        let mut sin = Vec::with_capacity(len * n);
+        for i in 0..len {
+            // i * scale * patch / base, op by op in f32.
+            let coord = i as f32 * rope_interpolation_scale[axis] as f32 * patch[axis] as f32
+                / ROPE_BASE[axis] as f32;
+            for &freq in &freqs {
+                let (s, c) = (freq * (coord * 2.0 - 1.0)).sin_cos();
+                cos.push(c);
+                sin.push(s);
+            }
+        }
+        let index: Vec<u32> = (0..tokens)
+            .map(|t| match axis {
+                0 => t / (height * width),
+                1 => t / width % height,
+                _ => t % width,
+            } as u32)
+            .collect();
+        let index = Tensor::from_vec(index, tokens, device)?;
+        let gather = |v: Vec<f32>| Tensor::from_vec(v, (len, n), device)?.index_select(&index, 0);
+        cos_parts.push(gather(cos)?);
+        sin_parts.push(gather(sin)?);
+    }
+    // [S, n, 3] -> [S, 3n]: for each frequency the (f, h, w) angles.
+    let interleave = |parts: &[Tensor]| Tensor::stack(parts, 2)?.reshape((tokens, 3 * n));
+    let (cos, sin) = (interleave(&cos_parts)?, interleave(&sin_parts)?);
+    let pad = dim / 2 - 3 * n;
+    if pad == 0 {
+        return Ok((cos, sin));
+    }
+    Ok((
+        Tensor::cat(
+            &[&Tensor::ones((tokens, pad), DType::F32, device)?, &cos],
+            1,
+        )?,
+        Tensor::cat(
+            &[&Tensor::zeros((tokens, pad), DType::F32, device)?, &sin],
+            1,
+        )?,
+    ))
+}
+
+/// [`rope_pair_tables`] in diffusers' full layout `[F·H·W, dim]` (every entry repeated for
+/// both members of its pair), as `LTXVideoRotaryPosEmbed` returns it.
+pub fn rope_tables(
+    dim: usize,
+    grid: [usize; 3],
+    rope_interpolation_scale: [f64; 3],
+    patch: [usize; 3],
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let (cos, sin) = rope_pair_tables(dim, grid, rope_interpolation_scale, patch, device)?;
+    let full = |t: Tensor| -> Result<Tensor> {
+        let (s, half) = t.dims2()?;
+        t.unsqueeze(2)?
+            .broadcast_as((s, half, 2))?
+            .reshape((s, 2 * half))
+    };
+    Ok((full(cos)?, full(sin)?))
+}
+
+/// RMSNorm over the last dim computed in f32 (diffusers' `RMSNorm`), optionally scaled by a
+/// weight, cast back to `x`'s dtype.
+fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let xf = x.to_dtype(DType::F32)?;
+    let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    let y = xf.broadcast_mul(&inv)?;
+    let y = match weight {
+        Some(w) => y.broadcast_mul(&w.to_dtype(DType::F32)?)?,
+        None => y,
+    };
+    y.to_dtype(x.dtype())
+}
+
+/// `x * (1 + scale) + shift` with `[B, 1, dim]` modulation.
+fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+}
+
+fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    if bias {
+        candle_nn::linear(in_dim, out_dim, vb)
+    } else {
+        candle_nn::linear_no_bias(in_dim, out_dim, vb)
+    }
+}
+
+/// Linear -> GELU -> Linear: the blocks' `FeedForward` (`ff.net.0.proj`, `ff.net.2`) and the
+/// caption projection (`linear_1`, `linear_2`).
+#[derive(Debug, Clone)]
+struct GeluMlp {
+    fc1: Linear,
+    fc2: Linear,
+    tanh: bool,
+}
+
+impl GeluMlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.fc1.forward(x)?;
+        let h = if self.tanh { h.gelu()? } else { h.gelu_erf()? };
+        self.fc2.forward(&h)
+    }
+}
+
+/// `LTXAttention`: RMSNorm across heads (with weight) on q and k, RoPE over the whole inner
+/// dim for self-attention, an additive mask bias for cross-attention.
+#[derive(Debug, Clone)]
+struct LtxAttention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    norm_q: Tensor,
+    norm_k: Tensor,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl LtxAttention {
+    fn new(cfg: &LtxTransformerConfig, kv_dim: usize, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
+            to_k: linear(kv_dim, dim, bias, vb.pp("to_k"))?,
+            to_v: linear(kv_dim, dim, bias, vb.pp("to_v"))?,
+            to_out: linear(dim, dim, cfg.attention_out_bias, vb.pp("to_out.0"))?,
+            norm_q: vb.get(dim, "norm_q.weight")?,
+            norm_k: vb.get(dim, "norm_k.weight")?,
+            heads: cfg.num_attention_heads,
+            head_dim: cfg.attention_head_dim,
+        })
+    }
+
+    /// `x` `[B, S, dim]` attending to itself (`context` `None`, RoPE from `rope`) or to
+    /// `context` `[B, L, kv_dim]` with `key_bias` `[B, 1, 1, L]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        rope: Option<(&Tensor, &Tensor)>,
+        key_bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, s, dim) = x.dims3()?;
+        let kv = context.unwrap_or(x);
+        let kv_len = kv.dim(1)?;
+        let mut q = rms_norm(&self.to_q.forward(x)?, Some(&self.norm_q), QK_NORM_EPS)?;
+        let mut k = rms_norm(&self.to_k.forward(kv)?, Some(&self.norm_k), QK_NORM_EPS)?;
+        let v = self.to_v.forward(kv)?;
+        if let Some((cos, sin)) = rope {
+            q = apply_rope(&q, cos, sin)?;
+            k = apply_rope(&k, cos, sin)?;
+        }
+        let split = |t: Tensor, n: usize| {
+            t.reshape((b, n, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let (q, k, v) = (split(q, s)?, split(k, kv_len)?, split(v, kv_len)?);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = match key_bias {
+            Some(bias) => sdpa_with_bias(&q, &k, &v, scale, bias)?,
+            None => sdpa(&q, &k, &v, scale)?,
+        };
+        self.to_out
+            .forward(&out.transpose(1, 2)?.reshape((b, s, dim))?)
+    }
+}
+
+/// diffusers' LTX `apply_rotary_emb` on `[B, S, dim]` with the half tables `[S, dim/2]`
+/// (one entry per interleaved pair), computed in f32 and cast back.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, s, dim) = x.dims3()?;
+    let xf = x
+        .to_dtype(DType::F32)?
+        .reshape((b, 1, s, dim))?
+        .contiguous()?;
+    candle_nn::rotary_emb::rope_i(&xf, cos, sin)?
+        .reshape((b, s, dim))?
+        .to_dtype(x.dtype())
+}
+
+/// What every block and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct LtxBlockInputs {
+    hidden_states: Option<Tensor>,
+    /// Per-block modulation `[B, 1, 6·inner]` (AdaLayerNormSingle's `temb`).
+    pub temb: Tensor,
+    /// `[B, 1, inner]`: modulates the output head.
+    pub embedded_timestep: Tensor,
+    /// Projected text `[B, L, inner]`: keys and values of cross-attention.
+    pub encoder_hidden_states: Tensor,
+    /// `[B, 1, 1, L]` additive bias of the text keys (0 or -10000), if a mask was given.
+    pub encoder_key_bias: Option<Tensor>,
+    /// RoPE cosines `[S, inner/2]` in f32, one per interleaved pair.
+    pub rope_cos: Tensor,
+    /// RoPE sines, same layout.
+    pub rope_sin: Tensor,
+}
+
+impl LtxBlockInputs {
+    /// Takes the projected tokens `[B, S, inner]` that feed block 0 (once).
+    pub fn take_hidden_states(&mut self) -> Result<Tensor> {
+        self.hidden_states
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block-0 hidden states already taken".into()))
+    }
+}
+
+/// One `LTXVideoTransformerBlock`.
+#[derive(Debug, Clone)]
+pub struct LtxTransformerBlock {
+    norm1: Option<Tensor>,
+    attn1: LtxAttention,
+    norm2: Option<Tensor>,
+    attn2: LtxAttention,
+    ff: GeluMlp,
+    scale_shift_table: Tensor,
+    eps: f64,
+}
+
+impl LtxTransformerBlock {
+    /// Loads one block from `vb` = `transformer_blocks.{i}`.
+    pub fn new(cfg: &LtxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let norm = |name: &str| -> Result<Option<Tensor>> {
+            if cfg.norm_elementwise_affine {
+                Ok(Some(vb.pp(name).get(dim, "weight")?))
+            } else {
+                Ok(None)
+            }
+        };
+        let ff_inner = 4 * dim;
+        Ok(Self {
+            norm1: norm("norm1")?,
+            attn1: LtxAttention::new(cfg, dim, vb.pp("attn1"))?,
+            norm2: norm("norm2")?,
+            attn2: LtxAttention::new(cfg, cfg.cross_attention_dim, vb.pp("attn2"))?,
+            ff: GeluMlp {
+                fc1: candle_nn::linear(dim, ff_inner, vb.pp("ff.net.0.proj"))?,
+                fc2: candle_nn::linear(ff_inner, dim, vb.pp("ff.net.2"))?,
+                tanh: cfg.gelu()?,
+            },
+            scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
+            eps: cfg.norm_eps,
+        })
+    }
+
+    /// `x` `[B, S, inner]` -> `[B, S, inner]`.
+    pub fn forward(&self, x: &Tensor, inputs: &LtxBlockInputs) -> Result<Tensor> {
+        let (b, _, dim) = x.dims3()?;
+        // [B, 1, 6, inner] = table + temb; unbind the 6 rows.
+        let ada = inputs
+            .temb
+            .reshape((b, 1, 6, dim))?
+            .broadcast_add(&self.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
+        let row = |i: usize| ada.narrow(2, i, 1)?.squeeze(2);
+        let (shift_msa, scale_msa, gate_msa) = (row(0)?, row(1)?, row(2)?);
+        let (shift_mlp, scale_mlp, gate_mlp) = (row(3)?, row(4)?, row(5)?);
+
+        let h = modulate(
+            &rms_norm(x, self.norm1.as_ref(), self.eps)?,
+            &shift_msa,
+            &scale_msa,
+        )?;
+        let rope = (&inputs.rope_cos, &inputs.rope_sin);
+        let attn = self.attn1.forward(&h, None, Some(rope), None)?;
+        let x = (x + attn.broadcast_mul(&gate_msa)?)?;
+        let attn = self.attn2.forward(
+            &x,
+            Some(&inputs.encoder_hidden_states),
+            None,
+            inputs.encoder_key_bias.as_ref(),
+        )?;
+        let x = (x + attn)?;
+        let h = modulate(
+            &rms_norm(&x, self.norm2.as_ref(), self.eps)?,
+            &shift_mlp,
+            &scale_mlp,
+        )?;
+        let ff = self.ff.forward(&h)?;
+        x + ff.broadcast_mul(&gate_mlp)?
+    }
+}
+
+/// diffusers' `LTXVideoTransformer3DModel`.
+#[derive(Debug, Clone)]
+pub struct LtxTransformer3DModel {
+    cfg: LtxTransformerConfig,
+    proj_in: Linear,
+    /// `time_embed.emb.timestep_embedder` linear_1 / linear_2.
+    time_linear_1: Linear,
+    time_linear_2: Linear,
+    /// `time_embed.linear`: embedded timestep -> 6·inner block modulation.
+    time_linear: Linear,
+    caption_projection: GeluMlp,
+    scale_shift_table: Tensor,
+    proj_out: Linear,
+    blocks: Vec<LtxTransformerBlock>,
+}
+
+impl LtxTransformer3DModel {
+    /// Loads the whole model from `vb` (`transformer/diffusion_pytorch_model*.safetensors`).
+    pub fn new(cfg: &LtxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| LtxTransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(model)
+    }
+
+    /// Everything but the blocks (for an engine that streams them).
+    pub fn new_without_blocks(cfg: &LtxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let temb = vb.pp("time_embed");
+        Ok(Self {
+            cfg: cfg.clone(),
+            proj_in: candle_nn::linear(cfg.in_channels, dim, vb.pp("proj_in"))?,
+            time_linear_1: candle_nn::linear(
+                TIMESTEP_PROJ_DIM,
+                dim,
+                temb.pp("emb.timestep_embedder.linear_1"),
+            )?,
+            time_linear_2: candle_nn::linear(dim, dim, temb.pp("emb.timestep_embedder.linear_2"))?,
+            time_linear: candle_nn::linear(dim, 6 * dim, temb.pp("linear"))?,
+            caption_projection: GeluMlp {
+                fc1: candle_nn::linear(
+                    cfg.caption_channels,
+                    dim,
+                    vb.pp("caption_projection.linear_1"),
+                )?,
+                fc2: candle_nn::linear(dim, dim, vb.pp("caption_projection.linear_2"))?,
+                tanh: true,
+            },
+            scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
+            proj_out: candle_nn::linear(dim, cfg.out_channels(), vb.pp("proj_out"))?,
+            blocks: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &LtxTransformerConfig {
+        &self.cfg
+    }
+
+    /// The blocks in order (empty for a model built without them).
+    pub fn blocks(&self) -> &[LtxTransformerBlock] {
+        &self.blocks
+    }
+
+    /// AdaLayerNormSingle: (`temb` `[B, 6·inner]`, `embedded_timestep` `[B, inner]`) of float
+    /// timesteps `[B]` (σ·1000, not truncated), in `dtype`.
+    pub fn time_embedding(&self, timestep: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let proj = timestep_embedding(timestep, TIMESTEP_PROJ_DIM)?.to_dtype(dtype)?;
+        let embedded = self
+            .time_linear_2
+            .forward(&self.time_linear_1.forward(&proj)?.silu()?)?;
+        let temb = self.time_linear.forward(&embedded.silu()?)?;
+        Ok((temb, embedded))
+    }
+
+    /// Everything before the blocks. `hidden_states`: packed latents `[B, S, in_channels]` of a
+    /// `grid` = (frames, height, width) token grid; `encoder_hidden_states` `[B, L,
+    /// caption_channels]`; `timestep` `[B]` (or one value for the batch); `encoder_attention_mask`
+    /// `[B, L]` (1 keep, 0 masked), `None` for no mask; `rope_interpolation_scale` as
+    /// [`LtxTransformerConfig::rope_interpolation_scale`] gives it.
+    pub fn prepare(
+        &self,
+        hidden_states: &Tensor,
+        encoder_hidden_states: &Tensor,
+        timestep: &Tensor,
+        encoder_attention_mask: Option<&Tensor>,
+        grid: [usize; 3],
+        rope_interpolation_scale: [f64; 3],
+    ) -> Result<LtxBlockInputs> {
+        let (b, s, _) = hidden_states.dims3()?;
+        if s != grid.iter().product::<usize>() {
+            candle_core::bail!("{s} latent tokens for a {grid:?} grid");
+        }
+        let dtype = hidden_states.dtype();
+        let device = hidden_states.device();
+        let dim = self.cfg.inner_dim();
+        let (rope_cos, rope_sin) = rope_pair_tables(
+            dim,
+            grid,
+            rope_interpolation_scale,
+            [
+                self.cfg.patch_size_t,
+                self.cfg.patch_size,
+                self.cfg.patch_size,
+            ],
+            device,
+        )?;
+        let encoder_key_bias = match encoder_attention_mask {
+            Some(mask) => {
+                let len = mask.dim(D::Minus1)?;
+                Some(
+                    mask.to_dtype(dtype)?
+                        .affine(-1.0, 1.0)?
+                        .affine(MASKED_KEY_BIAS, 0.0)?
+                        .reshape((b, 1, 1, len))?,
+                )
+            }
+            None => None,
+        };
+        let timestep = timestep.flatten_all()?;
+        let timestep = if timestep.dim(0)? == 1 && b > 1 {
+            timestep.broadcast_as(b)?.contiguous()?
+        } else {
+            timestep
+        };
+        let (temb, embedded) = self.time_embedding(&timestep, dtype)?;
+        let caption = self.caption_projection.forward(encoder_hidden_states)?;
+        Ok(LtxBlockInputs {
+            hidden_states: Some(self.proj_in.forward(hidden_states)?),
+            temb: temb.reshape((b, 1, 6 * dim))?,
+            embedded_timestep: embedded.reshape((b, 1, dim))?,
+            encoder_hidden_states: caption,
+            encoder_key_bias,
+            rope_cos,
+            rope_sin,
+        })
+    }
+
+    /// After the blocks: LayerNorm (no affine), modulation by the embedded timestep,
+    /// `proj_out`: `[B, S, out_channels]`.
+    pub fn finish(&self, x: &Tensor, inputs: &LtxBlockInputs) -> Result<Tensor> {
+        let (b, _, dim) = x.dims3()?;
+        let ss = inputs
+            .embedded_timestep
+            .reshape((b, 1, 1, dim))?
+            .broadcast_add(&self.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
+        let shift = ss.narrow(2, 0, 1)?.squeeze(2)?;
+        let scale = ss.narrow(2, 1, 1)?.squeeze(2)?;
+        let xf = x.to_dtype(DType::F32)?;
+        let mean = xf.mean_keepdim(D::Minus1)?;
+        let xc = xf.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = xc
+            .broadcast_div(&(var + NORM_OUT_EPS)?.sqrt()?)?
+            .to_dtype(x.dtype())?;
+        self.proj_out.forward(&modulate(&normed, &shift, &scale)?)
+    }
+
+    /// The whole forward: [`Self::prepare`], the blocks in order, [`Self::finish`].
+    pub fn forward(
+        &self,
+        hidden_states: &Tensor,
+        encoder_hidden_states: &Tensor,
+        timestep: &Tensor,
+        encoder_attention_mask: Option<&Tensor>,
+        grid: [usize; 3],
+        rope_interpolation_scale: [f64; 3],
+    ) -> Result<Tensor> {
+        if self.blocks.len() != self.cfg.num_layers {
+            candle_core::bail!("this transformer was built without its blocks");
+        }
+        let mut inputs = self.prepare(
+            hidden_states,
+            encoder_hidden_states,
+            timestep,
+            encoder_attention_mask,
+            grid,
+            rope_interpolation_scale,
+        )?;
+        let mut x = inputs.take_hidden_states()?;
+        for block in &self.blocks {
+            x = block.forward(&x, &inputs)?;
+        }
+        self.finish(&x, &inputs)
+    }
+}

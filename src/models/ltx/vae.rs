@@ -1,0 +1,1080 @@
+//! LTX-Video's VAE (diffusers `AutoencoderKLLTXVideo`), in the 0.9.1 layout as well
+//! as the 0.9.0 one: a non-causal 3D-conv decoder whose up blocks upsample 2x in time, height
+//! and width by depth-to-space (dropping the first output frame, so T -> 2T - 1), followed by a
+//! 4x4 un-patchify. With `timestep_conditioning` every block modulates its norms by an embedding
+//! of the decode timestep, and with `decoder_inject_noise` resnets add per-channel-scaled
+//! spatial noise after their convs. That noise is `torch.randn` from the global RNG in diffusers;
+//! here it is an input ([`InjectedNoise`]) so the draws of a reference run can be replayed.
+//!
+//! The decoder ([`AutoencoderKLLTXVideo`]) is what text-to-video needs; the encoder
+//! ([`LtxVideoEncoder`]) is built separately, for image-to-video. Activations stay
+//! `[B, C, T, H, W]` like diffusers'.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::loader::seeded_normal;
+use crate::models::wan::transformer::timestep_embedding;
+
+/// Epsilon of the resnets' and the output's RMSNorms (hard-coded in diffusers).
+const RMS_EPS: f64 = 1e-8;
+/// Width of the sinusoidal timestep projection of the PixArt time embedders.
+const TIMESTEP_PROJ_DIM: usize = 256;
+/// Largest channel count or patch size a config may give (far above any real model).
+const MAX_SIZE: usize = 1 << 16;
+/// Upper bound on im2col elements of one conv2d call (frames are convolved in batches).
+const MAX_IM2COL_ELEMENTS: usize = 1 << 27;
+
+/// `vae/config.json` of `AutoencoderKLLTXVideo`; missing keys take diffusers' defaults. The
+/// encoder keys are read for the compression ratios only.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct LtxVaeConfig {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub latent_channels: usize,
+    /// Encoder widths.
+    pub block_out_channels: Vec<usize>,
+    /// Decoder widths, listed from the output side (the decoder runs them reversed).
+    pub decoder_block_out_channels: Vec<usize>,
+    pub layers_per_block: Vec<usize>,
+    /// Resnets of the mid block and each up block (listed from the output side, mid last).
+    pub decoder_layers_per_block: Vec<usize>,
+    /// Encoder downsampling per block: sets the compression ratios.
+    pub spatio_temporal_scaling: Vec<bool>,
+    /// Whether each decoder up block upsamples (listed from the output side).
+    pub decoder_spatio_temporal_scaling: Vec<bool>,
+    /// Noise injection of the up blocks and the mid block (listed from the output side).
+    pub decoder_inject_noise: Vec<bool>,
+    /// Whether each upsampler adds its depth-to-space input back (listed from the output side).
+    pub upsample_residual: Vec<bool>,
+    /// Channel reduction of each upsampler (listed from the output side).
+    pub upsample_factor: Vec<usize>,
+    /// 0.9.1: blocks are modulated by the decode timestep.
+    pub timestep_conditioning: bool,
+    pub patch_size: usize,
+    pub patch_size_t: usize,
+    /// LayerNorm epsilon of the channel-changing resnet shortcuts.
+    pub resnet_norm_eps: f64,
+    pub scaling_factor: f64,
+    /// Causal time padding in the decoder (LTX-Video: false, replicate both ends).
+    pub decoder_causal: bool,
+    /// Causal time padding in the encoder (LTX-Video: true).
+    pub encoder_causal: bool,
+    /// `LTXVideoDownBlock3D` (or `LTXVideo095DownBlock3D` with `conv` downsampling) per block.
+    pub down_block_types: Vec<String>,
+    /// Downsampling of each `LTXVideo095DownBlock3D` (only `conv` is supported).
+    pub downsample_type: Vec<String>,
+    pub spatial_compression_ratio: Option<usize>,
+    pub temporal_compression_ratio: Option<usize>,
+}
+
+impl Default for LtxVaeConfig {
+    fn default() -> Self {
+        Self {
+            in_channels: 3,
+            out_channels: 3,
+            latent_channels: 128,
+            block_out_channels: vec![128, 256, 512, 512],
+            decoder_block_out_channels: vec![128, 256, 512, 512],
+            layers_per_block: vec![4, 3, 3, 3, 4],
+            decoder_layers_per_block: vec![4, 3, 3, 3, 4],
+            spatio_temporal_scaling: vec![true, true, true, false],
+            decoder_spatio_temporal_scaling: vec![true, true, true, false],
+            decoder_inject_noise: vec![false; 5],
+            upsample_residual: vec![false; 4],
+            upsample_factor: vec![1; 4],
+            timestep_conditioning: false,
+            patch_size: 4,
+            patch_size_t: 1,
+            resnet_norm_eps: 1e-6,
+            scaling_factor: 1.0,
+            decoder_causal: false,
+            encoder_causal: true,
+            down_block_types: vec!["LTXVideoDownBlock3D".into(); 4],
+            downsample_type: vec!["conv".into(); 4],
+            spatial_compression_ratio: None,
+            temporal_compression_ratio: None,
+        }
+    }
+}
+
+/// `v[len - 1 - i]`: diffusers reverses the decoder's per-block lists before indexing them.
+fn reversed<T: Copy>(v: &[T], i: usize) -> T {
+    v[v.len() - 1 - i]
+}
+
+impl LtxVaeConfig {
+    fn upsamplings(&self) -> u32 {
+        self.spatio_temporal_scaling.iter().filter(|&&s| s).count() as u32
+    }
+
+    /// Pixels per latent pixel (`patch_size * 2^downsamplings` unless the config says).
+    pub fn spatial_compression_ratio(&self) -> usize {
+        self.spatial_compression_ratio
+            .unwrap_or(self.patch_size << self.upsamplings())
+    }
+
+    /// Frames per latent frame after the first (`patch_size_t * 2^downsamplings`).
+    pub fn temporal_compression_ratio(&self) -> usize {
+        self.temporal_compression_ratio
+            .unwrap_or(self.patch_size_t << self.upsamplings())
+    }
+
+    /// Rejects a config the decoder cannot run, with a one-line error naming the key.
+    pub fn validate(&self) -> Result<()> {
+        let n = self.decoder_block_out_channels.len();
+        for (key, value) in [
+            ("latent_channels", self.latent_channels),
+            ("out_channels", self.out_channels),
+            ("patch_size", self.patch_size),
+            ("patch_size_t", self.patch_size_t),
+            ("decoder_block_out_channels", n),
+        ] {
+            if value == 0 {
+                candle_core::bail!("ltx vae config: {key} must be positive");
+            }
+        }
+        // Bounds far above any real model keep the size arithmetic below from overflowing.
+        let widths = self.decoder_block_out_channels.iter();
+        for (key, value) in [
+            ("latent_channels", self.latent_channels),
+            ("out_channels", self.out_channels),
+            ("patch_size", self.patch_size),
+            ("patch_size_t", self.patch_size_t),
+        ]
+        .into_iter()
+        .chain(widths.map(|&w| ("decoder_block_out_channels", w)))
+        {
+            if value > MAX_SIZE {
+                candle_core::bail!("ltx vae config: {key} {value} is larger than {MAX_SIZE}");
+            }
+        }
+        if self.spatio_temporal_scaling.len() > 16 {
+            candle_core::bail!("ltx vae config: spatio_temporal_scaling has too many entries");
+        }
+        for (key, len, need) in [
+            (
+                "decoder_layers_per_block",
+                self.decoder_layers_per_block.len(),
+                n + 1,
+            ),
+            (
+                "decoder_inject_noise",
+                self.decoder_inject_noise.len(),
+                n + 1,
+            ),
+            (
+                "decoder_spatio_temporal_scaling",
+                self.decoder_spatio_temporal_scaling.len(),
+                n,
+            ),
+            ("upsample_residual", self.upsample_residual.len(), n),
+            ("upsample_factor", self.upsample_factor.len(), n),
+        ] {
+            if len < need {
+                candle_core::bail!(
+                    "ltx vae config: {key} has {len} entries, the decoder needs {need}"
+                );
+            }
+        }
+        let mut channels = reversed(&self.decoder_block_out_channels, 0);
+        for i in 0..n {
+            let factor = reversed(&self.upsample_factor, i);
+            let out = reversed(&self.decoder_block_out_channels, i);
+            if factor == 0 || !8usize.is_multiple_of(factor) || out % factor != 0 || out == 0 {
+                candle_core::bail!(
+                    "ltx vae config: upsample_factor {factor} must divide 8 and the block's {out} channels"
+                );
+            }
+            let input = channels / factor;
+            if input != out / factor && self.timestep_conditioning {
+                candle_core::bail!(
+                    "ltx vae config: decoder_block_out_channels changes width inside an up block, which diffusers cannot run with timestep_conditioning"
+                );
+            }
+            if reversed(&self.upsample_residual, i) && !out.is_multiple_of(8) {
+                candle_core::bail!(
+                    "ltx vae config: a residual upsampler needs decoder_block_out_channels divisible by 8, got {out}"
+                );
+            }
+            channels = out / factor;
+        }
+        if !(self.scaling_factor.is_finite() && self.scaling_factor != 0.0) {
+            candle_core::bail!("ltx vae config: scaling_factor must be a non-zero number");
+        }
+        if !(self.resnet_norm_eps.is_finite() && self.resnet_norm_eps >= 0.0) {
+            candle_core::bail!(
+                "ltx vae config: resnet_norm_eps must be a finite non-negative number"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The decoder's injected noise, one `[height, width]` f32 N(0, 1) draw per call, in diffusers'
+/// call order (resnet by resnet: after conv1, then after conv2).
+pub trait InjectedNoise {
+    fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor>;
+}
+
+/// Noise drawn by a closure `(height, width, device) -> [height, width]`.
+impl<F: FnMut(usize, usize, &Device) -> Result<Tensor>> InjectedNoise for F {
+    fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor> {
+        self(height, width, device)
+    }
+}
+
+/// Draws given in advance (e.g. a reference run's `injected_noise.K`), used in order; a draw
+/// missing or of the wrong shape is an error.
+#[derive(Debug, Clone)]
+pub struct GivenNoise {
+    draws: Vec<Tensor>,
+    used: usize,
+}
+
+impl GivenNoise {
+    pub fn new(draws: Vec<Tensor>) -> Self {
+        Self { draws, used: 0 }
+    }
+
+    /// How many draws the decoder took.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// After a decode: an error when some given draws were never used (a draws file with
+    /// tensors the run does not need).
+    pub fn check_all_used(&self) -> Result<()> {
+        if self.used != self.draws.len() {
+            candle_core::bail!(
+                "{} injected noise draws were given but the decoder used {}",
+                self.draws.len(),
+                self.used
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Draws for runs without a draws file: `seeded_normal` with one seed per draw derived from
+/// `seed` (vidgen's own generator: not the numbers of torch's global RNG).
+#[derive(Debug, Clone)]
+pub struct SeededNoise {
+    seed: u64,
+    draws: u64,
+}
+
+impl SeededNoise {
+    pub fn new(seed: u64) -> Self {
+        Self { seed, draws: 0 }
+    }
+}
+
+impl InjectedNoise for SeededNoise {
+    fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor> {
+        let seed = self
+            .seed
+            .wrapping_add(self.draws.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        self.draws += 1;
+        seeded_normal(seed, &[height, width])?.to_device(device)
+    }
+}
+
+impl InjectedNoise for GivenNoise {
+    fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor> {
+        let k = self.used;
+        let Some(draw) = self.draws.get(k) else {
+            candle_core::bail!(
+                "the decoder needs injected noise draw {k}, but only {k} were given"
+            );
+        };
+        if draw.dims() != [height, width] {
+            candle_core::bail!(
+                "injected noise draw {k} has shape {:?}, the decoder needs [{height}, {width}]",
+                draw.dims()
+            );
+        }
+        self.used += 1;
+        draw.to_device(device)?.to_dtype(DType::F32)
+    }
+}
+
+/// `(latents - mean) * scaling_factor / std` per channel of `[B, C, F, H, W]`.
+pub fn normalize_latents(
+    latents: &Tensor,
+    mean: &Tensor,
+    std: &Tensor,
+    scaling_factor: f64,
+) -> Result<Tensor> {
+    let shape = (1, mean.dim(0)?, 1, 1, 1);
+    let mean = mean.reshape(shape)?.to_dtype(latents.dtype())?;
+    let std = std.reshape(shape)?.to_dtype(latents.dtype())?;
+    (latents.broadcast_sub(&mean)? * scaling_factor)?.broadcast_div(&std)
+}
+
+/// `latents * std / scaling_factor + mean` per channel (the pipeline's `_denormalize_latents`).
+pub fn denormalize_latents(
+    latents: &Tensor,
+    mean: &Tensor,
+    std: &Tensor,
+    scaling_factor: f64,
+) -> Result<Tensor> {
+    let shape = (1, mean.dim(0)?, 1, 1, 1);
+    let mean = mean.reshape(shape)?.to_dtype(latents.dtype())?;
+    let std = std.reshape(shape)?.to_dtype(latents.dtype())?;
+    (latents.broadcast_mul(&std)? / scaling_factor)?.broadcast_add(&mean)
+}
+
+/// RMSNorm over the channels (dim 1) without weight, computed in f32.
+fn channel_rms_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let xf = x.to_dtype(DType::F32)?;
+    let inv = (xf.sqr()?.mean_keepdim(1)? + eps)?.sqrt()?.recip()?;
+    xf.broadcast_mul(&inv)?.to_dtype(x.dtype())
+}
+
+/// Affine LayerNorm over the channels (dim 1), computed in f32.
+fn channel_layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let c = weight.dim(0)?;
+    let xf = x.to_dtype(DType::F32)?;
+    let xc = xf.broadcast_sub(&xf.mean_keepdim(1)?)?;
+    let var = xc.sqr()?.mean_keepdim(1)?;
+    let shape = (1, c, 1, 1, 1);
+    xc.broadcast_div(&(var + eps)?.sqrt()?)?
+        .broadcast_mul(&weight.to_dtype(DType::F32)?.reshape(shape)?)?
+        .broadcast_add(&bias.to_dtype(DType::F32)?.reshape(shape)?)?
+        .to_dtype(x.dtype())
+}
+
+/// `LTXVideoCausalConv3d` with a cubic kernel and the same stride on every axis: time padded
+/// by replicating the first frame (causal: `k - 1` in front; else `(k - 1) / 2` at each end,
+/// the last frame behind), space zero-padded by `k / 2`. Computed as a sum over temporal taps
+/// of 2D convs over batches of frames.
+#[derive(Debug, Clone)]
+struct CausalConv3d {
+    /// `[C_out, C_in, k, k, k]`, as loaded (a temporal tap is sliced out when it runs).
+    weight: Tensor,
+    bias: Tensor,
+    causal: bool,
+    stride: usize,
+}
+
+impl CausalConv3d {
+    fn new(cin: usize, cout: usize, k: usize, causal: bool, vb: VarBuilder) -> Result<Self> {
+        Self::strided(cin, cout, k, 1, causal, vb)
+    }
+
+    fn strided(
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+        causal: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let vb = vb.pp("conv");
+        Ok(Self {
+            weight: vb.get((cout, cin, k, k, k), "weight")?,
+            bias: vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?,
+            causal,
+            stride,
+        })
+    }
+
+    /// `[B, C, T, H, W]` -> `[B, C_out, T', H', W']` (the same sizes at stride 1).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, c, t, h, w) = x.dims5()?;
+        let k = self.weight.dim(2)?;
+        let taps = (0..k)
+            .map(|tap| self.weight.narrow(2, tap, 1)?.squeeze(2)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let (front, back) = if self.causal {
+            (k - 1, 0)
+        } else {
+            ((k - 1) / 2, (k - 1) / 2)
+        };
+        let mut parts = Vec::with_capacity(3);
+        if front > 0 {
+            parts.push(x.narrow(2, 0, 1)?.repeat((1, 1, front, 1, 1))?);
+        }
+        parts.push(x.clone());
+        if back > 0 {
+            parts.push(x.narrow(2, t - 1, 1)?.repeat((1, 1, back, 1, 1))?);
+        }
+        // Frames-major so a run of frames is a batch of images.
+        let padded = Tensor::cat(&parts, 2)?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()?;
+        let st = self.stride;
+        let t_out = (t + front + back - k) / st + 1;
+        let pad = k / 2;
+        let per_frame = (h * w * c * k * k).max(1);
+        let frames_per_call = (MAX_IM2COL_ELEMENTS / per_frame).clamp(1, t_out.max(1));
+        let mut outs = Vec::with_capacity(b * t_out.div_ceil(frames_per_call));
+        for bi in 0..b {
+            let video = padded.narrow(0, bi, 1)?.squeeze(0)?;
+            let mut t0 = 0;
+            while t0 < t_out {
+                let len = frames_per_call.min(t_out - t0);
+                let mut acc: Option<Tensor> = None;
+                for (tap, weight) in taps.iter().enumerate() {
+                    // Input frames (t0 + j)·stride + tap of the padded video, j < len.
+                    let frames = if st == 1 {
+                        video.narrow(0, t0 + tap, len)?
+                    } else {
+                        let index: Vec<u32> =
+                            (0..len).map(|j| ((t0 + j) * st + tap) as u32).collect();
+                        video.index_select(&Tensor::new(index, video.device())?, 0)?
+                    };
+                    let y = frames.conv2d(weight, pad, st, 1, 1)?;
+                    acc = Some(match acc {
+                        Some(a) => (a + y)?,
+                        None => y,
+                    });
+                }
+                match acc {
+                    Some(a) => outs.push(a.broadcast_add(&self.bias)?),
+                    None => candle_core::bail!("conv3d with an empty kernel"),
+                }
+                t0 += len;
+            }
+        }
+        let y = Tensor::cat(&outs, 0)?;
+        let (_, cout, ho, wo) = y.dims4()?;
+        y.reshape((b, t_out, cout, ho, wo))?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()
+    }
+}
+
+/// PixArt combined timestep embedding (no size conditions): sinusoid(256) -> Linear -> SiLU ->
+/// Linear.
+#[derive(Debug, Clone)]
+struct TimeEmbedder {
+    linear_1: Linear,
+    linear_2: Linear,
+}
+
+impl TimeEmbedder {
+    fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        let vb = vb.pp("timestep_embedder");
+        Ok(Self {
+            linear_1: candle_nn::linear(TIMESTEP_PROJ_DIM, dim, vb.pp("linear_1"))?,
+            linear_2: candle_nn::linear(dim, dim, vb.pp("linear_2"))?,
+        })
+    }
+
+    /// `[B]` timesteps -> `[B, dim, 1, 1, 1]`.
+    fn forward(&self, timestep: &Tensor, dtype: DType) -> Result<Tensor> {
+        let proj = timestep_embedding(timestep, TIMESTEP_PROJ_DIM)?.to_dtype(dtype)?;
+        let emb = self
+            .linear_2
+            .forward(&self.linear_1.forward(&proj)?.silu()?)?;
+        let (b, dim) = emb.dims2()?;
+        emb.reshape((b, dim, 1, 1, 1))
+    }
+}
+
+/// Rows `i` of a `[B, n·C, 1, 1, 1]` time embedding plus `table` `[n, C]`: `[B, C, 1, 1, 1]`.
+fn modulation_row(temb: &Tensor, table: &Tensor, i: usize) -> Result<Tensor> {
+    let (n, c) = table.dims2()?;
+    let b = temb.dim(0)?;
+    let row = temb.reshape((b, n, c))?.narrow(1, i, 1)?;
+    row.broadcast_add(&table.narrow(0, i, 1)?.unsqueeze(0)?)?
+        .reshape((b, c, 1, 1, 1))
+}
+
+/// `LTXVideoResnetBlock3d`.
+#[derive(Debug, Clone)]
+struct ResnetBlock {
+    conv1: CausalConv3d,
+    conv2: CausalConv3d,
+    /// `norm3` (LayerNorm weight, bias) and `conv_shortcut` when the width changes.
+    shortcut: Option<(Tensor, Tensor, CausalConv3d)>,
+    /// `per_channel_scale1`, `per_channel_scale2` `[C, 1, 1]` with noise injection.
+    noise_scales: Option<(Tensor, Tensor)>,
+    /// `[4, C_in]` with timestep conditioning.
+    scale_shift_table: Option<Tensor>,
+    eps: f64,
+}
+
+/// What a resnet of the encoder or the decoder has.
+#[derive(Debug, Clone, Copy)]
+struct ResnetOptions {
+    causal: bool,
+    timestep_conditioning: bool,
+    inject_noise: bool,
+    eps: f64,
+}
+
+impl ResnetOptions {
+    fn decoder(cfg: &LtxVaeConfig, inject_noise: bool) -> Self {
+        Self {
+            causal: cfg.decoder_causal,
+            timestep_conditioning: cfg.timestep_conditioning,
+            inject_noise,
+            eps: cfg.resnet_norm_eps,
+        }
+    }
+
+    fn encoder(cfg: &LtxVaeConfig) -> Self {
+        Self {
+            causal: cfg.encoder_causal,
+            timestep_conditioning: false,
+            inject_noise: false,
+            eps: cfg.resnet_norm_eps,
+        }
+    }
+}
+
+impl ResnetBlock {
+    fn new(cin: usize, cout: usize, options: ResnetOptions, vb: VarBuilder) -> Result<Self> {
+        let causal = options.causal;
+        let shortcut = if cin != cout {
+            Some((
+                vb.get(cin, "norm3.weight")?,
+                vb.get(cin, "norm3.bias")?,
+                CausalConv3d::new(cin, cout, 1, causal, vb.pp("conv_shortcut"))?,
+            ))
+        } else {
+            None
+        };
+        let noise_scales = if options.inject_noise {
+            Some((
+                vb.get((cin, 1, 1), "per_channel_scale1")?,
+                vb.get((cin, 1, 1), "per_channel_scale2")?,
+            ))
+        } else {
+            None
+        };
+        let scale_shift_table = if options.timestep_conditioning {
+            Some(vb.get((4, cin), "scale_shift_table")?)
+        } else {
+            None
+        };
+        Ok(Self {
+            conv1: CausalConv3d::new(cin, cout, 3, causal, vb.pp("conv1"))?,
+            conv2: CausalConv3d::new(cout, cout, 3, causal, vb.pp("conv2"))?,
+            shortcut,
+            noise_scales,
+            scale_shift_table,
+            eps: options.eps,
+        })
+    }
+
+    /// Adds `noise[None] * scale` (`[1, C, 1, H, W]`), broadcast over batch and frames.
+    fn inject(x: &Tensor, scale: &Tensor, noise: &mut dyn InjectedNoise) -> Result<Tensor> {
+        let (_, _, _, h, w) = x.dims5()?;
+        let draw = noise.next(h, w, x.device())?.to_dtype(x.dtype())?;
+        let spatial = draw
+            .unsqueeze(0)?
+            .broadcast_mul(&scale.to_dtype(x.dtype())?)?;
+        x.broadcast_add(&spatial.unsqueeze(0)?.unsqueeze(2)?)
+    }
+
+    fn forward(
+        &self,
+        input: &Tensor,
+        temb: Option<&Tensor>,
+        noise: &mut dyn InjectedNoise,
+    ) -> Result<Tensor> {
+        let mut h = channel_rms_norm(input, RMS_EPS)?;
+        let modulation = match (&self.scale_shift_table, temb) {
+            (Some(table), Some(temb)) => Some((
+                modulation_row(temb, table, 0)?,
+                modulation_row(temb, table, 1)?,
+                modulation_row(temb, table, 2)?,
+                modulation_row(temb, table, 3)?,
+            )),
+            (Some(_), None) => candle_core::bail!("this VAE decoder needs a decode timestep"),
+            _ => None,
+        };
+        if let Some((shift_1, scale_1, _, _)) = &modulation {
+            h = h.broadcast_mul(&(scale_1 + 1.0)?)?.broadcast_add(shift_1)?;
+        }
+        h = self.conv1.forward(&h.silu()?)?;
+        if let Some((scale1, _)) = &self.noise_scales {
+            h = Self::inject(&h, scale1, noise)?;
+        }
+        h = channel_rms_norm(&h, RMS_EPS)?;
+        if let Some((_, _, shift_2, scale_2)) = &modulation {
+            h = h.broadcast_mul(&(scale_2 + 1.0)?)?.broadcast_add(shift_2)?;
+        }
+        h = self.conv2.forward(&h.silu()?)?;
+        if let Some((_, scale2)) = &self.noise_scales {
+            h = Self::inject(&h, scale2, noise)?;
+        }
+        let residual = match &self.shortcut {
+            Some((w, b, conv)) => conv.forward(&channel_layer_norm(input, w, b, self.eps)?)?,
+            None => input.clone(),
+        };
+        h + residual
+    }
+}
+
+/// `[B, C·8, T, H, W]` -> `[B, C, 2T, 2H, 2W]` (channel = c·8 + t·4 + h·2 + w).
+fn depth_to_space(x: &Tensor) -> Result<Tensor> {
+    let (b, c8, t, h, w) = x.dims5()?;
+    let c = c8 / 8;
+    x.reshape(vec![b, c, 2, 2, 2, t, h, w])?
+        .permute(vec![0, 1, 5, 2, 6, 3, 7, 4])?
+        .reshape((b, c, 2 * t, 2 * h, 2 * w))
+}
+
+/// `LTXVideoUpsampler3d` with stride (2, 2, 2): conv to `8C / factor` channels,
+/// depth-to-space, first frame dropped, plus (residual) the depth-to-spaced input tiled over
+/// the channels.
+#[derive(Debug, Clone)]
+struct Upsampler {
+    conv: CausalConv3d,
+    residual: bool,
+    factor: usize,
+}
+
+impl Upsampler {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let drop_first = |t: Tensor| -> Result<Tensor> {
+            let frames = t.dim(2)?;
+            t.narrow(2, 1, frames - 1)
+        };
+        let y = drop_first(depth_to_space(&self.conv.forward(x)?)?)?;
+        if !self.residual {
+            return Ok(y);
+        }
+        let r = drop_first(depth_to_space(x)?)?;
+        let repeats = 8 / self.factor;
+        y + r.repeat((1, repeats, 1, 1, 1))?
+    }
+}
+
+/// The mid block or an up block: optional width-changing resnet, time embedder, optional
+/// upsampler, resnets.
+#[derive(Debug, Clone)]
+struct DecoderBlock {
+    conv_in: Option<ResnetBlock>,
+    time_embedder: Option<TimeEmbedder>,
+    upsampler: Option<Upsampler>,
+    resnets: Vec<ResnetBlock>,
+}
+
+impl DecoderBlock {
+    fn forward(
+        &self,
+        x: &Tensor,
+        timestep: Option<&Tensor>,
+        noise: &mut dyn InjectedNoise,
+    ) -> Result<Tensor> {
+        let mut h = match &self.conv_in {
+            // Only reachable without timestep conditioning (validated).
+            Some(conv_in) => conv_in.forward(x, None, noise)?,
+            None => x.clone(),
+        };
+        let temb = match (&self.time_embedder, timestep) {
+            (Some(embedder), Some(t)) => Some(embedder.forward(t, h.dtype())?),
+            (Some(_), None) => candle_core::bail!("this VAE decoder needs a decode timestep"),
+            _ => None,
+        };
+        if let Some(up) = &self.upsampler {
+            h = up.forward(&h)?;
+        }
+        for resnet in &self.resnets {
+            h = resnet.forward(&h, temb.as_ref(), noise)?;
+        }
+        Ok(h)
+    }
+}
+
+/// `AutoencoderKLLTXVideo` for decoding: the decoder and the latent statistics buffers.
+#[derive(Debug, Clone)]
+pub struct AutoencoderKLLTXVideo {
+    cfg: LtxVaeConfig,
+    conv_in: CausalConv3d,
+    mid_block: DecoderBlock,
+    up_blocks: Vec<DecoderBlock>,
+    /// `timestep_scale_multiplier`, `time_embedder` and `scale_shift_table` `[2, C]` of the
+    /// output modulation (timestep conditioning).
+    output_time: Option<(Tensor, TimeEmbedder, Tensor)>,
+    conv_out: CausalConv3d,
+    latents_mean: Tensor,
+    latents_std: Tensor,
+}
+
+impl AutoencoderKLLTXVideo {
+    /// Loads the decoder and `latents_mean`/`latents_std` from `vb`
+    /// (`vae/diffusion_pytorch_model.safetensors`).
+    pub fn new(cfg: &LtxVaeConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let n = cfg.decoder_block_out_channels.len();
+        let causal = cfg.decoder_causal;
+        let dvb = vb.pp("decoder");
+        let mut channels = reversed(&cfg.decoder_block_out_channels, 0);
+        let conv_in =
+            CausalConv3d::new(cfg.latent_channels, channels, 3, causal, dvb.pp("conv_in"))?;
+        let time_embedder = |dim: usize, vb: VarBuilder| -> Result<Option<TimeEmbedder>> {
+            if cfg.timestep_conditioning {
+                Ok(Some(TimeEmbedder::new(dim, vb.pp("time_embedder"))?))
+            } else {
+                Ok(None)
+            }
+        };
+        let mid_vb = dvb.pp("mid_block");
+        let mid_block = DecoderBlock {
+            conv_in: None,
+            time_embedder: time_embedder(4 * channels, mid_vb.clone())?,
+            upsampler: None,
+            resnets: (0..reversed(&cfg.decoder_layers_per_block, 0))
+                .map(|i| {
+                    ResnetBlock::new(
+                        channels,
+                        channels,
+                        ResnetOptions::decoder(cfg, reversed(&cfg.decoder_inject_noise, 0)),
+                        mid_vb.pp(format!("resnets.{i}")),
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let mut up_blocks = Vec::with_capacity(n);
+        for i in 0..n {
+            let vb = dvb.pp(format!("up_blocks.{i}"));
+            let factor = reversed(&cfg.upsample_factor, i);
+            let input = channels / factor;
+            let output = reversed(&cfg.decoder_block_out_channels, i) / factor;
+            let inject = reversed(&cfg.decoder_inject_noise, i + 1);
+            let conv_in = if input != output {
+                Some(ResnetBlock::new(
+                    input,
+                    output,
+                    ResnetOptions::decoder(cfg, inject),
+                    vb.pp("conv_in"),
+                )?)
+            } else {
+                None
+            };
+            let upsampler = if reversed(&cfg.decoder_spatio_temporal_scaling, i) {
+                let cin = output * factor;
+                Some(Upsampler {
+                    conv: CausalConv3d::new(
+                        cin,
+                        cin * 8 / factor,
+                        3,
+                        causal,
+                        vb.pp("upsamplers.0.conv"),
+                    )?,
+                    residual: reversed(&cfg.upsample_residual, i),
+                    factor,
+                })
+            } else {
+                None
+            };
+            let resnets = (0..reversed(&cfg.decoder_layers_per_block, i + 1))
+                .map(|j| {
+                    ResnetBlock::new(
+                        output,
+                        output,
+                        ResnetOptions::decoder(cfg, inject),
+                        vb.pp(format!("resnets.{j}")),
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            up_blocks.push(DecoderBlock {
+                conv_in,
+                time_embedder: time_embedder(4 * input, vb.clone())?,
+                upsampler,
+                resnets,
+            });
+            channels = output;
+        }
+        let output_time = if cfg.timestep_conditioning {
+            Some((
+                dvb.get((), "timestep_scale_multiplier")?,
+                TimeEmbedder::new(2 * channels, dvb.pp("time_embedder"))?,
+                dvb.get((2, channels), "scale_shift_table")?,
+            ))
+        } else {
+            None
+        };
+        let patch = cfg.patch_size;
+        let conv_out = CausalConv3d::new(
+            channels,
+            cfg.out_channels * patch * patch * cfg.patch_size_t,
+            3,
+            causal,
+            dvb.pp("conv_out"),
+        )?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            conv_in,
+            mid_block,
+            up_blocks,
+            output_time,
+            conv_out,
+            latents_mean: vb.get(cfg.latent_channels, "latents_mean")?,
+            latents_std: vb.get(cfg.latent_channels, "latents_std")?,
+        })
+    }
+
+    pub fn config(&self) -> &LtxVaeConfig {
+        &self.cfg
+    }
+
+    /// `latents_mean` `[C]`.
+    pub fn latents_mean(&self) -> &Tensor {
+        &self.latents_mean
+    }
+
+    /// `latents_std` `[C]`.
+    pub fn latents_std(&self) -> &Tensor {
+        &self.latents_std
+    }
+
+    /// The pipeline's `_denormalize_latents` with this VAE's buffers and scaling factor.
+    pub fn denormalize(&self, latents: &Tensor) -> Result<Tensor> {
+        denormalize_latents(
+            latents,
+            &self.latents_mean,
+            &self.latents_std,
+            self.cfg.scaling_factor,
+        )
+    }
+
+    /// Whether [`Self::decode`] takes a decode timestep (0.9.1 layout).
+    pub fn timestep_conditioning(&self) -> bool {
+        self.cfg.timestep_conditioning
+    }
+
+    /// `vae.decode(z, temb)`: `z` `[B, C, F, H, W]` (de-normalised latents) -> video `[B,
+    /// out_channels, (F - 1)·r_t + 1, H·r_s, W·r_s]`, not clamped. `timestep` `[B]` (or one
+    /// value) is the decode timestep, required with timestep conditioning; `noise` supplies the
+    /// injected noise draws.
+    pub fn decode(
+        &self,
+        z: &Tensor,
+        timestep: Option<&Tensor>,
+        noise: &mut dyn InjectedNoise,
+    ) -> Result<Tensor> {
+        let b = z.dim(0)?;
+        let mut h = self.conv_in.forward(z)?;
+        let temb = match (&self.output_time, timestep) {
+            (Some((multiplier, _, _)), Some(t)) => {
+                let t = t.to_dtype(DType::F32)?.flatten_all()?;
+                let t = if t.dim(0)? == 1 && b > 1 {
+                    t.broadcast_as(b)?.contiguous()?
+                } else {
+                    t
+                };
+                Some(t.broadcast_mul(&multiplier.to_dtype(DType::F32)?)?)
+            }
+            (Some(_), None) => candle_core::bail!("this VAE decoder needs a decode timestep"),
+            (None, _) => None,
+        };
+        h = self.mid_block.forward(&h, temb.as_ref(), noise)?;
+        for block in &self.up_blocks {
+            h = block.forward(&h, temb.as_ref(), noise)?;
+        }
+        h = channel_rms_norm(&h, RMS_EPS)?;
+        if let (Some((_, embedder, table)), Some(t)) = (&self.output_time, &temb) {
+            let emb = embedder.forward(t, h.dtype())?;
+            let shift = modulation_row(&emb, table, 0)?;
+            let scale = modulation_row(&emb, table, 1)?;
+            h = h.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(&shift)?;
+        }
+        let h = self.conv_out.forward(&h.silu()?)?;
+        // Un-patchify: channel = c·(p_t·p·p) + t·p·p + w·p + h.
+        let (b, _, f, hh, ww) = h.dims5()?;
+        let (p, pt) = (self.cfg.patch_size, self.cfg.patch_size_t);
+        h.reshape(vec![b, self.cfg.out_channels, pt, p, p, f, hh, ww])?
+            .permute(vec![0, 1, 5, 2, 6, 4, 7, 3])?
+            .reshape((b, self.cfg.out_channels, f * pt, hh * p, ww * p))
+    }
+}
+
+/// The pipeline's step before decoding with timestep conditioning: `(1 - s)·z + s·noise`,
+/// `s` = `decode_noise_scale` as an f32 (as the pipeline's f32 tensor holds it).
+pub fn add_decode_noise(latents: &Tensor, noise: &Tensor, scale: f64) -> Result<Tensor> {
+    let s = scale as f32;
+    let keep = 1.0f32 - s;
+    latents.affine(f64::from(keep), 0.0)?
+        + noise.to_dtype(latents.dtype())?.affine(f64::from(s), 0.0)?
+}
+
+/// One `LTXVideoDownBlock3D`: resnets, an optional stride-2 conv, an optional
+/// width-changing resnet.
+#[derive(Debug, Clone)]
+struct EncoderBlock {
+    resnets: Vec<ResnetBlock>,
+    downsampler: Option<CausalConv3d>,
+    conv_out: Option<ResnetBlock>,
+}
+
+/// The VAE encoder (`encoder.*`, diffusers' `LTXVideoEncoder3d` with `LTXVideoDownBlock3D`s):
+/// patchify, conv_in, down blocks, mid block, RMSNorm, SiLU, conv_out to `latent_channels + 1`
+/// (the mean channels and one log-variance channel). Not needed for text-to-video.
+#[derive(Debug, Clone)]
+pub struct LtxVideoEncoder {
+    cfg: LtxVaeConfig,
+    conv_in: CausalConv3d,
+    down_blocks: Vec<EncoderBlock>,
+    mid_resnets: Vec<ResnetBlock>,
+    conv_out: CausalConv3d,
+}
+
+impl LtxVideoEncoder {
+    /// Loads `encoder.*` from the VAE checkpoint root `vb`.
+    pub fn new(cfg: &LtxVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let n = cfg.block_out_channels.len();
+        if n == 0 || cfg.in_channels == 0 {
+            candle_core::bail!(
+                "ltx vae config: block_out_channels and in_channels must be non-empty"
+            );
+        }
+        for (key, len, need) in [
+            ("layers_per_block", cfg.layers_per_block.len(), n + 1),
+            (
+                "spatio_temporal_scaling",
+                cfg.spatio_temporal_scaling.len(),
+                n,
+            ),
+            ("down_block_types", cfg.down_block_types.len(), n),
+        ] {
+            if len < need {
+                candle_core::bail!(
+                    "ltx vae config: {key} has {len} entries, the encoder needs {need}"
+                );
+            }
+        }
+        if let Some(other) = cfg.down_block_types[..n]
+            .iter()
+            .find(|t| t.as_str() != "LTXVideoDownBlock3D")
+        {
+            candle_core::bail!(
+                "ltx vae config: down_block_types {other:?} is not supported (only LTXVideoDownBlock3D)"
+            );
+        }
+        if cfg
+            .block_out_channels
+            .iter()
+            .chain([&cfg.in_channels])
+            .any(|&c| c > MAX_SIZE)
+        {
+            candle_core::bail!(
+                "ltx vae config: block_out_channels or in_channels larger than {MAX_SIZE}"
+            );
+        }
+        cfg.validate()?;
+        let vb = vb.pp("encoder");
+        let options = ResnetOptions::encoder(cfg);
+        let causal = cfg.encoder_causal;
+        let patch_channels = cfg.in_channels * cfg.patch_size * cfg.patch_size * cfg.patch_size_t;
+        let mut output = cfg.block_out_channels[0];
+        let conv_in = CausalConv3d::new(patch_channels, output, 3, causal, vb.pp("conv_in"))?;
+        let mut down_blocks = Vec::with_capacity(n);
+        for i in 0..n {
+            let input = output;
+            output = cfg.block_out_channels[(i + 1).min(n - 1)];
+            let bvb = vb.pp(format!("down_blocks.{i}"));
+            let resnets = (0..cfg.layers_per_block[i])
+                .map(|j| ResnetBlock::new(input, input, options, bvb.pp(format!("resnets.{j}"))))
+                .collect::<Result<Vec<_>>>()?;
+            let downsampler = if cfg.spatio_temporal_scaling[i] {
+                Some(CausalConv3d::strided(
+                    input,
+                    input,
+                    3,
+                    2,
+                    causal,
+                    bvb.pp("downsamplers.0"),
+                )?)
+            } else {
+                None
+            };
+            let conv_out = if input != output {
+                Some(ResnetBlock::new(
+                    input,
+                    output,
+                    options,
+                    bvb.pp("conv_out"),
+                )?)
+            } else {
+                None
+            };
+            down_blocks.push(EncoderBlock {
+                resnets,
+                downsampler,
+                conv_out,
+            });
+        }
+        let mid_resnets = (0..cfg.layers_per_block[n])
+            .map(|j| {
+                ResnetBlock::new(
+                    output,
+                    output,
+                    options,
+                    vb.pp(format!("mid_block.resnets.{j}")),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let conv_out = CausalConv3d::new(
+            output,
+            cfg.latent_channels + 1,
+            3,
+            causal,
+            vb.pp("conv_out"),
+        )?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            conv_in,
+            down_blocks,
+            mid_resnets,
+            conv_out,
+        })
+    }
+
+    /// `video` `[B, in_channels, T, H, W]` in [-1, 1] (T = 1 + 8k, H and W multiples of the
+    /// spatial ratio) -> moments `[B, 2·latent_channels, T', H', W']`: the means, then the
+    /// log-variance channel repeated `latent_channels` times.
+    pub fn encode(&self, video: &Tensor) -> Result<Tensor> {
+        let (b, c, t, h, w) = video.dims5()?;
+        let (p, pt) = (self.cfg.patch_size, self.cfg.patch_size_t);
+        if t % pt != 0 || h % p != 0 || w % p != 0 {
+            candle_core::bail!("a {t}x{h}x{w} video does not split into {pt}x{p}x{p} patches");
+        }
+        let (tp, hp, wp) = (t / pt, h / p, w / p);
+        // Patchify: channel = c·(p_t·p·p) + t·p·p + w·p + h, as diffusers orders it.
+        let x = video
+            .reshape(vec![b, c, tp, pt, hp, p, wp, p])?
+            .permute(vec![0, 1, 3, 7, 5, 2, 4, 6])?
+            .reshape((b, c * pt * p * p, tp, hp, wp))?;
+        let mut noise = GivenNoise::new(Vec::new());
+        let mut h = self.conv_in.forward(&x)?;
+        for block in &self.down_blocks {
+            for resnet in &block.resnets {
+                h = resnet.forward(&h, None, &mut noise)?;
+            }
+            if let Some(down) = &block.downsampler {
+                h = down.forward(&h)?;
+            }
+            if let Some(conv_out) = &block.conv_out {
+                h = conv_out.forward(&h, None, &mut noise)?;
+            }
+        }
+        for resnet in &self.mid_resnets {
+            h = resnet.forward(&h, None, &mut noise)?;
+        }
+        let h = self
+            .conv_out
+            .forward(&channel_rms_norm(&h, RMS_EPS)?.silu()?)?;
+        let latent = self.cfg.latent_channels;
+        let logvar = h.narrow(1, latent, 1)?;
+        Tensor::cat(&[h, logvar.repeat((1, latent - 1, 1, 1, 1))?], 1)
+    }
+}
+
+/// `DiagonalGaussianDistribution(moments)`: (mean, logvar clamped to [-30, 20]).
+pub fn latent_dist(moments: &Tensor) -> Result<(Tensor, Tensor)> {
+    let c = moments.dim(1)? / 2;
+    Ok((
+        moments.narrow(1, 0, c)?,
+        moments.narrow(1, c, c)?.clamp(-30f32, 20f32)?,
+    ))
+}
