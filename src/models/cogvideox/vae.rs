@@ -1,1 +1,587 @@
-//! stub
+//! CogVideoX video VAE decoder (diffusers `AutoencoderKLCogVideoX`), frame-batched as diffusers
+//! decodes.
+//!
+//! Tensors keep diffusers' `[B, C, T, H, W]` layout. Every norm of the decoder is a *spatial
+//! norm*: a GroupNorm whose scale and shift come from 1x1x1 convolutions of the latent chunk
+//! resized (nearest) to the feature map. Causal 3D convolutions pad time in front with the first
+//! frame repeated, or, from the second chunk on, with the last input frames of the previous chunk
+//! (diffusers' `conv_cache`), and space with zeros; they run one output frame at a time as a sum
+//! over temporal taps of 2D convolutions. The decoder runs in f32 like diffusers
+//! (`force_upcast`).
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{GroupNorm, VarBuilder};
+use serde::Deserialize;
+
+/// Epsilon of the spatial norms' GroupNorm (fixed in diffusers' `CogVideoXSpatialNorm3D`).
+const SPATIAL_NORM_EPS: f64 = 1e-6;
+
+/// Latent frames per decoder call (diffusers' `num_latent_frames_batch_size`); the first chunk
+/// also takes the remainder.
+pub const LATENT_FRAMES_PER_CHUNK: usize = 2;
+
+/// `vae/config.json` of a diffusers `AutoencoderKLCogVideoX`; missing keys take diffusers'
+/// defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct CogVideoXVaeConfig {
+    /// Video channels in (encoder side; informational here).
+    pub in_channels: usize,
+    /// Video channels out.
+    pub out_channels: usize,
+    /// Encoder block types (informational: only the decoder is built).
+    pub down_block_types: Vec<String>,
+    /// Decoder block types; only `CogVideoXUpBlock3D`.
+    pub up_block_types: Vec<String>,
+    /// Channels per resolution level, from the image side.
+    pub block_out_channels: Vec<usize>,
+    /// Latent channels.
+    pub latent_channels: usize,
+    /// Resnets per encoder block; the decoder's blocks have one more.
+    pub layers_per_block: usize,
+    /// Activation (only `silu`).
+    pub act_fn: String,
+    /// Epsilon of the encoder's GroupNorms (the decoder's spatial norms use 1e-6).
+    pub norm_eps: f64,
+    /// Groups of every GroupNorm.
+    pub norm_num_groups: usize,
+    /// Frames per latent frame; `log2` of it is the number of up blocks that double time.
+    pub temporal_compression_ratio: f64,
+    /// Informational (tiling defaults).
+    pub sample_height: usize,
+    /// Informational (tiling defaults).
+    pub sample_width: usize,
+    /// Latents are divided by it before decoding (0.7 for CogVideoX-5b).
+    pub scaling_factor: f64,
+    /// Must be null (no CogVideoX checkpoint shifts its latents).
+    pub shift_factor: Option<f64>,
+    /// Informational.
+    pub latents_mean: Option<Vec<f64>>,
+    /// Informational.
+    pub latents_std: Option<Vec<f64>>,
+    /// Informational: the decoder always runs in f32 here.
+    pub force_upcast: bool,
+    /// Encoder side only.
+    pub use_quant_conv: bool,
+    /// Not supported (no published checkpoint uses it).
+    pub use_post_quant_conv: bool,
+    /// Image-to-video only (informational).
+    pub invert_scale_latents: bool,
+}
+
+impl Default for CogVideoXVaeConfig {
+    fn default() -> Self {
+        let blocks = |name: &str| vec![name.to_string(); 4];
+        Self {
+            in_channels: 3,
+            out_channels: 3,
+            down_block_types: blocks("CogVideoXDownBlock3D"),
+            up_block_types: blocks("CogVideoXUpBlock3D"),
+            block_out_channels: vec![128, 256, 256, 512],
+            latent_channels: 16,
+            layers_per_block: 3,
+            act_fn: "silu".into(),
+            norm_eps: 1e-6,
+            norm_num_groups: 32,
+            temporal_compression_ratio: 4.0,
+            sample_height: 480,
+            sample_width: 720,
+            scaling_factor: 1.15258426,
+            shift_factor: None,
+            latents_mean: None,
+            latents_std: None,
+            force_upcast: true,
+            use_quant_conv: false,
+            use_post_quant_conv: false,
+            invert_scale_latents: false,
+        }
+    }
+}
+
+impl CogVideoXVaeConfig {
+    /// Pixels per latent pixel: 2 per up block that upsamples.
+    pub fn scale_factor_spatial(&self) -> usize {
+        1 << self.block_out_channels.len().saturating_sub(1)
+    }
+
+    /// Up blocks that also double time (diffusers' `int(np.log2(temporal_compression_ratio))`).
+    fn time_doublings(&self) -> usize {
+        self.temporal_compression_ratio.log2().floor().max(0.0) as usize
+    }
+
+    /// Frames per latent frame (diffusers' `vae_scale_factor_temporal`).
+    pub fn scale_factor_temporal(&self) -> usize {
+        1 << self.time_doublings()
+    }
+
+    /// Rejects configurations this decoder cannot build, with the key at fault.
+    pub fn validate(&self) -> Result<()> {
+        if self.block_out_channels.is_empty() || self.block_out_channels.contains(&0) {
+            candle_core::bail!("vae config: block_out_channels must be a non-empty list of positive numbers");
+        }
+        if self.up_block_types.len() != self.block_out_channels.len() {
+            candle_core::bail!(
+                "vae config: up_block_types has {} entries for {} block_out_channels",
+                self.up_block_types.len(),
+                self.block_out_channels.len()
+            );
+        }
+        if let Some(t) = self.up_block_types.iter().find(|t| *t != "CogVideoXUpBlock3D") {
+            candle_core::bail!("vae config: up_block_types entry {t:?} is not supported (only \"CogVideoXUpBlock3D\")");
+        }
+        if self.latent_channels == 0 || self.out_channels == 0 {
+            candle_core::bail!("vae config: latent_channels and out_channels must be positive");
+        }
+        let groups = self.norm_num_groups;
+        if groups == 0 || self.block_out_channels.iter().any(|c| c % groups != 0) {
+            candle_core::bail!(
+                "vae config: norm_num_groups {groups} must divide every block_out_channels entry {:?}",
+                self.block_out_channels
+            );
+        }
+        if self.act_fn != "silu" && self.act_fn != "swish" {
+            candle_core::bail!("vae config: act_fn {:?} is not supported (only \"silu\")", self.act_fn);
+        }
+        if !(self.temporal_compression_ratio.is_finite() && self.temporal_compression_ratio >= 1.0)
+        {
+            candle_core::bail!("vae config: temporal_compression_ratio must be at least 1");
+        }
+        if !(self.scaling_factor.is_finite() && self.scaling_factor != 0.0) {
+            candle_core::bail!("vae config: scaling_factor must be a non-zero number");
+        }
+        if self.shift_factor.is_some_and(|s| s != 0.0) {
+            candle_core::bail!("vae config: shift_factor is not supported");
+        }
+        if self.use_post_quant_conv {
+            candle_core::bail!("vae config: use_post_quant_conv = true is not supported");
+        }
+        Ok(())
+    }
+}
+
+/// The temporal context of every causal conv between decoder chunks, visited in call order
+/// (diffusers' nested `conv_cache` dict, flattened).
+#[derive(Default)]
+struct ConvCache {
+    slots: Vec<Option<Tensor>>,
+    next: usize,
+}
+
+impl ConvCache {
+    /// Rewinds to the first slot before a chunk.
+    fn start_chunk(&mut self) {
+        self.next = 0;
+    }
+
+    fn slot(&mut self) -> &mut Option<Tensor> {
+        if self.next == self.slots.len() {
+            self.slots.push(None);
+        }
+        self.next += 1;
+        &mut self.slots[self.next - 1]
+    }
+}
+
+/// Frame `t` of `[B, C, T, H, W]` as a contiguous `[B, C, H, W]` image.
+fn frame(x: &Tensor, t: usize) -> Result<Tensor> {
+    x.narrow(2, t, 1)?.squeeze(2)?.contiguous()
+}
+
+/// diffusers' `CogVideoXCausalConv3d` (constant pad mode) with kernel (kt, k, k), stride 1:
+/// `kt − 1` frames of context in front, `(k − 1) / 2` zeros around each image.
+struct CausalConv3d {
+    /// `weight[:, :, k]` for each temporal tap, each `[C_out, C_in, k, k]`.
+    taps: Vec<Tensor>,
+    bias: Tensor,
+    pad: usize,
+}
+
+impl CausalConv3d {
+    fn new(cin: usize, cout: usize, kernel: usize, vb: VarBuilder) -> Result<Self> {
+        Self::from_weights(cin, cout, kernel, vb.pp("conv"))
+    }
+
+    /// The weights directly under `vb` (diffusers' plain `CogVideoXSafeConv3d`).
+    fn from_weights(cin: usize, cout: usize, kernel: usize, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get((cout, cin, kernel, kernel, kernel), "weight")?;
+        let taps = (0..kernel)
+            .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            taps,
+            bias: vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?,
+            pad: (kernel - 1) / 2,
+        })
+    }
+
+    /// `x` `[B, C, T, H, W]` -> `[B, C_out, T, H, W]`. A conv with a temporal kernel takes the
+    /// next slot of `cache` as its front context (the first frame repeated when empty) and leaves
+    /// its last `kt − 1` input frames there.
+    fn forward(&self, x: &Tensor, cache: Option<&mut ConvCache>) -> Result<Tensor> {
+        let context = self.taps.len() - 1;
+        let t_in = x.dim(2)?;
+        let mut frames = Vec::with_capacity(context + t_in);
+        if context > 0 {
+            let Some(cache) = cache else {
+                candle_core::bail!("causal conv3d with a temporal kernel needs a conv cache");
+            };
+            let slot = cache.slot();
+            match slot.as_ref() {
+                Some(prev) => {
+                    for t in 0..prev.dim(2)? {
+                        frames.push(frame(prev, t)?);
+                    }
+                }
+                None => {
+                    let first = frame(x, 0)?;
+                    frames.extend(std::iter::repeat_n(first, context));
+                }
+            }
+            for t in 0..t_in {
+                frames.push(frame(x, t)?);
+            }
+            let kept = &frames[frames.len() - context..];
+            *slot = Some(Tensor::stack(kept, 2)?);
+        } else {
+            for t in 0..t_in {
+                frames.push(frame(x, t)?);
+            }
+        }
+        let mut outs = Vec::with_capacity(t_in);
+        for o in 0..t_in {
+            let mut acc: Option<Tensor> = None;
+            for (k, tap) in self.taps.iter().enumerate() {
+                let y = frames[o + k].conv2d(tap, self.pad, 1, 1, 1)?;
+                acc = Some(match acc {
+                    Some(a) => (a + y)?,
+                    None => y,
+                });
+            }
+            match acc {
+                Some(a) => outs.push(a.broadcast_add(&self.bias)?),
+                None => candle_core::bail!("causal conv3d without taps"),
+            }
+        }
+        Tensor::stack(&outs, 2)
+    }
+}
+
+/// Source index of each output position of torch's `interpolate(mode="nearest")` to
+/// `out_size` (`floor(dst · (in / out))` in f32, exact shortcuts for equal and doubled sizes).
+fn nearest_indices(in_size: usize, out_size: usize) -> Vec<u32> {
+    let last = in_size.saturating_sub(1);
+    (0..out_size)
+        .map(|o| {
+            let src = if out_size == in_size {
+                o
+            } else if out_size == 2 * in_size {
+                o >> 1
+            } else {
+                let scale = in_size as f32 / out_size as f32;
+                ((o as f32 * scale).floor() as usize).min(last)
+            };
+            src as u32
+        })
+        .collect()
+}
+
+/// Nearest resize of `x` `[B, C, T, H, W]` to `(t, h, w)` (torch's `F.interpolate(x, size=...)`).
+fn resize_nearest(x: &Tensor, size: [usize; 3]) -> Result<Tensor> {
+    let mut x = x.clone();
+    for (axis, &out) in size.iter().enumerate() {
+        let dim = axis + 2;
+        let len = x.dim(dim)?;
+        if len != out {
+            let idx = nearest_indices(len, out);
+            let idx = Tensor::from_vec(idx, out, x.device())?;
+            x = x.contiguous()?.index_select(&idx, dim)?;
+        }
+    }
+    Ok(x)
+}
+
+/// `[B, C, T, H, W]` -> `[B, C, T, 2H, 2W]`, nearest.
+fn double_space(x: &Tensor) -> Result<Tensor> {
+    let (b, c, t, h, w) = x.dims5()?;
+    x.contiguous()?
+        .reshape((b, c * t, h, w))?
+        .upsample_nearest2d(2 * h, 2 * w)?
+        .reshape((b, c, t, 2 * h, 2 * w))
+}
+
+/// `[B, C, T, H, W]` -> `[B, C, 2T, 2H, 2W]`, nearest.
+fn double_space_time(x: &Tensor) -> Result<Tensor> {
+    let t = x.dim(2)?;
+    let idx = Tensor::from_vec(nearest_indices(t, 2 * t), 2 * t, x.device())?;
+    double_space(&x.contiguous()?.index_select(&idx, 2)?)
+}
+
+/// diffusers' `CogVideoXSpatialNorm3D`: `GroupNorm(f) · conv_y(zq) + conv_b(zq)` with `zq` the
+/// latent chunk resized to `f` (its first frame resized on its own when `f` has an odd number of
+/// frames above one).
+struct SpatialNorm3D {
+    norm: GroupNorm,
+    conv_y: CausalConv3d,
+    conv_b: CausalConv3d,
+}
+
+impl SpatialNorm3D {
+    fn new(channels: usize, zq_channels: usize, groups: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            norm: candle_nn::group_norm(groups, channels, SPATIAL_NORM_EPS, vb.pp("norm_layer"))?,
+            conv_y: CausalConv3d::new(zq_channels, channels, 1, vb.pp("conv_y"))?,
+            conv_b: CausalConv3d::new(zq_channels, channels, 1, vb.pp("conv_b"))?,
+        })
+    }
+
+    fn forward(&self, f: &Tensor, zq: &Tensor) -> Result<Tensor> {
+        let (_, _, t, h, w) = f.dims5()?;
+        let zq = if t > 1 && t % 2 == 1 {
+            let z_len = zq.dim(2)?;
+            let first = resize_nearest(&zq.narrow(2, 0, 1)?, [1, h, w])?;
+            let rest = resize_nearest(&zq.narrow(2, 1, z_len.saturating_sub(1))?, [t - 1, h, w])?;
+            Tensor::cat(&[first, rest], 2)?
+        } else {
+            resize_nearest(zq, [t, h, w])?
+        };
+        let y = self.conv_y.forward(&zq, None)?;
+        let b = self.conv_b.forward(&zq, None)?;
+        (self.norm.forward(f)? * y)? + b
+    }
+}
+
+/// diffusers' `CogVideoXResnetBlock3D` with spatial norms and no time embedding.
+struct ResnetBlock3D {
+    norm1: SpatialNorm3D,
+    conv1: CausalConv3d,
+    norm2: SpatialNorm3D,
+    conv2: CausalConv3d,
+    /// 1x1x1 conv when the channel count changes.
+    shortcut: Option<CausalConv3d>,
+}
+
+impl ResnetBlock3D {
+    fn new(cin: usize, cout: usize, cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let (zc, groups) = (cfg.latent_channels, cfg.norm_num_groups);
+        Ok(Self {
+            norm1: SpatialNorm3D::new(cin, zc, groups, vb.pp("norm1"))?,
+            conv1: CausalConv3d::new(cin, cout, 3, vb.pp("conv1"))?,
+            norm2: SpatialNorm3D::new(cout, zc, groups, vb.pp("norm2"))?,
+            conv2: CausalConv3d::new(cout, cout, 3, vb.pp("conv2"))?,
+            shortcut: if cin != cout {
+                Some(CausalConv3d::from_weights(cin, cout, 1, vb.pp("conv_shortcut"))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    fn forward(&self, x: &Tensor, zq: &Tensor, cache: &mut ConvCache) -> Result<Tensor> {
+        let h = self.norm1.forward(x, zq)?.silu()?;
+        let h = self.conv1.forward(&h, Some(cache))?;
+        let h = self.norm2.forward(&h, zq)?.silu()?;
+        let h = self.conv2.forward(&h, Some(cache))?;
+        let res = match &self.shortcut {
+            Some(conv) => conv.forward(x, None)?,
+            None => x.clone(),
+        };
+        h + res
+    }
+}
+
+/// diffusers' `CogVideoXUpsample3D`: nearest 2x in space (and in time for the first up blocks,
+/// keeping a lone first frame single), then a 3x3 Conv2d per frame.
+struct Upsample3D {
+    conv: CausalConv3d,
+    compress_time: bool,
+}
+
+impl Upsample3D {
+    fn new(channels: usize, compress_time: bool, vb: VarBuilder) -> Result<Self> {
+        let vb = vb.pp("conv");
+        let weight = vb.get((channels, channels, 3, 3), "weight")?;
+        Ok(Self {
+            conv: CausalConv3d {
+                taps: vec![weight],
+                bias: vb.get(channels, "bias")?.reshape((1, channels, 1, 1))?,
+                pad: 1,
+            },
+            compress_time,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let t = x.dim(2)?;
+        let x = if self.compress_time && t > 1 && t % 2 == 1 {
+            let first = double_space(&x.narrow(2, 0, 1)?)?;
+            let rest = double_space_time(&x.narrow(2, 1, t - 1)?)?;
+            Tensor::cat(&[first, rest], 2)?
+        } else if self.compress_time && t > 1 {
+            double_space_time(x)?
+        } else {
+            double_space(x)?
+        };
+        self.conv.forward(&x, None)
+    }
+}
+
+/// One `CogVideoXUpBlock3D`.
+struct UpBlock3D {
+    resnets: Vec<ResnetBlock3D>,
+    upsampler: Option<Upsample3D>,
+}
+
+/// diffusers' `CogVideoXDecoder3D`.
+struct Decoder3D {
+    conv_in: CausalConv3d,
+    mid: Vec<ResnetBlock3D>,
+    up_blocks: Vec<UpBlock3D>,
+    norm_out: SpatialNorm3D,
+    conv_out: CausalConv3d,
+}
+
+impl Decoder3D {
+    fn new(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let channels: Vec<usize> = cfg.block_out_channels.iter().rev().copied().collect();
+        let top = channels[0];
+        let mid = (0..2)
+            .map(|i| ResnetBlock3D::new(top, top, cfg, vb.pp(format!("mid_block.resnets.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let doublings = cfg.time_doublings();
+        let mut up_blocks = Vec::with_capacity(channels.len());
+        let mut prev = top;
+        for (i, &out) in channels.iter().enumerate() {
+            let bvb = vb.pp(format!("up_blocks.{i}"));
+            let resnets = (0..=cfg.layers_per_block)
+                .map(|j| {
+                    let cin = if j == 0 { prev } else { out };
+                    ResnetBlock3D::new(cin, out, cfg, bvb.pp(format!("resnets.{j}")))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let upsampler = if i + 1 < channels.len() {
+                Some(Upsample3D::new(out, i < doublings, bvb.pp("upsamplers.0"))?)
+            } else {
+                None
+            };
+            up_blocks.push(UpBlock3D { resnets, upsampler });
+            prev = out;
+        }
+        let last = channels[channels.len() - 1];
+        Ok(Self {
+            conv_in: CausalConv3d::new(cfg.latent_channels, top, 3, vb.pp("conv_in"))?,
+            mid,
+            up_blocks,
+            norm_out: SpatialNorm3D::new(last, cfg.latent_channels, cfg.norm_num_groups, vb.pp("norm_out"))?,
+            conv_out: CausalConv3d::new(last, cfg.out_channels, 3, vb.pp("conv_out"))?,
+        })
+    }
+
+    /// One chunk of latent frames `z` `[B, C, t, h, w]` -> video frames.
+    fn forward(&self, z: &Tensor, cache: &mut ConvCache) -> Result<Tensor> {
+        cache.start_chunk();
+        let mut h = self.conv_in.forward(z, Some(cache))?;
+        for resnet in &self.mid {
+            h = resnet.forward(&h, z, cache)?;
+        }
+        for block in &self.up_blocks {
+            for resnet in &block.resnets {
+                h = resnet.forward(&h, z, cache)?;
+            }
+            if let Some(up) = &block.upsampler {
+                h = up.forward(&h)?;
+            }
+        }
+        let h = self.norm_out.forward(&h, z)?.silu()?;
+        self.conv_out.forward(&h, Some(cache))
+    }
+}
+
+/// The decoder half of diffusers' `AutoencoderKLCogVideoX` (weights under `decoder.`).
+pub struct AutoencoderKLCogVideoX {
+    cfg: CogVideoXVaeConfig,
+    decoder: Decoder3D,
+}
+
+impl AutoencoderKLCogVideoX {
+    /// Loads the decoder from a `vae/` checkpoint; weights are read in f32.
+    pub fn new(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let vb = vb.set_dtype(DType::F32);
+        Ok(Self {
+            cfg: cfg.clone(),
+            decoder: Decoder3D::new(cfg, vb.pp("decoder"))?,
+        })
+    }
+
+    /// The configuration the VAE was built with.
+    pub fn config(&self) -> &CogVideoXVaeConfig {
+        &self.cfg
+    }
+
+    /// The pipeline's `decode_latents` input: transformer-space latents `[B, F, C, H, W]` ->
+    /// `[B, C, F, H, W]` times `1 / scaling_factor` (the Python float, rounded to f32).
+    pub fn scale_latents(&self, latents: &Tensor) -> Result<Tensor> {
+        let inv = (1.0 / self.cfg.scaling_factor) as f32;
+        latents
+            .to_dtype(DType::F32)?
+            .permute((0, 2, 1, 3, 4))?
+            .affine(f64::from(inv), 0.0)
+    }
+
+    /// Decodes scaled latents `z` `[B, C, F, H, W]` to video `[B, out_channels, T, 8H, 8W]` (not
+    /// clamped), `T = 4(F − 1) + 1` for odd `F`, in chunks of [`LATENT_FRAMES_PER_CHUNK`]
+    /// latent frames (the first taking the remainder) with the conv caches carried over, as
+    /// diffusers' `_decode` without tiling.
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let (_, c, frames, h, w) = z.dims5()?;
+        if c != self.cfg.latent_channels {
+            candle_core::bail!(
+                "latents have {c} channels, the VAE expects {}",
+                self.cfg.latent_channels
+            );
+        }
+        if frames == 0 || h == 0 || w == 0 {
+            candle_core::bail!("cannot decode empty latents [{frames}, {h}, {w}]");
+        }
+        let z = z.to_dtype(DType::F32)?;
+        let per = LATENT_FRAMES_PER_CHUNK;
+        let chunks = (frames / per).max(1);
+        let remainder = frames % per;
+        let mut cache = ConvCache::default();
+        let mut out = Vec::with_capacity(chunks);
+        for i in 0..chunks {
+            let start = per * i + if i == 0 { 0 } else { remainder };
+            let end = (per * (i + 1) + remainder).min(frames);
+            out.push(self.decoder.forward(&z.narrow(2, start, end - start)?, &mut cache)?);
+        }
+        Tensor::cat(&out, 2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_indices_match_torch() {
+        assert_eq!(nearest_indices(2, 4), vec![0, 0, 1, 1]);
+        assert_eq!(nearest_indices(4, 16), (0..16).map(|i| i / 4).collect::<Vec<u32>>());
+        assert_eq!(nearest_indices(3, 3), vec![0, 1, 2]);
+        // Downsizing and non-integer ratios: floor(dst * in / out).
+        assert_eq!(nearest_indices(3, 2), vec![0, 1]);
+        assert_eq!(nearest_indices(2, 3), vec![0, 0, 1]);
+    }
+
+    #[test]
+    fn frame_counts_follow_diffusers() {
+        let cfg = CogVideoXVaeConfig::default();
+        assert_eq!(cfg.scale_factor_spatial(), 8);
+        assert_eq!(cfg.scale_factor_temporal(), 4);
+        assert!(cfg.validate().is_ok());
+        let bad = CogVideoXVaeConfig {
+            norm_num_groups: 7,
+            ..cfg
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("norm_num_groups"));
+    }
+}
