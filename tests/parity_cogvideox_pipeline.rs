@@ -35,7 +35,9 @@ fn var_builder(component: &str) -> VarBuilder<'static> {
 }
 
 fn read_config<T: serde::de::DeserializeOwned>(component: &str, file: &str) -> T {
-    let path = common::named_fixture_dir(FIXTURE).join(component).join(file);
+    let path = common::named_fixture_dir(FIXTURE)
+        .join(component)
+        .join(file);
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
@@ -64,7 +66,11 @@ fn decode_and_check(run: &str, latents: &Tensor, r: &HashMap<String, Tensor>) {
     )
     .unwrap();
     let z = vae.scale_latents(latents).unwrap();
-    check(&format!("{run}.vae_decode_input"), &z, &r[&format!("{run}.vae_decode_input")]);
+    check(
+        &format!("{run}.vae_decode_input"),
+        &z,
+        &r[&format!("{run}.vae_decode_input")],
+    );
     let video = vae.decode(&z).unwrap();
     let frames = ((video / 2.0).unwrap() + 0.5)
         .unwrap()
@@ -72,7 +78,11 @@ fn decode_and_check(run: &str, latents: &Tensor, r: &HashMap<String, Tensor>) {
         .unwrap()
         .permute((0, 2, 3, 4, 1))
         .unwrap();
-    check(&format!("{run}.frames"), &frames, &r[&format!("{run}.frames")]);
+    check(
+        &format!("{run}.frames"),
+        &frames,
+        &r[&format!("{run}.frames")],
+    );
 }
 
 #[test]
@@ -95,7 +105,11 @@ fn unguided_run_matches_diffusers() {
         );
         let noise = step_noise(&r, &prefix, sched.draws_at(i));
         latents = sched.step(&noise_pred, &latents, &noise).unwrap();
-        check(&format!("{prefix}.latents"), &latents, &r[&format!("{prefix}.latents")]);
+        check(
+            &format!("{prefix}.latents"),
+            &latents,
+            &r[&format!("{prefix}.latents")],
+        );
     }
     decode_and_check("cfg1", &latents, &r);
 }
@@ -118,7 +132,11 @@ fn guided_run_matches_diffusers() {
         .unwrap();
         let noise = step_noise(&r, &prefix, sched.draws_at(i));
         latents = sched.step(&noise_pred, &latents, &noise).unwrap();
-        check(&format!("{prefix}.latents"), &latents, &r[&format!("{prefix}.latents")]);
+        check(
+            &format!("{prefix}.latents"),
+            &latents,
+            &r[&format!("{prefix}.latents")],
+        );
     }
     decode_and_check("cfg6", &latents, &r);
 }

@@ -53,7 +53,11 @@ fn schedule_matches_diffusers() {
     assert_eq!(cfg.alphas_cumprod()[999], 0.0, "zero terminal SNR");
     for n in [3, 4, 7, 50] {
         let sched = CogVideoXDpmScheduler::new(&cfg, n).unwrap();
-        assert_eq!(sched.timesteps(), ints(&r[&format!("timesteps_{n}")]), "{n} steps");
+        assert_eq!(
+            sched.timesteps(),
+            ints(&r[&format!("timesteps_{n}")]),
+            "{n} steps"
+        );
     }
     // The DDIM class the 5b repo ships sets the same timesteps from the same config.
     let sched = CogVideoXDpmScheduler::new(&cfg, 4).unwrap();
@@ -72,15 +76,17 @@ fn four_step_loop_matches_diffusers() {
         let noise = draws(&r, &format!("loop4.noise_{i}"));
         assert_eq!(noise.len(), sched.draws_at(i), "draws of step {i}");
         let model_output = &r[&format!("loop4.model_output_{i}")];
-        x = sched
-            .step(model_output, &x, noise.last().unwrap())
-            .unwrap();
+        x = sched.step(model_output, &x, noise.last().unwrap()).unwrap();
         check(
             &format!("loop4.pred_original_sample_{i}"),
             sched.pred_original_sample().unwrap(),
             &r[&format!("loop4.pred_original_sample_{i}")],
         );
-        check(&format!("loop4.sample_{}", i + 1), &x, &r[&format!("loop4.sample_{}", i + 1)]);
+        check(
+            &format!("loop4.sample_{}", i + 1),
+            &x,
+            &r[&format!("loop4.sample_{}", i + 1)],
+        );
     }
     let extra = sched.step(&x, &x, &x);
     assert!(extra.is_err(), "a step past the schedule is refused");
@@ -98,7 +104,9 @@ fn pipeline_loop(run: &str, guidance_scale: f64) {
         let prefix = format!("{run}.step{i}");
         let stored_t = ints(&r[&format!("{prefix}.timestep")]);
         assert!(stored_t.iter().all(|&s| s == t), "timestep of step {i}");
-        let cond = r[&format!("{prefix}.noise_pred_cond")].to_dtype(DType::F32).unwrap();
+        let cond = r[&format!("{prefix}.noise_pred_cond")]
+            .to_dtype(DType::F32)
+            .unwrap();
         let noise_pred = if guidance::is_guided(guidance_scale) {
             let scale = guidance::scale_at(guidance_scale, false, t, steps);
             let uncond = &r[&format!("{prefix}.noise_pred_uncond")];
@@ -111,7 +119,11 @@ fn pipeline_loop(run: &str, guidance_scale: f64) {
         latents = sched
             .step(&noise_pred, &latents, noise.last().unwrap())
             .unwrap();
-        check(&format!("{prefix}.latents"), &latents, &r[&format!("{prefix}.latents")]);
+        check(
+            &format!("{prefix}.latents"),
+            &latents,
+            &r[&format!("{prefix}.latents")],
+        );
     }
 }
 

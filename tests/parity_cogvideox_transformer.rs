@@ -20,8 +20,8 @@ fn config() -> CogVideoXTransformerConfig {
 }
 
 fn var_builder() -> VarBuilder<'static> {
-    let path = common::named_fixture_dir(FIXTURE)
-        .join("transformer/diffusion_pytorch_model.safetensors");
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
     unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
 }
 
@@ -88,8 +88,7 @@ fn intermediates_match_diffusers() {
     let text_len = inputs.text_len;
     let seq = x.dim(1).unwrap();
     for i in 0..cfg.num_layers {
-        let block =
-            CogVideoXBlock::new(&cfg, vb.pp(format!("transformer_blocks.{i}"))).unwrap();
+        let block = CogVideoXBlock::new(&cfg, vb.pp(format!("transformer_blocks.{i}"))).unwrap();
         x = block.forward(&x, &inputs).unwrap();
         check(
             &format!("block {i} video"),
@@ -102,7 +101,11 @@ fn intermediates_match_diffusers() {
             &r[&format!("debug.block.{i}.encoder_hidden_states")],
         );
     }
-    check("proj_out", &model.head(&x, &inputs).unwrap(), &r["debug.proj_out"]);
+    check(
+        "proj_out",
+        &model.head(&x, &inputs).unwrap(),
+        &r["debug.proj_out"],
+    );
     check("output", &model.finish(&x, &inputs).unwrap(), &r["output"]);
 }
 

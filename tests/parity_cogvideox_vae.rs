@@ -16,9 +16,8 @@ fn vae() -> AutoencoderKLCogVideoX {
     let cfg: CogVideoXVaeConfig =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let weights = dir.join("diffusion_pytorch_model.safetensors");
-    let vb =
-        unsafe { VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, &Device::Cpu) }
-            .unwrap();
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, &Device::Cpu) }
+        .unwrap();
     AutoencoderKLCogVideoX::new(&cfg, vb).unwrap()
 }
 
@@ -35,7 +34,11 @@ fn decode_matches_diffusers() {
     let vae = vae();
     let r = common::named_reference(FIXTURE, "vae");
     let scaled = vae.scale_latents(&r["decode.latents"]).unwrap();
-    check("decode.latents_scaled", &scaled, &r["decode.latents_scaled"]);
+    check(
+        "decode.latents_scaled",
+        &scaled,
+        &r["decode.latents_scaled"],
+    );
     let video = vae.decode(&r["decode.latents_scaled"]).unwrap();
     check("decode.video", &video, &r["decode.video"]);
 }

@@ -128,9 +128,13 @@ impl CogVideoXDpmConfig {
     /// ᾱ for every training timestep, as diffusers' `__init__` computes it for `scaled_linear`
     /// (in float64), SNR-shifted and optionally rescaled to zero terminal SNR.
     pub fn alphas_cumprod(&self) -> Vec<f64> {
-        let betas = torch_linspace(self.beta_start.sqrt(), self.beta_end.sqrt(), self.num_train_timesteps)
-            .into_iter()
-            .map(|b| b * b);
+        let betas = torch_linspace(
+            self.beta_start.sqrt(),
+            self.beta_end.sqrt(),
+            self.num_train_timesteps,
+        )
+        .into_iter()
+        .map(|b| b * b);
         let s = self.snr_shift_scale;
         let mut acc = 1.0f64;
         let mut cumprod: Vec<f64> = betas
@@ -324,7 +328,9 @@ impl CogVideoXDpmScheduler {
         let i = self.step_index;
         let steps = self.timesteps.len();
         if i >= steps {
-            candle_core::bail!("CogVideoX DPM: all {steps} steps of the schedule were already taken");
+            candle_core::bail!(
+                "CogVideoX DPM: all {steps} steps of the schedule were already taken"
+            );
         }
         if noise.dims() != sample.dims() || model_output.dims() != sample.dims() {
             candle_core::bail!(

@@ -45,7 +45,8 @@ mod tests {
         assert_eq!(scale_at(6.0, true, 50, 50), 1.0);
         // The value diffusers computes at the first step of a 50-step run.
         let n = 50.0f64;
-        let expected = 1.0 + 6.0 * ((1.0 - (std::f64::consts::PI * ((n - 999.0) / n).powf(5.0)).cos()) / 2.0);
+        let expected =
+            1.0 + 6.0 * ((1.0 - (std::f64::consts::PI * ((n - 999.0) / n).powf(5.0)).cos()) / 2.0);
         assert_eq!(scale_at(6.0, true, 999, 50), expected);
         assert!(is_guided(6.0) && !is_guided(1.0));
     }

@@ -187,9 +187,6 @@ impl CogVideoXTransformerConfig {
                 self.freq_shift
             );
         }
-        if self.inner_dim() % 2 != 0 {
-            candle_core::bail!("transformer config: num_attention_heads x attention_head_dim must be even");
-        }
         if self.activation_fn != "gelu-approximate" {
             candle_core::bail!(
                 "transformer config: activation_fn {:?} is not supported (only \"gelu-approximate\")",
@@ -267,7 +264,12 @@ impl LayerNormZero {
         let dim = cfg.inner_dim();
         Ok(Self {
             linear: candle_nn::linear(cfg.time_embed_dim, 6 * dim, vb.pp("linear"))?,
-            norm: layer_norm(dim, cfg.norm_eps, cfg.norm_elementwise_affine, vb.pp("norm"))?,
+            norm: layer_norm(
+                dim,
+                cfg.norm_eps,
+                cfg.norm_elementwise_affine,
+                vb.pp("norm"),
+            )?,
         })
     }
 
@@ -435,7 +437,10 @@ pub fn resize_crop_region(
     let left = ((tw - resize_w) / 2.0).round_ties_even();
     // Non-negative by construction: resize_h <= th and resize_w <= tw.
     let (top, left) = (top.max(0.0) as usize, left.max(0.0) as usize);
-    ((top, left), (top + resize_h as usize, left + resize_w as usize))
+    (
+        (top, left),
+        (top + resize_h as usize, left + resize_w as usize),
+    )
 }
 
 /// `torch.linspace(start, end, steps, dtype=float32)` with torch's CPU formula (from the start
@@ -586,7 +591,11 @@ impl CogVideoXTransformer3DModel {
             ),
             blocks: Vec::new(),
             norm_final: layer_norm(dim, cfg.norm_eps, affine, vb.pp("norm_final"))?,
-            norm_out_linear: candle_nn::linear(cfg.time_embed_dim, 2 * dim, vb.pp("norm_out.linear"))?,
+            norm_out_linear: candle_nn::linear(
+                cfg.time_embed_dim,
+                2 * dim,
+                vb.pp("norm_out.linear"),
+            )?,
             norm_out_norm: layer_norm(dim, cfg.norm_eps, affine, vb.pp("norm_out.norm"))?,
             proj_out: candle_nn::linear(dim, p * p * cfg.out_channels(), vb.pp("proj_out"))?,
             dtype: vb.dtype(),

@@ -117,7 +117,9 @@ impl CogVideoXVaeConfig {
     /// Rejects configurations this decoder cannot build, with the key at fault.
     pub fn validate(&self) -> Result<()> {
         if self.block_out_channels.is_empty() || self.block_out_channels.contains(&0) {
-            candle_core::bail!("vae config: block_out_channels must be a non-empty list of positive numbers");
+            candle_core::bail!(
+                "vae config: block_out_channels must be a non-empty list of positive numbers"
+            );
         }
         if self.up_block_types.len() != self.block_out_channels.len() {
             candle_core::bail!(
@@ -126,21 +128,33 @@ impl CogVideoXVaeConfig {
                 self.block_out_channels.len()
             );
         }
-        if let Some(t) = self.up_block_types.iter().find(|t| *t != "CogVideoXUpBlock3D") {
+        if let Some(t) = self
+            .up_block_types
+            .iter()
+            .find(|t| *t != "CogVideoXUpBlock3D")
+        {
             candle_core::bail!("vae config: up_block_types entry {t:?} is not supported (only \"CogVideoXUpBlock3D\")");
         }
         if self.latent_channels == 0 || self.out_channels == 0 {
             candle_core::bail!("vae config: latent_channels and out_channels must be positive");
         }
         let groups = self.norm_num_groups;
-        if groups == 0 || self.block_out_channels.iter().any(|c| c % groups != 0) {
+        if groups == 0
+            || self
+                .block_out_channels
+                .iter()
+                .any(|c| !c.is_multiple_of(groups))
+        {
             candle_core::bail!(
                 "vae config: norm_num_groups {groups} must divide every block_out_channels entry {:?}",
                 self.block_out_channels
             );
         }
         if self.act_fn != "silu" && self.act_fn != "swish" {
-            candle_core::bail!("vae config: act_fn {:?} is not supported (only \"silu\")", self.act_fn);
+            candle_core::bail!(
+                "vae config: act_fn {:?} is not supported (only \"silu\")",
+                self.act_fn
+            );
         }
         if !(self.temporal_compression_ratio.is_finite() && self.temporal_compression_ratio >= 1.0)
         {
@@ -336,7 +350,7 @@ impl SpatialNorm3D {
 
     fn forward(&self, f: &Tensor, zq: &Tensor) -> Result<Tensor> {
         let (_, _, t, h, w) = f.dims5()?;
-        let zq = if t > 1 && t % 2 == 1 {
+        let zq = if t > 1 && !t.is_multiple_of(2) {
             let z_len = zq.dim(2)?;
             let first = resize_nearest(&zq.narrow(2, 0, 1)?, [1, h, w])?;
             let rest = resize_nearest(&zq.narrow(2, 1, z_len.saturating_sub(1))?, [t - 1, h, w])?;
@@ -369,7 +383,12 @@ impl ResnetBlock3D {
             norm2: SpatialNorm3D::new(cout, zc, groups, vb.pp("norm2"))?,
             conv2: CausalConv3d::new(cout, cout, 3, vb.pp("conv2"))?,
             shortcut: if cin != cout {
-                Some(CausalConv3d::from_weights(cin, cout, 1, vb.pp("conv_shortcut"))?)
+                Some(CausalConv3d::from_weights(
+                    cin,
+                    cout,
+                    1,
+                    vb.pp("conv_shortcut"),
+                )?)
             } else {
                 None
             },
@@ -412,7 +431,7 @@ impl Upsample3D {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = x.dim(2)?;
-        let x = if self.compress_time && t > 1 && t % 2 == 1 {
+        let x = if self.compress_time && t > 1 && !t.is_multiple_of(2) {
             let first = double_space(&x.narrow(2, 0, 1)?)?;
             let rest = double_space_time(&x.narrow(2, 1, t - 1)?)?;
             Tensor::cat(&[first, rest], 2)?
@@ -471,7 +490,12 @@ impl Decoder3D {
             conv_in: CausalConv3d::new(cfg.latent_channels, top, 3, vb.pp("conv_in"))?,
             mid,
             up_blocks,
-            norm_out: SpatialNorm3D::new(last, cfg.latent_channels, cfg.norm_num_groups, vb.pp("norm_out"))?,
+            norm_out: SpatialNorm3D::new(
+                last,
+                cfg.latent_channels,
+                cfg.norm_num_groups,
+                vb.pp("norm_out"),
+            )?,
             conv_out: CausalConv3d::new(last, cfg.out_channels, 3, vb.pp("conv_out"))?,
         })
     }
@@ -552,7 +576,10 @@ impl AutoencoderKLCogVideoX {
         for i in 0..chunks {
             let start = per * i + if i == 0 { 0 } else { remainder };
             let end = (per * (i + 1) + remainder).min(frames);
-            out.push(self.decoder.forward(&z.narrow(2, start, end - start)?, &mut cache)?);
+            out.push(
+                self.decoder
+                    .forward(&z.narrow(2, start, end - start)?, &mut cache)?,
+            );
         }
         Tensor::cat(&out, 2)
     }
@@ -565,7 +592,10 @@ mod tests {
     #[test]
     fn nearest_indices_match_torch() {
         assert_eq!(nearest_indices(2, 4), vec![0, 0, 1, 1]);
-        assert_eq!(nearest_indices(4, 16), (0..16).map(|i| i / 4).collect::<Vec<u32>>());
+        assert_eq!(
+            nearest_indices(4, 16),
+            (0..16).map(|i| i / 4).collect::<Vec<u32>>()
+        );
         assert_eq!(nearest_indices(3, 3), vec![0, 1, 2]);
         // Downsizing and non-integer ratios: floor(dst * in / out).
         assert_eq!(nearest_indices(3, 2), vec![0, 1]);
@@ -582,6 +612,10 @@ mod tests {
             norm_num_groups: 7,
             ..cfg
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("norm_num_groups"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("norm_num_groups"));
     }
 }
