@@ -57,6 +57,46 @@ fn outputs_match_diffusers() {
     check("output_t500", &out, &r["output_t500"]);
 }
 
+/// The guided pipeline's batched call: each batch entry must equal its own single run (the
+/// per-entry modulation, RoPE and attention do not mix entries).
+#[test]
+fn batched_call_equals_single_calls() {
+    let model = CogVideoXTransformer3DModel::new(&config(), var_builder()).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let text = common::named_reference(FIXTURE, "text_encoder");
+    let prompts = text["prompt_embeds"].narrow(0, 0, 2).unwrap();
+    let latents = &r["hidden_states"];
+    let scaled = (latents * 0.5).unwrap();
+    let both = Tensor::cat(&[latents, &scaled], 0).unwrap();
+    let t = Tensor::new(&[999i64, 500], &Device::Cpu).unwrap();
+    let batched = model.forward(&both, &t, &prompts).unwrap();
+    for (i, (x, step)) in [(latents, 999i64), (&scaled, 500)].into_iter().enumerate() {
+        let single = model
+            .forward(
+                x,
+                &Tensor::new(&[step], &Device::Cpu).unwrap(),
+                &prompts.narrow(0, i, 1).unwrap(),
+            )
+            .unwrap();
+        common::assert_close(
+            &format!("batch entry {i}"),
+            &batched.narrow(0, i, 1).unwrap(),
+            &single,
+            1e-5,
+            1e-5,
+        );
+    }
+    // One timestep for the whole batch is broadcast.
+    let shared = model
+        .forward(
+            &both,
+            &Tensor::new(&[999i64], &Device::Cpu).unwrap(),
+            &prompts,
+        )
+        .unwrap();
+    assert_eq!(shared.dims(), batched.dims());
+}
+
 #[test]
 fn intermediates_match_diffusers() {
     let cfg = config();
@@ -147,6 +187,13 @@ fn hostile_configs_are_refused_with_the_key() {
                 ..cfg.clone()
             },
             "num_attention_heads",
+        ),
+        (
+            CogVideoXTransformerConfig {
+                sample_height: 1,
+                ..cfg.clone()
+            },
+            "sample_height",
         ),
     ];
     for (bad, key) in cases {

@@ -158,6 +158,15 @@ impl CogVideoXTransformerConfig {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             candle_core::bail!("transformer config: {key} must be positive");
         }
+        // The RoPE base grid is the training latent size in patches.
+        if self.sample_height < self.patch_size || self.sample_width < self.patch_size {
+            candle_core::bail!(
+                "transformer config: sample_height {} and sample_width {} must be at least patch_size {}",
+                self.sample_height,
+                self.sample_width,
+                self.patch_size
+            );
+        }
         if !self.use_rotary_positional_embeddings || self.use_learned_positional_embeddings {
             candle_core::bail!(
                 "transformer config: use_rotary_positional_embeddings must be true and \
