@@ -206,3 +206,31 @@ fn hostile_configs_are_refused_with_the_key() {
         assert!(first.contains(key), "{key}: {err}");
     }
 }
+
+/// `norm_elementwise_affine: false`: the checkpoint has no LayerNorm weights and none are read.
+#[test]
+fn non_affine_norms_need_no_weights() {
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
+    let mut weights = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    weights.retain(|name, _| {
+        !(name.contains(".norm.")
+            || name.starts_with("norm_final")
+            || name.contains("norm_out.norm"))
+    });
+    let cfg = CogVideoXTransformerConfig {
+        norm_elementwise_affine: false,
+        ..config()
+    };
+    let vb = VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
+    let model = CogVideoXTransformer3DModel::new(&cfg, vb).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let out = model
+        .forward(
+            &r["hidden_states"],
+            &r["timestep"],
+            &r["encoder_hidden_states"],
+        )
+        .unwrap();
+    assert_eq!(out.dims(), r["output"].dims());
+}

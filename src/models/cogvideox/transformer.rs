@@ -242,14 +242,20 @@ impl BlockInputs {
     }
 }
 
-/// A LayerNorm over the last dim, with or without weight and bias as the config says.
+/// A LayerNorm over the last dim; with `affine` false (diffusers' `elementwise_affine=False`)
+/// the checkpoint holds no weight or bias for it.
 fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<LayerNorm> {
-    let config = LayerNormConfig {
-        eps,
-        affine,
-        ..Default::default()
-    };
-    candle_nn::layer_norm(dim, config, vb)
+    if affine {
+        let config = LayerNormConfig {
+            eps,
+            ..Default::default()
+        };
+        candle_nn::layer_norm(dim, config, vb)
+    } else {
+        let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
+        let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
+        Ok(LayerNorm::new(ones, zeros, eps))
+    }
 }
 
 /// The six `[B, 1, inner]` modulation vectors of diffusers' `CogVideoXLayerNormZero` (video
