@@ -6,7 +6,8 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use vidgen::models::cogvideox::transformer::{
-    rotary_embedding, CogVideoXBlock, CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
+    rotary_embedding, BlockStep, CogVideoXBlock, CogVideoXTransformer3DModel,
+    CogVideoXTransformerConfig,
 };
 use vidgen::models::wan::transformer::timestep_embedding;
 
@@ -128,8 +129,17 @@ fn intermediates_match_diffusers() {
     let text_len = inputs.text_len;
     let seq = x.dim(1).unwrap();
     for i in 0..cfg.num_layers {
-        let block = CogVideoXBlock::new(&cfg, vb.pp(format!("transformer_blocks.{i}"))).unwrap();
-        x = block.forward(&x, &inputs).unwrap();
+        let bvb = vb.pp(format!("transformer_blocks.{i}"));
+        let block = CogVideoXBlock::new(&cfg, bvb.clone()).unwrap();
+        let whole = block.forward(&x, &inputs).unwrap();
+        // Leaf-level streaming: the same block as its steps, each built and run on its own.
+        let mut stepped = x.clone();
+        for step in BlockStep::ALL {
+            let part = CogVideoXBlock::with_steps(&cfg, bvb.clone(), &[step]).unwrap();
+            stepped = part.forward(&stepped, &inputs).unwrap();
+        }
+        common::assert_close(&format!("block {i} by steps"), &stepped, &whole, 0.0, 0.0);
+        x = whole;
         check(
             &format!("block {i} video"),
             &x.narrow(1, text_len, seq - text_len).unwrap(),

@@ -7,7 +7,8 @@
 //! 1. [`CogVideoXTransformer3DModel::prepare`]: time embedding, text projection and patch
 //!    embedding (the joint sequence `[B, L + F·h·w, inner]`), 3D RoPE tables.
 //! 2. [`CogVideoXBlock::forward`] for every block, in order, starting from
-//!    [`BlockInputs::take_hidden_states`].
+//!    [`BlockInputs::take_hidden_states`] (a block may also be built step by step, see
+//!    [`BlockStep`]).
 //! 3. [`CogVideoXTransformer3DModel::finish`]: final norms on the video tokens, `proj_out`,
 //!    unpatchify to `[B, F, C, H, W]`.
 //!
@@ -392,44 +393,84 @@ impl JointAttention {
     }
 }
 
-/// One `CogVideoXBlock` of diffusers, on the joint (text first) sequence.
+/// The steps of a block, in execution order. A block can be built with only some of them (an
+/// offload engine streaming steps rather than whole blocks); running such a partial block
+/// applies just its steps, with exactly the arithmetic of the whole block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockStep {
+    /// `norm1` (modulated LayerNorm), joint self-attention with RoPE, gated residuals.
+    Attention,
+    /// `norm2` (modulated LayerNorm), GELU(tanh) feed-forward, gated residuals.
+    FeedForward,
+}
+
+impl BlockStep {
+    pub const ALL: [BlockStep; 2] = [BlockStep::Attention, BlockStep::FeedForward];
+}
+
+/// One `CogVideoXBlock` of diffusers (or some of its steps, see [`BlockStep`]), on the joint
+/// (text first) sequence.
 #[derive(Debug, Clone)]
 pub struct CogVideoXBlock {
-    norm1: LayerNormZero,
-    attn1: JointAttention,
-    norm2: LayerNormZero,
-    /// Feed-forward: Linear -> GELU(tanh) -> Linear.
-    ff: (Linear, Linear),
+    attention: Option<(LayerNormZero, JointAttention)>,
+    /// `norm2` and the feed-forward Linear -> GELU(tanh) -> Linear.
+    feed_forward: Option<(LayerNormZero, Linear, Linear)>,
 }
 
 impl CogVideoXBlock {
     /// Loads one block; `vb` points at `transformer_blocks.{i}`.
     pub fn new(cfg: &CogVideoXTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, vb, &BlockStep::ALL)
+    }
+
+    /// Loads only the weights of `steps`; `vb` points at `transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &CogVideoXTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
         cfg.validate()?;
         let dim = cfg.inner_dim();
         let ff_dim = 4 * dim;
-        Ok(Self {
-            norm1: LayerNormZero::new(cfg, vb.pp("norm1"))?,
-            attn1: JointAttention::new(cfg, vb.pp("attn1"))?,
-            norm2: LayerNormZero::new(cfg, vb.pp("norm2"))?,
-            ff: (
+        let attention = if steps.contains(&BlockStep::Attention) {
+            Some((
+                LayerNormZero::new(cfg, vb.pp("norm1"))?,
+                JointAttention::new(cfg, vb.pp("attn1"))?,
+            ))
+        } else {
+            None
+        };
+        let feed_forward = if steps.contains(&BlockStep::FeedForward) {
+            Some((
+                LayerNormZero::new(cfg, vb.pp("norm2"))?,
                 candle_nn::linear(dim, ff_dim, vb.pp("ff.net.0.proj"))?,
                 candle_nn::linear(ff_dim, dim, vb.pp("ff.net.2"))?,
-            ),
+            ))
+        } else {
+            None
+        };
+        Ok(Self {
+            attention,
+            feed_forward,
         })
     }
 
-    /// Runs the block on the joint sequence `x` `[B, L + N, inner]`; returns the same shape.
+    /// Runs the block's steps on the joint sequence `x` `[B, L + N, inner]`; returns the same
+    /// shape.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let text_len = inputs.text_len;
-        let mods = self.norm1.forward(x, &inputs.temb, text_len)?;
-        let attn = self.attn1.forward(&mods.hidden_states, inputs)?;
-        let x = gated_residual(x, &attn, &mods, text_len)?;
-
-        let mods = self.norm2.forward(&x, &inputs.temb, text_len)?;
-        let (fc1, fc2) = &self.ff;
-        let ff = fc2.forward(&fc1.forward(&mods.hidden_states)?.gelu()?)?;
-        gated_residual(&x, &ff, &mods, text_len)
+        let mut x = x.clone();
+        if let Some((norm1, attn1)) = &self.attention {
+            let mods = norm1.forward(&x, &inputs.temb, text_len)?;
+            let attn = attn1.forward(&mods.hidden_states, inputs)?;
+            x = gated_residual(&x, &attn, &mods, text_len)?;
+        }
+        if let Some((norm2, fc1, fc2)) = &self.feed_forward {
+            let mods = norm2.forward(&x, &inputs.temb, text_len)?;
+            let ff = fc2.forward(&fc1.forward(&mods.hidden_states)?.gelu()?)?;
+            x = gated_residual(&x, &ff, &mods, text_len)?;
+        }
+        Ok(x)
     }
 }
 
