@@ -60,7 +60,7 @@ fn step_noise(r: &HashMap<String, Tensor>, prefix: &str, draws: usize) -> Tensor
 
 /// Decode as `decode_latents` + `postprocess_video(output_type="np")` (before the uint8 step).
 fn decode_and_check(run: &str, latents: &Tensor, r: &HashMap<String, Tensor>) {
-    let vae = AutoencoderKLCogVideoX::new(
+    let vae = AutoencoderKLCogVideoX::new_decoder_only(
         &read_config::<CogVideoXVaeConfig>("vae", "config.json"),
         var_builder("vae"),
     )

@@ -53,6 +53,51 @@ fn single_latent_frame_decodes_to_one_frame() {
 }
 
 #[test]
+fn encode_matches_diffusers() {
+    let vae = vae();
+    let r = common::named_reference(FIXTURE, "vae");
+    let (mean, logvar) = vae.encode(&r["encode.video"]).unwrap();
+    check(
+        "encode.latent_dist.mean",
+        &mean,
+        &r["encode.latent_dist.mean"],
+    );
+    check(
+        "encode.latent_dist.logvar",
+        &logvar,
+        &r["encode.latent_dist.logvar"],
+    );
+}
+
+#[test]
+fn decoder_only_vae_decodes_and_refuses_to_encode() {
+    let dir = common::named_fixture_dir(FIXTURE).join("vae");
+    let cfg: CogVideoXVaeConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let weights = candle_core::safetensors::load(
+        dir.join("diffusion_pytorch_model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap()
+    .into_iter()
+    .filter(|(name, _)| name.starts_with("decoder."))
+    .collect();
+    let vae = AutoencoderKLCogVideoX::new_decoder_only(
+        &cfg,
+        VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let r = common::named_reference(FIXTURE, "vae");
+    let one = r["decode.latents_scaled"].narrow(2, 0, 1).unwrap();
+    check(
+        "decode1.video (decoder only)",
+        &vae.decode(&one).unwrap(),
+        &r["decode1.video"],
+    );
+    assert!(vae.encode(&r["encode.video"]).is_err());
+}
+
+#[test]
 fn hostile_configs_are_refused_with_the_key() {
     let dir = common::named_fixture_dir(FIXTURE).join("vae");
     let cfg: CogVideoXVaeConfig =
@@ -87,6 +132,30 @@ fn hostile_configs_are_refused_with_the_key() {
             "up_block_types",
         ),
     ];
+    let encoder_cases = vec![
+        (
+            CogVideoXVaeConfig {
+                down_block_types: vec!["DownEncoderBlock2D".into(); 4],
+                ..cfg.clone()
+            },
+            "down_block_types",
+        ),
+        (
+            CogVideoXVaeConfig {
+                use_quant_conv: true,
+                ..cfg.clone()
+            },
+            "use_quant_conv",
+        ),
+    ];
+    for (bad, key) in &encoder_cases {
+        assert!(bad.validate().is_ok(), "{key}: the decoder alone is fine");
+        let err = bad.validate_encoder().unwrap_err().to_string();
+        assert!(
+            err.lines().next().unwrap_or_default().contains(key),
+            "{key}: {err}"
+        );
+    }
     for (bad, key) in cases {
         let err = bad.validate().unwrap_err().to_string();
         let first = err.lines().next().unwrap_or_default();

@@ -1,5 +1,5 @@
-//! CogVideoX video VAE decoder (diffusers `AutoencoderKLCogVideoX`), frame-batched as diffusers
-//! decodes.
+//! CogVideoX video VAE (diffusers `AutoencoderKLCogVideoX`), frame-batched as diffusers
+//! decodes and encodes.
 //!
 //! Tensors keep diffusers' `[B, C, T, H, W]` layout. Every norm of the decoder is a *spatial
 //! norm*: a GroupNorm whose scale and shift come from 1x1x1 convolutions of the latent chunk
@@ -13,8 +13,13 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{GroupNorm, VarBuilder};
 use serde::Deserialize;
 
-/// Epsilon of the spatial norms' GroupNorm (fixed in diffusers' `CogVideoXSpatialNorm3D`).
-const SPATIAL_NORM_EPS: f64 = 1e-6;
+/// GroupNorm epsilon that diffusers fixes whatever the config says: the decoder's spatial norms
+/// and the encoder's `norm_out`.
+const FIXED_NORM_EPS: f64 = 1e-6;
+
+/// Video frames per encoder call (diffusers' `num_sample_frames_batch_size`); the first chunk
+/// also takes the remainder.
+pub const SAMPLE_FRAMES_PER_CHUNK: usize = 8;
 
 /// Latent frames per decoder call (diffusers' `num_latent_frames_batch_size`); the first chunk
 /// also takes the remainder.
@@ -25,11 +30,11 @@ pub const LATENT_FRAMES_PER_CHUNK: usize = 2;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct CogVideoXVaeConfig {
-    /// Video channels in (encoder side; informational here).
+    /// Video channels in (encoder side).
     pub in_channels: usize,
     /// Video channels out.
     pub out_channels: usize,
-    /// Encoder block types (informational: only the decoder is built).
+    /// Encoder block types; only `CogVideoXDownBlock3D`.
     pub down_block_types: Vec<String>,
     /// Decoder block types; only `CogVideoXUpBlock3D`.
     pub up_block_types: Vec<String>,
@@ -61,7 +66,7 @@ pub struct CogVideoXVaeConfig {
     pub latents_std: Option<Vec<f64>>,
     /// Informational: the decoder always runs in f32 here.
     pub force_upcast: bool,
-    /// Encoder side only.
+    /// Not supported (no published checkpoint uses it).
     pub use_quant_conv: bool,
     /// Not supported (no published checkpoint uses it).
     pub use_post_quant_conv: bool,
@@ -112,6 +117,37 @@ impl CogVideoXVaeConfig {
     /// Frames per latent frame (diffusers' `vae_scale_factor_temporal`).
     pub fn scale_factor_temporal(&self) -> usize {
         1 << self.time_doublings()
+    }
+
+    /// Rejects configurations whose encoder cannot be built, with the key at fault.
+    pub fn validate_encoder(&self) -> Result<()> {
+        self.validate()?;
+        if self.down_block_types.len() != self.block_out_channels.len() {
+            candle_core::bail!(
+                "vae config: down_block_types has {} entries for {} block_out_channels",
+                self.down_block_types.len(),
+                self.block_out_channels.len()
+            );
+        }
+        if let Some(t) = self
+            .down_block_types
+            .iter()
+            .find(|t| *t != "CogVideoXDownBlock3D")
+        {
+            candle_core::bail!(
+                "vae config: down_block_types entry {t:?} is not supported (only \"CogVideoXDownBlock3D\")"
+            );
+        }
+        if self.in_channels == 0 {
+            candle_core::bail!("vae config: in_channels must be positive");
+        }
+        if self.use_quant_conv {
+            candle_core::bail!("vae config: use_quant_conv = true is not supported");
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            candle_core::bail!("vae config: norm_eps must be a non-negative number");
+        }
+        Ok(())
     }
 
     /// Rejects configurations this decoder cannot build, with the key at fault.
@@ -342,7 +378,7 @@ struct SpatialNorm3D {
 impl SpatialNorm3D {
     fn new(channels: usize, zq_channels: usize, groups: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            norm: candle_nn::group_norm(groups, channels, SPATIAL_NORM_EPS, vb.pp("norm_layer"))?,
+            norm: candle_nn::group_norm(groups, channels, FIXED_NORM_EPS, vb.pp("norm_layer"))?,
             conv_y: CausalConv3d::new(zq_channels, channels, 1, vb.pp("conv_y"))?,
             conv_b: CausalConv3d::new(zq_channels, channels, 1, vb.pp("conv_b"))?,
         })
@@ -364,23 +400,76 @@ impl SpatialNorm3D {
     }
 }
 
-/// diffusers' `CogVideoXResnetBlock3D` with spatial norms and no time embedding.
+/// The norm of a resnet: a spatial norm conditioned on the latents (decoder) or a plain
+/// GroupNorm (encoder).
+enum ResnetNorm {
+    Spatial(SpatialNorm3D),
+    Group(GroupNorm),
+}
+
+impl ResnetNorm {
+    /// Spatial norms when `latent_channels` is given (the decoder), else a GroupNorm with `eps`.
+    fn new(
+        channels: usize,
+        latent_channels: Option<usize>,
+        groups: usize,
+        eps: f64,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(match latent_channels {
+            Some(zc) => Self::Spatial(SpatialNorm3D::new(channels, zc, groups, vb)?),
+            None => Self::Group(candle_nn::group_norm(groups, channels, eps, vb)?),
+        })
+    }
+
+    fn forward(&self, x: &Tensor, zq: Option<&Tensor>) -> Result<Tensor> {
+        match (self, zq) {
+            (Self::Spatial(norm), Some(zq)) => norm.forward(x, zq),
+            (Self::Group(norm), _) => norm.forward(x),
+            (Self::Spatial(_), None) => candle_core::bail!("a spatial norm needs the latents"),
+        }
+    }
+}
+
+/// diffusers' `CogVideoXResnetBlock3D` without time embedding: spatial norms in the decoder,
+/// GroupNorms in the encoder.
 struct ResnetBlock3D {
-    norm1: SpatialNorm3D,
+    norm1: ResnetNorm,
     conv1: CausalConv3d,
-    norm2: SpatialNorm3D,
+    norm2: ResnetNorm,
     conv2: CausalConv3d,
     /// 1x1x1 conv when the channel count changes.
     shortcut: Option<CausalConv3d>,
 }
 
 impl ResnetBlock3D {
+    /// A decoder resnet (spatial norms conditioned on the latents).
     fn new(cin: usize, cout: usize, cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
-        let (zc, groups) = (cfg.latent_channels, cfg.norm_num_groups);
+        Self::build(cin, cout, cfg, Some(cfg.latent_channels), vb)
+    }
+
+    /// An encoder resnet (GroupNorms with the config's `norm_eps`).
+    fn new_encoder(
+        cin: usize,
+        cout: usize,
+        cfg: &CogVideoXVaeConfig,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::build(cin, cout, cfg, None, vb)
+    }
+
+    fn build(
+        cin: usize,
+        cout: usize,
+        cfg: &CogVideoXVaeConfig,
+        latent_channels: Option<usize>,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (groups, eps) = (cfg.norm_num_groups, cfg.norm_eps);
         Ok(Self {
-            norm1: SpatialNorm3D::new(cin, zc, groups, vb.pp("norm1"))?,
+            norm1: ResnetNorm::new(cin, latent_channels, groups, eps, vb.pp("norm1"))?,
             conv1: CausalConv3d::new(cin, cout, 3, vb.pp("conv1"))?,
-            norm2: SpatialNorm3D::new(cout, zc, groups, vb.pp("norm2"))?,
+            norm2: ResnetNorm::new(cout, latent_channels, groups, eps, vb.pp("norm2"))?,
             conv2: CausalConv3d::new(cout, cout, 3, vb.pp("conv2"))?,
             shortcut: if cin != cout {
                 Some(CausalConv3d::from_weights(
@@ -395,7 +484,7 @@ impl ResnetBlock3D {
         })
     }
 
-    fn forward(&self, x: &Tensor, zq: &Tensor, cache: &mut ConvCache) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, zq: Option<&Tensor>, cache: &mut ConvCache) -> Result<Tensor> {
         let h = self.norm1.forward(x, zq)?.silu()?;
         let h = self.conv1.forward(&h, Some(cache))?;
         let h = self.norm2.forward(&h, zq)?.silu()?;
@@ -405,6 +494,138 @@ impl ResnetBlock3D {
             None => x.clone(),
         };
         h + res
+    }
+}
+
+/// Mean of consecutive frame pairs of `[B, C, T, H, W]` (`avg_pool1d(kernel 2, stride 2)` over
+/// time; an odd last frame is dropped).
+fn average_frame_pairs(x: &Tensor) -> Result<Tensor> {
+    let (b, c, t, h, w) = x.dims5()?;
+    let pairs = t / 2;
+    x.narrow(2, 0, 2 * pairs)?
+        .reshape((b, c, pairs, 2, h, w))?
+        .sum(3)?
+        .affine(0.5, 0.0)
+}
+
+/// diffusers' `CogVideoXDownsample3D`: time halved by averaging frame pairs (a lone first frame
+/// kept) in the first down blocks, then zero padding right and bottom and a stride-2 3x3 Conv2d
+/// per frame.
+struct Downsample3D {
+    weight: Tensor,
+    bias: Tensor,
+    compress_time: bool,
+}
+
+impl Downsample3D {
+    fn new(channels: usize, compress_time: bool, vb: VarBuilder) -> Result<Self> {
+        let vb = vb.pp("conv");
+        Ok(Self {
+            weight: vb.get((channels, channels, 3, 3), "weight")?,
+            bias: vb.get(channels, "bias")?.reshape((1, channels, 1, 1))?,
+            compress_time,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let t = x.dim(2)?;
+        let x = if self.compress_time && !t.is_multiple_of(2) {
+            let first = x.narrow(2, 0, 1)?;
+            if t > 1 {
+                Tensor::cat(&[first, average_frame_pairs(&x.narrow(2, 1, t - 1)?)?], 2)?
+            } else {
+                first
+            }
+        } else if self.compress_time {
+            average_frame_pairs(x)?
+        } else {
+            x.clone()
+        };
+        let x = x.pad_with_zeros(3, 0, 1)?.pad_with_zeros(4, 0, 1)?;
+        let frames = (0..x.dim(2)?)
+            .map(|t| {
+                frame(&x, t)?
+                    .conv2d(&self.weight, 0, 2, 1, 1)?
+                    .broadcast_add(&self.bias)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&frames, 2)
+    }
+}
+
+/// diffusers' `CogVideoXEncoder3D`.
+struct Encoder3D {
+    conv_in: CausalConv3d,
+    /// Each down block: its resnets and its downsampler (all but the last block).
+    down_blocks: Vec<(Vec<ResnetBlock3D>, Option<Downsample3D>)>,
+    mid: Vec<ResnetBlock3D>,
+    norm_out: GroupNorm,
+    conv_out: CausalConv3d,
+}
+
+impl Encoder3D {
+    fn new(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let channels = &cfg.block_out_channels;
+        let doublings = cfg.time_doublings();
+        let mut down_blocks = Vec::with_capacity(channels.len());
+        let mut prev = channels[0];
+        for (i, &out) in channels.iter().enumerate() {
+            let bvb = vb.pp(format!("down_blocks.{i}"));
+            let resnets = (0..cfg.layers_per_block)
+                .map(|j| {
+                    let cin = if j == 0 { prev } else { out };
+                    ResnetBlock3D::new_encoder(cin, out, cfg, bvb.pp(format!("resnets.{j}")))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let down = if i + 1 < channels.len() {
+                Some(Downsample3D::new(
+                    out,
+                    i < doublings,
+                    bvb.pp("downsamplers.0"),
+                )?)
+            } else {
+                None
+            };
+            down_blocks.push((resnets, down));
+            prev = out;
+        }
+        let last = channels[channels.len() - 1];
+        let mid = (0..2)
+            .map(|i| {
+                ResnetBlock3D::new_encoder(last, last, cfg, vb.pp(format!("mid_block.resnets.{i}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            conv_in: CausalConv3d::new(cfg.in_channels, channels[0], 3, vb.pp("conv_in"))?,
+            down_blocks,
+            mid,
+            norm_out: candle_nn::group_norm(
+                cfg.norm_num_groups,
+                last,
+                FIXED_NORM_EPS,
+                vb.pp("norm_out"),
+            )?,
+            conv_out: CausalConv3d::new(last, 2 * cfg.latent_channels, 3, vb.pp("conv_out"))?,
+        })
+    }
+
+    /// One chunk of video frames -> `[B, 2 · latent_channels, t, h, w]` (mean | logvar).
+    fn forward(&self, x: &Tensor, cache: &mut ConvCache) -> Result<Tensor> {
+        cache.start_chunk();
+        let mut h = self.conv_in.forward(x, Some(cache))?;
+        for (resnets, down) in &self.down_blocks {
+            for resnet in resnets {
+                h = resnet.forward(&h, None, cache)?;
+            }
+            if let Some(down) = down {
+                h = down.forward(&h)?;
+            }
+        }
+        for resnet in &self.mid {
+            h = resnet.forward(&h, None, cache)?;
+        }
+        let h = self.norm_out.forward(&h)?.silu()?;
+        self.conv_out.forward(&h, Some(cache))
     }
 }
 
@@ -505,11 +726,11 @@ impl Decoder3D {
         cache.start_chunk();
         let mut h = self.conv_in.forward(z, Some(cache))?;
         for resnet in &self.mid {
-            h = resnet.forward(&h, z, cache)?;
+            h = resnet.forward(&h, Some(z), cache)?;
         }
         for block in &self.up_blocks {
             for resnet in &block.resnets {
-                h = resnet.forward(&h, z, cache)?;
+                h = resnet.forward(&h, Some(z), cache)?;
             }
             if let Some(up) = &block.upsampler {
                 h = up.forward(&h)?;
@@ -520,19 +741,30 @@ impl Decoder3D {
     }
 }
 
-/// The decoder half of diffusers' `AutoencoderKLCogVideoX` (weights under `decoder.`).
+/// diffusers' `AutoencoderKLCogVideoX` (no tiling): the decoder, and the encoder unless built
+/// with [`Self::new_decoder_only`].
 pub struct AutoencoderKLCogVideoX {
     cfg: CogVideoXVaeConfig,
+    encoder: Option<Encoder3D>,
     decoder: Decoder3D,
 }
 
 impl AutoencoderKLCogVideoX {
-    /// Loads the decoder from a `vae/` checkpoint; weights are read in f32.
+    /// Loads encoder and decoder from a `vae/` checkpoint; weights are read in f32.
     pub fn new(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let mut vae = Self::new_decoder_only(cfg, vb.clone())?;
+        cfg.validate_encoder()?;
+        vae.encoder = Some(Encoder3D::new(cfg, vb.set_dtype(DType::F32).pp("encoder"))?);
+        Ok(vae)
+    }
+
+    /// Loads only the decoder (all text-to-video needs); [`Self::encode`] then refuses to run.
+    pub fn new_decoder_only(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let vb = vb.set_dtype(DType::F32);
         Ok(Self {
             cfg: cfg.clone(),
+            encoder: None,
             decoder: Decoder3D::new(cfg, vb.pp("decoder"))?,
         })
     }
@@ -582,6 +814,44 @@ impl AutoencoderKLCogVideoX {
             );
         }
         Tensor::cat(&out, 2)
+    }
+}
+
+impl AutoencoderKLCogVideoX {
+    /// Encodes video `[B, in_channels, T, H, W]` in [-1, 1] to the latent distribution's
+    /// `(mean, logvar)`, each `[B, latent_channels, F, H/8, W/8]`, unscaled, `logvar` clamped
+    /// to [-30, 20]; in chunks of [`SAMPLE_FRAMES_PER_CHUNK`] frames (the first taking the
+    /// remainder) with the conv caches carried over, as diffusers' `_encode` without tiling.
+    pub fn encode(&self, video: &Tensor) -> Result<(Tensor, Tensor)> {
+        let Some(encoder) = &self.encoder else {
+            candle_core::bail!("this VAE was loaded without its encoder");
+        };
+        let (_, c, frames, h, w) = video.dims5()?;
+        if c != self.cfg.in_channels {
+            candle_core::bail!(
+                "video has {c} channels, the VAE expects {}",
+                self.cfg.in_channels
+            );
+        }
+        if frames == 0 || h == 0 || w == 0 {
+            candle_core::bail!("cannot encode an empty video [{frames}, {h}, {w}]");
+        }
+        let video = video.to_dtype(DType::F32)?;
+        let per = SAMPLE_FRAMES_PER_CHUNK;
+        let chunks = (frames / per).max(1);
+        let remainder = frames % per;
+        let mut cache = ConvCache::default();
+        let mut out = Vec::with_capacity(chunks);
+        for i in 0..chunks {
+            let start = per * i + if i == 0 { 0 } else { remainder };
+            let end = (per * (i + 1) + remainder).min(frames);
+            out.push(encoder.forward(&video.narrow(2, start, end - start)?, &mut cache)?);
+        }
+        let moments = Tensor::cat(&out, 2)?;
+        let latent = self.cfg.latent_channels;
+        let mean = moments.narrow(1, 0, latent)?;
+        let logvar = moments.narrow(1, latent, latent)?.clamp(-30f32, 20f32)?;
+        Ok((mean, logvar))
     }
 }
 
