@@ -6,8 +6,9 @@
 //! resized (nearest) to the feature map. Causal 3D convolutions pad time in front with the first
 //! frame repeated, or, from the second chunk on, with the last input frames of the previous chunk
 //! (diffusers' `conv_cache`), and space with zeros; they run one output frame at a time as a sum
-//! over temporal taps of 2D convolutions. The decoder runs in f32 like diffusers
-//! (`force_upcast`).
+//! over temporal taps of 2D convolutions. The VAE computes in the `VarBuilder`'s dtype:
+//! `CogVideoXPipeline` does not upcast its VAE (`force_upcast` is not read), so a bf16 run
+//! decodes in bf16; GroupNorm statistics are taken in f32.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{GroupNorm, VarBuilder};
@@ -64,7 +65,7 @@ pub struct CogVideoXVaeConfig {
     pub latents_mean: Option<Vec<f64>>,
     /// Informational.
     pub latents_std: Option<Vec<f64>>,
-    /// Informational: the decoder always runs in f32 here.
+    /// Informational: `CogVideoXPipeline` does not read it (the caller picks the dtype).
     pub force_upcast: bool,
     /// Not supported (no published checkpoint uses it).
     pub use_quant_conv: bool,
@@ -266,53 +267,69 @@ impl CausalConv3d {
 
     /// `x` `[B, C, T, H, W]` -> `[B, C_out, T, H, W]`. A conv with a temporal kernel takes the
     /// next slot of `cache` as its front context (the first frame repeated when empty) and leaves
-    /// its last `kt − 1` input frames there.
+    /// its last `kt − 1` input frames there. Only a window of `kt` input frames is copied at a
+    /// time and each output frame is written into the result in place, so the peak stays near
+    /// input + output + one frame's im2col.
     fn forward(&self, x: &Tensor, cache: Option<&mut ConvCache>) -> Result<Tensor> {
-        let context = self.taps.len() - 1;
-        let t_in = x.dim(2)?;
-        let mut frames = Vec::with_capacity(context + t_in);
-        if context > 0 {
+        let kt = self.taps.len();
+        let context = kt.saturating_sub(1);
+        let (b, _, t_in, _, _) = x.dims5()?;
+        let (slot, prev) = if context > 0 {
             let Some(cache) = cache else {
                 candle_core::bail!("causal conv3d with a temporal kernel needs a conv cache");
             };
             let slot = cache.slot();
-            match slot.as_ref() {
-                Some(prev) => {
-                    for t in 0..prev.dim(2)? {
-                        frames.push(frame(prev, t)?);
-                    }
-                }
-                None => {
-                    let first = frame(x, 0)?;
-                    frames.extend(std::iter::repeat_n(first, context));
-                }
-            }
-            for t in 0..t_in {
-                frames.push(frame(x, t)?);
-            }
-            let kept = &frames[frames.len() - context..];
-            *slot = Some(Tensor::stack(kept, 2)?);
+            let prev = slot.clone();
+            (Some(slot), prev)
         } else {
-            for t in 0..t_in {
-                frames.push(frame(x, t)?);
+            (None, None)
+        };
+        // Frame `i` of the padded sequence [context | x].
+        let source = |i: usize| -> Result<Tensor> {
+            if i >= context {
+                frame(x, i - context)
+            } else {
+                match &prev {
+                    Some(p) => frame(p, i),
+                    None => frame(x, 0),
+                }
             }
+        };
+        if let Some(slot) = slot {
+            let kept = (t_in..t_in + context)
+                .map(source)
+                .collect::<Result<Vec<_>>>()?;
+            *slot = Some(Tensor::stack(&kept, 2)?);
         }
-        let mut outs = Vec::with_capacity(t_in);
+        let mut window = (0..context)
+            .map(source)
+            .collect::<Result<std::collections::VecDeque<_>>>()?;
+        let mut out: Option<Tensor> = None;
         for o in 0..t_in {
+            window.push_back(source(o + context)?);
             let mut acc: Option<Tensor> = None;
-            for (k, tap) in self.taps.iter().enumerate() {
-                let y = frames[o + k].conv2d(tap, self.pad, 1, 1, 1)?;
+            for (input, tap) in window.iter().zip(&self.taps) {
+                let y = input.conv2d(tap, self.pad, 1, 1, 1)?;
                 acc = Some(match acc {
                     Some(a) => (a + y)?,
                     None => y,
                 });
             }
-            match acc {
-                Some(a) => outs.push(a.broadcast_add(&self.bias)?),
-                None => candle_core::bail!("causal conv3d without taps"),
-            }
+            let Some(y) = acc else {
+                candle_core::bail!("causal conv3d without taps");
+            };
+            let y = y.broadcast_add(&self.bias)?.unsqueeze(2)?;
+            let out = match &out {
+                Some(out) => out,
+                None => {
+                    let (_, cout, _, h, w) = y.dims5()?;
+                    out.insert(Tensor::zeros((b, cout, t_in, h, w), y.dtype(), y.device())?)
+                }
+            };
+            out.slice_set(&y, 2, o)?;
+            window.pop_front();
         }
-        Tensor::stack(&outs, 2)
+        out.ok_or_else(|| candle_core::Error::Msg("causal conv3d on zero frames".into()))
     }
 }
 
@@ -747,25 +764,26 @@ pub struct AutoencoderKLCogVideoX {
     cfg: CogVideoXVaeConfig,
     encoder: Option<Encoder3D>,
     decoder: Decoder3D,
+    dtype: DType,
 }
 
 impl AutoencoderKLCogVideoX {
-    /// Loads encoder and decoder from a `vae/` checkpoint; weights are read in f32.
+    /// Loads encoder and decoder from a `vae/` checkpoint, in the `VarBuilder`'s dtype.
     pub fn new(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
         let mut vae = Self::new_decoder_only(cfg, vb.clone())?;
         cfg.validate_encoder()?;
-        vae.encoder = Some(Encoder3D::new(cfg, vb.set_dtype(DType::F32).pp("encoder"))?);
+        vae.encoder = Some(Encoder3D::new(cfg, vb.pp("encoder"))?);
         Ok(vae)
     }
 
     /// Loads only the decoder (all text-to-video needs); [`Self::encode`] then refuses to run.
     pub fn new_decoder_only(cfg: &CogVideoXVaeConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let vb = vb.set_dtype(DType::F32);
         Ok(Self {
             cfg: cfg.clone(),
             encoder: None,
             decoder: Decoder3D::new(cfg, vb.pp("decoder"))?,
+            dtype: vb.dtype(),
         })
     }
 
@@ -774,12 +792,17 @@ impl AutoencoderKLCogVideoX {
         &self.cfg
     }
 
+    /// The dtype the VAE computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// The pipeline's `decode_latents` input: transformer-space latents `[B, F, C, H, W]` ->
-    /// `[B, C, F, H, W]` times `1 / scaling_factor` (the Python float, rounded to f32).
+    /// `[B, C, F, H, W]` times `1 / scaling_factor` (the Python float, rounded to f32), in the
+    /// latents' dtype as diffusers computes it.
     pub fn scale_latents(&self, latents: &Tensor) -> Result<Tensor> {
         let inv = (1.0 / self.cfg.scaling_factor) as f32;
         latents
-            .to_dtype(DType::F32)?
             .permute((0, 2, 1, 3, 4))?
             .affine(f64::from(inv), 0.0)
     }
@@ -799,7 +822,7 @@ impl AutoencoderKLCogVideoX {
         if frames == 0 || h == 0 || w == 0 {
             candle_core::bail!("cannot decode empty latents [{frames}, {h}, {w}]");
         }
-        let z = z.to_dtype(DType::F32)?;
+        let z = z.to_dtype(self.dtype)?;
         let per = LATENT_FRAMES_PER_CHUNK;
         let chunks = (frames / per).max(1);
         let remainder = frames % per;
@@ -836,7 +859,7 @@ impl AutoencoderKLCogVideoX {
         if frames == 0 || h == 0 || w == 0 {
             candle_core::bail!("cannot encode an empty video [{frames}, {h}, {w}]");
         }
-        let video = video.to_dtype(DType::F32)?;
+        let video = video.to_dtype(self.dtype)?;
         let per = SAMPLE_FRAMES_PER_CHUNK;
         let chunks = (frames / per).max(1);
         let remainder = frames % per;
@@ -850,7 +873,7 @@ impl AutoencoderKLCogVideoX {
         let moments = Tensor::cat(&out, 2)?;
         let latent = self.cfg.latent_channels;
         let mean = moments.narrow(1, 0, latent)?;
-        let logvar = moments.narrow(1, latent, latent)?.clamp(-30f32, 20f32)?;
+        let logvar = moments.narrow(1, latent, latent)?.clamp(-30.0, 20.0)?;
         Ok((mean, logvar))
     }
 }
