@@ -33,7 +33,7 @@ pub struct CogVideoXDpmConfig {
     pub trained_betas: Option<Vec<f64>>,
     /// Clipping of x0 (diffusers' DPM step never clips; accepted and ignored like diffusers).
     pub clip_sample: bool,
-    /// ᾱ used after the last training timestep: 1 when true, else ᾱ[0].
+    /// ᾱ used past the end of the schedule (`prev_t < 0`): 1 when true, else `ᾱ[0]`.
     pub set_alpha_to_one: bool,
     /// Offset added to "leading" timesteps.
     pub steps_offset: i64,
