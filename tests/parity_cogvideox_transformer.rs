@@ -244,3 +244,26 @@ fn non_affine_norms_need_no_weights() {
         .unwrap();
     assert_eq!(out.dims(), r["output"].dims());
 }
+
+/// The bf16 path (what GPU runs use): the same model loaded in bf16 runs end to end and stays
+/// near the f32 reference (bf16 keeps ~3 significant digits).
+#[test]
+fn bf16_run_stays_near_the_reference() {
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let model = CogVideoXTransformer3DModel::new(&config(), vb).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let out = model
+        .forward(
+            &r["hidden_states"].to_dtype(DType::BF16).unwrap(),
+            &r["timestep"],
+            &r["encoder_hidden_states"].to_dtype(DType::BF16).unwrap(),
+        )
+        .unwrap();
+    assert_eq!(out.dtype(), DType::BF16);
+    let err = common::max_abs_diff(&out, &r["output"]);
+    eprintln!("bf16 output: max |diff| {err:.3e}");
+    assert!(err < 0.1, "bf16 output off by {err}");
+}
