@@ -838,9 +838,7 @@ impl AutoencoderKLCogVideoX {
         }
         Tensor::cat(&out, 2)
     }
-}
 
-impl AutoencoderKLCogVideoX {
     /// Encodes video `[B, in_channels, T, H, W]` in [-1, 1] to the latent distribution's
     /// `(mean, logvar)`, each `[B, latent_channels, F, H/8, W/8]`, unscaled, `logvar` clamped
     /// to [-30, 20]; in chunks of [`SAMPLE_FRAMES_PER_CHUNK`] frames (the first taking the
