@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod clip;
+pub mod cogvideox;
 pub mod ltx;
 pub mod source;
 pub mod t5;

@@ -3,6 +3,7 @@
 //! Both samplers reproduce diffusers 0.42.1 number for number: the schedule is computed in f64 like
 //! numpy and stored as f32 like the torch tensors, and the per-step scalar arithmetic runs in f32.
 
+pub mod cogvideox_dpm;
 pub mod euler;
 pub mod unipc;
 
