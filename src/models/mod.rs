@@ -2,6 +2,7 @@
 //! know nothing of offloading.
 
 pub mod attention;
+pub mod hunyuan_video;
 pub mod loader;
 pub mod source;
 pub mod wan;

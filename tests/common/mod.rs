@@ -10,13 +10,42 @@ pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a")
 }
 
+/// Another fixture folder under `tests/fixtures/` (e.g. `hunyuanvideo-tiny-a`).
+pub fn named_fixture_dir(fixture: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(fixture)
+}
+
 /// Loads one of the `reference/*.safetensors` files onto the CPU.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    let path = fixture_dir()
-        .join("reference")
-        .join(format!("{name}.safetensors"));
+    load_reference(&fixture_dir(), name)
+}
+
+/// Loads `reference/{name}.safetensors` of the fixture folder `fixture` onto the CPU.
+pub fn named_reference(fixture: &str, name: &str) -> HashMap<String, Tensor> {
+    load_reference(&named_fixture_dir(fixture), name)
+}
+
+fn load_reference(dir: &std::path::Path, name: &str) -> HashMap<String, Tensor> {
+    let path = dir.join("reference").join(format!("{name}.safetensors"));
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+}
+
+/// Largest |actual - expected| (for reporting).
+pub fn max_abs_diff(actual: &Tensor, expected: &Tensor) -> f64 {
+    (actual.to_dtype(candle_core::DType::F64).unwrap()
+        - expected.to_dtype(candle_core::DType::F64).unwrap())
+    .unwrap()
+    .abs()
+    .unwrap()
+    .flatten_all()
+    .unwrap()
+    .max(0)
+    .unwrap()
+    .to_scalar::<f64>()
+    .unwrap()
 }
 
 /// Asserts |actual - expected| <= atol + rtol * |expected| elementwise (the fixture README's rule).
