@@ -82,7 +82,11 @@ fn guidance_distilled_run_matches_diffusers() {
     let r = common::named_reference(FIXTURE, "pipeline");
     let te = common::named_reference(FIXTURE, "text_encoder");
     let (embeds, mask) = prompt_embeds();
-    check("prompt_embeds", &embeds, &te["prompt_embeds"].narrow(0, 0, 1).unwrap());
+    check(
+        "prompt_embeds",
+        &embeds,
+        &te["prompt_embeds"].narrow(0, 0, 1).unwrap(),
+    );
     let pooled = te["pooled_prompt_embeds"].narrow(0, 0, 1).unwrap();
 
     let tcfg: HunyuanVideoTransformerConfig = json("transformer/config.json");
@@ -102,7 +106,11 @@ fn guidance_distilled_run_matches_diffusers() {
     let mut latents = r["latents_init"].clone();
     for i in 0..STEPS {
         let t = Tensor::new(&[euler.timesteps()[i] as f32], &Device::Cpu).unwrap();
-        check(&format!("cfg1.step{i}.timestep"), &t, &r[&format!("cfg1.step{i}.timestep")]);
+        check(
+            &format!("cfg1.step{i}.timestep"),
+            &t,
+            &r[&format!("cfg1.step{i}.timestep")],
+        );
         let noise = transformer
             .forward(&latents, &t, &embeds, &mask, &pooled, Some(&guidance))
             .unwrap();
@@ -120,8 +128,8 @@ fn guidance_distilled_run_matches_diffusers() {
     }
 
     let vcfg: HunyuanVideoVaeConfig = json("vae/config.json");
-    let vae =
-        AutoencoderKLHunyuanVideo::new(&vcfg, vb("vae/diffusion_pytorch_model.safetensors")).unwrap();
+    let vae = AutoencoderKLHunyuanVideo::new(&vcfg, vb("vae/diffusion_pytorch_model.safetensors"))
+        .unwrap();
     let z = vae.scale_latents(&latents).unwrap();
     check("cfg1.vae_decode_input", &z, &r["cfg1.vae_decode_input"]);
     let video = vae.decode(&z).unwrap();

@@ -31,11 +31,17 @@ fn schedules_match_diffusers() {
         assert_eq!(sigmas.len(), want_s.len());
         for (got, want) in timesteps.iter().zip(&want_t) {
             let tol = 1e-6 * f64::from(want.abs()).max(1.0);
-            assert!((got - f64::from(*want)).abs() <= tol, "n={n}: timestep {got} vs {want}");
+            assert!(
+                (got - f64::from(*want)).abs() <= tol,
+                "n={n}: timestep {got} vs {want}"
+            );
         }
         for (got, want) in sigmas.iter().zip(&want_s) {
             let tol = 1e-6 * f64::from(want.abs()).max(1.0);
-            assert!(f64::from(got - want).abs() <= tol, "n={n}: sigma {got} vs {want}");
+            assert!(
+                f64::from(got - want).abs() <= tol,
+                "n={n}: sigma {got} vs {want}"
+            );
         }
     }
 }
@@ -50,7 +56,13 @@ fn euler_loop_matches_diffusers() {
             .step(&r[&format!("loop4.model_output_{i}")], &sample)
             .unwrap();
         let want = &r[&format!("loop4.sample_{}", i + 1)];
-        common::assert_close(&format!("loop4.sample_{}", i + 1), &sample, want, 1e-4, 1e-4);
+        common::assert_close(
+            &format!("loop4.sample_{}", i + 1),
+            &sample,
+            want,
+            1e-4,
+            1e-4,
+        );
     }
     assert!(euler.step(&r["loop4.model_output_3"], &sample).is_err());
 }
@@ -83,15 +95,30 @@ fn guidance_inputs_match_the_pipeline() {
     let noise = true_cfg(cond, uncond, 4.0).unwrap();
     let mut euler = sampler(&config(), 3, None).unwrap();
     let t0 = euler.timesteps()[0] as f32;
-    assert_eq!(t0, r["truecfg4.step0.timestep"].to_vec1::<f32>().unwrap()[0]);
+    assert_eq!(
+        t0,
+        r["truecfg4.step0.timestep"].to_vec1::<f32>().unwrap()[0]
+    );
     let latents: Tensor = euler.step(&noise, &r["latents_init"]).unwrap();
-    common::assert_close("truecfg4.step0.latents", &latents, &r["truecfg4.step0.latents"], 1e-4, 1e-4);
+    common::assert_close(
+        "truecfg4.step0.latents",
+        &latents,
+        &r["truecfg4.step0.latents"],
+        1e-4,
+        1e-4,
+    );
 }
 
 #[test]
 fn hostile_configs_are_refused_with_the_key() {
     for (key, cfg) in [
-        ("shift", FlowMatchEulerConfig { shift: -1.0, ..config() }),
+        (
+            "shift",
+            FlowMatchEulerConfig {
+                shift: -1.0,
+                ..config()
+            },
+        ),
         (
             "use_dynamic_shifting",
             FlowMatchEulerConfig {

@@ -69,7 +69,10 @@ fn ints(t: &Tensor) -> Vec<Vec<i64>> {
 fn tokenizer_cases_match_transformers() {
     assert_eq!(tokenizer_load(), LlamaTokenizerLoad::LlamaTokenizerFast);
     // The tiny tokenizer.json is already in LlamaTokenizerFast's rebuilt form: both loads agree.
-    for load in [LlamaTokenizerLoad::LlamaTokenizerFast, LlamaTokenizerLoad::Verbatim] {
+    for load in [
+        LlamaTokenizerLoad::LlamaTokenizerFast,
+        LlamaTokenizerLoad::Verbatim,
+    ] {
         let tok = tokenizer(load);
         for case in readme()["tokenizer_cases"]["tokenizer"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
@@ -88,7 +91,10 @@ fn tokenizer_cases_match_transformers() {
 fn tokens_and_crop_start_match_the_pipeline() {
     let tok = tokenizer(tokenizer_load());
     let crop_start = tok.crop_start(DEFAULT_PROMPT_TEMPLATE).unwrap();
-    assert_eq!(crop_start, readme()["derived"]["crop_start"].as_u64().unwrap() as usize);
+    assert_eq!(
+        crop_start,
+        readme()["derived"]["crop_start"].as_u64().unwrap() as usize
+    );
     let prompts = prompts();
     let prompts: Vec<&str> = prompts.iter().map(String::as_str).collect();
     let (ids, mask) = tok
@@ -135,7 +141,11 @@ fn prompt_embeds_match_diffusers() {
         let layer = LlamaDecoderLayer::new(&cfg, var_builder().pp(format!("layers.{i}"))).unwrap();
         h = layer.forward(&h, &inputs).unwrap();
     }
-    check("streamed hidden_states[-3]", &h, &r["llama.hidden_states.1"]);
+    check(
+        "streamed hidden_states[-3]",
+        &h,
+        &r["llama.hidden_states.1"],
+    );
 }
 
 #[test]

@@ -18,8 +18,8 @@ fn config() -> HunyuanVideoTransformerConfig {
 }
 
 fn var_builder() -> VarBuilder<'static> {
-    let path = common::named_fixture_dir(FIXTURE)
-        .join("transformer/diffusion_pytorch_model.safetensors");
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
     unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
 }
 
@@ -89,8 +89,16 @@ fn intermediates_match_diffusers() {
             Some(&r["guidance"]),
         )
         .unwrap();
-    check("rope_cos", &interleave(&inputs.rope_cos), &r["debug.rope_cos"]);
-    check("rope_sin", &interleave(&inputs.rope_sin), &r["debug.rope_sin"]);
+    check(
+        "rope_cos",
+        &interleave(&inputs.rope_cos),
+        &r["debug.rope_cos"],
+    );
+    check(
+        "rope_sin",
+        &interleave(&inputs.rope_sin),
+        &r["debug.rope_sin"],
+    );
     check("temb", &inputs.temb, &r["debug.temb"]);
     let (mut hidden, mut encoder) = inputs.take_streams().unwrap();
     assert!(inputs.take_streams().is_err());

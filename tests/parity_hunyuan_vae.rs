@@ -20,7 +20,8 @@ fn config() -> HunyuanVideoVaeConfig {
 
 fn vae() -> AutoencoderKLHunyuanVideo {
     let path = common::named_fixture_dir(FIXTURE).join("vae/diffusion_pytorch_model.safetensors");
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() };
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() };
     AutoencoderKLHunyuanVideo::new(&config(), vb).unwrap()
 }
 
@@ -35,7 +36,10 @@ fn check(what: &str, actual: &Tensor, expected: &Tensor) {
 #[test]
 fn temporally_tiled_decode_matches_diffusers() {
     let vae = vae();
-    assert!(vae.tiling().framewise, "diffusers decodes frame-wise by default");
+    assert!(
+        vae.tiling().framewise,
+        "diffusers decodes frame-wise by default"
+    );
     let r = common::named_reference(FIXTURE, "vae");
     let scaled = vae.scale_latents(&r["decode.latents"]).unwrap();
     check("latents_scaled", &scaled, &r["decode.latents_scaled"]);
@@ -52,7 +56,11 @@ fn single_frame_decode_matches_diffusers() {
     let vae = vae();
     let r = common::named_reference(FIXTURE, "vae");
     let one = r["decode.latents_scaled"].narrow(2, 0, 1).unwrap();
-    check("decode1.video", &vae.decode(&one).unwrap(), &r["decode1.video"]);
+    check(
+        "decode1.video",
+        &vae.decode(&one).unwrap(),
+        &r["decode1.video"],
+    );
 }
 
 #[test]

@@ -99,8 +99,8 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Reads `text_encoder/config.json`.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     }
 
@@ -135,7 +135,11 @@ impl LlamaConfig {
                 self.hidden_act
             );
         }
-        if let Some(kind) = self.rope_parameters.as_ref().and_then(|p| p.rope_type.as_deref()) {
+        if let Some(kind) = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_type.as_deref())
+        {
             if kind != "default" {
                 candle_core::bail!(
                     "text_encoder config: rope_parameters.rope_type {kind:?} is not supported"
@@ -154,14 +158,14 @@ impl LlamaConfig {
             );
         }
         let kv = self.kv_heads();
-        if self.num_attention_heads == 0 || kv == 0 || self.num_attention_heads % kv != 0 {
+        if self.num_attention_heads == 0 || kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
             candle_core::bail!(
                 "text_encoder config: num_key_value_heads {kv} must divide num_attention_heads {}",
                 self.num_attention_heads
             );
         }
         let hd = self.head_dim();
-        if hd == 0 || hd % 2 != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) {
             candle_core::bail!("text_encoder config: head_dim {hd} must be positive and even");
         }
         let theta = self.rope_theta();
@@ -322,7 +326,8 @@ impl LlamaTextEncoder {
     /// `LlamaDecoderLayer::new(cfg, vb.pp(format!("layers.{i}")))` for `i < cfg.layers_used()`.
     pub fn new_without_blocks(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let embed_tokens = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
+        let embed_tokens =
+            candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens,
@@ -382,7 +387,13 @@ impl LlamaTextEncoder {
         let mut mask = Vec::with_capacity(b * seq * seq);
         for row in &rows {
             for i in 0..seq {
-                mask.extend((0..seq).map(|j| if j <= i && row[j] != 0.0 { 0.0 } else { f32::MIN }));
+                mask.extend((0..seq).map(|j| {
+                    if j <= i && row[j] != 0.0 {
+                        0.0
+                    } else {
+                        f32::MIN
+                    }
+                }));
             }
         }
         Ok(LlamaInputs {
@@ -480,12 +491,12 @@ fn rebuild_as_llama_tokenizer_fast(
         anyhow_bail!("tokenizer.json: a Llama tokenizer needs a BPE model");
     }
     let unk = cfg_str("unk_token").unwrap_or_else(|| "<unk>".into());
-    let unk_known = model
-        .get("vocab")
-        .and_then(|v| v.get(&unk))
-        .is_some();
+    let unk_known = model.get("vocab").and_then(|v| v.get(&unk)).is_some();
     model.insert("dropout".into(), json!(null));
-    model.insert("unk_token".into(), if unk_known { json!(unk) } else { json!(null) });
+    model.insert(
+        "unk_token".into(),
+        if unk_known { json!(unk) } else { json!(null) },
+    );
     model.insert("continuing_subword_prefix".into(), json!(null));
     model.insert("end_of_word_suffix".into(), json!(null));
     model.insert("fuse_unk".into(), json!(true));
@@ -500,9 +511,10 @@ fn rebuild_as_llama_tokenizer_fast(
     let bos = cfg_str("bos_token").unwrap_or_else(|| "<s>".into());
     let eos = cfg_str("eos_token").unwrap_or_else(|| "</s>".into());
     let id_of = |token: &str| -> Option<u64> {
-        let added = json.get("added_tokens")?.as_array()?.iter().find_map(|t| {
-            (t.get("content")?.as_str()? == token).then(|| t.get("id")?.as_u64())?
-        });
+        let added =
+            json.get("added_tokens")?.as_array()?.iter().find_map(|t| {
+                (t.get("content")?.as_str()? == token).then(|| t.get("id")?.as_u64())?
+            });
         added.or_else(|| json.get("model")?.get("vocab")?.get(token)?.as_u64())
     };
     let mut special = serde_json::Map::new();
@@ -520,7 +532,9 @@ fn rebuild_as_llama_tokenizer_fast(
     let (bos_piece, eos_piece) = (piece(add_bos, &bos)?, piece(add_eos, &eos)?);
     let single: Vec<serde_json::Value> = bos_piece
         .into_iter()
-        .chain(std::iter::once(json!({"Sequence": {"id": "A", "type_id": 0}})))
+        .chain(std::iter::once(
+            json!({"Sequence": {"id": "A", "type_id": 0}}),
+        ))
         .chain(eos_piece)
         .collect();
     let mut pair = single.clone();
@@ -537,20 +551,25 @@ impl LlamaPromptTokenizer {
         let path = dir.join("tokenizer.json");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let config: serde_json::Value = match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
-            Ok(c) => serde_json::from_str(&c).context("parsing tokenizer_config.json")?,
-            Err(_) => serde_json::Value::Null,
-        };
+        let config: serde_json::Value =
+            match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+                Ok(c) => serde_json::from_str(&c).context("parsing tokenizer_config.json")?,
+                Err(_) => serde_json::Value::Null,
+            };
         let json: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         let json = match load {
-            LlamaTokenizerLoad::LlamaTokenizerFast => rebuild_as_llama_tokenizer_fast(json, &config)?,
+            LlamaTokenizerLoad::LlamaTokenizerFast => {
+                rebuild_as_llama_tokenizer_fast(json, &config)?
+            }
             LlamaTokenizerLoad::Verbatim => json,
         };
         let mut tokenizer: Tokenizer = serde_json::to_string(&json)?
             .parse()
             .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
-        tokenizer.with_truncation(None).map_err(|e| anyhow!("{e}"))?;
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| anyhow!("{e}"))?;
         tokenizer.with_padding(None);
         let pad = config
             .get("pad_token")
@@ -582,7 +601,12 @@ impl LlamaPromptTokenizer {
 
     /// `template.format(prompt)` tokenized to exactly `max_len` ids (truncated, then right-padded)
     /// and the number of real tokens.
-    pub fn encode(&self, template: &str, prompt: &str, max_len: usize) -> anyhow::Result<(Vec<u32>, usize)> {
+    pub fn encode(
+        &self,
+        template: &str,
+        prompt: &str,
+        max_len: usize,
+    ) -> anyhow::Result<(Vec<u32>, usize)> {
         let text = template.replacen("{}", prompt, 1);
         let added = self
             .tokenizer

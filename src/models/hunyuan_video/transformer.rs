@@ -275,10 +275,7 @@ impl BlockInputs {
     /// Takes the (video `[B, N, inner]`, refined text `[B, L, inner]`) streams that feed the
     /// first block (once; the inputs do not keep a copy).
     pub fn take_streams(&mut self) -> Result<(Tensor, Tensor)> {
-        match (
-            self.hidden_states.take(),
-            self.encoder_hidden_states.take(),
-        ) {
+        match (self.hidden_states.take(), self.encoder_hidden_states.take()) {
             (Some(h), Some(e)) => Ok((h, e)),
             _ => candle_core::bail!("block-0 streams already taken"),
         }
@@ -477,8 +474,14 @@ impl QkvProjection {
         let norm = |t: Tensor, w: &Tensor| -> Result<Tensor> {
             candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)
         };
-        let q = norm(split_heads(&self.to_q.forward(x)?, self.heads)?, &self.norm_q)?;
-        let k = norm(split_heads(&self.to_k.forward(x)?, self.heads)?, &self.norm_k)?;
+        let q = norm(
+            split_heads(&self.to_q.forward(x)?, self.heads)?,
+            &self.norm_q,
+        )?;
+        let k = norm(
+            split_heads(&self.to_k.forward(x)?, self.heads)?,
+            &self.norm_k,
+        )?;
         let v = split_heads(&self.to_v.forward(x)?, self.heads)?;
         Ok((q, k, v))
     }
@@ -506,7 +509,11 @@ impl HunyuanVideoTransformerBlock {
         Ok(Self {
             norm1: Modulation::new(dim, 6, vb.pp("norm1"))?,
             norm1_context: Modulation::new(dim, 6, vb.pp("norm1_context"))?,
-            video_qkv: QkvProjection::new(cfg, &attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"])?,
+            video_qkv: QkvProjection::new(
+                cfg,
+                &attn,
+                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+            )?,
             text_qkv: QkvProjection::new(
                 cfg,
                 &attn,
@@ -561,7 +568,10 @@ impl HunyuanVideoTransformerBlock {
         let ff_context =
             self.ff_context
                 .forward(&modulate(&layer_norm(&encoder, NORM_EPS)?, &c[3], &c[4])?)?;
-        Ok((gated(&hidden, &ff, &m[5])?, gated(&encoder, &ff_context, &c[5])?))
+        Ok((
+            gated(&hidden, &ff, &m[5])?,
+            gated(&encoder, &ff_context, &c[5])?,
+        ))
     }
 }
 
@@ -723,12 +733,15 @@ impl RefinerBlock {
                     scale,
                 )?;
                 let rows: Vec<u8> = valid.iter().map(|&m| u8::from(m)).collect();
-                let rows = Tensor::new(rows.as_slice(), x.device())?.reshape((1, 1, valid.len(), 1))?;
+                let rows =
+                    Tensor::new(rows.as_slice(), x.device())?.reshape((1, 1, valid.len(), 1))?;
                 rows.broadcast_as(out.shape())?
                     .where_cond(&out, &v.narrow(2, 0, 1)?.broadcast_as(out.shape())?)
             })
             .collect::<Result<Vec<_>>>()?;
-        let attn = self.to_out.forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)?;
+        let attn = self
+            .to_out
+            .forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)?;
         let gates = self.norm_out.forward(temb)?;
         let x = gated(x, &attn, &gates[0])?;
         let ff = self.ff.forward(&self.norm2.forward(&x)?)?;
@@ -760,7 +773,13 @@ impl TokenRefiner {
     }
 
     /// `text` `[B, L, text_dim]`, `mask` `[B, L]` f32 0/1, `t_proj` the sinusoidal timestep.
-    fn forward(&self, text: &Tensor, mask: &Tensor, t_proj: &Tensor, valid: &[Vec<bool>]) -> Result<Tensor> {
+    fn forward(
+        &self,
+        text: &Tensor,
+        mask: &Tensor,
+        t_proj: &Tensor,
+        valid: &[Vec<bool>],
+    ) -> Result<Tensor> {
         // Mask-weighted mean of the raw text embeddings, in f32.
         let m = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
         let pooled = text
@@ -871,7 +890,11 @@ impl HunyuanVideoTransformer3DModel {
         let x_embedder = Linear::new(patch_w, Some(xvb.get(dim, "bias")?));
         let tvb = vb.pp("time_text_embed");
         let guidance_embedder = if cfg.guidance_embeds {
-            Some(Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("guidance_embedder"))?)
+            Some(Mlp::embedder(
+                TIMESTEP_CHANNELS,
+                dim,
+                tvb.pp("guidance_embedder"),
+            )?)
         } else {
             None
         };

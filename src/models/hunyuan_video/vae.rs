@@ -198,7 +198,10 @@ impl Default for HunyuanVideoVaeTiling {
 
 impl HunyuanVideoVaeTiling {
     fn validate(&self, cfg: &HunyuanVideoVaeConfig) -> Result<()> {
-        let (s, t) = (cfg.spatial_compression_ratio, cfg.temporal_compression_ratio);
+        let (s, t) = (
+            cfg.spatial_compression_ratio,
+            cfg.temporal_compression_ratio,
+        );
         if self.framewise
             && (self.tile_sample_stride_num_frames < t
                 || self.tile_sample_min_num_frames < self.tile_sample_stride_num_frames)
@@ -391,9 +394,8 @@ impl FrameCausalAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c, h, w) = x.dims5()?;
         let hw = h * w;
-        let tokens = |y: &Tensor| -> Result<Tensor> {
-            y.permute((0, 1, 3, 4, 2))?.reshape((b, t * hw, c))
-        };
+        let tokens =
+            |y: &Tensor| -> Result<Tensor> { y.permute((0, 1, 3, 4, 2))?.reshape((b, t * hw, c)) };
         let normed = tokens(&self.group_norm.forward(x)?)?;
         let heads = |l: &Linear| -> Result<Tensor> { l.forward(&normed)?.unsqueeze(1) };
         let (q, k, v) = (heads(&self.to_q)?, heads(&self.to_k)?, heads(&self.to_v)?);
@@ -551,7 +553,8 @@ fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
     };
     let a_tail = a.narrow(dim, a.dim(dim)? - extent, extent)?;
     let b_head = b.narrow(dim, 0, extent)?;
-    let mixed = (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)? + b_head.broadcast_mul(&ramp(&|r| r)?)?)?;
+    let mixed =
+        (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)? + b_head.broadcast_mul(&ramp(&|r| r)?)?)?;
     let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
     Tensor::cat(&[mixed, rest], dim)
 }
@@ -651,7 +654,10 @@ impl AutoencoderKLHunyuanVideo {
             .reshape((b, f, h, w, c))?
             .permute((0, 1, 4, 2, 3))?
             .contiguous()?;
-        self.decoder.forward(&z)?.permute((0, 2, 1, 3, 4))?.contiguous()
+        self.decoder
+            .forward(&z)?
+            .permute((0, 2, 1, 3, 4))?
+            .contiguous()
     }
 
     /// diffusers' `_temporal_tiled_decode`.
@@ -694,7 +700,10 @@ impl AutoencoderKLHunyuanVideo {
         let s = self.cfg.spatial_compression_ratio;
         let tl = &self.tiling;
         let (min_h, min_w) = (tl.tile_sample_min_height / s, tl.tile_sample_min_width / s);
-        let (stride_h, stride_w) = (tl.tile_sample_stride_height / s, tl.tile_sample_stride_width / s);
+        let (stride_h, stride_w) = (
+            tl.tile_sample_stride_height / s,
+            tl.tile_sample_stride_width / s,
+        );
         let blend_h = tl.tile_sample_min_height - tl.tile_sample_stride_height;
         let blend_w = tl.tile_sample_min_width - tl.tile_sample_stride_width;
         let mut rows: Vec<Vec<Tensor>> = Vec::new();
@@ -731,6 +740,8 @@ impl AutoencoderKLHunyuanVideo {
         }
         let video = Tensor::cat(&result_rows, 3)?;
         let (vh, vw) = (video.dim(3)?, video.dim(4)?);
-        video.narrow(3, 0, (h * s).min(vh))?.narrow(4, 0, (w * s).min(vw))
+        video
+            .narrow(3, 0, (h * s).min(vh))?
+            .narrow(4, 0, (w * s).min(vw))
     }
 }
