@@ -158,7 +158,8 @@ impl LlamaConfig {
             );
         }
         let kv = self.kv_heads();
-        if self.num_attention_heads == 0 || kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
+        if self.num_attention_heads == 0 || kv == 0 || !self.num_attention_heads.is_multiple_of(kv)
+        {
             candle_core::bail!(
                 "text_encoder config: num_key_value_heads {kv} must divide num_attention_heads {}",
                 self.num_attention_heads
