@@ -35,6 +35,32 @@ pub const TIMESTEP_CHANNELS: usize = 256;
 /// Epsilon of every LayerNorm and q/k RMSNorm of the model (hard-coded in diffusers).
 const NORM_EPS: f64 = 1e-6;
 
+/// Tokens per MLP chunk: bounds the `[tokens, mlp_dim]` intermediates (2.9 GB each in bf16 for
+/// a 720x1280x129 video's single-stream MLP) to ~200 MB. Rows of a Linear are independent.
+pub const MLP_CHUNK_TOKENS: usize = 8192;
+
+/// `f` applied to `x` `[B, S, D]` by chunks of at most [`MLP_CHUNK_TOKENS`] tokens along S.
+/// `f` receives each chunk's first token index and the chunk.
+fn by_token_chunks(x: &Tensor, f: impl Fn(usize, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    by_chunks_of(x, MLP_CHUNK_TOKENS, f)
+}
+
+fn by_chunks_of(
+    x: &Tensor,
+    chunk: usize,
+    f: impl Fn(usize, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let s = x.dim(1)?;
+    if s <= chunk {
+        return f(0, x);
+    }
+    let parts = (0..s)
+        .step_by(chunk)
+        .map(|start| f(start, &x.narrow(1, start, chunk.min(s - start))?))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 1)
+}
+
 fn default_in_channels() -> usize {
     16
 }
@@ -562,15 +588,15 @@ impl HunyuanVideoTransformerBlock {
 
         let hidden = gated(hidden, &attn_video, &m[2])?;
         let encoder = gated(encoder, &attn_text, &c[2])?;
-        let ff = self
-            .ff
-            .forward(&modulate(&layer_norm(&hidden, NORM_EPS)?, &m[3], &m[4])?)?;
-        let ff_context =
-            self.ff_context
-                .forward(&modulate(&layer_norm(&encoder, NORM_EPS)?, &c[3], &c[4])?)?;
+        let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
+            by_token_chunks(x, |_, rows| {
+                let h = ff.forward(&modulate(&layer_norm(rows, NORM_EPS)?, &m[3], &m[4])?)?;
+                gated(rows, &h, &m[5])
+            })
+        };
         Ok((
-            gated(&hidden, &ff, &m[5])?,
-            gated(&encoder, &ff_context, &c[5])?,
+            feed_forward(&self.ff, &hidden, &m)?,
+            feed_forward(&self.ff_context, &encoder, &c)?,
         ))
     }
 }
@@ -615,7 +641,6 @@ impl HunyuanVideoSingleTransformerBlock {
         // Chunks: shift, scale, gate.
         let m = self.norm.forward(&inputs.temb)?;
         let normed = modulate(&layer_norm(&x, NORM_EPS)?, &m[0], &m[1])?;
-        let mlp = self.proj_mlp.forward(&normed)?.gelu()?;
 
         let (q, k, v) = self.qkv.forward(&normed)?;
         let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
@@ -623,8 +648,16 @@ impl HunyuanVideoSingleTransformerBlock {
         let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
         let attn = merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?;
 
-        let out = self.proj_out.forward(&Tensor::cat(&[attn, mlp], 2)?)?;
-        let x = gated(&x, &out, &m[2])?;
+        // MLP in parallel with the attention, one output projection over both, by token chunks.
+        let x = by_token_chunks(&x, |start, rows| {
+            let len = rows.dim(1)?;
+            let mlp = self
+                .proj_mlp
+                .forward(&normed.narrow(1, start, len)?)?
+                .gelu()?;
+            let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
+            gated(rows, &self.proj_out.forward(&both)?, &m[2])
+        })?;
         let total = x.dim(1)?;
         Ok((
             x.narrow(1, 0, n_video)?.contiguous()?,
@@ -1089,5 +1122,26 @@ impl HunyuanVideoTransformer3DModel {
             (hidden, encoder) = block.forward(&hidden, &encoder, &inputs)?;
         }
         self.finish(&hidden, &inputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_chunks_cover_every_token_once() -> Result<()> {
+        let x = Tensor::arange(0f32, 2.0 * 23.0 * 3.0, &Device::Cpu)?.reshape((2, 23, 3))?;
+        let offsets = Tensor::arange(0f32, 23.0, &Device::Cpu)?.reshape((1, 23, 1))?;
+        // A row-wise map that also uses the chunk's offset, as the single-stream block does.
+        let f = |start: usize, rows: &Tensor| {
+            let len = rows.dim(1)?;
+            (rows * 2.0)?.broadcast_add(&offsets.narrow(1, start, len)?)
+        };
+        let whole = f(0, &x)?;
+        let chunked = by_chunks_of(&x, 7, f)?;
+        let diff = (whole - chunked)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        Ok(())
     }
 }
