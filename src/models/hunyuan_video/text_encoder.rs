@@ -444,8 +444,10 @@ pub fn crop_prompt(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LlamaTokenizerLoad {
     /// transformers 5.x `LlamaTokenizer(Fast)`, what diffusers gets when `model_index.json` names
-    /// `LlamaTokenizerFast` (the published checkpoint): the vocab and merges are kept, the rest
-    /// is rebuilt (no normalizer, Metaspace pre-tokenizer, byte fallback, BOS prepended).
+    /// `LlamaTokenizerFast` (the published checkpoint): the vocab, merges and added tokens are
+    /// kept, the rest is rebuilt (no normalizer, Metaspace pre-tokenizer, byte fallback, no unk
+    /// token; the post-processor as transformers keeps or rebuilds it). On a Llama-3 byte-level
+    /// file this tokenizes differently from the file itself (see the fixture README).
     LlamaTokenizerFast,
     /// `AutoTokenizer` / `PreTrainedTokenizerFast`: the file as written.
     Verbatim,
@@ -475,7 +477,13 @@ fn rebuild_as_llama_tokenizer_fast(
     config: &serde_json::Value,
 ) -> anyhow::Result<serde_json::Value> {
     use serde_json::json;
-    let cfg_str = |key: &str| config.get(key).and_then(|v| v.as_str()).map(str::to_owned);
+    // Tokens are strings or (older files) AddedToken objects with a "content".
+    let cfg_str = |key: &str| {
+        let v = config.get(key)?;
+        v.as_str()
+            .or_else(|| v.get("content")?.as_str())
+            .map(str::to_owned)
+    };
     let cfg_bool = |key: &str| config.get(key).and_then(|v| v.as_bool());
     let add_prefix_space = cfg_bool("add_prefix_space").unwrap_or(true);
     let legacy = cfg_bool("legacy").unwrap_or(false);
@@ -491,13 +499,9 @@ fn rebuild_as_llama_tokenizer_fast(
     if model.get("type").and_then(|t| t.as_str()) != Some("BPE") {
         anyhow_bail!("tokenizer.json: a Llama tokenizer needs a BPE model");
     }
-    let unk = cfg_str("unk_token").unwrap_or_else(|| "<unk>".into());
-    let unk_known = model.get("vocab").and_then(|v| v.get(&unk)).is_some();
+    // `BPE(vocab, merges, fuse_unk=True, byte_fallback=True, dropout=None)`: no unk token.
     model.insert("dropout".into(), json!(null));
-    model.insert(
-        "unk_token".into(),
-        if unk_known { json!(unk) } else { json!(null) },
-    );
+    model.insert("unk_token".into(), json!(null));
     model.insert("continuing_subword_prefix".into(), json!(null));
     model.insert("end_of_word_suffix".into(), json!(null));
     model.insert("fuse_unk".into(), json!(true));
@@ -507,7 +511,13 @@ fn rebuild_as_llama_tokenizer_fast(
     json["pre_tokenizer"] = json!({
         "type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": prepend_scheme, "split": false
     });
-    let add_bos = cfg_bool("add_bos_token").unwrap_or(true);
+    // The file's post-processor is kept unless tokenizer_config.json sets add_bos_token or
+    // add_eos_token (or the file has none): then `update_post_processor` rebuilds it.
+    let explicit = config.get("add_bos_token").is_some() || config.get("add_eos_token").is_some();
+    if !explicit && !json["post_processor"].is_null() {
+        return Ok(json);
+    }
+    let add_bos = cfg_bool("add_bos_token").unwrap_or(false);
     let add_eos = cfg_bool("add_eos_token").unwrap_or(false);
     let bos = cfg_str("bos_token").unwrap_or_else(|| "<s>".into());
     let eos = cfg_str("eos_token").unwrap_or_else(|| "</s>".into());
@@ -519,27 +529,28 @@ fn rebuild_as_llama_tokenizer_fast(
         added.or_else(|| json.get("model")?.get("vocab")?.get(token)?.as_u64())
     };
     let mut special = serde_json::Map::new();
-    let mut piece = |on: bool, token: &String| -> anyhow::Result<Option<serde_json::Value>> {
-        if !on {
-            return Ok(None);
-        }
-        let id = id_of(token).with_context(|| format!("tokenizer has no {token:?} token"))?;
-        special.insert(
-            token.clone(),
-            json!({"id": token, "ids": [id], "tokens": [token]}),
-        );
-        Ok(Some(json!({"SpecialToken": {"id": token, "type_id": 0}})))
-    };
-    let (bos_piece, eos_piece) = (piece(add_bos, &bos)?, piece(add_eos, &eos)?);
-    let single: Vec<serde_json::Value> = bos_piece
-        .into_iter()
-        .chain(std::iter::once(
-            json!({"Sequence": {"id": "A", "type_id": 0}}),
-        ))
-        .chain(eos_piece)
-        .collect();
+    let mut piece =
+        |on: bool, token: &String, type_id: u32| -> anyhow::Result<Vec<serde_json::Value>> {
+            if !on {
+                return Ok(Vec::new());
+            }
+            let id = id_of(token).with_context(|| format!("tokenizer has no {token:?} token"))?;
+            special.insert(
+                token.clone(),
+                json!({"id": token, "ids": [id], "tokens": [token]}),
+            );
+            Ok(vec![
+                json!({"SpecialToken": {"id": token, "type_id": type_id}}),
+            ])
+        };
+    let sequence = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+    let mut single = piece(add_bos, &bos, 0)?;
+    single.push(sequence("A", 0));
+    single.extend(piece(add_eos, &eos, 0)?);
     let mut pair = single.clone();
-    pair.push(json!({"Sequence": {"id": "B", "type_id": 1}}));
+    pair.extend(piece(add_bos, &bos, 1)?);
+    pair.push(sequence("B", 1));
+    pair.extend(piece(add_eos, &eos, 1)?);
     json["post_processor"] = json!({
         "type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special
     });
