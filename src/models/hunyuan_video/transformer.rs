@@ -35,6 +35,9 @@ pub const TIMESTEP_CHANNELS: usize = 256;
 /// Epsilon of every LayerNorm and q/k RMSNorm of the model (hard-coded in diffusers).
 const NORM_EPS: f64 = 1e-6;
 
+/// `HunyuanVideoTokenRefiner`'s default `mlp_ratio`, which the model never overrides.
+const REFINER_MLP_RATIO: f64 = 4.0;
+
 /// Tokens per MLP chunk: bounds the `[tokens, mlp_dim]` intermediates (2.9 GB each in bf16 for
 /// a 720x1280x129 video's single-stream MLP) to ~200 MB. Rows of a Linear are independent.
 pub const MLP_CHUNK_TOKENS: usize = 8192;
@@ -196,6 +199,12 @@ impl HunyuanVideoTransformerConfig {
     /// Hidden width of the MLPs, `int(inner * mlp_ratio)` as Python truncates it.
     pub fn mlp_dim(&self) -> usize {
         (self.inner_dim() as f64 * self.mlp_ratio) as usize
+    }
+
+    /// Hidden width of the token refiner's MLPs: diffusers builds the refiner without the
+    /// config's `mlp_ratio`, so it is always `int(inner * 4.0)`.
+    pub fn refiner_mlp_dim(&self) -> usize {
+        (self.inner_dim() as f64 * REFINER_MLP_RATIO) as usize
     }
 
     /// All blocks, dual-stream then single-stream.
@@ -735,7 +744,7 @@ impl RefinerBlock {
             to_v: candle_nn::linear(dim, dim, attn.pp("to_v"))?,
             to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
             norm2: AffineLayerNorm::new(dim, vb.pp("norm2"))?,
-            ff: Mlp::feed_forward(dim, cfg.mlp_dim(), Act::Silu, vb.pp("ff"))?,
+            ff: Mlp::feed_forward(dim, cfg.refiner_mlp_dim(), Act::Silu, vb.pp("ff"))?,
             norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
             heads: cfg.num_attention_heads,
         })
