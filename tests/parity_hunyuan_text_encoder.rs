@@ -186,3 +186,22 @@ fn hostile_configs_are_refused_with_the_key() {
         assert!(LlamaTextEncoder::new(&cfg, var_builder()).is_err());
     }
 }
+
+/// The bf16 path stays close to the f32 reference (dtype plumbing, not rounding).
+#[test]
+fn bf16_encoder_tracks_the_reference() {
+    let path = common::named_fixture_dir(FIXTURE).join("text_encoder/model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let model = LlamaTextEncoder::new(&config(), vb).unwrap();
+    let r = common::named_reference(FIXTURE, "text_encoder");
+    let out = model
+        .forward(&r["llama.input_ids"], &r["llama.attention_mask"])
+        .unwrap();
+    assert_eq!(out.dtype(), DType::BF16);
+    let reference = &r["llama.hidden_states.1"];
+    let scale = common::max_abs_diff(reference, &reference.zeros_like().unwrap());
+    let err = common::max_abs_diff(&out, reference) / scale;
+    eprintln!("bf16 hidden_states[-3]: max |diff| / max |ref| = {err:.3e}");
+    assert!(err < 5e-2, "bf16 output drifts {err} from the reference");
+}

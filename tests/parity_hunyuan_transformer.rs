@@ -183,3 +183,32 @@ fn hostile_configs_are_refused_with_the_key() {
     // The published defaults validate.
     HunyuanVideoTransformerConfig::default().validate().unwrap();
 }
+
+/// The bf16 path (what GPUs run) stays close to the f32 reference: catches dtype plumbing
+/// mistakes, not rounding (bf16 keeps ~3 significant digits).
+#[test]
+fn bf16_forward_tracks_the_reference() {
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let model = HunyuanVideoTransformer3DModel::new(&config(), vb).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let bf16 = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let out = model
+        .forward(
+            &bf16(&r["hidden_states"]),
+            &r["timestep"],
+            &bf16(&r["encoder_hidden_states"]),
+            &r["encoder_attention_mask"],
+            &bf16(&r["pooled_projections"]),
+            Some(&r["guidance"]),
+        )
+        .unwrap();
+    assert_eq!(out.dtype(), DType::BF16);
+    let reference = &r["output"];
+    let scale = common::max_abs_diff(reference, &reference.zeros_like().unwrap());
+    let err = common::max_abs_diff(&out, reference) / scale;
+    eprintln!("bf16 output: max |diff| / max |ref| = {err:.3e}");
+    assert!(err < 5e-2, "bf16 output drifts {err} from the reference");
+}
