@@ -271,8 +271,46 @@ impl GroupNorm {
     }
 }
 
-/// `HunyuanVideoCausalConv3d` (stride 1): replicate padding, k-1 frames in front, then a
-/// Conv3d computed as one conv2d per time tap over all output frames.
+/// Largest im2col scratch (elements) one conv2d call may build: candle's conv2d is im2col +
+/// matmul, whose scratch is `C_in * k * k` times the output (72 G elements for a 17-frame
+/// 720x1280 tile at 128 channels). Larger convolutions run by frames, then by row bands.
+/// (The Wan VAE bounds its convs the same way in its private `conv2d_lean`; a shared helper
+/// would serve both.)
+const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
+
+/// conv2d (stride 1, no padding) of `x` `[N, C, H, W]`, split over images and then over
+/// output-row bands so that no call's im2col exceeds `limit` elements. Every output element
+/// is the same dot product as unsplit.
+fn conv2d_banded(x: &Tensor, w: &Tensor, limit: usize) -> Result<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let (_, _, kh, kw) = w.dims4()?;
+    if h < kh || wd < kw {
+        candle_core::bail!("conv: a {h}x{wd} input is smaller than the {kh}x{kw} kernel")
+    }
+    let (h_out, w_out) = (h - kh + 1, wd - kw + 1);
+    let per_row = w_out * c * kh * kw;
+    if n * h_out * per_row <= limit {
+        return x.conv2d(w, 0, 1, 1, 1);
+    }
+    let rows_per_call = (limit / per_row).max(1);
+    let images = (0..n)
+        .map(|i| {
+            let image = x.narrow(0, i, 1)?;
+            let bands = (0..h_out)
+                .step_by(rows_per_call)
+                .map(|r0| {
+                    let rows = rows_per_call.min(h_out - r0);
+                    image.narrow(2, r0, rows + kh - 1)?.conv2d(w, 0, 1, 1, 1)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&bands, 2)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&images, 0)
+}
+
+/// `HunyuanVideoCausalConv3d` (stride 1): replicate padding, k-1 copies of the first frame in
+/// front, then a Conv3d computed as one conv2d per time tap, by chunks of output frames.
 #[derive(Debug, Clone)]
 struct CausalConv3d {
     /// Per time tap `[out, in, kh, kw]`.
@@ -297,39 +335,51 @@ impl CausalConv3d {
         })
     }
 
-    /// `x` `[B, T, C, H, W]` -> `[B, T, out, H, W]`.
+    /// `x` `[B, T, C, H, W]` -> `[B, T, out, H', W']`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, _, _, _) = x.dims5()?;
+        self.forward_bounded(x, MAX_IM2COL_ELEMENTS)
+    }
+
+    fn forward_bounded(&self, x: &Tensor, limit: usize) -> Result<Tensor> {
+        let (b, t, c, h, w) = x.dims5()?;
         let (pt, ph, pw) = self.pad;
-        let mut xp = x.clone();
-        if pt > 0 {
-            xp = xp.pad_with_same(1, pt, 0)?;
+        let (_, _, kh, kw) = self.taps[0].dims4()?;
+        let (hp, wp) = (h + 2 * ph, w + 2 * pw);
+        if hp < kh || wp < kw {
+            candle_core::bail!("conv: a {h}x{w} input is smaller than the {kh}x{kw} kernel")
         }
-        if ph > 0 {
-            xp = xp.pad_with_same(3, ph, ph)?;
+        let per_frame = b * (hp - kh + 1) * (wp - kw + 1) * c * kh * kw;
+        let chunk = (limit / per_frame.max(1)).clamp(1, t.max(1));
+        let mut outs = Vec::with_capacity(t.div_ceil(chunk));
+        for t0 in (0..t).step_by(chunk) {
+            let len = chunk.min(t - t0);
+            let mut acc: Option<Tensor> = None;
+            for (i, tap) in self.taps.iter().enumerate() {
+                // Output frame j reads input frame j + i - pt; frames before 0 replicate frame 0.
+                let idx: Vec<u32> = (t0..t0 + len)
+                    .map(|j| (j + i).saturating_sub(pt) as u32)
+                    .collect();
+                let mut frames = x.index_select(&Tensor::new(idx.as_slice(), x.device())?, 1)?;
+                if ph > 0 {
+                    frames = frames.pad_with_same(3, ph, ph)?;
+                }
+                if pw > 0 {
+                    frames = frames.pad_with_same(4, pw, pw)?;
+                }
+                let y = conv2d_banded(&frames.reshape((b * len, c, hp, wp))?, tap, limit)?;
+                acc = Some(match acc {
+                    Some(a) => (a + y)?,
+                    None => y,
+                });
+            }
+            let y = acc.expect("a conv has at least one tap");
+            let (_, o, ho, wo) = y.dims4()?;
+            outs.push(
+                y.broadcast_add(&self.bias.reshape((1, o, 1, 1))?)?
+                    .reshape((b, len, o, ho, wo))?,
+            );
         }
-        if pw > 0 {
-            xp = xp.pad_with_same(4, pw, pw)?;
-        }
-        let (_, tp, c, hp, wp) = xp.dims5()?;
-        let t_out = tp + 1 - self.taps.len();
-        debug_assert_eq!(t_out, t);
-        let mut acc: Option<Tensor> = None;
-        for (i, w) in self.taps.iter().enumerate() {
-            let frames = xp
-                .narrow(1, i, t_out)?
-                .contiguous()?
-                .reshape((b * t_out, c, hp, wp))?;
-            let y = frames.conv2d(w, 0, 1, 1, 1)?;
-            acc = Some(match acc {
-                Some(a) => (a + y)?,
-                None => y,
-            });
-        }
-        let y = acc.expect("a conv has at least one tap");
-        let (_, o, h, w) = y.dims4()?;
-        y.broadcast_add(&self.bias.reshape((1, o, 1, 1))?)?
-            .reshape((b, t_out, o, h, w))
+        Tensor::cat(&outs, 1)
     }
 }
 
@@ -533,6 +583,38 @@ impl Decoder {
         }
         self.conv_out
             .forward(&silu(&self.conv_norm_out.forward(&x)?)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn bounded_conv_equals_unbounded() -> Result<()> {
+        let dev = Device::Cpu;
+        let vb = VarBuilder::from_tensors(
+            [
+                (
+                    "conv.weight".to_string(),
+                    Tensor::randn(0f32, 1.0, (5, 4, 3, 3, 3), &dev)?,
+                ),
+                ("conv.bias".to_string(), Tensor::randn(0f32, 1.0, 5, &dev)?),
+            ]
+            .into_iter()
+            .collect(),
+            DType::F32,
+            &dev,
+        );
+        let conv = CausalConv3d::new(4, 5, 3, vb)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 6, 4, 7, 9), &dev)?;
+        let whole = conv.forward_bounded(&x, usize::MAX)?;
+        // One frame per chunk and 2-row bands.
+        let banded = conv.forward_bounded(&x, 2 * 9 * 4 * 9)?;
+        let diff = (whole - banded)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        Ok(())
     }
 }
 
