@@ -27,6 +27,12 @@ use tokenizers::{PostProcessor, Tokenizer, TruncationDirection};
 /// Layers after the one whose output the pipeline takes (`num_hidden_layers_to_skip=2`).
 pub const LAYERS_SKIPPED: usize = 2;
 
+/// The pipeline's `DEFAULT_PROMPT_TEMPLATE["crop_start"]`: the template's tokens before the
+/// prompt as the original (verbatim) Llama-3 tokenizer counts them. diffusers crops this many
+/// whatever tokenizer is loaded; [`LlamaPromptTokenizer::crop_start`] counts them with the
+/// loaded one (219 for the tiny fixture's tokenizer).
+pub const DEFAULT_CROP_START: usize = 95;
+
 /// The pipeline's `DEFAULT_PROMPT_TEMPLATE["template"]`; `{}` is replaced by the prompt.
 pub const DEFAULT_PROMPT_TEMPLATE: &str = "<|start_header_id|>system<|end_header_id|>\n\nDescribe the video by detailing the following aspects: 1. The main content and theme of the video.2. The color, shape, size, texture, quantity, text, and spatial relationships of the objects.3. Actions, events, behaviors temporal relationships, physical movement changes of the objects.4. background environment, light, style and atmosphere.5. camera angles, movements, and transitions used in the video:<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>";
 

@@ -1101,7 +1101,6 @@ impl HunyuanVideoTransformer3DModel {
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         latents: &Tensor,
