@@ -581,14 +581,17 @@ impl HunyuanVideoTransformerBlock {
         let norm_hidden = modulate(&layer_norm(hidden, NORM_EPS)?, &m[0], &m[1])?;
         let norm_encoder = modulate(&layer_norm(encoder, NORM_EPS)?, &c[0], &c[1])?;
 
-        let (q, k, v) = self.video_qkv.forward(&norm_hidden)?;
-        let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
-        let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
-        let (eq, ek, ev) = self.text_qkv.forward(&norm_encoder)?;
-        let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
-        let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
-        let out = attention_key_prefix(&cat(q, eq)?, &cat(k, ek)?, &cat(v, ev)?, &kv_lens)?;
-        let out = merge_heads(&out)?;
+        // Joint attention over [video; text]; q, k and v are dropped once attended.
+        let out = {
+            let (q, k, v) = self.video_qkv.forward(&norm_hidden)?;
+            let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
+            let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
+            let (eq, ek, ev) = self.text_qkv.forward(&norm_encoder)?;
+            let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
+            let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
+            let out = attention_key_prefix(&cat(q, eq)?, &cat(k, ek)?, &cat(v, ev)?, &kv_lens)?;
+            merge_heads(&out)?
+        };
         let total = out.dim(1)?;
         let attn_video = self.to_out.forward(&out.narrow(1, 0, n_video)?)?;
         let attn_text = self
@@ -651,11 +654,14 @@ impl HunyuanVideoSingleTransformerBlock {
         let m = self.norm.forward(&inputs.temb)?;
         let normed = modulate(&layer_norm(&x, NORM_EPS)?, &m[0], &m[1])?;
 
-        let (q, k, v) = self.qkv.forward(&normed)?;
-        let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
-        let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
-        let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
-        let attn = merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?;
+        // q, k and v are dropped once attended.
+        let attn = {
+            let (q, k, v) = self.qkv.forward(&normed)?;
+            let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
+            let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
+            let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
+            merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?
+        };
 
         // MLP in parallel with the attention, one output projection over both, by token chunks.
         let x = by_token_chunks(&x, |start, rows| {
