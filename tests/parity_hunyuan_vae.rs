@@ -137,3 +137,25 @@ fn hostile_configs_are_refused_with_the_key() {
     }
     HunyuanVideoVaeConfig::default().validate().unwrap();
 }
+
+#[test]
+fn temporally_tiled_encode_matches_diffusers() {
+    let path = common::named_fixture_dir(FIXTURE).join("vae/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() };
+    let vae = AutoencoderKLHunyuanVideo::with_encoder(&config(), vb).unwrap();
+    let r = common::named_reference(FIXTURE, "vae");
+    // 17 frames: tiles 0:17 and 12:17, blended over one latent frame.
+    let (mean, logvar) = vae.encode(&r["encode.video"]).unwrap();
+    check(
+        "encode.latent_dist.mean",
+        &mean,
+        &r["encode.latent_dist.mean"],
+    );
+    check(
+        "encode.latent_dist.logvar",
+        &logvar,
+        &r["encode.latent_dist.logvar"],
+    );
+    assert!(self::vae().encode(&r["encode.video"]).is_err());
+}

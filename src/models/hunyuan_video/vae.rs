@@ -24,6 +24,7 @@ use crate::models::attention::sdpa;
 const NORM_EPS: f64 = 1e-6;
 
 const UP_BLOCK: &str = "HunyuanVideoUpBlock3D";
+const DOWN_BLOCK: &str = "HunyuanVideoDownBlock3D";
 
 fn default_channels() -> usize {
     3
@@ -33,6 +34,9 @@ fn default_latent_channels() -> usize {
 }
 fn default_up_block_types() -> Vec<String> {
     vec![UP_BLOCK.to_string(); 4]
+}
+fn default_down_block_types() -> Vec<String> {
+    vec![DOWN_BLOCK.to_string(); 4]
 }
 fn default_block_out_channels() -> Vec<usize> {
     vec![128, 256, 512, 512]
@@ -60,7 +64,7 @@ fn default_true() -> bool {
 }
 
 /// `vae/config.json` of a diffusers HunyuanVideo checkpoint; missing keys take diffusers'
-/// defaults, encoder-only keys are ignored.
+/// defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct HunyuanVideoVaeConfig {
     #[serde(default = "default_channels")]
@@ -70,6 +74,9 @@ pub struct HunyuanVideoVaeConfig {
     pub out_channels: usize,
     #[serde(default = "default_latent_channels")]
     pub latent_channels: usize,
+    /// Encoder levels (only checked when the encoder is loaded).
+    #[serde(default = "default_down_block_types")]
+    pub down_block_types: Vec<String>,
     #[serde(default = "default_up_block_types")]
     pub up_block_types: Vec<String>,
     /// Channels per level; the decoder walks them in reverse.
@@ -153,8 +160,25 @@ impl HunyuanVideoVaeConfig {
         Ok(())
     }
 
-    /// `(time, space)` upsampling of up block `i`, as diffusers' decoder derives it.
-    fn upsampling(&self, i: usize) -> (bool, bool) {
+    /// Rejects encoder settings the encoder cannot build, naming the key.
+    fn validate_encoder(&self) -> Result<()> {
+        if self.down_block_types.len() != self.block_out_channels.len()
+            || self.down_block_types.iter().any(|t| t != DOWN_BLOCK)
+        {
+            candle_core::bail!(
+                "vae config: down_block_types must be {} x {DOWN_BLOCK:?}",
+                self.block_out_channels.len()
+            );
+        }
+        if self.in_channels == 0 {
+            candle_core::bail!("vae config: in_channels must be positive");
+        }
+        Ok(())
+    }
+
+    /// `(time, space)` resampling of level `i` (encoder down block `i`, decoder up block `i`),
+    /// as diffusers derives it for a temporal compression of 4.
+    fn resampling(&self, i: usize) -> (bool, bool) {
         let n = self.block_out_channels.len();
         let spatial_layers = self.spatial_compression_ratio.trailing_zeros() as usize;
         let time_layers = self.temporal_compression_ratio.trailing_zeros() as usize;
@@ -278,19 +302,19 @@ impl GroupNorm {
 /// would serve both.)
 const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
 
-/// conv2d (stride 1, no padding) of `x` `[N, C, H, W]`, split over images and then over
-/// output-row bands so that no call's im2col exceeds `limit` elements. Every output element
-/// is the same dot product as unsplit.
-fn conv2d_banded(x: &Tensor, w: &Tensor, limit: usize) -> Result<Tensor> {
+/// conv2d (no padding, `stride` in both directions) of `x` `[N, C, H, W]`, split over images
+/// and then over output-row bands so that no call's im2col exceeds `limit` elements. Every
+/// output element is the same dot product as unsplit.
+fn conv2d_banded(x: &Tensor, w: &Tensor, stride: usize, limit: usize) -> Result<Tensor> {
     let (n, c, h, wd) = x.dims4()?;
     let (_, _, kh, kw) = w.dims4()?;
-    if h < kh || wd < kw {
+    if h < kh || wd < kw || stride == 0 {
         candle_core::bail!("conv: a {h}x{wd} input is smaller than the {kh}x{kw} kernel")
     }
-    let (h_out, w_out) = (h - kh + 1, wd - kw + 1);
+    let (h_out, w_out) = ((h - kh) / stride + 1, (wd - kw) / stride + 1);
     let per_row = w_out * c * kh * kw;
     if n * h_out * per_row <= limit {
-        return x.conv2d(w, 0, 1, 1, 1);
+        return x.conv2d(w, 0, stride, 1, 1);
     }
     let rows_per_call = (limit / per_row).max(1);
     let images = (0..n)
@@ -300,7 +324,9 @@ fn conv2d_banded(x: &Tensor, w: &Tensor, limit: usize) -> Result<Tensor> {
                 .step_by(rows_per_call)
                 .map(|r0| {
                     let rows = rows_per_call.min(h_out - r0);
-                    image.narrow(2, r0, rows + kh - 1)?.conv2d(w, 0, 1, 1, 1)
+                    image
+                        .narrow(2, r0 * stride, (rows - 1) * stride + kh)?
+                        .conv2d(w, 0, stride, 1, 1)
                 })
                 .collect::<Result<Vec<_>>>()?;
             Tensor::cat(&bands, 2)
@@ -309,8 +335,9 @@ fn conv2d_banded(x: &Tensor, w: &Tensor, limit: usize) -> Result<Tensor> {
     Tensor::cat(&images, 0)
 }
 
-/// `HunyuanVideoCausalConv3d` (stride 1): replicate padding, k-1 copies of the first frame in
-/// front, then a Conv3d computed as one conv2d per time tap, by chunks of output frames.
+/// `HunyuanVideoCausalConv3d`: replicate padding, k-1 copies of the first frame in front,
+/// then a Conv3d (stride `(time, space, space)`) computed as one conv2d per time tap, by chunks
+/// of output frames.
 #[derive(Debug, Clone)]
 struct CausalConv3d {
     /// Per time tap `[out, in, kh, kw]`.
@@ -318,10 +345,22 @@ struct CausalConv3d {
     bias: Tensor,
     /// (time in front, height each side, width each side), as diffusers' padding tuple.
     pad: (usize, usize, usize),
+    /// (time, space) strides.
+    stride: (usize, usize),
 }
 
 impl CausalConv3d {
     fn new(in_ch: usize, out_ch: usize, k: usize, vb: VarBuilder) -> Result<Self> {
+        Self::strided(in_ch, out_ch, k, (1, 1), vb)
+    }
+
+    fn strided(
+        in_ch: usize,
+        out_ch: usize,
+        k: usize,
+        stride: (usize, usize),
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let vb = vb.pp("conv");
         let weight = vb.get((out_ch, in_ch, k, k, k), "weight")?;
         let taps = (0..k)
@@ -332,6 +371,7 @@ impl CausalConv3d {
             bias: vb.get(out_ch, "bias")?,
             // diffusers: (k_t // 2, k_t // 2, k_h // 2, k_h // 2, k_w - 1, 0) for (W, H, T).
             pad: (k - 1, k / 2, k / 2),
+            stride,
         })
     }
 
@@ -343,21 +383,25 @@ impl CausalConv3d {
     fn forward_bounded(&self, x: &Tensor, limit: usize) -> Result<Tensor> {
         let (b, t, c, h, w) = x.dims5()?;
         let (pt, ph, pw) = self.pad;
+        let (st, ss) = self.stride;
+        let kt = self.taps.len();
         let (_, _, kh, kw) = self.taps[0].dims4()?;
         let (hp, wp) = (h + 2 * ph, w + 2 * pw);
-        if hp < kh || wp < kw {
-            candle_core::bail!("conv: a {h}x{w} input is smaller than the {kh}x{kw} kernel")
+        if hp < kh || wp < kw || t + pt < kt {
+            candle_core::bail!("conv: a {t}x{h}x{w} input is smaller than the kernel")
         }
-        let per_frame = b * (hp - kh + 1) * (wp - kw + 1) * c * kh * kw;
-        let chunk = (limit / per_frame.max(1)).clamp(1, t.max(1));
-        let mut outs = Vec::with_capacity(t.div_ceil(chunk));
-        for t0 in (0..t).step_by(chunk) {
-            let len = chunk.min(t - t0);
+        let t_out = (t + pt - kt) / st + 1;
+        let per_frame = b * ((hp - kh) / ss + 1) * ((wp - kw) / ss + 1) * c * kh * kw;
+        let chunk = (limit / per_frame.max(1)).clamp(1, t_out);
+        let mut outs = Vec::with_capacity(t_out.div_ceil(chunk));
+        for t0 in (0..t_out).step_by(chunk) {
+            let len = chunk.min(t_out - t0);
             let mut acc: Option<Tensor> = None;
             for (i, tap) in self.taps.iter().enumerate() {
-                // Output frame j reads input frame j + i - pt; frames before 0 replicate frame 0.
+                // Output frame j reads padded frame j * st + i, i.e. input frame
+                // j * st + i - pt; frames before 0 replicate frame 0.
                 let idx: Vec<u32> = (t0..t0 + len)
-                    .map(|j| (j + i).saturating_sub(pt) as u32)
+                    .map(|j| (j * st + i).saturating_sub(pt) as u32)
                     .collect();
                 let mut frames = x.index_select(&Tensor::new(idx.as_slice(), x.device())?, 1)?;
                 if ph > 0 {
@@ -366,7 +410,8 @@ impl CausalConv3d {
                 if pw > 0 {
                     frames = frames.pad_with_same(4, pw, pw)?;
                 }
-                let y = conv2d_banded(&frames.reshape((b * len, c, hp, wp))?, tap, limit)?;
+                let frames = frames.reshape((b * len, c, hp, wp))?;
+                let y = conv2d_banded(&frames, tap, ss, limit)?;
                 acc = Some(match acc {
                     Some(a) => (a + y)?,
                     None => y,
@@ -535,7 +580,7 @@ impl Decoder {
                     ResnetBlock::new(input, out, g, bvb.pp(format!("resnets.{j}")))
                 })
                 .collect::<Result<_>>()?;
-            let (time, space) = cfg.upsampling(i);
+            let (time, space) = cfg.resampling(i);
             let upsampler = if time || space {
                 Some(Upsampler {
                     conv: CausalConv3d::new(out, out, 3, bvb.pp("upsamplers.0.conv"))?,
@@ -607,15 +652,204 @@ mod tests {
             DType::F32,
             &dev,
         );
-        let conv = CausalConv3d::new(4, 5, 3, vb)?;
         let x = Tensor::randn(0f32, 1.0, (2, 6, 4, 7, 9), &dev)?;
-        let whole = conv.forward_bounded(&x, usize::MAX)?;
-        // One frame per chunk and 2-row bands.
-        let banded = conv.forward_bounded(&x, 2 * 9 * 4 * 9)?;
-        let diff = (whole - banded)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5, "{diff}");
+        for stride in [(1, 1), (2, 2), (1, 2)] {
+            let conv = CausalConv3d::strided(4, 5, 3, stride, vb.clone())?;
+            let whole = conv.forward_bounded(&x, usize::MAX)?;
+            // One frame per chunk and 2-row bands.
+            let banded = conv.forward_bounded(&x, 2 * 9 * 4 * 9)?;
+            assert_eq!(whole.dims(), banded.dims());
+            let diff = (whole - banded)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "{stride:?}: {diff}");
+        }
         Ok(())
     }
+}
+
+/// `HunyuanVideoEncoder3D` (with `double_z`: mean and log-variance channels).
+#[derive(Debug, Clone)]
+struct Encoder {
+    conv_in: CausalConv3d,
+    /// Res blocks and the optional strided downsampling conv of each level.
+    down_blocks: Vec<(Vec<ResnetBlock>, Option<CausalConv3d>)>,
+    mid_resnets: Vec<ResnetBlock>,
+    mid_attention: Option<FrameCausalAttention>,
+    conv_norm_out: GroupNorm,
+    conv_out: CausalConv3d,
+}
+
+impl Encoder {
+    fn new(cfg: &HunyuanVideoVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let g = cfg.norm_num_groups;
+        let boc = &cfg.block_out_channels;
+        let top = boc[boc.len() - 1];
+        let mut prev = boc[0];
+        let mut down_blocks = Vec::with_capacity(boc.len());
+        for (i, &out) in boc.iter().enumerate() {
+            let bvb = vb.pp(format!("down_blocks.{i}"));
+            let resnets = (0..cfg.layers_per_block)
+                .map(|j| {
+                    let input = if j == 0 { prev } else { out };
+                    ResnetBlock::new(input, out, g, bvb.pp(format!("resnets.{j}")))
+                })
+                .collect::<Result<_>>()?;
+            let (time, space) = cfg.resampling(i);
+            let downsampler = if time || space {
+                let stride = (if time { 2 } else { 1 }, if space { 2 } else { 1 });
+                Some(CausalConv3d::strided(
+                    out,
+                    out,
+                    3,
+                    stride,
+                    bvb.pp("downsamplers.0.conv"),
+                )?)
+            } else {
+                None
+            };
+            down_blocks.push((resnets, downsampler));
+            prev = out;
+        }
+        let mid = vb.pp("mid_block");
+        Ok(Self {
+            conv_in: CausalConv3d::new(cfg.in_channels, boc[0], 3, vb.pp("conv_in"))?,
+            down_blocks,
+            mid_resnets: (0..2)
+                .map(|j| ResnetBlock::new(top, top, g, mid.pp(format!("resnets.{j}"))))
+                .collect::<Result<_>>()?,
+            mid_attention: if cfg.mid_block_add_attention {
+                Some(FrameCausalAttention::new(top, g, mid.pp("attentions.0"))?)
+            } else {
+                None
+            },
+            conv_norm_out: GroupNorm::new(top, g, vb.pp("conv_norm_out"))?,
+            conv_out: CausalConv3d::new(top, 2 * cfg.latent_channels, 3, vb.pp("conv_out"))?,
+        })
+    }
+
+    /// Frames-major video -> frames-major moments.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = self.conv_in.forward(x)?;
+        for (resnets, downsampler) in &self.down_blocks {
+            for resnet in resnets {
+                x = resnet.forward(&x)?;
+            }
+            if let Some(down) = downsampler {
+                x = down.forward(&x)?;
+            }
+        }
+        x = self.mid_resnets[0].forward(&x)?;
+        if let Some(attn) = &self.mid_attention {
+            x = attn.forward(&x)?;
+        }
+        x = self.mid_resnets[1].forward(&x)?;
+        self.conv_out
+            .forward(&silu(&self.conv_norm_out.forward(&x)?)?)
+    }
+}
+
+/// Tiles along `dim` of `[B, C, T, H, W]` as diffusers' temporal tiling runs them: tiles of
+/// `len` entries every `stride`, each through `f`; tiles after the first drop their first
+/// output entry; each tile is blended (in place) with the previous one over `blend` entries;
+/// the first keeps `keep + 1` entries, the others `keep`; the result is cut to `out_len`.
+fn temporal_tiles(
+    x: &Tensor,
+    (len, stride): (usize, usize),
+    (blend_extent, keep, out_len): (usize, usize, usize),
+    f: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let t = x.dim(2)?;
+    let mut row: Vec<Tensor> = Vec::new();
+    for i in (0..t).step_by(stride.max(1)) {
+        let mut tile = f(&x.narrow(2, i, len.min(t - i))?)?;
+        if i > 0 {
+            let n = tile.dim(2)?;
+            tile = tile.narrow(2, 1, n - 1)?;
+        }
+        row.push(tile);
+    }
+    let mut parts = Vec::with_capacity(row.len());
+    for i in 0..row.len() {
+        if i > 0 {
+            row[i] = blend(&row[i - 1], &row[i], blend_extent, 2)?;
+        }
+        let keep = if i > 0 { keep } else { keep + 1 };
+        parts.push(row[i].narrow(2, 0, keep.min(row[i].dim(2)?))?);
+    }
+    let out = Tensor::cat(&parts, 2)?;
+    out.narrow(2, 0, out_len.min(out.dim(2)?))
+}
+
+/// Spatial tiles of `[B, C, T, H, W]` as diffusers' `tiled_encode` / `tiled_decode` run them:
+/// input tiles of `tile` (h, w) every `stride`, each through `f`; each output tile blended (in
+/// place) with the one above and the one to the left over `blend` (h, w), cropped to `keep`;
+/// the result cut to `out` (h, w).
+fn spatial_tiles(
+    x: &Tensor,
+    (tile, stride): ((usize, usize), (usize, usize)),
+    (blend_extent, keep, out): ((usize, usize), (usize, usize), (usize, usize)),
+    f: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (_, _, _, h, w) = x.dims5()?;
+    let mut rows: Vec<Vec<Tensor>> = Vec::new();
+    for i in (0..h).step_by(stride.0.max(1)) {
+        let mut row = Vec::new();
+        for j in (0..w).step_by(stride.1.max(1)) {
+            let part = x
+                .narrow(3, i, tile.0.min(h - i))?
+                .narrow(4, j, tile.1.min(w - j))?;
+            row.push(f(&part)?);
+        }
+        rows.push(row);
+    }
+    let mut result_rows = Vec::with_capacity(rows.len());
+    for i in 0..rows.len() {
+        let mut result_row = Vec::with_capacity(rows[i].len());
+        for j in 0..rows[i].len() {
+            // In place, as diffusers: later tiles read the already blended neighbours.
+            let mut tile = rows[i][j].clone();
+            if i > 0 {
+                tile = blend(&rows[i - 1][j], &tile, blend_extent.0, 3)?;
+            }
+            if j > 0 {
+                tile = blend(&rows[i][j - 1], &tile, blend_extent.1, 4)?;
+            }
+            rows[i][j] = tile.clone();
+            let (th, tw) = (tile.dim(3)?, tile.dim(4)?);
+            result_row.push(
+                tile.narrow(3, 0, keep.0.min(th))?
+                    .narrow(4, 0, keep.1.min(tw))?,
+            );
+        }
+        result_rows.push(Tensor::cat(&result_row, 4)?);
+    }
+    let result = Tensor::cat(&result_rows, 3)?;
+    let (rh, rw) = (result.dim(3)?, result.dim(4)?);
+    result
+        .narrow(3, 0, out.0.min(rh))?
+        .narrow(4, 0, out.1.min(rw))
+}
+
+/// A 1x1x1 Conv3d (`quant_conv` / `post_quant_conv`) over channel-major `[B, C, T, H, W]`.
+fn pointwise_conv(conv: &Linear, x: &Tensor) -> Result<Tensor> {
+    let (b, c, f, h, w) = x.dims5()?;
+    let out = conv.weight().dim(0)?;
+    conv.forward(&x.permute((0, 2, 3, 4, 1))?.reshape((b * f * h * w, c))?)?
+        .reshape((b, f, h, w, out))?
+        .permute((0, 4, 1, 2, 3))?
+        .contiguous()
+}
+
+fn pointwise_conv_weights(channels: usize, vb: VarBuilder) -> Result<Linear> {
+    Ok(Linear::new(
+        vb.get((channels, channels, 1, 1, 1), "weight")?
+            .reshape((channels, channels))?,
+        Some(vb.get(channels, "bias")?),
+    ))
+}
+
+/// Channel-major `[B, C, T, H, W]` <-> frames-major `[B, T, C, H, W]` (its own inverse).
+fn swap_frames_channels(x: &Tensor) -> Result<Tensor> {
+    x.transpose(1, 2)?.contiguous()
 }
 
 /// diffusers' `blend_t` / `blend_v` / `blend_h` on `[B, C, T, H, W]` tensors along `dim`: the
@@ -641,32 +875,39 @@ fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
     Tensor::cat(&[mixed, rest], dim)
 }
 
-/// The decoder half of diffusers' `AutoencoderKLHunyuanVideo`.
+/// diffusers' `AutoencoderKLHunyuanVideo`: the decoder, and the encoder when asked for.
 #[derive(Debug, Clone)]
 pub struct AutoencoderKLHunyuanVideo {
     cfg: HunyuanVideoVaeConfig,
-    /// 1x1x1 Conv3d as a linear over channels.
     post_quant_conv: Linear,
     decoder: Decoder,
+    /// `quant_conv` and the encoder (only with [`AutoencoderKLHunyuanVideo::with_encoder`]).
+    encoder: Option<(Linear, Encoder)>,
     tiling: HunyuanVideoVaeTiling,
 }
 
 impl AutoencoderKLHunyuanVideo {
-    /// Loads `post_quant_conv` and the decoder (the encoder is not loaded); default tiling.
+    /// Loads `post_quant_conv` and the decoder (what text-to-video needs); default tiling.
     pub fn new(cfg: &HunyuanVideoVaeConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let l = cfg.latent_channels;
-        let pvb = vb.pp("post_quant_conv");
-        let post_quant_conv = Linear::new(
-            pvb.get((l, l, 1, 1, 1), "weight")?.reshape((l, l))?,
-            Some(pvb.get(l, "bias")?),
-        );
         Ok(Self {
             cfg: cfg.clone(),
-            post_quant_conv,
+            post_quant_conv: pointwise_conv_weights(cfg.latent_channels, vb.pp("post_quant_conv"))?,
             decoder: Decoder::new(cfg, vb.pp("decoder"))?,
+            encoder: None,
             tiling: HunyuanVideoVaeTiling::default(),
         })
+    }
+
+    /// Loads the encoder and `quant_conv` too.
+    pub fn with_encoder(cfg: &HunyuanVideoVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let mut vae = Self::new(cfg, vb.clone())?;
+        cfg.validate_encoder()?;
+        vae.encoder = Some((
+            pointwise_conv_weights(2 * cfg.latent_channels, vb.pp("quant_conv"))?,
+            Encoder::new(cfg, vb.pp("encoder"))?,
+        ));
+        Ok(vae)
     }
 
     pub fn config(&self) -> &HunyuanVideoVaeConfig {
@@ -694,6 +935,11 @@ impl AutoencoderKLHunyuanVideo {
         latent_frames.saturating_sub(1) * self.cfg.temporal_compression_ratio + 1
     }
 
+    /// Latent frames of `frames` video frames: (T - 1) / 4 + 1.
+    pub fn num_latent_frames(&self, frames: usize) -> usize {
+        frames.saturating_sub(1) / self.cfg.temporal_compression_ratio + 1
+    }
+
     /// Decodes already scaled latents `[B, C, F, H, W]` into video `[B, 3, 4(F-1)+1, 8H, 8W]`
     /// (not clamped), tiled as [`HunyuanVideoVaeTiling`] says.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
@@ -707,123 +953,133 @@ impl AutoencoderKLHunyuanVideo {
         if f == 0 {
             candle_core::bail!("no latent frames to decode");
         }
-        let tl = &self.tiling;
-        let min_frames = tl.tile_sample_min_num_frames / self.cfg.temporal_compression_ratio;
-        if tl.framewise && f > min_frames {
-            return self.temporal_tiled_decode(z);
+        let tl = self.tiling;
+        let tc = self.cfg.temporal_compression_ratio;
+        let min_latent = tl.tile_sample_min_num_frames / tc;
+        if tl.framewise && f > min_latent {
+            // diffusers' `_temporal_tiled_decode`.
+            return temporal_tiles(
+                z,
+                (min_latent + 1, tl.tile_sample_stride_num_frames / tc),
+                (
+                    tl.tile_sample_min_num_frames - tl.tile_sample_stride_num_frames,
+                    tl.tile_sample_stride_num_frames,
+                    self.num_sample_frames(f),
+                ),
+                |tile| self.decode_tile(tile),
+            );
         }
-        self.decode_spatial(z)
+        self.decode_tile(z)
     }
 
-    /// One temporal tile: spatially tiled when enabled and larger than a tile, else whole.
-    fn decode_spatial(&self, z: &Tensor) -> Result<Tensor> {
+    /// One temporal tile: spatially tiled (`tiled_decode`) when enabled and larger than a
+    /// tile, else whole.
+    fn decode_tile(&self, z: &Tensor) -> Result<Tensor> {
         let (_, _, _, h, w) = z.dims5()?;
         let s = self.cfg.spatial_compression_ratio;
-        let tl = &self.tiling;
-        if tl.spatial && (w > tl.tile_sample_min_width / s || h > tl.tile_sample_min_height / s) {
-            return self.tiled_decode(z);
+        let tl = self.tiling;
+        let (min_h, min_w) = (tl.tile_sample_min_height / s, tl.tile_sample_min_width / s);
+        if tl.spatial && (w > min_w || h > min_h) {
+            return spatial_tiles(
+                z,
+                (
+                    (min_h, min_w),
+                    (
+                        tl.tile_sample_stride_height / s,
+                        tl.tile_sample_stride_width / s,
+                    ),
+                ),
+                (
+                    (
+                        tl.tile_sample_min_height - tl.tile_sample_stride_height,
+                        tl.tile_sample_min_width - tl.tile_sample_stride_width,
+                    ),
+                    (tl.tile_sample_stride_height, tl.tile_sample_stride_width),
+                    (h * s, w * s),
+                ),
+                |tile| self.decode_whole(tile),
+            );
         }
         self.decode_whole(z)
     }
 
     /// `post_quant_conv` and the decoder on `[B, C, F, H, W]`.
     fn decode_whole(&self, z: &Tensor) -> Result<Tensor> {
-        let (b, c, f, h, w) = z.dims5()?;
-        let channels_last = z.permute((0, 2, 3, 4, 1))?.reshape((b * f * h * w, c))?;
-        let z = self
-            .post_quant_conv
-            .forward(&channels_last)?
-            .reshape((b, f, h, w, c))?
-            .permute((0, 1, 4, 2, 3))?
-            .contiguous()?;
-        self.decoder
-            .forward(&z)?
-            .permute((0, 2, 1, 3, 4))?
-            .contiguous()
+        let z = swap_frames_channels(&pointwise_conv(&self.post_quant_conv, z)?)?;
+        swap_frames_channels(&self.decoder.forward(&z)?)
     }
 
-    /// diffusers' `_temporal_tiled_decode`.
-    fn temporal_tiled_decode(&self, z: &Tensor) -> Result<Tensor> {
-        let f = z.dim(2)?;
-        let tl = &self.tiling;
-        let tc = self.cfg.temporal_compression_ratio;
-        let min_latent = tl.tile_sample_min_num_frames / tc;
-        let stride_latent = tl.tile_sample_stride_num_frames / tc;
-        let blend_frames = tl.tile_sample_min_num_frames - tl.tile_sample_stride_num_frames;
-        let mut row: Vec<Tensor> = Vec::new();
-        for i in (0..f).step_by(stride_latent) {
-            let tile = z.narrow(2, i, (min_latent + 1).min(f - i))?;
-            let mut decoded = self.decode_spatial(&tile)?;
-            if i > 0 {
-                let t = decoded.dim(2)?;
-                decoded = decoded.narrow(2, 1, t - 1)?;
-            }
-            row.push(decoded);
+    /// Encodes video `[B, 3, T, H, W]` (values in [-1, 1]) into the latent distribution's
+    /// `(mean, logvar)`, each `[B, C, (T-1)/4+1, H/8, W/8]` (logvar clamped to [-30, 20]).
+    /// Needs a VAE built with [`AutoencoderKLHunyuanVideo::with_encoder`].
+    pub fn encode(&self, video: &Tensor) -> Result<(Tensor, Tensor)> {
+        let Some((quant_conv, encoder)) = &self.encoder else {
+            candle_core::bail!("this VAE was loaded without its encoder");
+        };
+        let (_, c, t, _, _) = video.dims5()?;
+        if c != self.cfg.in_channels || t == 0 {
+            candle_core::bail!(
+                "video has {c} channels and {t} frames, the VAE expects {} channels",
+                self.cfg.in_channels
+            );
         }
-        let stride = tl.tile_sample_stride_num_frames;
-        let mut parts = Vec::with_capacity(row.len());
-        for i in 0..row.len() {
-            // diffusers blends in place: tile i is blended before tile i + 1 reads it.
-            if i > 0 {
-                row[i] = blend(&row[i - 1], &row[i], blend_frames, 2)?;
-            }
-            let keep = if i > 0 { stride } else { stride + 1 };
-            let t = row[i].dim(2)?;
-            parts.push(row[i].narrow(2, 0, keep.min(t))?);
-        }
-        let video = Tensor::cat(&parts, 2)?;
-        let frames = self.num_sample_frames(f).min(video.dim(2)?);
-        video.narrow(2, 0, frames)
-    }
-
-    /// diffusers' `tiled_decode` (spatial tiles, blended vertically then horizontally).
-    fn tiled_decode(&self, z: &Tensor) -> Result<Tensor> {
-        let (_, _, _, h, w) = z.dims5()?;
+        let whole = |x: &Tensor| -> Result<Tensor> {
+            let moments = encoder.forward(&swap_frames_channels(x)?)?;
+            pointwise_conv(quant_conv, &swap_frames_channels(&moments)?)
+        };
+        let tl = self.tiling;
         let s = self.cfg.spatial_compression_ratio;
-        let tl = &self.tiling;
-        let (min_h, min_w) = (tl.tile_sample_min_height / s, tl.tile_sample_min_width / s);
-        let (stride_h, stride_w) = (
-            tl.tile_sample_stride_height / s,
-            tl.tile_sample_stride_width / s,
-        );
-        let blend_h = tl.tile_sample_min_height - tl.tile_sample_stride_height;
-        let blend_w = tl.tile_sample_min_width - tl.tile_sample_stride_width;
-        let mut rows: Vec<Vec<Tensor>> = Vec::new();
-        for i in (0..h).step_by(stride_h) {
-            let mut row = Vec::new();
-            for j in (0..w).step_by(stride_w) {
-                let tile = z
-                    .narrow(3, i, min_h.min(h - i))?
-                    .narrow(4, j, min_w.min(w - j))?;
-                row.push(self.decode_whole(&tile)?);
-            }
-            rows.push(row);
-        }
-        let mut result_rows = Vec::with_capacity(rows.len());
-        for i in 0..rows.len() {
-            let mut result_row = Vec::with_capacity(rows[i].len());
-            for j in 0..rows[i].len() {
-                // In place, as diffusers: later tiles read the already blended neighbours.
-                let mut tile = rows[i][j].clone();
-                if i > 0 {
-                    tile = blend(&rows[i - 1][j], &tile, blend_h, 3)?;
-                }
-                if j > 0 {
-                    tile = blend(&rows[i][j - 1], &tile, blend_w, 4)?;
-                }
-                rows[i][j] = tile.clone();
-                let (th, tw) = (tile.dim(3)?, tile.dim(4)?);
-                result_row.push(
-                    tile.narrow(3, 0, tl.tile_sample_stride_height.min(th))?
-                        .narrow(4, 0, tl.tile_sample_stride_width.min(tw))?,
+        let tc = self.cfg.temporal_compression_ratio;
+        let tile = |x: &Tensor| -> Result<Tensor> {
+            let (_, _, _, h, w) = x.dims5()?;
+            if tl.spatial && (h > tl.tile_sample_min_height || w > tl.tile_sample_min_width) {
+                // diffusers' `tiled_encode`.
+                let (min_h, min_w) = (tl.tile_sample_min_height / s, tl.tile_sample_min_width / s);
+                let (stride_h, stride_w) = (
+                    tl.tile_sample_stride_height / s,
+                    tl.tile_sample_stride_width / s,
+                );
+                return spatial_tiles(
+                    x,
+                    (
+                        (tl.tile_sample_min_height, tl.tile_sample_min_width),
+                        (tl.tile_sample_stride_height, tl.tile_sample_stride_width),
+                    ),
+                    (
+                        (min_h - stride_h, min_w - stride_w),
+                        (stride_h, stride_w),
+                        (h / s, w / s),
+                    ),
+                    whole,
                 );
             }
-            result_rows.push(Tensor::cat(&result_row, 4)?);
-        }
-        let video = Tensor::cat(&result_rows, 3)?;
-        let (vh, vw) = (video.dim(3)?, video.dim(4)?);
-        video
-            .narrow(3, 0, (h * s).min(vh))?
-            .narrow(4, 0, (w * s).min(vw))
+            whole(x)
+        };
+        let moments = if tl.framewise && t > tl.tile_sample_min_num_frames {
+            // diffusers' `_temporal_tiled_encode`.
+            let (min_latent, stride_latent) = (
+                tl.tile_sample_min_num_frames / tc,
+                tl.tile_sample_stride_num_frames / tc,
+            );
+            temporal_tiles(
+                video,
+                (
+                    tl.tile_sample_min_num_frames + 1,
+                    tl.tile_sample_stride_num_frames,
+                ),
+                (
+                    min_latent - stride_latent,
+                    stride_latent,
+                    self.num_latent_frames(t),
+                ),
+                tile,
+            )?
+        } else {
+            tile(video)?
+        };
+        let l = self.cfg.latent_channels;
+        let mean = moments.narrow(1, 0, l)?;
+        let logvar = moments.narrow(1, l, l)?.clamp(-30f32, 20f32)?;
+        Ok((mean, logvar))
     }
 }
