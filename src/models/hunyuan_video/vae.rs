@@ -1,14 +1,17 @@
-//! The HunyuanVideo VAE decoder (diffusers' `AutoencoderKLHunyuanVideo.decode`).
+//! The HunyuanVideo VAE (diffusers' `AutoencoderKLHunyuanVideo`): the decoder the pipeline
+//! uses, and the encoder on request.
 //!
-//! A causal 3D-conv decoder: every conv pads time with k-1 copies of the first frame and space
-//! by replication (not zeros), upsamplers double the first frame in space only and the others
-//! in time and space, and the mid-block attention runs over all positions with a frame-causal
-//! mask. Unlike the Wan VAE (`src/models/wan/vae`, zero padding, frame-by-frame with a feature
-//! cache) this decoder sees whole tiles at once, as diffusers runs it, so no layer is shared.
+//! A causal 3D-conv autoencoder: every conv pads time with k-1 copies of the first frame and
+//! space by replication (not zeros), decoder upsamplers double the first frame in space only and
+//! the others in time and space (encoder downsamplers are strided convs), and the mid-block
+//! attention runs over all positions with a frame-causal mask. Unlike the Wan VAE
+//! (`src/models/wan/vae`: zero padding, frame by frame with a feature cache) this model sees
+//! whole tiles at once, as diffusers runs it, so no layer is shared.
 //!
-//! Decoding is tiled in time by default (diffusers' `use_framewise_decoding = True`): more than
-//! `tile_sample_min_num_frames / 4` latent frames are decoded in overlapping tiles blended
-//! linearly; spatial tiling (`enable_tiling`) is optional.
+//! Decoding and encoding are tiled in time by default (diffusers' `use_framewise_decoding` /
+//! `use_framewise_encoding`): long inputs run in overlapping tiles blended linearly; spatial
+//! tiling (`enable_tiling`) is optional. Convolutions run by frames and row bands so that no
+//! im2col scratch exceeds [`MAX_IM2COL_ELEMENTS`].
 //!
 //! Activations are frames-major, `[B, T, C, H, W]`, so a time tap of a conv is a contiguous
 //! batch of images for candle's conv2d. Everything runs in the `VarBuilder` dtype (f32 in
@@ -300,7 +303,7 @@ impl GroupNorm {
 /// 720x1280 tile at 128 channels). Larger convolutions run by frames, then by row bands.
 /// (The Wan VAE bounds its convs the same way in its private `conv2d_lean`; a shared helper
 /// would serve both.)
-const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
+pub const MAX_IM2COL_ELEMENTS: usize = 1 << 26;
 
 /// conv2d (no padding, `stride` in both directions) of `x` `[N, C, H, W]`, split over images
 /// and then over output-row bands so that no call's im2col exceeds `limit` elements. Every
