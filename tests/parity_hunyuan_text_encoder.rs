@@ -180,6 +180,14 @@ fn hostile_configs_are_refused_with_the_key() {
                 ..base.clone()
             },
         ),
+        (
+            "rope_scaling",
+            serde_json::from_str::<LlamaConfig>(
+                r#"{"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3,
+                    "rope_scaling": {"type": "llama3", "factor": 8.0}}"#,
+            )
+            .unwrap(),
+        ),
     ] {
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains(key), "{key}: {err}");

@@ -36,11 +36,12 @@ pub const DEFAULT_CROP_START: usize = 95;
 /// The pipeline's `DEFAULT_PROMPT_TEMPLATE["template"]`; `{}` is replaced by the prompt.
 pub const DEFAULT_PROMPT_TEMPLATE: &str = "<|start_header_id|>system<|end_header_id|>\n\nDescribe the video by detailing the following aspects: 1. The main content and theme of the video.2. The color, shape, size, texture, quantity, text, and spatial relationships of the objects.3. Actions, events, behaviors temporal relationships, physical movement changes of the objects.4. background environment, light, style and atmosphere.5. camera angles, movements, and transitions used in the video:<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>";
 
-/// transformers 5.x `rope_parameters`.
+/// transformers 5.x `rope_parameters` (or 4.x `rope_scaling`, whose older files say `type`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct RopeParameters {
-    pub rope_theta: Option<f64>,
     #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default, alias = "type")]
     pub rope_type: Option<String>,
 }
 
@@ -94,6 +95,9 @@ pub struct LlamaConfig {
     /// Written by transformers 5.x (takes precedence).
     #[serde(default)]
     pub rope_parameters: Option<RopeParameters>,
+    /// transformers 4.x RoPE scaling (only absent or `default` is supported).
+    #[serde(default)]
+    pub rope_scaling: Option<RopeParameters>,
     #[serde(default)]
     pub attention_bias: bool,
     #[serde(default)]
@@ -141,15 +145,16 @@ impl LlamaConfig {
                 self.hidden_act
             );
         }
-        if let Some(kind) = self
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.rope_type.as_deref())
-        {
-            if kind != "default" {
-                candle_core::bail!(
-                    "text_encoder config: rope_parameters.rope_type {kind:?} is not supported"
-                );
+        for (key, params) in [
+            ("rope_parameters", &self.rope_parameters),
+            ("rope_scaling", &self.rope_scaling),
+        ] {
+            if let Some(kind) = params.as_ref().and_then(|p| p.rope_type.as_deref()) {
+                if kind != "default" {
+                    candle_core::bail!(
+                        "text_encoder config: {key}.rope_type {kind:?} is not supported"
+                    );
+                }
             }
         }
         if self.num_hidden_layers < LAYERS_SKIPPED {
