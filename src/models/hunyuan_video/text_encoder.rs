@@ -596,7 +596,7 @@ impl LlamaPromptTokenizer {
         tokenizer.with_padding(None);
         let pad = config
             .get("pad_token")
-            .and_then(|v| v.as_str())
+            .and_then(|v| v.as_str().or_else(|| v.get("content")?.as_str()))
             .unwrap_or("<pad>");
         let pad_id = tokenizer
             .token_to_id(pad)
@@ -614,7 +614,7 @@ impl LlamaPromptTokenizer {
     }
 
     /// Tokens of the template before the prompt (BOS included): the pipeline's `crop_start`
-    /// (95 for the published tokenizer).
+    /// (95 for the published tokenizer loaded verbatim, see [`DEFAULT_CROP_START`]).
     pub fn crop_start(&self, template: &str) -> anyhow::Result<usize> {
         let Some((prefix, _)) = template.split_once("{}") else {
             anyhow_bail!("the prompt template has no {{}} placeholder");
