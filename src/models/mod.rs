@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod clip;
 pub mod cogvideox;
+pub mod hunyuan_video;
 pub mod ltx;
 pub mod source;
 pub mod t5;

@@ -250,6 +250,24 @@ impl FlowMatchEuler {
             step_index: 0,
         })
     }
+
+    /// A sampler over a schedule computed elsewhere (e.g. a pipeline that passes its own
+    /// `sigmas` to `set_timesteps`): one timestep per step and `steps + 1` sigmas.
+    pub fn with_schedule(timesteps: Vec<f64>, sigmas: Vec<f32>) -> anyhow::Result<Self> {
+        if timesteps.is_empty() || sigmas.len() != timesteps.len() + 1 {
+            anyhow::bail!(
+                "a schedule of {} timesteps needs {} sigmas, got {}",
+                timesteps.len(),
+                timesteps.len() + 1,
+                sigmas.len()
+            );
+        }
+        Ok(Self {
+            timesteps,
+            sigmas,
+            step_index: 0,
+        })
+    }
 }
 
 impl Scheduler for FlowMatchEuler {

@@ -1,0 +1,1161 @@
+//! HunyuanVideo diffusion transformer (diffusers `HunyuanVideoTransformer3DModel`, text-to-video).
+//!
+//! The forward pass is split so that an external engine can stream the blocks:
+//!
+//! 1. [`HunyuanVideoTransformer3DModel::prepare`]: patch embedding, the token refiner over the
+//!    text (`context_embedder`), the time + guidance + pooled-text embedding and the RoPE table.
+//! 2. [`HunyuanVideoBlock::forward`] for every block of [`HunyuanVideoTransformer3DModel::blocks`]
+//!    in order: first the dual-stream blocks (`transformer_blocks.*`, video and text with their
+//!    own weights, joint attention), then the single-stream blocks (`single_transformer_blocks.*`,
+//!    one weight set over the joint sequence). Both carry the (video, text) pair of streams.
+//! 3. [`HunyuanVideoTransformer3DModel::finish`]: output norm, `proj_out`, unpatchify.
+//!
+//! A model built with [`HunyuanVideoTransformer3DModel::new_without_blocks`] holds no block
+//! weights; the caller builds block `i` with [`HunyuanVideoBlock::new`] from the root
+//! `VarBuilder` (its weights live under [`HunyuanVideoTransformerConfig::block_prefix`]).
+//!
+//! The text padding mask acts on keys only: in the joint attention the text keys past each
+//! entry's valid length are masked (padded queries are computed normally), in the token refiner
+//! valid queries see the valid keys (and key 0), padded queries only key 0. Attention over a
+//! subset of keys is computed by selecting those keys, which is exactly a masked softmax.
+//!
+//! Dtypes: weights and activations in the `VarBuilder` dtype, LayerNorm statistics, RoPE and
+//! the attention softmax in f32.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::sdpa;
+use crate::models::wan::transformer::timestep_embedding;
+
+/// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
+pub const TIMESTEP_CHANNELS: usize = 256;
+
+/// Epsilon of every LayerNorm and q/k RMSNorm of the model (hard-coded in diffusers).
+const NORM_EPS: f64 = 1e-6;
+
+/// `HunyuanVideoTokenRefiner`'s default `mlp_ratio`, which the model never overrides.
+const REFINER_MLP_RATIO: f64 = 4.0;
+
+/// Tokens per MLP chunk: bounds the `[tokens, mlp_dim]` intermediates (2.9 GB each in bf16 for
+/// a 720x1280x129 video's single-stream MLP) to ~200 MB. Rows of a Linear are independent.
+pub const MLP_CHUNK_TOKENS: usize = 8192;
+
+/// `f` applied to `x` `[B, S, D]` by chunks of at most [`MLP_CHUNK_TOKENS`] tokens along S.
+/// `f` receives each chunk's first token index and the chunk.
+fn by_token_chunks(x: &Tensor, f: impl Fn(usize, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    by_chunks_of(x, MLP_CHUNK_TOKENS, f)
+}
+
+fn by_chunks_of(
+    x: &Tensor,
+    chunk: usize,
+    f: impl Fn(usize, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let s = x.dim(1)?;
+    if s <= chunk {
+        return f(0, x);
+    }
+    let parts = (0..s)
+        .step_by(chunk)
+        .map(|start| f(start, &x.narrow(1, start, chunk.min(s - start))?))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 1)
+}
+
+fn default_in_channels() -> usize {
+    16
+}
+fn default_out_channels() -> Option<usize> {
+    Some(16)
+}
+fn default_heads() -> usize {
+    24
+}
+fn default_head_dim() -> usize {
+    128
+}
+fn default_num_layers() -> usize {
+    20
+}
+fn default_num_single_layers() -> usize {
+    40
+}
+fn default_num_refiner_layers() -> usize {
+    2
+}
+fn default_mlp_ratio() -> f64 {
+    4.0
+}
+fn default_patch_size() -> usize {
+    2
+}
+fn default_patch_size_t() -> usize {
+    1
+}
+fn default_qk_norm() -> Option<String> {
+    Some("rms_norm".to_string())
+}
+fn default_true() -> bool {
+    true
+}
+fn default_text_embed_dim() -> usize {
+    4096
+}
+fn default_pooled_projection_dim() -> usize {
+    768
+}
+fn default_rope_theta() -> f64 {
+    256.0
+}
+fn default_rope_axes_dim() -> Vec<usize> {
+    vec![16, 56, 56]
+}
+
+/// `transformer/config.json` of a diffusers HunyuanVideo checkpoint; missing keys take
+/// diffusers' defaults (the published 13B model).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct HunyuanVideoTransformerConfig {
+    /// Latent channels in.
+    #[serde(default = "default_in_channels")]
+    pub in_channels: usize,
+    /// `null` means "same as `in_channels`", as in diffusers.
+    #[serde(default = "default_out_channels")]
+    pub out_channels: Option<usize>,
+    /// Attention heads of every attention (refiner included).
+    #[serde(default = "default_heads")]
+    pub num_attention_heads: usize,
+    /// Width of one head.
+    #[serde(default = "default_head_dim")]
+    pub attention_head_dim: usize,
+    /// Dual-stream blocks.
+    #[serde(default = "default_num_layers")]
+    pub num_layers: usize,
+    /// Single-stream blocks.
+    #[serde(default = "default_num_single_layers")]
+    pub num_single_layers: usize,
+    /// Blocks of the text token refiner.
+    #[serde(default = "default_num_refiner_layers")]
+    pub num_refiner_layers: usize,
+    /// MLP width over model width (`int(inner * mlp_ratio)`).
+    #[serde(default = "default_mlp_ratio")]
+    pub mlp_ratio: f64,
+    /// Spatial patch.
+    #[serde(default = "default_patch_size")]
+    pub patch_size: usize,
+    /// Temporal patch.
+    #[serde(default = "default_patch_size_t")]
+    pub patch_size_t: usize,
+    /// q/k normalisation; only `rms_norm` (per head) is supported.
+    #[serde(default = "default_qk_norm")]
+    pub qk_norm: Option<String>,
+    /// Whether the (distilled) guidance scale is embedded into the conditioning.
+    #[serde(default = "default_true")]
+    pub guidance_embeds: bool,
+    /// Width of the Llama text embeddings.
+    #[serde(default = "default_text_embed_dim")]
+    pub text_embed_dim: usize,
+    /// Width of the pooled CLIP embedding.
+    #[serde(default = "default_pooled_projection_dim")]
+    pub pooled_projection_dim: usize,
+    /// RoPE base.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    /// RoPE split of a head into (frame, height, width) parts.
+    #[serde(default = "default_rope_axes_dim")]
+    pub rope_axes_dim: Vec<usize>,
+    /// Image-to-video conditioning (unsupported; must be `null`).
+    #[serde(default)]
+    pub image_condition_type: Option<String>,
+}
+
+impl Default for HunyuanVideoTransformerConfig {
+    fn default() -> Self {
+        serde_json::from_str("{}").expect("defaults deserialize")
+    }
+}
+
+/// Which of the two kinds a block is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// `transformer_blocks.*`: separate weights per stream, joint attention.
+    DualStream,
+    /// `single_transformer_blocks.*`: one weight set over the joint sequence.
+    SingleStream,
+}
+
+impl HunyuanVideoTransformerConfig {
+    /// Model width: heads x head dim.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Output channels (`out_channels or in_channels`).
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+
+    /// Hidden width of the MLPs, `int(inner * mlp_ratio)` as Python truncates it.
+    pub fn mlp_dim(&self) -> usize {
+        (self.inner_dim() as f64 * self.mlp_ratio) as usize
+    }
+
+    /// Hidden width of the token refiner's MLPs: diffusers builds the refiner without the
+    /// config's `mlp_ratio`, so it is always `int(inner * 4.0)`.
+    pub fn refiner_mlp_dim(&self) -> usize {
+        (self.inner_dim() as f64 * REFINER_MLP_RATIO) as usize
+    }
+
+    /// All blocks, dual-stream then single-stream.
+    pub fn num_blocks(&self) -> usize {
+        self.num_layers + self.num_single_layers
+    }
+
+    /// Kind of block `index` (in execution order) and its index within its kind.
+    pub fn block_kind(&self, index: usize) -> Result<(BlockKind, usize)> {
+        if index < self.num_layers {
+            Ok((BlockKind::DualStream, index))
+        } else if index < self.num_blocks() {
+            Ok((BlockKind::SingleStream, index - self.num_layers))
+        } else {
+            candle_core::bail!("block {index} of a {}-block transformer", self.num_blocks())
+        }
+    }
+
+    /// Weight prefix of block `index` (execution order): `transformer_blocks.{i}` or
+    /// `single_transformer_blocks.{i}`.
+    pub fn block_prefix(&self, index: usize) -> Result<String> {
+        Ok(match self.block_kind(index)? {
+            (BlockKind::DualStream, i) => format!("transformer_blocks.{i}"),
+            (BlockKind::SingleStream, i) => format!("single_transformer_blocks.{i}"),
+        })
+    }
+
+    /// Rejects configurations this text-to-video model cannot run, naming the key.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(kind) = &self.image_condition_type {
+            candle_core::bail!(
+                "transformer config: image_condition_type {kind:?} (image-to-video) is not supported"
+            );
+        }
+        if self.qk_norm.as_deref() != Some("rms_norm") {
+            candle_core::bail!(
+                "transformer config: qk_norm {:?} is not supported (only \"rms_norm\")",
+                self.qk_norm
+            );
+        }
+        if self.num_attention_heads == 0 || self.attention_head_dim == 0 {
+            candle_core::bail!(
+                "transformer config: num_attention_heads and attention_head_dim must be positive"
+            );
+        }
+        if self.in_channels == 0 || self.out_channels == Some(0) {
+            candle_core::bail!("transformer config: in_channels and out_channels must be positive");
+        }
+        if self.patch_size == 0 || self.patch_size_t == 0 {
+            candle_core::bail!("transformer config: patch_size and patch_size_t must be positive");
+        }
+        if self.text_embed_dim == 0 || self.pooled_projection_dim == 0 {
+            candle_core::bail!(
+                "transformer config: text_embed_dim and pooled_projection_dim must be positive"
+            );
+        }
+        if !(self.mlp_ratio.is_finite() && self.mlp_ratio > 0.0) || self.mlp_dim() == 0 {
+            candle_core::bail!(
+                "transformer config: mlp_ratio {} gives no MLP width",
+                self.mlp_ratio
+            );
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            candle_core::bail!(
+                "transformer config: rope_theta {} must be positive",
+                self.rope_theta
+            );
+        }
+        if self.rope_axes_dim.len() != 3
+            || self.rope_axes_dim.iter().any(|d| d % 2 != 0)
+            || self.rope_axes_dim.iter().sum::<usize>() != self.attention_head_dim
+        {
+            candle_core::bail!(
+                "transformer config: rope_axes_dim {:?} must be three even sizes summing to attention_head_dim {}",
+                self.rope_axes_dim,
+                self.attention_head_dim
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    hidden_states: Option<Tensor>,
+    encoder_hidden_states: Option<Tensor>,
+    /// Conditioning `[B, inner]`: timestep + guidance + pooled text embeddings.
+    pub temb: Tensor,
+    /// RoPE cosines `[video tokens, head_dim / 2]` in f32, one per interleaved pair.
+    pub rope_cos: Tensor,
+    /// RoPE sines, same layout as `rope_cos`.
+    pub rope_sin: Tensor,
+    /// Valid text tokens per batch entry (the mask's sum): later text keys are masked.
+    pub text_lens: Vec<usize>,
+    /// Batch size.
+    pub batch: usize,
+    /// Token grid (frames, height, width) after patching.
+    pub grid: [usize; 3],
+}
+
+impl BlockInputs {
+    /// Takes the (video `[B, N, inner]`, refined text `[B, L, inner]`) streams that feed the
+    /// first block (once; the inputs do not keep a copy).
+    pub fn take_streams(&mut self) -> Result<(Tensor, Tensor)> {
+        match (self.hidden_states.take(), self.encoder_hidden_states.take()) {
+            (Some(h), Some(e)) => Ok((h, e)),
+            _ => candle_core::bail!("block-0 streams already taken"),
+        }
+    }
+}
+
+/// LayerNorm over the last dim with statistics in f32 (two-pass), no affine; cast back.
+fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let xf = x.to_dtype(DType::F32)?;
+    let mean = xf.mean_keepdim(D::Minus1)?;
+    let xc = xf.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(x.dtype())
+}
+
+/// Affine LayerNorm (`nn.LayerNorm(elementwise_affine=True)`).
+#[derive(Debug, Clone)]
+struct AffineLayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl AffineLayerNorm {
+    fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(dim, "weight")?,
+            bias: vb.get(dim, "bias")?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        layer_norm(x, NORM_EPS)?
+            .broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)
+    }
+}
+
+/// `norm(x) * (1 + scale) + shift` with per-batch `[B, dim]` scale and shift.
+fn modulate(normed: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    normed
+        .broadcast_mul(&(scale.unsqueeze(1)? + 1.0)?)?
+        .broadcast_add(&shift.unsqueeze(1)?)
+}
+
+/// `x + delta * gate` with a per-batch `[B, dim]` gate.
+fn gated(x: &Tensor, delta: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    x + delta.broadcast_mul(&gate.unsqueeze(1)?)?
+}
+
+/// `Linear(SiLU(temb))` split into `n` chunks `[B, dim]` (the AdaLN modulations).
+#[derive(Debug, Clone)]
+struct Modulation {
+    linear: Linear,
+    chunks: usize,
+}
+
+impl Modulation {
+    fn new(dim: usize, chunks: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            linear: candle_nn::linear(dim, chunks * dim, vb.pp("linear"))?,
+            chunks,
+        })
+    }
+
+    fn forward(&self, temb: &Tensor) -> Result<Vec<Tensor>> {
+        let emb = self.linear.forward(&candle_nn::ops::silu(temb)?)?;
+        emb.chunk(self.chunks, 1)
+    }
+}
+
+/// Linear -> activation -> Linear (diffusers `FeedForward` `net.0.proj` / `net.2`,
+/// `TimestepEmbedding` and `PixArtAlphaTextProjection` `linear_1` / `linear_2`).
+#[derive(Debug, Clone)]
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+    act: Act,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Act {
+    GeluTanh,
+    Silu,
+}
+
+impl Mlp {
+    fn feed_forward(dim: usize, hidden: usize, act: Act, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            fc1: candle_nn::linear(dim, hidden, vb.pp("net.0.proj"))?,
+            fc2: candle_nn::linear(hidden, dim, vb.pp("net.2"))?,
+            act,
+        })
+    }
+
+    /// `linear_1` -> SiLU -> `linear_2`.
+    fn embedder(input: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            fc1: candle_nn::linear(input, dim, vb.pp("linear_1"))?,
+            fc2: candle_nn::linear(dim, dim, vb.pp("linear_2"))?,
+            act: Act::Silu,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.fc1.forward(x)?;
+        let h = match self.act {
+            Act::GeluTanh => h.gelu()?,
+            Act::Silu => candle_nn::ops::silu(&h)?,
+        };
+        self.fc2.forward(&h)
+    }
+}
+
+/// `[B, S, inner]` -> `[B, heads, S, head_dim]` (contiguous).
+fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, s, dim) = x.dims3()?;
+    x.reshape((b, s, heads, dim / heads))?
+        .transpose(1, 2)?
+        .contiguous()
+}
+
+/// `[B, heads, S, head_dim]` -> `[B, S, inner]`.
+fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    x.transpose(1, 2)?.reshape((b, s, h * d))
+}
+
+/// Interleaved-pair RoPE on the first `cos.dim(0)` positions of `x` `[B, heads, S, D]`
+/// (computed in f32, cast back); later positions (the text) pass through.
+fn rope_prefix(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let n = cos.dim(0)?;
+    let s = x.dim(2)?;
+    let rotate = |t: &Tensor| -> Result<Tensor> {
+        candle_nn::rotary_emb::rope_i(&t.to_dtype(DType::F32)?.contiguous()?, cos, sin)?
+            .to_dtype(x.dtype())
+    };
+    if n == s {
+        return rotate(x);
+    }
+    let video = rotate(&x.narrow(2, 0, n)?)?;
+    Tensor::cat(&[video, x.narrow(2, n, s - n)?], 2)
+}
+
+/// Joint attention over `[B, heads, S, D]` where only the first `kv_lens[b]` keys of batch
+/// entry `b` are visible (the boolean key mask of diffusers, as a selection of keys).
+fn attention_key_prefix(q: &Tensor, k: &Tensor, v: &Tensor, kv_lens: &[usize]) -> Result<Tensor> {
+    let (batch, _, s, d) = q.dims4()?;
+    let scale = 1.0 / (d as f64).sqrt();
+    if kv_lens.len() != batch || kv_lens.iter().any(|&n| n == 0 || n > s) {
+        candle_core::bail!("attention: key lengths {kv_lens:?} for a batch of {batch} x {s} keys");
+    }
+    if kv_lens.iter().all(|&n| n == kv_lens[0]) {
+        let n = kv_lens[0];
+        return sdpa(q, &k.narrow(2, 0, n)?, &v.narrow(2, 0, n)?, scale);
+    }
+    let outs = (0..batch)
+        .map(|b| {
+            let n = kv_lens[b];
+            sdpa(
+                &q.narrow(0, b, 1)?,
+                &k.narrow(0, b, 1)?.narrow(2, 0, n)?,
+                &v.narrow(0, b, 1)?.narrow(2, 0, n)?,
+                scale,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&outs, 0)
+}
+
+/// q, k, v projections (with bias) and the per-head RMSNorm of q and k.
+#[derive(Debug, Clone)]
+struct QkvProjection {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    norm_q: Tensor,
+    norm_k: Tensor,
+    heads: usize,
+}
+
+impl QkvProjection {
+    fn new(cfg: &HunyuanVideoTransformerConfig, vb: &VarBuilder, names: [&str; 5]) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        Ok(Self {
+            to_q: candle_nn::linear(dim, dim, vb.pp(names[0]))?,
+            to_k: candle_nn::linear(dim, dim, vb.pp(names[1]))?,
+            to_v: candle_nn::linear(dim, dim, vb.pp(names[2]))?,
+            norm_q: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[3]))?,
+            norm_k: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[4]))?,
+            heads: cfg.num_attention_heads,
+        })
+    }
+
+    /// `x` `[B, S, inner]` -> normed q, k and v, each `[B, heads, S, head_dim]`.
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let norm = |t: Tensor, w: &Tensor| -> Result<Tensor> {
+            candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)
+        };
+        let q = norm(
+            split_heads(&self.to_q.forward(x)?, self.heads)?,
+            &self.norm_q,
+        )?;
+        let k = norm(
+            split_heads(&self.to_k.forward(x)?, self.heads)?,
+            &self.norm_k,
+        )?;
+        let v = split_heads(&self.to_v.forward(x)?, self.heads)?;
+        Ok((q, k, v))
+    }
+}
+
+/// One dual-stream block (diffusers `HunyuanVideoTransformerBlock`).
+#[derive(Debug, Clone)]
+pub struct HunyuanVideoTransformerBlock {
+    norm1: Modulation,
+    norm1_context: Modulation,
+    video_qkv: QkvProjection,
+    text_qkv: QkvProjection,
+    to_out: Linear,
+    to_add_out: Linear,
+    ff: Mlp,
+    ff_context: Mlp,
+}
+
+impl HunyuanVideoTransformerBlock {
+    /// Loads one block; `vb` points at `transformer_blocks.{i}`.
+    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let attn = vb.pp("attn");
+        Ok(Self {
+            norm1: Modulation::new(dim, 6, vb.pp("norm1"))?,
+            norm1_context: Modulation::new(dim, 6, vb.pp("norm1_context"))?,
+            video_qkv: QkvProjection::new(
+                cfg,
+                &attn,
+                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+            )?,
+            text_qkv: QkvProjection::new(
+                cfg,
+                &attn,
+                [
+                    "add_q_proj",
+                    "add_k_proj",
+                    "add_v_proj",
+                    "norm_added_q",
+                    "norm_added_k",
+                ],
+            )?,
+            to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
+            to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+            ff: Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp("ff"))?,
+            ff_context: Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp("ff_context"))?,
+        })
+    }
+
+    /// Runs the block on video `[B, N, inner]` and text `[B, L, inner]`; returns both streams.
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        encoder: &Tensor,
+        inputs: &BlockInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let n_video = hidden.dim(1)?;
+        let m = self.norm1.forward(&inputs.temb)?;
+        let c = self.norm1_context.forward(&inputs.temb)?;
+        // Chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
+        let norm_hidden = modulate(&layer_norm(hidden, NORM_EPS)?, &m[0], &m[1])?;
+        let norm_encoder = modulate(&layer_norm(encoder, NORM_EPS)?, &c[0], &c[1])?;
+
+        // Joint attention over [video; text]; q, k and v are dropped once attended.
+        let out = {
+            let (q, k, v) = self.video_qkv.forward(&norm_hidden)?;
+            let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
+            let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
+            let (eq, ek, ev) = self.text_qkv.forward(&norm_encoder)?;
+            let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
+            let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
+            let out = attention_key_prefix(&cat(q, eq)?, &cat(k, ek)?, &cat(v, ev)?, &kv_lens)?;
+            merge_heads(&out)?
+        };
+        let total = out.dim(1)?;
+        let attn_video = self.to_out.forward(&out.narrow(1, 0, n_video)?)?;
+        let attn_text = self
+            .to_add_out
+            .forward(&out.narrow(1, n_video, total - n_video)?)?;
+
+        let hidden = gated(hidden, &attn_video, &m[2])?;
+        let encoder = gated(encoder, &attn_text, &c[2])?;
+        let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
+            by_token_chunks(x, |_, rows| {
+                let h = ff.forward(&modulate(&layer_norm(rows, NORM_EPS)?, &m[3], &m[4])?)?;
+                gated(rows, &h, &m[5])
+            })
+        };
+        Ok((
+            feed_forward(&self.ff, &hidden, &m)?,
+            feed_forward(&self.ff_context, &encoder, &c)?,
+        ))
+    }
+}
+
+/// One single-stream block (diffusers `HunyuanVideoSingleTransformerBlock`): attention and MLP
+/// in parallel over the joint [video; text] sequence, one output projection.
+#[derive(Debug, Clone)]
+pub struct HunyuanVideoSingleTransformerBlock {
+    norm: Modulation,
+    qkv: QkvProjection,
+    proj_mlp: Linear,
+    proj_out: Linear,
+}
+
+impl HunyuanVideoSingleTransformerBlock {
+    /// Loads one block; `vb` points at `single_transformer_blocks.{i}`.
+    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let mlp = cfg.mlp_dim();
+        Ok(Self {
+            norm: Modulation::new(dim, 3, vb.pp("norm"))?,
+            qkv: QkvProjection::new(
+                cfg,
+                &vb.pp("attn"),
+                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+            )?,
+            proj_mlp: candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
+            proj_out: candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+        })
+    }
+
+    /// Runs the block on video `[B, N, inner]` and text `[B, L, inner]`; returns both streams.
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        encoder: &Tensor,
+        inputs: &BlockInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let n_video = hidden.dim(1)?;
+        let x = Tensor::cat(&[hidden, encoder], 1)?;
+        // Chunks: shift, scale, gate.
+        let m = self.norm.forward(&inputs.temb)?;
+        let normed = modulate(&layer_norm(&x, NORM_EPS)?, &m[0], &m[1])?;
+
+        // q, k and v are dropped once attended.
+        let attn = {
+            let (q, k, v) = self.qkv.forward(&normed)?;
+            let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
+            let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
+            let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
+            merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?
+        };
+
+        // MLP in parallel with the attention, one output projection over both, by token chunks.
+        let x = by_token_chunks(&x, |start, rows| {
+            let len = rows.dim(1)?;
+            let mlp = self
+                .proj_mlp
+                .forward(&normed.narrow(1, start, len)?)?
+                .gelu()?;
+            let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
+            gated(rows, &self.proj_out.forward(&both)?, &m[2])
+        })?;
+        let total = x.dim(1)?;
+        Ok((
+            x.narrow(1, 0, n_video)?.contiguous()?,
+            x.narrow(1, n_video, total - n_video)?.contiguous()?,
+        ))
+    }
+}
+
+/// A block of either kind, in execution order (what an engine streams).
+#[derive(Debug, Clone)]
+pub enum HunyuanVideoBlock {
+    DualStream(HunyuanVideoTransformerBlock),
+    SingleStream(HunyuanVideoSingleTransformerBlock),
+}
+
+impl HunyuanVideoBlock {
+    /// Loads block `index` (execution order: dual-stream blocks first); `vb` is the model root.
+    pub fn new(cfg: &HunyuanVideoTransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        let block_vb = vb.pp(cfg.block_prefix(index)?);
+        Ok(match cfg.block_kind(index)?.0 {
+            BlockKind::DualStream => {
+                Self::DualStream(HunyuanVideoTransformerBlock::new(cfg, block_vb)?)
+            }
+            BlockKind::SingleStream => {
+                Self::SingleStream(HunyuanVideoSingleTransformerBlock::new(cfg, block_vb)?)
+            }
+        })
+    }
+
+    /// The block's kind.
+    pub fn kind(&self) -> BlockKind {
+        match self {
+            Self::DualStream(_) => BlockKind::DualStream,
+            Self::SingleStream(_) => BlockKind::SingleStream,
+        }
+    }
+
+    /// Runs the block on the (video, text) streams; returns both.
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        encoder: &Tensor,
+        inputs: &BlockInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        match self {
+            Self::DualStream(b) => b.forward(hidden, encoder, inputs),
+            Self::SingleStream(b) => b.forward(hidden, encoder, inputs),
+        }
+    }
+}
+
+/// One block of the token refiner (diffusers `HunyuanVideoIndividualTokenRefinerBlock`).
+#[derive(Debug, Clone)]
+struct RefinerBlock {
+    norm1: AffineLayerNorm,
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    norm2: AffineLayerNorm,
+    ff: Mlp,
+    /// gate_msa, gate_mlp.
+    norm_out: Modulation,
+    heads: usize,
+}
+
+impl RefinerBlock {
+    fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let attn = vb.pp("attn");
+        Ok(Self {
+            norm1: AffineLayerNorm::new(dim, vb.pp("norm1"))?,
+            to_q: candle_nn::linear(dim, dim, attn.pp("to_q"))?,
+            to_k: candle_nn::linear(dim, dim, attn.pp("to_k"))?,
+            to_v: candle_nn::linear(dim, dim, attn.pp("to_v"))?,
+            to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
+            norm2: AffineLayerNorm::new(dim, vb.pp("norm2"))?,
+            ff: Mlp::feed_forward(dim, cfg.refiner_mlp_dim(), Act::Silu, vb.pp("ff"))?,
+            norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
+            heads: cfg.num_attention_heads,
+        })
+    }
+
+    /// `x` `[B, L, inner]`; `valid[b][j]` says whether text token j of entry b is real.
+    fn forward(&self, x: &Tensor, temb: &Tensor, valid: &[Vec<bool>]) -> Result<Tensor> {
+        let h = self.norm1.forward(x)?;
+        let q = split_heads(&self.to_q.forward(&h)?, self.heads)?;
+        let k = split_heads(&self.to_k.forward(&h)?, self.heads)?;
+        let v = split_heads(&self.to_v.forward(&h)?, self.heads)?;
+        let scale = 1.0 / (q.dim(3)? as f64).sqrt();
+        let outs = valid
+            .iter()
+            .enumerate()
+            .map(|(b, valid)| {
+                let (q, k, v) = (q.narrow(0, b, 1)?, k.narrow(0, b, 1)?, v.narrow(0, b, 1)?);
+                // Valid queries see the valid keys and key 0; padded queries only key 0.
+                let keys: Vec<u32> = (0..valid.len())
+                    .filter(|&j| j == 0 || valid[j])
+                    .map(|j| j as u32)
+                    .collect();
+                let keys = Tensor::new(keys.as_slice(), x.device())?;
+                let out = sdpa(
+                    &q,
+                    &k.index_select(&keys, 2)?,
+                    &v.index_select(&keys, 2)?,
+                    scale,
+                )?;
+                let rows: Vec<u8> = valid.iter().map(|&m| u8::from(m)).collect();
+                let rows =
+                    Tensor::new(rows.as_slice(), x.device())?.reshape((1, 1, valid.len(), 1))?;
+                rows.broadcast_as(out.shape())?
+                    .where_cond(&out, &v.narrow(2, 0, 1)?.broadcast_as(out.shape())?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let attn = self
+            .to_out
+            .forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)?;
+        let gates = self.norm_out.forward(temb)?;
+        let x = gated(x, &attn, &gates[0])?;
+        let ff = self.ff.forward(&self.norm2.forward(&x)?)?;
+        gated(&x, &ff, &gates[1])
+    }
+}
+
+/// The text token refiner (diffusers `HunyuanVideoTokenRefiner`, the `context_embedder`).
+#[derive(Debug, Clone)]
+struct TokenRefiner {
+    timestep_embedder: Mlp,
+    text_embedder: Mlp,
+    proj_in: Linear,
+    blocks: Vec<RefinerBlock>,
+}
+
+impl TokenRefiner {
+    fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let tvb = vb.pp("time_text_embed");
+        Ok(Self {
+            timestep_embedder: Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("timestep_embedder"))?,
+            text_embedder: Mlp::embedder(cfg.text_embed_dim, dim, tvb.pp("text_embedder"))?,
+            proj_in: candle_nn::linear(cfg.text_embed_dim, dim, vb.pp("proj_in"))?,
+            blocks: (0..cfg.num_refiner_layers)
+                .map(|i| RefinerBlock::new(cfg, vb.pp(format!("token_refiner.refiner_blocks.{i}"))))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// `text` `[B, L, text_dim]`, `mask` `[B, L]` f32 0/1, `t_proj` the sinusoidal timestep.
+    fn forward(
+        &self,
+        text: &Tensor,
+        mask: &Tensor,
+        t_proj: &Tensor,
+        valid: &[Vec<bool>],
+    ) -> Result<Tensor> {
+        // Mask-weighted mean of the raw text embeddings, in f32.
+        let m = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+        let pooled = text
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&m)?
+            .sum(1)?
+            .broadcast_div(&m.sum(1)?)?
+            .to_dtype(text.dtype())?;
+        let temb = (self
+            .timestep_embedder
+            .forward(&t_proj.to_dtype(text.dtype())?)?
+            + self.text_embedder.forward(&pooled)?)?;
+        let mut x = self.proj_in.forward(text)?;
+        for block in &self.blocks {
+            x = block.forward(&x, &temb, valid)?;
+        }
+        Ok(x)
+    }
+}
+
+/// Per-axis RoPE table `[len, dim / 2]` (cos, sin) of integer positions, with diffusers'
+/// `get_1d_rotary_pos_embed(use_real=True)` f32 arithmetic (frequencies and angles in f32).
+fn rope_axis(dim: usize, len: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = dim / 2;
+    let theta = theta as f32;
+    let freqs: Vec<f32> = (0..half)
+        .map(|j| 1.0 / theta.powf((2 * j) as f32 / dim as f32))
+        .collect();
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for p in 0..len {
+        for &f in &freqs {
+            let angle = p as f32 * f;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    (cos, sin)
+}
+
+/// RoPE tables `[F·H·W, head_dim / 2]` for a token grid, the [t | h | w] parts concatenated.
+pub fn rope_tables(
+    cfg: &HunyuanVideoTransformerConfig,
+    grid: [usize; 3],
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let axes: Vec<(Vec<f32>, Vec<f32>)> = (0..3)
+        .map(|a| rope_axis(cfg.rope_axes_dim[a], grid[a], cfg.rope_theta))
+        .collect();
+    let half = cfg.attention_head_dim / 2;
+    let seq = grid.iter().product::<usize>();
+    let mut cos = Vec::with_capacity(seq * half);
+    let mut sin = Vec::with_capacity(seq * half);
+    for f in 0..grid[0] {
+        for h in 0..grid[1] {
+            for w in 0..grid[2] {
+                for (a, pos) in [f, h, w].into_iter().enumerate() {
+                    let n = cfg.rope_axes_dim[a] / 2;
+                    cos.extend_from_slice(&axes[a].0[pos * n..(pos + 1) * n]);
+                    sin.extend_from_slice(&axes[a].1[pos * n..(pos + 1) * n]);
+                }
+            }
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (seq, half), device)?,
+        Tensor::from_vec(sin, (seq, half), device)?,
+    ))
+}
+
+/// The diffusers `HunyuanVideoTransformer3DModel` for text-to-video.
+#[derive(Debug, Clone)]
+pub struct HunyuanVideoTransformer3DModel {
+    cfg: HunyuanVideoTransformerConfig,
+    /// Conv3d with kernel = stride = patch, stored as a linear over flattened patches.
+    x_embedder: Linear,
+    context_embedder: TokenRefiner,
+    timestep_embedder: Mlp,
+    guidance_embedder: Option<Mlp>,
+    text_embedder: Mlp,
+    blocks: Vec<HunyuanVideoBlock>,
+    /// AdaLayerNormContinuous: scale, shift.
+    norm_out: Modulation,
+    proj_out: Linear,
+    dtype: DType,
+}
+
+impl HunyuanVideoTransformer3DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_blocks())
+            .map(|i| HunyuanVideoBlock::new(cfg, i, vb.clone()))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the blocks (for an engine that streams blocks itself);
+    /// `blocks()` is then empty and `forward` refuses to run.
+    pub fn new_without_blocks(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let (pt, p) = (cfg.patch_size_t, cfg.patch_size);
+        let xvb = vb.pp("x_embedder.proj");
+        let patch_w = xvb
+            .get((dim, cfg.in_channels, pt, p, p), "weight")?
+            .reshape((dim, cfg.in_channels * pt * p * p))?;
+        let x_embedder = Linear::new(patch_w, Some(xvb.get(dim, "bias")?));
+        let tvb = vb.pp("time_text_embed");
+        let guidance_embedder = if cfg.guidance_embeds {
+            Some(Mlp::embedder(
+                TIMESTEP_CHANNELS,
+                dim,
+                tvb.pp("guidance_embedder"),
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            x_embedder,
+            context_embedder: TokenRefiner::new(cfg, vb.pp("context_embedder"))?,
+            timestep_embedder: Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("timestep_embedder"))?,
+            guidance_embedder,
+            text_embedder: Mlp::embedder(cfg.pooled_projection_dim, dim, tvb.pp("text_embedder"))?,
+            blocks: Vec::new(),
+            norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
+            proj_out: candle_nn::linear(dim, pt * p * p * cfg.out_channels(), vb.pp("proj_out"))?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &HunyuanVideoTransformerConfig {
+        &self.cfg
+    }
+
+    /// The loaded blocks, dual-stream then single-stream (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[HunyuanVideoBlock] {
+        &self.blocks
+    }
+
+    /// Embeddings and tables for `latents` `[B, C, F, H, W]`, `timestep` `[B]` (or one value),
+    /// `encoder_hidden_states` `[B, L, text_dim]` (Llama), `encoder_attention_mask` `[B, L]`
+    /// (1 real, 0 padding; any dtype), `pooled_projections` `[B, pooled_dim]` (CLIP) and
+    /// `guidance` `[B]` (or one value; already x1000, required when `guidance_embeds`).
+    pub fn prepare(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_attention_mask: &Tensor,
+        pooled_projections: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (b, c, f, h, w) = latents.dims5()?;
+        if c != cfg.in_channels {
+            candle_core::bail!(
+                "latents have {c} channels, the transformer expects {}",
+                cfg.in_channels
+            );
+        }
+        let (pt, p) = (cfg.patch_size_t, cfg.patch_size);
+        let grid = [f / pt, h / p, w / p];
+        if grid.contains(&0) {
+            candle_core::bail!("latents [{f}, {h}, {w}] are smaller than one patch");
+        }
+        let (eb, len, text_dim) = encoder_hidden_states.dims3()?;
+        if eb != b || text_dim != cfg.text_embed_dim {
+            candle_core::bail!(
+                "encoder_hidden_states {:?} do not match batch {b} and text_embed_dim {}",
+                encoder_hidden_states.dims(),
+                cfg.text_embed_dim
+            );
+        }
+        if encoder_attention_mask.dims() != [b, len] {
+            candle_core::bail!(
+                "encoder_attention_mask {:?} does not match the text [{b}, {len}]",
+                encoder_attention_mask.dims()
+            );
+        }
+        if pooled_projections.dims() != [b, cfg.pooled_projection_dim] {
+            candle_core::bail!(
+                "pooled_projections {:?} do not match [{b}, {}]",
+                pooled_projections.dims(),
+                cfg.pooled_projection_dim
+            );
+        }
+        let device = latents.device();
+        let per_batch = |t: &Tensor, what: &str| -> Result<Tensor> {
+            match t.elem_count() {
+                1 if b > 1 => t.flatten_all()?.repeat(b),
+                n if n == b => t.flatten_all(),
+                n => candle_core::bail!("{what} has {n} values for a batch of {b}"),
+            }
+        };
+
+        // Patch embedding: Conv3d with kernel = stride = patch, as a matmul over patches.
+        let [gf, gh, gw] = grid;
+        let patches = latents
+            .narrow(2, 0, gf * pt)?
+            .narrow(3, 0, gh * p)?
+            .narrow(4, 0, gw * p)?
+            .to_dtype(self.dtype)?
+            .reshape(vec![b, c, gf, pt, gh, p, gw, p])?
+            .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
+            .reshape((b, gf * gh * gw, c * pt * p * p))?;
+        let hidden_states = self.x_embedder.forward(&patches)?;
+
+        // Conditioning: timestep + guidance + pooled CLIP.
+        let t_proj = timestep_embedding(&per_batch(timestep, "timestep")?, TIMESTEP_CHANNELS)?
+            .to_device(device)?;
+        let pooled = pooled_projections.to_dtype(self.dtype)?;
+        let mut temb = (self
+            .timestep_embedder
+            .forward(&t_proj.to_dtype(self.dtype)?)?
+            + self.text_embedder.forward(&pooled)?)?;
+        if let Some(embedder) = &self.guidance_embedder {
+            let Some(guidance) = guidance else {
+                candle_core::bail!("this transformer embeds guidance: pass the guidance (x1000)");
+            };
+            let g_proj = timestep_embedding(&per_batch(guidance, "guidance")?, TIMESTEP_CHANNELS)?
+                .to_device(device)?;
+            temb = (temb + embedder.forward(&g_proj.to_dtype(self.dtype)?)?)?;
+        }
+
+        // Text: token refiner under the padding mask.
+        let mask_rows = encoder_attention_mask
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()?;
+        let valid: Vec<Vec<bool>> = mask_rows
+            .iter()
+            .map(|r| r.iter().map(|&m| m != 0.0).collect())
+            .collect();
+        let text_lens: Vec<usize> = mask_rows
+            .iter()
+            .map(|r| r.iter().sum::<f32>() as usize)
+            .collect();
+        if text_lens.iter().any(|&l| l > len) {
+            candle_core::bail!("encoder_attention_mask holds values other than 0 and 1");
+        }
+        let encoder_hidden_states = self.context_embedder.forward(
+            &encoder_hidden_states.to_dtype(self.dtype)?,
+            &encoder_attention_mask.to_device(device)?,
+            &t_proj,
+            &valid,
+        )?;
+
+        let (rope_cos, rope_sin) = rope_tables(cfg, grid, device)?;
+        Ok(BlockInputs {
+            hidden_states: Some(hidden_states),
+            encoder_hidden_states: Some(encoder_hidden_states),
+            temb,
+            rope_cos,
+            rope_sin,
+            text_lens,
+            batch: b,
+            grid,
+        })
+    }
+
+    /// Output norm (AdaLayerNormContinuous, scale then shift), `proj_out` and unpatchify:
+    /// video tokens `[B, N, inner]` -> `[B, out_channels, F, H, W]`.
+    pub fn finish(&self, hidden: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let m = self.norm_out.forward(&inputs.temb)?;
+        let h = modulate(&layer_norm(hidden, NORM_EPS)?, &m[1], &m[0])?;
+        let h = self.proj_out.forward(&h)?;
+        let (pt, p) = (self.cfg.patch_size_t, self.cfg.patch_size);
+        let [gf, gh, gw] = inputs.grid;
+        let oc = self.cfg.out_channels();
+        // diffusers: reshape(B, F, H, W, C, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).
+        h.reshape(vec![inputs.batch, gf, gh, gw, oc, pt, p, p])?
+            .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
+            .reshape((inputs.batch, oc, gf * pt, gh * p, gw * p))
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_attention_mask: &Tensor,
+        pooled_projections: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if self.blocks.len() != self.cfg.num_blocks() {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                self.cfg.num_blocks()
+            );
+        }
+        let mut inputs = self.prepare(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            pooled_projections,
+            guidance,
+        )?;
+        let (mut hidden, mut encoder) = inputs.take_streams()?;
+        for block in &self.blocks {
+            (hidden, encoder) = block.forward(&hidden, &encoder, &inputs)?;
+        }
+        self.finish(&hidden, &inputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_chunks_cover_every_token_once() -> Result<()> {
+        let x = Tensor::arange(0f32, 2.0 * 23.0 * 3.0, &Device::Cpu)?.reshape((2, 23, 3))?;
+        let offsets = Tensor::arange(0f32, 23.0, &Device::Cpu)?.reshape((1, 23, 1))?;
+        // A row-wise map that also uses the chunk's offset, as the single-stream block does.
+        let f = |start: usize, rows: &Tensor| {
+            let len = rows.dim(1)?;
+            (rows * 2.0)?.broadcast_add(&offsets.narrow(1, start, len)?)
+        };
+        let whole = f(0, &x)?;
+        let chunked = by_chunks_of(&x, 7, f)?;
+        let diff = (whole - chunked)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        Ok(())
+    }
+}

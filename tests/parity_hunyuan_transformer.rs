@@ -1,0 +1,214 @@
+//! Parity of `HunyuanVideoTransformer3DModel` with diffusers on `hunyuanvideo-tiny-a`.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use vidgen::models::hunyuan_video::transformer::{
+    BlockKind, HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
+};
+
+const FIXTURE: &str = "hunyuanvideo-tiny-a";
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+fn config() -> HunyuanVideoTransformerConfig {
+    let path = common::named_fixture_dir(FIXTURE).join("transformer/config.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn var_builder() -> VarBuilder<'static> {
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
+    unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
+}
+
+fn check(what: &str, actual: &Tensor, expected: &Tensor) {
+    eprintln!(
+        "{what}: max |diff| {:.3e}",
+        common::max_abs_diff(actual, expected)
+    );
+    common::assert_close(what, actual, expected, ATOL, RTOL);
+}
+
+/// `[seq, D/2]` pair table -> diffusers' repeat-interleaved `[seq, D]`.
+fn interleave(t: &Tensor) -> Tensor {
+    let (seq, half) = t.dims2().unwrap();
+    t.unsqueeze(2)
+        .unwrap()
+        .broadcast_as((seq, half, 2))
+        .unwrap()
+        .reshape((seq, 2 * half))
+        .unwrap()
+}
+
+#[test]
+fn outputs_match_diffusers() {
+    let model = HunyuanVideoTransformer3DModel::new(&config(), var_builder()).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let run = |t: &str, g: &str| {
+        model
+            .forward(
+                &r["hidden_states"],
+                &r[t],
+                &r["encoder_hidden_states"],
+                &r["encoder_attention_mask"],
+                &r["pooled_projections"],
+                Some(&r[g]),
+            )
+            .unwrap()
+    };
+    check("output", &run("timestep", "guidance"), &r["output"]);
+    check(
+        "output_guidance_1000",
+        &run("timestep", "guidance_1000"),
+        &r["output_guidance_1000"],
+    );
+    check(
+        "output_t1000",
+        &run("timestep_1000", "guidance"),
+        &r["output_t1000"],
+    );
+}
+
+#[test]
+fn intermediates_match_diffusers() {
+    let cfg = config();
+    let vb = var_builder();
+    // The engine's path: the non-block part alone, each block built on its own.
+    let model = HunyuanVideoTransformer3DModel::new_without_blocks(&cfg, vb.clone()).unwrap();
+    assert!(model.blocks().is_empty());
+    let r = common::named_reference(FIXTURE, "transformer");
+    let mut inputs = model
+        .prepare(
+            &r["hidden_states"],
+            &r["timestep"],
+            &r["encoder_hidden_states"],
+            &r["encoder_attention_mask"],
+            &r["pooled_projections"],
+            Some(&r["guidance"]),
+        )
+        .unwrap();
+    check(
+        "rope_cos",
+        &interleave(&inputs.rope_cos),
+        &r["debug.rope_cos"],
+    );
+    check(
+        "rope_sin",
+        &interleave(&inputs.rope_sin),
+        &r["debug.rope_sin"],
+    );
+    check("temb", &inputs.temb, &r["debug.temb"]);
+    let (mut hidden, mut encoder) = inputs.take_streams().unwrap();
+    assert!(inputs.take_streams().is_err());
+    check("x_embedder", &hidden, &r["debug.x_embedder"]);
+    check("context_embedder", &encoder, &r["debug.context_embedder"]);
+
+    let (mut dual, mut single) = (0, 0);
+    for i in 0..cfg.num_blocks() {
+        let block = HunyuanVideoBlock::new(&cfg, i, vb.clone()).unwrap();
+        (hidden, encoder) = block.forward(&hidden, &encoder, &inputs).unwrap();
+        let name = match block.kind() {
+            BlockKind::DualStream => {
+                dual += 1;
+                format!("debug.block.{}", dual - 1)
+            }
+            BlockKind::SingleStream => {
+                single += 1;
+                format!("debug.single_block.{}", single - 1)
+            }
+        };
+        check(
+            &format!("{name}.hidden_states"),
+            &hidden,
+            &r[&format!("{name}.hidden_states")],
+        );
+        check(
+            &format!("{name}.encoder_hidden_states"),
+            &encoder,
+            &r[&format!("{name}.encoder_hidden_states")],
+        );
+    }
+    assert_eq!((dual, single), (cfg.num_layers, cfg.num_single_layers));
+    let out = model.finish(&hidden, &inputs).unwrap();
+    check("output", &out, &r["output"]);
+}
+
+#[test]
+fn hostile_configs_are_refused_with_the_key() {
+    let base = config();
+    let cases: Vec<(&str, HunyuanVideoTransformerConfig)> = vec![
+        (
+            "rope_axes_dim",
+            HunyuanVideoTransformerConfig {
+                rope_axes_dim: vec![4, 6],
+                ..base.clone()
+            },
+        ),
+        (
+            "attention_head_dim",
+            HunyuanVideoTransformerConfig {
+                attention_head_dim: 0,
+                ..base.clone()
+            },
+        ),
+        (
+            "patch_size",
+            HunyuanVideoTransformerConfig {
+                patch_size: 0,
+                ..base.clone()
+            },
+        ),
+        (
+            "mlp_ratio",
+            HunyuanVideoTransformerConfig {
+                mlp_ratio: f64::NAN,
+                ..base.clone()
+            },
+        ),
+        (
+            "image_condition_type",
+            HunyuanVideoTransformerConfig {
+                image_condition_type: Some("token_replace".into()),
+                ..base.clone()
+            },
+        ),
+    ];
+    for (key, cfg) in cases {
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains(key), "{key}: {err}");
+        assert!(HunyuanVideoTransformer3DModel::new(&cfg, var_builder()).is_err());
+    }
+    // The published defaults validate.
+    HunyuanVideoTransformerConfig::default().validate().unwrap();
+}
+
+/// The bf16 path (what GPUs run) stays close to the f32 reference: catches dtype plumbing
+/// mistakes, not rounding (bf16 keeps ~3 significant digits).
+#[test]
+fn bf16_forward_tracks_the_reference() {
+    let path =
+        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let model = HunyuanVideoTransformer3DModel::new(&config(), vb).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let bf16 = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let out = model
+        .forward(
+            &bf16(&r["hidden_states"]),
+            &r["timestep"],
+            &bf16(&r["encoder_hidden_states"]),
+            &r["encoder_attention_mask"],
+            &bf16(&r["pooled_projections"]),
+            Some(&r["guidance"]),
+        )
+        .unwrap();
+    assert_eq!(out.dtype(), DType::BF16);
+    let reference = &r["output"];
+    let scale = common::max_abs_diff(reference, &reference.zeros_like().unwrap());
+    let err = common::max_abs_diff(&out, reference) / scale;
+    eprintln!("bf16 output: max |diff| / max |ref| = {err:.3e}");
+    assert!(err < 5e-2, "bf16 output drifts {err} from the reference");
+}
