@@ -189,6 +189,8 @@ mod cuda_tests {
             (1, 64, 81_920)
         );
         assert_eq!(tile_for(128, 2, 48 * 1024), None);
-        assert_eq!(tile_for(64, 2, 48 * 1024).map(|t| t.m_tiles), Some(1));
+        // head_dim 64 needs half: both fit 48 KiB, the fast one exactly.
+        assert_eq!(tile_for(64, 2, 48 * 1024).map(|t| t.m_tiles), Some(2));
+        assert_eq!(tile_for(64, 2, 48 * 1024 - 1).map(|t| t.m_tiles), Some(1));
     }
 }

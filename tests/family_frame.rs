@@ -1,0 +1,205 @@
+//! The frame reads only a family's description: a toy family made here from the tiny Wan parts
+//! (a text encoder, two DiT experts, a VAE) is placed, planned, scheduled and run without any
+//! change to the runner, the placement, the plan or the dry-run code.
+
+mod common;
+
+use anyhow::Result;
+use std::sync::{Arc, Mutex};
+use vidgen::cli::{parse, Parsed, ResolvedConfig};
+use vidgen::models::source::ModelSource;
+use vidgen::models::wan::text_encoder::UMT5EncoderModel;
+use vidgen::models::wan::transformer::WanTransformer3DModel;
+use vidgen::models::wan::vae::AutoencoderKLWan;
+use vidgen::offload::Residency;
+use vidgen::pipeline::inert_options;
+use vidgen::pipeline::placement::Placement;
+use vidgen::pipeline::plan::{load_policy, Planner};
+use vidgen::pipeline::progress::Progress;
+use vidgen::pipeline::registry::{Family, RunShape};
+use vidgen::pipeline::runner::{self, BatchOrder, LoadPolicy, Pipeline};
+use vidgen::pipeline::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use vidgen::pipeline::wan_t2v::WanConfigs;
+
+/// Two experts over the tiny Wan parts, as Wan2.2 A14B lays them out.
+struct TwoExperts(WanConfigs);
+
+impl Family for TwoExperts {
+    fn spec(&self, _: &RunShape) -> PipelineSpec {
+        let c = &self.0;
+        let component = |name, role, constructors| ComponentSpec {
+            name,
+            role,
+            dtype: None,
+            deferrable: true,
+            constructors,
+        };
+        let dit = || Arc::new(ModelConstructors::<WanTransformer3DModel>(c.transformer.clone()));
+        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        };
+        PipelineSpec {
+            title: "two-expert toy",
+            components: vec![
+                component(
+                    "text_encoder",
+                    Role::TextEncoder,
+                    Arc::new(ModelConstructors::<UMT5EncoderModel>(c.text_encoder.clone())),
+                ),
+                component("transformer", Role::Dit, dit()),
+                component("transformer_2", Role::Dit, dit()),
+                component(
+                    "vae",
+                    Role::Vae,
+                    Arc::new(ModelConstructors::<AutoencoderKLWan>(c.vae.clone())),
+                ),
+            ],
+            stages: vec![
+                stage("encode_text", &[0], 10),
+                stage("denoise_high", &[1], 100),
+                stage("denoise_low", &[2], 100),
+                stage("decode", &[3], 1000),
+                stage("write", &[], 0),
+            ],
+        }
+    }
+
+    fn facts(&self, _: &RunShape) -> serde_json::Value {
+        serde_json::json!({ "experts": 2 })
+    }
+
+    fn open(
+        self: Box<Self>,
+        _: ResolvedConfig,
+        _: ModelSource,
+        _: candle_core::Device,
+        _: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = vidgen::pipeline::jobs::Job>>> {
+        anyhow::bail!("the toy family only plans")
+    }
+}
+
+fn resolve(args: &[&str]) -> ResolvedConfig {
+    let argv = ["vidgen", "generate", "--dry-run", "--device", "cpu"]
+        .iter()
+        .chain(args)
+        .map(std::ffi::OsString::from);
+    match parse(argv).unwrap() {
+        Parsed::Generate(a) => ResolvedConfig::resolve(*a).unwrap(),
+        Parsed::Info(text) => panic!("{text}"),
+    }
+}
+
+fn toy() -> TwoExperts {
+    let source = ModelSource::parse(common::fixture_dir().to_str().unwrap()).unwrap();
+    TwoExperts(WanConfigs::read(&source).unwrap())
+}
+
+/// Both DiTs follow the DiT flags, the notes name what acts on nothing, and the plan holds
+/// one expert at a time when components load lazily.
+#[test]
+fn a_toy_family_is_placed_and_planned_by_role() {
+    let family = toy();
+    let config = resolve(&[
+        "--memory-model",
+        "discrete",
+        "--lazy-module-load",
+        "--no-dit-layerwise-offload",
+        "--dit-cpu-offload",
+    ]);
+    let planner = Planner::new(&family, &config);
+    let spec = planner.spec(&planner.request());
+    let placement = Placement::new(&config.memory, &spec);
+    assert_eq!(placement.residencies[1], Residency::Parked);
+    assert_eq!(placement.residencies[2], Residency::Parked);
+    assert_eq!(placement.json()["components"]["transformer_2"]["mode"], "parked");
+    let notes = inert_options(&config.memory, &spec);
+    assert!(
+        notes.iter().any(|n| n.contains("two-expert toy has no image encoder")),
+        "{notes:?}"
+    );
+
+    let plan = planner.plan(&planner.request()).unwrap();
+    let high = plan.stage("denoise_high").unwrap();
+    let low = plan.stage("denoise_low").unwrap();
+    assert_eq!(high.weight_bytes, low.weight_bytes, "the experts are alike");
+    assert_eq!((high.activation_bytes, low.activation_bytes), (100, 100));
+    assert!(plan.stage("encode_text").unwrap().weight_bytes < high.weight_bytes + 1);
+
+    // Resident and eager, both experts stay on the device through both denoise stages.
+    let eager = resolve(&[
+        "--memory-model",
+        "discrete",
+        "--no-lazy-module-load",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+    ]);
+    let planner = Planner::new(&family, &eager);
+    let both = planner.plan(&planner.request()).unwrap();
+    let one_expert = high.weight_bytes;
+    assert!(both.stage("denoise_high").unwrap().weight_bytes >= 2 * one_expert);
+}
+
+/// What the runner did, in order.
+#[derive(Default)]
+struct Log(Mutex<Vec<String>>);
+
+/// A pipeline that runs nothing but records the runner's calls.
+struct Recording<'a> {
+    spec: PipelineSpec,
+    log: &'a Log,
+}
+
+impl Pipeline for Recording<'_> {
+    type Job = ();
+
+    fn spec(&self) -> &PipelineSpec {
+        &self.spec
+    }
+
+    fn load(&mut self, component: usize) -> Result<()> {
+        let name = self.spec.components[component].name;
+        self.log.0.lock().unwrap().push(format!("load {name}"));
+        Ok(())
+    }
+
+    fn release(&mut self, component: usize) {
+        let name = self.spec.components[component].name;
+        self.log.0.lock().unwrap().push(format!("free {name}"));
+    }
+
+    fn run_stage(&mut self, index: usize, _: &mut ()) -> Result<()> {
+        let name = self.spec.stages[index].name;
+        self.log.0.lock().unwrap().push(format!("run {name}"));
+        Ok(())
+    }
+}
+
+/// Loading lazily, the runner frees the first expert before the second loads: only the expert
+/// in use needs the device.
+#[test]
+fn the_runner_switches_experts_without_holding_both() {
+    let family = toy();
+    let config = resolve(&["--memory-model", "discrete", "--lazy-module-load"]);
+    assert_eq!(load_policy(&config.memory), LoadPolicy::Lazy);
+    let log = Log::default();
+    let mut pipeline = Recording {
+        spec: family.spec(&RunShape::of(&config)),
+        log: &log,
+    };
+    let reports = runner::run(
+        &mut pipeline,
+        &mut [()],
+        LoadPolicy::Lazy,
+        BatchOrder::Prompt,
+        |_, _| {},
+    );
+    assert!(reports[0].error.is_none());
+    let log = log.0.into_inner().unwrap();
+    let at = |entry: &str| log.iter().position(|l| l == entry).unwrap();
+    assert!(at("free transformer") < at("load transformer_2"), "{log:?}");
+    assert!(at("free text_encoder") < at("load transformer"), "{log:?}");
+    assert_eq!(log.last().map(String::as_str), Some("run write"), "{log:?}");
+}
