@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::models::loader::seeded_normal;
+use crate::weights::seeded_normal;
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the resnets' and the output's RMSNorms (hard-coded in diffusers).
