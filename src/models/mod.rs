@@ -3,5 +3,6 @@
 
 pub mod attention;
 pub mod loader;
+pub mod minimax_h3;
 pub mod source;
 pub mod wan;

@@ -7,14 +7,24 @@ use std::path::PathBuf;
 
 /// The tiny diffusers checkpoint with its reference outputs.
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a")
+    named_fixture_dir("wan-tiny-a")
+}
+
+/// Another fixture folder under `tests/fixtures/` (e.g. `minimax-h3-tiny-a`).
+pub fn named_fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// Loads one of the `reference/*.safetensors` files onto the CPU.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    let path = fixture_dir()
-        .join("reference")
-        .join(format!("{name}.safetensors"));
+    reference_in(&fixture_dir(), name)
+}
+
+/// Loads `reference/{name}.safetensors` of the fixture folder `dir` onto the CPU.
+pub fn reference_in(dir: &std::path::Path, name: &str) -> HashMap<String, Tensor> {
+    let path = dir.join("reference").join(format!("{name}.safetensors"));
     candle_core::safetensors::load(&path, &Device::Cpu)
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
@@ -31,6 +41,12 @@ pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, atol: f64, r
             .unwrap()
     };
     let (a, e) = (values(actual), values(expected));
+    let max_diff = a
+        .iter()
+        .zip(&e)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    eprintln!("{what}: max |diff| {max_diff:.3e}");
     let mut worst = (0.0f64, 0usize);
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());

@@ -1,0 +1,3 @@
+//! MiniMax H3 text-to-video+audio (diffusers' modular `MiniMaxH3` pipeline, `t2va` workflow).
+
+pub mod transformer;
