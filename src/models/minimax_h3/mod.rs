@@ -1,3 +1,4 @@
 //! MiniMax H3 text-to-video+audio (diffusers' modular `MiniMaxH3` pipeline, `t2va` workflow).
 
+pub mod layout;
 pub mod transformer;
