@@ -1,4 +1,5 @@
 //! MiniMax H3 text-to-video+audio (diffusers' modular `MiniMaxH3` pipeline, `t2va` workflow).
 
 pub mod layout;
+pub mod text_encoder;
 pub mod transformer;
