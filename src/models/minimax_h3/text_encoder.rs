@@ -16,6 +16,8 @@ use serde::Deserialize;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
+use super::nn::{cos_sin, partial_rope, RmsNorm};
+
 /// The hidden state diffusers' MiniMax H3 pipeline conditions on (output of decoder layer 50).
 pub const PROMPT_HIDDEN_STATE_INDEX: usize = 50;
 
@@ -186,26 +188,6 @@ impl Qwen3VLTextConfig {
     }
 }
 
-/// Weight-only RMSNorm over the last axis.
-#[derive(Debug, Clone)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
-}
-
-impl RmsNorm {
-    fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get(dim, "weight")?,
-            eps: eps as f32,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
-    }
-}
-
 /// Causal grouped-query self-attention with per-head RMSNorm on q and k.
 #[derive(Debug, Clone)]
 struct SelfAttention {
@@ -252,9 +234,9 @@ impl SelfAttention {
         let q = split(self.q_proj.forward(x)?, self.heads, Some(&self.q_norm))?;
         let k = split(self.k_proj.forward(x)?, self.kv_heads, Some(&self.k_norm))?;
         let v = split(self.v_proj.forward(x)?, self.kv_heads, None)?;
-        let (cos, sin) = (rope.cos.to_dtype(q.dtype())?, rope.sin.to_dtype(q.dtype())?);
-        let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+        let (cos, sin) = (&rope.cos, &rope.sin);
+        let q = partial_rope(&q, cos, sin)?;
+        let k = partial_rope(&k, cos, sin)?;
         let groups = self.heads / self.kv_heads;
         let k = candle_transformers::utils::repeat_kv(k, groups)?.contiguous()?;
         let v = candle_transformers::utils::repeat_kv(v, groups)?.contiguous()?;
@@ -319,21 +301,16 @@ impl TextRope {
                 1.0 / ((theta as f64).powf(exponent as f64) as f32)
             })
             .collect();
-        let mut cos = Vec::with_capacity(len * dim / 2);
-        let mut sin = Vec::with_capacity(len * dim / 2);
-        for p in 0..len {
-            for &f in &inv_freq {
-                let angle = (p as f32 * f) as f64;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
+        let angles: Vec<f32> = (0..len)
+            .flat_map(|p| inv_freq.iter().map(move |&f| p as f32 * f))
+            .collect();
+        let (cos, sin) = cos_sin(&angles, len, dim / 2, device)?;
         let mask: Vec<f32> = (0..len)
             .flat_map(|i| (0..len).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
             .collect();
         Ok(Self {
-            cos: Tensor::from_vec(cos, (len, dim / 2), device)?,
-            sin: Tensor::from_vec(sin, (len, dim / 2), device)?,
+            cos,
+            sin,
             causal_mask: Tensor::from_vec(mask, (len, len), device)?,
         })
     }

@@ -15,12 +15,14 @@
 //! The token refiner (`num_refiner_layers` plain blocks over the text rows) belongs to the
 //! non-block part: it runs once in `prepare`.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::wan::transformer::timestep_embedding;
+
+use super::nn::{cos_sin, partial_rope, RmsNorm, SwiGlu};
 
 /// Modalities of the packed sequence, in the order of the AdaLN table: video 0, text 1, audio 2.
 pub const MODALITY_COUNT: usize = 3;
@@ -225,11 +227,10 @@ struct Attention {
     to_k: Linear,
     to_v: Linear,
     to_out: Linear,
-    norm_q: Tensor,
-    norm_k: Tensor,
+    norm_q: RmsNorm,
+    norm_k: RmsNorm,
     heads: usize,
     head_dim: usize,
-    eps: f32,
 }
 
 impl Attention {
@@ -240,11 +241,10 @@ impl Attention {
             to_k: candle_nn::linear_no_bias(dim, inner, vb.pp("to_k"))?,
             to_v: candle_nn::linear_no_bias(dim, inner, vb.pp("to_v"))?,
             to_out: candle_nn::linear_no_bias(inner, dim, vb.pp("to_out.0"))?,
-            norm_q: vb.get(cfg.attention_head_dim, "norm_q.weight")?,
-            norm_k: vb.get(cfg.attention_head_dim, "norm_k.weight")?,
+            norm_q: RmsNorm::new(cfg.attention_head_dim, cfg.qk_norm_eps, vb.pp("norm_q"))?,
+            norm_k: RmsNorm::new(cfg.attention_head_dim, cfg.qk_norm_eps, vb.pp("norm_k"))?,
             heads: cfg.num_attention_heads,
             head_dim: cfg.attention_head_dim,
-            eps: cfg.qk_norm_eps as f32,
         })
     }
 
@@ -253,27 +253,18 @@ impl Attention {
     fn heads_normed(
         &self,
         x: Tensor,
-        weight: &Tensor,
+        norm: &RmsNorm,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
-        let x = x.reshape((b, s, self.heads, self.head_dim))?;
-        let x = candle_nn::ops::rms_norm(&x, weight, self.eps)?
+        let x = norm
+            .forward(&x.reshape((b, s, self.heads, self.head_dim))?)?
             .transpose(1, 2)?
             .contiguous()?;
-        let Some((cos, sin)) = rope else {
-            return Ok(x);
-        };
-        let rotary = 2 * cos.dim(1)?;
-        let rotated = candle_nn::rotary_emb::rope(
-            &x.narrow(3, 0, rotary)?.contiguous()?,
-            &cos.to_dtype(x.dtype())?,
-            &sin.to_dtype(x.dtype())?,
-        )?;
-        if rotary == self.head_dim {
-            return Ok(rotated);
+        match rope {
+            Some((cos, sin)) => partial_rope(&x, cos, sin),
+            None => Ok(x),
         }
-        Tensor::cat(&[rotated, x.narrow(3, rotary, self.head_dim - rotary)?], 3)
     }
 
     /// Full self-attention of `x` `[B, S, hidden]` over itself.
@@ -294,51 +285,6 @@ impl Attention {
     }
 }
 
-/// SwiGLU feed-forward in diffusers' order: `net.0.proj(x) = [value | gate]`,
-/// `net.2(value * silu(gate))`.
-#[derive(Debug, Clone)]
-struct SwiGlu {
-    proj: Linear,
-    out: Linear,
-}
-
-impl SwiGlu {
-    fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            proj: candle_nn::linear_no_bias(cfg.hidden_size, 2 * cfg.ffn_dim, vb.pp("net.0.proj"))?,
-            out: candle_nn::linear_no_bias(cfg.ffn_dim, cfg.hidden_size, vb.pp("net.2"))?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.proj.forward(x)?;
-        let half = h.dim(D::Minus1)? / 2;
-        let value = h.narrow(D::Minus1, 0, half)?;
-        let gate = candle_nn::ops::silu(&h.narrow(D::Minus1, half, half)?)?;
-        self.out.forward(&(value * gate)?)
-    }
-}
-
-/// Weight-only RMSNorm over the last axis.
-#[derive(Debug, Clone)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
-}
-
-impl RmsNorm {
-    fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get(dim, "weight")?,
-            eps: eps as f32,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
-    }
-}
-
 /// Plain pre-norm block of the token refiner (no AdaLN, no RoPE).
 #[derive(Debug, Clone)]
 struct RefinerBlock {
@@ -354,7 +300,7 @@ impl RefinerBlock {
             norm1: RmsNorm::new(cfg.hidden_size, cfg.norm_eps, vb.pp("norm1"))?,
             attn: Attention::new(cfg, vb.pp("attn"))?,
             norm2: RmsNorm::new(cfg.hidden_size, cfg.norm_eps, vb.pp("norm2"))?,
-            ff: SwiGlu::new(cfg, vb.pp("ff"))?,
+            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"))?,
         })
     }
 
@@ -389,7 +335,7 @@ impl MiniMaxH3TransformerBlock {
             norm1: RmsNorm::new(dim, cfg.norm_eps, vb.pp("norm1"))?,
             attn: Attention::new(cfg, vb.pp("attn"))?,
             norm2: RmsNorm::new(dim, cfg.norm_eps, vb.pp("norm2"))?,
-            ff: SwiGlu::new(cfg, vb.pp("ff"))?,
+            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"))?,
             adaln: candle_nn::linear(
                 cfg.time_embed_dim,
                 6 * dim * MODALITY_COUNT,
@@ -450,20 +396,11 @@ pub fn rope_tables(
         .flatten_all()?
         .to_vec1::<f32>()?;
     let width = 3 * rope_freq_dim;
-    let mut cos = Vec::with_capacity(rows * width);
-    let mut sin = Vec::with_capacity(rows * width);
-    for &p in &pos {
-        for &f in &inv_freq {
-            let angle = (p * f) as f64;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    let device = position_ids.device();
-    Ok((
-        Tensor::from_vec(cos, (rows, width), device)?,
-        Tensor::from_vec(sin, (rows, width), device)?,
-    ))
+    let angles: Vec<f32> = pos
+        .iter()
+        .flat_map(|&p| inv_freq.iter().map(move |&f| p * f))
+        .collect();
+    cos_sin(&angles, rows, width, position_ids.device())
 }
 
 /// The diffusers `MiniMaxH3Transformer3DModel`.
