@@ -4,3 +4,4 @@ pub mod layout;
 mod nn;
 pub mod text_encoder;
 pub mod transformer;
+pub mod vae;
