@@ -76,12 +76,16 @@ fn pipeline_audio_matches_diffusers() {
 
 #[test]
 fn hostile_configs_are_one_line_errors() {
-    let mut cfg = MiniMaxH3AudioVaeConfig::default();
-    cfg.decoder_rates = vec![5, 5];
+    let cfg = MiniMaxH3AudioVaeConfig {
+        decoder_rates: vec![5, 5],
+        ..Default::default()
+    };
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("decoder_rates"), "{err}");
-    let mut cfg = MiniMaxH3AudioVaeConfig::default();
-    cfg.latents_mean = Some(vec![0.0; 3]);
+    let cfg = MiniMaxH3AudioVaeConfig {
+        latents_mean: Some(vec![0.0; 3]),
+        ..Default::default()
+    };
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("latents_mean"), "{err}");
 }

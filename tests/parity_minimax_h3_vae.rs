@@ -98,8 +98,10 @@ fn pipeline_decode_matches_diffusers() {
 
 #[test]
 fn hostile_configs_are_one_line_errors() {
-    let mut cfg = MiniMaxH3VaeConfig::default();
-    cfg.decoder_rope_dim_ratio = 0.5;
+    let cfg = MiniMaxH3VaeConfig {
+        decoder_rope_dim_ratio: 0.5,
+        ..Default::default()
+    };
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("decoder_rope_dim_ratio"), "{err}");
     let mut cfg = MiniMaxH3VaeConfig::default();

@@ -229,7 +229,7 @@ impl AliasFreeSnakeBeta {
         // Upsample: replicate pad, transposed conv with stride `ratio`, x ratio, crop.
         let pad = k / ratio - 1;
         let crop_left = pad * ratio + (k - ratio) / 2;
-        let crop_right = pad * ratio + (k - ratio + 1) / 2;
+        let crop_right = pad * ratio + (k - ratio).div_ceil(2);
         let up = depthwise(x, |x| {
             let y = x.pad_with_same(D::Minus1, pad, pad)?.conv_transpose1d(
                 &self.up_filter,

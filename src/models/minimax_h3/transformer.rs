@@ -355,11 +355,15 @@ impl MiniMaxH3TransformerBlock {
 
     /// `x` `[B, S, hidden]` -> `[B, S, hidden]`.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let table = self
-            .adaln_table(&inputs.temb)?
-            .index_select(&inputs.adaln_indices, 0)?
-            .to_dtype(x.dtype())?;
-        let m = |i: usize| table.narrow(1, i * self.hidden, self.hidden);
+        // Gather one `[S, hidden]` parameter at a time: the whole `[S, 6 * hidden]` selection
+        // would be six activations' worth of memory at full size.
+        let table = self.adaln_table(&inputs.temb)?.to_dtype(x.dtype())?;
+        let m = |i: usize| {
+            table
+                .narrow(1, i * self.hidden, self.hidden)?
+                .contiguous()?
+                .index_select(&inputs.adaln_indices, 0)
+        };
         let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
         let h = modulate(&self.norm1.forward(x)?, &m(0)?, &m(1)?)?;
         let x = (x + self.attn.forward(&h, rope)?.broadcast_mul(&m(2)?)?)?;

@@ -154,7 +154,7 @@ impl MiniMaxH3VaeConfig {
             candle_core::bail!("vae config: temporal_downsample_factors must be positive");
         }
         let rotary = self.decoder_rotary_dim();
-        if !(0.0..=1.0).contains(&self.decoder_rope_dim_ratio) || rotary % 6 != 0 {
+        if !(0.0..=1.0).contains(&self.decoder_rope_dim_ratio) || !rotary.is_multiple_of(6) {
             candle_core::bail!(
                 "vae config: decoder_rope_dim_ratio {} gives {rotary} rotary channels, which must be a multiple of 6 within the head",
                 self.decoder_rope_dim_ratio
@@ -565,7 +565,7 @@ impl MiniMaxH3VaeDecoder {
         let before_pad = total - pad;
         let extra: usize = (0..pad)
             .map(|k| {
-                if intra_tail > 0 && (before_pad + k) % chunk == 0 {
+                if intra_tail > 0 && (before_pad + k).is_multiple_of(chunk) {
                     intra_tail
                 } else {
                     rt
