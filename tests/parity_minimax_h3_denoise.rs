@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use vidgen::models::minimax_h3::layout::{
     pack_audio, patchify, row_timesteps, t2va_layout, unpack_audio, unpatchify, LayoutSizes,
+    T2vaGeometry,
 };
 use vidgen::models::minimax_h3::transformer::{
     MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
@@ -178,4 +179,29 @@ fn packing_round_trips() {
     let back = unpatchify(&rows, 8, [37, 4, 6], [1, 2, 2]).unwrap();
     assert_exact("unpatchify", &back, &r["input.latents"]);
     assert!(patchify(&r["input.latents"], [1, 3, 2]).is_err());
+}
+
+#[test]
+fn geometry_matches_diffusers() {
+    let vae: vidgen::models::minimax_h3::vae::MiniMaxH3VaeConfig = json("vae/config.json");
+    let r = common::reference_in(&dir(), "pipeline");
+    let g = T2vaGeometry::new(16, 24, 121, &vae, [1, 2, 2]).unwrap();
+    assert_eq!(g.num_frames, r["videos"].dim(1).unwrap());
+    let (_, _, frames, lh, lw) = r["latents_init"].dims5().unwrap();
+    assert_eq!(
+        (g.num_latent_frames, g.latent_height, g.latent_width),
+        (frames, lh, lw)
+    );
+    assert_eq!(g.num_audio_latents, r["audio_latents_init"].dim(2).unwrap());
+    assert_eq!(g.layout_sizes(27).audio_channels, 2);
+    // 17n + 5 counts stay, others snap up; the window is checked on the snapped count.
+    assert_eq!(
+        T2vaGeometry::new(16, 24, 124, &vae, [1, 2, 2])
+            .unwrap()
+            .num_frames,
+        124
+    );
+    assert!(T2vaGeometry::new(16, 24, 100, &vae, [1, 2, 2]).is_err());
+    assert!(T2vaGeometry::new(16, 24, 360, &vae, [1, 2, 2]).is_err());
+    assert!(T2vaGeometry::new(12, 24, 121, &vae, [1, 2, 2]).is_err());
 }

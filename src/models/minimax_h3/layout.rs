@@ -205,3 +205,105 @@ pub fn unpack_audio(rows: &Tensor, channels: usize) -> Result<Tensor> {
     rows.reshape((channels, n / channels, ca))?
         .permute((0, 2, 1))
 }
+
+/// MiniMax H3's frame rate: everything it generates is at 24 fps.
+pub const FPS: usize = 24;
+/// Audio latents per second of video (fixed; *not* read from the audio VAE config).
+pub const AUDIO_LATENTS_PER_SECOND: usize = 40;
+/// Stereo: two channel-major blocks of audio rows.
+pub const AUDIO_CHANNELS: usize = 2;
+/// Shortest video the model generates, in seconds (checked on the snapped frame count).
+pub const MIN_DURATION_S: f64 = 5.0;
+/// Longest video the model generates, in seconds.
+pub const MAX_DURATION_S: f64 = 15.0;
+
+/// The sizes of a `t2va` request as diffusers resolves them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct T2vaGeometry {
+    /// Pixel height (a multiple of the canvas multiple).
+    pub height: usize,
+    /// Pixel width.
+    pub width: usize,
+    /// Frames generated: the request snapped up to `clip_length · n + tokens_chunk_size`.
+    pub num_frames: usize,
+    /// Latent frames (`5n + 2` with the published VAE).
+    pub num_latent_frames: usize,
+    /// Latent height.
+    pub latent_height: usize,
+    /// Latent width.
+    pub latent_width: usize,
+    /// Audio latents per channel: `round(frames / 24 · 40)` (ties to even, as Python rounds).
+    pub num_audio_latents: usize,
+}
+
+impl T2vaGeometry {
+    /// Checks the canvas against `vae spatial ratio × patch width`, snaps `num_frames` up as
+    /// diffusers does (the caller reports a change on stderr) and checks the 5–15 s window on the
+    /// snapped count.
+    pub fn new(
+        height: usize,
+        width: usize,
+        num_frames: usize,
+        vae: &crate::models::minimax_h3::vae::MiniMaxH3VaeConfig,
+        patch_size: [usize; 3],
+    ) -> Result<Self> {
+        let ratio = vae.spatial_ratio();
+        let multiple = ratio * patch_size[2];
+        if multiple == 0
+            || height == 0
+            || width == 0
+            || height % multiple != 0
+            || width % multiple != 0
+        {
+            candle_core::bail!(
+                "height and width must be positive multiples of {multiple}, got {height}x{width}"
+            );
+        }
+        let frames_per_chunk = vae.clip_length;
+        let latents_per_chunk = vae.tokens_chunk_size();
+        if num_frames == 0 {
+            candle_core::bail!("num_frames must be positive");
+        }
+        if latents_per_chunk >= frames_per_chunk {
+            candle_core::bail!(
+                "vae config: clip_length {frames_per_chunk} leaves no frame count of the form {frames_per_chunk}·n + {latents_per_chunk}"
+            );
+        }
+        let remainder = num_frames % frames_per_chunk;
+        let snapped =
+            num_frames + (latents_per_chunk + frames_per_chunk - remainder) % frames_per_chunk;
+        let duration = snapped as f64 / FPS as f64;
+        if !(MIN_DURATION_S..=MAX_DURATION_S).contains(&duration) {
+            candle_core::bail!(
+                "MiniMax H3 generates {MIN_DURATION_S}-{MAX_DURATION_S} s at {FPS} fps: num_frames {num_frames} (rounded up to {snapped}) must be within {}..={}",
+                (MIN_DURATION_S * FPS as f64) as usize,
+                (MAX_DURATION_S * FPS as f64) as usize
+            );
+        }
+        let num_latent_frames =
+            (snapped - latents_per_chunk) / frames_per_chunk * latents_per_chunk + 2;
+        let num_audio_latents = (snapped as f64 / FPS as f64 * AUDIO_LATENTS_PER_SECOND as f64)
+            .round_ties_even() as usize;
+        Ok(Self {
+            height,
+            width,
+            num_frames: snapped,
+            num_latent_frames,
+            latent_height: height / ratio,
+            latent_width: width / ratio,
+            num_audio_latents,
+        })
+    }
+
+    /// The layout sizes for a prompt of `num_text_tokens` tokens.
+    pub fn layout_sizes(&self, num_text_tokens: usize) -> LayoutSizes {
+        LayoutSizes {
+            num_text_tokens,
+            num_latent_frames: self.num_latent_frames,
+            latent_height: self.latent_height,
+            latent_width: self.latent_width,
+            num_audio_latents: self.num_audio_latents,
+            audio_channels: AUDIO_CHANNELS,
+        }
+    }
+}
