@@ -252,8 +252,8 @@ impl T2vaGeometry {
         if multiple == 0
             || height == 0
             || width == 0
-            || height % multiple != 0
-            || width % multiple != 0
+            || !height.is_multiple_of(multiple)
+            || !width.is_multiple_of(multiple)
         {
             candle_core::bail!(
                 "height and width must be positive multiples of {multiple}, got {height}x{width}"
