@@ -121,3 +121,23 @@ fn a_stack_of_fifty_layers_is_refused() {
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("num_hidden_layers"), "{err}");
 }
+
+/// The encoder runs in bf16 on the GPU: it must run with a bf16 `VarBuilder` and stay near the
+/// f32 result (loose sanity bound; values reach ~12 after 50 layers).
+#[test]
+fn bf16_prompt_embeds_run_near_f32() {
+    let path = dir().join("text_encoder/model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let encoder = MiniMaxH3TextEncoder::new(&config().text_config, vb).unwrap();
+    let r = common::reference_in(&dir(), "text_encoder");
+    let ids = r["p0.input_ids"].to_dtype(DType::U32).unwrap();
+    let embeds = encoder.forward(&ids).unwrap().to_dtype(DType::F32).unwrap();
+    common::assert_close(
+        "bf16 prompt_embeds",
+        &embeds,
+        &r["p0.prompt_embeds"],
+        0.5,
+        0.1,
+    );
+}

@@ -139,3 +139,34 @@ fn hostile_configs_are_one_line_errors() {
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("num_attention_heads"), "{err}");
 }
+
+/// The GPU path runs the published mixed-precision checkpoint in bf16 (patch projections, time
+/// embedder and heads in f32): the same forward must run with a bf16 `VarBuilder` and stay near
+/// the f32 result (no reference at that precision, so only a loose sanity bound).
+#[test]
+fn bf16_forward_runs_near_f32() {
+    let path = dir().join("transformer/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let model = MiniMaxH3Transformer3DModel::new(&config(), vb).unwrap();
+    let r = common::reference_in(&dir(), "transformer");
+    let (video, audio) = model
+        .forward(
+            &r["hidden_states"],
+            &r["audio_hidden_states"],
+            &r["encoder_hidden_states"],
+            &r["timestep"],
+            &r["timestep_indices"],
+            &layout(&r),
+        )
+        .unwrap();
+    assert_eq!(video.dtype(), DType::F32);
+    common::assert_close("bf16 sample", &video, &r["output.sample"], 0.15, 0.05);
+    common::assert_close(
+        "bf16 audio_sample",
+        &audio,
+        &r["output.audio_sample"],
+        0.15,
+        0.05,
+    );
+}
