@@ -419,6 +419,8 @@ impl MiniMaxH3AudioVaeDecoder {
 
     /// `dec_in_proj` (1x1 conv): `[B, Ca, N]` -> `[B, latent_dim, N]`.
     pub fn project_in(&self, latents: &Tensor) -> Result<Tensor> {
+        // The transposed view must be made contiguous: candle 0.11's CPU batched matmul returns
+        // wrong values for it with a batch > 1 (huggingface/candle#3758).
         self.dec_in_proj
             .forward(&latents.transpose(1, 2)?.contiguous()?)?
             .transpose(1, 2)?

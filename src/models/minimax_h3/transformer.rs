@@ -581,9 +581,15 @@ impl MiniMaxH3Transformer3DModel {
         let device = video.device();
         let u32_tensor = |v: Vec<u32>| Tensor::from_vec(v.clone(), v.len(), device);
 
-        let video_rows = self.proj_in.forward(&video.to_dtype(DType::F32)?)?;
-        let audio_rows = self.audio_proj_in.forward(&audio.to_dtype(DType::F32)?)?;
-        let text_rows = self.refine_text(text)?;
+        // Contiguous inputs: candle 0.11's CPU batched matmul (under `Linear` with a batch > 1)
+        // returns wrong values for some strided views (huggingface/candle#3758).
+        let video_rows = self
+            .proj_in
+            .forward(&video.to_dtype(DType::F32)?.contiguous()?)?;
+        let audio_rows = self
+            .audio_proj_in
+            .forward(&audio.to_dtype(DType::F32)?.contiguous()?)?;
+        let text_rows = self.refine_text(&text.contiguous()?)?;
         let dtype = text_rows.dtype();
         let hidden_states = Tensor::cat(
             &[
