@@ -6,6 +6,7 @@ pub mod clip;
 pub mod cogvideox;
 pub mod hunyuan_video;
 pub mod ltx;
+pub mod minimax_h3;
 pub mod source;
 pub mod t5;
 pub mod wan;

@@ -81,6 +81,12 @@ pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, atol: f64, r
             .unwrap()
     };
     let (a, e) = (values(actual), values(expected));
+    let max_diff = a
+        .iter()
+        .zip(&e)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    eprintln!("{what}: max |diff| {max_diff:.3e}");
     let mut worst = (0.0f64, 0usize);
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());

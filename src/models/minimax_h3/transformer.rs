@@ -1,0 +1,675 @@
+//! MiniMax H3 diffusion transformer (diffusers `MiniMaxH3Transformer3DModel`).
+//!
+//! One stack of blocks runs full self-attention over a single packed sequence holding text,
+//! stereo-audio and video rows. Modalities differ only in their input projections, the per-row
+//! AdaLN slot (`timestep_index * 3 + modality tag`) and the output heads, so one forward serves
+//! rows at different noise levels.
+//!
+//! The forward is split like Wan's so an engine can stream the blocks:
+//! 1. [`MiniMaxH3Transformer3DModel::prepare`]: input projections, token refiner, packing, time
+//!    embedding, per-row AdaLN indices and RoPE tables.
+//! 2. [`MiniMaxH3TransformerBlock::forward`] for every block, in order, starting from
+//!    [`BlockInputs::take_hidden_states`].
+//! 3. [`MiniMaxH3Transformer3DModel::finish`]: modulated output norm and the two velocity heads.
+//!
+//! The token refiner (`num_refiner_layers` plain blocks over the text rows) belongs to the
+//! non-block part: it runs once in `prepare`.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::sdpa;
+use crate::models::wan::transformer::timestep_embedding;
+
+use super::nn::{cos_sin, partial_rope, RmsNorm, SwiGlu};
+
+/// Modalities of the packed sequence, in the order of the AdaLN table: video 0, text 1, audio 2.
+pub const MODALITY_COUNT: usize = 3;
+/// Modality tag of video rows.
+pub const TAG_VIDEO: u32 = 0;
+/// Modality tag of text rows.
+pub const TAG_TEXT: u32 = 1;
+/// Modality tag of audio rows.
+pub const TAG_AUDIO: u32 = 2;
+
+/// `transformer/config.json`; missing keys take diffusers' defaults (the published 33B model).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct MiniMaxH3TransformerConfig {
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of one head (attention width = heads x head dim, independent of `hidden_size`).
+    pub attention_head_dim: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Number of main (AdaLN-modulated) blocks.
+    pub num_layers: usize,
+    /// Number of plain blocks refining the text rows.
+    pub num_refiner_layers: usize,
+    /// Inner width of the SwiGLU feed-forwards.
+    pub ffn_dim: usize,
+    /// Video latent channels.
+    pub in_channels: usize,
+    /// Audio latent channels (one row per latent per stereo channel).
+    pub audio_in_channels: usize,
+    /// Video patch (frames, height, width) packed into one row.
+    pub patch_size: [usize; 3],
+    /// Width of the text-encoder hidden states.
+    pub text_dim: usize,
+    /// Width of the sinusoidal timestep embedding.
+    pub freq_dim: usize,
+    /// Inner width of the timestep MLP.
+    pub time_embed_hidden_dim: usize,
+    /// Output width of the timestep MLP (input of every AdaLN projection).
+    pub time_embed_dim: usize,
+    /// Rotary frequencies per axis; `6 * rope_freq_dim` channels of each head are rotated.
+    pub rope_freq_dim: usize,
+    /// Base of the rotary frequencies.
+    pub rope_theta: f64,
+    /// Epsilon of the pre-attention and pre-feed-forward RMSNorms.
+    pub norm_eps: f64,
+    /// Epsilon of the per-head query/key RMSNorms.
+    pub qk_norm_eps: f64,
+    /// Epsilon of the refiner's final norm and of `norm_out`.
+    pub final_norm_eps: f64,
+}
+
+impl Default for MiniMaxH3TransformerConfig {
+    fn default() -> Self {
+        Self {
+            num_attention_heads: 56,
+            attention_head_dim: 128,
+            hidden_size: 5376,
+            num_layers: 50,
+            num_refiner_layers: 2,
+            ffn_dim: 14336,
+            in_channels: 24,
+            audio_in_channels: 32,
+            patch_size: [1, 2, 2],
+            text_dim: 5120,
+            freq_dim: 256,
+            time_embed_hidden_dim: 5376,
+            time_embed_dim: 2688,
+            rope_freq_dim: 16,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            qk_norm_eps: 1e-5,
+            final_norm_eps: 1e-5,
+        }
+    }
+}
+
+impl MiniMaxH3TransformerConfig {
+    /// Attention width: heads x head dim.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Values in one video row: `in_channels` x the patch volume.
+    pub fn video_patch_dim(&self) -> usize {
+        self.in_channels * self.patch_size.iter().product::<usize>()
+    }
+
+    /// Channels of each head that RoPE rotates (`2 * 3 * rope_freq_dim`).
+    pub fn rotary_dim(&self) -> usize {
+        6 * self.rope_freq_dim
+    }
+
+    /// Rejects configurations the model cannot run, naming the key.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("hidden_size", self.hidden_size),
+            ("ffn_dim", self.ffn_dim),
+            ("in_channels", self.in_channels),
+            ("audio_in_channels", self.audio_in_channels),
+            ("text_dim", self.text_dim),
+            ("freq_dim", self.freq_dim),
+            ("time_embed_hidden_dim", self.time_embed_hidden_dim),
+            ("time_embed_dim", self.time_embed_dim),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            candle_core::bail!("transformer config: {key} must be positive");
+        }
+        if self.patch_size.contains(&0) {
+            candle_core::bail!("transformer config: patch_size entries must be positive");
+        }
+        if self.rotary_dim() > self.attention_head_dim {
+            candle_core::bail!(
+                "transformer config: rope_freq_dim {} rotates {} channels, more than attention_head_dim {}",
+                self.rope_freq_dim,
+                self.rotary_dim(),
+                self.attention_head_dim
+            );
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            candle_core::bail!("transformer config: rope_theta must be a positive number");
+        }
+        for (key, eps) in [
+            ("norm_eps", self.norm_eps),
+            ("qk_norm_eps", self.qk_norm_eps),
+            ("final_norm_eps", self.final_norm_eps),
+        ] {
+            if !(eps.is_finite() && eps >= 0.0) {
+                candle_core::bail!("transformer config: {key} must be a non-negative number");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where every row of the packed sequence comes from and how it is treated: one layout shared
+/// by every batch item (diffusers' batch axis is pure replication).
+#[derive(Debug, Clone)]
+pub struct PackedLayout {
+    /// `[S]` modality tag per row (0 video, 1 text, 2 audio); any integer dtype.
+    pub token_tags: Tensor,
+    /// `[S, 3]` (t, h, w) rotary coordinates per row; cast to f32 as diffusers does.
+    pub position_ids: Tensor,
+    /// `[Nv]` sequence positions of the video rows, in row order.
+    pub video_indices: Tensor,
+    /// `[2 Na]` sequence positions of the audio rows (left channel block, then right).
+    pub audio_indices: Tensor,
+    /// `[L]` sequence positions of the text rows.
+    pub text_indices: Tensor,
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    hidden_states: Option<Tensor>,
+    /// `[T, time_embed_dim]` f32 time embedding, one row per distinct timestep.
+    pub temb: Tensor,
+    /// `[S]` u32 row of the `[T * 3, ..]` AdaLN table for each sequence row.
+    pub adaln_indices: Tensor,
+    /// `[S]` u32 timestep index of each row (the output norm's table row).
+    pub timestep_indices: Tensor,
+    /// `[S, 3 * rope_freq_dim]` f32 RoPE cosines (the duplicated half of diffusers' table).
+    pub rope_cos: Tensor,
+    /// `[S, 3 * rope_freq_dim]` f32 RoPE sines.
+    pub rope_sin: Tensor,
+    /// `[Nv]` u32 positions of the video rows.
+    pub video_indices: Tensor,
+    /// `[2 Na]` u32 positions of the audio rows.
+    pub audio_indices: Tensor,
+}
+
+impl BlockInputs {
+    /// Takes the packed sequence `[B, S, hidden]` that feeds block 0 (once, so the activation is
+    /// not held twice).
+    pub fn take_hidden_states(&mut self) -> Result<Tensor> {
+        self.hidden_states
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block-0 hidden states already taken".into()))
+    }
+}
+
+/// Per-row indices as host `u32`s, checked against `bound`.
+fn host_indices(what: &str, t: &Tensor, bound: usize) -> Result<Vec<u32>> {
+    let values = t.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+    values
+        .into_iter()
+        .map(|v| {
+            if v < 0 || v as usize >= bound {
+                candle_core::bail!("{what}: index {v} outside 0..{bound}")
+            }
+            Ok(v as u32)
+        })
+        .collect()
+}
+
+/// Attention with per-head RMSNorm on q and k and partial rotate-half RoPE, no biases.
+#[derive(Debug, Clone)]
+struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    norm_q: RmsNorm,
+    norm_k: RmsNorm,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let (dim, inner) = (cfg.hidden_size, cfg.inner_dim());
+        Ok(Self {
+            to_q: candle_nn::linear_no_bias(dim, inner, vb.pp("to_q"))?,
+            to_k: candle_nn::linear_no_bias(dim, inner, vb.pp("to_k"))?,
+            to_v: candle_nn::linear_no_bias(dim, inner, vb.pp("to_v"))?,
+            to_out: candle_nn::linear_no_bias(inner, dim, vb.pp("to_out.0"))?,
+            norm_q: RmsNorm::new(cfg.attention_head_dim, cfg.qk_norm_eps, vb.pp("norm_q"))?,
+            norm_k: RmsNorm::new(cfg.attention_head_dim, cfg.qk_norm_eps, vb.pp("norm_k"))?,
+            heads: cfg.num_attention_heads,
+            head_dim: cfg.attention_head_dim,
+        })
+    }
+
+    /// `[B, S, inner]` -> `[B, heads, S, head_dim]` after the per-head RMSNorm and, when given,
+    /// RoPE on the leading rotary channels of each head.
+    fn heads_normed(
+        &self,
+        x: Tensor,
+        norm: &RmsNorm,
+        rope: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let x = norm
+            .forward(&x.reshape((b, s, self.heads, self.head_dim))?)?
+            .transpose(1, 2)?
+            .contiguous()?;
+        match rope {
+            Some((cos, sin)) => partial_rope(&x, cos, sin),
+            None => Ok(x),
+        }
+    }
+
+    /// Full self-attention of `x` `[B, S, hidden]` over itself.
+    fn forward(&self, x: &Tensor, rope: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let q = self.heads_normed(self.to_q.forward(x)?, &self.norm_q, rope)?;
+        let k = self.heads_normed(self.to_k.forward(x)?, &self.norm_k, rope)?;
+        let v = self
+            .to_v
+            .forward(x)?
+            .reshape((b, s, self.heads, self.head_dim))?
+            .transpose(1, 2)?;
+        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, s, self.heads * self.head_dim))?;
+        self.to_out.forward(&out)
+    }
+}
+
+/// Plain pre-norm block of the token refiner (no AdaLN, no RoPE).
+#[derive(Debug, Clone)]
+struct RefinerBlock {
+    norm1: RmsNorm,
+    attn: Attention,
+    norm2: RmsNorm,
+    ff: SwiGlu,
+}
+
+impl RefinerBlock {
+    fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            norm1: RmsNorm::new(cfg.hidden_size, cfg.norm_eps, vb.pp("norm1"))?,
+            attn: Attention::new(cfg, vb.pp("attn"))?,
+            norm2: RmsNorm::new(cfg.hidden_size, cfg.norm_eps, vb.pp("norm2"))?,
+            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.norm1.forward(x)?, None)?)?;
+        &x + self.ff.forward(&self.norm2.forward(&x)?)?
+    }
+}
+
+/// `x * (1 + scale) + shift` with per-row `[S, dim]` modulation broadcast over the batch.
+fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+}
+
+/// One main block: AdaLN-modulated self-attention and SwiGLU, parameters picked per row from
+/// the `(timestep, modality)` table.
+#[derive(Debug, Clone)]
+pub struct MiniMaxH3TransformerBlock {
+    norm1: RmsNorm,
+    attn: Attention,
+    norm2: RmsNorm,
+    ff: SwiGlu,
+    adaln: Linear,
+    hidden: usize,
+}
+
+impl MiniMaxH3TransformerBlock {
+    /// Loads one block from `vb` = `transformer_blocks.{i}`.
+    pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.hidden_size;
+        Ok(Self {
+            norm1: RmsNorm::new(dim, cfg.norm_eps, vb.pp("norm1"))?,
+            attn: Attention::new(cfg, vb.pp("attn"))?,
+            norm2: RmsNorm::new(dim, cfg.norm_eps, vb.pp("norm2"))?,
+            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"))?,
+            adaln: candle_nn::linear(
+                cfg.time_embed_dim,
+                6 * dim * MODALITY_COUNT,
+                vb.pp("adaln_proj.linear"),
+            )?,
+            hidden: dim,
+        })
+    }
+
+    /// The AdaLN table `[T * 3, 6 * hidden]` (row `t_index * 3 + tag`; columns shift_msa,
+    /// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp). `silu` runs on the f32 `temb`,
+    /// then the result is cast to the projection's dtype, as diffusers does.
+    pub fn adaln_table(&self, temb: &Tensor) -> Result<Tensor> {
+        let act = candle_nn::ops::silu(temb)?.to_dtype(self.adaln.weight().dtype())?;
+        self.adaln.forward(&act)?.reshape(((), 6 * self.hidden))
+    }
+
+    /// `x` `[B, S, hidden]` -> `[B, S, hidden]`.
+    pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        // Gather one `[S, hidden]` parameter at a time: the whole `[S, 6 * hidden]` selection
+        // would be six activations' worth of memory at full size.
+        let table = self.adaln_table(&inputs.temb)?.to_dtype(x.dtype())?;
+        let m = |i: usize| {
+            table
+                .narrow(1, i * self.hidden, self.hidden)?
+                .contiguous()?
+                .index_select(&inputs.adaln_indices, 0)
+        };
+        let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
+        let h = modulate(&self.norm1.forward(x)?, &m(0)?, &m(1)?)?;
+        let x = (x + self.attn.forward(&h, rope)?.broadcast_mul(&m(2)?)?)?;
+        let h = modulate(&self.norm2.forward(&x)?, &m(3)?, &m(4)?)?;
+        &x + self.ff.forward(&h)?.broadcast_mul(&m(5)?)?
+    }
+}
+
+/// Rotary tables `[S, 3F]` (cos, sin) of `position_ids` `[S, 3]`: for each row the t, h and w
+/// angles `pos * inv_freq` concatenated, with `inv_freq_j = 1 / theta^(2j / 2F)` in f32 as torch
+/// computes it. (diffusers duplicates the table to `6F` for rotate-half; candle's `rope` takes
+/// the half.)
+pub fn rope_tables(
+    position_ids: &Tensor,
+    rope_freq_dim: usize,
+    rope_theta: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, axes) = position_ids.dims2()?;
+    if axes != 3 {
+        candle_core::bail!(
+            "position_ids must be [seq, 3], got {:?}",
+            position_ids.dims()
+        );
+    }
+    let theta = rope_theta as f32;
+    let inv_freq: Vec<f32> = (0..rope_freq_dim)
+        .map(|j| {
+            let exponent = (2 * j) as f32 / (2 * rope_freq_dim) as f32;
+            1.0 / ((theta as f64).powf(exponent as f64) as f32)
+        })
+        .collect();
+    let pos = position_ids
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let width = 3 * rope_freq_dim;
+    let angles: Vec<f32> = pos
+        .iter()
+        .flat_map(|&p| inv_freq.iter().map(move |&f| p * f))
+        .collect();
+    cos_sin(&angles, rows, width, position_ids.device())
+}
+
+/// The diffusers `MiniMaxH3Transformer3DModel`.
+#[derive(Debug, Clone)]
+pub struct MiniMaxH3Transformer3DModel {
+    cfg: MiniMaxH3TransformerConfig,
+    proj_in: Linear,
+    audio_proj_in: Linear,
+    context_embedder: Linear,
+    time_embedder: (Linear, Linear),
+    refiner_blocks: Vec<RefinerBlock>,
+    refiner_norm: RmsNorm,
+    blocks: Vec<MiniMaxH3TransformerBlock>,
+    norm_out: RmsNorm,
+    norm_out_linear: Linear,
+    proj_out: Linear,
+    audio_proj_out: Linear,
+    dtype: DType,
+}
+
+impl MiniMaxH3Transformer3DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| MiniMaxH3TransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the main blocks (for an engine that streams them from
+    /// `transformer_blocks.{i}`); `blocks()` is then empty and `forward` refuses to run.
+    /// The patch projections, time embedder and output heads are kept in f32, as the published
+    /// mixed-precision checkpoint stores them.
+    pub fn new_without_blocks(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.hidden_size;
+        let f32_vb = vb.clone().set_dtype(DType::F32);
+        let refiner_vb = vb.pp("token_refiner");
+        let refiner_blocks = (0..cfg.num_refiner_layers)
+            .map(|i| RefinerBlock::new(cfg, refiner_vb.pp(format!("refiner_blocks.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            proj_in: candle_nn::linear(cfg.video_patch_dim(), dim, f32_vb.pp("proj_in"))?,
+            audio_proj_in: candle_nn::linear(
+                cfg.audio_in_channels,
+                dim,
+                f32_vb.pp("audio_proj_in"),
+            )?,
+            context_embedder: candle_nn::linear(cfg.text_dim, dim, vb.pp("context_embedder"))?,
+            time_embedder: (
+                candle_nn::linear(
+                    cfg.freq_dim,
+                    cfg.time_embed_hidden_dim,
+                    f32_vb.pp("time_embedder.linear_1"),
+                )?,
+                candle_nn::linear(
+                    cfg.time_embed_hidden_dim,
+                    cfg.time_embed_dim,
+                    f32_vb.pp("time_embedder.linear_2"),
+                )?,
+            ),
+            refiner_blocks,
+            refiner_norm: RmsNorm::new(dim, cfg.final_norm_eps, refiner_vb.pp("final_norm"))?,
+            blocks: Vec::new(),
+            norm_out: RmsNorm::new(dim, cfg.final_norm_eps, vb.pp("norm_out.norm"))?,
+            norm_out_linear: candle_nn::linear(
+                cfg.time_embed_dim,
+                2 * dim,
+                vb.pp("norm_out.linear"),
+            )?,
+            proj_out: candle_nn::linear(dim, cfg.video_patch_dim(), f32_vb.pp("proj_out"))?,
+            audio_proj_out: candle_nn::linear(
+                dim,
+                cfg.audio_in_channels,
+                f32_vb.pp("audio_proj_out"),
+            )?,
+            dtype: vb.dtype(),
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &MiniMaxH3TransformerConfig {
+        &self.cfg
+    }
+
+    /// The loaded main blocks, in execution order (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[MiniMaxH3TransformerBlock] {
+        &self.blocks
+    }
+
+    /// `context_embedder` then the token refiner (with its final norm): `[B, L, text_dim]` ->
+    /// the text rows `[B, L, hidden]`.
+    pub fn refine_text(&self, encoder_hidden_states: &Tensor) -> Result<Tensor> {
+        let mut x = self
+            .context_embedder
+            .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
+        for block in &self.refiner_blocks {
+            x = block.forward(&x)?;
+        }
+        self.refiner_norm.forward(&x)
+    }
+
+    /// `time_embedder(sinusoid(t))` in f32 for the distinct timesteps `[T]` (unscaled, in [0, 1]).
+    pub fn time_embedding(&self, timestep: &Tensor) -> Result<Tensor> {
+        let t = timestep_embedding(timestep, self.cfg.freq_dim)?;
+        let (lin1, lin2) = &self.time_embedder;
+        lin2.forward(&candle_nn::ops::silu(&lin1.forward(&t)?)?)
+    }
+
+    /// Projects each modality, refines the text and packs the rows of `layout` into one sequence.
+    /// `video` `[B, Nv, C·pt·ph·pw]` (patchified rows), `audio` `[B, 2Na, Ca]`, `text`
+    /// `[B, L, text_dim]`, `timestep` `[T]` the distinct timesteps, `timestep_indices` `[S]`
+    /// each row's index into them.
+    pub fn prepare(
+        &self,
+        video: &Tensor,
+        audio: &Tensor,
+        text: &Tensor,
+        timestep: &Tensor,
+        timestep_indices: &Tensor,
+        layout: &PackedLayout,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (seq, _) = layout.position_ids.dims2()?;
+        let (b, nv, vdim) = video.dims3()?;
+        let (ab, na, adim) = audio.dims3()?;
+        let (tb, nt, tdim) = text.dims3()?;
+        if vdim != cfg.video_patch_dim() || adim != cfg.audio_in_channels || tdim != cfg.text_dim {
+            candle_core::bail!(
+                "row widths video {vdim}, audio {adim}, text {tdim} do not match the config's {}, {}, {}",
+                cfg.video_patch_dim(),
+                cfg.audio_in_channels,
+                cfg.text_dim
+            );
+        }
+        if ab != b || tb != b {
+            candle_core::bail!("video, audio and text batches differ: {b}, {ab}, {tb}");
+        }
+        let num_timesteps = timestep.elem_count();
+        let t_idx = host_indices("timestep_indices", timestep_indices, num_timesteps)?;
+        let tags = host_indices("token_tags", &layout.token_tags, MODALITY_COUNT)?;
+        let video_idx = host_indices("video_indices", &layout.video_indices, seq)?;
+        let audio_idx = host_indices("audio_indices", &layout.audio_indices, seq)?;
+        let text_idx = host_indices("text_indices", &layout.text_indices, seq)?;
+        if t_idx.len() != seq || tags.len() != seq {
+            candle_core::bail!(
+                "timestep_indices ({}) and token_tags ({}) must have one entry per row ({seq})",
+                t_idx.len(),
+                tags.len()
+            );
+        }
+        if video_idx.len() != nv || audio_idx.len() != na || text_idx.len() != nt {
+            candle_core::bail!(
+                "index counts video {}, audio {}, text {} do not match the rows given ({nv}, {na}, {nt})",
+                video_idx.len(),
+                audio_idx.len(),
+                text_idx.len()
+            );
+        }
+        // Packing = one gather from [text | video | audio]: source row of every sequence row.
+        let mut source = vec![u32::MAX; seq];
+        let sources = text_idx.iter().chain(&video_idx).chain(&audio_idx);
+        for (i, &pos) in sources.enumerate() {
+            if source[pos as usize] != u32::MAX {
+                candle_core::bail!("sequence row {pos} is claimed by two inputs");
+            }
+            source[pos as usize] = i as u32;
+        }
+        if source.contains(&u32::MAX) {
+            candle_core::bail!("the layout leaves sequence rows without an input");
+        }
+        let device = video.device();
+        let u32_tensor = |v: Vec<u32>| Tensor::from_vec(v.clone(), v.len(), device);
+
+        // Contiguous inputs: candle 0.11's CPU batched matmul (under `Linear` with a batch > 1)
+        // returns wrong values for some strided views (huggingface/candle#3758).
+        let video_rows = self
+            .proj_in
+            .forward(&video.to_dtype(DType::F32)?.contiguous()?)?;
+        let audio_rows = self
+            .audio_proj_in
+            .forward(&audio.to_dtype(DType::F32)?.contiguous()?)?;
+        let text_rows = self.refine_text(&text.contiguous()?)?;
+        let dtype = text_rows.dtype();
+        let hidden_states = Tensor::cat(
+            &[
+                text_rows,
+                video_rows.to_dtype(dtype)?,
+                audio_rows.to_dtype(dtype)?,
+            ],
+            1,
+        )?
+        .index_select(&u32_tensor(source)?, 1)?;
+
+        let temb = self.time_embedding(timestep)?;
+        let adaln: Vec<u32> = t_idx
+            .iter()
+            .zip(&tags)
+            .map(|(&t, &tag)| t * MODALITY_COUNT as u32 + tag)
+            .collect();
+        let (rope_cos, rope_sin) =
+            rope_tables(&layout.position_ids, cfg.rope_freq_dim, cfg.rope_theta)?;
+        Ok(BlockInputs {
+            hidden_states: Some(hidden_states),
+            temb,
+            adaln_indices: u32_tensor(adaln)?,
+            timestep_indices: u32_tensor(t_idx)?,
+            rope_cos,
+            rope_sin,
+            video_indices: u32_tensor(video_idx)?,
+            audio_indices: u32_tensor(audio_idx)?,
+        })
+    }
+
+    /// The output norm modulated per timestep: `[B, S, hidden]` -> `[B, S, hidden]`.
+    pub fn norm_out(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let act =
+            candle_nn::ops::silu(&inputs.temb)?.to_dtype(self.norm_out_linear.weight().dtype())?;
+        let table = self
+            .norm_out_linear
+            .forward(&act)?
+            .index_select(&inputs.timestep_indices, 0)?
+            .to_dtype(x.dtype())?;
+        let dim = self.cfg.hidden_size;
+        let (shift, scale) = (table.narrow(1, 0, dim)?, table.narrow(1, dim, dim)?);
+        modulate(&self.norm_out.forward(x)?, &shift, &scale)
+    }
+
+    /// Output norm and both velocity heads (f32): video `[B, Nv, C·pt·ph·pw]` and audio
+    /// `[B, 2Na, Ca]`, in the order of the layout's indices.
+    pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<(Tensor, Tensor)> {
+        let h = self.norm_out(x, inputs)?.to_dtype(DType::F32)?;
+        let video = self
+            .proj_out
+            .forward(&h.index_select(&inputs.video_indices, 1)?)?;
+        let audio = self
+            .audio_proj_out
+            .forward(&h.index_select(&inputs.audio_indices, 1)?)?;
+        Ok((video, audio))
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    pub fn forward(
+        &self,
+        video: &Tensor,
+        audio: &Tensor,
+        text: &Tensor,
+        timestep: &Tensor,
+        timestep_indices: &Tensor,
+        layout: &PackedLayout,
+    ) -> Result<(Tensor, Tensor)> {
+        if self.blocks.len() != self.cfg.num_layers {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                self.cfg.num_layers
+            );
+        }
+        let mut inputs = self.prepare(video, audio, text, timestep, timestep_indices, layout)?;
+        let mut x = inputs.take_hidden_states()?;
+        for block in &self.blocks {
+            x = block.forward(&x, &inputs)?;
+        }
+        self.finish(&x, &inputs)
+    }
+}

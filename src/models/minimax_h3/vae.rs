@@ -1,0 +1,625 @@
+//! MiniMax H3's video VAE decoder (diffusers `AutoencoderKLMiniMaxH3`, decode path only).
+//!
+//! The decoder is a non-causal ViT: every latent voxel of a clip is a token; learned register
+//! tokens and one all-zero token are appended, and `proj_out` expands each latent token into a
+//! `temporal ratio x spatial ratio²` pixel block. A video is decoded in clips of
+//! `tokens_chunk_size + token_overlap` latent frames (5 + 2 with the published settings) whose
+//! pixel frames overlap and are cross-faded, and each clip is spatially tiled (256 px tiles with
+//! at least 64 px overlap, linear blends) when larger than a tile. The encoder (used by the
+//! image/video-conditioned workflows only) is not implemented; its weights are never read.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{LayerNorm, Linear, VarBuilder};
+use serde::Deserialize;
+
+use super::nn::{cos_sin, partial_rope, RmsNorm, SwiGlu};
+use crate::models::attention::sdpa;
+
+/// ImageNet statistics the decoder's RGB output is normalised with.
+pub const PIXEL_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+/// See [`PIXEL_MEAN`].
+pub const PIXEL_STD: [f32; 3] = [0.229, 0.224, 0.225];
+
+/// `vae/config.json`; missing keys take diffusers' defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct MiniMaxH3VaeConfig {
+    /// Pixel channels out.
+    pub out_channels: usize,
+    /// Latent channels.
+    pub latent_channels: usize,
+    /// Per-stage spatial downsampling; their product is the spatial ratio.
+    pub spatial_downsample_factors: Vec<usize>,
+    /// Per-stage temporal downsampling; their product is the temporal ratio.
+    pub temporal_downsample_factors: Vec<usize>,
+    /// ViT decoder depth.
+    pub decoder_num_layers: usize,
+    /// ViT decoder heads.
+    pub decoder_num_attention_heads: usize,
+    /// ViT decoder head width.
+    pub decoder_attention_head_dim: usize,
+    /// Learned register tokens appended to every clip.
+    pub decoder_num_register_tokens: usize,
+    /// SwiGLU inner width = decoder width x this.
+    pub decoder_ffn_mult: usize,
+    /// Rotary base of the decoder.
+    pub decoder_rope_theta: f64,
+    /// Fraction of each head's channels that RoPE rotates.
+    pub decoder_rope_dim_ratio: f64,
+    /// Epsilon of the decoder's norms.
+    pub decoder_norm_eps: f64,
+    /// Pixel frames per encoded clip.
+    pub clip_length: usize,
+    /// Trailing latent frames the encoder drops per clip (sets the decode overlap).
+    pub token_drop: usize,
+    /// Per-channel latent mean: the pipeline decodes `z * std + mean`.
+    pub latents_mean: Vec<f32>,
+    /// Per-channel latent standard deviation.
+    pub latents_std: Vec<f32>,
+}
+
+impl Default for MiniMaxH3VaeConfig {
+    fn default() -> Self {
+        Self {
+            out_channels: 3,
+            latent_channels: 24,
+            spatial_downsample_factors: vec![2, 2, 2, 2, 1, 1],
+            temporal_downsample_factors: vec![1, 2, 2, 1, 1, 1],
+            decoder_num_layers: 36,
+            decoder_num_attention_heads: 32,
+            decoder_attention_head_dim: 64,
+            decoder_num_register_tokens: 4,
+            decoder_ffn_mult: 4,
+            decoder_rope_theta: 100.0,
+            decoder_rope_dim_ratio: 0.75,
+            decoder_norm_eps: 1e-5,
+            clip_length: 17,
+            token_drop: 3,
+            latents_mean: vec![0.0; 24],
+            latents_std: vec![1.0; 24],
+        }
+    }
+}
+
+impl MiniMaxH3VaeConfig {
+    /// Pixels per latent along height and width.
+    pub fn spatial_ratio(&self) -> usize {
+        self.spatial_downsample_factors.iter().product()
+    }
+
+    /// Pixel frames per latent frame.
+    pub fn temporal_ratio(&self) -> usize {
+        self.temporal_downsample_factors.iter().product()
+    }
+
+    /// Latent frames per encoded clip (`ceil(clip_length / temporal ratio)`).
+    pub fn tokens_chunk_size(&self) -> usize {
+        self.clip_length.div_ceil(self.temporal_ratio())
+    }
+
+    /// Pixel frames of padding the encoder implies in front of every clip.
+    pub fn frame_pre_padding(&self) -> usize {
+        (self.temporal_ratio() - self.clip_length % self.temporal_ratio()) % self.temporal_ratio()
+    }
+
+    /// Latent frames consecutive decode clips share.
+    pub fn token_overlap(&self) -> usize {
+        let chunk = self.tokens_chunk_size();
+        (chunk - self.token_drop % chunk) % chunk
+    }
+
+    /// Pixel frames consecutive decoded chunks are cross-faded over.
+    pub fn frame_overlap(&self) -> usize {
+        (self.token_overlap() * self.temporal_ratio()).saturating_sub(self.frame_pre_padding())
+    }
+
+    /// Width of the decoder's residual stream.
+    pub fn decoder_dim(&self) -> usize {
+        self.decoder_num_attention_heads * self.decoder_attention_head_dim
+    }
+
+    /// Channels of each decoder head that RoPE rotates (`int(head_dim * ratio)`).
+    pub fn decoder_rotary_dim(&self) -> usize {
+        (self.decoder_attention_head_dim as f64 * self.decoder_rope_dim_ratio) as usize
+    }
+
+    /// Rejects configurations the decoder cannot run, naming the key.
+    pub fn validate(&self) -> Result<()> {
+        for (key, value) in [
+            ("out_channels", self.out_channels),
+            ("latent_channels", self.latent_channels),
+            (
+                "decoder_num_attention_heads",
+                self.decoder_num_attention_heads,
+            ),
+            (
+                "decoder_attention_head_dim",
+                self.decoder_attention_head_dim,
+            ),
+            ("decoder_ffn_mult", self.decoder_ffn_mult),
+            ("clip_length", self.clip_length),
+        ] {
+            if value == 0 {
+                candle_core::bail!("vae config: {key} must be positive");
+            }
+        }
+        if self.spatial_downsample_factors.is_empty()
+            || self.spatial_downsample_factors.contains(&0)
+        {
+            candle_core::bail!("vae config: spatial_downsample_factors must be positive");
+        }
+        if self.temporal_downsample_factors.is_empty()
+            || self.temporal_downsample_factors.contains(&0)
+        {
+            candle_core::bail!("vae config: temporal_downsample_factors must be positive");
+        }
+        let rotary = self.decoder_rotary_dim();
+        if !(0.0..=1.0).contains(&self.decoder_rope_dim_ratio) || !rotary.is_multiple_of(6) {
+            candle_core::bail!(
+                "vae config: decoder_rope_dim_ratio {} gives {rotary} rotary channels, which must be a multiple of 6 within the head",
+                self.decoder_rope_dim_ratio
+            );
+        }
+        if !(self.decoder_rope_theta.is_finite() && self.decoder_rope_theta > 0.0) {
+            candle_core::bail!("vae config: decoder_rope_theta must be a positive number");
+        }
+        if self.latents_mean.len() != self.latent_channels
+            || self.latents_std.len() != self.latent_channels
+        {
+            candle_core::bail!(
+                "vae config: latents_mean and latents_std need {} values (latent_channels), got {} and {}",
+                self.latent_channels,
+                self.latents_mean.len(),
+                self.latents_std.len()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Spatial tiling of the decode (pixel units). diffusers' `AutoencoderKLMiniMaxH3` has it on with
+/// 256 px tiles and at least 64 px overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tiling {
+    /// Tile height.
+    pub tile_height: usize,
+    /// Tile width.
+    pub tile_width: usize,
+    /// Smallest overlap between vertically adjacent tiles.
+    pub min_overlap_height: usize,
+    /// Smallest overlap between horizontally adjacent tiles.
+    pub min_overlap_width: usize,
+}
+
+impl Default for Tiling {
+    fn default() -> Self {
+        Self {
+            tile_height: 256,
+            tile_width: 256,
+            min_overlap_height: 64,
+            min_overlap_width: 64,
+        }
+    }
+}
+
+/// Tile starts and per-boundary overlaps covering `length` pixels (diffusers' `_split_tiles`):
+/// the fewest `tile`-wide tiles whose overlaps are all at least `min_overlap`, the slack spread
+/// round-robin over the overlaps in steps of `step` so every boundary stays latent-aligned.
+fn split_tiles(
+    length: usize,
+    tile: usize,
+    min_overlap: usize,
+    step: usize,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    if tile >= length {
+        return Ok((vec![0], Vec::new()));
+    }
+    if min_overlap >= tile {
+        candle_core::bail!("tile overlap {min_overlap} must be smaller than the tile {tile}");
+    }
+    let mut tiles = length.div_ceil(tile);
+    while tile * tiles < min_overlap * (tiles - 1) + length {
+        tiles += 1;
+    }
+    let mut overlaps = vec![min_overlap; tiles - 1];
+    let slack = tile * tiles - min_overlap * (tiles - 1) - length;
+    for i in 0..slack / step {
+        overlaps[i % (tiles - 1)] += step;
+    }
+    let mut starts = vec![0];
+    for overlap in &overlaps {
+        starts.push(starts[starts.len() - 1] + tile - overlap);
+    }
+    Ok((starts, overlaps))
+}
+
+/// diffusers' `_blend`: the last `extent` entries of `a` cross-faded into the first of `b`
+/// along `dim` (weights `1 - k/extent` and `k/extent`), then the rest of `b`.
+fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
+    let (len_a, len_b) = (a.dim(dim)?, b.dim(dim)?);
+    let extent = extent.min(len_a).min(len_b);
+    if extent == 0 {
+        return Ok(b.clone());
+    }
+    let mut shape = vec![1; b.rank()];
+    shape[dim] = extent;
+    let ramp: Vec<f32> = (0..extent).map(|k| k as f32 / extent as f32).collect();
+    let weight_b = Tensor::from_vec(ramp, shape, b.device())?.to_dtype(b.dtype())?;
+    let weight_a = weight_b.affine(-1.0, 1.0)?;
+    let blended = (a
+        .narrow(dim, len_a - extent, extent)?
+        .broadcast_mul(&weight_a)?
+        + b.narrow(dim, 0, extent)?.broadcast_mul(&weight_b)?)?;
+    if extent == len_b {
+        return Ok(blended);
+    }
+    Tensor::cat(&[blended, b.narrow(dim, extent, len_b - extent)?], dim)
+}
+
+/// Self-attention of the ViT decoder: biased projections, weightless per-head RMSNorm on q and
+/// k, partial RoPE.
+#[derive(Debug, Clone)]
+struct DecoderAttention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    norm: RmsNorm,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl DecoderAttention {
+    fn new(cfg: &MiniMaxH3VaeConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.decoder_dim();
+        Ok(Self {
+            to_q: candle_nn::linear(dim, dim, vb.pp("to_q"))?,
+            to_k: candle_nn::linear(dim, dim, vb.pp("to_k"))?,
+            to_v: candle_nn::linear(dim, dim, vb.pp("to_v"))?,
+            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            norm: RmsNorm::without_weight(
+                cfg.decoder_attention_head_dim,
+                cfg.decoder_norm_eps,
+                &vb,
+            )?,
+            heads: cfg.decoder_num_attention_heads,
+            head_dim: cfg.decoder_attention_head_dim,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (b, n, dim) = x.dims3()?;
+        let split = |t: Tensor, norm: bool| -> Result<Tensor> {
+            let t = t.reshape((b, n, self.heads, self.head_dim))?;
+            let t = if norm { self.norm.forward(&t)? } else { t };
+            t.transpose(1, 2)?.contiguous()
+        };
+        let q = partial_rope(&split(self.to_q.forward(x)?, true)?, cos, sin)?;
+        let k = partial_rope(&split(self.to_k.forward(x)?, true)?, cos, sin)?;
+        let v = split(self.to_v.forward(x)?, false)?;
+        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
+        self.to_out
+            .forward(&out.transpose(1, 2)?.reshape((b, n, dim))?)
+    }
+}
+
+/// One ViT decoder block: `x += attn(norm1(x)) * scale1; x += ffn(norm2(x)) * scale2`.
+#[derive(Debug, Clone)]
+pub struct MiniMaxH3VaeDecoderBlock {
+    norm1: RmsNorm,
+    attn: DecoderAttention,
+    scale1: Tensor,
+    norm2: RmsNorm,
+    ff: SwiGlu,
+    scale2: Tensor,
+}
+
+impl MiniMaxH3VaeDecoderBlock {
+    /// Loads one block from `vb` = `decoder.transformer_blocks.{i}`.
+    pub fn new(cfg: &MiniMaxH3VaeConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.decoder_dim();
+        Ok(Self {
+            norm1: RmsNorm::new(dim, cfg.decoder_norm_eps, vb.pp("norm1"))?,
+            attn: DecoderAttention::new(cfg, vb.pp("attn"))?,
+            scale1: vb.get(dim, "scale1")?,
+            norm2: RmsNorm::new(dim, cfg.decoder_norm_eps, vb.pp("norm2"))?,
+            ff: SwiGlu::new(dim, dim * cfg.decoder_ffn_mult, true, vb.pp("ff"))?,
+            scale2: vb.get(dim, "scale2")?,
+        })
+    }
+
+    /// `x` `[B, tokens, dim]`; `cos`/`sin` the half RoPE tables `[tokens, rotary / 2]`.
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let attn = self.attn.forward(&self.norm1.forward(x)?, cos, sin)?;
+        let x = (x + attn.broadcast_mul(&self.scale1)?)?;
+        let ff = self.ff.forward(&self.norm2.forward(&x)?)?;
+        &x + ff.broadcast_mul(&self.scale2)?
+    }
+}
+
+/// The decode half of `AutoencoderKLMiniMaxH3`: `post_quant_conv`, the ViT decoder, clip
+/// chunking with cross-fades and spatial tiling.
+#[derive(Debug, Clone)]
+pub struct MiniMaxH3VaeDecoder {
+    cfg: MiniMaxH3VaeConfig,
+    /// 1x1x1 Conv3d as a linear over channels.
+    post_quant_conv: Linear,
+    proj_in: Linear,
+    register_tokens: Tensor,
+    blocks: Vec<MiniMaxH3VaeDecoderBlock>,
+    norm_out: LayerNorm,
+    proj_out: Linear,
+    /// Spatial tiling of each clip; `None` decodes whole frames.
+    pub tiling: Option<Tiling>,
+}
+
+impl MiniMaxH3VaeDecoder {
+    /// Loads the decoder from the VAE root `vb` (`vae/diffusion_pytorch_model.safetensors`),
+    /// with diffusers' default tiling.
+    pub fn new(cfg: &MiniMaxH3VaeConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let (c, dim) = (cfg.latent_channels, cfg.decoder_dim());
+        let pq = vb.pp("post_quant_conv");
+        let post_quant_conv = Linear::new(
+            pq.get((c, c, 1, 1, 1), "weight")?.reshape((c, c))?,
+            Some(pq.get(c, "bias")?),
+        );
+        let dvb = vb.pp("decoder");
+        let blocks = (0..cfg.decoder_num_layers)
+            .map(|i| MiniMaxH3VaeDecoderBlock::new(cfg, dvb.pp(format!("transformer_blocks.{i}"))))
+            .collect::<Result<_>>()?;
+        let pixels_per_token = cfg.out_channels * cfg.temporal_ratio() * cfg.spatial_ratio().pow(2);
+        Ok(Self {
+            post_quant_conv,
+            proj_in: candle_nn::linear(c, dim, dvb.pp("proj_in"))?,
+            register_tokens: dvb
+                .get((1, cfg.decoder_num_register_tokens, dim), "register_tokens")?,
+            blocks,
+            norm_out: candle_nn::layer_norm(dim, cfg.decoder_norm_eps, dvb.pp("norm_out"))?,
+            proj_out: candle_nn::linear(dim, pixels_per_token, dvb.pp("proj_out"))?,
+            tiling: Some(Tiling::default()),
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The configuration the decoder was built with.
+    pub fn config(&self) -> &MiniMaxH3VaeConfig {
+        &self.cfg
+    }
+
+    /// `z * latents_std + latents_mean` per channel of `[B, C, F, H, W]` normalised latents.
+    pub fn denormalize(&self, latents: &Tensor) -> Result<Tensor> {
+        let c = self.cfg.latent_channels;
+        let device = latents.device();
+        let std = Tensor::new(self.cfg.latents_std.as_slice(), device)?.reshape((1, c, 1, 1, 1))?;
+        let mean =
+            Tensor::new(self.cfg.latents_mean.as_slice(), device)?.reshape((1, c, 1, 1, 1))?;
+        latents
+            .broadcast_mul(&std.to_dtype(latents.dtype())?)?
+            .broadcast_add(&mean.to_dtype(latents.dtype())?)
+    }
+
+    /// RoPE half tables for a `[frames, height, width]` token grid plus the extra tokens (at
+    /// position 0): per axis positions `2 (i + 0.5) / size - 1`, angles `2π · pos · inv_freq`
+    /// with `inv_freq = 1 / theta^(arange(0, 1, 6 / rotary))`, in f32 as diffusers computes them.
+    fn rope(&self, grid: [usize; 3], device: &Device) -> Result<(Tensor, Tensor)> {
+        let rotary = self.cfg.decoder_rotary_dim();
+        let per_axis = rotary / 6;
+        let theta = self.cfg.decoder_rope_theta as f32 as f64;
+        let step = 6.0 / rotary as f64;
+        let inv_freq: Vec<f32> = (0..per_axis)
+            .map(|j| 1.0 / (theta.powf((j as f64 * step) as f32 as f64) as f32))
+            .collect();
+        let axis = |size: usize| -> Vec<f32> {
+            (0..size)
+                .map(|i| 2.0 * ((i as f32 + 0.5) / size as f32) - 1.0)
+                .collect()
+        };
+        let [f, h, w] = grid;
+        let (tf, th, tw) = (axis(f), axis(h), axis(w));
+        let two_pi = (2.0 * std::f64::consts::PI) as f32;
+        let extra = self.cfg.decoder_num_register_tokens + 1;
+        let tokens = f * h * w + extra;
+        let width = 3 * per_axis;
+        let mut angles = Vec::with_capacity(tokens * width);
+        for &pt in &tf {
+            for &ph in &th {
+                for &pw in &tw {
+                    for pos in [pt, ph, pw] {
+                        angles.extend(inv_freq.iter().map(|&inv| (two_pi * pos) * inv));
+                    }
+                }
+            }
+        }
+        angles.resize(tokens * width, 0.0);
+        cos_sin(&angles, tokens, width, device)
+    }
+
+    /// One decoder call without chunking or tiling: denormalised latents `[B, C, F, H, W]` ->
+    /// ImageNet-normalised RGB `[B, 3, F·rt, H·rs, W·rs]` (`decoder(post_quant_conv(z))`).
+    pub fn decode_clip_untiled(&self, z: &Tensor) -> Result<Tensor> {
+        let (b, c, f, h, w) = z.dims5()?;
+        if c != self.cfg.latent_channels {
+            candle_core::bail!(
+                "latents have {c} channels, the VAE expects {}",
+                self.cfg.latent_channels
+            );
+        }
+        let tokens = f * h * w;
+        let x = z.permute((0, 2, 3, 4, 1))?.reshape((b, tokens, c))?;
+        let x = self.proj_in.forward(&self.post_quant_conv.forward(&x)?)?;
+        let dim = x.dim(D::Minus1)?;
+        let registers = self.register_tokens.to_dtype(x.dtype())?.broadcast_as((
+            b,
+            self.cfg.decoder_num_register_tokens,
+            dim,
+        ))?;
+        let zero = Tensor::zeros((b, 1, dim), x.dtype(), x.device())?;
+        let mut x = Tensor::cat(&[&x, &registers, &zero], 1)?;
+        let (cos, sin) = self.rope([f, h, w], x.device())?;
+        for block in &self.blocks {
+            x = block.forward(&x, &cos, &sin)?;
+        }
+        let x = self
+            .proj_out
+            .forward(&self.norm_out.forward(&x)?)?
+            .narrow(1, 0, tokens)?;
+        let (rt, rs, oc) = (
+            self.cfg.temporal_ratio(),
+            self.cfg.spatial_ratio(),
+            self.cfg.out_channels,
+        );
+        x.reshape(vec![b, f, h, w, oc, rt, rs, rs])?
+            .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
+            .reshape((b, oc, f * rt, h * rs, w * rs))
+    }
+
+    /// One clip, spatially tiled when tiling is on and the clip exceeds a tile.
+    pub fn decode_clip(&self, z: &Tensor) -> Result<Tensor> {
+        let Some(tiling) = self.tiling else {
+            return self.decode_clip_untiled(z);
+        };
+        let ratio = self.cfg.spatial_ratio();
+        let (height, width) = (z.dim(3)? * ratio, z.dim(4)? * ratio);
+        let (ys, y_overlaps) =
+            split_tiles(height, tiling.tile_height, tiling.min_overlap_height, ratio)?;
+        let (xs, x_overlaps) =
+            split_tiles(width, tiling.tile_width, tiling.min_overlap_width, ratio)?;
+        let (tile_h, tile_w) = (tiling.tile_height.min(height), tiling.tile_width.min(width));
+        let mut tiles: Vec<Vec<Tensor>> = Vec::with_capacity(ys.len());
+        for &y in &ys {
+            let mut row = Vec::with_capacity(xs.len());
+            for &x in &xs {
+                let tile =
+                    z.narrow(3, y / ratio, tile_h / ratio)?
+                        .narrow(4, x / ratio, tile_w / ratio)?;
+                row.push(self.decode_clip_untiled(&tile)?);
+            }
+            tiles.push(row);
+        }
+        stitch_tiles(&tiles, &y_overlaps, &x_overlaps)
+    }
+
+    /// `vae.decode` of denormalised latents `[B, C, F, H, W]`: clips of latent frames
+    /// `[i·chunk, i·chunk + chunk + overlap)`, each decoded clip split into the chunk (after the
+    /// implicit pre-padding) and the tail the next chunk is cross-faded with; lengths that are
+    /// not whole chunks are padded by repeating the last latent frame and cropped after. For
+    /// `F = 5n + 2` the result has `17n + 5` frames with the published settings.
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let chunk = cfg.tokens_chunk_size();
+        let rt = cfg.temporal_ratio();
+        let chunk_frames = chunk * rt;
+        let pre = cfg.frame_pre_padding();
+        let drop = cfg.token_drop;
+        let frames = z.dim(2)?;
+        if frames == 0 {
+            candle_core::bail!("no latent frames to decode");
+        }
+        let tokens = frames + drop;
+        let pad = (chunk - tokens % chunk) % chunk;
+        let chunks = (tokens + pad) / chunk - usize::from(drop > 0);
+        if chunks == 0 {
+            candle_core::bail!("{frames} latent frames are too few to decode (token_drop {drop})");
+        }
+        let z = if pad > 0 {
+            let last = z.narrow(2, frames - 1, 1)?;
+            let repeats: Vec<&Tensor> = std::iter::repeat_n(&last, pad).collect();
+            Tensor::cat(&[&[z], repeats.as_slice()].concat(), 2)?
+        } else {
+            z.clone()
+        };
+        let total = z.dim(2)?;
+        let mut pieces = Vec::with_capacity(chunks + 1);
+        let mut tail: Option<Tensor> = None;
+        for i in 0..chunks {
+            let start = i * chunk;
+            let len = (chunk + cfg.token_overlap()).min(total.saturating_sub(start));
+            if len == 0 {
+                candle_core::bail!("decode clip {i} starts past the latents");
+            }
+            let clip = self.decode_clip(&z.narrow(2, start, len)?)?;
+            let clip_frames = clip.dim(2)?;
+            for part in 0..=usize::from(drop > 0) {
+                let from = (part * chunk_frames + pre).min(clip_frames);
+                let to = ((part + 1) * chunk_frames).min(clip_frames);
+                let piece = clip.narrow(2, from, to.saturating_sub(from))?;
+                if part == 0 {
+                    let piece = match &tail {
+                        Some(prev) => blend(prev, &piece, cfg.frame_overlap(), 2)?,
+                        None => piece,
+                    };
+                    pieces.push(piece);
+                } else {
+                    tail = Some(piece);
+                }
+            }
+        }
+        pieces.extend(tail);
+        let decoded = Tensor::cat(&pieces, 2)?;
+        if pad == 0 {
+            return Ok(decoded);
+        }
+        // A chunk's last latent frame covers only `clip_length % rt` pixel frames.
+        let intra_tail = cfg.clip_length % rt;
+        let before_pad = total - pad;
+        let extra: usize = (0..pad)
+            .map(|k| {
+                if intra_tail > 0 && (before_pad + k).is_multiple_of(chunk) {
+                    intra_tail
+                } else {
+                    rt
+                }
+            })
+            .sum();
+        let n = decoded.dim(2)?;
+        decoded.narrow(2, 0, n.saturating_sub(extra))
+    }
+}
+
+/// diffusers' `_stitch_tiles`: blend each tile into its upper and left neighbours, crop the
+/// overlaps, concatenate.
+fn stitch_tiles(
+    tiles: &[Vec<Tensor>],
+    y_overlaps: &[usize],
+    x_overlaps: &[usize],
+) -> Result<Tensor> {
+    let (h_dim, w_dim) = (3, 4);
+    let mut rows = Vec::with_capacity(tiles.len());
+    for (i, row) in tiles.iter().enumerate() {
+        let mut out_row = Vec::with_capacity(row.len());
+        for (j, tile) in row.iter().enumerate() {
+            let mut tile = tile.clone();
+            if i > 0 {
+                tile = blend(&tiles[i - 1][j], &tile, y_overlaps[i - 1], h_dim)?;
+            }
+            if j > 0 {
+                tile = blend(&row[j - 1], &tile, x_overlaps[j - 1], w_dim)?;
+            }
+            if i + 1 < tiles.len() {
+                let n = tile.dim(h_dim)?;
+                tile = tile.narrow(h_dim, 0, n - y_overlaps[i])?;
+            }
+            if j + 1 < row.len() {
+                let n = tile.dim(w_dim)?;
+                tile = tile.narrow(w_dim, 0, n - x_overlaps[j])?;
+            }
+            out_row.push(tile);
+        }
+        rows.push(Tensor::cat(&out_row, w_dim)?);
+    }
+    Tensor::cat(&rows, h_dim)
+}
+
+/// The pipeline's frames from a decode: `clamp(decoded · PIXEL_STD + PIXEL_MEAN, 0, 1)` of
+/// `[B, 3, T, H, W]`, in f32 and the same layout.
+pub fn decoded_to_unit_range(decoded: &Tensor) -> Result<Tensor> {
+    let device = decoded.device();
+    let std = Tensor::new(&PIXEL_STD, device)?.reshape((1, 3, 1, 1, 1))?;
+    let mean = Tensor::new(&PIXEL_MEAN, device)?.reshape((1, 3, 1, 1, 1))?;
+    decoded
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&std)?
+        .broadcast_add(&mean)?
+        .clamp(0f32, 1f32)
+}

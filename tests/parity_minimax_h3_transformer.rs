@@ -1,0 +1,172 @@
+//! Parity of the MiniMax H3 transformer with diffusers' `MiniMaxH3Transformer3DModel` on the
+//! tiny fixture (one forward on the pipeline's packed layout at step 1's two timesteps).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use vidgen::models::minimax_h3::transformer::{
+    rope_tables, MiniMaxH3Transformer3DModel, MiniMaxH3TransformerBlock,
+    MiniMaxH3TransformerConfig, PackedLayout,
+};
+
+/// The fixture README's tolerance for transformer outputs and debug tensors.
+const ATOL: f64 = 3e-5;
+const RTOL: f64 = 3e-5;
+
+fn dir() -> std::path::PathBuf {
+    common::named_fixture_dir("minimax-h3-tiny-a")
+}
+
+fn config() -> MiniMaxH3TransformerConfig {
+    let path = dir().join("transformer/config.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn var_builder() -> VarBuilder<'static> {
+    let path = dir().join("transformer/diffusion_pytorch_model.safetensors");
+    unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
+}
+
+fn layout(r: &HashMap<String, Tensor>) -> PackedLayout {
+    PackedLayout {
+        token_tags: r["token_tags"].clone(),
+        position_ids: r["position_ids"].clone(),
+        video_indices: r["video_indices"].clone(),
+        audio_indices: r["audio_indices"].clone(),
+        text_indices: r["text_indices"].clone(),
+    }
+}
+
+#[test]
+fn forward_matches_diffusers() {
+    let model = MiniMaxH3Transformer3DModel::new(&config(), var_builder()).unwrap();
+    let r = common::reference_in(&dir(), "transformer");
+    let (video, audio) = model
+        .forward(
+            &r["hidden_states"],
+            &r["audio_hidden_states"],
+            &r["encoder_hidden_states"],
+            &r["timestep"],
+            &r["timestep_indices"],
+            &layout(&r),
+        )
+        .unwrap();
+    common::assert_close("output.sample", &video, &r["output.sample"], ATOL, RTOL);
+    common::assert_close(
+        "output.audio_sample",
+        &audio,
+        &r["output.audio_sample"],
+        ATOL,
+        RTOL,
+    );
+}
+
+#[test]
+fn streamed_blocks_and_intermediates_match_diffusers() {
+    let cfg = config();
+    let vb = var_builder();
+    let model = MiniMaxH3Transformer3DModel::new_without_blocks(&cfg, vb.clone()).unwrap();
+    assert!(model.blocks().is_empty());
+    let r = common::reference_in(&dir(), "transformer");
+
+    let (cos, sin) = rope_tables(&r["position_ids"], cfg.rope_freq_dim, cfg.rope_theta).unwrap();
+    // diffusers' table is the half duplicated for rotate-half.
+    let dup = |t: &Tensor| Tensor::cat(&[t, t], 1).unwrap();
+    common::assert_close("rope_cos", &dup(&cos), &r["debug.rope_cos"], ATOL, RTOL);
+    common::assert_close("rope_sin", &dup(&sin), &r["debug.rope_sin"], ATOL, RTOL);
+    let refined = model.refine_text(&r["encoder_hidden_states"]).unwrap();
+    common::assert_close(
+        "token_refiner",
+        &refined,
+        &r["debug.token_refiner"],
+        ATOL,
+        RTOL,
+    );
+    let temb = model.time_embedding(&r["timestep"]).unwrap();
+    common::assert_close("temb", &temb, &r["debug.temb"], ATOL, RTOL);
+
+    let mut inputs = model
+        .prepare(
+            &r["hidden_states"],
+            &r["audio_hidden_states"],
+            &r["encoder_hidden_states"],
+            &r["timestep"],
+            &r["timestep_indices"],
+            &layout(&r),
+        )
+        .unwrap();
+    let mut x = inputs.take_hidden_states().unwrap();
+    assert!(inputs.take_hidden_states().is_err());
+    for i in 0..cfg.num_layers {
+        let block =
+            MiniMaxH3TransformerBlock::new(&cfg, vb.pp(format!("transformer_blocks.{i}"))).unwrap();
+        if i == 0 {
+            let table = block.adaln_table(&inputs.temb).unwrap();
+            common::assert_close("block0_adaln", &table, &r["debug.block0_adaln"], ATOL, RTOL);
+        }
+        x = block.forward(&x, &inputs).unwrap();
+        common::assert_close(
+            &format!("block.{i}"),
+            &x,
+            &r[&format!("debug.block.{i}")],
+            ATOL,
+            RTOL,
+        );
+    }
+    let normed = model.norm_out(&x, &inputs).unwrap();
+    common::assert_close("norm_out", &normed, &r["debug.norm_out"], ATOL, RTOL);
+    let (video, audio) = model.finish(&x, &inputs).unwrap();
+    common::assert_close("output.sample", &video, &r["output.sample"], ATOL, RTOL);
+    common::assert_close(
+        "output.audio_sample",
+        &audio,
+        &r["output.audio_sample"],
+        ATOL,
+        RTOL,
+    );
+}
+
+#[test]
+fn hostile_configs_are_one_line_errors() {
+    let mut cfg = config();
+    cfg.rope_freq_dim = 100;
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("rope_freq_dim"), "{err}");
+    let mut cfg = config();
+    cfg.num_attention_heads = 0;
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("num_attention_heads"), "{err}");
+}
+
+/// The GPU path runs the published mixed-precision checkpoint in bf16 (patch projections, time
+/// embedder and heads in f32): the same forward must run with a bf16 `VarBuilder` and stay near
+/// the f32 result (no reference at that precision, so only a loose sanity bound).
+#[test]
+fn bf16_forward_runs_near_f32() {
+    let path = dir().join("transformer/diffusion_pytorch_model.safetensors");
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
+    let model = MiniMaxH3Transformer3DModel::new(&config(), vb).unwrap();
+    let r = common::reference_in(&dir(), "transformer");
+    let (video, audio) = model
+        .forward(
+            &r["hidden_states"],
+            &r["audio_hidden_states"],
+            &r["encoder_hidden_states"],
+            &r["timestep"],
+            &r["timestep_indices"],
+            &layout(&r),
+        )
+        .unwrap();
+    assert_eq!(video.dtype(), DType::F32);
+    common::assert_close("bf16 sample", &video, &r["output.sample"], 0.15, 0.05);
+    common::assert_close(
+        "bf16 audio_sample",
+        &audio,
+        &r["output.audio_sample"],
+        0.15,
+        0.05,
+    );
+}
