@@ -34,7 +34,11 @@ impl Family for TwoExperts {
             deferrable: true,
             constructors,
         };
-        let dit = || Arc::new(ModelConstructors::<WanTransformer3DModel>(c.transformer.clone()));
+        let dit = || {
+            Arc::new(ModelConstructors::<WanTransformer3DModel>(
+                c.transformer.clone(),
+            ))
+        };
         let stage = |name, uses: &[usize], activation_bytes| StageSpec {
             name,
             uses: uses.to_vec(),
@@ -46,7 +50,9 @@ impl Family for TwoExperts {
                 component(
                     "text_encoder",
                     Role::TextEncoder,
-                    Arc::new(ModelConstructors::<UMT5EncoderModel>(c.text_encoder.clone())),
+                    Arc::new(ModelConstructors::<UMT5EncoderModel>(
+                        c.text_encoder.clone(),
+                    )),
                 ),
                 component("transformer", Role::Dit, dit()),
                 component("transformer_2", Role::Dit, dit()),
@@ -114,10 +120,15 @@ fn a_toy_family_is_placed_and_planned_by_role() {
     let placement = Placement::new(&config.memory, &spec);
     assert_eq!(placement.residencies[1], Residency::Parked);
     assert_eq!(placement.residencies[2], Residency::Parked);
-    assert_eq!(placement.json()["components"]["transformer_2"]["mode"], "parked");
+    assert_eq!(
+        placement.json()["components"]["transformer_2"]["mode"],
+        "parked"
+    );
     let notes = inert_options(&config.memory, &spec);
     assert!(
-        notes.iter().any(|n| n.contains("two-expert toy has no image encoder")),
+        notes
+            .iter()
+            .any(|n| n.contains("two-expert toy has no image encoder")),
         "{notes:?}"
     );
 

@@ -51,7 +51,7 @@ impl ResolvedConfig {
         let mut memory = memory_options(&options);
         let overrides = apply_memory_rules(&mut memory, &device);
         report_memory_options(&memory, &mut options);
-                // A run without --seed still has one base seed, recorded with the resolved options
+        // A run without --seed still has one base seed, recorded with the resolved options
         // (--stats-json, the video's metadata); a dry run makes nothing, so draws none.
         let seed_drawn = options.seed.is_none() && !args.dry_run;
         if seed_drawn {

@@ -2,15 +2,15 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
-use crate::weights::Weights;
-use std::collections::BTreeSet;
 use crate::models::wan::text_encoder::UMT5Config;
 use crate::models::wan::transformer::WanTransformerConfig;
 use crate::models::wan::vae::WanVaeConfig;
 use crate::schedulers::SchedulerConfig;
+use crate::weights::Weights;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 macro_rules! synthetic_files {

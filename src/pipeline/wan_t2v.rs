@@ -687,7 +687,6 @@ impl Blockwise for AutoencoderKLWan {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,8 +14,8 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::weights::seeded_normal;
 use crate::models::wan::transformer::timestep_embedding;
+use crate::weights::seeded_normal;
 
 /// Epsilon of the resnets' and the output's RMSNorms (hard-coded in diffusers).
 const RMS_EPS: f64 = 1e-8;
