@@ -182,27 +182,27 @@ impl T5Config {
             ("vocab_size", self.vocab_size),
         ] {
             if value == 0 {
-                candle_core::bail!("text encoder config: {key} must be positive");
+                candle_core::bail!("`{key}` must be positive");
             }
             // Far above any real model; keeps `num_heads * d_kv` and friends from overflowing.
             if value > 1 << 24 {
-                candle_core::bail!("text encoder config: {key} {value} is too large");
+                candle_core::bail!("`{key}` {value} is too large");
             }
         }
         if self.relative_attention_num_buckets < 4 {
             candle_core::bail!(
-                "text encoder config: relative_attention_num_buckets must be at least 4, got {}",
+                "`relative_attention_num_buckets` must be at least 4, got {}",
                 self.relative_attention_num_buckets
             );
         }
         if self.relative_attention_max_distance == 0 {
             candle_core::bail!(
-                "text encoder config: relative_attention_max_distance must be positive"
+                "`relative_attention_max_distance` must be positive"
             );
         }
         if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon >= 0.0) {
             candle_core::bail!(
-                "text encoder config: layer_norm_epsilon must be a finite non-negative number"
+                "`layer_norm_epsilon` must be a finite number >= 0"
             );
         }
         self.feed_forward()?;
