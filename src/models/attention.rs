@@ -153,8 +153,8 @@ mod cuda_tests {
             (DType::BF16, (1, 2, 300, 1, 64), 1.0),
             (DType::F16, (2, 2, 250, 700, 64), 3.0),
         ];
-        // Every configuration: the device's own, then GB10's 99 KB per block, then a limit only
-        // the one-m-tile configuration fits.
+        // Every configuration: the device's own (padded), GB10's 99 KB per block (swizzled), and
+        // a limit only the one-m-tile configuration fits.
         for limit in [None, Some(101_376), Some(90_000)] {
             match limit {
                 Some(bytes) => {
@@ -177,20 +177,16 @@ mod cuda_tests {
     #[test]
     fn tiles_fit_gb10_shared_memory() {
         use flash_attn::tile_for;
-        // GB10 (sm_121) allows 101,376 B per block: the fast configuration fits at head_dim 128.
-        let gb10 = tile_for(128, 2, 101_376).unwrap();
-        assert_eq!(
-            (gb10.m_tiles, gb10.rows, gb10.shared_bytes),
-            (2, 128, 98_304)
-        );
-        let small = tile_for(128, 2, 98_303).unwrap();
-        assert_eq!(
-            (small.m_tiles, small.rows, small.shared_bytes),
-            (1, 64, 81_920)
-        );
-        assert_eq!(tile_for(128, 2, 48 * 1024), None);
-        // head_dim 64 needs half: both fit 48 KiB, the fast one exactly.
-        assert_eq!(tile_for(64, 2, 48 * 1024).map(|t| t.m_tiles), Some(2));
-        assert_eq!(tile_for(64, 2, 48 * 1024 - 1).map(|t| t.m_tiles), Some(1));
+        let at = |d, limit| tile_for(d, 2, limit).map(|t| (t.m_tiles, t.swizzled, t.shared_bytes));
+        // H100/H200 (227 KB) take the padded layout.
+        assert_eq!(at(128, 232_448), Some((2, false, 104_448)));
+        // GB10 (sm_121) allows 101,376 B per block: the swizzled layout fits at head_dim 128.
+        assert_eq!(at(128, 101_376), Some((2, true, 98_304)));
+        assert_eq!(at(128, 98_303), Some((1, true, 81_920)));
+        assert_eq!(at(128, 48 * 1024), None);
+        // head_dim 64 needs about half.
+        assert_eq!(at(64, 101_376), Some((2, false, 55_296)));
+        assert_eq!(at(64, 48 * 1024), Some((2, true, 49_152)));
+        assert_eq!(at(64, 48 * 1024 - 1), Some((1, true, 40_960)));
     }
 }

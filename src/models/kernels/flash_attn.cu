@@ -5,10 +5,12 @@
 // memory (cp.async); scores and P·V run on the tensor cores (mma.sync m16n8k16, operands fetched
 // with ldmatrix) with f32 accumulators, and the softmax is computed online in f32, so no score
 // ever reaches global memory.
-// Shared-memory rows are unpadded and XOR-swizzled in 16-byte chunks (chunk ^ row % 8): the 8
-// rows one ldmatrix reads fall in 8 different bank groups, and a block needs exactly
-// (BR + 4 * BC) * D * sizeof(T) bytes (98,304 at D = 128, BR = 128: under the 99 KB per block
-// of sm_120/sm_121 GPUs such as GB10).
+// Shared-memory rows are laid out so the 8 rows one ldmatrix reads fall in 8 different bank
+// groups, one of two ways: padded by 16 bytes (addresses are a constant offset from a base,
+// free in the load instruction: the fastest), or unpadded and XOR-swizzled in 16-byte chunks
+// (chunk ^ row % 8; one more integer op per load), which needs exactly
+// (BR + 4 * BC) * D * sizeof(T) bytes: 98,304 at D = 128, BR = 128, under the 99 KB per block of
+// sm_120/sm_121 GPUs such as GB10, where the padded layout's 104,448 bytes do not fit.
 // Inputs: [batch, heads, seq, head_dim] with any strides whose last dimension is contiguous and
 // whose other strides and offsets are multiples of 8 elements (16 bytes). Any q/kv lengths.
 
@@ -19,10 +21,20 @@
 namespace {
 
 constexpr int BC = 64;  // keys per tile
+constexpr int PAD = 8;  // elements added to each row of the padded layout
 
-// Element offset of (row, col) in a swizzled tile of D-element rows; col is a multiple of 8.
-template <int D> __device__ __forceinline__ int sw(int row, int col) {
-  return row * D + ((((col >> 3) ^ (row & 7))) << 3);
+// Row stride of a tile of D-element rows, in elements.
+template <int D, bool SWIZZLE> __host__ __device__ constexpr int stride() {
+  return SWIZZLE ? D : D + PAD;
+}
+
+// Element offset of (row, col) in a tile of D-element rows; col is a multiple of 8.
+template <int D, bool SWIZZLE> __device__ __forceinline__ int at(int row, int col) {
+  if constexpr (SWIZZLE) {
+    return row * D + (((col >> 3) ^ (row & 7)) << 3);
+  } else {
+    return row * (D + PAD) + col;
+  }
 }
 
 template <typename T> struct Ops;
@@ -90,7 +102,7 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
-template <typename T, int D, int NW, int MT>
+template <typename T, int D, int NW, int MT, bool SWIZZLE>
 __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__restrict__ k,
                                           const T *__restrict__ v, T *__restrict__ o, int q_len,
                                           int kv_len, int heads, long long q_sb, long long q_sh,
@@ -105,8 +117,9 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw);
-  T *sK = sQ + BR * D;      // [2][BC][D]
-  T *sV = sK + 2 * BC * D;  // [2][BC][D]
+  constexpr int S = stride<D, SWIZZLE>();
+  T *sK = sQ + BR * S;      // [2][BC][S]
+  T *sV = sK + 2 * BC * S;  // [2][BC][S]
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -124,7 +137,7 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
   for (int c = tid; c < BR * CH; c += NT) {
     const int r = c / CH, col = (c % CH) * 8;
     const bool ok = q0 + r < q_len;
-    cp_async16(smem_addr(sQ + sw<D>(r, col)), qp + (ok ? q0 + r : 0) * q_ss + col, ok ? 16 : 0);
+    cp_async16(smem_addr(sQ + at<D, SWIZZLE>(r, col)), qp + (ok ? q0 + r : 0) * q_ss + col, ok ? 16 : 0);
   }
   // Key/value tile; rows past kv_len are zero-filled (and their scores masked).
   auto load_kv = [&](int tile, int buf) {
@@ -134,15 +147,15 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
       const int r = c / CH, col = (c % CH) * 8;
       const bool ok = k0 + r < kv_len;
       const long long row = ok ? k0 + r : 0;
-      cp_async16(smem_addr(sK + sw<D>(buf * BC + r, col)), kp + row * k_ss + col, ok ? 16 : 0);
-      cp_async16(smem_addr(sV + sw<D>(buf * BC + r, col)), vp + row * v_ss + col, ok ? 16 : 0);
+      cp_async16(smem_addr(sK + at<D, SWIZZLE>(buf * BC + r, col)), kp + row * k_ss + col, ok ? 16 : 0);
+      cp_async16(smem_addr(sV + at<D, SWIZZLE>(buf * BC + r, col)), vp + row * v_ss + col, ok ? 16 : 0);
     }
   };
   // Query A fragment (16 rows x 16 columns) of m-tile mt at column kk * 16.
   auto load_q = [&](uint32_t(&r)[4], int mt, int kk) {
     const int row = wrow + mt * 16 + (lane % 16);
     const int col = kk * 16 + (lane / 16) * 8;
-    ldsm_x4(r, smem_addr(sQ + sw<D>(row, col)));
+    ldsm_x4(r, smem_addr(sQ + at<D, SWIZZLE>(row, col)));
   };
   load_kv(0, 0);
   cp_async_commit();
@@ -178,7 +191,7 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
 #pragma unroll
       for (int n = 0; n < BC / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
     }
-    const T *sKb = sK + buf * BC * D;
+    const T *sKb = sK + buf * BC * S;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       // Query fragments are re-read from shared memory: registers go to the accumulators.
@@ -191,7 +204,7 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
         const int key = np * 16 + (mi / 2) * 8 + lane % 8;
         const int col = kk * 16 + (mi % 2) * 8;
         uint32_t kb[4];
-        ldsm_x4(kb, smem_addr(sKb + sw<D>(key, col)));
+        ldsm_x4(kb, smem_addr(sKb + at<D, SWIZZLE>(key, col)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           O::mma(s[mt][2 * np], qa[mt], kb[0], kb[1]);
@@ -247,7 +260,7 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
     }
 
     // acc += P V; the score accumulators are already laid out as mma A fragments.
-    const T *sVb = sV + buf * BC * D;
+    const T *sVb = sV + buf * BC * S;
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) {
       uint32_t pa[MT][4];
@@ -264,7 +277,7 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
         const int key = kk * 16 + (mi % 2) * 8 + lane % 8;
         const int col = dp * 16 + (mi / 2) * 8;
         uint32_t vb[4];
-        ldsm_x4_t(vb, smem_addr(sVb + sw<D>(key, col)));
+        ldsm_x4_t(vb, smem_addr(sVb + at<D, SWIZZLE>(key, col)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           O::mma(acc[mt][2 * dp], pa[mt], vb[0], vb[1]);
@@ -299,25 +312,27 @@ __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__re
 
 }  // namespace
 
-// Kernels are named flash_fwd_<dtype>_d<head_dim>_m<MT>. Four warps of two m-tiles each (128 rows
+// Kernels are named flash_fwd_<dtype>_d<head_dim>_m<MT>_<pad|swz>. Four warps of two m-tiles each (128 rows
 // a block, two blocks a multiprocessor) measured 20% faster on an H200 than one m-tile a warp,
 // since each key/value fragment read from shared memory then feeds two mma instructions. The
 // one-m-tile variant (64 rows, 81,920 B at D = 128) is for GPUs whose per-block limit is lower.
-#define FLASH_FWD(NAME, T, D, NW, MT)                                                          \
+#define FLASH_FWD(NAME, T, D, NW, MT, SWIZZLE)                                                 \
   extern "C" __global__ void __launch_bounds__(32 * NW)                                       \
       NAME(const T *q, const T *k, const T *v, T *o, int q_len, int kv_len, int heads,         \
            long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,     \
            long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,     \
            long long o_sh, long long o_ss, float scale_log2) {                                 \
-    flash_fwd<T, D, NW, MT>(q, k, v, o, q_len, kv_len, heads, q_sb, q_sh, q_ss, k_sb, k_sh,    \
+    flash_fwd<T, D, NW, MT, SWIZZLE>(q, k, v, o, q_len, kv_len, heads, q_sb, q_sh, q_ss, k_sb, k_sh,    \
                             k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, scale_log2);             \
   }
 
-#define FLASH_FWD_DTYPES(D, MT)                                                                \
-  FLASH_FWD(flash_fwd_bf16_d##D##_m##MT, __nv_bfloat16, D, 4, MT)                              \
-  FLASH_FWD(flash_fwd_f16_d##D##_m##MT, __half, D, 4, MT)
+#define FLASH_FWD_DTYPES(D, MT, LAYOUT, SWIZZLE)                                                \
+  FLASH_FWD(flash_fwd_bf16_d##D##_m##MT##_##LAYOUT, __nv_bfloat16, D, 4, MT, SWIZZLE)          \
+  FLASH_FWD(flash_fwd_f16_d##D##_m##MT##_##LAYOUT, __half, D, 4, MT, SWIZZLE)
 
-FLASH_FWD_DTYPES(64, 2)
-FLASH_FWD_DTYPES(64, 1)
-FLASH_FWD_DTYPES(128, 2)
-FLASH_FWD_DTYPES(128, 1)
+FLASH_FWD_DTYPES(64, 2, pad, false)
+FLASH_FWD_DTYPES(64, 2, swz, true)
+FLASH_FWD_DTYPES(64, 1, swz, true)
+FLASH_FWD_DTYPES(128, 2, pad, false)
+FLASH_FWD_DTYPES(128, 2, swz, true)
+FLASH_FWD_DTYPES(128, 1, swz, true)

@@ -14,9 +14,12 @@ const MODULE: &str = "vidgen_flash_attn";
 const WARPS: usize = 4;
 /// Key/value rows per shared-memory tile (`BC` in the kernel).
 const KEYS_PER_TILE: usize = 64;
-/// m-tiles of 16 query rows per warp (`MT` in the kernel) that a kernel was compiled for,
-/// fastest first: more rows a block reuse each key/value fragment more but need more shared memory.
-const M_TILES: [usize; 2] = [2, 1];
+/// Elements of padding per shared-memory row in the padded layout (`PAD` in the kernel).
+const ROW_PAD: usize = 8;
+/// The compiled configurations, fastest first: (m-tiles of 16 query rows per warp, swizzled
+/// layout). Two m-tiles reuse each key/value fragment twice; the padded layout costs no address
+/// arithmetic but 16 bytes a row more shared memory than the swizzled one.
+const CONFIGS: [(usize, bool); 3] = [(2, false), (2, true), (1, true)];
 /// Caps the per-block shared memory the kernel may use below what the device allows, in bytes:
 /// runs the configuration a smaller GPU would get (e.g. 101376, GB10's 99 KB, on an H200).
 pub const SHARED_MEMORY_LIMIT_ENV: &str = "VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK";
@@ -26,19 +29,31 @@ pub const SHARED_MEMORY_LIMIT_ENV: &str = "VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK";
 pub struct Tile {
     /// m-tiles per warp (`MT`).
     pub m_tiles: usize,
+    /// Rows unpadded and XOR-swizzled (`SWIZZLE`) rather than padded.
+    pub swizzled: bool,
     /// Query rows per block.
     pub rows: usize,
     /// Dynamic shared memory per block, bytes: query tile plus double-buffered keys and values.
     pub shared_bytes: usize,
 }
 
+impl Tile {
+    /// The kernel's name suffix.
+    fn suffix(&self) -> String {
+        let layout = if self.swizzled { "swz" } else { "pad" };
+        format!("m{}_{layout}", self.m_tiles)
+    }
+}
+
 /// The fastest configuration whose shared memory fits `limit` bytes per block.
 pub fn tile_for(head_dim: usize, elem_bytes: usize, limit: usize) -> Option<Tile> {
-    M_TILES.iter().find_map(|&m_tiles| {
+    CONFIGS.iter().find_map(|&(m_tiles, swizzled)| {
         let rows = 16 * m_tiles * WARPS;
-        let shared_bytes = (rows + 4 * KEYS_PER_TILE) * head_dim * elem_bytes;
+        let row_elems = if swizzled { head_dim } else { head_dim + ROW_PAD };
+        let shared_bytes = (rows + 4 * KEYS_PER_TILE) * row_elems * elem_bytes;
         (shared_bytes <= limit).then_some(Tile {
             m_tiles,
+            swizzled,
             rows,
             shared_bytes,
         })
@@ -147,7 +162,7 @@ impl FlashAttn {
         let Some(tile) = tile_for(d, std::mem::size_of::<T>(), limit) else {
             candle_core::bail!("flash-attn: no configuration fits {limit} B of shared memory")
         };
-        let name = format!("flash_fwd_{dtype}_d{d}_m{}", tile.m_tiles);
+        let name = format!("flash_fwd_{dtype}_d{d}_{}", tile.suffix());
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
