@@ -214,3 +214,30 @@ fn the_runner_switches_experts_without_holding_both() {
     assert!(at("free text_encoder") < at("load transformer"), "{log:?}");
     assert_eq!(log.last().map(String::as_str), Some("run write"), "{log:?}");
 }
+
+/// A model whose pipeline no family runs (here the Wan2.1 image-to-video fixture) is refused
+/// at once as bad input naming its class, in a dry run and a real run alike.
+#[test]
+fn a_pipeline_no_family_runs_is_bad_input() {
+    let fixture = common::named_fixture_dir("wan21-i2v-tiny-a");
+    let out_dir = std::env::temp_dir().join(format!("vidgen-family-{}", std::process::id()));
+    for run in [&["--dry-run"][..], &["--prompt", "a"]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args(["generate", "--model", fixture.to_str().unwrap()])
+            .args([
+                "--device",
+                "cpu",
+                "--memory-model",
+                "discrete",
+                "--output-path",
+            ])
+            .arg(&out_dir)
+            .args(run)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{run:?}: {stderr}");
+        assert!(stderr.contains("WanImageToVideoPipeline"), "{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    }
+}

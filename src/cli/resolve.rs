@@ -9,8 +9,11 @@ use super::UsageError;
 use crate::memory::{
     apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, MemoryOptions, Override,
 };
+use crate::output::OutputType;
+use crate::schedulers::SchedulerKind;
 use candle_core::DType;
 use serde_json::json;
+use std::path::PathBuf;
 
 /// The resolved run configuration. Nothing after resolution looks at raw flags.
 #[derive(Clone, Debug)]
@@ -19,6 +22,10 @@ pub struct ResolvedConfig {
     pub options: GenerateOptions,
     /// What the memory options mean, after the device's rules.
     pub memory: MemoryOptions,
+    /// What the pipeline's stages read of the generation options.
+    pub generation: Generation,
+    /// Where and how videos are written.
+    pub output: OutputSpec,
     /// The selected device and its memory model.
     pub device: DeviceInfo,
     /// What the device changed, in order.
@@ -29,6 +36,30 @@ pub struct ResolvedConfig {
     pub dry_run: bool,
     /// Machine-readable dry-run output.
     pub json: bool,
+}
+
+/// The generation settings a pipeline's stages read (per-prompt ones travel with each job).
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The model as the user named it.
+    pub model: String,
+    /// Text tokens per prompt, padded or truncated.
+    pub max_sequence_length: usize,
+    pub scheduler: SchedulerKind,
+    /// Timestep shift over the scheduler config's.
+    pub flow_shift: Option<f64>,
+    /// Initial latents (and other random draws) from a file instead of the seed.
+    pub latents: Option<PathBuf>,
+}
+
+/// How each video is written.
+#[derive(Clone, Debug)]
+pub struct OutputSpec {
+    pub kind: OutputType,
+    /// Frames per second of the video file.
+    pub fps: u32,
+    /// The resolved configuration as JSON, for the file's metadata.
+    pub config_json: String,
 }
 
 impl ResolvedConfig {
@@ -57,7 +88,22 @@ impl ResolvedConfig {
         if seed_drawn {
             options.seed = Some(draw_seed());
         }
+        let generation = Generation {
+            model: options.model.clone(),
+            max_sequence_length: options.max_sequence_length as usize,
+            scheduler: options.scheduler,
+            flow_shift: options.flow_shift,
+            latents: options.latents.clone(),
+        };
+        let output = OutputSpec {
+            kind: options.output_type,
+            fps: options.fps,
+            // The video's metadata records the configuration that made it.
+            config_json: serde_json::to_string(&options).unwrap_or_default(),
+        };
         Ok(ResolvedConfig {
+            generation,
+            output,
             options,
             memory,
             device,

@@ -219,3 +219,76 @@ pub fn record<B>(
     drop(build(recording.var_builder(weights, dtype))?);
     recording.layout(packing)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn requests() -> Vec<(String, Shape, DType)> {
+        vec![
+            ("a".into(), Shape::from((3, 5)), DType::BF16),
+            ("b".into(), Shape::from(7), DType::F32),
+            ("c".into(), Shape::from(100), DType::BF16),
+            // Asked for twice (a tied weight): stored once.
+            ("a".into(), Shape::from((3, 5)), DType::BF16),
+        ]
+    }
+
+    /// By dtype: one section per dtype in first-request order, every tensor at an aligned
+    /// offset, a tensor asked for twice stored once, the image as long as its sections.
+    #[test]
+    fn layouts_group_by_dtype_and_align_every_tensor() {
+        let layout = GroupLayout::new(requests(), Packing::ByDtype);
+        let names: Vec<&str> = layout.slots.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["a", "c", "b"]);
+        assert!(layout.slots.iter().all(|s| s.offset % ALIGN == 0));
+        assert_eq!(layout.sections.len(), 2);
+        assert_eq!(
+            (layout.sections[0].dtype, layout.sections[0].bytes),
+            (DType::BF16, 2 * ALIGN)
+        );
+        assert_eq!(layout.sections[1].offset, 2 * ALIGN);
+        assert_eq!(layout.bytes, 3 * ALIGN);
+        assert_eq!(layout.tensor_bytes(), 15 * 2 + 100 * 2 + 7 * 4);
+        let per_tensor = GroupLayout::new(requests(), Packing::PerTensor);
+        assert_eq!(per_tensor.sections.len(), 3);
+        assert_eq!(per_tensor.bytes, layout.bytes);
+    }
+
+    /// Views read each tensor back from its section, whatever the packing.
+    #[test]
+    fn views_read_each_tensor_from_its_section() -> candle_core::Result<()> {
+        for packing in [Packing::ByDtype, Packing::PerTensor] {
+            let layout = GroupLayout::new(requests(), packing);
+            let sections: Vec<Tensor> = layout
+                .sections
+                .iter()
+                .map(|s| {
+                    let n = s.bytes / s.dtype.size_in_bytes();
+                    Tensor::arange(0u32, n as u32, &Device::Cpu)?.to_dtype(s.dtype)
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let views = layout.views(&sections)?;
+            for (name, view) in &views {
+                let slot = layout.slots.iter().find(|s| &s.name == name).unwrap();
+                assert_eq!(view.shape(), &slot.shape, "{name}");
+                let section = layout
+                    .sections
+                    .iter()
+                    .find(|s| {
+                        s.dtype == slot.dtype
+                            && (s.offset..s.offset + s.bytes).contains(&slot.offset)
+                    })
+                    .unwrap();
+                let first = (slot.offset - section.offset) / slot.dtype.size_in_bytes();
+                let value = view.flatten_all()?.to_dtype(DType::F32)?.get(0)?;
+                assert_eq!(
+                    value.to_scalar::<f32>()?,
+                    first as f32,
+                    "{name} {packing:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+}

@@ -371,3 +371,25 @@ fn carve(buffer: &mut [u8], ranges: impl IntoIterator<Item = Range<usize>>) -> V
     }
     pieces
 }
+
+#[cfg(test)]
+mod tests {
+    use super::carve;
+
+    /// Carved pieces are exactly the ranges asked for, and writing them fills only those bytes.
+    #[test]
+    fn carve_gives_the_ranges_and_nothing_else() {
+        let mut buffer = vec![0u8; 32];
+        let pieces = carve(&mut buffer, [2..5, 5..6, 10..32]);
+        assert_eq!(
+            pieces.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [3, 1, 22]
+        );
+        for (i, piece) in pieces.into_iter().enumerate() {
+            piece.fill(i as u8 + 1);
+        }
+        assert_eq!(&buffer[..6], &[0, 0, 1, 1, 1, 2]);
+        assert!(buffer[6..10].iter().all(|&b| b == 0));
+        assert!(buffer[10..].iter().all(|&b| b == 3));
+    }
+}

@@ -80,13 +80,7 @@ impl<B> Offloaded<B> {
             .collect::<Result<Vec<_>>>()?;
         let total: usize = layouts.iter().map(|l| l.bytes).sum();
         let largest = layouts.iter().map(|l| l.bytes).max().unwrap_or(0);
-        // A bound the whole part fits in pins it all (no staging); otherwise the ring's two
-        // buffers need be no larger than a group each.
-        let (memory, staging) = match memory {
-            HostMemory::Bounded { max_pinned } if max_pinned >= total => (HostMemory::Pinned, None),
-            HostMemory::Bounded { max_pinned } => (memory, Some(max_pinned.min(2 * largest))),
-            other => (other, None),
-        };
+        let (memory, staging) = host_holding(memory, total, largest);
         let store = HostStore::new(layouts, weights, memory, device)?;
         let transfer = Transfer::new(device, options.stream, staging)?;
         Ok(Self::new(
@@ -252,10 +246,53 @@ impl<B> Offloaded<B> {
     }
 }
 
+/// How a part of `total` bytes whose largest group has `largest` bytes is held on the host, and
+/// the staging ring's size: a bound the whole part fits in pins it all (no staging); otherwise
+/// the ring's two buffers need be no larger than a group each.
+fn host_holding(memory: HostMemory, total: usize, largest: usize) -> (HostMemory, Option<usize>) {
+    match memory {
+        HostMemory::Bounded { max_pinned } if max_pinned >= total => (HostMemory::Pinned, None),
+        HostMemory::Bounded { max_pinned } => (memory, Some(max_pinned.min(2 * largest))),
+        other => (other, None),
+    }
+}
+
 impl<B> Drop for Offloaded<B> {
     /// Copies prefetched for a next pass may still be reading host memory: they finish before
     /// the arenas are released.
     fn drop(&mut self) {
         let _ = self.transfer.wait_idle();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bound above the part pins it all; below, the ring is the bound or two groups, the
+    /// smaller; unbounded memory has no ring.
+    #[test]
+    fn the_staging_ring_is_at_most_two_groups() {
+        let bounded = |max_pinned| HostMemory::Bounded { max_pinned };
+        assert_eq!(
+            host_holding(bounded(1000), 1000, 100),
+            (HostMemory::Pinned, None)
+        );
+        assert_eq!(
+            host_holding(bounded(999), 1000, 100),
+            (bounded(999), Some(200))
+        );
+        assert_eq!(
+            host_holding(bounded(150), 1000, 100),
+            (bounded(150), Some(150))
+        );
+        assert_eq!(
+            host_holding(HostMemory::Pageable, 1000, 100),
+            (HostMemory::Pageable, None)
+        );
+        assert_eq!(
+            host_holding(HostMemory::Pinned, 1000, 100),
+            (HostMemory::Pinned, None)
+        );
     }
 }

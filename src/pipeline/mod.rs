@@ -111,6 +111,12 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     progress.overrides(&config.overrides);
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
+    // A model no family runs is bad input, found before anything else happens.
+    if let Err(e) = registry::family(Configs::OnDisk(&source)) {
+        if e.is::<registry::UnsupportedPipeline>() {
+            return Err(UsageError::new(format!("{source}: {e}")).into());
+        }
+    }
     if config.dry_run {
         let plan = DryRun::new(&config, &source);
         if config.json {
@@ -213,7 +219,13 @@ fn generate(
     outcomes: &mut [Outcome],
 ) -> Result<()> {
     let device = candle_device(config)?;
-    let family = registry::family(Configs::Fetch(&source))?;
+    let family =
+        registry::family(Configs::Fetch(&source)).map_err(|e| match e
+            .downcast::<registry::UnsupportedPipeline>()
+        {
+            Ok(unsupported) => UsageError::new(format!("{source}: {unsupported}")).into(),
+            Err(e) => e,
+        })?;
     let mut pipeline = family.open(config.clone(), source, device, progress.clone())?;
     let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
         .into_iter()

@@ -235,7 +235,7 @@ impl WanT2V {
     /// The prompt embeddings `[1, L, text_dim]` of one text, zero padded past its length
     /// (`_get_t5_prompt_embeds`), with the encoder's blocks resident or streamed.
     fn embed(&self, encoder: &Held<'_, UMT5EncoderModel>, text: &str) -> Result<Tensor> {
-        let max_len = self.config.options.max_sequence_length as usize;
+        let max_len = self.config.generation.max_sequence_length;
         let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
         let model = encoder.model();
         let device = model.device();
@@ -273,7 +273,7 @@ impl WanT2V {
         let shape = self
             .configs
             .latent_shape(job.num_frames, job.height, job.width);
-        match &self.config.options.latents {
+        match &self.config.generation.latents {
             Some(path) => {
                 let tensors = candle_core::safetensors::load(path, &Device::Cpu)
                     .with_context(|| format!("reading --latents {}", path.display()))?;
@@ -324,10 +324,10 @@ impl WanT2V {
             None => None,
         };
         let mut scheduler = schedulers::build(
-            self.config.options.scheduler,
+            self.config.generation.scheduler,
             &self.configs.scheduler,
             job.num_inference_steps as usize,
-            self.config.options.flow_shift,
+            self.config.generation.flow_shift,
         )?;
         let mut latents = self.initial_latents(job)?;
         let timesteps = scheduler.timesteps().to_vec();
@@ -469,7 +469,7 @@ impl WanT2V {
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&self.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
-        let video = if self.config.options.vae_tiling {
+        let video = if self.config.memory.vae_tiling {
             vae.decode_tiled(&z, &WanVaeTiling::default())?
         } else {
             vae.decode(&z)?
@@ -490,7 +490,7 @@ impl WanT2V {
             ("title".to_string(), job.prompt.clone()),
             (
                 "comment".to_string(),
-                format!("vidgen: {} seed {}", self.config.options.model, job.seed),
+                format!("vidgen: {} seed {}", self.config.generation.model, job.seed),
             ),
             ("vidgen_prompt".to_string(), job.prompt.clone()),
             (
@@ -500,18 +500,18 @@ impl WanT2V {
             ("vidgen_seed".to_string(), job.seed.to_string()),
             (
                 "vidgen_model".to_string(),
-                self.config.options.model.clone(),
+                self.config.generation.model.clone(),
             ),
             (
                 "vidgen_config".to_string(),
-                serde_json::to_string(&self.config.options)?,
+                self.config.output.config_json.clone(),
             ),
         ];
         crate::output::write(
-            self.config.options.output_type,
+            self.config.output.kind,
             &job.output,
             &frames,
-            self.config.options.fps,
+            self.config.output.fps,
             &metadata,
         )?;
         job.written = true;

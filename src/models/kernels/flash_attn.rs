@@ -49,7 +49,11 @@ impl Tile {
 pub fn tile_for(head_dim: usize, elem_bytes: usize, limit: usize) -> Option<Tile> {
     CONFIGS.iter().find_map(|&(m_tiles, swizzled)| {
         let rows = 16 * m_tiles * WARPS;
-        let row_elems = if swizzled { head_dim } else { head_dim + ROW_PAD };
+        let row_elems = if swizzled {
+            head_dim
+        } else {
+            head_dim + ROW_PAD
+        };
         let shared_bytes = (rows + 4 * KEYS_PER_TILE) * row_elems * elem_bytes;
         (shared_bytes <= limit).then_some(Tile {
             m_tiles,

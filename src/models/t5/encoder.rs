@@ -196,14 +196,10 @@ impl T5Config {
             );
         }
         if self.relative_attention_max_distance == 0 {
-            candle_core::bail!(
-                "`relative_attention_max_distance` must be positive"
-            );
+            candle_core::bail!("`relative_attention_max_distance` must be positive");
         }
         if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon >= 0.0) {
-            candle_core::bail!(
-                "`layer_norm_epsilon` must be a finite number >= 0"
-            );
+            candle_core::bail!("`layer_norm_epsilon` must be a finite number >= 0");
         }
         self.feed_forward()?;
         Ok(())
