@@ -241,3 +241,38 @@ fn a_pipeline_no_family_runs_is_bad_input() {
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     }
 }
+
+/// A family's defaults replace only what the user did not give, on the command line or in the
+/// config file, and the result is checked as a whole.
+#[test]
+fn model_defaults_fill_only_what_was_not_given() {
+    use vidgen::cli::resolve::ModelDefaults;
+    let dir = std::env::temp_dir().join(format!("vidgen-defaults-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("c.toml");
+    std::fs::write(&file, "num_frames = 49\n").unwrap();
+    let config = resolve(&["--height", "256", "--config", file.to_str().unwrap()]);
+    let defaults = ModelDefaults {
+        height: Some(512),
+        width: Some(768),
+        num_frames: Some(161),
+        fps: Some(24),
+        ..ModelDefaults::default()
+    };
+    let o = config.with_model_defaults(&defaults).unwrap();
+    assert_eq!(
+        (
+            o.options.height,
+            o.options.width,
+            o.options.num_frames,
+            o.output.fps
+        ),
+        (256, 768, 49, 24)
+    );
+    let bad = ModelDefaults {
+        num_frames: Some(80),
+        ..ModelDefaults::default()
+    };
+    assert!(resolve(&[]).with_model_defaults(&bad).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

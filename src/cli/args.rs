@@ -52,6 +52,10 @@ pub struct GenerateArgs {
     pub json: bool,
     #[command(flatten)]
     pub options: GenerateOptions,
+    /// The option keys the user gave (on the command line or in the config file): a model's own
+    /// defaults replace only the others.
+    #[arg(skip)]
+    pub given: std::collections::BTreeSet<String>,
 }
 
 /// Every option of a run. Field names are the config-file keys; the flags are their hyphenated forms.
@@ -163,9 +167,26 @@ pub struct GenerateOptions {
     /// Random seed of the initial noise [default: random].
     #[arg(long, help_heading = "Generation")]
     pub seed: Option<u64>,
-    /// Initial latents (safetensors, tensor `latents`) instead of seeded noise.
+    /// Initial latents (safetensors, tensor `latents`) instead of seeded noise; for pipelines
+    /// with more random draws, every draw under its name (see PARITY-CLI in the README).
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub latents: Option<PathBuf>,
+    /// The conditioning image of image-to-video pipelines (PNG or JPEG).
+    #[arg(long, help_heading = "Generation", value_name = "FILE")]
+    pub image: Option<PathBuf>,
+    /// Guidance scale of the low-noise expert (Wan2.2 A14B) [default: --guidance-scale].
+    #[arg(long, help_heading = "Generation")]
+    pub guidance_scale_2: Option<f64>,
+    /// Real classifier-free guidance with the negative prompt, for guidance-distilled models
+    /// whose --guidance-scale is embedded (HunyuanVideo) [default: off].
+    #[arg(long, help_heading = "Generation")]
+    pub true_cfg_scale: Option<f64>,
+    /// Timestep the VAE decoder is conditioned on (LTX-Video) [default: the model's].
+    #[arg(long, help_heading = "Generation")]
+    pub decode_timestep: Option<f64>,
+    /// Noise mixed into the latents before decoding (LTX-Video) [default: the model's].
+    #[arg(long, help_heading = "Generation")]
+    pub decode_noise_scale: Option<f64>,
     /// Decode the VAE in spatial tiles (less memory).
     #[arg(long = "[no-]vae-tiling", alias = "vae-tiling", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub vae_tiling: bool,

@@ -55,10 +55,17 @@ pub fn parse(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageEr
             let sub = matches
                 .subcommand_matches("generate")
                 .expect("clap matched the generate subcommand");
+            args.given = sub
+                .ids()
+                .filter(|id| sub.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+                .map(|id| id.as_str().to_string())
+                .collect();
             if let Some(path) = args.config.clone() {
-                args.options = merge_config_file(&path, &args.options, |key| {
+                let (options, keys) = merge_config_file(&path, &args.options, |key| {
                     sub.value_source(key) == Some(ValueSource::CommandLine)
                 })?;
+                args.options = options;
+                args.given.extend(keys);
             }
             Ok(Parsed::Generate(args))
         }
@@ -144,7 +151,7 @@ fn merge_config_file(
     path: &Path,
     cli: &args::GenerateOptions,
     given_on_command_line: impl Fn(&str) -> bool,
-) -> Result<args::GenerateOptions, UsageError> {
+) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         UsageError::new(format!(
             "cannot read config file {}: {e}; pass a readable TOML file to --config",
@@ -168,6 +175,7 @@ fn merge_config_file(
         unreachable!("options serialize to a JSON object")
     };
     let defaults = merged.clone();
+    let keys: Vec<String> = table.keys().cloned().collect();
     for (key, value) in table {
         if !merged.contains_key(&key) {
             return Err(UsageError::new(format!(
@@ -192,6 +200,7 @@ fn merge_config_file(
             merged.insert(key, value);
         }
     }
-    serde_json::from_value(serde_json::Value::Object(merged))
-        .map_err(|e| UsageError::new(format!("config file {}: {e}", path.display())))
+    let options = serde_json::from_value(serde_json::Value::Object(merged))
+        .map_err(|e| UsageError::new(format!("config file {}: {e}", path.display())))?;
+    Ok((options, keys))
 }

@@ -26,6 +26,8 @@ pub struct ResolvedConfig {
     pub generation: Generation,
     /// Where and how videos are written.
     pub output: OutputSpec,
+    /// The option keys the user gave; a model's defaults replace only the others.
+    pub given: std::collections::BTreeSet<String>,
     /// The selected device and its memory model.
     pub device: DeviceInfo,
     /// What the device changed, in order.
@@ -50,6 +52,27 @@ pub struct Generation {
     pub flow_shift: Option<f64>,
     /// Initial latents (and other random draws) from a file instead of the seed.
     pub latents: Option<PathBuf>,
+    /// The conditioning image (image-to-video).
+    pub image: Option<PathBuf>,
+    /// Guidance of the low-noise expert (Wan2.2 A14B).
+    pub guidance_scale_2: Option<f64>,
+    /// Real CFG scale of a guidance-distilled model (HunyuanVideo).
+    pub true_cfg_scale: Option<f64>,
+    /// The decoder's timestep conditioning and its noise (LTX-Video).
+    pub decode_timestep: Option<f64>,
+    pub decode_noise_scale: Option<f64>,
+}
+
+/// A model family's own defaults (`None`: vidgen's); a key the user gave is never replaced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelDefaults {
+    pub height: Option<u32>,
+    pub width: Option<u32>,
+    pub num_frames: Option<u32>,
+    pub fps: Option<u32>,
+    pub num_inference_steps: Option<u32>,
+    pub guidance_scale: Option<f64>,
+    pub max_sequence_length: Option<u32>,
 }
 
 /// How each video is written.
@@ -94,6 +117,11 @@ impl ResolvedConfig {
             scheduler: options.scheduler,
             flow_shift: options.flow_shift,
             latents: options.latents.clone(),
+            image: options.image.clone(),
+            guidance_scale_2: options.guidance_scale_2,
+            true_cfg_scale: options.true_cfg_scale,
+            decode_timestep: options.decode_timestep,
+            decode_noise_scale: options.decode_noise_scale,
         };
         let output = OutputSpec {
             kind: options.output_type,
@@ -102,6 +130,7 @@ impl ResolvedConfig {
             config_json: serde_json::to_string(&options).unwrap_or_default(),
         };
         Ok(ResolvedConfig {
+            given: args.given,
             generation,
             output,
             options,
@@ -112,6 +141,34 @@ impl ResolvedConfig {
             dry_run: args.dry_run,
             json: args.json,
         })
+    }
+
+    /// The configuration with `defaults` in place of every option of theirs the user did not
+    /// give, checked again as a whole.
+    pub fn with_model_defaults(mut self, defaults: &ModelDefaults) -> Result<Self, UsageError> {
+        let o = &mut self.options;
+        let given = |key: &str| self.given.contains(key);
+        macro_rules! default {
+            ($($key:ident),*) => {$(
+                if let Some(value) = defaults.$key.filter(|_| !given(stringify!($key))) {
+                    o.$key = value;
+                }
+            )*};
+        }
+        default!(
+            height,
+            width,
+            num_frames,
+            fps,
+            num_inference_steps,
+            guidance_scale,
+            max_sequence_length
+        );
+        validate(o, self.dry_run)?;
+        self.generation.max_sequence_length = o.max_sequence_length as usize;
+        self.output.fps = o.fps;
+        self.output.config_json = serde_json::to_string(o).unwrap_or_default();
+        Ok(self)
     }
 
     /// The compute dtype.

@@ -1,6 +1,7 @@
 //! The stage runner and the pipelines: the single place where components are loaded, placed on
 //! a device and released.
 
+pub mod draws;
 pub mod interrupt;
 pub mod jobs;
 pub mod placement;
@@ -111,14 +112,25 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     progress.overrides(&config.overrides);
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
-    // A model no family runs is bad input, found before anything else happens.
-    if let Err(e) = registry::family(Configs::OnDisk(&source)) {
-        if e.is::<registry::UnsupportedPipeline>() {
-            return Err(UsageError::new(format!("{source}: {e}")).into());
+    let unsupported = |e: anyhow::Error| -> anyhow::Error {
+        match e.downcast::<registry::UnsupportedPipeline>() {
+            Ok(unsupported) => UsageError::new(format!("{source}: {unsupported}")).into(),
+            Err(e) => e,
         }
-    }
+    };
     if config.dry_run {
-        let plan = DryRun::new(&config, &source);
+        // A model no family runs is bad input, in a dry run too.
+        if let Err(e) = registry::family(Configs::OnDisk(&source)) {
+            if e.is::<registry::UnsupportedPipeline>() {
+                return Err(unsupported(e));
+            }
+        }
+        let found = dry_run_family(&source);
+        let config = match &found {
+            Ok((family, _)) => config.with_model_defaults(&family.defaults())?,
+            Err(_) => config,
+        };
+        let plan = DryRun::new(&config, &source, found);
         if config.json {
             println!("{}", plan.json());
         } else {
@@ -132,6 +144,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         )
         .into());
     }
+    let family = registry::family(Configs::Fetch(&source)).map_err(unsupported)?;
+    let config = config.with_model_defaults(&family.defaults())?;
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
@@ -143,7 +157,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     if source.is_synthetic() {
         progress.note(&format!("note: {source} has random weights: the output is noise, for measuring speed and memory"));
     }
-    let result = generate(&config, source, &progress, &mut jobs, &mut outcomes);
+    let result = generate(&config, family, source, &progress, &mut jobs, &mut outcomes);
     let mut code = summarize(&jobs, &outcomes, &progress);
     if let Some(path) = &config.options.stats_json {
         let stats = stats(
@@ -213,19 +227,13 @@ fn existing_output(config: &ResolvedConfig, job: &Job, progress: &Progress) -> O
 /// Loads the pipeline and runs every job not yet decided, recording each outcome.
 fn generate(
     config: &ResolvedConfig,
+    family: Box<dyn Family>,
     source: ModelSource,
     progress: &Arc<Progress>,
     jobs: &mut Vec<Job>,
     outcomes: &mut [Outcome],
 ) -> Result<()> {
     let device = candle_device(config)?;
-    let family =
-        registry::family(Configs::Fetch(&source)).map_err(|e| match e
-            .downcast::<registry::UnsupportedPipeline>()
-        {
-            Ok(unsupported) => UsageError::new(format!("{source}: {unsupported}")).into(),
-            Err(e) => e,
-        })?;
     let mut pipeline = family.open(config.clone(), source, device, progress.clone())?;
     let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
         .into_iter()
@@ -474,8 +482,12 @@ struct Described {
 }
 
 impl<'a> DryRun<'a> {
-    fn new(config: &'a ResolvedConfig, source: &'a ModelSource) -> Self {
-        let described = dry_run_family(source).map(|(family, from)| {
+    fn new(
+        config: &'a ResolvedConfig,
+        source: &'a ModelSource,
+        found: Result<(Box<dyn Family>, &'static str), String>,
+    ) -> Self {
+        let described = found.map(|(family, from)| {
             let planner = Planner::new(family.as_ref(), config);
             let request = planner.request();
             let spec = planner.spec(&request);

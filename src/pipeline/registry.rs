@@ -7,6 +7,7 @@ use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
 use super::wan_t2v;
+use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
 use anyhow::{Context, Result};
@@ -43,6 +44,10 @@ impl RunShape {
 
 /// A model family with its configs read: everything the frame needs to plan, report and run it.
 pub trait Family {
+    /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's).
+    fn defaults(&self) -> ModelDefaults {
+        ModelDefaults::default()
+    }
     /// The pipeline as data for a run of `shape`.
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
     /// The model's geometry for the dry run's `model` object (layers, widths, latent shape).
