@@ -18,7 +18,8 @@ run() { # label binary flags...
   "$bin" generate --model "$CKPT" --prompt "a red fox runs through fresh snow" --seed 1 \
     --num-frames 9 --num-inference-steps 2 --device cuda --output-type safetensors \
     --output-path /tmp/e2e-videos --output-video-name "$label" --overwrite \
-    --stats-json "/tmp/e2e-videos/$label.json" "$@" 2> "/tmp/e2e-videos/$label.log" >/dev/null
+    --stats-json "/tmp/e2e-videos/$label.json" "$@" 2> "/tmp/e2e-videos/$label.log" >/dev/null \
+    || { echo "== $label FAILED:"; tail -3 "/tmp/e2e-videos/$label.log"; return 0; }
   local end=$(date +%s.%N)
   echo "== $label: process $(awk "BEGIN{printf \"%.2f\", $end - $start}") s"
   grep -E "^loaded|forwards" "/tmp/e2e-videos/$label.log" || true
@@ -31,12 +32,17 @@ run() { # label binary flags...
   run new-default "$NEW"
   run new-leaf "$NEW" --offload-type leaf-level
   run old-default "$OLD"
+  for extra in $EXTRA_RUNS; do run "new-$extra" "$NEW" $RESIDENT; done
   python3 - <<'PY'
 from safetensors.numpy import load_file
 import numpy as np
 d = "/tmp/e2e-videos/"
 ref = load_file(d + "old-resident-1.safetensors")["frames"]
+import os
 for label in ["new-resident-1", "new-resident-2", "old-resident-2", "new-default", "new-leaf", "old-default"]:
+    if not os.path.exists(d + label + ".safetensors"):
+        print(f"{label}: no output")
+        continue
     f = load_file(d + label + ".safetensors")["frames"]
     print(f"{label}: max |frames - old-resident-1| = {np.abs(f - ref).max()}, identical {np.array_equal(f, ref)}")
 PY

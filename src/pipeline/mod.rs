@@ -144,8 +144,16 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         )
         .into());
     }
-    let family = registry::family(Configs::Fetch(&source)).map_err(unsupported)?;
-    let config = config.with_model_defaults(&family.defaults())?;
+    // Only a model no family runs stops here: a model that fails to read (a missing file, a
+    // download error) fails the run after the jobs are known, so `--stats-json` records them.
+    let family = match registry::family(Configs::Fetch(&source)) {
+        Err(e) if e.is::<registry::UnsupportedPipeline>() => return Err(unsupported(e)),
+        found => found,
+    };
+    let config = match &family {
+        Ok(family) => config.with_model_defaults(&family.defaults())?,
+        Err(_) => config,
+    };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
@@ -157,7 +165,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     if source.is_synthetic() {
         progress.note(&format!("note: {source} has random weights: the output is noise, for measuring speed and memory"));
     }
-    let result = generate(&config, family, source, &progress, &mut jobs, &mut outcomes);
+    let result = family
+        .and_then(|family| generate(&config, family, source, &progress, &mut jobs, &mut outcomes));
     let mut code = summarize(&jobs, &outcomes, &progress);
     if let Some(path) = &config.options.stats_json {
         let stats = stats(
