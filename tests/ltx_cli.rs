@@ -140,24 +140,45 @@ fn offload_modes_are_bit_identical_to_resident() {
         "resident",
         &generate(&dir, "resident", "3", &draws, &[]),
     );
-    let modes: &[&[&str]] = &[
-        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-        &[
-            "--dit-layerwise-offload",
-            "--offload-type",
-            "block-level",
-            "--num-blocks-per-group",
-            "1",
-        ],
-        &["--dit-cpu-offload", "--text-encoder-cpu-offload"],
-        &["--model-cpu-offload"],
-        &["--sequential-cpu-offload"],
-        &["--lazy-module-load"],
-        &["--dit-layerwise-offload", "--max-pinned-memory", "1000"],
+    // On the CPU the device rules turn offloading off; the discrete memory model keeps it, so
+    // every mode really moves weights (the placement each gets is checked in the dry run).
+    let modes: &[(&[&str], &str, &str)] = &[
+        (
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+            "dit",
+            "streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--num-blocks-per-group", "2"],
+            "dit",
+            "streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--no-offload-stream"],
+            "text_encoder",
+            "streamed",
+        ),
+        (
+            &["--no-dit-layerwise-offload", "--dit-cpu-offload"],
+            "dit",
+            "parked",
+        ),
+        (&["--model-cpu-offload"], "vae", "parked"),
+        (&["--sequential-cpu-offload"], "dit", "streamed"),
+        (&["--lazy-module-load"], "vae", "parked"),
+        (
+            &["--dit-layerwise-offload", "--max-pinned-memory", "1000"],
+            "dit",
+            "streamed",
+        ),
     ];
-    for (i, flags) in modes.iter().enumerate() {
+    for (i, (flags, role, residency)) in modes.iter().enumerate() {
+        let flags = [&["--memory-model", "discrete"][..], flags].concat();
+        let plan = dry_run(fixture().to_str().unwrap(), &flags);
+        let placed = plan["placement"][role].to_string();
+        assert!(placed.contains(residency), "{flags:?}: {role} {placed}");
         let name = format!("mode{i}");
-        let got = frames(&dir, &name, &generate(&dir, &name, "3", &draws, flags));
+        let got = frames(&dir, &name, &generate(&dir, &name, "3", &draws, &flags));
         assert_eq!(
             max_abs_diff(&got, &resident),
             0.0,
@@ -256,6 +277,16 @@ fn flags_that_do_not_apply_are_refused() {
         assert_eq!(stderr.lines().count(), 1, "{flags:?}: {stderr}");
         assert!(stderr.contains(flags[0]), "{flags:?}: {stderr}");
         assert!(stderr.contains("does not apply"), "{flags:?}: {stderr}");
+    }
+    // LTX-Video's sizes follow its VAE: 8k+1 frames, multiples of 32.
+    for (flags, rule) in [
+        (&["--num-frames", "13"][..], "8k+1"),
+        (&["--height", "48"], "multiple of 32"),
+    ] {
+        let run = generate(&dir, "refused", "3", &draws, flags);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(rule), "{flags:?}: {stderr}");
     }
     // The same flags are noted in a dry run.
     let plan = dry_run(fixture().to_str().unwrap(), &["--flow-shift", "3"]);

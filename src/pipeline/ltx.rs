@@ -10,6 +10,7 @@ use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
+use crate::cli::video::FrameRule;
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
 use crate::models::ltx::defaults;
@@ -166,6 +167,10 @@ impl Family for LtxConfigs {
             num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS as u32),
             guidance_scale: Some(defaults::GUIDANCE_SCALE),
             max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH as u32),
+            frame_rule: Some(FrameRule {
+                frame_step: self.vae.temporal_compression_ratio() as u32,
+                size_step: self.vae.spatial_compression_ratio() as u32,
+            }),
         }
     }
 
