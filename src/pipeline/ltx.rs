@@ -134,25 +134,34 @@ fn transformer_activations(
     8 * hidden + mlp + rope + text + latents
 }
 
-/// Device bytes of the decoder at its widest level: a few f32 feature maps of the widest
-/// channel count at the last level's resolution (before un-patchifying), and the video.
+/// Device bytes of the decoder: a few feature maps of its largest level (each level doubles
+/// frames, height and width and takes the next of the decoder's widths, from the widest at the
+/// latent grid), and the video, in f32.
 fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
     let (r_t, r_s) = (
         cfg.temporal_compression_ratio() as u64,
         cfg.spatial_compression_ratio() as u64,
     );
-    let p = cfg.patch_size.max(1) as u64;
     let frames = (grid[0] as u64 - 1) * r_t + 1;
     let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
-    let widest = cfg
+    let tokens: u64 = grid.iter().map(|&g| g as u64).product();
+    let widths: Vec<u64> = cfg
         .decoder_block_out_channels
         .iter()
-        .chain(&cfg.block_out_channels)
-        .copied()
+        .rev()
+        .map(|&c| c as u64)
+        .collect();
+    let largest = (0..=widths.len())
+        .map(|level| {
+            let c = widths
+                .get(level.min(widths.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(cfg.latent_channels as u64);
+            c * tokens * 8u64.pow(level as u32)
+        })
         .max()
-        .unwrap_or(cfg.latent_channels) as u64;
-    let last_level = frames * (h / p) * (w / p);
-    4 * widest * last_level * 4 + 2 * 3 * frames * h * w * 4
+        .unwrap_or(0);
+    3 * largest * 4 + 2 * 3 * frames * h * w * 4
 }
 
 impl Family for LtxConfigs {
