@@ -4,7 +4,7 @@ use super::args::{
     ComputeDevice, DTypeChoice, GenerateArgs, GenerateOptions, MemoryModelChoice, OffloadType,
     Tristate,
 };
-use super::video::{Spelling, VideoSettings};
+use super::video::{FrameRule, Spelling, VideoSettings};
 use super::UsageError;
 use crate::memory::{
     apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, MemoryOptions, Override,
@@ -34,6 +34,8 @@ pub struct ResolvedConfig {
     pub overrides: Vec<Override>,
     /// Whether `options.seed` was drawn at random because none was given (see [`draw_seed`]).
     pub seed_drawn: bool,
+    /// What the model family's video sizes must be (Wan's until its defaults are applied).
+    pub frame_rule: FrameRule,
     /// Resolve and plan only.
     pub dry_run: bool,
     /// Machine-readable dry-run output.
@@ -73,6 +75,8 @@ pub struct ModelDefaults {
     pub num_inference_steps: Option<u32>,
     pub guidance_scale: Option<f64>,
     pub max_sequence_length: Option<u32>,
+    /// The family's rule for frame counts and sizes (`None`: Wan's 4k+1 and 16).
+    pub frame_rule: Option<FrameRule>,
 }
 
 /// How each video is written.
@@ -89,7 +93,7 @@ impl ResolvedConfig {
     /// Validates the options, probes the device and applies what it forces.
     pub fn resolve(args: GenerateArgs) -> Result<Self, UsageError> {
         let mut options = args.options;
-        validate(&options, args.dry_run)?;
+        validate(&options, args.dry_run, FrameRule::default())?;
         let forced = match options.memory_model {
             MemoryModelChoice::Auto => None,
             MemoryModelChoice::Discrete => Some(MemoryModel::Discrete),
@@ -138,6 +142,7 @@ impl ResolvedConfig {
             device,
             overrides,
             seed_drawn,
+            frame_rule: FrameRule::default(),
             dry_run: args.dry_run,
             json: args.json,
         })
@@ -164,7 +169,10 @@ impl ResolvedConfig {
             guidance_scale,
             max_sequence_length
         );
-        validate(o, self.dry_run)?;
+        if let Some(rule) = defaults.frame_rule {
+            self.frame_rule = rule;
+        }
+        validate(o, self.dry_run, self.frame_rule)?;
         self.generation.max_sequence_length = o.max_sequence_length as usize;
         self.output.fps = o.fps;
         self.output.config_json = serde_json::to_string(o).unwrap_or_default();
@@ -256,7 +264,7 @@ pub fn draw_seed() -> u64 {
 }
 
 /// Checks what no later stage could fix, with one line naming the problem and the fix.
-fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
+fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), UsageError> {
     match (&o.prompt, &o.prompt_file) {
         (Some(_), Some(_)) => {
             return Err(UsageError::new(
@@ -277,6 +285,7 @@ fn validate(o: &GenerateOptions, dry_run: bool) -> Result<(), UsageError> {
         num_inference_steps: Some(o.num_inference_steps),
         guidance_scale: Some(o.guidance_scale),
         output_video_name: o.output_video_name.as_deref(),
+        rule,
     }
     .check(Spelling::Flag)
     .map_err(UsageError)?;

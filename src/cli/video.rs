@@ -24,6 +24,24 @@ impl Spelling {
     }
 }
 
+/// What a family's video sizes must be: frames of the form `frame_step·k + 1` (the VAE's
+/// temporal compression), height and width multiples of `size_step`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameRule {
+    pub frame_step: u32,
+    pub size_step: u32,
+}
+
+impl Default for FrameRule {
+    /// Wan's: 4k+1 frames, multiples of 16.
+    fn default() -> Self {
+        FrameRule {
+            frame_step: 4,
+            size_step: 16,
+        }
+    }
+}
+
 /// The settings of one video that a flag or a prompt-file line may set; `None` is not given
 /// here (a line then takes the flag's value, which was checked on its own).
 #[derive(Clone, Debug, Default)]
@@ -34,30 +52,36 @@ pub struct VideoSettings<'a> {
     pub num_inference_steps: Option<u32>,
     pub guidance_scale: Option<f64>,
     pub output_video_name: Option<&'a str>,
+    /// The model family's rule for sizes.
+    pub rule: FrameRule,
 }
 
 impl VideoSettings<'_> {
     /// The first setting no video can have, as one line naming it (spelled as `spelling`
     /// says) and the fix.
     pub fn check(&self, spelling: Spelling) -> Result<(), String> {
+        let FrameRule {
+            frame_step: k,
+            size_step: m,
+        } = self.rule;
         for (key, value) in [("height", self.height), ("width", self.width)] {
-            if let Some(v) = value.filter(|v| *v == 0 || v % 16 != 0) {
-                let up = v.div_ceil(16).max(1) * 16;
+            if let Some(v) = value.filter(|v| *v == 0 || v % m != 0) {
+                let up = v.div_ceil(m).max(1) * m;
                 return Err(format!(
-                    "{}: not a positive multiple of 16; use e.g. {up}",
+                    "{}: not a positive multiple of {m}; use e.g. {up}",
                     spelling.said(key, v)
                 ));
             }
         }
         if let Some(f) = self
             .num_frames
-            .filter(|f| *f == 0 || !(f - 1).is_multiple_of(4))
+            .filter(|f| *f == 0 || !(f - 1).is_multiple_of(k))
         {
-            let down = (f.saturating_sub(1) / 4) * 4 + 1;
+            let down = (f.saturating_sub(1) / k) * k + 1;
             return Err(format!(
-                "{}: not of the form 4k+1; use e.g. {down} or {}",
+                "{}: not of the form {k}k+1; use e.g. {down} or {}",
                 spelling.said("num_frames", f),
-                down + 4
+                down + k
             ));
         }
         if self.num_inference_steps == Some(0) {

@@ -2,9 +2,13 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
+use crate::models::ltx::transformer::LtxTransformerConfig;
+use crate::models::ltx::vae::LtxVaeConfig;
+use crate::models::t5::encoder::T5Config;
 use crate::models::wan::text_encoder::UMT5Config;
 use crate::models::wan::transformer::WanTransformerConfig;
 use crate::models::wan::vae::WanVaeConfig;
+use crate::schedulers::euler::FlowMatchEulerConfig;
 use crate::schedulers::SchedulerConfig;
 use crate::weights::Weights;
 use anyhow::{anyhow, bail, Context, Result};
@@ -53,6 +57,7 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-t2v-1.3b", synthetic_files!("wan2.1-t2v-1.3b")),
     ("wan2.1-t2v-14b", synthetic_files!("wan2.1-t2v-14b")),
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
+    ("ltx-video", synthetic_files!("ltx-video")),
 ];
 
 /// A model as named by `--model`.
@@ -249,6 +254,38 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
                 .validate()
                 .map_err(message)
         },
+    },
+    ComponentConfig {
+        class: "LTXVideoTransformer3DModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<LtxTransformerConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLLTXVideo",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<LtxVaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "T5EncoderModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<T5Config>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "FlowMatchEulerDiscreteScheduler",
+        file: "scheduler_config.json",
+        check: |v| parse_keyed::<FlowMatchEulerConfig>(v.clone())?.validate(),
     },
     ComponentConfig {
         class: "UniPCMultistepScheduler",

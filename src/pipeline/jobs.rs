@@ -2,7 +2,7 @@
 //! between stages (kept small: embeddings, latents, frames).
 
 use crate::cli::resolve::draw_seed;
-use crate::cli::video::{Spelling, VideoSettings};
+use crate::cli::video::{FrameRule, Spelling, VideoSettings};
 use crate::cli::ResolvedConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
@@ -89,7 +89,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
                 ..Default::default()
             },
         )],
-        (None, Some(file)) => read_prompt_file(file)?,
+        (None, Some(file)) => read_prompt_file(file, config.frame_rule)?,
         (None, None) => bail!("no prompt given; pass --prompt \"...\" or --prompt-file FILE"),
     };
     let base_seed = o.seed.unwrap_or_else(draw_seed);
@@ -194,7 +194,7 @@ pub fn output_exists(path: &Path) -> bool {
 }
 
 /// The prompts of a file with their `FILE:LINE` origins.
-fn read_prompt_file(path: &Path) -> Result<Vec<(String, PromptLine)>> {
+fn read_prompt_file(path: &Path, rule: FrameRule) -> Result<Vec<(String, PromptLine)>> {
     let bytes = std::fs::read(path)
         .with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
@@ -223,7 +223,7 @@ fn read_prompt_file(path: &Path) -> Result<Vec<(String, PromptLine)>> {
                 ..Default::default()
             }
         };
-        check_line(&parsed).with_context(|| at.clone())?;
+        check_line(&parsed, rule).with_context(|| at.clone())?;
         lines.push((at, parsed));
     }
     if lines.is_empty() {
@@ -268,7 +268,7 @@ fn parse_line(line: &str) -> Result<PromptLine> {
     Ok(serde_json::from_value(serde_json::Value::Object(map))?)
 }
 
-fn check_line(line: &PromptLine) -> Result<()> {
+fn check_line(line: &PromptLine, rule: FrameRule) -> Result<()> {
     if line.prompt.trim().is_empty() {
         bail!("the prompt is empty");
     }
@@ -279,6 +279,7 @@ fn check_line(line: &PromptLine) -> Result<()> {
         num_inference_steps: line.num_inference_steps,
         guidance_scale: line.guidance_scale,
         output_video_name: line.output_video_name.as_deref(),
+        rule,
     }
     .check(Spelling::LineKey)
     .map_err(|e| anyhow!(e))

@@ -4,12 +4,15 @@
 pub mod draws;
 pub mod interrupt;
 pub mod jobs;
+pub mod ltx;
 pub mod placement;
 pub mod plan;
 pub mod progress;
 pub mod registry;
 pub mod runner;
 pub mod spec;
+mod stages;
+pub mod t5;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
@@ -151,7 +154,13 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         found => found,
     };
     let config = match &family {
-        Ok(family) => config.with_model_defaults(&family.defaults())?,
+        Ok(family) => {
+            let config = config.with_model_defaults(&family.defaults())?;
+            if let Some(why) = family.inapplicable(&config) {
+                return Err(UsageError::new(why).into());
+            }
+            config
+        }
         Err(_) => config,
     };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
@@ -486,6 +495,8 @@ struct Described {
     from: &'static str,
     schedule: Schedule,
     placement: Placement,
+    /// An option the family cannot honour, with why.
+    inapplicable: Option<String>,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
 }
@@ -502,6 +513,7 @@ impl<'a> DryRun<'a> {
             let spec = planner.spec(&request);
             Described {
                 facts: family.facts(&RunShape::of(config)),
+                inapplicable: family.inapplicable(config),
                 from,
                 schedule: Schedule::plan(&spec, load_policy(config)),
                 placement: Placement::new(&config.memory, &spec),
@@ -531,7 +543,9 @@ impl<'a> DryRun<'a> {
             Ok(d) => {
                 out["pipeline"] = json!(d.spec.title);
                 out["placement"] = d.placement.json();
-                out["notes"] = json!(inert_options(&config.memory, &d.spec));
+                let mut notes = inert_options(&config.memory, &d.spec);
+                notes.extend(d.inapplicable.clone());
+                out["notes"] = json!(notes);
                 out["stages"] = d
                     .spec
                     .stages
@@ -780,13 +794,16 @@ fn round2(x: f64) -> f64 {
 
 /// The model's family without downloading, and where its configs came from: the model itself (a
 /// folder, the Hub cache, a synthetic model), else, for a Hub id whose published configs vidgen
-/// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-), those.
+/// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-, Lightricks/LTX-Video), those.
 fn dry_run_family(source: &ModelSource) -> Result<(Box<dyn Family>, &'static str), String> {
     let not_read = match registry::family(Configs::OnDisk(source)) {
         Ok(family) => return Ok((family, "model")),
         Err(e) => format!("{e:#}"),
     };
     let shipped = match source {
+        ModelSource::Hub(repo) if repo == "Lightricks/LTX-Video" => {
+            ModelSource::parse("synthetic:ltx-video").ok()
+        }
         ModelSource::Hub(repo) => repo
             .strip_prefix("Wan-AI/")
             .and_then(|r| r.strip_suffix("-Diffusers"))

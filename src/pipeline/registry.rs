@@ -6,7 +6,7 @@ use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
-use super::wan_t2v;
+use super::{ltx, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
@@ -47,6 +47,11 @@ pub trait Family {
     /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's).
     fn defaults(&self) -> ModelDefaults {
         ModelDefaults::default()
+    }
+    /// The first option the user gave that this family cannot honour, as one line saying why
+    /// (a run refuses it as bad input; a dry run notes it).
+    fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
+        None
     }
     /// The pipeline as data for a run of `shape`.
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
@@ -92,10 +97,16 @@ pub struct FamilyEntry {
 }
 
 /// Every family vidgen runs.
-pub const FAMILIES: &[FamilyEntry] = &[FamilyEntry {
-    class_names: &["WanPipeline"],
-    read: wan_t2v::read,
-}];
+pub const FAMILIES: &[FamilyEntry] = &[
+    FamilyEntry {
+        class_names: &["WanPipeline"],
+        read: wan_t2v::read,
+    },
+    FamilyEntry {
+        class_names: &["LTXPipeline"],
+        read: ltx::read,
+    },
+];
 
 /// A model whose pipeline no family runs: bad input, named with what vidgen does run.
 #[derive(Debug, thiserror::Error)]

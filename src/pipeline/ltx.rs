@@ -1,0 +1,752 @@
+//! LTX-Video text-to-video as a list of stages, step for step as diffusers' `LTXPipeline`
+//! (the order [`crate::models::ltx`] documents).
+
+use super::draws::Draws;
+use super::jobs::Job;
+use super::placement::{Blockwise, Held, Placed, Placement};
+use super::progress::{describe_peaks, Progress};
+use super::registry::{Configs, Family, RunShape};
+use super::runner::Pipeline;
+use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::stages;
+use crate::cli::resolve::ModelDefaults;
+use crate::cli::video::FrameRule;
+use crate::cli::ResolvedConfig;
+use crate::memory::accounting::MemoryMeter;
+use crate::models::ltx::defaults;
+use crate::models::ltx::prompt::prompt_tokens;
+use crate::models::ltx::transformer::{
+    pack_latents, unpack_latents, LtxTransformer3DModel, LtxTransformerBlock, LtxTransformerConfig,
+};
+use crate::models::ltx::vae::{
+    add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, SeededNoise,
+};
+use crate::models::source::{FileRef, ModelSource};
+use crate::models::t5::encoder::{T5Block, T5Config, T5EncoderModel};
+use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
+use crate::schedulers::{Scheduler, SchedulerKind};
+use crate::weights::seeded_normal;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Components, by their index in the description.
+const TEXT_ENCODER: usize = 0;
+const TRANSFORMER: usize = 1;
+const VAE: usize = 2;
+
+/// Stages, by their index in the description.
+const ENCODE_TEXT: usize = 0;
+const DENOISE: usize = 1;
+const DECODE: usize = 2;
+
+/// Reads an LTX-Video model's configs (the registry's entry point).
+pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
+    Ok(Box::new(LtxConfigs::from_configs(configs)?))
+}
+
+/// The configs of an LTX-Video model: everything planning needs, no weights.
+#[derive(Clone, Debug)]
+pub struct LtxConfigs {
+    pub transformer: LtxTransformerConfig,
+    pub vae: LtxVaeConfig,
+    pub text_encoder: T5Config,
+    pub scheduler: FlowMatchEulerConfig,
+}
+
+impl LtxConfigs {
+    /// Reads every component's config.
+    pub fn from_configs(configs: Configs) -> Result<Self> {
+        Ok(LtxConfigs {
+            transformer: configs.read("transformer/config.json")?,
+            vae: configs.read("vae/config.json")?,
+            text_encoder: configs.read("text_encoder/config.json")?,
+            scheduler: configs.read("scheduler/scheduler_config.json")?,
+        })
+    }
+
+    /// The latent grid `[F', H', W']` of a video size (the pipeline's `latent_num_frames`,
+    /// `latent_height`, `latent_width`).
+    pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
+        let (r_t, r_s) = (
+            self.vae.temporal_compression_ratio(),
+            self.vae.spatial_compression_ratio(),
+        );
+        [
+            (num_frames as usize).saturating_sub(1) / r_t + 1,
+            height as usize / r_s,
+            width as usize / r_s,
+        ]
+    }
+
+    /// The token grid the transformer sees (the latent grid in patches).
+    fn token_grid(&self, grid: [usize; 3]) -> [usize; 3] {
+        let (p, pt) = (
+            self.transformer.patch_size.max(1),
+            self.transformer.patch_size_t.max(1),
+        );
+        [grid[0] / pt, grid[1] / p, grid[2] / p]
+    }
+
+    /// The packed latents' shape `[1, tokens, C·p_t·p·p]`.
+    fn packed_shape(&self, grid: [usize; 3]) -> [usize; 3] {
+        let (p, pt) = (self.transformer.patch_size, self.transformer.patch_size_t);
+        let tokens: usize = self.token_grid(grid).iter().product();
+        [1, tokens, self.transformer.in_channels * pt * p * p]
+    }
+
+    /// The latents' shape `[1, C, F', H', W']`.
+    fn latent_shape(&self, grid: [usize; 3]) -> [usize; 5] {
+        [1, self.transformer.in_channels, grid[0], grid[1], grid[2]]
+    }
+}
+
+/// Device bytes of one T5 forward over `batch` prompts of `len` tokens: a few hidden-state
+/// copies, the FFN's widest tensor and one head's attention scores per head.
+fn text_encoder_activations(cfg: &T5Config, batch: usize, len: usize, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (b, l) = (batch as u64, len as u64);
+    let hidden = b * l * cfg.d_model as u64 * e;
+    let ffn = 3 * b * l * cfg.d_ff as u64 * e;
+    let scores = 2 * b * cfg.num_heads as u64 * l * l * 4;
+    6 * hidden + ffn + scores
+}
+
+/// Device bytes of one transformer forward over the CFG batch: hidden states and their copies,
+/// the MLP's 4x widening, the RoPE tables and the packed latents in f32.
+fn transformer_activations(
+    cfg: &LtxTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+    dtype: DType,
+) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (b, s, d) = (batch as u64, tokens as u64, cfg.inner_dim() as u64);
+    let hidden = b * s * d * e;
+    let mlp = 4 * hidden;
+    let rope = 2 * s * (d / 2) * 4;
+    let text = b * text_len as u64 * (d + cfg.caption_channels as u64) * e;
+    let latents = 4 * b * s * cfg.in_channels as u64 * 4;
+    8 * hidden + mlp + rope + text + latents
+}
+
+/// Device bytes of the decoder: a few feature maps of its largest level (each level doubles
+/// frames, height and width and takes the next of the decoder's widths, from the widest at the
+/// latent grid), and the video, in f32.
+fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
+    let (r_t, r_s) = (
+        cfg.temporal_compression_ratio() as u64,
+        cfg.spatial_compression_ratio() as u64,
+    );
+    let frames = (grid[0] as u64 - 1) * r_t + 1;
+    let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
+    let tokens: u64 = grid.iter().map(|&g| g as u64).product();
+    let widths: Vec<u64> = cfg
+        .decoder_block_out_channels
+        .iter()
+        .rev()
+        .map(|&c| c as u64)
+        .collect();
+    let largest = (0..=widths.len())
+        .map(|level| {
+            let c = widths
+                .get(level.min(widths.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(cfg.latent_channels as u64);
+            c * tokens * 8u64.pow(level as u32)
+        })
+        .max()
+        .unwrap_or(0);
+    3 * largest * 4 + 2 * 3 * frames * h * w * 4
+}
+
+impl Family for LtxConfigs {
+    /// `LTXPipeline.__call__`'s defaults: 704x512, 161 frames told 25 fps, 50 steps, guidance 3,
+    /// 128 text tokens.
+    fn defaults(&self) -> ModelDefaults {
+        ModelDefaults {
+            height: Some(defaults::HEIGHT as u32),
+            width: Some(defaults::WIDTH as u32),
+            num_frames: Some(defaults::NUM_FRAMES as u32),
+            fps: Some(defaults::FRAME_RATE as u32),
+            num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS as u32),
+            guidance_scale: Some(defaults::GUIDANCE_SCALE),
+            max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH as u32),
+            frame_rule: Some(FrameRule {
+                frame_step: self.vae.temporal_compression_ratio() as u32,
+                size_step: self.vae.spatial_compression_ratio() as u32,
+            }),
+        }
+    }
+
+    /// T5, DiT and VAE, each used by one stage and safe to defer: every component only feeds
+    /// tensors forward.
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        let component = |name, role, constructors| ComponentSpec {
+            name,
+            role,
+            dtype: None,
+            deferrable: true,
+            constructors,
+        };
+        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        };
+        let grid = self.grid(shape.num_frames, shape.height, shape.width);
+        let tokens: usize = self.token_grid(grid).iter().product();
+        PipelineSpec {
+            title: "LTX-Video text-to-video",
+            components: vec![
+                component(
+                    "text_encoder",
+                    Role::TextEncoder,
+                    Arc::new(ModelConstructors::<T5EncoderModel>(
+                        self.text_encoder.clone(),
+                    )),
+                ),
+                component(
+                    "transformer",
+                    Role::Dit,
+                    Arc::new(ModelConstructors::<LtxTransformer3DModel>(
+                        self.transformer.clone(),
+                    )),
+                ),
+                component(
+                    "vae",
+                    Role::Vae,
+                    Arc::new(ModelConstructors::<AutoencoderKLLTXVideo>(self.vae.clone())),
+                ),
+            ],
+            stages: vec![
+                stage(
+                    "encode_text",
+                    &[TEXT_ENCODER],
+                    text_encoder_activations(&self.text_encoder, 1, shape.text_len, shape.dtype),
+                ),
+                stage(
+                    "denoise",
+                    &[TRANSFORMER],
+                    transformer_activations(
+                        &self.transformer,
+                        tokens,
+                        shape.text_len,
+                        2,
+                        shape.dtype,
+                    ),
+                ),
+                stage("decode", &[VAE], vae_decode_activations(&self.vae, grid)),
+                stage("write", &[], 0),
+            ],
+        }
+    }
+
+    fn facts(&self, shape: &RunShape) -> serde_json::Value {
+        let grid = self.grid(shape.num_frames, shape.height, shape.width);
+        serde_json::json!({
+            "transformer_layers": self.transformer.num_layers,
+            "transformer_inner_dim": self.transformer.inner_dim(),
+            "latent_shape": self.latent_shape(grid),
+            "latent_tokens": self.packed_shape(grid)[1],
+            "vae_scale_factor_spatial": self.vae.spatial_compression_ratio(),
+            "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
+            "vae_timestep_conditioning": self.vae.timestep_conditioning,
+            "text_encoder_layers": self.text_encoder.num_layers,
+        })
+    }
+
+    fn open(
+        self: Box<Self>,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
+        Ok(Box::new(Ltx::new(*self, config, source, device, progress)?))
+    }
+
+    /// `--image`, `--guidance-scale-2`, `--true-cfg-scale`, `--flow-shift`, a scheduler other
+    /// than Euler, `--vae-tiling`.
+    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
+        inapplicable(config)
+    }
+}
+
+/// The first option given that LTX-Video cannot honour, as one line saying why.
+pub fn inapplicable(config: &ResolvedConfig) -> Option<String> {
+    let g = &config.generation;
+    let given = |key: &str| config.given.contains(key);
+    let refused = [
+        (
+            g.image.is_some(),
+            "--image: LTX-Video's LTXPipeline is text-to-video; it takes no conditioning image",
+        ),
+        (
+            g.guidance_scale_2.is_some(),
+            "--guidance-scale-2: LTX-Video has one transformer, guided by --guidance-scale",
+        ),
+        (
+            g.true_cfg_scale.is_some(),
+            "--true-cfg-scale: LTX-Video runs real classifier-free guidance with --guidance-scale",
+        ),
+        (
+            g.flow_shift.is_some(),
+            "--flow-shift: LTX-Video's schedule shifts by the video's token count (the scheduler config's base_shift/max_shift)",
+        ),
+        (
+            given("scheduler") && g.scheduler != SchedulerKind::Euler,
+            "--scheduler: LTX-Video runs the flow-matching Euler scheduler it ships with; pass --scheduler euler or leave it out",
+        ),
+        (
+            config.memory.vae_tiling,
+            "--vae-tiling: the LTX-Video VAE decodes whole (tiled decoding is not implemented for it); leave it out",
+        ),
+    ];
+    refused
+        .into_iter()
+        .find(|(on, _)| *on)
+        .map(|(_, why)| format!("{why} (it does not apply to this model)"))
+}
+
+/// The injected noise of the decoder taken from the draws file as `injected_noise.K`, in order.
+struct DrawnNoise<'a> {
+    draws: &'a mut Draws,
+    next: usize,
+}
+
+impl InjectedNoise for DrawnNoise<'_> {
+    fn next(
+        &mut self,
+        height: usize,
+        width: usize,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let name = format!("injected_noise.{}", self.next);
+        self.next += 1;
+        self.draws
+            .take(&name, &[height, width])
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?
+            .to_device(device)?
+            .to_dtype(DType::F32)
+    }
+}
+
+/// What a job carries between stages beside [`Job`]'s own fields.
+#[derive(Default)]
+struct Carried {
+    /// The cross-attention mask `[B, L]` of the prompt embeddings ([negative; positive] with
+    /// guidance).
+    mask: Option<Tensor>,
+    /// The job's draws file, opened in the denoise stage and finished after decoding.
+    draws: Option<Draws>,
+}
+
+/// LTX-Video with its loaded components.
+pub struct Ltx {
+    config: ResolvedConfig,
+    source: ModelSource,
+    configs: LtxConfigs,
+    spec: PipelineSpec,
+    device: Device,
+    tokenizer: PromptTokenizer,
+    placement: Placement,
+    text_encoder: Option<Placed<T5EncoderModel>>,
+    transformer: Option<Placed<LtxTransformer3DModel>>,
+    vae: Option<Placed<AutoencoderKLLTXVideo>>,
+    carried: HashMap<usize, Carried>,
+    progress: Arc<Progress>,
+    meter: MemoryMeter,
+}
+
+impl Ltx {
+    /// Reads the tokenizer; loads no weights.
+    pub fn new(
+        configs: LtxConfigs,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Self> {
+        let spec = configs.spec(&RunShape::of(&config));
+        let meter = MemoryMeter::new(&device);
+        let tokenizer = match source.require("tokenizer/tokenizer.json")? {
+            FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
+            FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
+        };
+        let placement = Placement::new(&config.memory, &spec);
+        Ok(Ltx {
+            placement,
+            config,
+            source,
+            configs,
+            spec,
+            device,
+            tokenizer,
+            text_encoder: None,
+            transformer: None,
+            vae: None,
+            carried: HashMap::new(),
+            progress,
+            meter,
+        })
+    }
+
+    /// `_get_t5_prompt_embeds` for one prompt: T5 without attention mask (every token, `<pad>`
+    /// included, attends to every token), blocks resident or streamed; the mask is returned for
+    /// the transformer's cross-attention.
+    fn embed(&self, encoder: &Held<'_, T5EncoderModel>, text: &str) -> Result<(Tensor, Tensor)> {
+        let max_len = self.config.generation.max_sequence_length;
+        let model = encoder.model();
+        let device = model.device();
+        let (ids, mask) = prompt_tokens(&self.tokenizer, text, max_len, &device)?;
+        let all = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
+        let mut h = model.embed(&ids)?;
+        let mut position_bias = None;
+        encoder.for_each_block(T5EncoderModel::blocks, |block: &T5Block| {
+            h = block.forward_sharing_bias(&h, &all, &mut position_bias)?;
+            Ok(())
+        })?;
+        let embeds = model.final_norm(&h)?.to_dtype(self.config.dtype())?;
+        Ok((
+            embeds.to_device(&Device::Cpu)?,
+            mask.to_device(&Device::Cpu)?,
+        ))
+    }
+
+    /// Encodes the prompt (and with guidance the negative prompt); the embeddings wait for the
+    /// denoise stage in host memory.
+    fn encode_text(&mut self, job: &mut Job) -> Result<()> {
+        let placed = self
+            .text_encoder
+            .as_ref()
+            .context("text encoder not loaded")?;
+        let encoder = placed.hold()?;
+        let (embeds, mask) = self.embed(&encoder, &job.prompt)?;
+        let (embeds, mask) = if job.guidance_scale > 1.0 {
+            let (neg, neg_mask) = self.embed(&encoder, &job.negative_prompt)?;
+            (
+                Tensor::cat(&[&neg, &embeds], 0)?,
+                Tensor::cat(&[&neg_mask, &mask], 0)?,
+            )
+        } else {
+            (embeds, mask)
+        };
+        drop(encoder);
+        job.prompt_embeds = Some(embeds);
+        self.carried.entry(job.index).or_default().mask = Some(mask);
+        Ok(())
+    }
+
+    fn denoise(&mut self, job: &mut Job) -> Result<()> {
+        let grid = self.configs.grid(job.num_frames, job.height, job.width);
+        let token_grid = self.configs.token_grid(grid);
+        let packed = self.configs.packed_shape(grid);
+        let mut carried = self.carried.remove(&job.index).unwrap_or_default();
+        // The draws: `latents` (packed) from the file, or seeded noise packed as the pipeline
+        // packs its own draw.
+        let latents = match &self.config.generation.latents {
+            Some(path) => {
+                let mut draws = Draws::open(path)?;
+                let latents = draws.take("latents", &packed)?;
+                carried.draws = Some(draws);
+                latents
+            }
+            None => pack_latents(
+                &seeded_normal(job.seed, &self.configs.latent_shape(grid))?,
+                self.configs.transformer.patch_size,
+                self.configs.transformer.patch_size_t,
+            )?,
+        };
+        let result = self.denoise_from(job, latents, token_grid, carried.mask.take());
+        self.carried.insert(job.index, carried);
+        result
+    }
+
+    fn denoise_from(
+        &self,
+        job: &mut Job,
+        latents: Tensor,
+        token_grid: [usize; 3],
+        mask: Option<Tensor>,
+    ) -> Result<()> {
+        let placed = self
+            .transformer
+            .as_ref()
+            .context("transformer not loaded")?;
+        let before = placed.offload_usage();
+        let model = &placed.hold()?;
+        let dtype = self.config.dtype();
+        let embeds = job
+            .prompt_embeds
+            .take()
+            .context("prompt not encoded")?
+            .to_device(&self.device)?;
+        let mask = mask
+            .context("prompt not encoded")?
+            .to_device(&self.device)?;
+        let batch = embeds.dim(0)?;
+        let guided = batch > 1;
+        let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
+            self.configs.vae.temporal_compression_ratio(),
+            self.configs.vae.spatial_compression_ratio(),
+            f64::from(self.config.output.fps),
+        );
+        let mut scheduler = FlowMatchEuler::for_sequence_length(
+            &self.configs.scheduler,
+            job.num_inference_steps as usize,
+            token_grid.iter().product(),
+        )?;
+        let mut latents = latents.to_dtype(DType::F32)?.to_device(&self.device)?;
+        let timesteps = scheduler.timesteps().to_vec();
+        let mut forward_seconds = Vec::with_capacity(timesteps.len());
+        for (i, &t) in timesteps.iter().enumerate() {
+            crate::pipeline::interrupt::check()?;
+            let input = Tensor::cat(&vec![&latents; batch], 0)?.to_dtype(dtype)?;
+            let timestep = Tensor::full(t as f32, batch, &self.device)?;
+            let pred = stages::timed(&self.device, &mut forward_seconds, || {
+                dit_forward(
+                    model, &input, &embeds, &timestep, &mask, token_grid, rope_scale,
+                )
+            })?
+            .to_dtype(DType::F32)?;
+            // CFG in f32: uncond + g·(cond − uncond).
+            let pred = if guided {
+                let uncond = pred.narrow(0, 0, 1)?;
+                let cond = pred.narrow(0, 1, 1)?;
+                (&uncond + ((&cond - &uncond)? * job.guidance_scale)?)?
+            } else {
+                pred
+            };
+            latents = scheduler.step(&pred, &latents)?;
+            self.progress.step(i + 1, timesteps.len());
+        }
+        stages::report_denoise(
+            &self.progress,
+            job,
+            forward_seconds,
+            before,
+            placed.offload_usage(),
+        );
+        job.latents = Some(latents.to_device(&Device::Cpu)?);
+        job.prompt_embeds = None;
+        Ok(())
+    }
+
+    /// Unpack, de-normalise; with a timestep-conditioned decoder mix in the decode noise and
+    /// decode at `decode_timestep` with injected noise; frames in [0, 1].
+    fn decode(&mut self, job: &mut Job) -> Result<()> {
+        let mut carried = self.carried.remove(&job.index).unwrap_or_default();
+        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let vae = held.model();
+        let grid = self.configs.grid(job.num_frames, job.height, job.width);
+        let token_grid = self.configs.token_grid(grid);
+        let latents = job.latents.take().context("nothing denoised")?;
+        let z = unpack_latents(
+            &latents.to_device(&self.device)?,
+            token_grid[0],
+            token_grid[1],
+            token_grid[2],
+            self.configs.transformer.patch_size,
+            self.configs.transformer.patch_size_t,
+        )?;
+        let z = vae.denormalize(&z.to_dtype(DType::F32)?)?;
+        let video = if vae.timestep_conditioning() {
+            let decode_timestep = self
+                .config
+                .generation
+                .decode_timestep
+                .unwrap_or(defaults::DECODE_TIMESTEP);
+            let scale = self
+                .config
+                .generation
+                .decode_noise_scale
+                .unwrap_or(decode_timestep);
+            let timestep = Tensor::new(&[decode_timestep as f32], &self.device)?;
+            match carried.draws.as_mut() {
+                Some(draws) => {
+                    let noise = draws.take("decode_noise", z.dims())?;
+                    let z = add_decode_noise(&z, &noise.to_device(&self.device)?, scale)?
+                        .to_dtype(self.config.dtype())?;
+                    let mut injected = DrawnNoise { draws, next: 0 };
+                    vae.decode(&z, Some(&timestep), &mut injected)?
+                }
+                None => {
+                    let seed = job.seed.wrapping_add(1);
+                    let noise = seeded_normal(seed, z.dims())?.to_device(&self.device)?;
+                    let z = add_decode_noise(&z, &noise, scale)?.to_dtype(self.config.dtype())?;
+                    let mut injected = SeededNoise::new(job.seed.wrapping_add(2));
+                    vae.decode(&z, Some(&timestep), &mut injected)?
+                }
+            }
+        } else {
+            let z = z.to_dtype(self.config.dtype())?;
+            vae.decode(&z, None, &mut SeededNoise::new(job.seed))?
+        };
+        if let Some(draws) = &carried.draws {
+            draws.finish()?;
+        }
+        job.frames = Some(stages::video_frames(&video)?);
+        Ok(())
+    }
+
+    /// Builds a component from its weights, placed as the options say.
+    fn load_component(&mut self, component: usize) -> Result<()> {
+        let spec = self.spec.components[component].clone();
+        let dtype = spec.dtype(self.config.dtype());
+        let what = || format!("loading {} of {}", spec.name, self.source);
+        let weights = stages::open_weights(&self.source, spec.name, &self.progress)?;
+        macro_rules! place {
+            ($cfg:expr) => {
+                stages::place(
+                    &self.spec,
+                    &self.placement,
+                    component,
+                    $cfg,
+                    &weights,
+                    dtype,
+                    &self.device,
+                    &self.progress,
+                )
+                .with_context(what)
+            };
+        }
+        match component {
+            TEXT_ENCODER => self.text_encoder = Some(place!(&self.configs.text_encoder)?),
+            TRANSFORMER => self.transformer = Some(place!(&self.configs.transformer)?),
+            _ => self.vae = Some(place!(&self.configs.vae)?),
+        }
+        Ok(())
+    }
+}
+
+impl Pipeline for Ltx {
+    type Job = Job;
+
+    fn spec(&self) -> &PipelineSpec {
+        &self.spec
+    }
+
+    fn load(&mut self, component: usize) -> Result<()> {
+        let start = std::time::Instant::now();
+        self.meter.reset();
+        let loaded = self
+            .load_component(component)
+            .and_then(|()| Ok(self.device.synchronize()?));
+        let name = self.spec.components[component].name;
+        if let Err(e) = loaded {
+            let when = format!("while loading {name}");
+            return Err(stages::explain_out_of_memory(
+                &self.configs,
+                &self.config,
+                &self.meter,
+                &when,
+                e,
+            ));
+        }
+        self.progress.note(&format!(
+            "loaded {name} in {:.2}s: {}",
+            start.elapsed().as_secs_f64(),
+            describe_peaks(&self.meter.peaks())
+        ));
+        Ok(())
+    }
+
+    fn release(&mut self, component: usize) {
+        match component {
+            TEXT_ENCODER => self.text_encoder = None,
+            TRANSFORMER => self.transformer = None,
+            _ => self.vae = None,
+        }
+    }
+
+    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        let name = self.spec.stages[index].name;
+        self.meter.reset();
+        let result = match index {
+            ENCODE_TEXT => self.encode_text(job),
+            DENOISE => self.denoise(job),
+            DECODE => self.decode(job),
+            _ => stages::write_video(&self.config, job),
+        };
+        if let Err(e) = result {
+            self.carried.remove(&job.index);
+            return Err(stages::explain_out_of_memory(
+                &self.configs,
+                &self.config,
+                &self.meter,
+                &format!("in stage {name}"),
+                e,
+            ));
+        }
+        let peaks = self.meter.peaks();
+        self.progress
+            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
+        let stages = job
+            .metrics
+            .entry("stages")
+            .or_insert_with(|| serde_json::json!({}));
+        stages[name] = serde_json::to_value(peaks)?;
+        Ok(())
+    }
+}
+
+/// One DiT forward over the CFG batch: prepare, the blocks (resident or streamed), finish.
+fn dit_forward(
+    dit: &Held<'_, LtxTransformer3DModel>,
+    latents: &Tensor,
+    embeds: &Tensor,
+    timestep: &Tensor,
+    mask: &Tensor,
+    grid: [usize; 3],
+    rope_scale: [f64; 3],
+) -> candle_core::Result<Tensor> {
+    let model = dit.model();
+    let mut inputs = model.prepare(latents, embeds, timestep, Some(mask), grid, rope_scale)?;
+    let mut x = inputs.take_hidden_states()?;
+    dit.for_each_block(LtxTransformer3DModel::blocks, |block| {
+        x = block.forward(&x, &inputs)?;
+        Ok(())
+    })
+    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    model.finish(&x, &inputs)
+}
+
+impl Blockwise for LtxTransformer3DModel {
+    type Config = LtxTransformerConfig;
+    type Block = LtxTransformerBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        LtxTransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+    }
+}
+
+/// The VAE has no repeated blocks to stream: it is resident or parked whole.
+impl Blockwise for AutoencoderKLLTXVideo {
+    type Config = LtxVaeConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the LTX-Video VAE is offloaded whole, not block by block")
+    }
+}

@@ -1,0 +1,295 @@
+//! LTX-Video through the command line, as PARITY-CLI.md drives a fixture: `ltx-video-tiny-a`'s
+//! guided (CFG 3) and unguided runs with diffusers' draws from a draws file, every offload mode
+//! bit-identical to the resident run, the dry run on the fixture and on `synthetic:ltx-video`,
+//! and the flags that do not apply refused.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{max_abs_diff, named_fixture_dir, reference_in};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The README's pipeline tolerance for this fixture.
+const ATOL: f64 = 1e-4;
+
+fn fixture() -> PathBuf {
+    named_fixture_dir("ltx-video-tiny-a")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-ltx-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn preset() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture().join("reference/README.json")).unwrap();
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["preset"].clone()
+}
+
+/// The draws file of reference run `run` (`cfg3`, `cfg1`): `latents`, `decode_noise`,
+/// `injected_noise.K`, the run's prefix removed.
+fn draws_file(run: &str, dir: &Path) -> PathBuf {
+    let r = reference_in(&fixture(), "pipeline");
+    let mut draws: HashMap<String, Tensor> = HashMap::new();
+    draws.insert("latents".into(), r["latents_init"].clone());
+    draws.insert(
+        "decode_noise".into(),
+        r[&format!("{run}.decode_noise")].clone(),
+    );
+    for k in 0.. {
+        match r.get(&format!("{run}.injected_noise.{k}")) {
+            Some(t) => draws.insert(format!("injected_noise.{k}"), t.clone()),
+            None => break,
+        };
+    }
+    let path = dir.join(format!("{run}-draws.safetensors"));
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    path
+}
+
+/// `vidgen generate` on the fixture with the reference call's settings and `extra` flags.
+fn generate(dir: &Path, name: &str, guidance: &str, draws: &Path, extra: &[&str]) -> Output {
+    let p = preset();
+    let prompt = p["prompts"][p["pipeline_prompt_index"].as_u64().unwrap() as usize]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let num = |key: &str| p[key].to_string();
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(["generate", "--model", fixture().to_str().unwrap()])
+        .args(["--prompt", &prompt])
+        .args(["--negative-prompt", p["negative_prompt"].as_str().unwrap()])
+        .args(["--height", &num("height"), "--width", &num("width")])
+        .args([
+            "--num-frames",
+            &num("num_frames"),
+            "--num-inference-steps",
+            "3",
+        ])
+        .args(["--guidance-scale", guidance])
+        .args(["--max-sequence-length", &num("max_sequence_length")])
+        .args(["--fps", &num("frame_rate")])
+        .args(["--decode-timestep", &num("decode_timestep")])
+        .args(["--decode-noise-scale", &num("decode_noise_scale")])
+        .args(["--latents", draws.to_str().unwrap()])
+        .args([
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--output-type",
+            "safetensors",
+        ])
+        .args([
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--output-video-name",
+            name,
+        ])
+        .args(["--quiet"])
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+/// The frames a run wrote, `[F, H, W, 3]`.
+fn frames(dir: &Path, name: &str, run: &Output) -> Tensor {
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let out = candle_core::safetensors::load(dir.join(format!("{name}.safetensors")), &Device::Cpu)
+        .unwrap();
+    out["frames"].clone()
+}
+
+fn parity(run: &str, guidance: &str) {
+    let dir = scratch(run);
+    let draws = draws_file(run, &dir);
+    let got = frames(&dir, run, &generate(&dir, run, guidance, &draws, &[]));
+    let r = reference_in(&fixture(), "pipeline");
+    let want = r[&format!("{run}.frames")].squeeze(0).unwrap();
+    assert_eq!(got.dims(), want.dims());
+    let diff = max_abs_diff(&got, &want);
+    println!("{run}.frames max |diff| {diff:e}");
+    assert!(diff <= ATOL, "{run}.frames max |diff| {diff} > {ATOL}");
+}
+
+#[test]
+fn guided_run_matches_diffusers() {
+    parity("cfg3", "3");
+}
+
+#[test]
+fn unguided_run_matches_diffusers() {
+    parity("cfg1", "1");
+}
+
+#[test]
+fn offload_modes_are_bit_identical_to_resident() {
+    let dir = scratch("offload");
+    let draws = draws_file("cfg3", &dir);
+    let resident = frames(
+        &dir,
+        "resident",
+        &generate(&dir, "resident", "3", &draws, &[]),
+    );
+    // On the CPU the device rules turn offloading off; the discrete memory model keeps it, so
+    // every mode really moves weights (the placement each gets is checked in the dry run).
+    let modes: &[(&[&str], &str, &str)] = &[
+        (
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+            "dit",
+            "streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--num-blocks-per-group", "2"],
+            "dit",
+            "streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--no-offload-stream"],
+            "text_encoder",
+            "streamed",
+        ),
+        (
+            &["--no-dit-layerwise-offload", "--dit-cpu-offload"],
+            "dit",
+            "parked",
+        ),
+        (&["--model-cpu-offload"], "vae", "parked"),
+        (&["--sequential-cpu-offload"], "dit", "streamed"),
+        (&["--lazy-module-load"], "vae", "parked"),
+        (
+            &["--dit-layerwise-offload", "--max-pinned-memory", "1000"],
+            "dit",
+            "streamed",
+        ),
+    ];
+    for (i, (flags, role, residency)) in modes.iter().enumerate() {
+        let flags = [&["--memory-model", "discrete"][..], flags].concat();
+        let plan = dry_run(fixture().to_str().unwrap(), &flags);
+        let placed = plan["placement"][role].to_string();
+        assert!(placed.contains(residency), "{flags:?}: {role} {placed}");
+        let name = format!("mode{i}");
+        let got = frames(&dir, &name, &generate(&dir, &name, "3", &draws, &flags));
+        assert_eq!(
+            max_abs_diff(&got, &resident),
+            0.0,
+            "{flags:?} differs from the resident run"
+        );
+    }
+}
+
+/// `--dry-run --json` of `model` with `extra` flags.
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(["generate", "--dry-run", "--json", "--device", "cpu"])
+        .args(["--model", model])
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn check_plan(plan: &serde_json::Value) {
+    assert_eq!(plan["pipeline"], "LTX-Video text-to-video");
+    let stages: Vec<&str> = plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(stages, ["encode_text", "denoise", "decode", "write"]);
+    for stage in plan["stages"].as_array().unwrap() {
+        assert!(stage["memory"]["peak_bytes"].as_u64().is_some(), "{stage}");
+    }
+    assert!(plan["memory_plan"]["peak_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn dry_run_plans_the_fixture_and_the_published_model() {
+    let plan = dry_run(fixture().to_str().unwrap(), &[]);
+    check_plan(&plan);
+    // LTXPipeline's call defaults where the user gave none.
+    let c = &plan["config"];
+    assert_eq!(c["height"], 512);
+    assert_eq!(c["width"], 704);
+    assert_eq!(c["num_frames"], 161);
+    assert_eq!(c["fps"], 25);
+    assert_eq!(c["num_inference_steps"], 50);
+    assert_eq!(c["guidance_scale"], 3.0);
+    assert_eq!(c["max_sequence_length"], 128);
+
+    let plan = dry_run("synthetic:ltx-video", &["--dtype", "bf16"]);
+    check_plan(&plan);
+    assert_eq!(plan["model"]["transformer_layers"], 28);
+    assert_eq!(
+        plan["model"]["latent_shape"],
+        serde_json::json!([1, 128, 21, 16, 22])
+    );
+    // About 2 B transformer parameters and a 4.8 B T5 in bf16: well past 10 GB at the peak.
+    let peak = plan["memory_plan"]["peak_bytes"].as_u64().unwrap();
+    assert!(peak > 10_000_000_000 && peak < 100_000_000_000, "{peak}");
+    // Given sizes replace the defaults; the user's value is kept.
+    let plan = dry_run(
+        "synthetic:ltx-video",
+        &["--height", "512", "--width", "768", "--num-frames", "161"],
+    );
+    assert_eq!(plan["config"]["width"], 768);
+    assert_eq!(
+        plan["model"]["latent_shape"],
+        serde_json::json!([1, 128, 21, 16, 24])
+    );
+    let streamed = dry_run(
+        "synthetic:ltx-video",
+        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+    );
+    check_plan(&streamed);
+}
+
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let dir = scratch("refused");
+    let draws = draws_file("cfg3", &dir);
+    for flags in [
+        &["--guidance-scale-2", "2"][..],
+        &["--true-cfg-scale", "4"],
+        &["--flow-shift", "3"],
+        &["--scheduler", "unipc"],
+        &["--vae-tiling"],
+    ] {
+        let run = generate(&dir, "refused", "3", &draws, flags);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{flags:?}: {stderr}");
+        assert!(stderr.contains(flags[0]), "{flags:?}: {stderr}");
+        assert!(stderr.contains("does not apply"), "{flags:?}: {stderr}");
+    }
+    // LTX-Video's sizes follow its VAE: 8k+1 frames, multiples of 32.
+    for (flags, rule) in [
+        (&["--num-frames", "13"][..], "8k+1"),
+        (&["--height", "48"], "multiple of 32"),
+    ] {
+        let run = generate(&dir, "refused", "3", &draws, flags);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(rule), "{flags:?}: {stderr}");
+    }
+    // The same flags are noted in a dry run.
+    let plan = dry_run(fixture().to_str().unwrap(), &["--flow-shift", "3"]);
+    let notes = plan["notes"].to_string();
+    assert!(notes.contains("--flow-shift"), "{notes}");
+}
