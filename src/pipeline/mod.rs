@@ -1,6 +1,8 @@
 //! The stage runner and the pipelines: the single place where components are loaded, placed on
 //! a device and released.
 
+pub mod cogvideox;
+pub(crate) mod common;
 pub mod draws;
 pub mod interrupt;
 pub mod jobs;
@@ -10,6 +12,7 @@ pub mod progress;
 pub mod registry;
 pub mod runner;
 pub mod spec;
+pub(crate) mod t5_text;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
@@ -127,7 +130,12 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         let found = dry_run_family(&source);
         let config = match &found {
-            Ok((family, _)) => config.with_model_defaults(&family.defaults())?,
+            Ok((family, _)) => {
+                if let Some(why) = family.unsupported(&config) {
+                    return Err(UsageError::new(why).into());
+                }
+                config.with_model_defaults(&family.defaults())?
+            }
             Err(_) => config,
         };
         let plan = DryRun::new(&config, &source, found);
@@ -145,6 +153,9 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         .into());
     }
     let family = registry::family(Configs::Fetch(&source)).map_err(unsupported)?;
+    if let Some(why) = family.unsupported(&config) {
+        return Err(UsageError::new(why).into());
+    }
     let config = config.with_model_defaults(&family.defaults())?;
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     check_output_folder(&config.options.output_path)?;

@@ -6,7 +6,7 @@ use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
-use super::wan_t2v;
+use super::{cogvideox, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
@@ -47,6 +47,10 @@ pub trait Family {
     /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's).
     fn defaults(&self) -> ModelDefaults {
         ModelDefaults::default()
+    }
+    /// Why a flag given for this run does not apply to the family (one line), if one does not.
+    fn unsupported(&self, _config: &ResolvedConfig) -> Option<String> {
+        None
     }
     /// The pipeline as data for a run of `shape`.
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
@@ -92,10 +96,16 @@ pub struct FamilyEntry {
 }
 
 /// Every family vidgen runs.
-pub const FAMILIES: &[FamilyEntry] = &[FamilyEntry {
-    class_names: &["WanPipeline"],
-    read: wan_t2v::read,
-}];
+pub const FAMILIES: &[FamilyEntry] = &[
+    FamilyEntry {
+        class_names: &["WanPipeline"],
+        read: wan_t2v::read,
+    },
+    FamilyEntry {
+        class_names: &["CogVideoXPipeline"],
+        read: cogvideox::read,
+    },
+];
 
 /// A model whose pipeline no family runs: bad input, named with what vidgen does run.
 #[derive(Debug, thiserror::Error)]
