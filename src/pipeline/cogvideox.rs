@@ -304,7 +304,10 @@ impl CogVideoX {
     ) -> Result<Self> {
         let spec = configs.spec(&RunShape::of(&config));
         let meter = MemoryMeter::new(&device);
-        let tokenizer = match source.require("tokenizer/tokenizer.json")? {
+        let tokenizer_json = source.require("tokenizer/tokenizer.json").context(
+            "CogVideoX reads tokenizer/tokenizer.json; where a checkpoint ships only spiece.model, write it once with transformers: T5TokenizerFast.from_pretrained(folder, subfolder=\"tokenizer\").save_pretrained(folder + \"/tokenizer\")",
+        )?;
+        let tokenizer = match tokenizer_json {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };

@@ -1,16 +1,15 @@
 //! Wan2.1 text-to-video as a list of stages, step for step as diffusers' `WanPipeline`.
 
+use super::common;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::gib;
-use crate::models::source::{component_weights, FileRef, ModelSource};
+use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::activations;
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
@@ -21,7 +20,7 @@ use crate::models::wan::transformer::{
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::schedulers::{self, SchedulerConfig};
-use crate::weights::{seeded_normal, WeightSet};
+use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -336,12 +335,12 @@ impl WanT2V {
             crate::pipeline::interrupt::check()?;
             let input = latents.to_dtype(dtype)?;
             let timestep = Tensor::new(&[*t as f32], &self.device)?;
-            let noise_cond = self.timed(&mut forward_seconds, || {
+            let noise_cond = common::timed(&self.device, &mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, cond)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
-                    let noise_uncond = self.timed(&mut forward_seconds, || {
+                    let noise_uncond = common::timed(&self.device, &mut forward_seconds, || {
                         dit_forward(model, &input, &timestep, uncond)
                     })?;
                     // diffusers combines in the transformer dtype.
@@ -353,38 +352,13 @@ impl WanT2V {
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             self.progress.step(i + 1, timesteps.len());
         }
-        job.metrics
-            .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
-        if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
-            let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
-            self.progress.note(&format!(
-                "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
-                copies.bytes as f64 / 1e9,
-                copies.busy_seconds,
-                copies.gb_per_second(),
-                pinned as f64 / (1u64 << 30) as f64
-            ));
-            job.metrics.insert(
-                "offload".into(),
-                serde_json::json!({
-                    "bytes_copied": copies.bytes,
-                    "groups_copied": copies.groups,
-                    "copy_busy_seconds": copies.busy_seconds,
-                    "copy_gb_per_second": copies.gb_per_second(),
-                    "pinned_bytes": pinned,
-                    "host_bytes": after.host_bytes,
-                    "device_bytes": after.device_bytes,
-                }),
-            );
-        }
-        self.progress.note(&format!(
-            "  transformer forwards: {}",
-            forward_seconds
-                .iter()
-                .map(|s| format!("{s:.3}s"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        ));
+        common::report_denoise(
+            &self.progress,
+            job,
+            forward_seconds,
+            before,
+            placed.offload_usage(),
+        );
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.negative_embeds = None;
@@ -393,74 +367,36 @@ impl WanT2V {
 
     /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: usize) -> Result<()> {
-        let spec = self.spec.components[component].clone();
+        let spec = &self.spec.components[component];
         let dtype = spec.dtype(self.config.dtype());
-        let what = || format!("loading {} of {}", spec.name, self.source);
-        let weights =
-            WeightSet::open(&component_weights(&self.source, spec.name)?).with_context(what)?;
-        let total = weights.stored_bytes();
-        let weights = weights.with_progress(
-            self.progress
-                .bytes(&format!("reading {}", spec.name), total),
-        );
+        let what = format!("loading {} of {}", spec.name, self.source);
+        let weights = common::open_weights(&self.source, &self.spec, component, &self.progress)?;
+        let (placement, device, progress) = (&self.placement, &self.device, &self.progress);
+        let spec = &self.spec;
         match component {
             TEXT_ENCODER => {
-                let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
-                self.text_encoder = Some(placed.with_context(what)?);
+                let cfg = &self.configs.text_encoder;
+                let placed = common::place(
+                    placement, spec, component, cfg, &weights, dtype, device, progress,
+                );
+                self.text_encoder = Some(placed.context(what)?);
             }
             TRANSFORMER => {
-                let placed = self.place(component, &self.configs.transformer, &weights, dtype);
-                self.transformer = Some(placed.with_context(what)?);
+                let cfg = &self.configs.transformer;
+                let placed = common::place(
+                    placement, spec, component, cfg, &weights, dtype, device, progress,
+                );
+                self.transformer = Some(placed.context(what)?);
             }
             _ => {
-                let placed = self.place(component, &self.configs.vae, &weights, dtype);
-                self.vae = Some(placed.with_context(what)?);
+                let cfg = &self.configs.vae;
+                let placed = common::place(
+                    placement, spec, component, cfg, &weights, dtype, device, progress,
+                );
+                self.vae = Some(placed.context(what)?);
             }
         }
         Ok(())
-    }
-
-    /// Builds `component` as the placement says and reports where its weights went.
-    fn place<M: Blockwise>(
-        &self,
-        component: usize,
-        cfg: &M::Config,
-        weights: &WeightSet,
-        dtype: DType,
-    ) -> Result<Placed<M>> {
-        let residency = self.placement.residencies[component];
-        let name = self.spec.components[component].name;
-        let placed = Placed::load(
-            cfg,
-            weights,
-            residency,
-            self.placement.memory,
-            dtype,
-            &self.device,
-        )?;
-        const GIB: f64 = (1u64 << 30) as f64;
-        self.progress.note(&match placed.offload_usage() {
-            Some(u) => format!(
-                "{name}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
-                u.host_bytes as f64 / GIB,
-                u.pinned_bytes as f64 / GIB
-            ),
-            None => format!("{name}: {residency}"),
-        });
-        Ok(placed)
-    }
-
-    /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
-    fn timed<T>(
-        &self,
-        seconds: &mut Vec<f64>,
-        f: impl FnOnce() -> candle_core::Result<T>,
-    ) -> Result<T> {
-        let start = std::time::Instant::now();
-        let out = f()?;
-        self.device.synchronize()?;
-        seconds.push(start.elapsed().as_secs_f64());
-        Ok(out)
     }
 
     fn decode(&self, job: &mut Job) -> Result<()> {
@@ -481,40 +417,6 @@ impl WanT2V {
             .to_dtype(DType::F32)?
             .to_device(&Device::Cpu)?;
         job.frames = Some(frames);
-        Ok(())
-    }
-
-    fn write(&self, job: &mut Job) -> Result<()> {
-        let frames = job.frames.take().context("nothing decoded")?;
-        let metadata = vec![
-            ("title".to_string(), job.prompt.clone()),
-            (
-                "comment".to_string(),
-                format!("vidgen: {} seed {}", self.config.generation.model, job.seed),
-            ),
-            ("vidgen_prompt".to_string(), job.prompt.clone()),
-            (
-                "vidgen_negative_prompt".to_string(),
-                job.negative_prompt.clone(),
-            ),
-            ("vidgen_seed".to_string(), job.seed.to_string()),
-            (
-                "vidgen_model".to_string(),
-                self.config.generation.model.clone(),
-            ),
-            (
-                "vidgen_config".to_string(),
-                self.config.output.config_json.clone(),
-            ),
-        ];
-        crate::output::write(
-            self.config.output.kind,
-            &job.output,
-            &frames,
-            self.config.output.fps,
-            &metadata,
-        )?;
-        job.written = true;
         Ok(())
     }
 }
@@ -560,7 +462,7 @@ impl Pipeline for WanT2V {
             ENCODE_TEXT => self.encode_text(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
-            _ => self.write(job),
+            _ => common::write_video(&self.config, job),
         };
         if let Err(e) = result {
             return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
@@ -582,26 +484,7 @@ impl WanT2V {
     /// peak and the device's size, and the option set the memory plan predicts to fit; other
     /// errors pass through.
     fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
-        let text = format!("{e:#}");
-        if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
-            return e;
-        }
-        let peaks = self.meter.peaks();
-        let total = self.config.device.total_memory;
-        let in_use = match (peaks.device_in_use_now, total) {
-            (0, _) => String::new(),
-            (used, Some(total)) => format!(
-                "; {:.2} of {:.2} GiB in use on the device",
-                gib(used),
-                gib(total)
-            ),
-            (used, None) => format!("; {:.2} GiB in use on the device", gib(used)),
-        };
-        let advice = Planner::new(&self.configs, &self.config).advice();
-        e.context(format!(
-            "out of device memory {when} ({}{in_use}); {advice}",
-            describe_peaks(&peaks)
-        ))
+        common::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
     }
 }
 
