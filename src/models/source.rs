@@ -2,12 +2,15 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
+use crate::models::cogvideox::transformer::CogVideoXTransformerConfig;
+use crate::models::cogvideox::vae::CogVideoXVaeConfig;
 use crate::models::ltx::transformer::LtxTransformerConfig;
 use crate::models::ltx::vae::LtxVaeConfig;
 use crate::models::t5::encoder::T5Config;
 use crate::models::wan::text_encoder::UMT5Config;
 use crate::models::wan::transformer::WanTransformerConfig;
 use crate::models::wan::vae::WanVaeConfig;
+use crate::schedulers::cogvideox_dpm::CogVideoXDpmConfig;
 use crate::schedulers::euler::FlowMatchEulerConfig;
 use crate::schedulers::SchedulerConfig;
 use crate::weights::Weights;
@@ -58,6 +61,7 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-t2v-14b", synthetic_files!("wan2.1-t2v-14b")),
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
     ("ltx-video", synthetic_files!("ltx-video")),
+    ("cogvideox-5b", synthetic_files!("cogvideox-5b")),
 ];
 
 /// A model as named by `--model`.
@@ -265,10 +269,28 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         },
     },
     ComponentConfig {
+        class: "CogVideoXTransformer3DModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<CogVideoXTransformerConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
         class: "AutoencoderKLLTXVideo",
         file: "config.json",
         check: |v| {
             parse_keyed::<LtxVaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLCogVideoX",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<CogVideoXVaeConfig>(v.clone())?
                 .validate()
                 .map_err(message)
         },
@@ -286,6 +308,16 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         class: "FlowMatchEulerDiscreteScheduler",
         file: "scheduler_config.json",
         check: |v| parse_keyed::<FlowMatchEulerConfig>(v.clone())?.validate(),
+    },
+    ComponentConfig {
+        class: "CogVideoXDPMScheduler",
+        file: "scheduler_config.json",
+        check: |v| parse_keyed::<CogVideoXDpmConfig>(v.clone())?.validate(),
+    },
+    ComponentConfig {
+        class: "CogVideoXDDIMScheduler",
+        file: "scheduler_config.json",
+        check: |v| parse_keyed::<CogVideoXDpmConfig>(v.clone())?.validate(),
     },
     ComponentConfig {
         class: "UniPCMultistepScheduler",

@@ -1,6 +1,7 @@
 //! The stage runner and the pipelines: the single place where components are loaded, placed on
 //! a device and released.
 
+pub mod cogvideox;
 pub mod draws;
 pub mod interrupt;
 pub mod jobs;
@@ -13,6 +14,7 @@ pub mod runner;
 pub mod spec;
 mod stages;
 pub mod t5;
+pub(crate) mod t5_text;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
@@ -130,7 +132,12 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         let found = dry_run_family(&source);
         let config = match &found {
-            Ok((family, _)) => config.with_model_defaults(&family.defaults())?,
+            Ok((family, _)) => {
+                if let Some(why) = family.inapplicable(&config) {
+                    return Err(UsageError::new(why).into());
+                }
+                config.with_model_defaults(&family.defaults())?
+            }
             Err(_) => config,
         };
         let plan = DryRun::new(&config, &source, found);
@@ -495,8 +502,6 @@ struct Described {
     from: &'static str,
     schedule: Schedule,
     placement: Placement,
-    /// An option the family cannot honour, with why.
-    inapplicable: Option<String>,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
 }
@@ -513,7 +518,6 @@ impl<'a> DryRun<'a> {
             let spec = planner.spec(&request);
             Described {
                 facts: family.facts(&RunShape::of(config)),
-                inapplicable: family.inapplicable(config),
                 from,
                 schedule: Schedule::plan(&spec, load_policy(config)),
                 placement: Placement::new(&config.memory, &spec),
@@ -543,9 +547,7 @@ impl<'a> DryRun<'a> {
             Ok(d) => {
                 out["pipeline"] = json!(d.spec.title);
                 out["placement"] = d.placement.json();
-                let mut notes = inert_options(&config.memory, &d.spec);
-                notes.extend(d.inapplicable.clone());
-                out["notes"] = json!(notes);
+                out["notes"] = json!(inert_options(&config.memory, &d.spec));
                 out["stages"] = d
                     .spec
                     .stages

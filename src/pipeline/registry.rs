@@ -6,7 +6,7 @@ use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
-use super::{ltx, wan_t2v};
+use super::{cogvideox, ltx, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
@@ -49,7 +49,7 @@ pub trait Family {
         ModelDefaults::default()
     }
     /// The first option the user gave that this family cannot honour, as one line saying why
-    /// (a run refuses it as bad input; a dry run notes it).
+    /// (a run and a dry run refuse it as bad input, before any work).
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
     }
@@ -105,6 +105,10 @@ pub const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
         class_names: &["LTXPipeline"],
         read: ltx::read,
+    },
+    FamilyEntry {
+        class_names: &["CogVideoXPipeline"],
+        read: cogvideox::read,
     },
 ];
 

@@ -1,0 +1,670 @@
+//! CogVideoX text-to-video (THUDM/CogVideoX-5b) as a list of stages, step for step as
+//! diffusers' `CogVideoXPipeline.__call__` (see [`crate::models::cogvideox`] for the math).
+
+use super::draws::Draws;
+use super::jobs::Job;
+use super::placement::{Blockwise, Held, Placed, Placement};
+use super::progress::{describe_peaks, Progress};
+use super::registry::{Configs, Family, RunShape};
+use super::runner::Pipeline;
+use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::stages;
+use super::t5_text::encode_unmasked;
+use crate::cli::resolve::ModelDefaults;
+use crate::cli::{ResolvedConfig, UsageError};
+use crate::memory::accounting::MemoryMeter;
+use crate::models::cogvideox::guidance;
+use crate::models::cogvideox::transformer::{
+    BlockStep, CogVideoXBlock, CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
+};
+use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
+use crate::models::source::{FileRef, ModelSource};
+use crate::models::t5::encoder::{T5Config, T5EncoderModel};
+use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
+use crate::weights::seeded_normal;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// Components, by their index in the description.
+const TEXT_ENCODER: usize = 0;
+const TRANSFORMER: usize = 1;
+const VAE: usize = 2;
+
+/// Stages, by their index in the description.
+const ENCODE_TEXT: usize = 0;
+const DENOISE: usize = 1;
+const DECODE: usize = 2;
+
+/// The scheduler the pipeline runs (the 5b repo ships `CogVideoXDDIMScheduler` with the same
+/// values; its model card swaps this one in).
+const DPM_SCHEDULER: &str = "CogVideoXDPMScheduler";
+
+/// Reads a CogVideoX model's configs (the registry's entry point).
+pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
+    let index: serde_json::Value = configs.read("model_index.json")?;
+    let scheduler_class = index["scheduler"][1]
+        .as_str()
+        .unwrap_or(DPM_SCHEDULER)
+        .to_string();
+    Ok(Box::new(CogVideoXConfigs {
+        transformer: configs.read("transformer/config.json")?,
+        vae: configs.read("vae/config.json")?,
+        text_encoder: configs.read("text_encoder/config.json")?,
+        scheduler: configs.read("scheduler/scheduler_config.json")?,
+        scheduler_class,
+    }))
+}
+
+/// The configs of a CogVideoX model: everything planning needs, no weights.
+#[derive(Clone, Debug)]
+pub struct CogVideoXConfigs {
+    pub transformer: CogVideoXTransformerConfig,
+    pub vae: CogVideoXVaeConfig,
+    pub text_encoder: T5Config,
+    pub scheduler: CogVideoXDpmConfig,
+    /// The scheduler class `model_index.json` names.
+    pub scheduler_class: String,
+}
+
+impl CogVideoXConfigs {
+    /// The latent shape `[1, F', C, H', W']` (frames before channels) for a video size.
+    pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
+        let t = self.vae.scale_factor_temporal();
+        let s = self.vae.scale_factor_spatial();
+        [
+            1,
+            (num_frames as usize - 1) / t + 1,
+            self.transformer.in_channels,
+            height as usize / s,
+            width as usize / s,
+        ]
+    }
+
+    /// Device bytes of the text encoder's activations for `len` tokens.
+    fn text_activations(&self, len: usize, dtype: DType) -> u64 {
+        let c = &self.text_encoder;
+        let bytes = dtype.size_in_bytes() as u64;
+        let (len, d, ff, heads) = (
+            len as u64,
+            c.d_model as u64,
+            c.d_ff as u64,
+            c.num_heads as u64,
+        );
+        // The f32 residual stream, a few hidden-sized temporaries, the gated FFN's two
+        // projections and the attention scores and their softmax in f32.
+        len * d * (4 + 6 * bytes) + 3 * len * ff * bytes + 3 * heads * len * len * 4
+    }
+
+    /// Device bytes of one transformer forward over the batched `[negative; positive]` pair.
+    fn transformer_activations(&self, latent: [usize; 5], text_len: usize, dtype: DType) -> u64 {
+        let c = &self.transformer;
+        let bytes = dtype.size_in_bytes() as u64;
+        let p = c.patch_size;
+        let batch = 2u64;
+        let seq = (text_len + latent[1] * (latent[3] / p) * (latent[4] / p)) as u64;
+        let dim = c.inner_dim() as u64;
+        let heads = c.num_attention_heads as u64;
+        // Hidden states, q/k/v, the attention output and norm temporaries; the FFN's 4x
+        // hidden; the chunked attention's scores (f32, up to 1024 queries at a time).
+        let hidden = batch * seq * dim * bytes;
+        let scores = batch * heads * seq.min(1024) * seq * 4 * 2;
+        // The RoPE tables, f32, per token and head dim.
+        let rope = 2 * seq * c.attention_head_dim as u64 * 4;
+        hidden * 10 + hidden * 4 * 2 + scores + rope
+    }
+
+    /// Device bytes of the frame-batched decode: the widest level at full resolution over one
+    /// chunk (up to 3 latent frames), with the conv caches.
+    fn vae_activations(&self, latent: [usize; 5], dtype: DType) -> u64 {
+        let bytes = dtype.size_in_bytes() as u64;
+        let s = self.vae.scale_factor_spatial() as u64;
+        let t = self.vae.scale_factor_temporal() as u64;
+        let (h, w) = (latent[3] as u64 * s, latent[4] as u64 * s);
+        let frames = latent[1].min(3) as u64 * t;
+        let channels = self.vae.block_out_channels.first().copied().unwrap_or(128) as u64;
+        let output = latent[1] as u64 * t * h * w * 3 * 4;
+        frames * h * w * channels * bytes * 6 + output
+    }
+}
+
+impl Family for CogVideoXConfigs {
+    /// The published pipeline's call defaults: 480x720, 49 frames at 8 fps, 50 steps,
+    /// guidance 6, 226 text tokens.
+    fn defaults(&self) -> ModelDefaults {
+        ModelDefaults {
+            height: Some(480),
+            width: Some(720),
+            num_frames: Some(49),
+            fps: Some(8),
+            num_inference_steps: Some(50),
+            guidance_scale: Some(6.0),
+            max_sequence_length: Some(226),
+            // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
+            ..ModelDefaults::default()
+        }
+    }
+
+    /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
+    /// by one stage and safe to defer.
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        let component = |name, role, constructors| ComponentSpec {
+            name,
+            role,
+            dtype: None,
+            deferrable: true,
+            constructors,
+        };
+        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        };
+        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        PipelineSpec {
+            title: "CogVideoX text-to-video",
+            components: vec![
+                component(
+                    "text_encoder",
+                    Role::TextEncoder,
+                    Arc::new(ModelConstructors::<T5EncoderModel>(
+                        self.text_encoder.clone(),
+                    )),
+                ),
+                component(
+                    "transformer",
+                    Role::Dit,
+                    Arc::new(ModelConstructors::<CogVideoXTransformer3DModel>(
+                        self.transformer.clone(),
+                    )),
+                ),
+                component(
+                    "vae",
+                    Role::Vae,
+                    Arc::new(ModelConstructors::<AutoencoderKLCogVideoX>(
+                        self.vae.clone(),
+                    )),
+                ),
+            ],
+            stages: vec![
+                stage(
+                    "encode_text",
+                    &[TEXT_ENCODER],
+                    self.text_activations(shape.text_len, shape.dtype),
+                ),
+                stage(
+                    "denoise",
+                    &[TRANSFORMER],
+                    self.transformer_activations(latent, shape.text_len, shape.dtype),
+                ),
+                stage("decode", &[VAE], self.vae_activations(latent, shape.dtype)),
+                stage("write", &[], 0),
+            ],
+        }
+    }
+
+    fn facts(&self, shape: &RunShape) -> serde_json::Value {
+        serde_json::json!({
+            "transformer_layers": self.transformer.num_layers,
+            "transformer_inner_dim": self.transformer.inner_dim(),
+            "latent_shape": self.latent_shape(shape.num_frames, shape.height, shape.width),
+            "latent_layout": "BFCHW",
+            "vae_scale_factor_spatial": self.vae.scale_factor_spatial(),
+            "vae_scale_factor_temporal": self.vae.scale_factor_temporal(),
+            "text_encoder_layers": self.text_encoder.num_layers,
+            "scheduler": DPM_SCHEDULER,
+        })
+    }
+
+    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
+        let g = &config.generation;
+        let given = |key: &str| config.given.contains(key);
+        let why = if g.image.is_some() {
+            "--image: CogVideoX text-to-video takes no image"
+        } else if g.guidance_scale_2.is_some() {
+            "--guidance-scale-2: CogVideoX has one transformer (it is Wan2.2 A14B's)"
+        } else if g.true_cfg_scale.is_some() {
+            "--true-cfg-scale: CogVideoX runs classifier-free guidance with --guidance-scale"
+        } else if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
+            "--decode-timestep/--decode-noise-scale: the CogVideoX VAE has no timestep-conditioned decoder (they are LTX-Video's)"
+        } else if g.flow_shift.is_some() {
+            "--flow-shift: CogVideoX samples with CogVideoXDPMScheduler, which has no flow shift"
+        } else if given("scheduler") {
+            "--scheduler: CogVideoX samples with CogVideoXDPMScheduler only"
+        } else if given("vae_tiling") && config.memory.vae_tiling {
+            "--vae-tiling: the CogVideoX VAE decodes frame-batched, without tiling"
+        } else {
+            return None;
+        };
+        Some(format!("{why}; drop the flag for this model"))
+    }
+
+    fn open(
+        self: Box<Self>,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
+        Ok(Box::new(CogVideoX::new(
+            *self, config, source, device, progress,
+        )?))
+    }
+}
+
+/// CogVideoX with its loaded components.
+pub struct CogVideoX {
+    config: ResolvedConfig,
+    source: ModelSource,
+    configs: CogVideoXConfigs,
+    spec: PipelineSpec,
+    device: Device,
+    tokenizer: PromptTokenizer,
+    placement: Placement,
+    text_encoder: Option<Placed<T5EncoderModel>>,
+    transformer: Option<Placed<CogVideoXTransformer3DModel>>,
+    vae: Option<Placed<AutoencoderKLCogVideoX>>,
+    progress: Arc<Progress>,
+    meter: MemoryMeter,
+}
+
+/// A run's random draws: from the `--latents` file, or from the seed.
+enum RunDraws {
+    File(Draws),
+    Seeded(u64),
+}
+
+impl RunDraws {
+    fn take(&mut self, name: &str, shape: &[usize], index: u64) -> Result<Tensor> {
+        match self {
+            RunDraws::File(draws) => draws.take(name, shape),
+            RunDraws::Seeded(seed) => Ok(seeded_normal(
+                seed.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                shape,
+            )?),
+        }
+    }
+
+    fn finish(&self) -> Result<()> {
+        match self {
+            RunDraws::File(draws) => draws.finish(),
+            RunDraws::Seeded(_) => Ok(()),
+        }
+    }
+}
+
+impl CogVideoX {
+    /// Reads the tokenizer and checks the draws file against the run's sizes; loads no weights.
+    pub fn new(
+        configs: CogVideoXConfigs,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Self> {
+        let spec = configs.spec(&RunShape::of(&config));
+        let meter = MemoryMeter::new(&device);
+        let tokenizer_json = source.require("tokenizer/tokenizer.json").context(
+            "CogVideoX reads tokenizer/tokenizer.json; where a checkpoint ships only spiece.model, write it once with transformers: T5TokenizerFast.from_pretrained(folder, subfolder=\"tokenizer\").save_pretrained(folder + \"/tokenizer\")",
+        )?;
+        let tokenizer = match tokenizer_json {
+            FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
+            FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
+        };
+        if configs.scheduler_class != DPM_SCHEDULER {
+            progress.note(&format!(
+                "note: {source} names {}; vidgen samples with {DPM_SCHEDULER} from the same config, as the CogVideoX-5b model card does",
+                configs.scheduler_class
+            ));
+        }
+        let placement = Placement::new(&config.memory, &spec);
+        let pipeline = CogVideoX {
+            placement,
+            config,
+            source,
+            configs,
+            spec,
+            device,
+            tokenizer,
+            text_encoder: None,
+            transformer: None,
+            vae: None,
+            progress,
+            meter,
+        };
+        // A draws file that does not fit the run is bad input, found before anything loads.
+        if let Some(path) = &pipeline.config.generation.latents {
+            let o = &pipeline.config.options;
+            let mut draws = RunDraws::File(Draws::open(path).map_err(usage)?);
+            pipeline
+                .take_draws(
+                    &mut draws,
+                    o.num_frames,
+                    o.height,
+                    o.width,
+                    o.num_inference_steps,
+                )
+                .and_then(|_| draws.finish())
+                .map_err(usage)?;
+        }
+        Ok(pipeline)
+    }
+
+    /// Every draw of a run, in the order diffusers makes them: the initial latents, then each
+    /// step's scheduler noise (the last of the step's draws is the one it uses).
+    fn take_draws(
+        &self,
+        draws: &mut RunDraws,
+        num_frames: u32,
+        height: u32,
+        width: u32,
+        steps: u32,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let shape = self.configs.latent_shape(num_frames, height, width);
+        let scheduler = CogVideoXDpmScheduler::new(&self.configs.scheduler, steps as usize)?;
+        let latents = draws.take("latents", &shape, 0)?;
+        let mut index = 0;
+        let mut noises = Vec::with_capacity(steps as usize);
+        for i in 0..steps as usize {
+            let mut last = None;
+            for k in 0..scheduler.draws_at(i) {
+                index += 1;
+                last = Some(draws.take(&format!("step{i}.scheduler_noise.{k}"), &shape, index)?);
+            }
+            noises.push(last.context("a step without a draw")?);
+        }
+        Ok((latents, noises))
+    }
+
+    /// The prompt embeddings `[1, L, text_dim]` of one text: T5's `last_hidden_state` of the
+    /// padded ids without a mask (the prompt is not cleaned).
+    fn embed(&self, encoder: &Held<'_, T5EncoderModel>, text: &str) -> Result<Tensor> {
+        let max_len = self.config.generation.max_sequence_length;
+        let (ids, _) = self.tokenizer.encode(text, max_len)?;
+        Ok(encode_unmasked(encoder, &ids)?.to_dtype(self.config.dtype())?)
+    }
+
+    /// Encodes the prompts (the negative one when guided); the embeddings wait for the denoise
+    /// stage in host memory.
+    fn encode_text(&self, job: &mut Job) -> Result<()> {
+        let placed = self
+            .text_encoder
+            .as_ref()
+            .context("text encoder not loaded")?;
+        let encoder = placed.hold()?;
+        job.prompt_embeds = Some(self.embed(&encoder, &job.prompt)?.to_device(&Device::Cpu)?);
+        job.negative_embeds = if guidance::is_guided(job.guidance_scale) {
+            Some(
+                self.embed(&encoder, &job.negative_prompt)?
+                    .to_device(&Device::Cpu)?,
+            )
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    fn denoise(&self, job: &mut Job) -> Result<()> {
+        let placed = self
+            .transformer
+            .as_ref()
+            .context("transformer not loaded")?;
+        let before = placed.offload_usage();
+        let model = &placed.hold()?;
+        let dtype = self.config.dtype();
+        let cond = job.prompt_embeds.as_ref().context("prompt not encoded")?;
+        // One batched forward over [negative; positive], as diffusers calls it.
+        let text = match &job.negative_embeds {
+            Some(uncond) => Tensor::cat(&[uncond, cond], 0)?,
+            None => cond.clone(),
+        }
+        .to_device(&self.device)?;
+        let guided = job.negative_embeds.is_some();
+        let mut draws = match &self.config.generation.latents {
+            Some(path) => RunDraws::File(Draws::open(path)?),
+            None => RunDraws::Seeded(job.seed),
+        };
+        let (latents, noises) = self.take_draws(
+            &mut draws,
+            job.num_frames,
+            job.height,
+            job.width,
+            job.num_inference_steps,
+        )?;
+        draws.finish()?;
+        let steps = job.num_inference_steps as usize;
+        let mut scheduler = CogVideoXDpmScheduler::new(&self.configs.scheduler, steps)?;
+        // init_noise_sigma is 1: the latents are used as drawn.
+        let mut latents = latents.to_dtype(dtype)?.to_device(&self.device)?;
+        let timesteps = scheduler.timesteps().to_vec();
+        let mut forward_seconds = Vec::with_capacity(timesteps.len());
+        for (i, &t) in timesteps.iter().enumerate() {
+            crate::pipeline::interrupt::check()?;
+            let input = if guided {
+                Tensor::cat(&[&latents, &latents], 0)?
+            } else {
+                latents.clone()
+            };
+            let timestep = Tensor::new(&[t], &self.device)?;
+            let out = stages::timed(&self.device, &mut forward_seconds, || {
+                dit_forward(model, &input, &timestep, &text)
+            })?
+            .to_dtype(DType::F32)?;
+            let noise_pred = if guided {
+                let scale = guidance::scale_at(job.guidance_scale, false, t, steps);
+                guidance::apply(&out.narrow(0, 0, 1)?, &out.narrow(0, 1, 1)?, scale)?
+            } else {
+                out
+            };
+            let noise = noises[i].to_dtype(DType::F32)?.to_device(&self.device)?;
+            latents = scheduler
+                .step(&noise_pred, &latents.to_dtype(DType::F32)?, &noise)?
+                .to_dtype(dtype)?;
+            self.progress.step(i + 1, timesteps.len());
+        }
+        stages::report_denoise(
+            &self.progress,
+            job,
+            forward_seconds,
+            before,
+            placed.offload_usage(),
+        );
+        job.latents = Some(latents.to_device(&Device::Cpu)?);
+        job.prompt_embeds = None;
+        job.negative_embeds = None;
+        Ok(())
+    }
+
+    /// `decode_latents` (permute to `[B, C, F, H, W]`, times 1/scaling_factor, frame-batched
+    /// decode) and `postprocess_video` to frames `[T, H, W, 3]` in [0, 1].
+    fn decode(&self, job: &mut Job) -> Result<()> {
+        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let vae = held.model();
+        let latents = job.latents.take().context("nothing denoised")?;
+        let z = vae.scale_latents(&latents.to_device(&self.device)?)?;
+        let video = vae.decode(&z)?.to_dtype(DType::F32)?;
+        let frames = ((video / 2.0)? + 0.5)?.clamp(0f32, 1f32)?;
+        job.frames = Some(
+            frames
+                .squeeze(0)?
+                .permute((1, 2, 3, 0))?
+                .to_device(&Device::Cpu)?,
+        );
+        Ok(())
+    }
+
+    /// Builds a component from its weights, placed as the options say.
+    fn load_component(&mut self, component: usize) -> Result<()> {
+        let spec = &self.spec.components[component];
+        let dtype = spec.dtype(self.config.dtype());
+        let what = format!("loading {} of {}", spec.name, self.source);
+        let weights = stages::open_weights(
+            &self.source,
+            self.spec.components[component].name,
+            &self.progress,
+        )?;
+        let (placement, device, progress) = (&self.placement, &self.device, &self.progress);
+        let spec = &self.spec;
+        match component {
+            TEXT_ENCODER => {
+                let cfg = &self.configs.text_encoder;
+                let placed = stages::place(
+                    spec, placement, component, cfg, &weights, dtype, device, progress,
+                );
+                self.text_encoder = Some(placed.context(what)?);
+            }
+            TRANSFORMER => {
+                let cfg = &self.configs.transformer;
+                let placed = stages::place(
+                    spec, placement, component, cfg, &weights, dtype, device, progress,
+                );
+                self.transformer = Some(placed.context(what)?);
+            }
+            _ => {
+                let cfg = &self.configs.vae;
+                let placed = stages::place(
+                    spec, placement, component, cfg, &weights, dtype, device, progress,
+                );
+                self.vae = Some(placed.context(what)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
+        stages::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
+    }
+}
+
+/// A draws file that does not fit the run, as bad input.
+fn usage(e: anyhow::Error) -> anyhow::Error {
+    UsageError::new(format!("{e:#}")).into()
+}
+
+impl Pipeline for CogVideoX {
+    type Job = Job;
+
+    fn spec(&self) -> &PipelineSpec {
+        &self.spec
+    }
+
+    fn load(&mut self, component: usize) -> Result<()> {
+        let start = std::time::Instant::now();
+        self.meter.reset();
+        let loaded = self
+            .load_component(component)
+            .and_then(|()| Ok(self.device.synchronize()?));
+        let name = self.spec.components[component].name;
+        if let Err(e) = loaded {
+            return Err(self.explain_out_of_memory(&format!("while loading {name}"), e));
+        }
+        self.progress.note(&format!(
+            "loaded {name} in {:.2}s: {}",
+            start.elapsed().as_secs_f64(),
+            describe_peaks(&self.meter.peaks())
+        ));
+        Ok(())
+    }
+
+    fn release(&mut self, component: usize) {
+        match component {
+            TEXT_ENCODER => self.text_encoder = None,
+            TRANSFORMER => self.transformer = None,
+            _ => self.vae = None,
+        }
+    }
+
+    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        let name = self.spec.stages[index].name;
+        self.meter.reset();
+        let result = match index {
+            ENCODE_TEXT => self.encode_text(job),
+            DENOISE => self.denoise(job),
+            DECODE => self.decode(job),
+            _ => stages::write_video(&self.config, job),
+        };
+        if let Err(e) = result {
+            return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
+        }
+        let peaks = self.meter.peaks();
+        self.progress
+            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
+        let stages = job
+            .metrics
+            .entry("stages")
+            .or_insert_with(|| serde_json::json!({}));
+        stages[name] = serde_json::to_value(peaks)?;
+        Ok(())
+    }
+}
+
+/// One DiT forward over the joint sequence: prepare, the blocks (resident or streamed), finish.
+pub fn dit_forward(
+    dit: &Held<'_, CogVideoXTransformer3DModel>,
+    latents: &Tensor,
+    timestep: &Tensor,
+    text: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let model = dit.model();
+    let mut inputs = model.prepare(latents, timestep, text)?;
+    let mut x = inputs.take_hidden_states()?;
+    dit.for_each_block(CogVideoXTransformer3DModel::blocks, |block| {
+        x = block.forward(&x, &inputs)?;
+        Ok(())
+    })
+    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    model.finish(&x, &inputs)
+}
+
+impl Blockwise for CogVideoXTransformer3DModel {
+    type Config = CogVideoXTransformerConfig;
+    type Block = CogVideoXBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        CogVideoXBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+    }
+    fn steps(_: &Self::Config) -> usize {
+        BlockStep::ALL.len()
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        CogVideoXBlock::with_steps(
+            cfg,
+            vb.pp(format!("transformer_blocks.{i}")),
+            &[BlockStep::ALL[step]],
+        )
+    }
+}
+
+/// The VAE has no repeated blocks to stream: it is resident or parked whole (its decoder
+/// only: text-to-video never encodes).
+impl Blockwise for AutoencoderKLCogVideoX {
+    type Config = CogVideoXVaeConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_decoder_only(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_decoder_only(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the CogVideoX VAE is offloaded whole, not block by block")
+    }
+}

@@ -1,0 +1,311 @@
+//! CogVideoX through the command line, driven as PARITY-CLI.md says: the `cogvideox-tiny-a`
+//! pipeline runs (guided and at CFG 1) reproduced from a draws file holding diffusers' initial
+//! latents and scheduler noise; offload modes bit-identical to the resident run; the dry run
+//! of the fixture and of `synthetic:cogvideox-5b`; flags that do not apply refused.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FIXTURE: &str = "cogvideox-tiny-a";
+const PROMPT: &str = "A red car drives along a coastal road.";
+const NEGATIVE: &str = "blurry, static, low quality";
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-cogvideox-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The draws file of reference run `run` (`cfg1`, `cfg6`): `latents` and every
+/// `stepN.scheduler_noise.K`, prefix removed.
+fn draws_file(dir: &Path, run: &str) -> PathBuf {
+    let refs = named_reference(FIXTURE, "pipeline");
+    let prefix = format!("{run}.");
+    let mut draws: HashMap<String, Tensor> = refs
+        .iter()
+        .filter_map(|(k, v)| {
+            let name = k.strip_prefix(&prefix)?;
+            name.contains(".scheduler_noise.")
+                .then(|| (name.to_string(), v.clone()))
+        })
+        .collect();
+    draws.insert("latents".into(), refs["latents_init"].clone());
+    let path = dir.join(format!("draws-{run}.safetensors"));
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    path
+}
+
+fn vidgen(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+/// The parity command line of run `run` with `extra` flags; the written frames and stderr.
+fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
+    let draws = draws_file(dir, run);
+    let model = named_fixture_dir(FIXTURE);
+    let guidance = run.trim_start_matches("cfg");
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--negative-prompt",
+        NEGATIVE,
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--num-frames",
+        "17",
+        "--num-inference-steps",
+        "3",
+        "--guidance-scale",
+        guidance,
+        "--max-sequence-length",
+        "16",
+        "--latents",
+        draws.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--dtype",
+        "f32",
+        "--output-type",
+        "safetensors",
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+    ];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "vidgen failed: {stderr}");
+    let written = dir.join("v.safetensors");
+    let frames = candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone();
+    std::fs::remove_file(&written).unwrap();
+    (frames, stderr)
+}
+
+fn check_run(run: &str) {
+    let dir = scratch(run);
+    let (frames, _) = generate(&dir, run, &[]);
+    let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
+        .squeeze(0)
+        .unwrap();
+    eprintln!(
+        "{run}.frames: max |diff| {:.3e}",
+        max_abs_diff(&frames, &expected)
+    );
+    assert_close(&format!("{run}.frames"), &frames, &expected, 1e-4, 1e-4);
+}
+
+#[test]
+fn guided_run_matches_diffusers() {
+    check_run("cfg6");
+}
+
+#[test]
+fn unguided_run_matches_diffusers() {
+    check_run("cfg1");
+}
+
+/// Every offload mode gives the resident run's frames, bit for bit.
+#[test]
+fn offload_modes_are_bit_identical_to_resident() {
+    let dir = scratch("offload");
+    let resident_flags = [
+        "--memory-model",
+        "discrete",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+        "--no-text-encoder-cpu-offload",
+        "--no-vae-cpu-offload",
+    ];
+    let (resident, log) = generate(&dir, "cfg6", &resident_flags);
+    assert!(log.contains("transformer: resident"), "{log}");
+    let modes: &[(&[&str], &str)] = &[
+        (
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+            "transformer: streamed",
+        ),
+        (
+            &[
+                "--dit-layerwise-offload",
+                "--num-blocks-per-group",
+                "2",
+                "--prefetch-depth",
+                "2",
+            ],
+            "transformer: streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
+            "transformer: streamed",
+        ),
+        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
+        (&["--model-cpu-offload"], "transformer: parked"),
+        (&["--sequential-cpu-offload"], "transformer: streamed"),
+        (&["--lazy-module-load"], "transformer"),
+    ];
+    for (flags, placed) in modes {
+        let mut args = vec!["--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let (frames, log) = generate(&dir, "cfg6", &args);
+        assert!(log.contains(placed), "{flags:?}: {log}");
+        assert_eq!(
+            max_abs_diff(&frames, &resident),
+            0.0,
+            "{flags:?} differs from the resident run"
+        );
+    }
+}
+
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Prints the stage names with their bytes, for the assertions' messages.
+fn stages(plan: &serde_json::Value) -> String {
+    plan.to_string()
+}
+
+#[test]
+fn dry_run_plans_the_fixture_and_the_published_model() {
+    let fixture = named_fixture_dir(FIXTURE);
+    for (model, extra) in [
+        (fixture.to_str().unwrap(), vec!["--device", "cpu"]),
+        ("synthetic:cogvideox-5b", vec!["--device", "cpu"]),
+        (
+            "synthetic:cogvideox-5b",
+            vec![
+                "--device",
+                "cpu",
+                "--dit-layerwise-offload",
+                "--dtype",
+                "bf16",
+            ],
+        ),
+    ] {
+        let plan = dry_run(model, &extra);
+        let text = stages(&plan);
+        let config = &plan["config"];
+        assert_eq!(config["height"], 480, "{text}");
+        assert_eq!(config["width"], 720, "{text}");
+        assert_eq!(config["num_frames"], 49, "{text}");
+        assert_eq!(config["fps"], 8, "{text}");
+        assert_eq!(config["guidance_scale"], 6.0, "{text}");
+        assert_eq!(config["max_sequence_length"], 226, "{text}");
+        for stage in ["encode_text", "denoise", "decode", "write"] {
+            assert!(text.contains(stage), "{model}: no stage {stage}: {text}");
+        }
+        assert!(!text.contains("\"error\""), "{model}: {text}");
+    }
+    let plan = dry_run("synthetic:cogvideox-5b", &["--device", "cpu"]);
+    assert_eq!(plan["model"]["transformer_layers"], 42, "{plan}");
+    assert_eq!(
+        plan["model"]["latent_shape"],
+        serde_json::json!([1, 13, 16, 60, 90]),
+        "{plan}"
+    );
+}
+
+/// Flags of other families are refused with the reason, one line, exit 2.
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let dir = scratch("refused");
+    let fixture = named_fixture_dir(FIXTURE);
+    let image = dir.join("x.png");
+    for (flag, value, why) in [
+        ("--image", image.to_str().unwrap(), "takes no image"),
+        ("--guidance-scale-2", "3", "one transformer"),
+        ("--true-cfg-scale", "3", "--guidance-scale"),
+        ("--decode-timestep", "0.05", "LTX-Video"),
+        ("--flow-shift", "3", "no flow shift"),
+        ("--scheduler", "euler", "CogVideoXDPMScheduler"),
+    ] {
+        for dry in [false, true] {
+            let mut args = vec![
+                "generate",
+                "--model",
+                fixture.to_str().unwrap(),
+                "--prompt",
+                "a",
+                "--device",
+                "cpu",
+                "--output-path",
+                dir.to_str().unwrap(),
+                flag,
+                value,
+            ];
+            if dry {
+                args.push("--dry-run");
+            }
+            let out = vidgen(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
+            assert!(stderr.contains(why), "{flag}: {stderr}");
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+            assert_eq!(errors.len(), 1, "{flag}: {stderr}");
+            assert!(errors[0].contains(why), "{flag}: {stderr}");
+        }
+    }
+}
+
+/// A draws file missing a draw, or holding one the run does not use, is bad input (exit 2)
+/// naming the tensor, before anything loads.
+#[test]
+fn draws_file_mistakes_are_named() {
+    let dir = scratch("draws");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let path = dir.join("partial.safetensors");
+    let partial: HashMap<String, Tensor> = [
+        ("latents".to_string(), refs["latents_init"].clone()),
+        (
+            "step0.scheduler_noise.0".to_string(),
+            refs["cfg1.step0.scheduler_noise.0"].clone(),
+        ),
+    ]
+    .into();
+    candle_core::safetensors::save(&partial, &path).unwrap();
+    let fixture = named_fixture_dir(FIXTURE);
+    let out = vidgen(&[
+        "generate",
+        "--model",
+        fixture.to_str().unwrap(),
+        "--prompt",
+        "a",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--num-frames",
+        "17",
+        "--num-inference-steps",
+        "3",
+        "--latents",
+        path.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--output-path",
+        dir.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("step1.scheduler_noise.0"), "{stderr}");
+}
