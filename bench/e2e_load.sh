@@ -32,7 +32,7 @@ run() { # label binary flags...
   run new-default "$NEW"
   run new-leaf "$NEW" --offload-type leaf-level
   run old-default "$OLD"
-  for extra in $EXTRA_RUNS; do run "new-$extra" "$NEW" $RESIDENT; done
+  for extra in ${EXTRA_RUNS:-}; do run "new-$extra" "$NEW" $RESIDENT; done
   python3 - <<'PY'
 from safetensors.numpy import load_file
 import numpy as np

@@ -152,10 +152,6 @@ pub trait Blockwise: Sized + 'static {
     }
 }
 
-/// Pinned bytes a resident component loads through on CUDA (two halves, filled and drained in
-/// turn).
-const LOAD_STAGING_BYTES: usize = 1 << 29;
-
 /// A component as placed.
 pub enum Placed<M: Blockwise> {
     Resident(M),
@@ -178,28 +174,6 @@ impl<M: Blockwise> Placed<M> {
         device: &Device,
     ) -> Result<Self> {
         Ok(match residency.for_steps(M::steps(cfg)) {
-            // On CUDA through the engine's pinned staging ring: CPU threads gather the memory
-            // map into pinned buffers while the copy engine drains the other, at link speed;
-            // candle's own path copies each tensor from pageable memory, blocking.
-            Residency::Resident if device.is_cuda() => {
-                let cfg = cfg.clone();
-                let staged = Offloaded::from_weights(
-                    weights,
-                    1,
-                    Packing::PerTensor,
-                    move |_, vb| M::whole(&cfg, vb),
-                    dtype,
-                    device,
-                    HostMemory::Bounded {
-                        max_pinned: LOAD_STAGING_BYTES,
-                    },
-                    StreamOptions {
-                        stream: false,
-                        depth: 1,
-                    },
-                )?;
-                Placed::Resident(staged.fetch(0)?)
-            }
             Residency::Resident => {
                 Placed::Resident(M::whole(cfg, weights.var_builder(dtype, device))?)
             }
