@@ -2,6 +2,11 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
+use crate::models::clip::text::ClipTextConfig;
+use crate::models::hunyuan_video::scheduler::FlowMatchEulerConfig;
+use crate::models::hunyuan_video::text_encoder::LlamaConfig;
+use crate::models::hunyuan_video::transformer::HunyuanVideoTransformerConfig;
+use crate::models::hunyuan_video::vae::HunyuanVideoVaeConfig;
 use crate::models::wan::text_encoder::UMT5Config;
 use crate::models::wan::transformer::WanTransformerConfig;
 use crate::models::wan::vae::WanVaeConfig;
@@ -14,6 +19,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 macro_rules! synthetic_files {
+    ($name:literal: $($file:literal),+) => {
+        &[$(($file, include_str!(concat!("../../assets/", $name, "/", $file)))),+]
+    };
     ($name:literal) => {
         &[
             (
@@ -53,6 +61,17 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-t2v-1.3b", synthetic_files!("wan2.1-t2v-1.3b")),
     ("wan2.1-t2v-14b", synthetic_files!("wan2.1-t2v-14b")),
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
+    (
+        "hunyuanvideo",
+        synthetic_files!("hunyuanvideo":
+            "model_index.json",
+            "transformer/config.json",
+            "vae/config.json",
+            "text_encoder/config.json",
+            "text_encoder_2/config.json",
+            "scheduler/scheduler_config.json"
+        ),
+    ),
 ];
 
 /// A model as named by `--model`.
@@ -254,6 +273,47 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         class: "UniPCMultistepScheduler",
         file: "scheduler_config.json",
         check: |v| parse_keyed::<SchedulerConfig>(v.clone())?.validate(),
+    },
+    ComponentConfig {
+        class: "HunyuanVideoTransformer3DModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<HunyuanVideoTransformerConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLHunyuanVideo",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<HunyuanVideoVaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "LlamaModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<LlamaConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "CLIPTextModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<ClipTextConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "FlowMatchEulerDiscreteScheduler",
+        file: "scheduler_config.json",
+        check: |v| parse_keyed::<FlowMatchEulerConfig>(v.clone())?.validate(),
     },
 ];
 

@@ -2,6 +2,7 @@
 //! a device and released.
 
 pub mod draws;
+pub mod hunyuan_video;
 pub mod interrupt;
 pub mod jobs;
 pub mod placement;

@@ -6,7 +6,7 @@ use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
-use super::wan_t2v;
+use super::{hunyuan_video, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
@@ -92,10 +92,16 @@ pub struct FamilyEntry {
 }
 
 /// Every family vidgen runs.
-pub const FAMILIES: &[FamilyEntry] = &[FamilyEntry {
-    class_names: &["WanPipeline"],
-    read: wan_t2v::read,
-}];
+pub const FAMILIES: &[FamilyEntry] = &[
+    FamilyEntry {
+        class_names: &["WanPipeline"],
+        read: wan_t2v::read,
+    },
+    FamilyEntry {
+        class_names: &["HunyuanVideoPipeline"],
+        read: hunyuan_video::read,
+    },
+];
 
 /// A model whose pipeline no family runs: bad input, named with what vidgen does run.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,208 @@
+//! HunyuanVideo end to end through `vidgen generate`, driven as ../shared/fixtures/PARITY-CLI.md
+//! says: `hunyuanvideo-tiny-a`'s runs `cfg1` (embedded guidance 6, no real CFG) and `truecfg4`
+//! (true_cfg_scale 4 with the negative prompt) reproduce diffusers' frames; offload modes give
+//! bit-identical frames; the dry run plans the fixture and `synthetic:hunyuanvideo`; flags that
+//! do not apply are refused.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const FIXTURE: &str = "hunyuanvideo-tiny-a";
+/// The fixture README's pipeline tolerance.
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+fn vidgen() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("vidgen-hunyuan-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn preset() -> serde_json::Value {
+    let text =
+        std::fs::read_to_string(common::named_fixture_dir(FIXTURE).join("reference/README.json"))
+            .unwrap();
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["preset"].clone()
+}
+
+/// The draws file of the fixture's runs: `latents` = `latents_init`.
+fn draws(dir: &Path) -> PathBuf {
+    let r = common::named_reference(FIXTURE, "pipeline");
+    let path = dir.join("draws.safetensors");
+    let tensors: HashMap<String, Tensor> =
+        [("latents".to_string(), r["latents_init"].clone())].into();
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    path
+}
+
+/// Runs the fixture's pipeline call with `extra` flags and returns the written frames.
+fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> Tensor {
+    let p = preset();
+    let prompt = p["prompts"][p["pipeline_prompt_index"].as_u64().unwrap() as usize]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let model = common::named_fixture_dir(FIXTURE);
+    let draws = draws(dir);
+    let out = vidgen()
+        .args(["generate", "--model"])
+        .arg(&model)
+        .args(["--prompt", &prompt])
+        .args(["--negative-prompt", p["negative_prompt"].as_str().unwrap()])
+        .args(["--height", "32", "--width", "48", "--num-frames", "17"])
+        .args(["--num-inference-steps", "3", "--guidance-scale", "6"])
+        .args(["--true-cfg-scale", &true_cfg_scale.to_string()])
+        .args(["--max-sequence-length", "16", "--latents"])
+        .arg(&draws)
+        .args([
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--output-type",
+            "safetensors",
+        ])
+        .args(["--output-path"])
+        .arg(dir)
+        .args(["--output-video-name", name, "--quiet"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "vidgen failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = dir.join(format!("{name}.safetensors"));
+    candle_core::safetensors::load(&file, &Device::Cpu).unwrap()["frames"].clone()
+}
+
+fn check_run(tag: &str, true_cfg_scale: f64) {
+    let dir = scratch(tag);
+    let frames = generate(&dir, tag, true_cfg_scale, &[]);
+    let r = common::named_reference(FIXTURE, "pipeline");
+    let want = r[&format!("{tag}.frames")].squeeze(0).unwrap();
+    eprintln!(
+        "{tag}.frames: max |diff| {:.3e}",
+        common::max_abs_diff(&frames, &want)
+    );
+    common::assert_close(&format!("{tag}.frames"), &frames, &want, ATOL, RTOL);
+    for (what, extra) in [
+        (
+            "layerwise leaf-level",
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"][..],
+        ),
+        ("model cpu offload", &["--model-cpu-offload"][..]),
+        (
+            "lazy load, text encoders streamed",
+            &["--lazy-module-load", "--text-encoder-cpu-offload"][..],
+        ),
+        ("sequential cpu offload", &["--sequential-cpu-offload"][..]),
+    ] {
+        let other = generate(
+            &dir,
+            &format!("{tag}-{}", what.replace(' ', "-")),
+            true_cfg_scale,
+            extra,
+        );
+        assert_eq!(
+            common::max_abs_diff(&frames, &other),
+            0.0,
+            "{tag}: {what} differs from the resident run"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn embedded_guidance_run_matches_diffusers_and_offload_is_bit_identical() {
+    check_run("cfg1", 1.0);
+}
+
+#[test]
+fn true_cfg_run_matches_diffusers_and_offload_is_bit_identical() {
+    check_run("truecfg4", 4.0);
+}
+
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let out = vidgen()
+        .args(["generate", "--model", model, "--dry-run", "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "dry run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn stages(plan: &serde_json::Value) -> Vec<String> {
+    let text = plan.to_string();
+    ["encode_text", "denoise", "decode", "write"]
+        .iter()
+        .filter(|s| text.contains(&format!("\"{s}\"")))
+        .map(|s| s.to_string())
+        .collect()
+}
+
+#[test]
+fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
+    let fixture = common::named_fixture_dir(FIXTURE);
+    for model in [fixture.to_str().unwrap(), "synthetic:hunyuanvideo"] {
+        for extra in [
+            &[][..],
+            &["--dit-layerwise-offload", "--text-encoder-cpu-offload"][..],
+            &["--sequential-cpu-offload"][..],
+        ] {
+            let plan = dry_run(model, extra);
+            let config = &plan["config"];
+            assert_eq!(config["height"], 720, "{model}: {config}");
+            assert_eq!(config["width"], 1280, "{model}: {config}");
+            assert_eq!(config["num_frames"], 129, "{model}: {config}");
+            assert_eq!(config["fps"], 24, "{model}: {config}");
+            assert_eq!(config["num_inference_steps"], 50, "{model}: {config}");
+            assert_eq!(config["guidance_scale"], 6.0, "{model}: {config}");
+            assert_eq!(config["max_sequence_length"], 256, "{model}: {config}");
+            assert_eq!(stages(&plan).len(), 4, "{model}: {plan}");
+            let text = plan.to_string();
+            assert!(text.contains("text_encoder_2"), "{model}: {text}");
+        }
+    }
+}
+
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let dir = scratch("refused");
+    let model = common::named_fixture_dir(FIXTURE);
+    for flags in [
+        &["--guidance-scale-2", "3"][..],
+        &["--decode-timestep", "0.05"][..],
+        &["--scheduler", "unipc"][..],
+    ] {
+        let out = vidgen()
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args(["--prompt", "a", "--device", "cpu", "--output-path"])
+            .arg(&dir)
+            .args(["--height", "32", "--width", "48", "--num-frames", "5"])
+            .args(["--num-inference-steps", "1", "--max-sequence-length", "4"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(flags[0]), "{flags:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
