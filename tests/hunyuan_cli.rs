@@ -147,23 +147,59 @@ fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-fn stages(plan: &serde_json::Value) -> Vec<String> {
-    let text = plan.to_string();
-    ["encode_text", "denoise", "decode", "write"]
-        .iter()
-        .filter(|s| text.contains(&format!("\"{s}\"")))
-        .map(|s| s.to_string())
-        .collect()
+/// Every stage planned with weights and activations, and both text encoders released before
+/// the DiT loads where components load one stage at a time.
+fn check_stages(model: &str, plan: &serde_json::Value, one_at_a_time: bool) {
+    let stages = plan["stages"].as_array().unwrap();
+    let names: Vec<&str> = stages.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["encode_text", "denoise", "decode", "write"],
+        "{model}"
+    );
+    assert_eq!(
+        stages[0]["components"],
+        serde_json::json!(["text_encoder", "text_encoder_2"]),
+        "{model}"
+    );
+    for stage in &stages[..3] {
+        let memory = &stage["memory"];
+        assert!(
+            memory["activation_bytes"].as_u64().unwrap() > 0,
+            "{model}: {stage}"
+        );
+        assert!(
+            memory["peak_bytes"].as_u64().unwrap() > 0,
+            "{model}: {stage}"
+        );
+    }
+    if one_at_a_time {
+        assert_eq!(
+            stages[0]["release_after"],
+            serde_json::json!(["text_encoder", "text_encoder_2"]),
+            "{model}: {plan}"
+        );
+        assert_eq!(
+            stages[1]["load_before"],
+            serde_json::json!(["transformer"]),
+            "{model}"
+        );
+    }
 }
 
 #[test]
 fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
     let fixture = common::named_fixture_dir(FIXTURE);
     for model in [fixture.to_str().unwrap(), "synthetic:hunyuanvideo"] {
-        for extra in [
-            &[][..],
-            &["--dit-layerwise-offload", "--text-encoder-cpu-offload"][..],
-            &["--sequential-cpu-offload"][..],
+        for (extra, one_at_a_time) in [
+            (&[][..], false),
+            (
+                &["--dit-layerwise-offload", "--text-encoder-cpu-offload"][..],
+                false,
+            ),
+            (&["--sequential-cpu-offload"][..], false),
+            (&["--h3-sequential-load"][..], true),
+            (&["--lazy-module-load"][..], true),
         ] {
             let plan = dry_run(model, extra);
             let config = &plan["config"];
@@ -174,11 +210,16 @@ fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
             assert_eq!(config["num_inference_steps"], 50, "{model}: {config}");
             assert_eq!(config["guidance_scale"], 6.0, "{model}: {config}");
             assert_eq!(config["max_sequence_length"], 256, "{model}: {config}");
-            assert_eq!(stages(&plan).len(), 4, "{model}: {plan}");
-            let text = plan.to_string();
-            assert!(text.contains("text_encoder_2"), "{model}: {text}");
+            assert_eq!(config["scheduler"], "euler", "{model}: {config}");
+            check_stages(model, &plan, one_at_a_time);
         }
     }
+    // The full-size model's weights as published: a 12.8 B-parameter DiT.
+    let plan = dry_run("synthetic:hunyuanvideo", &["--dtype", "bf16"]);
+    let dit = plan["stages"][1]["memory"]["weight_bytes"]
+        .as_u64()
+        .unwrap();
+    assert!((25_000_000_000..26_500_000_000).contains(&dit), "{dit}");
 }
 
 #[test]

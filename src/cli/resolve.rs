@@ -73,6 +73,8 @@ pub struct ModelDefaults {
     pub num_inference_steps: Option<u32>,
     pub guidance_scale: Option<f64>,
     pub max_sequence_length: Option<u32>,
+    /// The sampler the published pipeline ships with.
+    pub scheduler: Option<SchedulerKind>,
 }
 
 /// How each video is written.
@@ -162,10 +164,12 @@ impl ResolvedConfig {
             fps,
             num_inference_steps,
             guidance_scale,
-            max_sequence_length
+            max_sequence_length,
+            scheduler
         );
         validate(o, self.dry_run)?;
         self.generation.max_sequence_length = o.max_sequence_length as usize;
+        self.generation.scheduler = o.scheduler;
         self.output.fps = o.fps;
         self.output.config_json = serde_json::to_string(o).unwrap_or_default();
         Ok(self)

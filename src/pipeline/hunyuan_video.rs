@@ -27,7 +27,9 @@ use crate::models::hunyuan_video::transformer::{
     HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
     MLP_CHUNK_TOKENS,
 };
-use crate::models::hunyuan_video::vae::{AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig};
+use crate::models::hunyuan_video::vae::{
+    AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
+};
 use crate::models::source::{component_weights, FileRef, ModelSource};
 use crate::offload::Residency;
 use crate::schedulers::{Scheduler, SchedulerKind};
@@ -117,6 +119,7 @@ impl Family for HunyuanConfigs {
             num_inference_steps: Some(50),
             guidance_scale: Some(6.0),
             max_sequence_length: Some(256),
+            scheduler: Some(SchedulerKind::Euler),
         }
     }
 
@@ -156,7 +159,16 @@ impl Family for HunyuanConfigs {
         // Decode: tiles of 5 latent frames (17 video frames) at full size in the widest
         // channels, plus the whole video in f32.
         let frames = (latent[2].min(5) - 1) as u64 * self.vae.temporal_compression_ratio as u64 + 1;
-        let pixels = shape.height as u64 * shape.width as u64;
+        // Spatial tiling (`--vae-tiling`) decodes 256x256 tiles at a time.
+        let tile = HunyuanVideoVaeTiling::default();
+        let (h, w) = match shape.vae_tiling {
+            true => (
+                shape.height.min(tile.tile_sample_min_height as u32),
+                shape.width.min(tile.tile_sample_min_width as u32),
+            ),
+            false => (shape.height, shape.width),
+        };
+        let pixels = h as u64 * w as u64;
         let widest = self
             .vae
             .block_out_channels
@@ -166,7 +178,7 @@ impl Family for HunyuanConfigs {
             .unwrap_or(0) as u64;
         let first = self.vae.block_out_channels.first().copied().unwrap_or(0) as u64;
         let decode = frames * pixels * first.max(widest / 4) * 4 * d
-            + shape.num_frames as u64 * pixels * 3 * 4 * 2;
+            + shape.num_frames as u64 * shape.height as u64 * shape.width as u64 * 3 * 4 * 2;
         PipelineSpec {
             title: "HunyuanVideo text-to-video",
             components: vec![
@@ -246,7 +258,7 @@ fn refuse_inapplicable(config: &ResolvedConfig) -> Result<(), UsageError> {
         Some("--guidance-scale-2: HunyuanVideo has one DiT (it is Wan2.2 A14B's second expert's scale)")
     } else if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
         Some("--decode-timestep/--decode-noise-scale: HunyuanVideo's VAE decoder takes no timestep (LTX-Video's does)")
-    } else if config.given.contains("scheduler") && g.scheduler != SchedulerKind::Euler {
+    } else if g.scheduler != SchedulerKind::Euler {
         Some("--scheduler: HunyuanVideo samples with flow-match Euler, as diffusers does; pass --scheduler euler or leave it out")
     } else {
         None
