@@ -6,15 +6,14 @@
 
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::stage_helpers;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::{ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::gib;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
 use crate::models::hunyuan_video::scheduler::{
     guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
@@ -559,23 +558,8 @@ impl HunyuanVideo {
                 .to_dtype(DType::F32)?;
             self.progress.step(i + 1, timesteps.len());
         }
-        job.metrics
-            .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
-        if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
-            let copies = after.copies.since(&before.copies);
-            job.metrics.insert(
-                "offload".into(),
-                serde_json::json!({
-                    "bytes_copied": copies.bytes,
-                    "groups_copied": copies.groups,
-                    "copy_busy_seconds": copies.busy_seconds,
-                    "copy_gb_per_second": copies.gb_per_second(),
-                    "pinned_bytes": after.pinned_bytes,
-                    "host_bytes": after.host_bytes,
-                    "device_bytes": after.device_bytes,
-                }),
-            );
-        }
+        let after = placed.offload_usage();
+        stage_helpers::record_denoise(job, &self.progress, forward_seconds, before, after);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         Ok(())
     }
@@ -621,18 +605,16 @@ impl HunyuanVideo {
         weights: &WeightSet,
         dtype: DType,
     ) -> Result<Placed<M>> {
-        let residency = self.placement.residencies[component];
-        let name = self.spec.components[component].name;
-        let placed = Placed::load(
+        stage_helpers::place(
+            &self.placement,
+            component,
+            self.spec.components[component].name,
             cfg,
             weights,
-            residency,
-            self.placement.memory,
             dtype,
             &self.device,
-        )?;
-        self.progress.note(&format!("{name}: {residency}"));
-        Ok(placed)
+            &self.progress,
+        )
     }
 
     /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
@@ -641,11 +623,7 @@ impl HunyuanVideo {
         seconds: &mut Vec<f64>,
         f: impl FnOnce() -> candle_core::Result<T>,
     ) -> Result<T> {
-        let start = std::time::Instant::now();
-        let out = f()?;
-        self.device.synchronize()?;
-        seconds.push(start.elapsed().as_secs_f64());
-        Ok(out)
+        stage_helpers::timed(&self.device, seconds, f)
     }
 
     /// `latents / scaling_factor`, the VAE decode (temporal tiling as diffusers' default;
@@ -684,57 +662,8 @@ impl HunyuanVideo {
         Ok(())
     }
 
-    fn write(&self, job: &mut Job) -> Result<()> {
-        let frames = job.frames.take().context("nothing decoded")?;
-        let metadata = vec![
-            ("title".to_string(), job.prompt.clone()),
-            (
-                "comment".to_string(),
-                format!("vidgen: {} seed {}", self.config.generation.model, job.seed),
-            ),
-            ("vidgen_prompt".to_string(), job.prompt.clone()),
-            (
-                "vidgen_negative_prompt".to_string(),
-                job.negative_prompt.clone(),
-            ),
-            ("vidgen_seed".to_string(), job.seed.to_string()),
-            (
-                "vidgen_model".to_string(),
-                self.config.generation.model.clone(),
-            ),
-            (
-                "vidgen_config".to_string(),
-                self.config.output.config_json.clone(),
-            ),
-        ];
-        crate::output::write(
-            self.config.output.kind,
-            &job.output,
-            &frames,
-            self.config.output.fps,
-            &metadata,
-        )?;
-        job.written = true;
-        Ok(())
-    }
-
-    /// Turns a device out-of-memory error into one that names when it happened, the memory in
-    /// use and the option set the memory plan predicts to fit; other errors pass through.
     fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
-        let text = format!("{e:#}");
-        if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
-            return e;
-        }
-        let peaks = self.meter.peaks();
-        let in_use = match peaks.device_in_use_now {
-            0 => String::new(),
-            used => format!("; {:.2} GiB in use on the device", gib(used)),
-        };
-        let advice = Planner::new(&self.configs, &self.config).advice();
-        e.context(format!(
-            "out of device memory {when} ({}{in_use}); {advice}",
-            describe_peaks(&peaks)
-        ))
+        stage_helpers::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
     }
 }
 
@@ -780,7 +709,7 @@ impl Pipeline for HunyuanVideo {
             ENCODE_TEXT => self.encode_text(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
-            _ => self.write(job),
+            _ => stage_helpers::write_video(&self.config, job),
         };
         if let Err(e) = result {
             return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));

@@ -11,6 +11,7 @@ pub mod progress;
 pub mod registry;
 pub mod runner;
 pub mod spec;
+mod stage_helpers;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;

@@ -2,14 +2,13 @@
 
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::stage_helpers;
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::gib;
 use crate::models::source::{component_weights, FileRef, ModelSource};
 use crate::models::wan::activations;
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
@@ -353,38 +352,8 @@ impl WanT2V {
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             self.progress.step(i + 1, timesteps.len());
         }
-        job.metrics
-            .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
-        if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
-            let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
-            self.progress.note(&format!(
-                "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
-                copies.bytes as f64 / 1e9,
-                copies.busy_seconds,
-                copies.gb_per_second(),
-                pinned as f64 / (1u64 << 30) as f64
-            ));
-            job.metrics.insert(
-                "offload".into(),
-                serde_json::json!({
-                    "bytes_copied": copies.bytes,
-                    "groups_copied": copies.groups,
-                    "copy_busy_seconds": copies.busy_seconds,
-                    "copy_gb_per_second": copies.gb_per_second(),
-                    "pinned_bytes": pinned,
-                    "host_bytes": after.host_bytes,
-                    "device_bytes": after.device_bytes,
-                }),
-            );
-        }
-        self.progress.note(&format!(
-            "  transformer forwards: {}",
-            forward_seconds
-                .iter()
-                .map(|s| format!("{s:.3}s"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        ));
+        let after = placed.offload_usage();
+        stage_helpers::record_denoise(job, &self.progress, forward_seconds, before, after);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.negative_embeds = None;
@@ -428,26 +397,16 @@ impl WanT2V {
         weights: &WeightSet,
         dtype: DType,
     ) -> Result<Placed<M>> {
-        let residency = self.placement.residencies[component];
-        let name = self.spec.components[component].name;
-        let placed = Placed::load(
+        stage_helpers::place(
+            &self.placement,
+            component,
+            self.spec.components[component].name,
             cfg,
             weights,
-            residency,
-            self.placement.memory,
             dtype,
             &self.device,
-        )?;
-        const GIB: f64 = (1u64 << 30) as f64;
-        self.progress.note(&match placed.offload_usage() {
-            Some(u) => format!(
-                "{name}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
-                u.host_bytes as f64 / GIB,
-                u.pinned_bytes as f64 / GIB
-            ),
-            None => format!("{name}: {residency}"),
-        });
-        Ok(placed)
+            &self.progress,
+        )
     }
 
     /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
@@ -456,11 +415,7 @@ impl WanT2V {
         seconds: &mut Vec<f64>,
         f: impl FnOnce() -> candle_core::Result<T>,
     ) -> Result<T> {
-        let start = std::time::Instant::now();
-        let out = f()?;
-        self.device.synchronize()?;
-        seconds.push(start.elapsed().as_secs_f64());
-        Ok(out)
+        stage_helpers::timed(&self.device, seconds, f)
     }
 
     fn decode(&self, job: &mut Job) -> Result<()> {
@@ -485,37 +440,7 @@ impl WanT2V {
     }
 
     fn write(&self, job: &mut Job) -> Result<()> {
-        let frames = job.frames.take().context("nothing decoded")?;
-        let metadata = vec![
-            ("title".to_string(), job.prompt.clone()),
-            (
-                "comment".to_string(),
-                format!("vidgen: {} seed {}", self.config.generation.model, job.seed),
-            ),
-            ("vidgen_prompt".to_string(), job.prompt.clone()),
-            (
-                "vidgen_negative_prompt".to_string(),
-                job.negative_prompt.clone(),
-            ),
-            ("vidgen_seed".to_string(), job.seed.to_string()),
-            (
-                "vidgen_model".to_string(),
-                self.config.generation.model.clone(),
-            ),
-            (
-                "vidgen_config".to_string(),
-                self.config.output.config_json.clone(),
-            ),
-        ];
-        crate::output::write(
-            self.config.output.kind,
-            &job.output,
-            &frames,
-            self.config.output.fps,
-            &metadata,
-        )?;
-        job.written = true;
-        Ok(())
+        stage_helpers::write_video(&self.config, job)
     }
 }
 
@@ -582,26 +507,7 @@ impl WanT2V {
     /// peak and the device's size, and the option set the memory plan predicts to fit; other
     /// errors pass through.
     fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
-        let text = format!("{e:#}");
-        if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
-            return e;
-        }
-        let peaks = self.meter.peaks();
-        let total = self.config.device.total_memory;
-        let in_use = match (peaks.device_in_use_now, total) {
-            (0, _) => String::new(),
-            (used, Some(total)) => format!(
-                "; {:.2} of {:.2} GiB in use on the device",
-                gib(used),
-                gib(total)
-            ),
-            (used, None) => format!("; {:.2} GiB in use on the device", gib(used)),
-        };
-        let advice = Planner::new(&self.configs, &self.config).advice();
-        e.context(format!(
-            "out of device memory {when} ({}{in_use}); {advice}",
-            describe_peaks(&peaks)
-        ))
+        stage_helpers::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
     }
 }
 
