@@ -107,12 +107,24 @@ fn check_run(tag: &str, true_cfg_scale: f64) {
             &["--lazy-module-load", "--text-encoder-cpu-offload"][..],
         ),
         ("sequential cpu offload", &["--sequential-cpu-offload"][..]),
+        (
+            "sequential load, text encoders on the cpu",
+            &[
+                "--h3-sequential-load",
+                "--text-encoder-cpu-offload",
+                "--text-encoder-compute",
+                "cpu",
+            ][..],
+        ),
     ] {
+        // On the CPU the device rules keep everything resident; a discrete memory model keeps
+        // the offload flags, so the engine really streams and parks.
+        let extra = [&["--memory-model", "discrete"][..], extra].concat();
         let other = generate(
             &dir,
             &format!("{tag}-{}", what.replace(' ', "-")),
             true_cfg_scale,
-            extra,
+            &extra,
         );
         assert_eq!(
             common::max_abs_diff(&frames, &other),
