@@ -553,9 +553,9 @@ impl HunyuanVideo {
                 }
                 _ => noise_cond,
             };
-            latents = scheduler
-                .step(&noise.to_dtype(DType::F32)?, &latents)?
-                .to_dtype(DType::F32)?;
+            // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
+            // back to the model dtype); the latents wait in f32, which holds that exactly.
+            latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             self.progress.step(i + 1, timesteps.len());
         }
         let after = placed.offload_usage();
