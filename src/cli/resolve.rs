@@ -77,6 +77,8 @@ pub struct ModelDefaults {
     pub max_sequence_length: Option<u32>,
     /// The family's rule for frame counts and sizes (`None`: Wan's 4k+1 and 16).
     pub frame_rule: Option<FrameRule>,
+    /// The sampler the published pipeline ships with.
+    pub scheduler: Option<SchedulerKind>,
 }
 
 /// How each video is written.
@@ -167,13 +169,15 @@ impl ResolvedConfig {
             fps,
             num_inference_steps,
             guidance_scale,
-            max_sequence_length
+            max_sequence_length,
+            scheduler
         );
         if let Some(rule) = defaults.frame_rule {
             self.frame_rule = rule;
         }
         validate(o, self.dry_run, self.frame_rule)?;
         self.generation.max_sequence_length = o.max_sequence_length as usize;
+        self.generation.scheduler = o.scheduler;
         self.output.fps = o.fps;
         self.output.config_json = serde_json::to_string(o).unwrap_or_default();
         Ok(self)

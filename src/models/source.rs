@@ -2,8 +2,12 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
+use crate::models::clip::text::ClipTextConfig;
 use crate::models::cogvideox::transformer::CogVideoXTransformerConfig;
 use crate::models::cogvideox::vae::CogVideoXVaeConfig;
+use crate::models::hunyuan_video::text_encoder::LlamaConfig;
+use crate::models::hunyuan_video::transformer::HunyuanVideoTransformerConfig;
+use crate::models::hunyuan_video::vae::HunyuanVideoVaeConfig;
 use crate::models::ltx::transformer::LtxTransformerConfig;
 use crate::models::ltx::vae::LtxVaeConfig;
 use crate::models::t5::encoder::T5Config;
@@ -21,6 +25,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 macro_rules! synthetic_files {
+    ($name:literal: $($file:literal),+) => {
+        &[$(($file, include_str!(concat!("../../assets/", $name, "/", $file)))),+]
+    };
     ($name:literal) => {
         &[
             (
@@ -62,6 +69,17 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
     ("ltx-video", synthetic_files!("ltx-video")),
     ("cogvideox-5b", synthetic_files!("cogvideox-5b")),
+    (
+        "hunyuanvideo",
+        synthetic_files!("hunyuanvideo":
+            "model_index.json",
+            "transformer/config.json",
+            "vae/config.json",
+            "text_encoder/config.json",
+            "text_encoder_2/config.json",
+            "scheduler/scheduler_config.json"
+        ),
+    ),
 ];
 
 /// A model as named by `--model`.
@@ -323,6 +341,42 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         class: "UniPCMultistepScheduler",
         file: "scheduler_config.json",
         check: |v| parse_keyed::<SchedulerConfig>(v.clone())?.validate(),
+    },
+    ComponentConfig {
+        class: "HunyuanVideoTransformer3DModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<HunyuanVideoTransformerConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLHunyuanVideo",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<HunyuanVideoVaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "LlamaModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<LlamaConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "CLIPTextModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<ClipTextConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
     },
 ];
 

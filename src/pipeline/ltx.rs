@@ -180,6 +180,8 @@ impl Family for LtxConfigs {
                 frame_step: self.vae.temporal_compression_ratio() as u32,
                 size_step: self.vae.spatial_compression_ratio() as u32,
             }),
+            // LTX-Video samples with flow-match Euler only: `inapplicable` refuses a --scheduler.
+            scheduler: None,
         }
     }
 

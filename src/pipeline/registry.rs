@@ -6,7 +6,7 @@ use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
-use super::{cogvideox, ltx, wan_t2v};
+use super::{cogvideox, hunyuan_video, ltx, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
@@ -109,6 +109,10 @@ pub const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
         class_names: &["CogVideoXPipeline"],
         read: cogvideox::read,
+    },
+    FamilyEntry {
+        class_names: &["HunyuanVideoPipeline"],
+        read: hunyuan_video::read,
     },
 ];
 

@@ -109,17 +109,41 @@ impl ClipTextModel {
     /// Loads the model; `vb` is the root of `model.safetensors` (with or without the
     /// `text_model.` prefix).
     pub fn new(cfg: &ClipTextConfig, vb: VarBuilder) -> Result<Self> {
-        cfg.validate()?;
-        let vb = if vb.contains_tensor("text_model.embeddings.token_embedding.weight") {
+        let mut model = Self::new_without_layers(cfg, vb.clone())?;
+        model.layers = (0..cfg.num_hidden_layers)
+            .map(|i| Self::layer(cfg, i, vb.clone()))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// The root of the text tower's tensors (`text_model.` when the file has it).
+    fn root(vb: VarBuilder) -> VarBuilder {
+        if vb.contains_tensor("text_model.embeddings.token_embedding.weight") {
             vb.pp("text_model")
         } else {
             vb
-        };
+        }
+    }
+
+    /// Encoder layer `i` from the model's root `vb` (for an engine that streams layers).
+    pub fn layer(cfg: &ClipTextConfig, i: usize, vb: VarBuilder) -> Result<ClipEncoderLayer> {
+        ClipEncoderLayer::new(
+            &cfg.encoder(),
+            Self::root(vb).pp(format!("encoder.layers.{i}")),
+        )
+    }
+
+    /// The encoder layers, in order (empty after `new_without_layers`).
+    pub fn layers(&self) -> &[ClipEncoderLayer] {
+        &self.layers
+    }
+
+    /// Everything but the encoder layers; `layers()` is then empty.
+    pub fn new_without_layers(cfg: &ClipTextConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let vb = Self::root(vb);
         let d = cfg.hidden_size;
-        let enc = cfg.encoder();
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| ClipEncoderLayer::new(&enc, vb.pp(format!("encoder.layers.{i}"))))
-            .collect::<Result<_>>()?;
+        let layers = Vec::new();
         Ok(Self {
             cfg: cfg.clone(),
             token_embedding: candle_nn::embedding(
@@ -147,7 +171,16 @@ impl ClipTextModel {
 
     /// `input_ids` `[B, L]` (any integer dtype; no attention mask, as HunyuanVideo calls it).
     pub fn forward(&self, input_ids: &Tensor) -> Result<ClipTextOutput> {
-        let (b, l) = input_ids.dims2()?;
+        let mut x = self.embed(input_ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, true)?;
+        }
+        self.finish(&x, input_ids)
+    }
+
+    /// Token plus position embeddings `[B, L, hidden]` of `input_ids` `[B, L]` (checked).
+    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, l) = input_ids.dims2()?;
         if l == 0 || l > self.cfg.max_position_embeddings {
             candle_core::bail!(
                 "clip text: {l} tokens for max_position_embeddings {}",
@@ -166,14 +199,16 @@ impl ClipTextModel {
             )
         }
         let ids_u32 = input_ids.to_dtype(DType::U32)?;
-        let mut x = self
-            .token_embedding
+        self.token_embedding
             .forward(&ids_u32)?
-            .broadcast_add(&self.position_embedding.narrow(0, 0, l)?.unsqueeze(0)?)?;
-        for layer in &self.layers {
-            x = layer.forward(&x, true)?;
-        }
-        let last_hidden_state = self.final_layer_norm.forward(&x)?;
+            .broadcast_add(&self.position_embedding.narrow(0, 0, l)?.unsqueeze(0)?)
+    }
+
+    /// The final norm and the pooled output of the layers' output `x` for `input_ids`.
+    pub fn finish(&self, x: &Tensor, input_ids: &Tensor) -> Result<ClipTextOutput> {
+        let b = input_ids.dim(0)?;
+        let ids: Vec<Vec<i64>> = input_ids.to_dtype(DType::I64)?.to_vec2()?;
+        let last_hidden_state = self.final_layer_norm.forward(x)?;
         // transformers: eos_token_id == 2 -> argmax of the ids (the legacy rule); otherwise the
         // first position holding eos_token_id (argmax of a 0/1 mask: 0 when absent).
         let eos = self.cfg.eos();

@@ -1,0 +1,827 @@
+//! HunyuanVideo text-to-video as a list of stages, step for step as diffusers'
+//! `HunyuanVideoPipeline`: the Llama text encoder with the prompt template (`hidden_states[-3]`,
+//! the template's tokens cropped), the CLIP text encoder's pooled output, the guidance-distilled
+//! dual/single-stream DiT (embedded guidance; real CFG with a negative prompt only when
+//! `--true-cfg-scale` > 1), flow-match Euler with the scheduler's shift, and the causal 3D VAE.
+
+use super::jobs::Job;
+use super::placement::{Blockwise, Held, Placed, Placement};
+use super::progress::{describe_peaks, Progress};
+use super::registry::{Configs, Family, RunShape};
+use super::runner::Pipeline;
+use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::stages;
+use crate::cli::resolve::ModelDefaults;
+use crate::cli::{ResolvedConfig, UsageError};
+use crate::memory::accounting::MemoryMeter;
+use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
+use crate::models::hunyuan_video::scheduler::{
+    guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
+};
+use crate::models::hunyuan_video::text_encoder::{
+    crop_prompt, LlamaConfig, LlamaDecoderLayer, LlamaPromptTokenizer, LlamaTextEncoder,
+    LlamaTokenizerLoad, DEFAULT_CROP_START, DEFAULT_PROMPT_TEMPLATE,
+};
+use crate::models::hunyuan_video::transformer::{
+    HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
+    MLP_CHUNK_TOKENS,
+};
+use crate::models::hunyuan_video::vae::{
+    AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
+};
+use crate::models::source::{component_weights, FileRef, ModelSource};
+use crate::offload::Residency;
+use crate::schedulers::{Scheduler, SchedulerKind};
+use crate::weights::{seeded_normal, WeightSet};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Components, by their index in the description.
+const TEXT_ENCODER: usize = 0;
+const TEXT_ENCODER_2: usize = 1;
+const TRANSFORMER: usize = 2;
+const VAE: usize = 3;
+
+/// Stages, by their index in the description.
+const ENCODE_TEXT: usize = 0;
+const DENOISE: usize = 1;
+const DECODE: usize = 2;
+
+/// The CLIP tokenizer's length (`tokenizer_2`, `max_length=77`).
+const CLIP_MAX_LENGTH: usize = 77;
+
+/// Reads a HunyuanVideo model's configs (the registry's entry point).
+pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
+    Ok(Box::new(HunyuanConfigs::from_configs(configs)?))
+}
+
+/// The configs of a HunyuanVideo model: everything planning needs, no weights.
+#[derive(Clone, Debug)]
+pub struct HunyuanConfigs {
+    pub transformer: HunyuanVideoTransformerConfig,
+    pub vae: HunyuanVideoVaeConfig,
+    pub text_encoder: LlamaConfig,
+    pub text_encoder_2: ClipTextConfig,
+    pub scheduler: FlowMatchEulerConfig,
+    /// The class `model_index.json` names for `tokenizer` (how its file is loaded).
+    pub tokenizer_class: String,
+}
+
+impl HunyuanConfigs {
+    /// Reads every component's config.
+    pub fn from_configs(configs: Configs) -> Result<Self> {
+        let index: serde_json::Value = configs.read("model_index.json")?;
+        Ok(HunyuanConfigs {
+            transformer: configs.read("transformer/config.json")?,
+            vae: configs.read("vae/config.json")?,
+            text_encoder: configs.read("text_encoder/config.json")?,
+            text_encoder_2: configs.read("text_encoder_2/config.json")?,
+            scheduler: configs.read("scheduler/scheduler_config.json")?,
+            tokenizer_class: index["tokenizer"][1]
+                .as_str()
+                .unwrap_or("LlamaTokenizerFast")
+                .to_string(),
+        })
+    }
+
+    /// The latent shape `[1, C, F', H', W']` for a video size.
+    pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
+        let t = self.vae.temporal_compression_ratio.max(1);
+        let s = self.vae.spatial_compression_ratio.max(1);
+        [
+            1,
+            self.transformer.in_channels,
+            (num_frames.max(1) as usize - 1) / t + 1,
+            height as usize / s,
+            width as usize / s,
+        ]
+    }
+}
+
+/// Bytes of one element of `dtype`.
+fn size(dtype: DType) -> u64 {
+    dtype.size_in_bytes() as u64
+}
+
+impl Family for HunyuanConfigs {
+    /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
+    /// 50 steps, embedded guidance 6, 256 prompt tokens.
+    fn defaults(&self) -> ModelDefaults {
+        ModelDefaults {
+            height: Some(720),
+            width: Some(1280),
+            num_frames: Some(129),
+            fps: Some(24),
+            num_inference_steps: Some(50),
+            guidance_scale: Some(6.0),
+            max_sequence_length: Some(256),
+            scheduler: Some(SchedulerKind::Euler),
+            // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
+            frame_rule: None,
+        }
+    }
+
+    /// Two text encoders (Llama, CLIP) used by one stage, the DiT, the VAE; every component
+    /// only feeds tensors forward, so each is safe to defer.
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        let component = |name, role, constructors| ComponentSpec {
+            name,
+            role,
+            dtype: None,
+            deferrable: true,
+            constructors,
+        };
+        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        };
+        let d = size(shape.dtype);
+        // Text: the template's tokens plus the prompt's, through one Llama layer at a time.
+        let llama = &self.text_encoder;
+        let seq = (DEFAULT_CROP_START + shape.text_len) as u64;
+        let text = seq * (llama.hidden_size as u64 * 6 + llama.intermediate_size as u64 * 3) * d
+            + llama.num_attention_heads as u64 * seq * seq * 4
+            + CLIP_MAX_LENGTH as u64 * self.text_encoder_2.intermediate_size as u64 * 4 * 4;
+        // Denoise: the joint sequence through one block (streams, modulated copies, q/k/v,
+        // attention output, the chunked MLP).
+        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        let t = &self.transformer;
+        let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
+        let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
+        let tokens = video + shape.text_len as u64;
+        let inner = t.inner_dim() as u64;
+        let mlp = t.mlp_dim() as u64 * tokens.min(MLP_CHUNK_TOKENS as u64);
+        let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;
+        let denoise = (tokens * inner * 10 + mlp * 2) * d + latent_bytes;
+        // Decode: tiles of 5 latent frames (17 video frames) at full size in the widest
+        // channels, plus the whole video in f32.
+        let frames = (latent[2].min(5) - 1) as u64 * self.vae.temporal_compression_ratio as u64 + 1;
+        // Spatial tiling (`--vae-tiling`) decodes 256x256 tiles at a time.
+        let tile = HunyuanVideoVaeTiling::default();
+        let (h, w) = match shape.vae_tiling {
+            true => (
+                shape.height.min(tile.tile_sample_min_height as u32),
+                shape.width.min(tile.tile_sample_min_width as u32),
+            ),
+            false => (shape.height, shape.width),
+        };
+        let pixels = h as u64 * w as u64;
+        let widest = self
+            .vae
+            .block_out_channels
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0) as u64;
+        let first = self.vae.block_out_channels.first().copied().unwrap_or(0) as u64;
+        let decode = frames * pixels * first.max(widest / 4) * 4 * d
+            + shape.num_frames as u64 * shape.height as u64 * shape.width as u64 * 3 * 4 * 2;
+        PipelineSpec {
+            title: "HunyuanVideo text-to-video",
+            components: vec![
+                component(
+                    "text_encoder",
+                    Role::TextEncoder,
+                    Arc::new(ModelConstructors::<LlamaTextEncoder>(
+                        self.text_encoder.clone(),
+                    )),
+                ),
+                component(
+                    "text_encoder_2",
+                    Role::TextEncoder,
+                    Arc::new(ModelConstructors::<ClipTextModel>(
+                        self.text_encoder_2.clone(),
+                    )),
+                ),
+                component(
+                    "transformer",
+                    Role::Dit,
+                    Arc::new(ModelConstructors::<HunyuanVideoTransformer3DModel>(
+                        self.transformer.clone(),
+                    )),
+                ),
+                component(
+                    "vae",
+                    Role::Vae,
+                    Arc::new(ModelConstructors::<AutoencoderKLHunyuanVideo>(
+                        self.vae.clone(),
+                    )),
+                ),
+            ],
+            stages: vec![
+                stage("encode_text", &[TEXT_ENCODER, TEXT_ENCODER_2], text),
+                stage("denoise", &[TRANSFORMER], denoise),
+                stage("decode", &[VAE], decode),
+                stage("write", &[], 0),
+            ],
+        }
+    }
+
+    fn facts(&self, shape: &RunShape) -> serde_json::Value {
+        serde_json::json!({
+            "transformer_dual_stream_layers": self.transformer.num_layers,
+            "transformer_single_stream_layers": self.transformer.num_single_layers,
+            "transformer_inner_dim": self.transformer.inner_dim(),
+            "latent_shape": self.latent_shape(shape.num_frames, shape.height, shape.width),
+            "vae_scale_factor_spatial": self.vae.spatial_compression_ratio,
+            "vae_scale_factor_temporal": self.vae.temporal_compression_ratio,
+            "text_encoder_layers": self.text_encoder.num_hidden_layers,
+            "text_encoder_layers_used": self.text_encoder.layers_used(),
+            "text_encoder_2_layers": self.text_encoder_2.num_hidden_layers,
+            "tokenizer": self.tokenizer_class,
+        })
+    }
+
+    fn open(
+        self: Box<Self>,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
+        refuse_inapplicable(&config)?;
+        Ok(Box::new(HunyuanVideo::new(
+            *self, config, source, device, progress,
+        )?))
+    }
+}
+
+/// Flags HunyuanVideo has no use for: one line each, bad input (exit 2).
+fn refuse_inapplicable(config: &ResolvedConfig) -> Result<(), UsageError> {
+    let g = &config.generation;
+    let why = if g.image.is_some() {
+        Some("--image: HunyuanVideo is text-to-video; it takes no image")
+    } else if g.guidance_scale_2.is_some() {
+        Some("--guidance-scale-2: HunyuanVideo has one DiT (it is Wan2.2 A14B's second expert's scale)")
+    } else if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
+        Some("--decode-timestep/--decode-noise-scale: HunyuanVideo's VAE decoder takes no timestep (LTX-Video's does)")
+    } else if g.scheduler != SchedulerKind::Euler {
+        Some("--scheduler: HunyuanVideo samples with flow-match Euler, as diffusers does; pass --scheduler euler or leave it out")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(UsageError::new(why)),
+        None => Ok(()),
+    }
+}
+
+/// One text's conditioning: Llama embeds `[1, L, D]`, their mask `[1, L]` (f32), the CLIP
+/// pooled embedding `[1, P]`; kept in host memory between stages.
+struct TextConds {
+    embeds: Tensor,
+    mask: Tensor,
+    pooled: Tensor,
+}
+
+/// HunyuanVideo with its loaded components.
+pub struct HunyuanVideo {
+    config: ResolvedConfig,
+    source: ModelSource,
+    configs: HunyuanConfigs,
+    spec: PipelineSpec,
+    device: Device,
+    tokenizer: LlamaPromptTokenizer,
+    crop_start: usize,
+    tokenizer_2: tokenizers::Tokenizer,
+    placement: Placement,
+    text_encoder: Option<Placed<LlamaTextEncoder>>,
+    text_encoder_2: Option<Placed<ClipTextModel>>,
+    transformer: Option<Placed<HunyuanVideoTransformer3DModel>>,
+    vae: Option<Placed<AutoencoderKLHunyuanVideo>>,
+    /// Each job's (prompt, negative prompt) conditioning, by job index, from encode to denoise.
+    conds: HashMap<usize, (TextConds, Option<TextConds>)>,
+    progress: Arc<Progress>,
+    meter: MemoryMeter,
+}
+
+/// The folder of a model's tokenizer (its `tokenizer.json` fetched, with the config beside it).
+fn tokenizer_dir(source: &ModelSource, folder: &str) -> Result<std::path::PathBuf> {
+    let file = |name: &str| source.require(&format!("{folder}/{name}"));
+    match file("tokenizer.json")? {
+        FileRef::Path(p) => {
+            // The config is optional (special tokens then take their defaults).
+            let _ = file("tokenizer_config.json");
+            Ok(p.parent().context("tokenizer path has no folder")?.to_path_buf())
+        }
+        FileRef::Embedded(_) => bail!(
+            "{source} ships no {folder}; run HunyuanVideo from a folder or the Hub (synthetic:hunyuanvideo is for --dry-run)"
+        ),
+    }
+}
+
+/// The CLIP tokenizer as transformers' `CLIPTokenizer` runs it for HunyuanVideo: the file
+/// verbatim, truncated and padded to 77 with the pad token.
+fn clip_tokenizer(dir: &std::path::Path) -> Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    let mut tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+    let config: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let pad = config["pad_token"]
+        .as_str()
+        .or_else(|| config["pad_token"]["content"].as_str())
+        .unwrap_or("<|endoftext|>")
+        .to_string();
+    let pad_id = tokenizer
+        .token_to_id(&pad)
+        .with_context(|| format!("{} has no pad token {pad:?}", path.display()))?;
+    tokenizer
+        .with_truncation(Some(tokenizers::TruncationParams {
+            max_length: CLIP_MAX_LENGTH,
+            ..Default::default()
+        }))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    tokenizer.with_padding(Some(tokenizers::PaddingParams {
+        strategy: tokenizers::PaddingStrategy::Fixed(CLIP_MAX_LENGTH),
+        pad_id,
+        pad_token: pad,
+        ..Default::default()
+    }));
+    Ok(tokenizer)
+}
+
+impl HunyuanVideo {
+    /// Reads both tokenizers; loads no weights.
+    pub fn new(
+        configs: HunyuanConfigs,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Self> {
+        let spec = configs.spec(&RunShape::of(&config));
+        let meter = MemoryMeter::new(&device);
+        let load = LlamaTokenizerLoad::for_class(&configs.tokenizer_class);
+        let tokenizer =
+            LlamaPromptTokenizer::from_dir(&tokenizer_dir(&source, "tokenizer")?, load)?;
+        let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE)?;
+        let tokenizer_2 = clip_tokenizer(&tokenizer_dir(&source, "tokenizer_2")?)?;
+        let placement = Placement::new(&config.memory, &spec);
+        Ok(HunyuanVideo {
+            placement,
+            config,
+            source,
+            configs,
+            spec,
+            device,
+            tokenizer,
+            crop_start,
+            tokenizer_2,
+            text_encoder: None,
+            text_encoder_2: None,
+            transformer: None,
+            vae: None,
+            conds: HashMap::new(),
+            progress,
+            meter,
+        })
+    }
+
+    /// Where component `c` computes (its residency may keep it on the CPU).
+    fn compute_device(&self, c: usize) -> Device {
+        match self.placement.residencies[c] {
+            Residency::OnCpu => Device::Cpu,
+            _ => self.device.clone(),
+        }
+    }
+
+    /// `_get_llama_prompt_embeds`: the template around `text`, `hidden_states[-3]`, the
+    /// template's tokens cropped; embeds and mask on the host.
+    fn llama_embed(
+        &self,
+        encoder: &Held<'_, LlamaTextEncoder>,
+        text: &str,
+    ) -> Result<(Tensor, Tensor)> {
+        let device = self.compute_device(TEXT_ENCODER);
+        let (ids, mask) = self.tokenizer.batch(
+            DEFAULT_PROMPT_TEMPLATE,
+            &[text],
+            self.crop_start,
+            self.config.generation.max_sequence_length,
+            &device,
+        )?;
+        let model = encoder.model();
+        let inputs = model.prepare(&mask, &device)?;
+        let mut h = model.embed(&ids)?;
+        encoder.for_each_block(LlamaTextEncoder::blocks, |block: &LlamaDecoderLayer| {
+            h = block.forward(&h, &inputs)?;
+            Ok(())
+        })?;
+        let (embeds, mask) = crop_prompt(&h, &mask, self.crop_start)?;
+        Ok((
+            embeds
+                .to_dtype(self.config.dtype())?
+                .to_device(&Device::Cpu)?,
+            mask.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+        ))
+    }
+
+    /// `_get_clip_prompt_embeds`: the pooled output of the CLIP text model, on the host.
+    fn clip_pooled(&self, encoder: &Held<'_, ClipTextModel>, text: &str) -> Result<Tensor> {
+        let device = self.compute_device(TEXT_ENCODER_2);
+        let encoding = self
+            .tokenizer_2
+            .encode(text, true)
+            .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
+        let ids: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
+        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+        let model = encoder.model();
+        let mut x = model.embed(&ids)?;
+        encoder.for_each_block(ClipTextModel::layers, |layer: &ClipEncoderLayer| {
+            x = layer.forward(&x, true)?;
+            Ok(())
+        })?;
+        Ok(model
+            .finish(&x, &ids)?
+            .pooler_output
+            .to_dtype(self.config.dtype())?
+            .to_device(&Device::Cpu)?)
+    }
+
+    /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
+    /// negative prompt given).
+    fn true_cfg(&self, job: &Job) -> Option<f64> {
+        let scale = self.config.generation.true_cfg_scale.unwrap_or(1.0);
+        let has_negative =
+            !job.negative_prompt.is_empty() || self.config.given.contains("negative_prompt");
+        uses_true_cfg(scale, has_negative).then_some(scale)
+    }
+
+    fn encode_text(&mut self, job: &mut Job) -> Result<()> {
+        let llama = self
+            .text_encoder
+            .as_ref()
+            .context("text encoder not loaded")?
+            .hold()?;
+        let clip = self
+            .text_encoder_2
+            .as_ref()
+            .context("text encoder 2 not loaded")?
+            .hold()?;
+        let conds = |text: &str| -> Result<TextConds> {
+            let (embeds, mask) = self.llama_embed(&llama, text)?;
+            Ok(TextConds {
+                embeds,
+                mask,
+                pooled: self.clip_pooled(&clip, text)?,
+            })
+        };
+        let cond = conds(&job.prompt)?;
+        let negative = match self.true_cfg(job) {
+            Some(_) => Some(conds(&job.negative_prompt)?),
+            None => {
+                if self.config.generation.true_cfg_scale.unwrap_or(1.0) > 1.0 {
+                    self.progress.note(
+                        "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
+                    );
+                }
+                None
+            }
+        };
+        drop((llama, clip));
+        self.conds.insert(job.index, (cond, negative));
+        Ok(())
+    }
+
+    /// The initial latents: the draws file's `latents`, else seeded noise.
+    fn initial_latents(&self, job: &Job) -> Result<Tensor> {
+        let shape = self
+            .configs
+            .latent_shape(job.num_frames, job.height, job.width);
+        let latents = match &self.config.generation.latents {
+            Some(path) => {
+                let mut draws = super::draws::Draws::open(path)?;
+                let latents = draws.take("latents", &shape)?;
+                draws.finish()?;
+                latents
+            }
+            None => seeded_normal(job.seed, &shape)?,
+        };
+        Ok(latents.to_dtype(DType::F32)?.to_device(&self.device)?)
+    }
+
+    fn denoise(&mut self, job: &mut Job) -> Result<()> {
+        let (cond, negative) = self
+            .conds
+            .remove(&job.index)
+            .context("prompt not encoded")?;
+        let placed = self
+            .transformer
+            .as_ref()
+            .context("transformer not loaded")?;
+        let before = placed.offload_usage();
+        let model = &placed.hold()?;
+        let dtype = self.config.dtype();
+        let on_device = |c: &TextConds| -> Result<TextConds> {
+            Ok(TextConds {
+                embeds: c.embeds.to_dtype(dtype)?.to_device(&self.device)?,
+                mask: c.mask.to_dtype(dtype)?.to_device(&self.device)?,
+                pooled: c.pooled.to_dtype(dtype)?.to_device(&self.device)?,
+            })
+        };
+        let cond = on_device(&cond)?;
+        let negative = negative.as_ref().map(on_device).transpose()?;
+        let true_cfg_scale = self.true_cfg(job);
+        let mut scheduler = sampler(
+            &self.configs.scheduler,
+            job.num_inference_steps as usize,
+            self.config.generation.flow_shift,
+        )?;
+        let guidance = guidance_input(job.guidance_scale, 1, dtype, &self.device)?;
+        let mut latents = self.initial_latents(job)?;
+        let timesteps = scheduler.timesteps().to_vec();
+        let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
+        for (i, t) in timesteps.iter().enumerate() {
+            crate::pipeline::interrupt::check()?;
+            let input = latents.to_dtype(dtype)?;
+            // diffusers: t.expand(B).to(latents.dtype), float32.
+            let timestep = Tensor::new(&[*t as f32], &self.device)?;
+            let noise_cond = self.timed(&mut forward_seconds, || {
+                dit_forward(model, &input, &timestep, &cond, &guidance)
+            })?;
+            let noise = match (&negative, true_cfg_scale) {
+                (Some(neg), Some(scale)) => {
+                    let noise_neg = self.timed(&mut forward_seconds, || {
+                        dit_forward(model, &input, &timestep, neg, &guidance)
+                    })?;
+                    true_cfg(&noise_cond, &noise_neg, scale)?
+                }
+                _ => noise_cond,
+            };
+            // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
+            // back to the model dtype); the latents wait in f32, which holds that exactly.
+            latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
+            self.progress.step(i + 1, timesteps.len());
+        }
+        let after = placed.offload_usage();
+        stages::report_denoise(&self.progress, job, forward_seconds, before, after);
+        job.latents = Some(latents.to_device(&Device::Cpu)?);
+        Ok(())
+    }
+
+    /// Builds a component from its weights, placed as the options say.
+    fn load_component(&mut self, component: usize) -> Result<()> {
+        let spec = self.spec.components[component].clone();
+        let dtype = spec.dtype(self.config.dtype());
+        let what = || format!("loading {} of {}", spec.name, self.source);
+        let weights =
+            WeightSet::open(&component_weights(&self.source, spec.name)?).with_context(what)?;
+        let total = weights.stored_bytes();
+        let weights = weights.with_progress(
+            self.progress
+                .bytes(&format!("reading {}", spec.name), total),
+        );
+        match component {
+            TEXT_ENCODER => {
+                let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
+                self.text_encoder = Some(placed.with_context(what)?);
+            }
+            TEXT_ENCODER_2 => {
+                let placed = self.place(component, &self.configs.text_encoder_2, &weights, dtype);
+                self.text_encoder_2 = Some(placed.with_context(what)?);
+            }
+            TRANSFORMER => {
+                let placed = self.place(component, &self.configs.transformer, &weights, dtype);
+                self.transformer = Some(placed.with_context(what)?);
+            }
+            _ => {
+                let placed = self.place(component, &self.configs.vae, &weights, dtype);
+                self.vae = Some(placed.with_context(what)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds `component` as the placement says and reports where its weights went.
+    fn place<M: Blockwise>(
+        &self,
+        component: usize,
+        cfg: &M::Config,
+        weights: &WeightSet,
+        dtype: DType,
+    ) -> Result<Placed<M>> {
+        stages::place(
+            &self.spec,
+            &self.placement,
+            component,
+            cfg,
+            weights,
+            dtype,
+            &self.device,
+            &self.progress,
+        )
+    }
+
+    /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
+    fn timed<T>(
+        &self,
+        seconds: &mut Vec<f64>,
+        f: impl FnOnce() -> candle_core::Result<T>,
+    ) -> Result<T> {
+        stages::timed(&self.device, seconds, f)
+    }
+
+    /// `latents / scaling_factor`, the VAE decode (temporal tiling as diffusers' default;
+    /// spatial tiling with `--vae-tiling`), `(video / 2 + 0.5).clamp(0, 1)` as `[F, H, W, 3]`.
+    fn decode(&mut self, job: &mut Job) -> Result<()> {
+        let tiling = self.config.memory.vae_tiling;
+        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let latents = job.latents.take().context("nothing denoised")?;
+        let video = {
+            let vae = held.model();
+            let z = vae.scale_latents(
+                &latents
+                    .to_dtype(self.spec.components[VAE].dtype(self.config.dtype()))?
+                    .to_device(&self.device)?,
+            )?;
+            if tiling {
+                let mut vae = vae.clone();
+                let mut t = vae.tiling();
+                t.spatial = true;
+                vae.set_tiling(t)?;
+                vae.decode(&z)?
+            } else {
+                vae.decode(&z)?
+            }
+        };
+        let frames = video
+            .to_dtype(DType::F32)?
+            .affine(0.5, 0.5)?
+            .clamp(0f32, 1f32)?;
+        job.frames = Some(
+            frames
+                .squeeze(0)?
+                .permute((1, 2, 3, 0))?
+                .to_device(&Device::Cpu)?,
+        );
+        Ok(())
+    }
+
+    fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
+        stages::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
+    }
+}
+
+impl Pipeline for HunyuanVideo {
+    type Job = Job;
+
+    fn spec(&self) -> &PipelineSpec {
+        &self.spec
+    }
+
+    fn load(&mut self, component: usize) -> Result<()> {
+        let start = std::time::Instant::now();
+        self.meter.reset();
+        let loaded = self
+            .load_component(component)
+            .and_then(|()| Ok(self.device.synchronize()?));
+        let name = self.spec.components[component].name;
+        if let Err(e) = loaded {
+            let when = format!("while loading {name}");
+            return Err(self.explain_out_of_memory(&when, e));
+        }
+        self.progress.note(&format!(
+            "loaded {name} in {:.2}s: {}",
+            start.elapsed().as_secs_f64(),
+            describe_peaks(&self.meter.peaks())
+        ));
+        Ok(())
+    }
+
+    fn release(&mut self, component: usize) {
+        match component {
+            TEXT_ENCODER => self.text_encoder = None,
+            TEXT_ENCODER_2 => self.text_encoder_2 = None,
+            TRANSFORMER => self.transformer = None,
+            _ => self.vae = None,
+        }
+    }
+
+    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        let name = self.spec.stages[index].name;
+        self.meter.reset();
+        let result = match index {
+            ENCODE_TEXT => self.encode_text(job),
+            DENOISE => self.denoise(job),
+            DECODE => self.decode(job),
+            _ => stages::write_video(&self.config, job),
+        };
+        if let Err(e) = result {
+            return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
+        }
+        let peaks = self.meter.peaks();
+        self.progress
+            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
+        let stages = job
+            .metrics
+            .entry("stages")
+            .or_insert_with(|| serde_json::json!({}));
+        stages[name] = serde_json::to_value(peaks)?;
+        Ok(())
+    }
+}
+
+/// One DiT forward: prepare (embeddings, token refiner, RoPE), the dual- then single-stream
+/// blocks (resident or streamed), finish.
+fn dit_forward(
+    dit: &Held<'_, HunyuanVideoTransformer3DModel>,
+    latents: &Tensor,
+    timestep: &Tensor,
+    text: &TextConds,
+    guidance: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let model = dit.model();
+    let mut inputs = model.prepare(
+        latents,
+        timestep,
+        &text.embeds,
+        &text.mask,
+        &text.pooled,
+        Some(guidance),
+    )?;
+    let (mut hidden, mut encoder) = inputs.take_streams()?;
+    dit.for_each_block(HunyuanVideoTransformer3DModel::blocks, |block| {
+        (hidden, encoder) = block.forward(&hidden, &encoder, &inputs)?;
+        Ok(())
+    })
+    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    model.finish(&hidden, &inputs)
+}
+
+impl Blockwise for HunyuanVideoTransformer3DModel {
+    type Config = HunyuanVideoTransformerConfig;
+    type Block = HunyuanVideoBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    /// Dual-stream blocks, then single-stream ones, in execution order.
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_blocks()
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        HunyuanVideoBlock::new(cfg, i, vb)
+    }
+}
+
+impl Blockwise for LlamaTextEncoder {
+    type Config = LlamaConfig;
+    type Block = LlamaDecoderLayer;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    /// Only the layers up to `hidden_states[-3]` run (and load).
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.layers_used()
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        LlamaDecoderLayer::new(cfg, vb.pp(format!("layers.{i}")))
+    }
+}
+
+impl Blockwise for ClipTextModel {
+    type Config = ClipTextConfig;
+    type Block = ClipEncoderLayer;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_layers(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_hidden_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        Self::layer(cfg, i, vb)
+    }
+}
+
+/// The VAE has no repeated blocks to stream: it is resident or parked whole.
+impl Blockwise for AutoencoderKLHunyuanVideo {
+    type Config = HunyuanVideoVaeConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the HunyuanVideo VAE is offloaded whole, not block by block")
+    }
+}

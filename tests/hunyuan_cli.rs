@@ -1,0 +1,261 @@
+//! HunyuanVideo end to end through `vidgen generate`, driven as ../shared/fixtures/PARITY-CLI.md
+//! says: `hunyuanvideo-tiny-a`'s runs `cfg1` (embedded guidance 6, no real CFG) and `truecfg4`
+//! (true_cfg_scale 4 with the negative prompt) reproduce diffusers' frames; offload modes give
+//! bit-identical frames; the dry run plans the fixture and `synthetic:hunyuanvideo`; flags that
+//! do not apply are refused.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const FIXTURE: &str = "hunyuanvideo-tiny-a";
+/// The fixture README's pipeline tolerance.
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+fn vidgen() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("vidgen-hunyuan-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn preset() -> serde_json::Value {
+    let text =
+        std::fs::read_to_string(common::named_fixture_dir(FIXTURE).join("reference/README.json"))
+            .unwrap();
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["preset"].clone()
+}
+
+/// The draws file of the fixture's runs: `latents` = `latents_init`.
+fn draws(dir: &Path) -> PathBuf {
+    let r = common::named_reference(FIXTURE, "pipeline");
+    let path = dir.join("draws.safetensors");
+    let tensors: HashMap<String, Tensor> =
+        [("latents".to_string(), r["latents_init"].clone())].into();
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    path
+}
+
+/// Runs the fixture's pipeline call with `extra` flags and returns the written frames.
+fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> Tensor {
+    let p = preset();
+    let prompt = p["prompts"][p["pipeline_prompt_index"].as_u64().unwrap() as usize]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let model = common::named_fixture_dir(FIXTURE);
+    let draws = draws(dir);
+    let out = vidgen()
+        .args(["generate", "--model"])
+        .arg(&model)
+        .args(["--prompt", &prompt])
+        .args(["--negative-prompt", p["negative_prompt"].as_str().unwrap()])
+        .args(["--height", "32", "--width", "48", "--num-frames", "17"])
+        .args(["--num-inference-steps", "3", "--guidance-scale", "6"])
+        .args(["--true-cfg-scale", &true_cfg_scale.to_string()])
+        .args(["--max-sequence-length", "16", "--latents"])
+        .arg(&draws)
+        .args([
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--output-type",
+            "safetensors",
+        ])
+        .args(["--output-path"])
+        .arg(dir)
+        .args(["--output-video-name", name, "--quiet"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "vidgen failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = dir.join(format!("{name}.safetensors"));
+    candle_core::safetensors::load(&file, &Device::Cpu).unwrap()["frames"].clone()
+}
+
+fn check_run(tag: &str, true_cfg_scale: f64) {
+    let dir = scratch(tag);
+    let frames = generate(&dir, tag, true_cfg_scale, &[]);
+    let r = common::named_reference(FIXTURE, "pipeline");
+    let want = r[&format!("{tag}.frames")].squeeze(0).unwrap();
+    eprintln!(
+        "{tag}.frames: max |diff| {:.3e}",
+        common::max_abs_diff(&frames, &want)
+    );
+    common::assert_close(&format!("{tag}.frames"), &frames, &want, ATOL, RTOL);
+    for (what, extra) in [
+        (
+            "layerwise leaf-level",
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"][..],
+        ),
+        ("model cpu offload", &["--model-cpu-offload"][..]),
+        (
+            "lazy load, text encoders streamed",
+            &["--lazy-module-load", "--text-encoder-cpu-offload"][..],
+        ),
+        ("sequential cpu offload", &["--sequential-cpu-offload"][..]),
+        (
+            "sequential load, text encoders on the cpu",
+            &[
+                "--h3-sequential-load",
+                "--text-encoder-cpu-offload",
+                "--text-encoder-compute",
+                "cpu",
+            ][..],
+        ),
+    ] {
+        // On the CPU the device rules keep everything resident; a discrete memory model keeps
+        // the offload flags, so the engine really streams and parks.
+        let extra = [&["--memory-model", "discrete"][..], extra].concat();
+        let other = generate(
+            &dir,
+            &format!("{tag}-{}", what.replace(' ', "-")),
+            true_cfg_scale,
+            &extra,
+        );
+        assert_eq!(
+            common::max_abs_diff(&frames, &other),
+            0.0,
+            "{tag}: {what} differs from the resident run"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn embedded_guidance_run_matches_diffusers_and_offload_is_bit_identical() {
+    check_run("cfg1", 1.0);
+}
+
+#[test]
+fn true_cfg_run_matches_diffusers_and_offload_is_bit_identical() {
+    check_run("truecfg4", 4.0);
+}
+
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let out = vidgen()
+        .args(["generate", "--model", model, "--dry-run", "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "dry run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Every stage planned with weights and activations, and both text encoders released before
+/// the DiT loads where components load one stage at a time.
+fn check_stages(model: &str, plan: &serde_json::Value, one_at_a_time: bool) {
+    let stages = plan["stages"].as_array().unwrap();
+    let names: Vec<&str> = stages.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["encode_text", "denoise", "decode", "write"],
+        "{model}"
+    );
+    assert_eq!(
+        stages[0]["components"],
+        serde_json::json!(["text_encoder", "text_encoder_2"]),
+        "{model}"
+    );
+    for stage in &stages[..3] {
+        let memory = &stage["memory"];
+        assert!(
+            memory["activation_bytes"].as_u64().unwrap() > 0,
+            "{model}: {stage}"
+        );
+        assert!(
+            memory["peak_bytes"].as_u64().unwrap() > 0,
+            "{model}: {stage}"
+        );
+    }
+    if one_at_a_time {
+        assert_eq!(
+            stages[0]["release_after"],
+            serde_json::json!(["text_encoder", "text_encoder_2"]),
+            "{model}: {plan}"
+        );
+        assert_eq!(
+            stages[1]["load_before"],
+            serde_json::json!(["transformer"]),
+            "{model}"
+        );
+    }
+}
+
+#[test]
+fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
+    let fixture = common::named_fixture_dir(FIXTURE);
+    for model in [fixture.to_str().unwrap(), "synthetic:hunyuanvideo"] {
+        for (extra, one_at_a_time) in [
+            (&[][..], false),
+            (
+                &["--dit-layerwise-offload", "--text-encoder-cpu-offload"][..],
+                false,
+            ),
+            (&["--sequential-cpu-offload"][..], false),
+            (&["--h3-sequential-load"][..], true),
+            (&["--lazy-module-load"][..], true),
+        ] {
+            let plan = dry_run(model, extra);
+            let config = &plan["config"];
+            assert_eq!(config["height"], 720, "{model}: {config}");
+            assert_eq!(config["width"], 1280, "{model}: {config}");
+            assert_eq!(config["num_frames"], 129, "{model}: {config}");
+            assert_eq!(config["fps"], 24, "{model}: {config}");
+            assert_eq!(config["num_inference_steps"], 50, "{model}: {config}");
+            assert_eq!(config["guidance_scale"], 6.0, "{model}: {config}");
+            assert_eq!(config["max_sequence_length"], 256, "{model}: {config}");
+            assert_eq!(config["scheduler"], "euler", "{model}: {config}");
+            check_stages(model, &plan, one_at_a_time);
+        }
+    }
+    // The full-size model's weights as published: a 12.8 B-parameter DiT.
+    let plan = dry_run("synthetic:hunyuanvideo", &["--dtype", "bf16"]);
+    let dit = plan["stages"][1]["memory"]["weight_bytes"]
+        .as_u64()
+        .unwrap();
+    assert!((25_000_000_000..26_500_000_000).contains(&dit), "{dit}");
+}
+
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let dir = scratch("refused");
+    let model = common::named_fixture_dir(FIXTURE);
+    for flags in [
+        &["--guidance-scale-2", "3"][..],
+        &["--decode-timestep", "0.05"][..],
+        &["--scheduler", "unipc"][..],
+    ] {
+        let out = vidgen()
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args(["--prompt", "a", "--device", "cpu", "--output-path"])
+            .arg(&dir)
+            .args(["--height", "32", "--width", "48", "--num-frames", "5"])
+            .args(["--num-inference-steps", "1", "--max-sequence-length", "4"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(flags[0]), "{flags:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
