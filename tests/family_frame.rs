@@ -77,7 +77,7 @@ impl Family for TwoExperts {
     }
 
     fn open(
-        self: Box<Self>,
+        &self,
         _: ResolvedConfig,
         _: ModelSource,
         _: candle_core::Device,

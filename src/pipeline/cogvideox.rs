@@ -4,7 +4,7 @@
 use super::draws::Draws;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::progress::{describe_peaks, Progress};
+use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
@@ -12,7 +12,6 @@ use super::stages;
 use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::{ResolvedConfig, UsageError};
-use crate::memory::accounting::MemoryMeter;
 use crate::models::cogvideox::guidance;
 use crate::models::cogvideox::transformer::{
     BlockStep, CogVideoXBlock, CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
@@ -242,14 +241,18 @@ impl Family for CogVideoXConfigs {
     }
 
     fn open(
-        self: Box<Self>,
+        &self,
         config: ResolvedConfig,
         source: ModelSource,
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
         Ok(Box::new(CogVideoX::new(
-            *self, config, source, device, progress,
+            self.clone(),
+            config,
+            source,
+            device,
+            progress,
         )?))
     }
 }
@@ -267,7 +270,6 @@ pub struct CogVideoX {
     transformer: Option<Placed<CogVideoXTransformer3DModel>>,
     vae: Option<Placed<AutoencoderKLCogVideoX>>,
     progress: Arc<Progress>,
-    meter: MemoryMeter,
 }
 
 /// A run's random draws: from the `--latents` file, or from the seed.
@@ -305,7 +307,6 @@ impl CogVideoX {
         progress: Arc<Progress>,
     ) -> Result<Self> {
         let spec = configs.spec(&RunShape::of(&config));
-        let meter = MemoryMeter::new(&device);
         let tokenizer_json = source.require("tokenizer/tokenizer.json").context(
             "CogVideoX reads tokenizer/tokenizer.json; where a checkpoint ships only spiece.model, write it once with transformers: T5TokenizerFast.from_pretrained(folder, subfolder=\"tokenizer\").save_pretrained(folder + \"/tokenizer\")",
         )?;
@@ -332,7 +333,6 @@ impl CogVideoX {
             transformer: None,
             vae: None,
             progress,
-            meter,
         };
         // A draws file that does not fit the run is bad input, found before anything loads.
         if let Some(path) = &pipeline.config.generation.latents {
@@ -532,10 +532,6 @@ impl CogVideoX {
         }
         Ok(())
     }
-
-    fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
-        stages::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
-    }
 }
 
 /// A draws file that does not fit the run, as bad input.
@@ -551,21 +547,7 @@ impl Pipeline for CogVideoX {
     }
 
     fn load(&mut self, component: usize) -> Result<()> {
-        let start = std::time::Instant::now();
-        self.meter.reset();
-        let loaded = self
-            .load_component(component)
-            .and_then(|()| Ok(self.device.synchronize()?));
-        let name = self.spec.components[component].name;
-        if let Err(e) = loaded {
-            return Err(self.explain_out_of_memory(&format!("while loading {name}"), e));
-        }
-        self.progress.note(&format!(
-            "loaded {name} in {:.2}s: {}",
-            start.elapsed().as_secs_f64(),
-            describe_peaks(&self.meter.peaks())
-        ));
-        Ok(())
+        self.load_component(component)
     }
 
     fn release(&mut self, component: usize) {
@@ -577,26 +559,12 @@ impl Pipeline for CogVideoX {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let name = self.spec.stages[index].name;
-        self.meter.reset();
-        let result = match index {
+        match index {
             ENCODE_TEXT => self.encode_text(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
             _ => stages::write_video(&self.config, job),
-        };
-        if let Err(e) = result {
-            return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
         }
-        let peaks = self.meter.peaks();
-        self.progress
-            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
-        let stages = job
-            .metrics
-            .entry("stages")
-            .or_insert_with(|| serde_json::json!({}));
-        stages[name] = serde_json::to_value(peaks)?;
-        Ok(())
     }
 }
 

@@ -6,14 +6,13 @@
 
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::progress::{describe_peaks, Progress};
+use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
-use crate::cli::{ResolvedConfig, UsageError};
-use crate::memory::accounting::MemoryMeter;
+use crate::cli::ResolvedConfig;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
 use crate::models::hunyuan_video::scheduler::{
     guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
@@ -236,22 +235,29 @@ impl Family for HunyuanConfigs {
         })
     }
 
+    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
+        inapplicable(config)
+    }
+
     fn open(
-        self: Box<Self>,
+        &self,
         config: ResolvedConfig,
         source: ModelSource,
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        refuse_inapplicable(&config)?;
         Ok(Box::new(HunyuanVideo::new(
-            *self, config, source, device, progress,
+            self.clone(),
+            config,
+            source,
+            device,
+            progress,
         )?))
     }
 }
 
 /// Flags HunyuanVideo has no use for: one line each, bad input (exit 2).
-fn refuse_inapplicable(config: &ResolvedConfig) -> Result<(), UsageError> {
+fn inapplicable(config: &ResolvedConfig) -> Option<String> {
     let g = &config.generation;
     let why = if g.image.is_some() {
         Some("--image: HunyuanVideo is text-to-video; it takes no image")
@@ -264,10 +270,7 @@ fn refuse_inapplicable(config: &ResolvedConfig) -> Result<(), UsageError> {
     } else {
         None
     };
-    match why {
-        Some(why) => Err(UsageError::new(why)),
-        None => Ok(()),
-    }
+    why.map(String::from)
 }
 
 /// One text's conditioning: Llama embeds `[1, L, D]`, their mask `[1, L]` (f32), the CLIP
@@ -296,7 +299,6 @@ pub struct HunyuanVideo {
     /// Each job's (prompt, negative prompt) conditioning, by job index, from encode to denoise.
     conds: HashMap<usize, (TextConds, Option<TextConds>)>,
     progress: Arc<Progress>,
-    meter: MemoryMeter,
 }
 
 /// The folder of a model's tokenizer (its `tokenizer.json` fetched, with the config beside it).
@@ -357,7 +359,6 @@ impl HunyuanVideo {
         progress: Arc<Progress>,
     ) -> Result<Self> {
         let spec = configs.spec(&RunShape::of(&config));
-        let meter = MemoryMeter::new(&device);
         let load = LlamaTokenizerLoad::for_class(&configs.tokenizer_class);
         let tokenizer =
             LlamaPromptTokenizer::from_dir(&tokenizer_dir(&source, "tokenizer")?, load)?;
@@ -380,7 +381,6 @@ impl HunyuanVideo {
             vae: None,
             conds: HashMap::new(),
             progress,
-            meter,
         })
     }
 
@@ -663,10 +663,6 @@ impl HunyuanVideo {
         );
         Ok(())
     }
-
-    fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
-        stages::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
-    }
 }
 
 impl Pipeline for HunyuanVideo {
@@ -677,22 +673,7 @@ impl Pipeline for HunyuanVideo {
     }
 
     fn load(&mut self, component: usize) -> Result<()> {
-        let start = std::time::Instant::now();
-        self.meter.reset();
-        let loaded = self
-            .load_component(component)
-            .and_then(|()| Ok(self.device.synchronize()?));
-        let name = self.spec.components[component].name;
-        if let Err(e) = loaded {
-            let when = format!("while loading {name}");
-            return Err(self.explain_out_of_memory(&when, e));
-        }
-        self.progress.note(&format!(
-            "loaded {name} in {:.2}s: {}",
-            start.elapsed().as_secs_f64(),
-            describe_peaks(&self.meter.peaks())
-        ));
-        Ok(())
+        self.load_component(component)
     }
 
     fn release(&mut self, component: usize) {
@@ -705,26 +686,12 @@ impl Pipeline for HunyuanVideo {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let name = self.spec.stages[index].name;
-        self.meter.reset();
-        let result = match index {
+        match index {
             ENCODE_TEXT => self.encode_text(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
             _ => stages::write_video(&self.config, job),
-        };
-        if let Err(e) = result {
-            return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
         }
-        let peaks = self.meter.peaks();
-        self.progress
-            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
-        let stages = job
-            .metrics
-            .entry("stages")
-            .or_insert_with(|| serde_json::json!({}));
-        stages[name] = serde_json::to_value(peaks)?;
-        Ok(())
     }
 }
 

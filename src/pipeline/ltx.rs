@@ -4,7 +4,7 @@
 use super::draws::Draws;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::progress::{describe_peaks, Progress};
+use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
@@ -12,7 +12,6 @@ use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
 use crate::cli::ResolvedConfig;
-use crate::memory::accounting::MemoryMeter;
 use crate::models::ltx::defaults;
 use crate::models::ltx::prompt::prompt_tokens;
 use crate::models::ltx::transformer::{
@@ -263,13 +262,19 @@ impl Family for LtxConfigs {
     }
 
     fn open(
-        self: Box<Self>,
+        &self,
         config: ResolvedConfig,
         source: ModelSource,
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        Ok(Box::new(Ltx::new(*self, config, source, device, progress)?))
+        Ok(Box::new(Ltx::new(
+            self.clone(),
+            config,
+            source,
+            device,
+            progress,
+        )?))
     }
 
     /// `--image`, `--guidance-scale-2`, `--true-cfg-scale`, `--flow-shift`, a scheduler other
@@ -362,7 +367,6 @@ pub struct Ltx {
     vae: Option<Placed<AutoencoderKLLTXVideo>>,
     carried: HashMap<usize, Carried>,
     progress: Arc<Progress>,
-    meter: MemoryMeter,
 }
 
 impl Ltx {
@@ -375,7 +379,6 @@ impl Ltx {
         progress: Arc<Progress>,
     ) -> Result<Self> {
         let spec = configs.spec(&RunShape::of(&config));
-        let meter = MemoryMeter::new(&device);
         let tokenizer = match source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
@@ -394,7 +397,6 @@ impl Ltx {
             vae: None,
             carried: HashMap::new(),
             progress,
-            meter,
         })
     }
 
@@ -634,28 +636,7 @@ impl Pipeline for Ltx {
     }
 
     fn load(&mut self, component: usize) -> Result<()> {
-        let start = std::time::Instant::now();
-        self.meter.reset();
-        let loaded = self
-            .load_component(component)
-            .and_then(|()| Ok(self.device.synchronize()?));
-        let name = self.spec.components[component].name;
-        if let Err(e) = loaded {
-            let when = format!("while loading {name}");
-            return Err(stages::explain_out_of_memory(
-                &self.configs,
-                &self.config,
-                &self.meter,
-                &when,
-                e,
-            ));
-        }
-        self.progress.note(&format!(
-            "loaded {name} in {:.2}s: {}",
-            start.elapsed().as_secs_f64(),
-            describe_peaks(&self.meter.peaks())
-        ));
-        Ok(())
+        self.load_component(component)
     }
 
     fn release(&mut self, component: usize) {
@@ -667,33 +648,16 @@ impl Pipeline for Ltx {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let name = self.spec.stages[index].name;
-        self.meter.reset();
         let result = match index {
             ENCODE_TEXT => self.encode_text(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
             _ => stages::write_video(&self.config, job),
         };
-        if let Err(e) = result {
+        if result.is_err() {
             self.carried.remove(&job.index);
-            return Err(stages::explain_out_of_memory(
-                &self.configs,
-                &self.config,
-                &self.meter,
-                &format!("in stage {name}"),
-                e,
-            ));
         }
-        let peaks = self.meter.peaks();
-        self.progress
-            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
-        let stages = job
-            .metrics
-            .entry("stages")
-            .or_insert_with(|| serde_json::json!({}));
-        stages[name] = serde_json::to_value(peaks)?;
-        Ok(())
+        result
     }
 }
 

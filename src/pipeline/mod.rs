@@ -20,6 +20,7 @@ pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
 use crate::cli::{ResolvedConfig, UsageError};
+use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{gib, MemoryPlan};
 use crate::memory::{DeviceKind, MemoryOptions};
 use crate::models::source::ModelSource;
@@ -134,10 +135,11 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         let found = dry_run_family(&source);
         let config = match &found {
             Ok((family, _)) => {
+                let config = config.with_model_defaults(&family.defaults())?;
                 if let Some(why) = family.inapplicable(&config) {
                     return Err(UsageError::new(why).into());
                 }
-                config.with_model_defaults(&family.defaults())?
+                config
             }
             Err(_) => config,
         };
@@ -260,7 +262,7 @@ fn generate(
     outcomes: &mut [Outcome],
 ) -> Result<()> {
     let device = candle_device(config)?;
-    let mut pipeline = family.open(config.clone(), source, device, progress.clone())?;
+    let mut pipeline = family.open(config.clone(), source, device.clone(), progress.clone())?;
     let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
         .into_iter()
         .partition(|j| outcomes[j.index].status == Status::NotRun);
@@ -269,7 +271,10 @@ fn generate(
     let mut guarded = Guarded {
         inner: pipeline.as_mut(),
         progress,
-        overwrite: config.options.overwrite,
+        config,
+        family: family.as_ref(),
+        meter: MemoryMeter::new(&device),
+        device,
     };
     let reports = runner::run(
         &mut guarded,
@@ -297,7 +302,19 @@ fn generate(
 struct Guarded<'a> {
     inner: &'a mut dyn Pipeline<Job = Job>,
     progress: &'a Progress,
-    overwrite: bool,
+    config: &'a ResolvedConfig,
+    /// The family the pipeline came from: its memory plan explains an out-of-memory error.
+    family: &'a dyn Family,
+    /// Device and host memory peaks of each load and stage.
+    meter: MemoryMeter,
+    device: Device,
+}
+
+impl Guarded<'_> {
+    /// `e` as [`stages::explain_out_of_memory`] words it for this run.
+    fn explain(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
+        stages::explain_out_of_memory(self.family, self.config, &self.meter, when, e)
+    }
 }
 
 impl Pipeline for Guarded<'_> {
@@ -307,6 +324,8 @@ impl Pipeline for Guarded<'_> {
         self.inner.spec()
     }
 
+    /// Loads a component, timing it and measuring its memory; an out-of-memory error names
+    /// what the plan predicts to fit.
     fn load(&mut self, component: usize) -> Result<()> {
         if interrupt::interrupted() {
             // Nothing loads after Ctrl-C. `run_stage` refuses every stage from now on, so the
@@ -315,7 +334,21 @@ impl Pipeline for Guarded<'_> {
         }
         let name = self.inner.spec().components[component].name;
         self.progress.note(&format!("loading {name}"));
-        self.inner.load(component)
+        let start = Instant::now();
+        self.meter.reset();
+        let loaded = self
+            .inner
+            .load(component)
+            .and_then(|()| Ok(self.device.synchronize()?));
+        if let Err(e) = loaded {
+            return Err(self.explain(&format!("while loading {name}"), e));
+        }
+        self.progress.note(&format!(
+            "loaded {name} in {:.2}s: {}",
+            start.elapsed().as_secs_f64(),
+            progress::describe_peaks(&self.meter.peaks())
+        ));
+        Ok(())
     }
 
     fn release(&mut self, component: usize) {
@@ -328,18 +361,28 @@ impl Pipeline for Guarded<'_> {
             job.stopped_at = Some(stage);
             return Err(e.into());
         }
-        if !self.overwrite && !job.written && jobs::output_exists(&job.output) {
+        if !self.config.options.overwrite && !job.written && jobs::output_exists(&job.output) {
             bail!(
                 "{} appeared during the run; pass --overwrite to replace it",
                 job.output.display()
             );
         }
         let was_written = job.written;
+        self.meter.reset();
         let result = self.inner.run_stage(index, job);
         match &result {
             Err(e) if e.is::<Interrupted>() => job.stopped_at = Some(stage),
             Ok(()) if job.written && !was_written => println!("{}", job.output.display()),
             _ => {}
+        }
+        let result = result.map_err(|e| self.explain(&format!("in stage {stage}"), e));
+        if result.is_ok() {
+            // Each stage's memory peaks: on stderr and in the job's `--stats-json` metrics.
+            let peaks = self.meter.peaks();
+            self.progress
+                .note(&format!("  {stage}: {}", progress::describe_peaks(&peaks)));
+            let stages = job.metrics.entry("stages").or_insert_with(|| json!({}));
+            stages[stage] = serde_json::to_value(peaks)?;
         }
         result
     }

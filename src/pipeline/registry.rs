@@ -59,7 +59,7 @@ pub trait Family {
     fn facts(&self, shape: &RunShape) -> serde_json::Value;
     /// The runnable pipeline (tokenizers and configs read; no weights loaded).
     fn open(
-        self: Box<Self>,
+        &self,
         config: ResolvedConfig,
         source: ModelSource,
         device: Device,

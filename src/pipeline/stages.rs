@@ -187,3 +187,44 @@ pub(crate) fn write_video(config: &ResolvedConfig, job: &mut Job) -> Result<()> 
     job.written = true;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::wan_t2v::WanConfigs;
+
+    /// A device out-of-memory error, at load or in a stage, names when it happened and what to
+    /// change; any other error passes through untouched.
+    #[test]
+    fn out_of_memory_errors_say_when_and_what_fits() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/wan-tiny-a");
+        let argv = ["vidgen", "generate", "--model", fixture, "--prompt", "a"]
+            .into_iter()
+            .chain(["--device", "cpu", "--memory-model", "discrete"])
+            .chain(["--no-dit-layerwise-offload"]);
+        let crate::cli::Parsed::Generate(args) = crate::cli::parse(argv.map(Into::into)).unwrap()
+        else {
+            panic!("not a generate command")
+        };
+        let config = ResolvedConfig::resolve(*args).unwrap();
+        let source = ModelSource::parse(fixture).unwrap();
+        let family = WanConfigs::read(&source).unwrap();
+        let meter = MemoryMeter::new(&Device::Cpu);
+        let explain = |when: &str, e| explain_out_of_memory(&family, &config, &meter, when, e);
+        let oom = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
+        let text = format!("{:#}", explain("while loading transformer", oom));
+        assert!(
+            text.starts_with("out of device memory while loading transformer ("),
+            "{text}"
+        );
+        assert!(text.contains("host RSS peak"), "{text}");
+        assert!(text.contains("--dit-layerwise-offload"), "advice: {text}");
+        assert!(
+            text.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "the cause is kept: {text}"
+        );
+        let other = anyhow::anyhow!("shape mismatch for blocks.0.attn1.to_q.weight");
+        let text = format!("{:#}", explain("in stage denoise", other));
+        assert_eq!(text, "shape mismatch for blocks.0.attn1.to_q.weight");
+    }
+}

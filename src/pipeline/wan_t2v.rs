@@ -2,13 +2,12 @@
 
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
-use super::progress::{describe_peaks, Progress};
+use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::ResolvedConfig;
-use crate::memory::accounting::MemoryMeter;
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::activations;
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
@@ -127,14 +126,18 @@ impl Family for WanConfigs {
     }
 
     fn open(
-        self: Box<Self>,
+        &self,
         config: ResolvedConfig,
         source: ModelSource,
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
         Ok(Box::new(WanT2V::new(
-            *self, config, source, device, progress,
+            self.clone(),
+            config,
+            source,
+            device,
+            progress,
         )?))
     }
 }
@@ -191,7 +194,6 @@ pub struct WanT2V {
     transformer: Option<Placed<WanTransformer3DModel>>,
     vae: Option<Placed<AutoencoderKLWan>>,
     progress: Arc<Progress>,
-    meter: MemoryMeter,
 }
 
 impl WanT2V {
@@ -204,7 +206,6 @@ impl WanT2V {
         progress: Arc<Progress>,
     ) -> Result<Self> {
         let spec = configs.spec(&RunShape::of(&config));
-        let meter = MemoryMeter::new(&device);
         let tokenizer = match source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
@@ -222,7 +223,6 @@ impl WanT2V {
             transformer: None,
             vae: None,
             progress,
-            meter,
         })
     }
 
@@ -445,22 +445,7 @@ impl Pipeline for WanT2V {
     }
 
     fn load(&mut self, component: usize) -> Result<()> {
-        let start = std::time::Instant::now();
-        self.meter.reset();
-        let loaded = self
-            .load_component(component)
-            .and_then(|()| Ok(self.device.synchronize()?));
-        let name = self.spec.components[component].name;
-        if let Err(e) = loaded {
-            let when = format!("while loading {name}");
-            return Err(self.explain_out_of_memory(&when, e));
-        }
-        self.progress.note(&format!(
-            "loaded {name} in {:.2}s: {}",
-            start.elapsed().as_secs_f64(),
-            describe_peaks(&self.meter.peaks())
-        ));
-        Ok(())
+        self.load_component(component)
     }
 
     fn release(&mut self, component: usize) {
@@ -472,37 +457,16 @@ impl Pipeline for WanT2V {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let name = self.spec.stages[index].name;
-        self.meter.reset();
-        let result = match index {
+        match index {
             ENCODE_TEXT => self.encode_text(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
             _ => self.write(job),
-        };
-        if let Err(e) = result {
-            return Err(self.explain_out_of_memory(&format!("in stage {name}"), e));
         }
-        let peaks = self.meter.peaks();
-        self.progress
-            .note(&format!("  {name}: {}", describe_peaks(&peaks)));
-        let stages = job
-            .metrics
-            .entry("stages")
-            .or_insert_with(|| serde_json::json!({}));
-        stages[name] = serde_json::to_value(peaks)?;
-        Ok(())
     }
 }
 
-impl WanT2V {
-    /// Turns a device out-of-memory error into one that names the stage, the memory in use, the
-    /// peak and the device's size, and the option set the memory plan predicts to fit; other
-    /// errors pass through.
-    fn explain_out_of_memory(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
-        stages::explain_out_of_memory(&self.configs, &self.config, &self.meter, when, e)
-    }
-}
+impl WanT2V {}
 
 /// One DiT forward: prepare, the blocks (resident or streamed), finish.
 pub fn dit_forward(
@@ -565,65 +529,5 @@ impl Blockwise for AutoencoderKLWan {
     }
     fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
         candle_core::bail!("the Wan VAE is offloaded whole, not block by block")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The tiny fixture's pipeline on the CPU, as a run would build it.
-    fn tiny() -> WanT2V {
-        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/wan-tiny-a");
-        let argv = [
-            "vidgen",
-            "generate",
-            "--model",
-            fixture,
-            "--prompt",
-            "a",
-            "--device",
-            "cpu",
-            "--memory-model",
-            "discrete",
-            "--no-dit-layerwise-offload",
-        ];
-        let crate::cli::Parsed::Generate(args) = crate::cli::parse(argv.map(Into::into)).unwrap()
-        else {
-            panic!("not a generate command")
-        };
-        let config = ResolvedConfig::resolve(*args).unwrap();
-        let source = ModelSource::parse(fixture).unwrap();
-        let progress = Arc::new(Progress::new(true));
-        let configs = WanConfigs::read(&source).unwrap();
-        WanT2V::new(configs, config, source, Device::Cpu, progress).unwrap()
-    }
-
-    /// A device out-of-memory error, at load or in a stage, names when it happened and what to
-    /// change; any other error passes through untouched.
-    #[test]
-    fn out_of_memory_errors_say_when_and_what_fits() {
-        let pipeline = tiny();
-        let oom = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
-        let text = format!(
-            "{:#}",
-            pipeline.explain_out_of_memory("while loading transformer", oom)
-        );
-        assert!(
-            text.starts_with("out of device memory while loading transformer ("),
-            "{text}"
-        );
-        assert!(text.contains("host RSS peak"), "{text}");
-        assert!(text.contains("--dit-layerwise-offload"), "advice: {text}");
-        assert!(
-            text.contains("CUDA_ERROR_OUT_OF_MEMORY"),
-            "the cause is kept: {text}"
-        );
-        let other = anyhow::anyhow!("shape mismatch for blocks.0.attn1.to_q.weight");
-        let text = format!(
-            "{:#}",
-            pipeline.explain_out_of_memory("in stage denoise", other)
-        );
-        assert_eq!(text, "shape mismatch for blocks.0.attn1.to_q.weight");
     }
 }
