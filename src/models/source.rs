@@ -14,8 +14,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 macro_rules! synthetic_files {
-    ($name:literal) => {
+    ($name:literal $(, $extra:literal)*) => {
         &[
+            $((
+                $extra,
+                include_str!(concat!("../../assets/", $name, "/", $extra)),
+            ),)*
             (
                 "model_index.json",
                 include_str!(concat!("../../assets/", $name, "/model_index.json")),
@@ -53,6 +57,19 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-t2v-1.3b", synthetic_files!("wan2.1-t2v-1.3b")),
     ("wan2.1-t2v-14b", synthetic_files!("wan2.1-t2v-14b")),
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
+    (
+        "wan2.1-i2v-14b-480p",
+        synthetic_files!(
+            "wan2.1-i2v-14b-480p",
+            "image_encoder/config.json",
+            "image_processor/preprocessor_config.json"
+        ),
+    ),
+    ("wan2.2-ti2v-5b", synthetic_files!("wan2.2-ti2v-5b")),
+    (
+        "wan2.2-t2v-a14b",
+        synthetic_files!("wan2.2-t2v-a14b", "transformer_2/config.json"),
+    ),
 ];
 
 /// A model as named by `--model`.
@@ -248,6 +265,26 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
             parse_keyed::<UMT5Config>(v.clone())?
                 .validate()
                 .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "CLIPVisionModelWithProjection",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<crate::models::clip::ClipVisionConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "CLIPImageProcessor",
+        file: "preprocessor_config.json",
+        check: |v| {
+            parse_keyed::<crate::models::clip::image_processor::ClipImageProcessorConfig>(
+                v.clone(),
+            )?
+            .validate()
+            .map_err(message)
         },
     },
     ComponentConfig {

@@ -127,7 +127,11 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         let found = dry_run_family(&source);
         let config = match &found {
-            Ok((family, _)) => config.with_model_defaults(&family.defaults())?,
+            Ok((family, _)) => {
+                let config = config.with_model_defaults(&family.defaults())?;
+                family.check(&config).map_err(UsageError::new)?;
+                config
+            }
             Err(_) => config,
         };
         let plan = DryRun::new(&config, &source, found);
@@ -146,6 +150,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     }
     let family = registry::family(Configs::Fetch(&source)).map_err(unsupported)?;
     let config = config.with_model_defaults(&family.defaults())?;
+    family.check(&config).map_err(UsageError::new)?;
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);

@@ -25,6 +25,8 @@ pub struct RunShape {
     /// Text tokens per prompt (`--max-sequence-length`).
     pub text_len: usize,
     pub vae_tiling: bool,
+    /// Whether the run conditions on `--image`.
+    pub image: bool,
 }
 
 impl RunShape {
@@ -38,6 +40,7 @@ impl RunShape {
             width: o.width,
             text_len: o.max_sequence_length as usize,
             vae_tiling: config.memory.vae_tiling,
+            image: config.generation.image.is_some(),
         }
     }
 }
@@ -47,6 +50,11 @@ pub trait Family {
     /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's).
     fn defaults(&self) -> ModelDefaults {
         ModelDefaults::default()
+    }
+    /// Refuses, in one line, a run setting that does not apply to this model (a flag it has no
+    /// use for, an input it needs); checked before anything loads, in a dry run too.
+    fn check(&self, _config: &ResolvedConfig) -> std::result::Result<(), String> {
+        Ok(())
     }
     /// The pipeline as data for a run of `shape`.
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
@@ -93,7 +101,7 @@ pub struct FamilyEntry {
 
 /// Every family vidgen runs.
 pub const FAMILIES: &[FamilyEntry] = &[FamilyEntry {
-    class_names: &["WanPipeline"],
+    class_names: &["WanPipeline", "WanImageToVideoPipeline"],
     read: wan_t2v::read,
 }];
 
