@@ -135,6 +135,12 @@ impl Family for WanConfigs {
         };
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let tiling = shape.vae_tiling.then(WanVaeTiling::default);
+        // What the image stage encodes: the whole video (Wan2.1 I2V) or the first frame (TI2V).
+        let encoded = if self.expand_timesteps {
+            [latent[0], latent[1], 1, latent[3], latent[4]]
+        } else {
+            latent
+        };
         let dit_activations = |cfg: &WanTransformerConfig| {
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
         };
@@ -156,7 +162,7 @@ impl Family for WanConfigs {
                         "encode_image",
                         vec![index(Part::ImageEncoder), index(Part::Vae)],
                         self.image_encoder_activations()
-                            + activations::vae_decode_activations(&self.vae, latent, None),
+                            + activations::vae_decode_activations(&self.vae, encoded, None),
                     ),
                     Step::Denoise => (
                         if self.transformer_2.is_some() {
@@ -250,7 +256,8 @@ impl Family for WanConfigs {
         if g.guidance_scale_2.is_some() && self.transformer_2.is_none() {
             return Err(format!("--guidance-scale-2 does not apply to {title}: it has one transformer (only Wan2.2 A14B switches experts)"));
         }
-        if self.image_to_video && g.image.is_none() {
+        // A dry run plans the image stage without the file.
+        if self.image_to_video && g.image.is_none() && !config.dry_run {
             return Err(format!("{title} needs --image FILE (the first frame)"));
         }
         if g.image.is_some() && !self.image_to_video && !self.expand_timesteps {
@@ -634,7 +641,7 @@ impl WanT2V {
     fn denoise(&mut self, job: &mut Job, low: bool) -> Result<()> {
         let state = self.denoising.remove(&job.index);
         let state = self.denoise_steps(job, low, state)?;
-        if self.transformer_2.is_some() && !low {
+        if self.configs.transformer_2.is_some() && !low {
             self.denoising.insert(job.index, state);
         } else {
             self.conditioning.remove(&job.index);
@@ -797,7 +804,7 @@ impl WanT2V {
                 }),
             );
         }
-        let last = self.transformer_2.is_none() || low;
+        let last = self.configs.transformer_2.is_none() || low;
         if !last {
             return Ok(Denoising {
                 scheduler,
