@@ -240,7 +240,7 @@ impl Family for WanConfigs {
             ("height", config.options.height),
             ("width", config.options.width),
         ] {
-            if v as usize % unit != 0 {
+            if !(v as usize).is_multiple_of(unit) {
                 let up = (v as usize).div_ceil(unit).max(1) * unit;
                 return Err(format!(
                     "--{key} {v}: {title} needs a multiple of {unit} (VAE factor x patch); use e.g. {up}"
