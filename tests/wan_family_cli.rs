@@ -304,7 +304,7 @@ fn dry_runs_plan_every_stage() {
 fn flags_that_do_not_apply_are_refused() {
     let image = named_fixture_dir(I2V).join("reference/input.png");
     let image = image.to_str().unwrap();
-    let cases: [(&str, Vec<&str>, &str); 5] = [
+    let cases: [(&str, Vec<&str>, &str); 7] = [
         (TI2V, vec!["--guidance-scale-2", "3"], "--guidance-scale-2"),
         (A14B, vec!["--image", image], "--image"),
         (I2V, vec![], "--image"),
@@ -314,6 +314,12 @@ fn flags_that_do_not_apply_are_refused() {
             "512",
         ),
         (A14B, vec!["--true-cfg-scale", "4"], "--true-cfg-scale"),
+        (I2V, vec!["--image", "/nonexistent.png"], "no such file"),
+        (
+            TI2V,
+            vec!["--height", "48", "--width", "64"],
+            "multiple of 32",
+        ),
     ];
     for (fixture, extra, says) in cases {
         let model = named_fixture_dir(fixture);

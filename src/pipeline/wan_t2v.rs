@@ -256,6 +256,12 @@ impl Family for WanConfigs {
         if g.guidance_scale_2.is_some() && self.transformer_2.is_none() {
             return Err(format!("--guidance-scale-2 does not apply to {title}: it has one transformer (only Wan2.2 A14B switches experts)"));
         }
+        if let Some(path) = g.image.as_ref().filter(|p| !p.is_file()) {
+            return Err(format!(
+                "--image {}: no such file (a PNG or JPEG)",
+                path.display()
+            ));
+        }
         // A dry run plans the image stage without the file.
         if self.image_to_video && g.image.is_none() && !config.dry_run {
             return Err(format!("{title} needs --image FILE (the first frame)"));
