@@ -62,6 +62,7 @@ fn main() -> Result<()> {
             width: size[2],
             text_len: 512,
             vae_tiling: false,
+            image: false,
         };
         let spec = configs.spec(&run);
         let placement = Placement::new(&vidgen::cli::resolve::memory_options(&options), &spec);
@@ -108,7 +109,9 @@ fn main() -> Result<()> {
                 (&device, &meter, forwards),
                 true,
                 inputs,
-                |held, (latents, timestep, text)| Ok(dit_forward(held, latents, timestep, text)?),
+                |held, (latents, timestep, text)| {
+                    Ok(dit_forward(held, latents, timestep, text, None)?)
+                },
             )?;
             let out = m
                 .output

@@ -219,7 +219,28 @@ fn the_runner_switches_experts_without_holding_both() {
 /// at once as bad input naming its class, in a dry run and a real run alike.
 #[test]
 fn a_pipeline_no_family_runs_is_bad_input() {
-    let fixture = common::named_fixture_dir("wan21-i2v-tiny-a");
+    // A Wan model of a pipeline no family runs (VACE): the I2V fixture's configs under another
+    // `_class_name`.
+    let source = common::named_fixture_dir("wan21-i2v-tiny-a");
+    let fixture = std::env::temp_dir().join(format!("vidgen-vace-{}", std::process::id()));
+    for rel in [
+        "model_index.json",
+        "transformer/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "scheduler/scheduler_config.json",
+        "image_encoder/config.json",
+        "image_processor/preprocessor_config.json",
+    ] {
+        let to = fixture.join(rel);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        let text = std::fs::read_to_string(source.join(rel)).unwrap();
+        std::fs::write(
+            &to,
+            text.replace("\"WanImageToVideoPipeline\"", "\"WanVACEPipeline\""),
+        )
+        .unwrap();
+    }
     let out_dir = std::env::temp_dir().join(format!("vidgen-family-{}", std::process::id()));
     for run in [&["--dry-run"][..], &["--prompt", "a"]] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
@@ -237,7 +258,7 @@ fn a_pipeline_no_family_runs_is_bad_input() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{run:?}: {stderr}");
-        assert!(stderr.contains("WanImageToVideoPipeline"), "{stderr}");
+        assert!(stderr.contains("WanVACEPipeline"), "{stderr}");
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     }
 }

@@ -28,8 +28,12 @@ macro_rules! synthetic_files {
     ($name:literal: $($file:literal),+) => {
         &[$(($file, include_str!(concat!("../../assets/", $name, "/", $file)))),+]
     };
-    ($name:literal) => {
+    ($name:literal $(, $extra:literal)*) => {
         &[
+            $((
+                $extra,
+                include_str!(concat!("../../assets/", $name, "/", $extra)),
+            ),)*
             (
                 "model_index.json",
                 include_str!(concat!("../../assets/", $name, "/model_index.json")),
@@ -79,6 +83,19 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
             "text_encoder_2/config.json",
             "scheduler/scheduler_config.json"
         ),
+    ),
+    (
+        "wan2.1-i2v-14b-480p",
+        synthetic_files!(
+            "wan2.1-i2v-14b-480p",
+            "image_encoder/config.json",
+            "image_processor/preprocessor_config.json"
+        ),
+    ),
+    ("wan2.2-ti2v-5b", synthetic_files!("wan2.2-ti2v-5b")),
+    (
+        "wan2.2-t2v-a14b",
+        synthetic_files!("wan2.2-t2v-a14b", "transformer_2/config.json"),
     ),
 ];
 
@@ -287,6 +304,15 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         },
     },
     ComponentConfig {
+        class: "CLIPVisionModelWithProjection",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<crate::models::clip::ClipVisionConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
         class: "CogVideoXTransformer3DModel",
         file: "config.json",
         check: |v| {
@@ -336,6 +362,17 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         class: "CogVideoXDDIMScheduler",
         file: "scheduler_config.json",
         check: |v| parse_keyed::<CogVideoXDpmConfig>(v.clone())?.validate(),
+    },
+    ComponentConfig {
+        class: "CLIPImageProcessor",
+        file: "preprocessor_config.json",
+        check: |v| {
+            parse_keyed::<crate::models::clip::image_processor::ClipImageProcessorConfig>(
+                v.clone(),
+            )?
+            .validate()
+            .map_err(message)
+        },
     },
     ComponentConfig {
         class: "UniPCMultistepScheduler",

@@ -25,6 +25,8 @@ pub struct RunShape {
     /// Text tokens per prompt (`--max-sequence-length`).
     pub text_len: usize,
     pub vae_tiling: bool,
+    /// Whether the run conditions on `--image`.
+    pub image: bool,
 }
 
 impl RunShape {
@@ -38,6 +40,7 @@ impl RunShape {
             width: o.width,
             text_len: o.max_sequence_length as usize,
             vae_tiling: config.memory.vae_tiling,
+            image: config.generation.image.is_some(),
         }
     }
 }
@@ -99,7 +102,7 @@ pub struct FamilyEntry {
 /// Every family vidgen runs.
 pub const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
-        class_names: &["WanPipeline"],
+        class_names: &["WanPipeline", "WanImageToVideoPipeline"],
         read: wan_t2v::read,
     },
     FamilyEntry {

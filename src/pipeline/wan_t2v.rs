@@ -1,4 +1,8 @@
-//! Wan2.1 text-to-video as a list of stages, step for step as diffusers' `WanPipeline`.
+//! The Wan family as lists of stages, step for step as diffusers: Wan2.1 text-to-video
+//! (`WanPipeline`), Wan2.1 image-to-video (`WanImageToVideoPipeline`: CLIP image tokens and
+//! condition latents), Wan2.2 TI2V-5B (`expand_timesteps`: per-token timesteps, with or without
+//! `--image`) and Wan2.2 A14B (`transformer` for high noise, `transformer_2` for low noise,
+//! switched at `boundary_ratio`; T2V and I2V).
 
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
@@ -7,9 +11,18 @@ use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use super::stages;
+use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
+use crate::models::clip::image_processor::{
+    load_rgb_image, ClipImageProcessor, ClipImageProcessorConfig,
+};
+use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::activations;
+use crate::models::wan::condition::{
+    first_frame_condition, first_frame_mask, image_condition, per_token_timesteps,
+    preprocess_image, replace_first_frame,
+};
 use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
@@ -18,99 +31,169 @@ use crate::models::wan::transformer::{
     BlockStep, WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
-use crate::schedulers::{self, SchedulerConfig};
+use crate::schedulers::{self, Scheduler, SchedulerConfig};
 use crate::weights::{seeded_normal, WeightSet};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Components, by their index in the description.
-const TEXT_ENCODER: usize = 0;
-const TRANSFORMER: usize = 1;
-const VAE: usize = 2;
+/// The text length diffusers' image cross-attention assumes (it splits the joint context at
+/// `len - 512`).
+const I2V_TEXT_LEN: usize = 512;
 
-/// Stages, by their index in the description.
-const ENCODE_TEXT: usize = 0;
-const DENOISE: usize = 1;
-const DECODE: usize = 2;
+/// A component of the family, in the order the description lists the present ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    TextEncoder,
+    ImageEncoder,
+    Transformer,
+    Transformer2,
+    Vae,
+}
 
-/// Reads a Wan T2V model's configs (the registry's entry point).
+/// A stage of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    EncodeText,
+    EncodeImage,
+    /// Every step with `transformer` (the high-noise steps of a two-expert model).
+    Denoise,
+    /// The low-noise steps, with `transformer_2`.
+    DenoiseLow,
+    Decode,
+    Write,
+}
+
+/// Reads a Wan model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
     Ok(Box::new(WanConfigs::from_configs(configs)?))
 }
 
 impl Family for WanConfigs {
-    /// Text encoder, DiT and VAE (in f32, as diffusers runs it), each used by one stage and
-    /// safe to defer: every component only feeds tensors forward.
+    /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it),
+    /// each safe to defer: every component only feeds tensors forward. A two-expert model
+    /// denoises in two stages, one per expert, so that a lazy load frees the first expert at
+    /// the switch.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let component = |name, role, dtype, constructors| ComponentSpec {
-            name,
-            role,
-            dtype,
-            deferrable: true,
-            constructors,
+        let parts = self.parts();
+        let index = |p: Part| parts.iter().position(|q| *q == p);
+        let component = |part: Part| {
+            let (name, role, dtype, constructors): (_, _, _, Arc<dyn super::spec::Constructors>) =
+                match part {
+                    Part::TextEncoder => (
+                        "text_encoder",
+                        Role::TextEncoder,
+                        None,
+                        Arc::new(ModelConstructors::<UMT5EncoderModel>(
+                            self.text_encoder.clone(),
+                        )),
+                    ),
+                    Part::ImageEncoder => (
+                        "image_encoder",
+                        Role::ImageEncoder,
+                        Some(DType::F32),
+                        Arc::new(ModelConstructors::<ClipVisionModel>(
+                            self.image_encoder.clone().unwrap_or_default(),
+                        )),
+                    ),
+                    Part::Transformer => (
+                        "transformer",
+                        Role::Dit,
+                        None,
+                        Arc::new(ModelConstructors::<WanTransformer3DModel>(
+                            self.transformer.clone(),
+                        )),
+                    ),
+                    Part::Transformer2 => (
+                        "transformer_2",
+                        Role::Dit,
+                        None,
+                        Arc::new(ModelConstructors::<WanTransformer3DModel>(
+                            self.transformer_2
+                                .clone()
+                                .unwrap_or_else(|| self.transformer.clone()),
+                        )),
+                    ),
+                    Part::Vae => (
+                        "vae",
+                        Role::Vae,
+                        Some(DType::F32),
+                        Arc::new(ModelConstructors::<AutoencoderKLWan>(self.vae.clone())),
+                    ),
+                };
+            ComponentSpec {
+                name,
+                role,
+                dtype,
+                deferrable: true,
+                constructors,
+            }
         };
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let tiling = shape.vae_tiling.then(WanVaeTiling::default);
-        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
-            name,
-            uses: uses.to_vec(),
-            activation_bytes,
+        // What the image stage encodes: the whole video (Wan2.1 I2V) or the first frame (TI2V).
+        let encoded = if self.expand_timesteps {
+            [latent[0], latent[1], 1, latent[3], latent[4]]
+        } else {
+            latent
         };
+        let dit_activations = |cfg: &WanTransformerConfig| {
+            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
+        };
+        let stages = self
+            .steps(shape.image)
+            .into_iter()
+            .map(|step| {
+                let (name, uses, activation_bytes): (_, Vec<Option<usize>>, _) = match step {
+                    Step::EncodeText => (
+                        "encode_text",
+                        vec![index(Part::TextEncoder)],
+                        activations::text_encoder_activations(
+                            &self.text_encoder,
+                            shape.text_len,
+                            shape.dtype,
+                        ),
+                    ),
+                    Step::EncodeImage => (
+                        "encode_image",
+                        vec![index(Part::ImageEncoder), index(Part::Vae)],
+                        self.image_encoder_activations()
+                            + activations::vae_decode_activations(&self.vae, encoded, None),
+                    ),
+                    Step::Denoise => (
+                        if self.transformer_2.is_some() {
+                            "denoise_high_noise"
+                        } else {
+                            "denoise"
+                        },
+                        vec![index(Part::Transformer)],
+                        dit_activations(&self.transformer),
+                    ),
+                    Step::DenoiseLow => (
+                        "denoise_low_noise",
+                        vec![index(Part::Transformer2)],
+                        dit_activations(self.transformer_2.as_ref().unwrap_or(&self.transformer)),
+                    ),
+                    Step::Decode => (
+                        "decode",
+                        vec![index(Part::Vae)],
+                        activations::vae_decode_activations(&self.vae, latent, tiling.as_ref()),
+                    ),
+                    Step::Write => ("write", vec![], 0),
+                };
+                StageSpec {
+                    name,
+                    uses: uses.into_iter().flatten().collect(),
+                    activation_bytes,
+                }
+            })
+            .collect();
         PipelineSpec {
-            title: "Wan2.1 text-to-video",
-            components: vec![
-                component(
-                    "text_encoder",
-                    Role::TextEncoder,
-                    None,
-                    Arc::new(ModelConstructors::<UMT5EncoderModel>(
-                        self.text_encoder.clone(),
-                    )),
-                ),
-                component(
-                    "transformer",
-                    Role::Dit,
-                    None,
-                    Arc::new(ModelConstructors::<WanTransformer3DModel>(
-                        self.transformer.clone(),
-                    )),
-                ),
-                component(
-                    "vae",
-                    Role::Vae,
-                    Some(DType::F32),
-                    Arc::new(ModelConstructors::<AutoencoderKLWan>(self.vae.clone())),
-                ),
-            ],
-            stages: vec![
-                stage(
-                    "encode_text",
-                    &[TEXT_ENCODER],
-                    activations::text_encoder_activations(
-                        &self.text_encoder,
-                        shape.text_len,
-                        shape.dtype,
-                    ),
-                ),
-                stage(
-                    "denoise",
-                    &[TRANSFORMER],
-                    activations::transformer_activations(
-                        &self.transformer,
-                        latent,
-                        shape.text_len,
-                        shape.dtype,
-                    ),
-                ),
-                stage(
-                    "decode",
-                    &[VAE],
-                    activations::vae_decode_activations(&self.vae, latent, tiling.as_ref()),
-                ),
-                stage("write", &[], 0),
-            ],
+            title: self.title(),
+            components: parts.into_iter().map(component).collect(),
+            stages,
         }
     }
 
@@ -122,7 +205,33 @@ impl Family for WanConfigs {
             "vae_scale_factor_spatial": self.vae.scale_factor_spatial(),
             "vae_scale_factor_temporal": self.vae.scale_factor_temporal(),
             "text_encoder_layers": self.text_encoder.num_layers,
+            "experts": if self.transformer_2.is_some() { 2 } else { 1 },
+            "boundary_ratio": self.boundary_ratio,
+            "boundary_timestep": self.boundary_timestep(),
+            "expand_timesteps": self.expand_timesteps,
+            "image_to_video": self.image_to_video || (self.expand_timesteps && shape.image),
+            "image_encoder_layers": self.image_encoder.as_ref().map(|c| c.num_hidden_layers),
         })
+    }
+
+    /// Wan2.2 TI2V-5B's published size and rate (704x1280, 121 frames at 24 fps); the others
+    /// take diffusers' call defaults, which are vidgen's.
+    fn defaults(&self) -> ModelDefaults {
+        if self.expand_timesteps {
+            ModelDefaults {
+                height: Some(704),
+                width: Some(1280),
+                num_frames: Some(121),
+                fps: Some(24),
+                ..ModelDefaults::default()
+            }
+        } else {
+            ModelDefaults::default()
+        }
+    }
+
+    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
+        self.refusal(config).err()
     }
 
     fn open(
@@ -142,16 +251,78 @@ impl Family for WanConfigs {
     }
 }
 
-/// The configs of a Wan T2V model: everything planning needs, no weights.
+/// The configs of a Wan model: everything planning needs, no weights.
 #[derive(Clone, Debug)]
 pub struct WanConfigs {
     pub transformer: WanTransformerConfig,
     pub vae: WanVaeConfig,
     pub text_encoder: UMT5Config,
     pub scheduler: SchedulerConfig,
+    /// The low-noise expert of Wan2.2 A14B.
+    pub transformer_2: Option<WanTransformerConfig>,
+    /// The CLIP vision tower of Wan2.1 I2V.
+    pub image_encoder: Option<ClipVisionConfig>,
+    pub image_processor: Option<ClipImageProcessorConfig>,
+    /// `model_index.json`'s `boundary_ratio` (two experts).
+    pub boundary_ratio: Option<f64>,
+    /// `model_index.json`'s `expand_timesteps` (Wan2.2 TI2V: per-token timesteps).
+    pub expand_timesteps: bool,
+    /// `WanImageToVideoPipeline`: condition channels behind the noise, `--image` required.
+    pub image_to_video: bool,
 }
 
 impl WanConfigs {
+    /// The first setting of `config` this model cannot honour, as one line saying why (a flag it
+    /// has no use for, an input it needs, a size it cannot patch).
+    fn refusal(&self, config: &ResolvedConfig) -> std::result::Result<(), String> {
+        let g = &config.generation;
+        let title = self.title();
+        let unit = self.vae.scale_factor_spatial() * self.transformer.patch_size[1].max(1);
+        for (key, v) in [
+            ("height", config.options.height),
+            ("width", config.options.width),
+        ] {
+            if !(v as usize).is_multiple_of(unit) {
+                let up = (v as usize).div_ceil(unit).max(1) * unit;
+                return Err(format!(
+                    "--{key} {v}: {title} needs a multiple of {unit} (VAE factor x patch); use e.g. {up}"
+                ));
+            }
+        }
+        if g.true_cfg_scale.is_some() {
+            return Err(format!("--true-cfg-scale does not apply to {title}: Wan's --guidance-scale is real classifier-free guidance"));
+        }
+        if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
+            return Err(format!("--decode-timestep and --decode-noise-scale do not apply to {title}: its VAE decoder takes no timestep"));
+        }
+        if g.guidance_scale_2.is_some() && self.transformer_2.is_none() {
+            return Err(format!("--guidance-scale-2 does not apply to {title}: it has one transformer (only Wan2.2 A14B switches experts)"));
+        }
+        if let Some(path) = g.image.as_ref().filter(|p| !p.is_file()) {
+            return Err(format!(
+                "--image {}: no such file (a PNG or JPEG)",
+                path.display()
+            ));
+        }
+        // A dry run plans the image stage without the file.
+        if self.image_to_video && g.image.is_none() && !config.dry_run {
+            return Err(format!("{title} needs --image FILE (the first frame)"));
+        }
+        if g.image.is_some() && !self.image_to_video && !self.expand_timesteps {
+            return Err(format!("--image does not apply to {title}: it is a text-to-video model (use an image-to-video or TI2V model)"));
+        }
+        if self.image_encoder.is_some()
+            && self.transformer.has_image_branch()
+            && g.max_sequence_length != I2V_TEXT_LEN
+        {
+            return Err(format!(
+                "--max-sequence-length {}: {title} needs {I2V_TEXT_LEN} (diffusers splits the image and text context at length - {I2V_TEXT_LEN})",
+                g.max_sequence_length
+            ));
+        }
+        Ok(())
+    }
+
     /// Reads every component's config of `source`.
     pub fn read(source: &ModelSource) -> Result<Self> {
         Self::from_configs(Configs::Fetch(source))
@@ -159,40 +330,157 @@ impl WanConfigs {
 
     /// Reads every component's config.
     pub fn from_configs(configs: Configs) -> Result<Self> {
+        let index: serde_json::Value = configs.read("model_index.json")?;
+        let present = |key: &str| {
+            index[key]
+                .as_array()
+                .and_then(|a| a.first())
+                .is_some_and(|v| !v.is_null())
+        };
+        let image_to_video = index["_class_name"].as_str() == Some("WanImageToVideoPipeline");
+        let image_encoder = if present("image_encoder") {
+            Some(configs.read("image_encoder/config.json")?)
+        } else {
+            None
+        };
+        let image_processor = if present("image_processor") {
+            Some(configs.read("image_processor/preprocessor_config.json")?)
+        } else {
+            None
+        };
+        let transformer_2 = if present("transformer_2") {
+            Some(configs.read("transformer_2/config.json")?)
+        } else {
+            None
+        };
         Ok(WanConfigs {
             transformer: configs.read("transformer/config.json")?,
             vae: configs.read("vae/config.json")?,
             text_encoder: configs.read("text_encoder/config.json")?,
             scheduler: configs.read("scheduler/scheduler_config.json")?,
+            transformer_2,
+            image_encoder,
+            image_processor,
+            boundary_ratio: index["boundary_ratio"].as_f64(),
+            expand_timesteps: index["expand_timesteps"].as_bool().unwrap_or(false),
+            image_to_video,
         })
     }
 
-    /// The latent shape `[1, C, F', H', W']` for a video size.
+    /// The latent shape `[1, C, F', H', W']` for a video size (noise channels only).
     pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
         let t = self.vae.scale_factor_temporal();
         let s = self.vae.scale_factor_spatial();
         [
             1,
-            self.transformer.in_channels,
+            self.transformer.out_channels(),
             (num_frames as usize - 1) / t + 1,
             height as usize / s,
             width as usize / s,
         ]
     }
+
+    /// The pipeline's name in messages.
+    pub fn title(&self) -> &'static str {
+        match (
+            self.transformer_2.is_some(),
+            self.expand_timesteps,
+            self.image_to_video,
+        ) {
+            (true, _, true) => "Wan2.2 A14B image-to-video",
+            (true, _, false) => "Wan2.2 A14B text-to-video",
+            (false, true, _) => "Wan2.2 TI2V",
+            (false, false, true) => "Wan2.1 image-to-video",
+            (false, false, false) => "Wan2.1 text-to-video",
+        }
+    }
+
+    /// `boundary_ratio * num_train_timesteps` where there are two experts: steps at or above it
+    /// run `transformer`, the others `transformer_2`.
+    pub fn boundary_timestep(&self) -> Option<f64> {
+        self.transformer_2.as_ref()?;
+        Some(self.boundary_ratio.unwrap_or(0.0) * self.scheduler.num_train_timesteps as f64)
+    }
+
+    /// Whether a run with (`image`) or without an image conditions on it.
+    fn conditions_on_image(&self, image: bool) -> bool {
+        self.image_to_video || (self.expand_timesteps && image)
+    }
+
+    fn parts(&self) -> Vec<Part> {
+        let mut parts = vec![Part::TextEncoder];
+        if self.image_encoder.is_some() {
+            parts.push(Part::ImageEncoder);
+        }
+        parts.push(Part::Transformer);
+        if self.transformer_2.is_some() {
+            parts.push(Part::Transformer2);
+        }
+        parts.push(Part::Vae);
+        parts
+    }
+
+    fn steps(&self, image: bool) -> Vec<Step> {
+        let mut steps = vec![Step::EncodeText];
+        if self.conditions_on_image(image) {
+            steps.push(Step::EncodeImage);
+        }
+        steps.push(Step::Denoise);
+        if self.transformer_2.is_some() {
+            steps.push(Step::DenoiseLow);
+        }
+        steps.extend([Step::Decode, Step::Write]);
+        steps
+    }
+
+    /// A rough peak of the CLIP tower's forward: a few copies of the token stream and one
+    /// layer's intermediates and scores, in f32.
+    fn image_encoder_activations(&self) -> u64 {
+        self.image_encoder.as_ref().map_or(0, |c| {
+            let n = c.num_positions() as u64;
+            let d = c.hidden_size as u64;
+            let heads = c.num_attention_heads as u64;
+            4 * (6 * n * d + n * c.intermediate_size as u64 + 2 * heads * n * n)
+        })
+    }
 }
 
-/// Wan T2V with its loaded components.
+/// Denoising state that waits between the two experts' stages.
+struct Denoising {
+    scheduler: Box<dyn Scheduler>,
+    latents: Tensor,
+    next_step: usize,
+    forward_seconds: Vec<f64>,
+}
+
+/// What the image stage made for one job.
+struct Conditioning {
+    /// CLIP image tokens (Wan2.1 I2V).
+    image_embeds: Option<Tensor>,
+    /// Wan2.1 I2V / A14B I2V: `[mask | latent]` channels behind the noise; TI2V: the first
+    /// latent frame.
+    condition: Tensor,
+}
+
+/// A Wan model with its loaded components.
 pub struct WanT2V {
     config: ResolvedConfig,
     source: ModelSource,
     configs: WanConfigs,
     spec: PipelineSpec,
+    parts: Vec<Part>,
+    steps: Vec<Step>,
     device: Device,
     tokenizer: PromptTokenizer,
     placement: Placement,
     text_encoder: Option<Placed<UMT5EncoderModel>>,
+    image_encoder: Option<Placed<ClipVisionModel>>,
     transformer: Option<Placed<WanTransformer3DModel>>,
+    transformer_2: Option<Placed<WanTransformer3DModel>>,
     vae: Option<Placed<AutoencoderKLWan>>,
+    /// Per job (by index): the image stage's output and the denoising between the experts.
+    conditioning: HashMap<usize, Conditioning>,
+    denoising: HashMap<usize, Denoising>,
     progress: Arc<Progress>,
 }
 
@@ -205,7 +493,8 @@ impl WanT2V {
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Self> {
-        let spec = configs.spec(&RunShape::of(&config));
+        let shape = RunShape::of(&config);
+        let spec = configs.spec(&shape);
         let tokenizer = match source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
@@ -213,6 +502,8 @@ impl WanT2V {
         let placement = Placement::new(&config.memory, &spec);
         Ok(WanT2V {
             placement,
+            parts: configs.parts(),
+            steps: configs.steps(shape.image),
             config,
             source,
             configs,
@@ -220,8 +511,12 @@ impl WanT2V {
             device,
             tokenizer,
             text_encoder: None,
+            image_encoder: None,
             transformer: None,
+            transformer_2: None,
             vae: None,
+            conditioning: HashMap::new(),
+            denoising: HashMap::new(),
             progress,
         })
     }
@@ -268,6 +563,52 @@ impl WanT2V {
         Ok(())
     }
 
+    /// The image stage: CLIP image tokens (where the model has an image encoder) and the
+    /// condition latents (`prepare_latents`), kept in host memory until the denoise stage.
+    fn encode_image(&mut self, job: &mut Job) -> Result<()> {
+        let path = self
+            .config
+            .generation
+            .image
+            .clone()
+            .context("this model needs --image")?;
+        let img = load_rgb_image(&path)?;
+        let dtype = self.config.dtype();
+        let image_embeds = match (&self.image_encoder, &self.configs.image_processor) {
+            (Some(placed), processor) => {
+                let held = placed.hold()?;
+                let model = held.model();
+                let processor = ClipImageProcessor::new(&processor.clone().unwrap_or_default())?;
+                let pixels = processor.preprocess(&img, &self.device)?;
+                let embeds = model.last_hidden_state(&pixels)?;
+                Some(embeds.to_dtype(dtype)?.to_device(&Device::Cpu)?)
+            }
+            (None, _) => None,
+        };
+        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let vae = held.model();
+        let image = preprocess_image(
+            &img,
+            job.height as usize,
+            job.width as usize,
+            self.configs.vae.scale_factor_spatial(),
+            &self.device,
+        )?;
+        let condition = if self.configs.expand_timesteps {
+            first_frame_condition(vae, &image, 1, dtype)?
+        } else {
+            image_condition(vae, &image, job.num_frames as usize, 1, dtype)?
+        };
+        self.conditioning.insert(
+            job.index,
+            Conditioning {
+                image_embeds,
+                condition: condition.to_device(&Device::Cpu)?,
+            },
+        );
+        Ok(())
+    }
+
     fn initial_latents(&self, job: &Job) -> Result<Tensor> {
         let shape = self
             .configs
@@ -304,11 +645,59 @@ impl WanT2V {
         }
     }
 
-    fn denoise(&self, job: &mut Job) -> Result<()> {
-        let placed = self
-            .transformer
-            .as_ref()
-            .context("transformer not loaded")?;
+    /// The denoising steps of one expert: every step for a one-expert model; for two experts,
+    /// `low` = false runs the steps at or above the boundary with `transformer` and
+    /// `guidance_scale`, `low` = true the rest with `transformer_2` and `guidance_scale_2`
+    /// (one scheduler across both, as diffusers).
+    fn denoise(&mut self, job: &mut Job, low: bool) -> Result<()> {
+        let state = self.denoising.remove(&job.index);
+        let state = self.denoise_steps(job, low, state)?;
+        if self.configs.transformer_2.is_some() && !low {
+            self.denoising.insert(job.index, state);
+        } else {
+            self.conditioning.remove(&job.index);
+        }
+        Ok(())
+    }
+
+    fn denoise_steps(
+        &self,
+        job: &mut Job,
+        low: bool,
+        state: Option<Denoising>,
+    ) -> Result<Denoising> {
+        let state = match state {
+            Some(state) => state,
+            None => {
+                let scheduler = schedulers::build(
+                    self.config.generation.scheduler,
+                    &self.configs.scheduler,
+                    job.num_inference_steps as usize,
+                    self.config.generation.flow_shift,
+                )?;
+                Denoising {
+                    scheduler,
+                    latents: self.initial_latents(job)?,
+                    next_step: 0,
+                    forward_seconds: Vec::new(),
+                }
+            }
+        };
+        let Denoising {
+            mut scheduler,
+            mut latents,
+            next_step,
+            mut forward_seconds,
+        } = state;
+        let placed = if low {
+            self.transformer_2
+                .as_ref()
+                .context("transformer_2 not loaded")?
+        } else {
+            self.transformer
+                .as_ref()
+                .context("transformer not loaded")?
+        };
         let before = placed.offload_usage();
         let model = &placed.hold()?;
         let dtype = self.config.dtype();
@@ -322,47 +711,142 @@ impl WanT2V {
             Some(t) => Some(t.to_device(&self.device)?),
             None => None,
         };
-        let mut scheduler = schedulers::build(
-            self.config.generation.scheduler,
-            &self.configs.scheduler,
-            job.num_inference_steps as usize,
-            self.config.generation.flow_shift,
-        )?;
-        let mut latents = self.initial_latents(job)?;
+        let guidance = if low {
+            self.config
+                .generation
+                .guidance_scale_2
+                .unwrap_or(job.guidance_scale)
+        } else {
+            job.guidance_scale
+        };
+        let conditioning = self.conditioning.get(&job.index);
+        let image_embeds = match conditioning.and_then(|c| c.image_embeds.as_ref()) {
+            Some(t) => Some(t.to_device(&self.device)?),
+            None => None,
+        };
+        let condition = match conditioning {
+            Some(c) => Some(c.condition.to_device(&self.device)?),
+            None => None,
+        };
+        // Wan2.2 TI2V: the first-frame mask (ones without an image) for per-token timesteps.
+        let [_, _, frames, lh, lw] =
+            self.configs
+                .latent_shape(job.num_frames, job.height, job.width);
+        let mask = if !self.configs.expand_timesteps {
+            None
+        } else if condition.is_some() {
+            Some(first_frame_mask(
+                frames,
+                (lh, lw),
+                DType::F32,
+                &self.device,
+            )?)
+        } else {
+            Some(Tensor::ones(
+                (1, 1, frames, lh, lw),
+                DType::F32,
+                &self.device,
+            )?)
+        };
+        let [_, ph, pw] = self.configs.transformer.patch_size;
         let timesteps = scheduler.timesteps().to_vec();
-        let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
-        for (i, t) in timesteps.iter().enumerate() {
+        let boundary = self.configs.boundary_timestep();
+        let mut i = next_step;
+        while i < timesteps.len() {
+            let t = timesteps[i];
+            if !low && boundary.is_some_and(|b| t < b) {
+                break;
+            }
             crate::pipeline::interrupt::check()?;
-            let input = latents.to_dtype(dtype)?;
-            let timestep = Tensor::new(&[*t as f32], &self.device)?;
+            let input = match (&condition, &mask) {
+                (Some(c), Some(m)) => replace_first_frame(&latents, c, m)?.to_dtype(dtype)?,
+                (Some(c), None) => {
+                    Tensor::cat(&[&latents.to_dtype(dtype)?, &c.to_dtype(dtype)?], 1)?
+                }
+                _ => latents.to_dtype(dtype)?,
+            };
+            let timestep = match &mask {
+                Some(m) => per_token_timesteps(t, m, 1, (ph, pw))?,
+                None => Tensor::new(&[t as f32], &self.device)?,
+            };
+            let image = image_embeds.as_ref();
             let noise_cond = self.timed(&mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, cond)
+                dit_forward(model, &input, &timestep, cond, image)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
                     let noise_uncond = self.timed(&mut forward_seconds, || {
-                        dit_forward(model, &input, &timestep, uncond)
+                        dit_forward(model, &input, &timestep, uncond, image)
                     })?;
                     // diffusers combines in the transformer dtype.
                     let diff = (&noise_cond - &noise_uncond)?;
-                    (noise_uncond + (diff * job.guidance_scale)?)?
+                    (noise_uncond + (diff * guidance)?)?
                 }
                 None => noise_cond,
             };
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             self.progress.step(i + 1, timesteps.len());
+            i += 1;
         }
-        stages::report_denoise(
-            &self.progress,
-            job,
-            forward_seconds,
-            before,
-            placed.offload_usage(),
-        );
+        if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
+            let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
+            self.progress.note(&format!(
+                "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
+                copies.bytes as f64 / 1e9,
+                copies.busy_seconds,
+                copies.gb_per_second(),
+                pinned as f64 / (1u64 << 30) as f64
+            ));
+            let key = if low {
+                "offload_transformer_2"
+            } else {
+                "offload"
+            };
+            job.metrics.insert(
+                key.into(),
+                serde_json::json!({
+                    "bytes_copied": copies.bytes,
+                    "groups_copied": copies.groups,
+                    "copy_busy_seconds": copies.busy_seconds,
+                    "copy_gb_per_second": copies.gb_per_second(),
+                    "pinned_bytes": pinned,
+                    "host_bytes": after.host_bytes,
+                    "device_bytes": after.device_bytes,
+                }),
+            );
+        }
+        let last = self.configs.transformer_2.is_none() || low;
+        if !last {
+            return Ok(Denoising {
+                scheduler,
+                latents: latents.to_device(&Device::Cpu)?,
+                next_step: i,
+                forward_seconds,
+            });
+        }
+        job.metrics
+            .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
+        self.progress.note(&format!(
+            "  transformer forwards: {}",
+            forward_seconds
+                .iter()
+                .map(|s| format!("{s:.3}s"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ));
+        // Wan2.2 TI2V image-to-video: frame 0 is the condition after the loop too.
+        if let (Some(c), Some(m)) = (&condition, &mask) {
+            latents = replace_first_frame(&latents, c, m)?;
+        }
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.negative_embeds = None;
-        Ok(())
+        Ok(Denoising {
+            scheduler,
+            latents: Tensor::zeros(1, DType::F32, &Device::Cpu)?,
+            next_step: i,
+            forward_seconds: Vec::new(),
+        })
     }
 
     /// Builds a component from its weights, placed as the options say.
@@ -371,16 +855,30 @@ impl WanT2V {
         let dtype = spec.dtype(self.config.dtype());
         let what = || format!("loading {} of {}", spec.name, self.source);
         let weights = stages::open_weights(&self.source, spec.name, &self.progress)?;
-        match component {
-            TEXT_ENCODER => {
+        match self.parts[component] {
+            Part::TextEncoder => {
                 let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
                 self.text_encoder = Some(placed.with_context(what)?);
             }
-            TRANSFORMER => {
+            Part::ImageEncoder => {
+                let cfg = self.configs.image_encoder.clone().unwrap_or_default();
+                let placed = self.place(component, &cfg, &weights, dtype);
+                self.image_encoder = Some(placed.with_context(what)?);
+            }
+            Part::Transformer => {
                 let placed = self.place(component, &self.configs.transformer, &weights, dtype);
                 self.transformer = Some(placed.with_context(what)?);
             }
-            _ => {
+            Part::Transformer2 => {
+                let cfg = self
+                    .configs
+                    .transformer_2
+                    .clone()
+                    .unwrap_or_else(|| self.configs.transformer.clone());
+                let placed = self.place(component, &cfg, &weights, dtype);
+                self.transformer_2 = Some(placed.with_context(what)?);
+            }
+            Part::Vae => {
                 let placed = self.place(component, &self.configs.vae, &weights, dtype);
                 self.vae = Some(placed.with_context(what)?);
             }
@@ -428,12 +926,48 @@ impl WanT2V {
         } else {
             vae.decode(&z)?
         };
-        job.frames = Some(stages::video_frames(&video)?);
+        let frames = ((video * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
+        let frames = frames
+            .squeeze(0)?
+            .permute((1, 2, 3, 0))?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
+        job.frames = Some(frames);
         Ok(())
     }
 
     fn write(&self, job: &mut Job) -> Result<()> {
-        stages::write_video(&self.config, job)
+        let frames = job.frames.take().context("nothing decoded")?;
+        let metadata = vec![
+            ("title".to_string(), job.prompt.clone()),
+            (
+                "comment".to_string(),
+                format!("vidgen: {} seed {}", self.config.generation.model, job.seed),
+            ),
+            ("vidgen_prompt".to_string(), job.prompt.clone()),
+            (
+                "vidgen_negative_prompt".to_string(),
+                job.negative_prompt.clone(),
+            ),
+            ("vidgen_seed".to_string(), job.seed.to_string()),
+            (
+                "vidgen_model".to_string(),
+                self.config.generation.model.clone(),
+            ),
+            (
+                "vidgen_config".to_string(),
+                self.config.output.config_json.clone(),
+            ),
+        ];
+        crate::output::write(
+            self.config.output.kind,
+            &job.output,
+            &frames,
+            self.config.output.fps,
+            &metadata,
+        )?;
+        job.written = true;
+        Ok(())
     }
 }
 
@@ -449,34 +983,42 @@ impl Pipeline for WanT2V {
     }
 
     fn release(&mut self, component: usize) {
-        match component {
-            TEXT_ENCODER => self.text_encoder = None,
-            TRANSFORMER => self.transformer = None,
-            _ => self.vae = None,
+        match self.parts[component] {
+            Part::TextEncoder => self.text_encoder = None,
+            Part::ImageEncoder => self.image_encoder = None,
+            Part::Transformer => self.transformer = None,
+            Part::Transformer2 => self.transformer_2 = None,
+            Part::Vae => self.vae = None,
         }
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        match index {
-            ENCODE_TEXT => self.encode_text(job),
-            DENOISE => self.denoise(job),
-            DECODE => self.decode(job),
-            _ => self.write(job),
+        let result = match self.steps[index] {
+            Step::EncodeText => self.encode_text(job),
+            Step::EncodeImage => self.encode_image(job),
+            Step::Denoise => self.denoise(job, false),
+            Step::DenoiseLow => self.denoise(job, true),
+            Step::Decode => self.decode(job),
+            Step::Write => self.write(job),
+        };
+        if result.is_err() {
+            self.denoising.remove(&job.index);
+            self.conditioning.remove(&job.index);
         }
+        result
     }
 }
 
-impl WanT2V {}
-
-/// One DiT forward: prepare, the blocks (resident or streamed), finish.
+/// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or streamed), finish.
 pub fn dit_forward(
     dit: &Held<'_, WanTransformer3DModel>,
     latents: &Tensor,
     timestep: &Tensor,
     text: &Tensor,
+    image: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
-    let mut inputs = model.prepare(latents, timestep, text)?;
+    let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
     let mut x = inputs.take_hidden_states()?;
     dit.for_each_block(WanTransformer3DModel::blocks, |block| {
         x = block.forward(&x, &inputs)?;
@@ -529,5 +1071,24 @@ impl Blockwise for AutoencoderKLWan {
     }
     fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
         candle_core::bail!("the Wan VAE is offloaded whole, not block by block")
+    }
+}
+
+/// The CLIP tower up to its penultimate layer (what the Wan I2V pipelines use) is small next to
+/// the DiT: it is resident or parked whole.
+impl Blockwise for ClipVisionModel {
+    type Config = ClipVisionConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_penultimate(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_penultimate(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the CLIP image encoder is offloaded whole, not block by block")
     }
 }

@@ -1,0 +1,342 @@
+//! The Wan family through the binary, as ../shared/fixtures/PARITY-CLI.md drives it, against
+//! diffusers 0.42.1 on the tiny fixtures: Wan2.1 I2V (`wan21-i2v-tiny-a`), Wan2.2 TI2V-5B
+//! with and without `--image` (`wan22-ti2v-tiny-a`) and Wan2.2 A14B's two experts
+//! (`wan22-a14b-tiny-a`); every offload mode bit-identical to resident; dry runs; refusals.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{assert_close, named_fixture_dir, named_reference};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const I2V: &str = "wan21-i2v-tiny-a";
+const TI2V: &str = "wan22-ti2v-tiny-a";
+const A14B: &str = "wan22-a14b-tiny-a";
+const PROMPT: &str = "  Tom &amp;amp; Jerry\n\n  bake a   cake &lt;together&gt;\tin the kitchen  ";
+const NEGATIVE: &str = "blurry, static, low quality";
+
+/// One reference run: its fixture, reference file, size and flags.
+struct Run {
+    fixture: &'static str,
+    reference: &'static str,
+    size: [&'static str; 4],
+    flags: Vec<&'static str>,
+}
+
+impl Run {
+    fn i2v() -> Self {
+        Run {
+            fixture: I2V,
+            reference: "pipeline",
+            size: ["32", "48", "9", "3"],
+            flags: vec!["--max-sequence-length", "512", "--image", "IMAGE"],
+        }
+    }
+    fn ti2v() -> Self {
+        Run {
+            fixture: TI2V,
+            reference: "pipeline",
+            size: ["64", "64", "5", "3"],
+            flags: vec!["--max-sequence-length", "20"],
+        }
+    }
+    fn ti2v_image() -> Self {
+        Run {
+            reference: "pipeline_i2v",
+            flags: vec!["--max-sequence-length", "20", "--image", "IMAGE"],
+            ..Self::ti2v()
+        }
+    }
+    fn a14b() -> Self {
+        Run {
+            fixture: A14B,
+            reference: "pipeline",
+            size: ["32", "32", "9", "4"],
+            flags: vec!["--max-sequence-length", "20"],
+        }
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-wanfam-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn vidgen(run: &Run, dir: &Path, extra: &[&str]) -> Output {
+    let fixture = named_fixture_dir(run.fixture);
+    let refs = named_reference(run.fixture, run.reference);
+    let draws = dir.join("draws.safetensors");
+    let init: HashMap<String, Tensor> =
+        [("latents".to_string(), refs["latents_init"].clone())].into();
+    candle_core::safetensors::save(&init, &draws).unwrap();
+    let image = fixture.join("reference/input.png");
+    let flags: Vec<&str> = run
+        .flags
+        .iter()
+        .map(|f| {
+            if *f == "IMAGE" {
+                image.to_str().unwrap()
+            } else {
+                *f
+            }
+        })
+        .collect();
+    let [h, w, f, s] = run.size;
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(["generate", "--model", fixture.to_str().unwrap()])
+        .args(["--prompt", PROMPT, "--negative-prompt", NEGATIVE])
+        .args(["--height", h, "--width", w, "--num-frames", f])
+        .args(["--num-inference-steps", s])
+        .args(flags)
+        .args(["--latents", draws.to_str().unwrap()])
+        .args(["--device", "cpu", "--dtype", "f32"])
+        .args(["--output-type", "safetensors"])
+        .args(["--output-path", dir.to_str().unwrap()])
+        .args(["--output-video-name", "v"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// Runs the parity command line; returns the written frames and the log.
+fn generate(run: &Run, name: &str, extra: &[&str]) -> (Tensor, String) {
+    let dir = scratch(name);
+    let out = vidgen(run, &dir, extra);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "vidgen {extra:?} failed: {stderr}");
+    let frames = candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap()
+        ["frames"]
+        .clone();
+    let _ = std::fs::remove_dir_all(&dir);
+    (frames, stderr)
+}
+
+fn check_frames(run: &Run, name: &str, tag: &str, extra: &[&str]) -> Tensor {
+    let (frames, _) = generate(run, name, extra);
+    let expected = named_reference(run.fixture, run.reference)[&format!("{tag}.frames")]
+        .squeeze(0)
+        .unwrap();
+    eprintln!(
+        "{} {tag}: max |diff| {:e}",
+        run.fixture,
+        common::max_abs_diff(&frames, &expected)
+    );
+    assert_close(
+        &format!("{} {tag}", run.fixture),
+        &frames,
+        &expected,
+        1e-4,
+        1e-4,
+    );
+    frames
+}
+
+#[test]
+fn wan21_i2v_frames_match_diffusers() {
+    check_frames(&Run::i2v(), "i2v5", "cfg5", &["--guidance-scale", "5"]);
+    check_frames(&Run::i2v(), "i2v1", "cfg1", &["--guidance-scale", "1"]);
+}
+
+#[test]
+fn wan22_ti2v_frames_match_diffusers() {
+    check_frames(&Run::ti2v(), "ti2v5", "cfg5", &["--guidance-scale", "5"]);
+    check_frames(&Run::ti2v(), "ti2v1", "cfg1", &["--guidance-scale", "1"]);
+    check_frames(
+        &Run::ti2v_image(),
+        "ti2v-i2v5",
+        "i2v_cfg5",
+        &["--guidance-scale", "5"],
+    );
+}
+
+#[test]
+fn wan22_a14b_frames_match_diffusers() {
+    check_frames(
+        &Run::a14b(),
+        "a14b5",
+        "cfg5",
+        &["--guidance-scale", "5", "--guidance-scale-2", "3"],
+    );
+    check_frames(
+        &Run::a14b(),
+        "a14b1",
+        "cfg1",
+        &["--guidance-scale", "1", "--guidance-scale-2", "1"],
+    );
+}
+
+/// Every placement mode computes what the resident run computes, bit for bit (planned as on a
+/// discrete GPU, run on the CPU), for each model of the family.
+#[test]
+fn every_offload_mode_equals_resident_bit_for_bit() {
+    let resident_only = [
+        "--memory-model",
+        "discrete",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+        "--no-text-encoder-cpu-offload",
+        "--no-image-encoder-cpu-offload",
+        "--no-vae-cpu-offload",
+    ];
+    let modes: [&[&str]; 6] = [
+        &[],
+        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+        &["--no-dit-layerwise-offload"],
+        &["--model-cpu-offload"],
+        &["--lazy-module-load"],
+        &["--no-lazy-module-load", "--sequential-load"],
+    ];
+    let runs = [
+        (Run::i2v(), "5"),
+        (Run::ti2v_image(), "5"),
+        (Run::a14b(), "5"),
+    ];
+    for (run, g) in runs {
+        let mut args = vec!["--guidance-scale", g];
+        args.extend_from_slice(&resident_only);
+        let (resident, log) = generate(&run, "resident", &args);
+        assert!(log.contains("transformer: resident"), "{log}");
+        let resident = resident.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for flags in modes {
+            let mut args = vec!["--guidance-scale", g, "--memory-model", "discrete"];
+            args.extend_from_slice(flags);
+            let (frames, log) = generate(&run, "mode", &args);
+            let frames = frames.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(
+                frames == resident,
+                "{} {flags:?} differs from resident; log: {log}",
+                run.fixture
+            );
+            if run.fixture == A14B && flags == ["--lazy-module-load"] {
+                // The first expert is freed at the switch: transformer_2 loads after the
+                // high-noise stage.
+                let high = log.find("denoise_high_noise:").expect("high-noise stage");
+                let second = log.find("loaded transformer_2").expect("second expert");
+                assert!(second > high, "{log}");
+            }
+            if run.fixture == I2V && flags.is_empty() {
+                assert!(log.contains("image_encoder: parked"), "{log}");
+            }
+        }
+    }
+}
+
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a",
+            "--dry-run",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{model}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn stage_names(plan: &serde_json::Value) -> Vec<String> {
+    let text = plan.to_string();
+    [
+        "encode_text",
+        "encode_image",
+        "denoise",
+        "denoise_high_noise",
+        "denoise_low_noise",
+        "decode",
+    ]
+    .iter()
+    .filter(|s| text.contains(&format!("\"{s}\"")))
+    .map(|s| s.to_string())
+    .collect()
+}
+
+#[test]
+fn dry_runs_plan_every_stage() {
+    let image = named_fixture_dir(I2V).join("reference/input.png");
+    let image = image.to_str().unwrap();
+    let i2v = named_fixture_dir(I2V);
+    let plan = dry_run(i2v.to_str().unwrap(), &["--image", image]);
+    let stages = stage_names(&plan);
+    assert!(stages.contains(&"encode_image".to_string()), "{plan}");
+    assert!(plan.to_string().contains("image_encoder"), "{plan}");
+    let a14b = named_fixture_dir(A14B);
+    let plan = dry_run(a14b.to_str().unwrap(), &[]);
+    let stages = stage_names(&plan);
+    assert!(stages.contains(&"denoise_high_noise".to_string()), "{plan}");
+    assert!(stages.contains(&"denoise_low_noise".to_string()), "{plan}");
+    assert!(plan.to_string().contains("transformer_2"), "{plan}");
+    for (name, extra) in [
+        ("synthetic:wan2.1-i2v-14b-480p", vec!["--image", image]),
+        ("synthetic:wan2.2-ti2v-5b", vec![]),
+        ("synthetic:wan2.2-ti2v-5b", vec!["--image", image]),
+        ("synthetic:wan2.2-t2v-a14b", vec![]),
+    ] {
+        let plan = dry_run(name, &extra);
+        assert!(plan.to_string().contains("denoise"), "{name}: {plan}");
+    }
+    // The published call defaults.
+    let plan = dry_run("synthetic:wan2.2-ti2v-5b", &[]);
+    let config = plan["config"].to_string();
+    assert!(
+        config.contains("704") && config.contains("1280") && config.contains("121"),
+        "{config}"
+    );
+    let plan = dry_run("synthetic:wan2.1-i2v-14b-480p", &["--image", image]);
+    let config = plan["config"].to_string();
+    assert!(config.contains("480") && config.contains("832"), "{config}");
+}
+
+/// Flags that do not apply are refused in one line, with exit 2.
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let image = named_fixture_dir(I2V).join("reference/input.png");
+    let image = image.to_str().unwrap();
+    let cases: [(&str, Vec<&str>, &str); 7] = [
+        (TI2V, vec!["--guidance-scale-2", "3"], "--guidance-scale-2"),
+        (A14B, vec!["--image", image], "--image"),
+        (I2V, vec![], "--image"),
+        (
+            I2V,
+            vec!["--image", image, "--max-sequence-length", "20"],
+            "512",
+        ),
+        (A14B, vec!["--true-cfg-scale", "4"], "--true-cfg-scale"),
+        (I2V, vec!["--image", "/nonexistent.png"], "no such file"),
+        (
+            TI2V,
+            vec!["--height", "48", "--width", "64"],
+            "multiple of 32",
+        ),
+    ];
+    for (fixture, extra, says) in cases {
+        let model = named_fixture_dir(fixture);
+        let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args([
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                "a",
+            ])
+            .args(["--device", "cpu", "--dtype", "f32"])
+            .args(&extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{fixture} {extra:?}: {stderr}");
+        assert!(stderr.contains(says), "{fixture} {extra:?}: {stderr}");
+    }
+}
