@@ -95,7 +95,9 @@ fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> R
 
     let mut tags = Dictionary::new();
     for (k, v) in metadata {
-        tags.set(k, v);
+        // FFmpeg's tags are C strings: a NUL byte (from a prompt) would end them, and
+        // ffmpeg-next panics on it. Store it escaped, the way JSON writes it.
+        tags.set(&escape_nul(k), &escape_nul(v));
     }
     octx.set_metadata(tags);
     let mut mux_opts = Dictionary::new();
@@ -140,6 +142,15 @@ fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> R
     drain(&mut enc, &mut octx, time_base, stream_tb)?;
     octx.write_trailer().map_err(ff("finishing the MP4"))?;
     Ok(())
+}
+
+/// `text` with every NUL byte written as `\\u0000`, so it fits in a C string.
+fn escape_nul(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        text.replace('\0', "\\u0000").into()
+    } else {
+        text.into()
+    }
 }
 
 /// Moves every packet the encoder has ready into the container.
