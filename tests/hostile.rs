@@ -50,9 +50,13 @@ fn assert_refused(out: &Output, needles: &[&str]) {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "exit code; stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.starts_with("note:")).collect();
-    assert_eq!(lines.len(), 1, "not one line: {stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
+    // Notes on what the device forced may come first; the error is one line, the last.
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "not one error line: {stderr}");
+    assert!(
+        stderr.trim_end().lines().last() == Some(errors[0]),
+        "{stderr}"
+    );
     for n in needles {
         assert!(stderr.contains(n), "{stderr:?} lacks {n:?}");
     }
@@ -155,4 +159,213 @@ fn nul_bytes_in_prompts_are_escaped_in_metadata_and_every_prompt_runs() {
             "{name}: {s}"
         );
     }
+}
+
+/// `dir/name` with a byte that is not UTF-8 appended.
+#[cfg(unix)]
+fn non_utf8(dir: &Path, name: &str) -> std::ffi::OsString {
+    use std::os::unix::ffi::OsStringExt;
+    let mut bytes = dir.join(name).into_os_string().into_vec();
+    bytes.push(0xff);
+    std::ffi::OsString::from_vec(bytes)
+}
+
+#[cfg(unix)]
+#[test]
+fn non_utf8_paths_are_refused_at_once_with_their_flag() {
+    use std::ffi::OsString;
+    let dir = scratch("utf8");
+    let bad_out = non_utf8(&dir, "o/bad");
+    let bad_config = non_utf8(&dir, "c.toml");
+    std::fs::write(&bad_config, "seed = 1\n").unwrap();
+    let bad_stats = non_utf8(&dir, "s.json");
+    let good_out: OsString = dir.join("out").into();
+    let mut joined = OsString::from("--output-path=");
+    joined.push(&bad_out);
+    let s = |x: &str| OsString::from(x);
+    let cases: Vec<(Vec<OsString>, &str)> = vec![
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--output-path"),
+                bad_out.clone(),
+                s("--dry-run"),
+            ],
+            "--output-path",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--output-path"),
+                bad_out.clone(),
+                s("--dry-run"),
+                s("--json"),
+            ],
+            "--output-path",
+        ),
+        (
+            vec![s("--prompt"), s("x"), s("--output-path"), bad_out.clone()],
+            "--output-path",
+        ),
+        (vec![s("--prompt"), s("x"), joined], "--output-path"),
+        (
+            vec![s("--prompt"), s("x"), s("--config"), bad_config.clone()],
+            "--config",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--config"),
+                bad_config,
+                s("--dry-run"),
+            ],
+            "--config",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--output-path"),
+                good_out.clone(),
+                s("--stats-json"),
+                bad_stats.clone(),
+            ],
+            "--stats-json",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--stats-json"),
+                bad_stats,
+                s("--dry-run"),
+                s("--json"),
+            ],
+            "--stats-json",
+        ),
+    ];
+    for (args, flag) in cases {
+        let run = vidgen(&args);
+        assert_refused(&run, &[flag, "not valid UTF-8"]);
+    }
+    // Nothing was made: no output folder, no stats file.
+    assert_eq!(names(&dir), vec!["c.toml\u{fffd}".to_string()]);
+}
+
+#[test]
+fn stats_json_never_replaces_an_input_an_output_or_a_special_file() {
+    let dir = scratch("stats-target");
+    let out = dir.join("out");
+    let prompts = dir.join("p.jsonl");
+    let body = "{\"prompt\": \"a\"}\n";
+    std::fs::write(&prompts, body).unwrap();
+    let config = dir.join("c.toml");
+    std::fs::write(&config, "seed = 3\n").unwrap();
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let o = p(&out);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--prompt-file".into(),
+                p(&prompts),
+                "--stats-json".into(),
+                p(&prompts),
+            ],
+            "--prompt-file",
+        ),
+        (
+            // The same file under another spelling.
+            vec![
+                "--prompt-file".into(),
+                p(&prompts),
+                "--stats-json".into(),
+                p(&dir.join("out/../p.jsonl")),
+            ],
+            "--prompt-file",
+        ),
+        (
+            vec![
+                "--prompt".into(),
+                "x".into(),
+                "--config".into(),
+                p(&config),
+                "--stats-json".into(),
+                p(&config),
+            ],
+            "--config",
+        ),
+        (
+            vec![
+                "--prompt".into(),
+                "x".into(),
+                "--stats-json".into(),
+                "/dev/null".into(),
+            ],
+            "not a regular file",
+        ),
+        (
+            vec![
+                "--prompt".into(),
+                "x".into(),
+                "--output-video-name".into(),
+                "v".into(),
+                "--stats-json".into(),
+                p(&out.join("v.mp4")),
+            ],
+            "is the output of",
+        ),
+    ];
+    std::fs::create_dir_all(&out).unwrap();
+    for (mut args, needle) in cases {
+        args.extend(["--output-path".into(), o.clone()]);
+        let run = vidgen(&args);
+        assert_refused(&run, &["--stats-json", needle]);
+        assert_eq!(std::fs::read_to_string(&prompts).unwrap(), body);
+        assert_eq!(std::fs::read_to_string(&config).unwrap(), "seed = 3\n");
+        assert_eq!(names(&out), Vec::<String>::new(), "{args:?}");
+    }
+    // The dry run refuses the same paths.
+    let run = vidgen(&[
+        "--prompt-file",
+        &p(&prompts),
+        "--stats-json",
+        &p(&prompts),
+        "--dry-run",
+    ]);
+    assert_refused(&run, &["--stats-json", "--prompt-file"]);
+}
+
+#[test]
+fn sizes_no_machine_can_hold_are_refused_before_anything_allocates() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--height", "1000000000"], "height"),
+        (&["--width", "1000000000"], "width"),
+        (&["--num-frames", "1000000001"], "num-frames"),
+        (
+            &[
+                "--height",
+                "16384",
+                "--width",
+                "16384",
+                "--num-frames",
+                "16385",
+            ],
+            "more than any machine can hold",
+        ),
+    ];
+    let dir = scratch("sizes");
+    let out = dir.join("out");
+    for (flags, needle) in cases {
+        for dry in [&[][..], &["--dry-run"][..], &["--dry-run", "--json"][..]] {
+            let mut args: Vec<&str> = vec!["--prompt", "x", "--output-path", out.to_str().unwrap()];
+            args.extend_from_slice(flags);
+            args.extend_from_slice(dry);
+            let run = vidgen(&args);
+            assert_refused(&run, &[needle]);
+        }
+    }
+    assert!(!out.exists(), "the output folder was created");
 }

@@ -84,6 +84,30 @@ impl VideoSettings<'_> {
                 down + k
             ));
         }
+        // Sizes no machine can hold are refused before anything allocates: each side, the
+        // frame count, and the decoded frames (f32 RGB) as a whole.
+        for (key, value, max) in [
+            ("height", self.height, MAX_SIDE),
+            ("width", self.width, MAX_SIDE),
+            ("num_frames", self.num_frames, MAX_FRAMES),
+        ] {
+            if let Some(v) = value.filter(|v| *v > max) {
+                return Err(format!(
+                    "{}: more than {max}, larger than any machine can hold; use a smaller value",
+                    spelling.said(key, v)
+                ));
+            }
+        }
+        if let (Some(h), Some(w), Some(f)) = (self.height, self.width, self.num_frames) {
+            let bytes = u128::from(h) * u128::from(w) * u128::from(f) * 3 * 4;
+            if bytes > MAX_FRAME_BYTES {
+                return Err(format!(
+                    "{} frames of {h}x{w} would take {} GiB as decoded f32 frames, more than any machine can hold; use fewer frames or a smaller size",
+                    f,
+                    bytes >> 30
+                ));
+            }
+        }
         if self.num_inference_steps == Some(0) {
             return Err(format!(
                 "{}: must be at least 1",
@@ -110,6 +134,13 @@ impl VideoSettings<'_> {
 
 /// Why `name` cannot be an output file name, if it cannot: it must stay one file in the output
 /// folder, visible, and short enough for the temporary name next to it.
+/// The largest height or width accepted, in pixels.
+const MAX_SIDE: u32 = 1 << 14;
+/// The most frames accepted.
+const MAX_FRAMES: u32 = 1 << 16;
+/// The most bytes the decoded frames (f32 RGB) may take: 1 TiB.
+const MAX_FRAME_BYTES: u128 = 1 << 40;
+
 fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("it is empty".into());

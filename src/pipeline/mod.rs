@@ -172,6 +172,18 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         Err(_) => config,
     };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
+    if let Some(stats) = &config.options.stats_json {
+        for job in &jobs {
+            if crate::cli::resolve::same_file(stats, &job.output) {
+                return Err(UsageError::new(format!(
+                    "--stats-json {} is the output of {}; writing the stats would replace it: pass another path",
+                    stats.display(),
+                    job.origin
+                ))
+                .into());
+            }
+        }
+    }
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
     let started = Instant::now();
