@@ -369,3 +369,92 @@ fn sizes_no_machine_can_hold_are_refused_before_anything_allocates() {
     }
     assert!(!out.exists(), "the output folder was created");
 }
+
+/// Hidden temporaries left in `dir`.
+fn partials(dir: &Path) -> Vec<String> {
+    names(dir)
+        .into_iter()
+        .filter(|n| n.starts_with('.'))
+        .collect()
+}
+
+#[test]
+fn concurrent_writers_of_one_name_use_their_own_temporaries_and_the_loser_reports_the_file() {
+    use candle_core::{Device, Tensor};
+    use vidgen::output::{self, OutputType};
+    let dir = scratch("race-writers");
+    let frames = Tensor::rand(0f32, 1f32, (3, 16, 16, 3), &Device::Cpu).unwrap();
+    for kind in [OutputType::Mp4, OutputType::Safetensors, OutputType::Png] {
+        let dest = dir.join(format!("v.{}", kind.extension()));
+        let results: Vec<anyhow::Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|_| s.spawn(|| output::write_with(kind, &dest, &frames, 8, &[], false)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let won = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(won, 1, "{kind:?}: exactly one writer wins: {results:?}");
+        for e in results.iter().filter_map(|r| r.as_ref().err()) {
+            let msg = format!("{e:#}");
+            assert!(msg.contains("already exists"), "{kind:?}: {msg}");
+            assert!(msg.contains(&dest.display().to_string()), "{kind:?}: {msg}");
+        }
+        assert!(dest.exists());
+        // The winner's file is whole: the loaders read it back.
+        if kind == OutputType::Safetensors {
+            let t = candle_core::safetensors::load(&dest, &Device::Cpu).unwrap();
+            assert_eq!(t["frames"].dims(), &[3, 16, 16, 3]);
+        }
+        assert_eq!(partials(&dir), Vec::<String>::new(), "{kind:?}");
+        // Replacing stays possible when asked for (files).
+        if kind != OutputType::Png {
+            output::write_with(kind, &dest, &frames, 8, &[], true).unwrap();
+        }
+    }
+}
+
+#[test]
+fn two_runs_writing_one_output_name_never_corrupt_it() {
+    let dir = scratch("race-runs");
+    let out = dir.join("out");
+    let args: Vec<String> = [
+        "--prompt",
+        "same",
+        "--seed",
+        "7",
+        "--output-video-name",
+        "v",
+        "--output-path",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args(TINY)
+            .args(&args)
+            .env("HF_HUB_OFFLINE", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(), spawn());
+    let runs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    let ok = runs.iter().filter(|r| r.status.success()).count();
+    assert_eq!(ok, 1, "exactly one run writes v.mp4");
+    let loser = runs.iter().find(|r| !r.status.success()).unwrap();
+    let stderr = text(&loser.stderr);
+    assert_eq!(loser.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("v.mp4"), "{stderr}");
+    assert!(
+        stderr.contains("already exists") || stderr.contains("appeared during the run"),
+        "{stderr}"
+    );
+    assert_eq!(names(&out), vec!["v.mp4".to_string()]);
+    // The file is a whole MP4: its index ("moov", put first by faststart) and its data.
+    let bytes = std::fs::read(out.join("v.mp4")).unwrap();
+    let find = |tag: &[u8]| bytes.windows(4).any(|w| w == tag);
+    assert!(find(b"ftyp") && find(b"moov") && find(b"mdat"));
+}

@@ -2,7 +2,7 @@
 //! ...) and each prompt-file line's overrides go through the same rules, before anything loads.
 
 /// The longest file name (without extension) vidgen writes: room is left for the extension and
-/// the temporary `.NAME.EXT.partial` within the usual 255-byte limit.
+/// the temporary `.NAME.EXT.PID-N.partial` within the usual 255-byte limit.
 pub const MAX_NAME_BYTES: usize = 200;
 
 /// How a setting is named in an error: as the flag that gave it or as a prompt-file key.

@@ -23,6 +23,17 @@ pub fn write_mp4(
     fps: u32,
     metadata: &[(String, String)],
 ) -> Result<()> {
+    write_mp4_with(path, frames, fps, metadata, true)
+}
+
+/// [`write_mp4`], replacing a file at `path` only when `replace`.
+pub(super) fn write_mp4_with(
+    path: &Path,
+    frames: &Tensor,
+    fps: u32,
+    metadata: &[(String, String)],
+    replace: bool,
+) -> Result<()> {
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
         if fps == 0 || fps > i32::MAX as u32 {
@@ -37,7 +48,7 @@ pub fn write_mp4(
         }
         let temp = Partial::file(path)?;
         encode(&clip, temp.path(), fps, metadata)?;
-        temp.commit(path)
+        temp.commit(path, replace)
     };
     run().with_context(|| format!("writing MP4 {}", path.display()))
 }
