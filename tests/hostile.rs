@@ -368,6 +368,23 @@ fn sizes_no_machine_can_hold_are_refused_before_anything_allocates() {
         }
     }
     assert!(!out.exists(), "the output folder was created");
+    // A prompt file's line merged with the flags: each value alone is fine, together not.
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"height\": 16384, \"width\": 16384}\n",
+    )
+    .unwrap();
+    let run = vidgen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--num-frames",
+        "16385",
+        "--output-path",
+        out.to_str().unwrap(),
+    ]);
+    assert_refused(&run, &["p.jsonl:2", "more than any machine can hold"]);
+    assert!(!out.exists(), "the output folder was created");
 }
 
 /// Hidden temporaries left in `dir`.

@@ -99,14 +99,7 @@ impl VideoSettings<'_> {
             }
         }
         if let (Some(h), Some(w), Some(f)) = (self.height, self.width, self.num_frames) {
-            let bytes = u128::from(h) * u128::from(w) * u128::from(f) * 3 * 4;
-            if bytes > MAX_FRAME_BYTES {
-                return Err(format!(
-                    "{} frames of {h}x{w} would take {} GiB as decoded f32 frames, more than any machine can hold; use fewer frames or a smaller size",
-                    f,
-                    bytes >> 30
-                ));
-            }
+            check_frame_bytes(h, w, f)?;
         }
         if self.num_inference_steps == Some(0) {
             return Err(format!(
@@ -134,6 +127,19 @@ impl VideoSettings<'_> {
 
 /// Why `name` cannot be an output file name, if it cannot: it must stay one file in the output
 /// folder, visible, and short enough for the temporary name next to it.
+/// Refuses `num_frames` frames of `height` x `width` whose decoded f32 RGB frames alone would
+/// take more than any machine holds.
+pub fn check_frame_bytes(height: u32, width: u32, num_frames: u32) -> Result<(), String> {
+    let bytes = u128::from(height) * u128::from(width) * u128::from(num_frames) * 3 * 4;
+    if bytes > MAX_FRAME_BYTES {
+        return Err(format!(
+            "{num_frames} frames of {height}x{width} would take {} GiB as decoded f32 frames, more than any machine can hold; use fewer frames or a smaller size",
+            bytes >> 30
+        ));
+    }
+    Ok(())
+}
+
 /// The largest height or width accepted, in pixels.
 const MAX_SIDE: u32 = 1 << 14;
 /// The most frames accepted.
