@@ -253,6 +253,17 @@ fn non_utf8_paths_are_refused_at_once_with_their_flag() {
     }
     // Nothing was made: no output folder, no stats file.
     assert_eq!(names(&dir), vec!["c.toml\u{fffd}".to_string()]);
+    // A config file can spell a NUL byte in a path: refused the same way.
+    for key in ["output_path", "stats_json"] {
+        let config = dir.join(format!("{key}.toml"));
+        std::fs::write(
+            &config,
+            format!("{key} = \"{}/x\\u0000y\"\n", dir.display()),
+        )
+        .unwrap();
+        let run = vidgen(&["--prompt", "x", "--config", config.to_str().unwrap()]);
+        assert_refused(&run, &["NUL byte"]);
+    }
 }
 
 #[test]

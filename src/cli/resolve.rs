@@ -385,6 +385,20 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
             "--resume skips existing outputs and --overwrite replaces them; pass only one",
         ));
     }
+    // A config file can spell a NUL byte, which no path may hold.
+    for (flag, path) in [
+        ("--output-path", Some(&o.output_path)),
+        ("--stats-json", o.stats_json.as_ref()),
+        ("--prompt-file", o.prompt_file.as_ref()),
+        ("--latents", o.latents.as_ref()),
+    ] {
+        if let Some(path) = path.filter(|p| p.as_os_str().as_encoded_bytes().contains(&0)) {
+            return Err(UsageError::new(format!(
+                "{flag} {:?} holds a NUL byte, which no path may; pass another path",
+                path.display().to_string()
+            )));
+        }
+    }
     if let Some(path) = &o.stats_json {
         if path.is_dir() {
             return Err(UsageError::new(format!(

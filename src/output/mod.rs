@@ -264,8 +264,15 @@ impl Partial {
         if !replace && self.is_dir && dest.symlink_metadata().is_ok() && !is_empty_dir(dest) {
             return Err(exists());
         }
-        std::fs::rename(&self.path, dest)
-            .with_context(|| format!("renaming {} to {}", self.path.display(), dest.display()))?;
+        if let Err(e) = std::fs::rename(&self.path, dest) {
+            // A folder another run put there between the check and the rename.
+            if !replace && dest.symlink_metadata().is_ok() {
+                return Err(exists());
+            }
+            return Err(e).with_context(|| {
+                format!("renaming {} to {}", self.path.display(), dest.display())
+            });
+        }
         self.armed = false;
         Ok(())
     }
