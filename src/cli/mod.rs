@@ -44,7 +44,9 @@ pub enum Parsed {
 /// Parses the command line and merges the `--config` file under it.
 pub fn parse(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageError> {
     let mut command = Cli::command();
-    let argv = expand_negations(&command, argv.into_iter().collect());
+    let argv: Vec<OsString> = argv.into_iter().collect();
+    refuse_non_utf8(&argv)?;
+    let argv = expand_negations(&command, argv);
     let matches = match command.try_get_matches_from_mut(argv) {
         Ok(m) => m,
         Err(e) => return clap_outcome(e),
@@ -70,6 +72,28 @@ pub fn parse(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageEr
             Ok(Parsed::Generate(args))
         }
     }
+}
+
+/// Refuses any argument that is not UTF-8 (a path such as `$'o/bad\\xff'`) with one line
+/// naming its flag: paths are recorded in the video's metadata and `--stats-json` as text.
+fn refuse_non_utf8(argv: &[OsString]) -> Result<(), UsageError> {
+    for (i, arg) in argv.iter().enumerate().skip(1) {
+        if arg.to_str().is_some() {
+            continue;
+        }
+        let lossy = arg.to_string_lossy();
+        let flag = match lossy.split_once('=') {
+            Some((flag, _)) if flag.starts_with("--") => flag.to_string(),
+            _ => argv[i - 1]
+                .to_str()
+                .filter(|p| p.starts_with('-') && i > 1)
+                .map_or_else(|| "an argument".to_string(), str::to_string),
+        };
+        return Err(UsageError::new(format!(
+            "{flag} {lossy:?} is not valid UTF-8; vidgen needs UTF-8 paths and text: rename it or pass another path"
+        )));
+    }
+    Ok(())
 }
 
 /// Rewrites `--no-X` into `--X=false` for every on/off option X, so each stays one clap argument.

@@ -13,7 +13,7 @@ use crate::output::OutputType;
 use crate::schedulers::SchedulerKind;
 use candle_core::DType;
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The resolved run configuration. Nothing after resolution looks at raw flags.
 #[derive(Clone, Debug)]
@@ -96,6 +96,14 @@ impl ResolvedConfig {
     pub fn resolve(args: GenerateArgs) -> Result<Self, UsageError> {
         let mut options = args.options;
         validate(&options, args.dry_run, FrameRule::default())?;
+        if let Some(stats) = &options.stats_json {
+            let inputs = [
+                ("--prompt-file", options.prompt_file.as_deref()),
+                ("--config", args.config.as_deref()),
+                ("--latents", options.latents.as_deref()),
+            ];
+            check_stats_target(stats, &inputs)?;
+        }
         let forced = match options.memory_model {
             MemoryModelChoice::Auto => None,
             MemoryModelChoice::Discrete => Some(MemoryModel::Discrete),
@@ -267,6 +275,58 @@ pub fn draw_seed() -> u64 {
     crate::weights::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
 }
 
+/// Refuses a `--stats-json` path that is not a regular file, or that is one of the run's own
+/// files (`others`: flag and path): its file is renamed over the path at the end of the run.
+pub fn check_stats_target(
+    stats: &Path,
+    others: &[(&str, Option<&Path>)],
+) -> Result<(), UsageError> {
+    if let Ok(meta) = std::fs::metadata(stats) {
+        if !meta.is_file() {
+            return Err(UsageError::new(format!(
+                "--stats-json {} exists and is not a regular file; pass a path to a new or regular file",
+                stats.display()
+            )));
+        }
+    }
+    for (flag, other) in others {
+        if let Some(other) = other.filter(|o| same_file(stats, o)) {
+            return Err(UsageError::new(format!(
+                "--stats-json {} is the {flag} file {}; writing the stats would replace it: pass another path",
+                stats.display(),
+                other.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` name one file: the same path once made absolute (for files yet to be
+/// written), or the same inode (links, `..`, symlinks).
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+    }
+    fn absolute(p: &Path) -> Option<PathBuf> {
+        if let Ok(c) = std::fs::canonicalize(p) {
+            return Some(c);
+        }
+        let parent = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        Some(std::fs::canonicalize(parent).ok()?.join(p.file_name()?))
+    }
+    match (absolute(a), absolute(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
 /// Checks what no later stage could fix, with one line naming the problem and the fix.
 fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), UsageError> {
     match (&o.prompt, &o.prompt_file) {
@@ -324,6 +384,20 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
         return Err(UsageError::new(
             "--resume skips existing outputs and --overwrite replaces them; pass only one",
         ));
+    }
+    // A config file can spell a NUL byte, which no path may hold.
+    for (flag, path) in [
+        ("--output-path", Some(&o.output_path)),
+        ("--stats-json", o.stats_json.as_ref()),
+        ("--prompt-file", o.prompt_file.as_ref()),
+        ("--latents", o.latents.as_ref()),
+    ] {
+        if let Some(path) = path.filter(|p| p.as_os_str().as_encoded_bytes().contains(&0)) {
+            return Err(UsageError::new(format!(
+                "{flag} {:?} holds a NUL byte, which no path may; pass another path",
+                path.display().to_string()
+            )));
+        }
     }
     if let Some(path) = &o.stats_json {
         if path.is_dir() {

@@ -2,7 +2,7 @@
 //! ...) and each prompt-file line's overrides go through the same rules, before anything loads.
 
 /// The longest file name (without extension) vidgen writes: room is left for the extension and
-/// the temporary `.NAME.EXT.partial` within the usual 255-byte limit.
+/// the temporary `.NAME.EXT.PID-N.partial` within the usual 255-byte limit.
 pub const MAX_NAME_BYTES: usize = 200;
 
 /// How a setting is named in an error: as the flag that gave it or as a prompt-file key.
@@ -84,6 +84,23 @@ impl VideoSettings<'_> {
                 down + k
             ));
         }
+        // Sizes no machine can hold are refused before anything allocates: each side, the
+        // frame count, and the decoded frames (f32 RGB) as a whole.
+        for (key, value, max) in [
+            ("height", self.height, MAX_SIDE),
+            ("width", self.width, MAX_SIDE),
+            ("num_frames", self.num_frames, MAX_FRAMES),
+        ] {
+            if let Some(v) = value.filter(|v| *v > max) {
+                return Err(format!(
+                    "{}: more than {max}, larger than any machine can hold; use a smaller value",
+                    spelling.said(key, v)
+                ));
+            }
+        }
+        if let (Some(h), Some(w), Some(f)) = (self.height, self.width, self.num_frames) {
+            check_frame_bytes(h, w, f)?;
+        }
         if self.num_inference_steps == Some(0) {
             return Err(format!(
                 "{}: must be at least 1",
@@ -110,6 +127,26 @@ impl VideoSettings<'_> {
 
 /// Why `name` cannot be an output file name, if it cannot: it must stay one file in the output
 /// folder, visible, and short enough for the temporary name next to it.
+/// Refuses `num_frames` frames of `height` x `width` whose decoded f32 RGB frames alone would
+/// take more than any machine holds.
+pub fn check_frame_bytes(height: u32, width: u32, num_frames: u32) -> Result<(), String> {
+    let bytes = u128::from(height) * u128::from(width) * u128::from(num_frames) * 3 * 4;
+    if bytes > MAX_FRAME_BYTES {
+        return Err(format!(
+            "{num_frames} frames of {height}x{width} would take {} GiB as decoded f32 frames, more than any machine can hold; use fewer frames or a smaller size",
+            bytes >> 30
+        ));
+    }
+    Ok(())
+}
+
+/// The largest height or width accepted, in pixels.
+const MAX_SIDE: u32 = 1 << 14;
+/// The most frames accepted.
+const MAX_FRAMES: u32 = 1 << 16;
+/// The most bytes the decoded frames (f32 RGB) may take: 1 TiB.
+const MAX_FRAME_BYTES: u128 = 1 << 40;
+
 fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("it is empty".into());

@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The kind of output file (`--output-type`).
 #[derive(
@@ -53,7 +54,7 @@ impl OutputType {
 
 /// Writes `frames` ([F, H, W, 3] in [0, 1]) as `output_type` to `path` (a folder for `Png`).
 /// `fps` is used by MP4 only; `metadata` becomes MP4 container tags or the safetensors header
-/// metadata, and is not stored in PNGs.
+/// metadata, and is not stored in PNGs. An existing file at `path` is replaced.
 pub fn write(
     output_type: OutputType,
     path: &Path,
@@ -61,16 +62,29 @@ pub fn write(
     fps: u32,
     metadata: &[(String, String)],
 ) -> Result<()> {
+    write_with(output_type, path, frames, fps, metadata, true)
+}
+
+/// [`write`], replacing what is at `path` only when `replace`: otherwise a file that appeared
+/// there meanwhile (another run writing the same name) is kept and reported as an error.
+pub fn write_with(
+    output_type: OutputType,
+    path: &Path,
+    frames: &Tensor,
+    fps: u32,
+    metadata: &[(String, String)],
+    replace: bool,
+) -> Result<()> {
     match output_type {
         #[cfg(feature = "mp4")]
-        OutputType::Mp4 => write_mp4(path, frames, fps, metadata),
+        OutputType::Mp4 => mp4::write_mp4_with(path, frames, fps, metadata, replace),
         #[cfg(not(feature = "mp4"))]
         OutputType::Mp4 => {
-            let _ = (fps, path);
+            let _ = (fps, path, replace);
             anyhow::bail!("this vidgen was built without MP4 support (cargo feature `mp4`); use --output-type png or safetensors")
         }
-        OutputType::Png => write_png_frames(path, frames),
-        OutputType::Safetensors => write_safetensors_with_metadata(path, frames, metadata),
+        OutputType::Png => png::write_png_frames_with(path, frames, replace),
+        OutputType::Safetensors => write_safetensors_inner(path, frames, metadata, replace),
     }
 }
 
@@ -85,6 +99,15 @@ pub fn write_safetensors_with_metadata(
     frames: &Tensor,
     metadata: &[(String, String)],
 ) -> Result<()> {
+    write_safetensors_inner(path, frames, metadata, true)
+}
+
+fn write_safetensors_inner(
+    path: &Path,
+    frames: &Tensor,
+    metadata: &[(String, String)],
+    replace: bool,
+) -> Result<()> {
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
         let tensor = Tensor::from_vec(
@@ -96,7 +119,7 @@ pub fn write_safetensors_with_metadata(
         let info: HashMap<String, String> = metadata.iter().cloned().collect();
         let info = (!info.is_empty()).then_some(info);
         safetensors::serialize_to_file([("frames", &tensor)], info, temp.path())?;
-        temp.commit(path)
+        temp.commit(path, replace)
     };
     run().with_context(|| format!("writing safetensors {}", path.display()))
 }
@@ -149,8 +172,12 @@ struct Partial {
     armed: bool,
 }
 
+/// Tells apart the temporary files of one process.
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
 impl Partial {
-    /// `.<name>.partial` in the destination's folder.
+    /// `.<name>.<pid>-<n>.partial` in the destination's folder: unique to this process and
+    /// call, so two runs (or two threads) writing one name never share a temporary.
     fn temp_name(dest: &Path) -> Result<PathBuf> {
         let name = dest
             .file_name()
@@ -159,44 +186,101 @@ impl Partial {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
         };
-        Ok(parent.join(format!(".{}.partial", name.to_string_lossy())))
+        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        Ok(parent.join(format!(
+            ".{}.{}-{n}.partial",
+            name.to_string_lossy(),
+            std::process::id()
+        )))
     }
 
-    /// A temporary file for `dest` (created by the caller's writer).
+    /// A freshly and exclusively created, empty temporary file for `dest`.
     fn file(dest: &Path) -> Result<Self> {
-        Ok(Self {
-            path: Self::temp_name(dest)?,
-            is_dir: false,
-            armed: true,
-        })
+        loop {
+            let path = Self::temp_name(dest)?;
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(_) => {
+                    return Ok(Self {
+                        path,
+                        is_dir: false,
+                        armed: true,
+                    })
+                }
+                // A leftover of an earlier process with this pid: take the next number.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+            }
+        }
     }
 
-    /// A freshly created, empty temporary folder for `dest` (a stale one is replaced).
+    /// A freshly and exclusively created, empty temporary folder for `dest`.
     fn dir(dest: &Path) -> Result<Self> {
-        let path = Self::temp_name(dest)?;
-        if path.is_dir() {
-            std::fs::remove_dir_all(&path)
-                .with_context(|| format!("removing stale {}", path.display()))?;
+        loop {
+            let path = Self::temp_name(dest)?;
+            match std::fs::create_dir(&path) {
+                Ok(()) => {
+                    return Ok(Self {
+                        path,
+                        is_dir: true,
+                        armed: true,
+                    })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+            }
         }
-        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
-        Ok(Self {
-            path,
-            is_dir: true,
-            armed: true,
-        })
     }
 
     fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Renames the finished temporary into place.
-    fn commit(mut self, dest: &Path) -> Result<()> {
-        std::fs::rename(&self.path, dest)
-            .with_context(|| format!("renaming {} to {}", self.path.display(), dest.display()))?;
+    /// Moves the finished temporary into place: over what is there when `replace`, otherwise
+    /// only if nothing is there (a file another run wrote meanwhile is kept and reported).
+    fn commit(mut self, dest: &Path, replace: bool) -> Result<()> {
+        let exists = || {
+            anyhow::anyhow!(
+                "{} already exists (another run wrote it meanwhile); kept it; pass --overwrite to replace it",
+                dest.display()
+            )
+        };
+        if !replace && !self.is_dir {
+            // A hard link fails if `dest` exists: an atomic "rename unless taken".
+            match std::fs::hard_link(&self.path, dest) {
+                Ok(()) => {
+                    // Dropping `self` (still armed) removes the temporary name.
+                    return Ok(());
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(exists()),
+                // A file system without hard links: check, then rename.
+                Err(_) if dest.symlink_metadata().is_ok() => return Err(exists()),
+                Err(_) => {}
+            }
+        }
+        if !replace && self.is_dir && dest.symlink_metadata().is_ok() && !is_empty_dir(dest) {
+            return Err(exists());
+        }
+        if let Err(e) = std::fs::rename(&self.path, dest) {
+            // A folder another run put there between the check and the rename.
+            if !replace && dest.symlink_metadata().is_ok() {
+                return Err(exists());
+            }
+            return Err(e).with_context(|| {
+                format!("renaming {} to {}", self.path.display(), dest.display())
+            });
+        }
         self.armed = false;
         Ok(())
     }
+}
+
+/// Whether `path` is a folder with nothing in it.
+fn is_empty_dir(path: &Path) -> bool {
+    std::fs::read_dir(path).is_ok_and(|mut entries| entries.next().is_none())
 }
 
 impl Drop for Partial {

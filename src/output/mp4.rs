@@ -23,6 +23,17 @@ pub fn write_mp4(
     fps: u32,
     metadata: &[(String, String)],
 ) -> Result<()> {
+    write_mp4_with(path, frames, fps, metadata, true)
+}
+
+/// [`write_mp4`], replacing a file at `path` only when `replace`.
+pub(super) fn write_mp4_with(
+    path: &Path,
+    frames: &Tensor,
+    fps: u32,
+    metadata: &[(String, String)],
+    replace: bool,
+) -> Result<()> {
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
         if fps == 0 || fps > i32::MAX as u32 {
@@ -37,7 +48,7 @@ pub fn write_mp4(
         }
         let temp = Partial::file(path)?;
         encode(&clip, temp.path(), fps, metadata)?;
-        temp.commit(path)
+        temp.commit(path, replace)
     };
     run().with_context(|| format!("writing MP4 {}", path.display()))
 }
@@ -95,7 +106,9 @@ fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> R
 
     let mut tags = Dictionary::new();
     for (k, v) in metadata {
-        tags.set(k, v);
+        // FFmpeg's tags are C strings: a NUL byte (from a prompt) would end them, and
+        // ffmpeg-next panics on it. Store it escaped, the way JSON writes it.
+        tags.set(&escape_nul(k), &escape_nul(v));
     }
     octx.set_metadata(tags);
     let mut mux_opts = Dictionary::new();
@@ -140,6 +153,15 @@ fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> R
     drain(&mut enc, &mut octx, time_base, stream_tb)?;
     octx.write_trailer().map_err(ff("finishing the MP4"))?;
     Ok(())
+}
+
+/// `text` with every NUL byte written as `\\u0000`, so it fits in a C string.
+fn escape_nul(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        text.replace('\0', "\\u0000").into()
+    } else {
+        text.into()
+    }
 }
 
 /// Moves every packet the encoder has ready into the container.

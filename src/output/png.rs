@@ -9,6 +9,11 @@ use std::path::Path;
 /// exist as a non-empty folder). Values become `round_half_even(x * 255)`, as numpy does for
 /// `output_type="pil"`.
 pub fn write_png_frames(dir: &Path, frames: &Tensor) -> Result<()> {
+    write_png_frames_with(dir, frames, true)
+}
+
+/// [`write_png_frames`]; unless `replace`, a non-empty folder at `dir` is kept and reported.
+pub(super) fn write_png_frames_with(dir: &Path, frames: &Tensor, replace: bool) -> Result<()> {
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
         let (w, h) = (
@@ -29,7 +34,7 @@ pub fn write_png_frames(dir: &Path, frames: &Tensor) -> Result<()> {
                 .save_with_format(&file, image::ImageFormat::Png)
                 .with_context(|| format!("writing {}", file.display()))?;
         }
-        temp.commit(dir)
+        temp.commit(dir, replace)
     };
     run().with_context(|| format!("writing PNG frames to {}", dir.display()))
 }

@@ -132,6 +132,14 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
                 other.origin
             );
         }
+        // A line's size merged with the flags' may be more than any machine holds.
+        let (num_frames, height, width) = (
+            line.num_frames.unwrap_or(o.num_frames),
+            line.height.unwrap_or(o.height),
+            line.width.unwrap_or(o.width),
+        );
+        crate::cli::video::check_frame_bytes(height, width, num_frames)
+            .map_err(|why| anyhow!("{origin}: {why}"))?;
         jobs.push(Job {
             index: i,
             origin,
@@ -139,9 +147,9 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
                 .negative_prompt
                 .unwrap_or_else(|| o.negative_prompt.clone()),
             seed,
-            num_frames: line.num_frames.unwrap_or(o.num_frames),
-            height: line.height.unwrap_or(o.height),
-            width: line.width.unwrap_or(o.width),
+            num_frames,
+            height,
+            width,
             num_inference_steps: line.num_inference_steps.unwrap_or(o.num_inference_steps),
             guidance_scale: line.guidance_scale.unwrap_or(o.guidance_scale),
             output,

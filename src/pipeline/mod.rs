@@ -174,6 +174,18 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         Err(_) => config,
     };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
+    if let Some(stats) = &config.options.stats_json {
+        for job in &jobs {
+            if crate::cli::resolve::same_file(stats, &job.output) {
+                return Err(UsageError::new(format!(
+                    "--stats-json {} is the output of {}; writing the stats would replace it: pass another path",
+                    stats.display(),
+                    job.origin
+                ))
+                .into());
+            }
+        }
+    }
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
     let started = Instant::now();
@@ -508,9 +520,19 @@ fn write_stats(path: &Path, stats: &serde_json::Value) -> Result<()> {
     let name = path
         .file_name()
         .with_context(|| format!("--stats-json {} does not name a file", path.display()))?;
-    let temp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    // Unique to this process and created exclusively: another run's stats never share it.
+    let temp = path.with_file_name(format!(
+        ".{}.{}.partial",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let text = serde_json::to_string_pretty(stats)? + "\n";
-    let written = std::fs::write(&temp, text).and_then(|()| std::fs::rename(&temp, path));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&temp)
+        .and_then(|mut file| std::io::Write::write_all(&mut file, text.as_bytes()))
+        .and_then(|()| std::fs::rename(&temp, path));
     if let Err(e) = written {
         // Best effort: the write error is the one worth reporting.
         let _ = std::fs::remove_file(&temp);

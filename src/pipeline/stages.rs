@@ -177,12 +177,13 @@ pub(crate) fn write_video(config: &ResolvedConfig, job: &mut Job) -> Result<()> 
             config.output.config_json.clone(),
         ),
     ];
-    crate::output::write(
+    crate::output::write_with(
         config.output.kind,
         &job.output,
         &frames,
         config.output.fps,
         &metadata,
+        config.options.overwrite,
     )?;
     job.written = true;
     Ok(())

@@ -1,0 +1,488 @@
+//! Hostile but realistic inputs (issue 17): NUL bytes in prompts, non-UTF-8 paths, a
+//! `--stats-json` aimed at the run's own files, two runs racing for one output name and sizes
+//! no machine can hold. Each must end in a clean error or a clean run, never a panic or lost data.
+
+use serde_json::Value;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A fresh, empty scratch folder for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-hostile-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The tiny synthetic run on the CPU.
+const TINY: [&str; 13] = [
+    "generate",
+    "--model",
+    "synthetic:wan2.1-tiny",
+    "--device",
+    "cpu",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--num-frames",
+    "5",
+    "--num-inference-steps",
+    "2",
+];
+
+fn vidgen<S: AsRef<OsStr>>(extra: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(TINY)
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("run vidgen")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Asserts exit code 2 with one `error:` line, no panic and nothing on stdout.
+fn assert_refused(out: &Output, needles: &[&str]) {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "exit code; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // Notes on what the device forced may come first; the error is one line, the last.
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "not one error line: {stderr}");
+    assert!(
+        stderr.trim_end().lines().last() == Some(errors[0]),
+        "{stderr}"
+    );
+    for n in needles {
+        assert!(stderr.contains(n), "{stderr:?} lacks {n:?}");
+    }
+    assert!(out.stdout.is_empty(), "stdout: {}", text(&out.stdout));
+}
+
+fn stats(path: &Path) -> Value {
+    let body = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("--stats-json {} not written: {e}", path.display()));
+    serde_json::from_str(&body).unwrap()
+}
+
+fn statuses(stats: &Value) -> Vec<String> {
+    stats["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["status"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Every file (not folder) in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn nul_bytes_in_prompts_are_escaped_in_metadata_and_every_prompt_runs() {
+    let dir = scratch("nul");
+    // A .txt prompt file: the middle line holds a NUL byte.
+    let txt = dir.join("p.txt");
+    std::fs::write(&txt, b"ok\nb\x00c\nok3\n").unwrap();
+    // A JSONL prompt file with an escaped NUL.
+    let jsonl = dir.join("p.jsonl");
+    std::fs::write(
+        &jsonl,
+        "{\"prompt\": \"x\\u0000y\"}\n{\"prompt\": \"after\"}\n",
+    )
+    .unwrap();
+    // A TOML config whose prompt holds a NUL.
+    let toml = dir.join("c.toml");
+    std::fs::write(&toml, "prompt = \"t\\u0000u\"\n").unwrap();
+    let cases: Vec<(&str, Vec<String>, usize)> = vec![
+        (
+            "txt",
+            vec![
+                "--prompt-file".into(),
+                txt.to_str().unwrap().into(),
+                "--batch-order".into(),
+                "prompt".into(),
+            ],
+            3,
+        ),
+        (
+            "jsonl",
+            vec!["--prompt-file".into(), jsonl.to_str().unwrap().into()],
+            2,
+        ),
+        (
+            "toml",
+            vec!["--config".into(), toml.to_str().unwrap().into()],
+            1,
+        ),
+    ];
+    for (name, flags, n) in cases {
+        let out_dir = dir.join(format!("out-{name}"));
+        let stats_path = dir.join(format!("{name}.json"));
+        let mut args = flags.clone();
+        args.extend([
+            "--output-path".into(),
+            out_dir.to_str().unwrap().into(),
+            "--stats-json".into(),
+            stats_path.to_str().unwrap().into(),
+        ]);
+        let run = vidgen(&args);
+        let stderr = text(&run.stderr);
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+        assert!(run.status.success(), "{name}: {stderr}");
+        let s = stats(&stats_path);
+        assert_eq!(statuses(&s), vec!["written"; n], "{name}: {s}");
+        let videos: Vec<String> = names(&out_dir)
+            .into_iter()
+            .filter(|f| f.ends_with(".mp4"))
+            .collect();
+        assert_eq!(videos.len(), n, "{name}: {videos:?}");
+        // The NUL survives in the stats (JSON escapes it) and in the MP4's tags, escaped.
+        assert!(
+            s["jobs"][if name == "txt" { 1 } else { 0 }]["prompt"]
+                .as_str()
+                .unwrap()
+                .contains('\0'),
+            "{name}: {s}"
+        );
+    }
+}
+
+/// `dir/name` with a byte that is not UTF-8 appended.
+#[cfg(unix)]
+fn non_utf8(dir: &Path, name: &str) -> std::ffi::OsString {
+    use std::os::unix::ffi::OsStringExt;
+    let mut bytes = dir.join(name).into_os_string().into_vec();
+    bytes.push(0xff);
+    std::ffi::OsString::from_vec(bytes)
+}
+
+#[cfg(unix)]
+#[test]
+fn non_utf8_paths_are_refused_at_once_with_their_flag() {
+    use std::ffi::OsString;
+    let dir = scratch("utf8");
+    let bad_out = non_utf8(&dir, "o/bad");
+    let bad_config = non_utf8(&dir, "c.toml");
+    std::fs::write(&bad_config, "seed = 1\n").unwrap();
+    let bad_stats = non_utf8(&dir, "s.json");
+    let good_out: OsString = dir.join("out").into();
+    let mut joined = OsString::from("--output-path=");
+    joined.push(&bad_out);
+    let s = |x: &str| OsString::from(x);
+    let cases: Vec<(Vec<OsString>, &str)> = vec![
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--output-path"),
+                bad_out.clone(),
+                s("--dry-run"),
+            ],
+            "--output-path",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--output-path"),
+                bad_out.clone(),
+                s("--dry-run"),
+                s("--json"),
+            ],
+            "--output-path",
+        ),
+        (
+            vec![s("--prompt"), s("x"), s("--output-path"), bad_out.clone()],
+            "--output-path",
+        ),
+        (vec![s("--prompt"), s("x"), joined], "--output-path"),
+        (
+            vec![s("--prompt"), s("x"), s("--config"), bad_config.clone()],
+            "--config",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--config"),
+                bad_config,
+                s("--dry-run"),
+            ],
+            "--config",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--output-path"),
+                good_out.clone(),
+                s("--stats-json"),
+                bad_stats.clone(),
+            ],
+            "--stats-json",
+        ),
+        (
+            vec![
+                s("--prompt"),
+                s("x"),
+                s("--stats-json"),
+                bad_stats,
+                s("--dry-run"),
+                s("--json"),
+            ],
+            "--stats-json",
+        ),
+    ];
+    for (args, flag) in cases {
+        let run = vidgen(&args);
+        assert_refused(&run, &[flag, "not valid UTF-8"]);
+    }
+    // Nothing was made: no output folder, no stats file.
+    assert_eq!(names(&dir), vec!["c.toml\u{fffd}".to_string()]);
+    // A config file can spell a NUL byte in a path: refused the same way.
+    for key in ["output_path", "stats_json"] {
+        let config = dir.join(format!("{key}.toml"));
+        std::fs::write(
+            &config,
+            format!("{key} = \"{}/x\\u0000y\"\n", dir.display()),
+        )
+        .unwrap();
+        let run = vidgen(&["--prompt", "x", "--config", config.to_str().unwrap()]);
+        assert_refused(&run, &["NUL byte"]);
+    }
+}
+
+#[test]
+fn stats_json_never_replaces_an_input_an_output_or_a_special_file() {
+    let dir = scratch("stats-target");
+    let out = dir.join("out");
+    let prompts = dir.join("p.jsonl");
+    let body = "{\"prompt\": \"a\"}\n";
+    std::fs::write(&prompts, body).unwrap();
+    let config = dir.join("c.toml");
+    std::fs::write(&config, "seed = 3\n").unwrap();
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let o = p(&out);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--prompt-file".into(),
+                p(&prompts),
+                "--stats-json".into(),
+                p(&prompts),
+            ],
+            "--prompt-file",
+        ),
+        (
+            // The same file under another spelling.
+            vec![
+                "--prompt-file".into(),
+                p(&prompts),
+                "--stats-json".into(),
+                p(&dir.join("out/../p.jsonl")),
+            ],
+            "--prompt-file",
+        ),
+        (
+            vec![
+                "--prompt".into(),
+                "x".into(),
+                "--config".into(),
+                p(&config),
+                "--stats-json".into(),
+                p(&config),
+            ],
+            "--config",
+        ),
+        (
+            vec![
+                "--prompt".into(),
+                "x".into(),
+                "--stats-json".into(),
+                "/dev/null".into(),
+            ],
+            "not a regular file",
+        ),
+        (
+            vec![
+                "--prompt".into(),
+                "x".into(),
+                "--output-video-name".into(),
+                "v".into(),
+                "--stats-json".into(),
+                p(&out.join("v.mp4")),
+            ],
+            "is the output of",
+        ),
+    ];
+    std::fs::create_dir_all(&out).unwrap();
+    for (mut args, needle) in cases {
+        args.extend(["--output-path".into(), o.clone()]);
+        let run = vidgen(&args);
+        assert_refused(&run, &["--stats-json", needle]);
+        assert_eq!(std::fs::read_to_string(&prompts).unwrap(), body);
+        assert_eq!(std::fs::read_to_string(&config).unwrap(), "seed = 3\n");
+        assert_eq!(names(&out), Vec::<String>::new(), "{args:?}");
+    }
+    // The dry run refuses the same paths.
+    let run = vidgen(&[
+        "--prompt-file",
+        &p(&prompts),
+        "--stats-json",
+        &p(&prompts),
+        "--dry-run",
+    ]);
+    assert_refused(&run, &["--stats-json", "--prompt-file"]);
+}
+
+#[test]
+fn sizes_no_machine_can_hold_are_refused_before_anything_allocates() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--height", "1000000000"], "height"),
+        (&["--width", "1000000000"], "width"),
+        (&["--num-frames", "1000000001"], "num-frames"),
+        (
+            &[
+                "--height",
+                "16384",
+                "--width",
+                "16384",
+                "--num-frames",
+                "16385",
+            ],
+            "more than any machine can hold",
+        ),
+    ];
+    let dir = scratch("sizes");
+    let out = dir.join("out");
+    for (flags, needle) in cases {
+        for dry in [&[][..], &["--dry-run"][..], &["--dry-run", "--json"][..]] {
+            let mut args: Vec<&str> = vec!["--prompt", "x", "--output-path", out.to_str().unwrap()];
+            args.extend_from_slice(flags);
+            args.extend_from_slice(dry);
+            let run = vidgen(&args);
+            assert_refused(&run, &[needle]);
+        }
+    }
+    assert!(!out.exists(), "the output folder was created");
+    // A prompt file's line merged with the flags: each value alone is fine, together not.
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"height\": 16384, \"width\": 16384}\n",
+    )
+    .unwrap();
+    let run = vidgen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--num-frames",
+        "16385",
+        "--output-path",
+        out.to_str().unwrap(),
+    ]);
+    assert_refused(&run, &["p.jsonl:2", "more than any machine can hold"]);
+    assert!(!out.exists(), "the output folder was created");
+}
+
+/// Hidden temporaries left in `dir`.
+fn partials(dir: &Path) -> Vec<String> {
+    names(dir)
+        .into_iter()
+        .filter(|n| n.starts_with('.'))
+        .collect()
+}
+
+#[test]
+fn concurrent_writers_of_one_name_use_their_own_temporaries_and_the_loser_reports_the_file() {
+    use candle_core::{Device, Tensor};
+    use vidgen::output::{self, OutputType};
+    let dir = scratch("race-writers");
+    let frames = Tensor::rand(0f32, 1f32, (3, 16, 16, 3), &Device::Cpu).unwrap();
+    for kind in [OutputType::Mp4, OutputType::Safetensors, OutputType::Png] {
+        let dest = dir.join(format!("v.{}", kind.extension()));
+        let results: Vec<anyhow::Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|_| s.spawn(|| output::write_with(kind, &dest, &frames, 8, &[], false)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let won = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(won, 1, "{kind:?}: exactly one writer wins: {results:?}");
+        for e in results.iter().filter_map(|r| r.as_ref().err()) {
+            let msg = format!("{e:#}");
+            assert!(msg.contains("already exists"), "{kind:?}: {msg}");
+            assert!(msg.contains(&dest.display().to_string()), "{kind:?}: {msg}");
+        }
+        assert!(dest.exists());
+        // The winner's file is whole: the loaders read it back.
+        if kind == OutputType::Safetensors {
+            let t = candle_core::safetensors::load(&dest, &Device::Cpu).unwrap();
+            assert_eq!(t["frames"].dims(), &[3, 16, 16, 3]);
+        }
+        assert_eq!(partials(&dir), Vec::<String>::new(), "{kind:?}");
+        // Replacing stays possible when asked for (files).
+        if kind != OutputType::Png {
+            output::write_with(kind, &dest, &frames, 8, &[], true).unwrap();
+        }
+    }
+}
+
+#[test]
+fn two_runs_writing_one_output_name_never_corrupt_it() {
+    let dir = scratch("race-runs");
+    let out = dir.join("out");
+    let args: Vec<String> = [
+        "--prompt",
+        "same",
+        "--seed",
+        "7",
+        "--output-video-name",
+        "v",
+        "--output-path",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args(TINY)
+            .args(&args)
+            .env("HF_HUB_OFFLINE", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(), spawn());
+    let runs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    let ok = runs.iter().filter(|r| r.status.success()).count();
+    assert_eq!(ok, 1, "exactly one run writes v.mp4");
+    let loser = runs.iter().find(|r| !r.status.success()).unwrap();
+    let stderr = text(&loser.stderr);
+    assert_eq!(loser.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("v.mp4"), "{stderr}");
+    assert!(
+        stderr.contains("already exists") || stderr.contains("appeared during the run"),
+        "{stderr}"
+    );
+    assert_eq!(names(&out), vec!["v.mp4".to_string()]);
+    // The file is a whole MP4: its index ("moov", put first by faststart) and its data.
+    let bytes = std::fs::read(out.join("v.mp4")).unwrap();
+    let find = |tag: &[u8]| bytes.windows(4).any(|w| w == tag);
+    assert!(find(b"ftyp") && find(b"moov") && find(b"mdat"));
+}
