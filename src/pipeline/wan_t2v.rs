@@ -685,10 +685,12 @@ impl WanT2V {
         };
         let Denoising {
             mut scheduler,
-            mut latents,
+            latents,
             next_step,
             mut forward_seconds,
         } = state;
+        // Latents wait in host memory between the experts' stages.
+        let mut latents = latents.to_device(&self.device)?;
         let placed = if low {
             self.transformer_2
                 .as_ref()
