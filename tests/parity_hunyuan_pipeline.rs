@@ -96,7 +96,7 @@ fn guidance_distilled_run_matches_diffusers() {
     )
     .unwrap();
     let scfg =
-        FlowMatchEulerConfig::from_file(&dir().join("scheduler/scheduler_config.json")).unwrap();
+        FlowMatchEulerConfig::from_file(dir().join("scheduler/scheduler_config.json")).unwrap();
     let guidance = guidance_input(GUIDANCE_SCALE, 1, DType::F32, &Device::Cpu).unwrap();
     check("cfg1.guidance", &guidance, &r["cfg1.guidance"]);
 
@@ -160,7 +160,7 @@ fn true_cfg_run_matches_diffusers() {
     )
     .unwrap();
     let scfg =
-        FlowMatchEulerConfig::from_file(&dir().join("scheduler/scheduler_config.json")).unwrap();
+        FlowMatchEulerConfig::from_file(dir().join("scheduler/scheduler_config.json")).unwrap();
     let guidance = guidance_input(GUIDANCE_SCALE, 1, DType::F32, &Device::Cpu).unwrap();
     check("truecfg4.guidance", &guidance, &r["truecfg4.guidance"]);
     assert!(uses_true_cfg(4.0, true));

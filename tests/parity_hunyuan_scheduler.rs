@@ -13,7 +13,7 @@ const FIXTURE: &str = "hunyuanvideo-tiny-a";
 
 fn config() -> FlowMatchEulerConfig {
     FlowMatchEulerConfig::from_file(
-        &common::named_fixture_dir(FIXTURE).join("scheduler/scheduler_config.json"),
+        common::named_fixture_dir(FIXTURE).join("scheduler/scheduler_config.json"),
     )
     .unwrap()
 }

@@ -11,81 +11,11 @@
 //! second forward with the negative prompt only when `true_cfg_scale > 1` and a negative prompt
 //! is given.
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::{DType, Device, Result, Tensor};
-use serde::Deserialize;
-use std::path::Path;
 
 use crate::schedulers::euler::FlowMatchEuler;
-
-/// `scheduler/scheduler_config.json` of `FlowMatchEulerDiscreteScheduler`, with diffusers'
-/// defaults; keys that do not change this schedule are ignored.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(default)]
-pub struct FlowMatchEulerConfig {
-    pub num_train_timesteps: usize,
-    /// Static shift of the sigmas.
-    pub shift: f64,
-    pub use_dynamic_shifting: bool,
-    pub invert_sigmas: bool,
-    pub shift_terminal: Option<f64>,
-    pub use_karras_sigmas: bool,
-    pub use_exponential_sigmas: bool,
-    pub use_beta_sigmas: bool,
-    pub stochastic_sampling: bool,
-}
-
-impl Default for FlowMatchEulerConfig {
-    fn default() -> Self {
-        Self {
-            num_train_timesteps: 1000,
-            shift: 1.0,
-            use_dynamic_shifting: false,
-            invert_sigmas: false,
-            shift_terminal: None,
-            use_karras_sigmas: false,
-            use_exponential_sigmas: false,
-            use_beta_sigmas: false,
-            stochastic_sampling: false,
-        }
-    }
-}
-
-impl FlowMatchEulerConfig {
-    /// Reads a `scheduler_config.json`.
-    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading scheduler config {}", path.display()))?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("parsing scheduler config {}", path.display()))
-    }
-
-    /// Rejects settings this schedule does not implement, naming the key.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        if self.num_train_timesteps == 0 {
-            bail!("scheduler config: num_train_timesteps must be positive");
-        }
-        if !(self.shift.is_finite() && self.shift > 0.0) {
-            bail!("scheduler config: shift {} must be positive", self.shift);
-        }
-        for (key, on) in [
-            ("use_dynamic_shifting", self.use_dynamic_shifting),
-            ("invert_sigmas", self.invert_sigmas),
-            ("use_karras_sigmas", self.use_karras_sigmas),
-            ("use_exponential_sigmas", self.use_exponential_sigmas),
-            ("use_beta_sigmas", self.use_beta_sigmas),
-            ("stochastic_sampling", self.stochastic_sampling),
-        ] {
-            if on {
-                bail!("scheduler config: {key} = true is not supported");
-            }
-        }
-        if self.shift_terminal.is_some_and(|s| s != 0.0) {
-            bail!("scheduler config: shift_terminal is not supported");
-        }
-        Ok(())
-    }
-}
+pub use crate::schedulers::euler::FlowMatchEulerConfig;
 
 /// The pipeline's schedule for `num_steps` steps: timesteps (f32 values) and `num_steps + 1`
 /// sigmas ending in 0. `shift` overrides the config's.
@@ -95,6 +25,13 @@ pub fn schedule(
     shift: Option<f64>,
 ) -> anyhow::Result<(Vec<f64>, Vec<f32>)> {
     cfg.validate()?;
+    // The pipeline shifts its own sigmas once, statically.
+    if cfg.use_dynamic_shifting {
+        bail!("scheduler config: use_dynamic_shifting = true is not supported by HunyuanVideo's schedule");
+    }
+    if cfg.shift_terminal.is_some_and(|s| s != 0.0) {
+        bail!("scheduler config: shift_terminal is not supported by HunyuanVideo's schedule");
+    }
     if num_steps == 0 {
         bail!("the number of inference steps must be at least 1");
     }
