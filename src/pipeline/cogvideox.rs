@@ -7,7 +7,7 @@ use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
 use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
@@ -149,57 +149,35 @@ impl Family for CogVideoXConfigs {
     /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
     /// by one stage and safe to defer.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let component = |name, role, constructors| ComponentSpec {
-            name,
-            role,
-            dtype: None,
-            deferrable: true,
-            constructors,
-        };
-        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
-            name,
-            uses: uses.to_vec(),
-            activation_bytes,
-        };
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         PipelineSpec {
             title: "CogVideoX text-to-video",
             components: vec![
-                component(
+                ComponentSpec::new::<T5EncoderModel>(
                     "text_encoder",
                     Role::TextEncoder,
-                    Arc::new(ModelConstructors::<T5EncoderModel>(
-                        self.text_encoder.clone(),
-                    )),
+                    self.text_encoder.clone(),
                 ),
-                component(
+                ComponentSpec::new::<CogVideoXTransformer3DModel>(
                     "transformer",
                     Role::Dit,
-                    Arc::new(ModelConstructors::<CogVideoXTransformer3DModel>(
-                        self.transformer.clone(),
-                    )),
+                    self.transformer.clone(),
                 ),
-                component(
-                    "vae",
-                    Role::Vae,
-                    Arc::new(ModelConstructors::<AutoencoderKLCogVideoX>(
-                        self.vae.clone(),
-                    )),
-                ),
+                ComponentSpec::new::<AutoencoderKLCogVideoX>("vae", Role::Vae, self.vae.clone()),
             ],
             stages: vec![
-                stage(
+                StageSpec::new(
                     "encode_text",
                     &[TEXT_ENCODER],
                     self.text_activations(shape.text_len, shape.dtype),
                 ),
-                stage(
+                StageSpec::new(
                     "denoise",
                     &[TRANSFORMER],
                     self.transformer_activations(latent, shape.text_len, shape.dtype),
                 ),
-                stage("decode", &[VAE], self.vae_activations(latent, shape.dtype)),
-                stage("write", &[], 0),
+                StageSpec::new("decode", &[VAE], self.vae_activations(latent, shape.dtype)),
+                StageSpec::new("write", &[], 0),
             ],
         }
     }
@@ -618,21 +596,8 @@ impl Blockwise for CogVideoXTransformer3DModel {
     }
 }
 
-/// The VAE has no repeated blocks to stream: it is resident or parked whole (its decoder
-/// only: text-to-video never encodes).
-impl Blockwise for AutoencoderKLCogVideoX {
-    type Config = CogVideoXVaeConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_decoder_only(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_decoder_only(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the CogVideoX VAE is offloaded whole, not block by block")
-    }
-}
+crate::placed_whole!(
+    AutoencoderKLCogVideoX,
+    CogVideoXVaeConfig,
+    AutoencoderKLCogVideoX::new_decoder_only
+);

@@ -9,7 +9,7 @@ use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
@@ -126,18 +126,6 @@ impl Family for HunyuanConfigs {
     /// Two text encoders (Llama, CLIP) used by one stage, the DiT, the VAE; every component
     /// only feeds tensors forward, so each is safe to defer.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let component = |name, role, constructors| ComponentSpec {
-            name,
-            role,
-            dtype: None,
-            deferrable: true,
-            constructors,
-        };
-        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
-            name,
-            uses: uses.to_vec(),
-            activation_bytes,
-        };
         let d = size(shape.dtype);
         // Text: the template's tokens plus the prompt's, through one Llama layer at a time.
         let llama = &self.text_encoder;
@@ -182,40 +170,28 @@ impl Family for HunyuanConfigs {
         PipelineSpec {
             title: "HunyuanVideo text-to-video",
             components: vec![
-                component(
+                ComponentSpec::new::<LlamaTextEncoder>(
                     "text_encoder",
                     Role::TextEncoder,
-                    Arc::new(ModelConstructors::<LlamaTextEncoder>(
-                        self.text_encoder.clone(),
-                    )),
+                    self.text_encoder.clone(),
                 ),
-                component(
+                ComponentSpec::new::<ClipTextModel>(
                     "text_encoder_2",
                     Role::TextEncoder,
-                    Arc::new(ModelConstructors::<ClipTextModel>(
-                        self.text_encoder_2.clone(),
-                    )),
+                    self.text_encoder_2.clone(),
                 ),
-                component(
+                ComponentSpec::new::<HunyuanVideoTransformer3DModel>(
                     "transformer",
                     Role::Dit,
-                    Arc::new(ModelConstructors::<HunyuanVideoTransformer3DModel>(
-                        self.transformer.clone(),
-                    )),
+                    self.transformer.clone(),
                 ),
-                component(
-                    "vae",
-                    Role::Vae,
-                    Arc::new(ModelConstructors::<AutoencoderKLHunyuanVideo>(
-                        self.vae.clone(),
-                    )),
-                ),
+                ComponentSpec::new::<AutoencoderKLHunyuanVideo>("vae", Role::Vae, self.vae.clone()),
             ],
             stages: vec![
-                stage("encode_text", &[TEXT_ENCODER, TEXT_ENCODER_2], text),
-                stage("denoise", &[TRANSFORMER], denoise),
-                stage("decode", &[VAE], decode),
-                stage("write", &[], 0),
+                StageSpec::new("encode_text", &[TEXT_ENCODER, TEXT_ENCODER_2], text),
+                StageSpec::new("denoise", &[TRANSFORMER], denoise),
+                StageSpec::new("decode", &[VAE], decode),
+                StageSpec::new("write", &[], 0),
             ],
         }
     }
@@ -775,20 +751,8 @@ impl Blockwise for ClipTextModel {
     }
 }
 
-/// The VAE has no repeated blocks to stream: it is resident or parked whole.
-impl Blockwise for AutoencoderKLHunyuanVideo {
-    type Config = HunyuanVideoVaeConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the HunyuanVideo VAE is offloaded whole, not block by block")
-    }
-}
+crate::placed_whole!(
+    AutoencoderKLHunyuanVideo,
+    HunyuanVideoVaeConfig,
+    AutoencoderKLHunyuanVideo::new
+);

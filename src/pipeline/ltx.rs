@@ -7,7 +7,7 @@ use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
@@ -187,50 +187,30 @@ impl Family for LtxConfigs {
     /// T5, DiT and VAE, each used by one stage and safe to defer: every component only feeds
     /// tensors forward.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let component = |name, role, constructors| ComponentSpec {
-            name,
-            role,
-            dtype: None,
-            deferrable: true,
-            constructors,
-        };
-        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
-            name,
-            uses: uses.to_vec(),
-            activation_bytes,
-        };
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
         PipelineSpec {
             title: "LTX-Video text-to-video",
             components: vec![
-                component(
+                ComponentSpec::new::<T5EncoderModel>(
                     "text_encoder",
                     Role::TextEncoder,
-                    Arc::new(ModelConstructors::<T5EncoderModel>(
-                        self.text_encoder.clone(),
-                    )),
+                    self.text_encoder.clone(),
                 ),
-                component(
+                ComponentSpec::new::<LtxTransformer3DModel>(
                     "transformer",
                     Role::Dit,
-                    Arc::new(ModelConstructors::<LtxTransformer3DModel>(
-                        self.transformer.clone(),
-                    )),
+                    self.transformer.clone(),
                 ),
-                component(
-                    "vae",
-                    Role::Vae,
-                    Arc::new(ModelConstructors::<AutoencoderKLLTXVideo>(self.vae.clone())),
-                ),
+                ComponentSpec::new::<AutoencoderKLLTXVideo>("vae", Role::Vae, self.vae.clone()),
             ],
             stages: vec![
-                stage(
+                StageSpec::new(
                     "encode_text",
                     &[TEXT_ENCODER],
                     text_encoder_activations(&self.text_encoder, 1, shape.text_len, shape.dtype),
                 ),
-                stage(
+                StageSpec::new(
                     "denoise",
                     &[TRANSFORMER],
                     transformer_activations(
@@ -241,8 +221,8 @@ impl Family for LtxConfigs {
                         shape.dtype,
                     ),
                 ),
-                stage("decode", &[VAE], vae_decode_activations(&self.vae, grid)),
-                stage("write", &[], 0),
+                StageSpec::new("decode", &[VAE], vae_decode_activations(&self.vae, grid)),
+                StageSpec::new("write", &[], 0),
             ],
         }
     }
@@ -699,20 +679,8 @@ impl Blockwise for LtxTransformer3DModel {
     }
 }
 
-/// The VAE has no repeated blocks to stream: it is resident or parked whole.
-impl Blockwise for AutoencoderKLLTXVideo {
-    type Config = LtxVaeConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the LTX-Video VAE is offloaded whole, not block by block")
-    }
-}
+crate::placed_whole!(
+    AutoencoderKLLTXVideo,
+    LtxVaeConfig,
+    AutoencoderKLLTXVideo::new
+);

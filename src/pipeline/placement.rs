@@ -124,6 +124,21 @@ fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
     }
 }
 
+/// A model with no repeated blocks to stream (a VAE, an image encoder): resident or parked
+/// whole. `$new` builds it from its config and root `VarBuilder`.
+#[macro_export]
+macro_rules! placed_whole {
+    ($model:ty, $config:ty, $new:path) => {
+        impl $crate::pipeline::placement::Blockwise for $model {
+            type Config = $config;
+            type Block = ();
+            fn whole(cfg: &$config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
+                $new(cfg, vb)
+            }
+        }
+    };
+}
+
 /// A model the engine can place: built whole, or as its outer part plus blocks built apart.
 pub trait Blockwise: Sized + 'static {
     type Config: Clone + Send + Sync + 'static;
@@ -131,11 +146,22 @@ pub trait Blockwise: Sized + 'static {
     /// The whole model from its root `VarBuilder`.
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
     /// Everything but the repeated blocks; lookup tables (exact on any device) may come from
-    /// `host_vb`, in host memory, when the blocks are streamed.
-    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self>;
-    fn num_blocks(cfg: &Self::Config) -> usize;
+    /// `host_vb`, in host memory, when the blocks are streamed. A model without blocks is its
+    /// whole self.
+    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self> {
+        let _ = host_vb;
+        Self::whole(cfg, vb)
+    }
+    /// How many repeated blocks stream one by one (0: the model is placed whole).
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        let _ = cfg;
+        0
+    }
     /// Block `i` from the root `VarBuilder`.
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block>;
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        let _ = (cfg, vb);
+        candle_core::bail!("block {i} of a model that is placed whole, not block by block")
+    }
     /// How many steps a block can be split into for finer streaming (1: it cannot).
     fn steps(_: &Self::Config) -> usize {
         1

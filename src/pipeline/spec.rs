@@ -193,6 +193,17 @@ pub struct ComponentSpec {
 }
 
 impl ComponentSpec {
+    /// Model `M` with config `cfg`, in the run's dtype, safe to defer (what most components are).
+    pub fn new<M: Blockwise>(name: &'static str, role: Role, cfg: M::Config) -> Self {
+        ComponentSpec {
+            name,
+            role,
+            dtype: None,
+            deferrable: true,
+            constructors: Arc::new(ModelConstructors::<M>(cfg)),
+        }
+    }
+
     /// The dtype the component's weights take in a run of `dtype`.
     pub fn dtype(&self, run: DType) -> DType {
         self.dtype.unwrap_or(run)
@@ -209,6 +220,16 @@ pub struct StageSpec {
     /// weights (0 on the CPU is still an estimate of host bytes).
     #[serde(skip)]
     pub activation_bytes: u64,
+}
+
+impl StageSpec {
+    pub fn new(name: &'static str, uses: &[usize], activation_bytes: u64) -> Self {
+        StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        }
+    }
 }
 
 /// A pipeline as data.

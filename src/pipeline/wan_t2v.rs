@@ -9,7 +9,7 @@ use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
@@ -79,57 +79,39 @@ impl Family for WanConfigs {
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
         let parts = self.parts();
         let index = |p: Part| parts.iter().position(|q| *q == p);
-        let component = |part: Part| {
-            let (name, role, dtype, constructors): (_, _, _, Arc<dyn super::spec::Constructors>) =
-                match part {
-                    Part::TextEncoder => (
-                        "text_encoder",
-                        Role::TextEncoder,
-                        None,
-                        Arc::new(ModelConstructors::<UMT5EncoderModel>(
-                            self.text_encoder.clone(),
-                        )),
-                    ),
-                    Part::ImageEncoder => (
-                        "image_encoder",
-                        Role::ImageEncoder,
-                        Some(DType::F32),
-                        Arc::new(ModelConstructors::<ClipVisionModel>(
-                            self.image_encoder.clone().unwrap_or_default(),
-                        )),
-                    ),
-                    Part::Transformer => (
-                        "transformer",
-                        Role::Dit,
-                        None,
-                        Arc::new(ModelConstructors::<WanTransformer3DModel>(
-                            self.transformer.clone(),
-                        )),
-                    ),
-                    Part::Transformer2 => (
-                        "transformer_2",
-                        Role::Dit,
-                        None,
-                        Arc::new(ModelConstructors::<WanTransformer3DModel>(
-                            self.transformer_2
-                                .clone()
-                                .unwrap_or_else(|| self.transformer.clone()),
-                        )),
-                    ),
-                    Part::Vae => (
-                        "vae",
-                        Role::Vae,
-                        Some(DType::F32),
-                        Arc::new(ModelConstructors::<AutoencoderKLWan>(self.vae.clone())),
-                    ),
-                };
-            ComponentSpec {
-                name,
-                role,
-                dtype,
-                deferrable: true,
-                constructors,
-            }
+        // Diffusers runs the Wan VAE and the CLIP image encoder in f32.
+        let f32 = |c: ComponentSpec| ComponentSpec {
+            dtype: Some(DType::F32),
+            ..c
+        };
+        let component = |part: Part| match part {
+            Part::TextEncoder => ComponentSpec::new::<UMT5EncoderModel>(
+                "text_encoder",
+                Role::TextEncoder,
+                self.text_encoder.clone(),
+            ),
+            Part::ImageEncoder => f32(ComponentSpec::new::<ClipVisionModel>(
+                "image_encoder",
+                Role::ImageEncoder,
+                self.image_encoder.clone().unwrap_or_default(),
+            )),
+            Part::Transformer => ComponentSpec::new::<WanTransformer3DModel>(
+                "transformer",
+                Role::Dit,
+                self.transformer.clone(),
+            ),
+            Part::Transformer2 => ComponentSpec::new::<WanTransformer3DModel>(
+                "transformer_2",
+                Role::Dit,
+                self.transformer_2
+                    .clone()
+                    .unwrap_or_else(|| self.transformer.clone()),
+            ),
+            Part::Vae => f32(ComponentSpec::new::<AutoencoderKLWan>(
+                "vae",
+                Role::Vae,
+                self.vae.clone(),
+            )),
         };
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let tiling = shape.vae_tiling.then(WanVaeTiling::default);
@@ -1058,39 +1040,10 @@ impl Blockwise for WanTransformer3DModel {
     }
 }
 
-/// The VAE has no repeated blocks to stream: it is resident or parked whole.
-impl Blockwise for AutoencoderKLWan {
-    type Config = WanVaeConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the Wan VAE is offloaded whole, not block by block")
-    }
-}
+crate::placed_whole!(AutoencoderKLWan, WanVaeConfig, AutoencoderKLWan::new);
 
-/// The CLIP tower up to its penultimate layer (what the Wan I2V pipelines use) is small next to
-/// the DiT: it is resident or parked whole.
-impl Blockwise for ClipVisionModel {
-    type Config = ClipVisionConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_penultimate(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_penultimate(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the CLIP image encoder is offloaded whole, not block by block")
-    }
-}
+crate::placed_whole!(
+    ClipVisionModel,
+    ClipVisionConfig,
+    ClipVisionModel::new_penultimate
+);
