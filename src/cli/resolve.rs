@@ -95,7 +95,9 @@ impl ResolvedConfig {
     /// Validates the options, probes the device and applies what it forces.
     pub fn resolve(args: GenerateArgs) -> Result<Self, UsageError> {
         let mut options = args.options;
-        validate(&options, args.dry_run, FrameRule::default())?;
+        // Frame counts and sizes follow the model family's rule, checked once it is known
+        // ([`Self::with_model_defaults`]).
+        validate(&options, args.dry_run, FrameRule::ANY)?;
         if let Some(stats) = &options.stats_json {
             let inputs = [
                 ("--prompt-file", options.prompt_file.as_deref()),

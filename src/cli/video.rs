@@ -32,6 +32,14 @@ pub struct FrameRule {
     pub size_step: u32,
 }
 
+impl FrameRule {
+    /// Any frame count and size (before the model's family is known).
+    pub const ANY: FrameRule = FrameRule {
+        frame_step: 1,
+        size_step: 1,
+    };
+}
+
 impl Default for FrameRule {
     /// Wan's: 4k+1 frames, multiples of 16.
     fn default() -> Self {

@@ -4,10 +4,12 @@
 //! to a hidden temporary name next to the destination and renames it into place only when the
 //! output is complete, so an interrupted or failed run never leaves a half-written file behind.
 
+mod audio;
 #[cfg(feature = "mp4")]
 mod mp4;
 mod png;
 
+pub use audio::{write_wav, Audio, WAV_NAME};
 #[cfg(feature = "mp4")]
 pub use mp4::write_mp4;
 pub use png::write_png_frames;
@@ -75,16 +77,31 @@ pub fn write_with(
     metadata: &[(String, String)],
     replace: bool,
 ) -> Result<()> {
+    write_with_audio(output_type, path, frames, None, fps, metadata, replace)
+}
+
+/// [`write_with`] for a model that makes sound: MP4 gets an AAC track of the video's length,
+/// safetensors an `audio` tensor `[channels, samples]`, a PNG folder a WAV file
+/// ([`WAV_NAME`]) beside the frames.
+pub fn write_with_audio(
+    output_type: OutputType,
+    path: &Path,
+    frames: &Tensor,
+    audio: Option<&Audio>,
+    fps: u32,
+    metadata: &[(String, String)],
+    replace: bool,
+) -> Result<()> {
     match output_type {
         #[cfg(feature = "mp4")]
-        OutputType::Mp4 => mp4::write_mp4_with(path, frames, fps, metadata, replace),
+        OutputType::Mp4 => mp4::write_mp4_with(path, frames, audio, fps, metadata, replace),
         #[cfg(not(feature = "mp4"))]
         OutputType::Mp4 => {
-            let _ = (fps, path, replace);
+            let _ = (fps, path, replace, audio);
             anyhow::bail!("this vidgen was built without MP4 support (cargo feature `mp4`); use --output-type png or safetensors")
         }
-        OutputType::Png => png::write_png_frames_with(path, frames, replace),
-        OutputType::Safetensors => write_safetensors_inner(path, frames, metadata, replace),
+        OutputType::Png => png::write_png_frames_with(path, frames, audio, replace),
+        OutputType::Safetensors => write_safetensors_inner(path, frames, audio, metadata, replace),
     }
 }
 
@@ -99,12 +116,13 @@ pub fn write_safetensors_with_metadata(
     frames: &Tensor,
     metadata: &[(String, String)],
 ) -> Result<()> {
-    write_safetensors_inner(path, frames, metadata, true)
+    write_safetensors_inner(path, frames, None, metadata, true)
 }
 
 fn write_safetensors_inner(
     path: &Path,
     frames: &Tensor,
+    audio: Option<&Audio>,
     metadata: &[(String, String)],
     replace: bool,
 ) -> Result<()> {
@@ -118,7 +136,9 @@ fn write_safetensors_inner(
         let temp = Partial::file(path)?;
         let info: HashMap<String, String> = metadata.iter().cloned().collect();
         let info = (!info.is_empty()).then_some(info);
-        safetensors::serialize_to_file([("frames", &tensor)], info, temp.path())?;
+        let mut tensors = vec![("frames", &tensor)];
+        tensors.extend(audio.map(|a| ("audio", a.samples())));
+        safetensors::serialize_to_file(tensors, info, temp.path())?;
         temp.commit(path, replace)
     };
     run().with_context(|| format!("writing safetensors {}", path.display()))

@@ -1,5 +1,7 @@
-//! MP4 writer: H.264 (libx264), yuv420p, through the FFmpeg libraries.
+//! MP4 writer: H.264 (libx264), yuv420p, through the FFmpeg libraries; with a model's sound, an
+//! AAC track of the video's length beside it.
 
+use super::audio::{AacTrack, Audio};
 use super::{Clip, Partial};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
@@ -23,13 +25,14 @@ pub fn write_mp4(
     fps: u32,
     metadata: &[(String, String)],
 ) -> Result<()> {
-    write_mp4_with(path, frames, fps, metadata, true)
+    write_mp4_with(path, frames, None, fps, metadata, true)
 }
 
-/// [`write_mp4`], replacing a file at `path` only when `replace`.
+/// [`write_mp4`] with `audio` muxed in, replacing a file at `path` only when `replace`.
 pub(super) fn write_mp4_with(
     path: &Path,
     frames: &Tensor,
+    audio: Option<&Audio>,
     fps: u32,
     metadata: &[(String, String)],
     replace: bool,
@@ -47,7 +50,7 @@ pub(super) fn write_mp4_with(
             );
         }
         let temp = Partial::file(path)?;
-        encode(&clip, temp.path(), fps, metadata)?;
+        encode(&clip, audio, temp.path(), fps, metadata)?;
         temp.commit(path, replace)
     };
     run().with_context(|| format!("writing MP4 {}", path.display()))
@@ -62,7 +65,13 @@ fn init() -> Result<()> {
 }
 
 /// Encodes the whole clip into `out` (the temporary file).
-fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> Result<()> {
+fn encode(
+    clip: &Clip,
+    audio: Option<&Audio>,
+    out: &Path,
+    fps: u32,
+    metadata: &[(String, String)],
+) -> Result<()> {
     init()?;
     // ffmpeg-next panics on non-UTF-8 paths or NUL bytes: refuse them here instead.
     let out_str = out
@@ -103,6 +112,10 @@ fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> R
     ost.set_time_base(time_base);
     ost.set_avg_frame_rate(Rational(fps, 1));
     ost.set_rate(Rational(fps, 1));
+    let seconds = clip.frames as f64 / f64::from(fps);
+    let track = audio
+        .map(|a| AacTrack::add(&mut octx, a, seconds, global_header))
+        .transpose()?;
 
     let mut tags = Dictionary::new();
     for (k, v) in metadata {
@@ -147,10 +160,13 @@ fn encode(clip: &Clip, out: &Path, fps: u32, metadata: &[(String, String)]) -> R
             .map_err(ff("converting RGB to YUV"))?;
         yuv.set_pts(Some(i as i64));
         enc.send_frame(&yuv).map_err(ff("encoding a frame"))?;
-        drain(&mut enc, &mut octx, time_base, stream_tb)?;
+        drain(&mut enc, &mut octx, 0, time_base, stream_tb)?;
     }
     enc.send_eof().map_err(ff("flushing the encoder"))?;
-    drain(&mut enc, &mut octx, time_base, stream_tb)?;
+    drain(&mut enc, &mut octx, 0, time_base, stream_tb)?;
+    if let Some(track) = track {
+        track.write(&mut octx)?;
+    }
     octx.write_trailer().map_err(ff("finishing the MP4"))?;
     Ok(())
 }
@@ -164,10 +180,11 @@ fn escape_nul(text: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// Moves every packet the encoder has ready into the container.
-fn drain(
-    enc: &mut encoder::Video,
+/// Moves every packet the encoder has ready into stream `stream` of the container.
+pub(super) fn drain(
+    enc: &mut encoder::Encoder,
     octx: &mut format::context::Output,
+    stream: usize,
     enc_tb: Rational,
     stream_tb: Rational,
 ) -> Result<()> {
@@ -175,7 +192,7 @@ fn drain(
     loop {
         match enc.receive_packet(&mut packet) {
             Ok(()) => {
-                packet.set_stream(0);
+                packet.set_stream(stream);
                 packet.rescale_ts(enc_tb, stream_tb);
                 packet
                     .write_interleaved(octx)
@@ -189,6 +206,6 @@ fn drain(
 }
 
 /// Turns an FFmpeg error into an anyhow error saying what was being done.
-fn ff(what: &'static str) -> impl Fn(ffmpeg::Error) -> anyhow::Error {
+pub(super) fn ff(what: &'static str) -> impl Fn(ffmpeg::Error) -> anyhow::Error {
     move |e| anyhow!("FFmpeg: {what}: {e}")
 }

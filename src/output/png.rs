@@ -1,5 +1,6 @@
 //! PNG folder writer: one 8-bit RGB PNG per frame, rounded like diffusers' PIL path.
 
+use super::audio::{write_wav, Audio, WAV_NAME};
 use super::{Clip, Partial};
 use anyhow::{Context, Result};
 use candle_core::Tensor;
@@ -9,11 +10,17 @@ use std::path::Path;
 /// exist as a non-empty folder). Values become `round_half_even(x * 255)`, as numpy does for
 /// `output_type="pil"`.
 pub fn write_png_frames(dir: &Path, frames: &Tensor) -> Result<()> {
-    write_png_frames_with(dir, frames, true)
+    write_png_frames_with(dir, frames, None, true)
 }
 
-/// [`write_png_frames`]; unless `replace`, a non-empty folder at `dir` is kept and reported.
-pub(super) fn write_png_frames_with(dir: &Path, frames: &Tensor, replace: bool) -> Result<()> {
+/// [`write_png_frames`], with `audio` as a WAV file in the folder; unless `replace`, a
+/// non-empty folder at `dir` is kept and reported.
+pub(super) fn write_png_frames_with(
+    dir: &Path,
+    frames: &Tensor,
+    audio: Option<&Audio>,
+    replace: bool,
+) -> Result<()> {
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
         let (w, h) = (
@@ -33,6 +40,9 @@ pub(super) fn write_png_frames_with(dir: &Path, frames: &Tensor, replace: bool) 
             image
                 .save_with_format(&file, image::ImageFormat::Png)
                 .with_context(|| format!("writing {}", file.display()))?;
+        }
+        if let Some(audio) = audio {
+            write_wav(&temp.path().join(WAV_NAME), audio)?;
         }
         temp.commit(dir, replace)
     };

@@ -7,6 +7,7 @@ pub mod hunyuan_video;
 pub mod interrupt;
 pub mod jobs;
 pub mod ltx;
+pub mod minimax_h3;
 pub mod placement;
 pub mod plan;
 pub mod progress;
@@ -19,6 +20,7 @@ pub(crate) mod t5_text;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;
+use crate::cli::resolve::ModelDefaults;
 use crate::cli::{ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{gib, MemoryPlan};
@@ -141,7 +143,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 }
                 config
             }
-            Err(_) => config,
+            // A family not known: Wan's rules.
+            Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
         };
         let plan = DryRun::new(&config, &source, found);
         if config.json {
@@ -171,7 +174,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
             config
         }
-        Err(_) => config,
+        Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if let Some(stats) = &config.options.stats_json {

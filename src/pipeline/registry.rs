@@ -1,12 +1,13 @@
 //! Which family runs a model: `model_index.json`'s `_class_name` (what diffusers loads it
-//! as) maps to a family, one line each. A family reads its configs into a [`Family`]; the
-//! frame asks it for its description and, to run, for a pipeline.
+//! as; a modular pipeline's `modular_model_index.json`) maps to a family, one line each. A
+//! family reads its configs into a [`Family`]; the frame asks it for its description and, to
+//! run, for a pipeline.
 
 use super::jobs::Job;
 use super::progress::Progress;
 use super::runner::Pipeline;
 use super::spec::PipelineSpec;
-use super::{cogvideox, hunyuan_video, ltx, wan_t2v};
+use super::{cogvideox, hunyuan_video, ltx, minimax_h3, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
@@ -117,6 +118,10 @@ pub const FAMILIES: &[FamilyEntry] = &[
         class_names: &["HunyuanVideoPipeline"],
         read: hunyuan_video::read,
     },
+    FamilyEntry {
+        class_names: &[minimax_h3::CLASS_NAME],
+        read: minimax_h3::read,
+    },
 ];
 
 /// A model whose pipeline no family runs: bad input, named with what vidgen does run.
@@ -129,7 +134,10 @@ pub struct UnsupportedPipeline {
 
 /// The family of a model, with its configs read.
 pub fn family(configs: Configs) -> Result<Box<dyn Family>> {
-    let index: serde_json::Value = configs.read("model_index.json")?;
+    // A modular pipeline (MiniMax H3) has `modular_model_index.json` instead.
+    let index: serde_json::Value = configs
+        .read("model_index.json")
+        .or_else(|e| configs.read("modular_model_index.json").map_err(|_| e))?;
     let class = index["_class_name"].as_str().unwrap_or("");
     match FAMILIES.iter().find(|f| f.class_names.contains(&class)) {
         Some(entry) => (entry.read)(configs),

@@ -158,6 +158,15 @@ pub(crate) fn video_frames(video: &Tensor) -> Result<Tensor> {
 
 /// Writes the job's decoded frames with the run's metadata.
 pub(crate) fn write_video(config: &ResolvedConfig, job: &mut Job) -> Result<()> {
+    write_video_with_audio(config, job, None)
+}
+
+/// [`write_video`] with the sound of a model that makes it.
+pub(crate) fn write_video_with_audio(
+    config: &ResolvedConfig,
+    job: &mut Job,
+    audio: Option<&crate::output::Audio>,
+) -> Result<()> {
     let frames = job.frames.take().context("nothing decoded")?;
     let metadata = vec![
         ("title".to_string(), job.prompt.clone()),
@@ -177,10 +186,11 @@ pub(crate) fn write_video(config: &ResolvedConfig, job: &mut Job) -> Result<()> 
             config.output.config_json.clone(),
         ),
     ];
-    crate::output::write_with(
+    crate::output::write_with_audio(
         config.output.kind,
         &job.output,
         &frames,
+        audio,
         config.output.fps,
         &metadata,
         config.options.overwrite,

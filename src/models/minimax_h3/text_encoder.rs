@@ -446,11 +446,24 @@ pub struct MiniMaxH3Tokenizer {
 impl MiniMaxH3Tokenizer {
     /// Loads `tokenizer.json`.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let mut tokenizer = Tokenizer::from_file(path)
+        let tokenizer = Tokenizer::from_file(path)
             .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+        Self::verbatim(tokenizer).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    /// The tokenizer from the text of a `tokenizer.json` (one shipped in the binary).
+    pub fn from_json(text: &str) -> anyhow::Result<Self> {
+        let tokenizer: Tokenizer = text
+            .parse()
+            .map_err(|e| anyhow::anyhow!("reading tokenizer.json: {e}"))?;
+        Self::verbatim(tokenizer)
+    }
+
+    /// Without truncation or padding, as the pipeline tokenizes.
+    fn verbatim(mut tokenizer: Tokenizer) -> anyhow::Result<Self> {
         tokenizer
             .with_truncation(None)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         tokenizer.with_padding(None);
         Ok(Self { tokenizer })
     }

@@ -1,0 +1,834 @@
+//! MiniMax H3 text-to-video+audio (`t2va`) as a list of stages, step for step as diffusers'
+//! modular `MiniMaxH3` pipeline (the order [`crate::models::minimax_h3`] documents): the prompt
+//! through Qwen3-VL's text model up to the layer read, one packed sequence of text, stereo-audio
+//! and video rows denoised by both schedules with one forward per step (guidance-distilled: no
+//! CFG), the video decoded clip by clip and tile by tile, the audio by the BigVGAN audio VAE.
+
+use super::draws::Draws;
+use super::jobs::Job;
+use super::placement::{Blockwise, Held, Placed, Placement};
+use super::progress::Progress;
+use super::registry::{Configs, Family, RunShape};
+use super::runner::Pipeline;
+use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::stages;
+use crate::cli::resolve::ModelDefaults;
+use crate::cli::video::FrameRule;
+use crate::cli::ResolvedConfig;
+use crate::models::minimax_h3::audio_vae::{
+    stereo_from_batch, MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder,
+};
+use crate::models::minimax_h3::layout::{
+    pack_audio, patchify, row_timesteps, t2va_layout, unpack_audio, unpatchify, T2vaGeometry,
+    AUDIO_CHANNELS, FPS, MIN_DURATION_S,
+};
+use crate::models::minimax_h3::text_encoder::{
+    MiniMaxH3TextEncoder, MiniMaxH3Tokenizer, Qwen3DecoderLayer, Qwen3VLConfig, Qwen3VLTextConfig,
+    TextRope,
+};
+use crate::models::minimax_h3::transformer::{
+    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerBlock, MiniMaxH3TransformerConfig,
+    PackedLayout,
+};
+use crate::models::minimax_h3::vae::{
+    decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder, Tiling,
+};
+use crate::models::source::{FileRef, ModelSource};
+use crate::offload::Residency;
+use crate::output::Audio;
+use crate::schedulers::minimax_h3::{MiniMaxH3Schedule, MiniMaxH3SchedulerConfig};
+use crate::weights::seeded_normal;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Components, by their index in the description.
+const TEXT_ENCODER: usize = 0;
+const TRANSFORMER: usize = 1;
+const VAE: usize = 2;
+const AUDIO_VAE: usize = 3;
+
+/// Stages, by their index in the description.
+const ENCODE_TEXT: usize = 0;
+const DENOISE: usize = 1;
+const DECODE_VIDEO: usize = 2;
+const DECODE_AUDIO: usize = 3;
+
+/// `modular_model_index.json`'s `_class_name` for this pipeline.
+pub const CLASS_NAME: &str = "MiniMaxH3ModularPipeline";
+
+/// Reads a MiniMax H3 model's configs (the registry's entry point).
+pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
+    Ok(Box::new(MiniMaxH3Configs::from_configs(configs)?))
+}
+
+/// The configs of a MiniMax H3 model: everything planning needs, no weights.
+#[derive(Clone, Debug)]
+pub struct MiniMaxH3Configs {
+    pub transformer: MiniMaxH3TransformerConfig,
+    pub vae: MiniMaxH3VaeConfig,
+    pub audio_vae: MiniMaxH3AudioVaeConfig,
+    pub text_encoder: Qwen3VLTextConfig,
+    pub scheduler: MiniMaxH3SchedulerConfig,
+    pub audio_scheduler: MiniMaxH3SchedulerConfig,
+}
+
+impl MiniMaxH3Configs {
+    /// Reads and checks every component's config; an error names the file.
+    pub fn from_configs(configs: Configs) -> Result<Self> {
+        let checked =
+            |file: &str, r: candle_core::Result<()>| r.map_err(|e| anyhow!("{file}: {e}"));
+        let out = MiniMaxH3Configs {
+            transformer: configs.read("transformer/config.json")?,
+            vae: configs.read("vae/config.json")?,
+            audio_vae: configs.read("audio_vae/config.json")?,
+            text_encoder: configs
+                .read::<Qwen3VLConfig>("text_encoder/config.json")?
+                .text_config,
+            scheduler: configs.read("scheduler/scheduler_config.json")?,
+            audio_scheduler: configs.read("audio_scheduler/scheduler_config.json")?,
+        };
+        checked("transformer/config.json", out.transformer.validate())?;
+        checked("vae/config.json", out.vae.validate())?;
+        checked("audio_vae/config.json", out.audio_vae.validate())?;
+        checked("text_encoder/config.json", out.text_encoder.validate())?;
+        checked("scheduler/scheduler_config.json", out.scheduler.validate())?;
+        checked(
+            "audio_scheduler/scheduler_config.json",
+            out.audio_scheduler.validate(),
+        )?;
+        if out.transformer.in_channels != out.vae.latent_channels
+            || out.transformer.audio_in_channels != out.audio_vae.latent_channels
+            || out.transformer.text_dim != out.text_encoder.hidden_size
+        {
+            bail!(
+                "the configs disagree: transformer in_channels {} / audio_in_channels {} / text_dim {} against vae latent_channels {}, audio_vae latent_channels {}, text_encoder hidden_size {}",
+                out.transformer.in_channels,
+                out.transformer.audio_in_channels,
+                out.transformer.text_dim,
+                out.vae.latent_channels,
+                out.audio_vae.latent_channels,
+                out.text_encoder.hidden_size
+            );
+        }
+        Ok(out)
+    }
+
+    /// The request's sizes as diffusers resolves them (`num_frames` snapped up to `17n + 5`).
+    pub fn geometry(&self, num_frames: u32, height: u32, width: u32) -> Result<T2vaGeometry> {
+        Ok(T2vaGeometry::new(
+            height as usize,
+            width as usize,
+            num_frames as usize,
+            &self.vae,
+            self.transformer.patch_size,
+        )?)
+    }
+
+    /// The geometry for planning: a frame count outside the model's 5-15 s plans as the
+    /// shortest video (the memory advice tries fewer frames; a run refuses them), and a size the
+    /// model cannot take as one latent (a run refuses it too).
+    fn planning_geometry(&self, shape: &RunShape) -> T2vaGeometry {
+        let shortest = (MIN_DURATION_S * FPS as f64) as u32;
+        self.geometry(shape.num_frames, shape.height, shape.width)
+            .or_else(|_| self.geometry(shortest, shape.height, shape.width))
+            .unwrap_or(T2vaGeometry {
+                height: shape.height as usize,
+                width: shape.width as usize,
+                num_frames: shortest as usize,
+                num_latent_frames: 1,
+                latent_height: 1,
+                latent_width: 1,
+                num_audio_latents: 1,
+            })
+    }
+
+    /// Video latents `[1, C, F, h, w]`.
+    fn latent_shape(&self, g: &T2vaGeometry) -> [usize; 5] {
+        [
+            1,
+            self.vae.latent_channels,
+            g.num_latent_frames,
+            g.latent_height,
+            g.latent_width,
+        ]
+    }
+
+    /// Audio latents `[2, Ca, Na]` (stereo as a batch of two).
+    fn audio_latent_shape(&self, g: &T2vaGeometry) -> [usize; 3] {
+        [
+            AUDIO_CHANNELS,
+            self.audio_vae.latent_channels,
+            g.num_audio_latents,
+        ]
+    }
+
+    /// Video rows of the packed sequence.
+    fn video_rows(&self, g: &T2vaGeometry) -> usize {
+        let [pt, ph, pw] = self.transformer.patch_size;
+        (g.num_latent_frames / pt.max(1))
+            * (g.latent_height / ph.max(1))
+            * (g.latent_width / pw.max(1))
+    }
+
+    /// Waveform samples per channel of a geometry's audio.
+    fn audio_samples(&self, g: &T2vaGeometry) -> usize {
+        g.num_audio_latents * self.audio_vae.hop_length()
+    }
+}
+
+/// Device bytes of one Qwen3-VL text forward over `len` tokens: hidden-state copies, the MLP's
+/// three widest tensors and one layer's attention scores.
+fn text_encoder_activations(cfg: &Qwen3VLTextConfig, len: usize, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let l = len as u64;
+    let hidden = l * cfg.hidden_size as u64 * e;
+    let mlp = 3 * l * cfg.intermediate_size as u64 * e;
+    let scores = 2 * cfg.num_attention_heads as u64 * l * l * 4;
+    6 * hidden + mlp + scores
+}
+
+/// Device bytes of one transformer forward over the packed sequence of `rows`: hidden states and
+/// their copies, the attention projections, the SwiGLU widening, the RoPE tables and the f32
+/// latents with their velocities.
+fn transformer_activations(cfg: &MiniMaxH3TransformerConfig, rows: usize, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let s = rows as u64;
+    let hidden = s * cfg.hidden_size as u64 * e;
+    let attention = 4 * s * cfg.inner_dim() as u64 * e;
+    let ffn = 3 * s * cfg.ffn_dim as u64 * e;
+    let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * 4;
+    let latents = 4 * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * 4;
+    6 * hidden + attention + ffn + rope + latents
+}
+
+/// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
+/// tokens at the decoder's width and the SwiGLU widening, the decoded clip, and the whole video
+/// twice (the chunks and their concatenation) in f32.
+fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (rs, rt) = (cfg.spatial_ratio() as u64, cfg.temporal_ratio() as u64);
+    let tile = Tiling::default();
+    let tile_h = (tile.tile_height as u64).min(g.height as u64);
+    let tile_w = (tile.tile_width as u64).min(g.width as u64);
+    let clip_latents = (cfg.tokens_chunk_size() + cfg.token_overlap()) as u64;
+    let tokens = clip_latents * (tile_h / rs) * (tile_w / rs) + 5;
+    let dim = cfg.decoder_dim() as u64;
+    let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64);
+    let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * 4;
+    let video = 2 * 3 * g.num_frames as u64 * g.height as u64 * g.width as u64 * 4;
+    decoder + 2 * clip + video
+}
+
+/// Device bytes of the audio decode: at every upsampling stage the stereo batch at that stage's
+/// width and length, with the alias-free activations' 2x oversampling and the AMP blocks' sum.
+fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u64 {
+    let mut channels = cfg.decoder_dim as u64;
+    let mut length = latents as u64;
+    let mut largest = cfg.latent_dim as u64 * length;
+    for &rate in &cfg.decoder_rates {
+        channels /= 2;
+        length *= rate as u64;
+        largest = largest.max(channels * length);
+    }
+    AUDIO_CHANNELS as u64 * largest * 4 * 6
+}
+
+impl Family for MiniMaxH3Configs {
+    /// The published pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768 within
+    /// `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
+    fn defaults(&self) -> ModelDefaults {
+        ModelDefaults {
+            height: Some(768),
+            width: Some(1344),
+            num_frames: Some(124),
+            fps: Some(FPS as u32),
+            num_inference_steps: Some(50),
+            guidance_scale: Some(1.0),
+            max_sequence_length: None,
+            // Any frame count: it is snapped up to 17n+5 (said on stderr); sizes are multiples
+            // of the canvas multiple (VAE spatial ratio x patch width).
+            frame_rule: Some(FrameRule {
+                frame_step: 1,
+                size_step: (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
+            }),
+            scheduler: None,
+        }
+    }
+
+    /// Flags of CFG models and other families, and frame counts outside 5-15 s.
+    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
+        let g = &config.generation;
+        let given = |key: &str| config.given.contains(key);
+        let refused = [
+            (
+                given("guidance_scale"),
+                "--guidance-scale: MiniMax H3 is guidance-distilled (one forward per step, no classifier-free guidance); leave it out",
+            ),
+            (
+                given("negative_prompt"),
+                "--negative-prompt: MiniMax H3 is guidance-distilled and encodes no negative prompt; leave it out",
+            ),
+            (
+                g.image.is_some(),
+                "--image: MiniMax H3's t2va workflow is text-to-video+audio; it takes no image",
+            ),
+            (
+                g.guidance_scale_2.is_some() || g.true_cfg_scale.is_some(),
+                "--guidance-scale-2/--true-cfg-scale: MiniMax H3 is guidance-distilled; it takes no guidance scale",
+            ),
+            (
+                g.decode_timestep.is_some() || g.decode_noise_scale.is_some(),
+                "--decode-timestep/--decode-noise-scale: the MiniMax H3 VAE takes no timestep (they are LTX-Video's)",
+            ),
+            (
+                g.flow_shift.is_some(),
+                "--flow-shift: MiniMax H3's shifts come from scheduler/ (video) and audio_scheduler/ (audio)",
+            ),
+            (
+                given("scheduler"),
+                "--scheduler: MiniMax H3 runs its own two flow schedules (video and audio); leave it out",
+            ),
+            (
+                given("max_sequence_length"),
+                "--max-sequence-length: MiniMax H3 encodes the prompt whole (no padding, no truncation); leave it out",
+            ),
+        ];
+        if let Some((_, why)) = refused.into_iter().find(|(on, _)| *on) {
+            return Some(format!("{why} (it does not apply to this model)"));
+        }
+        let o = &config.options;
+        self.geometry(o.num_frames, o.height, o.width)
+            .err()
+            .map(|e| format!("--num-frames {}: {e:#}", o.num_frames))
+    }
+
+    /// Qwen3-VL, DiT, video VAE and audio VAE, each used by one stage and safe to defer.
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        let component = |name, role, dtype, constructors| ComponentSpec {
+            name,
+            role,
+            dtype,
+            deferrable: true,
+            constructors,
+        };
+        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
+            name,
+            uses: uses.to_vec(),
+            activation_bytes,
+        };
+        let g = self.planning_geometry(shape);
+        // Text tokens are the prompt's own (no padding); `--max-sequence-length` stands in for
+        // the prompt length when planning.
+        let text = shape.text_len;
+        let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
+        PipelineSpec {
+            title: "MiniMax H3 text-to-video+audio",
+            components: vec![
+                component(
+                    "text_encoder",
+                    Role::TextEncoder,
+                    None,
+                    Arc::new(ModelConstructors::<MiniMaxH3TextEncoder>(
+                        self.text_encoder.clone(),
+                    )),
+                ),
+                component(
+                    "transformer",
+                    Role::Dit,
+                    None,
+                    Arc::new(ModelConstructors::<MiniMaxH3Transformer3DModel>(
+                        self.transformer.clone(),
+                    )),
+                ),
+                component(
+                    "vae",
+                    Role::Vae,
+                    None,
+                    Arc::new(ModelConstructors::<MiniMaxH3VaeDecoder>(self.vae.clone())),
+                ),
+                // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
+                // noisy.
+                component(
+                    "audio_vae",
+                    Role::AudioVae,
+                    Some(DType::F32),
+                    Arc::new(ModelConstructors::<MiniMaxH3AudioVaeDecoder>(
+                        self.audio_vae.clone(),
+                    )),
+                ),
+            ],
+            stages: vec![
+                stage(
+                    "encode_text",
+                    &[TEXT_ENCODER],
+                    text_encoder_activations(&self.text_encoder, text, shape.dtype),
+                ),
+                stage(
+                    "denoise",
+                    &[TRANSFORMER],
+                    transformer_activations(&self.transformer, rows, shape.dtype),
+                ),
+                stage(
+                    "decode_video",
+                    &[VAE],
+                    vae_decode_activations(&self.vae, &g, shape.dtype),
+                ),
+                stage(
+                    "decode_audio",
+                    &[AUDIO_VAE],
+                    audio_decode_activations(&self.audio_vae, g.num_audio_latents),
+                ),
+                stage("write", &[], 0),
+            ],
+        }
+    }
+
+    fn facts(&self, shape: &RunShape) -> serde_json::Value {
+        let g = self.planning_geometry(shape);
+        serde_json::json!({
+            "transformer_layers": self.transformer.num_layers,
+            "transformer_refiner_layers": self.transformer.num_refiner_layers,
+            "transformer_hidden_size": self.transformer.hidden_size,
+            "transformer_inner_dim": self.transformer.inner_dim(),
+            "num_frames_generated": g.num_frames,
+            "latent_shape": self.latent_shape(&g),
+            "audio_latent_shape": self.audio_latent_shape(&g),
+            "video_rows": self.video_rows(&g),
+            "audio_rows": 2 * g.num_audio_latents,
+            "audio_sample_rate": self.audio_vae.sampling_rate,
+            "audio_samples": self.audio_samples(&g),
+            "vae_scale_factor_spatial": self.vae.spatial_ratio(),
+            "vae_scale_factor_temporal": self.vae.temporal_ratio(),
+            "text_encoder_layers": self.text_encoder.num_hidden_layers,
+            "text_encoder_layers_loaded": MiniMaxH3TextEncoder::layers_used(),
+            "scheduler_shift": self.scheduler.shift,
+            "audio_scheduler_shift": self.audio_scheduler.shift,
+        })
+    }
+
+    fn open(
+        &self,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
+        Ok(Box::new(MiniMaxH3::new(
+            self.clone(),
+            config,
+            source,
+            device,
+            progress,
+        )?))
+    }
+}
+
+/// What a job carries between stages beside [`Job`]'s own fields.
+#[derive(Default)]
+struct Carried {
+    /// The request's sizes, from encode on.
+    geometry: Option<T2vaGeometry>,
+    /// The denoised audio rows `[1, 2 Na, Ca]` (f32, host memory) until the audio decode.
+    audio_latents: Option<Tensor>,
+    /// The decoded stereo waveform until it is written.
+    audio: Option<Audio>,
+}
+
+/// MiniMax H3 with its loaded components.
+pub struct MiniMaxH3 {
+    config: ResolvedConfig,
+    source: ModelSource,
+    configs: MiniMaxH3Configs,
+    spec: PipelineSpec,
+    device: Device,
+    tokenizer: MiniMaxH3Tokenizer,
+    placement: Placement,
+    text_encoder: Option<Placed<MiniMaxH3TextEncoder>>,
+    transformer: Option<Placed<MiniMaxH3Transformer3DModel>>,
+    vae: Option<Placed<MiniMaxH3VaeDecoder>>,
+    audio_vae: Option<Placed<MiniMaxH3AudioVaeDecoder>>,
+    carried: HashMap<usize, Carried>,
+    progress: Arc<Progress>,
+}
+
+impl MiniMaxH3 {
+    /// Reads the tokenizer; loads no weights.
+    pub fn new(
+        configs: MiniMaxH3Configs,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Self> {
+        let spec = configs.spec(&RunShape::of(&config));
+        let tokenizer = match source.require("tokenizer/tokenizer.json")? {
+            FileRef::Path(p) => MiniMaxH3Tokenizer::from_file(&p)?,
+            FileRef::Embedded(text) => MiniMaxH3Tokenizer::from_json(text)?,
+        };
+        let placement = Placement::new(&config.memory, &spec);
+        Ok(MiniMaxH3 {
+            placement,
+            config,
+            source,
+            configs,
+            spec,
+            device,
+            tokenizer,
+            text_encoder: None,
+            transformer: None,
+            vae: None,
+            audio_vae: None,
+            carried: HashMap::new(),
+            progress,
+        })
+    }
+
+    /// Resolves the job's sizes (saying on stderr when the frame count was snapped), then
+    /// `prompt_embeds` = the output of layer 50 of the prompt's tokens, verbatim (no template,
+    /// no special tokens, no padding); it waits for the denoise stage in host memory.
+    fn encode_text(&mut self, job: &mut Job) -> Result<()> {
+        let geometry = self
+            .configs
+            .geometry(job.num_frames, job.height, job.width)?;
+        if geometry.num_frames != job.num_frames as usize {
+            self.progress.note(&format!(
+                "note: MiniMax H3 makes 17n+5 frames: {} frames snapped up to {} ({:.2} s at {FPS} fps)",
+                job.num_frames,
+                geometry.num_frames,
+                geometry.num_frames as f64 / FPS as f64
+            ));
+        }
+        let ids = self.tokenizer.encode(&job.prompt)?;
+        if ids.is_empty() {
+            bail!("the prompt has no tokens; pass a non-empty --prompt");
+        }
+        let placed = self
+            .text_encoder
+            .as_ref()
+            .context("text encoder not loaded")?;
+        let on_cpu = self.placement.residencies[TEXT_ENCODER] == Residency::OnCpu;
+        let device = if on_cpu {
+            Device::Cpu
+        } else {
+            self.device.clone()
+        };
+        let encoder = placed.hold()?;
+        let model = encoder.model();
+        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+        let (mut h, _) = model.embed(&ids)?;
+        let rope = TextRope::new(model.config(), ids.dim(1)?, &device)?;
+        encoder.for_each_block(MiniMaxH3TextEncoder::layers, |layer: &Qwen3DecoderLayer| {
+            h = layer.forward(&h, &rope)?;
+            Ok(())
+        })?;
+        drop(encoder);
+        job.prompt_embeds = Some(h.to_dtype(self.config.dtype())?.to_device(&Device::Cpu)?);
+        self.carried.entry(job.index).or_default().geometry = Some(geometry);
+        Ok(())
+    }
+
+    /// The initial noise: `latents` and `audio_latents` from the draws file (the only draws of a
+    /// `t2va` call), or seeded normals.
+    fn initial_latents(&self, job: &Job, carried: &Carried) -> Result<(Tensor, Tensor)> {
+        let g = carried.geometry.context("sizes not resolved")?;
+        let (video, audio) = (
+            self.configs.latent_shape(&g),
+            self.configs.audio_latent_shape(&g),
+        );
+        Ok(match &self.config.generation.latents {
+            Some(path) => {
+                let mut draws = Draws::open(path)?;
+                let latents = (
+                    draws.take("latents", &video)?,
+                    draws.take("audio_latents", &audio)?,
+                );
+                draws.finish()?;
+                latents
+            }
+            None => (
+                seeded_normal(job.seed, &video)?,
+                seeded_normal(job.seed.wrapping_add(1), &audio)?,
+            ),
+        })
+    }
+
+    /// Both schedules through one transformer forward per step over the packed sequence; the
+    /// video latents wait in host memory as `[1, C, F, h, w]`, the audio rows beside them.
+    fn denoise(&mut self, job: &mut Job) -> Result<()> {
+        let mut carried = self.carried.remove(&job.index).unwrap_or_default();
+        let result = self.denoise_with(job, &mut carried);
+        self.carried.insert(job.index, carried);
+        result
+    }
+
+    fn denoise_with(&self, job: &mut Job, carried: &mut Carried) -> Result<()> {
+        let (latents, audio_latents) = self.initial_latents(job, carried)?;
+        let g = carried.geometry.context("sizes not resolved")?;
+        let cfg = &self.configs.transformer;
+        let placed = self
+            .transformer
+            .as_ref()
+            .context("transformer not loaded")?;
+        let before = placed.offload_usage();
+        let model = &placed.hold()?;
+        let text = job
+            .prompt_embeds
+            .take()
+            .context("prompt not encoded")?
+            .to_device(&self.device)?;
+        let layout = t2va_layout(&g.layout_sizes(text.dim(1)?), cfg.patch_size, &self.device)?;
+        let steps = job.num_inference_steps as usize;
+        let video_schedule = MiniMaxH3Schedule::new(&self.configs.scheduler, steps)?;
+        let audio_schedule = MiniMaxH3Schedule::new(&self.configs.audio_scheduler, steps)?;
+        let forwards = video_schedule.timesteps.len();
+        if audio_schedule.timesteps.len() != forwards {
+            bail!(
+                "the video and audio schedules have {forwards} and {} steps for --num-inference-steps {steps}; pass another step count",
+                audio_schedule.timesteps.len()
+            );
+        }
+        let mut video = patchify(&latents.to_device(&self.device)?, cfg.patch_size)?;
+        let mut audio = pack_audio(&audio_latents.to_device(&self.device)?)?;
+        let mut forward_seconds = Vec::with_capacity(forwards);
+        for i in 0..forwards {
+            crate::pipeline::interrupt::check()?;
+            let (t, t_idx) = row_timesteps(
+                &layout,
+                video_schedule.timesteps[i],
+                audio_schedule.timesteps[i],
+            )?;
+            let (v, a) = stages::timed(&self.device, &mut forward_seconds, || {
+                dit_forward(model, &video, &audio, &text, &t, &t_idx, &layout)
+            })?;
+            video = video_schedule.step(i, &v, &video)?;
+            audio = audio_schedule.step(i, &a, &audio)?;
+            self.progress.step(i + 1, forwards);
+        }
+        stages::report_denoise(
+            &self.progress,
+            job,
+            forward_seconds,
+            before,
+            placed.offload_usage(),
+        );
+        let size = [g.num_latent_frames, g.latent_height, g.latent_width];
+        let latents = unpatchify(&video, cfg.in_channels, size, cfg.patch_size)?;
+        job.latents = Some(latents.to_device(&Device::Cpu)?);
+        carried.audio_latents = Some(audio.to_device(&Device::Cpu)?);
+        Ok(())
+    }
+
+    /// `vae.decode(latents · std + mean)`, clip by clip with cross-fades and in spatial tiles as
+    /// diffusers decodes by default; frames `[T, H, W, 3]` in [0, 1].
+    fn decode_video(&mut self, job: &mut Job) -> Result<()> {
+        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let vae = held.model();
+        let dtype = self.spec.components[VAE].dtype(self.config.dtype());
+        let latents = job.latents.take().context("nothing denoised")?;
+        let z = vae.denormalize(&latents.to_device(&self.device)?.to_dtype(dtype)?)?;
+        let frames = decoded_to_unit_range(&vae.decode(&z)?)?;
+        job.frames = Some(
+            frames
+                .squeeze(0)?
+                .permute((1, 2, 3, 0))?
+                .to_device(&Device::Cpu)?,
+        );
+        Ok(())
+    }
+
+    /// The audio rows back to `[2, Ca, Na]` (stereo as a batch of two), `audio_vae.decode(z · std
+    /// + mean)`, the waveform `[2, samples]` at the audio VAE's sample rate.
+    fn decode_audio(&mut self, job: &mut Job) -> Result<()> {
+        let carried = self.carried.entry(job.index).or_default();
+        let rows = carried.audio_latents.take().context("nothing denoised")?;
+        let held = self
+            .audio_vae
+            .as_ref()
+            .context("audio VAE not loaded")?
+            .hold()?;
+        let audio_vae = held.model();
+        let dtype = self.spec.components[AUDIO_VAE].dtype(self.config.dtype());
+        let z = unpack_audio(&rows.to_device(&self.device)?, AUDIO_CHANNELS)?.to_dtype(dtype)?;
+        let waveform = audio_vae.decode(&audio_vae.denormalize(&z)?)?;
+        let stereo = stereo_from_batch(&waveform)?
+            .squeeze(0)?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
+        carried.audio = Some(Audio::new(
+            stereo,
+            self.configs.audio_vae.sampling_rate as u32,
+        )?);
+        Ok(())
+    }
+
+    fn write(&mut self, job: &mut Job) -> Result<()> {
+        let audio = self
+            .carried
+            .remove(&job.index)
+            .and_then(|c| c.audio)
+            .context("no audio decoded")?;
+        stages::write_video_with_audio(&self.config, job, Some(&audio))
+    }
+
+    /// Builds a component from its weights, placed as the options say.
+    fn load_component(&mut self, component: usize) -> Result<()> {
+        let spec = self.spec.components[component].clone();
+        let dtype = spec.dtype(self.config.dtype());
+        let what = || format!("loading {} of {}", spec.name, self.source);
+        let weights = stages::open_weights(&self.source, spec.name, &self.progress)?;
+        macro_rules! place {
+            ($cfg:expr) => {
+                stages::place(
+                    &self.spec,
+                    &self.placement,
+                    component,
+                    $cfg,
+                    &weights,
+                    dtype,
+                    &self.device,
+                    &self.progress,
+                )
+                .with_context(what)
+            };
+        }
+        match component {
+            TEXT_ENCODER => self.text_encoder = Some(place!(&self.configs.text_encoder)?),
+            TRANSFORMER => self.transformer = Some(place!(&self.configs.transformer)?),
+            VAE => self.vae = Some(place!(&self.configs.vae)?),
+            _ => self.audio_vae = Some(place!(&self.configs.audio_vae)?),
+        }
+        Ok(())
+    }
+}
+
+impl Pipeline for MiniMaxH3 {
+    type Job = Job;
+
+    fn spec(&self) -> &PipelineSpec {
+        &self.spec
+    }
+
+    fn load(&mut self, component: usize) -> Result<()> {
+        self.load_component(component)
+    }
+
+    fn release(&mut self, component: usize) {
+        match component {
+            TEXT_ENCODER => self.text_encoder = None,
+            TRANSFORMER => self.transformer = None,
+            VAE => self.vae = None,
+            _ => self.audio_vae = None,
+        }
+    }
+
+    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        let result = match index {
+            ENCODE_TEXT => self.encode_text(job),
+            DENOISE => self.denoise(job),
+            DECODE_VIDEO => self.decode_video(job),
+            DECODE_AUDIO => self.decode_audio(job),
+            _ => self.write(job),
+        };
+        if result.is_err() {
+            self.carried.remove(&job.index);
+        }
+        result
+    }
+}
+
+/// One transformer forward: prepare (projections, token refiner, packing, time embedding,
+/// RoPE), the blocks (resident or streamed), the output norm and both velocity heads.
+fn dit_forward(
+    dit: &Held<'_, MiniMaxH3Transformer3DModel>,
+    video: &Tensor,
+    audio: &Tensor,
+    text: &Tensor,
+    timestep: &Tensor,
+    timestep_indices: &Tensor,
+    layout: &PackedLayout,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let model = dit.model();
+    let mut inputs = model.prepare(video, audio, text, timestep, timestep_indices, layout)?;
+    let mut x = inputs.take_hidden_states()?;
+    dit.for_each_block(MiniMaxH3Transformer3DModel::blocks, |block| {
+        x = block.forward(&x, &inputs)?;
+        Ok(())
+    })
+    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    model.finish(&x, &inputs)
+}
+
+impl Blockwise for MiniMaxH3Transformer3DModel {
+    type Config = MiniMaxH3TransformerConfig;
+    type Block = MiniMaxH3TransformerBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        MiniMaxH3TransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+    }
+}
+
+/// Qwen3-VL's text model: only the layers up to the hidden state read exist as blocks (the
+/// rest, the final norm, `lm_head` and the vision tower never load).
+impl Blockwise for MiniMaxH3TextEncoder {
+    type Config = Qwen3VLTextConfig;
+    type Block = Qwen3DecoderLayer;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_layers(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        Self::layers_used()
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        Self::layer(cfg, i, vb)
+    }
+}
+
+/// The video VAE's decoder is resident or parked whole.
+impl Blockwise for MiniMaxH3VaeDecoder {
+    type Config = MiniMaxH3VaeConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the MiniMax H3 VAE is offloaded whole, not block by block")
+    }
+}
+
+/// The audio VAE is resident or parked whole.
+impl Blockwise for MiniMaxH3AudioVaeDecoder {
+    type Config = MiniMaxH3AudioVaeConfig;
+    type Block = ();
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        0
+    }
+    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
+        candle_core::bail!("the MiniMax H3 audio VAE is offloaded whole, not block by block")
+    }
+}
