@@ -118,7 +118,6 @@ impl Outcome {
 /// after Ctrl-C. Paths go to stdout as each file is complete.
 pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let progress = Arc::new(Progress::new(config.options.quiet));
-    progress.overrides(&config.overrides);
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
     let unsupported = |e: anyhow::Error| -> anyhow::Error {
@@ -146,6 +145,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
         };
+        // What the device changed, once the sizes are known to be good (an error is one line).
+        progress.overrides(&config.overrides);
         let plan = DryRun::new(&config, &source, found);
         if config.json {
             println!("{}", plan.json());
@@ -176,6 +177,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
+    progress.overrides(&config.overrides);
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if let Some(stats) = &config.options.stats_json {
         for job in &jobs {
