@@ -419,7 +419,7 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
 
 /// A model error as its message alone: a one-line error has no room for the backtrace candle
 /// attaches when `RUST_BACKTRACE` is set.
-fn message(e: candle_core::Error) -> anyhow::Error {
+pub(crate) fn message(e: candle_core::Error) -> anyhow::Error {
     match e {
         candle_core::Error::WithBacktrace { inner, .. } => anyhow!("{inner}"),
         other => anyhow!("{other}"),

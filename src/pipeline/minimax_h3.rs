@@ -33,7 +33,7 @@ use crate::models::minimax_h3::transformer::{
 use crate::models::minimax_h3::vae::{
     decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder, Tiling,
 };
-use crate::models::source::{FileRef, ModelSource};
+use crate::models::source::{message, FileRef, ModelSource};
 use crate::offload::Residency;
 use crate::output::Audio;
 use crate::schedulers::minimax_h3::{MiniMaxH3Schedule, MiniMaxH3SchedulerConfig};
@@ -78,8 +78,9 @@ pub struct MiniMaxH3Configs {
 impl MiniMaxH3Configs {
     /// Reads and checks every component's config; an error names the file.
     pub fn from_configs(configs: Configs) -> Result<Self> {
-        let checked =
-            |file: &str, r: candle_core::Result<()>| r.map_err(|e| anyhow!("{file}: {e}"));
+        let checked = |file: &str, r: candle_core::Result<()>| {
+            r.map_err(|e| anyhow!("{file}: {}", message(e)))
+        };
         let out = MiniMaxH3Configs {
             transformer: configs.read("transformer/config.json")?,
             vae: configs.read("vae/config.json")?,
@@ -118,13 +119,14 @@ impl MiniMaxH3Configs {
 
     /// The request's sizes as diffusers resolves them (`num_frames` snapped up to `17n + 5`).
     pub fn geometry(&self, num_frames: u32, height: u32, width: u32) -> Result<T2vaGeometry> {
-        Ok(T2vaGeometry::new(
+        T2vaGeometry::new(
             height as usize,
             width as usize,
             num_frames as usize,
             &self.vae,
             self.transformer.patch_size,
-        )?)
+        )
+        .map_err(message)
     }
 
     /// The geometry for planning: a frame count outside the model's 5-15 s plans as the

@@ -368,8 +368,11 @@ impl Pipeline for Guarded<'_> {
         Ok(())
     }
 
+    /// Frees a component, saying so: when each is freed is what the load levers change.
     fn release(&mut self, component: usize) {
-        self.inner.release(component)
+        let name = self.inner.spec().components[component].name;
+        self.inner.release(component);
+        self.progress.note(&format!("freed {name}"));
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {

@@ -1,0 +1,451 @@
+//! MiniMax H3 through the command line, driven as PARITY-CLI.md says: the `minimax-h3-tiny-a`
+//! `t2va` call (frames and stereo audio) reproduced from a draws file holding diffusers' initial
+//! video and audio latents; offload modes and load levers bit-identical to the resident run;
+//! the load levers' order of loads and frees; the dry run; flags that do not apply refused.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FIXTURE: &str = "minimax-h3-tiny-a";
+/// The README's tolerance for videos and audio: |Δ| <= 3e-5 + 3e-5·|ref|.
+const TOL: f64 = 3e-5;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-minimax-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The fixture's README: the prompts and the call's settings.
+fn readme() -> serde_json::Value {
+    let path = named_fixture_dir(FIXTURE).join("reference/README.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn prompt(index: usize) -> String {
+    readme()["preset"]["prompts"][index]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// The draws file of the reference call: `latents` and `audio_latents`.
+fn draws_file(dir: &Path) -> PathBuf {
+    let refs = named_reference(FIXTURE, "pipeline");
+    let draws: HashMap<String, Tensor> = [
+        ("latents".to_string(), refs["latents_init"].clone()),
+        (
+            "audio_latents".to_string(),
+            refs["audio_latents_init"].clone(),
+        ),
+    ]
+    .into();
+    let path = dir.join("draws.safetensors");
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    path
+}
+
+fn vidgen(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+/// The parity command line of the reference call (prompt `prompt_index`) with `extra` flags,
+/// written as `output_type` named `v`; stderr.
+fn run(dir: &Path, prompt_index: usize, output_type: &str, extra: &[&str]) -> String {
+    let draws = draws_file(dir);
+    let model = named_fixture_dir(FIXTURE);
+    let preset = &readme()["preset"];
+    let (height, width, frames, steps) = (
+        preset["height"].to_string(),
+        preset["width"].to_string(),
+        preset["num_frames"].to_string(),
+        preset["num_inference_steps"].to_string(),
+    );
+    let prompt = prompt(prompt_index);
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        &prompt,
+        "--height",
+        &height,
+        "--width",
+        &width,
+        "--num-frames",
+        &frames,
+        "--num-inference-steps",
+        &steps,
+        "--latents",
+        draws.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--dtype",
+        "f32",
+        "--output-type",
+        output_type,
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+        "--overwrite",
+    ];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "vidgen failed: {stderr}");
+    stderr
+}
+
+/// The reference call as safetensors: `frames` `[T, H, W, 3]`, `audio` `[2, samples]`, stderr.
+fn generate(dir: &Path, prompt_index: usize, extra: &[&str]) -> (Tensor, Tensor, String) {
+    let stderr = run(dir, prompt_index, "safetensors", extra);
+    let written = dir.join("v.safetensors");
+    let file = candle_core::safetensors::load(&written, &Device::Cpu).unwrap();
+    std::fs::remove_file(&written).unwrap();
+    (file["frames"].clone(), file["audio"].clone(), stderr)
+}
+
+#[test]
+fn t2va_call_matches_diffusers_frames_and_audio() {
+    let dir = scratch("parity");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let (frames, audio, log) = generate(&dir, 0, &[]);
+    // 121 frames asked, 124 (17n+5) made: said on stderr.
+    assert!(log.contains("121 frames snapped up to 124"), "{log}");
+    let videos = refs["videos"].squeeze(0).unwrap();
+    assert_close("videos", &frames, &videos, TOL, TOL);
+    let expected_audio = refs["audio"].squeeze(0).unwrap();
+    assert_close("audio", &audio, &expected_audio, TOL, TOL);
+
+    // Another prompt, the same noise: diffusers' second call.
+    let (_, audio, _) = generate(&dir, 1, &[]);
+    let alt = refs["alt_prompt.audio"].squeeze(0).unwrap();
+    assert_close("alt_prompt.audio", &audio, &alt, TOL, TOL);
+}
+
+/// Every offload mode and load lever gives the resident run's frames and audio, bit for bit.
+#[test]
+fn offload_modes_are_bit_identical_to_resident() {
+    let dir = scratch("offload");
+    let resident_flags = [
+        "--memory-model",
+        "discrete",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+        "--no-text-encoder-cpu-offload",
+        "--no-vae-cpu-offload",
+    ];
+    let (frames, audio, log) = generate(&dir, 0, &resident_flags);
+    assert!(log.contains("transformer: resident"), "{log}");
+    let modes: &[(&[&str], &str)] = &[
+        (&["--dit-layerwise-offload"], "transformer: streamed"),
+        (
+            &[
+                "--dit-layerwise-offload",
+                "--num-blocks-per-group",
+                "2",
+                "--prefetch-depth",
+                "2",
+            ],
+            "transformer: streamed",
+        ),
+        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
+        (&["--model-cpu-offload"], "audio_vae: parked"),
+        (&["--sequential-cpu-offload"], "text_encoder: streamed"),
+        (&["--lazy-module-load"], "transformer"),
+        (&["--h3-sequential-load"], "transformer"),
+    ];
+    for (flags, placed) in modes {
+        let mut args = vec!["--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let (f, a, log) = generate(&dir, 0, &args);
+        assert!(log.contains(placed), "{flags:?}: {log}");
+        assert_eq!(max_abs_diff(&f, &frames), 0.0, "{flags:?}: frames differ");
+        assert_eq!(max_abs_diff(&a, &audio), 0.0, "{flags:?}: audio differs");
+    }
+}
+
+/// Where each line of `log` starting with `what` first appears.
+fn line(log: &str, what: &str) -> usize {
+    log.lines()
+        .position(|l| l.starts_with(what))
+        .unwrap_or_else(|| panic!("no line {what:?} in {log}"))
+}
+
+/// FastVideo's load levers, seen in the order of loads, stages and frees: eager loads every
+/// component before the first stage and frees them at the end; `--h3-sequential-load` loads the
+/// encoder, encodes and frees it before the DiT and both VAEs load; `--lazy-module-load` loads
+/// each component for its stage and frees it after (the DiT is gone before decoding).
+#[test]
+fn load_levers_order_loads_and_frees() {
+    let dir = scratch("levers");
+    let base = ["--memory-model", "discrete"];
+    let eager = run(
+        &dir,
+        0,
+        "safetensors",
+        &[
+            &base[..],
+            &["--no-lazy-module-load", "--no-h3-sequential-load"],
+        ]
+        .concat(),
+    );
+    assert!(
+        line(&eager, "loading audio_vae") < line(&eager, "[1/1] denoise"),
+        "{eager}"
+    );
+    assert!(
+        line(&eager, "freed transformer") > line(&eager, "[1/1] write"),
+        "{eager}"
+    );
+
+    let sequential = run(
+        &dir,
+        0,
+        "safetensors",
+        &[&base[..], &["--h3-sequential-load"]].concat(),
+    );
+    let s = |what: &str| line(&sequential, what);
+    assert!(
+        s("loading text_encoder") < s("[1/1] denoise"),
+        "{sequential}"
+    );
+    assert!(
+        s("freed text_encoder") < s("loading transformer"),
+        "{sequential}"
+    );
+    for c in ["transformer", "vae", "audio_vae"] {
+        assert!(
+            s(&format!("loading {c}")) < s("[1/1] decode_video"),
+            "{sequential}"
+        );
+    }
+    assert!(s("freed transformer") > s("[1/1] write"), "{sequential}");
+
+    let lazy = run(
+        &dir,
+        0,
+        "safetensors",
+        &[&base[..], &["--lazy-module-load"]].concat(),
+    );
+    let l = |what: &str| line(&lazy, what);
+    assert!(l("freed text_encoder") < l("loading transformer"), "{lazy}");
+    assert!(l("freed transformer") < l("loading vae"), "{lazy}");
+    assert!(l("[1/1] decode_video") < l("loading vae"), "{lazy}");
+    assert!(l("freed vae") < l("loading audio_vae"), "{lazy}");
+    assert!(l("[1/1] decode_audio") < l("loading audio_vae"), "{lazy}");
+}
+
+/// `ffprobe`'s view of a file's streams: (codec type, codec name, channels, duration in s).
+fn probe_streams(path: &Path) -> Vec<(String, String, u64, f64)> {
+    let out = Command::new("ffprobe")
+        .args(["-v", "error", "-show_streams", "-of", "json"])
+        .arg(path)
+        .output()
+        .expect("ffprobe runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    json["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["codec_type"].as_str().unwrap().to_string(),
+                s["codec_name"].as_str().unwrap().to_string(),
+                s["channels"].as_u64().unwrap_or(0),
+                s["duration"].as_str().unwrap().parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The MP4 holds the H.264 video and a stereo AAC track of the same length, and the audio
+/// decodes; a PNG folder holds the frames and the waveform as a WAV file.
+#[test]
+fn mp4_muxes_stereo_aac_of_the_video_length_and_png_writes_a_wav() {
+    let dir = scratch("mp4");
+    run(&dir, 0, "mp4", &[]);
+    let mp4 = dir.join("v.mp4");
+    let streams = probe_streams(&mp4);
+    assert_eq!(streams.len(), 2, "{streams:?}");
+    let (video, audio) = (&streams[0], &streams[1]);
+    assert_eq!(
+        (video.0.as_str(), video.1.as_str()),
+        ("video", "h264"),
+        "{streams:?}"
+    );
+    assert_eq!(
+        (audio.0.as_str(), audio.1.as_str(), audio.2),
+        ("audio", "aac", 2),
+        "{streams:?}"
+    );
+    // 124 frames at 24 fps; the audio as long, to a millisecond.
+    assert!((video.3 - 124.0 / 24.0).abs() < 1e-6, "{streams:?}");
+    assert!((audio.3 - video.3).abs() < 1e-3, "{streams:?}");
+    // The audio decodes, every sample of it, with sound in both channels.
+    let out = Command::new("ffmpeg")
+        .args(["-v", "error", "-i"])
+        .arg(&mp4)
+        .args(["-map", "0:a", "-f", "f32le", "-ac", "2", "-"])
+        .output()
+        .expect("ffmpeg runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let samples: Vec<f32> = out
+        .stdout
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert!(samples.len() > 2000, "{} samples", samples.len());
+    let loud = |channel: usize| {
+        samples
+            .iter()
+            .skip(channel)
+            .step_by(2)
+            .any(|s| s.abs() > 0.05)
+    };
+    assert!(loud(0) && loud(1), "silent audio");
+
+    run(&dir, 0, "png", &[]);
+    let folder = dir.join("v");
+    assert!(folder.join("frame_00123.png").is_file());
+    assert!(!folder.join("frame_00124.png").exists());
+    let wav = std::fs::read(folder.join("audio.wav")).unwrap();
+    let rate = u32::from_le_bytes(wav[24..28].try_into().unwrap());
+    let channels = u16::from_le_bytes([wav[22], wav[23]]);
+    let expected = named_reference(FIXTURE, "pipeline")["audio"].dims()[2];
+    assert_eq!((channels, rate), (2, 320));
+    assert_eq!(
+        wav.len() - 44,
+        expected * 2 * 2,
+        "16-bit stereo of every sample"
+    );
+}
+
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The dry run plans every stage with the model's defaults; sizes come from the configs.
+#[test]
+fn dry_run_plans_the_fixture_with_the_model_defaults() {
+    let fixture = named_fixture_dir(FIXTURE);
+    let plan = dry_run(fixture.to_str().unwrap(), &["--device", "cpu"]);
+    let config = &plan["config"];
+    assert_eq!(config["height"], 768, "{config}");
+    assert_eq!(config["width"], 1344, "{config}");
+    assert_eq!(config["num_frames"], 124, "{config}");
+    assert_eq!(config["fps"], 24, "{config}");
+    assert_eq!(plan["pipeline"], "MiniMax H3 text-to-video+audio", "{plan}");
+    let names: Vec<&str> = plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "encode_text",
+            "denoise",
+            "decode_video",
+            "decode_audio",
+            "write"
+        ],
+        "{plan}"
+    );
+    for stage in &plan["stages"].as_array().unwrap()[..4] {
+        assert!(
+            stage["memory"]["peak_bytes"].as_u64().unwrap() > 0,
+            "{stage}"
+        );
+    }
+    assert_eq!(plan["placement"]["audio_vae"]["mode"], "resident", "{plan}");
+    // 768x1344 over the tiny VAE's 4x: 124 frames are 37 latent frames of 192x336.
+    let model = &plan["model"];
+    assert_eq!(
+        model["latent_shape"],
+        serde_json::json!([1, 8, 37, 192, 336]),
+        "{model}"
+    );
+    assert_eq!(
+        model["audio_latent_shape"],
+        serde_json::json!([2, 8, 207]),
+        "{model}"
+    );
+    assert_eq!(model["text_encoder_layers_loaded"], 50, "{model}");
+
+    // A frame count is snapped as a run snaps it; one past 15 s is refused.
+    let plan = dry_run(
+        fixture.to_str().unwrap(),
+        &["--device", "cpu", "--num-frames", "130"],
+    );
+    assert_eq!(plan["model"]["num_frames_generated"], 141, "{plan}");
+}
+
+/// Flags of CFG models and of other families are refused with the reason, one line, exit 2, in
+/// a run and a dry run; so is a video outside 5-15 s and a size off the canvas grid.
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let dir = scratch("refused");
+    let fixture = named_fixture_dir(FIXTURE);
+    let image = dir.join("x.png");
+    for (flags, why) in [
+        (&["--guidance-scale", "5"][..], "guidance-distilled"),
+        (&["--negative-prompt", "blurry"][..], "no negative prompt"),
+        (&["--image", image.to_str().unwrap()][..], "takes no image"),
+        (&["--flow-shift", "5"][..], "audio_scheduler"),
+        (&["--scheduler", "euler"][..], "two flow schedules"),
+        (&["--max-sequence-length", "64"][..], "no truncation"),
+        (&["--num-frames", "400"][..], "5-15 s"),
+        (&["--num-frames", "30"][..], "5-15 s"),
+        (&["--height", "20"][..], "multiple of 8"),
+    ] {
+        for dry in [false, true] {
+            let mut args = vec![
+                "generate",
+                "--model",
+                fixture.to_str().unwrap(),
+                "--prompt",
+                "a",
+                "--device",
+                "cpu",
+                "--output-path",
+                dir.to_str().unwrap(),
+            ];
+            args.extend_from_slice(flags);
+            if dry {
+                args.push("--dry-run");
+            }
+            let out = vidgen(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+            assert_eq!(stderr.trim_end().lines().count(), 1, "{flags:?}: {stderr}");
+            assert!(stderr.contains(why), "{flags:?}: {stderr}");
+        }
+    }
+}
