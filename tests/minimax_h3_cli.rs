@@ -449,3 +449,59 @@ fn flags_that_do_not_apply_are_refused() {
         }
     }
 }
+
+/// `synthetic:minimax-h3` (the published configs) and the Hub id plan without a download: the
+/// 33B DiT's 50 blocks, the encoder's 50 of 64 layers, a 5 s 768x1344 video.
+#[test]
+fn dry_run_plans_the_published_model() {
+    for model in ["synthetic:minimax-h3", "MiniMaxAI/MiniMax-H3"] {
+        let plan = dry_run(model, &["--device", "cpu", "--dtype", "bf16"]);
+        let facts = &plan["model"];
+        assert_eq!(facts["transformer_layers"], 50, "{model}: {facts}");
+        assert_eq!(facts["text_encoder_layers"], 64, "{model}: {facts}");
+        assert_eq!(facts["text_encoder_layers_loaded"], 50, "{model}: {facts}");
+        // 768x1344 over the 16x VAE, 124 frames = 5·7+2 latent frames, 207 audio latents.
+        assert_eq!(
+            facts["latent_shape"],
+            serde_json::json!([1, 24, 37, 48, 84]),
+            "{model}: {facts}"
+        );
+        assert_eq!(
+            facts["audio_latent_shape"],
+            serde_json::json!([2, 32, 207]),
+            "{model}: {facts}"
+        );
+        assert_eq!(facts["audio_samples"], 207 * 800, "{model}: {facts}");
+    }
+    // The published weights as planned: the DiT's 33.1 B parameters, the encoder's embedding
+    // and 50 layers (about 26 B of its 33.4 B), in bf16.
+    let plan = dry_run(
+        "synthetic:minimax-h3",
+        &["--device", "cpu", "--dtype", "bf16", "--lazy-module-load"],
+    );
+    let weights = |stage: usize| {
+        plan["stages"][stage]["memory"]["weight_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let dit = weights(1);
+    assert!(
+        (65_000_000_000..67_000_000_000).contains(&dit),
+        "DiT {dit}: {plan}"
+    );
+    let encoder = weights(0);
+    assert!(
+        (50_000_000_000..56_000_000_000).contains(&encoder),
+        "encoder {encoder}: {plan}"
+    );
+    assert_eq!(
+        plan["stages"][1]["load_before"],
+        serde_json::json!(["transformer"]),
+        "{plan}"
+    );
+    assert_eq!(
+        plan["stages"][1]["release_after"],
+        serde_json::json!(["transformer"]),
+        "{plan}"
+    );
+}

@@ -97,6 +97,20 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
         "wan2.2-t2v-a14b",
         synthetic_files!("wan2.2-t2v-a14b", "transformer_2/config.json"),
     ),
+    // The tokenizer is a small stand-in BPE (Qwen's is 11 MB); the weights are random anyway.
+    (
+        "minimax-h3",
+        synthetic_files!("minimax-h3":
+            "modular_model_index.json",
+            "transformer/config.json",
+            "vae/config.json",
+            "audio_vae/config.json",
+            "text_encoder/config.json",
+            "scheduler/scheduler_config.json",
+            "audio_scheduler/scheduler_config.json",
+            "tokenizer/tokenizer.json"
+        ),
+    ),
 ];
 
 /// A model as named by `--model`.

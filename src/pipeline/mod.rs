@@ -870,7 +870,8 @@ fn round2(x: f64) -> f64 {
 
 /// The model's family without downloading, and where its configs came from: the model itself (a
 /// folder, the Hub cache, a synthetic model), else, for a Hub id whose published configs vidgen
-/// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-, Lightricks/LTX-Video), those.
+/// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-, Lightricks/LTX-Video, MiniMaxAI/MiniMax-H3),
+/// those.
 fn dry_run_family(source: &ModelSource) -> Result<(Box<dyn Family>, &'static str), String> {
     let not_read = match registry::family(Configs::OnDisk(source)) {
         Ok(family) => return Ok((family, "model")),
@@ -879,6 +880,9 @@ fn dry_run_family(source: &ModelSource) -> Result<(Box<dyn Family>, &'static str
     let shipped = match source {
         ModelSource::Hub(repo) if repo == "Lightricks/LTX-Video" => {
             ModelSource::parse("synthetic:ltx-video").ok()
+        }
+        ModelSource::Hub(repo) if repo == "MiniMaxAI/MiniMax-H3" => {
+            ModelSource::parse("synthetic:minimax-h3").ok()
         }
         ModelSource::Hub(repo) => repo
             .strip_prefix("Wan-AI/")
