@@ -161,6 +161,14 @@ fn offload_modes_are_bit_identical_to_resident() {
             "transformer: streamed",
         ),
         (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
+        (
+            &[
+                "--text-encoder-cpu-offload",
+                "--text-encoder-compute",
+                "cpu",
+            ],
+            "text_encoder: on the CPU",
+        ),
         (&["--model-cpu-offload"], "audio_vae: parked"),
         (&["--sequential-cpu-offload"], "text_encoder: streamed"),
         (&["--lazy-module-load"], "transformer"),

@@ -492,6 +492,10 @@ impl MiniMaxH3 {
     /// `prompt_embeds` = the output of layer 50 of the prompt's tokens, verbatim (no template,
     /// no special tokens, no padding); it waits for the denoise stage in host memory.
     fn encode_text(&mut self, job: &mut Job) -> Result<()> {
+        // A prompt-file line may set what the flags refuse.
+        if job.guidance_scale != 1.0 || !job.negative_prompt.is_empty() {
+            bail!("MiniMax H3 is guidance-distilled: it takes no guidance_scale and no negative_prompt; remove them from the prompt line");
+        }
         let geometry = self
             .configs
             .geometry(job.num_frames, job.height, job.width)?;

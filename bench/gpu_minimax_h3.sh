@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Issue 14's GPU checks of MiniMax H3 in one device call. Run from the repository root on a GPU
+# machine with a CUDA build of vidgen: bash bench/gpu_minimax_h3.sh PATH/TO/vidgen
+#  1. the tiny fixture on CUDA (f32 against diffusers' frames and audio; bf16 finite), every
+#     offload mode and load lever bit-identical to the resident CUDA run;
+#  2. synthetic:minimax-h3 at the published size (768x1344, 124 frames = 5 s), STEPS points
+#     (STEPS-1 forwards), bf16: default flags on the discrete H200 (layerwise DiT and encoder),
+#     resident, and the DGX Spark rules (--memory-model unified); per-stage device peaks and
+#     forward times from --stats-json; the MP4's streams by ffprobe.
+set -u
+B=${1:?path to a CUDA build of vidgen}
+STEPS=${STEPS:-3}
+O=${OUT:-/tmp/vidgen-minimax}
+mkdir -p "$O"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+F=tests/fixtures/minimax-h3-tiny-a
+python3 - "$F" "$O" <<'PY'
+import sys
+from safetensors.numpy import load_file, save_file
+f, o = sys.argv[1:]
+r = load_file(f"{f}/reference/pipeline.safetensors")
+save_file({"latents": r["latents_init"], "audio_latents": r["audio_latents_init"]}, f"{o}/draws.safetensors")
+PY
+P="A red car drives along a coastal road at sunset."
+tiny() { # name dtype flags...
+  local n=$1 d=$2; shift 2
+  $B generate --model $F --prompt "$P" --height 16 --width 24 --num-frames 121 --num-inference-steps 4 \
+    --latents "$O/draws.safetensors" --device cuda --dtype $d --output-type safetensors --output-path "$O/tiny" \
+    --output-video-name $n --overwrite "$@" > /dev/null 2> "$O/tiny-$n.log" && echo "ok   tiny $n" || { echo "FAIL tiny $n $*"; grep -i error "$O/tiny-$n.log" | head -3; }
+}
+OFF="--memory-model discrete --no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload"
+tiny resident f32 $OFF
+tiny bf16 bf16
+for m in "layerwise --memory-model discrete --dit-layerwise-offload --text-encoder-cpu-offload" \
+         "leaf --memory-model discrete --offload-type leaf-level" "parked --memory-model discrete --model-cpu-offload" \
+         "sequential-offload --memory-model discrete --sequential-cpu-offload" \
+         "lazy --memory-model discrete --lazy-module-load" "h3seq --memory-model discrete --h3-sequential-load"; do
+  tiny $m
+done
+python3 - "$O/tiny" "$F" <<'PY'
+import sys, glob, numpy as np
+from safetensors.numpy import load_file
+d, f = sys.argv[1:]
+ref = load_file(f"{f}/reference/pipeline.safetensors")
+res = load_file(f"{d}/resident.safetensors")
+for k, want in [("frames", ref["videos"][0]), ("audio", ref["audio"][0])]:
+    diff = np.abs(res[k] - want); tol = 3e-5 + 3e-5 * np.abs(want)
+    print(f"tiny f32 cuda {k}: max |diff| {diff.max():.3e}, within tolerance: {(diff <= tol).all()}")
+for p in sorted(glob.glob(f"{d}/*.safetensors")):
+    x = load_file(p)
+    same = all(np.array_equal(x[k], res[k]) for k in ("frames", "audio"))
+    print(f"{p.split('/')[-1]}: finite {all(np.isfinite(x[k]).all() for k in x)}, bit-identical to resident: {same}")
+PY
+
+full() { # name flags...
+  local n=$1; shift
+  /usr/bin/time -v $B generate --model synthetic:minimax-h3 --prompt "waves on a beach, gulls crying" --seed 1 \
+    --num-inference-steps $STEPS --device cuda --dtype bf16 --output-path "$O" --output-video-name $n --overwrite \
+    --stats-json "$O/$n.json" "$@" > /dev/null 2> "$O/$n.log" && echo "ok   full $n" || { echo "FAIL full $n $*"; grep -i error "$O/$n.log" | head -3; }
+  grep "Maximum resident" "$O/$n.log"
+}
+full default --memory-model discrete
+full resident --memory-model discrete --no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload
+full unified --memory-model unified
+python3 - "$O" <<'PY'
+import sys, json
+o = sys.argv[1]
+for n in ["default", "resident", "unified"]:
+    try:
+        s = json.load(open(f"{o}/{n}.json"))
+    except Exception as e:
+        print(n, "no stats:", e); continue
+    for job in s.get("jobs", []):
+        m = job.get("metrics", {})
+        fw = m.get("forward_seconds", [])
+        print(f"{n}: status {job.get('status')}, forwards {['%.2f' % x for x in fw]}")
+        for stage, p in m.get("stages", {}).items():
+            print(f"  {stage:13} device used {p['device_used_peak']/2**30:7.2f} GiB, reserved {p['device_reserved_peak']/2**30:7.2f} GiB, host RSS {p['host_rss_peak']/2**30:7.2f} GiB")
+PY
+for n in default unified; do
+  ffprobe -v error -show_entries stream=codec_name,channels,sample_rate,duration -of compact "$O/$n.mp4"
+done
