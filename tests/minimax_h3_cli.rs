@@ -513,3 +513,60 @@ fn dry_run_plans_the_published_model() {
         "{plan}"
     );
 }
+
+/// A config the model cannot run is one line naming the file and the key, exit 2, before
+/// anything loads (the modular index names each folder's class).
+#[test]
+fn bad_configs_are_named_before_anything_loads() {
+    let dir = scratch("configs");
+    let fixture = named_fixture_dir(FIXTURE);
+    for (file, key, value) in [
+        (
+            "transformer/config.json",
+            "patch_size",
+            serde_json::json!([1, 0, 2]),
+        ),
+        (
+            "audio_scheduler/scheduler_config.json",
+            "shift",
+            serde_json::json!(-3.0),
+        ),
+        (
+            "text_encoder/config.json",
+            "text_config",
+            serde_json::json!({"num_hidden_layers": 50}),
+        ),
+    ] {
+        let model = dir.join("model");
+        let _ = std::fs::remove_dir_all(&model);
+        for rel in [
+            "modular_model_index.json",
+            "transformer/config.json",
+            "vae/config.json",
+            "audio_vae/config.json",
+            "text_encoder/config.json",
+            "scheduler/scheduler_config.json",
+            "audio_scheduler/scheduler_config.json",
+        ] {
+            std::fs::create_dir_all(model.join(rel).parent().unwrap()).unwrap();
+            std::fs::copy(fixture.join(rel), model.join(rel)).unwrap();
+        }
+        let path = model.join(file);
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        let out = vidgen(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "a",
+            "--dry-run",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{file}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{file}: {stderr}");
+        assert!(stderr.contains(file), "{file}: {stderr}");
+    }
+}

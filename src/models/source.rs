@@ -10,12 +10,17 @@ use crate::models::hunyuan_video::transformer::HunyuanVideoTransformerConfig;
 use crate::models::hunyuan_video::vae::HunyuanVideoVaeConfig;
 use crate::models::ltx::transformer::LtxTransformerConfig;
 use crate::models::ltx::vae::LtxVaeConfig;
+use crate::models::minimax_h3::audio_vae::MiniMaxH3AudioVaeConfig;
+use crate::models::minimax_h3::text_encoder::Qwen3VLConfig;
+use crate::models::minimax_h3::transformer::MiniMaxH3TransformerConfig;
+use crate::models::minimax_h3::vae::MiniMaxH3VaeConfig;
 use crate::models::t5::encoder::T5Config;
 use crate::models::wan::text_encoder::UMT5Config;
 use crate::models::wan::transformer::WanTransformerConfig;
 use crate::models::wan::vae::WanVaeConfig;
 use crate::schedulers::cogvideox_dpm::CogVideoXDpmConfig;
 use crate::schedulers::euler::FlowMatchEulerConfig;
+use crate::schedulers::minimax_h3::MiniMaxH3SchedulerConfig;
 use crate::schedulers::SchedulerConfig;
 use crate::weights::Weights;
 use anyhow::{anyhow, bail, Context, Result};
@@ -208,10 +213,10 @@ impl ModelSource {
     /// file and the key. Only what is readable without a download is read; a missing file is
     /// left to the stage that needs it, which names it.
     pub fn check_configs(&self) -> Result<()> {
-        let Some(index) = self.readable(MODEL_INDEX)? else {
+        let Some((name, index)) = self.index()? else {
             return Ok(());
         };
-        let index = self.read_config(MODEL_INDEX, &index)?;
+        let index = self.read_config(name, &index)?;
         for (folder, class) in components(&index) {
             let Some(config) = COMPONENT_CONFIGS.iter().find(|c| c.class == class) else {
                 continue;
@@ -222,6 +227,17 @@ impl ModelSource {
             }
         }
         Ok(())
+    }
+
+    /// The model's index readable without a download: `model_index.json`, else a modular
+    /// pipeline's `modular_model_index.json`.
+    fn index(&self) -> Result<Option<(&'static str, FileRef)>> {
+        for name in [MODEL_INDEX, MODULAR_MODEL_INDEX] {
+            if let Some(file) = self.readable(name)? {
+                return Ok(Some((name, file)));
+            }
+        }
+        Ok(None)
     }
 
     /// A file of the model where it is readable without a download (the Hub cache only).
@@ -259,8 +275,7 @@ impl ModelSource {
     /// folder (`None` for files vidgen does not interpret, or without a readable index).
     fn config_check(&self, relative: &str) -> Option<fn(&Value) -> Result<()>> {
         let (folder, file) = relative.split_once('/')?;
-        let index: Value =
-            serde_json::from_str(&self.readable(MODEL_INDEX).ok()??.read().ok()?).ok()?;
+        let index: Value = serde_json::from_str(&self.index().ok()??.1.read().ok()?).ok()?;
         let class = components(&index).into_iter().find(|(f, _)| f == folder)?.1;
         COMPONENT_CONFIGS
             .iter()
@@ -270,6 +285,8 @@ impl ModelSource {
 }
 
 const MODEL_INDEX: &str = "model_index.json";
+/// A modular pipeline's index (components as `[library, class, loading spec]`).
+const MODULAR_MODEL_INDEX: &str = "modular_model_index.json";
 
 /// A component class whose config vidgen interprets: the file in its folder and its check
 /// (parsed with diffusers' defaults, then the config type's `validate`). A family adds one
@@ -416,6 +433,52 @@ const COMPONENT_CONFIGS: &[ComponentConfig] = &[
         file: "config.json",
         check: |v| {
             parse_keyed::<LlamaConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "MiniMaxH3Transformer3DModel",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<MiniMaxH3TransformerConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLMiniMaxH3",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<MiniMaxH3VaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "AutoencoderKLMiniMaxH3Audio",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<MiniMaxH3AudioVaeConfig>(v.clone())?
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "Qwen3VLForConditionalGeneration",
+        file: "config.json",
+        check: |v| {
+            parse_keyed::<Qwen3VLConfig>(v.clone())?
+                .text_config
+                .validate()
+                .map_err(message)
+        },
+    },
+    ComponentConfig {
+        class: "MiniMaxH3Scheduler",
+        file: "scheduler_config.json",
+        check: |v| {
+            parse_keyed::<MiniMaxH3SchedulerConfig>(v.clone())?
                 .validate()
                 .map_err(message)
         },

@@ -38,7 +38,7 @@ use crate::offload::Residency;
 use crate::output::Audio;
 use crate::schedulers::minimax_h3::{MiniMaxH3Schedule, MiniMaxH3SchedulerConfig};
 use crate::weights::seeded_normal;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
@@ -76,11 +76,9 @@ pub struct MiniMaxH3Configs {
 }
 
 impl MiniMaxH3Configs {
-    /// Reads and checks every component's config; an error names the file.
+    /// Reads every component's config (each checked as it is read, see
+    /// [`ModelSource::json`]) and checks that they agree.
     pub fn from_configs(configs: Configs) -> Result<Self> {
-        let checked = |file: &str, r: candle_core::Result<()>| {
-            r.map_err(|e| anyhow!("{file}: {}", message(e)))
-        };
         let out = MiniMaxH3Configs {
             transformer: configs.read("transformer/config.json")?,
             vae: configs.read("vae/config.json")?,
@@ -91,15 +89,6 @@ impl MiniMaxH3Configs {
             scheduler: configs.read("scheduler/scheduler_config.json")?,
             audio_scheduler: configs.read("audio_scheduler/scheduler_config.json")?,
         };
-        checked("transformer/config.json", out.transformer.validate())?;
-        checked("vae/config.json", out.vae.validate())?;
-        checked("audio_vae/config.json", out.audio_vae.validate())?;
-        checked("text_encoder/config.json", out.text_encoder.validate())?;
-        checked("scheduler/scheduler_config.json", out.scheduler.validate())?;
-        checked(
-            "audio_scheduler/scheduler_config.json",
-            out.audio_scheduler.validate(),
-        )?;
         if out.transformer.in_channels != out.vae.latent_channels
             || out.transformer.audio_in_channels != out.audio_vae.latent_channels
             || out.transformer.text_dim != out.text_encoder.hidden_size
