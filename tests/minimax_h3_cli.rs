@@ -570,3 +570,63 @@ fn bad_configs_are_named_before_anything_loads() {
         assert!(stderr.contains(file), "{file}: {stderr}");
     }
 }
+
+/// A prompt file: every line a request of its own (stage by stage under the lazy lever); a line
+/// that sets guidance fails alone, with the reason, and the others are written.
+#[test]
+fn prompt_file_lines_run_alone_and_guidance_fails_only_its_line() {
+    let dir = scratch("batch");
+    let prompts = dir.join("prompts.jsonl");
+    let line = |p: &str, name: &str, extra: &str| {
+        format!("{{\"prompt\": {p:?}, \"output_video_name\": {name:?}{extra}}}\n")
+    };
+    std::fs::write(
+        &prompts,
+        line(&prompt(0), "first", "")
+            + &line(&prompt(1), "guided", ", \"guidance_scale\": 5.0")
+            + &line(&prompt(1), "second", ""),
+    )
+    .unwrap();
+    let draws = draws_file(&dir);
+    let model = named_fixture_dir(FIXTURE);
+    let out = vidgen(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--height",
+        "16",
+        "--width",
+        "24",
+        "--num-frames",
+        "121",
+        "--num-inference-steps",
+        "4",
+        "--latents",
+        draws.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--dtype",
+        "f32",
+        "--output-type",
+        "safetensors",
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--memory-model",
+        "discrete",
+        "--lazy-module-load",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("guidance-distilled"), "{stderr}");
+    assert!(!dir.join("guided.safetensors").exists());
+    let refs = named_reference(FIXTURE, "pipeline");
+    for (name, want) in [("first", "audio"), ("second", "alt_prompt.audio")] {
+        let file =
+            candle_core::safetensors::load(dir.join(format!("{name}.safetensors")), &Device::Cpu)
+                .unwrap();
+        let expected = refs[want].squeeze(0).unwrap();
+        assert_close(want, &file["audio"], &expected, TOL, TOL);
+    }
+}
