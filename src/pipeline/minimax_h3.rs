@@ -10,7 +10,7 @@ use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
+use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
@@ -298,18 +298,6 @@ impl Family for MiniMaxH3Configs {
 
     /// Qwen3-VL, DiT, video VAE and audio VAE, each used by one stage and safe to defer.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let component = |name, role, dtype, constructors| ComponentSpec {
-            name,
-            role,
-            dtype,
-            deferrable: true,
-            constructors,
-        };
-        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
-            name,
-            uses: uses.to_vec(),
-            activation_bytes,
-        };
         let g = self.planning_geometry(shape);
         // Text tokens are the prompt's own (no padding); `--max-sequence-length` stands in for
         // the prompt length when planning.
@@ -318,61 +306,50 @@ impl Family for MiniMaxH3Configs {
         PipelineSpec {
             title: "MiniMax H3 text-to-video+audio",
             components: vec![
-                component(
+                ComponentSpec::new::<MiniMaxH3TextEncoder>(
                     "text_encoder",
                     Role::TextEncoder,
-                    None,
-                    Arc::new(ModelConstructors::<MiniMaxH3TextEncoder>(
-                        self.text_encoder.clone(),
-                    )),
+                    self.text_encoder.clone(),
                 ),
-                component(
+                ComponentSpec::new::<MiniMaxH3Transformer3DModel>(
                     "transformer",
                     Role::Dit,
-                    None,
-                    Arc::new(ModelConstructors::<MiniMaxH3Transformer3DModel>(
-                        self.transformer.clone(),
-                    )),
+                    self.transformer.clone(),
                 ),
-                component(
-                    "vae",
-                    Role::Vae,
-                    None,
-                    Arc::new(ModelConstructors::<MiniMaxH3VaeDecoder>(self.vae.clone())),
-                ),
+                ComponentSpec::new::<MiniMaxH3VaeDecoder>("vae", Role::Vae, self.vae.clone()),
                 // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
                 // noisy.
-                component(
-                    "audio_vae",
-                    Role::AudioVae,
-                    Some(DType::F32),
-                    Arc::new(ModelConstructors::<MiniMaxH3AudioVaeDecoder>(
+                ComponentSpec {
+                    dtype: Some(DType::F32),
+                    ..ComponentSpec::new::<MiniMaxH3AudioVaeDecoder>(
+                        "audio_vae",
+                        Role::AudioVae,
                         self.audio_vae.clone(),
-                    )),
-                ),
+                    )
+                },
             ],
             stages: vec![
-                stage(
+                StageSpec::new(
                     "encode_text",
                     &[TEXT_ENCODER],
                     text_encoder_activations(&self.text_encoder, text, shape.dtype),
                 ),
-                stage(
+                StageSpec::new(
                     "denoise",
                     &[TRANSFORMER],
                     transformer_activations(&self.transformer, rows, shape.dtype),
                 ),
-                stage(
+                StageSpec::new(
                     "decode_video",
                     &[VAE],
                     vae_decode_activations(&self.vae, &g, shape.dtype),
                 ),
-                stage(
+                StageSpec::new(
                     "decode_audio",
                     &[AUDIO_VAE],
                     audio_decode_activations(&self.audio_vae, g.num_audio_latents),
                 ),
-                stage("write", &[], 0),
+                StageSpec::new("write", &[], 0),
             ],
         }
     }
@@ -792,38 +769,13 @@ impl Blockwise for MiniMaxH3TextEncoder {
     }
 }
 
-/// The video VAE's decoder is resident or parked whole.
-impl Blockwise for MiniMaxH3VaeDecoder {
-    type Config = MiniMaxH3VaeConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the MiniMax H3 VAE is offloaded whole, not block by block")
-    }
-}
-
-/// The audio VAE is resident or parked whole.
-impl Blockwise for MiniMaxH3AudioVaeDecoder {
-    type Config = MiniMaxH3AudioVaeConfig;
-    type Block = ();
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn num_blocks(_: &Self::Config) -> usize {
-        0
-    }
-    fn block(_: &Self::Config, _: usize, _: VarBuilder) -> candle_core::Result<()> {
-        candle_core::bail!("the MiniMax H3 audio VAE is offloaded whole, not block by block")
-    }
-}
+crate::placed_whole!(
+    MiniMaxH3VaeDecoder,
+    MiniMaxH3VaeConfig,
+    MiniMaxH3VaeDecoder::new
+);
+crate::placed_whole!(
+    MiniMaxH3AudioVaeDecoder,
+    MiniMaxH3AudioVaeConfig,
+    MiniMaxH3AudioVaeDecoder::new
+);
