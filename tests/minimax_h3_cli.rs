@@ -429,6 +429,7 @@ fn flags_that_do_not_apply_are_refused() {
         (&["--flow-shift", "5"][..], "audio_scheduler"),
         (&["--scheduler", "euler"][..], "two flow schedules"),
         (&["--max-sequence-length", "64"][..], "no truncation"),
+        (&["--fps", "30"][..], "24 fps"),
         (&["--num-frames", "400"][..], "5-15 s"),
         (&["--num-frames", "30"][..], "5-15 s"),
         (&["--height", "20"][..], "multiple of 8"),

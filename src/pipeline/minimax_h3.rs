@@ -283,6 +283,10 @@ impl Family for MiniMaxH3Configs {
                 "--scheduler: MiniMax H3 runs its own two flow schedules (video and audio); leave it out",
             ),
             (
+                config.options.fps != FPS as u32,
+                "--fps: MiniMax H3 makes 24 fps video with its sound in step; leave it out",
+            ),
+            (
                 given("max_sequence_length"),
                 "--max-sequence-length: MiniMax H3 encodes the prompt whole (no padding, no truncation); leave it out",
             ),
