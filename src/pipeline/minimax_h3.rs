@@ -493,8 +493,9 @@ impl MiniMaxH3 {
         };
         let encoder = placed.hold()?;
         let model = encoder.model();
-        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-        let (mut h, _) = model.embed(&ids)?;
+        // The token table may wait in host memory (streamed layers): the rows looked up move.
+        let ids = Tensor::new(ids.as_slice(), &model.table_device())?.unsqueeze(0)?;
+        let mut h = model.embed(&ids)?.0.to_device(&device)?;
         let rope = TextRope::new(model.config(), ids.dim(1)?, &device)?;
         encoder.for_each_block(MiniMaxH3TextEncoder::layers, |layer: &Qwen3DecoderLayer| {
             h = layer.forward(&h, &rope)?;
@@ -755,15 +756,16 @@ impl Blockwise for MiniMaxH3Transformer3DModel {
 }
 
 /// Qwen3-VL's text model: only the layers up to the hidden state read exist as blocks (the
-/// rest, the final norm, `lm_head` and the vision tower never load).
+/// rest, the final norm, `lm_head` and the vision tower never load). With the layers streamed,
+/// the 152k-token table stays in host memory.
 impl Blockwise for MiniMaxH3TextEncoder {
     type Config = Qwen3VLTextConfig;
     type Block = Qwen3DecoderLayer;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_layers(cfg, vb)
+    fn outer(cfg: &Self::Config, _: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_layers(cfg, host_vb)
     }
     fn num_blocks(_: &Self::Config) -> usize {
         Self::layers_used()

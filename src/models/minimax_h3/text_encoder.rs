@@ -403,6 +403,11 @@ impl MiniMaxH3TextEncoder {
         &self.layers
     }
 
+    /// Where the token table lives (host memory when an engine streams the layers).
+    pub fn table_device(&self) -> Device {
+        self.embed_tokens.embeddings().device().clone()
+    }
+
     /// The configuration the encoder was built with.
     pub fn config(&self) -> &Qwen3VLTextConfig {
         &self.cfg
