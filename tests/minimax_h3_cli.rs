@@ -631,3 +631,44 @@ fn prompt_file_lines_run_alone_and_guidance_fails_only_its_line() {
         assert_close(want, &file["audio"], &expected, TOL, TOL);
     }
 }
+
+/// Another size and length, with the draws from the seed: the frame count snapped up to
+/// 17n+5, the canvas and the audio length all follow the configs (the VAE's 4x, its 17-frame
+/// clips, 40 audio latents a second, the audio VAE's hop).
+#[test]
+fn other_sizes_follow_the_configs() {
+    let dir = scratch("sizes");
+    let model = named_fixture_dir(FIXTURE);
+    let out = vidgen(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "a",
+        "--height",
+        "24",
+        "--width",
+        "16",
+        "--num-frames",
+        "150",
+        "--num-inference-steps",
+        "2",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+        "--output-type",
+        "safetensors",
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("150 frames snapped up to 158"), "{stderr}");
+    let file = candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(file["frames"].dims(), [158, 24, 16, 3]);
+    // round(158 / 24 · 40) = 263 audio latents of 8 samples (the audio VAE's hop).
+    assert_eq!(file["audio"].dims(), [2, 263 * 8]);
+}
