@@ -119,8 +119,8 @@ impl MiniMaxH3Configs {
     }
 
     /// The geometry for planning: a frame count outside the model's 5-15 s plans as the
-    /// shortest video (the memory advice tries fewer frames; a run refuses them), and a size the
-    /// model cannot take as one latent (a run refuses it too).
+    /// shortest video (the memory advice tries fewer frames; a run refuses them); a size the
+    /// model cannot take (refused by a run too) plans as a single latent.
     fn planning_geometry(&self, shape: &RunShape) -> T2vaGeometry {
         let shortest = (MIN_DURATION_S * FPS as f64) as u32;
         self.geometry(shape.num_frames, shape.height, shape.width)
