@@ -486,3 +486,53 @@ fn two_runs_writing_one_output_name_never_corrupt_it() {
     let find = |tag: &[u8]| bytes.windows(4).any(|w| w == tag);
     assert!(find(b"ftyp") && find(b"moov") && find(b"mdat"));
 }
+
+/// Writes a `latents` tensor of the tiny run's shape `[1, 16, 2, 4, 4]` filled with `value`.
+fn latents_file(path: &Path, value: f32) {
+    use candle_core::{Device, Tensor};
+    let t = (Tensor::ones((1, 16, 2, 4, 4), candle_core::DType::F32, &Device::Cpu).unwrap()
+        * value as f64)
+        .unwrap();
+    let tensors: std::collections::HashMap<String, Tensor> = [("latents".to_string(), t)].into();
+    candle_core::safetensors::save(&tensors, path).unwrap();
+}
+
+#[test]
+fn non_finite_latents_fail_the_prompt_with_the_step_and_write_nothing() {
+    let dir = scratch("nan");
+    let nan = dir.join("nan.safetensors");
+    latents_file(&nan, f32::NAN);
+    let cases: [(&str, Vec<&str>); 2] = [
+        ("guidance", vec!["--guidance-scale", "1e308"]),
+        ("latents", vec!["--latents", nan.to_str().unwrap()]),
+    ];
+    for (name, flags) in cases {
+        let out = dir.join(format!("out-{name}"));
+        let stats_path = dir.join(format!("{name}.json"));
+        let mut args = vec![
+            "--prompt",
+            "x",
+            "--output-path",
+            out.to_str().unwrap(),
+            "--stats-json",
+            stats_path.to_str().unwrap(),
+        ];
+        args.extend(flags);
+        let run = vidgen(&args);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{name}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains("NaN or infinite at denoising step 1 of 2"),
+            "{name}: {stderr}"
+        );
+        let s = stats(&stats_path);
+        assert_eq!(statuses(&s), vec!["failed"], "{name}: {s}");
+        assert!(
+            s["jobs"][0]["error"].as_str().unwrap().contains("NaN"),
+            "{s}"
+        );
+        assert_eq!(names(&out), Vec::<String>::new(), "{name}");
+        assert!(run.stdout.is_empty(), "{name}");
+    }
+}

@@ -462,7 +462,7 @@ impl CogVideoX {
             latents = scheduler
                 .step(&noise_pred, &latents.to_dtype(DType::F32)?, &noise)?
                 .to_dtype(dtype)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
         }
         stages::report_denoise(
             &self.progress,

@@ -558,7 +558,7 @@ impl HunyuanVideo {
             // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
             // back to the model dtype); the latents wait in f32, which holds that exactly.
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
         }
         let after = placed.offload_usage();
         stages::report_denoise(&self.progress, job, forward_seconds, before, after);

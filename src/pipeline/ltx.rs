@@ -527,7 +527,7 @@ impl Ltx {
                 pred
             };
             latents = scheduler.step(&pred, &latents)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
         }
         stages::report_denoise(
             &self.progress,

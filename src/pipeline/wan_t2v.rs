@@ -787,7 +787,7 @@ impl WanT2V {
                 None => noise_cond,
             };
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
             i += 1;
         }
         if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
