@@ -536,3 +536,98 @@ fn non_finite_latents_fail_the_prompt_with_the_step_and_write_nothing() {
         assert!(run.stdout.is_empty(), "{name}");
     }
 }
+
+#[test]
+fn latents_files_are_checked_before_anything_loads() {
+    use candle_core::{Device, Tensor};
+    let dir = scratch("latents");
+    let out = dir.join("out");
+    let save = |name: &str, tensors: Vec<(&str, Tensor)>| {
+        let path = dir.join(name);
+        let map: std::collections::HashMap<String, Tensor> = tensors
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        candle_core::safetensors::save(&map, &path).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let zeros =
+        |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, [7u8; 100]).unwrap();
+    let truncated = dir.join("truncated.safetensors");
+    let whole = std::fs::read(save(
+        "whole.safetensors",
+        vec![("latents", zeros(&[1, 16, 2, 4, 4]))],
+    ))
+    .unwrap();
+    std::fs::write(&truncated, &whole[..whole.len() - 10]).unwrap();
+    let cases: Vec<(String, &str)> = vec![
+        (
+            dir.join("missing.safetensors").to_str().unwrap().into(),
+            "missing.safetensors",
+        ),
+        ("/dev/zero".into(), "not a regular file"),
+        (dir.to_str().unwrap().into(), "not a regular file"),
+        (garbage.to_str().unwrap().into(), "not a safetensors file"),
+        (truncated.to_str().unwrap().into(), "not a safetensors file"),
+        (
+            save(
+                "shape.safetensors",
+                vec![("latents", zeros(&[1, 16, 3, 4, 4]))],
+            ),
+            "[1, 16, 2, 4, 4]",
+        ),
+        (
+            save(
+                "names.safetensors",
+                vec![("a", zeros(&[1])), ("b", zeros(&[1]))],
+            ),
+            "no tensor named `latents`",
+        ),
+        (
+            save(
+                "ints.safetensors",
+                vec![(
+                    "latents",
+                    Tensor::zeros((1, 16, 2, 4, 4), candle_core::DType::U8, &Device::Cpu).unwrap(),
+                )],
+            ),
+            "U8",
+        ),
+    ];
+    for (path, needle) in cases {
+        let run = vidgen(&[
+            "--prompt",
+            "x",
+            "--output-path",
+            out.to_str().unwrap(),
+            "--latents",
+            &path,
+        ]);
+        assert_refused(&run, &["--latents", needle]);
+        assert!(
+            !text(&run.stderr).contains("loading"),
+            "{}",
+            text(&run.stderr)
+        );
+        assert!(!out.exists(), "{path}: the output folder was made");
+    }
+    // A prompt file's line of another size needs other latents: named with its line.
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_frames\": 9}\n",
+    )
+    .unwrap();
+    let good = dir.join("whole.safetensors");
+    let run = vidgen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--output-path",
+        out.to_str().unwrap(),
+        "--latents",
+        good.to_str().unwrap(),
+    ]);
+    assert_refused(&run, &["p.jsonl:2", "[1, 16, 3, 4, 4]"]);
+}

@@ -106,6 +106,10 @@ fn size(dtype: DType) -> u64 {
 }
 
 impl Family for HunyuanConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(self.latent_shape(num_frames, height, width).to_vec())
+    }
+
     /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
     /// 50 steps, embedded guidance 6, 256 prompt tokens.
     fn defaults(&self) -> ModelDefaults {

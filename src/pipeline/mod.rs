@@ -186,6 +186,9 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
         }
     }
+    if let Ok(family) = &family {
+        check_latents(&config, family.as_ref(), &jobs)?;
+    }
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
     let started = Instant::now();
@@ -215,6 +218,51 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
     }
     result.map(|()| code)
+}
+
+/// Checks `--latents` before anything loads: a regular safetensors file (read up to its header
+/// only) whose `latents` tensor, or only tensor, is a float tensor of the shape every prompt's
+/// size needs.
+fn check_latents(
+    config: &ResolvedConfig,
+    family: &dyn Family,
+    jobs: &[Job],
+) -> Result<(), UsageError> {
+    let Some(path) = &config.generation.latents else {
+        return Ok(());
+    };
+    let at = format!("--latents {}", path.display());
+    let tensors = draws::header(path).map_err(|e| {
+        UsageError::new(format!(
+            "{at}: {e:#}; pass a safetensors file with a `latents` tensor"
+        ))
+    })?;
+    let latents = match tensors.get("latents") {
+        Some(t) => t,
+        None if tensors.len() == 1 => tensors.values().next().unwrap_or_else(|| unreachable!()),
+        None => return Err(UsageError::new(format!(
+            "{at} has no tensor named `latents` (it holds {}); name the initial latents `latents`",
+            tensors.keys().cloned().collect::<Vec<_>>().join(", ")
+        ))),
+    };
+    if !matches!(latents.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
+        return Err(UsageError::new(format!(
+            "{at}: the latents are {}; store them as F32 (or F16, BF16, F64)",
+            latents.dtype
+        )));
+    }
+    for job in jobs {
+        let Some(shape) = family.latents_shape(job.num_frames, job.height, job.width) else {
+            continue;
+        };
+        if latents.shape != shape {
+            return Err(UsageError::new(format!(
+                "{at} holds latents of shape {:?}, but {} ({} frames of {}x{}) needs {shape:?}; pass latents of that shape or change the size",
+                latents.shape, job.origin, job.num_frames, job.height, job.width
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Creates the output folder and checks that files can be made in it, before any model loads.

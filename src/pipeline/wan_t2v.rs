@@ -72,6 +72,10 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 impl Family for WanConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(self.latent_shape(num_frames, height, width).to_vec())
+    }
+
     /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it),
     /// each safe to defer: every component only feeds tensors forward. A two-expert model
     /// denoises in two stages, one per expert, so that a lazy load frees the first expert at
