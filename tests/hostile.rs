@@ -631,3 +631,50 @@ fn latents_files_are_checked_before_anything_loads() {
     ]);
     assert_refused(&run, &["p.jsonl:2", "[1, 16, 3, 4, 4]"]);
 }
+
+#[test]
+fn config_file_values_meet_the_flags_range_checks() {
+    let dir = scratch("config-ranges");
+    let cases = [
+        ("prefetch_depth = 0", "--prefetch-depth"),
+        ("num_blocks_per_group = 0", "--num-blocks-per-group"),
+        ("num_gpus = 0", "--num-gpus"),
+        ("max_pinned_memory = 0", "not a positive size"),
+        ("max_pinned_memory = \"0\"", "not a positive size"),
+        ("fps = 4294967295", "1..=1000"),
+        ("guidance_scale = nan", "NaN is not a finite number"),
+        ("guidance_scale = inf", "inf is not a finite number"),
+    ];
+    for (line, needle) in cases {
+        let config = dir.join("c.toml");
+        std::fs::write(&config, format!("{line}\n")).unwrap();
+        for dry in [&[][..], &["--dry-run"][..]] {
+            let mut args = vec!["--prompt", "x", "--config", config.to_str().unwrap()];
+            args.extend_from_slice(dry);
+            let run = vidgen(&args);
+            assert_refused(&run, &["c.toml", needle]);
+        }
+    }
+    // The flag itself: the frame rate is bounded up front, not at write.
+    assert_refused(
+        &vidgen(&["--prompt", "x", "--fps", "4294967295"]),
+        &["--fps", "1..=1000"],
+    );
+    // Values in range still pass, as numbers or strings.
+    for line in [
+        "max_pinned_memory = \"2GiB\"",
+        "max_pinned_memory = 1024",
+        "prefetch_depth = 2",
+    ] {
+        let config = dir.join("ok.toml");
+        std::fs::write(&config, format!("{line}\n")).unwrap();
+        let run = vidgen(&[
+            "--prompt",
+            "x",
+            "--config",
+            config.to_str().unwrap(),
+            "--dry-run",
+        ]);
+        assert!(run.status.success(), "{line}: {}", text(&run.stderr));
+    }
+}

@@ -63,7 +63,10 @@ pub fn parse(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageEr
                 .map(|id| id.as_str().to_string())
                 .collect();
             if let Some(path) = args.config.clone() {
-                let (options, keys) = merge_config_file(&path, &args.options, |key| {
+                let generate = command
+                    .find_subcommand("generate")
+                    .expect("the generate subcommand exists");
+                let (options, keys) = merge_config_file(&path, &args.options, generate, |key| {
                     sub.value_source(key) == Some(ValueSource::CommandLine)
                 })?;
                 args.options = options;
@@ -148,6 +151,37 @@ fn clap_outcome(e: clap::Error) -> Result<Parsed, UsageError> {
     }
 }
 
+/// Runs a config file's scalar value through the value parser of the flag of the same name
+/// (arrays and tables are left to the type check after).
+fn check_as_flag(generate: &clap::Command, key: &str, value: &toml::Value) -> Result<(), String> {
+    let text = match value {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) if !f.is_finite() => {
+            return Err(format!("{f} is not a finite number"));
+        }
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        _ => return Ok(()),
+    };
+    let Some(long) = generate
+        .get_arguments()
+        .find(|a| a.get_id() == key)
+        .and_then(|a| a.get_long())
+    else {
+        return Ok(());
+    };
+    generate
+        .clone()
+        .try_get_matches_from(["generate".to_string(), format!("--{long}={text}")])
+        .map(|_| ())
+        .map_err(|e| {
+            let text = e.render().to_string();
+            let line = text.lines().next().unwrap_or("invalid value");
+            line.trim_start_matches("error: ").to_string()
+        })
+}
+
 /// Folds clap's multi-line error into one line: the problem plus clap's tip, if any.
 fn first_lines(e: &clap::Error) -> String {
     let text = e.render().to_string();
@@ -170,10 +204,12 @@ fn first_lines(e: &clap::Error) -> String {
 }
 
 /// Lays a TOML config file under the command line: a key is taken from the file unless its
-/// flag was given on the command line.
+/// flag was given on the command line. Each value goes through its flag's own parser
+/// (`generate`'s), so the file meets the same range checks as the command line.
 fn merge_config_file(
     path: &Path,
     cli: &args::GenerateOptions,
+    generate: &clap::Command,
     given_on_command_line: impl Fn(&str) -> bool,
 ) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
     let text = std::fs::read_to_string(path).map_err(|e| {
@@ -207,6 +243,13 @@ fn merge_config_file(
                 path.display()
             )));
         }
+        check_as_flag(generate, &key, &value).map_err(|why| {
+            UsageError::new(format!(
+                "bad value for `{key}` in config file {}: {why}; use the same values as the --{} flag",
+                path.display(),
+                key.replace('_', "-")
+            ))
+        })?;
         let value = serde_json::to_value(value).expect("TOML values convert to JSON");
         // Check each key alone so a bad value is reported with its key.
         let mut single = defaults.clone();

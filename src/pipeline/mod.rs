@@ -240,10 +240,12 @@ fn check_latents(
     let latents = match tensors.get("latents") {
         Some(t) => t,
         None if tensors.len() == 1 => tensors.values().next().unwrap_or_else(|| unreachable!()),
-        None => return Err(UsageError::new(format!(
+        None => {
+            return Err(UsageError::new(format!(
             "{at} has no tensor named `latents` (it holds {}); name the initial latents `latents`",
             tensors.keys().cloned().collect::<Vec<_>>().join(", ")
-        ))),
+        )))
+        }
     };
     if !matches!(latents.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
         return Err(UsageError::new(format!(
