@@ -678,3 +678,100 @@ fn config_file_values_meet_the_flags_range_checks() {
         assert!(run.status.success(), "{line}: {}", text(&run.stderr));
     }
 }
+
+/// Copies the tiny Wan fixture (configs, tokenizer, weights) to `dir/model`.
+fn copy_tiny_model(dir: &Path) -> PathBuf {
+    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a");
+    let to = dir.join("model");
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in [
+        "model_index.json",
+        "scheduler",
+        "text_encoder",
+        "tokenizer",
+        "transformer",
+        "vae",
+    ] {
+        let src = from.join(entry);
+        if src.is_file() {
+            std::fs::copy(&src, to.join(entry)).unwrap();
+            continue;
+        }
+        std::fs::create_dir_all(to.join(entry)).unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), to.join(entry).join(f.file_name())).unwrap();
+        }
+    }
+    to
+}
+
+#[cfg(unix)]
+#[test]
+fn shard_names_stay_inside_the_model_folder() {
+    let dir = scratch("shards");
+    let model = copy_tiny_model(&dir);
+    let transformer = model.join("transformer");
+    let weights = transformer.join("diffusion_pytorch_model.safetensors");
+    // The real weights, outside the model folder, and a shard file name.
+    let outside = dir.join("outside.safetensors");
+    std::fs::rename(&weights, &outside).unwrap();
+    let index = transformer.join("diffusion_pytorch_model.safetensors.index.json");
+    let run_with = |shard: &str| {
+        std::fs::write(
+            &index,
+            format!(
+                "{{\"weight_map\": {{\"proj_out.weight\": {}}}}}",
+                serde_json::json!(shard)
+            ),
+        )
+        .unwrap();
+        Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args([
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+            ])
+            .args(["--height", "32", "--width", "32", "--num-frames", "5"])
+            .args([
+                "--num-inference-steps",
+                "2",
+                "--prompt",
+                "x",
+                "--output-path",
+            ])
+            .arg(dir.join("out"))
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    let relative = format!("../../{}", outside.file_name().unwrap().to_str().unwrap());
+    for (shard, needle) in [
+        (relative.as_str(), "is not a file name in transformer/"),
+        (
+            outside.to_str().unwrap(),
+            "is not a file name in transformer/",
+        ),
+        ("sub/x.safetensors", "is not a file name in transformer/"),
+    ] {
+        let run = run_with(shard);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{shard}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(stderr.contains(needle), "{shard}: {stderr}");
+    }
+    // A link in the folder to a file outside it is refused; one to a file inside it is followed.
+    let link = transformer.join("shard-1.safetensors");
+    std::os::unix::fs::symlink(&outside, &link).unwrap();
+    let run = run_with("shard-1.safetensors");
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("links outside the model"), "{stderr}");
+    std::fs::remove_file(&link).unwrap();
+    std::fs::rename(&outside, transformer.join("real.safetensors")).unwrap();
+    std::os::unix::fs::symlink("real.safetensors", &link).unwrap();
+    let run = run_with("shard-1.safetensors");
+    assert!(run.status.success(), "{}", text(&run.stderr));
+}
