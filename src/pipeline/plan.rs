@@ -100,7 +100,7 @@ impl<'a> Planner<'a> {
                 },
             })
             .collect();
-        Ok(MemoryPlan::new(&stages, &weights))
+        MemoryPlan::new(&stages, &weights)
     }
 
     fn device_weights(
