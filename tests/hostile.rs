@@ -775,3 +775,58 @@ fn shard_names_stay_inside_the_model_folder() {
     let run = run_with("shard-1.safetensors");
     assert!(run.status.success(), "{}", text(&run.stderr));
 }
+
+#[cfg(unix)]
+#[test]
+fn a_file_size_limit_fails_the_write_cleanly_and_the_stats_are_written() {
+    // No `trap '' XFSZ`: vidgen itself must not die of SIGXFSZ. 16 KiB: the 60 KiB video
+    // passes the limit, the stats do not.
+    let dir = scratch("ulimit");
+    let out = dir.join("out");
+    let stats_path = dir.join("s.json");
+    let args: Vec<String> = TINY
+        .iter()
+        .map(|a| a.to_string())
+        .chain(
+            [
+                "--prompt",
+                "a fox",
+                "--output-type",
+                "safetensors",
+                "--output-path",
+            ]
+            .map(String::from),
+        )
+        .chain([out.to_str().unwrap().to_string(), "--stats-json".into()])
+        .chain([stats_path.to_str().unwrap().to_string()])
+        .map(|a| format!("'{a}'"))
+        .collect();
+    let script = format!(
+        "ulimit -f 16; exec '{}' {}",
+        env!("CARGO_BIN_EXE_vidgen"),
+        args.join(" ")
+    );
+    let run = Command::new("bash")
+        .args(["-c", &script])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let stderr = text(&run.stderr);
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "killed by a signal? {:?} {stderr}",
+        run.status
+    );
+    assert!(stderr.contains("File too large"), "{stderr}");
+    assert_eq!(names(&out), Vec::<String>::new(), "a temporary was left");
+    let s = stats(&stats_path);
+    assert_eq!(statuses(&s), vec!["failed"]);
+    assert!(
+        s["jobs"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("File too large"),
+        "{s}"
+    );
+}
