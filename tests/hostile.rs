@@ -830,3 +830,54 @@ fn a_file_size_limit_fails_the_write_cleanly_and_the_stats_are_written() {
         "{s}"
     );
 }
+
+#[test]
+fn overwrite_replaces_a_png_folder_only_once_the_new_one_is_complete() {
+    let dir = scratch("png-overwrite");
+    let out = dir.join("out");
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "--prompt",
+            "x",
+            "--output-type",
+            "png",
+            "--output-video-name",
+            "v",
+            "--output-path",
+            out.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        vidgen(&a)
+    };
+    let first = args(&[]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let folder = out.join("v");
+    std::fs::write(folder.join("marker"), "old").unwrap();
+    // Without --overwrite the old folder stays.
+    let kept = args(&[]);
+    assert_eq!(kept.status.code(), Some(1), "{}", text(&kept.stderr));
+    assert!(folder.join("marker").exists());
+    let frames = vec![
+        "frame_00000.png",
+        "frame_00001.png",
+        "frame_00002.png",
+        "frame_00003.png",
+        "frame_00004.png",
+    ];
+    let replaced = args(&["--overwrite"]);
+    assert!(replaced.status.success(), "{}", text(&replaced.stderr));
+    assert_eq!(text(&replaced.stdout).trim(), folder.to_str().unwrap());
+    assert_eq!(names(&folder), frames, "the old folder's files are gone");
+    assert_eq!(
+        names(&out),
+        vec!["v".to_string()],
+        "no temporary or old folder left"
+    );
+    // A file in the folder's place is replaced too.
+    std::fs::remove_dir_all(&folder).unwrap();
+    std::fs::write(&folder, "a file").unwrap();
+    let replaced = args(&["--overwrite"]);
+    assert!(replaced.status.success(), "{}", text(&replaced.stderr));
+    assert_eq!(names(&folder), frames);
+    assert_eq!(names(&out), vec!["v".to_string()]);
+}
