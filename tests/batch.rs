@@ -514,7 +514,9 @@ fn ctrl_c_keeps_finished_videos_and_abandons_the_rest() {
         .iter()
         .map(|j| j["status"].as_str().unwrap())
         .collect();
-    assert_eq!(status, ["written", "interrupted", "interrupted"]);
+    // The third never started: not run, not interrupted.
+    assert_eq!(status, ["written", "interrupted", "not_run"]);
+    assert!(json["jobs"][2]["stopped_at"].is_null());
 }
 
 #[test]

@@ -881,3 +881,109 @@ fn overwrite_replaces_a_png_folder_only_once_the_new_one_is_complete() {
     assert_eq!(names(&folder), frames);
     assert_eq!(names(&out), vec!["v".to_string()]);
 }
+
+#[test]
+fn small_refusals_name_the_problem() {
+    let dir = scratch("small");
+    let file = dir.join("model.safetensors");
+    std::fs::write(&file, "x").unwrap();
+    let run = vidgen(&["--prompt", "x", "--model", file.to_str().unwrap()]);
+    assert_refused(&run, &["is a file, not a folder", "model_index.json"]);
+    let run = vidgen(&["--prompt", "x", "--json"]);
+    assert_refused(&run, &["--dry-run"]);
+    for blank in ["", "   ", "\t\n"] {
+        let run = vidgen(&["--prompt", blank]);
+        assert_refused(&run, &["--prompt is empty"]);
+    }
+}
+
+#[test]
+fn a_megabyte_prompt_is_cut_in_logs_and_kept_whole_in_the_stats() {
+    let dir = scratch("long-prompt");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    // The output exists: the prompt fails at once and its summary line names it.
+    std::fs::write(out.join("v.mp4"), "old").unwrap();
+    let prompt = "a fox ".repeat(200_000);
+    let prompts = dir.join("p.txt");
+    std::fs::write(&prompts, format!("{prompt}\n")).unwrap();
+    let stats_path = dir.join("s.json");
+    let run = vidgen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+        "--output-path",
+        out.to_str().unwrap(),
+        "--stats-json",
+        stats_path.to_str().unwrap(),
+    ]);
+    let stderr = text(&run.stderr);
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "{}",
+        &stderr[..stderr.len().min(2000)]
+    );
+    assert!(stderr.len() < 4000, "{} bytes of stderr", stderr.len());
+    assert!(stderr.contains("... (1199999 bytes)"), "{stderr}");
+    assert!(stderr.contains("already exists"), "{stderr}");
+    let s = stats(&stats_path);
+    assert_eq!(s["jobs"][0]["prompt"].as_str().unwrap(), prompt.trim());
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_after_the_last_stage_began_still_exits_130() {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let dir = scratch("ctrl-c-last");
+    let out = dir.join("out");
+    let stats_path = dir.join("s.json");
+    // stdout is a full pipe: printing the finished video's path blocks, after the file is
+    // complete and with no stage left that could see Ctrl-C.
+    let (mut reader, mut writer) = std::io::pipe().unwrap();
+    let fd = writer.as_raw_fd();
+    // SAFETY: fcntl on a pipe this test owns.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    loop {
+        match writer.write(&[b'#'; 4096]) {
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
+    let child = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(TINY)
+        .args(["--prompt", "x", "--output-video-name", "v", "--output-path"])
+        .arg(&out)
+        .arg("--stats-json")
+        .arg(&stats_path)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let video = out.join("v.mp4");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !video.exists() {
+        assert!(std::time::Instant::now() < deadline, "no video");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: a signal to the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut stdout = String::new();
+    reader.read_to_string(&mut stdout).unwrap();
+    let run = child.wait_with_output().unwrap();
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(130), "{stderr}");
+    assert!(
+        stdout.trim_start_matches('#').trim() == video.to_str().unwrap(),
+        "{stdout}"
+    );
+    let s = stats(&stats_path);
+    assert_eq!(s["status"], "interrupted", "{s}");
+    assert_eq!(statuses(&s), vec!["written"]);
+}

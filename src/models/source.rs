@@ -139,6 +139,9 @@ impl ModelSource {
         if path.is_dir() {
             return Ok(ModelSource::Local(path.to_path_buf()));
         }
+        if path.exists() {
+            bail!("--model '{model}' is a file, not a folder; pass the diffusers model folder (the one holding model_index.json), a Hub id or synthetic:wan2.1-t2v-1.3b");
+        }
         let looks_like_path = model.starts_with(['.', '/', '~']) || model.matches('/').count() != 1;
         if looks_like_path {
             bail!("model folder '{model}' does not exist; pass a diffusers folder, a Hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or synthetic:wan2.1-t2v-1.3b");

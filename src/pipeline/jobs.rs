@@ -293,6 +293,16 @@ fn check_line(line: &PromptLine, rule: FrameRule) -> Result<()> {
     .map_err(|e| anyhow!(e))
 }
 
+/// A prompt as logs show it: quoted, and cut after 80 characters with its full length noted
+/// (a prompt file may hold a megabyte on one line; `--stats-json` keeps it whole).
+pub fn excerpt(prompt: &str) -> String {
+    const MAX: usize = 80;
+    match prompt.char_indices().nth(MAX) {
+        None => format!("{prompt:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &prompt[..end], prompt.len()),
+    }
+}
+
 /// A file-name-safe summary of a prompt: lowercase alphanumeric words joined by '-', at most 48
 /// bytes, never empty (so no path separators, dots or control characters).
 pub fn slug(prompt: &str) -> String {

@@ -337,6 +337,7 @@ fn generate(
         family: family.as_ref(),
         meter: MemoryMeter::new(&device),
         device,
+        not_started: Vec::new(),
     };
     let reports = runner::run(
         &mut guarded,
@@ -350,7 +351,9 @@ fn generate(
         },
     );
     for (job, report) in todo.iter().zip(reports) {
-        outcomes[job.index] = Outcome::from_report(job, report);
+        if !guarded.not_started.contains(&job.index) {
+            outcomes[job.index] = Outcome::from_report(job, report);
+        }
     }
     jobs.extend(done);
     jobs.extend(todo);
@@ -370,6 +373,8 @@ struct Guarded<'a> {
     /// Device and host memory peaks of each load and stage.
     meter: MemoryMeter,
     device: Device,
+    /// Jobs Ctrl-C stopped before their first stage (by `Job::index`).
+    not_started: Vec<usize>,
 }
 
 impl Guarded<'_> {
@@ -420,7 +425,12 @@ impl Pipeline for Guarded<'_> {
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
         let stage = self.inner.spec().stages[index].name;
         if let Err(e) = interrupt::check() {
-            job.stopped_at = Some(stage);
+            // Refused before its first stage, the job never started: `not_run`.
+            if index == 0 {
+                self.not_started.push(job.index);
+            } else {
+                job.stopped_at = Some(stage);
+            }
             return Err(e.into());
         }
         if !self.config.options.overwrite && !job.written && jobs::output_exists(&job.output) {
@@ -457,10 +467,10 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
     let count = |s: Status| outcomes.iter().filter(|o| o.status == s).count();
     for (job, outcome) in jobs.iter().zip(outcomes) {
         let at = format!(
-            "[{}/{total}] {} {:?}",
+            "[{}/{total}] {} {}",
             job.index + 1,
             job.origin,
-            job.prompt
+            jobs::excerpt(&job.prompt)
         );
         if !outcome.stage_times.is_empty() {
             let times: Vec<String> = outcome
@@ -490,13 +500,21 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
         .iter()
         .zip(outcomes)
         .find(|(_, o)| o.status == Status::Interrupted);
-    if let Some((job, _)) = stopped {
+    // Ctrl-C is 130 however late it came: between prompts, or during the last write, after
+    // which nothing was left to stop.
+    if stopped.is_some() || interrupt::interrupted() {
         let unfinished = count(Status::Interrupted) + count(Status::NotRun);
+        let at = match stopped {
+            Some((job, _)) => format!(
+                " at {} of [{}/{total}] ({})",
+                job.stopped_at.unwrap_or("start"),
+                job.index + 1,
+                job.origin
+            ),
+            None => String::new(),
+        };
         progress.error(&format!(
-            "interrupted at {} of [{}/{total}] ({}): {tally}, {unfinished} not made; finished videos are kept, rerun with --resume to make the rest",
-            job.stopped_at.unwrap_or("start"),
-            job.index + 1,
-            job.origin
+            "interrupted{at}: {tally}, {unfinished} not made; finished videos are kept, rerun with --resume to make the rest"
         ));
         return ExitCode::from(interrupt::EXIT_CODE);
     }
@@ -521,7 +539,7 @@ fn stats(
     let mut out = config.to_json();
     let status = if error.is_some() {
         "error"
-    } else if outcomes.iter().any(|o| o.status == Status::Interrupted) {
+    } else if interrupt::interrupted() || outcomes.iter().any(|o| o.status == Status::Interrupted) {
         "interrupted"
     } else if outcomes.iter().any(|o| o.status == Status::Failed) {
         "failed"
