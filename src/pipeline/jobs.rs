@@ -7,6 +7,7 @@ use crate::cli::ResolvedConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use serde::Deserialize;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// One video to make and its state between stages.
@@ -102,6 +103,11 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
         _ => format!("{name}.{ext}"),
     };
     let mut jobs: Vec<Job> = Vec::with_capacity(lines.len());
+    // Each output's job, so that a name written twice is found in one look-up (the list is
+    // built in linear time: a prompt file may hold 100,000 lines).
+    let mut writers: HashMap<PathBuf, usize> = HashMap::with_capacity(lines.len());
+    // `--resume`'s finished outputs by stem, read from the folder once.
+    let finished = (o.resume && seed_free).then(|| finished_by_stem(&o.output_path, ext));
     // Whether some prompt to be made takes its seed from the drawn base seed.
     let mut base_seed_used = false;
     for (i, (origin, line)) in lines.into_iter().enumerate() {
@@ -119,19 +125,20 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             Some(name) => file_name(name),
             None => file_name(&format!("{stem}{seed}")),
         });
-        if o.resume && seed_free && line.seed.is_none() && explicit_name.is_none() {
-            if let Some((found, found_seed)) = finished_with_any_seed(&o.output_path, &stem, ext) {
-                (output, seed) = (found, found_seed);
+        if line.seed.is_none() && explicit_name.is_none() {
+            if let Some((found, found_seed)) = finished.as_ref().and_then(|f| f.get(&stem)) {
+                (output, seed) = (found.clone(), *found_seed);
             }
         }
         base_seed_used |= line.seed.is_none() && seed == base_seed.wrapping_add(i as u64);
-        if let Some(other) = jobs.iter().find(|j| j.output == output) {
+        if let Some(&other) = writers.get(&output) {
             bail!(
                 "{origin}: writes {} like {}; give one of them another output_video_name",
                 output.display(),
-                other.origin
+                jobs[other].origin
             );
         }
+        writers.insert(output.clone(), jobs.len());
         // A line's size merged with the flags' may be more than any machine holds.
         let (num_frames, height, width) = (
             line.num_frames.unwrap_or(o.num_frames),
@@ -171,29 +178,40 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     Ok(jobs)
 }
 
-/// A finished output named `<stem><seed>[.ext]` in `dir`, with that seed: what `--resume`
-/// finds for a prompt whose seed is free. Temporaries (`.NAME.partial`) do not match.
-fn finished_with_any_seed(dir: &Path, stem: &str, ext: &str) -> Option<(PathBuf, u64)> {
+/// The finished outputs in `dir` named `<stem><seed>[.ext]`, by stem, each with its seed: what
+/// `--resume` finds for a prompt whose seed is free. Where several runs finished one stem, the
+/// first path in order is taken (deterministic). Temporaries (`.NAME.partial`) do not match.
+fn finished_by_stem(dir: &Path, ext: &str) -> HashMap<String, (PathBuf, u64)> {
     let suffix = if ext == "png" {
         String::new()
     } else {
         format!(".{ext}")
     };
-    let mut found: Vec<(PathBuf, u64)> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|entry| {
-            let entry = entry.ok()?;
-            let name = entry.file_name().into_string().ok()?;
-            let digits = name.strip_prefix(stem)?.strip_suffix(suffix.as_str())?;
-            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
+    let mut found: HashMap<String, (PathBuf, u64)> = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        let Some(base) = name.strip_suffix(suffix.as_str()) else {
+            continue;
+        };
+        // A stem ends in `_seed`: the digits after it are the whole trailing run.
+        let stem = base.trim_end_matches(|c: char| c.is_ascii_digit());
+        let Ok(seed) = base[stem.len()..].parse::<u64>() else {
+            continue;
+        };
+        let path = entry.path();
+        match found.get(stem) {
+            Some((kept, _)) if *kept <= path => {}
+            _ => {
+                found.insert(stem.to_string(), (path, seed));
             }
-            Some((entry.path(), digits.parse().ok()?))
-        })
-        .collect();
-    // Several runs may have finished it: take one deterministically.
-    found.sort();
-    found.into_iter().next()
+        }
+    }
+    found
 }
 
 /// Whether something (a file, folder or dangling link) is already at `path`.
@@ -338,5 +356,87 @@ pub fn slug(prompt: &str) -> String {
         "video".into()
     } else {
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(argv: &[&str]) -> ResolvedConfig {
+        let argv = [
+            "vidgen",
+            "generate",
+            "--model",
+            "synthetic:wan2.1-tiny",
+            "--device",
+            "cpu",
+        ]
+        .iter()
+        .chain(argv)
+        .map(|a| a.into());
+        let crate::cli::Parsed::Generate(args) = crate::cli::parse(argv).unwrap() else {
+            panic!("not a generate command")
+        };
+        ResolvedConfig::resolve(*args).unwrap()
+    }
+
+    /// 100,000 prompts make 100,000 jobs (the list is built in linear time: quadratic, this
+    /// took minutes), and a name written twice is still found, naming both lines.
+    #[test]
+    fn a_hundred_thousand_prompts_make_their_jobs_and_duplicates_are_found() {
+        let dir = std::env::temp_dir().join(format!("vidgen-jobs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("p.jsonl");
+        let n = 100_000;
+        let mut text: String = (0..n)
+            .map(|i| format!("{{\"prompt\": \"prompt number {i}\"}}\n"))
+            .collect();
+        std::fs::write(&file, &text).unwrap();
+        let path = file.to_str().unwrap();
+        let out = dir.join("out");
+        let argv = [
+            "--prompt-file",
+            path,
+            "--seed",
+            "1",
+            "--resume",
+            "--output-path",
+        ];
+        let made = jobs(&config(&[&argv[..], &[out.to_str().unwrap()]].concat())).unwrap();
+        assert_eq!(made.len(), n);
+        assert_eq!(made[n - 1].seed, n as u64);
+        text += "{\"prompt\": \"again\", \"output_video_name\": \"same\"}\n";
+        text += "{\"prompt\": \"and again\", \"output_video_name\": \"same\"}\n";
+        std::fs::write(&file, &text).unwrap();
+        let e = jobs(&config(&[&argv[..], &[out.to_str().unwrap()]].concat())).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains(&format!("p.jsonl:{}: writes", n + 2)), "{e}");
+        assert!(e.contains(&format!("like {path}:{}", n + 1)), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `--resume` without `--seed` finds a prompt's output made with any seed, the first by
+    /// name where several runs made it; temporaries and other stems do not match.
+    #[test]
+    fn resume_finds_a_free_seed_output_by_its_stem() {
+        let dir = std::env::temp_dir().join(format!("vidgen-resume-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in [
+            "a-fox_001_seed9.mp4",
+            "a-fox_001_seed12.mp4",
+            ".a-fox_002_seed5.mp4.1-0.partial",
+            "a-fox_0010_seed3.mp4",
+        ] {
+            std::fs::write(dir.join(name), "").unwrap();
+        }
+        let found = finished_by_stem(&dir, "mp4");
+        assert_eq!(
+            found["a-fox_001_seed"],
+            (dir.join("a-fox_001_seed12.mp4"), 12)
+        );
+        assert!(!found.contains_key("a-fox_002_seed"));
+        assert_eq!(found["a-fox_0010_seed"].1, 3);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -337,7 +337,7 @@ fn generate(
         family: family.as_ref(),
         meter: MemoryMeter::new(&device),
         device,
-        not_started: Vec::new(),
+        not_started: std::collections::HashSet::new(),
     };
     let reports = runner::run(
         &mut guarded,
@@ -374,7 +374,7 @@ struct Guarded<'a> {
     meter: MemoryMeter,
     device: Device,
     /// Jobs Ctrl-C stopped before their first stage (by `Job::index`).
-    not_started: Vec<usize>,
+    not_started: std::collections::HashSet<usize>,
 }
 
 impl Guarded<'_> {
@@ -427,7 +427,7 @@ impl Pipeline for Guarded<'_> {
         if let Err(e) = interrupt::check() {
             // Refused before its first stage, the job never started: `not_run`.
             if index == 0 {
-                self.not_started.push(job.index);
+                self.not_started.insert(job.index);
             } else {
                 job.stopped_at = Some(stage);
             }
