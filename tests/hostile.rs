@@ -987,3 +987,21 @@ fn ctrl_c_after_the_last_stage_began_still_exits_130() {
     assert_eq!(s["status"], "interrupted", "{s}");
     assert_eq!(statuses(&s), vec!["written"]);
 }
+
+#[cfg(unix)]
+#[test]
+fn endless_inputs_are_read_up_to_a_cap() {
+    let dir = scratch("endless");
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    for dry in [&[][..]] {
+        let mut args = vec!["--prompt-file", "/dev/zero", "--output-path", o];
+        args.extend_from_slice(dry);
+        assert_refused(&vidgen(&args), &["--prompt-file /dev/zero", "64 MiB"]);
+        let mut args = vec!["--prompt", "x", "--config", "/dev/zero", "--output-path", o];
+        args.extend_from_slice(dry);
+        assert_refused(&vidgen(&args), &["--config /dev/zero", "16 MiB"]);
+    }
+    // --latents /dev/zero: see latents_files_are_checked_before_anything_loads.
+    assert!(!out.exists());
+}

@@ -203,6 +203,31 @@ fn first_lines(e: &clap::Error) -> String {
     }
 }
 
+/// Reads at most `max` bytes of the file a flag names: a larger one (or an endless one such as
+/// `/dev/zero`) is an error naming the flag and the limit, after reading only `max + 1` bytes.
+/// Pipes (`<(...)`) are read like files.
+pub fn read_capped(flag: &str, path: &Path, max: u64) -> anyhow::Result<Vec<u8>> {
+    use anyhow::Context;
+    use std::io::Read;
+    let file = std::fs::File::open(path)
+        .with_context(|| format!("cannot read {flag} {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(max + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {flag} {}", path.display()))?;
+    if bytes.len() as u64 > max {
+        anyhow::bail!(
+            "{flag} {} is larger than {} MiB (the wrong file, or an endless one such as /dev/zero)",
+            path.display(),
+            max >> 20
+        );
+    }
+    Ok(bytes)
+}
+
+/// The most bytes `--config` may hold.
+const MAX_CONFIG_FILE_BYTES: u64 = 16 << 20;
+
 /// Lays a TOML config file under the command line: a key is taken from the file unless its
 /// flag was given on the command line. Each value goes through its flag's own parser
 /// (`generate`'s), so the file meets the same range checks as the command line.
@@ -212,9 +237,11 @@ fn merge_config_file(
     generate: &clap::Command,
     given_on_command_line: impl Fn(&str) -> bool,
 ) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let bytes = read_capped("--config", path, MAX_CONFIG_FILE_BYTES)
+        .map_err(|e| UsageError::new(format!("{e:#}; pass a readable TOML file to --config")))?;
+    let text = String::from_utf8(bytes).map_err(|_| {
         UsageError::new(format!(
-            "cannot read config file {}: {e}; pass a readable TOML file to --config",
+            "config file {} is not valid UTF-8; save it as UTF-8 TOML",
             path.display()
         ))
     })?;

@@ -219,10 +219,15 @@ pub fn output_exists(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
 }
 
+/// The most bytes `--prompt-file` may hold: some hundred thousand long prompts.
+const MAX_PROMPT_FILE_BYTES: u64 = 64 << 20;
+
 /// The prompts of a file with their `FILE:LINE` origins.
 fn read_prompt_file(path: &Path, rule: FrameRule) -> Result<Vec<(String, PromptLine)>> {
-    let bytes = std::fs::read(path)
-        .with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
+    let bytes =
+        crate::cli::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES).map_err(|e| {
+            anyhow!("{e:#}; pass a prompt file of at most 64 MiB (split a larger batch)")
+        })?;
     let text = String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         let line = valid.iter().filter(|b| **b == b'\n').count() + 1;
