@@ -994,7 +994,7 @@ fn endless_inputs_are_read_up_to_a_cap() {
     let dir = scratch("endless");
     let out = dir.join("out");
     let o = out.to_str().unwrap();
-    for dry in [&[][..]] {
+    for dry in [&[][..], &["--dry-run"][..]] {
         let mut args = vec!["--prompt-file", "/dev/zero", "--output-path", o];
         args.extend_from_slice(dry);
         assert_refused(&vidgen(&args), &["--prompt-file /dev/zero", "64 MiB"]);
@@ -1004,4 +1004,85 @@ fn endless_inputs_are_read_up_to_a_cap() {
     }
     // --latents /dev/zero: see latents_files_are_checked_before_anything_loads.
     assert!(!out.exists());
+}
+
+#[test]
+fn the_dry_run_reads_the_prompt_file_and_plans_every_size_it_asks_for() {
+    let dir = scratch("dry-prompts");
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    let prompts = dir.join("p.jsonl");
+    let p = prompts.to_str().unwrap();
+    // A missing or broken file is bad input in a dry run too.
+    for (body, needle) in [
+        (None, "cannot read --prompt-file"),
+        (
+            Some("{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"bad\": 1}\n"),
+            "p.jsonl:2: unknown key `bad`",
+        ),
+        (Some("\n# only a comment\n"), "has no prompts"),
+        (
+            Some("{\"prompt\": \"a\", \"num_frames\": 6}\n"),
+            "p.jsonl:1",
+        ),
+    ] {
+        if let Some(body) = body {
+            std::fs::write(&prompts, body).unwrap();
+        }
+        for json in [&[][..], &["--json"][..]] {
+            let mut args = vec!["--prompt-file", p, "--output-path", o, "--dry-run"];
+            args.extend_from_slice(json);
+            assert_refused(&vidgen(&args), &[needle]);
+        }
+    }
+    // Each line's size is planned: two sizes, counted, the second from a line's override.
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_frames\": 9, \"height\": 64}\n{\"prompt\": \"c\"}\n",
+    )
+    .unwrap();
+    let run = vidgen(&[
+        "--prompt-file",
+        p,
+        "--output-path",
+        o,
+        "--dry-run",
+        "--json",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let plan: Value = serde_json::from_slice(&run.stdout).unwrap();
+    let sizes = plan["prompts"]["sizes"].as_array().unwrap();
+    assert_eq!(plan["prompts"]["count"], 3);
+    let got: Vec<(u64, u64, u64)> = sizes
+        .iter()
+        .map(|s| {
+            (
+                s["prompts"].as_u64().unwrap(),
+                s["num_frames"].as_u64().unwrap(),
+                s["height"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, vec![(2, 5, 32), (1, 9, 64)]);
+    assert!(sizes.iter().all(|s| s["required_bytes"].as_u64().is_some()));
+    let text_run = vidgen(&["--prompt-file", p, "--output-path", o, "--dry-run"]);
+    let report = text(&text_run.stdout);
+    assert!(report.contains("prompts      3, 2 size(s)"), "{report}");
+    assert!(report.contains("1 x 9 frames of 64x32"), "{report}");
+    // 100,000 prompts: the job list is linear, so the dry run finishes.
+    let many = dir.join("many.txt");
+    let body: String = (0..100_000)
+        .map(|i| format!("prompt number {i}\n"))
+        .collect();
+    std::fs::write(&many, body).unwrap();
+    let run = vidgen(&[
+        "--prompt-file",
+        many.to_str().unwrap(),
+        "--dry-run",
+        "--json",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let plan: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(plan["prompts"]["count"], 100_000);
+    assert!(!out.exists(), "a dry run makes nothing");
 }

@@ -170,7 +170,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             metrics: serde_json::Map::new(),
         });
     }
-    if seed_free && base_seed_used && !o.quiet {
+    if seed_free && base_seed_used && !o.quiet && !config.dry_run {
         eprintln!(
             "seed: none given, drew base seed {base_seed} (prompt i gets {base_seed} + i - 1); pass --seed {base_seed} to make the same videos again"
         );
@@ -224,10 +224,7 @@ const MAX_PROMPT_FILE_BYTES: u64 = 64 << 20;
 
 /// The prompts of a file with their `FILE:LINE` origins.
 fn read_prompt_file(path: &Path, rule: FrameRule) -> Result<Vec<(String, PromptLine)>> {
-    let bytes =
-        crate::cli::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES).map_err(|e| {
-            anyhow!("{e:#}; pass a prompt file of at most 64 MiB (split a larger batch)")
-        })?;
+    let bytes = crate::cli::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES)?;
     let text = String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         let line = valid.iter().filter(|b| **b == b'\n').count() + 1;

@@ -143,7 +143,16 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
             Err(_) => config,
         };
-        let plan = DryRun::new(&config, &source, found);
+        // The prompts are read and checked as a run would (a missing or broken prompt file is
+        // bad input here too), so that the plan covers every size they ask for.
+        let prompts = match (&config.options.prompt, &config.options.prompt_file) {
+            (None, None) => Vec::new(),
+            _ => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
+        };
+        if let Ok((family, _)) = &found {
+            check_latents(&config, family.as_ref(), &prompts)?;
+        }
+        let plan = DryRun::new(&config, &source, found, &prompts);
         if config.json {
             println!("{}", plan.json());
         } else {
@@ -638,6 +647,59 @@ struct Described {
     placement: Placement,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
+    /// Each video size the prompts ask for (their per-line overrides merged with the flags), in
+    /// order of first appearance, with its memory plan; empty without prompts.
+    sizes: Vec<SizePlan>,
+}
+
+/// One video size of the prompts: how many ask for it and its memory plan.
+struct SizePlan {
+    num_frames: u32,
+    height: u32,
+    width: u32,
+    prompts: usize,
+    memory: Result<MemoryPlan, String>,
+}
+
+impl SizePlan {
+    /// The prompts' distinct sizes, each planned as a run of that size.
+    fn of(planner: &Planner, jobs: &[Job]) -> Vec<SizePlan> {
+        let mut order: Vec<(u32, u32, u32)> = Vec::new();
+        let mut counts: std::collections::HashMap<(u32, u32, u32), usize> = Default::default();
+        for j in jobs {
+            let size = (j.num_frames, j.height, j.width);
+            *counts.entry(size).or_insert_with(|| {
+                order.push(size);
+                0
+            }) += 1;
+        }
+        order
+            .into_iter()
+            .map(|(num_frames, height, width)| SizePlan {
+                num_frames,
+                height,
+                width,
+                prompts: counts[&(num_frames, height, width)],
+                memory: planner
+                    .plan_size(num_frames, height, width)
+                    .map_err(|e| format!("{e:#}")),
+            })
+            .collect()
+    }
+
+    fn json(&self, total: Option<u64>) -> serde_json::Value {
+        let memory = self.memory.as_ref().ok();
+        json!({
+            "num_frames": self.num_frames,
+            "height": self.height,
+            "width": self.width,
+            "prompts": self.prompts,
+            "peak_bytes": memory.and_then(|m| m.peak()).map(|s| s.peak_bytes),
+            "required_bytes": memory.map(|m| m.required_bytes()),
+            "fits": memory.and_then(|m| total.map(|t| m.fits(t))),
+            "memory_error": self.memory.as_ref().err(),
+        })
+    }
 }
 
 impl<'a> DryRun<'a> {
@@ -645,6 +707,7 @@ impl<'a> DryRun<'a> {
         config: &'a ResolvedConfig,
         source: &'a ModelSource,
         found: Result<(Box<dyn Family>, &'static str), String>,
+        jobs: &[Job],
     ) -> Self {
         let described = found.map(|(family, from)| {
             let planner = Planner::new(family.as_ref(), config);
@@ -656,6 +719,7 @@ impl<'a> DryRun<'a> {
                 schedule: Schedule::plan(&spec, load_policy(config)),
                 placement: Placement::new(&config.memory, &spec),
                 memory: planner.plan(&request).map_err(|e| format!("{e:#}")),
+                sizes: SizePlan::of(&planner, jobs),
                 spec,
             }
         });
@@ -716,6 +780,13 @@ impl<'a> DryRun<'a> {
                     model.extend(facts.clone());
                 }
                 out["model"] = model;
+                if !d.sizes.is_empty() {
+                    let total = config.device.total_memory;
+                    out["prompts"] = json!({
+                        "count": d.sizes.iter().map(|s| s.prompts).sum::<usize>(),
+                        "sizes": d.sizes.iter().map(|s| s.json(total)).collect::<Vec<_>>(),
+                    });
+                }
             }
             Err(why) => {
                 out["placement"] = json!({ "error": why });
@@ -879,8 +950,44 @@ impl<'a> DryRun<'a> {
             }
             Err(why) => out += &format!("memory not predicted: {why}\n"),
         }
+        out += &prompts_text(&described.sizes, d.total_memory);
         out
     }
+}
+
+/// The prompts' sizes for people: how many prompts ask for each and its predicted peak (the
+/// first few sizes; the rest summed up), where a prompt's line changes the flags' size.
+fn prompts_text(sizes: &[SizePlan], total: Option<u64>) -> String {
+    const SHOWN: usize = 8;
+    let count: usize = sizes.iter().map(|s| s.prompts).sum();
+    if count == 0 {
+        return String::new();
+    }
+    let mut out = format!("prompts      {count}, {} size(s)\n", sizes.len());
+    for s in sizes.iter().take(SHOWN) {
+        let memory = match &s.memory {
+            Ok(m) => {
+                let verdict = match total {
+                    Some(t) if m.fits(t) => ", fits",
+                    Some(_) => ", does not fit",
+                    None => "",
+                };
+                format!("predicted peak {}{verdict}", m.describe_peak())
+            }
+            Err(why) => format!("memory not predicted: {why}"),
+        };
+        out += &format!(
+            "  {} x {} frames of {}x{}: {memory}\n",
+            s.prompts, s.num_frames, s.height, s.width
+        );
+    }
+    if sizes.len() > SHOWN {
+        out += &format!(
+            "  ... {} more sizes (all in --dry-run --json)\n",
+            sizes.len() - SHOWN
+        );
+    }
+    out
 }
 
 /// The options as config-file keys, one per line.
