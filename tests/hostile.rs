@@ -1086,3 +1086,39 @@ fn the_dry_run_reads_the_prompt_file_and_plans_every_size_it_asks_for() {
     assert_eq!(plan["prompts"]["count"], 100_000);
     assert!(!out.exists(), "a dry run makes nothing");
 }
+
+#[test]
+fn a_stage_major_batch_writes_each_video_before_the_next_is_decoded() {
+    use std::io::BufRead;
+    let dir = scratch("stage-major");
+    let out = dir.join("out");
+    let prompts = dir.join("p.txt");
+    std::fs::write(&prompts, "a fox\na boat\na tree\n").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(TINY)
+        .args(["--seed", "1", "--batch-order", "stage", "--prompt-file"])
+        .arg(&prompts)
+        .arg("--output-path")
+        .arg(&out)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    for line in stderr.lines().map_while(Result::ok) {
+        seen += &format!("{line}\n");
+        if line == "[3/3] decode" {
+            // The last prompt's decode begins: the first two videos are already whole files.
+            assert_eq!(
+                names(&out),
+                vec!["a-boat_002_seed2.mp4", "a-fox_001_seed1.mp4"],
+                "{seen}"
+            );
+        }
+    }
+    assert!(child.wait().unwrap().success(), "{seen}");
+    assert!(seen.contains("[3/3] decode"), "{seen}");
+    assert_eq!(names(&out).len(), 3);
+}

@@ -47,7 +47,7 @@ pub fn load_policy(config: &ResolvedConfig) -> LoadPolicy {
 }
 
 /// The order a batch walks the stages in: `--batch-order`, where `auto` is stage-major when
-/// components are loaded late (each then loads once per batch) and prompt-major otherwise.
+/// components are loaded late (each then loads once per group of `runner::MAX_IN_FLIGHT` prompts) and prompt-major otherwise.
 pub fn batch_order(config: &ResolvedConfig) -> BatchOrder {
     match config.options.batch_order {
         BatchOrderChoice::Prompt => BatchOrder::Prompt,
