@@ -81,7 +81,8 @@ pub(crate) fn step_done(
     total: usize,
 ) -> Result<()> {
     // `x - x` is exactly 0 for a finite x and NaN otherwise; the sum cannot overflow.
-    let probe = (latents - latents)?
+    let probe = latents
+        .sub(latents)?
         .sum_all()?
         .to_dtype(DType::F32)?
         .to_scalar::<f32>()?;
