@@ -239,6 +239,17 @@ fn merge_config_file(
 ) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
     let bytes = read_capped("--config", path, MAX_CONFIG_FILE_BYTES)
         .map_err(|e| UsageError::new(format!("{e:#}; pass a readable TOML file to --config")))?;
+    merge_config_bytes(path, bytes, cli, generate, given_on_command_line)
+}
+
+/// [`merge_config_file`] on the file's bytes.
+fn merge_config_bytes(
+    path: &Path,
+    bytes: Vec<u8>,
+    cli: &args::GenerateOptions,
+    generate: &clap::Command,
+    given_on_command_line: impl Fn(&str) -> bool,
+) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
     let text = String::from_utf8(bytes).map_err(|_| {
         UsageError::new(format!(
             "config file {} is not valid UTF-8; save it as UTF-8 TOML",
@@ -246,7 +257,14 @@ fn merge_config_file(
         ))
     })?;
     let table: toml::Table = toml::from_str(&text).map_err(|e| {
-        let msg = e.message().to_string();
+        // toml's messages can span lines ("invalid string\nexpected ..."): one line here.
+        let msg = e
+            .message()
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(", ");
         let line = e
             .span()
             .map(|s| format!(" (line {})", text[..s.start].lines().count().max(1)))
@@ -266,7 +284,8 @@ fn merge_config_file(
     for (key, value) in table {
         if !merged.contains_key(&key) {
             return Err(UsageError::new(format!(
-                "unknown key `{key}` in config file {}; keys are the generate flags in snake_case (see `vidgen generate --help`)",
+                "unknown key `{}` in config file {}; keys are the generate flags in snake_case (see `vidgen generate --help`)",
+                key.escape_debug(),
                 path.display()
             )));
         }
@@ -297,4 +316,79 @@ fn merge_config_file(
     let options = serde_json::from_value(serde_json::Value::Object(merged))
         .map_err(|e| UsageError::new(format!("config file {}: {e}", path.display())))?;
     Ok((options, keys))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The options of a bare `generate` and its clap command, to merge config files under.
+    fn bare() -> (args::GenerateOptions, clap::Command) {
+        let Parsed::Generate(args) = parse(["vidgen", "generate"].map(OsString::from)).unwrap()
+        else {
+            panic!("not a generate command")
+        };
+        let command = Cli::command();
+        let generate = command.find_subcommand("generate").unwrap().clone();
+        (args.options, generate)
+    }
+
+    /// Mutated config files never panic the merge: each is merged or refused in one line.
+    #[test]
+    fn fuzzed_config_files_are_merged_or_refused_never_panic() {
+        let (options, generate) = bare();
+        let seeds: &[&[u8]] = &[
+            b"seed = 3\nprompt = \"a fox\"\nguidance_scale = 5.0\nvae_cpu_offload = false\n",
+            b"max_pinned_memory = \"2GiB\"\nprefetch_depth = 2\nnum_frames = 9\n# c\n",
+            b"lazy_module_load = \"auto\"\noutput_type = \"png\"\ndevice = \"cpu\"\n",
+        ];
+        crate::fuzz::mutate(seeds, 2000, |bytes| {
+            let merged = merge_config_bytes(
+                Path::new("c.toml"),
+                bytes.to_vec(),
+                &options,
+                &generate,
+                |_| false,
+            );
+            if let Err(e) = merged {
+                assert!(!e.to_string().contains('\n'), "not one line: {e}");
+            }
+        });
+    }
+
+    /// Inputs worth keeping: each is refused naming the problem.
+    #[test]
+    fn fuzz_regressions_in_config_files() {
+        let (options, generate) = bare();
+        let cases: &[(&[u8], &str)] = &[
+            (b"guidance_scale = nan\n", "not a finite number"),
+            (b"seed = -1\n", "`seed`"),
+            (b"\xc3\xa9 = \xff\n", "not valid UTF-8"),
+            // A syntax error right after a multi-byte character: the line is still counted.
+            (b"prompt = \"\xc3\xa9\"\xc3\xa9\n", "line 1"),
+            (b"num_frames = 4294967296\n", "`num_frames`"),
+            // A quoted key holding a line break or a control character is shown escaped.
+            (
+                b"\"a\\nb\\u001b[31m\" = 1\n",
+                "unknown key `a\\nb\\u{1b}[31m`",
+            ),
+            // toml's message for this spans two lines: folded into one.
+            (
+                b"seed = 3\nprompt = ompt = gu\n",
+                "(line 2): invalid string, expected",
+            ),
+        ];
+        for (bytes, needle) in cases {
+            let e = merge_config_bytes(
+                Path::new("c.toml"),
+                bytes.to_vec(),
+                &options,
+                &generate,
+                |_| false,
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+            assert!(!e.to_string().contains('\n'), "not one line: {e}");
+        }
+    }
 }

@@ -147,6 +147,66 @@ impl Draws {
 mod tests {
     use super::*;
 
+    /// A small valid safetensors file's bytes: two tensors and metadata.
+    fn sample() -> Vec<u8> {
+        let a = Tensor::zeros((1, 2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::ones(4, candle_core::DType::BF16, &Device::Cpu).unwrap();
+        let info: std::collections::HashMap<String, String> = [("k".into(), "v".into())].into();
+        safetensors::serialize([("latents", &a), ("noise.0", &b)], Some(info)).unwrap()
+    }
+
+    /// Mutated files never panic the header parser (nor the safetensors crate's, which loads
+    /// the weights); a header it accepts points only inside the file, and one the crate
+    /// accepts, it accepts too.
+    #[test]
+    fn fuzzed_safetensors_headers_are_refused_or_read_never_panic() {
+        let valid = sample();
+        let header_only = valid[..valid.len() - 8].to_vec();
+        let seeds: &[&[u8]] = &[&valid, &header_only];
+        crate::fuzz::mutate(seeds, 3000, |bytes| {
+            let ours = parse_header(bytes, bytes.len() as u64);
+            if let Ok(tensors) = &ours {
+                assert!(tensors
+                    .values()
+                    .all(|t| t.shape.iter().all(|&d| d <= bytes.len())));
+            }
+            if safetensors::SafeTensors::deserialize(bytes).is_ok() {
+                assert!(ours.is_ok(), "the crate reads it, we do not: {ours:?}");
+            }
+        });
+    }
+
+    /// Headers worth keeping: each is refused with the reason.
+    #[test]
+    fn fuzz_regressions_in_safetensors_headers() {
+        let valid = sample();
+        let n = u64::from_le_bytes(valid[..8].try_into().unwrap()) as usize;
+        let with_header = |json: &str| {
+            let mut out = (json.len() as u64).to_le_bytes().to_vec();
+            out.extend_from_slice(json.as_bytes());
+            out.extend_from_slice(&valid[8 + n..]);
+            out
+        };
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (vec![1, 2, 3], "shorter than 8 bytes"),
+            (u64::MAX.to_le_bytes().to_vec(), "past the file's end"),
+            (with_header("[1]"), "not a JSON object"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [18446744073709551615, 2], \"data_offsets\": [0, 8]}}"), "no valid dtype"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [8, 4]}}"), "data_offsets [8, 4]"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [1000], \"data_offsets\": [0, 4000]}}"), "within the file's"),
+            (with_header("{\"a\": {\"dtype\": \"Q4\", \"shape\": [1], \"data_offsets\": [0, 4]}}"), "unknown dtype"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0, 4]}}"), "no valid dtype"),
+        ];
+        for (bytes, needle) in cases {
+            let e = parse_header(bytes.as_slice(), bytes.len() as u64).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{e:#}");
+        }
+        assert_eq!(
+            parse_header(valid.as_slice(), valid.len() as u64).unwrap()["latents"].shape,
+            [1, 2, 3]
+        );
+    }
+
     #[test]
     fn draws_are_taken_by_name_and_shape_and_leftovers_are_errors() -> Result<()> {
         let dir = std::env::temp_dir().join(format!("vidgen-draws-{}", std::process::id()));

@@ -54,7 +54,7 @@ const LINE_KEYS: &[&str] = &[
 ];
 
 /// Per-prompt overrides accepted on a `.jsonl` prompt-file line.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug)]
 #[serde(deny_unknown_fields)]
 struct PromptLine {
     prompt: String,
@@ -225,6 +225,15 @@ const MAX_PROMPT_FILE_BYTES: u64 = 64 << 20;
 /// The prompts of a file with their `FILE:LINE` origins.
 fn read_prompt_file(path: &Path, rule: FrameRule) -> Result<Vec<(String, PromptLine)>> {
     let bytes = crate::cli::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES)?;
+    parse_prompt_file(path, bytes, rule)
+}
+
+/// The prompts of the bytes of prompt file `path` (a `.jsonl` file by its extension).
+fn parse_prompt_file(
+    path: &Path,
+    bytes: Vec<u8>,
+    rule: FrameRule,
+) -> Result<Vec<(String, PromptLine)>> {
     let text = String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         let line = valid.iter().filter(|b| **b == b'\n').count() + 1;
@@ -285,7 +294,7 @@ fn parse_line(line: &str) -> Result<PromptLine> {
     }
     for (key, value) in &map {
         if !LINE_KEYS.contains(&key.as_str()) {
-            bail!("unknown key `{key}`; keys are {keys}");
+            bail!("unknown key `{}`; keys are {keys}", key.escape_debug());
         }
         // Each key alone against a valid prompt, so a bad value is reported with its key.
         let single = serde_json::json!({ "prompt": "", key.as_str(): value });
@@ -416,6 +425,65 @@ mod tests {
         assert!(e.contains(&format!("p.jsonl:{}: writes", n + 2)), "{e}");
         assert!(e.contains(&format!("like {path}:{}", n + 1)), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Mutated prompt files and `.jsonl` lines never panic the parser; what it accepts is a
+    /// list of non-blank prompts, each with its `FILE:LINE`.
+    #[test]
+    fn fuzzed_prompt_files_are_refused_or_read_never_panic() {
+        let seeds: &[&[u8]] = &[
+            b"a fox\n# comment\n\n  a boat  \r\n",
+            b"{\"prompt\": \"a\", \"seed\": 3, \"num_frames\": 9, \"height\": 64}\n{\"prompt\": \"b\", \"guidance_scale\": 1.5, \"output_video_name\": \"v\"}\n",
+            b"{\"prompt\": \"x\", \"negative_prompt\": \"y\", \"width\": 32, \"num_inference_steps\": 2}\n",
+        ];
+        for name in ["p.txt", "p.jsonl"] {
+            crate::fuzz::mutate(seeds, 3000, |bytes| {
+                let path = Path::new(name);
+                match parse_prompt_file(path, bytes.to_vec(), FrameRule::default()) {
+                    Ok(lines) => {
+                        assert!(!lines.is_empty());
+                        for (at, line) in lines {
+                            assert!(at.starts_with(name), "{at}");
+                            assert!(!line.prompt.trim().is_empty(), "{at}");
+                        }
+                    }
+                    Err(e) => assert!(!format!("{e:#}").contains('\n'), "not one line: {e:#}"),
+                }
+            });
+        }
+    }
+
+    /// Inputs the fuzzer tried that are worth keeping: each is refused with the line named.
+    #[test]
+    fn fuzz_regressions_in_prompt_files() {
+        let cases: &[(&str, &[u8], &str)] = &[
+            ("p.jsonl", b"{\"prompt\": \"a\\ud800\"}\n", "p.jsonl:1"),
+            (
+                "p.jsonl",
+                b"{\"prompt\": \"a\", \"seed\": 18446744073709551616}\n",
+                "`seed`",
+            ),
+            (
+                "p.jsonl",
+                b"{\"prompt\": \"a\", \"guidance_scale\": 1e309}\n",
+                "p.jsonl:1",
+            ),
+            ("p.jsonl", b"[\"prompt\"]\n", "JSON object"),
+            ("p.txt", b"\xef\xbb\xbf\n\xff\n", "p.txt:2: not valid UTF-8"),
+            // Found by the fuzzer: a key holding a line break broke the one-line error.
+            (
+                "p.jsonl",
+                b"{\"prompt\": \"x\", \"\\negative_prompt\": \"y\"}\n",
+                "unknown key `\\negative_prompt`",
+            ),
+            ("p.txt", b"\xef\xbb\xbf#\n \r\n", "has no prompts"),
+        ];
+        for (name, bytes, needle) in cases {
+            let e = parse_prompt_file(Path::new(name), bytes.to_vec(), FrameRule::default())
+                .unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{e:#}");
+            assert!(!format!("{e:#}").contains('\n'), "not one line: {e:#}");
+        }
     }
 
     /// `--resume` without `--seed` finds a prompt's output made with any seed, the first by
