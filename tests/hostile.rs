@@ -660,6 +660,22 @@ fn config_file_values_meet_the_flags_range_checks() {
         &vidgen(&["--prompt", "x", "--fps", "4294967295"]),
         &["--fps", "1..=1000"],
     );
+    // Every option the dry run lists as a config key, fed back as a config file, passes its
+    // flag's parser.
+    let dump = vidgen(&["--prompt", "x", "--dry-run"]);
+    let report = text(&dump.stdout);
+    let keys: String = report
+        .lines()
+        .skip_while(|l| !l.starts_with("options (as --config file keys)"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(|l| format!("{}\n", l.trim()))
+        .collect();
+    assert!(keys.lines().count() > 30, "{report}");
+    let all = dir.join("all.toml");
+    std::fs::write(&all, &keys).unwrap();
+    let run = vidgen(&["--config", all.to_str().unwrap(), "--dry-run"]);
+    assert!(run.status.success(), "{keys}: {}", text(&run.stderr));
     // Values in range still pass, as numbers or strings.
     for line in [
         "max_pinned_memory = \"2GiB\"",
@@ -1000,7 +1016,7 @@ fn endless_inputs_are_read_up_to_a_cap() {
         assert_refused(&vidgen(&args), &["--prompt-file /dev/zero", "64 MiB"]);
         let mut args = vec!["--prompt", "x", "--config", "/dev/zero", "--output-path", o];
         args.extend_from_slice(dry);
-        assert_refused(&vidgen(&args), &["--config /dev/zero", "16 MiB"]);
+        assert_refused(&vidgen(&args), &["config file /dev/zero", "16 MiB"]);
     }
     // --latents /dev/zero: see latents_files_are_checked_before_anything_loads.
     assert!(!out.exists());

@@ -203,21 +203,21 @@ fn first_lines(e: &clap::Error) -> String {
     }
 }
 
-/// Reads at most `max` bytes of the file a flag names: a larger one (or an endless one such as
-/// `/dev/zero`) is an error naming the flag and the limit, after reading only `max + 1` bytes.
-/// Pipes (`<(...)`) are read like files.
-pub fn read_capped(flag: &str, path: &Path, max: u64) -> anyhow::Result<Vec<u8>> {
+/// Reads at most `max` bytes of the file `what` names (`--prompt-file`, `config file`): a
+/// larger one, or an endless one such as `/dev/zero`, is an error naming it and the limit, after
+/// reading only `max + 1` bytes. Pipes (`<(...)`) are read like files.
+pub fn read_capped(what: &str, path: &Path, max: u64) -> anyhow::Result<Vec<u8>> {
     use anyhow::Context;
     use std::io::Read;
     let file = std::fs::File::open(path)
-        .with_context(|| format!("cannot read {flag} {}", path.display()))?;
+        .with_context(|| format!("cannot read {what} {}", path.display()))?;
     let mut bytes = Vec::new();
     file.take(max + 1)
         .read_to_end(&mut bytes)
-        .with_context(|| format!("cannot read {flag} {}", path.display()))?;
+        .with_context(|| format!("cannot read {what} {}", path.display()))?;
     if bytes.len() as u64 > max {
         anyhow::bail!(
-            "{flag} {} is larger than {} MiB (the wrong file, or an endless one such as /dev/zero)",
+            "{what} {} is larger than {} MiB (the wrong file, or an endless one such as /dev/zero)",
             path.display(),
             max >> 20
         );
@@ -237,7 +237,7 @@ fn merge_config_file(
     generate: &clap::Command,
     given_on_command_line: impl Fn(&str) -> bool,
 ) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
-    let bytes = read_capped("--config", path, MAX_CONFIG_FILE_BYTES)
+    let bytes = read_capped("config file", path, MAX_CONFIG_FILE_BYTES)
         .map_err(|e| UsageError::new(format!("{e:#}; pass a readable TOML file to --config")))?;
     merge_config_bytes(path, bytes, cli, generate, given_on_command_line)
 }
