@@ -497,7 +497,20 @@ fn ctrl_c_keeps_finished_videos_and_abandons_the_rest() {
             stats.to_str().unwrap(),
         ],
     );
-    let first = live.wait_for(|is_stdout, _| is_stdout);
+    // Ctrl-C once the first video is written and the second prompt has begun (a Ctrl-C before
+    // that would find it not begun: `not_run`, like the third). stdout and stderr lines may
+    // arrive in either order.
+    let first = std::cell::RefCell::new(None);
+    let second_begun = std::cell::Cell::new(false);
+    live.wait_for(|is_stdout, line| {
+        if is_stdout {
+            first.borrow_mut().get_or_insert_with(|| line.to_string());
+        } else if line == "[2/3] denoise" {
+            second_begun.set(true);
+        }
+        first.borrow().is_some() && second_begun.get()
+    });
+    let first = first.into_inner().unwrap();
     live.sigint();
     let (code, rest, stderr) = live.finish();
     assert_eq!(code, Some(130), "{stderr}");

@@ -346,8 +346,9 @@ fn generate(
         family: family.as_ref(),
         meter: MemoryMeter::new(&device),
         device,
-        not_started: std::collections::HashSet::new(),
     };
+    // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
+    let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
     let reports = runner::run(
         &mut guarded,
         &mut todo,
@@ -355,13 +356,16 @@ fn generate(
         batch_order(config),
         |i, stage| {
             if !interrupt::interrupted() {
+                begun.insert(positions[i]);
                 progress.stage(positions[i], total, stage);
             }
         },
     );
-    for (job, report) in todo.iter().zip(reports) {
-        if !guarded.not_started.contains(&job.index) {
+    for (job, report) in todo.iter_mut().zip(reports) {
+        if begun.contains(&job.index) {
             outcomes[job.index] = Outcome::from_report(job, report);
+        } else {
+            job.stopped_at = None;
         }
     }
     jobs.extend(done);
@@ -382,8 +386,6 @@ struct Guarded<'a> {
     /// Device and host memory peaks of each load and stage.
     meter: MemoryMeter,
     device: Device,
-    /// Jobs Ctrl-C stopped before their first stage (by `Job::index`).
-    not_started: std::collections::HashSet<usize>,
 }
 
 impl Guarded<'_> {
@@ -434,12 +436,7 @@ impl Pipeline for Guarded<'_> {
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
         let stage = self.inner.spec().stages[index].name;
         if let Err(e) = interrupt::check() {
-            // Refused before its first stage, the job never started: `not_run`.
-            if index == 0 {
-                self.not_started.insert(job.index);
-            } else {
-                job.stopped_at = Some(stage);
-            }
+            job.stopped_at = Some(stage);
             return Err(e.into());
         }
         if !self.config.options.overwrite && !job.written && jobs::output_exists(&job.output) {
