@@ -7,6 +7,8 @@
 //! `output` writes the frames, and `weights` reads weight files for models and the engine alike.
 
 pub mod cli;
+#[cfg(test)]
+mod fuzz;
 pub mod memory;
 pub mod models;
 pub mod offload;

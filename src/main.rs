@@ -4,6 +4,7 @@ use std::process::ExitCode;
 use vidgen::cli::{self, Parsed, ResolvedConfig, UsageError};
 
 fn main() -> ExitCode {
+    ignore_file_size_signal();
     match run() {
         Ok(code) => code,
         Err(e) => {
@@ -28,4 +29,16 @@ fn run() -> anyhow::Result<ExitCode> {
     };
     let config = ResolvedConfig::resolve(*args)?;
     vidgen::pipeline::run(config)
+}
+
+/// Past a file-size limit (`ulimit -f`) a write raises SIGXFSZ, which kills the process with no
+/// message, a temporary left behind and no `--stats-json`. Ignored, the write fails with EFBIG
+/// instead and takes the ordinary error path: the prompt fails naming the file, the temporary
+/// is removed, the stats are written.
+fn ignore_file_size_signal() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to SIG_IGN at start-up, before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
 }

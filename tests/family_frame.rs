@@ -297,3 +297,71 @@ fn model_defaults_fill_only_what_was_not_given() {
     assert!(resolve(&[]).with_model_defaults(&bad).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Stage-major (each component loads once per group of prompts): each video is written as soon
+/// as it is decoded, not after the batch's last decode, and at most `MAX_IN_FLIGHT` prompts wait
+/// between stages however long the batch: what they hold (embeddings, latents) is bounded.
+#[test]
+fn stage_major_batches_write_each_video_at_once_and_bound_what_waits() {
+    let family = toy();
+    let config = resolve(&["--memory-model", "discrete", "--lazy-module-load"]);
+    let log = Log::default();
+    let mut pipeline = Recording {
+        spec: family.spec(&RunShape::of(&config)),
+        log: &log,
+    };
+    let n = 2 * runner::MAX_IN_FLIGHT + 3;
+    let reports = runner::run(
+        &mut pipeline,
+        &mut vec![(); n],
+        LoadPolicy::Lazy,
+        BatchOrder::Stage,
+        |job, stage| log.0.lock().unwrap().push(format!("{stage} {job}")),
+    );
+    assert!(reports.iter().all(|r| r.error.is_none()));
+    let log = log.0.into_inner().unwrap();
+    // The stages as they started, `<stage> <job>`.
+    let started: Vec<&String> = log
+        .iter()
+        .filter(|l| {
+            l.rsplit(' ')
+                .next()
+                .is_some_and(|j| j.parse::<usize>().is_ok())
+        })
+        .collect();
+    let at = |entry: &str| {
+        started
+            .iter()
+            .position(|l| *l == entry)
+            .unwrap_or_else(|| panic!("no {entry}: {log:?}"))
+    };
+    for job in 0..n {
+        // Its write follows its decode at once.
+        assert_eq!(
+            at(&format!("write {job}")),
+            at(&format!("decode {job}")) + 1
+        );
+        for (a, b) in [
+            ("encode_text", "denoise_high"),
+            ("denoise_high", "denoise_low"),
+        ] {
+            assert!(at(&format!("{a} {job}")) < at(&format!("{b} {job}")));
+        }
+    }
+    // Prompts begun (encoded) but not yet written never outnumber the bound.
+    let mut waiting = 0usize;
+    let mut most = 0;
+    for line in &log {
+        if line.starts_with("encode_text ") {
+            waiting += 1;
+        } else if line.starts_with("write ") {
+            waiting -= 1;
+        }
+        most = most.max(waiting);
+    }
+    assert_eq!(most, runner::MAX_IN_FLIGHT, "{log:?}");
+    // Each component loads once per group of prompts, and is freed as often.
+    let loads = log.iter().filter(|l| *l == "load text_encoder").count();
+    assert_eq!(loads, n.div_ceil(runner::MAX_IN_FLIGHT));
+    assert_eq!(log.iter().filter(|l| *l == "free vae").count(), loads);
+}

@@ -486,3 +486,655 @@ fn two_runs_writing_one_output_name_never_corrupt_it() {
     let find = |tag: &[u8]| bytes.windows(4).any(|w| w == tag);
     assert!(find(b"ftyp") && find(b"moov") && find(b"mdat"));
 }
+
+/// Writes a `latents` tensor of the tiny run's shape `[1, 16, 2, 4, 4]` filled with `value`.
+fn latents_file(path: &Path, value: f32) {
+    use candle_core::{Device, Tensor};
+    let t = (Tensor::ones((1, 16, 2, 4, 4), candle_core::DType::F32, &Device::Cpu).unwrap()
+        * value as f64)
+        .unwrap();
+    let tensors: std::collections::HashMap<String, Tensor> = [("latents".to_string(), t)].into();
+    candle_core::safetensors::save(&tensors, path).unwrap();
+}
+
+#[test]
+fn non_finite_latents_fail_the_prompt_with_the_step_and_write_nothing() {
+    let dir = scratch("nan");
+    let nan = dir.join("nan.safetensors");
+    latents_file(&nan, f32::NAN);
+    let cases: [(&str, Vec<&str>); 2] = [
+        ("guidance", vec!["--guidance-scale", "1e308"]),
+        ("latents", vec!["--latents", nan.to_str().unwrap()]),
+    ];
+    for (name, flags) in cases {
+        let out = dir.join(format!("out-{name}"));
+        let stats_path = dir.join(format!("{name}.json"));
+        let mut args = vec![
+            "--prompt",
+            "x",
+            "--output-path",
+            out.to_str().unwrap(),
+            "--stats-json",
+            stats_path.to_str().unwrap(),
+        ];
+        args.extend(flags);
+        let run = vidgen(&args);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{name}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains("NaN or infinite at denoising step 1 of 2"),
+            "{name}: {stderr}"
+        );
+        let s = stats(&stats_path);
+        assert_eq!(statuses(&s), vec!["failed"], "{name}: {s}");
+        assert!(
+            s["jobs"][0]["error"].as_str().unwrap().contains("NaN"),
+            "{s}"
+        );
+        assert_eq!(names(&out), Vec::<String>::new(), "{name}");
+        assert!(run.stdout.is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn latents_files_are_checked_before_anything_loads() {
+    use candle_core::{Device, Tensor};
+    let dir = scratch("latents");
+    let out = dir.join("out");
+    let save = |name: &str, tensors: Vec<(&str, Tensor)>| {
+        let path = dir.join(name);
+        let map: std::collections::HashMap<String, Tensor> = tensors
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        candle_core::safetensors::save(&map, &path).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let zeros =
+        |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, [7u8; 100]).unwrap();
+    let truncated = dir.join("truncated.safetensors");
+    let whole = std::fs::read(save(
+        "whole.safetensors",
+        vec![("latents", zeros(&[1, 16, 2, 4, 4]))],
+    ))
+    .unwrap();
+    std::fs::write(&truncated, &whole[..whole.len() - 10]).unwrap();
+    let cases: Vec<(String, &str)> = vec![
+        (
+            dir.join("missing.safetensors").to_str().unwrap().into(),
+            "missing.safetensors",
+        ),
+        ("/dev/zero".into(), "not a regular file"),
+        (dir.to_str().unwrap().into(), "not a regular file"),
+        (garbage.to_str().unwrap().into(), "not a safetensors file"),
+        (truncated.to_str().unwrap().into(), "not a safetensors file"),
+        (
+            save(
+                "shape.safetensors",
+                vec![("latents", zeros(&[1, 16, 3, 4, 4]))],
+            ),
+            "[1, 16, 2, 4, 4]",
+        ),
+        (
+            save(
+                "names.safetensors",
+                vec![("a", zeros(&[1])), ("b", zeros(&[1]))],
+            ),
+            "no tensor named `latents`",
+        ),
+        (
+            save(
+                "ints.safetensors",
+                vec![(
+                    "latents",
+                    Tensor::zeros((1, 16, 2, 4, 4), candle_core::DType::U8, &Device::Cpu).unwrap(),
+                )],
+            ),
+            "U8",
+        ),
+    ];
+    for (path, needle) in cases {
+        let run = vidgen(&[
+            "--prompt",
+            "x",
+            "--output-path",
+            out.to_str().unwrap(),
+            "--latents",
+            &path,
+        ]);
+        assert_refused(&run, &["--latents", needle]);
+        assert!(
+            !text(&run.stderr).contains("loading"),
+            "{}",
+            text(&run.stderr)
+        );
+        assert!(!out.exists(), "{path}: the output folder was made");
+    }
+    // A prompt file's line of another size needs other latents: named with its line.
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_frames\": 9}\n",
+    )
+    .unwrap();
+    let good = dir.join("whole.safetensors");
+    let run = vidgen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--output-path",
+        out.to_str().unwrap(),
+        "--latents",
+        good.to_str().unwrap(),
+    ]);
+    assert_refused(&run, &["p.jsonl:2", "[1, 16, 3, 4, 4]"]);
+}
+
+#[test]
+fn config_file_values_meet_the_flags_range_checks() {
+    let dir = scratch("config-ranges");
+    let cases = [
+        ("prefetch_depth = 0", "--prefetch-depth"),
+        ("num_blocks_per_group = 0", "--num-blocks-per-group"),
+        ("num_gpus = 0", "--num-gpus"),
+        ("max_pinned_memory = 0", "not a positive size"),
+        ("max_pinned_memory = \"0\"", "not a positive size"),
+        ("fps = 4294967295", "1..=1000"),
+        ("guidance_scale = nan", "NaN is not a finite number"),
+        ("guidance_scale = inf", "inf is not a finite number"),
+    ];
+    for (line, needle) in cases {
+        let config = dir.join("c.toml");
+        std::fs::write(&config, format!("{line}\n")).unwrap();
+        for dry in [&[][..], &["--dry-run"][..]] {
+            let mut args = vec!["--prompt", "x", "--config", config.to_str().unwrap()];
+            args.extend_from_slice(dry);
+            let run = vidgen(&args);
+            assert_refused(&run, &["c.toml", needle]);
+        }
+    }
+    // The flag itself: the frame rate is bounded up front, not at write.
+    assert_refused(
+        &vidgen(&["--prompt", "x", "--fps", "4294967295"]),
+        &["--fps", "1..=1000"],
+    );
+    // Every option the dry run lists as a config key, fed back as a config file, passes its
+    // flag's parser.
+    let dump = vidgen(&["--prompt", "x", "--dry-run"]);
+    let report = text(&dump.stdout);
+    let keys: String = report
+        .lines()
+        .skip_while(|l| !l.starts_with("options (as --config file keys)"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(|l| format!("{}\n", l.trim()))
+        .collect();
+    assert!(keys.lines().count() > 30, "{report}");
+    let all = dir.join("all.toml");
+    std::fs::write(&all, &keys).unwrap();
+    let run = vidgen(&["--config", all.to_str().unwrap(), "--dry-run"]);
+    assert!(run.status.success(), "{keys}: {}", text(&run.stderr));
+    // Values in range still pass, as numbers or strings.
+    for line in [
+        "max_pinned_memory = \"2GiB\"",
+        "max_pinned_memory = 1024",
+        "prefetch_depth = 2",
+    ] {
+        let config = dir.join("ok.toml");
+        std::fs::write(&config, format!("{line}\n")).unwrap();
+        let run = vidgen(&[
+            "--prompt",
+            "x",
+            "--config",
+            config.to_str().unwrap(),
+            "--dry-run",
+        ]);
+        assert!(run.status.success(), "{line}: {}", text(&run.stderr));
+    }
+}
+
+/// Copies the tiny Wan fixture (configs, tokenizer, weights) to `dir/model`.
+fn copy_tiny_model(dir: &Path) -> PathBuf {
+    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a");
+    let to = dir.join("model");
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in [
+        "model_index.json",
+        "scheduler",
+        "text_encoder",
+        "tokenizer",
+        "transformer",
+        "vae",
+    ] {
+        let src = from.join(entry);
+        if src.is_file() {
+            std::fs::copy(&src, to.join(entry)).unwrap();
+            continue;
+        }
+        std::fs::create_dir_all(to.join(entry)).unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), to.join(entry).join(f.file_name())).unwrap();
+        }
+    }
+    to
+}
+
+#[cfg(unix)]
+#[test]
+fn shard_names_stay_inside_the_model_folder() {
+    let dir = scratch("shards");
+    let model = copy_tiny_model(&dir);
+    let transformer = model.join("transformer");
+    let weights = transformer.join("diffusion_pytorch_model.safetensors");
+    // The real weights, outside the model folder, and a shard file name.
+    let outside = dir.join("outside.safetensors");
+    std::fs::rename(&weights, &outside).unwrap();
+    let index = transformer.join("diffusion_pytorch_model.safetensors.index.json");
+    let run_with = |shard: &str| {
+        std::fs::write(
+            &index,
+            format!(
+                "{{\"weight_map\": {{\"proj_out.weight\": {}}}}}",
+                serde_json::json!(shard)
+            ),
+        )
+        .unwrap();
+        Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args([
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+            ])
+            .args(["--height", "32", "--width", "32", "--num-frames", "5"])
+            .args([
+                "--num-inference-steps",
+                "2",
+                "--prompt",
+                "x",
+                "--output-path",
+            ])
+            .arg(dir.join("out"))
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    let relative = format!("../../{}", outside.file_name().unwrap().to_str().unwrap());
+    for (shard, needle) in [
+        (relative.as_str(), "is not a file name in transformer/"),
+        (
+            outside.to_str().unwrap(),
+            "is not a file name in transformer/",
+        ),
+        ("sub/x.safetensors", "is not a file name in transformer/"),
+    ] {
+        let run = run_with(shard);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{shard}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(stderr.contains(needle), "{shard}: {stderr}");
+    }
+    // A link in the folder to a file outside it is refused; one to a file inside it is followed.
+    let link = transformer.join("shard-1.safetensors");
+    std::os::unix::fs::symlink(&outside, &link).unwrap();
+    let run = run_with("shard-1.safetensors");
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("links outside the model"), "{stderr}");
+    std::fs::remove_file(&link).unwrap();
+    std::fs::rename(&outside, transformer.join("real.safetensors")).unwrap();
+    std::os::unix::fs::symlink("real.safetensors", &link).unwrap();
+    let run = run_with("shard-1.safetensors");
+    assert!(run.status.success(), "{}", text(&run.stderr));
+}
+
+#[cfg(unix)]
+#[test]
+fn a_file_size_limit_fails_the_write_cleanly_and_the_stats_are_written() {
+    // No `trap '' XFSZ`: vidgen itself must not die of SIGXFSZ. 16 KiB: the 60 KiB video
+    // passes the limit, the stats do not.
+    let dir = scratch("ulimit");
+    let out = dir.join("out");
+    let stats_path = dir.join("s.json");
+    let args: Vec<String> = TINY
+        .iter()
+        .map(|a| a.to_string())
+        .chain(
+            [
+                "--prompt",
+                "a fox",
+                "--output-type",
+                "safetensors",
+                "--output-path",
+            ]
+            .map(String::from),
+        )
+        .chain([out.to_str().unwrap().to_string(), "--stats-json".into()])
+        .chain([stats_path.to_str().unwrap().to_string()])
+        .map(|a| format!("'{a}'"))
+        .collect();
+    let script = format!(
+        "ulimit -f 16; exec '{}' {}",
+        env!("CARGO_BIN_EXE_vidgen"),
+        args.join(" ")
+    );
+    let run = Command::new("bash")
+        .args(["-c", &script])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let stderr = text(&run.stderr);
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "killed by a signal? {:?} {stderr}",
+        run.status
+    );
+    assert!(stderr.contains("File too large"), "{stderr}");
+    assert_eq!(names(&out), Vec::<String>::new(), "a temporary was left");
+    let s = stats(&stats_path);
+    assert_eq!(statuses(&s), vec!["failed"]);
+    assert!(
+        s["jobs"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("File too large"),
+        "{s}"
+    );
+}
+
+#[test]
+fn overwrite_replaces_a_png_folder_only_once_the_new_one_is_complete() {
+    let dir = scratch("png-overwrite");
+    let out = dir.join("out");
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "--prompt",
+            "x",
+            "--output-type",
+            "png",
+            "--output-video-name",
+            "v",
+            "--output-path",
+            out.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        vidgen(&a)
+    };
+    let first = args(&[]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let folder = out.join("v");
+    std::fs::write(folder.join("marker"), "old").unwrap();
+    // Without --overwrite the old folder stays.
+    let kept = args(&[]);
+    assert_eq!(kept.status.code(), Some(1), "{}", text(&kept.stderr));
+    assert!(folder.join("marker").exists());
+    let frames = vec![
+        "frame_00000.png",
+        "frame_00001.png",
+        "frame_00002.png",
+        "frame_00003.png",
+        "frame_00004.png",
+    ];
+    let replaced = args(&["--overwrite"]);
+    assert!(replaced.status.success(), "{}", text(&replaced.stderr));
+    assert_eq!(text(&replaced.stdout).trim(), folder.to_str().unwrap());
+    assert_eq!(names(&folder), frames, "the old folder's files are gone");
+    assert_eq!(
+        names(&out),
+        vec!["v".to_string()],
+        "no temporary or old folder left"
+    );
+    // A file in the folder's place is replaced too.
+    std::fs::remove_dir_all(&folder).unwrap();
+    std::fs::write(&folder, "a file").unwrap();
+    let replaced = args(&["--overwrite"]);
+    assert!(replaced.status.success(), "{}", text(&replaced.stderr));
+    assert_eq!(names(&folder), frames);
+    assert_eq!(names(&out), vec!["v".to_string()]);
+}
+
+#[test]
+fn small_refusals_name_the_problem() {
+    let dir = scratch("small");
+    let file = dir.join("model.safetensors");
+    std::fs::write(&file, "x").unwrap();
+    let run = vidgen(&["--prompt", "x", "--model", file.to_str().unwrap()]);
+    assert_refused(&run, &["is a file, not a folder", "model_index.json"]);
+    let run = vidgen(&["--prompt", "x", "--json"]);
+    assert_refused(&run, &["--dry-run"]);
+    for blank in ["", "   ", "\t\n"] {
+        let run = vidgen(&["--prompt", blank]);
+        assert_refused(&run, &["--prompt is empty"]);
+    }
+}
+
+#[test]
+fn a_megabyte_prompt_is_cut_in_logs_and_kept_whole_in_the_stats() {
+    let dir = scratch("long-prompt");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    // The output exists: the prompt fails at once and its summary line names it.
+    std::fs::write(out.join("v.mp4"), "old").unwrap();
+    let prompt = "a fox ".repeat(200_000);
+    let prompts = dir.join("p.txt");
+    std::fs::write(&prompts, format!("{prompt}\n")).unwrap();
+    let stats_path = dir.join("s.json");
+    let run = vidgen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+        "--output-path",
+        out.to_str().unwrap(),
+        "--stats-json",
+        stats_path.to_str().unwrap(),
+    ]);
+    let stderr = text(&run.stderr);
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "{}",
+        &stderr[..stderr.len().min(2000)]
+    );
+    assert!(stderr.len() < 4000, "{} bytes of stderr", stderr.len());
+    assert!(stderr.contains("... (1199999 bytes)"), "{stderr}");
+    assert!(stderr.contains("already exists"), "{stderr}");
+    let s = stats(&stats_path);
+    assert_eq!(s["jobs"][0]["prompt"].as_str().unwrap(), prompt.trim());
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_after_the_last_stage_began_still_exits_130() {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let dir = scratch("ctrl-c-last");
+    let out = dir.join("out");
+    let stats_path = dir.join("s.json");
+    // stdout is a full pipe: printing the finished video's path blocks, after the file is
+    // complete and with no stage left that could see Ctrl-C.
+    let (mut reader, mut writer) = std::io::pipe().unwrap();
+    let fd = writer.as_raw_fd();
+    // SAFETY: fcntl on a pipe this test owns.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    loop {
+        match writer.write(&[b'#'; 4096]) {
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
+    let child = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(TINY)
+        .args(["--prompt", "x", "--output-video-name", "v", "--output-path"])
+        .arg(&out)
+        .arg("--stats-json")
+        .arg(&stats_path)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let video = out.join("v.mp4");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !video.exists() {
+        assert!(std::time::Instant::now() < deadline, "no video");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: a signal to the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut stdout = String::new();
+    reader.read_to_string(&mut stdout).unwrap();
+    let run = child.wait_with_output().unwrap();
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(130), "{stderr}");
+    assert!(
+        stdout.trim_start_matches('#').trim() == video.to_str().unwrap(),
+        "{stdout}"
+    );
+    let s = stats(&stats_path);
+    assert_eq!(s["status"], "interrupted", "{s}");
+    assert_eq!(statuses(&s), vec!["written"]);
+}
+
+#[cfg(unix)]
+#[test]
+fn endless_inputs_are_read_up_to_a_cap() {
+    let dir = scratch("endless");
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    for dry in [&[][..], &["--dry-run"][..]] {
+        let mut args = vec!["--prompt-file", "/dev/zero", "--output-path", o];
+        args.extend_from_slice(dry);
+        assert_refused(&vidgen(&args), &["--prompt-file /dev/zero", "64 MiB"]);
+        let mut args = vec!["--prompt", "x", "--config", "/dev/zero", "--output-path", o];
+        args.extend_from_slice(dry);
+        assert_refused(&vidgen(&args), &["config file /dev/zero", "16 MiB"]);
+    }
+    // --latents /dev/zero: see latents_files_are_checked_before_anything_loads.
+    assert!(!out.exists());
+}
+
+#[test]
+fn the_dry_run_reads_the_prompt_file_and_plans_every_size_it_asks_for() {
+    let dir = scratch("dry-prompts");
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    let prompts = dir.join("p.jsonl");
+    let p = prompts.to_str().unwrap();
+    // A missing or broken file is bad input in a dry run too.
+    for (body, needle) in [
+        (None, "cannot read --prompt-file"),
+        (
+            Some("{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"bad\": 1}\n"),
+            "p.jsonl:2: unknown key `bad`",
+        ),
+        (Some("\n# only a comment\n"), "has no prompts"),
+        (
+            Some("{\"prompt\": \"a\", \"num_frames\": 6}\n"),
+            "p.jsonl:1",
+        ),
+    ] {
+        if let Some(body) = body {
+            std::fs::write(&prompts, body).unwrap();
+        }
+        for json in [&[][..], &["--json"][..]] {
+            let mut args = vec!["--prompt-file", p, "--output-path", o, "--dry-run"];
+            args.extend_from_slice(json);
+            assert_refused(&vidgen(&args), &[needle]);
+        }
+    }
+    // Each line's size is planned: two sizes, counted, the second from a line's override.
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_frames\": 9, \"height\": 64}\n{\"prompt\": \"c\"}\n",
+    )
+    .unwrap();
+    let run = vidgen(&[
+        "--prompt-file",
+        p,
+        "--output-path",
+        o,
+        "--dry-run",
+        "--json",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let plan: Value = serde_json::from_slice(&run.stdout).unwrap();
+    let sizes = plan["prompts"]["sizes"].as_array().unwrap();
+    assert_eq!(plan["prompts"]["count"], 3);
+    let got: Vec<(u64, u64, u64)> = sizes
+        .iter()
+        .map(|s| {
+            (
+                s["prompts"].as_u64().unwrap(),
+                s["num_frames"].as_u64().unwrap(),
+                s["height"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, vec![(2, 5, 32), (1, 9, 64)]);
+    assert!(sizes.iter().all(|s| s["required_bytes"].as_u64().is_some()));
+    let text_run = vidgen(&["--prompt-file", p, "--output-path", o, "--dry-run"]);
+    let report = text(&text_run.stdout);
+    assert!(report.contains("prompts      3, 2 size(s)"), "{report}");
+    assert!(report.contains("1 x 9 frames of 64x32"), "{report}");
+    // 100,000 prompts: the job list is linear, so the dry run finishes.
+    let many = dir.join("many.txt");
+    let body: String = (0..100_000)
+        .map(|i| format!("prompt number {i}\n"))
+        .collect();
+    std::fs::write(&many, body).unwrap();
+    let run = vidgen(&[
+        "--prompt-file",
+        many.to_str().unwrap(),
+        "--dry-run",
+        "--json",
+    ]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let plan: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(plan["prompts"]["count"], 100_000);
+    assert!(!out.exists(), "a dry run makes nothing");
+}
+
+#[test]
+fn a_stage_major_batch_writes_each_video_before_the_next_is_decoded() {
+    use std::io::BufRead;
+    let dir = scratch("stage-major");
+    let out = dir.join("out");
+    let prompts = dir.join("p.txt");
+    std::fs::write(&prompts, "a fox\na boat\na tree\n").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(TINY)
+        .args(["--seed", "1", "--batch-order", "stage", "--prompt-file"])
+        .arg(&prompts)
+        .arg("--output-path")
+        .arg(&out)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    for line in stderr.lines().map_while(Result::ok) {
+        seen += &format!("{line}\n");
+        if line == "[3/3] decode" {
+            // The last prompt's decode begins: the first two videos are already whole files.
+            assert_eq!(
+                names(&out),
+                vec!["a-boat_002_seed2.mp4", "a-fox_001_seed1.mp4"],
+                "{seen}"
+            );
+        }
+    }
+    assert!(child.wait().unwrap().success(), "{seen}");
+    assert!(seen.contains("[3/3] decode"), "{seen}");
+    assert_eq!(names(&out).len(), 3);
+}

@@ -228,12 +228,28 @@ fn failures_are_errors_and_leave_nothing_behind() {
         let dest = dir.join(format!("taken.{}", kind.extension()));
         std::fs::create_dir_all(&dest).unwrap();
         std::fs::write(dest.join("keep.txt"), b"x").unwrap();
-        let err = output::write(kind, &dest, &frames, 16, &[]).unwrap_err();
-        assert!(
-            format!("{err:#}").contains(&dest.display().to_string()),
-            "{kind:?}: {err:#}"
-        );
-        assert_eq!(listing(&dest), vec!["keep.txt"]);
+        if kind == OutputType::Png {
+            // A PNG output is a folder: unless told to replace it, an existing one is kept;
+            // told to, it is swapped for the finished new one (`--overwrite`).
+            let err = output::write_with(kind, &dest, &frames, 16, &[], false).unwrap_err();
+            assert!(format!("{err:#}").contains("already exists"), "{err:#}");
+            assert_eq!(listing(&dest), vec!["keep.txt"]);
+            output::write(kind, &dest, &frames, 16, &[]).unwrap();
+            assert_eq!(listing(&dest), vec!["frame_00000.png", "frame_00001.png"]);
+            let hidden: Vec<String> = listing(&dir)
+                .into_iter()
+                .filter(|n| n.starts_with('.'))
+                .collect();
+            assert!(hidden.is_empty(), "left beside it: {hidden:?}");
+            std::fs::remove_dir_all(&dest).unwrap();
+        } else {
+            let err = output::write(kind, &dest, &frames, 16, &[]).unwrap_err();
+            assert!(
+                format!("{err:#}").contains(&dest.display().to_string()),
+                "{kind:?}: {err:#}"
+            );
+            assert_eq!(listing(&dest), vec!["keep.txt"]);
+        }
 
         // A destination in a folder that does not exist.
         let missing = dir

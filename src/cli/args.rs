@@ -147,7 +147,7 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", default_value_t = 81, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_frames: u32,
     /// Frames per second of the video file.
-    #[arg(long, help_heading = "Generation", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, help_heading = "Generation", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub fps: u32,
     /// Denoising steps.
     #[arg(long, help_heading = "Generation", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]

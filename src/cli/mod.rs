@@ -63,7 +63,10 @@ pub fn parse(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, UsageEr
                 .map(|id| id.as_str().to_string())
                 .collect();
             if let Some(path) = args.config.clone() {
-                let (options, keys) = merge_config_file(&path, &args.options, |key| {
+                let generate = command
+                    .find_subcommand("generate")
+                    .expect("the generate subcommand exists");
+                let (options, keys) = merge_config_file(&path, &args.options, generate, |key| {
                     sub.value_source(key) == Some(ValueSource::CommandLine)
                 })?;
                 args.options = options;
@@ -148,6 +151,37 @@ fn clap_outcome(e: clap::Error) -> Result<Parsed, UsageError> {
     }
 }
 
+/// Runs a config file's scalar value through the value parser of the flag of the same name
+/// (arrays and tables are left to the type check after).
+fn check_as_flag(generate: &clap::Command, key: &str, value: &toml::Value) -> Result<(), String> {
+    let text = match value {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) if !f.is_finite() => {
+            return Err(format!("{f} is not a finite number"));
+        }
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        _ => return Ok(()),
+    };
+    let Some(long) = generate
+        .get_arguments()
+        .find(|a| a.get_id() == key)
+        .and_then(|a| a.get_long())
+    else {
+        return Ok(());
+    };
+    generate
+        .clone()
+        .try_get_matches_from(["generate".to_string(), format!("--{long}={text}")])
+        .map(|_| ())
+        .map_err(|e| {
+            let text = e.render().to_string();
+            let line = text.lines().next().unwrap_or("invalid value");
+            line.trim_start_matches("error: ").to_string()
+        })
+}
+
 /// Folds clap's multi-line error into one line: the problem plus clap's tip, if any.
 fn first_lines(e: &clap::Error) -> String {
     let text = e.render().to_string();
@@ -169,21 +203,68 @@ fn first_lines(e: &clap::Error) -> String {
     }
 }
 
+/// Reads at most `max` bytes of the file `what` names (`--prompt-file`, `config file`): a
+/// larger one, or an endless one such as `/dev/zero`, is an error naming it and the limit, after
+/// reading only `max + 1` bytes. Pipes (`<(...)`) are read like files.
+pub fn read_capped(what: &str, path: &Path, max: u64) -> anyhow::Result<Vec<u8>> {
+    use anyhow::Context;
+    use std::io::Read;
+    let file = std::fs::File::open(path)
+        .with_context(|| format!("cannot read {what} {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(max + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {what} {}", path.display()))?;
+    if bytes.len() as u64 > max {
+        anyhow::bail!(
+            "{what} {} is larger than {} MiB (the wrong file, or an endless one such as /dev/zero)",
+            path.display(),
+            max >> 20
+        );
+    }
+    Ok(bytes)
+}
+
+/// The most bytes `--config` may hold.
+const MAX_CONFIG_FILE_BYTES: u64 = 16 << 20;
+
 /// Lays a TOML config file under the command line: a key is taken from the file unless its
-/// flag was given on the command line.
+/// flag was given on the command line. Each value goes through its flag's own parser
+/// (`generate`'s), so the file meets the same range checks as the command line.
 fn merge_config_file(
     path: &Path,
     cli: &args::GenerateOptions,
+    generate: &clap::Command,
     given_on_command_line: impl Fn(&str) -> bool,
 ) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let bytes = read_capped("config file", path, MAX_CONFIG_FILE_BYTES)
+        .map_err(|e| UsageError::new(format!("{e:#}; pass a readable TOML file to --config")))?;
+    merge_config_bytes(path, bytes, cli, generate, given_on_command_line)
+}
+
+/// [`merge_config_file`] on the file's bytes.
+fn merge_config_bytes(
+    path: &Path,
+    bytes: Vec<u8>,
+    cli: &args::GenerateOptions,
+    generate: &clap::Command,
+    given_on_command_line: impl Fn(&str) -> bool,
+) -> Result<(args::GenerateOptions, Vec<String>), UsageError> {
+    let text = String::from_utf8(bytes).map_err(|_| {
         UsageError::new(format!(
-            "cannot read config file {}: {e}; pass a readable TOML file to --config",
+            "config file {} is not valid UTF-8; save it as UTF-8 TOML",
             path.display()
         ))
     })?;
     let table: toml::Table = toml::from_str(&text).map_err(|e| {
-        let msg = e.message().to_string();
+        // toml's messages can span lines ("invalid string\nexpected ..."): one line here.
+        let msg = e
+            .message()
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(", ");
         let line = e
             .span()
             .map(|s| format!(" (line {})", text[..s.start].lines().count().max(1)))
@@ -203,10 +284,18 @@ fn merge_config_file(
     for (key, value) in table {
         if !merged.contains_key(&key) {
             return Err(UsageError::new(format!(
-                "unknown key `{key}` in config file {}; keys are the generate flags in snake_case (see `vidgen generate --help`)",
+                "unknown key `{}` in config file {}; keys are the generate flags in snake_case (see `vidgen generate --help`)",
+                key.escape_debug(),
                 path.display()
             )));
         }
+        check_as_flag(generate, &key, &value).map_err(|why| {
+            UsageError::new(format!(
+                "bad value for `{key}` in config file {}: {why}; use the same values as the --{} flag",
+                path.display(),
+                key.replace('_', "-")
+            ))
+        })?;
         let value = serde_json::to_value(value).expect("TOML values convert to JSON");
         // Check each key alone so a bad value is reported with its key.
         let mut single = defaults.clone();
@@ -227,4 +316,79 @@ fn merge_config_file(
     let options = serde_json::from_value(serde_json::Value::Object(merged))
         .map_err(|e| UsageError::new(format!("config file {}: {e}", path.display())))?;
     Ok((options, keys))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The options of a bare `generate` and its clap command, to merge config files under.
+    fn bare() -> (args::GenerateOptions, clap::Command) {
+        let Parsed::Generate(args) = parse(["vidgen", "generate"].map(OsString::from)).unwrap()
+        else {
+            panic!("not a generate command")
+        };
+        let command = Cli::command();
+        let generate = command.find_subcommand("generate").unwrap().clone();
+        (args.options, generate)
+    }
+
+    /// Mutated config files never panic the merge: each is merged or refused in one line.
+    #[test]
+    fn fuzzed_config_files_are_merged_or_refused_never_panic() {
+        let (options, generate) = bare();
+        let seeds: &[&[u8]] = &[
+            b"seed = 3\nprompt = \"a fox\"\nguidance_scale = 5.0\nvae_cpu_offload = false\n",
+            b"max_pinned_memory = \"2GiB\"\nprefetch_depth = 2\nnum_frames = 9\n# c\n",
+            b"lazy_module_load = \"auto\"\noutput_type = \"png\"\ndevice = \"cpu\"\n",
+        ];
+        crate::fuzz::mutate(seeds, 2000, |bytes| {
+            let merged = merge_config_bytes(
+                Path::new("c.toml"),
+                bytes.to_vec(),
+                &options,
+                &generate,
+                |_| false,
+            );
+            if let Err(e) = merged {
+                assert!(!e.to_string().contains('\n'), "not one line: {e}");
+            }
+        });
+    }
+
+    /// Inputs worth keeping: each is refused naming the problem.
+    #[test]
+    fn fuzz_regressions_in_config_files() {
+        let (options, generate) = bare();
+        let cases: &[(&[u8], &str)] = &[
+            (b"guidance_scale = nan\n", "not a finite number"),
+            (b"seed = -1\n", "`seed`"),
+            (b"\xc3\xa9 = \xff\n", "not valid UTF-8"),
+            // A syntax error right after a multi-byte character: the line is still counted.
+            (b"prompt = \"\xc3\xa9\"\xc3\xa9\n", "line 1"),
+            (b"num_frames = 4294967296\n", "`num_frames`"),
+            // A quoted key holding a line break or a control character is shown escaped.
+            (
+                b"\"a\\nb\\u001b[31m\" = 1\n",
+                "unknown key `a\\nb\\u{1b}[31m`",
+            ),
+            // toml's message for this spans two lines: folded into one.
+            (
+                b"seed = 3\nprompt = ompt = gu\n",
+                "(line 2): invalid string, expected",
+            ),
+        ];
+        for (bytes, needle) in cases {
+            let e = merge_config_bytes(
+                Path::new("c.toml"),
+                bytes.to_vec(),
+                &options,
+                &generate,
+                |_| false,
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+            assert!(!e.to_string().contains('\n'), "not one line: {e}");
+        }
+    }
 }

@@ -95,6 +95,11 @@ impl ResolvedConfig {
     /// Validates the options, probes the device and applies what it forces.
     pub fn resolve(args: GenerateArgs) -> Result<Self, UsageError> {
         let mut options = args.options;
+        if args.json && !args.dry_run {
+            return Err(UsageError::new(
+                "--json prints the dry run's report as JSON; add --dry-run, or drop --json (a run's figures go to --stats-json FILE)",
+            ));
+        }
         // Frame counts and sizes follow the model family's rule, checked once it is known
         // ([`Self::with_model_defaults`]).
         validate(&options, args.dry_run, FrameRule::ANY)?;
@@ -340,6 +345,11 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
         (None, None) if !dry_run => {
             return Err(UsageError::new(
                 "no prompt given; pass --prompt \"...\" or --prompt-file FILE",
+            ))
+        }
+        (Some(p), None) if p.trim().is_empty() => {
+            return Err(UsageError::new(
+                "--prompt is empty (only spaces); describe the video, e.g. --prompt \"a red fox in the snow\"",
             ))
         }
         _ => {}

@@ -64,7 +64,13 @@ impl StagePlan {
     /// Device bytes the stage needs in all: its peak, the allocator's slack (the CUDA pool held
     /// up to two fifths more than the activations used in the measurements) and the context.
     pub fn required_bytes(&self) -> u64 {
-        self.peak_bytes + self.activation_bytes * 2 / 5 + CONTEXT_BYTES
+        Self::required(self.peak_bytes, self.activation_bytes).unwrap_or(u64::MAX)
+    }
+
+    /// [`StagePlan::required_bytes`] in checked arithmetic (`None`: beyond 2^64 bytes).
+    fn required(peak: u64, activations: u64) -> Option<u64> {
+        peak.checked_add(activations / 5 * 2 + activations % 5 * 2 / 5)?
+            .checked_add(CONTEXT_BYTES)
     }
 }
 
@@ -76,8 +82,10 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     /// Plans `stages`: in each, the components alive hold their active weights if the stage
-    /// uses them, their idle weights otherwise (`weights[i]` is component i's).
-    pub fn new(stages: &[PlanStage], weights: &[DeviceWeights]) -> Self {
+    /// uses them, their idle weights otherwise (`weights[i]` is component i's). Sums are
+    /// checked: a plan beyond 2^64 bytes (sizes no machine has) is an error, never a wrapped
+    /// figure that would look small.
+    pub fn new(stages: &[PlanStage], weights: &[DeviceWeights]) -> anyhow::Result<Self> {
         let mut alive: Vec<usize> = Vec::new();
         let mut planned = Vec::with_capacity(stages.len());
         for stage in stages {
@@ -86,6 +94,12 @@ impl MemoryPlan {
                     alive.push(c);
                 }
             }
+            let overflow = || {
+                anyhow::anyhow!(
+                    "the memory plan of stage {} is beyond 2^64 bytes: a size in the configs or the options is larger than any machine",
+                    stage.name
+                )
+            };
             let weight_bytes = alive
                 .iter()
                 .map(|&c| {
@@ -95,16 +109,21 @@ impl MemoryPlan {
                         weights[c].idle
                     }
                 })
-                .sum();
+                .try_fold(0u64, u64::checked_add)
+                .ok_or_else(overflow)?;
+            let peak_bytes = weight_bytes
+                .checked_add(stage.activation_bytes)
+                .ok_or_else(overflow)?;
+            StagePlan::required(peak_bytes, stage.activation_bytes).ok_or_else(overflow)?;
             alive.retain(|c| !stage.release_after.contains(c));
             planned.push(StagePlan {
                 name: stage.name,
                 weight_bytes,
                 activation_bytes: stage.activation_bytes,
-                peak_bytes: weight_bytes + stage.activation_bytes,
+                peak_bytes,
             });
         }
-        MemoryPlan { stages: planned }
+        Ok(MemoryPlan { stages: planned })
     }
 
     /// The stage with the highest peak (the first of equals).
@@ -346,7 +365,7 @@ mod tests {
             stage("first", &[0], &[0, 1], &[], 7),
             stage("second", &[1], &[], &[0, 1], 30),
         ];
-        let plan = MemoryPlan::new(&eager, &weights);
+        let plan = MemoryPlan::new(&eager, &weights).unwrap();
         let first = plan.stage("first").unwrap();
         assert_eq!(first.weight_bytes, 1000 + 2_000);
         assert_eq!(first.activation_bytes, 7);
@@ -357,8 +376,51 @@ mod tests {
             stage("first", &[0], &[0], &[0], 7),
             stage("second", &[1], &[1], &[1], 30),
         ];
-        let plan = MemoryPlan::new(&lazy, &weights);
+        let plan = MemoryPlan::new(&lazy, &weights).unwrap();
         assert_eq!(plan.stage("first").unwrap().weight_bytes, 1000);
         assert_eq!(plan.stage("second").unwrap().weight_bytes, 20_000);
+    }
+
+    /// Weights or activations whose sum passes 2^64 bytes make no plan (an error naming the
+    /// stage), never a wrapped figure; a saturated layout (`u64::MAX`) does the same.
+    #[test]
+    fn a_plan_beyond_two_to_the_64_bytes_is_an_error() {
+        let huge = DeviceWeights {
+            active: u64::MAX / 2 + 1,
+            idle: u64::MAX / 2 + 1,
+        };
+        let stage = |activations| PlanStage {
+            name: "denoise",
+            uses: &[0, 1],
+            load_before: &[0, 1],
+            release_after: &[],
+            activation_bytes: activations,
+        };
+        for (weights, activations) in [
+            (vec![huge, huge], 0),
+            (vec![huge, DeviceWeights::default()], u64::MAX / 2 + 1),
+            (
+                vec![
+                    DeviceWeights {
+                        active: u64::MAX,
+                        idle: u64::MAX,
+                    },
+                    DeviceWeights::default(),
+                ],
+                0,
+            ),
+            (vec![DeviceWeights::default(); 2], u64::MAX - CONTEXT_BYTES),
+        ] {
+            let e = MemoryPlan::new(&[stage(activations)], &weights).unwrap_err();
+            assert!(
+                format!("{e}").contains("stage denoise is beyond 2^64 bytes"),
+                "{e}"
+            );
+        }
+        let plan = MemoryPlan::new(&[stage(5)], &[huge, DeviceWeights::default()]).unwrap();
+        assert_eq!(
+            plan.required_bytes(),
+            u64::MAX / 2 + 1 + 5 + 2 + CONTEXT_BYTES
+        );
     }
 }

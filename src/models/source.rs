@@ -158,6 +158,9 @@ impl ModelSource {
         if path.is_dir() {
             return Ok(ModelSource::Local(path.to_path_buf()));
         }
+        if path.exists() {
+            bail!("--model '{model}' is a file, not a folder; pass the diffusers model folder (the one holding model_index.json), a Hub id or synthetic:wan2.1-t2v-1.3b");
+        }
         let looks_like_path = model.starts_with(['.', '/', '~']) || model.matches('/').count() != 1;
         if looks_like_path {
             bail!("model folder '{model}' does not exist; pass a diffusers folder, a Hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or synthetic:wan2.1-t2v-1.3b");
@@ -686,7 +689,9 @@ pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weight
     bail!("{source} has no safetensors weights for {component} ({component}/diffusion_pytorch_model.safetensors or model.safetensors, or a .safetensors.index.json)")
 }
 
-/// The shard files named by a `*.safetensors.index.json`, each checked to exist.
+/// The shard files named by a `*.safetensors.index.json`, each checked to exist. A shard name
+/// is a file name in the component's folder (no path: `../../etc/passwd` and `/etc/passwd` are
+/// refused), and what it resolves to, links followed, stays in the model (see [`confinement`]).
 fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<Vec<PathBuf>> {
     let text = std::fs::read_to_string(index_path)
         .with_context(|| format!("reading {}", index_path.display()))?;
@@ -696,16 +701,59 @@ fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<V
         .as_object()
         .with_context(|| format!("{} has no weight_map", index_path.display()))?;
     let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    // The model folder is the index's grandparent (`<model>/<component>/<index>`).
+    let model = index_path
+        .parent()
+        .and_then(Path::parent)
+        .context("the index has no model folder")?;
+    let root = confinement(model)?;
     shards
         .into_iter()
-        .map(
-            |shard| match source.file(&format!("{component}/{shard}"))? {
-                Some(FileRef::Path(p)) => Ok(p),
+        .map(|shard| {
+            let mut parts = Path::new(shard).components();
+            if !matches!(
+                (parts.next(), parts.next()),
+                (Some(std::path::Component::Normal(_)), None)
+            ) {
+                bail!(
+                    "shard {shard:?} named in {} is not a file name in {component}/; the index is corrupt: re-download the model",
+                    index_path.display()
+                );
+            }
+            match source.file(&format!("{component}/{shard}"))? {
+                Some(FileRef::Path(p)) => {
+                    let real = p
+                        .canonicalize()
+                        .with_context(|| format!("resolving shard {}", p.display()))?;
+                    if !real.starts_with(&root) {
+                        bail!(
+                            "shard {component}/{shard} named in {} links outside the model ({}); replace the link with the file",
+                            index_path.display(),
+                            real.display()
+                        );
+                    }
+                    Ok(p)
+                }
                 _ => bail!(
                     "shard {component}/{shard} named in {} is missing; re-download the model",
                     index_path.display()
                 ),
-            },
-        )
+            }
+        })
         .collect()
+}
+
+/// The folder a model's shards must resolve into: the model folder, or, for a Hugging Face cache
+/// snapshot (`models--org--name/snapshots/<rev>`, whose files link into `../../blobs`), the
+/// cached repository.
+fn confinement(model: &Path) -> Result<PathBuf> {
+    let dir = model
+        .canonicalize()
+        .with_context(|| format!("resolving the model folder {}", model.display()))?;
+    Ok(match dir.parent() {
+        Some(parent) if parent.file_name().is_some_and(|n| n == "snapshots") => {
+            parent.parent().unwrap_or(parent).to_path_buf()
+        }
+        _ => dir,
+    })
 }

@@ -153,8 +153,7 @@ impl ComponentLayout {
             Residency::Streamed { options, .. } => {
                 let slot: u64 = slot_sections(&self.groups)
                     .iter()
-                    .map(|&(_, b)| b as u64)
-                    .sum();
+                    .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
                 let slots = slot_count(self.groups.len(), options) as u64;
                 let largest = self
                     .groups
@@ -162,10 +161,13 @@ impl ComponentLayout {
                     .map(|g| g.bytes as u64)
                     .max()
                     .unwrap_or(0);
-                let computing = if slots > 0 { slots * slot } else { largest };
+                // Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the memory
+                // plan's checked sums refuse.
+                let held = slots.saturating_mul(slot);
+                let computing = if slots > 0 { held } else { largest };
                 DeviceWeights {
-                    active: direct + computing,
-                    idle: direct + slots * slot,
+                    active: direct.saturating_add(computing),
+                    idle: direct.saturating_add(held),
                 }
             }
         }

@@ -284,6 +284,9 @@ impl Partial {
         if !replace && self.is_dir && dest.symlink_metadata().is_ok() && !is_empty_dir(dest) {
             return Err(exists());
         }
+        if replace && self.is_dir && dest.symlink_metadata().is_ok() && !is_empty_dir(dest) {
+            return self.swap_into(dest);
+        }
         if let Err(e) = std::fs::rename(&self.path, dest) {
             // A folder another run put there between the check and the rename.
             if !replace && dest.symlink_metadata().is_ok() {
@@ -295,6 +298,31 @@ impl Partial {
         }
         self.armed = false;
         Ok(())
+    }
+}
+
+impl Partial {
+    /// Replaces what is at `dest` (a folder with files, which a rename cannot replace, or a
+    /// file) with this finished folder: the old one is moved aside under a hidden name, the new
+    /// one renamed in (on failure the old one is put back), then the old one is removed.
+    fn swap_into(mut self, dest: &Path) -> Result<()> {
+        let aside = self.path.with_extension("replaced");
+        std::fs::rename(dest, &aside)
+            .with_context(|| format!("moving the old {} aside to replace it", dest.display()))?;
+        if let Err(e) = std::fs::rename(&self.path, dest) {
+            // Best effort: the old output goes back; the rename's error is the one to report.
+            let _ = std::fs::rename(&aside, dest);
+            return Err(e).with_context(|| {
+                format!("renaming {} to {}", self.path.display(), dest.display())
+            });
+        }
+        self.armed = false;
+        // A link is removed, never followed; the new output is in place either way.
+        let removed = match aside.symlink_metadata() {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&aside),
+            _ => std::fs::remove_file(&aside),
+        };
+        removed.with_context(|| format!("removing the replaced output {}", aside.display()))
     }
 }
 

@@ -6,15 +6,16 @@ use anyhow::{Context, Result};
 use candle_core::Tensor;
 use std::path::Path;
 
-/// Writes `frame_00000.png`, `frame_00001.png`, ... into the folder `dir` (created; it must not
-/// exist as a non-empty folder). Values become `round_half_even(x * 255)`, as numpy does for
+/// Writes `frame_00000.png`, `frame_00001.png`, ... into the folder `dir` (made as a hidden
+/// temporary folder, renamed into place when complete; what is at `dir` is replaced). Values become `round_half_even(x * 255)`, as numpy does for
 /// `output_type="pil"`.
 pub fn write_png_frames(dir: &Path, frames: &Tensor) -> Result<()> {
     write_png_frames_with(dir, frames, None, true)
 }
 
 /// [`write_png_frames`], with `audio` as a WAV file in the folder; unless `replace`, a
-/// non-empty folder at `dir` is kept and reported.
+/// non-empty folder at `dir` is kept and reported; with it, the old folder is swapped out only
+/// once the new one is complete.
 pub(super) fn write_png_frames_with(
     dir: &Path,
     frames: &Tensor,

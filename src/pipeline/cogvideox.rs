@@ -130,6 +130,10 @@ impl CogVideoXConfigs {
 }
 
 impl Family for CogVideoXConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(self.latent_shape(num_frames, height, width).to_vec())
+    }
+
     /// The published pipeline's call defaults: 480x720, 49 frames at 8 fps, 50 steps,
     /// guidance 6, 226 text tokens.
     fn defaults(&self) -> ModelDefaults {
@@ -440,7 +444,7 @@ impl CogVideoX {
             latents = scheduler
                 .step(&noise_pred, &latents.to_dtype(DType::F32)?, &noise)?
                 .to_dtype(dtype)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
         }
         stages::report_denoise(
             &self.progress,

@@ -5,7 +5,85 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// The most bytes a safetensors header may hold (the safetensors crate's own limit): a longer
+/// one is not a draws file, and reading it would be unbounded.
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// One tensor a safetensors header declares.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Declared {
+    pub dtype: String,
+    pub shape: Vec<usize>,
+}
+
+/// The tensors of the safetensors file at `path`, from its header alone (the data is not read).
+/// A path that is not a regular file (`/dev/zero`, a folder), a header beyond
+/// [`MAX_HEADER_BYTES`] or one that does not describe the file's bytes is an error.
+pub fn header(path: &Path) -> Result<BTreeMap<String, Declared>> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if !meta.is_file() {
+        bail!("{} is not a regular file", path.display());
+    }
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    parse_header(file, meta.len())
+        .with_context(|| format!("{} is not a safetensors file", path.display()))
+}
+
+/// Parses a safetensors header from `reader`, which holds `len` bytes in all: an 8-byte
+/// little-endian header length, the JSON header, then the data its offsets point into.
+pub fn parse_header(mut reader: impl Read, len: u64) -> Result<BTreeMap<String, Declared>> {
+    let mut size = [0u8; 8];
+    reader
+        .read_exact(&mut size)
+        .context("shorter than 8 bytes")?;
+    let n = u64::from_le_bytes(size);
+    if n > MAX_HEADER_BYTES || n > len.saturating_sub(8) {
+        bail!("its header length {n} is past the file's end or the {MAX_HEADER_BYTES}-byte limit");
+    }
+    let mut text = vec![0u8; n as usize];
+    reader
+        .read_exact(&mut text)
+        .context("its header is cut short")?;
+    let data_len = len.saturating_sub(8) - n;
+    let value: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| anyhow::anyhow!("its header is not JSON ({e})"))?;
+    let serde_json::Value::Object(map) = value else {
+        bail!("its header is not a JSON object");
+    };
+    let mut out = BTreeMap::new();
+    for (name, entry) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = || anyhow::anyhow!("tensor `{name}` has no valid dtype, shape and data_offsets");
+        let dtype = entry["dtype"].as_str().ok_or_else(bad)?.to_string();
+        let shape: Vec<usize> =
+            serde_json::from_value(entry["shape"].clone()).map_err(|_| bad())?;
+        let [start, end]: [u64; 2] =
+            serde_json::from_value(entry["data_offsets"].clone()).map_err(|_| bad())?;
+        let width: u64 = match dtype.as_str() {
+            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+            "U16" | "I16" | "F16" | "BF16" => 2,
+            "U32" | "I32" | "F32" => 4,
+            "U64" | "I64" | "F64" => 8,
+            other => bail!("tensor `{name}` has unknown dtype {other:?}"),
+        };
+        let bytes = shape
+            .iter()
+            .try_fold(width, |acc, &d| acc.checked_mul(d as u64))
+            .ok_or_else(bad)?;
+        if start > end || end > data_len || end - start != bytes {
+            bail!("tensor `{name}`'s data_offsets [{start}, {end}] do not hold its {bytes} bytes within the file's {data_len} bytes of data");
+        }
+        out.insert(name, Declared { dtype, shape });
+    }
+    Ok(out)
+}
 
 /// The draws of one run.
 pub struct Draws {
@@ -17,6 +95,7 @@ pub struct Draws {
 impl Draws {
     /// Reads every tensor of `path` (onto the CPU).
     pub fn open(path: &Path) -> Result<Self> {
+        header(path).with_context(|| format!("reading the draws file {}", path.display()))?;
         let tensors = candle_core::safetensors::load(path, &Device::Cpu)
             .with_context(|| format!("reading the draws file {}", path.display()))?;
         Ok(Draws {
@@ -67,6 +146,66 @@ impl Draws {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small valid safetensors file's bytes: two tensors and metadata.
+    fn sample() -> Vec<u8> {
+        let a = Tensor::zeros((1, 2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::ones(4, candle_core::DType::BF16, &Device::Cpu).unwrap();
+        let info: std::collections::HashMap<String, String> = [("k".into(), "v".into())].into();
+        safetensors::serialize([("latents", &a), ("noise.0", &b)], Some(info)).unwrap()
+    }
+
+    /// Mutated files never panic the header parser (nor the safetensors crate's, which loads
+    /// the weights); a header it accepts points only inside the file, and one the crate
+    /// accepts, it accepts too.
+    #[test]
+    fn fuzzed_safetensors_headers_are_refused_or_read_never_panic() {
+        let valid = sample();
+        let header_only = valid[..valid.len() - 8].to_vec();
+        let seeds: &[&[u8]] = &[&valid, &header_only];
+        crate::fuzz::mutate(seeds, 3000, |bytes| {
+            let ours = parse_header(bytes, bytes.len() as u64);
+            if let Ok(tensors) = &ours {
+                assert!(tensors
+                    .values()
+                    .all(|t| t.shape.iter().all(|&d| d <= bytes.len())));
+            }
+            if safetensors::SafeTensors::deserialize(bytes).is_ok() {
+                assert!(ours.is_ok(), "the crate reads it, we do not: {ours:?}");
+            }
+        });
+    }
+
+    /// Headers worth keeping: each is refused with the reason.
+    #[test]
+    fn fuzz_regressions_in_safetensors_headers() {
+        let valid = sample();
+        let n = u64::from_le_bytes(valid[..8].try_into().unwrap()) as usize;
+        let with_header = |json: &str| {
+            let mut out = (json.len() as u64).to_le_bytes().to_vec();
+            out.extend_from_slice(json.as_bytes());
+            out.extend_from_slice(&valid[8 + n..]);
+            out
+        };
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (vec![1, 2, 3], "shorter than 8 bytes"),
+            (u64::MAX.to_le_bytes().to_vec(), "past the file's end"),
+            (with_header("[1]"), "not a JSON object"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [18446744073709551615, 2], \"data_offsets\": [0, 8]}}"), "no valid dtype"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [8, 4]}}"), "data_offsets [8, 4]"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [1000], \"data_offsets\": [0, 4000]}}"), "within the file's"),
+            (with_header("{\"a\": {\"dtype\": \"Q4\", \"shape\": [1], \"data_offsets\": [0, 4]}}"), "unknown dtype"),
+            (with_header("{\"a\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0, 4]}}"), "no valid dtype"),
+        ];
+        for (bytes, needle) in cases {
+            let e = parse_header(bytes.as_slice(), bytes.len() as u64).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{e:#}");
+        }
+        assert_eq!(
+            parse_header(valid.as_slice(), valid.len() as u64).unwrap()["latents"].shape,
+            [1, 2, 3]
+        );
+    }
 
     #[test]
     fn draws_are_taken_by_name_and_shape_and_leftovers_are_errors() -> Result<()> {

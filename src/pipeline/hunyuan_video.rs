@@ -106,6 +106,10 @@ fn size(dtype: DType) -> u64 {
 }
 
 impl Family for HunyuanConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(self.latent_shape(num_frames, height, width).to_vec())
+    }
+
     /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
     /// 50 steps, embedded guidance 6, 256 prompt tokens.
     fn defaults(&self) -> ModelDefaults {
@@ -534,7 +538,7 @@ impl HunyuanVideo {
             // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
             // back to the model dtype); the latents wait in f32, which holds that exactly.
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
         }
         let after = placed.offload_usage();
         stages::report_denoise(&self.progress, job, forward_seconds, before, after);

@@ -7,6 +7,7 @@ use crate::cli::ResolvedConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use serde::Deserialize;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// One video to make and its state between stages.
@@ -53,7 +54,7 @@ const LINE_KEYS: &[&str] = &[
 ];
 
 /// Per-prompt overrides accepted on a `.jsonl` prompt-file line.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug)]
 #[serde(deny_unknown_fields)]
 struct PromptLine {
     prompt: String,
@@ -102,6 +103,11 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
         _ => format!("{name}.{ext}"),
     };
     let mut jobs: Vec<Job> = Vec::with_capacity(lines.len());
+    // Each output's job, so that a name written twice is found in one look-up (the list is
+    // built in linear time: a prompt file may hold 100,000 lines).
+    let mut writers: HashMap<PathBuf, usize> = HashMap::with_capacity(lines.len());
+    // `--resume`'s finished outputs by stem, read from the folder once.
+    let finished = (o.resume && seed_free).then(|| finished_by_stem(&o.output_path, ext));
     // Whether some prompt to be made takes its seed from the drawn base seed.
     let mut base_seed_used = false;
     for (i, (origin, line)) in lines.into_iter().enumerate() {
@@ -119,19 +125,20 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             Some(name) => file_name(name),
             None => file_name(&format!("{stem}{seed}")),
         });
-        if o.resume && seed_free && line.seed.is_none() && explicit_name.is_none() {
-            if let Some((found, found_seed)) = finished_with_any_seed(&o.output_path, &stem, ext) {
-                (output, seed) = (found, found_seed);
+        if line.seed.is_none() && explicit_name.is_none() {
+            if let Some((found, found_seed)) = finished.as_ref().and_then(|f| f.get(&stem)) {
+                (output, seed) = (found.clone(), *found_seed);
             }
         }
         base_seed_used |= line.seed.is_none() && seed == base_seed.wrapping_add(i as u64);
-        if let Some(other) = jobs.iter().find(|j| j.output == output) {
+        if let Some(&other) = writers.get(&output) {
             bail!(
                 "{origin}: writes {} like {}; give one of them another output_video_name",
                 output.display(),
-                other.origin
+                jobs[other].origin
             );
         }
+        writers.insert(output.clone(), jobs.len());
         // A line's size merged with the flags' may be more than any machine holds.
         let (num_frames, height, width) = (
             line.num_frames.unwrap_or(o.num_frames),
@@ -163,7 +170,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             metrics: serde_json::Map::new(),
         });
     }
-    if seed_free && base_seed_used && !o.quiet {
+    if seed_free && base_seed_used && !o.quiet && !config.dry_run {
         eprintln!(
             "seed: none given, drew base seed {base_seed} (prompt i gets {base_seed} + i - 1); pass --seed {base_seed} to make the same videos again"
         );
@@ -171,29 +178,40 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     Ok(jobs)
 }
 
-/// A finished output named `<stem><seed>[.ext]` in `dir`, with that seed: what `--resume`
-/// finds for a prompt whose seed is free. Temporaries (`.NAME.partial`) do not match.
-fn finished_with_any_seed(dir: &Path, stem: &str, ext: &str) -> Option<(PathBuf, u64)> {
+/// The finished outputs in `dir` named `<stem><seed>[.ext]`, by stem, each with its seed: what
+/// `--resume` finds for a prompt whose seed is free. Where several runs finished one stem, the
+/// first path in order is taken (deterministic). Temporaries (`.NAME.partial`) do not match.
+fn finished_by_stem(dir: &Path, ext: &str) -> HashMap<String, (PathBuf, u64)> {
     let suffix = if ext == "png" {
         String::new()
     } else {
         format!(".{ext}")
     };
-    let mut found: Vec<(PathBuf, u64)> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|entry| {
-            let entry = entry.ok()?;
-            let name = entry.file_name().into_string().ok()?;
-            let digits = name.strip_prefix(stem)?.strip_suffix(suffix.as_str())?;
-            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
+    let mut found: HashMap<String, (PathBuf, u64)> = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        let Some(base) = name.strip_suffix(suffix.as_str()) else {
+            continue;
+        };
+        // A stem ends in `_seed`: the digits after it are the whole trailing run.
+        let stem = base.trim_end_matches(|c: char| c.is_ascii_digit());
+        let Ok(seed) = base[stem.len()..].parse::<u64>() else {
+            continue;
+        };
+        let path = entry.path();
+        match found.get(stem) {
+            Some((kept, _)) if *kept <= path => {}
+            _ => {
+                found.insert(stem.to_string(), (path, seed));
             }
-            Some((entry.path(), digits.parse().ok()?))
-        })
-        .collect();
-    // Several runs may have finished it: take one deterministically.
-    found.sort();
-    found.into_iter().next()
+        }
+    }
+    found
 }
 
 /// Whether something (a file, folder or dangling link) is already at `path`.
@@ -201,10 +219,21 @@ pub fn output_exists(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
 }
 
+/// The most bytes `--prompt-file` may hold: some hundred thousand long prompts.
+const MAX_PROMPT_FILE_BYTES: u64 = 64 << 20;
+
 /// The prompts of a file with their `FILE:LINE` origins.
 fn read_prompt_file(path: &Path, rule: FrameRule) -> Result<Vec<(String, PromptLine)>> {
-    let bytes = std::fs::read(path)
-        .with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
+    let bytes = crate::cli::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES)?;
+    parse_prompt_file(path, bytes, rule)
+}
+
+/// The prompts of the bytes of prompt file `path` (a `.jsonl` file by its extension).
+fn parse_prompt_file(
+    path: &Path,
+    bytes: Vec<u8>,
+    rule: FrameRule,
+) -> Result<Vec<(String, PromptLine)>> {
     let text = String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         let line = valid.iter().filter(|b| **b == b'\n').count() + 1;
@@ -265,7 +294,7 @@ fn parse_line(line: &str) -> Result<PromptLine> {
     }
     for (key, value) in &map {
         if !LINE_KEYS.contains(&key.as_str()) {
-            bail!("unknown key `{key}`; keys are {keys}");
+            bail!("unknown key `{}`; keys are {keys}", key.escape_debug());
         }
         // Each key alone against a valid prompt, so a bad value is reported with its key.
         let single = serde_json::json!({ "prompt": "", key.as_str(): value });
@@ -291,6 +320,16 @@ fn check_line(line: &PromptLine, rule: FrameRule) -> Result<()> {
     }
     .check(Spelling::LineKey)
     .map_err(|e| anyhow!(e))
+}
+
+/// A prompt as logs show it: quoted, and cut after 80 characters with its full length noted
+/// (a prompt file may hold a megabyte on one line; `--stats-json` keeps it whole).
+pub fn excerpt(prompt: &str) -> String {
+    const MAX: usize = 80;
+    match prompt.char_indices().nth(MAX) {
+        None => format!("{prompt:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &prompt[..end], prompt.len()),
+    }
 }
 
 /// A file-name-safe summary of a prompt: lowercase alphanumeric words joined by '-', at most 48
@@ -328,5 +367,146 @@ pub fn slug(prompt: &str) -> String {
         "video".into()
     } else {
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(argv: &[&str]) -> ResolvedConfig {
+        let argv = [
+            "vidgen",
+            "generate",
+            "--model",
+            "synthetic:wan2.1-tiny",
+            "--device",
+            "cpu",
+        ]
+        .iter()
+        .chain(argv)
+        .map(|a| a.into());
+        let crate::cli::Parsed::Generate(args) = crate::cli::parse(argv).unwrap() else {
+            panic!("not a generate command")
+        };
+        ResolvedConfig::resolve(*args).unwrap()
+    }
+
+    /// 100,000 prompts make 100,000 jobs (the list is built in linear time: quadratic, this
+    /// took minutes), and a name written twice is still found, naming both lines.
+    #[test]
+    fn a_hundred_thousand_prompts_make_their_jobs_and_duplicates_are_found() {
+        let dir = std::env::temp_dir().join(format!("vidgen-jobs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("p.jsonl");
+        let n = 100_000;
+        let mut text: String = (0..n)
+            .map(|i| format!("{{\"prompt\": \"prompt number {i}\"}}\n"))
+            .collect();
+        std::fs::write(&file, &text).unwrap();
+        let path = file.to_str().unwrap();
+        let out = dir.join("out");
+        let argv = [
+            "--prompt-file",
+            path,
+            "--seed",
+            "1",
+            "--resume",
+            "--output-path",
+        ];
+        let made = jobs(&config(&[&argv[..], &[out.to_str().unwrap()]].concat())).unwrap();
+        assert_eq!(made.len(), n);
+        assert_eq!(made[n - 1].seed, n as u64);
+        text += "{\"prompt\": \"again\", \"output_video_name\": \"same\"}\n";
+        text += "{\"prompt\": \"and again\", \"output_video_name\": \"same\"}\n";
+        std::fs::write(&file, &text).unwrap();
+        let e = jobs(&config(&[&argv[..], &[out.to_str().unwrap()]].concat())).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains(&format!("p.jsonl:{}: writes", n + 2)), "{e}");
+        assert!(e.contains(&format!("like {path}:{}", n + 1)), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Mutated prompt files and `.jsonl` lines never panic the parser; what it accepts is a
+    /// list of non-blank prompts, each with its `FILE:LINE`.
+    #[test]
+    fn fuzzed_prompt_files_are_refused_or_read_never_panic() {
+        let seeds: &[&[u8]] = &[
+            b"a fox\n# comment\n\n  a boat  \r\n",
+            b"{\"prompt\": \"a\", \"seed\": 3, \"num_frames\": 9, \"height\": 64}\n{\"prompt\": \"b\", \"guidance_scale\": 1.5, \"output_video_name\": \"v\"}\n",
+            b"{\"prompt\": \"x\", \"negative_prompt\": \"y\", \"width\": 32, \"num_inference_steps\": 2}\n",
+        ];
+        for name in ["p.txt", "p.jsonl"] {
+            crate::fuzz::mutate(seeds, 3000, |bytes| {
+                let path = Path::new(name);
+                match parse_prompt_file(path, bytes.to_vec(), FrameRule::default()) {
+                    Ok(lines) => {
+                        assert!(!lines.is_empty());
+                        for (at, line) in lines {
+                            assert!(at.starts_with(name), "{at}");
+                            assert!(!line.prompt.trim().is_empty(), "{at}");
+                        }
+                    }
+                    Err(e) => assert!(!format!("{e:#}").contains('\n'), "not one line: {e:#}"),
+                }
+            });
+        }
+    }
+
+    /// Inputs the fuzzer tried that are worth keeping: each is refused with the line named.
+    #[test]
+    fn fuzz_regressions_in_prompt_files() {
+        let cases: &[(&str, &[u8], &str)] = &[
+            ("p.jsonl", b"{\"prompt\": \"a\\ud800\"}\n", "p.jsonl:1"),
+            (
+                "p.jsonl",
+                b"{\"prompt\": \"a\", \"seed\": 18446744073709551616}\n",
+                "`seed`",
+            ),
+            (
+                "p.jsonl",
+                b"{\"prompt\": \"a\", \"guidance_scale\": 1e309}\n",
+                "p.jsonl:1",
+            ),
+            ("p.jsonl", b"[\"prompt\"]\n", "JSON object"),
+            ("p.txt", b"\xef\xbb\xbf\n\xff\n", "p.txt:2: not valid UTF-8"),
+            // Found by the fuzzer: a key holding a line break broke the one-line error.
+            (
+                "p.jsonl",
+                b"{\"prompt\": \"x\", \"\\negative_prompt\": \"y\"}\n",
+                "unknown key `\\negative_prompt`",
+            ),
+            ("p.txt", b"\xef\xbb\xbf#\n \r\n", "has no prompts"),
+        ];
+        for (name, bytes, needle) in cases {
+            let e = parse_prompt_file(Path::new(name), bytes.to_vec(), FrameRule::default())
+                .unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{e:#}");
+            assert!(!format!("{e:#}").contains('\n'), "not one line: {e:#}");
+        }
+    }
+
+    /// `--resume` without `--seed` finds a prompt's output made with any seed, the first by
+    /// name where several runs made it; temporaries and other stems do not match.
+    #[test]
+    fn resume_finds_a_free_seed_output_by_its_stem() {
+        let dir = std::env::temp_dir().join(format!("vidgen-resume-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in [
+            "a-fox_001_seed9.mp4",
+            "a-fox_001_seed12.mp4",
+            ".a-fox_002_seed5.mp4.1-0.partial",
+            "a-fox_0010_seed3.mp4",
+        ] {
+            std::fs::write(dir.join(name), "").unwrap();
+        }
+        let found = finished_by_stem(&dir, "mp4");
+        assert_eq!(
+            found["a-fox_001_seed"],
+            (dir.join("a-fox_001_seed12.mp4"), 12)
+        );
+        assert!(!found.contains_key("a-fox_002_seed"));
+        assert_eq!(found["a-fox_0010_seed"].1, 3);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

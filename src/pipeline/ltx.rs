@@ -164,6 +164,13 @@ fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
 }
 
 impl Family for LtxConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(
+            self.packed_shape(self.grid(num_frames, height, width))
+                .to_vec(),
+        )
+    }
+
     /// `LTXPipeline.__call__`'s defaults: 704x512, 161 frames told 25 fps, 50 steps, guidance 3,
     /// 128 text tokens.
     fn defaults(&self) -> ModelDefaults {
@@ -507,7 +514,7 @@ impl Ltx {
                 pred
             };
             latents = scheduler.step(&pred, &latents)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
         }
         stages::report_denoise(
             &self.progress,

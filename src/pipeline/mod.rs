@@ -49,7 +49,7 @@ pub fn load_policy(config: &ResolvedConfig) -> LoadPolicy {
 }
 
 /// The order a batch walks the stages in: `--batch-order`, where `auto` is stage-major when
-/// components are loaded late (each then loads once per batch) and prompt-major otherwise.
+/// components are loaded late (each then loads once per group of `runner::MAX_IN_FLIGHT` prompts) and prompt-major otherwise.
 pub fn batch_order(config: &ResolvedConfig) -> BatchOrder {
     match config.options.batch_order {
         BatchOrderChoice::Prompt => BatchOrder::Prompt,
@@ -147,7 +147,16 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         };
         // What the device changed, once the sizes are known to be good (an error is one line).
         progress.overrides(&config.overrides);
-        let plan = DryRun::new(&config, &source, found);
+        // The prompts are read and checked as a run would (a missing or broken prompt file is
+        // bad input here too), so that the plan covers every size they ask for.
+        let prompts = match (&config.options.prompt, &config.options.prompt_file) {
+            (None, None) => Vec::new(),
+            _ => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
+        };
+        if let Ok((family, _)) = &found {
+            check_latents(&config, family.as_ref(), &prompts)?;
+        }
+        let plan = DryRun::new(&config, &source, found, &prompts);
         if config.json {
             println!("{}", plan.json());
         } else {
@@ -191,6 +200,9 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
         }
     }
+    if let Ok(family) = &family {
+        check_latents(&config, family.as_ref(), &jobs)?;
+    }
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
     let started = Instant::now();
@@ -220,6 +232,53 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
     }
     result.map(|()| code)
+}
+
+/// Checks `--latents` before anything loads: a regular safetensors file (read up to its header
+/// only) whose `latents` tensor, or only tensor, is a float tensor of the shape every prompt's
+/// size needs.
+fn check_latents(
+    config: &ResolvedConfig,
+    family: &dyn Family,
+    jobs: &[Job],
+) -> Result<(), UsageError> {
+    let Some(path) = &config.generation.latents else {
+        return Ok(());
+    };
+    let at = format!("--latents {}", path.display());
+    let tensors = draws::header(path).map_err(|e| {
+        UsageError::new(format!(
+            "{at}: {e:#}; pass a safetensors file with a `latents` tensor"
+        ))
+    })?;
+    let latents = match tensors.get("latents") {
+        Some(t) => t,
+        None if tensors.len() == 1 => tensors.values().next().unwrap_or_else(|| unreachable!()),
+        None => {
+            return Err(UsageError::new(format!(
+            "{at} has no tensor named `latents` (it holds {}); name the initial latents `latents`",
+            tensors.keys().cloned().collect::<Vec<_>>().join(", ")
+        )))
+        }
+    };
+    if !matches!(latents.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
+        return Err(UsageError::new(format!(
+            "{at}: the latents are {}; store them as F32 (or F16, BF16, F64)",
+            latents.dtype
+        )));
+    }
+    for job in jobs {
+        let Some(shape) = family.latents_shape(job.num_frames, job.height, job.width) else {
+            continue;
+        };
+        if latents.shape != shape {
+            return Err(UsageError::new(format!(
+                "{at} holds latents of shape {:?}, but {} ({} frames of {}x{}) needs {shape:?}; pass latents of that shape or change the size",
+                latents.shape, job.origin, job.num_frames, job.height, job.width
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Creates the output folder and checks that files can be made in it, before any model loads.
@@ -293,6 +352,8 @@ fn generate(
         meter: MemoryMeter::new(&device),
         device,
     };
+    // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
+    let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
     let reports = runner::run(
         &mut guarded,
         &mut todo,
@@ -300,12 +361,17 @@ fn generate(
         batch_order(config),
         |i, stage| {
             if !interrupt::interrupted() {
+                begun.insert(positions[i]);
                 progress.stage(positions[i], total, stage);
             }
         },
     );
-    for (job, report) in todo.iter().zip(reports) {
-        outcomes[job.index] = Outcome::from_report(job, report);
+    for (job, report) in todo.iter_mut().zip(reports) {
+        if begun.contains(&job.index) {
+            outcomes[job.index] = Outcome::from_report(job, report);
+        } else {
+            job.stopped_at = None;
+        }
     }
     jobs.extend(done);
     jobs.extend(todo);
@@ -415,10 +481,10 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
     let count = |s: Status| outcomes.iter().filter(|o| o.status == s).count();
     for (job, outcome) in jobs.iter().zip(outcomes) {
         let at = format!(
-            "[{}/{total}] {} {:?}",
+            "[{}/{total}] {} {}",
             job.index + 1,
             job.origin,
-            job.prompt
+            jobs::excerpt(&job.prompt)
         );
         if !outcome.stage_times.is_empty() {
             let times: Vec<String> = outcome
@@ -448,13 +514,21 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
         .iter()
         .zip(outcomes)
         .find(|(_, o)| o.status == Status::Interrupted);
-    if let Some((job, _)) = stopped {
+    // Ctrl-C is 130 however late it came: between prompts, or during the last write, after
+    // which nothing was left to stop.
+    if stopped.is_some() || interrupt::interrupted() {
         let unfinished = count(Status::Interrupted) + count(Status::NotRun);
+        let at = match stopped {
+            Some((job, _)) => format!(
+                " at {} of [{}/{total}] ({})",
+                job.stopped_at.unwrap_or("start"),
+                job.index + 1,
+                job.origin
+            ),
+            None => String::new(),
+        };
         progress.error(&format!(
-            "interrupted at {} of [{}/{total}] ({}): {tally}, {unfinished} not made; finished videos are kept, rerun with --resume to make the rest",
-            job.stopped_at.unwrap_or("start"),
-            job.index + 1,
-            job.origin
+            "interrupted{at}: {tally}, {unfinished} not made; finished videos are kept, rerun with --resume to make the rest"
         ));
         return ExitCode::from(interrupt::EXIT_CODE);
     }
@@ -479,7 +553,7 @@ fn stats(
     let mut out = config.to_json();
     let status = if error.is_some() {
         "error"
-    } else if outcomes.iter().any(|o| o.status == Status::Interrupted) {
+    } else if interrupt::interrupted() || outcomes.iter().any(|o| o.status == Status::Interrupted) {
         "interrupted"
     } else if outcomes.iter().any(|o| o.status == Status::Failed) {
         "failed"
@@ -578,6 +652,59 @@ struct Described {
     placement: Placement,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
+    /// Each video size the prompts ask for (their per-line overrides merged with the flags), in
+    /// order of first appearance, with its memory plan; empty without prompts.
+    sizes: Vec<SizePlan>,
+}
+
+/// One video size of the prompts: how many ask for it and its memory plan.
+struct SizePlan {
+    num_frames: u32,
+    height: u32,
+    width: u32,
+    prompts: usize,
+    memory: Result<MemoryPlan, String>,
+}
+
+impl SizePlan {
+    /// The prompts' distinct sizes, each planned as a run of that size.
+    fn of(planner: &Planner, jobs: &[Job]) -> Vec<SizePlan> {
+        let mut order: Vec<(u32, u32, u32)> = Vec::new();
+        let mut counts: std::collections::HashMap<(u32, u32, u32), usize> = Default::default();
+        for j in jobs {
+            let size = (j.num_frames, j.height, j.width);
+            *counts.entry(size).or_insert_with(|| {
+                order.push(size);
+                0
+            }) += 1;
+        }
+        order
+            .into_iter()
+            .map(|(num_frames, height, width)| SizePlan {
+                num_frames,
+                height,
+                width,
+                prompts: counts[&(num_frames, height, width)],
+                memory: planner
+                    .plan_size(num_frames, height, width)
+                    .map_err(|e| format!("{e:#}")),
+            })
+            .collect()
+    }
+
+    fn json(&self, total: Option<u64>) -> serde_json::Value {
+        let memory = self.memory.as_ref().ok();
+        json!({
+            "num_frames": self.num_frames,
+            "height": self.height,
+            "width": self.width,
+            "prompts": self.prompts,
+            "peak_bytes": memory.and_then(|m| m.peak()).map(|s| s.peak_bytes),
+            "required_bytes": memory.map(|m| m.required_bytes()),
+            "fits": memory.and_then(|m| total.map(|t| m.fits(t))),
+            "memory_error": self.memory.as_ref().err(),
+        })
+    }
 }
 
 impl<'a> DryRun<'a> {
@@ -585,6 +712,7 @@ impl<'a> DryRun<'a> {
         config: &'a ResolvedConfig,
         source: &'a ModelSource,
         found: Result<(Box<dyn Family>, &'static str), String>,
+        jobs: &[Job],
     ) -> Self {
         let described = found.map(|(family, from)| {
             let planner = Planner::new(family.as_ref(), config);
@@ -596,6 +724,7 @@ impl<'a> DryRun<'a> {
                 schedule: Schedule::plan(&spec, load_policy(config)),
                 placement: Placement::new(&config.memory, &spec),
                 memory: planner.plan(&request).map_err(|e| format!("{e:#}")),
+                sizes: SizePlan::of(&planner, jobs),
                 spec,
             }
         });
@@ -656,6 +785,13 @@ impl<'a> DryRun<'a> {
                     model.extend(facts.clone());
                 }
                 out["model"] = model;
+                if !d.sizes.is_empty() {
+                    let total = config.device.total_memory;
+                    out["prompts"] = json!({
+                        "count": d.sizes.iter().map(|s| s.prompts).sum::<usize>(),
+                        "sizes": d.sizes.iter().map(|s| s.json(total)).collect::<Vec<_>>(),
+                    });
+                }
             }
             Err(why) => {
                 out["placement"] = json!({ "error": why });
@@ -819,8 +955,44 @@ impl<'a> DryRun<'a> {
             }
             Err(why) => out += &format!("memory not predicted: {why}\n"),
         }
+        out += &prompts_text(&described.sizes, d.total_memory);
         out
     }
+}
+
+/// The prompts' sizes for people: how many prompts ask for each and its predicted peak (the
+/// first few sizes; the rest summed up), where a prompt's line changes the flags' size.
+fn prompts_text(sizes: &[SizePlan], total: Option<u64>) -> String {
+    const SHOWN: usize = 8;
+    let count: usize = sizes.iter().map(|s| s.prompts).sum();
+    if count == 0 {
+        return String::new();
+    }
+    let mut out = format!("prompts      {count}, {} size(s)\n", sizes.len());
+    for s in sizes.iter().take(SHOWN) {
+        let memory = match &s.memory {
+            Ok(m) => {
+                let verdict = match total {
+                    Some(t) if m.fits(t) => ", fits",
+                    Some(_) => ", does not fit",
+                    None => "",
+                };
+                format!("predicted peak {}{verdict}", m.describe_peak())
+            }
+            Err(why) => format!("memory not predicted: {why}"),
+        };
+        out += &format!(
+            "  {} x {} frames of {}x{}: {memory}\n",
+            s.prompts, s.num_frames, s.height, s.width
+        );
+    }
+    if sizes.len() > SHOWN {
+        out += &format!(
+            "  ... {} more sizes (all in --dry-run --json)\n",
+            sizes.len() - SHOWN
+        );
+    }
+    out
 }
 
 /// The options as config-file keys, one per line.

@@ -66,7 +66,25 @@ impl<'a> Planner<'a> {
 
     /// The memory plan of `request`.
     pub fn plan(&self, request: &Request) -> Result<MemoryPlan> {
-        let shape = self.shape(request);
+        self.plan_shape(request, self.shape(request))
+    }
+
+    /// The memory plan of the run's options for a video of another size (a prompt file line's
+    /// overrides); the recorded weights are shared with every other plan of this planner.
+    pub fn plan_size(&self, num_frames: u32, height: u32, width: u32) -> Result<MemoryPlan> {
+        let request = Request {
+            num_frames,
+            ..self.request()
+        };
+        let shape = RunShape {
+            height,
+            width,
+            ..self.shape(&request)
+        };
+        self.plan_shape(&request, shape)
+    }
+
+    fn plan_shape(&self, request: &Request, shape: RunShape) -> Result<MemoryPlan> {
         let spec = self.family.spec(&shape);
         let placement = Placement::new(&request.options, &spec);
         let schedule = Schedule::plan(&spec, load_policy(&request.options));
@@ -100,7 +118,7 @@ impl<'a> Planner<'a> {
                 },
             })
             .collect();
-        Ok(MemoryPlan::new(&stages, &weights))
+        MemoryPlan::new(&stages, &weights)
     }
 
     fn device_weights(

@@ -57,6 +57,11 @@ pub trait Family {
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
     }
+    /// The shape `--latents`' `latents` tensor must have for a video of this size (checked
+    /// before anything loads); `None` where the family checks its draws itself.
+    fn latents_shape(&self, _num_frames: u32, _height: u32, _width: u32) -> Option<Vec<usize>> {
+        None
+    }
     /// The pipeline as data for a run of `shape`.
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
     /// The model's geometry for the dry run's `model` object (layers, widths, latent shape).

@@ -41,7 +41,9 @@ pub enum LoadPolicy {
 pub enum BatchOrder {
     /// Each prompt goes through every stage before the next prompt starts.
     Prompt,
-    /// Every prompt passes a stage before any goes to the next: each component loads once.
+    /// In groups of [`MAX_IN_FLIGHT`] prompts, every prompt passes a stage before any goes to
+    /// the next (a stage that uses no component, writing, runs with the one before it): each
+    /// component loads once per group.
     Stage,
 }
 
@@ -143,11 +145,32 @@ pub fn run<P: Pipeline>(
     };
     match order {
         BatchOrder::Stage => {
-            for stage in 0..stages.len() {
-                for (i, (job, report)) in jobs.iter_mut().zip(&mut reports).enumerate() {
-                    step(pipeline, &mut loaded, stage, i, job, report);
+            let groups = stage_groups(&stages);
+            let chunks = jobs
+                .chunks_mut(MAX_IN_FLIGHT)
+                .zip(reports.chunks_mut(MAX_IN_FLIGHT));
+            for (c, (chunk, chunk_reports)) in chunks.enumerate() {
+                for group in &groups {
+                    for (i, (job, report)) in chunk.iter_mut().zip(&mut *chunk_reports).enumerate()
+                    {
+                        for stage in group.clone() {
+                            step(
+                                pipeline,
+                                &mut loaded,
+                                stage,
+                                c * MAX_IN_FLIGHT + i,
+                                job,
+                                report,
+                            );
+                        }
+                    }
+                    // Eager components stay for the next chunk; the end releases them.
+                    if policy != LoadPolicy::Eager {
+                        for stage in group.clone() {
+                            release(pipeline, &mut loaded, &schedule.release_after[stage]);
+                        }
+                    }
                 }
-                release(pipeline, &mut loaded, &schedule.release_after[stage]);
             }
         }
         BatchOrder::Prompt => {
@@ -165,6 +188,27 @@ pub fn run<P: Pipeline>(
     let rest = loaded.clone();
     release(pipeline, &mut loaded, &rest);
     reports
+}
+
+/// The most jobs a stage-major batch has between stages at once: what waits between stages
+/// (each prompt's embeddings and latents, some tens of MB at full size) is bounded by it
+/// instead of growing with the batch, at the cost of loading each component once per this
+/// many prompts instead of once per batch.
+pub const MAX_IN_FLIGHT: usize = 16;
+
+/// The stages in groups that a stage-major batch runs job by job: each stage that uses
+/// components, with the stages after it that use none (writing the video), so that a video is
+/// written as soon as it is decoded instead of every decoded video waiting in memory for the
+/// last to be decoded.
+fn stage_groups(stages: &[StageSpec]) -> Vec<std::ops::Range<usize>> {
+    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, stage) in stages.iter().enumerate() {
+        match groups.last_mut() {
+            Some(last) if stage.uses.is_empty() => last.end = i + 1,
+            _ => groups.push(i..i + 1),
+        }
+    }
+    groups
 }
 
 fn ensure_loaded<P: Pipeline>(

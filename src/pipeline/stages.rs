@@ -70,6 +70,31 @@ pub(crate) fn timed<T>(
     Ok(out)
 }
 
+/// Ends denoising step `done` of `total`: fails the prompt if the latents hold a NaN or an
+/// infinity (an overflowing guidance scale, broken weights or `--latents`), which would
+/// otherwise decode to a blank video reported as written; then shows the step. Every family's
+/// loop ends its steps here, so the check is one.
+pub(crate) fn step_done(
+    progress: &Progress,
+    latents: &Tensor,
+    done: usize,
+    total: usize,
+) -> Result<()> {
+    // `x - x` is exactly 0 for a finite x and NaN otherwise; the sum cannot overflow.
+    let probe = latents
+        .sub(latents)?
+        .sum_all()?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?;
+    if probe != 0.0 {
+        anyhow::bail!(
+            "the latents became NaN or infinite at denoising step {done} of {total}; lower --guidance-scale, try --dtype f32, or check the weights and --latents"
+        );
+    }
+    progress.step(done, total);
+    Ok(())
+}
+
 /// Reports the denoise stage's forward times and what the offload engine moved during it (the
 /// job's `forward_seconds` and `offload` metrics).
 pub(crate) fn report_denoise(

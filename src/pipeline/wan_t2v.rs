@@ -72,6 +72,10 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 impl Family for WanConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(self.latent_shape(num_frames, height, width).to_vec())
+    }
+
     /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it),
     /// each safe to defer: every component only feeds tensors forward. A two-expert model
     /// denoises in two stages, one per expert, so that a lazy load frees the first expert at
@@ -769,7 +773,7 @@ impl WanT2V {
                 None => noise_cond,
             };
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            self.progress.step(i + 1, timesteps.len());
+            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
             i += 1;
         }
         if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
