@@ -971,7 +971,7 @@ fn ctrl_c_after_the_last_stage_began_still_exits_130() {
         }
     }
     unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
-    let child = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .args(TINY)
         .args(["--prompt", "x", "--output-video-name", "v", "--output-path"])
         .arg(&out)
@@ -988,13 +988,31 @@ fn ctrl_c_after_the_last_stage_began_still_exits_130() {
         assert!(std::time::Instant::now() < deadline, "no video");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    // stderr is read on a thread, so that the Ctrl-C notice can be awaited before stdout is
+    // drained (the handler runs on a thread of its own: draining first would race it).
+    let err = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let lines = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut all = String::new();
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            all += &format!("{line}\n");
+        }
+        all
+    });
     // SAFETY: a signal to the child this test started.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    while let Ok(line) = rx.recv_timeout(std::time::Duration::from_secs(120)) {
+        if line.starts_with("interrupted: stopping") {
+            break;
+        }
+    }
     let mut stdout = String::new();
     reader.read_to_string(&mut stdout).unwrap();
-    let run = child.wait_with_output().unwrap();
-    let stderr = text(&run.stderr);
-    assert_eq!(run.status.code(), Some(130), "{stderr}");
+    let status = child.wait().unwrap();
+    let stderr = lines.join().unwrap();
+    assert_eq!(status.code(), Some(130), "{stderr}");
     assert!(
         stdout.trim_start_matches('#').trim() == video.to_str().unwrap(),
         "{stdout}"
