@@ -1,9 +1,12 @@
 //! Several processes (one per GPU) computing one video together, and the ranks they are: the
 //! launcher's environment ([`world`]), the rendezvous that publishes NCCL's id ([`rendezvous`]),
-//! the collectives on tensors ([`collective`], NCCL behind the `nccl` feature),. Knows no model.
+//! the collectives on tensors ([`collective`], NCCL behind the `nccl` feature), Ulysses sequence
+//! parallelism ([`ulysses`]). Knows no model: a model's self-attention calls the
+//! [`crate::models::sequence_parallel::SequenceParallel`] hook that [`ulysses::Ulysses`] is.
 
 pub mod collective;
 pub mod rendezvous;
+pub mod ulysses;
 pub mod world;
 
 use std::ops::Range;
