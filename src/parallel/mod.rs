@@ -5,6 +5,8 @@
 //! [`crate::models::sequence_parallel::SequenceParallel`] hook that [`ulysses::Ulysses`] is.
 
 pub mod collective;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod rendezvous;
 pub mod ulysses;
 pub mod world;
