@@ -109,6 +109,7 @@ impl ResolvedConfig {
             MemoryModelChoice::Discrete => Some(MemoryModel::Discrete),
             MemoryModelChoice::Unified => Some(MemoryModel::Unified),
         };
+        options.sp_size = Some(sp_size(&options)?);
         let device = probe(options.device, options.num_gpus, forced)
             .map_err(|e| UsageError::new(e.to_string()))?;
         options.device = device.choice();
@@ -215,6 +216,19 @@ impl ResolvedConfig {
             "seed_drawn": self.seed_drawn,
         })
     }
+}
+
+/// `--sp-size`, defaulting to `--num-gpus`: a divisor of the GPU count (the groups it leaves run
+/// other prompts).
+fn sp_size(o: &GenerateOptions) -> Result<u32, UsageError> {
+    let sp = o.sp_size.unwrap_or(o.num_gpus);
+    if sp == 0 || sp > o.num_gpus || !o.num_gpus.is_multiple_of(sp) {
+        return Err(UsageError::new(format!(
+            "--sp-size {sp} must divide --num-gpus {}: each group of --sp-size GPUs splits one video; pass --sp-size {} or a divisor of it",
+            o.num_gpus, o.num_gpus
+        )));
+    }
+    Ok(sp)
 }
 
 /// What the memory flags mean.

@@ -5,6 +5,7 @@
 //! [`crate::models::sequence_parallel::SequenceParallel`] hook that [`ulysses::Ulysses`] is.
 
 pub mod collective;
+pub mod fsdp;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
@@ -12,6 +13,32 @@ pub mod ulysses;
 pub mod world;
 
 use std::ops::Range;
+
+use crate::cli::args::GenerateOptions;
+
+/// Why this build cannot run what the resolved options ask of several GPUs (`None`: it can).
+/// A dry run plans any of them.
+pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
+    if o.num_gpus > 1 && !cfg!(feature = "nccl") {
+        return Some(format!(
+            "--num-gpus {} needs a vidgen built with the `nccl` feature (cargo build --release --features nccl); --dry-run plans it without",
+            o.num_gpus
+        ));
+    }
+    if o.num_gpus > 1 {
+        return Some(format!(
+            "--num-gpus {}: the pipelines do not run on several GPUs yet (issue 12: the collectives, sequence parallelism and the shards are in place, the stages are not wired); --dry-run plans it",
+            o.num_gpus
+        ));
+    }
+    if o.use_fsdp_inference {
+        return Some(
+            "--use-fsdp-inference shards the DiT across GPUs: pass --num-gpus 2 or more, or drop it"
+                .into(),
+        );
+    }
+    None
+}
 
 /// `n` items in `parts` consecutive ranges, the first `n % parts` one longer: every rank's share,
 /// computed the same way everywhere so each knows the others'.

@@ -21,7 +21,7 @@ pub mod wan_t2v;
 use crate::cli::args::BatchOrderChoice;
 use crate::cli::{ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::{gib, MemoryPlan};
+use crate::memory::plan::{gib, MemoryPlan, Request};
 use crate::memory::{DeviceKind, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
@@ -151,11 +151,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if config.options.use_fsdp_inference {
-        return Err(UsageError::new(
-            "--use-fsdp-inference is not supported yet (multi-GPU comes later); use --dit-layerwise-offload or --no-use-fsdp-inference",
-        )
-        .into());
+    if let Some(why) = crate::parallel::cannot_run(&config.options) {
+        return Err(UsageError::new(why).into());
     }
     // Only a model no family runs stops here: a model that fails to read (a missing file, a
     // download error) fails the run after the jobs are known, so `--stats-json` records them.
@@ -570,6 +567,84 @@ struct Described {
     placement: Placement,
     /// The memory plan, or why there is none.
     memory: Result<MemoryPlan, String>,
+    /// With several GPUs: each rank's plan and the components it holds.
+    gpus: Vec<GpuPlan>,
+}
+
+/// What one GPU of a multi-GPU run holds and needs.
+struct GpuPlan {
+    rank: usize,
+    holds: Vec<String>,
+    memory: Result<MemoryPlan, String>,
+}
+
+impl GpuPlan {
+    /// Every rank's plan (none with one GPU).
+    fn all(
+        planner: &Planner,
+        request: &Request,
+        spec: &PipelineSpec,
+        config: &ResolvedConfig,
+    ) -> Vec<Self> {
+        let o = &config.options;
+        let (gpus, sp) = (
+            o.num_gpus as usize,
+            o.sp_size.unwrap_or(o.num_gpus) as usize,
+        );
+        if gpus < 2 {
+            return Vec::new();
+        }
+        (0..gpus)
+            .map(|rank| {
+                let holds = spec
+                    .components
+                    .iter()
+                    .filter(|c| c.role == Role::Dit || rank.is_multiple_of(sp))
+                    .map(|c| match c.role {
+                        Role::Dit if config.memory.use_fsdp_inference => format!(
+                            "{} (1/{gpus} of every block + {} gathered)",
+                            c.name,
+                            config.memory.prefetch_depth + 1
+                        ),
+                        _ => c.name.to_string(),
+                    })
+                    .collect();
+                GpuPlan {
+                    rank,
+                    holds,
+                    memory: planner
+                        .plan_rank(request, rank)
+                        .map_err(|e| format!("{e:#}")),
+                }
+            })
+            .collect()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let m = self.memory.as_ref().ok();
+        json!({
+            "rank": self.rank,
+            "holds": self.holds,
+            "peak_stage": m.and_then(|m| m.peak()).map(|s| s.name),
+            "peak_bytes": m.and_then(|m| m.peak()).map(|s| s.peak_bytes),
+            "denoise_weight_bytes": m.and_then(|m| m.stage("denoise")).map(|s| s.weight_bytes),
+            "required_bytes": m.map(|m| m.required_bytes()),
+        })
+    }
+}
+
+/// "2 GPUs: ..." for the dry run.
+fn parallel_text(o: &crate::cli::args::GenerateOptions) -> String {
+    let sp = o.sp_size.unwrap_or(o.num_gpus);
+    let groups = o.num_gpus / sp;
+    let mut text = format!(
+        "{} GPUs: sequence parallelism over {sp} (each video's tokens split {sp} ways), {groups} prompt(s) at once",
+        o.num_gpus
+    );
+    if o.use_fsdp_inference {
+        text += &format!(", FSDP: each GPU holds 1/{} of every DiT block", o.num_gpus);
+    }
+    text
 }
 
 impl<'a> DryRun<'a> {
@@ -583,6 +658,7 @@ impl<'a> DryRun<'a> {
             let request = planner.request();
             let spec = planner.spec(&request);
             Described {
+                gpus: GpuPlan::all(&planner, &request, &spec, config),
                 facts: family.facts(&RunShape::of(config)),
                 from,
                 schedule: Schedule::plan(&spec, load_policy(config)),
@@ -648,6 +724,9 @@ impl<'a> DryRun<'a> {
                     model.extend(facts.clone());
                 }
                 out["model"] = model;
+                if !d.gpus.is_empty() {
+                    out["gpus"] = d.gpus.iter().map(GpuPlan::json).collect();
+                }
             }
             Err(why) => {
                 out["placement"] = json!({ "error": why });
@@ -758,6 +837,16 @@ impl<'a> DryRun<'a> {
             n if n.is_empty() => "-".to_string(),
             n => n.join(","),
         };
+        if !described.gpus.is_empty() {
+            out += &format!("gpus         {}\n", parallel_text(o));
+            for g in &described.gpus {
+                let peak = match &g.memory {
+                    Ok(m) => format!("peak {}", m.describe_peak()),
+                    Err(why) => format!("memory not predicted: {why}"),
+                };
+                out += &format!("gpu {:<8} {}; {peak}\n", g.rank, g.holds.join(", "));
+            }
+        }
         let memory = &described.memory;
         let mut rows = vec![["stage", "uses", "loads before", "released after"].map(String::from)];
         for (i, s) in spec.stages.iter().enumerate() {
