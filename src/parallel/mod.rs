@@ -9,6 +9,7 @@ pub mod fsdp;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
+pub mod supervisor;
 pub mod ulysses;
 pub mod world;
 
