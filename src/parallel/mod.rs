@@ -6,6 +6,7 @@
 
 pub mod collective;
 pub mod fsdp;
+pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
@@ -26,11 +27,21 @@ pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
             o.num_gpus
         ));
     }
-    if o.num_gpus > 1 {
+    let sp = o.sp_size.unwrap_or(o.num_gpus);
+    if o.num_gpus > 1 && sp < o.num_gpus {
         return Some(format!(
-            "--num-gpus {}: the pipelines do not run on several GPUs yet (issue 12: the collectives, sequence parallelism and the shards are in place, the stages are not wired); --dry-run plans it",
-            o.num_gpus
+            "--sp-size {sp} of --num-gpus {}: prompt parallelism is not wired into the stages yet; pass --sp-size {} (--dry-run plans it)",
+            o.num_gpus, o.num_gpus
         ));
+    }
+    if o.num_gpus > 1 && o.use_fsdp_inference {
+        return Some(
+            "--use-fsdp-inference: FSDP is not wired into the stages yet; drop it (--dry-run plans it)"
+                .into(),
+        );
+    }
+    if o.num_gpus > 1 && o.resume {
+        return Some("--resume with several GPUs is not supported yet: the ranks must run the same prompts; drop --resume".into());
     }
     if o.use_fsdp_inference {
         return Some(

@@ -166,6 +166,69 @@ impl NcclGroup {
     }
 }
 
+/// An [`NcclGroup`] joined at the first collective, on the device of its tensors: the pipeline's
+/// own candle device, so the communicator runs on the stream of the kernels around it.
+pub struct LazyNccl {
+    world: World,
+    id: [u8; ID_BYTES],
+    timeout: Duration,
+    group: std::sync::OnceLock<NcclGroup>,
+}
+
+impl LazyNccl {
+    /// The group of `world` with rank 0's published `id`.
+    pub fn new(world: World, id: [u8; ID_BYTES], timeout: Duration) -> Self {
+        LazyNccl {
+            world,
+            id,
+            timeout,
+            group: std::sync::OnceLock::new(),
+        }
+    }
+
+    fn on(&self, device: &Device) -> Result<&NcclGroup> {
+        if let Some(group) = self.group.get() {
+            return Ok(group);
+        }
+        let group = NcclGroup::new(&self.world, device, self.id, self.timeout)?;
+        Ok(self.group.get_or_init(|| group))
+    }
+}
+
+impl Collective for LazyNccl {
+    fn rank(&self) -> usize {
+        self.world.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.world_size
+    }
+
+    fn all_gather(&self, t: &Tensor, shapes: &[Shape]) -> Result<Vec<Tensor>> {
+        self.on(t.device())?.all_gather(t, shapes)
+    }
+
+    fn all_to_all(&self, send: &[Tensor], recv_shapes: &[Shape]) -> Result<Vec<Tensor>> {
+        let first = send
+            .first()
+            .ok_or_else(|| candle_core::Error::Msg("all_to_all with nothing to send".into()))?;
+        self.on(first.device())?.all_to_all(send, recv_shapes)
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.on(t.device())?.broadcast(t, root)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        match self.group.get() {
+            Some(group) => group.barrier(),
+            None => candle_core::bail!(
+                "barrier before any collective: the NCCL group has no device yet"
+            ),
+        }
+    }
+}
+
 impl Collective for NcclGroup {
     fn rank(&self) -> usize {
         self.comm.rank()

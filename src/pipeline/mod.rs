@@ -170,6 +170,10 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         Err(_) => config,
     };
+    let (config, scratch) = match parallel_part(config, &family)? {
+        Ok(joined) => joined,
+        Err(code) => return Ok(code),
+    };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if let Some(stats) = &config.options.stats_json {
         for job in &jobs {
@@ -211,7 +215,42 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
         }
     }
+    if let Some(dir) = scratch {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     result.map(|()| code)
+}
+
+/// This process's part in a run on several GPUs: the configuration it runs with (and, on a
+/// rank other than 0, the scratch folder its outputs go to), or the exit code of the workers it
+/// supervised.
+fn parallel_part(
+    config: ResolvedConfig,
+    family: &Result<Box<dyn Family>>,
+) -> Result<Result<(ResolvedConfig, Option<std::path::PathBuf>), ExitCode>> {
+    use crate::parallel::launch::{self, Part};
+    let world =
+        crate::parallel::world::World::from_env().map_err(|e| UsageError::new(e.to_string()))?;
+    let part = launch::part(&config.options, world).map_err(UsageError::new)?;
+    if let (Some(sp), Ok(family)) = (config.options.sp_size.filter(|&sp| sp > 1), family) {
+        if !family.sequence_parallel() {
+            return Err(UsageError::new(format!(
+                "--sp-size {sp}: only the Wan pipelines split a video across GPUs so far; pass --num-gpus 1"
+            ))
+            .into());
+        }
+    }
+    match part {
+        Part::Alone => Ok(Ok((config, None))),
+        Part::Supervisor(workers) => launch::supervise_self(workers).map(Err),
+        #[cfg(feature = "nccl")]
+        Part::Rank(world) => launch::join(config, world).map(Ok),
+        #[cfg(not(feature = "nccl"))]
+        Part::Rank(_) => Err(UsageError::new(
+            crate::parallel::cannot_run(&config.options).unwrap_or_default(),
+        )
+        .into()),
+    }
 }
 
 /// Creates the output folder and checks that files can be made in it, before any model loads.

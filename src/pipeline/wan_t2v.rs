@@ -17,6 +17,7 @@ use crate::models::clip::image_processor::{
     load_rgb_image, ClipImageProcessor, ClipImageProcessorConfig,
 };
 use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
+use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
@@ -76,6 +77,10 @@ impl Family for WanConfigs {
     /// each safe to defer: every component only feeds tensors forward. A two-expert model
     /// denoises in two stages, one per expert, so that a lazy load frees the first expert at
     /// the switch.
+    fn sequence_parallel(&self) -> bool {
+        true
+    }
+
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
         let parts = self.parts();
         let index = |p: Part| parts.iter().position(|q| *q == p);
@@ -772,13 +777,14 @@ impl WanT2V {
                 None => Tensor::new(&[t as f32], &self.device)?,
             };
             let image = image_embeds.as_ref();
+            let sequence = self.config.sequence.as_ref();
             let noise_cond = self.timed(&mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, cond, image)
+                dit_forward(model, &input, &timestep, cond, image, sequence)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
                     let noise_uncond = self.timed(&mut forward_seconds, || {
-                        dit_forward(model, &input, &timestep, uncond, image)
+                        dit_forward(model, &input, &timestep, uncond, image, sequence)
                     })?;
                     // diffusers combines in the transformer dtype.
                     let diff = (&noise_cond - &noise_uncond)?;
@@ -1011,23 +1017,33 @@ impl Pipeline for WanT2V {
     }
 }
 
-/// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or streamed), finish.
+/// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or
+/// streamed), finish; on a rank of a sequence-parallel run (`sequence`), the blocks run on the
+/// rank's share of the tokens and their output is gathered before `finish`.
 pub fn dit_forward(
     dit: &Held<'_, WanTransformer3DModel>,
     latents: &Tensor,
     timestep: &Tensor,
     text: &Tensor,
     image: Option<&Tensor>,
+    sequence: Option<&Arc<dyn SequenceParallel>>,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
-    let mut x = inputs.take_hidden_states()?;
+    let mut share = sequence
+        .map(|sp| inputs.split_sequence(sp.clone()))
+        .transpose()?;
+    let mut x = match &mut share {
+        Some(share) => share.take_hidden_states()?,
+        None => inputs.take_hidden_states()?,
+    };
+    let at = share.as_ref().unwrap_or(&inputs);
     dit.for_each_block(WanTransformer3DModel::blocks, |block| {
-        x = block.forward(&x, &inputs)?;
+        x = block.forward(&x, at)?;
         Ok(())
     })
     .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
-    model.finish(&x, &inputs)
+    model.finish(&at.gather_sequence(&x)?, &inputs)
 }
 
 impl Blockwise for WanTransformer3DModel {
