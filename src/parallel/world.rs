@@ -2,8 +2,10 @@
 //! torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`), Slurm (`SLURM_PROCID`,
 //! `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_TASKS_PER_NODE`/`SLURM_NODEID`) or Open MPI
 //! (`OMPI_COMM_WORLD_*`); the rendezvous address is `MASTER_ADDR:MASTER_PORT` for all three
-//! (torchrun sets it, a Slurm or MPI script exports it). torchrun's variables win when several
-//! launchers' are present (torchrun started by `srun` sees both).
+//! (torchrun sets it, a Slurm or MPI script exports it). Under torchrun, whose own store holds
+//! `MASTER_PORT` on rank 0's machine, vidgen's rendezvous takes the next port
+//! (`VIDGEN_MASTER_PORT` overrides). torchrun's variables win when several launchers' are
+//! present (torchrun started by `srun` sees both).
 
 use std::fmt;
 
@@ -31,7 +33,7 @@ pub struct World {
     /// Rank among the processes of this machine: the CUDA ordinal it drives.
     pub local_rank: usize,
     pub local_world_size: usize,
-    /// `MASTER_ADDR` and `MASTER_PORT`; `None` for one process (no rendezvous).
+    /// The rendezvous address: `MASTER_ADDR` and the port; `None` for one process.
     pub master: Option<(String, u16)>,
     pub launcher: Launcher,
 }
@@ -221,12 +223,23 @@ impl World {
                 launcher: launcher_name,
                 world_size,
             })?;
-            let port = match get("MASTER_PORT") {
-                None => DEFAULT_MASTER_PORT,
+            let port = |var: &str| match get(var) {
+                None => Ok(None),
                 Some(p) => match p.trim().parse::<u16>() {
-                    Ok(port) if port > 0 => port,
-                    _ => return Err(WorldError::BadPort(p)),
+                    Ok(port) if port > 0 => Ok(Some(port)),
+                    _ => Err(WorldError::BadPort(p)),
                 },
+            };
+            let master = port("MASTER_PORT")?.unwrap_or(DEFAULT_MASTER_PORT);
+            let port = match port("VIDGEN_MASTER_PORT")? {
+                Some(port) => port,
+                // torchrun's agent store listens on MASTER_PORT itself.
+                None if names.launcher == Launcher::Torchrun && get(SUPERVISED_VAR).is_none() => {
+                    master
+                        .checked_add(1)
+                        .ok_or(WorldError::BadPort(master.to_string()))?
+                }
+                None => master,
             };
             Some((addr.trim().to_string(), port))
         };
@@ -329,7 +342,8 @@ mod tests {
                 world_size: 4,
                 local_rank: 1,
                 local_world_size: 2,
-                master: Some(("10.0.0.1".into(), 29600)),
+                // torchrun's store holds 29600.
+                master: Some(("10.0.0.1".into(), 29601)),
                 launcher: Launcher::Torchrun,
             }
         );
@@ -352,7 +366,7 @@ mod tests {
         );
         // No local variables: a single-node launch.
         assert_eq!((w.local_rank, w.local_world_size), (0, 2));
-        assert_eq!(w.master, Some(("node1".into(), DEFAULT_MASTER_PORT)));
+        assert_eq!(w.master, Some(("node1".into(), DEFAULT_MASTER_PORT + 1)));
     }
 
     #[test]
@@ -399,6 +413,20 @@ mod tests {
             (1, 2, 0, 1)
         );
         assert_eq!(w.launcher, Launcher::OpenMpi);
+        assert_eq!(w.master, Some(("spark-a".into(), DEFAULT_MASTER_PORT)));
+    }
+
+    #[test]
+    fn vidgen_master_port_overrides() {
+        let w = world(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "29500"),
+            ("VIDGEN_MASTER_PORT", "40000"),
+        ])
+        .unwrap();
+        assert_eq!(w.master, Some(("a".into(), 40000)));
     }
 
     #[test]
