@@ -163,3 +163,34 @@ fn a_build_without_nccl_refuses_to_run_several_gpus() {
         &["--num-gpus 2", "`nccl` feature"],
     );
 }
+
+#[test]
+fn a_launcher_world_must_match_num_gpus() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(["generate", "--prompt", "x", "--device", "cpu"])
+        .env("HF_HUB_OFFLINE", "1")
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        "error: torchrun started 2 ranks but --num-gpus is 1: pass --num-gpus 2"
+    );
+    // An inconsistent launcher environment is bad input naming the variable.
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(["generate", "--prompt", "x", "--device", "cpu"])
+        .env("SLURM_PROCID", "3")
+        .env("SLURM_NTASKS", "2")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("SLURM_PROCID=3 is not below SLURM_NTASKS=2"),
+        "{stderr}"
+    );
+}

@@ -112,8 +112,16 @@ impl ResolvedConfig {
             MemoryModelChoice::Unified => Some(MemoryModel::Unified),
         };
         options.sp_size = Some(sp_size(&options)?);
-        let device = probe(options.device, options.num_gpus, forced)
+        // Under a launcher (whose world must be --num-gpus) this machine runs LOCAL_WORLD_SIZE
+        // of the ranks.
+        let world = crate::parallel::world::World::from_env()
             .map_err(|e| UsageError::new(e.to_string()))?;
+        let here = match crate::parallel::launch::part(&options, world).map_err(UsageError::new)? {
+            crate::parallel::launch::Part::Rank(w) => w.local_world_size as u32,
+            _ => options.num_gpus,
+        };
+        let device =
+            probe(options.device, here, forced).map_err(|e| UsageError::new(e.to_string()))?;
         options.device = device.choice();
         options.dtype = Some(options.dtype.unwrap_or(match device.kind {
             DeviceKind::Cpu => DTypeChoice::F32,
