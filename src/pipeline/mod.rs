@@ -420,7 +420,18 @@ impl Pipeline for Guarded<'_> {
         let result = self.inner.run_stage(index, job);
         match &result {
             Err(e) if e.is::<Interrupted>() => job.stopped_at = Some(stage),
-            Ok(()) if job.written && !was_written => println!("{}", job.output.display()),
+            // Rank 0 alone speaks on stdout (the others write to a scratch folder).
+            Ok(())
+                if job.written
+                    && !was_written
+                    && self
+                        .config
+                        .sequence
+                        .as_ref()
+                        .is_none_or(|sp| sp.rank() == 0) =>
+            {
+                println!("{}", job.output.display())
+            }
             _ => {}
         }
         let result = result.map_err(|e| self.explain(&format!("in stage {stage}"), e));
