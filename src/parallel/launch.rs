@@ -48,6 +48,9 @@ pub fn supervise_self(workers: usize) -> anyhow::Result<ExitCode> {
     let port = super::supervisor::free_port().context("finding a free port for the rendezvous")?;
     let sink: super::supervisor::Sink =
         std::sync::Arc::new(std::sync::Mutex::new(std::io::stderr()));
+    // Ctrl-C reaches the workers too (one process group): they stop as a run does (exit 130)
+    // while the supervisor waits for them, forwarding their last lines.
+    let _ = ctrlc::set_handler(|| {});
     let ended = super::supervisor::supervise(&program, &args, workers, port, sink)
         .context("starting the workers")?;
     Ok(ExitCode::from(ended.code.clamp(0, 255) as u8))
