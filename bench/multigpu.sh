@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Issue 12's targets on one machine with two H200s, in one device call (about 8 minutes):
+# Issue 12's targets on one machine with two H200s, in one device call (about 9 minutes):
 #   1. sequence-parallel frames against one GPU's on the tiny fixture in f32 (target: max |diff| <= 1e-5);
 #   2. synthetic Wan2.1 1.3B and 14B at 480x832x81 bf16, resident, CFG 5, 2 steps: s/forward on one GPU
 #      and with --num-gpus 2 --sp-size 2 (targets: 14B >= 1.85x, 1.3B >= 1.6x), per-GPU peaks;
-#   3. a killed rank: every process gone within 30 s, no output under its final name;
-#   4. what is still refused (FSDP, prompt parallelism), as the binary words it.
+#   3. 4 prompts (1.3B, 480x832x81, 4 steps) on one GPU and on two with --sp-size 1 (target: wall <= 0.55x);
+#   4. a killed rank: every process gone within 30 s, no output under its final name;
+#   5. what is still refused (FSDP), as the binary words it, and its dry-run plan.
 # Run from the repository root on the GPU machine with the nccl build at .device/vidgen
 # (source ../shared/gpu/cuda-env.sh; LIBRARY_PATH=<nvidia-nccl-cu13 wheel>/nvidia/nccl/lib
 #  cargo build --release --features nccl; copy target/cuda/release/vidgen to .device/).
+# PARTS="1 2" (default: all five) runs some sections, to split the table over two calls if needed.
 set -u
+want() { [[ " ${PARTS:-1 2 3 4 5} " == *" $1 "* ]]; }
 B=${B:-./.device/vidgen}
 OUT=${OUT:-/tmp/vidgen-multigpu}
 mkdir -p "$OUT"
@@ -19,6 +22,7 @@ done
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
+if want 1; then
 echo "== 1. tiny fixture, f32: one GPU vs two (sequence parallel)"
 TINY="--model tests/fixtures/wan-tiny-a --prompt x --seed 1 --height 32 --width 32 --num-frames 9
   --num-inference-steps 3 --max-sequence-length 16 --device cuda --dtype f32 --output-type safetensors
@@ -37,11 +41,13 @@ except Exception as e:
     print("no comparison:", e)
 PY
 
+fi
+
 RESIDENT="--no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload"
 forward() { # stats.json -> mean s/forward (the first forward of a run is left out: warm-up)
   python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['jobs'][0]['metrics']['forward_seconds']; f=f[1:] or f; print(f'{sum(f)/len(f):.3f}')" "$1" 2>/dev/null || echo nan
 }
-for m in 1.3b 14b; do
+want 2 && for m in 1.3b 14b; do
   for g in 1 2; do
     echo "== 2. $m on $g GPU(s)"
     /usr/bin/time -f "wall %e s" timeout 420 $B generate --model synthetic:wan2.1-t2v-$m --prompt "a red fox runs through fresh snow" \
@@ -55,7 +61,22 @@ for m in 1.3b 14b; do
     "$(forward "$OUT/$m-1.json")" "$(forward "$OUT/$m-2.json")" $m 2>/dev/null
 done
 
-echo "== 3. a killed rank (1.3B, 2 GPUs, 20 steps): rank 1 is killed once the denoise runs"
+if want 3; then
+echo "== 3. 4 prompts, 1.3B, one GPU vs two with --sp-size 1"
+printf 'a red fox in the snow\na cat on a roof\na boat at sea\na city at night\n' > "$OUT/prompts.txt"
+for g in 1 2; do
+  S=$(date +%s.%N)
+  timeout 500 $B generate --model synthetic:wan2.1-t2v-1.3b --prompt-file "$OUT/prompts.txt" --seed 1 \
+    --num-inference-steps 4 --device cuda --dtype bf16 $RESIDENT --num-gpus $g --sp-size 1 --output-type safetensors \
+    --output-path "$OUT/pp-$g" --overwrite > "$OUT/pp-$g.stdout" 2> "$OUT/pp-$g.log"
+  echo "$g GPU(s): exit $?, $(wc -l < "$OUT/pp-$g.stdout") paths, wall $(python3 -c "import time; print(round(time.time()-$S,1))") s"
+  grep -E "done:|error" "$OUT/pp-$g.log" | tail -3
+done
+
+fi
+
+if want 4; then
+echo "== 4. a killed rank (1.3B, 2 GPUs, 20 steps): rank 1 is killed once the denoise runs"
 rm -rf "$OUT/kill"
 $B generate --model synthetic:wan2.1-t2v-1.3b --prompt "a red fox" --seed 1 --num-inference-steps 20 --device cuda \
   --dtype bf16 $RESIDENT --num-gpus 2 --output-path "$OUT/kill" --output-video-name killed > /dev/null 2> "$OUT/kill.log" &
@@ -68,8 +89,11 @@ echo "killed rank 1 (pid ${W1:-?}); supervisor exit $CODE after $(python3 -c "pr
 ls "$OUT/kill" 2>/dev/null | sed 's/^/  in the output folder: /'; [ -e "$OUT/kill/killed.mp4" ] && echo "  NOT met: a final output exists"
 tail -3 "$OUT/kill.log"
 
-echo "== 4. refused today"
-for f in "--use-fsdp-inference --no-dit-layerwise-offload" "--sp-size 1"; do
+fi
+
+want 5 || exit 0
+echo "== 5. refused today"
+for f in "--use-fsdp-inference --no-dit-layerwise-offload"; do
   $B generate --model synthetic:wan2.1-t2v-1.3b --prompt x --device cuda --num-gpus 2 $f > /dev/null 2> "$OUT/refused.log"
   echo "$f: exit $? $(head -1 "$OUT/refused.log")"
 done

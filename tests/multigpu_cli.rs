@@ -194,3 +194,94 @@ fn a_launcher_world_must_match_num_gpus() {
         "{stderr}"
     );
 }
+
+/// `--num-gpus 2 --sp-size 1` on the CPU (prompt parallelism needs no collective): the
+/// supervisor's two workers each make their share of a prompt file, and every video equals the
+/// one-process run's.
+#[test]
+fn prompt_parallelism_splits_a_prompt_file() {
+    let dir = std::env::temp_dir().join(format!("vidgen-pp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts = dir.join("p.txt");
+    std::fs::write(&prompts, "a cat\na dog\na fox\n").unwrap();
+    let run = |out: &str, extra: &[&str]| {
+        let out_dir = dir.join(out);
+        std::fs::create_dir_all(&out_dir).unwrap();
+        let stats = out_dir.join("stats.json");
+        let mut args = vec![
+            "generate",
+            "--model",
+            "synthetic:wan2.1-tiny",
+            "--prompt-file",
+            prompts.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--memory-model",
+            "unified",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num-frames",
+            "5",
+            "--num-inference-steps",
+            "2",
+            "--seed",
+            "3",
+            "--output-type",
+            "safetensors",
+            "--output-path",
+            out_dir.to_str().unwrap(),
+            "--stats-json",
+            stats.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let output = vidgen(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+        assert!(output.status.success(), "{stderr}");
+        let mut paths: Vec<String> = String::from_utf8(output.stdout)
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect();
+        paths.sort();
+        (out_dir, paths, stderr)
+    };
+    let (one, one_paths, _) = run("one", &[]);
+    let (two, two_paths, stderr) = run("two", &["--num-gpus", "2", "--sp-size", "1"]);
+    // Every path on stdout, once; rank 0 made prompts 1 and 3, rank 1 prompt 2.
+    assert_eq!(two_paths.len(), 3, "{two_paths:?}");
+    assert!(
+        stderr.contains("rank 0: done: 2 of 3 written, 1 on the other GPUs"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 1: done: 1 of 3 written, 2 on the other GPUs"),
+        "{stderr}"
+    );
+    for (a, b) in one_paths.iter().zip(&two_paths) {
+        let name = std::path::Path::new(a).file_name().unwrap();
+        assert_eq!(name, std::path::Path::new(b).file_name().unwrap());
+        let load = |p: &std::path::Path| {
+            candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap()["frames"]
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(load(&one.join(name)), load(&two.join(name)), "{name:?}");
+    }
+    // Rank 0's stats, and rank 1's beside them.
+    let stats: Value =
+        serde_json::from_slice(&std::fs::read(two.join("stats.json")).unwrap()).unwrap();
+    let statuses: Vec<&str> = stats["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["written", "other_gpu", "written"]);
+    assert!(two.join("stats.rank1.json").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}

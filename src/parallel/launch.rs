@@ -40,8 +40,9 @@ pub fn part(o: &GenerateOptions, world: World) -> Result<Part, String> {
     })
 }
 
-/// Runs this same command line as `workers` ranks and exits as they did.
-pub fn supervise_self(workers: usize) -> anyhow::Result<ExitCode> {
+/// Runs this same command line as `workers` ranks and exits as they did; every rank's stdout
+/// passes through with prompt parallelism (each writes its own prompts), rank 0's alone else.
+pub fn supervise_self(workers: usize, prompt_parallel: bool) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
     let program = std::env::current_exe().context("finding the vidgen executable")?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
@@ -51,7 +52,8 @@ pub fn supervise_self(workers: usize) -> anyhow::Result<ExitCode> {
     // Ctrl-C reaches the workers too (one process group): they stop as a run does (exit 130)
     // while the supervisor waits for them, forwarding their last lines.
     let _ = ctrlc::set_handler(|| {});
-    let ended = super::supervisor::supervise(&program, &args, workers, port, sink)
+    let stdout = if prompt_parallel { workers } else { 1 };
+    let ended = super::supervisor::supervise(&program, &args, (workers, stdout), port, sink)
         .context("starting the workers")?;
     Ok(ExitCode::from(ended.code.clamp(0, 255) as u8))
 }
@@ -91,6 +93,34 @@ pub fn join(
         Some(dir)
     };
     Ok((config, scratch))
+}
+
+/// A rank of a prompt-parallel run (`--sp-size 1`): it makes its own share of the prompts on the
+/// GPU of its local rank, with no collective; a rank other than 0 writes its `--stats-json` next
+/// to rank 0's, as `NAME.rankR.EXT`.
+pub fn own_prompts(
+    mut config: crate::cli::ResolvedConfig,
+    world: &World,
+) -> crate::cli::ResolvedConfig {
+    config.device.ordinal = world.local_rank;
+    if config.device.kind == crate::memory::DeviceKind::Cuda {
+        config.options.device = crate::memory::probe::DeviceChoice::Cuda(Some(world.local_rank));
+    }
+    if world.rank > 0 {
+        if let Some(path) = &mut config.options.stats_json {
+            let stem = path
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .to_string();
+            let name = match path.extension() {
+                Some(ext) => format!("{stem}.rank{}.{}", world.rank, ext.to_string_lossy()),
+                None => format!("{stem}.rank{}", world.rank),
+            };
+            path.set_file_name(name);
+        }
+    }
+    config
 }
 
 #[cfg(test)]

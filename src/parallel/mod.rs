@@ -21,16 +21,17 @@ use crate::cli::args::GenerateOptions;
 /// Why this build cannot run what the resolved options ask of several GPUs (`None`: it can).
 /// A dry run plans any of them.
 pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
-    if o.num_gpus > 1 && !cfg!(feature = "nccl") {
+    let sp = o.sp_size.unwrap_or(o.num_gpus);
+    // Prompt parallelism (--sp-size 1) needs no collective.
+    if o.num_gpus > 1 && sp > 1 && !cfg!(feature = "nccl") {
         return Some(format!(
             "--num-gpus {} needs a vidgen built with the `nccl` feature (cargo build --release --features nccl); --dry-run plans it without",
             o.num_gpus
         ));
     }
-    let sp = o.sp_size.unwrap_or(o.num_gpus);
-    if o.num_gpus > 1 && sp < o.num_gpus {
+    if o.num_gpus > 1 && sp > 1 && sp < o.num_gpus {
         return Some(format!(
-            "--sp-size {sp} of --num-gpus {}: prompt parallelism is not wired into the stages yet; pass --sp-size {} (--dry-run plans it)",
+            "--sp-size {sp} of --num-gpus {}: groups of sequence-parallel GPUs are not wired yet; pass --sp-size {} or 1 (--dry-run plans it)",
             o.num_gpus, o.num_gpus
         ));
     }
@@ -40,8 +41,8 @@ pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
                 .into(),
         );
     }
-    if o.num_gpus > 1 && o.resume {
-        return Some("--resume with several GPUs is not supported yet: the ranks must run the same prompts; drop --resume".into());
+    if o.num_gpus > 1 && sp > 1 && o.resume {
+        return Some("--resume with sequence parallelism is not supported yet: the ranks must run the same prompts; drop --resume".into());
     }
     if o.use_fsdp_inference {
         return Some(

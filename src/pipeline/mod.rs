@@ -73,6 +73,8 @@ enum Status {
     Interrupted,
     /// The run ended (a model that did not load) before it started.
     NotRun,
+    /// Another GPU of a prompt-parallel run makes it (`--sp-size 1` with `--num-gpus` above 1).
+    OtherGpu,
 }
 
 /// The outcome of one job: its status, why it failed and how long each stage took.
@@ -170,7 +172,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         Err(_) => config,
     };
-    let (config, scratch) = match parallel_part(config, &family)? {
+    let (config, scratch, share) = match parallel_part(config, &family)? {
         Ok(joined) => joined,
         Err(code) => return Ok(code),
     };
@@ -192,7 +194,10 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let started = Instant::now();
     let mut outcomes: Vec<Outcome> = jobs
         .iter()
-        .map(|job| existing_output(&config, job, &progress))
+        .map(|job| match share {
+            Some((mine, of)) if job.index % of != mine => Outcome::new(Status::OtherGpu, None),
+            _ => existing_output(&config, job, &progress),
+        })
         .collect();
     if source.is_synthetic() {
         progress.note(&format!("note: {source} has random weights: the output is noise, for measuring speed and memory"));
@@ -221,13 +226,21 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     result.map(|()| code)
 }
 
-/// This process's part in a run on several GPUs: the configuration it runs with (and, on a
-/// rank other than 0, the scratch folder its outputs go to), or the exit code of the workers it
-/// supervised.
+/// A rank's configuration in a run on several GPUs, the scratch folder its outputs go to (a
+/// sequence-parallel rank other than 0) and its share of the prompts (prompt parallelism: this
+/// rank makes job `i` when `i % of == mine`).
+type Joined = (
+    ResolvedConfig,
+    Option<std::path::PathBuf>,
+    Option<(usize, usize)>,
+);
+
+/// This process's part in a run on several GPUs: what it runs with, or the exit code of the
+/// workers it supervised.
 fn parallel_part(
     config: ResolvedConfig,
     family: &Result<Box<dyn Family>>,
-) -> Result<Result<(ResolvedConfig, Option<std::path::PathBuf>), ExitCode>> {
+) -> Result<Result<Joined, ExitCode>> {
     use crate::parallel::launch::{self, Part};
     let world =
         crate::parallel::world::World::from_env().map_err(|e| UsageError::new(e.to_string()))?;
@@ -240,11 +253,16 @@ fn parallel_part(
             .into());
         }
     }
+    let prompt_parallel = config.options.sp_size == Some(1);
     match part {
-        Part::Alone => Ok(Ok((config, None))),
-        Part::Supervisor(workers) => launch::supervise_self(workers).map(Err),
+        Part::Alone => Ok(Ok((config, None, None))),
+        Part::Supervisor(workers) => launch::supervise_self(workers, prompt_parallel).map(Err),
+        Part::Rank(world) if prompt_parallel => {
+            let share = Some((world.rank, world.world_size));
+            Ok(Ok((launch::own_prompts(config, &world), None, share)))
+        }
         #[cfg(feature = "nccl")]
-        Part::Rank(world) => launch::join(config, world).map(Ok),
+        Part::Rank(world) => launch::join(config, world).map(|(c, s)| Ok((c, s, None))),
         #[cfg(not(feature = "nccl"))]
         Part::Rank(_) => Err(UsageError::new(
             crate::parallel::cannot_run(&config.options).unwrap_or_default(),
@@ -471,14 +489,18 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
             progress.error(&format!("error: {at}: {e}"));
         }
     }
-    let (written, failed, skipped) = (
+    let (written, failed, skipped, other) = (
         count(Status::Written),
         count(Status::Failed),
         count(Status::Skipped),
+        count(Status::OtherGpu),
     );
     let mut tally = format!("{written} of {total} written");
     if skipped > 0 {
         tally += &format!(", {skipped} skipped (--resume)");
+    }
+    if other > 0 {
+        tally += &format!(", {other} on the other GPUs");
     }
     if failed > 0 {
         tally += &format!(", {failed} failed");
@@ -501,7 +523,7 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
         progress.error(&format!("{failed} of {total} prompts failed ({tally})"));
         return ExitCode::from(1);
     }
-    if written + skipped == total {
+    if written + skipped + other == total {
         progress.note(&format!("done: {tally}"));
     }
     ExitCode::SUCCESS
