@@ -5,7 +5,9 @@
 #      and with --num-gpus 2 --sp-size 2 (targets: 14B >= 1.85x, 1.3B >= 1.6x), per-GPU peaks;
 #   3. 4 prompts (1.3B, 480x832x81, 4 steps) on one GPU and on two with --sp-size 1 (target: wall <= 0.55x);
 #   4. a killed rank: every process gone within 30 s, no output under its final name;
-#   5. what is still refused (FSDP), as the binary words it, and its dry-run plan.
+#   5. FSDP, 14B on 2 GPUs, 2 steps: per-GPU DiT weights and peak, s/forward against the same run without
+#      FSDP (targets: weights <= 14.7 GiB + two blocks, step <= 1.03x; with --dit-cpu-offload: peak <= 4 GiB,
+#      step <= 1.05x), frames bit-identical; and the dry run's plan of the same runs.
 # Run from the repository root on the GPU machine with the nccl build at .device/vidgen
 # (source ../shared/gpu/cuda-env.sh; LIBRARY_PATH=<nvidia-nccl-cu13 wheel>/nvidia/nccl/lib
 #  cargo build --release --features nccl; copy target/cuda/release/vidgen to .device/).
@@ -92,10 +94,27 @@ tail -3 "$OUT/kill.log"
 fi
 
 want 5 || exit 0
-echo "== 5. refused today"
-for f in "--use-fsdp-inference --no-dit-layerwise-offload"; do
-  $B generate --model synthetic:wan2.1-t2v-1.3b --prompt x --device cuda --num-gpus 2 $f > /dev/null 2> "$OUT/refused.log"
-  echo "$f: exit $? $(head -1 "$OUT/refused.log")"
+echo "== 5. FSDP, 14B, 2 GPUs (sequence parallel), 2 steps"
+NOLW="--no-dit-layerwise-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload"
+for v in "plain --no-dit-cpu-offload" "fsdp --no-dit-cpu-offload --use-fsdp-inference" "fsdp-host --dit-cpu-offload --use-fsdp-inference"; do
+  set -- $v; n=$1; shift
+  $B generate --model synthetic:wan2.1-t2v-14b --prompt x --device cuda --num-gpus 2 $NOLW "$@" --dry-run | grep -E "^gpu" | sed "s/^/  plan $n: /"
+  timeout 420 $B generate --model synthetic:wan2.1-t2v-14b --prompt "a red fox runs through fresh snow" --seed 1 \
+    --num-inference-steps 2 --guidance-scale 5 --device cuda --dtype bf16 --num-gpus 2 $NOLW "$@" \
+    --output-type safetensors --output-path "$OUT/fsdp" --output-video-name $n --overwrite --stats-json "$OUT/fsdp-$n.json" \
+    > /dev/null 2> "$OUT/fsdp-$n.log"
+  echo "$n: exit $?; s/forward $(forward "$OUT/fsdp-$n.json")"; grep -E "FSDP|error" "$OUT/fsdp-$n.log" | head -3
+  python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['jobs'][0]['metrics']['stages']; print({k: round(v['device_used_peak']/2**30,2) for k,v in s.items() if 'device_used_peak' in v}, 'GiB (rank 0)')" "$OUT/fsdp-$n.json" 2>/dev/null
 done
-$B generate --model synthetic:wan2.1-t2v-14b --prompt x --device cuda --num-gpus 2 --use-fsdp-inference \
-  --no-dit-layerwise-offload --dry-run | grep -E "^gpu"
+python3 - "$OUT/fsdp" <<'PY'
+import sys, numpy as np
+from safetensors.numpy import load_file
+d = sys.argv[1]
+try:
+    a = load_file(f"{d}/plain.safetensors")["frames"]
+    for n in ["fsdp", "fsdp-host"]:
+        b = load_file(f"{d}/{n}.safetensors")["frames"]
+        print(f"{n}: bit-identical to plain: {bool((a == b).all())} (max |diff| {float(np.abs(a - b).max()):.3g})")
+except Exception as e:
+    print("no comparison:", e)
+PY

@@ -40,8 +40,8 @@ pub struct ResolvedConfig {
     pub dry_run: bool,
     /// Machine-readable dry-run output.
     pub json: bool,
-    /// On one rank of a sequence-parallel run: the hook the DiT's self-attention goes through.
-    pub sequence: Option<std::sync::Arc<dyn crate::models::sequence_parallel::SequenceParallel>>,
+    /// On one rank of a run whose GPUs compute each video together: its group and hooks.
+    pub ranks: Option<crate::parallel::Ranks>,
 }
 
 /// The generation settings a pipeline's stages read (per-prompt ones travel with each job).
@@ -166,7 +166,7 @@ impl ResolvedConfig {
             frame_rule: FrameRule::default(),
             dry_run: args.dry_run,
             json: args.json,
-            sequence: None,
+            ranks: None,
         })
     }
 

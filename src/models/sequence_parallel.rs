@@ -9,9 +9,6 @@ use candle_core::{Result, Tensor};
 
 /// One rank's view of a sequence split across ranks.
 pub trait SequenceParallel: Send + Sync + std::fmt::Debug {
-    /// This rank (0 alone writes the outputs).
-    fn rank(&self) -> usize;
-
     /// This rank's tokens among `seq` (the same range in every batch entry).
     fn tokens(&self, seq: usize) -> Range<usize>;
 

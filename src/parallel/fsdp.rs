@@ -52,6 +52,19 @@ impl FlatShard {
         Ok(FlatShard { entries, pieces })
     }
 
+    /// The shard with its pieces on `device` (host memory with `--dit-cpu-offload`).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        let pieces = self
+            .pieces
+            .iter()
+            .map(|(d, n, p)| Ok((*d, *n, p.to_device(device)?)))
+            .collect::<Result<_>>()?;
+        Ok(FlatShard {
+            entries: self.entries.clone(),
+            pieces,
+        })
+    }
+
     /// Elements this rank holds per dtype.
     pub fn held(&self) -> Vec<(DType, usize)> {
         self.pieces

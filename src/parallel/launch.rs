@@ -59,9 +59,10 @@ pub fn supervise_self(workers: usize, prompt_parallel: bool) -> anyhow::Result<E
 }
 
 /// Joins the world as one rank (feature `nccl`): the rendezvous publishes rank 0's NCCL id, the
-/// DiT's self-attention goes through Ulysses over NCCL, the rank drives the GPU of its local
-/// rank, and every rank but 0 writes its outputs to a folder of its own that is removed after
-/// (rank 0 alone writes outputs and stats).
+/// DiT's self-attention goes through Ulysses over NCCL (and its blocks are FSDP shards with
+/// `--use-fsdp-inference`), the rank drives the GPU of its local rank, and every rank but 0
+/// writes its outputs to a folder of its own that is removed after (rank 0 alone writes outputs
+/// and stats).
 #[cfg(feature = "nccl")]
 pub fn join(
     mut config: crate::cli::ResolvedConfig,
@@ -81,8 +82,12 @@ pub fn join(
     config.device.ordinal = world.local_rank;
     config.options.device = DeviceChoice::Cuda(Some(world.local_rank));
     let rank = world.rank;
-    let group = nccl::LazyNccl::new(world, id, timeout);
-    config.sequence = Some(Arc::new(Ulysses::new(Arc::new(group))));
+    let group: Arc<dyn super::collective::Collective> =
+        Arc::new(nccl::LazyNccl::new(world, id, timeout));
+    config.ranks = Some(super::Ranks {
+        sequence: Arc::new(Ulysses::new(group.clone())),
+        group,
+    });
     let scratch = if rank == 0 {
         None
     } else {

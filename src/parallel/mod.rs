@@ -16,7 +16,30 @@ pub mod world;
 
 use std::ops::Range;
 
+use std::sync::Arc;
+
 use crate::cli::args::GenerateOptions;
+use crate::models::sequence_parallel::SequenceParallel;
+use collective::Collective;
+
+/// One rank's part in a run whose GPUs compute each video together: the group of every rank and
+/// the hook the DiT's self-attention goes through.
+#[derive(Clone)]
+pub struct Ranks {
+    pub group: Arc<dyn Collective>,
+    pub sequence: Arc<dyn SequenceParallel>,
+}
+
+impl std::fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rank {} of {}",
+            self.group.rank(),
+            self.group.world_size()
+        )
+    }
+}
 
 /// Why this build cannot run what the resolved options ask of several GPUs (`None`: it can).
 /// A dry run plans any of them.
@@ -35,9 +58,9 @@ pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
             o.num_gpus, o.num_gpus
         ));
     }
-    if o.num_gpus > 1 && o.use_fsdp_inference {
+    if o.num_gpus > 1 && sp == 1 && o.use_fsdp_inference {
         return Some(
-            "--use-fsdp-inference: FSDP is not wired into the stages yet; drop it (--dry-run plans it)"
+            "--use-fsdp-inference shards the DiT across GPUs that compute one video together; with --sp-size 1 each GPU makes its own: drop one of them"
                 .into(),
         );
     }

@@ -47,10 +47,6 @@ impl Ulysses {
 }
 
 impl SequenceParallel for Ulysses {
-    fn rank(&self) -> usize {
-        self.group.rank()
-    }
-
     fn tokens(&self, seq: usize) -> Range<usize> {
         split(seq, self.group.world_size())[self.group.rank()].clone()
     }

@@ -248,7 +248,7 @@ fn parallel_part(
     if let (Some(sp), Ok(family)) = (config.options.sp_size.filter(|&sp| sp > 1), family) {
         if !family.sequence_parallel() {
             return Err(UsageError::new(format!(
-                "--sp-size {sp}: only the Wan pipelines split a video across GPUs so far; pass --num-gpus 1"
+                "--sp-size {sp}: only the Wan pipelines split a video across GPUs so far; pass --sp-size 1 (one prompt per GPU) or --num-gpus 1"
             ))
             .into());
         }
@@ -444,9 +444,9 @@ impl Pipeline for Guarded<'_> {
                     && !was_written
                     && self
                         .config
-                        .sequence
+                        .ranks
                         .as_ref()
-                        .is_none_or(|sp| sp.rank() == 0) =>
+                        .is_none_or(|r| r.group.rank() == 0) =>
             {
                 println!("{}", job.output.display())
             }

@@ -777,7 +777,7 @@ impl WanT2V {
                 None => Tensor::new(&[t as f32], &self.device)?,
             };
             let image = image_embeds.as_ref();
-            let sequence = self.config.sequence.as_ref();
+            let sequence = self.config.ranks.as_ref().map(|r| &r.sequence);
             let noise_cond = self.timed(&mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, cond, image, sequence)
             })?;
@@ -873,6 +873,10 @@ impl WanT2V {
                 let placed = self.place(component, &cfg, &weights, dtype);
                 self.image_encoder = Some(placed.with_context(what)?);
             }
+            Part::Transformer if self.fsdp().is_some() => {
+                let placed = self.shard(&self.configs.transformer, &weights, dtype);
+                self.transformer = Some(placed.with_context(what)?);
+            }
             Part::Transformer => {
                 let placed = self.place(component, &self.configs.transformer, &weights, dtype);
                 self.transformer = Some(placed.with_context(what)?);
@@ -892,6 +896,46 @@ impl WanT2V {
             }
         }
         Ok(())
+    }
+
+    /// The group the DiT is sharded over (`--use-fsdp-inference` on a rank of several).
+    fn fsdp(&self) -> Option<&Arc<dyn crate::parallel::collective::Collective>> {
+        let ranks = self.config.ranks.as_ref()?;
+        self.config
+            .memory
+            .use_fsdp_inference
+            .then_some(&ranks.group)
+    }
+
+    /// Builds a DiT with its blocks as this rank's FSDP flat shards (in host memory with
+    /// `--dit-cpu-offload`), gathered `--prefetch-depth` blocks ahead.
+    fn shard(
+        &self,
+        cfg: &WanTransformerConfig,
+        weights: &WeightSet,
+        dtype: DType,
+    ) -> Result<Placed<WanTransformer3DModel>> {
+        let group = self.fsdp().context("FSDP without a group")?.clone();
+        let m = &self.config.memory;
+        let placed = Placed::load_sharded(
+            cfg,
+            weights,
+            group,
+            dtype,
+            &self.device,
+            m.dit_cpu_offload,
+            m.prefetch_depth,
+        )?;
+        self.progress.note(&format!(
+            "transformer: FSDP, 1/{} of every block on this GPU{}",
+            self.config.options.num_gpus,
+            if m.dit_cpu_offload {
+                " (in host memory)"
+            } else {
+                ""
+            }
+        ));
+        Ok(placed)
     }
 
     /// Builds `component` as the placement says and reports where its weights went.
