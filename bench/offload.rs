@@ -110,7 +110,7 @@ fn main() -> Result<()> {
                 true,
                 inputs,
                 |held, (latents, timestep, text)| {
-                    Ok(dit_forward(held, latents, timestep, text, None)?)
+                    Ok(dit_forward(held, latents, timestep, text, None, None)?)
                 },
             )?;
             let out = m

@@ -232,6 +232,10 @@ pub struct GenerateOptions {
     /// Number of GPUs.
     #[arg(long, help_heading = "Device", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub num_gpus: u32,
+    /// GPUs that split each video's tokens (Ulysses sequence parallelism); the --num-gpus /
+    /// --sp-size groups run different prompts [default: --num-gpus].
+    #[arg(long, help_heading = "Device", value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    pub sp_size: Option<u32>,
     /// Compute dtype [default: bf16 on a GPU, f32 on the CPU].
     #[arg(long, help_heading = "Device", value_enum)]
     pub dtype: Option<DTypeChoice>,

@@ -40,6 +40,8 @@ pub struct ResolvedConfig {
     pub dry_run: bool,
     /// Machine-readable dry-run output.
     pub json: bool,
+    /// On one rank of a run whose GPUs compute each video together: its group and hooks.
+    pub ranks: Option<crate::parallel::Ranks>,
 }
 
 /// The generation settings a pipeline's stages read (per-prompt ones travel with each job).
@@ -116,8 +118,17 @@ impl ResolvedConfig {
             MemoryModelChoice::Discrete => Some(MemoryModel::Discrete),
             MemoryModelChoice::Unified => Some(MemoryModel::Unified),
         };
-        let device = probe(options.device, options.num_gpus, forced)
+        options.sp_size = Some(sp_size(&options)?);
+        // Under a launcher (whose world must be --num-gpus) this machine runs LOCAL_WORLD_SIZE
+        // of the ranks.
+        let world = crate::parallel::world::World::from_env()
             .map_err(|e| UsageError::new(e.to_string()))?;
+        let here = match crate::parallel::launch::part(&options, world).map_err(UsageError::new)? {
+            crate::parallel::launch::Part::Rank(w) => w.local_world_size as u32,
+            _ => options.num_gpus,
+        };
+        let device =
+            probe(options.device, here, forced).map_err(|e| UsageError::new(e.to_string()))?;
         options.device = device.choice();
         options.dtype = Some(options.dtype.unwrap_or(match device.kind {
             DeviceKind::Cpu => DTypeChoice::F32,
@@ -162,6 +173,7 @@ impl ResolvedConfig {
             frame_rule: FrameRule::default(),
             dry_run: args.dry_run,
             json: args.json,
+            ranks: None,
         })
     }
 
@@ -222,6 +234,19 @@ impl ResolvedConfig {
             "seed_drawn": self.seed_drawn,
         })
     }
+}
+
+/// `--sp-size`, defaulting to `--num-gpus`: a divisor of the GPU count (the groups it leaves run
+/// other prompts).
+fn sp_size(o: &GenerateOptions) -> Result<u32, UsageError> {
+    let sp = o.sp_size.unwrap_or(o.num_gpus);
+    if sp == 0 || sp > o.num_gpus || !o.num_gpus.is_multiple_of(sp) {
+        return Err(UsageError::new(format!(
+            "--sp-size {sp} must divide --num-gpus {}: each group of --sp-size GPUs splits one video; pass --sp-size {} or a divisor of it",
+            o.num_gpus, o.num_gpus
+        )));
+    }
+    Ok(sp)
 }
 
 /// What the memory flags mean.

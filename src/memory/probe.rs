@@ -104,7 +104,7 @@ fn cuda_devices() -> Vec<CudaDevice> {
 /// Selects the device the user asked for and finds its memory model.
 ///
 /// `--memory-model discrete|unified` replaces the probe's answer, so a plan for another machine
-/// (or a test) can be made anywhere.
+/// (or a test) can be made anywhere, for any `--num-gpus`.
 pub fn probe(
     device: DeviceChoice,
     num_gpus: u32,
@@ -136,7 +136,8 @@ pub fn probe(
             }
         }
     };
-    if kind != DeviceKind::Cuda && num_gpus > 1 {
+    // A forced memory model plans for another machine: its GPUs need not be here.
+    if kind != DeviceKind::Cuda && num_gpus > 1 && forced.is_none() {
         return Err(DeviceError::new(format!(
             "--num-gpus {num_gpus} asks for more GPUs than there are: 0 CUDA GPUs on the selected device {}; use --num-gpus 1 or --device cuda on a machine with {num_gpus} GPUs",
             name

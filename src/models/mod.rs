@@ -7,6 +7,7 @@ pub mod cogvideox;
 pub mod hunyuan_video;
 pub mod ltx;
 pub mod minimax_h3;
+pub mod sequence_parallel;
 pub mod source;
 pub mod t5;
 pub mod wan;

@@ -23,7 +23,7 @@ use crate::cli::args::BatchOrderChoice;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::{ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::{gib, MemoryPlan};
+use crate::memory::plan::{gib, MemoryPlan, Request};
 use crate::memory::{DeviceKind, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
@@ -75,6 +75,8 @@ enum Status {
     Interrupted,
     /// The run ended (a model that did not load) before it started.
     NotRun,
+    /// Another GPU of a prompt-parallel run makes it (`--sp-size 1` with `--num-gpus` above 1).
+    OtherGpu,
 }
 
 /// The outcome of one job: its status, why it failed and how long each stage took.
@@ -164,11 +166,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if config.options.use_fsdp_inference {
-        return Err(UsageError::new(
-            "--use-fsdp-inference is not supported yet (multi-GPU comes later); use --dit-layerwise-offload or --no-use-fsdp-inference",
-        )
-        .into());
+    if let Some(why) = crate::parallel::cannot_run(&config.options) {
+        return Err(UsageError::new(why).into());
     }
     // Only a model no family runs stops here: a model that fails to read (a missing file, a
     // download error) fails the run after the jobs are known, so `--stats-json` records them.
@@ -187,6 +186,10 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
     progress.overrides(&config.overrides);
+    let (config, scratch, share) = match parallel_part(config, &family)? {
+        Ok(joined) => joined,
+        Err(code) => return Ok(code),
+    };
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if let Some(stats) = &config.options.stats_json {
         for job in &jobs {
@@ -208,7 +211,10 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let started = Instant::now();
     let mut outcomes: Vec<Outcome> = jobs
         .iter()
-        .map(|job| existing_output(&config, job, &progress))
+        .map(|job| match share {
+            Some((mine, of)) if job.index % of != mine => Outcome::new(Status::OtherGpu, None),
+            _ => existing_output(&config, job, &progress),
+        })
         .collect();
     if source.is_synthetic() {
         progress.note(&format!("note: {source} has random weights: the output is noise, for measuring speed and memory"));
@@ -230,6 +236,9 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 code = ExitCode::from(1);
             }
         }
+    }
+    if let Some(dir) = scratch {
+        let _ = std::fs::remove_dir_all(dir);
     }
     result.map(|()| code)
 }
@@ -279,6 +288,51 @@ fn check_latents(
         }
     }
     Ok(())
+}
+
+/// A rank's configuration in a run on several GPUs, the scratch folder its outputs go to (a
+/// sequence-parallel rank other than 0) and its share of the prompts (prompt parallelism: this
+/// rank makes job `i` when `i % of == mine`).
+type Joined = (
+    ResolvedConfig,
+    Option<std::path::PathBuf>,
+    Option<(usize, usize)>,
+);
+
+/// This process's part in a run on several GPUs: what it runs with, or the exit code of the
+/// workers it supervised.
+fn parallel_part(
+    config: ResolvedConfig,
+    family: &Result<Box<dyn Family>>,
+) -> Result<Result<Joined, ExitCode>> {
+    use crate::parallel::launch::{self, Part};
+    let world =
+        crate::parallel::world::World::from_env().map_err(|e| UsageError::new(e.to_string()))?;
+    let part = launch::part(&config.options, world).map_err(UsageError::new)?;
+    if let (Some(sp), Ok(family)) = (config.options.sp_size.filter(|&sp| sp > 1), family) {
+        if !family.sequence_parallel() {
+            return Err(UsageError::new(format!(
+                "--sp-size {sp}: only the Wan pipelines split a video across GPUs so far; pass --sp-size 1 (one prompt per GPU) or --num-gpus 1"
+            ))
+            .into());
+        }
+    }
+    let prompt_parallel = config.options.sp_size == Some(1);
+    match part {
+        Part::Alone => Ok(Ok((config, None, None))),
+        Part::Supervisor(workers) => launch::supervise_self(workers, prompt_parallel).map(Err),
+        Part::Rank(world) if prompt_parallel => {
+            let share = Some((world.rank, world.world_size));
+            Ok(Ok((launch::own_prompts(config, &world), None, share)))
+        }
+        #[cfg(feature = "nccl")]
+        Part::Rank(world) => launch::join(config, world).map(|(c, s)| Ok((c, s, None))),
+        #[cfg(not(feature = "nccl"))]
+        Part::Rank(_) => Err(UsageError::new(
+            crate::parallel::cannot_run(&config.options).unwrap_or_default(),
+        )
+        .into()),
+    }
 }
 
 /// Creates the output folder and checks that files can be made in it, before any model loads.
@@ -458,7 +512,18 @@ impl Pipeline for Guarded<'_> {
         let result = self.inner.run_stage(index, job);
         match &result {
             Err(e) if e.is::<Interrupted>() => job.stopped_at = Some(stage),
-            Ok(()) if job.written && !was_written => println!("{}", job.output.display()),
+            // Rank 0 alone speaks on stdout (the others write to a scratch folder).
+            Ok(())
+                if job.written
+                    && !was_written
+                    && self
+                        .config
+                        .ranks
+                        .as_ref()
+                        .is_none_or(|r| r.group.rank() == 0) =>
+            {
+                println!("{}", job.output.display())
+            }
             _ => {}
         }
         let result = result.map_err(|e| self.explain(&format!("in stage {stage}"), e));
@@ -498,14 +563,18 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
             progress.error(&format!("error: {at}: {e}"));
         }
     }
-    let (written, failed, skipped) = (
+    let (written, failed, skipped, other) = (
         count(Status::Written),
         count(Status::Failed),
         count(Status::Skipped),
+        count(Status::OtherGpu),
     );
     let mut tally = format!("{written} of {total} written");
     if skipped > 0 {
         tally += &format!(", {skipped} skipped (--resume)");
+    }
+    if other > 0 {
+        tally += &format!(", {other} on the other GPUs");
     }
     if failed > 0 {
         tally += &format!(", {failed} failed");
@@ -536,7 +605,7 @@ fn summarize(jobs: &[Job], outcomes: &[Outcome], progress: &Progress) -> ExitCod
         progress.error(&format!("{failed} of {total} prompts failed ({tally})"));
         return ExitCode::from(1);
     }
-    if written + skipped == total {
+    if written + skipped + other == total {
         progress.note(&format!("done: {tally}"));
     }
     ExitCode::SUCCESS
@@ -655,6 +724,8 @@ struct Described {
     /// Each video size the prompts ask for (their per-line overrides merged with the flags), in
     /// order of first appearance, with its memory plan; empty without prompts.
     sizes: Vec<SizePlan>,
+    /// With several GPUs: each rank's plan and the components it holds.
+    gpus: Vec<GpuPlan>,
 }
 
 /// One video size of the prompts: how many ask for it and its memory plan.
@@ -707,6 +778,82 @@ impl SizePlan {
     }
 }
 
+/// What one GPU of a multi-GPU run holds and needs.
+struct GpuPlan {
+    rank: usize,
+    holds: Vec<String>,
+    memory: Result<MemoryPlan, String>,
+}
+
+impl GpuPlan {
+    /// Every rank's plan (none with one GPU).
+    fn all(
+        planner: &Planner,
+        request: &Request,
+        spec: &PipelineSpec,
+        config: &ResolvedConfig,
+    ) -> Vec<Self> {
+        let o = &config.options;
+        let (gpus, sp) = (
+            o.num_gpus as usize,
+            o.sp_size.unwrap_or(o.num_gpus) as usize,
+        );
+        if gpus < 2 {
+            return Vec::new();
+        }
+        (0..gpus)
+            .map(|rank| {
+                let holds = spec
+                    .components
+                    .iter()
+                    .filter(|c| c.role == Role::Dit || rank.is_multiple_of(sp))
+                    .map(|c| match c.role {
+                        Role::Dit if config.memory.use_fsdp_inference => format!(
+                            "{} (1/{gpus} of every block + {} gathered)",
+                            c.name,
+                            config.memory.prefetch_depth + 1
+                        ),
+                        _ => c.name.to_string(),
+                    })
+                    .collect();
+                GpuPlan {
+                    rank,
+                    holds,
+                    memory: planner
+                        .plan_rank(request, rank)
+                        .map_err(|e| format!("{e:#}")),
+                }
+            })
+            .collect()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let m = self.memory.as_ref().ok();
+        json!({
+            "rank": self.rank,
+            "holds": self.holds,
+            "peak_stage": m.and_then(|m| m.peak()).map(|s| s.name),
+            "peak_bytes": m.and_then(|m| m.peak()).map(|s| s.peak_bytes),
+            "denoise_weight_bytes": m.and_then(|m| m.stage("denoise")).map(|s| s.weight_bytes),
+            "required_bytes": m.map(|m| m.required_bytes()),
+        })
+    }
+}
+
+/// "2 GPUs: ..." for the dry run.
+fn parallel_text(o: &crate::cli::args::GenerateOptions) -> String {
+    let sp = o.sp_size.unwrap_or(o.num_gpus);
+    let groups = o.num_gpus / sp;
+    let mut text = format!(
+        "{} GPUs: sequence parallelism over {sp} (each video's tokens split {sp} ways), {groups} prompt(s) at once",
+        o.num_gpus
+    );
+    if o.use_fsdp_inference {
+        text += &format!(", FSDP: each GPU holds 1/{} of every DiT block", o.num_gpus);
+    }
+    text
+}
+
 impl<'a> DryRun<'a> {
     fn new(
         config: &'a ResolvedConfig,
@@ -719,6 +866,7 @@ impl<'a> DryRun<'a> {
             let request = planner.request();
             let spec = planner.spec(&request);
             Described {
+                gpus: GpuPlan::all(&planner, &request, &spec, config),
                 facts: family.facts(&RunShape::of(config)),
                 from,
                 schedule: Schedule::plan(&spec, load_policy(config)),
@@ -791,6 +939,9 @@ impl<'a> DryRun<'a> {
                         "count": d.sizes.iter().map(|s| s.prompts).sum::<usize>(),
                         "sizes": d.sizes.iter().map(|s| s.json(total)).collect::<Vec<_>>(),
                     });
+                }
+                if !d.gpus.is_empty() {
+                    out["gpus"] = d.gpus.iter().map(GpuPlan::json).collect();
                 }
             }
             Err(why) => {
@@ -902,6 +1053,16 @@ impl<'a> DryRun<'a> {
             n if n.is_empty() => "-".to_string(),
             n => n.join(","),
         };
+        if !described.gpus.is_empty() {
+            out += &format!("gpus         {}\n", parallel_text(o));
+            for g in &described.gpus {
+                let peak = match &g.memory {
+                    Ok(m) => format!("peak {}", m.describe_peak()),
+                    Err(why) => format!("memory not predicted: {why}"),
+                };
+                out += &format!("gpu {:<8} {}; {peak}\n", g.rank, g.holds.join(", "));
+            }
+        }
         let memory = &described.memory;
         let mut rows = vec![["stage", "uses", "loads before", "released after"].map(String::from)];
         for (i, s) in spec.stages.iter().enumerate() {

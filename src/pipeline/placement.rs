@@ -4,11 +4,14 @@
 
 use super::spec::{GroupPlan, PipelineSpec, Role};
 use crate::memory::MemoryOptions;
-use crate::offload::{HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage};
+use crate::offload::{record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage};
+use crate::parallel::collective::Collective;
+use crate::parallel::fsdp::{FlatShard, ShardedBlocks};
 use crate::weights::WeightSet;
 use anyhow::Result;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
+use std::sync::Arc;
 
 /// Where every component of a pipeline lives, plus how host memory is held.
 #[derive(Clone, Debug)]
@@ -186,6 +189,21 @@ pub enum Placed<M: Blockwise> {
         outer: M,
         blocks: Offloaded<Vec<M::Block>>,
     },
+    /// FSDP (`--use-fsdp-inference` on several GPUs): the outer part on the device, every block
+    /// as this rank's flat shard, gathered before it runs.
+    Sharded(Sharded<M>),
+}
+
+/// A component whose blocks are FSDP flat shards.
+pub struct Sharded<M: Blockwise> {
+    outer: M,
+    shards: Vec<FlatShard>,
+    group: Arc<dyn Collective>,
+    cfg: M::Config,
+    dtype: DType,
+    device: Device,
+    /// Blocks gathered ahead of the one computing.
+    depth: usize,
 }
 
 impl<M: Blockwise> Placed<M> {
@@ -249,6 +267,53 @@ impl<M: Blockwise> Placed<M> {
         })
     }
 
+    /// Builds the component with its blocks as this rank's FSDP flat shards of `group` (each
+    /// block read whole from `weights`, its piece kept; in host memory when `on_host`), the
+    /// outer part on `device`; `depth` blocks are gathered ahead of the one computing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_sharded(
+        cfg: &M::Config,
+        weights: &WeightSet,
+        group: Arc<dyn Collective>,
+        dtype: DType,
+        device: &Device,
+        on_host: bool,
+        depth: usize,
+    ) -> Result<Self> {
+        let outer = M::outer(
+            cfg,
+            weights.var_builder(dtype, device),
+            weights.var_builder(dtype, &Device::Cpu),
+        )?;
+        let home = if on_host { Device::Cpu } else { device.clone() };
+        let shards = (0..M::num_blocks(cfg))
+            .map(|i| {
+                // The tensors the block asks for, in the dtypes it asks for them.
+                let layout = record(Some(weights), dtype, Packing::PerTensor, |vb| {
+                    M::block(cfg, i, vb)
+                })?;
+                let tensors = layout
+                    .slots
+                    .iter()
+                    .map(|s| {
+                        let vb = weights.var_builder(s.dtype, &Device::Cpu);
+                        Ok((s.name.clone(), vb.get(s.shape.clone(), &s.name)?))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(FlatShard::new(&tensors, group.rank(), group.world_size())?.to_device(&home)?)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Placed::Sharded(Sharded {
+            outer,
+            shards,
+            group,
+            cfg: cfg.clone(),
+            dtype,
+            device: device.clone(),
+            depth,
+        }))
+    }
+
     /// The component for one stage: borrowed when it stays put, moved in when parked (and
     /// moved out when the returned value drops).
     pub fn hold(&self) -> Result<Held<'_, M>> {
@@ -256,13 +321,14 @@ impl<M: Blockwise> Placed<M> {
             Placed::Resident(m) => Held::Borrowed(m, None),
             Placed::Streamed { outer, blocks } => Held::Borrowed(outer, Some(blocks)),
             Placed::Parked(offloaded) => Held::Moved(offloaded.fetch(0)?),
+            Placed::Sharded(sharded) => Held::Sharded(sharded),
         })
     }
 
     /// What the offload engine holds and has moved for this component (`None` if resident).
     pub fn offload_usage(&self) -> Option<Usage> {
         match self {
-            Placed::Resident(_) => None,
+            Placed::Resident(_) | Placed::Sharded(_) => None,
             Placed::Parked(o) => Some(o.usage()),
             Placed::Streamed { blocks, .. } => Some(blocks.usage()),
         }
@@ -275,6 +341,8 @@ pub enum Held<'a, M: Blockwise> {
     Borrowed(&'a M, Option<&'a Offloaded<Vec<M::Block>>>),
     /// Moved in from host memory for this stage (its device memory is freed on drop).
     Moved(M),
+    /// FSDP flat shards, each block gathered for its turn.
+    Sharded(&'a Sharded<M>),
 }
 
 impl<M: Blockwise> Held<'_, M> {
@@ -283,6 +351,7 @@ impl<M: Blockwise> Held<'_, M> {
         match self {
             Held::Borrowed(m, _) => m,
             Held::Moved(m) => m,
+            Held::Sharded(s) => &s.outer,
         }
     }
 
@@ -299,6 +368,15 @@ impl<M: Blockwise> Held<'_, M> {
                 }
                 Ok(())
             }),
+            Held::Sharded(s) => {
+                let blocks = ShardedBlocks::new(&s.shards, s.group.as_ref(), &s.device, s.depth);
+                Ok(blocks.for_each(|i, tensors| {
+                    let map = tensors.iter().cloned().collect();
+                    let vb = VarBuilder::from_tensors(map, s.dtype, &s.device);
+                    let block = M::block(&s.cfg, i, vb)?;
+                    f(&block).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+                })?)
+            }
             _ => {
                 for block in resident(self.model()) {
                     f(block)?;

@@ -5,11 +5,12 @@
 use super::placement::Placement;
 use super::registry::{Family, RunShape};
 use super::runner::{LoadPolicy, Schedule};
-use super::spec::PipelineSpec;
+use super::spec::{PipelineSpec, Role};
 use crate::cli::ResolvedConfig;
 use crate::memory::plan::{self as memory_plan, MemoryPlan, PlanStage, Request};
 use crate::memory::MemoryOptions;
-use crate::offload::{DeviceWeights, Residency};
+use crate::offload::{DeviceWeights, Residency, StreamOptions};
+use crate::parallel::fsdp::shard_bytes;
 use anyhow::Result;
 use candle_core::DType;
 use std::cell::RefCell;
@@ -64,13 +65,15 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// The memory plan of `request`.
+    /// The memory plan of `request` on the GPU of rank 0 (the busiest: it alone encodes the
+    /// text and decodes).
     pub fn plan(&self, request: &Request) -> Result<MemoryPlan> {
-        self.plan_shape(request, self.shape(request))
+        self.plan_rank(request, 0)
     }
 
     /// The memory plan of the run's options for a video of another size (a prompt file line's
-    /// overrides); the recorded weights are shared with every other plan of this planner.
+    /// overrides), on rank 0; the recorded weights are shared with every other plan of this
+    /// planner.
     pub fn plan_size(&self, num_frames: u32, height: u32, width: u32) -> Result<MemoryPlan> {
         let request = Request {
             num_frames,
@@ -81,10 +84,18 @@ impl<'a> Planner<'a> {
             width,
             ..self.shape(&request)
         };
-        self.plan_shape(&request, shape)
+        self.plan_shape(&request, shape, 0)
     }
 
-    fn plan_shape(&self, request: &Request, shape: RunShape) -> Result<MemoryPlan> {
+    /// The memory plan of `request` on the GPU of `rank` of `--num-gpus`: every rank holds the
+    /// DiT (whole, or its flat shards plus the gathered blocks with FSDP) and its share of the
+    /// denoise activations (1 / `--sp-size` of the tokens); the first rank of each group of
+    /// `--sp-size` alone holds the other components and their stages.
+    pub fn plan_rank(&self, request: &Request, rank: usize) -> Result<MemoryPlan> {
+        self.plan_shape(request, self.shape(request), rank)
+    }
+
+    fn plan_shape(&self, request: &Request, shape: RunShape, rank: usize) -> Result<MemoryPlan> {
         let spec = self.family.spec(&shape);
         let placement = Placement::new(&request.options, &spec);
         let schedule = Schedule::plan(&spec, load_policy(&request.options));
@@ -97,6 +108,28 @@ impl<'a> Planner<'a> {
                 self.device_weights(i, &spec, residency, c.dtype(shape.dtype))
             })
             .collect::<Result<Vec<_>>>()?;
+        let o = &self.config.options;
+        let (gpus, sp) = (
+            o.num_gpus as usize,
+            o.sp_size.unwrap_or(o.num_gpus) as usize,
+        );
+        let is_dit = |c: usize| spec.components[c].role == Role::Dit;
+        // The first rank of each sequence-parallel group encodes and decodes for it.
+        let leader = rank.is_multiple_of(sp);
+        let weights: Vec<DeviceWeights> = weights
+            .into_iter()
+            .enumerate()
+            .map(|(c, w)| {
+                if !is_dit(c) {
+                    Ok(if leader { w } else { DeviceWeights::default() })
+                } else if request.options.use_fsdp_inference && gpus > 1 {
+                    let dtype = spec.components[c].dtype(shape.dtype);
+                    self.fsdp_weights(c, &spec, &request.options, dtype, (rank, gpus))
+                } else {
+                    Ok(w)
+                }
+            })
+            .collect::<Result<_>>()?;
         // A stage whose components all compute on the CPU holds no device activations.
         let on_device = |uses: &[usize]| {
             uses.iter()
@@ -111,7 +144,12 @@ impl<'a> Planner<'a> {
                 uses: &s.uses,
                 load_before: &schedule.load_before[i],
                 release_after: &schedule.release_after[i],
-                activation_bytes: if on_device(&s.uses) {
+                activation_bytes: if !on_device(&s.uses) {
+                    0
+                } else if s.uses.iter().any(|&c| is_dit(c)) {
+                    // Sequence parallelism: each rank holds its share of the tokens.
+                    s.activation_bytes.div_ceil(sp as u64)
+                } else if leader {
                     s.activation_bytes
                 } else {
                     0
@@ -119,6 +157,43 @@ impl<'a> Planner<'a> {
             })
             .collect();
         MemoryPlan::new(&stages, &weights)
+    }
+
+    /// The DiT's device bytes on `rank` with FSDP: its outer part, the rank's flat shards of
+    /// every block (in pinned host memory with `--dit-cpu-offload`) and the whole blocks
+    /// gathered ahead (`--prefetch-depth` + 1 at once).
+    fn fsdp_weights(
+        &self,
+        index: usize,
+        spec: &PipelineSpec,
+        o: &MemoryOptions,
+        dtype: DType,
+        (rank, ranks): (usize, usize),
+    ) -> Result<DeviceWeights> {
+        let streamed = Residency::Streamed {
+            blocks_per_group: 1,
+            by_step: false,
+            options: StreamOptions {
+                stream: true,
+                depth: o.prefetch_depth,
+            },
+        };
+        let layout = spec.components[index]
+            .constructors
+            .layout(streamed, dtype, None)?;
+        let blocks: Vec<usize> = layout.groups.iter().map(|g| g.bytes).collect();
+        let shards = if o.dit_cpu_offload {
+            0
+        } else {
+            shard_bytes(&blocks, rank, ranks) as u64
+        };
+        let gathered = (o.prefetch_depth + 1).min(blocks.len()) as u64
+            * blocks.iter().copied().max().unwrap_or(0) as u64;
+        let outer = layout.direct_bytes as u64;
+        Ok(DeviceWeights {
+            active: outer + shards + gathered,
+            idle: outer + shards,
+        })
     }
 
     fn device_weights(

@@ -62,6 +62,10 @@ pub trait Family {
     fn latents_shape(&self, _num_frames: u32, _height: u32, _width: u32) -> Option<Vec<usize>> {
         None
     }
+    /// Whether its DiT splits each video's tokens across GPUs (`--sp-size` above 1).
+    fn sequence_parallel(&self) -> bool {
+        false
+    }
     /// The pipeline as data for a run of `shape`.
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
     /// The model's geometry for the dry run's `model` object (layers, widths, latent shape).

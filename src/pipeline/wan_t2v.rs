@@ -17,6 +17,7 @@ use crate::models::clip::image_processor::{
     load_rgb_image, ClipImageProcessor, ClipImageProcessorConfig,
 };
 use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
+use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
@@ -80,6 +81,10 @@ impl Family for WanConfigs {
     /// each safe to defer: every component only feeds tensors forward. A two-expert model
     /// denoises in two stages, one per expert, so that a lazy load frees the first expert at
     /// the switch.
+    fn sequence_parallel(&self) -> bool {
+        true
+    }
+
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
         let parts = self.parts();
         let index = |p: Part| parts.iter().position(|q| *q == p);
@@ -758,13 +763,14 @@ impl WanT2V {
                 None => Tensor::new(&[t as f32], &self.device)?,
             };
             let image = image_embeds.as_ref();
+            let sequence = self.config.ranks.as_ref().map(|r| &r.sequence);
             let noise_cond = self.timed(&mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, cond, image)
+                dit_forward(model, &input, &timestep, cond, image, sequence)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
                     let noise_uncond = self.timed(&mut forward_seconds, || {
-                        dit_forward(model, &input, &timestep, uncond, image)
+                        dit_forward(model, &input, &timestep, uncond, image, sequence)
                     })?;
                     // diffusers combines in the transformer dtype.
                     let diff = (&noise_cond - &noise_uncond)?;
@@ -853,6 +859,10 @@ impl WanT2V {
                 let placed = self.place(component, &cfg, &weights, dtype);
                 self.image_encoder = Some(placed.with_context(what)?);
             }
+            Part::Transformer if self.fsdp().is_some() => {
+                let placed = self.shard(&self.configs.transformer, &weights, dtype);
+                self.transformer = Some(placed.with_context(what)?);
+            }
             Part::Transformer => {
                 let placed = self.place(component, &self.configs.transformer, &weights, dtype);
                 self.transformer = Some(placed.with_context(what)?);
@@ -872,6 +882,46 @@ impl WanT2V {
             }
         }
         Ok(())
+    }
+
+    /// The group the DiT is sharded over (`--use-fsdp-inference` on a rank of several).
+    fn fsdp(&self) -> Option<&Arc<dyn crate::parallel::collective::Collective>> {
+        let ranks = self.config.ranks.as_ref()?;
+        self.config
+            .memory
+            .use_fsdp_inference
+            .then_some(&ranks.group)
+    }
+
+    /// Builds a DiT with its blocks as this rank's FSDP flat shards (in host memory with
+    /// `--dit-cpu-offload`), gathered `--prefetch-depth` blocks ahead.
+    fn shard(
+        &self,
+        cfg: &WanTransformerConfig,
+        weights: &WeightSet,
+        dtype: DType,
+    ) -> Result<Placed<WanTransformer3DModel>> {
+        let group = self.fsdp().context("FSDP without a group")?.clone();
+        let m = &self.config.memory;
+        let placed = Placed::load_sharded(
+            cfg,
+            weights,
+            group,
+            dtype,
+            &self.device,
+            m.dit_cpu_offload,
+            m.prefetch_depth,
+        )?;
+        self.progress.note(&format!(
+            "transformer: FSDP, 1/{} of every block on this GPU{}",
+            self.config.options.num_gpus,
+            if m.dit_cpu_offload {
+                " (in host memory)"
+            } else {
+                ""
+            }
+        ));
+        Ok(placed)
     }
 
     /// Builds `component` as the placement says and reports where its weights went.
@@ -997,23 +1047,33 @@ impl Pipeline for WanT2V {
     }
 }
 
-/// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or streamed), finish.
+/// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or
+/// streamed), finish; on a rank of a sequence-parallel run (`sequence`), the blocks run on the
+/// rank's share of the tokens and their output is gathered before `finish`.
 pub fn dit_forward(
     dit: &Held<'_, WanTransformer3DModel>,
     latents: &Tensor,
     timestep: &Tensor,
     text: &Tensor,
     image: Option<&Tensor>,
+    sequence: Option<&Arc<dyn SequenceParallel>>,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
-    let mut x = inputs.take_hidden_states()?;
+    let mut share = sequence
+        .map(|sp| inputs.split_sequence(sp.clone()))
+        .transpose()?;
+    let mut x = match &mut share {
+        Some(share) => share.take_hidden_states()?,
+        None => inputs.take_hidden_states()?,
+    };
+    let at = share.as_ref().unwrap_or(&inputs);
     dit.for_each_block(WanTransformer3DModel::blocks, |block| {
-        x = block.forward(&x, &inputs)?;
+        x = block.forward(&x, at)?;
         Ok(())
     })
     .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
-    model.finish(&x, &inputs)
+    model.finish(&at.gather_sequence(&x)?, &inputs)
 }
 
 impl Blockwise for WanTransformer3DModel {

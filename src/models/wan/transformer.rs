@@ -26,7 +26,10 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
+use std::sync::Arc;
+
 use crate::models::attention::sdpa;
+use crate::models::sequence_parallel::SequenceParallel;
 
 #[cfg(feature = "cuda")]
 #[path = "../kernels/wan_ops.rs"]
@@ -259,6 +262,9 @@ pub struct BlockInputs {
     pub batch: usize,
     /// Token grid (frames, height, width) after patching.
     pub grid: [usize; 3],
+    /// Set on one rank's share of a sequence split across ranks ([`Self::split_sequence`]):
+    /// self-attention goes through it.
+    pub sequence: Option<Arc<dyn SequenceParallel>>,
 }
 
 impl BlockInputs {
@@ -378,6 +384,51 @@ impl BlockInputs {
             })
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&parts, 0)
+    }
+
+    /// This rank's share of the inputs with the sequence split across ranks by `sp`: its tokens
+    /// of the block-0 hidden states (taken from `self`), their RoPE rows and timestep runs. The
+    /// blocks run on that share, attending through `sp`; [`Self::gather_sequence`] puts the
+    /// blocks' output back together for [`WanTransformer3DModel::finish`] with `self`.
+    pub fn split_sequence(&mut self, sp: Arc<dyn SequenceParallel>) -> Result<BlockInputs> {
+        let seq = self.grid.iter().product::<usize>();
+        let mine = sp.tokens(seq);
+        let (start, len) = (mine.start, mine.len());
+        let hidden_states = self
+            .take_hidden_states()?
+            .narrow(1, start, len)?
+            .contiguous()?;
+        // A run lies in one batch entry: its rows among this rank's, possibly none.
+        let timestep_runs = self.timestep_runs.as_ref().map(|runs| {
+            runs.iter()
+                .map(|r| {
+                    let (entry, first) = (r.row0 / seq, r.row0 % seq);
+                    let a = first.clamp(start, start + len);
+                    let b = (first + r.len).clamp(start, start + len);
+                    TimestepRun {
+                        row0: entry * len + a - start,
+                        len: b - a,
+                    }
+                })
+                .collect()
+        });
+        Ok(BlockInputs {
+            hidden_states: Some(hidden_states),
+            timestep_runs,
+            rope_cos: self.rope_cos.narrow(0, start, len)?.contiguous()?,
+            rope_sin: self.rope_sin.narrow(0, start, len)?.contiguous()?,
+            sequence: Some(sp),
+            ..self.clone()
+        })
+    }
+
+    /// The whole sequence `[B, seq, inner]` from this rank's share of the tokens (`x` itself
+    /// when the sequence is not split).
+    pub fn gather_sequence(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.sequence {
+            Some(sp) => sp.gather_tokens(x, self.grid.iter().product()),
+            None => Ok(x.clone()),
+        }
     }
 
     /// Takes the patch tokens `[B, seq, inner]` that feed block 0 (once; the inputs do not keep
@@ -667,6 +718,7 @@ impl WanAttention {
         batch: usize,
         context: Option<CrossContext>,
         rope: Option<(&Tensor, &Tensor)>,
+        sequence: Option<(&dyn SequenceParallel, usize)>,
     ) -> Result<Tensor> {
         let (rows, dim) = x.dims2()?;
         let seq = rows / batch;
@@ -691,7 +743,14 @@ impl WanAttention {
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let q = split(q, seq)?;
-        let mut out = sdpa(&q, &split(k, kv_len)?, &split(v, kv_len)?, scale)?;
+        let (k, v) = (split(k, kv_len)?, split(v, kv_len)?);
+        let mut out = match sequence {
+            // This rank's tokens of a split sequence: whole sequences for some heads.
+            Some((sp, whole)) if context.is_none() => {
+                sp.self_attention(&q, &k, &v, whole, &|q, k, v| sdpa(q, k, v, scale))?
+            }
+            _ => sdpa(&q, &k, &v, scale)?,
+        };
         let image = context.and_then(|c| c.image);
         match (&self.added, image) {
             (Some(added), Some(image)) => {
@@ -825,7 +884,9 @@ impl WanTransformerBlock {
             let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
             let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
-            let attn = attn1.forward(h, batch, None, Some(rope))?;
+            let whole = inputs.grid.iter().product();
+            let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
+            let attn = attn1.forward(h, batch, None, Some(rope), sp)?;
             x = inputs.modulated_residual(&x, attn, (attn1.to_out.bias(), &gate), (0, seq))?;
         }
 
@@ -839,7 +900,7 @@ impl WanTransformerBlock {
                 text: &inputs.encoder_hidden_states,
                 image: inputs.encoder_hidden_states_image.as_ref(),
             };
-            let attn = attn2.forward(h, batch, Some(context), None)?;
+            let attn = attn2.forward(h, batch, Some(context), None, None)?;
             x = residual(&x, attn, attn2.to_out.bias(), None, all)?;
         }
 
@@ -1231,6 +1292,7 @@ impl WanTransformer3DModel {
             rope_sin,
             batch: b,
             grid,
+            sequence: None,
         })
     }
 

@@ -1,0 +1,374 @@
+//! The collectives the parallel modes need, on tensors, behind one trait: NCCL on GPUs
+//! (`super::nccl`, feature `nccl`) and [`ThreadGroup`], threads standing in for ranks on the
+//! CPU, which is what the tests run.
+//!
+//! Every rank knows the shapes it receives (they follow from the split plan and the configs), as
+//! NCCL needs: a receive buffer is allocated before the data arrives. The stand-in checks them.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{Result, Shape, Tensor};
+
+/// Collective operations among the ranks of one world. Every rank calls the same operations in
+/// the same order; a rank that does not arrive within the timeout fails the operation on every
+/// rank (never a hang).
+pub trait Collective: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the world.
+    fn world_size(&self) -> usize;
+    /// Every rank's `t`, in rank order; `shapes[r]` is rank r's shape (same dtype everywhere).
+    fn all_gather(&self, t: &Tensor, shapes: &[Shape]) -> Result<Vec<Tensor>>;
+    /// Sends `send[r]` to rank r and returns, in rank order, what each rank sent to this one
+    /// (`recv_shapes[r]` from rank r).
+    fn all_to_all(&self, send: &[Tensor], recv_shapes: &[Shape]) -> Result<Vec<Tensor>>;
+    /// `root`'s `t` on every rank; the others pass a tensor of the same shape and dtype whose
+    /// values are ignored.
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+    /// Returns once every rank called it.
+    fn barrier(&self) -> Result<()>;
+}
+
+/// A collective that failed on this rank: a rank missing past the timeout, or gone.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error(
+        "rank {rank}: a collective timed out after {secs:.1}s waiting for rank(s) {missing:?}"
+    )]
+    Timeout {
+        rank: usize,
+        secs: f64,
+        missing: Vec<usize>,
+    },
+    #[error("rank {rank}: rank {gone} left the group (failed or finished early)")]
+    Gone { rank: usize, gone: usize },
+    #[error("rank {rank}: received {got:?} from rank {from}, expected {want:?}")]
+    Shape {
+        rank: usize,
+        from: usize,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
+    #[error("rank {rank}: {ranks} ranks' parts for {world} ranks")]
+    Parts {
+        rank: usize,
+        ranks: usize,
+        world: usize,
+    },
+}
+
+/// What the threads of a [`ThreadGroup`] share.
+struct Hub {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<HubState>,
+    changed: Condvar,
+}
+
+struct HubState {
+    /// `mail[src][dst]`: what rank src leaves for rank dst in the current operation.
+    mail: Vec<Vec<Option<Tensor>>>,
+    /// Ranks arrived at the current barrier, and which barrier it is.
+    arrived: Vec<bool>,
+    generation: u64,
+    /// Ranks whose member was dropped, in the order they went (the first is the cause).
+    gone: Vec<usize>,
+}
+
+/// One rank of a group of threads standing in for processes: the CPU stand-in for NCCL.
+pub struct ThreadGroup {
+    rank: usize,
+    hub: Arc<Hub>,
+}
+
+impl ThreadGroup {
+    /// `world` members, one per thread (member r is rank r).
+    pub fn new(world: usize, timeout: Duration) -> Vec<ThreadGroup> {
+        let hub = Arc::new(Hub {
+            world,
+            timeout,
+            state: Mutex::new(HubState {
+                mail: vec![vec![None; world]; world],
+                arrived: vec![false; world],
+                generation: 0,
+                gone: Vec::new(),
+            }),
+            changed: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| ThreadGroup {
+                rank,
+                hub: hub.clone(),
+            })
+            .collect()
+    }
+
+    fn wrap(e: CollectiveError) -> candle_core::Error {
+        candle_core::Error::wrap(e)
+    }
+
+    /// Waits until every rank arrived (then all leave together), failing on a timeout or a rank
+    /// gone.
+    fn sync(&self) -> Result<()> {
+        let hub = &self.hub;
+        let mut st = hub.state.lock().unwrap();
+        let generation = st.generation;
+        st.arrived[self.rank] = true;
+        if st.arrived.iter().all(|&a| a) {
+            st.arrived.iter_mut().for_each(|a| *a = false);
+            st.generation += 1;
+            hub.changed.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + hub.timeout;
+        loop {
+            if let Some(&gone) = st.gone.iter().find(|&&r| !st.arrived[r]) {
+                st.arrived[self.rank] = false;
+                return Err(Self::wrap(CollectiveError::Gone {
+                    rank: self.rank,
+                    gone,
+                }));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = (0..hub.world).filter(|&r| !st.arrived[r]).collect();
+                st.arrived[self.rank] = false;
+                return Err(Self::wrap(CollectiveError::Timeout {
+                    rank: self.rank,
+                    secs: hub.timeout.as_secs_f64(),
+                    missing,
+                }));
+            }
+            st = hub.changed.wait_timeout(st, deadline - now).unwrap().0;
+            if st.generation != generation {
+                return Ok(());
+            }
+        }
+    }
+
+    /// One exchange: leaves `send[dst]` for each dst, waits for all, takes what each src left
+    /// for this rank, waits again (so nobody overwrites mail not yet read).
+    fn exchange(&self, send: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        {
+            let mut st = self.hub.state.lock().unwrap();
+            for (dst, t) in send.into_iter().enumerate() {
+                // A real transport copies: the receiver never shares the sender's storage.
+                st.mail[self.rank][dst] = t.map(|t| t.copy()).transpose()?;
+            }
+        }
+        self.sync()?;
+        let got = {
+            let mut st = self.hub.state.lock().unwrap();
+            (0..self.hub.world)
+                .map(|src| st.mail[src][self.rank].take())
+                .collect()
+        };
+        self.sync()?;
+        Ok(got)
+    }
+
+    fn check(&self, from: usize, t: Tensor, want: &Shape) -> Result<Tensor> {
+        if t.shape() != want {
+            return Err(Self::wrap(CollectiveError::Shape {
+                rank: self.rank,
+                from,
+                got: t.dims().to_vec(),
+                want: want.dims().to_vec(),
+            }));
+        }
+        Ok(t)
+    }
+
+    fn parts(&self, n: usize) -> Result<()> {
+        if n != self.hub.world {
+            return Err(Self::wrap(CollectiveError::Parts {
+                rank: self.rank,
+                ranks: n,
+                world: self.hub.world,
+            }));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ThreadGroup {
+    /// A member that goes (its thread failed or returned) fails the others' next wait at once.
+    fn drop(&mut self) {
+        if let Ok(mut st) = self.hub.state.lock() {
+            st.gone.push(self.rank);
+            self.hub.changed.notify_all();
+        }
+    }
+}
+
+impl Collective for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.hub.world
+    }
+
+    fn all_gather(&self, t: &Tensor, shapes: &[Shape]) -> Result<Vec<Tensor>> {
+        self.parts(shapes.len())?;
+        let got = self.exchange(vec![Some(t.clone()); self.hub.world])?;
+        got.into_iter()
+            .zip(shapes)
+            .enumerate()
+            .map(|(src, (t, want))| self.check(src, t.expect("every rank sends"), want))
+            .collect()
+    }
+
+    fn all_to_all(&self, send: &[Tensor], recv_shapes: &[Shape]) -> Result<Vec<Tensor>> {
+        self.parts(send.len())?;
+        self.parts(recv_shapes.len())?;
+        let got = self.exchange(send.iter().cloned().map(Some).collect())?;
+        got.into_iter()
+            .zip(recv_shapes)
+            .enumerate()
+            .map(|(src, (t, want))| self.check(src, t.expect("every rank sends"), want))
+            .collect()
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        let send = if self.rank == root {
+            vec![Some(t.clone()); self.hub.world]
+        } else {
+            vec![None; self.hub.world]
+        };
+        let mut got = self.exchange(send)?;
+        let from_root = got[root].take().expect("the root sends");
+        self.check(root, from_root, t.shape())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.sync()
+    }
+}
+
+/// Runs `f(member)` on one thread per rank of a fresh [`ThreadGroup`] and returns the results
+/// in rank order (for tests and the CPU stand-in runs).
+pub fn run_threads<T: Send>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(ThreadGroup) -> T + Sync,
+) -> Vec<T> {
+    let members = ThreadGroup::new(world, timeout);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .into_iter()
+            .map(|m| {
+                let f = &f;
+                s.spawn(move || f(m))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    const T: Duration = Duration::from_secs(20);
+
+    fn filled(rank: usize, shape: &[usize]) -> Tensor {
+        Tensor::full(rank as f32 + 1.0, shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn all_gather_unequal_shapes() {
+        let out = run_threads(3, T, |g| {
+            let shapes: Vec<Shape> = (0..3).map(|r| Shape::from((r + 1, 2))).collect();
+            let mine = filled(g.rank(), &[g.rank() + 1, 2]);
+            let all = g.all_gather(&mine, &shapes).unwrap();
+            Tensor::cat(&all, 0).unwrap().to_vec2::<f32>().unwrap()
+        });
+        let want = vec![
+            vec![1.0, 1.0],
+            vec![2.0, 2.0],
+            vec![2.0, 2.0],
+            vec![3.0, 3.0],
+            vec![3.0, 3.0],
+            vec![3.0, 3.0],
+        ];
+        assert!(out.iter().all(|o| *o == want));
+    }
+
+    #[test]
+    fn all_to_all_routes_each_part() {
+        // Rank s sends rank d the value 10 s + d, d + 1 long.
+        let out = run_threads(3, T, |g| {
+            let send: Vec<Tensor> = (0..3)
+                .map(|d| Tensor::full((10 * g.rank() + d) as f32, d + 1, &Device::Cpu).unwrap())
+                .collect();
+            let shapes: Vec<Shape> = (0..3).map(|_| Shape::from(g.rank() + 1)).collect();
+            g.all_to_all(&send, &shapes)
+                .unwrap()
+                .iter()
+                .map(|t| t.to_vec1::<f32>().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (d, got) in out.iter().enumerate() {
+            for (s, part) in got.iter().enumerate() {
+                assert_eq!(*part, vec![(10 * s + d) as f32; d + 1]);
+            }
+        }
+    }
+
+    #[test]
+    fn broadcast_and_barrier() {
+        let out = run_threads(2, T, |g| {
+            let t = filled(g.rank() * 5, &[2]);
+            g.barrier().unwrap();
+            g.broadcast(&t, 1).unwrap().to_vec1::<f32>().unwrap()
+        });
+        assert_eq!(out, vec![vec![6.0, 6.0]; 2]);
+    }
+
+    #[test]
+    fn a_wrong_shape_is_an_error() {
+        let out = run_threads(2, T, |g| {
+            let t = Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap();
+            g.all_gather(&t, &[Shape::from(3), Shape::from(4)])
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        assert!(out[0].as_ref().unwrap_err().contains("expected [4]"));
+    }
+
+    #[test]
+    fn a_failed_rank_stops_the_others_without_waiting_for_the_timeout() {
+        let out = run_threads(3, Duration::from_secs(600), |g| {
+            if g.rank() == 2 {
+                // This rank fails before the collective: its member is dropped.
+                return Err("rank 2 failed".to_string());
+            }
+            g.barrier().map_err(|e| e.to_string())
+        });
+        assert!(out[0].as_ref().unwrap_err().contains("rank 2 left"));
+        assert!(out[1].as_ref().unwrap_err().contains("rank 2 left"));
+    }
+
+    #[test]
+    fn a_hung_rank_times_out_naming_it() {
+        // Rank 1 stays alive without arriving until rank 0 has given up.
+        let gave_up = std::sync::Barrier::new(2);
+        let out = run_threads(2, Duration::from_millis(200), |g| {
+            let result = if g.rank() == 0 {
+                g.barrier().map_err(|e| e.to_string())
+            } else {
+                Ok(())
+            };
+            gave_up.wait();
+            result
+        });
+        assert!(out[0].as_ref().unwrap_err().contains("rank(s) [1]"));
+    }
+}
