@@ -340,3 +340,97 @@ fn flags_that_do_not_apply_are_refused() {
         assert!(stderr.contains(says), "{fixture} {extra:?}: {stderr}");
     }
 }
+
+/// A `.jsonl` batch where each line names its own image (relative to the prompt file) or
+/// none: Wan2.2 TI2V makes the first video from its image and the second from text alone, in
+/// one stage-major batch, each as diffusers makes it.
+#[test]
+fn prompt_lines_carry_their_own_images() {
+    let dir = scratch("line-images");
+    let fixture = named_fixture_dir(TI2V);
+    std::fs::copy(fixture.join("reference/input.png"), dir.join("first.png")).unwrap();
+    let line = |extra: &str| {
+        format!(
+            "{{\"prompt\": {}, {extra}}}\n",
+            serde_json::to_string(PROMPT).unwrap()
+        )
+    };
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        line(r#""image": "first.png", "output_video_name": "with""#)
+            + &line(r#""output_video_name": "without""#),
+    )
+    .unwrap();
+    let refs = named_reference(TI2V, "pipeline");
+    let draws = dir.join("draws.safetensors");
+    let init: HashMap<String, Tensor> =
+        [("latents".to_string(), refs["latents_init"].clone())].into();
+    candle_core::safetensors::save(&init, &draws).unwrap();
+    let run = |prompt_file: &Path, model: &str, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_vidgen"))
+            .args(["generate", "--model", model])
+            .args(["--prompt-file", prompt_file.to_str().unwrap()])
+            .args(["--negative-prompt", NEGATIVE, "--guidance-scale", "5"])
+            .args(["--height", "64", "--width", "64", "--num-frames", "5"])
+            .args(["--num-inference-steps", "3"])
+            .args(extra)
+            .args([
+                "--device",
+                "cpu",
+                "--dtype",
+                "f32",
+                "--batch-order",
+                "stage",
+            ])
+            .args(["--output-type", "safetensors"])
+            .args(["--output-path", dir.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let parity = [
+        "--max-sequence-length",
+        "20",
+        "--latents",
+        draws.to_str().unwrap(),
+    ];
+    let out = run(&prompts, fixture.to_str().unwrap(), &parity);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let frames = |name: &str| {
+        candle_core::safetensors::load(dir.join(format!("{name}.safetensors")), &Device::Cpu)
+            .unwrap()["frames"]
+            .clone()
+    };
+    let expected =
+        |reference: &str, key: &str| named_reference(TI2V, reference)[key].squeeze(0).unwrap();
+    let with = expected("pipeline_i2v", "i2v_cfg5.frames");
+    assert_close("line with image", &frames("with"), &with, 1e-4, 1e-4);
+    let without = expected("pipeline", "cfg5.frames");
+    assert_close("line without", &frames("without"), &without, 1e-4, 1e-4);
+
+    // Before anything loads: an image-to-video model needs an image on every line, a
+    // text-to-video model takes none, and a line's image must exist.
+    let cases = [
+        (I2V, "512", r#""output_video_name": "a""#, "needs an image"),
+        (A14B, "20", r#""image": "first.png""#, "does not apply"),
+        (
+            TI2V,
+            "20",
+            r#""image": "missing.png""#,
+            "missing.png: no such file",
+        ),
+    ];
+    for (model, text_len, extra, says) in cases {
+        let file = dir.join("bad.jsonl");
+        std::fs::write(&file, line(extra)).unwrap();
+        let text_len = ["--max-sequence-length", text_len];
+        let out = run(&file, named_fixture_dir(model).to_str().unwrap(), &text_len);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{model} {extra}: {stderr}");
+        assert!(stderr.contains(says), "{model} {extra}: {stderr}");
+        assert!(stderr.contains("bad.jsonl:1"), "names the line: {stderr}");
+        assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -56,8 +56,10 @@ pub struct Generation {
     pub flow_shift: Option<f64>,
     /// Initial latents (and other random draws) from a file instead of the seed.
     pub latents: Option<PathBuf>,
-    /// The conditioning image (image-to-video).
+    /// The conditioning image (image-to-video), for prompts whose line names none.
     pub image: Option<PathBuf>,
+    /// Some `.jsonl` prompt line names its own image (known once the prompt file is read).
+    pub line_images: bool,
     /// Guidance of the low-noise expert (Wan2.2 A14B).
     pub guidance_scale_2: Option<f64>,
     /// Real CFG scale of a guidance-distilled model (HunyuanVideo).
@@ -150,6 +152,7 @@ impl ResolvedConfig {
             flow_shift: options.flow_shift,
             latents: options.latents.clone(),
             image: options.image.clone(),
+            line_images: false,
             guidance_scale_2: options.guidance_scale_2,
             true_cfg_scale: options.true_cfg_scale,
             decode_timestep: options.decode_timestep,

@@ -20,6 +20,8 @@ pub struct Job {
     pub prompt: String,
     pub negative_prompt: String,
     pub seed: u64,
+    /// The conditioning image: the line's `image`, else `--image`.
+    pub image: Option<PathBuf>,
     pub num_frames: u32,
     pub height: u32,
     pub width: u32,
@@ -51,6 +53,7 @@ const LINE_KEYS: &[&str] = &[
     "num_inference_steps",
     "guidance_scale",
     "output_video_name",
+    "image",
 ];
 
 /// Per-prompt overrides accepted on a `.jsonl` prompt-file line.
@@ -66,6 +69,8 @@ struct PromptLine {
     num_inference_steps: Option<u32>,
     guidance_scale: Option<f64>,
     output_video_name: Option<String>,
+    /// Relative to the prompt file's folder.
+    image: Option<PathBuf>,
 }
 
 /// Builds the jobs of a run from `--prompt` or `--prompt-file`; every line is checked before
@@ -154,6 +159,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
                 .negative_prompt
                 .unwrap_or_else(|| o.negative_prompt.clone()),
             seed,
+            image: line.image.or_else(|| config.generation.image.clone()),
             num_frames,
             height,
             width,
@@ -260,6 +266,17 @@ fn parse_prompt_file(
                 ..Default::default()
             }
         };
+        let mut parsed = parsed;
+        if let Some(image) = parsed.image.take() {
+            let image = path.parent().unwrap_or(Path::new("")).join(image);
+            if !image.is_file() {
+                bail!(
+                    "{at}: image {}: no such file (a PNG or JPEG; a relative path is read from the prompt file's folder)",
+                    image.display()
+                );
+            }
+            parsed.image = Some(image);
+        }
         check_line(&parsed, rule).with_context(|| at.clone())?;
         lines.push((at, parsed));
     }

@@ -33,7 +33,7 @@ use jobs::Job;
 use placement::Placement;
 use plan::Planner;
 use progress::Progress;
-use registry::{Configs, Family, RunShape};
+use registry::{Configs, Family, ImageInput, RunShape};
 use runner::{BatchOrder, JobReport, LoadPolicy, Pipeline, Schedule};
 use serde::Serialize;
 use serde_json::json;
@@ -203,8 +203,13 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
         }
     }
+    let mut config = config;
+    config.generation.line_images = jobs
+        .iter()
+        .any(|j| j.image.is_some() && j.image != config.generation.image);
     if let Ok(family) = &family {
         check_latents(&config, family.as_ref(), &jobs)?;
+        check_images(&config, family.as_ref(), &jobs)?;
     }
     check_output_folder(&config.options.output_path)?;
     interrupt::install(config.options.quiet);
@@ -241,6 +246,34 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         let _ = std::fs::remove_dir_all(dir);
     }
     result.map(|()| code)
+}
+
+/// Checks before anything loads that every prompt has an image if the model needs one, and
+/// none if it takes none.
+fn check_images(
+    config: &ResolvedConfig,
+    family: &dyn Family,
+    jobs: &[Job],
+) -> Result<(), UsageError> {
+    let title = family.spec(&RunShape::of(config)).title;
+    for job in jobs {
+        match (family.image_input(), &job.image) {
+            (ImageInput::Required, None) => {
+                return Err(UsageError::new(format!(
+                    "{}: {title} needs an image (the first frame): pass --image FILE or give the line an `image`",
+                    job.origin
+                )))
+            }
+            (ImageInput::None, Some(_)) => {
+                return Err(UsageError::new(format!(
+                    "{}: an image does not apply to {title}: it is a text-to-video model (use an image-to-video or TI2V model)",
+                    job.origin
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Checks `--latents` before anything loads: a regular safetensors file (read up to its header

@@ -41,9 +41,20 @@ impl RunShape {
             width: o.width,
             text_len: o.max_sequence_length as usize,
             vae_tiling: config.memory.vae_tiling,
-            image: config.generation.image.is_some(),
+            image: config.generation.image.is_some() || config.generation.line_images,
         }
     }
+}
+
+/// Whether a model conditions on an image.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ImageInput {
+    /// Text-to-video only.
+    None,
+    /// With an image or without (Wan2.2 TI2V: image-to-video or text-to-video per prompt).
+    Optional,
+    /// Image-to-video only: every prompt needs one.
+    Required,
 }
 
 /// A model family with its configs read: everything the frame needs to plan, report and run it.
@@ -56,6 +67,10 @@ pub trait Family {
     /// (a run and a dry run refuse it as bad input, before any work).
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
+    }
+    /// Whether the model takes a conditioning image (`--image`, a `.jsonl` line's `image`).
+    fn image_input(&self) -> ImageInput {
+        ImageInput::None
     }
     /// The shape `--latents`' `latents` tensor must have for a video of this size (checked
     /// before anything loads); `None` where the family checks its draws itself.

@@ -7,7 +7,7 @@
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
-use super::registry::{Configs, Family, RunShape};
+use super::registry::{Configs, Family, ImageInput, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
@@ -221,6 +221,17 @@ impl Family for WanConfigs {
         }
     }
 
+    /// Wan2.1 I2V needs the first frame; Wan2.2 TI2V makes a video with it or without.
+    fn image_input(&self) -> ImageInput {
+        if self.image_to_video {
+            ImageInput::Required
+        } else if self.expand_timesteps {
+            ImageInput::Optional
+        } else {
+            ImageInput::None
+        }
+    }
+
     fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
         self.refusal(config).err()
     }
@@ -295,11 +306,7 @@ impl WanConfigs {
                 path.display()
             ));
         }
-        // A dry run plans the image stage without the file.
-        if self.image_to_video && g.image.is_none() && !config.dry_run {
-            return Err(format!("{title} needs --image FILE (the first frame)"));
-        }
-        if g.image.is_some() && !self.image_to_video && !self.expand_timesteps {
+        if g.image.is_some() && self.image_input() == ImageInput::None {
             return Err(format!("--image does not apply to {title}: it is a text-to-video model (use an image-to-video or TI2V model)"));
         }
         if self.image_encoder.is_some()
@@ -557,13 +564,12 @@ impl WanT2V {
     /// The image stage: CLIP image tokens (where the model has an image encoder) and the
     /// condition latents (`prepare_latents`), kept in host memory until the denoise stage.
     fn encode_image(&mut self, job: &mut Job) -> Result<()> {
-        let path = self
-            .config
-            .generation
-            .image
-            .clone()
-            .context("this model needs --image")?;
-        let img = load_rgb_image(&path)?;
+        // A TI2V prompt without an image is text-to-video (`check_images` made sure the
+        // image-to-video models have one for every prompt).
+        let Some(path) = &job.image else {
+            return Ok(());
+        };
+        let img = load_rgb_image(path)?;
         let dtype = self.config.dtype();
         let image_embeds = match (&self.image_encoder, &self.configs.image_processor) {
             (Some(placed), processor) => {
