@@ -1,7 +1,8 @@
 //! Scaled dot-product attention that never materialises the whole score matrix.
 //!
-//! On CUDA, bf16/f16 inputs with head_dim 64 or 128 go to a fused kernel
-//! (`kernels/flash_attn.cu`) that keeps scores on the chip; everything else takes the chunked
+//! On CUDA, bf16/f16 inputs go to cuDNN's fused attention where cuDNN >= 9.13.1 is loaded
+//! (`models::cudnn`, head_dim up to 256), else with head_dim 64 or 128 to the own fused kernel
+//! (`kernels/flash_attn.cu`); both keep scores on the chip. Everything else takes the chunked
 //! path below.
 //!
 //! At 480x832x81 a Wan self-attention layer has 32,760 tokens: the full score matrix would be
@@ -25,6 +26,10 @@ pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 /// Attention over `[batch, heads, seq, head_dim]` tensors; `scale` multiplies q·kᵀ.
 /// Softmax accumulates in f32 for every dtype.
 pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
+        return Ok(out);
+    }
     #[cfg(feature = "cuda")]
     if flash_attn::supported(q, k, v) {
         return flash_attn::flash_attn(q, k, v, scale);

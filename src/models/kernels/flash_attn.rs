@@ -126,7 +126,7 @@ pub(super) fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resu
 
 /// The kernel reads rows with 16-byte copies: every stride but the last (1) and the start
 /// offset must be multiples of 8 elements; otherwise a contiguous copy is made.
-fn aligned(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
     let layout = t.layout();
     let ok = layout.start_offset().is_multiple_of(8)
         && layout.stride().last() == Some(&1)
