@@ -335,7 +335,11 @@ impl CustomOp2 for Conv3d {
             padding: self.padding,
         };
         if key.w[1] != key.x[1] {
-            bail!("cuDNN conv: {} input channels, weight for {}", key.x[1], key.w[1])
+            bail!(
+                "cuDNN conv: {} input channels, weight for {}",
+                key.x[1],
+                key.w[1]
+            )
         }
         let api = self.api;
         let (out, y_dims) = with_handle(api, &stream, |handle| {

@@ -24,6 +24,13 @@ use libloading::Library;
 pub const ENV: &str = "VIDGEN_CUDNN";
 /// The cuDNN major version whose ABI is declared here.
 const MAJOR: usize = 9;
+/// The sub-libraries of cuDNN 9's `libcudnn.so.9` shim that the functions used here live in, in
+/// dependency order: the backend API, and the legacy operations and convolutions.
+const SUBLIBRARIES: [&str; 3] = [
+    "libcudnn_graph.so.9",
+    "libcudnn_ops.so.9",
+    "libcudnn_cnn.so.9",
+];
 /// Where the H200 image's PyTorch keeps its cuDNN wheel.
 const TORCH_VENV_LIB: &str = "/opt/torch/.venv/lib";
 
@@ -76,15 +83,8 @@ pub struct Api {
     pub(crate) set_filter_nd: unsafe extern "C" fn(Desc, i32, i32, i32, *const i32) -> Status,
     pub(crate) destroy_filter: unsafe extern "C" fn(Desc) -> Status,
     pub(crate) create_conv: unsafe extern "C" fn(*mut Desc) -> Status,
-    pub(crate) set_conv_nd: unsafe extern "C" fn(
-        Desc,
-        i32,
-        *const i32,
-        *const i32,
-        *const i32,
-        i32,
-        i32,
-    ) -> Status,
+    pub(crate) set_conv_nd:
+        unsafe extern "C" fn(Desc, i32, *const i32, *const i32, *const i32, i32, i32) -> Status,
     pub(crate) set_conv_math: unsafe extern "C" fn(Desc, i32) -> Status,
     pub(crate) destroy_conv: unsafe extern "C" fn(Desc) -> Status,
     pub(crate) conv_output_dim: unsafe extern "C" fn(Desc, Desc, Desc, i32, *mut i32) -> Status,
@@ -118,6 +118,8 @@ pub struct Api {
     ) -> Status,
     /// Keeps the entry points valid; never closed.
     _lib: Library,
+    /// The sub-libraries opened before the shim (see [`SUBLIBRARIES`]).
+    _sublibs: Vec<Library>,
 }
 
 impl Api {
@@ -153,6 +155,7 @@ impl Api {
             conv_fwd_workspace: sym_of(&lib, "cudnnGetConvolutionForwardWorkspaceSize")?,
             conv_fwd: sym_of(&lib, "cudnnConvolutionForward")?,
             _lib: lib,
+            _sublibs: Vec::new(),
         })
     }
 
@@ -196,7 +199,11 @@ unsafe fn sym_of<T: Copy>(lib: &Library, name: &str) -> std::result::Result<T, S
 pub(crate) fn note_once(key: &str, text: &str) {
     static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     let seen = SEEN.get_or_init(Default::default);
-    if seen.lock().map(|mut s| s.insert(key.to_string())).unwrap_or(false) {
+    if seen
+        .lock()
+        .map(|mut s| s.insert(key.to_string()))
+        .unwrap_or(false)
+    {
         eprintln!("note: {text}");
     }
 }
@@ -237,11 +244,34 @@ fn load() -> std::result::Result<Api, String> {
     };
     let mut tried = Vec::new();
     for path in &candidates {
+        // The shim aborts the process when a call needs a sub-library it cannot load, so the
+        // ones used here are opened first (from the shim's folder): failing that, cuDNN is
+        // skipped before any of its functions runs.
+        let mut sublibs = Vec::new();
+        for name in SUBLIBRARIES {
+            let sub = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                Some(dir) => dir.join(name),
+                None => PathBuf::from(name),
+            };
+            // SAFETY: as for the shim below.
+            match unsafe { Library::new(&sub) } {
+                Ok(lib) => sublibs.push(lib),
+                Err(e) => {
+                    tried.push(e.to_string());
+                    break;
+                }
+            }
+        }
+        if sublibs.len() < SUBLIBRARIES.len() {
+            continue;
+        }
         // SAFETY: loading cuDNN runs only its initialisers, which have no preconditions.
         match unsafe { Library::new(path) } {
             Ok(lib) => {
                 // SAFETY: the file is named libcudnn.so.9; the version is checked right after.
-                let api = unsafe { Api::new(lib) }.map_err(|e| format!("{}: {e}", path.display()))?;
+                let mut api =
+                    unsafe { Api::new(lib) }.map_err(|e| format!("{}: {e}", path.display()))?;
+                api._sublibs = sublibs;
                 if api.version / 10000 != MAJOR {
                     return Err(format!(
                         "{} is cuDNN {}, not {MAJOR}.x",
@@ -251,7 +281,7 @@ fn load() -> std::result::Result<Api, String> {
                 }
                 return Ok(api);
             }
-            Err(e) => tried.push(format!("{}: {e}", path.display())),
+            Err(e) => tried.push(e.to_string()),
         }
     }
     Err(format!(

@@ -295,7 +295,11 @@ impl Sdpa {
         let mut last_error = None;
         for mode in HEUR_MODES {
             let heur = Backend::new(api, ENGINEHEUR_DESCRIPTOR)?;
-            heur.set(ATTR_ENGINEHEUR_OPERATION_GRAPH, TYPE_BACKEND_DESCRIPTOR, &[graph.desc])?;
+            heur.set(
+                ATTR_ENGINEHEUR_OPERATION_GRAPH,
+                TYPE_BACKEND_DESCRIPTOR,
+                &[graph.desc],
+            )?;
             heur.set(ATTR_ENGINEHEUR_MODE, TYPE_HEUR_MODE, &[mode])?;
             if let Err(e) = heur.finalize("engine heuristics") {
                 last_error = Some(e);
@@ -469,7 +473,10 @@ pub(crate) fn ptr<'a>(
     slice: &'a CudaStorageSlice,
     layout: &Layout,
     stream: &'a CudaStream,
-) -> Result<(*mut c_void, candle_core::cuda::cudarc::driver::SyncOnDrop<'a>)> {
+) -> Result<(
+    *mut c_void,
+    candle_core::cuda::cudarc::driver::SyncOnDrop<'a>,
+)> {
     let (base, guard, size) = match slice {
         CudaStorageSlice::BF16(s) => {
             let (p, g) = s.device_ptr(stream);
@@ -493,7 +500,10 @@ pub(crate) fn ptr<'a>(
 pub(crate) fn ptr_mut<'a>(
     slice: &'a mut CudaStorageSlice,
     stream: &'a CudaStream,
-) -> Result<(*mut c_void, candle_core::cuda::cudarc::driver::SyncOnDrop<'a>)> {
+) -> Result<(
+    *mut c_void,
+    candle_core::cuda::cudarc::driver::SyncOnDrop<'a>,
+)> {
     let (p, g) = match slice {
         CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
         CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
