@@ -2,9 +2,10 @@
 //! that a VAE layer is one implicit-GEMM call instead of a sum of 2D convolutions; `None`
 //! elsewhere, and the caller runs its own path unchanged.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Result, Tensor};
 
 /// Whether f32 convolutions may use TF32 tensor-core math (PyTorch's default for convolutions).
 static TF32: AtomicBool = AtomicBool::new(true);
@@ -57,4 +58,71 @@ pub fn conv3d(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -
     }
     let _ = (x, w, stride, padding);
     None
+}
+
+/// A 3D kernel `[C_out, C_in, kt, kh, kw]` as a causal conv keeps it: whole where [`conv3d`]
+/// runs (CUDA with cuDNN), else split once into its temporal taps for the path that sums 2D
+/// convolutions (the taps are copies, so only one form is held).
+#[derive(Debug, Clone)]
+pub enum Kernel3d {
+    Whole(Tensor),
+    /// `weight[:, :, k]` for each temporal tap `k`, each `[C_out, C_in, kh, kw]`, contiguous.
+    Taps(Vec<Tensor>),
+}
+
+impl Kernel3d {
+    /// The form the device computes with.
+    pub fn new(weight: Tensor) -> Result<Self> {
+        if accelerated(weight.device()) {
+            Ok(Self::Whole(weight))
+        } else {
+            Ok(Self::Taps(split_taps(&weight)?))
+        }
+    }
+
+    /// The whole kernel, where [`conv3d`] may run it.
+    pub fn whole(&self) -> Option<&Tensor> {
+        match self {
+            Self::Whole(w) => Some(w),
+            Self::Taps(_) => None,
+        }
+    }
+
+    /// The temporal taps (split on the fly from a whole kernel, the path of a shape cuDNN
+    /// declined).
+    pub fn taps(&self) -> Result<Cow<'_, [Tensor]>> {
+        match self {
+            Self::Whole(w) => Ok(Cow::Owned(split_taps(w)?)),
+            Self::Taps(taps) => Ok(Cow::Borrowed(taps)),
+        }
+    }
+
+    /// Temporal kernel size.
+    pub fn kt(&self) -> Result<usize> {
+        match self {
+            Self::Whole(w) => w.dim(2),
+            Self::Taps(taps) => Ok(taps.len()),
+        }
+    }
+
+    /// `[C_out, C_in, kh, kw]` of one tap.
+    pub fn tap_dims(&self) -> Result<(usize, usize, usize, usize)> {
+        match self {
+            Self::Whole(w) => {
+                let (o, i, _, h, w) = w.dims5()?;
+                Ok((o, i, h, w))
+            }
+            Self::Taps(taps) => match taps.first() {
+                Some(t) => t.dims4(),
+                None => candle_core::bail!("a 3D kernel without temporal taps"),
+            },
+        }
+    }
+}
+
+/// The temporal taps of a `[C_out, C_in, kt, kh, kw]` kernel.
+fn split_taps(weight: &Tensor) -> Result<Vec<Tensor>> {
+    (0..weight.dim(2)?)
+        .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
+        .collect()
 }

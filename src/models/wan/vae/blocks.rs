@@ -9,7 +9,7 @@ use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::models::attention::sdpa;
-use crate::models::conv3d;
+use crate::models::conv3d::{self, Kernel3d};
 
 /// Frames of context a causal conv keeps between chunks (diffusers' `CACHE_T`).
 pub(crate) const CACHE_T: usize = 2;
@@ -167,7 +167,7 @@ impl Conv2d {
 /// convolution through cuDNN where it is loaded ([`conv3d`]); otherwise computed one output
 /// frame at a time as a sum over the temporal taps of 2D convolutions.
 pub(super) struct CausalConv3d {
-    kernel: Kernel,
+    kernel: Kernel3d,
     bias: Tensor,
     front_pad: usize,
     pad_s: usize,
@@ -198,13 +198,8 @@ impl CausalConv3d {
         let (kt, kh, kw) = kernel;
         let weight = vb.get((cout, cin, kt, kh, kw), "weight")?;
         let bias = vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?;
-        let kernel = if conv3d::accelerated(weight.device()) {
-            Kernel::Whole(weight)
-        } else {
-            Kernel::Taps(taps(&weight)?)
-        };
         Ok(Self {
-            kernel,
+            kernel: Kernel3d::new(weight)?,
             bias,
             front_pad: 2 * pad.0,
             pad_s: pad.1,
@@ -222,26 +217,17 @@ impl CausalConv3d {
         };
         let zeros = self.front_pad.saturating_sub(cached);
         let t_full = zeros + cached + t_in;
-        let kt = match &self.kernel {
-            Kernel::Taps(taps) => taps.len(),
-            Kernel::Whole(w) => w.dim(2)?,
-        };
+        let kt = self.kernel.kt()?;
         if t_full < kt {
             bail!("causal conv3d: {t_full} frames (with padding) for a temporal kernel of {kt}")
         }
         let t_out = (t_full - kt) / self.stride_t + 1;
-        let split;
-        let taps = match &self.kernel {
-            Kernel::Taps(taps) => taps,
-            Kernel::Whole(w) => {
-                if let Some(y) = self.forward_whole(w, x, cache, zeros)? {
-                    return Ok(y);
-                }
-                // cuDNN declined or failed: the taps path, from the whole kernel.
-                split = taps(w)?;
-                &split
+        if let Some(w) = self.kernel.whole() {
+            if let Some(y) = self.forward_whole(w, x, cache, zeros)? {
+                return Ok(y);
             }
-        };
+        }
+        let taps = self.kernel.taps()?;
         let mut outs = Vec::with_capacity(t_out);
         for o in 0..t_out {
             let mut acc: Option<Tensor> = None;
@@ -324,21 +310,6 @@ impl CausalConv3d {
         *slot = Slot::Frames(cache_x);
         Ok(y)
     }
-}
-
-/// A causal conv's kernel, `[C_out, C_in, kt, kh, kw]`.
-enum Kernel {
-    /// Whole, for [`conv3d`] (CUDA with cuDNN).
-    Whole(Tensor),
-    /// `weight[:, :, k]` for each temporal tap `k`, each `[C_out, C_in, kh, kw]` and contiguous.
-    Taps(Vec<Tensor>),
-}
-
-/// The temporal taps of a `[C_out, C_in, kt, kh, kw]` kernel.
-fn taps(weight: &Tensor) -> Result<Vec<Tensor>> {
-    (0..weight.dim(2)?)
-        .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
-        .collect()
 }
 
 /// diffusers' `WanRMS_norm`: `F.normalize` over channels (x / max(|x|_2, 1e-12)) * sqrt(C) * gamma,
