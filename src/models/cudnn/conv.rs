@@ -3,16 +3,14 @@
 //! with `cudnnGetConvolutionForwardAlgorithm_v7`; its workspace comes from candle's allocator.
 //! f32 runs with TF32 tensor-core math unless exact f32 is asked for.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::DevicePtr;
 use candle_core::{bail, CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape};
 
 use super::sdpa::{alloc, ptr, ptr_mut};
-use super::{data, data_type, with_handle, Api, Desc, Handle};
+use super::{data, data_type, with_handle, Api, Desc, Handle, PlanCache};
 
 /// `cudnnConvolutionFwdAlgoPerf_t`.
 #[repr(C)]
@@ -93,8 +91,7 @@ struct Plan {
     workspace: usize,
 }
 
-/// Plans by shape; `None` remembers a shape cuDNN declined.
-static PLANS: Mutex<Option<HashMap<Key, Option<Arc<Plan>>>>> = Mutex::new(None);
+static PLANS: PlanCache<Key, Plan> = PlanCache::new();
 
 fn to_i32(v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("cuDNN conv: {v} exceeds i32")))
@@ -269,24 +266,6 @@ pub(crate) struct Conv3d {
     pub tf32: bool,
 }
 
-impl Conv3d {
-    fn plan(&self, handle: Handle, key: &Key) -> Result<Arc<Plan>> {
-        let mut guard = PLANS
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("cuDNN: plan cache poisoned".into()))?;
-        let plans = guard.get_or_insert_with(HashMap::new);
-        if let Some(found) = plans.get(key) {
-            return match found {
-                Some(plan) => Ok(plan.clone()),
-                None => bail!("cuDNN conv: this shape was declined before"),
-            };
-        }
-        let built = build(self.api, handle, key).map(Arc::new);
-        plans.insert(key.clone(), built.as_ref().ok().cloned());
-        built
-    }
-}
-
 fn dims5(l: &Layout) -> Result<[usize; 5]> {
     if !l.is_contiguous() {
         bail!("cuDNN conv: contiguous tensors expected")
@@ -343,7 +322,7 @@ impl CustomOp2 for Conv3d {
         }
         let api = self.api;
         let (out, y_dims) = with_handle(api, &stream, |handle| {
-            let plan = self.plan(handle, &key)?;
+            let plan = PLANS.get_or_build(&key, || build(api, handle, &key))?;
             let mut out = alloc(dev, dtype, plan.y_dims.iter().product())?;
             let ws = if plan.workspace > 0 {
                 // SAFETY: scratch cuDNN writes before it reads.
@@ -382,7 +361,10 @@ impl CustomOp2 for Conv3d {
                         yp,
                     )
                 };
-                api.check(status, "cudnnConvolutionForward")?;
+                if let Err(e) = api.check(status, "cudnnConvolutionForward") {
+                    PLANS.decline(&key);
+                    return Err(e);
+                }
             }
             Ok((out, plan.y_dims))
         })?;

@@ -11,10 +11,12 @@
 pub mod conv;
 pub mod sdpa;
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_void, CStr};
+use std::hash::Hash;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda::cudarc::driver::CudaStream;
 use candle_core::{bail, Result};
@@ -349,17 +351,60 @@ pub(crate) fn with_handle<R>(
         .map_err(|_| candle_core::Error::Msg("cuDNN: handle lock poisoned".into()))?;
     let handles = guard.get_or_insert_with(HashMap::new);
     let ordinal = ctx.ordinal();
-    if !handles.contains_key(&ordinal) {
-        let mut h: Handle = std::ptr::null_mut();
-        // SAFETY: cudnnCreate writes a handle for the current device (bound above).
-        api.check(unsafe { (api.create)(&mut h) }, "cudnnCreate")?;
-        handles.insert(ordinal, SendHandle(h));
-    }
-    let handle = handles[&ordinal].0;
+    let handle = match handles.entry(ordinal) {
+        Entry::Occupied(e) => e.get().0,
+        Entry::Vacant(e) => {
+            let mut h: Handle = std::ptr::null_mut();
+            // SAFETY: cudnnCreate writes a handle for the current device (bound above).
+            api.check(unsafe { (api.create)(&mut h) }, "cudnnCreate")?;
+            e.insert(SendHandle(h)).0
+        }
+    };
     // SAFETY: the handle is live; the stream belongs to the handle's device.
     api.check(
         unsafe { (api.set_stream)(handle, stream.cu_stream() as *mut c_void) },
         "cudnnSetStream",
     )?;
     f(handle)
+}
+
+/// Plans by shape, each built once; `None` remembers a shape cuDNN declined or failed to run, so
+/// it goes straight to the own path afterwards.
+pub(crate) struct PlanCache<K, P>(Mutex<Option<HashMap<K, Option<Arc<P>>>>>);
+
+impl<K: Hash + Eq + Clone, P> PlanCache<K, P> {
+    pub(crate) const fn new() -> Self {
+        Self(Mutex::new(None))
+    }
+
+    /// The plan for `key`, built with `build` on first use.
+    pub(crate) fn get_or_build(
+        &self,
+        key: &K,
+        build: impl FnOnce() -> Result<P>,
+    ) -> Result<Arc<P>> {
+        let mut guard = self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("cuDNN: plan cache poisoned".into()))?;
+        let plans = guard.get_or_insert_with(HashMap::new);
+        if let Some(found) = plans.get(key) {
+            return match found {
+                Some(plan) => Ok(plan.clone()),
+                None => bail!("cuDNN declined this shape before"),
+            };
+        }
+        let built = build().map(Arc::new);
+        plans.insert(key.clone(), built.as_ref().ok().cloned());
+        built
+    }
+
+    /// Sends `key` to the own path from now on (its plan failed to run).
+    pub(crate) fn decline(&self, key: &K) {
+        if let Ok(mut guard) = self.0.lock() {
+            guard
+                .get_or_insert_with(HashMap::new)
+                .insert(key.clone(), None);
+        }
+    }
 }

@@ -3,9 +3,7 @@
 //! `O = softmax(scale * Q Kᵀ) V` with bf16/f16 inputs and head_dim up to 256. q, k and v are
 //! described with their own strides (no copies); execution plans are built once per shape.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
@@ -15,7 +13,7 @@ use candle_core::{
     Tensor,
 };
 
-use super::{api, data_type, note_once, with_handle, Api, Desc, Handle};
+use super::{api, data_type, note_once, with_handle, Api, Desc, Handle, PlanCache};
 
 /// The first cuDNN with the unified SDPA node.
 const MIN_VERSION: usize = 91301;
@@ -163,8 +161,7 @@ struct Key {
     strides: [[usize; 3]; 3],
 }
 
-/// Plans by shape; `None` remembers a shape cuDNN declined, so it is not tried again.
-static PLANS: Mutex<Option<HashMap<Key, Option<Arc<Plan>>>>> = Mutex::new(None);
+static PLANS: PlanCache<Key, Plan> = PlanCache::new();
 
 /// Whether the inputs are of a kind the node takes (the plan may still decline the shape):
 /// CUDA, cuDNN >= 9.13.1 loaded, bf16 or f16, equal batch and heads, head_dim a multiple of 8
@@ -181,7 +178,7 @@ fn eligible(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && k.dtype() == q.dtype()
         && v.dtype() == q.dtype()
         && d <= MAX_HEAD_DIM
-        && d % 8 == 0
+        && d.is_multiple_of(8)
         && (kb, kh, kd) == (b, h, d)
         && v_dims == (b, h, m, d)
         && n > 0
@@ -244,23 +241,6 @@ fn strides3(l: &Layout) -> Result<[usize; 3]> {
 }
 
 impl Sdpa {
-    /// The cached plan for `key`, built on first use.
-    fn plan(&self, handle: Handle, key: &Key) -> Result<Arc<Plan>> {
-        let mut guard = PLANS
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("cuDNN: plan cache poisoned".into()))?;
-        let plans = guard.get_or_insert_with(HashMap::new);
-        if let Some(found) = plans.get(key) {
-            return match found {
-                Some(plan) => Ok(plan.clone()),
-                None => bail!("cuDNN attention: this shape was declined before"),
-            };
-        }
-        let built = self.build(handle, key).map(Arc::new);
-        plans.insert(key.clone(), built.as_ref().ok().cloned());
-        built
-    }
-
     /// Builds the graph (one SDPA node) and the first execution plan cuDNN can finalize.
     fn build(&self, handle: Handle, key: &Key) -> Result<Plan> {
         let api = self.api;
@@ -410,16 +390,14 @@ impl Sdpa {
         api.check(status, "cudnnBackendExecute (attention)")
     }
 
+    /// Attention over the storages of q, k and v with their layouts.
     fn run(
         &self,
-        dev: &CudaDevice,
-        q: &CudaStorage,
-        ql: &Layout,
-        k: &CudaStorage,
-        kl: &Layout,
-        v: &CudaStorage,
-        vl: &Layout,
+        (q, ql): (&CudaStorage, &Layout),
+        (k, kl): (&CudaStorage, &Layout),
+        (v, vl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorageSlice, Shape)> {
+        let dev = &q.device;
         let (b, h, n, d) = ql.shape().dims4()?;
         let m = kl.dims()[2];
         let dtype = q.dtype();
@@ -430,9 +408,9 @@ impl Sdpa {
             dims: [b, h, n, m, d],
             strides: [strides3(ql)?, strides3(kl)?, strides3(vl)?],
         };
-        let mut out = alloc(dev, dtype, b * n * h * d)?;
-        with_handle(self.api, &stream, |handle| {
-            let plan = self.plan(handle, &key)?;
+        let out = with_handle(self.api, &stream, |handle| {
+            let plan = PLANS.get_or_build(&key, || self.build(handle, &key))?;
+            let mut out = alloc(dev, dtype, b * n * h * d)?;
             let ws = if plan.workspace > 0 {
                 // SAFETY: scratch cuDNN writes before it reads.
                 Some(unsafe { dev.alloc::<u8>(plan.workspace) }?)
@@ -450,7 +428,12 @@ impl Sdpa {
                 }
                 None => (std::ptr::null_mut(), None),
             };
-            self.execute(handle, &plan, [qp, kp, vp, op], wp)
+            if let Err(e) = self.execute(handle, &plan, [qp, kp, vp, op], wp) {
+                PLANS.decline(&key);
+                return Err(e);
+            }
+            drop((_gq, _gk, _gv, _go, _gw));
+            Ok(out)
         })?;
         Ok((out, Shape::from((b, n, h, d))))
     }
@@ -539,7 +522,7 @@ impl CustomOp3 for Sdpa {
         v: &CudaStorage,
         vl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (slice, shape) = self.run(&q.device, q, ql, k, kl, v, vl)?;
+        let (slice, shape) = self.run((q, ql), (k, kl), (v, vl))?;
         Ok((
             CudaStorage {
                 slice,
