@@ -33,31 +33,42 @@ pub fn accelerated(device: &Device) -> bool {
 
 /// Cross-correlation of `x` `[B, C_in, T, H, W]` by `w` `[C_out, C_in, kt, kh, kw]` with
 /// `stride` and zero `padding` (each t, h, w), no bias: `Some([B, C_out, T', H', W'])` through
-/// cuDNN, or `None` where it is not [`accelerated`] or fails (one note on stderr).
-pub fn conv3d(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -> Option<Tensor> {
+/// cuDNN, `None` where it is not [`accelerated`], an error where cuDNN fails (callers run it
+/// inside [`or_fallback`]).
+pub fn conv3d(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
-    if accelerated(x.device()) {
-        let api = crate::models::cudnn::api()?;
+    if let Some(api) = crate::models::cudnn::api().filter(|_| x.device().is_cuda()) {
         let op = crate::models::cudnn::conv::Conv3d {
             api,
             stride,
             padding,
             tf32: tf32(),
         };
-        let run = || aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op);
-        return match run() {
-            Ok(y) => Some(y),
-            Err(e) => {
-                crate::models::cudnn::note_once(
-                    "conv-failed",
-                    &format!("cuDNN conv3d failed ({e}); vidgen's own convolution runs"),
-                );
-                None
-            }
-        };
+        return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
     }
     let _ = (x, w, stride, padding);
-    None
+    Ok(None)
+}
+
+/// Runs `f`, a layer's whole-kernel path (its input padding, [`conv3d`] and the bias): an error
+/// (cuDNN declining a shape, or no memory for the padded copy) becomes one note on stderr and
+/// `None`, and the caller runs its own path instead.
+pub fn or_fallback(f: impl FnOnce() -> Result<Option<Tensor>>) -> Option<Tensor> {
+    static NOTED: AtomicBool = AtomicBool::new(false);
+    match f() {
+        Ok(y) => y,
+        Err(e) => {
+            if !NOTED.swap(true, Ordering::Relaxed) {
+                eprintln!("note: cuDNN conv3d failed ({e}); vidgen's own convolution runs");
+            }
+            None
+        }
+    }
 }
 
 /// `t` contiguous and starting on a 16-byte boundary (what cuDNN's vectorized kernels assume).
@@ -158,7 +169,7 @@ mod cuda_tests {
         set_tf32(false);
         let y = conv3d(&x, &w, [1, 1, 1], [0, 1, 1]);
         set_tf32(true);
-        let y = y.expect("cuDNN ran the convolution");
+        let y = y?.expect("cuDNN ran the convolution");
         let taps = split_taps(&w)?;
         let mut frames = Vec::new();
         for o in 0..2 {

@@ -302,14 +302,20 @@ impl CausalConv3d {
         }
         if let Some(w) = self.kernel.whole() {
             // One 3D convolution over [context | x] (cuDNN).
-            let front = (0..context).map(source).collect::<Result<Vec<_>>>()?;
-            let padded = if front.is_empty() {
-                x.clone()
-            } else {
-                Tensor::cat(&[&Tensor::stack(&front, 2)?, x], 2)?
+            let whole = || -> Result<Option<Tensor>> {
+                let front = (0..context).map(&source).collect::<Result<Vec<_>>>()?;
+                let padded = if front.is_empty() {
+                    x.clone()
+                } else {
+                    Tensor::cat(&[&Tensor::stack(&front, 2)?, x], 2)?
+                };
+                match conv3d::conv3d(&padded, w, [1; 3], [0, self.pad, self.pad])? {
+                    Some(y) => Ok(Some(y.broadcast_add(&self.bias.unsqueeze(4)?)?)),
+                    None => Ok(None),
+                }
             };
-            if let Some(y) = conv3d::conv3d(&padded, w, [1; 3], [0, self.pad, self.pad]) {
-                return y.broadcast_add(&self.bias.unsqueeze(4)?);
+            if let Some(y) = conv3d::or_fallback(whole) {
+                return Ok(y);
             }
         }
         let taps = self.kernel.taps()?;

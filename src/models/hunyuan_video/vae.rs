@@ -378,7 +378,7 @@ impl CausalConv3d {
     /// `x` `[B, T, C, H, W]` -> `[B, T, out, H', W']`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(w) = self.kernel.whole() {
-            if let Some(y) = self.forward_whole(w, x)? {
+            if let Some(y) = conv3d::or_fallback(|| self.forward_whole(w, x)) {
                 return Ok(y);
             }
         }
@@ -402,7 +402,7 @@ impl CausalConv3d {
             padded = padded.pad_with_same(4, pw, pw)?;
         }
         // Frames-major [B, T, C, H, W] <-> the convolution's [B, C, T, H, W].
-        let Some(y) = conv3d::conv3d(&padded.transpose(1, 2)?, w, [st, ss, ss], [0; 3]) else {
+        let Some(y) = conv3d::conv3d(&padded.transpose(1, 2)?, w, [st, ss, ss], [0; 3])? else {
             return Ok(None);
         };
         let o = y.dim(1)?;

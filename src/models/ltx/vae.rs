@@ -404,8 +404,14 @@ impl CausalConv3d {
         let padded = Tensor::cat(&parts, 2)?;
         let st = self.stride;
         let pad = k / 2;
-        if let Some(y) = conv3d::conv3d(&padded, &self.weight, [st; 3], [0, pad, pad]) {
-            return y.broadcast_add(&self.bias.unsqueeze(4)?);
+        let whole = || -> Result<Option<Tensor>> {
+            match conv3d::conv3d(&padded, &self.weight, [st; 3], [0, pad, pad])? {
+                Some(y) => Ok(Some(y.broadcast_add(&self.bias.unsqueeze(4)?)?)),
+                None => Ok(None),
+            }
+        };
+        if let Some(y) = conv3d::or_fallback(whole) {
+            return Ok(y);
         }
         // Frames-major so a run of frames is a batch of images.
         let padded = padded.permute((0, 2, 1, 3, 4))?.contiguous()?;

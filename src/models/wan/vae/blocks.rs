@@ -223,7 +223,7 @@ impl CausalConv3d {
         }
         let t_out = (t_full - kt) / self.stride_t + 1;
         if let Some(w) = self.kernel.whole() {
-            if let Some(y) = self.forward_whole(w, x, cache, zeros)? {
+            if let Some(y) = conv3d::or_fallback(|| self.forward_whole(w, x, cache, zeros)) {
                 return Ok(y);
             }
         }
@@ -285,7 +285,7 @@ impl CausalConv3d {
         // Frames-major [B, T, C, H, W] <-> the convolution's [B, C, T, H, W].
         let stride = [self.stride_t, 1, 1];
         let padding = [0, self.pad_s, self.pad_s];
-        match conv3d::conv3d(&input.transpose(1, 2)?, w, stride, padding) {
+        match conv3d::conv3d(&input.transpose(1, 2)?, w, stride, padding)? {
             Some(y) => Ok(Some(y.transpose(1, 2)?.broadcast_add(&self.bias)?)),
             None => Ok(None),
         }
