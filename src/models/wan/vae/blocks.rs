@@ -156,8 +156,22 @@ impl Conv2d {
         })
     }
 
-    /// `[N, C, H, W]` -> `[N, C_out, H', W']`.
+    /// `[N, C, H, W]` -> `[N, C_out, H', W']`: through cuDNN (as a 3D convolution of one frame
+    /// per image) where it is loaded, else memory-lean im2col.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if conv3d::accelerated(x.device()) {
+            let (s, p) = (self.stride, self.padding);
+            let whole = || -> Result<Option<Tensor>> {
+                let w = self.weight.unsqueeze(2)?;
+                match conv3d::conv3d(&x.unsqueeze(2)?, &w, [1, s, s], [0, p, p])? {
+                    Some(y) => Ok(Some(y.squeeze(2)?.broadcast_add(&self.bias)?)),
+                    None => Ok(None),
+                }
+            };
+            if let Some(y) = conv3d::or_fallback(whole) {
+                return Ok(y);
+            }
+        }
         conv2d_lean(x, &self.weight, self.padding, self.stride)?.broadcast_add(&self.bias)
     }
 }
