@@ -316,6 +316,13 @@ fn each_flag_has_a_negation_and_an_explicit_value() {
 }
 
 #[test]
+fn tf32_is_on_by_default_and_no_tf32_turns_it_off() {
+    assert!(config_bool(&dry_run(&[]).0, "tf32"));
+    assert!(!config_bool(&dry_run(&["--no-tf32"]).0, "tf32"));
+    assert!(!config_bool(&dry_run(&["--tf32=false"]).0, "tf32"));
+}
+
+#[test]
 fn config_file_sits_between_defaults_and_the_command_line() {
     let dir = tempdir();
     let path = dir.join("run.toml");

@@ -242,6 +242,10 @@ pub struct GenerateOptions {
     /// Memory model of the device; auto probes it (forcing it plans for another machine).
     #[arg(long, help_heading = "Device", value_enum, default_value_t = MemoryModelChoice::Auto)]
     pub memory_model: MemoryModelChoice,
+    /// Let f32 convolutions use TF32 tensor-core math (cuDNN, as PyTorch's default);
+    /// --no-tf32 computes them in exact f32.
+    #[arg(long = "[no-]tf32", alias = "tf32", help_heading = "Device", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub tf32: bool,
 }
 
 /// An on/off option whose default is decided by the device.

@@ -1,7 +1,8 @@
 //! Scaled dot-product attention that never materialises the whole score matrix.
 //!
-//! On CUDA, bf16/f16 inputs with head_dim 64 or 128 go to a fused kernel
-//! (`kernels/flash_attn.cu`) that keeps scores on the chip; everything else takes the chunked
+//! On CUDA, bf16/f16 inputs go to cuDNN's fused attention where cuDNN >= 9.13.1 is loaded
+//! (`models::cudnn`, head_dim up to 256), else with head_dim 64 or 128 to the own fused kernel
+//! (`kernels/flash_attn.cu`); both keep scores on the chip. Everything else takes the chunked
 //! path below.
 //!
 //! At 480x832x81 a Wan self-attention layer has 32,760 tokens: the full score matrix would be
@@ -25,6 +26,10 @@ pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 /// Attention over `[batch, heads, seq, head_dim]` tensors; `scale` multiplies q·kᵀ.
 /// Softmax accumulates in f32 for every dtype.
 pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
+        return Ok(out);
+    }
     #[cfg(feature = "cuda")]
     if flash_attn::supported(q, k, v) {
         return flash_attn::flash_attn(q, k, v, scale);
@@ -106,12 +111,22 @@ mod cuda_tests {
     use super::*;
     use candle_core::Device;
 
-    /// Fused kernel against the chunked path in f32 on the same inputs; returns ‖out − ref‖ / ‖ref‖.
+    /// An attention implementation under test.
+    type Attend = fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>;
+
+    /// The own fused kernel itself (`sdpa` would take cuDNN where it is loaded).
+    fn fused(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        assert!(flash_attn::supported(q, k, v));
+        flash_attn::flash_attn(q, k, v, scale)
+    }
+
+    /// `attend` against the chunked path in f32 on the same inputs; returns ‖out − ref‖ / ‖ref‖.
     fn relative_error(
         dev: &Device,
         dtype: DType,
         (b, h, n, m, d): (usize, usize, usize, usize, usize),
         spread: f64,
+        attend: Attend,
     ) -> Result<f64> {
         // Fresh random inputs; `spread` sharpens the softmax. Heads-major views of
         // [b, seq, h, d] storage exercise the kernel's strides.
@@ -122,8 +137,7 @@ mod cuda_tests {
         };
         let (q, k, v) = (rand(n, spread)?, rand(m, spread)?, rand(m, 1.0)?);
         let scale = 1.0 / (d as f64).sqrt();
-        assert!(flash_attn::supported(&q, &k, &v));
-        let out = sdpa(&q, &k, &v, scale)?.to_dtype(DType::F32)?;
+        let out = attend(&q, &k, &v, scale)?.to_dtype(DType::F32)?;
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         let reference = sdpa_chunked(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale)?;
         assert_eq!(out.dims(), reference.dims());
@@ -163,7 +177,7 @@ mod cuda_tests {
                 None => std::env::remove_var(flash_attn::SHARED_MEMORY_LIMIT_ENV),
             }
             for (dtype, dims, spread) in cases {
-                let err = relative_error(&dev, dtype, dims, spread)?;
+                let err = relative_error(&dev, dtype, dims, spread, fused)?;
                 assert!(
                     err < 1e-2,
                     "{dtype:?} {dims:?} limit {limit:?}: relative error {err:.2e}"
@@ -171,6 +185,33 @@ mod cuda_tests {
             }
         }
         std::env::remove_var(flash_attn::SHARED_MEMORY_LIMIT_ENV);
+        Ok(())
+    }
+
+    #[test]
+    fn cudnn_attention_matches_chunked_reference() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: cuDNN attention test skipped");
+            return Ok(());
+        };
+        if crate::models::cudnn::api().is_none_or(|api| api.version < 91301) {
+            eprintln!("no cuDNN >= 9.13.1: cuDNN attention test skipped");
+            return Ok(());
+        }
+        fn cudnn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+            crate::models::cudnn::sdpa::sdpa(q, k, v, scale)
+                .ok_or_else(|| candle_core::Error::Msg("cuDNN declined".into()))
+        }
+        for (dtype, dims, spread) in [
+            (DType::BF16, (1, 2, 1000, 333, 128), 1.0),
+            (DType::BF16, (2, 3, 64, 64, 128), 3.0),
+            (DType::F16, (1, 2, 129, 77, 128), 2.0),
+            (DType::BF16, (2, 2, 250, 700, 64), 3.0),
+            (DType::BF16, (1, 2, 200, 200, 256), 1.0),
+        ] {
+            let err = relative_error(&dev, dtype, dims, spread, cudnn)?;
+            assert!(err < 1e-2, "{dtype:?} {dims:?}: relative error {err:.2e}");
+        }
         Ok(())
     }
 

@@ -4,6 +4,9 @@
 pub mod attention;
 pub mod clip;
 pub mod cogvideox;
+pub mod conv3d;
+#[cfg(feature = "cuda")]
+pub mod cudnn;
 pub mod hunyuan_video;
 pub mod ltx;
 pub mod minimax_h3;

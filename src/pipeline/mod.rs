@@ -119,6 +119,7 @@ impl Outcome {
 /// not stop the others; the run then ends with a summary of what failed and exit code 1, or 130
 /// after Ctrl-C. Paths go to stdout as each file is complete.
 pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
+    crate::models::conv3d::set_tf32(config.options.tf32);
     let progress = Arc::new(Progress::new(config.options.quiet));
     let source =
         ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;

@@ -14,6 +14,8 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{GroupNorm, VarBuilder};
 use serde::Deserialize;
 
+use crate::models::conv3d::{self, Kernel3d};
+
 /// GroupNorm epsilon that diffusers fixes whatever the config says: the decoder's spatial norms
 /// and the encoder's `norm_out`.
 const FIXED_NORM_EPS: f64 = 1e-6;
@@ -239,10 +241,10 @@ fn frame(x: &Tensor, t: usize) -> Result<Tensor> {
 }
 
 /// diffusers' `CogVideoXCausalConv3d` (constant pad mode) with kernel (kt, k, k), stride 1:
-/// `kt − 1` frames of context in front, `(k − 1) / 2` zeros around each image.
+/// `kt − 1` frames of context in front, `(k − 1) / 2` zeros around each image. One 3D
+/// convolution through cuDNN where it is loaded ([`conv3d`]), else a sum of 2D convolutions.
 struct CausalConv3d {
-    /// `weight[:, :, k]` for each temporal tap, each `[C_out, C_in, k, k]`.
-    taps: Vec<Tensor>,
+    kernel: Kernel3d,
     bias: Tensor,
     pad: usize,
 }
@@ -255,11 +257,8 @@ impl CausalConv3d {
     /// The weights directly under `vb` (diffusers' plain `CogVideoXSafeConv3d`).
     fn from_weights(cin: usize, cout: usize, kernel: usize, vb: VarBuilder) -> Result<Self> {
         let weight = vb.get((cout, cin, kernel, kernel, kernel), "weight")?;
-        let taps = (0..kernel)
-            .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
-            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            taps,
+            kernel: Kernel3d::new(weight)?,
             bias: vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?,
             pad: (kernel - 1) / 2,
         })
@@ -271,7 +270,7 @@ impl CausalConv3d {
     /// time and each output frame is written into the result in place, so the peak stays near
     /// input + output + one frame's im2col.
     fn forward(&self, x: &Tensor, cache: Option<&mut ConvCache>) -> Result<Tensor> {
-        let kt = self.taps.len();
+        let kt = self.kernel.kt()?;
         let context = kt.saturating_sub(1);
         let (b, _, t_in, _, _) = x.dims5()?;
         let (slot, prev) = if context > 0 {
@@ -301,6 +300,25 @@ impl CausalConv3d {
                 .collect::<Result<Vec<_>>>()?;
             *slot = Some(Tensor::stack(&kept, 2)?);
         }
+        if let Some(w) = self.kernel.whole() {
+            // One 3D convolution over [context | x] (cuDNN).
+            let whole = || -> Result<Option<Tensor>> {
+                let front = (0..context).map(&source).collect::<Result<Vec<_>>>()?;
+                let padded = if front.is_empty() {
+                    x.clone()
+                } else {
+                    Tensor::cat(&[&Tensor::stack(&front, 2)?, x], 2)?
+                };
+                match conv3d::conv3d(&padded, w, [1; 3], [0, self.pad, self.pad])? {
+                    Some(y) => Ok(Some(y.broadcast_add(&self.bias.unsqueeze(4)?)?)),
+                    None => Ok(None),
+                }
+            };
+            if let Some(y) = conv3d::or_fallback(whole) {
+                return Ok(y);
+            }
+        }
+        let taps = self.kernel.taps()?;
         let mut window = (0..context)
             .map(source)
             .collect::<Result<std::collections::VecDeque<_>>>()?;
@@ -308,7 +326,7 @@ impl CausalConv3d {
         for o in 0..t_in {
             window.push_back(source(o + context)?);
             let mut acc: Option<Tensor> = None;
-            for (input, tap) in window.iter().zip(&self.taps) {
+            for (input, tap) in window.iter().zip(taps.iter()) {
                 let y = input.conv2d(tap, self.pad, 1, 1, 1)?;
                 acc = Some(match acc {
                     Some(a) => (a + y)?,
@@ -659,7 +677,8 @@ impl Upsample3D {
         let weight = vb.get((channels, channels, 3, 3), "weight")?;
         Ok(Self {
             conv: CausalConv3d {
-                taps: vec![weight],
+                // A 2D conv is a 3D conv with one temporal tap (one cuDNN call for all frames).
+                kernel: Kernel3d::new(weight.unsqueeze(2)?)?,
                 bias: vb.get(channels, "bias")?.reshape((1, channels, 1, 1))?,
                 pad: 1,
             },

@@ -22,6 +22,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
+use crate::models::conv3d::{self, Kernel3d};
 
 /// Epsilon of every GroupNorm of the decoder (hard-coded in diffusers).
 const NORM_EPS: f64 = 1e-6;
@@ -339,12 +340,11 @@ fn conv2d_banded(x: &Tensor, w: &Tensor, stride: usize, limit: usize) -> Result<
 }
 
 /// `HunyuanVideoCausalConv3d`: replicate padding, k-1 copies of the first frame in front,
-/// then a Conv3d (stride `(time, space, space)`) computed as one conv2d per time tap, by chunks
-/// of output frames.
+/// then a Conv3d (stride `(time, space, space)`): one 3D convolution through cuDNN where it is
+/// loaded ([`conv3d`]), else one conv2d per time tap, by chunks of output frames.
 #[derive(Debug, Clone)]
 struct CausalConv3d {
-    /// Per time tap `[out, in, kh, kw]`.
-    taps: Vec<Tensor>,
+    kernel: Kernel3d,
     bias: Tensor,
     /// (time in front, height each side, width each side), as diffusers' padding tuple.
     pad: (usize, usize, usize),
@@ -366,11 +366,8 @@ impl CausalConv3d {
     ) -> Result<Self> {
         let vb = vb.pp("conv");
         let weight = vb.get((out_ch, in_ch, k, k, k), "weight")?;
-        let taps = (0..k)
-            .map(|i| weight.narrow(2, i, 1)?.squeeze(2)?.contiguous())
-            .collect::<Result<_>>()?;
         Ok(Self {
-            taps,
+            kernel: Kernel3d::new(weight)?,
             bias: vb.get(out_ch, "bias")?,
             // diffusers: (k_t // 2, k_t // 2, k_h // 2, k_h // 2, k_w - 1, 0) for (W, H, T).
             pad: (k - 1, k / 2, k / 2),
@@ -380,15 +377,48 @@ impl CausalConv3d {
 
     /// `x` `[B, T, C, H, W]` -> `[B, T, out, H', W']`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(w) = self.kernel.whole() {
+            if let Some(y) = conv3d::or_fallback(|| self.forward_whole(w, x)) {
+                return Ok(y);
+            }
+        }
         self.forward_bounded(x, MAX_IM2COL_ELEMENTS)
+    }
+
+    /// The conv as one 3D convolution (cuDNN) over the replicate-padded input, or `None` where
+    /// [`conv3d`] does not run it.
+    fn forward_whole(&self, w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        let (pt, ph, pw) = self.pad;
+        let (st, ss) = self.stride;
+        let mut padded = if pt > 0 {
+            Tensor::cat(&[&x.narrow(1, 0, 1)?.repeat((1, pt, 1, 1, 1))?, x], 1)?
+        } else {
+            x.clone()
+        };
+        if ph > 0 {
+            padded = padded.pad_with_same(3, ph, ph)?;
+        }
+        if pw > 0 {
+            padded = padded.pad_with_same(4, pw, pw)?;
+        }
+        // Frames-major [B, T, C, H, W] <-> the convolution's [B, C, T, H, W].
+        let Some(y) = conv3d::conv3d(&padded.transpose(1, 2)?, w, [st, ss, ss], [0; 3])? else {
+            return Ok(None);
+        };
+        let o = y.dim(1)?;
+        Ok(Some(
+            y.transpose(1, 2)?
+                .broadcast_add(&self.bias.reshape((1, o, 1, 1))?)?,
+        ))
     }
 
     fn forward_bounded(&self, x: &Tensor, limit: usize) -> Result<Tensor> {
         let (b, t, c, h, w) = x.dims5()?;
         let (pt, ph, pw) = self.pad;
         let (st, ss) = self.stride;
-        let kt = self.taps.len();
-        let (_, _, kh, kw) = self.taps[0].dims4()?;
+        let kt = self.kernel.kt()?;
+        let (_, _, kh, kw) = self.kernel.tap_dims()?;
+        let taps = self.kernel.taps()?;
         let (hp, wp) = (h + 2 * ph, w + 2 * pw);
         if hp < kh || wp < kw || t + pt < kt {
             candle_core::bail!("conv: a {t}x{h}x{w} input is smaller than the kernel")
@@ -400,7 +430,7 @@ impl CausalConv3d {
         for t0 in (0..t_out).step_by(chunk) {
             let len = chunk.min(t_out - t0);
             let mut acc: Option<Tensor> = None;
-            for (i, tap) in self.taps.iter().enumerate() {
+            for (i, tap) in taps.iter().enumerate() {
                 // Output frame j reads padded frame j * st + i, i.e. input frame
                 // j * st + i - pt; frames before 0 replicate frame 0.
                 let idx: Vec<u32> = (t0..t0 + len)

@@ -86,7 +86,7 @@ pub fn device_tile(dev: &CudaDevice, head_dim: usize, dtype: DType) -> Option<Ti
 /// Whether the fused kernel computes `sdpa` for these inputs: CUDA (compute capability 8.0 or
 /// newer), bf16 or f16, head_dim 64 or 128, matching batch and heads, at least one key, and a
 /// configuration within the device's shared-memory limit.
-pub(super) fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let Device::Cuda(dev) = q.device() else {
         return false;
     };
@@ -115,7 +115,7 @@ pub(super) fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 /// Attention over `[batch, heads, seq, head_dim]`; the caller checked [`supported`].
 /// The result is a `[batch, heads, q_len, head_dim]` view of `[batch, q_len, heads, head_dim]`
 /// storage, so merging the heads afterwards is free.
-pub(super) fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let op = FlashAttn {
         scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
     };
@@ -126,7 +126,7 @@ pub(super) fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resu
 
 /// The kernel reads rows with 16-byte copies: every stride but the last (1) and the start
 /// offset must be multiples of 8 elements; otherwise a contiguous copy is made.
-fn aligned(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
     let layout = t.layout();
     let ok = layout.start_offset().is_multiple_of(8)
         && layout.stride().last() == Some(&1)

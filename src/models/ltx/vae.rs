@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
+use crate::models::conv3d;
 use crate::models::wan::transformer::timestep_embedding;
 use crate::weights::seeded_normal;
 
@@ -349,8 +350,9 @@ fn channel_layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> R
 
 /// `LTXVideoCausalConv3d` with a cubic kernel and the same stride on every axis: time padded
 /// by replicating the first frame (causal: `k - 1` in front; else `(k - 1) / 2` at each end,
-/// the last frame behind), space zero-padded by `k / 2`. Computed as a sum over temporal taps
-/// of 2D convs over batches of frames.
+/// the last frame behind), space zero-padded by `k / 2`. One 3D convolution through cuDNN
+/// where it is loaded ([`conv3d`]), else a sum over temporal taps of 2D convs over batches of
+/// frames.
 #[derive(Debug, Clone)]
 struct CausalConv3d {
     /// `[C_out, C_in, k, k, k]`, as loaded (a temporal tap is sliced out when it runs).
@@ -386,9 +388,6 @@ impl CausalConv3d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, c, t, h, w) = x.dims5()?;
         let k = self.weight.dim(2)?;
-        let taps = (0..k)
-            .map(|tap| self.weight.narrow(2, tap, 1)?.squeeze(2)?.contiguous())
-            .collect::<Result<Vec<_>>>()?;
         let (front, back) = if self.causal {
             (k - 1, 0)
         } else {
@@ -402,13 +401,24 @@ impl CausalConv3d {
         if back > 0 {
             parts.push(x.narrow(2, t - 1, 1)?.repeat((1, 1, back, 1, 1))?);
         }
-        // Frames-major so a run of frames is a batch of images.
-        let padded = Tensor::cat(&parts, 2)?
-            .permute((0, 2, 1, 3, 4))?
-            .contiguous()?;
+        let padded = Tensor::cat(&parts, 2)?;
         let st = self.stride;
-        let t_out = (t + front + back - k) / st + 1;
         let pad = k / 2;
+        let whole = || -> Result<Option<Tensor>> {
+            match conv3d::conv3d(&padded, &self.weight, [st; 3], [0, pad, pad])? {
+                Some(y) => Ok(Some(y.broadcast_add(&self.bias.unsqueeze(4)?)?)),
+                None => Ok(None),
+            }
+        };
+        if let Some(y) = conv3d::or_fallback(whole) {
+            return Ok(y);
+        }
+        // Frames-major so a run of frames is a batch of images.
+        let padded = padded.permute((0, 2, 1, 3, 4))?.contiguous()?;
+        let taps = (0..k)
+            .map(|tap| self.weight.narrow(2, tap, 1)?.squeeze(2)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let t_out = (t + front + back - k) / st + 1;
         let per_frame = (h * w * c * k * k).max(1);
         let frames_per_call = (MAX_IM2COL_ELEMENTS / per_frame).clamp(1, t_out.max(1));
         let mut outs = Vec::with_capacity(b * t_out.div_ceil(frames_per_call));

@@ -9,6 +9,7 @@ use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::models::attention::sdpa;
+use crate::models::conv3d::{self, Kernel3d};
 
 /// Frames of context a causal conv keeps between chunks (diffusers' `CACHE_T`).
 pub(crate) const CACHE_T: usize = 2;
@@ -155,18 +156,32 @@ impl Conv2d {
         })
     }
 
-    /// `[N, C, H, W]` -> `[N, C_out, H', W']`.
+    /// `[N, C, H, W]` -> `[N, C_out, H', W']`: through cuDNN (as a 3D convolution of one frame
+    /// per image) where it is loaded, else memory-lean im2col.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if conv3d::accelerated(x.device()) {
+            let (s, p) = (self.stride, self.padding);
+            let whole = || -> Result<Option<Tensor>> {
+                let w = self.weight.unsqueeze(2)?;
+                match conv3d::conv3d(&x.unsqueeze(2)?, &w, [1, s, s], [0, p, p])? {
+                    Some(y) => Ok(Some(y.squeeze(2)?.broadcast_add(&self.bias)?)),
+                    None => Ok(None),
+                }
+            };
+            if let Some(y) = conv3d::or_fallback(whole) {
+                return Ok(y);
+            }
+        }
         conv2d_lean(x, &self.weight, self.padding, self.stride)?.broadcast_add(&self.bias)
     }
 }
 
 /// diffusers' `WanCausalConv3d`: zero padding of `2 * pad_t` frames in front (or the cached
-/// frames of the previous chunk instead), none behind; symmetric spatial padding. Computed one
-/// output frame at a time as a sum over the temporal taps of 2D convolutions.
+/// frames of the previous chunk instead), none behind; symmetric spatial padding. One 3D
+/// convolution through cuDNN where it is loaded ([`conv3d`]); otherwise computed one output
+/// frame at a time as a sum over the temporal taps of 2D convolutions.
 pub(super) struct CausalConv3d {
-    /// `weight[:, :, k]` for each temporal tap `k`, each `[C_out, C_in, kh, kw]`.
-    taps: Vec<Tensor>,
+    kernel: Kernel3d,
     bias: Tensor,
     front_pad: usize,
     pad_s: usize,
@@ -197,11 +212,8 @@ impl CausalConv3d {
         let (kt, kh, kw) = kernel;
         let weight = vb.get((cout, cin, kt, kh, kw), "weight")?;
         let bias = vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?;
-        let taps = (0..kt)
-            .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
-            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            taps,
+            kernel: Kernel3d::new(weight)?,
             bias,
             front_pad: 2 * pad.0,
             pad_s: pad.1,
@@ -219,15 +231,21 @@ impl CausalConv3d {
         };
         let zeros = self.front_pad.saturating_sub(cached);
         let t_full = zeros + cached + t_in;
-        let kt = self.taps.len();
+        let kt = self.kernel.kt()?;
         if t_full < kt {
             bail!("causal conv3d: {t_full} frames (with padding) for a temporal kernel of {kt}")
         }
         let t_out = (t_full - kt) / self.stride_t + 1;
+        if let Some(w) = self.kernel.whole() {
+            if let Some(y) = conv3d::or_fallback(|| self.forward_whole(w, x, cache, zeros)) {
+                return Ok(y);
+            }
+        }
+        let taps = self.kernel.taps()?;
         let mut outs = Vec::with_capacity(t_out);
         for o in 0..t_out {
             let mut acc: Option<Tensor> = None;
-            for (k, tap) in self.taps.iter().enumerate() {
+            for (k, tap) in taps.iter().enumerate() {
                 let i = o * self.stride_t + k;
                 // A zero padding frame contributes exactly nothing.
                 let input = if i < zeros {
@@ -253,6 +271,38 @@ impl CausalConv3d {
             outs.push(y);
         }
         Tensor::stack(&outs, 1)
+    }
+
+    /// The conv as one 3D convolution over the padded chunk (`zeros` padding frames, then the
+    /// cached frames, then `x`), or `None` where [`conv3d`] does not run it.
+    fn forward_whole(
+        &self,
+        w: &Tensor,
+        x: &Tensor,
+        cache: Option<&Tensor>,
+        zeros: usize,
+    ) -> Result<Option<Tensor>> {
+        let (b, _, c, h, wd) = x.dims5()?;
+        let mut parts = Vec::with_capacity(3);
+        if zeros > 0 {
+            parts.push(Tensor::zeros((b, zeros, c, h, wd), x.dtype(), x.device())?);
+        }
+        if let Some(cache) = cache {
+            parts.push(cache.clone());
+        }
+        parts.push(x.clone());
+        let input = if parts.len() == 1 {
+            x.clone()
+        } else {
+            Tensor::cat(&parts, 1)?
+        };
+        // Frames-major [B, T, C, H, W] <-> the convolution's [B, C, T, H, W].
+        let stride = [self.stride_t, 1, 1];
+        let padding = [0, self.pad_s, self.pad_s];
+        match conv3d::conv3d(&input.transpose(1, 2)?, w, stride, padding)? {
+            Some(y) => Ok(Some(y.transpose(1, 2)?.broadcast_add(&self.bias)?)),
+            None => Ok(None),
+        }
     }
 
     /// Runs the conv on one chunk with this conv's cache slot, then stores the last
