@@ -672,3 +672,64 @@ fn other_sizes_follow_the_configs() {
     // round(158 / 24 · 40) = 263 audio latents of 8 samples (the audio VAE's hop).
     assert_eq!(file["audio"].dims(), [2, 263 * 8]);
 }
+
+/// Audio latents that become NaN fail the prompt at the first step, like video latents do:
+/// exit 1, the step named, nothing written.
+#[test]
+fn non_finite_audio_latents_fail_the_prompt() {
+    let dir = scratch("nan-audio");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let audio = refs["audio_latents_init"].clone();
+    let nan = (audio.ones_like().unwrap() * f64::NAN).unwrap();
+    let draws: HashMap<String, Tensor> = [
+        ("latents".to_string(), refs["latents_init"].clone()),
+        ("audio_latents".to_string(), nan),
+    ]
+    .into();
+    let path = dir.join("nan.safetensors");
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    let preset = &readme()["preset"];
+    let size = |k: &str| preset[k].to_string();
+    let (height, width, frames, steps) = (
+        size("height"),
+        size("width"),
+        size("num_frames"),
+        size("num_inference_steps"),
+    );
+    let model = named_fixture_dir(FIXTURE);
+    let out = vidgen(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        &prompt(0),
+        "--height",
+        &height,
+        "--width",
+        &width,
+        "--num-frames",
+        &frames,
+        "--num-inference-steps",
+        &steps,
+        "--latents",
+        path.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--dtype",
+        "f32",
+        "--output-type",
+        "safetensors",
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("NaN or infinite at denoising step 1 of"),
+        "{stderr}"
+    );
+    assert!(!dir.join("v.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -80,6 +80,7 @@ pub fn write_wav(path: &Path, audio: &Audio) -> Result<()> {
 }
 
 /// `planes` resampled from `from` Hz to `to` Hz by linear interpolation, `length` samples each.
+#[cfg(any(test, feature = "mp4"))]
 fn resample(planes: &[Vec<f32>], from: u32, to: u32, length: usize) -> Vec<Vec<f32>> {
     let ratio = f64::from(from) / f64::from(to);
     planes

@@ -582,7 +582,8 @@ impl MiniMaxH3 {
             })?;
             video = video_schedule.step(i, &v, &video)?;
             audio = audio_schedule.step(i, &a, &audio)?;
-            self.progress.step(i + 1, forwards);
+            stages::check_finite(&audio, i + 1, forwards)?;
+            stages::step_done(&self.progress, &video, i + 1, forwards)?;
         }
         stages::report_denoise(
             &self.progress,

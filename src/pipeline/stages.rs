@@ -80,6 +80,13 @@ pub(crate) fn step_done(
     done: usize,
     total: usize,
 ) -> Result<()> {
+    check_finite(latents, done, total)?;
+    progress.step(done, total);
+    Ok(())
+}
+
+/// Fails when `latents` hold a NaN or an infinity after denoising step `done` of `total`.
+pub(crate) fn check_finite(latents: &Tensor, done: usize, total: usize) -> Result<()> {
     // `x - x` is exactly 0 for a finite x and NaN otherwise; the sum cannot overflow.
     let probe = latents
         .sub(latents)?
@@ -91,7 +98,6 @@ pub(crate) fn step_done(
             "the latents became NaN or infinite at denoising step {done} of {total}; lower --guidance-scale, try --dtype f32, or check the weights and --latents"
         );
     }
-    progress.step(done, total);
     Ok(())
 }
 
