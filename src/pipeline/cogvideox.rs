@@ -467,50 +467,21 @@ impl CogVideoX {
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.scale_latents(&latents.to_device(&self.device)?)?;
         let video = vae.decode(&z)?.to_dtype(DType::F32)?;
-        let frames = ((video / 2.0)? + 0.5)?.clamp(0f32, 1f32)?;
-        job.frames = Some(
-            frames
-                .squeeze(0)?
-                .permute((1, 2, 3, 0))?
-                .to_device(&Device::Cpu)?,
-        );
+        job.frames = Some(stages::video_frames(&video)?);
         Ok(())
     }
 
     /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: usize) -> Result<()> {
-        let spec = &self.spec.components[component];
-        let dtype = spec.dtype(self.config.dtype());
-        let what = format!("loading {} of {}", spec.name, self.source);
-        let weights = stages::open_weights(
-            &self.source,
-            self.spec.components[component].name,
-            &self.progress,
-        )?;
-        let (placement, device, progress) = (&self.placement, &self.device, &self.progress);
-        let spec = &self.spec;
+        let loader = stages::loader!(self);
         match component {
             TEXT_ENCODER => {
-                let cfg = &self.configs.text_encoder;
-                let placed = stages::place(
-                    spec, placement, component, cfg, &weights, dtype, device, progress,
-                );
-                self.text_encoder = Some(placed.context(what)?);
+                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
             }
             TRANSFORMER => {
-                let cfg = &self.configs.transformer;
-                let placed = stages::place(
-                    spec, placement, component, cfg, &weights, dtype, device, progress,
-                );
-                self.transformer = Some(placed.context(what)?);
+                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
             }
-            _ => {
-                let cfg = &self.configs.vae;
-                let placed = stages::place(
-                    spec, placement, component, cfg, &weights, dtype, device, progress,
-                );
-                self.vae = Some(placed.context(what)?);
-            }
+            _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
         }
         Ok(())
     }

@@ -28,10 +28,10 @@ use crate::models::hunyuan_video::transformer::{
 use crate::models::hunyuan_video::vae::{
     AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
 };
-use crate::models::source::{component_weights, FileRef, ModelSource};
+use crate::models::source::{FileRef, ModelSource};
 use crate::offload::Residency;
 use crate::schedulers::{Scheduler, SchedulerKind};
-use crate::weights::{seeded_normal, WeightSet};
+use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -523,12 +523,12 @@ impl HunyuanVideo {
             let input = latents.to_dtype(dtype)?;
             // diffusers: t.expand(B).to(latents.dtype), float32.
             let timestep = Tensor::new(&[*t as f32], &self.device)?;
-            let noise_cond = self.timed(&mut forward_seconds, || {
+            let noise_cond = stages::timed(&self.device, &mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, &cond, &guidance)
             })?;
             let noise = match (&negative, true_cfg_scale) {
                 (Some(neg), Some(scale)) => {
-                    let noise_neg = self.timed(&mut forward_seconds, || {
+                    let noise_neg = stages::timed(&self.device, &mut forward_seconds, || {
                         dit_forward(model, &input, &timestep, neg, &guidance)
                     })?;
                     true_cfg(&noise_cond, &noise_neg, scale)?
@@ -548,64 +548,20 @@ impl HunyuanVideo {
 
     /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: usize) -> Result<()> {
-        let spec = self.spec.components[component].clone();
-        let dtype = spec.dtype(self.config.dtype());
-        let what = || format!("loading {} of {}", spec.name, self.source);
-        let weights =
-            WeightSet::open(&component_weights(&self.source, spec.name)?).with_context(what)?;
-        let total = weights.stored_bytes();
-        let weights = weights.with_progress(
-            self.progress
-                .bytes(&format!("reading {}", spec.name), total),
-        );
+        let loader = stages::loader!(self);
         match component {
             TEXT_ENCODER => {
-                let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
-                self.text_encoder = Some(placed.with_context(what)?);
+                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
             }
             TEXT_ENCODER_2 => {
-                let placed = self.place(component, &self.configs.text_encoder_2, &weights, dtype);
-                self.text_encoder_2 = Some(placed.with_context(what)?);
+                self.text_encoder_2 = Some(loader.build(component, &self.configs.text_encoder_2)?)
             }
             TRANSFORMER => {
-                let placed = self.place(component, &self.configs.transformer, &weights, dtype);
-                self.transformer = Some(placed.with_context(what)?);
+                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
             }
-            _ => {
-                let placed = self.place(component, &self.configs.vae, &weights, dtype);
-                self.vae = Some(placed.with_context(what)?);
-            }
+            _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
         }
         Ok(())
-    }
-
-    /// Builds `component` as the placement says and reports where its weights went.
-    fn place<M: Blockwise>(
-        &self,
-        component: usize,
-        cfg: &M::Config,
-        weights: &WeightSet,
-        dtype: DType,
-    ) -> Result<Placed<M>> {
-        stages::place(
-            &self.spec,
-            &self.placement,
-            component,
-            cfg,
-            weights,
-            dtype,
-            &self.device,
-            &self.progress,
-        )
-    }
-
-    /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
-    fn timed<T>(
-        &self,
-        seconds: &mut Vec<f64>,
-        f: impl FnOnce() -> candle_core::Result<T>,
-    ) -> Result<T> {
-        stages::timed(&self.device, seconds, f)
     }
 
     /// `latents / scaling_factor`, the VAE decode (temporal tiling as diffusers' default;
@@ -631,16 +587,7 @@ impl HunyuanVideo {
                 vae.decode(&z)?
             }
         };
-        let frames = video
-            .to_dtype(DType::F32)?
-            .affine(0.5, 0.5)?
-            .clamp(0f32, 1f32)?;
-        job.frames = Some(
-            frames
-                .squeeze(0)?
-                .permute((1, 2, 3, 0))?
-                .to_device(&Device::Cpu)?,
-        );
+        job.frames = Some(stages::video_frames(&video.to_dtype(DType::F32)?)?);
         Ok(())
     }
 }

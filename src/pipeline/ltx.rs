@@ -587,29 +587,15 @@ impl Ltx {
 
     /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: usize) -> Result<()> {
-        let spec = self.spec.components[component].clone();
-        let dtype = spec.dtype(self.config.dtype());
-        let what = || format!("loading {} of {}", spec.name, self.source);
-        let weights = stages::open_weights(&self.source, spec.name, &self.progress)?;
-        macro_rules! place {
-            ($cfg:expr) => {
-                stages::place(
-                    &self.spec,
-                    &self.placement,
-                    component,
-                    $cfg,
-                    &weights,
-                    dtype,
-                    &self.device,
-                    &self.progress,
-                )
-                .with_context(what)
-            };
-        }
+        let loader = stages::loader!(self);
         match component {
-            TEXT_ENCODER => self.text_encoder = Some(place!(&self.configs.text_encoder)?),
-            TRANSFORMER => self.transformer = Some(place!(&self.configs.transformer)?),
-            _ => self.vae = Some(place!(&self.configs.vae)?),
+            TEXT_ENCODER => {
+                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
+            }
+            TRANSFORMER => {
+                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
+            }
+            _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
         }
         Ok(())
     }

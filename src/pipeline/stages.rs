@@ -18,43 +18,97 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
 
-/// The weights of component `name` of `source`, opened with a progress bar.
-pub(crate) fn open_weights(
-    source: &ModelSource,
-    name: &str,
-    progress: &Arc<Progress>,
-) -> Result<WeightSet> {
-    let weights = WeightSet::open(&component_weights(source, name)?)
-        .with_context(|| format!("loading {name} of {source}"))?;
-    let total = weights.stored_bytes();
-    Ok(weights.with_progress(progress.bytes(&format!("reading {name}"), total)))
+/// Where a family's components come from and how they are placed: the one way every family
+/// builds a component. [`loader!`] makes one from a pipeline's fields.
+pub(crate) struct Loader<'a> {
+    pub spec: &'a PipelineSpec,
+    pub placement: &'a Placement,
+    pub source: &'a ModelSource,
+    pub device: &'a Device,
+    pub progress: &'a Arc<Progress>,
+    /// The run's dtype (a component may keep its own, see [`super::spec::ComponentSpec::dtype`]).
+    pub dtype: DType,
 }
 
-/// Builds `component` as the placement says and reports where its weights went.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn place<M: Blockwise>(
-    spec: &PipelineSpec,
-    placement: &Placement,
-    component: usize,
-    cfg: &M::Config,
-    weights: &WeightSet,
-    dtype: DType,
-    device: &Device,
-    progress: &Progress,
-) -> Result<Placed<M>> {
-    let residency = placement.residencies[component];
-    let name = spec.components[component].name;
-    let placed = Placed::load(cfg, weights, residency, placement.memory, dtype, device)?;
-    const GIB: f64 = (1u64 << 30) as f64;
-    progress.note(&match placed.offload_usage() {
-        Some(u) => format!(
-            "{name}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
-            u.host_bytes as f64 / GIB,
-            u.pinned_bytes as f64 / GIB
-        ),
-        None => format!("{name}: {residency}"),
-    });
-    Ok(placed)
+/// The [`Loader`] of a family pipeline with fields `spec`, `placement`, `source`, `device`,
+/// `progress` and `config` (borrowing only those, so the pipeline's component fields stay free
+/// to take what it builds).
+macro_rules! loader {
+    ($pipeline:expr) => {
+        $crate::pipeline::stages::Loader {
+            spec: &$pipeline.spec,
+            placement: &$pipeline.placement,
+            source: &$pipeline.source,
+            device: &$pipeline.device,
+            progress: &$pipeline.progress,
+            dtype: $pipeline.config.dtype(),
+        }
+    };
+}
+pub(crate) use loader;
+
+impl Loader<'_> {
+    /// Opens `component`'s weights and builds it as the placement says.
+    pub(crate) fn build<M: Blockwise>(
+        &self,
+        component: usize,
+        cfg: &M::Config,
+    ) -> Result<Placed<M>> {
+        let weights = self.weights(component)?;
+        self.place(component, cfg, &weights)
+            .with_context(|| self.what(component))
+    }
+
+    /// "loading NAME of SOURCE", the context of a failure to build `component`.
+    pub(crate) fn what(&self, component: usize) -> String {
+        format!(
+            "loading {} of {}",
+            self.spec.components[component].name, self.source
+        )
+    }
+
+    /// The dtype `component`'s weights take.
+    pub(crate) fn dtype(&self, component: usize) -> DType {
+        self.spec.components[component].dtype(self.dtype)
+    }
+
+    /// `component`'s weights, opened with a progress bar.
+    pub(crate) fn weights(&self, component: usize) -> Result<WeightSet> {
+        let name = self.spec.components[component].name;
+        let weights = WeightSet::open(&component_weights(self.source, name)?)
+            .with_context(|| self.what(component))?;
+        let total = weights.stored_bytes();
+        Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
+    }
+
+    /// Builds `component` from `weights` as the placement says and reports where they went.
+    fn place<M: Blockwise>(
+        &self,
+        component: usize,
+        cfg: &M::Config,
+        weights: &WeightSet,
+    ) -> Result<Placed<M>> {
+        let residency = self.placement.residencies[component];
+        let name = self.spec.components[component].name;
+        let placed = Placed::load(
+            cfg,
+            weights,
+            residency,
+            self.placement.memory,
+            self.dtype(component),
+            self.device,
+        )?;
+        const GIB: f64 = (1u64 << 30) as f64;
+        self.progress.note(&match placed.offload_usage() {
+            Some(u) => format!(
+                "{name}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
+                u.host_bytes as f64 / GIB,
+                u.pinned_bytes as f64 / GIB
+            ),
+            None => format!("{name}: {residency}"),
+        });
+        Ok(placed)
+    }
 }
 
 /// Runs `f` and records its wall time, waiting for the device so the time is the work's.

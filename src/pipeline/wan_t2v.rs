@@ -770,12 +770,12 @@ impl WanT2V {
             };
             let image = image_embeds.as_ref();
             let sequence = self.config.ranks.as_ref().map(|r| &r.sequence);
-            let noise_cond = self.timed(&mut forward_seconds, || {
+            let noise_cond = stages::timed(&self.device, &mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, cond, image, sequence)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
-                    let noise_uncond = self.timed(&mut forward_seconds, || {
+                    let noise_uncond = stages::timed(&self.device, &mut forward_seconds, || {
                         dit_forward(model, &input, &timestep, uncond, image, sequence)
                     })?;
                     // diffusers combines in the transformer dtype.
@@ -851,27 +851,23 @@ impl WanT2V {
 
     /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: usize) -> Result<()> {
-        let spec = self.spec.components[component].clone();
-        let dtype = spec.dtype(self.config.dtype());
-        let what = || format!("loading {} of {}", spec.name, self.source);
-        let weights = stages::open_weights(&self.source, spec.name, &self.progress)?;
+        let loader = stages::loader!(self);
         match self.parts[component] {
             Part::TextEncoder => {
-                let placed = self.place(component, &self.configs.text_encoder, &weights, dtype);
-                self.text_encoder = Some(placed.with_context(what)?);
+                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
             }
             Part::ImageEncoder => {
                 let cfg = self.configs.image_encoder.clone().unwrap_or_default();
-                let placed = self.place(component, &cfg, &weights, dtype);
-                self.image_encoder = Some(placed.with_context(what)?);
+                self.image_encoder = Some(loader.build(component, &cfg)?);
             }
             Part::Transformer if self.fsdp().is_some() => {
-                let placed = self.shard(&self.configs.transformer, &weights, dtype);
-                self.transformer = Some(placed.with_context(what)?);
+                let weights = loader.weights(component)?;
+                let placed =
+                    self.shard(&self.configs.transformer, &weights, loader.dtype(component));
+                self.transformer = Some(placed.with_context(|| loader.what(component))?);
             }
             Part::Transformer => {
-                let placed = self.place(component, &self.configs.transformer, &weights, dtype);
-                self.transformer = Some(placed.with_context(what)?);
+                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
             }
             Part::Transformer2 => {
                 let cfg = self
@@ -879,13 +875,9 @@ impl WanT2V {
                     .transformer_2
                     .clone()
                     .unwrap_or_else(|| self.configs.transformer.clone());
-                let placed = self.place(component, &cfg, &weights, dtype);
-                self.transformer_2 = Some(placed.with_context(what)?);
+                self.transformer_2 = Some(loader.build(component, &cfg)?);
             }
-            Part::Vae => {
-                let placed = self.place(component, &self.configs.vae, &weights, dtype);
-                self.vae = Some(placed.with_context(what)?);
-            }
+            Part::Vae => self.vae = Some(loader.build(component, &self.configs.vae)?),
         }
         Ok(())
     }
@@ -930,35 +922,6 @@ impl WanT2V {
         Ok(placed)
     }
 
-    /// Builds `component` as the placement says and reports where its weights went.
-    fn place<M: Blockwise>(
-        &self,
-        component: usize,
-        cfg: &M::Config,
-        weights: &WeightSet,
-        dtype: DType,
-    ) -> Result<Placed<M>> {
-        stages::place(
-            &self.spec,
-            &self.placement,
-            component,
-            cfg,
-            weights,
-            dtype,
-            &self.device,
-            &self.progress,
-        )
-    }
-
-    /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
-    fn timed<T>(
-        &self,
-        seconds: &mut Vec<f64>,
-        f: impl FnOnce() -> candle_core::Result<T>,
-    ) -> Result<T> {
-        stages::timed(&self.device, seconds, f)
-    }
-
     fn decode(&self, job: &mut Job) -> Result<()> {
         let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
         let vae = held.model();
@@ -970,47 +933,7 @@ impl WanT2V {
         } else {
             vae.decode(&z)?
         };
-        let frames = ((video * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
-        let frames = frames
-            .squeeze(0)?
-            .permute((1, 2, 3, 0))?
-            .to_dtype(DType::F32)?
-            .to_device(&Device::Cpu)?;
-        job.frames = Some(frames);
-        Ok(())
-    }
-
-    fn write(&self, job: &mut Job) -> Result<()> {
-        let frames = job.frames.take().context("nothing decoded")?;
-        let metadata = vec![
-            ("title".to_string(), job.prompt.clone()),
-            (
-                "comment".to_string(),
-                format!("vidgen: {} seed {}", self.config.generation.model, job.seed),
-            ),
-            ("vidgen_prompt".to_string(), job.prompt.clone()),
-            (
-                "vidgen_negative_prompt".to_string(),
-                job.negative_prompt.clone(),
-            ),
-            ("vidgen_seed".to_string(), job.seed.to_string()),
-            (
-                "vidgen_model".to_string(),
-                self.config.generation.model.clone(),
-            ),
-            (
-                "vidgen_config".to_string(),
-                self.config.output.config_json.clone(),
-            ),
-        ];
-        crate::output::write(
-            self.config.output.kind,
-            &job.output,
-            &frames,
-            self.config.output.fps,
-            &metadata,
-        )?;
-        job.written = true;
+        job.frames = Some(stages::video_frames(&video)?);
         Ok(())
     }
 }
@@ -1043,7 +966,7 @@ impl Pipeline for WanT2V {
             Step::Denoise => self.denoise(job, false),
             Step::DenoiseLow => self.denoise(job, true),
             Step::Decode => self.decode(job),
-            Step::Write => self.write(job),
+            Step::Write => stages::write_video(&self.config, job),
         };
         if result.is_err() {
             self.denoising.remove(&job.index);
