@@ -1,34 +1,46 @@
-//! Offload benchmark: one synthetic Wan2.1 component per mode, in one process, timed the way
-//! diffusers' peer script times (median s/forward after warm-up, pool peaks reset after it).
+//! Offload benchmark: one synthetic DiT (or the Wan VAE) per mode, in one process, timed the
+//! way diffusers' peer scripts time (median s/forward after warm-up, pool peaks reset after it).
+//! Every family whose DiT streams by blocks runs: Wan (2.1, 2.2), LTX-Video, CogVideoX,
+//! HunyuanVideo, each fed the inputs its pipeline feeds its transformer at one CFG branch.
 //!
 //! cargo build --release --features cuda --example offload_bench
-//! offload_bench MODEL FORWARDS FRAMESxHEIGHTxWIDTH 'label: flags' ...   (a label starting with "vae" decodes instead)
+//! offload_bench MODEL FORWARDS FRAMESxHEIGHTxWIDTH 'label: flags' ...   (a Wan label starting with "vae" decodes instead)
 //!
 //! With `VIDGEN_BENCH_FILES=DIR`, a synthetic model's weights are first written to DIR as
 //! safetensors (bf16, f32 where the model keeps f32) and every mode loads them from that file,
 //! as from a downloaded checkpoint sitting in the page cache (DIR on a tmpfs such as /dev/shm).
 //!
-//! Prints one JSON object per mode: s/forward, setup seconds, model memory (pool bytes in use
-//! once placed), inference peaks (used / reserved), pinned and host bytes, bytes copied, copy
-//! busy time and throughput.
+//! Prints one JSON object per mode: s/forward, setup seconds, the move-in of a parked model
+//! (`hold_s`), model memory (pool bytes in use once placed), inference peaks (used / reserved),
+//! pinned and host bytes, bytes copied, copy busy time and throughput, and the largest
+//! difference of the output from the first mode's.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use std::time::Instant;
 use vidgen::cli::args::GenerateOptions;
 use vidgen::memory::accounting::{MemoryMeter, MemoryPeaks};
+use vidgen::models::cogvideox::transformer::CogVideoXTransformer3DModel;
+use vidgen::models::hunyuan_video::scheduler::guidance_input;
+use vidgen::models::hunyuan_video::transformer::HunyuanVideoTransformer3DModel;
+use vidgen::models::ltx::transformer::{LtxTransformer3DModel, LtxTransformerConfig};
 use vidgen::models::source::component_weights;
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::group::Slot;
-use vidgen::offload::Residency;
-use vidgen::offload::{record, Packing, Usage};
+use vidgen::offload::{record, Packing, Residency, Usage};
+use vidgen::pipeline::cogvideox::{self, CogVideoXConfigs};
+use vidgen::pipeline::hunyuan_video::{self, HunyuanConfigs, TextConds};
+use vidgen::pipeline::ltx::{self, LtxConfigs};
 use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement};
-use vidgen::pipeline::registry::{Family, RunShape};
+use vidgen::pipeline::registry::{family, Configs, RunShape};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
 use vidgen::weights::{seeded_normal, WeightSet, Weights};
+
+/// Valid prompt tokens where a pipeline passes an attention mask (as the peer script's).
+const PROMPT_TOKENS: usize = 40;
 
 #[derive(Parser)]
 struct Flags {
@@ -36,127 +48,318 @@ struct Flags {
     options: GenerateOptions,
 }
 
+/// What every mode of one run shares.
+struct Bench {
+    source: ModelSource,
+    size: [u32; 3],
+    forwards: usize,
+    device: Device,
+    meter: MemoryMeter,
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let (model, forwards) = (&args[1], args[2].parse::<usize>()?);
-    let device = Device::new_cuda(0).or_else(|_| Ok::<_, anyhow::Error>(Device::Cpu))?;
-    let source = ModelSource::parse(model)?;
-    let configs = WanConfigs::read(&source)?;
     let size: Vec<u32> = args[3]
         .split('x')
         .map(str::parse)
         .collect::<Result<_, _>>()
         .context("size is FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")?;
-    let shape = configs.latent_shape(size[0], size[1], size[2]);
-    let meter = MemoryMeter::new(&device);
-    let mut first_output: Option<Vec<f32>> = None;
-    for spec in &args[4..] {
-        let (label, flags) = spec.split_once(':').context("a mode is 'label: flags'")?;
-        let mut argv = vec!["bench".to_string()];
-        argv.extend(flags.split_whitespace().map(String::from));
-        let options = Flags::try_parse_from(argv)?.options;
+    let device = Device::new_cuda(0).or_else(|_| Ok::<_, anyhow::Error>(Device::Cpu))?;
+    let bench = Bench {
+        source: ModelSource::parse(&args[1])?,
+        forwards: args[2].parse()?,
+        size: [size[0], size[1], size[2]],
+        meter: MemoryMeter::new(&device),
+        device,
+    };
+    let modes = &args[4..];
+    let index: serde_json::Value = bench.source.json("model_index.json")?;
+    let bf16 = |t: Tensor, device: &Device| -> Result<Tensor> {
+        Ok(t.to_dtype(DType::BF16)?.to_device(device)?)
+    };
+    let [frames, height, width] = bench.size;
+    match index["_class_name"].as_str().unwrap_or("") {
+        "WanPipeline" | "WanImageToVideoPipeline" => {
+            let c = WanConfigs::read(&bench.source)?;
+            if c.transformer.has_image_branch() {
+                bail!("the benchmark feeds text-to-video inputs; an image-to-video DiT is not covered");
+            }
+            let shape = c.latent_shape(frames, height, width);
+            let text_dim = c.transformer.text_dim;
+            bench.run(
+                &c.transformer,
+                512,
+                modes,
+                Some(&c),
+                |device| {
+                    Ok((
+                        bf16(seeded_normal(1, &shape)?, device)?,
+                        Tensor::new(&[999f32], device)?,
+                        bf16(seeded_normal(2, &[1, 512, text_dim])?, device)?,
+                    ))
+                },
+                |held: &Held<'_, WanTransformer3DModel>, (latents, t, text)| {
+                    Ok(dit_forward(held, latents, t, text, None, None)?)
+                },
+            )
+        }
+        "LTXPipeline" => {
+            let c = LtxConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let grid = c.token_grid(c.grid(frames, height, width));
+            let packed = c.packed_shape(c.grid(frames, height, width));
+            let text_len = 128;
+            let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
+                c.vae.temporal_compression_ratio(),
+                c.vae.spatial_compression_ratio(),
+                25.0,
+            );
+            let caption = c.transformer.caption_channels;
+            bench.run(
+                &c.transformer,
+                text_len,
+                modes,
+                None,
+                |device| {
+                    Ok((
+                        bf16(seeded_normal(1, &packed)?, device)?,
+                        bf16(seeded_normal(2, &[1, text_len, caption])?, device)?,
+                        Tensor::new(&[1000f32], device)?,
+                        prompt_mask(text_len, DType::BF16, device)?,
+                    ))
+                },
+                |held: &Held<'_, LtxTransformer3DModel>, (latents, text, t, mask)| {
+                    Ok(ltx::dit_forward(
+                        held, latents, text, t, mask, grid, rope_scale,
+                    )?)
+                },
+            )
+        }
+        "CogVideoXPipeline" => {
+            let c = CogVideoXConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let shape = c.latent_shape(frames, height, width);
+            let text_len = c.transformer.max_text_seq_length;
+            let text_dim = c.transformer.text_embed_dim;
+            bench.run(
+                &c.transformer,
+                text_len,
+                modes,
+                None,
+                |device| {
+                    Ok((
+                        bf16(seeded_normal(1, &shape)?, device)?,
+                        Tensor::new(&[999i64], device)?,
+                        bf16(seeded_normal(2, &[1, text_len, text_dim])?, device)?,
+                    ))
+                },
+                |held: &Held<'_, CogVideoXTransformer3DModel>, (latents, t, text)| {
+                    Ok(cogvideox::dit_forward(held, latents, t, text)?)
+                },
+            )
+        }
+        "HunyuanVideoPipeline" => {
+            let c = HunyuanConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let shape = c.latent_shape(frames, height, width);
+            let text_len = 256;
+            let t = &c.transformer;
+            let (text_dim, pooled_dim) = (t.text_embed_dim, t.pooled_projection_dim);
+            bench.run(
+                &c.transformer,
+                text_len,
+                modes,
+                None,
+                |device| {
+                    let text = TextConds {
+                        embeds: bf16(seeded_normal(2, &[1, text_len, text_dim])?, device)?,
+                        mask: prompt_mask(text_len, DType::BF16, device)?,
+                        pooled: bf16(seeded_normal(3, &[1, pooled_dim])?, device)?,
+                    };
+                    Ok((
+                        bf16(seeded_normal(1, &shape)?, device)?,
+                        Tensor::new(&[1000f32], device)?,
+                        text,
+                        guidance_input(6.0, 1, DType::BF16, device)?,
+                    ))
+                },
+                |held: &Held<'_, HunyuanVideoTransformer3DModel>, (latents, t, text, guidance)| {
+                    Ok(hunyuan_video::dit_forward(
+                        held, latents, t, text, guidance,
+                    )?)
+                },
+            )
+        }
+        other => bail!("{other:?}: the benchmark runs Wan, LTX-Video, CogVideoX and HunyuanVideo"),
+    }
+}
+
+/// A `[1, len]` mask with the first [`PROMPT_TOKENS`] tokens valid.
+fn prompt_mask(len: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let valid: Vec<f32> = (0..len)
+        .map(|i| f32::from(u8::from(i < PROMPT_TOKENS)))
+        .collect();
+    Ok(Tensor::from_vec(valid, (1, len), device)?.to_dtype(dtype)?)
+}
+
+impl Bench {
+    /// Runs every mode on DiT `M` (and, given Wan's configs, the Wan VAE for labels starting
+    /// with "vae"), printing one JSON line per mode.
+    #[allow(clippy::too_many_arguments)]
+    fn run<M: Blockwise, I>(
+        &self,
+        cfg: &M::Config,
+        text_len: usize,
+        modes: &[String],
+        wan: Option<&WanConfigs>,
+        inputs: impl Fn(&Device) -> Result<I>,
+        forward: impl Fn(&Held<'_, M>, &I) -> Result<Tensor>,
+    ) -> Result<()> {
+        let family = family(Configs::Fetch(&self.source))?;
+        let [num_frames, height, width] = self.size;
         let run = RunShape {
             dtype: DType::BF16,
-            num_frames: size[0],
-            height: size[1],
-            width: size[2],
-            text_len: 512,
+            num_frames,
+            height,
+            width,
+            text_len,
             vae_tiling: false,
             image: false,
         };
-        let spec = configs.spec(&run);
-        let placement = Placement::new(&vidgen::cli::resolve::memory_options(&options), &spec);
-        let residency = |name| spec.component(name).map(|i| placement.residencies[i]);
-        let vae = label.starts_with("vae");
-        let folder = if vae { "vae" } else { "transformer" };
-        let weights = match std::env::var_os("VIDGEN_BENCH_FILES") {
-            Some(dir) => materialized(&source, folder, &configs, dir.as_ref())?,
-            None => WeightSet::open(&component_weights(&source, folder)?)?,
-        };
-        let m = if vae {
-            let z = |device: &Device| Ok(Tensor::randn(0f32, 1f32, &shape[..], device)?);
-            measure::<AutoencoderKLWan, _>(
-                (
-                    &configs.vae,
-                    &weights,
-                    residency("vae").context("no vae")?,
-                    &placement,
-                ),
-                DType::F32,
-                (&device, &meter, forwards),
-                false,
-                z,
-                |held, z| Ok(held.model().decode(z)?),
-            )?
-        } else {
-            let text_dim = configs.transformer.text_dim;
-            let inputs = |device: &Device| {
-                let bf16 = |t: Tensor| t.to_dtype(DType::BF16)?.to_device(device);
-                Ok((
-                    bf16(seeded_normal(1, &shape)?)?,
-                    Tensor::new(&[999f32], device)?,
-                    bf16(seeded_normal(2, &[1, 512, text_dim])?)?,
-                ))
+        let spec = family.spec(&run);
+        let mut first_output: Option<Vec<f32>> = None;
+        for mode in modes {
+            let (label, flags) = mode.split_once(':').context("a mode is 'label: flags'")?;
+            let mut argv = vec!["bench".to_string()];
+            argv.extend(flags.split_whitespace().map(String::from));
+            let options = Flags::try_parse_from(argv)?.options;
+            let placement = Placement::new(&vidgen::cli::resolve::memory_options(&options), &spec);
+            let residency = |name| {
+                spec.component(name)
+                    .map(|i| placement.residencies[i])
+                    .with_context(|| format!("no {name}"))
             };
-            let m = measure::<WanTransformer3DModel, _>(
-                (
-                    &configs.transformer,
-                    &weights,
-                    residency("transformer").context("no transformer")?,
-                    &placement,
-                ),
-                DType::BF16,
-                (&device, &meter, forwards),
-                true,
-                inputs,
-                |held, (latents, timestep, text)| {
-                    Ok(dit_forward(held, latents, timestep, text, None, None)?)
-                },
-            )?;
-            let out = m
-                .output
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let diff = match &first_output {
-                None => 0.0,
-                Some(first) => first
-                    .iter()
-                    .zip(&out)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max),
+            let m = match wan.filter(|_| label.starts_with("vae")) {
+                Some(wan) => {
+                    let weights = self.weights::<AutoencoderKLWan>("vae", &wan.vae, DType::F32)?;
+                    let shape = wan.latent_shape(num_frames, height, width);
+                    let z = |device: &Device| Ok(Tensor::randn(0f32, 1f32, &shape[..], device)?);
+                    self.measure::<AutoencoderKLWan, _>(
+                        (&wan.vae, &weights, residency("vae")?, &placement),
+                        DType::F32,
+                        false,
+                        z,
+                        |held, z| Ok(held.model().decode(z)?),
+                    )?
+                }
+                None => {
+                    let weights = self.weights::<M>("transformer", cfg, DType::BF16)?;
+                    let m = self.measure::<M, _>(
+                        (cfg, &weights, residency("transformer")?, &placement),
+                        DType::BF16,
+                        true,
+                        &inputs,
+                        &forward,
+                    )?;
+                    let out = m
+                        .output
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    let diff = match &first_output {
+                        None => 0.0,
+                        Some(first) => first
+                            .iter()
+                            .zip(&out)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, f32::max),
+                    };
+                    println!("{{\"label\":\"{label}\",\"max_abs_diff_vs_first_mode\":{diff}}}");
+                    first_output.get_or_insert(out);
+                    m
+                }
             };
-            println!("{{\"label\":\"{label}\",\"max_abs_diff_vs_first_mode\":{diff}}}");
-            first_output.get_or_insert(out);
-            m
-        };
-        let mut times = m.times;
-        times.sort_by(f64::total_cmp);
-        let (copies, pinned, host) = (m.usage.copies, m.usage.pinned_bytes, m.usage.host_bytes);
-        const GIB: f64 = (1u64 << 30) as f64;
-        println!(
-            "{}",
-            serde_json::json!({
-                "label": label, "flags": flags,
-                "s_per_forward": times[times.len() / 2], "times": times,
-                "setup_s": m.setup, "host_setup_s": m.usage.setup.seconds,
-                "fill_task_s": m.usage.setup.fill_task_seconds, "lock_task_s": m.usage.setup.lock_task_seconds,
-                "load_peak_gib": m.load.device_used_peak as f64 / GIB,
-                "model_memory_gib": m.model_memory as f64 / GIB,
-                "peak_alloc_gib": m.peaks.device_used_peak as f64 / GIB,
-                "peak_reserved_gib": m.peaks.device_reserved_peak as f64 / GIB,
-                "pinned_gib": pinned as f64 / GIB, "host_gib": host as f64 / GIB,
-                "copied_gb": copies.bytes as f64 / 1e9, "copy_busy_s": copies.busy_seconds,
-                "copy_gb_s": copies.gb_per_second(), "host_rss_peak_gib": m.peaks.host_rss_peak as f64 / GIB,
-            })
-        );
+            m.print(label, flags);
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// A component's weights: synthetic ones (written once to `VIDGEN_BENCH_FILES` when set),
+    /// or the checkpoint's files.
+    fn weights<M: Blockwise>(
+        &self,
+        folder: &str,
+        cfg: &M::Config,
+        dtype: DType,
+    ) -> Result<WeightSet> {
+        match std::env::var_os("VIDGEN_BENCH_FILES") {
+            Some(dir) => materialized::<M>(&self.source, folder, cfg, dtype, dir.as_ref()),
+            None => WeightSet::open(&component_weights(&self.source, folder)?),
+        }
+    }
+
+    /// Places component `M` as `residency` says, makes its inputs, then times `forwards` runs of
+    /// `run` (after one untimed warm-up with `warm_up`; the pool peaks are reset after it). A
+    /// parked component is held for all runs with `warm_up` (its move-in timed as `hold_s`),
+    /// else moved in for each run (as the pipeline moves the VAE in for each decode).
+    fn measure<M: Blockwise, I>(
+        &self,
+        (cfg, weights, residency, placement): (&M::Config, &WeightSet, Residency, &Placement),
+        dtype: DType,
+        warm_up: bool,
+        inputs: impl FnOnce(&Device) -> Result<I>,
+        run: impl Fn(&Held<'_, M>, &I) -> Result<Tensor>,
+    ) -> Result<Measured> {
+        let (device, meter) = (&self.device, &self.meter);
+        meter.reset();
+        let start = Instant::now();
+        let placed = Placed::<M>::load(cfg, weights, residency, placement.memory, dtype, device)?;
+        device.synchronize()?;
+        let setup = start.elapsed().as_secs_f64();
+        let load = meter.peaks();
+        meter.reset();
+        let model_memory = meter.peaks().device_used_peak;
+        let inputs = inputs(device)?;
+        let start = Instant::now();
+        let held = warm_up.then(|| placed.hold()).transpose()?;
+        device.synchronize()?;
+        let hold = start.elapsed().as_secs_f64();
+        let step = || match &held {
+            Some(held) => run(held, &inputs),
+            None => run(&placed.hold()?, &inputs),
+        };
+        if warm_up {
+            step()?;
+            device.synchronize()?;
+            meter.reset();
+        }
+        let before = placed.offload_usage().unwrap_or_default();
+        let mut times = Vec::with_capacity(self.forwards);
+        let mut output = None;
+        for _ in 0..self.forwards {
+            drop(output.take());
+            let t = Instant::now();
+            output = Some(step()?);
+            device.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let mut usage = placed.offload_usage().unwrap_or_default();
+        usage.copies = usage.copies.since(&before.copies);
+        Ok(Measured {
+            setup,
+            hold,
+            load,
+            model_memory,
+            times,
+            peaks: meter.peaks(),
+            usage,
+            output: output.context("no run was timed")?,
+        })
+    }
 }
 
 /// One mode's measurements.
 struct Measured {
     setup: f64,
+    /// Moving a parked component in before the timed runs (0 when resident or streamed).
+    hold: f64,
     /// Pool peaks while loading.
     load: MemoryPeaks,
     /// Pool bytes in use once placed.
@@ -170,66 +373,41 @@ struct Measured {
     output: Tensor,
 }
 
-/// Places component `M` as `residency` says, makes its inputs, then times `forwards` runs of
-/// `run` (after one untimed warm-up with `warm_up`; the pool peaks are reset after it). A
-/// parked component is held for all runs with `warm_up`, else moved in for each run (as the
-/// pipeline moves the VAE in for each decode).
-fn measure<M: Blockwise, I>(
-    (cfg, weights, residency, placement): (&M::Config, &WeightSet, Residency, &Placement),
-    dtype: DType,
-    (device, meter, forwards): (&Device, &MemoryMeter, usize),
-    warm_up: bool,
-    inputs: impl FnOnce(&Device) -> Result<I>,
-    run: impl Fn(&Held<'_, M>, &I) -> Result<Tensor>,
-) -> Result<Measured> {
-    meter.reset();
-    let start = Instant::now();
-    let placed = Placed::<M>::load(cfg, weights, residency, placement.memory, dtype, device)?;
-    device.synchronize()?;
-    let setup = start.elapsed().as_secs_f64();
-    let load = meter.peaks();
-    meter.reset();
-    let model_memory = meter.peaks().device_used_peak;
-    let inputs = inputs(device)?;
-    let held = warm_up.then(|| placed.hold()).transpose()?;
-    let step = || match &held {
-        Some(held) => run(held, &inputs),
-        None => run(&placed.hold()?, &inputs),
-    };
-    if warm_up {
-        step()?;
-        device.synchronize()?;
-        meter.reset();
+impl Measured {
+    fn print(mut self, label: &str, flags: &str) {
+        self.times.sort_by(f64::total_cmp);
+        let (copies, pinned, host) = (
+            self.usage.copies,
+            self.usage.pinned_bytes,
+            self.usage.host_bytes,
+        );
+        const GIB: f64 = (1u64 << 30) as f64;
+        println!(
+            "{}",
+            serde_json::json!({
+                "label": label, "flags": flags,
+                "s_per_forward": self.times[self.times.len() / 2], "times": self.times,
+                "setup_s": self.setup, "hold_s": self.hold, "host_setup_s": self.usage.setup.seconds,
+                "fill_task_s": self.usage.setup.fill_task_seconds, "lock_task_s": self.usage.setup.lock_task_seconds,
+                "load_peak_gib": self.load.device_used_peak as f64 / GIB,
+                "model_memory_gib": self.model_memory as f64 / GIB,
+                "peak_alloc_gib": self.peaks.device_used_peak as f64 / GIB,
+                "peak_reserved_gib": self.peaks.device_reserved_peak as f64 / GIB,
+                "pinned_gib": pinned as f64 / GIB, "host_gib": host as f64 / GIB,
+                "copied_gb": copies.bytes as f64 / 1e9, "copy_busy_s": copies.busy_seconds,
+                "copy_gb_s": copies.gb_per_second(), "host_rss_peak_gib": self.peaks.host_rss_peak as f64 / GIB,
+            })
+        );
     }
-    let before = placed.offload_usage().unwrap_or_default();
-    let mut times = Vec::with_capacity(forwards);
-    let mut output = None;
-    for _ in 0..forwards {
-        drop(output.take());
-        let t = Instant::now();
-        output = Some(step()?);
-        device.synchronize()?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    let mut usage = placed.offload_usage().unwrap_or_default();
-    usage.copies = usage.copies.since(&before.copies);
-    Ok(Measured {
-        setup,
-        load,
-        model_memory,
-        times,
-        peaks: meter.peaks(),
-        usage,
-        output: output.context("no run was timed")?,
-    })
 }
 
 /// The component's synthetic weights written once to `dir` as safetensors, then opened from
 /// there (memory mapped, as a downloaded checkpoint would be).
-fn materialized(
+fn materialized<M: Blockwise>(
     source: &ModelSource,
     folder: &str,
-    configs: &WanConfigs,
+    cfg: &M::Config,
+    dtype: DType,
     dir: &std::path::Path,
 ) -> Result<WeightSet> {
     let path = dir.join(format!(
@@ -238,15 +416,9 @@ fn materialized(
     ));
     if !path.exists() {
         let synthetic = WeightSet::open(&component_weights(source, folder)?)?;
-        let layout = if folder == "vae" {
-            record(Some(&synthetic), DType::F32, Packing::PerTensor, |vb| {
-                AutoencoderKLWan::new(&configs.vae, vb)
-            })?
-        } else {
-            record(Some(&synthetic), DType::BF16, Packing::PerTensor, |vb| {
-                WanTransformer3DModel::new(&configs.transformer, vb)
-            })?
-        };
+        let layout = record(Some(&synthetic), dtype, Packing::PerTensor, |vb| {
+            M::whole(cfg, vb)
+        })?;
         let start = Instant::now();
         std::fs::create_dir_all(dir)?;
         let views: Vec<(String, Lazy)> = layout

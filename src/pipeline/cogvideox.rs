@@ -43,18 +43,7 @@ const DPM_SCHEDULER: &str = "CogVideoXDPMScheduler";
 
 /// Reads a CogVideoX model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
-    let index: serde_json::Value = configs.read("model_index.json")?;
-    let scheduler_class = index["scheduler"][1]
-        .as_str()
-        .unwrap_or(DPM_SCHEDULER)
-        .to_string();
-    Ok(Box::new(CogVideoXConfigs {
-        transformer: configs.read("transformer/config.json")?,
-        vae: configs.read("vae/config.json")?,
-        text_encoder: configs.read("text_encoder/config.json")?,
-        scheduler: configs.read("scheduler/scheduler_config.json")?,
-        scheduler_class,
-    }))
+    Ok(Box::new(CogVideoXConfigs::from_configs(configs)?))
 }
 
 /// The configs of a CogVideoX model: everything planning needs, no weights.
@@ -69,6 +58,22 @@ pub struct CogVideoXConfigs {
 }
 
 impl CogVideoXConfigs {
+    /// Reads every component's config.
+    pub fn from_configs(configs: Configs) -> Result<Self> {
+        let index: serde_json::Value = configs.read("model_index.json")?;
+        let scheduler_class = index["scheduler"][1]
+            .as_str()
+            .unwrap_or(DPM_SCHEDULER)
+            .to_string();
+        Ok(CogVideoXConfigs {
+            transformer: configs.read("transformer/config.json")?,
+            vae: configs.read("vae/config.json")?,
+            text_encoder: configs.read("text_encoder/config.json")?,
+            scheduler: configs.read("scheduler/scheduler_config.json")?,
+            scheduler_class,
+        })
+    }
+
     /// The latent shape `[1, F', C, H', W']` (frames before channels) for a video size.
     pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
         let t = self.vae.scale_factor_temporal();

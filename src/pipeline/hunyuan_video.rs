@@ -255,10 +255,10 @@ fn inapplicable(config: &ResolvedConfig) -> Option<String> {
 
 /// One text's conditioning: Llama embeds `[1, L, D]`, their mask `[1, L]` (f32), the CLIP
 /// pooled embedding `[1, P]`; kept in host memory between stages.
-struct TextConds {
-    embeds: Tensor,
-    mask: Tensor,
-    pooled: Tensor,
+pub struct TextConds {
+    pub embeds: Tensor,
+    pub mask: Tensor,
+    pub pooled: Tensor,
 }
 
 /// HunyuanVideo with its loaded components.
@@ -624,7 +624,7 @@ impl Pipeline for HunyuanVideo {
 
 /// One DiT forward: prepare (embeddings, token refiner, RoPE), the dual- then single-stream
 /// blocks (resident or streamed), finish.
-fn dit_forward(
+pub fn dit_forward(
     dit: &Held<'_, HunyuanVideoTransformer3DModel>,
     latents: &Tensor,
     timestep: &Tensor,

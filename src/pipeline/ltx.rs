@@ -82,7 +82,7 @@ impl LtxConfigs {
     }
 
     /// The token grid the transformer sees (the latent grid in patches).
-    fn token_grid(&self, grid: [usize; 3]) -> [usize; 3] {
+    pub fn token_grid(&self, grid: [usize; 3]) -> [usize; 3] {
         let (p, pt) = (
             self.transformer.patch_size.max(1),
             self.transformer.patch_size_t.max(1),
@@ -91,7 +91,7 @@ impl LtxConfigs {
     }
 
     /// The packed latents' shape `[1, tokens, C·p_t·p·p]`.
-    fn packed_shape(&self, grid: [usize; 3]) -> [usize; 3] {
+    pub fn packed_shape(&self, grid: [usize; 3]) -> [usize; 3] {
         let (p, pt) = (self.transformer.patch_size, self.transformer.patch_size_t);
         let tokens: usize = self.token_grid(grid).iter().product();
         [1, tokens, self.transformer.in_channels * pt * p * p]
@@ -635,7 +635,7 @@ impl Pipeline for Ltx {
 }
 
 /// One DiT forward over the CFG batch: prepare, the blocks (resident or streamed), finish.
-fn dit_forward(
+pub fn dit_forward(
     dit: &Held<'_, LtxTransformer3DModel>,
     latents: &Tensor,
     embeds: &Tensor,

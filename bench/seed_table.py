@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Merges bench/seed_table.sh's outputs into one markdown table per family: vidgen's row beside
+diffusers' for every mode of the seed table (s/forward, the run extrapolated to the table's steps,
+model memory, inference peak allocated / reserved, pinned host, max difference from resident).
+usage: seed_table.py OUT_DIR"""
+import glob
+import json
+import os
+import sys
+
+GIB = 1024**3
+# The table's steps and forwards per step (CFG doubles them; HunyuanVideo is guidance-distilled).
+RUN = {"ltx": (50, 2), "cogvideox": (50, 2), "hunyuan": (30, 1), "hunyuan-720p": (30, 1)}
+
+
+def vidgen_rows(path):
+    rows, diffs = {}, {}
+    for line in open(path):
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        if "s_per_forward" in r:
+            rows[r["label"]] = r
+        else:
+            diffs[r["label"]] = r["max_abs_diff_vs_first_mode"]
+    for label, d in diffs.items():
+        rows.get(label, {})["diff"] = d
+    return rows
+
+
+def main(out):
+    for path in sorted(glob.glob(os.path.join(out, "*-vidgen.jsonl"))):
+        fam = os.path.basename(path)[: -len("-vidgen.jsonl")]
+        steps, fwd = RUN[fam]
+        ours = vidgen_rows(path)
+        peer_path = os.path.join(out, f"peer-{fam}", "results.json")
+        peer = {}
+        if os.path.exists(peer_path):
+            peer = {r["mode"]: r for r in json.load(open(peer_path))["rows"] if r.get("model") == fam}
+        print(f"\n### {fam} ({steps} steps x {fwd} forwards)\n")
+        print("| mode | s/forward vidgen / diffusers | run s (50 or 30 steps) vidgen / diffusers | model memory GiB vidgen / diffusers (reserved) "
+              "| inference peak alloc GiB vidgen / diffusers | reserved vidgen / diffusers | pinned GiB vidgen / diffusers | max diff vs resident vidgen / diffusers |")
+        print("|---|---|---|---|---|---|---|---|")
+        for mode, r in ours.items():
+            p = peer.get(mode, {})
+            # vidgen's parked model moves in once per denoise stage, not per forward.
+            run = r["s_per_forward"] * steps * fwd + r.get("hold_s", 0.0)
+            f = lambda v: "-" if v is None else f"{v:.3f}"
+            print(f"| {mode} | {f(r['s_per_forward'])} / {f(p.get('s_per_forward'))} | {run:.1f} / {f(p.get('est_run_s'))} "
+                  f"| {f(r['model_memory_gib'])} / {f(p.get('model_memory_reserved_GiB'))} "
+                  f"| {f(r['peak_alloc_gib'])} / {f(p.get('inference_peak_alloc_GiB'))} "
+                  f"| {f(r['peak_reserved_gib'])} / {f(p.get('inference_peak_reserved_GiB'))} "
+                  f"| {f(r['pinned_gib'])} / {f(p.get('host_pinned_after_run_GiB'))} | {r.get('diff', '-')} / {p.get('max_abs_diff_vs_none', '-')} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The seed table's rows (diffusers' "Module Group Offloading" PR) for LTX-Video, CogVideoX-5b and
+# HunyuanVideo, vidgen beside diffusers 0.42.1 in the same call: the transformer alone, synthetic
+# full-size weights (written once to /dev/shm as safetensors so every mode loads them from the page
+# cache), bf16, the table's sizes; 1 warm-up + 2 timed forwards per mode.
+#   bash bench/seed_table.sh ltx cogvideox     # one call (~7 min on an H200)
+#   bash bench/seed_table.sh hunyuan           # one call (~7 min)
+#   BIG=1 bash bench/seed_table.sh hunyuan-720p   # HunyuanVideo 720x1280x129 with default flags
+# Needs .device/offload_bench (the CUDA build of the offload_bench example, or .xz of it) and, for the peer,
+# the diffusers wheel in .whl (../shared/peer/README.md). Writes $OUT/<family>-vidgen.jsonl,
+# $OUT/peer-<family>/results.json and $OUT/seed-table.md.
+set -u
+OUT=${OUT:-/tmp/vidgen-bench}
+mkdir -p "$OUT"
+export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
+B=./.device/offload_bench
+[ -f $B.xz ] && xz -dc $B.xz > $B && chmod +x $B
+# The peer script: from ../shared/peer here, carried in .device on the GPU machine.
+PEER=../shared/peer/seed_table_bench.py; [ -f $PEER ] || PEER=.device/seed_table_bench.py
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ -d .whl ]; then
+  export PATH=/opt/torch/.venv/bin:$PATH
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site
+fi
+# The table's modes, in diffusers' names, as vidgen flags.
+MODES=("none: --dit-layerwise-offload=false --dit-cpu-offload=false"
+  "model: --dit-layerwise-offload=false --dit-cpu-offload"
+  "block_level_N1: --offload-stream=false"
+  "block_level_N8: --offload-stream=false --num-blocks-per-group 8"
+  "block_level_N1_stream: --num-blocks-per-group 1"
+  "block_level_N8_stream: --num-blocks-per-group 8"
+  "leaf_level_stream: --offload-type leaf-level"
+  "default: ")
+for F in "$@"; do
+  case $F in
+    ltx) M=synthetic:ltx-video; S=161x512x768 ;;
+    cogvideox) M=synthetic:cogvideox-5b; S=49x480x720 ;;
+    hunyuan) M=synthetic:hunyuanvideo; S=61x320x512 ;;
+    hunyuan-720p) M=synthetic:hunyuanvideo; S=129x720x1280 ;;
+    *) echo "unknown family $F"; continue ;;
+  esac
+  if [ "$F" = hunyuan-720p ]; then
+    /usr/bin/time -v $B $M 1 $S "default: " > "$OUT/$F-vidgen.jsonl" 2> "$OUT/$F-vidgen.log"
+  else
+    /usr/bin/time -v $B $M 2 $S "${MODES[@]}" > "$OUT/$F-vidgen.jsonl" 2> "$OUT/$F-vidgen.log"
+  fi
+  echo "== vidgen $F: exit $?"; grep -E "wrote|Maximum resident|Elapsed|rror" "$OUT/$F-vidgen.log"
+  rm -rf /dev/shm/vidgen-bench
+  if [ "$F" != hunyuan-720p ] && [ -z "${NO_PEER:-}" ]; then
+    python3 $PEER --models "$F" --out "$OUT/peer-$F" --budget-s 560 > "$OUT/peer-$F.log" 2>&1
+    echo "== diffusers $F: exit $?"; tail -3 "$OUT/peer-$F.log"
+  fi
+done
+python3 bench/seed_table.py "$OUT" | tee "$OUT/seed-table.md"
