@@ -1,4 +1,5 @@
-//! [`Collective`] over NCCL (feature `nccl`): one communicator per process, on the candle
+//! [`Collective`] over NCCL (feature `nccl`): one communicator per process (its
+//! sequence-parallel group's, from the id rank 0 published for the group), on the candle
 //! device's stream, so a collective is ordered after the kernels that produced its inputs and
 //! before those that read its outputs. Every operation is one NCCL group of point-to-point sends
 //! and receives, which takes unequal sizes (uneven token and head shares) as they come.
@@ -18,7 +19,6 @@ use candle_core::{CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
 
 use super::collective::Collective;
 use super::rendezvous::ID_BYTES;
-use super::world::World;
 
 /// A fresh NCCL unique id (rank 0 makes it, the rendezvous publishes it).
 pub fn unique_id() -> Result<[u8; ID_BYTES]> {
@@ -26,7 +26,7 @@ pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     Ok(id.internal().map(|c| c as u8))
 }
 
-/// This process's member of the NCCL communicator of the world.
+/// This process's member of the NCCL communicator of its group.
 pub struct NcclGroup {
     comm: Comm,
     device: Device,
@@ -40,10 +40,10 @@ unsafe impl Send for NcclGroup {}
 unsafe impl Sync for NcclGroup {}
 
 impl NcclGroup {
-    /// Joins the communicator of `world` on `device` (this rank's GPU) with the `id` rank 0
-    /// published; collectives time out after `timeout`.
+    /// Joins, as `rank` of `ranks`, the communicator whose `id` rank 0 published, on `device`
+    /// (this rank's GPU); collectives time out after `timeout`.
     pub fn new(
-        world: &World,
+        (rank, ranks): (usize, usize),
         device: &Device,
         id: [u8; ID_BYTES],
         timeout: Duration,
@@ -51,23 +51,20 @@ impl NcclGroup {
         let stream = device.as_cuda_device()?.cuda_stream();
         let comm = Comm::from_rank(
             stream,
-            world.rank,
-            world.world_size,
+            rank,
+            ranks,
             Id::uninit(id.map(|b| b as std::ffi::c_char)),
         )
-        .map_err(|e| {
-            candle_core::Error::Msg(format!("ncclCommInitRank (rank {}): {e:?}", world.rank))
-        })?;
+        .map_err(|e| candle_core::Error::Msg(format!("ncclCommInitRank (rank {rank}): {e:?}")))?;
         let watched: Arc<Mutex<Option<(Instant, String)>>> = Arc::new(Mutex::new(None));
         let watch = watched.clone();
-        let rank = world.rank;
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(200));
             let Ok(w) = watch.lock() else { return };
             if let Some((deadline, what)) = &*w {
                 if Instant::now() > *deadline {
                     eprintln!(
-                        "rank {rank}: error: {what} did not complete within {}s: another rank failed or hangs",
+                        "error: {what} on rank {rank} of its group did not complete within {}s: another rank failed or hangs",
                         timeout.as_secs()
                     );
                     std::process::exit(1);
@@ -169,17 +166,18 @@ impl NcclGroup {
 /// An [`NcclGroup`] joined at the first collective, on the device of its tensors: the pipeline's
 /// own candle device, so the communicator runs on the stream of the kernels around it.
 pub struct LazyNccl {
-    world: World,
+    /// (rank, ranks) in the communicator.
+    member: (usize, usize),
     id: [u8; ID_BYTES],
     timeout: Duration,
     group: std::sync::OnceLock<NcclGroup>,
 }
 
 impl LazyNccl {
-    /// The group of `world` with rank 0's published `id`.
-    pub fn new(world: World, id: [u8; ID_BYTES], timeout: Duration) -> Self {
+    /// Member `rank` of `ranks` of the communicator of `id`.
+    pub fn new(member: (usize, usize), id: [u8; ID_BYTES], timeout: Duration) -> Self {
         LazyNccl {
-            world,
+            member,
             id,
             timeout,
             group: std::sync::OnceLock::new(),
@@ -190,18 +188,18 @@ impl LazyNccl {
         if let Some(group) = self.group.get() {
             return Ok(group);
         }
-        let group = NcclGroup::new(&self.world, device, self.id, self.timeout)?;
+        let group = NcclGroup::new(self.member, device, self.id, self.timeout)?;
         Ok(self.group.get_or_init(|| group))
     }
 }
 
 impl Collective for LazyNccl {
     fn rank(&self) -> usize {
-        self.world.rank
+        self.member.0
     }
 
     fn world_size(&self) -> usize {
-        self.world.world_size
+        self.member.1
     }
 
     fn all_gather(&self, t: &Tensor, shapes: &[Shape]) -> Result<Vec<Tensor>> {
