@@ -28,6 +28,77 @@ pub trait Collective: Send + Sync {
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
     /// Returns once every rank called it.
     fn barrier(&self) -> Result<()>;
+
+    /// [`Collective::all_gather`] of this rank's `piece`, started ahead of its use so that it
+    /// overlaps the work queued before it (NCCL: on a communication stream of its own, a piece
+    /// in host memory copied in on that stream first); the parts are on `device` and may be
+    /// read after [`Gathering::wait`]. Every rank starts its gathers in the same order. By
+    /// default it completes before it returns.
+    fn all_gather_ahead(
+        &self,
+        piece: Piece<'_>,
+        shapes: &[Shape],
+        device: &Device,
+    ) -> Result<Gathering> {
+        let piece = piece.to_tensor(device)?;
+        Ok(Gathering::done(self.all_gather(&piece, shapes)?))
+    }
+}
+
+/// This rank's piece of a gather ahead: a tensor, or the bytes of a flat `dtype` vector in
+/// host memory (pinned where the device is CUDA, so the copy in runs asynchronously).
+#[derive(Clone, Copy, Debug)]
+pub enum Piece<'a> {
+    Tensor(&'a Tensor),
+    Host { bytes: &'a [u8], dtype: DType },
+}
+
+impl Piece<'_> {
+    /// The piece as a tensor on `device`.
+    pub fn to_tensor(&self, device: &Device) -> Result<Tensor> {
+        match self {
+            Piece::Tensor(t) => t.to_device(device),
+            Piece::Host { bytes, dtype } => {
+                let elems = bytes.len() / dtype.size_in_bytes();
+                Tensor::from_raw_buffer(bytes, *dtype, &[elems], device)
+            }
+        }
+    }
+}
+
+/// What orders the caller's later work after a gather started ahead.
+pub trait Ready: Send {
+    /// Makes the work queued from now on wait for the gather (idempotent).
+    fn wait(&mut self) -> Result<()>;
+}
+
+/// A gather started ahead of its use: its parts, and what must run before they are read.
+pub struct Gathering {
+    parts: Vec<Tensor>,
+    ready: Option<Box<dyn Ready>>,
+}
+
+impl Gathering {
+    /// A gather already complete.
+    pub fn done(parts: Vec<Tensor>) -> Self {
+        Gathering { parts, ready: None }
+    }
+
+    /// A gather in flight: `parts` may be read once `ready` waited.
+    pub fn pending(parts: Vec<Tensor>, ready: Box<dyn Ready>) -> Self {
+        Gathering {
+            parts,
+            ready: Some(ready),
+        }
+    }
+
+    /// Every rank's part, in rank order, safe to read by the work queued from now on.
+    pub fn wait(mut self) -> Result<Vec<Tensor>> {
+        if let Some(ready) = &mut self.ready {
+            ready.wait()?;
+        }
+        Ok(std::mem::take(&mut self.parts))
+    }
 }
 
 /// A collective that failed on this rank: a rank missing past the timeout, or gone.
