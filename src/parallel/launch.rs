@@ -69,30 +69,30 @@ pub fn supervise_self(groups: Groups) -> anyhow::Result<ExitCode> {
 pub type Joined = (ResolvedConfig, Option<PathBuf>, Option<(usize, usize)>);
 
 /// Joins the world as one rank of a sequence-parallel group (feature `nccl`): the rendezvous
-/// publishes rank 0's NCCL ids, one per group, and the rank joins its group's communicator,
-/// made at the first collective on the GPU of its local rank (see [`as_rank`]).
+/// publishes rank 0's NCCL ids, two per group (its communicator and FSDP's gathers ahead), and
+/// the rank joins its group's communicators, made at their first collectives on the GPU of its
+/// local rank (see [`as_rank`]).
 #[cfg(feature = "nccl")]
 pub fn join(config: ResolvedConfig, world: World) -> anyhow::Result<Joined> {
     use super::{nccl, rendezvous};
     use std::time::Duration;
     let timeout = Duration::from_secs(TIMEOUT_SECS);
     let groups = Groups::of(&config.options);
+    let count = groups.count() * nccl::IDS_PER_GROUP;
     let ids = if world.rank == 0 {
         Some(
-            (0..groups.count())
+            (0..count)
                 .map(|_| nccl::unique_id())
                 .collect::<candle_core::Result<Vec<_>>>()?,
         )
     } else {
         None
     };
-    let ids = rendezvous::share_ids(&world, ids, groups.count(), timeout)?;
+    let ids = rendezvous::share_ids(&world, ids, count, timeout)?;
+    let first = groups.group(world.rank) * nccl::IDS_PER_GROUP;
+    let mine = [ids[first], ids[first + 1]];
     let member = (groups.rank_in_group(world.rank), groups.sp);
-    let group: Arc<dyn Collective> = Arc::new(nccl::LazyNccl::new(
-        member,
-        ids[groups.group(world.rank)],
-        timeout,
-    ));
+    let group: Arc<dyn Collective> = Arc::new(nccl::LazyNccl::new(member, mine, timeout));
     as_rank(config, &world, Some(group))
 }
 
