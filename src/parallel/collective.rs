@@ -74,21 +74,23 @@ pub trait Ready: Send {
 
 /// A gather started ahead of its use: its parts, and what must run before they are read.
 pub struct Gathering {
-    parts: Vec<Tensor>,
+    /// Dropped first (fields drop in order): a gather dropped unwaited finishes before its
+    /// parts' memory goes.
     ready: Option<Box<dyn Ready>>,
+    parts: Vec<Tensor>,
 }
 
 impl Gathering {
     /// A gather already complete.
     pub fn done(parts: Vec<Tensor>) -> Self {
-        Gathering { parts, ready: None }
+        Gathering { ready: None, parts }
     }
 
     /// A gather in flight: `parts` may be read once `ready` waited.
     pub fn pending(parts: Vec<Tensor>, ready: Box<dyn Ready>) -> Self {
         Gathering {
-            parts,
             ready: Some(ready),
+            parts,
         }
     }
 
