@@ -75,7 +75,7 @@ enum Status {
     Interrupted,
     /// The run ended (a model that did not load) before it started.
     NotRun,
-    /// Another GPU of a prompt-parallel run makes it (`--sp-size 1` with `--num-gpus` above 1).
+    /// Another GPU, or group of GPUs, of the run makes it (`--num-gpus` above `--sp-size`).
     OtherGpu,
 }
 
