@@ -7,13 +7,18 @@
 #   4. a killed rank: every process gone within 30 s, no output under its final name;
 #   5. FSDP, 14B on 2 GPUs, 2 steps: per-GPU DiT weights and peak, s/forward against the same run without
 #      FSDP (targets: weights <= 14.7 GiB + two blocks, step <= 1.03x; with --dit-cpu-offload: peak <= 4 GiB,
-#      step <= 1.05x), frames bit-identical; and the dry run's plan of the same runs.
+#      step <= 1.05x), frames bit-identical; and the dry run's plan of the same runs (the gathers run a block
+#      ahead on a stream of their own: compare s/forward of "fsdp" and "fsdp-host" with "plain");
+#   6. sequence-parallel groups: 4 ranks in 2 groups of 2 on the 2 GPUs (launched as two simulated nodes, so
+#      ranks 0,1 and 2,3 each use GPUs 0,1), tiny fixture in f32, a 3-prompt file: every video within 1e-5 of
+#      one GPU's, the group leaders (ranks 0 and 2) alone load the text encoder and the VAE and print paths.
+# What issue 12's second round added is measured by PARTS="1 5 6" (about 5 minutes).
 # Run from the repository root on the GPU machine with the nccl build at .device/vidgen
 # (source ../shared/gpu/cuda-env.sh; LIBRARY_PATH=<nvidia-nccl-cu13 wheel>/nvidia/nccl/lib
 #  cargo build --release --features nccl; copy target/cuda/release/vidgen to .device/).
 # PARTS="1 2" (default: all five) runs some sections, to split the table over two calls if needed.
 set -u
-want() { [[ " ${PARTS:-1 2 3 4 5} " == *" $1 "* ]]; }
+want() { [[ " ${PARTS:-1 2 3 4 5 6} " == *" $1 "* ]]; }
 B=${B:-./.device/vidgen}
 OUT=${OUT:-/tmp/vidgen-multigpu}
 mkdir -p "$OUT"
@@ -93,7 +98,7 @@ tail -3 "$OUT/kill.log"
 
 fi
 
-want 5 || exit 0
+if want 5; then
 echo "== 5. FSDP, 14B, 2 GPUs (sequence parallel), 2 steps"
 NOLW="--no-dit-layerwise-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload"
 for v in "plain --no-dit-cpu-offload" "fsdp --no-dit-cpu-offload --use-fsdp-inference" "fsdp-host --dit-cpu-offload --use-fsdp-inference"; do
@@ -115,6 +120,43 @@ try:
     for n in ["fsdp", "fsdp-host"]:
         b = load_file(f"{d}/{n}.safetensors")["frames"]
         print(f"{n}: bit-identical to plain: {bool((a == b).all())} (max |diff| {float(np.abs(a - b).max()):.3g})")
+except Exception as e:
+    print("no comparison:", e)
+PY
+
+fi
+
+want 6 || exit 0
+echo "== 6. groups: 4 ranks, --sp-size 2, on 2 GPUs (two simulated nodes), tiny fixture f32, 3 prompts"
+printf 'a red fox\na cat on a roof\na boat at sea\n' > "$OUT/groups.txt"
+G="--model tests/fixtures/wan-tiny-a --prompt-file $OUT/groups.txt --seed 1 --height 32 --width 32 --num-frames 9
+  --num-inference-steps 3 --max-sequence-length 16 --device cuda --dtype f32 --output-type safetensors --overwrite"
+rm -rf "$OUT/groups-one" "$OUT/groups-four"; mkdir -p "$OUT/groups-four"
+$B generate $G --output-path "$OUT/groups-one" > /dev/null 2> "$OUT/groups-one.log" || tail -3 "$OUT/groups-one.log"
+PORT=$((29700 + RANDOM % 200))
+PIDS=()
+for r in 0 1 2 3; do
+  RANK=$r WORLD_SIZE=4 LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT \
+    timeout 300 $B generate $G --num-gpus 4 --sp-size 2 --output-path "$OUT/groups-four" \
+    --stats-json "$OUT/groups-four/stats.json" > "$OUT/groups-$r.stdout" 2> "$OUT/groups-$r.log" &
+  PIDS+=($!)
+done
+for r in 0 1 2 3; do
+  wait "${PIDS[$r]}"; CODE=$?
+  echo "rank $r: exit $CODE, $(wc -l < "$OUT/groups-$r.stdout") path(s), loaded: $(grep -o 'loading [a-z_0-9]*' "$OUT/groups-$r.log" | cut -d' ' -f2 | tr '\n' ' ')"
+  [ $CODE = 0 ] || grep -E "error" "$OUT/groups-$r.log" | tail -3
+done
+python3 - "$OUT/groups-one" "$OUT/groups-four" <<'PY'
+import sys, os, json, numpy as np
+from safetensors.numpy import load_file
+one, four = sys.argv[1:3]
+try:
+    for n in sorted(f for f in os.listdir(one) if f.endswith(".safetensors")):
+        a, b = load_file(f"{one}/{n}")["frames"], load_file(f"{four}/{n}")["frames"]
+        d = float(np.abs(a - b).max())
+        print(f"{n}: max |one - groups| = {d:.3g} ({'met' if d <= 1e-5 else 'NOT met'}: <= 1e-5)")
+    for s in ["stats.json", "stats.rank2.json"]:
+        print(s, [j["status"] for j in json.load(open(f"{four}/{s}"))["jobs"]])
 except Exception as e:
     print("no comparison:", e)
 PY

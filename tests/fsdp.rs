@@ -14,7 +14,7 @@ use vidgen::models::wan::transformer::{
     WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use vidgen::parallel::collective::{run_threads, Collective};
-use vidgen::parallel::fsdp::{FlatShard, ShardedBlocks};
+use vidgen::parallel::fsdp::{FlatShard, Home, ShardedBlocks};
 use vidgen::parallel::split;
 
 const FIXTURE: &str = "wan-tiny-a";
@@ -46,13 +46,15 @@ fn sharded_blocks_are_bit_identical() {
     );
     let want = whole.forward(latents, t, text).unwrap();
 
-    for ranks in [2, 3] {
+    // Pieces on the device, and in host memory (copied in before each gather).
+    let homes = [Home::Device(Device::Cpu), Home::Host(Device::Cpu)];
+    for (ranks, home) in [(2, &homes[0]), (3, &homes[1])] {
         let held = Mutex::new(vec![0usize; ranks]);
         let outs = run_threads(ranks, Duration::from_secs(60), |group| {
             let rank = group.rank();
             let group: Arc<dyn Collective> = Arc::new(group);
             let shards: Vec<FlatShard> = (0..cfg.num_layers)
-                .map(|i| FlatShard::new(&block_tensors(&all, i), rank, ranks).unwrap())
+                .map(|i| FlatShard::new(&block_tensors(&all, i), rank, ranks, home).unwrap())
                 .collect();
             held.lock().unwrap()[rank] = shards.iter().flat_map(|s| s.held()).map(|(_, n)| n).sum();
             let mut inputs = outer.prepare(latents, t, text).unwrap();
@@ -139,6 +141,124 @@ fn the_pipeline_runs_a_sharded_dit_with_and_without_sequence_parallelism() {
                 diff <= tol,
                 "sequence split {split_sequence}: rank {rank} differs by {diff}"
             );
+        }
+    }
+}
+
+/// A collective that records when each gather ahead starts and when its result is waited for
+/// (the thread stand-in completes the gather at once; the order is what a stream would see).
+struct Recorder {
+    inner: vidgen::parallel::collective::ThreadGroup,
+    log: Arc<Mutex<Vec<String>>>,
+    started: std::sync::atomic::AtomicUsize,
+}
+
+struct Logged {
+    log: Arc<Mutex<Vec<String>>>,
+    what: String,
+}
+
+impl vidgen::parallel::collective::Ready for Logged {
+    fn wait(&mut self) -> candle_core::Result<()> {
+        self.log.lock().unwrap().push(self.what.clone());
+        Ok(())
+    }
+}
+
+impl Collective for Recorder {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &self,
+        t: &Tensor,
+        shapes: &[candle_core::Shape],
+    ) -> candle_core::Result<Vec<Tensor>> {
+        self.inner.all_gather(t, shapes)
+    }
+    fn all_to_all(
+        &self,
+        send: &[Tensor],
+        shapes: &[candle_core::Shape],
+    ) -> candle_core::Result<Vec<Tensor>> {
+        self.inner.all_to_all(send, shapes)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
+        self.inner.broadcast(t, root)
+    }
+    fn barrier(&self) -> candle_core::Result<()> {
+        self.inner.barrier()
+    }
+    fn all_gather_ahead(
+        &self,
+        piece: vidgen::parallel::collective::Piece<'_>,
+        shapes: &[candle_core::Shape],
+        device: &Device,
+    ) -> candle_core::Result<vidgen::parallel::collective::Gathering> {
+        let k = self
+            .started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.log.lock().unwrap().push(format!("gather {k}"));
+        let parts = self.inner.all_gather(&piece.to_tensor(device)?, shapes)?;
+        Ok(vidgen::parallel::collective::Gathering::pending(
+            parts,
+            Box::new(Logged {
+                log: self.log.clone(),
+                what: format!("wait {k}"),
+            }),
+        ))
+    }
+}
+
+/// The gathers run `depth` blocks ahead of the one computing (started before it runs, waited
+/// for just before their own block), never more than `depth + 1` blocks at once, and every
+/// rank rebuilds each block exactly.
+#[test]
+fn gathers_start_depth_blocks_ahead_of_the_block_computing() {
+    let blocks: Vec<Vec<(String, Tensor)>> = (0..4)
+        .map(|b| {
+            let t = Tensor::arange(0f32, 10.0, &Device::Cpu).unwrap();
+            vec![("w".to_string(), (t + (100.0 * b as f64)).unwrap())]
+        })
+        .collect();
+    for depth in [1, 2] {
+        let logs: Vec<Arc<Mutex<Vec<String>>>> = (0..2).map(|_| Arc::default()).collect();
+        run_threads(2, Duration::from_secs(60), |group| {
+            let rank = group.rank();
+            let log = &logs[rank];
+            let recorder = Recorder {
+                inner: group,
+                log: log.clone(),
+                started: Default::default(),
+            };
+            let shards: Vec<FlatShard> = blocks
+                .iter()
+                .map(|b| FlatShard::new(b, rank, 2, &Home::Host(Device::Cpu)).unwrap())
+                .collect();
+            ShardedBlocks::new(&shards, &recorder, &Device::Cpu, depth)
+                .for_each(|i, tensors| {
+                    assert_eq!(
+                        tensors[0].1.to_vec1::<f32>()?,
+                        blocks[i][0].1.to_vec1::<f32>()?
+                    );
+                    log.lock().unwrap().push(format!("run {i}"));
+                    Ok(())
+                })
+                .unwrap();
+        });
+        let mut want: Vec<String> = (0..=depth).map(|k| format!("gather {k}")).collect();
+        for i in 0..4 {
+            want.push(format!("wait {i}"));
+            want.push(format!("run {i}"));
+            if i + depth + 1 < 4 {
+                want.push(format!("gather {}", i + depth + 1));
+            }
+        }
+        for log in &logs {
+            assert_eq!(*log.lock().unwrap(), want, "depth {depth}");
         }
     }
 }

@@ -51,6 +51,7 @@ fn sequence_parallel_ranks_and_what_each_holds() {
     // The first rank of each group of two encodes and decodes; the others hold the DiT alone.
     for (rank, gpu) in gpus.iter().enumerate() {
         assert_eq!(gpu["rank"], rank);
+        assert_eq!(gpu["group"], rank / 2);
         if rank % 2 == 0 {
             assert_eq!(holds(gpu), ["text_encoder", "transformer", "vae"]);
         } else {
@@ -58,6 +59,25 @@ fn sequence_parallel_ranks_and_what_each_holds() {
             assert!(gpu["peak_bytes"].as_u64() < gpus[0]["peak_bytes"].as_u64());
         }
     }
+    // The text report names the groups.
+    let out = vidgen(&[
+        "generate",
+        "--dry-run",
+        "--memory-model",
+        "discrete",
+        "--model",
+        "synthetic:wan2.1-t2v-14b",
+        "--num-gpus",
+        "4",
+        "--sp-size",
+        "2",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 group(s) of 2 ([0,1] [2,3])"), "{text}");
+    assert!(
+        text.contains("group 1: text_encoder, transformer, vae"),
+        "{text}"
+    );
     // --sp-size defaults to the GPU count; one GPU plans no ranks.
     assert_eq!(plan("2", &[])["config"]["sp_size"], 2);
     assert!(plan("1", &[])["gpus"].is_null());
@@ -103,6 +123,17 @@ fn fsdp_keeps_a_share_of_every_block_per_gpu() {
         (0.5..0.6).contains(&ratio),
         "FSDP per-GPU DiT weights {ratio:.3} of the whole"
     );
+    // Four GPUs in groups of two: each group shards the DiT over its own two GPUs.
+    let mut grouped = fsdp_args.clone();
+    grouped.extend(["--sp-size", "2"]);
+    let json4 = plan("4", &grouped);
+    for rank in 0..4 {
+        assert_eq!(
+            json4["gpus"][rank]["denoise_weight_bytes"],
+            json["gpus"][rank % 2]["denoise_weight_bytes"],
+            "rank {rank}"
+        );
+    }
     // With --dit-cpu-offload the shards wait in host memory: only gathered blocks on the GPU.
     fsdp_args.pop();
     fsdp_args.pop();

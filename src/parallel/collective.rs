@@ -8,7 +8,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{Result, Shape, Tensor};
+use candle_core::{DType, Device, Result, Shape, Tensor};
 
 /// Collective operations among the ranks of one world. Every rank calls the same operations in
 /// the same order; a rank that does not arrive within the timeout fails the operation on every
@@ -28,6 +28,79 @@ pub trait Collective: Send + Sync {
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
     /// Returns once every rank called it.
     fn barrier(&self) -> Result<()>;
+
+    /// [`Collective::all_gather`] of this rank's `piece`, started ahead of its use so that it
+    /// overlaps the work queued before it (NCCL: on a communication stream of its own, a piece
+    /// in host memory copied in on that stream first); the parts are on `device` and may be
+    /// read after [`Gathering::wait`]. Every rank starts its gathers in the same order. By
+    /// default it completes before it returns.
+    fn all_gather_ahead(
+        &self,
+        piece: Piece<'_>,
+        shapes: &[Shape],
+        device: &Device,
+    ) -> Result<Gathering> {
+        let piece = piece.to_tensor(device)?;
+        Ok(Gathering::done(self.all_gather(&piece, shapes)?))
+    }
+}
+
+/// This rank's piece of a gather ahead: a tensor, or the bytes of a flat `dtype` vector in
+/// host memory (pinned where the device is CUDA, so the copy in runs asynchronously).
+#[derive(Clone, Copy, Debug)]
+pub enum Piece<'a> {
+    Tensor(&'a Tensor),
+    Host { bytes: &'a [u8], dtype: DType },
+}
+
+impl Piece<'_> {
+    /// The piece as a tensor on `device`.
+    pub fn to_tensor(&self, device: &Device) -> Result<Tensor> {
+        match self {
+            Piece::Tensor(t) => t.to_device(device),
+            Piece::Host { bytes, dtype } => {
+                let elems = bytes.len() / dtype.size_in_bytes();
+                Tensor::from_raw_buffer(bytes, *dtype, &[elems], device)
+            }
+        }
+    }
+}
+
+/// What orders the caller's later work after a gather started ahead.
+pub trait Ready: Send {
+    /// Makes the work queued from now on wait for the gather (idempotent).
+    fn wait(&mut self) -> Result<()>;
+}
+
+/// A gather started ahead of its use: its parts, and what must run before they are read.
+pub struct Gathering {
+    /// Dropped first (fields drop in order): a gather dropped unwaited finishes before its
+    /// parts' memory goes.
+    ready: Option<Box<dyn Ready>>,
+    parts: Vec<Tensor>,
+}
+
+impl Gathering {
+    /// A gather already complete.
+    pub fn done(parts: Vec<Tensor>) -> Self {
+        Gathering { ready: None, parts }
+    }
+
+    /// A gather in flight: `parts` may be read once `ready` waited.
+    pub fn pending(parts: Vec<Tensor>, ready: Box<dyn Ready>) -> Self {
+        Gathering {
+            ready: Some(ready),
+            parts,
+        }
+    }
+
+    /// Every rank's part, in rank order, safe to read by the work queued from now on.
+    pub fn wait(mut self) -> Result<Vec<Tensor>> {
+        if let Some(ready) = &mut self.ready {
+            ready.wait()?;
+        }
+        Ok(std::mem::take(&mut self.parts))
+    }
 }
 
 /// A collective that failed on this rank: a rank missing past the timeout, or gone.
@@ -50,6 +123,8 @@ pub enum CollectiveError {
         got: Vec<usize>,
         want: Vec<usize>,
     },
+    #[error("rank {rank}: the group's first rank failed the work it does for the group")]
+    RootFailed { rank: usize },
     #[error("rank {rank}: {ranks} ranks' parts for {world} ranks")]
     Parts {
         rank: usize,
@@ -248,6 +323,88 @@ impl Collective for ThreadGroup {
     }
 }
 
+/// The dtypes [`broadcast_tensors`] carries, by their code in its header.
+const DTYPES: [DType; 7] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::F64,
+    DType::U8,
+    DType::U32,
+    DType::I64,
+];
+
+/// Dimensions a header entry has room for.
+const MAX_DIMS: usize = 6;
+
+/// Rank 0's `tensors` on every rank of `group`, on `device` (the others pass `None`). A header
+/// with their number, dtypes and shapes goes first, so no other rank need know them; rank 0
+/// passing `None` (its work failed) fails the call on every rank at once instead of leaving
+/// them to a collective's timeout.
+pub fn broadcast_tensors(
+    group: &dyn Collective,
+    tensors: Option<&[Tensor]>,
+    device: &Device,
+) -> Result<Vec<Tensor>> {
+    let root = group.rank() == 0;
+    let sent = if root { tensors } else { None };
+    // [made it, how many]
+    let head: Vec<u32> = match sent {
+        Some(ts) => vec![1, ts.len() as u32],
+        None => vec![0, 0],
+    };
+    let head = group
+        .broadcast(&Tensor::new(head.as_slice(), device)?, 0)?
+        .to_vec1::<u32>()?;
+    if head[0] == 0 {
+        return Err(candle_core::Error::wrap(CollectiveError::RootFailed {
+            rank: group.rank(),
+        }));
+    }
+    let count = head[1] as usize;
+    let entry = 2 + MAX_DIMS;
+    let mut shapes = vec![0u32; count * entry];
+    for (i, t) in sent.unwrap_or_default().iter().enumerate() {
+        let code = DTYPES.iter().position(|d| *d == t.dtype()).ok_or_else(|| {
+            candle_core::Error::Msg(format!("collectives do not carry {:?}", t.dtype()))
+        })?;
+        let dims = t.dims();
+        if dims.len() > MAX_DIMS || dims.iter().any(|&d| d > u32::MAX as usize) {
+            candle_core::bail!("a tensor of shape {dims:?} does not fit the broadcast header");
+        }
+        let e = &mut shapes[i * entry..(i + 1) * entry];
+        e[0] = code as u32;
+        e[1] = dims.len() as u32;
+        for (slot, &d) in e[2..].iter_mut().zip(dims) {
+            *slot = d as u32;
+        }
+    }
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let shapes = group
+        .broadcast(&Tensor::new(shapes.as_slice(), device)?, 0)?
+        .to_vec1::<u32>()?;
+    shapes
+        .chunks(entry)
+        .enumerate()
+        .map(|(i, e)| {
+            let dtype = *DTYPES
+                .get(e[0] as usize)
+                .ok_or_else(|| candle_core::Error::Msg("a broadcast of an unknown dtype".into()))?;
+            let shape: Vec<usize> = e[2..2 + e[1] as usize]
+                .iter()
+                .map(|&d| d as usize)
+                .collect();
+            let t = match sent {
+                Some(ts) => ts[i].to_device(device)?.contiguous()?,
+                None => Tensor::zeros(shape, dtype, device)?,
+            };
+            group.broadcast(&t, 0)
+        })
+        .collect()
+}
+
 /// Runs `f(member)` on one thread per rank of a fresh [`ThreadGroup`] and returns the results
 /// in rank order (for tests and the CPU stand-in runs).
 pub fn run_threads<T: Send>(
@@ -255,13 +412,34 @@ pub fn run_threads<T: Send>(
     timeout: Duration,
     f: impl Fn(ThreadGroup) -> T + Sync,
 ) -> Vec<T> {
-    let members = ThreadGroup::new(world, timeout);
+    run_members(ThreadGroup::new(world, timeout), |_, member| f(member))
+}
+
+/// Runs `f(rank, member)` on one thread per rank of `groups`, each rank a member of its own
+/// group's [`ThreadGroup`] (the groups share nothing, as separate communicators), and returns
+/// the results in rank order.
+pub fn run_groups<T: Send>(
+    groups: super::Groups,
+    timeout: Duration,
+    f: impl Fn(usize, ThreadGroup) -> T + Sync,
+) -> Vec<T> {
+    let members = (0..groups.count())
+        .flat_map(|_| ThreadGroup::new(groups.sp, timeout))
+        .collect();
+    run_members(members, f)
+}
+
+fn run_members<T: Send>(
+    members: Vec<ThreadGroup>,
+    f: impl Fn(usize, ThreadGroup) -> T + Sync,
+) -> Vec<T> {
     std::thread::scope(|s| {
         let handles: Vec<_> = members
             .into_iter()
-            .map(|m| {
+            .enumerate()
+            .map(|(rank, m)| {
                 let f = &f;
-                s.spawn(move || f(m))
+                s.spawn(move || f(rank, m))
             })
             .collect();
         handles
@@ -330,6 +508,64 @@ mod tests {
             g.broadcast(&t, 1).unwrap().to_vec1::<f32>().unwrap()
         });
         assert_eq!(out, vec![vec![6.0, 6.0]; 2]);
+    }
+
+    #[test]
+    fn groups_are_separate_communicators() {
+        // Four ranks in groups of two: each all-gather sees its own group's ranks only.
+        let groups = crate::parallel::Groups { ranks: 4, sp: 2 };
+        let out = run_groups(groups, T, |rank, g| {
+            let shapes = vec![Shape::from(1); g.world_size()];
+            let mine = Tensor::new(&[rank as f32], &Device::Cpu).unwrap();
+            let all = g.all_gather(&mine, &shapes).unwrap();
+            (
+                g.rank(),
+                Tensor::cat(&all, 0).unwrap().to_vec1::<f32>().unwrap(),
+            )
+        });
+        assert_eq!(
+            out,
+            vec![
+                (0, vec![0.0, 1.0]),
+                (1, vec![0.0, 1.0]),
+                (0, vec![2.0, 3.0]),
+                (1, vec![2.0, 3.0]),
+            ]
+        );
+    }
+
+    #[test]
+    fn broadcast_tensors_carries_shapes_and_dtypes_the_others_do_not_know() {
+        let out = run_threads(3, T, |g| {
+            let made = [
+                Tensor::arange(0f32, 6.0, &Device::Cpu)
+                    .unwrap()
+                    .reshape((1, 2, 3))
+                    .unwrap(),
+                Tensor::new(&[7u32, 8], &Device::Cpu).unwrap(),
+            ];
+            let sent = (g.rank() == 0).then_some(&made[..]);
+            let got = broadcast_tensors(&g, sent, &Device::Cpu).unwrap();
+            (
+                got[0].dims().to_vec(),
+                got[0].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                got[1].to_vec1::<u32>().unwrap(),
+            )
+        });
+        for o in out {
+            assert_eq!(o, (vec![1, 2, 3], vec![0., 1., 2., 3., 4., 5.], vec![7, 8]));
+        }
+    }
+
+    #[test]
+    fn a_failed_root_fails_broadcast_tensors_on_every_rank() {
+        let out = run_threads(2, Duration::from_secs(600), |g| {
+            broadcast_tensors(&g, None, &Device::Cpu)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        assert!(out[1].as_ref().unwrap_err().contains("first rank failed"));
+        assert!(out[0].is_err());
     }
 
     #[test]

@@ -1,10 +1,15 @@
 //! How a `generate` process takes part in a run on several GPUs: alone, as the `--num-gpus`
 //! supervisor of its own workers, or as one rank that a launcher (or the supervisor) started.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
+use super::collective::Collective;
 use super::world::World;
+use super::{Groups, Ranks};
 use crate::cli::args::GenerateOptions;
+use crate::cli::ResolvedConfig;
 
 /// Seconds the ranks wait for each other at the rendezvous and on each collective.
 pub const TIMEOUT_SECS: u64 = 300;
@@ -40,9 +45,9 @@ pub fn part(o: &GenerateOptions, world: World) -> Result<Part, String> {
     })
 }
 
-/// Runs this same command line as `workers` ranks and exits as they did; every rank's stdout
-/// passes through with prompt parallelism (each writes its own prompts), rank 0's alone else.
-pub fn supervise_self(workers: usize, prompt_parallel: bool) -> anyhow::Result<ExitCode> {
+/// Runs this same command line as the ranks of `groups` and exits as they did; the stdout of
+/// each group's leader passes through (it writes its group's prompts), the others' is dropped.
+pub fn supervise_self(groups: Groups) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
     let program = std::env::current_exe().context("finding the vidgen executable")?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
@@ -52,80 +57,85 @@ pub fn supervise_self(workers: usize, prompt_parallel: bool) -> anyhow::Result<E
     // Ctrl-C reaches the workers too (one process group): they stop as a run does (exit 130)
     // while the supervisor waits for them, forwarding their last lines.
     let _ = ctrlc::set_handler(|| {});
-    let stdout = if prompt_parallel { workers } else { 1 };
-    let ended = super::supervisor::supervise(&program, &args, (workers, stdout), port, sink)
-        .context("starting the workers")?;
+    let ended =
+        super::supervisor::supervise(&program, &args, (groups.ranks, groups.sp), port, sink)
+            .context("starting the workers")?;
     Ok(ExitCode::from(ended.code.clamp(0, 255) as u8))
 }
 
-/// Joins the world as one rank (feature `nccl`): the rendezvous publishes rank 0's NCCL id, the
-/// DiT's self-attention goes through Ulysses over NCCL (and its blocks are FSDP shards with
-/// `--use-fsdp-inference`), the rank drives the GPU of its local rank, and every rank but 0
-/// writes its outputs to a folder of its own that is removed after (rank 0 alone writes outputs
-/// and stats).
+/// A rank's configuration in a run on several GPUs, the scratch folder its outputs go to (a
+/// rank that does not lead its group: it writes nothing the run keeps) and its share of the
+/// prompts (it makes job `i` when `i % of == mine`).
+pub type Joined = (ResolvedConfig, Option<PathBuf>, Option<(usize, usize)>);
+
+/// Joins the world as one rank of a sequence-parallel group (feature `nccl`): the rendezvous
+/// publishes rank 0's NCCL ids, two per group (its communicator and FSDP's gathers ahead), and
+/// the rank joins its group's communicators, made at their first collectives on the GPU of its
+/// local rank (see [`as_rank`]).
 #[cfg(feature = "nccl")]
-pub fn join(
-    mut config: crate::cli::ResolvedConfig,
-    world: World,
-) -> anyhow::Result<(crate::cli::ResolvedConfig, Option<std::path::PathBuf>)> {
-    use super::{nccl, rendezvous, ulysses::Ulysses};
-    use crate::memory::probe::DeviceChoice;
-    use std::sync::Arc;
+pub fn join(config: ResolvedConfig, world: World) -> anyhow::Result<Joined> {
+    use super::{nccl, rendezvous};
     use std::time::Duration;
     let timeout = Duration::from_secs(TIMEOUT_SECS);
-    let id = if world.rank == 0 {
-        Some(nccl::unique_id()?)
+    let groups = Groups::of(&config.options);
+    let count = groups.count() * nccl::IDS_PER_GROUP;
+    let ids = if world.rank == 0 {
+        Some(
+            (0..count)
+                .map(|_| nccl::unique_id())
+                .collect::<candle_core::Result<Vec<_>>>()?,
+        )
     } else {
         None
     };
-    let id = rendezvous::share_id(&world, id, timeout)?;
+    let ids = rendezvous::share_ids(&world, ids, count, timeout)?;
+    let first = groups.group(world.rank) * nccl::IDS_PER_GROUP;
+    let mine = [ids[first], ids[first + 1]];
+    let member = (groups.rank_in_group(world.rank), groups.sp);
+    let group: Arc<dyn Collective> = Arc::new(nccl::LazyNccl::new(member, mine, timeout));
+    as_rank(config, &world, Some(group))
+}
+
+/// What rank `world.rank` runs with, `group` its sequence-parallel group's collective (`None`
+/// with prompt parallelism): it drives the GPU of its local rank and makes its group's share of
+/// the prompts; the DiT's self-attention goes through Ulysses over the group (its blocks are
+/// FSDP shards over the group with `--use-fsdp-inference`). A group's leader writes its
+/// outputs and, if it is not rank 0, its `--stats-json` next to rank 0's as `NAME.rankR.EXT`;
+/// the other ranks write to a scratch folder of their own, removed after.
+pub fn as_rank(
+    mut config: ResolvedConfig,
+    world: &World,
+    group: Option<Arc<dyn Collective>>,
+) -> anyhow::Result<Joined> {
+    let groups = Groups::of(&config.options);
     config.device.ordinal = world.local_rank;
-    config.options.device = DeviceChoice::Cuda(Some(world.local_rank));
+    if config.device.kind == crate::memory::DeviceKind::Cuda {
+        config.options.device = crate::memory::probe::DeviceChoice::Cuda(Some(world.local_rank));
+    }
+    config.ranks = group.map(Ranks::new);
     let rank = world.rank;
-    let group: Arc<dyn super::collective::Collective> =
-        Arc::new(nccl::LazyNccl::new(world, id, timeout));
-    config.ranks = Some(super::Ranks {
-        sequence: Arc::new(Ulysses::new(group.clone())),
-        group,
-    });
-    let scratch = if rank == 0 {
-        None
-    } else {
+    let scratch = if !groups.leads(rank) {
         let dir = std::env::temp_dir().join(format!("vidgen-rank{rank}-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         config.options.output_path = dir.clone();
         config.options.stats_json = None;
         Some(dir)
-    };
-    Ok((config, scratch))
-}
-
-/// A rank of a prompt-parallel run (`--sp-size 1`): it makes its own share of the prompts on the
-/// GPU of its local rank, with no collective; a rank other than 0 writes its `--stats-json` next
-/// to rank 0's, as `NAME.rankR.EXT`.
-pub fn own_prompts(
-    mut config: crate::cli::ResolvedConfig,
-    world: &World,
-) -> crate::cli::ResolvedConfig {
-    config.device.ordinal = world.local_rank;
-    if config.device.kind == crate::memory::DeviceKind::Cuda {
-        config.options.device = crate::memory::probe::DeviceChoice::Cuda(Some(world.local_rank));
-    }
-    if world.rank > 0 {
-        if let Some(path) = &mut config.options.stats_json {
+    } else {
+        if let Some(path) = config.options.stats_json.as_mut().filter(|_| rank > 0) {
             let stem = path
                 .file_stem()
                 .unwrap_or_default()
                 .to_string_lossy()
                 .to_string();
             let name = match path.extension() {
-                Some(ext) => format!("{stem}.rank{}.{}", world.rank, ext.to_string_lossy()),
-                None => format!("{stem}.rank{}", world.rank),
+                Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+                None => format!("{stem}.rank{rank}"),
             };
             path.set_file_name(name);
         }
-    }
-    config
+        None
+    };
+    Ok((config, scratch, Some(groups.prompts(rank))))
 }
 
 #[cfg(test)]

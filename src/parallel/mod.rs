@@ -15,14 +15,75 @@ pub mod ulysses;
 pub mod world;
 
 use std::ops::Range;
-
 use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
 
 use crate::cli::args::GenerateOptions;
 use crate::models::sequence_parallel::SequenceParallel;
 use collective::Collective;
 
-/// One rank's part in a run whose GPUs compute each video together: the group of every rank and
+/// How `--num-gpus` ranks form sequence-parallel groups: `sp` consecutive ranks per group
+/// (`--sp-size`, a divisor of the ranks), each group splitting one video at a time and making
+/// its own share of the prompts (prompt `i` belongs to group `i % count`), as prompt parallelism
+/// does per rank. The first rank of a group leads it: it alone encodes, decodes and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Groups {
+    pub ranks: usize,
+    pub sp: usize,
+}
+
+impl Groups {
+    /// The groups of `o`'s `--num-gpus` and `--sp-size` (default: one group of every GPU).
+    pub fn of(o: &GenerateOptions) -> Self {
+        let ranks = o.num_gpus.max(1) as usize;
+        let sp = (o.sp_size.unwrap_or(o.num_gpus) as usize).clamp(1, ranks);
+        Groups { ranks, sp }
+    }
+
+    /// How many groups there are.
+    pub fn count(&self) -> usize {
+        self.ranks / self.sp
+    }
+
+    /// The group of `rank`.
+    pub fn group(&self, rank: usize) -> usize {
+        rank / self.sp
+    }
+
+    /// `rank`'s place in its group.
+    pub fn rank_in_group(&self, rank: usize) -> usize {
+        rank % self.sp
+    }
+
+    /// Whether `rank` leads its group (encodes, decodes, writes).
+    pub fn leads(&self, rank: usize) -> bool {
+        self.rank_in_group(rank) == 0
+    }
+
+    /// The ranks of `group`.
+    pub fn members(&self, group: usize) -> Range<usize> {
+        group * self.sp..(group + 1) * self.sp
+    }
+
+    /// `rank`'s share of the prompts, `(mine, of)`: it makes prompt `i` when `i % of == mine`.
+    pub fn prompts(&self, rank: usize) -> (usize, usize) {
+        (self.group(rank), self.count())
+    }
+
+    /// The groups in words, for the dry run: `[0,1] [2,3]`.
+    pub fn describe(&self) -> String {
+        (0..self.count())
+            .map(|g| {
+                let ranks: Vec<String> = self.members(g).map(|r| r.to_string()).collect();
+                format!("[{}]", ranks.join(","))
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// One rank's part in a sequence-parallel group: the group's collective (its ranks only) and
 /// the hook the DiT's self-attention goes through.
 #[derive(Clone)]
 pub struct Ranks {
@@ -41,6 +102,50 @@ impl std::fmt::Debug for Ranks {
     }
 }
 
+impl Ranks {
+    /// The part of a member of `group`: Ulysses over it.
+    pub fn new(group: Arc<dyn Collective>) -> Self {
+        Ranks {
+            sequence: Arc::new(ulysses::Ulysses::new(group.clone())),
+            group,
+        }
+    }
+
+    /// Whether this rank leads its group.
+    pub fn leads(&self) -> bool {
+        self.group.rank() == 0
+    }
+}
+
+/// Work that one rank of a group does for all of it (text and image encoding): alone, or on the
+/// group's leader, `make` runs; the leader then broadcasts its tensors (or its failure) and
+/// every other rank receives them, on `device`, instead of running `make`.
+pub fn once_per_group(
+    ranks: Option<&Ranks>,
+    device: &Device,
+    make: impl FnOnce() -> anyhow::Result<Vec<Tensor>>,
+) -> anyhow::Result<Vec<Tensor>> {
+    match ranks {
+        None => make(),
+        Some(r) if r.leads() => {
+            let made = make();
+            let shared = collective::broadcast_tensors(
+                r.group.as_ref(),
+                made.as_ref().ok().map(Vec::as_slice),
+                device,
+            );
+            let made = made?;
+            shared?;
+            Ok(made)
+        }
+        Some(r) => Ok(collective::broadcast_tensors(
+            r.group.as_ref(),
+            None,
+            device,
+        )?),
+    }
+}
+
 /// Why this build cannot run what the resolved options ask of several GPUs (`None`: it can).
 /// A dry run plans any of them.
 pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
@@ -50,12 +155,6 @@ pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
         return Some(format!(
             "--num-gpus {} needs a vidgen built with the `nccl` feature (cargo build --release --features nccl); --dry-run plans it without",
             o.num_gpus
-        ));
-    }
-    if o.num_gpus > 1 && sp > 1 && sp < o.num_gpus {
-        return Some(format!(
-            "--sp-size {sp} of --num-gpus {}: groups of sequence-parallel GPUs are not wired yet; pass --sp-size {} or 1 (--dry-run plans it)",
-            o.num_gpus, o.num_gpus
         ));
     }
     if o.num_gpus > 1 && sp == 1 && o.use_fsdp_inference {
@@ -94,6 +193,21 @@ pub fn split(n: usize, parts: usize) -> Vec<Range<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn groups_are_consecutive_ranks_each_with_its_prompts() {
+        let g = Groups { ranks: 6, sp: 3 };
+        assert_eq!(g.count(), 2);
+        assert_eq!((g.members(0), g.members(1)), (0..3, 3..6));
+        assert_eq!((g.group(4), g.rank_in_group(4), g.leads(4)), (1, 1, false));
+        assert!(g.leads(3));
+        assert_eq!(g.prompts(5), (1, 2));
+        assert_eq!(g.describe(), "[0,1,2] [3,4,5]");
+        // Prompt parallelism: every rank its own group.
+        let one = Groups { ranks: 2, sp: 1 };
+        assert_eq!((one.count(), one.prompts(1)), (2, (1, 2)));
+        assert!(one.leads(1));
+    }
 
     #[test]
     fn split_is_exact_and_balanced() {

@@ -1,6 +1,6 @@
 //! The TCP rendezvous at `MASTER_ADDR:MASTER_PORT`: rank 0 listens, every other rank connects
 //! (retrying while rank 0 is not up yet) and says who it is; once all have, rank 0 sends each
-//! the 128-byte id (NCCL's unique id) it publishes. It doubles as the start barrier: no rank
+//! the 128-byte ids (NCCL's unique ids, one per sequence-parallel group) it publishes. It doubles as the start barrier: no rank
 //! leaves it before every rank arrived, and a missing rank is an error on every rank within the
 //! timeout, not a hang.
 
@@ -42,19 +42,22 @@ pub enum RendezvousError {
     DuplicateRank(usize),
     #[error("rendezvous: rank 0 closed the connection: {0}")]
     Closed(std::io::Error),
-    #[error("rendezvous: rank 0 needs the id to publish")]
+    #[error("rendezvous: rank 0 needs the ids to publish")]
     NoId,
+    #[error("rendezvous: rank 0 publishes {theirs} group ids, this rank expects {ours}: the ranks were launched with different --sp-size")]
+    GroupsMismatch { theirs: usize, ours: usize },
 }
 
-/// Meets every rank of `world` at its master address and returns rank 0's `id` on every rank
-/// (rank 0 passes it, the others `None`), failing after `timeout`.
-pub fn share_id(
+/// Meets every rank of `world` at its master address and returns rank 0's `count` ids on
+/// every rank (rank 0 passes them, the others `None`), failing after `timeout`.
+pub fn share_ids(
     world: &World,
-    id: Option<[u8; ID_BYTES]>,
+    ids: Option<Vec<[u8; ID_BYTES]>>,
+    count: usize,
     timeout: Duration,
-) -> Result<[u8; ID_BYTES], RendezvousError> {
+) -> Result<Vec<[u8; ID_BYTES]>, RendezvousError> {
     if world.world_size == 1 {
-        return id.ok_or(RendezvousError::NoId);
+        return ids.ok_or(RendezvousError::NoId);
     }
     let (addr, port) = world
         .master
@@ -62,12 +65,12 @@ pub fn share_id(
         .expect("a world of several ranks has a master address");
     let deadline = Instant::now() + timeout;
     if world.rank == 0 {
-        let id = id.ok_or(RendezvousError::NoId)?;
+        let ids = ids.ok_or(RendezvousError::NoId)?;
         // All interfaces, as torchrun's store does: MASTER_ADDR is how the others reach us.
         let listener = TcpListener::bind(("0.0.0.0", port))
             .map_err(|source| RendezvousError::Listen { port, source })?;
-        serve(&listener, world.world_size, id, deadline, timeout)?;
-        Ok(id)
+        serve(&listener, world.world_size, &ids, deadline, timeout)?;
+        Ok(ids)
     } else {
         let target = (addr.as_str(), port)
             .to_socket_addrs()
@@ -82,15 +85,15 @@ pub fn share_id(
                 port,
                 why: "no address".into(),
             })?;
-        join(target, world, deadline, timeout)
+        join(target, world, count, deadline, timeout)
     }
 }
 
-/// Rank 0: accepts one connection per other rank, then sends the id to all.
+/// Rank 0: accepts one connection per other rank, then sends the ids to all.
 pub fn serve(
     listener: &TcpListener,
     world_size: usize,
-    id: [u8; ID_BYTES],
+    ids: &[[u8; ID_BYTES]],
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(), RendezvousError> {
@@ -148,19 +151,22 @@ pub fn serve(
     }
     for stream in peers.iter_mut().flatten() {
         let mut msg = MAGIC.to_vec();
-        msg.extend_from_slice(&id);
+        msg.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+        ids.iter().for_each(|id| msg.extend_from_slice(id));
         stream.write_all(&msg).map_err(RendezvousError::Closed)?;
     }
     Ok(())
 }
 
-/// Any other rank: connects (retrying until the deadline), introduces itself, reads the id.
+/// Any other rank: connects (retrying until the deadline), introduces itself, reads the
+/// `count` ids.
 fn join(
     target: SocketAddr,
     world: &World,
+    count: usize,
     deadline: Instant,
     timeout: Duration,
-) -> Result<[u8; ID_BYTES], RendezvousError> {
+) -> Result<Vec<[u8; ID_BYTES]>, RendezvousError> {
     let timed_out = |what: &str| RendezvousError::Timeout {
         secs: timeout.as_secs(),
         waiting: format!("on rank {} {what} {target}", world.rank),
@@ -179,12 +185,26 @@ fn join(
     stream
         .set_read_timeout(Some(remaining(deadline)))
         .map_err(RendezvousError::Closed)?;
-    let mut reply = [0u8; 8 + ID_BYTES];
-    match stream.read_exact(&mut reply) {
-        Ok(()) if &reply[..8] == MAGIC => Ok(reply[8..].try_into().unwrap()),
-        Ok(()) => Err(RendezvousError::Closed(std::io::Error::other(
-            "not a vidgen rendezvous",
-        ))),
+    let mut head = [0u8; 16];
+    let read = stream.read_exact(&mut head).and_then(|()| {
+        if &head[..8] != MAGIC {
+            return Err(std::io::Error::other("not a vidgen rendezvous"));
+        }
+        let theirs = u64::from_le_bytes(head[8..].try_into().unwrap()) as usize;
+        if theirs != count {
+            return Ok(Err(RendezvousError::GroupsMismatch {
+                theirs,
+                ours: count,
+            }));
+        }
+        let mut ids = vec![[0u8; ID_BYTES]; count];
+        for id in &mut ids {
+            stream.read_exact(id)?;
+        }
+        Ok(Ok(ids))
+    });
+    match read {
+        Ok(ids) => ids,
         Err(e)
             if matches!(
                 e.kind(),
@@ -236,29 +256,52 @@ mod tests {
         for (i, b) in id.iter_mut().enumerate() {
             *b = (i * 7 + 3) as u8;
         }
-        // The others start first: they retry until rank 0 listens.
+        let mut other = id;
+        other.reverse();
+        // The others start first: they retry until rank 0 listens. Two groups: two ids.
         let handles: Vec<_> = (0..3)
             .rev()
             .map(|rank| {
                 std::thread::spawn(move || {
-                    let mine = (rank == 0).then_some(id);
-                    share_id(&world(rank, 3, port), mine, Duration::from_secs(20))
+                    let mine = (rank == 0).then_some(vec![id, other]);
+                    share_ids(&world(rank, 3, port), mine, 2, Duration::from_secs(20))
                 })
             })
             .collect();
         for h in handles {
-            assert_eq!(h.join().unwrap().unwrap(), id);
+            assert_eq!(h.join().unwrap().unwrap(), vec![id, other]);
         }
+    }
+
+    #[test]
+    fn a_rank_expecting_other_groups_is_told() {
+        let port = free_port();
+        let rank0 = std::thread::spawn(move || {
+            share_ids(
+                &world(0, 2, port),
+                Some(vec![[1; ID_BYTES]]),
+                1,
+                Duration::from_secs(20),
+            )
+        });
+        let err = share_ids(&world(1, 2, port), None, 2, Duration::from_secs(20)).unwrap_err();
+        assert!(
+            matches!(err, RendezvousError::GroupsMismatch { theirs: 1, ours: 2 }),
+            "{err}"
+        );
+        rank0.join().unwrap().unwrap();
     }
 
     #[test]
     fn a_missing_rank_times_out_on_rank_zero_naming_it() {
         let port = free_port();
-        let one =
-            std::thread::spawn(move || share_id(&world(1, 3, port), None, Duration::from_secs(20)));
-        let err = share_id(
+        let one = std::thread::spawn(move || {
+            share_ids(&world(1, 3, port), None, 1, Duration::from_secs(20))
+        });
+        let err = share_ids(
             &world(0, 3, port),
-            Some([1; ID_BYTES]),
+            Some(vec![[1; ID_BYTES]]),
+            1,
             Duration::from_secs(1),
         )
         .unwrap_err();
@@ -273,18 +316,20 @@ mod tests {
     #[test]
     fn no_rank_zero_times_out() {
         let port = free_port();
-        let err = share_id(&world(1, 2, port), None, Duration::from_millis(300)).unwrap_err();
+        let err = share_ids(&world(1, 2, port), None, 1, Duration::from_millis(300)).unwrap_err();
         assert!(matches!(err, RendezvousError::Timeout { .. }), "{err}");
     }
 
     #[test]
     fn world_size_mismatch_is_named() {
         let port = free_port();
-        let other =
-            std::thread::spawn(move || share_id(&world(1, 3, port), None, Duration::from_secs(10)));
-        let err = share_id(
+        let other = std::thread::spawn(move || {
+            share_ids(&world(1, 3, port), None, 1, Duration::from_secs(10))
+        });
+        let err = share_ids(
             &world(0, 2, port),
-            Some([0; ID_BYTES]),
+            Some(vec![[0; ID_BYTES]]),
+            1,
             Duration::from_secs(10),
         )
         .unwrap_err();
@@ -306,9 +351,10 @@ mod tests {
     fn strangers_are_ignored() {
         let port = free_port();
         let rank0 = std::thread::spawn(move || {
-            share_id(
+            share_ids(
                 &world(0, 2, port),
-                Some([9; ID_BYTES]),
+                Some(vec![[9; ID_BYTES]]),
+                1,
                 Duration::from_secs(20),
             )
         });
@@ -322,8 +368,8 @@ mod tests {
         (&stranger)
             .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             .unwrap();
-        let got = share_id(&world(1, 2, port), None, Duration::from_secs(20)).unwrap();
-        assert_eq!(got, [9; ID_BYTES]);
+        let got = share_ids(&world(1, 2, port), None, 1, Duration::from_secs(20)).unwrap();
+        assert_eq!(got, vec![[9; ID_BYTES]]);
         rank0.join().unwrap().unwrap();
     }
 }

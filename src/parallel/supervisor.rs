@@ -29,12 +29,12 @@ pub struct Ended {
 pub type Sink = Arc<Mutex<dyn Write + Send>>;
 
 /// Runs `program args` as `workers` ranks on this machine (rendezvous on 127.0.0.1:`port`),
-/// the first `stdout` of them on this process's stdout, forwarding their stderr to `sink` as
-/// `rank R: line`, until all end or one fails.
+/// every `leaders`-th of them (rank 0, `leaders`, ...) on this process's stdout, forwarding
+/// their stderr to `sink` as `rank R: line`, until all end or one fails.
 pub fn supervise(
     program: &Path,
     args: &[OsString],
-    (workers, stdout): (usize, usize),
+    (workers, leaders): (usize, usize),
     port: u16,
     sink: Sink,
 ) -> std::io::Result<Ended> {
@@ -45,7 +45,7 @@ pub fn supervise(
             .args(args)
             .envs(World::local_env(rank, workers, port))
             .stdin(Stdio::null())
-            .stdout(if rank < stdout {
+            .stdout(if rank.is_multiple_of(leaders.max(1)) {
                 Stdio::inherit()
             } else {
                 Stdio::null()
@@ -138,7 +138,8 @@ mod tests {
         let buffer: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(Vec::new()));
         let sink: Sink = buffer.clone();
         let args: Vec<OsString> = vec!["-c".into(), script.into()];
-        let ended = supervise(Path::new("/bin/sh"), &args, (workers, 1), 29999, sink).unwrap();
+        let ended =
+            supervise(Path::new("/bin/sh"), &args, (workers, workers), 29999, sink).unwrap();
         let text = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
         (ended, text.lines().map(String::from).collect())
     }

@@ -75,7 +75,7 @@ enum Status {
     Interrupted,
     /// The run ended (a model that did not load) before it started.
     NotRun,
-    /// Another GPU of a prompt-parallel run makes it (`--sp-size 1` with `--num-gpus` above 1).
+    /// Another GPU, or group of GPUs, of the run makes it (`--num-gpus` above `--sp-size`).
     OtherGpu,
 }
 
@@ -187,10 +187,20 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
     progress.overrides(&config.overrides);
-    let (config, scratch, share) = match parallel_part(config, &family)? {
-        Ok(joined) => joined,
-        Err(code) => return Ok(code),
-    };
+    match parallel_part(config, &family)? {
+        Ok(joined) => run_joined(joined, family, source, &progress),
+        Err(code) => Ok(code),
+    }
+}
+
+/// Runs this process's share of the jobs as the configuration it joined with says (alone: all of
+/// them), `family` read from `source` (or why it could not be), and writes the stats.
+pub fn run_joined(
+    (config, scratch, share): crate::parallel::launch::Joined,
+    family: Result<Box<dyn Family>>,
+    source: ModelSource,
+    progress: &Arc<Progress>,
+) -> Result<ExitCode> {
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if let Some(stats) = &config.options.stats_json {
         for job in &jobs {
@@ -219,15 +229,15 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         .iter()
         .map(|job| match share {
             Some((mine, of)) if job.index % of != mine => Outcome::new(Status::OtherGpu, None),
-            _ => existing_output(&config, job, &progress),
+            _ => existing_output(&config, job, progress),
         })
         .collect();
     if source.is_synthetic() {
         progress.note(&format!("note: {source} has random weights: the output is noise, for measuring speed and memory"));
     }
     let result = family
-        .and_then(|family| generate(&config, family, source, &progress, &mut jobs, &mut outcomes));
-    let mut code = summarize(&jobs, &outcomes, &progress);
+        .and_then(|family| generate(&config, family, source, progress, &mut jobs, &mut outcomes));
+    let mut code = summarize(&jobs, &outcomes, progress);
     if let Some(path) = &config.options.stats_json {
         let stats = stats(
             &config,
@@ -324,21 +334,12 @@ fn check_latents(
     Ok(())
 }
 
-/// A rank's configuration in a run on several GPUs, the scratch folder its outputs go to (a
-/// sequence-parallel rank other than 0) and its share of the prompts (prompt parallelism: this
-/// rank makes job `i` when `i % of == mine`).
-type Joined = (
-    ResolvedConfig,
-    Option<std::path::PathBuf>,
-    Option<(usize, usize)>,
-);
-
 /// This process's part in a run on several GPUs: what it runs with, or the exit code of the
 /// workers it supervised.
 fn parallel_part(
     config: ResolvedConfig,
     family: &Result<Box<dyn Family>>,
-) -> Result<Result<Joined, ExitCode>> {
+) -> Result<Result<crate::parallel::launch::Joined, ExitCode>> {
     use crate::parallel::launch::{self, Part};
     let world =
         crate::parallel::world::World::from_env().map_err(|e| UsageError::new(e.to_string()))?;
@@ -351,16 +352,14 @@ fn parallel_part(
             .into());
         }
     }
-    let prompt_parallel = config.options.sp_size == Some(1);
+    let groups = crate::parallel::Groups::of(&config.options);
     match part {
         Part::Alone => Ok(Ok((config, None, None))),
-        Part::Supervisor(workers) => launch::supervise_self(workers, prompt_parallel).map(Err),
-        Part::Rank(world) if prompt_parallel => {
-            let share = Some((world.rank, world.world_size));
-            Ok(Ok((launch::own_prompts(config, &world), None, share)))
-        }
+        Part::Supervisor(_) => launch::supervise_self(groups).map(Err),
+        // Prompt parallelism (--sp-size 1) needs no collective.
+        Part::Rank(world) if groups.sp == 1 => launch::as_rank(config, &world, None).map(Ok),
         #[cfg(feature = "nccl")]
-        Part::Rank(world) => launch::join(config, world).map(|(c, s)| Ok((c, s, None))),
+        Part::Rank(world) => launch::join(config, world).map(Ok),
         #[cfg(not(feature = "nccl"))]
         Part::Rank(_) => Err(UsageError::new(
             crate::parallel::cannot_run(&config.options).unwrap_or_default(),
@@ -815,6 +814,8 @@ impl SizePlan {
 /// What one GPU of a multi-GPU run holds and needs.
 struct GpuPlan {
     rank: usize,
+    /// Its sequence-parallel group.
+    group: usize,
     holds: Vec<String>,
     memory: Result<MemoryPlan, String>,
 }
@@ -827,24 +828,22 @@ impl GpuPlan {
         spec: &PipelineSpec,
         config: &ResolvedConfig,
     ) -> Vec<Self> {
-        let o = &config.options;
-        let (gpus, sp) = (
-            o.num_gpus as usize,
-            o.sp_size.unwrap_or(o.num_gpus) as usize,
-        );
-        if gpus < 2 {
+        let groups = crate::parallel::Groups::of(&config.options);
+        if groups.ranks < 2 {
             return Vec::new();
         }
-        (0..gpus)
+        (0..groups.ranks)
             .map(|rank| {
-                let holds = spec
-                    .components
-                    .iter()
-                    .filter(|c| c.role == Role::Dit || rank.is_multiple_of(sp))
+                let mine = planner.rank_spec(spec.clone(), rank);
+                let holds = mine
+                    .used()
+                    .into_iter()
+                    .map(|c| &mine.components[c])
                     .map(|c| match c.role {
-                        Role::Dit if config.memory.use_fsdp_inference => format!(
-                            "{} (1/{gpus} of every block + {} gathered)",
+                        Role::Dit if config.memory.use_fsdp_inference && groups.sp > 1 => format!(
+                            "{} (1/{} of every block + {} gathered)",
                             c.name,
+                            groups.sp,
                             config.memory.prefetch_depth + 1
                         ),
                         _ => c.name.to_string(),
@@ -852,6 +851,7 @@ impl GpuPlan {
                     .collect();
                 GpuPlan {
                     rank,
+                    group: groups.group(rank),
                     holds,
                     memory: planner
                         .plan_rank(request, rank)
@@ -865,6 +865,7 @@ impl GpuPlan {
         let m = self.memory.as_ref().ok();
         json!({
             "rank": self.rank,
+            "group": self.group,
             "holds": self.holds,
             "peak_stage": m.and_then(|m| m.peak()).map(|s| s.name),
             "peak_bytes": m.and_then(|m| m.peak()).map(|s| s.peak_bytes),
@@ -874,16 +875,27 @@ impl GpuPlan {
     }
 }
 
-/// "2 GPUs: ..." for the dry run.
+/// "4 GPUs: ..." for the dry run.
 fn parallel_text(o: &crate::cli::args::GenerateOptions) -> String {
-    let sp = o.sp_size.unwrap_or(o.num_gpus);
-    let groups = o.num_gpus / sp;
-    let mut text = format!(
-        "{} GPUs: sequence parallelism over {sp} (each video's tokens split {sp} ways), {groups} prompt(s) at once",
-        o.num_gpus
-    );
+    let groups = crate::parallel::Groups::of(o);
+    let mut text = if groups.sp == 1 {
+        format!(
+            "{} GPUs: prompt parallelism, each GPU makes its share of the prompts",
+            groups.ranks
+        )
+    } else {
+        format!(
+            "{} GPUs in {} group(s) of {} ({}): sequence parallelism in each group (a video's tokens split {} ways), {} prompt(s) at once; the first GPU of a group encodes, decodes and writes for it",
+            groups.ranks,
+            groups.count(),
+            groups.sp,
+            groups.describe(),
+            groups.sp,
+            groups.count()
+        )
+    };
     if o.use_fsdp_inference {
-        text += &format!(", FSDP: each GPU holds 1/{} of every DiT block", o.num_gpus);
+        text += &format!(", FSDP: each GPU holds 1/{} of every DiT block", groups.sp);
     }
     text
 }
@@ -1094,7 +1106,12 @@ impl<'a> DryRun<'a> {
                     Ok(m) => format!("peak {}", m.describe_peak()),
                     Err(why) => format!("memory not predicted: {why}"),
                 };
-                out += &format!("gpu {:<8} {}; {peak}\n", g.rank, g.holds.join(", "));
+                out += &format!(
+                    "gpu {:<8} group {}: {}; {peak}\n",
+                    g.rank,
+                    g.group,
+                    g.holds.join(", ")
+                );
             }
         }
         let memory = &described.memory;

@@ -6,7 +6,7 @@ use super::spec::{GroupPlan, PipelineSpec, Role};
 use crate::memory::MemoryOptions;
 use crate::offload::{record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage};
 use crate::parallel::collective::Collective;
-use crate::parallel::fsdp::{FlatShard, ShardedBlocks};
+use crate::parallel::fsdp::{FlatShard, Home, ShardedBlocks};
 use crate::weights::WeightSet;
 use anyhow::Result;
 use candle_core::{DType, Device};
@@ -285,7 +285,11 @@ impl<M: Blockwise> Placed<M> {
             weights.var_builder(dtype, device),
             weights.var_builder(dtype, &Device::Cpu),
         )?;
-        let home = if on_host { Device::Cpu } else { device.clone() };
+        let home = if on_host {
+            Home::Host(device.clone())
+        } else {
+            Home::Device(device.clone())
+        };
         let shards = (0..M::num_blocks(cfg))
             .map(|i| {
                 // The tensors the block asks for, in the dtypes it asks for them.
@@ -300,7 +304,12 @@ impl<M: Blockwise> Placed<M> {
                         Ok((s.name.clone(), vb.get(s.shape.clone(), &s.name)?))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Ok(FlatShard::new(&tensors, group.rank(), group.world_size())?.to_device(&home)?)
+                Ok(FlatShard::new(
+                    &tensors,
+                    group.rank(),
+                    group.world_size(),
+                    &home,
+                )?)
             })
             .collect::<Result<_>>()?;
         Ok(Placed::Sharded(Sharded {

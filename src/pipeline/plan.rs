@@ -11,6 +11,7 @@ use crate::memory::plan::{self as memory_plan, MemoryPlan, PlanStage, Request};
 use crate::memory::MemoryOptions;
 use crate::offload::{DeviceWeights, Residency, StreamOptions};
 use crate::parallel::fsdp::shard_bytes;
+use crate::parallel::Groups;
 use anyhow::Result;
 use candle_core::DType;
 use std::cell::RefCell;
@@ -88,15 +89,25 @@ impl<'a> Planner<'a> {
     }
 
     /// The memory plan of `request` on the GPU of `rank` of `--num-gpus`: every rank holds the
-    /// DiT (whole, or its flat shards plus the gathered blocks with FSDP) and its share of the
-    /// denoise activations (1 / `--sp-size` of the tokens); the first rank of each group of
-    /// `--sp-size` alone holds the other components and their stages.
+    /// DiT (whole, or its flat shards over its group plus the gathered blocks with FSDP) and its
+    /// share of the denoise activations (1 / `--sp-size` of the tokens); the leader of each
+    /// group of `--sp-size` alone holds the other components and runs their stages
+    /// ([`PipelineSpec::follower`] is what the others run).
     pub fn plan_rank(&self, request: &Request, rank: usize) -> Result<MemoryPlan> {
         self.plan_shape(request, self.shape(request), rank)
     }
 
+    /// What `rank` runs: the whole pipeline, or a follower's part of it.
+    pub fn rank_spec(&self, spec: PipelineSpec, rank: usize) -> PipelineSpec {
+        if Groups::of(&self.config.options).leads(rank) {
+            spec
+        } else {
+            spec.follower()
+        }
+    }
+
     fn plan_shape(&self, request: &Request, shape: RunShape, rank: usize) -> Result<MemoryPlan> {
-        let spec = self.family.spec(&shape);
+        let spec = self.rank_spec(self.family.spec(&shape), rank);
         let placement = Placement::new(&request.options, &spec);
         let schedule = Schedule::plan(&spec, load_policy(&request.options));
         let weights = spec
@@ -108,23 +119,16 @@ impl<'a> Planner<'a> {
                 self.device_weights(i, &spec, residency, c.dtype(shape.dtype))
             })
             .collect::<Result<Vec<_>>>()?;
-        let o = &self.config.options;
-        let (gpus, sp) = (
-            o.num_gpus as usize,
-            o.sp_size.unwrap_or(o.num_gpus) as usize,
-        );
+        let groups = Groups::of(&self.config.options);
         let is_dit = |c: usize| spec.components[c].role == Role::Dit;
-        // The first rank of each sequence-parallel group encodes and decodes for it.
-        let leader = rank.is_multiple_of(sp);
         let weights: Vec<DeviceWeights> = weights
             .into_iter()
             .enumerate()
             .map(|(c, w)| {
-                if !is_dit(c) {
-                    Ok(if leader { w } else { DeviceWeights::default() })
-                } else if request.options.use_fsdp_inference && gpus > 1 {
+                if is_dit(c) && request.options.use_fsdp_inference && groups.sp > 1 {
                     let dtype = spec.components[c].dtype(shape.dtype);
-                    self.fsdp_weights(c, &spec, &request.options, dtype, (rank, gpus))
+                    let member = (groups.rank_in_group(rank), groups.sp);
+                    self.fsdp_weights(c, &spec, &request.options, dtype, member)
                 } else {
                     Ok(w)
                 }
@@ -148,11 +152,9 @@ impl<'a> Planner<'a> {
                     0
                 } else if s.uses.iter().any(|&c| is_dit(c)) {
                     // Sequence parallelism: each rank holds its share of the tokens.
-                    s.activation_bytes.div_ceil(sp as u64)
-                } else if leader {
-                    s.activation_bytes
+                    s.activation_bytes.div_ceil(groups.sp as u64)
                 } else {
-                    0
+                    s.activation_bytes
                 },
             })
             .collect();

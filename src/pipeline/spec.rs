@@ -251,4 +251,22 @@ impl PipelineSpec {
     pub fn component(&self, name: &str) -> Option<usize> {
         self.components.iter().position(|c| c.name == name)
     }
+
+    /// The pipeline as a rank that does not lead its sequence-parallel group runs it: its stages
+    /// use the DiTs alone (the leader encodes for the group, and decodes and writes), so no
+    /// other component loads there. The components keep their indices.
+    pub fn follower(mut self) -> Self {
+        let components = &self.components;
+        for stage in &mut self.stages {
+            stage.uses.retain(|&c| components[c].role == Role::Dit);
+        }
+        self
+    }
+
+    /// The components some stage uses, in order: what a run loads.
+    pub fn used(&self) -> Vec<usize> {
+        (0..self.components.len())
+            .filter(|c| self.stages.iter().any(|s| s.uses.contains(c)))
+            .collect()
+    }
 }

@@ -493,6 +493,11 @@ impl WanT2V {
     ) -> Result<Self> {
         let shape = RunShape::of(&config);
         let spec = configs.spec(&shape);
+        // A rank that does not lead its sequence-parallel group loads the DiTs alone.
+        let spec = match &config.ranks {
+            Some(ranks) if !ranks.leads() => spec.follower(),
+            _ => spec,
+        };
         let tokenizer = match source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
@@ -541,34 +546,56 @@ impl WanT2V {
         Ok(zero_padding_rows(&model.final_norm(&h)?, &[seq_len])?.to_dtype(self.config.dtype())?)
     }
 
-    /// Encodes the prompts; the embeddings wait for the denoise stage in host memory, so a
+    /// Encodes the prompts (once per sequence-parallel group: its leader encodes, the others
+    /// receive the embeddings); the embeddings wait for the denoise stage in host memory, so a
     /// stage-major batch holds no device memory between stages.
     fn encode_text(&self, job: &mut Job) -> Result<()> {
-        let placed = self
-            .text_encoder
-            .as_ref()
-            .context("text encoder not loaded")?;
-        let encoder = placed.hold()?;
-        job.prompt_embeds = Some(self.embed(&encoder, &job.prompt)?.to_device(&Device::Cpu)?);
-        job.negative_embeds = if job.guidance_scale > 1.0 {
-            Some(
-                self.embed(&encoder, &job.negative_prompt)?
-                    .to_device(&Device::Cpu)?,
-            )
-        } else {
-            None
-        };
+        let ranks = self.config.ranks.as_ref();
+        let embeds = crate::parallel::once_per_group(ranks, &self.device, || {
+            let placed = self
+                .text_encoder
+                .as_ref()
+                .context("text encoder not loaded")?;
+            let encoder = placed.hold()?;
+            let mut made = vec![self.embed(&encoder, &job.prompt)?];
+            if job.guidance_scale > 1.0 {
+                made.push(self.embed(&encoder, &job.negative_prompt)?);
+            }
+            Ok(made)
+        })?;
+        let mut embeds = embeds.into_iter().map(|t| t.to_device(&Device::Cpu));
+        job.prompt_embeds = Some(embeds.next().context("no prompt embeddings")??);
+        job.negative_embeds = embeds.next().transpose()?;
         Ok(())
     }
 
-    /// The image stage: CLIP image tokens (where the model has an image encoder) and the
-    /// condition latents (`prepare_latents`), kept in host memory until the denoise stage.
+    /// The image stage: the condition latents (`prepare_latents`) and CLIP image tokens (where
+    /// the model has an image encoder), made once per sequence-parallel group as the text's
+    /// embeddings are, kept in host memory until the denoise stage.
     fn encode_image(&mut self, job: &mut Job) -> Result<()> {
         // A TI2V prompt without an image is text-to-video (`check_images` made sure the
         // image-to-video models have one for every prompt).
         let Some(path) = &job.image else {
             return Ok(());
         };
+        let ranks = self.config.ranks.as_ref();
+        let made =
+            crate::parallel::once_per_group(ranks, &self.device, || self.condition_on(path, job))?;
+        let mut made = made.into_iter().map(|t| t.to_device(&Device::Cpu));
+        let condition = made.next().context("no condition latents")??;
+        self.conditioning.insert(
+            job.index,
+            Conditioning {
+                image_embeds: made.next().transpose()?,
+                condition,
+            },
+        );
+        Ok(())
+    }
+
+    /// The condition latents of the image at `path` for `job`, then its CLIP image tokens where
+    /// the model has an image encoder.
+    fn condition_on(&self, path: &std::path::Path, job: &Job) -> Result<Vec<Tensor>> {
         let img = load_rgb_image(path)?;
         let dtype = self.config.dtype();
         let image_embeds = match (&self.image_encoder, &self.configs.image_processor) {
@@ -577,8 +604,7 @@ impl WanT2V {
                 let model = held.model();
                 let processor = ClipImageProcessor::new(&processor.clone().unwrap_or_default())?;
                 let pixels = processor.preprocess(&img, &self.device)?;
-                let embeds = model.last_hidden_state(&pixels)?;
-                Some(embeds.to_dtype(dtype)?.to_device(&Device::Cpu)?)
+                Some(model.last_hidden_state(&pixels)?.to_dtype(dtype)?)
             }
             (None, _) => None,
         };
@@ -596,14 +622,10 @@ impl WanT2V {
         } else {
             image_condition(vae, &image, job.num_frames as usize, 1, dtype)?
         };
-        self.conditioning.insert(
-            job.index,
-            Conditioning {
-                image_embeds,
-                condition: condition.to_device(&Device::Cpu)?,
-            },
-        );
-        Ok(())
+        Ok([Some(condition), image_embeds]
+            .into_iter()
+            .flatten()
+            .collect())
     }
 
     fn initial_latents(&self, job: &Job) -> Result<Tensor> {
@@ -882,6 +904,11 @@ impl WanT2V {
         Ok(())
     }
 
+    /// Whether this rank follows the leader of its sequence-parallel group.
+    fn follows(&self) -> bool {
+        self.config.ranks.as_ref().is_some_and(|r| !r.leads())
+    }
+
     /// The group the DiT is sharded over (`--use-fsdp-inference` on a rank of several).
     fn fsdp(&self) -> Option<&Arc<dyn crate::parallel::collective::Collective>> {
         let ranks = self.config.ranks.as_ref()?;
@@ -900,6 +927,7 @@ impl WanT2V {
         dtype: DType,
     ) -> Result<Placed<WanTransformer3DModel>> {
         let group = self.fsdp().context("FSDP without a group")?.clone();
+        let ranks = group.world_size();
         let m = &self.config.memory;
         let placed = Placed::load_sharded(
             cfg,
@@ -911,8 +939,7 @@ impl WanT2V {
             m.prefetch_depth,
         )?;
         self.progress.note(&format!(
-            "transformer: FSDP, 1/{} of every block on this GPU{}",
-            self.config.options.num_gpus,
+            "transformer: FSDP, 1/{ranks} of every block on this GPU{}",
             if m.dit_cpu_offload {
                 " (in host memory)"
             } else {
@@ -965,6 +992,15 @@ impl Pipeline for WanT2V {
             Step::EncodeImage => self.encode_image(job),
             Step::Denoise => self.denoise(job, false),
             Step::DenoiseLow => self.denoise(job, true),
+            // The group's leader decodes and writes the video.
+            Step::Decode if self.follows() => {
+                job.latents = None;
+                Ok(())
+            }
+            Step::Write if self.follows() => {
+                job.written = true;
+                Ok(())
+            }
             Step::Decode => self.decode(job),
             Step::Write => stages::write_video(&self.config, job),
         };
