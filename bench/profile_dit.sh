@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Where a DiT forward's GPU time goes: one resident forward per family under Nsight Compute
+# (kernel durations only), summed per kernel name, largest first.
+#   bash bench/profile_dit.sh ltx cogvideox hunyuan      (needs .device/offload_bench[.xz])
+set -u
+OUT=${OUT:-/tmp/vidgen-bench}
+mkdir -p "$OUT"
+B=./.device/offload_bench
+[ -f $B.xz ] && [ ! -x $B ] && xz -dc $B.xz > $B && chmod +x $B
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+OFF="--dit-layerwise-offload=false --dit-cpu-offload=false"
+for F in "$@"; do
+  case $F in
+    ltx) M=synthetic:ltx-video; S=161x512x768 ;;
+    cogvideox) M=synthetic:cogvideox-5b; S=49x480x720 ;;
+    hunyuan) M=synthetic:hunyuanvideo; S=61x320x512 ;;
+    wan) M=synthetic:wan2.1-t2v-1.3b; S=81x480x832 ;;
+  esac
+  # Without the profiler first: the forward's time with and without cuDNN.
+  $B $M 1 $S "none: $OFF" 2>/dev/null | grep -o '"s_per_forward":[0-9.]*' | sed "s/^/$F cudnn /"
+  VIDGEN_CUDNN=off $B $M 1 $S "none: $OFF" 2>/dev/null | grep -o '"s_per_forward":[0-9.]*' | sed "s/^/$F no-cudnn /"
+  $NCU --csv --page raw --metrics gpu__time_duration.sum $B $M 1 $S "none: $OFF" > "$OUT/ncu-$F.csv" 2> "$OUT/ncu-$F.log"
+  python3 - "$OUT/ncu-$F.csv" "$F" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
+head = rows[0]; name_i = head.index("Kernel Name"); t_i = head.index("gpu__time_duration.sum")
+tot, cnt = collections.Counter(), collections.Counter()
+for r in rows[2:]:
+    try: t = float(r[t_i].replace(",", ""))
+    except ValueError: continue
+    k = r[name_i][:110]; tot[k] += t; cnt[k] += 1
+all_t = sum(tot.values())
+print(f"== {sys.argv[2]}: {sum(cnt.values())} kernels, {all_t/1e6:.1f} ms in all (ns units assumed)")
+for k, t in tot.most_common(25):
+    print(f"{t/1e6:9.2f} ms {100*t/all_t:5.1f}% x{cnt[k]:5d}  {k}")
+PY
+done
