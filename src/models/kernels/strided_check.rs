@@ -56,7 +56,7 @@ fn permuted(t: &Tensor) -> Result<Tensor> {
 }
 /// Seven dims that cannot collapse: more than the fast layout holds (the fallback path).
 fn scrambled(t: &Tensor) -> Result<Tensor> {
-    t.permute((6, 0, 5, 1, 4, 2, 3))
+    t.permute(vec![6, 0, 5, 1, 4, 2, 3])
 }
 
 #[test]
