@@ -5,7 +5,7 @@
 # cache), bf16, the table's sizes; 1 warm-up + 2 timed forwards per mode.
 #   bash bench/seed_table.sh ltx cogvideox     # one call (~7 min on an H200)
 #   bash bench/seed_table.sh hunyuan           # one call (~7 min)
-#   BIG=1 bash bench/seed_table.sh hunyuan-720p   # HunyuanVideo 720x1280x129 with default flags
+#   bash bench/seed_table.sh hunyuan-720p     # HunyuanVideo 720x1280x129 with default flags, one forward
 # Needs .device/offload_bench (the CUDA build of the offload_bench example, or .xz of it) and, for the peer,
 # the diffusers wheel in .whl (../shared/peer/README.md). Writes $OUT/<family>-vidgen.jsonl,
 # $OUT/peer-<family>/results.json and $OUT/seed-table.md.
@@ -30,8 +30,8 @@ MODES=("none: --dit-layerwise-offload=false --dit-cpu-offload=false"
   "block_level_N8: --offload-stream=false --num-blocks-per-group 8"
   "block_level_N1_stream: --num-blocks-per-group 1"
   "block_level_N8_stream: --num-blocks-per-group 8"
-  "leaf_level_stream: --offload-type leaf-level"
-  "default: ")
+  "leaf_level_stream: --offload-type leaf-level")
+# (vidgen's default flags are block_level_N1_stream's: layerwise streaming, one block per group.)
 for F in "$@"; do
   case $F in
     ltx) M=synthetic:ltx-video; S=161x512x768 ;;

@@ -20,13 +20,9 @@ extern "C" __global__ void FN_NAME(  \
         } \
     } \
     else { \
-        __shared__ StridedLayout layout; \
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr); \
-        __syncthreads(); \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned strided_i, unused_i; \
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i); \
-            else strided_i = get_strided_index(i, num_dims, dims, strides); \
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i); \
             TYPENAME x = inp ? inp[strided_i] : out[i]; \
             out[i] = AFFINE; \
         } \

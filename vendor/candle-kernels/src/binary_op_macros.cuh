@@ -21,17 +21,9 @@ extern "C" __global__ void FN_NAME( \
             out[i] = FUNC; \
         } \
     } else { \
-        __shared__ StridedLayout layout; \
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, lhs_strides, rhs_strides); \
-        __syncthreads(); \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int lhs_i, rhs_i; \
-            if (layout.nd >= 0) { \
-                strided_offsets(layout, i, lhs_i, rhs_i); \
-            } else { \
-                lhs_i = get_strided_index(i, num_dims, dims, lhs_strides); \
-                rhs_i = get_strided_index(i, num_dims, dims, rhs_strides); \
-            } \
+            strided_offsets(i, num_dims, dims, lhs_strides, rhs_strides, lhs_i, rhs_i); \
             TYPENAME x = lhs[lhs_i]; \
             TYPENAME y = rhs[rhs_i]; \
             out[i] = FUNC; \
@@ -90,17 +82,9 @@ extern "C" __global__ void FN_NAME( \
             } \
         } \
     } else { \
-        __shared__ StridedLayout layout; \
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, lhs_strides, rhs_strides); \
-        __syncthreads(); \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int lhs_i, rhs_i; \
-            if (layout.nd >= 0) { \
-                strided_offsets(layout, i, lhs_i, rhs_i); \
-            } else { \
-                lhs_i = get_strided_index(i, num_dims, dims, lhs_strides); \
-                rhs_i = get_strided_index(i, num_dims, dims, rhs_strides); \
-            } \
+            strided_offsets(i, num_dims, dims, lhs_strides, rhs_strides, lhs_i, rhs_i); \
             __nv_bfloat16 x = lhs[lhs_i]; \
             __nv_bfloat16 y = rhs[rhs_i]; \
             out[i] = SCALAR_FUNC; \
@@ -150,17 +134,9 @@ extern "C" __global__ void FN_NAME( \
             } \
         } \
     } else { \
-        __shared__ StridedLayout layout; \
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, lhs_strides, rhs_strides); \
-        __syncthreads(); \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int lhs_i, rhs_i; \
-            if (layout.nd >= 0) { \
-                strided_offsets(layout, i, lhs_i, rhs_i); \
-            } else { \
-                lhs_i = get_strided_index(i, num_dims, dims, lhs_strides); \
-                rhs_i = get_strided_index(i, num_dims, dims, rhs_strides); \
-            } \
+            strided_offsets(i, num_dims, dims, lhs_strides, rhs_strides, lhs_i, rhs_i); \
             float x = lhs[lhs_i]; \
             float y = rhs[rhs_i]; \
             out[i] = SCALAR_FUNC; \

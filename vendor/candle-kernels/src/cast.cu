@@ -17,13 +17,9 @@ __device__ void cast_(
         }
     }
     else {
-        __shared__ StridedLayout layout;
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr);
-        __syncthreads();
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i, unused_i;
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i);
-            else strided_i = get_strided_index(i, num_dims, dims, strides);
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i);
             out[i] = inp[strided_i];
         }
     }
@@ -47,13 +43,9 @@ __device__ void cast_fp8_(
         }
     }
     else {
-        __shared__ StridedLayout layout;
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr);
-        __syncthreads();
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i, unused_i;
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i);
-            else strided_i = get_strided_index(i, num_dims, dims, strides);
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i);
             out[i] = F8E4M3_TO_FLOAT(inp[strided_i]);
         }
     }
@@ -74,13 +66,9 @@ __device__ void cast_fp8_into_(
         }
     }
     else {
-        __shared__ StridedLayout layout;
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr);
-        __syncthreads();
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i, unused_i;
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i);
-            else strided_i = get_strided_index(i, num_dims, dims, strides);
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i);
             out[i] = __nv_fp8_e4m3((float)inp[strided_i]);
         }
     }
@@ -102,13 +90,9 @@ __device__ void cast_through(
         }
     }
     else {
-        __shared__ StridedLayout layout;
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr);
-        __syncthreads();
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i, unused_i;
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i);
-            else strided_i = get_strided_index(i, num_dims, dims, strides);
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i);
             out[i] = static_cast<T>(static_cast<I>(inp[strided_i]));
         }
     }
@@ -194,13 +178,9 @@ extern "C" __global__ void cast_bf16_f32(
             }
         }
     } else {
-        __shared__ StridedLayout layout;
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr);
-        __syncthreads();
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i, unused_i;
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i);
-            else strided_i = get_strided_index(i, num_dims, dims, strides);
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i);
             out[i] = __bfloat162float(inp[strided_i]);
         }
     }
@@ -234,13 +214,9 @@ extern "C" __global__ void cast_f32_bf16(
             }
         }
     } else {
-        __shared__ StridedLayout layout;
-        if (threadIdx.x == 0) build_strided_layout(&layout, numel, num_dims, dims, strides, nullptr);
-        __syncthreads();
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i, unused_i;
-            if (layout.nd >= 0) strided_offsets(layout, i, strided_i, unused_i);
-            else strided_i = get_strided_index(i, num_dims, dims, strides);
+            strided_offsets(i, num_dims, dims, strides, nullptr, strided_i, unused_i);
             out[i] = __float2bfloat16_rn(inp[strided_i]);
         }
     }

@@ -44,74 +44,31 @@ __device__ unsigned int get_strided_index(
     return strided_i;
 }
 
-// vidgen patch: a strided layout of up to two operands, collapsed (size-1 dims dropped, dims
-// that continue each other merged) and with division by multiply-shift, built once per block
-// by its first thread, so a broadcast element costs a multiply-high per remaining dim instead
-// of a 64-bit division per dim.
-#define MAX_FAST_DIMS 6
-
-struct FastDivmod {
-    unsigned int d, m, s;
-};
-
-struct StridedLayout {
-    int nd; // collapsed dims, innermost first; -1: not representable, use get_strided_index
-    FastDivmod div[MAX_FAST_DIMS];
-    unsigned int st[2][MAX_FAST_DIMS];
-};
-
-// n / d = (umulhi(n, m) + n) >> s for every n < 2^31 (Granlund-Montgomery, as CUTLASS's FastDivmod).
-__device__ __forceinline__ FastDivmod make_fast_divmod(unsigned int d) {
-    FastDivmod f;
-    f.d = d;
-    f.s = d > 1 ? 32 - __clz(d - 1) : 0;
-    f.m = (unsigned int)(((1ull << 32) * ((1ull << f.s) - d)) / d + 1);
-    return f;
-}
-
-__device__ __forceinline__ unsigned int fast_div(unsigned int n, const FastDivmod &f) {
-    return (__umulhi(n, f.m) + n) >> f.s;
-}
-
-// Thread 0's work: `b` may be null (one operand).
-__device__ void build_strided_layout(
-    StridedLayout *l, size_t numel, size_t num_dims, const size_t *dims, const size_t *a, const size_t *b
+// vidgen patch: the offsets of element `i` in two operands (`b` may be null) of one strided
+// layout, each thread collapsing the layout in registers first (size-1 dims dropped, dims that
+// continue each other in both operands merged: a bias broadcast over [B, S, D] becomes 2 dims, a
+// per-channel scale over [1, C, T, H, W] too) and dividing in 32 bits. The dims and strides are
+// the same for every thread, so their loads are broadcasts; the divisions left are one per
+// collapsed dim instead of two 64-bit ones per original dim.
+__device__ __forceinline__ void strided_offsets(
+    unsigned int i, const size_t num_dims, const size_t *dims, const size_t *sa, const size_t *sb,
+    unsigned int &a, unsigned int &b
 ) {
-    l->nd = 0;
-    if (numel >= (1ull << 31)) { l->nd = -1; return; }
-    unsigned long long n = 0, sa = 0, sb = 0;
-    for (int d = (int)num_dims - 1; d >= 0; d--) {
-        const unsigned long long nd = dims[d], da = a[d], db = b ? b[d] : 0;
-        if (nd == 1) continue;
-        if (n != 0 && da == sa * n && db == sb * n) { n *= nd; continue; }
-        if (n != 0) {
-            if (l->nd == MAX_FAST_DIMS) { l->nd = -1; return; }
-            l->div[l->nd] = make_fast_divmod((unsigned int)n);
-            l->st[0][l->nd] = (unsigned int)sa; l->st[1][l->nd] = (unsigned int)sb; l->nd++;
-        }
-        n = nd; sa = da; sb = db;
-    }
-    if (n != 0) {
-        if (l->nd == MAX_FAST_DIMS) { l->nd = -1; return; }
-        l->div[l->nd] = make_fast_divmod((unsigned int)n);
-        l->st[0][l->nd] = (unsigned int)sa; l->st[1][l->nd] = (unsigned int)sb; l->nd++;
-    }
-}
-
-// The offsets of element `i` in both operands.
-__device__ __forceinline__ void strided_offsets(const StridedLayout &l, unsigned int i, unsigned int &a, unsigned int &b) {
     a = 0; b = 0;
-#pragma unroll
-    for (int k = 0; k < MAX_FAST_DIMS; k++) {
-        if (k >= l.nd) break;
-        unsigned int r = i;
-        if (k + 1 < l.nd) {
-            const unsigned int q = fast_div(i, l.div[k]);
-            r = i - q * l.div[k].d;
-            i = q;
+    unsigned int n = 0, da = 0, db = 0;
+    for (int d = (int)num_dims - 1; d >= -1; d--) {
+        const unsigned int nd = d >= 0 ? (unsigned int)dims[d] : 0;
+        if (d >= 0 && nd == 1) continue;
+        const unsigned int xa = d >= 0 ? (unsigned int)sa[d] : 0;
+        const unsigned int xb = d >= 0 && sb ? (unsigned int)sb[d] : 0;
+        if (d >= 0 && n != 0 && xa == da * n && xb == db * n) { n *= nd; continue; }
+        if (n != 0) {
+            // flush the collapsed dim [n, da, db]: the outermost takes what is left of i
+            unsigned int r = i;
+            if (d >= 0) { const unsigned int q = i / n; r = i - q * n; i = q; }
+            a += r * da; b += r * db;
         }
-        a += r * l.st[0][k];
-        b += r * l.st[1][k];
+        n = nd; da = xa; db = xb;
     }
 }
 
