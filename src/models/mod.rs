@@ -14,9 +14,3 @@ pub mod sequence_parallel;
 pub mod source;
 pub mod t5;
 pub mod wan;
-
-/// The patched candle-kernels' strided element-wise kernels (vendor/candle-kernels/PATCHED.md)
-/// against their contiguous paths, on the GPU.
-#[cfg(all(test, feature = "cuda"))]
-#[path = "kernels/strided_check.rs"]
-mod strided_check;
