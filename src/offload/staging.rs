@@ -4,8 +4,6 @@
 //! [`Ring`] (CUDA's in `transfer.rs`, a host one in the tests) says where the bytes go.
 
 use super::group::Slot;
-#[cfg(feature = "cuda")]
-use super::group::{Packing, Recording};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -196,33 +194,51 @@ pub fn load_tensors(
 
 /// Builds a part that lives on `device` from `weights`: `build(vb, host_vb)` gets the device
 /// `VarBuilder` and one over host memory (for what stays there, see `Blockwise::outer`). On
-/// CUDA the tensors `build` asks for are recorded first (nothing read), then go from the memory
-/// map (or the synthetic generator) through two pinned [`LOAD_CHUNK`] buffers straight into
-/// device memory, one allocation per tensor: a constructor that derives tensors and drops the
-/// originals frees them, as with candle's own loading. Elsewhere `build` reads `weights`.
+/// CUDA the tensors go from the memory map (or the synthetic generator) through two pinned
+/// [`LOAD_CHUNK`] buffers straight into device memory ([`build_staged`]); elsewhere `build`
+/// reads `weights` directly.
 pub fn build_resident<B>(
     weights: &WeightSet,
     dtype: DType,
     device: &Device,
     build: impl Fn(VarBuilder<'static>, VarBuilder<'static>) -> candle_core::Result<B>,
 ) -> Result<B> {
-    let host = || weights.var_builder(dtype, &Device::Cpu);
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        let (wanted, on_host) = (Recording::default(), Recording::default());
-        drop(build(
-            wanted.var_builder(Some(weights), dtype),
-            on_host.var_builder(Some(weights), dtype),
-        )?);
-        let slots = wanted.layout(Packing::PerTensor)?.slots;
         let transfer = super::Transfer::new(device, false, Some(2 * LOAD_CHUNK))?;
-        let tensors = transfer.load(weights, &slots)?.into_iter().collect();
-        return Ok(build(
-            VarBuilder::from_tensors(tensors, dtype, device),
-            host(),
-        )?);
+        let load = |slots: &[Slot]| transfer.load(weights, slots);
+        return build_staged(weights, dtype, device, load, build);
     }
-    Ok(build(weights.var_builder(dtype, device), host())?)
+    Ok(build(
+        weights.var_builder(dtype, device),
+        weights.var_builder(dtype, &Device::Cpu),
+    )?)
+}
+
+/// Records the tensors `build` asks for on the device (nothing is read), has `load` bring them
+/// in (one allocation per tensor: a constructor that derives tensors and drops the originals
+/// frees them, as with candle's own loading), then builds from them; what `build` keeps in
+/// host memory is read from `weights` as usual.
+#[cfg(any(feature = "cuda", test))]
+fn build_staged<B>(
+    weights: &WeightSet,
+    dtype: DType,
+    device: &Device,
+    load: impl FnOnce(&[Slot]) -> Result<Vec<(String, Tensor)>>,
+    build: impl Fn(VarBuilder<'static>, VarBuilder<'static>) -> candle_core::Result<B>,
+) -> Result<B> {
+    use super::group::{Packing, Recording};
+    let (wanted, on_host) = (Recording::default(), Recording::default());
+    drop(build(
+        wanted.var_builder(Some(weights), dtype),
+        on_host.var_builder(Some(weights), dtype),
+    )?);
+    let slots = wanted.layout(Packing::PerTensor)?.slots;
+    let tensors = load(&slots)?.into_iter().collect();
+    Ok(build(
+        VarBuilder::from_tensors(tensors, dtype, device),
+        weights.var_builder(dtype, &Device::Cpu),
+    )?)
 }
 
 #[cfg(test)]
@@ -459,6 +475,45 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// Built through the recording and a staging ring, a part gets the tensors it asks for,
+    /// in the dtypes it asks for (an f32-kept one stays f32), bit-identical to reading them
+    /// directly; what it keeps in host memory is read from the weights.
+    #[test]
+    fn staged_builds_match_direct_builds() -> Result<()> {
+        let weights = WeightSet::open(&Weights::Synthetic { seed: 3 })?;
+        let build = |vb: VarBuilder<'static>, host: VarBuilder<'static>| {
+            Ok(vec![
+                vb.pp("proj").get((40, 30), "weight")?,
+                vb.get_with_hints_dtype(40, "norm.weight", candle_nn::Init::Const(1.), DType::F32)?,
+                vb.pp("proj").get((40, 30), "weight")?,
+                host.get((50, 30), "table")?,
+            ])
+        };
+        let dev = Device::Cpu;
+        let direct = build(
+            weights.var_builder(DType::BF16, &dev),
+            weights.var_builder(DType::BF16, &dev),
+        )?;
+        let mut loaded_names = Vec::new();
+        let staged = build_staged(
+            &weights,
+            DType::BF16,
+            &dev,
+            |slots| {
+                loaded_names = slots.iter().map(|s| s.name.clone()).collect();
+                load_tensors(&weights, slots, &mut HostRing::new(1024, 2, slots.len()))
+            },
+            build,
+        )?;
+        // The host table is not loaded through the ring; the weight asked twice comes once.
+        assert_eq!(loaded_names, ["proj.weight", "norm.weight"]);
+        assert_eq!(staged[1].dtype(), DType::F32);
+        for (a, b) in staged.iter().zip(&direct) {
+            assert!(same_bits(a, b)?);
+        }
         Ok(())
     }
 }
