@@ -26,7 +26,7 @@ python3 -m pip install -q --no-deps --target /tmp/dl .whl/diffusers-*.whl >/dev/
 start=$(date +%s.%N)
 PYTHONPATH=/tmp/dl:.device python3 -c "import wan_e2e_bench as w; w.write_checkpoint('$ASSETS', '$CKPT')"
 echo "checkpoint ready in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $start}") s: $(du -sh "$CKPT" | cut -f1)"
-bytes() { cat "$CKPT/$1"/*.safetensors | wc -c; }
+bytes() { stat -c %s "$CKPT/$1"/*.safetensors | awk '{ s += $1 } END { print s }'; }
 declare -A SIZE=([text_encoder]=$(bytes text_encoder) [transformer]=$(bytes transformer) [vae]=$(bytes vae))
 RESIDENT="--no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload"
 run() { # label binary flags...
