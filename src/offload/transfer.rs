@@ -163,13 +163,10 @@ impl Transfer {
         weights: &crate::weights::WeightSet,
         slots: &[super::group::Slot],
     ) -> Result<Vec<(String, Tensor)>> {
-        let cuda = self
-            .cuda
+        self.cuda
             .as_ref()
-            .context("staged loading needs a CUDA device")?;
-        let loaded = cuda.load(weights, slots)?;
-        self.count(slots.iter().map(|s| s.bytes()).sum());
-        Ok(loaded)
+            .context("staged loading needs a CUDA device")?
+            .load(weights, slots)
     }
 
     /// Makes the compute stream wait for the group's copies (call on the computing thread,
