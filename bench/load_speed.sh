@@ -9,7 +9,9 @@
 # to the start of the denoise stage, the first forward's time; then whether every run's frames
 # are bit-identical to the old binary's resident frames.
 #   bash bench/load_speed.sh NEW_VIDGEN OLD_VIDGEN OUT_DIR
-# Binaries may be given xz-compressed (NAME.xz): they are unpacked next to themselves.
+# Binaries may be given xz-compressed (NAME.xz): they are unpacked next to themselves. With
+# LIB_TESTS=PATH (the new build's lib test binary), its staging tests run first on the GPU
+# (offload::staging: the ring against candle's own loading, bit for bit).
 # Needs ../shared/peer/wan_e2e_bench.py copied to .device/wan_e2e_bench.py (the checkpoint writer)
 # and the diffusers 0.42.1 wheel in .whl/ (carry both).
 set -euo pipefail
@@ -22,6 +24,10 @@ for b in "$NEW" "$OLD"; do
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /dev/shm | tail -1
+if [ -n "${LIB_TESTS:-}" ]; then
+  [ -x "$LIB_TESTS" ] || { xz -dkf "$LIB_TESTS.xz" && chmod +x "$LIB_TESTS"; }
+  "$LIB_TESTS" offload::staging 2>&1 | tail -12 | tee "$OUT/staging_tests.txt"
+fi
 python3 -m pip install -q --no-deps --target /tmp/dl .whl/diffusers-*.whl >/dev/null 2>&1
 start=$(date +%s.%N)
 PYTHONPATH=/tmp/dl:.device python3 -c "import wan_e2e_bench as w; w.write_checkpoint('$ASSETS', '$CKPT')"
