@@ -205,8 +205,9 @@ pub fn build_resident<B>(
 ) -> Result<B> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        let transfer = super::Transfer::new(device, false, Some(2 * LOAD_CHUNK))?;
-        let load = |slots: &[Slot]| transfer.load(weights, slots);
+        let load = |slots: &[Slot]| {
+            super::Transfer::new(device, false, Some(2 * LOAD_CHUNK))?.load(weights, slots)
+        };
         return build_staged(weights, dtype, device, load, build);
     }
     Ok(build(
