@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -125,6 +126,41 @@ impl WeightSet {
         }
     }
 
+    /// The dtype tensor `name`'s bytes go to a device in when a model wants it as `dtype`: as
+    /// stored in a file (converted on the device after the copy, as candle's own loading does),
+    /// or `dtype` where the host makes them (synthetic weights, or a stored dtype that
+    /// [`write_bytes`] does not handle, converted on the host as candle would).
+    pub fn staged_dtype(&self, name: &str, dtype: DType) -> DType {
+        let stored = match &self.source {
+            Source::Mapped(st) => st
+                .get(name)
+                .ok()
+                .and_then(|view| DType::try_from(view.dtype()).ok()),
+            Source::Synthetic(_) => None,
+        };
+        match stored {
+            Some(stored) if BYTE_DTYPES.contains(&stored) => stored,
+            _ => dtype,
+        }
+    }
+
+    /// Tensor `name`'s bytes in [`Self::staged_dtype`]: borrowed from the map, or made on the
+    /// host (and then held only until they are copied).
+    pub fn staged_bytes(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+    ) -> candle_core::Result<Cow<'_, [u8]>> {
+        if let Some(bytes) = self.mapped_bytes(name, self.staged_dtype(name, dtype)) {
+            self.report(bytes.len());
+            return Ok(Cow::Borrowed(bytes));
+        }
+        let mut made = vec![0u8; shape.elem_count() * dtype.size_in_bytes()];
+        self.read_into(name, shape, dtype, &mut made)?;
+        Ok(Cow::Owned(made))
+    }
+
     /// Writes tensor `name` as `dtype` into `dst` (exactly its byte size): a plain copy from
     /// the map when the stored dtype matches, a conversion otherwise.
     pub fn read_into(
@@ -181,6 +217,17 @@ impl SimpleBackend for WeightSet {
         }
     }
 }
+
+/// The dtypes [`write_bytes`] and the offload engine's device buffers handle.
+pub const BYTE_DTYPES: [DType; 7] = [
+    DType::BF16,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+    DType::U8,
+    DType::U32,
+    DType::I64,
+];
 
 /// Copies a host tensor's elements, as laid out in memory, into `dst`.
 pub fn write_bytes(tensor: &Tensor, dst: &mut [u8]) -> candle_core::Result<()> {

@@ -1,7 +1,7 @@
 //! Where offloaded weights wait: a few large host arenas of exactly the bytes needed (pinned for
 //! fast asynchronous copies, or pageable), or, in bounded mode, the memory map itself.
 
-use super::group::GroupLayout;
+use super::group::{GroupLayout, Slot};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -302,34 +302,29 @@ impl HostStore {
         }
     }
 
-    /// Copies bytes `range` of group `index`'s image into `dst` (CPU threads in parallel).
-    pub fn gather(&self, index: usize, range: Range<usize>, dst: &mut [u8]) -> Result<()> {
-        const PIECE: usize = 8 << 20;
-        if let Some(image) = self.image(index) {
-            dst.par_chunks_mut(PIECE)
-                .zip(image[range].par_chunks(PIECE))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-            return Ok(());
-        }
-        let layout = &self.groups[index].layout;
-        let mut sources = Vec::new();
-        let mut ranges = Vec::new();
-        for slot in &layout.slots {
-            let (start, end) = (slot.offset, slot.offset + slot.bytes());
-            let (lo, hi) = (start.max(range.start), end.min(range.end));
-            if lo >= hi {
-                continue;
-            }
-            let bytes = self
+    /// The bytes of `slot`, a tensor of group `index`: in its arena, or in the memory map.
+    pub fn slot_bytes(&self, index: usize, slot: &Slot) -> Result<&[u8]> {
+        match self.image(index) {
+            Some(image) => Ok(&image[slot.offset..slot.offset + slot.bytes()]),
+            None => self
                 .weights
                 .mapped_bytes(&slot.name, slot.dtype)
-                .with_context(|| format!("{} is no longer mapped", slot.name))?;
-            sources.push(&bytes[lo - start..hi - start]);
-            ranges.push(lo - range.start..hi - range.start);
+                .with_context(|| format!("{} is no longer mapped", slot.name)),
         }
-        let pieces: Vec<_> = carve(dst, ranges).into_iter().zip(sources).collect();
-        pieces
+    }
+
+    /// Copies group `index`'s image into `dst` (CPU threads in parallel; alignment gaps are
+    /// left as they are).
+    pub fn gather(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let slots = &self.groups[index].layout.slots;
+        let ranges = slots.iter().map(|s| s.offset..s.offset + s.bytes());
+        let sources = slots
+            .iter()
+            .map(|s| self.slot_bytes(index, s))
+            .collect::<Result<Vec<_>>>()?;
+        carve(dst, ranges)
             .into_par_iter()
+            .zip(sources)
             .for_each(|(d, s)| d.copy_from_slice(s));
         Ok(())
     }
@@ -358,7 +353,10 @@ fn fill(groups: &[HostGroup], index: usize, arena: &mut Arena, weights: &WeightS
 
 /// Disjoint mutable pieces of `buffer` at `ranges` (sorted, not overlapping), so threads can
 /// fill them in parallel.
-fn carve(buffer: &mut [u8], ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<&mut [u8]> {
+pub(super) fn carve(
+    buffer: &mut [u8],
+    ranges: impl IntoIterator<Item = Range<usize>>,
+) -> Vec<&mut [u8]> {
     let mut pieces = Vec::new();
     let mut rest = buffer;
     let mut consumed = 0;

@@ -12,11 +12,13 @@
 pub mod group;
 pub mod host;
 pub mod residency;
+pub mod staging;
 pub mod streamer;
 pub mod transfer;
 
 pub use group::{record, GroupLayout, Packing, Recording};
 pub use host::{HostMemory, HostStore};
 pub use residency::{ComponentLayout, DeviceWeights, Residency};
+pub use staging::build_resident;
 pub use streamer::{BuildGroup, Offloaded, StreamOptions, Usage};
 pub use transfer::{CopyStats, Transfer};

@@ -4,7 +4,9 @@
 
 use super::spec::{GroupPlan, PipelineSpec, Role};
 use crate::memory::MemoryOptions;
-use crate::offload::{record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage};
+use crate::offload::{
+    build_resident, record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage,
+};
 use crate::parallel::collective::Collective;
 use crate::parallel::fsdp::{FlatShard, Home, ShardedBlocks};
 use crate::weights::WeightSet;
@@ -219,7 +221,9 @@ impl<M: Blockwise> Placed<M> {
     ) -> Result<Self> {
         Ok(match residency.for_steps(M::steps(cfg)) {
             Residency::Resident => {
-                Placed::Resident(M::whole(cfg, weights.var_builder(dtype, device))?)
+                Placed::Resident(build_resident(weights, dtype, device, |vb, _| {
+                    M::whole(cfg, vb)
+                })?)
             }
             Residency::OnCpu => Placed::Resident(M::whole(
                 cfg,
@@ -246,11 +250,9 @@ impl<M: Blockwise> Placed<M> {
                 by_step,
                 options,
             } => {
-                let outer = M::outer(
-                    cfg,
-                    weights.var_builder(dtype, device),
-                    weights.var_builder(dtype, &Device::Cpu),
-                )?;
+                let outer = build_resident(weights, dtype, device, |vb, host_vb| {
+                    M::outer(cfg, vb, host_vb)
+                })?;
                 let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
                 let blocks = Offloaded::from_weights(
                     weights,
@@ -280,11 +282,9 @@ impl<M: Blockwise> Placed<M> {
         on_host: bool,
         depth: usize,
     ) -> Result<Self> {
-        let outer = M::outer(
-            cfg,
-            weights.var_builder(dtype, device),
-            weights.var_builder(dtype, &Device::Cpu),
-        )?;
+        let outer = build_resident(weights, dtype, device, |vb, host_vb| {
+            M::outer(cfg, vb, host_vb)
+        })?;
         let home = if on_host {
             Home::Host(device.clone())
         } else {
