@@ -434,3 +434,66 @@ fn prompt_lines_carry_their_own_images() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Runs `run` with `--stats-json` and returns the first job's `metrics`.
+fn metrics(run: &Run, name: &str, extra: &[&str]) -> serde_json::Value {
+    let dir = scratch(name);
+    let stats = dir.join("stats.json");
+    let mut args = vec!["--stats-json", stats.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = vidgen(run, &dir, &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    stats["jobs"][0]["metrics"].clone()
+}
+
+/// `--stats-json` times A14B's expert switch and places it among the forwards: it comes after
+/// the high-noise steps (the reference's timesteps at or above `boundary_ratio` x 1000), two
+/// forwards each with CFG; and it times the image stage's two parts.
+#[test]
+fn stats_time_the_expert_switch_and_the_image_stage() {
+    let readme: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(named_fixture_dir(A14B).join("reference/README.json")).unwrap(),
+    )
+    .unwrap();
+    let boundary = readme["preset"]["boundary_ratio"].as_f64().unwrap() * 1000.0;
+    let timesteps = readme["derived"]["scheduler_timesteps"].as_array().unwrap();
+    let high = timesteps
+        .iter()
+        .filter(|t| t.as_f64().unwrap() >= boundary)
+        .count();
+    for flags in [&[][..], &["--lazy-module-load"][..]] {
+        let mut args = vec!["--guidance-scale", "5", "--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let m = metrics(&Run::a14b(), "switch", &args);
+        let switch = &m["expert_switch"];
+        assert_eq!(switch["after_forward"], 2 * high, "{flags:?}: {m}");
+        let seconds = switch["seconds"].as_f64().unwrap();
+        assert!(seconds > 0.0 && seconds < 60.0, "{flags:?}: {m}");
+        assert_eq!(
+            m["forward_seconds"].as_array().unwrap().len(),
+            2 * timesteps.len(),
+            "{m}"
+        );
+    }
+    let m = metrics(&Run::i2v(), "image-stage", &["--guidance-scale", "5"]);
+    for part in ["image_encoder", "vae_encode"] {
+        let s = m["encode_image_seconds"][part].as_f64().unwrap();
+        assert!(s > 0.0 && s < 60.0, "{part}: {m}");
+    }
+    assert!(m["stages"]["encode_image"].is_object(), "{m}");
+    let m = metrics(
+        &Run::ti2v_image(),
+        "ti2v-image-stage",
+        &["--guidance-scale", "5"],
+    );
+    assert!(m["encode_image_seconds"]["vae_encode"].as_f64().unwrap() > 0.0);
+    assert!(m["encode_image_seconds"]["image_encoder"].is_null(), "{m}");
+    assert!(m.get("expert_switch").is_none(), "{m}");
+}
