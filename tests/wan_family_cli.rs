@@ -497,3 +497,63 @@ fn stats_time_the_expert_switch_and_the_image_stage() {
     assert!(m["encode_image_seconds"]["image_encoder"].is_null(), "{m}");
     assert!(m.get("expert_switch").is_none(), "{m}");
 }
+
+/// `--output-type latent` writes the latents diffusers' `output_type="latent"` returns (the
+/// reference's last step, before the VAE) and leaves the decode out: A14B never loads the VAE,
+/// Wan2.1 I2V loads it for the image stage only; the dry run plans no decode stage; a family
+/// without latent output refuses the flag as bad input.
+#[test]
+fn latent_output_is_the_denoised_latents() {
+    for (run, key, vae_loads) in [
+        (Run::a14b(), "cfg5.step3.latents", 0),
+        (Run::i2v(), "cfg5.step2.latents", 1),
+    ] {
+        let dir = scratch("latent");
+        let args = [
+            "--guidance-scale",
+            "5",
+            "--guidance-scale-2",
+            "3",
+            "--output-type",
+            "latent",
+        ];
+        let args = if run.fixture == A14B {
+            &args[..]
+        } else {
+            &[&args[..2], &args[4..]].concat()
+        };
+        let out = vidgen(&run, &dir, args);
+        let log = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{log}");
+        let written =
+            candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap();
+        let expected = &named_reference(run.fixture, run.reference)[key];
+        assert_close(run.fixture, &written["latents"], expected, 1e-4, 1e-4);
+        assert!(!written.contains_key("frames"));
+        assert_eq!(log.matches("loaded vae").count(), vae_loads, "{log}");
+        assert!(!log.contains("decode"), "{log}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let a14b = named_fixture_dir(A14B);
+    let plan = dry_run(a14b.to_str().unwrap(), &["--output-type", "latent"]);
+    assert!(
+        !stage_names(&plan).contains(&"decode".to_string()),
+        "{plan}"
+    );
+    assert!(stage_names(&dry_run(a14b.to_str().unwrap(), &[])).contains(&"decode".to_string()));
+    let ltx = named_fixture_dir("ltx-video-tiny-a");
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--model",
+            ltx.to_str().unwrap(),
+            "--prompt",
+            "a",
+        ])
+        .args(["--device", "cpu", "--output-type", "latent", "--dry-run"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--output-type latent is not supported for LTX-Video"));
+}

@@ -135,7 +135,7 @@ impl Family for WanConfigs {
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
         };
         let stages = self
-            .steps(shape.image)
+            .steps(shape.image, shape.decode)
             .into_iter()
             .map(|step| {
                 let (name, uses, activation_bytes): (_, Vec<Option<usize>>, _) = match step {
@@ -235,6 +235,12 @@ impl Family for WanConfigs {
 
     fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
         self.refusal(config).err()
+    }
+
+    /// The latents as diffusers returns them: before the VAE's normalization is undone, with
+    /// TI2V's condition frame put back.
+    fn latent_output(&self) -> bool {
+        true
     }
 
     fn open(
@@ -419,7 +425,9 @@ impl WanConfigs {
         parts
     }
 
-    fn steps(&self, image: bool) -> Vec<Step> {
+    /// The stages of a run with (`image`) or without an image, that decodes or (`--output-type
+    /// latent`) writes the latents.
+    fn steps(&self, image: bool, decode: bool) -> Vec<Step> {
         let mut steps = vec![Step::EncodeText];
         if self.conditions_on_image(image) {
             steps.push(Step::EncodeImage);
@@ -428,7 +436,10 @@ impl WanConfigs {
         if self.transformer_2.is_some() {
             steps.push(Step::DenoiseLow);
         }
-        steps.extend([Step::Decode, Step::Write]);
+        if decode {
+            steps.push(Step::Decode);
+        }
+        steps.push(Step::Write);
         steps
     }
 
@@ -510,7 +521,7 @@ impl WanT2V {
         Ok(WanT2V {
             placement,
             parts: configs.parts(),
-            steps: configs.steps(shape.image),
+            steps: configs.steps(shape.image, shape.decode),
             config,
             source,
             configs,
