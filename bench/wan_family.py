@@ -102,6 +102,13 @@ def a14b(out):
         row("s/step (denoise stages / steps)",
             f(sum(x for x in den if x) / steps), f"{f(p.get('s_per_step_steady'))} (steady), "
             f"{f((p.get('phases', {}).get('denoise', {}).get('seconds') or 0) / steps)} (denoise / steps)")
+        r = vidgen(out, "a14b-resident")
+        if r:
+            den_r = [r["stages"].get(s) for s in ("denoise_high_noise", "denoise_low_noise")]
+            hi_r, lo_r = (r["experts"] + [[], []])[:2]
+            row("CLI resident (every component): s/step; forward s high / low",
+                f"{f(sum(x for x in den_r if x) / (r['steps'] or 1))}; {f(med(hi_r[1:] or hi_r))} / "
+                f"{f(med(lo_r[1:] or lo_r))}", f"{f(p.get('s_per_step_steady'))} (steady)")
         row("denoise peak used / reserved GiB: high; low expert",
             f"{f(peak(v, 'denoise_high_noise'), 2)} / {f(peak(v, 'denoise_high_noise', 'device_reserved_peak'), 2)}; "
             f"{f(peak(v, 'denoise_low_noise'), 2)} / {f(peak(v, 'denoise_low_noise', 'device_reserved_peak'), 2)}",

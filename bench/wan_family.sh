@@ -12,7 +12,8 @@
 # a14b and ti2v stop at the latents on both sides (vidgen --output-type latent, diffusers output_type="latent");
 # i2v makes the whole video (vidgen writes safetensors frames to /dev/shm, deleted after).
 #
-#   OUT=... bash bench/wan_family.sh [a14b] [ti2v] [i2v]      # all three: one call, ~8.5 min on an H200
+#   OUT=... bash bench/wan_family.sh [a14b] [ti2v] [i2v]      # all three: one call, ~8 min on an H200
+#   A14B_RESIDENT=1 adds the A14B pipeline with every component resident (vidgen's resident s/step, ~100 s)
 #   QUICK=1 OUT=/tmp/wf bash bench/wan_family.sh              # CPU smoke test: tiny fixtures, target/debug binaries
 # Needs .device/vidgen and .device/offload_bench (CUDA builds, or .xz of them) and the diffusers wheel in .whl
 # (../shared/peer/README.md). Writes $OUT/<part>-vidgen.{json,log}, $OUT/a14b-dit.jsonl, $OUT/peer-<part>/
@@ -88,6 +89,9 @@ for P in $PARTS; do
       echo "== offload_bench a14b: exit $? at ${SECONDS}s"; grep -E "Maximum resident|Elapsed|rror" "$OUT/a14b-dit.log"
       rm -rf /dev/shm/vidgen-bench
       gen a14b latent $(model a14b) --num-inference-steps 4
+      # Optional (~100 s more): the whole pipeline resident, for vidgen's resident s/step.
+      [ -n "${A14B_RESIDENT:-}" ] && gen a14b-resident latent $(model a14b) --num-inference-steps 4 \
+        --no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload
       peer a14b ;;
     ti2v)
       gen ti2v latent $(model ti2v) --num-inference-steps 3
