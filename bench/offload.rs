@@ -222,6 +222,7 @@ impl Bench {
             text_len,
             vae_tiling: false,
             image: false,
+            decode: true,
         };
         let spec = family.spec(&run);
         let mut first_output: Option<Vec<f32>> = None;

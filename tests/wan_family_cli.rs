@@ -434,3 +434,126 @@ fn prompt_lines_carry_their_own_images() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Runs `run` with `--stats-json` and returns the first job's `metrics`.
+fn metrics(run: &Run, name: &str, extra: &[&str]) -> serde_json::Value {
+    let dir = scratch(name);
+    let stats = dir.join("stats.json");
+    let mut args = vec!["--stats-json", stats.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = vidgen(run, &dir, &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    stats["jobs"][0]["metrics"].clone()
+}
+
+/// `--stats-json` times A14B's expert switch and places it among the forwards: it comes after
+/// the high-noise steps (the reference's timesteps at or above `boundary_ratio` x 1000), two
+/// forwards each with CFG; and it times the image stage's two parts.
+#[test]
+fn stats_time_the_expert_switch_and_the_image_stage() {
+    let readme: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(named_fixture_dir(A14B).join("reference/README.json")).unwrap(),
+    )
+    .unwrap();
+    let boundary = readme["preset"]["boundary_ratio"].as_f64().unwrap() * 1000.0;
+    let timesteps = readme["derived"]["scheduler_timesteps"].as_array().unwrap();
+    let high = timesteps
+        .iter()
+        .filter(|t| t.as_f64().unwrap() >= boundary)
+        .count();
+    for flags in [&[][..], &["--lazy-module-load"][..]] {
+        let mut args = vec!["--guidance-scale", "5", "--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let m = metrics(&Run::a14b(), "switch", &args);
+        let switch = &m["expert_switch"];
+        assert_eq!(switch["after_forward"], 2 * high, "{flags:?}: {m}");
+        let seconds = switch["seconds"].as_f64().unwrap();
+        assert!(seconds > 0.0 && seconds < 60.0, "{flags:?}: {m}");
+        assert_eq!(
+            m["forward_seconds"].as_array().unwrap().len(),
+            2 * timesteps.len(),
+            "{m}"
+        );
+    }
+    let m = metrics(&Run::i2v(), "image-stage", &["--guidance-scale", "5"]);
+    for part in ["image_encoder", "vae_encode"] {
+        let s = m["encode_image_seconds"][part].as_f64().unwrap();
+        assert!(s > 0.0 && s < 60.0, "{part}: {m}");
+    }
+    assert!(m["stages"]["encode_image"].is_object(), "{m}");
+    let m = metrics(
+        &Run::ti2v_image(),
+        "ti2v-image-stage",
+        &["--guidance-scale", "5"],
+    );
+    assert!(m["encode_image_seconds"]["vae_encode"].as_f64().unwrap() > 0.0);
+    assert!(m["encode_image_seconds"]["image_encoder"].is_null(), "{m}");
+    assert!(m.get("expert_switch").is_none(), "{m}");
+}
+
+/// `--output-type latent` writes the latents diffusers' `output_type="latent"` returns (the
+/// reference's last step, before the VAE) and leaves the decode out: A14B never loads the VAE,
+/// Wan2.1 I2V loads it for the image stage only; the dry run plans no decode stage; a family
+/// without latent output refuses the flag as bad input.
+#[test]
+fn latent_output_is_the_denoised_latents() {
+    for (run, key, vae_loads) in [
+        (Run::a14b(), "cfg5.step3.latents", 0),
+        (Run::i2v(), "cfg5.step2.latents", 1),
+    ] {
+        let dir = scratch("latent");
+        let args = [
+            "--guidance-scale",
+            "5",
+            "--guidance-scale-2",
+            "3",
+            "--output-type",
+            "latent",
+        ];
+        let args = if run.fixture == A14B {
+            &args[..]
+        } else {
+            &[&args[..2], &args[4..]].concat()
+        };
+        let out = vidgen(&run, &dir, args);
+        let log = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{log}");
+        let written =
+            candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap();
+        let expected = &named_reference(run.fixture, run.reference)[key];
+        assert_close(run.fixture, &written["latents"], expected, 1e-4, 1e-4);
+        assert!(!written.contains_key("frames"));
+        assert_eq!(log.matches("loaded vae").count(), vae_loads, "{log}");
+        assert!(!log.contains("decode"), "{log}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let a14b = named_fixture_dir(A14B);
+    let plan = dry_run(a14b.to_str().unwrap(), &["--output-type", "latent"]);
+    assert!(
+        !stage_names(&plan).contains(&"decode".to_string()),
+        "{plan}"
+    );
+    assert!(stage_names(&dry_run(a14b.to_str().unwrap(), &[])).contains(&"decode".to_string()));
+    let ltx = named_fixture_dir("ltx-video-tiny-a");
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--model",
+            ltx.to_str().unwrap(),
+            "--prompt",
+            "a",
+        ])
+        .args(["--device", "cpu", "--output-type", "latent", "--dry-run"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--output-type latent is not supported for LTX-Video"));
+}

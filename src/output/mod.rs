@@ -41,6 +41,9 @@ pub enum OutputType {
     Png,
     /// The raw float frames as a safetensors file (tensor `frames`).
     Safetensors,
+    /// The denoised latents before the VAE as a safetensors file (tensor `latents`): diffusers'
+    /// `output_type="latent"`; the decode stage does not run.
+    Latent,
 }
 
 impl OutputType {
@@ -49,7 +52,7 @@ impl OutputType {
         match self {
             OutputType::Mp4 => "mp4",
             OutputType::Png => "png",
-            OutputType::Safetensors => "safetensors",
+            OutputType::Safetensors | OutputType::Latent => "safetensors",
         }
     }
 }
@@ -102,7 +105,27 @@ pub fn write_with_audio(
         }
         OutputType::Png => png::write_png_frames_with(path, frames, audio, replace),
         OutputType::Safetensors => write_safetensors_inner(path, frames, audio, metadata, replace),
+        OutputType::Latent => bail!("--output-type latent writes latents, not frames"),
     }
+}
+
+/// Writes `latents` (any shape, as f32) as a safetensors tensor named `latents`, with `metadata`
+/// in the header (`--output-type latent`); replaces what is at `path` only when `replace`.
+pub fn write_latents(
+    path: &Path,
+    latents: &Tensor,
+    metadata: &[(String, String)],
+    replace: bool,
+) -> Result<()> {
+    let run = || -> Result<()> {
+        let tensor = latents.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let temp = Partial::file(path)?;
+        let info: HashMap<String, String> = metadata.iter().cloned().collect();
+        let info = (!info.is_empty()).then_some(info);
+        safetensors::serialize_to_file([("latents", &tensor)], info, temp.path())?;
+        temp.commit(path, replace)
+    };
+    run().with_context(|| format!("writing latents {}", path.display()))
 }
 
 /// Writes the frames as an f32 `[F, H, W, 3]` tensor named `frames`.

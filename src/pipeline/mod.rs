@@ -140,7 +140,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         let config = match &found {
             Ok((family, _)) => {
                 let config = config.with_model_defaults(&family.defaults())?;
-                if let Some(why) = family.inapplicable(&config) {
+                if let Some(why) = registry::refusal(family.as_ref(), &config) {
                     return Err(UsageError::new(why).into());
                 }
                 config
@@ -179,7 +179,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     let config = match &family {
         Ok(family) => {
             let config = config.with_model_defaults(&family.defaults())?;
-            if let Some(why) = family.inapplicable(&config) {
+            if let Some(why) = registry::refusal(family.as_ref(), &config) {
                 return Err(UsageError::new(why).into());
             }
             config

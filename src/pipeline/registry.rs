@@ -11,6 +11,7 @@ use super::{cogvideox, hunyuan_video, ltx, minimax_h3, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
+use crate::output::OutputType;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use serde::de::DeserializeOwned;
@@ -28,6 +29,8 @@ pub struct RunShape {
     pub vae_tiling: bool,
     /// Whether the run conditions on `--image`.
     pub image: bool,
+    /// Whether the VAE decodes the latents (not with `--output-type latent`).
+    pub decode: bool,
 }
 
 impl RunShape {
@@ -42,6 +45,7 @@ impl RunShape {
             text_len: o.max_sequence_length as usize,
             vae_tiling: config.memory.vae_tiling,
             image: config.generation.image.is_some() || config.generation.line_images,
+            decode: config.output.kind != OutputType::Latent,
         }
     }
 }
@@ -67,6 +71,11 @@ pub trait Family {
     /// (a run and a dry run refuse it as bad input, before any work).
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
+    }
+    /// Whether `--output-type latent` is supported: the pipeline leaves out its decode stage
+    /// and writes the latents diffusers' `output_type="latent"` returns.
+    fn latent_output(&self) -> bool {
+        false
     }
     /// Whether the model takes a conditioning image (`--image`, a `.jsonl` line's `image`).
     fn image_input(&self) -> ImageInput {
@@ -154,6 +163,18 @@ pub const FAMILIES: &[FamilyEntry] = &[
 pub struct UnsupportedPipeline {
     class: String,
     known: String,
+}
+
+/// The first option of `config` that `family` cannot honour, as one line saying why: the
+/// family's own refusals and those every family shares.
+pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
+    if config.output.kind == OutputType::Latent && !family.latent_output() {
+        let title = family.spec(&RunShape::of(config)).title;
+        return Some(format!(
+            "--output-type latent is not supported for {title}; use safetensors, png or mp4"
+        ));
+    }
+    family.inapplicable(config)
 }
 
 /// The family of a model, with its configs read.

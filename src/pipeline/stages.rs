@@ -241,7 +241,8 @@ pub(crate) fn video_frames(video: &Tensor) -> Result<Tensor> {
         .to_device(&Device::Cpu)?)
 }
 
-/// Writes the job's decoded frames with the run's metadata.
+/// Writes the job's decoded frames with the run's metadata (its latents with `--output-type
+/// latent`).
 pub(crate) fn write_video(config: &ResolvedConfig, job: &mut Job) -> Result<()> {
     write_video_with_audio(config, job, None)
 }
@@ -252,7 +253,6 @@ pub(crate) fn write_video_with_audio(
     job: &mut Job,
     audio: Option<&crate::output::Audio>,
 ) -> Result<()> {
-    let frames = job.frames.take().context("nothing decoded")?;
     let metadata = vec![
         ("title".to_string(), job.prompt.clone()),
         (
@@ -271,6 +271,13 @@ pub(crate) fn write_video_with_audio(
             config.output.config_json.clone(),
         ),
     ];
+    if config.output.kind == crate::output::OutputType::Latent {
+        let latents = job.latents.take().context("nothing denoised")?;
+        crate::output::write_latents(&job.output, &latents, &metadata, config.options.overwrite)?;
+        job.written = true;
+        return Ok(());
+    }
+    let frames = job.frames.take().context("nothing decoded")?;
     crate::output::write_with_audio(
         config.output.kind,
         &job.output,

@@ -39,6 +39,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// The text length diffusers' image cross-attention assumes (it splits the joint context at
 /// `len - 512`).
@@ -134,7 +135,7 @@ impl Family for WanConfigs {
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
         };
         let stages = self
-            .steps(shape.image)
+            .steps(shape.image, shape.decode)
             .into_iter()
             .map(|step| {
                 let (name, uses, activation_bytes): (_, Vec<Option<usize>>, _) = match step {
@@ -234,6 +235,12 @@ impl Family for WanConfigs {
 
     fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
         self.refusal(config).err()
+    }
+
+    /// The latents as diffusers returns them: before the VAE's normalization is undone, with
+    /// TI2V's condition frame put back.
+    fn latent_output(&self) -> bool {
+        true
     }
 
     fn open(
@@ -418,7 +425,9 @@ impl WanConfigs {
         parts
     }
 
-    fn steps(&self, image: bool) -> Vec<Step> {
+    /// The stages of a run with (`image`) or without an image, that decodes or (`--output-type
+    /// latent`) writes the latents.
+    fn steps(&self, image: bool, decode: bool) -> Vec<Step> {
         let mut steps = vec![Step::EncodeText];
         if self.conditions_on_image(image) {
             steps.push(Step::EncodeImage);
@@ -427,7 +436,10 @@ impl WanConfigs {
         if self.transformer_2.is_some() {
             steps.push(Step::DenoiseLow);
         }
-        steps.extend([Step::Decode, Step::Write]);
+        if decode {
+            steps.push(Step::Decode);
+        }
+        steps.push(Step::Write);
         steps
     }
 
@@ -479,6 +491,9 @@ pub struct WanT2V {
     /// Per job (by index): the image stage's output and the denoising between the experts.
     conditioning: HashMap<usize, Conditioning>,
     denoising: HashMap<usize, Denoising>,
+    /// When the last high-noise stage ended and no low-noise forward has run since: the start
+    /// of an expert switch (once per group of a stage-major batch, once per prompt otherwise).
+    switch_started: Option<Instant>,
     progress: Arc<Progress>,
 }
 
@@ -506,7 +521,7 @@ impl WanT2V {
         Ok(WanT2V {
             placement,
             parts: configs.parts(),
-            steps: configs.steps(shape.image),
+            steps: configs.steps(shape.image, shape.decode),
             config,
             source,
             configs,
@@ -520,6 +535,7 @@ impl WanT2V {
             vae: None,
             conditioning: HashMap::new(),
             denoising: HashMap::new(),
+            switch_started: None,
             progress,
         })
     }
@@ -579,8 +595,15 @@ impl WanT2V {
             return Ok(());
         };
         let ranks = self.config.ranks.as_ref();
-        let made =
-            crate::parallel::once_per_group(ranks, &self.device, || self.condition_on(path, job))?;
+        // The leader's two parts, timed apart: the `encode_image_seconds` metric.
+        let mut seconds = serde_json::Map::new();
+        let made = crate::parallel::once_per_group(ranks, &self.device, || {
+            self.condition_on(path, job, &mut seconds)
+        })?;
+        if !seconds.is_empty() {
+            job.metrics
+                .insert("encode_image_seconds".into(), seconds.into());
+        }
         let mut made = made.into_iter().map(|t| t.to_device(&Device::Cpu));
         let condition = made.next().context("no condition latents")??;
         self.conditioning.insert(
@@ -594,20 +617,30 @@ impl WanT2V {
     }
 
     /// The condition latents of the image at `path` for `job`, then its CLIP image tokens where
-    /// the model has an image encoder.
-    fn condition_on(&self, path: &std::path::Path, job: &Job) -> Result<Vec<Tensor>> {
+    /// the model has an image encoder; the seconds each took go in `seconds`.
+    fn condition_on(
+        &self,
+        path: &std::path::Path,
+        job: &Job,
+        seconds: &mut serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<Tensor>> {
         let img = load_rgb_image(path)?;
         let dtype = self.config.dtype();
+        let start = Instant::now();
         let image_embeds = match (&self.image_encoder, &self.configs.image_processor) {
             (Some(placed), processor) => {
                 let held = placed.hold()?;
                 let model = held.model();
                 let processor = ClipImageProcessor::new(&processor.clone().unwrap_or_default())?;
                 let pixels = processor.preprocess(&img, &self.device)?;
-                Some(model.last_hidden_state(&pixels)?.to_dtype(dtype)?)
+                let embeds = model.last_hidden_state(&pixels)?.to_dtype(dtype)?;
+                self.device.synchronize()?;
+                seconds.insert("image_encoder".into(), start.elapsed().as_secs_f64().into());
+                Some(embeds)
             }
             (None, _) => None,
         };
+        let start = Instant::now();
         let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
         let vae = held.model();
         let image = preprocess_image(
@@ -622,6 +655,8 @@ impl WanT2V {
         } else {
             image_condition(vae, &image, job.num_frames as usize, 1, dtype)?
         };
+        self.device.synchronize()?;
+        seconds.insert("vae_encode".into(), start.elapsed().as_secs_f64().into());
         Ok([Some(condition), image_embeds]
             .into_iter()
             .flatten()
@@ -670,8 +705,14 @@ impl WanT2V {
     /// (one scheduler across both, as diffusers).
     fn denoise(&mut self, job: &mut Job, low: bool) -> Result<()> {
         let state = self.denoising.remove(&job.index);
-        let state = self.denoise_steps(job, low, state)?;
+        let switch_started = if low {
+            self.switch_started.take()
+        } else {
+            None
+        };
+        let state = self.denoise_steps(job, low, state, switch_started)?;
         if self.configs.transformer_2.is_some() && !low {
+            self.switch_started = Some(Instant::now());
             self.denoising.insert(job.index, state);
         } else {
             self.conditioning.remove(&job.index);
@@ -679,11 +720,16 @@ impl WanT2V {
         Ok(())
     }
 
+    /// `switch_started`: when the expert switch before this low-noise stage began; the time
+    /// until its first forward starts (releasing and loading experts as the load policy says,
+    /// moving the latents, readying the first streamed blocks) is the job's `expert_switch`
+    /// metric, with the number of forwards before it.
     fn denoise_steps(
         &self,
         job: &mut Job,
         low: bool,
         state: Option<Denoising>,
+        switch_started: Option<Instant>,
     ) -> Result<Denoising> {
         let state = match state {
             Some(state) => state,
@@ -779,6 +825,15 @@ impl WanT2V {
                 break;
             }
             crate::pipeline::interrupt::check()?;
+            if let (Some(start), true) = (switch_started, i == next_step) {
+                job.metrics.insert(
+                    "expert_switch".into(),
+                    serde_json::json!({
+                        "seconds": start.elapsed().as_secs_f64(),
+                        "after_forward": forward_seconds.len(),
+                    }),
+                );
+            }
             let input = match (&condition, &mask) {
                 (Some(c), Some(m)) => replace_first_frame(&latents, c, m)?.to_dtype(dtype)?,
                 (Some(c), None) => {
