@@ -194,4 +194,53 @@ mod cuda_tests {
         assert!(err < 1e-4, "max |cuDNN - taps| {err:.2e}");
         Ok(())
     }
+
+    /// A convolution large enough that its algorithm is chosen by timing (TF32 and exact math
+    /// tried): exact f32 stays exact, TF32 within TF32's rounding, against the tap sum.
+    #[test]
+    fn timed_cudnn_conv3d_matches_tap_sum() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: cuDNN conv3d test skipped");
+            return Ok(());
+        };
+        if !accelerated(&dev) {
+            eprintln!("no cuDNN: cuDNN conv3d test skipped");
+            return Ok(());
+        }
+        // 2 * 96 * 96 * 27 * (2 * 94 * 94) = 17.6 GFLOP: above the timing threshold.
+        let x = Tensor::randn(0f32, 1f32, (1, 96, 4, 96, 96), &dev)?;
+        let w = Tensor::randn(0f32, 0.02f32, (96, 96, 3, 3, 3), &dev)?;
+        let taps = split_taps(&w)?;
+        let mut frames = Vec::new();
+        for o in 0..2 {
+            let mut acc: Option<Tensor> = None;
+            for (k, tap) in taps.iter().enumerate() {
+                let frame = x.narrow(2, o + k, 1)?.squeeze(2)?.contiguous()?;
+                let y = frame.conv2d(tap, 0, 1, 1, 1)?;
+                acc = Some(match acc {
+                    Some(a) => (a + y)?,
+                    None => y,
+                });
+            }
+            frames.push(acc.expect("three taps"));
+        }
+        let reference = Tensor::stack(&frames, 2)?;
+        let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        for (tf32, tolerance) in [(false, 1e-5f32), (true, 5e-3)] {
+            set_tf32(tf32);
+            let y = conv3d(&x, &w, [1, 1, 1], [0, 0, 0]);
+            set_tf32(true);
+            let y = y?.expect("cuDNN ran the convolution");
+            let err = (y - &reference)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(
+                err / scale < tolerance,
+                "tf32 {tf32}: max |cuDNN - taps| {err:.2e} of {scale:.2e}"
+            );
+        }
+        Ok(())
+    }
 }
