@@ -58,7 +58,7 @@ pub fn conv3d(
 /// Runs `f`, a layer's whole-kernel path (its input padding, [`conv3d`] and the bias): an error
 /// (cuDNN declining a shape, or no memory for the padded copy) becomes one note on stderr and
 /// `None`, and the caller runs its own path instead.
-pub fn or_fallback(f: impl FnOnce() -> Result<Option<Tensor>>) -> Option<Tensor> {
+pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
     static NOTED: AtomicBool = AtomicBool::new(false);
     match f() {
         Ok(y) => y,
