@@ -41,17 +41,28 @@ pub fn conv3d(
     stride: [usize; 3],
     padding: [usize; 3],
 ) -> Result<Option<Tensor>> {
+    conv3d_math(x, w, stride, padding, tf32())
+}
+
+/// [`conv3d`] with TF32 math allowed or not, whatever [`set_tf32`] said.
+fn conv3d_math(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tf32: bool,
+) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if let Some(api) = crate::models::cudnn::api().filter(|_| x.device().is_cuda()) {
         let op = crate::models::cudnn::conv::Conv3d {
             api,
             stride,
             padding,
-            tf32: tf32(),
+            tf32,
         };
         return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
     }
-    let _ = (x, w, stride, padding);
+    let _ = (x, w, stride, padding, tf32);
     Ok(None)
 }
 
@@ -166,10 +177,8 @@ mod cuda_tests {
         }
         let x = Tensor::randn(0f32, 1f32, (2, 5, 4, 9, 11), &dev)?;
         let w = Tensor::randn(0f32, 1f32, (6, 5, 3, 3, 3), &dev)?;
-        set_tf32(false);
-        let y = conv3d(&x, &w, [1, 1, 1], [0, 1, 1]);
-        set_tf32(true);
-        let y = y?.expect("cuDNN ran the convolution");
+        let y = conv3d_math(&x, &w, [1, 1, 1], [0, 1, 1], false)?;
+        let y = y.expect("cuDNN ran the convolution");
         let taps = split_taps(&w)?;
         let mut frames = Vec::new();
         for o in 0..2 {
@@ -227,10 +236,8 @@ mod cuda_tests {
         let reference = Tensor::stack(&frames, 2)?;
         let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         for (tf32, tolerance) in [(false, 1e-5f32), (true, 5e-3)] {
-            set_tf32(tf32);
-            let y = conv3d(&x, &w, [1, 1, 1], [0, 0, 0]);
-            set_tf32(true);
-            let y = y?.expect("cuDNN ran the convolution");
+            let y = conv3d_math(&x, &w, [1, 1, 1], [0, 0, 0], tf32)?;
+            let y = y.expect("cuDNN ran the convolution");
             let err = (y - &reference)?
                 .abs()?
                 .flatten_all()?

@@ -874,3 +874,114 @@ mod tests {
         Ok(())
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// The fused norm + SiLU kernel against the candle composition (CPU fallback), written at
+    /// a frame offset of a buffer whose other frames stay untouched.
+    #[test]
+    fn fused_rms_silu_matches_composition() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: VAE kernel test skipped");
+            return Ok(());
+        };
+        for (b, c, t) in [(1, 96, 3), (2, 5, 1)] {
+            let x = Tensor::randn(0f32, 3f32, (b, c, t, 7, 9), &dev)?;
+            let norm = ChannelNorm {
+                gamma: Tensor::randn(1f32, 0.5f32, (c, 1, 1, 1), &dev)?,
+                scale: (c as f64).sqrt(),
+            };
+            let buf = Tensor::full(7f32, (b, c, t + 2, 7, 9), &dev)?;
+            norm.silu_into(&x, &buf, 2)?;
+            let want = silu(&norm.forward(&x)?)?;
+            let err = max_diff(&buf.narrow(2, 2, t)?, &want)?;
+            assert!(err < 1e-5, "norm + SiLU kernel vs composition: {err:.2e}");
+            let front = buf.narrow(2, 0, 2)?.flatten_all()?.to_vec1::<f32>()?;
+            assert!(front.iter().all(|&v| v == 7.0), "frames before the offset changed");
+            // The CPU fallback computes the same.
+            let cpu = Tensor::zeros((b, c, t, 7, 9), DType::F32, &Device::Cpu)?;
+            let cpu_norm = ChannelNorm {
+                gamma: norm.gamma.to_device(&Device::Cpu)?,
+                scale: norm.scale,
+            };
+            cpu_norm.silu_into(&x.to_device(&Device::Cpu)?, &cpu, 0)?;
+            let err = max_diff(&buf.narrow(2, 2, t)?.to_device(&Device::Cpu)?, &cpu)?;
+            assert!(err < 1e-5, "kernel vs CPU fallback: {err:.2e}");
+        }
+        Ok(())
+    }
+
+    /// The in-place bias kernel against candle's broadcast add.
+    #[test]
+    fn bias_kernel_matches_broadcast_add() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: VAE kernel test skipped");
+            return Ok(());
+        };
+        let y = Tensor::randn(0f32, 1f32, (2, 6, 3, 5, 4), &dev)?;
+        let bias = Tensor::randn(0f32, 1f32, 6, &dev)?;
+        let want = y.broadcast_add(&bias.reshape((1, 6, 1, 1, 1))?)?;
+        let got = add_bias(y.copy()?, &bias)?;
+        assert_eq!(max_diff(&got, &want)?, 0.0);
+        // 4D (a Conv2d's output) too.
+        let y = Tensor::randn(0f32, 1f32, (3, 6, 5, 4), &dev)?;
+        let want = y.broadcast_add(&bias.reshape((1, 6, 1, 1))?)?;
+        assert_eq!(max_diff(&add_bias(y.copy()?, &bias)?, &want)?, 0.0);
+        Ok(())
+    }
+
+    /// A residual block on CUDA (fused input buffers, cuDNN or the tap sum, exact f32) against
+    /// the same block on the CPU, over three chunks so that the cached frames are used.
+    #[test]
+    fn res_block_chunks_match_cpu() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: VAE block test skipped");
+            return Ok(());
+        };
+        let (cin, cout) = (8, 12);
+        let mut weights = std::collections::HashMap::new();
+        for (name, shape) in [
+            ("norm1.gamma", vec![cin, 1, 1, 1]),
+            ("conv1.weight", vec![cout, cin, 3, 3, 3]),
+            ("conv1.bias", vec![cout]),
+            ("norm2.gamma", vec![cout, 1, 1, 1]),
+            ("conv2.weight", vec![cout, cout, 3, 3, 3]),
+            ("conv2.bias", vec![cout]),
+            ("conv_shortcut.weight", vec![cout, cin, 1, 1, 1]),
+            ("conv_shortcut.bias", vec![cout]),
+        ] {
+            weights.insert(
+                name.to_string(),
+                Tensor::randn(0f32, 0.3f32, shape, &Device::Cpu)?,
+            );
+        }
+        let block = |device: &Device| -> Result<ResBlock> {
+            let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, device);
+            ResBlock::new(cin, cout, vb)
+        };
+        let (gpu, cpu) = (block(&dev)?, block(&Device::Cpu)?);
+        let (mut gpu_cache, mut cpu_cache) = (FeatCache::default(), FeatCache::default());
+        conv3d::set_tf32(false);
+        let mut worst = 0f32;
+        for t in [1, 2, 4] {
+            let x = Tensor::randn(0f32, 1f32, (1, cin, t, 6, 10), &Device::Cpu)?;
+            gpu_cache.start_chunk();
+            cpu_cache.start_chunk();
+            let g = gpu.forward(&x.to_device(&dev)?, &mut gpu_cache);
+            let c = cpu.forward(&x, &mut cpu_cache)?;
+            let g = g?.to_device(&Device::Cpu)?;
+            worst = worst.max(max_diff(&g, &c)?);
+        }
+        conv3d::set_tf32(true);
+        assert!(worst < 1e-4, "CUDA vs CPU residual block: {worst:.2e}");
+        Ok(())
+    }
+}
+
