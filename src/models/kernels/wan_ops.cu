@@ -213,11 +213,39 @@ extern "C" __global__ void wan_vae_rms_silu_f32(const float *__restrict__ x,
   }
 }
 
-// In place on y [B, C, S]: y += bias[c].
+// In place on y [B, C, S]: y = (y + bias[c]) [+ res], `res` (same shape) may be null.
 extern "C" __global__ void wan_vae_bias_add_f32(float *y, const float *__restrict__ bias,
-                                                int channels, long spatial, long n) {
+                                                const float *__restrict__ res, int channels,
+                                                long spatial, long n) {
   for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
        i += (long)gridDim.x * blockDim.x) {
-    y[i] = __fadd_rn(y[i], bias[(i / spatial) % channels]);
+    float v = __fadd_rn(y[i], bias[(i / spatial) % channels]);
+    if (res != nullptr) v = __fadd_rn(v, res[i]);
+    y[i] = v;
+  }
+}
+
+// dst [B, C, T, 2H, 2W] = the four parities of src [B, 4C, T, H + 1, W + 1] interleaved, plus
+// bias[c]: dst(2i + a, 2j + b) = src[parity 2a + b](i + a, j + b) (a nearest x2 upsampling's
+// 3x3 conv computed as 2x2 convs of the frame, see `subpixel_weight`).
+extern "C" __global__ void wan_vae_subpixel_f32(const float *__restrict__ src,
+                                                float *__restrict__ dst,
+                                                const float *__restrict__ bias, int channels,
+                                                long frames, long h, long w, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+       i += (long)gridDim.x * blockDim.x) {
+    long r = i;
+    const long x = r % (2 * w);
+    r /= 2 * w;
+    const long y = r % (2 * h);
+    r /= 2 * h;
+    const long t = r % frames;
+    r /= frames;
+    const long c = r % channels;
+    const long b = r / channels;
+    const long a = y & 1, bb = x & 1;
+    const long plane = b * 4 * channels + (2 * a + bb) * channels + c;
+    const long at = ((plane * frames + t) * (h + 1) + (y >> 1) + a) * (w + 1) + (x >> 1) + bb;
+    dst[i] = __fadd_rn(src[at], bias[c]);
   }
 }

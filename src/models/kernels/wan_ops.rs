@@ -324,13 +324,21 @@ pub(crate) fn vae_rms_silu_into(
     ))
 }
 
-/// `y + bias` per channel of `y` `[B, C, ...]` (f32), in `y`'s storage; `bias` `[C]` f32.
-pub(crate) fn vae_bias_add(y: Tensor, bias: &Tensor) -> Result<Tensor> {
+/// `y + bias` per channel of `y` `[B, C, ...]` (f32), plus `residual` (y's shape) when given,
+/// in `y`'s storage; `bias` `[C]` f32.
+pub(crate) fn vae_bias_add(y: Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
     let dims = y.dims();
     let c = dims.get(1).copied().unwrap_or(0);
     if dims.len() < 2 || bias.elem_count() != c || bias.dtype() != DType::F32 {
         candle_core::bail!("vae bias: y {:?}, bias {:?}", y.shape(), bias.shape())
     }
+    let residual = match residual {
+        Some(r) if r.dims() != dims || r.dtype() != DType::F32 => {
+            candle_core::bail!("vae bias: y {:?}, residual {:?}", y.shape(), r.shape())
+        }
+        Some(r) => Some(r.contiguous()?),
+        None => None,
+    };
     let y = y.contiguous()?;
     let n = y.elem_count();
     let spatial = n / (dims[0] * c).max(1);
@@ -341,10 +349,42 @@ pub(crate) fn vae_bias_add(y: Tensor, bias: &Tensor) -> Result<Tensor> {
         vec![
             Arg::Dst,
             Arg::Tensor(Some(&bias)),
+            Arg::Tensor(residual.as_ref()),
             Arg::Int(c as i32),
             Arg::Long(spatial as i64),
             Arg::Long(n as i64),
         ],
     ))?;
     Ok(y)
+}
+
+/// `[B, 4C, T, H + 1, W + 1]` parities interleaved into `[B, C, T, 2H, 2W]` plus `bias` `[C]`
+/// (f32): output `(2i + a, 2j + b)` is parity `2a + b` at `(i + a, j + b)`.
+pub(crate) fn vae_subpixel(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let (b, c4, t, h1, w1) = y.dims5()?;
+    let c = c4 / 4;
+    if c4 % 4 != 0 || h1 < 2 || w1 < 2 || bias.elem_count() != c || bias.dtype() != DType::F32 {
+        candle_core::bail!("vae subpixel: y {:?}, bias {:?}", y.shape(), bias.shape())
+    }
+    let (h, w) = (h1 - 1, w1 - 1);
+    let y = y.contiguous()?;
+    let bias = bias.contiguous()?;
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { Tensor::empty((b, c, t, 2 * h, 2 * w), DType::F32, y.device()) }?;
+    let n = out.elem_count();
+    out.inplace_op1(&vae_launch(
+        "wan_vae_subpixel_f32",
+        n,
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Int(c as i32),
+            Arg::Long(t as i64),
+            Arg::Long(h as i64),
+            Arg::Long(w as i64),
+            Arg::Long(n as i64),
+        ],
+    ))?;
+    Ok(out)
 }

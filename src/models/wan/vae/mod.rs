@@ -451,7 +451,7 @@ impl Encoder {
 
     /// One chunk `[B, C, T, H, W]` with the cache of the previous chunks.
     fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
-        let mut x = self.conv_in.forward_cached(x, None, cache)?;
+        let mut x = self.conv_in.forward_cached(x, None, None, cache)?;
         for layer in &self.down {
             x = match layer {
                 DownLayer::Res(res) => res.forward(&x, cache)?,
@@ -480,7 +480,7 @@ impl Head {
     }
 
     fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
-        self.conv.forward_cached(x, Some(&self.norm), cache)
+        self.conv.forward_cached(x, Some(&self.norm), None, cache)
     }
 }
 
@@ -589,7 +589,7 @@ impl Decoder {
     /// One latent frame `[B, z_dim, 1, h, w]` with the cache of the previous ones;
     /// `first_chunk` for latent frame 0.
     fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
-        let x = self.conv_in.forward_cached(x, None, cache)?;
+        let x = self.conv_in.forward_cached(x, None, None, cache)?;
         let mut x = self.mid.forward(&x, cache)?;
         for block in &self.up {
             x = block.forward(&x, cache, first_chunk)?;
