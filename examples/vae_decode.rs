@@ -65,7 +65,8 @@ fn main() -> Result<()> {
         // SAFETY: the fixture's files are only read.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &dev)? };
         let vae = AutoencoderKLWan::new(&cfg, vb)?;
-        let r = candle_core::safetensors::load(dir.join("reference/vae.safetensors"), &Device::Cpu)?;
+        let r =
+            candle_core::safetensors::load(dir.join("reference/vae.safetensors"), &Device::Cpu)?;
         let z = r["decode.latents_denormalized"].to_device(&dev)?;
         let want = &r["decode.video"];
         let mut outs = Vec::new();

@@ -283,8 +283,9 @@ fn cuda_decode_matches_exact_and_tf32() {
         eprintln!("no CUDA device: CUDA VAE decode test skipped");
         return;
     };
-    let vb =
-        unsafe { VarBuilder::from_mmaped_safetensors(&[weights_path()], DType::F32, &dev).unwrap() };
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[weights_path()], DType::F32, &dev).unwrap()
+    };
     let vae = AutoencoderKLWan::new(&config(), vb).unwrap();
     let r = common::reference("vae");
     let z = r["decode.latents_denormalized"].to_device(&dev).unwrap();

@@ -10,7 +10,9 @@ use std::ffi::c_void;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use candle_core::{bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape,
+};
 
 use super::sdpa::{alloc, ptr, ptr_mut};
 use super::{data, data_type, with_handle, Api, Desc, Handle, PlanCache};
@@ -53,6 +55,18 @@ const TIE: f32 = 1.05;
 const MAX_WORKSPACE_BYTES: usize = 4 << 30;
 /// The smallest workspace worth offering to the timed search.
 const MIN_SEARCH_WORKSPACE: usize = 64 << 20;
+/// `heuristic` skips the timed search (every shape takes cuDNN's heuristic order, within the same
+/// workspace bound): the search costs up to a few hundred milliseconds per large shape on its
+/// first call, which a benchmark can weigh against what it saves.
+pub const SEARCH_ENV: &str = "VIDGEN_CUDNN_CONV_ALGO";
+
+/// Whether large convolutions get their algorithm by timing (see [`SEARCH_ENV`]).
+fn timed_search() -> bool {
+    static TIMED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TIMED.get_or_init(|| {
+        !std::env::var(SEARCH_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("heuristic"))
+    })
+}
 
 /// A legacy descriptor and the function that destroys it.
 struct Owned {
@@ -232,11 +246,15 @@ fn build(api: &Api, handle: Handle, key: &Key, bufs: &Buffers) -> Result<Plan> {
     };
     // The workspace bound: what the device has free now, halved so that the activations that
     // follow keep the other half, and at most MAX_WORKSPACE_BYTES.
-    let free = bufs.stream.context().mem_get_info().map_or(0, |(free, _)| free);
+    let free = bufs
+        .stream
+        .context()
+        .mem_get_info()
+        .map_or(0, |(free, _)| free);
     let allowance = (free / 2).min(MAX_WORKSPACE_BYTES);
     let [_, cin, kt, kh, kw] = key.w;
     let flops = 2.0 * y_dims.iter().product::<usize>() as f64 * (cin * kt * kh * kw) as f64;
-    plan.choices = if flops >= TIMED_MIN_FLOPS {
+    plan.choices = if flops >= TIMED_MIN_FLOPS && timed_search() {
         timed(api, handle, key, &plan, bufs, allowance)?
     } else {
         heuristic(api, handle, key, &plan, allowance)?
@@ -421,13 +439,11 @@ fn timed(
     };
     found.sort_by(|(ta, a), (tb, b)| {
         let (tie_a, tie_b) = (*ta <= best * TIE, *tb <= best * TIE);
-        tie_b
-            .cmp(&tie_a)
-            .then(if tie_a && tie_b {
-                (a.workspace, a.algo, a.math).cmp(&(b.workspace, b.algo, b.math))
-            } else {
-                ta.total_cmp(tb)
-            })
+        tie_b.cmp(&tie_a).then(if tie_a && tie_b {
+            (a.workspace, a.algo, a.math).cmp(&(b.workspace, b.algo, b.math))
+        } else {
+            ta.total_cmp(tb)
+        })
     });
     Ok(found.into_iter().map(|(_, c)| c).collect())
 }

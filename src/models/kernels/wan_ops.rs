@@ -273,7 +273,9 @@ pub(crate) fn vae_supported(x: &Tensor) -> bool {
 fn vae_launch<'a>(func: &'static str, n: usize, args: Vec<Arg<'a>>) -> Launch<'a> {
     Launch {
         func,
-        grid: n.div_ceil(ELEMENT_THREADS as usize).clamp(1, ELEMENT_BLOCKS) as u32,
+        grid: n
+            .div_ceil(ELEMENT_THREADS as usize)
+            .clamp(1, ELEMENT_BLOCKS) as u32,
         block: ELEMENT_THREADS,
         args,
     }

@@ -554,7 +554,9 @@ impl ResBlock {
             Some(conv) => conv.forward(x, None)?,
             None => x.clone(),
         };
-        let y = self.conv1.forward_cached(x, Some(&self.norm1), None, cache)?;
+        let y = self
+            .conv1
+            .forward_cached(x, Some(&self.norm1), None, cache)?;
         self.conv2
             .forward_cached(&y, Some(&self.norm2), Some(&h), cache)
     }
@@ -661,9 +663,9 @@ fn subpixel_weight(w: &Tensor) -> Result<Tensor> {
     Tensor::cat(&parts, 0)?.unsqueeze(2)?.contiguous()
 }
 
-/// The parities `y` `[B, 4 C, T, H + 1, W + 1]` (the 2x2 convs of [`subpixel_weight`], padding
-/// 1) interleaved into `[B, C, T, 2H, 2W]`, plus `bias`: output `(2i + a, 2j + b)` is parity
-/// `2a + b` at `(i + a, j + b)`. One pass through the kernel on CUDA f32, else candle's ops.
+/// The parities `y` `[B, 4 C, T, H + 1, W + 1]` (the 2x2 convs of [`subpixel_weight`] with
+/// padding 1) interleaved into `[B, C, T, 2H, 2W]`, plus `bias`: output `(2i + a, 2j + b)` is
+/// parity `2a + b` at `(i + a, j + b)`. One pass through the kernel on CUDA f32, else candle's.
 fn subpixel_shuffle(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::models::wan::wan_ops::vae_supported(y) {
@@ -674,7 +676,11 @@ fn subpixel_shuffle(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let rows = (0..2)
         .map(|a| {
             let cols = (0..2)
-                .map(|b| y.narrow(1, (2 * a + b) * c, c)?.narrow(3, a, h)?.narrow(4, b, w))
+                .map(|b| {
+                    y.narrow(1, (2 * a + b) * c, c)?
+                        .narrow(3, a, h)?
+                        .narrow(4, b, w)
+                })
                 .collect::<Result<Vec<_>>>()?;
             Tensor::stack(&cols, 5)
         })
@@ -1005,7 +1011,10 @@ mod cuda_tests {
             let err = max_diff(&buf.narrow(2, 2, t)?, &want)?;
             assert!(err < 1e-5, "norm + SiLU kernel vs composition: {err:.2e}");
             let front = buf.narrow(2, 0, 2)?.flatten_all()?.to_vec1::<f32>()?;
-            assert!(front.iter().all(|&v| v == 7.0), "frames before the offset changed");
+            assert!(
+                front.iter().all(|&v| v == 7.0),
+                "frames before the offset changed"
+            );
             // The CPU fallback computes the same.
             let cpu = Tensor::zeros((b, c, t, 7, 9), DType::F32, &Device::Cpu)?;
             let cpu_norm = ChannelNorm {
@@ -1104,4 +1113,3 @@ mod cuda_tests {
         Ok(())
     }
 }
-

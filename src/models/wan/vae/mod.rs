@@ -15,8 +15,8 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use blocks::{
-    AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache,
-    MidBlock, ResBlock, Upsample,
+    AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache, MidBlock,
+    ResBlock, Upsample,
 };
 
 /// The most spatial resamplings a config may ask: 2^8 = 256x smaller frames is far beyond
