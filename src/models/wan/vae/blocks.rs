@@ -425,11 +425,11 @@ impl CausalConv3d {
                 // The buffer ends with the input frames, preceded by the cached ones when the
                 // conv pads in time; otherwise the cache is assembled from `prev`.
                 let total = buf.dim(2)?;
-                let cache_x = if front_cache.is_some() || keep <= t {
-                    buf.narrow(2, total - keep, keep)?.force_contiguous()?
-                } else {
-                    let prev = prev.as_ref().expect("keep > t only with a previous chunk");
-                    Tensor::cat(&[last_frames(prev, 1)?, last_frames(&buf, t)?], 2)?
+                let cache_x = match &prev {
+                    Some(p) if front_cache.is_none() && keep > t => {
+                        Tensor::cat(&[last_frames(p, 1)?, last_frames(&buf, t)?], 2)?
+                    }
+                    _ => buf.narrow(2, total - keep, keep)?.force_contiguous()?,
                 };
                 *slot = Slot::Frames(cache_x);
                 return Ok(y);
