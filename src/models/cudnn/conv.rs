@@ -254,11 +254,19 @@ fn build(api: &Api, handle: Handle, key: &Key, bufs: &Buffers) -> Result<Plan> {
     let allowance = (free / 2).min(MAX_WORKSPACE_BYTES);
     let [_, cin, kt, kh, kw] = key.w;
     let flops = 2.0 * y_dims.iter().product::<usize>() as f64 * (cin * kt * kh * kw) as f64;
-    plan.choices = if flops >= TIMED_MIN_FLOPS && timed_search() {
-        timed(api, handle, key, &plan, bufs, allowance)?
-    } else {
-        heuristic(api, handle, key, &plan, allowance)?
-    };
+    if flops >= TIMED_MIN_FLOPS && timed_search() {
+        // A search that fails (or finds nothing) leaves the shape to the heuristic.
+        match timed(api, handle, key, &plan, bufs, allowance) {
+            Ok(found) => plan.choices = found,
+            Err(e) => super::note_once(
+                "conv-search",
+                &format!("cuDNN's timed convolution search failed ({e}); its heuristic decides"),
+            ),
+        }
+    }
+    if plan.choices.is_empty() {
+        plan.choices = heuristic(api, handle, key, &plan, allowance)?;
+    }
     if plan.choices.is_empty() {
         bail!("cuDNN conv: no algorithm for this shape within {allowance} B of workspace")
     }
