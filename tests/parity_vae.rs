@@ -273,3 +273,39 @@ fn tiled_decode_places_and_blends_tiles() {
 fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
+
+/// On CUDA (cuDNN where found, else the own convolution): exact f32 within the CPU tolerances,
+/// TF32 within TF32's rounding. Skipped without a CUDA device.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_decode_matches_exact_and_tf32() {
+    let Ok(dev) = Device::new_cuda(0) else {
+        eprintln!("no CUDA device: CUDA VAE decode test skipped");
+        return;
+    };
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[weights_path()], DType::F32, &dev).unwrap()
+    };
+    let vae = AutoencoderKLWan::new(&config(), vb).unwrap();
+    let r = common::reference("vae");
+    let z = r["decode.latents_denormalized"].to_device(&dev).unwrap();
+    let want = &r["decode.video"];
+    vidgen::models::conv3d::set_tf32(false);
+    let exact = vae.decode(&z).map(|v| v.to_device(&Device::Cpu).unwrap());
+    vidgen::models::conv3d::set_tf32(true);
+    let exact = exact.unwrap();
+    common::assert_close("cuda decode (exact f32)", &exact, want, ATOL, RTOL);
+    let tf32 = vae.decode(&z).unwrap().to_device(&Device::Cpu).unwrap();
+    let err = (&tf32 - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    eprintln!("cuda decode: max |TF32 - diffusers| {err:.3e}");
+    assert!(err < 2e-2, "TF32 decode off by {err}");
+}

@@ -41,24 +41,35 @@ pub fn conv3d(
     stride: [usize; 3],
     padding: [usize; 3],
 ) -> Result<Option<Tensor>> {
+    conv3d_math(x, w, stride, padding, tf32())
+}
+
+/// [`conv3d`] with TF32 math allowed or not, whatever [`set_tf32`] said.
+fn conv3d_math(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tf32: bool,
+) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if let Some(api) = crate::models::cudnn::api().filter(|_| x.device().is_cuda()) {
         let op = crate::models::cudnn::conv::Conv3d {
             api,
             stride,
             padding,
-            tf32: tf32(),
+            tf32,
         };
         return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
     }
-    let _ = (x, w, stride, padding);
+    let _ = (x, w, stride, padding, tf32);
     Ok(None)
 }
 
 /// Runs `f`, a layer's whole-kernel path (its input padding, [`conv3d`] and the bias): an error
 /// (cuDNN declining a shape, or no memory for the padded copy) becomes one note on stderr and
 /// `None`, and the caller runs its own path instead.
-pub fn or_fallback(f: impl FnOnce() -> Result<Option<Tensor>>) -> Option<Tensor> {
+pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
     static NOTED: AtomicBool = AtomicBool::new(false);
     match f() {
         Ok(y) => y,
@@ -166,10 +177,8 @@ mod cuda_tests {
         }
         let x = Tensor::randn(0f32, 1f32, (2, 5, 4, 9, 11), &dev)?;
         let w = Tensor::randn(0f32, 1f32, (6, 5, 3, 3, 3), &dev)?;
-        set_tf32(false);
-        let y = conv3d(&x, &w, [1, 1, 1], [0, 1, 1]);
-        set_tf32(true);
-        let y = y?.expect("cuDNN ran the convolution");
+        let y = conv3d_math(&x, &w, [1, 1, 1], [0, 1, 1], false)?;
+        let y = y.expect("cuDNN ran the convolution");
         let taps = split_taps(&w)?;
         let mut frames = Vec::new();
         for o in 0..2 {
@@ -192,6 +201,53 @@ mod cuda_tests {
             .max(0)?
             .to_scalar::<f32>()?;
         assert!(err < 1e-4, "max |cuDNN - taps| {err:.2e}");
+        Ok(())
+    }
+
+    /// A convolution large enough that its algorithm is chosen by timing (TF32 and exact math
+    /// tried): exact f32 stays exact, TF32 within TF32's rounding, against the tap sum.
+    #[test]
+    fn timed_cudnn_conv3d_matches_tap_sum() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: cuDNN conv3d test skipped");
+            return Ok(());
+        };
+        if !accelerated(&dev) {
+            eprintln!("no cuDNN: cuDNN conv3d test skipped");
+            return Ok(());
+        }
+        // 2 * 96 * 96 * 27 * (2 * 94 * 94) = 17.6 GFLOP: above the timing threshold.
+        let x = Tensor::randn(0f32, 1f32, (1, 96, 4, 96, 96), &dev)?;
+        let w = Tensor::randn(0f32, 0.02f32, (96, 96, 3, 3, 3), &dev)?;
+        let taps = split_taps(&w)?;
+        let mut frames = Vec::new();
+        for o in 0..2 {
+            let mut acc: Option<Tensor> = None;
+            for (k, tap) in taps.iter().enumerate() {
+                let frame = x.narrow(2, o + k, 1)?.squeeze(2)?.contiguous()?;
+                let y = frame.conv2d(tap, 0, 1, 1, 1)?;
+                acc = Some(match acc {
+                    Some(a) => (a + y)?,
+                    None => y,
+                });
+            }
+            frames.push(acc.expect("three taps"));
+        }
+        let reference = Tensor::stack(&frames, 2)?;
+        let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        for (tf32, tolerance) in [(false, 1e-5f32), (true, 5e-3)] {
+            let y = conv3d_math(&x, &w, [1, 1, 1], [0, 0, 0], tf32)?;
+            let y = y.expect("cuDNN ran the convolution");
+            let err = (y - &reference)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(
+                err / scale < tolerance,
+                "tf32 {tf32}: max |cuDNN - taps| {err:.2e} of {scale:.2e}"
+            );
+        }
         Ok(())
     }
 }

@@ -1,13 +1,18 @@
 //! 3D convolution forward through cuDNN's legacy convolution API (Nd tensor, filter and
-//! convolution descriptors, `cudnnConvolutionForward`): the algorithm is chosen once per shape
-//! with `cudnnGetConvolutionForwardAlgorithm_v7`; its workspace comes from candle's allocator.
-//! f32 runs with TF32 tensor-core math unless exact f32 is asked for.
+//! convolution descriptors, `cudnnConvolutionForward`). The algorithm is chosen once per shape,
+//! dtype and math setting: large convolutions by timing every algorithm cuDNN offers on the
+//! call's own buffers (`cudnnFindConvolutionForwardAlgorithmEx`, with TF32 and exact math both
+//! tried where TF32 is allowed), small ones by cuDNN's heuristic. Workspaces come from candle's
+//! allocator for the call and are released after it. f32 runs with TF32 tensor-core math unless
+//! exact f32 is asked for.
 
 use std::ffi::c_void;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::DevicePtr;
-use candle_core::{bail, CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape,
+};
 
 use super::sdpa::{alloc, ptr, ptr_mut};
 use super::{data, data_type, with_handle, Api, Desc, Handle, PlanCache};
@@ -35,9 +40,33 @@ const TENSOR_OP_MATH: i32 = 1;
 const FMA_MATH: i32 = 3;
 /// `CUDNN_CONVOLUTION_FWD_ALGO_COUNT`.
 const ALGO_COUNT: i32 = 8;
-/// Largest workspace an algorithm may ask for: the same budget as the im2col scratch of the
-/// path without cuDNN (`MAX_IM2COL_ELEMENTS` f32 values).
-const MAX_WORKSPACE_BYTES: usize = 1 << 28;
+/// Convolutions of at least this many floating-point operations get their algorithm by timing;
+/// below it (a few microseconds of work) timing is noise and cuDNN's heuristic decides, which
+/// also keeps small shapes (the tiny test fixtures) on one algorithm from run to run.
+const TIMED_MIN_FLOPS: f64 = 4e9;
+/// Algorithms within this factor of the fastest count as equally fast; among them the one with
+/// the smallest workspace (then the lowest number) is taken, so timing noise rarely changes the
+/// choice and memory is not spent for nothing.
+const TIE: f32 = 1.05;
+/// The largest workspace an algorithm may use, before the free-memory bound: the fast TF32
+/// kernels at the Wan VAE's 480x832 frames need more than the 256 MiB this module used to allow
+/// (it left the heuristic a TF32 algorithm twice as slow as exact f32 at 96 and 192 channels);
+/// PyTorch allows whatever its allocator can give. 4 GiB keeps a decode's peak near PyTorch's.
+const MAX_WORKSPACE_BYTES: usize = 4 << 30;
+/// The smallest workspace worth offering to the timed search.
+const MIN_SEARCH_WORKSPACE: usize = 64 << 20;
+/// `heuristic` skips the timed search (every shape takes cuDNN's heuristic order, within the same
+/// workspace bound): the search costs up to a few hundred milliseconds per large shape on its
+/// first call, which a benchmark can weigh against what it saves.
+pub const SEARCH_ENV: &str = "VIDGEN_CUDNN_CONV_ALGO";
+
+/// Whether large convolutions get their algorithm by timing (see [`SEARCH_ENV`]).
+fn timed_search() -> bool {
+    static TIMED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TIMED.get_or_init(|| {
+        !std::env::var(SEARCH_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("heuristic"))
+    })
+}
 
 /// A legacy descriptor and the function that destroys it.
 struct Owned {
@@ -80,15 +109,22 @@ struct Key {
     padding: [usize; 3],
 }
 
-/// Descriptors and the chosen algorithm for one shape.
+/// An algorithm with the math type it runs in and the workspace it needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Choice {
+    algo: i32,
+    math: i32,
+    workspace: usize,
+}
+
+/// Descriptors and the algorithms for one shape, best first (the next one runs where the
+/// workspace of the first cannot be allocated at the time of a call).
 struct Plan {
     x: Owned,
     w: Owned,
     conv: Owned,
     y: Owned,
-    y_dims: [usize; 5],
-    algo: i32,
-    workspace: usize,
+    choices: Vec<Choice>,
 }
 
 static PLANS: PlanCache<Key, Plan> = PlanCache::new();
@@ -121,8 +157,8 @@ fn packed_i32(dims: &[usize; 5]) -> Result<([i32; 5], [i32; 5])> {
     Ok((d, s))
 }
 
-fn build(api: &Api, handle: Handle, key: &Key) -> Result<Plan> {
-    let dt = data_type(key.dtype).expect("bf16, f16 or f32");
+/// `[B, C_out, T', H', W']` of a convolution.
+fn out_dims(key: &Key) -> Result<[usize; 5]> {
     let [_, _, kt, kh, kw] = key.w;
     let out = |i: usize, k: usize, s: usize, p: usize| -> Result<usize> {
         if i + 2 * p < k || s == 0 {
@@ -130,13 +166,28 @@ fn build(api: &Api, handle: Handle, key: &Key) -> Result<Plan> {
         }
         Ok((i + 2 * p - k) / s + 1)
     };
-    let y_dims = [
+    Ok([
         key.x[0],
         key.w[0],
         out(key.x[2], kt, key.stride[0], key.padding[0])?,
         out(key.x[3], kh, key.stride[1], key.padding[1])?,
         out(key.x[4], kw, key.stride[2], key.padding[2])?,
-    ];
+    ])
+}
+
+/// The buffers of the call a plan is built for (the timed search runs on them).
+struct Buffers<'a> {
+    x: *const c_void,
+    w: *const c_void,
+    y: *mut c_void,
+    dev: &'a CudaDevice,
+    stream: &'a CudaStream,
+}
+
+/// Descriptors for `key`, then the algorithms to run.
+fn build(api: &Api, handle: Handle, key: &Key, bufs: &Buffers) -> Result<Plan> {
+    let dt = data_type(key.dtype).expect("bf16, f16 or f32");
+    let y_dims = out_dims(key)?;
     let x = create(api, api.create_tensor, api.destroy_tensor, "creating x")?;
     let (xd, xs) = packed_i32(&key.x)?;
     // SAFETY: 5 dims and strides.
@@ -177,19 +228,6 @@ fn build(api: &Api, handle: Handle, key: &Key) -> Result<Plan> {
         },
         "cudnnSetConvolutionNdDescriptor",
     )?;
-    // As PyTorch: f32 with TF32 allowed takes the default math (tensor cores in TF32 on Ampere
-    // and newer), exact f32 only FMA kernels, half precision tensor cores.
-    let exact = key.dtype == DType::F32 && !key.tf32;
-    let math = match (key.dtype, key.tf32) {
-        (DType::F32, true) => DEFAULT_MATH,
-        (DType::F32, false) => FMA_MATH,
-        _ => TENSOR_OP_MATH,
-    };
-    // SAFETY: a live convolution descriptor.
-    api.check(
-        unsafe { (api.set_conv_math)(conv.desc, math) },
-        "cudnnSetConvolutionMathType",
-    )?;
     let mut check_dims = [0i32; 5];
     // SAFETY: writes 5 output dims.
     api.check(
@@ -199,62 +237,275 @@ fn build(api: &Api, handle: Handle, key: &Key) -> Result<Plan> {
     if check_dims != yd {
         bail!("cuDNN conv: output dims {check_dims:?}, expected {yd:?}")
     }
-    let mut perf = [AlgoPerf::default(); ALGO_COUNT as usize];
-    let mut returned = 0i32;
-    // SAFETY: room for ALGO_COUNT results.
-    api.check(
-        unsafe {
-            (api.conv_fwd_algos)(
-                handle,
-                x.desc,
-                w.desc,
-                conv.desc,
-                y.desc,
-                ALGO_COUNT,
-                &mut returned,
-                perf.as_mut_ptr(),
-            )
-        },
-        "cudnnGetConvolutionForwardAlgorithm_v7",
-    )?;
-    let returned = (returned.max(0) as usize).min(perf.len());
-    for p in &perf[..returned] {
-        if p.status != 0 || p.memory > MAX_WORKSPACE_BYTES || (exact && p.math_type != FMA_MATH) {
-            continue;
+    let mut plan = Plan {
+        x,
+        w,
+        conv,
+        y,
+        choices: Vec::new(),
+    };
+    // The workspace bound: what the device has free now, halved so that the activations that
+    // follow keep the other half, and at most MAX_WORKSPACE_BYTES.
+    let free = bufs
+        .stream
+        .context()
+        .mem_get_info()
+        .map_or(0, |(free, _)| free);
+    let allowance = (free / 2).min(MAX_WORKSPACE_BYTES);
+    let [_, cin, kt, kh, kw] = key.w;
+    let flops = 2.0 * y_dims.iter().product::<usize>() as f64 * (cin * kt * kh * kw) as f64;
+    if flops >= TIMED_MIN_FLOPS && timed_search() {
+        // A search that fails (or finds nothing) leaves the shape to the heuristic.
+        match timed(api, handle, key, &plan, bufs, allowance) {
+            Ok(found) => plan.choices = found,
+            Err(e) => super::note_once(
+                "conv-search",
+                &format!("cuDNN's timed convolution search failed ({e}); its heuristic decides"),
+            ),
         }
-        // cuDNN picks tensor-core kernels by algorithm and math type together (as PyTorch does).
-        // SAFETY: a live convolution descriptor.
+    }
+    if plan.choices.is_empty() {
+        plan.choices = heuristic(api, handle, key, &plan, allowance)?;
+    }
+    if plan.choices.is_empty() {
+        bail!("cuDNN conv: no algorithm for this shape within {allowance} B of workspace")
+    }
+    Ok(plan)
+}
+
+/// The math types to try: as PyTorch, f32 with TF32 allowed takes the default math (tensor
+/// cores in TF32 on Ampere and newer) and, timed beside it, FMA (exact) kernels, which are the
+/// faster ones at some shapes; exact f32 only FMA; half precision tensor cores.
+fn maths(key: &Key) -> &'static [i32] {
+    match (key.dtype, key.tf32) {
+        (DType::F32, true) => &[DEFAULT_MATH, FMA_MATH],
+        (DType::F32, false) => &[FMA_MATH],
+        _ => &[TENSOR_OP_MATH],
+    }
+}
+
+/// Whether a result may run under `key`: exact f32 takes only FMA kernels.
+fn allowed(key: &Key, p: &AlgoPerf) -> bool {
+    p.status == 0 && !(key.dtype == DType::F32 && !key.tf32 && p.math_type != FMA_MATH)
+}
+
+fn set_math(api: &Api, plan: &Plan, math: i32) -> Result<()> {
+    // SAFETY: a live convolution descriptor.
+    api.check(
+        unsafe { (api.set_conv_math)(plan.conv.desc, math) },
+        "cudnnSetConvolutionMathType",
+    )
+}
+
+/// The workspace `algo` needs under the math type set last, or `None` if cuDNN declines it.
+fn workspace_of(api: &Api, handle: Handle, plan: &Plan, algo: i32) -> Option<usize> {
+    let mut workspace = 0usize;
+    // SAFETY: writes one size.
+    let status = unsafe {
+        (api.conv_fwd_workspace)(
+            handle,
+            plan.x.desc,
+            plan.w.desc,
+            plan.conv.desc,
+            plan.y.desc,
+            algo,
+            &mut workspace,
+        )
+    };
+    (status == 0).then_some(workspace)
+}
+
+/// cuDNN's heuristic order (`cudnnGetConvolutionForwardAlgorithm_v7`) for every math type of
+/// `key`, keeping what fits in `allowance`.
+fn heuristic(
+    api: &Api,
+    handle: Handle,
+    key: &Key,
+    plan: &Plan,
+    allowance: usize,
+) -> Result<Vec<Choice>> {
+    let mut choices = Vec::new();
+    for &math in maths(key) {
+        set_math(api, plan, math)?;
+        let mut perf = [AlgoPerf::default(); ALGO_COUNT as usize];
+        let mut returned = 0i32;
+        // SAFETY: room for ALGO_COUNT results.
         api.check(
-            unsafe { (api.set_conv_math)(conv.desc, p.math_type) },
-            "cudnnSetConvolutionMathType",
+            unsafe {
+                (api.conv_fwd_algos)(
+                    handle,
+                    plan.x.desc,
+                    plan.w.desc,
+                    plan.conv.desc,
+                    plan.y.desc,
+                    ALGO_COUNT,
+                    &mut returned,
+                    perf.as_mut_ptr(),
+                )
+            },
+            "cudnnGetConvolutionForwardAlgorithm_v7",
         )?;
-        let mut workspace = 0usize;
-        // SAFETY: writes one size.
+        let returned = (returned.max(0) as usize).min(perf.len());
+        for p in perf[..returned].iter().filter(|p| allowed(key, p)) {
+            // cuDNN picks tensor-core kernels by algorithm and math type together (as PyTorch).
+            set_math(api, plan, p.math_type)?;
+            let Some(workspace) = workspace_of(api, handle, plan, p.algo) else {
+                continue;
+            };
+            let choice = Choice {
+                algo: p.algo,
+                math: p.math_type,
+                workspace: workspace.max(p.memory),
+            };
+            if choice.workspace <= allowance && !choices.contains(&choice) {
+                choices.push(choice);
+            }
+        }
+    }
+    Ok(choices)
+}
+
+/// Every algorithm cuDNN can run for `key` within `allowance`, timed on the call's buffers
+/// (`cudnnFindConvolutionForwardAlgorithmEx`; it overwrites `y`, which the call writes after),
+/// fastest first with near-ties (see [`TIE`]) ordered by workspace. The search workspace is
+/// allocated for the search only and released before the call runs.
+fn timed(
+    api: &Api,
+    handle: Handle,
+    key: &Key,
+    plan: &Plan,
+    bufs: &Buffers,
+    allowance: usize,
+) -> Result<Vec<Choice>> {
+    let mut size = allowance;
+    let search: Option<CudaSlice<u8>> = loop {
+        if size < MIN_SEARCH_WORKSPACE {
+            break None;
+        }
+        // SAFETY: scratch cuDNN writes before it reads.
+        match unsafe { bufs.dev.alloc::<u8>(size) } {
+            Ok(ws) => break Some(ws),
+            Err(_) => size /= 2,
+        }
+    };
+    let size = if search.is_some() { size } else { 0 };
+    let mut found: Vec<(f32, Choice)> = Vec::new();
+    {
+        let (wsp, _guard) = match &search {
+            Some(ws) => {
+                let (p, g) = ws.device_ptr(bufs.stream);
+                (p as *mut c_void, Some(g))
+            }
+            None => (std::ptr::null_mut(), None),
+        };
+        for &math in maths(key) {
+            set_math(api, plan, math)?;
+            let mut perf = [AlgoPerf::default(); ALGO_COUNT as usize];
+            let mut returned = 0i32;
+            // SAFETY: the descriptors describe exactly these buffers; room for ALGO_COUNT
+            // results; the workspace holds `size` bytes.
+            api.check(
+                unsafe {
+                    (api.conv_fwd_find)(
+                        handle,
+                        plan.x.desc,
+                        bufs.x,
+                        plan.w.desc,
+                        bufs.w,
+                        plan.conv.desc,
+                        plan.y.desc,
+                        bufs.y,
+                        ALGO_COUNT,
+                        &mut returned,
+                        perf.as_mut_ptr(),
+                        wsp,
+                        size,
+                    )
+                },
+                "cudnnFindConvolutionForwardAlgorithmEx",
+            )?;
+            let returned = (returned.max(0) as usize).min(perf.len());
+            for p in perf[..returned].iter().filter(|p| allowed(key, p)) {
+                set_math(api, plan, p.math_type)?;
+                let Some(workspace) = workspace_of(api, handle, plan, p.algo) else {
+                    continue;
+                };
+                let choice = Choice {
+                    algo: p.algo,
+                    math: p.math_type,
+                    workspace: workspace.max(p.memory),
+                };
+                if choice.workspace <= size && !found.iter().any(|(_, c)| *c == choice) {
+                    found.push((p.time, choice));
+                }
+            }
+        }
+    }
+    drop(search);
+    let Some(best) = found.iter().map(|(t, _)| *t).reduce(f32::min) else {
+        return Ok(Vec::new());
+    };
+    found.sort_by(|(ta, a), (tb, b)| {
+        let (tie_a, tie_b) = (*ta <= best * TIE, *tb <= best * TIE);
+        tie_b.cmp(&tie_a).then(if tie_a && tie_b {
+            (a.workspace, a.algo, a.math).cmp(&(b.workspace, b.algo, b.math))
+        } else {
+            ta.total_cmp(tb)
+        })
+    });
+    Ok(found.into_iter().map(|(_, c)| c).collect())
+}
+
+/// Runs the first of `plan`'s algorithms whose workspace can be allocated now.
+fn run(api: &Api, handle: Handle, plan: &Plan, bufs: &Buffers) -> Result<()> {
+    let mut last = None;
+    for choice in &plan.choices {
+        let ws = if choice.workspace > 0 {
+            // SAFETY: scratch cuDNN writes before it reads.
+            match unsafe { bufs.dev.alloc::<u8>(choice.workspace) } {
+                Ok(ws) => Some(ws),
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        let (wsp, _gws) = match &ws {
+            Some(ws) => {
+                let (p, g) = ws.device_ptr(bufs.stream);
+                (p as *mut c_void, Some(g))
+            }
+            None => (std::ptr::null_mut(), None),
+        };
+        set_math(api, plan, choice.math)?;
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: the descriptors describe exactly these buffers; alpha and beta are f32 for
+        // every non-double data type; the workspace holds `choice.workspace` bytes.
         let status = unsafe {
-            (api.conv_fwd_workspace)(
+            (api.conv_fwd)(
                 handle,
-                x.desc,
-                w.desc,
-                conv.desc,
-                y.desc,
-                p.algo,
-                &mut workspace,
+                &alpha as *const f32 as *const c_void,
+                plan.x.desc,
+                bufs.x,
+                plan.w.desc,
+                bufs.w,
+                plan.conv.desc,
+                choice.algo,
+                wsp,
+                choice.workspace,
+                &beta as *const f32 as *const c_void,
+                plan.y.desc,
+                bufs.y,
             )
         };
-        if status != 0 || workspace > MAX_WORKSPACE_BYTES {
-            continue;
-        }
-        return Ok(Plan {
-            x,
-            w,
-            conv,
-            y,
-            y_dims,
-            algo: p.algo,
-            workspace: workspace.max(p.memory),
-        });
+        return api.check(status, "cudnnConvolutionForward");
     }
-    bail!("cuDNN conv: no algorithm for this shape within {MAX_WORKSPACE_BYTES} B of workspace")
+    match last {
+        Some(e) => Err(e),
+        None => bail!("cuDNN conv: no algorithm to run"),
+    }
 }
 
 /// Cross-correlation of `[B, C_in, T, H, W]` by `[C_out, C_in, kt, kh, kw]` (both contiguous),
@@ -321,52 +572,29 @@ impl CustomOp2 for Conv3d {
             )
         }
         let api = self.api;
-        let (out, y_dims) = with_handle(api, &stream, |handle| {
-            let plan = PLANS.get_or_build(&key, || build(api, handle, &key))?;
-            let mut out = alloc(dev, dtype, plan.y_dims.iter().product())?;
-            let ws = if plan.workspace > 0 {
-                // SAFETY: scratch cuDNN writes before it reads.
-                Some(unsafe { dev.alloc::<u8>(plan.workspace) }?)
-            } else {
-                None
+        let y_dims = out_dims(&key)?;
+        let out = with_handle(api, &stream, |handle| {
+            let mut out = alloc(dev, dtype, y_dims.iter().product())?;
+            let (xp, _gx) = ptr(&x.slice, xl, &stream)?;
+            let (wp, _gw) = ptr(&w.slice, wl, &stream)?;
+            let (yp, _gy) = ptr_mut(&mut out, &stream)?;
+            let bufs = Buffers {
+                x: xp,
+                w: wp,
+                y: yp,
+                dev,
+                stream: &stream,
             };
-            {
-                let (xp, _gx) = ptr(&x.slice, xl, &stream)?;
-                let (wp, _gw) = ptr(&w.slice, wl, &stream)?;
-                let (yp, _gy) = ptr_mut(&mut out, &stream)?;
-                let (wsp, _gws) = match &ws {
-                    Some(ws) => {
-                        let (p, g) = ws.device_ptr(&stream);
-                        (p as *mut c_void, Some(g))
-                    }
-                    None => (std::ptr::null_mut(), None),
-                };
-                let (alpha, beta) = (1f32, 0f32);
-                // SAFETY: descriptors describe exactly these buffers; alpha and beta are f32
-                // for every non-double data type.
-                let status = unsafe {
-                    (api.conv_fwd)(
-                        handle,
-                        &alpha as *const f32 as *const c_void,
-                        plan.x.desc,
-                        xp,
-                        plan.w.desc,
-                        wp,
-                        plan.conv.desc,
-                        plan.algo,
-                        wsp,
-                        plan.workspace,
-                        &beta as *const f32 as *const c_void,
-                        plan.y.desc,
-                        yp,
-                    )
-                };
-                if let Err(e) = api.check(status, "cudnnConvolutionForward") {
+            let plan = PLANS.get_or_build(&key, || build(api, handle, &key, &bufs))?;
+            match run(api, handle, &plan, &bufs) {
+                Ok(()) => {}
+                Err(e) => {
                     PLANS.decline(&key);
                     return Err(e);
                 }
             }
-            Ok((out, plan.y_dims))
+            drop((_gx, _gw, _gy));
+            Ok(out)
         })?;
         Ok((
             CudaStorage {

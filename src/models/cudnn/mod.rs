@@ -102,6 +102,24 @@ pub struct Api {
     ) -> Status,
     pub(crate) conv_fwd_workspace:
         unsafe extern "C" fn(Handle, Desc, Desc, Desc, Desc, i32, *mut usize) -> Status,
+    /// `cudnnFindConvolutionForwardAlgorithmEx`: runs the algorithms on the given buffers and
+    /// returns them fastest first.
+    #[allow(clippy::type_complexity)]
+    pub(crate) conv_fwd_find: unsafe extern "C" fn(
+        Handle,
+        Desc,
+        *const c_void,
+        Desc,
+        *const c_void,
+        Desc,
+        Desc,
+        *mut c_void,
+        i32,
+        *mut i32,
+        *mut conv::AlgoPerf,
+        *mut c_void,
+        usize,
+    ) -> Status,
     #[allow(clippy::type_complexity)]
     pub(crate) conv_fwd: unsafe extern "C" fn(
         Handle,
@@ -155,6 +173,7 @@ impl Api {
             conv_output_dim: sym_of(&lib, "cudnnGetConvolutionNdForwardOutputDim")?,
             conv_fwd_algos: sym_of(&lib, "cudnnGetConvolutionForwardAlgorithm_v7")?,
             conv_fwd_workspace: sym_of(&lib, "cudnnGetConvolutionForwardWorkspaceSize")?,
+            conv_fwd_find: sym_of(&lib, "cudnnFindConvolutionForwardAlgorithmEx")?,
             conv_fwd: sym_of(&lib, "cudnnConvolutionForward")?,
             _lib: lib,
             _sublibs: Vec::new(),

@@ -182,3 +182,70 @@ extern "C" __global__ void wan_bias_act_bf16(bf16 *x, const bf16 *__restrict__ b
     reinterpret_cast<bf162 *>(x)[p] = __floats2bfloat162_rn(v.x, v.y);
   }
 }
+
+// ---- Wan VAE (f32, activations [B, C, S] contiguous with S = frames * height * width) ----
+
+// out[b, c, offset + s] = SiLU(((x / max(|x|_2, 1e-12)) * scale) * gamma[c]), the norm over the
+// C channels of each pixel (diffusers' WanRMS_norm then SiLU), in the order of operations of
+// ChannelNorm::forward and candle's silu. `out` has its own batch and channel strides (a
+// convolution input buffer with cached frames in front), `offset` elements into each channel.
+// One thread per pixel: a warp reads 32 consecutive pixels of one channel at a time.
+extern "C" __global__ void wan_vae_rms_silu_f32(const float *__restrict__ x,
+                                                float *__restrict__ out,
+                                                const float *__restrict__ gamma, int channels,
+                                                long spatial, long pixels, long out_bs,
+                                                long out_cs, long offset, float scale) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < pixels;
+       i += (long)gridDim.x * blockDim.x) {
+    const long b = i / spatial, s = i % spatial;
+    const float *xp = x + b * channels * spatial + s;
+    float sq = 0.f;
+    for (int c = 0; c < channels; ++c) {
+      const float v = xp[c * spatial];
+      sq = __fadd_rn(sq, __fmul_rn(v, v));
+    }
+    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f);
+    float *op = out + b * out_bs + offset + s;
+    for (int c = 0; c < channels; ++c) {
+      const float y = __fmul_rn(__fmul_rn(__fdiv_rn(xp[c * spatial], norm), scale), gamma[c]);
+      op[c * out_cs] = __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));
+    }
+  }
+}
+
+// In place on y [B, C, S]: y = (y + bias[c]) [+ res], `res` (same shape) may be null.
+extern "C" __global__ void wan_vae_bias_add_f32(float *y, const float *__restrict__ bias,
+                                                const float *__restrict__ res, int channels,
+                                                long spatial, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+       i += (long)gridDim.x * blockDim.x) {
+    float v = __fadd_rn(y[i], bias[(i / spatial) % channels]);
+    if (res != nullptr) v = __fadd_rn(v, res[i]);
+    y[i] = v;
+  }
+}
+
+// dst [B, C, T, 2H, 2W] = the four parities of src [B, 4C, T, H + 1, W + 1] interleaved, plus
+// bias[c]: dst(2i + a, 2j + b) = src[parity 2a + b](i + a, j + b) (a nearest x2 upsampling's
+// 3x3 conv computed as 2x2 convs of the frame, see `subpixel_weight`).
+extern "C" __global__ void wan_vae_subpixel_f32(const float *__restrict__ src,
+                                                float *__restrict__ dst,
+                                                const float *__restrict__ bias, int channels,
+                                                long frames, long h, long w, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+       i += (long)gridDim.x * blockDim.x) {
+    long r = i;
+    const long x = r % (2 * w);
+    r /= 2 * w;
+    const long y = r % (2 * h);
+    r /= 2 * h;
+    const long t = r % frames;
+    r /= frames;
+    const long c = r % channels;
+    const long b = r / channels;
+    const long a = y & 1, bb = x & 1;
+    const long plane = b * 4 * channels + (2 * a + bb) * channels + c;
+    const long at = ((plane * frames + t) * (h + 1) + (y >> 1) + a) * (w + 1) + (x >> 1) + bb;
+    dst[i] = __fadd_rn(src[at], bias[c]);
+  }
+}

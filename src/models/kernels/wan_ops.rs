@@ -1,6 +1,8 @@
 //! Fused CUDA kernels of the Wan DiT block (`wan_ops.cu`): LayerNorm with modulation, gated
 //! residual, q/k RMSNorm with RoPE and bias (+ GELU), each one pass over bf16 storage with f32
-//! math. They replace chains of candle ops that each stored a full-size f32 temporary.
+//! math. They replace chains of candle ops that each stored a full-size f32 temporary. And two
+//! of the Wan VAE (f32): channel RMS norm + SiLU written into a convolution's input buffer, and
+//! the per-channel bias of a convolution's output, in place.
 //!
 //! Every kernel writes in place into a tensor the caller owns (a fresh output, or a projection
 //! result that is consumed), through one generic [`InplaceOp1`]: its other tensor arguments
@@ -78,13 +80,15 @@ impl InplaceOp1 for Launch<'_> {
     fn cuda_fwd(&self, dst: &mut CudaStorage, dst_layout: &Layout) -> Result<()> {
         let dev = dst.device.clone();
         let stream = dev.cuda_stream();
-        let CudaStorageSlice::BF16(out) = &mut dst.slice else {
-            candle_core::bail!("{}: the destination is bf16", self.func)
-        };
         if !dst_layout.is_contiguous() {
             candle_core::bail!("{}: the destination must be contiguous", self.func)
         }
-        let dst_address = out.device_ptr_mut(&stream).0 + (dst_layout.start_offset() * 2) as u64;
+        let (base, size) = match &mut dst.slice {
+            CudaStorageSlice::BF16(out) => (out.device_ptr_mut(&stream).0, 2),
+            CudaStorageSlice::F32(out) => (out.device_ptr_mut(&stream).0, 4),
+            _ => candle_core::bail!("{}: the destination is bf16 or f32", self.func),
+        };
+        let dst_address = base + (dst_layout.start_offset() * size) as u64;
         // Pointers as u64, integers and floats: owned here so the builder can borrow them.
         enum Value {
             Ptr(u64),
@@ -258,4 +262,131 @@ pub(crate) fn bias_act(x: Tensor, bias: &Tensor, gelu: bool) -> Result<Tensor> {
         ],
     ))?;
     Ok(x)
+}
+
+/// Whether the VAE kernels take `x`: f32 on CUDA.
+pub(crate) fn vae_supported(x: &Tensor) -> bool {
+    x.device().is_cuda() && x.dtype() == DType::F32
+}
+
+/// A grid-stride launch over `n` items.
+fn vae_launch<'a>(func: &'static str, n: usize, args: Vec<Arg<'a>>) -> Launch<'a> {
+    Launch {
+        func,
+        grid: n
+            .div_ceil(ELEMENT_THREADS as usize)
+            .clamp(1, ELEMENT_BLOCKS) as u32,
+        block: ELEMENT_THREADS,
+        args,
+    }
+}
+
+/// Writes `SiLU(x / max(|x|_2, 1e-12) * scale * gamma)`, the norm over the channels of `x`
+/// `[B, C, T, H, W]` (f32), into frames `offset..offset + T` of `buf` `[B, C, T', H, W]`
+/// (f32, contiguous, not sharing storage with `x`); `gamma` holds `C` f32 values.
+pub(crate) fn vae_rms_silu_into(
+    x: &Tensor,
+    gamma: &Tensor,
+    scale: f64,
+    buf: &Tensor,
+    offset: usize,
+) -> Result<()> {
+    let (b, c, t, h, w) = x.dims5()?;
+    let (bb, bc, bt, bh, bw) = buf.dims5()?;
+    if (bb, bc, bh, bw) != (b, c, h, w) || offset + t > bt || gamma.elem_count() != c {
+        candle_core::bail!(
+            "vae norm: x {:?}, buffer {:?} at frame {offset}, gamma {:?}",
+            x.shape(),
+            buf.shape(),
+            gamma.shape()
+        )
+    }
+    if gamma.dtype() != DType::F32 || buf.dtype() != DType::F32 {
+        candle_core::bail!("vae norm: gamma and buffer must be f32")
+    }
+    let x = x.contiguous()?;
+    let gamma = gamma.contiguous()?;
+    let spatial = t * h * w;
+    let frame = h * w;
+    buf.inplace_op1(&vae_launch(
+        "wan_vae_rms_silu_f32",
+        b * spatial,
+        vec![
+            Arg::Tensor(Some(&x)),
+            Arg::Dst,
+            Arg::Tensor(Some(&gamma)),
+            Arg::Int(c as i32),
+            Arg::Long(spatial as i64),
+            Arg::Long((b * spatial) as i64),
+            Arg::Long((c * bt * frame) as i64),
+            Arg::Long((bt * frame) as i64),
+            Arg::Long((offset * frame) as i64),
+            Arg::Float(scale as f32),
+        ],
+    ))
+}
+
+/// `y + bias` per channel of `y` `[B, C, ...]` (f32), plus `residual` (y's shape) when given,
+/// in `y`'s storage; `bias` `[C]` f32.
+pub(crate) fn vae_bias_add(y: Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    let dims = y.dims();
+    let c = dims.get(1).copied().unwrap_or(0);
+    if dims.len() < 2 || bias.elem_count() != c || bias.dtype() != DType::F32 {
+        candle_core::bail!("vae bias: y {:?}, bias {:?}", y.shape(), bias.shape())
+    }
+    let residual = match residual {
+        Some(r) if r.dims() != dims || r.dtype() != DType::F32 => {
+            candle_core::bail!("vae bias: y {:?}, residual {:?}", y.shape(), r.shape())
+        }
+        Some(r) => Some(r.contiguous()?),
+        None => None,
+    };
+    let y = y.contiguous()?;
+    let n = y.elem_count();
+    let spatial = n / (dims[0] * c).max(1);
+    let bias = bias.contiguous()?;
+    y.inplace_op1(&vae_launch(
+        "wan_vae_bias_add_f32",
+        n,
+        vec![
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Tensor(residual.as_ref()),
+            Arg::Int(c as i32),
+            Arg::Long(spatial as i64),
+            Arg::Long(n as i64),
+        ],
+    ))?;
+    Ok(y)
+}
+
+/// `[B, 4C, T, H + 1, W + 1]` parities interleaved into `[B, C, T, 2H, 2W]` plus `bias` `[C]`
+/// (f32): output `(2i + a, 2j + b)` is parity `2a + b` at `(i + a, j + b)`.
+pub(crate) fn vae_subpixel(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let (b, c4, t, h1, w1) = y.dims5()?;
+    let c = c4 / 4;
+    if c4 % 4 != 0 || h1 < 2 || w1 < 2 || bias.elem_count() != c || bias.dtype() != DType::F32 {
+        candle_core::bail!("vae subpixel: y {:?}, bias {:?}", y.shape(), bias.shape())
+    }
+    let (h, w) = (h1 - 1, w1 - 1);
+    let y = y.contiguous()?;
+    let bias = bias.contiguous()?;
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { Tensor::empty((b, c, t, 2 * h, 2 * w), DType::F32, y.device()) }?;
+    let n = out.elem_count();
+    out.inplace_op1(&vae_launch(
+        "wan_vae_subpixel_f32",
+        n,
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Int(c as i32),
+            Arg::Long(t as i64),
+            Arg::Long(h as i64),
+            Arg::Long(w as i64),
+            Arg::Long(n as i64),
+        ],
+    ))?;
+    Ok(out)
 }

@@ -32,8 +32,7 @@ use crate::models::attention::sdpa;
 use crate::models::sequence_parallel::SequenceParallel;
 
 #[cfg(feature = "cuda")]
-#[path = "../kernels/wan_ops.rs"]
-mod wan_ops;
+use super::wan_ops;
 
 /// Tokens per feed-forward chunk: bounds the `[tokens, ffn_dim]` intermediate (and its GELU)
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.

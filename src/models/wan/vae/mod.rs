@@ -15,8 +15,8 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use blocks::{
-    silu, AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache,
-    MidBlock, ResBlock, Upsample,
+    AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache, MidBlock,
+    ResBlock, Upsample,
 };
 
 /// The most spatial resamplings a config may ask: 2^8 = 256x smaller frames is far beyond
@@ -449,9 +449,9 @@ impl Encoder {
         })
     }
 
-    /// One chunk `[B, T, C, H, W]` (frames-major) with the cache of the previous chunks.
+    /// One chunk `[B, C, T, H, W]` with the cache of the previous chunks.
     fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
-        let mut x = self.conv_in.forward_cached(x, cache)?;
+        let mut x = self.conv_in.forward_cached(x, None, None, cache)?;
         for layer in &self.down {
             x = match layer {
                 DownLayer::Res(res) => res.forward(&x, cache)?,
@@ -480,8 +480,7 @@ impl Head {
     }
 
     fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
-        let x = silu(&self.norm.forward(x)?)?;
-        self.conv.forward_cached(&x, cache)
+        self.conv.forward_cached(x, Some(&self.norm), None, cache)
     }
 }
 
@@ -587,10 +586,10 @@ impl Decoder {
         })
     }
 
-    /// One latent frame `[B, 1, z_dim, h, w]` (frames-major) with the cache of the previous ones;
+    /// One latent frame `[B, z_dim, 1, h, w]` with the cache of the previous ones;
     /// `first_chunk` for latent frame 0.
     fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
-        let x = self.conv_in.forward_cached(x, cache)?;
+        let x = self.conv_in.forward_cached(x, None, None, cache)?;
         let mut x = self.mid.forward(&x, cache)?;
         for block in &self.up {
             x = block.forward(&x, cache, first_chunk)?;
@@ -745,7 +744,6 @@ impl AutoencoderKLWan {
     fn decode_patched(&self, z: &Tensor) -> Result<Tensor> {
         let z = self.check_latents(z)?;
         let frames = z.dim(2)?;
-        let z = z.permute((0, 2, 1, 3, 4))?.contiguous()?;
         let x = self.post_quant_conv.forward(&z, None)?;
         let mut cache = FeatCache::default();
         let mut outs = Vec::with_capacity(frames);
@@ -753,8 +751,8 @@ impl AutoencoderKLWan {
             cache.start_chunk();
             let out = self
                 .decoder
-                .forward(&x.narrow(1, i, 1)?, &mut cache, i == 0)?;
-            outs.push(out.permute((0, 2, 1, 3, 4))?.contiguous()?);
+                .forward(&x.narrow(2, i, 1)?, &mut cache, i == 0)?;
+            outs.push(out);
         }
         Tensor::cat(&outs, 2)
     }
@@ -774,23 +772,20 @@ impl AutoencoderKLWan {
             )
         }
         let video = video.to_dtype(self.dtype)?.to_device(&self.device)?;
-        let x = patchify(&video, p)?
-            .permute((0, 2, 1, 3, 4))?
-            .contiguous()?;
+        let x = patchify(&video, p)?.contiguous()?;
         let mut cache = FeatCache::default();
         let chunks = 1 + (t - 1) / ENCODE_CHUNK_FRAMES;
         let mut outs = Vec::with_capacity(chunks);
         for i in 0..chunks {
             cache.start_chunk();
             let chunk = if i == 0 {
-                x.narrow(1, 0, 1)?
+                x.narrow(2, 0, 1)?
             } else {
-                x.narrow(1, 1 + ENCODE_CHUNK_FRAMES * (i - 1), ENCODE_CHUNK_FRAMES)?
+                x.narrow(2, 1 + ENCODE_CHUNK_FRAMES * (i - 1), ENCODE_CHUNK_FRAMES)?
             };
             outs.push(self.encoder.forward(&chunk, &mut cache)?);
         }
-        let moments = self.quant_conv.forward(&Tensor::cat(&outs, 1)?, None)?;
-        let moments = moments.permute((0, 2, 1, 3, 4))?.contiguous()?;
+        let moments = self.quant_conv.forward(&Tensor::cat(&outs, 2)?, None)?;
         let z = self.cfg.z_dim;
         let mean = moments.narrow(1, 0, z)?.contiguous()?;
         let logvar = moments.narrow(1, z, z)?.clamp(-30.0, 20.0)?;
