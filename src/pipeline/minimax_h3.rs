@@ -15,6 +15,7 @@ use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
 use crate::cli::ResolvedConfig;
+use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::minimax_h3::audio_vae::{
     stereo_from_batch, MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder,
 };
@@ -43,6 +44,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// Bytes of an f32 element (RoPE tables, latents, the patch projections).
+const F32_BYTES: u64 = 4;
 
 /// Components, by their index in the description.
 const TEXT_ENCODER: usize = 0;
@@ -181,18 +185,62 @@ fn text_encoder_activations(cfg: &Qwen3VLTextConfig, len: usize, dtype: DType) -
     6 * hidden + mlp + scores
 }
 
-/// Device bytes of one transformer forward over the packed sequence of `rows`: hidden states and
-/// their copies, the attention projections, the SwiGLU widening, the RoPE tables and the f32
-/// latents with their velocities.
-fn transformer_activations(cfg: &MiniMaxH3TransformerConfig, rows: usize, dtype: DType) -> u64 {
+/// `[rows, hidden]` temporaries one chunk of a block holds at most (besides its attention or
+/// feed-forward): the norm output, three gathered modulation parameters, the modulation's two
+/// products.
+const CHUNK_HIDDEN_COPIES: u64 = 6;
+/// `[rows, inner]` temporaries of one chunk's attention: the projection, its per-head norm,
+/// head-major copy and RoPE output, then the attention output and its head-merged copy.
+const CHUNK_INNER_COPIES: u64 = 5;
+/// `[rows, ffn_dim]` temporaries of one chunk's SwiGLU: the projection (two wide), the gate's
+/// SiLU and the product.
+const CHUNK_FFN_COPIES: u64 = 4;
+/// f32 copies of the packed latents alive while denoising: video and audio rows, their
+/// velocities and each schedule's stepped rows.
+const LATENT_COPIES: u64 = 4;
+
+/// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
+/// them text), as [`MiniMaxH3TransformerBlock::forward`] computes it: the residual stream
+/// (updated in place), K and V of every row, and one chunk of
+/// [`MiniMaxH3TransformerConfig::rows_per_chunk`] rows' attention or feed-forward temporaries;
+/// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
+/// projection). Attention in bf16/f16 with a head dim of 64 or 128 is fused on CUDA (no
+/// scores); any other takes the chunked path, which adds a transposed copy of K and a score
+/// chunk with its softmax. Plus the RoPE tables, the latents and the prompt embeddings.
+fn transformer_activations(
+    cfg: &MiniMaxH3TransformerConfig,
+    rows: usize,
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let s = rows as u64;
-    let hidden = s * cfg.hidden_size as u64 * e;
-    let attention = 4 * s * cfg.inner_dim() as u64 * e;
-    let ffn = 3 * s * cfg.ffn_dim as u64 * e;
-    let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * 4;
-    let latents = 4 * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * 4;
-    6 * hidden + attention + ffn + rope + latents
+    let chunk = s.min(cfg.rows_per_chunk() as u64);
+    let (hidden, inner, ffn) = (
+        cfg.hidden_size as u64,
+        cfg.inner_dim() as u64,
+        cfg.ffn_dim as u64,
+    );
+    let stream = s * hidden * e;
+    let fused =
+        matches!(dtype, DType::BF16 | DType::F16) && matches!(cfg.attention_head_dim, 64 | 128);
+    let scores = if fused {
+        0
+    } else {
+        let per_query = (cfg.num_attention_heads as u64 * s).max(1);
+        let queries = (MAX_SCORE_ELEMENTS as u64 / per_query).clamp(1, chunk.max(1));
+        s * inner * e + 2 * queries * per_query * e
+    };
+    let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
+    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
+    let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
+    let blocks = stream + chunk_hidden + attention.max(feed_forward);
+    let prepare = 2 * stream + chunk * hidden * F32_BYTES;
+    let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * F32_BYTES;
+    let latents =
+        LATENT_COPIES * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * F32_BYTES;
+    let text = text_len as u64 * cfg.text_dim as u64 * e;
+    blocks.max(prepare) + rope + latents + text
 }
 
 /// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
@@ -341,7 +389,7 @@ impl Family for MiniMaxH3Configs {
                 StageSpec::new(
                     "denoise",
                     &[TRANSFORMER],
-                    transformer_activations(&self.transformer, rows, shape.dtype),
+                    transformer_activations(&self.transformer, rows, text, shape.dtype),
                 ),
                 StageSpec::new(
                     "decode_video",

@@ -27,7 +27,10 @@ fn pair(
     let cpu = base(shape, seed, &Device::Cpu)?.to_dtype(dtype)?;
     let strided = view(&cpu.to_device(gpu)?)?;
     let contiguous = view(&cpu)?.contiguous()?.to_device(gpu)?;
-    assert!(!strided.is_contiguous(), "{shape:?}: the view must be strided");
+    assert!(
+        !strided.is_contiguous(),
+        "{shape:?}: the view must be strided"
+    );
     Ok((strided, contiguous))
 }
 
@@ -76,8 +79,16 @@ fn strided_kernels_match_contiguous() -> Result<()> {
             let (s, c) = pair(shape, 1, view, dtype, &gpu)?;
             let what = |op: &str| format!("{op} {name} {dtype:?}");
             same(&s.contiguous()?, &c, &what("copy"))?;
-            same(&s.to_dtype(DType::F32)?, &c.to_dtype(DType::F32)?, &what("cast"))?;
-            same(&s.affine(0.5, -1.25)?, &c.affine(0.5, -1.25)?, &what("affine"))?;
+            same(
+                &s.to_dtype(DType::F32)?,
+                &c.to_dtype(DType::F32)?,
+                &what("cast"),
+            )?;
+            same(
+                &s.affine(0.5, -1.25)?,
+                &c.affine(0.5, -1.25)?,
+                &what("affine"),
+            )?;
             same(&s.exp()?, &c.exp()?, &what("exp"))?;
             same(&s.gelu()?, &c.gelu()?, &what("gelu"))?;
             let (s2, c2) = pair(shape, 2, view, dtype, &gpu)?;
@@ -99,9 +110,17 @@ fn strided_kernels_match_contiguous() -> Result<()> {
             let what = |op: &str| format!("{op} {name} {dtype:?}");
             same(&xg.broadcast_add(&yg)?, &(&xg + &full)?, &what("add"))?;
             same(&xg.broadcast_mul(&yg)?, &(&xg * &full)?, &what("mul"))?;
-            same(&yg.broadcast_sub(&xg)?, &(&full - &xg)?, &what("sub lhs broadcast"))?;
+            same(
+                &yg.broadcast_sub(&xg)?,
+                &(&full - &xg)?,
+                &what("sub lhs broadcast"),
+            )?;
             same(&xg.broadcast_div(&yg)?, &(&xg / &full)?, &what("div"))?;
-            same(&xg.broadcast_maximum(&yg)?, &xg.maximum(&full)?, &what("max"))?;
+            same(
+                &xg.broadcast_maximum(&yg)?,
+                &xg.maximum(&full)?,
+                &what("max"),
+            )?;
         }
     }
     Ok(())
