@@ -174,15 +174,18 @@ impl MiniMaxH3Configs {
     }
 }
 
-/// Device bytes of one Qwen3-VL text forward over `len` tokens: hidden-state copies, the MLP's
-/// three widest tensors and one layer's attention scores.
+/// Device bytes of one Qwen3-VL text forward over `len` tokens: hidden-state copies, then the
+/// larger of the MLP's three widest tensors and one layer's attention (q and the repeated k
+/// and v, f32 copies of q and k, and three f32 score tensors: scaled, masked, softmax).
 fn text_encoder_activations(cfg: &Qwen3VLTextConfig, len: usize, dtype: DType) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let l = len as u64;
     let hidden = l * cfg.hidden_size as u64 * e;
     let mlp = 3 * l * cfg.intermediate_size as u64 * e;
-    let scores = 2 * cfg.num_attention_heads as u64 * l * l * 4;
-    6 * hidden + mlp + scores
+    let heads = cfg.num_attention_heads as u64;
+    let width = heads * cfg.head_dim() as u64;
+    let attention = 3 * l * width * e + 2 * l * width * F32_BYTES + 3 * heads * l * l * F32_BYTES;
+    6 * hidden + mlp.max(attention)
 }
 
 /// `[rows, hidden]` temporaries one chunk of a block holds at most (besides its attention or
