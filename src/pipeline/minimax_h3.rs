@@ -198,6 +198,9 @@ const CHUNK_INNER_COPIES: u64 = 5;
 /// `[rows, ffn_dim]` temporaries of one chunk's SwiGLU: the projection (two wide), the gate's
 /// SiLU and the product.
 const CHUNK_FFN_COPIES: u64 = 4;
+/// Score chunks alive in unfused attention: the scores, their softmax, and the CPU gemm's
+/// packing of the softmax for the product with V.
+const SCORE_COPIES: u64 = 3;
 /// f32 copies of the packed latents alive while denoising: video and audio rows, their
 /// velocities and each schedule's stepped rows.
 const LATENT_COPIES: u64 = 4;
@@ -209,7 +212,9 @@ const LATENT_COPIES: u64 = 4;
 /// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
 /// projection). Attention in bf16/f16 with a head dim of 64 or 128 is fused on CUDA (no
 /// scores); any other takes the chunked path, which adds a transposed copy of K and a score
-/// chunk with its softmax. Plus the RoPE tables, the latents and the prompt embeddings.
+/// chunk with its softmax and, on the CPU, gemm's packing of the probabilities for their
+/// product with V (measured at up to a quarter of them; counted as a copy). Plus the RoPE
+/// tables, the latents and the prompt embeddings.
 fn transformer_activations(
     cfg: &MiniMaxH3TransformerConfig,
     rows: usize,
@@ -232,7 +237,7 @@ fn transformer_activations(
     } else {
         let per_query = (cfg.num_attention_heads as u64 * s).max(1);
         let queries = (MAX_SCORE_ELEMENTS as u64 / per_query).clamp(1, chunk.max(1));
-        s * inner * e + 2 * queries * per_query * e
+        s * inner * e + SCORE_COPIES * queries * per_query * e
     };
     let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
     let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
