@@ -251,9 +251,14 @@ fn transformer_activations(
     blocks.max(prepare) + rope + latents + text
 }
 
+/// Decoded clips alive on the device at once: the previous one (its tail is cross-faded into
+/// this one), this one's tiles, their stitched rows and the stitched clip, and the finished
+/// stretch's contiguous copy on its way to host memory.
+const DECODED_CLIP_COPIES: u64 = 5;
+
 /// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
-/// tokens at the decoder's width and the SwiGLU widening, the decoded clip, and the whole video
-/// twice (the chunks and their concatenation) in f32.
+/// tokens at the decoder's width and the SwiGLU widening, and [`DECODED_CLIP_COPIES`] decoded
+/// clips; the whole video never waits on the device.
 fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DType) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let (rs, rt) = (cfg.spatial_ratio() as u64, cfg.temporal_ratio() as u64);
@@ -264,9 +269,8 @@ fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DTy
     let tokens = clip_latents * (tile_h / rs) * (tile_w / rs) + 5;
     let dim = cfg.decoder_dim() as u64;
     let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64);
-    let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * 4;
-    let video = 2 * 3 * g.num_frames as u64 * g.height as u64 * g.width as u64 * 4;
-    decoder + 2 * clip + video
+    let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * e;
+    decoder + DECODED_CLIP_COPIES * clip
 }
 
 /// Device bytes of the audio decode: at every upsampling stage the stereo batch at that stage's
@@ -663,12 +667,19 @@ impl MiniMaxH3 {
         let dtype = self.spec.components[VAE].dtype(self.config.dtype());
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_device(&self.device)?.to_dtype(dtype)?)?;
-        let frames = decoded_to_unit_range(&vae.decode(&z)?)?;
+        // Each cross-faded stretch of frames leaves the device as it is finished: the whole
+        // video never waits there.
+        let mut pieces = Vec::new();
+        let frames = vae.decode_into(&z, |piece| {
+            pieces.push(piece.contiguous()?.to_device(&Device::Cpu)?);
+            Ok(())
+        })?;
+        let decoded = Tensor::cat(&pieces, 2)?.narrow(2, 0, frames)?;
+        drop(pieces);
         job.frames = Some(
-            frames
+            decoded_to_unit_range(&decoded)?
                 .squeeze(0)?
-                .permute((1, 2, 3, 0))?
-                .to_device(&Device::Cpu)?,
+                .permute((1, 2, 3, 0))?,
         );
         Ok(())
     }
