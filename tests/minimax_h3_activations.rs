@@ -1,7 +1,7 @@
 //! The memory plan's MiniMax H3 denoise activations against what one transformer forward
 //! allocates on the CPU (f32, a 32x32 canvas with the plan's 512-token prompt): every heap allocation of this test process is counted, and the peak
-//! above what was held before the forward must not exceed the plan's estimate. One test in the
-//! file, so no other test's allocations mix in.
+//! above what was held before the forward must not exceed the plan's estimate; the same for the
+//! video decode. One test in the file, so no other test's allocations mix in.
 
 mod common;
 
@@ -17,7 +17,7 @@ use vidgen::models::minimax_h3::layout::{
 use vidgen::models::minimax_h3::transformer::{
     MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
 };
-use vidgen::models::minimax_h3::vae::MiniMaxH3VaeConfig;
+use vidgen::models::minimax_h3::vae::{MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder};
 
 const FIXTURE: &str = "minimax-h3-tiny-a";
 
@@ -47,9 +47,13 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-/// The plan's denoise activations for the model in `dir` at `height` x `width` x `frames`
-/// (f32, on the CPU).
-fn planned(dir: &Path, height: usize, width: usize, frames: usize) -> (usize, usize) {
+/// The plan's activations of `stage` for the model in `dir` at `height` x `width` x `frames`
+/// (f32, on the CPU), and the prompt length it plans with.
+fn planned(
+    dir: &Path,
+    stage: &str,
+    (height, width, frames): (usize, usize, usize),
+) -> (usize, usize) {
     let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .args([
             "generate",
@@ -81,7 +85,7 @@ fn planned(dir: &Path, height: usize, width: usize, frames: usize) -> (usize, us
         .as_array()
         .unwrap()
         .iter()
-        .find(|s| s["name"] == "denoise")
+        .find(|s| s["name"] == stage)
         .unwrap()["memory"]["activation_bytes"]
         .as_u64()
         .unwrap();
@@ -201,7 +205,7 @@ fn one_forward_allocates_no_more_than_the_plan_predicts() {
         ),
     ];
     for (name, dir, model) in &cases {
-        let (predicted, text_len) = planned(dir, height, width, frames);
+        let (predicted, text_len) = planned(dir, "denoise", (height, width, frames));
         let (peak, rows, chunk) = measured(model, &g, text_len);
         eprintln!(
             "{name}: {rows} packed rows in chunks of {chunk}: peak {peak} bytes above the inputs, predicted {predicted}"
@@ -215,6 +219,42 @@ fn one_forward_allocates_no_more_than_the_plan_predicts() {
         }
     }
     std::fs::remove_dir_all(&wide_dir).unwrap();
+
+    // The video decode, each finished stretch of frames dropped at once (the pipeline moves it
+    // to host memory).
+    let decoder = MiniMaxH3VaeDecoder::new(
+        &vae,
+        common::var_builder_in(FIXTURE, "vae/diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let (predicted, _) = planned(&fixture, "decode_video", (height, width, frames));
+    let z = Tensor::randn(
+        0f32,
+        1.,
+        (
+            1,
+            vae.latent_channels,
+            g.num_latent_frames,
+            g.latent_height,
+            g.latent_width,
+        ),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let before = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let kept = decoder
+        .decode_into(&z, |piece| piece.contiguous().map(drop))
+        .unwrap();
+    let peak = PEAK.load(Ordering::Relaxed) - before;
+    eprintln!(
+        "decode of {kept} frames: peak {peak} bytes above the latents, predicted {predicted}"
+    );
+    assert_eq!(kept, frames + 3, "121 frames snap to 124");
+    assert!(
+        peak <= predicted,
+        "the decode held {peak} bytes, the plan predicts {predicted}"
+    );
 }
 
 /// The fixture's folder without its weights (a dry run reads configs and the tokenizer only).

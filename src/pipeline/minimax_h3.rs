@@ -188,6 +188,25 @@ fn text_encoder_activations(cfg: &Qwen3VLTextConfig, len: usize, dtype: DType) -
     6 * hidden + mlp.max(attention)
 }
 
+/// Device bytes [`crate::models::attention::sdpa`] adds for `q_len` queries over `kv_len` keys:
+/// none where CUDA fuses it (bf16/f16, head dim 64 or 128); else the chunked path's transposed
+/// copy of K and [`SCORE_COPIES`] score chunks.
+fn unfused_attention_scratch(
+    heads: usize,
+    head_dim: usize,
+    q_len: u64,
+    kv_len: u64,
+    dtype: DType,
+) -> u64 {
+    if matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128) {
+        return 0;
+    }
+    let e = dtype.size_in_bytes() as u64;
+    let per_query = (heads as u64 * kv_len).max(1);
+    let queries = (MAX_SCORE_ELEMENTS as u64 / per_query).clamp(1, q_len.max(1));
+    kv_len * (heads * head_dim) as u64 * e + SCORE_COPIES * queries * per_query * e
+}
+
 /// `[rows, hidden]` temporaries one chunk of a block holds at most (besides its attention or
 /// feed-forward): the norm output, three gathered modulation parameters, the modulation's two
 /// products.
@@ -199,7 +218,8 @@ const CHUNK_INNER_COPIES: u64 = 5;
 /// SiLU and the product.
 const CHUNK_FFN_COPIES: u64 = 4;
 /// Score chunks alive in unfused attention: the scores, their softmax, and the CPU gemm's
-/// packing of the softmax for the product with V.
+/// packing of the softmax for its product with V (measured at up to a quarter of them;
+/// counted as a copy).
 const SCORE_COPIES: u64 = 3;
 /// f32 copies of the packed latents alive while denoising: video and audio rows, their
 /// velocities and each schedule's stepped rows.
@@ -210,11 +230,8 @@ const LATENT_COPIES: u64 = 4;
 /// (updated in place), K and V of every row, and one chunk of
 /// [`MiniMaxH3TransformerConfig::rows_per_chunk`] rows' attention or feed-forward temporaries;
 /// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
-/// projection). Attention in bf16/f16 with a head dim of 64 or 128 is fused on CUDA (no
-/// scores); any other takes the chunked path, which adds a transposed copy of K and a score
-/// chunk with its softmax and, on the CPU, gemm's packing of the probabilities for their
-/// product with V (measured at up to a quarter of them; counted as a copy). Plus the RoPE
-/// tables, the latents and the prompt embeddings.
+/// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
+/// Plus the RoPE tables, the latents and the prompt embeddings.
 fn transformer_activations(
     cfg: &MiniMaxH3TransformerConfig,
     rows: usize,
@@ -230,15 +247,13 @@ fn transformer_activations(
         cfg.ffn_dim as u64,
     );
     let stream = s * hidden * e;
-    let fused =
-        matches!(dtype, DType::BF16 | DType::F16) && matches!(cfg.attention_head_dim, 64 | 128);
-    let scores = if fused {
-        0
-    } else {
-        let per_query = (cfg.num_attention_heads as u64 * s).max(1);
-        let queries = (MAX_SCORE_ELEMENTS as u64 / per_query).clamp(1, chunk.max(1));
-        s * inner * e + SCORE_COPIES * queries * per_query * e
-    };
+    let scores = unfused_attention_scratch(
+        cfg.num_attention_heads,
+        cfg.attention_head_dim,
+        chunk,
+        s,
+        dtype,
+    );
     let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
     let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
     let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
@@ -257,7 +272,7 @@ fn transformer_activations(
 const DECODED_CLIP_COPIES: u64 = 5;
 
 /// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
-/// tokens at the decoder's width and the SwiGLU widening, and [`DECODED_CLIP_COPIES`] decoded
+/// tokens at the decoder's width, the SwiGLU widening and its attention's scratch, and [`DECODED_CLIP_COPIES`] decoded
 /// clips; the whole video never waits on the device.
 fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DType) -> u64 {
     let e = dtype.size_in_bytes() as u64;
@@ -268,7 +283,14 @@ fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DTy
     let clip_latents = (cfg.tokens_chunk_size() + cfg.token_overlap()) as u64;
     let tokens = clip_latents * (tile_h / rs) * (tile_w / rs) + 5;
     let dim = cfg.decoder_dim() as u64;
-    let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64);
+    let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64)
+        + unfused_attention_scratch(
+            cfg.decoder_num_attention_heads,
+            cfg.decoder_attention_head_dim,
+            tokens,
+            tokens,
+            dtype,
+        );
     let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * e;
     decoder + DECODED_CLIP_COPIES * clip
 }
