@@ -104,6 +104,8 @@ for name, p in stages.items():
     print(f"  {name:13} {want:6.2f} / {got:6.2f}{'  (under-predicted)' if got > want else ''}")
     if name in ("encode_text", "denoise"):
         print(f"{'PASS' if got <= 8 else 'FAIL'} {name} device used peak {got:.2f} GiB <= 8 GiB")
+whole = max((p["device_used_peak"] for p in stages.values()), default=0) / 2**30
+print(f"whole run: device used peak {whole:.2f} GiB (decode_video is planned above 8 GiB with default flags)")
 PY
 for n in default unified; do
   ffprobe -v error -show_entries stream=codec_name,channels,sample_rate,duration -of compact "$O/$n.mp4"
