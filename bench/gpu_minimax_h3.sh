@@ -9,7 +9,8 @@
 #     forward times from --stats-json; the MP4's streams by ffprobe. For the default flags, each
 #     stage's measured device peak beside the dry run's prediction for the same flags, and the
 #     issue's 8 GiB target checked on encode_text and denoise (PASS/FAIL lines).
-# PARTS picks sections (default "tiny full"); PARTS=full STEPS=2 measures the 8 GiB target alone.
+# PARTS picks sections (default "tiny full"), RUNS the full-size runs (default "default resident
+# unified"); PARTS=full RUNS=default STEPS=2 measures the 8 GiB target alone.
 set -u
 B=${1:?path to a CUDA build of vidgen}
 STEPS=${STEPS:-3}
@@ -70,9 +71,10 @@ full() { # name flags...
 $B generate --model synthetic:minimax-h3 --prompt "waves on a beach, gulls crying" --num-inference-steps $STEPS \
   --device cuda --dtype bf16 --memory-model discrete --dry-run --json > "$O/default-plan.json" 2> "$O/default-plan.log" \
   || { echo "FAIL dry run"; head -3 "$O/default-plan.log"; }
-full default --memory-model discrete
-full resident --memory-model discrete --no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload
-full unified --memory-model unified
+RUNS=${RUNS:-"default resident unified"}
+[[ " $RUNS " == *" default "* ]] && full default --memory-model discrete
+[[ " $RUNS " == *" resident "* ]] && full resident --memory-model discrete --no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload
+[[ " $RUNS " == *" unified "* ]] && full unified --memory-model unified
 python3 - "$O" <<'PY'
 import sys, json
 o = sys.argv[1]
@@ -108,5 +110,5 @@ whole = max((p["device_used_peak"] for p in stages.values()), default=0) / 2**30
 print(f"whole run: device used peak {whole:.2f} GiB (decode_video is planned above 8 GiB with default flags)")
 PY
 for n in default unified; do
-  ffprobe -v error -show_entries stream=codec_name,channels,sample_rate,duration -of compact "$O/$n.mp4"
+  [[ -f "$O/$n.mp4" ]] && ffprobe -v error -show_entries stream=codec_name,channels,sample_rate,duration -of compact "$O/$n.mp4"
 done

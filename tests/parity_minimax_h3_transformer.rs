@@ -131,7 +131,7 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
 
 /// The blocks and the output head compute a few rows at a time (a chunk holds at most
 /// `CHUNK_ELEMENTS`); any chunk size gives the same outputs up to f32 rounding (the CPU's
-/// gemm blocks a matmul of fewer rows differently: ~2e-7 here), and uneven chunks (the last
+/// gemm blocks a matmul of fewer rows differently: under 1e-6 here), and uneven chunks (the last
 /// one short) stay within the fixture's tolerances of diffusers.
 #[test]
 fn chunked_rows_give_the_same_forward() {

@@ -211,7 +211,8 @@ pub struct BlockInputs {
     /// `[S, 3 * rope_freq_dim]` f32 RoPE sines.
     pub rope_sin: Tensor,
     /// Rows the blocks and the output head compute at once (`prepare` sets the config's
-    /// [`MiniMaxH3TransformerConfig::rows_per_chunk`]; any value gives the same result).
+    /// [`MiniMaxH3TransformerConfig::rows_per_chunk`] whatever the offload mode; another value
+    /// changes results only by rounding, where a matmul of fewer rows sums differently).
     pub rows_per_chunk: usize,
     /// `[Nv]` u32 positions of the video rows.
     pub video_indices: Tensor,
