@@ -515,6 +515,68 @@ fn dry_run_plans_the_published_model() {
     );
 }
 
+/// Issue 14's first target as planned: default flags on a discrete GPU in bf16 (the 33B DiT
+/// and the 32B encoder streamed by blocks) make a 5 s 768x1344 video with the encoder's stage
+/// (a 512-token prompt) and the denoise stage each at or under 8 GiB of device memory. The
+/// denoise activations cover at least what a block cannot do without at its attention: the
+/// residual stream and K and V of every packed row.
+#[test]
+fn default_flags_plan_encode_and_denoise_within_8_gib_on_a_discrete_gpu() {
+    const LIMIT: u64 = 8 << 30;
+    let plan = dry_run(
+        "synthetic:minimax-h3",
+        &[
+            "--device",
+            "cpu",
+            "--memory-model",
+            "discrete",
+            "--dtype",
+            "bf16",
+        ],
+    );
+    let config = &plan["config"];
+    assert_eq!(
+        (&config["height"], &config["width"], &config["num_frames"]),
+        (
+            &serde_json::json!(768),
+            &serde_json::json!(1344),
+            &serde_json::json!(124)
+        ),
+        "{config}"
+    );
+    assert_eq!(config["max_sequence_length"], 512, "{config}");
+    for component in ["transformer", "text_encoder"] {
+        assert_eq!(
+            plan["placement"]["components"][component]["mode"], "streamed",
+            "{component}: {plan}"
+        );
+    }
+    let stage = |name: &str| {
+        plan["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap()["memory"]
+            .clone()
+    };
+    for name in ["encode_text", "denoise"] {
+        let peak = stage(name)["peak_bytes"].as_u64().unwrap();
+        assert!(
+            peak <= LIMIT,
+            "{name}: {:.2} GiB predicted: {plan}",
+            peak as f64 / (1u64 << 30) as f64
+        );
+    }
+    let facts = &plan["model"];
+    let rows = 512 + facts["video_rows"].as_u64().unwrap() + facts["audio_rows"].as_u64().unwrap();
+    let hidden = facts["transformer_hidden_size"].as_u64().unwrap();
+    let inner = facts["transformer_inner_dim"].as_u64().unwrap();
+    let floor = rows * (hidden + 2 * inner) * 2;
+    let activations = stage("denoise")["activation_bytes"].as_u64().unwrap();
+    assert!(activations > floor, "{activations} <= {floor}: {plan}");
+}
+
 /// A config the model cannot run is one line naming the file and the key, exit 2, before
 /// anything loads (the modular index names each folder's class).
 #[test]

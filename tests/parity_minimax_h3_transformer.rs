@@ -115,7 +115,8 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
             RTOL,
         );
     }
-    let normed = model.norm_out(&x, &inputs).unwrap();
+    let all_rows = Tensor::arange(0u32, x.dim(1).unwrap() as u32, &Device::Cpu).unwrap();
+    let normed = model.norm_out(&x, &all_rows, &inputs).unwrap();
     common::assert_close("norm_out", &normed, &r["debug.norm_out"], ATOL, RTOL);
     let (video, audio) = model.finish(&x, &inputs).unwrap();
     common::assert_close("output.sample", &video, &r["output.sample"], ATOL, RTOL);
@@ -126,6 +127,69 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
         ATOL,
         RTOL,
     );
+}
+
+/// The blocks and the output head compute a few rows at a time (a chunk holds at most
+/// `CHUNK_ELEMENTS`); any chunk size gives the same outputs up to f32 rounding (the CPU's
+/// gemm blocks a matmul of fewer rows differently: under 1e-6 here), and uneven chunks (the last
+/// one short) stay within the fixture's tolerances of diffusers.
+#[test]
+fn chunked_rows_give_the_same_forward() {
+    let cfg = config();
+    let model = MiniMaxH3Transformer3DModel::new(&cfg, var_builder()).unwrap();
+    let r = common::reference_in(&dir(), "transformer");
+    let run = |rows: Option<usize>| {
+        let mut inputs = model
+            .prepare(
+                &r["hidden_states"],
+                &r["audio_hidden_states"],
+                &r["encoder_hidden_states"],
+                &r["timestep"],
+                &r["timestep_indices"],
+                &layout(&r),
+            )
+            .unwrap();
+        let mut x = inputs.take_hidden_states().unwrap();
+        if let Some(rows) = rows {
+            inputs.rows_per_chunk = rows;
+        }
+        let blocks: Vec<Tensor> = model
+            .blocks()
+            .iter()
+            .map(|block| {
+                x = block.forward(&x, &inputs).unwrap();
+                x.copy().unwrap()
+            })
+            .collect();
+        let (video, audio) = model.finish(&x, &inputs).unwrap();
+        (inputs.rows_per_chunk, blocks, video, audio)
+    };
+    let (default_rows, whole_blocks, whole_video, whole_audio) = run(None);
+    assert_eq!(default_rows, cfg.rows_per_chunk());
+    let seq = r["position_ids"].dim(0).unwrap();
+    assert!(default_rows >= seq, "the fixture's sequence fits one chunk");
+    for rows in [1, 7, seq - 1] {
+        let (_, blocks, video, audio) = run(Some(rows));
+        for (i, (got, want)) in blocks.iter().zip(&whole_blocks).enumerate() {
+            common::assert_close(
+                &format!("block.{i} in {rows}-row chunks"),
+                got,
+                want,
+                1e-6,
+                1e-6,
+            );
+            common::assert_close(
+                &format!("block.{i} in {rows}-row chunks"),
+                got,
+                &r[&format!("debug.block.{i}")],
+                ATOL,
+                RTOL,
+            );
+        }
+        common::assert_close("sample in chunks", &video, &whole_video, 1e-6, 1e-6);
+        common::assert_close("audio in chunks", &audio, &whole_audio, 1e-6, 1e-6);
+        common::assert_close("sample in chunks", &video, &r["output.sample"], ATOL, RTOL);
+    }
 }
 
 #[test]

@@ -15,6 +15,7 @@ use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
 use crate::cli::ResolvedConfig;
+use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::minimax_h3::audio_vae::{
     stereo_from_batch, MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder,
 };
@@ -43,6 +44,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// Bytes of an f32 element (RoPE tables, latents, the patch projections).
+const F32_BYTES: u64 = 4;
 
 /// Components, by their index in the description.
 const TEXT_ENCODER: usize = 0;
@@ -170,34 +174,106 @@ impl MiniMaxH3Configs {
     }
 }
 
-/// Device bytes of one Qwen3-VL text forward over `len` tokens: hidden-state copies, the MLP's
-/// three widest tensors and one layer's attention scores.
+/// Device bytes of one Qwen3-VL text forward over `len` tokens: hidden-state copies, then the
+/// larger of the MLP's three widest tensors and one layer's attention (q and the repeated k
+/// and v, f32 copies of q and k, and three f32 score tensors: scaled, masked, softmax).
 fn text_encoder_activations(cfg: &Qwen3VLTextConfig, len: usize, dtype: DType) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let l = len as u64;
     let hidden = l * cfg.hidden_size as u64 * e;
     let mlp = 3 * l * cfg.intermediate_size as u64 * e;
-    let scores = 2 * cfg.num_attention_heads as u64 * l * l * 4;
-    6 * hidden + mlp + scores
+    let heads = cfg.num_attention_heads as u64;
+    let width = heads * cfg.head_dim() as u64;
+    let attention = 3 * l * width * e + 2 * l * width * F32_BYTES + 3 * heads * l * l * F32_BYTES;
+    6 * hidden + mlp.max(attention)
 }
 
-/// Device bytes of one transformer forward over the packed sequence of `rows`: hidden states and
-/// their copies, the attention projections, the SwiGLU widening, the RoPE tables and the f32
-/// latents with their velocities.
-fn transformer_activations(cfg: &MiniMaxH3TransformerConfig, rows: usize, dtype: DType) -> u64 {
+/// Device bytes [`crate::models::attention::sdpa`] adds for `q_len` queries over `kv_len` keys:
+/// none where CUDA fuses it (bf16/f16, head dim 64 or 128); else the chunked path's transposed
+/// copy of K and [`SCORE_COPIES`] score chunks.
+fn unfused_attention_scratch(
+    heads: usize,
+    head_dim: usize,
+    q_len: u64,
+    kv_len: u64,
+    dtype: DType,
+) -> u64 {
+    if matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128) {
+        return 0;
+    }
+    let e = dtype.size_in_bytes() as u64;
+    let per_query = (heads as u64 * kv_len).max(1);
+    let queries = (MAX_SCORE_ELEMENTS as u64 / per_query).clamp(1, q_len.max(1));
+    kv_len * (heads * head_dim) as u64 * e + SCORE_COPIES * queries * per_query * e
+}
+
+/// `[rows, hidden]` temporaries one chunk of a block holds at most (besides its attention or
+/// feed-forward): the norm output, three gathered modulation parameters, the modulation's two
+/// products.
+const CHUNK_HIDDEN_COPIES: u64 = 6;
+/// `[rows, inner]` temporaries of one chunk's attention: the projection, its per-head norm,
+/// head-major copy and RoPE output, then the attention output and its head-merged copy.
+const CHUNK_INNER_COPIES: u64 = 5;
+/// `[rows, ffn_dim]` temporaries of one chunk's SwiGLU: the projection (two wide), the gate's
+/// SiLU and the product.
+const CHUNK_FFN_COPIES: u64 = 4;
+/// Score chunks alive in unfused attention: the scores, their softmax, and the CPU gemm's
+/// packing of the softmax for its product with V (measured at up to a quarter of them;
+/// counted as a copy).
+const SCORE_COPIES: u64 = 3;
+/// f32 copies of the packed latents alive while denoising: video and audio rows, their
+/// velocities and each schedule's stepped rows.
+const LATENT_COPIES: u64 = 4;
+
+/// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
+/// them text), as [`MiniMaxH3TransformerBlock::forward`] computes it: the residual stream
+/// (updated in place), K and V of every row, and one chunk of
+/// [`MiniMaxH3TransformerConfig::rows_per_chunk`] rows' attention or feed-forward temporaries;
+/// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
+/// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
+/// Plus the RoPE tables, the latents and the prompt embeddings.
+fn transformer_activations(
+    cfg: &MiniMaxH3TransformerConfig,
+    rows: usize,
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let s = rows as u64;
-    let hidden = s * cfg.hidden_size as u64 * e;
-    let attention = 4 * s * cfg.inner_dim() as u64 * e;
-    let ffn = 3 * s * cfg.ffn_dim as u64 * e;
-    let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * 4;
-    let latents = 4 * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * 4;
-    6 * hidden + attention + ffn + rope + latents
+    let chunk = s.min(cfg.rows_per_chunk() as u64);
+    let (hidden, inner, ffn) = (
+        cfg.hidden_size as u64,
+        cfg.inner_dim() as u64,
+        cfg.ffn_dim as u64,
+    );
+    let stream = s * hidden * e;
+    let scores = unfused_attention_scratch(
+        cfg.num_attention_heads,
+        cfg.attention_head_dim,
+        chunk,
+        s,
+        dtype,
+    );
+    let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
+    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
+    let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
+    let blocks = stream + chunk_hidden + attention.max(feed_forward);
+    let prepare = 2 * stream + chunk * hidden * F32_BYTES;
+    let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * F32_BYTES;
+    let latents =
+        LATENT_COPIES * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * F32_BYTES;
+    let text = text_len as u64 * cfg.text_dim as u64 * e;
+    blocks.max(prepare) + rope + latents + text
 }
 
+/// Decoded clips alive on the device at once: the previous one (its tail is cross-faded into
+/// this one), this one's tiles, their stitched rows and the stitched clip, and the finished
+/// stretch's contiguous copy on its way to host memory.
+const DECODED_CLIP_COPIES: u64 = 5;
+
 /// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
-/// tokens at the decoder's width and the SwiGLU widening, the decoded clip, and the whole video
-/// twice (the chunks and their concatenation) in f32.
+/// tokens at the decoder's width, the SwiGLU widening and its attention's scratch, and [`DECODED_CLIP_COPIES`] decoded
+/// clips; the whole video never waits on the device.
 fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DType) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let (rs, rt) = (cfg.spatial_ratio() as u64, cfg.temporal_ratio() as u64);
@@ -207,10 +283,16 @@ fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DTy
     let clip_latents = (cfg.tokens_chunk_size() + cfg.token_overlap()) as u64;
     let tokens = clip_latents * (tile_h / rs) * (tile_w / rs) + 5;
     let dim = cfg.decoder_dim() as u64;
-    let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64);
-    let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * 4;
-    let video = 2 * 3 * g.num_frames as u64 * g.height as u64 * g.width as u64 * 4;
-    decoder + 2 * clip + video
+    let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64)
+        + unfused_attention_scratch(
+            cfg.decoder_num_attention_heads,
+            cfg.decoder_attention_head_dim,
+            tokens,
+            tokens,
+            dtype,
+        );
+    let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * e;
+    decoder + DECODED_CLIP_COPIES * clip
 }
 
 /// Device bytes of the audio decode: at every upsampling stage the stereo batch at that stage's
@@ -341,7 +423,7 @@ impl Family for MiniMaxH3Configs {
                 StageSpec::new(
                     "denoise",
                     &[TRANSFORMER],
-                    transformer_activations(&self.transformer, rows, shape.dtype),
+                    transformer_activations(&self.transformer, rows, text, shape.dtype),
                 ),
                 StageSpec::new(
                     "decode_video",
@@ -607,12 +689,19 @@ impl MiniMaxH3 {
         let dtype = self.spec.components[VAE].dtype(self.config.dtype());
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_device(&self.device)?.to_dtype(dtype)?)?;
-        let frames = decoded_to_unit_range(&vae.decode(&z)?)?;
+        // Each cross-faded stretch of frames leaves the device as it is finished: the whole
+        // video never waits there.
+        let mut pieces = Vec::new();
+        let frames = vae.decode_into(&z, |piece| {
+            pieces.push(piece.contiguous()?.to_device(&Device::Cpu)?);
+            Ok(())
+        })?;
+        let decoded = Tensor::cat(&pieces, 2)?.narrow(2, 0, frames)?;
+        drop(pieces);
         job.frames = Some(
-            frames
+            decoded_to_unit_range(&decoded)?
                 .squeeze(0)?
-                .permute((1, 2, 3, 0))?
-                .to_device(&Device::Cpu)?,
+                .permute((1, 2, 3, 0))?,
         );
         Ok(())
     }

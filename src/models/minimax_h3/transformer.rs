@@ -33,6 +33,17 @@ pub const TAG_TEXT: u32 = 1;
 /// Modality tag of audio rows.
 pub const TAG_AUDIO: u32 = 2;
 
+/// Elements of the widest per-chunk temporary (the SwiGLU input): 64 Mi, 128 MiB in bf16.
+pub const CHUNK_ELEMENTS: usize = 1 << 26;
+
+/// `(start, len)` of consecutive chunks of at most `rows` rows covering `0..total`.
+fn row_chunks(total: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    let rows = rows.max(1);
+    (0..total)
+        .step_by(rows)
+        .map(move |start| (start, rows.min(total - start)))
+}
+
 /// `transformer/config.json`; missing keys take diffusers' defaults (the published 33B model).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
@@ -109,6 +120,15 @@ impl MiniMaxH3TransformerConfig {
     /// Values in one video row: `in_channels` x the patch volume.
     pub fn video_patch_dim(&self) -> usize {
         self.in_channels * self.patch_size.iter().product::<usize>()
+    }
+
+    /// Rows of the packed sequence one step of a block or of the output head computes at once:
+    /// the SwiGLU input of a chunk (rows x `2 * ffn_dim`) holds at most [`CHUNK_ELEMENTS`]. The
+    /// full-width temporaries of a block (FFN widening, q, attention output, modulation) then
+    /// stay far below the K and V that full attention must hold for every row, and chunks of a
+    /// few thousand rows (2340 at the published width) keep the GPU's matmuls large.
+    pub fn rows_per_chunk(&self) -> usize {
+        (CHUNK_ELEMENTS / (2 * self.ffn_dim).max(1)).max(1)
     }
 
     /// Channels of each head that RoPE rotates (`2 * 3 * rope_freq_dim`).
@@ -190,6 +210,10 @@ pub struct BlockInputs {
     pub rope_cos: Tensor,
     /// `[S, 3 * rope_freq_dim]` f32 RoPE sines.
     pub rope_sin: Tensor,
+    /// Rows the blocks and the output head compute at once (`prepare` sets the config's
+    /// [`MiniMaxH3TransformerConfig::rows_per_chunk`] whatever the offload mode; another value
+    /// changes results only by rounding, where a matmul of fewer rows sums differently).
+    pub rows_per_chunk: usize,
     /// `[Nv]` u32 positions of the video rows.
     pub video_indices: Tensor,
     /// `[2 Na]` u32 positions of the audio rows.
@@ -267,21 +291,53 @@ impl Attention {
         }
     }
 
+    /// `[B, n, inner]` -> `[B, heads, n, head_dim]` (a view).
+    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        x.reshape((b, n, self.heads, self.head_dim))?
+            .transpose(1, 2)
+    }
+
+    /// Attention of the queries `q` over `k` and `v` (all `[B, heads, n, head_dim]`), heads
+    /// merged back and projected out: `[B, n_q, hidden]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (b, _, n, _) = q.dims4()?;
+        let out = sdpa(q, k, v, 1.0 / (self.head_dim as f64).sqrt())?
+            .transpose(1, 2)?
+            .reshape((b, n, self.heads * self.head_dim))?;
+        self.to_out.forward(&out)
+    }
+
     /// Full self-attention of `x` `[B, S, hidden]` over itself.
     fn forward(&self, x: &Tensor, rope: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
-        let (b, s, _) = x.dims3()?;
         let q = self.heads_normed(self.to_q.forward(x)?, &self.norm_q, rope)?;
         let k = self.heads_normed(self.to_k.forward(x)?, &self.norm_k, rope)?;
-        let v = self
-            .to_v
-            .forward(x)?
-            .reshape((b, s, self.heads, self.head_dim))?
-            .transpose(1, 2)?;
-        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, s, self.heads * self.head_dim))?;
-        self.to_out.forward(&out)
+        let v = self.split_heads(&self.to_v.forward(x)?)?;
+        self.attend(&q, &k, &v)
+    }
+
+    /// K and V `[B, heads, S, head_dim]` of all `S` rows, projected chunk by chunk into buffers
+    /// allocated once (`input(c)` gives chunk `c`'s attention input, `rope(c)` its tables).
+    fn keys_values(
+        &self,
+        like: &Tensor,
+        chunks: &[(usize, usize)],
+        input: impl Fn((usize, usize)) -> Result<Tensor>,
+        rope: impl Fn((usize, usize)) -> Result<(Tensor, Tensor)>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, s, _) = like.dims3()?;
+        let dims = (b, self.heads, s, self.head_dim);
+        let k = Tensor::zeros(dims, like.dtype(), like.device())?;
+        let v = Tensor::zeros(dims, like.dtype(), like.device())?;
+        for &c in chunks {
+            let h = input(c)?;
+            let (cos, sin) = rope(c)?;
+            let kc = self.heads_normed(self.to_k.forward(&h)?, &self.norm_k, Some((&cos, &sin)))?;
+            k.slice_set(&kc.contiguous()?, 2, c.0)?;
+            let vc = self.split_heads(&self.to_v.forward(&h)?)?.contiguous()?;
+            v.slice_set(&vc, 2, c.0)?;
+        }
+        Ok((k, v))
     }
 }
 
@@ -353,22 +409,50 @@ impl MiniMaxH3TransformerBlock {
         self.adaln.forward(&act)?.reshape(((), 6 * self.hidden))
     }
 
-    /// `x` `[B, S, hidden]` -> `[B, S, hidden]`.
+    /// `x` `[B, S, hidden]` -> `[B, S, hidden]`, in chunks of `inputs.rows_per_chunk` rows:
+    /// everything but attention is row-wise, and attention builds K and V of every row first,
+    /// then attends chunk by chunk. The residual stream is updated in place: for a contiguous
+    /// `x` the result shares its storage, so `x` is spent (the stream is never copied whole).
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        // Gather one `[S, hidden]` parameter at a time: the whole `[S, 6 * hidden]` selection
-        // would be six activations' worth of memory at full size.
+        let x = x.contiguous()?;
+        let chunks: Vec<(usize, usize)> = row_chunks(x.dim(1)?, inputs.rows_per_chunk).collect();
+        // The six `[T * 3, hidden]` parameter tables; each chunk gathers its rows' parameters.
         let table = self.adaln_table(&inputs.temb)?.to_dtype(x.dtype())?;
-        let m = |i: usize| {
-            table
-                .narrow(1, i * self.hidden, self.hidden)?
-                .contiguous()?
-                .index_select(&inputs.adaln_indices, 0)
+        let params = (0..6)
+            .map(|i| table.narrow(1, i * self.hidden, self.hidden)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let m = |i: usize, (start, len): (usize, usize)| {
+            params[i].index_select(&inputs.adaln_indices.narrow(0, start, len)?, 0)
         };
-        let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
-        let h = modulate(&self.norm1.forward(x)?, &m(0)?, &m(1)?)?;
-        let x = (x + self.attn.forward(&h, rope)?.broadcast_mul(&m(2)?)?)?;
-        let h = modulate(&self.norm2.forward(&x)?, &m(3)?, &m(4)?)?;
-        &x + self.ff.forward(&h)?.broadcast_mul(&m(5)?)?
+        let rows = |(start, len): (usize, usize)| x.narrow(1, start, len)?.contiguous();
+        let rope = |(start, len): (usize, usize)| -> Result<(Tensor, Tensor)> {
+            Ok((
+                inputs.rope_cos.narrow(0, start, len)?,
+                inputs.rope_sin.narrow(0, start, len)?,
+            ))
+        };
+        let attn_input = |c| modulate(&self.norm1.forward(&rows(c)?)?, &m(0, c)?, &m(1, c)?);
+        {
+            // K and V hold the pre-update rows; a chunk's queries read its rows before they
+            // are overwritten.
+            let (k, v) = self.attn.keys_values(&x, &chunks, attn_input, rope)?;
+            for &c in &chunks {
+                let (cos, sin) = rope(c)?;
+                let q = self.attn.heads_normed(
+                    self.attn.to_q.forward(&attn_input(c)?)?,
+                    &self.attn.norm_q,
+                    Some((&cos, &sin)),
+                )?;
+                let out = self.attn.attend(&q, &k, &v)?.broadcast_mul(&m(2, c)?)?;
+                x.slice_set(&(rows(c)? + out)?, 1, c.0)?;
+            }
+        }
+        for &c in &chunks {
+            let h = modulate(&self.norm2.forward(&rows(c)?)?, &m(3, c)?, &m(4, c)?)?;
+            let out = self.ff.forward(&h)?.broadcast_mul(&m(5, c)?)?;
+            x.slice_set(&(rows(c)? + out)?, 1, c.0)?;
+        }
+        Ok(x)
     }
 }
 
@@ -583,23 +667,26 @@ impl MiniMaxH3Transformer3DModel {
 
         // Contiguous inputs: candle 0.11's CPU batched matmul (under `Linear` with a batch > 1)
         // returns wrong values for some strided views (huggingface/candle#3758).
-        let video_rows = self
-            .proj_in
-            .forward(&video.to_dtype(DType::F32)?.contiguous()?)?;
-        let audio_rows = self
-            .audio_proj_in
-            .forward(&audio.to_dtype(DType::F32)?.contiguous()?)?;
         let text_rows = self.refine_text(&text.contiguous()?)?;
         let dtype = text_rows.dtype();
-        let hidden_states = Tensor::cat(
-            &[
-                text_rows,
-                video_rows.to_dtype(dtype)?,
-                audio_rows.to_dtype(dtype)?,
-            ],
-            1,
-        )?
-        .index_select(&u32_tensor(source)?, 1)?;
+        let rows_per_chunk = cfg.rows_per_chunk();
+        // The f32 video projection chunk by chunk: whole, it would be twice the packed
+        // sequence's bytes in bf16.
+        let video = video.to_dtype(DType::F32)?;
+        let video_rows = row_chunks(nv, rows_per_chunk)
+            .map(|(start, len)| {
+                let rows = video.narrow(1, start, len)?.contiguous()?;
+                self.proj_in.forward(&rows)?.to_dtype(dtype)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let video_rows = Tensor::cat(&video_rows, 1)?;
+        let audio_rows = self
+            .audio_proj_in
+            .forward(&audio.to_dtype(DType::F32)?.contiguous()?)?
+            .to_dtype(dtype)?;
+        let unpacked = Tensor::cat(&[text_rows, video_rows, audio_rows], 1)?;
+        let hidden_states = unpacked.index_select(&u32_tensor(source)?, 1)?;
+        drop(unpacked);
 
         let temb = self.time_embedding(timestep)?;
         let adaln: Vec<u32> = t_idx
@@ -616,36 +703,48 @@ impl MiniMaxH3Transformer3DModel {
             timestep_indices: u32_tensor(t_idx)?,
             rope_cos,
             rope_sin,
+            rows_per_chunk,
             video_indices: u32_tensor(video_idx)?,
             audio_indices: u32_tensor(audio_idx)?,
         })
     }
 
-    /// The output norm modulated per timestep: `[B, S, hidden]` -> `[B, S, hidden]`.
-    pub fn norm_out(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+    /// The output norm modulated per timestep for the sequence rows `rows` `[n]` of `x`
+    /// `[B, S, hidden]`: `[B, n, hidden]`.
+    pub fn norm_out(&self, x: &Tensor, rows: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let act =
             candle_nn::ops::silu(&inputs.temb)?.to_dtype(self.norm_out_linear.weight().dtype())?;
         let table = self
             .norm_out_linear
             .forward(&act)?
-            .index_select(&inputs.timestep_indices, 0)?
+            .index_select(&inputs.timestep_indices.index_select(rows, 0)?, 0)?
             .to_dtype(x.dtype())?;
         let dim = self.cfg.hidden_size;
         let (shift, scale) = (table.narrow(1, 0, dim)?, table.narrow(1, dim, dim)?);
-        modulate(&self.norm_out.forward(x)?, &shift, &scale)
+        modulate(
+            &self.norm_out.forward(&x.index_select(rows, 1)?)?,
+            &shift,
+            &scale,
+        )
     }
 
     /// Output norm and both velocity heads (f32): video `[B, Nv, C·pt·ph·pw]` and audio
-    /// `[B, 2Na, Ca]`, in the order of the layout's indices.
+    /// `[B, 2Na, Ca]`, in the order of the layout's indices; `inputs.rows_per_chunk` rows at
+    /// a time, so no f32 copy of the whole sequence exists.
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<(Tensor, Tensor)> {
-        let h = self.norm_out(x, inputs)?.to_dtype(DType::F32)?;
-        let video = self
-            .proj_out
-            .forward(&h.index_select(&inputs.video_indices, 1)?)?;
-        let audio = self
-            .audio_proj_out
-            .forward(&h.index_select(&inputs.audio_indices, 1)?)?;
-        Ok((video, audio))
+        let head = |indices: &Tensor, proj: &Linear| -> Result<Tensor> {
+            let chunks = row_chunks(indices.dim(0)?, inputs.rows_per_chunk)
+                .map(|(start, len)| {
+                    let h = self.norm_out(x, &indices.narrow(0, start, len)?, inputs)?;
+                    proj.forward(&h.to_dtype(DType::F32)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&chunks, 1)
+        };
+        Ok((
+            head(&inputs.video_indices, &self.proj_out)?,
+            head(&inputs.audio_indices, &self.audio_proj_out)?,
+        ))
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.

@@ -506,6 +506,23 @@ impl MiniMaxH3VaeDecoder {
     /// not whole chunks are padded by repeating the last latent frame and cropped after. For
     /// `F = 5n + 2` the result has `17n + 5` frames with the published settings.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let mut pieces = Vec::new();
+        let frames = self.decode_into(z, |piece| {
+            pieces.push(piece);
+            Ok(())
+        })?;
+        Tensor::cat(&pieces, 2)?.narrow(2, 0, frames)
+    }
+
+    /// [`decode`](Self::decode) handing each finished stretch of frames `[B, 3, n, H, W]` to
+    /// `sink`, in order, as soon as it is cross-faded (so the caller decides where the video
+    /// waits); returns how many of the frames handed out make the video (the padding's frames
+    /// at the end are not part of it).
+    pub fn decode_into(
+        &self,
+        z: &Tensor,
+        mut sink: impl FnMut(Tensor) -> Result<()>,
+    ) -> Result<usize> {
         let cfg = &self.cfg;
         let chunk = cfg.tokens_chunk_size();
         let rt = cfg.temporal_ratio();
@@ -530,7 +547,7 @@ impl MiniMaxH3VaeDecoder {
             z.clone()
         };
         let total = z.dim(2)?;
-        let mut pieces = Vec::with_capacity(chunks + 1);
+        let mut emitted = 0;
         let mut tail: Option<Tensor> = None;
         for i in 0..chunks {
             let start = i * chunk;
@@ -549,16 +566,19 @@ impl MiniMaxH3VaeDecoder {
                         Some(prev) => blend(prev, &piece, cfg.frame_overlap(), 2)?,
                         None => piece,
                     };
-                    pieces.push(piece);
+                    emitted += piece.dim(2)?;
+                    sink(piece)?;
                 } else {
                     tail = Some(piece);
                 }
             }
         }
-        pieces.extend(tail);
-        let decoded = Tensor::cat(&pieces, 2)?;
+        if let Some(piece) = tail {
+            emitted += piece.dim(2)?;
+            sink(piece)?;
+        }
         if pad == 0 {
-            return Ok(decoded);
+            return Ok(emitted);
         }
         // A chunk's last latent frame covers only `clip_length % rt` pixel frames.
         let intra_tail = cfg.clip_length % rt;
@@ -572,8 +592,7 @@ impl MiniMaxH3VaeDecoder {
                 }
             })
             .sum();
-        let n = decoded.dim(2)?;
-        decoded.narrow(2, 0, n.saturating_sub(extra))
+        Ok(emitted.saturating_sub(extra))
     }
 }
 
