@@ -21,6 +21,8 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_with_bias};
+#[cfg(feature = "cuda")]
+use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Largest width or patch size a config may give (far above any real model).
@@ -371,6 +373,24 @@ struct GeluMlp {
 }
 
 impl GeluMlp {
+    /// [`Self::forward`] on `x` `[rows, in]` with bias + GELU fused, without `fc2`'s bias
+    /// (the residual kernel adds it).
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
+        let h = x.matmul(&self.fc1.weight().t()?)?;
+        let act = if self.tanh {
+            Act::GeluTanh
+        } else {
+            Act::GeluErf
+        };
+        let h = match self.fc1.bias() {
+            Some(bias) => dit_ops::bias_act(h, bias, act)?,
+            None if self.tanh => h.gelu()?,
+            None => h.gelu_erf()?,
+        };
+        h.matmul(&self.fc2.weight().t()?)
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.fc1.forward(x)?;
         let h = if self.tanh { h.gelu()? } else { h.gelu_erf()? };
@@ -406,6 +426,65 @@ impl LtxAttention {
             heads: cfg.num_attention_heads,
             head_dim: cfg.attention_head_dim,
         })
+    }
+
+    /// The fused-kernel [`Self::forward`] on `x` `[B·S, dim]` (`b` batch entries), bf16 on
+    /// CUDA; returns the output projection *without* its bias (the residual kernel adds it).
+    #[cfg(feature = "cuda")]
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        b: usize,
+        context: Option<&Tensor>,
+        rope: Option<(&Tensor, &Tensor)>,
+        key_bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (rows, dim) = x.dims2()?;
+        let s = rows / b;
+        let kv = match context {
+            Some(c) => c.reshape((c.dim(0)? * c.dim(1)?, c.dim(2)?))?,
+            None => x.clone(),
+        };
+        let kv_len = kv.dim(0)? / b;
+        let q = dit_ops::rms_rope(
+            x.matmul(&self.to_q.weight().t()?)?,
+            self.to_q.bias(),
+            &self.norm_q,
+            rope,
+            dim,
+            Rows { row0: 0, seq: s },
+            QK_NORM_EPS,
+        )?;
+        let k = dit_ops::rms_rope(
+            kv.matmul(&self.to_k.weight().t()?)?,
+            self.to_k.bias(),
+            &self.norm_k,
+            rope,
+            dim,
+            Rows {
+                row0: 0,
+                seq: kv_len,
+            },
+            QK_NORM_EPS,
+        )?;
+        let v = kv.matmul(&self.to_v.weight().t()?)?;
+        let v = match self.to_v.bias() {
+            Some(bias) => dit_ops::bias_act(v, bias, Act::None)?,
+            None => v,
+        };
+        let split = |t: Tensor, n: usize| {
+            t.reshape((b, n, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let (q, k, v) = (split(q, s)?, split(k, kv_len)?, split(v, kv_len)?);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = match key_bias {
+            Some(bias) => sdpa_with_bias(&q, &k, &v, scale, bias)?,
+            None => sdpa(&q, &k, &v, scale)?,
+        };
+        out.transpose(1, 2)?
+            .reshape((rows, dim))?
+            .matmul(&self.to_out.weight().t()?)
     }
 
     /// `x` `[B, S, dim]` attending to itself (`context` `None`, RoPE from `rope`) or to
@@ -522,7 +601,8 @@ impl LtxTransformerBlock {
         })
     }
 
-    /// `x` `[B, S, inner]` -> `[B, S, inner]`.
+    /// `x` `[B, S, inner]` -> `[B, S, inner]`: the fused kernels on CUDA bf16, else the
+    /// candle composition (both compute the same ops in the same order).
     pub fn forward(&self, x: &Tensor, inputs: &LtxBlockInputs) -> Result<Tensor> {
         let (b, _, dim) = x.dims3()?;
         // [B, 1, 6, inner] = table + temb; unbind the 6 rows.
@@ -530,6 +610,70 @@ impl LtxTransformerBlock {
             .temb
             .reshape((b, 1, 6, dim))?
             .broadcast_add(&self.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
+        #[cfg(feature = "cuda")]
+        if dit_ops::rows_supported(x) && ada.dtype() == DType::BF16 {
+            return self.forward_fused(x, inputs, &ada);
+        }
+        self.forward_composite(x, inputs, &ada)
+    }
+
+    /// [`Self::forward`] as fused kernels: each norm + modulation, q/k bias + norm + RoPE,
+    /// bias + GELU and bias + gate + residual is one pass over bf16 storage.
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, inputs: &LtxBlockInputs, ada: &Tensor) -> Result<Tensor> {
+        let (b, s, dim) = x.dims3()?;
+        let at = Rows { row0: 0, seq: s };
+        let ada = ada.reshape((b, 6 * dim))?;
+        let modulation = |shift: usize, scale: usize| Modulation {
+            table: &ada,
+            stride: 6 * dim,
+            shift: shift * dim,
+            scale: scale * dim,
+        };
+        let gate = |i: usize| BatchRow {
+            table: &ada,
+            stride: 6 * dim,
+            offset: i * dim,
+        };
+        let x = x.reshape((b * s, dim))?;
+        let h = dit_ops::rms_modulate(
+            &x,
+            self.norm1.as_ref(),
+            Some(modulation(0, 1)),
+            at,
+            self.eps,
+        )?;
+        let rope = (&inputs.rope_cos, &inputs.rope_sin);
+        let attn = self.attn1.forward_fused(&h, b, None, Some(rope), None)?;
+        let x =
+            dit_ops::residual_into_delta(&x, attn, self.attn1.to_out.bias(), Some(gate(2)), at)?;
+        let attn = self.attn2.forward_fused(
+            &x,
+            b,
+            Some(&inputs.encoder_hidden_states),
+            None,
+            inputs.encoder_key_bias.as_ref(),
+        )?;
+        let x = dit_ops::residual_into_delta(&x, attn, self.attn2.to_out.bias(), None, at)?;
+        let h = dit_ops::rms_modulate(
+            &x,
+            self.norm2.as_ref(),
+            Some(modulation(3, 4)),
+            at,
+            self.eps,
+        )?;
+        let ff = self.ff.forward_fused(&h)?;
+        dit_ops::residual_into_delta(&x, ff, self.ff.fc2.bias(), Some(gate(5)), at)?
+            .reshape((b, s, dim))
+    }
+
+    /// [`Self::forward`] as candle ops (CPU, f32, other dtypes); `ada` `[B, 1, 6, inner]`.
+    fn forward_composite(
+        &self,
+        x: &Tensor,
+        inputs: &LtxBlockInputs,
+        ada: &Tensor,
+    ) -> Result<Tensor> {
         let row = |i: usize| ada.narrow(2, i, 1)?.squeeze(2);
         let (shift_msa, scale_msa, gate_msa) = (row(0)?, row(1)?, row(2)?);
         let (shift_mlp, scale_mlp, gate_mlp) = (row(3)?, row(4)?, row(5)?);
