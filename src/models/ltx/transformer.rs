@@ -890,3 +890,242 @@ impl LtxTransformer3DModel {
         self.finish(&x, &inputs)
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! Each fused kernel against the candle composition it replaces, on random bf16 inputs of
+    //! LTX-Video 512x768x161 sizes (8064 tokens of 2048), run on the GPU.
+    use super::*;
+
+    /// Tokens of a 512x768x161 video: 21 latent frames of 16x24.
+    const GRID: [usize; 3] = [21, 16, 24];
+    const DIM: usize = 2048;
+
+    fn device() -> Option<Device> {
+        let dev = Device::new_cuda(0).ok();
+        if dev.is_none() {
+            eprintln!("no CUDA device: LTX fused-kernel test skipped");
+        }
+        dev
+    }
+
+    fn randn(shape: &[usize], std: f64, dev: &Device) -> Result<Tensor> {
+        Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(DType::BF16)
+    }
+
+    fn values(t: &Tensor) -> Result<Vec<f32>> {
+        t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+    }
+
+    /// Asserts `|got - want| <= ulp(max(|want|, |term|))` element-wise, where `ulp(m)` =
+    /// 2^(floor(log2 m) - 7) is one bf16 ulp at magnitude m and `term` the largest operand of
+    /// the last rounded step (a summation-order change flips at most that rounding by one
+    /// ulp; a cancelling add after it must not shrink the bound below that ulp).
+    fn assert_within_ulp(got: &Tensor, want: &Tensor, term: &Tensor, what: &str) -> Result<()> {
+        assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+        let (g, w, t) = (values(got)?, values(want)?, values(term)?);
+        let mut worst = 0f32;
+        for i in 0..g.len() {
+            assert!(g[i].is_finite(), "{what}: element {i} is {}", g[i]);
+            let m = w[i].abs().max(t[i].abs()).max(f32::MIN_POSITIVE);
+            let ulp = 2f32.powi(m.log2().floor() as i32 - 7);
+            let diff = (g[i] - w[i]).abs();
+            assert!(
+                diff <= ulp,
+                "{what}: element {i}: {} vs {} (ulp {ulp})",
+                g[i],
+                w[i]
+            );
+            worst = worst.max(diff / ulp);
+        }
+        eprintln!("{what}: worst difference {worst} ulp");
+        Ok(())
+    }
+
+    /// `[B, 6·dim]` modulation rows as the block builds them.
+    fn ada(b: usize, dev: &Device) -> Result<Tensor> {
+        randn(&[b, 6 * DIM], 0.5, dev)
+    }
+
+    #[test]
+    fn rms_modulate_matches_composite() -> Result<()> {
+        let Some(dev) = device() else { return Ok(()) };
+        for (b, s, weight) in [(1, 8064, false), (2, 1000, true)] {
+            let x = (randn(&[b, s, DIM], 1.0, &dev)? * 3.0)?;
+            let w = weight.then(|| randn(&[DIM], 1.0, &dev)).transpose()?;
+            let ada = ada(b, &dev)?;
+            let row = |i: usize| ada.narrow(1, i * DIM, DIM)?.unsqueeze(1);
+            let (shift, scale) = (row(3)?, row(4)?);
+            let normed = rms_norm(&x, w.as_ref(), 1e-6)?;
+            let want = modulate(&normed, &shift, &scale)?;
+            let term = normed.broadcast_mul(&(&scale + 1.0)?)?;
+            let got = dit_ops::rms_modulate(
+                &x.reshape((b * s, DIM))?,
+                w.as_ref(),
+                Some(Modulation {
+                    table: &ada,
+                    stride: 6 * DIM,
+                    shift: 3 * DIM,
+                    scale: 4 * DIM,
+                }),
+                Rows { row0: 0, seq: s },
+                1e-6,
+            )?;
+            let what = format!("rms_modulate b={b} weight={weight}");
+            assert_within_ulp(&got.reshape((b, s, DIM))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_rms_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device() else { return Ok(()) };
+        let s: usize = GRID.iter().product();
+        let (cos, sin) = rope_pair_tables(DIM, GRID, [8.0 / 25.0, 32.0, 32.0], [1, 1, 1], &dev)?;
+        // Self-attention q (RoPE) over the video tokens; cross-attention k (no RoPE) over 128
+        // text tokens of 2 batch entries.
+        for (b, n, rope) in [(1, s, true), (2, 128, false)] {
+            let x = randn(&[b, n, DIM], 1.0, &dev)?;
+            let bias = randn(&[DIM], 0.2, &dev)?;
+            let w = randn(&[DIM], 1.0, &dev)?;
+            let normed = rms_norm(&x.broadcast_add(&bias)?, Some(&w), QK_NORM_EPS)?;
+            let (want, term) = if rope {
+                // A rotated pair mixes both members: bound by the larger of the two.
+                let pair_max = normed
+                    .abs()?
+                    .reshape((b, n, DIM / 2, 2))?
+                    .max_keepdim(D::Minus1)?
+                    .broadcast_as((b, n, DIM / 2, 2))?
+                    .reshape((b, n, DIM))?;
+                (apply_rope(&normed, &cos, &sin)?, pair_max)
+            } else {
+                (normed.clone(), normed)
+            };
+            let got = dit_ops::rms_rope(
+                x.reshape((b * n, DIM))?,
+                Some(&bias),
+                &w,
+                rope.then_some((&cos, &sin)),
+                DIM,
+                Rows { row0: 0, seq: n },
+                QK_NORM_EPS,
+            )?;
+            let what = format!("rms_rope b={b} rope={rope}");
+            assert_within_ulp(&got.reshape((b, n, DIM))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gated_residual_matches_composite() -> Result<()> {
+        let Some(dev) = device() else { return Ok(()) };
+        for (b, s, gated) in [(1, 8064, true), (2, 1000, true), (1, 8064, false)] {
+            let res = randn(&[b, s, DIM], 1.0, &dev)?;
+            let delta = randn(&[b, s, DIM], 1.0, &dev)?;
+            let bias = randn(&[DIM], 0.2, &dev)?;
+            let ada = ada(b, &dev)?;
+            let gate = ada.narrow(1, 2 * DIM, DIM)?.unsqueeze(1)?;
+            let linear_out = delta.broadcast_add(&bias)?;
+            let term = if gated {
+                linear_out.broadcast_mul(&gate)?
+            } else {
+                linear_out
+            };
+            let want = (&res + &term)?;
+            let term = res.abs()?.maximum(&term.abs()?)?;
+            let got = dit_ops::residual_into_delta(
+                &res.reshape((b * s, DIM))?,
+                delta.reshape((b * s, DIM))?.copy()?,
+                Some(&bias),
+                gated.then_some(BatchRow {
+                    table: &ada,
+                    stride: 6 * DIM,
+                    offset: 2 * DIM,
+                }),
+                Rows { row0: 0, seq: s },
+            )?;
+            let what = format!("residual b={b} gated={gated}");
+            assert_within_ulp(&got.reshape((b, s, DIM))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bias_gelu_matches_composite() -> Result<()> {
+        let Some(dev) = device() else { return Ok(()) };
+        // The feed-forward's inner width (4·dim) over the video tokens.
+        let x = (randn(&[8064, 4 * DIM], 1.0, &dev)? * 2.0)?;
+        let bias = randn(&[4 * DIM], 0.5, &dev)?;
+        let biased = x.broadcast_add(&bias)?;
+        for act in [Act::None, Act::GeluTanh, Act::GeluErf] {
+            let want = match act {
+                Act::None => biased.clone(),
+                Act::GeluTanh => biased.gelu()?,
+                Act::GeluErf => biased.gelu_erf()?,
+            };
+            let got = dit_ops::bias_act(x.copy()?, &bias, act)?;
+            assert_within_ulp(&got, &want, &want, &format!("bias_act {act:?}"))?;
+        }
+        Ok(())
+    }
+
+    /// A block with random weights of LTX-Video's sizes (2048 wide, 32 heads).
+    fn random_block(dev: &Device) -> Result<LtxTransformerBlock> {
+        let cfg = LtxTransformerConfig::default();
+        let map = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::BF16, dev);
+        let block = LtxTransformerBlock::new(&cfg, vb)?;
+        // VarMap initialises Linear weights; give the table and norms random values too.
+        for (name, var) in map.data().lock().expect("varmap lock").iter() {
+            if name.ends_with("scale_shift_table") || name.contains("norm_") {
+                var.set(&randn(var.dims(), 0.5, dev)?.to_dtype(var.dtype())?)?;
+            }
+        }
+        Ok(block)
+    }
+
+    #[test]
+    fn block_fused_matches_composite() -> Result<()> {
+        let Some(dev) = device() else { return Ok(()) };
+        let grid = [3, 16, 24];
+        let (b, s, l): (usize, usize, usize) = (2, grid.iter().product(), 128);
+        let block = random_block(&dev)?;
+        let (rope_cos, rope_sin) =
+            rope_pair_tables(DIM, grid, [8.0 / 25.0, 32.0, 32.0], [1, 1, 1], &dev)?;
+        let mask = Tensor::ones((b, l), DType::F32, &dev)?.slice_assign(
+            &[0..1, 100..l],
+            &Tensor::zeros((1, l - 100), DType::F32, &dev)?,
+        )?;
+        let inputs = LtxBlockInputs {
+            hidden_states: None,
+            temb: randn(&[b, 1, 6 * DIM], 0.5, &dev)?,
+            embedded_timestep: randn(&[b, 1, DIM], 0.5, &dev)?,
+            encoder_hidden_states: randn(&[b, l, DIM], 1.0, &dev)?,
+            encoder_key_bias: Some(
+                mask.to_dtype(DType::BF16)?
+                    .affine(-1.0, 1.0)?
+                    .affine(MASKED_KEY_BIAS, 0.0)?
+                    .reshape((b, 1, 1, l))?,
+            ),
+            rope_cos,
+            rope_sin,
+        };
+        let x = randn(&[b, s, DIM], 1.0, &dev)?;
+        let ada = inputs
+            .temb
+            .reshape((b, 1, 6, DIM))?
+            .broadcast_add(&block.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
+        let fused = block.forward(&x, &inputs)?.to_dtype(DType::F32)?;
+        let composite = block
+            .forward_composite(&x, &inputs, &ada)?
+            .to_dtype(DType::F32)?;
+        // Whole-block outputs go through GEMMs and attention after each kernel, so a one-ulp
+        // flip inside can grow: compare the relative L2 error instead, bf16-sized.
+        let err = ((&fused - &composite)?.sqr()?.sum_all()?.sqrt()?
+            / composite.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        eprintln!("LTX block fused vs composite: relative L2 error {err}");
+        assert!(err < 1e-2, "relative L2 error {err}");
+        Ok(())
+    }
+}
