@@ -20,6 +20,8 @@ use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
+#[cfg(feature = "cuda")]
+use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the per-head LayerNorm on q and k (fixed in diffusers' `CogVideoXBlock`).
@@ -265,6 +267,7 @@ fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<Laye
 struct LayerNormZero {
     linear: Linear,
     norm: LayerNorm,
+    eps: f64,
 }
 
 /// Output of [`LayerNormZero::forward`]: the normalised, modulated joint sequence and the gates
@@ -286,14 +289,39 @@ impl LayerNormZero {
                 cfg.norm_elementwise_affine,
                 vb.pp("norm"),
             )?,
+            eps: cfg.norm_eps,
         })
+    }
+
+    /// The six modulation rows `[B, 6·inner]` (video shift, scale, gate, text shift, scale,
+    /// gate).
+    fn embedding(&self, temb: &Tensor) -> Result<Tensor> {
+        self.linear.forward(&candle_nn::ops::silu(temb)?)
+    }
+
+    /// [`Self::forward`]'s modulated sequence as one fused kernel, on `x` `[B·S, inner]`
+    /// (CUDA bf16); `emb` from [`Self::embedding`].
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, emb: &Tensor, at: Rows, text_len: usize) -> Result<Tensor> {
+        let dim = x.dim(1)?;
+        let Some(bias) = self.norm.bias() else {
+            candle_core::bail!("cogvideox LayerNormZero without a bias")
+        };
+        let modulation = Modulation {
+            table: emb,
+            stride: 6 * dim,
+            shift: 0,
+            scale: dim,
+            text: Some((text_len, 3 * dim, 4 * dim)),
+        };
+        dit_ops::layer_norm_modulate(x, self.norm.weight(), bias, Some(modulation), at, self.eps)
     }
 
     /// `x` is the joint `[B, L + N, inner]` sequence; text tokens `0..text_len` take the `enc_`
     /// modulation, video tokens the other.
     fn forward(&self, x: &Tensor, temb: &Tensor, text_len: usize) -> Result<Modulated> {
         let (_, seq, dim) = x.dims3()?;
-        let emb = self.linear.forward(&candle_nn::ops::silu(temb)?)?;
+        let emb = self.embedding(temb)?;
         let m = |i: usize| emb.narrow(1, i * dim, dim)?.unsqueeze(1);
         let normed = self.norm.forward(x)?;
         let modulate = |part: Tensor, shift: Tensor, scale: Tensor| -> Result<Tensor> {
@@ -381,6 +409,53 @@ impl JointAttention {
         Tensor::cat(&[text, rotated], 2)
     }
 
+    /// [`Self::forward`] on `x` `[B·S, inner]` (`b` batch entries) with the q/k bias, per-head
+    /// LayerNorm and RoPE fused (CUDA bf16); returns `to_out` *without* its bias (the residual
+    /// kernel adds it).
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, b: usize, inputs: &BlockInputs) -> Result<Tensor> {
+        let (rows, dim) = x.dims2()?;
+        let s = rows / b;
+        let at = Rows { row0: 0, seq: s };
+        let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
+        let norm_rope = |linear: &Linear, norm: &LayerNorm| -> Result<Tensor> {
+            let Some(norm_bias) = norm.bias() else {
+                candle_core::bail!("cogvideox q/k LayerNorm without a bias")
+            };
+            dit_ops::head_norm_rope(
+                x.matmul(&linear.weight().t()?)?,
+                linear.bias(),
+                norm.weight(),
+                norm_bias,
+                rope,
+                self.head_dim,
+                inputs.text_len,
+                at,
+                QK_NORM_EPS,
+            )
+        };
+        let q = norm_rope(&self.to_q, &self.norm_q)?;
+        let k = norm_rope(&self.to_k, &self.norm_k)?;
+        let v = x.matmul(&self.to_v.weight().t()?)?;
+        let v = match self.to_v.bias() {
+            Some(bias) => dit_ops::bias_act(v, bias, Act::None)?,
+            None => v,
+        };
+        let split = |t: Tensor| {
+            t.reshape((b, s, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let out = sdpa(
+            &split(q)?,
+            &split(k)?,
+            &split(v)?,
+            1.0 / (self.head_dim as f64).sqrt(),
+        )?;
+        out.transpose(1, 2)?
+            .reshape((rows, dim))?
+            .matmul(&self.to_out.weight().t()?)
+    }
+
     /// `x` `[B, S, inner]` -> attention output after `to_out`, same shape.
     fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (b, s, dim) = x.dims3()?;
@@ -456,8 +531,72 @@ impl CogVideoXBlock {
     }
 
     /// Runs the block's steps on the joint sequence `x` `[B, L + N, inner]`; returns the same
-    /// shape.
+    /// shape. Fused kernels on CUDA bf16, else the candle composition (the same ops in the
+    /// same order).
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dit_ops::rows_supported(x)
+            && inputs.temb.dtype() == DType::BF16
+            && self.attention.as_ref().is_none_or(|(_, a)| {
+                a.head_dim <= dit_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
+            })
+        {
+            return self.forward_fused(x, inputs);
+        }
+        self.forward_composite(x, inputs)
+    }
+
+    /// [`Self::forward`] as fused kernels: each modulated LayerNorm, q/k bias + per-head norm +
+    /// RoPE, bias + GELU and bias + gate + residual is one pass over bf16 storage.
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (b, seq, dim) = x.dims3()?;
+        let text_len = inputs.text_len;
+        let at = Rows { row0: 0, seq };
+        // The video gate (row 2) and, before `text_len`, the text gate (row 5) of `emb`.
+        fn gate(emb: &Tensor, dim: usize, text_len: usize) -> BatchRow<'_> {
+            BatchRow {
+                table: emb,
+                stride: 6 * dim,
+                offset: 2 * dim,
+                text: Some((text_len, 5 * dim)),
+            }
+        }
+        let mut x = x.reshape((b * seq, dim))?;
+        if let Some((norm1, attn1)) = &self.attention {
+            let emb = norm1.embedding(&inputs.temb)?;
+            let h = norm1.forward_fused(&x, &emb, at, text_len)?;
+            let attn = attn1.forward_fused(&h, b, inputs)?;
+            x = dit_ops::residual_into_delta(
+                &x,
+                attn,
+                attn1.to_out.bias(),
+                Some(gate(&emb, dim, text_len)),
+                at,
+            )?;
+        }
+        if let Some((norm2, fc1, fc2)) = &self.feed_forward {
+            let emb = norm2.embedding(&inputs.temb)?;
+            let h = norm2.forward_fused(&x, &emb, at, text_len)?;
+            let h = h.matmul(&fc1.weight().t()?)?;
+            let h = match fc1.bias() {
+                Some(bias) => dit_ops::bias_act(h, bias, Act::GeluTanh)?,
+                None => h.gelu()?,
+            };
+            let ff = h.matmul(&fc2.weight().t()?)?;
+            x = dit_ops::residual_into_delta(
+                &x,
+                ff,
+                fc2.bias(),
+                Some(gate(&emb, dim, text_len)),
+                at,
+            )?;
+        }
+        x.reshape((b, seq, dim))
+    }
+
+    /// [`Self::forward`] as candle ops (CPU, f32, other dtypes).
+    fn forward_composite(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let text_len = inputs.text_len;
         let mut x = x.clone();
         if let Some((norm1, attn1)) = &self.attention {

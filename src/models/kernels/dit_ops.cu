@@ -7,7 +7,8 @@
 // Rows are tokens of [rows, dim] contiguous storage; `row0` is the index of the first row in the
 // whole [batch * seq, dim] tensor (chunks start later) and `seq` the tokens per batch entry, so a
 // row's batch entry is (row0 + row) / seq and its position (row0 + row) % seq. Modulation
-// vectors are bf16 rows `mod_stride` elements apart per batch entry.
+// vectors are bf16 rows `mod_stride` elements apart per batch entry; a joint sequence (text
+// first) takes the `_text` rows at positions below `split` (0: no text part).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -57,6 +58,19 @@ __device__ __forceinline__ bf16 gelu_erf_bf16(bf16 x) {
   return x * __float2bfloat16(normcdff(__bfloat162float(x)));
 }
 
+// bf16(bf16(n * bf16(1 + scale)) + shift) of the normalised, rounded value n at column c,
+// with the text or video rows of the row's batch entry; n when `shift` is null.
+__device__ __forceinline__ float modulate(float n, int c, long row0, long row, long seq,
+                                          long split, long mod_stride, const bf16 *shift,
+                                          const bf16 *scale, const bf16 *shift_text,
+                                          const bf16 *scale_text) {
+  if (shift == nullptr) return n;
+  const long at = (row0 + row) / seq * mod_stride + c;
+  const bool text = (row0 + row) % seq < split;
+  const float s1 = round_bf16(__bfloat162float((text ? scale_text : scale)[at]) + 1.f);
+  return __fadd_rn(round_bf16(__fmul_rn(n, s1)), __bfloat162float((text ? shift_text : shift)[at]));
+}
+
 } // namespace
 
 // out = RMSNorm(x) [* w] then, when `scale` is not null, bf16(bf16(n * bf16(1 + scale)) + shift):
@@ -64,9 +78,10 @@ __device__ __forceinline__ bf16 gelu_erf_bf16(bf16 x) {
 // the bf16 `x * (1 + scale) + shift` modulation.
 extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__restrict__ out,
                                             const bf16 *__restrict__ w,
-                                            const bf16 *__restrict__ shift,
-                                            const bf16 *__restrict__ scale, int dim, long row0,
-                                            long seq, long mod_stride, float inv_dim, float eps) {
+                                            const bf16 *shift, const bf16 *scale,
+                                            const bf16 *shift_text, const bf16 *scale_text,
+                                            int dim, long row0, long seq, long split,
+                                            long mod_stride, float inv_dim, float eps) {
   __shared__ float scratch[THREADS / 32];
   const long row = blockIdx.x;
   const bf162 *xr = reinterpret_cast<const bf162 *>(x + row * dim);
@@ -82,7 +97,6 @@ extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__
     }
   }
   const float inv = inv_rms(block_sum(sq, scratch), inv_dim, eps);
-  const long batch = (row0 + row) / seq;
   bf162 *outr = reinterpret_cast<bf162 *>(out + row * dim);
 #pragma unroll
   for (int i = 0; i < MAX_PAIRS; ++i) {
@@ -93,14 +107,124 @@ extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         if (w != nullptr) y[k] = __fmul_rn(y[k], __bfloat162float(w[c + k]));
-        y[k] = round_bf16(y[k]);
-        if (scale != nullptr) {
-          const float s1 = round_bf16(__bfloat162float(scale[batch * mod_stride + c + k]) + 1.f);
-          y[k] = round_bf16(__fmul_rn(y[k], s1));
-          y[k] = __fadd_rn(y[k], __bfloat162float(shift[batch * mod_stride + c + k]));
-        }
+        y[k] = modulate(round_bf16(y[k]), c + k, row0, row, seq, split, mod_stride, shift, scale,
+                        shift_text, scale_text);
       }
       outr[p] = __floats2bfloat162_rn(y[0], y[1]);
+    }
+  }
+}
+
+// out = LayerNorm(x) * w + b as candle's fused `layer_norm` computes it (one pass: mean and
+// E[x^2] - mean^2, rsqrtf, `(x - mean) * inv * w + b` rounded), then the modulation of
+// `dit_rms_mod_bf16`.
+extern "C" __global__ void dit_layer_norm_mod_bf16(
+    const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,
+    const bf16 *__restrict__ b, const bf16 *shift, const bf16 *scale, const bf16 *shift_text,
+    const bf16 *scale_text, int dim, long row0, long seq, long split, long mod_stride, float eps) {
+  __shared__ float scratch[THREADS / 32];
+  const long row = blockIdx.x;
+  const bf162 *xr = reinterpret_cast<const bf162 *>(x + row * dim);
+  const int pairs = dim / 2;
+  float2 v[MAX_PAIRS];
+  float sum = 0.f, sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < MAX_PAIRS; ++i) {
+    const int p = threadIdx.x + i * THREADS;
+    if (p < pairs) {
+      v[i] = __bfloat1622float2(xr[p]);
+      sum += v[i].x + v[i].y;
+      sq += v[i].x * v[i].x + v[i].y * v[i].y;
+    }
+  }
+  const float mean = block_sum(sum, scratch) / dim;
+  const float var = block_sum(sq, scratch) / dim - mean * mean;
+  const float inv_std = rsqrtf(var + eps);
+  bf162 *outr = reinterpret_cast<bf162 *>(out + row * dim);
+#pragma unroll
+  for (int i = 0; i < MAX_PAIRS; ++i) {
+    const int p = threadIdx.x + i * THREADS;
+    if (p < pairs) {
+      const int c = 2 * p;
+      float y[2] = {v[i].x, v[i].y};
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float lhs = (y[k] - mean) * inv_std;
+        y[k] = round_bf16(lhs * __bfloat162float(w[c + k]) + __bfloat162float(b[c + k]));
+        y[k] = modulate(y[k], c + k, row0, row, seq, split, mod_stride, shift, scale, shift_text,
+                        scale_text);
+      }
+      outr[p] = __floats2bfloat162_rn(y[0], y[1]);
+    }
+  }
+}
+
+// In place on x [rows, heads * head_dim], one warp per (row, head): x = bf16(x + bias) when
+// `bias` is not null (a Linear's bias), then candle's fused `layer_norm` of each head with w, b
+// ([head_dim]), rounded; then at positions from `split` on, when `cos` is not null, the
+// interleaved-pair RoPE (cos/sin [seq - split, head_dim / 2] f32, math in f32 as `rope_i`),
+// rounded. head_dim <= 2 * 32 * MAX_HEAD_PAIRS.
+extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restrict__ bias,
+                                                   const bf16 *__restrict__ w,
+                                                   const bf16 *__restrict__ b,
+                                                   const float *__restrict__ cos,
+                                                   const float *__restrict__ sin, long units,
+                                                   int dim, int head_dim, long row0, long seq,
+                                                   long split, float eps) {
+  constexpr int MAX_HEAD_PAIRS = 4;
+  const long unit = blockIdx.x * (long)(blockDim.x / 32) + threadIdx.x / 32;
+  if (unit >= units) return; // whole warps leave together
+  const int lane = threadIdx.x % 32;
+  const int heads = dim / head_dim;
+  const long row = unit / heads;
+  const int c0 = (int)(unit % heads) * head_dim;
+  bf162 *xr = reinterpret_cast<bf162 *>(x + row * dim + c0);
+  const bf162 *biasr = bias == nullptr ? nullptr : reinterpret_cast<const bf162 *>(bias + c0);
+  const int pairs = head_dim / 2;
+  float2 v[MAX_HEAD_PAIRS];
+  float sum = 0.f, sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < MAX_HEAD_PAIRS; ++i) {
+    const int p = lane + 32 * i;
+    if (p < pairs) {
+      v[i] = __bfloat1622float2(xr[p]);
+      if (biasr != nullptr) {
+        const float2 bb = __bfloat1622float2(biasr[p]);
+        v[i].x = round_bf16(v[i].x + bb.x);
+        v[i].y = round_bf16(v[i].y + bb.y);
+      }
+      sum += v[i].x + v[i].y;
+      sq += v[i].x * v[i].x + v[i].y * v[i].y;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  }
+  const float mean = sum / head_dim;
+  const float var = sq / head_dim - mean * mean;
+  const float inv_std = rsqrtf(var + eps);
+  const long pos = (row0 + row) % seq;
+  const bool rotate = cos != nullptr && pos >= split;
+  const int half = head_dim / 2;
+#pragma unroll
+  for (int i = 0; i < MAX_HEAD_PAIRS; ++i) {
+    const int p = lane + 32 * i;
+    if (p < pairs) {
+      const int c = 2 * p;
+      float y0 = round_bf16((v[i].x - mean) * inv_std * __bfloat162float(w[c]) +
+                            __bfloat162float(b[c]));
+      float y1 = round_bf16((v[i].y - mean) * inv_std * __bfloat162float(w[c + 1]) +
+                            __bfloat162float(b[c + 1]));
+      if (rotate) {
+        const long j = (pos - split) * half + p;
+        const float cj = cos[j], sj = sin[j];
+        const float r0 = y0 * cj - y1 * sj;
+        const float r1 = y0 * sj + y1 * cj;
+        y0 = r0;
+        y1 = r1;
+      }
+      xr[p] = __floats2bfloat162_rn(y0, y1);
     }
   }
 }
@@ -157,12 +281,14 @@ extern "C" __global__ void dit_rms_rope_bf16(bf16 *x, const bf16 *__restrict__ b
 
 // out = bf16(res + bf16(bf16(delta [+ bias]) [* gate[batch]])) element-wise over n elements of
 // rows of `dim`: candle's bf16 `res + (linear_out).broadcast_mul(gate)`. `bias` and `gate`
-// (bf16 rows `gate_stride` apart per batch entry) may be null. `out` may be `res` or `delta`
+// (bf16 rows `gate_stride` apart per batch entry; `gate_text` below position `split`) may be
+// null. `out` may be `res` or `delta`
 // (each element is read before it is written).
 extern "C" __global__ void dit_residual_bf16(const bf16 *res, const bf16 *delta,
                                              const bf16 *__restrict__ bias,
-                                             const bf16 *__restrict__ gate, bf16 *out, long n,
-                                             int dim, long row0, long seq, long gate_stride) {
+                                             const bf16 *gate, const bf16 *gate_text, bf16 *out,
+                                             long n, int dim, long row0, long seq, long split,
+                                             long gate_stride) {
   const long pairs = n / 2;
   for (long p = blockIdx.x * (long)blockDim.x + threadIdx.x; p < pairs;
        p += (long)gridDim.x * blockDim.x) {
@@ -175,7 +301,8 @@ extern "C" __global__ void dit_residual_bf16(const bf16 *res, const bf16 *delta,
       d.y = round_bf16(d.y + __bfloat162float(bias[c + 1]));
     }
     if (gate != nullptr) {
-      const bf16 *g = gate + ((row0 + i / dim) / seq) * gate_stride;
+      const long r = row0 + i / dim;
+      const bf16 *g = (r % seq < split ? gate_text : gate) + (r / seq) * gate_stride;
       d.x = round_bf16(__fmul_rn(d.x, __bfloat162float(g[c])));
       d.y = round_bf16(__fmul_rn(d.y, __bfloat162float(g[c + 1])));
     }

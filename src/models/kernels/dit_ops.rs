@@ -193,21 +193,40 @@ pub(crate) fn element_launch<'a>(
 }
 
 /// Per-batch bf16 modulation rows inside one contiguous `table`: entry `b`'s `shift` row starts
-/// at element `b * stride + shift`, its `scale` row at `b * stride + scale`.
+/// at element `b * stride + shift`, its `scale` row at `b * stride + scale`. For a joint
+/// sequence, `text` = (split, shift, scale): positions below `split` take those rows.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Modulation<'a> {
     pub table: &'a Tensor,
     pub stride: usize,
     pub shift: usize,
     pub scale: usize,
+    pub text: Option<(usize, usize, usize)>,
 }
 
-/// One per-batch bf16 row inside a contiguous `table` (entry `b` at `b * stride + offset`).
+impl<'a> Modulation<'a> {
+    /// The kernels' `shift, scale, shift_text, scale_text` arguments, then `split`.
+    fn args(m: Option<Self>) -> (Vec<Arg<'a>>, usize, usize) {
+        let Some(m) = m else {
+            return ((0..4).map(|_| Arg::Tensor(None)).collect(), 0, 0);
+        };
+        let (split, shift_text, scale_text) = m.text.unwrap_or((0, m.shift, m.scale));
+        let args = [m.shift, m.scale, shift_text, scale_text]
+            .into_iter()
+            .map(|offset| Arg::At(m.table, offset))
+            .collect();
+        (args, split, m.stride)
+    }
+}
+
+/// One per-batch bf16 row inside a contiguous `table` (entry `b` at `b * stride + offset`);
+/// for a joint sequence, `text` = (split, offset): positions below `split` take that row.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BatchRow<'a> {
     pub table: &'a Tensor,
     pub stride: usize,
     pub offset: usize,
+    pub text: Option<(usize, usize)>,
 }
 
 /// `f32(1 / dim)`: the factor candle's `mean_keepdim` multiplies a sum by.
@@ -225,35 +244,103 @@ pub(crate) fn rms_modulate(
     eps: f64,
 ) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    let (shift, scale, stride) = match modulation {
-        Some(m) => (
-            Arg::At(m.table, m.shift),
-            Arg::At(m.table, m.scale),
-            m.stride,
-        ),
-        None => (Arg::Tensor(None), Arg::Tensor(None), 0),
-    };
+    let (mods, split, stride) = Modulation::args(modulation);
+    let mut args = vec![Arg::Tensor(Some(x)), Arg::Dst, Arg::Tensor(w)];
+    args.extend(mods);
+    args.extend([
+        Arg::Int(dim as i32),
+        Arg::Long(at.row0 as i64),
+        Arg::Long(at.seq as i64),
+        Arg::Long(split as i64),
+        Arg::Long(stride as i64),
+        Arg::Float(inv_dim(dim)),
+        Arg::Float(eps as f32),
+    ]);
     // SAFETY: the kernel writes every element of `out`.
     let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
-    out.inplace_op1(&row_launch(
-        &DIT,
-        "dit_rms_mod_bf16",
-        rows,
-        vec![
-            Arg::Tensor(Some(x)),
+    out.inplace_op1(&row_launch(&DIT, "dit_rms_mod_bf16", rows, args))?;
+    Ok(out)
+}
+
+/// candle's fused `layer_norm(x, w, b)` of `x` `[rows, dim]` (bf16 `w`, `b` `[dim]`), then
+/// `* (1 + scale) + shift` in bf16 when `modulation` is given.
+pub(crate) fn layer_norm_modulate(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    modulation: Option<Modulation>,
+    at: Rows,
+    eps: f64,
+) -> Result<Tensor> {
+    let (rows, dim) = x.dims2()?;
+    let (mods, split, stride) = Modulation::args(modulation);
+    let mut args = vec![
+        Arg::Tensor(Some(x)),
+        Arg::Dst,
+        Arg::Tensor(Some(w)),
+        Arg::Tensor(Some(b)),
+    ];
+    args.extend(mods);
+    args.extend([
+        Arg::Int(dim as i32),
+        Arg::Long(at.row0 as i64),
+        Arg::Long(at.seq as i64),
+        Arg::Long(split as i64),
+        Arg::Long(stride as i64),
+        Arg::Float(eps as f32),
+    ]);
+    // SAFETY: the kernel writes every element of `out`.
+    let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
+    out.inplace_op1(&row_launch(&DIT, "dit_layer_norm_mod_bf16", rows, args))?;
+    Ok(out)
+}
+
+/// Widest head [`head_norm_rope`] takes (`2 * 32 * MAX_HEAD_PAIRS` in the kernel).
+pub(crate) const MAX_HEAD_DIM: usize = 256;
+
+/// In place on `x` `[rows, heads * head_dim]`: bias, candle's fused `layer_norm` of each head
+/// with `w`, `b` `[head_dim]`, then RoPE (cos, sin `[seq - split, head_dim / 2]` f32) at the
+/// positions from `split` on when `rope` is given.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_norm_rope(
+    x: Tensor,
+    bias: Option<&Tensor>,
+    w: &Tensor,
+    b: &Tensor,
+    rope: Option<(&Tensor, &Tensor)>,
+    head_dim: usize,
+    split: usize,
+    at: Rows,
+    eps: f64,
+) -> Result<Tensor> {
+    let (rows, dim) = x.dims2()?;
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 || dim % head_dim != 0 {
+        candle_core::bail!("head_norm_rope: head_dim {head_dim} does not fit rows of {dim}")
+    }
+    let units = rows * (dim / head_dim);
+    let warps = ROW_THREADS / 32;
+    x.inplace_op1(&Launch {
+        module: &DIT,
+        func: "dit_head_norm_rope_bf16",
+        grid: units.div_ceil(warps) as u32,
+        block: ROW_THREADS as u32,
+        args: vec![
             Arg::Dst,
-            Arg::Tensor(w),
-            shift,
-            scale,
+            Arg::Tensor(bias),
+            Arg::Tensor(Some(w)),
+            Arg::Tensor(Some(b)),
+            Arg::Tensor(rope.map(|r| r.0)),
+            Arg::Tensor(rope.map(|r| r.1)),
+            Arg::Long(units as i64),
             Arg::Int(dim as i32),
+            Arg::Int(head_dim as i32),
             Arg::Long(at.row0 as i64),
             Arg::Long(at.seq as i64),
-            Arg::Long(stride as i64),
-            Arg::Float(inv_dim(dim)),
+            Arg::Long(split as i64),
             Arg::Float(eps as f32),
         ],
-    ))?;
-    Ok(out)
+    })?;
+    Ok(x)
 }
 
 /// In place on `x` `[rows, heads * head_dim]`: bias, the composite RMSNorm across the row with
@@ -302,9 +389,17 @@ pub(crate) fn residual_into_delta(
     if res.dims2()? != (rows, dim) {
         candle_core::bail!("residual: {:?} and {:?} differ", res.shape(), delta.shape())
     }
-    let (gate, stride) = match gate {
-        Some(g) => (Arg::At(g.table, g.offset), g.stride),
-        None => (Arg::Tensor(None), 0),
+    let (gate, gate_text, split, stride) = match gate {
+        Some(g) => {
+            let (split, text) = g.text.unwrap_or((0, g.offset));
+            (
+                Arg::At(g.table, g.offset),
+                Arg::At(g.table, text),
+                split,
+                g.stride,
+            )
+        }
+        None => (Arg::Tensor(None), Arg::Tensor(None), 0, 0),
     };
     delta.inplace_op1(&element_launch(
         &DIT,
@@ -315,11 +410,13 @@ pub(crate) fn residual_into_delta(
             Arg::Dst,
             Arg::Tensor(bias),
             gate,
+            gate_text,
             Arg::Dst,
             Arg::Long((rows * dim) as i64),
             Arg::Int(dim as i32),
             Arg::Long(at.row0 as i64),
             Arg::Long(at.seq as i64),
+            Arg::Long(split as i64),
             Arg::Long(stride as i64),
         ],
     ))?;

@@ -629,11 +629,13 @@ impl LtxTransformerBlock {
             stride: 6 * dim,
             shift: shift * dim,
             scale: scale * dim,
+            text: None,
         };
         let gate = |i: usize| BatchRow {
             table: &ada,
             stride: 6 * dim,
             offset: i * dim,
+            text: None,
         };
         let x = x.reshape((b * s, dim))?;
         let h = dit_ops::rms_modulate(
@@ -967,6 +969,7 @@ mod cuda_tests {
                     stride: 6 * DIM,
                     shift: 3 * DIM,
                     scale: 4 * DIM,
+                    text: None,
                 }),
                 Rows { row0: 0, seq: s },
                 1e-6,
@@ -1041,6 +1044,7 @@ mod cuda_tests {
                     table: &ada,
                     stride: 6 * DIM,
                     offset: 2 * DIM,
+                    text: None,
                 }),
                 Rows { row0: 0, seq: s },
             )?;
