@@ -267,6 +267,8 @@ fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<Laye
 struct LayerNormZero {
     linear: Linear,
     norm: LayerNorm,
+    /// `norm`'s epsilon, for the fused kernel.
+    #[cfg(feature = "cuda")]
     eps: f64,
 }
 
@@ -289,6 +291,7 @@ impl LayerNormZero {
                 cfg.norm_elementwise_affine,
                 vb.pp("norm"),
             )?,
+            #[cfg(feature = "cuda")]
             eps: cfg.norm_eps,
         })
     }

@@ -314,7 +314,11 @@ pub(crate) fn head_norm_rope(
     eps: f64,
 ) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 || dim % head_dim != 0 {
+    if head_dim == 0
+        || head_dim > MAX_HEAD_DIM
+        || !head_dim.is_multiple_of(2)
+        || !dim.is_multiple_of(head_dim)
+    {
         candle_core::bail!("head_norm_rope: head_dim {head_dim} does not fit rows of {dim}")
     }
     let units = rows * (dim / head_dim);
