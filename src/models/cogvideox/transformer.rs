@@ -956,3 +956,146 @@ mod tests {
         assert_eq!(linspace_f32(3.0, 9.0, 1), vec![3.0]);
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! Each fused path against the candle composition it replaces, on random bf16 inputs of
+    //! CogVideoX-5b 720x480x49 sizes (226 text + 13·30·45 video tokens of 48x64), on the GPU.
+    use super::*;
+    use crate::models::dit_ops::test_util::{assert_within_ulp, device, randn};
+
+    const TEXT: usize = 226;
+    const VIDEO: usize = 13 * 30 * 45;
+
+    fn config() -> CogVideoXTransformerConfig {
+        CogVideoXTransformerConfig {
+            num_attention_heads: 48,
+            ..Default::default()
+        }
+    }
+
+    /// Loads `build` from random weights (the VarMap's init, with norms and biases drawn too).
+    fn random<T>(dev: &Device, build: impl FnOnce(VarBuilder) -> Result<T>) -> Result<T> {
+        let map = candle_nn::VarMap::new();
+        let built = build(VarBuilder::from_varmap(&map, DType::BF16, dev))?;
+        for (name, var) in map.data().lock().expect("varmap lock").iter() {
+            if (name.contains("norm") && !name.contains("linear")) || name.ends_with("bias") {
+                var.set(&randn(var.dims(), 0.5, dev)?)?;
+            }
+        }
+        Ok(built)
+    }
+
+    fn inputs(b: usize, video: usize, dev: &Device) -> Result<BlockInputs> {
+        let half = config().attention_head_dim / 2;
+        let angles = Tensor::rand(0f32, 6.3, (video, half), dev)?;
+        Ok(BlockInputs {
+            hidden_states: None,
+            temb: randn(&[b, config().time_embed_dim], 1.0, dev)?,
+            rope_cos: angles.cos()?,
+            rope_sin: angles.sin()?,
+            text_len: TEXT,
+            batch: b,
+            grid: [1, 1, video],
+        })
+    }
+
+    #[test]
+    fn layer_norm_zero_matches_composite() -> Result<()> {
+        let Some(dev) = device("CogVideoX fused kernels") else {
+            return Ok(());
+        };
+        let cfg = config();
+        let dim = cfg.inner_dim();
+        let norm = random(&dev, |vb| LayerNormZero::new(&cfg, vb))?;
+        for (b, video) in [(1, VIDEO), (2, 1350)] {
+            let seq = TEXT + video;
+            let inputs = inputs(b, video, &dev)?;
+            let x = (randn(&[b, seq, dim], 1.0, &dev)? * 3.0)?;
+            let want = norm.forward(&x, &inputs.temb, TEXT)?.hidden_states;
+            let emb = norm.embedding(&inputs.temb)?;
+            let got = norm.forward_fused(
+                &x.reshape((b * seq, dim))?,
+                &emb,
+                Rows { row0: 0, seq },
+                TEXT,
+            )?;
+            // The last rounded step adds the shift to n·(1 + scale): bound by that term.
+            let shift = |i: usize, len: usize| {
+                emb.narrow(1, i * dim, dim)?
+                    .unsqueeze(1)?
+                    .broadcast_as((b, len, dim))
+            };
+            let shift = Tensor::cat(&[shift(3, TEXT)?, shift(0, video)?], 1)?;
+            let term = (want.to_dtype(DType::F32)? - shift.to_dtype(DType::F32)?)?;
+            let what = format!("LayerNormZero b={b}");
+            assert_within_ulp(&got.reshape((b, seq, dim))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_head_norm_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device("CogVideoX fused kernels") else {
+            return Ok(());
+        };
+        let cfg = config();
+        let (dim, heads, head_dim) = (cfg.inner_dim(), 48, cfg.attention_head_dim);
+        let attn = random(&dev, |vb| JointAttention::new(&cfg, vb))?;
+        for (b, video) in [(1, VIDEO), (2, 1350)] {
+            let seq = TEXT + video;
+            let inputs = inputs(b, video, &dev)?;
+            // A projection without its bias; both paths add `to_q`'s.
+            let p = randn(&[b, seq, dim], 1.0, &dev)?;
+            let bias = attn.to_q.bias().expect("to_q has a bias");
+            let biased = p.broadcast_add(bias)?;
+            let want = attn.norm_rope(biased.clone(), &attn.norm_q, &inputs)?;
+            // A rotated pair mixes both members: bound by the larger normalised one.
+            let normed = attn.norm_q.forward(&attn.split_heads(biased)?)?;
+            let term = normed
+                .abs()?
+                .reshape((b, heads, seq, head_dim / 2, 2))?
+                .max_keepdim(4)?
+                .broadcast_as((b, heads, seq, head_dim / 2, 2))?
+                .reshape((b, heads, seq, head_dim))?;
+            let got = dit_ops::head_norm_rope(
+                p.reshape((b * seq, dim))?,
+                Some(bias),
+                attn.norm_q.weight(),
+                attn.norm_q.bias().expect("norm_q has a bias"),
+                Some((&inputs.rope_cos, &inputs.rope_sin)),
+                head_dim,
+                TEXT,
+                Rows { row0: 0, seq },
+                QK_NORM_EPS,
+            )?
+            .reshape((b, seq, heads, head_dim))?
+            .transpose(1, 2)?;
+            let what = format!("q norm + RoPE b={b}");
+            assert_within_ulp(&got, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn block_fused_matches_composite() -> Result<()> {
+        let Some(dev) = device("CogVideoX fused block") else {
+            return Ok(());
+        };
+        let cfg = config();
+        let (b, video) = (2, 1350);
+        let block = random(&dev, |vb| CogVideoXBlock::new(&cfg, vb))?;
+        let inputs = inputs(b, video, &dev)?;
+        let x = randn(&[b, TEXT + video, cfg.inner_dim()], 1.0, &dev)?;
+        let fused = block.forward(&x, &inputs)?.to_dtype(DType::F32)?;
+        let composite = block.forward_composite(&x, &inputs)?.to_dtype(DType::F32)?;
+        // GEMMs and attention follow each kernel, so a one-ulp flip inside can grow: compare
+        // the relative L2 error instead, bf16-sized.
+        let err = ((&fused - &composite)?.sqr()?.sum_all()?.sqrt()?
+            / composite.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        eprintln!("CogVideoX block fused vs composite: relative L2 error {err}");
+        assert!(err < 1e-2, "relative L2 error {err}");
+        Ok(())
+    }
+}

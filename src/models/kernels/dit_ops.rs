@@ -452,3 +452,57 @@ pub(crate) fn bias_act(x: Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
     ))?;
     Ok(x)
 }
+
+/// Helpers of the CUDA tests that compare the fused kernels with the candle compositions.
+#[cfg(test)]
+pub(crate) mod test_util {
+    use candle_core::{DType, Device, Result, Tensor};
+
+    /// The first CUDA device, or `None` (and a note that `what` was skipped) without one.
+    pub(crate) fn device(what: &str) -> Option<Device> {
+        let dev = Device::new_cuda(0).ok();
+        if dev.is_none() {
+            eprintln!("no CUDA device: {what} test skipped");
+        }
+        dev
+    }
+
+    /// Normal random bf16 values of standard deviation `std`.
+    pub(crate) fn randn(shape: &[usize], std: f64, dev: &Device) -> Result<Tensor> {
+        Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(DType::BF16)
+    }
+
+    fn values(t: &Tensor) -> Result<Vec<f32>> {
+        t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+    }
+
+    /// Asserts `|got - want| <= ulp(max(|want|, |term|))` element-wise, where `ulp(m)` =
+    /// 2^(floor(log2 m) - 7) is one bf16 ulp at magnitude m and `term` the largest operand of
+    /// the last rounded step (a summation-order change flips at most that rounding by one
+    /// ulp; a cancelling add after it must not shrink the bound below that ulp).
+    pub(crate) fn assert_within_ulp(
+        got: &Tensor,
+        want: &Tensor,
+        term: &Tensor,
+        what: &str,
+    ) -> Result<()> {
+        assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+        let (g, w, t) = (values(got)?, values(want)?, values(term)?);
+        let mut worst = 0f32;
+        for i in 0..g.len() {
+            assert!(g[i].is_finite(), "{what}: element {i} is {}", g[i]);
+            let m = w[i].abs().max(t[i].abs()).max(f32::MIN_POSITIVE);
+            let ulp = 2f32.powi(m.log2().floor() as i32 - 7);
+            let diff = (g[i] - w[i]).abs();
+            assert!(
+                diff <= ulp,
+                "{what}: element {i}: {} vs {} (ulp {ulp})",
+                g[i],
+                w[i]
+            );
+            worst = worst.max(diff / ulp);
+        }
+        eprintln!("{what}: worst difference {worst} ulp");
+        Ok(())
+    }
+}

@@ -898,51 +898,11 @@ mod cuda_tests {
     //! Each fused kernel against the candle composition it replaces, on random bf16 inputs of
     //! LTX-Video 512x768x161 sizes (8064 tokens of 2048), run on the GPU.
     use super::*;
+    use crate::models::dit_ops::test_util::{assert_within_ulp, device, randn};
 
     /// Tokens of a 512x768x161 video: 21 latent frames of 16x24.
     const GRID: [usize; 3] = [21, 16, 24];
     const DIM: usize = 2048;
-
-    fn device() -> Option<Device> {
-        let dev = Device::new_cuda(0).ok();
-        if dev.is_none() {
-            eprintln!("no CUDA device: LTX fused-kernel test skipped");
-        }
-        dev
-    }
-
-    fn randn(shape: &[usize], std: f64, dev: &Device) -> Result<Tensor> {
-        Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(DType::BF16)
-    }
-
-    fn values(t: &Tensor) -> Result<Vec<f32>> {
-        t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
-    }
-
-    /// Asserts `|got - want| <= ulp(max(|want|, |term|))` element-wise, where `ulp(m)` =
-    /// 2^(floor(log2 m) - 7) is one bf16 ulp at magnitude m and `term` the largest operand of
-    /// the last rounded step (a summation-order change flips at most that rounding by one
-    /// ulp; a cancelling add after it must not shrink the bound below that ulp).
-    fn assert_within_ulp(got: &Tensor, want: &Tensor, term: &Tensor, what: &str) -> Result<()> {
-        assert_eq!(got.dims(), want.dims(), "{what}: shapes");
-        let (g, w, t) = (values(got)?, values(want)?, values(term)?);
-        let mut worst = 0f32;
-        for i in 0..g.len() {
-            assert!(g[i].is_finite(), "{what}: element {i} is {}", g[i]);
-            let m = w[i].abs().max(t[i].abs()).max(f32::MIN_POSITIVE);
-            let ulp = 2f32.powi(m.log2().floor() as i32 - 7);
-            let diff = (g[i] - w[i]).abs();
-            assert!(
-                diff <= ulp,
-                "{what}: element {i}: {} vs {} (ulp {ulp})",
-                g[i],
-                w[i]
-            );
-            worst = worst.max(diff / ulp);
-        }
-        eprintln!("{what}: worst difference {worst} ulp");
-        Ok(())
-    }
 
     /// `[B, 6·dim]` modulation rows as the block builds them.
     fn ada(b: usize, dev: &Device) -> Result<Tensor> {
@@ -951,7 +911,9 @@ mod cuda_tests {
 
     #[test]
     fn rms_modulate_matches_composite() -> Result<()> {
-        let Some(dev) = device() else { return Ok(()) };
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
         for (b, s, weight) in [(1, 8064, false), (2, 1000, true)] {
             let x = (randn(&[b, s, DIM], 1.0, &dev)? * 3.0)?;
             let w = weight.then(|| randn(&[DIM], 1.0, &dev)).transpose()?;
@@ -982,7 +944,9 @@ mod cuda_tests {
 
     #[test]
     fn qk_rms_rope_matches_composite() -> Result<()> {
-        let Some(dev) = device() else { return Ok(()) };
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
         let s: usize = GRID.iter().product();
         let (cos, sin) = rope_pair_tables(DIM, GRID, [8.0 / 25.0, 32.0, 32.0], [1, 1, 1], &dev)?;
         // Self-attention q (RoPE) over the video tokens; cross-attention k (no RoPE) over 128
@@ -1021,7 +985,9 @@ mod cuda_tests {
 
     #[test]
     fn gated_residual_matches_composite() -> Result<()> {
-        let Some(dev) = device() else { return Ok(()) };
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
         for (b, s, gated) in [(1, 8064, true), (2, 1000, true), (1, 8064, false)] {
             let res = randn(&[b, s, DIM], 1.0, &dev)?;
             let delta = randn(&[b, s, DIM], 1.0, &dev)?;
@@ -1056,7 +1022,9 @@ mod cuda_tests {
 
     #[test]
     fn bias_gelu_matches_composite() -> Result<()> {
-        let Some(dev) = device() else { return Ok(()) };
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
         // The feed-forward's inner width (4·dim) over the video tokens.
         let x = (randn(&[8064, 4 * DIM], 1.0, &dev)? * 2.0)?;
         let bias = randn(&[4 * DIM], 0.5, &dev)?;
@@ -1090,7 +1058,9 @@ mod cuda_tests {
 
     #[test]
     fn block_fused_matches_composite() -> Result<()> {
-        let Some(dev) = device() else { return Ok(()) };
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
         let grid = [3, 16, 24];
         let (b, s, l): (usize, usize, usize) = (2, grid.iter().product(), 128);
         let block = random_block(&dev)?;
