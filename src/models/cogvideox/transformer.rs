@@ -317,7 +317,7 @@ impl LayerNormZero {
             scale: dim,
             text: Some((text_len, 3 * dim, 4 * dim)),
         };
-        dit_ops::layer_norm_modulate(x, self.norm.weight(), bias, Some(modulation), at, self.eps)
+        dit_ops::layer_norm_modulate(x, dit_ops::LayerNorm::Fused { w: self.norm.weight(), b: bias }, Some(modulation), at, self.eps)
     }
 
     /// `x` is the joint `[B, L + N, inner]` sequence; text tokens `0..text_len` take the `enc_`
@@ -429,7 +429,7 @@ impl JointAttention {
                 x.matmul(&linear.weight().t()?)?,
                 linear.bias(),
                 norm.weight(),
-                norm_bias,
+                Some(norm_bias),
                 rope,
                 self.head_dim,
                 inputs.text_len,
@@ -1062,7 +1062,7 @@ mod cuda_tests {
                 p.reshape((b * seq, dim))?,
                 Some(bias),
                 attn.norm_q.weight(),
-                attn.norm_q.bias().expect("norm_q has a bias"),
+                attn.norm_q.bias(),
                 Some((&inputs.rope_cos, &inputs.rope_sin)),
                 head_dim,
                 TEXT,

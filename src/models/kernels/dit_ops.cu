@@ -115,13 +115,15 @@ extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__
   }
 }
 
-// out = LayerNorm(x) * w + b as candle's fused `layer_norm` computes it (one pass: mean and
-// E[x^2] - mean^2, rsqrtf, `(x - mean) * inv * w + b` rounded), then the modulation of
-// `dit_rms_mod_bf16`.
+// out = LayerNorm(x) [* w + b], rounded, then the modulation of `dit_rms_mod_bf16`. With
+// `two_pass` 0, as candle's fused `layer_norm` computes it (one pass: mean and E[x^2] - mean^2,
+// rsqrtf, `(x - mean) * inv * w + b`); with 1, as the f32 composition without affine does
+// (mean, then mean((x - mean)^2), each a sum times f32(1/dim); `(x - mean) / sqrt(var + eps)`).
 extern "C" __global__ void dit_layer_norm_mod_bf16(
     const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,
     const bf16 *__restrict__ b, const bf16 *shift, const bf16 *scale, const bf16 *shift_text,
-    const bf16 *scale_text, int dim, long row0, long seq, long split, long mod_stride, float eps) {
+    const bf16 *scale_text, int dim, long row0, long seq, long split, long mod_stride,
+    int two_pass, float inv_dim, float eps) {
   __shared__ float scratch[THREADS / 32];
   const long row = blockIdx.x;
   const bf162 *xr = reinterpret_cast<const bf162 *>(x + row * dim);
@@ -137,9 +139,24 @@ extern "C" __global__ void dit_layer_norm_mod_bf16(
       sq += v[i].x * v[i].x + v[i].y * v[i].y;
     }
   }
-  const float mean = block_sum(sum, scratch) / dim;
-  const float var = block_sum(sq, scratch) / dim - mean * mean;
-  const float inv_std = rsqrtf(var + eps);
+  float mean, inv_std = 0.f, std = 0.f;
+  if (two_pass) {
+    mean = __fmul_rn(block_sum(sum, scratch), inv_dim);
+    float sq_c = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_PAIRS; ++i) {
+      const int p = threadIdx.x + i * THREADS;
+      if (p < pairs) {
+        const float a = v[i].x - mean, c = v[i].y - mean;
+        sq_c += a * a + c * c;
+      }
+    }
+    std = __fsqrt_rn(__fadd_rn(__fmul_rn(block_sum(sq_c, scratch), inv_dim), eps));
+  } else {
+    mean = block_sum(sum, scratch) / dim;
+    const float var = block_sum(sq, scratch) / dim - mean * mean;
+    inv_std = rsqrtf(var + eps);
+  }
   bf162 *outr = reinterpret_cast<bf162 *>(out + row * dim);
 #pragma unroll
   for (int i = 0; i < MAX_PAIRS; ++i) {
@@ -149,8 +166,13 @@ extern "C" __global__ void dit_layer_norm_mod_bf16(
       float y[2] = {v[i].x, v[i].y};
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const float lhs = (y[k] - mean) * inv_std;
-        y[k] = round_bf16(lhs * __bfloat162float(w[c + k]) + __bfloat162float(b[c + k]));
+        if (two_pass) {
+          y[k] = __fdiv_rn(y[k] - mean, std);
+        } else {
+          y[k] = (y[k] - mean) * inv_std;
+        }
+        if (w != nullptr) y[k] = y[k] * __bfloat162float(w[c + k]) + __bfloat162float(b[c + k]);
+        y[k] = round_bf16(y[k]);
         y[k] = modulate(y[k], c + k, row0, row, seq, split, mod_stride, shift, scale, shift_text,
                         scale_text);
       }
@@ -160,17 +182,19 @@ extern "C" __global__ void dit_layer_norm_mod_bf16(
 }
 
 // In place on x [rows, heads * head_dim], one warp per (row, head): x = bf16(x + bias) when
-// `bias` is not null (a Linear's bias), then candle's fused `layer_norm` of each head with w, b
-// ([head_dim]), rounded; then at positions from `split` on, when `cos` is not null, the
-// interleaved-pair RoPE (cos/sin [seq - split, head_dim / 2] f32, math in f32 as `rope_i`),
-// rounded. head_dim <= 2 * 32 * MAX_HEAD_PAIRS.
+// `bias` is not null (a Linear's bias), then per head candle's fused `layer_norm` with w, b
+// ([head_dim]) or, with `rms`, its fused `rms_norm` with w (rsqrtf(mean + eps) * x * w),
+// rounded; then at positions in [rope_start, rope_end), when `cos` is not null, the
+// interleaved-pair RoPE (cos/sin [rope_end - rope_start, head_dim / 2] f32, math in f32 as
+// `rope_i`), rounded. head_dim <= 2 * 32 * MAX_HEAD_PAIRS.
 extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restrict__ bias,
                                                    const bf16 *__restrict__ w,
                                                    const bf16 *__restrict__ b,
                                                    const float *__restrict__ cos,
                                                    const float *__restrict__ sin, long units,
                                                    int dim, int head_dim, long row0, long seq,
-                                                   long split, float eps) {
+                                                   int rms, long rope_start, long rope_end,
+                                                   float eps) {
   constexpr int MAX_HEAD_PAIRS = 4;
   const long unit = blockIdx.x * (long)(blockDim.x / 32) + threadIdx.x / 32;
   if (unit >= units) return; // whole warps leave together
@@ -201,23 +225,28 @@ extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restri
     sum += __shfl_xor_sync(0xffffffffu, sum, o);
     sq += __shfl_xor_sync(0xffffffffu, sq, o);
   }
-  const float mean = sum / head_dim;
-  const float var = sq / head_dim - mean * mean;
-  const float inv_std = rsqrtf(var + eps);
+  const float mean = rms ? 0.f : sum / head_dim;
+  const float inv_std = rms ? rsqrtf(sq / head_dim + eps) : rsqrtf(sq / head_dim - mean * mean + eps);
   const long pos = (row0 + row) % seq;
-  const bool rotate = cos != nullptr && pos >= split;
+  const bool rotate = cos != nullptr && pos >= rope_start && pos < rope_end;
   const int half = head_dim / 2;
 #pragma unroll
   for (int i = 0; i < MAX_HEAD_PAIRS; ++i) {
     const int p = lane + 32 * i;
     if (p < pairs) {
       const int c = 2 * p;
-      float y0 = round_bf16((v[i].x - mean) * inv_std * __bfloat162float(w[c]) +
-                            __bfloat162float(b[c]));
-      float y1 = round_bf16((v[i].y - mean) * inv_std * __bfloat162float(w[c + 1]) +
-                            __bfloat162float(b[c + 1]));
+      float y0, y1;
+      if (rms) {
+        y0 = round_bf16(inv_std * v[i].x * __bfloat162float(w[c]));
+        y1 = round_bf16(inv_std * v[i].y * __bfloat162float(w[c + 1]));
+      } else {
+        y0 = round_bf16((v[i].x - mean) * inv_std * __bfloat162float(w[c]) +
+                        __bfloat162float(b[c]));
+        y1 = round_bf16((v[i].y - mean) * inv_std * __bfloat162float(w[c + 1]) +
+                        __bfloat162float(b[c + 1]));
+      }
       if (rotate) {
-        const long j = (pos - split) * half + p;
+        const long j = (pos - rope_start) * half + p;
         const float cj = cos[j], sj = sin[j];
         const float r0 = y0 * cj - y1 * sj;
         const float r1 = y0 * sj + y1 * cj;

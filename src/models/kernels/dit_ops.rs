@@ -262,23 +262,36 @@ pub(crate) fn rms_modulate(
     Ok(out)
 }
 
-/// candle's fused `layer_norm(x, w, b)` of `x` `[rows, dim]` (bf16 `w`, `b` `[dim]`), then
-/// `* (1 + scale) + shift` in bf16 when `modulation` is given.
+/// The two LayerNorms of [`layer_norm_modulate`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum LayerNorm<'a> {
+    /// candle's fused `layer_norm(x, w, b)` (bf16 `w`, `b` `[dim]`).
+    Fused { w: &'a Tensor, b: &'a Tensor },
+    /// The two-pass f32 composition without affine (`mean_keepdim`, `sub`, `sqr`,
+    /// `mean_keepdim`, `+ eps`, `sqrt`, `div`).
+    TwoPass,
+}
+
+/// `norm` of `x` `[rows, dim]`, rounded, then `* (1 + scale) + shift` in bf16 when
+/// `modulation` is given.
 pub(crate) fn layer_norm_modulate(
     x: &Tensor,
-    w: &Tensor,
-    b: &Tensor,
+    norm: LayerNorm,
     modulation: Option<Modulation>,
     at: Rows,
     eps: f64,
 ) -> Result<Tensor> {
+    let (w, b, two_pass) = match norm {
+        LayerNorm::Fused { w, b } => (Some(w), Some(b), 0),
+        LayerNorm::TwoPass => (None, None, 1),
+    };
     let (rows, dim) = x.dims2()?;
     let (mods, split, stride) = Modulation::args(modulation);
     let mut args = vec![
         Arg::Tensor(Some(x)),
         Arg::Dst,
-        Arg::Tensor(Some(w)),
-        Arg::Tensor(Some(b)),
+        Arg::Tensor(w),
+        Arg::Tensor(b),
     ];
     args.extend(mods);
     args.extend([
@@ -287,6 +300,8 @@ pub(crate) fn layer_norm_modulate(
         Arg::Long(at.seq as i64),
         Arg::Long(split as i64),
         Arg::Long(stride as i64),
+        Arg::Int(two_pass),
+        Arg::Float(inv_dim(dim)),
         Arg::Float(eps as f32),
     ]);
     // SAFETY: the kernel writes every element of `out`.
@@ -298,21 +313,26 @@ pub(crate) fn layer_norm_modulate(
 /// Widest head [`head_norm_rope`] takes (`2 * 32 * MAX_HEAD_PAIRS` in the kernel).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
-/// In place on `x` `[rows, heads * head_dim]`: bias, candle's fused `layer_norm` of each head
-/// with `w`, `b` `[head_dim]`, then RoPE (cos, sin `[seq - split, head_dim / 2]` f32) at the
-/// positions from `split` on when `rope` is given.
+/// In place on `x` `[rows, heads * head_dim]`: bias, per head candle's fused `layer_norm` with
+/// `w`, `b` `[head_dim]` (`b` given) or its fused `rms_norm` with `w` (`b` `None`), then RoPE
+/// at the positions `rope_start..` (cos, sin `[n, head_dim / 2]` f32: n positions) when `rope`
+/// is given.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn head_norm_rope(
     x: Tensor,
     bias: Option<&Tensor>,
     w: &Tensor,
-    b: &Tensor,
+    b: Option<&Tensor>,
     rope: Option<(&Tensor, &Tensor)>,
     head_dim: usize,
-    split: usize,
+    rope_start: usize,
     at: Rows,
     eps: f64,
 ) -> Result<Tensor> {
+    let rope_end = match rope {
+        Some((cos, _)) => rope_start + cos.dim(0)?,
+        None => 0,
+    };
     let (rows, dim) = x.dims2()?;
     if head_dim == 0
         || head_dim > MAX_HEAD_DIM
@@ -332,7 +352,7 @@ pub(crate) fn head_norm_rope(
             Arg::Dst,
             Arg::Tensor(bias),
             Arg::Tensor(Some(w)),
-            Arg::Tensor(Some(b)),
+            Arg::Tensor(b),
             Arg::Tensor(rope.map(|r| r.0)),
             Arg::Tensor(rope.map(|r| r.1)),
             Arg::Long(units as i64),
@@ -340,7 +360,9 @@ pub(crate) fn head_norm_rope(
             Arg::Int(head_dim as i32),
             Arg::Long(at.row0 as i64),
             Arg::Long(at.seq as i64),
-            Arg::Long(split as i64),
+            Arg::Int(b.is_none().into()),
+            Arg::Long(rope_start as i64),
+            Arg::Long(rope_end as i64),
             Arg::Float(eps as f32),
         ],
     })?;
