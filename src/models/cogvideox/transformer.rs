@@ -317,7 +317,16 @@ impl LayerNormZero {
             scale: dim,
             text: Some((text_len, 3 * dim, 4 * dim)),
         };
-        dit_ops::layer_norm_modulate(x, dit_ops::LayerNorm::Fused { w: self.norm.weight(), b: bias }, Some(modulation), at, self.eps)
+        dit_ops::layer_norm_modulate(
+            x,
+            dit_ops::LayerNorm::Fused {
+                w: self.norm.weight(),
+                b: bias,
+            },
+            Some(modulation),
+            at,
+            self.eps,
+        )
     }
 
     /// `x` is the joint `[B, L + N, inner]` sequence; text tokens `0..text_len` take the `enc_`
