@@ -1243,3 +1243,100 @@ mod tests {
         Ok(())
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The fused paths against the candle compositions they replace, on random bf16 inputs of
+    //! HunyuanVideo sizes (3072 wide, 24 heads of 128; 17·30·40 video tokens and 256 text
+    //! tokens), on the GPU.
+    use super::*;
+    use crate::models::dit_ops::test_util::{assert_within_ulp, device, randn};
+
+    const DIM: usize = 3072;
+    const HEADS: usize = 24;
+    const VIDEO: usize = 17 * 30 * 40;
+    const TEXT: usize = 256;
+
+    #[test]
+    fn norm_modulate_matches_composite() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo fused kernels") else {
+            return Ok(());
+        };
+        for (b, s) in [(1, VIDEO + TEXT), (2, 1000)] {
+            let x = (randn(&[b, s, DIM], 1.0, &dev)? * 3.0)?;
+            let (shift, scale) = (randn(&[b, DIM], 0.5, &dev)?, randn(&[b, DIM], 0.5, &dev)?);
+            let want = modulate(&layer_norm(&x, NORM_EPS)?, &shift, &scale)?;
+            let got = norm_modulate(&x, &shift, &scale)?;
+            // The last rounded step adds the shift to n·(1 + scale): bound by that term.
+            let term = want
+                .to_dtype(DType::F32)?
+                .broadcast_sub(&shift.unsqueeze(1)?.to_dtype(DType::F32)?)?;
+            assert_within_ulp(&got, &want, &term, &format!("norm_modulate b={b}"))?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gated_matches_composite() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo fused kernels") else {
+            return Ok(());
+        };
+        for (b, s) in [(1, VIDEO), (2, 1000)] {
+            let x = randn(&[b, s, DIM], 1.0, &dev)?;
+            let delta = randn(&[b, s, DIM], 1.0, &dev)?;
+            let gate = randn(&[b, DIM], 0.5, &dev)?;
+            let product = delta.broadcast_mul(&gate.unsqueeze(1)?)?;
+            let want = (&x + &product)?;
+            let term = x.abs()?.maximum(&product.abs()?)?;
+            let got = gated(&x, delta.copy()?, &gate)?;
+            assert_within_ulp(&got, &want, &term, &format!("gated b={b}"))?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_rms_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo fused kernels") else {
+            return Ok(());
+        };
+        let head_dim = DIM / HEADS;
+        // The single-stream joint sequence: RoPE on the video prefix, the text passes.
+        for (b, n, l) in [(1, VIDEO, TEXT), (2, 1000, 100)] {
+            let s = n + l;
+            let angles = Tensor::rand(0f32, 6.3, (n, head_dim / 2), &dev)?;
+            let (cos, sin) = (angles.cos()?, angles.sin()?);
+            let p = randn(&[b, s, DIM], 1.0, &dev)?;
+            let bias = randn(&[DIM], 0.2, &dev)?;
+            let w = randn(&[head_dim], 1.0, &dev)?;
+            let normed = candle_nn::ops::rms_norm(
+                &split_heads(&p.broadcast_add(&bias)?, HEADS)?,
+                &w,
+                NORM_EPS as f32,
+            )?;
+            let want = rope_prefix(&normed, &cos, &sin)?;
+            // A rotated pair mixes both members: bound by the larger normalised one.
+            let shape = (b, HEADS, s, head_dim / 2, 2);
+            let term = normed
+                .abs()?
+                .reshape(shape)?
+                .max_keepdim(4)?
+                .broadcast_as(shape)?
+                .reshape((b, HEADS, s, head_dim))?;
+            let got = dit_ops::head_norm_rope(
+                p.reshape((b * s, DIM))?,
+                Some(&bias),
+                &w,
+                None,
+                Some((&cos, &sin)),
+                head_dim,
+                0,
+                Rows { row0: 0, seq: s },
+                NORM_EPS,
+            )?
+            .reshape((b, s, HEADS, head_dim))?
+            .transpose(1, 2)?;
+            assert_within_ulp(&got, &want, &term, &format!("q/k RMSNorm + RoPE b={b}"))?;
+        }
+        Ok(())
+    }
+}
