@@ -15,6 +15,7 @@ static WAN: Module = Module {
     name: "vidgen_wan_ops",
     ptx: include_str!(concat!(env!("OUT_DIR"), "/wan_ops.ptx")),
 };
+
 /// `LayerNorm(x) * w + b` in f32, rounded to bf16; `w`, `b` f32 `[1 or batch, dim]`.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
