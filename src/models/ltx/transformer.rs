@@ -21,6 +21,8 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_with_bias};
+#[cfg(feature = "cuda")]
+use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Largest width or patch size a config may give (far above any real model).
@@ -371,6 +373,24 @@ struct GeluMlp {
 }
 
 impl GeluMlp {
+    /// [`Self::forward`] on `x` `[rows, in]` with bias + GELU fused, without `fc2`'s bias
+    /// (the residual kernel adds it).
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
+        let h = x.matmul(&self.fc1.weight().t()?)?;
+        let act = if self.tanh {
+            Act::GeluTanh
+        } else {
+            Act::GeluErf
+        };
+        let h = match self.fc1.bias() {
+            Some(bias) => dit_ops::bias_act(h, bias, act)?,
+            None if self.tanh => h.gelu()?,
+            None => h.gelu_erf()?,
+        };
+        h.matmul(&self.fc2.weight().t()?)
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.fc1.forward(x)?;
         let h = if self.tanh { h.gelu()? } else { h.gelu_erf()? };
@@ -406,6 +426,65 @@ impl LtxAttention {
             heads: cfg.num_attention_heads,
             head_dim: cfg.attention_head_dim,
         })
+    }
+
+    /// The fused-kernel [`Self::forward`] on `x` `[B·S, dim]` (`b` batch entries), bf16 on
+    /// CUDA; returns the output projection *without* its bias (the residual kernel adds it).
+    #[cfg(feature = "cuda")]
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        b: usize,
+        context: Option<&Tensor>,
+        rope: Option<(&Tensor, &Tensor)>,
+        key_bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (rows, dim) = x.dims2()?;
+        let s = rows / b;
+        let kv = match context {
+            Some(c) => c.reshape((c.dim(0)? * c.dim(1)?, c.dim(2)?))?,
+            None => x.clone(),
+        };
+        let kv_len = kv.dim(0)? / b;
+        let q = dit_ops::rms_rope(
+            x.matmul(&self.to_q.weight().t()?)?,
+            self.to_q.bias(),
+            &self.norm_q,
+            rope,
+            dim,
+            Rows { row0: 0, seq: s },
+            QK_NORM_EPS,
+        )?;
+        let k = dit_ops::rms_rope(
+            kv.matmul(&self.to_k.weight().t()?)?,
+            self.to_k.bias(),
+            &self.norm_k,
+            rope,
+            dim,
+            Rows {
+                row0: 0,
+                seq: kv_len,
+            },
+            QK_NORM_EPS,
+        )?;
+        let v = kv.matmul(&self.to_v.weight().t()?)?;
+        let v = match self.to_v.bias() {
+            Some(bias) => dit_ops::bias_act(v, bias, Act::None)?,
+            None => v,
+        };
+        let split = |t: Tensor, n: usize| {
+            t.reshape((b, n, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let (q, k, v) = (split(q, s)?, split(k, kv_len)?, split(v, kv_len)?);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = match key_bias {
+            Some(bias) => sdpa_with_bias(&q, &k, &v, scale, bias)?,
+            None => sdpa(&q, &k, &v, scale)?,
+        };
+        out.transpose(1, 2)?
+            .reshape((rows, dim))?
+            .matmul(&self.to_out.weight().t()?)
     }
 
     /// `x` `[B, S, dim]` attending to itself (`context` `None`, RoPE from `rope`) or to
@@ -522,7 +601,8 @@ impl LtxTransformerBlock {
         })
     }
 
-    /// `x` `[B, S, inner]` -> `[B, S, inner]`.
+    /// `x` `[B, S, inner]` -> `[B, S, inner]`: the fused kernels on CUDA bf16, else the
+    /// candle composition (both compute the same ops in the same order).
     pub fn forward(&self, x: &Tensor, inputs: &LtxBlockInputs) -> Result<Tensor> {
         let (b, _, dim) = x.dims3()?;
         // [B, 1, 6, inner] = table + temb; unbind the 6 rows.
@@ -530,6 +610,72 @@ impl LtxTransformerBlock {
             .temb
             .reshape((b, 1, 6, dim))?
             .broadcast_add(&self.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
+        #[cfg(feature = "cuda")]
+        if dit_ops::rows_supported(x) && ada.dtype() == DType::BF16 {
+            return self.forward_fused(x, inputs, &ada);
+        }
+        self.forward_composite(x, inputs, &ada)
+    }
+
+    /// [`Self::forward`] as fused kernels: each norm + modulation, q/k bias + norm + RoPE,
+    /// bias + GELU and bias + gate + residual is one pass over bf16 storage.
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, inputs: &LtxBlockInputs, ada: &Tensor) -> Result<Tensor> {
+        let (b, s, dim) = x.dims3()?;
+        let at = Rows { row0: 0, seq: s };
+        let ada = ada.reshape((b, 6 * dim))?;
+        let modulation = |shift: usize, scale: usize| Modulation {
+            table: &ada,
+            stride: 6 * dim,
+            shift: shift * dim,
+            scale: scale * dim,
+            text: None,
+        };
+        let gate = |i: usize| BatchRow {
+            table: &ada,
+            stride: 6 * dim,
+            offset: i * dim,
+            text: None,
+        };
+        let x = x.reshape((b * s, dim))?;
+        let h = dit_ops::rms_modulate(
+            &x,
+            self.norm1.as_ref(),
+            Some(modulation(0, 1)),
+            at,
+            self.eps,
+        )?;
+        let rope = (&inputs.rope_cos, &inputs.rope_sin);
+        let attn = self.attn1.forward_fused(&h, b, None, Some(rope), None)?;
+        let x =
+            dit_ops::residual_into_delta(&x, attn, self.attn1.to_out.bias(), Some(gate(2)), at)?;
+        let attn = self.attn2.forward_fused(
+            &x,
+            b,
+            Some(&inputs.encoder_hidden_states),
+            None,
+            inputs.encoder_key_bias.as_ref(),
+        )?;
+        let x = dit_ops::residual_into_delta(&x, attn, self.attn2.to_out.bias(), None, at)?;
+        let h = dit_ops::rms_modulate(
+            &x,
+            self.norm2.as_ref(),
+            Some(modulation(3, 4)),
+            at,
+            self.eps,
+        )?;
+        let ff = self.ff.forward_fused(&h)?;
+        dit_ops::residual_into_delta(&x, ff, self.ff.fc2.bias(), Some(gate(5)), at)?
+            .reshape((b, s, dim))
+    }
+
+    /// [`Self::forward`] as candle ops (CPU, f32, other dtypes); `ada` `[B, 1, 6, inner]`.
+    fn forward_composite(
+        &self,
+        x: &Tensor,
+        inputs: &LtxBlockInputs,
+        ada: &Tensor,
+    ) -> Result<Tensor> {
         let row = |i: usize| ada.narrow(2, i, 1)?.squeeze(2);
         let (shift_msa, scale_msa, gate_msa) = (row(0)?, row(1)?, row(2)?);
         let (shift_mlp, scale_mlp, gate_mlp) = (row(3)?, row(4)?, row(5)?);
@@ -744,5 +890,216 @@ impl LtxTransformer3DModel {
             x = block.forward(&x, &inputs)?;
         }
         self.finish(&x, &inputs)
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! Each fused kernel against the candle composition it replaces, on random bf16 inputs of
+    //! LTX-Video 512x768x161 sizes (8064 tokens of 2048), run on the GPU.
+    use super::*;
+    use crate::models::dit_ops::test_util::{assert_within_ulp, device, randn};
+
+    /// Tokens of a 512x768x161 video: 21 latent frames of 16x24.
+    const GRID: [usize; 3] = [21, 16, 24];
+    const DIM: usize = 2048;
+
+    /// `[B, 6·dim]` modulation rows as the block builds them.
+    fn ada(b: usize, dev: &Device) -> Result<Tensor> {
+        randn(&[b, 6 * DIM], 0.5, dev)
+    }
+
+    #[test]
+    fn rms_modulate_matches_composite() -> Result<()> {
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
+        for (b, s, weight) in [(1, 8064, false), (2, 1000, true)] {
+            let x = (randn(&[b, s, DIM], 1.0, &dev)? * 3.0)?;
+            let w = weight.then(|| randn(&[DIM], 1.0, &dev)).transpose()?;
+            let ada = ada(b, &dev)?;
+            let row = |i: usize| ada.narrow(1, i * DIM, DIM)?.unsqueeze(1);
+            let (shift, scale) = (row(3)?, row(4)?);
+            let normed = rms_norm(&x, w.as_ref(), 1e-6)?;
+            let want = modulate(&normed, &shift, &scale)?;
+            let term = normed.broadcast_mul(&(&scale + 1.0)?)?;
+            let got = dit_ops::rms_modulate(
+                &x.reshape((b * s, DIM))?,
+                w.as_ref(),
+                Some(Modulation {
+                    table: &ada,
+                    stride: 6 * DIM,
+                    shift: 3 * DIM,
+                    scale: 4 * DIM,
+                    text: None,
+                }),
+                Rows { row0: 0, seq: s },
+                1e-6,
+            )?;
+            let what = format!("rms_modulate b={b} weight={weight}");
+            assert_within_ulp(&got.reshape((b, s, DIM))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_rms_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
+        let s: usize = GRID.iter().product();
+        let (cos, sin) = rope_pair_tables(DIM, GRID, [8.0 / 25.0, 32.0, 32.0], [1, 1, 1], &dev)?;
+        // Self-attention q (RoPE) over the video tokens; cross-attention k (no RoPE) over 128
+        // text tokens of 2 batch entries.
+        for (b, n, rope) in [(1, s, true), (2, 128, false)] {
+            let x = randn(&[b, n, DIM], 1.0, &dev)?;
+            let bias = randn(&[DIM], 0.2, &dev)?;
+            let w = randn(&[DIM], 1.0, &dev)?;
+            let normed = rms_norm(&x.broadcast_add(&bias)?, Some(&w), QK_NORM_EPS)?;
+            let (want, term) = if rope {
+                // A rotated pair mixes both members: bound by the larger of the two.
+                let pair_max = normed
+                    .abs()?
+                    .reshape((b, n, DIM / 2, 2))?
+                    .max_keepdim(D::Minus1)?
+                    .broadcast_as((b, n, DIM / 2, 2))?
+                    .reshape((b, n, DIM))?;
+                (apply_rope(&normed, &cos, &sin)?, pair_max)
+            } else {
+                (normed.clone(), normed)
+            };
+            let got = dit_ops::rms_rope(
+                x.reshape((b * n, DIM))?,
+                Some(&bias),
+                &w,
+                rope.then_some((&cos, &sin)),
+                DIM,
+                Rows { row0: 0, seq: n },
+                QK_NORM_EPS,
+            )?;
+            let what = format!("rms_rope b={b} rope={rope}");
+            assert_within_ulp(&got.reshape((b, n, DIM))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gated_residual_matches_composite() -> Result<()> {
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
+        for (b, s, gated) in [(1, 8064, true), (2, 1000, true), (1, 8064, false)] {
+            let res = randn(&[b, s, DIM], 1.0, &dev)?;
+            let delta = randn(&[b, s, DIM], 1.0, &dev)?;
+            let bias = randn(&[DIM], 0.2, &dev)?;
+            let ada = ada(b, &dev)?;
+            let gate = ada.narrow(1, 2 * DIM, DIM)?.unsqueeze(1)?;
+            let linear_out = delta.broadcast_add(&bias)?;
+            let term = if gated {
+                linear_out.broadcast_mul(&gate)?
+            } else {
+                linear_out
+            };
+            let want = (&res + &term)?;
+            let term = res.abs()?.maximum(&term.abs()?)?;
+            let got = dit_ops::residual_into_delta(
+                &res.reshape((b * s, DIM))?,
+                delta.reshape((b * s, DIM))?.copy()?,
+                Some(&bias),
+                gated.then_some(BatchRow {
+                    table: &ada,
+                    stride: 6 * DIM,
+                    offset: 2 * DIM,
+                    text: None,
+                }),
+                Rows { row0: 0, seq: s },
+            )?;
+            let what = format!("residual b={b} gated={gated}");
+            assert_within_ulp(&got.reshape((b, s, DIM))?, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bias_gelu_matches_composite() -> Result<()> {
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
+        // The feed-forward's inner width (4·dim) over the video tokens.
+        let x = (randn(&[8064, 4 * DIM], 1.0, &dev)? * 2.0)?;
+        let bias = randn(&[4 * DIM], 0.5, &dev)?;
+        let biased = x.broadcast_add(&bias)?;
+        for act in [Act::None, Act::GeluTanh, Act::GeluErf] {
+            let want = match act {
+                Act::None => biased.clone(),
+                Act::GeluTanh => biased.gelu()?,
+                Act::GeluErf => biased.gelu_erf()?,
+            };
+            let got = dit_ops::bias_act(x.copy()?, &bias, act)?;
+            assert_within_ulp(&got, &want, &want, &format!("bias_act {act:?}"))?;
+        }
+        Ok(())
+    }
+
+    /// A block with random weights of LTX-Video's sizes (2048 wide, 32 heads).
+    fn random_block(dev: &Device) -> Result<LtxTransformerBlock> {
+        let cfg = LtxTransformerConfig::default();
+        let map = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::BF16, dev);
+        let block = LtxTransformerBlock::new(&cfg, vb)?;
+        // VarMap initialises Linear weights; give the table and norms random values too.
+        for (name, var) in map.data().lock().expect("varmap lock").iter() {
+            if name.ends_with("scale_shift_table") || name.contains("norm_") {
+                var.set(&randn(var.dims(), 0.5, dev)?.to_dtype(var.dtype())?)?;
+            }
+        }
+        Ok(block)
+    }
+
+    #[test]
+    fn block_fused_matches_composite() -> Result<()> {
+        let Some(dev) = device("LTX fused kernels") else {
+            return Ok(());
+        };
+        let grid = [3, 16, 24];
+        let (b, s, l): (usize, usize, usize) = (2, grid.iter().product(), 128);
+        let block = random_block(&dev)?;
+        let (rope_cos, rope_sin) =
+            rope_pair_tables(DIM, grid, [8.0 / 25.0, 32.0, 32.0], [1, 1, 1], &dev)?;
+        let mask = Tensor::ones((b, l), DType::F32, &dev)?.slice_assign(
+            &[0..1, 100..l],
+            &Tensor::zeros((1, l - 100), DType::F32, &dev)?,
+        )?;
+        let inputs = LtxBlockInputs {
+            hidden_states: None,
+            temb: randn(&[b, 1, 6 * DIM], 0.5, &dev)?,
+            embedded_timestep: randn(&[b, 1, DIM], 0.5, &dev)?,
+            encoder_hidden_states: randn(&[b, l, DIM], 1.0, &dev)?,
+            encoder_key_bias: Some(
+                mask.to_dtype(DType::BF16)?
+                    .affine(-1.0, 1.0)?
+                    .affine(MASKED_KEY_BIAS, 0.0)?
+                    .reshape((b, 1, 1, l))?,
+            ),
+            rope_cos,
+            rope_sin,
+        };
+        let x = randn(&[b, s, DIM], 1.0, &dev)?;
+        let ada = inputs
+            .temb
+            .reshape((b, 1, 6, DIM))?
+            .broadcast_add(&block.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
+        let fused = block.forward(&x, &inputs)?.to_dtype(DType::F32)?;
+        let composite = block
+            .forward_composite(&x, &inputs, &ada)?
+            .to_dtype(DType::F32)?;
+        // Whole-block outputs go through GEMMs and attention after each kernel, so a one-ulp
+        // flip inside can grow: compare the relative L2 error instead, bf16-sized.
+        let err = ((&fused - &composite)?.sqr()?.sum_all()?.sqrt()?
+            / composite.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        eprintln!("LTX block fused vs composite: relative L2 error {err}");
+        assert!(err < 1e-2, "relative L2 error {err}");
+        Ok(())
     }
 }
