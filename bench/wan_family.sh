@@ -55,7 +55,7 @@ gen() {
     --stats-json "$OUT/$name-vidgen.json" > "$OUT/$name-vidgen.log" 2>&1
   echo "== vidgen $name: exit $? at ${SECONDS}s"
   grep -E "loaded |freed |offload:|transformer forwards|Maximum resident|Elapsed|rror" "$OUT/$name-vidgen.log" | tail -20
-  rm -rf "$VIDEOS/$name.safetensors"
+  rm -rf "$VIDEOS/$name".*safetensors
 }
 peer() {
   late "diffusers $1" && return

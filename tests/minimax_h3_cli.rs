@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
+use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -450,10 +450,7 @@ fn flags_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run");
             }
-            let out = vidgen(&args);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
-            assert_eq!(stderr.trim_end().lines().count(), 1, "{flags:?}: {stderr}");
+            let stderr = usage_error(&vidgen(&args), &format!("{flags:?}"));
             assert!(stderr.contains(why), "{flags:?}: {stderr}");
         }
     }
@@ -627,9 +624,7 @@ fn bad_configs_are_named_before_anything_loads() {
             "a",
             "--dry-run",
         ]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{file}: {stderr}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "{file}: {stderr}");
+        let stderr = usage_error(&out, file);
         assert!(stderr.contains(file), "{file}: {stderr}");
     }
 }

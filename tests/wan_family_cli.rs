@@ -526,7 +526,8 @@ fn latent_output_is_the_denoised_latents() {
         let log = String::from_utf8_lossy(&out.stderr).to_string();
         assert!(out.status.success(), "{log}");
         let written =
-            candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap();
+            candle_core::safetensors::load(dir.join("v.latents.safetensors"), &Device::Cpu)
+                .unwrap();
         let expected = &named_reference(run.fixture, run.reference)[key];
         assert_close(run.fixture, &written["latents"], expected, 1e-4, 1e-4);
         assert!(!written.contains_key("frames"));

@@ -20,6 +20,28 @@ use candle_core::{DType, Result, Tensor, D};
 #[path = "kernels/flash_attn.rs"]
 pub mod flash_attn;
 
+/// The sizes `(batch, heads, queries, keys, head_dim)` of CUDA half-precision (bf16 or f16)
+/// q `[B, H, N, D]` and k, v `[B, H, M, D]` of one dtype with at least one query and one key:
+/// the inputs both fused paths (cuDNN's node and the own kernel) start from.
+#[cfg(feature = "cuda")]
+pub(crate) fn fused_shapes(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Option<(usize, usize, usize, usize, usize)> {
+    let (b, h, n, d) = q.dims4().ok()?;
+    let (kb, kh, m, kd) = k.dims4().ok()?;
+    let fits = q.device().is_cuda()
+        && matches!(q.dtype(), DType::BF16 | DType::F16)
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+        && (kb, kh, kd) == (b, h, d)
+        && v.dims4().ok()? == (b, h, m, d)
+        && n > 0
+        && m > 0;
+    fits.then_some((b, h, n, m, d))
+}
+
 /// Upper bound on score-matrix elements materialised at once.
 pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 

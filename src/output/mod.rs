@@ -48,11 +48,14 @@ pub enum OutputType {
 
 impl OutputType {
     /// The file extension: of the output file, or for `Png` of every frame file in the output folder.
+    /// Latents get their own (`.latents.safetensors`), so `--resume` never takes a frames file
+    /// of the same name for finished latents, or the other way round.
     pub fn extension(self) -> &'static str {
         match self {
             OutputType::Mp4 => "mp4",
             OutputType::Png => "png",
-            OutputType::Safetensors | OutputType::Latent => "safetensors",
+            OutputType::Safetensors => "safetensors",
+            OutputType::Latent => "latents.safetensors",
         }
     }
 }

@@ -535,12 +535,10 @@ pub fn dit_forward(
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare(latents, timestep, text)?;
-    let mut x = inputs.take_hidden_states()?;
-    dit.for_each_block(CogVideoXTransformer3DModel::blocks, |block| {
-        x = block.forward(&x, &inputs)?;
-        Ok(())
-    })
-    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    let x = inputs.take_hidden_states()?;
+    let x = dit.fold_blocks(CogVideoXTransformer3DModel::blocks, x, |block, x| {
+        block.forward(x, &inputs)
+    })?;
     model.finish(&x, &inputs)
 }
 

@@ -389,11 +389,12 @@ impl HunyuanVideo {
         )?;
         let model = encoder.model();
         let inputs = model.prepare(&mask, &device)?;
-        let mut h = model.embed(&ids)?;
-        encoder.for_each_block(LlamaTextEncoder::blocks, |block: &LlamaDecoderLayer| {
-            h = block.forward(&h, &inputs)?;
-            Ok(())
-        })?;
+        let h = model.embed(&ids)?;
+        let h = encoder.fold_blocks(
+            LlamaTextEncoder::blocks,
+            h,
+            |block: &LlamaDecoderLayer, h| block.forward(h, &inputs),
+        )?;
         let (embeds, mask) = crop_prompt(&h, &mask, self.crop_start)?;
         Ok((
             embeds
@@ -413,10 +414,9 @@ impl HunyuanVideo {
         let ids: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
         let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
         let model = encoder.model();
-        let mut x = model.embed(&ids)?;
-        encoder.for_each_block(ClipTextModel::layers, |layer: &ClipEncoderLayer| {
-            x = layer.forward(&x, true)?;
-            Ok(())
+        let x = model.embed(&ids)?;
+        let x = encoder.fold_blocks(ClipTextModel::layers, x, |layer: &ClipEncoderLayer, x| {
+            layer.forward(x, true)
         })?;
         Ok(model
             .finish(&x, &ids)?
@@ -640,12 +640,12 @@ pub fn dit_forward(
         &text.pooled,
         Some(guidance),
     )?;
-    let (mut hidden, mut encoder) = inputs.take_streams()?;
-    dit.for_each_block(HunyuanVideoTransformer3DModel::blocks, |block| {
-        (hidden, encoder) = block.forward(&hidden, &encoder, &inputs)?;
-        Ok(())
-    })
-    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    let streams = inputs.take_streams()?;
+    let (hidden, _) = dit.fold_blocks(
+        HunyuanVideoTransformer3DModel::blocks,
+        streams,
+        |block, (hidden, encoder)| block.forward(hidden, encoder, &inputs),
+    )?;
     model.finish(&hidden, &inputs)
 }
 

@@ -526,4 +526,20 @@ mod tests {
         assert_eq!(found["a-fox_0010_seed"].1, 3);
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// Frames and latents of one prompt are different outputs to `--resume`.
+    #[test]
+    fn resume_tells_latents_from_frames() {
+        use crate::output::OutputType;
+        let dir = std::env::temp_dir().join(format!("vidgen-resume-kinds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a-fox_001_seed9.safetensors"), "").unwrap();
+        let latents = OutputType::Latent.extension();
+        assert!(finished_by_stem(&dir, latents).is_empty());
+        std::fs::write(dir.join("a-fox_001_seed4.latents.safetensors"), "").unwrap();
+        assert_eq!(finished_by_stem(&dir, latents)["a-fox_001_seed"].1, 4);
+        let frames = finished_by_stem(&dir, OutputType::Safetensors.extension());
+        assert_eq!(frames["a-fox_001_seed"].1, 9);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -396,11 +396,10 @@ impl Ltx {
         let device = model.device();
         let (ids, mask) = prompt_tokens(&self.tokenizer, text, max_len, &device)?;
         let all = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
-        let mut h = model.embed(&ids)?;
+        let h = model.embed(&ids)?;
         let mut position_bias = None;
-        encoder.for_each_block(T5EncoderModel::blocks, |block: &T5Block| {
-            h = block.forward_sharing_bias(&h, &all, &mut position_bias)?;
-            Ok(())
+        let h = encoder.fold_blocks(T5EncoderModel::blocks, h, |block: &T5Block, h| {
+            block.forward_sharing_bias(h, &all, &mut position_bias)
         })?;
         let embeds = model.final_norm(&h)?.to_dtype(self.config.dtype())?;
         Ok((
@@ -646,12 +645,10 @@ pub fn dit_forward(
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare(latents, embeds, timestep, Some(mask), grid, rope_scale)?;
-    let mut x = inputs.take_hidden_states()?;
-    dit.for_each_block(LtxTransformer3DModel::blocks, |block| {
-        x = block.forward(&x, &inputs)?;
-        Ok(())
-    })
-    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    let x = inputs.take_hidden_states()?;
+    let x = dit.fold_blocks(LtxTransformer3DModel::blocks, x, |block, x| {
+        block.forward(x, &inputs)
+    })?;
     model.finish(&x, &inputs)
 }
 

@@ -577,12 +577,13 @@ impl MiniMaxH3 {
         let model = encoder.model();
         // The token table may wait in host memory (streamed layers): the rows looked up move.
         let ids = Tensor::new(ids.as_slice(), &model.table_device())?.unsqueeze(0)?;
-        let mut h = model.embed(&ids)?.0.to_device(&device)?;
+        let h = model.embed(&ids)?.0.to_device(&device)?;
         let rope = TextRope::new(model.config(), ids.dim(1)?, &device)?;
-        encoder.for_each_block(MiniMaxH3TextEncoder::layers, |layer: &Qwen3DecoderLayer| {
-            h = layer.forward(&h, &rope)?;
-            Ok(())
-        })?;
+        let h = encoder.fold_blocks(
+            MiniMaxH3TextEncoder::layers,
+            h,
+            |layer: &Qwen3DecoderLayer, h| layer.forward(h, &rope),
+        )?;
         drop(encoder);
         job.prompt_embeds = Some(h.to_dtype(self.config.dtype())?.to_device(&Device::Cpu)?);
         self.carried.entry(job.index).or_default().geometry = Some(geometry);
@@ -805,12 +806,10 @@ fn dit_forward(
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let model = dit.model();
     let mut inputs = model.prepare(video, audio, text, timestep, timestep_indices, layout)?;
-    let mut x = inputs.take_hidden_states()?;
-    dit.for_each_block(MiniMaxH3Transformer3DModel::blocks, |block| {
-        x = block.forward(&x, &inputs)?;
-        Ok(())
-    })
-    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    let x = inputs.take_hidden_states()?;
+    let x = dit.fold_blocks(MiniMaxH3Transformer3DModel::blocks, x, |block, x| {
+        block.forward(x, &inputs)
+    })?;
     model.finish(&x, &inputs)
 }
 

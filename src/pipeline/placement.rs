@@ -364,8 +364,26 @@ impl<M: Blockwise> Held<'_, M> {
         }
     }
 
+    /// Threads `state` through every block in order, streamed, gathered or resident
+    /// (`resident` lists them): each block maps the state to the next. Errors come back as the
+    /// models' own error type, messages kept.
+    pub fn fold_blocks<'b, T>(
+        &'b self,
+        resident: impl FnOnce(&'b M) -> &'b [M::Block],
+        init: T,
+        mut f: impl FnMut(&M::Block, &T) -> candle_core::Result<T>,
+    ) -> candle_core::Result<T> {
+        let mut state = init;
+        self.for_each_block(resident, |block| {
+            state = f(block, &state)?;
+            Ok(())
+        })
+        .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        Ok(state)
+    }
+
     /// Runs `f` on every block in order, streamed or resident (`resident` lists them).
-    pub fn for_each_block<'b>(
+    fn for_each_block<'b>(
         &'b self,
         resident: impl FnOnce(&'b M) -> &'b [M::Block],
         mut f: impl FnMut(&M::Block) -> Result<()>,

@@ -15,11 +15,10 @@ pub(crate) fn encode_unmasked(encoder: &Held<'_, T5EncoderModel>, ids: &[u32]) -
     let device = model.device();
     let ids = Tensor::new(ids, &device)?.unsqueeze(0)?;
     let mask = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
-    let mut h = model.embed(&ids)?;
+    let h = model.embed(&ids)?;
     let mut position_bias = None;
-    encoder.for_each_block(T5EncoderModel::blocks, |block: &T5Block| {
-        h = block.forward_sharing_bias(&h, &mask, &mut position_bias)?;
-        Ok(())
+    let h = encoder.fold_blocks(T5EncoderModel::blocks, h, |block: &T5Block, h| {
+        block.forward_sharing_bias(h, &mask, &mut position_bias)
     })?;
     Ok(model.final_norm(&h)?)
 }

@@ -554,10 +554,9 @@ impl WanT2V {
         let device = model.device();
         let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
         let mask = attention_mask(&[seq_len], max_len, &device)?;
-        let mut h = model.embed(&ids)?;
-        encoder.for_each_block(UMT5EncoderModel::blocks, |block: &UMT5Block| {
-            h = block.forward(&h, &mask)?;
-            Ok(())
+        let h = model.embed(&ids)?;
+        let h = encoder.fold_blocks(UMT5EncoderModel::blocks, h, |block: &UMT5Block, h| {
+            block.forward(h, &mask)
         })?;
         Ok(zero_padding_rows(&model.final_norm(&h)?, &[seq_len])?.to_dtype(self.config.dtype())?)
     }
@@ -1083,16 +1082,14 @@ pub fn dit_forward(
     let mut share = sequence
         .map(|sp| inputs.split_sequence(sp.clone()))
         .transpose()?;
-    let mut x = match &mut share {
+    let x = match &mut share {
         Some(share) => share.take_hidden_states()?,
         None => inputs.take_hidden_states()?,
     };
     let at = share.as_ref().unwrap_or(&inputs);
-    dit.for_each_block(WanTransformer3DModel::blocks, |block| {
-        x = block.forward(&x, at)?;
-        Ok(())
-    })
-    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+    let x = dit.fold_blocks(WanTransformer3DModel::blocks, x, |block, x| {
+        block.forward(x, at)
+    })?;
     model.finish(&at.gather_sequence(&x)?, &inputs)
 }
 

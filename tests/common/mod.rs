@@ -1,4 +1,4 @@
-//! Helpers shared by the parity tests: fixture paths and tolerance checks.
+//! Helpers shared by the tests: fixture paths, tolerance checks, the usage-error check.
 #![allow(dead_code)]
 
 use candle_core::{Device, Tensor};
@@ -108,4 +108,13 @@ pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, atol: f64, r
         a[worst.1],
         e[worst.1]
     );
+}
+
+/// Asserts that a run failed as bad input (exit 2) with one line on stderr, and returns that
+/// line; `what` names the case in the failure message.
+pub fn usage_error(out: &std::process::Output, what: &str) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{what}: {stderr}");
+    stderr
 }

@@ -347,15 +347,8 @@ fn heuristic(
         )?;
         let returned = (returned.max(0) as usize).min(perf.len());
         for p in perf[..returned].iter().filter(|p| allowed(key, p)) {
-            // cuDNN picks tensor-core kernels by algorithm and math type together (as PyTorch).
-            set_math(api, plan, p.math_type)?;
-            let Some(workspace) = workspace_of(api, handle, plan, p.algo) else {
+            let Some(choice) = choice_of(api, handle, plan, p)? else {
                 continue;
-            };
-            let choice = Choice {
-                algo: p.algo,
-                math: p.math_type,
-                workspace: workspace.max(p.memory),
             };
             if choice.workspace <= allowance && !choices.contains(&choice) {
                 choices.push(choice);
@@ -363,6 +356,19 @@ fn heuristic(
         }
     }
     Ok(choices)
+}
+
+/// What running `p` takes: its algorithm and math type (cuDNN picks tensor-core kernels by
+/// both together, as PyTorch does) and its workspace; `None` where cuDNN cannot size it.
+fn choice_of(api: &Api, handle: Handle, plan: &Plan, p: &AlgoPerf) -> Result<Option<Choice>> {
+    set_math(api, plan, p.math_type)?;
+    Ok(
+        workspace_of(api, handle, plan, p.algo).map(|workspace| Choice {
+            algo: p.algo,
+            math: p.math_type,
+            workspace: workspace.max(p.memory),
+        }),
+    )
 }
 
 /// Every algorithm cuDNN can run for `key` within `allowance`, timed on the call's buffers
@@ -426,14 +432,8 @@ fn timed(
             )?;
             let returned = (returned.max(0) as usize).min(perf.len());
             for p in perf[..returned].iter().filter(|p| allowed(key, p)) {
-                set_math(api, plan, p.math_type)?;
-                let Some(workspace) = workspace_of(api, handle, plan, p.algo) else {
+                let Some(choice) = choice_of(api, handle, plan, p)? else {
                     continue;
-                };
-                let choice = Choice {
-                    algo: p.algo,
-                    math: p.math_type,
-                    workspace: workspace.max(p.memory),
                 };
                 if choice.workspace <= size && !found.iter().any(|(_, c)| *c == choice) {
                     found.push((p.time, choice));

@@ -9,8 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape,
-    Tensor,
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor,
 };
 
 use super::{api, data_type, note_once, with_handle, Api, Desc, Handle, PlanCache};
@@ -167,22 +166,8 @@ static PLANS: PlanCache<Key, Plan> = PlanCache::new();
 /// CUDA, cuDNN >= 9.13.1 loaded, bf16 or f16, equal batch and heads, head_dim a multiple of 8
 /// up to 256, at least one key.
 fn eligible(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    let Device::Cuda(_) = q.device() else {
-        return false;
-    };
-    let (Ok((b, h, n, d)), Ok((kb, kh, m, kd)), Ok(v_dims)) = (q.dims4(), k.dims4(), v.dims4())
-    else {
-        return false;
-    };
-    matches!(q.dtype(), DType::BF16 | DType::F16)
-        && k.dtype() == q.dtype()
-        && v.dtype() == q.dtype()
-        && d <= MAX_HEAD_DIM
-        && d.is_multiple_of(8)
-        && (kb, kh, kd) == (b, h, d)
-        && v_dims == (b, h, m, d)
-        && n > 0
-        && m > 0
+    crate::models::attention::fused_shapes(q, k, v)
+        .is_some_and(|(.., d)| d <= MAX_HEAD_DIM && d.is_multiple_of(8))
 }
 
 /// Attention over `[batch, heads, seq, head_dim]` through cuDNN, or `None` (the caller runs its

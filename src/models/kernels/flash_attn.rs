@@ -87,21 +87,11 @@ pub fn device_tile(dev: &CudaDevice, head_dim: usize, dtype: DType) -> Option<Ti
 /// newer), bf16 or f16, head_dim 64 or 128, matching batch and heads, at least one key, and a
 /// configuration within the device's shared-memory limit.
 pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    let Device::Cuda(dev) = q.device() else {
-        return false;
-    };
-    let (Ok((b, h, n, d)), Ok((kb, kh, m, kd)), Ok(v_dims)) = (q.dims4(), k.dims4(), v.dims4())
+    let (Device::Cuda(dev), Some((b, h, n, m, d))) = (q.device(), super::fused_shapes(q, k, v))
     else {
         return false;
     };
-    matches!(q.dtype(), DType::BF16 | DType::F16)
-        && k.dtype() == q.dtype()
-        && v.dtype() == q.dtype()
-        && matches!(d, 64 | 128)
-        && (kb, kh, kd) == (b, h, d)
-        && v_dims == (b, h, m, d)
-        && n > 0
-        && m > 0
+    matches!(d, 64 | 128)
         && b * h <= u16::MAX as usize
         && n.max(m) < i32::MAX as usize
         && dev
