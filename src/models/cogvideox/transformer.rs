@@ -971,14 +971,18 @@ mod cuda_tests {
     //! Each fused path against the candle composition it replaces, on random bf16 inputs of
     //! CogVideoX-5b 720x480x49 sizes (226 text + 13·30·45 video tokens of 48x64), on the GPU.
     use super::*;
-    use crate::models::dit_ops::test_util::{assert_within_ulp, device, randn};
+    use crate::models::dit_ops::test_util::{
+        assert_within_ulp, assert_within_ulp_carrying, device, randn,
+    };
 
     const TEXT: usize = 226;
     const VIDEO: usize = 13 * 30 * 45;
 
     fn config() -> CogVideoXTransformerConfig {
+        // CogVideoX-5b: 48 heads and 3D rotary embeddings.
         CogVideoXTransformerConfig {
             num_attention_heads: 48,
+            use_rotary_positional_embeddings: true,
             ..Default::default()
         }
     }
@@ -1029,16 +1033,20 @@ mod cuda_tests {
                 Rows { row0: 0, seq },
                 TEXT,
             )?;
-            // The last rounded step adds the shift to n·(1 + scale): bound by that term.
-            let shift = |i: usize, len: usize| {
+            // The last rounded step adds the shift to n·(1 + scale): bound by that term, plus
+            // a one-ulp flip of the norm n carried through 1 + scale.
+            let row = |i: usize, len: usize| {
                 emb.narrow(1, i * dim, dim)?
                     .unsqueeze(1)?
                     .broadcast_as((b, len, dim))
             };
-            let shift = Tensor::cat(&[shift(3, TEXT)?, shift(0, video)?], 1)?;
+            let shift = Tensor::cat(&[row(3, TEXT)?, row(0, video)?], 1)?;
+            let gain = (Tensor::cat(&[row(4, TEXT)?, row(1, video)?], 1)? + 1.0)?;
+            let normed = norm.norm.forward(&x)?;
             let term = (want.to_dtype(DType::F32)? - shift.to_dtype(DType::F32)?)?;
             let what = format!("LayerNormZero b={b}");
-            assert_within_ulp(&got.reshape((b, seq, dim))?, &want, &term, &what)?;
+            let got = got.reshape((b, seq, dim))?;
+            assert_within_ulp_carrying(&got, &want, &term, (&normed, &gain), &what)?;
         }
         Ok(())
     }

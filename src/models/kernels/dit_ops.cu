@@ -2,7 +2,8 @@
 // math): each replaces a chain of candle ops that stored one full-size temporary per op. Each
 // computes what the candle composition it replaces computes, in the same order of operations and
 // with the same bf16 roundings, so the results differ from it only where a reduction's summation
-// order moves the last f32 bit.
+// order moves the last f32 bit; GELU is the exception (computed in f32 and rounded once, as torch
+// does: see `gelu_tanh_bf16`).
 //
 // Rows are tokens of [rows, dim] contiguous storage; `row0` is the index of the first row in the
 // whole [batch * seq, dim] tensor (chunks start later) and `seq` the tokens per batch entry, so a
@@ -43,19 +44,19 @@ __device__ __forceinline__ float inv_rms(float sum_sq, float inv_dim, float eps)
   return __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_dim), eps)));
 }
 
-// candle's bf16 `gelu` (unary.cu `gelu_fwd` with T = bf16): every step rounded to bf16.
+// GELU (tanh approximation) in f32, rounded once: what torch's bf16 `gelu(approximate="tanh")`
+// computes (f32 opmath). candle's bf16 `gelu` rounds every step to bf16, which near x = -2 puts
+// `1 + tanh(..)` ~9% off; the fused path follows torch, the reference of correct.
 __device__ __forceinline__ bf16 gelu_tanh_bf16(bf16 x) {
-  bf16 x_sq = x * x;
-  bf16 x_cube = x_sq * x;
-  bf16 alpha = x + static_cast<bf16>(0.044715) * x_cube;
-  bf16 t = static_cast<bf16>(M_2_SQRTPI * M_SQRT1_2) * alpha;
-  t = __float2bfloat16(tanhf(__bfloat162float(t)));
-  return static_cast<bf16>(0.5) * x * (static_cast<bf16>(1.0) + t);
+  const float v = __bfloat162float(x);
+  const float inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+  return __float2bfloat16_rn(0.5f * v * (1.f + tanhf(inner)));
 }
 
-// candle's bf16 `gelu_erf`: x * bf16(normcdf(x)).
+// Exact GELU in f32, rounded once (torch's bf16 `gelu`).
 __device__ __forceinline__ bf16 gelu_erf_bf16(bf16 x) {
-  return x * __float2bfloat16(normcdff(__bfloat162float(x)));
+  const float v = __bfloat162float(x);
+  return __float2bfloat16_rn(v * normcdff(v));
 }
 
 // bf16(bf16(n * bf16(1 + scale)) + shift) of the normalised, rounded value n at column c,
@@ -341,7 +342,7 @@ extern "C" __global__ void dit_residual_bf16(const bf16 *res, const bf16 *delta,
 }
 
 // In place on x [rows, dim]: x = bf16(x + bias) (a Linear's bias, as candle adds it), then
-// `act` 1: candle's bf16 gelu (tanh), 2: its bf16 gelu_erf, 0: nothing.
+// `act` 1: GELU (tanh), 2: exact GELU, both in f32 and rounded once, 0: nothing.
 extern "C" __global__ void dit_bias_act_bf16(bf16 *x, const bf16 *__restrict__ bias, long n,
                                              int dim, int act) {
   const long pairs = n / 2;
