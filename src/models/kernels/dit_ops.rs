@@ -529,10 +529,11 @@ pub(crate) mod test_util {
         assert_within(got, want, term, None, what)
     }
 
-    /// [`assert_within_ulp`] for a result computed from a rounded reduction (a norm) through
-    /// further rounded steps: a one-ulp flip of the reduced value `carried.0` reaches the
-    /// result multiplied by `|carried.1|` (e.g. the `1 + scale` of a modulation), on top of the
-    /// last rounding's ulp.
+    /// [`assert_within_ulp`] for a result computed from a rounded reduction (a norm) through two
+    /// further rounded steps (`n * g`, then `+ shift`): a one-ulp flip of the reduced value
+    /// `carried.0` reaches the result multiplied by `|carried.1|` (the gain `g`, e.g. the
+    /// `1 + scale` of a modulation), and each of the two roundings after it may then land one
+    /// ulp apart.
     pub(crate) fn assert_within_ulp_carrying(
         got: &Tensor,
         want: &Tensor,
@@ -553,12 +554,16 @@ pub(crate) mod test_util {
         assert_eq!(got.dims(), want.dims(), "{what}: shapes");
         let (g, w, t) = (values(got)?, values(want)?, values(term)?);
         let carried = match carried {
+            // The flip through the gain, plus the second rounding's ulp (the loop adds the
+            // first's).
             Some((value, gain)) => {
                 let (v, k) = (
                     values(&value.broadcast_as(want.shape())?)?,
                     values(&gain.broadcast_as(want.shape())?)?,
                 );
-                v.iter().zip(&k).map(|(v, k)| ulp(*v) * k.abs()).collect()
+                (0..g.len())
+                    .map(|i| ulp(v[i]) * k[i].abs() + ulp(w[i].abs().max(t[i].abs())))
+                    .collect()
             }
             None => vec![0f32; g.len()],
         };
