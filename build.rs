@@ -15,9 +15,9 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     // compute_80 PTX: the oldest target with the instructions used (mma.sync bf16, cp.async);
-    // the driver compiles it for the GPU at hand when the module loads. The Wan block kernels
+    // the driver compiles it for the GPU at hand when the module loads. The DiT block kernels
     // keep IEEE division and square roots (no fast math): they stand in for candle's f32 ops.
-    for (name, fast_math) in [("flash_attn", true), ("wan_ops", false)] {
+    for (name, fast_math) in [("flash_attn", true), ("wan_ops", false), ("dit_ops", false)] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let mut cmd = Command::new(&nvcc);

@@ -144,9 +144,11 @@ fn offload_modes_are_bit_identical_to_resident() {
     // every mode really moves weights (the placement each gets is checked in the dry run).
     let modes: &[(&[&str], &str, &str)] = &[
         (
+            // Leaf level streams each step of a block (self-attention, cross-attention,
+            // feed-forward) as a group of its own.
             &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
             "dit",
-            "streamed",
+            r#""by_step":true"#,
         ),
         (
             &["--dit-layerwise-offload", "--num-blocks-per-group", "2"],

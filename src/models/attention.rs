@@ -78,6 +78,54 @@ pub fn sdpa_with_bias(
     sdpa_chunked_with_bias(q, k, v, scale, Some(bias))
 }
 
+/// [`sdpa`] where batch entry `b` sees only its first `kv_lens[b]` keys: a padding mask as a
+/// selection of keys, so the fused paths run. It equals an additive mask bias of -10000 (or
+/// -inf) on the other keys, whose softmax weights underflow to exactly 0.
+pub fn sdpa_key_prefix(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    kv_lens: &[usize],
+) -> Result<Tensor> {
+    let (batch, _, _, _) = q.dims4()?;
+    let keys = k.dim(2)?;
+    if kv_lens.len() != batch || kv_lens.iter().any(|&n| n == 0 || n > keys) {
+        candle_core::bail!(
+            "attention: key lengths {kv_lens:?} for a batch of {batch} x {keys} keys"
+        );
+    }
+    if kv_lens.iter().all(|&n| n == kv_lens[0]) {
+        let n = kv_lens[0];
+        return sdpa(q, &k.narrow(2, 0, n)?, &v.narrow(2, 0, n)?, scale);
+    }
+    let outs = (0..batch)
+        .map(|b| {
+            let n = kv_lens[b];
+            sdpa(
+                &q.narrow(0, b, 1)?,
+                &k.narrow(0, b, 1)?.narrow(2, 0, n)?,
+                &v.narrow(0, b, 1)?.narrow(2, 0, n)?,
+                scale,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&outs, 0)
+}
+
+/// The key lengths of a `[B, L]` keep-mask (1 keep, 0 masked) whose every row keeps a
+/// non-empty prefix, else `None` (a mask [`sdpa_key_prefix`] cannot express).
+pub fn mask_prefix_lens(mask: &Tensor) -> Result<Option<Vec<usize>>> {
+    let rows = mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let n = row.iter().take_while(|&&m| m != 0.0).count();
+            (n > 0 && row[n..].iter().all(|&m| m == 0.0)).then_some(n)
+        })
+        .collect())
+}
+
 fn sdpa_chunked_with_bias(
     q: &Tensor,
     k: &Tensor,
@@ -251,5 +299,51 @@ mod cuda_tests {
         assert_eq!(at(64, 101_376), Some((2, false, 55_296)));
         assert_eq!(at(64, 48 * 1024), Some((2, true, 49_152)));
         assert_eq!(at(64, 48 * 1024 - 1), Some((1, true, 40_960)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn key_prefix_equals_the_masking_bias() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, n, m, d) = (2, 3, 7, 9, 16);
+        let q = Tensor::randn(0f32, 1.0, (b, h, n, d), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (b, h, m, d), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (b, h, m, d), &dev)?;
+        let mask = Tensor::from_vec(
+            [
+                [1f32; 9].to_vec(),
+                [1, 1, 1, 1, 0, 0, 0, 0, 0].map(|x| x as f32).to_vec(),
+            ]
+            .concat(),
+            (b, m),
+            &dev,
+        )?;
+        let lens = mask_prefix_lens(&mask)?.expect("a prefix mask");
+        assert_eq!(lens, [9, 4]);
+        // diffusers' additive form: (1 - mask) * -10000.
+        let bias = mask.affine(10000.0, -10000.0)?.reshape((b, 1, 1, m))?;
+        let want = sdpa_with_bias(&q, &k, &v, 0.25, &bias)?;
+        let got = sdpa_key_prefix(&q, &k, &v, 0.25, &lens)?;
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "max |diff| {diff}");
+        Ok(())
+    }
+
+    #[test]
+    fn masks_that_are_not_a_prefix_are_told_apart() -> Result<()> {
+        let dev = Device::Cpu;
+        let rows = |v: Vec<f32>| Tensor::from_vec(v, (1, 4), &dev);
+        assert_eq!(
+            mask_prefix_lens(&rows(vec![1., 1., 0., 0.])?)?,
+            Some(vec![2])
+        );
+        assert_eq!(mask_prefix_lens(&rows(vec![1., 0., 1., 0.])?)?, None);
+        assert_eq!(mask_prefix_lens(&rows(vec![0., 0., 0., 0.])?)?, None);
+        Ok(())
     }
 }

@@ -7,6 +7,9 @@ pub mod cogvideox;
 pub mod conv3d;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
+#[cfg(feature = "cuda")]
+#[path = "kernels/dit_ops.rs"]
+pub(crate) mod dit_ops;
 pub mod hunyuan_video;
 pub mod ltx;
 pub mod minimax_h3;

@@ -15,7 +15,8 @@ use crate::cli::ResolvedConfig;
 use crate::models::ltx::defaults;
 use crate::models::ltx::prompt::prompt_tokens;
 use crate::models::ltx::transformer::{
-    pack_latents, unpack_latents, LtxTransformer3DModel, LtxTransformerBlock, LtxTransformerConfig,
+    pack_latents, unpack_latents, BlockStep, LtxTransformer3DModel, LtxTransformerBlock,
+    LtxTransformerConfig,
 };
 use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, SeededNoise,
@@ -666,6 +667,21 @@ impl Blockwise for LtxTransformer3DModel {
     }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
         LtxTransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+    }
+    fn steps(_: &Self::Config) -> usize {
+        BlockStep::ALL.len()
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        LtxTransformerBlock::with_steps(
+            cfg,
+            vb.pp(format!("transformer_blocks.{i}")),
+            &[BlockStep::ALL[step]],
+        )
     }
 }
 

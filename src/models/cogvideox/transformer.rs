@@ -20,6 +20,8 @@ use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
+#[cfg(feature = "cuda")]
+use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the per-head LayerNorm on q and k (fixed in diffusers' `CogVideoXBlock`).
@@ -265,6 +267,9 @@ fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<Laye
 struct LayerNormZero {
     linear: Linear,
     norm: LayerNorm,
+    /// `norm`'s epsilon, for the fused kernel.
+    #[cfg(feature = "cuda")]
+    eps: f64,
 }
 
 /// Output of [`LayerNormZero::forward`]: the normalised, modulated joint sequence and the gates
@@ -286,14 +291,49 @@ impl LayerNormZero {
                 cfg.norm_elementwise_affine,
                 vb.pp("norm"),
             )?,
+            #[cfg(feature = "cuda")]
+            eps: cfg.norm_eps,
         })
+    }
+
+    /// The six modulation rows `[B, 6·inner]` (video shift, scale, gate, text shift, scale,
+    /// gate).
+    fn embedding(&self, temb: &Tensor) -> Result<Tensor> {
+        self.linear.forward(&candle_nn::ops::silu(temb)?)
+    }
+
+    /// [`Self::forward`]'s modulated sequence as one fused kernel, on `x` `[B·S, inner]`
+    /// (CUDA bf16); `emb` from [`Self::embedding`].
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, emb: &Tensor, at: Rows, text_len: usize) -> Result<Tensor> {
+        let dim = x.dim(1)?;
+        let Some(bias) = self.norm.bias() else {
+            candle_core::bail!("cogvideox LayerNormZero without a bias")
+        };
+        let modulation = Modulation {
+            table: emb,
+            stride: 6 * dim,
+            shift: 0,
+            scale: dim,
+            text: Some((text_len, 3 * dim, 4 * dim)),
+        };
+        dit_ops::layer_norm_modulate(
+            x,
+            dit_ops::LayerNorm::Fused {
+                w: self.norm.weight(),
+                b: bias,
+            },
+            Some(modulation),
+            at,
+            self.eps,
+        )
     }
 
     /// `x` is the joint `[B, L + N, inner]` sequence; text tokens `0..text_len` take the `enc_`
     /// modulation, video tokens the other.
     fn forward(&self, x: &Tensor, temb: &Tensor, text_len: usize) -> Result<Modulated> {
         let (_, seq, dim) = x.dims3()?;
-        let emb = self.linear.forward(&candle_nn::ops::silu(temb)?)?;
+        let emb = self.embedding(temb)?;
         let m = |i: usize| emb.narrow(1, i * dim, dim)?.unsqueeze(1);
         let normed = self.norm.forward(x)?;
         let modulate = |part: Tensor, shift: Tensor, scale: Tensor| -> Result<Tensor> {
@@ -381,6 +421,53 @@ impl JointAttention {
         Tensor::cat(&[text, rotated], 2)
     }
 
+    /// [`Self::forward`] on `x` `[B·S, inner]` (`b` batch entries) with the q/k bias, per-head
+    /// LayerNorm and RoPE fused (CUDA bf16); returns `to_out` *without* its bias (the residual
+    /// kernel adds it).
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, b: usize, inputs: &BlockInputs) -> Result<Tensor> {
+        let (rows, dim) = x.dims2()?;
+        let s = rows / b;
+        let at = Rows { row0: 0, seq: s };
+        let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
+        let norm_rope = |linear: &Linear, norm: &LayerNorm| -> Result<Tensor> {
+            let Some(norm_bias) = norm.bias() else {
+                candle_core::bail!("cogvideox q/k LayerNorm without a bias")
+            };
+            dit_ops::head_norm_rope(
+                x.matmul(&linear.weight().t()?)?,
+                linear.bias(),
+                norm.weight(),
+                Some(norm_bias),
+                rope,
+                self.head_dim,
+                inputs.text_len,
+                at,
+                QK_NORM_EPS,
+            )
+        };
+        let q = norm_rope(&self.to_q, &self.norm_q)?;
+        let k = norm_rope(&self.to_k, &self.norm_k)?;
+        let v = x.matmul(&self.to_v.weight().t()?)?;
+        let v = match self.to_v.bias() {
+            Some(bias) => dit_ops::bias_act(v, bias, Act::None)?,
+            None => v,
+        };
+        let split = |t: Tensor| {
+            t.reshape((b, s, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let out = sdpa(
+            &split(q)?,
+            &split(k)?,
+            &split(v)?,
+            1.0 / (self.head_dim as f64).sqrt(),
+        )?;
+        out.transpose(1, 2)?
+            .reshape((rows, dim))?
+            .matmul(&self.to_out.weight().t()?)
+    }
+
     /// `x` `[B, S, inner]` -> attention output after `to_out`, same shape.
     fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (b, s, dim) = x.dims3()?;
@@ -456,8 +543,72 @@ impl CogVideoXBlock {
     }
 
     /// Runs the block's steps on the joint sequence `x` `[B, L + N, inner]`; returns the same
-    /// shape.
+    /// shape. Fused kernels on CUDA bf16, else the candle composition (the same ops in the
+    /// same order).
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dit_ops::rows_supported(x)
+            && inputs.temb.dtype() == DType::BF16
+            && self.attention.as_ref().is_none_or(|(_, a)| {
+                a.head_dim <= dit_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
+            })
+        {
+            return self.forward_fused(x, inputs);
+        }
+        self.forward_composite(x, inputs)
+    }
+
+    /// [`Self::forward`] as fused kernels: each modulated LayerNorm, q/k bias + per-head norm +
+    /// RoPE, bias + GELU and bias + gate + residual is one pass over bf16 storage.
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (b, seq, dim) = x.dims3()?;
+        let text_len = inputs.text_len;
+        let at = Rows { row0: 0, seq };
+        // The video gate (row 2) and, before `text_len`, the text gate (row 5) of `emb`.
+        fn gate(emb: &Tensor, dim: usize, text_len: usize) -> BatchRow<'_> {
+            BatchRow {
+                table: emb,
+                stride: 6 * dim,
+                offset: 2 * dim,
+                text: Some((text_len, 5 * dim)),
+            }
+        }
+        let mut x = x.reshape((b * seq, dim))?;
+        if let Some((norm1, attn1)) = &self.attention {
+            let emb = norm1.embedding(&inputs.temb)?;
+            let h = norm1.forward_fused(&x, &emb, at, text_len)?;
+            let attn = attn1.forward_fused(&h, b, inputs)?;
+            x = dit_ops::residual_into_delta(
+                &x,
+                attn,
+                attn1.to_out.bias(),
+                Some(gate(&emb, dim, text_len)),
+                at,
+            )?;
+        }
+        if let Some((norm2, fc1, fc2)) = &self.feed_forward {
+            let emb = norm2.embedding(&inputs.temb)?;
+            let h = norm2.forward_fused(&x, &emb, at, text_len)?;
+            let h = h.matmul(&fc1.weight().t()?)?;
+            let h = match fc1.bias() {
+                Some(bias) => dit_ops::bias_act(h, bias, Act::GeluTanh)?,
+                None => h.gelu()?,
+            };
+            let ff = h.matmul(&fc2.weight().t()?)?;
+            x = dit_ops::residual_into_delta(
+                &x,
+                ff,
+                fc2.bias(),
+                Some(gate(&emb, dim, text_len)),
+                at,
+            )?;
+        }
+        x.reshape((b, seq, dim))
+    }
+
+    /// [`Self::forward`] as candle ops (CPU, f32, other dtypes).
+    fn forward_composite(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let text_len = inputs.text_len;
         let mut x = x.clone();
         if let Some((norm1, attn1)) = &self.attention {
@@ -812,5 +963,156 @@ mod tests {
         assert_eq!(linspace_f32(0.0, 30.0, 3), vec![0.0, 15.0, 30.0]);
         assert_eq!(linspace_f32(0.0, 4.0, 5), vec![0.0, 1.0, 2.0, 3.0, 4.0]);
         assert_eq!(linspace_f32(3.0, 9.0, 1), vec![3.0]);
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! Each fused path against the candle composition it replaces, on random bf16 inputs of
+    //! CogVideoX-5b 720x480x49 sizes (226 text + 13·30·45 video tokens of 48x64), on the GPU.
+    use super::*;
+    use crate::models::dit_ops::test_util::{
+        assert_within_ulp, assert_within_ulp_carrying, device, randn,
+    };
+
+    const TEXT: usize = 226;
+    const VIDEO: usize = 13 * 30 * 45;
+
+    fn config() -> CogVideoXTransformerConfig {
+        // CogVideoX-5b: 48 heads and 3D rotary embeddings.
+        CogVideoXTransformerConfig {
+            num_attention_heads: 48,
+            use_rotary_positional_embeddings: true,
+            ..Default::default()
+        }
+    }
+
+    /// Loads `build` from random weights (the VarMap's init, with norms and biases drawn too).
+    fn random<T>(dev: &Device, build: impl FnOnce(VarBuilder) -> Result<T>) -> Result<T> {
+        let map = candle_nn::VarMap::new();
+        let built = build(VarBuilder::from_varmap(&map, DType::BF16, dev))?;
+        for (name, var) in map.data().lock().expect("varmap lock").iter() {
+            if (name.contains("norm") && !name.contains("linear")) || name.ends_with("bias") {
+                var.set(&randn(var.dims(), 0.5, dev)?)?;
+            }
+        }
+        Ok(built)
+    }
+
+    fn inputs(b: usize, video: usize, dev: &Device) -> Result<BlockInputs> {
+        let half = config().attention_head_dim / 2;
+        let angles = Tensor::rand(0f32, 6.3, (video, half), dev)?;
+        Ok(BlockInputs {
+            hidden_states: None,
+            temb: randn(&[b, config().time_embed_dim], 1.0, dev)?,
+            rope_cos: angles.cos()?,
+            rope_sin: angles.sin()?,
+            text_len: TEXT,
+            batch: b,
+            grid: [1, 1, video],
+        })
+    }
+
+    #[test]
+    fn layer_norm_zero_matches_composite() -> Result<()> {
+        let Some(dev) = device("CogVideoX fused kernels") else {
+            return Ok(());
+        };
+        let cfg = config();
+        let dim = cfg.inner_dim();
+        let norm = random(&dev, |vb| LayerNormZero::new(&cfg, vb))?;
+        for (b, video) in [(1, VIDEO), (2, 1350)] {
+            let seq = TEXT + video;
+            let inputs = inputs(b, video, &dev)?;
+            let x = (randn(&[b, seq, dim], 1.0, &dev)? * 3.0)?;
+            let want = norm.forward(&x, &inputs.temb, TEXT)?.hidden_states;
+            let emb = norm.embedding(&inputs.temb)?;
+            let got = norm.forward_fused(
+                &x.reshape((b * seq, dim))?,
+                &emb,
+                Rows { row0: 0, seq },
+                TEXT,
+            )?;
+            // The last rounded step adds the shift to n·(1 + scale): bound by that term, plus
+            // a one-ulp flip of the norm n carried through 1 + scale.
+            let row = |i: usize, len: usize| {
+                emb.narrow(1, i * dim, dim)?
+                    .unsqueeze(1)?
+                    .broadcast_as((b, len, dim))
+            };
+            let shift = Tensor::cat(&[row(3, TEXT)?, row(0, video)?], 1)?;
+            let gain = (Tensor::cat(&[row(4, TEXT)?, row(1, video)?], 1)? + 1.0)?;
+            let normed = norm.norm.forward(&x)?;
+            let term = (want.to_dtype(DType::F32)? - shift.to_dtype(DType::F32)?)?;
+            let what = format!("LayerNormZero b={b}");
+            let got = got.reshape((b, seq, dim))?;
+            assert_within_ulp_carrying(&got, &want, &term, (&normed, &gain), &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_head_norm_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device("CogVideoX fused kernels") else {
+            return Ok(());
+        };
+        let cfg = config();
+        let (dim, heads, head_dim) = (cfg.inner_dim(), 48, cfg.attention_head_dim);
+        let attn = random(&dev, |vb| JointAttention::new(&cfg, vb))?;
+        for (b, video) in [(1, VIDEO), (2, 1350)] {
+            let seq = TEXT + video;
+            let inputs = inputs(b, video, &dev)?;
+            // A projection without its bias; both paths add `to_q`'s.
+            let p = randn(&[b, seq, dim], 1.0, &dev)?;
+            let bias = attn.to_q.bias().expect("to_q has a bias");
+            let biased = p.broadcast_add(bias)?;
+            let want = attn.norm_rope(biased.clone(), &attn.norm_q, &inputs)?;
+            // A rotated pair mixes both members: bound by the larger normalised one.
+            let normed = attn.norm_q.forward(&attn.split_heads(biased)?)?;
+            let term = normed
+                .abs()?
+                .reshape((b, heads, seq, head_dim / 2, 2))?
+                .max_keepdim(4)?
+                .broadcast_as((b, heads, seq, head_dim / 2, 2))?
+                .reshape((b, heads, seq, head_dim))?;
+            let got = dit_ops::head_norm_rope(
+                p.reshape((b * seq, dim))?,
+                Some(bias),
+                attn.norm_q.weight(),
+                attn.norm_q.bias(),
+                Some((&inputs.rope_cos, &inputs.rope_sin)),
+                head_dim,
+                TEXT,
+                Rows { row0: 0, seq },
+                QK_NORM_EPS,
+            )?
+            .reshape((b, seq, heads, head_dim))?
+            .transpose(1, 2)?;
+            let what = format!("q norm + RoPE b={b}");
+            assert_within_ulp(&got, &want, &term, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn block_fused_matches_composite() -> Result<()> {
+        let Some(dev) = device("CogVideoX fused block") else {
+            return Ok(());
+        };
+        let cfg = config();
+        let (b, video) = (2, 1350);
+        let block = random(&dev, |vb| CogVideoXBlock::new(&cfg, vb))?;
+        let inputs = inputs(b, video, &dev)?;
+        let x = randn(&[b, TEXT + video, cfg.inner_dim()], 1.0, &dev)?;
+        let fused = block.forward(&x, &inputs)?.to_dtype(DType::F32)?;
+        let composite = block.forward_composite(&x, &inputs)?.to_dtype(DType::F32)?;
+        // GEMMs and attention follow each kernel, so a one-ulp flip inside can grow: compare
+        // the relative L2 error instead, bf16-sized.
+        let err = ((&fused - &composite)?.sqr()?.sum_all()?.sqrt()?
+            / composite.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        eprintln!("CogVideoX block fused vs composite: relative L2 error {err}");
+        assert!(err < 1e-2, "relative L2 error {err}");
+        Ok(())
     }
 }

@@ -26,7 +26,9 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::models::attention::sdpa;
+use crate::models::attention::{sdpa, sdpa_key_prefix};
+#[cfg(feature = "cuda")]
+use crate::models::dit_ops::{self, BatchRow, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
@@ -355,8 +357,54 @@ fn modulate(normed: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
         .broadcast_add(&shift.unsqueeze(1)?)
 }
 
-/// `x + delta * gate` with a per-batch `[B, dim]` gate.
-fn gated(x: &Tensor, delta: &Tensor, gate: &Tensor) -> Result<Tensor> {
+/// `modulate(&layer_norm(x, NORM_EPS)?, shift, scale)` for `x` `[B, S, dim]`: one fused kernel
+/// on CUDA bf16 (same ops, same order).
+fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if dit_ops::rows_supported(x) && shift.dtype() == DType::BF16 {
+        let (b, s, dim) = x.dims3()?;
+        let table = Tensor::cat(&[shift, scale], 1)?;
+        let modulation = dit_ops::Modulation {
+            table: &table,
+            stride: 2 * dim,
+            shift: 0,
+            scale: dim,
+            text: None,
+        };
+        return dit_ops::layer_norm_modulate(
+            &x.reshape((b * s, dim))?,
+            dit_ops::LayerNorm::TwoPass,
+            Some(modulation),
+            Rows { row0: 0, seq: s },
+            NORM_EPS,
+        )?
+        .reshape((b, s, dim));
+    }
+    modulate(&layer_norm(x, NORM_EPS)?, shift, scale)
+}
+
+/// `x + delta * gate` with a per-batch `[B, dim]` gate; on CUDA bf16 one kernel that writes
+/// into `delta`'s storage (`delta` is consumed).
+fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if dit_ops::supported(&delta) && x.dtype() == DType::BF16 && gate.dtype() == DType::BF16 {
+        let (b, s, dim) = delta.dims3()?;
+        let gate = gate.contiguous()?;
+        let gate = BatchRow {
+            table: &gate,
+            stride: dim,
+            offset: 0,
+            text: None,
+        };
+        return dit_ops::residual_into_delta(
+            &x.reshape((b * s, dim))?,
+            delta.reshape((b * s, dim))?,
+            None,
+            Some(gate),
+            Rows { row0: 0, seq: s },
+        )?
+        .reshape((b, s, dim));
+    }
     x + delta.broadcast_mul(&gate.unsqueeze(1)?)?
 }
 
@@ -415,6 +463,15 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (Act::GeluTanh, Some(bias), [b, s, d]) = (self.act, self.fc1.bias(), x.dims()) {
+            if dit_ops::supported(x) {
+                // The bias and GELU in one pass over the product.
+                let h = x.reshape((b * s, *d))?.matmul(&self.fc1.weight().t()?)?;
+                let h = dit_ops::bias_act(h, bias, dit_ops::Act::GeluTanh)?;
+                return self.fc2.forward(&h.reshape((*b, *s, ()))?);
+            }
+        }
         let h = self.fc1.forward(x)?;
         let h = match self.act {
             Act::GeluTanh => h.gelu()?,
@@ -457,27 +514,7 @@ fn rope_prefix(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// Joint attention over `[B, heads, S, D]` where only the first `kv_lens[b]` keys of batch
 /// entry `b` are visible (the boolean key mask of diffusers, as a selection of keys).
 fn attention_key_prefix(q: &Tensor, k: &Tensor, v: &Tensor, kv_lens: &[usize]) -> Result<Tensor> {
-    let (batch, _, s, d) = q.dims4()?;
-    let scale = 1.0 / (d as f64).sqrt();
-    if kv_lens.len() != batch || kv_lens.iter().any(|&n| n == 0 || n > s) {
-        candle_core::bail!("attention: key lengths {kv_lens:?} for a batch of {batch} x {s} keys");
-    }
-    if kv_lens.iter().all(|&n| n == kv_lens[0]) {
-        let n = kv_lens[0];
-        return sdpa(q, &k.narrow(2, 0, n)?, &v.narrow(2, 0, n)?, scale);
-    }
-    let outs = (0..batch)
-        .map(|b| {
-            let n = kv_lens[b];
-            sdpa(
-                &q.narrow(0, b, 1)?,
-                &k.narrow(0, b, 1)?.narrow(2, 0, n)?,
-                &v.narrow(0, b, 1)?.narrow(2, 0, n)?,
-                scale,
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Tensor::cat(&outs, 0)
+    sdpa_key_prefix(q, k, v, 1.0 / (q.dim(3)? as f64).sqrt(), kv_lens)
 }
 
 /// q, k, v projections (with bias) and the per-head RMSNorm of q and k.
@@ -504,20 +541,49 @@ impl QkvProjection {
         })
     }
 
-    /// `x` `[B, S, inner]` -> normed q, k and v, each `[B, heads, S, head_dim]`.
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let norm = |t: Tensor, w: &Tensor| -> Result<Tensor> {
-            candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)
-        };
-        let q = norm(
-            split_heads(&self.to_q.forward(x)?, self.heads)?,
-            &self.norm_q,
-        )?;
-        let k = norm(
-            split_heads(&self.to_k.forward(x)?, self.heads)?,
-            &self.norm_k,
-        )?;
+    /// `x` `[B, S, inner]` -> normed q, k and v, each `[B, heads, S, head_dim]`; q and k
+    /// rotated at the first `rope.0.dim(0)` positions when `rope` (cos, sin) is given. On CUDA
+    /// bf16 the bias, per-head RMSNorm and RoPE of q and k are one kernel each.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let v = split_heads(&self.to_v.forward(x)?, self.heads)?;
+        #[cfg(feature = "cuda")]
+        if dit_ops::supported(x) && self.norm_q.dim(0)? <= dit_ops::MAX_HEAD_DIM {
+            let (b, s, dim) = x.dims3()?;
+            let head_dim = dim / self.heads;
+            let x = x.reshape((b * s, dim))?;
+            let norm_rope = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
+                dit_ops::head_norm_rope(
+                    x.matmul(&linear.weight().t()?)?,
+                    linear.bias(),
+                    w,
+                    None,
+                    rope,
+                    head_dim,
+                    0,
+                    Rows { row0: 0, seq: s },
+                    NORM_EPS,
+                )?
+                .reshape((b, s, self.heads, head_dim))?
+                .transpose(1, 2)
+            };
+            let q = norm_rope(&self.to_q, &self.norm_q)?;
+            let k = norm_rope(&self.to_k, &self.norm_k)?;
+            return Ok((q, k, v));
+        }
+        let norm_rope = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
+            let t = split_heads(&linear.forward(x)?, self.heads)?;
+            let t = candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)?;
+            match rope {
+                Some((cos, sin)) => rope_prefix(&t, cos, sin),
+                None => Ok(t),
+            }
+        };
+        let q = norm_rope(&self.to_q, &self.norm_q)?;
+        let k = norm_rope(&self.to_k, &self.norm_k)?;
         Ok((q, k, v))
     }
 }
@@ -578,15 +644,14 @@ impl HunyuanVideoTransformerBlock {
         let m = self.norm1.forward(&inputs.temb)?;
         let c = self.norm1_context.forward(&inputs.temb)?;
         // Chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
-        let norm_hidden = modulate(&layer_norm(hidden, NORM_EPS)?, &m[0], &m[1])?;
-        let norm_encoder = modulate(&layer_norm(encoder, NORM_EPS)?, &c[0], &c[1])?;
+        let norm_hidden = norm_modulate(hidden, &m[0], &m[1])?;
+        let norm_encoder = norm_modulate(encoder, &c[0], &c[1])?;
 
         // Joint attention over [video; text]; q, k and v are dropped once attended.
         let out = {
-            let (q, k, v) = self.video_qkv.forward(&norm_hidden)?;
-            let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
-            let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
-            let (eq, ek, ev) = self.text_qkv.forward(&norm_encoder)?;
+            let rope = (&inputs.rope_cos, &inputs.rope_sin);
+            let (q, k, v) = self.video_qkv.forward(&norm_hidden, Some(rope))?;
+            let (eq, ek, ev) = self.text_qkv.forward(&norm_encoder, None)?;
             let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
             let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
             let out = attention_key_prefix(&cat(q, eq)?, &cat(k, ek)?, &cat(v, ev)?, &kv_lens)?;
@@ -598,12 +663,12 @@ impl HunyuanVideoTransformerBlock {
             .to_add_out
             .forward(&out.narrow(1, n_video, total - n_video)?)?;
 
-        let hidden = gated(hidden, &attn_video, &m[2])?;
-        let encoder = gated(encoder, &attn_text, &c[2])?;
+        let hidden = gated(hidden, attn_video, &m[2])?;
+        let encoder = gated(encoder, attn_text, &c[2])?;
         let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
             by_token_chunks(x, |_, rows| {
-                let h = ff.forward(&modulate(&layer_norm(rows, NORM_EPS)?, &m[3], &m[4])?)?;
-                gated(rows, &h, &m[5])
+                let h = ff.forward(&norm_modulate(rows, &m[3], &m[4])?)?;
+                gated(rows, h, &m[5])
             })
         };
         Ok((
@@ -652,13 +717,12 @@ impl HunyuanVideoSingleTransformerBlock {
         let x = Tensor::cat(&[hidden, encoder], 1)?;
         // Chunks: shift, scale, gate.
         let m = self.norm.forward(&inputs.temb)?;
-        let normed = modulate(&layer_norm(&x, NORM_EPS)?, &m[0], &m[1])?;
+        let normed = norm_modulate(&x, &m[0], &m[1])?;
 
         // q, k and v are dropped once attended.
         let attn = {
-            let (q, k, v) = self.qkv.forward(&normed)?;
-            let q = rope_prefix(&q, &inputs.rope_cos, &inputs.rope_sin)?;
-            let k = rope_prefix(&k, &inputs.rope_cos, &inputs.rope_sin)?;
+            let rope = (&inputs.rope_cos, &inputs.rope_sin);
+            let (q, k, v) = self.qkv.forward(&normed, Some(rope))?;
             let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
             merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?
         };
@@ -671,7 +735,7 @@ impl HunyuanVideoSingleTransformerBlock {
                 .forward(&normed.narrow(1, start, len)?)?
                 .gelu()?;
             let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
-            gated(rows, &self.proj_out.forward(&both)?, &m[2])
+            gated(rows, self.proj_out.forward(&both)?, &m[2])
         })?;
         let total = x.dim(1)?;
         Ok((
@@ -791,9 +855,9 @@ impl RefinerBlock {
             .to_out
             .forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)?;
         let gates = self.norm_out.forward(temb)?;
-        let x = gated(x, &attn, &gates[0])?;
+        let x = gated(x, attn, &gates[0])?;
         let ff = self.ff.forward(&self.norm2.forward(&x)?)?;
-        gated(&x, &ff, &gates[1])
+        gated(&x, ff, &gates[1])
     }
 }
 
@@ -1156,6 +1220,109 @@ mod tests {
         let chunked = by_chunks_of(&x, 7, f)?;
         let diff = (whole - chunked)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert_eq!(diff, 0.0);
+        Ok(())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The fused paths against the candle compositions they replace, on random bf16 inputs of
+    //! HunyuanVideo sizes (3072 wide, 24 heads of 128; 17·30·40 video tokens and 256 text
+    //! tokens), on the GPU.
+    use super::*;
+    use crate::models::dit_ops::test_util::{
+        assert_within_ulp, assert_within_ulp_carrying, device, randn,
+    };
+
+    const DIM: usize = 3072;
+    const HEADS: usize = 24;
+    const VIDEO: usize = 17 * 30 * 40;
+    const TEXT: usize = 256;
+
+    #[test]
+    fn norm_modulate_matches_composite() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo fused kernels") else {
+            return Ok(());
+        };
+        for (b, s) in [(1, VIDEO + TEXT), (2, 1000)] {
+            let x = (randn(&[b, s, DIM], 1.0, &dev)? * 3.0)?;
+            let (shift, scale) = (randn(&[b, DIM], 0.5, &dev)?, randn(&[b, DIM], 0.5, &dev)?);
+            let normed = layer_norm(&x, NORM_EPS)?;
+            let want = modulate(&normed, &shift, &scale)?;
+            let got = norm_modulate(&x, &shift, &scale)?;
+            // The last rounded step adds the shift to n·(1 + scale): bound by that term, plus a
+            // one-ulp flip of the norm n carried through 1 + scale.
+            let term = want
+                .to_dtype(DType::F32)?
+                .broadcast_sub(&shift.unsqueeze(1)?.to_dtype(DType::F32)?)?;
+            let gain = (scale.unsqueeze(1)?.to_dtype(DType::F32)? + 1.0)?;
+            let what = format!("norm_modulate b={b}");
+            assert_within_ulp_carrying(&got, &want, &term, (&normed, &gain), &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gated_matches_composite() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo fused kernels") else {
+            return Ok(());
+        };
+        for (b, s) in [(1, VIDEO), (2, 1000)] {
+            let x = randn(&[b, s, DIM], 1.0, &dev)?;
+            let delta = randn(&[b, s, DIM], 1.0, &dev)?;
+            let gate = randn(&[b, DIM], 0.5, &dev)?;
+            let product = delta.broadcast_mul(&gate.unsqueeze(1)?)?;
+            let want = (&x + &product)?;
+            let term = x.abs()?.maximum(&product.abs()?)?;
+            let got = gated(&x, delta.copy()?, &gate)?;
+            assert_within_ulp(&got, &want, &term, &format!("gated b={b}"))?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_rms_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo fused kernels") else {
+            return Ok(());
+        };
+        let head_dim = DIM / HEADS;
+        // The single-stream joint sequence: RoPE on the video prefix, the text passes.
+        for (b, n, l) in [(1, VIDEO, TEXT), (2, 1000, 100)] {
+            let s = n + l;
+            let angles = Tensor::rand(0f32, 6.3, (n, head_dim / 2), &dev)?;
+            let (cos, sin) = (angles.cos()?, angles.sin()?);
+            let p = randn(&[b, s, DIM], 1.0, &dev)?;
+            let bias = randn(&[DIM], 0.2, &dev)?;
+            let w = randn(&[head_dim], 1.0, &dev)?;
+            let normed = candle_nn::ops::rms_norm(
+                &split_heads(&p.broadcast_add(&bias)?, HEADS)?,
+                &w,
+                NORM_EPS as f32,
+            )?;
+            let want = rope_prefix(&normed, &cos, &sin)?;
+            // A rotated pair mixes both members: bound by the larger normalised one.
+            let shape = (b, HEADS, s, head_dim / 2, 2);
+            let term = normed
+                .abs()?
+                .reshape(shape)?
+                .max_keepdim(4)?
+                .broadcast_as(shape)?
+                .reshape((b, HEADS, s, head_dim))?;
+            let got = dit_ops::head_norm_rope(
+                p.reshape((b * s, DIM))?,
+                Some(&bias),
+                &w,
+                None,
+                Some((&cos, &sin)),
+                head_dim,
+                0,
+                Rows { row0: 0, seq: s },
+                NORM_EPS,
+            )?
+            .reshape((b, s, HEADS, head_dim))?
+            .transpose(1, 2)?;
+            assert_within_ulp(&got, &want, &term, &format!("q/k RMSNorm + RoPE b={b}"))?;
+        }
         Ok(())
     }
 }

@@ -5,162 +5,18 @@
 //! the per-channel bias of a convolution's output, in place.
 //!
 //! Every kernel writes in place into a tensor the caller owns (a fresh output, or a projection
-//! result that is consumed), through one generic [`InplaceOp1`]: its other tensor arguments
+//! result that is consumed), through the generic launch of `dit_ops`: its other tensor arguments
 //! are read-only and must not share storage with the destination.
 
-use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Storage, Tensor, D};
+use candle_core::{DType, Result, Tensor};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/wan_ops.ptx"));
-const MODULE: &str = "vidgen_wan_ops";
-/// Threads of a row kernel (`THREADS` in the kernel).
-const ROW_THREADS: usize = 256;
-/// Widest row the row kernels hold in registers (`2 * MAX_PAIRS * THREADS` in the kernel).
-const MAX_DIM: usize = 2 * 16 * ROW_THREADS;
-/// Threads per block and blocks per SM-ish bound of the element-wise kernels.
-const ELEMENT_THREADS: u32 = 256;
-const ELEMENT_BLOCKS: usize = 132 * 16;
+use crate::models::dit_ops::{element_launch, item_launch, row_launch, Arg, Launch, Module};
+pub(crate) use crate::models::dit_ops::{rows_supported, supported, Rows};
 
-/// Whether the element-wise kernels take `x` `[rows, dim]`: bf16 on CUDA, even `dim`.
-pub(crate) fn supported(x: &Tensor) -> bool {
-    x.device().is_cuda() && x.dtype() == DType::BF16 && x.dim(D::Minus1).is_ok_and(|d| d % 2 == 0)
-}
-
-/// Whether the row kernels (a row held in registers) take `x`: also `dim` up to [`MAX_DIM`].
-pub(crate) fn rows_supported(x: &Tensor) -> bool {
-    supported(x) && x.dim(D::Minus1).is_ok_and(|d| d <= MAX_DIM)
-}
-
-/// A kernel argument, in the kernel's declaration order.
-enum Arg<'a> {
-    /// The tensor written in place.
-    Dst,
-    /// A read-only tensor (bf16 or f32, contiguous); `None` passes a null pointer.
-    Tensor(Option<&'a Tensor>),
-    Int(i32),
-    Long(i64),
-    Float(f32),
-}
-
-/// One launch of `func` with one block of `block` threads per unit of `grid`.
-struct Launch<'a> {
-    func: &'static str,
-    grid: u32,
-    block: u32,
-    args: Vec<Arg<'a>>,
-}
-
-/// Device address of a contiguous tensor's first element.
-fn address(storage: &Storage, layout: &Layout, dev: &candle_core::CudaDevice) -> Result<u64> {
-    let Storage::Cuda(s) = storage else {
-        candle_core::bail!("wan kernels: an operand is not on CUDA")
-    };
-    if !layout.is_contiguous() {
-        candle_core::bail!("wan kernels: operands must be contiguous")
-    }
-    let stream = dev.cuda_stream();
-    let (base, size) = match &s.slice {
-        CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
-        CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
-        _ => candle_core::bail!("wan kernels: operands are bf16 or f32"),
-    };
-    Ok(base + (layout.start_offset() * size) as u64)
-}
-
-impl InplaceOp1 for Launch<'_> {
-    fn name(&self) -> &'static str {
-        self.func
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
-        candle_core::bail!("{} runs on CUDA only", self.func)
-    }
-
-    fn cuda_fwd(&self, dst: &mut CudaStorage, dst_layout: &Layout) -> Result<()> {
-        let dev = dst.device.clone();
-        let stream = dev.cuda_stream();
-        if !dst_layout.is_contiguous() {
-            candle_core::bail!("{}: the destination must be contiguous", self.func)
-        }
-        let (base, size) = match &mut dst.slice {
-            CudaStorageSlice::BF16(out) => (out.device_ptr_mut(&stream).0, 2),
-            CudaStorageSlice::F32(out) => (out.device_ptr_mut(&stream).0, 4),
-            _ => candle_core::bail!("{}: the destination is bf16 or f32", self.func),
-        };
-        let dst_address = base + (dst_layout.start_offset() * size) as u64;
-        // Pointers as u64, integers and floats: owned here so the builder can borrow them.
-        enum Value {
-            Ptr(u64),
-            Int(i32),
-            Long(i64),
-            Float(f32),
-        }
-        let values = self
-            .args
-            .iter()
-            .map(|arg| {
-                Ok(match arg {
-                    Arg::Dst => Value::Ptr(dst_address),
-                    Arg::Tensor(None) => Value::Ptr(0),
-                    Arg::Tensor(Some(t)) => {
-                        let (storage, layout) = t.storage_and_layout();
-                        Value::Ptr(address(&storage, layout, &dev)?)
-                    }
-                    Arg::Int(v) => Value::Int(*v),
-                    Arg::Long(v) => Value::Long(*v),
-                    Arg::Float(v) => Value::Float(*v),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let func = dev.get_or_load_custom_func(self.func, MODULE, PTX)?;
-        let mut builder = func.builder();
-        for value in &values {
-            match value {
-                Value::Ptr(v) => builder.arg(v),
-                Value::Int(v) => builder.arg(v),
-                Value::Long(v) => builder.arg(v),
-                Value::Float(v) => builder.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (self.grid, 1, 1),
-            block_dim: (self.block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments follow the kernel's signature; `supported` and the callers
-        // checked dtypes, widths and contiguity, and every pointer covers the rows launched.
-        unsafe { builder.launch(cfg) }.w()?;
-        Ok(())
-    }
-}
-
-/// Where a `[rows, dim]` slab sits in a `[batch * seq, dim]` tensor: its first row, and the
-/// rows per batch entry (which pick the modulation row and the RoPE position of each row).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Rows {
-    pub row0: usize,
-    pub seq: usize,
-}
-
-fn row_launch<'a>(func: &'static str, rows: usize, args: Vec<Arg<'a>>) -> Launch<'a> {
-    Launch {
-        func,
-        grid: rows as u32,
-        block: ROW_THREADS as u32,
-        args,
-    }
-}
-
-fn element_launch<'a>(func: &'static str, elements: usize, args: Vec<Arg<'a>>) -> Launch<'a> {
-    let blocks = (elements / 2).div_ceil(ELEMENT_THREADS as usize);
-    Launch {
-        func,
-        grid: blocks.clamp(1, ELEMENT_BLOCKS) as u32,
-        block: ELEMENT_THREADS,
-        args,
-    }
-}
+static WAN: Module = Module {
+    name: "vidgen_wan_ops",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/wan_ops.ptx")),
+};
 
 /// `LayerNorm(x) * w + b` in f32, rounded to bf16; `w`, `b` f32 `[1 or batch, dim]`.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result<Tensor> {
@@ -169,6 +25,7 @@ pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64)
     // SAFETY: the kernel writes every element of `out`.
     let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
     out.inplace_op1(&row_launch(
+        &WAN,
         "wan_layer_norm_bf16",
         rows,
         vec![
@@ -199,6 +56,7 @@ pub(crate) fn residual_into_delta(
         candle_core::bail!("residual: {:?} and {:?} differ", res.shape(), delta.shape())
     }
     delta.inplace_op1(&element_launch(
+        &WAN,
         "wan_residual_bf16",
         rows * dim,
         vec![
@@ -229,6 +87,7 @@ pub(crate) fn rms_rope(
 ) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
     x.inplace_op1(&row_launch(
+        &WAN,
         "wan_rms_rope_bf16",
         rows,
         vec![
@@ -251,6 +110,7 @@ pub(crate) fn rms_rope(
 pub(crate) fn bias_act(x: Tensor, bias: &Tensor, gelu: bool) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
     x.inplace_op1(&element_launch(
+        &WAN,
         "wan_bias_act_bf16",
         rows * dim,
         vec![
@@ -269,16 +129,9 @@ pub(crate) fn vae_supported(x: &Tensor) -> bool {
     x.device().is_cuda() && x.dtype() == DType::F32
 }
 
-/// A grid-stride launch over `n` items.
+/// A grid-stride launch of a Wan VAE kernel over `n` items.
 fn vae_launch<'a>(func: &'static str, n: usize, args: Vec<Arg<'a>>) -> Launch<'a> {
-    Launch {
-        func,
-        grid: n
-            .div_ceil(ELEMENT_THREADS as usize)
-            .clamp(1, ELEMENT_BLOCKS) as u32,
-        block: ELEMENT_THREADS,
-        args,
-    }
+    item_launch(&WAN, func, n, args)
 }
 
 /// Writes `SiLU(x / max(|x|_2, 1e-12) * scale * gamma)`, the norm over the channels of `x`
