@@ -135,6 +135,16 @@ fn dry_run_shows_where_each_component_lives() {
     assert_eq!(p["text_encoder"]["by_step"], false);
     assert_eq!(p["text_encoder"]["blocks_per_group"], 3);
 
+    // With a copy stream, groups are single blocks (diffusers' rule for use_stream), and the
+    // plan says so; without one, groups of N blocks move together.
+    let (json, stderr) = dry_run(&["--memory-model", "discrete", "--num-blocks-per-group", "8"]);
+    assert_eq!(json["placement"]["dit"]["blocks_per_group"], 1);
+    assert_eq!(json["overrides"][0]["option"], "num_blocks_per_group");
+    assert_eq!(json["overrides"][0]["to"], 1);
+    assert!(stderr.contains("num_blocks_per_group: 8 -> 1"), "{stderr}");
+    let p = placement(&["--num-blocks-per-group", "8", "--no-offload-stream"]);
+    assert_eq!(p["dit"]["blocks_per_group"], 8);
+
     let p = placement(&["--sequential-cpu-offload"]);
     assert_eq!(
         (&p["dit"]["by_step"], &p["dit"]["stream"]),

@@ -154,14 +154,18 @@ fn every_offload_mode_equals_resident_bit_for_bit() {
     assert_close("resident", &resident, &expected, 1e-4, 1e-4);
     let resident = resident.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     // (flags, a line the log must show: the mode really ran)
-    let modes: [(&[&str], &str); 10] = [
+    let modes: [(&[&str], &str); 11] = [
         (
             &[],
             "transformer: streamed in groups of 1 block(s), prefetch depth 1 on a copy stream",
         ),
         (
-            &["--num-blocks-per-group", "2", "--prefetch-depth", "2"],
-            "groups of 2 block(s), prefetch depth 2",
+            &["--prefetch-depth", "2"],
+            "groups of 1 block(s), prefetch depth 2",
+        ),
+        (
+            &["--num-blocks-per-group", "2", "--no-offload-stream"],
+            "groups of 2 block(s), synchronous copies",
         ),
         (
             &["--no-offload-stream"],

@@ -104,7 +104,8 @@ pub struct GenerateOptions {
     /// What moves together: a run of blocks, or (leaf-level) each step of a block alone.
     #[arg(long, help_heading = "Group offload (diffusers)", value_enum, default_value_t = OffloadType::BlockLevel)]
     pub offload_type: OffloadType,
-    /// Blocks per group with --offload-type block-level.
+    /// Blocks per group with --offload-type block-level and --no-offload-stream (with a copy
+    /// stream groups are single blocks, as diffusers' use_stream makes them).
     #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub num_blocks_per_group: u32,
     /// Prefetch groups on a dedicated copy stream (off: synchronous copies).

@@ -23,6 +23,11 @@ impl std::fmt::Display for Override {
     }
 }
 
+/// Why a copy stream moves one block per group.
+const STREAMED_GROUPS: &str = "with a copy stream, groups are single blocks as in diffusers' \
+     use_stream (the copies keep pace block by block; larger groups only hold more memory); \
+     --prefetch-depth N runs N blocks ahead";
+
 /// Why the CPU changes options: with no accelerator there is nothing to offload to.
 const NO_ACCELERATOR: &str = "no accelerator";
 
@@ -58,7 +63,10 @@ struct Changes<'a> {
 }
 
 impl Changes<'_> {
-    fn set(&mut self, option: &'static str, value: &mut bool, to: bool) {
+    fn set<T>(&mut self, option: &'static str, value: &mut T, to: T)
+    where
+        T: Copy + PartialEq + Into<serde_json::Value>,
+    {
         if *value != to {
             self.list.push(Override {
                 option,
@@ -101,7 +109,8 @@ fn resolve_auto(value: &mut Option<bool>, auto: bool) {
 ///   offload turns off; FSDP stays on CUDA and turns off on Metal; lazy load defaults on, and
 ///   sequential load defaults on only when lazy load ended up off (lazy owns deferral).
 /// - discrete GPU: both auto modes resolve off; layerwise offload excludes FSDP, so FSDP and its
-///   `dit_cpu_offload` turn off when both are asked.
+///   `dit_cpu_offload` turn off when both are asked; with a copy stream, groups are one block
+///   (diffusers' rule for `use_stream`).
 /// - no accelerator: every host-offload option resolves off.
 pub fn apply_memory_rules(options: &mut MemoryOptions, device: &DeviceInfo) -> Vec<Override> {
     let reason = match device.memory_model {
@@ -147,6 +156,14 @@ pub fn apply_memory_rules(options: &mut MemoryOptions, device: &DeviceInfo) -> V
             let lazy = o.lazy();
             resolve_auto(&mut o.h3_sequential_load, !lazy);
         }
+    }
+    if device.memory_model == MemoryModel::Discrete && o.offload_stream && !o.leaf_level {
+        let mut streamed = Changes {
+            list: Vec::new(),
+            reason: STREAMED_GROUPS,
+        };
+        streamed.set("num_blocks_per_group", &mut o.num_blocks_per_group, 1);
+        changes.list.extend(streamed.list);
     }
     changes.list
 }
