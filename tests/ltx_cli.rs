@@ -257,9 +257,19 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     );
     let streamed = dry_run(
         "synthetic:ltx-video",
-        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+        &[
+            "--memory-model",
+            "discrete",
+            "--dit-layerwise-offload",
+            "--offload-type",
+            "leaf-level",
+        ],
     );
     check_plan(&streamed);
+    // Four steps of about a quarter block each: the copy stream runs three steps ahead (a
+    // block's worth of steps on the device), past the cheap cross-attention step.
+    let dit = &streamed["placement"]["dit"];
+    assert_eq!((&dit["by_step"], &dit["depth"]), (&true.into(), &3.into()), "{dit}");
 }
 
 #[test]

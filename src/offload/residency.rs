@@ -44,6 +44,28 @@ impl Residency {
         }
     }
 
+    /// Streaming step by step, copies at least `ahead` steps ahead of the one computing: a step
+    /// that computes little (a cross-attention over a short text) would otherwise leave the copy
+    /// of the next, larger step no time. The caller bounds `ahead` by what fits in one block's
+    /// bytes, so leaf level never holds more than block level.
+    pub fn with_steps_ahead(self, ahead: usize) -> Residency {
+        match self {
+            Residency::Streamed {
+                blocks_per_group,
+                by_step: true,
+                options,
+            } => Residency::Streamed {
+                blocks_per_group,
+                by_step: true,
+                options: StreamOptions {
+                    depth: options.depth.max(ahead),
+                    ..options
+                },
+            },
+            other => other,
+        }
+    }
+
     /// Whether the weights wait in host memory.
     pub fn uses_host_memory(self) -> bool {
         matches!(self, Residency::Parked | Residency::Streamed { .. })
@@ -195,5 +217,25 @@ mod tests {
         assert_eq!(slot_count(40, streamed(2, false)), 0);
         assert_eq!(prefetch_depth(1, streamed(4, true)), 0);
         assert_eq!(prefetch_depth(10, streamed(0, true)), 1);
+    }
+
+    /// Step streaming runs at least `ahead` steps ahead (more when asked); block streaming
+    /// keeps its depth.
+    #[test]
+    fn step_streaming_runs_ahead_within_a_block() {
+        let depth = |by_step, asked, ahead| match (Residency::Streamed {
+            blocks_per_group: 1,
+            by_step,
+            options: streamed(asked, true),
+        })
+        .with_steps_ahead(ahead)
+        {
+            Residency::Streamed { options, .. } => options.depth,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(depth(true, 1, 3), 3);
+        assert_eq!(depth(true, 4, 3), 4);
+        assert_eq!(depth(true, 1, 0), 1);
+        assert_eq!(depth(false, 1, 3), 1);
     }
 }

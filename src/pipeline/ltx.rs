@@ -15,7 +15,7 @@ use crate::cli::ResolvedConfig;
 use crate::models::ltx::defaults;
 use crate::models::ltx::prompt::prompt_tokens;
 use crate::models::ltx::transformer::{
-    pack_latents, unpack_latents, BlockStep, LtxTransformer3DModel, LtxTransformerBlock,
+    pack_latents, unpack_latents, BlockStep, LtxStream, LtxTransformer3DModel, LtxTransformerBlock,
     LtxTransformerConfig,
 };
 use crate::models::ltx::vae::{
@@ -646,11 +646,11 @@ pub fn dit_forward(
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare(latents, embeds, timestep, Some(mask), grid, rope_scale)?;
-    let x = inputs.take_hidden_states()?;
+    let x = LtxStream::new(inputs.take_hidden_states()?);
     let x = dit.fold_blocks(LtxTransformer3DModel::blocks, x, |block, x| {
-        block.forward(x, &inputs)
+        block.forward(x.clone(), &inputs)
     })?;
-    model.finish(&x, &inputs)
+    model.finish(&x.into_hidden()?, &inputs)
 }
 
 impl Blockwise for LtxTransformer3DModel {

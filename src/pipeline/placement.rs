@@ -32,12 +32,16 @@ impl Placement {
     /// synchronously, one step at a time, and parks the rest; `--model-cpu-offload` parks
     /// every component whole; otherwise each follows its role's flag (for DiTs,
     /// `--dit-layerwise-offload` over `--dit-cpu-offload`). Streaming step by step applies
-    /// where a model's blocks have steps.
+    /// where a model's blocks have steps, and copies as many steps ahead as fit in a block.
     pub fn new(o: &MemoryOptions, spec: &PipelineSpec) -> Self {
         let residencies = spec
             .components
             .iter()
-            .map(|c| role_residency(o, c.role).for_steps(c.constructors.steps()))
+            .map(|c| {
+                role_residency(o, c.role)
+                    .for_steps(c.constructors.steps())
+                    .with_steps_ahead(c.constructors.steps_ahead_in_a_block())
+            })
             .collect();
         let memory = match (o.max_pinned_memory, o.pin_cpu_memory) {
             (Some(bytes), _) => HostMemory::Bounded {

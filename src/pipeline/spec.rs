@@ -60,6 +60,10 @@ impl Role {
 pub trait Constructors: Send + Sync {
     /// How many steps a block splits into for step-by-step streaming (1: it cannot).
     fn steps(&self) -> usize;
+    /// How many of a block's largest steps make the bytes of a whole block (rounded), less the
+    /// one computing: how far ahead step-by-step streaming can copy while holding about a
+    /// block (0 without steps).
+    fn steps_ahead_in_a_block(&self) -> usize;
     /// The tensors the component's constructors ask for, laid out as the engine holds them
     /// under `residency` (see [`ComponentLayout`]); checked against `weights` when given.
     fn layout(
@@ -76,6 +80,26 @@ pub struct ModelConstructors<M: Blockwise>(pub M::Config);
 impl<M: Blockwise> Constructors for ModelConstructors<M> {
     fn steps(&self) -> usize {
         M::steps(&self.0)
+    }
+
+    fn steps_ahead_in_a_block(&self) -> usize {
+        let cfg = &self.0;
+        let bytes = |build: &dyn Fn(candle_nn::VarBuilder<'static>) -> candle_core::Result<()>| {
+            crate::offload::record(None, DType::BF16, Packing::ByDtype, build)
+                .map(|layout| layout.bytes)
+                .unwrap_or(0)
+        };
+        let steps = M::steps(cfg);
+        if steps < 2 || M::num_blocks(cfg) == 0 {
+            return 0;
+        }
+        let block = bytes(&|vb| M::block(cfg, 0, vb).map(drop));
+        let largest = (0..steps)
+            .map(|s| bytes(&|vb| M::block_step(cfg, 0, s, vb).map(drop)))
+            .max()
+            .unwrap_or(0);
+        // Rounded: each modulated step repeats the block's small modulation table.
+        ((block + largest / 2) / largest.max(1)).saturating_sub(1)
     }
 
     fn layout(

@@ -363,38 +363,16 @@ fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<L
     }
 }
 
-/// Linear -> GELU -> Linear: the blocks' `FeedForward` (`ff.net.0.proj`, `ff.net.2`) and the
-/// caption projection (`linear_1`, `linear_2`).
+/// Linear -> GELU (tanh) -> Linear: the caption projection (`linear_1`, `linear_2`).
 #[derive(Debug, Clone)]
 struct GeluMlp {
     fc1: Linear,
     fc2: Linear,
-    tanh: bool,
 }
 
 impl GeluMlp {
-    /// [`Self::forward`] on `x` `[rows, in]` with bias + GELU fused, without `fc2`'s bias
-    /// (the residual kernel adds it).
-    #[cfg(feature = "cuda")]
-    fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
-        let h = x.matmul(&self.fc1.weight().t()?)?;
-        let act = if self.tanh {
-            Act::GeluTanh
-        } else {
-            Act::GeluErf
-        };
-        let h = match self.fc1.bias() {
-            Some(bias) => dit_ops::bias_act(h, bias, act)?,
-            None if self.tanh => h.gelu()?,
-            None => h.gelu_erf()?,
-        };
-        h.matmul(&self.fc2.weight().t()?)
-    }
-
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.forward(x)?;
-        let h = if self.tanh { h.gelu()? } else { h.gelu_erf()? };
-        self.fc2.forward(&h)
+        self.fc2.forward(&self.fc1.forward(x)?.gelu()?)
     }
 }
 
@@ -602,16 +580,53 @@ pub enum BlockStep {
     SelfAttention,
     /// Cross-attention to the projected text, residual.
     CrossAttention,
-    /// `norm2` with modulation, GELU feed-forward, gated residual.
-    FeedForward,
+    /// `norm2` with modulation, the feed-forward's first Linear and GELU: its output is carried
+    /// to the next step ([`LtxStream`]).
+    FeedForwardIn,
+    /// The feed-forward's second Linear, gated residual.
+    FeedForwardOut,
 }
 
 impl BlockStep {
-    pub const ALL: [BlockStep; 3] = [
+    /// The feed-forward is two steps so that every step holds about a quarter of a block: the
+    /// copy stream can then run the next block's steps in behind the self-attention, the one
+    /// step with much to compute.
+    pub const ALL: [BlockStep; 4] = [
         BlockStep::SelfAttention,
         BlockStep::CrossAttention,
-        BlockStep::FeedForward,
+        BlockStep::FeedForwardIn,
+        BlockStep::FeedForwardOut,
     ];
+}
+
+/// What flows from block to block (and from step to step within one).
+#[derive(Debug, Clone)]
+pub struct LtxStream {
+    /// The hidden states `[B, S, inner]`.
+    pub x: Tensor,
+    /// The feed-forward's inner activations between [`BlockStep::FeedForwardIn`] and
+    /// [`BlockStep::FeedForwardOut`] (`None` between blocks).
+    ff_hidden: Option<Tensor>,
+}
+
+impl LtxStream {
+    pub fn new(x: Tensor) -> Self {
+        LtxStream { x, ff_hidden: None }
+    }
+
+    /// The hidden states after the last block.
+    pub fn into_hidden(self) -> Result<Tensor> {
+        if self.ff_hidden.is_some() {
+            candle_core::bail!("LTX blocks stopped inside a feed-forward");
+        }
+        Ok(self.x)
+    }
+
+    fn take_ff_hidden(&mut self) -> Result<Tensor> {
+        self.ff_hidden.take().ok_or_else(|| {
+            candle_core::Error::Msg("LTX feed-forward output step without its input step".into())
+        })
+    }
 }
 
 /// One `LTXVideoTransformerBlock` (or some of its steps, see [`BlockStep`]).
@@ -620,10 +635,14 @@ pub struct LtxTransformerBlock {
     /// `norm1`'s weight (when affine) and `attn1`.
     attn1: Option<(Option<Tensor>, LtxAttention)>,
     attn2: Option<LtxAttention>,
-    /// `norm2`'s weight (when affine) and the feed-forward.
-    ff: Option<(Option<Tensor>, GeluMlp)>,
+    /// `norm2`'s weight (when affine) and `ff.net.0.proj`.
+    ff_in: Option<(Option<Tensor>, Linear)>,
+    /// `ff.net.2`.
+    ff_out: Option<Linear>,
     /// The block's `[6, inner]` modulation table, held by each modulated step.
     scale_shift_table: Option<Tensor>,
+    /// GELU's tanh approximation (else exact).
+    tanh: bool,
     eps: f64,
 }
 
@@ -641,6 +660,7 @@ impl LtxTransformerBlock {
     ) -> Result<Self> {
         cfg.validate()?;
         let dim = cfg.inner_dim();
+        let ff_inner = 4 * dim;
         let has = |s| steps.contains(&s);
         let norm = |name: &str| -> Result<Option<Tensor>> {
             if cfg.norm_elementwise_affine {
@@ -649,7 +669,6 @@ impl LtxTransformerBlock {
                 Ok(None)
             }
         };
-        let ff_inner = 4 * dim;
         let attn1 = if has(BlockStep::SelfAttention) {
             Some((norm("norm1")?, LtxAttention::new(cfg, dim, vb.pp("attn1"))?))
         } else {
@@ -664,36 +683,39 @@ impl LtxTransformerBlock {
         } else {
             None
         };
-        let ff = if has(BlockStep::FeedForward) {
+        let ff_in = if has(BlockStep::FeedForwardIn) {
             Some((
                 norm("norm2")?,
-                GeluMlp {
-                    fc1: candle_nn::linear(dim, ff_inner, vb.pp("ff.net.0.proj"))?,
-                    fc2: candle_nn::linear(ff_inner, dim, vb.pp("ff.net.2"))?,
-                    tanh: cfg.gelu()?,
-                },
+                candle_nn::linear(dim, ff_inner, vb.pp("ff.net.0.proj"))?,
             ))
         } else {
             None
         };
-        let modulated = attn1.is_some() || ff.is_some();
+        let ff_out = if has(BlockStep::FeedForwardOut) {
+            Some(candle_nn::linear(ff_inner, dim, vb.pp("ff.net.2"))?)
+        } else {
+            None
+        };
+        let modulated = attn1.is_some() || ff_in.is_some() || ff_out.is_some();
         Ok(Self {
             attn1,
             attn2,
-            ff,
+            ff_in,
+            ff_out,
             scale_shift_table: if modulated {
                 Some(vb.get((6, dim), "scale_shift_table")?)
             } else {
                 None
             },
+            tanh: cfg.gelu()?,
             eps: cfg.norm_eps,
         })
     }
 
-    /// `x` `[B, S, inner]` -> `[B, S, inner]`: the fused kernels on CUDA bf16, else the
-    /// candle composition (both compute the same ops in the same order).
-    pub fn forward(&self, x: &Tensor, inputs: &LtxBlockInputs) -> Result<Tensor> {
-        let (b, _, dim) = x.dims3()?;
+    /// Runs the block's steps on `stream` (`x` `[B, S, inner]`): the fused kernels on CUDA
+    /// bf16, else the candle composition (both compute the same ops in the same order).
+    pub fn forward(&self, stream: LtxStream, inputs: &LtxBlockInputs) -> Result<LtxStream> {
+        let (b, _, dim) = stream.x.dims3()?;
         // [B, 1, 6, inner] = table + temb; unbind the 6 rows.
         let ada = match &self.scale_shift_table {
             Some(table) => Some(
@@ -705,10 +727,20 @@ impl LtxTransformerBlock {
             None => None,
         };
         #[cfg(feature = "cuda")]
-        if dit_ops::rows_supported(x) && inputs.temb.dtype() == DType::BF16 {
-            return self.forward_fused(x, inputs, ada.as_ref());
+        if dit_ops::rows_supported(&stream.x) && inputs.temb.dtype() == DType::BF16 {
+            return self.forward_fused(stream, inputs, ada.as_ref());
         }
-        self.forward_composite(x, inputs, ada.as_ref())
+        self.forward_composite(stream, inputs, ada.as_ref())
+    }
+
+    /// The GELU of this block's feed-forward.
+    #[cfg(feature = "cuda")]
+    fn act(&self) -> Act {
+        if self.tanh {
+            Act::GeluTanh
+        } else {
+            Act::GeluErf
+        }
     }
 
     /// [`Self::forward`] as fused kernels: each norm + modulation, q/k bias + norm + RoPE,
@@ -716,11 +748,11 @@ impl LtxTransformerBlock {
     #[cfg(feature = "cuda")]
     fn forward_fused(
         &self,
-        x: &Tensor,
+        mut stream: LtxStream,
         inputs: &LtxBlockInputs,
         ada: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let (b, s, dim) = x.dims3()?;
+    ) -> Result<LtxStream> {
+        let (b, s, dim) = stream.x.dims3()?;
         let at = Rows { row0: 0, seq: s };
         let ada = ada.map(|a| a.reshape((b, 6 * dim))).transpose()?;
         let modulation = |shift: usize, scale: usize| {
@@ -740,7 +772,7 @@ impl LtxTransformerBlock {
                 text: None,
             })
         };
-        let mut x = x.reshape((b * s, dim))?;
+        let mut x = stream.x.reshape((b * s, dim))?;
         if let Some((norm1, attn1)) = &self.attn1 {
             let h = dit_ops::rms_modulate(&x, norm1.as_ref(), modulation(0, 1), at, self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
@@ -757,28 +789,37 @@ impl LtxTransformerBlock {
             )?;
             x = dit_ops::residual_into_delta(&x, attn, attn2.to_out.bias(), None, at)?;
         }
-        if let Some((norm2, ff)) = &self.ff {
+        if let Some((norm2, fc1)) = &self.ff_in {
             let h = dit_ops::rms_modulate(&x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
-            let out = ff.forward_fused(&h)?;
-            x = dit_ops::residual_into_delta(&x, out, ff.fc2.bias(), gate(5), at)?;
+            let h = h.matmul(&fc1.weight().t()?)?;
+            stream.ff_hidden = Some(match fc1.bias() {
+                Some(bias) => dit_ops::bias_act(h, bias, self.act())?,
+                None if self.tanh => h.gelu()?,
+                None => h.gelu_erf()?,
+            });
         }
-        x.reshape((b, s, dim))
+        if let Some(fc2) = &self.ff_out {
+            let out = stream.take_ff_hidden()?.matmul(&fc2.weight().t()?)?;
+            x = dit_ops::residual_into_delta(&x, out, fc2.bias(), gate(5), at)?;
+        }
+        stream.x = x.reshape((b, s, dim))?;
+        Ok(stream)
     }
 
     /// [`Self::forward`] as candle ops (CPU, f32, other dtypes); `ada` `[B, 1, 6, inner]`.
     fn forward_composite(
         &self,
-        x: &Tensor,
+        mut stream: LtxStream,
         inputs: &LtxBlockInputs,
         ada: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    ) -> Result<LtxStream> {
         let row = |i: usize| -> Result<Tensor> {
             let ada = ada.ok_or_else(|| {
                 candle_core::Error::Msg("LTX block step without its modulation table".into())
             })?;
             ada.narrow(2, i, 1)?.squeeze(2)
         };
-        let mut x = x.clone();
+        let mut x = stream.x.clone();
         if let Some((norm1, attn1)) = &self.attn1 {
             let h = modulate(&rms_norm(&x, norm1.as_ref(), self.eps)?, &row(0)?, &row(1)?)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
@@ -794,11 +835,17 @@ impl LtxTransformerBlock {
             )?;
             x = (x + attn)?;
         }
-        if let Some((norm2, ff)) = &self.ff {
+        if let Some((norm2, fc1)) = &self.ff_in {
             let h = modulate(&rms_norm(&x, norm2.as_ref(), self.eps)?, &row(3)?, &row(4)?)?;
-            x = (&x + ff.forward(&h)?.broadcast_mul(&row(5)?)?)?;
+            let h = fc1.forward(&h)?;
+            stream.ff_hidden = Some(if self.tanh { h.gelu()? } else { h.gelu_erf()? });
         }
-        Ok(x)
+        if let Some(fc2) = &self.ff_out {
+            let out = fc2.forward(&stream.take_ff_hidden()?)?;
+            x = (&x + out.broadcast_mul(&row(5)?)?)?;
+        }
+        stream.x = x;
+        Ok(stream)
     }
 }
 
@@ -850,7 +897,6 @@ impl LtxTransformer3DModel {
                     vb.pp("caption_projection.linear_1"),
                 )?,
                 fc2: candle_nn::linear(dim, dim, vb.pp("caption_projection.linear_2"))?,
-                tanh: true,
             },
             scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
             proj_out: candle_nn::linear(dim, cfg.out_channels(), vb.pp("proj_out"))?,
@@ -974,11 +1020,11 @@ impl LtxTransformer3DModel {
             grid,
             rope_interpolation_scale,
         )?;
-        let mut x = inputs.take_hidden_states()?;
+        let mut x = LtxStream::new(inputs.take_hidden_states()?);
         for block in &self.blocks {
-            x = block.forward(&x, &inputs)?;
+            x = block.forward(x, &inputs)?;
         }
-        self.finish(&x, &inputs)
+        self.finish(&x.into_hidden()?, &inputs)
     }
 }
 
@@ -1184,9 +1230,13 @@ mod cuda_tests {
                 .unsqueeze(0)?
                 .unsqueeze(0)?,
         )?;
-        let fused = block.forward(&x, &inputs)?.to_dtype(DType::F32)?;
+        let fused = block
+            .forward(LtxStream::new(x.clone()), &inputs)?
+            .into_hidden()?
+            .to_dtype(DType::F32)?;
         let composite = block
-            .forward_composite(&x, &inputs, Some(&ada))?
+            .forward_composite(LtxStream::new(x), &inputs, Some(&ada))?
+            .into_hidden()?
             .to_dtype(DType::F32)?;
         // Whole-block outputs go through GEMMs and attention after each kernel, so a one-ulp
         // flip inside can grow: compare the relative L2 error instead, bf16-sized.
