@@ -269,7 +269,11 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     // Four steps of about a quarter block each: the copy stream runs three steps ahead (a
     // block's worth of steps on the device), past the cheap cross-attention step.
     let dit = &streamed["placement"]["dit"];
-    assert_eq!((&dit["by_step"], &dit["depth"]), (&true.into(), &3.into()), "{dit}");
+    assert_eq!(
+        (&dit["by_step"], &dit["depth"]),
+        (&true.into(), &3.into()),
+        "{dit}"
+    );
 }
 
 #[test]

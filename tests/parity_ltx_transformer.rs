@@ -7,8 +7,8 @@ use candle_nn::VarBuilder;
 use common::{assert_close, named_fixture_dir, reference_in};
 use std::path::PathBuf;
 use vidgen::models::ltx::transformer::{
-    pack_latents, rope_tables, unpack_latents, LtxTransformer3DModel, LtxTransformerBlock,
-    LtxTransformerConfig,
+    pack_latents, rope_tables, unpack_latents, LtxStream, LtxTransformer3DModel,
+    LtxTransformerBlock, LtxTransformerConfig,
 };
 
 const ATOL: f64 = 1e-4;
@@ -121,7 +121,11 @@ fn stages_and_output_match() {
     let mut h = inputs.take_hidden_states().unwrap();
     assert_close("proj_in", &h, &r["debug.proj_in"], ATOL, RTOL);
     for (i, block) in model.blocks().iter().enumerate() {
-        h = block.forward(&h, &inputs).unwrap();
+        h = block
+            .forward(LtxStream::new(h), &inputs)
+            .unwrap()
+            .into_hidden()
+            .unwrap();
         assert_close(
             &format!("block.{i}"),
             &h,
@@ -172,7 +176,11 @@ fn blocks_load_alone_and_batch_of_two() {
     for i in 0..cfg.num_layers {
         let block =
             LtxTransformerBlock::new(&cfg, vb.pp(format!("transformer_blocks.{i}"))).unwrap();
-        h = block.forward(&h, &inputs).unwrap();
+        h = block
+            .forward(LtxStream::new(h), &inputs)
+            .unwrap()
+            .into_hidden()
+            .unwrap();
     }
     let out = outer.finish(&h, &inputs).unwrap();
     assert_close("output (batch 2)", &out, &two(&r["output"]), ATOL, RTOL);
