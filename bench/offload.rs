@@ -231,7 +231,15 @@ impl Bench {
             let mut argv = vec!["bench".to_string()];
             argv.extend(flags.split_whitespace().map(String::from));
             let options = Flags::try_parse_from(argv)?.options;
-            let placement = Placement::new(&vidgen::cli::resolve::memory_options(&options), &spec);
+            // The rules of a discrete GPU (what the modes measure), as `vidgen generate`
+            // applies them (e.g. a copy stream moves single blocks).
+            let mut memory = vidgen::cli::resolve::memory_options(&options);
+            let discrete = Some(vidgen::memory::MemoryModel::Discrete);
+            let device_info = vidgen::memory::probe(options.device, 1, discrete)?;
+            for change in vidgen::memory::apply_memory_rules(&mut memory, &device_info) {
+                eprintln!("{label}: {change}");
+            }
+            let placement = Placement::new(&memory, &spec);
             let residency = |name| {
                 spec.component(name)
                     .map(|i| placement.residencies[i])
