@@ -1536,6 +1536,88 @@ mod tests {
         assert_eq!(diff, 0.0);
         Ok(())
     }
+
+    /// Every kind of block of `cfg` with random bf16 weights on `dev`, run whole and one step
+    /// at a time (each step built on its own, as leaf-level streaming builds it), on `video`
+    /// video tokens and `text` text tokens of which the last 8 are padding: both streams come
+    /// out bit-identical.
+    pub(super) fn steps_match_whole_blocks(
+        cfg: &HunyuanVideoTransformerConfig,
+        dev: &Device,
+        video: usize,
+        text: usize,
+    ) -> Result<()> {
+        let randn = |shape: &[usize], std: f32| -> Result<Tensor> {
+            Tensor::randn(0f32, std, shape, dev)?.to_dtype(DType::BF16)
+        };
+        let map = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::BF16, dev);
+        let dim = cfg.inner_dim();
+        let half = cfg.attention_head_dim / 2;
+        let angles = Tensor::rand(0f32, 6.3, (video, half), dev)?;
+        let valid = (0..text).map(|j| j + 8 < text).collect::<Vec<_>>();
+        let inputs = BlockInputs {
+            streams: None,
+            temb: randn(&[1, dim], 1.0)?,
+            refiner_temb: randn(&[1, dim], 1.0)?,
+            rope_cos: angles.cos()?,
+            rope_sin: angles.sin()?,
+            text_lens: vec![text - 8],
+            text_valid: vec![valid],
+            batch: 1,
+            grid: [1, 1, video],
+        };
+        let first = |kind| {
+            (0..cfg.num_blocks())
+                .find(|&i| cfg.block_kind(i).ok().map(|k| k.0) == Some(kind))
+                .expect("every kind has a block")
+        };
+        for kind in BlockKind::ALL {
+            let i = first(kind);
+            let whole = HunyuanVideoBlock::new(cfg, i, vb.clone())?;
+            // The VarMap's init leaves norms and biases plain: draw them too.
+            for (name, var) in map.data().lock().expect("varmap lock").iter() {
+                if (name.contains("norm") && !name.contains("linear")) || name.ends_with("bias") {
+                    var.set(&randn(var.dims(), 0.5)?)?;
+                }
+            }
+            let streams = Streams::new(randn(&[1, video, dim], 1.0)?, randn(&[1, text, dim], 1.0)?);
+            let want = whole.forward(&streams, &inputs)?;
+            let mut got = streams;
+            for step in kind.steps() {
+                let part = HunyuanVideoBlock::with_steps(cfg, i, vb.clone(), &[*step])?;
+                got = part.forward(&got, &inputs)?;
+            }
+            assert!(!got.mid_block(), "{kind:?}");
+            for (a, b, what) in [
+                (&got.video, &want.video, "video"),
+                (&got.text, &want.text, "text"),
+            ] {
+                let diff = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{kind:?} {what}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn steps_match_whole_blocks_in_bf16() -> Result<()> {
+        let cfg = HunyuanVideoTransformerConfig {
+            num_attention_heads: 2,
+            attention_head_dim: 16,
+            rope_axes_dim: vec![4, 6, 6],
+            text_embed_dim: 32,
+            pooled_projection_dim: 24,
+            num_layers: 1,
+            num_single_layers: 1,
+            num_refiner_layers: 1,
+            ..Default::default()
+        };
+        steps_match_whole_blocks(&cfg, &Device::Cpu, 60, 20)
+    }
 }
 
 #[cfg(all(test, feature = "cuda"))]
@@ -1552,6 +1634,16 @@ mod cuda_tests {
     const HEADS: usize = 24;
     const VIDEO: usize = 17 * 30 * 40;
     const TEXT: usize = 256;
+
+    /// The fused paths run block by block and step by step give the same bits.
+    #[test]
+    fn steps_match_whole_blocks_on_the_fused_path() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo block steps") else {
+            return Ok(());
+        };
+        let cfg = HunyuanVideoTransformerConfig::default();
+        super::tests::steps_match_whole_blocks(&cfg, &dev, 17 * 30 * 4, TEXT)
+    }
 
     #[test]
     fn norm_modulate_matches_composite() -> Result<()> {
