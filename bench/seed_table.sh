@@ -32,6 +32,8 @@ MODES=("none: --dit-layerwise-offload=false --dit-cpu-offload=false"
   "block_level_N8_stream: --num-blocks-per-group 8"
   "leaf_level_stream: --offload-type leaf-level")
 # (vidgen's default flags are block_level_N1_stream's: layerwise streaming, one block per group.)
+# EXTRA_MODE='label: flags' adds one vidgen-only row (e.g. leaf level with --prefetch-depth 2).
+[ -n "${EXTRA_MODE:-}" ] && MODES+=("$EXTRA_MODE")
 for F in "$@"; do
   case $F in
     ltx) M=synthetic:ltx-video; S=161x512x768 ;;

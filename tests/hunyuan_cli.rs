@@ -96,6 +96,20 @@ fn check_run(tag: &str, true_cfg_scale: f64) {
         common::max_abs_diff(&frames, &want)
     );
     common::assert_close(&format!("{tag}.frames"), &frames, &want, ATOL, RTOL);
+    // Leaf level streams each step of a block as a group of its own (the plan says so).
+    let fixture = common::named_fixture_dir(FIXTURE);
+    let plan = dry_run(
+        fixture.to_str().unwrap(),
+        &[
+            "--memory-model",
+            "discrete",
+            "--dit-layerwise-offload",
+            "--offload-type",
+            "leaf-level",
+        ],
+    );
+    let placed = plan["placement"]["dit"].to_string();
+    assert!(placed.contains(r#""by_step":true"#), "{tag}: {placed}");
     for (what, extra) in [
         (
             "layerwise leaf-level",
@@ -232,6 +246,47 @@ fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
         .as_u64()
         .unwrap();
     assert!((25_000_000_000..26_500_000_000).contains(&dit), "{dit}");
+}
+
+/// The DiT's device weights while it denoises 320x512x61 in bf16 with only it loaded (the seed
+/// table's HunyuanVideo size), under `extra`.
+fn dit_weight_bytes(extra: &[&str]) -> u64 {
+    let flags = [
+        &[
+            "--dtype",
+            "bf16",
+            "--height",
+            "320",
+            "--width",
+            "512",
+            "--num-frames",
+            "61",
+            "--memory-model",
+            "discrete",
+            "--lazy-module-load",
+            "--dit-layerwise-offload",
+        ][..],
+        extra,
+    ]
+    .concat();
+    let plan = dry_run("synthetic:hunyuanvideo", &flags);
+    let denoise = &plan["stages"][1];
+    assert_eq!(denoise["components"], serde_json::json!(["transformer"]));
+    denoise["memory"]["weight_bytes"].as_u64().unwrap()
+}
+
+#[test]
+fn streamed_dit_keeps_only_the_embedders_and_leaf_level_moves_block_steps() {
+    const GIB: f64 = (1u64 << 30) as f64;
+    // Block level: the embedders (0.18 GiB; the token refiner's 0.49 GiB of blocks stream
+    // with the others) plus two slots of the largest block, a dual-stream one (0.68 GB); 1.94
+    // GiB with the refiner resident.
+    let block = dit_weight_bytes(&[]) as f64 / GIB;
+    assert!((1.3..1.5).contains(&block), "block level {block:.3} GiB");
+    // Leaf level: the embedders plus two slots of the largest step (single-stream proj_mlp +
+    // proj_out, 0.17 GB); as much as block level where blocks have no steps.
+    let leaf = dit_weight_bytes(&["--offload-type", "leaf-level"]) as f64 / GIB;
+    assert!((0.4..0.55).contains(&leaf), "leaf level {leaf:.3} GiB");
 }
 
 #[test]

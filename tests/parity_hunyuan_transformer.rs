@@ -5,7 +5,8 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use vidgen::models::hunyuan_video::transformer::{
-    BlockKind, HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
+    BlockKind, BlockStep, HunyuanVideoBlock, HunyuanVideoTransformer3DModel,
+    HunyuanVideoTransformerConfig,
 };
 
 const FIXTURE: &str = "hunyuanvideo-tiny-a";
@@ -100,16 +101,27 @@ fn intermediates_match_diffusers() {
         &r["debug.rope_sin"],
     );
     check("temb", &inputs.temb, &r["debug.temb"]);
-    let (mut hidden, mut encoder) = inputs.take_streams().unwrap();
+    let mut streams = inputs.take_streams().unwrap();
     assert!(inputs.take_streams().is_err());
-    check("x_embedder", &hidden, &r["debug.x_embedder"]);
-    check("context_embedder", &encoder, &r["debug.context_embedder"]);
+    check("x_embedder", &streams.video, &r["debug.x_embedder"]);
 
-    let (mut dual, mut single) = (0, 0);
+    let (mut refiner, mut dual, mut single) = (0, 0, 0);
     for i in 0..cfg.num_blocks() {
         let block = HunyuanVideoBlock::new(&cfg, i, vb.clone()).unwrap();
-        (hidden, encoder) = block.forward(&hidden, &encoder, &inputs).unwrap();
+        streams = block.forward(&streams, &inputs).unwrap();
         let name = match block.kind() {
+            // The refiner's blocks end the context embedder.
+            BlockKind::Refiner => {
+                refiner += 1;
+                if refiner == cfg.num_refiner_layers {
+                    check(
+                        "context_embedder",
+                        &streams.text,
+                        &r["debug.context_embedder"],
+                    );
+                }
+                continue;
+            }
             BlockKind::DualStream => {
                 dual += 1;
                 format!("debug.block.{}", dual - 1)
@@ -121,17 +133,24 @@ fn intermediates_match_diffusers() {
         };
         check(
             &format!("{name}.hidden_states"),
-            &hidden,
+            &streams.video,
             &r[&format!("{name}.hidden_states")],
         );
         check(
             &format!("{name}.encoder_hidden_states"),
-            &encoder,
+            &streams.text,
             &r[&format!("{name}.encoder_hidden_states")],
         );
     }
-    assert_eq!((dual, single), (cfg.num_layers, cfg.num_single_layers));
-    let out = model.finish(&hidden, &inputs).unwrap();
+    assert_eq!(
+        (refiner, dual, single),
+        (
+            cfg.num_refiner_layers,
+            cfg.num_layers,
+            cfg.num_single_layers
+        )
+    );
+    let out = model.finish(&streams.video, &inputs).unwrap();
     check("output", &out, &r["output"]);
 }
 
@@ -211,4 +230,65 @@ fn bf16_forward_tracks_the_reference() {
     let err = common::max_abs_diff(&out, reference) / scale;
     eprintln!("bf16 output: max |diff| / max |ref| = {err:.3e}");
     assert!(err < 5e-2, "bf16 output drifts {err} from the reference");
+}
+
+/// Every block built and run one step at a time (as leaf-level streaming runs them, the steps'
+/// modulations and attention carried between them) gives exactly the whole blocks' output.
+#[test]
+fn blocks_run_step_by_step_are_bit_identical() {
+    let cfg = config();
+    let vb = var_builder();
+    let whole = HunyuanVideoTransformer3DModel::new(&cfg, vb.clone()).unwrap();
+    let outer = HunyuanVideoTransformer3DModel::new_without_blocks(&cfg, vb.clone()).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let args = (
+        &r["hidden_states"],
+        &r["timestep"],
+        &r["encoder_hidden_states"],
+        &r["encoder_attention_mask"],
+        &r["pooled_projections"],
+        Some(&r["guidance"]),
+    );
+    let want = whole
+        .forward(args.0, args.1, args.2, args.3, args.4, args.5)
+        .unwrap();
+    let mut inputs = outer
+        .prepare(args.0, args.1, args.2, args.3, args.4, args.5)
+        .unwrap();
+    let mut streams = inputs.take_streams().unwrap();
+    let mut steps_run = 0;
+    for i in 0..cfg.num_blocks() {
+        let steps = cfg.block_kind(i).unwrap().0.steps();
+        for (s, step) in steps.iter().enumerate() {
+            let block = HunyuanVideoBlock::with_steps(&cfg, i, vb.clone(), &[*step]).unwrap();
+            streams = block.forward(&streams, &inputs).unwrap();
+            assert_eq!(
+                streams.mid_block(),
+                s + 1 < steps.len(),
+                "block {i} {step:?}"
+            );
+            steps_run += 1;
+        }
+    }
+    // Refiner 2 steps, dual-stream 5, single-stream 2.
+    assert_eq!(
+        steps_run,
+        2 * cfg.num_refiner_layers + 5 * cfg.num_layers + 2 * cfg.num_single_layers
+    );
+    let got = outer.finish(&streams.video, &inputs).unwrap();
+    assert_eq!(common::max_abs_diff(&got, &want), 0.0);
+    // A step out of order is refused, naming what it lacks.
+    let mut inputs = outer
+        .prepare(args.0, args.1, args.2, args.3, args.4, args.5)
+        .unwrap();
+    let streams = inputs.take_streams().unwrap();
+    let late = HunyuanVideoBlock::with_steps(
+        &cfg,
+        cfg.num_refiner_layers,
+        vb,
+        &[BlockStep::JointAttention],
+    )
+    .unwrap();
+    let err = late.forward(&streams, &inputs).unwrap_err().to_string();
+    assert!(err.contains("modulation"), "{err}");
 }

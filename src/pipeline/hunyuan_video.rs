@@ -22,7 +22,7 @@ use crate::models::hunyuan_video::text_encoder::{
     LlamaTokenizerLoad, DEFAULT_CROP_START, DEFAULT_PROMPT_TEMPLATE,
 };
 use crate::models::hunyuan_video::transformer::{
-    HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
+    BlockKind, HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
     MLP_CHUNK_TOKENS,
 };
 use crate::models::hunyuan_video::vae::{
@@ -202,6 +202,7 @@ impl Family for HunyuanConfigs {
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
         serde_json::json!({
+            "transformer_refiner_layers": self.transformer.num_refiner_layers,
             "transformer_dual_stream_layers": self.transformer.num_layers,
             "transformer_single_stream_layers": self.transformer.num_single_layers,
             "transformer_inner_dim": self.transformer.inner_dim(),
@@ -622,8 +623,8 @@ impl Pipeline for HunyuanVideo {
     }
 }
 
-/// One DiT forward: prepare (embeddings, token refiner, RoPE), the dual- then single-stream
-/// blocks (resident or streamed), finish.
+/// One DiT forward: prepare (embeddings, the token refiner's input, RoPE), the refiner, dual-
+/// and single-stream blocks (resident, streamed whole or step by step), finish.
 pub fn dit_forward(
     dit: &Held<'_, HunyuanVideoTransformer3DModel>,
     latents: &Tensor,
@@ -641,12 +642,12 @@ pub fn dit_forward(
         Some(guidance),
     )?;
     let streams = inputs.take_streams()?;
-    let (hidden, _) = dit.fold_blocks(
+    let streams = dit.fold_blocks(
         HunyuanVideoTransformer3DModel::blocks,
         streams,
-        |block, (hidden, encoder)| block.forward(hidden, encoder, &inputs),
+        |block, streams| block.forward(streams, &inputs),
     )?;
-    model.finish(&hidden, &inputs)
+    model.finish(&streams.video, &inputs)
 }
 
 impl Blockwise for HunyuanVideoTransformer3DModel {
@@ -658,12 +659,38 @@ impl Blockwise for HunyuanVideoTransformer3DModel {
     fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
         Self::new_without_blocks(cfg, vb)
     }
-    /// Dual-stream blocks, then single-stream ones, in execution order.
+    /// Refiner blocks, dual-stream blocks, then single-stream ones, in execution order.
     fn num_blocks(cfg: &Self::Config) -> usize {
         cfg.num_blocks()
     }
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i)
+            .map_or(usize::MAX, |(kind, _)| kind as usize)
+    }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
         HunyuanVideoBlock::new(cfg, i, vb)
+    }
+    fn steps(_: &Self::Config) -> usize {
+        BlockKind::ALL
+            .iter()
+            .map(|k| k.steps().len())
+            .max()
+            .unwrap_or(1)
+    }
+    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i).map_or(1, |(kind, _)| kind.steps().len())
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        let steps = cfg.block_kind(i)?.0.steps();
+        match steps.get(step) {
+            Some(s) => HunyuanVideoBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
+            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
+        }
     }
 }
 
@@ -707,3 +734,88 @@ crate::placed_whole!(
     HunyuanVideoVaeConfig,
     AutoencoderKLHunyuanVideo::new
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::offload::{record, GroupLayout, Packing, StreamOptions};
+    use crate::pipeline::spec::{Constructors, ModelConstructors};
+
+    /// The names a layout holds.
+    fn names(layout: &GroupLayout) -> Vec<String> {
+        layout.slots.iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// The block list a weight belongs to (None: the outer part).
+    fn list(name: &str) -> Option<&'static str> {
+        [
+            "context_embedder.token_refiner.refiner_blocks.",
+            "transformer_blocks.",
+            "single_transformer_blocks.",
+        ]
+        .into_iter()
+        .find(|p| name.starts_with(p))
+    }
+
+    /// The published model's groups, streamed: block level never puts two kinds in one group
+    /// (as diffusers groups each block list apart); leaf level splits every block into its
+    /// steps, each weight in exactly one step, none above the single-stream MLP step; the outer
+    /// part keeps only the embedders.
+    #[test]
+    fn groups_hold_one_kind_and_steps_split_every_weight_once() -> anyhow::Result<()> {
+        let cfg = HunyuanVideoTransformerConfig::default();
+        let model = ModelConstructors::<HunyuanVideoTransformer3DModel>(cfg.clone());
+        let streamed = |blocks_per_group, by_step| {
+            Residency::Streamed {
+                blocks_per_group,
+                by_step,
+                options: StreamOptions {
+                    stream: true,
+                    depth: 1,
+                },
+            }
+            .for_steps(model.steps())
+        };
+        let groups = model.layout(streamed(8, false), DType::BF16, None)?.groups;
+        let lists: Vec<Option<&str>> = groups
+            .iter()
+            .map(|g| {
+                let kinds: Vec<_> = names(g).iter().map(|n| list(n)).collect();
+                assert!(kinds.windows(2).all(|w| w[0] == w[1]), "{kinds:?}");
+                kinds[0]
+            })
+            .collect();
+        // 2 refiner blocks in one group, 20 dual-stream in 8 + 8 + 4, 40 single-stream in 5 x 8.
+        let [refiner, dual, single] = [
+            list("context_embedder.token_refiner.refiner_blocks.0"),
+            list("transformer_blocks.0"),
+            list("single_transformer_blocks.0"),
+        ];
+        let want = [vec![refiner], vec![dual; 3], vec![single; 5]].concat();
+        assert_eq!(lists, want);
+
+        let leaf = model.layout(streamed(1, true), DType::BF16, None)?;
+        assert_eq!(
+            leaf.groups.len(),
+            2 * cfg.num_refiner_layers + 5 * cfg.num_layers + 2 * cfg.num_single_layers
+        );
+        let largest = leaf.groups.iter().map(|g| g.bytes).max().unwrap_or(0);
+        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
+        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
+        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
+        let whole = record(None, DType::BF16, Packing::PerTensor, |vb| {
+            HunyuanVideoTransformer3DModel::new(&cfg, vb)
+        })?;
+        let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
+            HunyuanVideoTransformer3DModel::new_without_blocks(&cfg, vb)
+        })?;
+        assert!(names(&outer).iter().all(|n| list(n).is_none()));
+        let mut split: Vec<String> = leaf.groups.iter().flat_map(names).collect();
+        split.extend(names(&outer));
+        split.sort();
+        let mut all = names(&whole);
+        all.sort();
+        assert_eq!(split, all);
+        Ok(())
+    }
+}

@@ -171,9 +171,21 @@ pub trait Blockwise: Sized + 'static {
         let _ = (cfg, vb);
         candle_core::bail!("block {i} of a model that is placed whole, not block by block")
     }
-    /// How many steps a block can be split into for finer streaming (1: it cannot).
+    /// The kind of block `i` (blocks of different kinds, e.g. HunyuanVideo's refiner, dual- and
+    /// single-stream blocks, never share a group, as diffusers groups each block list apart).
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        let _ = (cfg, i);
+        0
+    }
+    /// How many steps a block can be split into for finer streaming (1: it cannot); the most
+    /// of any block where kinds differ.
     fn steps(_: &Self::Config) -> usize {
         1
+    }
+    /// How many steps block `i` splits into (at most [`Self::steps`]).
+    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
+        let _ = i;
+        Self::steps(cfg)
     }
     /// Step `step` of block `i` alone, as a block that runs just that step.
     fn block_step(

@@ -149,34 +149,51 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
     }
 }
 
-/// How a streamed model's blocks form groups: runs of `per_group` blocks, or one block step
-/// per group. The engine builds its groups and the plan counts them through this one rule.
+/// How a streamed model's blocks form groups: runs of up to `per_group` blocks of one kind, or
+/// one block step per group. The engine builds its groups and the plan counts them through
+/// this one rule.
 pub struct GroupPlan<M: Blockwise> {
     cfg: M::Config,
-    blocks: usize,
-    per_group: usize,
-    /// Steps per block when streaming step by step, else 1.
-    steps: usize,
+    groups: Vec<Group>,
     /// Groups in all.
     pub count: usize,
+}
+
+/// What one group holds.
+enum Group {
+    /// Whole blocks, in order.
+    Blocks(std::ops::Range<usize>),
+    /// One step of one block.
+    Step { block: usize, step: usize },
 }
 
 impl<M: Blockwise> GroupPlan<M> {
     pub fn new(cfg: &M::Config, blocks_per_group: usize, by_step: bool) -> Self {
         let blocks = M::num_blocks(cfg);
-        let steps = if by_step { M::steps(cfg) } else { 1 };
-        let per_group = blocks_per_group.max(1);
-        let count = if steps > 1 {
-            blocks * steps
+        let mut groups = Vec::new();
+        if by_step && M::steps(cfg) > 1 {
+            for block in 0..blocks {
+                for step in 0..M::block_steps(cfg, block) {
+                    groups.push(Group::Step { block, step });
+                }
+            }
         } else {
-            blocks.div_ceil(per_group)
-        };
+            let per_group = blocks_per_group.max(1);
+            let mut start = 0;
+            while start < blocks {
+                let kind = M::block_kind(cfg, start);
+                let mut end = start + 1;
+                while end < blocks && end - start < per_group && M::block_kind(cfg, end) == kind {
+                    end += 1;
+                }
+                groups.push(Group::Blocks(start..end));
+                start = end;
+            }
+        }
         GroupPlan {
             cfg: cfg.clone(),
-            blocks,
-            per_group,
-            steps,
-            count,
+            count: groups.len(),
+            groups,
         }
     }
 
@@ -186,17 +203,16 @@ impl<M: Blockwise> GroupPlan<M> {
         g: usize,
         vb: candle_nn::VarBuilder<'static>,
     ) -> candle_core::Result<Vec<M::Block>> {
-        if self.steps > 1 {
-            return Ok(vec![M::block_step(
-                &self.cfg,
-                g / self.steps,
-                g % self.steps,
-                vb,
-            )?]);
+        match self.groups.get(g) {
+            Some(Group::Step { block, step }) => {
+                Ok(vec![M::block_step(&self.cfg, *block, *step, vb)?])
+            }
+            Some(Group::Blocks(blocks)) => blocks
+                .clone()
+                .map(|i| M::block(&self.cfg, i, vb.clone()))
+                .collect(),
+            None => candle_core::bail!("group {g} of {}", self.count),
         }
-        (g * self.per_group..((g + 1) * self.per_group).min(self.blocks))
-            .map(|i| M::block(&self.cfg, i, vb.clone()))
-            .collect()
     }
 }
 

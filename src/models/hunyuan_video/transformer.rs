@@ -2,12 +2,15 @@
 //!
 //! The forward pass is split so that an external engine can stream the blocks:
 //!
-//! 1. [`HunyuanVideoTransformer3DModel::prepare`]: patch embedding, the token refiner over the
-//!    text (`context_embedder`), the time + guidance + pooled-text embedding and the RoPE table.
+//! 1. [`HunyuanVideoTransformer3DModel::prepare`]: patch embedding, the token refiner's
+//!    conditioning and input projection (`context_embedder` without its blocks), the time +
+//!    guidance + pooled-text embedding and the RoPE table.
 //! 2. [`HunyuanVideoBlock::forward`] for every block of [`HunyuanVideoTransformer3DModel::blocks`]
-//!    in order: first the dual-stream blocks (`transformer_blocks.*`, video and text with their
-//!    own weights, joint attention), then the single-stream blocks (`single_transformer_blocks.*`,
-//!    one weight set over the joint sequence). Both carry the (video, text) pair of streams.
+//!    in order: first the token refiner's blocks (`context_embedder.token_refiner.refiner_blocks.*`,
+//!    on the text alone), then the dual-stream blocks (`transformer_blocks.*`, video and text with
+//!    their own weights, joint attention), then the single-stream blocks
+//!    (`single_transformer_blocks.*`, one weight set over the joint sequence). All carry the
+//!    [`Streams`] (video, text); a block may also be built and run step by step ([`BlockStep`]).
 //! 3. [`HunyuanVideoTransformer3DModel::finish`]: output norm, `proj_out`, unpatchify.
 //!
 //! A model built with [`HunyuanVideoTransformer3DModel::new_without_blocks`] holds no block
@@ -178,13 +181,69 @@ impl Default for HunyuanVideoTransformerConfig {
     }
 }
 
-/// Which of the two kinds a block is.
+/// Which of the three kinds a block is, in execution order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockKind {
+    /// `context_embedder.token_refiner.refiner_blocks.*`: self-attention over the text alone.
+    Refiner,
     /// `transformer_blocks.*`: separate weights per stream, joint attention.
     DualStream,
     /// `single_transformer_blocks.*`: one weight set over the joint sequence.
     SingleStream,
+}
+
+impl BlockKind {
+    /// Every kind, in execution order.
+    pub const ALL: [BlockKind; 3] = [
+        BlockKind::Refiner,
+        BlockKind::DualStream,
+        BlockKind::SingleStream,
+    ];
+
+    /// The steps of a block of this kind, in execution order.
+    pub fn steps(self) -> &'static [BlockStep] {
+        match self {
+            BlockKind::Refiner => &[BlockStep::RefinerAttention, BlockStep::RefinerFeedForward],
+            BlockKind::DualStream => &[
+                BlockStep::VideoModulation,
+                BlockStep::TextModulation,
+                BlockStep::JointAttention,
+                BlockStep::VideoFeedForward,
+                BlockStep::TextFeedForward,
+            ],
+            BlockKind::SingleStream => &[BlockStep::SingleAttention, BlockStep::SingleMlp],
+        }
+    }
+}
+
+/// The steps of a block, in execution order, each holding a disjoint part of the block's
+/// weights (at most ~170 MB in bf16 at the published size). A block can be built with only
+/// some of them (an offload engine streaming steps rather than whole blocks); running such a
+/// partial block applies just its steps, with exactly the arithmetic of the whole block, and
+/// hands what later steps need (modulations, the single-stream attention) on in [`Streams`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStep {
+    /// Refiner: `norm_out` (both gates), `norm1`, self-attention over the valid text, gated
+    /// residual.
+    RefinerAttention,
+    /// Refiner: `norm2`, SiLU feed-forward, gated residual.
+    RefinerFeedForward,
+    /// Dual-stream: `norm1.linear` (the video stream's six modulations).
+    VideoModulation,
+    /// Dual-stream: `norm1_context.linear` (the text stream's six modulations).
+    TextModulation,
+    /// Dual-stream: both modulated norms, q/k/v of both streams, joint attention, `to_out` and
+    /// `to_add_out`, both gated residuals.
+    JointAttention,
+    /// Dual-stream: the video stream's modulated norm, `ff`, gated residual.
+    VideoFeedForward,
+    /// Dual-stream: the text stream's modulated norm, `ff_context`, gated residual.
+    TextFeedForward,
+    /// Single-stream: `norm.linear`, the modulated norm of the joint sequence, q/k/v and
+    /// attention.
+    SingleAttention,
+    /// Single-stream: `proj_mlp`, `proj_out` over [attention; MLP], gated residual.
+    SingleMlp,
 }
 
 impl HunyuanVideoTransformerConfig {
@@ -209,26 +268,33 @@ impl HunyuanVideoTransformerConfig {
         (self.inner_dim() as f64 * REFINER_MLP_RATIO) as usize
     }
 
-    /// All blocks, dual-stream then single-stream.
+    /// All blocks: refiner, dual-stream, then single-stream.
     pub fn num_blocks(&self) -> usize {
-        self.num_layers + self.num_single_layers
+        self.num_refiner_layers + self.num_layers + self.num_single_layers
     }
 
     /// Kind of block `index` (in execution order) and its index within its kind.
     pub fn block_kind(&self, index: usize) -> Result<(BlockKind, usize)> {
-        if index < self.num_layers {
-            Ok((BlockKind::DualStream, index))
-        } else if index < self.num_blocks() {
-            Ok((BlockKind::SingleStream, index - self.num_layers))
-        } else {
-            candle_core::bail!("block {index} of a {}-block transformer", self.num_blocks())
+        let mut first = 0;
+        for (kind, count) in [
+            (BlockKind::Refiner, self.num_refiner_layers),
+            (BlockKind::DualStream, self.num_layers),
+            (BlockKind::SingleStream, self.num_single_layers),
+        ] {
+            if index < first + count {
+                return Ok((kind, index - first));
+            }
+            first += count;
         }
+        candle_core::bail!("block {index} of a {}-block transformer", self.num_blocks())
     }
 
-    /// Weight prefix of block `index` (execution order): `transformer_blocks.{i}` or
+    /// Weight prefix of block `index` (execution order):
+    /// `context_embedder.token_refiner.refiner_blocks.{i}`, `transformer_blocks.{i}` or
     /// `single_transformer_blocks.{i}`.
     pub fn block_prefix(&self, index: usize) -> Result<String> {
         Ok(match self.block_kind(index)? {
+            (BlockKind::Refiner, i) => format!("context_embedder.token_refiner.refiner_blocks.{i}"),
             (BlockKind::DualStream, i) => format!("transformer_blocks.{i}"),
             (BlockKind::SingleStream, i) => format!("single_transformer_blocks.{i}"),
         })
@@ -292,16 +358,19 @@ impl HunyuanVideoTransformerConfig {
 /// Everything the blocks and the output head need, computed once per forward by `prepare`.
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
-    hidden_states: Option<Tensor>,
-    encoder_hidden_states: Option<Tensor>,
+    streams: Option<Streams>,
     /// Conditioning `[B, inner]`: timestep + guidance + pooled text embeddings.
     pub temb: Tensor,
+    /// The token refiner's conditioning `[B, inner]`: timestep + mask-weighted mean text.
+    pub refiner_temb: Tensor,
     /// RoPE cosines `[video tokens, head_dim / 2]` in f32, one per interleaved pair.
     pub rope_cos: Tensor,
     /// RoPE sines, same layout as `rope_cos`.
     pub rope_sin: Tensor,
     /// Valid text tokens per batch entry (the mask's sum): later text keys are masked.
     pub text_lens: Vec<usize>,
+    /// `text_valid[b][j]`: whether text token j of entry b is real (the refiner's mask).
+    pub text_valid: Vec<Vec<bool>>,
     /// Batch size.
     pub batch: usize,
     /// Token grid (frames, height, width) after patching.
@@ -309,14 +378,82 @@ pub struct BlockInputs {
 }
 
 impl BlockInputs {
-    /// Takes the (video `[B, N, inner]`, refined text `[B, L, inner]`) streams that feed the
-    /// first block (once; the inputs do not keep a copy).
-    pub fn take_streams(&mut self) -> Result<(Tensor, Tensor)> {
-        match (self.hidden_states.take(), self.encoder_hidden_states.take()) {
-            (Some(h), Some(e)) => Ok((h, e)),
-            _ => candle_core::bail!("block-0 streams already taken"),
+    /// Takes the streams that feed the first block: video `[B, N, inner]` and the projected,
+    /// not yet refined, text `[B, L, inner]` (once; the inputs do not keep a copy).
+    pub fn take_streams(&mut self) -> Result<Streams> {
+        match self.streams.take() {
+            Some(s) => Ok(s),
+            None => candle_core::bail!("block-0 streams already taken"),
         }
     }
+}
+
+/// What flows from block to block: the video `[B, N, inner]` and text `[B, L, inner]` streams
+/// and, between the steps of a block streamed step by step, what its earlier steps computed
+/// for its later ones.
+#[derive(Debug, Clone)]
+pub struct Streams {
+    pub video: Tensor,
+    pub text: Tensor,
+    carry: Carry,
+}
+
+impl Streams {
+    /// Streams between whole blocks.
+    pub fn new(video: Tensor, text: Tensor) -> Self {
+        Self {
+            video,
+            text,
+            carry: Carry::None,
+        }
+    }
+
+    /// Whether a block's later steps still wait for this state (false between whole blocks).
+    pub fn mid_block(&self) -> bool {
+        !matches!(self.carry, Carry::None)
+    }
+}
+
+/// What a block's earlier steps hand its later ones.
+#[derive(Debug, Clone)]
+enum Carry {
+    /// Between blocks.
+    None,
+    /// Refiner: `gate_mlp`.
+    Refiner { gate_mlp: Tensor },
+    /// Dual-stream: the six modulation chunks of each stream, once computed.
+    DualStream {
+        video: Option<Vec<Tensor>>,
+        text: Option<Vec<Tensor>>,
+    },
+    /// Single-stream: the joint sequence, its modulated norm, the attention output and the gate.
+    SingleStream {
+        joint: Tensor,
+        normed: Tensor,
+        attn: Tensor,
+        gate: Tensor,
+    },
+}
+
+impl Carry {
+    /// Which block kind left this state, for errors.
+    fn after(&self) -> &'static str {
+        match self {
+            Carry::None => "a whole block",
+            Carry::Refiner { .. } => "a refiner step",
+            Carry::DualStream { .. } => "a dual-stream step",
+            Carry::SingleStream { .. } => "a single-stream step",
+        }
+    }
+}
+
+/// What a step needs from an earlier step of its block, or a one-line error naming it.
+fn carried<T>(value: Option<T>, what: &str) -> Result<T> {
+    value.ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "HunyuanVideo block step run without its block's {what} (steps must run in order)"
+        ))
+    })
 }
 
 /// LayerNorm over the last dim with statistics in f32 (two-pass), no affine; cast back.
@@ -588,66 +725,31 @@ impl QkvProjection {
     }
 }
 
-/// One dual-stream block (diffusers `HunyuanVideoTransformerBlock`).
+/// The joint attention of a dual-stream block: q/k/v of each stream and both output
+/// projections.
 #[derive(Debug, Clone)]
-pub struct HunyuanVideoTransformerBlock {
-    norm1: Modulation,
-    norm1_context: Modulation,
+struct JointAttention {
     video_qkv: QkvProjection,
     text_qkv: QkvProjection,
     to_out: Linear,
     to_add_out: Linear,
-    ff: Mlp,
-    ff_context: Mlp,
 }
 
-impl HunyuanVideoTransformerBlock {
-    /// Loads one block; `vb` points at `transformer_blocks.{i}`.
-    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        cfg.validate()?;
-        let dim = cfg.inner_dim();
-        let attn = vb.pp("attn");
-        Ok(Self {
-            norm1: Modulation::new(dim, 6, vb.pp("norm1"))?,
-            norm1_context: Modulation::new(dim, 6, vb.pp("norm1_context"))?,
-            video_qkv: QkvProjection::new(
-                cfg,
-                &attn,
-                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-            )?,
-            text_qkv: QkvProjection::new(
-                cfg,
-                &attn,
-                [
-                    "add_q_proj",
-                    "add_k_proj",
-                    "add_v_proj",
-                    "norm_added_q",
-                    "norm_added_k",
-                ],
-            )?,
-            to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
-            to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
-            ff: Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp("ff"))?,
-            ff_context: Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp("ff_context"))?,
-        })
-    }
-
-    /// Runs the block on video `[B, N, inner]` and text `[B, L, inner]`; returns both streams.
-    pub fn forward(
+impl JointAttention {
+    /// Modulated norms of both streams (`m`, `c`: shift, scale at 0, 1), joint attention over
+    /// [video; text], the output projections and the gated residuals (gates at 2).
+    fn forward(
         &self,
         hidden: &Tensor,
         encoder: &Tensor,
+        m: &[Tensor],
+        c: &[Tensor],
         inputs: &BlockInputs,
     ) -> Result<(Tensor, Tensor)> {
         let n_video = hidden.dim(1)?;
-        let m = self.norm1.forward(&inputs.temb)?;
-        let c = self.norm1_context.forward(&inputs.temb)?;
-        // Chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
         let norm_hidden = norm_modulate(hidden, &m[0], &m[1])?;
         let norm_encoder = norm_modulate(encoder, &c[0], &c[1])?;
-
-        // Joint attention over [video; text]; q, k and v are dropped once attended.
+        // q, k and v are dropped once attended.
         let out = {
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let (q, k, v) = self.video_qkv.forward(&norm_hidden, Some(rope))?;
@@ -662,166 +764,315 @@ impl HunyuanVideoTransformerBlock {
         let attn_text = self
             .to_add_out
             .forward(&out.narrow(1, n_video, total - n_video)?)?;
+        Ok((
+            gated(hidden, attn_video, &m[2])?,
+            gated(encoder, attn_text, &c[2])?,
+        ))
+    }
+}
 
-        let hidden = gated(hidden, attn_video, &m[2])?;
-        let encoder = gated(encoder, attn_text, &c[2])?;
+/// One dual-stream block (diffusers `HunyuanVideoTransformerBlock`), or some of its steps
+/// (see [`BlockStep`]).
+#[derive(Debug, Clone)]
+pub struct HunyuanVideoTransformerBlock {
+    norm1: Option<Modulation>,
+    norm1_context: Option<Modulation>,
+    attn: Option<JointAttention>,
+    ff: Option<Mlp>,
+    ff_context: Option<Mlp>,
+}
+
+impl HunyuanVideoTransformerBlock {
+    /// Loads one block; `vb` points at `transformer_blocks.{i}`.
+    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, vb, BlockKind::DualStream.steps())
+    }
+
+    /// Loads only the weights of `steps`; `vb` points at `transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &HunyuanVideoTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let has = |s| steps.contains(&s);
+        let attn = vb.pp("attn");
+        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp(name));
+        Ok(Self {
+            norm1: has(BlockStep::VideoModulation)
+                .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
+                .transpose()?,
+            norm1_context: has(BlockStep::TextModulation)
+                .then(|| Modulation::new(dim, 6, vb.pp("norm1_context")))
+                .transpose()?,
+            attn: has(BlockStep::JointAttention)
+                .then(|| -> Result<_> {
+                    Ok(JointAttention {
+                        video_qkv: QkvProjection::new(
+                            cfg,
+                            &attn,
+                            ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                        )?,
+                        text_qkv: QkvProjection::new(
+                            cfg,
+                            &attn,
+                            [
+                                "add_q_proj",
+                                "add_k_proj",
+                                "add_v_proj",
+                                "norm_added_q",
+                                "norm_added_k",
+                            ],
+                        )?,
+                        to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
+                        to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+                    })
+                })
+                .transpose()?,
+            ff: has(BlockStep::VideoFeedForward)
+                .then(|| ff("ff"))
+                .transpose()?,
+            ff_context: has(BlockStep::TextFeedForward)
+                .then(|| ff("ff_context"))
+                .transpose()?,
+        })
+    }
+
+    /// Runs the block's steps on the streams; returns them with what later steps need.
+    pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let (mut m, mut c) = match &streams.carry {
+            Carry::None => (None, None),
+            Carry::DualStream { video, text } => (video.clone(), text.clone()),
+            other => candle_core::bail!("a dual-stream block step after {}", other.after()),
+        };
+        // Chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
+        if let Some(norm1) = &self.norm1 {
+            m = Some(norm1.forward(&inputs.temb)?);
+        }
+        if let Some(norm1_context) = &self.norm1_context {
+            c = Some(norm1_context.forward(&inputs.temb)?);
+        }
+        let (mut hidden, mut encoder) = (streams.video.clone(), streams.text.clone());
+        if let Some(attn) = &self.attn {
+            let (mv, mc) = (
+                carried(m.as_ref(), "video modulation")?,
+                carried(c.as_ref(), "text modulation")?,
+            );
+            (hidden, encoder) = attn.forward(&hidden, &encoder, mv, mc, inputs)?;
+        }
         let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
             by_token_chunks(x, |_, rows| {
                 let h = ff.forward(&norm_modulate(rows, &m[3], &m[4])?)?;
                 gated(rows, h, &m[5])
             })
         };
-        Ok((
-            feed_forward(&self.ff, &hidden, &m)?,
-            feed_forward(&self.ff_context, &encoder, &c)?,
-        ))
+        if let Some(ff) = &self.ff {
+            hidden = feed_forward(ff, &hidden, carried(m.as_ref(), "video modulation")?)?;
+        }
+        if let Some(ff_context) = &self.ff_context {
+            encoder = feed_forward(
+                ff_context,
+                &encoder,
+                carried(c.as_ref(), "text modulation")?,
+            )?;
+        }
+        // The text feed-forward is the block's last step.
+        let carry = match self.ff_context {
+            Some(_) => Carry::None,
+            None => Carry::DualStream { video: m, text: c },
+        };
+        Ok(Streams {
+            video: hidden,
+            text: encoder,
+            carry,
+        })
     }
 }
 
 /// One single-stream block (diffusers `HunyuanVideoSingleTransformerBlock`): attention and MLP
-/// in parallel over the joint [video; text] sequence, one output projection.
+/// in parallel over the joint [video; text] sequence, one output projection; or some of its
+/// steps (see [`BlockStep`]).
 #[derive(Debug, Clone)]
 pub struct HunyuanVideoSingleTransformerBlock {
-    norm: Modulation,
-    qkv: QkvProjection,
-    proj_mlp: Linear,
-    proj_out: Linear,
+    /// `norm` (shift, scale, gate) and the attention's q/k/v.
+    attn: Option<(Modulation, QkvProjection)>,
+    /// `proj_mlp` and `proj_out`.
+    mlp: Option<(Linear, Linear)>,
 }
 
 impl HunyuanVideoSingleTransformerBlock {
     /// Loads one block; `vb` points at `single_transformer_blocks.{i}`.
     pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, vb, BlockKind::SingleStream.steps())
+    }
+
+    /// Loads only the weights of `steps`; `vb` points at `single_transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &HunyuanVideoTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
         cfg.validate()?;
         let dim = cfg.inner_dim();
         let mlp = cfg.mlp_dim();
         Ok(Self {
-            norm: Modulation::new(dim, 3, vb.pp("norm"))?,
-            qkv: QkvProjection::new(
-                cfg,
-                &vb.pp("attn"),
-                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-            )?,
-            proj_mlp: candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
-            proj_out: candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+            attn: steps
+                .contains(&BlockStep::SingleAttention)
+                .then(|| -> Result<_> {
+                    Ok((
+                        Modulation::new(dim, 3, vb.pp("norm"))?,
+                        QkvProjection::new(
+                            cfg,
+                            &vb.pp("attn"),
+                            ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                        )?,
+                    ))
+                })
+                .transpose()?,
+            mlp: steps
+                .contains(&BlockStep::SingleMlp)
+                .then(|| -> Result<_> {
+                    Ok((
+                        candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
+                        candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+                    ))
+                })
+                .transpose()?,
         })
     }
 
-    /// Runs the block on video `[B, N, inner]` and text `[B, L, inner]`; returns both streams.
-    pub fn forward(
-        &self,
-        hidden: &Tensor,
-        encoder: &Tensor,
-        inputs: &BlockInputs,
-    ) -> Result<(Tensor, Tensor)> {
-        let n_video = hidden.dim(1)?;
-        let x = Tensor::cat(&[hidden, encoder], 1)?;
-        // Chunks: shift, scale, gate.
-        let m = self.norm.forward(&inputs.temb)?;
-        let normed = norm_modulate(&x, &m[0], &m[1])?;
-
-        // q, k and v are dropped once attended.
-        let attn = {
-            let rope = (&inputs.rope_cos, &inputs.rope_sin);
-            let (q, k, v) = self.qkv.forward(&normed, Some(rope))?;
-            let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
-            merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?
+    /// Runs the block's steps on the streams; returns them with what later steps need.
+    pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let mut carry = match &streams.carry {
+            Carry::None => None,
+            Carry::SingleStream {
+                joint,
+                normed,
+                attn,
+                gate,
+            } => Some((joint.clone(), normed.clone(), attn.clone(), gate.clone())),
+            other => candle_core::bail!("a single-stream block step after {}", other.after()),
         };
-
+        let n_video = streams.video.dim(1)?;
+        if let Some((norm, qkv)) = &self.attn {
+            let x = Tensor::cat(&[&streams.video, &streams.text], 1)?;
+            // Chunks: shift, scale, gate.
+            let m = norm.forward(&inputs.temb)?;
+            let normed = norm_modulate(&x, &m[0], &m[1])?;
+            // q, k and v are dropped once attended.
+            let attn = {
+                let rope = (&inputs.rope_cos, &inputs.rope_sin);
+                let (q, k, v) = qkv.forward(&normed, Some(rope))?;
+                let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
+                merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?
+            };
+            carry = Some((x, normed, attn, m[2].clone()));
+        }
+        let Some((proj_mlp, proj_out)) = &self.mlp else {
+            let (joint, normed, attn, gate) = carried(carry, "attention")?;
+            return Ok(Streams {
+                video: streams.video.clone(),
+                text: streams.text.clone(),
+                carry: Carry::SingleStream {
+                    joint,
+                    normed,
+                    attn,
+                    gate,
+                },
+            });
+        };
+        let (x, normed, attn, gate) = carried(carry, "attention")?;
         // MLP in parallel with the attention, one output projection over both, by token chunks.
         let x = by_token_chunks(&x, |start, rows| {
             let len = rows.dim(1)?;
-            let mlp = self
-                .proj_mlp
-                .forward(&normed.narrow(1, start, len)?)?
-                .gelu()?;
+            let mlp = proj_mlp.forward(&normed.narrow(1, start, len)?)?.gelu()?;
             let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
-            gated(rows, self.proj_out.forward(&both)?, &m[2])
+            gated(rows, proj_out.forward(&both)?, &gate)
         })?;
         let total = x.dim(1)?;
-        Ok((
+        Ok(Streams::new(
             x.narrow(1, 0, n_video)?.contiguous()?,
             x.narrow(1, n_video, total - n_video)?.contiguous()?,
         ))
     }
 }
 
-/// A block of either kind, in execution order (what an engine streams).
+/// A block of any kind, in execution order (what an engine streams).
 #[derive(Debug, Clone)]
 pub enum HunyuanVideoBlock {
+    Refiner(RefinerBlock),
     DualStream(HunyuanVideoTransformerBlock),
     SingleStream(HunyuanVideoSingleTransformerBlock),
 }
 
 impl HunyuanVideoBlock {
-    /// Loads block `index` (execution order: dual-stream blocks first); `vb` is the model root.
+    /// Loads block `index` (execution order: refiner, dual-stream, single-stream blocks);
+    /// `vb` is the model root.
     pub fn new(cfg: &HunyuanVideoTransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, index, vb, cfg.block_kind(index)?.0.steps())
+    }
+
+    /// Loads only the weights of `steps` of block `index` (steps of its kind; see
+    /// [`BlockKind::steps`]); `vb` is the model root.
+    pub fn with_steps(
+        cfg: &HunyuanVideoTransformerConfig,
+        index: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        let kind = cfg.block_kind(index)?.0;
+        if let Some(step) = steps.iter().find(|s| !kind.steps().contains(s)) {
+            candle_core::bail!("{step:?} is not a step of a {kind:?} block");
+        }
         let block_vb = vb.pp(cfg.block_prefix(index)?);
-        Ok(match cfg.block_kind(index)?.0 {
-            BlockKind::DualStream => {
-                Self::DualStream(HunyuanVideoTransformerBlock::new(cfg, block_vb)?)
-            }
-            BlockKind::SingleStream => {
-                Self::SingleStream(HunyuanVideoSingleTransformerBlock::new(cfg, block_vb)?)
-            }
+        Ok(match kind {
+            BlockKind::Refiner => Self::Refiner(RefinerBlock::with_steps(cfg, block_vb, steps)?),
+            BlockKind::DualStream => Self::DualStream(HunyuanVideoTransformerBlock::with_steps(
+                cfg, block_vb, steps,
+            )?),
+            BlockKind::SingleStream => Self::SingleStream(
+                HunyuanVideoSingleTransformerBlock::with_steps(cfg, block_vb, steps)?,
+            ),
         })
     }
 
     /// The block's kind.
     pub fn kind(&self) -> BlockKind {
         match self {
+            Self::Refiner(_) => BlockKind::Refiner,
             Self::DualStream(_) => BlockKind::DualStream,
             Self::SingleStream(_) => BlockKind::SingleStream,
         }
     }
 
-    /// Runs the block on the (video, text) streams; returns both.
-    pub fn forward(
-        &self,
-        hidden: &Tensor,
-        encoder: &Tensor,
-        inputs: &BlockInputs,
-    ) -> Result<(Tensor, Tensor)> {
+    /// Runs the block (or its steps) on the streams: the refiner on the text alone, the
+    /// others on both.
+    pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
         match self {
-            Self::DualStream(b) => b.forward(hidden, encoder, inputs),
-            Self::SingleStream(b) => b.forward(hidden, encoder, inputs),
+            Self::Refiner(b) => b.forward(streams, inputs),
+            Self::DualStream(b) => b.forward(streams, inputs),
+            Self::SingleStream(b) => b.forward(streams, inputs),
         }
     }
 }
 
-/// One block of the token refiner (diffusers `HunyuanVideoIndividualTokenRefinerBlock`).
+/// The self-attention of a refiner block with its norm and both gates (`norm_out`).
 #[derive(Debug, Clone)]
-struct RefinerBlock {
+struct RefinerAttention {
+    /// gate_msa, gate_mlp.
+    norm_out: Modulation,
     norm1: AffineLayerNorm,
     to_q: Linear,
     to_k: Linear,
     to_v: Linear,
     to_out: Linear,
-    norm2: AffineLayerNorm,
-    ff: Mlp,
-    /// gate_msa, gate_mlp.
-    norm_out: Modulation,
     heads: usize,
 }
 
-impl RefinerBlock {
-    fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        let attn = vb.pp("attn");
-        Ok(Self {
-            norm1: AffineLayerNorm::new(dim, vb.pp("norm1"))?,
-            to_q: candle_nn::linear(dim, dim, attn.pp("to_q"))?,
-            to_k: candle_nn::linear(dim, dim, attn.pp("to_k"))?,
-            to_v: candle_nn::linear(dim, dim, attn.pp("to_v"))?,
-            to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
-            norm2: AffineLayerNorm::new(dim, vb.pp("norm2"))?,
-            ff: Mlp::feed_forward(dim, cfg.refiner_mlp_dim(), Act::Silu, vb.pp("ff"))?,
-            norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
-            heads: cfg.num_attention_heads,
-        })
-    }
-
-    /// `x` `[B, L, inner]`; `valid[b][j]` says whether text token j of entry b is real.
-    fn forward(&self, x: &Tensor, temb: &Tensor, valid: &[Vec<bool>]) -> Result<Tensor> {
+impl RefinerAttention {
+    /// `x` `[B, L, inner]` -> `to_out` of the attention over the valid text.
+    fn forward(&self, x: &Tensor, valid: &[Vec<bool>]) -> Result<Tensor> {
         let h = self.norm1.forward(x)?;
         let q = split_heads(&self.to_q.forward(&h)?, self.heads)?;
         let k = split_heads(&self.to_k.forward(&h)?, self.heads)?;
@@ -851,23 +1102,97 @@ impl RefinerBlock {
                     .where_cond(&out, &v.narrow(2, 0, 1)?.broadcast_as(out.shape())?)
             })
             .collect::<Result<Vec<_>>>()?;
-        let attn = self
-            .to_out
-            .forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)?;
-        let gates = self.norm_out.forward(temb)?;
-        let x = gated(x, attn, &gates[0])?;
-        let ff = self.ff.forward(&self.norm2.forward(&x)?)?;
-        gated(&x, ff, &gates[1])
+        self.to_out.forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)
     }
 }
 
-/// The text token refiner (diffusers `HunyuanVideoTokenRefiner`, the `context_embedder`).
+/// One block of the token refiner (diffusers `HunyuanVideoIndividualTokenRefinerBlock`), or
+/// some of its steps (see [`BlockStep`]); it runs on the text stream alone.
+#[derive(Debug, Clone)]
+pub struct RefinerBlock {
+    attn: Option<RefinerAttention>,
+    /// `norm2` and the feed-forward.
+    ff: Option<(AffineLayerNorm, Mlp)>,
+}
+
+impl RefinerBlock {
+    /// Loads only the weights of `steps`; `vb` points at
+    /// `context_embedder.token_refiner.refiner_blocks.{i}`.
+    fn with_steps(
+        cfg: &HunyuanVideoTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let attn = vb.pp("attn");
+        Ok(Self {
+            attn: steps
+                .contains(&BlockStep::RefinerAttention)
+                .then(|| -> Result<_> {
+                    Ok(RefinerAttention {
+                        norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
+                        norm1: AffineLayerNorm::new(dim, vb.pp("norm1"))?,
+                        to_q: candle_nn::linear(dim, dim, attn.pp("to_q"))?,
+                        to_k: candle_nn::linear(dim, dim, attn.pp("to_k"))?,
+                        to_v: candle_nn::linear(dim, dim, attn.pp("to_v"))?,
+                        to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
+                        heads: cfg.num_attention_heads,
+                    })
+                })
+                .transpose()?,
+            ff: steps
+                .contains(&BlockStep::RefinerFeedForward)
+                .then(|| -> Result<_> {
+                    Ok((
+                        AffineLayerNorm::new(dim, vb.pp("norm2"))?,
+                        Mlp::feed_forward(dim, cfg.refiner_mlp_dim(), Act::Silu, vb.pp("ff"))?,
+                    ))
+                })
+                .transpose()?,
+        })
+    }
+
+    /// Runs the block's steps on the text stream (`inputs.text_valid` masks it); the video
+    /// stream passes.
+    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let mut gate_mlp = match &streams.carry {
+            Carry::None => None,
+            Carry::Refiner { gate_mlp } => Some(gate_mlp.clone()),
+            other => candle_core::bail!("a refiner block step after {}", other.after()),
+        };
+        let mut x = streams.text.clone();
+        if let Some(attn) = &self.attn {
+            let out = attn.forward(&x, &inputs.text_valid)?;
+            let gates = attn.norm_out.forward(&inputs.refiner_temb)?;
+            x = gated(&x, out, &gates[0])?;
+            gate_mlp = Some(gates[1].clone());
+        }
+        let carry = match &self.ff {
+            Some((norm2, ff)) => {
+                let gate = carried(gate_mlp, "gate_mlp")?;
+                x = gated(&x, ff.forward(&norm2.forward(&x)?)?, &gate)?;
+                Carry::None
+            }
+            None => Carry::Refiner {
+                gate_mlp: carried(gate_mlp, "gate_mlp")?,
+            },
+        };
+        Ok(Streams {
+            video: streams.video.clone(),
+            text: x,
+            carry,
+        })
+    }
+}
+
+/// The text token refiner's embedders (diffusers `HunyuanVideoTokenRefiner`, the
+/// `context_embedder`, without its blocks, which are blocks of the model).
 #[derive(Debug, Clone)]
 struct TokenRefiner {
     timestep_embedder: Mlp,
     text_embedder: Mlp,
     proj_in: Linear,
-    blocks: Vec<RefinerBlock>,
 }
 
 impl TokenRefiner {
@@ -878,20 +1203,12 @@ impl TokenRefiner {
             timestep_embedder: Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("timestep_embedder"))?,
             text_embedder: Mlp::embedder(cfg.text_embed_dim, dim, tvb.pp("text_embedder"))?,
             proj_in: candle_nn::linear(cfg.text_embed_dim, dim, vb.pp("proj_in"))?,
-            blocks: (0..cfg.num_refiner_layers)
-                .map(|i| RefinerBlock::new(cfg, vb.pp(format!("token_refiner.refiner_blocks.{i}"))))
-                .collect::<Result<_>>()?,
         })
     }
 
-    /// `text` `[B, L, text_dim]`, `mask` `[B, L]` f32 0/1, `t_proj` the sinusoidal timestep.
-    fn forward(
-        &self,
-        text: &Tensor,
-        mask: &Tensor,
-        t_proj: &Tensor,
-        valid: &[Vec<bool>],
-    ) -> Result<Tensor> {
+    /// `text` `[B, L, text_dim]`, `mask` `[B, L]` f32 0/1, `t_proj` the sinusoidal timestep:
+    /// the refiner blocks' conditioning `[B, inner]` and their input `[B, L, inner]`.
+    fn prepare(&self, text: &Tensor, mask: &Tensor, t_proj: &Tensor) -> Result<(Tensor, Tensor)> {
         // Mask-weighted mean of the raw text embeddings, in f32.
         let m = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
         let pooled = text
@@ -904,11 +1221,7 @@ impl TokenRefiner {
             .timestep_embedder
             .forward(&t_proj.to_dtype(text.dtype())?)?
             + self.text_embedder.forward(&pooled)?)?;
-        let mut x = self.proj_in.forward(text)?;
-        for block in &self.blocks {
-            x = block.forward(&x, &temb, valid)?;
-        }
-        Ok(x)
+        Ok((temb, self.proj_in.forward(text)?))
     }
 }
 
@@ -1029,7 +1342,8 @@ impl HunyuanVideoTransformer3DModel {
         &self.cfg
     }
 
-    /// The loaded blocks, dual-stream then single-stream (empty after `new_without_blocks`).
+    /// The loaded blocks, refiner, dual-stream then single-stream (empty after
+    /// `new_without_blocks`).
     pub fn blocks(&self) -> &[HunyuanVideoBlock] {
         &self.blocks
     }
@@ -1119,7 +1433,7 @@ impl HunyuanVideoTransformer3DModel {
             temb = (temb + embedder.forward(&g_proj.to_dtype(self.dtype)?)?)?;
         }
 
-        // Text: token refiner under the padding mask.
+        // Text: the token refiner's conditioning and input; its blocks run with the others.
         let mask_rows = encoder_attention_mask
             .to_dtype(DType::F32)?
             .to_device(&Device::Cpu)?
@@ -1135,21 +1449,21 @@ impl HunyuanVideoTransformer3DModel {
         if text_lens.iter().any(|&l| l > len) {
             candle_core::bail!("encoder_attention_mask holds values other than 0 and 1");
         }
-        let encoder_hidden_states = self.context_embedder.forward(
+        let (refiner_temb, text) = self.context_embedder.prepare(
             &encoder_hidden_states.to_dtype(self.dtype)?,
             &encoder_attention_mask.to_device(device)?,
             &t_proj,
-            &valid,
         )?;
 
         let (rope_cos, rope_sin) = rope_tables(cfg, grid, device)?;
         Ok(BlockInputs {
-            hidden_states: Some(hidden_states),
-            encoder_hidden_states: Some(encoder_hidden_states),
+            streams: Some(Streams::new(hidden_states, text)),
             temb,
+            refiner_temb,
             rope_cos,
             rope_sin,
             text_lens,
+            text_valid: valid,
             batch: b,
             grid,
         })
@@ -1195,11 +1509,11 @@ impl HunyuanVideoTransformer3DModel {
             pooled_projections,
             guidance,
         )?;
-        let (mut hidden, mut encoder) = inputs.take_streams()?;
+        let mut streams = inputs.take_streams()?;
         for block in &self.blocks {
-            (hidden, encoder) = block.forward(&hidden, &encoder, &inputs)?;
+            streams = block.forward(&streams, &inputs)?;
         }
-        self.finish(&hidden, &inputs)
+        self.finish(&streams.video, &inputs)
     }
 }
 
@@ -1222,6 +1536,88 @@ mod tests {
         assert_eq!(diff, 0.0);
         Ok(())
     }
+
+    /// Every kind of block of `cfg` with random bf16 weights on `dev`, run whole and one step
+    /// at a time (each step built on its own, as leaf-level streaming builds it), on `video`
+    /// video tokens and `text` text tokens of which the last 8 are padding: both streams come
+    /// out bit-identical.
+    pub(super) fn steps_match_whole_blocks(
+        cfg: &HunyuanVideoTransformerConfig,
+        dev: &Device,
+        video: usize,
+        text: usize,
+    ) -> Result<()> {
+        let randn = |shape: &[usize], std: f32| -> Result<Tensor> {
+            Tensor::randn(0f32, std, shape, dev)?.to_dtype(DType::BF16)
+        };
+        let map = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::BF16, dev);
+        let dim = cfg.inner_dim();
+        let half = cfg.attention_head_dim / 2;
+        let angles = Tensor::rand(0f32, 6.3, (video, half), dev)?;
+        let valid = (0..text).map(|j| j + 8 < text).collect::<Vec<_>>();
+        let inputs = BlockInputs {
+            streams: None,
+            temb: randn(&[1, dim], 1.0)?,
+            refiner_temb: randn(&[1, dim], 1.0)?,
+            rope_cos: angles.cos()?,
+            rope_sin: angles.sin()?,
+            text_lens: vec![text - 8],
+            text_valid: vec![valid],
+            batch: 1,
+            grid: [1, 1, video],
+        };
+        let first = |kind| {
+            (0..cfg.num_blocks())
+                .find(|&i| cfg.block_kind(i).ok().map(|k| k.0) == Some(kind))
+                .expect("every kind has a block")
+        };
+        for kind in BlockKind::ALL {
+            let i = first(kind);
+            let whole = HunyuanVideoBlock::new(cfg, i, vb.clone())?;
+            // The VarMap's init leaves norms and biases plain: draw them too.
+            for (name, var) in map.data().lock().expect("varmap lock").iter() {
+                if (name.contains("norm") && !name.contains("linear")) || name.ends_with("bias") {
+                    var.set(&randn(var.dims(), 0.5)?)?;
+                }
+            }
+            let streams = Streams::new(randn(&[1, video, dim], 1.0)?, randn(&[1, text, dim], 1.0)?);
+            let want = whole.forward(&streams, &inputs)?;
+            let mut got = streams;
+            for step in kind.steps() {
+                let part = HunyuanVideoBlock::with_steps(cfg, i, vb.clone(), &[*step])?;
+                got = part.forward(&got, &inputs)?;
+            }
+            assert!(!got.mid_block(), "{kind:?}");
+            for (a, b, what) in [
+                (&got.video, &want.video, "video"),
+                (&got.text, &want.text, "text"),
+            ] {
+                let diff = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{kind:?} {what}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn steps_match_whole_blocks_in_bf16() -> Result<()> {
+        let cfg = HunyuanVideoTransformerConfig {
+            num_attention_heads: 2,
+            attention_head_dim: 16,
+            rope_axes_dim: vec![4, 6, 6],
+            text_embed_dim: 32,
+            pooled_projection_dim: 24,
+            num_layers: 1,
+            num_single_layers: 1,
+            num_refiner_layers: 1,
+            ..Default::default()
+        };
+        steps_match_whole_blocks(&cfg, &Device::Cpu, 60, 20)
+    }
 }
 
 #[cfg(all(test, feature = "cuda"))]
@@ -1238,6 +1634,16 @@ mod cuda_tests {
     const HEADS: usize = 24;
     const VIDEO: usize = 17 * 30 * 40;
     const TEXT: usize = 256;
+
+    /// The fused paths run block by block and step by step give the same bits.
+    #[test]
+    fn steps_match_whole_blocks_on_the_fused_path() -> Result<()> {
+        let Some(dev) = device("HunyuanVideo block steps") else {
+            return Ok(());
+        };
+        let cfg = HunyuanVideoTransformerConfig::default();
+        super::tests::steps_match_whole_blocks(&cfg, &dev, 17 * 30 * 4, TEXT)
+    }
 
     #[test]
     fn norm_modulate_matches_composite() -> Result<()> {
