@@ -82,7 +82,10 @@ fn defaults_follow_fastvideo_and_diffusers() {
     }
     assert_eq!(c["offload_type"], "block-level");
     assert_eq!(c["num_blocks_per_group"], 1);
-    assert_eq!(c["prefetch_depth"], 1);
+    assert!(
+        c["prefetch_depth"].is_null(),
+        "unset: 1, or for leaf level as many steps as make a block"
+    );
     assert_eq!(c["model"], "Wan-AI/Wan2.1-T2V-1.3B-Diffusers");
     assert_eq!(
         (c["height"].as_u64(), c["width"].as_u64()),
@@ -749,7 +752,10 @@ fn help_documents_every_flag_with_its_default() {
         ("--offload-type", "block-level"),
         ("--num-blocks-per-group", "1"),
         ("--offload-stream", "true"),
-        ("--prefetch-depth", "1"),
+        (
+            "--prefetch-depth",
+            "1; leaf level: as many steps as make a block",
+        ),
         ("--model-cpu-offload", "false"),
         ("--sequential-cpu-offload", "false"),
         ("--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),

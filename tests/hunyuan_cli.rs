@@ -283,10 +283,17 @@ fn streamed_dit_keeps_only_the_embedders_and_leaf_level_moves_block_steps() {
     // GiB with the refiner resident.
     let block = dit_weight_bytes(&[]) as f64 / GIB;
     assert!((1.3..1.5).contains(&block), "block level {block:.3} GiB");
-    // Leaf level: the embedders plus two slots of the largest step (single-stream proj_mlp +
-    // proj_out, 0.17 GB); as much as block level where blocks have no steps.
+    // Leaf level: the embedders plus four slots of the largest step (single-stream proj_mlp +
+    // proj_out, 0.17 GB): the copy stream runs three steps ahead, as many as make the largest
+    // block; less than block level's two whole blocks.
     let leaf = dit_weight_bytes(&["--offload-type", "leaf-level"]) as f64 / GIB;
-    assert!((0.4..0.55).contains(&leaf), "leaf level {leaf:.3} GiB");
+    assert!((0.75..0.85).contains(&leaf), "leaf level {leaf:.3} GiB");
+    // At depth 1 (one step ahead): two slots.
+    let leaf = dit_weight_bytes(&["--offload-type", "leaf-level", "--prefetch-depth", "1"]);
+    assert!(
+        (0.4..0.55).contains(&(leaf as f64 / GIB)),
+        "leaf level, depth 1"
+    );
 }
 
 #[test]

@@ -111,9 +111,10 @@ pub struct GenerateOptions {
     /// Prefetch groups on a dedicated copy stream (off: synchronous copies).
     #[arg(long = "[no-]offload-stream", alias = "offload-stream", help_heading = "Group offload (diffusers)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub offload_stream: bool,
-    /// How many groups ahead the copy stream runs.
-    #[arg(long, help_heading = "Group offload (diffusers)", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
-    pub prefetch_depth: u32,
+    /// How many groups ahead the copy stream runs [default: 1; leaf level: as many steps as
+    /// make a block].
+    #[arg(long, help_heading = "Group offload (diffusers)", value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    pub prefetch_depth: Option<u32>,
     /// diffusers' enable_model_cpu_offload: whole components move to the GPU in pipeline order.
     #[arg(long = "[no-]model-cpu-offload", alias = "model-cpu-offload", help_heading = "Group offload (diffusers)", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub model_cpu_offload: bool,

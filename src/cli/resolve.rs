@@ -274,7 +274,7 @@ pub fn memory_options(o: &GenerateOptions) -> MemoryOptions {
         leaf_level: o.offload_type == OffloadType::LeafLevel,
         num_blocks_per_group: o.num_blocks_per_group as usize,
         offload_stream: o.offload_stream,
-        prefetch_depth: o.prefetch_depth as usize,
+        prefetch_depth: o.prefetch_depth.map(|d| d as usize),
         model_cpu_offload: o.model_cpu_offload,
         sequential_cpu_offload: o.sequential_cpu_offload,
         vae_tiling: o.vae_tiling,

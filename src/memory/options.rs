@@ -31,7 +31,9 @@ pub struct MemoryOptions {
     pub num_blocks_per_group: usize,
     /// Prefetch on a copy stream (off: synchronous copies).
     pub offload_stream: bool,
-    pub prefetch_depth: usize,
+    /// Groups the copy stream runs ahead; `None`: 1, and for step-by-step streaming as many
+    /// steps as make a block.
+    pub prefetch_depth: Option<usize>,
     /// diffusers' whole-component offload.
     pub model_cpu_offload: bool,
     /// diffusers' sequential offload: step by step, synchronous copies.
@@ -41,6 +43,12 @@ pub struct MemoryOptions {
 }
 
 impl MemoryOptions {
+    /// Whole blocks (or groups, or gathered FSDP blocks) the copy stream runs ahead: as asked,
+    /// else 1.
+    pub fn block_depth(&self) -> usize {
+        self.prefetch_depth.unwrap_or(1)
+    }
+
     /// Whether components load late and free early (after the device rules: `auto` is off).
     pub fn lazy(&self) -> bool {
         self.lazy_module_load == Some(true)

@@ -844,7 +844,7 @@ impl GpuPlan {
                             "{} (1/{} of every block + {} gathered)",
                             c.name,
                             groups.sp,
-                            config.memory.prefetch_depth + 1
+                            config.memory.block_depth() + 1
                         ),
                         _ => c.name.to_string(),
                     })

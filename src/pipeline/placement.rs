@@ -32,15 +32,18 @@ impl Placement {
     /// synchronously, one step at a time, and parks the rest; `--model-cpu-offload` parks
     /// every component whole; otherwise each follows its role's flag (for DiTs,
     /// `--dit-layerwise-offload` over `--dit-cpu-offload`). Streaming step by step applies
-    /// where a model's blocks have steps, and copies as many steps ahead as fit in a block.
+    /// where a model's blocks have steps, and (unless `--prefetch-depth` says otherwise)
+    /// copies as many steps ahead as make a block.
     pub fn new(o: &MemoryOptions, spec: &PipelineSpec) -> Self {
         let residencies = spec
             .components
             .iter()
             .map(|c| {
-                role_residency(o, c.role)
-                    .for_steps(c.constructors.steps())
-                    .with_steps_ahead(c.constructors.steps_ahead_in_a_block())
+                let residency = role_residency(o, c.role).for_steps(c.constructors.steps());
+                match o.prefetch_depth {
+                    Some(_) => residency,
+                    None => residency.with_steps_ahead(c.constructors.steps_ahead_in_a_block()),
+                }
             })
             .collect();
         let memory = match (o.max_pinned_memory, o.pin_cpu_memory) {
@@ -116,7 +119,7 @@ fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
     }
     let layerwise = streamed(
         o.offload_stream,
-        o.prefetch_depth,
+        o.block_depth(),
         o.num_blocks_per_group,
         o.leaf_level,
     );

@@ -177,7 +177,7 @@ impl<'a> Planner<'a> {
             by_step: false,
             options: StreamOptions {
                 stream: true,
-                depth: o.prefetch_depth,
+                depth: o.block_depth(),
             },
         };
         let layout = spec.components[index]
@@ -189,7 +189,7 @@ impl<'a> Planner<'a> {
         } else {
             shard_bytes(&blocks, rank, ranks) as u64
         };
-        let gathered = (o.prefetch_depth + 1).min(blocks.len()) as u64
+        let gathered = (o.block_depth() + 1).min(blocks.len()) as u64
             * blocks.iter().copied().max().unwrap_or(0) as u64;
         let outer = layout.direct_bytes as u64;
         Ok(DeviceWeights {

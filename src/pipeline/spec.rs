@@ -60,7 +60,7 @@ impl Role {
 pub trait Constructors: Send + Sync {
     /// How many steps a block splits into for step-by-step streaming (1: it cannot).
     fn steps(&self) -> usize;
-    /// How many of a block's largest steps make the bytes of a whole block (rounded), less the
+    /// How many of the largest steps make the bytes of the largest block (rounded), less the
     /// one computing: how far ahead step-by-step streaming can copy while holding about a
     /// block (0 without steps).
     fn steps_ahead_in_a_block(&self) -> usize;
@@ -89,17 +89,19 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
                 .map(|layout| layout.bytes)
                 .unwrap_or(0)
         };
-        let steps = M::steps(cfg);
-        if steps < 2 || M::num_blocks(cfg) == 0 {
+        if M::steps(cfg) < 2 {
             return 0;
         }
-        let block = bytes(&|vb| M::block(cfg, 0, vb).map(drop));
-        let largest = (0..steps)
-            .map(|s| bytes(&|vb| M::block_step(cfg, 0, s, vb).map(drop)))
-            .max()
-            .unwrap_or(0);
+        // The largest block, and the largest step of any block (the slot size).
+        let (mut block, mut step) = (0, 0);
+        for i in 0..M::num_blocks(cfg) {
+            block = block.max(bytes(&|vb| M::block(cfg, i, vb).map(drop)));
+            for s in 0..M::block_steps(cfg, i) {
+                step = step.max(bytes(&|vb| M::block_step(cfg, i, s, vb).map(drop)));
+            }
+        }
         // Rounded: each modulated step repeats the block's small modulation table.
-        ((block + largest / 2) / largest.max(1)).saturating_sub(1)
+        ((block + step / 2) / step.max(1)).saturating_sub(1)
     }
 
     fn layout(

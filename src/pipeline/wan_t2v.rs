@@ -990,7 +990,7 @@ impl WanT2V {
             dtype,
             &self.device,
             m.dit_cpu_offload,
-            m.prefetch_depth,
+            m.block_depth(),
         )?;
         self.progress.note(&format!(
             "transformer: FSDP, 1/{ranks} of every block on this GPU{}",
