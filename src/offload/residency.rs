@@ -141,6 +141,9 @@ pub struct ComponentLayout {
     /// The groups the engine moves: one (the whole component) when parked, one per group of
     /// blocks or block steps when streamed, none otherwise.
     pub groups: Vec<GroupLayout>,
+    /// Streamed: the outer part (`direct_bytes`) waits in host memory between stages, as it
+    /// does unless it keeps tensors there.
+    pub outer_parked: bool,
 }
 
 /// Device weight bytes of a component while its stage runs and while it waits loaded.
@@ -153,8 +156,9 @@ pub struct DeviceWeights {
 impl ComponentLayout {
     /// What the engine allocates on the device for this layout under `residency`: resident
     /// weights stay; a parked component comes in whole (its group image) for its stage;
-    /// streamed groups pass through [`slot_count`] slots that stay allocated between passes,
-    /// or, without a copy stream, one group at a time in fresh memory.
+    /// streamed groups pass through [`slot_count`] slots that stay allocated between the passes
+    /// of a stage, or, without a copy stream, one group at a time in fresh memory; between
+    /// stages a streamed component holds only an outer part that is not parked.
     pub fn device_weights(&self, residency: Residency) -> DeviceWeights {
         let direct = self.direct_bytes as u64;
         match residency {
@@ -189,7 +193,7 @@ impl ComponentLayout {
                 let computing = if slots > 0 { held } else { largest };
                 DeviceWeights {
                     active: direct.saturating_add(computing),
-                    idle: direct.saturating_add(held),
+                    idle: if self.outer_parked { 0 } else { direct },
                 }
             }
         }
@@ -217,6 +221,35 @@ mod tests {
         assert_eq!(slot_count(40, streamed(2, false)), 0);
         assert_eq!(prefetch_depth(1, streamed(4, true)), 0);
         assert_eq!(prefetch_depth(10, streamed(0, true)), 1);
+    }
+
+    /// Between its stages a streamed component holds its outer part only when that is not
+    /// parked (its slots go back when a stage ends); during a stage, the outer part and slots.
+    #[test]
+    fn streamed_components_hold_nothing_between_stages_unless_their_outer_part_stays() {
+        let group = super::super::group::record(
+            None,
+            candle_core::DType::F32,
+            super::super::group::Packing::ByDtype,
+            |vb| vb.get(1000, "w"),
+        )
+        .unwrap();
+        let streamed = Residency::Streamed {
+            blocks_per_group: 1,
+            by_step: false,
+            options: streamed(1, true),
+        };
+        for outer_parked in [true, false] {
+            let layout = ComponentLayout {
+                direct_bytes: 10,
+                groups: vec![group.clone(); 4],
+                outer_parked,
+            };
+            let slot: usize = slot_sections(&layout.groups).iter().map(|s| s.1).sum();
+            let weights = layout.device_weights(streamed);
+            assert_eq!(weights.active, 10 + 2 * slot as u64);
+            assert_eq!(weights.idle, if outer_parked { 0 } else { 10 });
+        }
     }
 
     /// Step streaming runs at least `ahead` steps ahead (more when asked); block streaming

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::sync_channel;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 /// Builds group `i` (e.g. a run of transformer blocks) from a `VarBuilder` over its device copies.
 pub type BuildGroup<B> =
@@ -54,8 +54,9 @@ pub struct Offloaded<B> {
     options: StreamOptions,
     /// The first groups of the next pass, prefetched while the last ones computed.
     pending: Mutex<VecDeque<Uploaded>>,
-    /// Device slots for streamed groups ([`slot_count`]), made on the first pass.
-    slots: OnceLock<Vec<DeviceSlot>>,
+    /// Device slots for streamed groups ([`slot_count`]), made on the first pass after each
+    /// [`Self::release`].
+    slots: Mutex<Option<Arc<Vec<DeviceSlot>>>>,
     /// Uploads so far: upload k goes to slot k mod the slot count.
     uploads: AtomicUsize,
 }
@@ -112,7 +113,7 @@ impl<B> Offloaded<B> {
                 ..options
             },
             pending: Mutex::new(VecDeque::new()),
-            slots: OnceLock::new(),
+            slots: Mutex::new(None),
             uploads: AtomicUsize::new(0),
         }
     }
@@ -126,8 +127,8 @@ impl<B> Offloaded<B> {
             options: self.options,
         };
         let layout = ComponentLayout {
-            direct_bytes: 0,
             groups: self.layouts(),
+            ..Default::default()
         };
         Usage {
             copies: self.transfer.stats(),
@@ -174,16 +175,22 @@ impl<B> Offloaded<B> {
             return Ok(());
         }
         let depth = prefetch_depth(n, self.options);
-        let slots = match self.slots.get() {
-            Some(slots) => slots,
-            None => {
-                let made = self
-                    .transfer
-                    .slots(&self.store, slot_count(n, self.options))?;
-                self.slots.get_or_init(|| made)
+        let poisoned = || anyhow::anyhow!("offload state poisoned");
+        let slots = {
+            let mut kept = self.slots.lock().map_err(|_| poisoned())?;
+            match &*kept {
+                Some(slots) => slots.clone(),
+                None => {
+                    let made = Arc::new(
+                        self.transfer
+                            .slots(&self.store, slot_count(n, self.options))?,
+                    );
+                    *kept = Some(made.clone());
+                    made
+                }
             }
         };
-        let poisoned = || anyhow::anyhow!("offload state poisoned");
+        let slots = &*slots;
         let mut ready = std::mem::take(&mut *self.pending.lock().map_err(|_| poisoned())?);
         let first_missing = ready.len();
         // A copy thread uploads in order: the rest of this pass, then the first `depth` groups
@@ -242,6 +249,19 @@ impl<B> Offloaded<B> {
             result
         })?;
         *self.pending.lock().map_err(|_| poisoned())? = ready;
+        Ok(())
+    }
+}
+
+impl<B> Offloaded<B> {
+    /// Gives the device slots back, with the next pass's groups prefetched into them: between
+    /// its stages the part holds no device memory (the next pass makes slots again).
+    pub fn release(&self) -> Result<()> {
+        // Prefetches may still be copying into the slots.
+        self.transfer.wait_idle()?;
+        let poisoned = || anyhow::anyhow!("offload state poisoned");
+        self.pending.lock().map_err(|_| poisoned())?.clear();
+        *self.slots.lock().map_err(|_| poisoned())? = None;
         Ok(())
     }
 }

@@ -5,7 +5,8 @@
 use super::spec::{GroupPlan, PipelineSpec, Role};
 use crate::memory::MemoryOptions;
 use crate::offload::{
-    build_resident, record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage,
+    build_resident, record, HostMemory, Offloaded, Packing, Recording, Residency, StreamOptions,
+    Usage,
 };
 use crate::parallel::collective::Collective;
 use crate::parallel::fsdp::{FlatShard, Home, ShardedBlocks};
@@ -207,12 +208,34 @@ pub enum Placed<M: Blockwise> {
     Resident(M),
     Parked(Offloaded<M>),
     Streamed {
-        outer: M,
+        outer: OuterPart<M>,
         blocks: Offloaded<Vec<M::Block>>,
     },
     /// FSDP (`--use-fsdp-inference` on several GPUs): the outer part on the device, every block
     /// as this rank's flat shard, gathered before it runs.
     Sharded(Sharded<M>),
+}
+
+/// The outer (non-block) part of a streamed component.
+pub enum OuterPart<M> {
+    /// On the device while the component is loaded: it keeps tensors in host memory (a token
+    /// table) that its device part works with.
+    Resident(M),
+    /// In host memory, moved in for each stage like a parked component: between its stages a
+    /// streamed component holds nothing on the device.
+    Parked(Box<Offloaded<M>>),
+}
+
+/// Whether `M`'s outer part keeps tensors in host memory (a text encoder's token table): such
+/// an outer part stays on the device; any other moves in for its stages only.
+pub fn outer_keeps_host_tensors<M: Blockwise>(cfg: &M::Config, dtype: DType) -> Result<bool> {
+    let (device, host) = (Recording::default(), Recording::default());
+    drop(M::outer(
+        cfg,
+        device.var_builder(None, dtype),
+        host.var_builder(None, dtype),
+    )?);
+    Ok(host.layout(Packing::PerTensor)?.tensor_bytes() > 0)
 }
 
 /// A component whose blocks are FSDP flat shards.
@@ -229,7 +252,8 @@ pub struct Sharded<M: Blockwise> {
 
 impl<M: Blockwise> Placed<M> {
     /// Builds the component from `weights` as `residency` says (`OnCpu` builds it in f32 on
-    /// the CPU; the outer part of a streamed component stays on the device).
+    /// the CPU; the outer part of a streamed component waits in host memory too unless it
+    /// keeps tensors there, see [`OuterPart`]).
     pub fn load(
         cfg: &M::Config,
         weights: &WeightSet,
@@ -269,9 +293,28 @@ impl<M: Blockwise> Placed<M> {
                 by_step,
                 options,
             } => {
-                let outer = build_resident(weights, dtype, device, |vb, host_vb| {
-                    M::outer(cfg, vb, host_vb)
-                })?;
+                let outer = if outer_keeps_host_tensors::<M>(cfg, dtype)? {
+                    OuterPart::Resident(build_resident(weights, dtype, device, |vb, host_vb| {
+                        M::outer(cfg, vb, host_vb)
+                    })?)
+                } else {
+                    let cfg = cfg.clone();
+                    // The outer part asks nothing of host memory: an empty `VarBuilder` there.
+                    let nothing = VarBuilder::zeros(dtype, &Device::Cpu);
+                    OuterPart::Parked(Box::new(Offloaded::from_weights(
+                        weights,
+                        1,
+                        Packing::PerTensor,
+                        move |_, vb| M::outer(&cfg, vb, nothing.clone()),
+                        dtype,
+                        device,
+                        memory,
+                        StreamOptions {
+                            stream: false,
+                            depth: 1,
+                        },
+                    )?))
+                };
                 let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
                 let blocks = Offloaded::from_weights(
                     weights,
@@ -346,8 +389,14 @@ impl<M: Blockwise> Placed<M> {
     /// moved out when the returned value drops).
     pub fn hold(&self) -> Result<Held<'_, M>> {
         Ok(match self {
-            Placed::Resident(m) => Held::Borrowed(m, None),
-            Placed::Streamed { outer, blocks } => Held::Borrowed(outer, Some(blocks)),
+            Placed::Resident(m) => Held::Borrowed(m),
+            Placed::Streamed { outer, blocks } => Held::Streamed {
+                outer: match outer {
+                    OuterPart::Resident(m) => HeldOuter::Borrowed(m),
+                    OuterPart::Parked(parked) => HeldOuter::Moved(parked.fetch(0)?),
+                },
+                blocks,
+            },
             Placed::Parked(offloaded) => Held::Moved(offloaded.fetch(0)?),
             Placed::Sharded(sharded) => Held::Sharded(sharded),
         })
@@ -358,27 +407,65 @@ impl<M: Blockwise> Placed<M> {
         match self {
             Placed::Resident(_) | Placed::Sharded(_) => None,
             Placed::Parked(o) => Some(o.usage()),
-            Placed::Streamed { blocks, .. } => Some(blocks.usage()),
+            Placed::Streamed { outer, blocks } => {
+                let mut usage = blocks.usage();
+                if let OuterPart::Parked(parked) = outer {
+                    let outer = parked.usage();
+                    usage.pinned_bytes += outer.pinned_bytes;
+                    usage.host_bytes += outer.host_bytes;
+                }
+                Some(usage)
+            }
         }
     }
 }
 
 /// A component held for a stage.
 pub enum Held<'a, M: Blockwise> {
-    /// Resident (with its streamed blocks, if any).
-    Borrowed(&'a M, Option<&'a Offloaded<Vec<M::Block>>>),
+    /// Resident.
+    Borrowed(&'a M),
     /// Moved in from host memory for this stage (its device memory is freed on drop).
     Moved(M),
+    /// Blocks streamed through the device; their slots are given back on drop.
+    Streamed {
+        outer: HeldOuter<'a, M>,
+        blocks: &'a Offloaded<Vec<M::Block>>,
+    },
     /// FSDP flat shards, each block gathered for its turn.
     Sharded(&'a Sharded<M>),
+}
+
+/// A streamed component's outer part for a stage.
+pub enum HeldOuter<'a, M> {
+    Borrowed(&'a M),
+    /// Moved in for this stage.
+    Moved(M),
+}
+
+impl<M: Blockwise> Drop for Held<'_, M> {
+    /// The stage is over: a streamed component's slots go back (errors are the copy stream's,
+    /// which the stage's own work has already met).
+    fn drop(&mut self) {
+        if let Held::Streamed { blocks, .. } = self {
+            blocks.release().ok();
+        }
+    }
 }
 
 impl<M: Blockwise> Held<'_, M> {
     /// The model (its outer part when streamed).
     pub fn model(&self) -> &M {
         match self {
-            Held::Borrowed(m, _) => m,
+            Held::Borrowed(m) => m,
             Held::Moved(m) => m,
+            Held::Streamed {
+                outer: HeldOuter::Borrowed(m),
+                ..
+            } => m,
+            Held::Streamed {
+                outer: HeldOuter::Moved(m),
+                ..
+            } => m,
             Held::Sharded(s) => &s.outer,
         }
     }
@@ -408,7 +495,7 @@ impl<M: Blockwise> Held<'_, M> {
         mut f: impl FnMut(&M::Block) -> Result<()>,
     ) -> Result<()> {
         match self {
-            Held::Borrowed(_, Some(blocks)) => blocks.for_each(|group| {
+            Held::Streamed { blocks, .. } => blocks.for_each(|group| {
                 for block in group {
                     f(block)?;
                 }

@@ -3,7 +3,7 @@
 //! hold). The runner, the placement, the memory plan, the out-of-memory advice, the dry run and
 //! the stats read only this, so a new family adds no code to any of them.
 
-use super::placement::Blockwise;
+use super::placement::{outer_keeps_host_tensors, Blockwise};
 use crate::offload::{ComponentLayout, GroupLayout, Packing, Recording, Residency};
 use crate::weights::WeightSet;
 use anyhow::Result;
@@ -120,12 +120,12 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
         Ok(match residency.for_steps(M::steps(cfg)) {
             Residency::Resident => ComponentLayout {
                 direct_bytes: whole()?.tensor_bytes(),
-                groups: Vec::new(),
+                ..Default::default()
             },
             Residency::OnCpu => ComponentLayout::default(),
             Residency::Parked => ComponentLayout {
-                direct_bytes: 0,
                 groups: vec![whole()?],
+                ..Default::default()
             },
             Residency::Streamed {
                 blocks_per_group,
@@ -145,6 +145,7 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
                     groups: (0..groups.count)
                         .map(|g| record(Packing::ByDtype, &|vb| groups.build(g, vb).map(drop)))
                         .collect::<Result<_>>()?,
+                    outer_parked: !outer_keeps_host_tensors::<M>(cfg, dtype)?,
                 }
             }
         })
