@@ -238,6 +238,30 @@ pub fn outer_keeps_host_tensors<M: Blockwise>(cfg: &M::Config, dtype: DType) -> 
     Ok(host.layout(Packing::PerTensor)?.tensor_bytes() > 0)
 }
 
+/// What `build` makes, held in host memory as one group and moved in whole when fetched.
+fn parked<B>(
+    weights: &WeightSet,
+    dtype: DType,
+    device: &Device,
+    memory: HostMemory,
+    build: impl Fn(VarBuilder<'static>) -> candle_core::Result<B> + Send + Sync + 'static,
+) -> Result<Offloaded<B>> {
+    let options = StreamOptions {
+        stream: false,
+        depth: 1,
+    };
+    Offloaded::from_weights(
+        weights,
+        1,
+        Packing::PerTensor,
+        move |_, vb| build(vb),
+        dtype,
+        device,
+        memory,
+        options,
+    )
+}
+
 /// A component whose blocks are FSDP flat shards.
 pub struct Sharded<M: Blockwise> {
     outer: M,
@@ -274,19 +298,9 @@ impl<M: Blockwise> Placed<M> {
             )?),
             Residency::Parked => {
                 let cfg = cfg.clone();
-                Placed::Parked(Offloaded::from_weights(
-                    weights,
-                    1,
-                    Packing::PerTensor,
-                    move |_, vb| M::whole(&cfg, vb),
-                    dtype,
-                    device,
-                    memory,
-                    StreamOptions {
-                        stream: false,
-                        depth: 1,
-                    },
-                )?)
+                Placed::Parked(parked(weights, dtype, device, memory, move |vb| {
+                    M::whole(&cfg, vb)
+                })?)
             }
             Residency::Streamed {
                 blocks_per_group,
@@ -301,18 +315,12 @@ impl<M: Blockwise> Placed<M> {
                     let cfg = cfg.clone();
                     // The outer part asks nothing of host memory: an empty `VarBuilder` there.
                     let nothing = VarBuilder::zeros(dtype, &Device::Cpu);
-                    OuterPart::Parked(Box::new(Offloaded::from_weights(
+                    OuterPart::Parked(Box::new(parked(
                         weights,
-                        1,
-                        Packing::PerTensor,
-                        move |_, vb| M::outer(&cfg, vb, nothing.clone()),
                         dtype,
                         device,
                         memory,
-                        StreamOptions {
-                            stream: false,
-                            depth: 1,
-                        },
+                        move |vb| M::outer(&cfg, vb, nothing.clone()),
                     )?))
                 };
                 let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
