@@ -48,7 +48,7 @@ impl Residency {
     /// that computes little (a cross-attention over a short text) would otherwise leave the copy
     /// of the next, larger step no time. The caller bounds `ahead` by what fits in one block's
     /// bytes, so leaf level never holds more than block level.
-    pub fn with_steps_ahead(self, ahead: usize) -> Residency {
+    pub fn with_steps_ahead(self, ahead: impl FnOnce() -> usize) -> Residency {
         match self {
             Residency::Streamed {
                 blocks_per_group,
@@ -58,7 +58,7 @@ impl Residency {
                 blocks_per_group,
                 by_step: true,
                 options: StreamOptions {
-                    depth: options.depth.max(ahead),
+                    depth: options.depth.max(ahead()),
                     ..options
                 },
             },
@@ -261,7 +261,7 @@ mod tests {
             by_step,
             options: streamed(asked, true),
         })
-        .with_steps_ahead(ahead)
+        .with_steps_ahead(|| ahead)
         {
             Residency::Streamed { options, .. } => options.depth,
             other => panic!("{other:?}"),

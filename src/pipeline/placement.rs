@@ -43,7 +43,8 @@ impl Placement {
                 let residency = role_residency(o, c.role).for_steps(c.constructors.steps());
                 match o.prefetch_depth {
                     Some(_) => residency,
-                    None => residency.with_steps_ahead(c.constructors.steps_ahead_in_a_block()),
+                    // Recorded only for step streaming: it records every block and step.
+                    None => residency.with_steps_ahead(|| c.constructors.steps_ahead_in_a_block()),
                 }
             })
             .collect();
