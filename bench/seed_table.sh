@@ -50,7 +50,7 @@ for F in "$@"; do
   echo "== vidgen $F: exit $?"; grep -E "wrote|Maximum resident|Elapsed|rror" "$OUT/$F-vidgen.log"
   rm -rf /dev/shm/vidgen-bench
   if [ "$F" != hunyuan-720p ] && [ -z "${NO_PEER:-}" ]; then
-    python3 $PEER --models "$F" --out "$OUT/peer-$F" --budget-s 560 > "$OUT/peer-$F.log" 2>&1
+    python3 $PEER --models "$F" --out "$OUT/peer-$F" --budget-s ${PEER_BUDGET_S:-560} > "$OUT/peer-$F.log" 2>&1
     echo "== diffusers $F: exit $?"; tail -3 "$OUT/peer-$F.log"
   fi
 done

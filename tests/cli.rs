@@ -84,7 +84,7 @@ fn defaults_follow_fastvideo_and_diffusers() {
     assert_eq!(c["num_blocks_per_group"], 1);
     assert!(
         c["prefetch_depth"].is_null(),
-        "unset: 1, or for leaf level as many steps as make a block"
+        "unset: 1, or for leaf level as many steps as make the smallest block"
     );
     assert_eq!(c["model"], "Wan-AI/Wan2.1-T2V-1.3B-Diffusers");
     assert_eq!(
@@ -754,7 +754,7 @@ fn help_documents_every_flag_with_its_default() {
         ("--offload-stream", "true"),
         (
             "--prefetch-depth",
-            "1; leaf level: as many steps as make a block",
+            "1; leaf level: as many steps as make the smallest block",
         ),
         ("--model-cpu-offload", "false"),
         ("--sequential-cpu-offload", "false"),

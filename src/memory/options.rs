@@ -32,7 +32,7 @@ pub struct MemoryOptions {
     /// Prefetch on a copy stream (off: synchronous copies).
     pub offload_stream: bool,
     /// Groups the copy stream runs ahead; `None`: 1, and for step-by-step streaming as many
-    /// steps as make a block.
+    /// steps as make the smallest block.
     pub prefetch_depth: Option<usize>,
     /// diffusers' whole-component offload.
     pub model_cpu_offload: bool,

@@ -78,6 +78,8 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
     ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
     ("ltx-video", synthetic_files!("ltx-video")),
     ("cogvideox-5b", synthetic_files!("cogvideox-5b")),
+    // The tokenizers are the tiny fixture's stand-ins (the published Llama one is 9 MB); their
+    // ids fit both encoders' vocabularies and the weights are random anyway.
     (
         "hunyuanvideo",
         synthetic_files!("hunyuanvideo":
@@ -86,7 +88,11 @@ const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
             "vae/config.json",
             "text_encoder/config.json",
             "text_encoder_2/config.json",
-            "scheduler/scheduler_config.json"
+            "scheduler/scheduler_config.json",
+            "tokenizer/tokenizer.json",
+            "tokenizer/tokenizer_config.json",
+            "tokenizer_2/tokenizer.json",
+            "tokenizer_2/tokenizer_config.json"
         ),
     ),
     (

@@ -28,11 +28,11 @@ use crate::models::hunyuan_video::transformer::{
 use crate::models::hunyuan_video::vae::{
     AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
 };
-use crate::models::source::{FileRef, ModelSource};
+use crate::models::source::ModelSource;
 use crate::offload::Residency;
 use crate::schedulers::{Scheduler, SchedulerKind};
 use crate::weights::seeded_normal;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
@@ -282,29 +282,26 @@ pub struct HunyuanVideo {
     progress: Arc<Progress>,
 }
 
-/// The folder of a model's tokenizer (its `tokenizer.json` fetched, with the config beside it).
-fn tokenizer_dir(source: &ModelSource, folder: &str) -> Result<std::path::PathBuf> {
-    let file = |name: &str| source.require(&format!("{folder}/{name}"));
-    match file("tokenizer.json")? {
-        FileRef::Path(p) => {
-            // The config is optional (special tokens then take their defaults).
-            let _ = file("tokenizer_config.json");
-            Ok(p.parent().context("tokenizer path has no folder")?.to_path_buf())
-        }
-        FileRef::Embedded(_) => bail!(
-            "{source} ships no {folder}; run HunyuanVideo from a folder or the Hub (synthetic:hunyuanvideo is for --dry-run)"
-        ),
-    }
+/// A tokenizer folder's `tokenizer.json` text and its `tokenizer_config.json`'s when present
+/// (from the folder, the Hub, or for `synthetic:hunyuanvideo` the stand-ins it ships).
+fn tokenizer_files(source: &ModelSource, folder: &str) -> Result<(String, Option<String>)> {
+    let json = source
+        .require(&format!("{folder}/tokenizer.json"))?
+        .read()?;
+    let config = source
+        .file(&format!("{folder}/tokenizer_config.json"))?
+        .map(|f| f.read())
+        .transpose()?;
+    Ok((json, config))
 }
 
 /// The CLIP tokenizer as transformers' `CLIPTokenizer` runs it for HunyuanVideo: the file
 /// verbatim, truncated and padded to 77 with the pad token.
-fn clip_tokenizer(dir: &std::path::Path) -> Result<tokenizers::Tokenizer> {
-    let path = dir.join("tokenizer.json");
-    let mut tokenizer = tokenizers::Tokenizer::from_file(&path)
-        .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
-    let config: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
+fn clip_tokenizer((json, config): (String, Option<String>)) -> Result<tokenizers::Tokenizer> {
+    let mut tokenizer: tokenizers::Tokenizer = json
+        .parse()
+        .map_err(|e| anyhow::anyhow!("loading tokenizer_2/tokenizer.json: {e}"))?;
+    let config: serde_json::Value = config
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
     let pad = config["pad_token"]
@@ -314,7 +311,7 @@ fn clip_tokenizer(dir: &std::path::Path) -> Result<tokenizers::Tokenizer> {
         .to_string();
     let pad_id = tokenizer
         .token_to_id(&pad)
-        .with_context(|| format!("{} has no pad token {pad:?}", path.display()))?;
+        .with_context(|| format!("tokenizer_2 has no pad token {pad:?}"))?;
     tokenizer
         .with_truncation(Some(tokenizers::TruncationParams {
             max_length: CLIP_MAX_LENGTH,
@@ -341,10 +338,11 @@ impl HunyuanVideo {
     ) -> Result<Self> {
         let spec = configs.spec(&RunShape::of(&config));
         let load = LlamaTokenizerLoad::for_class(&configs.tokenizer_class);
-        let tokenizer =
-            LlamaPromptTokenizer::from_dir(&tokenizer_dir(&source, "tokenizer")?, load)?;
+        let (json, tokenizer_config) = tokenizer_files(&source, "tokenizer")?;
+        let tokenizer = LlamaPromptTokenizer::from_json(&json, tokenizer_config.as_deref(), load)
+            .context("loading tokenizer/tokenizer.json")?;
         let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE)?;
-        let tokenizer_2 = clip_tokenizer(&tokenizer_dir(&source, "tokenizer_2")?)?;
+        let tokenizer_2 = clip_tokenizer(tokenizer_files(&source, "tokenizer_2")?)?;
         let placement = Placement::new(&config.memory, &spec);
         Ok(HunyuanVideo {
             placement,
@@ -817,5 +815,30 @@ mod tests {
         all.sort();
         assert_eq!(split, all);
         Ok(())
+    }
+
+    /// `synthetic:hunyuanvideo` ships stand-in tokenizers (the tiny fixture's), so the CLI
+    /// runs it: both load as the pipeline loads them, with the template's own crop_start.
+    #[test]
+    fn the_synthetic_model_ships_both_tokenizers() {
+        let synthetic = ModelSource::Synthetic("hunyuanvideo");
+        let fixture = ModelSource::Local(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/hunyuanvideo-tiny-a"),
+        );
+        let llama = |source: &ModelSource| {
+            let (json, config) = tokenizer_files(source, "tokenizer").unwrap();
+            let load = LlamaTokenizerLoad::for_class("LlamaTokenizerFast");
+            let tokenizer =
+                LlamaPromptTokenizer::from_json(&json, config.as_deref(), load).unwrap();
+            let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE).unwrap();
+            (tokenizer.ids("a red fox").unwrap(), crop_start)
+        };
+        let (ids, crop_start) = llama(&synthetic);
+        assert_eq!((ids.clone(), crop_start), llama(&fixture));
+        assert!(crop_start > 1 && ids.len() > 1, "{crop_start} {ids:?}");
+        let clip = clip_tokenizer(tokenizer_files(&synthetic, "tokenizer_2").unwrap()).unwrap();
+        let encoding = clip.encode("a red fox", true).unwrap();
+        assert_eq!(encoding.get_ids().len(), CLIP_MAX_LENGTH);
     }
 }

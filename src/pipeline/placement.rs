@@ -34,7 +34,7 @@ impl Placement {
     /// every component whole; otherwise each follows its role's flag (for DiTs,
     /// `--dit-layerwise-offload` over `--dit-cpu-offload`). Streaming step by step applies
     /// where a model's blocks have steps, and (unless `--prefetch-depth` says otherwise)
-    /// copies as many steps ahead as make a block.
+    /// copies as many steps ahead as make the smallest block.
     pub fn new(o: &MemoryOptions, spec: &PipelineSpec) -> Self {
         let residencies = spec
             .components

@@ -60,9 +60,10 @@ impl Role {
 pub trait Constructors: Send + Sync {
     /// How many steps a block splits into for step-by-step streaming (1: it cannot).
     fn steps(&self) -> usize;
-    /// How many of the largest steps make the bytes of the largest block (rounded), less the
-    /// one computing: how far ahead step-by-step streaming can copy while holding about a
-    /// block (0 without steps).
+    /// How many of the largest steps make the bytes of the smallest block (rounded), less the
+    /// one computing: how far ahead step-by-step streaming can copy while holding about the
+    /// smallest block, so leaf level holds less than block level around every block kind
+    /// (0 without steps).
     fn steps_ahead_in_a_block(&self) -> usize;
     /// The tensors the component's constructors ask for, laid out as the engine holds them
     /// under `residency` (see [`ComponentLayout`]); checked against `weights` when given.
@@ -92,15 +93,18 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
         if M::steps(cfg) < 2 {
             return 0;
         }
-        // The largest block, and the largest step of any block (the slot size).
-        let (mut block, mut step) = (0, 0);
-        for i in 0..M::num_blocks(cfg) {
-            block = block.max(bytes(&|vb| M::block(cfg, i, vb).map(drop)));
-            for s in 0..M::block_steps(cfg, i) {
-                step = step.max(bytes(&|vb| M::block_step(cfg, i, s, vb).map(drop)));
-            }
-        }
-        // Rounded: each modulated step repeats the block's small modulation table.
+        // The smallest block, and the largest step of any block (the slot size).
+        let blocks = 0..M::num_blocks(cfg);
+        let block = blocks
+            .clone()
+            .map(|i| bytes(&|vb| M::block(cfg, i, vb).map(drop)))
+            .min()
+            .unwrap_or(0);
+        let step = blocks
+            .flat_map(|i| (0..M::block_steps(cfg, i)).map(move |s| (i, s)))
+            .map(|(i, s)| bytes(&|vb| M::block_step(cfg, i, s, vb).map(drop)))
+            .max()
+            .unwrap_or(0);
         ((block + step / 2) / step.max(1)).saturating_sub(1)
     }
 

@@ -574,13 +574,24 @@ impl LlamaPromptTokenizer {
         let path = dir.join("tokenizer.json");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let config: serde_json::Value =
-            match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
-                Ok(c) => serde_json::from_str(&c).context("parsing tokenizer_config.json")?,
-                Err(_) => serde_json::Value::Null,
-            };
+        let config = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok();
+        Self::from_json(&text, config.as_deref(), load)
+            .with_context(|| format!("loading {}", path.display()))
+    }
+
+    /// Loads a `tokenizer.json`'s text (with its `tokenizer_config.json`'s when there is one)
+    /// as `load` says.
+    pub fn from_json(
+        text: &str,
+        config: Option<&str>,
+        load: LlamaTokenizerLoad,
+    ) -> anyhow::Result<Self> {
+        let config: serde_json::Value = match config {
+            Some(c) => serde_json::from_str(c).context("parsing tokenizer_config.json")?,
+            None => serde_json::Value::Null,
+        };
         let json: serde_json::Value =
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+            serde_json::from_str(text).context("parsing tokenizer.json")?;
         let json = match load {
             LlamaTokenizerLoad::LlamaTokenizerFast => {
                 rebuild_as_llama_tokenizer_fast(json, &config)?
@@ -589,7 +600,7 @@ impl LlamaPromptTokenizer {
         };
         let mut tokenizer: Tokenizer = serde_json::to_string(&json)?
             .parse()
-            .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+            .map_err(|e| anyhow!("building the tokenizer: {e}"))?;
         tokenizer
             .with_truncation(None)
             .map_err(|e| anyhow!("{e}"))?;

@@ -750,6 +750,7 @@ impl WanAttention {
             }
             _ => sdpa(&q, &k, &v, scale)?,
         };
+        drop((k, v));
         let image = context.and_then(|c| c.image);
         match (&self.added, image) {
             (Some(added), Some(image)) => {
@@ -767,7 +768,13 @@ impl WanAttention {
             }
             _ => {}
         }
-        let out = out.transpose(1, 2)?.reshape((rows, dim))?;
+        // Only the output is still needed: q, k and v (each as large as the hidden states) go
+        // before `to_out` allocates, which keeps the block's peak at x, q, k, v and the output.
+        drop(q);
+        let out = {
+            let heads = out;
+            heads.transpose(1, 2)?.reshape((rows, dim))?
+        };
         matmul_t(&out, &self.to_out)
     }
 }
