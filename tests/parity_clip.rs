@@ -4,7 +4,9 @@
 
 mod common;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
 use vidgen::models::clip::{
     load_rgb_image, ClipImageProcessor, ClipImageProcessorConfig, ClipTextConfig, ClipTextModel,
     ClipVisionConfig, ClipVisionModel,
@@ -218,4 +220,29 @@ fn resize_is_bit_exact_with_pillow() {
         checked += 1;
     }
     assert_eq!(checked, 8);
+}
+
+/// transformers writes `CLIPTextModel` under `text_model.` (the published HunyuanVideo file;
+/// the fixture has no prefix). An engine streaming the layers builds each from only that
+/// layer's tensors, so a layer finds its prefix by its own tensors.
+#[test]
+fn text_layers_load_under_the_text_model_prefix_alone() {
+    let cfg: ClipTextConfig = common::config_in(HUNYUAN, "text_encoder_2/config.json");
+    let path = common::named_fixture_dir(HUNYUAN).join("text_encoder_2/model.safetensors");
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let whole = ClipTextModel::new(
+        &cfg,
+        VarBuilder::from_tensors(tensors.clone(), DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let layer0: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("encoder.layers.0."))
+        .map(|(name, t)| (format!("text_model.{name}"), t))
+        .collect();
+    let vb = VarBuilder::from_tensors(layer0, DType::F32, &Device::Cpu);
+    let streamed = ClipTextModel::layer(&cfg, 0, vb).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (1, 7, cfg.hidden_size), &Device::Cpu).unwrap();
+    let expected = whole.layers()[0].forward(&x, true).unwrap();
+    assert_eq!(common::max_abs_diff(&streamed.forward(&x, true).unwrap(), &expected), 0.0);
 }

@@ -116,9 +116,11 @@ impl ClipTextModel {
         Ok(model)
     }
 
-    /// The root of the text tower's tensors (`text_model.` when the file has it).
-    fn root(vb: VarBuilder) -> VarBuilder {
-        if vb.contains_tensor("text_model.embeddings.token_embedding.weight") {
+    /// The root of the text tower's tensors: `text_model.` when `vb` holds `probe` under it.
+    /// Each part probes a tensor of its own, because an engine that streams layers builds each
+    /// from a `vb` holding only that layer's tensors.
+    fn root<'a>(vb: VarBuilder<'a>, probe: &str) -> VarBuilder<'a> {
+        if vb.contains_tensor(&format!("text_model.{probe}")) {
             vb.pp("text_model")
         } else {
             vb
@@ -127,10 +129,9 @@ impl ClipTextModel {
 
     /// Encoder layer `i` from the model's root `vb` (for an engine that streams layers).
     pub fn layer(cfg: &ClipTextConfig, i: usize, vb: VarBuilder) -> Result<ClipEncoderLayer> {
-        ClipEncoderLayer::new(
-            &cfg.encoder(),
-            Self::root(vb).pp(format!("encoder.layers.{i}")),
-        )
+        let layer = format!("encoder.layers.{i}");
+        let vb = Self::root(vb, &format!("{layer}.layer_norm1.weight"));
+        ClipEncoderLayer::new(&cfg.encoder(), vb.pp(layer))
     }
 
     /// The encoder layers, in order (empty after `new_without_layers`).
@@ -141,7 +142,7 @@ impl ClipTextModel {
     /// Everything but the encoder layers; `layers()` is then empty.
     pub fn new_without_layers(cfg: &ClipTextConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let vb = Self::root(vb);
+        let vb = Self::root(vb, "embeddings.token_embedding.weight");
         let d = cfg.hidden_size;
         let layers = Vec::new();
         Ok(Self {
