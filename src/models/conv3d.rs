@@ -54,16 +54,93 @@ fn conv3d_math(
 ) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if let Some(api) = crate::models::cudnn::api().filter(|_| x.device().is_cuda()) {
-        let op = crate::models::cudnn::conv::Conv3d {
-            api,
-            stride,
-            padding,
-            tf32,
+        let w = aligned(w)?;
+        let conv = |x: &Tensor, padding: [usize; 3]| {
+            let op = crate::models::cudnn::conv::Conv3d {
+                api,
+                stride,
+                padding,
+                tf32,
+            };
+            aligned(x)?.apply_op2_no_bwd(&w, &op)
         };
-        return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
+        return in_frame_runs(x, w.dims(), stride, padding, CUDNN_MAX_ELEMENTS, conv).map(Some);
     }
     let _ = (x, w, stride, padding, tf32);
     Ok(None)
+}
+
+/// cuDNN's tensor descriptors hold sizes and strides as i32: no operand may have more
+/// elements.
+#[cfg(feature = "cuda")]
+const CUDNN_MAX_ELEMENTS: usize = i32::MAX as usize;
+
+/// `conv(x, padding)` (a 3D convolution by a kernel of dims `w`) where input and output hold at
+/// most `max_elements`; a larger one (a 720x1280x129 decode's full-resolution layers hold 4.5
+/// billion) runs over runs of output frames, each from a copy of the input frames it reads
+/// (zero frames where the temporal padding reaches), into one output.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn in_frame_runs(
+    x: &Tensor,
+    w: &[usize],
+    stride: [usize; 3],
+    padding: [usize; 3],
+    max_elements: usize,
+    conv: impl Fn(&Tensor, [usize; 3]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (b, c_in, t, h, wd) = x.dims5()?;
+    let &[c_out, _, kt, kh, kw] = w else {
+        candle_core::bail!("a 3D kernel has 5 dims, got {w:?}");
+    };
+    let out_len = |n: usize, k: usize, s: usize, p: usize| (n + 2 * p).saturating_sub(k) / s + 1;
+    let frames_out = out_len(t, kt, stride[0], padding[0]);
+    let out_frame =
+        b * c_out * out_len(h, kh, stride[1], padding[1]) * out_len(wd, kw, stride[2], padding[2]);
+    let in_frame = b * c_in * h * wd;
+    if x.elem_count().max(frames_out * out_frame) <= max_elements {
+        return conv(x, padding);
+    }
+    // Output frames per run: as many as keep the run's output and input within the bound.
+    let reads = |n: usize| (n - 1) * stride[0] + kt;
+    let per_run = (1..=frames_out)
+        .take_while(|&n| n * out_frame <= max_elements && reads(n) * in_frame <= max_elements)
+        .last()
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "conv3d: one output frame of {x:?} by {w:?} exceeds {max_elements} elements",
+                x = x.dims()
+            ))
+        })?;
+    let mut out: Option<Tensor> = None;
+    for first in (0..frames_out).step_by(per_run) {
+        let n = per_run.min(frames_out - first);
+        // Input frames [start, end) in padded coordinates, shifted to x's.
+        let start = (first * stride[0]) as isize - padding[0] as isize;
+        let end = start + reads(n) as isize;
+        let (lo, hi) = (start.max(0) as usize, (end.min(t as isize)).max(0) as usize);
+        let zeros = |frames: usize| Tensor::zeros((b, c_in, frames, h, wd), x.dtype(), x.device());
+        let mut parts = Vec::with_capacity(3);
+        if start < 0 {
+            parts.push(zeros((-start) as usize)?);
+        }
+        if hi > lo {
+            parts.push(x.narrow(2, lo, hi - lo)?);
+        }
+        if end > t as isize {
+            parts.push(zeros((end - t as isize) as usize)?);
+        }
+        let run = conv(&Tensor::cat(&parts, 2)?, [0, padding[1], padding[2]])?;
+        let out = match &mut out {
+            Some(out) => out,
+            None => {
+                let mut dims = run.dims().to_vec();
+                dims[2] = frames_out;
+                out.insert(Tensor::zeros(dims, run.dtype(), run.device())?)
+            }
+        };
+        out.slice_set(&run, 2, first)?;
+    }
+    out.ok_or_else(|| candle_core::Error::Msg("conv3d: no output frames".into()))
 }
 
 /// Runs `f`, a layer's whole-kernel path (its input padding, [`conv3d`] and the bias): an error
@@ -158,6 +235,79 @@ fn split_taps(weight: &Tensor) -> Result<Vec<Tensor>> {
     (0..weight.dim(2)?)
         .map(|k| weight.narrow(2, k, 1)?.squeeze(2)?.contiguous())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 3D convolution as a sum of 2D ones over temporal taps (zero frames for the temporal
+    /// padding; height and width share stride and padding).
+    fn tap_sum(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -> Result<Tensor> {
+        let (b, c, t, h, wd) = x.dims5()?;
+        let pad = Tensor::zeros((b, c, padding[0], h, wd), x.dtype(), x.device())?;
+        let x = Tensor::cat(&[&pad, x, &pad], 2)?;
+        let taps = split_taps(w)?;
+        let frames = (t + 2 * padding[0] - taps.len()) / stride[0] + 1;
+        let mut out = Vec::new();
+        for o in 0..frames {
+            let mut acc: Option<Tensor> = None;
+            for (k, tap) in taps.iter().enumerate() {
+                let frame = x
+                    .narrow(2, o * stride[0] + k, 1)?
+                    .squeeze(2)?
+                    .contiguous()?;
+                let y = frame.conv2d(tap, padding[1], stride[1], 1, 1)?;
+                acc = Some(match acc {
+                    Some(a) => (a + y)?,
+                    None => y,
+                });
+            }
+            out.push(acc.expect("taps"));
+        }
+        Tensor::stack(&out, 2)
+    }
+
+    /// Runs of output frames (temporal padding and stride included) give exactly the whole
+    /// convolution; a bound below one output frame is an error, not a wrong result.
+    #[test]
+    fn frame_runs_equal_the_whole_convolution() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1f32, (1, 3, 9, 6, 5), &dev)?;
+        let w = Tensor::randn(0f32, 1f32, (4, 3, 3, 3, 3), &dev)?;
+        for (stride, padding) in [
+            ([1, 1, 1], [1, 1, 1]),
+            ([2, 1, 1], [2, 1, 1]),
+            ([1, 1, 1], [0, 0, 0]),
+        ] {
+            let conv = |x: &Tensor, p: [usize; 3]| tap_sum(x, &w, stride, p);
+            let whole = in_frame_runs(&x, w.dims(), stride, padding, usize::MAX, conv)?;
+            assert_eq!(whole.dims(), tap_sum(&x, &w, stride, padding)?.dims());
+            // x has 810 elements: runs of one to a few frames.
+            for max_elements in [300, 450, 700] {
+                let runs = in_frame_runs(&x, w.dims(), stride, padding, max_elements, conv)?;
+                let diff = (&runs - &whole)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                assert_eq!(
+                    diff, 0.0,
+                    "stride {stride:?} padding {padding:?} bound {max_elements}"
+                );
+            }
+        }
+        assert!(
+            in_frame_runs(&x, w.dims(), [1, 1, 1], [1, 1, 1], 100, |x, p| tap_sum(
+                x,
+                &w,
+                [1, 1, 1],
+                p
+            ))
+            .is_err()
+        );
+        Ok(())
+    }
 }
 
 #[cfg(all(test, feature = "cuda"))]
