@@ -191,6 +191,11 @@ def i2v(out):
         row("loads s", ", ".join(f"{k} {s:.1f}" for k, s in v["loads"].items()) or "-", f"build {f(p.get('build_s'), 1)}")
         row("whole video s", f"{f(v['wall'], 1)} (process: loads, stages, write)",
             f"{f(p.get('call_s'), 1)} (the call; + {f(p.get('build_s'), 1)} building)")
+        again = vidgen(out, "i2v-again")
+        if again:
+            row("again, a second process: image encoder; VAE encode; whole video s",
+                f"{f(again['image'].get('image_encoder'), 2)}; {f(again['image'].get('vae_encode'), 2)}; "
+                f"{f(again['wall'], 1)}", "-")
         if v["error"]:
             print(f"\nvidgen error: {v['error']}")
     if p.get("error"):
