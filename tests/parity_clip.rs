@@ -244,5 +244,8 @@ fn text_layers_load_under_the_text_model_prefix_alone() {
     let streamed = ClipTextModel::layer(&cfg, 0, vb).unwrap();
     let x = Tensor::randn(0f32, 1.0, (1, 7, cfg.hidden_size), &Device::Cpu).unwrap();
     let expected = whole.layers()[0].forward(&x, true).unwrap();
-    assert_eq!(common::max_abs_diff(&streamed.forward(&x, true).unwrap(), &expected), 0.0);
+    assert_eq!(
+        common::max_abs_diff(&streamed.forward(&x, true).unwrap(), &expected),
+        0.0
+    );
 }

@@ -2,10 +2,12 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use vidgen::models::hunyuan_video::transformer::{
-    BlockKind, BlockStep, HunyuanVideoBlock, HunyuanVideoTransformer3DModel,
+    BlockKind, BlockStep, HunyuanModulations, HunyuanVideoBlock, HunyuanVideoTransformer3DModel,
     HunyuanVideoTransformerConfig,
 };
 
@@ -270,12 +272,36 @@ fn blocks_run_step_by_step_are_bit_identical() {
             steps_run += 1;
         }
     }
-    // Refiner 2 steps, dual-stream 5, single-stream 2.
+    // Refiner 3 steps, dual-stream 5, single-stream 3.
     assert_eq!(
         steps_run,
-        2 * cfg.num_refiner_layers + 5 * cfg.num_layers + 2 * cfg.num_single_layers
+        3 * cfg.num_refiner_layers + 5 * cfg.num_layers + 3 * cfg.num_single_layers
     );
     let got = outer.finish(&streams.video, &inputs).unwrap();
+    assert_eq!(common::max_abs_diff(&got, &want), 0.0);
+    // The modulations computed apart, in one pass before the blocks, and the blocks without
+    // their modulation Linears: the same bits.
+    let apart = HunyuanVideoTransformerConfig {
+        modulations_apart: true,
+        ..cfg.clone()
+    };
+    let bodies = HunyuanVideoTransformer3DModel::new(&apart, vb.clone()).unwrap();
+    let modulations = HunyuanModulations::new(&cfg, vb.clone()).unwrap();
+    let mut inputs = bodies
+        .prepare(args.0, args.1, args.2, args.3, args.4, args.5)
+        .unwrap();
+    let table = modulations
+        .blocks()
+        .iter()
+        .map(|b| b.modulation(&inputs.temb, &inputs.refiner_temb))
+        .collect::<candle_core::Result<Vec<_>>>()
+        .unwrap();
+    inputs.modulations = Some(Arc::new(table));
+    let mut streams = inputs.take_streams().unwrap();
+    for block in bodies.blocks() {
+        streams = block.forward(&streams, &inputs).unwrap();
+    }
+    let got = bodies.finish(&streams.video, &inputs).unwrap();
     assert_eq!(common::max_abs_diff(&got, &want), 0.0);
     // A step out of order is refused, naming what it lacks.
     let mut inputs = outer
