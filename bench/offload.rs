@@ -18,12 +18,15 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+use std::sync::Arc;
 use std::time::Instant;
 use vidgen::cli::args::GenerateOptions;
 use vidgen::memory::accounting::{MemoryMeter, MemoryPeaks};
 use vidgen::models::cogvideox::transformer::CogVideoXTransformer3DModel;
 use vidgen::models::hunyuan_video::scheduler::guidance_input;
-use vidgen::models::hunyuan_video::transformer::HunyuanVideoTransformer3DModel;
+use vidgen::models::hunyuan_video::transformer::{
+    HunyuanModulations, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
+};
 use vidgen::models::ltx::transformer::{LtxTransformer3DModel, LtxTransformerConfig};
 use vidgen::models::source::component_weights;
 use vidgen::models::source::ModelSource;
@@ -162,6 +165,15 @@ fn main() -> Result<()> {
             let text_len = 256;
             let t = &c.transformer;
             let (text_dim, pooled_dim) = (t.text_embed_dim, t.pooled_projection_dim);
+            // The blocks leave their modulations out (the pipeline computes every step's in one
+            // pass before denoising); the weights written for the benchmark hold them too, and
+            // the inputs carry the step's modulations, computed once from them, resident.
+            let whole = HunyuanVideoTransformerConfig {
+                modulations_apart: false,
+                ..t.clone()
+            };
+            let weights =
+                bench.weights::<HunyuanVideoTransformer3DModel>("transformer", &whole, DType::BF16)?;
             bench.run(
                 &c.transformer,
                 text_len,
@@ -173,16 +185,39 @@ fn main() -> Result<()> {
                         mask: prompt_mask(text_len, DType::BF16, device)?,
                         pooled: bf16(seeded_normal(3, &[1, pooled_dim])?, device)?,
                     };
+                    let timestep = Tensor::new(&[1000f32], device)?;
+                    let guidance = guidance_input(6.0, 1, DType::BF16, device)?;
+                    let vb = weights.var_builder(DType::BF16, device);
+                    let outer = HunyuanVideoTransformer3DModel::new_without_blocks(t, vb.clone())?;
+                    let (temb, refiner_temb) = outer.conditioning(
+                        &timestep,
+                        &text.embeds,
+                        &text.mask,
+                        &text.pooled,
+                        Some(&guidance),
+                    )?;
+                    let modulations = HunyuanModulations::new(t, vb)?
+                        .blocks()
+                        .iter()
+                        .map(|b| b.modulation(&temb, &refiner_temb))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
                     Ok((
                         bf16(seeded_normal(1, &shape)?, device)?,
-                        Tensor::new(&[1000f32], device)?,
+                        timestep,
                         text,
-                        guidance_input(6.0, 1, DType::BF16, device)?,
+                        guidance,
+                        Arc::new(modulations),
                     ))
                 },
-                |held: &Held<'_, HunyuanVideoTransformer3DModel>, (latents, t, text, guidance)| {
+                |held: &Held<'_, HunyuanVideoTransformer3DModel>,
+                 (latents, t, text, guidance, modulations)| {
                     Ok(hunyuan_video::dit_forward(
-                        held, latents, t, text, guidance,
+                        held,
+                        latents,
+                        t,
+                        text,
+                        guidance,
+                        modulations.clone(),
                     )?)
                 },
             )

@@ -22,7 +22,8 @@ use crate::models::hunyuan_video::text_encoder::{
     LlamaTokenizerLoad, DEFAULT_CROP_START, DEFAULT_PROMPT_TEMPLATE,
 };
 use crate::models::hunyuan_video::transformer::{
-    BlockKind, HunyuanVideoBlock, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
+    BlockKind, HunyuanModulations, HunyuanVideoBlock, HunyuanVideoTransformer3DModel,
+    HunyuanVideoTransformerConfig,
     MLP_CHUNK_TOKENS,
 };
 use crate::models::hunyuan_video::vae::{
@@ -42,7 +43,8 @@ use std::sync::Arc;
 const TEXT_ENCODER: usize = 0;
 const TEXT_ENCODER_2: usize = 1;
 const TRANSFORMER: usize = 2;
-const VAE: usize = 3;
+const MODULATIONS: usize = 3;
+const VAE: usize = 4;
 
 /// Stages, by their index in the description.
 const ENCODE_TEXT: usize = 0;
@@ -74,7 +76,12 @@ impl HunyuanConfigs {
     pub fn from_configs(configs: Configs) -> Result<Self> {
         let index: serde_json::Value = configs.read("model_index.json")?;
         Ok(HunyuanConfigs {
-            transformer: configs.read("transformer/config.json")?,
+            // Every step's modulations are computed before denoising (`MODULATIONS`): the
+            // streamed blocks leave them out.
+            transformer: HunyuanVideoTransformerConfig {
+                modulations_apart: true,
+                ..configs.read("transformer/config.json")?
+            },
             vae: configs.read("vae/config.json")?,
             text_encoder: configs.read("text_encoder/config.json")?,
             text_encoder_2: configs.read("text_encoder_2/config.json")?,
@@ -189,11 +196,17 @@ impl Family for HunyuanConfigs {
                     Role::Dit,
                     self.transformer.clone(),
                 ),
+                ComponentSpec::new::<HunyuanModulations>(
+                    "transformer_modulations",
+                    Role::Dit,
+                    self.transformer.clone(),
+                )
+                .in_folder("transformer"),
                 ComponentSpec::new::<AutoencoderKLHunyuanVideo>("vae", Role::Vae, self.vae.clone()),
             ],
             stages: vec![
                 StageSpec::new("encode_text", &[TEXT_ENCODER, TEXT_ENCODER_2], text),
-                StageSpec::new("denoise", &[TRANSFORMER], denoise),
+                StageSpec::new("denoise", &[TRANSFORMER, MODULATIONS], denoise),
                 StageSpec::new("decode", &[VAE], decode),
                 StageSpec::new("write", &[], 0),
             ],
@@ -262,6 +275,28 @@ pub struct TextConds {
     pub pooled: Tensor,
 }
 
+/// Every block's modulation chunks for one conditioning (a step of one prompt), waiting in
+/// host memory as one tensor `[chunks, B, inner]`, block `i`'s being `counts[i]` of them in
+/// order.
+struct StepModulations {
+    all: Tensor,
+    counts: Arc<Vec<usize>>,
+}
+
+impl StepModulations {
+    /// On `device` (one copy), split per block as [`BlockInputs::modulations`] holds them.
+    fn on(&self, device: &Device) -> Result<Arc<Vec<Vec<Tensor>>>> {
+        let all = self.all.to_device(device)?;
+        let mut at = 0;
+        let mut blocks = Vec::with_capacity(self.counts.len());
+        for &n in self.counts.iter() {
+            blocks.push((at..at + n).map(|k| all.get(k)).collect::<candle_core::Result<_>>()?);
+            at += n;
+        }
+        Ok(Arc::new(blocks))
+    }
+}
+
 /// HunyuanVideo with its loaded components.
 pub struct HunyuanVideo {
     config: ResolvedConfig,
@@ -276,6 +311,7 @@ pub struct HunyuanVideo {
     text_encoder: Option<Placed<LlamaTextEncoder>>,
     text_encoder_2: Option<Placed<ClipTextModel>>,
     transformer: Option<Placed<HunyuanVideoTransformer3DModel>>,
+    modulations: Option<Placed<HunyuanModulations>>,
     vae: Option<Placed<AutoencoderKLHunyuanVideo>>,
     /// Each job's (prompt, negative prompt) conditioning, by job index, from encode to denoise.
     conds: HashMap<usize, (TextConds, Option<TextConds>)>,
@@ -357,6 +393,7 @@ impl HunyuanVideo {
             text_encoder: None,
             text_encoder_2: None,
             transformer: None,
+            modulations: None,
             vae: None,
             conds: HashMap::new(),
             progress,
@@ -516,19 +553,42 @@ impl HunyuanVideo {
         let guidance = guidance_input(job.guidance_scale, 1, dtype, &self.device)?;
         let mut latents = self.initial_latents(job)?;
         let timesteps = scheduler.timesteps().to_vec();
+        // diffusers: t.expand(B).to(latents.dtype), float32.
+        let timestep = |t: f64| Tensor::new(&[t as f32], &self.device);
+        let start = std::time::Instant::now();
+        let conds: Vec<&TextConds> = match (&negative, true_cfg_scale) {
+            (Some(neg), Some(_)) => vec![&cond, neg],
+            _ => vec![&cond],
+        };
+        let conditionings = timesteps
+            .iter()
+            .flat_map(|&t| conds.iter().map(move |c| (t, *c)))
+            .map(|(t, c)| {
+                model
+                    .model()
+                    .conditioning(&timestep(t)?, &c.embeds, &c.mask, &c.pooled, Some(&guidance))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut modulations = self.modulations_for(&conditionings)?.into_iter();
+        job.metrics.insert(
+            "modulation_pass_seconds".into(),
+            start.elapsed().as_secs_f64().into(),
+        );
         let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
         for (i, t) in timesteps.iter().enumerate() {
             crate::pipeline::interrupt::check()?;
             let input = latents.to_dtype(dtype)?;
-            // diffusers: t.expand(B).to(latents.dtype), float32.
-            let timestep = Tensor::new(&[*t as f32], &self.device)?;
+            let timestep = timestep(*t)?;
+            let mut next = || modulations.next().context("a step without modulations");
+            let m = next()?.on(&self.device)?;
             let noise_cond = stages::timed(&self.device, &mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, &cond, &guidance)
+                dit_forward(model, &input, &timestep, &cond, &guidance, m)
             })?;
             let noise = match (&negative, true_cfg_scale) {
                 (Some(neg), Some(scale)) => {
+                    let m = next()?.on(&self.device)?;
                     let noise_neg = stages::timed(&self.device, &mut forward_seconds, || {
-                        dit_forward(model, &input, &timestep, neg, &guidance)
+                        dit_forward(model, &input, &timestep, neg, &guidance, m)
                     })?;
                     true_cfg(&noise_cond, &noise_neg, scale)?
                 }
@@ -545,6 +605,41 @@ impl HunyuanVideo {
         Ok(())
     }
 
+    /// Every block's modulations for each of `conditionings` (temb, refiner temb), in one pass
+    /// over the modulation weights, which hold device memory for this pass only.
+    fn modulations_for(&self, conditionings: &[(Tensor, Tensor)]) -> Result<Vec<StepModulations>> {
+        let placed = self
+            .modulations
+            .as_ref()
+            .context("transformer_modulations not loaded")?;
+        let held = placed.hold()?;
+        let mut chunks = vec![Vec::new(); conditionings.len()];
+        let mut counts = Vec::new();
+        held.fold_blocks(HunyuanModulations::blocks, (), |block, _| {
+            for (k, ((temb, refiner_temb), chunks)) in
+                conditionings.iter().zip(&mut chunks).enumerate()
+            {
+                let m = block.modulation(temb, refiner_temb)?;
+                if k == 0 {
+                    counts.push(m.len());
+                }
+                chunks.extend(m);
+            }
+            Ok(())
+        })?;
+        drop(held);
+        let counts = Arc::new(counts);
+        chunks
+            .into_iter()
+            .map(|c| {
+                Ok(StepModulations {
+                    all: Tensor::stack(&c, 0)?.to_device(&Device::Cpu)?,
+                    counts: counts.clone(),
+                })
+            })
+            .collect()
+    }
+
     /// Builds a component from its weights, placed as the options say.
     fn load_component(&mut self, component: usize) -> Result<()> {
         let loader = stages::loader!(self);
@@ -557,6 +652,9 @@ impl HunyuanVideo {
             }
             TRANSFORMER => {
                 self.transformer = Some(loader.build(component, &self.configs.transformer)?)
+            }
+            MODULATIONS => {
+                self.modulations = Some(loader.build(component, &self.configs.transformer)?)
             }
             _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
         }
@@ -607,6 +705,7 @@ impl Pipeline for HunyuanVideo {
             TEXT_ENCODER => self.text_encoder = None,
             TEXT_ENCODER_2 => self.text_encoder_2 = None,
             TRANSFORMER => self.transformer = None,
+            MODULATIONS => self.modulations = None,
             _ => self.vae = None,
         }
     }
@@ -622,13 +721,15 @@ impl Pipeline for HunyuanVideo {
 }
 
 /// One DiT forward: prepare (embeddings, the token refiner's input, RoPE), the refiner, dual-
-/// and single-stream blocks (resident, streamed whole or step by step), finish.
+/// and single-stream blocks (resident, streamed whole or step by step) with this step's
+/// `modulations` computed apart ([`HunyuanModulations`]), finish.
 pub fn dit_forward(
     dit: &Held<'_, HunyuanVideoTransformer3DModel>,
     latents: &Tensor,
     timestep: &Tensor,
     text: &TextConds,
     guidance: &Tensor,
+    modulations: Arc<Vec<Vec<Tensor>>>,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare(
@@ -639,6 +740,7 @@ pub fn dit_forward(
         &text.pooled,
         Some(guidance),
     )?;
+    inputs.modulations = Some(modulations);
     let streams = inputs.take_streams()?;
     let streams = dit.fold_blocks(
         HunyuanVideoTransformer3DModel::blocks,
@@ -668,15 +770,16 @@ impl Blockwise for HunyuanVideoTransformer3DModel {
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
         HunyuanVideoBlock::new(cfg, i, vb)
     }
-    fn steps(_: &Self::Config) -> usize {
+    fn steps(cfg: &Self::Config) -> usize {
         BlockKind::ALL
             .iter()
-            .map(|k| k.steps().len())
+            .map(|&k| cfg.steps_of(k).len())
             .max()
             .unwrap_or(1)
     }
     fn block_steps(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i).map_or(1, |(kind, _)| kind.steps().len())
+        cfg.block_kind(i)
+            .map_or(1, |(kind, _)| cfg.steps_of(kind).len())
     }
     fn block_step(
         cfg: &Self::Config,
@@ -684,11 +787,34 @@ impl Blockwise for HunyuanVideoTransformer3DModel {
         step: usize,
         vb: VarBuilder,
     ) -> candle_core::Result<Self::Block> {
-        let steps = cfg.block_kind(i)?.0.steps();
+        let steps = cfg.steps_of(cfg.block_kind(i)?.0);
         match steps.get(step) {
             Some(s) => HunyuanVideoBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
             None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
         }
+    }
+}
+
+/// The modulation Linears of every block, streamed (or placed) as a DiT of their own: one pass
+/// before denoising computes every step's modulations.
+impl Blockwise for HunyuanModulations {
+    type Config = HunyuanVideoTransformerConfig;
+    type Block = HunyuanVideoBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(_: &Self::Config, _: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self::new_without_blocks())
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_blocks()
+    }
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i)
+            .map_or(usize::MAX, |(kind, _)| kind as usize)
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        Self::block(cfg, i, vb)
     }
 }
 
@@ -755,14 +881,19 @@ mod tests {
         .find(|p| name.starts_with(p))
     }
 
-    /// The published model's groups, streamed: block level never puts two kinds in one group
-    /// (as diffusers groups each block list apart); leaf level splits every block into its
-    /// steps, each weight in exactly one step, none above the single-stream MLP step; the outer
-    /// part keeps only the embedders.
+    /// The published model's groups, streamed as the pipeline streams them (the modulations
+    /// apart): block level never puts two kinds in one group (as diffusers groups each block
+    /// list apart); leaf level splits every block body into its steps, none above the
+    /// single-stream MLP step; the outer part keeps only the embedders; body steps, outer part
+    /// and the modulation component hold every weight exactly once.
     #[test]
     fn groups_hold_one_kind_and_steps_split_every_weight_once() -> anyhow::Result<()> {
         let cfg = HunyuanVideoTransformerConfig::default();
-        let model = ModelConstructors::<HunyuanVideoTransformer3DModel>(cfg.clone());
+        let apart = HunyuanVideoTransformerConfig {
+            modulations_apart: true,
+            ..cfg.clone()
+        };
+        let model = ModelConstructors::<HunyuanVideoTransformer3DModel>(apart.clone());
         let streamed = |blocks_per_group, by_step| {
             Residency::Streamed {
                 blocks_per_group,
@@ -795,7 +926,7 @@ mod tests {
         let leaf = model.layout(streamed(1, true), DType::BF16, None)?;
         assert_eq!(
             leaf.groups.len(),
-            2 * cfg.num_refiner_layers + 5 * cfg.num_layers + 2 * cfg.num_single_layers
+            2 * cfg.num_refiner_layers + 3 * cfg.num_layers + 2 * cfg.num_single_layers
         );
         let largest = leaf.groups.iter().map(|g| g.bytes).max().unwrap_or(0);
         let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
@@ -805,11 +936,20 @@ mod tests {
             HunyuanVideoTransformer3DModel::new(&cfg, vb)
         })?;
         let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
-            HunyuanVideoTransformer3DModel::new_without_blocks(&cfg, vb)
+            HunyuanVideoTransformer3DModel::new_without_blocks(&apart, vb)
         })?;
         assert!(names(&outer).iter().all(|n| list(n).is_none()));
+        let modulations = ModelConstructors::<HunyuanModulations>(apart.clone())
+            .layout(streamed(1, false), DType::BF16, None)?;
+        assert_eq!(modulations.groups.len(), cfg.num_blocks());
+        // The modulations are a quarter of the block weights and more.
+        let bytes = |groups: &[GroupLayout]| groups.iter().map(|g| g.bytes).sum::<usize>();
+        let share = bytes(&modulations.groups) as f64
+            / (bytes(&modulations.groups) + bytes(&leaf.groups)) as f64;
+        assert!((0.26..0.29).contains(&share), "{share}");
         let mut split: Vec<String> = leaf.groups.iter().flat_map(names).collect();
         split.extend(names(&outer));
+        split.extend(modulations.groups.iter().flat_map(names));
         split.sort();
         let mut all = names(&whole);
         all.sort();

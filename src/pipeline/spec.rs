@@ -226,9 +226,11 @@ impl<M: Blockwise> GroupPlan<M> {
 /// One loadable component of a pipeline.
 #[derive(Clone)]
 pub struct ComponentSpec {
-    /// Its folder in the diffusers layout (`text_encoder`, `transformer_2`, ...), also its
-    /// name in reports.
+    /// Its name in reports: its folder in the diffusers layout (`text_encoder`,
+    /// `transformer_2`, ...) unless it is a part of another's weights.
     pub name: &'static str,
+    /// The folder its weights are read from.
+    pub folder: &'static str,
     pub role: Role,
     /// The dtype it loads and runs in when not the run's (diffusers runs the Wan VAE in f32).
     pub dtype: Option<DType>,
@@ -244,11 +246,18 @@ impl ComponentSpec {
     pub fn new<M: Blockwise>(name: &'static str, role: Role, cfg: M::Config) -> Self {
         ComponentSpec {
             name,
+            folder: name,
             role,
             dtype: None,
             deferrable: true,
             constructors: Arc::new(ModelConstructors::<M>(cfg)),
         }
+    }
+
+    /// The component reads its weights from `folder` (a part of another component's weights,
+    /// loaded and placed on its own).
+    pub fn in_folder(self, folder: &'static str) -> Self {
+        ComponentSpec { folder, ..self }
     }
 
     /// The dtype the component's weights take in a run of `dtype`.

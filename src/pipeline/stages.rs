@@ -7,7 +7,7 @@ use super::placement::{Blockwise, Placed, Placement};
 use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::Family;
-use super::spec::PipelineSpec;
+use super::spec::{ComponentSpec, PipelineSpec};
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::gib;
@@ -74,8 +74,8 @@ impl Loader<'_> {
 
     /// `component`'s weights, opened with a progress bar.
     pub(crate) fn weights(&self, component: usize) -> Result<WeightSet> {
-        let name = self.spec.components[component].name;
-        let weights = WeightSet::open(&component_weights(self.source, name)?)
+        let ComponentSpec { name, folder, .. } = &self.spec.components[component];
+        let weights = WeightSet::open(&component_weights(self.source, folder)?)
             .with_context(|| self.what(component))?;
         let total = weights.stored_bytes();
         Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
