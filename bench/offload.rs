@@ -172,8 +172,11 @@ fn main() -> Result<()> {
                 modulations_apart: false,
                 ..t.clone()
             };
-            let weights =
-                bench.weights::<HunyuanVideoTransformer3DModel>("transformer", &whole, DType::BF16)?;
+            let weights = bench.weights::<HunyuanVideoTransformer3DModel>(
+                "transformer",
+                &whole,
+                DType::BF16,
+            )?;
             bench.run(
                 &c.transformer,
                 text_len,
@@ -187,16 +190,16 @@ fn main() -> Result<()> {
                     };
                     let timestep = Tensor::new(&[1000f32], device)?;
                     let guidance = guidance_input(6.0, 1, DType::BF16, device)?;
-                    let vb = weights.var_builder(DType::BF16, device);
-                    let outer = HunyuanVideoTransformer3DModel::new_without_blocks(t, vb.clone())?;
-                    let (temb, refiner_temb) = outer.conditioning(
+                    let model =
+                        HunyuanModulations::new(t, weights.var_builder(DType::BF16, device))?;
+                    let (temb, refiner_temb) = model.conditioning(
                         &timestep,
                         &text.embeds,
                         &text.mask,
                         &text.pooled,
                         Some(&guidance),
                     )?;
-                    let modulations = HunyuanModulations::new(t, vb)?
+                    let modulations = model
                         .blocks()
                         .iter()
                         .map(|b| b.modulation(&temb, &refiner_temb))

@@ -29,6 +29,7 @@ impl Family for TwoExperts {
         let c = &self.0;
         let component = |name, role, constructors| ComponentSpec {
             name,
+            folder: name,
             role,
             dtype: None,
             deferrable: true,

@@ -180,7 +180,7 @@ fn check_stages(model: &str, plan: &serde_json::Value, one_at_a_time: bool) {
     let names: Vec<&str> = stages.iter().map(|s| s["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["encode_text", "denoise", "decode", "write"],
+        ["encode_text", "modulate", "denoise", "decode", "write"],
         "{model}"
     );
     assert_eq!(
@@ -188,7 +188,19 @@ fn check_stages(model: &str, plan: &serde_json::Value, one_at_a_time: bool) {
         serde_json::json!(["text_encoder", "text_encoder_2"]),
         "{model}"
     );
-    for stage in &stages[..3] {
+    // Every step's modulations come first, from their own component in the transformer's
+    // folder; the transformer alone denoises.
+    assert_eq!(
+        stages[1]["components"],
+        serde_json::json!(["transformer_modulations"]),
+        "{model}"
+    );
+    assert_eq!(
+        stages[2]["components"],
+        serde_json::json!(["transformer"]),
+        "{model}"
+    );
+    for stage in &stages[..4] {
         let memory = &stage["memory"];
         assert!(
             memory["activation_bytes"].as_u64().unwrap() > 0,
@@ -207,6 +219,16 @@ fn check_stages(model: &str, plan: &serde_json::Value, one_at_a_time: bool) {
         );
         assert_eq!(
             stages[1]["load_before"],
+            serde_json::json!(["transformer_modulations"]),
+            "{model}"
+        );
+        assert_eq!(
+            stages[1]["release_after"],
+            serde_json::json!(["transformer_modulations"]),
+            "{model}: {plan}"
+        );
+        assert_eq!(
+            stages[2]["load_before"],
             serde_json::json!(["transformer"]),
             "{model}"
         );
@@ -240,12 +262,21 @@ fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
             check_stages(model, &plan, one_at_a_time);
         }
     }
-    // The full-size model's weights as published: a 12.8 B-parameter DiT.
+    // The full-size model's weights as published: a 12.8 B-parameter DiT, its blocks'
+    // modulations (27%) apart from the rest (both hold the small conditioning embedders).
     let plan = dry_run("synthetic:hunyuanvideo", &["--dtype", "bf16"]);
-    let dit = plan["stages"][1]["memory"]["weight_bytes"]
-        .as_u64()
-        .unwrap();
-    assert!((25_000_000_000..26_500_000_000).contains(&dit), "{dit}");
+    let weights = |stage: usize| {
+        plan["stages"][stage]["memory"]["weight_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let (modulations, dit) = (weights(1), weights(2));
+    assert!(
+        (25_000_000_000..26_500_000_000).contains(&(modulations + dit)),
+        "{modulations} + {dit}"
+    );
+    let share = modulations as f64 / (modulations + dit) as f64;
+    assert!((0.25..0.30).contains(&share), "{share}");
 }
 
 /// The DiT's device weights while it denoises 320x512x61 in bf16 with only it loaded (the seed
@@ -270,7 +301,7 @@ fn dit_weight_bytes(extra: &[&str]) -> u64 {
     ]
     .concat();
     let plan = dry_run("synthetic:hunyuanvideo", &flags);
-    let denoise = &plan["stages"][1];
+    let denoise = &plan["stages"][2];
     assert_eq!(denoise["components"], serde_json::json!(["transformer"]));
     denoise["memory"]["weight_bytes"].as_u64().unwrap()
 }
@@ -278,27 +309,22 @@ fn dit_weight_bytes(extra: &[&str]) -> u64 {
 #[test]
 fn streamed_dit_keeps_only_the_embedders_and_leaf_level_moves_block_steps() {
     const GIB: f64 = (1u64 << 30) as f64;
-    // Block level: the embedders (0.18 GiB; the token refiner's 0.49 GiB of blocks stream
-    // with the others) plus two slots of the largest block, a dual-stream one (0.68 GB); 1.94
-    // GiB with the refiner resident.
+    // Block level: the embedders (0.18 GiB; the token refiner's blocks stream with the
+    // others) plus two slots of the largest block body, a dual-stream one (0.45 GB without its
+    // 0.23 GB of modulations, computed apart); 1.45 GiB with the modulations in the blocks.
     let block = dit_weight_bytes(&[]) as f64 / GIB;
-    assert!((1.3..1.5).contains(&block), "block level {block:.3} GiB");
+    assert!((0.95..1.1).contains(&block), "block level {block:.3} GiB");
     // Leaf level: the embedders plus two slots of the largest step (a single-stream block's
-    // modulation and fused projection, 0.19 GB): the copy stream runs one step ahead, as many
-    // as make the smallest block (a refiner block, 0.26 GB), not three as the dual-stream
-    // blocks would allow (measured on the H200: 1.17 GiB peak instead of 1.48, below
-    // diffusers' leaf level).
-    let leaf = dit_weight_bytes(&["--offload-type", "leaf-level"]);
-    assert!(
-        (0.4..0.55).contains(&(leaf as f64 / GIB)),
-        "leaf level {:.3} GiB",
-        leaf as f64 / GIB
-    );
+    // proj_mlp and proj_out, 0.17 GB): the copy stream runs one step ahead, as many as make
+    // the smallest block (a refiner block's body, 0.23 GB).
+    let leaf = dit_weight_bytes(&["--offload-type", "leaf-level"]) as f64 / GIB;
+    assert!((0.45..0.55).contains(&leaf), "leaf level {leaf:.3} GiB");
     // Three steps ahead when asked: four slots, still less than block level's two blocks.
     let deeper = dit_weight_bytes(&["--offload-type", "leaf-level", "--prefetch-depth", "3"]);
+    let deeper = deeper as f64 / GIB;
     assert!(
-        (0.75..0.85).contains(&(deeper as f64 / GIB)),
-        "leaf level, depth 3"
+        (0.75..0.85).contains(&deeper),
+        "leaf level, depth 3: {deeper:.3} GiB"
     );
 }
 

@@ -23,8 +23,7 @@ use crate::models::hunyuan_video::text_encoder::{
 };
 use crate::models::hunyuan_video::transformer::{
     BlockKind, HunyuanModulations, HunyuanVideoBlock, HunyuanVideoTransformer3DModel,
-    HunyuanVideoTransformerConfig,
-    MLP_CHUNK_TOKENS,
+    HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS,
 };
 use crate::models::hunyuan_video::vae::{
     AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
@@ -48,8 +47,9 @@ const VAE: usize = 4;
 
 /// Stages, by their index in the description.
 const ENCODE_TEXT: usize = 0;
-const DENOISE: usize = 1;
-const DECODE: usize = 2;
+const MODULATE: usize = 1;
+const DENOISE: usize = 2;
+const DECODE: usize = 3;
 
 /// The CLIP tokenizer's length (`tokenizer_2`, `max_length=77`).
 const CLIP_MAX_LENGTH: usize = 77;
@@ -155,6 +155,9 @@ impl Family for HunyuanConfigs {
         let mlp = t.mlp_dim() as u64 * tokens.min(MLP_CHUNK_TOKENS as u64);
         let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;
         let denoise = (tokens * inner * 10 + mlp * 2) * d + latent_bytes;
+        // Modulate: one block's modulations (at most 12 chunks, a dual-stream block's) for up
+        // to 100 conditionings (50 steps with true CFG), and their stacked copy.
+        let modulate = 12 * inner * d * 100 * 2;
         // Decode: tiles of 5 latent frames (17 video frames) at full size in the widest
         // channels, plus the whole video in f32.
         let frames = (latent[2].min(5) - 1) as u64 * self.vae.temporal_compression_ratio as u64 + 1;
@@ -206,7 +209,8 @@ impl Family for HunyuanConfigs {
             ],
             stages: vec![
                 StageSpec::new("encode_text", &[TEXT_ENCODER, TEXT_ENCODER_2], text),
-                StageSpec::new("denoise", &[TRANSFORMER, MODULATIONS], denoise),
+                StageSpec::new("modulate", &[MODULATIONS], modulate),
+                StageSpec::new("denoise", &[TRANSFORMER], denoise),
                 StageSpec::new("decode", &[VAE], decode),
                 StageSpec::new("write", &[], 0),
             ],
@@ -290,7 +294,11 @@ impl StepModulations {
         let mut at = 0;
         let mut blocks = Vec::with_capacity(self.counts.len());
         for &n in self.counts.iter() {
-            blocks.push((at..at + n).map(|k| all.get(k)).collect::<candle_core::Result<_>>()?);
+            blocks.push(
+                (at..at + n)
+                    .map(|k| all.get(k))
+                    .collect::<candle_core::Result<_>>()?,
+            );
             at += n;
         }
         Ok(Arc::new(blocks))
@@ -315,6 +323,9 @@ pub struct HunyuanVideo {
     vae: Option<Placed<AutoencoderKLHunyuanVideo>>,
     /// Each job's (prompt, negative prompt) conditioning, by job index, from encode to denoise.
     conds: HashMap<usize, (TextConds, Option<TextConds>)>,
+    /// Each job's modulations, per step and conditioning, by job index, from modulate to
+    /// denoise.
+    modulations_by_job: HashMap<usize, Vec<StepModulations>>,
     progress: Arc<Progress>,
 }
 
@@ -396,6 +407,7 @@ impl HunyuanVideo {
             modulations: None,
             vae: None,
             conds: HashMap::new(),
+            modulations_by_job: HashMap::new(),
             progress,
         })
     }
@@ -535,15 +547,8 @@ impl HunyuanVideo {
         let before = placed.offload_usage();
         let model = &placed.hold()?;
         let dtype = self.config.dtype();
-        let on_device = |c: &TextConds| -> Result<TextConds> {
-            Ok(TextConds {
-                embeds: c.embeds.to_dtype(dtype)?.to_device(&self.device)?,
-                mask: c.mask.to_dtype(dtype)?.to_device(&self.device)?,
-                pooled: c.pooled.to_dtype(dtype)?.to_device(&self.device)?,
-            })
-        };
-        let cond = on_device(&cond)?;
-        let negative = negative.as_ref().map(on_device).transpose()?;
+        let cond = self.on_device(&cond)?;
+        let negative = negative.as_ref().map(|n| self.on_device(n)).transpose()?;
         let true_cfg_scale = self.true_cfg(job);
         let mut scheduler = sampler(
             &self.configs.scheduler,
@@ -553,32 +558,17 @@ impl HunyuanVideo {
         let guidance = guidance_input(job.guidance_scale, 1, dtype, &self.device)?;
         let mut latents = self.initial_latents(job)?;
         let timesteps = scheduler.timesteps().to_vec();
-        // diffusers: t.expand(B).to(latents.dtype), float32.
-        let timestep = |t: f64| Tensor::new(&[t as f32], &self.device);
-        let start = std::time::Instant::now();
-        let conds: Vec<&TextConds> = match (&negative, true_cfg_scale) {
-            (Some(neg), Some(_)) => vec![&cond, neg],
-            _ => vec![&cond],
-        };
-        let conditionings = timesteps
-            .iter()
-            .flat_map(|&t| conds.iter().map(move |c| (t, *c)))
-            .map(|(t, c)| {
-                model
-                    .model()
-                    .conditioning(&timestep(t)?, &c.embeds, &c.mask, &c.pooled, Some(&guidance))
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let mut modulations = self.modulations_for(&conditionings)?.into_iter();
-        job.metrics.insert(
-            "modulation_pass_seconds".into(),
-            start.elapsed().as_secs_f64().into(),
-        );
+        let mut modulations = self
+            .modulations_by_job
+            .remove(&job.index)
+            .context("prompt not modulated")?
+            .into_iter();
         let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
         for (i, t) in timesteps.iter().enumerate() {
             crate::pipeline::interrupt::check()?;
             let input = latents.to_dtype(dtype)?;
-            let timestep = timestep(*t)?;
+            // diffusers: t.expand(B).to(latents.dtype), float32.
+            let timestep = Tensor::new(&[*t as f32], &self.device)?;
             let mut next = || modulations.next().context("a step without modulations");
             let m = next()?.on(&self.device)?;
             let noise_cond = stages::timed(&self.device, &mut forward_seconds, || {
@@ -605,39 +595,76 @@ impl HunyuanVideo {
         Ok(())
     }
 
-    /// Every block's modulations for each of `conditionings` (temb, refiner temb), in one pass
-    /// over the modulation weights, which hold device memory for this pass only.
-    fn modulations_for(&self, conditionings: &[(Tensor, Tensor)]) -> Result<Vec<StepModulations>> {
+    /// A text conditioning in the run dtype on the device.
+    fn on_device(&self, c: &TextConds) -> Result<TextConds> {
+        let dtype = self.config.dtype();
+        Ok(TextConds {
+            embeds: c.embeds.to_dtype(dtype)?.to_device(&self.device)?,
+            mask: c.mask.to_dtype(dtype)?.to_device(&self.device)?,
+            pooled: c.pooled.to_dtype(dtype)?.to_device(&self.device)?,
+        })
+    }
+
+    /// Every step's modulations for the prompt (and, where true CFG runs, the negative
+    /// prompt), in one pass over the modulation weights, which hold device memory for this
+    /// stage only; they wait in host memory for denoise, a step's conditionings in order.
+    fn modulate(&mut self, job: &mut Job) -> Result<()> {
+        let (cond, negative) = self.conds.get(&job.index).context("prompt not encoded")?;
+        let mut conds = vec![self.on_device(cond)?];
+        if let (Some(negative), Some(_)) = (negative, self.true_cfg(job)) {
+            conds.push(self.on_device(negative)?);
+        }
+        let timesteps = sampler(
+            &self.configs.scheduler,
+            job.num_inference_steps as usize,
+            self.config.generation.flow_shift,
+        )?
+        .timesteps()
+        .to_vec();
+        let guidance = guidance_input(job.guidance_scale, 1, self.config.dtype(), &self.device)?;
         let placed = self
             .modulations
             .as_ref()
             .context("transformer_modulations not loaded")?;
         let held = placed.hold()?;
-        let mut chunks = vec![Vec::new(); conditionings.len()];
-        let mut counts = Vec::new();
+        let model = held.model();
+        let conditionings = timesteps
+            .iter()
+            .flat_map(|&t| conds.iter().map(move |c| (t, c)))
+            .map(|(t, c)| {
+                // diffusers: t.expand(B).to(latents.dtype), float32.
+                let timestep = Tensor::new(&[t as f32], &self.device)?;
+                model.conditioning(&timestep, &c.embeds, &c.mask, &c.pooled, Some(&guidance))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // Block by block: every conditioning's chunks, stacked and moved to host memory at once.
+        let mut per_block = Vec::new();
         held.fold_blocks(HunyuanModulations::blocks, (), |block, _| {
-            for (k, ((temb, refiner_temb), chunks)) in
-                conditionings.iter().zip(&mut chunks).enumerate()
-            {
-                let m = block.modulation(temb, refiner_temb)?;
-                if k == 0 {
-                    counts.push(m.len());
-                }
-                chunks.extend(m);
-            }
+            let chunks = conditionings
+                .iter()
+                .map(|(temb, refiner_temb)| block.modulation(temb, refiner_temb))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let n = chunks.first().map_or(0, Vec::len);
+            let chunks: Vec<Tensor> = chunks.into_iter().flatten().collect();
+            per_block.push((n, Tensor::stack(&chunks, 0)?.to_device(&Device::Cpu)?));
             Ok(())
         })?;
         drop(held);
-        let counts = Arc::new(counts);
-        chunks
-            .into_iter()
+        let counts = Arc::new(per_block.iter().map(|(n, _)| *n).collect::<Vec<_>>());
+        let tables = (0..conditionings.len())
             .map(|c| {
+                let parts = per_block
+                    .iter()
+                    .map(|(n, t)| t.narrow(0, c * n, *n))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
                 Ok(StepModulations {
-                    all: Tensor::stack(&c, 0)?.to_device(&Device::Cpu)?,
+                    all: Tensor::cat(&parts, 0)?,
                     counts: counts.clone(),
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        self.modulations_by_job.insert(job.index, tables);
+        Ok(())
     }
 
     /// Builds a component from its weights, placed as the options say.
@@ -713,6 +740,7 @@ impl Pipeline for HunyuanVideo {
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
         match index {
             ENCODE_TEXT => self.encode_text(job),
+            MODULATE => self.modulate(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
             _ => stages::write_video(&self.config, job),
@@ -803,8 +831,8 @@ impl Blockwise for HunyuanModulations {
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
-    fn outer(_: &Self::Config, _: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Ok(Self::new_without_blocks())
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
     }
     fn num_blocks(cfg: &Self::Config) -> usize {
         cfg.num_blocks()
@@ -939,8 +967,11 @@ mod tests {
             HunyuanVideoTransformer3DModel::new_without_blocks(&apart, vb)
         })?;
         assert!(names(&outer).iter().all(|n| list(n).is_none()));
-        let modulations = ModelConstructors::<HunyuanModulations>(apart.clone())
-            .layout(streamed(1, false), DType::BF16, None)?;
+        let modulations = ModelConstructors::<HunyuanModulations>(apart.clone()).layout(
+            streamed(1, false),
+            DType::BF16,
+            None,
+        )?;
         assert_eq!(modulations.groups.len(), cfg.num_blocks());
         // The modulations are a quarter of the block weights and more.
         let bytes = |groups: &[GroupLayout]| groups.iter().map(|g| g.bytes).sum::<usize>();

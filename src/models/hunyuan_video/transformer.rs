@@ -1197,21 +1197,48 @@ impl HunyuanVideoBlock {
 /// fewer bytes at the published size.
 #[derive(Debug, Clone)]
 pub struct HunyuanModulations {
+    conditioner: Conditioner,
     blocks: Vec<HunyuanVideoBlock>,
 }
 
 impl HunyuanModulations {
-    /// Loads every block's modulation steps; `vb` is the transformer's root.
+    /// Loads the conditioning embedders and every block's modulation steps; `vb` is the
+    /// transformer's root.
     pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        let blocks = (0..cfg.num_blocks())
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_blocks())
             .map(|i| Self::block(cfg, i, vb.clone()))
             .collect::<Result<_>>()?;
-        Ok(Self { blocks })
+        Ok(model)
     }
 
-    /// Holds no weights (an engine streams the blocks itself).
-    pub fn new_without_blocks() -> Self {
-        Self { blocks: Vec::new() }
+    /// Loads the conditioning embedders only (an engine streams the blocks itself).
+    pub fn new_without_blocks(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            conditioner: Conditioner::new(cfg, &vb)?,
+            blocks: Vec::new(),
+        })
+    }
+
+    /// The conditionings the blocks' modulations are computed from, `temb` and the token
+    /// refiner's, each `[B, inner]`, exactly as the transformer computes them (arguments as
+    /// [`HunyuanVideoTransformer3DModel::prepare`]'s, the text in the model dtype).
+    pub fn conditioning(
+        &self,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_attention_mask: &Tensor,
+        pooled_projections: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        self.conditioner.forward(
+            timestep,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            pooled_projections,
+            guidance,
+        )
     }
 
     /// Block `index`'s modulation steps; `vb` is the transformer's root.
@@ -1367,42 +1394,92 @@ impl RefinerBlock {
     }
 }
 
-/// The text token refiner's embedders (diffusers `HunyuanVideoTokenRefiner`, the
-/// `context_embedder`, without its blocks, which are blocks of the model).
+/// The embedders of the blocks' conditionings: the timestep, guidance and pooled-CLIP
+/// embedders (`time_text_embed`) and the token refiner's timestep and mean-text embedders
+/// (`context_embedder.time_text_embed`). The transformer holds them, and so does
+/// [`HunyuanModulations`], which computes every step's modulations before the transformer
+/// runs.
 #[derive(Debug, Clone)]
-struct TokenRefiner {
+struct Conditioner {
     timestep_embedder: Mlp,
+    guidance_embedder: Option<Mlp>,
     text_embedder: Mlp,
-    proj_in: Linear,
+    refiner_timestep_embedder: Mlp,
+    refiner_text_embedder: Mlp,
+    dtype: DType,
 }
 
-impl TokenRefiner {
-    fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
+impl Conditioner {
+    /// `vb` is the transformer's root.
+    fn new(cfg: &HunyuanVideoTransformerConfig, vb: &VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
         let tvb = vb.pp("time_text_embed");
+        let rvb = vb.pp("context_embedder.time_text_embed");
         Ok(Self {
             timestep_embedder: Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("timestep_embedder"))?,
-            text_embedder: Mlp::embedder(cfg.text_embed_dim, dim, tvb.pp("text_embedder"))?,
-            proj_in: candle_nn::linear(cfg.text_embed_dim, dim, vb.pp("proj_in"))?,
+            guidance_embedder: cfg
+                .guidance_embeds
+                .then(|| Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("guidance_embedder")))
+                .transpose()?,
+            text_embedder: Mlp::embedder(cfg.pooled_projection_dim, dim, tvb.pp("text_embedder"))?,
+            refiner_timestep_embedder: Mlp::embedder(
+                TIMESTEP_CHANNELS,
+                dim,
+                rvb.pp("timestep_embedder"),
+            )?,
+            refiner_text_embedder: Mlp::embedder(cfg.text_embed_dim, dim, rvb.pp("text_embedder"))?,
+            dtype: vb.dtype(),
         })
     }
 
-    /// `text` `[B, L, text_dim]`, `mask` `[B, L]` f32 0/1, `t_proj` the sinusoidal timestep:
-    /// the refiner blocks' conditioning `[B, inner]`.
-    fn conditioning(&self, text: &Tensor, mask: &Tensor, t_proj: &Tensor) -> Result<Tensor> {
-        // Mask-weighted mean of the raw text embeddings, in f32.
-        let m = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
-        let pooled = text
+    /// `temb` (timestep + guidance + pooled CLIP) and the token refiner's conditioning
+    /// (timestep + mask-weighted mean text), each `[B, inner]`, for `timestep` and
+    /// `guidance` (`[B]` or one value), the Llama text `[B, L, text_dim]` in the model dtype,
+    /// its mask `[B, L]` and the pooled CLIP `[B, pooled_dim]`.
+    fn forward(
+        &self,
+        timestep: &Tensor,
+        text: &Tensor,
+        mask: &Tensor,
+        pooled: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let b = pooled.dim(0)?;
+        let device = pooled.device();
+        let per_batch = |t: &Tensor, what: &str| -> Result<Tensor> {
+            match t.elem_count() {
+                1 if b > 1 => t.flatten_all()?.repeat(b),
+                n if n == b => t.flatten_all(),
+                n => candle_core::bail!("{what} has {n} values for a batch of {b}"),
+            }
+        };
+        let t_proj = timestep_embedding(&per_batch(timestep, "timestep")?, TIMESTEP_CHANNELS)?
+            .to_device(device)?;
+        let mut temb = (self
+            .timestep_embedder
+            .forward(&t_proj.to_dtype(self.dtype)?)?
+            + self.text_embedder.forward(&pooled.to_dtype(self.dtype)?)?)?;
+        if let Some(embedder) = &self.guidance_embedder {
+            let Some(guidance) = guidance else {
+                candle_core::bail!("this transformer embeds guidance: pass the guidance (x1000)");
+            };
+            let g_proj = timestep_embedding(&per_batch(guidance, "guidance")?, TIMESTEP_CHANNELS)?
+                .to_device(device)?;
+            temb = (temb + embedder.forward(&g_proj.to_dtype(self.dtype)?)?)?;
+        }
+        // The refiner's: the mask-weighted mean of the raw text embeddings, in f32.
+        let m = mask.to_device(device)?.to_dtype(DType::F32)?.unsqueeze(2)?;
+        let mean = text
             .to_dtype(DType::F32)?
             .broadcast_mul(&m)?
             .sum(1)?
             .broadcast_div(&m.sum(1)?)?
             .to_dtype(text.dtype())?;
-        let temb = (self
-            .timestep_embedder
+        let refiner_temb = (self
+            .refiner_timestep_embedder
             .forward(&t_proj.to_dtype(text.dtype())?)?
-            + self.text_embedder.forward(&pooled)?)?;
-        Ok(temb)
+            + self.refiner_text_embedder.forward(&mean)?)?;
+        Ok((temb, refiner_temb))
     }
 }
 
@@ -1462,10 +1539,9 @@ pub struct HunyuanVideoTransformer3DModel {
     cfg: HunyuanVideoTransformerConfig,
     /// Conv3d with kernel = stride = patch, stored as a linear over flattened patches.
     x_embedder: Linear,
-    context_embedder: TokenRefiner,
-    timestep_embedder: Mlp,
-    guidance_embedder: Option<Mlp>,
-    text_embedder: Mlp,
+    conditioner: Conditioner,
+    /// The token refiner's input projection (`context_embedder.proj_in`).
+    text_proj_in: Linear,
     blocks: Vec<HunyuanVideoBlock>,
     /// AdaLayerNormContinuous: scale, shift.
     norm_out: Modulation,
@@ -1494,23 +1570,15 @@ impl HunyuanVideoTransformer3DModel {
             .get((dim, cfg.in_channels, pt, p, p), "weight")?
             .reshape((dim, cfg.in_channels * pt * p * p))?;
         let x_embedder = Linear::new(patch_w, Some(xvb.get(dim, "bias")?));
-        let tvb = vb.pp("time_text_embed");
-        let guidance_embedder = if cfg.guidance_embeds {
-            Some(Mlp::embedder(
-                TIMESTEP_CHANNELS,
-                dim,
-                tvb.pp("guidance_embedder"),
-            )?)
-        } else {
-            None
-        };
         Ok(Self {
             cfg: cfg.clone(),
             x_embedder,
-            context_embedder: TokenRefiner::new(cfg, vb.pp("context_embedder"))?,
-            timestep_embedder: Mlp::embedder(TIMESTEP_CHANNELS, dim, tvb.pp("timestep_embedder"))?,
-            guidance_embedder,
-            text_embedder: Mlp::embedder(cfg.pooled_projection_dim, dim, tvb.pp("text_embedder"))?,
+            conditioner: Conditioner::new(cfg, &vb)?,
+            text_proj_in: candle_nn::linear(
+                cfg.text_embed_dim,
+                dim,
+                vb.pp("context_embedder.proj_in"),
+            )?,
             blocks: Vec::new(),
             norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
             proj_out: candle_nn::linear(dim, pt * p * p * cfg.out_channels(), vb.pp("proj_out"))?,
@@ -1607,14 +1675,14 @@ impl HunyuanVideoTransformer3DModel {
             candle_core::bail!("encoder_attention_mask holds values other than 0 and 1");
         }
         let text = encoder_hidden_states.to_dtype(self.dtype)?;
-        let (temb, refiner_temb) = self.conditioning(
+        let (temb, refiner_temb) = self.conditioner.forward(
             timestep,
             &text,
             encoder_attention_mask,
             pooled_projections,
             guidance,
         )?;
-        let text = self.context_embedder.proj_in.forward(&text)?;
+        let text = self.text_proj_in.forward(&text)?;
 
         let (rope_cos, rope_sin) = rope_tables(cfg, grid, device)?;
         Ok(BlockInputs {
@@ -1629,50 +1697,6 @@ impl HunyuanVideoTransformer3DModel {
             grid,
             modulations: None,
         })
-    }
-
-    /// The blocks' conditionings for `timestep` (see [`Self::prepare`] for the arguments, the
-    /// text already in the model dtype): `temb` (timestep + guidance + pooled CLIP) and the
-    /// token refiner's (timestep + mask-weighted mean text), each `[B, inner]`. With the
-    /// latents they are all a step's modulations depend on.
-    pub fn conditioning(
-        &self,
-        timestep: &Tensor,
-        encoder_hidden_states: &Tensor,
-        encoder_attention_mask: &Tensor,
-        pooled_projections: &Tensor,
-        guidance: Option<&Tensor>,
-    ) -> Result<(Tensor, Tensor)> {
-        let b = pooled_projections.dim(0)?;
-        let device = pooled_projections.device();
-        let per_batch = |t: &Tensor, what: &str| -> Result<Tensor> {
-            match t.elem_count() {
-                1 if b > 1 => t.flatten_all()?.repeat(b),
-                n if n == b => t.flatten_all(),
-                n => candle_core::bail!("{what} has {n} values for a batch of {b}"),
-            }
-        };
-        let t_proj = timestep_embedding(&per_batch(timestep, "timestep")?, TIMESTEP_CHANNELS)?
-            .to_device(device)?;
-        let pooled = pooled_projections.to_dtype(self.dtype)?;
-        let mut temb = (self
-            .timestep_embedder
-            .forward(&t_proj.to_dtype(self.dtype)?)?
-            + self.text_embedder.forward(&pooled)?)?;
-        if let Some(embedder) = &self.guidance_embedder {
-            let Some(guidance) = guidance else {
-                candle_core::bail!("this transformer embeds guidance: pass the guidance (x1000)");
-            };
-            let g_proj = timestep_embedding(&per_batch(guidance, "guidance")?, TIMESTEP_CHANNELS)?
-                .to_device(device)?;
-            temb = (temb + embedder.forward(&g_proj.to_dtype(self.dtype)?)?)?;
-        }
-        let refiner_temb = self.context_embedder.conditioning(
-            encoder_hidden_states,
-            &encoder_attention_mask.to_device(device)?,
-            &t_proj,
-        )?;
-        Ok((temb, refiner_temb))
     }
 
     /// Output norm (AdaLayerNormContinuous, scale then shift), `proj_out` and unpatchify:
