@@ -288,7 +288,7 @@ struct StepModulations {
 }
 
 impl StepModulations {
-    /// On `device` (one copy), split per block as [`BlockInputs::modulations`] holds them.
+    /// On `device` (one copy), split per block as the blocks read them (`BlockInputs::modulations`).
     fn on(&self, device: &Device) -> Result<Arc<Vec<Vec<Tensor>>>> {
         let all = self.all.to_device(device)?;
         let mut at = 0;
