@@ -6,8 +6,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
+use std::sync::Arc;
 use vidgen::models::minimax_h3::transformer::{
-    rope_tables, MiniMaxH3Transformer3DModel, MiniMaxH3TransformerBlock,
+    rope_tables, MiniMaxH3Modulations, MiniMaxH3Transformer3DModel, MiniMaxH3TransformerBlock,
     MiniMaxH3TransformerConfig, PackedLayout,
 };
 
@@ -99,13 +100,29 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
         .unwrap();
     let mut x = inputs.take_hidden_states().unwrap();
     assert!(inputs.take_hidden_states().is_err());
+    // The AdaLN tables computed apart (as the pipeline does, before denoising), the blocks
+    // built without their projections.
+    let tables = MiniMaxH3Modulations::new(&cfg, vb.clone())
+        .unwrap()
+        .blocks()
+        .iter()
+        .map(|b| b.table(&inputs.temb))
+        .collect::<candle_core::Result<Vec<_>>>()
+        .unwrap();
+    common::assert_close(
+        "block0_adaln",
+        &tables[0],
+        &r["debug.block0_adaln"],
+        ATOL,
+        RTOL,
+    );
+    inputs.adaln_tables = Some(Arc::new(tables));
+    let apart = MiniMaxH3TransformerConfig {
+        modulations_apart: true,
+        ..cfg.clone()
+    };
     for i in 0..cfg.num_layers {
-        let block =
-            MiniMaxH3TransformerBlock::new(&cfg, vb.pp(format!("transformer_blocks.{i}"))).unwrap();
-        if i == 0 {
-            let table = block.adaln_table(&inputs.temb).unwrap();
-            common::assert_close("block0_adaln", &table, &r["debug.block0_adaln"], ATOL, RTOL);
-        }
+        let block = MiniMaxH3TransformerBlock::new(&apart, i, vb.clone()).unwrap();
         x = block.forward(&x, &inputs).unwrap();
         common::assert_close(
             &format!("block.{i}"),
@@ -119,6 +136,20 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
     let normed = model.norm_out(&x, &all_rows, &inputs).unwrap();
     common::assert_close("norm_out", &normed, &r["debug.norm_out"], ATOL, RTOL);
     let (video, audio) = model.finish(&x, &inputs).unwrap();
+    // Bit for bit the whole model's forward, projections inside the blocks.
+    let (whole_video, whole_audio) = MiniMaxH3Transformer3DModel::new(&cfg, vb.clone())
+        .unwrap()
+        .forward(
+            &r["hidden_states"],
+            &r["audio_hidden_states"],
+            &r["encoder_hidden_states"],
+            &r["timestep"],
+            &r["timestep_indices"],
+            &layout(&r),
+        )
+        .unwrap();
+    assert_eq!(common::max_abs_diff(&video, &whole_video), 0.0);
+    assert_eq!(common::max_abs_diff(&audio, &whole_audio), 0.0);
     common::assert_close("output.sample", &video, &r["output.sample"], ATOL, RTOL);
     common::assert_close(
         "output.audio_sample",

@@ -28,8 +28,8 @@ use crate::models::minimax_h3::text_encoder::{
     TextRope,
 };
 use crate::models::minimax_h3::transformer::{
-    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerBlock, MiniMaxH3TransformerConfig,
-    PackedLayout,
+    AdalnProjection, MiniMaxH3Modulations, MiniMaxH3Transformer3DModel, MiniMaxH3TransformerBlock,
+    MiniMaxH3TransformerConfig, PackedLayout,
 };
 use crate::models::minimax_h3::vae::{
     decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder, Tiling,
@@ -37,7 +37,9 @@ use crate::models::minimax_h3::vae::{
 use crate::models::source::{message, FileRef, ModelSource};
 use crate::offload::Residency;
 use crate::output::Audio;
-use crate::schedulers::minimax_h3::{MiniMaxH3Schedule, MiniMaxH3SchedulerConfig};
+use crate::schedulers::minimax_h3::{
+    distinct_timesteps, MiniMaxH3Schedule, MiniMaxH3SchedulerConfig,
+};
 use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -51,14 +53,16 @@ const F32_BYTES: u64 = 4;
 /// Components, by their index in the description.
 const TEXT_ENCODER: usize = 0;
 const TRANSFORMER: usize = 1;
-const VAE: usize = 2;
-const AUDIO_VAE: usize = 3;
+const MODULATIONS: usize = 2;
+const VAE: usize = 3;
+const AUDIO_VAE: usize = 4;
 
 /// Stages, by their index in the description.
 const ENCODE_TEXT: usize = 0;
-const DENOISE: usize = 1;
-const DECODE_VIDEO: usize = 2;
-const DECODE_AUDIO: usize = 3;
+const MODULATE: usize = 1;
+const DENOISE: usize = 2;
+const DECODE_VIDEO: usize = 3;
+const DECODE_AUDIO: usize = 4;
 
 /// `modular_model_index.json`'s `_class_name` for this pipeline.
 pub const CLASS_NAME: &str = "MiniMaxH3ModularPipeline";
@@ -84,7 +88,12 @@ impl MiniMaxH3Configs {
     /// [`ModelSource::json`]) and checks that they agree.
     pub fn from_configs(configs: Configs) -> Result<Self> {
         let out = MiniMaxH3Configs {
-            transformer: configs.read("transformer/config.json")?,
+            // Every step's AdaLN tables are computed before denoising (`MODULATIONS`): the
+            // streamed blocks leave their projections out.
+            transformer: MiniMaxH3TransformerConfig {
+                modulations_apart: true,
+                ..configs.read("transformer/config.json")?
+            },
             vae: configs.read("vae/config.json")?,
             audio_vae: configs.read("audio_vae/config.json")?,
             text_encoder: configs
@@ -402,6 +411,12 @@ impl Family for MiniMaxH3Configs {
                     Role::Dit,
                     self.transformer.clone(),
                 ),
+                ComponentSpec::new::<MiniMaxH3Modulations>(
+                    "transformer_modulations",
+                    Role::Dit,
+                    self.transformer.clone(),
+                )
+                .in_folder("transformer"),
                 ComponentSpec::new::<MiniMaxH3VaeDecoder>("vae", Role::Vae, self.vae.clone()),
                 // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
                 // noisy.
@@ -419,6 +434,13 @@ impl Family for MiniMaxH3Configs {
                     "encode_text",
                     &[TEXT_ENCODER],
                     text_encoder_activations(&self.text_encoder, text, shape.dtype),
+                ),
+                // One block's table for one step at a time, in f32 at most (two distinct
+                // timesteps, three modalities), and the time embedding.
+                StageSpec::new(
+                    "modulate",
+                    &[MODULATIONS],
+                    2 * 3 * 6 * self.transformer.hidden_size as u64 * F32_BYTES * 2,
                 ),
                 StageSpec::new(
                     "denoise",
@@ -489,6 +511,9 @@ struct Carried {
     audio_latents: Option<Tensor>,
     /// The decoded stereo waveform until it is written.
     audio: Option<Audio>,
+    /// Every step's AdaLN tables (host memory, one tensor per step: the blocks' tables
+    /// stacked), from modulate to denoise.
+    adaln_tables: Option<Arc<Vec<Tensor>>>,
 }
 
 /// MiniMax H3 with its loaded components.
@@ -502,9 +527,14 @@ pub struct MiniMaxH3 {
     placement: Placement,
     text_encoder: Option<Placed<MiniMaxH3TextEncoder>>,
     transformer: Option<Placed<MiniMaxH3Transformer3DModel>>,
+    modulations: Option<Placed<MiniMaxH3Modulations>>,
     vae: Option<Placed<MiniMaxH3VaeDecoder>>,
     audio_vae: Option<Placed<MiniMaxH3AudioVaeDecoder>>,
     carried: HashMap<usize, Carried>,
+    /// The AdaLN tables by step count: they depend on the schedules' timesteps alone (not on
+    /// the prompt), so the prompts of a batch with one step count share one pass and one copy
+    /// (about 1 GB for 50 steps at the published size, in bf16).
+    adaln_tables: HashMap<usize, Arc<Vec<Tensor>>>,
     progress: Arc<Progress>,
 }
 
@@ -533,9 +563,11 @@ impl MiniMaxH3 {
             tokenizer,
             text_encoder: None,
             transformer: None,
+            modulations: None,
             vae: None,
             audio_vae: None,
             carried: HashMap::new(),
+            adaln_tables: HashMap::new(),
             progress,
         })
     }
@@ -617,6 +649,57 @@ impl MiniMaxH3 {
 
     /// Both schedules through one transformer forward per step over the packed sequence; the
     /// video latents wait in host memory as `[1, C, F, h, w]`, the audio rows beside them.
+    /// Every step's AdaLN tables, in one pass over the blocks' projections, which hold device
+    /// memory for this stage only; they wait in host memory for denoise, one tensor per step,
+    /// shared by the prompts with this step count.
+    fn modulate(&mut self, job: &mut Job) -> Result<()> {
+        let steps = job.num_inference_steps as usize;
+        let tables = match self.adaln_tables.get(&steps) {
+            Some(tables) => tables.clone(),
+            None => {
+                let tables = Arc::new(self.adaln_tables_for(steps)?);
+                self.adaln_tables.insert(steps, tables.clone());
+                tables
+            }
+        };
+        self.carried.entry(job.index).or_default().adaln_tables = Some(tables);
+        Ok(())
+    }
+
+    /// The AdaLN tables of a `steps`-step run, one tensor per step.
+    fn adaln_tables_for(&self, steps: usize) -> Result<Vec<Tensor>> {
+        let video_schedule = MiniMaxH3Schedule::new(&self.configs.scheduler, steps)?;
+        let audio_schedule = MiniMaxH3Schedule::new(&self.configs.audio_scheduler, steps)?;
+        let placed = self
+            .modulations
+            .as_ref()
+            .context("transformer_modulations not loaded")?;
+        let held = placed.hold()?;
+        let model = held.model();
+        let tembs = video_schedule
+            .timesteps
+            .iter()
+            .zip(&audio_schedule.timesteps)
+            .map(|(&video, &audio)| {
+                // The distinct timesteps, as `row_timesteps` gives them to the transformer.
+                let (values, _, _) = distinct_timesteps(video, audio);
+                model.time_embedding(&Tensor::new(values.as_slice(), &self.device)?)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut per_step = vec![Vec::new(); tembs.len()];
+        held.fold_blocks(MiniMaxH3Modulations::blocks, (), |block, _| {
+            for (temb, tables) in tembs.iter().zip(&mut per_step) {
+                tables.push(block.table(temb)?.to_device(&Device::Cpu)?);
+            }
+            Ok(())
+        })?;
+        drop(held);
+        Ok(per_step
+            .iter()
+            .map(|t| Tensor::cat(t, 0))
+            .collect::<candle_core::Result<Vec<_>>>()?)
+    }
+
     fn denoise(&mut self, job: &mut Job) -> Result<()> {
         let mut carried = self.carried.remove(&job.index).unwrap_or_default();
         let result = self.denoise_with(job, &mut carried);
@@ -652,16 +735,38 @@ impl MiniMaxH3 {
         }
         let mut video = patchify(&latents.to_device(&self.device)?, cfg.patch_size)?;
         let mut audio = pack_audio(&audio_latents.to_device(&self.device)?)?;
+        let tables = carried
+            .adaln_tables
+            .take()
+            .context("prompt not modulated")?;
+        if tables.len() != forwards {
+            bail!("{} steps modulated for {forwards} forwards", tables.len());
+        }
+        let blocks = cfg.num_layers;
         let mut forward_seconds = Vec::with_capacity(forwards);
-        for i in 0..forwards {
+        for (i, step_tables) in tables.iter().enumerate() {
             crate::pipeline::interrupt::check()?;
             let (t, t_idx) = row_timesteps(
                 &layout,
                 video_schedule.timesteps[i],
                 audio_schedule.timesteps[i],
             )?;
+            // The step's tables, one copy; block b's are rows [b * n, (b + 1) * n).
+            let step_tables = step_tables.to_device(&self.device)?;
+            let n = step_tables.dim(0)? / blocks.max(1);
+            let per_block = (0..blocks)
+                .map(|b| step_tables.narrow(0, b * n, n))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let per_block = Arc::new(per_block);
             let (v, a) = stages::timed(&self.device, &mut forward_seconds, || {
-                dit_forward(model, &video, &audio, &text, &t, &t_idx, &layout)
+                dit_forward(
+                    model,
+                    &video,
+                    &audio,
+                    &text,
+                    (&t, &t_idx, per_block),
+                    &layout,
+                )
             })?;
             video = video_schedule.step(i, &v, &video)?;
             audio = audio_schedule.step(i, &a, &audio)?;
@@ -751,6 +856,9 @@ impl MiniMaxH3 {
             TRANSFORMER => {
                 self.transformer = Some(loader.build(component, &self.configs.transformer)?)
             }
+            MODULATIONS => {
+                self.modulations = Some(loader.build(component, &self.configs.transformer)?)
+            }
             VAE => self.vae = Some(loader.build(component, &self.configs.vae)?),
             _ => self.audio_vae = Some(loader.build(component, &self.configs.audio_vae)?),
         }
@@ -773,6 +881,7 @@ impl Pipeline for MiniMaxH3 {
         match component {
             TEXT_ENCODER => self.text_encoder = None,
             TRANSFORMER => self.transformer = None,
+            MODULATIONS => self.modulations = None,
             VAE => self.vae = None,
             _ => self.audio_vae = None,
         }
@@ -781,6 +890,7 @@ impl Pipeline for MiniMaxH3 {
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
         let result = match index {
             ENCODE_TEXT => self.encode_text(job),
+            MODULATE => self.modulate(job),
             DENOISE => self.denoise(job),
             DECODE_VIDEO => self.decode_video(job),
             DECODE_AUDIO => self.decode_audio(job),
@@ -794,18 +904,20 @@ impl Pipeline for MiniMaxH3 {
 }
 
 /// One transformer forward: prepare (projections, token refiner, packing, time embedding,
-/// RoPE), the blocks (resident or streamed), the output norm and both velocity heads.
+/// RoPE), the blocks (resident or streamed), the output norm and both velocity heads. The
+/// tuple holds the step's distinct timesteps, each row's index into them and the blocks' AdaLN tables
+/// computed apart ([`MiniMaxH3Modulations`]).
 fn dit_forward(
     dit: &Held<'_, MiniMaxH3Transformer3DModel>,
     video: &Tensor,
     audio: &Tensor,
     text: &Tensor,
-    timestep: &Tensor,
-    timestep_indices: &Tensor,
+    (timestep, timestep_indices, adaln_tables): (&Tensor, &Tensor, Arc<Vec<Tensor>>),
     layout: &PackedLayout,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let model = dit.model();
     let mut inputs = model.prepare(video, audio, text, timestep, timestep_indices, layout)?;
+    inputs.adaln_tables = Some(adaln_tables);
     let x = inputs.take_hidden_states()?;
     let x = dit.fold_blocks(MiniMaxH3Transformer3DModel::blocks, x, |block, x| {
         block.forward(x, &inputs)
@@ -826,7 +938,26 @@ impl Blockwise for MiniMaxH3Transformer3DModel {
         cfg.num_layers
     }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        MiniMaxH3TransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+        MiniMaxH3TransformerBlock::new(cfg, i, vb)
+    }
+}
+
+/// The blocks' AdaLN projections, streamed (or placed) as a DiT of their own: one pass before
+/// denoising computes every step's tables.
+impl Blockwise for MiniMaxH3Modulations {
+    type Config = MiniMaxH3TransformerConfig;
+    type Block = AdalnProjection;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        AdalnProjection::new(cfg, i, vb)
     }
 }
 

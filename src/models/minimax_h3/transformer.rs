@@ -15,6 +15,8 @@
 //! The token refiner (`num_refiner_layers` plain blocks over the text rows) belongs to the
 //! non-block part: it runs once in `prepare`.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
@@ -84,6 +86,12 @@ pub struct MiniMaxH3TransformerConfig {
     pub qk_norm_eps: f64,
     /// Epsilon of the refiner's final norm and of `norm_out`.
     pub final_norm_eps: f64,
+    /// Not in the file: the blocks are built without their AdaLN projections, whose tables
+    /// (which depend on a step's timesteps alone) a [`MiniMaxH3Modulations`] computes for every
+    /// step before denoising and hands in through [`BlockInputs::adaln_tables`]. A streamed DiT
+    /// then moves 43% fewer bytes per forward.
+    #[serde(skip)]
+    pub modulations_apart: bool,
 }
 
 impl Default for MiniMaxH3TransformerConfig {
@@ -107,6 +115,7 @@ impl Default for MiniMaxH3TransformerConfig {
             norm_eps: 1e-5,
             qk_norm_eps: 1e-5,
             final_norm_eps: 1e-5,
+            modulations_apart: false,
         }
     }
 }
@@ -218,6 +227,9 @@ pub struct BlockInputs {
     pub video_indices: Tensor,
     /// `[2 Na]` u32 positions of the audio rows.
     pub audio_indices: Tensor,
+    /// With [`MiniMaxH3TransformerConfig::modulations_apart`]: each block's AdaLN table for
+    /// this forward, by block index ([`AdalnProjection::table`]'s output).
+    pub adaln_tables: Option<Arc<Vec<Tensor>>>,
 }
 
 impl BlockInputs {
@@ -371,31 +383,100 @@ fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
 }
 
-/// One main block: AdaLN-modulated self-attention and SwiGLU, parameters picked per row from
-/// the `(timestep, modality)` table.
+/// `time_embedder` (kept in f32): the sinusoid of each distinct timestep through two Linears.
+/// The transformer holds it, and so does [`MiniMaxH3Modulations`].
 #[derive(Debug, Clone)]
-pub struct MiniMaxH3TransformerBlock {
-    norm1: RmsNorm,
-    attn: Attention,
-    norm2: RmsNorm,
-    ff: SwiGlu,
-    adaln: Linear,
+struct TimeEmbedder {
+    linear_1: Linear,
+    linear_2: Linear,
+    freq_dim: usize,
+}
+
+impl TimeEmbedder {
+    /// `vb` is the transformer's root.
+    fn new(cfg: &MiniMaxH3TransformerConfig, vb: &VarBuilder) -> Result<Self> {
+        let vb = vb.clone().set_dtype(DType::F32).pp("time_embedder");
+        Ok(Self {
+            linear_1: candle_nn::linear(
+                cfg.freq_dim,
+                cfg.time_embed_hidden_dim,
+                vb.pp("linear_1"),
+            )?,
+            linear_2: candle_nn::linear(
+                cfg.time_embed_hidden_dim,
+                cfg.time_embed_dim,
+                vb.pp("linear_2"),
+            )?,
+            freq_dim: cfg.freq_dim,
+        })
+    }
+
+    /// `[T]` distinct timesteps -> `[T, time_embed_dim]` f32.
+    fn forward(&self, timestep: &Tensor) -> Result<Tensor> {
+        let t = timestep_embedding(timestep, self.freq_dim)?;
+        self.linear_2
+            .forward(&candle_nn::ops::silu(&self.linear_1.forward(&t)?)?)
+    }
+}
+
+/// Every main block's AdaLN projection alone (43% of a block at the published size): what a
+/// model built with [`MiniMaxH3TransformerConfig::modulations_apart`] leaves out. The tables
+/// depend on a step's timesteps only, so one pass over the projections before denoising
+/// computes every step's ([`BlockInputs::adaln_tables`]).
+#[derive(Debug, Clone)]
+pub struct MiniMaxH3Modulations {
+    time_embedder: TimeEmbedder,
+    blocks: Vec<AdalnProjection>,
+}
+
+impl MiniMaxH3Modulations {
+    /// Loads the time embedder and every block's projection; `vb` is the transformer's root.
+    pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| AdalnProjection::new(cfg, i, vb.clone()))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads the time embedder only (an engine streams the projections itself).
+    pub fn new_without_blocks(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            time_embedder: TimeEmbedder::new(cfg, &vb)?,
+            blocks: Vec::new(),
+        })
+    }
+
+    /// The loaded projections, in block order (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[AdalnProjection] {
+        &self.blocks
+    }
+
+    /// The time embedding the tables are computed from, exactly as the transformer's
+    /// ([`MiniMaxH3Transformer3DModel::time_embedding`]).
+    pub fn time_embedding(&self, timestep: &Tensor) -> Result<Tensor> {
+        self.time_embedder.forward(timestep)
+    }
+}
+
+/// A main block's AdaLN projection (`adaln_proj.linear`): a step's `[T, time_embed_dim]` time
+/// embedding to its `[T * 3, 6 * hidden]` table.
+#[derive(Debug, Clone)]
+pub struct AdalnProjection {
+    linear: Linear,
     hidden: usize,
 }
 
-impl MiniMaxH3TransformerBlock {
-    /// Loads one block from `vb` = `transformer_blocks.{i}`.
-    pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+impl AdalnProjection {
+    /// Loads block `index`'s projection; `vb` is the transformer's root.
+    pub fn new(cfg: &MiniMaxH3TransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.hidden_size;
         Ok(Self {
-            norm1: RmsNorm::new(dim, cfg.norm_eps, vb.pp("norm1"))?,
-            attn: Attention::new(cfg, vb.pp("attn"))?,
-            norm2: RmsNorm::new(dim, cfg.norm_eps, vb.pp("norm2"))?,
-            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"))?,
-            adaln: candle_nn::linear(
+            linear: candle_nn::linear(
                 cfg.time_embed_dim,
                 6 * dim * MODALITY_COUNT,
-                vb.pp("adaln_proj.linear"),
+                vb.pp(format!("transformer_blocks.{index}.adaln_proj.linear")),
             )?,
             hidden: dim,
         })
@@ -404,9 +485,62 @@ impl MiniMaxH3TransformerBlock {
     /// The AdaLN table `[T * 3, 6 * hidden]` (row `t_index * 3 + tag`; columns shift_msa,
     /// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp). `silu` runs on the f32 `temb`,
     /// then the result is cast to the projection's dtype, as diffusers does.
-    pub fn adaln_table(&self, temb: &Tensor) -> Result<Tensor> {
-        let act = candle_nn::ops::silu(temb)?.to_dtype(self.adaln.weight().dtype())?;
-        self.adaln.forward(&act)?.reshape(((), 6 * self.hidden))
+    pub fn table(&self, temb: &Tensor) -> Result<Tensor> {
+        let act = candle_nn::ops::silu(temb)?.to_dtype(self.linear.weight().dtype())?;
+        self.linear.forward(&act)?.reshape(((), 6 * self.hidden))
+    }
+}
+
+/// One main block: AdaLN-modulated self-attention and SwiGLU, parameters picked per row from
+/// the `(timestep, modality)` table.
+#[derive(Debug, Clone)]
+pub struct MiniMaxH3TransformerBlock {
+    /// Its place in execution order: which table computed apart is its.
+    index: usize,
+    norm1: RmsNorm,
+    attn: Attention,
+    norm2: RmsNorm,
+    ff: SwiGlu,
+    /// `None` with the modulations apart.
+    adaln: Option<AdalnProjection>,
+    hidden: usize,
+}
+
+impl MiniMaxH3TransformerBlock {
+    /// Loads block `index` (without its AdaLN projection where the config says the
+    /// modulations are apart); `vb` is the transformer's root.
+    pub fn new(cfg: &MiniMaxH3TransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.hidden_size;
+        let bvb = vb.pp(format!("transformer_blocks.{index}"));
+        Ok(Self {
+            index,
+            norm1: RmsNorm::new(dim, cfg.norm_eps, bvb.pp("norm1"))?,
+            attn: Attention::new(cfg, bvb.pp("attn"))?,
+            norm2: RmsNorm::new(dim, cfg.norm_eps, bvb.pp("norm2"))?,
+            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, bvb.pp("ff"))?,
+            adaln: (!cfg.modulations_apart)
+                .then(|| AdalnProjection::new(cfg, index, vb))
+                .transpose()?,
+            hidden: dim,
+        })
+    }
+
+    /// This forward's AdaLN table: computed from `inputs.temb`, or the one computed apart.
+    fn adaln_table(&self, inputs: &BlockInputs) -> Result<Tensor> {
+        match &self.adaln {
+            Some(adaln) => adaln.table(&inputs.temb),
+            None => inputs
+                .adaln_tables
+                .as_ref()
+                .and_then(|tables| tables.get(self.index))
+                .cloned()
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "block {} has its AdaLN projection apart: pass its table",
+                        self.index
+                    ))
+                }),
+        }
     }
 
     /// `x` `[B, S, hidden]` -> `[B, S, hidden]`, in chunks of `inputs.rows_per_chunk` rows:
@@ -417,7 +551,7 @@ impl MiniMaxH3TransformerBlock {
         let x = x.contiguous()?;
         let chunks: Vec<(usize, usize)> = row_chunks(x.dim(1)?, inputs.rows_per_chunk).collect();
         // The six `[T * 3, hidden]` parameter tables; each chunk gathers its rows' parameters.
-        let table = self.adaln_table(&inputs.temb)?.to_dtype(x.dtype())?;
+        let table = self.adaln_table(inputs)?.to_dtype(x.dtype())?;
         let params = (0..6)
             .map(|i| table.narrow(1, i * self.hidden, self.hidden)?.contiguous())
             .collect::<Result<Vec<_>>>()?;
@@ -498,7 +632,7 @@ pub struct MiniMaxH3Transformer3DModel {
     proj_in: Linear,
     audio_proj_in: Linear,
     context_embedder: Linear,
-    time_embedder: (Linear, Linear),
+    time_embedder: TimeEmbedder,
     refiner_blocks: Vec<RefinerBlock>,
     refiner_norm: RmsNorm,
     blocks: Vec<MiniMaxH3TransformerBlock>,
@@ -514,7 +648,7 @@ impl MiniMaxH3Transformer3DModel {
     pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
         model.blocks = (0..cfg.num_layers)
-            .map(|i| MiniMaxH3TransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}"))))
+            .map(|i| MiniMaxH3TransformerBlock::new(cfg, i, vb.clone()))
             .collect::<Result<_>>()?;
         Ok(model)
     }
@@ -539,18 +673,7 @@ impl MiniMaxH3Transformer3DModel {
                 f32_vb.pp("audio_proj_in"),
             )?,
             context_embedder: candle_nn::linear(cfg.text_dim, dim, vb.pp("context_embedder"))?,
-            time_embedder: (
-                candle_nn::linear(
-                    cfg.freq_dim,
-                    cfg.time_embed_hidden_dim,
-                    f32_vb.pp("time_embedder.linear_1"),
-                )?,
-                candle_nn::linear(
-                    cfg.time_embed_hidden_dim,
-                    cfg.time_embed_dim,
-                    f32_vb.pp("time_embedder.linear_2"),
-                )?,
-            ),
+            time_embedder: TimeEmbedder::new(cfg, &vb)?,
             refiner_blocks,
             refiner_norm: RmsNorm::new(dim, cfg.final_norm_eps, refiner_vb.pp("final_norm"))?,
             blocks: Vec::new(),
@@ -595,9 +718,7 @@ impl MiniMaxH3Transformer3DModel {
 
     /// `time_embedder(sinusoid(t))` in f32 for the distinct timesteps `[T]` (unscaled, in [0, 1]).
     pub fn time_embedding(&self, timestep: &Tensor) -> Result<Tensor> {
-        let t = timestep_embedding(timestep, self.cfg.freq_dim)?;
-        let (lin1, lin2) = &self.time_embedder;
-        lin2.forward(&candle_nn::ops::silu(&lin1.forward(&t)?)?)
+        self.time_embedder.forward(timestep)
     }
 
     /// Projects each modality, refines the text and packs the rows of `layout` into one sequence.
@@ -706,6 +827,7 @@ impl MiniMaxH3Transformer3DModel {
             rows_per_chunk,
             video_indices: u32_tensor(video_idx)?,
             audio_indices: u32_tensor(audio_idx)?,
+            adaln_tables: None,
         })
     }
 
