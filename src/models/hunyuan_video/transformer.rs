@@ -840,11 +840,6 @@ pub struct HunyuanVideoTransformerBlock {
 }
 
 impl HunyuanVideoTransformerBlock {
-    /// Loads one block; `vb` points at `transformer_blocks.{i}`.
-    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        Self::with_steps(cfg, vb, BlockKind::DualStream.steps())
-    }
-
     /// Loads only the weights of `steps`; `vb` points at `transformer_blocks.{i}`.
     pub fn with_steps(
         cfg: &HunyuanVideoTransformerConfig,
@@ -972,11 +967,6 @@ pub struct HunyuanVideoSingleTransformerBlock {
 }
 
 impl HunyuanVideoSingleTransformerBlock {
-    /// Loads one block; `vb` points at `single_transformer_blocks.{i}`.
-    pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        Self::with_steps(cfg, vb, BlockKind::SingleStream.steps())
-    }
-
     /// Loads only the weights of `steps`; `vb` points at `single_transformer_blocks.{i}`.
     pub fn with_steps(
         cfg: &HunyuanVideoTransformerConfig,
