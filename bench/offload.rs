@@ -94,7 +94,7 @@ fn main() -> Result<()> {
                 512,
                 modes,
                 Some(&c),
-                |device| {
+                |device, _| {
                     Ok((
                         bf16(seeded_normal(1, &shape)?, device)?,
                         Tensor::new(&[999f32], device)?,
@@ -122,7 +122,7 @@ fn main() -> Result<()> {
                 text_len,
                 modes,
                 None,
-                |device| {
+                |device, _| {
                     Ok((
                         bf16(seeded_normal(1, &packed)?, device)?,
                         bf16(seeded_normal(2, &[1, text_len, caption])?, device)?,
@@ -147,7 +147,7 @@ fn main() -> Result<()> {
                 text_len,
                 modes,
                 None,
-                |device| {
+                |device, _| {
                     Ok((
                         bf16(seeded_normal(1, &shape)?, device)?,
                         Tensor::new(&[999i64], device)?,
@@ -182,7 +182,7 @@ fn main() -> Result<()> {
                 text_len,
                 modes,
                 None,
-                |device| {
+                |device, modulations| {
                     let text = TextConds {
                         embeds: bf16(seeded_normal(2, &[1, text_len, text_dim])?, device)?,
                         mask: prompt_mask(text_len, DType::BF16, device)?,
@@ -199,21 +199,25 @@ fn main() -> Result<()> {
                         &text.pooled,
                         Some(&guidance),
                     )?;
-                    let modulations = model
+                    let table = model
                         .blocks()
                         .iter()
                         .map(|b| b.modulation(&temb, &refiner_temb))
                         .collect::<candle_core::Result<Vec<_>>>()?;
+                    // Resident, the modulation component stays on the device as in a run;
+                    // streamed or parked, it holds nothing there once its stage is done.
+                    let kept = matches!(modulations, Some(Residency::Resident)).then_some(model);
                     Ok((
                         bf16(seeded_normal(1, &shape)?, device)?,
                         timestep,
                         text,
                         guidance,
-                        Arc::new(modulations),
+                        Arc::new(table),
+                        kept,
                     ))
                 },
                 |held: &Held<'_, HunyuanVideoTransformer3DModel>,
-                 (latents, t, text, guidance, modulations)| {
+                 (latents, t, text, guidance, modulations, _)| {
                     Ok(hunyuan_video::dit_forward(
                         held,
                         latents,
@@ -247,7 +251,7 @@ impl Bench {
         text_len: usize,
         modes: &[String],
         wan: Option<&WanConfigs>,
-        inputs: impl Fn(&Device) -> Result<I>,
+        inputs: impl Fn(&Device, Option<Residency>) -> Result<I>,
         forward: impl Fn(&Held<'_, M>, &I) -> Result<Tensor>,
     ) -> Result<()> {
         let family = family(Configs::Fetch(&self.source))?;
@@ -298,11 +302,14 @@ impl Bench {
                 }
                 None => {
                     let weights = self.weights::<M>("transformer", cfg, DType::BF16)?;
+                    // Where a DiT's modulations are computed apart, their component's residency:
+                    // resident, it stays on the device through the denoising forwards.
+                    let modulations = residency("transformer_modulations").ok();
                     let m = self.measure::<M, _>(
                         (cfg, &weights, residency("transformer")?, &placement),
                         DType::BF16,
                         true,
-                        &inputs,
+                        |device: &Device| inputs(device, modulations),
                         &forward,
                     )?;
                     let out = m
@@ -342,8 +349,9 @@ impl Bench {
         }
     }
 
-    /// Places component `M` as `residency` says, makes its inputs, then times `forwards` runs of
-    /// `run` (after one untimed warm-up with `warm_up`; the pool peaks are reset after it). A
+    /// Makes the inputs, places component `M` as `residency` says (the model memory counts both),
+    /// then times `forwards` runs of `run` (after one untimed warm-up with `warm_up`; the pool
+    /// peaks are reset after it). A
     /// parked component is held for all runs with `warm_up` (its move-in timed as `hold_s`),
     /// else moved in for each run (as the pipeline moves the VAE in for each decode).
     fn measure<M: Blockwise, I>(
@@ -356,6 +364,7 @@ impl Bench {
     ) -> Result<Measured> {
         let (device, meter) = (&self.device, &self.meter);
         meter.reset();
+        let inputs = inputs(device)?;
         let start = Instant::now();
         let placed = Placed::<M>::load(cfg, weights, residency, placement.memory, dtype, device)?;
         device.synchronize()?;
@@ -363,7 +372,6 @@ impl Bench {
         let load = meter.peaks();
         meter.reset();
         let model_memory = meter.peaks().device_used_peak;
-        let inputs = inputs(device)?;
         let start = Instant::now();
         let held = warm_up.then(|| placed.hold()).transpose()?;
         device.synchronize()?;
