@@ -738,13 +738,19 @@ impl Pipeline for HunyuanVideo {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        match index {
+        let result = match index {
             ENCODE_TEXT => self.encode_text(job),
             MODULATE => self.modulate(job),
             DENOISE => self.denoise(job),
             DECODE => self.decode(job),
             _ => stages::write_video(&self.config, job),
+        };
+        // A failed prompt's later stages do not run: what it carried between them goes.
+        if result.is_err() {
+            self.conds.remove(&job.index);
+            self.modulations_by_job.remove(&job.index);
         }
+        result
     }
 }
 
