@@ -40,20 +40,28 @@ fn layout(r: &HashMap<String, Tensor>) -> PackedLayout {
     }
 }
 
-#[test]
-fn forward_matches_diffusers() {
-    let model = MiniMaxH3Transformer3DModel::new(&config(), var_builder()).unwrap();
-    let r = common::reference_in(&dir(), "transformer");
-    let (video, audio) = model
+/// The whole model's forward on the reference inputs: (video, audio) velocities.
+fn reference_forward(
+    model: &MiniMaxH3Transformer3DModel,
+    r: &HashMap<String, Tensor>,
+) -> (Tensor, Tensor) {
+    model
         .forward(
             &r["hidden_states"],
             &r["audio_hidden_states"],
             &r["encoder_hidden_states"],
             &r["timestep"],
             &r["timestep_indices"],
-            &layout(&r),
+            &layout(r),
         )
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn forward_matches_diffusers() {
+    let model = MiniMaxH3Transformer3DModel::new(&config(), var_builder()).unwrap();
+    let r = common::reference_in(&dir(), "transformer");
+    let (video, audio) = reference_forward(&model, &r);
     common::assert_close("output.sample", &video, &r["output.sample"], ATOL, RTOL);
     common::assert_close(
         "output.audio_sample",
@@ -137,17 +145,8 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
     common::assert_close("norm_out", &normed, &r["debug.norm_out"], ATOL, RTOL);
     let (video, audio) = model.finish(&x, &inputs).unwrap();
     // Bit for bit the whole model's forward, projections inside the blocks.
-    let (whole_video, whole_audio) = MiniMaxH3Transformer3DModel::new(&cfg, vb.clone())
-        .unwrap()
-        .forward(
-            &r["hidden_states"],
-            &r["audio_hidden_states"],
-            &r["encoder_hidden_states"],
-            &r["timestep"],
-            &r["timestep_indices"],
-            &layout(&r),
-        )
-        .unwrap();
+    let whole = MiniMaxH3Transformer3DModel::new(&cfg, vb.clone()).unwrap();
+    let (whole_video, whole_audio) = reference_forward(&whole, &r);
     assert_eq!(common::max_abs_diff(&video, &whole_video), 0.0);
     assert_eq!(common::max_abs_diff(&audio, &whole_audio), 0.0);
     common::assert_close("output.sample", &video, &r["output.sample"], ATOL, RTOL);
@@ -245,16 +244,7 @@ fn bf16_forward_runs_near_f32() {
         unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::BF16, &Device::Cpu).unwrap() };
     let model = MiniMaxH3Transformer3DModel::new(&config(), vb).unwrap();
     let r = common::reference_in(&dir(), "transformer");
-    let (video, audio) = model
-        .forward(
-            &r["hidden_states"],
-            &r["audio_hidden_states"],
-            &r["encoder_hidden_states"],
-            &r["timestep"],
-            &r["timestep_indices"],
-            &layout(&r),
-        )
-        .unwrap();
+    let (video, audio) = reference_forward(&model, &r);
     assert_eq!(video.dtype(), DType::F32);
     common::assert_close("bf16 sample", &video, &r["output.sample"], 0.15, 0.05);
     common::assert_close(
