@@ -30,6 +30,7 @@ use crate::models::hunyuan_video::vae::{
 };
 use crate::models::source::ModelSource;
 use crate::offload::Residency;
+use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
 use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
@@ -550,11 +551,7 @@ impl HunyuanVideo {
         let cond = self.on_device(&cond)?;
         let negative = negative.as_ref().map(|n| self.on_device(n)).transpose()?;
         let true_cfg_scale = self.true_cfg(job);
-        let mut scheduler = sampler(
-            &self.configs.scheduler,
-            job.num_inference_steps as usize,
-            self.config.generation.flow_shift,
-        )?;
+        let mut scheduler = self.sampler(job)?;
         let guidance = guidance_input(job.guidance_scale, 1, dtype, &self.device)?;
         let mut latents = self.initial_latents(job)?;
         let timesteps = scheduler.timesteps().to_vec();
@@ -595,6 +592,15 @@ impl HunyuanVideo {
         Ok(())
     }
 
+    /// The flow-match Euler sampler of `job`'s steps.
+    fn sampler(&self, job: &Job) -> Result<FlowMatchEuler> {
+        sampler(
+            &self.configs.scheduler,
+            job.num_inference_steps as usize,
+            self.config.generation.flow_shift,
+        )
+    }
+
     /// A text conditioning in the run dtype on the device.
     fn on_device(&self, c: &TextConds) -> Result<TextConds> {
         let dtype = self.config.dtype();
@@ -614,13 +620,7 @@ impl HunyuanVideo {
         if let (Some(negative), Some(_)) = (negative, self.true_cfg(job)) {
             conds.push(self.on_device(negative)?);
         }
-        let timesteps = sampler(
-            &self.configs.scheduler,
-            job.num_inference_steps as usize,
-            self.config.generation.flow_shift,
-        )?
-        .timesteps()
-        .to_vec();
+        let timesteps = self.sampler(job)?.timesteps().to_vec();
         let guidance = guidance_input(job.guidance_scale, 1, self.config.dtype(), &self.device)?;
         let placed = self
             .modulations

@@ -666,10 +666,23 @@ impl MiniMaxH3 {
         Ok(())
     }
 
+    /// The video and audio schedules of a `steps`-step run (one forward per step of both).
+    fn schedules(&self, steps: usize) -> Result<(MiniMaxH3Schedule, MiniMaxH3Schedule)> {
+        let video = MiniMaxH3Schedule::new(&self.configs.scheduler, steps)?;
+        let audio = MiniMaxH3Schedule::new(&self.configs.audio_scheduler, steps)?;
+        if audio.timesteps.len() != video.timesteps.len() {
+            bail!(
+                "the video and audio schedules have {} and {} steps for --num-inference-steps {steps}; pass another step count",
+                video.timesteps.len(),
+                audio.timesteps.len()
+            );
+        }
+        Ok((video, audio))
+    }
+
     /// The AdaLN tables of a `steps`-step run, one tensor per step.
     fn adaln_tables_for(&self, steps: usize) -> Result<Vec<Tensor>> {
-        let video_schedule = MiniMaxH3Schedule::new(&self.configs.scheduler, steps)?;
-        let audio_schedule = MiniMaxH3Schedule::new(&self.configs.audio_scheduler, steps)?;
+        let (video_schedule, audio_schedule) = self.schedules(steps)?;
         let placed = self
             .modulations
             .as_ref()
@@ -723,16 +736,8 @@ impl MiniMaxH3 {
             .context("prompt not encoded")?
             .to_device(&self.device)?;
         let layout = t2va_layout(&g.layout_sizes(text.dim(1)?), cfg.patch_size, &self.device)?;
-        let steps = job.num_inference_steps as usize;
-        let video_schedule = MiniMaxH3Schedule::new(&self.configs.scheduler, steps)?;
-        let audio_schedule = MiniMaxH3Schedule::new(&self.configs.audio_scheduler, steps)?;
+        let (video_schedule, audio_schedule) = self.schedules(job.num_inference_steps as usize)?;
         let forwards = video_schedule.timesteps.len();
-        if audio_schedule.timesteps.len() != forwards {
-            bail!(
-                "the video and audio schedules have {forwards} and {} steps for --num-inference-steps {steps}; pass another step count",
-                audio_schedule.timesteps.len()
-            );
-        }
         let mut video = patchify(&latents.to_device(&self.device)?, cfg.patch_size)?;
         let mut audio = pack_audio(&audio_latents.to_device(&self.device)?)?;
         let tables = carried
