@@ -199,11 +199,12 @@ fn main() -> Result<()> {
                         &text.pooled,
                         Some(&guidance),
                     )?;
-                    let table = model
+                    let mut table = model
                         .blocks()
                         .iter()
                         .map(|b| b.modulation(&temb, &refiner_temb))
                         .collect::<candle_core::Result<Vec<_>>>()?;
+                    table.push(model.output(&temb)?);
                     // Resident, the modulation component stays on the device as in a run;
                     // streamed or parked, it holds nothing there once its stage is done.
                     let kept = matches!(modulations, Some(Residency::Resident)).then_some(model);

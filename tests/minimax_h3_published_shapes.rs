@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use vidgen::models::minimax_h3::audio_vae::{MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder};
 use vidgen::models::minimax_h3::text_encoder::{MiniMaxH3TextEncoder, Qwen3VLConfig};
 use vidgen::models::minimax_h3::transformer::{
-    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
+    MiniMaxH3Modulations, MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
 };
 use vidgen::models::minimax_h3::vae::{MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder};
 use vidgen::schedulers::minimax_h3::MiniMaxH3SchedulerConfig;
@@ -116,6 +116,27 @@ fn transformer_matches_the_published_state_dict() {
     let model = MiniMaxH3Transformer3DModel::new(&cfg, vb).unwrap();
     assert_eq!(model.blocks().len(), 50);
     assert_eq!(unused(&names, &requested, &[""]), Vec::<String>::new());
+}
+
+/// With the modulations apart (as the pipeline runs it), the transformer and its modulation
+/// component split the published tensors: together they read every one, and none twice (the
+/// time embedder and the output norm's Linear live in the modulation component alone).
+#[test]
+fn transformer_and_modulations_split_the_published_state_dict() {
+    let all = published();
+    let cfg = MiniMaxH3TransformerConfig {
+        modulations_apart: true,
+        ..config(&all, "transformer/config.json")
+    };
+    let (vb, transformer, names) = var_builder(&all, "transformer");
+    MiniMaxH3Transformer3DModel::new(&cfg, vb).unwrap();
+    let (vb, modulations, _) = var_builder(&all, "transformer");
+    MiniMaxH3Modulations::new(&cfg, vb).unwrap();
+    let (transformer, modulations) = (transformer.lock().unwrap(), modulations.lock().unwrap());
+    let twice: Vec<&String> = transformer.intersection(&modulations).collect();
+    assert_eq!(twice, Vec::<&String>::new());
+    let read: BTreeSet<String> = transformer.union(&modulations).cloned().collect();
+    assert_eq!(read, names);
 }
 
 #[test]

@@ -102,7 +102,7 @@ fn intermediates_match_diffusers() {
         &interleave(&inputs.rope_sin),
         &r["debug.rope_sin"],
     );
-    check("temb", &inputs.temb, &r["debug.temb"]);
+    check("temb", inputs.temb.as_ref().unwrap(), &r["debug.temb"]);
     let mut streams = inputs.take_streams().unwrap();
     assert!(inputs.take_streams().is_err());
     check("x_embedder", &streams.video, &r["debug.x_embedder"]);
@@ -290,12 +290,18 @@ fn blocks_run_step_by_step_are_bit_identical() {
     let mut inputs = bodies
         .prepare(args.0, args.1, args.2, args.3, args.4, args.5)
         .unwrap();
-    let table = modulations
+    // The bodies' model holds no conditioner: the modulation component conditions.
+    assert!(inputs.temb.is_none() && inputs.refiner_temb.is_none());
+    let (temb, refiner_temb) = modulations
+        .conditioning(args.1, args.2, args.3, args.4, args.5)
+        .unwrap();
+    let mut table = modulations
         .blocks()
         .iter()
-        .map(|b| b.modulation(&inputs.temb, &inputs.refiner_temb))
+        .map(|b| b.modulation(&temb, &refiner_temb))
         .collect::<candle_core::Result<Vec<_>>>()
         .unwrap();
+    table.push(modulations.output(&temb).unwrap());
     inputs.modulations = Some(Arc::new(table));
     let mut streams = inputs.take_streams().unwrap();
     for block in bodies.blocks() {

@@ -110,13 +110,15 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
     assert!(inputs.take_hidden_states().is_err());
     // The AdaLN tables computed apart (as the pipeline does, before denoising), the blocks
     // built without their projections.
-    let tables = MiniMaxH3Modulations::new(&cfg, vb.clone())
-        .unwrap()
+    let modulations = MiniMaxH3Modulations::new(&cfg, vb.clone()).unwrap();
+    let temb = inputs.temb.clone().unwrap();
+    let mut tables = modulations
         .blocks()
         .iter()
-        .map(|b| b.table(&inputs.temb))
+        .map(|b| b.table(&temb))
         .collect::<candle_core::Result<Vec<_>>>()
         .unwrap();
+    tables.push(modulations.output_table(&temb).unwrap());
     common::assert_close(
         "block0_adaln",
         &tables[0],
@@ -144,6 +146,16 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
     let normed = model.norm_out(&x, &all_rows, &inputs).unwrap();
     common::assert_close("norm_out", &normed, &r["debug.norm_out"], ATOL, RTOL);
     let (video, audio) = model.finish(&x, &inputs).unwrap();
+    // The outer part built with the modulations apart holds neither the time embedder nor
+    // the output norm's Linear (the modulation component does): it reads the output norm's
+    // table after the blocks' and finishes with the same bits.
+    let apart_outer = MiniMaxH3Transformer3DModel::new_without_blocks(&apart, vb.clone()).unwrap();
+    assert!(apart_outer.time_embedding(&r["timestep"]).is_err());
+    let mut apart_inputs = inputs.clone();
+    apart_inputs.temb = None;
+    let (apart_video, apart_audio) = apart_outer.finish(&x, &apart_inputs).unwrap();
+    assert_eq!(common::max_abs_diff(&apart_video, &video), 0.0);
+    assert_eq!(common::max_abs_diff(&apart_audio, &audio), 0.0);
     // Bit for bit the whole model's forward, projections inside the blocks.
     let whole = MiniMaxH3Transformer3DModel::new(&cfg, vb.clone()).unwrap();
     let (whole_video, whole_audio) = reference_forward(&whole, &r);

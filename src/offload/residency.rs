@@ -44,21 +44,28 @@ impl Residency {
         }
     }
 
-    /// Streaming step by step, copies at least `ahead` steps ahead of the one computing: a step
-    /// that computes little (a cross-attention over a short text) would otherwise leave the copy
-    /// of the next, larger step no time. The caller bounds `ahead` by what fits in one block's
-    /// bytes, so leaf level never holds more than block level.
-    pub fn with_steps_ahead(self, ahead: impl FnOnce() -> usize) -> Residency {
+    /// Streaming on a copy stream, copies at least `steps()` groups ahead of the one computing
+    /// when they are block steps, `blocks()` when they are whole blocks (each asked only then).
+    /// Step by step, a step that computes little (a cross-attention over a short text) would
+    /// otherwise leave the copy of the next, larger step no time; the caller bounds it by what
+    /// fits in one block's bytes, so leaf level never holds more than block level. Block by
+    /// block, a block several times the typical one (HunyuanVideo's dual-stream blocks) needs
+    /// as many typical computations to hide its copy.
+    pub fn with_groups_ahead(
+        self,
+        steps: impl FnOnce() -> usize,
+        blocks: impl FnOnce() -> usize,
+    ) -> Residency {
         match self {
             Residency::Streamed {
                 blocks_per_group,
-                by_step: true,
+                by_step,
                 options,
-            } => Residency::Streamed {
+            } if options.stream => Residency::Streamed {
                 blocks_per_group,
-                by_step: true,
+                by_step,
                 options: StreamOptions {
-                    depth: options.depth.max(ahead()),
+                    depth: options.depth.max(if by_step { steps() } else { blocks() }),
                     ..options
                 },
             },
@@ -252,23 +259,25 @@ mod tests {
         }
     }
 
-    /// Step streaming runs at least `ahead` steps ahead (more when asked); block streaming
-    /// keeps its depth.
+    /// Streaming on a copy stream runs at least the steps' or the blocks' look-ahead, as its
+    /// groups are (more when asked); without a copy stream the depth stays.
     #[test]
-    fn step_streaming_runs_ahead_within_a_block() {
-        let depth = |by_step, asked, ahead| match (Residency::Streamed {
+    fn streaming_runs_at_least_its_groups_look_ahead() {
+        let depth = |by_step, stream, asked| match (Residency::Streamed {
             blocks_per_group: 1,
             by_step,
-            options: streamed(asked, true),
+            options: streamed(asked, stream),
         })
-        .with_steps_ahead(|| ahead)
+        .with_groups_ahead(|| 3, || 2)
         {
             Residency::Streamed { options, .. } => options.depth,
             other => panic!("{other:?}"),
         };
-        assert_eq!(depth(true, 1, 3), 3);
-        assert_eq!(depth(true, 4, 3), 4);
-        assert_eq!(depth(true, 1, 0), 1);
-        assert_eq!(depth(false, 1, 3), 1);
+        assert_eq!(depth(true, true, 1), 3);
+        assert_eq!(depth(true, true, 4), 4);
+        assert_eq!(depth(false, true, 1), 2);
+        assert_eq!(depth(false, true, 4), 4);
+        assert_eq!(depth(false, false, 1), 1);
+        assert_eq!(depth(true, false, 1), 1);
     }
 }

@@ -280,9 +280,9 @@ pub struct TextConds {
     pub pooled: Tensor,
 }
 
-/// Every block's modulation chunks for one conditioning (a step of one prompt), waiting in
-/// host memory as one tensor `[chunks, B, inner]`, block `i`'s being `counts[i]` of them in
-/// order.
+/// Every block's modulation chunks for one conditioning (a step of one prompt), then the output
+/// head's, waiting in host memory as one tensor `[chunks, B, inner]`, entry `i`'s being
+/// `counts[i]` of them in order.
 struct StepModulations {
     all: Tensor,
     counts: Arc<Vec<usize>>,
@@ -649,6 +649,14 @@ impl HunyuanVideo {
             per_block.push((n, Tensor::stack(&chunks, 0)?.to_device(&Device::Cpu)?));
             Ok(())
         })?;
+        // Then the output head's, the table's last entry.
+        let outputs = conditionings
+            .iter()
+            .map(|(temb, _)| model.output(temb))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let n = outputs.first().map_or(0, Vec::len);
+        let outputs: Vec<Tensor> = outputs.into_iter().flatten().collect();
+        per_block.push((n, Tensor::stack(&outputs, 0)?.to_device(&Device::Cpu)?));
         drop(held);
         let counts = Arc::new(per_block.iter().map(|(n, _)| *n).collect::<Vec<_>>());
         let tables = (0..conditionings.len())
@@ -918,8 +926,9 @@ mod tests {
     /// The published model's groups, streamed as the pipeline streams them (the modulations
     /// apart): block level never puts two kinds in one group (as diffusers groups each block
     /// list apart); leaf level splits every block body into its steps, none above the
-    /// single-stream MLP step; the outer part keeps only the embedders; body steps, outer part
-    /// and the modulation component hold every weight exactly once.
+    /// single-stream MLP step; the outer part keeps only the patch and text input embedders
+    /// and the output projection; body steps, outer part and the modulation component (its
+    /// outer part included) hold every weight exactly once.
     #[test]
     fn groups_hold_one_kind_and_steps_split_every_weight_once() -> anyhow::Result<()> {
         let cfg = HunyuanVideoTransformerConfig::default();
@@ -986,6 +995,12 @@ mod tests {
         assert!((0.26..0.29).contains(&share), "{share}");
         let mut split: Vec<String> = leaf.groups.iter().flat_map(names).collect();
         split.extend(names(&outer));
+        // The modulation component's own outer part: the conditioning embedders and the
+        // output head's modulation, which the transformer's outer part then leaves out.
+        let modulation_outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
+            HunyuanModulations::new_without_blocks(&apart, vb)
+        })?;
+        split.extend(names(&modulation_outer));
         split.extend(modulations.groups.iter().flat_map(names));
         split.sort();
         let mut all = names(&whole);

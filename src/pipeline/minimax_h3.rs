@@ -511,9 +511,29 @@ struct Carried {
     audio_latents: Option<Tensor>,
     /// The decoded stereo waveform until it is written.
     audio: Option<Audio>,
-    /// Every step's AdaLN tables (host memory, one tensor per step: the blocks' tables
-    /// stacked), from modulate to denoise.
-    adaln_tables: Option<Arc<Vec<Tensor>>>,
+    /// Every step's AdaLN tables (host memory), from modulate to denoise.
+    adaln_tables: Option<Arc<Vec<StepTables>>>,
+}
+
+/// One step's AdaLN tables in host memory: the blocks' stacked (`[blocks * T * 3, 6 * hidden]`,
+/// block b's rows `[b * n, (b + 1) * n)`) and the output norm's (`[T, 2 * hidden]`).
+struct StepTables {
+    blocks: Tensor,
+    output: Tensor,
+}
+
+impl StepTables {
+    /// On `device` (one copy per table), as [`BlockInputs::adaln_tables`] reads them: one per
+    /// block, then the output norm's.
+    fn on(&self, device: &Device, blocks: usize) -> candle_core::Result<Arc<Vec<Tensor>>> {
+        let stacked = self.blocks.to_device(device)?;
+        let n = stacked.dim(0)? / blocks.max(1);
+        let mut tables = (0..blocks)
+            .map(|b| stacked.narrow(0, b * n, n))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        tables.push(self.output.to_device(device)?);
+        Ok(Arc::new(tables))
+    }
 }
 
 /// MiniMax H3 with its loaded components.
@@ -534,7 +554,7 @@ pub struct MiniMaxH3 {
     /// The AdaLN tables by step count: they depend on the schedules' timesteps alone (not on
     /// the prompt), so the prompts of a batch with one step count share one pass and one copy
     /// (about 1 GB for 50 steps at the published size, in bf16).
-    adaln_tables: HashMap<usize, Arc<Vec<Tensor>>>,
+    adaln_tables: HashMap<usize, Arc<Vec<StepTables>>>,
     progress: Arc<Progress>,
 }
 
@@ -650,8 +670,8 @@ impl MiniMaxH3 {
     /// Both schedules through one transformer forward per step over the packed sequence; the
     /// video latents wait in host memory as `[1, C, F, h, w]`, the audio rows beside them.
     /// Every step's AdaLN tables, in one pass over the blocks' projections, which hold device
-    /// memory for this stage only; they wait in host memory for denoise, one tensor per step,
-    /// shared by the prompts with this step count.
+    /// memory for this stage only; they wait in host memory for denoise, shared by the
+    /// prompts with this step count.
     fn modulate(&mut self, job: &mut Job) -> Result<()> {
         let steps = job.num_inference_steps as usize;
         let tables = match self.adaln_tables.get(&steps) {
@@ -681,7 +701,7 @@ impl MiniMaxH3 {
     }
 
     /// The AdaLN tables of a `steps`-step run, one tensor per step.
-    fn adaln_tables_for(&self, steps: usize) -> Result<Vec<Tensor>> {
+    fn adaln_tables_for(&self, steps: usize) -> Result<Vec<StepTables>> {
         let (video_schedule, audio_schedule) = self.schedules(steps)?;
         let placed = self
             .modulations
@@ -706,10 +726,21 @@ impl MiniMaxH3 {
             }
             Ok(())
         })?;
+        // Then the output norm's.
+        let outputs = tembs
+            .iter()
+            .map(|temb| model.output_table(temb)?.to_device(&Device::Cpu))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         drop(held);
         Ok(per_step
             .iter()
-            .map(|t| Tensor::cat(t, 0))
+            .zip(outputs)
+            .map(|(blocks, output)| {
+                Ok(StepTables {
+                    blocks: Tensor::cat(blocks, 0)?,
+                    output,
+                })
+            })
             .collect::<candle_core::Result<Vec<_>>>()?)
     }
 
@@ -756,13 +787,7 @@ impl MiniMaxH3 {
                 video_schedule.timesteps[i],
                 audio_schedule.timesteps[i],
             )?;
-            // The step's tables, one copy; block b's are rows [b * n, (b + 1) * n).
-            let step_tables = step_tables.to_device(&self.device)?;
-            let n = step_tables.dim(0)? / blocks.max(1);
-            let per_block = (0..blocks)
-                .map(|b| step_tables.narrow(0, b * n, n))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let per_block = Arc::new(per_block);
+            let per_block = step_tables.on(&self.device, blocks)?;
             let (v, a) = stages::timed(&self.device, &mut forward_seconds, || {
                 dit_forward(
                     model,

@@ -65,6 +65,12 @@ pub trait Constructors: Send + Sync {
     /// smallest block, so leaf level holds less than block level around every block kind
     /// (0 without steps).
     fn steps_ahead_in_a_block(&self) -> usize;
+    /// How many typical (median) blocks make the largest, rounded (at least 1): streaming
+    /// whole blocks, the copy of a block that many times the typical one's bytes needs about
+    /// as many typical blocks' compute to hide behind (HunyuanVideo's dual-stream blocks carry
+    /// twice a single-stream block's weights for about its compute: the text stream works on a
+    /// few hundred tokens).
+    fn blocks_in_the_largest(&self) -> usize;
     /// The tensors the component's constructors ask for, laid out as the engine holds them
     /// under `residency` (see [`ComponentLayout`]); checked against `weights` when given.
     fn layout(
@@ -78,6 +84,22 @@ pub trait Constructors: Send + Sync {
 /// The constructors of a [`Blockwise`] model with its config.
 pub struct ModelConstructors<M: Blockwise>(pub M::Config);
 
+/// Bytes of what `build` asks for, in bf16 (0 where it fails: a ratio's guess, not a plan).
+fn recorded_bytes(
+    build: &dyn Fn(candle_nn::VarBuilder<'static>) -> candle_core::Result<()>,
+) -> usize {
+    crate::offload::record(None, DType::BF16, Packing::ByDtype, build)
+        .map(|layout| layout.bytes)
+        .unwrap_or(0)
+}
+
+/// Each block's bytes, in bf16.
+fn block_bytes<M: Blockwise>(cfg: &M::Config) -> Vec<usize> {
+    (0..M::num_blocks(cfg))
+        .map(|i| recorded_bytes(&|vb| M::block(cfg, i, vb).map(drop)))
+        .collect()
+}
+
 impl<M: Blockwise> Constructors for ModelConstructors<M> {
     fn steps(&self) -> usize {
         M::steps(&self.0)
@@ -85,27 +107,27 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
 
     fn steps_ahead_in_a_block(&self) -> usize {
         let cfg = &self.0;
-        let bytes = |build: &dyn Fn(candle_nn::VarBuilder<'static>) -> candle_core::Result<()>| {
-            crate::offload::record(None, DType::BF16, Packing::ByDtype, build)
-                .map(|layout| layout.bytes)
-                .unwrap_or(0)
-        };
         if M::steps(cfg) < 2 {
             return 0;
         }
         // The smallest block, and the largest step of any block (the slot size).
         let blocks = 0..M::num_blocks(cfg);
-        let block = blocks
-            .clone()
-            .map(|i| bytes(&|vb| M::block(cfg, i, vb).map(drop)))
-            .min()
-            .unwrap_or(0);
+        let block = block_bytes::<M>(cfg).into_iter().min().unwrap_or(0);
         let step = blocks
             .flat_map(|i| (0..M::block_steps(cfg, i)).map(move |s| (i, s)))
-            .map(|(i, s)| bytes(&|vb| M::block_step(cfg, i, s, vb).map(drop)))
+            .map(|(i, s)| recorded_bytes(&|vb| M::block_step(cfg, i, s, vb).map(drop)))
             .max()
             .unwrap_or(0);
         ((block + step / 2) / step.max(1)).saturating_sub(1)
+    }
+
+    fn blocks_in_the_largest(&self) -> usize {
+        let mut blocks = block_bytes::<M>(&self.0);
+        blocks.sort_unstable();
+        let (Some(&largest), Some(&typical)) = (blocks.last(), blocks.get(blocks.len() / 2)) else {
+            return 1;
+        };
+        ((largest + typical / 2) / typical.max(1)).max(1)
     }
 
     fn layout(

@@ -406,10 +406,13 @@ impl HunyuanVideoTransformerConfig {
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
     streams: Option<Streams>,
-    /// Conditioning `[B, inner]`: timestep + guidance + pooled text embeddings.
-    pub temb: Tensor,
-    /// The token refiner's conditioning `[B, inner]`: timestep + mask-weighted mean text.
-    pub refiner_temb: Tensor,
+    /// Conditioning `[B, inner]`: timestep + guidance + pooled text embeddings (`None` from a
+    /// model built with [`HunyuanVideoTransformerConfig::modulations_apart`]: it holds no
+    /// conditioner, the modulations come computed).
+    pub temb: Option<Tensor>,
+    /// The token refiner's conditioning `[B, inner]`: timestep + mask-weighted mean text
+    /// (`None` as `temb`).
+    pub refiner_temb: Option<Tensor>,
     /// RoPE cosines `[video tokens, head_dim / 2]` in f32, one per interleaved pair.
     pub rope_cos: Tensor,
     /// RoPE sines, same layout as `rope_cos`.
@@ -428,9 +431,20 @@ pub struct BlockInputs {
 }
 
 impl BlockInputs {
-    /// Block `index`'s modulation chunks computed apart, if they were.
+    /// Block `index`'s modulation chunks computed apart, if they were (index `num_blocks`:
+    /// the output head's).
     fn modulation(&self, index: usize) -> Option<&[Tensor]> {
         Some(self.modulations.as_ref()?.get(index)?.as_slice())
+    }
+
+    /// `temb`, for a part that holds its modulation Linear.
+    fn temb(&self) -> Result<&Tensor> {
+        conditioning(&self.temb)
+    }
+
+    /// `refiner_temb`, for a refiner block that holds its modulation Linear.
+    fn refiner_temb(&self) -> Result<&Tensor> {
+        conditioning(&self.refiner_temb)
     }
 
     /// Takes the streams that feed the first block: video `[B, N, inner]` and the projected,
@@ -441,6 +455,16 @@ impl BlockInputs {
             None => candle_core::bail!("block-0 streams already taken"),
         }
     }
+}
+
+/// A conditioning a modulation Linear reads; absent where the model computes none.
+fn conditioning(t: &Option<Tensor>) -> Result<&Tensor> {
+    t.as_ref().ok_or_else(|| {
+        candle_core::Error::Msg(
+            "this transformer computes its modulations apart: pass them in BlockInputs::modulations"
+                .into(),
+        )
+    })
 }
 
 /// What flows from block to block: the video `[B, N, inner]` and text `[B, L, inner]` streams
@@ -906,10 +930,10 @@ impl HunyuanVideoTransformerBlock {
         };
         // Chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
         if let Some(norm1) = &self.norm1 {
-            m = Some(norm1.forward(&inputs.temb)?);
+            m = Some(norm1.forward(inputs.temb()?)?);
         }
         if let Some(norm1_context) = &self.norm1_context {
-            c = Some(norm1_context.forward(&inputs.temb)?);
+            c = Some(norm1_context.forward(inputs.temb()?)?);
         }
         // Computed apart: the video stream's six chunks, then the text stream's.
         if let Some(apart) = apart {
@@ -1027,7 +1051,7 @@ impl HunyuanVideoSingleTransformerBlock {
         };
         // Chunks: shift, scale, gate.
         if let Some(norm) = &self.norm {
-            m = Some(norm.forward(&inputs.temb)?);
+            m = Some(norm.forward(inputs.temb()?)?);
         }
         let n_video = streams.video.dim(1)?;
         if let Some(qkv) = &self.attn {
@@ -1188,6 +1212,8 @@ impl HunyuanVideoBlock {
 #[derive(Debug, Clone)]
 pub struct HunyuanModulations {
     conditioner: Conditioner,
+    /// The output head's AdaLayerNormContinuous Linear (scale, shift).
+    norm_out: Modulation,
     blocks: Vec<HunyuanVideoBlock>,
 }
 
@@ -1202,13 +1228,21 @@ impl HunyuanModulations {
         Ok(model)
     }
 
-    /// Loads the conditioning embedders only (an engine streams the blocks itself).
+    /// Loads the conditioning embedders and the output head's modulation only (an engine
+    /// streams the blocks itself).
     pub fn new_without_blocks(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
             conditioner: Conditioner::new(cfg, &vb)?,
+            norm_out: Modulation::new(cfg.inner_dim(), 2, vb.pp("norm_out"))?,
             blocks: Vec::new(),
         })
+    }
+
+    /// The output head's modulation (scale, shift) for conditioning `temb`: the table's entry
+    /// after the blocks' ([`BlockInputs::modulations`]).
+    pub fn output(&self, temb: &Tensor) -> Result<Vec<Tensor>> {
+        self.norm_out.forward(temb)
     }
 
     /// The conditionings the blocks' modulations are computed from, `temb` and the token
@@ -1361,7 +1395,7 @@ impl RefinerBlock {
             other => candle_core::bail!("a refiner block step after {}", other.after()),
         };
         if let Some(norm_out) = &self.norm_out {
-            gates = Some(norm_out.forward(&inputs.refiner_temb)?);
+            gates = Some(norm_out.forward(inputs.refiner_temb()?)?);
         }
         let gates = carried(gates.or_else(|| apart.map(<[Tensor]>::to_vec)), "gates")?;
         let mut x = streams.text.clone();
@@ -1529,12 +1563,14 @@ pub struct HunyuanVideoTransformer3DModel {
     cfg: HunyuanVideoTransformerConfig,
     /// Conv3d with kernel = stride = patch, stored as a linear over flattened patches.
     x_embedder: Linear,
-    conditioner: Conditioner,
+    /// The conditioning embedders and the output head's modulation, absent with
+    /// [`HunyuanVideoTransformerConfig::modulations_apart`] ([`HunyuanModulations`] holds them).
+    conditioner: Option<Conditioner>,
     /// The token refiner's input projection (`context_embedder.proj_in`).
     text_proj_in: Linear,
     blocks: Vec<HunyuanVideoBlock>,
     /// AdaLayerNormContinuous: scale, shift.
-    norm_out: Modulation,
+    norm_out: Option<Modulation>,
     proj_out: Linear,
     dtype: DType,
 }
@@ -1560,17 +1596,22 @@ impl HunyuanVideoTransformer3DModel {
             .get((dim, cfg.in_channels, pt, p, p), "weight")?
             .reshape((dim, cfg.in_channels * pt * p * p))?;
         let x_embedder = Linear::new(patch_w, Some(xvb.get(dim, "bias")?));
+        let conditioned = !cfg.modulations_apart;
         Ok(Self {
             cfg: cfg.clone(),
             x_embedder,
-            conditioner: Conditioner::new(cfg, &vb)?,
+            conditioner: conditioned
+                .then(|| Conditioner::new(cfg, &vb))
+                .transpose()?,
             text_proj_in: candle_nn::linear(
                 cfg.text_embed_dim,
                 dim,
                 vb.pp("context_embedder.proj_in"),
             )?,
             blocks: Vec::new(),
-            norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
+            norm_out: conditioned
+                .then(|| Modulation::new(dim, 2, vb.pp("norm_out")))
+                .transpose()?,
             proj_out: candle_nn::linear(dim, pt * p * p * cfg.out_channels(), vb.pp("proj_out"))?,
             dtype: vb.dtype(),
         })
@@ -1665,13 +1706,19 @@ impl HunyuanVideoTransformer3DModel {
             candle_core::bail!("encoder_attention_mask holds values other than 0 and 1");
         }
         let text = encoder_hidden_states.to_dtype(self.dtype)?;
-        let (temb, refiner_temb) = self.conditioner.forward(
-            timestep,
-            &text,
-            encoder_attention_mask,
-            pooled_projections,
-            guidance,
-        )?;
+        let (temb, refiner_temb) = match &self.conditioner {
+            Some(conditioner) => {
+                let (temb, refiner_temb) = conditioner.forward(
+                    timestep,
+                    &text,
+                    encoder_attention_mask,
+                    pooled_projections,
+                    guidance,
+                )?;
+                (Some(temb), Some(refiner_temb))
+            }
+            None => (None, None),
+        };
         let text = self.text_proj_in.forward(&text)?;
 
         let (rope_cos, rope_sin) = rope_tables(cfg, grid, device)?;
@@ -1692,7 +1739,15 @@ impl HunyuanVideoTransformer3DModel {
     /// Output norm (AdaLayerNormContinuous, scale then shift), `proj_out` and unpatchify:
     /// video tokens `[B, N, inner]` -> `[B, out_channels, F, H, W]`.
     pub fn finish(&self, hidden: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let m = self.norm_out.forward(&inputs.temb)?;
+        let m = match &self.norm_out {
+            Some(norm_out) => norm_out.forward(inputs.temb()?)?,
+            None => match inputs.modulation(self.cfg.num_blocks()) {
+                Some(m) => m.to_vec(),
+                None => candle_core::bail!(
+                    "the output head's modulation was computed apart: pass it after the blocks'"
+                ),
+            },
+        };
         let h = modulate(&layer_norm(hidden, NORM_EPS)?, &m[1], &m[0])?;
         let h = self.proj_out.forward(&h)?;
         let (pt, p) = (self.cfg.patch_size_t, self.cfg.patch_size);
@@ -1778,8 +1833,8 @@ mod tests {
         let valid = (0..text).map(|j| j + 8 < text).collect::<Vec<_>>();
         let inputs = BlockInputs {
             streams: None,
-            temb: randn(&[1, dim], 1.0)?,
-            refiner_temb: randn(&[1, dim], 1.0)?,
+            temb: Some(randn(&[1, dim], 1.0)?),
+            refiner_temb: Some(randn(&[1, dim], 1.0)?),
             rope_cos: angles.cos()?,
             rope_sin: angles.sin()?,
             text_lens: vec![text - 8],
@@ -1831,7 +1886,7 @@ mod tests {
             // whole or step by step, reads them from the inputs.
             let mut table = vec![Vec::new(); cfg.num_blocks()];
             table[i] = HunyuanVideoBlock::with_steps(cfg, i, vb.clone(), kind.modulation_steps())?
-                .modulation(&inputs.temb, &inputs.refiner_temb)?;
+                .modulation(inputs.temb()?, inputs.refiner_temb()?)?;
             let apart = BlockInputs {
                 modulations: Some(Arc::new(table)),
                 ..inputs.clone()

@@ -209,8 +209,10 @@ pub struct PackedLayout {
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
     hidden_states: Option<Tensor>,
-    /// `[T, time_embed_dim]` f32 time embedding, one row per distinct timestep.
-    pub temb: Tensor,
+    /// `[T, time_embed_dim]` f32 time embedding, one row per distinct timestep (`None` from a
+    /// model built with [`MiniMaxH3TransformerConfig::modulations_apart`]: it holds no time
+    /// embedder, the tables come computed).
+    pub temb: Option<Tensor>,
     /// `[S]` u32 row of the `[T * 3, ..]` AdaLN table for each sequence row.
     pub adaln_indices: Tensor,
     /// `[S]` u32 timestep index of each row (the output norm's table row).
@@ -228,7 +230,8 @@ pub struct BlockInputs {
     /// `[2 Na]` u32 positions of the audio rows.
     pub audio_indices: Tensor,
     /// With [`MiniMaxH3TransformerConfig::modulations_apart`]: each block's AdaLN table for
-    /// this forward, by block index ([`AdalnProjection::table`]'s output).
+    /// this forward, by block index ([`AdalnProjection::table`]'s output), then the output
+    /// norm's ([`MiniMaxH3Modulations::output_table`]'s).
     pub adaln_tables: Option<Arc<Vec<Tensor>>>,
 }
 
@@ -239,6 +242,15 @@ impl BlockInputs {
         self.hidden_states
             .take()
             .ok_or_else(|| candle_core::Error::Msg("block-0 hidden states already taken".into()))
+    }
+
+    /// `temb`, for a part that holds its modulation Linear.
+    fn temb(&self) -> Result<&Tensor> {
+        self.temb.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg(
+                "this transformer computes its modulations apart: pass its AdaLN tables".into(),
+            )
+        })
     }
 }
 
@@ -426,6 +438,8 @@ impl TimeEmbedder {
 #[derive(Debug, Clone)]
 pub struct MiniMaxH3Modulations {
     time_embedder: TimeEmbedder,
+    /// The output norm's modulation Linear (`norm_out.linear`).
+    norm_out_linear: Linear,
     blocks: Vec<AdalnProjection>,
 }
 
@@ -439,13 +453,21 @@ impl MiniMaxH3Modulations {
         Ok(model)
     }
 
-    /// Loads the time embedder only (an engine streams the projections itself).
+    /// Loads the time embedder and the output norm's Linear only (an engine streams the
+    /// projections itself).
     pub fn new_without_blocks(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
             time_embedder: TimeEmbedder::new(cfg, &vb)?,
+            norm_out_linear: norm_out_linear(cfg, &vb)?,
             blocks: Vec::new(),
         })
+    }
+
+    /// The output norm's table `[T, 2 * hidden]` (shift, scale per distinct timestep) for the
+    /// time embedding `temb`: [`BlockInputs::adaln_tables`]' entry after the blocks'.
+    pub fn output_table(&self, temb: &Tensor) -> Result<Tensor> {
+        output_table(&self.norm_out_linear, temb)
     }
 
     /// The loaded projections, in block order (empty after `new_without_blocks`).
@@ -458,6 +480,22 @@ impl MiniMaxH3Modulations {
     pub fn time_embedding(&self, timestep: &Tensor) -> Result<Tensor> {
         self.time_embedder.forward(timestep)
     }
+}
+
+/// `norm_out.linear`: a `[T, time_embed_dim]` time embedding to the output norm's shift and
+/// scale.
+fn norm_out_linear(cfg: &MiniMaxH3TransformerConfig, vb: &VarBuilder) -> Result<Linear> {
+    candle_nn::linear(
+        cfg.time_embed_dim,
+        2 * cfg.hidden_size,
+        vb.pp("norm_out.linear"),
+    )
+}
+
+/// The output norm's table `[T, 2 * hidden]`: `silu` on the f32 `temb`, cast to the Linear's
+/// dtype, as diffusers does.
+fn output_table(linear: &Linear, temb: &Tensor) -> Result<Tensor> {
+    linear.forward(&candle_nn::ops::silu(temb)?.to_dtype(linear.weight().dtype())?)
 }
 
 /// A main block's AdaLN projection (`adaln_proj.linear`): a step's `[T, time_embed_dim]` time
@@ -528,7 +566,7 @@ impl MiniMaxH3TransformerBlock {
     /// This forward's AdaLN table: computed from `inputs.temb`, or the one computed apart.
     fn adaln_table(&self, inputs: &BlockInputs) -> Result<Tensor> {
         match &self.adaln {
-            Some(adaln) => adaln.table(&inputs.temb),
+            Some(adaln) => adaln.table(inputs.temb()?),
             None => inputs
                 .adaln_tables
                 .as_ref()
@@ -632,12 +670,14 @@ pub struct MiniMaxH3Transformer3DModel {
     proj_in: Linear,
     audio_proj_in: Linear,
     context_embedder: Linear,
-    time_embedder: TimeEmbedder,
+    /// The time embedder and the output norm's Linear, absent with
+    /// [`MiniMaxH3TransformerConfig::modulations_apart`] ([`MiniMaxH3Modulations`] holds them).
+    time_embedder: Option<TimeEmbedder>,
     refiner_blocks: Vec<RefinerBlock>,
     refiner_norm: RmsNorm,
     blocks: Vec<MiniMaxH3TransformerBlock>,
     norm_out: RmsNorm,
-    norm_out_linear: Linear,
+    norm_out_linear: Option<Linear>,
     proj_out: Linear,
     audio_proj_out: Linear,
     dtype: DType,
@@ -662,6 +702,7 @@ impl MiniMaxH3Transformer3DModel {
         let dim = cfg.hidden_size;
         let f32_vb = vb.clone().set_dtype(DType::F32);
         let refiner_vb = vb.pp("token_refiner");
+        let conditioned = !cfg.modulations_apart;
         let refiner_blocks = (0..cfg.num_refiner_layers)
             .map(|i| RefinerBlock::new(cfg, refiner_vb.pp(format!("refiner_blocks.{i}"))))
             .collect::<Result<_>>()?;
@@ -673,16 +714,14 @@ impl MiniMaxH3Transformer3DModel {
                 f32_vb.pp("audio_proj_in"),
             )?,
             context_embedder: candle_nn::linear(cfg.text_dim, dim, vb.pp("context_embedder"))?,
-            time_embedder: TimeEmbedder::new(cfg, &vb)?,
+            time_embedder: conditioned
+                .then(|| TimeEmbedder::new(cfg, &vb))
+                .transpose()?,
             refiner_blocks,
             refiner_norm: RmsNorm::new(dim, cfg.final_norm_eps, refiner_vb.pp("final_norm"))?,
             blocks: Vec::new(),
             norm_out: RmsNorm::new(dim, cfg.final_norm_eps, vb.pp("norm_out.norm"))?,
-            norm_out_linear: candle_nn::linear(
-                cfg.time_embed_dim,
-                2 * dim,
-                vb.pp("norm_out.linear"),
-            )?,
+            norm_out_linear: conditioned.then(|| norm_out_linear(cfg, &vb)).transpose()?,
             proj_out: candle_nn::linear(dim, cfg.video_patch_dim(), f32_vb.pp("proj_out"))?,
             audio_proj_out: candle_nn::linear(
                 dim,
@@ -717,8 +756,14 @@ impl MiniMaxH3Transformer3DModel {
     }
 
     /// `time_embedder(sinusoid(t))` in f32 for the distinct timesteps `[T]` (unscaled, in [0, 1]).
+    /// Refused by a model built with the modulations apart (the modulation component embeds).
     pub fn time_embedding(&self, timestep: &Tensor) -> Result<Tensor> {
-        self.time_embedder.forward(timestep)
+        match &self.time_embedder {
+            Some(embedder) => embedder.forward(timestep),
+            None => candle_core::bail!(
+                "this transformer computes its modulations apart: its modulation component embeds the timesteps"
+            ),
+        }
     }
 
     /// Projects each modality, refines the text and packs the rows of `layout` into one sequence.
@@ -809,7 +854,11 @@ impl MiniMaxH3Transformer3DModel {
         let hidden_states = unpacked.index_select(&u32_tensor(source)?, 1)?;
         drop(unpacked);
 
-        let temb = self.time_embedding(timestep)?;
+        let temb = self
+            .time_embedder
+            .as_ref()
+            .map(|embedder| embedder.forward(timestep))
+            .transpose()?;
         let adaln: Vec<u32> = t_idx
             .iter()
             .zip(&tags)
@@ -834,11 +883,21 @@ impl MiniMaxH3Transformer3DModel {
     /// The output norm modulated per timestep for the sequence rows `rows` `[n]` of `x`
     /// `[B, S, hidden]`: `[B, n, hidden]`.
     pub fn norm_out(&self, x: &Tensor, rows: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let act =
-            candle_nn::ops::silu(&inputs.temb)?.to_dtype(self.norm_out_linear.weight().dtype())?;
-        let table = self
-            .norm_out_linear
-            .forward(&act)?
+        let table = match &self.norm_out_linear {
+            Some(linear) => output_table(linear, inputs.temb()?)?,
+            None => inputs
+                .adaln_tables
+                .as_ref()
+                .and_then(|tables| tables.get(self.cfg.num_layers))
+                .cloned()
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "the output norm's table was computed apart: pass it after the blocks'"
+                            .into(),
+                    )
+                })?,
+        };
+        let table = table
             .index_select(&inputs.timestep_indices.index_select(rows, 0)?, 0)?
             .to_dtype(x.dtype())?;
         let dim = self.cfg.hidden_size;
