@@ -26,7 +26,7 @@ use crate::models::hunyuan_video::transformer::{
     HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS,
 };
 use crate::models::hunyuan_video::vae::{
-    AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
+    self, AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
 };
 use crate::models::source::ModelSource;
 use crate::offload::Residency;
@@ -159,10 +159,13 @@ impl Family for HunyuanConfigs {
         // Modulate: one block's modulations (at most 12 chunks, a dual-stream block's) for up
         // to 100 conditionings (50 steps with true CFG), and their stacked copy.
         let modulate = 12 * inner * d * 100 * 2;
-        // Decode: tiles of 5 latent frames (17 video frames) at full size in the widest
-        // channels, plus the whole video in f32.
+        // Decode: one temporal tile (5 latent frames, 17 video frames) at full size (256x256
+        // with `--vae-tiling`). Its peak is at full resolution: the last upsampler's output and
+        // the first conv's input of the last up block at the upsampled channels, that block's
+        // output at its own, plus one run of frames' f32 temporaries (a layer works in runs,
+        // `vae::RUN_ELEMENTS`, at least `vae::MIN_RUNS` of them); then the whole video in f32
+        // twice (the tiles, and the blended whole).
         let frames = (latent[2].min(5) - 1) as u64 * self.vae.temporal_compression_ratio as u64 + 1;
-        // Spatial tiling (`--vae-tiling`) decodes 256x256 tiles at a time.
         let tile = HunyuanVideoVaeTiling::default();
         let (h, w) = match shape.vae_tiling {
             true => (
@@ -172,15 +175,12 @@ impl Family for HunyuanConfigs {
             false => (shape.height, shape.width),
         };
         let pixels = h as u64 * w as u64;
-        let widest = self
-            .vae
-            .block_out_channels
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(0) as u64;
-        let first = self.vae.block_out_channels.first().copied().unwrap_or(0) as u64;
-        let decode = frames * pixels * first.max(widest / 4) * 4 * d
+        let (upsampled, last) = self.vae.full_resolution_channels();
+        let (upsampled, last) = (upsampled as u64, last as u64);
+        let widest = frames * pixels * upsampled.max(last);
+        let run = (vae::RUN_ELEMENTS as u64).min(widest / vae::MIN_RUNS as u64);
+        let decode = frames * pixels * (2 * upsampled + last) * d
+            + 3 * run * 4
             + shape.num_frames as u64 * shape.height as u64 * shape.width as u64 * 3 * 4 * 2;
         PipelineSpec {
             title: "HunyuanVideo text-to-video",
