@@ -12,6 +12,6 @@ T=./.device/vidgen-lib-tests
 [ -f $T.xz ] && [ ! -x $T ] && xz -dc $T.xz > $T && chmod +x $T
 $T --test-threads=1 --nocapture \
   ltx::transformer::cuda_tests cogvideox::transformer::cuda_tests \
-  hunyuan_video::transformer::cuda_tests wan::transformer::cuda_tests 2>&1 |
+  hunyuan_video::transformer::cuda_tests hunyuan_video::vae::cuda_tests wan::transformer::cuda_tests 2>&1 |
   grep -E "worst|relative|skipped|^test |panicked|result:"
 [ -x ./.device/offload_bench ] || [ -f ./.device/offload_bench.xz ] && bash bench/profile_dit.sh ltx cogvideox hunyuan

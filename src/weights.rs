@@ -177,7 +177,13 @@ impl WeightSet {
         }
         let tensor = match &self.source {
             Source::Mapped(st) => st.load(name, &Device::Cpu)?,
-            Source::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
+            Source::Synthetic(s) => {
+                if s.write(shape, name, dtype, dst) {
+                    self.report(dst.len());
+                    return Ok(());
+                }
+                Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?
+            }
         };
         self.report_read(name, &tensor);
         write_bytes(&tensor.to_dtype(dtype)?, dst)
@@ -280,12 +286,53 @@ impl SyntheticWeights {
     /// Values scaled so activations stay O(1) through deep stacks: matrices U(±√(3/fan_in)),
     /// norm scales 1, biases and tables small.
     fn make(&self, shape: &Shape, name: &str) -> Vec<f32> {
+        let mut values = vec![0f32; shape.elem_count()];
+        self.fill(shape, name, &mut values, |v| v);
+        values
+    }
+
+    /// Writes tensor `name`'s values as `dtype` straight into `dst` (its exact byte size),
+    /// converting in parallel: the same bits as [`Self::make`] then a conversion. `false`
+    /// where `dtype` or `dst`'s alignment is not one it writes (the caller converts).
+    fn write(&self, shape: &Shape, name: &str, dtype: DType, dst: &mut [u8]) -> bool {
+        fn typed<T>(dst: &mut [u8]) -> Option<&mut [T]> {
+            // SAFETY: T is a plain numeric type: every bit pattern is a valid value.
+            match unsafe { dst.align_to_mut::<T>() } {
+                (&mut [], values, &mut []) => Some(values),
+                _ => None,
+            }
+        }
+        if dst.len() != shape.elem_count() * dtype.size_in_bytes() {
+            return false;
+        }
+        match dtype {
+            DType::F32 => typed::<f32>(dst).map(|v| self.fill(shape, name, v, |x| x)),
+            DType::BF16 => {
+                typed::<half::bf16>(dst).map(|v| self.fill(shape, name, v, half::bf16::from_f32))
+            }
+            DType::F16 => {
+                typed::<half::f16>(dst).map(|v| self.fill(shape, name, v, half::f16::from_f32))
+            }
+            _ => None,
+        }
+        .is_some()
+    }
+
+    /// Fills `out` with tensor `name`'s values through `convert`, in parallel chunks: chunk i
+    /// of the values comes from its own generator state, so any chunk computes alone.
+    fn fill<T: Send>(
+        &self,
+        shape: &Shape,
+        name: &str,
+        out: &mut [T],
+        convert: impl Fn(f32) -> T + Sync,
+    ) {
         let dims = shape.dims();
-        let n = shape.elem_count();
         let leaf = name.rsplit('.').next().unwrap_or(name);
         let is_norm = name.contains("norm") && dims.len() == 1 || leaf == "gamma";
         if is_norm {
-            return vec![1.0; n];
+            out.par_iter_mut().for_each(|v| *v = convert(1.0));
+            return;
         }
         let amplitude =
             if dims.len() >= 2 && !name.contains("embed_tokens") && !name.starts_with("shared") {
@@ -296,19 +343,16 @@ impl SyntheticWeights {
             };
         let tensor_seed = self.seed ^ fnv1a(name);
         const CHUNK: usize = 1 << 16;
-        let mut values = vec![0f32; n];
-        values
-            .par_chunks_mut(CHUNK)
+        out.par_chunks_mut(CHUNK)
             .enumerate()
             .for_each(|(i, chunk)| {
                 let mut state = tensor_seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 for v in chunk {
                     let bits = splitmix64(&mut state);
                     let unit = (bits >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
-                    *v = (unit * 2.0 - 1.0) * amplitude;
+                    *v = convert((unit * 2.0 - 1.0) * amplitude);
                 }
             });
-        values
     }
 }
 
@@ -368,4 +412,44 @@ pub fn seeded_normal(seed: u64, shape: &[usize]) -> candle_core::Result<Tensor> 
     }
     values.truncate(n);
     Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Synthetic values written straight in a dtype are the bits of the f32 values converted
+    /// as candle converts them (a matrix, and a norm scale), and the same through
+    /// `read_into`, which the loaders call.
+    #[test]
+    fn synthetic_values_written_in_a_dtype_equal_the_converted_ones() -> candle_core::Result<()> {
+        let weights = WeightSet::open(&Weights::Synthetic { seed: 7 }).expect("synthetic");
+        let synthetic = SyntheticWeights { seed: 7 };
+        for (name, dims) in [
+            ("blocks.0.proj.weight", vec![300, 700]),
+            ("norm.weight", vec![70]),
+        ] {
+            let shape = Shape::from_dims(&dims);
+            let made = Tensor::from_vec(synthetic.make(&shape, name), &shape, &Device::Cpu)?;
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let n = shape.elem_count() * dtype.size_in_bytes();
+                let mut want = vec![0u8; n];
+                write_bytes(&made.to_dtype(dtype)?, &mut want)?;
+                // An f32-aligned buffer, as the host arenas and staging buffers are.
+                let mut words = vec![0u32; n.div_ceil(4)];
+                // SAFETY: u32 words viewed as their bytes.
+                let got =
+                    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), n) };
+                assert!(
+                    synthetic.write(&shape, name, dtype, got),
+                    "{name} {dtype:?}"
+                );
+                assert!(got == want.as_slice(), "{name} {dtype:?}");
+                got.fill(0);
+                weights.read_into(name, &shape, dtype, got)?;
+                assert!(got == want.as_slice(), "{name} {dtype:?} through read_into");
+            }
+        }
+        Ok(())
+    }
 }
