@@ -33,6 +33,8 @@ MODES=("none: --dit-layerwise-offload=false --dit-cpu-offload=false"
   "leaf_level_stream: --offload-type leaf-level")
 # (vidgen's default flags are block_level_N1_stream's: layerwise streaming, one block per group.)
 # EXTRA_MODE='label: flags' adds one vidgen-only row (e.g. leaf level with --prefetch-depth 2).
+# PEER_MODES=none,block_level_N1_stream,... runs only those diffusers rows (its slow rows without a copy
+# stream can then go in a call of their own); PEER_BUDGET_S bounds the peer's time.
 [ -n "${EXTRA_MODE:-}" ] && MODES+=("$EXTRA_MODE")
 for F in "$@"; do
   case $F in
@@ -50,7 +52,8 @@ for F in "$@"; do
   echo "== vidgen $F: exit $?"; grep -E "wrote|Maximum resident|Elapsed|rror" "$OUT/$F-vidgen.log"
   rm -rf /dev/shm/vidgen-bench
   if [ "$F" != hunyuan-720p ] && [ -z "${NO_PEER:-}" ]; then
-    python3 $PEER --models "$F" --out "$OUT/peer-$F" --budget-s ${PEER_BUDGET_S:-560} > "$OUT/peer-$F.log" 2>&1
+    python3 $PEER --models "$F" --out "$OUT/peer-$F" --budget-s ${PEER_BUDGET_S:-560} \
+      ${PEER_MODES:+--modes $PEER_MODES} > "$OUT/peer-$F.log" 2>&1
     echo "== diffusers $F: exit $?"; tail -3 "$OUT/peer-$F.log"
   fi
 done
