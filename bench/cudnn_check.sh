@@ -5,7 +5,7 @@
 #   (cargo build --release --no-default-features --features cuda --bin vidgen --example cudnn_check).
 #   1. cudnn_check: cuDNN found and its version; its SDPA against the own fused kernel at Wan's
 #      shapes (max error, CUDA-event times, interleaved); its conv3d against the own path on Wan VAE
-#      decoder convs, f32 with TF32 and exact.
+#      decoder convs, f32 with TF32 and exact; bf16 throughput at the HunyuanVideo VAE decoder's shapes.
 #   2. the same with VIDGEN_CUDNN=off: the fallback (no cuDNN, attention on the own kernel).
 #   3. synthetic Wan2.1 1.3B, 480x832x81 bf16 (VAE f32), 2 steps, resident: with cuDNN (TF32), with cuDNN and
 #      --no-tf32, and VIDGEN_CUDNN=off; stage times (the decode is the VAE) and the frames compared

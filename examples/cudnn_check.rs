@@ -219,6 +219,50 @@ fn convolution(dev: &Device, stream: &Arc<CudaStream>) -> Result<()> {
     Ok(())
 }
 
+/// cuDNN's bf16 3x3x3 convolutions at the HunyuanVideo VAE decoder's shapes (a 17-frame tile of a
+/// 720x1280 video; inputs already replicate-padded, as the decoder hands them over): time and
+/// throughput, for one output frame (how the decoder's runs call it at full resolution) and for
+/// whole tiles (split where an operand passes cuDNN's 32-bit sizes).
+fn bf16_convolution(dev: &Device, stream: &Arc<CudaStream>) -> Result<()> {
+    println!("\n== HunyuanVideo VAE decoder 3x3x3 convs (bf16, cuDNN): time and throughput");
+    println!(
+        "{:<24} {:>28} {:>10} {:>9}",
+        "shape", "c_in,c_out,t_in,h,w", "ms", "TFLOP/s"
+    );
+    // (name, in channels, out channels, padded input frames, output height, output width)
+    let shapes = [
+        ("full 128, 1 frame", 128, 128, 3, 720, 1280),
+        ("full 256->128, 1 frame", 256, 128, 3, 720, 1280),
+        ("full 256, 1 frame", 256, 256, 3, 720, 1280),
+        ("full 128, 17 frames", 128, 128, 19, 720, 1280),
+        ("half 512, 9 frames", 512, 512, 11, 360, 640),
+        ("quarter 512, 5 frames", 512, 512, 7, 180, 320),
+    ];
+    for (name, c_in, c_out, t, h, wd) in shapes {
+        let x =
+            Tensor::randn(0f32, 1f32, (1, c_in, t, h + 2, wd + 2), dev)?.to_dtype(DType::BF16)?;
+        let w = (Tensor::randn(0f32, 1f32, (c_out, c_in, 3, 3, 3), dev)?
+            / ((c_in * 27) as f64).sqrt())?
+        .to_dtype(DType::BF16)?;
+        let run = || -> Result<Tensor> {
+            conv3d::conv3d(&x, &w, [1, 1, 1], [0, 0, 0])?
+                .ok_or_else(|| anyhow::anyhow!("cuDNN conv3d did not run"))
+        };
+        if let Err(e) = run() {
+            println!("{name:<24} {e}");
+            continue;
+        }
+        let ms = interleaved(stream, 3, &[&run])?[0];
+        let flops = 2.0 * (c_in * c_out * 27) as f64 * ((t - 2) * h * wd) as f64;
+        println!(
+            "{name:<24} {:>28} {ms:>10.2} {:>9.1}",
+            format!("{c_in},{c_out},{t},{h},{wd}"),
+            flops / (ms as f64 * 1e-3) / 1e12
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let dev = Device::cuda_if_available(0)?;
     let Device::Cuda(cuda) = &dev else {
@@ -255,5 +299,6 @@ fn main() -> Result<()> {
     }
     attention(&dev, &stream)?;
     convolution(&dev, &stream)?;
+    bf16_convolution(&dev, &stream)?;
     Ok(())
 }
