@@ -842,6 +842,7 @@ impl Blockwise for HunyuanVideoTransformer3DModel {
 impl Blockwise for HunyuanModulations {
     type Config = HunyuanVideoTransformerConfig;
     type Block = HunyuanVideoBlock;
+    const COPY_BOUND: bool = true;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
@@ -1006,6 +1007,12 @@ mod tests {
         let mut all = names(&whole);
         all.sort();
         assert_eq!(split, all);
+        // Block streaming's look-ahead: a dual-stream body is two single-stream bodies' bytes,
+        // so the transformer's copies run two blocks ahead; the modulation pass computes next
+        // to nothing (copies bound it at any depth) and runs one ahead.
+        assert_eq!(model.blocks_in_the_largest(), 2);
+        let modulation = ModelConstructors::<HunyuanModulations>(apart.clone());
+        assert_eq!(modulation.blocks_in_the_largest(), 1);
         Ok(())
     }
 

@@ -977,6 +977,7 @@ impl Blockwise for MiniMaxH3Transformer3DModel {
 impl Blockwise for MiniMaxH3Modulations {
     type Config = MiniMaxH3TransformerConfig;
     type Block = AdalnProjection;
+    const COPY_BOUND: bool = true;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         Self::new(cfg, vb)
     }
