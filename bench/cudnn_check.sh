@@ -5,7 +5,8 @@
 #   (cargo build --release --no-default-features --features cuda --bin vidgen --example cudnn_check).
 #   1. cudnn_check: cuDNN found and its version; its SDPA against the own fused kernel at Wan's
 #      shapes (max error, CUDA-event times, interleaved); its conv3d against the own path on Wan VAE
-#      decoder convs, f32 with TF32 and exact; bf16 throughput at the HunyuanVideo VAE decoder's shapes.
+#      decoder convs, f32 with TF32 and exact; bf16 throughput at the HunyuanVideo VAE decoder's shapes,
+#      and torch's at the same shapes (bench/peer_conv3d.py: contiguous and channels_last_3d).
 #   2. the same with VIDGEN_CUDNN=off: the fallback (no cuDNN, attention on the own kernel).
 #   3. synthetic Wan2.1 1.3B, 480x832x81 bf16 (VAE f32), 2 steps, resident: with cuDNN (TF32), with cuDNN and
 #      --no-tf32, and VIDGEN_CUDNN=off; stage times (the decode is the VAE) and the frames compared
@@ -20,6 +21,8 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "== cudnn_check"
 "$BIN/cudnn_check" 2>&1 | tee "$OUT/check.log"
+echo "== torch's bf16 conv3d at the same HunyuanVideo shapes (NCDHW and channels_last_3d)"
+PATH=/opt/torch/.venv/bin:$PATH python3 bench/peer_conv3d.py 2>&1 | tee "$OUT/peer-conv3d.log"
 echo "== cudnn_check, VIDGEN_CUDNN=off"
 VIDGEN_CUDNN=off "$BIN/cudnn_check" 2>&1 | tee "$OUT/check-off.log"
 RESIDENT="--no-dit-layerwise-offload --no-dit-cpu-offload --no-text-encoder-cpu-offload --no-vae-cpu-offload"
