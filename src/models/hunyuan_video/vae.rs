@@ -10,8 +10,11 @@
 //!
 //! Decoding and encoding are tiled in time by default (diffusers' `use_framewise_decoding` /
 //! `use_framewise_encoding`): long inputs run in overlapping tiles blended linearly; spatial
-//! tiling (`enable_tiling`) is optional. Convolutions run by frames and row bands so that no
-//! im2col scratch exceeds [`MAX_IM2COL_ELEMENTS`].
+//! tiling (`enable_tiling`) is optional. Within a tile every norm and convolution works in runs
+//! of frames written into one output ([`RUN_ELEMENTS`], at least [`MIN_RUNS`] runs), so a
+//! full-resolution layer holds its input, its output and one run's temporaries; the own
+//! convolution also splits by row bands so that no im2col scratch exceeds
+//! [`MAX_IM2COL_ELEMENTS`].
 //!
 //! Activations are frames-major, `[B, T, C, H, W]`, so a time tap of a conv is a contiguous
 //! batch of images for candle's conv2d. Everything runs in the `VarBuilder` dtype (f32 in
