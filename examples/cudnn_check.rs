@@ -224,10 +224,12 @@ fn convolution(dev: &Device, stream: &Arc<CudaStream>) -> Result<()> {
 /// throughput, for one output frame (how the decoder's runs call it at full resolution) and for
 /// whole tiles (split where an operand passes cuDNN's 32-bit sizes).
 fn bf16_convolution(dev: &Device, stream: &Arc<CudaStream>) -> Result<()> {
-    println!("\n== HunyuanVideo VAE decoder 3x3x3 convs (bf16, cuDNN): time and throughput");
     println!(
-        "{:<24} {:>28} {:>10} {:>9}",
-        "shape", "c_in,c_out,t_in,h,w", "ms", "TFLOP/s"
+        "\n== HunyuanVideo VAE decoder 3x3x3 convs (bf16, cuDNN): time and throughput, NCDHW and NDHWC"
+    );
+    println!(
+        "{:<24} {:>28} {:>10} {:>9} {:>10} {:>9} {:>11}",
+        "shape", "c_in,c_out,t_in,h,w", "NCDHW ms", "TFLOP/s", "NDHWC ms", "TFLOP/s", "max|diff|"
     );
     // (name, in channels, out channels, padded input frames, output height, output width)
     let shapes = [
@@ -248,17 +250,46 @@ fn bf16_convolution(dev: &Device, stream: &Arc<CudaStream>) -> Result<()> {
             conv3d::conv3d(&x, &w, [1, 1, 1], [0, 0, 0])?
                 .ok_or_else(|| anyhow::anyhow!("cuDNN conv3d did not run"))
         };
-        if let Err(e) = run() {
-            println!("{name:<24} {e}");
-            continue;
-        }
-        let ms = interleaved(stream, 3, &[&run])?[0];
-        let flops = 2.0 * (c_in * c_out * 27) as f64 * ((t - 2) * h * wd) as f64;
-        println!(
-            "{name:<24} {:>28} {ms:>10.2} {:>9.1}",
-            format!("{c_in},{c_out},{t},{h},{wd}"),
-            flops / (ms as f64 * 1e-3) / 1e12
+        let (xl, wl) = (
+            x.permute((0, 2, 3, 4, 1))?.contiguous()?,
+            w.permute((0, 2, 3, 4, 1))?.contiguous()?,
         );
+        let run_last = || -> Result<Tensor> {
+            conv3d::conv3d_channels_last(&xl, &wl, [1, 1, 1], [0, 0, 0])?
+                .ok_or_else(|| anyhow::anyhow!("cuDNN conv3d did not run"))
+        };
+        let first = match run() {
+            Ok(y) => y,
+            Err(e) => {
+                println!("{name:<24} {e}");
+                continue;
+            }
+        };
+        // Past cuDNN's 32-bit sizes the channels-last call has no frame runs: NCDHW alone.
+        let diff = match run_last() {
+            Ok(last) => Some(max_err(&last.permute((0, 4, 1, 2, 3))?, &first)?.0),
+            Err(_) => None,
+        };
+        drop(first);
+        let flops = 2.0 * (c_in * c_out * 27) as f64 * ((t - 2) * h * wd) as f64;
+        let tflops = |ms: f32| flops / (ms as f64 * 1e-3) / 1e12;
+        let shape = format!("{c_in},{c_out},{t},{h},{wd}");
+        match diff {
+            Some(diff) => {
+                let ms = interleaved(stream, 3, &[&run, &run_last])?;
+                println!(
+                    "{name:<24} {shape:>28} {:>10.2} {:>9.1} {:>10.2} {:>9.1} {diff:>11.2e}",
+                    ms[0],
+                    tflops(ms[0]),
+                    ms[1],
+                    tflops(ms[1])
+                );
+            }
+            None => {
+                let ms = interleaved(stream, 3, &[&run])?[0];
+                println!("{name:<24} {shape:>28} {ms:>10.2} {:>9.1}", tflops(ms));
+            }
+        }
     }
     Ok(())
 }

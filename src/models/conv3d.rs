@@ -61,12 +61,38 @@ fn conv3d_math(
                 stride,
                 padding,
                 tf32,
+                channels_last: false,
             };
             aligned(x)?.apply_op2_no_bwd(&w, &op)
         };
         return in_frame_runs(x, w.dims(), stride, padding, CUDNN_MAX_ELEMENTS, conv).map(Some);
     }
     let _ = (x, w, stride, padding, tf32);
+    Ok(None)
+}
+
+/// [`conv3d`] with channels last in memory: `x` `[B, T, H, W, C_in]` by `w`
+/// `[C_out, kt, kh, kw, C_in]` gives `[B, T', H', W', C_out]` (cuDNN's NDHWC layout, where its
+/// tensor-core kernels read without a transposition). `None` where it is not [`accelerated`];
+/// operands past cuDNN's 32-bit sizes are an error (no frame runs).
+pub fn conv3d_channels_last(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let Some(api) = crate::models::cudnn::api().filter(|_| x.device().is_cuda()) {
+        let op = crate::models::cudnn::conv::Conv3d {
+            api,
+            stride,
+            padding,
+            tf32: tf32(),
+            channels_last: true,
+        };
+        return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
+    }
+    let _ = (x, w, stride, padding);
     Ok(None)
 }
 
@@ -313,6 +339,7 @@ mod tests {
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {
     use super::*;
+    use candle_core::DType;
 
     /// cuDNN's convolution in exact f32 against the tap sum of 2D convolutions.
     #[test]
@@ -351,6 +378,44 @@ mod cuda_tests {
             .max(0)?
             .to_scalar::<f32>()?;
         assert!(err < 1e-4, "max |cuDNN - taps| {err:.2e}");
+        Ok(())
+    }
+
+    /// Channels last (NDHWC activations, `[C_out, kt, kh, kw, C_in]` filters) computes the same
+    /// convolution as channels first: exact f32 to f32 rounding, bf16 to a few bf16 ulps.
+    #[test]
+    fn channels_last_equals_channels_first() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: cuDNN conv3d test skipped");
+            return Ok(());
+        };
+        if !accelerated(&dev) {
+            eprintln!("no cuDNN: cuDNN conv3d test skipped");
+            return Ok(());
+        }
+        set_tf32(false);
+        let x = Tensor::randn(0f32, 1f32, (2, 32, 5, 12, 20), &dev)?;
+        let w = (Tensor::randn(0f32, 1f32, (16, 32, 3, 3, 3), &dev)? / (32.0 * 27.0f64).sqrt())?;
+        for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 5e-2)] {
+            let (x, w) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+            let first = conv3d(&x, &w, [1, 2, 2], [0, 1, 1])?.expect("cuDNN ran");
+            let last = conv3d_channels_last(
+                &x.permute((0, 2, 3, 4, 1))?.contiguous()?,
+                &w.permute((0, 2, 3, 4, 1))?.contiguous()?,
+                [1, 2, 2],
+                [0, 1, 1],
+            )?
+            .expect("cuDNN ran");
+            let last = last.permute((0, 4, 1, 2, 3))?;
+            assert_eq!(first.dims(), last.dims());
+            let err = (first.to_dtype(DType::F32)? - last.to_dtype(DType::F32)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(err < tolerance, "{dtype:?}: max |last - first| {err:.2e}");
+        }
+        set_tf32(true);
         Ok(())
     }
 

@@ -32,6 +32,8 @@ pub(crate) struct AlgoPerf {
 
 /// `CUDNN_TENSOR_NCHW` (filters `[C_out, C_in, kt, kh, kw]`, packed).
 const FORMAT_NCHW: i32 = 0;
+/// `CUDNN_TENSOR_NHWC` (filters `[C_out, kt, kh, kw, C_in]`, packed).
+const FORMAT_NHWC: i32 = 1;
 /// `CUDNN_CROSS_CORRELATION`: what deep-learning frameworks call convolution.
 const CROSS_CORRELATION: i32 = 1;
 // cudnnMathType_t
@@ -107,6 +109,9 @@ struct Key {
     w: [usize; 5],
     stride: [usize; 3],
     padding: [usize; 3],
+    /// Channels last in memory (NDHWC activations, `[C_out, kt, kh, kw, C_in]` filters); the
+    /// dims above stay in NCDHW order, as cuDNN's descriptors take them.
+    channels_last: bool,
 }
 
 /// An algorithm with the math type it runs in and the workspace it needs.
@@ -133,11 +138,21 @@ fn to_i32(v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("cuDNN conv: {v} exceeds i32")))
 }
 
-/// Packed strides of `dims`, checked to fit cuDNN's 32-bit descriptors.
-fn packed_i32(dims: &[usize; 5]) -> Result<([i32; 5], [i32; 5])> {
+/// NCDHW `dims` with the strides of packed memory, NCDHW or (`channels_last`) NDHWC,
+/// checked to fit cuDNN's 32-bit descriptors.
+fn packed_i32(dims: &[usize; 5], channels_last: bool) -> Result<([i32; 5], [i32; 5])> {
     let mut strides = [1usize; 5];
-    for i in (0..4).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
+    if channels_last {
+        // Memory order N, D, H, W, C.
+        strides[1] = 1;
+        strides[4] = dims[1];
+        strides[3] = strides[4] * dims[4];
+        strides[2] = strides[3] * dims[3];
+        strides[0] = strides[2] * dims[2];
+    } else {
+        for i in (0..4).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1];
+        }
     }
     let d = [
         to_i32(dims[0])?,
@@ -189,24 +204,29 @@ fn build(api: &Api, handle: Handle, key: &Key, bufs: &Buffers) -> Result<Plan> {
     let dt = data_type(key.dtype).expect("bf16, f16 or f32");
     let y_dims = out_dims(key)?;
     let x = create(api, api.create_tensor, api.destroy_tensor, "creating x")?;
-    let (xd, xs) = packed_i32(&key.x)?;
+    let (xd, xs) = packed_i32(&key.x, key.channels_last)?;
     // SAFETY: 5 dims and strides.
     api.check(
         unsafe { (api.set_tensor_nd)(x.desc, dt, 5, xd.as_ptr(), xs.as_ptr()) },
         "cudnnSetTensorNdDescriptor(x)",
     )?;
     let y = create(api, api.create_tensor, api.destroy_tensor, "creating y")?;
-    let (yd, ys) = packed_i32(&y_dims)?;
+    let (yd, ys) = packed_i32(&y_dims, key.channels_last)?;
     // SAFETY: 5 dims and strides.
     api.check(
         unsafe { (api.set_tensor_nd)(y.desc, dt, 5, yd.as_ptr(), ys.as_ptr()) },
         "cudnnSetTensorNdDescriptor(y)",
     )?;
     let w = create(api, api.create_filter, api.destroy_filter, "creating w")?;
-    let (wd, _) = packed_i32(&key.w)?;
+    let (wd, _) = packed_i32(&key.w, false)?;
+    let format = if key.channels_last {
+        FORMAT_NHWC
+    } else {
+        FORMAT_NCHW
+    };
     // SAFETY: 5 filter dims.
     api.check(
-        unsafe { (api.set_filter_nd)(w.desc, dt, FORMAT_NCHW, 5, wd.as_ptr()) },
+        unsafe { (api.set_filter_nd)(w.desc, dt, format, 5, wd.as_ptr()) },
         "cudnnSetFilterNdDescriptor",
     )?;
     let conv = create(api, api.create_conv, api.destroy_conv, "creating conv")?;
@@ -509,12 +529,19 @@ fn run(api: &Api, handle: Handle, plan: &Plan, bufs: &Buffers) -> Result<()> {
 }
 
 /// Cross-correlation of `[B, C_in, T, H, W]` by `[C_out, C_in, kt, kh, kw]` (both contiguous),
-/// no bias: `[B, C_out, T', H', W']`.
+/// no bias: `[B, C_out, T', H', W']`; with `channels_last`, of `[B, T, H, W, C_in]` by
+/// `[C_out, kt, kh, kw, C_in]`: `[B, T', H', W', C_out]`.
 pub(crate) struct Conv3d {
     pub api: &'static Api,
     pub stride: [usize; 3],
     pub padding: [usize; 3],
     pub tf32: bool,
+    pub channels_last: bool,
+}
+
+/// Channels-last `[a, b, c, d, e]` (channels last) as the NCDHW dims cuDNN's descriptors take.
+fn channels_first([n, d, h, w, c]: [usize; 5]) -> [usize; 5] {
+    [n, c, d, h, w]
 }
 
 fn dims5(l: &Layout) -> Result<[usize; 5]> {
@@ -555,14 +582,24 @@ impl CustomOp2 for Conv3d {
             bail!("cuDNN conv: input {dtype:?}, weight {:?}", w.dtype())
         }
         let stream = dev.cuda_stream();
+        let (x_dims, w_dims) = (dims5(xl)?, dims5(wl)?);
         let key = Key {
             ordinal: stream.context().ordinal(),
             dtype,
             tf32: self.tf32,
-            x: dims5(xl)?,
-            w: dims5(wl)?,
+            x: if self.channels_last {
+                channels_first(x_dims)
+            } else {
+                x_dims
+            },
+            w: if self.channels_last {
+                channels_first(w_dims)
+            } else {
+                w_dims
+            },
             stride: self.stride,
             padding: self.padding,
+            channels_last: self.channels_last,
         };
         if key.w[1] != key.x[1] {
             bail!(
@@ -601,7 +638,10 @@ impl CustomOp2 for Conv3d {
                 slice: out,
                 device: dev.clone(),
             },
-            Shape::from(y_dims.to_vec()),
+            Shape::from(match self.channels_last {
+                true => vec![y_dims[0], y_dims[2], y_dims[3], y_dims[4], y_dims[1]],
+                false => y_dims.to_vec(),
+            }),
         ))
     }
 }
