@@ -1,7 +1,7 @@
 //! The memory plan's MiniMax H3 denoise activations against what one transformer forward
 //! allocates on the CPU (f32, a 32x32 canvas with the plan's 512-token prompt): every heap allocation of this test process is counted, and the peak
 //! above what was held before the forward must not exceed the plan's estimate; the same for the
-//! video decode. One test in the file, so no other test's allocations mix in.
+//! video and the audio decode. One test in the file, so no other test's allocations mix in.
 
 mod common;
 
@@ -11,8 +11,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use vidgen::models::minimax_h3::audio_vae::{MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder};
 use vidgen::models::minimax_h3::layout::{
-    pack_audio, patchify, row_timesteps, t2va_layout, T2vaGeometry,
+    pack_audio, patchify, row_timesteps, t2va_layout, T2vaGeometry, AUDIO_CHANNELS,
 };
 use vidgen::models::minimax_h3::transformer::{
     MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
@@ -254,6 +255,34 @@ fn one_forward_allocates_no_more_than_the_plan_predicts() {
     assert!(
         peak <= predicted,
         "the decode held {peak} bytes, the plan predicts {predicted}"
+    );
+
+    // The audio decode of the stereo batch, as the pipeline runs it.
+    let audio: MiniMaxH3AudioVaeConfig = common::config_in(FIXTURE, "audio_vae/config.json");
+    let audio_decoder = MiniMaxH3AudioVaeDecoder::new(
+        &audio,
+        common::var_builder_in(FIXTURE, "audio_vae/diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let (predicted, _) = planned(&fixture, "decode_audio", (height, width, frames));
+    let z = Tensor::randn(
+        0f32,
+        1.,
+        (AUDIO_CHANNELS, audio.latent_channels, g.num_audio_latents),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let before = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let waveform = audio_decoder
+        .decode(&audio_decoder.denormalize(&z).unwrap())
+        .unwrap();
+    let peak = PEAK.load(Ordering::Relaxed) - before;
+    drop(waveform);
+    eprintln!("audio decode: peak {peak} bytes above the latents, predicted {predicted}");
+    assert!(
+        peak <= predicted,
+        "the audio decode held {peak} bytes, the plan predicts {predicted}"
     );
 }
 

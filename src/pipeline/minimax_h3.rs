@@ -304,8 +304,11 @@ fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DTy
     decoder + DECODED_CLIP_COPIES * clip
 }
 
-/// Device bytes of the audio decode: at every upsampling stage the stereo batch at that stage's
-/// width and length, with the alias-free activations' 2x oversampling and the AMP blocks' sum.
+/// Device bytes of the audio decode: twelve copies of the stereo batch at its widest stage (f32):
+/// the stage's input, the AMP blocks' running sum with its next value, a block's input and
+/// residual; a convolution's padded input, output and biased copy with one run's im2col
+/// scratch (the layers work in runs, `audio_vae`); the activation's input and output with one
+/// run of channels' resampling scratch.
 fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u64 {
     let mut channels = cfg.decoder_dim as u64;
     let mut length = latents as u64;
@@ -315,7 +318,7 @@ fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u6
         length *= rate as u64;
         largest = largest.max(channels * length);
     }
-    AUDIO_CHANNELS as u64 * largest * 4 * 6
+    AUDIO_CHANNELS as u64 * largest * 4 * 12
 }
 
 impl Family for MiniMaxH3Configs {

@@ -174,8 +174,32 @@ impl Conv1d {
         })
     }
 
+    /// The convolution over runs of output samples, each from its window of the zero-padded
+    /// input, so the im2col scratch (input channels x kernel taps per output sample) stays
+    /// within about the input's size rather than `kernel` times it.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.conv1d(&self.weight, self.padding, 1, self.dilation, 1)?;
+        let (b, _, l) = x.dims3()?;
+        let (k, d, p) = (self.weight.dim(2)?, self.dilation, self.padding);
+        let span = (k - 1) * d + 1;
+        if l + 2 * p < span {
+            candle_core::bail!(
+                "conv1d: {l} samples (padding {p}) are fewer than the kernel's {span}"
+            )
+        }
+        let out_len = l + 2 * p - span + 1;
+        let per_run = out_len.div_ceil(k).max(1);
+        let y = if per_run >= out_len {
+            x.conv1d(&self.weight, p, 1, d, 1)?
+        } else {
+            let padded = x.pad_with_zeros(2, p, p)?;
+            let out = Tensor::zeros((b, self.weight.dim(0)?, out_len), x.dtype(), x.device())?;
+            for first in (0..out_len).step_by(per_run) {
+                let n = per_run.min(out_len - first);
+                let window = padded.narrow(2, first, n + span - 1)?.contiguous()?;
+                out.slice_set(&window.conv1d(&self.weight, 0, 1, d, 1)?, 2, first)?;
+            }
+            out
+        };
         match &self.bias {
             Some(b) => y.broadcast_add(&b.reshape((1, (), 1))?),
             None => Ok(y),
@@ -205,6 +229,8 @@ struct AliasFreeSnakeBeta {
 /// The resampling ratio and filter length of diffusers' `MiniMaxH3AudioActivation1d` defaults.
 const RESAMPLE_RATIO: usize = 2;
 const RESAMPLE_KERNEL: usize = 12;
+/// Runs of channels an activation works in (at most).
+const ACTIVATION_RUNS: usize = 16;
 
 impl AliasFreeSnakeBeta {
     fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
@@ -224,7 +250,31 @@ impl AliasFreeSnakeBeta {
         })
     }
 
+    /// Over runs of channels (each channel's computation is its own), written into one
+    /// output: the resampling's scratch (filter taps per sample, at twice the length) stays a
+    /// small share of the input's size.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let c = x.dim(1)?;
+        let per_run = c.div_ceil(ACTIVATION_RUNS).max(1);
+        if per_run >= c {
+            return self.forward_channels(x, 0);
+        }
+        let out = Tensor::zeros(x.dims(), x.dtype(), x.device())?;
+        for first in (0..c).step_by(per_run) {
+            let n = per_run.min(c - first);
+            let y = self.forward_channels(&x.narrow(1, first, n)?.contiguous()?, first)?;
+            out.slice_set(&y, 1, first)?;
+        }
+        Ok(out)
+    }
+
+    /// The activation of `x`'s channels, which start at channel `first` of the layer's.
+    fn forward_channels(&self, x: &Tensor, first: usize) -> Result<Tensor> {
+        let n = x.dim(1)?;
+        let (alpha, inv_beta) = (
+            self.alpha.narrow(1, first, n)?,
+            self.inv_beta.narrow(1, first, n)?,
+        );
         let (ratio, k) = (RESAMPLE_RATIO, RESAMPLE_KERNEL);
         // Upsample: replicate pad, transposed conv with stride `ratio`, x ratio, crop.
         let pad = k / ratio - 1;
@@ -242,13 +292,13 @@ impl AliasFreeSnakeBeta {
             let len = y.dim(2)?;
             (y * ratio as f64)?.narrow(2, crop_left, len - crop_left - crop_right)
         })?;
-        let act = (&up
-            + self
-                .alpha
-                .broadcast_mul(&up)?
-                .sin()?
-                .sqr()?
-                .broadcast_mul(&self.inv_beta)?)?;
+        // One statement per op, so each temporary goes as the next exists.
+        let mut snake = alpha.broadcast_mul(&up)?;
+        snake = snake.sin()?;
+        snake = snake.sqr()?;
+        snake = snake.broadcast_mul(&inv_beta)?;
+        let act = (&up + snake)?;
+        drop(up);
         // Downsample: replicate pad, low-pass conv with stride `ratio`.
         let pad_left = k / 2 - usize::from(k % 2 == 0);
         let pad_right = k / 2;
