@@ -703,7 +703,7 @@ impl MiniMaxH3 {
         Ok((video, audio))
     }
 
-    /// The AdaLN tables of a `steps`-step run, one tensor per step.
+    /// The AdaLN tables of a `steps`-step run, one [`StepTables`] per step.
     fn adaln_tables_for(&self, steps: usize) -> Result<Vec<StepTables>> {
         let (video_schedule, audio_schedule) = self.schedules(steps)?;
         let placed = self
