@@ -128,9 +128,15 @@ impl CogVideoXConfigs {
         let t = self.vae.scale_factor_temporal() as u64;
         let (h, w) = (latent[3] as u64 * s, latent[4] as u64 * s);
         let frames = latent[1].min(3) as u64 * t;
-        let channels = self.vae.block_out_channels.first().copied().unwrap_or(128) as u64;
+        // At full resolution: the last upsampler's output, which the last up block's first
+        // resnet reads (the second up block's channels, counting from the top), and that
+        // block's spatial norms at its own channels (the resized latents' scale and shift, the
+        // norm, its product).
+        let boc = &self.vae.block_out_channels;
+        let last = boc.first().copied().unwrap_or(128) as u64;
+        let upsampled = boc.get(1).copied().unwrap_or(128) as u64;
         let output = latent[1] as u64 * t * h * w * 3 * 4;
-        frames * h * w * channels * bytes * 6 + output
+        frames * h * w * (2 * upsampled + 5 * last) * bytes + output
     }
 }
 
