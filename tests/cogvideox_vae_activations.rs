@@ -7,69 +7,18 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 
 const FIXTURE: &str = "cogvideox-tiny-a";
 
-/// Bytes the process holds on the heap now and at most since the last reset.
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-struct Counting;
-
-// SAFETY: every call is forwarded to the system allocator; only counters are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: common::heap::Counting = common::heap::Counting;
 
 #[test]
 fn one_decode_allocates_no_more_than_the_plan_predicts() {
     let (height, width, frames) = (64usize, 128usize, 13usize);
-    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(["generate", "--dry-run", "--json", "--device", "cpu"])
-        .args(["--dtype", "f32", "--model"])
-        .arg(common::named_fixture_dir(FIXTURE))
-        .args([
-            "--height",
-            &height.to_string(),
-            "--width",
-            &width.to_string(),
-        ])
-        .args(["--num-frames", &frames.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let planned = plan["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["name"] == "decode")
-        .unwrap()["memory"]["activation_bytes"]
-        .as_u64()
-        .unwrap() as usize;
+    let plan = common::heap::plan(&common::named_fixture_dir(FIXTURE), (height, width, frames));
+    let planned = common::heap::stage_activations(&plan, "decode");
     let cfg: CogVideoXVaeConfig = common::config_in(FIXTURE, "vae/config.json");
     let vae = AutoencoderKLCogVideoX::new_decoder_only(
         &cfg,
@@ -85,10 +34,9 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
         &Device::Cpu,
     )
     .unwrap();
-    let before = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    let before = common::heap::start();
     let video = vae.decode(&z).unwrap();
-    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let peak = common::heap::peak_above(before);
     assert_eq!(video.dims()[3..], [height, width]);
     // The CPU's own convolution adds an im2col scratch (a GPU convolves through cuDNN without
     // one): one output frame of the widest full-resolution conv, its input's 3x3 taps.

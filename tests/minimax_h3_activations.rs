@@ -7,10 +7,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use vidgen::models::minimax_h3::audio_vae::{MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder};
 use vidgen::models::minimax_h3::layout::{
     pack_audio, patchify, row_timesteps, t2va_layout, T2vaGeometry, AUDIO_CHANNELS,
@@ -22,75 +19,15 @@ use vidgen::models::minimax_h3::vae::{MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder};
 
 const FIXTURE: &str = "minimax-h3-tiny-a";
 
-/// Bytes the process holds on the heap now and at most since the last reset.
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-struct Counting;
-
-// SAFETY: every call is forwarded to the system allocator; only counters are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: common::heap::Counting = common::heap::Counting;
 
 /// The plan's activations of `stage` for the model in `dir` at `height` x `width` x `frames`
 /// (f32, on the CPU), and the prompt length it plans with.
-fn planned(
-    dir: &Path,
-    stage: &str,
-    (height, width, frames): (usize, usize, usize),
-) -> (usize, usize) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args([
-            "generate",
-            "--dry-run",
-            "--json",
-            "--device",
-            "cpu",
-            "--model",
-        ])
-        .arg(dir)
-        .args([
-            "--height",
-            &height.to_string(),
-            "--width",
-            &width.to_string(),
-        ])
-        .args(["--num-frames", &frames.to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(plan["config"]["dtype"], "f32", "{plan}");
+fn planned(dir: &Path, stage: &str, size: (usize, usize, usize)) -> (usize, usize) {
+    let plan = common::heap::plan(dir, size);
     let text_len = plan["config"]["max_sequence_length"].as_u64().unwrap() as usize;
-    let activations = plan["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["name"] == stage)
-        .unwrap()["memory"]["activation_bytes"]
-        .as_u64()
-        .unwrap();
-    (activations as usize, text_len)
+    (common::heap::stage_activations(&plan, stage), text_len)
 }
 
 /// Heap bytes one forward of `model` holds at most above what was held before it, on random
@@ -130,12 +67,11 @@ fn measured(
     let layout = t2va_layout(&g.layout_sizes(text_len), cfg.patch_size, &dev).unwrap();
     let (t, t_idx) = row_timesteps(&layout, 900.0, 700.0).unwrap();
     assert_eq!(video.dtype(), DType::F32);
-    let before = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    let before = common::heap::start();
     let out = model
         .forward(&video, &audio, &text, &t, &t_idx, &layout)
         .unwrap();
-    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let peak = common::heap::peak_above(before);
     drop(out);
     let rows = layout.position_ids.dim(0).unwrap();
     (peak, rows, cfg.rows_per_chunk())
@@ -242,12 +178,11 @@ fn one_forward_allocates_no_more_than_the_plan_predicts() {
         &Device::Cpu,
     )
     .unwrap();
-    let before = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    let before = common::heap::start();
     let kept = decoder
         .decode_into(&z, |piece| piece.contiguous().map(drop))
         .unwrap();
-    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let peak = common::heap::peak_above(before);
     eprintln!(
         "decode of {kept} frames: peak {peak} bytes above the latents, predicted {predicted}"
     );
@@ -272,12 +207,11 @@ fn one_forward_allocates_no_more_than_the_plan_predicts() {
         &Device::Cpu,
     )
     .unwrap();
-    let before = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    let before = common::heap::start();
     let waveform = audio_decoder
         .decode(&audio_decoder.denormalize(&z).unwrap())
         .unwrap();
-    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let peak = common::heap::peak_above(before);
     drop(waveform);
     eprintln!("audio decode: peak {peak} bytes above the latents, predicted {predicted}");
     assert!(

@@ -1,6 +1,8 @@
 //! Helpers shared by the tests: fixture paths, tolerance checks, the usage-error check.
 #![allow(dead_code)]
 
+pub mod heap;
+
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -1,0 +1,87 @@
+//! Counting heap allocations, for the tests that hold a real CPU forward or decode to the memory
+//! plan's estimate. A test binary opts in with
+//! `#[global_allocator] static ALLOCATOR: common::heap::Counting = common::heap::Counting;`
+//! and keeps one test in its file, so no other test's allocations mix in.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Bytes the process holds on the heap now and at most since the last [`start`].
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+pub struct Counting;
+
+// SAFETY: every call is forwarded to the system allocator; only counters are added.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+/// Starts a measurement: the bytes held now, which [`peak_above`] subtracts.
+pub fn start() -> usize {
+    let before = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    before
+}
+
+/// The most bytes held since [`start`] returned `before`, above them.
+pub fn peak_above(before: usize) -> usize {
+    PEAK.load(Ordering::Relaxed) - before
+}
+
+/// The dry run's JSON plan (on the CPU, in f32) for the model in `dir` at `height` x `width` x `frames`.
+pub fn plan(dir: &Path, (height, width, frames): (usize, usize, usize)) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--dry-run",
+            "--json",
+            "--device",
+            "cpu",
+            "--model",
+        ])
+        .arg(dir)
+        .args([
+            "--height",
+            &height.to_string(),
+            "--width",
+            &width.to_string(),
+        ])
+        .args(["--num-frames", &frames.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["config"]["dtype"], "f32", "{plan}");
+    plan
+}
+
+/// The planned activation bytes of `stage` in `plan`.
+pub fn stage_activations(plan: &serde_json::Value, stage: &str) -> usize {
+    plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == stage)
+        .unwrap()["memory"]["activation_bytes"]
+        .as_u64()
+        .unwrap() as usize
+}
