@@ -137,9 +137,7 @@ fn in_frame_runs(
                 x = x.dims()
             ))
         })?;
-    let mut out: Option<Tensor> = None;
-    for first in (0..frames_out).step_by(per_run) {
-        let n = per_run.min(frames_out - first);
+    crate::models::runs::in_runs(frames_out, per_run, 2, |first, n| {
         // Input frames [start, end) in padded coordinates, shifted to x's.
         let start = (first * stride[0]) as isize - padding[0] as isize;
         let end = start + reads(n) as isize;
@@ -155,18 +153,8 @@ fn in_frame_runs(
         if end > t as isize {
             parts.push(zeros((end - t as isize) as usize)?);
         }
-        let run = conv(&Tensor::cat(&parts, 2)?, [0, padding[1], padding[2]])?;
-        let out = match &mut out {
-            Some(out) => out,
-            None => {
-                let mut dims = run.dims().to_vec();
-                dims[2] = frames_out;
-                out.insert(Tensor::zeros(dims, run.dtype(), run.device())?)
-            }
-        };
-        out.slice_set(&run, 2, first)?;
-    }
-    out.ok_or_else(|| candle_core::Error::Msg("conv3d: no output frames".into()))
+        conv(&Tensor::cat(&parts, 2)?, [0, padding[1], padding[2]])
+    })
 }
 
 /// Runs `f`, a layer's whole-kernel path (its input padding, [`conv3d`] and the bias): an error

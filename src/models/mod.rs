@@ -13,6 +13,7 @@ pub(crate) mod dit_ops;
 pub mod hunyuan_video;
 pub mod ltx;
 pub mod minimax_h3;
+pub mod runs;
 pub mod sequence_parallel;
 pub mod source;
 pub mod t5;

@@ -429,19 +429,15 @@ impl GroupNorm {
         let c = dims[1];
         let per_group = c / self.groups;
         let run = self.groups.div_ceil(NORM_RUNS).max(1);
-        let out = Tensor::zeros(dims.as_slice(), x.dtype(), x.device())?;
-        for g0 in (0..self.groups).step_by(run) {
-            let n = run.min(self.groups - g0);
-            let (c0, cn) = (g0 * per_group, n * per_group);
-            let y = self.normalize(
+        // Runs of whole groups, counted in channels.
+        crate::models::runs::in_runs(c, run * per_group, 1, |c0, cn| {
+            self.normalize(
                 &x.narrow(1, c0, cn)?,
-                n,
+                cn / per_group,
                 &self.weight.narrow(0, c0, cn)?,
                 &self.bias.narrow(0, c0, cn)?,
-            )?;
-            out.slice_set(&y, 1, c0)?;
-        }
-        Ok(out)
+            )
+        })
     }
 
     /// candle's `GroupNorm::forward` on `groups` groups, one op per statement.

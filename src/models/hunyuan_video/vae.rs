@@ -26,6 +26,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::conv3d::{self, Kernel3d};
+use crate::models::runs::in_runs;
 
 /// Epsilon of every GroupNorm of the decoder (hard-coded in diffusers).
 const NORM_EPS: f64 = 1e-6;
@@ -288,33 +289,6 @@ fn frames_per_run(frames: usize, frame_elements: usize, run_elements: usize) -> 
     (run_elements / frame_elements.max(1)).clamp(1, frames.div_ceil(MIN_RUNS).max(1))
 }
 
-/// `f(first, n)` (a `[B, n, ...]` run of output frames `first..first + n`) for runs of at most
-/// `per_run` of `frames` frames, written into one `[B, frames, ...]` output (a single run is
-/// returned as it is).
-fn by_frame_runs(
-    frames: usize,
-    per_run: usize,
-    mut f: impl FnMut(usize, usize) -> Result<Tensor>,
-) -> Result<Tensor> {
-    if per_run >= frames {
-        return f(0, frames);
-    }
-    let mut out: Option<Tensor> = None;
-    for first in (0..frames).step_by(per_run.max(1)) {
-        let run = f(first, per_run.max(1).min(frames - first))?.contiguous()?;
-        let out = match &mut out {
-            Some(out) => out,
-            None => {
-                let mut dims = run.dims().to_vec();
-                dims[1] = frames;
-                out.insert(Tensor::zeros(dims, run.dtype(), run.device())?)
-            }
-        };
-        out.slice_set(&run, 1, first)?;
-    }
-    out.ok_or_else(|| candle_core::Error::Msg("no frames to compute".into()))
-}
-
 /// `nn.GroupNorm` over frames-major `[B, T, C, H, W]` (statistics over C/G channels, all
 /// frames and pixels), computed in f32 over runs of frames.
 #[derive(Debug, Clone)]
@@ -381,7 +355,7 @@ impl GroupNorm {
         let weight = self.weight.to_dtype(DType::F32)?.reshape(shape)?;
         let bias = self.bias.to_dtype(DType::F32)?.reshape(shape)?;
         // One statement per op, so each temporary goes as the next exists.
-        by_frame_runs(t, per_run, |f, n| {
+        in_runs(t, per_run, 1, |f, n| {
             let mut y = grouped(f, n)?.broadcast_sub(&mean)?;
             y = y.broadcast_div(&std)?.reshape((b, n, c, h, w))?;
             y = y.broadcast_mul(&weight)?;
@@ -498,7 +472,7 @@ impl CausalConv3d {
         let padded_frame = b * c * (h + 2 * ph) * (wd + 2 * pw);
         let per_run = frames_per_run(t_out, padded_frame * st, run_elements);
         let bias = self.bias.reshape((1, (), 1, 1))?;
-        let y = by_frame_runs(t_out, per_run, |first, n| {
+        let y = in_runs(t_out, per_run, 1, |first, n| {
             // Padded frames first * st .. (first + n - 1) * st + kt; those before frame 0
             // replicate it.
             let idx: Vec<u32> = (first * st..(first + n - 1) * st + kt)
@@ -534,7 +508,7 @@ impl CausalConv3d {
         let t_out = (t + pt - kt) / st + 1;
         let per_frame = b * ((hp - kh) / ss + 1) * ((wp - kw) / ss + 1) * c * kh * kw;
         let chunk = frames_per_run(t_out, per_frame, limit);
-        by_frame_runs(t_out, chunk, |t0, len| {
+        in_runs(t_out, chunk, 1, |t0, len| {
             let mut acc: Option<Tensor> = None;
             for (i, tap) in taps.iter().enumerate() {
                 // Output frame j reads padded frame j * st + i, i.e. input frame

@@ -178,7 +178,7 @@ impl Conv1d {
     /// input, so the im2col scratch (input channels x kernel taps per output sample) stays
     /// within about the input's size rather than `kernel` times it.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, _, l) = x.dims3()?;
+        let l = x.dim(2)?;
         let (k, d, p) = (self.weight.dim(2)?, self.dilation, self.padding);
         let span = (k - 1) * d + 1;
         if l + 2 * p < span {
@@ -192,13 +192,10 @@ impl Conv1d {
             x.conv1d(&self.weight, p, 1, d, 1)?
         } else {
             let padded = x.pad_with_zeros(2, p, p)?;
-            let out = Tensor::zeros((b, self.weight.dim(0)?, out_len), x.dtype(), x.device())?;
-            for first in (0..out_len).step_by(per_run) {
-                let n = per_run.min(out_len - first);
+            crate::models::runs::in_runs(out_len, per_run, 2, |first, n| {
                 let window = padded.narrow(2, first, n + span - 1)?.contiguous()?;
-                out.slice_set(&window.conv1d(&self.weight, 0, 1, d, 1)?, 2, first)?;
-            }
-            out
+                window.conv1d(&self.weight, 0, 1, d, 1)
+            })?
         };
         match &self.bias {
             Some(b) => y.broadcast_add(&b.reshape((1, (), 1))?),
@@ -255,17 +252,13 @@ impl AliasFreeSnakeBeta {
     /// small share of the input's size.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = x.dim(1)?;
-        let per_run = c.div_ceil(ACTIVATION_RUNS).max(1);
+        let per_run = c.div_ceil(ACTIVATION_RUNS);
         if per_run >= c {
             return self.forward_channels(x, 0);
         }
-        let out = Tensor::zeros(x.dims(), x.dtype(), x.device())?;
-        for first in (0..c).step_by(per_run) {
-            let n = per_run.min(c - first);
-            let y = self.forward_channels(&x.narrow(1, first, n)?.contiguous()?, first)?;
-            out.slice_set(&y, 1, first)?;
-        }
-        Ok(out)
+        crate::models::runs::in_runs(c, per_run, 1, |first, n| {
+            self.forward_channels(&x.narrow(1, first, n)?.contiguous()?, first)
+        })
     }
 
     /// The activation of `x`'s channels, which start at channel `first` of the layer's.
