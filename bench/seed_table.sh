@@ -34,7 +34,8 @@ MODES=("none: --dit-layerwise-offload=false --dit-cpu-offload=false"
 # (vidgen's default flags are block_level_N1_stream's: layerwise streaming, one block per group.)
 # EXTRA_MODE='label: flags' adds one vidgen-only row (e.g. leaf level with --prefetch-depth 2).
 # PEER_MODES=none,block_level_N1_stream,... runs only those diffusers rows (its slow rows without a copy
-# stream can then go in a call of their own); PEER_BUDGET_S bounds the peer's time.
+# stream can then go in a call of their own); PEER_BUDGET_S bounds the peer's time; FORWARDS sets vidgen's
+# timed forwards per mode (default 2).
 [ -n "${EXTRA_MODE:-}" ] && MODES+=("$EXTRA_MODE")
 for F in "$@"; do
   case $F in
@@ -47,7 +48,7 @@ for F in "$@"; do
   if [ "$F" = hunyuan-720p ]; then
     /usr/bin/time -v $B $M 1 $S "default: " > "$OUT/$F-vidgen.jsonl" 2> "$OUT/$F-vidgen.log"
   else
-    /usr/bin/time -v $B $M 2 $S "${MODES[@]}" > "$OUT/$F-vidgen.jsonl" 2> "$OUT/$F-vidgen.log"
+    /usr/bin/time -v $B $M ${FORWARDS:-2} $S "${MODES[@]}" > "$OUT/$F-vidgen.jsonl" 2> "$OUT/$F-vidgen.log"
   fi
   echo "== vidgen $F: exit $?"; grep -E "wrote|Maximum resident|Elapsed|rror" "$OUT/$F-vidgen.log"
   rm -rf /dev/shm/vidgen-bench
