@@ -1,0 +1,112 @@
+//! Where MiniMax H3's per-block time goes, beside `bench/peer_minimax_blocks.py` (diffusers' block
+//! at the same sizes): the published transformer config with 2 and 6 blocks, seeded synthetic
+//! weights, bf16, the packed sequence of a 5 s 768x1344 request (512 text rows); the per-block
+//! time is the difference of the two forwards over 4, as the peer computes it. Each forward runs
+//! with the blocks' default row chunks and with the whole sequence as one chunk; then attention
+//! alone (cuDNN where present) over the whole sequence against the same in query chunks.
+//!
+//! `cargo build --release --no-default-features --features cuda --example minimax_blocks`
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use vidgen::models::attention::sdpa;
+use vidgen::models::minimax_h3::layout::{row_timesteps, t2va_layout, LayoutSizes};
+use vidgen::models::minimax_h3::transformer::{
+    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
+};
+use vidgen::weights::{WeightSet, Weights};
+
+/// 5 s at 768x1344: 37 latent frames of 48x84, 207 audio latents per channel.
+const SIZES: LayoutSizes = LayoutSizes {
+    num_text_tokens: 512,
+    num_latent_frames: 37,
+    latent_height: 48,
+    latent_width: 84,
+    num_audio_latents: 207,
+    audio_channels: 2,
+};
+
+/// Median seconds of `reps` calls after one warm-up call.
+fn time(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[reps / 2])
+}
+
+fn main() -> Result<()> {
+    let dev = Device::new_cuda(0)?;
+    let base = MiniMaxH3TransformerConfig::default();
+    let layout = t2va_layout(&SIZES, base.patch_size, &dev)?;
+    let (timestep, timestep_indices) = row_timesteps(&layout, 0.7, 0.4)?;
+    let video_rows = SIZES.num_latent_frames * SIZES.latent_height * SIZES.latent_width
+        / (base.patch_size[1] * base.patch_size[2]);
+    let randn = |rows: usize, width: usize| {
+        Tensor::randn(0f32, 1., (1, rows, width), &dev)?.to_dtype(DType::BF16)
+    };
+    let video = randn(video_rows, base.video_patch_dim())?;
+    let audio = randn(2 * SIZES.num_audio_latents, base.audio_in_channels)?;
+    let text = randn(SIZES.num_text_tokens, base.text_dim)?;
+    let mut forwards = Vec::new();
+    for blocks in [2usize, 6] {
+        let cfg = MiniMaxH3TransformerConfig {
+            num_layers: blocks,
+            ..base.clone()
+        };
+        let vb = WeightSet::open(&Weights::Synthetic { seed: 1 })?.var_builder(DType::BF16, &dev);
+        let model = MiniMaxH3Transformer3DModel::new(&cfg, vb)?;
+        let mut row = Vec::new();
+        for whole in [false, true] {
+            let s = time(&dev, 3, || {
+                let mut inputs =
+                    model.prepare(&video, &audio, &text, &timestep, &timestep_indices, &layout)?;
+                if whole {
+                    inputs.rows_per_chunk = usize::MAX;
+                }
+                let mut x = inputs.take_hidden_states()?;
+                for block in model.blocks() {
+                    x = block.forward(&x, &inputs)?;
+                }
+                model.finish(&x, &inputs)?;
+                Ok(())
+            })?;
+            println!(
+                "{blocks} blocks, {}: {s:.4} s/forward",
+                if whole { "one chunk" } else { "default chunks" }
+            );
+            row.push(s);
+        }
+        forwards.push(row);
+    }
+    for (i, what) in ["default chunks", "one chunk"].iter().enumerate() {
+        println!(
+            "per block, {what}: {:.4} s",
+            (forwards[1][i] - forwards[0][i]) / 4.0
+        );
+    }
+    let seq = layout.token_tags.dim(0)?;
+    let (heads, d) = (base.num_attention_heads, base.attention_head_dim);
+    let qkv = || Tensor::randn(0f32, 1., (1, heads, seq, d), &dev)?.to_dtype(DType::BF16);
+    let (q, k, v) = (qkv()?, qkv()?, qkv()?);
+    let scale = 1.0 / (d as f64).sqrt();
+    let whole = time(&dev, 5, || Ok(sdpa(&q, &k, &v, scale).map(drop)?))?;
+    let rows = base.rows_per_chunk();
+    let chunked = time(&dev, 5, || {
+        for start in (0..seq).step_by(rows) {
+            let q = q.narrow(2, start, rows.min(seq - start))?.contiguous()?;
+            sdpa(&q, &k, &v, scale)?;
+        }
+        Ok(())
+    })?;
+    println!("attention over {seq} rows, {heads} heads: whole {whole:.4} s, in chunks of {rows} rows {chunked:.4} s");
+    Ok(())
+}
