@@ -3,7 +3,8 @@
 //! weights, bf16, the packed sequence of a 5 s 768x1344 request (512 text rows); the per-block
 //! time is the difference of the two forwards over 4, as the peer computes it. Each forward runs
 //! with the blocks' default row chunks and with the whole sequence as one chunk; then attention
-//! alone (cuDNN where present) over the whole sequence against the same in query chunks.
+//! alone (cuDNN where present) over the whole sequence against the same in the blocks' query
+//! chunks.
 //!
 //! `cargo build --release --no-default-features --features cuda --example minimax_blocks`
 
@@ -71,6 +72,7 @@ fn main() -> Result<()> {
                     model.prepare(&video, &audio, &text, &timestep, &timestep_indices, &layout)?;
                 if whole {
                     inputs.rows_per_chunk = usize::MAX;
+                    inputs.query_rows_per_chunk = usize::MAX;
                 }
                 let mut x = inputs.take_hidden_states()?;
                 for block in model.blocks() {
@@ -99,7 +101,7 @@ fn main() -> Result<()> {
     let (q, k, v) = (qkv()?, qkv()?, qkv()?);
     let scale = 1.0 / (d as f64).sqrt();
     let whole = time(&dev, 5, || Ok(sdpa(&q, &k, &v, scale).map(drop)?))?;
-    let rows = base.rows_per_chunk();
+    let rows = base.query_rows_per_chunk();
     let chunked = time(&dev, 5, || {
         for start in (0..seq).step_by(rows) {
             let q = q.narrow(2, start, rows.min(seq - start))?.contiguous()?;

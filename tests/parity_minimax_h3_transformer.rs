@@ -194,6 +194,7 @@ fn chunked_rows_give_the_same_forward() {
         let mut x = inputs.take_hidden_states().unwrap();
         if let Some(rows) = rows {
             inputs.rows_per_chunk = rows;
+            inputs.query_rows_per_chunk = 2 * rows + 1;
         }
         let blocks: Vec<Tensor> = model
             .blocks()

@@ -236,8 +236,9 @@ const LATENT_COPIES: u64 = 4;
 
 /// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
 /// them text), as [`MiniMaxH3TransformerBlock::forward`] computes it: the residual stream
-/// (updated in place), K and V of every row, and one chunk of
-/// [`MiniMaxH3TransformerConfig::rows_per_chunk`] rows' attention or feed-forward temporaries;
+/// (updated in place), K and V of every row, and one chunk's attention temporaries
+/// ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`] rows) or feed-forward temporaries
+/// ([`MiniMaxH3TransformerConfig::rows_per_chunk`] rows);
 /// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
 /// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
 /// Plus the RoPE tables, the latents and the prompt embeddings.
@@ -250,6 +251,7 @@ fn transformer_activations(
     let e = dtype.size_in_bytes() as u64;
     let s = rows as u64;
     let chunk = s.min(cfg.rows_per_chunk() as u64);
+    let query_chunk = s.min(cfg.query_rows_per_chunk() as u64);
     let (hidden, inner, ffn) = (
         cfg.hidden_size as u64,
         cfg.inner_dim() as u64,
@@ -259,12 +261,12 @@ fn transformer_activations(
     let scores = unfused_attention_scratch(
         cfg.num_attention_heads,
         cfg.attention_head_dim,
-        chunk,
+        query_chunk,
         s,
         dtype,
     );
-    let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
-    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
+    let chunk_hidden = CHUNK_HIDDEN_COPIES * query_chunk * hidden * e;
+    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * query_chunk * inner * e;
     let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
     let blocks = stream + chunk_hidden + attention.max(feed_forward);
     let prepare = 2 * stream + chunk * hidden * F32_BYTES;
@@ -828,19 +830,26 @@ impl MiniMaxH3 {
         let dtype = self.spec.components[VAE].dtype(self.config.dtype());
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_device(&self.device)?.to_dtype(dtype)?)?;
-        // Each cross-faded stretch of frames leaves the device as it is finished: the whole
-        // video never waits there.
-        let mut pieces = Vec::new();
+        // Each cross-faded stretch of frames leaves the device as it is finished (the whole
+        // video never waits there) and is appended to the frames in host memory as [0, 1] f32
+        // frames `[n, H, W, 3]`: host memory holds the video once, plus one stretch.
+        let mut values: Vec<f32> = Vec::new();
+        let mut frame_shape = None;
         let frames = vae.decode_into(&z, |piece| {
-            pieces.push(piece.contiguous()?.to_device(&Device::Cpu)?);
+            let piece = piece.contiguous()?.to_device(&Device::Cpu)?;
+            let piece = decoded_to_unit_range(&piece)?
+                .squeeze(0)?
+                .permute((1, 2, 3, 0))?
+                .contiguous()?;
+            let (_, h, w, c) = piece.dims4()?;
+            frame_shape = Some((h, w, c));
+            values.extend_from_slice(&piece.flatten_all()?.to_vec1::<f32>()?);
             Ok(())
         })?;
-        let decoded = Tensor::cat(&pieces, 2)?.narrow(2, 0, frames)?;
-        drop(pieces);
+        let (h, w, c) = frame_shape.context("the VAE decoded no frames")?;
+        let decoded = values.len() / (h * w * c);
         job.frames = Some(
-            decoded_to_unit_range(&decoded)?
-                .squeeze(0)?
-                .permute((1, 2, 3, 0))?,
+            Tensor::from_vec(values, (decoded, h, w, c), &Device::Cpu)?.narrow(0, 0, frames)?,
         );
         Ok(())
     }

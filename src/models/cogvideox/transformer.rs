@@ -316,6 +316,7 @@ impl LayerNormZero {
             shift: 0,
             scale: dim,
             text: Some((text_len, 3 * dim, 4 * dim)),
+            rows: None,
         };
         dit_ops::layer_norm_modulate(
             x,
@@ -572,6 +573,7 @@ impl CogVideoXBlock {
                 stride: 6 * dim,
                 offset: 2 * dim,
                 text: Some((text_len, 5 * dim)),
+                rows: None,
             }
         }
         let mut x = x.reshape((b * seq, dim))?;

@@ -588,6 +588,7 @@ fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
             shift: 0,
             scale: dim,
             text: None,
+            rows: None,
         };
         return dit_ops::layer_norm_modulate(
             &x.reshape((b * s, dim))?,
@@ -613,6 +614,7 @@ fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
             stride: dim,
             offset: 0,
             text: None,
+            rows: None,
         };
         return dit_ops::residual_into_delta(
             &x.reshape((b * s, dim))?,

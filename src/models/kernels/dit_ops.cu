@@ -9,7 +9,9 @@
 // whole [batch * seq, dim] tensor (chunks start later) and `seq` the tokens per batch entry, so a
 // row's batch entry is (row0 + row) / seq and its position (row0 + row) % seq. Modulation
 // vectors are bf16 rows `mod_stride` elements apart per batch entry; a joint sequence (text
-// first) takes the `_text` rows at positions below `split` (0: no text part).
+// first) takes the `_text` rows at positions below `split` (0: no text part). With a `rows`
+// table (u32 per row of the whole tensor, not null), row r takes table row `rows[r]` instead of
+// its batch entry's (a packed sequence whose rows carry their own timesteps: MiniMax H3).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -59,15 +61,23 @@ __device__ __forceinline__ bf16 gelu_erf_bf16(bf16 x) {
   return __float2bfloat16_rn(v * normcdff(v));
 }
 
+// Element offset of column c of the modulation row of whole-tensor row r (its batch entry's, or
+// `rows[r]`'s), and whether it takes the text rows.
+__device__ __forceinline__ long mod_at(long r, int c, long seq, long split, long mod_stride,
+                                       const unsigned *rows, bool *text) {
+  *text = rows == nullptr && r % seq < split;
+  return (rows == nullptr ? r / seq : (long)rows[r]) * mod_stride + c;
+}
+
 // bf16(bf16(n * bf16(1 + scale)) + shift) of the normalised, rounded value n at column c,
-// with the text or video rows of the row's batch entry; n when `shift` is null.
+// with the text or video rows of the row's batch entry (or table row); n when `shift` is null.
 __device__ __forceinline__ float modulate(float n, int c, long row0, long row, long seq,
                                           long split, long mod_stride, const bf16 *shift,
                                           const bf16 *scale, const bf16 *shift_text,
-                                          const bf16 *scale_text) {
+                                          const bf16 *scale_text, const unsigned *rows) {
   if (shift == nullptr) return n;
-  const long at = (row0 + row) / seq * mod_stride + c;
-  const bool text = (row0 + row) % seq < split;
+  bool text;
+  const long at = mod_at(row0 + row, c, seq, split, mod_stride, rows, &text);
   const float s1 = round_bf16(__bfloat162float((text ? scale_text : scale)[at]) + 1.f);
   return __fadd_rn(round_bf16(__fmul_rn(n, s1)), __bfloat162float((text ? shift_text : shift)[at]));
 }
@@ -81,7 +91,8 @@ extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__
                                             const bf16 *__restrict__ w,
                                             const bf16 *shift, const bf16 *scale,
                                             const bf16 *shift_text, const bf16 *scale_text,
-                                            int dim, long row0, long seq, long split,
+                                            const unsigned *rows, int dim, long row0, long seq,
+                                            long split,
                                             long mod_stride, float inv_dim, float eps) {
   __shared__ float scratch[THREADS / 32];
   const long row = blockIdx.x;
@@ -109,7 +120,7 @@ extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__
       for (int k = 0; k < 2; ++k) {
         if (w != nullptr) y[k] = __fmul_rn(y[k], __bfloat162float(w[c + k]));
         y[k] = modulate(round_bf16(y[k]), c + k, row0, row, seq, split, mod_stride, shift, scale,
-                        shift_text, scale_text);
+                        shift_text, scale_text, rows);
       }
       outr[p] = __floats2bfloat162_rn(y[0], y[1]);
     }
@@ -123,8 +134,8 @@ extern "C" __global__ void dit_rms_mod_bf16(const bf16 *__restrict__ x, bf16 *__
 extern "C" __global__ void dit_layer_norm_mod_bf16(
     const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,
     const bf16 *__restrict__ b, const bf16 *shift, const bf16 *scale, const bf16 *shift_text,
-    const bf16 *scale_text, int dim, long row0, long seq, long split, long mod_stride,
-    int two_pass, float inv_dim, float eps) {
+    const bf16 *scale_text, const unsigned *rows, int dim, long row0, long seq, long split,
+    long mod_stride, int two_pass, float inv_dim, float eps) {
   __shared__ float scratch[THREADS / 32];
   const long row = blockIdx.x;
   const bf162 *xr = reinterpret_cast<const bf162 *>(x + row * dim);
@@ -175,7 +186,7 @@ extern "C" __global__ void dit_layer_norm_mod_bf16(
         if (w != nullptr) y[k] = y[k] * __bfloat162float(w[c + k]) + __bfloat162float(b[c + k]);
         y[k] = round_bf16(y[k]);
         y[k] = modulate(y[k], c + k, row0, row, seq, split, mod_stride, shift, scale, shift_text,
-                        scale_text);
+                        scale_text, rows);
       }
       outr[p] = __floats2bfloat162_rn(y[0], y[1]);
     }
@@ -187,7 +198,9 @@ extern "C" __global__ void dit_layer_norm_mod_bf16(
 // ([head_dim]) or, with `rms`, its fused `rms_norm` with w (rsqrtf(mean + eps) * x * w),
 // rounded; then at positions in [rope_start, rope_end), when `cos` is not null, the
 // interleaved-pair RoPE (cos/sin [rope_end - rope_start, head_dim / 2] f32, math in f32 as
-// `rope_i`), rounded. head_dim <= 2 * 32 * MAX_HEAD_PAIRS.
+// `rope_i`), rounded; or, with `rotary` > 0, the rotate-half RoPE of candle's `rope` on the
+// leading `rotary` channels of each head (cos/sin [.., rotary / 2]; the rest pass through).
+// head_dim <= 2 * 32 * MAX_HEAD_PAIRS.
 extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restrict__ bias,
                                                    const bf16 *__restrict__ w,
                                                    const bf16 *__restrict__ b,
@@ -195,8 +208,12 @@ extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restri
                                                    const float *__restrict__ sin, long units,
                                                    int dim, int head_dim, long row0, long seq,
                                                    int rms, long rope_start, long rope_end,
-                                                   float eps) {
+                                                   int rotary, float eps) {
   constexpr int MAX_HEAD_PAIRS = 4;
+  constexpr int WARPS = THREADS / 32;
+  // Rotate-half pairs channel e with e ± rotary / 2, held by another lane: the normalised head
+  // goes through shared memory.
+  __shared__ float normed[WARPS][2 * 32 * MAX_HEAD_PAIRS];
   const long unit = blockIdx.x * (long)(blockDim.x / 32) + threadIdx.x / 32;
   if (unit >= units) return; // whole warps leave together
   const int lane = threadIdx.x % 32;
@@ -246,7 +263,7 @@ extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restri
         y1 = round_bf16((v[i].y - mean) * inv_std * __bfloat162float(w[c + 1]) +
                         __bfloat162float(b[c + 1]));
       }
-      if (rotate) {
+      if (rotate && rotary == 0) {
         const long j = (pos - rope_start) * half + p;
         const float cj = cos[j], sj = sin[j];
         const float r0 = y0 * cj - y1 * sj;
@@ -254,7 +271,34 @@ extern "C" __global__ void dit_head_norm_rope_bf16(bf16 *x, const bf16 *__restri
         y0 = r0;
         y1 = r1;
       }
-      xr[p] = __floats2bfloat162_rn(y0, y1);
+      if (rotary > 0) {
+        normed[threadIdx.x / 32][c] = y0;
+        normed[threadIdx.x / 32][c + 1] = y1;
+      } else {
+        xr[p] = __floats2bfloat162_rn(y0, y1);
+      }
+    }
+  }
+  if (rotary == 0) return;
+  __syncwarp();
+  const float *y = normed[threadIdx.x / 32];
+  const int rhalf = rotary / 2;
+#pragma unroll
+  for (int i = 0; i < MAX_HEAD_PAIRS; ++i) {
+    const int p = lane + 32 * i;
+    if (p < pairs) {
+      float r[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int e = 2 * p + k;
+        r[k] = y[e];
+        if (rotate && e < rotary) {
+          const long j = (pos - rope_start) * rhalf + e % rhalf;
+          r[k] = e < rhalf ? y[e] * cos[j] - y[e + rhalf] * sin[j]
+                           : y[e - rhalf] * sin[j] + y[e] * cos[j];
+        }
+      }
+      xr[p] = __floats2bfloat162_rn(r[0], r[1]);
     }
   }
 }
@@ -311,14 +355,14 @@ extern "C" __global__ void dit_rms_rope_bf16(bf16 *x, const bf16 *__restrict__ b
 
 // out = bf16(res + bf16(bf16(delta [+ bias]) [* gate[batch]])) element-wise over n elements of
 // rows of `dim`: candle's bf16 `res + (linear_out).broadcast_mul(gate)`. `bias` and `gate`
-// (bf16 rows `gate_stride` apart per batch entry; `gate_text` below position `split`) may be
-// null. `out` may be `res` or `delta`
+// (bf16 rows `gate_stride` apart per batch entry, or per table row with `rows`; `gate_text`
+// below position `split`) may be null. `out` may be `res` or `delta`
 // (each element is read before it is written).
 extern "C" __global__ void dit_residual_bf16(const bf16 *res, const bf16 *delta,
                                              const bf16 *__restrict__ bias,
-                                             const bf16 *gate, const bf16 *gate_text, bf16 *out,
-                                             long n, int dim, long row0, long seq, long split,
-                                             long gate_stride) {
+                                             const bf16 *gate, const bf16 *gate_text,
+                                             const unsigned *rows, bf16 *out, long n, int dim,
+                                             long row0, long seq, long split, long gate_stride) {
   const long pairs = n / 2;
   for (long p = blockIdx.x * (long)blockDim.x + threadIdx.x; p < pairs;
        p += (long)gridDim.x * blockDim.x) {
@@ -331,10 +375,11 @@ extern "C" __global__ void dit_residual_bf16(const bf16 *res, const bf16 *delta,
       d.y = round_bf16(d.y + __bfloat162float(bias[c + 1]));
     }
     if (gate != nullptr) {
-      const long r = row0 + i / dim;
-      const bf16 *g = (r % seq < split ? gate_text : gate) + (r / seq) * gate_stride;
-      d.x = round_bf16(__fmul_rn(d.x, __bfloat162float(g[c])));
-      d.y = round_bf16(__fmul_rn(d.y, __bfloat162float(g[c + 1])));
+      bool text;
+      const long at = mod_at(row0 + i / dim, c, seq, split, gate_stride, rows, &text);
+      const bf16 *g = text ? gate_text : gate;
+      d.x = round_bf16(__fmul_rn(d.x, __bfloat162float(g[at])));
+      d.y = round_bf16(__fmul_rn(d.y, __bfloat162float(g[at + 1])));
     }
     reinterpret_cast<bf162 *>(out)[p] =
         __floats2bfloat162_rn(__fadd_rn(r.x, d.x), __fadd_rn(r.y, d.y));
@@ -358,5 +403,24 @@ extern "C" __global__ void dit_bias_act_bf16(bf16 *x, const bf16 *__restrict__ b
       else if (act == 2) v[k] = gelu_erf_bf16(v[k]);
     }
     reinterpret_cast<bf162 *>(x)[p] = __halves2bfloat162(v[0], v[1]);
+  }
+}
+
+// out [rows, inner] = bf16(value * bf16(silu(gate))) of h [rows, 2 * inner] = [value | gate]
+// (diffusers' SwiGLU feed-forward, value first): SiLU in f32 and rounded once, as torch's bf16
+// `silu` computes it, then the rounded product.
+extern "C" __global__ void dit_swiglu_bf16(const bf16 *__restrict__ h, bf16 *__restrict__ out,
+                                           long n, int inner) {
+  const long pairs = n / 2;
+  for (long p = blockIdx.x * (long)blockDim.x + threadIdx.x; p < pairs;
+       p += (long)gridDim.x * blockDim.x) {
+    const long i = 2 * p, row = i / inner;
+    const int c = (int)(i % inner);
+    const bf162 *hr = reinterpret_cast<const bf162 *>(h + row * 2 * inner);
+    const float2 v = __bfloat1622float2(hr[c / 2]);
+    const float2 g = __bfloat1622float2(hr[(inner + c) / 2]);
+    const float s0 = round_bf16(g.x / (1.f + expf(-g.x)));
+    const float s1 = round_bf16(g.y / (1.f + expf(-g.y)));
+    reinterpret_cast<bf162 *>(out)[p] = __floats2bfloat162_rn(v.x * s0, v.y * s1);
   }
 }

@@ -38,7 +38,7 @@ pub(crate) fn rows_supported(x: &Tensor) -> bool {
 pub(crate) enum Arg<'a> {
     /// The tensor written in place.
     Dst,
-    /// A read-only tensor (bf16 or f32, contiguous); `None` passes a null pointer.
+    /// A read-only tensor (bf16, f32 or u32, contiguous); `None` passes a null pointer.
     Tensor(Option<&'a Tensor>),
     /// The address `offset` elements into a read-only contiguous tensor.
     At(&'a Tensor, usize),
@@ -79,7 +79,8 @@ fn address(
     let (base, size) = match &s.slice {
         CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
         CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
-        _ => candle_core::bail!("dit kernels: operands are bf16 or f32"),
+        CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
+        _ => candle_core::bail!("dit kernels: operands are bf16, f32 or u32"),
     };
     Ok(base + ((layout.start_offset() + offset) * size) as u64)
 }
@@ -208,7 +209,9 @@ pub(crate) fn item_launch<'a>(
 
 /// Per-batch bf16 modulation rows inside one contiguous `table`: entry `b`'s `shift` row starts
 /// at element `b * stride + shift`, its `scale` row at `b * stride + scale`. For a joint
-/// sequence, `text` = (split, shift, scale): positions below `split` take those rows.
+/// sequence, `text` = (split, shift, scale): positions below `split` take those rows. With
+/// `rows` (u32, one per row of the whole `[batch * seq, dim]` tensor), row `r` takes entry
+/// `rows[r]` of the table instead of its batch entry's (`text` is then not used).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Modulation<'a> {
     pub table: &'a Tensor,
@@ -216,31 +219,36 @@ pub(crate) struct Modulation<'a> {
     pub shift: usize,
     pub scale: usize,
     pub text: Option<(usize, usize, usize)>,
+    pub rows: Option<&'a Tensor>,
 }
 
 impl<'a> Modulation<'a> {
-    /// The kernels' `shift, scale, shift_text, scale_text` arguments, then `split`.
+    /// The kernels' `shift, scale, shift_text, scale_text, rows` arguments, then `split` and
+    /// the stride.
     fn args(m: Option<Self>) -> (Vec<Arg<'a>>, usize, usize) {
         let Some(m) = m else {
-            return ((0..4).map(|_| Arg::Tensor(None)).collect(), 0, 0);
+            return ((0..5).map(|_| Arg::Tensor(None)).collect(), 0, 0);
         };
         let (split, shift_text, scale_text) = m.text.unwrap_or((0, m.shift, m.scale));
-        let args = [m.shift, m.scale, shift_text, scale_text]
+        let mut args: Vec<Arg> = [m.shift, m.scale, shift_text, scale_text]
             .into_iter()
             .map(|offset| Arg::At(m.table, offset))
             .collect();
+        args.push(Arg::Tensor(m.rows));
         (args, split, m.stride)
     }
 }
 
 /// One per-batch bf16 row inside a contiguous `table` (entry `b` at `b * stride + offset`);
-/// for a joint sequence, `text` = (split, offset): positions below `split` take that row.
+/// for a joint sequence, `text` = (split, offset): positions below `split` take that row. With
+/// `rows`, row `r` of the whole tensor takes entry `rows[r]` (as in [`Modulation`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BatchRow<'a> {
     pub table: &'a Tensor,
     pub stride: usize,
     pub offset: usize,
     pub text: Option<(usize, usize)>,
+    pub rows: Option<&'a Tensor>,
 }
 
 /// `f32(1 / dim)`: the factor candle's `mean_keepdim` multiplies a sum by.
@@ -347,6 +355,53 @@ pub(crate) fn head_norm_rope(
         Some((cos, _)) => rope_start + cos.dim(0)?,
         None => 0,
     };
+    let norm = HeadNorm { w, b, head_dim, eps };
+    launch_head_norm_rope(x, bias, norm, rope, (rope_start, rope_end, 0), at)
+}
+
+/// In place on `x` `[rows, heads * head_dim]`: per head candle's fused `rms_norm` with `w`, then
+/// candle's rotate-half `rope` on the leading `rotary` channels of each head (cos, sin
+/// `[seq, rotary / 2]` f32, a row at each position of the sequence), the rest passing through.
+pub(crate) fn head_rms_rope_half(
+    x: Tensor,
+    w: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    head_dim: usize,
+    rotary: usize,
+    at: Rows,
+    eps: f64,
+) -> Result<Tensor> {
+    if rotary == 0 || !rotary.is_multiple_of(2) || rotary > head_dim || cos.dim(1)? != rotary / 2
+    {
+        candle_core::bail!("head_rms_rope_half: {rotary} rotary channels of {head_dim}")
+    }
+    let norm = HeadNorm {
+        w,
+        b: None,
+        head_dim,
+        eps,
+    };
+    launch_head_norm_rope(x, None, norm, Some((cos, sin)), (0, cos.dim(0)?, rotary), at)
+}
+
+/// The per-head norm of [`head_norm_rope`]: `w`, `b` `[head_dim]` (no `b`: RMSNorm).
+struct HeadNorm<'a> {
+    w: &'a Tensor,
+    b: Option<&'a Tensor>,
+    head_dim: usize,
+    eps: f64,
+}
+
+/// `dit_head_norm_rope_bf16` on `x` with RoPE at positions `start..end`, interleaved
+/// (`rotary` 0) or rotate-half on `rotary` channels.
+fn launch_head_norm_rope(
+    x: Tensor,
+    bias: Option<&Tensor>,
+    HeadNorm { w, b, head_dim, eps }: HeadNorm,
+    rope: Option<(&Tensor, &Tensor)>,
+    (rope_start, rope_end, rotary): (usize, usize, usize),
+    at: Rows,
+) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
     if head_dim == 0
         || head_dim > MAX_HEAD_DIM
@@ -377,6 +432,7 @@ pub(crate) fn head_norm_rope(
             Arg::Int(b.is_none().into()),
             Arg::Long(rope_start as i64),
             Arg::Long(rope_end as i64),
+            Arg::Int(rotary as i32),
             Arg::Float(eps as f32),
         ],
     })?;
@@ -429,38 +485,52 @@ pub(crate) fn residual_into_delta(
     if res.dims2()? != (rows, dim) {
         candle_core::bail!("residual: {:?} and {:?} differ", res.shape(), delta.shape())
     }
-    let (gate, gate_text, split, stride) = match gate {
+    let mut args = vec![Arg::Tensor(Some(res)), Arg::Dst, Arg::Tensor(bias)];
+    args.extend(gate_args(gate, at, (rows, dim)));
+    delta.inplace_op1(&element_launch(&DIT, "dit_residual_bf16", rows * dim, args))?;
+    Ok(delta)
+}
+
+/// `x + delta * gate` in bf16 steps, written into `x` (rows `at.row0..` of the residual stream,
+/// a contiguous view of it): the gated residual update with no copy of the stream.
+pub(crate) fn residual_in_place(x: &Tensor, delta: &Tensor, gate: BatchRow, at: Rows) -> Result<()> {
+    let (rows, dim) = x.dims2()?;
+    if delta.dims2()? != (rows, dim) {
+        candle_core::bail!("residual: {:?} and {:?} differ", x.shape(), delta.shape())
+    }
+    let mut args = vec![Arg::Dst, Arg::Tensor(Some(delta)), Arg::Tensor(None)];
+    args.extend(gate_args(Some(gate), at, (rows, dim)));
+    x.inplace_op1(&element_launch(&DIT, "dit_residual_bf16", rows * dim, args))
+}
+
+/// `dit_residual_bf16`'s arguments from `gate` on: gate, gate_text, rows, out (the destination),
+/// then the sizes of the `[rows, dim]` slab at `at`.
+fn gate_args<'a>(gate: Option<BatchRow<'a>>, at: Rows, (rows, dim): (usize, usize)) -> Vec<Arg<'a>> {
+    let (gate, gate_text, row_table, split, stride) = match gate {
         Some(g) => {
             let (split, text) = g.text.unwrap_or((0, g.offset));
             (
                 Arg::At(g.table, g.offset),
                 Arg::At(g.table, text),
+                Arg::Tensor(g.rows),
                 split,
                 g.stride,
             )
         }
-        None => (Arg::Tensor(None), Arg::Tensor(None), 0, 0),
+        None => (Arg::Tensor(None), Arg::Tensor(None), Arg::Tensor(None), 0, 0),
     };
-    delta.inplace_op1(&element_launch(
-        &DIT,
-        "dit_residual_bf16",
-        rows * dim,
-        vec![
-            Arg::Tensor(Some(res)),
-            Arg::Dst,
-            Arg::Tensor(bias),
-            gate,
-            gate_text,
-            Arg::Dst,
-            Arg::Long((rows * dim) as i64),
-            Arg::Int(dim as i32),
-            Arg::Long(at.row0 as i64),
-            Arg::Long(at.seq as i64),
-            Arg::Long(split as i64),
-            Arg::Long(stride as i64),
-        ],
-    ))?;
-    Ok(delta)
+    vec![
+        gate,
+        gate_text,
+        row_table,
+        Arg::Dst,
+        Arg::Long((rows * dim) as i64),
+        Arg::Int(dim as i32),
+        Arg::Long(at.row0 as i64),
+        Arg::Long(at.seq as i64),
+        Arg::Long(split as i64),
+        Arg::Long(stride as i64),
+    ]
 }
 
 /// The activation after a bias in [`bias_act`], as candle computes it on bf16.
@@ -487,6 +557,30 @@ pub(crate) fn bias_act(x: Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
         ],
     ))?;
     Ok(x)
+}
+
+/// `value * silu(gate)` of `h` `[rows, 2 * inner]` = `[value | gate]`: SiLU in f32 rounded once
+/// (as torch's bf16 `silu`), then the rounded product; `[rows, inner]`.
+pub(crate) fn swiglu(h: &Tensor) -> Result<Tensor> {
+    let (rows, width) = h.dims2()?;
+    let inner = width / 2;
+    if !inner.is_multiple_of(2) || width != 2 * inner {
+        candle_core::bail!("swiglu: a [rows, 2 * inner] input with an even inner width, got {width}")
+    }
+    // SAFETY: the kernel writes every element of `out`.
+    let out = unsafe { Tensor::empty((rows, inner), DType::BF16, h.device()) }?;
+    out.inplace_op1(&element_launch(
+        &DIT,
+        "dit_swiglu_bf16",
+        rows * inner,
+        vec![
+            Arg::Tensor(Some(h)),
+            Arg::Dst,
+            Arg::Long((rows * inner) as i64),
+            Arg::Int(inner as i32),
+        ],
+    ))?;
+    Ok(out)
 }
 
 /// Helpers of the CUDA tests that compare the fused kernels with the candle compositions.

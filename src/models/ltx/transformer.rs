@@ -762,6 +762,7 @@ impl LtxTransformerBlock {
                 shift: shift * dim,
                 scale: scale * dim,
                 text: None,
+                rows: None,
             })
         };
         let gate = |i: usize| {
@@ -770,6 +771,7 @@ impl LtxTransformerBlock {
                 stride: 6 * dim,
                 offset: i * dim,
                 text: None,
+                rows: None,
             })
         };
         let mut x = stream.x.reshape((b * s, dim))?;
@@ -1069,6 +1071,7 @@ mod cuda_tests {
                     shift: 3 * DIM,
                     scale: 4 * DIM,
                     text: None,
+                    rows: None,
                 }),
                 Rows { row0: 0, seq: s },
                 1e-6,
@@ -1151,6 +1154,7 @@ mod cuda_tests {
                     stride: 6 * DIM,
                     offset: 2 * DIM,
                     text: None,
+                    rows: None,
                 }),
                 Rows { row0: 0, seq: s },
             )?;

@@ -6,8 +6,8 @@ use candle_nn::{Linear, VarBuilder};
 /// RMSNorm over the last axis, with a learned scale or without one.
 #[derive(Debug, Clone)]
 pub(crate) struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f32,
 }
 
 impl RmsNorm {
@@ -51,6 +51,16 @@ impl SwiGlu {
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.proj.forward(x)?;
         let half = h.dim(D::Minus1)? / 2;
+        // On CUDA bf16 one kernel (SiLU in f32 rounded once, as torch computes it) instead of a
+        // SiLU and a product over strided halves.
+        #[cfg(feature = "cuda")]
+        if crate::models::dit_ops::supported(&h) && half % 2 == 0 {
+            let mut dims = h.dims().to_vec();
+            let rows = h.elem_count() / (2 * half);
+            let product = crate::models::dit_ops::swiglu(&h.reshape((rows, 2 * half))?)?;
+            *dims.last_mut().expect("a Linear's output has a last axis") = half;
+            return self.out.forward(&product.reshape(dims)?);
+        }
         let value = h.narrow(D::Minus1, 0, half)?;
         let gate = candle_nn::ops::silu(&h.narrow(D::Minus1, half, half)?)?;
         self.out.forward(&(value * gate)?)

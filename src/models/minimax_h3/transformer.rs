@@ -140,6 +140,14 @@ impl MiniMaxH3TransformerConfig {
         (CHUNK_ELEMENTS / (2 * self.ffn_dim).max(1)).max(1)
     }
 
+    /// Rows one attention step takes queries for: as many elements per chunk in the attention
+    /// width as [`Self::rows_per_chunk`] puts in the SwiGLU input (9362 rows at the published
+    /// width, 4 steps over a 5 s request's sequence: cuDNN's attention over 2340-row query
+    /// chunks took 15% longer on an H200 than over the whole sequence at once).
+    pub fn query_rows_per_chunk(&self) -> usize {
+        self.rows_per_chunk() * (2 * self.ffn_dim / self.inner_dim().max(1)).max(1)
+    }
+
     /// Channels of each head that RoPE rotates (`2 * 3 * rope_freq_dim`).
     pub fn rotary_dim(&self) -> usize {
         6 * self.rope_freq_dim
@@ -225,6 +233,9 @@ pub struct BlockInputs {
     /// [`MiniMaxH3TransformerConfig::rows_per_chunk`] whatever the offload mode; another value
     /// changes results only by rounding, where a matmul of fewer rows sums differently).
     pub rows_per_chunk: usize,
+    /// Rows whose queries one attention step takes ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`];
+    /// another value changes results only by rounding).
+    pub query_rows_per_chunk: usize,
     /// `[Nv]` u32 positions of the video rows.
     pub video_indices: Tensor,
     /// `[2 Na]` u32 positions of the audio rows.
@@ -297,14 +308,33 @@ impl Attention {
     }
 
     /// `[B, S, inner]` -> `[B, heads, S, head_dim]` after the per-head RMSNorm and, when given,
-    /// RoPE on the leading rotary channels of each head.
+    /// RoPE on the leading rotary channels of each head. With `fused` = (first row, sequence
+    /// length) of one batch entry's rows, whose RoPE tables `rope` holds for the whole sequence,
+    /// one CUDA kernel does both in place and the result is a view of token-major
+    /// `[B, S, heads, head_dim]` storage.
     fn heads_normed(
         &self,
         x: Tensor,
         norm: &RmsNorm,
         rope: Option<(&Tensor, &Tensor)>,
+        fused: Option<(usize, usize)>,
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
+        #[cfg(feature = "cuda")]
+        if let (Some((row0, seq)), Some((cos, sin))) = (fused, rope) {
+            return crate::models::dit_ops::head_rms_rope_half(
+                x.reshape((b * s, self.heads * self.head_dim))?,
+                &norm.weight,
+                (cos, sin),
+                self.head_dim,
+                2 * cos.dim(1)?,
+                crate::models::dit_ops::Rows { row0, seq },
+                norm.eps as f64,
+            )?
+            .reshape((b, s, self.heads, self.head_dim))?
+            .transpose(1, 2);
+        }
+        let _ = fused;
         let x = norm
             .forward(&x.reshape((b, s, self.heads, self.head_dim))?)?
             .transpose(1, 2)?
@@ -334,34 +364,51 @@ impl Attention {
 
     /// Full self-attention of `x` `[B, S, hidden]` over itself.
     fn forward(&self, x: &Tensor, rope: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
-        let q = self.heads_normed(self.to_q.forward(x)?, &self.norm_q, rope)?;
-        let k = self.heads_normed(self.to_k.forward(x)?, &self.norm_k, rope)?;
+        let q = self.heads_normed(self.to_q.forward(x)?, &self.norm_q, rope, None)?;
+        let k = self.heads_normed(self.to_k.forward(x)?, &self.norm_k, rope, None)?;
         let v = self.split_heads(&self.to_v.forward(x)?)?;
         self.attend(&q, &k, &v)
     }
 
     /// K and V `[B, heads, S, head_dim]` of all `S` rows, projected chunk by chunk into buffers
-    /// allocated once (`input(c)` gives chunk `c`'s attention input, `rope(c)` its tables).
+    /// allocated once (`input(c)` gives chunk `c`'s attention input, `key_heads(k, c)` its keys'
+    /// norm and RoPE). `token_major` buffers (`[B, S, heads, head_dim]`, the fused kernels'
+    /// layout, which attention reads through strides) give views of them.
     fn keys_values(
         &self,
         like: &Tensor,
         chunks: &[(usize, usize)],
         input: impl Fn((usize, usize)) -> Result<Tensor>,
-        rope: impl Fn((usize, usize)) -> Result<(Tensor, Tensor)>,
+        key_heads: impl Fn(Tensor, (usize, usize)) -> Result<Tensor>,
+        token_major: bool,
     ) -> Result<(Tensor, Tensor)> {
         let (b, s, _) = like.dims3()?;
-        let dims = (b, self.heads, s, self.head_dim);
+        let (dims, seq_axis) = if token_major {
+            ((b, s, self.heads, self.head_dim), 1)
+        } else {
+            ((b, self.heads, s, self.head_dim), 2)
+        };
         let k = Tensor::zeros(dims, like.dtype(), like.device())?;
         let v = Tensor::zeros(dims, like.dtype(), like.device())?;
+        // A chunk's `[B, heads, n, head_dim]` in the buffers' layout.
+        let stored = |t: Tensor| {
+            if token_major {
+                t.transpose(1, 2)?.contiguous()
+            } else {
+                t.contiguous()
+            }
+        };
         for &c in chunks {
             let h = input(c)?;
-            let (cos, sin) = rope(c)?;
-            let kc = self.heads_normed(self.to_k.forward(&h)?, &self.norm_k, Some((&cos, &sin)))?;
-            k.slice_set(&kc.contiguous()?, 2, c.0)?;
-            let vc = self.split_heads(&self.to_v.forward(&h)?)?.contiguous()?;
-            v.slice_set(&vc, 2, c.0)?;
+            k.slice_set(&stored(key_heads(self.to_k.forward(&h)?, c)?)?, seq_axis, c.0)?;
+            let vc = self.split_heads(&self.to_v.forward(&h)?)?;
+            v.slice_set(&stored(vc)?, seq_axis, c.0)?;
         }
-        Ok((k, v))
+        if token_major {
+            Ok((k.transpose(1, 2)?, v.transpose(1, 2)?))
+        } else {
+            Ok((k, v))
+        }
     }
 }
 
@@ -583,48 +630,162 @@ impl MiniMaxH3TransformerBlock {
 
     /// `x` `[B, S, hidden]` -> `[B, S, hidden]`, in chunks of `inputs.rows_per_chunk` rows:
     /// everything but attention is row-wise, and attention builds K and V of every row first,
-    /// then attends chunk by chunk. The residual stream is updated in place: for a contiguous
+    /// then attends chunk by chunk (`inputs.query_rows_per_chunk` queries at a time). The residual stream is updated in place: for a contiguous
     /// `x` the result shares its storage, so `x` is spent (the stream is never copied whole).
+    /// On CUDA bf16 with one batch entry, fused kernels read each row's modulation through its
+    /// AdaLN index (no gathered copies), norm and rotate q and k in place, and add the gated
+    /// updates into the stream.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let x = x.contiguous()?;
-        let chunks: Vec<(usize, usize)> = row_chunks(x.dim(1)?, inputs.rows_per_chunk).collect();
-        // The six `[T * 3, hidden]` parameter tables; each chunk gathers its rows' parameters.
-        let table = self.adaln_table(inputs)?.to_dtype(x.dtype())?;
-        let params = (0..6)
-            .map(|i| table.narrow(1, i * self.hidden, self.hidden)?.contiguous())
-            .collect::<Result<Vec<_>>>()?;
+        let seq = x.dim(1)?;
+        let chunks: Vec<(usize, usize)> = row_chunks(seq, inputs.rows_per_chunk).collect();
+        let query_chunks: Vec<(usize, usize)> =
+            row_chunks(seq, inputs.query_rows_per_chunk).collect();
+        // The six `[T * 3, hidden]` parameter tables side by side; each row picks its own.
+        let table = self.adaln_table(inputs)?.to_dtype(x.dtype())?.contiguous()?;
+        let fused = self.fused(&x);
+        let params = if fused {
+            Vec::new()
+        } else {
+            (0..6)
+                .map(|i| table.narrow(1, i * self.hidden, self.hidden)?.contiguous())
+                .collect::<Result<Vec<_>>>()?
+        };
         let m = |i: usize, (start, len): (usize, usize)| {
             params[i].index_select(&inputs.adaln_indices.narrow(0, start, len)?, 0)
         };
         let rows = |(start, len): (usize, usize)| x.narrow(1, start, len)?.contiguous();
-        let rope = |(start, len): (usize, usize)| -> Result<(Tensor, Tensor)> {
-            Ok((
-                inputs.rope_cos.narrow(0, start, len)?,
-                inputs.rope_sin.narrow(0, start, len)?,
-            ))
+        // `norm(rows) * (1 + scale) + shift` with parameters `shift`, `shift + 1`.
+        let modulated = |norm: &RmsNorm, shift: usize, c: (usize, usize)| -> Result<Tensor> {
+            #[cfg(feature = "cuda")]
+            if fused {
+                return self.fused_modulated(&x, norm, &table, shift, c, inputs);
+            }
+            modulate(&norm.forward(&rows(c)?)?, &m(shift, c)?, &m(shift + 1, c)?)
         };
-        let attn_input = |c| modulate(&self.norm1.forward(&rows(c)?)?, &m(0, c)?, &m(1, c)?);
+        // `x[rows] += out * gate` with parameter `gate`.
+        let gated = |out: Tensor, gate: usize, c: (usize, usize)| -> Result<()> {
+            #[cfg(feature = "cuda")]
+            if fused {
+                return self.fused_gated(&x, &out, &table, gate, c, inputs);
+            }
+            x.slice_set(&(rows(c)? + out.broadcast_mul(&m(gate, c)?)?)?, 1, c.0)
+        };
+        let heads = |proj: Tensor, norm: &RmsNorm, (start, len): (usize, usize)| {
+            if fused {
+                let rope = (&inputs.rope_cos, &inputs.rope_sin);
+                self.attn
+                    .heads_normed(proj, norm, Some(rope), Some((start, seq)))
+            } else {
+                let (cos, sin) = (
+                    inputs.rope_cos.narrow(0, start, len)?,
+                    inputs.rope_sin.narrow(0, start, len)?,
+                );
+                self.attn.heads_normed(proj, norm, Some((&cos, &sin)), None)
+            }
+        };
+        let attn_input = |c| modulated(&self.norm1, 0, c);
         {
             // K and V hold the pre-update rows; a chunk's queries read its rows before they
             // are overwritten.
-            let (k, v) = self.attn.keys_values(&x, &chunks, attn_input, rope)?;
-            for &c in &chunks {
-                let (cos, sin) = rope(c)?;
-                let q = self.attn.heads_normed(
-                    self.attn.to_q.forward(&attn_input(c)?)?,
-                    &self.attn.norm_q,
-                    Some((&cos, &sin)),
-                )?;
-                let out = self.attn.attend(&q, &k, &v)?.broadcast_mul(&m(2, c)?)?;
-                x.slice_set(&(rows(c)? + out)?, 1, c.0)?;
+            let key_heads = |k, c| heads(k, &self.attn.norm_k, c);
+            let (k, v) = self
+                .attn
+                .keys_values(&x, &chunks, attn_input, key_heads, fused)?;
+            for &c in &query_chunks {
+                let q = heads(self.attn.to_q.forward(&attn_input(c)?)?, &self.attn.norm_q, c)?;
+                gated(self.attn.attend(&q, &k, &v)?, 2, c)?;
             }
         }
         for &c in &chunks {
-            let h = modulate(&self.norm2.forward(&rows(c)?)?, &m(3, c)?, &m(4, c)?)?;
-            let out = self.ff.forward(&h)?.broadcast_mul(&m(5, c)?)?;
-            x.slice_set(&(rows(c)? + out)?, 1, c.0)?;
+            let h = modulated(&self.norm2, 3, c)?;
+            gated(self.ff.forward(&h)?, 5, c)?;
         }
         Ok(x)
+    }
+
+    /// Whether the fused CUDA kernels take this block's stream `x` `[B, S, hidden]`: bf16 on
+    /// CUDA, one batch entry (the kernels index rows of one sequence), widths they hold.
+    fn fused(&self, x: &Tensor) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            use crate::models::dit_ops;
+            x.dim(0).is_ok_and(|b| b == 1)
+                && dit_ops::rows_supported(x)
+                && self.attn.head_dim <= dit_ops::MAX_HEAD_DIM
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = x;
+            false
+        }
+    }
+
+    /// The fused `norm(x[rows c]) * (1 + scale) + shift`, the parameters at columns `shift` and
+    /// `shift + 1` of each row's AdaLN table row: `[1, n, hidden]`.
+    #[cfg(feature = "cuda")]
+    fn fused_modulated(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        table: &Tensor,
+        shift: usize,
+        (start, len): (usize, usize),
+        inputs: &BlockInputs,
+    ) -> Result<Tensor> {
+        use crate::models::dit_ops::{self, Modulation, Rows};
+        let dim = self.hidden;
+        let modulation = Modulation {
+            table,
+            stride: 6 * dim,
+            shift: shift * dim,
+            scale: (shift + 1) * dim,
+            text: None,
+            rows: Some(&inputs.adaln_indices),
+        };
+        dit_ops::rms_modulate(
+            &x.narrow(1, start, len)?.reshape((len, dim))?,
+            Some(&norm.weight),
+            Some(modulation),
+            Rows {
+                row0: start,
+                seq: x.dim(1)?,
+            },
+            norm.eps as f64,
+        )?
+        .reshape((1, len, dim))
+    }
+
+    /// The fused `x[rows c] += out * gate`, the gate at column `gate` of each row's AdaLN table
+    /// row, written into `x`'s storage.
+    #[cfg(feature = "cuda")]
+    fn fused_gated(
+        &self,
+        x: &Tensor,
+        out: &Tensor,
+        table: &Tensor,
+        gate: usize,
+        (start, len): (usize, usize),
+        inputs: &BlockInputs,
+    ) -> Result<()> {
+        use crate::models::dit_ops::{self, BatchRow, Rows};
+        let dim = self.hidden;
+        let gate = BatchRow {
+            table,
+            stride: 6 * dim,
+            offset: gate * dim,
+            text: None,
+            rows: Some(&inputs.adaln_indices),
+        };
+        dit_ops::residual_in_place(
+            &x.narrow(1, start, len)?.reshape((len, dim))?,
+            &out.contiguous()?.reshape((len, dim))?,
+            gate,
+            Rows {
+                row0: start,
+                seq: x.dim(1)?,
+            },
+        )
     }
 }
 
@@ -874,6 +1035,7 @@ impl MiniMaxH3Transformer3DModel {
             rope_cos,
             rope_sin,
             rows_per_chunk,
+            query_rows_per_chunk: cfg.query_rows_per_chunk(),
             video_indices: u32_tensor(video_idx)?,
             audio_indices: u32_tensor(audio_idx)?,
             adaln_tables: None,
@@ -951,5 +1113,223 @@ impl MiniMaxH3Transformer3DModel {
             x = block.forward(&x, &inputs)?;
         }
         self.finish(&x, &inputs)
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The fused paths against the candle compositions they replace, on random bf16 inputs of
+    //! the published width (5376 wide, 56 heads of 128, 96 rotary channels), on the GPU: rows
+    //! of a chunk that starts inside the sequence, each with its own AdaLN table row.
+    use super::*;
+    use crate::models::dit_ops::test_util::{
+        assert_within_ulp, assert_within_ulp_carrying, device, randn,
+    };
+    use crate::models::dit_ops::{self, BatchRow, Modulation, Rows};
+    use candle_core::Device;
+
+    const SEQ: usize = 3000;
+    const CHUNK: (usize, usize) = (1100, 1300);
+    const TABLE_ROWS: usize = 6;
+
+    fn row_indices(dev: &Device) -> Result<Tensor> {
+        let rows: Vec<u32> = (0..SEQ).map(|r| ((r * 7) % TABLE_ROWS) as u32).collect();
+        Tensor::new(rows, dev)
+    }
+
+    #[test]
+    fn row_indexed_modulation_matches_gathered_rows() -> Result<()> {
+        let Some(dev) = device("MiniMax H3 fused kernels") else {
+            return Ok(());
+        };
+        let cfg = MiniMaxH3TransformerConfig::default();
+        let dim = cfg.hidden_size;
+        let (start, len) = CHUNK;
+        let x = (randn(&[SEQ, dim], 1.0, &dev)? * 3.0)?;
+        let w = randn(&[dim], 1.0, &dev)?;
+        let table = randn(&[TABLE_ROWS, 6 * dim], 0.5, &dev)?;
+        let indices = row_indices(&dev)?;
+        let picked = |i: usize| {
+            table
+                .narrow(1, i * dim, dim)?
+                .contiguous()?
+                .index_select(&indices.narrow(0, start, len)?, 0)
+        };
+        let (shift, scale) = (picked(3)?, picked(4)?);
+        let normed = candle_nn::ops::rms_norm(&x.narrow(0, start, len)?, &w, 1e-5)?;
+        let want = modulate(&normed, &shift, &scale)?;
+        let got = dit_ops::rms_modulate(
+            &x.narrow(0, start, len)?,
+            Some(&w),
+            Some(Modulation {
+                table: &table,
+                stride: 6 * dim,
+                shift: 3 * dim,
+                scale: 4 * dim,
+                text: None,
+                rows: Some(&indices),
+            }),
+            Rows {
+                row0: start,
+                seq: SEQ,
+            },
+            1e-5,
+        )?;
+        let term = (want.to_dtype(DType::F32)? - shift.to_dtype(DType::F32)?)?;
+        let gain = (scale.to_dtype(DType::F32)? + 1.0)?;
+        assert_within_ulp_carrying(&got, &want, &term, (&normed, &gain), "row-indexed norm")
+    }
+
+    #[test]
+    fn row_indexed_gate_updates_only_its_rows() -> Result<()> {
+        let Some(dev) = device("MiniMax H3 fused kernels") else {
+            return Ok(());
+        };
+        let dim = MiniMaxH3TransformerConfig::default().hidden_size;
+        let (start, len) = CHUNK;
+        let x = randn(&[SEQ, dim], 1.0, &dev)?;
+        let before = x.copy()?;
+        let out = randn(&[len, dim], 1.0, &dev)?;
+        let table = randn(&[TABLE_ROWS, 6 * dim], 0.5, &dev)?;
+        let indices = row_indices(&dev)?;
+        let gate = table
+            .narrow(1, 5 * dim, dim)?
+            .contiguous()?
+            .index_select(&indices.narrow(0, start, len)?, 0)?;
+        let product = out.broadcast_mul(&gate)?;
+        let rows = before.narrow(0, start, len)?;
+        let want = (&rows + &product)?;
+        dit_ops::residual_in_place(
+            &x.narrow(0, start, len)?,
+            &out,
+            BatchRow {
+                table: &table,
+                stride: 6 * dim,
+                offset: 5 * dim,
+                text: None,
+                rows: Some(&indices),
+            },
+            Rows {
+                row0: start,
+                seq: SEQ,
+            },
+        )?;
+        let term = rows.abs()?.maximum(&product.abs()?)?;
+        assert_within_ulp(&x.narrow(0, start, len)?, &want, &term, "row-indexed gate")?;
+        for (a, n) in [(0, start), (start + len, SEQ - start - len)] {
+            let diff = (x.narrow(0, a, n)? - before.narrow(0, a, n)?)?
+                .abs()?
+                .to_dtype(DType::F32)?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "rows {a}..{} changed", a + n);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn head_norm_rotate_half_matches_composite() -> Result<()> {
+        let Some(dev) = device("MiniMax H3 fused kernels") else {
+            return Ok(());
+        };
+        let cfg = MiniMaxH3TransformerConfig::default();
+        let (heads, d, rotary) = (cfg.num_attention_heads, cfg.attention_head_dim, cfg.rotary_dim());
+        let (start, len) = CHUNK;
+        let angles = Tensor::rand(0f32, 6.3, (SEQ, rotary / 2), &dev)?;
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let p = randn(&[len, heads * d], 1.0, &dev)?;
+        let w = randn(&[d], 1.0, &dev)?;
+        // candle's fused RMSNorm, then candle's rotate-half RoPE in f32 on the rotary channels,
+        // rounded once.
+        let normed = candle_nn::ops::rms_norm(&p.reshape((1, len, heads, d))?, &w, 1e-5)?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let (c, s) = (cos.narrow(0, start, len)?, sin.narrow(0, start, len)?);
+        let rotated = candle_nn::rotary_emb::rope(
+            &normed.narrow(3, 0, rotary)?.to_dtype(DType::F32)?.contiguous()?,
+            &c,
+            &s,
+        )?
+        .to_dtype(DType::BF16)?;
+        let want = Tensor::cat(&[rotated, normed.narrow(3, rotary, d - rotary)?], 3)?;
+        // Channel e < rotary / 2 mixes with e + rotary / 2: bound by the larger of the two.
+        let half = rotary / 2;
+        let lo = normed.narrow(3, 0, half)?.abs()?;
+        let hi = normed.narrow(3, half, half)?.abs()?;
+        let pair = lo.maximum(&hi)?;
+        let term = Tensor::cat(
+            &[pair.clone(), pair, normed.narrow(3, rotary, d - rotary)?.abs()?],
+            3,
+        )?;
+        let got = dit_ops::head_rms_rope_half(
+            p,
+            &w,
+            (&cos, &sin),
+            d,
+            rotary,
+            Rows {
+                row0: start,
+                seq: SEQ,
+            },
+            1e-5,
+        )?
+        .reshape((1, len, heads, d))?
+        .transpose(1, 2)?;
+        assert_within_ulp(&got, &want, &term, "q/k RMSNorm + rotate-half RoPE")
+    }
+
+    #[test]
+    fn swiglu_matches_f32_silu_rounded_once() -> Result<()> {
+        let Some(dev) = device("MiniMax H3 fused kernels") else {
+            return Ok(());
+        };
+        let inner = MiniMaxH3TransformerConfig::default().ffn_dim;
+        let h = (randn(&[700, 2 * inner], 1.0, &dev)? * 3.0)?;
+        let value = h.narrow(1, 0, inner)?.to_dtype(DType::F32)?;
+        let silu = candle_nn::ops::silu(&h.narrow(1, inner, inner)?.to_dtype(DType::F32)?)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?;
+        let want = (value * silu)?.to_dtype(DType::BF16)?;
+        let got = dit_ops::swiglu(&h)?;
+        assert_within_ulp(&got, &want, &want, "SwiGLU")
+    }
+
+    /// One published-width block on the fused path against the same block's candle
+    /// composition (a batch of two copies takes it), bf16 on the GPU.
+    #[test]
+    fn fused_block_matches_composition() -> Result<()> {
+        let Some(dev) = device("MiniMax H3 fused block") else {
+            return Ok(());
+        };
+        let cfg = MiniMaxH3TransformerConfig::default();
+        let weights = crate::weights::Weights::Synthetic { seed: 3 };
+        let vb = crate::weights::WeightSet::open(&weights)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+            .var_builder(DType::BF16, &dev);
+        let block = MiniMaxH3TransformerBlock::new(&cfg, 0, vb)?;
+        let angles = Tensor::rand(0f32, 6.3, (SEQ, cfg.rotary_dim() / 2), &dev)?;
+        let inputs = BlockInputs {
+            hidden_states: None,
+            temb: Some(Tensor::randn(0f32, 1., (2, cfg.time_embed_dim), &dev)?),
+            adaln_indices: row_indices(&dev)?,
+            timestep_indices: Tensor::zeros(SEQ, DType::U32, &dev)?,
+            rope_cos: angles.cos()?,
+            rope_sin: angles.sin()?,
+            rows_per_chunk: 1024,
+            query_rows_per_chunk: 2048,
+            video_indices: Tensor::zeros(1, DType::U32, &dev)?,
+            audio_indices: Tensor::zeros(1, DType::U32, &dev)?,
+            adaln_tables: None,
+        };
+        let x = randn(&[1, SEQ, cfg.hidden_size], 1.0, &dev)?;
+        let composed = block.forward(&Tensor::cat(&[&x, &x], 0)?, &inputs)?.narrow(0, 0, 1)?;
+        let fused = block.forward(&x.copy()?, &inputs)?;
+        let (a, b) = (fused.to_dtype(DType::F32)?, composed.to_dtype(DType::F32)?);
+        let rel = ((&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+            / b.sqr()?.sum_all()?.to_scalar::<f32>()?)
+        .sqrt();
+        eprintln!("fused vs composed block: relative L2 {rel:.3e}");
+        assert!(rel < 1e-2, "relative L2 {rel}");
+        Ok(())
     }
 }

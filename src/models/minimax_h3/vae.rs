@@ -631,14 +631,14 @@ fn stitch_tiles(
 }
 
 /// The pipeline's frames from a decode: `clamp(decoded · PIXEL_STD + PIXEL_MEAN, 0, 1)` of
-/// `[B, 3, T, H, W]`, in f32 and the same layout.
+/// `[B, 3, T, H, W]`, in f32 and the same layout. One op per statement, so at most two f32
+/// copies exist at once (a method chain keeps every temporary to its end).
 pub fn decoded_to_unit_range(decoded: &Tensor) -> Result<Tensor> {
     let device = decoded.device();
     let std = Tensor::new(&PIXEL_STD, device)?.reshape((1, 3, 1, 1, 1))?;
     let mean = Tensor::new(&PIXEL_MEAN, device)?.reshape((1, 3, 1, 1, 1))?;
-    decoded
-        .to_dtype(DType::F32)?
-        .broadcast_mul(&std)?
-        .broadcast_add(&mean)?
-        .clamp(0f32, 1f32)
+    let mut x = decoded.to_dtype(DType::F32)?;
+    x = x.broadcast_mul(&std)?;
+    x = x.broadcast_add(&mean)?;
+    x.clamp(0f32, 1f32)
 }
