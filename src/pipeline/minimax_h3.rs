@@ -848,9 +848,8 @@ impl MiniMaxH3 {
         })?;
         let (h, w, c) = frame_shape.context("the VAE decoded no frames")?;
         let decoded = values.len() / (h * w * c);
-        job.frames = Some(
-            Tensor::from_vec(values, (decoded, h, w, c), &Device::Cpu)?.narrow(0, 0, frames)?,
-        );
+        job.frames =
+            Some(Tensor::from_vec(values, (decoded, h, w, c), &Device::Cpu)?.narrow(0, 0, frames)?);
         Ok(())
     }
 

@@ -355,7 +355,12 @@ pub(crate) fn head_norm_rope(
         Some((cos, _)) => rope_start + cos.dim(0)?,
         None => 0,
     };
-    let norm = HeadNorm { w, b, head_dim, eps };
+    let norm = HeadNorm {
+        w,
+        b,
+        head_dim,
+        eps,
+    };
     launch_head_norm_rope(x, bias, norm, rope, (rope_start, rope_end, 0), at)
 }
 
@@ -371,8 +376,7 @@ pub(crate) fn head_rms_rope_half(
     at: Rows,
     eps: f64,
 ) -> Result<Tensor> {
-    if rotary == 0 || !rotary.is_multiple_of(2) || rotary > head_dim || cos.dim(1)? != rotary / 2
-    {
+    if rotary == 0 || !rotary.is_multiple_of(2) || rotary > head_dim || cos.dim(1)? != rotary / 2 {
         candle_core::bail!("head_rms_rope_half: {rotary} rotary channels of {head_dim}")
     }
     let norm = HeadNorm {
@@ -381,7 +385,14 @@ pub(crate) fn head_rms_rope_half(
         head_dim,
         eps,
     };
-    launch_head_norm_rope(x, None, norm, Some((cos, sin)), (0, cos.dim(0)?, rotary), at)
+    launch_head_norm_rope(
+        x,
+        None,
+        norm,
+        Some((cos, sin)),
+        (0, cos.dim(0)?, rotary),
+        at,
+    )
 }
 
 /// The per-head norm of [`head_norm_rope`]: `w`, `b` `[head_dim]` (no `b`: RMSNorm).
@@ -397,7 +408,12 @@ struct HeadNorm<'a> {
 fn launch_head_norm_rope(
     x: Tensor,
     bias: Option<&Tensor>,
-    HeadNorm { w, b, head_dim, eps }: HeadNorm,
+    HeadNorm {
+        w,
+        b,
+        head_dim,
+        eps,
+    }: HeadNorm,
     rope: Option<(&Tensor, &Tensor)>,
     (rope_start, rope_end, rotary): (usize, usize, usize),
     at: Rows,
@@ -493,7 +509,12 @@ pub(crate) fn residual_into_delta(
 
 /// `x + delta * gate` in bf16 steps, written into `x` (rows `at.row0..` of the residual stream,
 /// a contiguous view of it): the gated residual update with no copy of the stream.
-pub(crate) fn residual_in_place(x: &Tensor, delta: &Tensor, gate: BatchRow, at: Rows) -> Result<()> {
+pub(crate) fn residual_in_place(
+    x: &Tensor,
+    delta: &Tensor,
+    gate: BatchRow,
+    at: Rows,
+) -> Result<()> {
     let (rows, dim) = x.dims2()?;
     if delta.dims2()? != (rows, dim) {
         candle_core::bail!("residual: {:?} and {:?} differ", x.shape(), delta.shape())
@@ -505,7 +526,11 @@ pub(crate) fn residual_in_place(x: &Tensor, delta: &Tensor, gate: BatchRow, at: 
 
 /// `dit_residual_bf16`'s arguments from `gate` on: gate, gate_text, rows, out (the destination),
 /// then the sizes of the `[rows, dim]` slab at `at`.
-fn gate_args<'a>(gate: Option<BatchRow<'a>>, at: Rows, (rows, dim): (usize, usize)) -> Vec<Arg<'a>> {
+fn gate_args<'a>(
+    gate: Option<BatchRow<'a>>,
+    at: Rows,
+    (rows, dim): (usize, usize),
+) -> Vec<Arg<'a>> {
     let (gate, gate_text, row_table, split, stride) = match gate {
         Some(g) => {
             let (split, text) = g.text.unwrap_or((0, g.offset));
@@ -517,7 +542,13 @@ fn gate_args<'a>(gate: Option<BatchRow<'a>>, at: Rows, (rows, dim): (usize, usiz
                 g.stride,
             )
         }
-        None => (Arg::Tensor(None), Arg::Tensor(None), Arg::Tensor(None), 0, 0),
+        None => (
+            Arg::Tensor(None),
+            Arg::Tensor(None),
+            Arg::Tensor(None),
+            0,
+            0,
+        ),
     };
     vec![
         gate,
@@ -565,7 +596,9 @@ pub(crate) fn swiglu(h: &Tensor) -> Result<Tensor> {
     let (rows, width) = h.dims2()?;
     let inner = width / 2;
     if !inner.is_multiple_of(2) || width != 2 * inner {
-        candle_core::bail!("swiglu: a [rows, 2 * inner] input with an even inner width, got {width}")
+        candle_core::bail!(
+            "swiglu: a [rows, 2 * inner] input with an even inner width, got {width}"
+        )
     }
     // SAFETY: the kernel writes every element of `out`.
     let out = unsafe { Tensor::empty((rows, inner), DType::BF16, h.device()) }?;

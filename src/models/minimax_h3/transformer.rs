@@ -400,7 +400,11 @@ impl Attention {
         };
         for &c in chunks {
             let h = input(c)?;
-            k.slice_set(&stored(key_heads(self.to_k.forward(&h)?, c)?)?, seq_axis, c.0)?;
+            k.slice_set(
+                &stored(key_heads(self.to_k.forward(&h)?, c)?)?,
+                seq_axis,
+                c.0,
+            )?;
             let vc = self.split_heads(&self.to_v.forward(&h)?)?;
             v.slice_set(&stored(vc)?, seq_axis, c.0)?;
         }
@@ -642,7 +646,10 @@ impl MiniMaxH3TransformerBlock {
         let query_chunks: Vec<(usize, usize)> =
             row_chunks(seq, inputs.query_rows_per_chunk).collect();
         // The six `[T * 3, hidden]` parameter tables side by side; each row picks its own.
-        let table = self.adaln_table(inputs)?.to_dtype(x.dtype())?.contiguous()?;
+        let table = self
+            .adaln_table(inputs)?
+            .to_dtype(x.dtype())?
+            .contiguous()?;
         let fused = self.fused(&x);
         let params = if fused {
             Vec::new()
@@ -693,7 +700,11 @@ impl MiniMaxH3TransformerBlock {
                 .attn
                 .keys_values(&x, &chunks, attn_input, key_heads, fused)?;
             for &c in &query_chunks {
-                let q = heads(self.attn.to_q.forward(&attn_input(c)?)?, &self.attn.norm_q, c)?;
+                let q = heads(
+                    self.attn.to_q.forward(&attn_input(c)?)?,
+                    &self.attn.norm_q,
+                    c,
+                )?;
                 gated(self.attn.attend(&q, &k, &v)?, 2, c)?;
             }
         }
@@ -1233,7 +1244,11 @@ mod cuda_tests {
             return Ok(());
         };
         let cfg = MiniMaxH3TransformerConfig::default();
-        let (heads, d, rotary) = (cfg.num_attention_heads, cfg.attention_head_dim, cfg.rotary_dim());
+        let (heads, d, rotary) = (
+            cfg.num_attention_heads,
+            cfg.attention_head_dim,
+            cfg.rotary_dim(),
+        );
         let (start, len) = CHUNK;
         let angles = Tensor::rand(0f32, 6.3, (SEQ, rotary / 2), &dev)?;
         let (cos, sin) = (angles.cos()?, angles.sin()?);
@@ -1246,7 +1261,10 @@ mod cuda_tests {
             .contiguous()?;
         let (c, s) = (cos.narrow(0, start, len)?, sin.narrow(0, start, len)?);
         let rotated = candle_nn::rotary_emb::rope(
-            &normed.narrow(3, 0, rotary)?.to_dtype(DType::F32)?.contiguous()?,
+            &normed
+                .narrow(3, 0, rotary)?
+                .to_dtype(DType::F32)?
+                .contiguous()?,
             &c,
             &s,
         )?
@@ -1258,7 +1276,11 @@ mod cuda_tests {
         let hi = normed.narrow(3, half, half)?.abs()?;
         let pair = lo.maximum(&hi)?;
         let term = Tensor::cat(
-            &[pair.clone(), pair, normed.narrow(3, rotary, d - rotary)?.abs()?],
+            &[
+                pair.clone(),
+                pair,
+                normed.narrow(3, rotary, d - rotary)?.abs()?,
+            ],
             3,
         )?;
         let got = dit_ops::head_rms_rope_half(
@@ -1322,7 +1344,9 @@ mod cuda_tests {
             adaln_tables: None,
         };
         let x = randn(&[1, SEQ, cfg.hidden_size], 1.0, &dev)?;
-        let composed = block.forward(&Tensor::cat(&[&x, &x], 0)?, &inputs)?.narrow(0, 0, 1)?;
+        let composed = block
+            .forward(&Tensor::cat(&[&x, &x], 0)?, &inputs)?
+            .narrow(0, 0, 1)?;
         let fused = block.forward(&x.copy()?, &inputs)?;
         let (a, b) = (fused.to_dtype(DType::F32)?, composed.to_dtype(DType::F32)?);
         let rel = ((&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()?
