@@ -9,7 +9,8 @@
 #     forward times from --stats-json; the outputs' lengths (safetensors). For the default flags, each
 #     stage's measured device peak beside the dry run's prediction for the same flags, and the
 #     issue's 8 GiB target checked per stage and on the whole run (PASS/FAIL lines).
-# PARTS picks sections (default "tiny full"; "peer" adds diffusers' per-block time), RUNS the full-size
+# PARTS picks sections (default "tiny full"; "peer" adds diffusers' per-block time, after vidgen's own
+# per-block time from examples/minimax_blocks when BLOCKS=PATH names its CUDA build), RUNS the full-size
 # runs (default "default resident unified"); PARTS=full RUNS=default STEPS=2 measures the 8 GiB target alone.
 set -u
 B=${1:?path to a CUDA build of vidgen}
@@ -79,7 +80,8 @@ if [[ " $PARTS " == *" peer "* ]]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
     export PYTHONPATH=/tmp/site
   fi
-  python3 bench/peer_minimax_blocks.py --out "$O/peer" 2>&1 | tail -4
+  [ -n "${BLOCKS:-}" ] && "$BLOCKS" 2>&1 | grep -v "^\s*$" | tail -8
+  python3 bench/peer_minimax_blocks.py --out "$O/peer" 2>&1 | grep -v "kept in float32" | tail -4
 fi
 [[ " $PARTS " == *" full "* ]] || exit 0
 $B generate --model synthetic:minimax-h3 --prompt "waves on a beach, gulls crying" --num-inference-steps $STEPS \
