@@ -233,8 +233,9 @@ pub struct BlockInputs {
     /// [`MiniMaxH3TransformerConfig::rows_per_chunk`] whatever the offload mode; another value
     /// changes results only by rounding, where a matmul of fewer rows sums differently).
     pub rows_per_chunk: usize,
-    /// Rows whose queries one attention step takes ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`];
-    /// another value changes results only by rounding).
+    /// Rows whose queries one attention step takes
+    /// ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`]; another value changes results
+    /// only by rounding).
     pub query_rows_per_chunk: usize,
     /// `[Nv]` u32 positions of the video rows.
     pub video_indices: Tensor,
@@ -634,8 +635,9 @@ impl MiniMaxH3TransformerBlock {
 
     /// `x` `[B, S, hidden]` -> `[B, S, hidden]`, in chunks of `inputs.rows_per_chunk` rows:
     /// everything but attention is row-wise, and attention builds K and V of every row first,
-    /// then attends chunk by chunk (`inputs.query_rows_per_chunk` queries at a time). The residual stream is updated in place: for a contiguous
-    /// `x` the result shares its storage, so `x` is spent (the stream is never copied whole).
+    /// then attends chunk by chunk (`inputs.query_rows_per_chunk` queries at a time). The
+    /// residual stream is updated in place: for a contiguous `x` the result shares its storage,
+    /// so `x` is spent (the stream is never copied whole).
     /// On CUDA bf16 with one batch entry, fused kernels read each row's modulation through its
     /// AdaLN index (no gathered copies), norm and rotate q and k in place, and add the gated
     /// updates into the stream.
