@@ -310,17 +310,22 @@ fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DTy
 /// the stage's input, the AMP blocks' running sum with its next value, a block's input and
 /// residual; a convolution's padded input, output and biased copy with one run's im2col
 /// scratch (the layers work in runs, `audio_vae`); the activation's input and output with one
-/// run of channels' resampling scratch.
+/// run of channels' resampling scratch. Plus the largest weight-normed kernel, folded while its
+/// layer runs (the stored `weight_v`, `weight_g` are the VAE's weights).
 fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u64 {
     let mut channels = cfg.decoder_dim as u64;
     let mut length = latents as u64;
     let mut largest = cfg.latent_dim as u64 * length;
-    for &rate in &cfg.decoder_rates {
+    let resblock_kernel = cfg.resblock_kernel_sizes.iter().max().copied().unwrap_or(0) as u64;
+    let mut kernel = channels * cfg.latent_dim as u64 * 7;
+    for (&rate, &up_kernel) in cfg.decoder_rates.iter().zip(&cfg.decoder_kernel_sizes) {
+        kernel = kernel.max(channels * (channels / 2) * up_kernel as u64);
         channels /= 2;
+        kernel = kernel.max(channels * channels * resblock_kernel);
         length *= rate as u64;
         largest = largest.max(channels * length);
     }
-    AUDIO_CHANNELS as u64 * largest * 4 * 12
+    (AUDIO_CHANNELS as u64 * largest * 12 + kernel) * 4
 }
 
 impl Family for MiniMaxH3Configs {

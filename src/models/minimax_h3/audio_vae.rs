@@ -133,19 +133,40 @@ impl MiniMaxH3AudioVaeConfig {
     }
 }
 
-/// A weight-normed kernel `w = g · v / ‖v‖` (norm over every axis but 0), as torch's
-/// `weight_norm` computes it.
-fn weight_norm(vb: &VarBuilder, shape: (usize, usize, usize)) -> Result<Tensor> {
-    let v = vb.get(shape, "weight_v")?;
-    let g = vb.get((shape.0, 1, 1), "weight_g")?;
-    let norm = v.sqr()?.sum_keepdim((1, 2))?.sqrt()?;
-    v.broadcast_mul(&(g / norm)?)
+/// A weight-normed kernel as stored (`weight_v`, `weight_g`), folded into `w = g · v / ‖v‖`
+/// (norm over every axis but 0, as torch's `weight_norm` computes it) when a layer runs: a
+/// kernel folded at load would sit on the device beside the stored tensors wherever the weights
+/// are placed by an engine that keeps them (a parked VAE), doubling the VAE's bytes.
+#[derive(Debug, Clone)]
+struct WeightNormed {
+    v: Tensor,
+    g: Tensor,
+}
+
+impl WeightNormed {
+    fn new(vb: &VarBuilder, shape: (usize, usize, usize)) -> Result<Self> {
+        Ok(Self {
+            v: vb.get(shape, "weight_v")?,
+            g: vb.get((shape.0, 1, 1), "weight_g")?,
+        })
+    }
+
+    /// The folded kernel (one op per statement: the squares go before the kernel exists).
+    fn kernel(&self) -> Result<Tensor> {
+        let norm = self.v.sqr()?.sum_keepdim((1, 2))?.sqrt()?;
+        let gain = (&self.g / norm)?;
+        self.v.broadcast_mul(&gain)
+    }
+
+    fn kernel_size(&self) -> Result<usize> {
+        self.v.dim(2)
+    }
 }
 
 /// Conv1d (weight-normed kernel, optional bias) with symmetric zero padding.
 #[derive(Debug, Clone)]
 struct Conv1d {
-    weight: Tensor,
+    weight: WeightNormed,
     bias: Option<Tensor>,
     padding: usize,
     dilation: usize,
@@ -163,7 +184,7 @@ impl Conv1d {
         vb: VarBuilder,
     ) -> Result<Self> {
         Ok(Self {
-            weight: weight_norm(&vb, (cout, cin, kernel))?,
+            weight: WeightNormed::new(&vb, (cout, cin, kernel))?,
             bias: if bias {
                 Some(vb.get(cout, "bias")?)
             } else {
@@ -179,7 +200,7 @@ impl Conv1d {
     /// within about the input's size rather than `kernel` times it.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let l = x.dim(2)?;
-        let (k, d, p) = (self.weight.dim(2)?, self.dilation, self.padding);
+        let (k, d, p) = (self.weight.kernel_size()?, self.dilation, self.padding);
         let span = (k - 1) * d + 1;
         if l + 2 * p < span {
             candle_core::bail!(
@@ -188,13 +209,14 @@ impl Conv1d {
         }
         let out_len = l + 2 * p - span + 1;
         let per_run = out_len.div_ceil(k).max(1);
+        let weight = self.weight.kernel()?;
         let y = if per_run >= out_len {
-            x.conv1d(&self.weight, p, 1, d, 1)?
+            x.conv1d(&weight, p, 1, d, 1)?
         } else {
             let padded = x.pad_with_zeros(2, p, p)?;
             crate::models::runs::in_runs(out_len, per_run, 2, |first, n| {
                 let window = padded.narrow(2, first, n + span - 1)?.contiguous()?;
-                window.conv1d(&self.weight, 0, 1, d, 1)
+                window.conv1d(&weight, 0, 1, d, 1)
             })?
         };
         match &self.bias {
@@ -357,7 +379,7 @@ impl AmpBlock {
 /// Weight-normed ConvTranspose1d of one upsampling stage.
 #[derive(Debug, Clone)]
 struct Upsample {
-    weight: Tensor,
+    weight: WeightNormed,
     bias: Tensor,
     stride: usize,
     padding: usize,
@@ -365,7 +387,7 @@ struct Upsample {
 
 impl Upsample {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.conv_transpose1d(&self.weight, self.padding, 0, self.stride, 1, 1)?
+        x.conv_transpose1d(&self.weight.kernel()?, self.padding, 0, self.stride, 1, 1)?
             .broadcast_add(&self.bias.reshape((1, (), 1))?)
     }
 }
@@ -409,7 +431,7 @@ impl MiniMaxH3AudioVaeDecoder {
             let out = channels / 2;
             ups.push(Upsample {
                 // ConvTranspose1d weights are [in, out, k]: weight norm runs over axis 0 = in.
-                weight: weight_norm(&uvb, (channels, out, kernel))?,
+                weight: WeightNormed::new(&uvb, (channels, out, kernel))?,
                 bias: uvb.get(out, "bias")?,
                 stride: rate,
                 padding: (kernel - rate) / 2,
