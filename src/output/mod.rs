@@ -154,15 +154,10 @@ fn write_safetensors_inner(
 ) -> Result<()> {
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
-        let tensor = Tensor::from_vec(
-            clip.data,
-            (clip.frames, clip.height, clip.width, 3),
-            &Device::Cpu,
-        )?;
         let temp = Partial::file(path)?;
         let info: HashMap<String, String> = metadata.iter().cloned().collect();
         let info = (!info.is_empty()).then_some(info);
-        let mut tensors = vec![("frames", &tensor)];
+        let mut tensors = vec![("frames", &clip.values)];
         tensors.extend(audio.map(|a| ("audio", a.samples())));
         safetensors::serialize_to_file(tensors, info, temp.path())?;
         temp.commit(path, replace)
@@ -170,16 +165,17 @@ fn write_safetensors_inner(
     run().with_context(|| format!("writing safetensors {}", path.display()))
 }
 
-/// The frames as host f32 values, row-major `[F, H, W, 3]`.
+/// The frames as host f32 values, row-major `[F, H, W, 3]`: the caller's tensor itself when it
+/// is one already (a whole video is not copied to be written), else one converted copy.
 struct Clip {
     frames: usize,
     height: usize,
     width: usize,
-    data: Vec<f32>,
+    values: Tensor,
 }
 
 impl Clip {
-    /// Checks the shape and copies the values to the host as f32.
+    /// Checks the shape and brings the values to the host as contiguous f32.
     fn from_tensor(frames: &Tensor) -> Result<Self> {
         let (f, h, w, c) = match frames.dims() {
             &[f, h, w, c] => (f, h, w, c),
@@ -191,23 +187,27 @@ impl Clip {
                 frames.dims()
             );
         }
-        let data = frames
+        let values = frames
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+            .contiguous()?;
         Ok(Self {
             frames: f,
             height: h,
             width: w,
-            data,
+            values,
         })
     }
 
-    /// Frame `i` as interleaved RGB floats.
-    fn frame(&self, i: usize) -> &[f32] {
+    /// `f` of frame `i` as interleaved RGB floats.
+    fn with_frame<R>(&self, i: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         let n = self.height * self.width * 3;
-        &self.data[i * n..(i + 1) * n]
+        let (storage, layout) = self.values.storage_and_layout();
+        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
+            bail!("frames are not f32 values in host memory")
+        };
+        let start = layout.start_offset() + i * n;
+        Ok(f(&all[start..start + n]))
     }
 }
 

@@ -149,11 +149,13 @@ fn encode(
     for i in 0..clip.frames {
         let stride = rgb.stride(0);
         let data = rgb.data_mut(0);
-        for (y, src) in clip.frame(i).chunks_exact(row).enumerate() {
-            for (dst, &x) in data[y * stride..y * stride + row].iter_mut().zip(src) {
-                *dst = (x * 255.0) as u8;
+        clip.with_frame(i, |values| {
+            for (y, src) in values.chunks_exact(row).enumerate() {
+                for (dst, &x) in data[y * stride..y * stride + row].iter_mut().zip(src) {
+                    *dst = (x * 255.0) as u8;
+                }
             }
-        }
+        })?;
         let mut yuv = frame::Video::empty();
         scaler
             .run(&rgb, &mut yuv)

@@ -30,11 +30,12 @@ pub(super) fn write_png_frames_with(
         );
         let temp = Partial::dir(dir)?;
         for i in 0..clip.frames {
-            let bytes: Vec<u8> = clip
-                .frame(i)
-                .iter()
-                .map(|&x| (x * 255.0).round_ties_even() as u8)
-                .collect();
+            let bytes: Vec<u8> = clip.with_frame(i, |values| {
+                values
+                    .iter()
+                    .map(|&x| (x * 255.0).round_ties_even() as u8)
+                    .collect()
+            })?;
             let image = image::RgbImage::from_raw(w, h, bytes)
                 .context("frame buffer does not match its size")?;
             let file = temp.path().join(format!("frame_{i:05}.png"));
