@@ -478,7 +478,7 @@ impl CogVideoX {
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.scale_latents(&latents.to_device(&self.device)?)?;
         let video = vae.decode(&z)?.to_dtype(DType::F32)?;
-        job.frames = Some(stages::video_frames(&video)?);
+        job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
 

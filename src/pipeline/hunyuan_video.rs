@@ -718,8 +718,9 @@ impl HunyuanVideo {
             } else {
                 vae.decode(&z)?
             }
-        };
-        job.frames = Some(stages::video_frames(&video.to_dtype(DType::F32)?)?);
+        }
+        .to_dtype(DType::F32)?;
+        job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
 }

@@ -581,7 +581,7 @@ impl Ltx {
         if let Some(draws) = &carried.draws {
             draws.finish()?;
         }
-        job.frames = Some(stages::video_frames(&video)?);
+        job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
 

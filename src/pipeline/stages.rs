@@ -231,14 +231,21 @@ pub(crate) fn explain_out_of_memory(
 }
 
 /// Video `[1, 3, T, H, W]` in [-1, 1] as frames `[T, H, W, 3]` in [0, 1] on the CPU, in f32
-/// (`output_type="np"`: `(video / 2 + 0.5).clamp(0, 1)`).
-pub(crate) fn video_frames(video: &Tensor) -> Result<Tensor> {
-    let frames = ((video * 0.5)? + 0.5)?.clamp(0f32, 1f32)?;
-    Ok(frames
+/// (`output_type="np"`: `(video / 2 + 0.5).clamp(0, 1)`), contiguous so the writers read them in
+/// place. One op per statement, each result replacing the last (the decoded video is spent):
+/// the device holds two copies of the video at most, where a method chain keeps every
+/// temporary to its end; host memory gets one.
+pub(crate) fn video_frames(video: Tensor) -> Result<Tensor> {
+    let mut frames = (&video * 0.5)?;
+    drop(video);
+    frames = (frames + 0.5)?;
+    frames = frames.clamp(0f32, 1f32)?;
+    frames = frames
         .squeeze(0)?
         .permute((1, 2, 3, 0))?
         .to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?)
+        .contiguous()?;
+    Ok(frames.to_device(&Device::Cpu)?)
 }
 
 /// Writes the job's decoded frames with the run's metadata (its latents with `--output-type

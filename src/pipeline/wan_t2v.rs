@@ -1014,7 +1014,7 @@ impl WanT2V {
         } else {
             vae.decode(&z)?
         };
-        job.frames = Some(stages::video_frames(&video)?);
+        job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
 }
