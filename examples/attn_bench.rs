@@ -3,12 +3,14 @@
 //!
 //! `cargo run --release --no-default-features --features cuda --example attn_bench`
 
-use std::time::Instant;
-
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use vidgen::models::attention::flash_attn::{device_tile, SHARED_MEMORY_LIMIT_ENV};
 use vidgen::models::attention::{sdpa, sdpa_chunked};
+
+#[path = "support/median.rs"]
+mod median;
+use median::median_seconds as time;
 
 /// Per-block shared-memory limits the fused kernel is timed under: the device's own, GB10's 99 KB
 /// (sm_121), and one byte less than the two-m-tile configuration needs at head_dim 128.
@@ -23,21 +25,6 @@ fn set_limit(limit: Option<usize>) {
         Some(bytes) => std::env::set_var(SHARED_MEMORY_LIMIT_ENV, bytes.to_string()),
         None => std::env::remove_var(SHARED_MEMORY_LIMIT_ENV),
     }
-}
-
-/// Median seconds of `reps` timed calls after one warm-up call.
-fn time(dev: &Device, reps: usize, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let start = Instant::now();
-        f()?;
-        dev.synchronize()?;
-        times.push(start.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[reps / 2])
 }
 
 /// Max absolute and relative-norm error of `out` against `reference`.

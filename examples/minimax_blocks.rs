@@ -8,8 +8,6 @@
 //!
 //! `cargo build --release --no-default-features --features cuda --example minimax_blocks`
 
-use std::time::Instant;
-
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use vidgen::models::attention::sdpa;
@@ -18,6 +16,10 @@ use vidgen::models::minimax_h3::transformer::{
     MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
 };
 use vidgen::weights::{WeightSet, Weights};
+
+#[path = "support/median.rs"]
+mod median;
+use median::median_seconds as time;
 
 /// 5 s at 768x1344: 37 latent frames of 48x84, 207 audio latents per channel.
 const SIZES: LayoutSizes = LayoutSizes {
@@ -28,21 +30,6 @@ const SIZES: LayoutSizes = LayoutSizes {
     num_audio_latents: 207,
     audio_channels: 2,
 };
-
-/// Median seconds of `reps` calls after one warm-up call.
-fn time(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let start = Instant::now();
-        f()?;
-        dev.synchronize()?;
-        times.push(start.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[reps / 2])
-}
 
 fn main() -> Result<()> {
     let dev = Device::new_cuda(0)?;
@@ -67,7 +54,7 @@ fn main() -> Result<()> {
         let model = MiniMaxH3Transformer3DModel::new(&cfg, vb)?;
         let mut row = Vec::new();
         for whole in [false, true] {
-            let s = time(&dev, 3, || {
+            let s = time(&dev, 3, || -> Result<()> {
                 let mut inputs =
                     model.prepare(&video, &audio, &text, &timestep, &timestep_indices, &layout)?;
                 if whole {
@@ -100,9 +87,9 @@ fn main() -> Result<()> {
     let qkv = || Tensor::randn(0f32, 1., (1, heads, seq, d), &dev)?.to_dtype(DType::BF16);
     let (q, k, v) = (qkv()?, qkv()?, qkv()?);
     let scale = 1.0 / (d as f64).sqrt();
-    let whole = time(&dev, 5, || Ok(sdpa(&q, &k, &v, scale).map(drop)?))?;
+    let whole = time(&dev, 5, || sdpa(&q, &k, &v, scale))?;
     let rows = base.query_rows_per_chunk();
-    let chunked = time(&dev, 5, || {
+    let chunked = time(&dev, 5, || -> Result<()> {
         for start in (0..seq).step_by(rows) {
             let q = q.narrow(2, start, rows.min(seq - start))?.contiguous()?;
             sdpa(&q, &k, &v, scale)?;

@@ -19,8 +19,7 @@ static ALLOCATOR: common::heap::Counting = common::heap::Counting;
 #[test]
 fn one_decode_allocates_no_more_than_the_plan_predicts() {
     let (height, width, frames) = (64usize, 128usize, 17usize);
-    let plan = common::heap::plan(&common::named_fixture_dir(FIXTURE), (height, width, frames));
-    let planned = common::heap::stage_activations(&plan, "decode");
+    let planned = common::heap::planned_decode(FIXTURE, (height, width, frames));
 
     let cfg: HunyuanVideoVaeConfig = common::config_in(FIXTURE, "vae/config.json");
     let vae = AutoencoderKLHunyuanVideo::new(

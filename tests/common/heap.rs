@@ -85,3 +85,8 @@ pub fn stage_activations(plan: &serde_json::Value, stage: &str) -> usize {
         .as_u64()
         .unwrap() as usize
 }
+
+/// The planned activation bytes of the decode of the named fixture at `height` x `width` x `frames`.
+pub fn planned_decode(fixture: &str, size: (usize, usize, usize)) -> usize {
+    stage_activations(&plan(&super::named_fixture_dir(fixture), size), "decode")
+}
