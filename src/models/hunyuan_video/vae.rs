@@ -1250,17 +1250,15 @@ mod cuda_tests {
             eprintln!("skipped: cuDNN not loaded");
             return Ok(());
         }
+        // One draw of the weights, placed on each device (two draws would differ).
+        let cpu = candle_core::Device::Cpu;
+        let kernel = Tensor::randn(0f32, 0.2, (5, 4, 3, 3, 3), &cpu)?;
+        let bias = Tensor::randn(0f32, 1.0, 5, &cpu)?;
         let weights = |dev: &candle_core::Device| -> Result<VarBuilder<'static>> {
-            let mut map = std::collections::HashMap::new();
-            let cpu = candle_core::Device::Cpu;
-            map.insert(
-                "conv.weight".to_string(),
-                Tensor::randn(0f32, 0.2, (5, 4, 3, 3, 3), &cpu)?.to_device(dev)?,
-            );
-            map.insert(
-                "conv.bias".to_string(),
-                Tensor::randn(0f32, 1.0, 5, &cpu)?.to_device(dev)?,
-            );
+            let map = std::collections::HashMap::from([
+                ("conv.weight".to_string(), kernel.to_device(dev)?),
+                ("conv.bias".to_string(), bias.to_device(dev)?),
+            ]);
             Ok(VarBuilder::from_tensors(map, DType::F32, dev))
         };
         let x = Tensor::randn(0f32, 1.0, (2, 7, 4, 9, 11), &candle_core::Device::Cpu)?;
