@@ -17,7 +17,12 @@ fn main() {
     // compute_80 PTX: the oldest target with the instructions used (mma.sync bf16, cp.async);
     // the driver compiles it for the GPU at hand when the module loads. The DiT block kernels
     // keep IEEE division and square roots (no fast math): they stand in for candle's f32 ops.
-    for (name, fast_math) in [("flash_attn", true), ("wan_ops", false), ("dit_ops", false)] {
+    for (name, fast_math) in [
+        ("flash_attn", true),
+        ("wan_ops", false),
+        ("dit_ops", false),
+        ("conv3d", false),
+    ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let mut cmd = Command::new(&nvcc);

@@ -5,7 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/vidgen-bench}
 mkdir -p "$OUT"
-B=./.device/offload_bench
+B=${BENCH:-./.device/offload_bench}
 [ -f $B.xz ] && [ ! -x $B ] && xz -dc $B.xz > $B && chmod +x $B
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 OFF="--dit-layerwise-offload=false --dit-cpu-offload=false"
@@ -23,6 +23,8 @@ for F in "$@"; do
   python3 - "$OUT/ncu-$F.csv" "$F" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
+# The profiled program's own output lines come first.
+rows = rows[next(i for i, r in enumerate(rows) if "Kernel Name" in r):]
 head = rows[0]; name_i = head.index("Kernel Name"); t_i = head.index("gpu__time_duration.sum")
 tot, cnt = collections.Counter(), collections.Counter()
 for r in rows[2:]:

@@ -1,11 +1,16 @@
-//! The 3D convolution the causal-conv VAEs share: through cuDNN where it is loaded (CUDA), so
-//! that a VAE layer is one implicit-GEMM call instead of a sum of 2D convolutions; `None`
-//! elsewhere, and the caller runs its own path unchanged.
+//! The 3D convolution the causal-conv VAEs share, on CUDA one implicit-GEMM call instead of a
+//! sum of 2D convolutions: through cuDNN where it is loaded, else vidgen's own kernel
+//! ([`kernel`]: TF32 for f32, bf16); `None` elsewhere (and for exact f32 without cuDNN), and the
+//! caller runs its own path unchanged.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{Device, Result, Tensor};
+
+#[cfg(feature = "cuda")]
+#[path = "kernels/conv3d.rs"]
+pub mod kernel;
 
 /// Whether f32 convolutions may use TF32 tensor-core math (PyTorch's default for convolutions).
 static TF32: AtomicBool = AtomicBool::new(true);
@@ -20,21 +25,35 @@ pub fn tf32() -> bool {
     TF32.load(Ordering::Relaxed)
 }
 
-/// Whether [`conv3d`] computes on `device` (CUDA with cuDNN loaded); the causal convs then keep
-/// their kernel whole instead of split into temporal taps.
+/// Whether [`conv3d`] computes on `device` (CUDA with cuDNN loaded or the own kernel's compute
+/// capability); the causal convs then keep their kernel whole instead of split into temporal
+/// taps. [`conv3d`] may still return `None` there (exact f32 without cuDNN).
 pub fn accelerated(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        return crate::models::cudnn::api().is_some();
+        return crate::models::cudnn::api().is_some() || kernel::available(device);
     }
     let _ = device;
     false
 }
 
+/// Whether [`conv3d`] computes `dtype` on `device` now (cuDNN, or the own kernel where it takes
+/// the dtype under the current TF32 setting), so a caller can take its own path up front.
+pub fn computes(device: &Device, dtype: candle_core::DType) -> bool {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return crate::models::cudnn::api().is_some()
+            || (kernel::takes(dtype, tf32()) && kernel::available(device));
+    }
+    let _ = (device, dtype);
+    false
+}
+
 /// Cross-correlation of `x` `[B, C_in, T, H, W]` by `w` `[C_out, C_in, kt, kh, kw]` with
 /// `stride` and zero `padding` (each t, h, w), no bias: `Some([B, C_out, T', H', W'])` through
-/// cuDNN, `None` where it is not [`accelerated`], an error where cuDNN fails (callers run it
-/// inside [`or_fallback`]).
+/// cuDNN or the own kernel, `None` where neither takes it (not [`accelerated`], or exact f32
+/// without cuDNN), an error where the convolution fails (callers run it inside
+/// [`or_fallback`]).
 pub fn conv3d(
     x: &Tensor,
     w: &Tensor,
@@ -67,13 +86,18 @@ fn conv3d_math(
         };
         return in_frame_runs(x, w.dims(), stride, padding, CUDNN_MAX_ELEMENTS, conv).map(Some);
     }
+    // The own kernel indexes in 64 bits: no frame runs.
+    #[cfg(feature = "cuda")]
+    if kernel::takes(x.dtype(), tf32) && kernel::available(x.device()) {
+        return kernel::conv3d(x, w, stride, padding).map(Some);
+    }
     let _ = (x, w, stride, padding, tf32);
     Ok(None)
 }
 
 /// [`conv3d`] with channels last in memory: `x` `[B, T, H, W, C_in]` by `w`
 /// `[C_out, kt, kh, kw, C_in]` gives `[B, T', H', W', C_out]` (cuDNN's NDHWC layout, where its
-/// tensor-core kernels read without a transposition). `None` where it is not [`accelerated`];
+/// tensor-core kernels read without a transposition). `None` where cuDNN is not loaded;
 /// operands past cuDNN's 32-bit sizes are an error (no frame runs).
 pub fn conv3d_channels_last(
     x: &Tensor,
@@ -158,15 +182,15 @@ fn in_frame_runs(
 }
 
 /// Runs `f`, a layer's whole-kernel path (its input padding, [`conv3d`] and the bias): an error
-/// (cuDNN declining a shape, or no memory for the padded copy) becomes one note on stderr and
-/// `None`, and the caller runs its own path instead.
+/// (cuDNN or the own kernel declining a shape, or no memory for the padded copy) becomes one
+/// note on stderr and `None`, and the caller runs its own path instead.
 pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
     static NOTED: AtomicBool = AtomicBool::new(false);
     match f() {
         Ok(y) => y,
         Err(e) => {
             if !NOTED.swap(true, Ordering::Relaxed) {
-                eprintln!("note: cuDNN conv3d failed ({e}); vidgen's own convolution runs");
+                eprintln!("note: conv3d failed ({e}); the sum of 2D convolutions runs");
             }
             None
         }
@@ -185,7 +209,7 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
 }
 
 /// A 3D kernel `[C_out, C_in, kt, kh, kw]` as a causal conv keeps it: whole where [`conv3d`]
-/// runs (CUDA with cuDNN), else split once into its temporal taps for the path that sums 2D
+/// runs ([`accelerated`]), else split once into its temporal taps for the path that sums 2D
 /// convolutions (the taps are copies, so only one form is held).
 #[derive(Debug, Clone)]
 pub enum Kernel3d {
@@ -212,7 +236,7 @@ impl Kernel3d {
         }
     }
 
-    /// The temporal taps (split on the fly from a whole kernel, the path of a shape cuDNN
+    /// The temporal taps (split on the fly from a whole kernel, the path of a shape [`conv3d`]
     /// declined).
     pub fn taps(&self) -> Result<Cow<'_, [Tensor]>> {
         match self {
@@ -257,7 +281,12 @@ mod tests {
 
     /// A 3D convolution as a sum of 2D ones over temporal taps (zero frames for the temporal
     /// padding; height and width share stride and padding).
-    fn tap_sum(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -> Result<Tensor> {
+    pub(super) fn tap_sum(
+        x: &Tensor,
+        w: &Tensor,
+        stride: [usize; 3],
+        padding: [usize; 3],
+    ) -> Result<Tensor> {
         let (b, c, t, h, wd) = x.dims5()?;
         let pad = Tensor::zeros((b, c, padding[0], h, wd), x.dtype(), x.device())?;
         let x = Tensor::cat(&[&pad, x, &pad], 2)?;
@@ -329,6 +358,113 @@ mod cuda_tests {
     use super::*;
     use candle_core::DType;
 
+    /// Whether cuDNN is loaded: the cuDNN tests skip without it.
+    fn cudnn_loaded() -> bool {
+        crate::models::cudnn::api().is_some()
+    }
+
+    /// The GPU, where the own kernel runs on it.
+    fn own_kernel_device() -> Option<Device> {
+        let dev = Device::new_cuda(0).ok().filter(kernel::available);
+        if dev.is_none() {
+            eprintln!("no CUDA device of compute capability 8.0+: conv3d kernel test skipped");
+        }
+        dev
+    }
+
+    /// Max over outputs of |`got` - exact| / sum |w||x| (exact: the tap sum in f64 on the CPU,
+    /// of `x` and `w` as they are), where `got` is `x` by `w` (height and width share stride
+    /// and padding).
+    fn error_per_magnitude(
+        got: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        stride: [usize; 3],
+        padding: [usize; 3],
+    ) -> Result<f64> {
+        let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
+        let (x, w) = (f64_cpu(x)?, f64_cpu(w)?);
+        let exact = tests::tap_sum(&x, &w, stride, padding)?;
+        let magnitude = tests::tap_sum(&x.abs()?, &w.abs()?, stride, padding)?;
+        let got = f64_cpu(got)?;
+        assert_eq!(got.dims(), exact.dims());
+        ((got - exact)?.abs()? / (magnitude + 1e-30)?)?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f64>()
+    }
+
+    /// (x dims, w dims, stride, padding): odd channel counts and sizes, batch 2, strides, 1- and
+    /// 3-frame kernels, padding on every dimension, more channels than one block holds.
+    type Case = ([usize; 5], [usize; 5], [usize; 3], [usize; 3]);
+    const CASES: [Case; 6] = [
+        ([2, 3, 5, 9, 11], [12, 3, 3, 3, 3], [1, 1, 1], [1, 1, 1]),
+        ([1, 5, 4, 13, 7], [7, 5, 1, 3, 3], [1, 2, 2], [0, 1, 1]),
+        ([1, 20, 7, 10, 12], [70, 20, 3, 3, 3], [2, 1, 1], [2, 0, 0]),
+        ([1, 96, 4, 17, 33], [96, 96, 3, 3, 3], [1, 1, 1], [0, 1, 1]),
+        ([2, 40, 3, 8, 9], [136, 40, 1, 1, 1], [1, 1, 1], [0, 0, 0]),
+        ([1, 16, 3, 31, 5], [33, 16, 3, 3, 3], [1, 2, 2], [1, 1, 1]),
+    ];
+
+    /// The own kernel in TF32 (every compiled configuration) within TF32's rounding of the exact
+    /// convolution: each product's operands are rounded to 10 mantissa bits, so an output is off
+    /// by at most about 2^-10 of sum |w||x|.
+    #[test]
+    fn own_kernel_tf32_matches_tap_sum() -> Result<()> {
+        let Some(dev) = own_kernel_device() else {
+            return Ok(());
+        };
+        for (xd, wd, stride, padding) in CASES {
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?;
+            let w = Tensor::randn(0f32, 1f32, &wd[..], &dev)?;
+            for tile in kernel::tiles(wd[0], DType::F32) {
+                let y = kernel::conv3d_tile(&x, &w, stride, padding, Some(tile))?;
+                let err = error_per_magnitude(&y, &x, &w, stride, padding)?;
+                assert!(err < 1e-3, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The own kernel in bf16 (f32 accumulation, the output rounded to bf16) against the exact
+    /// convolution of the same bf16 values.
+    #[test]
+    fn own_kernel_bf16_matches_tap_sum() -> Result<()> {
+        let Some(dev) = own_kernel_device() else {
+            return Ok(());
+        };
+        for (xd, wd, stride, padding) in CASES {
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?.to_dtype(DType::BF16)?;
+            let w = Tensor::randn(0f32, 1f32, &wd[..], &dev)?.to_dtype(DType::BF16)?;
+            for tile in kernel::tiles(wd[0], DType::BF16) {
+                let y = kernel::conv3d_tile(&x, &w, stride, padding, Some(tile))?;
+                assert_eq!(y.dtype(), DType::BF16);
+                let err = error_per_magnitude(&y, &x, &w, stride, padding)?;
+                assert!(err < 5e-3, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Without cuDNN, [`conv3d`] runs the own kernel where TF32 is allowed and declines exact
+    /// f32 (the tap sum runs); with cuDNN it runs both.
+    #[test]
+    fn conv3d_without_cudnn_runs_the_own_kernel_in_tf32_only() -> Result<()> {
+        let Some(dev) = own_kernel_device() else {
+            return Ok(());
+        };
+        assert!(accelerated(&dev));
+        let x = Tensor::randn(0f32, 1f32, (1, 8, 4, 6, 10), &dev)?;
+        let w = Tensor::randn(0f32, 1f32, (16, 8, 3, 3, 3), &dev)?;
+        let tf32 = conv3d_math(&x, &w, [1, 1, 1], [0, 1, 1], true)?;
+        let exact = conv3d_math(&x, &w, [1, 1, 1], [0, 1, 1], false)?;
+        assert_eq!(exact.is_some(), cudnn_loaded());
+        let y = tf32.expect("TF32 convolutions always run on CUDA");
+        let err = error_per_magnitude(&y, &x, &w, [1, 1, 1], [0, 1, 1])?;
+        assert!(err < 1e-3, "TF32 conv3d: {err:.2e}");
+        Ok(())
+    }
+
     /// cuDNN's convolution in exact f32 against the tap sum of 2D convolutions.
     #[test]
     fn cudnn_conv3d_matches_tap_sum() -> Result<()> {
@@ -336,7 +472,7 @@ mod cuda_tests {
             eprintln!("no CUDA device: cuDNN conv3d test skipped");
             return Ok(());
         };
-        if !accelerated(&dev) {
+        if !cudnn_loaded() {
             eprintln!("no cuDNN: cuDNN conv3d test skipped");
             return Ok(());
         }
@@ -377,7 +513,7 @@ mod cuda_tests {
             eprintln!("no CUDA device: cuDNN conv3d test skipped");
             return Ok(());
         };
-        if !accelerated(&dev) {
+        if !cudnn_loaded() {
             eprintln!("no cuDNN: cuDNN conv3d test skipped");
             return Ok(());
         }
@@ -415,10 +551,12 @@ mod cuda_tests {
             eprintln!("no CUDA device: cuDNN conv3d test skipped");
             return Ok(());
         };
-        if !accelerated(&dev) {
+        if !cudnn_loaded() {
             eprintln!("no cuDNN: cuDNN conv3d test skipped");
             return Ok(());
         }
+        // The search is asked for (it is off by default); other tests may then time theirs too.
+        std::env::set_var(crate::models::cudnn::conv::SEARCH_ENV, "timed");
         // 2 * 96 * 96 * 27 * (2 * 94 * 94) = 17.6 GFLOP: above the timing threshold.
         let x = Tensor::randn(0f32, 1f32, (1, 96, 4, 96, 96), &dev)?;
         let w = Tensor::randn(0f32, 0.02f32, (96, 96, 3, 3, 3), &dev)?;

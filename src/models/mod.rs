@@ -11,6 +11,9 @@ pub mod cudnn;
 #[path = "kernels/dit_ops.rs"]
 pub(crate) mod dit_ops;
 pub mod hunyuan_video;
+#[cfg(feature = "cuda")]
+#[path = "kernels/linear.rs"]
+pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
 pub mod runs;

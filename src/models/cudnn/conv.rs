@@ -1,8 +1,9 @@
 //! 3D convolution forward through cuDNN's legacy convolution API (Nd tensor, filter and
 //! convolution descriptors, `cudnnConvolutionForward`). The algorithm is chosen once per shape,
-//! dtype and math setting: large convolutions by timing every algorithm cuDNN offers on the
-//! call's own buffers (`cudnnFindConvolutionForwardAlgorithmEx`, with TF32 and exact math both
-//! tried where TF32 is allowed), small ones by cuDNN's heuristic. Workspaces come from candle's
+//! dtype and math setting: by cuDNN's heuristic, or for large convolutions where asked
+//! ([`SEARCH_ENV`]) by timing every algorithm cuDNN offers on the call's own buffers
+//! (`cudnnFindConvolutionForwardAlgorithmEx`, with TF32 and exact math both tried where TF32 is
+//! allowed). Workspaces come from candle's
 //! allocator for the call and are released after it. f32 runs with TF32 tensor-core math unless
 //! exact f32 is asked for.
 
@@ -57,17 +58,15 @@ const TIE: f32 = 1.05;
 const MAX_WORKSPACE_BYTES: usize = 4 << 30;
 /// The smallest workspace worth offering to the timed search.
 const MIN_SEARCH_WORKSPACE: usize = 64 << 20;
-/// `heuristic` skips the timed search (every shape takes cuDNN's heuristic order, within the same
-/// workspace bound): the search costs up to a few hundred milliseconds per large shape on its
-/// first call, which a benchmark can weigh against what it saves.
+/// `timed` times every algorithm on a large shape's first call (`cudnnFindConvolutionForwardAlgorithmEx`)
+/// instead of taking cuDNN's heuristic order: on the Wan decode the search cost 3.8 s and saved
+/// 0.01 s (2.388 vs 2.399 s, bench/RESULTS.md), so a pipeline's one decode takes the heuristic.
 pub const SEARCH_ENV: &str = "VIDGEN_CUDNN_CONV_ALGO";
 
-/// Whether large convolutions get their algorithm by timing (see [`SEARCH_ENV`]).
+/// Whether large convolutions get their algorithm by timing (see [`SEARCH_ENV`]); read when a
+/// shape's plan is made, which happens once per shape.
 fn timed_search() -> bool {
-    static TIMED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *TIMED.get_or_init(|| {
-        !std::env::var(SEARCH_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("heuristic"))
-    })
+    std::env::var(SEARCH_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("timed"))
 }
 
 /// A legacy descriptor and the function that destroys it.

@@ -18,28 +18,89 @@ static WAN: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/wan_ops.ptx")),
 };
 
+/// Threads of a block of [`row_launch`] (`THREADS` in the kernels).
+const ROW_BLOCK: usize = 256;
+/// 8-element vectors each thread of a grouped row kernel holds (`MAX_VECS` in the kernels).
+const MAX_VECS: usize = 8;
+
+/// Threads per row of the grouped row kernels for rows of `dim`: a warp (several rows per block,
+/// shuffle-only reductions) up to 2048, else 2 or 4 warps (2 or 4 rows per block, the warps'
+/// partial sums through shared memory) up to 4096 or 8192; each thread holds up to
+/// [`MAX_VECS`] 16-byte vectors of its row. `None` (the generic kernels) when `dim` is not a
+/// multiple of 8 or is wider.
+fn row_group(dim: usize) -> Option<usize> {
+    if !dim.is_multiple_of(8) {
+        return None;
+    }
+    [32, 64, 128].into_iter().find(|g| dim <= 8 * MAX_VECS * g)
+}
+
+/// The grouped kernel `names[i]` for `g` = 32, 64 or 128 threads per row.
+fn grouped(names: [&'static str; 3], g: usize) -> &'static str {
+    match g {
+        32 => names[0],
+        64 => names[1],
+        _ => names[2],
+    }
+}
+
+/// Whether every value fits the kernels' 32-bit indices.
+fn fits_i32(values: &[usize]) -> bool {
+    values.iter().all(|&v| i32::try_from(v).is_ok())
+}
+
 /// `LayerNorm(x) * w + b` in f32, rounded to bf16; `w`, `b` f32 `[1 or batch, dim]`.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    let wb_stride = if w.dim(0)? == 1 { 0 } else { dim as i64 };
+    let wb_stride = if w.dim(0)? == 1 { 0 } else { dim };
     // SAFETY: the kernel writes every element of `out`.
     let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
-    out.inplace_op1(&row_launch(
-        &WAN,
-        "wan_layer_norm_bf16",
-        rows,
-        vec![
-            Arg::Tensor(Some(x)),
-            Arg::Dst,
-            Arg::Tensor(Some(w)),
-            Arg::Tensor(Some(b)),
-            Arg::Int(dim as i32),
-            Arg::Long(at.row0 as i64),
-            Arg::Long(at.seq as i64),
-            Arg::Long(wb_stride),
-            Arg::Float(eps as f32),
-        ],
-    ))?;
+    if rows == 0 {
+        return Ok(out);
+    }
+    let launch = match row_group(dim) {
+        Some(g) if fits_i32(&[rows, dim, at.row0 + rows, at.seq, wb_stride]) => row_launch(
+            &WAN,
+            grouped(
+                [
+                    "wan_layer_norm_g32_bf16",
+                    "wan_layer_norm_g64_bf16",
+                    "wan_layer_norm_g128_bf16",
+                ],
+                g,
+            ),
+            rows.div_ceil(ROW_BLOCK / g),
+            vec![
+                Arg::Tensor(Some(x)),
+                Arg::Dst,
+                Arg::Tensor(Some(w)),
+                Arg::Tensor(Some(b)),
+                Arg::Int(rows as i32),
+                Arg::Int(dim as i32),
+                Arg::Int(at.row0 as i32),
+                Arg::Int(at.seq as i32),
+                Arg::Int(wb_stride as i32),
+                Arg::Float(eps as f32),
+            ],
+        ),
+        _ => row_launch(
+            &WAN,
+            "wan_layer_norm_bf16",
+            rows,
+            vec![
+                Arg::Tensor(Some(x)),
+                Arg::Dst,
+                Arg::Tensor(Some(w)),
+                Arg::Tensor(Some(b)),
+                Arg::Int(dim as i32),
+                Arg::Long(at.row0 as i64),
+                Arg::Long(at.seq as i64),
+                Arg::Long(wb_stride as i64),
+                Arg::Float(eps as f32),
+            ],
+        ),
+    };
+    out.inplace_op1(&launch)?;
     Ok(out)
 }
 
@@ -55,22 +116,43 @@ pub(crate) fn residual_into_delta(
     if res.dims2()? != (rows, dim) {
         candle_core::bail!("residual: {:?} and {:?} differ", res.shape(), delta.shape())
     }
-    delta.inplace_op1(&element_launch(
-        &WAN,
-        "wan_residual_bf16",
-        rows * dim,
-        vec![
-            Arg::Tensor(Some(res)),
-            Arg::Dst,
-            Arg::Tensor(bias),
-            Arg::Tensor(gate),
-            Arg::Dst,
-            Arg::Long((rows * dim) as i64),
-            Arg::Int(dim as i32),
-            Arg::Long(at.row0 as i64),
-            Arg::Long(at.seq as i64),
-        ],
-    ))?;
+    let n = rows * dim;
+    let launch = if dim.is_multiple_of(8) && fits_i32(&[n, at.row0 + rows, at.seq]) {
+        item_launch(
+            &WAN,
+            "wan_residual_v8_bf16",
+            n / 8,
+            vec![
+                Arg::Tensor(Some(res)),
+                Arg::Dst,
+                Arg::Tensor(bias),
+                Arg::Tensor(gate),
+                Arg::Dst,
+                Arg::Int((n / 8) as i32),
+                Arg::Int(dim as i32),
+                Arg::Int(at.row0 as i32),
+                Arg::Int(at.seq as i32),
+            ],
+        )
+    } else {
+        element_launch(
+            &WAN,
+            "wan_residual_bf16",
+            n,
+            vec![
+                Arg::Tensor(Some(res)),
+                Arg::Dst,
+                Arg::Tensor(bias),
+                Arg::Tensor(gate),
+                Arg::Dst,
+                Arg::Long(n as i64),
+                Arg::Int(dim as i32),
+                Arg::Long(at.row0 as i64),
+                Arg::Long(at.seq as i64),
+            ],
+        )
+    };
+    delta.inplace_op1(&launch)?;
     Ok(delta)
 }
 
@@ -86,41 +168,94 @@ pub(crate) fn rms_rope(
     eps: f32,
 ) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    x.inplace_op1(&row_launch(
-        &WAN,
-        "wan_rms_rope_bf16",
-        rows,
-        vec![
-            Arg::Dst,
-            Arg::Tensor(bias),
-            Arg::Tensor(Some(w)),
-            Arg::Tensor(rope.map(|r| r.0)),
-            Arg::Tensor(rope.map(|r| r.1)),
-            Arg::Int(dim as i32),
-            Arg::Int(head_dim as i32),
-            Arg::Long(at.row0 as i64),
-            Arg::Long(at.seq as i64),
-            Arg::Float(eps),
-        ],
-    ))?;
+    if rows == 0 {
+        return Ok(x);
+    }
+    let (cos, sin) = (rope.map(|r| r.0), rope.map(|r| r.1));
+    let group = row_group(dim).filter(|_| {
+        (rope.is_none() || head_dim.is_multiple_of(8))
+            && fits_i32(&[rows, dim, head_dim, at.row0 + rows, at.seq])
+    });
+    let launch = match group {
+        Some(g) => row_launch(
+            &WAN,
+            grouped(
+                [
+                    "wan_rms_rope_g32_bf16",
+                    "wan_rms_rope_g64_bf16",
+                    "wan_rms_rope_g128_bf16",
+                ],
+                g,
+            ),
+            rows.div_ceil(ROW_BLOCK / g),
+            vec![
+                Arg::Dst,
+                Arg::Tensor(bias),
+                Arg::Tensor(Some(w)),
+                Arg::Tensor(cos),
+                Arg::Tensor(sin),
+                Arg::Int(rows as i32),
+                Arg::Int(dim as i32),
+                Arg::Int(head_dim as i32),
+                Arg::Int(at.row0 as i32),
+                Arg::Int(at.seq as i32),
+                Arg::Float(eps),
+            ],
+        ),
+        None => row_launch(
+            &WAN,
+            "wan_rms_rope_bf16",
+            rows,
+            vec![
+                Arg::Dst,
+                Arg::Tensor(bias),
+                Arg::Tensor(Some(w)),
+                Arg::Tensor(cos),
+                Arg::Tensor(sin),
+                Arg::Int(dim as i32),
+                Arg::Int(head_dim as i32),
+                Arg::Long(at.row0 as i64),
+                Arg::Long(at.seq as i64),
+                Arg::Float(eps),
+            ],
+        ),
+    };
+    x.inplace_op1(&launch)?;
     Ok(x)
 }
 
 /// In place on `x` `[rows, dim]`: `x + bias`, then GELU(tanh) when `gelu`.
 pub(crate) fn bias_act(x: Tensor, bias: &Tensor, gelu: bool) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    x.inplace_op1(&element_launch(
-        &WAN,
-        "wan_bias_act_bf16",
-        rows * dim,
-        vec![
-            Arg::Dst,
-            Arg::Tensor(Some(bias)),
-            Arg::Long((rows * dim) as i64),
-            Arg::Int(dim as i32),
-            Arg::Int(gelu.into()),
-        ],
-    ))?;
+    let n = rows * dim;
+    let launch = if dim.is_multiple_of(8) && fits_i32(&[n]) {
+        item_launch(
+            &WAN,
+            "wan_bias_act_v8_bf16",
+            n / 8,
+            vec![
+                Arg::Dst,
+                Arg::Tensor(Some(bias)),
+                Arg::Int((n / 8) as i32),
+                Arg::Int(dim as i32),
+                Arg::Int(gelu.into()),
+            ],
+        )
+    } else {
+        element_launch(
+            &WAN,
+            "wan_bias_act_bf16",
+            n,
+            vec![
+                Arg::Dst,
+                Arg::Tensor(Some(bias)),
+                Arg::Long(n as i64),
+                Arg::Int(dim as i32),
+                Arg::Int(gelu.into()),
+            ],
+        )
+    };
+    x.inplace_op1(&launch)?;
     Ok(x)
 }
 

@@ -533,9 +533,16 @@ fn matmul_t(x: &Tensor, linear: &Linear) -> Result<Tensor> {
     x.matmul(&linear.weight().t()?)
 }
 
-/// `linear(x)` for `x` `[rows, in]`, then GELU(tanh) when `gelu`; on CUDA the bias (and GELU)
-/// are applied in place, so the bias-less product and the result never coexist.
+/// `linear(x)` for `x` `[rows, in]`, then GELU(tanh) when `gelu`; on CUDA in bf16 the bias (and
+/// GELU) are the matmul's epilogue, as PyTorch adds a Linear's bias (no second pass over the
+/// product), elsewhere on CUDA they are applied in place.
 fn linear_act(x: &Tensor, linear: &Linear, gelu: bool) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(bias) = linear.bias() {
+        if let Some(y) = crate::models::linear::linear_bias_act(x, linear.weight(), bias, gelu)? {
+            return Ok(y);
+        }
+    }
     let y = matmul_t(x, linear)?;
     let y = match linear.bias() {
         #[cfg(feature = "cuda")]
@@ -1399,52 +1406,160 @@ mod cuda_tests {
             eprintln!("no CUDA device: skipped");
             return;
         };
-        let (batch, seq, heads, head_dim) = (2, 300, 12, 128);
+        // (heads, head_dim, seq): Wan2.1 1.3B's width (a warp per row), Wan2.2 5B's (2 warps
+        // per row), 14B's (4 warps per row) with odd row counts, and widths the grouped and
+        // vector kernels do not take (not a multiple of 8; RoPE heads not a multiple of 8).
+        for (heads, head_dim, seq) in [(12, 128, 300), (24, 128, 40), (40, 128, 37), (3, 12, 50)] {
+            check_fused_kernels(&dev, heads, head_dim, seq);
+        }
+        check_fused_kernels(&dev, 2, 12, 30);
+    }
+
+    /// Effective bandwidth of the row and element-wise kernels at a Wan 81-frame 480p shape
+    /// (32,760 tokens) for the 1.3B, 5B and 14B widths.
+    #[test]
+    #[ignore = "timing, on a CUDA device: -- --ignored --nocapture wan_kernel_bandwidth"]
+    fn wan_kernel_bandwidth() {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let rows = 32760;
+        for dim in [1536, 3072, 5120] {
+            let head_dim = 128;
+            let n = rows * dim;
+            let bf = |shape: &[usize]| {
+                let t = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+                t.to_dtype(DType::BF16).unwrap()
+            };
+            let f32t = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let (x, d, bias, wn) = (bf(&[rows, dim]), bf(&[rows, dim]), bf(&[dim]), bf(&[dim]));
+            let (w, b, g) = (f32t(&[1, dim]), f32t(&[1, dim]), f32t(&[1, dim]));
+            let (cos, sin) = (f32t(&[rows, head_dim / 2]), f32t(&[rows, head_dim / 2]));
+            let at = wan_ops::Rows { row0: 0, seq: rows };
+            let time = |name: &str, bytes: usize, f: &dyn Fn()| {
+                for _ in 0..3 {
+                    f();
+                }
+                dev.synchronize().unwrap();
+                let iters = 20;
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    f();
+                }
+                dev.synchronize().unwrap();
+                let s = t0.elapsed().as_secs_f64() / iters as f64;
+                let tbs = bytes as f64 / s / 1e12;
+                eprintln!("dim {dim} {name}: {:.1} us, {tbs:.2} TB/s", s * 1e6);
+            };
+            time("layer_norm", 4 * n, &|| {
+                wan_ops::layer_norm(&x, &w, &b, at, 1e-6).unwrap();
+            });
+            time("residual (bias, gate)", 6 * n, &|| {
+                wan_ops::residual_into_delta(&x, d.clone(), Some(&bias), Some(&g), at).unwrap();
+            });
+            time("rms_rope", 4 * n + rows * head_dim * 4, &|| {
+                let rope = Some((&cos, &sin));
+                wan_ops::rms_rope(d.clone(), Some(&bias), &wn, rope, head_dim, at, 1e-6).unwrap();
+            });
+            time("bias_act (gelu)", 4 * n, &|| {
+                wan_ops::bias_act(d.clone(), &bias, true).unwrap();
+            });
+        }
+    }
+
+    /// Every fused kernel against its composition, for batch 2 of `seq` tokens of `heads *
+    /// head_dim`: whole tensors, a chunk of rows inside the second batch entry (row0 > 0, the
+    /// second entry's modulation), and views whose first element is not 16-byte aligned.
+    fn check_fused_kernels(dev: &Device, heads: usize, head_dim: usize, seq: usize) {
+        let batch = 2;
         let dim = heads * head_dim;
         let rows = batch * seq;
-        let (x, x_ref) = pair(1, &[rows, dim], &dev);
+        let what = format!("dim {dim} (heads {heads} x {head_dim}), seq {seq}");
+        let (x, x_ref) = pair(1, &[rows, dim], dev);
         let f32_pair = |seed, shape: &[usize]| {
-            let (_, cpu) = pair(seed, shape, &dev);
-            (cpu.to_device(&dev).unwrap(), cpu)
+            let (_, cpu) = pair(seed, shape, dev);
+            (cpu.to_device(dev).unwrap(), cpu)
         };
         let (w, w_ref) = f32_pair(2, &[batch, dim]);
         let (b, b_ref) = f32_pair(3, &[batch, dim]);
         let all = Rows { row0: 0, seq };
+        // An odd number of rows from a third into the second batch entry.
         let chunk = Rows {
-            row0: seq + 100,
+            row0: seq + seq / 3,
             seq,
         };
+        let len = (seq / 2) | 1;
+        let part = |t: &Tensor| t.narrow(0, chunk.row0, len).unwrap();
+        // The first `seq` rows of `t` seen `offset` elements further on (contiguous, storage
+        // shared with `t`).
+        let shifted = |t: &Tensor, offset: usize| {
+            t.flatten_all()
+                .unwrap()
+                .narrow(0, offset, seq * dim)
+                .unwrap()
+                .reshape((seq, dim))
+                .unwrap()
+        };
         let tol = 1e-2;
+        let check = |name: &str, got: &Tensor, want: &Tensor| {
+            let r = rel(got, want);
+            assert!(r < tol, "{name}, {what}: {r}");
+        };
 
-        // Modulated LayerNorm: whole tensor, and a chunk inside the second batch entry.
+        // Modulated LayerNorm: whole tensor, a chunk inside the second batch entry, one row of
+        // w/b shared by all (norm2), a misaligned view.
         let got = norm_affine(&x, &w, &b, all, 1e-6).unwrap();
         let want = norm_affine(&x_ref, &w_ref, &b_ref, all, 1e-6).unwrap();
-        assert!(rel(&got, &want) < tol, "norm {}", rel(&got, &want));
-        let part = |t: &Tensor| t.narrow(0, chunk.row0, 150).unwrap();
+        check("norm", &got, &want);
         let got = norm_affine(&part(&x), &w, &b, chunk, 1e-6).unwrap();
         let want = norm_affine(&part(&x_ref), &w_ref, &b_ref, chunk, 1e-6).unwrap();
-        assert!(rel(&got, &want) < tol, "chunk norm {}", rel(&got, &want));
+        check("chunk norm", &got, &want);
+        let first = |t: &Tensor| t.narrow(0, 0, 1).unwrap();
+        let got = norm_affine(&x, &first(&w), &first(&b), all, 1e-6).unwrap();
+        let want = norm_affine(&x_ref, &first(&w_ref), &first(&b_ref), all, 1e-6).unwrap();
+        check("shared norm", &got, &want);
+        let got = norm_affine(&shifted(&x, 2), &w, &b, all, 1e-6).unwrap();
+        let want = norm_affine(&shifted(&x_ref, 2), &w_ref, &b_ref, all, 1e-6).unwrap();
+        check("misaligned norm", &got, &want);
 
-        // Gated residual with a bias, and plain.
-        let (d, d_ref) = pair(4, &[rows, dim], &dev);
-        let (bias, bias_ref) = pair(5, &[dim], &dev);
+        // Gated residual with a bias, plain, on a chunk, and on misaligned views.
+        let (d, d_ref) = pair(4, &[rows, dim], dev);
+        let (bias, bias_ref) = pair(5, &[dim], dev);
         let got = residual(&x, d.copy().unwrap(), Some(&bias), Some(&w), all).unwrap();
         let want = residual(&x_ref, d_ref.clone(), Some(&bias_ref), Some(&w_ref), all).unwrap();
-        assert!(rel(&got, &want) < tol, "residual {}", rel(&got, &want));
+        check("residual", &got, &want);
         let got = residual(&x, d.copy().unwrap(), None, None, all).unwrap();
         let want = residual(&x_ref, d_ref.clone(), None, None, all).unwrap();
-        assert!(
-            rel(&got, &want) < tol,
-            "plain residual {}",
-            rel(&got, &want)
+        check("plain residual", &got, &want);
+        let got = residual(
+            &part(&x),
+            part(&d).copy().unwrap(),
+            Some(&bias),
+            Some(&w),
+            chunk,
         );
+        let want = residual(
+            &part(&x_ref),
+            part(&d_ref),
+            Some(&bias_ref),
+            Some(&w_ref),
+            chunk,
+        );
+        check("chunk residual", &got.unwrap(), &want.unwrap());
+        let delta = shifted(&d.copy().unwrap(), 6);
+        let got = residual(&shifted(&x, 2), delta, Some(&bias), Some(&w), all).unwrap();
+        let want = residual(
+            &shifted(&x_ref, 2),
+            shifted(&d_ref, 6),
+            Some(&bias_ref),
+            Some(&w_ref),
+            all,
+        )
+        .unwrap();
+        check("misaligned residual", &got, &want);
 
         // q/k: bias, RMSNorm across heads, RoPE.
-        let cfg = WanTransformerConfig {
-            num_attention_heads: heads,
-            attention_head_dim: head_dim,
-            ..Default::default()
-        };
         let attn = |dev: &Device, dtype| {
             let (wq, wq_ref) = pair(6, &[dim, dim], &Device::Cpu);
             let w = if dtype == DType::BF16 { wq } else { wq_ref };
@@ -1458,47 +1573,65 @@ mod cuda_tests {
                 norm_q: t(&(bias_ref.abs().unwrap() + 0.5).unwrap()),
                 norm_k: t(&bias_ref),
                 added: None,
-                heads: cfg.num_attention_heads,
-                head_dim: cfg.attention_head_dim,
+                heads,
+                head_dim,
                 eps: 1e-6,
             }
         };
-        let (gpu_attn, cpu_attn) = (attn(&dev, DType::BF16), attn(&Device::Cpu, DType::F32));
+        let (gpu_attn, cpu_attn) = (attn(dev, DType::BF16), attn(&Device::Cpu, DType::F32));
         let (angles, _) = f32_pair(7, &[seq, head_dim / 2]);
         let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
         let cpu_rope = (
             cos.to_device(&Device::Cpu).unwrap(),
             sin.to_device(&Device::Cpu).unwrap(),
         );
-        let got = gpu_attn
-            .norm_rope(
-                d.copy().unwrap(),
-                &gpu_attn.to_q,
-                &gpu_attn.norm_q,
-                Some((&cos, &sin)),
-                all,
-            )
-            .unwrap();
-        let want = cpu_attn
-            .norm_rope(
-                d_ref.clone(),
-                &cpu_attn.to_q,
-                &cpu_attn.norm_q,
-                Some((&cpu_rope.0, &cpu_rope.1)),
-                all,
-            )
-            .unwrap();
-        assert!(rel(&got, &want) < tol, "rms+rope {}", rel(&got, &want));
+        let gpu_q = |x: Tensor, at: Rows, rope: bool| {
+            let rope = rope.then_some((&cos, &sin));
+            let a = &gpu_attn;
+            a.norm_rope(x, &a.to_q, &a.norm_q, rope, at).unwrap()
+        };
+        let cpu_q = |x: Tensor, at: Rows, rope: bool| {
+            let rope = rope.then_some((&cpu_rope.0, &cpu_rope.1));
+            let a = &cpu_attn;
+            a.norm_rope(x, &a.to_q, &a.norm_q, rope, at).unwrap()
+        };
+        let want = cpu_q(d_ref.clone(), all, true);
+        check("rms+rope", &gpu_q(d.copy().unwrap(), all, true), &want);
+        // Rows of the second entry: their RoPE positions follow row0.
+        let got = gpu_q(part(&d).copy().unwrap(), chunk, true);
+        check("chunk rms+rope", &got, &part(&want));
+        let got = gpu_q(shifted(&d.copy().unwrap(), 4), all, true);
+        check(
+            "misaligned rms+rope",
+            &got,
+            &cpu_q(shifted(&d_ref, 4), all, true),
+        );
+        // Keys of a cross-attention: no RoPE.
+        let got = gpu_q(d.copy().unwrap(), all, false);
+        check("rms", &got, &cpu_q(d_ref.clone(), all, false));
 
         // Bias in place (the v projection).
         let got = linear_act(&x, &gpu_attn.to_v, false).unwrap();
         let want = linear_act(&x_ref, &cpu_attn.to_v, false).unwrap();
-        assert!(rel(&got, &want) < tol, "linear {}", rel(&got, &want));
+        check("linear", &got, &want);
 
         // Bias + GELU inside the feed-forward.
         let mlp = |a: &WanAttention| GeluMlp::new(a.to_q.clone(), a.to_k.clone());
         let got = mlp(&gpu_attn).forward_without_out_bias(&x).unwrap();
         let want = mlp(&cpu_attn).forward_without_out_bias(&x_ref).unwrap();
-        assert!(rel(&got, &want) < tol, "ffn {}", rel(&got, &want));
+        check("ffn", &got, &want);
+
+        // The bias (+ GELU) kernel itself (linear_act may fuse it into the matmul), also on a
+        // misaligned view.
+        for gelu in [false, true] {
+            let want = x_ref.broadcast_add(&bias_ref).unwrap();
+            let want = if gelu { want.gelu().unwrap() } else { want };
+            let got = wan_ops::bias_act(x.copy().unwrap(), &bias, gelu).unwrap();
+            check(&format!("bias_act gelu={gelu}"), &got, &want);
+            let got = wan_ops::bias_act(shifted(&x.copy().unwrap(), 2), &bias, gelu).unwrap();
+            let want = shifted(&x_ref, 2).broadcast_add(&bias_ref).unwrap();
+            let want = if gelu { want.gelu().unwrap() } else { want };
+            check(&format!("misaligned bias_act gelu={gelu}"), &got, &want);
+        }
     }
 }

@@ -1,0 +1,110 @@
+//! Times vidgen's own 3D convolution kernel (each configuration, TF32 and bf16) against cuDNN
+//! (where it is loaded) and the sum of 2D convolutions it replaces, at the Wan VAE decoder's
+//! shapes, and checks each against the exact f32 tap sum.
+//!
+//! `cargo run --release --no-default-features --features cuda --example conv3d_bench`
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use vidgen::models::conv3d::{self, kernel};
+
+#[path = "support/median.rs"]
+mod median;
+use median::median_seconds as time;
+
+/// The decoder's 3x3x3 convolutions (stride 1, spatial padding 1, the causal temporal padding
+/// already in `x`): (x dims, output channels).
+const SHAPES: [([usize; 5], usize); 5] = [
+    ([1, 384, 3, 60, 104], 384),
+    ([1, 384, 4, 120, 208], 384),
+    ([1, 192, 6, 240, 416], 192),
+    ([1, 96, 6, 480, 832], 96),
+    ([1, 192, 6, 480, 832], 96),
+];
+const STRIDE: [usize; 3] = [1, 1, 1];
+const PADDING: [usize; 3] = [0, 1, 1];
+
+/// The fallback without cuDNN: every output frame a sum over temporal taps of 2D convolutions
+/// (candle's, exact f32).
+fn tap_sum(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let kt = w.dim(2)?;
+    let taps = (0..kt)
+        .map(|k| w.narrow(2, k, 1)?.squeeze(2)?.contiguous())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let frames = x.dim(2)? + 1 - kt;
+    let mut out = Vec::with_capacity(frames);
+    for o in 0..frames {
+        let mut acc: Option<Tensor> = None;
+        for (k, tap) in taps.iter().enumerate() {
+            let frame = x.narrow(2, o + k, 1)?.squeeze(2)?.contiguous()?;
+            let y = frame.conv2d(tap, PADDING[1], STRIDE[1], 1, 1)?;
+            acc = Some(match acc {
+                Some(a) => (a + y)?,
+                None => y,
+            });
+        }
+        out.push(acc.expect("a kernel has taps"));
+    }
+    Ok(Tensor::stack(&out, 2)?)
+}
+
+/// Max absolute error of `y` against `reference`, and that over max |reference|.
+fn errors(y: &Tensor, reference: &Tensor) -> Result<(f32, f32)> {
+    let max =
+        |t: &Tensor| -> Result<f32> { Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?) };
+    let diff = max(&(y.to_dtype(DType::F32)? - reference)?)?;
+    Ok((diff, diff / max(reference)?))
+}
+
+fn main() -> Result<()> {
+    let dev = Device::cuda_if_available(0)?;
+    if !dev.is_cuda() {
+        bail!("conv3d_bench needs a CUDA build (--features cuda) and a GPU");
+    }
+    let cudnn = vidgen::models::cudnn::api().is_some();
+    println!(
+        "{:<24} {:>4} {:>8} {:>5} {:<16} {:>9} {:>8} {:>10} {:>10}",
+        "x", "Cout", "GFLOP", "dtype", "path", "ms", "TFLOP/s", "max diff", "rel diff"
+    );
+    for (xd, c_out) in SHAPES {
+        let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?;
+        let fan_in = (xd[1] * 27) as f64;
+        let w = (Tensor::randn(0f32, 1f32, (c_out, xd[1], 3, 3, 3), &dev)? / fan_in.sqrt())?;
+        let frames = xd[2] - 2;
+        let gflop = 2.0 * (c_out * xd[1] * 27 * frames * xd[3] * xd[4]) as f64 / 1e9;
+        let reference = tap_sum(&x, &w)?;
+        let row = |dtype: &str, path: &str, seconds: f64, y: &Tensor| -> Result<()> {
+            let (max, rel) = errors(y, &reference)?;
+            println!(
+                "{:<24} {c_out:>4} {gflop:>8.1} {dtype:>5} {path:<16} {:>9.3} {:>8.1} {max:>10.2e} {rel:>10.2e}",
+                format!("{xd:?}"),
+                seconds * 1e3,
+                gflop / seconds / 1e3,
+            );
+            Ok(())
+        };
+        let taps = time(&dev, 3, || tap_sum(&x, &w))?;
+        row("f32", "tap sum", taps, &reference)?;
+        if cudnn {
+            conv3d::set_tf32(true);
+            let run = || conv3d::conv3d(&x, &w, STRIDE, PADDING);
+            let y = run()?.expect("cuDNN runs f32");
+            row("f32", "cuDNN tf32", time(&dev, 10, run)?, &y)?;
+        }
+        for dtype in [DType::F32, DType::BF16] {
+            let (x, w) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+            let name = if dtype == DType::F32 { "tf32" } else { "bf16" };
+            for tile in kernel::tiles(c_out, dtype) {
+                let run = || kernel::conv3d_tile(&x, &w, STRIDE, PADDING, Some(tile));
+                let path = format!("own m{} s{}", tile.channels, tile.stages);
+                row(name, &path, time(&dev, 10, run)?, &run()?)?;
+            }
+            if cudnn && dtype == DType::BF16 {
+                let run = || conv3d::conv3d(&x, &w, STRIDE, PADDING);
+                let y = run()?.expect("cuDNN runs bf16");
+                row(name, "cuDNN", time(&dev, 10, run)?, &y)?;
+            }
+        }
+    }
+    Ok(())
+}

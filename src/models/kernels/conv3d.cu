@@ -1,0 +1,442 @@
+// Implicit-GEMM 3D convolution (cross-correlation, NCDHW, zero padding, no bias) on the tensor
+// cores, for vidgen's `conv3d` where cuDNN is not loaded.
+//
+// GEMM view: M = C_out, N = B * T' * H' * W' output positions, K = taps * C_in, with K ordered
+// tap-major (tap = (dt, dh, dw), then input channel). A is the weight packed by `conv3d_pack_*`
+// into [C_out][taps][C_in rounded up to a 16-byte chunk] (f32 already rounded to TF32, so its
+// fragments need no conversion); B is gathered from x while it is copied to shared memory: one
+// K tile is one tap and BK channels, so whether a position's tap reads padding is one test per
+// tile, and the channels are a fixed stride apart. No im2col buffer exists.
+//
+// A block computes BM x BN outputs with 8 warps (2 along M, 4 along N); K tiles stream through
+// STAGES shared-memory buffers. f32 runs TF32 mma.sync m16n8k8 (x rounded with cvt.rna as its
+// fragments are read) and copies x with 4-byte cp.async, whose zero fill is the padding; bf16
+// runs mma.sync m16n8k16 and, cp.async copying at least 4 bytes, stages x through registers (the
+// loads of the next tile are in flight while the current one is multiplied). Accumulators are
+// f32. Offsets into x, w and the output are 64-bit; positions and K are 32-bit.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+// The problem's sizes, as the launcher passes them (one struct, `Geometry` in conv3d.rs).
+struct Geometry {
+  int c_in, t_in, h_in, w_in;
+  int c_out, t_out, h_out, w_out;
+  int kt, kh, kw;
+  int st, sh, sw;
+  int pt, ph, pw;
+  int c_in_pad;   // channels per tap in the packed weight
+  int positions;  // N
+};
+
+constexpr int WARPS_M = 2;
+constexpr int WARPS_N = 4;
+constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+constexpr int BN = 128;
+
+template <typename T> struct Elem;
+
+template <> struct Elem<float> {
+  static constexpr int BK = 16;  // two k8 steps
+  static constexpr int B_PAD = 8;  // 136-float rows: the fragment reads (k = lane % 4) hit 32 banks
+};
+
+template <> struct Elem<__nv_bfloat16> {
+  static constexpr int BK = 32;  // two k16 steps
+  static constexpr int B_PAD = 8;  // 272-byte rows: the 8 rows one ldmatrix reads hit 8 bank groups
+};
+
+// Shared A rows are BK elements plus 16 bytes (80 bytes): ldmatrix's 8 rows hit 8 bank groups.
+template <typename T> __host__ __device__ constexpr int a_stride() {
+  return Elem<T>::BK + 16 / sizeof(T);
+}
+
+template <typename T> __host__ __device__ constexpr int b_stride() {
+  return BN + Elem<T>::B_PAD;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 fills the destination with zeros.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// 4-byte global -> shared copy; src_bytes = 0 fills the destination with zeros.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void store1(float *p, float v) { *p = v; }
+__device__ __forceinline__ void store1(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store2(float *p, float lo, float hi) {
+  *reinterpret_cast<float2 *>(p) = make_float2(lo, hi);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16 *p, float lo, float hi) {
+  *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(lo, hi);
+}
+
+// The next K tile's tap and first channel, stepped tile by tile (no divisions in the loop).
+struct TileCursor {
+  int c0, dt, dh, dw;
+
+  __device__ __forceinline__ void advance(const Geometry &g, int bk) {
+    c0 += bk;
+    if (c0 >= g.c_in) {
+      c0 = 0;
+      if (++dw == g.kw) {
+        dw = 0;
+        if (++dh == g.kh) {
+          dh = 0;
+          ++dt;
+        }
+      }
+    }
+  }
+};
+
+template <typename T, int BM, int STAGES>
+__device__ __forceinline__ void conv3d_igemm(const T *__restrict__ x, const T *__restrict__ w,
+                                             T *__restrict__ y, const Geometry &g) {
+  constexpr int BK = Elem<T>::BK;
+  constexpr int AS = a_stride<T>();
+  constexpr int BS = b_stride<T>();
+  constexpr int WTM = BM / WARPS_M;   // warp tile rows
+  constexpr int WTN = BN / WARPS_N;   // warp tile columns
+  constexpr int MT = WTM / 16;        // m16 tiles per warp
+  constexpr int NT = WTN / 8;         // n8 tiles per warp
+  constexpr int CHUNK = 16 / sizeof(T);          // elements per 16-byte copy
+  constexpr int A_CHUNKS = BM * BK / CHUNK / THREADS;  // A copies per thread per tile
+  constexpr int B_ROWS = THREADS / BN;           // K rows one pass of the block copies
+  constexpr int B_PASSES = BK / B_ROWS;          // B elements per thread per tile
+  constexpr bool F32 = sizeof(T) == 4;
+  static_assert(A_CHUNKS >= 1 && BM * BK == A_CHUNKS * CHUNK * THREADS, "A tile copy");
+  static_assert(NT % 2 == 0, "bf16 B fragments load n8 tiles in pairs");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T *sA = reinterpret_cast<T *>(smem_raw);  // [STAGES][BM][AS]
+  T *sB = sA + STAGES * BM * AS;            // [STAGES][BK][BS]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  const int m_tiles = (g.c_out + BM - 1) / BM;
+  // M tiles vary fastest, so the blocks that gather the same positions run together.
+  const int m0 = (blockIdx.x % m_tiles) * BM;
+  const int n0 = (blockIdx.x / m_tiles) * BN;
+
+  const int taps = g.kt * g.kh * g.kw;
+  const int k_tiles = taps * ((g.c_in + BK - 1) / BK);
+  const long long hw = (long long)g.h_in * g.w_in;
+  const long long thw = hw * g.t_in;  // one input channel
+  const int out_hw = g.h_out * g.w_out;
+  const long long out_thw = (long long)g.t_out * out_hw;
+
+  // This thread's A copies: rows of the packed weight, 16 bytes each.
+  const T *a_src[A_CHUNKS];
+  bool a_row_ok[A_CHUNKS];
+  int a_dst[A_CHUNKS], a_col[A_CHUNKS];
+#pragma unroll
+  for (int i = 0; i < A_CHUNKS; ++i) {
+    const int c = tid + i * THREADS;
+    const int row = c / (BK / CHUNK);
+    a_col[i] = (c % (BK / CHUNK)) * CHUNK;
+    a_dst[i] = row * AS + a_col[i];
+    a_row_ok[i] = m0 + row < g.c_out;
+    a_src[i] = w + (long long)(a_row_ok[i] ? m0 + row : 0) * taps * g.c_in_pad + a_col[i];
+  }
+
+  // This thread's B column: one output position, decomposed once.
+  const int b_col = tid % BN, b_row0 = tid / BN;
+  const int n = n0 + b_col;
+  const bool n_ok = n < g.positions;
+  int t0 = 0, h0 = 0, w0 = 0;
+  long long x_pos = 0;  // offset of the position's (dt, dh, dw) = (0, 0, 0) tap, channel 0
+  if (n_ok) {
+    const long long p_per_batch = out_thw;
+    const int b = (int)(n / p_per_batch);
+    const int p = (int)(n - b * p_per_batch);
+    const int to = p / out_hw, rem = p - to * out_hw;
+    const int ho = rem / g.w_out, wo = rem - ho * g.w_out;
+    t0 = to * g.st - g.pt;
+    h0 = ho * g.sh - g.ph;
+    w0 = wo * g.sw - g.pw;
+    x_pos = (long long)b * g.c_in * thw + t0 * hw + (long long)h0 * g.w_in + w0;
+  }
+
+  TileCursor cursor = {0, 0, 0, 0};
+  // The B elements of the tile at `cursor` this thread copies: one source per pass, or none.
+  auto b_sources = [&](const T *(&src)[B_PASSES], int &valid_rows) {
+    const bool tap_ok = n_ok && (unsigned)(t0 + cursor.dt) < (unsigned)g.t_in &&
+                        (unsigned)(h0 + cursor.dh) < (unsigned)g.h_in &&
+                        (unsigned)(w0 + cursor.dw) < (unsigned)g.w_in;
+    valid_rows = tap_ok ? g.c_in - cursor.c0 : 0;
+    const T *base = x + x_pos + (cursor.dt * hw + (long long)cursor.dh * g.w_in + cursor.dw) +
+                    (cursor.c0 + b_row0) * thw;
+#pragma unroll
+    for (int j = 0; j < B_PASSES; ++j) src[j] = base + j * B_ROWS * thw;
+  };
+  auto load_a = [&](int stage) {
+    const int tap = (cursor.dt * g.kh + cursor.dh) * g.kw + cursor.dw;
+    const long long k_off = (long long)tap * g.c_in_pad + cursor.c0;
+    T *dst = sA + stage * BM * AS;
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; ++i) {
+      const bool ok = a_row_ok[i] && cursor.c0 + a_col[i] < g.c_in_pad;
+      cp_async16(smem_addr(dst + a_dst[i]), ok ? a_src[i] + k_off : w, ok ? 16 : 0);
+    }
+  };
+  // f32: the B tile straight to shared memory, zeros where the tap or channel is outside x.
+  auto load_b_async = [&](int stage) {
+    const T *src[B_PASSES];
+    int valid_rows;
+    b_sources(src, valid_rows);
+    T *dst = sB + stage * BK * BS + b_row0 * BS + b_col;
+#pragma unroll
+    for (int j = 0; j < B_PASSES; ++j) {
+      const bool ok = b_row0 + j * B_ROWS < valid_rows;
+      cp_async4(smem_addr(dst + j * B_ROWS * BS), ok ? src[j] : x, ok ? 4 : 0);
+    }
+  };
+  // bf16: the B tile into registers (stored after the current tile's products).
+  auto fetch_b = [&](unsigned short (&r)[B_PASSES]) {
+    const T *src[B_PASSES];
+    int valid_rows;
+    b_sources(src, valid_rows);
+#pragma unroll
+    for (int j = 0; j < B_PASSES; ++j) {
+      r[j] = b_row0 + j * B_ROWS < valid_rows
+                 ? __ldg(reinterpret_cast<const unsigned short *>(src[j]))
+                 : (unsigned short)0;
+    }
+  };
+  auto store_b = [&](const unsigned short (&r)[B_PASSES], int stage) {
+    unsigned short *dst =
+        reinterpret_cast<unsigned short *>(sB + stage * BK * BS + b_row0 * BS + b_col);
+#pragma unroll
+    for (int j = 0; j < B_PASSES; ++j) dst[j * B_ROWS * BS] = r[j];
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+  }
+
+  // Prologue: the first STAGES - 1 tiles (one commit group each, empty past the end).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_tiles) {
+      load_a(s);
+      if constexpr (F32) {
+        load_b_async(s);
+      } else {
+        unsigned short r[B_PASSES];
+        fetch_b(r);
+        store_b(r, s);
+      }
+      cursor.advance(g, BK);
+    }
+    cp_async_commit();
+  }
+
+  const int g8 = lane / 4, t4 = lane % 4;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    // The stage refilled now was read in the previous iteration, which every warp has left.
+    const int next = kt + STAGES - 1;
+    const int next_stage = next % STAGES;
+    unsigned short staged[F32 ? 1 : B_PASSES];
+    if (next < k_tiles) {
+      load_a(next_stage);
+      if constexpr (F32) {
+        load_b_async(next_stage);
+      } else {
+        fetch_b(staged);
+      }
+    }
+    cp_async_commit();
+
+    const T *a = sA + (kt % STAGES) * BM * AS;
+    const T *b = sB + (kt % STAGES) * BK * BS;
+    if constexpr (F32) {
+#pragma unroll
+      for (int ks = 0; ks < BK; ks += 8) {
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const int row = wm * WTM + i * 16 + lane % 16;
+          ldsm_x4(af[i], smem_addr(a + row * AS + ks + (lane / 16) * 4));
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const float *col = reinterpret_cast<const float *>(b) + (ks + t4) * BS +
+                             wn * WTN + j * 8 + g8;
+          const uint32_t b0 = to_tf32(col[0]), b1 = to_tf32(col[4 * BS]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) mma_tf32(acc[i][j], af[i], b0, b1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < BK; ks += 16) {
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const int row = wm * WTM + i * 16 + lane % 16;
+          ldsm_x4(af[i], smem_addr(a + row * AS + ks + (lane / 16) * 8));
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          uint32_t bf[4];
+          ldsm_x4_t(bf, smem_addr(b + (ks + lane % 16) * BS + wn * WTN + j * 8 + (lane / 16) * 8));
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            mma_bf16(acc[i][j], af[i], bf[0], bf[1]);
+            mma_bf16(acc[i][j + 1], af[i], bf[2], bf[3]);
+          }
+        }
+      }
+    }
+    if constexpr (!F32) {
+      if (next < k_tiles) store_b(staged, next_stage);
+    }
+    if (next < k_tiles) cursor.advance(g, BK);
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: each accumulator pair (columns 2 * t4, 2 * t4 + 1) to y[b, m, p]; with an even
+  // number of positions per batch the pair is adjacent in y and aligned, one store.
+  const bool pairs = out_thw % 2 == 0;
+  const long long batch_stride = (long long)g.c_out * out_thw;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    long long col_off[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = n0 + wn * WTN + j * 8 + 2 * t4 + e;
+      const long long b = c / out_thw;
+      col_off[e] = c < g.positions ? b * batch_stride + (c - b * out_thw) : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + wm * WTM + i * 16 + g8 + 8 * h;
+        if (m >= g.c_out) continue;
+        const long long row_off = m * out_thw;
+        const float lo = acc[i][j][2 * h], hi = acc[i][j][2 * h + 1];
+        if (pairs) {
+          if (col_off[0] >= 0) store2(y + row_off + col_off[0], lo, hi);
+        } else {
+          if (col_off[0] >= 0) store1(y + row_off + col_off[0], lo);
+          if (col_off[1] >= 0) store1(y + row_off + col_off[1], hi);
+        }
+      }
+    }
+  }
+}
+
+// The weight [C_out][C_in][taps] as [C_out][taps][c_in_pad], zeros in the added channels.
+template <typename T, bool TF32>
+__device__ __forceinline__ void pack(const T *__restrict__ w, T *__restrict__ out, int c_out,
+                                     int c_in, int taps, int c_in_pad) {
+  const long long total = (long long)c_out * taps * c_in_pad;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int c = (int)(i % c_in_pad);
+    const long long row = i / c_in_pad;
+    const int tap = (int)(row % taps);
+    const long long o = row / taps;
+    T v = T(0.f);
+    if (c < c_in) {
+      v = w[(o * c_in + c) * taps + tap];
+      if constexpr (TF32) v = __uint_as_float(to_tf32(v));
+    }
+    out[i] = v;
+  }
+}
+
+}  // namespace
+
+extern "C" __global__ void conv3d_pack_f32(const float *w, float *out, int c_out, int c_in,
+                                           int taps, int c_in_pad) {
+  pack<float, true>(w, out, c_out, c_in, taps, c_in_pad);
+}
+
+extern "C" __global__ void conv3d_pack_bf16(const __nv_bfloat16 *w, __nv_bfloat16 *out,
+                                            int c_out, int c_in, int taps, int c_in_pad) {
+  pack<__nv_bfloat16, false>(w, out, c_out, c_in, taps, c_in_pad);
+}
+
+// conv3d_<dtype>_m<BM>_s<STAGES>; the launcher picks one by C_out and shared memory.
+#define CONV3D(NAME, T, BM, STAGES)                                                       \
+  extern "C" __global__ void __launch_bounds__(THREADS, 2)                                \
+      NAME(const T *x, const T *w, T *y, Geometry g) {                                    \
+    conv3d_igemm<T, BM, STAGES>(x, w, y, g);                                              \
+  }
+
+#define CONV3D_CONFIGS(DTYPE, T) \
+  CONV3D(conv3d_##DTYPE##_m128_s4, T, 128, 4) \
+  CONV3D(conv3d_##DTYPE##_m128_s2, T, 128, 2) \
+  CONV3D(conv3d_##DTYPE##_m64_s4, T, 64, 4)   \
+  CONV3D(conv3d_##DTYPE##_m64_s2, T, 64, 2)
+
+CONV3D_CONFIGS(f32, float)
+CONV3D_CONFIGS(bf16, __nv_bfloat16)
