@@ -155,7 +155,9 @@ mod cuda_tests {
             // Each element within two bf16 ulps of the f32 value (plus the f32 matmul's own
             // summation-order noise).
             let bound = ((want.abs()? * (2.0 / 128.0))? + 1e-3)?;
-            let excess = ((got - &want)?.abs()? - bound)?.max_all()?.to_scalar::<f32>()?;
+            let excess = ((got - &want)?.abs()? - bound)?
+                .max_all()?
+                .to_scalar::<f32>()?;
             assert!(excess <= 0.0, "gelu {gelu}: {excess} over the bound");
         }
         Ok(())
