@@ -1,4 +1,5 @@
-//! Compiles the CUDA kernels to PTX when the `cuda` feature is on; the default build needs no nvcc.
+//! Compiles the CUDA kernels (fat binaries) when the `cuda` feature is on; the default build needs
+//! no nvcc.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,9 +15,11 @@ fn main() {
         .filter(|path| path.exists())
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    // compute_80 PTX: the oldest target with the instructions used (mma.sync bf16, cp.async);
-    // the driver compiles it for the GPU at hand when the module loads. The DiT block kernels
-    // keep IEEE division and square roots (no fast math): they stand in for candle's f32 ops.
+    // One fat binary per file: machine code for sm_80 (also run by sm_86/87/89), sm_90, sm_100
+    // and sm_120 (also sm_121, GB10), so those GPUs load the kernels without compiling them, and
+    // compute_80 PTX (mma.sync bf16 and cp.async need sm_80) that the driver compiles for any
+    // other. The DiT block kernels keep IEEE division and square roots (no fast math): they stand
+    // in for candle's f32 ops.
     for (name, fast_math) in [
         ("flash_attn", true),
         ("wan_ops", false),
@@ -26,13 +29,17 @@ fn main() {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let mut cmd = Command::new(&nvcc);
-        cmd.args(["--ptx", "-arch=compute_80", "-O3"]);
+        cmd.args([
+            "--fatbin",
+            "-gencode=arch=compute_80,code=[compute_80,sm_80,sm_90,sm_100,sm_120]",
+            "-O3",
+        ]);
         if fast_math {
             cmd.arg("--use_fast_math");
         }
         let status = cmd
             .arg("-o")
-            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(out_dir.join(format!("{name}.fatbin")))
             .arg(&src)
             .status()
             .unwrap_or_else(|e| panic!("running {}: {e}", nvcc.display()));

@@ -12,6 +12,9 @@ pub mod cudnn;
 pub(crate) mod dit_ops;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
+#[path = "kernels/module.rs"]
+pub(crate) mod kernel_module;
+#[cfg(feature = "cuda")]
 #[path = "kernels/linear.rs"]
 pub(crate) mod linear;
 pub mod ltx;

@@ -728,7 +728,14 @@ fn write_stats(path: &Path, stats: &serde_json::Value) -> Result<()> {
 fn candle_device(config: &ResolvedConfig) -> Result<Device> {
     Ok(match config.device.kind {
         DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(config.device.ordinal)?,
+        DeviceKind::Cuda => {
+            // cuDNN's libraries take most of a second to open and relocate: open them beside the
+            // first loads instead of inside the first component that asks (the loaded
+            // library is shared, so nothing is opened twice).
+            #[cfg(feature = "cuda")]
+            std::thread::spawn(crate::models::cudnn::api);
+            Device::new_cuda(config.device.ordinal)?
+        }
         DeviceKind::Metal => Device::new_metal(config.device.ordinal)?,
     })
 }

@@ -2,6 +2,7 @@
 //! that gathers its input straight from `x` (no im2col buffer), for GPUs where cuDNN is not
 //! loaded. f32 runs TF32 math, bf16 bf16 math, both accumulating in f32.
 
+use crate::models::kernel_module::{kernel_module, Module};
 use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
@@ -10,8 +11,7 @@ use candle_core::{
     Tensor,
 };
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/conv3d.ptx"));
-const MODULE: &str = "vidgen_conv3d";
+static CONV: Module = kernel_module!("conv3d");
 /// Threads per block (8 warps, `THREADS` in the kernel).
 const THREADS: usize = 256;
 /// Output positions per block (`BN`).
@@ -258,7 +258,7 @@ impl Conv3d {
         let packed_len = g.c_out as usize * taps as usize * g.c_in_pad as usize;
         // SAFETY: the pack kernel writes every element.
         let packed = unsafe { dev.alloc::<T>(packed_len) }?;
-        let pack = dev.get_or_load_custom_func(&format!("conv3d_pack_{name}"), MODULE, PTX)?;
+        let pack = CONV.function(dev, &format!("conv3d_pack_{name}"))?;
         let mut builder = pack.builder();
         builder.arg(&w).arg(&packed);
         builder
@@ -275,10 +275,9 @@ impl Conv3d {
         // elements and `packed` packed_len.
         unsafe { builder.launch(cfg) }.w()?;
 
-        let func = dev.get_or_load_custom_func(
+        let func = CONV.function(
+            dev,
             &format!("conv3d_{name}_m{}_s{}", tile.channels, tile.stages),
-            MODULE,
-            PTX,
         )?;
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -7,14 +7,12 @@
 //! result that is consumed), through one generic [`InplaceOp1`]: its other tensor arguments
 //! are read-only and must not share storage with the destination.
 
+use crate::models::kernel_module::{kernel_module, Module};
 use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Storage, Tensor, D};
 
-static DIT: Module = Module {
-    name: "vidgen_dit_ops",
-    ptx: include_str!(concat!(env!("OUT_DIR"), "/dit_ops.ptx")),
-};
+static DIT: Module = kernel_module!("dit_ops");
 
 /// Threads of a row kernel (`THREADS` in the kernel).
 const ROW_THREADS: usize = 256;
@@ -45,12 +43,6 @@ pub(crate) enum Arg<'a> {
     Int(i32),
     Long(i64),
     Float(f32),
-}
-
-/// A PTX module: the name it is loaded under and its text.
-pub(crate) struct Module {
-    pub name: &'static str,
-    pub ptx: &'static str,
 }
 
 /// One launch of `func` of `module` with one block of `block` threads per unit of `grid`.
@@ -134,7 +126,7 @@ impl InplaceOp1 for Launch<'_> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let func = dev.get_or_load_custom_func(self.func, self.module.name, self.module.ptx)?;
+        let func = self.module.function(&dev, self.func)?;
         let mut builder = func.builder();
         for value in &values {
             match value {

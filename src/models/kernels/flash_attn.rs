@@ -1,6 +1,7 @@
 //! Fused attention forward on CUDA (`flash_attn.cu`, the FlashAttention-2 scheme): scores and
 //! probabilities stay on the chip, so one pass reads q, k and v and writes the output once.
 
+use crate::models::kernel_module::{kernel_module, Module};
 use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
@@ -8,8 +9,7 @@ use candle_core::{
     CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
 };
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
-const MODULE: &str = "vidgen_flash_attn";
+static ATTN: Module = kernel_module!("flash_attn");
 /// Warps per block (`NW` in the kernel).
 const WARPS: usize = 4;
 /// Key/value rows per shared-memory tile (`BC` in the kernel).
@@ -157,7 +157,7 @@ impl FlashAttn {
             candle_core::bail!("flash-attn: no configuration fits {limit} B of shared memory")
         };
         let name = format!("flash_fwd_{dtype}_d{d}_{}", tile.suffix());
-        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let func = ATTN.function(dev, &name)?;
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             tile.shared_bytes as i32,

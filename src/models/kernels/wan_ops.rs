@@ -10,13 +10,11 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::models::dit_ops::{element_launch, item_launch, row_launch, Arg, Launch, Module};
+use crate::models::dit_ops::{element_launch, item_launch, row_launch, Arg, Launch};
 pub(crate) use crate::models::dit_ops::{rows_supported, supported, Rows};
+use crate::models::kernel_module::{kernel_module, Module};
 
-static WAN: Module = Module {
-    name: "vidgen_wan_ops",
-    ptx: include_str!(concat!(env!("OUT_DIR"), "/wan_ops.ptx")),
-};
+static WAN: Module = kernel_module!("wan_ops");
 
 /// Threads of a block of [`row_launch`] (`THREADS` in the kernels).
 const ROW_BLOCK: usize = 256;

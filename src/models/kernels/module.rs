@@ -1,0 +1,77 @@
+//! The own kernels' compiled modules. Each `.cu` file is built (build.rs) into one fat binary
+//! holding machine code for sm_80 (which also runs on sm_86/87/89), sm_90, sm_100 and sm_120
+//! (also sm_121, GB10) and compute_80 PTX for any other GPU. With PTX alone the driver compiled
+//! every kernel of a module when it first loaded on a machine: seconds per module before the first
+//! video (the implicit-GEMM and attention modules hold many variants).
+
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use candle_core::cuda::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, Result};
+
+/// A fat binary and the name it is known by.
+pub(crate) struct Module {
+    pub name: &'static str,
+    pub image: &'static [u8],
+}
+
+/// The [`Module`] built from `src/models/kernels/NAME.cu`.
+macro_rules! kernel_module {
+    ($name:literal) => {
+        $crate::models::kernel_module::Module {
+            name: $name,
+            image: include_bytes!(concat!(env!("OUT_DIR"), "/", $name, ".fatbin")),
+        }
+    };
+}
+pub(crate) use kernel_module;
+
+/// A kernel of a loaded module, launched on the device's stream.
+pub(crate) struct Func {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Deref for Func {
+    type Target = CudaFunction;
+
+    fn deref(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
+impl Func {
+    /// A launch of the kernel on the device's stream.
+    pub(crate) fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+impl Module {
+    /// Kernel `func` of this module on `dev`, loading the module into the device's context on
+    /// first use.
+    pub(crate) fn function(&'static self, dev: &CudaDevice, func: &str) -> Result<Func> {
+        /// Modules loaded so far: (context, module name, module).
+        type Loaded = Vec<(usize, &'static str, Arc<CudaModule>)>;
+        static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
+        let stream = dev.cuda_stream();
+        let ctx = stream.context();
+        let key = ctx.cu_ctx() as usize;
+        let module = {
+            let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+            match loaded.iter().find(|(c, n, _)| *c == key && *n == self.name) {
+                Some((_, _, m)) => m.clone(),
+                None => {
+                    let m = ctx.load_module(Ptx::from_binary(self.image.to_vec())).w()?;
+                    loaded.push((key, self.name, m.clone()));
+                    m
+                }
+            }
+        };
+        let func = module.load_function(func).w()?;
+        Ok(Func { func, stream })
+    }
+}
