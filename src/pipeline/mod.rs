@@ -425,6 +425,11 @@ fn generate(
     outcomes: &mut [Outcome],
 ) -> Result<()> {
     let device = candle_device(config)?;
+    #[cfg(feature = "cuda")]
+    let _preloading = match &device {
+        Device::Cuda(cuda) => Some(crate::models::kernel_module::preload(cuda)),
+        _ => None,
+    };
     let mut pipeline = family.open(config.clone(), source, device.clone(), progress.clone())?;
     let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
         .into_iter()
@@ -728,14 +733,7 @@ fn write_stats(path: &Path, stats: &serde_json::Value) -> Result<()> {
 fn candle_device(config: &ResolvedConfig) -> Result<Device> {
     Ok(match config.device.kind {
         DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => {
-            // cuDNN's libraries take most of a second to open and relocate: open them beside the
-            // first loads instead of inside the first component that asks (the loaded
-            // library is shared, so nothing is opened twice).
-            #[cfg(feature = "cuda")]
-            std::thread::spawn(crate::models::cudnn::api);
-            Device::new_cuda(config.device.ordinal)?
-        }
+        DeviceKind::Cuda => Device::new_cuda(config.device.ordinal)?,
         DeviceKind::Metal => Device::new_metal(config.device.ordinal)?,
     })
 }

@@ -9,8 +9,50 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::{kernels, WrapErr};
 use candle_core::{CudaDevice, Result};
+
+/// Starts, each on a thread of its own, what the first stages would otherwise wait for inside
+/// their first component: opening cuDNN's libraries (most of a second), and loading the candle
+/// kernel modules every run uses. Those are PTX, which the driver compiles on a machine's first
+/// run (seconds per module; cached by the driver after), so that work overlaps the first weights'
+/// read instead of following it. A module loads once per device whichever thread asks first.
+/// The threads are joined when the returned guard drops, so none is inside the driver when the
+/// process exits.
+pub(crate) fn preload(dev: &CudaDevice) -> Preloading {
+    let cudnn = std::thread::spawn(|| {
+        crate::models::cudnn::api();
+    });
+    let dev = dev.clone();
+    let modules = std::thread::spawn(move || {
+        for module in [
+            &kernels::CAST,
+            &kernels::FILL,
+            &kernels::AFFINE,
+            &kernels::UNARY,
+            &kernels::BINARY,
+            &kernels::REDUCE,
+            &kernels::INDEXING,
+            &kernels::TERNARY,
+            &kernels::CONV,
+        ] {
+            // The module stays loaded whether or not the (empty) function name resolves.
+            let _ = dev.get_or_load_func("", module);
+        }
+    });
+    Preloading(vec![cudnn, modules])
+}
+
+/// The threads [`preload`] started; dropping it waits for them.
+pub(crate) struct Preloading(Vec<std::thread::JoinHandle<()>>);
+
+impl Drop for Preloading {
+    fn drop(&mut self) {
+        for thread in self.0.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
 
 /// A fat binary and the name it is known by.
 pub(crate) struct Module {
