@@ -2,8 +2,8 @@
 //! that gathers its input straight from `x` (no im2col buffer), for GPUs where cuDNN is not
 //! loaded. f32 runs TF32 math, bf16 bf16 math, both accumulating in f32.
 
-use crate::models::kernel_module::{kernel_module, Module};
-use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use crate::models::kernel_module::{kernel_module, shared_memory_limit, Module};
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
@@ -21,9 +21,6 @@ const A_ROW_PAD_BYTES: usize = 16;
 const B_ROW_PAD_ELEMS: usize = 8;
 /// Bytes one K tile spans per row (`BK * sizeof(T)`: 16 f32 or 32 bf16).
 const K_TILE_BYTES: usize = 64;
-/// Caps the per-block shared memory the kernel may use below what the device allows, in bytes
-/// (runs the configuration a smaller GPU would get).
-pub const SHARED_MEMORY_LIMIT_ENV: &str = "VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK";
 
 /// One compiled launch configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,20 +62,6 @@ pub fn tile_for(c_out: usize, dtype: DType, limit: usize) -> Option<Tile> {
     tiles(c_out, dtype)
         .into_iter()
         .find(|t| t.shared_bytes <= limit)
-}
-
-/// Shared memory a block may opt into on `dev` (`SHARED_MEMORY_LIMIT_ENV` can lower it).
-fn shared_memory_limit(dev: &CudaDevice) -> Option<usize> {
-    let device = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .ok()?;
-    let device = usize::try_from(device).ok()?;
-    let cap = std::env::var(SHARED_MEMORY_LIMIT_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok());
-    Some(cap.map_or(device, |cap| cap.min(device)))
 }
 
 /// Whether the kernel can run on `device`: CUDA of compute capability 8.0 or newer (mma.sync

@@ -1,8 +1,9 @@
 //! Fused attention forward on CUDA (`flash_attn.cu`, the FlashAttention-2 scheme): scores and
 //! probabilities stay on the chip, so one pass reads q, k and v and writes the output once.
 
-use crate::models::kernel_module::{kernel_module, Module};
-use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+pub use crate::models::kernel_module::SHARED_MEMORY_LIMIT_ENV;
+use crate::models::kernel_module::{kernel_module, shared_memory_limit, Module};
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
@@ -20,9 +21,6 @@ const ROW_PAD: usize = 8;
 /// layout). Two m-tiles reuse each key/value fragment twice; the padded layout costs no address
 /// arithmetic but 16 bytes a row more shared memory than the swizzled one.
 const CONFIGS: [(usize, bool); 3] = [(2, false), (2, true), (1, true)];
-/// Caps the per-block shared memory the kernel may use below what the device allows, in bytes:
-/// runs the configuration a smaller GPU would get (e.g. 101376, GB10's 99 KB, on an H200).
-pub const SHARED_MEMORY_LIMIT_ENV: &str = "VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK";
 
 /// One compiled launch configuration of the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,20 +60,6 @@ pub fn tile_for(head_dim: usize, elem_bytes: usize, limit: usize) -> Option<Tile
             shared_bytes,
         })
     })
-}
-
-/// Shared memory a block may opt into on `dev` (`SHARED_MEMORY_LIMIT_ENV` can lower it).
-fn shared_memory_limit(dev: &CudaDevice) -> Option<usize> {
-    let device = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .ok()?;
-    let device = usize::try_from(device).ok()?;
-    let cap = std::env::var(SHARED_MEMORY_LIMIT_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok());
-    Some(cap.map_or(device, |cap| cap.min(device)))
 }
 
 /// The configuration the kernel launches with on `dev`, if any fits its launch limits.

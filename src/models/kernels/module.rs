@@ -7,6 +7,7 @@
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
+use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{kernels, WrapErr};
@@ -52,6 +53,24 @@ impl Drop for Preloading {
             let _ = thread.join();
         }
     }
+}
+
+/// Caps the per-block shared memory the own kernels may use below what the device allows, in
+/// bytes: runs the configurations a smaller GPU would get (e.g. 101376, GB10's 99 KB, on an H200).
+pub const SHARED_MEMORY_LIMIT_ENV: &str = "VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK";
+
+/// Shared memory a block may opt into on `dev` (`SHARED_MEMORY_LIMIT_ENV` can lower it).
+pub(crate) fn shared_memory_limit(dev: &CudaDevice) -> Option<usize> {
+    let device = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .ok()?;
+    let device = usize::try_from(device).ok()?;
+    let cap = std::env::var(SHARED_MEMORY_LIMIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    Some(cap.map_or(device, |cap| cap.min(device)))
 }
 
 /// A fat binary and the name it is known by.
