@@ -449,10 +449,9 @@ impl JointAttention {
         };
         let q = norm_rope(&self.to_q, &self.norm_q)?;
         let k = norm_rope(&self.to_k, &self.norm_k)?;
-        let v = x.matmul(&self.to_v.weight().t()?)?;
         let v = match self.to_v.bias() {
-            Some(bias) => dit_ops::bias_act(v, bias, Act::None)?,
-            None => v,
+            Some(bias) => dit_ops::matmul_bias_act(x, self.to_v.weight(), bias, Act::None)?,
+            None => x.matmul(&self.to_v.weight().t()?)?,
         };
         let split = |t: Tensor| {
             t.reshape((b, s, self.heads, self.head_dim))?
@@ -592,10 +591,9 @@ impl CogVideoXBlock {
         if let Some((norm2, fc1, fc2)) = &self.feed_forward {
             let emb = norm2.embedding(&inputs.temb)?;
             let h = norm2.forward_fused(&x, &emb, at, text_len)?;
-            let h = h.matmul(&fc1.weight().t()?)?;
             let h = match fc1.bias() {
-                Some(bias) => dit_ops::bias_act(h, bias, Act::GeluTanh)?,
-                None => h.gelu()?,
+                Some(bias) => dit_ops::matmul_bias_act(&h, fc1.weight(), bias, Act::GeluTanh)?,
+                None => h.matmul(&fc1.weight().t()?)?.gelu()?,
             };
             let ff = h.matmul(&fc2.weight().t()?)?;
             x = dit_ops::residual_into_delta(

@@ -686,9 +686,10 @@ impl Mlp {
         #[cfg(feature = "cuda")]
         if let (Act::GeluTanh, Some(bias), [b, s, d]) = (self.act, self.fc1.bias(), x.dims()) {
             if dit_ops::supported(x) {
-                // The bias and GELU in one pass over the product.
-                let h = x.reshape((b * s, *d))?.matmul(&self.fc1.weight().t()?)?;
-                let h = dit_ops::bias_act(h, bias, dit_ops::Act::GeluTanh)?;
+                // The bias and GELU in the product's epilogue (or one pass over it).
+                let h = x.reshape((b * s, *d))?;
+                let h =
+                    dit_ops::matmul_bias_act(&h, self.fc1.weight(), bias, dit_ops::Act::GeluTanh)?;
                 return self.fc2.forward(&h.reshape((*b, *s, ()))?);
             }
         }

@@ -582,6 +582,24 @@ pub(crate) fn bias_act(x: Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
     Ok(x)
 }
 
+/// `x @ weight^T + bias`, then `act`, for `x` `[rows, in]`: the bias and a tanh GELU in the
+/// matmul's epilogue where cuBLASLt takes them (bf16, as PyTorch adds a Linear's bias), else the
+/// product followed by [`bias_act`] (an erf GELU always).
+pub(crate) fn matmul_bias_act(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    act: Act,
+) -> Result<Tensor> {
+    if act != Act::GeluErf {
+        let gelu = act == Act::GeluTanh;
+        if let Some(y) = crate::models::linear::linear_bias_act(x, weight, bias, gelu)? {
+            return Ok(y);
+        }
+    }
+    bias_act(x.matmul(&weight.t()?)?, bias, act)
+}
+
 /// `value * silu(gate)` of `h` `[rows, 2 * inner]` = `[value | gate]`: SiLU in f32 rounded once
 /// (as torch's bf16 `silu`), then the rounded product; `[rows, inner]`.
 pub(crate) fn swiglu(h: &Tensor) -> Result<Tensor> {

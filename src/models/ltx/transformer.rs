@@ -445,10 +445,9 @@ impl LtxAttention {
             },
             QK_NORM_EPS,
         )?;
-        let v = kv.matmul(&self.to_v.weight().t()?)?;
         let v = match self.to_v.bias() {
-            Some(bias) => dit_ops::bias_act(v, bias, Act::None)?,
-            None => v,
+            Some(bias) => dit_ops::matmul_bias_act(&kv, self.to_v.weight(), bias, Act::None)?,
+            None => kv.matmul(&self.to_v.weight().t()?)?,
         };
         let split = |t: Tensor, n: usize| {
             t.reshape((b, n, self.heads, self.head_dim))?
@@ -793,11 +792,10 @@ impl LtxTransformerBlock {
         }
         if let Some((norm2, fc1)) = &self.ff_in {
             let h = dit_ops::rms_modulate(&x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
-            let h = h.matmul(&fc1.weight().t()?)?;
             stream.ff_hidden = Some(match fc1.bias() {
-                Some(bias) => dit_ops::bias_act(h, bias, self.act())?,
-                None if self.tanh => h.gelu()?,
-                None => h.gelu_erf()?,
+                Some(bias) => dit_ops::matmul_bias_act(&h, fc1.weight(), bias, self.act())?,
+                None if self.tanh => h.matmul(&fc1.weight().t()?)?.gelu()?,
+                None => h.matmul(&fc1.weight().t()?)?.gelu_erf()?,
             });
         }
         if let Some(fc2) = &self.ff_out {
