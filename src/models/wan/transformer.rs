@@ -1415,59 +1415,6 @@ mod cuda_tests {
         check_fused_kernels(&dev, 2, 12, 30);
     }
 
-    /// Effective bandwidth of the row and element-wise kernels at a Wan 81-frame 480p shape
-    /// (32,760 tokens) for the 1.3B, 5B and 14B widths.
-    #[test]
-    #[ignore = "timing, on a CUDA device: -- --ignored --nocapture wan_kernel_bandwidth"]
-    fn wan_kernel_bandwidth() {
-        let Ok(dev) = Device::new_cuda(0) else {
-            eprintln!("no CUDA device: skipped");
-            return;
-        };
-        let rows = 32760;
-        for dim in [1536, 3072, 5120] {
-            let head_dim = 128;
-            let n = rows * dim;
-            let bf = |shape: &[usize]| {
-                let t = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
-                t.to_dtype(DType::BF16).unwrap()
-            };
-            let f32t = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
-            let (x, d, bias, wn) = (bf(&[rows, dim]), bf(&[rows, dim]), bf(&[dim]), bf(&[dim]));
-            let (w, b, g) = (f32t(&[1, dim]), f32t(&[1, dim]), f32t(&[1, dim]));
-            let (cos, sin) = (f32t(&[rows, head_dim / 2]), f32t(&[rows, head_dim / 2]));
-            let at = wan_ops::Rows { row0: 0, seq: rows };
-            let time = |name: &str, bytes: usize, f: &dyn Fn()| {
-                for _ in 0..3 {
-                    f();
-                }
-                dev.synchronize().unwrap();
-                let iters = 20;
-                let t0 = std::time::Instant::now();
-                for _ in 0..iters {
-                    f();
-                }
-                dev.synchronize().unwrap();
-                let s = t0.elapsed().as_secs_f64() / iters as f64;
-                let tbs = bytes as f64 / s / 1e12;
-                eprintln!("dim {dim} {name}: {:.1} us, {tbs:.2} TB/s", s * 1e6);
-            };
-            time("layer_norm", 4 * n, &|| {
-                wan_ops::layer_norm(&x, &w, &b, at, 1e-6).unwrap();
-            });
-            time("residual (bias, gate)", 6 * n, &|| {
-                wan_ops::residual_into_delta(&x, d.clone(), Some(&bias), Some(&g), at).unwrap();
-            });
-            time("rms_rope", 4 * n + rows * head_dim * 4, &|| {
-                let rope = Some((&cos, &sin));
-                wan_ops::rms_rope(d.clone(), Some(&bias), &wn, rope, head_dim, at, 1e-6).unwrap();
-            });
-            time("bias_act (gelu)", 4 * n, &|| {
-                wan_ops::bias_act(d.clone(), &bias, true).unwrap();
-            });
-        }
-    }
-
     /// Every fused kernel against its composition, for batch 2 of `seq` tokens of `heads *
     /// head_dim`: whole tensors, a chunk of rows inside the second batch entry (row0 > 0, the
     /// second entry's modulation), and views whose first element is not 16-byte aligned.
