@@ -157,6 +157,42 @@ __device__ __forceinline__ bool aligned16(const void *p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// One vector of LayerNorm + modulation: (v - mean) / std * w + b per element, rounded once.
+__device__ __forceinline__ uint4 layer_norm_vec(uint4 v, float mean, float std, const float (&wv)[8],
+                                                const float (&bv)[8]) {
+  uint4 o;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack(word(v, j));
+    const float c0 = __fsub_rn(f.x, mean), c1 = __fsub_rn(f.y, mean);
+    const float y0 = __fadd_rn(__fmul_rn(__fdiv_rn(c0, std), wv[2 * j]), bv[2 * j]);
+    const float y1 = __fadd_rn(__fmul_rn(__fdiv_rn(c1, std), wv[2 * j + 1]), bv[2 * j + 1]);
+    set_word(o, j, pack(y0, y1));
+  }
+  return o;
+}
+
+// One vector of RMSNorm (scale * v * w, rounded as candle's rms_norm), then, when `rope`, the
+// rotation of its 4 pairs by (cj, sj), rounded.
+__device__ __forceinline__ uint4 rms_rope_vec(uint4 v, uint4 wv, float scale, bool rope,
+                                              const float (&cj)[4], const float (&sj)[4]) {
+  uint4 o;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack(word(v, j));
+    const float2 g = unpack(word(wv, j));
+    float y0 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(scale, f.x), g.x)));
+    float y1 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(scale, f.y), g.y)));
+    if (rope) {
+      const float2 r = rotate(y0, y1, cj[j], sj[j]);
+      y0 = r.x;
+      y1 = r.y;
+    }
+    set_word(o, j, pack(y0, y1));
+  }
+  return o;
+}
+
 // ---- grouped row kernels: G threads per row, THREADS / G rows per block, each thread holding
 // up to MAX_VECS 8-element vectors of its row (vector k of the row at thread k % G) ----
 
@@ -212,16 +248,7 @@ __device__ __forceinline__ void layer_norm_rows(const bf16 *__restrict__ x, bf16
       float wv[8], bv[8];
       load_f32<true, 8>(wr + 8 * k, wv);
       load_f32<true, 8>(br + 8 * k, bv);
-      uint4 o;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = unpack(word(v[i], j));
-        const float c0 = __fsub_rn(f.x, mean), c1 = __fsub_rn(f.y, mean);
-        const float y0 = __fadd_rn(__fmul_rn(__fdiv_rn(c0, std), wv[2 * j]), bv[2 * j]);
-        const float y1 = __fadd_rn(__fmul_rn(__fdiv_rn(c1, std), wv[2 * j + 1]), bv[2 * j + 1]);
-        set_word(o, j, pack(y0, y1));
-      }
-      store8<true>(out + base + 8 * k, o);
+      store8<true>(out + base + 8 * k, layer_norm_vec(v[i], mean, std, wv, bv));
     }
   }
 }
@@ -277,21 +304,7 @@ __device__ __forceinline__ void rms_rope_rows(bf16 *x, const bf16 *__restrict__ 
         load_f32<true, 4>(cos + j, cj);
         load_f32<true, 4>(sin + j, sj);
       }
-      uint4 o;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = unpack(word(v[i], j));
-        const float2 g = unpack(word(wv, j));
-        float y0 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(scale, f.x), g.x)));
-        float y1 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(scale, f.y), g.y)));
-        if (cos != nullptr) {
-          const float2 r = rotate(y0, y1, cj[j], sj[j]);
-          y0 = r.x;
-          y1 = r.y;
-        }
-        set_word(o, j, pack(y0, y1));
-      }
-      store8<true>(x + base + 8 * k, o);
+      store8<true>(x + base + 8 * k, rms_rope_vec(v[i], wv, scale, cos != nullptr, cj, sj));
     }
   }
 }
@@ -344,16 +357,7 @@ __device__ __forceinline__ void layer_norm_rows_scalar(const bf16 *__restrict__ 
     float wv[8], bv[8];
     load_f32<false, 8>(wr + 8 * k, wv);
     load_f32<false, 8>(br + 8 * k, bv);
-    uint4 o;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = unpack(word(v, j));
-      const float c0 = __fsub_rn(f.x, mean), c1 = __fsub_rn(f.y, mean);
-      const float y0 = __fadd_rn(__fmul_rn(__fdiv_rn(c0, std), wv[2 * j]), bv[2 * j]);
-      const float y1 = __fadd_rn(__fmul_rn(__fdiv_rn(c1, std), wv[2 * j + 1]), bv[2 * j + 1]);
-      set_word(o, j, pack(y0, y1));
-    }
-    store8<false>(out + base + 8 * k, o);
+    store8<false>(out + base + 8 * k, layer_norm_vec(v, mean, std, wv, bv));
   }
 }
 
@@ -407,21 +411,7 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
       load_f32<false, 4>(cos + j, cj);
       load_f32<false, 4>(sin + j, sj);
     }
-    uint4 o;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = unpack(word(v, j));
-      const float2 g = unpack(word(wv, j));
-      float y0 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(scale, f.x), g.x)));
-      float y1 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(scale, f.y), g.y)));
-      if (cos != nullptr) {
-        const float2 r = rotate(y0, y1, cj[j], sj[j]);
-        y0 = r.x;
-        y1 = r.y;
-      }
-      set_word(o, j, pack(y0, y1));
-    }
-    store8<false>(x + base + 8 * k, o);
+    store8<false>(x + base + 8 * k, rms_rope_vec(v, wv, scale, cos != nullptr, cj, sj));
   }
 }
 
