@@ -6,7 +6,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=src/models/kernels/async_copy.cuh");
+    println!("cargo:rerun-if-changed=src/models/kernels/tensor_core.cuh");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }

@@ -20,6 +20,8 @@
 
 namespace {
 
+#include "tensor_core.cuh"
+
 constexpr int BC = 64;  // keys per tile
 constexpr int PAD = 8;  // elements added to each row of the padded layout
 
@@ -42,11 +44,7 @@ template <typename T> struct Ops;
 template <> struct Ops<__nv_bfloat16> {
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16(c, a, b0, b1);
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -68,8 +66,6 @@ template <> struct Ops<__half> {
     return *reinterpret_cast<uint32_t *>(&v);
   }
 };
-
-#include "async_copy.cuh"
 
 template <typename T, int D, int NW, int MT, bool SWIZZLE>
 __device__ __forceinline__ void flash_fwd(const T *__restrict__ q, const T *__restrict__ k,

@@ -157,6 +157,45 @@ __device__ __forceinline__ bool aligned16(const void *p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// The vector's elements added to `sum`, pair by pair (the row sum's order in every kernel).
+__device__ __forceinline__ void add_sum(uint4 v, float &sum) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack(word(v, j));
+    sum += f.x + f.y;
+  }
+}
+
+// The squares of the vector's elements less `mean` added to `sq`, pair by pair.
+__device__ __forceinline__ void add_centered_sq(uint4 v, float mean, float &sq) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack(word(v, j));
+    const float c0 = __fsub_rn(f.x, mean), c1 = __fsub_rn(f.y, mean);
+    sq += c0 * c0 + c1 * c1;
+  }
+}
+
+// x [+ bias] of 8 elements at `at` (row offset `c`), rounded; their sum of squares added to `sq`.
+template <bool ALIGNED>
+__device__ __forceinline__ uint4 biased8(const bf16 *at, const bf16 *__restrict__ bias, int c,
+                                         float &sq) {
+  uint4 v = load8<ALIGNED>(at);
+  const uint4 bb = bias != nullptr ? load8_ro<ALIGNED>(bias + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float2 f = unpack(word(v, j));
+    if (bias != nullptr) {
+      const float2 g = unpack(word(bb, j));
+      f.x = add_rounded(f.x, g.x);
+      f.y = add_rounded(f.y, g.y);
+      set_word(v, j, pack(f.x, f.y)); // exact: f is bf16-rounded
+    }
+    sq += f.x * f.x + f.y * f.y;
+  }
+  return v;
+}
+
 // One vector of LayerNorm + modulation: (v - mean) / std * w + b per element, rounded once.
 __device__ __forceinline__ uint4 layer_norm_vec(uint4 v, float mean, float std, const float (&wv)[8],
                                                 const float (&bv)[8]) {
@@ -215,11 +254,7 @@ __device__ __forceinline__ void layer_norm_rows(const bf16 *__restrict__ x, bf16
     const int k = lane + i * G;
     if (active && k < vecs) {
       v[i] = load8_ro<true>(x + base + 8 * k);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = unpack(word(v[i], j));
-        sum += f.x + f.y;
-      }
+      add_sum(v[i], sum);
     }
   }
   const float mean = group_sum<G>(sum, s_mean) / dim;
@@ -227,14 +262,7 @@ __device__ __forceinline__ void layer_norm_rows(const bf16 *__restrict__ x, bf16
 #pragma unroll
   for (int i = 0; i < MAX_VECS; ++i) {
     const int k = lane + i * G;
-    if (active && k < vecs) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = unpack(word(v[i], j));
-        const float c0 = __fsub_rn(f.x, mean), c1 = __fsub_rn(f.y, mean);
-        sq += c0 * c0 + c1 * c1;
-      }
-    }
+    if (active && k < vecs) add_centered_sq(v[i], mean, sq);
   }
   const float std = sqrtf(group_sum<G>(sq, s_var) / dim + eps);
   if (!active) return;
@@ -273,19 +301,7 @@ __device__ __forceinline__ void rms_rope_rows(bf16 *x, const bf16 *__restrict__ 
   for (int i = 0; i < MAX_VECS; ++i) {
     const int k = lane + i * G;
     if (active && k < vecs) {
-      v[i] = load8<true>(x + base + 8 * k);
-      const uint4 bb = bias != nullptr ? load8_ro<true>(bias + 8 * k) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float2 f = unpack(word(v[i], j));
-        if (bias != nullptr) {
-          const float2 g = unpack(word(bb, j));
-          f.x = add_rounded(f.x, g.x);
-          f.y = add_rounded(f.y, g.y);
-          set_word(v[i], j, pack(f.x, f.y)); // exact: f is bf16-rounded
-        }
-        sq += f.x * f.x + f.y * f.y;
-      }
+      v[i] = biased8<true>(x + base + 8 * k, bias, 8 * k, sq);
     }
   }
   const float scale = rsqrtf(group_sum<G>(sq, s_sq) / dim + eps);
@@ -327,24 +343,13 @@ __device__ __forceinline__ void layer_norm_rows_scalar(const bf16 *__restrict__ 
   float sum = 0.f;
 #pragma unroll 1
   for (int k = lane; k < vecs; k += G) {
-    const uint4 v = load8_ro<false>(x + base + 8 * k);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = unpack(word(v, j));
-      sum += f.x + f.y;
-    }
+    add_sum(load8_ro<false>(x + base + 8 * k), sum);
   }
   const float mean = group_sum<G>(sum, s_mean) / dim;
   float sq = 0.f;
 #pragma unroll 1
   for (int k = lane; k < vecs; k += G) {
-    const uint4 v = load8_ro<false>(x + base + 8 * k);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = unpack(word(v, j));
-      const float c0 = __fsub_rn(f.x, mean), c1 = __fsub_rn(f.y, mean);
-      sq += c0 * c0 + c1 * c1;
-    }
+    add_centered_sq(load8_ro<false>(x + base + 8 * k), mean, sq);
   }
   const float std = sqrtf(group_sum<G>(sq, s_var) / dim + eps);
   if (!active) return;
@@ -361,24 +366,6 @@ __device__ __forceinline__ void layer_norm_rows_scalar(const bf16 *__restrict__ 
   }
 }
 
-// x [+ bias] of 8 elements at `at` (row offset `c`), rounded; their sum of squares added to `sq`.
-__device__ __forceinline__ uint4 biased8_scalar(const bf16 *at, const bf16 *__restrict__ bias,
-                                                int c, float &sq) {
-  uint4 v = load8<false>(at);
-  const uint4 bb = bias != nullptr ? load8_ro<false>(bias + c) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float2 f = unpack(word(v, j));
-    if (bias != nullptr) {
-      const float2 g = unpack(word(bb, j));
-      f.x = add_rounded(f.x, g.x);
-      f.y = add_rounded(f.y, g.y);
-      set_word(v, j, pack(f.x, f.y));
-    }
-    sq += f.x * f.x + f.y * f.y;
-  }
-  return v;
-}
 
 template <int G>
 __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__restrict__ bias,
@@ -395,7 +382,7 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
   const long base = (long)row * dim;
   float sq = 0.f;
 #pragma unroll 1
-  for (int k = lane; k < vecs; k += G) biased8_scalar(x + base + 8 * k, bias, 8 * k, sq);
+  for (int k = lane; k < vecs; k += G) biased8<false>(x + base + 8 * k, bias, 8 * k, sq);
   const float scale = rsqrtf(group_sum<G>(sq, s_sq) / dim + eps);
   if (!active) return;
   const int pos = (row0 + row) % seq;
@@ -403,7 +390,7 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
 #pragma unroll 1
   for (int k = lane; k < vecs; k += G) {
     float unused = 0.f;
-    const uint4 v = biased8_scalar(x + base + 8 * k, bias, 8 * k, unused);
+    const uint4 v = biased8<false>(x + base + 8 * k, bias, 8 * k, unused);
     const uint4 wv = load8_ro<false>(w + 8 * k);
     float cj[4], sj[4];
     if (cos != nullptr) {

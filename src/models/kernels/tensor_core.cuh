@@ -1,5 +1,6 @@
-// Shared-memory addresses, cp.async copies and ldmatrix loads (sm_80+) of the own tensor-core
-// kernels (flash_attn.cu, conv3d.cu). Included inside their anonymous namespaces.
+// What the own tensor-core kernels (flash_attn.cu, conv3d.cu) share (sm_80+): shared-memory
+// addresses, cp.async copies, ldmatrix loads and the bf16 mma. Included inside their anonymous
+// namespaces.
 
 #pragma once
 
@@ -41,4 +42,14 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
+}
+
+// c += a b, bf16 16x8x16 with f32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
