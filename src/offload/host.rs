@@ -1,7 +1,10 @@
 //! Where offloaded weights wait: a few large host arenas of exactly the bytes needed (pinned for
-//! fast asynchronous copies, or pageable), or, in bounded mode, the memory map itself.
+//! fast asynchronous copies, or pageable), or the memory map itself (page-locked in place when
+//! pinned, read through a staging ring in bounded mode).
 
 use super::group::{GroupLayout, Slot};
+#[cfg(feature = "cuda")]
+use super::locked::LockedMap;
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -18,7 +21,8 @@ const ARENA_BYTES: usize = 1 << 30;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum HostMemory {
-    /// Page-locked arenas: copies run asynchronously at full link speed.
+    /// Page-locked: the memory map's pages in place where tensors are stored as they go to the
+    /// device, arenas otherwise. Copies run asynchronously at full link speed.
     Pinned,
     /// Ordinary memory: copies are staged by the driver and block the thread issuing them.
     Pageable,
@@ -158,7 +162,8 @@ impl Drop for Locked {
 enum Place {
     /// Bytes `offset..offset + layout.bytes` of an arena.
     Arena { arena: usize, offset: usize },
-    /// Each tensor read from the memory map when the group moves (bounded mode).
+    /// Each tensor read from the memory map when the group moves (through the staging ring in
+    /// bounded mode; straight from its locked pages when pinned).
     Mapped,
 }
 
@@ -184,6 +189,10 @@ pub struct HostSetup {
 pub struct HostStore {
     groups: Vec<HostGroup>,
     arenas: Vec<Arena>,
+    /// The memory map's pages that hold the mapped groups, when page-locked in place; released
+    /// before `weights` (and so the mapping) can be.
+    #[cfg(feature = "cuda")]
+    locked: Option<LockedMap>,
     weights: WeightSet,
     setup: HostSetup,
 }
@@ -191,21 +200,68 @@ pub struct HostStore {
 impl HostStore {
     /// Holds the groups of `layouts`, reading each tensor from `weights` straight into its
     /// place in an arena (threads in parallel; no intermediate copy when no conversion is due).
+    /// Pinned on a CUDA device, groups whose tensors are stored as they go to the device stay
+    /// in the memory map, page-locked in place ([`LockedMap`]); where the driver refuses, they
+    /// are copied into pinned arenas as the others.
     pub fn new(
         layouts: Vec<GroupLayout>,
         weights: &WeightSet,
         memory: HostMemory,
         device: &Device,
     ) -> Result<Self> {
+        let started = Instant::now();
+        let in_map = |layout: &GroupLayout| {
+            layout
+                .slots
+                .iter()
+                .all(|s| weights.mapped_bytes(&s.name, s.dtype).is_some())
+        };
+        #[cfg(feature = "cuda")]
+        if let (HostMemory::Pinned, Device::Cuda(dev)) = (memory, device) {
+            let ranges: Vec<Range<usize>> = layouts
+                .iter()
+                .filter(|l| in_map(l))
+                .flat_map(|l| &l.slots)
+                .filter_map(|s| weights.mapped_bytes(&s.name, s.dtype))
+                .map(|b| b.as_ptr() as usize..b.as_ptr() as usize + b.len())
+                .collect();
+            if !ranges.is_empty() {
+                match LockedMap::lock(ranges, dev.cuda_stream().context(), |_| Ok(())) {
+                    (locked, Ok(())) => {
+                        return Self::place(layouts, weights, memory, device, in_map, started)
+                            .map(|store| store.with_locked_map(locked));
+                    }
+                    (_, Err(e)) => eprintln!(
+                        "note: {e:#}; copying those weights into pinned host memory instead"
+                    ),
+                }
+            }
+        }
+        let bounded = matches!(memory, HostMemory::Bounded { .. });
+        Self::place(
+            layouts,
+            weights,
+            memory,
+            device,
+            |l| bounded && in_map(l),
+            started,
+        )
+    }
+
+    /// Groups for which `mapped` holds stay in the memory map; the others are packed into
+    /// arenas, each filled and then page-locked (when `memory` pins) by its own task.
+    fn place(
+        layouts: Vec<GroupLayout>,
+        weights: &WeightSet,
+        memory: HostMemory,
+        device: &Device,
+        mapped: impl Fn(&GroupLayout) -> bool,
+        started: Instant,
+    ) -> Result<Self> {
         let mut groups = Vec::with_capacity(layouts.len());
         let mut arena_sizes: Vec<usize> = Vec::new();
         for layout in layouts {
-            let mapped = matches!(memory, HostMemory::Bounded { .. })
-                && layout
-                    .slots
-                    .iter()
-                    .all(|s| weights.mapped_bytes(&s.name, s.dtype).is_some());
-            let place = if mapped {
+            let place = if mapped(&layout) {
                 Place::Mapped
             } else {
                 let count = arena_sizes.len();
@@ -228,8 +284,6 @@ impl HostStore {
             };
             groups.push(HostGroup { layout, place });
         }
-        // Each arena is filled and then page-locked by its own task.
-        let started = Instant::now();
         let pinned = memory == HostMemory::Pinned;
         let (arenas, times): (Vec<Arena>, Vec<(f64, f64)>) = arena_sizes
             .par_iter()
@@ -252,6 +306,8 @@ impl HostStore {
         Ok(HostStore {
             groups,
             arenas,
+            #[cfg(feature = "cuda")]
+            locked: None,
             weights: weights.clone(),
             setup: HostSetup {
                 seconds: started.elapsed().as_secs_f64(),
@@ -259,6 +315,22 @@ impl HostStore {
                 lock_task_seconds: times.iter().map(|t| t.1).sum(),
             },
         })
+    }
+
+    /// The store whose mapped groups sit in `locked` (its setup time counted from the start).
+    #[cfg(feature = "cuda")]
+    fn with_locked_map(mut self, locked: LockedMap) -> Self {
+        self.locked = Some(locked);
+        self
+    }
+
+    /// Whether copies from the memory map can run asynchronously: its groups' pages are
+    /// page-locked in place.
+    pub fn map_is_locked(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.locked.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// Where the setup's time went.
@@ -283,13 +355,18 @@ impl HostStore {
         self.arenas.iter().map(|a| a.bytes().len()).sum()
     }
 
-    /// Bytes held in pinned arenas.
+    /// Bytes page-locked: pinned arenas, and the memory map's pages locked in place.
     pub fn pinned_bytes(&self) -> usize {
-        self.arenas
+        let arenas: usize = self
+            .arenas
             .iter()
             .filter(|a| a.is_pinned())
             .map(|a| a.bytes().len())
-            .sum()
+            .sum();
+        #[cfg(feature = "cuda")]
+        return arenas + self.locked.as_ref().map_or(0, LockedMap::bytes);
+        #[cfg(not(feature = "cuda"))]
+        arenas
     }
 
     /// The group's whole image when it sits in an arena.

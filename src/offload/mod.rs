@@ -11,6 +11,7 @@
 
 pub mod group;
 pub mod host;
+pub mod locked;
 pub mod residency;
 pub mod staging;
 pub mod streamer;

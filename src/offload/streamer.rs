@@ -22,7 +22,7 @@ pub type BuildGroup<B> =
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Usage {
     pub copies: CopyStats,
-    /// Pinned host bytes: arenas plus the staging ring.
+    /// Pinned host bytes: arenas, the memory map's pages locked in place, the staging ring.
     pub pinned_bytes: usize,
     /// Bytes held in host arenas, pinned or not (the memory map is not counted).
     pub host_bytes: usize,

@@ -225,6 +225,7 @@ impl Transfer {
 mod cuda {
     use super::super::group::Slot;
     use super::super::host::{Arena, HostStore};
+    use super::super::locked::{overlaps, LockedMap};
     use super::super::staging::{self, Chunk, Landing, Ring};
     use super::DeviceSlot;
     use crate::weights::WeightSet;
@@ -236,8 +237,11 @@ mod cuda {
     use std::borrow::Cow;
     use std::sync::{Arc, Mutex};
 
+    /// A tensor and its name.
+    type NamedTensor = (String, Tensor);
+
     /// A group's tensors by name.
-    type NamedTensors = Vec<(String, Tensor)>;
+    type NamedTensors = Vec<NamedTensor>;
 
     /// One buffer of the staging ring and the copy that last read it.
     struct StagingSlot {
@@ -424,6 +428,15 @@ mod cuda {
                     }
                 }
                 (_, Some(ring)) => self.staged(&stream, store, index, &targets, ring)?,
+                (None, None) if store.map_is_locked() => {
+                    // Each tensor straight from its page-locked pages in the memory map.
+                    let slots = &store.group(index).layout.slots;
+                    for (slot, address) in slots.iter().zip(slot_addresses(slots, &targets)) {
+                        if slot.bytes() > 0 {
+                            copy(&stream, address, store.slot_bytes(index, slot)?)?;
+                        }
+                    }
+                }
                 (None, None) => {
                     anyhow::bail!("group {index} has no host image and no staging ring")
                 }
@@ -447,16 +460,7 @@ mod cuda {
             ring: &[Mutex<StagingSlot>],
         ) -> Result<()> {
             let slots = &store.group(index).layout.slots;
-            let addresses = slots
-                .iter()
-                .map(|slot| {
-                    targets
-                        .iter()
-                        .find(|(range, _)| range.contains(&slot.offset))
-                        .map_or(0, |(range, ptr)| ptr + (slot.offset - range.start) as u64)
-                })
-                .collect();
-            let mut ring = CudaRing::new(self, ring, stream, addresses)?;
+            let mut ring = CudaRing::new(self, ring, stream, slot_addresses(slots, targets))?;
             let sizes: Vec<usize> = slots.iter().map(Slot::bytes).collect();
             staging::run(
                 &sizes,
@@ -470,15 +474,88 @@ mod cuda {
         /// the staging ring ([`staging::load_tensors`]); waits for the copies, so the ring may
         /// be released.
         pub fn load(&self, weights: &WeightSet, slots: &[Slot]) -> Result<Vec<(String, Tensor)>> {
-            let ring = self.staging.as_deref().context("no staging ring")?;
+            let (mut loaded, rest) = self.load_from_locked_map(weights, slots)?;
+            if !rest.is_empty() {
+                let ring = self.staging.as_deref().context("no staging ring")?;
+                let stream = self.device.cuda_stream();
+                let wanted: Vec<Slot> = rest.iter().map(|&i| slots[i].clone()).collect();
+                let mut landing = CudaLanding {
+                    ring: CudaRing::new(self, ring, &stream, vec![0; wanted.len()])?,
+                    tensors: vec![None; wanted.len()],
+                };
+                let staged = staging::load_tensors(weights, &wanted, &mut landing);
+                self.wait_idle()?;
+                for (&i, tensor) in rest.iter().zip(staged?) {
+                    loaded[i] = Some(tensor);
+                }
+            }
+            slots
+                .iter()
+                .zip(loaded)
+                .map(|(s, t)| t.with_context(|| format!("{} was never loaded", s.name)))
+                .collect()
+        }
+
+        /// Loads the tensors of `slots` stored as they are staged ([`WeightSet::staged_dtype`])
+        /// straight from the memory map, its pages page-locked in place piece by piece (each
+        /// piece's copies start as soon as it is locked; unlocked once they are done). Returns
+        /// them by slot, and the slots left to the staging ring: the rest, or all of them where
+        /// the driver refuses to lock the map.
+        pub(super) fn load_from_locked_map(
+            &self,
+            weights: &WeightSet,
+            slots: &[Slot],
+        ) -> Result<(Vec<Option<NamedTensor>>, Vec<usize>)> {
             let stream = self.device.cuda_stream();
-            let mut landing = CudaLanding {
-                ring: CudaRing::new(self, ring, &stream, vec![0; slots.len()])?,
-                tensors: vec![None; slots.len()],
-            };
-            let loaded = staging::load_tensors(weights, slots, &mut landing);
+            let (mut direct, mut rest) = (Vec::new(), Vec::new());
+            for (i, slot) in slots.iter().enumerate() {
+                let stored = weights.staged_dtype(&slot.name, slot.dtype);
+                match weights.mapped_bytes(&slot.name, stored) {
+                    Some(bytes) if !bytes.is_empty() => direct.push((i, stored, bytes)),
+                    _ => rest.push(i),
+                }
+            }
+            let mut loaded = vec![None; slots.len()];
+            if direct.is_empty() {
+                return Ok((loaded, rest));
+            }
+            let mut landed = Vec::with_capacity(direct.len());
+            for &(i, stored, _) in &direct {
+                landed.push(alloc(
+                    &self.device,
+                    &stream,
+                    stored,
+                    slots[i].shape.elem_count(),
+                )?);
+            }
+            let sources: Vec<std::ops::Range<usize>> = direct
+                .iter()
+                .map(|(_, _, b)| b.as_ptr() as usize..b.as_ptr() as usize + b.len())
+                .collect();
+            let (locked, outcome) =
+                LockedMap::lock(sources.iter().cloned(), stream.context(), |piece| {
+                    for (k, part) in overlaps(&sources, piece) {
+                        let from = part.start - sources[k].start;
+                        let bytes = &direct[k].2[from..from + part.len()];
+                        copy(&stream, landed[k].1 + from as u64, bytes)?;
+                    }
+                    Ok(())
+                });
+            // The copies read the locked pages: they finish before the pages are unlocked.
             self.wait_idle()?;
-            loaded
+            drop(locked);
+            if let Err(e) = outcome {
+                eprintln!("note: {e:#}; loading through pinned staging buffers instead");
+                rest.extend(direct.iter().map(|(i, _, _)| *i));
+                rest.sort_unstable();
+                return Ok((loaded, rest));
+            }
+            for ((i, _, _), (tensor, _)) in direct.into_iter().zip(landed) {
+                let slot = &slots[i];
+                let tensor = tensor.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?;
+                loaded[i] = Some((slot.name.clone(), tensor));
+            }
+            Ok((loaded, rest))
         }
 
         /// Waits for the copy stream and the compute stream (copies without `stream` run there).
@@ -515,6 +592,20 @@ mod cuda {
             timings.clear();
             total
         }
+    }
+
+    /// The device address of each of `slots`, in the sections at `targets` (image byte ranges
+    /// and the device address each starts at).
+    fn slot_addresses(slots: &[Slot], targets: &[(std::ops::Range<usize>, u64)]) -> Vec<u64> {
+        slots
+            .iter()
+            .map(|slot| {
+                targets
+                    .iter()
+                    .find(|(range, _)| range.contains(&slot.offset))
+                    .map_or(0, |(range, ptr)| ptr + (slot.offset - range.start) as u64)
+            })
+            .collect()
     }
 
     /// The staging ring's buffers, used in turn across calls, and the device address each
@@ -622,6 +713,106 @@ mod cuda {
         // outlives the copy (arenas live as long as the engine; a staging buffer is refilled
         // only after the event recorded after its copies completed).
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+        Ok(())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::super::group::{record, Packing};
+    use super::super::host::{HostMemory, HostStore};
+    use super::Transfer;
+    use crate::weights::{WeightSet, Weights};
+    use anyhow::Result;
+    use candle_core::{DType, Device, Tensor};
+
+    /// A safetensors file of bf16 and f32 tensors, odd sizes (none ends on a page boundary).
+    fn weights_file(tag: &str) -> Result<(std::path::PathBuf, WeightSet)> {
+        let dir = std::env::temp_dir().join(format!("vidgen-locked-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.safetensors");
+        let cpu = Device::Cpu;
+        let a = (Tensor::arange(0f32, 70_001., &cpu)? * 0.37)?
+            .sin()?
+            .to_dtype(DType::BF16)?;
+        let b = Tensor::arange(0f32, 3_000_003., &cpu)?.cos()?;
+        let c = Tensor::arange(0f32, 5., &cpu)?.to_dtype(DType::BF16)?;
+        candle_core::safetensors::save(
+            &[("a", a), ("b", b), ("c", c)].into_iter().collect(),
+            &path,
+        )?;
+        Ok((dir, WeightSet::open(&Weights::Files(vec![path]))?))
+    }
+
+    fn same(gpu: &Tensor, cpu: &Tensor) -> Result<bool> {
+        let gpu = gpu
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?;
+        let cpu = cpu.to_dtype(DType::F32)?.flatten_all()?;
+        Ok(gpu.to_vec1::<f32>()? == cpu.to_vec1::<f32>()?)
+    }
+
+    fn build(vb: candle_nn::VarBuilder<'static>) -> candle_core::Result<Vec<Tensor>> {
+        Ok(vec![
+            vb.get(70_001, "a")?,
+            vb.get_with_hints_dtype(3_000_003, "b", candle_nn::Init::Const(0.), DType::F32)?,
+            vb.get(5, "c")?,
+        ])
+    }
+
+    /// A resident load takes every tensor stored as it is staged straight from the locked
+    /// memory map (none left to the staging ring), the bf16 one converted on the device, all
+    /// equal to what the CPU reads.
+    #[test]
+    fn resident_loads_come_from_the_locked_map() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let (dir, weights) = weights_file("load")?;
+        let slots = record(Some(&weights), DType::F32, Packing::PerTensor, build)?.slots;
+        let transfer = Transfer::new(&dev, false, Some(2 << 20))?;
+        let cuda = transfer.cuda.as_ref().expect("a CUDA transfer");
+        let (loaded, rest) = cuda.load_from_locked_map(&weights, &slots)?;
+        assert!(rest.is_empty(), "left to the staging ring: {rest:?}");
+        let expected = build(weights.var_builder(DType::F32, &Device::Cpu))?;
+        for ((slot, got), want) in slots.iter().zip(loaded).zip(&expected) {
+            let (name, tensor) = got.expect("loaded");
+            assert_eq!(name, slot.name);
+            assert_eq!(tensor.dtype(), slot.dtype);
+            assert!(same(&tensor, want)?, "{name}");
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// Pinned on CUDA, a group whose tensors are stored as they stream stays in the memory map,
+    /// page-locked in place (no arena: nothing copied into host memory), and arrives intact;
+    /// the page-locked bytes cover the group.
+    #[test]
+    fn pinned_groups_stream_from_the_locked_map() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let (dir, weights) = weights_file("store")?;
+        let layout = record(Some(&weights), DType::BF16, Packing::ByDtype, |vb| {
+            Ok(vec![vb.get(70_001, "a")?, vb.get(5, "c")?])
+        })?;
+        let bytes = layout.bytes;
+        let store = HostStore::new(vec![layout], &weights, HostMemory::Pinned, &dev)?;
+        assert!(store.map_is_locked());
+        assert_eq!(store.arena_bytes(), 0);
+        assert!(
+            store.pinned_bytes() >= (70_001 + 5) * 2 && store.pinned_bytes() < bytes + 3 * 4096
+        );
+        let transfer = Transfer::new(&dev, true, None)?;
+        let slots = transfer.slots(&store, 1)?;
+        let uploaded = transfer.upload(&store, 0, Some((0, &slots[0])))?;
+        transfer.ready(&uploaded)?;
+        let cpu = weights.var_builder(DType::BF16, &Device::Cpu);
+        for (name, tensor) in &uploaded.tensors {
+            let want = cpu.get(tensor.dims(), name)?;
+            assert!(same(tensor, &want)?, "{name}");
+        }
+        transfer.wait_idle()?;
+        drop(store);
+        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 }

@@ -101,7 +101,7 @@ impl Loader<'_> {
         const GIB: f64 = (1u64 << 30) as f64;
         self.progress.note(&match placed.offload_usage() {
             Some(u) => format!(
-                "{name}: {residency}; {:.2} GiB in host memory, {:.2} GiB pinned",
+                "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned",
                 u.host_bytes as f64 / GIB,
                 u.pinned_bytes as f64 / GIB
             ),
