@@ -31,7 +31,8 @@ pub fn tf32() -> bool {
 pub fn accelerated(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        return crate::models::cudnn::api().is_some() || kernel::available(device);
+        // The own kernel first: asking for cuDNN waits until its libraries are open.
+        return kernel::available(device) || crate::models::cudnn::api().is_some();
     }
     let _ = device;
     false
@@ -42,8 +43,8 @@ pub fn accelerated(device: &Device) -> bool {
 pub fn computes(device: &Device, dtype: candle_core::DType) -> bool {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        return crate::models::cudnn::api().is_some()
-            || (kernel::takes(dtype, tf32()) && kernel::available(device));
+        return (kernel::takes(dtype, tf32()) && kernel::available(device))
+            || crate::models::cudnn::api().is_some();
     }
     let _ = (device, dtype);
     false

@@ -17,6 +17,10 @@ use std::time::Instant;
 /// rounded up.
 const ARENA_BYTES: usize = 1 << 30;
 
+/// Each piece packed into an arena starts at a multiple of this (DMA reads aligned sources
+/// fastest).
+const ALIGN: usize = 256;
+
 /// How offloaded weights are held on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -163,8 +167,11 @@ enum Place {
     /// Bytes `offset..offset + layout.bytes` of an arena.
     Arena { arena: usize, offset: usize },
     /// Each tensor read from the memory map when the group moves (through the staging ring in
-    /// bounded mode; straight from its locked pages when pinned).
-    Mapped,
+    /// bounded mode; straight from its locked pages when pinned), except those stored in another
+    /// dtype: `converted[k]` is where slot k's converted bytes sit (arena, offset).
+    Mapped {
+        converted: Vec<Option<(usize, usize)>>,
+    },
 }
 
 /// A group held on the host.
@@ -200,9 +207,9 @@ pub struct HostStore {
 impl HostStore {
     /// Holds the groups of `layouts`, reading each tensor from `weights` straight into its
     /// place in an arena (threads in parallel; no intermediate copy when no conversion is due).
-    /// Pinned on a CUDA device, groups whose tensors are stored as they go to the device stay
-    /// in the memory map, page-locked in place ([`LockedMap`]); where the driver refuses, they
-    /// are copied into pinned arenas as the others.
+    /// Pinned on a CUDA device, the tensors stored as they go to the device stay in the memory
+    /// map, page-locked in place ([`LockedMap`]), and only the others are converted into pinned
+    /// arenas; where the driver refuses to lock the map, every tensor goes to an arena.
     pub fn new(
         layouts: Vec<GroupLayout>,
         weights: &WeightSet,
@@ -210,46 +217,37 @@ impl HostStore {
         device: &Device,
     ) -> Result<Self> {
         let started = Instant::now();
-        let in_map = |layout: &GroupLayout| {
-            layout
-                .slots
-                .iter()
-                .all(|s| weights.mapped_bytes(&s.name, s.dtype).is_some())
-        };
+        let in_map = |s: &Slot| weights.mapped_bytes(&s.name, s.dtype);
         #[cfg(feature = "cuda")]
         if let (HostMemory::Pinned, Device::Cuda(dev)) = (memory, device) {
             let ranges: Vec<Range<usize>> = layouts
                 .iter()
-                .filter(|l| in_map(l))
                 .flat_map(|l| &l.slots)
-                .filter_map(|s| weights.mapped_bytes(&s.name, s.dtype))
+                .filter_map(in_map)
                 .map(|b| b.as_ptr() as usize..b.as_ptr() as usize + b.len())
                 .collect();
             if !ranges.is_empty() {
-                match LockedMap::lock(ranges, dev.cuda_stream().context(), |_| Ok(())) {
-                    (locked, Ok(())) => {
-                        return Self::place(layouts, weights, memory, device, in_map, started)
+                match LockedMap::lock(ranges, dev.cuda_stream().context()) {
+                    Ok(locked) => {
+                        let any = |l: &GroupLayout| l.slots.iter().any(|s| in_map(s).is_some());
+                        return Self::place(layouts, weights, memory, device, any, started)
                             .map(|store| store.with_locked_map(locked));
                     }
-                    (_, Err(e)) => eprintln!(
-                        "note: {e:#}; copying those weights into pinned host memory instead"
+                    Err(e) => eprintln!(
+                        "note: {e:#}; copying the weights into pinned host memory instead"
                     ),
                 }
             }
         }
+        // Bounded: groups stored as they stream are read through the staging ring.
         let bounded = matches!(memory, HostMemory::Bounded { .. });
-        Self::place(
-            layouts,
-            weights,
-            memory,
-            device,
-            |l| bounded && in_map(l),
-            started,
-        )
+        let all = |l: &GroupLayout| bounded && l.slots.iter().all(|s| in_map(s).is_some());
+        Self::place(layouts, weights, memory, device, all, started)
     }
 
-    /// Groups for which `mapped` holds stay in the memory map; the others are packed into
-    /// arenas, each filled and then page-locked (when `memory` pins) by its own task.
+    /// Groups for which `mapped` holds stay in the memory map, but for their tensors stored in
+    /// another dtype; the other groups' images and those tensors are packed into arenas, each
+    /// filled and then page-locked (when `memory` pins) by its own task.
     fn place(
         layouts: Vec<GroupLayout>,
         weights: &WeightSet,
@@ -258,32 +256,39 @@ impl HostStore {
         mapped: impl Fn(&GroupLayout) -> bool,
         started: Instant,
     ) -> Result<Self> {
-        let mut groups = Vec::with_capacity(layouts.len());
         let mut arena_sizes: Vec<usize> = Vec::new();
-        for layout in layouts {
-            let place = if mapped(&layout) {
-                Place::Mapped
-            } else {
-                let count = arena_sizes.len();
-                match arena_sizes.last_mut() {
-                    Some(size) if *size + layout.bytes <= ARENA_BYTES => {
-                        *size += layout.bytes;
-                        Place::Arena {
-                            arena: count - 1,
-                            offset: *size - layout.bytes,
-                        }
-                    }
-                    _ => {
-                        arena_sizes.push(layout.bytes);
-                        Place::Arena {
-                            arena: arena_sizes.len() - 1,
-                            offset: 0,
-                        }
-                    }
-                }
-            };
-            groups.push(HostGroup { layout, place });
-        }
+        // Room for `bytes` at the end of the last arena, or in a new one.
+        let mut pack = |bytes: usize| match arena_sizes.last_mut() {
+            Some(size) if size.next_multiple_of(ALIGN) + bytes <= ARENA_BYTES => {
+                let offset = size.next_multiple_of(ALIGN);
+                *size = offset + bytes;
+                (arena_sizes.len() - 1, offset)
+            }
+            _ => {
+                arena_sizes.push(bytes);
+                (arena_sizes.len() - 1, 0)
+            }
+        };
+        let groups: Vec<HostGroup> = layouts
+            .into_iter()
+            .map(|layout| {
+                let place = if mapped(&layout) {
+                    let converted = layout
+                        .slots
+                        .iter()
+                        .map(|s| match weights.mapped_bytes(&s.name, s.dtype) {
+                            Some(_) => None,
+                            None => Some(pack(s.bytes())),
+                        })
+                        .collect();
+                    Place::Mapped { converted }
+                } else {
+                    let (arena, offset) = pack(layout.bytes);
+                    Place::Arena { arena, offset }
+                };
+                HostGroup { layout, place }
+            })
+            .collect();
         let pinned = memory == HostMemory::Pinned;
         let (arenas, times): (Vec<Arena>, Vec<(f64, f64)>) = arena_sizes
             .par_iter()
@@ -375,18 +380,25 @@ impl HostStore {
             Place::Arena { arena, offset } => {
                 Some(&self.arenas[arena].bytes()[offset..offset + self.groups[index].layout.bytes])
             }
-            Place::Mapped => None,
+            Place::Mapped { .. } => None,
         }
     }
 
-    /// The bytes of `slot`, a tensor of group `index`: in its arena, or in the memory map.
-    pub fn slot_bytes(&self, index: usize, slot: &Slot) -> Result<&[u8]> {
-        match self.image(index) {
-            Some(image) => Ok(&image[slot.offset..slot.offset + slot.bytes()]),
-            None => self
-                .weights
-                .mapped_bytes(&slot.name, slot.dtype)
-                .with_context(|| format!("{} is no longer mapped", slot.name)),
+    /// The bytes of slot `k` of group `index`: in its arena, or in the memory map.
+    pub fn slot_bytes(&self, index: usize, k: usize) -> Result<&[u8]> {
+        let slot = &self.groups[index].layout.slots[k];
+        match &self.groups[index].place {
+            Place::Arena { arena, offset } => {
+                let at = offset + slot.offset;
+                Ok(&self.arenas[*arena].bytes()[at..at + slot.bytes()])
+            }
+            Place::Mapped { converted } => match converted[k] {
+                Some((arena, at)) => Ok(&self.arenas[arena].bytes()[at..at + slot.bytes()]),
+                None => self
+                    .weights
+                    .mapped_bytes(&slot.name, slot.dtype)
+                    .with_context(|| format!("{} is no longer mapped", slot.name)),
+            },
         }
     }
 
@@ -395,9 +407,8 @@ impl HostStore {
     pub fn gather(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let slots = &self.groups[index].layout.slots;
         let ranges = slots.iter().map(|s| s.offset..s.offset + s.bytes());
-        let sources = slots
-            .iter()
-            .map(|s| self.slot_bytes(index, s))
+        let sources = (0..slots.len())
+            .map(|k| self.slot_bytes(index, k))
             .collect::<Result<Vec<_>>>()?;
         carve(dst, ranges)
             .into_par_iter()
@@ -407,15 +418,30 @@ impl HostStore {
     }
 }
 
-/// Reads every tensor placed in arena `index` into its bytes of `arena`, in parallel.
+/// Reads every tensor placed in arena `index` (whole group images, and the converted tensors of
+/// mapped groups) into its bytes of `arena`, in parallel.
 fn fill(groups: &[HostGroup], index: usize, arena: &mut Arena, weights: &WeightSet) -> Result<()> {
-    let mut slots: Vec<(usize, &super::group::Slot)> = groups
+    let mut slots: Vec<(usize, &Slot)> = groups
         .iter()
-        .filter_map(|g| match g.place {
-            Place::Arena { arena, offset } if arena == index => Some((offset, &g.layout.slots)),
-            _ => None,
+        .flat_map(|g| -> Vec<(usize, &Slot)> {
+            match &g.place {
+                Place::Arena { arena, offset } if *arena == index => g
+                    .layout
+                    .slots
+                    .iter()
+                    .map(|s| (offset + s.offset, s))
+                    .collect(),
+                Place::Mapped { converted } => converted
+                    .iter()
+                    .zip(&g.layout.slots)
+                    .filter_map(|(c, s)| {
+                        c.filter(|(arena, _)| *arena == index)
+                            .map(|(_, at)| (at, s))
+                    })
+                    .collect(),
+                Place::Arena { .. } => Vec::new(),
+            }
         })
-        .flat_map(|(offset, slots)| slots.iter().map(move |s| (offset + s.offset, s)))
         .collect();
     slots.sort_by_key(|(at, _)| *at);
     let ranges = slots.iter().map(|(at, s)| *at..at + s.bytes());

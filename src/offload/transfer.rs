@@ -225,7 +225,6 @@ impl Transfer {
 mod cuda {
     use super::super::group::Slot;
     use super::super::host::{Arena, HostStore};
-    use super::super::locked::{overlaps, LockedMap};
     use super::super::staging::{self, Chunk, Landing, Ring};
     use super::DeviceSlot;
     use crate::weights::WeightSet;
@@ -237,11 +236,8 @@ mod cuda {
     use std::borrow::Cow;
     use std::sync::{Arc, Mutex};
 
-    /// A tensor and its name.
-    type NamedTensor = (String, Tensor);
-
     /// A group's tensors by name.
-    type NamedTensors = Vec<NamedTensor>;
+    type NamedTensors = Vec<(String, Tensor)>;
 
     /// One buffer of the staging ring and the copy that last read it.
     struct StagingSlot {
@@ -429,11 +425,12 @@ mod cuda {
                 }
                 (_, Some(ring)) => self.staged(&stream, store, index, &targets, ring)?,
                 (None, None) if store.map_is_locked() => {
-                    // Each tensor straight from its page-locked pages in the memory map.
+                    // Each tensor straight from its page-locked pages in the memory map (or its
+                    // pinned arena, converted).
                     let slots = &store.group(index).layout.slots;
-                    for (slot, address) in slots.iter().zip(slot_addresses(slots, &targets)) {
-                        if slot.bytes() > 0 {
-                            copy(&stream, address, store.slot_bytes(index, slot)?)?;
+                    for (k, address) in slot_addresses(slots, &targets).into_iter().enumerate() {
+                        if slots[k].bytes() > 0 {
+                            copy(&stream, address, store.slot_bytes(index, k)?)?;
                         }
                     }
                 }
@@ -465,7 +462,7 @@ mod cuda {
             staging::run(
                 &sizes,
                 &mut ring,
-                |_, i| Ok(Cow::Borrowed(store.slot_bytes(index, &slots[i])?)),
+                |_, i| Ok(Cow::Borrowed(store.slot_bytes(index, i)?)),
                 |_, _| Ok(()),
             )
         }
@@ -474,88 +471,15 @@ mod cuda {
         /// the staging ring ([`staging::load_tensors`]); waits for the copies, so the ring may
         /// be released.
         pub fn load(&self, weights: &WeightSet, slots: &[Slot]) -> Result<Vec<(String, Tensor)>> {
-            let (mut loaded, rest) = self.load_from_locked_map(weights, slots)?;
-            if !rest.is_empty() {
-                let ring = self.staging.as_deref().context("no staging ring")?;
-                let stream = self.device.cuda_stream();
-                let wanted: Vec<Slot> = rest.iter().map(|&i| slots[i].clone()).collect();
-                let mut landing = CudaLanding {
-                    ring: CudaRing::new(self, ring, &stream, vec![0; wanted.len()])?,
-                    tensors: vec![None; wanted.len()],
-                };
-                let staged = staging::load_tensors(weights, &wanted, &mut landing);
-                self.wait_idle()?;
-                for (&i, tensor) in rest.iter().zip(staged?) {
-                    loaded[i] = Some(tensor);
-                }
-            }
-            slots
-                .iter()
-                .zip(loaded)
-                .map(|(s, t)| t.with_context(|| format!("{} was never loaded", s.name)))
-                .collect()
-        }
-
-        /// Loads the tensors of `slots` stored as they are staged ([`WeightSet::staged_dtype`])
-        /// straight from the memory map, its pages page-locked in place piece by piece (each
-        /// piece's copies start as soon as it is locked; unlocked once they are done). Returns
-        /// them by slot, and the slots left to the staging ring: the rest, or all of them where
-        /// the driver refuses to lock the map.
-        pub(super) fn load_from_locked_map(
-            &self,
-            weights: &WeightSet,
-            slots: &[Slot],
-        ) -> Result<(Vec<Option<NamedTensor>>, Vec<usize>)> {
+            let ring = self.staging.as_deref().context("no staging ring")?;
             let stream = self.device.cuda_stream();
-            let (mut direct, mut rest) = (Vec::new(), Vec::new());
-            for (i, slot) in slots.iter().enumerate() {
-                let stored = weights.staged_dtype(&slot.name, slot.dtype);
-                match weights.mapped_bytes(&slot.name, stored) {
-                    Some(bytes) if !bytes.is_empty() => direct.push((i, stored, bytes)),
-                    _ => rest.push(i),
-                }
-            }
-            let mut loaded = vec![None; slots.len()];
-            if direct.is_empty() {
-                return Ok((loaded, rest));
-            }
-            let mut landed = Vec::with_capacity(direct.len());
-            for &(i, stored, _) in &direct {
-                landed.push(alloc(
-                    &self.device,
-                    &stream,
-                    stored,
-                    slots[i].shape.elem_count(),
-                )?);
-            }
-            let sources: Vec<std::ops::Range<usize>> = direct
-                .iter()
-                .map(|(_, _, b)| b.as_ptr() as usize..b.as_ptr() as usize + b.len())
-                .collect();
-            let (locked, outcome) =
-                LockedMap::lock(sources.iter().cloned(), stream.context(), |piece| {
-                    for (k, part) in overlaps(&sources, piece) {
-                        let from = part.start - sources[k].start;
-                        let bytes = &direct[k].2[from..from + part.len()];
-                        copy(&stream, landed[k].1 + from as u64, bytes)?;
-                    }
-                    Ok(())
-                });
-            // The copies read the locked pages: they finish before the pages are unlocked.
+            let mut landing = CudaLanding {
+                ring: CudaRing::new(self, ring, &stream, vec![0; slots.len()])?,
+                tensors: vec![None; slots.len()],
+            };
+            let loaded = staging::load_tensors(weights, slots, &mut landing);
             self.wait_idle()?;
-            drop(locked);
-            if let Err(e) = outcome {
-                eprintln!("note: {e:#}; loading through pinned staging buffers instead");
-                rest.extend(direct.iter().map(|(i, _, _)| *i));
-                rest.sort_unstable();
-                return Ok((loaded, rest));
-            }
-            for ((i, _, _), (tensor, _)) in direct.into_iter().zip(landed) {
-                let slot = &slots[i];
-                let tensor = tensor.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?;
-                loaded[i] = Some((slot.name.clone(), tensor));
-            }
-            Ok((loaded, rest))
+            loaded
         }
 
         /// Waits for the copy stream and the compute stream (copies without `stream` run there).
@@ -753,54 +677,26 @@ mod cuda_tests {
         Ok(gpu.to_vec1::<f32>()? == cpu.to_vec1::<f32>()?)
     }
 
-    fn build(vb: candle_nn::VarBuilder<'static>) -> candle_core::Result<Vec<Tensor>> {
-        Ok(vec![
-            vb.get(70_001, "a")?,
-            vb.get_with_hints_dtype(3_000_003, "b", candle_nn::Init::Const(0.), DType::F32)?,
-            vb.get(5, "c")?,
-        ])
-    }
-
-    /// A resident load takes every tensor stored as it is staged straight from the locked
-    /// memory map (none left to the staging ring), the bf16 one converted on the device, all
-    /// equal to what the CPU reads.
-    #[test]
-    fn resident_loads_come_from_the_locked_map() -> Result<()> {
-        let dev = Device::new_cuda(0)?;
-        let (dir, weights) = weights_file("load")?;
-        let slots = record(Some(&weights), DType::F32, Packing::PerTensor, build)?.slots;
-        let transfer = Transfer::new(&dev, false, Some(2 << 20))?;
-        let cuda = transfer.cuda.as_ref().expect("a CUDA transfer");
-        let (loaded, rest) = cuda.load_from_locked_map(&weights, &slots)?;
-        assert!(rest.is_empty(), "left to the staging ring: {rest:?}");
-        let expected = build(weights.var_builder(DType::F32, &Device::Cpu))?;
-        for ((slot, got), want) in slots.iter().zip(loaded).zip(&expected) {
-            let (name, tensor) = got.expect("loaded");
-            assert_eq!(name, slot.name);
-            assert_eq!(tensor.dtype(), slot.dtype);
-            assert!(same(&tensor, want)?, "{name}");
-        }
-        std::fs::remove_dir_all(&dir)?;
-        Ok(())
-    }
-
-    /// Pinned on CUDA, a group whose tensors are stored as they stream stays in the memory map,
-    /// page-locked in place (no arena: nothing copied into host memory), and arrives intact;
-    /// the page-locked bytes cover the group.
+    /// Pinned on CUDA, a group's tensors stored as they stream stay in the memory map,
+    /// page-locked in place; only the one stored in another dtype is converted into an arena.
+    /// Every tensor arrives as the CPU reads it.
     #[test]
     fn pinned_groups_stream_from_the_locked_map() -> Result<()> {
         let dev = Device::new_cuda(0)?;
         let (dir, weights) = weights_file("store")?;
         let layout = record(Some(&weights), DType::BF16, Packing::ByDtype, |vb| {
-            Ok(vec![vb.get(70_001, "a")?, vb.get(5, "c")?])
+            Ok(vec![
+                vb.get(70_001, "a")?,
+                vb.get(3_000_003, "b")?,
+                vb.get(5, "c")?,
+            ])
         })?;
-        let bytes = layout.bytes;
         let store = HostStore::new(vec![layout], &weights, HostMemory::Pinned, &dev)?;
         assert!(store.map_is_locked());
-        assert_eq!(store.arena_bytes(), 0);
-        assert!(
-            store.pinned_bytes() >= (70_001 + 5) * 2 && store.pinned_bytes() < bytes + 3 * 4096
-        );
+        assert_eq!(store.arena_bytes(), 3_000_003 * 2, "only b is converted");
+        let in_map = (70_001 + 5) * 2;
+        let pinned = store.pinned_bytes() - store.arena_bytes();
+        assert!(pinned >= in_map && pinned <= in_map + 3 * 4096, "{pinned}");
         let transfer = Transfer::new(&dev, true, None)?;
         let slots = transfer.slots(&store, 1)?;
         let uploaded = transfer.upload(&store, 0, Some((0, &slots[0])))?;
