@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Loading at link speed (issue 11 item 4), old binary against new in ONE device call: a full-size
-# synthetic Wan2.1 14B checkpoint (bf16, diffusers layout) is written once to /dev/shm (the page
-# cache's speed, as a downloaded checkpoint that was read before), then each binary generates
+# synthetic Wan2.1 14B checkpoint (bf16, diffusers layout) is written once to $CKPT (default
+# /dev/shm; a disk path measures a disk file's page cache, as a downloaded checkpoint that was
+# read before), then each binary generates
 # from it with every component resident, interleaved new/old twice, and once with the default
 # flags (layerwise streaming: the outer parts load resident, the blocks stream).
 # Reports per run: each component's load time and GB/s (stored bytes / "loaded X in" time, which
@@ -31,6 +32,9 @@ fi
 python3 -m pip install -q --no-deps --target /tmp/dl .whl/diffusers-*.whl >/dev/null 2>&1
 start=$(date +%s.%N)
 PYTHONPATH=/tmp/dl:.device python3 -c "import wan_e2e_bench as w; w.write_checkpoint('$ASSETS', '$CKPT')"
+# Written back to disk first: page-locking dirty pages of a just-written file waits for their
+# writeback (a downloaded checkpoint is long written back when it is used).
+sync
 echo "checkpoint ready in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $start}") s: $(du -sh "$CKPT" | cut -f1)"
 bytes() { stat -c %s "$CKPT/$1"/*.safetensors | awk '{ s += $1 } END { print s }'; }
 declare -A SIZE=([text_encoder]=$(bytes text_encoder) [transformer]=$(bytes transformer) [vae]=$(bytes vae))

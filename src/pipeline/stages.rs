@@ -101,9 +101,13 @@ impl Loader<'_> {
         const GIB: f64 = (1u64 << 30) as f64;
         self.progress.note(&match placed.offload_usage() {
             Some(u) => format!(
-                "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned",
+                "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned, in {:.2}s \
+                 (filling {:.2} and locking {:.2} task-seconds)",
                 u.host_bytes as f64 / GIB,
-                u.pinned_bytes as f64 / GIB
+                u.pinned_bytes as f64 / GIB,
+                u.setup.seconds,
+                u.setup.fill_task_seconds,
+                u.setup.lock_task_seconds
             ),
             None => format!("{name}: {residency}"),
         });
