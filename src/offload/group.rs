@@ -140,10 +140,8 @@ impl GroupLayout {
     }
 }
 
-/// Notes the tensors a model's constructor asks for and hands it zero placeholders on the
-/// builder's device (no weight is read and no memory is written: recording a 14B model costs
-/// nothing; a constructor takes the path it takes on that device, e.g. keeps a CUDA conv kernel
-/// whole where the CPU path would split it into taps). With weights, each
+/// Notes the tensors a model's constructor asks for and hands it zero placeholders (no weight
+/// is read and no memory is written: recording a 14B model costs nothing). With weights, each
 /// request is checked against them so a missing tensor or a wrong shape fails here, at load
 /// time; without, the shapes are what the constructors ask for (the memory plan's count).
 struct Recorder {
@@ -158,7 +156,7 @@ impl SimpleBackend for Recorder {
         name: &str,
         _: candle_nn::Init,
         dtype: DType,
-        device: &Device,
+        _: &Device,
     ) -> candle_core::Result<Tensor> {
         if let Some(weights) = &self.weights {
             weights.check(name, &s)?;
@@ -168,7 +166,7 @@ impl SimpleBackend for Recorder {
             .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
             .push((name.to_string(), s.clone(), dtype));
         // One zero broadcast to the shape: no memory, however large the tensor.
-        Tensor::zeros((), dtype, device)?.broadcast_as(s)
+        Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(s)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
@@ -189,23 +187,13 @@ pub struct Recording {
 }
 
 impl Recording {
-    /// A recording `VarBuilder` on the CPU (checked against `weights` when given).
+    /// A recording `VarBuilder` (checked against `weights` when given).
     pub fn var_builder(&self, weights: Option<&WeightSet>, dtype: DType) -> VarBuilder<'static> {
-        self.var_builder_on(weights, dtype, &Device::Cpu)
-    }
-
-    /// A recording `VarBuilder` whose placeholders live on `device`.
-    pub fn var_builder_on(
-        &self,
-        weights: Option<&WeightSet>,
-        dtype: DType,
-        device: &Device,
-    ) -> VarBuilder<'static> {
         let recorder = Recorder {
             weights: weights.cloned(),
             seen: self.seen.clone(),
         };
-        VarBuilder::from_backend(Box::new(recorder), dtype, device.clone())
+        VarBuilder::from_backend(Box::new(recorder), dtype, Device::Cpu)
     }
 
     /// What was asked for so far, laid out as one group.

@@ -230,11 +230,8 @@ fn build_staged<B>(
 ) -> Result<B> {
     use super::group::{Packing, Recording};
     let (wanted, on_host) = (Recording::default(), Recording::default());
-    // Recorded on the device it will run on, so the constructor takes that device's path (the
-    // CPU one may materialize derived tensors: splitting the Wan VAE's conv kernels into taps
-    // took 0.8 s of a 0.5 GB load).
     drop(build(
-        wanted.var_builder_on(Some(weights), dtype, device),
+        wanted.var_builder(Some(weights), dtype),
         on_host.var_builder(Some(weights), dtype),
     )?);
     let slots = wanted.layout(Packing::PerTensor)?.slots;
