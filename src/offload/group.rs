@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 /// Byte alignment of every tensor in a host image and on the device (what cuBLAS and
 /// vectorised kernels like; the padding is a rounding error next to a weight).
-const ALIGN: usize = 256;
+pub(super) const ALIGN: usize = 256;
 
 /// One tensor of a group and where its bytes sit in the group's host image.
 #[derive(Clone, Debug)]

@@ -2,7 +2,7 @@
 //! fast asynchronous copies, or pageable), or the memory map itself (page-locked in place when
 //! pinned, read through a staging ring in bounded mode).
 
-use super::group::{GroupLayout, Slot};
+use super::group::{GroupLayout, Slot, ALIGN};
 #[cfg(feature = "cuda")]
 use super::locked::LockedMap;
 use crate::weights::WeightSet;
@@ -16,10 +16,6 @@ use std::time::Instant;
 /// an arena of its own), so arenas are filled and locked in parallel and no allocation is
 /// rounded up.
 const ARENA_BYTES: usize = 1 << 30;
-
-/// Each piece packed into an arena starts at a multiple of this (DMA reads aligned sources
-/// fastest).
-const ALIGN: usize = 256;
 
 /// How offloaded weights are held on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

@@ -3,7 +3,8 @@
 //! A model exposes its parts as "build part i from a `VarBuilder`" (a run of transformer
 //! blocks, or a whole component). The engine records which tensors each part asks for
 //! ([`group::record`]), lays them out once as a host image in a few exact-size arenas, pinned or
-//! pageable ([`host::HostStore`]), and moves a part to the device just before it runs
+//! pageable, or leaves them in the memory map, page-locked in place ([`host::HostStore`],
+//! [`locked`]), and moves a part to the device just before it runs
 //! ([`transfer::Transfer`]: one copy per dtype into device slots reused round-robin, on a copy
 //! stream ordered with CUDA events) while the previous parts compute ([`streamer::Offloaded`]).
 //! A finished part's slot is refilled with a later part; the host copy stays, nothing is copied

@@ -1,7 +1,8 @@
 //! Moving a group's host image to the device: one copy per dtype section, into device slots
-//! reused round-robin, on a dedicated copy stream ordered with CUDA events (or through a pinned
-//! staging ring in bounded mode); a whole parked component gets fresh memory instead. Resident
-//! parts load through the same staging ring straight from the weights ([`Transfer::load`]).
+//! reused round-robin, on a dedicated copy stream ordered with CUDA events (or one copy per
+//! tensor from the page-locked memory map, or through a pinned staging ring in bounded mode); a
+//! whole parked component gets fresh memory instead. Resident parts load through the same
+//! staging ring straight from the weights ([`Transfer::load`]).
 
 use super::host::HostStore;
 #[cfg(feature = "cuda")]
@@ -650,24 +651,6 @@ mod cuda_tests {
     use anyhow::Result;
     use candle_core::{DType, Device, Tensor};
 
-    /// A safetensors file of bf16 and f32 tensors, odd sizes (none ends on a page boundary).
-    fn weights_file(tag: &str) -> Result<(std::path::PathBuf, WeightSet)> {
-        let dir = std::env::temp_dir().join(format!("vidgen-locked-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("w.safetensors");
-        let cpu = Device::Cpu;
-        let a = (Tensor::arange(0f32, 70_001., &cpu)? * 0.37)?
-            .sin()?
-            .to_dtype(DType::BF16)?;
-        let b = Tensor::arange(0f32, 3_000_003., &cpu)?.cos()?;
-        let c = Tensor::arange(0f32, 5., &cpu)?.to_dtype(DType::BF16)?;
-        candle_core::safetensors::save(
-            &[("a", a), ("b", b), ("c", c)].into_iter().collect(),
-            &path,
-        )?;
-        Ok((dir, WeightSet::open(&Weights::Files(vec![path]))?))
-    }
-
     fn same(gpu: &Tensor, cpu: &Tensor) -> Result<bool> {
         let gpu = gpu
             .to_device(&Device::Cpu)?
@@ -683,7 +666,21 @@ mod cuda_tests {
     #[test]
     fn pinned_groups_stream_from_the_locked_map() -> Result<()> {
         let dev = Device::new_cuda(0)?;
-        let (dir, weights) = weights_file("store")?;
+        // bf16 and f32 tensors of odd sizes (none ends on a page boundary).
+        let dir = std::env::temp_dir().join(format!("vidgen-locked-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.safetensors");
+        let cpu = Device::Cpu;
+        let a = (Tensor::arange(0f32, 70_001., &cpu)? * 0.37)?
+            .sin()?
+            .to_dtype(DType::BF16)?;
+        let b = Tensor::arange(0f32, 3_000_003., &cpu)?.cos()?;
+        let c = Tensor::arange(0f32, 5., &cpu)?.to_dtype(DType::BF16)?;
+        candle_core::safetensors::save(
+            &[("a", a), ("b", b), ("c", c)].into_iter().collect(),
+            &path,
+        )?;
+        let weights = WeightSet::open(&Weights::Files(vec![path]))?;
         let layout = record(Some(&weights), DType::BF16, Packing::ByDtype, |vb| {
             Ok(vec![
                 vb.get(70_001, "a")?,
