@@ -3,7 +3,6 @@
 //! ([`kernel`]: TF32 for f32, bf16); `None` elsewhere (and for exact f32 without cuDNN), and the
 //! caller runs its own path unchanged.
 
-use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{Device, Result, Tensor};
@@ -209,63 +208,46 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// A 3D kernel `[C_out, C_in, kt, kh, kw]` as a causal conv keeps it: whole where [`conv3d`]
-/// runs ([`accelerated`]), else split once into its temporal taps for the path that sums 2D
-/// convolutions (the taps are copies, so only one form is held).
+/// A 3D kernel `[C_out, C_in, kt, kh, kw]` as a causal conv keeps it: whole, run by [`conv3d`]
+/// where it computes ([`accelerated`]), else split into its temporal taps at each use for the path
+/// that sums 2D convolutions. Splitting at construction cost every load (and every recording of
+/// a constructor, which sees placeholders on the CPU) a copy of every kernel: 0.8 s for the Wan
+/// VAE, against a copy of each kernel per call on the CPU path, small beside its convolutions.
 #[derive(Debug, Clone)]
-pub enum Kernel3d {
-    Whole(Tensor),
-    /// `weight[:, :, k]` for each temporal tap `k`, each `[C_out, C_in, kh, kw]`, contiguous.
-    Taps(Vec<Tensor>),
+pub struct Kernel3d {
+    weight: Tensor,
+    accelerated: bool,
 }
 
 impl Kernel3d {
-    /// The form the device computes with.
     pub fn new(weight: Tensor) -> Result<Self> {
-        if accelerated(weight.device()) {
-            Ok(Self::Whole(weight))
-        } else {
-            Ok(Self::Taps(split_taps(&weight)?))
-        }
+        weight.dims5()?;
+        Ok(Self {
+            accelerated: accelerated(weight.device()),
+            weight,
+        })
     }
 
     /// The whole kernel, where [`conv3d`] may run it.
     pub fn whole(&self) -> Option<&Tensor> {
-        match self {
-            Self::Whole(w) => Some(w),
-            Self::Taps(_) => None,
-        }
+        self.accelerated.then_some(&self.weight)
     }
 
-    /// The temporal taps (split on the fly from a whole kernel, the path of a shape [`conv3d`]
-    /// declined).
-    pub fn taps(&self) -> Result<Cow<'_, [Tensor]>> {
-        match self {
-            Self::Whole(w) => Ok(Cow::Owned(split_taps(w)?)),
-            Self::Taps(taps) => Ok(Cow::Borrowed(taps)),
-        }
+    /// The temporal taps, each `[C_out, C_in, kh, kw]` and contiguous (the path of a device
+    /// [`conv3d`] does not compute on, or of a shape it declined).
+    pub fn taps(&self) -> Result<Vec<Tensor>> {
+        split_taps(&self.weight)
     }
 
     /// Temporal kernel size.
     pub fn kt(&self) -> Result<usize> {
-        match self {
-            Self::Whole(w) => w.dim(2),
-            Self::Taps(taps) => Ok(taps.len()),
-        }
+        self.weight.dim(2)
     }
 
     /// `[C_out, C_in, kh, kw]` of one tap.
     pub fn tap_dims(&self) -> Result<(usize, usize, usize, usize)> {
-        match self {
-            Self::Whole(w) => {
-                let (o, i, _, h, w) = w.dims5()?;
-                Ok((o, i, h, w))
-            }
-            Self::Taps(taps) => match taps.first() {
-                Some(t) => t.dims4(),
-                None => candle_core::bail!("a 3D kernel without temporal taps"),
-            },
-        }
+        let (o, i, _, h, w) = self.weight.dims5()?;
+        Ok((o, i, h, w))
     }
 }
 
