@@ -80,7 +80,9 @@ impl WeightSet {
         }
     }
 
-    fn report(&self, bytes: usize) {
+    /// Counts `bytes` as read: tensors used where they are (page-locked in the memory map) are
+    /// never read through [`Self::read_into`], but are ready all the same.
+    pub fn report(&self, bytes: usize) {
         if let Some(f) = &self.on_read {
             f(bytes as u64);
         }

@@ -223,8 +223,10 @@ impl HostStore {
                 .map(|b| b.as_ptr() as usize..b.as_ptr() as usize + b.len())
                 .collect();
             if !ranges.is_empty() {
+                let in_place = ranges.iter().map(Range::len).sum();
                 match LockedMap::lock(ranges, dev.cuda_stream().context()) {
                     Ok(locked) => {
+                        weights.report(in_place);
                         let any = |l: &GroupLayout| l.slots.iter().any(|s| in_map(s).is_some());
                         return Self::place(layouts, weights, memory, device, any, started)
                             .map(|store| store.with_locked_map(locked));
@@ -312,8 +314,9 @@ impl HostStore {
             weights: weights.clone(),
             setup: HostSetup {
                 seconds: started.elapsed().as_secs_f64(),
-                fill_task_seconds: times.iter().map(|t| t.0).sum(),
-                lock_task_seconds: times.iter().map(|t| t.1).sum(),
+                // Folded from +0.0: an empty f64 sum is -0.0.
+                fill_task_seconds: times.iter().fold(0.0, |s, t| s + t.0),
+                lock_task_seconds: times.iter().fold(0.0, |s, t| s + t.1),
             },
         })
     }

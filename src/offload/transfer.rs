@@ -650,6 +650,8 @@ mod cuda_tests {
     use crate::weights::{WeightSet, Weights};
     use anyhow::Result;
     use candle_core::{DType, Device, Tensor};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
 
     fn same(gpu: &Tensor, cpu: &Tensor) -> Result<bool> {
         let gpu = gpu
@@ -680,7 +682,12 @@ mod cuda_tests {
             &[("a", a), ("b", b), ("c", c)].into_iter().collect(),
             &path,
         )?;
-        let weights = WeightSet::open(&Weights::Files(vec![path]))?;
+        let read = Arc::new(AtomicU64::new(0));
+        let counter = read.clone();
+        let weights =
+            WeightSet::open(&Weights::Files(vec![path]))?.with_progress(Arc::new(move |bytes| {
+                counter.fetch_add(bytes, Ordering::Relaxed);
+            }));
         let layout = record(Some(&weights), DType::BF16, Packing::ByDtype, |vb| {
             Ok(vec![
                 vb.get(70_001, "a")?,
@@ -694,6 +701,8 @@ mod cuda_tests {
         let in_map = (70_001 + 5) * 2;
         let pinned = store.pinned_bytes() - store.arena_bytes();
         assert!(pinned >= in_map && pinned <= in_map + 3 * 4096, "{pinned}");
+        // Progress counts the locked tensors as read, b as its stored f32 bytes.
+        assert_eq!(read.load(Ordering::Relaxed), in_map as u64 + 3_000_003 * 4);
         let transfer = Transfer::new(&dev, true, None)?;
         let slots = transfer.slots(&store, 1)?;
         let uploaded = transfer.upload(&store, 0, Some((0, &slots[0])))?;
