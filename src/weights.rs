@@ -177,6 +177,15 @@ impl WeightSet {
             self.report(bytes.len());
             return Ok(());
         }
+        if let Source::Mapped(st) = &self.source {
+            if let Ok(view) = st.get(name) {
+                let from = DType::try_from(view.dtype()).ok();
+                if from.is_some_and(|from| convert_into(view.data(), from, dtype, dst)) {
+                    self.report(view.data().len());
+                    return Ok(());
+                }
+            }
+        }
         let tensor = match &self.source {
             Source::Mapped(st) => st.load(name, &Device::Cpu)?,
             Source::Synthetic(s) => {
@@ -236,6 +245,47 @@ pub const BYTE_DTYPES: [DType; 7] = [
     DType::U32,
     DType::I64,
 ];
+
+/// Elements converted per task of [`convert_into`].
+const CONVERT_CHUNK: usize = 1 << 18;
+
+/// Writes the little-endian `from` values of `src` into `dst` as `to`, exactly as candle's CPU
+/// conversion does (widening is exact; narrowing rounds to nearest even), threads in parallel
+/// and without intermediate tensors; false, writing nothing, for other pairs of dtypes or
+/// sizes that do not match.
+fn convert_into(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> bool {
+    fn run<const A: usize, const B: usize>(
+        src: &[u8],
+        dst: &mut [u8],
+        f: impl Fn([u8; A]) -> [u8; B] + Sync,
+    ) -> bool {
+        if src.len() / A * B != dst.len() || !src.len().is_multiple_of(A) {
+            return false;
+        }
+        dst.par_chunks_mut(CONVERT_CHUNK * B)
+            .zip(src.par_chunks(CONVERT_CHUNK * A))
+            .for_each(|(d, s)| {
+                for (d, s) in d.chunks_exact_mut(B).zip(s.chunks_exact(A)) {
+                    d.copy_from_slice(&f(s.try_into().expect("A bytes")));
+                }
+            });
+        true
+    }
+    use half::{bf16, f16};
+    match (from, to) {
+        (DType::BF16, DType::F32) => {
+            run(src, dst, |b| bf16::from_le_bytes(b).to_f32().to_le_bytes())
+        }
+        (DType::F16, DType::F32) => run(src, dst, |b| f16::from_le_bytes(b).to_f32().to_le_bytes()),
+        (DType::F32, DType::BF16) => run(src, dst, |b| {
+            bf16::from_f32(f32::from_le_bytes(b)).to_le_bytes()
+        }),
+        (DType::F32, DType::F16) => run(src, dst, |b| {
+            f16::from_f32(f32::from_le_bytes(b)).to_le_bytes()
+        }),
+        _ => false,
+    }
+}
 
 /// Copies a host tensor's elements, as laid out in memory, into `dst`.
 pub fn write_bytes(tensor: &Tensor, dst: &mut [u8]) -> candle_core::Result<()> {
@@ -419,6 +469,58 @@ pub fn seeded_normal(seed: u64, shape: &[usize]) -> candle_core::Result<Tensor> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Converting straight from the memory map (the path `read_into` takes) gives the bits
+    /// candle's conversion gives, both ways between f32 and bf16/f16: special values, ties,
+    /// subnormals, and a tensor longer than a conversion task.
+    #[test]
+    fn mapped_tensors_convert_as_candle_converts() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("vidgen-convert-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.safetensors");
+        let mut values: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1.0 + f32::EPSILON * 64.0, // a bf16 tie
+            1e-40,                     // subnormal
+            65520.0,                   // f16 overflow
+            -3.3e38,
+        ];
+        values.extend((0..CONVERT_CHUNK + 1001).map(|i| (i as f32 * 0.37).sin() * 1e3));
+        let n = values.len();
+        let f32s = Tensor::from_vec(values, n, &Device::Cpu)?;
+        let stored = [
+            ("f32", f32s.clone()),
+            ("bf16", f32s.to_dtype(DType::BF16)?),
+            ("f16", f32s.to_dtype(DType::F16)?),
+        ];
+        candle_core::safetensors::save(&stored.iter().cloned().collect(), &path)?;
+        let weights = WeightSet::open(&Weights::Files(vec![path]))?;
+        for (name, tensor, to) in [
+            ("f32", &stored[0].1, DType::BF16),
+            ("f32", &stored[0].1, DType::F16),
+            ("bf16", &stored[1].1, DType::F32),
+            ("f16", &stored[2].1, DType::F32),
+        ] {
+            let mut want = vec![0u8; n * to.size_in_bytes()];
+            write_bytes(&tensor.to_dtype(to)?, &mut want)?;
+            let mut got = vec![0u8; want.len()];
+            let src = weights.mapped_bytes(name, tensor.dtype()).expect("mapped");
+            assert!(
+                convert_into(src, tensor.dtype(), to, &mut got),
+                "{name} -> {to:?} taken"
+            );
+            assert!(got == want, "{name} -> {to:?}");
+            got.fill(0);
+            weights.read_into(name, &Shape::from(n), to, &mut got)?;
+            assert!(got == want, "{name} -> {to:?} through read_into");
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
 
     /// Synthetic values written straight in a dtype are the bits of the f32 values converted
     /// as candle converts them (a matrix, and a norm scale), and the same through
