@@ -124,23 +124,16 @@ impl Locked {
         if self.locked || self.map.is_empty() {
             return Ok(());
         }
-        self.ctx.bind_to_thread()?;
+        let start = self.map.as_mut_ptr() as usize;
         // SAFETY: the range is a live mapping owned by `self`, unregistered in `drop` before
         // it is unmapped.
-        unsafe {
-            cudarc::driver::sys::cuMemHostRegister_v2(
-                self.map.as_mut_ptr().cast(),
-                self.map.len(),
-                0,
-            )
-        }
-        .result()
-        .with_context(|| {
-            format!(
-                "page-locking {} bytes of host memory failed: pin less with --max-pinned-memory SIZE, or none with --no-pin-cpu-memory",
-                self.map.len()
-            )
-        })?;
+        unsafe { super::locked::register(&self.ctx, &(start..start + self.map.len()), 0) }
+            .with_context(|| {
+                format!(
+                    "page-locking {} bytes of host memory failed: pin less with --max-pinned-memory SIZE, or none with --no-pin-cpu-memory",
+                    self.map.len()
+                )
+            })?;
         self.locked = true;
         Ok(())
     }
@@ -149,11 +142,10 @@ impl Locked {
 #[cfg(feature = "cuda")]
 impl Drop for Locked {
     fn drop(&mut self) {
-        if self.locked && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: registered in `lock`; no copy from it is pending (`Offloaded` waits
-            // for its copies before its store is dropped).
-            let _ =
-                unsafe { cudarc::driver::sys::cuMemHostUnregister(self.map.as_mut_ptr().cast()) };
+        if self.locked {
+            // No copy from it is pending (`Offloaded` waits for its copies before its store is
+            // dropped).
+            super::locked::unregister(&self.ctx, self.map.as_mut_ptr() as usize);
         }
     }
 }

@@ -29,16 +29,41 @@ pub fn page_runs(ranges: impl IntoIterator<Item = Range<usize>>, page: usize) ->
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::LockedMap;
+pub use cuda::{register, unregister, LockedMap};
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::page_runs;
     use anyhow::{Context, Result};
-    use cudarc::driver::{sys, CudaContext};
+    use cudarc::driver::{sys, CudaContext, DriverError};
     use rayon::prelude::*;
     use std::ops::Range;
     use std::sync::Arc;
+
+    /// Page-locks host memory `range` with the driver (`flags` as `cuMemHostRegister` takes them).
+    ///
+    /// # Safety
+    /// `range` is whole pages of a live mapping that stays mapped until [`unregister`].
+    pub unsafe fn register(
+        ctx: &CudaContext,
+        range: &Range<usize>,
+        flags: u32,
+    ) -> std::result::Result<(), DriverError> {
+        ctx.bind_to_thread()?;
+        // SAFETY: the caller's promise.
+        unsafe {
+            sys::cuMemHostRegister_v2(range.start as *mut std::ffi::c_void, range.len(), flags)
+        }
+        .result()
+    }
+
+    /// Releases memory that [`register`] page-locked at `start` (no copy from it may be pending).
+    pub fn unregister(ctx: &CudaContext, start: usize) {
+        if ctx.bind_to_thread().is_ok() {
+            // SAFETY: a failed call (nothing registered there) only returns an error.
+            let _ = unsafe { sys::cuMemHostUnregister(start as *mut std::ffi::c_void) };
+        }
+    }
 
     /// Pages of a memory map, page-locked in place (read-only) until dropped. The owner keeps
     /// the mapping alive longer than this, and no copy from it pending when it drops.
@@ -63,18 +88,11 @@ mod cuda {
             let results: Vec<Result<()>> = runs
                 .par_iter()
                 .map(|run| {
-                    ctx.bind_to_thread()?;
                     // SAFETY: the run is whole pages of a live mapping (the caller's promise);
                     // unregistered in `drop`.
-                    unsafe {
-                        sys::cuMemHostRegister_v2(
-                            run.start as *mut std::ffi::c_void,
-                            run.len(),
-                            sys::CU_MEMHOSTREGISTER_READ_ONLY,
-                        )
-                    }
-                    .result()
-                    .with_context(|| format!("page-locking {} bytes of the memory map", run.len()))
+                    unsafe { register(ctx, run, sys::CU_MEMHOSTREGISTER_READ_ONLY) }.with_context(
+                        || format!("page-locking {} bytes of the memory map", run.len()),
+                    )
                 })
                 .collect();
             let mut failure = None;
@@ -104,11 +122,9 @@ mod cuda {
 
     impl Drop for LockedMap {
         fn drop(&mut self) {
-            if self.ctx.bind_to_thread().is_ok() {
-                for run in &self.runs {
-                    // SAFETY: registered in `lock`; the owner has no copy from it pending.
-                    let _ = unsafe { sys::cuMemHostUnregister(run.start as *mut std::ffi::c_void) };
-                }
+            // The owner has no copy from the runs pending.
+            for run in &self.runs {
+                unregister(&self.ctx, run.start);
             }
         }
     }
