@@ -173,7 +173,16 @@ impl WeightSet {
         dst: &mut [u8],
     ) -> candle_core::Result<()> {
         if let Some(bytes) = self.mapped_bytes(name, dtype) {
-            dst.copy_from_slice(bytes);
+            if bytes.len() != dst.len() {
+                candle_core::bail!(
+                    "{name}: {} stored bytes for {} wanted",
+                    bytes.len(),
+                    dst.len()
+                )
+            }
+            dst.par_chunks_mut(COPY_CHUNK)
+                .zip(bytes.par_chunks(COPY_CHUNK))
+                .for_each(|(d, s)| d.copy_from_slice(s));
             self.report(bytes.len());
             return Ok(());
         }
@@ -199,6 +208,45 @@ impl WeightSet {
         self.report_read(name, &tensor);
         write_bytes(&tensor.to_dtype(dtype)?, dst)
     }
+
+    /// Tensor `name` as `dtype` in host memory, read by threads in parallel (as [`Self::read_into`]
+    /// reads) into memory the allocator hands out zeroed: candle's own loading copies with one
+    /// thread (a streamed UMT5 keeps its 2.1 GB token table in host memory). `None` for a dtype
+    /// it does not write.
+    fn host_tensor(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+    ) -> candle_core::Result<Option<Tensor>> {
+        fn read<T: candle_core::WithDType>(
+            set: &WeightSet,
+            name: &str,
+            shape: &Shape,
+            mut values: Vec<T>,
+        ) -> candle_core::Result<Option<Tensor>> {
+            // SAFETY: T is a plain numeric type (no padding, every bit pattern valid).
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(
+                    values.as_mut_ptr().cast::<u8>(),
+                    std::mem::size_of_val(values.as_slice()),
+                )
+            };
+            set.read_into(name, shape, T::DTYPE, bytes)?;
+            Tensor::from_vec(values, shape.clone(), &Device::Cpu).map(Some)
+        }
+        let n = shape.elem_count();
+        match dtype {
+            DType::BF16 => read(self, name, shape, zeroed::<u16, half::bf16>(n)),
+            DType::F16 => read(self, name, shape, zeroed::<u16, half::f16>(n)),
+            DType::F32 => read(self, name, shape, zeroed::<u32, f32>(n)),
+            DType::F64 => read(self, name, shape, zeroed::<u64, f64>(n)),
+            DType::U8 => read(self, name, shape, zeroed::<u8, u8>(n)),
+            DType::U32 => read(self, name, shape, zeroed::<u32, u32>(n)),
+            DType::I64 => read(self, name, shape, zeroed::<i64, i64>(n)),
+            _ => Ok(None),
+        }
+    }
 }
 
 impl SimpleBackend for WeightSet {
@@ -211,6 +259,14 @@ impl SimpleBackend for WeightSet {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let t = match &self.source {
+            Source::Mapped(_) if dev.is_cpu() => {
+                self.check(name, &s)?;
+                if let Some(t) = self.host_tensor(name, &s, dtype)? {
+                    return Ok(t);
+                }
+                // A dtype the parallel read does not write: candle's loading.
+                return self.get_unchecked(name, dtype, dev);
+            }
             Source::Mapped(st) => SimpleBackend::get(st.as_ref(), s, name, h, dtype, dev)?,
             Source::Synthetic(g) => g.get(s, name, h, dtype, dev)?,
         };
@@ -248,6 +304,29 @@ pub const BYTE_DTYPES: [DType; 7] = [
 
 /// Elements converted per task of [`convert_into`].
 const CONVERT_CHUNK: usize = 1 << 18;
+
+/// Bytes copied per task when a stored tensor is read as it is stored.
+const COPY_CHUNK: usize = 1 << 20;
+
+/// `n` zeros of `T`, allocated as zeros of `Z`, an integer type of `T`'s size and alignment: a
+/// large zeroed allocation takes fresh pages from the kernel without writing them, so the
+/// parallel read that follows is the first to touch them.
+fn zeroed<Z: Clone + Default, T>(n: usize) -> Vec<T> {
+    assert!(
+        std::mem::size_of::<Z>() == std::mem::size_of::<T>()
+            && std::mem::align_of::<Z>() == std::mem::align_of::<T>()
+    );
+    let mut zeros = std::mem::ManuallyDrop::new(vec![Z::default(); n]);
+    // SAFETY: same size and alignment (asserted), and T is a plain numeric type whose all-zero
+    // bits are a valid value (0); the allocation is handed over whole.
+    unsafe {
+        Vec::from_raw_parts(
+            zeros.as_mut_ptr().cast::<T>(),
+            zeros.len(),
+            zeros.capacity(),
+        )
+    }
+}
 
 /// Writes the little-endian `from` values of `src` into `dst` as `to`, exactly as candle's CPU
 /// conversion does (widening is exact; narrowing rounds to nearest even), threads in parallel
@@ -472,7 +551,8 @@ mod tests {
 
     /// Converting straight from the memory map (the path `read_into` takes) gives the bits
     /// candle's conversion gives, both ways between f32 and bf16/f16: special values, ties,
-    /// subnormals, and a tensor longer than a conversion task.
+    /// subnormals, and a tensor longer than a conversion task; also as host tensors, which are
+    /// read in parallel too.
     #[test]
     fn mapped_tensors_convert_as_candle_converts() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("vidgen-convert-{}", std::process::id()));
@@ -517,6 +597,21 @@ mod tests {
             got.fill(0);
             weights.read_into(name, &Shape::from(n), to, &mut got)?;
             assert!(got == want, "{name} -> {to:?} through read_into");
+            let host = weights.var_builder(to, &Device::Cpu).get(n, name)?;
+            write_bytes(&host, &mut got)?;
+            assert!(got == want, "{name} -> {to:?} as a host tensor");
+        }
+        // Host tensors in their stored dtype are the stored bits; a wrong shape is refused.
+        for (name, tensor) in &stored {
+            let host = weights.var_builder(tensor.dtype(), &Device::Cpu).get(n, name)?;
+            assert_eq!(host.dtype(), tensor.dtype());
+            let (mut got, mut want) = (vec![0u8; n * 4], vec![0u8; n * 4]);
+            let len = n * tensor.dtype().size_in_bytes();
+            write_bytes(&host, &mut got[..len])?;
+            write_bytes(tensor, &mut want[..len])?;
+            assert!(got == want, "{name} as stored");
+            let wrong = weights.var_builder(tensor.dtype(), &Device::Cpu).get(n + 1, name);
+            assert!(wrong.is_err(), "{name} with a wrong shape");
         }
         std::fs::remove_dir_all(&dir)?;
         Ok(())
