@@ -4,7 +4,7 @@
 
 use super::group::{GroupLayout, Slot, ALIGN};
 #[cfg(feature = "cuda")]
-use super::locked::LockedMap;
+use super::locked::{LockedMap, LOCK_PIECE};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -216,7 +216,7 @@ impl HostStore {
                 .collect();
             if !ranges.is_empty() {
                 let in_place = ranges.iter().map(Range::len).sum();
-                match LockedMap::lock(ranges, dev.cuda_stream().context()) {
+                match LockedMap::lock(ranges, LOCK_PIECE, dev.cuda_stream().context()) {
                     Ok(locked) => {
                         weights.report(in_place);
                         let any = |l: &GroupLayout| l.slots.iter().any(|s| in_map(s).is_some());
@@ -391,6 +391,21 @@ impl HostStore {
                     .with_context(|| format!("{} is no longer mapped", slot.name)),
             },
         }
+    }
+
+    /// The bytes of slot `k` of group `index` in the parts a copy reads each: one, but where
+    /// the slot lies in the locked memory map across two of its registrations.
+    pub fn slot_pieces(&self, index: usize, k: usize) -> Result<Vec<&[u8]>> {
+        let bytes = self.slot_bytes(index, k)?;
+        #[cfg(feature = "cuda")]
+        if let (Some(locked), Place::Mapped { converted }) =
+            (&self.locked, &self.groups[index].place)
+        {
+            if converted[k].is_none() {
+                return Ok(locked.pieces(bytes));
+            }
+        }
+        Ok(vec![bytes])
     }
 
     /// Copies group `index`'s image into `dst` (CPU threads in parallel; alignment gaps are

@@ -430,8 +430,12 @@ mod cuda {
                     // pinned arena, converted).
                     let slots = &store.group(index).layout.slots;
                     for (k, address) in slot_addresses(slots, &targets).into_iter().enumerate() {
-                        if slots[k].bytes() > 0 {
-                            copy(&stream, address, store.slot_bytes(index, k)?)?;
+                        let mut at = address;
+                        for piece in store.slot_pieces(index, k)? {
+                            if !piece.is_empty() {
+                                copy(&stream, at, piece)?;
+                            }
+                            at += piece.len() as u64;
                         }
                     }
                 }
