@@ -545,20 +545,38 @@ impl WanT2V {
         &self.configs
     }
 
-    /// The prompt embeddings `[1, L, text_dim]` of one text, zero padded past its length
-    /// (`_get_t5_prompt_embeds`), with the encoder's blocks resident or streamed.
-    fn embed(&self, encoder: &Held<'_, UMT5EncoderModel>, text: &str) -> Result<Tensor> {
+    /// The prompt embeddings `[1, L, text_dim]` of each text, zero padded past its length
+    /// (`_get_t5_prompt_embeds`), with the encoder's blocks resident or streamed. Each block
+    /// runs on every text in turn, so a streamed encoder's weights pass through once for all of
+    /// them, and each text's result is what encoding it alone gives.
+    fn embed(&self, encoder: &Held<'_, UMT5EncoderModel>, texts: &[&str]) -> Result<Vec<Tensor>> {
         let max_len = self.config.generation.max_sequence_length;
-        let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
         let model = encoder.model();
         let device = model.device();
-        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-        let mask = attention_mask(&[seq_len], max_len, &device)?;
-        let h = model.embed(&ids)?;
-        let h = encoder.fold_blocks(UMT5EncoderModel::blocks, h, |block: &UMT5Block, h| {
-            block.forward(h, &mask)
-        })?;
-        Ok(zero_padding_rows(&model.final_norm(&h)?, &[seq_len])?.to_dtype(self.config.dtype())?)
+        let mut inputs = Vec::with_capacity(texts.len());
+        for text in texts {
+            let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
+            let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+            let mask = attention_mask(&[seq_len], max_len, &device)?;
+            inputs.push((model.embed(&ids)?, mask, seq_len));
+        }
+        let hidden = encoder.fold_blocks(
+            UMT5EncoderModel::blocks,
+            inputs,
+            |block: &UMT5Block, inputs| {
+                inputs
+                    .iter()
+                    .map(|(h, mask, len)| Ok((block.forward(h, mask)?, mask.clone(), *len)))
+                    .collect()
+            },
+        )?;
+        hidden
+            .iter()
+            .map(|(h, _, len)| {
+                Ok(zero_padding_rows(&model.final_norm(h)?, &[*len])?
+                    .to_dtype(self.config.dtype())?)
+            })
+            .collect()
     }
 
     /// Encodes the prompts (once per sequence-parallel group: its leader encodes, the others
@@ -572,11 +590,11 @@ impl WanT2V {
                 .as_ref()
                 .context("text encoder not loaded")?;
             let encoder = placed.hold()?;
-            let mut made = vec![self.embed(&encoder, &job.prompt)?];
+            let mut texts = vec![job.prompt.as_str()];
             if job.guidance_scale > 1.0 {
-                made.push(self.embed(&encoder, &job.negative_prompt)?);
+                texts.push(job.negative_prompt.as_str());
             }
-            Ok(made)
+            self.embed(&encoder, &texts)
         })?;
         let mut embeds = embeds.into_iter().map(|t| t.to_device(&Device::Cpu));
         job.prompt_embeds = Some(embeds.next().context("no prompt embeddings")??);
