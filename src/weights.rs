@@ -603,14 +603,18 @@ mod tests {
         }
         // Host tensors in their stored dtype are the stored bits; a wrong shape is refused.
         for (name, tensor) in &stored {
-            let host = weights.var_builder(tensor.dtype(), &Device::Cpu).get(n, name)?;
+            let host = weights
+                .var_builder(tensor.dtype(), &Device::Cpu)
+                .get(n, name)?;
             assert_eq!(host.dtype(), tensor.dtype());
             let (mut got, mut want) = (vec![0u8; n * 4], vec![0u8; n * 4]);
             let len = n * tensor.dtype().size_in_bytes();
             write_bytes(&host, &mut got[..len])?;
             write_bytes(tensor, &mut want[..len])?;
             assert!(got == want, "{name} as stored");
-            let wrong = weights.var_builder(tensor.dtype(), &Device::Cpu).get(n + 1, name);
+            let wrong = weights
+                .var_builder(tensor.dtype(), &Device::Cpu)
+                .get(n + 1, name);
             assert!(wrong.is_err(), "{name} with a wrong shape");
         }
         std::fs::remove_dir_all(&dir)?;

@@ -214,7 +214,8 @@ mod tests {
             cut_at_run_ends(&pieces, 100..30_000),
             [100..12_288, 12_288..24_576, 24_576..30_000]
         );
-        assert_eq!(cut_at_run_ends(&pieces, 12_288..12_289), [12_288..12_289]);
+        let within = cut_at_run_ends(&pieces, 12_288..12_289);
+        assert!(within.len() == 1 && within[0] == (12_288..12_289));
         assert!(cut_at_run_ends(&pieces, 37_000..37_000).is_empty());
         // Past the last piece's end, or in a gap: left whole.
         assert_eq!(
