@@ -11,7 +11,7 @@ use vidgen::models::source::ModelSource;
 use vidgen::models::wan::text_encoder::UMT5EncoderModel;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
-use vidgen::offload::Residency;
+use vidgen::offload::{HostMemory, Residency};
 use vidgen::pipeline::inert_options;
 use vidgen::pipeline::placement::Placement;
 use vidgen::pipeline::plan::{load_policy, Planner};
@@ -367,4 +367,34 @@ fn stage_major_batches_write_each_video_at_once_and_bound_what_waits() {
     let loads = log.iter().filter(|l| *l == "load text_encoder").count();
     assert_eq!(loads, n.div_ceil(runner::MAX_IN_FLIGHT));
     assert_eq!(log.iter().filter(|l| *l == "free vae").count(), loads);
+}
+
+/// With pinned host memory (the default) the encoders, run once per job, stream from the
+/// memory map through a staging ring and the DiTs are pinned; other host memory choices apply
+/// to every component alike.
+#[test]
+fn encoders_stream_through_a_staging_ring_when_memory_is_pinned() {
+    let family = toy();
+    let placed = |flags: &[&str]| {
+        let mut args = vec!["--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let config = resolve(&args);
+        let planner = Planner::new(&family, &config);
+        let spec = planner.spec(&planner.request());
+        let placement = Placement::new(&config.memory, &spec);
+        let by_name = |name: &str| {
+            let i = spec.components.iter().position(|c| c.name == name).unwrap();
+            placement.memory_for(i)
+        };
+        (by_name("text_encoder"), by_name("transformer"))
+    };
+    assert_eq!(placed(&[]), (HostMemory::Staged, HostMemory::Pinned));
+    assert_eq!(
+        placed(&["--no-pin-cpu-memory"]),
+        (HostMemory::Pageable, HostMemory::Pageable)
+    );
+    let bounded = HostMemory::Bounded {
+        max_pinned: 1 << 30,
+    };
+    assert_eq!(placed(&["--max-pinned-memory", "1GiB"]), (bounded, bounded));
 }

@@ -29,6 +29,10 @@ pub enum HostMemory {
     /// At most `max_pinned` bytes pinned: weights stay in the memory map (or, where they need
     /// converting or have no file, in pageable memory) and pass through a pinned staging ring.
     Bounded { max_pinned: usize },
+    /// As `Bounded` with a ring of two groups: for a part that streams once per job, where
+    /// page-locking its weights (serialized in the driver, ~0.09 s per GiB, and as long again to
+    /// release) costs more than the ring's CPU copies, which keep pace with the link.
+    Staged,
 }
 
 impl std::fmt::Display for HostMemory {
@@ -41,6 +45,7 @@ impl std::fmt::Display for HostMemory {
                 "in the memory map, through a {:.2} GiB pinned staging ring",
                 *max_pinned as f64 / (1u64 << 30) as f64
             ),
+            HostMemory::Staged => write!(f, "in the memory map, through a pinned staging ring"),
         }
     }
 }
@@ -229,10 +234,11 @@ impl HostStore {
                 }
             }
         }
-        // Bounded: groups stored as they stream are read through the staging ring.
-        let bounded = matches!(memory, HostMemory::Bounded { .. });
-        let all = |l: &GroupLayout| bounded && l.slots.iter().all(|s| in_map(s).is_some());
-        Self::place(layouts, weights, memory, device, all, started)
+        // Bounded: tensors stored as they stream are read through the staging ring from the
+        // map; only the others are converted into (pageable) arenas.
+        let bounded = matches!(memory, HostMemory::Bounded { .. } | HostMemory::Staged);
+        let any = |l: &GroupLayout| bounded && l.slots.iter().any(|s| in_map(s).is_some());
+        Self::place(layouts, weights, memory, device, any, started)
     }
 
     /// Groups for which `mapped` holds stay in the memory map, but for their tensors stored in

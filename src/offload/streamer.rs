@@ -273,6 +273,13 @@ fn host_holding(memory: HostMemory, total: usize, largest: usize) -> (HostMemory
     match memory {
         HostMemory::Bounded { max_pinned } if max_pinned >= total => (HostMemory::Pinned, None),
         HostMemory::Bounded { max_pinned } => (memory, Some(max_pinned.min(2 * largest))),
+        HostMemory::Staged => host_holding(
+            HostMemory::Bounded {
+                max_pinned: 2 * largest,
+            },
+            total,
+            largest,
+        ),
         other => (other, None),
     }
 }
@@ -290,7 +297,8 @@ mod tests {
     use super::*;
 
     /// A bound above the part pins it all; below, the ring is the bound or two groups, the
-    /// smaller; unbounded memory has no ring.
+    /// smaller; a staged part has a ring of two groups (all of it pinned when that is all);
+    /// unbounded memory has no ring.
     #[test]
     fn the_staging_ring_is_at_most_two_groups() {
         let bounded = |max_pinned| HostMemory::Bounded { max_pinned };
@@ -305,6 +313,14 @@ mod tests {
         assert_eq!(
             host_holding(bounded(150), 1000, 100),
             (bounded(150), Some(150))
+        );
+        assert_eq!(
+            host_holding(HostMemory::Staged, 1000, 100),
+            (bounded(200), Some(200))
+        );
+        assert_eq!(
+            host_holding(HostMemory::Staged, 200, 100),
+            (HostMemory::Pinned, None)
         );
         assert_eq!(
             host_holding(HostMemory::Pageable, 1000, 100),

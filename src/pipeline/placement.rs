@@ -66,6 +66,16 @@ impl Placement {
         }
     }
 
+    /// How `component`'s offloaded weights are held on the host: as the options say, but an
+    /// encoder (run once per job) that would be pinned streams from the memory map through a
+    /// staging ring instead ([`HostMemory::Staged`]).
+    pub fn memory_for(&self, component: usize) -> HostMemory {
+        match (self.memory, self.named[component].1) {
+            (HostMemory::Pinned, Role::TextEncoder | Role::ImageEncoder) => HostMemory::Staged,
+            (memory, _) => memory,
+        }
+    }
+
     /// Whether any component keeps its weights in host memory.
     pub fn uses_host_memory(&self) -> bool {
         self.residencies.iter().any(|r| r.uses_host_memory())

@@ -94,7 +94,7 @@ impl Loader<'_> {
             cfg,
             weights,
             residency,
-            self.placement.memory,
+            self.placement.memory_for(component),
             self.dtype(component),
             self.device,
         )?;
