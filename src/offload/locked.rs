@@ -249,7 +249,11 @@ mod cuda_tests {
         let bytes = &map[1000..map.len() - 77];
         let start = bytes.as_ptr() as usize;
         let stream = dev.cuda_stream();
-        let locked = LockedMap::lock([start..start + bytes.len()], page, stream.context())?;
+        let locked = LockedMap::lock(
+            std::iter::once(start..start + bytes.len()),
+            page,
+            stream.context(),
+        )?;
         let pieces = locked.pieces(bytes);
         assert!(pieces.len() >= 5, "{} pieces", pieces.len());
         let mut on_device = stream.alloc_zeros::<u8>(bytes.len())?;

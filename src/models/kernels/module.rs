@@ -26,6 +26,7 @@ pub(crate) fn preload(dev: &CudaDevice) -> Preloading {
     });
     let dev = dev.clone();
     let modules = std::thread::spawn(move || {
+        let mut noted = false;
         for module in [
             &kernels::CAST,
             &kernels::FILL,
@@ -37,12 +38,27 @@ pub(crate) fn preload(dev: &CudaDevice) -> Preloading {
             &kernels::TERNARY,
             &kernels::CONV,
         ] {
+            let start = std::time::Instant::now();
             // The module stays loaded whether or not the (empty) function name resolves.
             let _ = dev.get_or_load_func("", module);
+            // From the driver's cache a module loads in milliseconds; compiling one takes
+            // 0.2-7 s (18 s for all nine on an H200 host), and every CUDA call of the process
+            // waits meanwhile.
+            if !noted && start.elapsed() > COMPILING {
+                noted = true;
+                eprintln!(
+                    "note: the CUDA driver is compiling candle's kernels for this GPU, once per \
+                     machine and driver (cached in ~/.nv/ComputeCache, or CUDA_CACHE_PATH): this \
+                     first run waits for it"
+                );
+            }
         }
     });
     Preloading(vec![cudnn, modules])
 }
+
+/// A module load longer than this is the driver compiling its PTX, not reading its cache.
+const COMPILING: std::time::Duration = std::time::Duration::from_millis(150);
 
 /// The threads [`preload`] started; dropping it waits for them.
 pub(crate) struct Preloading(Vec<std::thread::JoinHandle<()>>);
