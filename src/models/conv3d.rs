@@ -538,8 +538,15 @@ mod cuda_tests {
             eprintln!("no cuDNN: cuDNN conv3d test skipped");
             return Ok(());
         }
-        // The search is asked for (it is off by default); other tests may then time theirs too.
-        std::env::set_var(crate::models::cudnn::conv::SEARCH_ENV, "timed");
+        // The search is asked for (it is off by default) in a process of its own: it is read from
+        // the environment whenever a shape's plan is made, by any test running beside this one.
+        use crate::models::kernel_module::isolated;
+        let test = "models::conv3d::cuda_tests::timed_cudnn_conv3d_matches_tap_sum";
+        if !isolated::is_child(test) {
+            let timed = Some("timed".to_string());
+            return isolated::run(test, &[(crate::models::cudnn::conv::SEARCH_ENV, timed)])
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")));
+        }
         // 2 * 96 * 96 * 27 * (2 * 94 * 94) = 17.6 GFLOP: above the timing threshold.
         let x = Tensor::randn(0f32, 1f32, (1, 96, 4, 96, 96), &dev)?;
         let w = Tensor::randn(0f32, 0.02f32, (96, 96, 3, 3, 3), &dev)?;

@@ -152,3 +152,41 @@ impl Module {
         Ok(Func { func, stream })
     }
 }
+
+/// For tests that switch a process-wide setting through the environment: each runs again in a
+/// child test process with the variables set from its start, so the tests running beside it in
+/// this process never see them.
+#[cfg(test)]
+pub(crate) mod isolated {
+    /// Set in the child to the test it runs.
+    const CHILD: &str = "VIDGEN_ISOLATED_TEST";
+
+    /// Whether this process is the child running `test` (its path below the crate): then the
+    /// caller runs the test's body under the environment it was given.
+    pub(crate) fn is_child(test: &str) -> bool {
+        std::env::var(CHILD).is_ok_and(|t| t == test)
+    }
+
+    /// Runs `test` alone in a child process with `vars` set (or, for `None`, removed); fails
+    /// unless it ran and passed there.
+    pub(crate) fn run(test: &str, vars: &[(&str, Option<String>)]) -> anyhow::Result<()> {
+        let mut child = std::process::Command::new(std::env::current_exe()?);
+        child
+            .args([test, "--exact", "--test-threads", "1", "--nocapture"])
+            .env(CHILD, test);
+        for (name, value) in vars {
+            match value {
+                Some(v) => child.env(name, v),
+                None => child.env_remove(name),
+            };
+        }
+        let out = child.output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        anyhow::ensure!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{test} with {vars:?} in a child process:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+}
