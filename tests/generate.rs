@@ -299,7 +299,7 @@ fn loading_reports_progress_in_bytes() {
 
 /// `--stats-json` carries the offload engine's copies for the denoise stage: every pass moves
 /// each block once, plus the first block of the pass after the last (prefetched); a resident
-/// run has none.
+/// run has none. The text encoder's copies are counted apart.
 #[test]
 fn stats_count_the_blocks_the_engine_moved() {
     let out = scratch("offload-stats");
@@ -334,6 +334,14 @@ fn stats_count_the_blocks_the_engine_moved() {
     );
     assert_eq!(streamed["offload"]["groups_copied"], passes * layers + 1);
     assert!(streamed["offload"]["bytes_copied"].as_u64().unwrap() > 0);
+    // The streamed text encoder passes once for the prompt and the negative prompt together:
+    // each of its blocks moved once, plus the next pass's first (prefetched).
+    let encoder_layers = 2; // tests/fixtures/wan-tiny-a/text_encoder/config.json
+    assert_eq!(
+        streamed["offload_text_encoder"]["groups_copied"],
+        encoder_layers + 1,
+        "{streamed}"
+    );
     let resident = stats(
         "resident",
         &["--no-dit-layerwise-offload", "--no-dit-cpu-offload"],

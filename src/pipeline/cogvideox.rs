@@ -371,12 +371,20 @@ impl CogVideoX {
         Ok((latents, noises))
     }
 
-    /// The prompt embeddings `[1, L, text_dim]` of one text: T5's `last_hidden_state` of the
-    /// padded ids without a mask (the prompt is not cleaned).
-    fn embed(&self, encoder: &Held<'_, T5EncoderModel>, text: &str) -> Result<Tensor> {
+    /// The prompt embeddings `[1, L, text_dim]` of each text: T5's `last_hidden_state` of the
+    /// padded ids without a mask (the prompt is not cleaned), the texts through the blocks
+    /// together.
+    fn embed(&self, encoder: &Held<'_, T5EncoderModel>, texts: &[&str]) -> Result<Vec<Tensor>> {
         let max_len = self.config.generation.max_sequence_length;
-        let (ids, _) = self.tokenizer.encode(text, max_len)?;
-        Ok(encode_unmasked(encoder, &ids)?.to_dtype(self.config.dtype())?)
+        let ids = texts
+            .iter()
+            .map(|text| Ok(self.tokenizer.encode(text, max_len)?.0))
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        encode_unmasked(encoder, &ids)?
+            .into_iter()
+            .map(|t| Ok(t.to_dtype(self.config.dtype())?.to_device(&Device::Cpu)?))
+            .collect()
     }
 
     /// Encodes the prompts (the negative one when guided); the embeddings wait for the denoise
@@ -386,16 +394,17 @@ impl CogVideoX {
             .text_encoder
             .as_ref()
             .context("text encoder not loaded")?;
+        let before = placed.offload_usage();
         let encoder = placed.hold()?;
-        job.prompt_embeds = Some(self.embed(&encoder, &job.prompt)?.to_device(&Device::Cpu)?);
-        job.negative_embeds = if guidance::is_guided(job.guidance_scale) {
-            Some(
-                self.embed(&encoder, &job.negative_prompt)?
-                    .to_device(&Device::Cpu)?,
-            )
-        } else {
-            None
-        };
+        let mut texts = vec![job.prompt.as_str()];
+        if guidance::is_guided(job.guidance_scale) {
+            texts.push(job.negative_prompt.as_str());
+        }
+        let mut embeds = self.embed(&encoder, &texts)?.into_iter();
+        job.prompt_embeds = embeds.next();
+        job.negative_embeds = embeds.next();
+        let after = placed.offload_usage();
+        stages::report_offload(&self.progress, job, "offload_text_encoder", before, after);
         Ok(())
     }
 

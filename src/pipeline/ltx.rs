@@ -9,11 +9,11 @@ use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
 use super::stages;
+use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
 use crate::cli::ResolvedConfig;
 use crate::models::ltx::defaults;
-use crate::models::ltx::prompt::prompt_tokens;
 use crate::models::ltx::transformer::{
     pack_latents, unpack_latents, BlockStep, LtxStream, LtxTransformer3DModel, LtxTransformerBlock,
     LtxTransformerConfig,
@@ -22,7 +22,7 @@ use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, SeededNoise,
 };
 use crate::models::source::{FileRef, ModelSource};
-use crate::models::t5::encoder::{T5Block, T5Config, T5EncoderModel};
+use crate::models::t5::encoder::{attention_mask, T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::{Scheduler, SchedulerKind};
@@ -388,25 +388,32 @@ impl Ltx {
         })
     }
 
-    /// `_get_t5_prompt_embeds` for one prompt: T5 without attention mask (every token, `<pad>`
-    /// included, attends to every token), blocks resident or streamed; the mask is returned for
-    /// the transformer's cross-attention.
-    fn embed(&self, encoder: &Held<'_, T5EncoderModel>, text: &str) -> Result<(Tensor, Tensor)> {
+    /// `_get_t5_prompt_embeds` for each text: T5 without attention mask (every token, `<pad>`
+    /// included, attends to every token), blocks resident or streamed, the texts through the
+    /// blocks together; each with its mask for the transformer's cross-attention, in host memory.
+    fn embed(
+        &self,
+        encoder: &Held<'_, T5EncoderModel>,
+        texts: &[&str],
+    ) -> Result<Vec<(Tensor, Tensor)>> {
         let max_len = self.config.generation.max_sequence_length;
-        let model = encoder.model();
-        let device = model.device();
-        let (ids, mask) = prompt_tokens(&self.tokenizer, text, max_len, &device)?;
-        let all = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
-        let h = model.embed(&ids)?;
-        let mut position_bias = None;
-        let h = encoder.fold_blocks(T5EncoderModel::blocks, h, |block: &T5Block, h| {
-            block.forward_sharing_bias(h, &all, &mut position_bias)
-        })?;
-        let embeds = model.final_norm(&h)?.to_dtype(self.config.dtype())?;
-        Ok((
-            embeds.to_device(&Device::Cpu)?,
-            mask.to_device(&Device::Cpu)?,
-        ))
+        let tokens = texts
+            .iter()
+            .map(|text| self.tokenizer.encode(text, max_len))
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<&[u32]> = tokens.iter().map(|(ids, _)| ids.as_slice()).collect();
+        encode_unmasked(encoder, &ids)?
+            .into_iter()
+            .zip(&tokens)
+            .map(|(embeds, (_, len))| {
+                Ok((
+                    embeds
+                        .to_dtype(self.config.dtype())?
+                        .to_device(&Device::Cpu)?,
+                    attention_mask(&[*len], max_len, &Device::Cpu)?,
+                ))
+            })
+            .collect()
     }
 
     /// Encodes the prompt (and with guidance the negative prompt); the embeddings wait for the
@@ -416,20 +423,30 @@ impl Ltx {
             .text_encoder
             .as_ref()
             .context("text encoder not loaded")?;
+        let before = placed.offload_usage();
         let encoder = placed.hold()?;
-        let (embeds, mask) = self.embed(&encoder, &job.prompt)?;
-        let (embeds, mask) = if job.guidance_scale > 1.0 {
-            let (neg, neg_mask) = self.embed(&encoder, &job.negative_prompt)?;
-            (
-                Tensor::cat(&[&neg, &embeds], 0)?,
-                Tensor::cat(&[&neg_mask, &mask], 0)?,
-            )
-        } else {
-            (embeds, mask)
-        };
+        let guided = job.guidance_scale > 1.0;
+        let mut texts = vec![job.prompt.as_str()];
+        if guided {
+            texts.push(job.negative_prompt.as_str());
+        }
+        let mut encoded = self.embed(&encoder, &texts)?;
         drop(encoder);
+        let (embeds, mask) = match encoded.pop() {
+            Some((neg, neg_mask)) if guided => {
+                let (embeds, mask) = encoded.pop().context("no prompt embeddings")?;
+                (
+                    Tensor::cat(&[&neg, &embeds], 0)?,
+                    Tensor::cat(&[&neg_mask, &mask], 0)?,
+                )
+            }
+            Some(only) => only,
+            None => anyhow::bail!("no prompt embeddings"),
+        };
         job.prompt_embeds = Some(embeds);
         self.carried.entry(job.index).or_default().mask = Some(mask);
+        let after = placed.offload_usage();
+        stages::report_offload(&self.progress, job, "offload_text_encoder", before, after);
         Ok(())
     }
 

@@ -159,6 +159,40 @@ pub(crate) fn check_finite(latents: &Tensor, done: usize, total: usize) -> Resul
     Ok(())
 }
 
+/// Reports what the offload engine moved for a part between `before` and `after` (usage taken
+/// around a stage): a note, and the job's metric `key` (`offload` for the denoise stage).
+pub(crate) fn report_offload(
+    progress: &Progress,
+    job: &mut Job,
+    key: &str,
+    before: Option<Usage>,
+    after: Option<Usage>,
+) {
+    let (Some(before), Some(after)) = (before, after) else {
+        return;
+    };
+    let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
+    progress.note(&format!(
+        "  {key}: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
+        copies.bytes as f64 / 1e9,
+        copies.busy_seconds,
+        copies.gb_per_second(),
+        pinned as f64 / (1u64 << 30) as f64
+    ));
+    job.metrics.insert(
+        key.into(),
+        serde_json::json!({
+            "bytes_copied": copies.bytes,
+            "groups_copied": copies.groups,
+            "copy_busy_seconds": copies.busy_seconds,
+            "copy_gb_per_second": copies.gb_per_second(),
+            "pinned_bytes": pinned,
+            "host_bytes": after.host_bytes,
+            "device_bytes": after.device_bytes,
+        }),
+    );
+}
+
 /// Reports the denoise stage's forward times and what the offload engine moved during it (the
 /// job's `forward_seconds` and `offload` metrics).
 pub(crate) fn report_denoise(
@@ -168,28 +202,7 @@ pub(crate) fn report_denoise(
     before: Option<Usage>,
     after: Option<Usage>,
 ) {
-    if let (Some(before), Some(after)) = (before, after) {
-        let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
-        progress.note(&format!(
-            "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
-            copies.bytes as f64 / 1e9,
-            copies.busy_seconds,
-            copies.gb_per_second(),
-            pinned as f64 / (1u64 << 30) as f64
-        ));
-        job.metrics.insert(
-            "offload".into(),
-            serde_json::json!({
-                "bytes_copied": copies.bytes,
-                "groups_copied": copies.groups,
-                "copy_busy_seconds": copies.busy_seconds,
-                "copy_gb_per_second": copies.gb_per_second(),
-                "pinned_bytes": pinned,
-                "host_bytes": after.host_bytes,
-                "device_bytes": after.device_bytes,
-            }),
-        );
-    }
+    report_offload(progress, job, "offload", before, after);
     progress.note(&format!(
         "  transformer forwards: {}",
         forward_seconds

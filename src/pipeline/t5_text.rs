@@ -7,18 +7,36 @@ use crate::models::t5::encoder::{T5Block, T5EncoderModel};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 
-/// `last_hidden_state` of `ids` `[1, L]` without a mask (every token, `<pad>` included, attends
-/// to every token), with the encoder's blocks resident or streamed; T5's relative-position
-/// bias, computed by the first block, is carried to the later ones.
-pub(crate) fn encode_unmasked(encoder: &Held<'_, T5EncoderModel>, ids: &[u32]) -> Result<Tensor> {
+/// `last_hidden_state` of each of `texts` (token ids, as `[1, L]`) without a mask (every token,
+/// `<pad>` included, attends to every token), with the encoder's blocks resident or streamed;
+/// T5's relative-position bias, computed by the first block, is carried to the later ones. Each
+/// block runs on every text in turn, so a streamed encoder's weights pass once for all of them,
+/// and each text's result is what encoding it alone gives.
+pub(crate) fn encode_unmasked(
+    encoder: &Held<'_, T5EncoderModel>,
+    texts: &[&[u32]],
+) -> Result<Vec<Tensor>> {
     let model = encoder.model();
     let device = model.device();
-    let ids = Tensor::new(ids, &device)?.unsqueeze(0)?;
-    let mask = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
-    let h = model.embed(&ids)?;
-    let mut position_bias = None;
-    let h = encoder.fold_blocks(T5EncoderModel::blocks, h, |block: &T5Block, h| {
-        block.forward_sharing_bias(h, &mask, &mut position_bias)
-    })?;
-    Ok(model.final_norm(&h)?)
+    let mut inputs = Vec::with_capacity(texts.len());
+    for ids in texts {
+        let ids = Tensor::new(*ids, &device)?.unsqueeze(0)?;
+        let mask = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
+        inputs.push((model.embed(&ids)?, mask, None));
+    }
+    let hidden =
+        encoder.fold_blocks(T5EncoderModel::blocks, inputs, |block: &T5Block, inputs| {
+            inputs
+                .iter()
+                .map(|(h, mask, bias)| {
+                    let mut bias = bias.clone();
+                    let h = block.forward_sharing_bias(h, mask, &mut bias)?;
+                    Ok((h, mask.clone(), bias))
+                })
+                .collect()
+        })?;
+    hidden
+        .iter()
+        .map(|(h, _, _)| Ok(model.final_norm(h)?))
+        .collect()
 }

@@ -583,6 +583,8 @@ impl WanT2V {
     /// receive the embeddings); the embeddings wait for the denoise stage in host memory, so a
     /// stage-major batch holds no device memory between stages.
     fn encode_text(&self, job: &mut Job) -> Result<()> {
+        let usage = || self.text_encoder.as_ref().and_then(Placed::offload_usage);
+        let before = usage();
         let ranks = self.config.ranks.as_ref();
         let embeds = crate::parallel::once_per_group(ranks, &self.device, || {
             let placed = self
@@ -599,6 +601,7 @@ impl WanT2V {
         let mut embeds = embeds.into_iter().map(|t| t.to_device(&Device::Cpu));
         job.prompt_embeds = Some(embeds.next().context("no prompt embeddings")??);
         job.negative_embeds = embeds.next().transpose()?;
+        stages::report_offload(&self.progress, job, "offload_text_encoder", before, usage());
         Ok(())
     }
 
@@ -882,33 +885,12 @@ impl WanT2V {
             stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
             i += 1;
         }
-        if let (Some(before), Some(after)) = (before, placed.offload_usage()) {
-            let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
-            self.progress.note(&format!(
-                "  offload: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
-                copies.bytes as f64 / 1e9,
-                copies.busy_seconds,
-                copies.gb_per_second(),
-                pinned as f64 / (1u64 << 30) as f64
-            ));
-            let key = if low {
-                "offload_transformer_2"
-            } else {
-                "offload"
-            };
-            job.metrics.insert(
-                key.into(),
-                serde_json::json!({
-                    "bytes_copied": copies.bytes,
-                    "groups_copied": copies.groups,
-                    "copy_busy_seconds": copies.busy_seconds,
-                    "copy_gb_per_second": copies.gb_per_second(),
-                    "pinned_bytes": pinned,
-                    "host_bytes": after.host_bytes,
-                    "device_bytes": after.device_bytes,
-                }),
-            );
-        }
+        let key = if low {
+            "offload_transformer_2"
+        } else {
+            "offload"
+        };
+        stages::report_offload(&self.progress, job, key, before, placed.offload_usage());
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
             return Ok(Denoising {
