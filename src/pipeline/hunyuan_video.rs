@@ -421,57 +421,93 @@ impl HunyuanVideo {
         }
     }
 
-    /// `_get_llama_prompt_embeds`: the template around `text`, `hidden_states[-3]`, the
-    /// template's tokens cropped; embeds and mask on the host.
+    /// `_get_llama_prompt_embeds` of each text: the template around it, `hidden_states[-3]`, the
+    /// template's tokens cropped; embeds and mask on the host. Each layer runs on every text in
+    /// turn (a streamed encoder passes once for all), each result as encoding it alone gives.
     fn llama_embed(
         &self,
         encoder: &Held<'_, LlamaTextEncoder>,
-        text: &str,
-    ) -> Result<(Tensor, Tensor)> {
+        texts: &[&str],
+    ) -> Result<Vec<(Tensor, Tensor)>> {
         let device = self.compute_device(TEXT_ENCODER);
-        let (ids, mask) = self.tokenizer.batch(
-            DEFAULT_PROMPT_TEMPLATE,
-            &[text],
-            self.crop_start,
-            self.config.generation.max_sequence_length,
-            &device,
-        )?;
         let model = encoder.model();
-        let inputs = model.prepare(&mask, &device)?;
-        let h = model.embed(&ids)?;
-        let h = encoder.fold_blocks(
+        let mut inputs = Vec::with_capacity(texts.len());
+        for text in texts {
+            let (ids, mask) = self.tokenizer.batch(
+                DEFAULT_PROMPT_TEMPLATE,
+                &[text],
+                self.crop_start,
+                self.config.generation.max_sequence_length,
+                &device,
+            )?;
+            let prepared = model.prepare(&mask, &device)?;
+            inputs.push((model.embed(&ids)?, prepared, mask));
+        }
+        let hidden = encoder.fold_blocks(
             LlamaTextEncoder::blocks,
-            h,
-            |block: &LlamaDecoderLayer, h| block.forward(h, &inputs),
+            inputs,
+            |block: &LlamaDecoderLayer, inputs| {
+                inputs
+                    .iter()
+                    .map(|(h, prepared, mask)| {
+                        Ok((block.forward(h, prepared)?, prepared.clone(), mask.clone()))
+                    })
+                    .collect()
+            },
         )?;
-        let (embeds, mask) = crop_prompt(&h, &mask, self.crop_start)?;
-        Ok((
-            embeds
-                .to_dtype(self.config.dtype())?
-                .to_device(&Device::Cpu)?,
-            mask.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
-        ))
+        hidden
+            .iter()
+            .map(|(h, _, mask)| {
+                let (embeds, mask) = crop_prompt(h, mask, self.crop_start)?;
+                Ok((
+                    embeds
+                        .to_dtype(self.config.dtype())?
+                        .to_device(&Device::Cpu)?,
+                    mask.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+                ))
+            })
+            .collect()
     }
 
-    /// `_get_clip_prompt_embeds`: the pooled output of the CLIP text model, on the host.
-    fn clip_pooled(&self, encoder: &Held<'_, ClipTextModel>, text: &str) -> Result<Tensor> {
+    /// `_get_clip_prompt_embeds` of each text: the pooled output of the CLIP text model, on the
+    /// host; the texts through the layers together, as [`Self::llama_embed`].
+    fn clip_pooled(
+        &self,
+        encoder: &Held<'_, ClipTextModel>,
+        texts: &[&str],
+    ) -> Result<Vec<Tensor>> {
         let device = self.compute_device(TEXT_ENCODER_2);
-        let encoding = self
-            .tokenizer_2
-            .encode(text, true)
-            .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
-        let ids: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
-        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
         let model = encoder.model();
-        let x = model.embed(&ids)?;
-        let x = encoder.fold_blocks(ClipTextModel::layers, x, |layer: &ClipEncoderLayer, x| {
-            layer.forward(x, true)
-        })?;
-        Ok(model
-            .finish(&x, &ids)?
-            .pooler_output
-            .to_dtype(self.config.dtype())?
-            .to_device(&Device::Cpu)?)
+        let mut inputs = Vec::with_capacity(texts.len());
+        for text in texts {
+            let encoding = self
+                .tokenizer_2
+                .encode(*text, true)
+                .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
+            let ids: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
+            let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+            inputs.push((model.embed(&ids)?, ids));
+        }
+        let hidden = encoder.fold_blocks(
+            ClipTextModel::layers,
+            inputs,
+            |layer: &ClipEncoderLayer, inputs| {
+                inputs
+                    .iter()
+                    .map(|(x, ids)| Ok((layer.forward(x, true)?, ids.clone())))
+                    .collect()
+            },
+        )?;
+        hidden
+            .iter()
+            .map(|(x, ids)| {
+                Ok(model
+                    .finish(x, ids)?
+                    .pooler_output
+                    .to_dtype(self.config.dtype())?
+                    .to_device(&Device::Cpu)?)
+            })
+            .collect()
     }
 
     /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
@@ -494,26 +530,27 @@ impl HunyuanVideo {
             .as_ref()
             .context("text encoder 2 not loaded")?
             .hold()?;
-        let conds = |text: &str| -> Result<TextConds> {
-            let (embeds, mask) = self.llama_embed(&llama, text)?;
-            Ok(TextConds {
+        let negative = self.true_cfg(job).is_some();
+        if !negative && self.config.generation.true_cfg_scale.unwrap_or(1.0) > 1.0 {
+            self.progress.note(
+                "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
+            );
+        }
+        let mut texts = vec![job.prompt.as_str()];
+        if negative {
+            texts.push(job.negative_prompt.as_str());
+        }
+        let mut conds = self
+            .llama_embed(&llama, &texts)?
+            .into_iter()
+            .zip(self.clip_pooled(&clip, &texts)?)
+            .map(|((embeds, mask), pooled)| TextConds {
                 embeds,
                 mask,
-                pooled: self.clip_pooled(&clip, text)?,
-            })
-        };
-        let cond = conds(&job.prompt)?;
-        let negative = match self.true_cfg(job) {
-            Some(_) => Some(conds(&job.negative_prompt)?),
-            None => {
-                if self.config.generation.true_cfg_scale.unwrap_or(1.0) > 1.0 {
-                    self.progress.note(
-                        "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
-                    );
-                }
-                None
-            }
-        };
+                pooled,
+            });
+        let cond = conds.next().context("no prompt embeddings")?;
+        let negative = conds.next();
         drop((llama, clip));
         self.conds.insert(job.index, (cond, negative));
         Ok(())
