@@ -121,11 +121,8 @@ pub fn write_latents(
     replace: bool,
 ) -> Result<()> {
     let run = || -> Result<()> {
-        let tensor = latents.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
         let temp = Partial::file(path)?;
-        let info: HashMap<String, String> = metadata.iter().cloned().collect();
-        let info = (!info.is_empty()).then_some(info);
-        safetensors::serialize_to_file([("latents", &tensor)], info, temp.path())?;
+        serialize_f32(&[("latents", latents)], metadata, temp.path())?;
         temp.commit(path, replace)
     };
     run().with_context(|| format!("writing latents {}", path.display()))
@@ -155,14 +152,79 @@ fn write_safetensors_inner(
     let run = || -> Result<()> {
         let clip = Clip::from_tensor(frames)?;
         let temp = Partial::file(path)?;
-        let info: HashMap<String, String> = metadata.iter().cloned().collect();
-        let info = (!info.is_empty()).then_some(info);
         let mut tensors = vec![("frames", &clip.values)];
         tensors.extend(audio.map(|a| ("audio", a.samples())));
-        safetensors::serialize_to_file(tensors, info, temp.path())?;
+        serialize_f32(&tensors, metadata, temp.path())?;
         temp.commit(path, replace)
     };
     run().with_context(|| format!("writing safetensors {}", path.display()))
+}
+
+/// One tensor's f32 values as safetensors stores them (little-endian), borrowed.
+struct F32Bytes<'a> {
+    shape: Vec<usize>,
+    bytes: &'a [u8],
+}
+
+impl safetensors::View for F32Bytes<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Writes `tensors` as f32 safetensors at `path`, with `metadata` in the header, straight from
+/// their host storage: candle's own `View` copies a tensor twice before it is written (a
+/// 480x832x81 video is 388 MB).
+fn serialize_f32(
+    tensors: &[(&str, &Tensor)],
+    metadata: &[(String, String)],
+    path: &Path,
+) -> Result<()> {
+    let host = tensors
+        .iter()
+        .map(|(_, t)| {
+            t.to_device(&Device::Cpu)?
+                .to_dtype(DType::F32)?
+                .contiguous()
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let held: Vec<_> = host.iter().map(|t| t.storage_and_layout()).collect();
+    let views = held
+        .iter()
+        .zip(&host)
+        .map(|((storage, layout), t)| {
+            let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &**storage else {
+                bail!("{:?} values in host memory are not f32", t.dtype())
+            };
+            let values = &all[layout.start_offset()..layout.start_offset() + t.elem_count()];
+            // SAFETY: f32 has no padding and every byte pattern is a valid u8; the bytes are
+            // read as safetensors' little-endian f32 on the little-endian hosts vidgen builds for.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    values.as_ptr().cast::<u8>(),
+                    std::mem::size_of_val(values),
+                )
+            };
+            Ok(F32Bytes {
+                shape: t.dims().to_vec(),
+                bytes,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let info: HashMap<String, String> = metadata.iter().cloned().collect();
+    let info = (!info.is_empty()).then_some(info);
+    let named = tensors.iter().map(|(name, _)| *name).zip(views);
+    safetensors::serialize_to_file(named, info, path)?;
+    Ok(())
 }
 
 /// The frames as host f32 values, row-major `[F, H, W, 3]`: the caller's tensor itself when it
@@ -367,5 +429,44 @@ impl Drop for Partial {
                 std::fs::remove_file(&self.path)
             };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tensors written from their storage read back as the f32 values candle gives, whatever
+    /// their dtype and layout (a transposed bf16 view, an offset narrow), with the metadata.
+    #[test]
+    fn f32_safetensors_hold_the_values_and_metadata() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("vidgen-f32st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("t.safetensors");
+        let base = (Tensor::arange(0u32, 24, &Device::Cpu)?.to_dtype(DType::F32)? * 0.37)?;
+        let a = base.reshape((4, 6))?.to_dtype(DType::BF16)?.t()?;
+        let b = base.narrow(0, 5, 7)?;
+        let metadata = [("k".to_string(), "v".to_string())];
+        serialize_f32(&[("a", &a), ("b", &b)], &metadata, &path)?;
+        let bytes = std::fs::read(&path)?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
+        assert_eq!(
+            header
+                .metadata()
+                .as_ref()
+                .and_then(|m| m.get("k"))
+                .map(String::as_str),
+            Some("v")
+        );
+        let read = candle_core::safetensors::load(&path, &Device::Cpu)?;
+        for (name, want) in [("a", &a), ("b", &b)] {
+            let got = &read[name];
+            assert_eq!(got.dtype(), DType::F32);
+            assert_eq!(got.dims(), want.dims(), "{name}");
+            let want = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(got.flatten_all()?.to_vec1::<f32>()?, want, "{name}");
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
     }
 }
