@@ -202,10 +202,7 @@ fn serialize_f32(
         .iter()
         .zip(&host)
         .map(|((storage, layout), t)| {
-            let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &**storage else {
-                bail!("{:?} values in host memory are not f32", t.dtype())
-            };
-            let values = &all[layout.start_offset()..layout.start_offset() + t.elem_count()];
+            let values = host_f32(storage, layout.start_offset(), t.elem_count())?;
             // SAFETY: f32 has no padding and every byte pattern is a valid u8; the bytes are
             // read as safetensors' little-endian f32 on the little-endian hosts vidgen builds for.
             let bytes = unsafe {
@@ -265,11 +262,17 @@ impl Clip {
     fn with_frame<R>(&self, i: usize, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         let n = self.height * self.width * 3;
         let (storage, layout) = self.values.storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
-            bail!("frames are not f32 values in host memory")
-        };
-        let start = layout.start_offset() + i * n;
-        Ok(f(&all[start..start + n]))
+        Ok(f(host_f32(&storage, layout.start_offset() + i * n, n)?))
+    }
+}
+
+/// `len` values of host f32 `storage` from element `start`.
+fn host_f32(storage: &candle_core::Storage, start: usize, len: usize) -> Result<&[f32]> {
+    match storage {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) => {
+            Ok(&all[start..start + len])
+        }
+        _ => bail!("the values are not f32 in host memory"),
     }
 }
 

@@ -431,7 +431,7 @@ impl HunyuanVideo {
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let device = self.compute_device(TEXT_ENCODER);
         let model = encoder.model();
-        let mut inputs = Vec::with_capacity(texts.len());
+        let (mut hidden, mut prepared, mut masks) = (Vec::new(), Vec::new(), Vec::new());
         for text in texts {
             let (ids, mask) = self.tokenizer.batch(
                 DEFAULT_PROMPT_TEMPLATE,
@@ -440,24 +440,19 @@ impl HunyuanVideo {
                 self.config.generation.max_sequence_length,
                 &device,
             )?;
-            let prepared = model.prepare(&mask, &device)?;
-            inputs.push((model.embed(&ids)?, prepared, mask));
+            prepared.push(model.prepare(&mask, &device)?);
+            hidden.push(model.embed(&ids)?);
+            masks.push(mask);
         }
-        let hidden = encoder.fold_blocks(
+        let hidden = encoder.fold_blocks_each(
             LlamaTextEncoder::blocks,
-            inputs,
-            |block: &LlamaDecoderLayer, inputs| {
-                inputs
-                    .iter()
-                    .map(|(h, prepared, mask)| {
-                        Ok((block.forward(h, prepared)?, prepared.clone(), mask.clone()))
-                    })
-                    .collect()
-            },
+            hidden,
+            |block: &LlamaDecoderLayer, i, h| block.forward(h, &prepared[i]),
         )?;
         hidden
             .iter()
-            .map(|(h, _, mask)| {
+            .zip(&masks)
+            .map(|(h, mask)| {
                 let (embeds, mask) = crop_prompt(h, mask, self.crop_start)?;
                 Ok((
                     embeds
@@ -478,28 +473,25 @@ impl HunyuanVideo {
     ) -> Result<Vec<Tensor>> {
         let device = self.compute_device(TEXT_ENCODER_2);
         let model = encoder.model();
-        let mut inputs = Vec::with_capacity(texts.len());
+        let (mut hidden, mut ids) = (Vec::new(), Vec::new());
         for text in texts {
             let encoding = self
                 .tokenizer_2
                 .encode(*text, true)
                 .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
-            let ids: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
-            let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-            inputs.push((model.embed(&ids)?, ids));
+            let tokens: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
+            let tokens = Tensor::new(tokens.as_slice(), &device)?.unsqueeze(0)?;
+            hidden.push(model.embed(&tokens)?);
+            ids.push(tokens);
         }
-        let hidden = encoder.fold_blocks(
+        let hidden = encoder.fold_blocks_each(
             ClipTextModel::layers,
-            inputs,
-            |layer: &ClipEncoderLayer, inputs| {
-                inputs
-                    .iter()
-                    .map(|(x, ids)| Ok((layer.forward(x, true)?, ids.clone())))
-                    .collect()
-            },
+            hidden,
+            |layer: &ClipEncoderLayer, _, x| layer.forward(x, true),
         )?;
         hidden
             .iter()
+            .zip(&ids)
             .map(|(x, ids)| {
                 Ok(model
                     .finish(x, ids)?

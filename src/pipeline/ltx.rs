@@ -425,23 +425,20 @@ impl Ltx {
             .context("text encoder not loaded")?;
         let before = placed.offload_usage();
         let encoder = placed.hold()?;
-        let guided = job.guidance_scale > 1.0;
         let mut texts = vec![job.prompt.as_str()];
-        if guided {
+        if job.guidance_scale > 1.0 {
             texts.push(job.negative_prompt.as_str());
         }
-        let mut encoded = self.embed(&encoder, &texts)?;
+        let mut encoded = self.embed(&encoder, &texts)?.into_iter();
         drop(encoder);
-        let (embeds, mask) = match encoded.pop() {
-            Some((neg, neg_mask)) if guided => {
-                let (embeds, mask) = encoded.pop().context("no prompt embeddings")?;
-                (
-                    Tensor::cat(&[&neg, &embeds], 0)?,
-                    Tensor::cat(&[&neg_mask, &mask], 0)?,
-                )
-            }
-            Some(only) => only,
-            None => anyhow::bail!("no prompt embeddings"),
+        let (embeds, mask) = encoded.next().context("no prompt embeddings")?;
+        // With guidance, one batch: [negative; positive].
+        let (embeds, mask) = match encoded.next() {
+            Some((neg, neg_mask)) => (
+                Tensor::cat(&[&neg, &embeds], 0)?,
+                Tensor::cat(&[&neg_mask, &mask], 0)?,
+            ),
+            None => (embeds, mask),
         };
         job.prompt_embeds = Some(embeds);
         self.carried.entry(job.index).or_default().mask = Some(mask);

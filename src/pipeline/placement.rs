@@ -515,6 +515,24 @@ impl<M: Blockwise> Held<'_, M> {
         Ok(state)
     }
 
+    /// [`Self::fold_blocks`] over several independent states at once: each block maps every
+    /// state in turn (`f` gets the state's index), so a streamed part's blocks pass once for all
+    /// of them, and each state ends as folding it alone would leave it.
+    pub fn fold_blocks_each<'b, T>(
+        &'b self,
+        resident: impl FnOnce(&'b M) -> &'b [M::Block],
+        init: Vec<T>,
+        mut f: impl FnMut(&M::Block, usize, &T) -> candle_core::Result<T>,
+    ) -> candle_core::Result<Vec<T>> {
+        self.fold_blocks(resident, init, |block, states| {
+            states
+                .iter()
+                .enumerate()
+                .map(|(i, state)| f(block, i, state))
+                .collect()
+        })
+    }
+
     /// Runs `f` on every block in order, streamed or resident (`resident` lists them).
     fn for_each_block<'b>(
         &'b self,

@@ -18,25 +18,23 @@ pub(crate) fn encode_unmasked(
 ) -> Result<Vec<Tensor>> {
     let model = encoder.model();
     let device = model.device();
-    let mut inputs = Vec::with_capacity(texts.len());
+    let (mut states, mut masks) = (Vec::new(), Vec::new());
     for ids in texts {
         let ids = Tensor::new(*ids, &device)?.unsqueeze(0)?;
-        let mask = Tensor::ones(ids.dims2()?, DType::U32, &device)?;
-        inputs.push((model.embed(&ids)?, mask, None));
+        masks.push(Tensor::ones(ids.dims2()?, DType::U32, &device)?);
+        states.push((model.embed(&ids)?, None));
     }
-    let hidden =
-        encoder.fold_blocks(T5EncoderModel::blocks, inputs, |block: &T5Block, inputs| {
-            inputs
-                .iter()
-                .map(|(h, mask, bias)| {
-                    let mut bias = bias.clone();
-                    let h = block.forward_sharing_bias(h, mask, &mut bias)?;
-                    Ok((h, mask.clone(), bias))
-                })
-                .collect()
-        })?;
-    hidden
+    let states = encoder.fold_blocks_each(
+        T5EncoderModel::blocks,
+        states,
+        |block: &T5Block, i, (h, bias)| {
+            let mut bias = bias.clone();
+            let h = block.forward_sharing_bias(h, &masks[i], &mut bias)?;
+            Ok((h, bias))
+        },
+    )?;
+    states
         .iter()
-        .map(|(h, _, _)| Ok(model.final_norm(h)?))
+        .map(|(h, _)| Ok(model.final_norm(h)?))
         .collect()
 }

@@ -553,26 +553,23 @@ impl WanT2V {
         let max_len = self.config.generation.max_sequence_length;
         let model = encoder.model();
         let device = model.device();
-        let mut inputs = Vec::with_capacity(texts.len());
+        let (mut hidden, mut masks, mut lens) = (Vec::new(), Vec::new(), Vec::new());
         for text in texts {
             let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
             let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-            let mask = attention_mask(&[seq_len], max_len, &device)?;
-            inputs.push((model.embed(&ids)?, mask, seq_len));
+            masks.push(attention_mask(&[seq_len], max_len, &device)?);
+            hidden.push(model.embed(&ids)?);
+            lens.push(seq_len);
         }
-        let hidden = encoder.fold_blocks(
+        let hidden = encoder.fold_blocks_each(
             UMT5EncoderModel::blocks,
-            inputs,
-            |block: &UMT5Block, inputs| {
-                inputs
-                    .iter()
-                    .map(|(h, mask, len)| Ok((block.forward(h, mask)?, mask.clone(), *len)))
-                    .collect()
-            },
+            hidden,
+            |block: &UMT5Block, i, h| block.forward(h, &masks[i]),
         )?;
         hidden
             .iter()
-            .map(|(h, _, len)| {
+            .zip(&lens)
+            .map(|(h, len)| {
                 Ok(zero_padding_rows(&model.final_norm(h)?, &[*len])?
                     .to_dtype(self.config.dtype())?)
             })
