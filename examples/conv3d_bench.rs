@@ -90,6 +90,17 @@ fn main() -> Result<()> {
             let run = || conv3d::conv3d(&x, &w, STRIDE, PADDING);
             let y = run()?.expect("cuDNN runs f32");
             row("f32", "cuDNN tf32", time(&dev, 10, run)?, &y)?;
+            // Channels last (NDHWC activations, [C_out, kt, kh, kw, C_in] filters), where cuDNN's
+            // tensor-core kernels read without transposing; the output compared channels first.
+            for dtype in [DType::F32, DType::BF16] {
+                let xl = x.to_dtype(dtype)?.permute((0, 2, 3, 4, 1))?.contiguous()?;
+                let wl = w.to_dtype(dtype)?.permute((0, 2, 3, 4, 1))?.contiguous()?;
+                let run = || conv3d::conv3d_channels_last(&xl, &wl, STRIDE, PADDING);
+                let y = run()?.expect("cuDNN runs channels last");
+                let y = y.permute((0, 4, 1, 2, 3))?.contiguous()?;
+                let name = if dtype == DType::F32 { "tf32" } else { "bf16" };
+                row(name, "cuDNN NDHWC", time(&dev, 10, run)?, &y)?;
+            }
         }
         for dtype in [DType::F32, DType::BF16] {
             let (x, w) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);

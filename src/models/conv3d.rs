@@ -120,6 +120,104 @@ pub fn conv3d_channels_last(
     Ok(None)
 }
 
+/// How a VAE's activations lie in memory. cuDNN's tensor-core convolutions read channels last;
+/// given channels first it transposes every input and output around them (a tenth of a Wan
+/// decode's time), and its channels-last TF32 convolutions run 1.2-1.6x faster at the Wan
+/// decoder's shapes (bench/RESULTS.md, session 14).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `[B, C, T, H, W]`, diffusers' layout (every device and path).
+    ChannelsFirst,
+    /// `[B, T, H, W, C]`, where cuDNN computes.
+    ChannelsLast,
+}
+
+impl Layout {
+    /// Channels last where cuDNN is loaded for `device`, else channels first.
+    pub fn for_cudnn(device: &Device) -> Self {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() && crate::models::cudnn::api().is_some() {
+            return Layout::ChannelsLast;
+        }
+        let _ = device;
+        Layout::ChannelsFirst
+    }
+
+    /// The dim that indexes frames.
+    pub fn time_dim(self) -> usize {
+        match self {
+            Layout::ChannelsFirst => 2,
+            Layout::ChannelsLast => 1,
+        }
+    }
+
+    /// The dim that indexes channels.
+    pub fn channel_dim(self) -> usize {
+        match self {
+            Layout::ChannelsFirst => 1,
+            Layout::ChannelsLast => 4,
+        }
+    }
+
+    /// `(b, c, t, h, w)` of an activation in this layout.
+    pub fn dims(self, x: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+        let (d0, d1, d2, d3, d4) = x.dims5()?;
+        Ok(match self {
+            Layout::ChannelsFirst => (d0, d1, d2, d3, d4),
+            Layout::ChannelsLast => (d0, d4, d1, d2, d3),
+        })
+    }
+
+    /// The dims of a `(b, c, t, h, w)` activation in this layout.
+    pub fn shape(self, b: usize, c: usize, t: usize, h: usize, w: usize) -> [usize; 5] {
+        match self {
+            Layout::ChannelsFirst => [b, c, t, h, w],
+            Layout::ChannelsLast => [b, t, h, w, c],
+        }
+    }
+
+    /// `x` `[B, C, T, H, W]` (or a kernel `[C_out, C_in, kt, kh, kw]`) in this layout,
+    /// contiguous.
+    pub fn from_channels_first(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Layout::ChannelsFirst => x.contiguous(),
+            Layout::ChannelsLast => x.permute((0, 2, 3, 4, 1))?.contiguous(),
+        }
+    }
+
+    /// `x` in this layout (or a kernel) back to channels first, contiguous.
+    pub fn to_channels_first(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Layout::ChannelsFirst => x.contiguous(),
+            Layout::ChannelsLast => x.permute((0, 4, 1, 2, 3))?.contiguous(),
+        }
+    }
+}
+
+/// [`conv3d`] of `x` and `w` both in `layout` (the kernel `[C_out, kt, kh, kw, C_in]` when
+/// channels last). Channels last runs through cuDNN; a shape cuDNN declines in that layout runs
+/// channels first on transposed copies. `None` where no accelerated path computes it (channels
+/// first only: channels last is chosen where cuDNN is loaded).
+pub fn conv3d_in(
+    layout: Layout,
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Option<Tensor>> {
+    if layout == Layout::ChannelsFirst {
+        return conv3d(x, w, stride, padding);
+    }
+    if let Ok(Some(y)) = conv3d_channels_last(x, w, stride, padding) {
+        return Ok(Some(y));
+    }
+    let first = |t: &Tensor| layout.to_channels_first(t);
+    match conv3d(&first(x)?, &first(w)?, stride, padding)? {
+        Some(y) => layout.from_channels_first(&y).map(Some),
+        None => candle_core::bail!("conv3d: no path computes a channels-last convolution here"),
+    }
+}
+
 /// cuDNN's tensor descriptors hold sizes and strides as i32: no operand may have more
 /// elements.
 #[cfg(feature = "cuda")]

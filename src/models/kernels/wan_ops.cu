@@ -760,3 +760,108 @@ extern "C" __global__ void wan_vae_subpixel_f32(const float *__restrict__ src,
     dst[i] = __fadd_rn(src[at], bias[c]);
   }
 }
+
+// ---- Wan VAE channels last (f32, activations [P, C] contiguous, P = batch * frames * pixels) ----
+
+// out[offset + p * C + c] = SiLU(((x / max(|x|_2, 1e-12)) * scale) * gamma[c]) over the C
+// channels of pixel p (as wan_vae_rms_silu_f32, channels contiguous): one warp per pixel, the
+// sum of squares reduced across the warp. VEC: C % 4 == 0 and x, out + offset 16-byte aligned.
+template <bool VEC>
+__device__ __forceinline__ void vae_rms_silu_cl(const float *__restrict__ x,
+                                                float *__restrict__ out,
+                                                const float *__restrict__ gamma, int channels,
+                                                long pixels, long offset, float scale) {
+  const int lane = threadIdx.x & 31;
+  const long warps = (long)gridDim.x * (blockDim.x >> 5);
+  const int step = VEC ? 128 : 32;
+  for (long p = (blockIdx.x * (long)blockDim.x + threadIdx.x) >> 5; p < pixels; p += warps) {
+    const float *xp = x + p * channels;
+    float sq = 0.f;
+    for (int c = (VEC ? 4 : 1) * lane; c < channels; c += step) {
+      if (VEC) {
+        const float4 v = *reinterpret_cast<const float4 *>(xp + c);
+        sq = __fadd_rn(sq, __fadd_rn(__fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)),
+                                     __fadd_rn(__fmul_rn(v.z, v.z), __fmul_rn(v.w, v.w))));
+      } else {
+        sq = __fadd_rn(sq, __fmul_rn(xp[c], xp[c]));
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
+    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f);
+    float *op = out + offset + p * channels;
+    for (int c = (VEC ? 4 : 1) * lane; c < channels; c += step) {
+      const int n = VEC ? 4 : 1;
+      float v[4], r[4];
+      if (VEC) {
+        const float4 q = *reinterpret_cast<const float4 *>(xp + c);
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+      } else {
+        v[0] = xp[c];
+      }
+#pragma unroll
+      for (int k = 0; k < n; ++k) {
+        const float y = __fmul_rn(__fmul_rn(__fdiv_rn(v[k], norm), scale), gamma[c + k]);
+        r[k] = __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));
+      }
+      if (VEC)
+        *reinterpret_cast<float4 *>(op + c) = make_float4(r[0], r[1], r[2], r[3]);
+      else
+        op[c] = r[0];
+    }
+  }
+}
+
+extern "C" __global__ void wan_vae_rms_silu_cl_f32(const float *__restrict__ x,
+                                                   float *__restrict__ out,
+                                                   const float *__restrict__ gamma, int channels,
+                                                   long pixels, long offset, float scale) {
+  if (channels % 4 == 0 && aligned16(x) && aligned16(out + offset))
+    vae_rms_silu_cl<true>(x, out, gamma, channels, pixels, offset, scale);
+  else
+    vae_rms_silu_cl<false>(x, out, gamma, channels, pixels, offset, scale);
+}
+
+// In place on y [P, C] (C % 4 == 0, y and res 16-byte aligned), as float4s: y = (y + bias[c])
+// [+ res], `res` (same shape) may be null.
+extern "C" __global__ void wan_vae_bias_add_cl_v4_f32(float4 *y, const float *__restrict__ bias,
+                                                      const float4 *__restrict__ res,
+                                                      int channels, long vecs) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < vecs;
+       i += (long)gridDim.x * blockDim.x) {
+    const int c = (int)((i * 4) % channels);
+    float4 v = y[i];
+    v.x = __fadd_rn(v.x, bias[c]);
+    v.y = __fadd_rn(v.y, bias[c + 1]);
+    v.z = __fadd_rn(v.z, bias[c + 2]);
+    v.w = __fadd_rn(v.w, bias[c + 3]);
+    if (res != nullptr) {
+      const float4 r = res[i];
+      v.x = __fadd_rn(v.x, r.x);
+      v.y = __fadd_rn(v.y, r.y);
+      v.z = __fadd_rn(v.z, r.z);
+      v.w = __fadd_rn(v.w, r.w);
+    }
+    y[i] = v;
+  }
+}
+
+// dst [N, 2H, 2W, C] (N = batch * frames) = the four parities of src [N, H + 1, W + 1, 4C]
+// interleaved, plus bias[c] (wan_vae_subpixel_f32 channels last).
+extern "C" __global__ void wan_vae_subpixel_cl_f32(const float *__restrict__ src,
+                                                   float *__restrict__ dst,
+                                                   const float *__restrict__ bias, int channels,
+                                                   long h, long w, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+       i += (long)gridDim.x * blockDim.x) {
+    long r = i / channels;
+    const int c = (int)(i - r * channels);
+    const long x = r % (2 * w);
+    r /= 2 * w;
+    const long y = r % (2 * h);
+    const long f = r / (2 * h);
+    const long a = y & 1, bb = x & 1;
+    const long at = ((f * (h + 1) + (y >> 1) + a) * (w + 1) + (x >> 1) + bb) * 4 * channels +
+                    (2 * a + bb) * channels + c;
+    dst[i] = __fadd_rn(src[at], bias[c]);
+  }
+}

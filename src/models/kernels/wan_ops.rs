@@ -312,12 +312,63 @@ pub(crate) fn vae_rms_silu_into(
     ))
 }
 
-/// `y + bias` per channel of `y` `[B, C, ...]` (f32), plus `residual` (y's shape) when given,
-/// in `y`'s storage; `bias` `[C]` f32.
-pub(crate) fn vae_bias_add(y: Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+/// [`vae_rms_silu_into`] channels last: `x` `[B, T, H, W, C]` into frames `offset..offset + T`
+/// of `buf` `[B, T', H, W, C]`.
+pub(crate) fn vae_rms_silu_cl_into(
+    x: &Tensor,
+    gamma: &Tensor,
+    scale: f64,
+    buf: &Tensor,
+    offset: usize,
+) -> Result<()> {
+    let (b, t, h, w, c) = x.dims5()?;
+    let (bb, bt, bh, bw, bc) = buf.dims5()?;
+    if (bb, bc, bh, bw) != (b, c, h, w) || offset + t > bt || gamma.elem_count() != c {
+        candle_core::bail!(
+            "vae norm: x {:?}, buffer {:?} at frame {offset}, gamma {:?}",
+            x.shape(),
+            buf.shape(),
+            gamma.shape()
+        )
+    }
+    if gamma.dtype() != DType::F32 || buf.dtype() != DType::F32 {
+        candle_core::bail!("vae norm: gamma and buffer must be f32")
+    }
+    let x = x.contiguous()?;
+    let gamma = gamma.contiguous()?;
+    let frame = h * w * c;
+    // Each batch entry's frames are one contiguous run of the buffer.
+    for i in 0..b {
+        let xi = x.narrow(0, i, 1)?;
+        let pixels = t * h * w;
+        buf.inplace_op1(&vae_launch(
+            "wan_vae_rms_silu_cl_f32",
+            pixels * 32,
+            vec![
+                Arg::Tensor(Some(&xi)),
+                Arg::Dst,
+                Arg::Tensor(Some(&gamma)),
+                Arg::Int(c as i32),
+                Arg::Long(pixels as i64),
+                Arg::Long(((i * bt + offset) * frame) as i64),
+                Arg::Float(scale as f32),
+            ],
+        ))?;
+    }
+    Ok(())
+}
+
+/// `y + bias` per channel of `y` (f32; channels at `channel_dim`), plus `residual` (y's shape)
+/// when given, in `y`'s storage; `bias` `[C]` f32.
+pub(crate) fn vae_bias_add(
+    y: Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    channel_dim: usize,
+) -> Result<Tensor> {
     let dims = y.dims();
-    let c = dims.get(1).copied().unwrap_or(0);
-    if dims.len() < 2 || bias.elem_count() != c || bias.dtype() != DType::F32 {
+    let c = dims.get(channel_dim).copied().unwrap_or(0);
+    if channel_dim == 0 || bias.elem_count() != c || bias.dtype() != DType::F32 {
         candle_core::bail!("vae bias: y {:?}, bias {:?}", y.shape(), bias.shape())
     }
     let residual = match residual {
@@ -329,8 +380,24 @@ pub(crate) fn vae_bias_add(y: Tensor, bias: &Tensor, residual: Option<&Tensor>) 
     };
     let y = y.contiguous()?;
     let n = y.elem_count();
-    let spatial = n / (dims[0] * c).max(1);
+    // Elements between consecutive channels (1 when channels are last).
+    let spatial: usize = dims[channel_dim + 1..].iter().product();
     let bias = bias.contiguous()?;
+    let aligned = |t: &Tensor| (t.layout().start_offset() * 4).is_multiple_of(16);
+    if spatial == 1 && c % 4 == 0 && aligned(&y) && residual.as_ref().is_none_or(aligned) {
+        y.inplace_op1(&vae_launch(
+            "wan_vae_bias_add_cl_v4_f32",
+            n / 4,
+            vec![
+                Arg::Dst,
+                Arg::Tensor(Some(&bias)),
+                Arg::Tensor(residual.as_ref()),
+                Arg::Int(c as i32),
+                Arg::Long((n / 4) as i64),
+            ],
+        ))?;
+        return Ok(y);
+    }
     y.inplace_op1(&vae_launch(
         "wan_vae_bias_add_f32",
         n,
@@ -369,6 +436,36 @@ pub(crate) fn vae_subpixel(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
             Arg::Tensor(Some(&bias)),
             Arg::Int(c as i32),
             Arg::Long(t as i64),
+            Arg::Long(h as i64),
+            Arg::Long(w as i64),
+            Arg::Long(n as i64),
+        ],
+    ))?;
+    Ok(out)
+}
+
+/// [`vae_subpixel`] channels last: `[B, T, H + 1, W + 1, 4C]` parities interleaved into
+/// `[B, T, 2H, 2W, C]` plus `bias` `[C]` (f32).
+pub(crate) fn vae_subpixel_cl(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let (b, t, h1, w1, c4) = y.dims5()?;
+    let c = c4 / 4;
+    if c4 % 4 != 0 || h1 < 2 || w1 < 2 || bias.elem_count() != c || bias.dtype() != DType::F32 {
+        candle_core::bail!("vae subpixel: y {:?}, bias {:?}", y.shape(), bias.shape())
+    }
+    let (h, w) = (h1 - 1, w1 - 1);
+    let y = y.contiguous()?;
+    let bias = bias.contiguous()?;
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { Tensor::empty((b, t, 2 * h, 2 * w, c), DType::F32, y.device()) }?;
+    let n = out.elem_count();
+    out.inplace_op1(&vae_launch(
+        "wan_vae_subpixel_cl_f32",
+        n,
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Int(c as i32),
             Arg::Long(h as i64),
             Arg::Long(w as i64),
             Arg::Long(n as i64),

@@ -14,7 +14,7 @@ use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::models::attention::sdpa;
-use crate::models::conv3d::{self, Kernel3d};
+use crate::models::conv3d::{self, Kernel3d, Layout};
 
 /// Frames of context a causal conv keeps between chunks (diffusers' `CACHE_T`).
 pub(crate) const CACHE_T: usize = 2;
@@ -60,11 +60,13 @@ fn frame(x: &Tensor, t: usize) -> Result<Tensor> {
     x.narrow(2, t, 1)?.squeeze(2)?.contiguous()
 }
 
-/// The last `min(n, T)` frames of `x`, copied so the cache does not keep the whole chunk alive.
-fn last_frames(x: &Tensor, n: usize) -> Result<Tensor> {
-    let t = x.dim(2)?;
+/// The last `min(n, T)` frames of `x` (in `layout`), copied so the cache does not keep the
+/// whole chunk alive.
+fn last_frames(x: &Tensor, n: usize, layout: Layout) -> Result<Tensor> {
+    let time = layout.time_dim();
+    let t = x.dim(time)?;
     let keep = n.min(t);
-    x.narrow(2, t - keep, keep)?.force_contiguous()
+    x.narrow(time, t - keep, keep)?.force_contiguous()
 }
 
 /// SiLU evaluated in f32 and rounded once, as torch does for half-precision inputs.
@@ -169,7 +171,7 @@ impl Conv2d {
             let whole = || -> Result<Option<Tensor>> {
                 let w = self.weight.unsqueeze(2)?;
                 match conv3d::conv3d(x, &w, [1, s, s], [0, p, p])? {
-                    Some(y) => Ok(Some(add_bias(y, &self.bias, None)?)),
+                    Some(y) => Ok(Some(add_bias(y, &self.bias, None, Layout::ChannelsFirst)?)),
                     None => Ok(None),
                 }
             };
@@ -180,6 +182,19 @@ impl Conv2d {
         map_frames(x, |f| self.forward(f))
     }
 
+    /// A 1x1 conv of rows of channels, `[..., C]` -> `[..., C_out]` (channels last): a product
+    /// with the kernel, plus the bias.
+    fn pixels(&self, x: &Tensor) -> Result<Tensor> {
+        let (c_out, c_in, _, _) = self.weight.dims4()?;
+        let w = self.weight.reshape((c_out, c_in))?;
+        add_bias(
+            x.contiguous()?.broadcast_matmul(&w.t()?)?,
+            &self.bias,
+            None,
+            Layout::ChannelsLast,
+        )
+    }
+
     /// `[N, C, H, W]` -> `[N, C_out, H', W']`: through cuDNN (as a 3D convolution of one frame
     /// per image) where it is loaded, else memory-lean im2col.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -188,7 +203,9 @@ impl Conv2d {
             let whole = || -> Result<Option<Tensor>> {
                 let w = self.weight.unsqueeze(2)?;
                 match conv3d::conv3d(&x.unsqueeze(2)?, &w, [1, s, s], [0, p, p])? {
-                    Some(y) => Ok(Some(add_bias(y, &self.bias, None)?.squeeze(2)?)),
+                    Some(y) => Ok(Some(
+                        add_bias(y, &self.bias, None, Layout::ChannelsFirst)?.squeeze(2)?,
+                    )),
                     None => Ok(None),
                 }
             };
@@ -200,19 +217,31 @@ impl Conv2d {
             conv2d_lean(x, &self.weight, self.padding, self.stride)?,
             &self.bias,
             None,
+            Layout::ChannelsFirst,
         )
     }
 }
 
-/// `y + bias` per channel (dim 1) of `[N, C, ...]`, then `+ residual` when given: in place
-/// through the fused kernel where it takes `y` (f32 on CUDA), else candle's adds.
-fn add_bias(y: Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+/// `y + bias` per channel of `y` (`[N, C, ...]` channels first, `[..., C]` channels last), then
+/// `+ residual` when given: in place through the fused kernel where it takes `y` (f32 on CUDA),
+/// else candle's adds.
+fn add_bias(y: Tensor, bias: &Tensor, residual: Option<&Tensor>, layout: Layout) -> Result<Tensor> {
+    let channel_dim = match layout {
+        Layout::ChannelsFirst => 1,
+        Layout::ChannelsLast => y.rank() - 1,
+    };
     #[cfg(feature = "cuda")]
     if crate::models::wan::wan_ops::vae_supported(&y) {
-        return crate::models::wan::wan_ops::vae_bias_add(y, bias, residual);
+        return crate::models::wan::wan_ops::vae_bias_add(y, bias, residual, channel_dim);
     }
     let shape: Vec<usize> = (0..y.rank())
-        .map(|d| if d == 1 { bias.elem_count() } else { 1 })
+        .map(|d| {
+            if d == channel_dim {
+                bias.elem_count()
+            } else {
+                1
+            }
+        })
         .collect();
     let y = y.broadcast_add(&bias.reshape(shape)?)?;
     match residual {
@@ -226,12 +255,14 @@ fn add_bias(y: Tensor, bias: &Tensor, residual: Option<&Tensor>) -> Result<Tenso
 /// convolution through cuDNN where it is loaded ([`conv3d`]); otherwise computed one output
 /// frame at a time as a sum over the temporal taps of 2D convolutions.
 pub(super) struct CausalConv3d {
+    /// The kernel in `layout`'s order (`[C_out, kt, kh, kw, C_in]` when channels last).
     kernel: Kernel3d,
     /// `[C_out]`.
     bias: Tensor,
     front_pad: usize,
     pad_s: usize,
     stride_t: usize,
+    layout: Layout,
 }
 
 impl CausalConv3d {
@@ -241,9 +272,10 @@ impl CausalConv3d {
         cout: usize,
         k: usize,
         pad: usize,
+        layout: Layout,
         vb: VarBuilder,
     ) -> Result<Self> {
-        Self::new(cin, cout, (k, k, k), 1, (pad, pad), vb)
+        Self::new(cin, cout, (k, k, k), 1, (pad, pad), layout, vb)
     }
 
     /// `kernel` = (t, h, w) with h == w, `pad` = (temporal, spatial).
@@ -253,17 +285,23 @@ impl CausalConv3d {
         kernel: (usize, usize, usize),
         stride_t: usize,
         pad: (usize, usize),
+        layout: Layout,
         vb: VarBuilder,
     ) -> Result<Self> {
         let (kt, kh, kw) = kernel;
         let weight = vb.get((cout, cin, kt, kh, kw), "weight")?;
         let bias = vb.get(cout, "bias")?;
+        let weight = match layout {
+            Layout::ChannelsFirst => weight,
+            Layout::ChannelsLast => layout.from_channels_first(&weight)?,
+        };
         Ok(Self {
             kernel: Kernel3d::new(weight)?,
             bias,
             front_pad: 2 * pad.0,
             pad_s: pad.1,
             stride_t,
+            layout,
         })
     }
 
@@ -272,25 +310,40 @@ impl CausalConv3d {
     fn front<'a>(&self, cache: Option<&'a Tensor>) -> Result<(usize, Option<&'a Tensor>)> {
         let cache = cache.filter(|_| self.front_pad > 0);
         let cached = match cache {
-            Some(c) => c.dim(2)?,
+            Some(c) => c.dim(self.layout.time_dim())?,
             None => 0,
         };
         Ok((self.front_pad.saturating_sub(cached), cache))
     }
 
-    /// `x`: `[B, C, T, H, W]`; `cache`: frames that precede `x` (replacing front zero padding).
+    /// The whole-kernel path where it runs: channels last always (its errors are the caller's:
+    /// there is no other path in that layout), channels first where [`conv3d`] computes, with
+    /// any error noted and `None` (the tap sum runs instead).
+    fn whole<T>(&self, f: impl FnOnce() -> Result<Option<T>>) -> Result<Option<T>> {
+        match self.layout {
+            Layout::ChannelsLast => match f()? {
+                Some(y) => Ok(Some(y)),
+                None => bail!("causal conv3d: no convolution computes channels last here"),
+            },
+            Layout::ChannelsFirst if self.kernel.whole().is_some() => Ok(conv3d::or_fallback(f)),
+            Layout::ChannelsFirst => Ok(None),
+        }
+    }
+
+    /// `x`: `[B, C, T, H, W]` (in the conv's layout); `cache`: frames that precede `x`
+    /// (replacing front zero padding).
     pub(super) fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
         let (zeros, cache) = self.front(cache)?;
-        if self.kernel.whole().is_some() {
-            let whole = || self.forward_whole(x.dims5()?, zeros, cache, Input::Copy(x), None);
-            if let Some((y, _)) = conv3d::or_fallback(whole) {
-                return Ok(y);
-            }
+        let dims = self.layout.dims(x)?;
+        let whole = || self.forward_whole(dims, zeros, cache, Input::Copy(x), None);
+        if let Some((y, _)) = self.whole(whole)? {
+            return Ok(y);
         }
         self.forward_taps(x, zeros, cache)
     }
 
-    /// The tap-sum path: every output frame a sum of 2D convolutions of input frames.
+    /// The tap-sum path (channels first): every output frame a sum of 2D convolutions of input
+    /// frames.
     fn forward_taps(&self, x: &Tensor, zeros: usize, cache: Option<&Tensor>) -> Result<Tensor> {
         let t_in = x.dim(2)?;
         let cached = match cache {
@@ -327,7 +380,7 @@ impl CausalConv3d {
                 });
             }
             let y = match acc {
-                Some(a) => add_bias(a, &self.bias, None)?,
+                Some(a) => add_bias(a, &self.bias, None, Layout::ChannelsFirst)?,
                 None => bail!("causal conv3d: output frame {o} sees only padding"),
             };
             outs.push(y);
@@ -335,9 +388,10 @@ impl CausalConv3d {
         Tensor::stack(&outs, 2)
     }
 
-    /// The conv as one 3D convolution over one buffer `[B, C, zeros + cached + T, H, W]`
-    /// (`dims` those of the chunk) holding the padding, the cached frames and the chunk's
-    /// `input`; returns the output and the buffer, or `None` where [`conv3d`] does not run it.
+    /// The conv as one 3D convolution over one buffer of `zeros + cached + T` frames (`dims`
+    /// those of the chunk, `(b, c, t, h, w)`) holding the padding, the cached frames and the
+    /// chunk's `input`; returns the output and the buffer, or `None` where [`conv3d`] does not
+    /// run it.
     fn forward_whole(
         &self,
         dims: (usize, usize, usize, usize, usize),
@@ -349,9 +403,11 @@ impl CausalConv3d {
         let Some(w) = self.kernel.whole() else {
             return Ok(None);
         };
+        let layout = self.layout;
+        let time = layout.time_dim();
         let (b, c, t, h, wd) = dims;
         let cached = match cache {
-            Some(p) => p.dim(2)?,
+            Some(p) => p.dim(time)?,
             None => 0,
         };
         let front = zeros + cached;
@@ -359,18 +415,23 @@ impl CausalConv3d {
         let buf = if front == 0 {
             None
         } else if zeros > 0 {
-            Some(Tensor::zeros((b, c, front + t, h, wd), dtype, device)?)
+            Some(Tensor::zeros(
+                &layout.shape(b, c, front + t, h, wd)[..],
+                dtype,
+                device,
+            )?)
         } else {
             // SAFETY: every frame is written below (the cache, then the chunk).
-            Some(unsafe { Tensor::empty((b, c, front + t, h, wd), dtype, device) }?)
+            let shape = layout.shape(b, c, front + t, h, wd);
+            Some(unsafe { Tensor::empty(&shape[..], dtype, device) }?)
         };
         if let (Some(buf), Some(p)) = (&buf, cache) {
-            buf.slice_set(&p.contiguous()?, 2, zeros)?;
+            buf.slice_set(&p.contiguous()?, time, zeros)?;
         }
         let buf = match (buf, input) {
             (None, Input::Copy(x)) => x.clone(),
             (Some(buf), Input::Copy(x)) => {
-                buf.slice_set(&x.contiguous()?, 2, front)?;
+                buf.slice_set(&x.contiguous()?, time, front)?;
                 buf
             }
             (buf, Input::Normed(norm, x)) => match buf {
@@ -380,7 +441,8 @@ impl CausalConv3d {
                 }
                 None => {
                     // SAFETY: the norm writes every element.
-                    let buf = unsafe { Tensor::empty((b, c, t, h, wd), dtype, device) }?;
+                    let shape = layout.shape(b, c, t, h, wd);
+                    let buf = unsafe { Tensor::empty(&shape[..], dtype, device) }?;
                     norm.silu_into(x, &buf, 0)?;
                     buf
                 }
@@ -388,8 +450,8 @@ impl CausalConv3d {
         };
         let stride = [self.stride_t, 1, 1];
         let padding = [0, self.pad_s, self.pad_s];
-        match conv3d::conv3d(&buf, w, stride, padding)? {
-            Some(y) => Ok(Some((add_bias(y, &self.bias, residual)?, buf))),
+        match conv3d::conv3d_in(layout, &buf, w, stride, padding)? {
+            Some(y) => Ok(Some((add_bias(y, &self.bias, residual, layout)?, buf))),
             None => Ok(None),
         }
     }
@@ -406,43 +468,45 @@ impl CausalConv3d {
         residual: Option<&Tensor>,
         cache: &mut FeatCache,
     ) -> Result<Tensor> {
+        let layout = self.layout;
+        let time = layout.time_dim();
         let slot = cache.next_slot();
         let prev = match slot {
             Slot::Frames(p) => Some(p.clone()),
             _ => None,
         };
-        let t = x.dim(2)?;
+        let t = x.dim(time)?;
         // Frames kept: the last two of the input, or one of the previous chunk and this one.
         let keep = CACHE_T.min(t + usize::from(prev.is_some()));
         let (zeros, front_cache) = self.front(prev.as_ref())?;
-        if self.kernel.whole().is_some() {
-            let input = match norm {
-                Some(norm) => Input::Normed(norm, x),
-                None => Input::Copy(x),
+        let input = match norm {
+            Some(norm) => Input::Normed(norm, x),
+            None => Input::Copy(x),
+        };
+        let dims = layout.dims(x)?;
+        let whole = || self.forward_whole(dims, zeros, front_cache, input, residual);
+        if let Some((y, buf)) = self.whole(whole)? {
+            // The buffer ends with the input frames, preceded by the cached ones when the
+            // conv pads in time; otherwise the cache is assembled from `prev`.
+            let total = buf.dim(time)?;
+            let cache_x = match &prev {
+                Some(p) if front_cache.is_none() && keep > t => Tensor::cat(
+                    &[last_frames(p, 1, layout)?, last_frames(&buf, t, layout)?],
+                    time,
+                )?,
+                _ => buf.narrow(time, total - keep, keep)?.force_contiguous()?,
             };
-            let whole = || self.forward_whole(x.dims5()?, zeros, front_cache, input, residual);
-            if let Some((y, buf)) = conv3d::or_fallback(whole) {
-                // The buffer ends with the input frames, preceded by the cached ones when the
-                // conv pads in time; otherwise the cache is assembled from `prev`.
-                let total = buf.dim(2)?;
-                let cache_x = match &prev {
-                    Some(p) if front_cache.is_none() && keep > t => {
-                        Tensor::cat(&[last_frames(p, 1)?, last_frames(&buf, t)?], 2)?
-                    }
-                    _ => buf.narrow(2, total - keep, keep)?.force_contiguous()?,
-                };
-                *slot = Slot::Frames(cache_x);
-                return Ok(y);
-            }
+            *slot = Slot::Frames(cache_x);
+            return Ok(y);
         }
         let input = match norm {
             Some(norm) => silu(&norm.forward(x)?)?,
             None => x.clone(),
         };
-        let mut cache_x = last_frames(&input, CACHE_T)?;
+        let mut cache_x = last_frames(&input, CACHE_T, layout)?;
         if cache_x.dim(2)? < CACHE_T {
             if let Some(p) = &prev {
-                cache_x = Tensor::cat(&[last_frames(p, 1)?, cache_x], 2)?;
+                cache_x = Tensor::cat(&[last_frames(p, 1, layout)?, cache_x], 2)?;
             }
         }
         let y = self.forward_taps(&input, zeros, front_cache)?;
@@ -465,31 +529,43 @@ enum Input<'a> {
 /// diffusers' `WanRMS_norm`: `F.normalize` over channels (x / max(|x|_2, 1e-12)) * sqrt(C) * gamma,
 /// the normalisation computed in f32.
 pub(super) struct ChannelNorm {
-    /// `[C, 1, 1]` (images) or `[C, 1, 1, 1]` (video), broadcast over dim 1.
+    /// `[C, 1, 1]` (images) or `[C, 1, 1, 1]` (video), broadcast over dim 1; `[C]` channels
+    /// last.
     gamma: Tensor,
     scale: f64,
+    layout: Layout,
 }
 
 impl ChannelNorm {
     /// `images`: the 2D variant (gamma `[C, 1, 1]`, in attention) rather than the 3D one
     /// (gamma `[C, 1, 1, 1]`).
-    pub(super) fn new(dim: usize, images: bool, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(dim: usize, images: bool, layout: Layout, vb: VarBuilder) -> Result<Self> {
         let gamma = if images {
             vb.get((dim, 1, 1), "gamma")?
         } else {
             vb.get((dim, 1, 1, 1), "gamma")?
         };
+        let gamma = match layout {
+            Layout::ChannelsFirst => gamma,
+            Layout::ChannelsLast => gamma.flatten_all()?,
+        };
         Ok(Self {
             gamma,
             scale: (dim as f64).sqrt(),
+            layout,
         })
     }
 
-    /// Normalises over the channel dimension, dim 1 (`[N, C, H, W]` or `[B, C, T, H, W]`).
+    /// Normalises over the channels: dim 1 channels first (`[N, C, H, W]` or `[B, C, T, H,
+    /// W]`), the last dim channels last.
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
+        let channels = match self.layout {
+            Layout::ChannelsFirst => 1,
+            Layout::ChannelsLast => x.rank() - 1,
+        };
         let xf = x.to_dtype(DType::F32)?;
-        let norm = xf.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(1e-12)?;
+        let norm = xf.sqr()?.sum_keepdim(channels)?.sqrt()?.maximum(1e-12)?;
         let normalized = xf.broadcast_div(&norm)?;
         // torch rounds the normalised tensor to the input dtype, then scales in f32 and rounds.
         let scaled = if dtype == DType::F32 {
@@ -500,21 +576,20 @@ impl ChannelNorm {
         scaled.broadcast_mul(&self.gamma)
     }
 
-    /// Writes `SiLU(self.forward(x))` of `x` `[B, C, T, H, W]` into frames `offset..offset + T`
-    /// of `buf` `[B, C, T', H, W]` (contiguous): one pass through the fused kernel where it
-    /// takes `x` (f32 on CUDA), else the candle composition copied in.
+    /// Writes `SiLU(self.forward(x))` of the chunk `x` into frames `offset..offset + T` of
+    /// `buf` (both in the norm's layout, `buf` contiguous): one pass through the fused kernel
+    /// where it takes `x` (f32 on CUDA), else the candle composition copied in.
     fn silu_into(&self, x: &Tensor, buf: &Tensor, offset: usize) -> Result<()> {
         #[cfg(feature = "cuda")]
         if crate::models::wan::wan_ops::vae_supported(x) {
-            return crate::models::wan::wan_ops::vae_rms_silu_into(
-                x,
-                &self.gamma,
-                self.scale,
-                buf,
-                offset,
-            );
+            let into = match self.layout {
+                Layout::ChannelsFirst => crate::models::wan::wan_ops::vae_rms_silu_into,
+                Layout::ChannelsLast => crate::models::wan::wan_ops::vae_rms_silu_cl_into,
+            };
+            return into(x, &self.gamma, self.scale, buf, offset);
         }
-        buf.slice_set(&silu(&self.forward(x)?)?.contiguous()?, 2, offset)
+        let y = silu(&self.forward(x)?)?.contiguous()?;
+        buf.slice_set(&y, self.layout.time_dim(), offset)
     }
 }
 
@@ -528,23 +603,29 @@ pub(super) struct ResBlock {
 }
 
 impl ResBlock {
-    pub(super) fn new(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(
+        in_dim: usize,
+        out_dim: usize,
+        layout: Layout,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let shortcut = if in_dim != out_dim {
             Some(CausalConv3d::cube(
                 in_dim,
                 out_dim,
                 1,
                 0,
+                layout,
                 vb.pp("conv_shortcut"),
             )?)
         } else {
             None
         };
         Ok(Self {
-            norm1: ChannelNorm::new(in_dim, false, vb.pp("norm1"))?,
-            conv1: CausalConv3d::cube(in_dim, out_dim, 3, 1, vb.pp("conv1"))?,
-            norm2: ChannelNorm::new(out_dim, false, vb.pp("norm2"))?,
-            conv2: CausalConv3d::cube(out_dim, out_dim, 3, 1, vb.pp("conv2"))?,
+            norm1: ChannelNorm::new(in_dim, false, layout, vb.pp("norm1"))?,
+            conv1: CausalConv3d::cube(in_dim, out_dim, 3, 1, layout, vb.pp("conv1"))?,
+            norm2: ChannelNorm::new(out_dim, false, layout, vb.pp("norm2"))?,
+            conv2: CausalConv3d::cube(out_dim, out_dim, 3, 1, layout, vb.pp("conv2"))?,
             shortcut,
         })
     }
@@ -567,20 +648,32 @@ pub(super) struct AttentionBlock {
     norm: ChannelNorm,
     to_qkv: Conv2d,
     proj: Conv2d,
+    layout: Layout,
 }
 
 impl AttentionBlock {
-    pub(super) fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(dim: usize, layout: Layout, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            norm: ChannelNorm::new(dim, true, vb.pp("norm"))?,
+            norm: ChannelNorm::new(dim, true, layout, vb.pp("norm"))?,
             to_qkv: Conv2d::new(dim, 3 * dim, 1, 0, 1, vb.pp("to_qkv"))?,
             proj: Conv2d::new(dim, dim, 1, 0, 1, vb.pp("proj"))?,
+            layout,
         })
     }
 
-    /// `x`: `[B, C, T, H, W]`; attention within each frame.
+    /// `x`: a chunk in the block's layout; attention within each frame.
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, c, t, h, w) = x.dims5()?;
+        let (b, c, t, h, w) = self.layout.dims(x)?;
+        let scale = 1.0 / (c as f64).sqrt();
+        if self.layout == Layout::ChannelsLast {
+            // Every frame's pixels are already rows of channels: the 1x1 convs are products.
+            let frames = x.reshape((b * t, h * w, c))?;
+            let qkv = self.to_qkv.pixels(&self.norm.forward(&frames)?)?;
+            let qkv = qkv.unsqueeze(1)?;
+            let part = |i: usize| qkv.narrow(3, i * c, c);
+            let o = sdpa(&part(0)?, &part(1)?, &part(2)?, scale)?.squeeze(1)?;
+            return self.proj.pixels(&o)?.reshape((b, t, h, w, c))? + x;
+        }
         let frames = x
             .permute((0, 2, 1, 3, 4))?
             .contiguous()?
@@ -590,7 +683,7 @@ impl AttentionBlock {
         let q = qkv.narrow(3, 0, c)?;
         let k = qkv.narrow(3, c, c)?;
         let v = qkv.narrow(3, 2 * c, c)?;
-        let o = sdpa(&q, &k, &v, 1.0 / (c as f64).sqrt())?;
+        let o = sdpa(&q, &k, &v, scale)?;
         let o = o.squeeze(1)?.transpose(1, 2)?.reshape((b * t, c, h, w))?;
         let o = self.proj.forward(&o)?.reshape((b, t, c, h, w))?;
         o.permute((0, 2, 1, 3, 4))? + x
@@ -605,11 +698,11 @@ pub(super) struct MidBlock {
 }
 
 impl MidBlock {
-    pub(super) fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(dim: usize, layout: Layout, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            res0: ResBlock::new(dim, dim, vb.pp("resnets.0"))?,
-            attn: AttentionBlock::new(dim, vb.pp("attentions.0"))?,
-            res1: ResBlock::new(dim, dim, vb.pp("resnets.1"))?,
+            res0: ResBlock::new(dim, dim, layout, vb.pp("resnets.0"))?,
+            attn: AttentionBlock::new(dim, layout, vb.pp("attentions.0"))?,
+            res1: ResBlock::new(dim, dim, layout, vb.pp("resnets.1"))?,
         })
     }
 
@@ -636,6 +729,7 @@ pub(super) struct Upsample {
     /// frames themselves (see [`subpixel_weight`]), 2.25x fewer operations and no upsampled copy.
     subpixel: Option<Tensor>,
     time_conv: Option<CausalConv3d>,
+    layout: Layout,
 }
 
 /// The 3x3 kernel `w` `[C_out, C_in, 3, 3]` (padding 1) applied to a nearest x2 upsampling, as
@@ -665,11 +759,19 @@ fn subpixel_weight(w: &Tensor) -> Result<Tensor> {
 
 /// The parities `y` `[B, 4 C, T, H + 1, W + 1]` (the 2x2 convs of [`subpixel_weight`] with
 /// padding 1) interleaved into `[B, C, T, 2H, 2W]`, plus `bias`: output `(2i + a, 2j + b)` is
-/// parity `2a + b` at `(i + a, j + b)`. One pass through the kernel on CUDA f32, else candle's.
-fn subpixel_shuffle(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+/// parity `2a + b` at `(i + a, j + b)`. Channels last alike (`[B, T, H + 1, W + 1, 4C]` ->
+/// `[B, T, 2H, 2W, C]`). One pass through the kernel on CUDA f32, else candle's.
+fn subpixel_shuffle(y: &Tensor, bias: &Tensor, layout: Layout) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::models::wan::wan_ops::vae_supported(y) {
-        return crate::models::wan::wan_ops::vae_subpixel(y, bias);
+        return match layout {
+            Layout::ChannelsFirst => crate::models::wan::wan_ops::vae_subpixel(y, bias),
+            Layout::ChannelsLast => crate::models::wan::wan_ops::vae_subpixel_cl(y, bias),
+        };
+    }
+    if layout == Layout::ChannelsLast {
+        let first = subpixel_shuffle(&layout.to_channels_first(y)?, bias, Layout::ChannelsFirst)?;
+        return layout.from_channels_first(&first);
     }
     let (_, c4, _, h1, w1) = y.dims5()?;
     let (c, h, w) = (c4 / 4, h1 - 1, w1 - 1);
@@ -687,11 +789,17 @@ fn subpixel_shuffle(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
         .collect::<Result<Vec<_>>>()?;
     let (bs, _, t, _, _) = y.dims5()?;
     let out = Tensor::stack(&rows, 4)?.reshape((bs, c, t, 2 * h, 2 * w))?;
-    add_bias(out, bias, None)
+    add_bias(out, bias, None, Layout::ChannelsFirst)
 }
 
 impl Upsample {
-    pub(super) fn new(dim: usize, out_dim: usize, temporal: bool, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(
+        dim: usize,
+        out_dim: usize,
+        temporal: bool,
+        layout: Layout,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let time_conv = if temporal {
             Some(CausalConv3d::new(
                 dim,
@@ -699,6 +807,7 @@ impl Upsample {
                 (3, 1, 1),
                 1,
                 (1, 0),
+                layout,
                 vb.pp("time_conv"),
             )?)
         } else {
@@ -706,7 +815,7 @@ impl Upsample {
         };
         let conv = Conv2d::new(dim, out_dim, 3, 1, 1, vb.pp("resample.1"))?;
         let subpixel = if conv3d::accelerated(conv.weight.device()) {
-            Some(subpixel_weight(&conv.weight)?)
+            Some(layout.from_channels_first(&subpixel_weight(&conv.weight)?)?)
         } else {
             None
         };
@@ -714,24 +823,39 @@ impl Upsample {
             conv,
             subpixel,
             time_conv,
+            layout,
         })
     }
 
     pub(super) fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let layout = self.layout;
         let x = match &self.time_conv {
-            Some(time_conv) => Self::time_upsample(time_conv, x, cache)?,
+            Some(time_conv) => Self::time_upsample(time_conv, x, layout, cache)?,
             None => x.clone(),
         };
         if let Some(w) = &self.subpixel {
             let subpixel = || -> Result<Option<Tensor>> {
-                match conv3d::conv3d(&x, w, [1, 1, 1], [0, 1, 1])? {
-                    Some(y) => Ok(Some(subpixel_shuffle(&y, &self.conv.bias)?)),
+                match conv3d::conv3d_in(layout, &x, w, [1, 1, 1], [0, 1, 1])? {
+                    Some(y) => Ok(Some(subpixel_shuffle(&y, &self.conv.bias, layout)?)),
                     None => Ok(None),
                 }
             };
-            if let Some(y) = conv3d::or_fallback(subpixel) {
-                return Ok(y);
+            match layout {
+                // No other path in that layout: errors are the caller's.
+                Layout::ChannelsLast => {
+                    if let Some(y) = subpixel()? {
+                        return Ok(y);
+                    }
+                }
+                Layout::ChannelsFirst => {
+                    if let Some(y) = conv3d::or_fallback(subpixel) {
+                        return Ok(y);
+                    }
+                }
             }
+        }
+        if layout == Layout::ChannelsLast {
+            bail!("vae upsample: no convolution computes channels last here")
         }
         // Nearest x2 of every frame at once (frames folded into the image channels).
         let (b, c, t, h, w) = x.dims5()?;
@@ -747,8 +871,10 @@ impl Upsample {
     fn time_upsample(
         time_conv: &CausalConv3d,
         x: &Tensor,
+        layout: Layout,
         cache: &mut FeatCache,
     ) -> Result<Tensor> {
+        let time = layout.time_dim();
         let slot = cache.next_slot();
         let y = match slot {
             Slot::Empty => {
@@ -756,9 +882,9 @@ impl Upsample {
                 return Ok(x.clone());
             }
             Slot::Rep => {
-                let mut cache_x = last_frames(x, CACHE_T)?;
-                if cache_x.dim(2)? < CACHE_T {
-                    cache_x = Tensor::cat(&[cache_x.zeros_like()?, cache_x], 2)?;
+                let mut cache_x = last_frames(x, CACHE_T, layout)?;
+                if cache_x.dim(time)? < CACHE_T {
+                    cache_x = Tensor::cat(&[cache_x.zeros_like()?, cache_x], time)?;
                 }
                 let y = time_conv.forward(x, None)?;
                 *slot = Slot::Frames(cache_x);
@@ -766,21 +892,29 @@ impl Upsample {
             }
             Slot::Frames(prev) => {
                 let prev = prev.clone();
-                let mut cache_x = last_frames(x, CACHE_T)?;
-                if cache_x.dim(2)? < CACHE_T {
-                    cache_x = Tensor::cat(&[last_frames(&prev, 1)?, cache_x], 2)?;
+                let mut cache_x = last_frames(x, CACHE_T, layout)?;
+                if cache_x.dim(time)? < CACHE_T {
+                    cache_x = Tensor::cat(&[last_frames(&prev, 1, layout)?, cache_x], time)?;
                 }
                 let y = time_conv.forward(x, Some(&prev))?;
                 *slot = Slot::Frames(cache_x);
                 y
             }
         };
-        let (b, c2, t, h, w) = y.dims5()?;
         // Channels [0, C) are frame 2t, channels [C, 2C) frame 2t + 1.
-        y.reshape((b, 2, c2 / 2, t, h * w))?
-            .permute((0, 2, 3, 1, 4))?
-            .contiguous()?
-            .reshape((b, c2 / 2, 2 * t, h, w))
+        let (b, c2, t, h, w) = layout.dims(&y)?;
+        match layout {
+            Layout::ChannelsFirst => y
+                .reshape((b, 2, c2 / 2, t, h * w))?
+                .permute((0, 2, 3, 1, 4))?
+                .contiguous()?
+                .reshape((b, c2 / 2, 2 * t, h, w)),
+            Layout::ChannelsLast => y
+                .reshape((b, t, h * w, 2, c2 / 2))?
+                .permute((0, 1, 3, 2, 4))?
+                .contiguous()?
+                .reshape((b, 2 * t, h, w, c2 / 2)),
+        }
     }
 }
 
@@ -801,6 +935,7 @@ impl Downsample {
                 (3, 1, 1),
                 2,
                 (0, 0),
+                Layout::ChannelsFirst,
                 vb.pp("time_conv"),
             )?)
         } else {
@@ -822,8 +957,9 @@ impl Downsample {
         let slot = cache.next_slot();
         match slot {
             Slot::Frames(prev) => {
-                let input = Tensor::cat(&[last_frames(prev, 1)?, x.clone()], 2)?;
-                *slot = Slot::Frames(last_frames(&x, 1)?);
+                let first = Layout::ChannelsFirst;
+                let input = Tensor::cat(&[last_frames(prev, 1, first)?, x.clone()], 2)?;
+                *slot = Slot::Frames(last_frames(&x, 1, first)?);
                 time_conv.forward(&input, None)
             }
             _ => {
@@ -954,8 +1090,16 @@ mod tests {
             .broadcast_add(&bias.reshape((1, cout, 1, 1))?)?;
         let sub = subpixel_weight(&weight)?.squeeze(2)?;
         let parities = x.conv2d(&sub, 1, 1, 1, 1)?.unsqueeze(2)?;
-        let got = subpixel_shuffle(&parities, &bias)?.squeeze(2)?;
-        let diff = (got - direct)?.abs()?.flatten_all()?.max(0)?;
+        let got = subpixel_shuffle(&parities, &bias, Layout::ChannelsFirst)?;
+        let diff = (got.squeeze(2)? - &direct)?.abs()?.flatten_all()?.max(0)?;
+        assert!(diff.to_scalar::<f32>()? < 1e-4);
+        // Channels last gives the same frames in its own order.
+        let last = Layout::ChannelsLast;
+        let got = subpixel_shuffle(&last.from_channels_first(&parities)?, &bias, last)?;
+        let diff = (last.to_channels_first(&got)?.squeeze(2)? - direct)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?;
         assert!(diff.to_scalar::<f32>()? < 1e-4);
         Ok(())
     }
@@ -987,48 +1131,62 @@ mod cuda_tests {
     use super::*;
     use candle_core::Device;
 
+    const LAYOUTS: [Layout; 2] = [Layout::ChannelsFirst, Layout::ChannelsLast];
+
     fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
-    /// The fused norm + SiLU kernel against the candle composition (CPU fallback), written at
-    /// a frame offset of a buffer whose other frames stay untouched.
+    /// The fused norm + SiLU kernels (each layout) against the candle composition (CPU
+    /// fallback), written at a frame offset of a buffer whose other frames stay untouched.
     #[test]
     fn fused_rms_silu_matches_composition() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
             eprintln!("no CUDA device: VAE kernel test skipped");
             return Ok(());
         };
-        for (b, c, t) in [(1, 96, 3), (2, 5, 1)] {
-            let x = Tensor::randn(0f32, 3f32, (b, c, t, 7, 9), &dev)?;
-            let norm = ChannelNorm {
-                gamma: Tensor::randn(1f32, 0.5f32, (c, 1, 1, 1), &dev)?,
-                scale: (c as f64).sqrt(),
-            };
-            let buf = Tensor::full(7f32, (b, c, t + 2, 7, 9), &dev)?;
-            norm.silu_into(&x, &buf, 2)?;
-            let want = silu(&norm.forward(&x)?)?;
-            let err = max_diff(&buf.narrow(2, 2, t)?, &want)?;
-            assert!(err < 1e-5, "norm + SiLU kernel vs composition: {err:.2e}");
-            let front = buf.narrow(2, 0, 2)?.flatten_all()?.to_vec1::<f32>()?;
-            assert!(
-                front.iter().all(|&v| v == 7.0),
-                "frames before the offset changed"
-            );
-            // The CPU fallback computes the same.
-            let cpu = Tensor::zeros((b, c, t, 7, 9), DType::F32, &Device::Cpu)?;
-            let cpu_norm = ChannelNorm {
-                gamma: norm.gamma.to_device(&Device::Cpu)?,
-                scale: norm.scale,
-            };
-            cpu_norm.silu_into(&x.to_device(&Device::Cpu)?, &cpu, 0)?;
-            let err = max_diff(&buf.narrow(2, 2, t)?.to_device(&Device::Cpu)?, &cpu)?;
-            assert!(err < 1e-5, "kernel vs CPU fallback: {err:.2e}");
+        for layout in LAYOUTS {
+            for (b, c, t) in [(1, 96, 3), (2, 5, 1), (2, 384, 2)] {
+                let x = Tensor::randn(0f32, 3f32, (b, c, t, 7, 9), &dev)?;
+                let gamma = Tensor::randn(1f32, 0.5f32, (c, 1, 1, 1), &dev)?;
+                let norm = |device: &Device| -> Result<ChannelNorm> {
+                    let gamma = gamma.to_device(device)?;
+                    Ok(ChannelNorm {
+                        gamma: match layout {
+                            Layout::ChannelsFirst => gamma,
+                            Layout::ChannelsLast => gamma.flatten_all()?,
+                        },
+                        scale: (c as f64).sqrt(),
+                        layout,
+                    })
+                };
+                let buf = Tensor::full(7f32, (b, c, t + 2, 7, 9), &dev)?;
+                let buf = layout.from_channels_first(&buf)?;
+                let xl = layout.from_channels_first(&x)?;
+                norm(&dev)?.silu_into(&xl, &buf, 2)?;
+                let got = layout.to_channels_first(&buf)?;
+                let first = ChannelNorm {
+                    gamma: gamma.clone(),
+                    scale: (c as f64).sqrt(),
+                    layout: Layout::ChannelsFirst,
+                };
+                let want = silu(&first.forward(&x)?)?;
+                let err = max_diff(&got.narrow(2, 2, t)?, &want)?;
+                assert!(err < 1e-5, "{layout:?} norm + SiLU kernel: {err:.2e}");
+                let front = got.narrow(2, 0, 2)?.flatten_all()?.to_vec1::<f32>()?;
+                assert!(front.iter().all(|&v| v == 7.0), "{layout:?}: front changed");
+                // The CPU fallback of the same layout computes the same.
+                let cpu = Tensor::zeros(xl.dims(), DType::F32, &Device::Cpu)?;
+                norm(&Device::Cpu)?.silu_into(&xl.to_device(&Device::Cpu)?, &cpu, 0)?;
+                let cpu = layout.to_channels_first(&cpu)?;
+                let err = max_diff(&got.narrow(2, 2, t)?.to_device(&Device::Cpu)?, &cpu)?;
+                assert!(err < 1e-5, "{layout:?} kernel vs CPU fallback: {err:.2e}");
+            }
         }
         Ok(())
     }
 
-    /// The parity interleave kernel against the candle composition (CPU fallback).
+    /// The parity interleave kernels against the candle composition (CPU fallback).
     #[test]
     fn subpixel_kernel_matches_composition() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
@@ -1037,37 +1195,68 @@ mod cuda_tests {
         };
         let y = Tensor::randn(0f32, 1f32, (2, 12, 3, 6, 8), &dev)?;
         let bias = Tensor::randn(0f32, 1f32, 3, &dev)?;
-        let got = subpixel_shuffle(&y, &bias)?.to_device(&Device::Cpu)?;
-        let want = subpixel_shuffle(&y.to_device(&Device::Cpu)?, &bias.to_device(&Device::Cpu)?)?;
-        assert_eq!(got.dims(), &[2, 3, 3, 10, 14]);
-        assert_eq!(max_diff(&got, &want)?, 0.0);
+        let want = subpixel_shuffle(
+            &y.to_device(&Device::Cpu)?,
+            &bias.to_device(&Device::Cpu)?,
+            Layout::ChannelsFirst,
+        )?;
+        assert_eq!(want.dims(), &[2, 3, 3, 10, 14]);
+        for layout in LAYOUTS {
+            let got = subpixel_shuffle(&layout.from_channels_first(&y)?, &bias, layout)?;
+            let got = layout.to_channels_first(&got)?.to_device(&Device::Cpu)?;
+            assert_eq!(max_diff(&got, &want)?, 0.0, "{layout:?}");
+        }
         Ok(())
     }
 
-    /// The in-place bias kernel against candle's broadcast add.
+    /// The in-place bias kernels (each layout; channels last with 4 and 6 channels, the
+    /// vectorized and the plain kernel) against candle's broadcast add.
     #[test]
     fn bias_kernel_matches_broadcast_add() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
             eprintln!("no CUDA device: VAE kernel test skipped");
             return Ok(());
         };
-        let y = Tensor::randn(0f32, 1f32, (2, 6, 3, 5, 4), &dev)?;
-        let bias = Tensor::randn(0f32, 1f32, 6, &dev)?;
-        let want = y.broadcast_add(&bias.reshape((1, 6, 1, 1, 1))?)?;
-        let got = add_bias(y.copy()?, &bias, None)?;
-        assert_eq!(max_diff(&got, &want)?, 0.0);
-        let r = Tensor::randn(0f32, 1f32, (2, 6, 3, 5, 4), &dev)?;
-        let got = add_bias(y.copy()?, &bias, Some(&r))?;
-        assert_eq!(max_diff(&got, &(want + &r)?)?, 0.0);
-        // 4D (a Conv2d's output) too.
-        let y = Tensor::randn(0f32, 1f32, (3, 6, 5, 4), &dev)?;
-        let want = y.broadcast_add(&bias.reshape((1, 6, 1, 1))?)?;
-        assert_eq!(max_diff(&add_bias(y.copy()?, &bias, None)?, &want)?, 0.0);
+        for c in [6, 8] {
+            let y = Tensor::randn(0f32, 1f32, (2, c, 3, 5, 4), &dev)?;
+            let r = Tensor::randn(0f32, 1f32, (2, c, 3, 5, 4), &dev)?;
+            let bias = Tensor::randn(0f32, 1f32, c, &dev)?;
+            let want = y.broadcast_add(&bias.reshape((1, c, 1, 1, 1))?)?;
+            let want_r = (&want + &r)?;
+            for layout in LAYOUTS {
+                let (yl, rl) = (
+                    layout.from_channels_first(&y)?,
+                    layout.from_channels_first(&r)?,
+                );
+                let got = layout.to_channels_first(&add_bias(yl.copy()?, &bias, None, layout)?)?;
+                assert_eq!(max_diff(&got, &want)?, 0.0, "{layout:?} {c}");
+                // A copy: channels first, `yl` shares `y`'s storage.
+                let got = add_bias(yl.copy()?, &bias, Some(&rl), layout)?;
+                let got = layout.to_channels_first(&got)?;
+                assert_eq!(max_diff(&got, &want_r)?, 0.0, "{layout:?} {c} residual");
+            }
+            // 4D (a Conv2d's output) too.
+            let y = Tensor::randn(0f32, 1f32, (3, c, 5, 4), &dev)?;
+            let want = y.broadcast_add(&bias.reshape((1, c, 1, 1))?)?;
+            let got = add_bias(y.copy()?, &bias, None, Layout::ChannelsFirst)?;
+            assert_eq!(max_diff(&got, &want)?, 0.0);
+        }
         Ok(())
     }
 
-    /// A residual block on CUDA (fused input buffers, cuDNN or the tap sum, exact f32) against
-    /// the same block on the CPU, over three chunks so that the cached frames are used.
+    /// Weights of a block, drawn on the CPU.
+    fn weights(shapes: &[(&str, Vec<usize>)]) -> Result<std::collections::HashMap<String, Tensor>> {
+        let mut weights = std::collections::HashMap::new();
+        for (name, shape) in shapes {
+            let t = Tensor::randn(0f32, 0.3f32, shape.clone(), &Device::Cpu)?;
+            weights.insert(name.to_string(), t);
+        }
+        Ok(weights)
+    }
+
+    /// A residual block on CUDA (fused input buffers, cuDNN or the tap sum, exact f32; channels
+    /// first, and channels last where cuDNN is loaded) against the same block on the CPU, over
+    /// three chunks so that the cached frames are used.
     #[test]
     fn res_block_chunks_match_cpu() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
@@ -1075,8 +1264,7 @@ mod cuda_tests {
             return Ok(());
         };
         let (cin, cout) = (8, 12);
-        let mut weights = std::collections::HashMap::new();
-        for (name, shape) in [
+        let weights = weights(&[
             ("norm1.gamma", vec![cin, 1, 1, 1]),
             ("conv1.weight", vec![cout, cin, 3, 3, 3]),
             ("conv1.bias", vec![cout]),
@@ -1085,31 +1273,91 @@ mod cuda_tests {
             ("conv2.bias", vec![cout]),
             ("conv_shortcut.weight", vec![cout, cin, 1, 1, 1]),
             ("conv_shortcut.bias", vec![cout]),
-        ] {
-            weights.insert(
-                name.to_string(),
-                Tensor::randn(0f32, 0.3f32, shape, &Device::Cpu)?,
+        ])?;
+        let block = |device: &Device, layout: Layout| -> Result<ResBlock> {
+            let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, device);
+            ResBlock::new(cin, cout, layout, vb)
+        };
+        let cpu = block(&Device::Cpu, Layout::ChannelsFirst)?;
+        conv3d::set_tf32(false);
+        for layout in [Layout::ChannelsFirst, Layout::for_cudnn(&dev)] {
+            let gpu = block(&dev, layout)?;
+            let (mut gpu_cache, mut cpu_cache) = (FeatCache::default(), FeatCache::default());
+            let mut worst = 0f32;
+            for t in [1, 2, 4] {
+                let x = Tensor::randn(0f32, 1f32, (1, cin, t, 6, 10), &Device::Cpu)?;
+                gpu_cache.start_chunk();
+                cpu_cache.start_chunk();
+                let g = gpu.forward(
+                    &layout.from_channels_first(&x.to_device(&dev)?)?,
+                    &mut gpu_cache,
+                );
+                let c = cpu.forward(&x, &mut cpu_cache)?;
+                let g = layout.to_channels_first(&g?)?.to_device(&Device::Cpu)?;
+                worst = worst.max(max_diff(&g, &c)?);
+            }
+            assert!(
+                worst < 1e-4,
+                "{layout:?} CUDA vs CPU residual block: {worst:.2e}"
             );
         }
-        let block = |device: &Device| -> Result<ResBlock> {
-            let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, device);
-            ResBlock::new(cin, cout, vb)
+        conv3d::set_tf32(true);
+        Ok(())
+    }
+
+    /// The mid block's attention and a temporal upsampler (its frame doubling and subpixel
+    /// conv) channels last on CUDA against channels first on the CPU, over three chunks.
+    #[test]
+    fn attention_and_upsampler_channels_last_match_cpu() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: VAE block test skipped");
+            return Ok(());
         };
-        let (gpu, cpu) = (block(&dev)?, block(&Device::Cpu)?);
+        let layout = Layout::for_cudnn(&dev);
+        if layout == Layout::ChannelsFirst {
+            eprintln!("no cuDNN: channels-last VAE test skipped");
+            return Ok(());
+        }
+        let c = 8;
+        let weights = weights(&[
+            ("attn.norm.gamma", vec![c, 1, 1]),
+            ("attn.to_qkv.weight", vec![3 * c, c, 1, 1]),
+            ("attn.to_qkv.bias", vec![3 * c]),
+            ("attn.proj.weight", vec![c, c, 1, 1]),
+            ("attn.proj.bias", vec![c]),
+            ("up.time_conv.weight", vec![2 * c, c, 3, 1, 1]),
+            ("up.time_conv.bias", vec![2 * c]),
+            ("up.resample.1.weight", vec![c / 2, c, 3, 3]),
+            ("up.resample.1.bias", vec![c / 2]),
+        ])?;
+        let build = |device: &Device, layout: Layout| -> Result<(AttentionBlock, Upsample)> {
+            let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, device);
+            Ok((
+                AttentionBlock::new(c, layout, vb.pp("attn"))?,
+                Upsample::new(c, c / 2, true, layout, vb.pp("up"))?,
+            ))
+        };
+        let (gpu_attn, gpu_up) = build(&dev, layout)?;
+        let (cpu_attn, cpu_up) = build(&Device::Cpu, Layout::ChannelsFirst)?;
         let (mut gpu_cache, mut cpu_cache) = (FeatCache::default(), FeatCache::default());
         conv3d::set_tf32(false);
         let mut worst = 0f32;
-        for t in [1, 2, 4] {
-            let x = Tensor::randn(0f32, 1f32, (1, cin, t, 6, 10), &Device::Cpu)?;
+        for t in [1, 1, 2] {
+            let x = Tensor::randn(0f32, 1f32, (1, c, t, 5, 7), &Device::Cpu)?;
             gpu_cache.start_chunk();
             cpu_cache.start_chunk();
-            let g = gpu.forward(&x.to_device(&dev)?, &mut gpu_cache);
-            let c = cpu.forward(&x, &mut cpu_cache)?;
-            let g = g?.to_device(&Device::Cpu)?;
-            worst = worst.max(max_diff(&g, &c)?);
+            let g = gpu_attn.forward(&layout.from_channels_first(&x.to_device(&dev)?)?)?;
+            let g = gpu_up.forward(&g, &mut gpu_cache)?;
+            let want = cpu_up.forward(&cpu_attn.forward(&x)?, &mut cpu_cache)?;
+            let g = layout.to_channels_first(&g)?.to_device(&Device::Cpu)?;
+            assert_eq!(g.dims(), want.dims());
+            worst = worst.max(max_diff(&g, &want)?);
         }
         conv3d::set_tf32(true);
-        assert!(worst < 1e-4, "CUDA vs CPU residual block: {worst:.2e}");
+        assert!(
+            worst < 1e-4,
+            "channels-last attention + upsampler vs CPU: {worst:.2e}"
+        );
         Ok(())
     }
 }

@@ -14,6 +14,7 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::models::conv3d::Layout;
 use blocks::{
     AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache, MidBlock,
     ResBlock, Upsample,
@@ -354,7 +355,12 @@ impl ResidualDownBlock {
         let mut resnets = Vec::with_capacity(cfg.num_res_blocks);
         let mut dim = in_dim;
         for j in 0..cfg.num_res_blocks {
-            resnets.push(ResBlock::new(dim, out_dim, vb.pp("resnets").pp(j))?);
+            resnets.push(ResBlock::new(
+                dim,
+                out_dim,
+                Layout::ChannelsFirst,
+                vb.pp("resnets").pp(j),
+            )?);
             dim = out_dim;
         }
         let downsampler = if down {
@@ -396,7 +402,8 @@ impl Encoder {
             .chain(cfg.dim_mult.iter().copied())
             .map(|m| m * dim)
             .collect();
-        let conv_in = CausalConv3d::cube(cfg.in_channels, dims[0], 3, 1, vb.pp("conv_in"))?;
+        let first = Layout::ChannelsFirst;
+        let conv_in = CausalConv3d::cube(cfg.in_channels, dims[0], 3, 1, first, vb.pp("conv_in"))?;
         let vb_down = vb.pp("down_blocks");
         let mut down = Vec::new();
         let mut scale = 1.0f64;
@@ -420,11 +427,13 @@ impl Encoder {
                 down.push(DownLayer::Res(ResBlock::new(
                     in_dim,
                     out_dim,
+                    first,
                     vb_down.pp(down.len()),
                 )?));
                 if cfg.attn_scales.contains(&scale) {
                     down.push(DownLayer::Attention(AttentionBlock::new(
                         out_dim,
+                        first,
                         vb_down.pp(down.len()),
                     )?));
                 }
@@ -444,8 +453,8 @@ impl Encoder {
         Ok(Self {
             conv_in,
             down,
-            mid: MidBlock::new(out_dim, vb.pp("mid_block"))?,
-            head: Head::new(out_dim, 2 * cfg.z_dim, vb)?,
+            mid: MidBlock::new(out_dim, first, vb.pp("mid_block"))?,
+            head: Head::new(out_dim, 2 * cfg.z_dim, first, vb)?,
         })
     }
 
@@ -472,10 +481,10 @@ struct Head {
 }
 
 impl Head {
-    fn new(dim: usize, out: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(dim: usize, out: usize, layout: Layout, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            norm: ChannelNorm::new(dim, false, vb.pp("norm_out"))?,
-            conv: CausalConv3d::cube(dim, out, 3, 1, vb.pp("conv_out"))?,
+            norm: ChannelNorm::new(dim, false, layout, vb.pp("norm_out"))?,
+            conv: CausalConv3d::cube(dim, out, 3, 1, layout, vb.pp("conv_out"))?,
         })
     }
 
@@ -490,6 +499,7 @@ struct UpBlock {
     resnets: Vec<ResBlock>,
     upsampler: Option<Upsample>,
     shortcut: Option<DupUp3D>,
+    layout: Layout,
 }
 
 impl UpBlock {
@@ -501,10 +511,13 @@ impl UpBlock {
         if let Some(upsampler) = &self.upsampler {
             h = upsampler.forward(&h, cache)?;
         }
-        match &self.shortcut {
-            Some(shortcut) => h + shortcut.forward(x, first_chunk)?,
-            None => Ok(h),
-        }
+        let Some(shortcut) = &self.shortcut else {
+            return Ok(h);
+        };
+        // The shortcut rearranges channels first (a small fraction of the block's work).
+        let layout = self.layout;
+        let x = layout.to_channels_first(x)?;
+        h + layout.from_channels_first(&shortcut.forward(&x, first_chunk)?)?
     }
 }
 
@@ -514,6 +527,8 @@ struct Decoder {
     mid: MidBlock,
     up: Vec<UpBlock>,
     head: Head,
+    /// Channels last where cuDNN computes f32 (the fused kernels' dtype), else first.
+    layout: Layout,
 }
 
 impl Decoder {
@@ -529,8 +544,12 @@ impl Decoder {
             .rev()
             .copied()
             .collect();
-        let conv_in = CausalConv3d::cube(cfg.z_dim, dims[0], 3, 1, vb.pp("conv_in"))?;
-        let mid = MidBlock::new(dims[0], vb.pp("mid_block"))?;
+        let layout = match vb.dtype() {
+            DType::F32 => Layout::for_cudnn(vb.device()),
+            _ => Layout::ChannelsFirst,
+        };
+        let conv_in = CausalConv3d::cube(cfg.z_dim, dims[0], 3, 1, layout, vb.pp("conv_in"))?;
+        let mid = MidBlock::new(dims[0], layout, vb.pp("mid_block"))?;
         let mut up = Vec::with_capacity(stages);
         for i in 0..stages {
             let vb_up = vb.pp("up_blocks").pp(i);
@@ -546,7 +565,12 @@ impl Decoder {
             let out_dim = dims[i + 1];
             let mut resnets = Vec::with_capacity(cfg.num_res_blocks + 1);
             for j in 0..=cfg.num_res_blocks {
-                resnets.push(ResBlock::new(in_dim, out_dim, vb_up.pp("resnets").pp(j))?);
+                resnets.push(ResBlock::new(
+                    in_dim,
+                    out_dim,
+                    layout,
+                    vb_up.pp("resnets").pp(j),
+                )?);
                 in_dim = out_dim;
             }
             let up_flag = i != stages - 1;
@@ -556,12 +580,14 @@ impl Decoder {
                     out_dim,
                     out_dim / 2,
                     temporal_up[i],
+                    layout,
                     vb_up.pp("upsamplers.0"),
                 )?),
                 (true, true) => Some(Upsample::new(
                     out_dim,
                     out_dim,
                     temporal_up[i],
+                    layout,
                     vb_up.pp("upsampler"),
                 )?),
             };
@@ -575,6 +601,7 @@ impl Decoder {
                 resnets,
                 upsampler,
                 shortcut,
+                layout,
             });
         }
         let last = dims[stages];
@@ -582,11 +609,12 @@ impl Decoder {
             conv_in,
             mid,
             up,
-            head: Head::new(last, cfg.out_channels, vb)?,
+            head: Head::new(last, cfg.out_channels, layout, vb)?,
+            layout,
         })
     }
 
-    /// One latent frame `[B, z_dim, 1, h, w]` with the cache of the previous ones;
+    /// One latent frame (`[B, z_dim, 1, h, w]` in the decoder's layout) with the cache of the previous ones;
     /// `first_chunk` for latent frame 0.
     fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
         let x = self.conv_in.forward_cached(x, None, None, cache)?;
@@ -616,10 +644,11 @@ impl AutoencoderKLWan {
     pub fn new(cfg: &WanVaeConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let z = cfg.z_dim;
+        let first = Layout::ChannelsFirst;
         Ok(Self {
             encoder: Encoder::new(cfg, vb.pp("encoder"))?,
-            quant_conv: CausalConv3d::cube(2 * z, 2 * z, 1, 0, vb.pp("quant_conv"))?,
-            post_quant_conv: CausalConv3d::cube(z, z, 1, 0, vb.pp("post_quant_conv"))?,
+            quant_conv: CausalConv3d::cube(2 * z, 2 * z, 1, 0, first, vb.pp("quant_conv"))?,
+            post_quant_conv: CausalConv3d::cube(z, z, 1, 0, first, vb.pp("post_quant_conv"))?,
             decoder: Decoder::new(cfg, vb.pp("decoder"))?,
             cfg: cfg.clone(),
             dtype: vb.dtype(),
@@ -747,14 +776,13 @@ impl AutoencoderKLWan {
         let x = self.post_quant_conv.forward(&z, None)?;
         let mut cache = FeatCache::default();
         let mut outs = Vec::with_capacity(frames);
+        let layout = self.decoder.layout;
         for i in 0..frames {
             cache.start_chunk();
-            let out = self
-                .decoder
-                .forward(&x.narrow(2, i, 1)?, &mut cache, i == 0)?;
-            outs.push(out);
+            let latent = layout.from_channels_first(&x.narrow(2, i, 1)?)?;
+            outs.push(self.decoder.forward(&latent, &mut cache, i == 0)?);
         }
-        Tensor::cat(&outs, 2)
+        layout.to_channels_first(&Tensor::cat(&outs, layout.time_dim())?)
     }
 
     /// Encodes video `[B, C_in / p², T, H, W]` in [-1, 1] to the latent distribution
