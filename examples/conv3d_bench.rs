@@ -1,6 +1,7 @@
-//! Times vidgen's own 3D convolution kernel (each configuration, TF32 and bf16) against cuDNN
-//! (where it is loaded) and the sum of 2D convolutions it replaces, at the Wan VAE decoder's
-//! shapes, and checks each against the exact f32 tap sum.
+//! Times vidgen's own 3D convolution kernels (channels first: each configuration, TF32 and bf16;
+//! channels last: each configuration, TF32) against cuDNN (where it is loaded) and the sum of 2D
+//! convolutions they replace, at the Wan VAE decoder's shapes, and checks each against the exact
+//! f32 tap sum.
 //!
 //! `cargo run --release --no-default-features --features cuda --example conv3d_bench`
 
@@ -63,7 +64,7 @@ fn main() -> Result<()> {
     }
     let cudnn = vidgen::models::cudnn::api().is_some();
     println!(
-        "{:<24} {:>4} {:>8} {:>5} {:<16} {:>9} {:>8} {:>10} {:>10}",
+        "{:<24} {:>4} {:>8} {:>5} {:<28} {:>9} {:>8} {:>10} {:>10}",
         "x", "Cout", "GFLOP", "dtype", "path", "ms", "TFLOP/s", "max diff", "rel diff"
     );
     for (xd, c_out) in SHAPES {
@@ -76,7 +77,7 @@ fn main() -> Result<()> {
         let row = |dtype: &str, path: &str, seconds: f64, y: &Tensor| -> Result<()> {
             let (max, rel) = errors(y, &reference)?;
             println!(
-                "{:<24} {c_out:>4} {gflop:>8.1} {dtype:>5} {path:<16} {:>9.3} {:>8.1} {max:>10.2e} {rel:>10.2e}",
+                "{:<24} {c_out:>4} {gflop:>8.1} {dtype:>5} {path:<28} {:>9.3} {:>8.1} {max:>10.2e} {rel:>10.2e}",
                 format!("{xd:?}"),
                 seconds * 1e3,
                 gflop / seconds / 1e3,
@@ -100,6 +101,28 @@ fn main() -> Result<()> {
                 let y = y.permute((0, 4, 1, 2, 3))?.contiguous()?;
                 let name = if dtype == DType::F32 { "tf32" } else { "bf16" };
                 row(name, "cuDNN NDHWC", time(&dev, 10, run)?, &y)?;
+            }
+        }
+        // The own channels-last kernel (TF32), each configuration, from and to NDHWC like the
+        // cuDNN NDHWC rows.
+        {
+            let xl = x.permute((0, 2, 3, 4, 1))?.contiguous()?;
+            let wl = w.permute((0, 2, 3, 4, 1))?.contiguous()?;
+            for tile in kernel::channels_last_tiles(c_out) {
+                let run =
+                    || kernel::conv3d_channels_last_tile(&xl, &wl, STRIDE, PADDING, Some(tile));
+                let path = format!(
+                    "own NDHWC m{} n{} k{} s{} w{}",
+                    tile.positions, tile.channels, tile.k, tile.stages, tile.warps
+                );
+                // A configuration beyond this device's shared memory is an error: noted, skipped.
+                match run() {
+                    Ok(y) => {
+                        let y = y.permute((0, 4, 1, 2, 3))?.contiguous()?;
+                        row("tf32", &path, time(&dev, 10, run)?, &y)?;
+                    }
+                    Err(e) => println!("{path}: {e}"),
+                }
             }
         }
         for dtype in [DType::F32, DType::BF16] {

@@ -290,10 +290,10 @@ fn cuda_decode_matches_exact_and_tf32() {
     let r = common::reference("vae");
     let z = r["decode.latents_denormalized"].to_device(&dev).unwrap();
     let want = &r["decode.video"];
-    vidgen::models::conv3d::set_tf32(false);
-    let exact = vae.decode(&z).map(|v| v.to_device(&Device::Cpu).unwrap());
-    vidgen::models::conv3d::set_tf32(true);
-    let exact = exact.unwrap();
+    let exact = {
+        let _exact = vidgen::models::conv3d::tf32_here(false);
+        vae.decode(&z).unwrap().to_device(&Device::Cpu).unwrap()
+    };
     common::assert_close("cuda decode (exact f32)", &exact, want, ATOL, RTOL);
     let tf32 = vae.decode(&z).unwrap().to_device(&Device::Cpu).unwrap();
     let err = (&tf32 - want)

@@ -19,9 +19,35 @@ pub fn set_tf32(allowed: bool) {
     TF32.store(allowed, Ordering::Relaxed);
 }
 
-/// Whether f32 convolutions may use TF32 math.
+thread_local! {
+    /// This thread's own TF32 setting, over the process's while a [`Tf32Here`] lives.
+    static TF32_HERE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether f32 convolutions may use TF32 math (on this thread).
 pub fn tf32() -> bool {
-    TF32.load(Ordering::Relaxed)
+    TF32_HERE
+        .with(|c| c.get())
+        .unwrap_or_else(|| TF32.load(Ordering::Relaxed))
+}
+
+/// While alive, TF32 is allowed or not on this thread alone, whatever [`set_tf32`] says: tests
+/// that need exact f32 run beside others that do not, each on its own thread.
+pub struct Tf32Here {
+    before: Option<bool>,
+}
+
+/// Sets this thread's TF32 setting until the returned guard drops.
+pub fn tf32_here(allowed: bool) -> Tf32Here {
+    Tf32Here {
+        before: TF32_HERE.with(|c| c.replace(Some(allowed))),
+    }
+}
+
+impl Drop for Tf32Here {
+    fn drop(&mut self) {
+        TF32_HERE.with(|c| c.set(self.before));
+    }
 }
 
 /// Whether [`conv3d`] computes on `device` (CUDA with cuDNN loaded or the own kernel's compute
@@ -97,8 +123,9 @@ fn conv3d_math(
 
 /// [`conv3d`] with channels last in memory: `x` `[B, T, H, W, C_in]` by `w`
 /// `[C_out, kt, kh, kw, C_in]` gives `[B, T', H', W', C_out]` (cuDNN's NDHWC layout, where its
-/// tensor-core kernels read without a transposition). `None` where cuDNN is not loaded;
-/// operands past cuDNN's 32-bit sizes are an error (no frame runs).
+/// tensor-core kernels read without a transposition): through cuDNN where it is loaded, else
+/// the own kernel where it takes the shape (TF32), else `None`. Operands past cuDNN's 32-bit
+/// sizes are an error (no frame runs).
 pub fn conv3d_channels_last(
     x: &Tensor,
     w: &Tensor,
@@ -115,6 +142,10 @@ pub fn conv3d_channels_last(
             channels_last: true,
         };
         return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
+    }
+    #[cfg(feature = "cuda")]
+    if kernel::takes_channels_last(x, w, stride, padding, tf32()) {
+        return kernel::conv3d_channels_last(x, w, stride, padding).map(Some);
     }
     let _ = (x, w, stride, padding);
     Ok(None)
@@ -133,10 +164,13 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// Channels last where cuDNN is loaded for `device`, else channels first.
-    pub fn for_cudnn(device: &Device) -> Self {
+    /// Channels last where [`conv3d_channels_last`] computes f32 on `device` (cuDNN loaded, or
+    /// the own kernel's GPUs with TF32 allowed), else channels first.
+    pub fn for_device(device: &Device) -> Self {
         #[cfg(feature = "cuda")]
-        if device.is_cuda() && crate::models::cudnn::api().is_some() {
+        if device.is_cuda()
+            && (crate::models::cudnn::api().is_some() || (tf32() && kernel::available(device)))
+        {
             return Layout::ChannelsLast;
         }
         let _ = device;
@@ -195,9 +229,9 @@ impl Layout {
 }
 
 /// [`conv3d`] of `x` and `w` both in `layout` (the kernel `[C_out, kt, kh, kw, C_in]` when
-/// channels last). Channels last runs through cuDNN; a shape cuDNN declines in that layout runs
-/// channels first on transposed copies. `None` where no accelerated path computes it (channels
-/// first only: channels last is chosen where cuDNN is loaded).
+/// channels last). Channels last runs through [`conv3d_channels_last`]; a shape it declines runs
+/// channels first on transposed copies, through [`conv3d`] or else as the exact sum of 2D
+/// convolutions. `None` where no accelerated path computes a channels-first convolution.
 pub fn conv3d_in(
     layout: Layout,
     x: &Tensor,
@@ -211,11 +245,12 @@ pub fn conv3d_in(
     if let Ok(Some(y)) = conv3d_channels_last(x, w, stride, padding) {
         return Ok(Some(y));
     }
-    let first = |t: &Tensor| layout.to_channels_first(t);
-    match conv3d(&first(x)?, &first(w)?, stride, padding)? {
-        Some(y) => layout.from_channels_first(&y).map(Some),
-        None => candle_core::bail!("conv3d: no path computes a channels-last convolution here"),
-    }
+    let (x, w) = (layout.to_channels_first(x)?, layout.to_channels_first(w)?);
+    let y = match conv3d(&x, &w, stride, padding)? {
+        Some(y) => y,
+        None => tap_sum(&x, &w, stride, padding)?,
+    };
+    layout.from_channels_first(&y).map(Some)
 }
 
 /// cuDNN's tensor descriptors hold sizes and strides as i32: no operand may have more
@@ -306,6 +341,39 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// A 3D convolution as a sum of 2D ones over temporal taps (zero frames for the temporal
+/// padding; height and width share stride and padding): exact on any device, the last resort of
+/// [`conv3d_in`] and the tests' reference.
+fn tap_sum(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -> Result<Tensor> {
+    if padding[1] != padding[2] || stride[1] != stride[2] {
+        candle_core::bail!("conv3d taps: height and width must share stride and padding")
+    }
+    let (b, c, t, h, wd) = x.dims5()?;
+    let pad = Tensor::zeros((b, c, padding[0], h, wd), x.dtype(), x.device())?;
+    let x = Tensor::cat(&[&pad, x, &pad], 2)?;
+    let taps = split_taps(w)?;
+    let frames = (t + 2 * padding[0] - taps.len()) / stride[0] + 1;
+    let mut out = Vec::new();
+    for o in 0..frames {
+        let mut acc: Option<Tensor> = None;
+        for (k, tap) in taps.iter().enumerate() {
+            let frame = x
+                .narrow(2, o * stride[0] + k, 1)?
+                .squeeze(2)?
+                .contiguous()?;
+            let y = frame.conv2d(tap, padding[1], stride[1], 1, 1)?;
+            acc = Some(match acc {
+                Some(a) => (a + y)?,
+                None => y,
+            });
+        }
+        out.push(
+            acc.ok_or_else(|| candle_core::Error::Msg("conv3d taps: an empty kernel".into()))?,
+        );
+    }
+    Tensor::stack(&out, 2)
+}
+
 /// A 3D kernel `[C_out, C_in, kt, kh, kw]` as a causal conv keeps it: whole, run by [`conv3d`]
 /// where it computes ([`accelerated`]), else split into its temporal taps at each use for the path
 /// that sums 2D convolutions. Splitting at construction cost every load (and every recording of
@@ -360,36 +428,35 @@ fn split_taps(weight: &Tensor) -> Result<Vec<Tensor>> {
 mod tests {
     use super::*;
 
-    /// A 3D convolution as a sum of 2D ones over temporal taps (zero frames for the temporal
-    /// padding; height and width share stride and padding).
-    pub(super) fn tap_sum(
-        x: &Tensor,
-        w: &Tensor,
-        stride: [usize; 3],
-        padding: [usize; 3],
-    ) -> Result<Tensor> {
-        let (b, c, t, h, wd) = x.dims5()?;
-        let pad = Tensor::zeros((b, c, padding[0], h, wd), x.dtype(), x.device())?;
-        let x = Tensor::cat(&[&pad, x, &pad], 2)?;
-        let taps = split_taps(w)?;
-        let frames = (t + 2 * padding[0] - taps.len()) / stride[0] + 1;
-        let mut out = Vec::new();
-        for o in 0..frames {
-            let mut acc: Option<Tensor> = None;
-            for (k, tap) in taps.iter().enumerate() {
-                let frame = x
-                    .narrow(2, o * stride[0] + k, 1)?
-                    .squeeze(2)?
-                    .contiguous()?;
-                let y = frame.conv2d(tap, padding[1], stride[1], 1, 1)?;
-                acc = Some(match acc {
-                    Some(a) => (a + y)?,
-                    None => y,
-                });
-            }
-            out.push(acc.expect("taps"));
+    /// A channels-last convolution no accelerated path takes (here: on the CPU) runs channels
+    /// first as the exact tap sum and comes back channels last.
+    #[test]
+    fn channels_last_without_accelerator_is_the_exact_tap_sum() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1f32, (2, 3, 5, 6, 7), &dev)?;
+        let w = Tensor::randn(0f32, 1f32, (4, 3, 3, 3, 3), &dev)?;
+        let last = Layout::ChannelsLast;
+        for (stride, padding) in [([1, 1, 1], [0, 1, 1]), ([2, 1, 1], [1, 0, 0])] {
+            let want = tap_sum(&x, &w, stride, padding)?;
+            let got = conv3d_in(
+                last,
+                &last.from_channels_first(&x)?,
+                &last.from_channels_first(&w)?,
+                stride,
+                padding,
+            )?
+            .expect("the tap sum computes it");
+            assert_eq!(got.dims(), last.from_channels_first(&want)?.dims());
+            let diff = (last.to_channels_first(&got)? - &want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "stride {stride:?} padding {padding:?}");
         }
-        Tensor::stack(&out, 2)
+        // The channels-first entry declines instead (its callers run their own path).
+        assert!(conv3d_in(Layout::ChannelsFirst, &x, &w, [1, 1, 1], [0, 1, 1])?.is_none());
+        Ok(())
     }
 
     /// Runs of output frames (temporal padding and stride included) give exactly the whole
@@ -465,8 +532,8 @@ mod cuda_tests {
     ) -> Result<f64> {
         let f64_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
         let (x, w) = (f64_cpu(x)?, f64_cpu(w)?);
-        let exact = tests::tap_sum(&x, &w, stride, padding)?;
-        let magnitude = tests::tap_sum(&x.abs()?, &w.abs()?, stride, padding)?;
+        let exact = tap_sum(&x, &w, stride, padding)?;
+        let magnitude = tap_sum(&x.abs()?, &w.abs()?, stride, padding)?;
         let got = f64_cpu(got)?;
         assert_eq!(got.dims(), exact.dims());
         ((got - exact)?.abs()? / (magnitude + 1e-30)?)?
@@ -598,7 +665,7 @@ mod cuda_tests {
             eprintln!("no cuDNN: cuDNN conv3d test skipped");
             return Ok(());
         }
-        set_tf32(false);
+        let _exact = tf32_here(false);
         let x = Tensor::randn(0f32, 1f32, (2, 32, 5, 12, 20), &dev)?;
         let w = (Tensor::randn(0f32, 1f32, (16, 32, 3, 3, 3), &dev)? / (32.0 * 27.0f64).sqrt())?;
         for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 5e-2)] {
@@ -620,7 +687,6 @@ mod cuda_tests {
                 .to_scalar::<f32>()?;
             assert!(err < tolerance, "{dtype:?}: max |last - first| {err:.2e}");
         }
-        set_tf32(true);
         Ok(())
     }
 

@@ -1246,10 +1246,9 @@ mod cuda_tests {
         let Some(dev) = device("HunyuanVideo VAE conv in frame runs") else {
             return Ok(());
         };
-        conv3d::set_tf32(false);
+        let _exact = conv3d::tf32_here(false);
         if !conv3d::computes(&dev, DType::F32) {
             eprintln!("skipped: no exact f32 conv3d without cuDNN");
-            conv3d::set_tf32(true);
             return Ok(());
         }
         // One draw of the weights, placed on each device (two draws would differ).
@@ -1283,7 +1282,6 @@ mod cuda_tests {
                 assert!(diff < 1e-4, "{stride:?}, runs of {run}: {diff}");
             }
         }
-        conv3d::set_tf32(true);
         Ok(())
     }
 }

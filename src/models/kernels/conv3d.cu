@@ -1,12 +1,13 @@
-// Implicit-GEMM 3D convolution (cross-correlation, NCDHW, zero padding, no bias) on the tensor
-// cores, for vidgen's `conv3d` where cuDNN is not loaded.
+// Implicit-GEMM 3D convolution (cross-correlation, zero padding, no bias) on the tensor cores:
+// channels first (NCDHW, f32 or bf16, below), for vidgen's `conv3d` where cuDNN is not loaded,
+// and channels last (NDHWC, f32 in TF32, `conv3d_cl` further down).
 //
-// GEMM view: M = C_out, N = B * T' * H' * W' output positions, K = taps * C_in, with K ordered
-// tap-major (tap = (dt, dh, dw), then input channel). A is the weight packed by `conv3d_pack_*`
-// into [C_out][taps][C_in rounded up to a 16-byte chunk] (f32 already rounded to TF32, so its
-// fragments need no conversion); B is gathered from x while it is copied to shared memory: one
-// K tile is one tap and BK channels, so whether a position's tap reads padding is one test per
-// tile, and the channels are a fixed stride apart. No im2col buffer exists.
+// Channels first, GEMM view: M = C_out, N = B * T' * H' * W' output positions, K = taps * C_in,
+// with K ordered tap-major (tap = (dt, dh, dw), then input channel). A is the weight packed by
+// `conv3d_pack_*` into [C_out][taps][C_in rounded up to a 16-byte chunk] (f32 already rounded to
+// TF32, so its fragments need no conversion); B is gathered from x while it is copied to shared
+// memory: one K tile is one tap and BK channels, so whether a position's tap reads padding is one
+// test per tile, and the channels are a fixed stride apart. No im2col buffer exists.
 //
 // A block computes BM x BN outputs with 8 warps (2 along M, 4 along N); K tiles stream through
 // STAGES shared-memory buffers. f32 runs TF32 mma.sync m16n8k8 (x rounded with cvt.rna as its
@@ -64,6 +65,12 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
 }
+
+// f32 bits as a TF32 mma operand: half a TF32 ulp added, since the tensor cores ignore the 13 low
+// mantissa bits (truncate) the product reads x rounded to nearest, ties away from zero, as
+// cvt.rna would round it (one integer add instead of cvt's three instructions; a NaN whose
+// payload lies only in those bits reads as an infinity).
+__device__ __forceinline__ uint32_t tf32_bits(uint32_t x) { return x + 0x1000u; }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -366,6 +373,229 @@ __device__ __forceinline__ void pack(const T *__restrict__ w, T *__restrict__ ou
   }
 }
 
+// Channels last (NDHWC), f32 in TF32.
+//
+// GEMM view: M = output positions (B * T' * H' * W'), N = C_out, K = taps * C_in. x is
+// [B][T][H][W][C_in] and w [C_out][kt][kh][kw][C_in], so for one tap both operands' K rows are
+// contiguous channels: a K tile (one tap, BK channels) is BK / 4 16-byte chunks per position and
+// per output channel, copied by cp.async with zero fill for padding, positions past the end,
+// output channels past C_out and channels past C_in (C_in % 4 == 0). w is read as it is: no
+// packing.
+//
+// A block covers BM positions by BN output channels. BN = 96 takes the Wan decoder's 96-channel
+// convolutions whole, so each gathered activation reaches shared memory once per block (cuDNN's
+// 32-wide N tile gathers it three times); 96 also divides 192 and 384 (BN = 128: 384 in three).
+// Warps are WARPS / 2 along M by 2 along N; a warp tile of 32 x 48 (BM 128, 8 warps) or 64 x 48
+// (BM 256 with 8 warps, or BM 128 with 4) reads 5 or 7 ldmatrix.x4 per 12 or 24 mma: by estimate
+// shared-memory bandwidth as much as the tensor cores bounds the small warp tile, whose lower
+// register count lets two blocks share an SM.
+//
+// K tiles run (dt, dh, channel chunk, dw): the kw taps of one chunk read the same positions
+// shifted by one, which the activations' L1-cached copies (cp.async.ca) can then find in L1
+// instead of L2 (the weights, read once per block, bypass L1). Shared rows are BK + 4 floats (80
+// or 144 bytes, an odd number of 16-byte units): the 8 rows of one ldmatrix phase fall in 8
+// distinct bank groups. Both operands are rounded as their fragments are read (tf32_bits), so w
+// needs no rounding pass.
+template <int BM, int BN, int BK, int WARPS, int STAGES>
+__device__ __forceinline__ void conv3d_cl(const float *__restrict__ x, const float *__restrict__ w,
+                                          float *__restrict__ y, const Geometry &g) {
+  constexpr int NTHREADS = 32 * WARPS;
+  constexpr int WARPS_N_CL = 2;
+  constexpr int WARPS_M_CL = WARPS / WARPS_N_CL;
+  constexpr int S = BK + 4;                   // shared row stride, floats
+  constexpr int WTM = BM / WARPS_M_CL;        // warp tile rows (positions)
+  constexpr int WTN = BN / WARPS_N_CL;        // warp tile columns (output channels)
+  constexpr int MT = WTM / 16;                // m16 tiles per warp
+  constexpr int NT = WTN / 8;                 // n8 tiles per warp
+  constexpr int CPR = BK / 4;                 // 16-byte chunks per row
+  constexpr int ROWS = NTHREADS / CPR;        // rows one pass of the block copies
+  constexpr int A_PASSES = BM / ROWS;
+  constexpr int B_PASSES = (BN + ROWS - 1) / ROWS;
+  static_assert(NTHREADS % CPR == 0 && BM % ROWS == 0, "activation tile copy");
+  static_assert(WTM % 16 == 0 && WTN % 16 == 0, "whole m16 tiles, n8 tiles in pairs");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float *sA = reinterpret_cast<float *>(smem_raw);  // [STAGES][BM][S] activations
+  float *sB = sA + STAGES * BM * S;                 // [STAGES][BN][S] weights
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int wm = warp / WARPS_N_CL, wn = warp % WARPS_N_CL;
+  // Output-channel tiles vary fastest: the blocks that gather the same positions run together.
+  const int n_tiles = (g.c_out + BN - 1) / BN;
+  const int n0 = (blockIdx.x % n_tiles) * BN;
+  const int m0 = (blockIdx.x / n_tiles) * BM;
+
+  const int taps = g.kt * g.kh * g.kw;
+  const int k_tiles = taps * ((g.c_in + BK - 1) / BK);
+  const int out_hw = g.h_out * g.w_out;
+  const int out_thw = g.t_out * out_hw;
+
+  // This thread copies one 16-byte chunk column of every ROWS-th row.
+  const int chunk = (tid % CPR) * 4;
+  const int row0 = tid / CPR;
+
+  // Its positions: the offset of tap (0, 0, 0), and which taps fall inside x (bit
+  // (dt * kh + dh) * kw + dw; none for positions past the end).
+  long long a_off[A_PASSES];
+  uint32_t a_taps[A_PASSES];
+#pragma unroll
+  for (int i = 0; i < A_PASSES; ++i) {
+    const int m = m0 + row0 + i * ROWS;
+    a_off[i] = 0;
+    a_taps[i] = 0;
+    if (m < g.positions) {
+      const int b = m / out_thw, p = m - b * out_thw;
+      const int to = p / out_hw, rem = p - to * out_hw;
+      const int ho = rem / g.w_out, wo = rem - ho * g.w_out;
+      const int t0 = to * g.st - g.pt, h0 = ho * g.sh - g.ph, w0 = wo * g.sw - g.pw;
+      a_off[i] = ((((long long)b * g.t_in + t0) * g.h_in + h0) * g.w_in + w0) * g.c_in + chunk;
+      uint32_t mask = 0;
+      int bit = 0;
+      for (int dt = 0; dt < g.kt; ++dt) {
+        const bool t_ok = (unsigned)(t0 + dt) < (unsigned)g.t_in;
+        for (int dh = 0; dh < g.kh; ++dh) {
+          const bool h_ok = t_ok && (unsigned)(h0 + dh) < (unsigned)g.h_in;
+          for (int dw = 0; dw < g.kw; ++dw, ++bit) {
+            if (h_ok && (unsigned)(w0 + dw) < (unsigned)g.w_in) mask |= 1u << bit;
+          }
+        }
+      }
+      a_taps[i] = mask;
+    }
+  }
+
+  // Its weight rows (output channels n0 + row0 + j * ROWS), those past C_out zero-filled; one
+  // pointer for all (registers are tight in the 128-channel tiles).
+  const long long w_row0 = (long long)(n0 + row0) * taps * g.c_in + chunk;
+  const int w_rows_step = ROWS * taps * g.c_in;
+
+  // The next K tile: tap (dt, dh, dw) and first channel c0, dw fastest.
+  int cdt = 0, cdh = 0, cdw = 0, cc0 = 0;
+  auto advance = [&]() {
+    if (++cdw == g.kw) {
+      cdw = 0;
+      cc0 += BK;
+      if (cc0 >= g.c_in) {
+        cc0 = 0;
+        if (++cdh == g.kh) {
+          cdh = 0;
+          ++cdt;
+        }
+      }
+    }
+  };
+  auto load_tile = [&](int stage) {
+    const int tap = (cdt * g.kh + cdh) * g.kw + cdw;
+    const bool chunk_ok = cc0 + chunk < g.c_in;
+    const long long x_tap =
+        (((long long)cdt * g.h_in + cdh) * g.w_in + cdw) * g.c_in + cc0;
+    float *da = sA + stage * BM * S + row0 * S + chunk;
+#pragma unroll
+    for (int i = 0; i < A_PASSES; ++i) {
+      const bool ok = chunk_ok && ((a_taps[i] >> tap) & 1u);
+      cp_async16_ca(smem_addr(da + i * ROWS * S), ok ? x + (a_off[i] + x_tap) : x, ok ? 16 : 0);
+    }
+    const long long w_tap = w_row0 + tap * g.c_in + cc0;
+    float *db = sB + stage * BN * S + row0 * S + chunk;
+#pragma unroll
+    for (int j = 0; j < B_PASSES; ++j) {
+      if (B_PASSES * ROWS == BN || row0 + j * ROWS < BN) {
+        const bool ok = chunk_ok && n0 + row0 + j * ROWS < g.c_out;
+        cp_async16(smem_addr(db + j * ROWS * S), ok ? w + (w_tap + j * w_rows_step) : w,
+                   ok ? 16 : 0);
+      }
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+  }
+
+  // Prologue: the first STAGES - 1 tiles (one commit group each, empty past the end).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_tiles) {
+      load_tile(s);
+      advance();
+    }
+    cp_async_commit();
+  }
+
+  // ldmatrix row addresses: A as the existing kernel's (rows lane % 16, k + 4 for lanes 16-31);
+  // B's four 8x4 matrices are (n 0-7, k 0-3), (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7):
+  // b0 and b1 of two n8 tiles.
+  const int a_row = wm * WTM + lane % 16, a_k = (lane / 16) * 4;
+  const int b_row = wn * WTN + (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 4;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    // The stage refilled now was read in the previous iteration, which every warp has left.
+    const int next = kt + STAGES - 1;
+    if (next < k_tiles) {
+      load_tile(next % STAGES);
+      advance();
+    }
+    cp_async_commit();
+
+    const float *a = sA + (kt % STAGES) * BM * S;
+    const float *b = sB + (kt % STAGES) * BN * S;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 8) {
+      uint32_t af[MT][4], bf[NT / 2][4];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        ldsm_x4(af[i], smem_addr(a + (a_row + i * 16) * S + ks + a_k));
+#pragma unroll
+        for (int r = 0; r < 4; ++r) af[i][r] = tf32_bits(af[i][r]);
+      }
+#pragma unroll
+      for (int j = 0; j < NT / 2; ++j) {
+        ldsm_x4(bf[j], smem_addr(b + (b_row + j * 16) * S + ks + b_k));
+#pragma unroll
+        for (int r = 0; r < 4; ++r) bf[j][r] = tf32_bits(bf[j][r]);
+      }
+#pragma unroll
+      for (int j = 0; j < NT / 2; ++j) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          mma_tf32(acc[i][2 * j], af[i], bf[j][0], bf[j][1]);
+          mma_tf32(acc[i][2 * j + 1], af[i], bf[j][2], bf[j][3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: accumulator pairs are output channels (2 t4, 2 t4 + 1) of one position, adjacent
+  // in y and 8-byte aligned where C_out is even.
+  const int g8 = lane / 4, t4 = lane % 4;
+  const bool pairs = g.c_out % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + wm * WTM + i * 16 + g8 + 8 * h;
+      if (m >= g.positions) continue;
+      float *row = y + (long long)m * g.c_out;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int n = n0 + wn * WTN + j * 8 + 2 * t4;
+        const float lo = acc[i][j][2 * h], hi = acc[i][j][2 * h + 1];
+        if (pairs) {
+          if (n < g.c_out) store2(row + n, lo, hi);
+        } else {
+          if (n < g.c_out) row[n] = lo;
+          if (n + 1 < g.c_out) row[n + 1] = hi;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void conv3d_pack_f32(const float *w, float *out, int c_out, int c_in,
@@ -393,3 +623,20 @@ extern "C" __global__ void conv3d_pack_bf16(const __nv_bfloat16 *w, __nv_bfloat1
 
 CONV3D_CONFIGS(f32, float)
 CONV3D_CONFIGS(bf16, __nv_bfloat16)
+
+// conv3d_cl_m<BM>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: channels last, f32 in TF32; the launcher picks
+// one by C_out and shared memory (`ClTile` in conv3d.rs).
+#define CONV3D_CL(BM, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                      \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
+      conv3d_cl_m##BM##_n##BN##_k##BK##_s##STAGES##_w##WARPS(const float *x, const float *w,  \
+                                                             float *y, Geometry g) {          \
+    conv3d_cl<BM, BN, BK, WARPS, STAGES>(x, w, y, g);                                         \
+  }
+
+// MIN_BLOCKS caps the registers so that many blocks fit an SM's registers (H100/H200 shared
+// memory allows them); the 64 x 48 warp tiles of the 8-warp BM 256 block need more than 128.
+CONV3D_CL(128, 96, 32, 3, 8, 2)
+CONV3D_CL(128, 96, 16, 4, 8, 2)
+CONV3D_CL(256, 96, 16, 3, 8, 1)
+CONV3D_CL(128, 96, 16, 4, 4, 3)
+CONV3D_CL(128, 128, 16, 4, 8, 2)

@@ -112,6 +112,174 @@ pub fn conv3d_tile(
     x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)
 }
 
+/// One compiled channels-last configuration (`conv3d_cl_m{positions}_n{channels}_k{k}_s{stages}_w{warps}`
+/// in the kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClTile {
+    /// Output positions per block (`BM`).
+    pub positions: usize,
+    /// Output channels per block (`BN`).
+    pub channels: usize,
+    /// Input channels per K tile (`BK`).
+    pub k: usize,
+    /// Shared-memory pipeline stages.
+    pub stages: usize,
+    /// Warps per block (half of them along the positions, two along the channels).
+    pub warps: usize,
+}
+
+impl ClTile {
+    /// Dynamic shared memory per block, bytes: activation and weight rows of `k` + 4 floats.
+    pub fn shared_bytes(&self) -> usize {
+        self.stages * (self.positions + self.channels) * (self.k + 4) * 4
+    }
+
+    fn name(&self) -> String {
+        format!(
+            "conv3d_cl_m{}_n{}_k{}_s{}_w{}",
+            self.positions, self.channels, self.k, self.stages, self.warps
+        )
+    }
+}
+
+/// The compiled channels-last configurations (ptxas: no spills for sm_80/90/120). All fit
+/// GB10's 99 KB of shared memory per block. The 8-warp 128-position tiles (32 x 48 or 32 x 64
+/// warp tiles, at most 128 registers) run two blocks per SM where shared memory allows (H100/H200:
+/// 2 x 97 KB with K tiles of 32 channels; 2 x 70 KB with 16, which leaves more L1 for the
+/// activations' reuse); the 64 x 48 warp tiles (BM 256 with 8 warps, BM 128 with 4) read less
+/// shared memory per product but hold 166-188 registers.
+const CL_TILES: [ClTile; 5] = [
+    cl_tile(128, 96, 32, 3, 8),
+    cl_tile(128, 96, 16, 4, 8),
+    cl_tile(256, 96, 16, 3, 8),
+    cl_tile(128, 96, 16, 4, 4),
+    cl_tile(128, 128, 16, 4, 8),
+];
+
+const fn cl_tile(
+    positions: usize,
+    channels: usize,
+    k: usize,
+    stages: usize,
+    warps: usize,
+) -> ClTile {
+    ClTile {
+        positions,
+        channels,
+        k,
+        stages,
+        warps,
+    }
+}
+
+/// The most positions a channels-last block covers.
+const MAX_BLOCK_POSITIONS: usize = 256;
+
+/// The most taps a channels-last kernel takes (a bit mask per position says which are inside
+/// `x`).
+const MAX_CL_TAPS: usize = 32;
+
+/// The channels-last configurations for `c_out` output channels, the likely fastest first: the
+/// channel tile that leaves the fewest output channels idle, then the one that gathers each
+/// activation the fewest times (fewest channel tiles); within one channel tile, as `CL_TILES`
+/// lists them (not yet ordered by measurement: conv3d_bench times each).
+pub fn channels_last_tiles(c_out: usize) -> Vec<ClTile> {
+    let mut tiles = CL_TILES.to_vec();
+    tiles.sort_by_key(|t| {
+        let blocks = c_out.div_ceil(t.channels);
+        (blocks * t.channels - c_out, blocks)
+    });
+    tiles
+}
+
+/// Whether [`conv3d_channels_last`] computes `x` by `w` with this `stride` and `padding`: f32 on
+/// a CUDA GPU of compute capability 8.0+ with `tf32` allowed (it computes in TF32; exact f32 must
+/// not come here), input channels a multiple of 4 (16-byte copies), at most 32 taps, sizes
+/// within its 32-bit fields, and a configuration within the device's shared memory. `x` need
+/// not be contiguous (it is copied then).
+pub fn takes_channels_last(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tf32: bool,
+) -> bool {
+    let Device::Cuda(dev) = x.device() else {
+        return false;
+    };
+    if !tf32 || x.dtype() != DType::F32 || w.dtype() != DType::F32 || !available(x.device()) {
+        return false;
+    }
+    let (Ok(xd), Ok(wd)) = (x.dims5(), w.dims5()) else {
+        return false;
+    };
+    let Ok((g, _)) = cl_geometry(xd.into(), wd.into(), stride, padding) else {
+        return false;
+    };
+    let limit = shared_memory_limit(dev).unwrap_or(0);
+    channels_last_tiles(g.c_out as usize)
+        .iter()
+        .any(|t| t.shared_bytes() <= limit)
+}
+
+/// Cross-correlation of `x` `[B, T, H, W, C_in]` by `w` `[C_out, kt, kh, kw, C_in]` (f32,
+/// computed in TF32) with `stride` and zero `padding` per (t, h, w), no bias:
+/// `[B, T', H', W', C_out]`. An error where [`takes_channels_last`] would say no.
+pub fn conv3d_channels_last(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Tensor> {
+    conv3d_channels_last_tile(x, w, stride, padding, None)
+}
+
+/// [`conv3d_channels_last`] in configuration `tile` (one of [`channels_last_tiles`]), or the
+/// device's best with `None`.
+pub fn conv3d_channels_last_tile(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tile: Option<ClTile>,
+) -> Result<Tensor> {
+    if !available(x.device()) {
+        bail!("conv3d kernel: needs a CUDA GPU of compute capability 8.0 or newer")
+    }
+    let op = Conv3dCl {
+        stride,
+        padding,
+        tile,
+    };
+    super::aligned(x)?.apply_op2_no_bwd(&super::aligned(w)?, &op)
+}
+
+/// The channels-last geometry of `x` `[B, T, H, W, C_in]` by `w` `[C_out, kt, kh, kw, C_in]`
+/// (the weight's channels per tap: C_in itself), and the output's dims `[B, T', H', W', C_out]`.
+fn cl_geometry(
+    x: [usize; 5],
+    w: [usize; 5],
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<(Geometry, [usize; 5])> {
+    let [b, t, h, wd, c_in] = x;
+    let [c_out, kt, kh, kw, w_in] = w;
+    if !c_in.is_multiple_of(4) {
+        bail!("conv3d kernel: channels last needs input channels in fours, not {c_in}")
+    }
+    if kt * kh * kw > MAX_CL_TAPS {
+        bail!("conv3d kernel: channels last takes at most {MAX_CL_TAPS} taps, not {kt}x{kh}x{kw}")
+    }
+    let (g, [b, c_out, t_out, h_out, w_out]) = geometry(
+        [b, c_in, t, h, wd],
+        [c_out, w_in, kt, kh, kw],
+        stride,
+        padding,
+        1,
+    )?;
+    Ok((g, [b, t_out, h_out, w_out, c_out]))
+}
+
 /// The kernel's `Geometry`: sizes of input, output and kernel, stride, padding.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -147,63 +315,73 @@ struct Conv3d {
     tile: Option<Tile>,
 }
 
-impl Conv3d {
-    /// The geometry of `x` by `w`, every size checked to fit the kernel's 32-bit fields.
-    fn geometry(&self, x: &Layout, w: &Layout, chunk: usize) -> Result<(Geometry, Shape)> {
-        let (b, c_in, t, h, wd) = x.shape().dims5()?;
-        let (c_out, w_in, kt, kh, kw) = w.shape().dims5()?;
-        if w_in != c_in {
-            bail!("conv3d kernel: {c_in} input channels, weight for {w_in}")
-        }
-        let [st, sh, sw] = self.stride;
-        let [pt, ph, pw] = self.padding;
-        if st == 0 || sh == 0 || sw == 0 {
-            bail!("conv3d kernel: zero stride {:?}", self.stride)
-        }
-        let out = |n: usize, k: usize, s: usize, p: usize| -> Result<usize> {
-            match (n + 2 * p).checked_sub(k) {
-                Some(d) => Ok(d / s + 1),
-                None => bail!("conv3d kernel: input {n} + padding {p} smaller than kernel {k}"),
-            }
-        };
-        let (t_out, h_out, w_out) = (
-            out(t, kt, st, pt)?,
-            out(h, kh, sh, ph)?,
-            out(wd, kw, sw, pw)?,
-        );
-        let positions = b * t_out * h_out * w_out;
-        let c_in_pad = c_in.next_multiple_of(chunk);
-        let int = |v: usize| -> Result<i32> {
-            i32::try_from(v)
-                .map_err(|_| candle_core::Error::Msg(format!("conv3d kernel: {v} exceeds i32")))
-        };
-        let g = Geometry {
-            c_in: int(c_in)?,
-            t_in: int(t)?,
-            h_in: int(h)?,
-            w_in: int(wd)?,
-            c_out: int(c_out)?,
-            t_out: int(t_out)?,
-            h_out: int(h_out)?,
-            w_out: int(w_out)?,
-            kt: int(kt)?,
-            kh: int(kh)?,
-            kw: int(kw)?,
-            st: int(st)?,
-            sh: int(sh)?,
-            sw: int(sw)?,
-            pt: int(pt)?,
-            ph: int(ph)?,
-            pw: int(pw)?,
-            c_in_pad: int(c_in_pad)?,
-            positions: int(positions)?,
-        };
-        // K tiles and the kernel's per-frame products stay within i32 as well.
-        int(kt * kh * kw * c_in_pad)?;
-        int(h_out * w_out)?;
-        Ok((g, Shape::from((b, c_out, t_out, h_out, w_out))))
+/// The geometry of `x` `[B, C_in, T, H, W]` by `w` `[C_out, C_in, kt, kh, kw]` (the weight's
+/// channels per tap rounded up to `chunk`), every size checked to fit the kernels' 32-bit fields,
+/// and the output's dims `[B, C_out, T', H', W']`.
+fn geometry(
+    x: [usize; 5],
+    w: [usize; 5],
+    stride: [usize; 3],
+    padding: [usize; 3],
+    chunk: usize,
+) -> Result<(Geometry, [usize; 5])> {
+    let [b, c_in, t, h, wd] = x;
+    let [c_out, w_in, kt, kh, kw] = w;
+    if w_in != c_in {
+        bail!("conv3d kernel: {c_in} input channels, weight for {w_in}")
     }
+    let [st, sh, sw] = stride;
+    let [pt, ph, pw] = padding;
+    if st == 0 || sh == 0 || sw == 0 {
+        bail!("conv3d kernel: zero stride {stride:?}")
+    }
+    let out = |n: usize, k: usize, s: usize, p: usize| -> Result<usize> {
+        match (n + 2 * p).checked_sub(k) {
+            Some(d) => Ok(d / s + 1),
+            None => bail!("conv3d kernel: input {n} + padding {p} smaller than kernel {k}"),
+        }
+    };
+    let (t_out, h_out, w_out) = (
+        out(t, kt, st, pt)?,
+        out(h, kh, sh, ph)?,
+        out(wd, kw, sw, pw)?,
+    );
+    let positions = b * t_out * h_out * w_out;
+    let c_in_pad = c_in.next_multiple_of(chunk);
+    let int = |v: usize| -> Result<i32> {
+        i32::try_from(v)
+            .map_err(|_| candle_core::Error::Msg(format!("conv3d kernel: {v} exceeds i32")))
+    };
+    let g = Geometry {
+        c_in: int(c_in)?,
+        t_in: int(t)?,
+        h_in: int(h)?,
+        w_in: int(wd)?,
+        c_out: int(c_out)?,
+        t_out: int(t_out)?,
+        h_out: int(h_out)?,
+        w_out: int(w_out)?,
+        kt: int(kt)?,
+        kh: int(kh)?,
+        kw: int(kw)?,
+        st: int(st)?,
+        sh: int(sh)?,
+        sw: int(sw)?,
+        pt: int(pt)?,
+        ph: int(ph)?,
+        pw: int(pw)?,
+        c_in_pad: int(c_in_pad)?,
+        positions: int(positions)?,
+    };
+    // K tiles, the kernels' per-frame products and the last block's positions stay within i32
+    // as well.
+    int(kt * kh * kw * c_in_pad)?;
+    int(h_out * w_out)?;
+    int(positions + MAX_BLOCK_POSITIONS)?;
+    Ok((g, [b, c_out, t_out, h_out, w_out]))
+}
 
+impl Conv3d {
     #[allow(clippy::too_many_arguments)]
     fn launch<T: DeviceRepr>(
         &self,
@@ -223,7 +401,12 @@ impl Conv3d {
             other => bail!("conv3d kernel: no {other:?} kernel"),
         };
         let chunk = 16 / dtype.size_in_bytes();
-        let (g, shape) = self.geometry(xl, wl, chunk)?;
+        let dims = |l: &Layout| -> Result<[usize; 5]> {
+            let (a, b, c, d, e) = l.shape().dims5()?;
+            Ok([a, b, c, d, e])
+        };
+        let (g, out_dims) = geometry(dims(xl)?, dims(wl)?, self.stride, self.padding, chunk)?;
+        let shape = Shape::from(out_dims.to_vec());
         let limit = shared_memory_limit(dev).unwrap_or(0);
         let tile = match self.tile {
             Some(tile) if tile.shared_bytes <= limit => tile,
@@ -326,5 +509,284 @@ impl CustomOp2 for Conv3d {
         };
         let device = dev.clone();
         Ok((CudaStorage { slice, device }, shape))
+    }
+}
+
+struct Conv3dCl {
+    stride: [usize; 3],
+    padding: [usize; 3],
+    /// The configuration asked for; `None`: the fastest that fits the device.
+    tile: Option<ClTile>,
+}
+
+impl Conv3dCl {
+    fn launch(
+        &self,
+        dev: &CudaDevice,
+        x: &CudaSlice<f32>,
+        xl: &Layout,
+        w: &CudaSlice<f32>,
+        wl: &Layout,
+    ) -> Result<(CudaSlice<f32>, Shape)> {
+        if !xl.is_contiguous() || !wl.is_contiguous() {
+            bail!("conv3d kernel: x and w must be contiguous")
+        }
+        // 16-byte copies from every channel chunk: C_in % 4 == 0 and 16-byte aligned starts.
+        if !xl.start_offset().is_multiple_of(4) || !wl.start_offset().is_multiple_of(4) {
+            bail!("conv3d kernel: channels last needs x and w on 16-byte boundaries")
+        }
+        let dims = |l: &Layout| -> Result<[usize; 5]> { Ok(l.shape().dims5()?.into()) };
+        let (g, out_dims) = cl_geometry(dims(xl)?, dims(wl)?, self.stride, self.padding)?;
+        let limit = shared_memory_limit(dev).unwrap_or(0);
+        let tile = match self.tile {
+            Some(tile) if tile.shared_bytes() <= limit => tile,
+            Some(tile) => bail!("conv3d kernel: {tile:?} exceeds {limit} B of shared memory"),
+            None => match channels_last_tiles(g.c_out as usize)
+                .into_iter()
+                .find(|t| t.shared_bytes() <= limit)
+            {
+                Some(tile) => tile,
+                None => bail!("conv3d kernel: no configuration fits {limit} B of shared memory"),
+            },
+        };
+        if !CL_TILES.contains(&tile) {
+            bail!("conv3d kernel: {tile:?} is not compiled")
+        }
+        let x = x.slice(xl.start_offset()..);
+        let w = w.slice(wl.start_offset()..);
+        let func = CONV.function(dev, &tile.name())?;
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            tile.shared_bytes() as i32,
+        )
+        .w()?;
+        let shape = Shape::from(out_dims.to_vec());
+        // SAFETY: the kernel writes every output element (each channel of each position).
+        let out = unsafe { dev.alloc::<f32>(shape.elem_count()) }?;
+        let blocks = (g.c_out as usize).div_ceil(tile.channels)
+            * (g.positions as usize).div_ceil(tile.positions);
+        let Some(blocks) = u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32) else {
+            bail!("conv3d kernel: {blocks} blocks exceed a grid")
+        };
+        let mut builder = func.builder();
+        builder.arg(&x).arg(&w).arg(&out).arg(&g);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * tile.warps as u32, 1, 1),
+            shared_mem_bytes: tile.shared_bytes() as u32,
+        };
+        // SAFETY: the arguments match the kernel's signature; x and w are contiguous with the
+        // geometry's sizes and 16-byte aligned, and every offset the kernel forms is in bounds
+        // or zero-filled.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok((out, shape))
+    }
+}
+
+impl CustomOp2 for Conv3dCl {
+    fn name(&self) -> &'static str {
+        "vidgen-conv3d-channels-last"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("the conv3d kernel runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (CudaStorageSlice::F32(xs), CudaStorageSlice::F32(ws)) = (&x.slice, &w.slice) else {
+            bail!("the channels-last conv3d kernel takes f32 x and w")
+        };
+        let (y, shape) = self.launch(&x.device, xs, xl, ws, wl)?;
+        let device = x.device.clone();
+        Ok((
+            CudaStorage {
+                slice: CudaStorageSlice::F32(y),
+                device,
+            },
+            shape,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The GPU, where the kernels run on it.
+    fn device() -> Option<Device> {
+        let dev = Device::new_cuda(0).ok().filter(available);
+        if dev.is_none() {
+            eprintln!(
+                "no CUDA device of compute capability 8.0+: channels-last kernel test skipped"
+            );
+        }
+        dev
+    }
+
+    /// The exact convolution of channels-last `x` by `w` (f64 on the CPU, of the f32 values as
+    /// they are) and, per output, sum |w||x|, which bounds TF32's rounding error.
+    fn exact(
+        x: &Tensor,
+        w: &Tensor,
+        stride: [usize; 3],
+        padding: [usize; 3],
+    ) -> Result<(Vec<f64>, Vec<f64>)> {
+        let [b, t, h, wd, c_in] = x.dims5()?.into();
+        let [c_out, kt, kh, kw, _] = w.dims5()?.into();
+        let (_, [_, t_out, h_out, w_out, _]) =
+            cl_geometry(x.dims5()?.into(), w.dims5()?.into(), stride, padding)?;
+        let xv = x.flatten_all()?.to_vec1::<f32>()?;
+        let wv = w.flatten_all()?.to_vec1::<f32>()?;
+        let at = |o: usize, k: usize, d: usize| (o * stride[d] + k).checked_sub(padding[d]);
+        let (mut sum, mut magnitude) = (Vec::new(), Vec::new());
+        for bi in 0..b {
+            for to in 0..t_out {
+                for ho in 0..h_out {
+                    for wo in 0..w_out {
+                        for n in 0..c_out {
+                            let (mut s, mut m) = (0f64, 0f64);
+                            for dt in 0..kt {
+                                for dh in 0..kh {
+                                    for dw in 0..kw {
+                                        let (Some(ti), Some(hi), Some(wi)) =
+                                            (at(to, dt, 0), at(ho, dh, 1), at(wo, dw, 2))
+                                        else {
+                                            continue;
+                                        };
+                                        if ti >= t || hi >= h || wi >= wd {
+                                            continue;
+                                        }
+                                        let xo = (((bi * t + ti) * h + hi) * wd + wi) * c_in;
+                                        let wo = (((n * kt + dt) * kh + dh) * kw + dw) * c_in;
+                                        for (&a, &c) in
+                                            xv[xo..xo + c_in].iter().zip(&wv[wo..wo + c_in])
+                                        {
+                                            let p = a as f64 * c as f64;
+                                            s += p;
+                                            m += p.abs();
+                                        }
+                                    }
+                                }
+                            }
+                            sum.push(s);
+                            magnitude.push(m);
+                        }
+                    }
+                }
+            }
+        }
+        Ok((sum, magnitude))
+    }
+
+    /// Max over outputs of |`got` - exact| / sum |w||x|.
+    fn error_per_magnitude(got: &Tensor, exact: &(Vec<f64>, Vec<f64>)) -> Result<f64> {
+        let got = got.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(got.len(), exact.0.len());
+        Ok(got
+            .iter()
+            .zip(exact.0.iter().zip(&exact.1))
+            .map(|(&g, (&e, &m))| (g as f64 - e).abs() / (m + 1e-30))
+            .fold(0.0, f64::max))
+    }
+
+    /// (x dims `[B, T, H, W, C_in]`, w dims `[C_out, kt, kh, kw, C_in]`, stride, padding).
+    type Case = ([usize; 5], [usize; 5], [usize; 3], [usize; 3]);
+    /// The decoder's kinds of convolution at small sizes: 3x3x3 with spatial padding (batch 2,
+    /// odd sizes, C_in 32 / 96 / 192, C_out 96 / 128), temporal padding, a 1x1x1 shortcut, a
+    /// 3x1x1 temporal conv, a 1x2x2 kernel with padding 1 (H + 1 x W + 1 outputs) and output
+    /// channels no tile divides, input channels not a whole K tile, spatial stride 2.
+    const CASES: [Case; 7] = [
+        ([2, 4, 7, 9, 32], [96, 3, 3, 3, 32], [1, 1, 1], [0, 1, 1]),
+        ([1, 4, 17, 33, 96], [96, 3, 3, 3, 96], [1, 1, 1], [0, 1, 1]),
+        (
+            [1, 3, 9, 12, 192],
+            [128, 3, 3, 3, 192],
+            [1, 1, 1],
+            [1, 1, 1],
+        ),
+        ([2, 5, 7, 9, 96], [192, 1, 1, 1, 96], [1, 1, 1], [0, 0, 0]),
+        ([1, 6, 8, 10, 32], [96, 3, 1, 1, 32], [1, 1, 1], [1, 0, 0]),
+        ([1, 2, 7, 9, 96], [40, 1, 2, 2, 96], [1, 1, 1], [0, 1, 1]),
+        ([1, 3, 11, 13, 20], [100, 3, 3, 3, 20], [1, 2, 2], [1, 1, 1]),
+    ];
+
+    /// Every compiled configuration (and the default) within TF32's rounding of the exact
+    /// convolution: each product's operands are rounded to 10 mantissa bits, so an output is off
+    /// by at most about 2^-10 of sum |w||x|.
+    #[test]
+    fn channels_last_kernel_matches_exact_convolution() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let Device::Cuda(cuda) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let limit = shared_memory_limit(cuda).unwrap_or(0);
+        for (xd, wd, stride, padding) in CASES {
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
+            let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
+            let reference = exact(&x, &w, stride, padding)?;
+            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?);
+            assert!(takes_channels_last(&x, &w, stride, padding, true));
+            let y = conv3d_channels_last(&x, &w, stride, padding)?;
+            let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
+            assert!(err < 1e-3, "{xd:?} by {wd:?}: {err:.2e}");
+            for tile in channels_last_tiles(wd[0]) {
+                if tile.shared_bytes() > limit {
+                    continue;
+                }
+                let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
+                let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
+                assert!(err < 1e-3, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+            }
+        }
+        // A strided x (channels first in memory) is copied first.
+        let (xd, wd, stride, padding) = CASES[0];
+        let [b, t, h, wid, c] = xd;
+        let x =
+            Tensor::randn(0f32, 1f32, (b, c, t, h, wid), &Device::Cpu)?.permute((0, 2, 3, 4, 1))?;
+        let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
+        let reference = exact(&x.contiguous()?, &w, stride, padding)?;
+        let y = conv3d_channels_last(&x.to_device(&dev)?, &w.to_device(&dev)?, stride, padding)?;
+        let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
+        assert!(err < 1e-3, "strided x: {err:.2e}");
+        Ok(())
+    }
+
+    /// Exact f32, bf16, input channels not in fours, more than 32 taps and the CPU are declined
+    /// (and the channel count is an error, not a wrong result).
+    #[test]
+    fn channels_last_kernel_declines_what_it_cannot_compute() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let (s, p) = ([1, 1, 1], [0, 1, 1]);
+        let x = Tensor::randn(0f32, 1f32, (1, 3, 6, 8, 32), &dev)?;
+        let w = Tensor::randn(0f32, 1f32, (96, 3, 3, 3, 32), &dev)?;
+        assert!(takes_channels_last(&x, &w, s, p, true));
+        assert!(!takes_channels_last(&x, &w, s, p, false));
+        let (xb, wb) = (x.to_dtype(DType::BF16)?, w.to_dtype(DType::BF16)?);
+        assert!(!takes_channels_last(&xb, &wb, s, p, true));
+        let (xc, wc) = (x.to_device(&Device::Cpu)?, w.to_device(&Device::Cpu)?);
+        assert!(!takes_channels_last(&xc, &wc, s, p, true));
+        let wide = Tensor::randn(0f32, 1f32, (96, 1, 7, 7, 32), &dev)?;
+        assert!(!takes_channels_last(&x, &wide, s, [0, 3, 3], true));
+        let x6 = Tensor::randn(0f32, 1f32, (1, 3, 6, 8, 6), &dev)?;
+        let w6 = Tensor::randn(0f32, 1f32, (96, 3, 3, 3, 6), &dev)?;
+        assert!(!takes_channels_last(&x6, &w6, s, p, true));
+        assert!(conv3d_channels_last(&x6, &w6, s, p).is_err());
+        Ok(())
     }
 }

@@ -700,10 +700,13 @@ extern "C" __global__ void wan_bias_act_v8_bf16(bf16 *x, const bf16 *__restrict_
 // C channels of each pixel (diffusers' WanRMS_norm then SiLU), in the order of operations of
 // ChannelNorm::forward and candle's silu. `out` has its own batch and channel strides (a
 // convolution input buffer with cached frames in front), `offset` elements into each channel.
-// One thread per pixel: a warp reads 32 consecutive pixels of one channel at a time.
+// One thread per pixel: a warp reads 32 consecutive pixels of one channel at a time. With
+// `in_bias` (nullable), x + in_bias[c] is normalised: the bias of the conv that produced x,
+// whose only reader is this norm, added here instead of in a pass of its own.
 extern "C" __global__ void wan_vae_rms_silu_f32(const float *__restrict__ x,
                                                 float *__restrict__ out,
-                                                const float *__restrict__ gamma, int channels,
+                                                const float *__restrict__ gamma,
+                                                const float *__restrict__ in_bias, int channels,
                                                 long spatial, long pixels, long out_bs,
                                                 long out_cs, long offset, float scale) {
   for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < pixels;
@@ -712,13 +715,16 @@ extern "C" __global__ void wan_vae_rms_silu_f32(const float *__restrict__ x,
     const float *xp = x + b * channels * spatial + s;
     float sq = 0.f;
     for (int c = 0; c < channels; ++c) {
-      const float v = xp[c * spatial];
+      float v = xp[c * spatial];
+      if (in_bias != nullptr) v = __fadd_rn(v, in_bias[c]);
       sq = __fadd_rn(sq, __fmul_rn(v, v));
     }
     const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f);
     float *op = out + b * out_bs + offset + s;
     for (int c = 0; c < channels; ++c) {
-      const float y = __fmul_rn(__fmul_rn(__fdiv_rn(xp[c * spatial], norm), scale), gamma[c]);
+      float v = xp[c * spatial];
+      if (in_bias != nullptr) v = __fadd_rn(v, in_bias[c]);
+      const float y = __fmul_rn(__fmul_rn(__fdiv_rn(v, norm), scale), gamma[c]);
       op[c * out_cs] = __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));
     }
   }
@@ -765,11 +771,27 @@ extern "C" __global__ void wan_vae_subpixel_f32(const float *__restrict__ src,
 
 // out[offset + p * C + c] = SiLU(((x / max(|x|_2, 1e-12)) * scale) * gamma[c]) over the C
 // channels of pixel p (as wan_vae_rms_silu_f32, channels contiguous): one warp per pixel, the
-// sum of squares reduced across the warp. VEC: C % 4 == 0 and x, out + offset 16-byte aligned.
+// sum of squares reduced across the warp (in_bias as in wan_vae_rms_silu_f32). VEC: C % 4 == 0
+// and x, out + offset 16-byte aligned.
+// Channels c.. of a pixel (4 with VEC, else 1) into v, plus in_bias where it is not null.
+template <bool VEC>
+__device__ __forceinline__ void load_biased(const float *__restrict__ xp,
+                                            const float *__restrict__ in_bias, int c, float *v) {
+  if (VEC) {
+    const float4 q = *reinterpret_cast<const float4 *>(xp + c);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+    v[0] = xp[c];
+  }
+  if (in_bias != nullptr)
+    for (int k = 0; k < (VEC ? 4 : 1); ++k) v[k] = __fadd_rn(v[k], in_bias[c + k]);
+}
+
 template <bool VEC>
 __device__ __forceinline__ void vae_rms_silu_cl(const float *__restrict__ x,
                                                 float *__restrict__ out,
-                                                const float *__restrict__ gamma, int channels,
+                                                const float *__restrict__ gamma,
+                                                const float *__restrict__ in_bias, int channels,
                                                 long pixels, long offset, float scale) {
   const int lane = threadIdx.x & 31;
   const long warps = (long)gridDim.x * (blockDim.x >> 5);
@@ -778,13 +800,13 @@ __device__ __forceinline__ void vae_rms_silu_cl(const float *__restrict__ x,
     const float *xp = x + p * channels;
     float sq = 0.f;
     for (int c = (VEC ? 4 : 1) * lane; c < channels; c += step) {
-      if (VEC) {
-        const float4 v = *reinterpret_cast<const float4 *>(xp + c);
-        sq = __fadd_rn(sq, __fadd_rn(__fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)),
-                                     __fadd_rn(__fmul_rn(v.z, v.z), __fmul_rn(v.w, v.w))));
-      } else {
-        sq = __fadd_rn(sq, __fmul_rn(xp[c], xp[c]));
-      }
+      float v[4];
+      load_biased<VEC>(xp, in_bias, c, v);
+      if (VEC)
+        sq = __fadd_rn(sq, __fadd_rn(__fadd_rn(__fmul_rn(v[0], v[0]), __fmul_rn(v[1], v[1])),
+                                     __fadd_rn(__fmul_rn(v[2], v[2]), __fmul_rn(v[3], v[3]))));
+      else
+        sq = __fadd_rn(sq, __fmul_rn(v[0], v[0]));
     }
     for (int o = 16; o > 0; o >>= 1) sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
     const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f);
@@ -792,12 +814,7 @@ __device__ __forceinline__ void vae_rms_silu_cl(const float *__restrict__ x,
     for (int c = (VEC ? 4 : 1) * lane; c < channels; c += step) {
       const int n = VEC ? 4 : 1;
       float v[4], r[4];
-      if (VEC) {
-        const float4 q = *reinterpret_cast<const float4 *>(xp + c);
-        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-      } else {
-        v[0] = xp[c];
-      }
+      load_biased<VEC>(xp, in_bias, c, v);
 #pragma unroll
       for (int k = 0; k < n; ++k) {
         const float y = __fmul_rn(__fmul_rn(__fdiv_rn(v[k], norm), scale), gamma[c + k]);
@@ -813,12 +830,14 @@ __device__ __forceinline__ void vae_rms_silu_cl(const float *__restrict__ x,
 
 extern "C" __global__ void wan_vae_rms_silu_cl_f32(const float *__restrict__ x,
                                                    float *__restrict__ out,
-                                                   const float *__restrict__ gamma, int channels,
-                                                   long pixels, long offset, float scale) {
+                                                   const float *__restrict__ gamma,
+                                                   const float *__restrict__ in_bias,
+                                                   int channels, long pixels, long offset,
+                                                   float scale) {
   if (channels % 4 == 0 && aligned16(x) && aligned16(out + offset))
-    vae_rms_silu_cl<true>(x, out, gamma, channels, pixels, offset, scale);
+    vae_rms_silu_cl<true>(x, out, gamma, in_bias, channels, pixels, offset, scale);
   else
-    vae_rms_silu_cl<false>(x, out, gamma, channels, pixels, offset, scale);
+    vae_rms_silu_cl<false>(x, out, gamma, in_bias, channels, pixels, offset, scale);
 }
 
 // In place on y [P, C] (C % 4 == 0, y and res 16-byte aligned), as float4s: y = (y + bias[c])

@@ -267,11 +267,24 @@ fn vae_launch<'a>(func: &'static str, n: usize, args: Vec<Arg<'a>>) -> Launch<'a
     item_launch(&WAN, func, n, args)
 }
 
+/// A norm's input bias: `[C]` f32, contiguous.
+fn checked_bias(bias: Option<&Tensor>, c: usize) -> Result<Option<Tensor>> {
+    match bias {
+        Some(b) if b.elem_count() != c || b.dtype() != DType::F32 => {
+            candle_core::bail!("vae norm: input bias {:?} for {c} f32 channels", b.shape())
+        }
+        Some(b) => b.contiguous().map(Some),
+        None => Ok(None),
+    }
+}
+
 /// Writes `SiLU(x / max(|x|_2, 1e-12) * scale * gamma)`, the norm over the channels of `x`
 /// `[B, C, T, H, W]` (f32), into frames `offset..offset + T` of `buf` `[B, C, T', H, W]`
-/// (f32, contiguous, not sharing storage with `x`); `gamma` holds `C` f32 values.
+/// (f32, contiguous, not sharing storage with `x`); `gamma` holds `C` f32 values. With
+/// `in_bias` (`[C]`), `x + in_bias` is normalised.
 pub(crate) fn vae_rms_silu_into(
     x: &Tensor,
+    in_bias: Option<&Tensor>,
     gamma: &Tensor,
     scale: f64,
     buf: &Tensor,
@@ -292,6 +305,7 @@ pub(crate) fn vae_rms_silu_into(
     }
     let x = x.contiguous()?;
     let gamma = gamma.contiguous()?;
+    let in_bias = checked_bias(in_bias, c)?;
     let spatial = t * h * w;
     let frame = h * w;
     buf.inplace_op1(&vae_launch(
@@ -301,6 +315,7 @@ pub(crate) fn vae_rms_silu_into(
             Arg::Tensor(Some(&x)),
             Arg::Dst,
             Arg::Tensor(Some(&gamma)),
+            Arg::Tensor(in_bias.as_ref()),
             Arg::Int(c as i32),
             Arg::Long(spatial as i64),
             Arg::Long((b * spatial) as i64),
@@ -316,6 +331,7 @@ pub(crate) fn vae_rms_silu_into(
 /// of `buf` `[B, T', H, W, C]`.
 pub(crate) fn vae_rms_silu_cl_into(
     x: &Tensor,
+    in_bias: Option<&Tensor>,
     gamma: &Tensor,
     scale: f64,
     buf: &Tensor,
@@ -336,6 +352,7 @@ pub(crate) fn vae_rms_silu_cl_into(
     }
     let x = x.contiguous()?;
     let gamma = gamma.contiguous()?;
+    let in_bias = checked_bias(in_bias, c)?;
     let frame = h * w * c;
     // Each batch entry's frames are one contiguous run of the buffer.
     for i in 0..b {
@@ -348,6 +365,7 @@ pub(crate) fn vae_rms_silu_cl_into(
                 Arg::Tensor(Some(&xi)),
                 Arg::Dst,
                 Arg::Tensor(Some(&gamma)),
+                Arg::Tensor(in_bias.as_ref()),
                 Arg::Int(c as i32),
                 Arg::Long(pixels as i64),
                 Arg::Long(((i * bt + offset) * frame) as i64),

@@ -182,17 +182,23 @@ impl Conv2d {
         map_frames(x, |f| self.forward(f))
     }
 
-    /// A 1x1 conv of rows of channels, `[..., C]` -> `[..., C_out]` (channels last): a product
-    /// with the kernel, plus the bias.
+    /// A 1x1 conv of rows of channels, `[..., C]` -> `[..., C_out]` (channels last, so on CUDA
+    /// with cuDNN): one channels-last convolution (TF32 where allowed, as the channels-first
+    /// path), plus the bias.
     fn pixels(&self, x: &Tensor) -> Result<Tensor> {
         let (c_out, c_in, _, _) = self.weight.dims4()?;
-        let w = self.weight.reshape((c_out, c_in))?;
-        add_bias(
-            x.contiguous()?.broadcast_matmul(&w.t()?)?,
-            &self.bias,
-            None,
-            Layout::ChannelsLast,
-        )
+        let rows = x.elem_count() / c_in;
+        let x5 = x.contiguous()?.reshape((1, 1, rows, 1, c_in))?;
+        let w5 = self.weight.reshape((c_out, 1, 1, 1, c_in))?;
+        let last = Layout::ChannelsLast;
+        let Some(y) = conv3d::conv3d_in(last, &x5, &w5, [1, 1, 1], [0, 0, 0])? else {
+            bail!("vae attention: no convolution computes channels last here")
+        };
+        let mut dims = x.dims().to_vec();
+        if let Some(d) = dims.last_mut() {
+            *d = c_out;
+        }
+        add_bias(y.reshape(dims)?, &self.bias, None, last)
     }
 
     /// `[N, C, H, W]` -> `[N, C_out, H', W']`: through cuDNN (as a 3D convolution of one frame
@@ -263,6 +269,8 @@ pub(super) struct CausalConv3d {
     pad_s: usize,
     stride_t: usize,
     layout: Layout,
+    /// Returns its output without the bias, which its reader (the next norm) adds.
+    defers_bias: bool,
 }
 
 impl CausalConv3d {
@@ -302,7 +310,31 @@ impl CausalConv3d {
             pad_s: pad.1,
             stride_t,
             layout,
+            defers_bias: false,
         })
+    }
+
+    /// This conv's output without its bias (see [`Self::bias`]): for a conv whose only reader
+    /// is a norm, which adds the bias as it reads (one pass less over the output).
+    fn deferring_bias(self) -> Self {
+        Self {
+            defers_bias: true,
+            ..self
+        }
+    }
+
+    /// `[C_out]`.
+    fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    /// `y` plus the bias unless deferred, plus `residual` when given.
+    fn finish(&self, y: Tensor, residual: Option<&Tensor>, layout: Layout) -> Result<Tensor> {
+        match (self.defers_bias, residual) {
+            (false, _) => add_bias(y, &self.bias, residual, layout),
+            (true, None) => Ok(y),
+            (true, Some(r)) => y + r,
+        }
     }
 
     /// Zero frames and cached frames in front of a chunk, given the cache (ignored by a conv
@@ -380,7 +412,7 @@ impl CausalConv3d {
                 });
             }
             let y = match acc {
-                Some(a) => add_bias(a, &self.bias, None, Layout::ChannelsFirst)?,
+                Some(a) => self.finish(a, None, Layout::ChannelsFirst)?,
                 None => bail!("causal conv3d: output frame {o} sees only padding"),
             };
             outs.push(y);
@@ -434,16 +466,16 @@ impl CausalConv3d {
                 buf.slice_set(&x.contiguous()?, time, front)?;
                 buf
             }
-            (buf, Input::Normed(norm, x)) => match buf {
+            (buf, Input::Normed(norm, x, in_bias)) => match buf {
                 Some(buf) => {
-                    norm.silu_into(x, &buf, front)?;
+                    norm.silu_into(x, in_bias, &buf, front)?;
                     buf
                 }
                 None => {
                     // SAFETY: the norm writes every element.
                     let shape = layout.shape(b, c, t, h, wd);
                     let buf = unsafe { Tensor::empty(&shape[..], dtype, device) }?;
-                    norm.silu_into(x, &buf, 0)?;
+                    norm.silu_into(x, in_bias, &buf, 0)?;
                     buf
                 }
             },
@@ -451,7 +483,7 @@ impl CausalConv3d {
         let stride = [self.stride_t, 1, 1];
         let padding = [0, self.pad_s, self.pad_s];
         match conv3d::conv3d_in(layout, &buf, w, stride, padding)? {
-            Some(y) => Ok(Some((add_bias(y, &self.bias, residual, layout)?, buf))),
+            Some(y) => Ok(Some((self.finish(y, residual, layout)?, buf))),
             None => Ok(None),
         }
     }
@@ -459,12 +491,13 @@ impl CausalConv3d {
     /// Runs the conv on one chunk with this conv's cache slot, then stores the last
     /// [`CACHE_T`] input frames (topped up with the previous chunk's last frame when the
     /// chunk is a single frame), as every cached conv of diffusers' Wan VAE does. With `norm`,
-    /// the conv's input is `SiLU(norm(x))` (fused into the input buffer where the kernel runs);
-    /// `residual` is added to the output (with the bias where the kernel runs).
+    /// the conv's input is `SiLU(norm(x + in_bias))` (fused into the input buffer where the
+    /// kernel runs; `in_bias` the deferred bias of the conv that made `x`); `residual` is
+    /// added to the output (with the bias where the kernel runs).
     pub(super) fn forward_cached(
         &self,
         x: &Tensor,
-        norm: Option<&ChannelNorm>,
+        norm: Option<(&ChannelNorm, Option<&Tensor>)>,
         residual: Option<&Tensor>,
         cache: &mut FeatCache,
     ) -> Result<Tensor> {
@@ -480,7 +513,7 @@ impl CausalConv3d {
         let keep = CACHE_T.min(t + usize::from(prev.is_some()));
         let (zeros, front_cache) = self.front(prev.as_ref())?;
         let input = match norm {
-            Some(norm) => Input::Normed(norm, x),
+            Some((norm, in_bias)) => Input::Normed(norm, x, in_bias),
             None => Input::Copy(x),
         };
         let dims = layout.dims(x)?;
@@ -500,7 +533,10 @@ impl CausalConv3d {
             return Ok(y);
         }
         let input = match norm {
-            Some(norm) => silu(&norm.forward(x)?)?,
+            Some((norm, None)) => silu(&norm.forward(x)?)?,
+            Some((norm, Some(bias))) => {
+                silu(&norm.forward(&add_bias(x.copy()?, bias, None, layout)?)?)?
+            }
             None => x.clone(),
         };
         let mut cache_x = last_frames(&input, CACHE_T, layout)?;
@@ -522,8 +558,8 @@ impl CausalConv3d {
 enum Input<'a> {
     /// The chunk itself.
     Copy(&'a Tensor),
-    /// `SiLU(norm(x))` of the chunk.
-    Normed(&'a ChannelNorm, &'a Tensor),
+    /// `SiLU(norm(x + bias))` of the chunk (`bias` a conv's deferred bias).
+    Normed(&'a ChannelNorm, &'a Tensor, Option<&'a Tensor>),
 }
 
 /// diffusers' `WanRMS_norm`: `F.normalize` over channels (x / max(|x|_2, 1e-12)) * sqrt(C) * gamma,
@@ -576,19 +612,30 @@ impl ChannelNorm {
         scaled.broadcast_mul(&self.gamma)
     }
 
-    /// Writes `SiLU(self.forward(x))` of the chunk `x` into frames `offset..offset + T` of
-    /// `buf` (both in the norm's layout, `buf` contiguous): one pass through the fused kernel
-    /// where it takes `x` (f32 on CUDA), else the candle composition copied in.
-    fn silu_into(&self, x: &Tensor, buf: &Tensor, offset: usize) -> Result<()> {
+    /// Writes `SiLU(self.forward(x + in_bias))` of the chunk `x` (`in_bias` per channel, when
+    /// given) into frames `offset..offset + T` of `buf` (both in the norm's layout, `buf`
+    /// contiguous): one pass through the fused kernel where it takes `x` (f32 on CUDA), else the
+    /// candle composition copied in.
+    fn silu_into(
+        &self,
+        x: &Tensor,
+        in_bias: Option<&Tensor>,
+        buf: &Tensor,
+        offset: usize,
+    ) -> Result<()> {
         #[cfg(feature = "cuda")]
         if crate::models::wan::wan_ops::vae_supported(x) {
             let into = match self.layout {
                 Layout::ChannelsFirst => crate::models::wan::wan_ops::vae_rms_silu_into,
                 Layout::ChannelsLast => crate::models::wan::wan_ops::vae_rms_silu_cl_into,
             };
-            return into(x, &self.gamma, self.scale, buf, offset);
+            return into(x, in_bias, &self.gamma, self.scale, buf, offset);
         }
-        let y = silu(&self.forward(x)?)?.contiguous()?;
+        let x = match in_bias {
+            Some(bias) => add_bias(x.copy()?, bias, None, self.layout)?,
+            None => x.clone(),
+        };
+        let y = silu(&self.forward(&x)?)?.contiguous()?;
         buf.slice_set(&y, self.layout.time_dim(), offset)
     }
 }
@@ -623,7 +670,8 @@ impl ResBlock {
         };
         Ok(Self {
             norm1: ChannelNorm::new(in_dim, false, layout, vb.pp("norm1"))?,
-            conv1: CausalConv3d::cube(in_dim, out_dim, 3, 1, layout, vb.pp("conv1"))?,
+            conv1: CausalConv3d::cube(in_dim, out_dim, 3, 1, layout, vb.pp("conv1"))?
+                .deferring_bias(),
             norm2: ChannelNorm::new(out_dim, false, layout, vb.pp("norm2"))?,
             conv2: CausalConv3d::cube(out_dim, out_dim, 3, 1, layout, vb.pp("conv2"))?,
             shortcut,
@@ -635,11 +683,12 @@ impl ResBlock {
             Some(conv) => conv.forward(x, None)?,
             None => x.clone(),
         };
+        // conv1's output has one reader, norm2, which adds conv1's bias as it reads.
         let y = self
             .conv1
-            .forward_cached(x, Some(&self.norm1), None, cache)?;
-        self.conv2
-            .forward_cached(&y, Some(&self.norm2), Some(&h), cache)
+            .forward_cached(x, Some((&self.norm1, None)), None, cache)?;
+        let norm2 = (&self.norm2, Some(self.conv1.bias()));
+        self.conv2.forward_cached(&y, Some(norm2), Some(&h), cache)
     }
 }
 
@@ -1137,16 +1186,23 @@ mod cuda_tests {
         (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
-    /// The fused norm + SiLU kernels (each layout) against the candle composition (CPU
-    /// fallback), written at a frame offset of a buffer whose other frames stay untouched.
+    /// The fused norm + SiLU kernels (each layout, with and without an input bias) against the
+    /// candle composition (CPU fallback), written at a frame offset of a buffer whose other
+    /// frames stay untouched.
     #[test]
     fn fused_rms_silu_matches_composition() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
             eprintln!("no CUDA device: VAE kernel test skipped");
             return Ok(());
         };
-        for layout in LAYOUTS {
+        for (layout, biased) in [LAYOUTS, LAYOUTS]
+            .concat()
+            .into_iter()
+            .zip([false, false, true, true])
+        {
             for (b, c, t) in [(1, 96, 3), (2, 5, 1), (2, 384, 2)] {
+                let in_bias = Tensor::randn(0f32, 1f32, c, &dev)?;
+                let in_bias = biased.then_some(&in_bias);
                 let x = Tensor::randn(0f32, 3f32, (b, c, t, 7, 9), &dev)?;
                 let gamma = Tensor::randn(1f32, 0.5f32, (c, 1, 1, 1), &dev)?;
                 let norm = |device: &Device| -> Result<ChannelNorm> {
@@ -1163,21 +1219,27 @@ mod cuda_tests {
                 let buf = Tensor::full(7f32, (b, c, t + 2, 7, 9), &dev)?;
                 let buf = layout.from_channels_first(&buf)?;
                 let xl = layout.from_channels_first(&x)?;
-                norm(&dev)?.silu_into(&xl, &buf, 2)?;
+                norm(&dev)?.silu_into(&xl, in_bias, &buf, 2)?;
                 let got = layout.to_channels_first(&buf)?;
                 let first = ChannelNorm {
                     gamma: gamma.clone(),
                     scale: (c as f64).sqrt(),
                     layout: Layout::ChannelsFirst,
                 };
-                let want = silu(&first.forward(&x)?)?;
+                let x_biased = match in_bias {
+                    Some(bias) => x.broadcast_add(&bias.reshape((1, c, 1, 1, 1))?)?,
+                    None => x.clone(),
+                };
+                let want = silu(&first.forward(&x_biased)?)?;
                 let err = max_diff(&got.narrow(2, 2, t)?, &want)?;
                 assert!(err < 1e-5, "{layout:?} norm + SiLU kernel: {err:.2e}");
                 let front = got.narrow(2, 0, 2)?.flatten_all()?.to_vec1::<f32>()?;
                 assert!(front.iter().all(|&v| v == 7.0), "{layout:?}: front changed");
                 // The CPU fallback of the same layout computes the same.
                 let cpu = Tensor::zeros(xl.dims(), DType::F32, &Device::Cpu)?;
-                norm(&Device::Cpu)?.silu_into(&xl.to_device(&Device::Cpu)?, &cpu, 0)?;
+                let cpu_bias = in_bias.map(|b| b.to_device(&Device::Cpu)).transpose()?;
+                let cpu_x = xl.to_device(&Device::Cpu)?;
+                norm(&Device::Cpu)?.silu_into(&cpu_x, cpu_bias.as_ref(), &cpu, 0)?;
                 let cpu = layout.to_channels_first(&cpu)?;
                 let err = max_diff(&got.narrow(2, 2, t)?.to_device(&Device::Cpu)?, &cpu)?;
                 assert!(err < 1e-5, "{layout:?} kernel vs CPU fallback: {err:.2e}");
@@ -1279,8 +1341,8 @@ mod cuda_tests {
             ResBlock::new(cin, cout, layout, vb)
         };
         let cpu = block(&Device::Cpu, Layout::ChannelsFirst)?;
-        conv3d::set_tf32(false);
-        for layout in [Layout::ChannelsFirst, Layout::for_cudnn(&dev)] {
+        let _exact = conv3d::tf32_here(false);
+        for layout in [Layout::ChannelsFirst, Layout::for_device(&dev)] {
             let gpu = block(&dev, layout)?;
             let (mut gpu_cache, mut cpu_cache) = (FeatCache::default(), FeatCache::default());
             let mut worst = 0f32;
@@ -1301,7 +1363,6 @@ mod cuda_tests {
                 "{layout:?} CUDA vs CPU residual block: {worst:.2e}"
             );
         }
-        conv3d::set_tf32(true);
         Ok(())
     }
 
@@ -1313,7 +1374,7 @@ mod cuda_tests {
             eprintln!("no CUDA device: VAE block test skipped");
             return Ok(());
         };
-        let layout = Layout::for_cudnn(&dev);
+        let layout = Layout::for_device(&dev);
         if layout == Layout::ChannelsFirst {
             eprintln!("no cuDNN: channels-last VAE test skipped");
             return Ok(());
@@ -1340,7 +1401,7 @@ mod cuda_tests {
         let (gpu_attn, gpu_up) = build(&dev, layout)?;
         let (cpu_attn, cpu_up) = build(&Device::Cpu, Layout::ChannelsFirst)?;
         let (mut gpu_cache, mut cpu_cache) = (FeatCache::default(), FeatCache::default());
-        conv3d::set_tf32(false);
+        let _exact = conv3d::tf32_here(false);
         let mut worst = 0f32;
         for t in [1, 1, 2] {
             let x = Tensor::randn(0f32, 1f32, (1, c, t, 5, 7), &Device::Cpu)?;
@@ -1353,7 +1414,6 @@ mod cuda_tests {
             assert_eq!(g.dims(), want.dims());
             worst = worst.max(max_diff(&g, &want)?);
         }
-        conv3d::set_tf32(true);
         assert!(
             worst < 1e-4,
             "channels-last attention + upsampler vs CPU: {worst:.2e}"

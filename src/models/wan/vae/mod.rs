@@ -489,7 +489,8 @@ impl Head {
     }
 
     fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
-        self.conv.forward_cached(x, Some(&self.norm), None, cache)
+        self.conv
+            .forward_cached(x, Some((&self.norm, None)), None, cache)
     }
 }
 
@@ -545,7 +546,7 @@ impl Decoder {
             .copied()
             .collect();
         let layout = match vb.dtype() {
-            DType::F32 => Layout::for_cudnn(vb.device()),
+            DType::F32 => Layout::for_device(vb.device()),
             _ => Layout::ChannelsFirst,
         };
         let conv_in = CausalConv3d::cube(cfg.z_dim, dims[0], 3, 1, layout, vb.pp("conv_in"))?;
