@@ -154,7 +154,8 @@ pub fn conv3d_channels_last(
 /// How a VAE's activations lie in memory. cuDNN's tensor-core convolutions read channels last;
 /// given channels first it transposes every input and output around them (a tenth of a Wan
 /// decode's time), and its channels-last TF32 convolutions run 1.2-1.6x faster at the Wan
-/// decoder's shapes (bench/RESULTS.md, session 14).
+/// decoder's shapes; vidgen's own kernel reads channels last with 16-byte copies (4-byte
+/// gathers channels first) and runs 1.1-1.5x faster there too (bench/RESULTS.md, session 14).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     /// `[B, C, T, H, W]`, diffusers' layout (every device and path).
@@ -168,8 +169,9 @@ impl Layout {
     /// the own kernel's GPUs with TF32 allowed), else channels first.
     pub fn for_device(device: &Device) -> Self {
         #[cfg(feature = "cuda")]
+        // The own kernel first: asking for cuDNN waits until its libraries are open.
         if device.is_cuda()
-            && (crate::models::cudnn::api().is_some() || (tf32() && kernel::available(device)))
+            && ((tf32() && kernel::available(device)) || crate::models::cudnn::api().is_some())
         {
             return Layout::ChannelsLast;
         }

@@ -180,15 +180,13 @@ const MAX_BLOCK_POSITIONS: usize = 256;
 const MAX_CL_TAPS: usize = 32;
 
 /// The channels-last configurations for `c_out` output channels, the likely fastest first: the
-/// channel tile that leaves the fewest output channels idle, then the one that gathers each
-/// activation the fewest times (fewest channel tiles); within one channel tile, as `CL_TILES`
-/// lists them (not yet ordered by measurement: conv3d_bench times each).
+/// channel tiles that leave the fewest output channels idle, in `CL_TILES`' order (measured on
+/// the H200 at the Wan decoder's shapes, bench/RESULTS.md session 14: its first was the fastest
+/// or within 3% of it at 96, 192 and 384 output channels, where the 128-channel tile, fewer
+/// blocks at 384, ran 6% slower).
 pub fn channels_last_tiles(c_out: usize) -> Vec<ClTile> {
     let mut tiles = CL_TILES.to_vec();
-    tiles.sort_by_key(|t| {
-        let blocks = c_out.div_ceil(t.channels);
-        (blocks * t.channels - c_out, blocks)
-    });
+    tiles.sort_by_key(|t| c_out.div_ceil(t.channels) * t.channels - c_out);
     tiles
 }
 

@@ -1,9 +1,11 @@
 //! Layers of the Wan2.1 VAE (diffusers' `AutoencoderKLWan`), working on chunks of frames.
 //!
-//! Activations are `[batch, channels, frames, height, width]` as in diffusers (and as cuDNN's 3D
-//! convolution takes them, so no layout changes surround a convolution). Every causal conv keeps
-//! the last two input frames of the previous chunk in a [`FeatCache`] slot, exactly like
-//! diffusers' `feat_cache`, which bounds the memory of a decode by one latent frame.
+//! Activations are `[batch, channels, frames, height, width]` as in diffusers, or channels last,
+//! `[batch, frames, height, width, channels]` (each layer's [`Layout`]), where a channels-last
+//! convolution computes: the decoder on CUDA, where cuDNN's and vidgen's tensor-core kernels
+//! read that layout without transposing. Every causal conv keeps the last two input frames of
+//! the previous chunk in a [`FeatCache`] slot, exactly like diffusers' `feat_cache`, which
+//! bounds the memory of a decode by one latent frame.
 //!
 //! On CUDA the convolution's input is built in place: one buffer holding the zero padding or
 //! cached frames, then the chunk, written by the fused channel-RMS-norm + SiLU kernel where a

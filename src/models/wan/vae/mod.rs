@@ -528,7 +528,8 @@ struct Decoder {
     mid: MidBlock,
     up: Vec<UpBlock>,
     head: Head,
-    /// Channels last where cuDNN computes f32 (the fused kernels' dtype), else first.
+    /// Channels last where a channels-last convolution computes f32 (the fused kernels' dtype),
+    /// else first.
     layout: Layout,
 }
 
