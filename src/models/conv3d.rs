@@ -401,6 +401,11 @@ impl Kernel3d {
         self.accelerated.then_some(&self.weight)
     }
 
+    /// The kernel as given, on any device (for [`conv3d_in`], which computes everywhere).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
     /// The temporal taps, each `[C_out, C_in, kh, kw]` and contiguous (the path of a device
     /// [`conv3d`] does not compute on, or of a shape it declined).
     pub fn taps(&self) -> Result<Vec<Tensor>> {

@@ -434,10 +434,13 @@ impl CausalConv3d {
         input: Input,
         residual: Option<&Tensor>,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let Some(w) = self.kernel.whole() else {
-            return Ok(None);
-        };
         let layout = self.layout;
+        // Channels last computes on any device ([`conv3d::conv3d_in`]).
+        let w = match (layout, self.kernel.whole()) {
+            (Layout::ChannelsLast, _) => self.kernel.weight(),
+            (Layout::ChannelsFirst, Some(w)) => w,
+            (Layout::ChannelsFirst, None) => return Ok(None),
+        };
         let time = layout.time_dim();
         let (b, c, t, h, wd) = dims;
         let cached = match cache {
@@ -906,8 +909,15 @@ impl Upsample {
             }
         }
         if layout == Layout::ChannelsLast {
-            bail!("vae upsample: no convolution computes channels last here")
+            // Not accelerated (the CPU): the channels-first path on copies.
+            let up = self.upsample_frames(&layout.to_channels_first(&x)?)?;
+            return layout.from_channels_first(&up);
         }
+        self.upsample_frames(&x)
+    }
+
+    /// Nearest x2 of every frame of `x` `[B, C, T, H, W]` and the 3x3 conv, frame by frame.
+    fn upsample_frames(&self, x: &Tensor) -> Result<Tensor> {
         // Nearest x2 of every frame at once (frames folded into the image channels).
         let (b, c, t, h, w) = x.dims5()?;
         let up = x

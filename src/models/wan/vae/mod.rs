@@ -534,7 +534,8 @@ struct Decoder {
 }
 
 impl Decoder {
-    fn new(cfg: &WanVaeConfig, vb: VarBuilder) -> Result<Self> {
+    /// The decoder with activations in `layout`.
+    fn new(cfg: &WanVaeConfig, layout: Layout, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.decoder_base_dim.unwrap_or(cfg.base_dim);
         let stages = cfg.dim_mult.len();
         let dims: Vec<usize> = std::iter::once(cfg.dim_mult[stages - 1])
@@ -546,10 +547,6 @@ impl Decoder {
             .rev()
             .copied()
             .collect();
-        let layout = match vb.dtype() {
-            DType::F32 => Layout::for_device(vb.device()),
-            _ => Layout::ChannelsFirst,
-        };
         let conv_in = CausalConv3d::cube(cfg.z_dim, dims[0], 3, 1, layout, vb.pp("conv_in"))?;
         let mid = MidBlock::new(dims[0], layout, vb.pp("mid_block"))?;
         let mut up = Vec::with_capacity(stages);
@@ -642,8 +639,19 @@ pub struct AutoencoderKLWan {
 }
 
 impl AutoencoderKLWan {
-    /// Builds the VAE from `vae/diffusion_pytorch_model.safetensors` (diffusers names).
+    /// Builds the VAE from `vae/diffusion_pytorch_model.safetensors` (diffusers names); its
+    /// decoder channels last where a channels-last convolution computes f32 (the fused kernels'
+    /// dtype), else channels first.
     pub fn new(cfg: &WanVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let layout = match vb.dtype() {
+            DType::F32 => Layout::for_device(vb.device()),
+            _ => Layout::ChannelsFirst,
+        };
+        Self::with_decoder_layout(cfg, layout, vb)
+    }
+
+    /// [`Self::new`] with the decoder's activations in `layout`.
+    fn with_decoder_layout(cfg: &WanVaeConfig, layout: Layout, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let z = cfg.z_dim;
         let first = Layout::ChannelsFirst;
@@ -651,7 +659,7 @@ impl AutoencoderKLWan {
             encoder: Encoder::new(cfg, vb.pp("encoder"))?,
             quant_conv: CausalConv3d::cube(2 * z, 2 * z, 1, 0, first, vb.pp("quant_conv"))?,
             post_quant_conv: CausalConv3d::cube(z, z, 1, 0, first, vb.pp("post_quant_conv"))?,
-            decoder: Decoder::new(cfg, vb.pp("decoder"))?,
+            decoder: Decoder::new(cfg, layout, vb.pp("decoder"))?,
             cfg: cfg.clone(),
             dtype: vb.dtype(),
             device: vb.device().clone(),
@@ -782,9 +790,11 @@ impl AutoencoderKLWan {
         for i in 0..frames {
             cache.start_chunk();
             let latent = layout.from_channels_first(&x.narrow(2, i, 1)?)?;
-            outs.push(self.decoder.forward(&latent, &mut cache, i == 0)?);
+            let out = self.decoder.forward(&latent, &mut cache, i == 0)?;
+            // Each chunk back to diffusers' layout as it is made: the video exists twice at most.
+            outs.push(layout.to_channels_first(&out)?);
         }
-        layout.to_channels_first(&Tensor::cat(&outs, layout.time_dim())?)
+        Tensor::cat(&outs, 2)
     }
 
     /// Encodes video `[B, C_in / p², T, H, W]` in [-1, 1] to the latent distribution
@@ -833,5 +843,42 @@ impl AutoencoderKLWan {
             )
         }
         z.to_dtype(self.dtype)?.to_device(&self.device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decoder channels last (here on the CPU, every convolution the exact tap sum) decodes
+    /// what channels first decodes: Wan2.1's decoder and Wan2.2's (residual up blocks with their
+    /// shortcuts, patchified output), each tiny fixture's weights, three latent frames (the first
+    /// chunk, the temporal upsamplers' zero padding, then cached frames).
+    #[test]
+    fn channels_last_decoder_matches_channels_first() -> anyhow::Result<()> {
+        for fixture in ["wan-tiny-a", "wan22-ti2v-tiny-a"] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures")
+                .join(fixture)
+                .join("vae");
+            let cfg: WanVaeConfig =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+            let weights = dir.join("diffusion_pytorch_model.safetensors");
+            let build = |layout: Layout| -> Result<AutoencoderKLWan> {
+                // SAFETY: the fixture is not modified while mapped.
+                let vb = unsafe {
+                    VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &Device::Cpu)
+                }?;
+                AutoencoderKLWan::with_decoder_layout(&cfg, layout, vb)
+            };
+            let z = Tensor::randn(0f32, 1f32, (1, cfg.z_dim, 3, 4, 6), &Device::Cpu)?;
+            let first = build(Layout::ChannelsFirst)?.decode(&z)?;
+            let last = build(Layout::ChannelsLast)?.decode(&z)?;
+            assert_eq!(first.dims(), last.dims(), "{fixture}");
+            let diff = (&first - &last)?.abs()?.flatten_all()?.max(0)?;
+            let diff = diff.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "{fixture}: channels last vs first {diff:.2e}");
+        }
+        Ok(())
     }
 }
