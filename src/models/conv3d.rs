@@ -187,11 +187,12 @@ impl Layout {
         }
     }
 
-    /// The dim that indexes channels.
-    pub fn channel_dim(self) -> usize {
+    /// The dim that indexes channels in a tensor of `rank` dims (`[N, C, ...]` channels first,
+    /// `[..., C]` channels last: frames, images or rows of pixels alike).
+    pub fn channel_dim(self, rank: usize) -> usize {
         match self {
             Layout::ChannelsFirst => 1,
-            Layout::ChannelsLast => 4,
+            Layout::ChannelsLast => rank.saturating_sub(1),
         }
     }
 

@@ -4,7 +4,9 @@
 
 use crate::models::kernel_module::{kernel_module, shared_memory_limit, Module};
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Device, Layout, Result, Shape,
@@ -55,13 +57,6 @@ pub fn tiles(c_out: usize, dtype: DType) -> Vec<Tile> {
             })
         })
         .collect()
-}
-
-/// The fastest configuration whose shared memory fits `limit` bytes per block.
-pub fn tile_for(c_out: usize, dtype: DType, limit: usize) -> Option<Tile> {
-    tiles(c_out, dtype)
-        .into_iter()
-        .find(|t| t.shared_bytes <= limit)
 }
 
 /// Whether the kernel can run on `device`: CUDA of compute capability 8.0 or newer (mma.sync
@@ -405,15 +400,9 @@ impl Conv3d {
         };
         let (g, out_dims) = geometry(dims(xl)?, dims(wl)?, self.stride, self.padding, chunk)?;
         let shape = Shape::from(out_dims.to_vec());
-        let limit = shared_memory_limit(dev).unwrap_or(0);
-        let tile = match self.tile {
-            Some(tile) if tile.shared_bytes <= limit => tile,
-            Some(tile) => bail!("conv3d kernel: {tile:?} exceeds {limit} B of shared memory"),
-            None => match tile_for(g.c_out as usize, dtype, limit) {
-                Some(tile) => tile,
-                None => bail!("conv3d kernel: no configuration fits {limit} B of shared memory"),
-            },
-        };
+        let tile = fitting(dev, self.tile, tiles(g.c_out as usize, dtype), |t| {
+            t.shared_bytes
+        })?;
         let x = x.slice(xl.start_offset()..);
         let w = w.slice(wl.start_offset()..);
 
@@ -439,35 +428,87 @@ impl Conv3d {
         // elements and `packed` packed_len.
         unsafe { builder.launch(cfg) }.w()?;
 
-        let func = CONV.function(
+        let name = format!("conv3d_{name}_m{}_s{}", tile.channels, tile.stages);
+        let grid = Grid {
+            blocks: (g.c_out as usize).div_ceil(tile.channels)
+                * (g.positions as usize).div_ceil(POSITIONS_PER_BLOCK),
+            threads: THREADS,
+            shared_bytes: tile.shared_bytes,
+        };
+        let out = run(
             dev,
-            &format!("conv3d_{name}_m{}_s{}", tile.channels, tile.stages),
+            &name,
+            grid,
+            &x,
+            &packed.slice(..),
+            &g,
+            shape.elem_count(),
         )?;
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            tile.shared_bytes as i32,
-        )
-        .w()?;
-        let out_len = shape.elem_count();
-        // SAFETY: the kernel writes every output element (each channel of each position).
-        let out = unsafe { dev.alloc::<T>(out_len) }?;
-        let blocks = (g.c_out as usize).div_ceil(tile.channels)
-            * (g.positions as usize).div_ceil(POSITIONS_PER_BLOCK);
-        let Some(blocks) = u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32) else {
-            bail!("conv3d kernel: {blocks} blocks exceed a grid")
-        };
-        let mut builder = func.builder();
-        builder.arg(&x).arg(&packed).arg(&out).arg(&g);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: tile.shared_bytes as u32,
-        };
-        // SAFETY: the arguments match the kernel's signature; x and w are contiguous with the
-        // geometry's sizes, and every offset the kernel forms is in bounds or zero-filled.
-        unsafe { builder.launch(cfg) }.w()?;
         Ok((out, shape))
     }
+}
+
+/// A convolution kernel's launch: blocks, threads per block, dynamic shared memory per block.
+struct Grid {
+    blocks: usize,
+    threads: usize,
+    shared_bytes: usize,
+}
+
+/// The configuration asked for where it fits the device's shared memory per block (an error
+/// where it does not), or without one the first of `tiles` (fastest first) that fits.
+fn fitting<T: Copy + std::fmt::Debug>(
+    dev: &CudaDevice,
+    asked: Option<T>,
+    tiles: Vec<T>,
+    bytes: impl Fn(&T) -> usize,
+) -> Result<T> {
+    let limit = shared_memory_limit(dev).unwrap_or(0);
+    match asked {
+        Some(tile) if bytes(&tile) <= limit => Ok(tile),
+        Some(tile) => bail!("conv3d kernel: {tile:?} exceeds {limit} B of shared memory"),
+        None => match tiles.into_iter().find(|t| bytes(t) <= limit) {
+            Some(tile) => Ok(tile),
+            None => bail!("conv3d kernel: no configuration fits {limit} B of shared memory"),
+        },
+    }
+}
+
+/// Runs the convolution kernel `name` over `grid` on (x, w, a fresh output of `out_len`
+/// elements, g) and returns the output.
+fn run<T: DeviceRepr>(
+    dev: &CudaDevice,
+    name: &str,
+    grid: Grid,
+    x: &CudaView<T>,
+    w: &CudaView<T>,
+    g: &Geometry,
+    out_len: usize,
+) -> Result<CudaSlice<T>> {
+    let func = CONV.function(dev, name)?;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        grid.shared_bytes as i32,
+    )
+    .w()?;
+    // SAFETY: the kernel writes every output element (each channel of each position).
+    let out = unsafe { dev.alloc::<T>(out_len) }?;
+    let blocks = grid.blocks;
+    let Some(blocks) = u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32) else {
+        bail!("conv3d kernel: {blocks} blocks exceed a grid")
+    };
+    let mut builder = func.builder();
+    builder.arg(x).arg(w).arg(&out).arg(g);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (grid.threads as u32, 1, 1),
+        shared_mem_bytes: grid.shared_bytes as u32,
+    };
+    // SAFETY: the arguments match the kernels' signature (x, w, y, geometry); the callers checked
+    // x and w against the geometry's sizes (contiguous, and 16-byte aligned where a kernel copies
+    // 16 bytes), and every offset the kernels form is in bounds or zero-filled.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(out)
 }
 
 impl CustomOp2 for Conv3d {
@@ -535,48 +576,21 @@ impl Conv3dCl {
         }
         let dims = |l: &Layout| -> Result<[usize; 5]> { Ok(l.shape().dims5()?.into()) };
         let (g, out_dims) = cl_geometry(dims(xl)?, dims(wl)?, self.stride, self.padding)?;
-        let limit = shared_memory_limit(dev).unwrap_or(0);
-        let tile = match self.tile {
-            Some(tile) if tile.shared_bytes() <= limit => tile,
-            Some(tile) => bail!("conv3d kernel: {tile:?} exceeds {limit} B of shared memory"),
-            None => match channels_last_tiles(g.c_out as usize)
-                .into_iter()
-                .find(|t| t.shared_bytes() <= limit)
-            {
-                Some(tile) => tile,
-                None => bail!("conv3d kernel: no configuration fits {limit} B of shared memory"),
-            },
-        };
+        let tiles = channels_last_tiles(g.c_out as usize);
+        let tile = fitting(dev, self.tile, tiles, ClTile::shared_bytes)?;
         if !CL_TILES.contains(&tile) {
             bail!("conv3d kernel: {tile:?} is not compiled")
         }
         let x = x.slice(xl.start_offset()..);
         let w = w.slice(wl.start_offset()..);
-        let func = CONV.function(dev, &tile.name())?;
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            tile.shared_bytes() as i32,
-        )
-        .w()?;
         let shape = Shape::from(out_dims.to_vec());
-        // SAFETY: the kernel writes every output element (each channel of each position).
-        let out = unsafe { dev.alloc::<f32>(shape.elem_count()) }?;
-        let blocks = (g.c_out as usize).div_ceil(tile.channels)
-            * (g.positions as usize).div_ceil(tile.positions);
-        let Some(blocks) = u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32) else {
-            bail!("conv3d kernel: {blocks} blocks exceed a grid")
+        let grid = Grid {
+            blocks: (g.c_out as usize).div_ceil(tile.channels)
+                * (g.positions as usize).div_ceil(tile.positions),
+            threads: 32 * tile.warps,
+            shared_bytes: tile.shared_bytes(),
         };
-        let mut builder = func.builder();
-        builder.arg(&x).arg(&w).arg(&out).arg(&g);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * tile.warps as u32, 1, 1),
-            shared_mem_bytes: tile.shared_bytes() as u32,
-        };
-        // SAFETY: the arguments match the kernel's signature; x and w are contiguous with the
-        // geometry's sizes and 16-byte aligned, and every offset the kernel forms is in bounds
-        // or zero-filled.
-        unsafe { builder.launch(cfg) }.w()?;
+        let out = run(dev, &tile.name(), grid, &x, &w, &g, shape.elem_count())?;
         Ok((out, shape))
     }
 }

@@ -10,6 +10,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
+use crate::models::conv3d::Layout;
 use crate::models::dit_ops::{element_launch, item_launch, row_launch, Arg, Launch};
 pub(crate) use crate::models::dit_ops::{rows_supported, supported, Rows};
 use crate::models::kernel_module::{kernel_module, Module};
@@ -267,31 +268,19 @@ fn vae_launch<'a>(func: &'static str, n: usize, args: Vec<Arg<'a>>) -> Launch<'a
     item_launch(&WAN, func, n, args)
 }
 
-/// A norm's input bias: `[C]` f32, contiguous.
-fn checked_bias(bias: Option<&Tensor>, c: usize) -> Result<Option<Tensor>> {
-    match bias {
-        Some(b) if b.elem_count() != c || b.dtype() != DType::F32 => {
-            candle_core::bail!("vae norm: input bias {:?} for {c} f32 channels", b.shape())
-        }
-        Some(b) => b.contiguous().map(Some),
-        None => Ok(None),
-    }
-}
-
-/// Writes `SiLU(x / max(|x|_2, 1e-12) * scale * gamma)`, the norm over the channels of `x`
-/// `[B, C, T, H, W]` (f32), into frames `offset..offset + T` of `buf` `[B, C, T', H, W]`
-/// (f32, contiguous, not sharing storage with `x`); `gamma` holds `C` f32 values. With
-/// `in_bias` (`[C]`), `x + in_bias` is normalised.
+/// Writes `SiLU(x / max(|x|_2, 1e-12) * scale * gamma)`, the norm over the channels of the
+/// chunk `x` (f32, `[B, C, T, H, W]` or channels last `[B, T, H, W, C]`, per `layout`), into
+/// frames `offset..offset + T` of `buf` (f32, the same layout, contiguous, not sharing storage
+/// with `x`); `gamma` holds `C` f32 values. With `in_bias` (`[C]`), `x + in_bias` is normalised.
 pub(crate) fn vae_rms_silu_into(
     x: &Tensor,
     in_bias: Option<&Tensor>,
-    gamma: &Tensor,
-    scale: f64,
+    (gamma, scale, layout): (&Tensor, f64, Layout),
     buf: &Tensor,
     offset: usize,
 ) -> Result<()> {
-    let (b, c, t, h, w) = x.dims5()?;
-    let (bb, bc, bt, bh, bw) = buf.dims5()?;
+    let (b, c, t, h, w) = layout.dims(x)?;
+    let (bb, bc, bt, bh, bw) = layout.dims(buf)?;
     if (bb, bc, bh, bw) != (b, c, h, w) || offset + t > bt || gamma.elem_count() != c {
         candle_core::bail!(
             "vae norm: x {:?}, buffer {:?} at frame {offset}, gamma {:?}",
@@ -305,59 +294,41 @@ pub(crate) fn vae_rms_silu_into(
     }
     let x = x.contiguous()?;
     let gamma = gamma.contiguous()?;
-    let in_bias = checked_bias(in_bias, c)?;
-    let spatial = t * h * w;
+    let in_bias = match in_bias {
+        Some(bias) if bias.elem_count() != c || bias.dtype() != DType::F32 => {
+            candle_core::bail!(
+                "vae norm: input bias {:?} for {c} f32 channels",
+                bias.shape()
+            )
+        }
+        Some(bias) => Some(bias.contiguous()?),
+        None => None,
+    };
     let frame = h * w;
-    buf.inplace_op1(&vae_launch(
-        "wan_vae_rms_silu_f32",
-        b * spatial,
-        vec![
-            Arg::Tensor(Some(&x)),
-            Arg::Dst,
-            Arg::Tensor(Some(&gamma)),
-            Arg::Tensor(in_bias.as_ref()),
-            Arg::Int(c as i32),
-            Arg::Long(spatial as i64),
-            Arg::Long((b * spatial) as i64),
-            Arg::Long((c * bt * frame) as i64),
-            Arg::Long((bt * frame) as i64),
-            Arg::Long((offset * frame) as i64),
-            Arg::Float(scale as f32),
-        ],
-    ))
-}
-
-/// [`vae_rms_silu_into`] channels last: `x` `[B, T, H, W, C]` into frames `offset..offset + T`
-/// of `buf` `[B, T', H, W, C]`.
-pub(crate) fn vae_rms_silu_cl_into(
-    x: &Tensor,
-    in_bias: Option<&Tensor>,
-    gamma: &Tensor,
-    scale: f64,
-    buf: &Tensor,
-    offset: usize,
-) -> Result<()> {
-    let (b, t, h, w, c) = x.dims5()?;
-    let (bb, bt, bh, bw, bc) = buf.dims5()?;
-    if (bb, bc, bh, bw) != (b, c, h, w) || offset + t > bt || gamma.elem_count() != c {
-        candle_core::bail!(
-            "vae norm: x {:?}, buffer {:?} at frame {offset}, gamma {:?}",
-            x.shape(),
-            buf.shape(),
-            gamma.shape()
-        )
+    if layout == Layout::ChannelsFirst {
+        let spatial = t * frame;
+        return buf.inplace_op1(&vae_launch(
+            "wan_vae_rms_silu_f32",
+            b * spatial,
+            vec![
+                Arg::Tensor(Some(&x)),
+                Arg::Dst,
+                Arg::Tensor(Some(&gamma)),
+                Arg::Tensor(in_bias.as_ref()),
+                Arg::Int(c as i32),
+                Arg::Long(spatial as i64),
+                Arg::Long((b * spatial) as i64),
+                Arg::Long((c * bt * frame) as i64),
+                Arg::Long((bt * frame) as i64),
+                Arg::Long((offset * frame) as i64),
+                Arg::Float(scale as f32),
+            ],
+        ));
     }
-    if gamma.dtype() != DType::F32 || buf.dtype() != DType::F32 {
-        candle_core::bail!("vae norm: gamma and buffer must be f32")
-    }
-    let x = x.contiguous()?;
-    let gamma = gamma.contiguous()?;
-    let in_bias = checked_bias(in_bias, c)?;
-    let frame = h * w * c;
-    // Each batch entry's frames are one contiguous run of the buffer.
+    // Channels last, each batch entry's frames are one contiguous run of the buffer.
+    let pixels = t * frame;
     for i in 0..b {
         let xi = x.narrow(0, i, 1)?;
-        let pixels = t * h * w;
         buf.inplace_op1(&vae_launch(
             "wan_vae_rms_silu_cl_f32",
             pixels * 32,
@@ -368,7 +339,7 @@ pub(crate) fn vae_rms_silu_cl_into(
                 Arg::Tensor(in_bias.as_ref()),
                 Arg::Int(c as i32),
                 Arg::Long(pixels as i64),
-                Arg::Long(((i * bt + offset) * frame) as i64),
+                Arg::Long(((i * bt + offset) * frame * c) as i64),
                 Arg::Float(scale as f32),
             ],
         ))?;

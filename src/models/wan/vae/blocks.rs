@@ -234,10 +234,7 @@ impl Conv2d {
 /// `+ residual` when given: in place through the fused kernel where it takes `y` (f32 on CUDA),
 /// else candle's adds.
 fn add_bias(y: Tensor, bias: &Tensor, residual: Option<&Tensor>, layout: Layout) -> Result<Tensor> {
-    let channel_dim = match layout {
-        Layout::ChannelsFirst => 1,
-        Layout::ChannelsLast => y.rank() - 1,
-    };
+    let channel_dim = layout.channel_dim(y.rank());
     #[cfg(feature = "cuda")]
     if crate::models::wan::wan_ops::vae_supported(&y) {
         return crate::models::wan::wan_ops::vae_bias_add(y, bias, residual, channel_dim);
@@ -601,10 +598,7 @@ impl ChannelNorm {
     /// W]`), the last dim channels last.
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        let channels = match self.layout {
-            Layout::ChannelsFirst => 1,
-            Layout::ChannelsLast => x.rank() - 1,
-        };
+        let channels = self.layout.channel_dim(x.rank());
         let xf = x.to_dtype(DType::F32)?;
         let norm = xf.sqr()?.sum_keepdim(channels)?.sqrt()?.maximum(1e-12)?;
         let normalized = xf.broadcast_div(&norm)?;
@@ -630,11 +624,8 @@ impl ChannelNorm {
     ) -> Result<()> {
         #[cfg(feature = "cuda")]
         if crate::models::wan::wan_ops::vae_supported(x) {
-            let into = match self.layout {
-                Layout::ChannelsFirst => crate::models::wan::wan_ops::vae_rms_silu_into,
-                Layout::ChannelsLast => crate::models::wan::wan_ops::vae_rms_silu_cl_into,
-            };
-            return into(x, in_bias, &self.gamma, self.scale, buf, offset);
+            let norm = (&self.gamma, self.scale, self.layout);
+            return crate::models::wan::wan_ops::vae_rms_silu_into(x, in_bias, norm, buf, offset);
         }
         let x = match in_bias {
             Some(bias) => add_bias(x.copy()?, bias, None, self.layout)?,
