@@ -1,12 +1,14 @@
 //! Times `sdpa` (the fused kernel where it applies) against the chunked path on a CUDA GPU, at
 //! Wan2.1's attention shapes, and checks both against the chunked path in f32.
 //!
-//! `cargo run --release --no-default-features --features cuda --example attn_bench`
+//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans]`
+//! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use vidgen::models::attention::flash_attn::{device_tile, SHARED_MEMORY_LIMIT_ENV};
 use vidgen::models::attention::{sdpa, sdpa_chunked};
+use vidgen::models::cudnn::sdpa::sdpa_with_plan;
 
 #[path = "support/median.rs"]
 mod median;
@@ -50,6 +52,9 @@ fn main() -> Result<()> {
         ("f16 self", DType::F16, 1, 12, 32760, 32760, 128),
         ("d64 self", DType::BF16, 1, 24, 32760, 32760, 64),
     ];
+    if std::env::args().nth(1).as_deref() == Some("plans") {
+        return cudnn_plans(&dev);
+    }
     let Device::Cuda(cuda) = &dev else {
         unreachable!("checked above")
     };
@@ -96,6 +101,36 @@ fn main() -> Result<()> {
             );
         }
         set_limit(None);
+    }
+    cudnn_plans(&dev)
+}
+
+/// Every execution plan cuDNN finalizes for the Wan self-attention shapes, in its heuristics'
+/// order, timed in one loop (plan 0 is the one vidgen runs), with its error against plan 0.
+fn cudnn_plans(dev: &Device) -> Result<()> {
+    for (name, h) in [("1.3B self", 12), ("14B self", 40)] {
+        let (b, n, d) = (1, 32760, 128);
+        let rand = || -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1f32, (b, h, n, d), dev)?.to_dtype(DType::BF16)?)
+        };
+        let (q, k, v) = (rand()?, rand()?, rand()?);
+        let scale = 1.0 / (d as f64).sqrt();
+        let first = sdpa_with_plan(&q, &k, &v, scale, 0)?.to_dtype(DType::F32)?;
+        for plan in 0..32 {
+            let out = match sdpa_with_plan(&q, &k, &v, scale, plan) {
+                Ok(done) => done,
+                Err(e) => {
+                    println!("{name} cuDNN plan {plan}: {e}");
+                    break;
+                }
+            };
+            let (max, _) = errors(&out, &first)?;
+            let ms = time(dev, 10, || sdpa_with_plan(&q, &k, &v, scale, plan))? * 1e3;
+            let tflops = 4.0 * (b * h * n * n * d) as f64 / ms / 1e9;
+            println!(
+                "{name} cuDNN plan {plan}: {ms:.3} ms {tflops:.1} TFLOP/s, max vs plan 0 {max:.2e}"
+            );
+        }
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Times vidgen's own 3D convolution kernels (channels first: each configuration, TF32 and bf16;
-//! channels last: each configuration, TF32) against cuDNN (where it is loaded) and the sum of 2D
-//! convolutions they replace, at the Wan VAE decoder's shapes, and checks each against the exact
-//! f32 tap sum.
+//! channels last: each configuration, gather and halo, TF32) against cuDNN (where it is loaded)
+//! and the sum of 2D convolutions they replace, at the Wan VAE decoder's shapes, and checks each
+//! against the exact f32 tap sum.
 //!
 //! `cargo run --release --no-default-features --features cuda --example conv3d_bench`
 
@@ -64,7 +64,7 @@ fn main() -> Result<()> {
     }
     let cudnn = vidgen::models::cudnn::api().is_some();
     println!(
-        "{:<24} {:>4} {:>8} {:>5} {:<28} {:>9} {:>8} {:>10} {:>10}",
+        "{:<24} {:>4} {:>8} {:>5} {:<34} {:>9} {:>8} {:>10} {:>10}",
         "x", "Cout", "GFLOP", "dtype", "path", "ms", "TFLOP/s", "max diff", "rel diff"
     );
     for (xd, c_out) in SHAPES {
@@ -77,7 +77,7 @@ fn main() -> Result<()> {
         let row = |dtype: &str, path: &str, seconds: f64, y: &Tensor| -> Result<()> {
             let (max, rel) = errors(y, &reference)?;
             println!(
-                "{:<24} {c_out:>4} {gflop:>8.1} {dtype:>5} {path:<28} {:>9.3} {:>8.1} {max:>10.2e} {rel:>10.2e}",
+                "{:<24} {c_out:>4} {gflop:>8.1} {dtype:>5} {path:<34} {:>9.3} {:>8.1} {max:>10.2e} {rel:>10.2e}",
                 format!("{xd:?}"),
                 seconds * 1e3,
                 gflop / seconds / 1e3,
@@ -108,12 +108,16 @@ fn main() -> Result<()> {
         {
             let xl = x.permute((0, 2, 3, 4, 1))?.contiguous()?;
             let wl = w.permute((0, 2, 3, 4, 1))?.contiguous()?;
-            for tile in kernel::channels_last_tiles(c_out) {
+            for tile in kernel::channels_last_tiles(c_out, [3, 3, 3], STRIDE) {
                 let run =
                     || kernel::conv3d_channels_last_tile(&xl, &wl, STRIDE, PADDING, Some(tile));
+                let block = match tile.kind {
+                    kernel::ClKind::Gather => format!("m{}", tile.positions),
+                    kernel::ClKind::Halo => format!("halo t{}", tile.positions / 16),
+                };
                 let path = format!(
-                    "own NDHWC m{} n{} k{} s{} w{}",
-                    tile.positions, tile.channels, tile.k, tile.stages, tile.warps
+                    "own NDHWC {block} n{} k{} s{} w{}",
+                    tile.channels, tile.k, tile.stages, tile.warps
                 );
                 // A configuration beyond this device's shared memory is an error: noted, skipped.
                 match run() {

@@ -123,15 +123,19 @@ fn conv3d_math(
 
 /// [`conv3d`] with channels last in memory: `x` `[B, T, H, W, C_in]` by `w`
 /// `[C_out, kt, kh, kw, C_in]` gives `[B, T', H', W', C_out]` (cuDNN's NDHWC layout, where its
-/// tensor-core kernels read without a transposition): through cuDNN where it is loaded, else
-/// the own kernel where it takes the shape (TF32), else `None`. Operands past cuDNN's 32-bit
-/// sizes are an error (no frame runs).
+/// tensor-core kernels read without a transposition): through the own kernel where it outruns
+/// cuDNN or cuDNN is not loaded and it takes the shape (TF32), else cuDNN where it is loaded,
+/// else `None`. Operands past cuDNN's 32-bit sizes are an error (no frame runs).
 pub fn conv3d_channels_last(
     x: &Tensor,
     w: &Tensor,
     stride: [usize; 3],
     padding: [usize; 3],
 ) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if own_channels_last(x, w, stride, padding) {
+        return kernel::conv3d_channels_last(x, w, stride, padding).map(Some);
+    }
     #[cfg(feature = "cuda")]
     if let Some(api) = crate::models::cudnn::api().filter(|_| x.device().is_cuda()) {
         let op = crate::models::cudnn::conv::Conv3d {
@@ -143,12 +147,17 @@ pub fn conv3d_channels_last(
         };
         return aligned(x)?.apply_op2_no_bwd(&aligned(w)?, &op).map(Some);
     }
-    #[cfg(feature = "cuda")]
-    if kernel::takes_channels_last(x, w, stride, padding, tf32()) {
-        return kernel::conv3d_channels_last(x, w, stride, padding).map(Some);
-    }
     let _ = (x, w, stride, padding);
     Ok(None)
+}
+
+/// Whether [`conv3d_channels_last`] runs the own kernel: where it outruns cuDNN, or where cuDNN
+/// is not loaded and it takes the shape.
+#[cfg(feature = "cuda")]
+fn own_channels_last(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -> bool {
+    kernel::outruns_cudnn(x, w, stride, padding, tf32())
+        || (crate::models::cudnn::api().is_none()
+            && kernel::takes_channels_last(x, w, stride, padding, tf32()))
 }
 
 /// How a VAE's activations lie in memory. cuDNN's tensor-core convolutions read channels last;
@@ -254,6 +263,30 @@ pub fn conv3d_in(
         None => tap_sum(&x, &w, stride, padding)?,
     };
     layout.from_channels_first(&y).map(Some)
+}
+
+/// [`conv3d_in`] then `+ bias` (per output channel, where given) and `+ residual`: added by the
+/// own channels-last kernel as it stores the output where it computes (no pass over the
+/// output), else left to the caller. `Some((y, true))` when they are in `y`.
+pub fn conv3d_in_adding(
+    layout: Layout,
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Option<(Tensor, bool)>> {
+    #[cfg(feature = "cuda")]
+    if layout == Layout::ChannelsLast
+        && (bias.is_some() || residual.is_some())
+        && own_channels_last(x, w, stride, padding)
+    {
+        let y = kernel::conv3d_channels_last_with(x, w, stride, padding, bias, residual)?;
+        return Ok(Some((y, true)));
+    }
+    let _ = (bias, residual);
+    Ok(conv3d_in(layout, x, w, stride, padding)?.map(|y| (y, false)))
 }
 
 /// cuDNN's tensor descriptors hold sizes and strides as i32: no operand may have more
@@ -658,6 +691,47 @@ mod cuda_tests {
             .max(0)?
             .to_scalar::<f32>()?;
         assert!(err < 1e-4, "max |cuDNN - taps| {err:.2e}");
+        Ok(())
+    }
+
+    /// Where the own channels-last kernel computes (TF32; the Wan decoder's 96-channel shapes,
+    /// with or without cuDNN), `conv3d_in_adding` adds the bias and the residual as it stores:
+    /// the same bits as the convolution followed by the two adds.
+    #[test]
+    fn adding_in_the_kernel_equals_adding_after() -> Result<()> {
+        let Some(dev) = own_kernel_device() else {
+            return Ok(());
+        };
+        let _tf32 = tf32_here(true);
+        let (c_in, c_out) = (96, 96);
+        let x = Tensor::randn(0f32, 1f32, (1, 4, 18, 20, c_in), &dev)?;
+        let w = (Tensor::randn(0f32, 1f32, (c_out, 3, 3, 3, c_in), &dev)? / 50.0)?;
+        let bias = Tensor::randn(0f32, 1f32, c_out, &dev)?;
+        let residual = Tensor::randn(0f32, 1f32, (1, 2, 18, 20, c_out), &dev)?;
+        let (stride, padding) = ([1, 1, 1], [0, 1, 1]);
+        let layout = Layout::ChannelsLast;
+        let plain = conv3d_in(layout, &x, &w, stride, padding)?.expect("a CUDA path ran");
+        let after = (plain.broadcast_add(&bias)? + &residual)?;
+        let (added, in_kernel) = conv3d_in_adding(
+            layout,
+            &x,
+            &w,
+            stride,
+            padding,
+            Some(&bias),
+            Some(&residual),
+        )?
+        .expect("a CUDA path ran");
+        assert!(
+            in_kernel,
+            "the own kernel did not add the bias and the residual"
+        );
+        let diff = (added - after)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "in the kernel vs after it: {diff:.2e}");
         Ok(())
     }
 

@@ -155,6 +155,8 @@ struct Plan {
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Key {
     ordinal: usize,
+    /// Which finalizable plan, in cuDNN's heuristic order.
+    plan: usize,
     dtype: DType,
     dims: [usize; 5],
     strides: [[usize; 3]; 3],
@@ -189,17 +191,7 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Option<Tensor> {
         );
         return None;
     }
-    let run = || -> Result<Tensor> {
-        let aligned = crate::models::attention::flash_attn::aligned;
-        let op = Sdpa {
-            api,
-            scale: scale as f32,
-        };
-        aligned(q)?
-            .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
-            .transpose(1, 2)
-    };
-    match run() {
+    match run_plan(api, q, k, v, scale, 0) {
         Ok(out) => Some(out),
         Err(e) => {
             note_once(
@@ -211,9 +203,48 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Option<Tensor> {
     }
 }
 
+/// [`sdpa`] through the `plan`-th execution plan cuDNN finalizes for the shape, in its
+/// heuristics' order (0 is the one [`sdpa`] runs): for benches comparing cuDNN's candidates. An
+/// error past the last plan, where cuDNN is absent or older than the node, or the inputs are not
+/// of a kind it takes.
+pub fn sdpa_with_plan(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    plan: usize,
+) -> Result<Tensor> {
+    let api = api().filter(|api| api.version >= MIN_VERSION && eligible(q, k, v));
+    let Some(api) = api else {
+        bail!("cuDNN attention: no cuDNN >= 9.13.1, or inputs it does not take")
+    };
+    run_plan(api, q, k, v, scale, plan)
+}
+
+fn run_plan(
+    api: &'static Api,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    plan: usize,
+) -> Result<Tensor> {
+    let aligned = crate::models::attention::flash_attn::aligned;
+    let op = Sdpa {
+        api,
+        scale: scale as f32,
+        plan,
+    };
+    aligned(q)?
+        .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
+        .transpose(1, 2)
+}
+
 struct Sdpa {
     api: &'static Api,
     scale: f32,
+    /// Which finalizable plan to run (0: cuDNN's first choice).
+    plan: usize,
 }
 
 /// The first three strides of a 4D layout whose last stride is 1.
@@ -226,7 +257,7 @@ fn strides3(l: &Layout) -> Result<[usize; 3]> {
 }
 
 impl Sdpa {
-    /// Builds the graph (one SDPA node) and the first execution plan cuDNN can finalize.
+    /// Builds the graph (one SDPA node) and the `key.plan`-th execution plan cuDNN can finalize.
     fn build(&self, handle: Handle, key: &Key) -> Result<Plan> {
         let api = self.api;
         let dt = data_type(key.dtype).expect("bf16 or f16");
@@ -258,6 +289,7 @@ impl Sdpa {
         graph.set(ATTR_OPERATIONGRAPH_HANDLE, TYPE_HANDLE, &[handle])?;
         graph.finalize("operation graph")?;
         let mut last_error = None;
+        let mut skip = key.plan;
         for mode in HEUR_MODES {
             let heur = Backend::new(api, ENGINEHEUR_DESCRIPTOR)?;
             heur.set(
@@ -317,6 +349,10 @@ impl Sdpa {
                     last_error = Some(e);
                     continue;
                 }
+                if skip > 0 {
+                    skip -= 1;
+                    continue;
+                }
                 let mut workspace: i64 = 0;
                 let mut got: i64 = 0;
                 // SAFETY: one int64 is written.
@@ -341,6 +377,7 @@ impl Sdpa {
             }
         }
         match last_error {
+            _ if key.plan > 0 => bail!("cuDNN attention: no plan {} for this shape", key.plan),
             Some(e) => Err(e),
             None => bail!("cuDNN attention: no engine for this shape"),
         }
@@ -389,6 +426,7 @@ impl Sdpa {
         let stream = dev.cuda_stream();
         let key = Key {
             ordinal: stream.context().ordinal(),
+            plan: self.plan,
             dtype,
             dims: [b, h, n, m, d],
             strides: [strides3(ql)?, strides3(kl)?, strides3(vl)?],

@@ -1,6 +1,7 @@
-// Implicit-GEMM 3D convolution (cross-correlation, zero padding, no bias) on the tensor cores:
-// channels first (NCDHW, f32 or bf16, below), for vidgen's `conv3d` where cuDNN is not loaded,
-// and channels last (NDHWC, f32 in TF32, `conv3d_cl` further down).
+// Implicit-GEMM 3D convolution (cross-correlation, zero padding) on the tensor cores: channels
+// first (NCDHW, f32 or bf16, no bias, below), for vidgen's `conv3d` where cuDNN is not loaded,
+// and channels last (NDHWC, f32 in TF32, `conv3d_cl` further down, optionally adding a bias and
+// a residual as it stores).
 //
 // Channels first, GEMM view: M = C_out, N = B * T' * H' * W' output positions, K = taps * C_in,
 // with K ordered tap-major (tap = (dt, dh, dw), then input channel). A is the weight packed by
@@ -72,6 +73,13 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 // payload lies only in those bits reads as an infinity).
 __device__ __forceinline__ uint32_t tf32_bits(uint32_t x) { return x + 0x1000u; }
 
+// ldmatrix.x4 of f32 rows (each 8x4 f32 matrix read as 8x8 b16), as TF32 operands.
+__device__ __forceinline__ void ldsm_x4_tf32(uint32_t (&r)[4], uint32_t addr) {
+  ldsm_x4(r, addr);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = tf32_bits(r[i]);
+}
+
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
   asm volatile(
@@ -89,6 +97,56 @@ __device__ __forceinline__ void store2(float *p, float lo, float hi) {
 __device__ __forceinline__ void store2(__nv_bfloat16 *p, float lo, float hi) {
   *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(lo, hi);
 }
+
+// Channels last: one ldmatrix.x4 of a [n][k] f32 tile reads the four 8x4 matrices (n 0-7, k 0-3),
+// (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7), b0 and b1 of two n8 tiles; this lane's row
+// and column of them.
+__device__ __forceinline__ int cl_b_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+__device__ __forceinline__ int cl_b_k(int lane) { return ((lane >> 3) & 1) * 4; }
+
+// The two n8 tiles of such a load: c0 += a b[0..1], c1 += a b[2..3].
+__device__ __forceinline__ void mma_tf32_pair(float (&c0)[4], float (&c1)[4],
+                                              const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma_tf32(c0, a, b[0], b[1]);
+  mma_tf32(c1, a, b[2], b[3]);
+}
+
+// Channels last: what the store adds to the accumulators, each where not null: bias [C_out], then
+// residual (laid out as y), in the order of the separate pass y + bias + residual it replaces, so
+// the sums are the same bits and the output is written once.
+struct ClEpilogue {
+  const float *__restrict__ bias;
+  const float *__restrict__ residual;
+
+  __device__ __forceinline__ float add(float v, long long row, int n) const {
+    if (bias) v += bias[n];
+    if (residual) v += residual[row + n];
+    return v;
+  }
+
+  // An accumulator pair, output channels n and n + 1 of the position whose output row starts at
+  // `row` (in y and residual alike); adjacent and 8-byte aligned where C_out is even.
+  __device__ __forceinline__ void store_pair(float *__restrict__ y, long long row, int n,
+                                             int c_out, float lo, float hi) const {
+    if (c_out % 2 == 0) {
+      if (n >= c_out) return;
+      if (bias) {
+        const float2 b = *reinterpret_cast<const float2 *>(bias + n);
+        lo += b.x;
+        hi += b.y;
+      }
+      if (residual) {
+        const float2 r = *reinterpret_cast<const float2 *>(residual + row + n);
+        lo += r.x;
+        hi += r.y;
+      }
+      store2(y + row + n, lo, hi);
+    } else {
+      if (n < c_out) y[row + n] = add(lo, row, n);
+      if (n + 1 < c_out) y[row + n + 1] = add(hi, row, n + 1);
+    }
+  }
+};
 
 // The next K tile's tap and first channel, stepped tile by tile (no divisions in the loop).
 struct TileCursor {
@@ -398,7 +456,8 @@ __device__ __forceinline__ void pack(const T *__restrict__ w, T *__restrict__ ou
 // needs no rounding pass.
 template <int BM, int BN, int BK, int WARPS, int STAGES>
 __device__ __forceinline__ void conv3d_cl(const float *__restrict__ x, const float *__restrict__ w,
-                                          float *__restrict__ y, const Geometry &g) {
+                                          float *__restrict__ y, const ClEpilogue &epi,
+                                          const Geometry &g) {
   constexpr int NTHREADS = 32 * WARPS;
   constexpr int WARPS_N_CL = 2;
   constexpr int WARPS_M_CL = WARPS / WARPS_N_CL;
@@ -529,7 +588,7 @@ __device__ __forceinline__ void conv3d_cl(const float *__restrict__ x, const flo
   // B's four 8x4 matrices are (n 0-7, k 0-3), (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7):
   // b0 and b1 of two n8 tiles.
   const int a_row = wm * WTM + lane % 16, a_k = (lane / 16) * 4;
-  const int b_row = wn * WTN + (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 4;
+  const int b_row = wn * WTN + cl_b_row(lane), b_k = cl_b_k(lane);
   for (int kt = 0; kt < k_tiles; ++kt) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
@@ -548,49 +607,243 @@ __device__ __forceinline__ void conv3d_cl(const float *__restrict__ x, const flo
       uint32_t af[MT][4], bf[NT / 2][4];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        ldsm_x4(af[i], smem_addr(a + (a_row + i * 16) * S + ks + a_k));
-#pragma unroll
-        for (int r = 0; r < 4; ++r) af[i][r] = tf32_bits(af[i][r]);
+        ldsm_x4_tf32(af[i], smem_addr(a + (a_row + i * 16) * S + ks + a_k));
       }
 #pragma unroll
       for (int j = 0; j < NT / 2; ++j) {
-        ldsm_x4(bf[j], smem_addr(b + (b_row + j * 16) * S + ks + b_k));
-#pragma unroll
-        for (int r = 0; r < 4; ++r) bf[j][r] = tf32_bits(bf[j][r]);
+        ldsm_x4_tf32(bf[j], smem_addr(b + (b_row + j * 16) * S + ks + b_k));
       }
 #pragma unroll
       for (int j = 0; j < NT / 2; ++j) {
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          mma_tf32(acc[i][2 * j], af[i], bf[j][0], bf[j][1]);
-          mma_tf32(acc[i][2 * j + 1], af[i], bf[j][2], bf[j][3]);
-        }
+        for (int i = 0; i < MT; ++i) mma_tf32_pair(acc[i][2 * j], acc[i][2 * j + 1], af[i], bf[j]);
       }
     }
   }
   cp_async_wait<0>();
 
-  // Epilogue: accumulator pairs are output channels (2 t4, 2 t4 + 1) of one position, adjacent
-  // in y and 8-byte aligned where C_out is even.
+  // Epilogue: accumulator pairs are output channels (2 t4, 2 t4 + 1) of one position.
   const int g8 = lane / 4, t4 = lane % 4;
-  const bool pairs = g.c_out % 2 == 0;
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + wm * WTM + i * 16 + g8 + 8 * h;
       if (m >= g.positions) continue;
-      float *row = y + (long long)m * g.c_out;
+      const long long row = (long long)m * g.c_out;
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const int n = n0 + wn * WTN + j * 8 + 2 * t4;
-        const float lo = acc[i][j][2 * h], hi = acc[i][j][2 * h + 1];
-        if (pairs) {
-          if (n < g.c_out) store2(row + n, lo, hi);
-        } else {
-          if (n < g.c_out) row[n] = lo;
-          if (n + 1 < g.c_out) row[n + 1] = hi;
+        epi.store_pair(y, row, n0 + wn * WTN + j * 8 + 2 * t4, g.c_out, acc[i][j][2 * h],
+                       acc[i][j][2 * h + 1]);
+      }
+    }
+  }
+}
+
+// Channels last, 3x3 spatial kernels of spatial stride 1 (any kt, temporal stride and padding):
+// the "halo" implicit GEMM. A block covers TH x 16 output positions of one output frame (TH rows
+// of 16) by BN output channels. For each (dt, BK-channel chunk) it copies the (TH + 2) x 18 input
+// positions those outputs read (the halo, zeros outside x) to shared memory once, and the 9
+// spatial taps read it shifted: ldmatrix takes one row address per lane, so tap (dh, dw) of the
+// 16 outputs of row py is halo rows (py + dh) * 18 + dw ... + 15. Each activation reaches shared
+// memory once per dt instead of once per tap (conv3d_cl), and the 256-position blocks read the
+// weight once per 256 positions: the L2 traffic that bounds conv3d_cl drops about 4x.
+//
+// K tiles are (dt, chunk, dw), each the 3 taps dh = 0..2 of that column: a warp covers MT output
+// rows py0.. by WTN channels, and halo row py0 + r is tap dh of output row py0 + r - dh, so MT +
+// 2 A fragments (not 3 MT) serve the tile's 3 MT products per n-tile pair: 5 ldmatrix per 24 mma
+// at MT = 4 (conv3d_cl's 64 x 48 warp tile: 7). The weights of a K tile ([3][BN][BK + 4]) stream
+// through STAGES buffers, the halos through two: the next lands while the current is read, 3 K
+// tiles ahead (hence STAGES <= 4). Rows are BK + 4 floats as in conv3d_cl: 16 consecutive halo
+// rows and the weight rows are conflict-free.
+template <int TH, int BN, int BK, int WARPS, int STAGES>
+__device__ __forceinline__ void conv3d_cl_halo(const float *__restrict__ x,
+                                               const float *__restrict__ w,
+                                               float *__restrict__ y, const ClEpilogue &epi,
+                                               const Geometry &g) {
+  constexpr int TW = 16;                     // output columns per block: one m16 tile per row
+  constexpr int HW = TW + 2;                 // halo columns
+  constexpr int HALO = (TH + 2) * HW;        // halo rows (positions)
+  constexpr int NTHREADS = 32 * WARPS;
+  constexpr int WARPS_N_CL = 2;
+  constexpr int WARPS_M_CL = WARPS / WARPS_N_CL;
+  constexpr int S = BK + 4;                  // shared row stride, floats
+  constexpr int MT = TH / WARPS_M_CL;        // output rows (m16 tiles) per warp
+  constexpr int WTN = BN / WARPS_N_CL;       // warp tile columns (output channels)
+  constexpr int NT = WTN / 8;                // n8 tiles per warp
+  constexpr int W_ROWS = 3 * BN;             // weight rows of a K tile: [dh][n]
+  constexpr int CPR = BK / 4;                // 16-byte chunks per row
+  constexpr int ROWS = NTHREADS / CPR;       // rows one pass of the block copies
+  constexpr int H_PASSES = (HALO + ROWS - 1) / ROWS;
+  constexpr int W_PASSES = (W_ROWS + ROWS - 1) / ROWS;
+  static_assert(NTHREADS % CPR == 0 && TH % WARPS_M_CL == 0, "copy and warp split");
+  static_assert(WTN % 16 == 0, "n8 tiles in pairs");
+  static_assert(STAGES >= 2 && STAGES <= 4, "a halo waited for with the weights 3 tiles on");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float *s_halo = reinterpret_cast<float *>(smem_raw);  // [2][HALO][S]
+  float *s_w = s_halo + 2 * HALO * S;                   // [STAGES][3][BN][S]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int wm = warp / WARPS_N_CL, wn = warp % WARPS_N_CL;
+  // Output-channel tiles vary fastest, then tile columns: neighbouring blocks share halos in L2.
+  int idx = blockIdx.x;
+  const int n_tiles = (g.c_out + BN - 1) / BN;
+  const int n0 = (idx % n_tiles) * BN;
+  idx /= n_tiles;
+  const int col_tiles = (g.w_out + TW - 1) / TW;
+  const int wo0 = (idx % col_tiles) * TW;
+  idx /= col_tiles;
+  const int row_tiles = (g.h_out + TH - 1) / TH;
+  const int ho0 = (idx % row_tiles) * TH;
+  const int frame = idx / row_tiles;  // b * T' + t'
+  const int b = frame / g.t_out;
+  const int t0 = (frame - b * g.t_out) * g.st - g.pt;
+  const int h0 = ho0 - g.ph, w0 = wo0 - g.pw;
+
+  const int taps = g.kt * 9;
+  const int k_tiles = g.kt * ((g.c_in + BK - 1) / BK) * 3;
+
+  // This thread copies one 16-byte chunk column of every ROWS-th halo and weight row.
+  const int chunk = (tid % CPR) * 4;
+  const int row0 = tid / CPR;
+
+  // The next halo to copy: dt, first channel c0, buffer.
+  int hdt = 0, hc0 = 0, hbuf = 0;
+  auto load_halo = [&]() {
+    const int t = t0 + hdt;
+    const bool ok_tc = hc0 + chunk < g.c_in && (unsigned)t < (unsigned)g.t_in;
+    const long long frame_row = ((long long)b * g.t_in + t) * g.h_in;
+    float *dst = s_halo + hbuf * HALO * S + row0 * S + chunk;
+#pragma unroll
+    for (int p = 0; p < H_PASSES; ++p) {
+      const int r = row0 + p * ROWS;
+      if (H_PASSES * ROWS == HALO || r < HALO) {
+        const int hy = r / HW, h = h0 + hy, wi = w0 + (r - hy * HW);
+        const bool ok = ok_tc && (unsigned)h < (unsigned)g.h_in && (unsigned)wi < (unsigned)g.w_in;
+        const float *src = x + ((frame_row + h) * g.w_in + wi) * g.c_in + hc0 + chunk;
+        cp_async16(smem_addr(dst + p * ROWS * S), ok ? src : x, ok ? 16 : 0);
+      }
+    }
+    hbuf ^= 1;
+    hc0 += BK;
+    if (hc0 >= g.c_in) {
+      hc0 = 0;
+      ++hdt;
+    }
+  };
+  // The next weight tile to copy: dt, first channel c0, dw (fastest). Its row dh * BN + n is
+  // w[n0 + n][dt][dh][dw][c0 + chunk ..].
+  int cdt = 0, cc0 = 0, cdw = 0;
+  auto load_weights = [&](int stage) {
+    const bool chunk_ok = cc0 + chunk < g.c_in;
+    const long long w_tap = (long long)(cdt * 9 + cdw) * g.c_in + cc0 + chunk;
+    float *dst = s_w + stage * W_ROWS * S + row0 * S + chunk;
+#pragma unroll
+    for (int p = 0; p < W_PASSES; ++p) {
+      const int r = row0 + p * ROWS;
+      if (W_PASSES * ROWS == W_ROWS || r < W_ROWS) {
+        const int dh = r / BN, n = n0 + r - dh * BN;
+        const bool ok = chunk_ok && n < g.c_out;
+        const float *src = w + (long long)n * taps * g.c_in + dh * 3 * g.c_in + w_tap;
+        cp_async16(smem_addr(dst + p * ROWS * S), ok ? src : w, ok ? 16 : 0);
+      }
+    }
+    if (++cdw == 3) {
+      cdw = 0;
+      cc0 += BK;
+      if (cc0 >= g.c_in) {
+        cc0 = 0;
+        ++cdt;
+      }
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+  }
+
+  // Prologue: the first halo and STAGES - 1 weight tiles (one commit group each, empty past the
+  // end).
+  load_halo();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_tiles) load_weights(s);
+    cp_async_commit();
+  }
+
+  // Lane addresses: A rows are the warp's first output row's 16 columns (k + 4 for lanes 16-31),
+  // B as conv3d_cl's.
+  const uint32_t a_lane = smem_addr(s_halo + (wm * MT * HW + lane % 16) * S + (lane / 16) * 4);
+  const uint32_t b_lane = smem_addr(s_w + (wn * WTN + cl_b_row(lane)) * S + cl_b_k(lane));
+  int dw = 0, halo = 0;  // the K tile multiplied now
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    // The weight stage refilled now was read in the previous iteration, which every warp has
+    // left. The first tile of a halo copies the next one into the other buffer, whose last
+    // reader, the previous tile, every warp has left too; it is waited for 3 tiles later, with
+    // the weights of tile kt + 3 >= kt + STAGES - 1.
+    if (dw == 0 && hdt < g.kt) load_halo();
+    const int next = kt + STAGES - 1;
+    if (next < k_tiles) load_weights(next % STAGES);
+    cp_async_commit();
+
+    const uint32_t a = a_lane + (halo * HALO + dw) * S * 4;
+    const uint32_t bw = b_lane + (kt % STAGES) * W_ROWS * S * 4;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 8) {
+      uint32_t bf[3][NT / 2][4];
+#pragma unroll
+      for (int dh = 0; dh < 3; ++dh) {
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+          ldsm_x4_tf32(bf[dh][j], bw + ((dh * BN + j * 16) * S + ks) * 4);
         }
+      }
+      // Halo row r of the warp: tap dh of its output row r - dh.
+      uint32_t af[2][4];
+      ldsm_x4_tf32(af[0], a + ks * 4);
+#pragma unroll
+      for (int r = 0; r < MT + 2; ++r) {
+        if (r + 1 < MT + 2) ldsm_x4_tf32(af[(r + 1) % 2], a + ((r + 1) * HW * S + ks) * 4);
+#pragma unroll
+        for (int dh = 0; dh < 3; ++dh) {
+          const int i = r - dh;
+          if (i < 0 || i >= MT) continue;
+#pragma unroll
+          for (int j = 0; j < NT / 2; ++j) {
+            mma_tf32_pair(acc[i][2 * j], acc[i][2 * j + 1], af[r % 2], bf[dh][j]);
+          }
+        }
+      }
+    }
+    if (++dw == 3) {
+      dw = 0;
+      halo ^= 1;
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: accumulator pairs are output channels (2 t4, 2 t4 + 1) of one position.
+  const int g8 = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    const int ho = ho0 + wm * MT + i;
+    if (ho >= g.h_out) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int wo = wo0 + g8 + 8 * h;
+      if (wo >= g.w_out) continue;
+      const long long row = (((long long)frame * g.h_out + ho) * g.w_out + wo) * g.c_out;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        epi.store_pair(y, row, n0 + wn * WTN + j * 8 + 2 * t4, g.c_out, acc[i][j][2 * h],
+                       acc[i][j][2 * h + 1]);
       }
     }
   }
@@ -625,12 +878,14 @@ CONV3D_CONFIGS(f32, float)
 CONV3D_CONFIGS(bf16, __nv_bfloat16)
 
 // conv3d_cl_m<BM>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: channels last, f32 in TF32; the launcher picks
-// one by C_out and shared memory (`ClTile` in conv3d.rs).
+// one by C_out and shared memory (`ClTile` in conv3d.rs). y = x * w (+ bias) (+ residual), bias
+// and residual null where not added.
 #define CONV3D_CL(BM, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                      \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
-      conv3d_cl_m##BM##_n##BN##_k##BK##_s##STAGES##_w##WARPS(const float *x, const float *w,  \
-                                                             float *y, Geometry g) {          \
-    conv3d_cl<BM, BN, BK, WARPS, STAGES>(x, w, y, g);                                         \
+      conv3d_cl_m##BM##_n##BN##_k##BK##_s##STAGES##_w##WARPS(                                 \
+          const float *x, const float *w, float *y, const float *bias, const float *residual, \
+          Geometry g) {                                                                       \
+    conv3d_cl<BM, BN, BK, WARPS, STAGES>(x, w, y, ClEpilogue{bias, residual}, g);             \
   }
 
 // MIN_BLOCKS caps the registers so that many blocks fit an SM's registers (H100/H200 shared
@@ -640,3 +895,18 @@ CONV3D_CL(128, 96, 16, 4, 8, 2)
 CONV3D_CL(256, 96, 16, 3, 8, 1)
 CONV3D_CL(128, 96, 16, 4, 4, 3)
 CONV3D_CL(128, 128, 16, 4, 8, 2)
+
+// conv3d_clh_t<TH>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: the halo kernel for 3x3 spatial kernels of
+// spatial stride 1 (`ClKind::Halo` in conv3d.rs). Its 64 x 48 warp tiles hold about 170
+// registers: one 8-warp block per SM (TH 16), or two 4-warp blocks (TH 8).
+#define CONV3D_CL_HALO(TH, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                 \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
+      conv3d_clh_t##TH##_n##BN##_k##BK##_s##STAGES##_w##WARPS(                                \
+          const float *x, const float *w, float *y, const float *bias, const float *residual, \
+          Geometry g) {                                                                       \
+    conv3d_cl_halo<TH, BN, BK, WARPS, STAGES>(x, w, y, ClEpilogue{bias, residual}, g);        \
+  }
+
+CONV3D_CL_HALO(16, 96, 16, 2, 8, 1)
+CONV3D_CL_HALO(16, 96, 8, 4, 8, 1)
+CONV3D_CL_HALO(8, 96, 16, 3, 4, 2)

@@ -10,7 +10,7 @@ use candle_core::cuda::cudarc::driver::{
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Device, Layout, Result, Shape,
-    Tensor,
+    Storage, Tensor,
 };
 
 static CONV: Module = kernel_module!("conv3d");
@@ -107,51 +107,114 @@ pub fn conv3d_tile(
     x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)
 }
 
-/// One compiled channels-last configuration (`conv3d_cl_m{positions}_n{channels}_k{k}_s{stages}_w{warps}`
-/// in the kernel).
+/// How a channels-last configuration reaches its activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClKind {
+    /// `conv3d_cl`: any kernel and stride; a block of positions copies each tap's activations.
+    Gather,
+    /// `conv3d_cl_halo`: 3x3 spatial kernels of spatial stride 1 only; a block of 16-wide rows of
+    /// one output frame copies the input they read once per temporal tap and channel chunk, and
+    /// its 9 spatial taps read that copy shifted.
+    Halo,
+}
+
+/// One compiled channels-last configuration (`conv3d_cl_m{positions}_n{channels}_k{k}_s{stages}_w{warps}`,
+/// or `conv3d_clh_t{positions / 16}_n.._k.._s.._w..` for [`ClKind::Halo`], in the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClTile {
-    /// Output positions per block (`BM`).
+    pub kind: ClKind,
+    /// Output positions per block (`BM`; halo: 16 x `TH`).
     pub positions: usize,
     /// Output channels per block (`BN`).
     pub channels: usize,
     /// Input channels per K tile (`BK`).
     pub k: usize,
-    /// Shared-memory pipeline stages.
+    /// Shared-memory pipeline stages (halo: of the weights).
     pub stages: usize,
     /// Warps per block (half of them along the positions, two along the channels).
     pub warps: usize,
 }
 
+/// Output columns of a halo block (one m16 tile per output row).
+const HALO_COLUMNS: usize = 16;
+
 impl ClTile {
-    /// Dynamic shared memory per block, bytes: activation and weight rows of `k` + 4 floats.
+    /// Dynamic shared memory per block, bytes, in rows of `k` + 4 floats: gather, `stages` x
+    /// (activation + weight rows); halo, two input halos of (rows + 2) x 18 positions and
+    /// `stages` x the weights of 3 taps.
     pub fn shared_bytes(&self) -> usize {
-        self.stages * (self.positions + self.channels) * (self.k + 4) * 4
+        let rows = match self.kind {
+            ClKind::Gather => self.stages * (self.positions + self.channels),
+            ClKind::Halo => {
+                let halo = (self.positions / HALO_COLUMNS + 2) * (HALO_COLUMNS + 2);
+                2 * halo + self.stages * 3 * self.channels
+            }
+        };
+        rows * (self.k + 4) * 4
+    }
+
+    /// Whether the configuration computes a `kernel` (kt, kh, kw) of `stride`.
+    pub fn takes(&self, kernel: [usize; 3], stride: [usize; 3]) -> bool {
+        match self.kind {
+            ClKind::Gather => true,
+            ClKind::Halo => kernel[1..] == [3, 3] && stride[1..] == [1, 1],
+        }
     }
 
     fn name(&self) -> String {
+        let (prefix, m) = match self.kind {
+            ClKind::Gather => ("conv3d_cl_m", self.positions),
+            ClKind::Halo => ("conv3d_clh_t", self.positions / HALO_COLUMNS),
+        };
         format!(
-            "conv3d_cl_m{}_n{}_k{}_s{}_w{}",
-            self.positions, self.channels, self.k, self.stages, self.warps
+            "{prefix}{m}_n{}_k{}_s{}_w{}",
+            self.channels, self.k, self.stages, self.warps
         )
+    }
+
+    /// Blocks for output `[B, T', H', W', C_out]`.
+    fn blocks(&self, out: [usize; 5]) -> usize {
+        let [b, t, h, w, c_out] = out;
+        let channel_tiles = c_out.div_ceil(self.channels);
+        match self.kind {
+            ClKind::Gather => channel_tiles * (b * t * h * w).div_ceil(self.positions),
+            ClKind::Halo => {
+                let rows = self.positions / HALO_COLUMNS;
+                channel_tiles * w.div_ceil(HALO_COLUMNS) * h.div_ceil(rows) * b * t
+            }
+        }
     }
 }
 
 /// The compiled channels-last configurations (ptxas: no spills for sm_80/90/120). All fit
-/// GB10's 99 KB of shared memory per block. The 8-warp 128-position tiles (32 x 48 or 32 x 64
-/// warp tiles, at most 128 registers) run two blocks per SM where shared memory allows (H100/H200:
-/// 2 x 97 KB with K tiles of 32 channels; 2 x 70 KB with 16, which leaves more L1 for the
-/// activations' reuse); the 64 x 48 warp tiles (BM 256 with 8 warps, BM 128 with 4) read less
-/// shared memory per product but hold 166-188 registers.
-const CL_TILES: [ClTile; 5] = [
-    cl_tile(128, 96, 32, 3, 8),
-    cl_tile(128, 96, 16, 4, 8),
-    cl_tile(256, 96, 16, 3, 8),
-    cl_tile(128, 96, 16, 4, 4),
-    cl_tile(128, 128, 16, 4, 8),
+/// GB10's 99 KB of shared memory per block.
+///
+/// Halo first, 64 x 48 warp tiles (186-230 registers): 256 positions (16 x 16) with 8 warps, one
+/// block per SM, K chunks of 16 channels and 2 weight stages (96 KB: the weights of one K tile in
+/// flight) or of 8 and 4 (84 KB); 128 positions (8 x 16) with 4 warps, two blocks per SM where
+/// shared memory allows (96 KB each, H100/H200), which read the weights twice as often. On the
+/// H200 at the Wan decoder's 96-channel full-resolution shapes (bench/RESULTS.md, session 15)
+/// the first ran 6.66 / 11.05 ms (96 / 192 input channels), the second 7.41 / 12.54, the third
+/// 6.95 / 11.49, gather's best 7.12 / 12.57, cuDNN 6.89 / 12.56.
+///
+/// Gather: the 8-warp 128-position tiles (32 x 48 or 32 x 64 warp tiles, at most 128 registers)
+/// run two blocks per SM where shared memory allows (H100/H200: 2 x 97 KB with K tiles of 32
+/// channels; 2 x 70 KB with 16, which leaves more L1 for the activations' reuse); the 64 x 48 warp
+/// tiles (BM 256 with 8 warps, BM 128 with 4) read less shared memory per product but hold
+/// 166-188 registers.
+const CL_TILES: [ClTile; 8] = [
+    cl_tile(ClKind::Halo, 256, 96, 16, 2, 8),
+    cl_tile(ClKind::Halo, 256, 96, 8, 4, 8),
+    cl_tile(ClKind::Halo, 128, 96, 16, 3, 4),
+    cl_tile(ClKind::Gather, 128, 96, 32, 3, 8),
+    cl_tile(ClKind::Gather, 128, 96, 16, 4, 8),
+    cl_tile(ClKind::Gather, 256, 96, 16, 3, 8),
+    cl_tile(ClKind::Gather, 128, 96, 16, 4, 4),
+    cl_tile(ClKind::Gather, 128, 128, 16, 4, 8),
 ];
 
 const fn cl_tile(
+    kind: ClKind,
     positions: usize,
     channels: usize,
     k: usize,
@@ -159,6 +222,7 @@ const fn cl_tile(
     warps: usize,
 ) -> ClTile {
     ClTile {
+        kind,
         positions,
         channels,
         k,
@@ -174,13 +238,18 @@ const MAX_BLOCK_POSITIONS: usize = 256;
 /// `x`).
 const MAX_CL_TAPS: usize = 32;
 
-/// The channels-last configurations for `c_out` output channels, the likely fastest first: the
-/// channel tiles that leave the fewest output channels idle, in `CL_TILES`' order (measured on
-/// the H200 at the Wan decoder's shapes, bench/RESULTS.md session 14: its first was the fastest
-/// or within 3% of it at 96, 192 and 384 output channels, where the 128-channel tile, fewer
-/// blocks at 384, ran 6% slower).
-pub fn channels_last_tiles(c_out: usize) -> Vec<ClTile> {
-    let mut tiles = CL_TILES.to_vec();
+/// The channels-last configurations that compute a `kernel` (kt, kh, kw) of `stride` with `c_out`
+/// output channels, the likely fastest first: the channel tiles that leave the fewest output
+/// channels idle, in `CL_TILES`' order (gather measured on the H200 at the Wan decoder's shapes,
+/// bench/RESULTS.md session 14: its first was the fastest or within 3% of it at 96, 192 and 384
+/// output channels, where the 128-channel tile, fewer blocks at 384, ran 6% slower; halo, with
+/// a quarter of gather's L2 traffic, ran 6-23% faster than gather's best at every one of those
+/// shapes, session 15).
+pub fn channels_last_tiles(c_out: usize, kernel: [usize; 3], stride: [usize; 3]) -> Vec<ClTile> {
+    let mut tiles: Vec<ClTile> = CL_TILES
+        .into_iter()
+        .filter(|t| t.takes(kernel, stride))
+        .collect();
     tiles.sort_by_key(|t| c_out.div_ceil(t.channels) * t.channels - c_out);
     tiles
 }
@@ -197,22 +266,52 @@ pub fn takes_channels_last(
     padding: [usize; 3],
     tf32: bool,
 ) -> bool {
+    first_fitting(x, w, stride, padding, tf32).is_some()
+}
+
+/// Whether the own channels-last kernel is the one to run even with cuDNN loaded: a halo
+/// configuration takes the shape and one block covers every output channel with at most a
+/// quarter of its channels idle (cuDNN's 32-wide channel tiles then gather each activation
+/// several times; the Wan decoder's 96-channel full-resolution convolutions, bench/RESULTS.md
+/// session 15; its 3-channel head stays with cuDNN).
+pub fn outruns_cudnn(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tf32: bool,
+) -> bool {
+    first_fitting(x, w, stride, padding, tf32)
+        .zip(w.dims().first())
+        .is_some_and(|(t, &c_out)| {
+            t.kind == ClKind::Halo && c_out <= t.channels && 4 * (t.channels - c_out) <= t.channels
+        })
+}
+
+/// The first configuration (in [`channels_last_tiles`]' order) that computes the shape within
+/// the device's shared memory, under the conditions [`takes_channels_last`] names.
+fn first_fitting(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tf32: bool,
+) -> Option<ClTile> {
     let Device::Cuda(dev) = x.device() else {
-        return false;
+        return None;
     };
     if !tf32 || x.dtype() != DType::F32 || w.dtype() != DType::F32 || !available(x.device()) {
-        return false;
+        return None;
     }
     let (Ok(xd), Ok(wd)) = (x.dims5(), w.dims5()) else {
-        return false;
+        return None;
     };
-    let Ok((g, _)) = cl_geometry(xd.into(), wd.into(), stride, padding) else {
-        return false;
-    };
+    cl_geometry(xd.into(), wd.into(), stride, padding).ok()?;
+    let (c_out, kt, kh, kw, _) = wd;
     let limit = shared_memory_limit(dev).unwrap_or(0);
-    channels_last_tiles(g.c_out as usize)
-        .iter()
-        .any(|t| t.shared_bytes() <= limit)
+    channels_last_tiles(c_out, [kt, kh, kw], stride)
+        .into_iter()
+        .find(|t| t.shared_bytes() <= limit)
 }
 
 /// Cross-correlation of `x` `[B, T, H, W, C_in]` by `w` `[C_out, kt, kh, kw, C_in]` (f32,
@@ -224,11 +323,26 @@ pub fn conv3d_channels_last(
     stride: [usize; 3],
     padding: [usize; 3],
 ) -> Result<Tensor> {
-    conv3d_channels_last_tile(x, w, stride, padding, None)
+    conv3d_channels_last_with(x, w, stride, padding, None, None)
 }
 
-/// [`conv3d_channels_last`] in configuration `tile` (one of [`channels_last_tiles`]), or the
-/// device's best with `None`.
+/// [`conv3d_channels_last`] plus `bias` (f32 `[C_out]`) and `residual` (f32 of the output's dims
+/// `[B, T', H', W', C_out]`), each where given, added as the kernel stores the output: the same
+/// bits as `(y.broadcast_add(bias)? + residual)?` without a pass that reads and writes y again.
+/// A wrong dtype, shape or device of either is an error.
+pub fn conv3d_channels_last_with(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    channels_last(x, w, stride, padding, None, bias, residual)
+}
+
+/// [`conv3d_channels_last`] in configuration `tile` (one of [`channels_last_tiles`]; an error
+/// where it does not take the kernel or stride), or the device's best with `None`.
 pub fn conv3d_channels_last_tile(
     x: &Tensor,
     w: &Tensor,
@@ -236,13 +350,43 @@ pub fn conv3d_channels_last_tile(
     padding: [usize; 3],
     tile: Option<ClTile>,
 ) -> Result<Tensor> {
+    channels_last(x, w, stride, padding, tile, None, None)
+}
+
+/// [`conv3d_channels_last_with`] in configuration `tile`, or the device's best with `None`.
+fn channels_last(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    tile: Option<ClTile>,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
     if !available(x.device()) {
         bail!("conv3d kernel: needs a CUDA GPU of compute capability 8.0 or newer")
     }
+    let (_, out) = cl_geometry(x.dims5()?.into(), w.dims5()?.into(), stride, padding)?;
+    let operand = |what: &str, t: Option<&Tensor>, dims: &[usize]| -> Result<Option<Tensor>> {
+        let Some(t) = t else { return Ok(None) };
+        if t.dtype() != DType::F32 {
+            bail!("conv3d kernel: {what} must be f32, not {:?}", t.dtype())
+        }
+        if t.dims() != dims {
+            bail!("conv3d kernel: {what} of dims {:?}, not {dims:?}", t.dims())
+        }
+        if !t.device().same_device(x.device()) {
+            bail!("conv3d kernel: {what} is not on x's device")
+        }
+        // Contiguous and 16-byte aligned: the kernel reads channel pairs as float2.
+        super::aligned(t).map(Some)
+    };
     let op = Conv3dCl {
         stride,
         padding,
         tile,
+        bias: operand("bias", bias, &out[4..])?,
+        residual: operand("residual", residual, &out)?,
     };
     super::aligned(x)?.apply_op2_no_bwd(&super::aligned(w)?, &op)
 }
@@ -441,6 +585,7 @@ impl Conv3d {
             grid,
             &x,
             &packed.slice(..),
+            None,
             &g,
             shape.elem_count(),
         )?;
@@ -474,14 +619,25 @@ fn fitting<T: Copy + std::fmt::Debug>(
     }
 }
 
+/// What a channels-last kernel adds to its output (`None`: a null pointer, nothing).
+struct Epilogue<'a> {
+    /// `[C_out]`.
+    bias: Option<CudaView<'a, f32>>,
+    /// Laid out as the output.
+    residual: Option<CudaView<'a, f32>>,
+}
+
 /// Runs the convolution kernel `name` over `grid` on (x, w, a fresh output of `out_len`
-/// elements, g) and returns the output.
+/// elements, the `epilogue`'s bias and residual where the kernel takes them (channels last), g)
+/// and returns the output.
+#[allow(clippy::too_many_arguments)]
 fn run<T: DeviceRepr>(
     dev: &CudaDevice,
     name: &str,
     grid: Grid,
     x: &CudaView<T>,
     w: &CudaView<T>,
+    epilogue: Option<&Epilogue>,
     g: &Geometry,
     out_len: usize,
 ) -> Result<CudaSlice<T>> {
@@ -498,15 +654,25 @@ fn run<T: DeviceRepr>(
         bail!("conv3d kernel: {blocks} blocks exceed a grid")
     };
     let mut builder = func.builder();
-    builder.arg(x).arg(w).arg(&out).arg(g);
+    builder.arg(x).arg(w).arg(&out);
+    if let Some(epilogue) = epilogue {
+        for operand in [&epilogue.bias, &epilogue.residual] {
+            match operand {
+                Some(view) => builder.arg(view),
+                None => builder.arg(&0u64),
+            };
+        }
+    }
+    builder.arg(g);
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (grid.threads as u32, 1, 1),
         shared_mem_bytes: grid.shared_bytes as u32,
     };
-    // SAFETY: the arguments match the kernels' signature (x, w, y, geometry); the callers checked
-    // x and w against the geometry's sizes (contiguous, and 16-byte aligned where a kernel copies
-    // 16 bytes), and every offset the kernels form is in bounds or zero-filled.
+    // SAFETY: the arguments match the kernels' signature (x, w, y, [bias, residual,] geometry);
+    // the callers checked x and w against the geometry's sizes (contiguous, and 16-byte aligned
+    // where a kernel copies 16 bytes), bias (C_out) and residual (out_len, contiguous and
+    // aligned), and every offset the kernels form is in bounds or zero-filled.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(out)
 }
@@ -556,6 +722,10 @@ struct Conv3dCl {
     padding: [usize; 3],
     /// The configuration asked for; `None`: the fastest that fits the device.
     tile: Option<ClTile>,
+    /// Added to the output as it is stored (checked f32 of C_out or of the output's dims, on the
+    /// device, contiguous and aligned): carried here, a CustomOp2 taking two tensors.
+    bias: Option<Tensor>,
+    residual: Option<Tensor>,
 }
 
 impl Conv3dCl {
@@ -575,24 +745,54 @@ impl Conv3dCl {
             bail!("conv3d kernel: channels last needs x and w on 16-byte boundaries")
         }
         let dims = |l: &Layout| -> Result<[usize; 5]> { Ok(l.shape().dims5()?.into()) };
+        let [c_out, kt, kh, kw, _] = dims(wl)?;
         let (g, out_dims) = cl_geometry(dims(xl)?, dims(wl)?, self.stride, self.padding)?;
-        let tiles = channels_last_tiles(g.c_out as usize);
+        let tiles = channels_last_tiles(c_out, [kt, kh, kw], self.stride);
         let tile = fitting(dev, self.tile, tiles, ClTile::shared_bytes)?;
         if !CL_TILES.contains(&tile) {
             bail!("conv3d kernel: {tile:?} is not compiled")
+        }
+        if !tile.takes([kt, kh, kw], self.stride) {
+            bail!(
+                "conv3d kernel: {tile:?} does not take a {kt}x{kh}x{kw} kernel of stride {:?}",
+                self.stride
+            )
         }
         let x = x.slice(xl.start_offset()..);
         let w = w.slice(wl.start_offset()..);
         let shape = Shape::from(out_dims.to_vec());
         let grid = Grid {
-            blocks: (g.c_out as usize).div_ceil(tile.channels)
-                * (g.positions as usize).div_ceil(tile.positions),
+            blocks: tile.blocks(out_dims),
             threads: 32 * tile.warps,
             shared_bytes: tile.shared_bytes(),
         };
-        let out = run(dev, &tile.name(), grid, &x, &w, &g, shape.elem_count())?;
+        // Read locks on the epilogue's storage, held through the launch.
+        let bias = self.bias.as_ref().map(Tensor::storage_and_layout);
+        let residual = self.residual.as_ref().map(Tensor::storage_and_layout);
+        let epilogue = Epilogue {
+            bias: bias.as_ref().map(|(s, l)| f32_view(s, l)).transpose()?,
+            residual: residual.as_ref().map(|(s, l)| f32_view(s, l)).transpose()?,
+        };
+        let out = run(
+            dev,
+            &tile.name(),
+            grid,
+            &x,
+            &w,
+            Some(&epilogue),
+            &g,
+            shape.elem_count(),
+        )?;
         Ok((out, shape))
     }
+}
+
+/// An f32 CUDA tensor's storage from its first element.
+fn f32_view<'a>(storage: &'a Storage, layout: &Layout) -> Result<CudaView<'a, f32>> {
+    let Storage::Cuda(s) = storage else {
+        bail!("conv3d kernel: an epilogue operand is not on CUDA")
+    };
+    Ok(s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..))
 }
 
 impl CustomOp2 for Conv3dCl {
@@ -755,7 +955,7 @@ mod tests {
             let y = conv3d_channels_last(&x, &w, stride, padding)?;
             let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
             assert!(err < 1e-3, "{xd:?} by {wd:?}: {err:.2e}");
-            for tile in channels_last_tiles(wd[0]) {
+            for tile in channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride) {
                 if tile.shared_bytes() > limit {
                     continue;
                 }
@@ -774,6 +974,183 @@ mod tests {
         let y = conv3d_channels_last(&x.to_device(&dev)?, &w.to_device(&dev)?, stride, padding)?;
         let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
         assert!(err < 1e-3, "strided x: {err:.2e}");
+        Ok(())
+    }
+
+    /// The halo kernels' cases (3x3 spatial taps, spatial stride 1): the Wan decoder's
+    /// full-resolution convolutions at reduced size (rows and columns of partial tiles), batch 2
+    /// with no padding, C_in 4 and C_out 20; C_in 8, kt 2 of temporal stride 2 and C_out 101 (two
+    /// channel tiles, odd); C_in 36 (a partial K chunk) with spatial padding 2 and 0; kt 1.
+    const HALO_CASES: [Case; 6] = [
+        ([1, 4, 19, 35, 96], [96, 3, 3, 3, 96], [1, 1, 1], [0, 1, 1]),
+        (
+            [1, 3, 18, 34, 192],
+            [96, 3, 3, 3, 192],
+            [1, 1, 1],
+            [0, 1, 1],
+        ),
+        ([2, 3, 9, 21, 4], [20, 3, 3, 3, 4], [1, 1, 1], [0, 0, 0]),
+        ([1, 5, 10, 17, 8], [101, 2, 3, 3, 8], [2, 1, 1], [1, 1, 1]),
+        ([1, 3, 20, 18, 36], [96, 3, 3, 3, 36], [1, 1, 1], [0, 2, 0]),
+        ([1, 1, 9, 40, 16], [96, 1, 3, 3, 16], [1, 1, 1], [0, 1, 1]),
+    ];
+
+    /// Every halo configuration that fits the device within TF32's rounding of the exact
+    /// convolution at [`HALO_CASES`], and the default configuration a halo one at the decoder's
+    /// 96-channel shapes.
+    #[test]
+    fn channels_last_halo_kernel_matches_exact_convolution() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let Device::Cuda(cuda) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let limit = shared_memory_limit(cuda).unwrap_or(0);
+        let halo: Vec<ClTile> = CL_TILES
+            .into_iter()
+            .filter(|t| t.kind == ClKind::Halo && t.shared_bytes() <= limit)
+            .collect();
+        assert!(!halo.is_empty(), "no halo configuration fits {limit} B");
+        for (xd, wd, stride, padding) in HALO_CASES {
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
+            let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
+            let reference = exact(&x, &w, stride, padding)?;
+            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?);
+            let tiles = channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride);
+            for &tile in &halo {
+                assert!(tiles.contains(&tile), "{wd:?}: {tile:?} not offered");
+                let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
+                let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
+                assert!(err < 1e-3, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+            }
+            if wd[0] == 96 {
+                assert_eq!(tiles[0].kind, ClKind::Halo, "{wd:?}: {tiles:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The epilogue's cases: 3x3 spatial taps of stride 1 (every halo and gather configuration)
+    /// at batch 2 with partial position tiles and C_out 20, and at C_out 101 (two channel tiles,
+    /// odd: single stores) with temporal stride 2; a 1x1x1 shortcut (gather only).
+    const EPILOGUE_CASES: [Case; 3] = [
+        ([2, 3, 9, 21, 4], [20, 3, 3, 3, 4], [1, 1, 1], [0, 1, 1]),
+        ([1, 5, 10, 17, 8], [101, 2, 3, 3, 8], [2, 1, 1], [1, 1, 1]),
+        ([2, 2, 5, 7, 16], [36, 1, 1, 1, 16], [1, 1, 1], [0, 0, 0]),
+    ];
+
+    /// Asserts `got` and `want` hold the same f32 bits.
+    fn assert_same_bits(got: &Tensor, want: &Tensor, what: &str) -> Result<()> {
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            let v = t.flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.into_iter().map(f32::to_bits).collect())
+        };
+        let max_diff = (got - want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert!(
+            bits(got)? == bits(want)?,
+            "{what}: max abs diff {max_diff:e}"
+        );
+        Ok(())
+    }
+
+    /// Bias and residual added by the kernel's store, in every configuration that takes the
+    /// shape (and the default), are the bits of the convolution followed by the separate
+    /// `(y + bias) + residual` (and of bias or residual alone); a residual that is a strided view
+    /// is copied first.
+    #[test]
+    fn channels_last_epilogue_matches_separate_adds() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let Device::Cuda(cuda) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let limit = shared_memory_limit(cuda).unwrap_or(0);
+        for (xd, wd, stride, padding) in EPILOGUE_CASES {
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?;
+            let w = Tensor::randn(0f32, 1f32, &wd[..], &dev)?;
+            let (_, out) = cl_geometry(xd, wd, stride, padding)?;
+            let bias = Tensor::randn(0f32, 1f32, out[4], &dev)?;
+            let residual = Tensor::randn(0f32, 1f32, &out[..], &dev)?;
+            let [b, t, h, wid, c] = out;
+            let strided =
+                Tensor::randn(0f32, 1f32, (b, c, t, h, wid), &dev)?.permute((0, 2, 3, 4, 1))?;
+            let tiles = channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride);
+            for tile in tiles.into_iter().filter(|t| t.shared_bytes() <= limit) {
+                let what = format!("{xd:?} by {wd:?}, {tile:?}");
+                let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
+                let with = |bias: Option<&Tensor>, residual: Option<&Tensor>| {
+                    channels_last(&x, &w, stride, padding, Some(tile), bias, residual)
+                };
+                let biased = y.broadcast_add(&bias)?;
+                assert_same_bits(
+                    &with(Some(&bias), Some(&residual))?,
+                    &(&biased + &residual)?,
+                    &format!("{what}: bias and residual"),
+                )?;
+                assert_same_bits(&with(Some(&bias), None)?, &biased, &format!("{what}: bias"))?;
+                assert_same_bits(
+                    &with(None, Some(&residual))?,
+                    &(&y + &residual)?,
+                    &format!("{what}: residual"),
+                )?;
+                assert_same_bits(
+                    &with(None, Some(&strided))?,
+                    &(&y + &strided)?,
+                    &format!("{what}: strided residual"),
+                )?;
+            }
+            let y = conv3d_channels_last(&x, &w, stride, padding)?;
+            assert_same_bits(
+                &conv3d_channels_last_with(&x, &w, stride, padding, Some(&bias), Some(&residual))?,
+                &(y.broadcast_add(&bias)? + &residual)?,
+                &format!("{xd:?} by {wd:?}: conv3d_channels_last_with"),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A bias not of C_out f32 values and a residual not f32 of the output's dims are errors
+    /// that name them.
+    #[test]
+    fn channels_last_epilogue_rejects_wrong_operands() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let (xd, wd, stride, padding) = EPILOGUE_CASES[0];
+        let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?;
+        let w = Tensor::randn(0f32, 1f32, &wd[..], &dev)?;
+        let (_, out) = cl_geometry(xd, wd, stride, padding)?;
+        let [b, t, h, wid, c] = out;
+        let conv = |bias: Option<&Tensor>, residual: Option<&Tensor>| {
+            conv3d_channels_last_with(&x, &w, stride, padding, bias, residual)
+        };
+        let f32_zeros = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &dev);
+        let biases = [
+            f32_zeros(&[c + 1])?,
+            f32_zeros(&[1, c])?,
+            Tensor::zeros(c, DType::BF16, &dev)?,
+            Tensor::zeros(c, DType::F32, &Device::Cpu)?,
+        ];
+        let residuals = [
+            f32_zeros(&[b, t, h, wid, c - 1])?,
+            f32_zeros(&[b, t + 1, h, wid, c])?,
+            f32_zeros(&[1, t, h, wid, c])?,
+            f32_zeros(&[out.iter().product()])?,
+            Tensor::zeros(&out[..], DType::BF16, &dev)?,
+        ];
+        let cases = biases.iter().map(|t| ("bias", conv(Some(t), None)));
+        for (what, result) in
+            cases.chain(residuals.iter().map(|t| ("residual", conv(None, Some(t)))))
+        {
+            let err = result.expect_err(what).to_string();
+            assert!(err.contains(what), "{what}: {err}");
+        }
         Ok(())
     }
 
@@ -799,6 +1176,23 @@ mod tests {
         let w6 = Tensor::randn(0f32, 1f32, (96, 3, 3, 3, 6), &dev)?;
         assert!(!takes_channels_last(&x6, &w6, s, p, true));
         assert!(conv3d_channels_last(&x6, &w6, s, p).is_err());
+        // The halo kernels take 3x3 spatial taps of spatial stride 1 only: not offered otherwise,
+        // and an error (not a wrong result) where forced.
+        let halo = CL_TILES[0];
+        assert_eq!(halo.kind, ClKind::Halo);
+        for (kernel, stride) in [
+            ([1, 1, 1], s),
+            ([3, 1, 1], s),
+            ([1, 2, 2], s),
+            ([3, 3, 3], [1, 2, 2]),
+        ] {
+            assert!(channels_last_tiles(96, kernel, stride)
+                .iter()
+                .all(|t| t.kind == ClKind::Gather));
+        }
+        let w1 = Tensor::randn(0f32, 1f32, (96, 1, 1, 1, 32), &dev)?;
+        assert!(conv3d_channels_last_tile(&x, &w1, s, [0, 0, 0], Some(halo)).is_err());
+        assert!(conv3d_channels_last_tile(&x, &w, [1, 2, 2], p, Some(halo)).is_err());
         Ok(())
     }
 }

@@ -484,8 +484,10 @@ impl CausalConv3d {
         };
         let stride = [self.stride_t, 1, 1];
         let padding = [0, self.pad_s, self.pad_s];
-        match conv3d::conv3d_in(layout, &buf, w, stride, padding)? {
-            Some(y) => Ok(Some((self.finish(y, residual, layout)?, buf))),
+        let bias = (!self.defers_bias).then_some(&self.bias);
+        match conv3d::conv3d_in_adding(layout, &buf, w, stride, padding, bias, residual)? {
+            Some((y, true)) => Ok(Some((y, buf))),
+            Some((y, false)) => Ok(Some((self.finish(y, residual, layout)?, buf))),
             None => Ok(None),
         }
     }
