@@ -1,5 +1,5 @@
 //! Times vidgen's own 3D convolution kernels (channels first: each configuration, TF32 and bf16;
-//! channels last: each configuration, gather and halo, TF32) against cuDNN (where it is loaded)
+//! channels last: each configuration, gather and halo in TF32, narrow in exact f32) against cuDNN (where it is loaded)
 //! and the sum of 2D convolutions they replace, at the Wan VAE decoder's shapes, and checks each
 //! against the exact f32 tap sum.
 //!
@@ -14,13 +14,15 @@ mod median;
 use median::median_seconds as time;
 
 /// The decoder's 3x3x3 convolutions (stride 1, spatial padding 1, the causal temporal padding
-/// already in `x`): (x dims, output channels).
-const SHAPES: [([usize; 5], usize); 5] = [
+/// already in `x`): (x dims, output channels). The last is the head (96 channels to RGB) of a
+/// 4-frame chunk, which the narrow channels-last kernel takes.
+const SHAPES: [([usize; 5], usize); 6] = [
     ([1, 384, 3, 60, 104], 384),
     ([1, 384, 4, 120, 208], 384),
     ([1, 192, 6, 240, 416], 192),
     ([1, 96, 6, 480, 832], 96),
     ([1, 192, 6, 480, 832], 96),
+    ([1, 96, 6, 480, 832], 3),
 ];
 const STRIDE: [usize; 3] = [1, 1, 1];
 const PADDING: [usize; 3] = [0, 1, 1];
@@ -100,11 +102,17 @@ fn main() -> Result<()> {
                 let y = run()?.expect("cuDNN runs channels last");
                 let y = y.permute((0, 4, 1, 2, 3))?.contiguous()?;
                 let name = if dtype == DType::F32 { "tf32" } else { "bf16" };
-                row(name, "cuDNN NDHWC", time(&dev, 10, run)?, &y)?;
+                // conv3d_channels_last runs the own kernel where it outruns cuDNN: named so.
+                let path = if kernel::outruns_cudnn(&xl, &wl, STRIDE, PADDING, true) {
+                    "NDHWC routed to own kernel"
+                } else {
+                    "cuDNN NDHWC"
+                };
+                row(name, path, time(&dev, 10, run)?, &y)?;
             }
         }
-        // The own channels-last kernel (TF32), each configuration, from and to NDHWC like the
-        // cuDNN NDHWC rows.
+        // The own channels-last kernel (TF32; narrow: exact f32), each configuration, from and to
+        // NDHWC like the cuDNN NDHWC rows.
         {
             let xl = x.permute((0, 2, 3, 4, 1))?.contiguous()?;
             let wl = w.permute((0, 2, 3, 4, 1))?.contiguous()?;
@@ -114,6 +122,7 @@ fn main() -> Result<()> {
                 let block = match tile.kind {
                     kernel::ClKind::Gather => format!("m{}", tile.positions),
                     kernel::ClKind::Halo => format!("halo t{}", tile.positions / 16),
+                    kernel::ClKind::Narrow => format!("narrow t{}", tile.positions / 64),
                 };
                 let path = format!(
                     "own NDHWC {block} n{} k{} s{} w{}",
@@ -123,7 +132,12 @@ fn main() -> Result<()> {
                 match run() {
                     Ok(y) => {
                         let y = y.permute((0, 4, 1, 2, 3))?.contiguous()?;
-                        row("tf32", &path, time(&dev, 10, run)?, &y)?;
+                        let dtype = if tile.kind == kernel::ClKind::Narrow {
+                            "f32"
+                        } else {
+                            "tf32"
+                        };
+                        row(dtype, &path, time(&dev, 10, run)?, &y)?;
                     }
                     Err(e) => println!("{path}: {e}"),
                 }

@@ -123,9 +123,10 @@ fn conv3d_math(
 
 /// [`conv3d`] with channels last in memory: `x` `[B, T, H, W, C_in]` by `w`
 /// `[C_out, kt, kh, kw, C_in]` gives `[B, T', H', W', C_out]` (cuDNN's NDHWC layout, where its
-/// tensor-core kernels read without a transposition): through the own kernel where it outruns
-/// cuDNN or cuDNN is not loaded and it takes the shape (TF32), else cuDNN where it is loaded,
-/// else `None`. Operands past cuDNN's 32-bit sizes are an error (no frame runs).
+/// tensor-core kernels read without a transposition): through the own kernels where they
+/// outrun cuDNN, or where cuDNN is not loaded and they take the shape (TF32 tensor-core kernels;
+/// exact f32 for at most 8 output channels), else cuDNN where it is loaded, else `None`. Operands
+/// past cuDNN's 32-bit sizes are an error (no frame runs).
 pub fn conv3d_channels_last(
     x: &Tensor,
     w: &Tensor,

@@ -124,10 +124,21 @@ struct ClEpilogue {
     return v;
   }
 
+  // The residual pair at channels n, n + 1 of the row starting at `row`, where the pair path of
+  // store_pair reads one (zeros otherwise). Read for a whole row of accumulator pairs before its
+  // stores, so that the loads are in flight together: read one by one at each store, their
+  // latency showed in every block's epilogue (the Wan decoder's 96-channel convolutions took
+  // 16% longer with the residual).
+  __device__ __forceinline__ float2 residual_pair(long long row, int n, int c_out) const {
+    if (residual == nullptr || c_out % 2 != 0 || n >= c_out) return make_float2(0.f, 0.f);
+    return *reinterpret_cast<const float2 *>(residual + row + n);
+  }
+
   // An accumulator pair, output channels n and n + 1 of the position whose output row starts at
-  // `row` (in y and residual alike); adjacent and 8-byte aligned where C_out is even.
+  // `row` (in y and residual alike); adjacent and 8-byte aligned where C_out is even, when `r`
+  // is residual_pair(row, n, c_out).
   __device__ __forceinline__ void store_pair(float *__restrict__ y, long long row, int n,
-                                             int c_out, float lo, float hi) const {
+                                             int c_out, float lo, float hi, float2 r) const {
     if (c_out % 2 == 0) {
       if (n >= c_out) return;
       if (bias) {
@@ -136,7 +147,6 @@ struct ClEpilogue {
         hi += b.y;
       }
       if (residual) {
-        const float2 r = *reinterpret_cast<const float2 *>(residual + row + n);
         lo += r.x;
         hi += r.y;
       }
@@ -631,10 +641,13 @@ __device__ __forceinline__ void conv3d_cl(const float *__restrict__ x, const flo
       const int m = m0 + wm * WTM + i * 16 + g8 + 8 * h;
       if (m >= g.positions) continue;
       const long long row = (long long)m * g.c_out;
+      float2 r[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) r[j] = epi.residual_pair(row, n0 + wn * WTN + j * 8 + 2 * t4, g.c_out);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         epi.store_pair(y, row, n0 + wn * WTN + j * 8 + 2 * t4, g.c_out, acc[i][j][2 * h],
-                       acc[i][j][2 * h + 1]);
+                       acc[i][j][2 * h + 1], r[j]);
       }
     }
   }
@@ -835,16 +848,207 @@ __device__ __forceinline__ void conv3d_cl_halo(const float *__restrict__ x,
   for (int i = 0; i < MT; ++i) {
     const int ho = ho0 + wm * MT + i;
     if (ho >= g.h_out) continue;
+    // Both positions' residuals first (see ClEpilogue::residual_pair).
+    long long row[2];
+    float2 r[2][NT];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int wo = wo0 + g8 + 8 * h;
-      if (wo >= g.w_out) continue;
-      const long long row = (((long long)frame * g.h_out + ho) * g.w_out + wo) * g.c_out;
+      row[h] = wo < g.w_out ? (((long long)frame * g.h_out + ho) * g.w_out + wo) * g.c_out : -1;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+        r[h][j] = row[h] < 0 ? make_float2(0.f, 0.f)
+                             : epi.residual_pair(row[h], n0 + wn * WTN + j * 8 + 2 * t4, g.c_out);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] < 0) continue;
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        epi.store_pair(y, row, n0 + wn * WTN + j * 8 + 2 * t4, g.c_out, acc[i][j][2 * h],
-                       acc[i][j][2 * h + 1]);
+        epi.store_pair(y, row[h], n0 + wn * WTN + j * 8 + 2 * t4, g.c_out, acc[i][j][2 * h],
+                       acc[i][j][2 * h + 1], r[h][j]);
       }
+    }
+  }
+}
+
+
+// Channels last, few output channels (C_out <= NC <= 8), exact f32 on the FMA units: the
+// "narrow" kernel, for the Wan decoder's 3-channel head, whose 96-wide tensor-core tiles (own or
+// cuDNN's) would idle 93 of 96 columns. A block covers TH x 64 output positions of one output
+// frame (TH = 8 rows per warp pair); each thread 8 consecutive positions of one row by NC output
+// channels, 8 NC accumulators. Spatial stride 1, kh and kw at most 3 (the halo holds 3 x 3
+// taps), any kt, temporal stride and padding; C_in % 4 == 0.
+//
+// For each (dt, CK-channel chunk) the block copies the (TH + 2) x 66 input positions its outputs
+// read (zeros outside x) and the chunk's weights ([3][3][NC][CK]) to shared memory, double
+// buffered: the next chunk lands while this one is read. The halo is laid out in planes of 4
+// channels, [CK / 4][TH + 2][67][4]: one float4 per position, rows of an odd 67 positions, and
+// the lanes of a warp are 8 rows (lane % 8) by 4 column groups, so the 8 lanes of one 128-bit
+// load phase read 8 rows at one column, 8 distinct bank groups: no conflicts. Per (dh, plane) a
+// thread loads its 10 halo positions once and the kw taps reuse them shifted; the weights are
+// warp-uniform (broadcast) float4 loads: 10 + 3 NC loads per 96 NC FMAs. Blocks run output
+// frames fastest, so the blocks that read an input frame (kt of them) run together and it comes
+// from DRAM once.
+template <int NC, int WARPS, int CK>
+__device__ __forceinline__ void conv3d_cl_narrow(const float *__restrict__ x,
+                                                 const float *__restrict__ w,
+                                                 float *__restrict__ y, const ClEpilogue &epi,
+                                                 const Geometry &g) {
+  constexpr int P = 8;                        // consecutive output positions per thread
+  constexpr int WW = 2;                       // warps along a row
+  constexpr int WH = WARPS / WW;              // warps down
+  constexpr int TH = 8 * WH, TW = 32 * WW;    // output rows, columns per block
+  constexpr int HR = TH + 2, HC = TW + 2;     // halo rows, columns
+  constexpr int HWID = TW + 3;                // halo row stride, positions: odd
+  constexpr int HALO = HR * HWID;             // positions per plane
+  constexpr int PLANES = CK / 4;
+  constexpr int W_VEC = 9 * NC * PLANES;      // weight float4s per chunk
+  constexpr int STAGE = PLANES * HALO * 4 + W_VEC * 4;  // floats per buffer
+  constexpr int NTHREADS = 32 * WARPS;
+  constexpr int COPIES = (HR * HC + NTHREADS - 1) / NTHREADS;  // halo positions per thread
+  static_assert(WARPS % WW == 0 && CK % 4 == 0 && NC >= 1 && NC <= 8, "narrow configuration");
+  static_assert(HWID % 2 == 1, "odd halo rows: conflict-free 128-bit loads");
+  static_assert(COPIES <= 32, "a 32-bit mask of halo positions");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float *smem = reinterpret_cast<float *>(smem_raw);  // [2][halo planes | weights]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  // Output frames vary fastest, then tile columns, then tile rows.
+  int idx = blockIdx.x;
+  const int frames = g.t_out * (int)(g.positions / ((long long)g.t_out * g.h_out * g.w_out));
+  const int frame = idx % frames;  // b * T' + t'
+  idx /= frames;
+  const int col_tiles = (g.w_out + TW - 1) / TW;
+  const int wo0 = (idx % col_tiles) * TW;
+  const int ho0 = (idx / col_tiles) * TH;
+  const int b = frame / g.t_out;
+  const int t0 = (frame - b * g.t_out) * g.st - g.pt;
+  const int h0 = ho0 - g.ph, w0 = wo0 - g.pw;
+
+  // The temporal taps inside x (the others read zeros: skipped), and the chunks.
+  const int dt_lo = max(0, -t0), dt_hi = min(g.kt, g.t_in - t0);
+  const int chunks = (g.c_in + CK - 1) / CK;
+  const int stages = dt_hi > dt_lo ? (dt_hi - dt_lo) * chunks : 0;
+
+  // This thread's halo positions: the pixel (h * W + w) each copies from, where in the plane it
+  // goes, and which lie inside the frame.
+  int pix[COPIES], dst[COPIES];
+  uint32_t inside = 0, exists = 0;
+#pragma unroll
+  for (int k = 0; k < COPIES; ++k) {
+    const int pos = tid + k * NTHREADS;
+    const int hy = pos / HC, hx = pos - hy * HC;
+    const int h = h0 + hy, wi = w0 + hx;
+    pix[k] = h * g.w_in + wi;
+    dst[k] = (hy * HWID + hx) * 4;
+    if (pos < HR * HC) exists |= 1u << k;
+    if ((unsigned)h < (unsigned)g.h_in && (unsigned)wi < (unsigned)g.w_in) inside |= 1u << k;
+  }
+
+  // The next chunk to copy: temporal tap dt, first channel c0.
+  int cdt = dt_lo, cc0 = 0;
+  auto load_stage = [&](int buf) {
+    float *halo = smem + buf * STAGE;
+    const long long frame_off = ((long long)b * g.t_in + t0 + cdt) * g.h_in * g.w_in;
+#pragma unroll
+    for (int k = 0; k < COPIES; ++k) {
+      if ((exists >> k) & 1u) {
+        const bool in = (inside >> k) & 1u;
+        const float *src = x + (frame_off + pix[k]) * g.c_in + cc0;
+#pragma unroll
+        for (int q = 0; q < PLANES; ++q) {
+          const bool ok = in && cc0 + 4 * q < g.c_in;
+          cp_async16(smem_addr(halo + q * HALO * 4 + dst[k]), ok ? src + 4 * q : x, ok ? 16 : 0);
+        }
+      }
+    }
+    // Weights: float4 j is (tap = dh * 3 + dw, n, plane q), q fastest; zeros outside w.
+    float *ws = halo + PLANES * HALO * 4;
+    for (int j = tid; j < W_VEC; j += NTHREADS) {
+      const int q = j % PLANES, rest = j / PLANES;
+      const int n = rest % NC, tap = rest / NC;
+      const int dh = tap / 3, dw = tap - dh * 3;
+      const bool ok = dh < g.kh && dw < g.kw && n < g.c_out && cc0 + 4 * q < g.c_in;
+      const float *src =
+          w + ((((long long)n * g.kt + cdt) * g.kh + dh) * g.kw + dw) * g.c_in + cc0 + 4 * q;
+      cp_async16(smem_addr(ws + j * 4), ok ? src : w, ok ? 16 : 0);
+    }
+    cc0 += CK;
+    if (cc0 >= g.c_in) {
+      cc0 = 0;
+      ++cdt;
+    }
+  };
+
+  float acc[P][NC];
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+#pragma unroll
+    for (int n = 0; n < NC; ++n) acc[p][n] = 0.f;
+  }
+
+  // This thread's outputs: row wr * 8 + lane % 8, columns wc * 32 + (lane / 8) * 8 + 0..7.
+  const int wr = warp / WW, wc = warp % WW;
+  const int orow = wr * 8 + (lane & 7), ocol = wc * 32 + (lane >> 3) * P;
+  const int lane_off = (orow * HWID + ocol) * 4;
+
+  if (stages > 0) load_stage(0);
+  cp_async_commit();
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait<0>();
+    __syncthreads();
+    // The other buffer was read in the previous iteration, which every thread has left.
+    if (s + 1 < stages) load_stage((s + 1) & 1);
+    cp_async_commit();
+
+    const float *halo = smem + (s & 1) * STAGE;
+    const float *ws = halo + PLANES * HALO * 4;
+    for (int dh = 0; dh < g.kh; ++dh) {
+#pragma unroll
+      for (int q = 0; q < PLANES; ++q) {
+        const float *row = halo + q * HALO * 4 + lane_off + dh * HWID * 4;
+        float4 xv[P + 2];
+#pragma unroll
+        for (int j = 0; j < P + 2; ++j) xv[j] = *reinterpret_cast<const float4 *>(row + j * 4);
+#pragma unroll
+        for (int dw = 0; dw < 3; ++dw) {
+          if (dw >= g.kw) break;
+#pragma unroll
+          for (int n = 0; n < NC; ++n) {
+            const float4 wv =
+                *reinterpret_cast<const float4 *>(ws + (((dh * 3 + dw) * NC + n) * PLANES + q) * 4);
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+              const float4 a = xv[p + dw];
+              float v = acc[p][n];
+              v = fmaf(a.x, wv.x, v);
+              v = fmaf(a.y, wv.y, v);
+              v = fmaf(a.z, wv.z, v);
+              v = fmaf(a.w, wv.w, v);
+              acc[p][n] = v;
+            }
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: the thread's 8 positions, each C_out channels (contiguous in y).
+  const int ho = ho0 + orow;
+  if (ho >= g.h_out) return;
+  const long long row0 = ((long long)frame * g.h_out + ho) * g.w_out;
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int wo = wo0 + ocol + p;
+    if (wo >= g.w_out) break;
+    const long long row = (row0 + wo) * g.c_out;
+#pragma unroll
+    for (int n = 0; n < NC; ++n) {
+      if (n < g.c_out) y[row + n] = epi.add(acc[p][n], row, n);
     }
   }
 }
@@ -910,3 +1114,23 @@ CONV3D_CL(128, 128, 16, 4, 8, 2)
 CONV3D_CL_HALO(16, 96, 16, 2, 8, 1)
 CONV3D_CL_HALO(16, 96, 8, 4, 8, 1)
 CONV3D_CL_HALO(8, 96, 16, 3, 4, 2)
+
+// conv3d_cln_t<TH>_n<NC>_k<CK>_s2_w<WARPS>: the narrow kernel for at most NC output channels
+// (`ClKind::Narrow` in conv3d.rs), TH x 64 positions per block, exact f32.
+#define CONV3D_CL_NARROW(TH, NC, CK, WARPS, MIN_BLOCKS)                                       \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
+      conv3d_cln_t##TH##_n##NC##_k##CK##_s2_w##WARPS(                                         \
+          const float *x, const float *w, float *y, const float *bias, const float *residual, \
+          Geometry g) {                                                                       \
+    conv3d_cl_narrow<NC, WARPS, CK>(x, w, y, ClEpilogue{bias, residual}, g);                  \
+  }
+
+#define CONV3D_CL_NARROW_CHANNELS(NC)    \
+  CONV3D_CL_NARROW(16, NC, 8, 4, 2)      \
+  CONV3D_CL_NARROW(8, NC, 8, 2, 4)
+
+CONV3D_CL_NARROW_CHANNELS(1)
+CONV3D_CL_NARROW_CHANNELS(2)
+CONV3D_CL_NARROW_CHANNELS(3)
+CONV3D_CL_NARROW_CHANNELS(4)
+CONV3D_CL_NARROW_CHANNELS(8)

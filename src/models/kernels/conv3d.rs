@@ -116,16 +116,22 @@ pub enum ClKind {
     /// one output frame copies the input they read once per temporal tap and channel chunk, and
     /// its 9 spatial taps read that copy shifted.
     Halo,
+    /// `conv3d_cl_narrow`: at most `channels` (<= 8) output channels, kh and kw at most 3,
+    /// spatial stride 1; exact f32 on the FMA units (no TF32), a halo per temporal tap and channel
+    /// chunk as [`ClKind::Halo`], each thread 8 positions by all output channels: the tensor-core
+    /// tiles would leave most of their 96 channels idle.
+    Narrow,
 }
 
 /// One compiled channels-last configuration (`conv3d_cl_m{positions}_n{channels}_k{k}_s{stages}_w{warps}`,
-/// or `conv3d_clh_t{positions / 16}_n.._k.._s.._w..` for [`ClKind::Halo`], in the kernel).
+/// or `conv3d_clh_t{positions / 16}_n.._k.._s.._w..` for [`ClKind::Halo`] and
+/// `conv3d_cln_t{positions / 64}_..` for [`ClKind::Narrow`], in the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClTile {
     pub kind: ClKind,
-    /// Output positions per block (`BM`; halo: 16 x `TH`).
+    /// Output positions per block (`BM`; halo: 16 x `TH`; narrow: 64 x `TH`).
     pub positions: usize,
-    /// Output channels per block (`BN`).
+    /// Output channels per block (`BN`; narrow: the most output channels it takes).
     pub channels: usize,
     /// Input channels per K tile (`BK`).
     pub k: usize,
@@ -138,26 +144,39 @@ pub struct ClTile {
 /// Output columns of a halo block (one m16 tile per output row).
 const HALO_COLUMNS: usize = 16;
 
+/// Output columns of a narrow block (two warps of 4 x 8 positions per row).
+const NARROW_COLUMNS: usize = 64;
+
 impl ClTile {
     /// Dynamic shared memory per block, bytes, in rows of `k` + 4 floats: gather, `stages` x
     /// (activation + weight rows); halo, two input halos of (rows + 2) x 18 positions and
-    /// `stages` x the weights of 3 taps.
+    /// `stages` x the weights of 3 taps. Narrow: `stages` (2) x (a halo of (rows + 2) x 67
+    /// positions of `k` floats and the weights of 3 x 3 taps, `channels` x `k` floats each).
     pub fn shared_bytes(&self) -> usize {
+        if self.kind == ClKind::Narrow {
+            let halo = (self.positions / NARROW_COLUMNS + 2) * (NARROW_COLUMNS + 3);
+            return self.stages * (halo + 9 * self.channels) * self.k * 4;
+        }
         let rows = match self.kind {
             ClKind::Gather => self.stages * (self.positions + self.channels),
             ClKind::Halo => {
                 let halo = (self.positions / HALO_COLUMNS + 2) * (HALO_COLUMNS + 2);
                 2 * halo + self.stages * 3 * self.channels
             }
+            ClKind::Narrow => unreachable!("returned above"),
         };
         rows * (self.k + 4) * 4
     }
 
-    /// Whether the configuration computes a `kernel` (kt, kh, kw) of `stride`.
-    pub fn takes(&self, kernel: [usize; 3], stride: [usize; 3]) -> bool {
+    /// Whether the configuration computes `c_out` output channels of a `kernel` (kt, kh, kw) of
+    /// `stride`.
+    pub fn takes(&self, c_out: usize, kernel: [usize; 3], stride: [usize; 3]) -> bool {
         match self.kind {
             ClKind::Gather => true,
             ClKind::Halo => kernel[1..] == [3, 3] && stride[1..] == [1, 1],
+            ClKind::Narrow => {
+                c_out <= self.channels && kernel[1] <= 3 && kernel[2] <= 3 && stride[1..] == [1, 1]
+            }
         }
     }
 
@@ -165,6 +184,7 @@ impl ClTile {
         let (prefix, m) = match self.kind {
             ClKind::Gather => ("conv3d_cl_m", self.positions),
             ClKind::Halo => ("conv3d_clh_t", self.positions / HALO_COLUMNS),
+            ClKind::Narrow => ("conv3d_cln_t", self.positions / NARROW_COLUMNS),
         };
         format!(
             "{prefix}{m}_n{}_k{}_s{}_w{}",
@@ -182,12 +202,16 @@ impl ClTile {
                 let rows = self.positions / HALO_COLUMNS;
                 channel_tiles * w.div_ceil(HALO_COLUMNS) * h.div_ceil(rows) * b * t
             }
+            ClKind::Narrow => {
+                let rows = self.positions / NARROW_COLUMNS;
+                w.div_ceil(NARROW_COLUMNS) * h.div_ceil(rows) * b * t
+            }
         }
     }
 }
 
-/// The compiled channels-last configurations (ptxas: no spills for sm_80/90/120). All fit
-/// GB10's 99 KB of shared memory per block.
+/// The compiled channels-last configurations (ptxas: no spills for sm_80/90/120 but 4-16 bytes
+/// in the 128-channel gather tile on sm_90/120). All fit GB10's 99 KB of shared memory per block.
 ///
 /// Halo first, 64 x 48 warp tiles (186-230 registers): 256 positions (16 x 16) with 8 warps, one
 /// block per SM, K chunks of 16 channels and 2 weight stages (96 KB: the weights of one K tile in
@@ -195,14 +219,33 @@ impl ClTile {
 /// shared memory allows (96 KB each, H100/H200), which read the weights twice as often. On the
 /// H200 at the Wan decoder's 96-channel full-resolution shapes (bench/RESULTS.md, session 15)
 /// the first ran 6.66 / 11.05 ms (96 / 192 input channels), the second 7.41 / 12.54, the third
-/// 6.95 / 11.49, gather's best 7.12 / 12.57, cuDNN 6.89 / 12.56.
+/// 6.95 / 11.49, gather's best 7.12 / 12.57, cuDNN 6.89 / 12.56; with the residual's loads
+/// batched in the store, the first 6.07 / 10.53.
 ///
 /// Gather: the 8-warp 128-position tiles (32 x 48 or 32 x 64 warp tiles, at most 128 registers)
 /// run two blocks per SM where shared memory allows (H100/H200: 2 x 97 KB with K tiles of 32
 /// channels; 2 x 70 KB with 16, which leaves more L1 for the activations' reuse); the 64 x 48 warp
 /// tiles (BM 256 with 8 warps, BM 128 with 4) read less shared memory per product but hold
 /// 166-188 registers.
-const CL_TILES: [ClTile; 8] = [
+///
+/// Narrow (exact f32, 146-221 registers): for 1, 2, 3, 4 and 8 output channels each, 8 x 64
+/// positions with 2 warps (45-47 KB: four blocks per SM on H100/H200) and 16 x 64 with 4 (79-82
+/// KB, two), K chunks of 8 channels (one 32-byte sector per position) double buffered. At the
+/// Wan head's shape on the H200 (session 15): 1.15 / 1.20 ms with 3 channels, 1.21 / 1.27 with 4,
+/// where cuDNN took ~2 ms and converted its input for 0.6 ms more. Where
+/// C_out is at most 8 a 96-channel tensor-core tile leaves at least 88 of its channels idle
+/// (cuDNN's 32-wide ones 24): the Wan decoder's 3-channel head.
+const CL_TILES: [ClTile; 18] = [
+    cl_tile(ClKind::Narrow, 512, 1, 8, 2, 2),
+    cl_tile(ClKind::Narrow, 1024, 1, 8, 2, 4),
+    cl_tile(ClKind::Narrow, 512, 2, 8, 2, 2),
+    cl_tile(ClKind::Narrow, 1024, 2, 8, 2, 4),
+    cl_tile(ClKind::Narrow, 512, 3, 8, 2, 2),
+    cl_tile(ClKind::Narrow, 1024, 3, 8, 2, 4),
+    cl_tile(ClKind::Narrow, 512, 4, 8, 2, 2),
+    cl_tile(ClKind::Narrow, 1024, 4, 8, 2, 4),
+    cl_tile(ClKind::Narrow, 512, 8, 8, 2, 2),
+    cl_tile(ClKind::Narrow, 1024, 8, 8, 2, 4),
     cl_tile(ClKind::Halo, 256, 96, 16, 2, 8),
     cl_tile(ClKind::Halo, 256, 96, 8, 4, 8),
     cl_tile(ClKind::Halo, 128, 96, 16, 3, 4),
@@ -244,21 +287,23 @@ const MAX_CL_TAPS: usize = 32;
 /// bench/RESULTS.md session 14: its first was the fastest or within 3% of it at 96, 192 and 384
 /// output channels, where the 128-channel tile, fewer blocks at 384, ran 6% slower; halo, with
 /// a quarter of gather's L2 traffic, ran 6-23% faster than gather's best at every one of those
-/// shapes, session 15).
+/// shapes, session 15). Narrow configurations, offered only for at most 8 output channels, come
+/// first there (the fewest idle channels: the compiled count nearest above C_out).
 pub fn channels_last_tiles(c_out: usize, kernel: [usize; 3], stride: [usize; 3]) -> Vec<ClTile> {
     let mut tiles: Vec<ClTile> = CL_TILES
         .into_iter()
-        .filter(|t| t.takes(kernel, stride))
+        .filter(|t| t.takes(c_out, kernel, stride))
         .collect();
     tiles.sort_by_key(|t| c_out.div_ceil(t.channels) * t.channels - c_out);
     tiles
 }
 
 /// Whether [`conv3d_channels_last`] computes `x` by `w` with this `stride` and `padding`: f32 on
-/// a CUDA GPU of compute capability 8.0+ with `tf32` allowed (it computes in TF32; exact f32 must
-/// not come here), input channels a multiple of 4 (16-byte copies), at most 32 taps, sizes
-/// within its 32-bit fields, and a configuration within the device's shared memory. `x` need
-/// not be contiguous (it is copied then).
+/// a CUDA GPU of compute capability 8.0+ with `tf32` allowed (the tensor-core configurations
+/// compute in TF32), or without it where a narrow configuration (exact f32) takes the shape;
+/// input channels a multiple of 4 (16-byte copies), at most 32 taps, sizes within its 32-bit
+/// fields, and a configuration within the device's shared memory. `x` need not be contiguous
+/// (it is copied then).
 pub fn takes_channels_last(
     x: &Tensor,
     w: &Tensor,
@@ -269,11 +314,12 @@ pub fn takes_channels_last(
     first_fitting(x, w, stride, padding, tf32).is_some()
 }
 
-/// Whether the own channels-last kernel is the one to run even with cuDNN loaded: a halo
-/// configuration takes the shape and one block covers every output channel with at most a
-/// quarter of its channels idle (cuDNN's 32-wide channel tiles then gather each activation
-/// several times; the Wan decoder's 96-channel full-resolution convolutions, bench/RESULTS.md
-/// session 15; its 3-channel head stays with cuDNN).
+/// Whether the own channels-last kernel is the one to run even with cuDNN loaded: a narrow
+/// configuration takes the shape (at most 8 output channels, which idle most of cuDNN's
+/// tensor-core tiles; the Wan decoder's 3-channel head), or a halo configuration takes it and
+/// one block covers every output channel with at most a quarter of its channels idle (cuDNN's
+/// 32-wide channel tiles then gather each activation several times; the Wan decoder's
+/// 96-channel full-resolution convolutions, bench/RESULTS.md session 15).
 pub fn outruns_cudnn(
     x: &Tensor,
     w: &Tensor,
@@ -283,13 +329,16 @@ pub fn outruns_cudnn(
 ) -> bool {
     first_fitting(x, w, stride, padding, tf32)
         .zip(w.dims().first())
-        .is_some_and(|(t, &c_out)| {
-            t.kind == ClKind::Halo && c_out <= t.channels && 4 * (t.channels - c_out) <= t.channels
+        .is_some_and(|(t, &c_out)| match t.kind {
+            ClKind::Narrow => true,
+            ClKind::Halo => c_out <= t.channels && 4 * (t.channels - c_out) <= t.channels,
+            ClKind::Gather => false,
         })
 }
 
 /// The first configuration (in [`channels_last_tiles`]' order) that computes the shape within
-/// the device's shared memory, under the conditions [`takes_channels_last`] names.
+/// the device's shared memory, under the conditions [`takes_channels_last`] names (without
+/// `tf32` only the exact narrow ones).
 fn first_fitting(
     x: &Tensor,
     w: &Tensor,
@@ -300,7 +349,7 @@ fn first_fitting(
     let Device::Cuda(dev) = x.device() else {
         return None;
     };
-    if !tf32 || x.dtype() != DType::F32 || w.dtype() != DType::F32 || !available(x.device()) {
+    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || !available(x.device()) {
         return None;
     }
     let (Ok(xd), Ok(wd)) = (x.dims5(), w.dims5()) else {
@@ -311,11 +360,11 @@ fn first_fitting(
     let limit = shared_memory_limit(dev).unwrap_or(0);
     channels_last_tiles(c_out, [kt, kh, kw], stride)
         .into_iter()
-        .find(|t| t.shared_bytes() <= limit)
+        .find(|t| (tf32 || t.kind == ClKind::Narrow) && t.shared_bytes() <= limit)
 }
 
 /// Cross-correlation of `x` `[B, T, H, W, C_in]` by `w` `[C_out, kt, kh, kw, C_in]` (f32,
-/// computed in TF32) with `stride` and zero `padding` per (t, h, w), no bias:
+/// computed in TF32, or exact by a narrow configuration) with `stride` and zero `padding` per (t, h, w), no bias:
 /// `[B, T', H', W', C_out]`. An error where [`takes_channels_last`] would say no.
 pub fn conv3d_channels_last(
     x: &Tensor,
@@ -406,6 +455,10 @@ fn cl_geometry(
     }
     if kt * kh * kw > MAX_CL_TAPS {
         bail!("conv3d kernel: channels last takes at most {MAX_CL_TAPS} taps, not {kt}x{kh}x{kw}")
+    }
+    // The narrow kernel indexes an input frame's positions in 32 bits.
+    if i32::try_from(h * wd).is_err() {
+        bail!("conv3d kernel: a {h}x{wd} frame exceeds i32 positions")
     }
     let (g, [b, c_out, t_out, h_out, w_out]) = geometry(
         [b, c_in, t, h, wd],
@@ -752,9 +805,10 @@ impl Conv3dCl {
         if !CL_TILES.contains(&tile) {
             bail!("conv3d kernel: {tile:?} is not compiled")
         }
-        if !tile.takes([kt, kh, kw], self.stride) {
+        if !tile.takes(c_out, [kt, kh, kw], self.stride) {
             bail!(
-                "conv3d kernel: {tile:?} does not take a {kt}x{kh}x{kw} kernel of stride {:?}",
+                "conv3d kernel: {tile:?} does not take {c_out} output channels of a {kt}x{kh}x{kw} \
+                 kernel of stride {:?}",
                 self.stride
             )
         }
@@ -1031,13 +1085,76 @@ mod tests {
         Ok(())
     }
 
+    /// The narrow kernel's cases (at most 8 output channels): C_out 3 at batch 2 with partial
+    /// tiles (19 rows, 70 columns) and C_in 12 (a partial chunk); the Wan decoder's head at
+    /// reduced size (C_in 96); C_out 4 of C_in 4 with temporal stride 2 and padding; C_out 8 of
+    /// kt 1 without padding; C_out 1 of a 1x1x1 kernel whose temporal padding leaves the first
+    /// and last output frames with no tap (zeros); C_out 2 of a 2x2x2 kernel with padding on one
+    /// side; C_out 5 (idle accumulators) of a 3x3x1 kernel with spatial padding 2.
+    const NARROW_CASES: [Case; 7] = [
+        ([2, 5, 19, 70, 12], [3, 3, 3, 3, 12], [1, 1, 1], [0, 1, 1]),
+        ([1, 6, 20, 40, 96], [3, 3, 3, 3, 96], [1, 1, 1], [0, 1, 1]),
+        ([1, 7, 9, 33, 4], [4, 3, 3, 3, 4], [2, 1, 1], [1, 1, 1]),
+        ([2, 3, 17, 65, 12], [8, 1, 3, 3, 12], [1, 1, 1], [0, 0, 0]),
+        ([1, 2, 9, 70, 4], [1, 1, 1, 1, 4], [1, 1, 1], [1, 0, 0]),
+        ([1, 3, 10, 11, 12], [2, 2, 2, 2, 12], [1, 1, 1], [0, 1, 0]),
+        ([1, 3, 12, 20, 8], [5, 3, 3, 1, 8], [1, 1, 1], [1, 2, 0]),
+    ];
+
+    /// Every narrow configuration that takes the shape (C_out at most its channels) and fits the
+    /// device within f32 rounding of the exact convolution at [`NARROW_CASES`] (1e-5 of
+    /// sum |w||x|: TF32 would be off by ~1e-3, one missing channel of one tap by ~1e-4), offered
+    /// first, and taken without TF32.
+    #[test]
+    fn channels_last_narrow_kernel_matches_exact_convolution() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let Device::Cuda(cuda) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let limit = shared_memory_limit(cuda).unwrap_or(0);
+        for (xd, wd, stride, padding) in NARROW_CASES {
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
+            let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
+            let reference = exact(&x, &w, stride, padding)?;
+            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?);
+            let tiles = channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride);
+            assert_eq!(tiles[0].kind, ClKind::Narrow, "{wd:?}: {tiles:?}");
+            assert!(takes_channels_last(&x, &w, stride, padding, false));
+            assert!(outruns_cudnn(&x, &w, stride, padding, false));
+            let narrow: Vec<ClTile> = CL_TILES
+                .into_iter()
+                .filter(|t| t.kind == ClKind::Narrow && t.channels >= wd[0])
+                .collect();
+            assert!(!narrow.is_empty(), "{wd:?}: no narrow configuration");
+            for tile in narrow {
+                assert!(tiles.contains(&tile), "{wd:?}: {tile:?} not offered");
+                if tile.shared_bytes() > limit {
+                    continue;
+                }
+                let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
+                let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
+                assert!(err < 1e-5, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+            }
+            let y = conv3d_channels_last(&x, &w, stride, padding)?;
+            let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
+            assert!(err < 1e-5, "{xd:?} by {wd:?}, default: {err:.2e}");
+        }
+        Ok(())
+    }
+
     /// The epilogue's cases: 3x3 spatial taps of stride 1 (every halo and gather configuration)
     /// at batch 2 with partial position tiles and C_out 20, and at C_out 101 (two channel tiles,
-    /// odd: single stores) with temporal stride 2; a 1x1x1 shortcut (gather only).
-    const EPILOGUE_CASES: [Case; 3] = [
+    /// odd: single stores) with temporal stride 2; a 1x1x1 shortcut (gather only); C_out 3 at
+    /// batch 2 with partial tiles (narrow, halo and gather) and C_out 8 of a 1x1x1 kernel whose
+    /// temporal padding leaves the first and last output frames with no tap (narrow and gather).
+    const EPILOGUE_CASES: [Case; 5] = [
         ([2, 3, 9, 21, 4], [20, 3, 3, 3, 4], [1, 1, 1], [0, 1, 1]),
         ([1, 5, 10, 17, 8], [101, 2, 3, 3, 8], [2, 1, 1], [1, 1, 1]),
         ([2, 2, 5, 7, 16], [36, 1, 1, 1, 16], [1, 1, 1], [0, 0, 0]),
+        ([2, 3, 19, 70, 12], [3, 3, 3, 3, 12], [1, 1, 1], [0, 1, 1]),
+        ([1, 2, 9, 70, 4], [8, 1, 1, 1, 4], [1, 1, 1], [1, 0, 0]),
     ];
 
     /// Asserts `got` and `want` hold the same f32 bits.
@@ -1154,8 +1271,9 @@ mod tests {
         Ok(())
     }
 
-    /// Exact f32, bf16, input channels not in fours, more than 32 taps and the CPU are declined
-    /// (and the channel count is an error, not a wrong result).
+    /// Exact f32 (but for at most 8 output channels), bf16, input channels not in fours, more
+    /// than 32 taps and the CPU are declined (and the channel count is an error, not a wrong
+    /// result).
     #[test]
     fn channels_last_kernel_declines_what_it_cannot_compute() -> Result<()> {
         let Some(dev) = device() else {
@@ -1178,8 +1296,10 @@ mod tests {
         assert!(conv3d_channels_last(&x6, &w6, s, p).is_err());
         // The halo kernels take 3x3 spatial taps of spatial stride 1 only: not offered otherwise,
         // and an error (not a wrong result) where forced.
-        let halo = CL_TILES[0];
-        assert_eq!(halo.kind, ClKind::Halo);
+        let halo = CL_TILES
+            .into_iter()
+            .find(|t| t.kind == ClKind::Halo)
+            .expect("a halo configuration");
         for (kernel, stride) in [
             ([1, 1, 1], s),
             ([3, 1, 1], s),
@@ -1193,6 +1313,43 @@ mod tests {
         let w1 = Tensor::randn(0f32, 1f32, (96, 1, 1, 1, 32), &dev)?;
         assert!(conv3d_channels_last_tile(&x, &w1, s, [0, 0, 0], Some(halo)).is_err());
         assert!(conv3d_channels_last_tile(&x, &w, [1, 2, 2], p, Some(halo)).is_err());
+        // The narrow kernels take at most their channels (8 in all), kh and kw at most 3 and
+        // spatial stride 1: not offered otherwise, an error where forced; they take exact f32
+        // (TF32 off), the tensor-core configurations do not.
+        for (c_out, kernel, stride) in [
+            (9, [3, 3, 3], s),
+            (96, [3, 3, 3], s),
+            (3, [1, 4, 4], s),
+            (3, [1, 1, 5], s),
+            (3, [3, 3, 3], [1, 2, 2]),
+            (3, [3, 3, 3], [1, 1, 2]),
+        ] {
+            assert!(
+                channels_last_tiles(c_out, kernel, stride)
+                    .iter()
+                    .all(|t| t.kind != ClKind::Narrow),
+                "{c_out} by {kernel:?} of stride {stride:?}"
+            );
+        }
+        assert!(channels_last_tiles(8, [3, 3, 3], s)
+            .iter()
+            .any(|t| t.kind == ClKind::Narrow && t.channels == 8));
+        let narrow3 = CL_TILES
+            .into_iter()
+            .find(|t| t.kind == ClKind::Narrow && t.channels == 3)
+            .expect("a 3-channel narrow configuration");
+        let w4 = Tensor::randn(0f32, 1f32, (4, 3, 3, 3, 32), &dev)?;
+        assert!(conv3d_channels_last_tile(&x, &w4, s, p, Some(narrow3)).is_err());
+        let w3 = w4.narrow(0, 0, 3)?;
+        assert!(conv3d_channels_last_tile(&x, &w3, [1, 2, 2], p, Some(narrow3)).is_err());
+        assert!(conv3d_channels_last_tile(&x, &w3, s, p, Some(narrow3)).is_ok());
+        let w9 = Tensor::randn(0f32, 1f32, (9, 3, 3, 3, 32), &dev)?;
+        assert!(takes_channels_last(&x, &w3, s, p, false));
+        assert!(outruns_cudnn(&x, &w3, s, p, false) && outruns_cudnn(&x, &w3, s, p, true));
+        assert!(!takes_channels_last(&x, &w9, s, p, false));
+        assert!(!outruns_cudnn(&x, &w9, s, p, true));
+        let w3s = Tensor::randn(0f32, 1f32, (3, 3, 3, 3, 32), &dev)?;
+        assert!(!takes_channels_last(&x, &w3s, [1, 2, 2], p, false));
         Ok(())
     }
 }

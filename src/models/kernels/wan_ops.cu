@@ -696,6 +696,26 @@ extern "C" __global__ void wan_bias_act_v8_bf16(bf16 *x, const bf16 *__restrict_
 
 // ---- Wan VAE (f32, activations [B, C, S] contiguous with S = frames * height * width) ----
 
+// a / b rounded to nearest, from r = RN(1 / b), for finite nonzero b: the product's remainder is
+// exact by FMA and one correction rounds the quotient as IEEE division would (Markstein), a
+// product and two FMAs instead of a full-range division (a quotient below the normal range may
+// differ in its last subnormal bit).
+__device__ __forceinline__ float div_rn_by(float a, float b, float r) {
+  const float q = __fmul_rn(a, r);
+  return __fmaf_rn(__fmaf_rn(-q, b, a), r, q);
+}
+
+// SiLU(((v / norm) * scale) * gamma), divisions rounded as IEEE division (ChannelNorm::forward
+// and candle's silu: y / (1 + exp(-y))); rnorm = RN(1 / norm), norm >= 1e-12. An infinite norm or
+// 1 + exp(-y) (y < -88) takes the full division.
+__device__ __forceinline__ float norm_silu(float v, float norm, float rnorm, float scale,
+                                           float gamma) {
+  const float n = norm < INFINITY ? div_rn_by(v, norm, rnorm) : __fdiv_rn(v, norm);
+  const float y = __fmul_rn(__fmul_rn(n, scale), gamma);
+  const float d = __fadd_rn(1.f, expf(-y));
+  return d < INFINITY ? div_rn_by(y, d, __frcp_rn(d)) : __fdiv_rn(y, d);
+}
+
 // out[b, c, offset + s] = SiLU(((x / max(|x|_2, 1e-12)) * scale) * gamma[c]), the norm over the
 // C channels of each pixel (diffusers' WanRMS_norm then SiLU), in the order of operations of
 // ChannelNorm::forward and candle's silu. `out` has its own batch and channel strides (a
@@ -719,13 +739,12 @@ extern "C" __global__ void wan_vae_rms_silu_f32(const float *__restrict__ x,
       if (in_bias != nullptr) v = __fadd_rn(v, in_bias[c]);
       sq = __fadd_rn(sq, __fmul_rn(v, v));
     }
-    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f);
+    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f), rnorm = __frcp_rn(norm);
     float *op = out + b * out_bs + offset + s;
     for (int c = 0; c < channels; ++c) {
       float v = xp[c * spatial];
       if (in_bias != nullptr) v = __fadd_rn(v, in_bias[c]);
-      const float y = __fmul_rn(__fmul_rn(__fdiv_rn(v, norm), scale), gamma[c]);
-      op[c * out_cs] = __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));
+      op[c * out_cs] = norm_silu(v, norm, rnorm, scale, gamma[c]);
     }
   }
 }
@@ -809,21 +828,62 @@ __device__ __forceinline__ void vae_rms_silu_cl(const float *__restrict__ x,
         sq = __fadd_rn(sq, __fmul_rn(v[0], v[0]));
     }
     for (int o = 16; o > 0; o >>= 1) sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
-    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f);
+    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f), rnorm = __frcp_rn(norm);
     float *op = out + offset + p * channels;
     for (int c = (VEC ? 4 : 1) * lane; c < channels; c += step) {
       const int n = VEC ? 4 : 1;
       float v[4], r[4];
       load_biased<VEC>(xp, in_bias, c, v);
 #pragma unroll
-      for (int k = 0; k < n; ++k) {
-        const float y = __fmul_rn(__fmul_rn(__fdiv_rn(v[k], norm), scale), gamma[c + k]);
-        r[k] = __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));
-      }
+      for (int k = 0; k < n; ++k) r[k] = norm_silu(v[k], norm, rnorm, scale, gamma[c + k]);
       if (VEC)
         *reinterpret_cast<float4 *>(op + c) = make_float4(r[0], r[1], r[2], r[3]);
       else
         op[c] = r[0];
+    }
+  }
+}
+
+// vae_rms_silu_cl<true> for C <= 128 * HELD: each lane keeps its float4s of the pixel in
+// registers from the sum of squares to the output, so x is read once (the sums in the same order).
+template <int HELD>
+__device__ __forceinline__ void vae_rms_silu_cl_held(const float *__restrict__ x,
+                                                     float *__restrict__ out,
+                                                     const float *__restrict__ gamma,
+                                                     const float *__restrict__ in_bias,
+                                                     int channels, long pixels, long offset,
+                                                     float scale) {
+  const int lane = threadIdx.x & 31;
+  const long warps = (long)gridDim.x * (blockDim.x >> 5);
+  for (long p = (blockIdx.x * (long)blockDim.x + threadIdx.x) >> 5; p < pixels; p += warps) {
+    const float *xp = x + p * channels;
+    float v[HELD][4];
+    float sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < HELD; ++j) {
+      const int c = 4 * lane + 128 * j;
+      if (c < channels) {
+        load_biased<true>(xp, in_bias, c, v[j]);
+        sq = __fadd_rn(sq, __fadd_rn(__fadd_rn(__fmul_rn(v[j][0], v[j][0]),
+                                               __fmul_rn(v[j][1], v[j][1])),
+                                     __fadd_rn(__fmul_rn(v[j][2], v[j][2]),
+                                               __fmul_rn(v[j][3], v[j][3]))));
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
+    const float norm = fmaxf(__fsqrt_rn(sq), 1e-12f), rnorm = __frcp_rn(norm);
+    float *op = out + offset + p * channels;
+#pragma unroll
+    for (int j = 0; j < HELD; ++j) {
+      const int c = 4 * lane + 128 * j;
+      if (c < channels) {
+        const float4 g = *reinterpret_cast<const float4 *>(gamma + c);
+        *reinterpret_cast<float4 *>(op + c) =
+            make_float4(norm_silu(v[j][0], norm, rnorm, scale, g.x),
+                        norm_silu(v[j][1], norm, rnorm, scale, g.y),
+                        norm_silu(v[j][2], norm, rnorm, scale, g.z),
+                        norm_silu(v[j][3], norm, rnorm, scale, g.w));
+      }
     }
   }
 }
@@ -834,7 +894,11 @@ extern "C" __global__ void wan_vae_rms_silu_cl_f32(const float *__restrict__ x,
                                                    const float *__restrict__ in_bias,
                                                    int channels, long pixels, long offset,
                                                    float scale) {
-  if (channels % 4 == 0 && aligned16(x) && aligned16(out + offset))
+  constexpr int HELD = 4;
+  const bool vec = channels % 4 == 0 && aligned16(x) && aligned16(out + offset);
+  if (vec && aligned16(gamma) && channels <= 128 * HELD)
+    vae_rms_silu_cl_held<HELD>(x, out, gamma, in_bias, channels, pixels, offset, scale);
+  else if (vec)
     vae_rms_silu_cl<true>(x, out, gamma, in_bias, channels, pixels, offset, scale);
   else
     vae_rms_silu_cl<false>(x, out, gamma, in_bias, channels, pixels, offset, scale);
