@@ -1081,16 +1081,20 @@ extern "C" __global__ void conv3d_pack_bf16(const __nv_bfloat16 *w, __nv_bfloat1
 CONV3D_CONFIGS(f32, float)
 CONV3D_CONFIGS(bf16, __nv_bfloat16)
 
-// conv3d_cl_m<BM>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: channels last, f32 in TF32; the launcher picks
-// one by C_out and shared memory (`ClTile` in conv3d.rs). y = x * w (+ bias) (+ residual), bias
-// and residual null where not added.
-#define CONV3D_CL(BM, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                      \
+// One channels-last entry point: y = x * w (+ bias) (+ residual), bias and residual null where
+// not added; KERNEL the (parenthesized) template instance it runs.
+#define CONV3D_CL_ENTRY(NAME, WARPS, MIN_BLOCKS, KERNEL)                                     \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
-      conv3d_cl_m##BM##_n##BN##_k##BK##_s##STAGES##_w##WARPS(                                 \
-          const float *x, const float *w, float *y, const float *bias, const float *residual, \
-          Geometry g) {                                                                       \
-    conv3d_cl<BM, BN, BK, WARPS, STAGES>(x, w, y, ClEpilogue{bias, residual}, g);             \
+      NAME(const float *x, const float *w, float *y, const float *bias, const float *residual,  \
+           Geometry g) {                                                                      \
+    KERNEL(x, w, y, ClEpilogue{bias, residual}, g);                                           \
   }
+
+// conv3d_cl_m<BM>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: channels last, f32 in TF32; the launcher picks
+// one by C_out and shared memory (`ClTile` in conv3d.rs).
+#define CONV3D_CL(BM, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                   \
+  CONV3D_CL_ENTRY(conv3d_cl_m##BM##_n##BN##_k##BK##_s##STAGES##_w##WARPS, WARPS, MIN_BLOCKS, \
+                  (conv3d_cl<BM, BN, BK, WARPS, STAGES>))
 
 // MIN_BLOCKS caps the registers so that many blocks fit an SM's registers (H100/H200 shared
 // memory allows them); the 64 x 48 warp tiles of the 8-warp BM 256 block need more than 128.
@@ -1103,13 +1107,9 @@ CONV3D_CL(128, 128, 16, 4, 8, 2)
 // conv3d_clh_t<TH>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: the halo kernel for 3x3 spatial kernels of
 // spatial stride 1 (`ClKind::Halo` in conv3d.rs). Its 64 x 48 warp tiles hold about 170
 // registers: one 8-warp block per SM (TH 16), or two 4-warp blocks (TH 8).
-#define CONV3D_CL_HALO(TH, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                 \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
-      conv3d_clh_t##TH##_n##BN##_k##BK##_s##STAGES##_w##WARPS(                                \
-          const float *x, const float *w, float *y, const float *bias, const float *residual, \
-          Geometry g) {                                                                       \
-    conv3d_cl_halo<TH, BN, BK, WARPS, STAGES>(x, w, y, ClEpilogue{bias, residual}, g);        \
-  }
+#define CONV3D_CL_HALO(TH, BN, BK, STAGES, WARPS, MIN_BLOCKS)                                \
+  CONV3D_CL_ENTRY(conv3d_clh_t##TH##_n##BN##_k##BK##_s##STAGES##_w##WARPS, WARPS, MIN_BLOCKS, \
+                  (conv3d_cl_halo<TH, BN, BK, WARPS, STAGES>))
 
 CONV3D_CL_HALO(16, 96, 16, 2, 8, 1)
 CONV3D_CL_HALO(16, 96, 8, 4, 8, 1)
@@ -1117,13 +1117,9 @@ CONV3D_CL_HALO(8, 96, 16, 3, 4, 2)
 
 // conv3d_cln_t<TH>_n<NC>_k<CK>_s2_w<WARPS>: the narrow kernel for at most NC output channels
 // (`ClKind::Narrow` in conv3d.rs), TH x 64 positions per block, exact f32.
-#define CONV3D_CL_NARROW(TH, NC, CK, WARPS, MIN_BLOCKS)                                       \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
-      conv3d_cln_t##TH##_n##NC##_k##CK##_s2_w##WARPS(                                         \
-          const float *x, const float *w, float *y, const float *bias, const float *residual, \
-          Geometry g) {                                                                       \
-    conv3d_cl_narrow<NC, WARPS, CK>(x, w, y, ClEpilogue{bias, residual}, g);                  \
-  }
+#define CONV3D_CL_NARROW(TH, NC, CK, WARPS, MIN_BLOCKS)                                  \
+  CONV3D_CL_ENTRY(conv3d_cln_t##TH##_n##NC##_k##CK##_s2_w##WARPS, WARPS, MIN_BLOCKS, \
+                  (conv3d_cl_narrow<NC, WARPS, CK>))
 
 #define CONV3D_CL_NARROW_CHANNELS(NC)    \
   CONV3D_CL_NARROW(16, NC, 8, 4, 2)      \

@@ -901,14 +901,12 @@ mod tests {
         dev
     }
 
+    /// The exact outputs of a convolution and, per output, sum |w||x|.
+    type Exact = (Vec<f64>, Vec<f64>);
+
     /// The exact convolution of channels-last `x` by `w` (f64 on the CPU, of the f32 values as
     /// they are) and, per output, sum |w||x|, which bounds TF32's rounding error.
-    fn exact(
-        x: &Tensor,
-        w: &Tensor,
-        stride: [usize; 3],
-        padding: [usize; 3],
-    ) -> Result<(Vec<f64>, Vec<f64>)> {
+    fn exact(x: &Tensor, w: &Tensor, stride: [usize; 3], padding: [usize; 3]) -> Result<Exact> {
         let [b, t, h, wd, c_in] = x.dims5()?.into();
         let [c_out, kt, kh, kw, _] = w.dims5()?.into();
         let (_, [_, t_out, h_out, w_out, _]) =
@@ -957,7 +955,7 @@ mod tests {
     }
 
     /// Max over outputs of |`got` - exact| / sum |w||x|.
-    fn error_per_magnitude(got: &Tensor, exact: &(Vec<f64>, Vec<f64>)) -> Result<f64> {
+    fn error_per_magnitude(got: &Tensor, exact: &Exact) -> Result<f64> {
         let got = got.flatten_all()?.to_vec1::<f32>()?;
         assert_eq!(got.len(), exact.0.len());
         Ok(got
@@ -969,6 +967,31 @@ mod tests {
 
     /// (x dims `[B, T, H, W, C_in]`, w dims `[C_out, kt, kh, kw, C_in]`, stride, padding).
     type Case = ([usize; 5], [usize; 5], [usize; 3], [usize; 3]);
+
+    /// The GPU (where the kernels run on it) and its shared-memory limit per block.
+    fn device_and_limit() -> Option<(Device, usize)> {
+        let dev = device()?;
+        let Device::Cuda(cuda) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let limit = shared_memory_limit(cuda).unwrap_or(0);
+        Some((dev, limit))
+    }
+
+    /// A case's x and w, drawn on the CPU and moved to `dev`, and their exact convolution.
+    fn drawn(dev: &Device, (xd, wd, stride, padding): Case) -> Result<(Tensor, Tensor, Exact)> {
+        let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
+        let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
+        let reference = exact(&x, &w, stride, padding)?;
+        Ok((x.to_device(dev)?, w.to_device(dev)?, reference))
+    }
+
+    /// Asserts `y` within `tolerance` of sum |w||x| of the exact convolution.
+    fn assert_near(y: &Tensor, reference: &Exact, tolerance: f64, what: &str) -> Result<()> {
+        let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, reference)?;
+        assert!(err < tolerance, "{what}: {err:.2e}");
+        Ok(())
+    }
     /// The decoder's kinds of convolution at small sizes: 3x3x3 with spatial padding (batch 2,
     /// odd sizes, C_in 32 / 96 / 192, C_out 96 / 128), temporal padding, a 1x1x1 shortcut, a
     /// 3x1x1 temporal conv, a 1x2x2 kernel with padding 1 (H + 1 x W + 1 outputs) and output
@@ -993,29 +1016,21 @@ mod tests {
     /// by at most about 2^-10 of sum |w||x|.
     #[test]
     fn channels_last_kernel_matches_exact_convolution() -> Result<()> {
-        let Some(dev) = device() else {
+        let Some((dev, limit)) = device_and_limit() else {
             return Ok(());
         };
-        let Device::Cuda(cuda) = &dev else {
-            unreachable!("a CUDA device")
-        };
-        let limit = shared_memory_limit(cuda).unwrap_or(0);
-        for (xd, wd, stride, padding) in CASES {
-            let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
-            let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
-            let reference = exact(&x, &w, stride, padding)?;
-            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?);
+        for case in CASES {
+            let (xd, wd, stride, padding) = case;
+            let (x, w, reference) = drawn(&dev, case)?;
             assert!(takes_channels_last(&x, &w, stride, padding, true));
             let y = conv3d_channels_last(&x, &w, stride, padding)?;
-            let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
-            assert!(err < 1e-3, "{xd:?} by {wd:?}: {err:.2e}");
+            assert_near(&y, &reference, 1e-3, &format!("{xd:?} by {wd:?}"))?;
             for tile in channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride) {
                 if tile.shared_bytes() > limit {
                     continue;
                 }
                 let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
-                let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
-                assert!(err < 1e-3, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+                assert_near(&y, &reference, 1e-3, &format!("{xd:?} by {wd:?}, {tile:?}"))?;
             }
         }
         // A strided x (channels first in memory) is copied first.
@@ -1026,8 +1041,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
         let reference = exact(&x.contiguous()?, &w, stride, padding)?;
         let y = conv3d_channels_last(&x.to_device(&dev)?, &w.to_device(&dev)?, stride, padding)?;
-        let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
-        assert!(err < 1e-3, "strided x: {err:.2e}");
+        assert_near(&y, &reference, 1e-3, "strided x")?;
         Ok(())
     }
 
@@ -1054,29 +1068,22 @@ mod tests {
     /// 96-channel shapes.
     #[test]
     fn channels_last_halo_kernel_matches_exact_convolution() -> Result<()> {
-        let Some(dev) = device() else {
+        let Some((dev, limit)) = device_and_limit() else {
             return Ok(());
         };
-        let Device::Cuda(cuda) = &dev else {
-            unreachable!("a CUDA device")
-        };
-        let limit = shared_memory_limit(cuda).unwrap_or(0);
         let halo: Vec<ClTile> = CL_TILES
             .into_iter()
             .filter(|t| t.kind == ClKind::Halo && t.shared_bytes() <= limit)
             .collect();
         assert!(!halo.is_empty(), "no halo configuration fits {limit} B");
-        for (xd, wd, stride, padding) in HALO_CASES {
-            let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
-            let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
-            let reference = exact(&x, &w, stride, padding)?;
-            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?);
+        for case in HALO_CASES {
+            let (xd, wd, stride, padding) = case;
+            let (x, w, reference) = drawn(&dev, case)?;
             let tiles = channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride);
             for &tile in &halo {
                 assert!(tiles.contains(&tile), "{wd:?}: {tile:?} not offered");
                 let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
-                let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
-                assert!(err < 1e-3, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+                assert_near(&y, &reference, 1e-3, &format!("{xd:?} by {wd:?}, {tile:?}"))?;
             }
             if wd[0] == 96 {
                 assert_eq!(tiles[0].kind, ClKind::Halo, "{wd:?}: {tiles:?}");
@@ -1107,18 +1114,12 @@ mod tests {
     /// first, and taken without TF32.
     #[test]
     fn channels_last_narrow_kernel_matches_exact_convolution() -> Result<()> {
-        let Some(dev) = device() else {
+        let Some((dev, limit)) = device_and_limit() else {
             return Ok(());
         };
-        let Device::Cuda(cuda) = &dev else {
-            unreachable!("a CUDA device")
-        };
-        let limit = shared_memory_limit(cuda).unwrap_or(0);
-        for (xd, wd, stride, padding) in NARROW_CASES {
-            let x = Tensor::randn(0f32, 1f32, &xd[..], &Device::Cpu)?;
-            let w = Tensor::randn(0f32, 1f32, &wd[..], &Device::Cpu)?;
-            let reference = exact(&x, &w, stride, padding)?;
-            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?);
+        for case in NARROW_CASES {
+            let (xd, wd, stride, padding) = case;
+            let (x, w, reference) = drawn(&dev, case)?;
             let tiles = channels_last_tiles(wd[0], [wd[1], wd[2], wd[3]], stride);
             assert_eq!(tiles[0].kind, ClKind::Narrow, "{wd:?}: {tiles:?}");
             assert!(takes_channels_last(&x, &w, stride, padding, false));
@@ -1134,12 +1135,10 @@ mod tests {
                     continue;
                 }
                 let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
-                let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
-                assert!(err < 1e-5, "{xd:?} by {wd:?}, {tile:?}: {err:.2e}");
+                assert_near(&y, &reference, 1e-5, &format!("{xd:?} by {wd:?}, {tile:?}"))?;
             }
             let y = conv3d_channels_last(&x, &w, stride, padding)?;
-            let err = error_per_magnitude(&y.to_device(&Device::Cpu)?, &reference)?;
-            assert!(err < 1e-5, "{xd:?} by {wd:?}, default: {err:.2e}");
+            assert_near(&y, &reference, 1e-5, &format!("{xd:?} by {wd:?}, default"))?;
         }
         Ok(())
     }
@@ -1181,13 +1180,9 @@ mod tests {
     /// is copied first.
     #[test]
     fn channels_last_epilogue_matches_separate_adds() -> Result<()> {
-        let Some(dev) = device() else {
+        let Some((dev, limit)) = device_and_limit() else {
             return Ok(());
         };
-        let Device::Cuda(cuda) = &dev else {
-            unreachable!("a CUDA device")
-        };
-        let limit = shared_memory_limit(cuda).unwrap_or(0);
         for (xd, wd, stride, padding) in EPILOGUE_CASES {
             let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?;
             let w = Tensor::randn(0f32, 1f32, &wd[..], &dev)?;
