@@ -290,6 +290,28 @@ pub fn conv3d_in_adding(
     Ok(conv3d_in(layout, x, w, stride, padding)?.map(|y| (y, false)))
 }
 
+/// An upsampler's parity convolution `w` `[4 C, kt, kh, kw, C_in]` stored interleaved with
+/// `bias` added (see [`kernel::conv3d_channels_last_parities`]) where the own channels-last
+/// kernel computes it; `None` otherwise (the caller runs [`conv3d_in`] and interleaves).
+pub fn conv3d_parities_in(
+    layout: Layout,
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    bias: &Tensor,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if layout == Layout::ChannelsLast
+        && w.dim(0)?.is_multiple_of(8)
+        && own_channels_last(x, w, stride, padding)
+    {
+        return kernel::conv3d_channels_last_parities(x, w, stride, padding, Some(bias)).map(Some);
+    }
+    let _ = (layout, x, w, stride, padding, bias);
+    Ok(None)
+}
+
 /// cuDNN's tensor descriptors hold sizes and strides as i32: no operand may have more
 /// elements.
 #[cfg(feature = "cuda")]

@@ -4,6 +4,7 @@
 //! described with their own strides (no copies); execution plans are built once per shape.
 
 use std::ffi::c_void;
+use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
@@ -22,6 +23,9 @@ const MAX_HEAD_DIM: usize = 256;
 const ALIGNMENT: i64 = 16;
 
 // cudnnBackendDescriptorType_t
+const ENGINE_DESCRIPTOR: i32 = 2;
+const KNOB_CHOICE_DESCRIPTOR: i32 = 7;
+const KNOB_INFO_DESCRIPTOR: i32 = 8;
 const TENSOR_DESCRIPTOR: i32 = 17;
 const OPERATION_SDPA_FWD_DESCRIPTOR: i32 = 41;
 const OPERATIONGRAPH_DESCRIPTOR: i32 = 15;
@@ -36,6 +40,7 @@ const TYPE_BOOLEAN: i32 = 2;
 const TYPE_INT64: i32 = 3;
 const TYPE_VOID_PTR: i32 = 6;
 const TYPE_HEUR_MODE: i32 = 8;
+const TYPE_KNOB_TYPE: i32 = 9;
 const TYPE_BACKEND_DESCRIPTOR: i32 = 15;
 // cudnnBackendAttributeName_t
 const ATTR_TENSOR_BYTE_ALIGNMENT: i32 = 900;
@@ -51,9 +56,21 @@ const ATTR_SDPA_FWD_ODESC: i32 = 2803;
 const ATTR_SDPA_FWD_SCALEDESC: i32 = 2805;
 const ATTR_OPERATIONGRAPH_HANDLE: i32 = 800;
 const ATTR_OPERATIONGRAPH_OPS: i32 = 801;
+const ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT: i32 = 802;
 const ATTR_ENGINEHEUR_MODE: i32 = 200;
 const ATTR_ENGINEHEUR_OPERATION_GRAPH: i32 = 201;
 const ATTR_ENGINEHEUR_RESULTS: i32 = 202;
+const ATTR_ENGINECFG_ENGINE: i32 = 300;
+const ATTR_ENGINECFG_KNOB_CHOICES: i32 = 302;
+const ATTR_KNOB_CHOICE_KNOB_TYPE: i32 = 600;
+const ATTR_KNOB_CHOICE_KNOB_VALUE: i32 = 601;
+const ATTR_KNOB_INFO_TYPE: i32 = 1200;
+const ATTR_KNOB_INFO_MAXIMUM_VALUE: i32 = 1201;
+const ATTR_KNOB_INFO_MINIMUM_VALUE: i32 = 1202;
+const ATTR_KNOB_INFO_STRIDE: i32 = 1203;
+const ATTR_ENGINE_OPERATION_GRAPH: i32 = 1300;
+const ATTR_ENGINE_GLOBAL_INDEX: i32 = 1301;
+const ATTR_ENGINE_KNOB_INFO: i32 = 1302;
 const ATTR_EXECUTION_PLAN_HANDLE: i32 = 400;
 const ATTR_EXECUTION_PLAN_ENGINE_CONFIG: i32 = 401;
 const ATTR_EXECUTION_PLAN_WORKSPACE_SIZE: i32 = 402;
@@ -62,6 +79,10 @@ const ATTR_VARIANT_PACK_DATA_POINTERS: i32 = 1001;
 const ATTR_VARIANT_PACK_WORKSPACE: i32 = 1003;
 // cudnnBackendHeurMode_t: the default heuristic, then the fallback list.
 const HEUR_MODES: [i32; 2] = [3, 2];
+/// More knobs than any engine has (cuDNN 9 names fewer than 64 knob types).
+const MAX_KNOBS: usize = 64;
+/// Most knob combinations tried per engine beyond cuDNN's own choices (benches only).
+const MAX_VARIANTS: usize = 512;
 
 /// Unique ids of the graph's tensors (the variant pack binds pointers by these).
 const UID_Q: i64 = 1;
@@ -114,6 +135,52 @@ impl Backend {
             .check(status, &format!("cudnnBackendSetAttribute({name})"))
     }
 
+    /// Attribute `name`'s descriptors of `kind` (at most `max`): cuDNN fills descriptors made here.
+    fn descriptors(&self, name: i32, kind: i32, max: usize) -> Result<Vec<Backend>> {
+        let made = (0..max)
+            .map(|_| Backend::new(self.api, kind))
+            .collect::<Result<Vec<_>>>()?;
+        let mut raw: Vec<Desc> = made.iter().map(|d| d.desc).collect();
+        let mut returned: i64 = 0;
+        // SAFETY: `raw` holds `max` created descriptors of the attribute's kind to fill.
+        let status = unsafe {
+            (self.api.backend_get)(
+                self.desc,
+                name,
+                TYPE_BACKEND_DESCRIPTOR,
+                max as i64,
+                &mut returned,
+                raw.as_mut_ptr() as *mut c_void,
+            )
+        };
+        self.api
+            .check(status, &format!("cudnnBackendGetAttribute({name})"))?;
+        Ok(made
+            .into_iter()
+            .take(returned.clamp(0, max as i64) as usize)
+            .collect())
+    }
+
+    /// Attribute `name`'s one value of C type `T` (matching `ty`).
+    fn scalar<T: Default>(&self, name: i32, ty: i32) -> Result<T> {
+        let mut value = T::default();
+        let mut got: i64 = 0;
+        // SAFETY: one element of the C type `ty` names is written.
+        let status = unsafe {
+            (self.api.backend_get)(
+                self.desc,
+                name,
+                ty,
+                1,
+                &mut got,
+                &mut value as *mut T as *mut c_void,
+            )
+        };
+        self.api
+            .check(status, &format!("cudnnBackendGetAttribute({name})"))?;
+        Ok(value)
+    }
+
     fn finalize(&self, what: &str) -> Result<()> {
         // SAFETY: a live descriptor.
         let status = unsafe { (self.api.backend_finalize)(self.desc) };
@@ -147,19 +214,190 @@ impl Backend {
 struct Plan {
     plan: Backend,
     workspace: usize,
+    /// The engine and knob settings it runs, for benches to print.
+    choice: String,
     /// Descriptors the plan was made from, kept alive with it.
     _parts: Vec<Backend>,
+}
+
+/// Which engine config a plan runs.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Pick {
+    /// The first of cuDNN's heuristic configs that finalizes (what [`sdpa`] runs).
+    First,
+    /// Candidate `n` (see [`sdpa_with_plan`]), or an error where it does not finalize.
+    Candidate(usize),
 }
 
 /// What a plan depends on: device, dtype, sizes and the strides of q, k and v.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Key {
     ordinal: usize,
-    /// Which finalizable plan, in cuDNN's heuristic order.
-    plan: usize,
+    pick: Pick,
     dtype: DType,
     dims: [usize; 5],
     strides: [[usize; 3]; 3],
+}
+
+/// An engine and its knob settings (`cudnnBackendKnobType_t` value, setting): what an engine
+/// config is made of.
+#[derive(Clone, PartialEq, Eq)]
+struct EngineChoice {
+    engine: i64,
+    knobs: Vec<(i32, i64)>,
+}
+
+impl std::fmt::Display for EngineChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "engine {} knobs", self.engine)?;
+        for (ty, value) in &self.knobs {
+            write!(f, " {ty}={value}")?;
+        }
+        Ok(())
+    }
+}
+
+impl EngineChoice {
+    /// What an engine config (one of cuDNN's heuristic results) chose.
+    fn of(config: &Backend) -> Result<Self> {
+        let Some(engine) = config
+            .descriptors(ATTR_ENGINECFG_ENGINE, ENGINE_DESCRIPTOR, 1)?
+            .pop()
+        else {
+            bail!("cuDNN attention: an engine config without an engine")
+        };
+        let mut knobs = config
+            .descriptors(
+                ATTR_ENGINECFG_KNOB_CHOICES,
+                KNOB_CHOICE_DESCRIPTOR,
+                MAX_KNOBS,
+            )?
+            .iter()
+            .map(|c| {
+                Ok((
+                    c.scalar::<i32>(ATTR_KNOB_CHOICE_KNOB_TYPE, TYPE_KNOB_TYPE)?,
+                    c.scalar::<i64>(ATTR_KNOB_CHOICE_KNOB_VALUE, TYPE_INT64)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        knobs.sort_unstable();
+        Ok(Self {
+            engine: engine.scalar(ATTR_ENGINE_GLOBAL_INDEX, TYPE_INT64)?,
+            knobs,
+        })
+    }
+
+    /// A finalized engine descriptor of this engine for `graph`.
+    fn engine(&self, api: &'static Api, graph: &Backend) -> Result<Backend> {
+        let engine = Backend::new(api, ENGINE_DESCRIPTOR)?;
+        engine.set(
+            ATTR_ENGINE_OPERATION_GRAPH,
+            TYPE_BACKEND_DESCRIPTOR,
+            &[graph.desc],
+        )?;
+        engine.set(ATTR_ENGINE_GLOBAL_INDEX, TYPE_INT64, &[self.engine])?;
+        engine.finalize("engine")?;
+        Ok(engine)
+    }
+
+    /// Other settings of this engine's knobs, at most [`MAX_VARIANTS`]: each knob alone through
+    /// its range first, then every combination of the ranges.
+    fn variants(&self, api: &'static Api, graph: &Backend) -> Result<Vec<EngineChoice>> {
+        /// Most settings tried per knob.
+        const MAX_SETTINGS: usize = 256;
+        let engine = self.engine(api, graph)?;
+        let mut space = Vec::new();
+        for info in engine.descriptors(ATTR_ENGINE_KNOB_INFO, KNOB_INFO_DESCRIPTOR, MAX_KNOBS)? {
+            let ty = info.scalar::<i32>(ATTR_KNOB_INFO_TYPE, TYPE_KNOB_TYPE)?;
+            let min = info.scalar::<i64>(ATTR_KNOB_INFO_MINIMUM_VALUE, TYPE_INT64)?;
+            let max = info.scalar::<i64>(ATTR_KNOB_INFO_MAXIMUM_VALUE, TYPE_INT64)?;
+            let stride = info
+                .scalar::<i64>(ATTR_KNOB_INFO_STRIDE, TYPE_INT64)?
+                .max(1);
+            let settings: Vec<i64> = (min..=max)
+                .step_by(stride as usize)
+                .take(MAX_SETTINGS)
+                .collect();
+            space.push((ty, settings));
+        }
+        space.sort_unstable();
+        let with = |ty: i32, value: i64| {
+            let mut knobs = self.knobs.clone();
+            match knobs.iter_mut().find(|(t, _)| *t == ty) {
+                Some(knob) => knob.1 = value,
+                None => knobs.push((ty, value)),
+            }
+            knobs.sort_unstable();
+            EngineChoice {
+                engine: self.engine,
+                knobs,
+            }
+        };
+        let mut out: Vec<EngineChoice> = Vec::new();
+        let mut push = |choice: EngineChoice| {
+            if choice != *self && !out.contains(&choice) && out.len() < MAX_VARIANTS {
+                out.push(choice);
+            }
+        };
+        for (ty, settings) in &space {
+            settings.iter().for_each(|&v| push(with(*ty, v)));
+        }
+        let mut combos: Vec<Vec<(i32, i64)>> = vec![Vec::new()];
+        for (ty, settings) in &space {
+            combos = combos
+                .iter()
+                .flat_map(|c| {
+                    settings.iter().map(move |&v| {
+                        let mut c = c.clone();
+                        c.push((*ty, v));
+                        c
+                    })
+                })
+                .take(4 * MAX_VARIANTS)
+                .collect();
+        }
+        for knobs in combos {
+            push(EngineChoice {
+                engine: self.engine,
+                knobs,
+            });
+        }
+        Ok(out)
+    }
+
+    /// A finalized engine config with these settings, and the descriptors it holds.
+    fn config(&self, api: &'static Api, graph: &Backend) -> Result<(Backend, Vec<Backend>)> {
+        let engine = self.engine(api, graph)?;
+        let mut parts = Vec::new();
+        for &(ty, value) in &self.knobs {
+            let choice = Backend::new(api, KNOB_CHOICE_DESCRIPTOR)?;
+            choice.set(ATTR_KNOB_CHOICE_KNOB_TYPE, TYPE_KNOB_TYPE, &[ty])?;
+            choice.set(ATTR_KNOB_CHOICE_KNOB_VALUE, TYPE_INT64, &[value])?;
+            choice.finalize("knob choice")?;
+            parts.push(choice);
+        }
+        let config = Backend::new(api, ENGINECFG_DESCRIPTOR)?;
+        config.set(
+            ATTR_ENGINECFG_ENGINE,
+            TYPE_BACKEND_DESCRIPTOR,
+            &[engine.desc],
+        )?;
+        let knobs: Vec<Desc> = parts.iter().map(|c| c.desc).collect();
+        if !knobs.is_empty() {
+            config.set(ATTR_ENGINECFG_KNOB_CHOICES, TYPE_BACKEND_DESCRIPTOR, &knobs)?;
+        }
+        config.finalize("engine config")?;
+        parts.push(engine);
+        Ok((config, parts))
+    }
+}
+
+impl Plan {
+    /// The plan, also holding `parts` alive.
+    fn with_parts(mut self, parts: impl IntoIterator<Item = Backend>) -> Self {
+        self._parts.extend(parts);
+        self
+    }
 }
 
 static PLANS: PlanCache<Key, Plan> = PlanCache::new();
@@ -191,8 +429,8 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Option<Tensor> {
         );
         return None;
     }
-    match run_plan(api, q, k, v, scale, 0) {
-        Ok(out) => Some(out),
+    match run_plan(api, q, k, v, scale, Pick::First) {
+        Ok((out, _)) => Some(out),
         Err(e) => {
             note_once(
                 "sdpa-failed",
@@ -203,48 +441,55 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Option<Tensor> {
     }
 }
 
-/// [`sdpa`] through the `plan`-th execution plan cuDNN finalizes for the shape, in its
-/// heuristics' order (0 is the one [`sdpa`] runs): for benches comparing cuDNN's candidates. An
-/// error past the last plan, where cuDNN is absent or older than the node, or the inputs are not
-/// of a kind it takes.
+/// [`sdpa`] through candidate `n` of the engine configs for the shape, with the engine and knob
+/// settings it runs: for benches comparing them. The candidates are cuDNN's heuristic configs in
+/// their order (0 is the one [`sdpa`] runs where it finalizes), then the other knob settings of
+/// their engines. An error where candidate `n` does not finalize (past the last one: "no
+/// candidate"), where cuDNN is absent or older than the node, or the inputs are not of a kind it
+/// takes.
 pub fn sdpa_with_plan(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    plan: usize,
-) -> Result<Tensor> {
+    n: usize,
+) -> Result<(Tensor, String)> {
     let api = api().filter(|api| api.version >= MIN_VERSION && eligible(q, k, v));
     let Some(api) = api else {
         bail!("cuDNN attention: no cuDNN >= 9.13.1, or inputs it does not take")
     };
-    run_plan(api, q, k, v, scale, plan)
+    run_plan(api, q, k, v, scale, Pick::Candidate(n))
 }
 
+/// Attention through the picked plan, and the engine and knob settings that plan runs.
 fn run_plan(
     api: &'static Api,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    plan: usize,
-) -> Result<Tensor> {
+    pick: Pick,
+) -> Result<(Tensor, String)> {
     let aligned = crate::models::attention::flash_attn::aligned;
     let op = Sdpa {
         api,
         scale: scale as f32,
-        plan,
+        pick,
+        choice: Mutex::new(String::new()),
     };
-    aligned(q)?
+    let out = aligned(q)?
         .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
-        .transpose(1, 2)
+        .transpose(1, 2)?;
+    let choice = op.choice.into_inner().unwrap_or_default();
+    Ok((out, choice))
 }
 
 struct Sdpa {
     api: &'static Api,
     scale: f32,
-    /// Which finalizable plan to run (0: cuDNN's first choice).
-    plan: usize,
+    pick: Pick,
+    /// The engine and knob settings the plan ran, written by the run.
+    choice: Mutex<String>,
 }
 
 /// The first three strides of a 4D layout whose last stride is 1.
@@ -289,7 +534,7 @@ impl Sdpa {
         graph.set(ATTR_OPERATIONGRAPH_HANDLE, TYPE_HANDLE, &[handle])?;
         graph.finalize("operation graph")?;
         let mut last_error = None;
-        let mut skip = key.plan;
+        let mut chosen: Vec<EngineChoice> = Vec::new();
         for mode in HEUR_MODES {
             let heur = Backend::new(api, ENGINEHEUR_DESCRIPTOR)?;
             heur.set(
@@ -317,70 +562,93 @@ impl Sdpa {
                 },
                 "counting engine configs",
             )?;
-            let configs = (0..count.max(0))
-                .map(|_| Backend::new(api, ENGINECFG_DESCRIPTOR))
-                .collect::<Result<Vec<_>>>()?;
-            let mut raw: Vec<Desc> = configs.iter().map(|c| c.desc).collect();
-            let mut returned: i64 = 0;
-            // SAFETY: `raw` holds `count` created engine-config descriptors to fill.
-            api.check(
-                unsafe {
-                    (api.backend_get)(
-                        heur.desc,
-                        ATTR_ENGINEHEUR_RESULTS,
-                        TYPE_BACKEND_DESCRIPTOR,
-                        raw.len() as i64,
-                        &mut returned,
-                        raw.as_mut_ptr() as *mut c_void,
-                    )
-                },
-                "reading engine configs",
+            let configs = heur.descriptors(
+                ATTR_ENGINEHEUR_RESULTS,
+                ENGINECFG_DESCRIPTOR,
+                count.max(0) as usize,
             )?;
-            let returned = (returned.max(0) as usize).min(configs.len());
-            for config in configs.into_iter().take(returned) {
-                let plan = Backend::new(api, EXECUTION_PLAN_DESCRIPTOR)?;
-                plan.set(ATTR_EXECUTION_PLAN_HANDLE, TYPE_HANDLE, &[handle])?;
-                plan.set(
-                    ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                    TYPE_BACKEND_DESCRIPTOR,
-                    &[config.desc],
-                )?;
-                if let Err(e) = plan.finalize("execution plan") {
-                    last_error = Some(e);
+            for config in configs {
+                // A config that cannot be read back is still run, but never counted as a candidate.
+                let choice = EngineChoice::of(&config).ok();
+                let wanted = match (&choice, key.pick) {
+                    (Some(c), _) if chosen.contains(c) => false,
+                    (Some(c), pick) => {
+                        chosen.push(c.clone());
+                        pick == Pick::First || pick == Pick::Candidate(chosen.len() - 1)
+                    }
+                    (None, pick) => pick == Pick::First,
+                };
+                if !wanted {
                     continue;
                 }
-                if skip > 0 {
-                    skip -= 1;
-                    continue;
+                let label = choice.map_or_else(|| "engine ?".into(), |c| c.to_string());
+                match self.plan(handle, config, label, Vec::new()) {
+                    Ok(plan) => return Ok(plan.with_parts([heur, graph, op, qd, kd, vd, od, sd])),
+                    Err(e) if key.pick == Pick::First => last_error = Some(e),
+                    Err(e) => return Err(e),
                 }
-                let mut workspace: i64 = 0;
-                let mut got: i64 = 0;
-                // SAFETY: one int64 is written.
-                api.check(
-                    unsafe {
-                        (api.backend_get)(
-                            plan.desc,
-                            ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                            TYPE_INT64,
-                            1,
-                            &mut got,
-                            &mut workspace as *mut i64 as *mut c_void,
-                        )
-                    },
-                    "reading the workspace size",
-                )?;
-                return Ok(Plan {
-                    plan,
-                    workspace: workspace.max(0) as usize,
-                    _parts: vec![config, heur, graph, op, qd, kd, vd, od, sd],
-                });
             }
         }
+        // Past cuDNN's own configs (benches only): the other knob settings of their engines,
+        // then every other engine of the graph with its own defaults and their variants.
+        if let Pick::Candidate(n) = key.pick {
+            let engines: i64 = graph.scalar(ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT, TYPE_INT64)?;
+            let mut bases = chosen.clone();
+            for engine in 0..engines {
+                if !bases.iter().any(|b| b.engine == engine) {
+                    bases.push(EngineChoice {
+                        engine,
+                        knobs: Vec::new(),
+                    });
+                }
+            }
+            for base in bases {
+                let variants = base.variants(api, &graph).unwrap_or_default();
+                for choice in std::iter::once(base).chain(variants) {
+                    if chosen.contains(&choice) {
+                        continue;
+                    }
+                    chosen.push(choice.clone());
+                    if n + 1 == chosen.len() {
+                        let (config, parts) = choice.config(api, &graph)?;
+                        let plan = self.plan(handle, config, choice.to_string(), parts)?;
+                        return Ok(plan.with_parts([graph, op, qd, kd, vd, od, sd]));
+                    }
+                }
+            }
+            bail!("cuDNN attention: no candidate {n} for this shape")
+        }
         match last_error {
-            _ if key.plan > 0 => bail!("cuDNN attention: no plan {} for this shape", key.plan),
             Some(e) => Err(e),
             None => bail!("cuDNN attention: no engine for this shape"),
         }
+    }
+
+    /// The execution plan of a finalized engine config, holding `parts` alive.
+    fn plan(
+        &self,
+        handle: Handle,
+        config: Backend,
+        choice: String,
+        mut parts: Vec<Backend>,
+    ) -> Result<Plan> {
+        let api = self.api;
+        let plan = Backend::new(api, EXECUTION_PLAN_DESCRIPTOR)?;
+        plan.set(ATTR_EXECUTION_PLAN_HANDLE, TYPE_HANDLE, &[handle])?;
+        plan.set(
+            ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+            TYPE_BACKEND_DESCRIPTOR,
+            &[config.desc],
+        )?;
+        plan.finalize("execution plan")?;
+        let workspace: i64 = plan.scalar(ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, TYPE_INT64)?;
+        parts.push(config);
+        Ok(Plan {
+            plan,
+            workspace: workspace.max(0) as usize,
+            choice,
+            _parts: parts,
+        })
     }
 
     /// Runs the plan on raw device pointers (already offset to each tensor's start).
@@ -426,13 +694,16 @@ impl Sdpa {
         let stream = dev.cuda_stream();
         let key = Key {
             ordinal: stream.context().ordinal(),
-            plan: self.plan,
+            pick: self.pick,
             dtype,
             dims: [b, h, n, m, d],
             strides: [strides3(ql)?, strides3(kl)?, strides3(vl)?],
         };
         let out = with_handle(self.api, &stream, |handle| {
             let plan = PLANS.get_or_build(&key, || self.build(handle, &key))?;
+            if let Ok(mut choice) = self.choice.lock() {
+                choice.clone_from(&plan.choice);
+            }
             let mut out = alloc(dev, dtype, b * n * h * d)?;
             let ws = if plan.workspace > 0 {
                 // SAFETY: scratch cuDNN writes before it reads.

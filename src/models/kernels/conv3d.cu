@@ -114,9 +114,16 @@ __device__ __forceinline__ void mma_tf32_pair(float (&c0)[4], float (&c1)[4],
 // Channels last: what the store adds to the accumulators, each where not null: bias [C_out], then
 // residual (laid out as y), in the order of the separate pass y + bias + residual it replaces, so
 // the sums are the same bits and the output is written once.
+//
+// With parity_channels = C > 0 (conv3d_cl only, no residual, C even, C_out = 4 C) the output
+// channels are the four 2x2 parities p = 2a + b of C channels each, over a grid of (H + 1) x
+// (W + 1) positions per frame (an upsampler's nearest x2 then 3x3 convolution, computed as four
+// 2x2 kernels on the frame), and they are stored interleaved: parity p at grid (i, j) is output
+// pixel (2 i - a, 2 j - b) of the 2H x 2W frame (nothing where that falls outside), plus bias[c].
 struct ClEpilogue {
   const float *__restrict__ bias;
   const float *__restrict__ residual;
+  int parity_channels;
 
   __device__ __forceinline__ float add(float v, long long row, int n) const {
     if (bias) v += bias[n];
@@ -155,6 +162,25 @@ struct ClEpilogue {
       if (n < c_out) y[row + n] = add(lo, row, n);
       if (n + 1 < c_out) y[row + n + 1] = add(hi, row, n + 1);
     }
+  }
+
+  // An accumulator pair, channels n and n + 1 of grid position (i, j) of frame f (see
+  // parity_channels), stored at its output pixel plus the bias, as the separate interleaving
+  // pass adds it.
+  __device__ __forceinline__ void store_parity(float *__restrict__ y, long long f, int i, int j,
+                                               int n, const Geometry &g, float lo,
+                                               float hi) const {
+    if (n >= g.c_out) return;
+    const int p = n / parity_channels, c = n - p * parity_channels;
+    const int oi = 2 * i - (p >> 1), oj = 2 * j - (p & 1);
+    const int h2 = 2 * (g.h_out - 1), w2 = 2 * (g.w_out - 1);
+    if (oi < 0 || oi >= h2 || oj < 0 || oj >= w2) return;
+    if (bias) {
+      const float2 b = *reinterpret_cast<const float2 *>(bias + c);
+      lo = __fadd_rn(lo, b.x);
+      hi = __fadd_rn(hi, b.y);
+    }
+    store2(y + ((f * h2 + oi) * w2 + oj) * parity_channels + c, lo, hi);
   }
 };
 
@@ -634,6 +660,25 @@ __device__ __forceinline__ void conv3d_cl(const float *__restrict__ x, const flo
 
   // Epilogue: accumulator pairs are output channels (2 t4, 2 t4 + 1) of one position.
   const int g8 = lane / 4, t4 = lane % 4;
+  if (epi.parity_channels > 0) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + wm * WTM + i * 16 + g8 + 8 * h;
+        if (m >= g.positions) continue;
+        const int col = m % g.w_out, frame_row = m / g.w_out;
+        const int row = frame_row % g.h_out;
+        const long long f = frame_row / g.h_out;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          epi.store_parity(y, f, row, col, n0 + wn * WTN + j * 8 + 2 * t4, g, acc[i][j][2 * h],
+                           acc[i][j][2 * h + 1]);
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
 #pragma unroll
@@ -1082,12 +1127,13 @@ CONV3D_CONFIGS(f32, float)
 CONV3D_CONFIGS(bf16, __nv_bfloat16)
 
 // One channels-last entry point: y = x * w (+ bias) (+ residual), bias and residual null where
-// not added; KERNEL the (parenthesized) template instance it runs.
+// not added, the parities interleaved where parity_channels > 0 (conv3d_cl only; see
+// ClEpilogue); KERNEL the (parenthesized) template instance it runs.
 #define CONV3D_CL_ENTRY(NAME, WARPS, MIN_BLOCKS, KERNEL)                                     \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                        \
       NAME(const float *x, const float *w, float *y, const float *bias, const float *residual,  \
-           Geometry g) {                                                                      \
-    KERNEL(x, w, y, ClEpilogue{bias, residual}, g);                                           \
+           int parity_channels, Geometry g) {                                                 \
+    KERNEL(x, w, y, ClEpilogue{bias, residual, parity_channels}, g);                          \
   }
 
 // conv3d_cl_m<BM>_n<BN>_k<BK>_s<STAGES>_w<WARPS>: channels last, f32 in TF32; the launcher picks

@@ -319,7 +319,11 @@ pub fn takes_channels_last(
 /// tensor-core tiles; the Wan decoder's 3-channel head), or a halo configuration takes it and
 /// one block covers every output channel with at most a quarter of its channels idle (cuDNN's
 /// 32-wide channel tiles then gather each activation several times; the Wan decoder's
-/// 96-channel full-resolution convolutions, bench/RESULTS.md session 15).
+/// 96-channel full-resolution convolutions, bench/RESULTS.md session 15). Gather takes a 2x2
+/// spatial kernel of one frame with at most [`GATHER_2X2_MAX_C_IN`] input channels: there
+/// cuDNN's channels-last path ran at 37 TFLOP/s through a channels-first output and its
+/// transposition (the Wan decoder's last upsampler, 192 channels at 240x416: 6.4 ms, gather
+/// 3.3; with 384 input channels cuDNN's own channels-last kernels led, session 16).
 pub fn outruns_cudnn(
     x: &Tensor,
     w: &Tensor,
@@ -332,9 +336,16 @@ pub fn outruns_cudnn(
         .is_some_and(|(t, &c_out)| match t.kind {
             ClKind::Narrow => true,
             ClKind::Halo => c_out <= t.channels && 4 * (t.channels - c_out) <= t.channels,
-            ClKind::Gather => false,
+            ClKind::Gather => {
+                let (_, kt, kh, kw, c_in) = w.dims5().unwrap_or_default();
+                (kt, kh, kw) == (1, 2, 2) && c_in <= GATHER_2X2_MAX_C_IN
+            }
         })
 }
+
+/// The most input channels of a 2x2 kernel that the gather kernel takes from cuDNN
+/// ([`outruns_cudnn`]).
+const GATHER_2X2_MAX_C_IN: usize = 192;
 
 /// The first configuration (in [`channels_last_tiles`]' order) that computes the shape within
 /// the device's shared memory, under the conditions [`takes_channels_last`] names (without
@@ -387,7 +398,24 @@ pub fn conv3d_channels_last_with(
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
-    channels_last(x, w, stride, padding, None, bias, residual)
+    channels_last(x, w, stride, padding, Store::Plain(None), bias, residual)
+}
+
+/// The four 2x2 parities of an upsampler (nearest x2 then a 3x3 convolution of each frame,
+/// computed as four 2x2 kernels on the frame: `w` `[4 C, kt, kh, kw, C_in]`, parity `2a + b`
+/// first, C even) stored interleaved: `[B, T', 2 (H' - 1), 2 (W' - 1), C]`, where parity `p` at
+/// position `(i, j)` of the convolution's `H' x W'` grid is output pixel `(2i - a, 2j - b)`,
+/// plus `bias` (f32 `[C]`) where given. The same bits as [`conv3d_channels_last`] (in the same
+/// configuration) then that interleaving and bias pass, without writing the grid. Gather
+/// configurations only (TF32); an error where none takes the shape.
+pub fn conv3d_channels_last_parities(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    channels_last(x, w, stride, padding, Store::Parities, bias, None)
 }
 
 /// [`conv3d_channels_last`] in configuration `tile` (one of [`channels_last_tiles`]; an error
@@ -399,23 +427,34 @@ pub fn conv3d_channels_last_tile(
     padding: [usize; 3],
     tile: Option<ClTile>,
 ) -> Result<Tensor> {
-    channels_last(x, w, stride, padding, tile, None, None)
+    channels_last(x, w, stride, padding, Store::Plain(tile), None, None)
 }
 
-/// [`conv3d_channels_last_with`] in configuration `tile`, or the device's best with `None`.
+/// How a channels-last kernel stores its output.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Store {
+    /// As computed, `[B, T', H', W', C_out]`, in configuration `tile` (`None`: the device's best).
+    Plain(Option<ClTile>),
+    /// The 2x2 parities interleaved ([`conv3d_channels_last_parities`]), by the device's best
+    /// gather configuration.
+    Parities,
+}
+
+/// [`conv3d_channels_last_with`] stored as `store` says.
 fn channels_last(
     x: &Tensor,
     w: &Tensor,
     stride: [usize; 3],
     padding: [usize; 3],
-    tile: Option<ClTile>,
+    store: Store,
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     if !available(x.device()) {
         bail!("conv3d kernel: needs a CUDA GPU of compute capability 8.0 or newer")
     }
-    let (_, out) = cl_geometry(x.dims5()?.into(), w.dims5()?.into(), stride, padding)?;
+    let (_, grid) = cl_geometry(x.dims5()?.into(), w.dims5()?.into(), stride, padding)?;
+    let out = store.dims(grid)?;
     let operand = |what: &str, t: Option<&Tensor>, dims: &[usize]| -> Result<Option<Tensor>> {
         let Some(t) = t else { return Ok(None) };
         if t.dtype() != DType::F32 {
@@ -430,10 +469,13 @@ fn channels_last(
         // Contiguous and 16-byte aligned: the kernel reads channel pairs as float2.
         super::aligned(t).map(Some)
     };
+    if store == Store::Parities && residual.is_some() {
+        bail!("conv3d kernel: the interleaved parities take no residual")
+    }
     let op = Conv3dCl {
         stride,
         padding,
-        tile,
+        store,
         bias: operand("bias", bias, &out[4..])?,
         residual: operand("residual", residual, &out)?,
     };
@@ -678,6 +720,8 @@ struct Epilogue<'a> {
     bias: Option<CudaView<'a, f32>>,
     /// Laid out as the output.
     residual: Option<CudaView<'a, f32>>,
+    /// The kernels' `parity_channels` (0: the output as computed).
+    parity_channels: i32,
 }
 
 /// Runs the convolution kernel `name` over `grid` on (x, w, a fresh output of `out_len`
@@ -715,6 +759,7 @@ fn run<T: DeviceRepr>(
                 None => builder.arg(&0u64),
             };
         }
+        builder.arg(&epilogue.parity_channels);
     }
     builder.arg(g);
     let cfg = LaunchConfig {
@@ -722,7 +767,8 @@ fn run<T: DeviceRepr>(
         block_dim: (grid.threads as u32, 1, 1),
         shared_mem_bytes: grid.shared_bytes as u32,
     };
-    // SAFETY: the arguments match the kernels' signature (x, w, y, [bias, residual,] geometry);
+    // SAFETY: the arguments match the kernels' signature (x, w, y, [bias, residual,
+    // parity_channels,] geometry);
     // the callers checked x and w against the geometry's sizes (contiguous, and 16-byte aligned
     // where a kernel copies 16 bytes), bias (C_out) and residual (out_len, contiguous and
     // aligned), and every offset the kernels form is in bounds or zero-filled.
@@ -770,11 +816,37 @@ impl CustomOp2 for Conv3d {
     }
 }
 
+impl Store {
+    /// The output's dims given the convolution's `[B, T', H', W', C_out]`.
+    fn dims(self, [b, t, h, w, c_out]: [usize; 5]) -> Result<[usize; 5]> {
+        match self {
+            Store::Plain(_) => Ok([b, t, h, w, c_out]),
+            Store::Parities => {
+                let c = c_out / 4;
+                if c_out % 8 != 0 || h == 0 || w == 0 {
+                    bail!(
+                        "conv3d kernel: interleaved parities need 4 x an even number of output \
+                         channels and a non-empty grid, not {c_out} over {h}x{w}"
+                    )
+                }
+                Ok([b, t, 2 * (h - 1), 2 * (w - 1), c])
+            }
+        }
+    }
+
+    /// The `parity_channels` kernel argument (0: a plain store).
+    fn parity_channels(self, c_out: usize) -> i32 {
+        match self {
+            Store::Plain(_) => 0,
+            Store::Parities => (c_out / 4) as i32,
+        }
+    }
+}
+
 struct Conv3dCl {
     stride: [usize; 3],
     padding: [usize; 3],
-    /// The configuration asked for; `None`: the fastest that fits the device.
-    tile: Option<ClTile>,
+    store: Store,
     /// Added to the output as it is stored (checked f32 of C_out or of the output's dims, on the
     /// device, contiguous and aligned): carried here, a CustomOp2 taking two tensors.
     bias: Option<Tensor>,
@@ -799,9 +871,18 @@ impl Conv3dCl {
         }
         let dims = |l: &Layout| -> Result<[usize; 5]> { Ok(l.shape().dims5()?.into()) };
         let [c_out, kt, kh, kw, _] = dims(wl)?;
-        let (g, out_dims) = cl_geometry(dims(xl)?, dims(wl)?, self.stride, self.padding)?;
-        let tiles = channels_last_tiles(c_out, [kt, kh, kw], self.stride);
-        let tile = fitting(dev, self.tile, tiles, ClTile::shared_bytes)?;
+        let (g, grid_dims) = cl_geometry(dims(xl)?, dims(wl)?, self.stride, self.padding)?;
+        let out_dims = self.store.dims(grid_dims)?;
+        let mut tiles = channels_last_tiles(c_out, [kt, kh, kw], self.stride);
+        let asked = match self.store {
+            Store::Plain(tile) => tile,
+            Store::Parities => {
+                // Only conv3d_cl interleaves parities as it stores.
+                tiles.retain(|t| t.kind == ClKind::Gather);
+                None
+            }
+        };
+        let tile = fitting(dev, asked, tiles, ClTile::shared_bytes)?;
         if !CL_TILES.contains(&tile) {
             bail!("conv3d kernel: {tile:?} is not compiled")
         }
@@ -816,7 +897,7 @@ impl Conv3dCl {
         let w = w.slice(wl.start_offset()..);
         let shape = Shape::from(out_dims.to_vec());
         let grid = Grid {
-            blocks: tile.blocks(out_dims),
+            blocks: tile.blocks(grid_dims),
             threads: 32 * tile.warps,
             shared_bytes: tile.shared_bytes(),
         };
@@ -826,6 +907,7 @@ impl Conv3dCl {
         let epilogue = Epilogue {
             bias: bias.as_ref().map(|(s, l)| f32_view(s, l)).transpose()?,
             residual: residual.as_ref().map(|(s, l)| f32_view(s, l)).transpose()?,
+            parity_channels: self.store.parity_channels(c_out),
         };
         let out = run(
             dev,
@@ -1197,7 +1279,15 @@ mod tests {
                 let what = format!("{xd:?} by {wd:?}, {tile:?}");
                 let y = conv3d_channels_last_tile(&x, &w, stride, padding, Some(tile))?;
                 let with = |bias: Option<&Tensor>, residual: Option<&Tensor>| {
-                    channels_last(&x, &w, stride, padding, Some(tile), bias, residual)
+                    channels_last(
+                        &x,
+                        &w,
+                        stride,
+                        padding,
+                        Store::Plain(Some(tile)),
+                        bias,
+                        residual,
+                    )
                 };
                 let biased = y.broadcast_add(&bias)?;
                 assert_same_bits(
@@ -1345,6 +1435,93 @@ mod tests {
         assert!(!outruns_cudnn(&x, &w9, s, p, true));
         let w3s = Tensor::randn(0f32, 1f32, (3, 3, 3, 3, 32), &dev)?;
         assert!(!takes_channels_last(&x, &w3s, [1, 2, 2], p, false));
+        Ok(())
+    }
+
+    /// The interleaved parities are the plain store's grid interleaved (parity 2a + b at grid
+    /// (i, j) to pixel (2i - a, 2j - b)) plus the bias, bit for bit, in the same configuration:
+    /// at batch 2, odd frame sizes, several channel tiles and a temporal kernel; a residual or
+    /// an odd parity width is an error.
+    #[test]
+    fn channels_last_parities_interleave_the_plain_store() -> Result<()> {
+        let Some((dev, limit)) = device_and_limit() else {
+            return Ok(());
+        };
+        let (s, p) = ([1, 1, 1], [0, 1, 1]);
+        for (xd, c, kernel) in [
+            ([1, 2, 5, 7, 8], 4, [1, 2, 2]),
+            ([2, 3, 6, 9, 12], 24, [1, 2, 2]),
+            ([1, 4, 9, 10, 16], 96, [2, 2, 2]),
+        ] {
+            let [b, _, h, wd, c_in] = xd;
+            let [kt, kh, kw] = kernel;
+            let x = Tensor::randn(0f32, 1f32, &xd[..], &dev)?;
+            let w = Tensor::randn(0f32, 1f32, (4 * c, kt, kh, kw, c_in), &dev)?;
+            let bias = Tensor::randn(0f32, 1f32, c, &dev)?;
+            let got = conv3d_channels_last_parities(&x, &w, s, p, Some(&bias))?;
+            let tile = channels_last_tiles(4 * c, kernel, s)
+                .into_iter()
+                .find(|t| t.kind == ClKind::Gather && t.shared_bytes() <= limit)
+                .expect("a gather configuration fits");
+            let grid = conv3d_channels_last_tile(&x, &w, s, p, Some(tile))?;
+            let t = grid.dim(1)?;
+            let grid = grid.reshape(vec![b, t, h + 1, wd + 1, 2, 2, c])?;
+            let parity = |a: usize, bb: usize| -> Result<Tensor> {
+                Ok(grid
+                    .narrow(2, a, h)?
+                    .narrow(3, bb, wd)?
+                    .narrow(4, a, 1)?
+                    .narrow(5, bb, 1)?
+                    .squeeze(5)?
+                    .squeeze(4)?)
+            };
+            let row = |a: usize| -> Result<Tensor> {
+                Ok(Tensor::stack(&[parity(a, 0)?, parity(a, 1)?], 4)?)
+            };
+            let want = Tensor::stack(&[row(0)?, row(1)?], 3)?
+                .reshape((b, t, 2 * h, 2 * wd, c))?
+                .broadcast_add(&bias)?;
+            assert_same_bits(&got, &want, &format!("{xd:?} by {kernel:?} to {c}"))?;
+        }
+        let x = Tensor::randn(0f32, 1f32, (1, 2, 5, 7, 8), &dev)?;
+        let w = Tensor::randn(0f32, 1f32, (12, 1, 2, 2, 8), &dev)?;
+        assert!(conv3d_channels_last_parities(&x, &w, s, p, None).is_err());
+        let w = Tensor::randn(0f32, 1f32, (16, 1, 2, 2, 8), &dev)?;
+        let r = Tensor::zeros((1, 2, 8, 12, 4), DType::F32, &dev)?;
+        assert!(channels_last(&x, &w, s, p, Store::Parities, None, Some(&r)).is_err());
+        Ok(())
+    }
+
+    /// With cuDNN loaded the gather kernel computes the 2x2 kernels of one frame (the upsamplers'
+    /// parity convolutions) up to 192 input channels in TF32, and no other of its shapes.
+    #[test]
+    fn gather_takes_the_narrow_parity_convolutions_from_cudnn() -> Result<()> {
+        let Some(dev) = device() else {
+            return Ok(());
+        };
+        let (s, p) = ([1, 1, 1], [0, 1, 1]);
+        for (c_in, kernel, routed) in [
+            (192, [1, 2, 2], true),
+            (8, [1, 2, 2], true),
+            (196, [1, 2, 2], false),
+            (384, [1, 2, 2], false),
+            (192, [2, 2, 2], false),
+            (192, [1, 3, 3], false),
+            (192, [1, 1, 1], false),
+        ] {
+            let x = Tensor::zeros((1, 2, 6, 8, c_in), DType::F32, &dev)?;
+            let [kt, kh, kw] = kernel;
+            let w = Tensor::zeros((384, kt, kh, kw, c_in), DType::F32, &dev)?;
+            assert_eq!(
+                outruns_cudnn(&x, &w, s, p, true),
+                routed,
+                "{c_in} channels by {kernel:?}"
+            );
+            assert!(
+                !outruns_cudnn(&x, &w, s, p, false),
+                "exact f32 stays with cuDNN"
+            );
+        }
         Ok(())
     }
 }

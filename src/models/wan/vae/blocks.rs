@@ -881,9 +881,14 @@ impl Upsample {
             None => x.clone(),
         };
         if let Some(w) = &self.subpixel {
+            let (stride, padding) = ([1, 1, 1], [0, 1, 1]);
+            let bias = &self.conv.bias;
+            if let Some(y) = conv3d::conv3d_parities_in(layout, &x, w, stride, padding, bias)? {
+                return Ok(y);
+            }
             let subpixel = || -> Result<Option<Tensor>> {
-                match conv3d::conv3d_in(layout, &x, w, [1, 1, 1], [0, 1, 1])? {
-                    Some(y) => Ok(Some(subpixel_shuffle(&y, &self.conv.bias, layout)?)),
+                match conv3d::conv3d_in(layout, &x, w, stride, padding)? {
+                    Some(y) => Ok(Some(subpixel_shuffle(&y, bias, layout)?)),
                     None => Ok(None),
                 }
             };
