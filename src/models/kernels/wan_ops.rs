@@ -111,48 +111,87 @@ pub(crate) fn residual_into_delta(
     gate: Option<&Tensor>,
     at: Rows,
 ) -> Result<Tensor> {
-    let (rows, dim) = delta.dims2()?;
+    delta.inplace_op1(&residual_launch(
+        res,
+        delta.dims2()?,
+        [Arg::Tensor(Some(res)), Arg::Dst],
+        bias,
+        gate,
+        at,
+    )?)?;
+    Ok(delta)
+}
+
+/// `res + (delta + bias) * gate` (bias and gate optional), written over `res`'s storage: rows
+/// of a tensor the caller owns, updated where they lie (no copy of the sum into them).
+pub(crate) fn residual_over(
+    res: &Tensor,
+    delta: &Tensor,
+    bias: Option<&Tensor>,
+    gate: Option<&Tensor>,
+    at: Rows,
+) -> Result<()> {
+    res.inplace_op1(&residual_launch(
+        res,
+        delta.dims2()?,
+        [Arg::Dst, Arg::Tensor(Some(delta))],
+        bias,
+        gate,
+        at,
+    )?)
+}
+
+/// The gated residual kernel's launch over `(rows, dim)` with `operands` (res, delta), one of
+/// them the destination it writes.
+fn residual_launch<'a>(
+    res: &Tensor,
+    (rows, dim): (usize, usize),
+    [res_arg, delta_arg]: [Arg<'a>; 2],
+    bias: Option<&'a Tensor>,
+    gate: Option<&'a Tensor>,
+    at: Rows,
+) -> Result<Launch<'a>> {
     if res.dims2()? != (rows, dim) {
-        candle_core::bail!("residual: {:?} and {:?} differ", res.shape(), delta.shape())
+        candle_core::bail!("residual: {:?} and {:?} differ", res.shape(), (rows, dim))
     }
     let n = rows * dim;
-    let launch = if dim.is_multiple_of(8) && fits_i32(&[n, at.row0 + rows, at.seq]) {
-        item_launch(
-            &WAN,
-            "wan_residual_v8_bf16",
-            n / 8,
-            vec![
-                Arg::Tensor(Some(res)),
-                Arg::Dst,
-                Arg::Tensor(bias),
-                Arg::Tensor(gate),
-                Arg::Dst,
-                Arg::Int((n / 8) as i32),
-                Arg::Int(dim as i32),
-                Arg::Int(at.row0 as i32),
-                Arg::Int(at.seq as i32),
-            ],
-        )
-    } else {
-        element_launch(
-            &WAN,
-            "wan_residual_bf16",
-            n,
-            vec![
-                Arg::Tensor(Some(res)),
-                Arg::Dst,
-                Arg::Tensor(bias),
-                Arg::Tensor(gate),
-                Arg::Dst,
-                Arg::Long(n as i64),
-                Arg::Int(dim as i32),
-                Arg::Long(at.row0 as i64),
-                Arg::Long(at.seq as i64),
-            ],
-        )
-    };
-    delta.inplace_op1(&launch)?;
-    Ok(delta)
+    Ok(
+        if dim.is_multiple_of(8) && fits_i32(&[n, at.row0 + rows, at.seq]) {
+            item_launch(
+                &WAN,
+                "wan_residual_v8_bf16",
+                n / 8,
+                vec![
+                    res_arg,
+                    delta_arg,
+                    Arg::Tensor(bias),
+                    Arg::Tensor(gate),
+                    Arg::Dst,
+                    Arg::Int((n / 8) as i32),
+                    Arg::Int(dim as i32),
+                    Arg::Int(at.row0 as i32),
+                    Arg::Int(at.seq as i32),
+                ],
+            )
+        } else {
+            element_launch(
+                &WAN,
+                "wan_residual_bf16",
+                n,
+                vec![
+                    res_arg,
+                    delta_arg,
+                    Arg::Tensor(bias),
+                    Arg::Tensor(gate),
+                    Arg::Dst,
+                    Arg::Long(n as i64),
+                    Arg::Int(dim as i32),
+                    Arg::Long(at.row0 as i64),
+                    Arg::Long(at.seq as i64),
+                ],
+            )
+        },
+    )
 }
 
 /// In place on `x` `[rows, heads * head_dim]`: bias, RMSNorm across the row with `w`, then RoPE

@@ -385,6 +385,40 @@ impl BlockInputs {
         Tensor::cat(&parts, 0)
     }
 
+    /// [`Self::modulated_residual`] written over `res` (rows of hidden states the caller owns)
+    /// where the fused kernel computes it, so the sum is never copied into them: `None`.
+    /// Otherwise the sum, for the caller to store.
+    fn modulated_residual_over(
+        &self,
+        res: &Tensor,
+        delta: Tensor,
+        (bias, gate): (Option<&Tensor>, &Tensor),
+        (row0, seq): (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if wan_ops::supported(&delta) && res.is_contiguous() {
+            let over = |res: &Tensor, delta: &Tensor, gate: &Tensor, at: Rows| {
+                wan_ops::residual_over(res, delta, bias, Some(gate), at.kernel())
+            };
+            match self.run_pieces(row0, res.dim(0)?) {
+                None => over(res, &delta, gate, Rows { row0, seq })?,
+                Some(pieces) => {
+                    for (start, len, k) in pieces {
+                        over(
+                            &res.narrow(0, start, len)?,
+                            &delta.narrow(0, start, len)?,
+                            &gate.narrow(0, k, 1)?,
+                            Rows { row0: 0, seq: len },
+                        )?;
+                    }
+                }
+            }
+            return Ok(None);
+        }
+        self.modulated_residual(res, delta, (bias, gate), (row0, seq))
+            .map(Some)
+    }
+
     /// This rank's share of the inputs with the sequence split across ranks by `sp`: its tokens
     /// of the block-0 hidden states (taken from `self`), their RoPE rows and timestep runs. The
     /// blocks run on that share, attending through `sp`; [`Self::gather_sequence`] puts the
@@ -936,9 +970,12 @@ impl WanTransformerBlock {
                     let place = (at.row0, seq);
                     let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
                     let ff = ffn.forward_without_out_bias(&h)?;
-                    let out =
-                        inputs.modulated_residual(&rows, ff, (ffn.fc2.bias(), &c_gate), place)?;
-                    x.slice_set(&out, 0, at.row0)?;
+                    let bias_gate = (ffn.fc2.bias(), &c_gate);
+                    if let Some(out) =
+                        inputs.modulated_residual_over(&rows, ff, bias_gate, place)?
+                    {
+                        x.slice_set(&out, 0, at.row0)?;
+                    }
                 }
             }
         }
@@ -1505,6 +1542,38 @@ mod cuda_tests {
         )
         .unwrap();
         check("misaligned residual", &got, &want);
+        // Written over a chunk of rows where they lie: the bits of the sum written into delta,
+        // and the rows around it untouched.
+        let over = x.copy().unwrap();
+        wan_ops::residual_over(
+            &part(&over),
+            &part(&d),
+            Some(&bias),
+            Some(&w),
+            chunk.kernel(),
+        )
+        .unwrap();
+        let into = residual(
+            &part(&x),
+            part(&d).copy().unwrap(),
+            Some(&bias),
+            Some(&w),
+            chunk,
+        );
+        let values = |t: &Tensor| -> Vec<f32> {
+            let t = t.to_dtype(DType::F32).unwrap();
+            t.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        assert_eq!(
+            values(&part(&over)),
+            values(&into.unwrap()),
+            "over rows, {what}"
+        );
+        let (end, all_rows) = (chunk.row0 + len, x.dim(0).unwrap());
+        for (from, n) in [(0, chunk.row0), (end, all_rows - end)] {
+            let around = |t: &Tensor| values(&t.narrow(0, from, n).unwrap());
+            assert_eq!(around(&over), around(&x), "rows around, {what}");
+        }
 
         // q/k: bias, RMSNorm across heads, RoPE.
         let attn = |dev: &Device, dtype| {
