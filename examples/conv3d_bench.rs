@@ -19,7 +19,7 @@ use median::median_seconds as time;
 /// channels to RGB) of a 4-frame chunk, which the narrow channels-last kernel takes. Then the
 /// upsamplers' 2x2 parity convolutions (nearest x2 then 3x3, as four 2x2 kernels on the frame:
 /// 4 x C_out channels, padding 1).
-const SHAPES: [([usize; 5], usize, [usize; 3], [usize; 3]); 9] = [
+const SHAPES: [Shape; 9] = [
     ([1, 384, 3, 60, 104], 384, [3, 3, 3], [0, 1, 1]),
     ([1, 384, 4, 120, 208], 384, [3, 3, 3], [0, 1, 1]),
     ([1, 192, 6, 240, 416], 192, [3, 3, 3], [0, 1, 1]),
@@ -31,6 +31,9 @@ const SHAPES: [([usize; 5], usize, [usize; 3], [usize; 3]); 9] = [
     ([1, 192, 4, 240, 416], 384, [1, 2, 2], [0, 1, 1]),
 ];
 const STRIDE: [usize; 3] = [1, 1, 1];
+
+/// x dims (NCDHW), output channels, kernel (t, h, w), padding (t, h, w).
+type Shape = ([usize; 5], usize, [usize; 3], [usize; 3]);
 
 /// The fallback without cuDNN: every output frame a sum over temporal taps of 2D convolutions
 /// (candle's, exact f32).

@@ -1467,17 +1467,14 @@ mod tests {
             let t = grid.dim(1)?;
             let grid = grid.reshape(vec![b, t, h + 1, wd + 1, 2, 2, c])?;
             let parity = |a: usize, bb: usize| -> Result<Tensor> {
-                Ok(grid
-                    .narrow(2, a, h)?
+                grid.narrow(2, a, h)?
                     .narrow(3, bb, wd)?
                     .narrow(4, a, 1)?
                     .narrow(5, bb, 1)?
                     .squeeze(5)?
-                    .squeeze(4)?)
+                    .squeeze(4)
             };
-            let row = |a: usize| -> Result<Tensor> {
-                Ok(Tensor::stack(&[parity(a, 0)?, parity(a, 1)?], 4)?)
-            };
+            let row = |a: usize| Tensor::stack(&[parity(a, 0)?, parity(a, 1)?], 4);
             let want = Tensor::stack(&[row(0)?, row(1)?], 3)?
                 .reshape((b, t, 2 * h, 2 * wd, c))?
                 .broadcast_add(&bias)?;
