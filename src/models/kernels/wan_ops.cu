@@ -928,6 +928,52 @@ extern "C" __global__ void wan_vae_bias_add_cl_v4_f32(float4 *y, const float *__
   }
 }
 
+// A temporal upsampler's frames, channels last: dst [N, 2, P, C] (N = batch * frames, each frame
+// doubled) = src [N, P, 2C] (channels [0, C) the first of the two frames, [C, 2C) the second)
+// plus bias[2C] (the time convolution's). VEC elements per thread (4: C % 4 == 0 and both
+// pointers 16-byte aligned).
+template <int VEC>
+__device__ __forceinline__ void vae_time_interleave_cl(const float *__restrict__ src,
+                                                       float *__restrict__ dst,
+                                                       const float *__restrict__ bias,
+                                                       int channels, long pixels, long items) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < items;
+       i += (long)gridDim.x * blockDim.x) {
+    const long e = i * VEC;
+    long r = e / channels;
+    const int c = (int)(e - r * channels);
+    const long p = r % pixels;
+    r /= pixels;
+    const int k = (int)(r & 1);
+    const long at = ((r >> 1) * pixels + p) * 2 * channels + k * channels + c;
+    const float *b = bias + k * channels + c;
+    if constexpr (VEC == 4) {
+      float4 v = *reinterpret_cast<const float4 *>(src + at);
+      v.x = __fadd_rn(v.x, b[0]);
+      v.y = __fadd_rn(v.y, b[1]);
+      v.z = __fadd_rn(v.z, b[2]);
+      v.w = __fadd_rn(v.w, b[3]);
+      *reinterpret_cast<float4 *>(dst + e) = v;
+    } else {
+      dst[e] = __fadd_rn(src[at], b[0]);
+    }
+  }
+}
+
+extern "C" __global__ void wan_vae_time_interleave_cl_v4_f32(const float *__restrict__ src,
+                                                             float *__restrict__ dst,
+                                                             const float *__restrict__ bias,
+                                                             int channels, long pixels, long vecs) {
+  vae_time_interleave_cl<4>(src, dst, bias, channels, pixels, vecs);
+}
+
+extern "C" __global__ void wan_vae_time_interleave_cl_f32(const float *__restrict__ src,
+                                                          float *__restrict__ dst,
+                                                          const float *__restrict__ bias,
+                                                          int channels, long pixels, long n) {
+  vae_time_interleave_cl<1>(src, dst, bias, channels, pixels, n);
+}
+
 // dst [N, 2H, 2W, C] (N = batch * frames) = the four parities of src [N, H + 1, W + 1, 4C]
 // interleaved, plus bias[c] (wan_vae_subpixel_f32 channels last).
 extern "C" __global__ void wan_vae_subpixel_cl_f32(const float *__restrict__ src,

@@ -472,6 +472,46 @@ pub(crate) fn vae_subpixel(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// A temporal upsampler's output channels last: `y` `[B, T, H, W, 2C]` (channels `[0, C)` frame
+/// `2t`, `[C, 2C)` frame `2t + 1`) plus `bias` (f32 `[2C]`) as `[B, 2T, H, W, C]`: the bias
+/// pass and the frame interleaving in one pass, the same bits as the two.
+pub(crate) fn vae_time_interleave_cl(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let (b, t, h, w, c2) = y.dims5()?;
+    let c = c2 / 2;
+    if c2 % 2 != 0 || bias.elem_count() != c2 || bias.dtype() != DType::F32 {
+        candle_core::bail!(
+            "vae time interleave: y {:?}, bias {:?}",
+            y.shape(),
+            bias.shape()
+        )
+    }
+    let y = y.contiguous()?;
+    let bias = bias.contiguous()?;
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { Tensor::empty((b, 2 * t, h, w, c), DType::F32, y.device()) }?;
+    let n = out.elem_count();
+    // float4s where every channel run starts on 16 bytes (the output's do).
+    let v4 = c.is_multiple_of(4) && y.layout().start_offset().is_multiple_of(4);
+    let (func, items) = if v4 {
+        ("wan_vae_time_interleave_cl_v4_f32", n / 4)
+    } else {
+        ("wan_vae_time_interleave_cl_f32", n)
+    };
+    out.inplace_op1(&vae_launch(
+        func,
+        items,
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Int(c as i32),
+            Arg::Long((h * w) as i64),
+            Arg::Long(items as i64),
+        ],
+    ))?;
+    Ok(out)
+}
+
 /// [`vae_subpixel`] channels last: `[B, T, H + 1, W + 1, 4C]` parities interleaved into
 /// `[B, T, 2H, 2W, C]` plus `bias` `[C]` (f32).
 pub(crate) fn vae_subpixel_cl(y: &Tensor, bias: &Tensor) -> Result<Tensor> {

@@ -314,7 +314,8 @@ impl CausalConv3d {
     }
 
     /// This conv's output without its bias (see [`Self::bias`]): for a conv whose only reader
-    /// is a norm, which adds the bias as it reads (one pass less over the output).
+    /// adds the bias as it reads (a norm, or the temporal upsampler's frame interleaving): one
+    /// pass less over the output.
     fn deferring_bias(self) -> Self {
         Self {
             defers_bias: true,
@@ -848,7 +849,8 @@ impl Upsample {
         vb: VarBuilder,
     ) -> Result<Self> {
         let time_conv = if temporal {
-            Some(CausalConv3d::new(
+            // Its bias is added as its frames are interleaved (`time_upsample`).
+            let conv = CausalConv3d::new(
                 dim,
                 2 * dim,
                 (3, 1, 1),
@@ -856,7 +858,8 @@ impl Upsample {
                 (1, 0),
                 layout,
                 vb.pp("time_conv"),
-            )?)
+            )?;
+            Some(conv.deferring_bias())
         } else {
             None
         };
@@ -960,7 +963,12 @@ impl Upsample {
                 y
             }
         };
-        // Channels [0, C) are frame 2t, channels [C, 2C) frame 2t + 1.
+        // Channels [0, C) are frame 2t, channels [C, 2C) frame 2t + 1; the conv left its bias.
+        #[cfg(feature = "cuda")]
+        if layout == Layout::ChannelsLast && crate::models::wan::wan_ops::vae_supported(&y) {
+            return crate::models::wan::wan_ops::vae_time_interleave_cl(&y, time_conv.bias());
+        }
+        let y = add_bias(y, time_conv.bias(), None, layout)?;
         let (b, c2, t, h, w) = layout.dims(&y)?;
         match layout {
             Layout::ChannelsFirst => y
@@ -1299,6 +1307,33 @@ mod cuda_tests {
             let got = subpixel_shuffle(&layout.from_channels_first(&y)?, &bias, layout)?;
             let got = layout.to_channels_first(&got)?.to_device(&Device::Cpu)?;
             assert_eq!(max_diff(&got, &want)?, 0.0, "{layout:?}");
+        }
+        Ok(())
+    }
+
+    /// The temporal upsampler's bias + frame interleave kernel (6 channels per frame: one float
+    /// at a time; 8: float4s) against candle's broadcast add and permuted copy, bit for bit.
+    #[test]
+    fn time_interleave_kernel_matches_composition() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: VAE kernel test skipped");
+            return Ok(());
+        };
+        for c in [6, 8] {
+            let (b, t, h, w) = (2, 3, 5, 4);
+            let y = Tensor::randn(0f32, 1f32, (b, t, h, w, 2 * c), &Device::Cpu)?;
+            let bias = Tensor::randn(0f32, 1f32, 2 * c, &Device::Cpu)?;
+            let want = y
+                .broadcast_add(&bias)?
+                .reshape((b, t, h * w, 2, c))?
+                .permute((0, 1, 3, 2, 4))?
+                .contiguous()?
+                .reshape((b, 2 * t, h, w, c))?;
+            let got = crate::models::wan::wan_ops::vae_time_interleave_cl(
+                &y.to_device(&dev)?,
+                &bias.to_device(&dev)?,
+            )?;
+            assert_eq!(max_diff(&got.to_device(&Device::Cpu)?, &want)?, 0.0, "{c}");
         }
         Ok(())
     }
