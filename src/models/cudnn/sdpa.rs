@@ -342,6 +342,8 @@ impl EngineChoice {
         for (ty, settings) in &space {
             settings.iter().for_each(|&v| push(with(*ty, v)));
         }
+        // The product of the ranges, cut early: past MAX_VARIANTS nothing more is kept, and a
+        // few times that leaves room for the combinations already pushed above.
         let mut combos: Vec<Vec<(i32, i64)>> = vec![Vec::new()];
         for (ty, settings) in &space {
             combos = combos
