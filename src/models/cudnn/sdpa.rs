@@ -135,26 +135,37 @@ impl Backend {
             .check(status, &format!("cudnnBackendSetAttribute({name})"))
     }
 
+    /// Reads attribute `name` (type `ty`) into `out`, which holds `requested` elements of that
+    /// C type (0: only the count is wanted); returns how many cuDNN has.
+    ///
+    /// # Safety
+    /// `out` must hold `requested` elements of the C type `ty` names.
+    unsafe fn get(&self, name: i32, ty: i32, requested: usize, out: *mut c_void) -> Result<i64> {
+        let mut count: i64 = 0;
+        // SAFETY: the caller's contract.
+        let status = unsafe {
+            (self.api.backend_get)(self.desc, name, ty, requested as i64, &mut count, out)
+        };
+        self.api
+            .check(status, &format!("cudnnBackendGetAttribute({name})"))?;
+        Ok(count)
+    }
+
+    /// How many values attribute `name` (of type `ty`) holds.
+    fn count(&self, name: i32, ty: i32) -> Result<usize> {
+        // SAFETY: nothing is requested, so nothing is written.
+        Ok(unsafe { self.get(name, ty, 0, std::ptr::null_mut()) }?.max(0) as usize)
+    }
+
     /// Attribute `name`'s descriptors of `kind` (at most `max`): cuDNN fills descriptors made here.
     fn descriptors(&self, name: i32, kind: i32, max: usize) -> Result<Vec<Backend>> {
         let made = (0..max)
             .map(|_| Backend::new(self.api, kind))
             .collect::<Result<Vec<_>>>()?;
         let mut raw: Vec<Desc> = made.iter().map(|d| d.desc).collect();
-        let mut returned: i64 = 0;
         // SAFETY: `raw` holds `max` created descriptors of the attribute's kind to fill.
-        let status = unsafe {
-            (self.api.backend_get)(
-                self.desc,
-                name,
-                TYPE_BACKEND_DESCRIPTOR,
-                max as i64,
-                &mut returned,
-                raw.as_mut_ptr() as *mut c_void,
-            )
-        };
-        self.api
-            .check(status, &format!("cudnnBackendGetAttribute({name})"))?;
+        let out = raw.as_mut_ptr() as *mut c_void;
+        let returned = unsafe { self.get(name, TYPE_BACKEND_DESCRIPTOR, max, out) }?;
         Ok(made
             .into_iter()
             .take(returned.clamp(0, max as i64) as usize)
@@ -164,20 +175,8 @@ impl Backend {
     /// Attribute `name`'s one value of C type `T` (matching `ty`).
     fn scalar<T: Default>(&self, name: i32, ty: i32) -> Result<T> {
         let mut value = T::default();
-        let mut got: i64 = 0;
-        // SAFETY: one element of the C type `ty` names is written.
-        let status = unsafe {
-            (self.api.backend_get)(
-                self.desc,
-                name,
-                ty,
-                1,
-                &mut got,
-                &mut value as *mut T as *mut c_void,
-            )
-        };
-        self.api
-            .check(status, &format!("cudnnBackendGetAttribute({name})"))?;
+        // SAFETY: one element of type T, which the callers match to `ty`.
+        unsafe { self.get(name, ty, 1, &mut value as *mut T as *mut c_void) }?;
         Ok(value)
     }
 
@@ -549,26 +548,8 @@ impl Sdpa {
                 last_error = Some(e);
                 continue;
             }
-            let mut count: i64 = 0;
-            // SAFETY: with a requested count of 0 only the available count is written.
-            api.check(
-                unsafe {
-                    (api.backend_get)(
-                        heur.desc,
-                        ATTR_ENGINEHEUR_RESULTS,
-                        TYPE_BACKEND_DESCRIPTOR,
-                        0,
-                        &mut count,
-                        std::ptr::null_mut(),
-                    )
-                },
-                "counting engine configs",
-            )?;
-            let configs = heur.descriptors(
-                ATTR_ENGINEHEUR_RESULTS,
-                ENGINECFG_DESCRIPTOR,
-                count.max(0) as usize,
-            )?;
+            let count = heur.count(ATTR_ENGINEHEUR_RESULTS, TYPE_BACKEND_DESCRIPTOR)?;
+            let configs = heur.descriptors(ATTR_ENGINEHEUR_RESULTS, ENGINECFG_DESCRIPTOR, count)?;
             for config in configs {
                 // A config that cannot be read back is still run, but never counted as a candidate.
                 let choice = EngineChoice::of(&config).ok();

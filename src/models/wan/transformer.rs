@@ -308,25 +308,34 @@ impl BlockInputs {
         table.broadcast_add(&emb.to_dtype(DType::F32)?.reshape(((), emb_k, dim))?)
     }
 
-    /// The pieces `(first row within the slab, rows, entry)` of the slab `row0..row0 + rows`
-    /// that lie in one timestep run each (`None` without runs: the slab's rows pick their
-    /// batch entry's modulation through [`Rows`]).
-    fn run_pieces(&self, row0: usize, rows: usize) -> Option<Vec<(usize, usize, usize)>> {
-        let runs = self.timestep_runs.as_ref()?;
+    /// The slab `row0..row0 + rows` of the `[batch * seq]` hidden states as runs of rows that
+    /// pick their modulation alike: one, whose rows pick their batch entry's through [`Rows`],
+    /// or (with timestep runs) one per run it meets, each with its run's entry.
+    fn slabs(&self, row0: usize, rows: usize, seq: usize) -> Vec<Slab> {
+        let Some(runs) = &self.timestep_runs else {
+            return vec![Slab {
+                start: 0,
+                len: rows,
+                entry: None,
+                at: Rows { row0, seq },
+            }];
+        };
         let end = row0 + rows;
-        Some(
-            runs.iter()
-                .enumerate()
-                .filter_map(|(k, r)| {
-                    let (a, b) = (r.row0.max(row0), (r.row0 + r.len).min(end));
-                    if a < b {
-                        Some((a - row0, b - a, k))
-                    } else {
-                        None
-                    }
+        runs.iter()
+            .enumerate()
+            .filter_map(|(k, r)| {
+                let (a, b) = (r.row0.max(row0), (r.row0 + r.len).min(end));
+                (a < b).then(|| Slab {
+                    start: a - row0,
+                    len: b - a,
+                    entry: Some(k),
+                    at: Rows {
+                        row0: 0,
+                        seq: b - a,
+                    },
                 })
-                .collect(),
-        )
+            })
+            .collect()
     }
 
     /// [`norm_affine`] of the slab `x` (rows `row0..` of the `[batch * seq]` hidden states),
@@ -338,23 +347,12 @@ impl BlockInputs {
         (row0, seq): (usize, usize),
         eps: f64,
     ) -> Result<Tensor> {
-        let rows = x.dim(0)?;
-        let Some(pieces) = self.run_pieces(row0, rows) else {
-            return norm_affine(x, scale, shift, Rows { row0, seq }, eps);
-        };
-        let parts = pieces
+        let parts = self
+            .slabs(row0, x.dim(0)?, seq)
             .into_iter()
-            .map(|(start, len, k)| {
-                norm_affine(
-                    &x.narrow(0, start, len)?,
-                    &scale.narrow(0, k, 1)?,
-                    &shift.narrow(0, k, 1)?,
-                    Rows { row0: 0, seq: len },
-                    eps,
-                )
-            })
+            .map(|s| norm_affine(&s.rows(x)?, &s.of(scale)?, &s.of(shift)?, s.at, eps))
             .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&parts, 0)
+        joined(parts)
     }
 
     /// [`residual`] with a gate `[entries, inner]` for the slab at `row0`, each row with its
@@ -366,23 +364,20 @@ impl BlockInputs {
         (bias, gate): (Option<&Tensor>, &Tensor),
         (row0, seq): (usize, usize),
     ) -> Result<Tensor> {
-        let rows = res.dim(0)?;
-        let Some(pieces) = self.run_pieces(row0, rows) else {
-            return residual(res, delta, bias, Some(gate), Rows { row0, seq });
-        };
-        let parts = pieces
+        let parts = self
+            .slabs(row0, res.dim(0)?, seq)
             .into_iter()
-            .map(|(start, len, k)| {
+            .map(|s| {
                 residual(
-                    &res.narrow(0, start, len)?,
-                    delta.narrow(0, start, len)?,
+                    &s.rows(res)?,
+                    s.rows(&delta)?,
                     bias,
-                    Some(&gate.narrow(0, k, 1)?),
-                    Rows { row0: 0, seq: len },
+                    Some(&s.of(gate)?),
+                    s.at,
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&parts, 0)
+        joined(parts)
     }
 
     /// [`Self::modulated_residual`] written over `res` (rows of hidden states the caller owns)
@@ -397,21 +392,10 @@ impl BlockInputs {
     ) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if wan_ops::supported(&delta) && res.is_contiguous() {
-            let over = |res: &Tensor, delta: &Tensor, gate: &Tensor, at: Rows| {
-                wan_ops::residual_over(res, delta, bias, Some(gate), at.kernel())
-            };
-            match self.run_pieces(row0, res.dim(0)?) {
-                None => over(res, &delta, gate, Rows { row0, seq })?,
-                Some(pieces) => {
-                    for (start, len, k) in pieces {
-                        over(
-                            &res.narrow(0, start, len)?,
-                            &delta.narrow(0, start, len)?,
-                            &gate.narrow(0, k, 1)?,
-                            Rows { row0: 0, seq: len },
-                        )?;
-                    }
-                }
+            for s in self.slabs(row0, res.dim(0)?, seq) {
+                let gate = s.of(gate)?;
+                let at = s.at.kernel();
+                wan_ops::residual_over(&s.rows(res)?, &s.rows(&delta)?, bias, Some(&gate), at)?;
             }
             return Ok(None);
         }
@@ -505,6 +489,40 @@ impl Rows {
             seq: self.seq,
         }
     }
+}
+
+/// Rows `start..start + len` of a slab of hidden states that pick their modulation alike
+/// ([`BlockInputs::slabs`]).
+struct Slab {
+    start: usize,
+    len: usize,
+    /// The timestep run's entry whose modulation every row takes; `None`: each row its batch
+    /// entry's, through `at`.
+    entry: Option<usize>,
+    at: Rows,
+}
+
+impl Slab {
+    /// This slab's rows of `t`.
+    fn rows(&self, t: &Tensor) -> Result<Tensor> {
+        t.narrow(0, self.start, self.len)
+    }
+
+    /// The modulation `m` `[entries, inner]` as this slab's rows read it.
+    fn of(&self, m: &Tensor) -> Result<Tensor> {
+        match self.entry {
+            Some(k) => m.narrow(0, k, 1),
+            None => Ok(m.clone()),
+        }
+    }
+}
+
+/// The slabs' results in order: the one result itself where there is one.
+fn joined(mut parts: Vec<Tensor>) -> Result<Tensor> {
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    Tensor::cat(&parts, 0)
 }
 
 /// `LayerNorm(x) * w + b` in f32, cast to `x`'s dtype; `x` `[rows, dim]`, `w` and `b` f32
