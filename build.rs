@@ -19,22 +19,25 @@ fn main() {
     // One fat binary per file: machine code for sm_80 (also run by sm_86/87/89), sm_90, sm_100
     // and sm_120 (also sm_121, GB10), so those GPUs load the kernels without compiling them, and
     // compute_80 PTX (mma.sync bf16 and cp.async need sm_80) that the driver compiles for any
-    // other. The DiT block kernels keep IEEE division and square roots (no fast math): they stand
-    // in for candle's f32 ops.
-    for (name, fast_math) in [
-        ("flash_attn", true),
-        ("wan_ops", false),
-        ("dit_ops", false),
-        ("conv3d", false),
+    // other. `flash_attn_sm90` is Hopper's extra: wgmma and TMA exist on sm_90a alone, so it holds
+    // that machine code only and loads on compute capability 9.0 alone. The DiT block kernels keep
+    // IEEE division and square roots (no fast math): they stand in for candle's f32 ops.
+    const PORTABLE: &str = "-gencode=arch=compute_80,code=[compute_80,sm_80,sm_90,sm_100,sm_120]";
+    for (name, gencode, fast_math) in [
+        ("flash_attn", PORTABLE, true),
+        (
+            "flash_attn_sm90",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            true,
+        ),
+        ("wan_ops", PORTABLE, false),
+        ("dit_ops", PORTABLE, false),
+        ("conv3d", PORTABLE, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let mut cmd = Command::new(&nvcc);
-        cmd.args([
-            "--fatbin",
-            "-gencode=arch=compute_80,code=[compute_80,sm_80,sm_90,sm_100,sm_120]",
-            "-O3",
-        ]);
+        cmd.args(["--fatbin", gencode, "-O3"]);
         if fast_math {
             cmd.arg("--use_fast_math");
         }

@@ -1,12 +1,15 @@
 //! Times `sdpa` (the fused kernel where it applies) against the chunked path on a CUDA GPU, at
 //! Wan2.1's attention shapes, and checks both against the chunked path in f32.
 //!
-//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans]`
-//! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one)
+//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper]`
+//! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one;
+//! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self-attention shapes,
+//! in interleaved rounds)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use vidgen::models::attention::flash_attn::{device_tile, SHARED_MEMORY_LIMIT_ENV};
+use vidgen::models::attention::flash_attn::{self, device_tile, SHARED_MEMORY_LIMIT_ENV};
+use vidgen::models::attention::flash_attn_sm90;
 use vidgen::models::attention::{sdpa, sdpa_chunked};
 use vidgen::models::cudnn::sdpa::sdpa_with_plan;
 
@@ -52,8 +55,10 @@ fn main() -> Result<()> {
         ("f16 self", DType::F16, 1, 12, 32760, 32760, 128),
         ("d64 self", DType::BF16, 1, 24, 32760, 32760, 64),
     ];
-    if std::env::args().nth(1).as_deref() == Some("plans") {
-        return cudnn_plans(&dev);
+    match std::env::args().nth(1).as_deref() {
+        Some("plans") => return cudnn_plans(&dev),
+        Some("hopper") => return hopper(&dev),
+        _ => {}
     }
     let Device::Cuda(cuda) = &dev else {
         unreachable!("checked above")
@@ -165,6 +170,56 @@ fn cudnn_plans(dev: &Device) -> Result<()> {
                 s * 1e3,
                 base * 1e3
             );
+        }
+    }
+    Ok(())
+}
+
+/// cuDNN's attention (its first plan), the Hopper kernel and the portable kernel at the Wan
+/// self-attention shapes: rounds of each in turn, so the clocks' drift under sustained load hits
+/// them alike; the error of each against cuDNN's output.
+fn hopper(dev: &Device) -> Result<()> {
+    /// Rounds, and timed calls of each kernel per round.
+    const ROUNDS: usize = 3;
+    const REPS: usize = 10;
+    let (b, n, d) = (1, 32760, 128);
+    let scale = 1.0 / (d as f64).sqrt();
+    for (name, h) in [("1.3B self", 12), ("14B self", 40)] {
+        let rand = || -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1f32, (b, n, h, d), dev)?
+                .to_dtype(DType::BF16)?
+                .transpose(1, 2)?)
+        };
+        let (q, k, v) = (rand()?, rand()?, rand()?);
+        if !flash_attn_sm90::supported(&q, &k, &v) {
+            bail!("the Hopper kernel does not take {name} on this GPU");
+        }
+        let cudnn = || sdpa_with_plan(&q, &k, &v, scale, 0).map(|r| r.0);
+        let sm90 = || flash_attn_sm90::flash_attn(&q, &k, &v, scale);
+        let portable = || flash_attn::flash_attn(&q, &k, &v, scale);
+        let reference = cudnn()?.to_dtype(DType::F32)?;
+        for (label, out) in [("sm90", sm90()?), ("portable", portable()?)] {
+            let (max, rel) = errors(&out, &reference)?;
+            println!("{name} {label} vs cuDNN: max {max:.2e}, relative {rel:.2e}");
+        }
+        let flops = 4.0 * (b * h * n * n * d) as f64;
+        for round in 0..ROUNDS {
+            let times = [
+                ("cuDNN", time(dev, REPS, cudnn)?),
+                ("sm90", time(dev, REPS, sm90)?),
+                ("portable", time(dev, REPS, portable)?),
+            ];
+            let line: Vec<String> = times
+                .iter()
+                .map(|(label, s)| {
+                    format!(
+                        "{label} {:.3} ms ({:.0} TFLOP/s)",
+                        s * 1e3,
+                        flops / s / 1e12
+                    )
+                })
+                .collect();
+            println!("{name} round {round}: {}", line.join(", "));
         }
     }
     Ok(())

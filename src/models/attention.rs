@@ -19,6 +19,9 @@ use candle_core::{DType, Result, Tensor, D};
 #[cfg(feature = "cuda")]
 #[path = "kernels/flash_attn.rs"]
 pub mod flash_attn;
+#[cfg(feature = "cuda")]
+#[path = "kernels/flash_attn_sm90.rs"]
+pub mod flash_attn_sm90;
 
 /// The sizes `(batch, heads, queries, keys, head_dim)` of CUDA half-precision (bf16 or f16)
 /// q `[B, H, N, D]` and k, v `[B, H, M, D]` of one dtype with at least one query and one key:
@@ -51,6 +54,10 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
         return Ok(out);
+    }
+    #[cfg(feature = "cuda")]
+    if flash_attn_sm90::supported(q, k, v) {
+        return flash_attn_sm90::flash_attn(q, k, v, scale);
     }
     #[cfg(feature = "cuda")]
     if flash_attn::supported(q, k, v) {
@@ -257,6 +264,36 @@ mod cuda_tests {
                 err < 1e-2,
                 "{dtype:?} {dims:?} limit {limit:?}: relative error {err:.2e}"
             );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn hopper_kernel_matches_chunked_reference() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: Hopper attention test skipped");
+            return Ok(());
+        };
+        fn hopper(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+            assert!(flash_attn_sm90::supported(q, k, v));
+            flash_attn_sm90::flash_attn(q, k, v, scale)
+        }
+        let probe = Tensor::zeros((1, 1, 1, 128), DType::BF16, &dev)?;
+        if !flash_attn_sm90::supported(&probe, &probe, &probe) {
+            eprintln!("not a compute capability 9.0 GPU: Hopper attention test skipped");
+            return Ok(());
+        }
+        // Whole and partial tiles of queries and keys, one key, batches, sharp softmaxes.
+        for (dims, spread) in [
+            ((1, 2, 1000, 333, 128), 1.0),
+            ((2, 3, 64, 64, 128), 3.0),
+            ((1, 4, 517, 512, 128), 2.0),
+            ((1, 2, 300, 1, 128), 1.0),
+            ((2, 2, 256, 700, 128), 3.0),
+            ((1, 1, 129, 4097, 128), 4.0),
+        ] {
+            let err = relative_error(&dev, DType::BF16, dims, spread, hopper)?;
+            assert!(err < 1e-2, "{dims:?}: relative error {err:.2e}");
         }
         Ok(())
     }

@@ -1,0 +1,312 @@
+// Fused attention forward for Hopper (sm_90a only; built and loaded on compute capability 9.0
+// alone, beside the portable kernel of flash_attn.cu): the FlashAttention-3 scheme.
+//
+// One block takes 128 query rows of one (batch, head) at head_dim 128, bf16, in three warpgroups:
+// - warpgroup 0 is the producer: one thread loads the query tile once and then each 128-key tile
+//   of keys and of values with TMA (128-byte swizzled boxes of 64 columns) into two stages of
+//   shared memory, each guarded by a full and an empty mbarrier;
+// - warpgroups 1 and 2 each own 64 query rows. S = Q K^T and O += P V run on wgmma
+//   (m64n128k16, f32 accumulators; Q, K and V from shared memory, P from registers), the softmax
+//   online in f32 on the registers. The P V of tile j-1 runs while the softmax of tile j is
+//   computed, and the two warpgroups take turns issuing their matrix products (named barriers),
+//   so one's softmax overlaps the other's products.
+// Inputs [batch, heads, seq, head_dim] of any strides TMA takes (16-byte multiples); rows past the
+// ends are zero-filled by TMA and masked (keys) or not stored (queries). Output
+// [batch, q_len, heads, head_dim] at the given element strides.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int D = 128;                // head_dim
+constexpr int BM = 128;               // query rows per block
+constexpr int BN = 128;               // keys per tile
+constexpr int STAGES = 2;             // key and value tiles in flight
+constexpr int BOX = 128 * 64 * 2;     // one TMA box: 128 rows x 64 columns, bytes
+constexpr int TILE = 2 * BOX;         // a 128 x 128 tile: two boxes side by side
+constexpr int CONSUMER_WARPS = 8;     // arrivals that free a stage
+static_assert(TILE == BN * D * 2 && BM == BN, "query, key and value tiles are alike");
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One 128-row x 64-column box of `map` at (column, row, head, batch) into shared memory.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                         int col, int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
+
+// wgmma shared-memory matrix descriptor of a 128-byte-swizzled operand at `addr`: `lbo` bytes to
+// the next 64 columns (MN-major operands), `sbo` bytes to the next 8 rows.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// The two consumer warpgroups take turns (barriers 1 and 2, 256 threads each).
+__device__ __forceinline__ void turn_wait(int consumer) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int consumer) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// D (64 x 128, f32) (+)= A (64 x 16, shared) * B (16 x 128, shared, K-major); scale_d 0 zeroes D.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(scale_d));
+}
+
+// D (64 x 128, f32) (+)= A (64 x 16, registers) * B (16 x 128, shared, MN-major).
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+
+} // namespace
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_fwd_sm90_bf16_d128(const __grid_constant__ CUtensorMap q_map,
+                             const __grid_constant__ CUtensorMap k_map,
+                             const __grid_constant__ CUtensorMap v_map, __nv_bfloat16 *out,
+                             int q_len, int kv_len, long long out_batch, long long out_row,
+                             long long out_head, float scale_log2) {
+  extern __shared__ uint8_t raw[];
+  // q, then per stage: keys full, values full, keys empty, values empty.
+  __shared__ __align__(8) uint64_t bars[1 + 4 * STAGES];
+  const uint32_t base = (smem_addr(raw) + 1023) & ~1023u; // swizzled boxes need 1024-byte alignment
+  const uint32_t sq = base, sk = base + TILE, sv = base + TILE * (1 + STAGES);
+  const uint32_t bar_q = smem_addr(&bars[0]);
+  auto full_k = [&](int s) { return smem_addr(&bars[1 + s]); };
+  auto full_v = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
+  auto empty_k = [&](int s) { return smem_addr(&bars[1 + 2 * STAGES + s]); };
+  auto empty_v = [&](int s) { return smem_addr(&bars[1 + 3 * STAGES + s]); };
+  const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int tiles = (kv_len + BN - 1) / BN;
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_k(s), 1);
+      mbar_init(full_v(s), 1);
+      mbar_init(empty_k(s), CONSUMER_WARPS);
+      mbar_init(empty_v(s), CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(bar_q, TILE);
+      tma_load(sq, &q_map, bar_q, 0, q_tile * BM, head, batch);
+      tma_load(sq + BOX, &q_map, bar_q, 64, q_tile * BM, head, batch);
+      for (int j = 0; j < tiles; ++j) {
+        const int s = j % STAGES;
+        const uint32_t phase = (j / STAGES) & 1;
+        mbar_wait(empty_k(s), phase ^ 1);
+        mbar_expect_tx(full_k(s), TILE);
+        tma_load(sk + s * TILE, &k_map, full_k(s), 0, j * BN, head, batch);
+        tma_load(sk + s * TILE + BOX, &k_map, full_k(s), 64, j * BN, head, batch);
+        mbar_wait(empty_v(s), phase ^ 1);
+        mbar_expect_tx(full_v(s), TILE);
+        tma_load(sv + s * TILE, &v_map, full_v(s), 0, j * BN, head, batch);
+        tma_load(sv + s * TILE + BOX, &v_map, full_v(s), 64, j * BN, head, batch);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int consumer = wg - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const bool warp_leader = lane == 0;
+  float o[64], s[64];
+  uint32_t p[32];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  // Row statistics of the thread's two rows (g and g + 8 of its warp's 16).
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, correction[2] = {1.f, 1.f};
+
+  // S = Q K^T over head_dim in 8 steps of 16 (32 bytes within a 128-byte swizzled row).
+  auto scores = [&](int stage) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t col = (kk / 4) * BOX + (kk % 4) * 32;
+      const uint64_t a = smem_desc(sq + consumer * 64 * 128 + col, 16, 1024);
+      const uint64_t b = smem_desc(sk + stage * TILE + col, 16, 1024);
+      wgmma_ss(s, a, b, kk > 0);
+    }
+    wgmma_commit();
+  };
+  // O += P V over the tile's keys in 8 steps of 16 rows; V is MN-major (head_dim contiguous).
+  auto values = [&](int stage) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+      wgmma_rs(o, a, smem_desc(sv + stage * TILE + kk * 16 * 128, BOX, 1024), 1);
+    }
+    wgmma_commit();
+  };
+  // Online softmax of tile j's scores, in place: exponentials in `s`, the rescale of O the new
+  // maxima ask for in `correction` (applied before the next P V).
+  auto softmax = [&](int j) {
+    if ((j + 1) * BN > kv_len) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        const int key = j * BN + 8 * (i / 4) + 2 * t + (i % 2);
+        if (key >= kv_len) s[i] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      correction[r] = exp2_approx((row_max[r] - mx) * scale_log2);
+      row_max[r] = mx;
+      const float shift = mx * scale_log2;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float &x = s[4 * i + 2 * r + e];
+          x = exp2_approx(fmaf(x, scale_log2, -shift));
+          sum += x;
+        }
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  };
+  auto rescale = [&]() {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] *= correction[(i / 2) % 2];
+  };
+  auto to_p = [&]() {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) p[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
+  };
+  auto release = [&](uint32_t bar) {
+    if (warp_leader) mbar_arrive(bar);
+  };
+
+  if (consumer == 1) turn_pass(1); // warpgroup 1 issues first
+  mbar_wait(bar_q, 0);
+  mbar_wait(full_k(0), 0);
+  turn_wait(consumer);
+  wgmma_fence();
+  scores(0);
+  turn_pass(consumer);
+  wgmma_wait<0>();
+  release(empty_k(0));
+  softmax(0);
+  to_p();
+  for (int j = 1; j < tiles; ++j) {
+    const int s_now = j % STAGES, s_prev = (j - 1) % STAGES;
+    mbar_wait(full_k(s_now), (j / STAGES) & 1);
+    turn_wait(consumer);
+    wgmma_fence();
+    scores(s_now);
+    rescale();
+    mbar_wait(full_v(s_prev), ((j - 1) / STAGES) & 1);
+    wgmma_fence();
+    values(s_prev);
+    turn_pass(consumer);
+    wgmma_wait<1>();
+    release(empty_k(s_now));
+    softmax(j);
+    wgmma_wait<0>();
+    release(empty_v(s_prev));
+    to_p();
+  }
+  const int s_last = (tiles - 1) % STAGES;
+  rescale();
+  mbar_wait(full_v(s_last), ((tiles - 1) / STAGES) & 1);
+  turn_wait(consumer);
+  wgmma_fence();
+  values(s_last);
+  turn_pass(consumer);
+  wgmma_wait<0>();
+  release(empty_v(s_last));
+
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    inv[r] = 1.f / sum;
+  }
+  const int row0 = q_tile * BM + consumer * 64 + warp * 16 + g;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= q_len) continue;
+    __nv_bfloat16 *dst = out + batch * out_batch + row * out_row + head * out_head + 2 * t;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      *reinterpret_cast<uint32_t *>(dst + 8 * i) =
+          pack_bf16(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
+    }
+  }
+}

@@ -1,0 +1,210 @@
+//! Hopper's fused attention forward (`flash_attn_sm90.cu`, the FlashAttention-3 scheme: TMA
+//! loads, wgmma, a producer warpgroup and two consumer warpgroups taking turns). Its machine code
+//! exists for sm_90a alone (wgmma and TMA are Hopper's), so it runs on compute capability 9.0
+//! only, at head_dim 128 in bf16; every other GPU and input takes the portable kernel.
+
+use std::ffi::c_void;
+
+use crate::models::kernel_module::{kernel_module, shared_memory_limit, Module};
+use candle_core::cuda::cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
+use candle_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
+};
+use half::bf16;
+
+static ATTN: Module = kernel_module!("flash_attn_sm90");
+const KERNEL: &str = "flash_fwd_sm90_bf16_d128";
+/// The one head_dim the kernel is built for.
+const HEAD_DIM: usize = 128;
+/// Query rows per block (`BM`) and keys per tile (`BN`).
+const ROWS: usize = 128;
+/// One producer and two consumer warpgroups.
+const THREADS: u32 = 384;
+/// Shared memory: the query tile and two stages of key and value tiles (128 x 128 bf16 each), plus
+/// 1024 bytes to align the swizzled tiles.
+const SHARED_BYTES: usize = 5 * ROWS * HEAD_DIM * 2 + 1024;
+
+/// Whether the Hopper kernel computes `sdpa` for these inputs: compute capability 9.0, bf16,
+/// head_dim 128, matching batch and heads, at least one key, strides TMA can address (multiples
+/// of 8 elements, checked by [`super::flash_attn::aligned`]'s copy where needed) and the
+/// shared memory the kernel needs.
+pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let (Device::Cuda(dev), Some((b, h, n, m, d))) = (q.device(), super::fused_shapes(q, k, v))
+    else {
+        return false;
+    };
+    q.dtype() == DType::BF16
+        && d == HEAD_DIM
+        && b.max(h) <= u16::MAX as usize
+        && n.max(m) < i32::MAX as usize
+        && dev.cuda_stream().context().compute_capability().ok() == Some((9, 0))
+        && shared_memory_limit(dev).is_some_and(|limit| limit >= SHARED_BYTES)
+}
+
+/// Attention over `[batch, heads, seq, 128]` bf16; the caller checked [`supported`]. The result is
+/// a `[batch, heads, q_len, 128]` view of `[batch, q_len, heads, 128]` storage.
+pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    use super::flash_attn::aligned;
+    let op = Sm90Attn {
+        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+    };
+    aligned(q)?
+        .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
+        .transpose(1, 2)
+}
+
+struct Sm90Attn {
+    /// `scale * log2(e)`: the kernel exponentiates in base 2.
+    scale_log2: f32,
+}
+
+/// A TMA descriptor, passed by value as the kernel's `__grid_constant__ CUtensorMap`.
+#[repr(transparent)]
+struct TensorMap(CUtensorMap);
+
+// SAFETY: a CUtensorMap is plain bytes the driver copies into the kernel's parameters.
+unsafe impl DeviceRepr for TensorMap {}
+
+impl TensorMap {
+    /// Boxes of 128 rows x 64 head-dim columns, 128-byte swizzled, over `[batch, heads, seq,
+    /// head_dim]` bf16 at `ptr` with the element strides of `layout`; rows past the end read as
+    /// zeros.
+    fn new(ptr: u64, layout: &Layout) -> Result<Self> {
+        let dims = layout.dims();
+        let strides = layout.stride();
+        let (b, h, n, d) = (dims[0], dims[1], dims[2], dims[3]);
+        // A dimension of size one may carry any stride; TMA wants multiples of 16 bytes.
+        let stride = |i: usize, fallback: usize| {
+            let s = if dims[i] == 1 { fallback } else { strides[i] };
+            (s * 2) as u64
+        };
+        let row = stride(2, d);
+        let head = stride(1, n * row as usize / 2);
+        let batch = stride(0, h * head as usize / 2);
+        let global_dim = [d as u64, n as u64, h as u64, b as u64];
+        let global_strides = [row, head, batch];
+        let box_dim = [64u32, ROWS as u32, 1, 1];
+        let element_strides = [1u32; 4];
+        let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+        // SAFETY: the arrays have the lengths rank 4 asks for; `map` is written by the call.
+        let status = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                4,
+                ptr as *mut c_void,
+                global_dim.as_ptr(),
+                global_strides.as_ptr(),
+                box_dim.as_ptr(),
+                element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if status != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!(
+                "attention (sm_90): TMA descriptor of {dims:?} / {strides:?}: {status:?}"
+            )
+        }
+        // SAFETY: initialised by the successful call above.
+        Ok(Self(unsafe { map.assume_init() }))
+    }
+}
+
+impl Sm90Attn {
+    fn launch(
+        &self,
+        dev: &CudaDevice,
+        (q, ql): (&candle_core::cuda::cudarc::driver::CudaSlice<bf16>, &Layout),
+        (k, kl): (&candle_core::cuda::cudarc::driver::CudaSlice<bf16>, &Layout),
+        (v, vl): (&candle_core::cuda::cudarc::driver::CudaSlice<bf16>, &Layout),
+    ) -> Result<(candle_core::cuda::cudarc::driver::CudaSlice<bf16>, Shape)> {
+        let (b, h, n, d) = ql.shape().dims4()?;
+        let m = kl.dims()[2];
+        let func = ATTN.function(dev, KERNEL)?;
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            SHARED_BYTES as i32,
+        )
+        .w()?;
+        let stream = dev.cuda_stream();
+        let q = q.slice(ql.start_offset()..);
+        let k = k.slice(kl.start_offset()..);
+        let v = v.slice(vl.start_offset()..);
+        // The guards keep the inputs' stream order while the kernel reads them through the maps.
+        let (q_ptr, _q_guard) = q.device_ptr(&stream);
+        let (k_ptr, _k_guard) = k.device_ptr(&stream);
+        let (v_ptr, _v_guard) = v.device_ptr(&stream);
+        let maps = [
+            TensorMap::new(q_ptr, ql)?,
+            TensorMap::new(k_ptr, kl)?,
+            TensorMap::new(v_ptr, vl)?,
+        ];
+        // SAFETY: every element is written by the kernel (each query row of each head).
+        let out = unsafe { dev.alloc::<bf16>(b * n * h * d) }?;
+        let (q_len, kv_len) = (n as i32, m as i32);
+        // Output storage is [batch, q_len, heads, head_dim].
+        let (out_batch, out_row, out_head) = ((n * h * d) as i64, (h * d) as i64, d as i64);
+        let mut builder = func.builder();
+        builder.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&out);
+        builder.arg(&q_len).arg(&kv_len);
+        builder.arg(&out_batch).arg(&out_row).arg(&out_head);
+        builder.arg(&self.scale_log2);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(ROWS) as u32, h as u32, b as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SHARED_BYTES as u32,
+        };
+        // SAFETY: the arguments match the kernel's signature; `supported` checked the device,
+        // dtype and head_dim, and `aligned` the 16-byte strides the maps need.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok((out, Shape::from((b, n, h, d))))
+    }
+}
+
+impl CustomOp3 for Sm90Attn {
+    fn name(&self) -> &'static str {
+        "flash-attn-sm90"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("flash-attn-sm90 runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        use CudaStorageSlice as S;
+        let dev = &q.device;
+        let (S::BF16(qs), S::BF16(ks), S::BF16(vs)) = (&q.slice, &k.slice, &v.slice) else {
+            candle_core::bail!("flash-attn-sm90 takes bf16 q, k and v")
+        };
+        let (o, shape) = self.launch(dev, (qs, ql), (ks, kl), (vs, vl))?;
+        let device = dev.clone();
+        Ok((
+            CudaStorage {
+                slice: S::BF16(o),
+                device,
+            },
+            shape,
+        ))
+    }
+}
