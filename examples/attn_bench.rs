@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper]`
 //! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one;
-//! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self-attention shapes,
+//! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self- and cross-attention shapes,
 //! in interleaved rounds)
 
 use anyhow::{bail, Result};
@@ -176,7 +176,7 @@ fn cudnn_plans(dev: &Device) -> Result<()> {
 }
 
 /// cuDNN's attention (its first plan), the Hopper kernel and the portable kernel at the Wan
-/// self-attention shapes: rounds of each in turn, so the clocks' drift under sustained load hits
+/// self- and cross-attention shapes: rounds of each in turn, so the clocks' drift under sustained load hits
 /// them alike; the error of each against cuDNN's output.
 fn hopper(dev: &Device) -> Result<()> {
     /// Rounds, and timed calls of each kernel per round.
@@ -184,13 +184,18 @@ fn hopper(dev: &Device) -> Result<()> {
     const REPS: usize = 10;
     let (b, n, d) = (1, 32760, 128);
     let scale = 1.0 / (d as f64).sqrt();
-    for (name, h) in [("1.3B self", 12), ("14B self", 40)] {
-        let rand = || -> Result<Tensor> {
-            Ok(Tensor::randn(0f32, 1f32, (b, n, h, d), dev)?
+    for (name, h, m) in [
+        ("1.3B self", 12, n),
+        ("14B self", 40, n),
+        ("1.3B cross", 12, 512),
+        ("14B cross", 40, 512),
+    ] {
+        let rand = |len: usize| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1f32, (b, len, h, d), dev)?
                 .to_dtype(DType::BF16)?
                 .transpose(1, 2)?)
         };
-        let (q, k, v) = (rand()?, rand()?, rand()?);
+        let (q, k, v) = (rand(n)?, rand(m)?, rand(m)?);
         if !flash_attn_sm90::supported(&q, &k, &v) {
             bail!("the Hopper kernel does not take {name} on this GPU");
         }
@@ -202,7 +207,7 @@ fn hopper(dev: &Device) -> Result<()> {
             let (max, rel) = errors(&out, &reference)?;
             println!("{name} {label} vs cuDNN: max {max:.2e}, relative {rel:.2e}");
         }
-        let flops = 4.0 * (b * h * n * n * d) as f64;
+        let flops = 4.0 * (b * h * n * m * d) as f64;
         for round in 0..ROUNDS {
             let times = [
                 ("cuDNN", time(dev, REPS, cudnn)?),
