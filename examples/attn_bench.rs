@@ -176,7 +176,8 @@ fn cudnn_plans(dev: &Device) -> Result<()> {
 }
 
 /// cuDNN's attention (its first plan), the Hopper kernel and the portable kernel at the Wan
-/// self- and cross-attention shapes: rounds of each in turn, so the clocks' drift under sustained load hits
+/// self- and cross-attention shapes and at key counts between (where `sdpa` switches from cuDNN
+/// to the Hopper kernel): rounds of each in turn, so the clocks' drift under sustained load hits
 /// them alike; the error of each against cuDNN's output.
 fn hopper(dev: &Device) -> Result<()> {
     /// Rounds, and timed calls of each kernel per round.
@@ -189,6 +190,10 @@ fn hopper(dev: &Device) -> Result<()> {
         ("14B self", 40, n),
         ("1.3B cross", 12, 512),
         ("14B cross", 40, 512),
+        ("14B 1024 keys", 40, 1024),
+        ("14B 2048 keys", 40, 2048),
+        ("14B 4096 keys", 40, 4096),
+        ("14B 8192 keys", 40, 8192),
     ] {
         let rand = |len: usize| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1f32, (b, len, h, d), dev)?

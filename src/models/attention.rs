@@ -1,11 +1,11 @@
 //! Scaled dot-product attention that never materialises the whole score matrix.
 //!
 //! On CUDA, bf16/f16 inputs go to a fused attention that keeps scores on the chip: on Hopper
-//! (compute capability 9.0), bf16 at head_dim 128 to the own wgmma kernel
+//! (compute capability 9.0), bf16 at head_dim 128 over more than 8192 keys to the own wgmma kernel
 //! (`kernels/flash_attn_sm90.cu`, faster than cuDNN's best plan there); else to cuDNN's fused
-//! attention where cuDNN >= 9.13.1 is loaded (`models::cudnn`, head_dim up to 256); else with
-//! head_dim 64 or 128 to the own portable kernel (`kernels/flash_attn.cu`). Everything else takes
-//! the chunked path below.
+//! attention where cuDNN >= 9.13.1 is loaded (`models::cudnn`, head_dim up to 256); else to the
+//! Hopper kernel where it applies, or with head_dim 64 or 128 to the own portable kernel
+//! (`kernels/flash_attn.cu`). Everything else takes the chunked path below.
 //!
 //! At 480x832x81 a Wan self-attention layer has 32,760 tokens: the full score matrix would be
 //! ~26 GB per layer. Queries are processed in chunks so the scratch stays bounded by
@@ -54,19 +54,30 @@ pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 /// Softmax accumulates in f32 for every dtype.
 pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if flash_attn_sm90::supported(q, k, v) {
-        return flash_attn_sm90::flash_attn(q, k, v, scale);
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
-        return Ok(out);
-    }
-    #[cfg(feature = "cuda")]
-    if flash_attn::supported(q, k, v) {
-        return flash_attn::flash_attn(q, k, v, scale);
+    {
+        let hopper = flash_attn_sm90::supported(q, k, v);
+        if hopper && k.dim(2)? > CUDNN_UP_TO_KEYS {
+            return flash_attn_sm90::flash_attn(q, k, v, scale);
+        }
+        if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
+            return Ok(out);
+        }
+        if hopper {
+            return flash_attn_sm90::flash_attn(q, k, v, scale);
+        }
+        if flash_attn::supported(q, k, v) {
+            return flash_attn::flash_attn(q, k, v, scale);
+        }
     }
     sdpa_chunked(q, k, v, scale)
 }
+
+/// Up to this many keys cuDNN's attention (where loaded) runs before the Hopper kernel: its blocks
+/// start faster, while over long key sequences the Hopper kernel is ahead (`attn_bench hopper`,
+/// 40 heads x 32,760 queries, session 17: cuDNN ahead at 512 keys by 8-14%, even at 1024-8192,
+/// behind by 9-12% at 32,760).
+#[cfg(feature = "cuda")]
+const CUDNN_UP_TO_KEYS: usize = 8192;
 
 /// [`sdpa`] by query chunks through matmul and softmax, on any device and dtype: the path of
 /// every input the fused CUDA kernel does not take, and the reference it is checked against.
@@ -296,6 +307,39 @@ mod cuda_tests {
         ] {
             let err = relative_error(&dev, DType::BF16, dims, spread, hopper)?;
             assert!(err < 1e-2, "{dims:?}: relative error {err:.2e}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn long_key_sequences_take_the_hopper_kernel() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: attention routing test skipped");
+            return Ok(());
+        };
+        let rand = |len: usize| -> Result<Tensor> {
+            Tensor::randn(0f32, 1f32, (1, 2, len, 128), &dev)?.to_dtype(DType::BF16)
+        };
+        let q = rand(100)?;
+        if !flash_attn_sm90::supported(&q, &q, &q) {
+            eprintln!("not a compute capability 9.0 GPU: attention routing test skipped");
+            return Ok(());
+        }
+        let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+            let gap = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            Ok(gap == 0.0)
+        };
+        for keys in [CUDNN_UP_TO_KEYS, CUDNN_UP_TO_KEYS + 1] {
+            let (k, v) = (rand(keys)?, rand(keys)?);
+            let out = sdpa(&q, &k, &v, 0.1)?;
+            let hopper = flash_attn_sm90::flash_attn(&q, &k, &v, 0.1)?;
+            match crate::models::cudnn::sdpa::sdpa(&q, &k, &v, 0.1) {
+                Some(cudnn) if keys <= CUDNN_UP_TO_KEYS => assert!(same(&out, &cudnn)?),
+                _ => assert!(same(&out, &hopper)?, "{keys} keys"),
+            }
         }
         Ok(())
     }
