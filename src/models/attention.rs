@@ -74,8 +74,8 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
 
 /// Up to this many keys cuDNN's attention (where loaded) runs before the Hopper kernel: its blocks
 /// start faster, while over long key sequences the Hopper kernel is ahead (`attn_bench hopper`,
-/// 40 heads x 32,760 queries, session 17: cuDNN ahead at 512 keys by 8-14%, even at 1024-8192,
-/// behind by 9-12% at 32,760).
+/// 40 heads x 32,760 queries, session 17: cuDNN ahead at 512 keys in most rounds, by up to 14%,
+/// about even at 1024-8192 keys, 1.05-1.17x as long as the Hopper kernel at 32,760).
 #[cfg(feature = "cuda")]
 const CUDNN_UP_TO_KEYS: usize = 8192;
 
