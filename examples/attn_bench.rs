@@ -3,8 +3,8 @@
 //!
 //! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper]`
 //! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one;
-//! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self- and cross-attention shapes,
-//! in interleaved rounds)
+//! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self- and
+//! cross-attention shapes and key counts between, in interleaved rounds)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
