@@ -90,8 +90,22 @@ pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 /// The result is a `[batch, heads, q_len, head_dim]` view of `[batch, q_len, heads, head_dim]`
 /// storage, so merging the heads afterwards is free.
 pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    fused(q, k, v, scale, false)
+}
+
+/// The fused attention through the portable kernel, or through Hopper's (`hopper`: bf16 only,
+/// `flash_attn_sm90`), on inputs `aligned` for their 16-byte loads; the result as
+/// [`flash_attn`]'s.
+pub(crate) fn fused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    hopper: bool,
+) -> Result<Tensor> {
     let op = FlashAttn {
         scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+        hopper,
     };
     aligned(q)?
         .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
@@ -117,8 +131,10 @@ pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
 }
 
 struct FlashAttn {
-    /// `scale * log2(e)`: the kernel exponentiates in base 2.
+    /// `scale * log2(e)`: the kernels exponentiate in base 2.
     scale_log2: f32,
+    /// Hopper's kernel rather than the portable one.
+    hopper: bool,
 }
 
 impl FlashAttn {
@@ -208,6 +224,17 @@ impl CustomOp3 for FlashAttn {
         use CudaStorageSlice as S;
         let dev = &q.device;
         let (slice, shape) = match (&q.slice, &k.slice, &v.slice) {
+            (S::BF16(q), S::BF16(k), S::BF16(v)) if self.hopper => {
+                let (o, shape) = super::flash_attn_sm90::launch(
+                    dev,
+                    (q, ql),
+                    (k, kl),
+                    (v, vl),
+                    self.scale_log2,
+                )?;
+                (S::BF16(o), shape)
+            }
+            _ if self.hopper => candle_core::bail!("Hopper's flash-attn takes bf16 q, k and v"),
             (S::BF16(q), S::BF16(k), S::BF16(v)) => {
                 let (o, shape) = self.launch(dev, "bf16", q, ql, k, kl, v, vl)?;
                 (S::BF16(o), shape)

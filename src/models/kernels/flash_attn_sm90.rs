@@ -7,11 +7,11 @@ use std::ffi::c_void;
 
 use crate::models::kernel_module::{kernel_module, shared_memory_limit, Module};
 use candle_core::cuda::cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
-use candle_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, DType, Device, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 static ATTN: Module = kernel_module!("flash_attn_sm90");
@@ -46,18 +46,7 @@ pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 /// Attention over `[batch, heads, seq, 128]` bf16; the caller checked [`supported`]. The result is
 /// a `[batch, heads, q_len, 128]` view of `[batch, q_len, heads, 128]` storage.
 pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    use super::flash_attn::aligned;
-    let op = Sm90Attn {
-        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
-    };
-    aligned(q)?
-        .apply_op3_no_bwd(&aligned(k)?, &aligned(v)?, &op)?
-        .transpose(1, 2)
-}
-
-struct Sm90Attn {
-    /// `scale * log2(e)`: the kernel exponentiates in base 2.
-    scale_log2: f32,
+    super::flash_attn::fused(q, k, v, scale, true)
 }
 
 /// A TMA descriptor, passed by value as the kernel's `__grid_constant__ CUtensorMap`.
@@ -115,96 +104,53 @@ impl TensorMap {
     }
 }
 
-impl Sm90Attn {
-    fn launch(
-        &self,
-        dev: &CudaDevice,
-        (q, ql): (&candle_core::cuda::cudarc::driver::CudaSlice<bf16>, &Layout),
-        (k, kl): (&candle_core::cuda::cudarc::driver::CudaSlice<bf16>, &Layout),
-        (v, vl): (&candle_core::cuda::cudarc::driver::CudaSlice<bf16>, &Layout),
-    ) -> Result<(candle_core::cuda::cudarc::driver::CudaSlice<bf16>, Shape)> {
-        let (b, h, n, d) = ql.shape().dims4()?;
-        let m = kl.dims()[2];
-        let func = ATTN.function(dev, KERNEL)?;
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            SHARED_BYTES as i32,
-        )
-        .w()?;
-        let stream = dev.cuda_stream();
-        let q = q.slice(ql.start_offset()..);
-        let k = k.slice(kl.start_offset()..);
-        let v = v.slice(vl.start_offset()..);
-        // The guards keep the inputs' stream order while the kernel reads them through the maps.
-        let (q_ptr, _q_guard) = q.device_ptr(&stream);
-        let (k_ptr, _k_guard) = k.device_ptr(&stream);
-        let (v_ptr, _v_guard) = v.device_ptr(&stream);
-        let maps = [
-            TensorMap::new(q_ptr, ql)?,
-            TensorMap::new(k_ptr, kl)?,
-            TensorMap::new(v_ptr, vl)?,
-        ];
-        // SAFETY: every element is written by the kernel (each query row of each head).
-        let out = unsafe { dev.alloc::<bf16>(b * n * h * d) }?;
-        let (q_len, kv_len) = (n as i32, m as i32);
-        // Output storage is [batch, q_len, heads, head_dim].
-        let (out_batch, out_row, out_head) = ((n * h * d) as i64, (h * d) as i64, d as i64);
-        let mut builder = func.builder();
-        builder.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&out);
-        builder.arg(&q_len).arg(&kv_len);
-        builder.arg(&out_batch).arg(&out_row).arg(&out_head);
-        builder.arg(&self.scale_log2);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(ROWS) as u32, h as u32, b as u32),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: SHARED_BYTES as u32,
-        };
-        // SAFETY: the arguments match the kernel's signature; `supported` checked the device,
-        // dtype and head_dim, and `aligned` the 16-byte strides the maps need.
-        unsafe { builder.launch(cfg) }.w()?;
-        Ok((out, Shape::from((b, n, h, d))))
-    }
-}
-
-impl CustomOp3 for Sm90Attn {
-    fn name(&self) -> &'static str {
-        "flash-attn-sm90"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("flash-attn-sm90 runs on CUDA only")
-    }
-
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        ql: &Layout,
-        k: &CudaStorage,
-        kl: &Layout,
-        v: &CudaStorage,
-        vl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        use CudaStorageSlice as S;
-        let dev = &q.device;
-        let (S::BF16(qs), S::BF16(ks), S::BF16(vs)) = (&q.slice, &k.slice, &v.slice) else {
-            candle_core::bail!("flash-attn-sm90 takes bf16 q, k and v")
-        };
-        let (o, shape) = self.launch(dev, (qs, ql), (ks, kl), (vs, vl))?;
-        let device = dev.clone();
-        Ok((
-            CudaStorage {
-                slice: S::BF16(o),
-                device,
-            },
-            shape,
-        ))
-    }
+/// Launches the kernel on q, k and v `[batch, heads, seq, 128]` (their storage and layouts);
+/// `scale_log2` is the softmax scale times log2(e). Returns the `[batch, q_len, heads, 128]` output.
+pub(super) fn launch(
+    dev: &CudaDevice,
+    (q, ql): (&CudaSlice<bf16>, &Layout),
+    (k, kl): (&CudaSlice<bf16>, &Layout),
+    (v, vl): (&CudaSlice<bf16>, &Layout),
+    scale_log2: f32,
+) -> Result<(CudaSlice<bf16>, Shape)> {
+    let (b, h, n, d) = ql.shape().dims4()?;
+    let m = kl.dims()[2];
+    let func = ATTN.function(dev, KERNEL)?;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        SHARED_BYTES as i32,
+    )
+    .w()?;
+    let stream = dev.cuda_stream();
+    let q = q.slice(ql.start_offset()..);
+    let k = k.slice(kl.start_offset()..);
+    let v = v.slice(vl.start_offset()..);
+    // The guards keep the inputs' stream order while the kernel reads them through the maps.
+    let (q_ptr, _q_guard) = q.device_ptr(&stream);
+    let (k_ptr, _k_guard) = k.device_ptr(&stream);
+    let (v_ptr, _v_guard) = v.device_ptr(&stream);
+    let maps = [
+        TensorMap::new(q_ptr, ql)?,
+        TensorMap::new(k_ptr, kl)?,
+        TensorMap::new(v_ptr, vl)?,
+    ];
+    // SAFETY: every element is written by the kernel (each query row of each head).
+    let out = unsafe { dev.alloc::<bf16>(b * n * h * d) }?;
+    let (q_len, kv_len) = (n as i32, m as i32);
+    // Output storage is [batch, q_len, heads, head_dim].
+    let (out_batch, out_row, out_head) = ((n * h * d) as i64, (h * d) as i64, d as i64);
+    let mut builder = func.builder();
+    builder.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&out);
+    builder.arg(&q_len).arg(&kv_len);
+    builder.arg(&out_batch).arg(&out_row).arg(&out_head);
+    builder.arg(&scale_log2);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(ROWS) as u32, h as u32, b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: SHARED_BYTES as u32,
+    };
+    // SAFETY: the arguments match the kernel's signature; `supported` checked the device,
+    // dtype and head_dim, and `aligned` the 16-byte strides the maps need.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok((out, Shape::from((b, n, h, d))))
 }
