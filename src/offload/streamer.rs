@@ -295,6 +295,227 @@ impl<B> Drop for Offloaded<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::Weights;
+    use candle_core::Tensor;
+    use std::time::{Duration, Instant};
+
+    /// Groups of the test parts.
+    const GROUPS: usize = 5;
+
+    /// A group as built on the device: group i's f32 weight holds i, its bf16 scale i + 0.5.
+    struct Group {
+        index: usize,
+        weight: Tensor,
+        scale: Tensor,
+    }
+
+    /// A part of [`GROUPS`] groups read from a safetensors file, each of two tensors in two
+    /// dtypes (two sections), held in pageable arenas and streamed `depth` groups ahead.
+    fn part(name: &str, depth: usize) -> Result<Offloaded<Group>> {
+        let cpu = Device::Cpu;
+        let dir =
+            std::env::temp_dir().join(format!("vidgen-streamer-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.safetensors");
+        let mut tensors = HashMap::new();
+        for i in 0..GROUPS {
+            let weight = Tensor::full(i as f32, 3, &cpu)?;
+            let scale = Tensor::full(i as f32 + 0.5, 2, &cpu)?.to_dtype(DType::BF16)?;
+            tensors.insert(format!("blocks.{i}.weight"), weight);
+            tensors.insert(format!("blocks.{i}.scale"), scale);
+        }
+        candle_core::safetensors::save(&tensors, &path)?;
+        let weights = WeightSet::open(&Weights::Files(vec![path]))?;
+        let part = Offloaded::from_weights(
+            &weights,
+            GROUPS,
+            Packing::ByDtype,
+            |index, vb| {
+                let vb = vb.pp(format!("blocks.{index}"));
+                Ok(Group {
+                    index,
+                    weight: vb.get(3, "weight")?,
+                    scale: vb.to_dtype(DType::BF16).get(2, "scale")?,
+                })
+            },
+            DType::F32,
+            &cpu,
+            HostMemory::Pageable,
+            StreamOptions {
+                stream: true,
+                depth,
+            },
+        )?;
+        // Every group was read into an arena: the file is not read again.
+        std::fs::remove_dir_all(&dir)?;
+        Ok(part)
+    }
+
+    /// One whole pass: the groups it visited, in order, each checked to hold its own values.
+    fn visit_all(part: &Offloaded<Group>) -> Result<Vec<usize>> {
+        let mut seen = Vec::new();
+        part.for_each(|group| {
+            let i = group.index as f32;
+            let weight = group.weight.to_vec1::<f32>()?;
+            let scale = group.scale.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            anyhow::ensure!(weight == [i; 3], "group {i}: weight {weight:?}");
+            anyhow::ensure!(scale == [i + 0.5; 2], "group {i}: scale {scale:?}");
+            seen.push(group.index);
+            Ok(())
+        })?;
+        Ok(seen)
+    }
+
+    /// Groups copied to the device so far.
+    fn copies(part: &Offloaded<Group>) -> usize {
+        part.usage().copies.groups as usize
+    }
+
+    /// The groups prefetched for the next pass, in order.
+    fn pending(part: &Offloaded<Group>) -> Vec<usize> {
+        part.pending
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|u| u.index)
+            .collect()
+    }
+
+    /// The slots the prefetched groups were copied into, in slot order.
+    fn pending_slots(part: &Offloaded<Group>) -> Vec<usize> {
+        let mut slots: Vec<usize> = part
+            .pending
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|u| u.slot.expect("a streamed group has a slot"))
+            .collect();
+        slots.sort();
+        slots
+    }
+
+    /// The part's device slots (made by a pass, dropped by `release`).
+    fn slots(part: &Offloaded<Group>) -> Option<Arc<Vec<DeviceSlot>>> {
+        part.slots.lock().unwrap().clone()
+    }
+
+    /// The slots holding a group not retired yet.
+    fn in_use(part: &Offloaded<Group>) -> Vec<usize> {
+        slots(part)
+            .expect("slots made")
+            .iter()
+            .enumerate()
+            .filter(|(_, slot)| slot.in_use())
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    /// Waits, at most ten seconds, until `done`.
+    fn wait_for(done: impl Fn() -> bool) -> Result<()> {
+        let start = Instant::now();
+        while !done() {
+            anyhow::ensure!(start.elapsed() < Duration::from_secs(10), "timed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// A pass that stops early (its closure fails at group `stop`, with groups prefetched by the
+    /// last pass still queued and others being copied) returns the closure's error, keeps nothing
+    /// for the next pass, and retires every slot; the next pass copies every group again and
+    /// visits each in order with its own tensors.
+    #[test]
+    fn an_early_exit_retires_its_slots_and_keeps_nothing() -> Result<()> {
+        const DEPTH: usize = 2;
+        let part = part("early-exit", DEPTH)?;
+        let all: Vec<usize> = (0..GROUPS).collect();
+        assert_eq!(visit_all(&part)?, all);
+        for stop in 0..GROUPS {
+            assert_eq!(pending(&part), (0..DEPTH).collect::<Vec<_>>());
+            let before = copies(&part);
+            // With DEPTH groups prefetched, the copy thread may copy one group, and one more per
+            // group done: once it has, it stays idle, so every copy of this pass comes before
+            // the exit.
+            let allowed = stop + 1;
+            let mut seen = Vec::new();
+            let stopped = part.for_each(|group| {
+                if group.index == stop {
+                    wait_for(|| copies(&part) - before >= allowed)?;
+                    anyhow::bail!("stopped at {stop}");
+                }
+                seen.push(group.index);
+                Ok(())
+            });
+            let error = stopped.expect_err("the closure's error");
+            assert_eq!(error.to_string(), format!("stopped at {stop}"));
+            assert_eq!(seen, all[..stop]);
+            assert_eq!(copies(&part) - before, allowed, "stopped at {stop}");
+            assert_eq!(pending(&part), [0; 0], "kept after stopping at {stop}");
+            assert_eq!(
+                in_use(&part),
+                [0; 0],
+                "not retired after stopping at {stop}"
+            );
+            let before = copies(&part);
+            assert_eq!(visit_all(&part)?, all, "after stopping at {stop}");
+            assert_eq!(copies(&part) - before, GROUPS + DEPTH);
+        }
+        Ok(())
+    }
+
+    /// A pass ends with the next pass's first groups copied into slots it keeps (not retired);
+    /// the next pass starts from them, so it copies each group once and the same slots stay, and
+    /// it visits every group in order with its own tensors. A depth beyond the other groups is
+    /// cut to them.
+    #[test]
+    fn the_next_pass_consumes_what_the_last_prefetched() -> Result<()> {
+        let all: Vec<usize> = (0..GROUPS).collect();
+        for (asked, depth) in [(1, 1), (2, 2), (9, GROUPS - 1)] {
+            let part = part(&format!("prefetch-{asked}"), asked)?;
+            assert_eq!(visit_all(&part)?, all);
+            assert_eq!(copies(&part), GROUPS + depth);
+            let kept = slots(&part).expect("slots made");
+            assert_eq!(kept.len(), depth + 1);
+            for pass in 1..4 {
+                assert_eq!(pending(&part), all[..depth], "depth {asked}, pass {pass}");
+                assert_eq!(in_use(&part), pending_slots(&part), "depth {asked}");
+                let before = copies(&part);
+                assert_eq!(visit_all(&part)?, all, "depth {asked}, pass {pass}");
+                assert_eq!(copies(&part) - before, GROUPS, "depth {asked}, pass {pass}");
+                assert!(Arc::ptr_eq(&kept, &slots(&part).expect("slots kept")));
+            }
+        }
+        Ok(())
+    }
+
+    /// `release` (before any pass, or between passes) drops the prefetched groups and the
+    /// slots; the next pass makes new slots, copies every group again, and visits each in order
+    /// with its own tensors.
+    #[test]
+    fn release_between_passes_remakes_the_slots() -> Result<()> {
+        const DEPTH: usize = 2;
+        let part = part("release", DEPTH)?;
+        let all: Vec<usize> = (0..GROUPS).collect();
+        part.release()?;
+        assert!(slots(&part).is_none());
+        assert_eq!(visit_all(&part)?, all);
+        let mut last = slots(&part).expect("slots made");
+        for _ in 0..2 {
+            part.release()?;
+            assert_eq!(pending(&part), [0; 0]);
+            assert!(slots(&part).is_none(), "slots kept by release");
+            let before = copies(&part);
+            assert_eq!(visit_all(&part)?, all);
+            assert_eq!(copies(&part) - before, GROUPS + DEPTH);
+            assert_eq!(pending(&part), all[..DEPTH]);
+            // The last slots are still held here, so new ones are elsewhere.
+            let made = slots(&part).expect("slots remade");
+            assert!(!Arc::ptr_eq(&last, &made));
+            assert_eq!(made.len(), DEPTH + 1);
+            last = made;
+        }
+        Ok(())
+    }
 
     /// A bound above the part pins it all; below, the ring is the bound or two groups, the
     /// smaller; a staged part has a ring of two groups (all of it pinned when that is all);

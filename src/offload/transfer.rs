@@ -65,6 +65,19 @@ pub struct DeviceSlot {
     /// the slot waits for it.
     #[cfg(feature = "cuda")]
     done: Mutex<Option<cudarc::driver::CudaEvent>>,
+    /// Set by a copy into the slot, cleared when the slot is retired: retiring is invisible off
+    /// CUDA, and this lets CPU tests check that every pass, one ended early included, retires
+    /// the slots it used.
+    #[cfg(test)]
+    in_use: std::sync::atomic::AtomicBool,
+}
+
+#[cfg(test)]
+impl DeviceSlot {
+    /// Whether a group copied into the slot has not been retired yet.
+    pub(super) fn in_use(&self) -> bool {
+        self.in_use.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// Moves groups from a `HostStore` to a device.
@@ -120,6 +133,12 @@ impl Transfer {
         index: usize,
         slot: Option<(usize, &DeviceSlot)>,
     ) -> Result<Uploaded> {
+        // Marked before the copy is counted: a test that waits for the count sees the mark.
+        #[cfg(test)]
+        if let Some((_, slot)) = slot {
+            slot.in_use
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let layout = &store.group(index).layout;
         self.count(layout.bytes);
         #[cfg(feature = "cuda")]
@@ -194,6 +213,9 @@ impl Transfer {
     /// Call on the computing thread once a streamed group's work is queued: the next copy into
     /// its slot waits for that work to finish.
     pub fn retire(&self, slot: &DeviceSlot) -> Result<()> {
+        #[cfg(test)]
+        slot.in_use
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.cuda {
             cuda.retire(slot)?;
@@ -366,6 +388,8 @@ mod cuda {
                     Ok(DeviceSlot {
                         buffers,
                         done: Mutex::new(None),
+                        #[cfg(test)]
+                        in_use: Default::default(),
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
