@@ -40,11 +40,7 @@ impl Family for TwoExperts {
                 c.transformer.clone(),
             ))
         };
-        let stage = |name, uses: &[usize], activation_bytes| StageSpec {
-            name,
-            uses: uses.to_vec(),
-            activation_bytes,
-        };
+        let stage = StageSpec::new;
         PipelineSpec {
             title: "two-expert toy",
             components: vec![

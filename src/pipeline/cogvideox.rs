@@ -2,12 +2,13 @@
 //! diffusers' `CogVideoXPipeline.__call__` (see [`crate::models::cogvideox`] for the math).
 
 use super::draws::Draws;
+use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held, Placed, Placement};
+use super::placement::{Blockwise, Held};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
@@ -26,16 +27,6 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
-
-/// Components, by their index in the description.
-const TEXT_ENCODER: usize = 0;
-const TRANSFORMER: usize = 1;
-const VAE: usize = 2;
-
-/// Stages, by their index in the description.
-const ENCODE_TEXT: usize = 0;
-const DENOISE: usize = 1;
-const DECODE: usize = 2;
 
 /// The scheduler the pipeline runs (the 5b repo ships `CogVideoXDDIMScheduler` with the same
 /// values; its model card swaps this one in).
@@ -140,6 +131,58 @@ impl CogVideoXConfigs {
     }
 }
 
+/// The components of a CogVideoX pipeline.
+#[derive(Clone, Copy)]
+struct Parts {
+    text_encoder: Slot<T5EncoderModel>,
+    transformer: Slot<CogVideoXTransformer3DModel>,
+    vae: Slot<AutoencoderKLCogVideoX>,
+}
+
+impl CogVideoXConfigs {
+    /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
+    /// by one stage and safe to defer; the pipeline as data with its components' slots.
+    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
+        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        let mut spec = PipelineSpec::titled("CogVideoX text-to-video");
+        let parts = Parts {
+            text_encoder: spec.add(Component::new(
+                "text_encoder",
+                Role::TextEncoder,
+                self.text_encoder.clone(),
+            )),
+            transformer: spec.add(Component::new(
+                "transformer",
+                Role::Dit,
+                self.transformer.clone(),
+            )),
+            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
+        };
+        spec.stages = vec![
+            StageSpec::new(
+                "encode_text",
+                &[parts.text_encoder.index()],
+                self.text_activations(shape.text_len, shape.dtype),
+            )
+            .runs(CogVideoX::encode_text),
+            StageSpec::new(
+                "denoise",
+                &[parts.transformer.index()],
+                self.transformer_activations(latent, shape.text_len, shape.dtype),
+            )
+            .runs(CogVideoX::denoise),
+            StageSpec::new(
+                "decode",
+                &[parts.vae.index()],
+                self.vae_activations(latent, shape.dtype),
+            )
+            .runs(CogVideoX::decode),
+            StageSpec::write(),
+        ];
+        (spec, parts)
+    }
+}
+
 impl Family for CogVideoXConfigs {
     fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
         Some(self.latent_shape(num_frames, height, width).to_vec())
@@ -161,40 +204,8 @@ impl Family for CogVideoXConfigs {
         }
     }
 
-    /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
-    /// by one stage and safe to defer.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        PipelineSpec {
-            title: "CogVideoX text-to-video",
-            components: vec![
-                ComponentSpec::new::<T5EncoderModel>(
-                    "text_encoder",
-                    Role::TextEncoder,
-                    self.text_encoder.clone(),
-                ),
-                ComponentSpec::new::<CogVideoXTransformer3DModel>(
-                    "transformer",
-                    Role::Dit,
-                    self.transformer.clone(),
-                ),
-                ComponentSpec::new::<AutoencoderKLCogVideoX>("vae", Role::Vae, self.vae.clone()),
-            ],
-            stages: vec![
-                StageSpec::new(
-                    "encode_text",
-                    &[TEXT_ENCODER],
-                    self.text_activations(shape.text_len, shape.dtype),
-                ),
-                StageSpec::new(
-                    "denoise",
-                    &[TRANSFORMER],
-                    self.transformer_activations(latent, shape.text_len, shape.dtype),
-                ),
-                StageSpec::new("decode", &[VAE], self.vae_activations(latent, shape.dtype)),
-                StageSpec::new("write", &[], 0),
-            ],
-        }
+        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -240,29 +251,18 @@ impl Family for CogVideoXConfigs {
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        Ok(Box::new(CogVideoX::new(
-            self.clone(),
-            config,
-            source,
-            device,
-            progress,
-        )?))
+        let (spec, parts) = self.declare(&RunShape::of(&config));
+        let frame = Frame::new(config, source, spec, device, progress);
+        let pipeline = CogVideoX::new(self.clone(), parts, &frame)?;
+        Ok(frame.open(pipeline))
     }
 }
 
-/// CogVideoX with its loaded components.
-pub struct CogVideoX {
-    config: ResolvedConfig,
-    source: ModelSource,
+/// CogVideoX's own part of its pipeline (the frame holds the rest).
+struct CogVideoX {
     configs: CogVideoXConfigs,
-    spec: PipelineSpec,
-    device: Device,
+    parts: Parts,
     tokenizer: PromptTokenizer,
-    placement: Placement,
-    text_encoder: Option<Placed<T5EncoderModel>>,
-    transformer: Option<Placed<CogVideoXTransformer3DModel>>,
-    vae: Option<Placed<AutoencoderKLCogVideoX>>,
-    progress: Arc<Progress>,
 }
 
 /// A run's random draws: from the `--latents` file, or from the seed.
@@ -292,14 +292,8 @@ impl RunDraws {
 
 impl CogVideoX {
     /// Reads the tokenizer and checks the draws file against the run's sizes; loads no weights.
-    pub fn new(
-        configs: CogVideoXConfigs,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Self> {
-        let spec = configs.spec(&RunShape::of(&config));
+    fn new(configs: CogVideoXConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
+        let (source, progress) = (&frame.source, &frame.progress);
         let tokenizer_json = source.require("tokenizer/tokenizer.json").context(
             "CogVideoX reads tokenizer/tokenizer.json; where a checkpoint ships only spiece.model, write it once with transformers: T5TokenizerFast.from_pretrained(folder, subfolder=\"tokenizer\").save_pretrained(folder + \"/tokenizer\")",
         )?;
@@ -313,23 +307,14 @@ impl CogVideoX {
                 configs.scheduler_class
             ));
         }
-        let placement = Placement::new(&config.memory, &spec);
         let pipeline = CogVideoX {
-            placement,
-            config,
-            source,
             configs,
-            spec,
-            device,
+            parts,
             tokenizer,
-            text_encoder: None,
-            transformer: None,
-            vae: None,
-            progress,
         };
         // A draws file that does not fit the run is bad input, found before anything loads.
-        if let Some(path) = &pipeline.config.generation.latents {
-            let o = &pipeline.config.options;
+        if let Some(path) = &frame.config.generation.latents {
+            let o = &frame.config.options;
             let mut draws = RunDraws::File(Draws::open(path).map_err(usage)?);
             pipeline
                 .take_draws(
@@ -374,8 +359,13 @@ impl CogVideoX {
     /// The prompt embeddings `[1, L, text_dim]` of each text: T5's `last_hidden_state` of the
     /// padded ids without a mask (the prompt is not cleaned), the texts through the blocks
     /// together.
-    fn embed(&self, encoder: &Held<'_, T5EncoderModel>, texts: &[&str]) -> Result<Vec<Tensor>> {
-        let max_len = self.config.generation.max_sequence_length;
+    fn embed(
+        &self,
+        frame: &Frame,
+        encoder: &Held<'_, T5EncoderModel>,
+        texts: &[&str],
+    ) -> Result<Vec<Tensor>> {
+        let max_len = frame.config.generation.max_sequence_length;
         let ids = texts
             .iter()
             .map(|text| Ok(self.tokenizer.encode(text, max_len)?.0))
@@ -383,48 +373,37 @@ impl CogVideoX {
         let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
         encode_unmasked(encoder, &ids)?
             .into_iter()
-            .map(|t| Ok(t.to_dtype(self.config.dtype())?.to_device(&Device::Cpu)?))
+            .map(|t| Ok(t.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?))
             .collect()
     }
 
     /// Encodes the prompts (the negative one when guided); the embeddings wait for the denoise
     /// stage in host memory.
-    fn encode_text(&self, job: &mut Job) -> Result<()> {
-        let placed = self
-            .text_encoder
-            .as_ref()
-            .context("text encoder not loaded")?;
-        let before = placed.offload_usage();
-        let encoder = placed.hold()?;
+    fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let encoder = frame.hold(self.parts.text_encoder)?;
         let mut texts = vec![job.prompt.as_str()];
         if guidance::is_guided(job.guidance_scale) {
             texts.push(job.negative_prompt.as_str());
         }
-        let mut embeds = self.embed(&encoder, &texts)?.into_iter();
+        let mut embeds = self.embed(frame, &encoder, &texts)?.into_iter();
         job.prompt_embeds = embeds.next();
         job.negative_embeds = embeds.next();
-        let after = placed.offload_usage();
-        stages::report_offload(&self.progress, job, "offload_text_encoder", before, after);
         Ok(())
     }
 
-    fn denoise(&self, job: &mut Job) -> Result<()> {
-        let placed = self
-            .transformer
-            .as_ref()
-            .context("transformer not loaded")?;
-        let before = placed.offload_usage();
-        let model = &placed.hold()?;
-        let dtype = self.config.dtype();
+    fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let model = &frame.hold(self.parts.transformer)?;
+        let dtype = frame.dtype();
+        let device = &frame.device;
         let cond = job.prompt_embeds.as_ref().context("prompt not encoded")?;
         // One batched forward over [negative; positive], as diffusers calls it.
         let text = match &job.negative_embeds {
             Some(uncond) => Tensor::cat(&[uncond, cond], 0)?,
             None => cond.clone(),
         }
-        .to_device(&self.device)?;
+        .to_device(device)?;
         let guided = job.negative_embeds.is_some();
-        let mut draws = match &self.config.generation.latents {
+        let mut draws = match &frame.config.generation.latents {
             Some(path) => RunDraws::File(Draws::open(path)?),
             None => RunDraws::Seeded(job.seed),
         };
@@ -439,7 +418,7 @@ impl CogVideoX {
         let steps = job.num_inference_steps as usize;
         let mut scheduler = CogVideoXDpmScheduler::new(&self.configs.scheduler, steps)?;
         // init_noise_sigma is 1: the latents are used as drawn.
-        let mut latents = latents.to_dtype(dtype)?.to_device(&self.device)?;
+        let mut latents = latents.to_dtype(dtype)?.to_device(device)?;
         let timesteps = scheduler.timesteps().to_vec();
         let mut forward_seconds = Vec::with_capacity(timesteps.len());
         for (i, &t) in timesteps.iter().enumerate() {
@@ -449,8 +428,8 @@ impl CogVideoX {
             } else {
                 latents.clone()
             };
-            let timestep = Tensor::new(&[t], &self.device)?;
-            let out = stages::timed(&self.device, &mut forward_seconds, || {
+            let timestep = Tensor::new(&[t], device)?;
+            let out = stages::timed(device, &mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, &text)
             })?
             .to_dtype(DType::F32)?;
@@ -460,19 +439,13 @@ impl CogVideoX {
             } else {
                 out
             };
-            let noise = noises[i].to_dtype(DType::F32)?.to_device(&self.device)?;
+            let noise = noises[i].to_dtype(DType::F32)?.to_device(device)?;
             latents = scheduler
                 .step(&noise_pred, &latents.to_dtype(DType::F32)?, &noise)?
                 .to_dtype(dtype)?;
-            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
+            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
         }
-        stages::report_denoise(
-            &self.progress,
-            job,
-            forward_seconds,
-            before,
-            placed.offload_usage(),
-        );
+        stages::report_forwards(&frame.progress, job, forward_seconds);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.negative_embeds = None;
@@ -481,28 +454,13 @@ impl CogVideoX {
 
     /// `decode_latents` (permute to `[B, C, F, H, W]`, times 1/scaling_factor, frame-batched
     /// decode) and `postprocess_video` to frames `[T, H, W, 3]` in [0, 1].
-    fn decode(&self, job: &mut Job) -> Result<()> {
-        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+    fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let held = frame.hold(self.parts.vae)?;
         let vae = held.model();
         let latents = job.latents.take().context("nothing denoised")?;
-        let z = vae.scale_latents(&latents.to_device(&self.device)?)?;
+        let z = vae.scale_latents(&latents.to_device(&frame.device)?)?;
         let video = vae.decode(&z)?.to_dtype(DType::F32)?;
         job.frames = Some(stages::video_frames(video)?);
-        Ok(())
-    }
-
-    /// Builds a component from its weights, placed as the options say.
-    fn load_component(&mut self, component: usize) -> Result<()> {
-        let loader = stages::loader!(self);
-        match component {
-            TEXT_ENCODER => {
-                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
-            }
-            TRANSFORMER => {
-                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
-        }
         Ok(())
     }
 }
@@ -510,35 +468,6 @@ impl CogVideoX {
 /// A draws file that does not fit the run, as bad input.
 fn usage(e: anyhow::Error) -> anyhow::Error {
     UsageError::new(format!("{e:#}")).into()
-}
-
-impl Pipeline for CogVideoX {
-    type Job = Job;
-
-    fn spec(&self) -> &PipelineSpec {
-        &self.spec
-    }
-
-    fn load(&mut self, component: usize) -> Result<()> {
-        self.load_component(component)
-    }
-
-    fn release(&mut self, component: usize) {
-        match component {
-            TEXT_ENCODER => self.text_encoder = None,
-            TRANSFORMER => self.transformer = None,
-            _ => self.vae = None,
-        }
-    }
-
-    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        match index {
-            ENCODE_TEXT => self.encode_text(job),
-            DENOISE => self.denoise(job),
-            DECODE => self.decode(job),
-            _ => stages::write_video(&self.config, job),
-        }
-    }
 }
 
 /// One DiT forward over the joint sequence: prepare, the blocks (resident or streamed), finish.

@@ -4,12 +4,13 @@
 //! dual/single-stream DiT (embedded guidance; real CFG with a negative prompt only when
 //! `--true-cfg-scale` > 1), flow-match Euler with the scheduler's shift, and the causal 3D VAE.
 
+use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held, Placed, Placement};
+use super::placement::{Blockwise, Held};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
@@ -29,28 +30,13 @@ use crate::models::hunyuan_video::vae::{
     self, AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
 };
 use crate::models::source::ModelSource;
-use crate::offload::Residency;
 use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
 use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::collections::HashMap;
 use std::sync::Arc;
-
-/// Components, by their index in the description.
-const TEXT_ENCODER: usize = 0;
-const TEXT_ENCODER_2: usize = 1;
-const TRANSFORMER: usize = 2;
-const MODULATIONS: usize = 3;
-const VAE: usize = 4;
-
-/// Stages, by their index in the description.
-const ENCODE_TEXT: usize = 0;
-const MODULATE: usize = 1;
-const DENOISE: usize = 2;
-const DECODE: usize = 3;
 
 /// The CLIP tokenizer's length (`tokenizer_2`, `max_length=77`).
 const CLIP_MAX_LENGTH: usize = 77;
@@ -113,31 +99,21 @@ fn size(dtype: DType) -> u64 {
     dtype.size_in_bytes() as u64
 }
 
-impl Family for HunyuanConfigs {
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(self.latent_shape(num_frames, height, width).to_vec())
-    }
+/// The components of a HunyuanVideo pipeline.
+#[derive(Clone, Copy)]
+struct Parts {
+    text_encoder: Slot<LlamaTextEncoder>,
+    text_encoder_2: Slot<ClipTextModel>,
+    transformer: Slot<HunyuanVideoTransformer3DModel>,
+    modulations: Slot<HunyuanModulations>,
+    vae: Slot<AutoencoderKLHunyuanVideo>,
+}
 
-    /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
-    /// 50 steps, embedded guidance 6, 256 prompt tokens.
-    fn defaults(&self) -> ModelDefaults {
-        ModelDefaults {
-            height: Some(720),
-            width: Some(1280),
-            num_frames: Some(129),
-            fps: Some(24),
-            num_inference_steps: Some(50),
-            guidance_scale: Some(6.0),
-            max_sequence_length: Some(256),
-            scheduler: Some(SchedulerKind::Euler),
-            // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
-            frame_rule: None,
-        }
-    }
-
+impl HunyuanConfigs {
     /// Two text encoders (Llama, CLIP) used by one stage, the DiT, the VAE; every component
-    /// only feeds tensors forward, so each is safe to defer.
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+    /// only feeds tensors forward, so each is safe to defer. The pipeline as data with its
+    /// components' slots.
+    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let d = size(shape.dtype);
         // Text: the template's tokens plus the prompt's, through one Llama layer at a time.
         let llama = &self.text_encoder;
@@ -182,40 +158,71 @@ impl Family for HunyuanConfigs {
         let decode = frames * pixels * (2 * upsampled + last) * d
             + 3 * run * 4
             + shape.num_frames as u64 * shape.height as u64 * shape.width as u64 * 3 * 4 * 2;
-        PipelineSpec {
-            title: "HunyuanVideo text-to-video",
-            components: vec![
-                ComponentSpec::new::<LlamaTextEncoder>(
-                    "text_encoder",
-                    Role::TextEncoder,
-                    self.text_encoder.clone(),
-                ),
-                ComponentSpec::new::<ClipTextModel>(
-                    "text_encoder_2",
-                    Role::TextEncoder,
-                    self.text_encoder_2.clone(),
-                ),
-                ComponentSpec::new::<HunyuanVideoTransformer3DModel>(
-                    "transformer",
-                    Role::Dit,
-                    self.transformer.clone(),
-                ),
-                ComponentSpec::new::<HunyuanModulations>(
+        let mut spec = PipelineSpec::titled("HunyuanVideo text-to-video");
+        let parts = Parts {
+            text_encoder: spec.add(Component::new(
+                "text_encoder",
+                Role::TextEncoder,
+                self.text_encoder.clone(),
+            )),
+            text_encoder_2: spec.add(Component::new(
+                "text_encoder_2",
+                Role::TextEncoder,
+                self.text_encoder_2.clone(),
+            )),
+            transformer: spec.add(Component::new(
+                "transformer",
+                Role::Dit,
+                self.transformer.clone(),
+            )),
+            modulations: spec.add(
+                Component::new(
                     "transformer_modulations",
                     Role::Dit,
                     self.transformer.clone(),
                 )
                 .in_folder("transformer"),
-                ComponentSpec::new::<AutoencoderKLHunyuanVideo>("vae", Role::Vae, self.vae.clone()),
-            ],
-            stages: vec![
-                StageSpec::new("encode_text", &[TEXT_ENCODER, TEXT_ENCODER_2], text),
-                StageSpec::new("modulate", &[MODULATIONS], modulate),
-                StageSpec::new("denoise", &[TRANSFORMER], denoise),
-                StageSpec::new("decode", &[VAE], decode),
-                StageSpec::new("write", &[], 0),
-            ],
+            ),
+            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
+        };
+        let encoders = [parts.text_encoder.index(), parts.text_encoder_2.index()];
+        spec.stages = vec![
+            StageSpec::new("encode_text", &encoders, text).runs(HunyuanVideo::encode_text),
+            StageSpec::new("modulate", &[parts.modulations.index()], modulate)
+                .runs(HunyuanVideo::modulate),
+            StageSpec::new("denoise", &[parts.transformer.index()], denoise)
+                .runs(HunyuanVideo::denoise),
+            StageSpec::new("decode", &[parts.vae.index()], decode).runs(HunyuanVideo::decode),
+            StageSpec::write(),
+        ];
+        (spec, parts)
+    }
+}
+
+impl Family for HunyuanConfigs {
+    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
+        Some(self.latent_shape(num_frames, height, width).to_vec())
+    }
+
+    /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
+    /// 50 steps, embedded guidance 6, 256 prompt tokens.
+    fn defaults(&self) -> ModelDefaults {
+        ModelDefaults {
+            height: Some(720),
+            width: Some(1280),
+            num_frames: Some(129),
+            fps: Some(24),
+            num_inference_steps: Some(50),
+            guidance_scale: Some(6.0),
+            max_sequence_length: Some(256),
+            scheduler: Some(SchedulerKind::Euler),
+            // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
+            frame_rule: None,
         }
+    }
+
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -245,13 +252,10 @@ impl Family for HunyuanConfigs {
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        Ok(Box::new(HunyuanVideo::new(
-            self.clone(),
-            config,
-            source,
-            device,
-            progress,
-        )?))
+        let (spec, parts) = self.declare(&RunShape::of(&config));
+        let frame = Frame::new(config, source, spec, device, progress);
+        let pipeline = HunyuanVideo::new(self.clone(), parts, &frame)?;
+        Ok(frame.open(pipeline))
     }
 }
 
@@ -306,28 +310,22 @@ impl StepModulations {
     }
 }
 
-/// HunyuanVideo with its loaded components.
-pub struct HunyuanVideo {
-    config: ResolvedConfig,
-    source: ModelSource,
+/// What a job carries between stages beside [`Job`]'s own fields.
+#[derive(Default)]
+struct Carried {
+    /// The (prompt, negative prompt) conditioning, from encode to denoise.
+    conds: Option<(TextConds, Option<TextConds>)>,
+    /// The modulations, per step and conditioning, from modulate to denoise.
+    modulations: Vec<StepModulations>,
+}
+
+/// HunyuanVideo's own part of its pipeline (the frame holds the rest).
+struct HunyuanVideo {
     configs: HunyuanConfigs,
-    spec: PipelineSpec,
-    device: Device,
+    parts: Parts,
     tokenizer: LlamaPromptTokenizer,
     crop_start: usize,
     tokenizer_2: tokenizers::Tokenizer,
-    placement: Placement,
-    text_encoder: Option<Placed<LlamaTextEncoder>>,
-    text_encoder_2: Option<Placed<ClipTextModel>>,
-    transformer: Option<Placed<HunyuanVideoTransformer3DModel>>,
-    modulations: Option<Placed<HunyuanModulations>>,
-    vae: Option<Placed<AutoencoderKLHunyuanVideo>>,
-    /// Each job's (prompt, negative prompt) conditioning, by job index, from encode to denoise.
-    conds: HashMap<usize, (TextConds, Option<TextConds>)>,
-    /// Each job's modulations, per step and conditioning, by job index, from modulate to
-    /// denoise.
-    modulations_by_job: HashMap<usize, Vec<StepModulations>>,
-    progress: Arc<Progress>,
 }
 
 /// A tokenizer folder's `tokenizer.json` text and its `tokenizer_config.json`'s when present
@@ -377,48 +375,21 @@ fn clip_tokenizer((json, config): (String, Option<String>)) -> Result<tokenizers
 
 impl HunyuanVideo {
     /// Reads both tokenizers; loads no weights.
-    pub fn new(
-        configs: HunyuanConfigs,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Self> {
-        let spec = configs.spec(&RunShape::of(&config));
+    fn new(configs: HunyuanConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
+        let source = &frame.source;
         let load = LlamaTokenizerLoad::for_class(&configs.tokenizer_class);
-        let (json, tokenizer_config) = tokenizer_files(&source, "tokenizer")?;
+        let (json, tokenizer_config) = tokenizer_files(source, "tokenizer")?;
         let tokenizer = LlamaPromptTokenizer::from_json(&json, tokenizer_config.as_deref(), load)
             .context("loading tokenizer/tokenizer.json")?;
         let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE)?;
-        let tokenizer_2 = clip_tokenizer(tokenizer_files(&source, "tokenizer_2")?)?;
-        let placement = Placement::new(&config.memory, &spec);
+        let tokenizer_2 = clip_tokenizer(tokenizer_files(source, "tokenizer_2")?)?;
         Ok(HunyuanVideo {
-            placement,
-            config,
-            source,
             configs,
-            spec,
-            device,
+            parts,
             tokenizer,
             crop_start,
             tokenizer_2,
-            text_encoder: None,
-            text_encoder_2: None,
-            transformer: None,
-            modulations: None,
-            vae: None,
-            conds: HashMap::new(),
-            modulations_by_job: HashMap::new(),
-            progress,
         })
-    }
-
-    /// Where component `c` computes (its residency may keep it on the CPU).
-    fn compute_device(&self, c: usize) -> Device {
-        match self.placement.residencies[c] {
-            Residency::OnCpu => Device::Cpu,
-            _ => self.device.clone(),
-        }
     }
 
     /// `_get_llama_prompt_embeds` of each text: the template around it, `hidden_states[-3]`, the
@@ -426,10 +397,11 @@ impl HunyuanVideo {
     /// turn (a streamed encoder passes once for all), each result as encoding it alone gives.
     fn llama_embed(
         &self,
+        frame: &Frame,
         encoder: &Held<'_, LlamaTextEncoder>,
         texts: &[&str],
     ) -> Result<Vec<(Tensor, Tensor)>> {
-        let device = self.compute_device(TEXT_ENCODER);
+        let device = frame.device_of(self.parts.text_encoder);
         let model = encoder.model();
         let (mut hidden, mut prepared, mut masks) = (Vec::new(), Vec::new(), Vec::new());
         for text in texts {
@@ -437,7 +409,7 @@ impl HunyuanVideo {
                 DEFAULT_PROMPT_TEMPLATE,
                 &[text],
                 self.crop_start,
-                self.config.generation.max_sequence_length,
+                frame.config.generation.max_sequence_length,
                 &device,
             )?;
             prepared.push(model.prepare(&mask, &device)?);
@@ -455,9 +427,7 @@ impl HunyuanVideo {
             .map(|(h, mask)| {
                 let (embeds, mask) = crop_prompt(h, mask, self.crop_start)?;
                 Ok((
-                    embeds
-                        .to_dtype(self.config.dtype())?
-                        .to_device(&Device::Cpu)?,
+                    embeds.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?,
                     mask.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
                 ))
             })
@@ -468,10 +438,11 @@ impl HunyuanVideo {
     /// host; the texts through the layers together, as [`Self::llama_embed`].
     fn clip_pooled(
         &self,
+        frame: &Frame,
         encoder: &Held<'_, ClipTextModel>,
         texts: &[&str],
     ) -> Result<Vec<Tensor>> {
-        let device = self.compute_device(TEXT_ENCODER_2);
+        let device = frame.device_of(self.parts.text_encoder_2);
         let model = encoder.model();
         let (mut hidden, mut ids) = (Vec::new(), Vec::new());
         for text in texts {
@@ -496,7 +467,7 @@ impl HunyuanVideo {
                 Ok(model
                     .finish(x, ids)?
                     .pooler_output
-                    .to_dtype(self.config.dtype())?
+                    .to_dtype(frame.dtype())?
                     .to_device(&Device::Cpu)?)
             })
             .collect()
@@ -504,27 +475,19 @@ impl HunyuanVideo {
 
     /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
     /// negative prompt given).
-    fn true_cfg(&self, job: &Job) -> Option<f64> {
-        let scale = self.config.generation.true_cfg_scale.unwrap_or(1.0);
+    fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
+        let scale = frame.config.generation.true_cfg_scale.unwrap_or(1.0);
         let has_negative =
-            !job.negative_prompt.is_empty() || self.config.given.contains("negative_prompt");
+            !job.negative_prompt.is_empty() || frame.config.given.contains("negative_prompt");
         uses_true_cfg(scale, has_negative).then_some(scale)
     }
 
-    fn encode_text(&mut self, job: &mut Job) -> Result<()> {
-        let llama = self
-            .text_encoder
-            .as_ref()
-            .context("text encoder not loaded")?
-            .hold()?;
-        let clip = self
-            .text_encoder_2
-            .as_ref()
-            .context("text encoder 2 not loaded")?
-            .hold()?;
-        let negative = self.true_cfg(job).is_some();
-        if !negative && self.config.generation.true_cfg_scale.unwrap_or(1.0) > 1.0 {
-            self.progress.note(
+    fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let llama = frame.hold(self.parts.text_encoder)?;
+        let clip = frame.hold(self.parts.text_encoder_2)?;
+        let negative = Self::true_cfg(frame, job).is_some();
+        if !negative && frame.config.generation.true_cfg_scale.unwrap_or(1.0) > 1.0 {
+            frame.progress.note(
                 "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
             );
         }
@@ -533,9 +496,9 @@ impl HunyuanVideo {
             texts.push(job.negative_prompt.as_str());
         }
         let mut conds = self
-            .llama_embed(&llama, &texts)?
+            .llama_embed(frame, &llama, &texts)?
             .into_iter()
-            .zip(self.clip_pooled(&clip, &texts)?)
+            .zip(self.clip_pooled(frame, &clip, &texts)?)
             .map(|((embeds, mask), pooled)| TextConds {
                 embeds,
                 mask,
@@ -544,16 +507,19 @@ impl HunyuanVideo {
         let cond = conds.next().context("no prompt embeddings")?;
         let negative = conds.next();
         drop((llama, clip));
-        self.conds.insert(job.index, (cond, negative));
+        job.carry.put(Carried {
+            conds: Some((cond, negative)),
+            modulations: Vec::new(),
+        });
         Ok(())
     }
 
     /// The initial latents: the draws file's `latents`, else seeded noise.
-    fn initial_latents(&self, job: &Job) -> Result<Tensor> {
+    fn initial_latents(&self, frame: &Frame, job: &Job) -> Result<Tensor> {
         let shape = self
             .configs
             .latent_shape(job.num_frames, job.height, job.width);
-        let latents = match &self.config.generation.latents {
+        let latents = match &frame.config.generation.latents {
             Some(path) => {
                 let mut draws = super::draws::Draws::open(path)?;
                 let latents = draws.take("latents", &shape)?;
@@ -562,48 +528,41 @@ impl HunyuanVideo {
             }
             None => seeded_normal(job.seed, &shape)?,
         };
-        Ok(latents.to_dtype(DType::F32)?.to_device(&self.device)?)
+        Ok(latents.to_dtype(DType::F32)?.to_device(&frame.device)?)
     }
 
-    fn denoise(&mut self, job: &mut Job) -> Result<()> {
-        let (cond, negative) = self
-            .conds
-            .remove(&job.index)
-            .context("prompt not encoded")?;
-        let placed = self
-            .transformer
-            .as_ref()
-            .context("transformer not loaded")?;
-        let before = placed.offload_usage();
-        let model = &placed.hold()?;
-        let dtype = self.config.dtype();
-        let cond = self.on_device(&cond)?;
-        let negative = negative.as_ref().map(|n| self.on_device(n)).transpose()?;
-        let true_cfg_scale = self.true_cfg(job);
-        let mut scheduler = self.sampler(job)?;
-        let guidance = guidance_input(job.guidance_scale, 1, dtype, &self.device)?;
-        let mut latents = self.initial_latents(job)?;
+    fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let carried: Carried = job.carry.take();
+        let (cond, negative) = carried.conds.context("prompt not encoded")?;
+        let model = &frame.hold(self.parts.transformer)?;
+        let dtype = frame.dtype();
+        let device = &frame.device;
+        let cond = on_device(frame, &cond)?;
+        let negative = negative.as_ref().map(|n| on_device(frame, n)).transpose()?;
+        let true_cfg_scale = Self::true_cfg(frame, job);
+        let mut scheduler = self.sampler(frame, job)?;
+        let guidance = guidance_input(job.guidance_scale, 1, dtype, device)?;
+        let mut latents = self.initial_latents(frame, job)?;
         let timesteps = scheduler.timesteps().to_vec();
-        let mut modulations = self
-            .modulations_by_job
-            .remove(&job.index)
-            .context("prompt not modulated")?
-            .into_iter();
+        if carried.modulations.is_empty() {
+            anyhow::bail!("prompt not modulated");
+        }
+        let mut modulations = carried.modulations.into_iter();
         let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
         for (i, t) in timesteps.iter().enumerate() {
             crate::pipeline::interrupt::check()?;
             let input = latents.to_dtype(dtype)?;
             // diffusers: t.expand(B).to(latents.dtype), float32.
-            let timestep = Tensor::new(&[*t as f32], &self.device)?;
+            let timestep = Tensor::new(&[*t as f32], device)?;
             let mut next = || modulations.next().context("a step without modulations");
-            let m = next()?.on(&self.device)?;
-            let noise_cond = stages::timed(&self.device, &mut forward_seconds, || {
+            let m = next()?.on(device)?;
+            let noise_cond = stages::timed(device, &mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, &cond, &guidance, m)
             })?;
             let noise = match (&negative, true_cfg_scale) {
                 (Some(neg), Some(scale)) => {
-                    let m = next()?.on(&self.device)?;
-                    let noise_neg = stages::timed(&self.device, &mut forward_seconds, || {
+                    let m = next()?.on(device)?;
+                    let noise_neg = stages::timed(device, &mut forward_seconds, || {
                         dit_forward(model, &input, &timestep, neg, &guidance, m)
                     })?;
                     true_cfg(&noise_cond, &noise_neg, scale)?
@@ -613,56 +572,43 @@ impl HunyuanVideo {
             // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
             // back to the model dtype); the latents wait in f32, which holds that exactly.
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
+            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
         }
-        let after = placed.offload_usage();
-        stages::report_denoise(&self.progress, job, forward_seconds, before, after);
+        stages::report_forwards(&frame.progress, job, forward_seconds);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         Ok(())
     }
 
     /// The flow-match Euler sampler of `job`'s steps.
-    fn sampler(&self, job: &Job) -> Result<FlowMatchEuler> {
+    fn sampler(&self, frame: &Frame, job: &Job) -> Result<FlowMatchEuler> {
         sampler(
             &self.configs.scheduler,
             job.num_inference_steps as usize,
-            self.config.generation.flow_shift,
+            frame.config.generation.flow_shift,
         )
-    }
-
-    /// A text conditioning in the run dtype on the device.
-    fn on_device(&self, c: &TextConds) -> Result<TextConds> {
-        let dtype = self.config.dtype();
-        Ok(TextConds {
-            embeds: c.embeds.to_dtype(dtype)?.to_device(&self.device)?,
-            mask: c.mask.to_dtype(dtype)?.to_device(&self.device)?,
-            pooled: c.pooled.to_dtype(dtype)?.to_device(&self.device)?,
-        })
     }
 
     /// Every step's modulations for the prompt (and, where true CFG runs, the negative
     /// prompt), in one pass over the modulation weights, which hold device memory for this
     /// stage only; they wait in host memory for denoise, a step's conditionings in order.
-    fn modulate(&mut self, job: &mut Job) -> Result<()> {
-        let (cond, negative) = self.conds.get(&job.index).context("prompt not encoded")?;
-        let mut conds = vec![self.on_device(cond)?];
-        if let (Some(negative), Some(_)) = (negative, self.true_cfg(job)) {
-            conds.push(self.on_device(negative)?);
+    fn modulate(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let mut carried: Carried = job.carry.take();
+        let (cond, negative) = carried.conds.as_ref().context("prompt not encoded")?;
+        let mut conds = vec![on_device(frame, cond)?];
+        if let (Some(negative), Some(_)) = (negative, Self::true_cfg(frame, job)) {
+            conds.push(on_device(frame, negative)?);
         }
-        let timesteps = self.sampler(job)?.timesteps().to_vec();
-        let guidance = guidance_input(job.guidance_scale, 1, self.config.dtype(), &self.device)?;
-        let placed = self
-            .modulations
-            .as_ref()
-            .context("transformer_modulations not loaded")?;
-        let held = placed.hold()?;
+        let device = &frame.device;
+        let timesteps = self.sampler(frame, job)?.timesteps().to_vec();
+        let guidance = guidance_input(job.guidance_scale, 1, frame.dtype(), device)?;
+        let held = frame.hold(self.parts.modulations)?;
         let model = held.model();
         let conditionings = timesteps
             .iter()
             .flat_map(|&t| conds.iter().map(move |c| (t, c)))
             .map(|(t, c)| {
                 // diffusers: t.expand(B).to(latents.dtype), float32.
-                let timestep = Tensor::new(&[t as f32], &self.device)?;
+                let timestep = Tensor::new(&[t as f32], device)?;
                 model.conditioning(&timestep, &c.embeds, &c.mask, &c.pooled, Some(&guidance))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -700,43 +646,23 @@ impl HunyuanVideo {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        self.modulations_by_job.insert(job.index, tables);
-        Ok(())
-    }
-
-    /// Builds a component from its weights, placed as the options say.
-    fn load_component(&mut self, component: usize) -> Result<()> {
-        let loader = stages::loader!(self);
-        match component {
-            TEXT_ENCODER => {
-                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
-            }
-            TEXT_ENCODER_2 => {
-                self.text_encoder_2 = Some(loader.build(component, &self.configs.text_encoder_2)?)
-            }
-            TRANSFORMER => {
-                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            MODULATIONS => {
-                self.modulations = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
-        }
+        carried.modulations = tables;
+        job.carry.put(carried);
         Ok(())
     }
 
     /// `latents / scaling_factor`, the VAE decode (temporal tiling as diffusers' default;
     /// spatial tiling with `--vae-tiling`), `(video / 2 + 0.5).clamp(0, 1)` as `[F, H, W, 3]`.
-    fn decode(&mut self, job: &mut Job) -> Result<()> {
-        let tiling = self.config.memory.vae_tiling;
-        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+    fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let tiling = frame.config.memory.vae_tiling;
+        let held = frame.hold(self.parts.vae)?;
         let latents = job.latents.take().context("nothing denoised")?;
         let video = {
             let vae = held.model();
             let z = vae.scale_latents(
                 &latents
-                    .to_dtype(self.spec.components[VAE].dtype(self.config.dtype()))?
-                    .to_device(&self.device)?,
+                    .to_dtype(frame.dtype_of(self.parts.vae))?
+                    .to_device(&frame.device)?,
             )?;
             if tiling {
                 let mut vae = vae.clone();
@@ -754,42 +680,14 @@ impl HunyuanVideo {
     }
 }
 
-impl Pipeline for HunyuanVideo {
-    type Job = Job;
-
-    fn spec(&self) -> &PipelineSpec {
-        &self.spec
-    }
-
-    fn load(&mut self, component: usize) -> Result<()> {
-        self.load_component(component)
-    }
-
-    fn release(&mut self, component: usize) {
-        match component {
-            TEXT_ENCODER => self.text_encoder = None,
-            TEXT_ENCODER_2 => self.text_encoder_2 = None,
-            TRANSFORMER => self.transformer = None,
-            MODULATIONS => self.modulations = None,
-            _ => self.vae = None,
-        }
-    }
-
-    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let result = match index {
-            ENCODE_TEXT => self.encode_text(job),
-            MODULATE => self.modulate(job),
-            DENOISE => self.denoise(job),
-            DECODE => self.decode(job),
-            _ => stages::write_video(&self.config, job),
-        };
-        // A failed prompt's later stages do not run: what it carried between them goes.
-        if result.is_err() {
-            self.conds.remove(&job.index);
-            self.modulations_by_job.remove(&job.index);
-        }
-        result
-    }
+/// A text conditioning in the run dtype on the device.
+fn on_device(frame: &Frame, c: &TextConds) -> Result<TextConds> {
+    let (dtype, device) = (frame.dtype(), &frame.device);
+    Ok(TextConds {
+        embeds: c.embeds.to_dtype(dtype)?.to_device(device)?,
+        mask: c.mask.to_dtype(dtype)?.to_device(device)?,
+        pooled: c.pooled.to_dtype(dtype)?.to_device(device)?,
+    })
 }
 
 /// One DiT forward: prepare (embeddings, the token refiner's input, RoPE), the refiner, dual-
@@ -935,7 +833,7 @@ crate::placed_whole!(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::offload::{record, GroupLayout, Packing, StreamOptions};
+    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
 
     /// The names a layout holds.

@@ -40,6 +40,43 @@ pub struct Job {
     /// What the pipeline measured (forward times, memory peaks per stage): the job's `metrics`
     /// object in `--stats-json`.
     pub metrics: serde_json::Map<String, serde_json::Value>,
+    /// What the family carries for this job from one stage to a later one.
+    pub carry: Carry,
+}
+
+/// What a family carries for a job between its stages beside the job's own fields (a family
+/// type of its own, taken by a stage and put back for the next); dropped when a stage fails.
+#[derive(Default)]
+pub struct Carry(Option<Box<dyn std::any::Any>>);
+
+impl Carry {
+    /// What was put here, or a fresh `T` where nothing (of type `T`) was.
+    pub fn take<T: Default + 'static>(&mut self) -> T {
+        match self.0.take().map(|b| b.downcast::<T>()) {
+            Some(Ok(carried)) => *carried,
+            _ => T::default(),
+        }
+    }
+
+    /// Keeps `carried` for the job's next stage.
+    pub fn put<T: 'static>(&mut self, carried: T) {
+        self.0 = Some(Box::new(carried));
+    }
+
+    /// Drops what was carried.
+    pub fn clear(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl std::fmt::Debug for Carry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Carry(..)"
+        } else {
+            "Carry"
+        })
+    }
 }
 
 /// The keys of a `.jsonl` prompt-file line.
@@ -174,6 +211,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             written: false,
             stopped_at: None,
             metrics: serde_json::Map::new(),
+            carry: Carry::default(),
         });
     }
     if seed_free && base_seed_used && !o.quiet && !config.dry_run {

@@ -2,12 +2,13 @@
 //! (the order [`crate::models::ltx`] documents).
 
 use super::draws::Draws;
+use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held, Placed, Placement};
+use super::placement::{Blockwise, Held};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
@@ -30,18 +31,7 @@ use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::collections::HashMap;
 use std::sync::Arc;
-
-/// Components, by their index in the description.
-const TEXT_ENCODER: usize = 0;
-const TRANSFORMER: usize = 1;
-const VAE: usize = 2;
-
-/// Stages, by their index in the description.
-const ENCODE_TEXT: usize = 0;
-const DENOISE: usize = 1;
-const DECODE: usize = 2;
 
 /// Reads an LTX-Video model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
@@ -164,6 +154,59 @@ fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
     3 * largest * 4 + 2 * 3 * frames * h * w * 4
 }
 
+/// The components of an LTX-Video pipeline.
+#[derive(Clone, Copy)]
+struct Parts {
+    text_encoder: Slot<T5EncoderModel>,
+    transformer: Slot<LtxTransformer3DModel>,
+    vae: Slot<AutoencoderKLLTXVideo>,
+}
+
+impl LtxConfigs {
+    /// T5, DiT and VAE, each used by one stage and safe to defer (every component only feeds
+    /// tensors forward): the pipeline as data with its components' slots.
+    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
+        let grid = self.grid(shape.num_frames, shape.height, shape.width);
+        let tokens: usize = self.token_grid(grid).iter().product();
+        let mut spec = PipelineSpec::titled("LTX-Video text-to-video");
+        let parts = Parts {
+            text_encoder: spec.add(Component::new(
+                "text_encoder",
+                Role::TextEncoder,
+                self.text_encoder.clone(),
+            )),
+            transformer: spec.add(Component::new(
+                "transformer",
+                Role::Dit,
+                self.transformer.clone(),
+            )),
+            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
+        };
+        spec.stages = vec![
+            StageSpec::new(
+                "encode_text",
+                &[parts.text_encoder.index()],
+                text_encoder_activations(&self.text_encoder, 1, shape.text_len, shape.dtype),
+            )
+            .runs(Ltx::encode_text),
+            StageSpec::new(
+                "denoise",
+                &[parts.transformer.index()],
+                transformer_activations(&self.transformer, tokens, shape.text_len, 2, shape.dtype),
+            )
+            .runs(Ltx::denoise),
+            StageSpec::new(
+                "decode",
+                &[parts.vae.index()],
+                vae_decode_activations(&self.vae, grid),
+            )
+            .runs(Ltx::decode),
+            StageSpec::write(),
+        ];
+        (spec, parts)
+    }
+}
+
 impl Family for LtxConfigs {
     fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
         Some(
@@ -192,47 +235,8 @@ impl Family for LtxConfigs {
         }
     }
 
-    /// T5, DiT and VAE, each used by one stage and safe to defer: every component only feeds
-    /// tensors forward.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        let tokens: usize = self.token_grid(grid).iter().product();
-        PipelineSpec {
-            title: "LTX-Video text-to-video",
-            components: vec![
-                ComponentSpec::new::<T5EncoderModel>(
-                    "text_encoder",
-                    Role::TextEncoder,
-                    self.text_encoder.clone(),
-                ),
-                ComponentSpec::new::<LtxTransformer3DModel>(
-                    "transformer",
-                    Role::Dit,
-                    self.transformer.clone(),
-                ),
-                ComponentSpec::new::<AutoencoderKLLTXVideo>("vae", Role::Vae, self.vae.clone()),
-            ],
-            stages: vec![
-                StageSpec::new(
-                    "encode_text",
-                    &[TEXT_ENCODER],
-                    text_encoder_activations(&self.text_encoder, 1, shape.text_len, shape.dtype),
-                ),
-                StageSpec::new(
-                    "denoise",
-                    &[TRANSFORMER],
-                    transformer_activations(
-                        &self.transformer,
-                        tokens,
-                        shape.text_len,
-                        2,
-                        shape.dtype,
-                    ),
-                ),
-                StageSpec::new("decode", &[VAE], vae_decode_activations(&self.vae, grid)),
-                StageSpec::new("write", &[], 0),
-            ],
-        }
+        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -256,13 +260,10 @@ impl Family for LtxConfigs {
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        Ok(Box::new(Ltx::new(
-            self.clone(),
-            config,
-            source,
-            device,
-            progress,
-        )?))
+        let (spec, parts) = self.declare(&RunShape::of(&config));
+        let frame = Frame::new(config, source, spec, device, progress);
+        let pipeline = Ltx::new(self.clone(), parts, &frame)?;
+        Ok(frame.open(pipeline))
     }
 
     /// `--image`, `--guidance-scale-2`, `--true-cfg-scale`, `--flow-shift`, a scheduler other
@@ -341,50 +342,24 @@ struct Carried {
     draws: Option<Draws>,
 }
 
-/// LTX-Video with its loaded components.
-pub struct Ltx {
-    config: ResolvedConfig,
-    source: ModelSource,
+/// LTX-Video's own part of its pipeline (the frame holds the rest).
+struct Ltx {
     configs: LtxConfigs,
-    spec: PipelineSpec,
-    device: Device,
+    parts: Parts,
     tokenizer: PromptTokenizer,
-    placement: Placement,
-    text_encoder: Option<Placed<T5EncoderModel>>,
-    transformer: Option<Placed<LtxTransformer3DModel>>,
-    vae: Option<Placed<AutoencoderKLLTXVideo>>,
-    carried: HashMap<usize, Carried>,
-    progress: Arc<Progress>,
 }
 
 impl Ltx {
     /// Reads the tokenizer; loads no weights.
-    pub fn new(
-        configs: LtxConfigs,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Self> {
-        let spec = configs.spec(&RunShape::of(&config));
-        let tokenizer = match source.require("tokenizer/tokenizer.json")? {
+    fn new(configs: LtxConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
+        let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };
-        let placement = Placement::new(&config.memory, &spec);
         Ok(Ltx {
-            placement,
-            config,
-            source,
             configs,
-            spec,
-            device,
+            parts,
             tokenizer,
-            text_encoder: None,
-            transformer: None,
-            vae: None,
-            carried: HashMap::new(),
-            progress,
         })
     }
 
@@ -393,10 +368,11 @@ impl Ltx {
     /// blocks together; each with its mask for the transformer's cross-attention, in host memory.
     fn embed(
         &self,
+        frame: &Frame,
         encoder: &Held<'_, T5EncoderModel>,
         texts: &[&str],
     ) -> Result<Vec<(Tensor, Tensor)>> {
-        let max_len = self.config.generation.max_sequence_length;
+        let max_len = frame.config.generation.max_sequence_length;
         let tokens = texts
             .iter()
             .map(|text| self.tokenizer.encode(text, max_len))
@@ -407,9 +383,7 @@ impl Ltx {
             .zip(&tokens)
             .map(|(embeds, (_, len))| {
                 Ok((
-                    embeds
-                        .to_dtype(self.config.dtype())?
-                        .to_device(&Device::Cpu)?,
+                    embeds.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?,
                     attention_mask(&[*len], max_len, &Device::Cpu)?,
                 ))
             })
@@ -418,18 +392,13 @@ impl Ltx {
 
     /// Encodes the prompt (and with guidance the negative prompt); the embeddings wait for the
     /// denoise stage in host memory.
-    fn encode_text(&mut self, job: &mut Job) -> Result<()> {
-        let placed = self
-            .text_encoder
-            .as_ref()
-            .context("text encoder not loaded")?;
-        let before = placed.offload_usage();
-        let encoder = placed.hold()?;
+    fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let encoder = frame.hold(self.parts.text_encoder)?;
         let mut texts = vec![job.prompt.as_str()];
         if job.guidance_scale > 1.0 {
             texts.push(job.negative_prompt.as_str());
         }
-        let mut encoded = self.embed(&encoder, &texts)?.into_iter();
+        let mut encoded = self.embed(frame, &encoder, &texts)?.into_iter();
         drop(encoder);
         let (embeds, mask) = encoded.next().context("no prompt embeddings")?;
         // With guidance, one batch: [negative; positive].
@@ -441,20 +410,21 @@ impl Ltx {
             None => (embeds, mask),
         };
         job.prompt_embeds = Some(embeds);
-        self.carried.entry(job.index).or_default().mask = Some(mask);
-        let after = placed.offload_usage();
-        stages::report_offload(&self.progress, job, "offload_text_encoder", before, after);
+        job.carry.put(Carried {
+            mask: Some(mask),
+            draws: None,
+        });
         Ok(())
     }
 
-    fn denoise(&mut self, job: &mut Job) -> Result<()> {
+    fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let grid = self.configs.grid(job.num_frames, job.height, job.width);
         let token_grid = self.configs.token_grid(grid);
         let packed = self.configs.packed_shape(grid);
-        let mut carried = self.carried.remove(&job.index).unwrap_or_default();
+        let mut carried: Carried = job.carry.take();
         // The draws: `latents` (packed) from the file, or seeded noise packed as the pipeline
         // packs its own draw.
-        let latents = match &self.config.generation.latents {
+        let latents = match &frame.config.generation.latents {
             Some(path) => {
                 let mut draws = Draws::open(path)?;
                 let latents = draws.take("latents", &packed)?;
@@ -467,53 +437,49 @@ impl Ltx {
                 self.configs.transformer.patch_size_t,
             )?,
         };
-        let result = self.denoise_from(job, latents, token_grid, carried.mask.take());
-        self.carried.insert(job.index, carried);
-        result
+        let mask = carried.mask.take();
+        self.denoise_from(frame, job, latents, token_grid, mask)?;
+        job.carry.put(carried);
+        Ok(())
     }
 
     fn denoise_from(
         &self,
+        frame: &Frame,
         job: &mut Job,
         latents: Tensor,
         token_grid: [usize; 3],
         mask: Option<Tensor>,
     ) -> Result<()> {
-        let placed = self
-            .transformer
-            .as_ref()
-            .context("transformer not loaded")?;
-        let before = placed.offload_usage();
-        let model = &placed.hold()?;
-        let dtype = self.config.dtype();
+        let model = &frame.hold(self.parts.transformer)?;
+        let dtype = frame.dtype();
+        let device = &frame.device;
         let embeds = job
             .prompt_embeds
             .take()
             .context("prompt not encoded")?
-            .to_device(&self.device)?;
-        let mask = mask
-            .context("prompt not encoded")?
-            .to_device(&self.device)?;
+            .to_device(device)?;
+        let mask = mask.context("prompt not encoded")?.to_device(device)?;
         let batch = embeds.dim(0)?;
         let guided = batch > 1;
         let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
             self.configs.vae.temporal_compression_ratio(),
             self.configs.vae.spatial_compression_ratio(),
-            f64::from(self.config.output.fps),
+            f64::from(frame.config.output.fps),
         );
         let mut scheduler = FlowMatchEuler::for_sequence_length(
             &self.configs.scheduler,
             job.num_inference_steps as usize,
             token_grid.iter().product(),
         )?;
-        let mut latents = latents.to_dtype(DType::F32)?.to_device(&self.device)?;
+        let mut latents = latents.to_dtype(DType::F32)?.to_device(device)?;
         let timesteps = scheduler.timesteps().to_vec();
         let mut forward_seconds = Vec::with_capacity(timesteps.len());
         for (i, &t) in timesteps.iter().enumerate() {
             crate::pipeline::interrupt::check()?;
             let input = Tensor::cat(&vec![&latents; batch], 0)?.to_dtype(dtype)?;
-            let timestep = Tensor::full(t as f32, batch, &self.device)?;
-            let pred = stages::timed(&self.device, &mut forward_seconds, || {
+            let timestep = Tensor::full(t as f32, batch, device)?;
+            let pred = stages::timed(device, &mut forward_seconds, || {
                 dit_forward(
                     model, &input, &embeds, &timestep, &mask, token_grid, rope_scale,
                 )
@@ -528,15 +494,9 @@ impl Ltx {
                 pred
             };
             latents = scheduler.step(&pred, &latents)?;
-            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
+            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
         }
-        stages::report_denoise(
-            &self.progress,
-            job,
-            forward_seconds,
-            before,
-            placed.offload_usage(),
-        );
+        stages::report_forwards(&frame.progress, job, forward_seconds);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         Ok(())
@@ -544,15 +504,16 @@ impl Ltx {
 
     /// Unpack, de-normalise; with a timestep-conditioned decoder mix in the decode noise and
     /// decode at `decode_timestep` with injected noise; frames in [0, 1].
-    fn decode(&mut self, job: &mut Job) -> Result<()> {
-        let mut carried = self.carried.remove(&job.index).unwrap_or_default();
-        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+    fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let mut carried: Carried = job.carry.take();
+        let device = &frame.device;
+        let held = frame.hold(self.parts.vae)?;
         let vae = held.model();
         let grid = self.configs.grid(job.num_frames, job.height, job.width);
         let token_grid = self.configs.token_grid(grid);
         let latents = job.latents.take().context("nothing denoised")?;
         let z = unpack_latents(
-            &latents.to_device(&self.device)?,
+            &latents.to_device(device)?,
             token_grid[0],
             token_grid[1],
             token_grid[2],
@@ -561,35 +522,28 @@ impl Ltx {
         )?;
         let z = vae.denormalize(&z.to_dtype(DType::F32)?)?;
         let video = if vae.timestep_conditioning() {
-            let decode_timestep = self
-                .config
-                .generation
-                .decode_timestep
-                .unwrap_or(defaults::DECODE_TIMESTEP);
-            let scale = self
-                .config
-                .generation
-                .decode_noise_scale
-                .unwrap_or(decode_timestep);
-            let timestep = Tensor::new(&[decode_timestep as f32], &self.device)?;
+            let g = &frame.config.generation;
+            let decode_timestep = g.decode_timestep.unwrap_or(defaults::DECODE_TIMESTEP);
+            let scale = g.decode_noise_scale.unwrap_or(decode_timestep);
+            let timestep = Tensor::new(&[decode_timestep as f32], device)?;
             match carried.draws.as_mut() {
                 Some(draws) => {
                     let noise = draws.take("decode_noise", z.dims())?;
-                    let z = add_decode_noise(&z, &noise.to_device(&self.device)?, scale)?
-                        .to_dtype(self.config.dtype())?;
+                    let z = add_decode_noise(&z, &noise.to_device(device)?, scale)?
+                        .to_dtype(frame.dtype())?;
                     let mut injected = DrawnNoise { draws, next: 0 };
                     vae.decode(&z, Some(&timestep), &mut injected)?
                 }
                 None => {
                     let seed = job.seed.wrapping_add(1);
-                    let noise = seeded_normal(seed, z.dims())?.to_device(&self.device)?;
-                    let z = add_decode_noise(&z, &noise, scale)?.to_dtype(self.config.dtype())?;
+                    let noise = seeded_normal(seed, z.dims())?.to_device(device)?;
+                    let z = add_decode_noise(&z, &noise, scale)?.to_dtype(frame.dtype())?;
                     let mut injected = SeededNoise::new(job.seed.wrapping_add(2));
                     vae.decode(&z, Some(&timestep), &mut injected)?
                 }
             }
         } else {
-            let z = z.to_dtype(self.config.dtype())?;
+            let z = z.to_dtype(frame.dtype())?;
             vae.decode(&z, None, &mut SeededNoise::new(job.seed))?
         };
         if let Some(draws) = &carried.draws {
@@ -597,54 +551,6 @@ impl Ltx {
         }
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
-    }
-
-    /// Builds a component from its weights, placed as the options say.
-    fn load_component(&mut self, component: usize) -> Result<()> {
-        let loader = stages::loader!(self);
-        match component {
-            TEXT_ENCODER => {
-                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
-            }
-            TRANSFORMER => {
-                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            _ => self.vae = Some(loader.build(component, &self.configs.vae)?),
-        }
-        Ok(())
-    }
-}
-
-impl Pipeline for Ltx {
-    type Job = Job;
-
-    fn spec(&self) -> &PipelineSpec {
-        &self.spec
-    }
-
-    fn load(&mut self, component: usize) -> Result<()> {
-        self.load_component(component)
-    }
-
-    fn release(&mut self, component: usize) {
-        match component {
-            TEXT_ENCODER => self.text_encoder = None,
-            TRANSFORMER => self.transformer = None,
-            _ => self.vae = None,
-        }
-    }
-
-    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let result = match index {
-            ENCODE_TEXT => self.encode_text(job),
-            DENOISE => self.denoise(job),
-            DECODE => self.decode(job),
-            _ => stages::write_video(&self.config, job),
-        };
-        if result.is_err() {
-            self.carried.remove(&job.index);
-        }
-        result
     }
 }
 

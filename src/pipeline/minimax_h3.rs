@@ -5,12 +5,13 @@
 //! CFG), the video decoded clip by clip and tile by tile, the audio by the BigVGAN audio VAE.
 
 use super::draws::Draws;
+use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held, Placed, Placement};
+use super::placement::{Blockwise, Held};
 use super::progress::Progress;
 use super::registry::{Configs, Family, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
@@ -35,7 +36,6 @@ use crate::models::minimax_h3::vae::{
     decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder, Tiling,
 };
 use crate::models::source::{message, FileRef, ModelSource};
-use crate::offload::Residency;
 use crate::output::Audio;
 use crate::schedulers::minimax_h3::{
     distinct_timesteps, MiniMaxH3Schedule, MiniMaxH3SchedulerConfig,
@@ -44,25 +44,12 @@ use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Bytes of an f32 element (RoPE tables, latents, the patch projections).
 const F32_BYTES: u64 = 4;
-
-/// Components, by their index in the description.
-const TEXT_ENCODER: usize = 0;
-const TRANSFORMER: usize = 1;
-const MODULATIONS: usize = 2;
-const VAE: usize = 3;
-const AUDIO_VAE: usize = 4;
-
-/// Stages, by their index in the description.
-const ENCODE_TEXT: usize = 0;
-const MODULATE: usize = 1;
-const DENOISE: usize = 2;
-const DECODE_VIDEO: usize = 3;
-const DECODE_AUDIO: usize = 4;
 
 /// `modular_model_index.json`'s `_class_name` for this pipeline.
 pub const CLASS_NAME: &str = "MiniMaxH3ModularPipeline";
@@ -328,6 +315,92 @@ fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u6
     (AUDIO_CHANNELS as u64 * largest * 12 + kernel) * 4
 }
 
+/// The components of a MiniMax H3 pipeline.
+#[derive(Clone, Copy)]
+struct Parts {
+    text_encoder: Slot<MiniMaxH3TextEncoder>,
+    transformer: Slot<MiniMaxH3Transformer3DModel>,
+    modulations: Slot<MiniMaxH3Modulations>,
+    vae: Slot<MiniMaxH3VaeDecoder>,
+    audio_vae: Slot<MiniMaxH3AudioVaeDecoder>,
+}
+
+impl MiniMaxH3Configs {
+    /// Qwen3-VL, DiT, video VAE and audio VAE, each used by one stage and safe to defer: the
+    /// pipeline as data with its components' slots.
+    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
+        let g = self.planning_geometry(shape);
+        // Text tokens are the prompt's own (no padding); `--max-sequence-length` stands in for
+        // the prompt length when planning.
+        let text = shape.text_len;
+        let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
+        let mut spec = PipelineSpec::titled("MiniMax H3 text-to-video+audio");
+        let parts = Parts {
+            text_encoder: spec.add(Component::new(
+                "text_encoder",
+                Role::TextEncoder,
+                self.text_encoder.clone(),
+            )),
+            transformer: spec.add(Component::new(
+                "transformer",
+                Role::Dit,
+                self.transformer.clone(),
+            )),
+            modulations: spec.add(
+                Component::new(
+                    "transformer_modulations",
+                    Role::Dit,
+                    self.transformer.clone(),
+                )
+                .in_folder("transformer"),
+            ),
+            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
+            // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
+            // noisy.
+            audio_vae: spec.add(
+                Component::new("audio_vae", Role::AudioVae, self.audio_vae.clone())
+                    .in_dtype(DType::F32),
+            ),
+        };
+        spec.stages = vec![
+            StageSpec::new(
+                "encode_text",
+                &[parts.text_encoder.index()],
+                text_encoder_activations(&self.text_encoder, text, shape.dtype),
+            )
+            .runs(MiniMaxH3::encode_text),
+            // One block's table for one step at a time, in f32 at most (two distinct
+            // timesteps, three modalities), and the time embedding.
+            StageSpec::new(
+                "modulate",
+                &[parts.modulations.index()],
+                2 * 3 * 6 * self.transformer.hidden_size as u64 * F32_BYTES * 2,
+            )
+            .runs(MiniMaxH3::modulate),
+            StageSpec::new(
+                "denoise",
+                &[parts.transformer.index()],
+                transformer_activations(&self.transformer, rows, text, shape.dtype),
+            )
+            .runs(MiniMaxH3::denoise),
+            StageSpec::new(
+                "decode_video",
+                &[parts.vae.index()],
+                vae_decode_activations(&self.vae, &g, shape.dtype),
+            )
+            .runs(MiniMaxH3::decode_video),
+            StageSpec::new(
+                "decode_audio",
+                &[parts.audio_vae.index()],
+                audio_decode_activations(&self.audio_vae, g.num_audio_latents),
+            )
+            .runs(MiniMaxH3::decode_audio),
+            StageSpec::new("write", &[], 0).runs(MiniMaxH3::write),
+        ];
+        (spec, parts)
+    }
+}
+
 impl Family for MiniMaxH3Configs {
     /// The published pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768 within
     /// `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
@@ -401,75 +474,8 @@ impl Family for MiniMaxH3Configs {
             .map(|e| format!("--num-frames {}: {e:#}", o.num_frames))
     }
 
-    /// Qwen3-VL, DiT, video VAE and audio VAE, each used by one stage and safe to defer.
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let g = self.planning_geometry(shape);
-        // Text tokens are the prompt's own (no padding); `--max-sequence-length` stands in for
-        // the prompt length when planning.
-        let text = shape.text_len;
-        let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
-        PipelineSpec {
-            title: "MiniMax H3 text-to-video+audio",
-            components: vec![
-                ComponentSpec::new::<MiniMaxH3TextEncoder>(
-                    "text_encoder",
-                    Role::TextEncoder,
-                    self.text_encoder.clone(),
-                ),
-                ComponentSpec::new::<MiniMaxH3Transformer3DModel>(
-                    "transformer",
-                    Role::Dit,
-                    self.transformer.clone(),
-                ),
-                ComponentSpec::new::<MiniMaxH3Modulations>(
-                    "transformer_modulations",
-                    Role::Dit,
-                    self.transformer.clone(),
-                )
-                .in_folder("transformer"),
-                ComponentSpec::new::<MiniMaxH3VaeDecoder>("vae", Role::Vae, self.vae.clone()),
-                // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
-                // noisy.
-                ComponentSpec {
-                    dtype: Some(DType::F32),
-                    ..ComponentSpec::new::<MiniMaxH3AudioVaeDecoder>(
-                        "audio_vae",
-                        Role::AudioVae,
-                        self.audio_vae.clone(),
-                    )
-                },
-            ],
-            stages: vec![
-                StageSpec::new(
-                    "encode_text",
-                    &[TEXT_ENCODER],
-                    text_encoder_activations(&self.text_encoder, text, shape.dtype),
-                ),
-                // One block's table for one step at a time, in f32 at most (two distinct
-                // timesteps, three modalities), and the time embedding.
-                StageSpec::new(
-                    "modulate",
-                    &[MODULATIONS],
-                    2 * 3 * 6 * self.transformer.hidden_size as u64 * F32_BYTES * 2,
-                ),
-                StageSpec::new(
-                    "denoise",
-                    &[TRANSFORMER],
-                    transformer_activations(&self.transformer, rows, text, shape.dtype),
-                ),
-                StageSpec::new(
-                    "decode_video",
-                    &[VAE],
-                    vae_decode_activations(&self.vae, &g, shape.dtype),
-                ),
-                StageSpec::new(
-                    "decode_audio",
-                    &[AUDIO_VAE],
-                    audio_decode_activations(&self.audio_vae, g.num_audio_latents),
-                ),
-                StageSpec::new("write", &[], 0),
-            ],
-        }
+        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -502,13 +508,10 @@ impl Family for MiniMaxH3Configs {
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        Ok(Box::new(MiniMaxH3::new(
-            self.clone(),
-            config,
-            source,
-            device,
-            progress,
-        )?))
+        let (spec, parts) = self.declare(&RunShape::of(&config));
+        let frame = Frame::new(config, source, spec, device, progress);
+        let pipeline = MiniMaxH3::new(self.clone(), parts, &frame)?;
+        Ok(frame.open(pipeline))
     }
 }
 
@@ -546,66 +549,36 @@ impl StepTables {
     }
 }
 
-/// MiniMax H3 with its loaded components.
-pub struct MiniMaxH3 {
-    config: ResolvedConfig,
-    source: ModelSource,
+/// MiniMax H3's own part of its pipeline (the frame holds the rest).
+struct MiniMaxH3 {
     configs: MiniMaxH3Configs,
-    spec: PipelineSpec,
-    device: Device,
+    parts: Parts,
     tokenizer: MiniMaxH3Tokenizer,
-    placement: Placement,
-    text_encoder: Option<Placed<MiniMaxH3TextEncoder>>,
-    transformer: Option<Placed<MiniMaxH3Transformer3DModel>>,
-    modulations: Option<Placed<MiniMaxH3Modulations>>,
-    vae: Option<Placed<MiniMaxH3VaeDecoder>>,
-    audio_vae: Option<Placed<MiniMaxH3AudioVaeDecoder>>,
-    carried: HashMap<usize, Carried>,
     /// The AdaLN tables by step count: they depend on the schedules' timesteps alone (not on
     /// the prompt), so the prompts of a batch with one step count share one pass and one copy
     /// (about 1 GB for 50 steps at the published size, in bf16).
-    adaln_tables: HashMap<usize, Arc<Vec<StepTables>>>,
-    progress: Arc<Progress>,
+    adaln_tables: RefCell<HashMap<usize, Arc<Vec<StepTables>>>>,
 }
 
 impl MiniMaxH3 {
     /// Reads the tokenizer; loads no weights.
-    pub fn new(
-        configs: MiniMaxH3Configs,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Self> {
-        let spec = configs.spec(&RunShape::of(&config));
-        let tokenizer = match source.require("tokenizer/tokenizer.json")? {
+    fn new(configs: MiniMaxH3Configs, parts: Parts, frame: &Frame) -> Result<Self> {
+        let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => MiniMaxH3Tokenizer::from_file(&p)?,
             FileRef::Embedded(text) => MiniMaxH3Tokenizer::from_json(text)?,
         };
-        let placement = Placement::new(&config.memory, &spec);
         Ok(MiniMaxH3 {
-            placement,
-            config,
-            source,
             configs,
-            spec,
-            device,
+            parts,
             tokenizer,
-            text_encoder: None,
-            transformer: None,
-            modulations: None,
-            vae: None,
-            audio_vae: None,
-            carried: HashMap::new(),
-            adaln_tables: HashMap::new(),
-            progress,
+            adaln_tables: RefCell::default(),
         })
     }
 
     /// Resolves the job's sizes (saying on stderr when the frame count was snapped), then
     /// `prompt_embeds` = the output of layer 50 of the prompt's tokens, verbatim (no template,
     /// no special tokens, no padding); it waits for the denoise stage in host memory.
-    fn encode_text(&mut self, job: &mut Job) -> Result<()> {
+    fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         // A prompt-file line may set what the flags refuse.
         if job.guidance_scale != 1.0 || !job.negative_prompt.is_empty() {
             bail!("MiniMax H3 is guidance-distilled: it takes no guidance_scale and no negative_prompt; remove them from the prompt line");
@@ -614,7 +587,7 @@ impl MiniMaxH3 {
             .configs
             .geometry(job.num_frames, job.height, job.width)?;
         if geometry.num_frames != job.num_frames as usize {
-            self.progress.note(&format!(
+            frame.progress.note(&format!(
                 "note: MiniMax H3 makes 17n+5 frames: {} frames snapped up to {} ({:.2} s at {FPS} fps)",
                 job.num_frames,
                 geometry.num_frames,
@@ -625,17 +598,8 @@ impl MiniMaxH3 {
         if ids.is_empty() {
             bail!("the prompt has no tokens; pass a non-empty --prompt");
         }
-        let placed = self
-            .text_encoder
-            .as_ref()
-            .context("text encoder not loaded")?;
-        let on_cpu = self.placement.residencies[TEXT_ENCODER] == Residency::OnCpu;
-        let device = if on_cpu {
-            Device::Cpu
-        } else {
-            self.device.clone()
-        };
-        let encoder = placed.hold()?;
+        let device = frame.device_of(self.parts.text_encoder);
+        let encoder = frame.hold(self.parts.text_encoder)?;
         let model = encoder.model();
         // The token table may wait in host memory (streamed layers): the rows looked up move.
         let ids = Tensor::new(ids.as_slice(), &model.table_device())?.unsqueeze(0)?;
@@ -647,20 +611,28 @@ impl MiniMaxH3 {
             |layer: &Qwen3DecoderLayer, h| layer.forward(h, &rope),
         )?;
         drop(encoder);
-        job.prompt_embeds = Some(h.to_dtype(self.config.dtype())?.to_device(&Device::Cpu)?);
-        self.carried.entry(job.index).or_default().geometry = Some(geometry);
+        job.prompt_embeds = Some(h.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?);
+        job.carry.put(Carried {
+            geometry: Some(geometry),
+            ..Carried::default()
+        });
         Ok(())
     }
 
     /// The initial noise: `latents` and `audio_latents` from the draws file (the only draws of a
     /// `t2va` call), or seeded normals.
-    fn initial_latents(&self, job: &Job, carried: &Carried) -> Result<(Tensor, Tensor)> {
+    fn initial_latents(
+        &self,
+        frame: &Frame,
+        job: &Job,
+        carried: &Carried,
+    ) -> Result<(Tensor, Tensor)> {
         let g = carried.geometry.context("sizes not resolved")?;
         let (video, audio) = (
             self.configs.latent_shape(&g),
             self.configs.audio_latent_shape(&g),
         );
-        Ok(match &self.config.generation.latents {
+        Ok(match &frame.config.generation.latents {
             Some(path) => {
                 let mut draws = Draws::open(path)?;
                 let latents = (
@@ -682,17 +654,20 @@ impl MiniMaxH3 {
     /// Every step's AdaLN tables, in one pass over the blocks' projections, which hold device
     /// memory for this stage only; they wait in host memory for denoise, shared by the
     /// prompts with this step count.
-    fn modulate(&mut self, job: &mut Job) -> Result<()> {
+    fn modulate(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let steps = job.num_inference_steps as usize;
-        let tables = match self.adaln_tables.get(&steps) {
-            Some(tables) => tables.clone(),
+        let known = self.adaln_tables.borrow().get(&steps).cloned();
+        let tables = match known {
+            Some(tables) => tables,
             None => {
-                let tables = Arc::new(self.adaln_tables_for(steps)?);
-                self.adaln_tables.insert(steps, tables.clone());
+                let tables = Arc::new(self.adaln_tables_for(frame, steps)?);
+                self.adaln_tables.borrow_mut().insert(steps, tables.clone());
                 tables
             }
         };
-        self.carried.entry(job.index).or_default().adaln_tables = Some(tables);
+        let mut carried: Carried = job.carry.take();
+        carried.adaln_tables = Some(tables);
+        job.carry.put(carried);
         Ok(())
     }
 
@@ -711,13 +686,9 @@ impl MiniMaxH3 {
     }
 
     /// The AdaLN tables of a `steps`-step run, one [`StepTables`] per step.
-    fn adaln_tables_for(&self, steps: usize) -> Result<Vec<StepTables>> {
+    fn adaln_tables_for(&self, frame: &Frame, steps: usize) -> Result<Vec<StepTables>> {
         let (video_schedule, audio_schedule) = self.schedules(steps)?;
-        let placed = self
-            .modulations
-            .as_ref()
-            .context("transformer_modulations not loaded")?;
-        let held = placed.hold()?;
+        let held = frame.hold(self.parts.modulations)?;
         let model = held.model();
         let tembs = video_schedule
             .timesteps
@@ -726,7 +697,7 @@ impl MiniMaxH3 {
             .map(|(&video, &audio)| {
                 // The distinct timesteps, as `row_timesteps` gives them to the transformer.
                 let (values, _, _) = distinct_timesteps(video, audio);
-                model.time_embedding(&Tensor::new(values.as_slice(), &self.device)?)
+                model.time_embedding(&Tensor::new(values.as_slice(), &frame.device)?)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let mut per_step = vec![Vec::new(); tembs.len()];
@@ -754,33 +725,23 @@ impl MiniMaxH3 {
             .collect::<candle_core::Result<Vec<_>>>()?)
     }
 
-    fn denoise(&mut self, job: &mut Job) -> Result<()> {
-        let mut carried = self.carried.remove(&job.index).unwrap_or_default();
-        let result = self.denoise_with(job, &mut carried);
-        self.carried.insert(job.index, carried);
-        result
-    }
-
-    fn denoise_with(&self, job: &mut Job, carried: &mut Carried) -> Result<()> {
-        let (latents, audio_latents) = self.initial_latents(job, carried)?;
+    fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let mut carried: Carried = job.carry.take();
+        let (latents, audio_latents) = self.initial_latents(frame, job, &carried)?;
         let g = carried.geometry.context("sizes not resolved")?;
         let cfg = &self.configs.transformer;
-        let placed = self
-            .transformer
-            .as_ref()
-            .context("transformer not loaded")?;
-        let before = placed.offload_usage();
-        let model = &placed.hold()?;
+        let device = &frame.device;
+        let model = &frame.hold(self.parts.transformer)?;
         let text = job
             .prompt_embeds
             .take()
             .context("prompt not encoded")?
-            .to_device(&self.device)?;
-        let layout = t2va_layout(&g.layout_sizes(text.dim(1)?), cfg.patch_size, &self.device)?;
+            .to_device(device)?;
+        let layout = t2va_layout(&g.layout_sizes(text.dim(1)?), cfg.patch_size, device)?;
         let (video_schedule, audio_schedule) = self.schedules(job.num_inference_steps as usize)?;
         let forwards = video_schedule.timesteps.len();
-        let mut video = patchify(&latents.to_device(&self.device)?, cfg.patch_size)?;
-        let mut audio = pack_audio(&audio_latents.to_device(&self.device)?)?;
+        let mut video = patchify(&latents.to_device(device)?, cfg.patch_size)?;
+        let mut audio = pack_audio(&audio_latents.to_device(device)?)?;
         let tables = carried
             .adaln_tables
             .take()
@@ -797,8 +758,8 @@ impl MiniMaxH3 {
                 video_schedule.timesteps[i],
                 audio_schedule.timesteps[i],
             )?;
-            let per_block = step_tables.on(&self.device, blocks)?;
-            let (v, a) = stages::timed(&self.device, &mut forward_seconds, || {
+            let per_block = step_tables.on(device, blocks)?;
+            let (v, a) = stages::timed(device, &mut forward_seconds, || {
                 dit_forward(
                     model,
                     &video,
@@ -811,30 +772,25 @@ impl MiniMaxH3 {
             video = video_schedule.step(i, &v, &video)?;
             audio = audio_schedule.step(i, &a, &audio)?;
             stages::check_finite(&audio, i + 1, forwards)?;
-            stages::step_done(&self.progress, &video, i + 1, forwards)?;
+            stages::step_done(&frame.progress, &video, i + 1, forwards)?;
         }
-        stages::report_denoise(
-            &self.progress,
-            job,
-            forward_seconds,
-            before,
-            placed.offload_usage(),
-        );
+        stages::report_forwards(&frame.progress, job, forward_seconds);
         let size = [g.num_latent_frames, g.latent_height, g.latent_width];
         let latents = unpatchify(&video, cfg.in_channels, size, cfg.patch_size)?;
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         carried.audio_latents = Some(audio.to_device(&Device::Cpu)?);
+        job.carry.put(carried);
         Ok(())
     }
 
     /// `vae.decode(latents · std + mean)`, clip by clip with cross-fades and in spatial tiles as
     /// diffusers decodes by default; frames `[T, H, W, 3]` in [0, 1].
-    fn decode_video(&mut self, job: &mut Job) -> Result<()> {
-        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+    fn decode_video(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let held = frame.hold(self.parts.vae)?;
         let vae = held.model();
-        let dtype = self.spec.components[VAE].dtype(self.config.dtype());
+        let dtype = frame.dtype_of(self.parts.vae);
         let latents = job.latents.take().context("nothing denoised")?;
-        let z = vae.denormalize(&latents.to_device(&self.device)?.to_dtype(dtype)?)?;
+        let z = vae.denormalize(&latents.to_device(&frame.device)?.to_dtype(dtype)?)?;
         // Each cross-faded stretch of frames leaves the device as it is finished (the whole
         // video never waits there) and is appended to the frames in host memory as [0, 1] f32
         // frames `[n, H, W, 3]`: host memory holds the video once, plus one stretch.
@@ -860,17 +816,13 @@ impl MiniMaxH3 {
 
     /// The audio rows back to `[2, Ca, Na]` (stereo as a batch of two), `audio_vae.decode(z · std
     /// + mean)`, the waveform `[2, samples]` at the audio VAE's sample rate.
-    fn decode_audio(&mut self, job: &mut Job) -> Result<()> {
-        let carried = self.carried.entry(job.index).or_default();
+    fn decode_audio(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let mut carried: Carried = job.carry.take();
         let rows = carried.audio_latents.take().context("nothing denoised")?;
-        let held = self
-            .audio_vae
-            .as_ref()
-            .context("audio VAE not loaded")?
-            .hold()?;
+        let held = frame.hold(self.parts.audio_vae)?;
         let audio_vae = held.model();
-        let dtype = self.spec.components[AUDIO_VAE].dtype(self.config.dtype());
-        let z = unpack_audio(&rows.to_device(&self.device)?, AUDIO_CHANNELS)?.to_dtype(dtype)?;
+        let dtype = frame.dtype_of(self.parts.audio_vae);
+        let z = unpack_audio(&rows.to_device(&frame.device)?, AUDIO_CHANNELS)?.to_dtype(dtype)?;
         let waveform = audio_vae.decode(&audio_vae.denormalize(&z)?)?;
         let stereo = stereo_from_batch(&waveform)?
             .squeeze(0)?
@@ -880,72 +832,14 @@ impl MiniMaxH3 {
             stereo,
             self.configs.audio_vae.sampling_rate as u32,
         )?);
+        job.carry.put(carried);
         Ok(())
     }
 
-    fn write(&mut self, job: &mut Job) -> Result<()> {
-        let audio = self
-            .carried
-            .remove(&job.index)
-            .and_then(|c| c.audio)
-            .context("no audio decoded")?;
-        stages::write_video_with_audio(&self.config, job, Some(&audio))
-    }
-
-    /// Builds a component from its weights, placed as the options say.
-    fn load_component(&mut self, component: usize) -> Result<()> {
-        let loader = stages::loader!(self);
-        match component {
-            TEXT_ENCODER => {
-                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
-            }
-            TRANSFORMER => {
-                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            MODULATIONS => {
-                self.modulations = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            VAE => self.vae = Some(loader.build(component, &self.configs.vae)?),
-            _ => self.audio_vae = Some(loader.build(component, &self.configs.audio_vae)?),
-        }
-        Ok(())
-    }
-}
-
-impl Pipeline for MiniMaxH3 {
-    type Job = Job;
-
-    fn spec(&self) -> &PipelineSpec {
-        &self.spec
-    }
-
-    fn load(&mut self, component: usize) -> Result<()> {
-        self.load_component(component)
-    }
-
-    fn release(&mut self, component: usize) {
-        match component {
-            TEXT_ENCODER => self.text_encoder = None,
-            TRANSFORMER => self.transformer = None,
-            MODULATIONS => self.modulations = None,
-            VAE => self.vae = None,
-            _ => self.audio_vae = None,
-        }
-    }
-
-    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let result = match index {
-            ENCODE_TEXT => self.encode_text(job),
-            MODULATE => self.modulate(job),
-            DENOISE => self.denoise(job),
-            DECODE_VIDEO => self.decode_video(job),
-            DECODE_AUDIO => self.decode_audio(job),
-            _ => self.write(job),
-        };
-        if result.is_err() {
-            self.carried.remove(&job.index);
-        }
-        result
+    fn write(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let carried: Carried = job.carry.take();
+        let audio = carried.audio.context("no audio decoded")?;
+        frame.write(job, Some(&audio))
     }
 }
 

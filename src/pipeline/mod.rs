@@ -3,6 +3,7 @@
 
 pub mod cogvideox;
 pub mod draws;
+pub mod frame;
 pub mod hunyuan_video;
 pub mod interrupt;
 pub mod jobs;

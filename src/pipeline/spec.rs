@@ -3,12 +3,16 @@
 //! hold). The runner, the placement, the memory plan, the out-of-memory advice, the dry run and
 //! the stats read only this, so a new family adds no code to any of them.
 
+use super::frame::{Frame, Loaded};
+use super::jobs::Job;
 use super::placement::{outer_keeps_host_tensors, Blockwise};
 use crate::offload::{ComponentLayout, GroupLayout, Packing, Recording, Residency};
 use crate::weights::WeightSet;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::DType;
 use serde::Serialize;
+use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// What a component does in its pipeline; the role decides which flags place it (FastVideo's
@@ -79,6 +83,9 @@ pub trait Constructors: Send + Sync {
         dtype: DType,
         weights: Option<&WeightSet>,
     ) -> Result<ComponentLayout>;
+    /// Builds component `component` as `frame` places it: the frame holds what comes back and
+    /// a [`Slot`] of the model's type reads it.
+    fn load(&self, frame: &Frame, component: usize) -> Result<Box<dyn Loaded>>;
 }
 
 /// The constructors of a [`Blockwise`] model with its config.
@@ -103,6 +110,10 @@ fn block_bytes<M: Blockwise>(cfg: &M::Config) -> Vec<usize> {
 impl<M: Blockwise> Constructors for ModelConstructors<M> {
     fn steps(&self) -> usize {
         M::steps(&self.0)
+    }
+
+    fn load(&self, frame: &Frame, component: usize) -> Result<Box<dyn Loaded>> {
+        Ok(Box::new(frame.build::<M>(component, &self.0)?))
     }
 
     fn steps_ahead_in_a_block(&self) -> usize {
@@ -267,27 +278,91 @@ pub struct ComponentSpec {
 }
 
 impl ComponentSpec {
-    /// Model `M` with config `cfg`, in the run's dtype, safe to defer (what most components are).
-    pub fn new<M: Blockwise>(name: &'static str, role: Role, cfg: M::Config) -> Self {
-        ComponentSpec {
-            name,
-            folder: name,
-            role,
-            dtype: None,
-            deferrable: true,
-            constructors: Arc::new(ModelConstructors::<M>(cfg)),
-        }
-    }
-
-    /// The component reads its weights from `folder` (a part of another component's weights,
-    /// loaded and placed on its own).
-    pub fn in_folder(self, folder: &'static str) -> Self {
-        ComponentSpec { folder, ..self }
-    }
-
     /// The dtype the component's weights take in a run of `dtype`.
     pub fn dtype(&self, run: DType) -> DType {
         self.dtype.unwrap_or(run)
+    }
+}
+
+/// A component of model `M` before it joins a spec: [`PipelineSpec::add`] turns it into `M`'s
+/// typed slot, so a family declares each component once.
+pub struct Component<M> {
+    spec: ComponentSpec,
+    model: PhantomData<fn() -> M>,
+}
+
+impl<M: Blockwise> Component<M> {
+    /// Model `M` with config `cfg`, in the run's dtype, safe to defer (what most components are).
+    pub fn new(name: &'static str, role: Role, cfg: M::Config) -> Self {
+        Component {
+            spec: ComponentSpec {
+                name,
+                folder: name,
+                role,
+                dtype: None,
+                deferrable: true,
+                constructors: Arc::new(ModelConstructors::<M>(cfg)),
+            },
+            model: PhantomData,
+        }
+    }
+}
+
+impl<M> Component<M> {
+    /// The component reads its weights from `folder` (a part of another component's weights,
+    /// loaded and placed on its own).
+    pub fn in_folder(mut self, folder: &'static str) -> Self {
+        self.spec.folder = folder;
+        self
+    }
+
+    /// The component loads and runs in `dtype` whatever the run's (diffusers runs the Wan VAE
+    /// in f32).
+    pub fn in_dtype(mut self, dtype: DType) -> Self {
+        self.spec.dtype = Some(dtype);
+        self
+    }
+}
+
+/// Where the frame holds a loaded component of model `M`: its index in the spec, typed.
+pub struct Slot<M> {
+    index: usize,
+    model: PhantomData<fn() -> M>,
+}
+
+impl<M> Clone for Slot<M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<M> Copy for Slot<M> {}
+
+impl<M> Slot<M> {
+    /// The component's index in [`PipelineSpec::components`].
+    pub fn index(self) -> usize {
+        self.index
+    }
+}
+
+/// What a stage does for one job: the family's pipeline (its own state beside the frame), the
+/// frame (components, config, device) and the job. Built by [`StageSpec::runs`].
+#[derive(Clone)]
+pub struct StageBody(Arc<BodyFn>);
+
+/// A stage body with its family's pipeline type erased.
+type BodyFn = dyn Fn(&dyn Any, &Frame, &mut Job) -> Result<()> + Send + Sync;
+
+impl StageBody {
+    /// Runs the stage.
+    pub fn run(&self, family: &dyn Any, frame: &Frame, job: &mut Job) -> Result<()> {
+        (self.0)(family, frame, job)
+    }
+}
+
+impl std::fmt::Debug for StageBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StageBody")
     }
 }
 
@@ -301,6 +376,9 @@ pub struct StageSpec {
     /// weights (0 on the CPU is still an estimate of host bytes).
     #[serde(skip)]
     pub activation_bytes: u64,
+    /// What it does; a stage without one (a plan's stand-in) fails when run.
+    #[serde(skip)]
+    pub body: Option<StageBody>,
 }
 
 impl StageSpec {
@@ -309,7 +387,31 @@ impl StageSpec {
             name,
             uses: uses.to_vec(),
             activation_bytes,
+            body: None,
         }
+    }
+
+    /// The stage runs `body` with the family's pipeline `P` (what [`Frame::open`] was given).
+    pub fn runs<P: 'static>(
+        mut self,
+        body: impl Fn(&P, &Frame, &mut Job) -> Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        let name = self.name;
+        self.body = Some(StageBody(Arc::new(move |family, frame, job| {
+            let family = family
+                .downcast_ref::<P>()
+                .with_context(|| format!("stage {name} run by another family's pipeline"))?;
+            body(family, frame, job)
+        })));
+        self
+    }
+
+    /// The last stage of every family: the job's output written (its frames, or its latents
+    /// with `--output-type latent`).
+    pub fn write() -> Self {
+        let mut stage = Self::new("write", &[], 0);
+        stage.body = Some(StageBody(Arc::new(|_, frame, job| frame.write(job, None))));
+        stage
     }
 }
 
@@ -323,6 +425,24 @@ pub struct PipelineSpec {
 }
 
 impl PipelineSpec {
+    /// A spec titled `title` with no components and no stages yet.
+    pub fn titled(title: &'static str) -> Self {
+        PipelineSpec {
+            title,
+            components: Vec::new(),
+            stages: Vec::new(),
+        }
+    }
+
+    /// Adds a declared component; its slot.
+    pub fn add<M>(&mut self, component: Component<M>) -> Slot<M> {
+        self.components.push(component.spec);
+        Slot {
+            index: self.components.len() - 1,
+            model: PhantomData,
+        }
+    }
+
     /// The names of components `indices`.
     pub fn names(&self, indices: &[usize]) -> Vec<&'static str> {
         indices.iter().map(|&i| self.components[i].name).collect()

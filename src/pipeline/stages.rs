@@ -3,117 +3,15 @@
 //! out-of-memory error, writing the video.
 
 use super::jobs::Job;
-use super::placement::{Blockwise, Placed, Placement};
 use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::Family;
-use super::spec::{ComponentSpec, PipelineSpec};
 use crate::cli::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::gib;
-use crate::models::source::{component_weights, ModelSource};
 use crate::offload::Usage;
-use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use std::sync::Arc;
-
-/// Where a family's components come from and how they are placed: the one way every family
-/// builds a component. [`loader!`] makes one from a pipeline's fields.
-pub(crate) struct Loader<'a> {
-    pub spec: &'a PipelineSpec,
-    pub placement: &'a Placement,
-    pub source: &'a ModelSource,
-    pub device: &'a Device,
-    pub progress: &'a Arc<Progress>,
-    /// The run's dtype (a component may keep its own, see [`super::spec::ComponentSpec::dtype`]).
-    pub dtype: DType,
-}
-
-/// The [`Loader`] of a family pipeline with fields `spec`, `placement`, `source`, `device`,
-/// `progress` and `config` (borrowing only those, so the pipeline's component fields stay free
-/// to take what it builds).
-macro_rules! loader {
-    ($pipeline:expr) => {
-        $crate::pipeline::stages::Loader {
-            spec: &$pipeline.spec,
-            placement: &$pipeline.placement,
-            source: &$pipeline.source,
-            device: &$pipeline.device,
-            progress: &$pipeline.progress,
-            dtype: $pipeline.config.dtype(),
-        }
-    };
-}
-pub(crate) use loader;
-
-impl Loader<'_> {
-    /// Opens `component`'s weights and builds it as the placement says.
-    pub(crate) fn build<M: Blockwise>(
-        &self,
-        component: usize,
-        cfg: &M::Config,
-    ) -> Result<Placed<M>> {
-        let weights = self.weights(component)?;
-        self.place(component, cfg, &weights)
-            .with_context(|| self.what(component))
-    }
-
-    /// "loading NAME of SOURCE", the context of a failure to build `component`.
-    pub(crate) fn what(&self, component: usize) -> String {
-        format!(
-            "loading {} of {}",
-            self.spec.components[component].name, self.source
-        )
-    }
-
-    /// The dtype `component`'s weights take.
-    pub(crate) fn dtype(&self, component: usize) -> DType {
-        self.spec.components[component].dtype(self.dtype)
-    }
-
-    /// `component`'s weights, opened with a progress bar.
-    pub(crate) fn weights(&self, component: usize) -> Result<WeightSet> {
-        let ComponentSpec { name, folder, .. } = &self.spec.components[component];
-        let weights = WeightSet::open(&component_weights(self.source, folder)?)
-            .with_context(|| self.what(component))?;
-        let total = weights.stored_bytes();
-        Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
-    }
-
-    /// Builds `component` from `weights` as the placement says and reports where they went.
-    fn place<M: Blockwise>(
-        &self,
-        component: usize,
-        cfg: &M::Config,
-        weights: &WeightSet,
-    ) -> Result<Placed<M>> {
-        let residency = self.placement.residencies[component];
-        let name = self.spec.components[component].name;
-        let placed = Placed::load(
-            cfg,
-            weights,
-            residency,
-            self.placement.memory_for(component),
-            self.dtype(component),
-            self.device,
-        )?;
-        const GIB: f64 = (1u64 << 30) as f64;
-        self.progress.note(&match placed.offload_usage() {
-            Some(u) => format!(
-                "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned, in {:.2}s \
-                 (filling {:.2} and locking {:.2} task-seconds)",
-                u.host_bytes as f64 / GIB,
-                u.pinned_bytes as f64 / GIB,
-                u.setup.seconds,
-                u.setup.fill_task_seconds,
-                u.setup.lock_task_seconds
-            ),
-            None => format!("{name}: {residency}"),
-        });
-        Ok(placed)
-    }
-}
 
 /// Runs `f` and records its wall time, waiting for the device so the time is the work's.
 pub(crate) fn timed<T>(
@@ -160,7 +58,8 @@ pub(crate) fn check_finite(latents: &Tensor, done: usize, total: usize) -> Resul
 }
 
 /// Reports what the offload engine moved for a part between `before` and `after` (usage taken
-/// around a stage): a note, and the job's metric `key` (`offload` for the denoise stage).
+/// around a stage): a note, and the job's metric `key`, summed over the stages that use the
+/// part.
 pub(crate) fn report_offload(
     progress: &Progress,
     job: &mut Job,
@@ -171,7 +70,7 @@ pub(crate) fn report_offload(
     let (Some(before), Some(after)) = (before, after) else {
         return;
     };
-    let (copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
+    let (mut copies, pinned) = (after.copies.since(&before.copies), after.pinned_bytes);
     progress.note(&format!(
         "  {key}: {:.2} GB copied in {:.2}s of copy-stream time ({:.1} GB/s), {:.2} GiB pinned",
         copies.bytes as f64 / 1e9,
@@ -179,6 +78,12 @@ pub(crate) fn report_offload(
         copies.gb_per_second(),
         pinned as f64 / (1u64 << 30) as f64
     ));
+    if let Some(earlier) = job.metrics.get(key) {
+        let get = |k: &str| earlier[k].as_f64().unwrap_or(0.0);
+        copies.bytes += get("bytes_copied") as u64;
+        copies.groups += get("groups_copied") as u64;
+        copies.busy_seconds += get("copy_busy_seconds");
+    }
     job.metrics.insert(
         key.into(),
         serde_json::json!({
@@ -193,16 +98,8 @@ pub(crate) fn report_offload(
     );
 }
 
-/// Reports the denoise stage's forward times and what the offload engine moved during it (the
-/// job's `forward_seconds` and `offload` metrics).
-pub(crate) fn report_denoise(
-    progress: &Progress,
-    job: &mut Job,
-    forward_seconds: Vec<f64>,
-    before: Option<Usage>,
-    after: Option<Usage>,
-) {
-    report_offload(progress, job, "offload", before, after);
+/// Reports the denoise stage's forward times (the job's `forward_seconds` metric).
+pub(crate) fn report_forwards(progress: &Progress, job: &mut Job, forward_seconds: Vec<f64>) {
     progress.note(&format!(
         "  transformer forwards: {}",
         forward_seconds
@@ -265,14 +162,9 @@ pub(crate) fn video_frames(video: Tensor) -> Result<Tensor> {
     Ok(frames.to_device(&Device::Cpu)?)
 }
 
-/// Writes the job's decoded frames with the run's metadata (its latents with `--output-type
-/// latent`).
-pub(crate) fn write_video(config: &ResolvedConfig, job: &mut Job) -> Result<()> {
-    write_video_with_audio(config, job, None)
-}
-
-/// [`write_video`] with the sound of a model that makes it.
-pub(crate) fn write_video_with_audio(
+/// Writes the job's decoded frames (with the sound of a model that makes it) and the run's
+/// metadata; its latents with `--output-type latent`.
+pub(crate) fn write_output(
     config: &ResolvedConfig,
     job: &mut Job,
     audio: Option<&crate::output::Audio>,
@@ -318,6 +210,7 @@ pub(crate) fn write_video_with_audio(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::source::ModelSource;
     use crate::pipeline::wan_t2v::WanConfigs;
 
     /// A device out-of-memory error, at load or in a stage, names when it happened and what to

@@ -4,12 +4,13 @@
 //! `--image`) and Wan2.2 A14B (`transformer` for high noise, `transformer_2` for low noise,
 //! switched at `boundary_ratio`; T2V and I2V).
 
+use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held, Placed, Placement};
+use super::placement::{Blockwise, Held};
 use super::progress::Progress;
 use super::registry::{Configs, Family, ImageInput, RunShape};
 use super::runner::Pipeline;
-use super::spec::{ComponentSpec, PipelineSpec, Role, StageSpec};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
@@ -33,11 +34,11 @@ use crate::models::wan::transformer::{
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::schedulers::{self, Scheduler, SchedulerConfig};
-use crate::weights::{seeded_normal, WeightSet};
+use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::collections::HashMap;
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,14 +46,15 @@ use std::time::Instant;
 /// `len - 512`).
 const I2V_TEXT_LEN: usize = 512;
 
-/// A component of the family, in the order the description lists the present ones.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Part {
-    TextEncoder,
-    ImageEncoder,
-    Transformer,
-    Transformer2,
-    Vae,
+/// The components of a Wan pipeline (the image encoder of Wan2.1 I2V, the low-noise expert of
+/// Wan2.2 A14B where the model has them).
+#[derive(Clone, Copy)]
+struct Parts {
+    text_encoder: Slot<UMT5EncoderModel>,
+    image_encoder: Option<Slot<ClipVisionModel>>,
+    transformer: Slot<WanTransformer3DModel>,
+    transformer_2: Option<Slot<WanTransformer3DModel>>,
+    vae: Slot<AutoencoderKLWan>,
 }
 
 /// A stage of the family.
@@ -87,106 +89,7 @@ impl Family for WanConfigs {
     }
 
     fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        let parts = self.parts();
-        let index = |p: Part| parts.iter().position(|q| *q == p);
-        // Diffusers runs the Wan VAE and the CLIP image encoder in f32.
-        let f32 = |c: ComponentSpec| ComponentSpec {
-            dtype: Some(DType::F32),
-            ..c
-        };
-        let component = |part: Part| match part {
-            Part::TextEncoder => ComponentSpec::new::<UMT5EncoderModel>(
-                "text_encoder",
-                Role::TextEncoder,
-                self.text_encoder.clone(),
-            ),
-            Part::ImageEncoder => f32(ComponentSpec::new::<ClipVisionModel>(
-                "image_encoder",
-                Role::ImageEncoder,
-                self.image_encoder.clone().unwrap_or_default(),
-            )),
-            Part::Transformer => ComponentSpec::new::<WanTransformer3DModel>(
-                "transformer",
-                Role::Dit,
-                self.transformer.clone(),
-            ),
-            Part::Transformer2 => ComponentSpec::new::<WanTransformer3DModel>(
-                "transformer_2",
-                Role::Dit,
-                self.transformer_2
-                    .clone()
-                    .unwrap_or_else(|| self.transformer.clone()),
-            ),
-            Part::Vae => f32(ComponentSpec::new::<AutoencoderKLWan>(
-                "vae",
-                Role::Vae,
-                self.vae.clone(),
-            )),
-        };
-        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let tiling = shape.vae_tiling.then(WanVaeTiling::default);
-        // What the image stage encodes: the whole video (Wan2.1 I2V) or the first frame (TI2V).
-        let encoded = if self.expand_timesteps {
-            [latent[0], latent[1], 1, latent[3], latent[4]]
-        } else {
-            latent
-        };
-        let dit_activations = |cfg: &WanTransformerConfig| {
-            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
-        };
-        let stages = self
-            .steps(shape.image, shape.decode)
-            .into_iter()
-            .map(|step| {
-                let (name, uses, activation_bytes): (_, Vec<Option<usize>>, _) = match step {
-                    Step::EncodeText => (
-                        "encode_text",
-                        vec![index(Part::TextEncoder)],
-                        activations::text_encoder_activations(
-                            &self.text_encoder,
-                            shape.text_len,
-                            shape.dtype,
-                        ),
-                    ),
-                    Step::EncodeImage => (
-                        "encode_image",
-                        vec![index(Part::ImageEncoder), index(Part::Vae)],
-                        self.image_encoder_activations()
-                            + activations::vae_decode_activations(&self.vae, encoded, None),
-                    ),
-                    Step::Denoise => (
-                        if self.transformer_2.is_some() {
-                            "denoise_high_noise"
-                        } else {
-                            "denoise"
-                        },
-                        vec![index(Part::Transformer)],
-                        dit_activations(&self.transformer),
-                    ),
-                    Step::DenoiseLow => (
-                        "denoise_low_noise",
-                        vec![index(Part::Transformer2)],
-                        dit_activations(self.transformer_2.as_ref().unwrap_or(&self.transformer)),
-                    ),
-                    Step::Decode => (
-                        "decode",
-                        vec![index(Part::Vae)],
-                        activations::vae_decode_activations(&self.vae, latent, tiling.as_ref()),
-                    ),
-                    Step::Write => ("write", vec![], 0),
-                };
-                StageSpec {
-                    name,
-                    uses: uses.into_iter().flatten().collect(),
-                    activation_bytes,
-                }
-            })
-            .collect();
-        PipelineSpec {
-            title: self.title(),
-            components: parts.into_iter().map(component).collect(),
-            stages,
-        }
+        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -250,13 +153,10 @@ impl Family for WanConfigs {
         device: Device,
         progress: Arc<Progress>,
     ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        Ok(Box::new(WanT2V::new(
-            self.clone(),
-            config,
-            source,
-            device,
-            progress,
-        )?))
+        let (spec, parts) = self.declare(&RunShape::of(&config));
+        let frame = Frame::new(config, source, spec, device, progress);
+        let pipeline = WanT2V::new(self.clone(), parts, &frame)?;
+        Ok(frame.open(pipeline))
     }
 }
 
@@ -412,19 +312,6 @@ impl WanConfigs {
         self.image_to_video || (self.expand_timesteps && image)
     }
 
-    fn parts(&self) -> Vec<Part> {
-        let mut parts = vec![Part::TextEncoder];
-        if self.image_encoder.is_some() {
-            parts.push(Part::ImageEncoder);
-        }
-        parts.push(Part::Transformer);
-        if self.transformer_2.is_some() {
-            parts.push(Part::Transformer2);
-        }
-        parts.push(Part::Vae);
-        parts
-    }
-
     /// The stages of a run with (`image`) or without an image, that decodes or (`--output-type
     /// latent`) writes the latents.
     fn steps(&self, image: bool, decode: bool) -> Vec<Step> {
@@ -441,6 +328,102 @@ impl WanConfigs {
         }
         steps.push(Step::Write);
         steps
+    }
+
+    /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it), each
+    /// safe to defer: every component only feeds tensors forward. A two-expert model denoises
+    /// in two stages, one per expert, so that a lazy load frees the first expert at the switch.
+    /// The pipeline as data with its components' slots.
+    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
+        let mut spec = PipelineSpec::titled(self.title());
+        let text_encoder = spec.add(Component::new(
+            "text_encoder",
+            Role::TextEncoder,
+            self.text_encoder.clone(),
+        ));
+        // Diffusers runs the Wan VAE and the CLIP image encoder in f32.
+        let image_encoder = self.image_encoder.as_ref().map(|cfg| {
+            spec.add(
+                Component::new("image_encoder", Role::ImageEncoder, cfg.clone())
+                    .in_dtype(DType::F32),
+            )
+        });
+        let transformer = spec.add(Component::new(
+            "transformer",
+            Role::Dit,
+            self.transformer.clone(),
+        ));
+        let transformer_2 = self
+            .transformer_2
+            .as_ref()
+            .map(|cfg| spec.add(Component::new("transformer_2", Role::Dit, cfg.clone())));
+        let vae = spec.add(Component::new("vae", Role::Vae, self.vae.clone()).in_dtype(DType::F32));
+        let parts = Parts {
+            text_encoder,
+            image_encoder,
+            transformer,
+            transformer_2,
+            vae,
+        };
+        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        let tiling = shape.vae_tiling.then(WanVaeTiling::default);
+        // What the image stage encodes: the whole video (Wan2.1 I2V) or the first frame (TI2V).
+        let encoded = if self.expand_timesteps {
+            [latent[0], latent[1], 1, latent[3], latent[4]]
+        } else {
+            latent
+        };
+        let dit_activations = |cfg: &WanTransformerConfig| {
+            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
+        };
+        let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
+        spec.stages = self
+            .steps(shape.image, shape.decode)
+            .into_iter()
+            .map(|step| match step {
+                Step::EncodeText => StageSpec::new(
+                    "encode_text",
+                    &[text_encoder.index()],
+                    activations::text_encoder_activations(
+                        &self.text_encoder,
+                        shape.text_len,
+                        shape.dtype,
+                    ),
+                )
+                .runs(WanT2V::encode_text),
+                Step::EncodeImage => StageSpec::new(
+                    "encode_image",
+                    &[index(image_encoder.map(Slot::index)), vec![vae.index()]].concat(),
+                    self.image_encoder_activations()
+                        + activations::vae_decode_activations(&self.vae, encoded, None),
+                )
+                .runs(WanT2V::encode_image),
+                Step::Denoise => StageSpec::new(
+                    if self.transformer_2.is_some() {
+                        "denoise_high_noise"
+                    } else {
+                        "denoise"
+                    },
+                    &[transformer.index()],
+                    dit_activations(&self.transformer),
+                )
+                .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, false)),
+                Step::DenoiseLow => StageSpec::new(
+                    "denoise_low_noise",
+                    &index(transformer_2.map(Slot::index)),
+                    dit_activations(self.transformer_2.as_ref().unwrap_or(&self.transformer)),
+                )
+                .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, true)),
+                Step::Decode => StageSpec::new(
+                    "decode",
+                    &[vae.index()],
+                    activations::vae_decode_activations(&self.vae, latent, tiling.as_ref()),
+                )
+                .runs(WanT2V::decode),
+                Step::Write => StageSpec::write(),
+            })
+            .collect();
+        (spec, parts)
     }
 
     /// A rough peak of the CLIP tower's forward: a few copies of the token stream and one
@@ -472,85 +455,51 @@ struct Conditioning {
     condition: Tensor,
 }
 
-/// A Wan model with its loaded components.
-pub struct WanT2V {
-    config: ResolvedConfig,
-    source: ModelSource,
+/// What a job carries between stages beside [`Job`]'s own fields.
+#[derive(Default)]
+struct Carried {
+    /// The image stage's output, until the last denoise stage.
+    conditioning: Option<Conditioning>,
+    /// The denoising between the experts' stages.
+    denoising: Option<Denoising>,
+}
+
+/// The Wan family's own part of its pipeline (the frame holds the rest).
+struct WanT2V {
     configs: WanConfigs,
-    spec: PipelineSpec,
-    parts: Vec<Part>,
-    steps: Vec<Step>,
-    device: Device,
+    parts: Parts,
     tokenizer: PromptTokenizer,
-    placement: Placement,
-    text_encoder: Option<Placed<UMT5EncoderModel>>,
-    image_encoder: Option<Placed<ClipVisionModel>>,
-    transformer: Option<Placed<WanTransformer3DModel>>,
-    transformer_2: Option<Placed<WanTransformer3DModel>>,
-    vae: Option<Placed<AutoencoderKLWan>>,
-    /// Per job (by index): the image stage's output and the denoising between the experts.
-    conditioning: HashMap<usize, Conditioning>,
-    denoising: HashMap<usize, Denoising>,
     /// When the last high-noise stage ended and no low-noise forward has run since: the start
     /// of an expert switch (once per group of a stage-major batch, once per prompt otherwise).
-    switch_started: Option<Instant>,
-    progress: Arc<Progress>,
+    switch_started: Cell<Option<Instant>>,
 }
 
 impl WanT2V {
     /// Reads the tokenizer; loads no weights.
-    pub fn new(
-        configs: WanConfigs,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Self> {
-        let shape = RunShape::of(&config);
-        let spec = configs.spec(&shape);
-        // A rank that does not lead its sequence-parallel group loads the DiTs alone.
-        let spec = match &config.ranks {
-            Some(ranks) if !ranks.leads() => spec.follower(),
-            _ => spec,
-        };
-        let tokenizer = match source.require("tokenizer/tokenizer.json")? {
+    fn new(configs: WanConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
+        let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };
-        let placement = Placement::new(&config.memory, &spec);
         Ok(WanT2V {
-            placement,
-            parts: configs.parts(),
-            steps: configs.steps(shape.image, shape.decode),
-            config,
-            source,
             configs,
-            spec,
-            device,
+            parts,
             tokenizer,
-            text_encoder: None,
-            image_encoder: None,
-            transformer: None,
-            transformer_2: None,
-            vae: None,
-            conditioning: HashMap::new(),
-            denoising: HashMap::new(),
-            switch_started: None,
-            progress,
+            switch_started: Cell::new(None),
         })
-    }
-
-    /// The model configs.
-    pub fn configs(&self) -> &WanConfigs {
-        &self.configs
     }
 
     /// The prompt embeddings `[1, L, text_dim]` of each text, zero padded past its length
     /// (`_get_t5_prompt_embeds`), with the encoder's blocks resident or streamed. Each block
     /// runs on every text in turn, so a streamed encoder's weights pass through once for all of
     /// them, and each text's result is what encoding it alone gives.
-    fn embed(&self, encoder: &Held<'_, UMT5EncoderModel>, texts: &[&str]) -> Result<Vec<Tensor>> {
-        let max_len = self.config.generation.max_sequence_length;
+    fn embed(
+        &self,
+        frame: &Frame,
+        encoder: &Held<'_, UMT5EncoderModel>,
+        texts: &[&str],
+    ) -> Result<Vec<Tensor>> {
+        let max_len = frame.config.generation.max_sequence_length;
         let model = encoder.model();
         let device = model.device();
         let (mut hidden, mut masks, mut lens) = (Vec::new(), Vec::new(), Vec::new());
@@ -570,8 +519,7 @@ impl WanT2V {
             .iter()
             .zip(&lens)
             .map(|(h, len)| {
-                Ok(zero_padding_rows(&model.final_norm(h)?, &[*len])?
-                    .to_dtype(self.config.dtype())?)
+                Ok(zero_padding_rows(&model.final_norm(h)?, &[*len])?.to_dtype(frame.dtype())?)
             })
             .collect()
     }
@@ -579,43 +527,36 @@ impl WanT2V {
     /// Encodes the prompts (once per sequence-parallel group: its leader encodes, the others
     /// receive the embeddings); the embeddings wait for the denoise stage in host memory, so a
     /// stage-major batch holds no device memory between stages.
-    fn encode_text(&self, job: &mut Job) -> Result<()> {
-        let usage = || self.text_encoder.as_ref().and_then(Placed::offload_usage);
-        let before = usage();
-        let ranks = self.config.ranks.as_ref();
-        let embeds = crate::parallel::once_per_group(ranks, &self.device, || {
-            let placed = self
-                .text_encoder
-                .as_ref()
-                .context("text encoder not loaded")?;
-            let encoder = placed.hold()?;
+    fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let ranks = frame.config.ranks.as_ref();
+        let embeds = crate::parallel::once_per_group(ranks, &frame.device, || {
+            let encoder = frame.hold(self.parts.text_encoder)?;
             let mut texts = vec![job.prompt.as_str()];
             if job.guidance_scale > 1.0 {
                 texts.push(job.negative_prompt.as_str());
             }
-            self.embed(&encoder, &texts)
+            self.embed(frame, &encoder, &texts)
         })?;
         let mut embeds = embeds.into_iter().map(|t| t.to_device(&Device::Cpu));
         job.prompt_embeds = Some(embeds.next().context("no prompt embeddings")??);
         job.negative_embeds = embeds.next().transpose()?;
-        stages::report_offload(&self.progress, job, "offload_text_encoder", before, usage());
         Ok(())
     }
 
     /// The image stage: the condition latents (`prepare_latents`) and CLIP image tokens (where
     /// the model has an image encoder), made once per sequence-parallel group as the text's
     /// embeddings are, kept in host memory until the denoise stage.
-    fn encode_image(&mut self, job: &mut Job) -> Result<()> {
+    fn encode_image(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         // A TI2V prompt without an image is text-to-video (`check_images` made sure the
         // image-to-video models have one for every prompt).
         let Some(path) = &job.image else {
             return Ok(());
         };
-        let ranks = self.config.ranks.as_ref();
+        let ranks = frame.config.ranks.as_ref();
         // The leader's two parts, timed apart: the `encode_image_seconds` metric.
         let mut seconds = serde_json::Map::new();
-        let made = crate::parallel::once_per_group(ranks, &self.device, || {
-            self.condition_on(path, job, &mut seconds)
+        let made = crate::parallel::once_per_group(ranks, &frame.device, || {
+            self.condition_on(frame, path, job, &mut seconds)
         })?;
         if !seconds.is_empty() {
             job.metrics
@@ -623,13 +564,13 @@ impl WanT2V {
         }
         let mut made = made.into_iter().map(|t| t.to_device(&Device::Cpu));
         let condition = made.next().context("no condition latents")??;
-        self.conditioning.insert(
-            job.index,
-            Conditioning {
+        job.carry.put(Carried {
+            conditioning: Some(Conditioning {
                 image_embeds: made.next().transpose()?,
                 condition,
-            },
-        );
+            }),
+            denoising: None,
+        });
         Ok(())
     }
 
@@ -637,42 +578,43 @@ impl WanT2V {
     /// the model has an image encoder; the seconds each took go in `seconds`.
     fn condition_on(
         &self,
+        frame: &Frame,
         path: &std::path::Path,
         job: &Job,
         seconds: &mut serde_json::Map<String, serde_json::Value>,
     ) -> Result<Vec<Tensor>> {
         let img = load_rgb_image(path)?;
-        let dtype = self.config.dtype();
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let start = Instant::now();
-        let image_embeds = match (&self.image_encoder, &self.configs.image_processor) {
-            (Some(placed), processor) => {
-                let held = placed.hold()?;
+        let image_embeds = match self.parts.image_encoder {
+            Some(slot) => {
+                let held = frame.hold(slot)?;
                 let model = held.model();
-                let processor = ClipImageProcessor::new(&processor.clone().unwrap_or_default())?;
-                let pixels = processor.preprocess(&img, &self.device)?;
+                let processor = self.configs.image_processor.clone().unwrap_or_default();
+                let pixels = ClipImageProcessor::new(&processor)?.preprocess(&img, device)?;
                 let embeds = model.last_hidden_state(&pixels)?.to_dtype(dtype)?;
-                self.device.synchronize()?;
+                device.synchronize()?;
                 seconds.insert("image_encoder".into(), start.elapsed().as_secs_f64().into());
                 Some(embeds)
             }
-            (None, _) => None,
+            None => None,
         };
         let start = Instant::now();
-        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+        let held = frame.hold(self.parts.vae)?;
         let vae = held.model();
         let image = preprocess_image(
             &img,
             job.height as usize,
             job.width as usize,
             self.configs.vae.scale_factor_spatial(),
-            &self.device,
+            device,
         )?;
         let condition = if self.configs.expand_timesteps {
             first_frame_condition(vae, &image, 1, dtype)?
         } else {
             image_condition(vae, &image, job.num_frames as usize, 1, dtype)?
         };
-        self.device.synchronize()?;
+        device.synchronize()?;
         seconds.insert("vae_encode".into(), start.elapsed().as_secs_f64().into());
         Ok([Some(condition), image_embeds]
             .into_iter()
@@ -680,11 +622,11 @@ impl WanT2V {
             .collect())
     }
 
-    fn initial_latents(&self, job: &Job) -> Result<Tensor> {
+    fn initial_latents(&self, frame: &Frame, job: &Job) -> Result<Tensor> {
         let shape = self
             .configs
             .latent_shape(job.num_frames, job.height, job.width);
-        match &self.config.generation.latents {
+        match &frame.config.generation.latents {
             Some(path) => {
                 let tensors = candle_core::safetensors::load(path, &Device::Cpu)
                     .with_context(|| format!("reading --latents {}", path.display()))?;
@@ -710,9 +652,9 @@ impl WanT2V {
                         self.configs.vae.scale_factor_spatial()
                     );
                 }
-                Ok(tensor.to_dtype(DType::F32)?.to_device(&self.device)?)
+                Ok(tensor.to_dtype(DType::F32)?.to_device(&frame.device)?)
             }
-            None => Ok(seeded_normal(job.seed, &shape)?.to_device(&self.device)?),
+            None => Ok(seeded_normal(job.seed, &shape)?.to_device(&frame.device)?),
         }
     }
 
@@ -720,19 +662,20 @@ impl WanT2V {
     /// `low` = false runs the steps at or above the boundary with `transformer` and
     /// `guidance_scale`, `low` = true the rest with `transformer_2` and `guidance_scale_2`
     /// (one scheduler across both, as diffusers).
-    fn denoise(&mut self, job: &mut Job, low: bool) -> Result<()> {
-        let state = self.denoising.remove(&job.index);
+    fn denoise(&self, frame: &Frame, job: &mut Job, low: bool) -> Result<()> {
+        let mut carried: Carried = job.carry.take();
         let switch_started = if low {
             self.switch_started.take()
         } else {
             None
         };
-        let state = self.denoise_steps(job, low, state, switch_started)?;
+        let state = carried.denoising.take();
+        let conditioning = carried.conditioning.as_ref();
+        let state = self.denoise_steps(frame, job, low, state, conditioning, switch_started)?;
         if self.configs.transformer_2.is_some() && !low {
-            self.switch_started = Some(Instant::now());
-            self.denoising.insert(job.index, state);
-        } else {
-            self.conditioning.remove(&job.index);
+            self.switch_started.set(Some(Instant::now()));
+            carried.denoising = Some(state);
+            job.carry.put(carried);
         }
         Ok(())
     }
@@ -743,23 +686,27 @@ impl WanT2V {
     /// metric, with the number of forwards before it.
     fn denoise_steps(
         &self,
+        frame: &Frame,
         job: &mut Job,
         low: bool,
         state: Option<Denoising>,
+        conditioning: Option<&Conditioning>,
         switch_started: Option<Instant>,
     ) -> Result<Denoising> {
+        let g = &frame.config.generation;
+        let device = &frame.device;
         let state = match state {
             Some(state) => state,
             None => {
                 let scheduler = schedulers::build(
-                    self.config.generation.scheduler,
+                    g.scheduler,
                     &self.configs.scheduler,
                     job.num_inference_steps as usize,
-                    self.config.generation.flow_shift,
+                    g.flow_shift,
                 )?;
                 Denoising {
                     scheduler,
-                    latents: self.initial_latents(job)?,
+                    latents: self.initial_latents(frame, job)?,
                     next_step: 0,
                     forward_seconds: Vec::new(),
                 }
@@ -772,44 +719,35 @@ impl WanT2V {
             mut forward_seconds,
         } = state;
         // Latents wait in host memory between the experts' stages.
-        let mut latents = latents.to_device(&self.device)?;
-        let placed = if low {
-            self.transformer_2
-                .as_ref()
-                .context("transformer_2 not loaded")?
-        } else {
-            self.transformer
-                .as_ref()
-                .context("transformer not loaded")?
+        let mut latents = latents.to_device(device)?;
+        let expert = match (low, self.parts.transformer_2) {
+            (true, Some(low)) => low,
+            (true, None) => bail!("a low-noise stage without transformer_2"),
+            (false, _) => self.parts.transformer,
         };
-        let before = placed.offload_usage();
-        let model = &placed.hold()?;
-        let dtype = self.config.dtype();
+        let model = &frame.hold(expert)?;
+        let dtype = frame.dtype();
         let cond = job
             .prompt_embeds
             .as_ref()
             .context("prompt not encoded")?
-            .to_device(&self.device)?;
+            .to_device(device)?;
         let cond = &cond;
         let uncond = match &job.negative_embeds {
-            Some(t) => Some(t.to_device(&self.device)?),
+            Some(t) => Some(t.to_device(device)?),
             None => None,
         };
         let guidance = if low {
-            self.config
-                .generation
-                .guidance_scale_2
-                .unwrap_or(job.guidance_scale)
+            g.guidance_scale_2.unwrap_or(job.guidance_scale)
         } else {
             job.guidance_scale
         };
-        let conditioning = self.conditioning.get(&job.index);
         let image_embeds = match conditioning.and_then(|c| c.image_embeds.as_ref()) {
-            Some(t) => Some(t.to_device(&self.device)?),
+            Some(t) => Some(t.to_device(device)?),
             None => None,
         };
         let condition = match conditioning {
-            Some(c) => Some(c.condition.to_device(&self.device)?),
+            Some(c) => Some(c.condition.to_device(device)?),
             None => None,
         };
         // Wan2.2 TI2V: the first-frame mask (ones without an image) for per-token timesteps.
@@ -819,18 +757,9 @@ impl WanT2V {
         let mask = if !self.configs.expand_timesteps {
             None
         } else if condition.is_some() {
-            Some(first_frame_mask(
-                frames,
-                (lh, lw),
-                DType::F32,
-                &self.device,
-            )?)
+            Some(first_frame_mask(frames, (lh, lw), DType::F32, device)?)
         } else {
-            Some(Tensor::ones(
-                (1, 1, frames, lh, lw),
-                DType::F32,
-                &self.device,
-            )?)
+            Some(Tensor::ones((1, 1, frames, lh, lw), DType::F32, device)?)
         };
         let [_, ph, pw] = self.configs.transformer.patch_size;
         let timesteps = scheduler.timesteps().to_vec();
@@ -860,16 +789,16 @@ impl WanT2V {
             };
             let timestep = match &mask {
                 Some(m) => per_token_timesteps(t, m, 1, (ph, pw))?,
-                None => Tensor::new(&[t as f32], &self.device)?,
+                None => Tensor::new(&[t as f32], device)?,
             };
             let image = image_embeds.as_ref();
-            let sequence = self.config.ranks.as_ref().map(|r| &r.sequence);
-            let noise_cond = stages::timed(&self.device, &mut forward_seconds, || {
+            let sequence = frame.config.ranks.as_ref().map(|r| &r.sequence);
+            let noise_cond = stages::timed(device, &mut forward_seconds, || {
                 dit_forward(model, &input, &timestep, cond, image, sequence)
             })?;
             let noise = match &uncond {
                 Some(uncond) => {
-                    let noise_uncond = stages::timed(&self.device, &mut forward_seconds, || {
+                    let noise_uncond = stages::timed(device, &mut forward_seconds, || {
                         dit_forward(model, &input, &timestep, uncond, image, sequence)
                     })?;
                     // diffusers combines in the transformer dtype.
@@ -879,15 +808,9 @@ impl WanT2V {
                 None => noise_cond,
             };
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            stages::step_done(&self.progress, &latents, i + 1, timesteps.len())?;
+            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
             i += 1;
         }
-        let key = if low {
-            "offload_transformer_2"
-        } else {
-            "offload"
-        };
-        stages::report_offload(&self.progress, job, key, before, placed.offload_usage());
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
             return Ok(Denoising {
@@ -897,16 +820,7 @@ impl WanT2V {
                 forward_seconds,
             });
         }
-        job.metrics
-            .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
-        self.progress.note(&format!(
-            "  transformer forwards: {}",
-            forward_seconds
-                .iter()
-                .map(|s| format!("{s:.3}s"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        ));
+        stages::report_forwards(&frame.progress, job, forward_seconds);
         // Wan2.2 TI2V image-to-video: frame 0 is the condition after the loop too.
         if let (Some(c), Some(m)) = (&condition, &mask) {
             latents = replace_first_frame(&latents, c, m)?;
@@ -922,144 +836,19 @@ impl WanT2V {
         })
     }
 
-    /// Builds a component from its weights, placed as the options say.
-    fn load_component(&mut self, component: usize) -> Result<()> {
-        let loader = stages::loader!(self);
-        match self.parts[component] {
-            Part::TextEncoder => {
-                self.text_encoder = Some(loader.build(component, &self.configs.text_encoder)?)
-            }
-            Part::ImageEncoder => {
-                let cfg = self.configs.image_encoder.clone().unwrap_or_default();
-                self.image_encoder = Some(loader.build(component, &cfg)?);
-            }
-            Part::Transformer if self.fsdp().is_some() => {
-                let weights = loader.weights(component)?;
-                let placed =
-                    self.shard(&self.configs.transformer, &weights, loader.dtype(component));
-                self.transformer = Some(placed.with_context(|| loader.what(component))?);
-            }
-            Part::Transformer => {
-                self.transformer = Some(loader.build(component, &self.configs.transformer)?)
-            }
-            Part::Transformer2 => {
-                let cfg = self
-                    .configs
-                    .transformer_2
-                    .clone()
-                    .unwrap_or_else(|| self.configs.transformer.clone());
-                self.transformer_2 = Some(loader.build(component, &cfg)?);
-            }
-            Part::Vae => self.vae = Some(loader.build(component, &self.configs.vae)?),
-        }
-        Ok(())
-    }
-
-    /// Whether this rank follows the leader of its sequence-parallel group.
-    fn follows(&self) -> bool {
-        self.config.ranks.as_ref().is_some_and(|r| !r.leads())
-    }
-
-    /// The group the DiT is sharded over (`--use-fsdp-inference` on a rank of several).
-    fn fsdp(&self) -> Option<&Arc<dyn crate::parallel::collective::Collective>> {
-        let ranks = self.config.ranks.as_ref()?;
-        self.config
-            .memory
-            .use_fsdp_inference
-            .then_some(&ranks.group)
-    }
-
-    /// Builds a DiT with its blocks as this rank's FSDP flat shards (in host memory with
-    /// `--dit-cpu-offload`), gathered `--prefetch-depth` blocks ahead.
-    fn shard(
-        &self,
-        cfg: &WanTransformerConfig,
-        weights: &WeightSet,
-        dtype: DType,
-    ) -> Result<Placed<WanTransformer3DModel>> {
-        let group = self.fsdp().context("FSDP without a group")?.clone();
-        let ranks = group.world_size();
-        let m = &self.config.memory;
-        let placed = Placed::load_sharded(
-            cfg,
-            weights,
-            group,
-            dtype,
-            &self.device,
-            m.dit_cpu_offload,
-            m.block_depth(),
-        )?;
-        self.progress.note(&format!(
-            "transformer: FSDP, 1/{ranks} of every block on this GPU{}",
-            if m.dit_cpu_offload {
-                " (in host memory)"
-            } else {
-                ""
-            }
-        ));
-        Ok(placed)
-    }
-
-    fn decode(&self, job: &mut Job) -> Result<()> {
-        let held = self.vae.as_ref().context("VAE not loaded")?.hold()?;
+    fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let held = frame.hold(self.parts.vae)?;
         let vae = held.model();
         let latents = job.latents.take().context("nothing denoised")?;
-        let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&self.device)?)?;
+        let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&frame.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
-        let video = if self.config.memory.vae_tiling {
+        let video = if frame.config.memory.vae_tiling {
             vae.decode_tiled(&z, &WanVaeTiling::default())?
         } else {
             vae.decode(&z)?
         };
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
-    }
-}
-
-impl Pipeline for WanT2V {
-    type Job = Job;
-
-    fn spec(&self) -> &PipelineSpec {
-        &self.spec
-    }
-
-    fn load(&mut self, component: usize) -> Result<()> {
-        self.load_component(component)
-    }
-
-    fn release(&mut self, component: usize) {
-        match self.parts[component] {
-            Part::TextEncoder => self.text_encoder = None,
-            Part::ImageEncoder => self.image_encoder = None,
-            Part::Transformer => self.transformer = None,
-            Part::Transformer2 => self.transformer_2 = None,
-            Part::Vae => self.vae = None,
-        }
-    }
-
-    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let result = match self.steps[index] {
-            Step::EncodeText => self.encode_text(job),
-            Step::EncodeImage => self.encode_image(job),
-            Step::Denoise => self.denoise(job, false),
-            Step::DenoiseLow => self.denoise(job, true),
-            // The group's leader decodes and writes the video.
-            Step::Decode if self.follows() => {
-                job.latents = None;
-                Ok(())
-            }
-            Step::Write if self.follows() => {
-                job.written = true;
-                Ok(())
-            }
-            Step::Decode => self.decode(job),
-            Step::Write => stages::write_video(&self.config, job),
-        };
-        if result.is_err() {
-            self.denoising.remove(&job.index);
-            self.conditioning.remove(&job.index);
-        }
-        result
     }
 }
 

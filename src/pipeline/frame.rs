@@ -1,0 +1,315 @@
+//! The frame's half of every family pipeline: the run, its pipeline as data, where each
+//! component is placed, and the components themselves, loaded and released from the spec alone.
+//! A family adds its own state (tokenizers, configs, typed slots) and its stages' bodies; the
+//! frame runs them, records what the offload engine moved around each stage, drops what a job
+//! carried when a stage fails, and leaves decoding and writing to the leader of a
+//! sequence-parallel group.
+
+use super::jobs::Job;
+use super::placement::{Blockwise, Held, Placed, Placement};
+use super::progress::Progress;
+use super::runner::Pipeline;
+use super::spec::{ComponentSpec, PipelineSpec, Role, Slot};
+use super::stages;
+use crate::cli::ResolvedConfig;
+use crate::models::source::{component_weights, ModelSource};
+use crate::offload::{Residency, Usage};
+use crate::output::Audio;
+use crate::parallel::collective::Collective;
+use crate::weights::WeightSet;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use std::any::Any;
+use std::sync::Arc;
+
+/// A loaded component as the frame holds it: what the engine moved is readable without its
+/// model type, the model through a [`Slot`].
+pub trait Loaded {
+    /// What the offload engine holds and has moved for it (`None` if resident).
+    fn offload_usage(&self) -> Option<Usage>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<M: Blockwise> Loaded for Placed<M> {
+    fn offload_usage(&self) -> Option<Usage> {
+        Placed::offload_usage(self)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The run and its components: what every stage body reads besides its family's own state.
+pub struct Frame {
+    pub config: ResolvedConfig,
+    pub source: ModelSource,
+    pub spec: PipelineSpec,
+    pub device: Device,
+    pub placement: Placement,
+    pub progress: Arc<Progress>,
+    loaded: Vec<Option<Box<dyn Loaded>>>,
+}
+
+impl Frame {
+    /// The frame of a run of `spec`; a rank that does not lead its sequence-parallel group
+    /// runs the follower's part of it (the DiTs alone).
+    pub fn new(
+        config: ResolvedConfig,
+        source: ModelSource,
+        spec: PipelineSpec,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Self {
+        let spec = match &config.ranks {
+            Some(ranks) if !ranks.leads() => spec.follower(),
+            _ => spec,
+        };
+        let placement = Placement::new(&config.memory, &spec);
+        Frame {
+            loaded: spec.components.iter().map(|_| None).collect(),
+            config,
+            source,
+            spec,
+            device,
+            placement,
+            progress,
+        }
+    }
+
+    /// The runnable pipeline of `family` (the first argument its stage bodies take) on this
+    /// frame.
+    pub fn open<P: 'static>(self, family: P) -> Box<dyn Pipeline<Job = Job>> {
+        Box::new(FramePipeline {
+            frame: self,
+            family: Box::new(family),
+        })
+    }
+
+    /// The run's dtype.
+    pub fn dtype(&self) -> DType {
+        self.config.dtype()
+    }
+
+    /// The dtype `slot`'s component runs in.
+    pub fn dtype_of<M>(&self, slot: Slot<M>) -> DType {
+        self.spec.components[slot.index()].dtype(self.dtype())
+    }
+
+    /// Where `slot`'s component computes (its residency may keep it on the CPU).
+    pub fn device_of<M>(&self, slot: Slot<M>) -> Device {
+        match self.placement.residencies[slot.index()] {
+            Residency::OnCpu => Device::Cpu,
+            _ => self.device.clone(),
+        }
+    }
+
+    /// `slot`'s component, if loaded.
+    pub fn loaded<M: Blockwise>(&self, slot: Slot<M>) -> Option<&Placed<M>> {
+        self.loaded
+            .get(slot.index())?
+            .as_ref()?
+            .as_any()
+            .downcast_ref()
+    }
+
+    /// `slot`'s component held for a stage (moved in when parked, see [`Placed::hold`]).
+    pub fn hold<M: Blockwise>(&self, slot: Slot<M>) -> Result<Held<'_, M>> {
+        self.loaded(slot)
+            .with_context(|| format!("{} not loaded", self.spec.components[slot.index()].name))?
+            .hold()
+    }
+
+    /// Whether this rank follows the leader of its sequence-parallel group.
+    pub fn follows(&self) -> bool {
+        self.config.ranks.as_ref().is_some_and(|r| !r.leads())
+    }
+
+    /// Writes the job's output: its frames (with the sound of a model that makes it), or its
+    /// latents with `--output-type latent`.
+    pub fn write(&self, job: &mut Job, audio: Option<&Audio>) -> Result<()> {
+        stages::write_output(&self.config, job, audio)
+    }
+
+    /// Opens `component`'s weights and builds it as the placement says: as this rank's FSDP
+    /// shards for a DiT under `--use-fsdp-inference`.
+    pub fn build<M: Blockwise>(&self, component: usize, cfg: &M::Config) -> Result<Placed<M>> {
+        let weights = self.weights(component)?;
+        match self.fsdp() {
+            Some(group) if self.spec.components[component].role == Role::Dit => {
+                self.shard(component, cfg, &weights, group.clone())
+            }
+            _ => self.place(component, cfg, &weights),
+        }
+        .with_context(|| self.what(component))
+    }
+
+    /// "loading NAME of SOURCE", the context of a failure to build `component`.
+    fn what(&self, component: usize) -> String {
+        format!(
+            "loading {} of {}",
+            self.spec.components[component].name, self.source
+        )
+    }
+
+    /// `component`'s weights, opened with a progress bar.
+    fn weights(&self, component: usize) -> Result<WeightSet> {
+        let ComponentSpec { name, folder, .. } = &self.spec.components[component];
+        let weights = WeightSet::open(&component_weights(&self.source, folder)?)
+            .with_context(|| self.what(component))?;
+        let total = weights.stored_bytes();
+        Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
+    }
+
+    /// The group the DiTs are sharded over (`--use-fsdp-inference` on a rank of several).
+    fn fsdp(&self) -> Option<&Arc<dyn Collective>> {
+        let ranks = self.config.ranks.as_ref()?;
+        self.config
+            .memory
+            .use_fsdp_inference
+            .then_some(&ranks.group)
+    }
+
+    /// Builds `component` from `weights` as the placement says and reports where they went.
+    fn place<M: Blockwise>(
+        &self,
+        component: usize,
+        cfg: &M::Config,
+        weights: &WeightSet,
+    ) -> Result<Placed<M>> {
+        let residency = self.placement.residencies[component];
+        let name = self.spec.components[component].name;
+        let placed = Placed::load(
+            cfg,
+            weights,
+            residency,
+            self.placement.memory_for(component),
+            self.spec.components[component].dtype(self.dtype()),
+            &self.device,
+        )?;
+        const GIB: f64 = (1u64 << 30) as f64;
+        self.progress.note(&match placed.offload_usage() {
+            Some(u) => format!(
+                "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned, in {:.2}s \
+                 (filling {:.2} and locking {:.2} task-seconds)",
+                u.host_bytes as f64 / GIB,
+                u.pinned_bytes as f64 / GIB,
+                u.setup.seconds,
+                u.setup.fill_task_seconds,
+                u.setup.lock_task_seconds
+            ),
+            None => format!("{name}: {residency}"),
+        });
+        Ok(placed)
+    }
+
+    /// Builds a DiT with its blocks as this rank's FSDP flat shards of `group` (in host memory
+    /// with `--dit-cpu-offload`), gathered `--prefetch-depth` blocks ahead.
+    fn shard<M: Blockwise>(
+        &self,
+        component: usize,
+        cfg: &M::Config,
+        weights: &WeightSet,
+        group: Arc<dyn Collective>,
+    ) -> Result<Placed<M>> {
+        let ranks = group.world_size();
+        let m = &self.config.memory;
+        let placed = Placed::load_sharded(
+            cfg,
+            weights,
+            group,
+            self.spec.components[component].dtype(self.dtype()),
+            &self.device,
+            m.dit_cpu_offload,
+            m.block_depth(),
+        )?;
+        self.progress.note(&format!(
+            "{}: FSDP, 1/{ranks} of every block on this GPU{}",
+            self.spec.components[component].name,
+            if m.dit_cpu_offload {
+                " (in host memory)"
+            } else {
+                ""
+            }
+        ));
+        Ok(placed)
+    }
+
+    /// What the offload engine holds and has moved for `component`, where it is loaded.
+    fn usage(&self, component: usize) -> Option<Usage> {
+        self.loaded[component].as_ref()?.offload_usage()
+    }
+
+    /// The `--stats-json` metric of what the engine moved for `component`: `offload` for the
+    /// first DiT (the denoiser every family has), `offload_<name>` for the others.
+    fn usage_key(&self, component: usize) -> String {
+        let first_dit = self
+            .spec
+            .components
+            .iter()
+            .position(|c| c.role == Role::Dit);
+        match first_dit == Some(component) {
+            true => "offload".into(),
+            false => format!("offload_{}", self.spec.components[component].name),
+        }
+    }
+}
+
+/// A family's pipeline on the frame: the runner's view of it.
+struct FramePipeline {
+    frame: Frame,
+    family: Box<dyn Any>,
+}
+
+impl Pipeline for FramePipeline {
+    type Job = Job;
+
+    fn spec(&self) -> &PipelineSpec {
+        &self.frame.spec
+    }
+
+    fn load(&mut self, component: usize) -> Result<()> {
+        let constructors = self.frame.spec.components[component].constructors.clone();
+        let built = constructors.load(&self.frame, component)?;
+        self.frame.loaded[component] = Some(built);
+        Ok(())
+    }
+
+    fn release(&mut self, component: usize) {
+        self.frame.loaded[component] = None;
+    }
+
+    /// Runs the stage's body, recording what the engine moved for each component it uses. A
+    /// rank that follows its group's leader skips what comes after the DiTs (the leader
+    /// decodes and writes); a failed stage drops what the job carried for the later ones.
+    fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        let frame = &self.frame;
+        let stages = &frame.spec.stages;
+        let stage = &stages[index];
+        if frame.follows() {
+            let last_dit = stages.iter().rposition(|s| !s.uses.is_empty());
+            if last_dit.is_some_and(|last| index > last) {
+                job.latents = None;
+                job.frames = None;
+                job.written = index + 1 == stages.len();
+                return Ok(());
+            }
+        }
+        let body = stage
+            .body
+            .as_ref()
+            .with_context(|| format!("stage {} has nothing to run", stage.name))?;
+        let before: Vec<_> = stage.uses.iter().map(|&c| frame.usage(c)).collect();
+        let result = body.run(self.family.as_ref(), frame, job);
+        match &result {
+            Ok(()) => {
+                for (&c, before) in stage.uses.iter().zip(before) {
+                    let key = frame.usage_key(c);
+                    stages::report_offload(&frame.progress, job, &key, before, frame.usage(c));
+                }
+            }
+            Err(_) => job.carry.clear(),
+        }
+        result
+    }
+}
