@@ -225,19 +225,19 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     );
 }
 
-/// Flags of other families are refused with the reason, one line, exit 2.
+/// Flags of other families are refused with what they are for, one line, exit 2.
 #[test]
 fn flags_that_do_not_apply_are_refused() {
     let dir = scratch("refused");
     let fixture = named_fixture_dir(FIXTURE);
     let image = dir.join("x.png");
     for (flag, value, why) in [
-        ("--image", image.to_str().unwrap(), "takes no image"),
-        ("--guidance-scale-2", "3", "one transformer"),
-        ("--true-cfg-scale", "3", "--guidance-scale"),
+        ("--image", image.to_str().unwrap(), "image-to-video"),
+        ("--guidance-scale-2", "3", "two transformers"),
+        ("--true-cfg-scale", "3", "guidance-distilled"),
         ("--decode-timestep", "0.05", "LTX-Video"),
-        ("--flow-shift", "3", "no flow shift"),
-        ("--scheduler", "euler", "CogVideoXDPMScheduler"),
+        ("--flow-shift", "3", "flow-matching schedule"),
+        ("--scheduler", "euler", "its own scheduler"),
     ] {
         for dry in [false, true] {
             let mut args = vec![
@@ -260,6 +260,9 @@ fn flags_that_do_not_apply_are_refused() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
             assert!(stderr.contains(why), "{flag}: {stderr}");
+            assert!(stderr.contains(flag), "{flag}: {stderr}");
+            let refusal = "does not apply to CogVideoX text-to-video";
+            assert!(stderr.contains(refusal), "{flag}: {stderr}");
             let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
             assert_eq!(errors.len(), 1, "{flag}: {stderr}");
             assert!(errors[0].contains(why), "{flag}: {stderr}");

@@ -12,11 +12,11 @@ use vidgen::models::wan::text_encoder::UMT5EncoderModel;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::{HostMemory, Residency};
+use vidgen::pipeline::frame::Frame;
 use vidgen::pipeline::inert_options;
 use vidgen::pipeline::placement::Placement;
 use vidgen::pipeline::plan::{load_policy, Planner};
-use vidgen::pipeline::progress::Progress;
-use vidgen::pipeline::registry::{Family, RunShape};
+use vidgen::pipeline::registry::{Family, FamilyOption, RunShape};
 use vidgen::pipeline::runner::{self, BatchOrder, LoadPolicy, Pipeline};
 use vidgen::pipeline::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use vidgen::pipeline::wan_t2v::WanConfigs;
@@ -25,6 +25,14 @@ use vidgen::pipeline::wan_t2v::WanConfigs;
 struct TwoExperts(WanConfigs);
 
 impl Family for TwoExperts {
+    fn title(&self) -> &'static str {
+        "two-expert toy"
+    }
+
+    fn options(&self) -> Vec<FamilyOption> {
+        FamilyOption::GUIDED.to_vec()
+    }
+
     fn spec(&self, _: &RunShape) -> PipelineSpec {
         let c = &self.0;
         let component = |name, role, constructors| ComponentSpec {
@@ -42,7 +50,7 @@ impl Family for TwoExperts {
         };
         let stage = StageSpec::new;
         PipelineSpec {
-            title: "two-expert toy",
+            title: self.title(),
             components: vec![
                 component(
                     "text_encoder",
@@ -73,13 +81,7 @@ impl Family for TwoExperts {
         serde_json::json!({ "experts": 2 })
     }
 
-    fn open(
-        &self,
-        _: ResolvedConfig,
-        _: ModelSource,
-        _: candle_core::Device,
-        _: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = vidgen::pipeline::jobs::Job>>> {
+    fn open(&self, _: &Frame) -> Result<Box<dyn std::any::Any>> {
         anyhow::bail!("the toy family only plans")
     }
 }

@@ -24,6 +24,7 @@ use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
 use vidgen::offload::{record, HostMemory, Packing, Residency, StreamOptions};
 use vidgen::pipeline::placement::{Blockwise, Placed};
 use vidgen::pipeline::plan::Planner;
+use vidgen::pipeline::registry::Configs;
 use vidgen::pipeline::spec::{Constructors, ModelConstructors};
 use vidgen::pipeline::wan_t2v::WanConfigs;
 use vidgen::weights::{var_builder, WeightSet};
@@ -716,6 +717,33 @@ fn fewer_frames_are_the_most_that_fit() {
     more.num_frames = frames + 4;
     assert!(!planner.plan(&more).unwrap().fits(total));
     assert_eq!(first_fitting(&found, total).unwrap().flags, last.flags);
+}
+
+/// Fewer frames are offered by the family's own frame rule: LTX-Video's 8k+1, not Wan's 4k+1.
+#[test]
+fn fewer_frames_follow_the_family_frame_rule() {
+    let source = ModelSource::parse("synthetic:ltx-video").unwrap();
+    let family = vidgen::pipeline::registry::family(Configs::Fetch(&source)).unwrap();
+    let config = resolve(&[
+        "--model",
+        "synthetic:ltx-video",
+        "--memory-model",
+        "discrete",
+    ])
+    .with_model_defaults(&family.defaults())
+    .unwrap();
+    assert_eq!(config.options.num_frames, 161);
+    let planner = Planner::new(family.as_ref(), &config);
+    let leanest = planner.candidates(None).pop().unwrap();
+    let found = planner.candidates(Some(leanest.plan.required_bytes() - 1));
+    let frames: u32 = found
+        .last()
+        .and_then(|c| c.flags.last())
+        .and_then(|f| f.strip_prefix("--num-frames "))
+        .expect("a --num-frames candidate")
+        .parse()
+        .unwrap();
+    assert!(frames < 161 && (frames - 1).is_multiple_of(8), "{frames}");
 }
 
 /// On unified memory the device rules turn host offload off, so it is never offered.

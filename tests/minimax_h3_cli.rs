@@ -425,11 +425,11 @@ fn flags_that_do_not_apply_are_refused() {
     let image = dir.join("x.png");
     for (flags, why) in [
         (&["--guidance-scale", "5"][..], "guidance-distilled"),
-        (&["--negative-prompt", "blurry"][..], "no negative prompt"),
-        (&["--image", image.to_str().unwrap()][..], "takes no image"),
-        (&["--flow-shift", "5"][..], "audio_scheduler"),
-        (&["--scheduler", "euler"][..], "two flow schedules"),
-        (&["--max-sequence-length", "64"][..], "no truncation"),
+        (&["--negative-prompt", "blurry"][..], "guidance-distilled"),
+        (&["--image", image.to_str().unwrap()][..], "image-to-video"),
+        (&["--flow-shift", "5"][..], "its own configs"),
+        (&["--scheduler", "euler"][..], "its own scheduler"),
+        (&["--max-sequence-length", "64"][..], "each prompt whole"),
         (&["--fps", "30"][..], "24 fps"),
         (&["--num-frames", "400"][..], "5-15 s"),
         (&["--num-frames", "30"][..], "5-15 s"),

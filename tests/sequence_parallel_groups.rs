@@ -16,6 +16,7 @@ use vidgen::parallel::collective::{run_groups, Collective};
 use vidgen::parallel::launch::{as_rank, Joined};
 use vidgen::parallel::world::{Launcher, World};
 use vidgen::parallel::{Groups, Ranks};
+use vidgen::pipeline::frame::Frame;
 use vidgen::pipeline::jobs::Job;
 use vidgen::pipeline::progress::Progress;
 use vidgen::pipeline::registry::{self, Configs, Family};
@@ -218,7 +219,8 @@ fn the_leader_alone_encodes_and_decodes_for_its_group() {
             config.ranks = Some(Ranks::new(group));
             let mut jobs = vidgen::pipeline::jobs::jobs(&config).unwrap();
             let progress = Arc::new(Progress::new(true));
-            let inner = family.open(config, source, Device::Cpu, progress).unwrap();
+            let inner =
+                Frame::open(family.as_ref(), config, source, Device::Cpu, progress).unwrap();
             let mut pipeline = Recording {
                 inner,
                 loads: Vec::new(),

@@ -214,6 +214,9 @@ const SAVINGS: [Saving; 5] = [
 pub struct Request {
     pub options: MemoryOptions,
     pub num_frames: u32,
+    /// The family's frame counts are `frame_step·k + 1` (its frame rule): fewer frames are
+    /// offered in those steps.
+    pub frame_step: u32,
 }
 
 /// A pipeline's memory plan for a request (an error where the options cannot be placed).
@@ -258,9 +261,11 @@ pub fn candidates(
         }
     }
     if let Some(total) = total {
-        // Frames come as 4k+1; take the largest k below the run's that fits, else one frame.
-        for k in (0..request.num_frames.saturating_sub(1) / 4).rev() {
-            next.num_frames = 4 * k + 1;
+        // Frames come as step·k+1 (the family's rule); take the largest k below the run's that
+        // fits, else one frame.
+        let step = request.frame_step.max(1);
+        for k in (0..request.num_frames.saturating_sub(1) / step).rev() {
+            next.num_frames = step * k + 1;
             if let Ok(plan) = plan_for(&next) {
                 if k == 0 || plan.fits(total) {
                     offer(&next, plan);

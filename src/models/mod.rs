@@ -24,3 +24,16 @@ pub mod sequence_parallel;
 pub mod source;
 pub mod t5;
 pub mod wan;
+
+/// What every model folder declares (the component configs it checks, the models it ships):
+/// one line a folder.
+pub const FOLDERS: &[source::ModelFolder] = &[
+    wan::FOLDER,
+    ltx::FOLDER,
+    cogvideox::FOLDER,
+    hunyuan_video::FOLDER,
+    minimax_h3::FOLDER,
+    t5::FOLDER,
+    clip::FOLDER,
+    crate::schedulers::FOLDER,
+];

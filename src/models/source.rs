@@ -2,26 +2,6 @@
 //! standard cache), or `synthetic:<name>` (published configs shipped in the binary, seeded random
 //! weights made at load time so speed and memory can be measured at full size without a download).
 
-use crate::models::clip::text::ClipTextConfig;
-use crate::models::cogvideox::transformer::CogVideoXTransformerConfig;
-use crate::models::cogvideox::vae::CogVideoXVaeConfig;
-use crate::models::hunyuan_video::text_encoder::LlamaConfig;
-use crate::models::hunyuan_video::transformer::HunyuanVideoTransformerConfig;
-use crate::models::hunyuan_video::vae::HunyuanVideoVaeConfig;
-use crate::models::ltx::transformer::LtxTransformerConfig;
-use crate::models::ltx::vae::LtxVaeConfig;
-use crate::models::minimax_h3::audio_vae::MiniMaxH3AudioVaeConfig;
-use crate::models::minimax_h3::text_encoder::Qwen3VLConfig;
-use crate::models::minimax_h3::transformer::MiniMaxH3TransformerConfig;
-use crate::models::minimax_h3::vae::MiniMaxH3VaeConfig;
-use crate::models::t5::encoder::T5Config;
-use crate::models::wan::text_encoder::UMT5Config;
-use crate::models::wan::transformer::WanTransformerConfig;
-use crate::models::wan::vae::WanVaeConfig;
-use crate::schedulers::cogvideox_dpm::CogVideoXDpmConfig;
-use crate::schedulers::euler::FlowMatchEulerConfig;
-use crate::schedulers::minimax_h3::MiniMaxH3SchedulerConfig;
-use crate::schedulers::SchedulerConfig;
 use crate::weights::Weights;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::de::DeserializeOwned;
@@ -29,100 +9,69 @@ use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-macro_rules! synthetic_files {
+/// The published configs of a `synthetic:` model, shipped in the binary from `assets/<name>/`:
+/// the files every diffusers pipeline has (the index, transformer, VAE, text encoder and
+/// scheduler configs, the tokenizer) and any others named; or, after `name:`, exactly the
+/// files named.
+#[macro_export]
+macro_rules! shipped_files {
     ($name:literal: $($file:literal),+) => {
-        &[$(($file, include_str!(concat!("../../assets/", $name, "/", $file)))),+]
+        &[$((
+            $file,
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/assets/", $name, "/", $file)),
+        )),+]
     };
     ($name:literal $(, $extra:literal)*) => {
-        &[
-            $((
-                $extra,
-                include_str!(concat!("../../assets/", $name, "/", $extra)),
-            ),)*
-            (
-                "model_index.json",
-                include_str!(concat!("../../assets/", $name, "/model_index.json")),
-            ),
-            (
-                "transformer/config.json",
-                include_str!(concat!("../../assets/", $name, "/transformer/config.json")),
-            ),
-            (
-                "vae/config.json",
-                include_str!(concat!("../../assets/", $name, "/vae/config.json")),
-            ),
-            (
-                "text_encoder/config.json",
-                include_str!(concat!("../../assets/", $name, "/text_encoder/config.json")),
-            ),
-            (
-                "scheduler/scheduler_config.json",
-                include_str!(concat!(
-                    "../../assets/",
-                    $name,
-                    "/scheduler/scheduler_config.json"
-                )),
-            ),
-            (
-                "tokenizer/tokenizer.json",
-                include_str!(concat!("../../assets/", $name, "/tokenizer/tokenizer.json")),
-            ),
-        ]
-    };
-}
-
-/// The configs shipped for synthetic models: (name, [(relative path, contents)]).
-const SYNTHETIC: &[(&str, &[(&str, &str)])] = &[
-    ("wan2.1-t2v-1.3b", synthetic_files!("wan2.1-t2v-1.3b")),
-    ("wan2.1-t2v-14b", synthetic_files!("wan2.1-t2v-14b")),
-    ("wan2.1-tiny", synthetic_files!("wan2.1-tiny")),
-    ("ltx-video", synthetic_files!("ltx-video")),
-    ("cogvideox-5b", synthetic_files!("cogvideox-5b")),
-    // The tokenizers are the tiny fixture's stand-ins (the published Llama one is 9 MB); their
-    // ids fit both encoders' vocabularies and the weights are random anyway.
-    (
-        "hunyuanvideo",
-        synthetic_files!("hunyuanvideo":
+        $crate::shipped_files!($name:
+            $($extra,)*
             "model_index.json",
             "transformer/config.json",
             "vae/config.json",
             "text_encoder/config.json",
-            "text_encoder_2/config.json",
             "scheduler/scheduler_config.json",
-            "tokenizer/tokenizer.json",
-            "tokenizer/tokenizer_config.json",
-            "tokenizer_2/tokenizer.json",
-            "tokenizer_2/tokenizer_config.json"
-        ),
-    ),
-    (
-        "wan2.1-i2v-14b-480p",
-        synthetic_files!(
-            "wan2.1-i2v-14b-480p",
-            "image_encoder/config.json",
-            "image_processor/preprocessor_config.json"
-        ),
-    ),
-    ("wan2.2-ti2v-5b", synthetic_files!("wan2.2-ti2v-5b")),
-    (
-        "wan2.2-t2v-a14b",
-        synthetic_files!("wan2.2-t2v-a14b", "transformer_2/config.json"),
-    ),
-    // The tokenizer is a small stand-in BPE (Qwen's is 11 MB); the weights are random anyway.
-    (
-        "minimax-h3",
-        synthetic_files!("minimax-h3":
-            "modular_model_index.json",
-            "transformer/config.json",
-            "vae/config.json",
-            "audio_vae/config.json",
-            "text_encoder/config.json",
-            "scheduler/scheduler_config.json",
-            "audio_scheduler/scheduler_config.json",
             "tokenizer/tokenizer.json"
-        ),
-    ),
-];
+        )
+    };
+}
+
+/// Config checks of component classes, each `(class, file in its folder, config type)`: the
+/// file is parsed with diffusers' defaults, then the type's `validate` runs.
+#[macro_export]
+macro_rules! config_checks {
+    ($(($class:literal, $file:literal, $config:ty)),+ $(,)?) => {
+        &[$($crate::models::source::ConfigCheck {
+            class: $class,
+            file: $file,
+            check: |v| {
+                $crate::models::source::parse_keyed::<$config>(v.clone())?
+                    .validate()
+                    .map_err($crate::models::source::ConfigError::into_message)
+            },
+        }),+]
+    };
+}
+
+/// A model whose published configs vidgen ships: `synthetic:<name>` runs them with seeded
+/// random weights, and a dry run of its Hub id plans from them without a download.
+pub struct Shipped {
+    pub name: &'static str,
+    /// The Hub repository the configs were published in, if any.
+    pub hub: Option<&'static str>,
+    /// (relative path, contents), from [`shipped_files!`].
+    pub files: &'static [(&'static str, &'static str)],
+}
+
+/// What a family's model folder declares to the rest of vidgen: the component configs it
+/// interprets and the models whose configs it ships. [`crate::models::FOLDERS`] lists them.
+pub struct ModelFolder {
+    pub configs: &'static [ConfigCheck],
+    pub shipped: &'static [Shipped],
+}
+
+/// Every shipped model, in the order the folders list them.
+fn shipped() -> impl Iterator<Item = &'static Shipped> {
+    crate::models::FOLDERS.iter().flat_map(|f| f.shipped)
+}
 
 /// A model as named by `--model`.
 #[derive(Clone, Debug)]
@@ -148,13 +97,12 @@ impl ModelSource {
     /// Where `--model` points, nothing read yet.
     fn locate(model: &str) -> Result<Self> {
         if let Some(name) = model.strip_prefix("synthetic:") {
-            return match SYNTHETIC.iter().find(|(n, _)| *n == name) {
-                Some((n, _)) => Ok(ModelSource::Synthetic(n)),
+            return match shipped().find(|m| m.name == name) {
+                Some(m) => Ok(ModelSource::Synthetic(m.name)),
                 None => bail!(
                     "unknown synthetic model '{name}'; use one of: {}",
-                    SYNTHETIC
-                        .iter()
-                        .map(|(n, _)| format!("synthetic:{n}"))
+                    shipped()
+                        .map(|m| format!("synthetic:{}", m.name))
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
@@ -174,6 +122,17 @@ impl ModelSource {
         Ok(ModelSource::Hub(model.to_string()))
     }
 
+    /// The shipped model whose published configs a Hub id's are, if vidgen ships them.
+    pub fn shipped_for(&self) -> Option<ModelSource> {
+        let ModelSource::Hub(repo) = self else {
+            return None;
+        };
+        // Hub ids are case-insensitive.
+        shipped()
+            .find(|m| m.hub.is_some_and(|hub| hub.eq_ignore_ascii_case(repo)))
+            .map(|m| ModelSource::Synthetic(m.name))
+    }
+
     /// Whether weights are made up at load time.
     pub fn is_synthetic(&self) -> bool {
         matches!(self, ModelSource::Synthetic(_))
@@ -186,10 +145,9 @@ impl ModelSource {
                 let p = dir.join(relative);
                 Ok(p.is_file().then_some(FileRef::Path(p)))
             }
-            ModelSource::Synthetic(name) => Ok(SYNTHETIC
-                .iter()
-                .find(|(n, _)| n == name)
-                .and_then(|(_, files)| files.iter().find(|(p, _)| *p == relative))
+            ModelSource::Synthetic(name) => Ok(shipped()
+                .find(|m| m.name == *name)
+                .and_then(|m| m.files.iter().find(|(p, _)| *p == relative))
                 .map(|(_, text)| FileRef::Embedded(text))),
             ModelSource::Hub(repo) => hub::fetch(repo, relative),
         }
@@ -218,7 +176,7 @@ impl ModelSource {
     }
 
     /// Reads `model_index.json` and the config of every component it names that vidgen knows
-    /// (see [`COMPONENT_CONFIGS`]), each checked as it is read: an error is one line naming the
+    /// (see [`ConfigCheck`]), each checked as it is read: an error is one line naming the
     /// file and the key. Only what is readable without a download is read; a missing file is
     /// left to the stage that needs it, which names it.
     pub fn check_configs(&self) -> Result<()> {
@@ -227,7 +185,7 @@ impl ModelSource {
         };
         let index = self.read_config(name, &index)?;
         for (folder, class) in components(&index) {
-            let Some(config) = COMPONENT_CONFIGS.iter().find(|c| c.class == class) else {
+            let Some(config) = config_checks().find(|c| c.class == class) else {
                 continue;
             };
             let relative = format!("{folder}/{}", config.file);
@@ -286,8 +244,7 @@ impl ModelSource {
         let (folder, file) = relative.split_once('/')?;
         let index: Value = serde_json::from_str(&self.index().ok()??.1.read().ok()?).ok()?;
         let class = components(&index).into_iter().find(|(f, _)| f == folder)?.1;
-        COMPONENT_CONFIGS
-            .iter()
+        config_checks()
             .find(|c| c.class == class && c.file == file)
             .map(|c| c.check)
     }
@@ -298,210 +255,35 @@ const MODEL_INDEX: &str = "model_index.json";
 const MODULAR_MODEL_INDEX: &str = "modular_model_index.json";
 
 /// A component class whose config vidgen interprets: the file in its folder and its check
-/// (parsed with diffusers' defaults, then the config type's `validate`). A family adds one
-/// line per class.
-struct ComponentConfig {
-    class: &'static str,
-    file: &'static str,
-    check: fn(&Value) -> Result<()>,
+/// (parsed with diffusers' defaults, then the config type's `validate`), made by
+/// [`config_checks!`] in the model folder of the class.
+pub struct ConfigCheck {
+    pub class: &'static str,
+    pub file: &'static str,
+    pub check: fn(&Value) -> Result<()>,
 }
 
-const COMPONENT_CONFIGS: &[ComponentConfig] = &[
-    ComponentConfig {
-        class: "WanTransformer3DModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<WanTransformerConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "AutoencoderKLWan",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<WanVaeConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "UMT5EncoderModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<UMT5Config>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "LTXVideoTransformer3DModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<LtxTransformerConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "CLIPVisionModelWithProjection",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<crate::models::clip::ClipVisionConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "CogVideoXTransformer3DModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<CogVideoXTransformerConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "AutoencoderKLLTXVideo",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<LtxVaeConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "AutoencoderKLCogVideoX",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<CogVideoXVaeConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "T5EncoderModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<T5Config>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "FlowMatchEulerDiscreteScheduler",
-        file: "scheduler_config.json",
-        check: |v| parse_keyed::<FlowMatchEulerConfig>(v.clone())?.validate(),
-    },
-    ComponentConfig {
-        class: "CogVideoXDPMScheduler",
-        file: "scheduler_config.json",
-        check: |v| parse_keyed::<CogVideoXDpmConfig>(v.clone())?.validate(),
-    },
-    ComponentConfig {
-        class: "CogVideoXDDIMScheduler",
-        file: "scheduler_config.json",
-        check: |v| parse_keyed::<CogVideoXDpmConfig>(v.clone())?.validate(),
-    },
-    ComponentConfig {
-        class: "CLIPImageProcessor",
-        file: "preprocessor_config.json",
-        check: |v| {
-            parse_keyed::<crate::models::clip::image_processor::ClipImageProcessorConfig>(
-                v.clone(),
-            )?
-            .validate()
-            .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "UniPCMultistepScheduler",
-        file: "scheduler_config.json",
-        check: |v| parse_keyed::<SchedulerConfig>(v.clone())?.validate(),
-    },
-    ComponentConfig {
-        class: "HunyuanVideoTransformer3DModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<HunyuanVideoTransformerConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "AutoencoderKLHunyuanVideo",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<HunyuanVideoVaeConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "LlamaModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<LlamaConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "MiniMaxH3Transformer3DModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<MiniMaxH3TransformerConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "AutoencoderKLMiniMaxH3",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<MiniMaxH3VaeConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "AutoencoderKLMiniMaxH3Audio",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<MiniMaxH3AudioVaeConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "Qwen3VLForConditionalGeneration",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<Qwen3VLConfig>(v.clone())?
-                .text_config
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "MiniMaxH3Scheduler",
-        file: "scheduler_config.json",
-        check: |v| {
-            parse_keyed::<MiniMaxH3SchedulerConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-    ComponentConfig {
-        class: "CLIPTextModel",
-        file: "config.json",
-        check: |v| {
-            parse_keyed::<ClipTextConfig>(v.clone())?
-                .validate()
-                .map_err(message)
-        },
-    },
-];
+/// Every config check of every model folder.
+fn config_checks() -> impl Iterator<Item = &'static ConfigCheck> {
+    crate::models::FOLDERS.iter().flat_map(|f| f.configs)
+}
+
+/// A config's `validate` error, either kind, as one line.
+pub trait ConfigError {
+    fn into_message(self) -> anyhow::Error;
+}
+
+impl ConfigError for candle_core::Error {
+    fn into_message(self) -> anyhow::Error {
+        message(self)
+    }
+}
+
+impl ConfigError for anyhow::Error {
+    fn into_message(self) -> anyhow::Error {
+        self
+    }
+}
 
 /// A model error as its message alone: a one-line error has no room for the backtrace candle
 /// attaches when `RUST_BACKTRACE` is set.
@@ -550,7 +332,7 @@ fn components(index: &Value) -> Vec<(String, String)> {
 
 /// Deserializes a config; a value of the wrong type is reported with its key (each key is
 /// tried alone, the others taking their defaults, where the type has defaults for all).
-fn parse_keyed<T: DeserializeOwned>(value: Value) -> Result<T> {
+pub fn parse_keyed<T: DeserializeOwned>(value: Value) -> Result<T> {
     serde_json::from_value::<T>(value.clone()).map_err(|e| {
         let all_defaults = serde_json::from_value::<T>(serde_json::json!({})).is_ok();
         let bad_key = value.as_object().filter(|_| all_defaults).and_then(|map| {
@@ -762,4 +544,59 @@ fn confinement(model: &Path) -> Result<PathBuf> {
         }
         _ => dir,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every config a shipped model carries for a component (not its tokenizer's files) is
+    /// checked by its class's entry: a family that forgets one would silently skip checking it.
+    #[test]
+    fn every_shipped_component_config_has_a_check() {
+        for model in shipped() {
+            let source = ModelSource::Synthetic(model.name);
+            let (_, index) = source.index().unwrap().expect("an index");
+            let index: Value = serde_json::from_str(&index.read().unwrap()).unwrap();
+            let components = components(&index);
+            assert!(components.len() >= 3, "{}: {components:?}", model.name);
+            for (folder, class) in components {
+                let configs = model
+                    .files
+                    .iter()
+                    .filter_map(|(path, _)| path.strip_prefix(&format!("{folder}/")))
+                    .filter(|file| !file.starts_with("tokenizer"));
+                for file in configs {
+                    assert!(
+                        config_checks().any(|c| c.class == class && c.file == file),
+                        "{}: {folder}/{file} ({class}) has no check",
+                        model.name
+                    );
+                }
+            }
+        }
+    }
+
+    /// A Hub id whose configs vidgen ships is planned from them, whatever its case.
+    #[test]
+    fn hub_ids_find_their_shipped_configs() {
+        let hub = |id: &str| {
+            ModelSource::Hub(id.into())
+                .shipped_for()
+                .map(|s| s.to_string())
+        };
+        let want = Some("synthetic:ltx-video".to_string());
+        assert_eq!(hub("Lightricks/LTX-Video"), want);
+        assert_eq!(hub("lightricks/ltx-video"), want);
+        assert_eq!(hub("someone/not-a-model"), None);
+        for model in shipped() {
+            if let Some(id) = model.hub {
+                let found = ModelSource::Hub(id.into()).shipped_for();
+                assert!(
+                    matches!(found, Some(ModelSource::Synthetic(n)) if n == model.name),
+                    "{id}"
+                );
+            }
+        }
+    }
 }

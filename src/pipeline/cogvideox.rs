@@ -5,20 +5,18 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held};
-use super::progress::Progress;
-use super::registry::{Configs, Family, RunShape};
-use super::runner::Pipeline;
+use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
-use crate::cli::{ResolvedConfig, UsageError};
+use crate::cli::UsageError;
 use crate::models::cogvideox::guidance;
 use crate::models::cogvideox::transformer::{
     BlockStep, CogVideoXBlock, CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
 };
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
-use crate::models::source::{FileRef, ModelSource};
+use crate::models::source::FileRef;
 use crate::models::t5::encoder::{T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
@@ -26,7 +24,7 @@ use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::sync::Arc;
+use std::any::Any;
 
 /// The scheduler the pipeline runs (the 5b repo ships `CogVideoXDDIMScheduler` with the same
 /// values; its model card swaps this one in).
@@ -144,7 +142,7 @@ impl CogVideoXConfigs {
     /// by one stage and safe to defer; the pipeline as data with its components' slots.
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let mut spec = PipelineSpec::titled("CogVideoX text-to-video");
+        let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             text_encoder: spec.add(Component::new(
                 "text_encoder",
@@ -184,6 +182,16 @@ impl CogVideoXConfigs {
 }
 
 impl Family for CogVideoXConfigs {
+    fn title(&self) -> &'static str {
+        "CogVideoX text-to-video"
+    }
+
+    /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
+    /// frame-batched without tiles.
+    fn options(&self) -> Vec<FamilyOption> {
+        FamilyOption::GUIDED.to_vec()
+    }
+
     fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
         Some(self.latent_shape(num_frames, height, width).to_vec())
     }
@@ -221,40 +229,9 @@ impl Family for CogVideoXConfigs {
         })
     }
 
-    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
-        let g = &config.generation;
-        let given = |key: &str| config.given.contains(key);
-        let why = if g.image.is_some() {
-            "--image: CogVideoX text-to-video takes no image"
-        } else if g.guidance_scale_2.is_some() {
-            "--guidance-scale-2: CogVideoX has one transformer (it is Wan2.2 A14B's)"
-        } else if g.true_cfg_scale.is_some() {
-            "--true-cfg-scale: CogVideoX runs classifier-free guidance with --guidance-scale"
-        } else if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
-            "--decode-timestep/--decode-noise-scale: the CogVideoX VAE has no timestep-conditioned decoder (they are LTX-Video's)"
-        } else if g.flow_shift.is_some() {
-            "--flow-shift: CogVideoX samples with CogVideoXDPMScheduler, which has no flow shift"
-        } else if given("scheduler") {
-            "--scheduler: CogVideoX samples with CogVideoXDPMScheduler only"
-        } else if given("vae_tiling") && config.memory.vae_tiling {
-            "--vae-tiling: the CogVideoX VAE decodes frame-batched, without tiling"
-        } else {
-            return None;
-        };
-        Some(format!("{why}; drop the flag for this model"))
-    }
-
-    fn open(
-        &self,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        let (spec, parts) = self.declare(&RunShape::of(&config));
-        let frame = Frame::new(config, source, spec, device, progress);
-        let pipeline = CogVideoX::new(self.clone(), parts, &frame)?;
-        Ok(frame.open(pipeline))
+    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
+        let (_, parts) = self.declare(&RunShape::of(&frame.config));
+        Ok(Box::new(CogVideoX::new(self.clone(), parts, frame)?))
     }
 }
 

@@ -8,6 +8,7 @@
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
+use super::registry::{Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, PipelineSpec, Role, Slot};
 use super::stages;
@@ -77,13 +78,19 @@ impl Frame {
         }
     }
 
-    /// The runnable pipeline of `family` (the first argument its stage bodies take) on this
-    /// frame.
-    pub fn open<P: 'static>(self, family: P) -> Box<dyn Pipeline<Job = Job>> {
-        Box::new(FramePipeline {
-            frame: self,
-            family: Box::new(family),
-        })
+    /// The runnable pipeline of `family` on the frame of a run: the frame for the spec of the
+    /// run's shape, and the family's own part ([`Family::open`]).
+    pub fn open(
+        family: &dyn Family,
+        config: ResolvedConfig,
+        source: ModelSource,
+        device: Device,
+        progress: Arc<Progress>,
+    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
+        let spec = family.spec(&RunShape::of(&config));
+        let frame = Frame::new(config, source, spec, device, progress);
+        let family = family.open(&frame)?;
+        Ok(Box::new(FramePipeline { frame, family }))
     }
 
     /// The run's dtype.

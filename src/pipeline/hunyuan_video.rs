@@ -7,13 +7,10 @@
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held};
-use super::progress::Progress;
-use super::registry::{Configs, Family, RunShape};
-use super::runner::Pipeline;
+use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
-use crate::cli::ResolvedConfig;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
 use crate::models::hunyuan_video::scheduler::{
     guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
@@ -36,6 +33,7 @@ use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use std::any::Any;
 use std::sync::Arc;
 
 /// The CLIP tokenizer's length (`tokenizer_2`, `max_length=77`).
@@ -158,7 +156,7 @@ impl HunyuanConfigs {
         let decode = frames * pixels * (2 * upsampled + last) * d
             + 3 * run * 4
             + shape.num_frames as u64 * shape.height as u64 * shape.width as u64 * 3 * 4 * 2;
-        let mut spec = PipelineSpec::titled("HunyuanVideo text-to-video");
+        let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             text_encoder: spec.add(Component::new(
                 "text_encoder",
@@ -200,6 +198,25 @@ impl HunyuanConfigs {
 }
 
 impl Family for HunyuanConfigs {
+    fn title(&self) -> &'static str {
+        "HunyuanVideo text-to-video"
+    }
+
+    /// Text-to-video with embedded guidance, real CFG by `--true-cfg-scale` with a negative
+    /// prompt, flow-match Euler with a shift, and a VAE that tiles.
+    fn options(&self) -> Vec<FamilyOption> {
+        let own = [
+            FamilyOption::TrueCfgScale,
+            FamilyOption::FlowShift,
+            FamilyOption::VaeTiling,
+        ];
+        [&FamilyOption::GUIDED[..], &own].concat()
+    }
+
+    fn schedulers(&self) -> &'static [SchedulerKind] {
+        &[SchedulerKind::Euler]
+    }
+
     fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
         Some(self.latent_shape(num_frames, height, width).to_vec())
     }
@@ -241,39 +258,10 @@ impl Family for HunyuanConfigs {
         })
     }
 
-    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
-        inapplicable(config)
+    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
+        let (_, parts) = self.declare(&RunShape::of(&frame.config));
+        Ok(Box::new(HunyuanVideo::new(self.clone(), parts, frame)?))
     }
-
-    fn open(
-        &self,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        let (spec, parts) = self.declare(&RunShape::of(&config));
-        let frame = Frame::new(config, source, spec, device, progress);
-        let pipeline = HunyuanVideo::new(self.clone(), parts, &frame)?;
-        Ok(frame.open(pipeline))
-    }
-}
-
-/// Flags HunyuanVideo has no use for: one line each, bad input (exit 2).
-fn inapplicable(config: &ResolvedConfig) -> Option<String> {
-    let g = &config.generation;
-    let why = if g.image.is_some() {
-        Some("--image: HunyuanVideo is text-to-video; it takes no image")
-    } else if g.guidance_scale_2.is_some() {
-        Some("--guidance-scale-2: HunyuanVideo has one DiT (it is Wan2.2 A14B's second expert's scale)")
-    } else if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
-        Some("--decode-timestep/--decode-noise-scale: HunyuanVideo's VAE decoder takes no timestep (LTX-Video's does)")
-    } else if g.scheduler != SchedulerKind::Euler {
-        Some("--scheduler: HunyuanVideo samples with flow-match Euler, as diffusers does; pass --scheduler euler or leave it out")
-    } else {
-        None
-    };
-    why.map(String::from)
 }
 
 /// One text's conditioning: Llama embeds `[1, L, D]`, their mask `[1, L]` (f32), the CLIP

@@ -5,15 +5,12 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held};
-use super::progress::Progress;
-use super::registry::{Configs, Family, RunShape};
-use super::runner::Pipeline;
+use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
-use crate::cli::ResolvedConfig;
 use crate::models::ltx::defaults;
 use crate::models::ltx::transformer::{
     pack_latents, unpack_latents, BlockStep, LtxStream, LtxTransformer3DModel, LtxTransformerBlock,
@@ -22,7 +19,7 @@ use crate::models::ltx::transformer::{
 use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, SeededNoise,
 };
-use crate::models::source::{FileRef, ModelSource};
+use crate::models::source::FileRef;
 use crate::models::t5::encoder::{attention_mask, T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
@@ -31,7 +28,7 @@ use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::sync::Arc;
+use std::any::Any;
 
 /// Reads an LTX-Video model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
@@ -168,7 +165,7 @@ impl LtxConfigs {
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
-        let mut spec = PipelineSpec::titled("LTX-Video text-to-video");
+        let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             text_encoder: spec.add(Component::new(
                 "text_encoder",
@@ -208,6 +205,21 @@ impl LtxConfigs {
 }
 
 impl Family for LtxConfigs {
+    fn title(&self) -> &'static str {
+        "LTX-Video text-to-video"
+    }
+
+    /// Text-to-video with classifier-free guidance and a timestep-conditioned decoder; flow-match
+    /// Euler shifted by the video's token count, the VAE decoding whole.
+    fn options(&self) -> Vec<FamilyOption> {
+        let decoder = [FamilyOption::DecodeTimestep, FamilyOption::DecodeNoiseScale];
+        [&FamilyOption::GUIDED[..], &decoder].concat()
+    }
+
+    fn schedulers(&self) -> &'static [SchedulerKind] {
+        &[SchedulerKind::Euler]
+    }
+
     fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
         Some(
             self.packed_shape(self.grid(num_frames, height, width))
@@ -230,7 +242,7 @@ impl Family for LtxConfigs {
                 frame_step: self.vae.temporal_compression_ratio() as u32,
                 size_step: self.vae.spatial_compression_ratio() as u32,
             }),
-            // LTX-Video samples with flow-match Euler only: `inapplicable` refuses a --scheduler.
+            // LTX-Video samples with flow-match Euler only (`schedulers`).
             scheduler: None,
         }
     }
@@ -253,60 +265,10 @@ impl Family for LtxConfigs {
         })
     }
 
-    fn open(
-        &self,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        let (spec, parts) = self.declare(&RunShape::of(&config));
-        let frame = Frame::new(config, source, spec, device, progress);
-        let pipeline = Ltx::new(self.clone(), parts, &frame)?;
-        Ok(frame.open(pipeline))
+    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
+        let (_, parts) = self.declare(&RunShape::of(&frame.config));
+        Ok(Box::new(Ltx::new(self.clone(), parts, frame)?))
     }
-
-    /// `--image`, `--guidance-scale-2`, `--true-cfg-scale`, `--flow-shift`, a scheduler other
-    /// than Euler, `--vae-tiling`.
-    fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
-        inapplicable(config)
-    }
-}
-
-/// The first option given that LTX-Video cannot honour, as one line saying why.
-pub fn inapplicable(config: &ResolvedConfig) -> Option<String> {
-    let g = &config.generation;
-    let given = |key: &str| config.given.contains(key);
-    let refused = [
-        (
-            g.image.is_some(),
-            "--image: LTX-Video's LTXPipeline is text-to-video; it takes no conditioning image",
-        ),
-        (
-            g.guidance_scale_2.is_some(),
-            "--guidance-scale-2: LTX-Video has one transformer, guided by --guidance-scale",
-        ),
-        (
-            g.true_cfg_scale.is_some(),
-            "--true-cfg-scale: LTX-Video runs real classifier-free guidance with --guidance-scale",
-        ),
-        (
-            g.flow_shift.is_some(),
-            "--flow-shift: LTX-Video's schedule shifts by the video's token count (the scheduler config's base_shift/max_shift)",
-        ),
-        (
-            given("scheduler") && g.scheduler != SchedulerKind::Euler,
-            "--scheduler: LTX-Video runs the flow-matching Euler scheduler it ships with; pass --scheduler euler or leave it out",
-        ),
-        (
-            config.memory.vae_tiling,
-            "--vae-tiling: the LTX-Video VAE decodes whole (tiled decoding is not implemented for it); leave it out",
-        ),
-    ];
-    refused
-        .into_iter()
-        .find(|(on, _)| *on)
-        .map(|(_, why)| format!("{why} (it does not apply to this model)"))
 }
 
 /// The injected noise of the decoder taken from the draws file as `injected_noise.K`, in order.

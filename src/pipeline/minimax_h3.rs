@@ -8,9 +8,7 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held};
-use super::progress::Progress;
-use super::registry::{Configs, Family, RunShape};
-use super::runner::Pipeline;
+use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
@@ -35,7 +33,7 @@ use crate::models::minimax_h3::transformer::{
 use crate::models::minimax_h3::vae::{
     decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder, Tiling,
 };
-use crate::models::source::{message, FileRef, ModelSource};
+use crate::models::source::{message, FileRef};
 use crate::output::Audio;
 use crate::schedulers::minimax_h3::{
     distinct_timesteps, MiniMaxH3Schedule, MiniMaxH3SchedulerConfig,
@@ -44,6 +42,7 @@ use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use std::any::Any;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -334,7 +333,7 @@ impl MiniMaxH3Configs {
         // the prompt length when planning.
         let text = shape.text_len;
         let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
-        let mut spec = PipelineSpec::titled("MiniMax H3 text-to-video+audio");
+        let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             text_encoder: spec.add(Component::new(
                 "text_encoder",
@@ -423,50 +422,22 @@ impl Family for MiniMaxH3Configs {
         }
     }
 
-    /// Flags of CFG models and other families, and frame counts outside 5-15 s.
+    fn title(&self) -> &'static str {
+        "MiniMax H3 text-to-video+audio"
+    }
+
+    /// Guidance-distilled (no guidance scale, no negative prompt), the prompt encoded whole,
+    /// its own two flow schedules (video and audio): none of the family options.
+    fn options(&self) -> Vec<FamilyOption> {
+        Vec::new()
+    }
+
+    /// Video at 24 fps with its sound in step, and frame counts of 5-15 s.
     fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
-        let g = &config.generation;
-        let given = |key: &str| config.given.contains(key);
-        let refused = [
-            (
-                given("guidance_scale"),
-                "--guidance-scale: MiniMax H3 is guidance-distilled (one forward per step, no classifier-free guidance); leave it out",
-            ),
-            (
-                given("negative_prompt"),
-                "--negative-prompt: MiniMax H3 is guidance-distilled and encodes no negative prompt; leave it out",
-            ),
-            (
-                g.image.is_some(),
-                "--image: MiniMax H3's t2va workflow is text-to-video+audio; it takes no image",
-            ),
-            (
-                g.guidance_scale_2.is_some() || g.true_cfg_scale.is_some(),
-                "--guidance-scale-2/--true-cfg-scale: MiniMax H3 is guidance-distilled; it takes no guidance scale",
-            ),
-            (
-                g.decode_timestep.is_some() || g.decode_noise_scale.is_some(),
-                "--decode-timestep/--decode-noise-scale: the MiniMax H3 VAE takes no timestep (they are LTX-Video's)",
-            ),
-            (
-                g.flow_shift.is_some(),
-                "--flow-shift: MiniMax H3's shifts come from scheduler/ (video) and audio_scheduler/ (audio)",
-            ),
-            (
-                given("scheduler"),
-                "--scheduler: MiniMax H3 runs its own two flow schedules (video and audio); leave it out",
-            ),
-            (
-                config.options.fps != FPS as u32,
-                "--fps: MiniMax H3 makes 24 fps video with its sound in step; leave it out",
-            ),
-            (
-                given("max_sequence_length"),
-                "--max-sequence-length: MiniMax H3 encodes the prompt whole (no padding, no truncation); leave it out",
-            ),
-        ];
-        if let Some((_, why)) = refused.into_iter().find(|(on, _)| *on) {
-            return Some(format!("{why} (it does not apply to this model)"));
+        if config.options.fps != FPS as u32 {
+            return Some(
+                "--fps: MiniMax H3 makes 24 fps video with its sound in step; leave it out".into(),
+            );
         }
         let o = &config.options;
         self.geometry(o.num_frames, o.height, o.width)
@@ -501,17 +472,9 @@ impl Family for MiniMaxH3Configs {
         })
     }
 
-    fn open(
-        &self,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        let (spec, parts) = self.declare(&RunShape::of(&config));
-        let frame = Frame::new(config, source, spec, device, progress);
-        let pipeline = MiniMaxH3::new(self.clone(), parts, &frame)?;
-        Ok(frame.open(pipeline))
+    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
+        let (_, parts) = self.declare(&RunShape::of(&frame.config));
+        Ok(Box::new(MiniMaxH3::new(self.clone(), parts, frame)?))
     }
 }
 

@@ -431,7 +431,13 @@ fn generate(
         Device::Cuda(cuda) => Some(crate::models::kernel_module::preload(cuda)),
         _ => None,
     };
-    let mut pipeline = family.open(config.clone(), source, device.clone(), progress.clone())?;
+    let mut pipeline = frame::Frame::open(
+        family.as_ref(),
+        config.clone(),
+        source,
+        device.clone(),
+        progress.clone(),
+    )?;
     let (mut todo, done): (Vec<Job>, Vec<Job>) = std::mem::take(jobs)
         .into_iter()
         .partition(|j| outcomes[j.index].status == Status::NotRun);
@@ -1260,28 +1266,13 @@ fn round2(x: f64) -> f64 {
 
 /// The model's family without downloading, and where its configs came from: the model itself (a
 /// folder, the Hub cache, a synthetic model), else, for a Hub id whose published configs vidgen
-/// ships (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-, Lightricks/LTX-Video, MiniMaxAI/MiniMax-H3),
-/// those.
+/// ships ([`ModelSource::shipped_for`]), those.
 fn dry_run_family(source: &ModelSource) -> Result<(Box<dyn Family>, &'static str), String> {
     let not_read = match registry::family(Configs::OnDisk(source)) {
         Ok(family) => return Ok((family, "model")),
         Err(e) => format!("{e:#}"),
     };
-    let shipped = match source {
-        ModelSource::Hub(repo) if repo == "Lightricks/LTX-Video" => {
-            ModelSource::parse("synthetic:ltx-video").ok()
-        }
-        ModelSource::Hub(repo) if repo == "MiniMaxAI/MiniMax-H3" => {
-            ModelSource::parse("synthetic:minimax-h3").ok()
-        }
-        ModelSource::Hub(repo) => repo
-            .strip_prefix("Wan-AI/")
-            .and_then(|r| r.strip_suffix("-Diffusers"))
-            .and_then(|name| {
-                ModelSource::parse(&format!("synthetic:{}", name.to_lowercase())).ok()
-            }),
-        _ => None,
-    };
+    let shipped = source.shipped_for();
     match shipped {
         Some(shipped) => registry::family(Configs::OnDisk(&shipped))
             .map(|family| (family, "shipped"))

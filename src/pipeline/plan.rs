@@ -45,11 +45,13 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// The run's own request: its resolved memory options and frame count.
+    /// The run's own request: its resolved memory options and frame count, and the family's
+    /// frame rule.
     pub fn request(&self) -> Request {
         Request {
             options: self.config.memory.clone(),
             num_frames: self.config.options.num_frames,
+            frame_step: self.config.frame_rule.frame_step,
         }
     }
 

@@ -3,19 +3,18 @@
 //! family reads its configs into a [`Family`]; the frame asks it for its description and, to
 //! run, for a pipeline.
 
-use super::jobs::Job;
-use super::progress::Progress;
-use super::runner::Pipeline;
+use super::frame::Frame;
 use super::spec::PipelineSpec;
 use super::{cogvideox, hunyuan_video, ltx, minimax_h3, wan_t2v};
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::ResolvedConfig;
 use crate::models::source::ModelSource;
 use crate::output::OutputType;
+use crate::schedulers::SchedulerKind;
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use serde::de::DeserializeOwned;
-use std::sync::Arc;
+use std::any::Any;
 
 /// What the description of a run depends on: sizes that set activation estimates.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -61,14 +60,125 @@ pub enum ImageInput {
     Required,
 }
 
+/// An option only some families honour. Each family lists those it takes
+/// ([`Family::options`]); [`refusal`] refuses the others in one sentence.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FamilyOption {
+    Image,
+    GuidanceScale,
+    GuidanceScale2,
+    TrueCfgScale,
+    NegativePrompt,
+    MaxSequenceLength,
+    FlowShift,
+    DecodeTimestep,
+    DecodeNoiseScale,
+    VaeTiling,
+}
+
+impl FamilyOption {
+    /// Every option, in the order refusals check them.
+    pub const ALL: [FamilyOption; 10] = [
+        FamilyOption::Image,
+        FamilyOption::GuidanceScale,
+        FamilyOption::GuidanceScale2,
+        FamilyOption::TrueCfgScale,
+        FamilyOption::NegativePrompt,
+        FamilyOption::MaxSequenceLength,
+        FamilyOption::FlowShift,
+        FamilyOption::DecodeTimestep,
+        FamilyOption::DecodeNoiseScale,
+        FamilyOption::VaeTiling,
+    ];
+
+    /// The options every text-to-video family with classifier-free guidance takes.
+    pub const GUIDED: [FamilyOption; 3] = [
+        FamilyOption::GuidanceScale,
+        FamilyOption::NegativePrompt,
+        FamilyOption::MaxSequenceLength,
+    ];
+
+    /// The flag as typed.
+    pub fn flag(self) -> &'static str {
+        match self {
+            FamilyOption::Image => "--image",
+            FamilyOption::GuidanceScale => "--guidance-scale",
+            FamilyOption::GuidanceScale2 => "--guidance-scale-2",
+            FamilyOption::TrueCfgScale => "--true-cfg-scale",
+            FamilyOption::NegativePrompt => "--negative-prompt",
+            FamilyOption::MaxSequenceLength => "--max-sequence-length",
+            FamilyOption::FlowShift => "--flow-shift",
+            FamilyOption::DecodeTimestep => "--decode-timestep",
+            FamilyOption::DecodeNoiseScale => "--decode-noise-scale",
+            FamilyOption::VaeTiling => "--vae-tiling",
+        }
+    }
+
+    /// What the option sets, for the refusal's reader.
+    fn purpose(self) -> &'static str {
+        match self {
+            FamilyOption::Image => "it conditions an image-to-video model on a first frame",
+            FamilyOption::GuidanceScale => {
+                "it scales classifier-free guidance, which a guidance-distilled model does not run"
+            }
+            FamilyOption::GuidanceScale2 => {
+                "it guides the low-noise expert of a model with two transformers (Wan2.2 A14B)"
+            }
+            FamilyOption::TrueCfgScale => {
+                "it turns on real classifier-free guidance in a guidance-distilled model (HunyuanVideo)"
+            }
+            FamilyOption::NegativePrompt => {
+                "it is encoded for classifier-free guidance, which a guidance-distilled model does not run"
+            }
+            FamilyOption::MaxSequenceLength => {
+                "it pads or truncates prompts to a length, and this model encodes each prompt whole"
+            }
+            FamilyOption::FlowShift => {
+                "it shifts a flow-matching schedule, and this model's schedule comes from its own configs"
+            }
+            FamilyOption::DecodeTimestep | FamilyOption::DecodeNoiseScale => {
+                "it conditions LTX-Video's timestep-aware VAE decoder"
+            }
+            FamilyOption::VaeTiling => "this model's VAE decodes without spatial tiles",
+        }
+    }
+
+    /// Whether the user gave the option.
+    fn given(self, config: &ResolvedConfig) -> bool {
+        let g = &config.generation;
+        let given = |key: &str| config.given.contains(key);
+        match self {
+            FamilyOption::Image => g.image.is_some(),
+            FamilyOption::GuidanceScale => given("guidance_scale"),
+            FamilyOption::GuidanceScale2 => g.guidance_scale_2.is_some(),
+            FamilyOption::TrueCfgScale => g.true_cfg_scale.is_some(),
+            FamilyOption::NegativePrompt => given("negative_prompt"),
+            FamilyOption::MaxSequenceLength => given("max_sequence_length"),
+            FamilyOption::FlowShift => g.flow_shift.is_some(),
+            FamilyOption::DecodeTimestep => g.decode_timestep.is_some(),
+            FamilyOption::DecodeNoiseScale => g.decode_noise_scale.is_some(),
+            FamilyOption::VaeTiling => given("vae_tiling") && config.memory.vae_tiling,
+        }
+    }
+}
+
 /// A model family with its configs read: everything the frame needs to plan, report and run it.
 pub trait Family {
+    /// What it makes, in words ("CogVideoX text-to-video").
+    fn title(&self) -> &'static str;
     /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's).
     fn defaults(&self) -> ModelDefaults {
         ModelDefaults::default()
     }
-    /// The first option the user gave that this family cannot honour, as one line saying why
-    /// (a run and a dry run refuse it as bad input, before any work).
+    /// The options of [`FamilyOption`] this model honours; [`refusal`] refuses the others.
+    fn options(&self) -> Vec<FamilyOption>;
+    /// The samplers `--scheduler` may pick (none: the model samples with its own scheduler).
+    fn schedulers(&self) -> &'static [SchedulerKind] {
+        &[]
+    }
+    /// The first value the user gave that this model cannot take (a size it cannot patch, a
+    /// missing input file), as one line saying why (a run and a dry run refuse it as bad
+    /// input, before any work). Options it has no use for at all are [`Family::options`]'.
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
     }
@@ -94,14 +204,9 @@ pub trait Family {
     fn spec(&self, shape: &RunShape) -> PipelineSpec;
     /// The model's geometry for the dry run's `model` object (layers, widths, latent shape).
     fn facts(&self, shape: &RunShape) -> serde_json::Value;
-    /// The runnable pipeline (tokenizers and configs read; no weights loaded).
-    fn open(
-        &self,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = Job>>>;
+    /// The family's own part of the runnable pipeline on `frame` (tokenizers and configs read;
+    /// no weights loaded): the first argument of its stage bodies.
+    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>>;
 }
 
 /// Where configs are read from: the model (downloading if needed), or only what is on disk
@@ -166,12 +271,38 @@ pub struct UnsupportedPipeline {
 }
 
 /// The first option of `config` that `family` cannot honour, as one line saying why: the
-/// family's own refusals and those every family shares.
+/// options it does not take, a sampler it does not run, then the family's own checks.
 pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
+    let title = family.title();
     if config.output.kind == OutputType::Latent && !family.latent_output() {
-        let title = family.spec(&RunShape::of(config)).title;
         return Some(format!(
             "--output-type latent is not supported for {title}; use safetensors, png or mp4"
+        ));
+    }
+    let options = family.options();
+    if let Some(option) = FamilyOption::ALL
+        .into_iter()
+        .find(|o| o.given(config) && !options.contains(o))
+    {
+        return Some(format!(
+            "{} does not apply to {title}: {}; drop the flag",
+            option.flag(),
+            option.purpose()
+        ));
+    }
+    let scheduler = config.generation.scheduler;
+    if config.given.contains("scheduler") && !family.schedulers().contains(&scheduler) {
+        let runs = match family.schedulers() {
+            [] => "its own scheduler".to_string(),
+            kinds => kinds
+                .iter()
+                .map(|k| format!("--scheduler {}", k.name()))
+                .collect::<Vec<_>>()
+                .join(" or "),
+        };
+        return Some(format!(
+            "--scheduler {} does not apply to {title}: it samples with {runs}; drop the flag",
+            scheduler.name()
         ));
     }
     family.inapplicable(config)

@@ -7,9 +7,7 @@
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::{Blockwise, Held};
-use super::progress::Progress;
-use super::registry::{Configs, Family, ImageInput, RunShape};
-use super::runner::Pipeline;
+use super::registry::{Configs, Family, FamilyOption, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
@@ -33,11 +31,12 @@ use crate::models::wan::transformer::{
     BlockStep, WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
 };
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
-use crate::schedulers::{self, Scheduler, SchedulerConfig};
+use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
 use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use std::any::Any;
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,6 +75,38 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 impl Family for WanConfigs {
+    fn title(&self) -> &'static str {
+        match (
+            self.transformer_2.is_some(),
+            self.expand_timesteps,
+            self.image_to_video,
+        ) {
+            (true, _, true) => "Wan2.2 A14B image-to-video",
+            (true, _, false) => "Wan2.2 A14B text-to-video",
+            (false, true, _) => "Wan2.2 TI2V",
+            (false, false, true) => "Wan2.1 image-to-video",
+            (false, false, false) => "Wan2.1 text-to-video",
+        }
+    }
+
+    /// Classifier-free guidance, a flow shift and a VAE that tiles; the first frame where the
+    /// model takes one, the low-noise expert's guidance where it has two.
+    fn options(&self) -> Vec<FamilyOption> {
+        let mut options = FamilyOption::GUIDED.to_vec();
+        options.extend([FamilyOption::FlowShift, FamilyOption::VaeTiling]);
+        if self.image_input() != ImageInput::None {
+            options.push(FamilyOption::Image);
+        }
+        if self.transformer_2.is_some() {
+            options.push(FamilyOption::GuidanceScale2);
+        }
+        options
+    }
+
+    fn schedulers(&self) -> &'static [SchedulerKind] {
+        &[SchedulerKind::UniPc, SchedulerKind::Euler]
+    }
+
     fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
         Some(self.latent_shape(num_frames, height, width).to_vec())
     }
@@ -146,17 +177,9 @@ impl Family for WanConfigs {
         true
     }
 
-    fn open(
-        &self,
-        config: ResolvedConfig,
-        source: ModelSource,
-        device: Device,
-        progress: Arc<Progress>,
-    ) -> Result<Box<dyn Pipeline<Job = Job>>> {
-        let (spec, parts) = self.declare(&RunShape::of(&config));
-        let frame = Frame::new(config, source, spec, device, progress);
-        let pipeline = WanT2V::new(self.clone(), parts, &frame)?;
-        Ok(frame.open(pipeline))
+    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
+        let (_, parts) = self.declare(&RunShape::of(&frame.config));
+        Ok(Box::new(WanT2V::new(self.clone(), parts, frame)?))
     }
 }
 
@@ -181,8 +204,8 @@ pub struct WanConfigs {
 }
 
 impl WanConfigs {
-    /// The first setting of `config` this model cannot honour, as one line saying why (a flag it
-    /// has no use for, an input it needs, a size it cannot patch).
+    /// The first setting of `config` this model cannot honour, as one line saying why (an input
+    /// it needs, a size it cannot patch).
     fn refusal(&self, config: &ResolvedConfig) -> std::result::Result<(), String> {
         let g = &config.generation;
         let title = self.title();
@@ -198,23 +221,11 @@ impl WanConfigs {
                 ));
             }
         }
-        if g.true_cfg_scale.is_some() {
-            return Err(format!("--true-cfg-scale does not apply to {title}: Wan's --guidance-scale is real classifier-free guidance"));
-        }
-        if g.decode_timestep.is_some() || g.decode_noise_scale.is_some() {
-            return Err(format!("--decode-timestep and --decode-noise-scale do not apply to {title}: its VAE decoder takes no timestep"));
-        }
-        if g.guidance_scale_2.is_some() && self.transformer_2.is_none() {
-            return Err(format!("--guidance-scale-2 does not apply to {title}: it has one transformer (only Wan2.2 A14B switches experts)"));
-        }
         if let Some(path) = g.image.as_ref().filter(|p| !p.is_file()) {
             return Err(format!(
                 "--image {}: no such file (a PNG or JPEG)",
                 path.display()
             ));
-        }
-        if g.image.is_some() && self.image_input() == ImageInput::None {
-            return Err(format!("--image does not apply to {title}: it is a text-to-video model (use an image-to-video or TI2V model)"));
         }
         if self.image_encoder.is_some()
             && self.transformer.has_image_branch()
@@ -283,21 +294,6 @@ impl WanConfigs {
             height as usize / s,
             width as usize / s,
         ]
-    }
-
-    /// The pipeline's name in messages.
-    pub fn title(&self) -> &'static str {
-        match (
-            self.transformer_2.is_some(),
-            self.expand_timesteps,
-            self.image_to_video,
-        ) {
-            (true, _, true) => "Wan2.2 A14B image-to-video",
-            (true, _, false) => "Wan2.2 A14B text-to-video",
-            (false, true, _) => "Wan2.2 TI2V",
-            (false, false, true) => "Wan2.1 image-to-video",
-            (false, false, false) => "Wan2.1 text-to-video",
-        }
     }
 
     /// `boundary_ratio * num_train_timesteps` where there are two experts: steps at or above it

@@ -174,6 +174,16 @@ pub enum SchedulerKind {
     Euler,
 }
 
+impl SchedulerKind {
+    /// Its `--scheduler` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            SchedulerKind::UniPc => "unipc",
+            SchedulerKind::Euler => "euler",
+        }
+    }
+}
+
 /// Builds a sampler with its schedule for `num_steps` steps; `flow_shift` overrides the config's.
 pub fn build(
     kind: SchedulerKind,
@@ -230,6 +240,33 @@ fn check_step(scheduler: &str, index: usize, steps: usize) -> candle_core::Resul
     }
     Ok(())
 }
+
+/// The configs of the schedulers more than one family samples with.
+pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
+    configs: crate::config_checks![
+        (
+            "FlowMatchEulerDiscreteScheduler",
+            "scheduler_config.json",
+            euler::FlowMatchEulerConfig
+        ),
+        (
+            "UniPCMultistepScheduler",
+            "scheduler_config.json",
+            SchedulerConfig
+        ),
+        (
+            "CogVideoXDPMScheduler",
+            "scheduler_config.json",
+            cogvideox_dpm::CogVideoXDpmConfig
+        ),
+        (
+            "CogVideoXDDIMScheduler",
+            "scheduler_config.json",
+            cogvideox_dpm::CogVideoXDpmConfig
+        ),
+    ],
+    shipped: &[],
+};
 
 #[cfg(test)]
 mod tests {

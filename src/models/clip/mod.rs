@@ -14,3 +14,22 @@ pub use image_processor::{
 };
 pub use text::{ClipTextConfig, ClipTextModel, ClipTextOutput};
 pub use vision::{ClipVisionConfig, ClipVisionModel};
+
+/// CLIP's configs: the vision tower and its image processor (Wan2.1 I2V), the text model
+/// (HunyuanVideo).
+pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
+    configs: crate::config_checks![
+        (
+            "CLIPVisionModelWithProjection",
+            "config.json",
+            ClipVisionConfig
+        ),
+        (
+            "CLIPImageProcessor",
+            "preprocessor_config.json",
+            ClipImageProcessorConfig
+        ),
+        ("CLIPTextModel", "config.json", ClipTextConfig),
+    ],
+    shipped: &[],
+};

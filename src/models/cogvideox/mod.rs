@@ -15,3 +15,24 @@
 pub mod guidance;
 pub mod transformer;
 pub mod vae;
+
+/// CogVideoX's component configs and its published configs, shipped.
+pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
+    configs: crate::config_checks![
+        (
+            "CogVideoXTransformer3DModel",
+            "config.json",
+            transformer::CogVideoXTransformerConfig
+        ),
+        (
+            "AutoencoderKLCogVideoX",
+            "config.json",
+            vae::CogVideoXVaeConfig
+        ),
+    ],
+    shipped: &[crate::models::source::Shipped {
+        name: "cogvideox-5b",
+        hub: Some("THUDM/CogVideoX-5b"),
+        files: crate::shipped_files!("cogvideox-5b"),
+    }],
+};

@@ -37,3 +37,20 @@ pub mod defaults {
     pub const DECODE_TIMESTEP: f64 = 0.0;
     pub const MAX_SEQUENCE_LENGTH: usize = super::prompt::DEFAULT_MAX_SEQUENCE_LENGTH;
 }
+
+/// LTX-Video's component configs and its published configs, shipped.
+pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
+    configs: crate::config_checks![
+        (
+            "LTXVideoTransformer3DModel",
+            "config.json",
+            transformer::LtxTransformerConfig
+        ),
+        ("AutoencoderKLLTXVideo", "config.json", vae::LtxVaeConfig),
+    ],
+    shipped: &[crate::models::source::Shipped {
+        name: "ltx-video",
+        hub: Some("Lightricks/LTX-Video"),
+        files: crate::shipped_files!("ltx-video"),
+    }],
+};

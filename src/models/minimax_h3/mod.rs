@@ -25,3 +25,49 @@ mod nn;
 pub mod text_encoder;
 pub mod transformer;
 pub mod vae;
+
+/// MiniMax H3's component configs and its published configs, shipped. The tokenizer is a small
+/// stand-in BPE (Qwen's is 11 MB); the weights are random anyway.
+pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
+    configs: crate::config_checks![
+        (
+            "MiniMaxH3Transformer3DModel",
+            "config.json",
+            transformer::MiniMaxH3TransformerConfig
+        ),
+        (
+            "AutoencoderKLMiniMaxH3",
+            "config.json",
+            vae::MiniMaxH3VaeConfig
+        ),
+        (
+            "AutoencoderKLMiniMaxH3Audio",
+            "config.json",
+            audio_vae::MiniMaxH3AudioVaeConfig
+        ),
+        (
+            "Qwen3VLForConditionalGeneration",
+            "config.json",
+            text_encoder::Qwen3VLConfig
+        ),
+        (
+            "MiniMaxH3Scheduler",
+            "scheduler_config.json",
+            crate::schedulers::minimax_h3::MiniMaxH3SchedulerConfig
+        ),
+    ],
+    shipped: &[crate::models::source::Shipped {
+        name: "minimax-h3",
+        hub: Some("MiniMaxAI/MiniMax-H3"),
+        files: crate::shipped_files!("minimax-h3":
+            "modular_model_index.json",
+            "transformer/config.json",
+            "vae/config.json",
+            "audio_vae/config.json",
+            "text_encoder/config.json",
+            "scheduler/scheduler_config.json",
+            "audio_scheduler/scheduler_config.json",
+            "tokenizer/tokenizer.json"
+        ),
+    }],
+};

@@ -102,8 +102,13 @@ impl Qwen3VLConfig {
             .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
         let cfg: Self = serde_json::from_str(&text)
             .map_err(|e| anyhow::anyhow!("parsing {}: {e}", path.display()))?;
-        cfg.text_config.validate()?;
+        cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Checks the language model's settings (the vision tower is not used).
+    pub fn validate(&self) -> Result<()> {
+        self.text_config.validate()
     }
 }
 

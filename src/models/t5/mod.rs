@@ -3,3 +3,9 @@
 
 pub mod encoder;
 pub mod tokenizer;
+
+/// The T5 v1.1 encoder's config (LTX-Video, CogVideoX; Wan's UMT5 is the Wan folder's).
+pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
+    configs: crate::config_checks![("T5EncoderModel", "config.json", encoder::T5Config)],
+    shipped: &[],
+};
