@@ -2,6 +2,7 @@
 //! know nothing of offloading.
 
 pub mod attention;
+pub mod blocks;
 pub mod clip;
 pub mod cogvideox;
 pub mod conv3d;

@@ -4,26 +4,24 @@
 use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held};
+use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
-use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::UsageError;
-use crate::models::cogvideox::guidance;
 use crate::models::cogvideox::transformer::{
-    BlockStep, CogVideoXBlock, CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
+    CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
 };
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
+use crate::models::cogvideox::{activations, guidance};
 use crate::models::source::FileRef;
-use crate::models::t5::encoder::{T5Config, T5EncoderModel};
+use crate::models::t5::encoder::{encode_unmasked, T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
 use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
 use std::any::Any;
 
 /// The scheduler the pipeline runs (the 5b repo ships `CogVideoXDDIMScheduler` with the same
@@ -75,58 +73,6 @@ impl CogVideoXConfigs {
             width as usize / s,
         ]
     }
-
-    /// Device bytes of the text encoder's activations for `len` tokens.
-    fn text_activations(&self, len: usize, dtype: DType) -> u64 {
-        let c = &self.text_encoder;
-        let bytes = dtype.size_in_bytes() as u64;
-        let (len, d, ff, heads) = (
-            len as u64,
-            c.d_model as u64,
-            c.d_ff as u64,
-            c.num_heads as u64,
-        );
-        // The f32 residual stream, a few hidden-sized temporaries, the gated FFN's two
-        // projections and the attention scores and their softmax in f32.
-        len * d * (4 + 6 * bytes) + 3 * len * ff * bytes + 3 * heads * len * len * 4
-    }
-
-    /// Device bytes of one transformer forward over the batched `[negative; positive]` pair.
-    fn transformer_activations(&self, latent: [usize; 5], text_len: usize, dtype: DType) -> u64 {
-        let c = &self.transformer;
-        let bytes = dtype.size_in_bytes() as u64;
-        let p = c.patch_size;
-        let batch = 2u64;
-        let seq = (text_len + latent[1] * (latent[3] / p) * (latent[4] / p)) as u64;
-        let dim = c.inner_dim() as u64;
-        let heads = c.num_attention_heads as u64;
-        // Hidden states, q/k/v, the attention output and norm temporaries; the FFN's 4x
-        // hidden; the chunked attention's scores (f32, up to 1024 queries at a time).
-        let hidden = batch * seq * dim * bytes;
-        let scores = batch * heads * seq.min(1024) * seq * 4 * 2;
-        // The RoPE tables, f32, per token and head dim.
-        let rope = 2 * seq * c.attention_head_dim as u64 * 4;
-        hidden * 10 + hidden * 4 * 2 + scores + rope
-    }
-
-    /// Device bytes of the frame-batched decode: the widest level at full resolution over one
-    /// chunk (up to 3 latent frames), with the conv caches.
-    fn vae_activations(&self, latent: [usize; 5], dtype: DType) -> u64 {
-        let bytes = dtype.size_in_bytes() as u64;
-        let s = self.vae.scale_factor_spatial() as u64;
-        let t = self.vae.scale_factor_temporal() as u64;
-        let (h, w) = (latent[3] as u64 * s, latent[4] as u64 * s);
-        let frames = latent[1].min(3) as u64 * t;
-        // At full resolution: the last upsampler's output, which the last up block's first
-        // resnet reads (the second up block's channels, counting from the top), and that
-        // block's spatial norms at its own channels (the resized latents' scale and shift, the
-        // norm, its product).
-        let boc = &self.vae.block_out_channels;
-        let last = boc.first().copied().unwrap_or(128) as u64;
-        let upsampled = boc.get(1).copied().unwrap_or(128) as u64;
-        let output = latent[1] as u64 * t * h * w * 3 * 4;
-        frames * h * w * (2 * upsampled + 5 * last) * bytes + output
-    }
 }
 
 /// The components of a CogVideoX pipeline.
@@ -160,19 +106,28 @@ impl CogVideoXConfigs {
             StageSpec::new(
                 "encode_text",
                 &[parts.text_encoder.index()],
-                self.text_activations(shape.text_len, shape.dtype),
+                activations::text_encoder_activations(
+                    &self.text_encoder,
+                    shape.text_len,
+                    shape.dtype,
+                ),
             )
             .runs(CogVideoX::encode_text),
             StageSpec::new(
                 "denoise",
                 &[parts.transformer.index()],
-                self.transformer_activations(latent, shape.text_len, shape.dtype),
+                activations::transformer_activations(
+                    &self.transformer,
+                    latent,
+                    shape.text_len,
+                    shape.dtype,
+                ),
             )
             .runs(CogVideoX::denoise),
             StageSpec::new(
                 "decode",
                 &[parts.vae.index()],
-                self.vae_activations(latent, shape.dtype),
+                activations::vae_decode_activations(&self.vae, latent, shape.dtype),
             )
             .runs(CogVideoX::decode),
             StageSpec::write(),
@@ -462,41 +417,3 @@ pub fn dit_forward(
     })?;
     model.finish(&x, &inputs)
 }
-
-impl Blockwise for CogVideoXTransformer3DModel {
-    type Config = CogVideoXTransformerConfig;
-    type Block = CogVideoXBlock;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_layers
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        CogVideoXBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
-    }
-    fn steps(_: &Self::Config) -> usize {
-        BlockStep::ALL.len()
-    }
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> candle_core::Result<Self::Block> {
-        CogVideoXBlock::with_steps(
-            cfg,
-            vb.pp(format!("transformer_blocks.{i}")),
-            &[BlockStep::ALL[step]],
-        )
-    }
-}
-
-crate::placed_whole!(
-    AutoencoderKLCogVideoX,
-    CogVideoXVaeConfig,
-    AutoencoderKLCogVideoX::new_decoder_only
-);

@@ -6,33 +6,30 @@
 
 use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held};
+use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
+use crate::models::hunyuan_video::activations;
 use crate::models::hunyuan_video::scheduler::{
     guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
 };
 use crate::models::hunyuan_video::text_encoder::{
     crop_prompt, LlamaConfig, LlamaDecoderLayer, LlamaPromptTokenizer, LlamaTextEncoder,
-    LlamaTokenizerLoad, DEFAULT_CROP_START, DEFAULT_PROMPT_TEMPLATE,
+    LlamaTokenizerLoad, DEFAULT_PROMPT_TEMPLATE,
 };
 use crate::models::hunyuan_video::transformer::{
-    BlockKind, HunyuanModulations, HunyuanVideoBlock, HunyuanVideoTransformer3DModel,
-    HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS,
+    HunyuanModulations, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
 };
-use crate::models::hunyuan_video::vae::{
-    self, AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling,
-};
+use crate::models::hunyuan_video::vae::{AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig};
 use crate::models::source::ModelSource;
 use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
 use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
 use std::any::Any;
 use std::sync::Arc;
 
@@ -92,11 +89,6 @@ impl HunyuanConfigs {
     }
 }
 
-/// Bytes of one element of `dtype`.
-fn size(dtype: DType) -> u64 {
-    dtype.size_in_bytes() as u64
-}
-
 /// The components of a HunyuanVideo pipeline.
 #[derive(Clone, Copy)]
 struct Parts {
@@ -112,50 +104,28 @@ impl HunyuanConfigs {
     /// only feeds tensors forward, so each is safe to defer. The pipeline as data with its
     /// components' slots.
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let d = size(shape.dtype);
-        // Text: the template's tokens plus the prompt's, through one Llama layer at a time.
-        let llama = &self.text_encoder;
-        let seq = (DEFAULT_CROP_START + shape.text_len) as u64;
-        let text = seq * (llama.hidden_size as u64 * 6 + llama.intermediate_size as u64 * 3) * d
-            + llama.num_attention_heads as u64 * seq * seq * 4
-            + CLIP_MAX_LENGTH as u64 * self.text_encoder_2.intermediate_size as u64 * 4 * 4;
-        // Denoise: the joint sequence through one block (streams, modulated copies, q/k/v,
-        // attention output, the chunked MLP).
+        let text = activations::text_encoder_activations(
+            &self.text_encoder,
+            &self.text_encoder_2,
+            shape.text_len,
+            CLIP_MAX_LENGTH,
+            shape.dtype,
+        );
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let t = &self.transformer;
-        let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
-        let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
-        let tokens = video + shape.text_len as u64;
-        let inner = t.inner_dim() as u64;
-        let mlp = t.mlp_dim() as u64 * tokens.min(MLP_CHUNK_TOKENS as u64);
-        let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;
-        let denoise = (tokens * inner * 10 + mlp * 2) * d + latent_bytes;
-        // Modulate: one block's modulations (at most 12 chunks, a dual-stream block's) for up
-        // to 100 conditionings (50 steps with true CFG), and their stacked copy.
-        let modulate = 12 * inner * d * 100 * 2;
-        // Decode: one temporal tile (5 latent frames, 17 video frames) at full size (256x256
-        // with `--vae-tiling`). Its peak is at full resolution: the last upsampler's output and
-        // the first conv's input of the last up block at the upsampled channels, that block's
-        // output at its own, plus one run of frames' f32 temporaries (a layer works in runs,
-        // `vae::RUN_ELEMENTS`, at least `vae::MIN_RUNS` of them); then the whole video in f32
-        // twice (the tiles, and the blended whole).
-        let frames = (latent[2].min(5) - 1) as u64 * self.vae.temporal_compression_ratio as u64 + 1;
-        let tile = HunyuanVideoVaeTiling::default();
-        let (h, w) = match shape.vae_tiling {
-            true => (
-                shape.height.min(tile.tile_sample_min_height as u32),
-                shape.width.min(tile.tile_sample_min_width as u32),
-            ),
-            false => (shape.height, shape.width),
-        };
-        let pixels = h as u64 * w as u64;
-        let (upsampled, last) = self.vae.full_resolution_channels();
-        let (upsampled, last) = (upsampled as u64, last as u64);
-        let widest = frames * pixels * upsampled.max(last);
-        let run = (vae::RUN_ELEMENTS as u64).min(widest / vae::MIN_RUNS as u64);
-        let decode = frames * pixels * (2 * upsampled + last) * d
-            + 3 * run * 4
-            + shape.num_frames as u64 * shape.height as u64 * shape.width as u64 * 3 * 4 * 2;
+        let denoise = activations::transformer_activations(
+            &self.transformer,
+            latent,
+            shape.text_len,
+            shape.dtype,
+        );
+        let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
+        let decode = activations::vae_decode_activations(
+            &self.vae,
+            latent,
+            (shape.num_frames, shape.height, shape.width),
+            shape.vae_tiling,
+            shape.dtype,
+        );
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             text_encoder: spec.add(Component::new(
@@ -707,116 +677,6 @@ pub fn dit_forward(
     )?;
     model.finish(&streams.video, &inputs)
 }
-
-impl Blockwise for HunyuanVideoTransformer3DModel {
-    type Config = HunyuanVideoTransformerConfig;
-    type Block = HunyuanVideoBlock;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    /// Refiner blocks, dual-stream blocks, then single-stream ones, in execution order.
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_blocks()
-    }
-    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i)
-            .map_or(usize::MAX, |(kind, _)| kind as usize)
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        HunyuanVideoBlock::new(cfg, i, vb)
-    }
-    fn steps(cfg: &Self::Config) -> usize {
-        BlockKind::ALL
-            .iter()
-            .map(|&k| cfg.steps_of(k).len())
-            .max()
-            .unwrap_or(1)
-    }
-    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i)
-            .map_or(1, |(kind, _)| cfg.steps_of(kind).len())
-    }
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> candle_core::Result<Self::Block> {
-        let steps = cfg.steps_of(cfg.block_kind(i)?.0);
-        match steps.get(step) {
-            Some(s) => HunyuanVideoBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
-            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
-        }
-    }
-}
-
-/// The modulation Linears of every block, streamed (or placed) as a DiT of their own: one pass
-/// before denoising computes every step's modulations.
-impl Blockwise for HunyuanModulations {
-    type Config = HunyuanVideoTransformerConfig;
-    type Block = HunyuanVideoBlock;
-    const COPY_BOUND: bool = true;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_blocks()
-    }
-    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i)
-            .map_or(usize::MAX, |(kind, _)| kind as usize)
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        Self::block(cfg, i, vb)
-    }
-}
-
-impl Blockwise for LlamaTextEncoder {
-    type Config = LlamaConfig;
-    type Block = LlamaDecoderLayer;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    /// Only the layers up to `hidden_states[-3]` run (and load).
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.layers_used()
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        LlamaDecoderLayer::new(cfg, vb.pp(format!("layers.{i}")))
-    }
-}
-
-impl Blockwise for ClipTextModel {
-    type Config = ClipTextConfig;
-    type Block = ClipEncoderLayer;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_layers(cfg, vb)
-    }
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_hidden_layers
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        Self::layer(cfg, i, vb)
-    }
-}
-
-crate::placed_whole!(
-    AutoencoderKLHunyuanVideo,
-    HunyuanVideoVaeConfig,
-    AutoencoderKLHunyuanVideo::new
-);
 
 #[cfg(test)]
 mod tests {

@@ -4,30 +4,27 @@
 use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held};
+use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
-use super::t5_text::encode_unmasked;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
-use crate::models::ltx::defaults;
 use crate::models::ltx::transformer::{
-    pack_latents, unpack_latents, BlockStep, LtxStream, LtxTransformer3DModel, LtxTransformerBlock,
-    LtxTransformerConfig,
+    pack_latents, unpack_latents, LtxStream, LtxTransformer3DModel, LtxTransformerConfig,
 };
 use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, SeededNoise,
 };
+use crate::models::ltx::{activations, defaults};
 use crate::models::source::FileRef;
-use crate::models::t5::encoder::{attention_mask, T5Config, T5EncoderModel};
+use crate::models::t5::encoder::{attention_mask, encode_unmasked, T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::{Scheduler, SchedulerKind};
 use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
 use std::any::Any;
 
 /// Reads an LTX-Video model's configs (the registry's entry point).
@@ -91,66 +88,6 @@ impl LtxConfigs {
     }
 }
 
-/// Device bytes of one T5 forward over `batch` prompts of `len` tokens: a few hidden-state
-/// copies, the FFN's widest tensor and one head's attention scores per head.
-fn text_encoder_activations(cfg: &T5Config, batch: usize, len: usize, dtype: DType) -> u64 {
-    let e = dtype.size_in_bytes() as u64;
-    let (b, l) = (batch as u64, len as u64);
-    let hidden = b * l * cfg.d_model as u64 * e;
-    let ffn = 3 * b * l * cfg.d_ff as u64 * e;
-    let scores = 2 * b * cfg.num_heads as u64 * l * l * 4;
-    6 * hidden + ffn + scores
-}
-
-/// Device bytes of one transformer forward over the CFG batch: hidden states and their copies,
-/// the MLP's 4x widening, the RoPE tables and the packed latents in f32.
-fn transformer_activations(
-    cfg: &LtxTransformerConfig,
-    tokens: usize,
-    text_len: usize,
-    batch: usize,
-    dtype: DType,
-) -> u64 {
-    let e = dtype.size_in_bytes() as u64;
-    let (b, s, d) = (batch as u64, tokens as u64, cfg.inner_dim() as u64);
-    let hidden = b * s * d * e;
-    let mlp = 4 * hidden;
-    let rope = 2 * s * (d / 2) * 4;
-    let text = b * text_len as u64 * (d + cfg.caption_channels as u64) * e;
-    let latents = 4 * b * s * cfg.in_channels as u64 * 4;
-    8 * hidden + mlp + rope + text + latents
-}
-
-/// Device bytes of the decoder: a few feature maps of its largest level (each level doubles
-/// frames, height and width and takes the next of the decoder's widths, from the widest at the
-/// latent grid), and the video, in f32.
-fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
-    let (r_t, r_s) = (
-        cfg.temporal_compression_ratio() as u64,
-        cfg.spatial_compression_ratio() as u64,
-    );
-    let frames = (grid[0] as u64 - 1) * r_t + 1;
-    let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
-    let tokens: u64 = grid.iter().map(|&g| g as u64).product();
-    let widths: Vec<u64> = cfg
-        .decoder_block_out_channels
-        .iter()
-        .rev()
-        .map(|&c| c as u64)
-        .collect();
-    let largest = (0..=widths.len())
-        .map(|level| {
-            let c = widths
-                .get(level.min(widths.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or(cfg.latent_channels as u64);
-            c * tokens * 8u64.pow(level as u32)
-        })
-        .max()
-        .unwrap_or(0);
-    3 * largest * 4 + 2 * 3 * frames * h * w * 4
-}
-
 /// The components of an LTX-Video pipeline.
 #[derive(Clone, Copy)]
 struct Parts {
@@ -183,19 +120,30 @@ impl LtxConfigs {
             StageSpec::new(
                 "encode_text",
                 &[parts.text_encoder.index()],
-                text_encoder_activations(&self.text_encoder, 1, shape.text_len, shape.dtype),
+                activations::text_encoder_activations(
+                    &self.text_encoder,
+                    1,
+                    shape.text_len,
+                    shape.dtype,
+                ),
             )
             .runs(Ltx::encode_text),
             StageSpec::new(
                 "denoise",
                 &[parts.transformer.index()],
-                transformer_activations(&self.transformer, tokens, shape.text_len, 2, shape.dtype),
+                activations::transformer_activations(
+                    &self.transformer,
+                    tokens,
+                    shape.text_len,
+                    2,
+                    shape.dtype,
+                ),
             )
             .runs(Ltx::denoise),
             StageSpec::new(
                 "decode",
                 &[parts.vae.index()],
-                vae_decode_activations(&self.vae, grid),
+                activations::vae_decode_activations(&self.vae, grid),
             )
             .runs(Ltx::decode),
             StageSpec::write(),
@@ -534,41 +482,3 @@ pub fn dit_forward(
     })?;
     model.finish(&x.into_hidden()?, &inputs)
 }
-
-impl Blockwise for LtxTransformer3DModel {
-    type Config = LtxTransformerConfig;
-    type Block = LtxTransformerBlock;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_layers
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        LtxTransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
-    }
-    fn steps(_: &Self::Config) -> usize {
-        BlockStep::ALL.len()
-    }
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> candle_core::Result<Self::Block> {
-        LtxTransformerBlock::with_steps(
-            cfg,
-            vb.pp(format!("transformer_blocks.{i}")),
-            &[BlockStep::ALL[step]],
-        )
-    }
-}
-
-crate::placed_whole!(
-    AutoencoderKLLTXVideo,
-    LtxVaeConfig,
-    AutoencoderKLLTXVideo::new
-);

@@ -16,8 +16,6 @@ pub mod registry;
 pub mod runner;
 pub mod spec;
 mod stages;
-pub mod t5;
-pub(crate) mod t5_text;
 pub mod wan_t2v;
 
 use crate::cli::args::BatchOrderChoice;

@@ -4,6 +4,9 @@
 
 use super::spec::{GroupPlan, PipelineSpec, Role};
 use crate::memory::MemoryOptions;
+/// What a model declares to be placed (the block protocol, beside the models).
+pub use crate::models::blocks::Blockwise;
+use crate::models::blocks::PlacedBlocks;
 use crate::offload::{
     build_resident, record, HostMemory, Offloaded, Packing, Recording, Residency, StreamOptions,
     Usage,
@@ -149,76 +152,6 @@ fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
         Role::Dit => parked_if(o.dit_cpu_offload),
         Role::ImageEncoder => parked_if(o.image_encoder_cpu_offload),
         Role::Vae | Role::AudioVae => parked_if(o.vae_cpu_offload),
-    }
-}
-
-/// A model with no repeated blocks to stream (a VAE, an image encoder): resident or parked
-/// whole. `$new` builds it from its config and root `VarBuilder`.
-#[macro_export]
-macro_rules! placed_whole {
-    ($model:ty, $config:ty, $new:path) => {
-        impl $crate::pipeline::placement::Blockwise for $model {
-            type Config = $config;
-            type Block = ();
-            fn whole(cfg: &$config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
-                $new(cfg, vb)
-            }
-        }
-    };
-}
-
-/// A model the engine can place: built whole, or as its outer part plus blocks built apart.
-pub trait Blockwise: Sized + 'static {
-    type Config: Clone + Send + Sync + 'static;
-    type Block: 'static;
-    /// The whole model from its root `VarBuilder`.
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
-    /// Everything but the repeated blocks; lookup tables (exact on any device) may come from
-    /// `host_vb`, in host memory, when the blocks are streamed. A model without blocks is its
-    /// whole self.
-    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self> {
-        let _ = host_vb;
-        Self::whole(cfg, vb)
-    }
-    /// How many repeated blocks stream one by one (0: the model is placed whole).
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        let _ = cfg;
-        0
-    }
-    /// Block `i` from the root `VarBuilder`.
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        let _ = (cfg, vb);
-        candle_core::bail!("block {i} of a model that is placed whole, not block by block")
-    }
-    /// The kind of block `i` (blocks of different kinds, e.g. HunyuanVideo's refiner, dual- and
-    /// single-stream blocks, never share a group, as diffusers groups each block list apart).
-    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
-        let _ = (cfg, i);
-        0
-    }
-    /// Whether a pass over the blocks computes next to nothing (a matrix-vector product per
-    /// block, as the modulation components' one pass before denoising): copies bound it at any
-    /// look-ahead, so running further ahead for larger blocks would only hold more.
-    const COPY_BOUND: bool = false;
-    /// How many steps a block can be split into for finer streaming (1: it cannot); the most
-    /// of any block where kinds differ.
-    fn steps(_: &Self::Config) -> usize {
-        1
-    }
-    /// How many steps block `i` splits into (at most [`Self::steps`]).
-    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
-        let _ = i;
-        Self::steps(cfg)
-    }
-    /// Step `step` of block `i` alone, as a block that runs just that step.
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> candle_core::Result<Self::Block> {
-        let _ = step;
-        Self::block(cfg, i, vb)
     }
 }
 
@@ -515,22 +448,15 @@ impl<M: Blockwise> Held<'_, M> {
         Ok(state)
     }
 
-    /// [`Self::fold_blocks`] over several independent states at once: each block maps every
-    /// state in turn (`f` gets the state's index), so a streamed part's blocks pass once for all
-    /// of them, and each state ends as folding it alone would leave it.
+    /// [`Self::fold_blocks`] over several independent states at once (see
+    /// [`PlacedBlocks::fold_blocks_each`]).
     pub fn fold_blocks_each<'b, T>(
         &'b self,
         resident: impl FnOnce(&'b M) -> &'b [M::Block],
         init: Vec<T>,
-        mut f: impl FnMut(&M::Block, usize, &T) -> candle_core::Result<T>,
+        f: impl FnMut(&M::Block, usize, &T) -> candle_core::Result<T>,
     ) -> candle_core::Result<Vec<T>> {
-        self.fold_blocks(resident, init, |block, states| {
-            states
-                .iter()
-                .enumerate()
-                .map(|(i, state)| f(block, i, state))
-                .collect()
-        })
+        PlacedBlocks::fold_blocks_each(self, resident, init, f)
     }
 
     /// Runs `f` on every block in order, streamed or resident (`resident` lists them).
@@ -562,5 +488,22 @@ impl<M: Blockwise> Held<'_, M> {
                 Ok(())
             }
         }
+    }
+}
+
+/// Model-side code runs a held component's blocks through this (models know nothing of
+/// placement).
+impl<M: Blockwise> PlacedBlocks<M> for Held<'_, M> {
+    fn model(&self) -> &M {
+        Held::model(self)
+    }
+
+    fn fold_blocks<'b, T>(
+        &'b self,
+        resident: impl FnOnce(&'b M) -> &'b [M::Block],
+        init: T,
+        f: impl FnMut(&M::Block, &T) -> candle_core::Result<T>,
+    ) -> candle_core::Result<T> {
+        Held::fold_blocks(self, resident, init, f)
     }
 }

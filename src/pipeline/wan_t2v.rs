@@ -6,7 +6,7 @@
 
 use super::frame::Frame;
 use super::jobs::Job;
-use super::placement::{Blockwise, Held};
+use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
@@ -27,15 +27,12 @@ use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
 };
-use crate::models::wan::transformer::{
-    BlockStep, WanTransformer3DModel, WanTransformerBlock, WanTransformerConfig,
-};
+use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
 use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
 use std::any::Any;
 use std::cell::Cell;
 use std::sync::Arc;
@@ -390,7 +387,9 @@ impl WanConfigs {
                 Step::EncodeImage => StageSpec::new(
                     "encode_image",
                     &[index(image_encoder.map(Slot::index)), vec![vae.index()]].concat(),
-                    self.image_encoder_activations()
+                    self.image_encoder
+                        .as_ref()
+                        .map_or(0, activations::image_encoder_activations)
                         + activations::vae_decode_activations(&self.vae, encoded, None),
                 )
                 .runs(WanT2V::encode_image),
@@ -420,17 +419,6 @@ impl WanConfigs {
             })
             .collect();
         (spec, parts)
-    }
-
-    /// A rough peak of the CLIP tower's forward: a few copies of the token stream and one
-    /// layer's intermediates and scores, in f32.
-    fn image_encoder_activations(&self) -> u64 {
-        self.image_encoder.as_ref().map_or(0, |c| {
-            let n = c.num_positions() as u64;
-            let d = c.hidden_size as u64;
-            let heads = c.num_attention_heads as u64;
-            4 * (6 * n * d + n * c.intermediate_size as u64 + 2 * heads * n * n)
-        })
     }
 }
 
@@ -874,39 +862,3 @@ pub fn dit_forward(
     })?;
     model.finish(&at.gather_sequence(&x)?, &inputs)
 }
-
-impl Blockwise for WanTransformer3DModel {
-    type Config = WanTransformerConfig;
-    type Block = WanTransformerBlock;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_layers
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
-        WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}")))
-    }
-    fn steps(_: &Self::Config) -> usize {
-        BlockStep::ALL.len()
-    }
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> candle_core::Result<Self::Block> {
-        WanTransformerBlock::with_steps(cfg, vb.pp(format!("blocks.{i}")), &[BlockStep::ALL[step]])
-    }
-}
-
-crate::placed_whole!(AutoencoderKLWan, WanVaeConfig, AutoencoderKLWan::new);
-
-crate::placed_whole!(
-    ClipVisionModel,
-    ClipVisionConfig,
-    ClipVisionModel::new_penultimate
-);

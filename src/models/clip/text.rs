@@ -6,6 +6,7 @@ use candle_nn::{Embedding, LayerNorm, VarBuilder};
 use serde::Deserialize;
 
 use super::encoder::{ClipActivation, ClipEncoderConfig, ClipEncoderLayer};
+use crate::models::blocks::Blockwise;
 
 /// `eos_token_id` as a config may write it.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -242,4 +243,22 @@ fn first_argmax(values: impl Iterator<Item = i32>) -> usize {
         }
     }
     best.0
+}
+
+/// Placed by the block protocol: its encoder layers stream one by one.
+impl Blockwise for ClipTextModel {
+    type Config = ClipTextConfig;
+    type Block = ClipEncoderLayer;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_layers(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_hidden_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        Self::layer(cfg, i, vb)
+    }
 }

@@ -251,3 +251,9 @@ impl ClipVisionModel {
         self.class_embedding.dtype()
     }
 }
+
+crate::placed_whole!(
+    ClipVisionModel,
+    ClipVisionConfig,
+    ClipVisionModel::new_penultimate
+);

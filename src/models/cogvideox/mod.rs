@@ -12,6 +12,7 @@
 //!    times `1 / scaling_factor`), then `decode` (frame-batched), then `(video / 2 + 0.5)`
 //!    clamped to [0, 1].
 
+pub mod activations;
 pub mod guidance;
 pub mod transformer;
 pub mod vae;

@@ -964,6 +964,12 @@ impl AutoencoderKLCogVideoX {
     }
 }
 
+crate::placed_whole!(
+    AutoencoderKLCogVideoX,
+    CogVideoXVaeConfig,
+    AutoencoderKLCogVideoX::new_decoder_only
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

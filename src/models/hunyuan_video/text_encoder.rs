@@ -17,6 +17,7 @@
 //! attention softmax in f32; RoPE tables computed in f32 and cast to the model dtype, as
 //! transformers does.
 
+use crate::models::blocks::Blockwise;
 use anyhow::{anyhow, bail as anyhow_bail, Context};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -687,5 +688,24 @@ impl LlamaPromptTokenizer {
             Tensor::from_vec(ids, shape, device)?,
             Tensor::from_vec(mask, shape, device)?,
         ))
+    }
+}
+
+/// Placed by the block protocol: its decoder layers stream one by one.
+impl Blockwise for LlamaTextEncoder {
+    type Config = LlamaConfig;
+    type Block = LlamaDecoderLayer;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    /// Only the layers up to `hidden_states[-3]` run (and load).
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.layers_used()
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        LlamaDecoderLayer::new(cfg, vb.pp(format!("layers.{i}")))
     }
 }

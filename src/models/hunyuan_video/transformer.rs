@@ -32,6 +32,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_key_prefix};
+use crate::models::blocks::Blockwise;
 #[cfg(feature = "cuda")]
 use crate::models::dit_ops::{self, BatchRow, Rows};
 use crate::models::wan::transformer::timestep_embedding;
@@ -1792,6 +1793,77 @@ impl HunyuanVideoTransformer3DModel {
             streams = block.forward(&streams, &inputs)?;
         }
         self.finish(&streams.video, &inputs)
+    }
+}
+
+/// Placed by the block protocol: refiner blocks, dual-stream blocks, then single-stream ones,
+/// each kind with its own steps.
+impl Blockwise for HunyuanVideoTransformer3DModel {
+    type Config = HunyuanVideoTransformerConfig;
+    type Block = HunyuanVideoBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    /// Refiner blocks, dual-stream blocks, then single-stream ones, in execution order.
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_blocks()
+    }
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i)
+            .map_or(usize::MAX, |(kind, _)| kind as usize)
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        HunyuanVideoBlock::new(cfg, i, vb)
+    }
+    fn steps(cfg: &Self::Config) -> usize {
+        BlockKind::ALL
+            .iter()
+            .map(|&k| cfg.steps_of(k).len())
+            .max()
+            .unwrap_or(1)
+    }
+    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i)
+            .map_or(1, |(kind, _)| cfg.steps_of(kind).len())
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> Result<Self::Block> {
+        let steps = cfg.steps_of(cfg.block_kind(i)?.0);
+        match steps.get(step) {
+            Some(s) => HunyuanVideoBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
+            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
+        }
+    }
+}
+
+/// The modulation Linears of every block, streamed (or placed) as a DiT of their own: one pass
+/// before denoising computes every step's modulations.
+impl Blockwise for HunyuanModulations {
+    type Config = HunyuanVideoTransformerConfig;
+    type Block = HunyuanVideoBlock;
+    const COPY_BOUND: bool = true;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_blocks()
+    }
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i)
+            .map_or(usize::MAX, |(kind, _)| kind as usize)
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        Self::block(cfg, i, vb)
     }
 }
 

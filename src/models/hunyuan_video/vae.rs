@@ -747,6 +747,12 @@ impl Decoder {
     }
 }
 
+crate::placed_whole!(
+    AutoencoderKLHunyuanVideo,
+    HunyuanVideoVaeConfig,
+    AutoencoderKLHunyuanVideo::new
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@
 //!    noise)`; else `decode(z, None, ..)`.
 //! 5. Frames: `(video / 2 + 0.5).clamp(0, 1)`.
 
+pub mod activations;
 pub mod prompt;
 pub mod transformer;
 pub mod vae;

@@ -1088,3 +1088,9 @@ pub fn latent_dist(moments: &Tensor) -> Result<(Tensor, Tensor)> {
         moments.narrow(1, c, c)?.clamp(-30f32, 20f32)?,
     ))
 }
+
+crate::placed_whole!(
+    AutoencoderKLLTXVideo,
+    LtxVaeConfig,
+    AutoencoderKLLTXVideo::new
+);

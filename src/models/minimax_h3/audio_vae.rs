@@ -529,3 +529,9 @@ impl MiniMaxH3AudioVaeDecoder {
 pub fn stereo_from_batch(waveform: &Tensor) -> Result<Tensor> {
     waveform.permute((1, 0, 2))
 }
+
+crate::placed_whole!(
+    MiniMaxH3AudioVaeDecoder,
+    MiniMaxH3AudioVaeConfig,
+    MiniMaxH3AudioVaeDecoder::new
+);

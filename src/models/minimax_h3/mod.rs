@@ -19,6 +19,7 @@
 //!    [`audio_vae::MiniMaxH3AudioVaeDecoder::decode`] of `denormalize(audio)` with
 //!    [`audio_vae::stereo_from_batch`] (`[1, 2, samples]` at the audio VAE's `sampling_rate`).
 
+pub mod activations;
 pub mod audio_vae;
 pub mod layout;
 mod nn;

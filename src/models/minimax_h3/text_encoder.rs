@@ -17,6 +17,7 @@ use std::path::Path;
 use tokenizers::Tokenizer;
 
 use super::nn::{cos_sin, partial_rope, RmsNorm};
+use crate::models::blocks::Blockwise;
 
 /// The hidden state diffusers' MiniMax H3 pipeline conditions on (output of decoder layer 50).
 pub const PROMPT_HIDDEN_STATE_INDEX: usize = 50;
@@ -491,4 +492,24 @@ impl MiniMaxH3Tokenizer {
 /// `text_token_tags` of a t2va prompt: every text row is tagged text.
 pub fn text_token_tags(num_tokens: usize, device: &Device) -> Result<Tensor> {
     Tensor::full(super::transformer::TAG_TEXT as i64, num_tokens, device)
+}
+
+/// Qwen3-VL's text model: only the layers up to the hidden state read exist as blocks (the
+/// rest, the final norm, `lm_head` and the vision tower never load). With the layers streamed,
+/// the 152k-token table stays in host memory.
+impl Blockwise for MiniMaxH3TextEncoder {
+    type Config = Qwen3VLTextConfig;
+    type Block = Qwen3DecoderLayer;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, _: VarBuilder, host_vb: VarBuilder) -> Result<Self> {
+        Self::new_without_layers(cfg, host_vb)
+    }
+    fn num_blocks(_: &Self::Config) -> usize {
+        Self::layers_used()
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        Self::layer(cfg, i, vb)
+    }
 }

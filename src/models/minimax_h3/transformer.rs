@@ -22,6 +22,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
+use crate::models::blocks::{Blockwise, RepeatedBlocks};
 use crate::models::wan::transformer::timestep_embedding;
 
 use super::nn::{cos_sin, partial_rope, RmsNorm, SwiGlu};
@@ -561,12 +562,17 @@ pub struct AdalnProjection {
 impl AdalnProjection {
     /// Loads block `index`'s projection; `vb` is the transformer's root.
     pub fn new(cfg: &MiniMaxH3TransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        Self::in_block(cfg, vb.pp(format!("transformer_blocks.{index}")))
+    }
+
+    /// Loads a block's projection; `vb` points at the block (`transformer_blocks.{index}`).
+    fn in_block(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.hidden_size;
         Ok(Self {
             linear: candle_nn::linear(
                 cfg.time_embed_dim,
                 6 * dim * MODALITY_COUNT,
-                vb.pp(format!("transformer_blocks.{index}.adaln_proj.linear")),
+                vb.pp("adaln_proj.linear"),
             )?,
             hidden: dim,
         })
@@ -600,8 +606,16 @@ impl MiniMaxH3TransformerBlock {
     /// Loads block `index` (without its AdaLN projection where the config says the
     /// modulations are apart); `vb` is the transformer's root.
     pub fn new(cfg: &MiniMaxH3TransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        Self::in_block(cfg, index, vb.pp(format!("transformer_blocks.{index}")))
+    }
+
+    /// [`Self::new`] with `bvb` pointing at the block (`transformer_blocks.{index}`).
+    pub fn in_block(
+        cfg: &MiniMaxH3TransformerConfig,
+        index: usize,
+        bvb: VarBuilder,
+    ) -> Result<Self> {
         let dim = cfg.hidden_size;
-        let bvb = vb.pp(format!("transformer_blocks.{index}"));
         Ok(Self {
             index,
             norm1: RmsNorm::new(dim, cfg.norm_eps, bvb.pp("norm1"))?,
@@ -609,7 +623,7 @@ impl MiniMaxH3TransformerBlock {
             norm2: RmsNorm::new(dim, cfg.norm_eps, bvb.pp("norm2"))?,
             ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, bvb.pp("ff"))?,
             adaln: (!cfg.modulations_apart)
-                .then(|| AdalnProjection::new(cfg, index, vb))
+                .then(|| AdalnProjection::in_block(cfg, bvb))
                 .transpose()?,
             hidden: dim,
         })
@@ -1126,6 +1140,48 @@ impl MiniMaxH3Transformer3DModel {
             x = block.forward(&x, &inputs)?;
         }
         self.finish(&x, &inputs)
+    }
+}
+
+/// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole (a block knows
+/// its index: which AdaLN table computed apart is its).
+impl RepeatedBlocks for MiniMaxH3Transformer3DModel {
+    type Config = MiniMaxH3TransformerConfig;
+    type Block = MiniMaxH3TransformerBlock;
+    type Step = ();
+    const BLOCKS: &'static str = "transformer_blocks";
+    const STEPS: &'static [()] = &[];
+    fn new(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        MiniMaxH3Transformer3DModel::new(cfg, vb)
+    }
+    fn new_without_blocks(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        MiniMaxH3Transformer3DModel::new_without_blocks(cfg, vb)
+    }
+    fn num_layers(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn new_block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        MiniMaxH3TransformerBlock::in_block(cfg, i, vb)
+    }
+}
+
+/// The blocks' AdaLN projections, streamed (or placed) as a DiT of their own: one pass before
+/// denoising computes every step's tables.
+impl Blockwise for MiniMaxH3Modulations {
+    type Config = MiniMaxH3TransformerConfig;
+    type Block = AdalnProjection;
+    const COPY_BOUND: bool = true;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        AdalnProjection::new(cfg, i, vb)
     }
 }
 

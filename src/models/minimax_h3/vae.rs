@@ -642,3 +642,9 @@ pub fn decoded_to_unit_range(decoded: &Tensor) -> Result<Tensor> {
     x = x.broadcast_add(&mean)?;
     x.clamp(0f32, 1f32)
 }
+
+crate::placed_whole!(
+    MiniMaxH3VaeDecoder,
+    MiniMaxH3VaeConfig,
+    MiniMaxH3VaeDecoder::new
+);

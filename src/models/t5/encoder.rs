@@ -22,6 +22,8 @@ use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
 use std::path::Path;
 
+use crate::models::blocks::{Blockwise, PlacedBlocks};
+
 /// Which member of the T5 family a config describes (its `model_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum T5Variant {
@@ -660,4 +662,58 @@ pub fn zero_padding_rows(hidden: &Tensor, seq_lens: &[usize]) -> Result<Tensor> 
         .unsqueeze(2)?
         .broadcast_as(hidden.shape())?;
     keep.where_cond(hidden, &hidden.zeros_like()?)
+}
+
+/// The encoder stack (UMT5 for Wan, T5 v1.1 for LTX-Video and CogVideoX) as a placeable
+/// component: its blocks stream in order (a T5 v1.1 block past the first takes block 0's
+/// relative-position bias, see [`T5Block::forward_sharing_bias`]).
+impl Blockwise for T5EncoderModel {
+    type Config = T5Config;
+    type Block = T5Block;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    /// The token table stays in host memory: only the looked-up rows move.
+    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb, host_vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        Self::block(cfg, i, vb)
+    }
+}
+
+/// `last_hidden_state` of each of `texts` (token ids, as `[1, L]`) without a mask (every token,
+/// `<pad>` included, attends to every token), as the T5 v1.1 pipelines (CogVideoX, LTX-Video)
+/// call it, with the encoder's blocks resident or streamed; T5's relative-position bias,
+/// computed by the first block, is carried to the later ones. Each block runs on every text in
+/// turn, so a streamed encoder's weights pass once for all of them, and each text's result is
+/// what encoding it alone gives.
+pub(crate) fn encode_unmasked(
+    encoder: &impl PlacedBlocks<T5EncoderModel>,
+    texts: &[&[u32]],
+) -> anyhow::Result<Vec<Tensor>> {
+    let model = encoder.model();
+    let device = model.device();
+    let (mut states, mut masks) = (Vec::new(), Vec::new());
+    for ids in texts {
+        let ids = Tensor::new(*ids, &device)?.unsqueeze(0)?;
+        masks.push(Tensor::ones(ids.dims2()?, DType::U32, &device)?);
+        states.push((model.embed(&ids)?, None));
+    }
+    let states = encoder.fold_blocks_each(
+        T5EncoderModel::blocks,
+        states,
+        |block: &T5Block, i, (h, bias)| {
+            let mut bias = bias.clone();
+            let h = block.forward_sharing_bias(h, &masks[i], &mut bias)?;
+            Ok((h, bias))
+        },
+    )?;
+    states
+        .iter()
+        .map(|(h, _)| Ok(model.final_norm(h)?))
+        .collect()
 }

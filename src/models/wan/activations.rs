@@ -17,6 +17,7 @@ use super::transformer::{WanTransformerConfig, FFN_CHUNK};
 use super::vae::blocks::{CACHE_T, MAX_IM2COL_ELEMENTS};
 use super::vae::{WanVaeConfig, WanVaeTiling};
 use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::clip::ClipVisionConfig;
 use candle_core::DType;
 
 /// Bytes of an f32 element (the VAE, RoPE tables, latents and f32 scratch).
@@ -178,4 +179,13 @@ pub fn vae_decode_activations(
     });
     let decoding = tiles.unwrap_or_else(|| decode_chunk(cfg, h, w)) + video;
     decoding.max(VIDEO_COPIES * video)
+}
+
+/// A rough peak of the CLIP tower's forward (Wan's image encoder): a few copies of the token
+/// stream and one layer's intermediates and scores, in f32.
+pub fn image_encoder_activations(c: &ClipVisionConfig) -> u64 {
+    let n = c.num_positions() as u64;
+    let d = c.hidden_size as u64;
+    let heads = c.num_attention_heads as u64;
+    4 * (6 * n * d + n * c.intermediate_size as u64 + 2 * heads * n * n)
 }

@@ -846,6 +846,8 @@ impl AutoencoderKLWan {
     }
 }
 
+crate::placed_whole!(AutoencoderKLWan, WanVaeConfig, AutoencoderKLWan::new);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,182 @@
+//! The block protocol: how a model is built whole, or as its outer part plus repeated blocks (or
+//! steps of blocks) built apart, so that an engine can place it without the model knowing how
+//! ([`Blockwise`]); the common DiT shape declared by a few facts ([`RepeatedBlocks`]); and how
+//! model-side code runs a placed model's blocks, wherever they are ([`PlacedBlocks`]).
+
+use candle_nn::VarBuilder;
+
+/// A model with no repeated blocks to stream (a VAE, an image encoder): resident or parked
+/// whole. `$new` builds it from its config and root `VarBuilder`.
+#[macro_export]
+macro_rules! placed_whole {
+    ($model:ty, $config:ty, $new:path) => {
+        impl $crate::models::blocks::Blockwise for $model {
+            type Config = $config;
+            type Block = ();
+            fn whole(cfg: &$config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
+                $new(cfg, vb)
+            }
+        }
+    };
+}
+
+/// A model the engine can place: built whole, or as its outer part plus blocks built apart.
+pub trait Blockwise: Sized + 'static {
+    type Config: Clone + Send + Sync + 'static;
+    type Block: 'static;
+    /// The whole model from its root `VarBuilder`.
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
+    /// Everything but the repeated blocks; lookup tables (exact on any device) may come from
+    /// `host_vb`, in host memory, when the blocks are streamed. A model without blocks is its
+    /// whole self.
+    fn outer(cfg: &Self::Config, vb: VarBuilder, host_vb: VarBuilder) -> candle_core::Result<Self> {
+        let _ = host_vb;
+        Self::whole(cfg, vb)
+    }
+    /// How many repeated blocks stream one by one (0: the model is placed whole).
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        let _ = cfg;
+        0
+    }
+    /// Block `i` from the root `VarBuilder`.
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        let _ = (cfg, vb);
+        candle_core::bail!("block {i} of a model that is placed whole, not block by block")
+    }
+    /// The kind of block `i` (blocks of different kinds, e.g. HunyuanVideo's refiner, dual- and
+    /// single-stream blocks, never share a group, as diffusers groups each block list apart).
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        let _ = (cfg, i);
+        0
+    }
+    /// Whether a pass over the blocks computes next to nothing (a matrix-vector product per
+    /// block, as the modulation components' one pass before denoising): copies bound it at any
+    /// look-ahead, so running further ahead for larger blocks would only hold more.
+    const COPY_BOUND: bool = false;
+    /// How many steps a block can be split into for finer streaming (1: it cannot); the most
+    /// of any block where kinds differ.
+    fn steps(_: &Self::Config) -> usize {
+        1
+    }
+    /// How many steps block `i` splits into (at most [`Self::steps`]).
+    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
+        let _ = i;
+        Self::steps(cfg)
+    }
+    /// Step `step` of block `i` alone, as a block that runs just that step.
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        let _ = step;
+        Self::block(cfg, i, vb)
+    }
+}
+
+/// The common DiT shape, declared by its few facts: an outer part and one list of like blocks
+/// under one weight prefix, each block optionally split into steps. Every such model is
+/// [`Blockwise`] by the one implementation below.
+pub trait RepeatedBlocks: Sized + 'static {
+    type Config: Clone + Send + Sync + 'static;
+    type Block: 'static;
+    /// What a block can be split into for finer streaming (`()` where it cannot).
+    type Step: Copy + 'static;
+    /// Where the block list's weights sit under the root: block `i` at `{BLOCKS}.{i}`.
+    const BLOCKS: &'static str;
+    /// Every step of a block, in execution order (empty: a block streams whole).
+    const STEPS: &'static [Self::Step];
+    /// The whole model from its root `VarBuilder`.
+    fn new(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
+    /// Everything but the blocks, from the root `VarBuilder`.
+    fn new_without_blocks(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
+    /// How many blocks the list holds.
+    fn num_layers(cfg: &Self::Config) -> usize;
+    /// Block `i`, whole; `vb` points at `{BLOCKS}.{i}`.
+    fn new_block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block>;
+    /// Block `i` with only `steps` (some of [`Self::STEPS`]); `vb` points at `{BLOCKS}.{i}`. A
+    /// model whose blocks do not split (no steps) is never asked.
+    fn with_steps(
+        cfg: &Self::Config,
+        i: usize,
+        vb: VarBuilder,
+        steps: &[Self::Step],
+    ) -> candle_core::Result<Self::Block> {
+        let _ = steps;
+        Self::new_block(cfg, i, vb)
+    }
+}
+
+/// Block `i`'s `VarBuilder` under the root `vb`.
+fn block_vb<M: RepeatedBlocks>(vb: VarBuilder, i: usize) -> VarBuilder {
+    vb.pp(format!("{}.{i}", M::BLOCKS))
+}
+
+/// A model of the common DiT shape streams its blocks (and, where they split, their steps).
+impl<M: RepeatedBlocks> Blockwise for M {
+    type Config = M::Config;
+    type Block = M::Block;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        M::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> candle_core::Result<Self> {
+        M::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        M::num_layers(cfg)
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> candle_core::Result<Self::Block> {
+        M::new_block(cfg, i, block_vb::<M>(vb, i))
+    }
+    fn steps(_: &Self::Config) -> usize {
+        M::STEPS.len().max(1)
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self::Block> {
+        if M::STEPS.is_empty() {
+            return Self::block(cfg, i, vb);
+        }
+        M::with_steps(cfg, i, block_vb::<M>(vb, i), &[M::STEPS[step]])
+    }
+}
+
+/// A placed model's blocks, wherever they are (resident, streamed through the device or
+/// gathered from shards), run in order: how model-side code runs a placed model without
+/// knowing how it is placed.
+pub trait PlacedBlocks<M: Blockwise> {
+    /// The model (its outer part when its blocks are apart).
+    fn model(&self) -> &M;
+
+    /// Threads `state` through every block in order, streamed, gathered or resident
+    /// (`resident` lists them): each block maps the state to the next. Errors come back as the
+    /// models' own error type, messages kept.
+    fn fold_blocks<'b, T>(
+        &'b self,
+        resident: impl FnOnce(&'b M) -> &'b [M::Block],
+        init: T,
+        f: impl FnMut(&M::Block, &T) -> candle_core::Result<T>,
+    ) -> candle_core::Result<T>;
+
+    /// [`Self::fold_blocks`] over several independent states at once: each block maps every
+    /// state in turn (`f` gets the state's index), so a streamed part's blocks pass once for all
+    /// of them, and each state ends as folding it alone would leave it.
+    fn fold_blocks_each<'b, T>(
+        &'b self,
+        resident: impl FnOnce(&'b M) -> &'b [M::Block],
+        init: Vec<T>,
+        mut f: impl FnMut(&M::Block, usize, &T) -> candle_core::Result<T>,
+    ) -> candle_core::Result<Vec<T>> {
+        self.fold_blocks(resident, init, |block, states| {
+            states
+                .iter()
+                .enumerate()
+                .map(|(i, state)| f(block, i, state))
+                .collect()
+        })
+    }
+}

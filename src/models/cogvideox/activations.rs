@@ -1,0 +1,62 @@
+//! Activation estimates of the CogVideoX models: the device bytes their forward passes keep
+//! alive at their peak (the weights are counted apart, from the constructors).
+
+use super::transformer::CogVideoXTransformerConfig;
+use super::vae::CogVideoXVaeConfig;
+use crate::models::t5::encoder::T5Config;
+use candle_core::DType;
+
+/// Device bytes of the text encoder's activations for `len` tokens.
+pub fn text_encoder_activations(c: &T5Config, len: usize, dtype: DType) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let (len, d, ff, heads) = (
+        len as u64,
+        c.d_model as u64,
+        c.d_ff as u64,
+        c.num_heads as u64,
+    );
+    // The f32 residual stream, a few hidden-sized temporaries, the gated FFN's two
+    // projections and the attention scores and their softmax in f32.
+    len * d * (4 + 6 * bytes) + 3 * len * ff * bytes + 3 * heads * len * len * 4
+}
+
+/// Device bytes of one transformer forward over the batched `[negative; positive]` pair.
+pub fn transformer_activations(
+    c: &CogVideoXTransformerConfig,
+    latent: [usize; 5],
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let p = c.patch_size;
+    let batch = 2u64;
+    let seq = (text_len + latent[1] * (latent[3] / p) * (latent[4] / p)) as u64;
+    let dim = c.inner_dim() as u64;
+    let heads = c.num_attention_heads as u64;
+    // Hidden states, q/k/v, the attention output and norm temporaries; the FFN's 4x
+    // hidden; the chunked attention's scores (f32, up to 1024 queries at a time).
+    let hidden = batch * seq * dim * bytes;
+    let scores = batch * heads * seq.min(1024) * seq * 4 * 2;
+    // The RoPE tables, f32, per token and head dim.
+    let rope = 2 * seq * c.attention_head_dim as u64 * 4;
+    hidden * 10 + hidden * 4 * 2 + scores + rope
+}
+
+/// Device bytes of the frame-batched decode: the widest level at full resolution over one
+/// chunk (up to 3 latent frames), with the conv caches.
+pub fn vae_decode_activations(vae: &CogVideoXVaeConfig, latent: [usize; 5], dtype: DType) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let s = vae.scale_factor_spatial() as u64;
+    let t = vae.scale_factor_temporal() as u64;
+    let (h, w) = (latent[3] as u64 * s, latent[4] as u64 * s);
+    let frames = latent[1].min(3) as u64 * t;
+    // At full resolution: the last upsampler's output, which the last up block's first
+    // resnet reads (the second up block's channels, counting from the top), and that
+    // block's spatial norms at its own channels (the resized latents' scale and shift, the
+    // norm, its product).
+    let boc = &vae.block_out_channels;
+    let last = boc.first().copied().unwrap_or(128) as u64;
+    let upsampled = boc.get(1).copied().unwrap_or(128) as u64;
+    let output = latent[1] as u64 * t * h * w * 3 * 4;
+    frames * h * w * (2 * upsampled + 5 * last) * bytes + output
+}

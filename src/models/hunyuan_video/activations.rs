@@ -1,0 +1,90 @@
+//! Activation estimates of the HunyuanVideo models: the device bytes their forward passes keep
+//! alive at their peak (the weights are counted apart, from the constructors).
+
+use super::text_encoder::{LlamaConfig, DEFAULT_CROP_START};
+use super::transformer::{HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS};
+use super::vae::{self, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling};
+use crate::models::clip::ClipTextConfig;
+use candle_core::DType;
+
+/// Bytes of one element of `dtype`.
+fn size(dtype: DType) -> u64 {
+    dtype.size_in_bytes() as u64
+}
+
+/// Device bytes of the text stage for `text_len` prompt tokens: the template's tokens plus the
+/// prompt's, through one Llama layer at a time, and CLIP's `clip_len` tokens through one of its
+/// layers.
+pub fn text_encoder_activations(
+    llama: &LlamaConfig,
+    clip: &ClipTextConfig,
+    text_len: usize,
+    clip_len: usize,
+    dtype: DType,
+) -> u64 {
+    let d = size(dtype);
+    let seq = (DEFAULT_CROP_START + text_len) as u64;
+    seq * (llama.hidden_size as u64 * 6 + llama.intermediate_size as u64 * 3) * d
+        + llama.num_attention_heads as u64 * seq * seq * 4
+        + clip_len as u64 * clip.intermediate_size as u64 * 4 * 4
+}
+
+/// Device bytes of one transformer forward: the joint sequence through one block (streams,
+/// modulated copies, q/k/v, attention output, the chunked MLP), and the latents in f32.
+pub fn transformer_activations(
+    t: &HunyuanVideoTransformerConfig,
+    latent: [usize; 5],
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
+    let d = size(dtype);
+    let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
+    let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
+    let tokens = video + text_len as u64;
+    let inner = t.inner_dim() as u64;
+    let mlp = t.mlp_dim() as u64 * tokens.min(MLP_CHUNK_TOKENS as u64);
+    let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;
+    (tokens * inner * 10 + mlp * 2) * d + latent_bytes
+}
+
+/// Device bytes of the modulations' pass: one block's modulations (at most 12 chunks, a
+/// dual-stream block's) for up to 100 conditionings (50 steps with true CFG), and their stacked
+/// copy.
+pub fn modulations_activations(t: &HunyuanVideoTransformerConfig, dtype: DType) -> u64 {
+    let inner = t.inner_dim() as u64;
+    12 * inner * size(dtype) * 100 * 2
+}
+
+/// Device bytes of the decode of `latent` into `num_frames` frames of `height` x `width`: one
+/// temporal tile (5 latent frames, 17 video frames) at full size (256x256 with `tiling`). Its
+/// peak is at full resolution: the last upsampler's output and the first conv's input of the
+/// last up block at the upsampled channels, that block's output at its own, plus one run of
+/// frames' f32 temporaries (a layer works in runs, `vae::RUN_ELEMENTS`, at least
+/// `vae::MIN_RUNS` of them); then the whole video in f32 twice (the tiles, and the blended
+/// whole).
+pub fn vae_decode_activations(
+    cfg: &HunyuanVideoVaeConfig,
+    latent: [usize; 5],
+    (num_frames, height, width): (u32, u32, u32),
+    tiling: bool,
+    dtype: DType,
+) -> u64 {
+    let d = size(dtype);
+    let frames = (latent[2].min(5) - 1) as u64 * cfg.temporal_compression_ratio as u64 + 1;
+    let tile = HunyuanVideoVaeTiling::default();
+    let (h, w) = match tiling {
+        true => (
+            height.min(tile.tile_sample_min_height as u32),
+            width.min(tile.tile_sample_min_width as u32),
+        ),
+        false => (height, width),
+    };
+    let pixels = h as u64 * w as u64;
+    let (upsampled, last) = cfg.full_resolution_channels();
+    let (upsampled, last) = (upsampled as u64, last as u64);
+    let widest = frames * pixels * upsampled.max(last);
+    let run = (vae::RUN_ELEMENTS as u64).min(widest / vae::MIN_RUNS as u64);
+    frames * pixels * (2 * upsampled + last) * d
+        + 3 * run * 4
+        + num_frames as u64 * height as u64 * width as u64 * 3 * 4 * 2
+}

@@ -1,0 +1,68 @@
+//! Activation estimates of the LTX-Video models (and of the T5 v1.1 encoder as LTX-Video runs
+//! it): the device bytes their forward passes keep alive at their peak (the weights are counted
+//! apart, from the constructors).
+
+use super::transformer::LtxTransformerConfig;
+use super::vae::LtxVaeConfig;
+use crate::models::t5::encoder::T5Config;
+use candle_core::DType;
+
+/// Device bytes of one T5 forward over `batch` prompts of `len` tokens: a few hidden-state
+/// copies, the FFN's widest tensor and one head's attention scores per head.
+pub fn text_encoder_activations(cfg: &T5Config, batch: usize, len: usize, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (b, l) = (batch as u64, len as u64);
+    let hidden = b * l * cfg.d_model as u64 * e;
+    let ffn = 3 * b * l * cfg.d_ff as u64 * e;
+    let scores = 2 * b * cfg.num_heads as u64 * l * l * 4;
+    6 * hidden + ffn + scores
+}
+
+/// Device bytes of one transformer forward over the CFG batch: hidden states and their copies,
+/// the MLP's 4x widening, the RoPE tables and the packed latents in f32.
+pub fn transformer_activations(
+    cfg: &LtxTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+    dtype: DType,
+) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (b, s, d) = (batch as u64, tokens as u64, cfg.inner_dim() as u64);
+    let hidden = b * s * d * e;
+    let mlp = 4 * hidden;
+    let rope = 2 * s * (d / 2) * 4;
+    let text = b * text_len as u64 * (d + cfg.caption_channels as u64) * e;
+    let latents = 4 * b * s * cfg.in_channels as u64 * 4;
+    8 * hidden + mlp + rope + text + latents
+}
+
+/// Device bytes of the decoder: a few feature maps of its largest level (each level doubles
+/// frames, height and width and takes the next of the decoder's widths, from the widest at the
+/// latent grid), and the video, in f32.
+pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
+    let (r_t, r_s) = (
+        cfg.temporal_compression_ratio() as u64,
+        cfg.spatial_compression_ratio() as u64,
+    );
+    let frames = (grid[0] as u64 - 1) * r_t + 1;
+    let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
+    let tokens: u64 = grid.iter().map(|&g| g as u64).product();
+    let widths: Vec<u64> = cfg
+        .decoder_block_out_channels
+        .iter()
+        .rev()
+        .map(|&c| c as u64)
+        .collect();
+    let largest = (0..=widths.len())
+        .map(|level| {
+            let c = widths
+                .get(level.min(widths.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(cfg.latent_channels as u64);
+            c * tokens * 8u64.pow(level as u32)
+        })
+        .max()
+        .unwrap_or(0);
+    3 * largest * 4 + 2 * 3 * frames * h * w * 4
+}

@@ -1,0 +1,158 @@
+//! Activation estimates of the MiniMax H3 models: the device bytes their forward passes keep
+//! alive at their peak (the weights are counted apart, from the constructors).
+
+use super::audio_vae::MiniMaxH3AudioVaeConfig;
+use super::layout::{T2vaGeometry, AUDIO_CHANNELS};
+use super::text_encoder::Qwen3VLTextConfig;
+use super::transformer::MiniMaxH3TransformerConfig;
+use super::vae::{MiniMaxH3VaeConfig, Tiling};
+use crate::models::attention::MAX_SCORE_ELEMENTS;
+use candle_core::DType;
+
+/// Bytes of an f32 element.
+const F32_BYTES: u64 = 4;
+
+/// Device bytes of one Qwen3-VL text forward over `len` tokens: hidden-state copies, then the
+/// larger of the MLP's three widest tensors and one layer's attention (q and the repeated k
+/// and v, f32 copies of q and k, and three f32 score tensors: scaled, masked, softmax).
+pub fn text_encoder_activations(cfg: &Qwen3VLTextConfig, len: usize, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let l = len as u64;
+    let hidden = l * cfg.hidden_size as u64 * e;
+    let mlp = 3 * l * cfg.intermediate_size as u64 * e;
+    let heads = cfg.num_attention_heads as u64;
+    let width = heads * cfg.head_dim() as u64;
+    let attention = 3 * l * width * e + 2 * l * width * F32_BYTES + 3 * heads * l * l * F32_BYTES;
+    6 * hidden + mlp.max(attention)
+}
+
+/// Device bytes [`crate::models::attention::sdpa`] adds for `q_len` queries over `kv_len` keys:
+/// none where CUDA fuses it (bf16/f16, head dim 64 or 128); else the chunked path's transposed
+/// copy of K and [`SCORE_COPIES`] score chunks.
+fn unfused_attention_scratch(
+    heads: usize,
+    head_dim: usize,
+    q_len: u64,
+    kv_len: u64,
+    dtype: DType,
+) -> u64 {
+    if matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128) {
+        return 0;
+    }
+    let e = dtype.size_in_bytes() as u64;
+    let per_query = (heads as u64 * kv_len).max(1);
+    let queries = (MAX_SCORE_ELEMENTS as u64 / per_query).clamp(1, q_len.max(1));
+    kv_len * (heads * head_dim) as u64 * e + SCORE_COPIES * queries * per_query * e
+}
+
+/// `[rows, hidden]` temporaries one chunk of a block holds at most (besides its attention or
+/// feed-forward): the norm output, three gathered modulation parameters, the modulation's two
+/// products.
+const CHUNK_HIDDEN_COPIES: u64 = 6;
+/// `[rows, inner]` temporaries of one chunk's attention: the projection, its per-head norm,
+/// head-major copy and RoPE output, then the attention output and its head-merged copy.
+const CHUNK_INNER_COPIES: u64 = 5;
+/// `[rows, ffn_dim]` temporaries of one chunk's SwiGLU: the projection (two wide), the gate's
+/// SiLU and the product.
+const CHUNK_FFN_COPIES: u64 = 4;
+/// Score chunks alive in unfused attention: the scores, their softmax, and the CPU gemm's
+/// packing of the softmax for its product with V (measured at up to a quarter of them;
+/// counted as a copy).
+const SCORE_COPIES: u64 = 3;
+/// f32 copies of the packed latents alive while denoising: video and audio rows, their
+/// velocities and each schedule's stepped rows.
+const LATENT_COPIES: u64 = 4;
+
+/// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
+/// them text), as [`MiniMaxH3TransformerBlock::forward`](super::transformer::MiniMaxH3TransformerBlock::forward) computes it: the residual stream
+/// (updated in place), K and V of every row, and one chunk's attention temporaries
+/// ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`] rows) or feed-forward temporaries
+/// ([`MiniMaxH3TransformerConfig::rows_per_chunk`] rows);
+/// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
+/// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
+/// Plus the RoPE tables, the latents and the prompt embeddings.
+pub fn transformer_activations(
+    cfg: &MiniMaxH3TransformerConfig,
+    rows: usize,
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let s = rows as u64;
+    let chunk = s.min(cfg.rows_per_chunk() as u64);
+    let query_chunk = s.min(cfg.query_rows_per_chunk() as u64);
+    let (hidden, inner, ffn) = (
+        cfg.hidden_size as u64,
+        cfg.inner_dim() as u64,
+        cfg.ffn_dim as u64,
+    );
+    let stream = s * hidden * e;
+    let scores = unfused_attention_scratch(
+        cfg.num_attention_heads,
+        cfg.attention_head_dim,
+        query_chunk,
+        s,
+        dtype,
+    );
+    let chunk_hidden = CHUNK_HIDDEN_COPIES * query_chunk * hidden * e;
+    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * query_chunk * inner * e;
+    let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
+    let blocks = stream + chunk_hidden + attention.max(feed_forward);
+    let prepare = 2 * stream + chunk * hidden * F32_BYTES;
+    let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * F32_BYTES;
+    let latents =
+        LATENT_COPIES * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * F32_BYTES;
+    let text = text_len as u64 * cfg.text_dim as u64 * e;
+    blocks.max(prepare) + rope + latents + text
+}
+
+/// Decoded clips alive on the device at once: the previous one (its tail is cross-faded into
+/// this one), this one's tiles, their stitched rows and the stitched clip, and the finished
+/// stretch's contiguous copy on its way to host memory.
+const DECODED_CLIP_COPIES: u64 = 5;
+
+/// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
+/// tokens at the decoder's width, the SwiGLU widening and its attention's scratch, and [`DECODED_CLIP_COPIES`] decoded
+/// clips; the whole video never waits on the device.
+pub fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype: DType) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let (rs, rt) = (cfg.spatial_ratio() as u64, cfg.temporal_ratio() as u64);
+    let tile = Tiling::default();
+    let tile_h = (tile.tile_height as u64).min(g.height as u64);
+    let tile_w = (tile.tile_width as u64).min(g.width as u64);
+    let clip_latents = (cfg.tokens_chunk_size() + cfg.token_overlap()) as u64;
+    let tokens = clip_latents * (tile_h / rs) * (tile_w / rs) + 5;
+    let dim = cfg.decoder_dim() as u64;
+    let decoder = tokens * dim * e * (6 + 3 * cfg.decoder_ffn_mult as u64)
+        + unfused_attention_scratch(
+            cfg.decoder_num_attention_heads,
+            cfg.decoder_attention_head_dim,
+            tokens,
+            tokens,
+            dtype,
+        );
+    let clip = 3 * clip_latents * rt * g.height as u64 * g.width as u64 * e;
+    decoder + DECODED_CLIP_COPIES * clip
+}
+
+/// Device bytes of the audio decode: twelve copies of the stereo batch at its widest stage (f32):
+/// the stage's input, the AMP blocks' running sum with its next value, a block's input and
+/// residual; a convolution's padded input, output and biased copy with one run's im2col
+/// scratch (the layers work in runs, `audio_vae`); the activation's input and output with one
+/// run of channels' resampling scratch. Plus the largest weight-normed kernel, folded while its
+/// layer runs (the stored `weight_v`, `weight_g` are the VAE's weights).
+pub fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u64 {
+    let mut channels = cfg.decoder_dim as u64;
+    let mut length = latents as u64;
+    let mut largest = cfg.latent_dim as u64 * length;
+    let resblock_kernel = cfg.resblock_kernel_sizes.iter().max().copied().unwrap_or(0) as u64;
+    let mut kernel = channels * cfg.latent_dim as u64 * 7;
+    for (&rate, &up_kernel) in cfg.decoder_rates.iter().zip(&cfg.decoder_kernel_sizes) {
+        kernel = kernel.max(channels * (channels / 2) * up_kernel as u64);
+        channels /= 2;
+        kernel = kernel.max(channels * channels * resblock_kernel);
+        length *= rate as u64;
+        largest = largest.max(channels * length);
+    }
+    (AUDIO_CHANNELS as u64 * largest * 12 + kernel) * 4
+}
