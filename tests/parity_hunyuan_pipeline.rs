@@ -8,7 +8,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use vidgen::models::hunyuan_video::scheduler::{
-    guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
+    guidance_input, sampler, uses_true_cfg, FlowMatchEulerConfig,
 };
 use vidgen::models::hunyuan_video::text_encoder::{
     crop_prompt, LlamaConfig, LlamaPromptTokenizer, LlamaTextEncoder, LlamaTokenizerLoad,
@@ -176,9 +176,9 @@ fn true_cfg_run_matches_diffusers() {
             &cond,
             &r[&format!("truecfg4.step{i}.noise_pred_cond")],
         );
-        let noise = true_cfg(
-            &r[&format!("truecfg4.step{i}.noise_pred_cond")],
+        let noise = vidgen::models::guidance::guide(
             &r[&format!("truecfg4.step{i}.noise_pred_uncond")],
+            &r[&format!("truecfg4.step{i}.noise_pred_cond")],
             4.0,
         )
         .unwrap();

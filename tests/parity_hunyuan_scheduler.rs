@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use vidgen::models::hunyuan_video::scheduler::{
-    guidance_input, sampler, schedule, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
+    guidance_input, sampler, schedule, uses_true_cfg, FlowMatchEulerConfig,
 };
 use vidgen::schedulers::Scheduler;
 
@@ -92,7 +92,7 @@ fn guidance_inputs_match_the_pipeline() {
     // True CFG then one Euler step reproduces the pipeline's step-0 latents.
     let cond = &r["truecfg4.step0.noise_pred_cond"];
     let uncond = &r["truecfg4.step0.noise_pred_uncond"];
-    let noise = true_cfg(cond, uncond, 4.0).unwrap();
+    let noise = vidgen::models::guidance::guide(uncond, cond, 4.0).unwrap();
     let mut euler = sampler(&config(), 3, None).unwrap();
     let t0 = euler.timesteps()[0] as f32;
     assert_eq!(

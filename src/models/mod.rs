@@ -11,6 +11,7 @@ pub mod cudnn;
 #[cfg(feature = "cuda")]
 #[path = "kernels/dit_ops.rs"]
 pub(crate) mod dit_ops;
+pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
 #[path = "kernels/module.rs"]

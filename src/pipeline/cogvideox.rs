@@ -1,6 +1,7 @@
 //! CogVideoX text-to-video (THUDM/CogVideoX-5b) as a list of stages, step for step as
 //! diffusers' `CogVideoXPipeline.__call__` (see [`crate::models::cogvideox`] for the math).
 
+use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
@@ -352,21 +353,21 @@ impl CogVideoX {
         // init_noise_sigma is 1: the latents are used as drawn.
         let mut latents = latents.to_dtype(dtype)?.to_device(device)?;
         let timesteps = scheduler.timesteps().to_vec();
-        let mut forward_seconds = Vec::with_capacity(timesteps.len());
-        for (i, &t) in timesteps.iter().enumerate() {
-            crate::pipeline::interrupt::check()?;
+        let guidance_scale = job.guidance_scale;
+        let mut denoise = Denoise::new(frame, timesteps.len());
+        denoise.run(0..timesteps.len(), |forwards, i| {
+            let t = timesteps[i];
             let input = if guided {
                 Tensor::cat(&[&latents, &latents], 0)?
             } else {
                 latents.clone()
             };
             let timestep = Tensor::new(&[t], device)?;
-            let out = stages::timed(device, &mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, &text)
-            })?
-            .to_dtype(DType::F32)?;
+            let out = forwards
+                .run(|| dit_forward(model, &input, &timestep, &text))?
+                .to_dtype(DType::F32)?;
             let noise_pred = if guided {
-                let scale = guidance::scale_at(job.guidance_scale, false, t, steps);
+                let scale = guidance::scale_at(guidance_scale, false, t, steps);
                 guidance::apply(&out.narrow(0, 0, 1)?, &out.narrow(0, 1, 1)?, scale)?
             } else {
                 out
@@ -375,9 +376,9 @@ impl CogVideoX {
             latents = scheduler
                 .step(&noise_pred, &latents.to_dtype(DType::F32)?, &noise)?
                 .to_dtype(dtype)?;
-            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
-        }
-        stages::report_forwards(&frame.progress, job, forward_seconds);
+            Ok(latents.clone())
+        })?;
+        denoise.finish(job);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.negative_embeds = None;

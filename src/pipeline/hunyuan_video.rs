@@ -4,6 +4,7 @@
 //! dual/single-stream DiT (embedded guidance; real CFG with a negative prompt only when
 //! `--true-cfg-scale` > 1), flow-match Euler with the scheduler's shift, and the causal 3D VAE.
 
+use super::denoise::Denoise;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
@@ -12,9 +13,10 @@ use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
+use crate::models::guidance::guide;
 use crate::models::hunyuan_video::activations;
 use crate::models::hunyuan_video::scheduler::{
-    guidance_input, sampler, true_cfg, uses_true_cfg, FlowMatchEulerConfig,
+    guidance_input, sampler, uses_true_cfg, FlowMatchEulerConfig,
 };
 use crate::models::hunyuan_video::text_encoder::{
     crop_prompt, LlamaConfig, LlamaDecoderLayer, LlamaPromptTokenizer, LlamaTextEncoder,
@@ -506,33 +508,30 @@ impl HunyuanVideo {
             anyhow::bail!("prompt not modulated");
         }
         let mut modulations = carried.modulations.into_iter();
-        let mut forward_seconds = Vec::with_capacity(timesteps.len() * 2);
-        for (i, t) in timesteps.iter().enumerate() {
-            crate::pipeline::interrupt::check()?;
+        let mut denoise = Denoise::new(frame, timesteps.len());
+        denoise.run(0..timesteps.len(), |forwards, i| {
             let input = latents.to_dtype(dtype)?;
             // diffusers: t.expand(B).to(latents.dtype), float32.
-            let timestep = Tensor::new(&[*t as f32], device)?;
+            let timestep = Tensor::new(&[timesteps[i] as f32], device)?;
             let mut next = || modulations.next().context("a step without modulations");
             let m = next()?.on(device)?;
-            let noise_cond = stages::timed(device, &mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, &cond, &guidance, m)
-            })?;
+            let noise_cond =
+                forwards.run(|| dit_forward(model, &input, &timestep, &cond, &guidance, m))?;
             let noise = match (&negative, true_cfg_scale) {
                 (Some(neg), Some(scale)) => {
                     let m = next()?.on(device)?;
-                    let noise_neg = stages::timed(device, &mut forward_seconds, || {
-                        dit_forward(model, &input, &timestep, neg, &guidance, m)
-                    })?;
-                    true_cfg(&noise_cond, &noise_neg, scale)?
+                    let noise_neg = forwards
+                        .run(|| dit_forward(model, &input, &timestep, neg, &guidance, m))?;
+                    guide(&noise_neg, &noise_cond, scale)?
                 }
                 _ => noise_cond,
             };
             // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
             // back to the model dtype); the latents wait in f32, which holds that exactly.
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
-        }
-        stages::report_forwards(&frame.progress, job, forward_seconds);
+            Ok(latents.clone())
+        })?;
+        denoise.finish(job);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         Ok(())
     }

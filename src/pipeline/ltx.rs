@@ -1,6 +1,7 @@
 //! LTX-Video text-to-video as a list of stages, step for step as diffusers' `LTXPipeline`
 //! (the order [`crate::models::ltx`] documents).
 
+use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
@@ -10,6 +11,7 @@ use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
+use crate::models::guidance::guide_batched;
 use crate::models::ltx::transformer::{
     pack_latents, unpack_latents, LtxStream, LtxTransformer3DModel, LtxTransformerConfig,
 };
@@ -384,29 +386,27 @@ impl Ltx {
         )?;
         let mut latents = latents.to_dtype(DType::F32)?.to_device(device)?;
         let timesteps = scheduler.timesteps().to_vec();
-        let mut forward_seconds = Vec::with_capacity(timesteps.len());
-        for (i, &t) in timesteps.iter().enumerate() {
-            crate::pipeline::interrupt::check()?;
+        let guidance_scale = job.guidance_scale;
+        let mut denoise = Denoise::new(frame, timesteps.len());
+        denoise.run(0..timesteps.len(), |forwards, i| {
             let input = Tensor::cat(&vec![&latents; batch], 0)?.to_dtype(dtype)?;
-            let timestep = Tensor::full(t as f32, batch, device)?;
-            let pred = stages::timed(device, &mut forward_seconds, || {
-                dit_forward(
-                    model, &input, &embeds, &timestep, &mask, token_grid, rope_scale,
-                )
-            })?
-            .to_dtype(DType::F32)?;
-            // CFG in f32: uncond + g·(cond − uncond).
-            let pred = if guided {
-                let uncond = pred.narrow(0, 0, 1)?;
-                let cond = pred.narrow(0, 1, 1)?;
-                (&uncond + ((&cond - &uncond)? * job.guidance_scale)?)?
-            } else {
-                pred
+            let timestep = Tensor::full(timesteps[i] as f32, batch, device)?;
+            let pred = forwards
+                .run(|| {
+                    dit_forward(
+                        model, &input, &embeds, &timestep, &mask, token_grid, rope_scale,
+                    )
+                })?
+                .to_dtype(DType::F32)?;
+            // CFG in f32.
+            let pred = match guided {
+                true => guide_batched(&pred, guidance_scale)?,
+                false => pred,
             };
             latents = scheduler.step(&pred, &latents)?;
-            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
-        }
-        stages::report_forwards(&frame.progress, job, forward_seconds);
+            Ok(latents.clone())
+        })?;
+        denoise.finish(job);
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         Ok(())

@@ -4,6 +4,7 @@
 //! and video rows denoised by both schedules with one forward per step (guidance-distilled: no
 //! CFG), the video decoded clip by clip and tile by tile, the audio by the BigVGAN audio VAE.
 
+use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
@@ -566,16 +567,15 @@ impl MiniMaxH3 {
             bail!("{} steps modulated for {forwards} forwards", tables.len());
         }
         let blocks = cfg.num_layers;
-        let mut forward_seconds = Vec::with_capacity(forwards);
-        for (i, step_tables) in tables.iter().enumerate() {
-            crate::pipeline::interrupt::check()?;
+        let mut denoise = Denoise::new(frame, forwards);
+        denoise.run(0..forwards, |dit, i| {
             let (t, t_idx) = row_timesteps(
                 &layout,
                 video_schedule.timesteps[i],
                 audio_schedule.timesteps[i],
             )?;
-            let per_block = step_tables.on(device, blocks)?;
-            let (v, a) = stages::timed(device, &mut forward_seconds, || {
+            let per_block = tables[i].on(device, blocks)?;
+            let (v, a) = dit.run(|| {
                 dit_forward(
                     model,
                     &video,
@@ -588,9 +588,9 @@ impl MiniMaxH3 {
             video = video_schedule.step(i, &v, &video)?;
             audio = audio_schedule.step(i, &a, &audio)?;
             stages::check_finite(&audio, i + 1, forwards)?;
-            stages::step_done(&frame.progress, &video, i + 1, forwards)?;
-        }
-        stages::report_forwards(&frame.progress, job, forward_seconds);
+            Ok(video.clone())
+        })?;
+        denoise.finish(job);
         let size = [g.num_latent_frames, g.latent_height, g.latent_width];
         let latents = unpatchify(&video, cfg.in_channels, size, cfg.patch_size)?;
         job.latents = Some(latents.to_device(&Device::Cpu)?);

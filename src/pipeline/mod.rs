@@ -2,6 +2,7 @@
 //! a device and released.
 
 pub mod cogvideox;
+mod denoise;
 pub mod draws;
 pub mod frame;
 pub mod hunyuan_video;

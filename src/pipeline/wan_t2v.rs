@@ -4,6 +4,7 @@
 //! `--image`) and Wan2.2 A14B (`transformer` for high noise, `transformer_2` for low noise,
 //! switched at `boundary_ratio`; T2V and I2V).
 
+use super::denoise::Denoise;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
@@ -16,6 +17,7 @@ use crate::models::clip::image_processor::{
     load_rgb_image, ClipImageProcessor, ClipImageProcessorConfig,
 };
 use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
+use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::{FileRef, ModelSource};
 use crate::models::wan::activations;
@@ -700,7 +702,7 @@ impl WanT2V {
             mut scheduler,
             latents,
             next_step,
-            mut forward_seconds,
+            forward_seconds,
         } = state;
         // Latents wait in host memory between the experts' stages.
         let mut latents = latents.to_device(device)?;
@@ -747,23 +749,25 @@ impl WanT2V {
         };
         let [_, ph, pw] = self.configs.transformer.patch_size;
         let timesteps = scheduler.timesteps().to_vec();
-        let boundary = self.configs.boundary_timestep();
-        let mut i = next_step;
-        while i < timesteps.len() {
+        // The high-noise expert's steps end at the boundary.
+        let boundary = self.configs.boundary_timestep().filter(|_| !low);
+        let end = (next_step..timesteps.len())
+            .find(|&i| boundary.is_some_and(|b| timesteps[i] < b))
+            .unwrap_or(timesteps.len());
+        let mut denoise = Denoise::resume(frame, timesteps.len(), forward_seconds);
+        if let (Some(start), true) = (switch_started, next_step < end) {
+            job.metrics.insert(
+                "expert_switch".into(),
+                serde_json::json!({
+                    "seconds": start.elapsed().as_secs_f64(),
+                    "after_forward": denoise.forwards_run(),
+                }),
+            );
+        }
+        let sequence = frame.config.ranks.as_ref().map(|r| &r.sequence);
+        let image = image_embeds.as_ref();
+        denoise.run(next_step..end, |forwards, i| {
             let t = timesteps[i];
-            if !low && boundary.is_some_and(|b| t < b) {
-                break;
-            }
-            crate::pipeline::interrupt::check()?;
-            if let (Some(start), true) = (switch_started, i == next_step) {
-                job.metrics.insert(
-                    "expert_switch".into(),
-                    serde_json::json!({
-                        "seconds": start.elapsed().as_secs_f64(),
-                        "after_forward": forward_seconds.len(),
-                    }),
-                );
-            }
             let input = match (&condition, &mask) {
                 (Some(c), Some(m)) => replace_first_frame(&latents, c, m)?.to_dtype(dtype)?,
                 (Some(c), None) => {
@@ -775,36 +779,26 @@ impl WanT2V {
                 Some(m) => per_token_timesteps(t, m, 1, (ph, pw))?,
                 None => Tensor::new(&[t as f32], device)?,
             };
-            let image = image_embeds.as_ref();
-            let sequence = frame.config.ranks.as_ref().map(|r| &r.sequence);
-            let noise_cond = stages::timed(device, &mut forward_seconds, || {
-                dit_forward(model, &input, &timestep, cond, image, sequence)
-            })?;
+            let forward = |text| dit_forward(model, &input, &timestep, text, image, sequence);
+            let noise_cond = forwards.run(|| forward(cond))?;
+            // diffusers combines in the transformer dtype.
             let noise = match &uncond {
-                Some(uncond) => {
-                    let noise_uncond = stages::timed(device, &mut forward_seconds, || {
-                        dit_forward(model, &input, &timestep, uncond, image, sequence)
-                    })?;
-                    // diffusers combines in the transformer dtype.
-                    let diff = (&noise_cond - &noise_uncond)?;
-                    (noise_uncond + (diff * guidance)?)?
-                }
+                Some(uncond) => guide(&forwards.run(|| forward(uncond))?, &noise_cond, guidance)?,
                 None => noise_cond,
             };
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
-            stages::step_done(&frame.progress, &latents, i + 1, timesteps.len())?;
-            i += 1;
-        }
+            Ok(latents.clone())
+        })?;
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
             return Ok(Denoising {
                 scheduler,
                 latents: latents.to_device(&Device::Cpu)?,
-                next_step: i,
-                forward_seconds,
+                next_step: end,
+                forward_seconds: denoise.into_seconds(),
             });
         }
-        stages::report_forwards(&frame.progress, job, forward_seconds);
+        denoise.finish(job);
         // Wan2.2 TI2V image-to-video: frame 0 is the condition after the loop too.
         if let (Some(c), Some(m)) = (&condition, &mask) {
             latents = replace_first_frame(&latents, c, m)?;
@@ -815,7 +809,7 @@ impl WanT2V {
         Ok(Denoising {
             scheduler,
             latents: Tensor::zeros(1, DType::F32, &Device::Cpu)?,
-            next_step: i,
+            next_step: end,
             forward_seconds: Vec::new(),
         })
     }

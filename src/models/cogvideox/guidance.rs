@@ -27,11 +27,10 @@ pub fn is_guided(guidance_scale: f64) -> bool {
     guidance_scale > 1.0
 }
 
-/// `uncond + scale · (cond − uncond)` in the tensors' dtype (diffusers runs it in f32 after
+/// [`crate::models::guidance::guide`] in the tensors' dtype (diffusers runs it in f32 after
 /// `noise_pred.float()`; the Python float scale is rounded to that dtype).
 pub fn apply(uncond: &Tensor, cond: &Tensor, scale: f64) -> Result<Tensor> {
-    let scale = scale as f32;
-    uncond + (cond - uncond)?.affine(f64::from(scale), 0.0)?
+    crate::models::guidance::guide(uncond, cond, f64::from(scale as f32))
 }
 
 #[cfg(test)]

@@ -83,8 +83,3 @@ pub fn guidance_input(
 pub fn uses_true_cfg(true_cfg_scale: f64, has_negative_prompt: bool) -> bool {
     true_cfg_scale > 1.0 && has_negative_prompt
 }
-
-/// `neg + scale · (cond − neg)`, the pipeline's true-CFG combination (in the tensors' dtype).
-pub fn true_cfg(cond: &Tensor, neg: &Tensor, true_cfg_scale: f64) -> Result<Tensor> {
-    neg + (cond - neg)?.affine(true_cfg_scale, 0.0)?
-}
