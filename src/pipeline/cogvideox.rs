@@ -7,7 +7,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
-use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
+use super::spec::{PipelineSpec, StageSpec, TextToVideo};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::UsageError;
@@ -77,12 +77,7 @@ impl CogVideoXConfigs {
 }
 
 /// The components of a CogVideoX pipeline.
-#[derive(Clone, Copy)]
-struct Parts {
-    text_encoder: Slot<T5EncoderModel>,
-    transformer: Slot<CogVideoXTransformer3DModel>,
-    vae: Slot<AutoencoderKLCogVideoX>,
-}
+type Parts = TextToVideo<T5EncoderModel, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
 
 impl CogVideoXConfigs {
     /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
@@ -90,47 +85,16 @@ impl CogVideoXConfigs {
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let mut spec = PipelineSpec::titled(self.title());
-        let parts = Parts {
-            text_encoder: spec.add(Component::new(
-                "text_encoder",
-                Role::TextEncoder,
-                self.text_encoder.clone(),
-            )),
-            transformer: spec.add(Component::new(
-                "transformer",
-                Role::Dit,
-                self.transformer.clone(),
-            )),
-            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
-        };
+        let parts = Parts::declare(&mut spec, &self.text_encoder, &self.transformer, &self.vae);
+        let (c, dtype, text_len) = (&parts, shape.dtype, shape.text_len);
+        let text = activations::text_encoder_activations(&self.text_encoder, text_len, dtype);
+        let dit = activations::transformer_activations(&self.transformer, latent, text_len, dtype);
+        let vae = activations::vae_decode_activations(&self.vae, latent, dtype);
         spec.stages = vec![
-            StageSpec::new(
-                "encode_text",
-                &[parts.text_encoder.index()],
-                activations::text_encoder_activations(
-                    &self.text_encoder,
-                    shape.text_len,
-                    shape.dtype,
-                ),
-            )
-            .runs(CogVideoX::encode_text),
-            StageSpec::new(
-                "denoise",
-                &[parts.transformer.index()],
-                activations::transformer_activations(
-                    &self.transformer,
-                    latent,
-                    shape.text_len,
-                    shape.dtype,
-                ),
-            )
-            .runs(CogVideoX::denoise),
-            StageSpec::new(
-                "decode",
-                &[parts.vae.index()],
-                activations::vae_decode_activations(&self.vae, latent, shape.dtype),
-            )
-            .runs(CogVideoX::decode),
+            StageSpec::new("encode_text", &[c.text_encoder.index()], text)
+                .runs(CogVideoX::encode_text),
+            StageSpec::new("denoise", &[c.transformer.index()], dit).runs(CogVideoX::denoise),
+            StageSpec::new("decode", &[c.vae.index()], vae).runs(CogVideoX::decode),
             StageSpec::write(),
         ];
         (spec, parts)
@@ -140,6 +104,10 @@ impl CogVideoXConfigs {
 impl Family for CogVideoXConfigs {
     fn title(&self) -> &'static str {
         "CogVideoX text-to-video"
+    }
+
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        self.declare(shape).0
     }
 
     /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
@@ -166,10 +134,6 @@ impl Family for CogVideoXConfigs {
             // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
             ..ModelDefaults::default()
         }
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {

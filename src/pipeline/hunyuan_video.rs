@@ -9,7 +9,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
-use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
+use super::spec::{PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
@@ -130,30 +130,15 @@ impl HunyuanConfigs {
         );
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
-            text_encoder: spec.add(Component::new(
-                "text_encoder",
-                Role::TextEncoder,
-                self.text_encoder.clone(),
-            )),
-            text_encoder_2: spec.add(Component::new(
+            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder),
+            text_encoder_2: spec.add_model(
                 "text_encoder_2",
                 Role::TextEncoder,
-                self.text_encoder_2.clone(),
-            )),
-            transformer: spec.add(Component::new(
-                "transformer",
-                Role::Dit,
-                self.transformer.clone(),
-            )),
-            modulations: spec.add(
-                Component::new(
-                    "transformer_modulations",
-                    Role::Dit,
-                    self.transformer.clone(),
-                )
-                .in_folder("transformer"),
+                &self.text_encoder_2,
             ),
-            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
+            transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
+            modulations: spec.add_modulations(&self.transformer),
+            vae: spec.add_model("vae", Role::Vae, &self.vae),
         };
         let encoders = [parts.text_encoder.index(), parts.text_encoder_2.index()];
         spec.stages = vec![
@@ -172,6 +157,10 @@ impl HunyuanConfigs {
 impl Family for HunyuanConfigs {
     fn title(&self) -> &'static str {
         "HunyuanVideo text-to-video"
+    }
+
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        self.declare(shape).0
     }
 
     /// Text-to-video with embedded guidance, real CFG by `--true-cfg-scale` with a negative
@@ -208,10 +197,6 @@ impl Family for HunyuanConfigs {
             // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
             frame_rule: None,
         }
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {

@@ -7,7 +7,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
-use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
+use super::spec::{PipelineSpec, StageSpec, TextToVideo};
 use super::stages;
 use crate::cli::resolve::ModelDefaults;
 use crate::cli::video::FrameRule;
@@ -91,12 +91,7 @@ impl LtxConfigs {
 }
 
 /// The components of an LTX-Video pipeline.
-#[derive(Clone, Copy)]
-struct Parts {
-    text_encoder: Slot<T5EncoderModel>,
-    transformer: Slot<LtxTransformer3DModel>,
-    vae: Slot<AutoencoderKLLTXVideo>,
-}
+type Parts = TextToVideo<T5EncoderModel, LtxTransformer3DModel, AutoencoderKLLTXVideo>;
 
 impl LtxConfigs {
     /// T5, DiT and VAE, each used by one stage and safe to defer (every component only feeds
@@ -105,49 +100,16 @@ impl LtxConfigs {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
         let mut spec = PipelineSpec::titled(self.title());
-        let parts = Parts {
-            text_encoder: spec.add(Component::new(
-                "text_encoder",
-                Role::TextEncoder,
-                self.text_encoder.clone(),
-            )),
-            transformer: spec.add(Component::new(
-                "transformer",
-                Role::Dit,
-                self.transformer.clone(),
-            )),
-            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
-        };
+        let parts = Parts::declare(&mut spec, &self.text_encoder, &self.transformer, &self.vae);
+        let (c, dtype, text_len) = (&parts, shape.dtype, shape.text_len);
+        let text = activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype);
+        let dit =
+            activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype);
+        let vae = activations::vae_decode_activations(&self.vae, grid);
         spec.stages = vec![
-            StageSpec::new(
-                "encode_text",
-                &[parts.text_encoder.index()],
-                activations::text_encoder_activations(
-                    &self.text_encoder,
-                    1,
-                    shape.text_len,
-                    shape.dtype,
-                ),
-            )
-            .runs(Ltx::encode_text),
-            StageSpec::new(
-                "denoise",
-                &[parts.transformer.index()],
-                activations::transformer_activations(
-                    &self.transformer,
-                    tokens,
-                    shape.text_len,
-                    2,
-                    shape.dtype,
-                ),
-            )
-            .runs(Ltx::denoise),
-            StageSpec::new(
-                "decode",
-                &[parts.vae.index()],
-                activations::vae_decode_activations(&self.vae, grid),
-            )
-            .runs(Ltx::decode),
+            StageSpec::new("encode_text", &[c.text_encoder.index()], text).runs(Ltx::encode_text),
+            StageSpec::new("denoise", &[c.transformer.index()], dit).runs(Ltx::denoise),
+            StageSpec::new("decode", &[c.vae.index()], vae).runs(Ltx::decode),
             StageSpec::write(),
         ];
         (spec, parts)
@@ -157,6 +119,10 @@ impl LtxConfigs {
 impl Family for LtxConfigs {
     fn title(&self) -> &'static str {
         "LTX-Video text-to-video"
+    }
+
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        self.declare(shape).0
     }
 
     /// Text-to-video with classifier-free guidance and a timestep-conditioned decoder; flow-match
@@ -195,10 +161,6 @@ impl Family for LtxConfigs {
             // LTX-Video samples with flow-match Euler only (`schedulers`).
             scheduler: None,
         }
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {

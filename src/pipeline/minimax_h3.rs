@@ -189,25 +189,10 @@ impl MiniMaxH3Configs {
         let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
-            text_encoder: spec.add(Component::new(
-                "text_encoder",
-                Role::TextEncoder,
-                self.text_encoder.clone(),
-            )),
-            transformer: spec.add(Component::new(
-                "transformer",
-                Role::Dit,
-                self.transformer.clone(),
-            )),
-            modulations: spec.add(
-                Component::new(
-                    "transformer_modulations",
-                    Role::Dit,
-                    self.transformer.clone(),
-                )
-                .in_folder("transformer"),
-            ),
-            vae: spec.add(Component::new("vae", Role::Vae, self.vae.clone())),
+            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder),
+            transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
+            modulations: spec.add_modulations(&self.transformer),
+            vae: spec.add_model("vae", Role::Vae, &self.vae),
             // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
             // noisy.
             audio_vae: spec.add(
@@ -280,6 +265,10 @@ impl Family for MiniMaxH3Configs {
         "MiniMax H3 text-to-video+audio"
     }
 
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        self.declare(shape).0
+    }
+
     /// Guidance-distilled (no guidance scale, no negative prompt), the prompt encoded whole,
     /// its own two flow schedules (video and audio): none of the family options.
     fn options(&self) -> Vec<FamilyOption> {
@@ -297,10 +286,6 @@ impl Family for MiniMaxH3Configs {
         self.geometry(o.num_frames, o.height, o.width)
             .err()
             .map(|e| format!("--num-frames {}: {e:#}", o.num_frames))
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {

@@ -345,6 +345,38 @@ impl<M> Slot<M> {
     }
 }
 
+/// The components of a plain text-to-video pipeline, by diffusers' names: `text_encoder`,
+/// `transformer` and `vae`, each in the run's dtype and safe to defer.
+pub struct TextToVideo<T, D, V> {
+    pub text_encoder: Slot<T>,
+    pub transformer: Slot<D>,
+    pub vae: Slot<V>,
+}
+
+impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
+    /// Adds the three to `spec`, in that order.
+    pub fn declare(
+        spec: &mut PipelineSpec,
+        text_encoder: &T::Config,
+        transformer: &D::Config,
+        vae: &V::Config,
+    ) -> Self {
+        TextToVideo {
+            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, text_encoder),
+            transformer: spec.add_model("transformer", Role::Dit, transformer),
+            vae: spec.add_model("vae", Role::Vae, vae),
+        }
+    }
+}
+
+impl<T, D, V> Clone for TextToVideo<T, D, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T, D, V> Copy for TextToVideo<T, D, V> {}
+
 /// What a stage does for one job: the family's pipeline (its own state beside the frame), the
 /// frame (components, config, device) and the job. Built by [`StageSpec::runs`].
 #[derive(Clone)]
@@ -432,6 +464,25 @@ impl PipelineSpec {
             components: Vec::new(),
             stages: Vec::new(),
         }
+    }
+
+    /// Adds model `M` named `name` in the role `role`, with config `cfg`, in the run's dtype and
+    /// safe to defer (what most components are); its slot.
+    pub fn add_model<M: Blockwise>(
+        &mut self,
+        name: &'static str,
+        role: Role,
+        cfg: &M::Config,
+    ) -> Slot<M> {
+        self.add(Component::new(name, role, cfg.clone()))
+    }
+
+    /// Adds the modulation weights of the DiT configured by `cfg` (HunyuanVideo's, MiniMax
+    /// H3's) as a component of their own, `transformer_modulations`, read from the
+    /// transformer's folder: they run once before denoising, in their own stage.
+    pub fn add_modulations<M: Blockwise>(&mut self, cfg: &M::Config) -> Slot<M> {
+        let modulations = Component::new("transformer_modulations", Role::Dit, cfg.clone());
+        self.add(modulations.in_folder("transformer"))
     }
 
     /// Adds a declared component; its slot.

@@ -88,6 +88,10 @@ impl Family for WanConfigs {
         }
     }
 
+    fn spec(&self, shape: &RunShape) -> PipelineSpec {
+        self.declare(shape).0
+    }
+
     /// Classifier-free guidance, a flow shift and a VAE that tiles; the first frame where the
     /// model takes one, the low-noise expert's guidance where it has two.
     fn options(&self) -> Vec<FamilyOption> {
@@ -116,10 +120,6 @@ impl Family for WanConfigs {
     /// the switch.
     fn sequence_parallel(&self) -> bool {
         true
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -331,11 +331,7 @@ impl WanConfigs {
     /// The pipeline as data with its components' slots.
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let mut spec = PipelineSpec::titled(self.title());
-        let text_encoder = spec.add(Component::new(
-            "text_encoder",
-            Role::TextEncoder,
-            self.text_encoder.clone(),
-        ));
+        let text_encoder = spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder);
         // Diffusers runs the Wan VAE and the CLIP image encoder in f32.
         let image_encoder = self.image_encoder.as_ref().map(|cfg| {
             spec.add(
@@ -343,11 +339,7 @@ impl WanConfigs {
                     .in_dtype(DType::F32),
             )
         });
-        let transformer = spec.add(Component::new(
-            "transformer",
-            Role::Dit,
-            self.transformer.clone(),
-        ));
+        let transformer = spec.add_model("transformer", Role::Dit, &self.transformer);
         let transformer_2 = self
             .transformer_2
             .as_ref()
