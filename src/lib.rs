@@ -1,12 +1,14 @@
 //! vidgen: text-to-video with open video diffusion models, on whatever memory the machine has.
 //!
-//! The file tree mirrors the architecture: `cli` turns flags into one resolved configuration,
+//! The file tree mirrors the architecture: `cli` turns flags into one resolved configuration
+//! (`config`, what they mean: all that later layers read),
 //! `memory` probes the device and plans memory, `offload` moves weights between host and device,
 //! `models` holds one folder per model family, `schedulers` the diffusion samplers, `pipeline`
 //! runs the stages and is the one place where components are loaded, placed and released, and
 //! `output` writes the frames, `parallel` lets several processes (GPUs) compute one run, and `weights` reads weight files for models and the engine alike.
 
 pub mod cli;
+pub mod config;
 #[cfg(test)]
 mod fuzz;
 pub mod memory;

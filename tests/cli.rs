@@ -635,7 +635,7 @@ fn output_names_are_checked_before_anything_loads() {
 }
 
 /// Resolves a `generate` command line as the binary does.
-fn resolve(args: &[&str]) -> vidgen::cli::ResolvedConfig {
+fn resolve(args: &[&str]) -> vidgen::config::ResolvedConfig {
     let argv = ["vidgen", "generate", "--dry-run"].iter().chain(args);
     let vidgen::cli::Parsed::Generate(parsed) =
         vidgen::cli::parse(argv.map(|a| (*a).into())).unwrap()
@@ -649,7 +649,7 @@ fn resolve(args: &[&str]) -> vidgen::cli::ResolvedConfig {
 fn the_cpu_reports_what_it_turns_off_in_one_line() {
     use vidgen::memory::overrides::report_lines;
     let cpu = resolve(&["--device", "cpu", "--model-cpu-offload"]);
-    let lines = report_lines(&cpu.overrides);
+    let lines = report_lines(cpu.overrides());
     assert_eq!(lines.len(), 1, "{lines:?}");
     for key in HOST_OFFLOAD
         .iter()
@@ -663,9 +663,9 @@ fn the_cpu_reports_what_it_turns_off_in_one_line() {
     // Elsewhere each change is a decision of its own, with its own line.
     let unified = resolve(&["--device", "cpu", "--memory-model", "unified"]);
     assert_eq!(
-        report_lines(&unified.overrides),
+        report_lines(unified.overrides()),
         unified
-            .overrides
+            .overrides()
             .iter()
             .map(|o| o.to_string())
             .collect::<Vec<_>>()

@@ -6,7 +6,8 @@ mod common;
 
 use anyhow::Result;
 use std::sync::{Arc, Mutex};
-use vidgen::cli::{parse, Parsed, ResolvedConfig};
+use vidgen::cli::{parse, Parsed};
+use vidgen::config::ResolvedConfig;
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::text_encoder::UMT5EncoderModel;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
@@ -116,14 +117,14 @@ fn a_toy_family_is_placed_and_planned_by_role() {
     ]);
     let planner = Planner::new(&family, &config);
     let spec = planner.spec(&planner.request());
-    let placement = Placement::new(&config.memory, &spec);
+    let placement = Placement::new(config.memory(), &spec);
     assert_eq!(placement.residencies[1], Residency::Parked);
     assert_eq!(placement.residencies[2], Residency::Parked);
     assert_eq!(
         placement.json()["components"]["transformer_2"]["mode"],
         "parked"
     );
-    let notes = inert_options(&config.memory, &spec);
+    let notes = inert_options(config.memory(), &spec);
     assert!(
         notes
             .iter()
@@ -197,7 +198,7 @@ impl Pipeline for Recording<'_> {
 fn the_runner_switches_experts_without_holding_both() {
     let family = toy();
     let config = resolve(&["--memory-model", "discrete", "--lazy-module-load"]);
-    assert_eq!(load_policy(&config.memory), LoadPolicy::Lazy);
+    assert_eq!(load_policy(config.memory()), LoadPolicy::Lazy);
     let log = Log::default();
     let mut pipeline = Recording {
         spec: family.spec(&RunShape::of(&config)),
@@ -268,7 +269,7 @@ fn a_pipeline_no_family_runs_is_bad_input() {
 /// config file, and the result is checked as a whole.
 #[test]
 fn model_defaults_fill_only_what_was_not_given() {
-    use vidgen::cli::resolve::ModelDefaults;
+    use vidgen::config::ModelDefaults;
     let dir = std::env::temp_dir().join(format!("vidgen-defaults-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("c.toml");
@@ -284,10 +285,10 @@ fn model_defaults_fill_only_what_was_not_given() {
     let o = config.with_model_defaults(&defaults).unwrap();
     assert_eq!(
         (
-            o.options.height,
-            o.options.width,
-            o.options.num_frames,
-            o.output.fps
+            o.video().height,
+            o.video().width,
+            o.video().num_frames,
+            o.output().fps
         ),
         (256, 768, 49, 24)
     );
@@ -379,7 +380,7 @@ fn encoders_stream_through_a_staging_ring_when_memory_is_pinned() {
         let config = resolve(&args);
         let planner = Planner::new(&family, &config);
         let spec = planner.spec(&planner.request());
-        let placement = Placement::new(&config.memory, &spec);
+        let placement = Placement::new(config.memory(), &spec);
         let by_name = |name: &str| {
             let i = spec.components.iter().position(|c| c.name == name).unwrap();
             placement.memory_for(i)

@@ -13,7 +13,8 @@ use serde_json::Value;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use vidgen::cli::{parse, Parsed, ResolvedConfig};
+use vidgen::cli::{parse, Parsed};
+use vidgen::config::ResolvedConfig;
 use vidgen::memory::plan::{first_fitting, gib, MemoryPlan};
 use vidgen::models::source::{component_weights, ModelSource};
 use vidgen::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
@@ -675,8 +676,7 @@ fn the_first_candidate_that_fits_is_chosen() {
         let total = c.plan.required_bytes();
         let chosen = first_fitting(&found, total).expect("a candidate fits");
         assert_eq!(chosen.flags, c.flags, "device of {:.2} GiB", gib(total));
-        let mut on_device = config.clone();
-        on_device.device.total_memory = Some(total);
+        let on_device = config.clone().with_total_memory(Some(total));
         let text = Planner::new(&configs, &on_device).advice();
         assert!(
             text.contains(&format!("predicted to fit: {}", flags[k])),
@@ -706,7 +706,7 @@ fn fewer_frames_are_the_most_that_fit() {
         .expect("a --num-frames candidate")
         .parse()
         .unwrap();
-    assert!(frames < config.options.num_frames && (frames - 1).is_multiple_of(4));
+    assert!(frames < config.video().num_frames && (frames - 1).is_multiple_of(4));
     assert!(last.plan.fits(total));
     let mut more = planner.request();
     more.options.dit_layerwise_offload = true;
@@ -732,7 +732,7 @@ fn fewer_frames_follow_the_family_frame_rule() {
     ])
     .with_model_defaults(&family.defaults())
     .unwrap();
-    assert_eq!(config.options.num_frames, 161);
+    assert_eq!(config.video().num_frames, 161);
     let planner = Planner::new(family.as_ref(), &config);
     let leanest = planner.candidates(None).pop().unwrap();
     let found = planner.candidates(Some(leanest.plan.required_bytes() - 1));
@@ -770,8 +770,7 @@ fn savings_the_device_would_undo_are_not_offered() {
 fn advice_without_a_fit_names_the_leanest() {
     let (configs, config) = resident_14b();
     let advice = |total: Option<u64>| {
-        let mut on_device = config.clone();
-        on_device.device.total_memory = total;
+        let on_device = config.clone().with_total_memory(total);
         Planner::new(&configs, &on_device).advice()
     };
     let text = advice(Some(1 << 30));

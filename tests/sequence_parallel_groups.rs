@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use vidgen::cli::{parse, Parsed, ResolvedConfig};
+use vidgen::cli::{parse, Parsed};
+use vidgen::config::{Rank, ResolvedConfig};
 use vidgen::models::source::ModelSource;
 use vidgen::parallel::collective::{run_groups, Collective};
 use vidgen::parallel::launch::{as_rank, Joined};
@@ -213,10 +214,15 @@ fn the_leader_alone_encodes_and_decodes_for_its_group() {
         |rank, member| {
             let out = dir.join(format!("rank{rank}"));
             std::fs::create_dir_all(&out).unwrap();
-            let (mut config, family, source) =
+            let (config, family, source) =
                 config(&out, &["--prompt", "a cat", "--guidance-scale", "5"]);
             let group: Arc<dyn Collective> = Arc::new(member);
-            config.ranks = Some(Ranks::new(group));
+            let config = config.for_rank(Rank {
+                rank,
+                local_rank: 0,
+                ranks: Some(Ranks::new(group)),
+                scratch: None,
+            });
             let mut jobs = vidgen::pipeline::jobs::jobs(&config).unwrap();
             let progress = Arc::new(Progress::new(true));
             let inner =

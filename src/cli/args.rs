@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+pub use crate::config::BatchOrderChoice;
 pub use crate::memory::probe::{parse_device, DeviceChoice};
 pub use crate::output::OutputType;
 pub use crate::schedulers::SchedulerKind;
@@ -359,18 +360,6 @@ fn size_or_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, 
 pub enum OffloadType {
     BlockLevel,
     LeafLevel,
-}
-
-/// The order a batch walks the stages in, as asked.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BatchOrderChoice {
-    /// Stage-major when components load late (lazy or sequential load), else prompt-major.
-    Auto,
-    /// Each prompt goes through every stage before the next starts.
-    Prompt,
-    /// Every prompt passes a stage before any goes to the next.
-    Stage,
 }
 
 /// The compute dtype.

@@ -1,37 +1,20 @@
 //! Command line: flags to one resolved configuration.
 //!
 //! [`args`] holds what was said (each option defined once, for flags and config keys alike);
-//! [`resolve`] derives what it means, once: defaults < config file < command line < device.
+//! [`resolve`] derives what it means, once: defaults < config file < command line < device,
+//! into the [`crate::config::ResolvedConfig`] that is all later layers read.
 
 pub mod args;
 pub mod resolve;
-pub mod video;
 
+use crate::config::files::read_capped;
 use args::{Cli, Command, GenerateArgs};
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches};
 use std::ffi::OsString;
 use std::path::Path;
 
-pub use resolve::ResolvedConfig;
-
-/// Bad input from the user: reported as one line, exit code 2.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UsageError(pub String);
-
-impl UsageError {
-    pub fn new(message: impl Into<String>) -> Self {
-        UsageError(message.into())
-    }
-}
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
+pub use crate::config::{ResolvedConfig, UsageError};
 
 /// What `main` should do after parsing.
 pub enum Parsed {
@@ -201,28 +184,6 @@ fn first_lines(e: &clap::Error) -> String {
         Some(tip) => format!("{problem}; {tip}"),
         None => format!("{problem}; see `vidgen generate --help`"),
     }
-}
-
-/// Reads at most `max` bytes of the file `what` names (`--prompt-file`, `config file`): a
-/// larger one, or an endless one such as `/dev/zero`, is an error naming it and the limit, after
-/// reading only `max + 1` bytes. Pipes (`<(...)`) are read like files.
-pub fn read_capped(what: &str, path: &Path, max: u64) -> anyhow::Result<Vec<u8>> {
-    use anyhow::Context;
-    use std::io::Read;
-    let file = std::fs::File::open(path)
-        .with_context(|| format!("cannot read {what} {}", path.display()))?;
-    let mut bytes = Vec::new();
-    file.take(max + 1)
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("cannot read {what} {}", path.display()))?;
-    if bytes.len() as u64 > max {
-        anyhow::bail!(
-            "{what} {} is larger than {} MiB (the wrong file, or an endless one such as /dev/zero)",
-            path.display(),
-            max >> 20
-        );
-    }
-    Ok(bytes)
 }
 
 /// The most bytes `--config` may hold.

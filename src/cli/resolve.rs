@@ -4,96 +4,20 @@ use super::args::{
     ComputeDevice, DTypeChoice, GenerateArgs, GenerateOptions, MemoryModelChoice, OffloadType,
     Tristate,
 };
-use super::video::{FrameRule, Spelling, VideoSettings};
-use super::UsageError;
-use crate::memory::{
-    apply_memory_rules, probe, DeviceInfo, DeviceKind, MemoryModel, MemoryOptions, Override,
+use crate::config::files::same_file;
+use crate::config::video::{check_flags, FrameRule, VideoSettings};
+use crate::config::{
+    Batch, Echo, Generation, OutputSpec, Prompts, Resolved, ResolvedConfig, UsageError, Video,
 };
-use crate::output::OutputType;
-use crate::schedulers::SchedulerKind;
+use crate::memory::{apply_memory_rules, probe, DeviceKind, MemoryModel, MemoryOptions};
+use crate::parallel::launch::{self, Part};
+use crate::parallel::world::World;
+use crate::parallel::Groups;
 use candle_core::DType;
-use serde_json::json;
-use std::path::{Path, PathBuf};
+use clap::{Args, Command};
+use std::path::Path;
 
-/// The resolved run configuration. Nothing after resolution looks at raw flags.
-#[derive(Clone, Debug)]
-pub struct ResolvedConfig {
-    /// Every option with its final value: tri-states resolved, device and dtype concrete.
-    pub options: GenerateOptions,
-    /// What the memory options mean, after the device's rules.
-    pub memory: MemoryOptions,
-    /// What the pipeline's stages read of the generation options.
-    pub generation: Generation,
-    /// Where and how videos are written.
-    pub output: OutputSpec,
-    /// The option keys the user gave; a model's defaults replace only the others.
-    pub given: std::collections::BTreeSet<String>,
-    /// The selected device and its memory model.
-    pub device: DeviceInfo,
-    /// What the device changed, in order.
-    pub overrides: Vec<Override>,
-    /// Whether `options.seed` was drawn at random because none was given (see [`draw_seed`]).
-    pub seed_drawn: bool,
-    /// What the model family's video sizes must be (Wan's until its defaults are applied).
-    pub frame_rule: FrameRule,
-    /// Resolve and plan only.
-    pub dry_run: bool,
-    /// Machine-readable dry-run output.
-    pub json: bool,
-    /// On one rank of a run whose GPUs compute each video together: its group and hooks.
-    pub ranks: Option<crate::parallel::Ranks>,
-}
-
-/// The generation settings a pipeline's stages read (per-prompt ones travel with each job).
-#[derive(Clone, Debug)]
-pub struct Generation {
-    /// The model as the user named it.
-    pub model: String,
-    /// Text tokens per prompt, padded or truncated.
-    pub max_sequence_length: usize,
-    pub scheduler: SchedulerKind,
-    /// Timestep shift over the scheduler config's.
-    pub flow_shift: Option<f64>,
-    /// Initial latents (and other random draws) from a file instead of the seed.
-    pub latents: Option<PathBuf>,
-    /// The conditioning image (image-to-video), for prompts whose line names none.
-    pub image: Option<PathBuf>,
-    /// Some `.jsonl` prompt line names its own image (known once the prompt file is read).
-    pub line_images: bool,
-    /// Guidance of the low-noise expert (Wan2.2 A14B).
-    pub guidance_scale_2: Option<f64>,
-    /// Real CFG scale of a guidance-distilled model (HunyuanVideo).
-    pub true_cfg_scale: Option<f64>,
-    /// The decoder's timestep conditioning and its noise (LTX-Video).
-    pub decode_timestep: Option<f64>,
-    pub decode_noise_scale: Option<f64>,
-}
-
-/// A model family's own defaults (`None`: vidgen's); a key the user gave is never replaced.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ModelDefaults {
-    pub height: Option<u32>,
-    pub width: Option<u32>,
-    pub num_frames: Option<u32>,
-    pub fps: Option<u32>,
-    pub num_inference_steps: Option<u32>,
-    pub guidance_scale: Option<f64>,
-    pub max_sequence_length: Option<u32>,
-    /// The family's rule for frame counts and sizes (`None`: Wan's 4k+1 and 16).
-    pub frame_rule: Option<FrameRule>,
-    /// The sampler the published pipeline ships with.
-    pub scheduler: Option<SchedulerKind>,
-}
-
-/// How each video is written.
-#[derive(Clone, Debug)]
-pub struct OutputSpec {
-    pub kind: OutputType,
-    /// Frames per second of the video file.
-    pub fps: u32,
-    /// The resolved configuration as JSON, for the file's metadata.
-    pub config_json: String,
-}
+use crate::config::draw_seed;
 
 impl ResolvedConfig {
     /// Validates the options, probes the device and applies what it forces.
@@ -123,10 +47,9 @@ impl ResolvedConfig {
         options.sp_size = Some(sp_size(&options)?);
         // Under a launcher (whose world must be --num-gpus) this machine runs LOCAL_WORLD_SIZE
         // of the ranks.
-        let world = crate::parallel::world::World::from_env()
-            .map_err(|e| UsageError::new(e.to_string()))?;
-        let here = match crate::parallel::launch::part(&options, world).map_err(UsageError::new)? {
-            crate::parallel::launch::Part::Rank(w) => w.local_world_size as u32,
+        let world = World::from_env().map_err(|e| UsageError::new(e.to_string()))?;
+        let here = match launch::part(options.num_gpus as usize, world).map_err(UsageError::new)? {
+            Part::Rank(w) => w.local_world_size as u32,
             _ => options.num_gpus,
         };
         let device =
@@ -145,98 +68,86 @@ impl ResolvedConfig {
         if seed_drawn {
             options.seed = Some(draw_seed());
         }
-        let generation = Generation {
-            model: options.model.clone(),
-            max_sequence_length: options.max_sequence_length as usize,
-            scheduler: options.scheduler,
-            flow_shift: options.flow_shift,
-            latents: options.latents.clone(),
-            image: options.image.clone(),
-            line_images: false,
-            guidance_scale_2: options.guidance_scale_2,
-            true_cfg_scale: options.true_cfg_scale,
-            decode_timestep: options.decode_timestep,
-            decode_noise_scale: options.decode_noise_scale,
+        let o = options;
+        let prompts = match (&o.prompt, &o.prompt_file) {
+            (Some(p), _) => Some(Prompts::Text(p.clone())),
+            (None, Some(file)) => Some(Prompts::File(file.clone())),
+            (None, None) => None,
         };
-        let output = OutputSpec {
-            kind: options.output_type,
-            fps: options.fps,
-            // The video's metadata records the configuration that made it.
-            config_json: serde_json::to_string(&options).unwrap_or_default(),
-        };
-        Ok(ResolvedConfig {
-            given: args.given,
-            generation,
-            output,
-            options,
+        Ok(ResolvedConfig::new(Resolved {
+            generation: Generation {
+                model: o.model.clone(),
+                prompts,
+                max_sequence_length: o.max_sequence_length as usize,
+                scheduler: o.scheduler,
+                flow_shift: o.flow_shift,
+                latents: o.latents.clone(),
+                image: o.image.clone(),
+                line_images: false,
+                guidance_scale_2: o.guidance_scale_2,
+                true_cfg_scale: o.true_cfg_scale,
+                decode_timestep: o.decode_timestep,
+                decode_noise_scale: o.decode_noise_scale,
+            },
+            video: Video {
+                height: o.height,
+                width: o.width,
+                num_frames: o.num_frames,
+                num_inference_steps: o.num_inference_steps,
+                guidance_scale: o.guidance_scale,
+                negative_prompt: o.negative_prompt.clone(),
+                seed: o.seed,
+                seed_drawn,
+            },
+            output: OutputSpec {
+                kind: o.output_type,
+                fps: o.fps,
+                folder: o.output_path.clone(),
+                name: o.output_video_name.clone(),
+                // The video's metadata records the configuration that made it.
+                config_json: serde_json::to_string(&o).unwrap_or_default(),
+            },
+            batch: Batch {
+                order: o.batch_order,
+                overwrite: o.overwrite,
+                resume: o.resume,
+                quiet: o.quiet,
+                stats_json: o.stats_json.clone(),
+            },
             memory,
+            dtype: match o.dtype {
+                Some(DTypeChoice::Bf16) => DType::BF16,
+                Some(DTypeChoice::F16) => DType::F16,
+                Some(DTypeChoice::F32) | None => DType::F32,
+            },
+            tf32: o.tf32,
+            groups: Groups::of(o.num_gpus, o.sp_size),
             device,
             overrides,
-            seed_drawn,
-            frame_rule: FrameRule::default(),
+            given: args.given,
+            echo: echo(&o),
             dry_run: args.dry_run,
             json: args.json,
-            ranks: None,
-        })
+        }))
     }
+}
 
-    /// The configuration with `defaults` in place of every option of theirs the user did not
-    /// give, checked again as a whole.
-    pub fn with_model_defaults(mut self, defaults: &ModelDefaults) -> Result<Self, UsageError> {
-        let o = &mut self.options;
-        let given = |key: &str| self.given.contains(key);
-        macro_rules! default {
-            ($($key:ident),*) => {$(
-                if let Some(value) = defaults.$key.filter(|_| !given(stringify!($key))) {
-                    o.$key = value;
-                }
-            )*};
-        }
-        default!(
-            height,
-            width,
-            num_frames,
-            fps,
-            num_inference_steps,
-            guidance_scale,
-            max_sequence_length,
-            scheduler
-        );
-        if let Some(rule) = defaults.frame_rule {
-            self.frame_rule = rule;
-        }
-        validate(o, self.dry_run, self.frame_rule)?;
-        self.generation.max_sequence_length = o.max_sequence_length as usize;
-        self.generation.scheduler = o.scheduler;
-        self.output.fps = o.fps;
-        self.output.config_json = serde_json::to_string(o).unwrap_or_default();
-        Ok(self)
-    }
-
-    /// The compute dtype.
-    pub fn dtype(&self) -> DType {
-        match self.options.dtype {
-            Some(DTypeChoice::Bf16) => DType::BF16,
-            Some(DTypeChoice::F16) => DType::F16,
-            Some(DTypeChoice::F32) | None => DType::F32,
-        }
-    }
-
-    /// The memory model in force.
-    pub fn memory_model(&self) -> MemoryModel {
-        self.device.memory_model
-    }
-
-    /// The `--dry-run --json` keys this struct owns; later stages add their own keys.
-    pub fn to_json(&self) -> serde_json::Value {
-        json!({
-            "config": self.options,
-            "memory_model": self.device.memory_model,
-            "device": self.device,
-            "overrides": self.overrides,
-            "seed_drawn": self.seed_drawn,
-        })
-    }
+/// Every option with its value, as config-file keys in the order the options are declared.
+fn echo(o: &GenerateOptions) -> Echo {
+    let serde_json::Value::Object(mut values) =
+        serde_json::to_value(o).expect("options serialize to a JSON object")
+    else {
+        unreachable!("options serialize to a JSON object")
+    };
+    let order = GenerateOptions::augment_args(Command::new("generate"));
+    let keys: Vec<String> = order
+        .get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect();
+    Echo::new(
+        keys.into_iter()
+            .filter_map(|key| values.remove(&key).map(|value| (key, value))),
+    )
 }
 
 /// `--sp-size`, defaulting to `--num-gpus`: a divisor of the GPU count (the groups it leaves run
@@ -302,14 +213,6 @@ fn report_memory_options(m: &MemoryOptions, o: &mut GenerateOptions) {
     o.h3_sequential_load = tristate(m.h3_sequential_load);
 }
 
-/// A base seed for a run without `--seed`: below 10^9, so it is short to read and retype.
-pub fn draw_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    crate::weights::fnv1a(&format!("{nanos}-{}", std::process::id())) % 1_000_000_000
-}
-
 /// Refuses a `--stats-json` path that is not a regular file, or that is one of the run's own
 /// files (`others`: flag and path): its file is renamed over the path at the end of the run.
 pub fn check_stats_target(
@@ -336,32 +239,6 @@ pub fn check_stats_target(
     Ok(())
 }
 
-/// Whether `a` and `b` name one file: the same path once made absolute (for files yet to be
-/// written), or the same inode (links, `..`, symlinks).
-pub fn same_file(a: &Path, b: &Path) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
-            return x.dev() == y.dev() && x.ino() == y.ino();
-        }
-    }
-    fn absolute(p: &Path) -> Option<PathBuf> {
-        if let Ok(c) = std::fs::canonicalize(p) {
-            return Some(c);
-        }
-        let parent = match p.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        Some(std::fs::canonicalize(parent).ok()?.join(p.file_name()?))
-    }
-    match (absolute(a), absolute(b)) {
-        (Some(x), Some(y)) => x == y,
-        _ => a == b,
-    }
-}
-
 /// Checks what no later stage could fix, with one line naming the problem and the fix.
 fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), UsageError> {
     match (&o.prompt, &o.prompt_file) {
@@ -382,37 +259,19 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
         }
         _ => {}
     }
-    VideoSettings {
-        height: Some(o.height),
-        width: Some(o.width),
-        num_frames: Some(o.num_frames),
-        num_inference_steps: Some(o.num_inference_steps),
-        guidance_scale: Some(o.guidance_scale),
-        output_video_name: o.output_video_name.as_deref(),
-        rule,
-    }
-    .check(Spelling::Flag)
-    .map_err(UsageError)?;
-    for (name, value) in [
-        ("fps", o.fps),
-        ("max-sequence-length", o.max_sequence_length),
-    ] {
-        // A config file bypasses clap's range checks.
-        if value == 0 {
-            return Err(UsageError::new(format!(
-                "--{name} 0: must be at least 1; pass a positive number"
-            )));
-        }
-    }
-    // Attention over the text grows with its square: far past any text encoder's training
-    // length, and where the memory plan's byte counts would overflow.
-    const MAX_TEXT_TOKENS: u32 = 1 << 16;
-    if o.max_sequence_length > MAX_TEXT_TOKENS {
-        return Err(UsageError::new(format!(
-            "--max-sequence-length {} is more than {MAX_TEXT_TOKENS} tokens; Wan uses 512",
-            o.max_sequence_length
-        )));
-    }
+    check_flags(
+        &VideoSettings {
+            height: Some(o.height),
+            width: Some(o.width),
+            num_frames: Some(o.num_frames),
+            num_inference_steps: Some(o.num_inference_steps),
+            guidance_scale: Some(o.guidance_scale),
+            output_video_name: o.output_video_name.as_deref(),
+            rule,
+        },
+        o.fps,
+        o.max_sequence_length,
+    )?;
     if let Some(shift) = o.flow_shift {
         if !shift.is_finite() || shift <= 0.0 {
             return Err(UsageError::new(format!(
@@ -457,4 +316,27 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    /// The echo is the options as they serialize, key for key and in their order, so the
+    /// reports and a video's metadata show the same text as before a model's defaults.
+    #[test]
+    fn the_echo_is_the_options_in_their_order() {
+        let argv = ["vidgen", "generate", "--prompt", "a", "--height", "256"];
+        let super::super::Parsed::Generate(args) =
+            super::super::parse(argv.map(OsString::from)).unwrap()
+        else {
+            panic!("not a generate command")
+        };
+        let o = args.options;
+        assert_eq!(
+            serde_json::to_string(&echo(&o)).unwrap(),
+            serde_json::to_string(&o).unwrap()
+        );
+    }
 }

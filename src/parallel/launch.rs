@@ -8,8 +8,7 @@ use std::sync::Arc;
 use super::collective::Collective;
 use super::world::World;
 use super::{Groups, Ranks};
-use crate::cli::args::GenerateOptions;
-use crate::cli::ResolvedConfig;
+use crate::config::{Rank, ResolvedConfig};
 
 /// Seconds the ranks wait for each other at the rendezvous and on each collective.
 pub const TIMEOUT_SECS: u64 = 300;
@@ -25,10 +24,9 @@ pub enum Part {
     Rank(World),
 }
 
-/// The part `o` and the launcher's `world` give this process; an error (one line with the fix)
-/// when they disagree.
-pub fn part(o: &GenerateOptions, world: World) -> Result<Part, String> {
-    let gpus = o.num_gpus as usize;
+/// The part `--num-gpus` (`gpus`) and the launcher's `world` give this process; an error (one
+/// line with the fix) when they disagree.
+pub fn part(gpus: usize, world: World) -> Result<Part, String> {
     if world.world_size > 1 {
         if gpus != world.world_size {
             return Err(format!(
@@ -77,7 +75,7 @@ pub fn join(config: ResolvedConfig, world: World) -> anyhow::Result<Joined> {
     use super::{nccl, rendezvous};
     use std::time::Duration;
     let timeout = Duration::from_secs(TIMEOUT_SECS);
-    let groups = Groups::of(&config.options);
+    let groups = config.groups();
     let count = groups.count() * nccl::IDS_PER_GROUP;
     let ids = if world.rank == 0 {
         Some(
@@ -103,38 +101,25 @@ pub fn join(config: ResolvedConfig, world: World) -> anyhow::Result<Joined> {
 /// outputs and, if it is not rank 0, its `--stats-json` next to rank 0's as `NAME.rankR.EXT`;
 /// the other ranks write to a scratch folder of their own, removed after.
 pub fn as_rank(
-    mut config: ResolvedConfig,
+    config: ResolvedConfig,
     world: &World,
     group: Option<Arc<dyn Collective>>,
 ) -> anyhow::Result<Joined> {
-    let groups = Groups::of(&config.options);
-    config.device.ordinal = world.local_rank;
-    if config.device.kind == crate::memory::DeviceKind::Cuda {
-        config.options.device = crate::memory::probe::DeviceChoice::Cuda(Some(world.local_rank));
-    }
-    config.ranks = group.map(Ranks::new);
+    let groups = config.groups();
     let rank = world.rank;
     let scratch = if !groups.leads(rank) {
         let dir = std::env::temp_dir().join(format!("vidgen-rank{rank}-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
-        config.options.output_path = dir.clone();
-        config.options.stats_json = None;
         Some(dir)
     } else {
-        if let Some(path) = config.options.stats_json.as_mut().filter(|_| rank > 0) {
-            let stem = path
-                .file_stem()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .to_string();
-            let name = match path.extension() {
-                Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
-                None => format!("{stem}.rank{rank}"),
-            };
-            path.set_file_name(name);
-        }
         None
     };
+    let config = config.for_rank(Rank {
+        rank,
+        local_rank: world.local_rank,
+        ranks: group.map(Ranks::new),
+        scratch: scratch.clone(),
+    });
     Ok((config, scratch, Some(groups.prompts(rank))))
 }
 
@@ -142,13 +127,6 @@ pub fn as_rank(
 mod tests {
     use super::*;
     use crate::parallel::world::Launcher;
-    use clap::Parser;
-
-    fn options(gpus: &str) -> GenerateOptions {
-        let cli = crate::cli::args::Cli::parse_from(["vidgen", "generate", "--num-gpus", gpus]);
-        let crate::cli::args::Command::Generate(args) = cli.command;
-        args.options
-    }
 
     fn world(size: usize) -> World {
         World {
@@ -163,14 +141,11 @@ mod tests {
 
     #[test]
     fn the_part_follows_the_gpus_and_the_launcher() {
-        assert_eq!(part(&options("1"), World::single()), Ok(Part::Alone));
+        assert_eq!(part(1, World::single()), Ok(Part::Alone));
+        assert_eq!(part(2, World::single()), Ok(Part::Supervisor(2)));
+        assert_eq!(part(2, world(2)), Ok(Part::Rank(world(2))));
         assert_eq!(
-            part(&options("2"), World::single()),
-            Ok(Part::Supervisor(2))
-        );
-        assert_eq!(part(&options("2"), world(2)), Ok(Part::Rank(world(2))));
-        assert_eq!(
-            part(&options("1"), world(2)),
+            part(1, world(2)),
             Err("torchrun started 2 ranks but --num-gpus is 1: pass --num-gpus 2".into())
         );
     }

@@ -19,7 +19,6 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use crate::cli::args::GenerateOptions;
 use crate::models::sequence_parallel::SequenceParallel;
 use collective::Collective;
 
@@ -34,10 +33,10 @@ pub struct Groups {
 }
 
 impl Groups {
-    /// The groups of `o`'s `--num-gpus` and `--sp-size` (default: one group of every GPU).
-    pub fn of(o: &GenerateOptions) -> Self {
-        let ranks = o.num_gpus.max(1) as usize;
-        let sp = (o.sp_size.unwrap_or(o.num_gpus) as usize).clamp(1, ranks);
+    /// The groups of `--num-gpus` and `--sp-size` (default: one group of every GPU).
+    pub fn of(num_gpus: u32, sp_size: Option<u32>) -> Self {
+        let ranks = num_gpus.max(1) as usize;
+        let sp = (sp_size.unwrap_or(num_gpus) as usize).clamp(1, ranks);
         Groups { ranks, sp }
     }
 
@@ -146,27 +145,26 @@ pub fn once_per_group(
     }
 }
 
-/// Why this build cannot run what the resolved options ask of several GPUs (`None`: it can).
+/// Why this build cannot run `groups` (with FSDP's shards, with `--resume`) (`None`: it can).
 /// A dry run plans any of them.
-pub fn cannot_run(o: &GenerateOptions) -> Option<String> {
-    let sp = o.sp_size.unwrap_or(o.num_gpus);
+pub fn cannot_run(groups: Groups, fsdp: bool, resume: bool) -> Option<String> {
+    let Groups { ranks, sp } = groups;
     // Prompt parallelism (--sp-size 1) needs no collective.
-    if o.num_gpus > 1 && sp > 1 && !cfg!(feature = "nccl") {
+    if ranks > 1 && sp > 1 && !cfg!(feature = "nccl") {
         return Some(format!(
-            "--num-gpus {} needs a vidgen built with the `nccl` feature (cargo build --release --features nccl); --dry-run plans it without",
-            o.num_gpus
+            "--num-gpus {ranks} needs a vidgen built with the `nccl` feature (cargo build --release --features nccl); --dry-run plans it without"
         ));
     }
-    if o.num_gpus > 1 && sp == 1 && o.use_fsdp_inference {
+    if ranks > 1 && sp == 1 && fsdp {
         return Some(
             "--use-fsdp-inference shards the DiT across GPUs that compute one video together; with --sp-size 1 each GPU makes its own: drop one of them"
                 .into(),
         );
     }
-    if o.num_gpus > 1 && sp > 1 && o.resume {
+    if ranks > 1 && sp > 1 && resume {
         return Some("--resume with sequence parallelism is not supported yet: the ranks must run the same prompts; drop --resume".into());
     }
-    if o.use_fsdp_inference {
+    if fsdp {
         return Some(
             "--use-fsdp-inference shards the DiT across GPUs: pass --num-gpus 2 or more, or drop it"
                 .into(),

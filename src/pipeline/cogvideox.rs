@@ -9,8 +9,7 @@ use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, StageSpec, TextToVideo};
 use super::stages;
-use crate::cli::resolve::ModelDefaults;
-use crate::cli::UsageError;
+use crate::config::{ModelDefaults, UsageError};
 use crate::models::cogvideox::transformer::{
     CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
 };
@@ -210,8 +209,8 @@ impl CogVideoX {
             tokenizer,
         };
         // A draws file that does not fit the run is bad input, found before anything loads.
-        if let Some(path) = &frame.config.generation.latents {
-            let o = &frame.config.options;
+        if let Some(path) = &frame.config.generation().latents {
+            let o = frame.config.video();
             let mut draws = RunDraws::File(Draws::open(path).map_err(usage)?);
             pipeline
                 .take_draws(
@@ -262,7 +261,7 @@ impl CogVideoX {
         encoder: &Held<'_, T5EncoderModel>,
         texts: &[&str],
     ) -> Result<Vec<Tensor>> {
-        let max_len = frame.config.generation.max_sequence_length;
+        let max_len = frame.config.generation().max_sequence_length;
         let ids = texts
             .iter()
             .map(|text| Ok(self.tokenizer.encode(text, max_len)?.0))
@@ -300,7 +299,7 @@ impl CogVideoX {
         }
         .to_device(device)?;
         let guided = job.negative_embeds.is_some();
-        let mut draws = match &frame.config.generation.latents {
+        let mut draws = match &frame.config.generation().latents {
             Some(path) => RunDraws::File(Draws::open(path)?),
             None => RunDraws::Seeded(job.seed),
         };

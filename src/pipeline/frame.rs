@@ -12,7 +12,7 @@ use super::registry::{Family, RunShape};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, PipelineSpec, Role, Slot};
 use super::stages;
-use crate::cli::ResolvedConfig;
+use crate::config::ResolvedConfig;
 use crate::models::source::{component_weights, ModelSource};
 use crate::offload::{Residency, Usage};
 use crate::output::Audio;
@@ -62,11 +62,11 @@ impl Frame {
         device: Device,
         progress: Arc<Progress>,
     ) -> Self {
-        let spec = match &config.ranks {
+        let spec = match config.ranks() {
             Some(ranks) if !ranks.leads() => spec.follower(),
             _ => spec,
         };
-        let placement = Placement::new(&config.memory, &spec);
+        let placement = Placement::new(config.memory(), &spec);
         Frame {
             loaded: spec.components.iter().map(|_| None).collect(),
             config,
@@ -129,7 +129,7 @@ impl Frame {
 
     /// Whether this rank follows the leader of its sequence-parallel group.
     pub fn follows(&self) -> bool {
-        self.config.ranks.as_ref().is_some_and(|r| !r.leads())
+        self.config.ranks().is_some_and(|r| !r.leads())
     }
 
     /// Writes the job's output: its frames (with the sound of a model that makes it), or its
@@ -170,9 +170,9 @@ impl Frame {
 
     /// The group the DiTs are sharded over (`--use-fsdp-inference` on a rank of several).
     fn fsdp(&self) -> Option<&Arc<dyn Collective>> {
-        let ranks = self.config.ranks.as_ref()?;
+        let ranks = self.config.ranks()?;
         self.config
-            .memory
+            .memory()
             .use_fsdp_inference
             .then_some(&ranks.group)
     }
@@ -220,7 +220,7 @@ impl Frame {
         group: Arc<dyn Collective>,
     ) -> Result<Placed<M>> {
         let ranks = group.world_size();
-        let m = &self.config.memory;
+        let m = self.config.memory();
         let placed = Placed::load_sharded(
             cfg,
             weights,

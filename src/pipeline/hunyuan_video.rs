@@ -11,7 +11,7 @@ use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
-use crate::cli::resolve::ModelDefaults;
+use crate::config::ModelDefaults;
 use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
 use crate::models::guidance::guide;
 use crate::models::hunyuan_video::activations;
@@ -354,7 +354,7 @@ impl HunyuanVideo {
                 DEFAULT_PROMPT_TEMPLATE,
                 &[text],
                 self.crop_start,
-                frame.config.generation.max_sequence_length,
+                frame.config.generation().max_sequence_length,
                 &device,
             )?;
             prepared.push(model.prepare(&mask, &device)?);
@@ -421,9 +421,8 @@ impl HunyuanVideo {
     /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
     /// negative prompt given).
     fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
-        let scale = frame.config.generation.true_cfg_scale.unwrap_or(1.0);
-        let has_negative =
-            !job.negative_prompt.is_empty() || frame.config.given.contains("negative_prompt");
+        let scale = frame.config.generation().true_cfg_scale.unwrap_or(1.0);
+        let has_negative = !job.negative_prompt.is_empty() || frame.config.given("negative_prompt");
         uses_true_cfg(scale, has_negative).then_some(scale)
     }
 
@@ -431,7 +430,7 @@ impl HunyuanVideo {
         let llama = frame.hold(self.parts.text_encoder)?;
         let clip = frame.hold(self.parts.text_encoder_2)?;
         let negative = Self::true_cfg(frame, job).is_some();
-        if !negative && frame.config.generation.true_cfg_scale.unwrap_or(1.0) > 1.0 {
+        if !negative && frame.config.generation().true_cfg_scale.unwrap_or(1.0) > 1.0 {
             frame.progress.note(
                 "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
             );
@@ -464,7 +463,7 @@ impl HunyuanVideo {
         let shape = self
             .configs
             .latent_shape(job.num_frames, job.height, job.width);
-        let latents = match &frame.config.generation.latents {
+        let latents = match &frame.config.generation().latents {
             Some(path) => {
                 let mut draws = super::draws::Draws::open(path)?;
                 let latents = draws.take("latents", &shape)?;
@@ -526,7 +525,7 @@ impl HunyuanVideo {
         sampler(
             &self.configs.scheduler,
             job.num_inference_steps as usize,
-            frame.config.generation.flow_shift,
+            frame.config.generation().flow_shift,
         )
     }
 
@@ -596,7 +595,7 @@ impl HunyuanVideo {
     /// `latents / scaling_factor`, the VAE decode (temporal tiling as diffusers' default;
     /// spatial tiling with `--vae-tiling`), `(video / 2 + 0.5).clamp(0, 1)` as `[F, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let tiling = frame.config.memory.vae_tiling;
+        let tiling = frame.config.memory().vae_tiling;
         let held = frame.hold(self.parts.vae)?;
         let latents = job.latents.take().context("nothing denoised")?;
         let video = {

@@ -1,9 +1,8 @@
 //! Requests: one per prompt, with its sizes, seed and output path, and the tensors that wait
 //! between stages (kept small: embeddings, latents, frames).
 
-use crate::cli::resolve::draw_seed;
-use crate::cli::video::{FrameRule, Spelling, VideoSettings};
-use crate::cli::ResolvedConfig;
+use crate::config::video::{FrameRule, Spelling, VideoSettings};
+use crate::config::{draw_seed, Prompts, ResolvedConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use serde::Deserialize;
@@ -123,22 +122,22 @@ struct PromptLine {
 /// `--seed` could then never be resumed. A fixed seed (`--seed`, a line's `seed`) or an
 /// explicit name still needs that exact file.
 pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
-    let o = &config.options;
-    let lines = match (&o.prompt, &o.prompt_file) {
-        (Some(p), _) => vec![(
+    let (v, out, b) = (config.video(), config.output(), config.batch());
+    let lines = match &config.generation().prompts {
+        Some(Prompts::Text(p)) => vec![(
             "--prompt".to_string(),
             PromptLine {
                 prompt: p.clone(),
                 ..Default::default()
             },
         )],
-        (None, Some(file)) => read_prompt_file(file, config.frame_rule)?,
-        (None, None) => bail!("no prompt given; pass --prompt \"...\" or --prompt-file FILE"),
+        Some(Prompts::File(file)) => read_prompt_file(file, config.frame_rule())?,
+        None => bail!("no prompt given; pass --prompt \"...\" or --prompt-file FILE"),
     };
-    let base_seed = o.seed.unwrap_or_else(draw_seed);
-    let seed_free = config.seed_drawn || o.seed.is_none();
+    let base_seed = v.seed.unwrap_or_else(draw_seed);
+    let seed_free = v.seed_drawn || v.seed.is_none();
     let batch = lines.len() > 1;
-    let ext = o.output_type.extension();
+    let ext = out.kind.extension();
     // PNG output is a folder of frames, named without an extension.
     let file_name = |name: &str| match ext {
         "png" => name.to_string(),
@@ -149,7 +148,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     // built in linear time: a prompt file may hold 100,000 lines).
     let mut writers: HashMap<PathBuf, usize> = HashMap::with_capacity(lines.len());
     // `--resume`'s finished outputs by stem, read from the folder once.
-    let finished = (o.resume && seed_free).then(|| finished_by_stem(&o.output_path, ext));
+    let finished = (b.resume && seed_free).then(|| finished_by_stem(&out.folder, ext));
     // Whether some prompt to be made takes its seed from the drawn base seed.
     let mut base_seed_used = false;
     for (i, (origin, line)) in lines.into_iter().enumerate() {
@@ -157,13 +156,13 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
         let explicit_name = line
             .output_video_name
             .clone()
-            .or_else(|| o.output_video_name.clone().filter(|_| !batch));
+            .or_else(|| out.name.clone().filter(|_| !batch));
         let stem = match &explicit_name {
             Some(_) => String::new(),
             None if batch => format!("{}_{:03}_seed", slug(&line.prompt), i + 1),
             None => format!("{}_seed", slug(&line.prompt)),
         };
-        let mut output = o.output_path.join(match &explicit_name {
+        let mut output = out.folder.join(match &explicit_name {
             Some(name) => file_name(name),
             None => file_name(&format!("{stem}{seed}")),
         });
@@ -183,25 +182,25 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
         writers.insert(output.clone(), jobs.len());
         // A line's size merged with the flags' may be more than any machine holds.
         let (num_frames, height, width) = (
-            line.num_frames.unwrap_or(o.num_frames),
-            line.height.unwrap_or(o.height),
-            line.width.unwrap_or(o.width),
+            line.num_frames.unwrap_or(v.num_frames),
+            line.height.unwrap_or(v.height),
+            line.width.unwrap_or(v.width),
         );
-        crate::cli::video::check_frame_bytes(height, width, num_frames)
+        crate::config::video::check_frame_bytes(height, width, num_frames)
             .map_err(|why| anyhow!("{origin}: {why}"))?;
         jobs.push(Job {
             index: i,
             origin,
             negative_prompt: line
                 .negative_prompt
-                .unwrap_or_else(|| o.negative_prompt.clone()),
+                .unwrap_or_else(|| v.negative_prompt.clone()),
             seed,
-            image: line.image.or_else(|| config.generation.image.clone()),
+            image: line.image.or_else(|| config.generation().image.clone()),
             num_frames,
             height,
             width,
-            num_inference_steps: line.num_inference_steps.unwrap_or(o.num_inference_steps),
-            guidance_scale: line.guidance_scale.unwrap_or(o.guidance_scale),
+            num_inference_steps: line.num_inference_steps.unwrap_or(v.num_inference_steps),
+            guidance_scale: line.guidance_scale.unwrap_or(v.guidance_scale),
             output,
             prompt: line.prompt,
             prompt_embeds: None,
@@ -214,7 +213,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             carry: Carry::default(),
         });
     }
-    if seed_free && base_seed_used && !o.quiet && !config.dry_run {
+    if seed_free && base_seed_used && !b.quiet && !config.dry_run() {
         eprintln!(
             "seed: none given, drew base seed {base_seed} (prompt i gets {base_seed} + i - 1); pass --seed {base_seed} to make the same videos again"
         );
@@ -268,7 +267,7 @@ const MAX_PROMPT_FILE_BYTES: u64 = 64 << 20;
 
 /// The prompts of a file with their `FILE:LINE` origins.
 fn read_prompt_file(path: &Path, rule: FrameRule) -> Result<Vec<(String, PromptLine)>> {
-    let bytes = crate::cli::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES)?;
+    let bytes = crate::config::files::read_capped("--prompt-file", path, MAX_PROMPT_FILE_BYTES)?;
     parse_prompt_file(path, bytes, rule)
 }
 

@@ -9,8 +9,8 @@ use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, StageSpec, TextToVideo};
 use super::stages;
-use crate::cli::resolve::ModelDefaults;
-use crate::cli::video::FrameRule;
+use crate::config::video::FrameRule;
+use crate::config::ModelDefaults;
 use crate::models::guidance::guide_batched;
 use crate::models::ltx::transformer::{
     pack_latents, unpack_latents, LtxStream, LtxTransformer3DModel, LtxTransformerConfig,
@@ -246,7 +246,7 @@ impl Ltx {
         encoder: &Held<'_, T5EncoderModel>,
         texts: &[&str],
     ) -> Result<Vec<(Tensor, Tensor)>> {
-        let max_len = frame.config.generation.max_sequence_length;
+        let max_len = frame.config.generation().max_sequence_length;
         let tokens = texts
             .iter()
             .map(|text| self.tokenizer.encode(text, max_len))
@@ -298,7 +298,7 @@ impl Ltx {
         let mut carried: Carried = job.carry.take();
         // The draws: `latents` (packed) from the file, or seeded noise packed as the pipeline
         // packs its own draw.
-        let latents = match &frame.config.generation.latents {
+        let latents = match &frame.config.generation().latents {
             Some(path) => {
                 let mut draws = Draws::open(path)?;
                 let latents = draws.take("latents", &packed)?;
@@ -339,7 +339,7 @@ impl Ltx {
         let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
             self.configs.vae.temporal_compression_ratio(),
             self.configs.vae.spatial_compression_ratio(),
-            f64::from(frame.config.output.fps),
+            f64::from(frame.config.output().fps),
         );
         let mut scheduler = FlowMatchEuler::for_sequence_length(
             &self.configs.scheduler,
@@ -394,7 +394,7 @@ impl Ltx {
         )?;
         let z = vae.denormalize(&z.to_dtype(DType::F32)?)?;
         let video = if vae.timestep_conditioning() {
-            let g = &frame.config.generation;
+            let g = frame.config.generation();
             let decode_timestep = g.decode_timestep.unwrap_or(defaults::DECODE_TIMESTEP);
             let scale = g.decode_noise_scale.unwrap_or(decode_timestep);
             let timestep = Tensor::new(&[decode_timestep as f32], device)?;

@@ -12,9 +12,8 @@ use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
-use crate::cli::resolve::ModelDefaults;
-use crate::cli::video::FrameRule;
-use crate::cli::ResolvedConfig;
+use crate::config::video::FrameRule;
+use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::minimax_h3::activations;
 use crate::models::minimax_h3::audio_vae::{
     stereo_from_batch, MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder,
@@ -277,12 +276,12 @@ impl Family for MiniMaxH3Configs {
 
     /// Video at 24 fps with its sound in step, and frame counts of 5-15 s.
     fn inapplicable(&self, config: &ResolvedConfig) -> Option<String> {
-        if config.options.fps != FPS as u32 {
+        if config.output().fps != FPS as u32 {
             return Some(
                 "--fps: MiniMax H3 makes 24 fps video with its sound in step; leave it out".into(),
             );
         }
-        let o = &config.options;
+        let o = config.video();
         self.geometry(o.num_frames, o.height, o.width)
             .err()
             .map(|e| format!("--num-frames {}: {e:#}", o.num_frames))
@@ -434,7 +433,7 @@ impl MiniMaxH3 {
             self.configs.latent_shape(&g),
             self.configs.audio_latent_shape(&g),
         );
-        Ok(match &frame.config.generation.latents {
+        Ok(match &frame.config.generation().latents {
             Some(path) => {
                 let mut draws = Draws::open(path)?;
                 let latents = (

@@ -19,9 +19,7 @@ pub mod spec;
 mod stages;
 pub mod wan_t2v;
 
-use crate::cli::args::BatchOrderChoice;
-use crate::cli::resolve::ModelDefaults;
-use crate::cli::{ResolvedConfig, UsageError};
+use crate::config::{BatchOrderChoice, ModelDefaults, ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{gib, MemoryPlan, Request};
 use crate::memory::{DeviceKind, MemoryOptions};
@@ -45,13 +43,13 @@ use std::time::{Duration, Instant};
 
 /// When components load, from the resolved options.
 pub fn load_policy(config: &ResolvedConfig) -> LoadPolicy {
-    plan::load_policy(&config.memory)
+    plan::load_policy(config.memory())
 }
 
 /// The order a batch walks the stages in: `--batch-order`, where `auto` is stage-major when
 /// components are loaded late (each then loads once per group of `runner::MAX_IN_FLIGHT` prompts) and prompt-major otherwise.
 pub fn batch_order(config: &ResolvedConfig) -> BatchOrder {
-    match config.options.batch_order {
+    match config.batch().order {
         BatchOrderChoice::Prompt => BatchOrder::Prompt,
         BatchOrderChoice::Stage => BatchOrder::Stage,
         BatchOrderChoice::Auto => match load_policy(config) {
@@ -119,17 +117,17 @@ impl Outcome {
 /// not stop the others; the run then ends with a summary of what failed and exit code 1, or 130
 /// after Ctrl-C. Paths go to stdout as each file is complete.
 pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
-    crate::models::conv3d::set_tf32(config.options.tf32);
-    let progress = Arc::new(Progress::new(config.options.quiet));
-    let source =
-        ModelSource::parse(&config.options.model).map_err(|e| UsageError::new(format!("{e:#}")))?;
+    crate::models::conv3d::set_tf32(config.tf32());
+    let progress = Arc::new(Progress::new(config.batch().quiet));
+    let source = ModelSource::parse(&config.generation().model)
+        .map_err(|e| UsageError::new(format!("{e:#}")))?;
     let unsupported = |e: anyhow::Error| -> anyhow::Error {
         match e.downcast::<registry::UnsupportedPipeline>() {
             Ok(unsupported) => UsageError::new(format!("{source}: {unsupported}")).into(),
             Err(e) => e,
         }
     };
-    if config.dry_run {
+    if config.dry_run() {
         // A model no family runs is bad input, in a dry run too.
         if let Err(e) = registry::family(Configs::OnDisk(&source)) {
             if e.is::<registry::UnsupportedPipeline>() {
@@ -149,25 +147,25 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
         };
         // What the device changed, once the sizes are known to be good (an error is one line).
-        progress.overrides(&config.overrides);
+        progress.overrides(config.overrides());
         // The prompts are read and checked as a run would (a missing or broken prompt file is
         // bad input here too), so that the plan covers every size they ask for.
-        let prompts = match (&config.options.prompt, &config.options.prompt_file) {
-            (None, None) => Vec::new(),
-            _ => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
+        let prompts = match &config.generation().prompts {
+            None => Vec::new(),
+            Some(_) => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
         };
         if let Ok((family, _)) = &found {
             check_latents(&config, family.as_ref(), &prompts)?;
         }
         let plan = DryRun::new(&config, &source, found, &prompts);
-        if config.json {
+        if config.json() {
             println!("{}", plan.json());
         } else {
             print!("{}", plan.text());
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if let Some(why) = crate::parallel::cannot_run(&config.options) {
+    if let Some(why) = cannot_run(&config) {
         return Err(UsageError::new(why).into());
     }
     // Only a model no family runs stops here: a model that fails to read (a missing file, a
@@ -186,7 +184,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
-    progress.overrides(&config.overrides);
+    progress.overrides(config.overrides());
     match parallel_part(config, &family)? {
         Ok(joined) => run_joined(joined, family, source, &progress),
         Err(code) => Ok(code),
@@ -202,9 +200,9 @@ pub fn run_joined(
     progress: &Arc<Progress>,
 ) -> Result<ExitCode> {
     let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
-    if let Some(stats) = &config.options.stats_json {
+    if let Some(stats) = &config.batch().stats_json {
         for job in &jobs {
-            if crate::cli::resolve::same_file(stats, &job.output) {
+            if crate::config::files::same_file(stats, &job.output) {
                 return Err(UsageError::new(format!(
                     "--stats-json {} is the output of {}; writing the stats would replace it: pass another path",
                     stats.display(),
@@ -214,16 +212,16 @@ pub fn run_joined(
             }
         }
     }
-    let mut config = config;
-    config.generation.line_images = jobs
+    let line_images = jobs
         .iter()
-        .any(|j| j.image.is_some() && j.image != config.generation.image);
+        .any(|j| j.image.is_some() && j.image != config.generation().image);
+    let config = config.with_line_images(line_images);
     if let Ok(family) = &family {
         check_latents(&config, family.as_ref(), &jobs)?;
         check_images(&config, family.as_ref(), &jobs)?;
     }
-    check_output_folder(&config.options.output_path)?;
-    interrupt::install(config.options.quiet);
+    check_output_folder(&config.output().folder)?;
+    interrupt::install(config.batch().quiet);
     let started = Instant::now();
     let mut outcomes: Vec<Outcome> = jobs
         .iter()
@@ -238,7 +236,7 @@ pub fn run_joined(
     let result = family
         .and_then(|family| generate(&config, family, source, progress, &mut jobs, &mut outcomes));
     let mut code = summarize(&jobs, &outcomes, progress);
-    if let Some(path) = &config.options.stats_json {
+    if let Some(path) = &config.batch().stats_json {
         let stats = stats(
             &config,
             &jobs,
@@ -295,7 +293,7 @@ fn check_latents(
     family: &dyn Family,
     jobs: &[Job],
 ) -> Result<(), UsageError> {
-    let Some(path) = &config.generation.latents else {
+    let Some(path) = &config.generation().latents else {
         return Ok(());
     };
     let at = format!("--latents {}", path.display());
@@ -334,6 +332,12 @@ fn check_latents(
     Ok(())
 }
 
+/// Why this build cannot run what `config` asks of several GPUs (`None`: it can).
+fn cannot_run(config: &ResolvedConfig) -> Option<String> {
+    let fsdp = config.memory().use_fsdp_inference;
+    crate::parallel::cannot_run(config.groups(), fsdp, config.batch().resume)
+}
+
 /// This process's part in a run on several GPUs: what it runs with, or the exit code of the
 /// workers it supervised.
 fn parallel_part(
@@ -343,8 +347,8 @@ fn parallel_part(
     use crate::parallel::launch::{self, Part};
     let world =
         crate::parallel::world::World::from_env().map_err(|e| UsageError::new(e.to_string()))?;
-    let part = launch::part(&config.options, world).map_err(UsageError::new)?;
-    if let (Some(sp), Ok(family)) = (config.options.sp_size.filter(|&sp| sp > 1), family) {
+    let part = launch::part(config.groups().ranks, world).map_err(UsageError::new)?;
+    if let (Some(sp), Ok(family)) = (Some(config.groups().sp).filter(|&sp| sp > 1), family) {
         if !family.sequence_parallel() {
             return Err(UsageError::new(format!(
                 "--sp-size {sp}: only the Wan pipelines split a video across GPUs so far; pass --sp-size 1 (one prompt per GPU) or --num-gpus 1"
@@ -352,7 +356,7 @@ fn parallel_part(
             .into());
         }
     }
-    let groups = crate::parallel::Groups::of(&config.options);
+    let groups = config.groups();
     match part {
         Part::Alone => Ok(Ok((config, None, None))),
         Part::Supervisor(_) => launch::supervise_self(groups).map(Err),
@@ -361,10 +365,7 @@ fn parallel_part(
         #[cfg(feature = "nccl")]
         Part::Rank(world) => launch::join(config, world).map(Ok),
         #[cfg(not(feature = "nccl"))]
-        Part::Rank(_) => Err(UsageError::new(
-            crate::parallel::cannot_run(&config.options).unwrap_or_default(),
-        )
-        .into()),
+        Part::Rank(_) => Err(UsageError::new(cannot_run(&config).unwrap_or_default()).into()),
     }
 }
 
@@ -394,7 +395,7 @@ fn check_output_folder(dir: &Path) -> Result<(), UsageError> {
 /// The outcome a job starts with: not run yet, or decided by an output that already exists
 /// (skipped with `--resume`, failed unless `--overwrite`).
 fn existing_output(config: &ResolvedConfig, job: &Job, progress: &Progress) -> Outcome {
-    let o = &config.options;
+    let o = config.batch();
     if o.overwrite || !jobs::output_exists(&job.output) {
         return Outcome::new(Status::NotRun, None);
     }
@@ -545,7 +546,7 @@ impl Pipeline for Guarded<'_> {
             job.stopped_at = Some(stage);
             return Err(e.into());
         }
-        if !self.config.options.overwrite && !job.written && jobs::output_exists(&job.output) {
+        if !self.config.batch().overwrite && !job.written && jobs::output_exists(&job.output) {
             bail!(
                 "{} appeared during the run; pass --overwrite to replace it",
                 job.output.display()
@@ -560,11 +561,7 @@ impl Pipeline for Guarded<'_> {
             Ok(())
                 if job.written
                     && !was_written
-                    && self
-                        .config
-                        .ranks
-                        .as_ref()
-                        .is_none_or(|r| r.group.rank() == 0) =>
+                    && self.config.ranks().is_none_or(|r| r.group.rank() == 0) =>
             {
                 println!("{}", job.output.display())
             }
@@ -737,10 +734,10 @@ fn write_stats(path: &Path, stats: &serde_json::Value) -> Result<()> {
 }
 
 fn candle_device(config: &ResolvedConfig) -> Result<Device> {
-    Ok(match config.device.kind {
+    Ok(match config.device().kind {
         DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(config.device.ordinal)?,
-        DeviceKind::Metal => Device::new_metal(config.device.ordinal)?,
+        DeviceKind::Cuda => Device::new_cuda(config.device().ordinal)?,
+        DeviceKind::Metal => Device::new_metal(config.device().ordinal)?,
     })
 }
 
@@ -839,7 +836,7 @@ impl GpuPlan {
         spec: &PipelineSpec,
         config: &ResolvedConfig,
     ) -> Vec<Self> {
-        let groups = crate::parallel::Groups::of(&config.options);
+        let groups = config.groups();
         if groups.ranks < 2 {
             return Vec::new();
         }
@@ -851,12 +848,14 @@ impl GpuPlan {
                     .into_iter()
                     .map(|c| &mine.components[c])
                     .map(|c| match c.role {
-                        Role::Dit if config.memory.use_fsdp_inference && groups.sp > 1 => format!(
-                            "{} (1/{} of every block + {} gathered)",
-                            c.name,
-                            groups.sp,
-                            config.memory.block_depth() + 1
-                        ),
+                        Role::Dit if config.memory().use_fsdp_inference && groups.sp > 1 => {
+                            format!(
+                                "{} (1/{} of every block + {} gathered)",
+                                c.name,
+                                groups.sp,
+                                config.memory().block_depth() + 1
+                            )
+                        }
                         _ => c.name.to_string(),
                     })
                     .collect();
@@ -887,8 +886,8 @@ impl GpuPlan {
 }
 
 /// "4 GPUs: ..." for the dry run.
-fn parallel_text(o: &crate::cli::args::GenerateOptions) -> String {
-    let groups = crate::parallel::Groups::of(o);
+fn parallel_text(config: &ResolvedConfig) -> String {
+    let groups = config.groups();
     let mut text = if groups.sp == 1 {
         format!(
             "{} GPUs: prompt parallelism, each GPU makes its share of the prompts",
@@ -905,7 +904,7 @@ fn parallel_text(o: &crate::cli::args::GenerateOptions) -> String {
             groups.count()
         )
     };
-    if o.use_fsdp_inference {
+    if config.memory().use_fsdp_inference {
         text += &format!(", FSDP: each GPU holds 1/{} of every DiT block", groups.sp);
     }
     text
@@ -927,7 +926,7 @@ impl<'a> DryRun<'a> {
                 facts: family.facts(&RunShape::of(config)),
                 from,
                 schedule: Schedule::plan(&spec, load_policy(config)),
-                placement: Placement::new(&config.memory, &spec),
+                placement: Placement::new(config.memory(), &spec),
                 memory: planner.plan(&request).map_err(|e| format!("{e:#}")),
                 sizes: SizePlan::of(&planner, jobs),
                 spec,
@@ -955,7 +954,7 @@ impl<'a> DryRun<'a> {
             Ok(d) => {
                 out["pipeline"] = json!(d.spec.title);
                 out["placement"] = d.placement.json();
-                out["notes"] = json!(inert_options(&config.memory, &d.spec));
+                out["notes"] = json!(inert_options(config.memory(), &d.spec));
                 out["stages"] = d
                     .spec
                     .stages
@@ -991,7 +990,7 @@ impl<'a> DryRun<'a> {
                 }
                 out["model"] = model;
                 if !d.sizes.is_empty() {
-                    let total = config.device.total_memory;
+                    let total = config.device().total_memory;
                     out["prompts"] = json!({
                         "count": d.sizes.iter().map(|s| s.prompts).sum::<usize>(),
                         "sizes": d.sizes.iter().map(|s| s.json(total)).collect::<Vec<_>>(),
@@ -1010,7 +1009,7 @@ impl<'a> DryRun<'a> {
         }
         out["memory_plan"] = match self.memory() {
             Some(m) => {
-                let total = config.device.total_memory;
+                let total = config.device().total_memory;
                 json!({
                     "peak_stage": m.peak().map(|s| s.name),
                     "peak_bytes": m.peak().map(|s| s.peak_bytes),
@@ -1029,8 +1028,8 @@ impl<'a> DryRun<'a> {
     /// stage with its predicted memory.
     fn text(&self) -> String {
         let config = self.config;
-        let o = &config.options;
-        let d = &config.device;
+        let v = config.video();
+        let d = config.device();
         let mut out = String::from("vidgen dry run: nothing is loaded\n");
         let from = match &self.described {
             Ok(Described {
@@ -1070,7 +1069,7 @@ impl<'a> DryRun<'a> {
         }
         out += &format!(
             "\nvideo        {} frames of {}x{}",
-            o.num_frames, o.height, o.width
+            v.num_frames, v.height, v.width
         );
         if let Some(latent) = self
             .described
@@ -1089,7 +1088,7 @@ impl<'a> DryRun<'a> {
             Ok(described) => described,
             Err(why) => {
                 out += &format!("placement    unknown: {why}\n");
-                out += &options_text(o);
+                out += &options_text(config);
                 out += &format!("stages       unknown: {why}\nmemory not predicted: {why}\n");
                 return out;
             }
@@ -1101,17 +1100,17 @@ impl<'a> DryRun<'a> {
         if p.uses_host_memory() {
             out += &format!("host memory  {}\n", p.memory);
         }
-        for note in inert_options(&config.memory, &described.spec) {
+        for note in inert_options(config.memory(), &described.spec) {
             out += &format!("note         {note}\n");
         }
-        out += &options_text(o);
+        out += &options_text(config);
         let spec = &described.spec;
         let names = |cs: &[usize]| match spec.names(cs) {
             n if n.is_empty() => "-".to_string(),
             n => n.join(","),
         };
         if !described.gpus.is_empty() {
-            out += &format!("gpus         {}\n", parallel_text(o));
+            out += &format!("gpus         {}\n", parallel_text(config));
             for g in &described.gpus {
                 let peak = match &g.memory {
                     Ok(m) => format!("peak {}", m.describe_peak()),
@@ -1219,9 +1218,9 @@ fn prompts_text(sizes: &[SizePlan], total: Option<u64>) -> String {
 }
 
 /// The options as config-file keys, one per line.
-fn options_text(o: &crate::cli::args::GenerateOptions) -> String {
+fn options_text(config: &ResolvedConfig) -> String {
     let mut out = String::from("options (as --config file keys)\n");
-    if let serde_json::Value::Object(options) = json!(o) {
+    if let serde_json::Value::Object(options) = json!(config.echo()) {
         for (key, value) in options.iter().filter(|(_, v)| !v.is_null()) {
             out += &format!("  {key} = {value}\n");
         }

@@ -6,12 +6,11 @@ use super::placement::Placement;
 use super::registry::{Family, RunShape};
 use super::runner::{LoadPolicy, Schedule};
 use super::spec::{PipelineSpec, Role};
-use crate::cli::ResolvedConfig;
+use crate::config::ResolvedConfig;
 use crate::memory::plan::{self as memory_plan, MemoryPlan, PlanStage, Request};
 use crate::memory::MemoryOptions;
 use crate::offload::{DeviceWeights, Residency, StreamOptions};
 use crate::parallel::fsdp::shard_bytes;
-use crate::parallel::Groups;
 use anyhow::Result;
 use candle_core::DType;
 use std::cell::RefCell;
@@ -49,9 +48,9 @@ impl<'a> Planner<'a> {
     /// frame rule.
     pub fn request(&self) -> Request {
         Request {
-            options: self.config.memory.clone(),
-            num_frames: self.config.options.num_frames,
-            frame_step: self.config.frame_rule.frame_step,
+            options: self.config.memory().clone(),
+            num_frames: self.config.video().num_frames,
+            frame_step: self.config.frame_rule().frame_step,
         }
     }
 
@@ -101,7 +100,7 @@ impl<'a> Planner<'a> {
 
     /// What `rank` runs: the whole pipeline, or a follower's part of it.
     pub fn rank_spec(&self, spec: PipelineSpec, rank: usize) -> PipelineSpec {
-        if Groups::of(&self.config.options).leads(rank) {
+        if self.config.groups().leads(rank) {
             spec
         } else {
             spec.follower()
@@ -121,7 +120,7 @@ impl<'a> Planner<'a> {
                 self.device_weights(i, &spec, residency, c.dtype(shape.dtype))
             })
             .collect::<Result<Vec<_>>>()?;
-        let groups = Groups::of(&self.config.options);
+        let groups = self.config.groups();
         let is_dit = |c: usize| spec.components[c].role == Role::Dit;
         let weights: Vec<DeviceWeights> = weights
             .into_iter()
@@ -223,9 +222,9 @@ impl<'a> Planner<'a> {
     pub fn advice(&self) -> String {
         memory_plan::advice(
             &self.request(),
-            &self.config.device,
+            self.config.device(),
             &|r| self.plan(r),
-            self.config.device.total_memory,
+            self.config.device().total_memory,
         )
     }
 
@@ -233,7 +232,7 @@ impl<'a> Planner<'a> {
     pub fn candidates(&self, total: Option<u64>) -> Vec<memory_plan::Candidate> {
         memory_plan::candidates(
             &self.request(),
-            &self.config.device,
+            self.config.device(),
             &|r| self.plan(r),
             total,
         )

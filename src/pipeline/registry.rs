@@ -6,8 +6,7 @@
 use super::frame::Frame;
 use super::spec::PipelineSpec;
 use super::{cogvideox, hunyuan_video, ltx, minimax_h3, wan_t2v};
-use crate::cli::resolve::ModelDefaults;
-use crate::cli::ResolvedConfig;
+use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::source::ModelSource;
 use crate::output::OutputType;
 use crate::schedulers::SchedulerKind;
@@ -35,16 +34,16 @@ pub struct RunShape {
 impl RunShape {
     /// The shape of a resolved run.
     pub fn of(config: &ResolvedConfig) -> Self {
-        let o = &config.options;
+        let (v, g) = (config.video(), config.generation());
         RunShape {
             dtype: config.dtype(),
-            num_frames: o.num_frames,
-            height: o.height,
-            width: o.width,
-            text_len: o.max_sequence_length as usize,
-            vae_tiling: config.memory.vae_tiling,
-            image: config.generation.image.is_some() || config.generation.line_images,
-            decode: config.output.kind != OutputType::Latent,
+            num_frames: v.num_frames,
+            height: v.height,
+            width: v.width,
+            text_len: g.max_sequence_length,
+            vae_tiling: config.memory().vae_tiling,
+            image: g.image.is_some() || g.line_images,
+            decode: config.output().kind != OutputType::Latent,
         }
     }
 }
@@ -145,8 +144,8 @@ impl FamilyOption {
 
     /// Whether the user gave the option.
     fn given(self, config: &ResolvedConfig) -> bool {
-        let g = &config.generation;
-        let given = |key: &str| config.given.contains(key);
+        let g = config.generation();
+        let given = |key: &str| config.given(key);
         match self {
             FamilyOption::Image => g.image.is_some(),
             FamilyOption::GuidanceScale => given("guidance_scale"),
@@ -157,7 +156,7 @@ impl FamilyOption {
             FamilyOption::FlowShift => g.flow_shift.is_some(),
             FamilyOption::DecodeTimestep => g.decode_timestep.is_some(),
             FamilyOption::DecodeNoiseScale => g.decode_noise_scale.is_some(),
-            FamilyOption::VaeTiling => given("vae_tiling") && config.memory.vae_tiling,
+            FamilyOption::VaeTiling => given("vae_tiling") && config.memory().vae_tiling,
         }
     }
 }
@@ -274,7 +273,7 @@ pub struct UnsupportedPipeline {
 /// options it does not take, a sampler it does not run, then the family's own checks.
 pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
     let title = family.title();
-    if config.output.kind == OutputType::Latent && !family.latent_output() {
+    if config.output().kind == OutputType::Latent && !family.latent_output() {
         return Some(format!(
             "--output-type latent is not supported for {title}; use safetensors, png or mp4"
         ));
@@ -290,8 +289,8 @@ pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
             option.purpose()
         ));
     }
-    let scheduler = config.generation.scheduler;
-    if config.given.contains("scheduler") && !family.schedulers().contains(&scheduler) {
+    let scheduler = config.generation().scheduler;
+    if config.given("scheduler") && !family.schedulers().contains(&scheduler) {
         let runs = match family.schedulers() {
             [] => "its own scheduler".to_string(),
             kinds => kinds

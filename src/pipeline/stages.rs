@@ -6,7 +6,7 @@ use super::jobs::Job;
 use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::Family;
-use crate::cli::ResolvedConfig;
+use crate::config::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::gib;
 use crate::offload::Usage;
@@ -127,7 +127,7 @@ pub(crate) fn explain_out_of_memory(
         return e;
     }
     let peaks = meter.peaks();
-    let total = config.device.total_memory;
+    let total = config.device().total_memory;
     let in_use = match (peaks.device_in_use_now, total) {
         (0, _) => String::new(),
         (used, Some(total)) => format!(
@@ -173,7 +173,7 @@ pub(crate) fn write_output(
         ("title".to_string(), job.prompt.clone()),
         (
             "comment".to_string(),
-            format!("vidgen: {} seed {}", config.generation.model, job.seed),
+            format!("vidgen: {} seed {}", config.generation().model, job.seed),
         ),
         ("vidgen_prompt".to_string(), job.prompt.clone()),
         (
@@ -181,27 +181,30 @@ pub(crate) fn write_output(
             job.negative_prompt.clone(),
         ),
         ("vidgen_seed".to_string(), job.seed.to_string()),
-        ("vidgen_model".to_string(), config.generation.model.clone()),
+        (
+            "vidgen_model".to_string(),
+            config.generation().model.clone(),
+        ),
         (
             "vidgen_config".to_string(),
-            config.output.config_json.clone(),
+            config.output().config_json.clone(),
         ),
     ];
-    if config.output.kind == crate::output::OutputType::Latent {
+    if config.output().kind == crate::output::OutputType::Latent {
         let latents = job.latents.take().context("nothing denoised")?;
-        crate::output::write_latents(&job.output, &latents, &metadata, config.options.overwrite)?;
+        crate::output::write_latents(&job.output, &latents, &metadata, config.batch().overwrite)?;
         job.written = true;
         return Ok(());
     }
     let frames = job.frames.take().context("nothing decoded")?;
     crate::output::write_with_audio(
-        config.output.kind,
+        config.output().kind,
         &job.output,
         &frames,
         audio,
-        config.output.fps,
+        config.output().fps,
         &metadata,
-        config.options.overwrite,
+        config.batch().overwrite,
     )?;
     job.written = true;
     Ok(())

@@ -11,8 +11,7 @@ use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
-use crate::cli::resolve::ModelDefaults;
-use crate::cli::ResolvedConfig;
+use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::clip::image_processor::{
     load_rgb_image, ClipImageProcessor, ClipImageProcessorConfig,
 };
@@ -206,12 +205,12 @@ impl WanConfigs {
     /// The first setting of `config` this model cannot honour, as one line saying why (an input
     /// it needs, a size it cannot patch).
     fn refusal(&self, config: &ResolvedConfig) -> std::result::Result<(), String> {
-        let g = &config.generation;
+        let g = config.generation();
         let title = self.title();
         let unit = self.vae.scale_factor_spatial() * self.transformer.patch_size[1].max(1);
         for (key, v) in [
-            ("height", config.options.height),
-            ("width", config.options.width),
+            ("height", config.video().height),
+            ("width", config.video().width),
         ] {
             if !(v as usize).is_multiple_of(unit) {
                 let up = (v as usize).div_ceil(unit).max(1) * unit;
@@ -477,7 +476,7 @@ impl WanT2V {
         encoder: &Held<'_, UMT5EncoderModel>,
         texts: &[&str],
     ) -> Result<Vec<Tensor>> {
-        let max_len = frame.config.generation.max_sequence_length;
+        let max_len = frame.config.generation().max_sequence_length;
         let model = encoder.model();
         let device = model.device();
         let (mut hidden, mut masks, mut lens) = (Vec::new(), Vec::new(), Vec::new());
@@ -506,7 +505,7 @@ impl WanT2V {
     /// receive the embeddings); the embeddings wait for the denoise stage in host memory, so a
     /// stage-major batch holds no device memory between stages.
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let ranks = frame.config.ranks.as_ref();
+        let ranks = frame.config.ranks();
         let embeds = crate::parallel::once_per_group(ranks, &frame.device, || {
             let encoder = frame.hold(self.parts.text_encoder)?;
             let mut texts = vec![job.prompt.as_str()];
@@ -530,7 +529,7 @@ impl WanT2V {
         let Some(path) = &job.image else {
             return Ok(());
         };
-        let ranks = frame.config.ranks.as_ref();
+        let ranks = frame.config.ranks();
         // The leader's two parts, timed apart: the `encode_image_seconds` metric.
         let mut seconds = serde_json::Map::new();
         let made = crate::parallel::once_per_group(ranks, &frame.device, || {
@@ -604,7 +603,7 @@ impl WanT2V {
         let shape = self
             .configs
             .latent_shape(job.num_frames, job.height, job.width);
-        match &frame.config.generation.latents {
+        match &frame.config.generation().latents {
             Some(path) => {
                 let tensors = candle_core::safetensors::load(path, &Device::Cpu)
                     .with_context(|| format!("reading --latents {}", path.display()))?;
@@ -671,7 +670,7 @@ impl WanT2V {
         conditioning: Option<&Conditioning>,
         switch_started: Option<Instant>,
     ) -> Result<Denoising> {
-        let g = &frame.config.generation;
+        let g = frame.config.generation();
         let device = &frame.device;
         let state = match state {
             Some(state) => state,
@@ -756,7 +755,7 @@ impl WanT2V {
                 }),
             );
         }
-        let sequence = frame.config.ranks.as_ref().map(|r| &r.sequence);
+        let sequence = frame.config.ranks().map(|r| &r.sequence);
         let image = image_embeds.as_ref();
         denoise.run(next_step..end, |forwards, i| {
             let t = timesteps[i];
@@ -812,7 +811,7 @@ impl WanT2V {
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&frame.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
-        let video = if frame.config.memory.vae_tiling {
+        let video = if frame.config.memory().vae_tiling {
             vae.decode_tiled(&z, &WanVaeTiling::default())?
         } else {
             vae.decode(&z)?

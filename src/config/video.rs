@@ -5,6 +5,8 @@
 /// the temporary `.NAME.EXT.PID-N.partial` within the usual 255-byte limit.
 pub const MAX_NAME_BYTES: usize = 200;
 
+use super::UsageError;
+
 /// How a setting is named in an error: as the flag that gave it or as a prompt-file key.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Spelling {
@@ -131,6 +133,33 @@ impl VideoSettings<'_> {
         }
         Ok(())
     }
+}
+
+/// The checks of the flags a model's defaults may set: the video's settings, `--fps` and
+/// `--max-sequence-length`.
+pub fn check_flags(
+    video: &VideoSettings,
+    fps: u32,
+    max_sequence_length: u32,
+) -> Result<(), UsageError> {
+    video.check(Spelling::Flag).map_err(UsageError)?;
+    for (name, value) in [("fps", fps), ("max-sequence-length", max_sequence_length)] {
+        // A config file bypasses clap's range checks.
+        if value == 0 {
+            return Err(UsageError::new(format!(
+                "--{name} 0: must be at least 1; pass a positive number"
+            )));
+        }
+    }
+    // Attention over the text grows with its square: far past any text encoder's training
+    // length, and where the memory plan's byte counts would overflow.
+    const MAX_TEXT_TOKENS: u32 = 1 << 16;
+    if max_sequence_length > MAX_TEXT_TOKENS {
+        return Err(UsageError::new(format!(
+            "--max-sequence-length {max_sequence_length} is more than {MAX_TEXT_TOKENS} tokens; Wan uses 512"
+        )));
+    }
+    Ok(())
 }
 
 /// Why `name` cannot be an output file name, if it cannot: it must stay one file in the output
