@@ -108,6 +108,50 @@ pub trait RepeatedBlocks: Sized + 'static {
     }
 }
 
+/// [`RepeatedBlocks`] for a DiT of the usual shape: the model built by `new` and
+/// `new_without_blocks(cfg, vb)`, `cfg.num_layers` blocks under `$prefix.{i}`, each built by
+/// `$block::new(cfg, vb)` or, one step at a time, `$block::with_steps(cfg, vb, steps)` over
+/// `$step::ALL`.
+#[macro_export]
+macro_rules! repeated_blocks {
+    ($model:ty, $config:ty, $block:ty, $step:ty, $prefix:literal) => {
+        impl $crate::models::blocks::RepeatedBlocks for $model {
+            type Config = $config;
+            type Block = $block;
+            type Step = $step;
+            const BLOCKS: &'static str = $prefix;
+            const STEPS: &'static [$step] = &<$step>::ALL;
+            fn new(cfg: &$config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
+                <$model>::new(cfg, vb)
+            }
+            fn new_without_blocks(
+                cfg: &$config,
+                vb: candle_nn::VarBuilder,
+            ) -> candle_core::Result<Self> {
+                <$model>::new_without_blocks(cfg, vb)
+            }
+            fn num_layers(cfg: &$config) -> usize {
+                cfg.num_layers
+            }
+            fn new_block(
+                cfg: &$config,
+                _: usize,
+                vb: candle_nn::VarBuilder,
+            ) -> candle_core::Result<$block> {
+                <$block>::new(cfg, vb)
+            }
+            fn with_steps(
+                cfg: &$config,
+                _: usize,
+                vb: candle_nn::VarBuilder,
+                steps: &[$step],
+            ) -> candle_core::Result<$block> {
+                <$block>::with_steps(cfg, vb, steps)
+            }
+        }
+    };
+}
+
 /// Block `i`'s `VarBuilder` under the root `vb`.
 fn block_vb<M: RepeatedBlocks>(vb: VarBuilder, i: usize) -> VarBuilder {
     vb.pp(format!("{}.{i}", M::BLOCKS))

@@ -20,7 +20,6 @@ use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
-use crate::models::blocks::RepeatedBlocks;
 #[cfg(feature = "cuda")]
 use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
@@ -944,34 +943,14 @@ impl CogVideoXTransformer3DModel {
     }
 }
 
-/// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step.
-impl RepeatedBlocks for CogVideoXTransformer3DModel {
-    type Config = CogVideoXTransformerConfig;
-    type Block = CogVideoXBlock;
-    type Step = BlockStep;
-    const BLOCKS: &'static str = "transformer_blocks";
-    const STEPS: &'static [BlockStep] = &BlockStep::ALL;
-    fn new(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        CogVideoXTransformer3DModel::new(cfg, vb)
-    }
-    fn new_without_blocks(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        CogVideoXTransformer3DModel::new_without_blocks(cfg, vb)
-    }
-    fn num_layers(cfg: &Self::Config) -> usize {
-        cfg.num_layers
-    }
-    fn new_block(cfg: &Self::Config, _: usize, vb: VarBuilder) -> Result<Self::Block> {
-        CogVideoXBlock::new(cfg, vb)
-    }
-    fn with_steps(
-        cfg: &Self::Config,
-        _: usize,
-        vb: VarBuilder,
-        steps: &[BlockStep],
-    ) -> Result<Self::Block> {
-        CogVideoXBlock::with_steps(cfg, vb, steps)
-    }
-}
+// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step.
+crate::repeated_blocks!(
+    CogVideoXTransformer3DModel,
+    CogVideoXTransformerConfig,
+    CogVideoXBlock,
+    BlockStep,
+    "transformer_blocks"
+);
 
 #[cfg(test)]
 mod tests {

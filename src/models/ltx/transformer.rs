@@ -21,7 +21,6 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
-use crate::models::blocks::RepeatedBlocks;
 #[cfg(feature = "cuda")]
 use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
@@ -1029,34 +1028,14 @@ impl LtxTransformer3DModel {
     }
 }
 
-/// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step.
-impl RepeatedBlocks for LtxTransformer3DModel {
-    type Config = LtxTransformerConfig;
-    type Block = LtxTransformerBlock;
-    type Step = BlockStep;
-    const BLOCKS: &'static str = "transformer_blocks";
-    const STEPS: &'static [BlockStep] = &BlockStep::ALL;
-    fn new(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        LtxTransformer3DModel::new(cfg, vb)
-    }
-    fn new_without_blocks(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        LtxTransformer3DModel::new_without_blocks(cfg, vb)
-    }
-    fn num_layers(cfg: &Self::Config) -> usize {
-        cfg.num_layers
-    }
-    fn new_block(cfg: &Self::Config, _: usize, vb: VarBuilder) -> Result<Self::Block> {
-        LtxTransformerBlock::new(cfg, vb)
-    }
-    fn with_steps(
-        cfg: &Self::Config,
-        _: usize,
-        vb: VarBuilder,
-        steps: &[BlockStep],
-    ) -> Result<Self::Block> {
-        LtxTransformerBlock::with_steps(cfg, vb, steps)
-    }
-}
+// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step.
+crate::repeated_blocks!(
+    LtxTransformer3DModel,
+    LtxTransformerConfig,
+    LtxTransformerBlock,
+    BlockStep,
+    "transformer_blocks"
+);
 
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {

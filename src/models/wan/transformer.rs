@@ -29,7 +29,6 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 use crate::models::attention::sdpa;
-use crate::models::blocks::RepeatedBlocks;
 use crate::models::sequence_parallel::SequenceParallel;
 
 #[cfg(feature = "cuda")]
@@ -1424,37 +1423,17 @@ impl WanTransformer3DModel {
     }
 }
 
+// Placed by the block protocol: `blocks.{i}`, each streamed whole or step by step.
+crate::repeated_blocks!(
+    WanTransformer3DModel,
+    WanTransformerConfig,
+    WanTransformerBlock,
+    BlockStep,
+    "blocks"
+);
+
 /// The fused CUDA kernels against the candle compositions they stand in for (run on the CPU in
 /// f32 on the same bf16-rounded inputs); skipped without a CUDA device.
-/// Placed by the block protocol: `blocks.{i}`, each streamed whole or step by step.
-impl RepeatedBlocks for WanTransformer3DModel {
-    type Config = WanTransformerConfig;
-    type Block = WanTransformerBlock;
-    type Step = BlockStep;
-    const BLOCKS: &'static str = "blocks";
-    const STEPS: &'static [BlockStep] = &BlockStep::ALL;
-    fn new(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        WanTransformer3DModel::new(cfg, vb)
-    }
-    fn new_without_blocks(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        WanTransformer3DModel::new_without_blocks(cfg, vb)
-    }
-    fn num_layers(cfg: &Self::Config) -> usize {
-        cfg.num_layers
-    }
-    fn new_block(cfg: &Self::Config, _: usize, vb: VarBuilder) -> Result<Self::Block> {
-        WanTransformerBlock::new(cfg, vb)
-    }
-    fn with_steps(
-        cfg: &Self::Config,
-        _: usize,
-        vb: VarBuilder,
-        steps: &[BlockStep],
-    ) -> Result<Self::Block> {
-        WanTransformerBlock::with_steps(cfg, vb, steps)
-    }
-}
-
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {
     use super::*;
