@@ -35,6 +35,7 @@ use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::group::Slot;
 use vidgen::offload::{record, Packing, Residency, Usage};
 use vidgen::pipeline::cogvideox::{self, CogVideoXConfigs};
+use vidgen::pipeline::holding::Holding;
 use vidgen::pipeline::hunyuan_video::{self, HunyuanConfigs, TextConds};
 use vidgen::pipeline::ltx::{self, LtxConfigs};
 use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement};
@@ -367,7 +368,9 @@ impl Bench {
         meter.reset();
         let inputs = inputs(device)?;
         let start = Instant::now();
-        let placed = Placed::<M>::load(cfg, weights, residency, placement.memory, dtype, device)?;
+        let holding = Holding::of::<M>(cfg, residency, None, dtype)?;
+        let placed =
+            Placed::<M>::load(cfg, weights, holding, placement.memory, dtype, device, None)?;
         device.synchronize()?;
         let setup = start.elapsed().as_secs_f64();
         let load = meter.peaks();

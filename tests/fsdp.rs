@@ -92,12 +92,14 @@ fn sharded_blocks_are_bit_identical() {
     }
 }
 
-/// The pipeline's path: the Wan DiT placed as FSDP shards (`Placed::load_sharded`) and run
+/// The pipeline's path: the Wan DiT placed as FSDP shards (`Placed::load`) and run
 /// through `dit_forward`, alone and together with sequence parallelism over the same thread
 /// ranks: bit-identical without sequence parallelism, within 1e-5 with it.
 #[test]
 fn the_pipeline_runs_a_sharded_dit_with_and_without_sequence_parallelism() {
+    use vidgen::offload::{HostMemory, Residency};
     use vidgen::parallel::ulysses::Ulysses;
+    use vidgen::pipeline::holding::{Fsdp, Holding};
     use vidgen::pipeline::placement::Placed;
     use vidgen::pipeline::wan_t2v::dit_forward;
     use vidgen::weights::{WeightSet, Weights};
@@ -118,14 +120,27 @@ fn the_pipeline_runs_a_sharded_dit_with_and_without_sequence_parallelism() {
     for (split_sequence, on_host) in [(false, false), (true, true)] {
         let outs = run_threads(2, Duration::from_secs(60), |group| {
             let group: Arc<dyn Collective> = Arc::new(group);
-            let placed = Placed::<WanTransformer3DModel>::load_sharded(
+            let fsdp = Fsdp {
+                rank: group.rank(),
+                ranks: group.world_size(),
+                on_host,
+                depth: 1,
+            };
+            let holding = Holding::of::<WanTransformer3DModel>(
+                &cfg,
+                Residency::Resident,
+                Some(fsdp),
+                DType::F32,
+            )
+            .unwrap();
+            let placed = Placed::<WanTransformer3DModel>::load(
                 &cfg,
                 &weights,
-                group.clone(),
+                holding,
+                HostMemory::Pageable,
                 DType::F32,
                 &Device::Cpu,
-                on_host,
-                1,
+                Some(&group),
             )
             .unwrap();
             let held = placed.hold().unwrap();

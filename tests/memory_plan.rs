@@ -23,6 +23,7 @@ use vidgen::models::wan::transformer::{
 };
 use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
 use vidgen::offload::{record, HostMemory, Packing, Residency, StreamOptions};
+use vidgen::pipeline::holding::Holding;
 use vidgen::pipeline::placement::{Blockwise, Placed};
 use vidgen::pipeline::plan::Planner;
 use vidgen::pipeline::registry::Configs;
@@ -124,6 +125,13 @@ fn streamed(blocks_per_group: usize, by_step: bool, stream: bool, depth: usize) 
     }
 }
 
+/// How `constructors` hold their component streamed one block per group on a copy stream.
+fn streamed_holding(constructors: &dyn Constructors, dtype: DType) -> Holding {
+    constructors
+        .holding(streamed(1, false, true, 1), None, dtype)
+        .unwrap()
+}
+
 /// The constructors of the published 1.3B and 14B DiTs ask for exactly the published tensors,
 /// in bf16 with diffusers' f32 modules kept f32: whole, their outer part, and one block.
 #[test]
@@ -134,7 +142,7 @@ fn transformer_weights_match_the_published_state_dicts() {
         assert_eq!(shipped(name).transformer, cfg, "{name}: shipped config");
         let bf16 = DType::BF16;
         let model = ModelConstructors::<WanTransformer3DModel>(cfg.clone());
-        let resident = model.layout(Residency::Resident, bf16, None).unwrap();
+        let resident = model.layout(Holding::Resident, bf16, None).unwrap();
         assert_eq!(
             resident.direct_bytes as u64,
             state_dict_bytes(state_dict, &kept, bf16, |_| true),
@@ -142,7 +150,7 @@ fn transformer_weights_match_the_published_state_dicts() {
         );
         let layers = cfg.num_layers;
         let streaming = model
-            .layout(streamed(1, false, true, 1), bf16, None)
+            .layout(streamed_holding(&model, bf16), bf16, None)
             .unwrap();
         assert_eq!(
             streaming.direct_bytes as u64,
@@ -168,7 +176,7 @@ fn text_encoder_and_vae_weights_match_the_published_state_dicts() {
     let encoder = ModelConstructors::<UMT5EncoderModel>(cfg.clone());
     assert_eq!(
         encoder
-            .layout(Residency::Resident, bf16, None)
+            .layout(Holding::Resident, bf16, None)
             .unwrap()
             .direct_bytes as u64,
         state_dict_bytes(te_dict, &kept, bf16, stored)
@@ -178,7 +186,7 @@ fn text_encoder_and_vae_weights_match_the_published_state_dicts() {
         state_dict_bytes(te_dict, &kept, bf16, stored)
     );
     let streaming = encoder
-        .layout(streamed(1, false, true, 1), bf16, None)
+        .layout(streamed_holding(&encoder, bf16), bf16, None)
         .unwrap();
     assert_eq!(
         streaming.groups[0].tensor_bytes() as u64,
@@ -195,7 +203,7 @@ fn text_encoder_and_vae_weights_match_the_published_state_dicts() {
     let cfg: WanVaeConfig = published_config(repo, "vae/config.json");
     let vae_bytes = |cfg: &WanVaeConfig| {
         ModelConstructors::<AutoencoderKLWan>(cfg.clone())
-            .layout(Residency::Resident, DType::F32, None)
+            .layout(Holding::Resident, DType::F32, None)
             .unwrap()
             .direct_bytes as u64
     };
@@ -338,14 +346,16 @@ fn the_plan_holds_what_the_offload_engine_allocates() {
     }
     let constructors = ModelConstructors::<WanTransformer3DModel>(dit.clone());
     for residency in modes {
-        let planned = constructors.layout(residency, dtype, None).unwrap();
+        let holding = constructors.holding(residency, None, dtype).unwrap();
+        let planned = constructors.layout(holding, dtype, None).unwrap();
         let placed = Placed::<WanTransformer3DModel>::load(
             dit,
             &weights,
-            residency,
+            holding,
             HostMemory::Pageable,
             dtype,
             &Device::Cpu,
+            None,
         )
         .unwrap();
         let Placed::Streamed { blocks, .. } = &placed else {
@@ -356,7 +366,7 @@ fn the_plan_holds_what_the_offload_engine_allocates() {
         for (e, p) in engine.iter().zip(&planned.groups) {
             assert_eq!((e.bytes, e.tensor_bytes()), (p.bytes, p.tensor_bytes()));
         }
-        let weights = planned.device_weights(residency);
+        let weights = holding.device_weights(&planned);
         let usage = placed.offload_usage().unwrap();
         assert_eq!(
             weights.active,
@@ -391,7 +401,7 @@ fn plan_of(configs: &WanConfigs, args: &[&str]) -> MemoryPlan {
 /// Resident bytes of a component's constructors.
 fn resident<M: Blockwise>(cfg: &M::Config, dtype: DType) -> u64 {
     ModelConstructors::<M>(cfg.clone())
-        .layout(Residency::Resident, dtype, None)
+        .layout(Holding::Resident, dtype, None)
         .unwrap()
         .direct_bytes as u64
 }

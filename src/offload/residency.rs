@@ -1,5 +1,5 @@
-//! Where a component's weights live, and what each choice holds on the device: the one rule the
-//! engine allocates by and the memory plan counts by.
+//! Where a component's weights live, and what a streamed part holds on the device: the one rule
+//! the engine allocates by and the memory plan counts by.
 
 use super::group::GroupLayout;
 use super::streamer::StreamOptions;
@@ -138,19 +138,32 @@ pub fn slot_sections(layouts: &[GroupLayout]) -> Vec<(candle_core::DType, usize)
     need
 }
 
+/// Device bytes a streamed part's groups hold while its stage runs: the [`slot_count`] slots,
+/// which stay allocated between the passes of a stage, or, without a copy stream, the largest
+/// group in fresh memory. Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the
+/// memory plan's checked sums refuse.
+pub fn streamed_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
+    let slot: u64 = slot_sections(groups)
+        .iter()
+        .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
+    match slot_count(groups.len(), options) as u64 {
+        0 => groups.iter().map(|g| g.bytes as u64).max().unwrap_or(0),
+        slots => slots.saturating_mul(slot),
+    }
+}
+
 /// The weights of one component as its constructors ask for them, laid out as the engine
-/// would hold them under one residency (see [`Residency`]).
+/// would hold them under one holding (see `pipeline::holding`).
 #[derive(Clone, Debug, Default)]
 pub struct ComponentLayout {
     /// Bytes of the part that is built directly on the device: the whole component when it is
-    /// resident, its outer part (without what stays in host memory) when its blocks stream.
+    /// resident, its outer part (without what stays in host memory) when its blocks stream or
+    /// are sharded.
     pub direct_bytes: usize,
-    /// The groups the engine moves: one (the whole component) when parked, one per group of
-    /// blocks or block steps when streamed, none otherwise.
+    /// The groups the engine moves (or FSDP shards): one (the whole component) when parked,
+    /// one per group of blocks or block steps when streamed, one per block when sharded, none
+    /// otherwise.
     pub groups: Vec<GroupLayout>,
-    /// Streamed: the outer part (`direct_bytes`) waits in host memory between stages, as it
-    /// does unless it keeps tensors there.
-    pub outer_parked: bool,
 }
 
 /// Device weight bytes of a component while its stage runs and while it waits loaded.
@@ -158,53 +171,6 @@ pub struct ComponentLayout {
 pub struct DeviceWeights {
     pub active: u64,
     pub idle: u64,
-}
-
-impl ComponentLayout {
-    /// What the engine allocates on the device for this layout under `residency`: resident
-    /// weights stay; a parked component comes in whole (its group image) for its stage;
-    /// streamed groups pass through [`slot_count`] slots that stay allocated between the passes
-    /// of a stage, or, without a copy stream, one group at a time in fresh memory; between
-    /// stages a streamed component holds only an outer part that is not parked.
-    pub fn device_weights(&self, residency: Residency) -> DeviceWeights {
-        let direct = self.direct_bytes as u64;
-        match residency {
-            Residency::Resident => DeviceWeights {
-                active: direct,
-                idle: direct,
-            },
-            Residency::OnCpu => DeviceWeights::default(),
-            Residency::Parked => DeviceWeights {
-                active: self
-                    .groups
-                    .iter()
-                    .map(|g| g.bytes as u64)
-                    .max()
-                    .unwrap_or(0),
-                idle: 0,
-            },
-            Residency::Streamed { options, .. } => {
-                let slot: u64 = slot_sections(&self.groups)
-                    .iter()
-                    .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
-                let slots = slot_count(self.groups.len(), options) as u64;
-                let largest = self
-                    .groups
-                    .iter()
-                    .map(|g| g.bytes as u64)
-                    .max()
-                    .unwrap_or(0);
-                // Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the memory
-                // plan's checked sums refuse.
-                let held = slots.saturating_mul(slot);
-                let computing = if slots > 0 { held } else { largest };
-                DeviceWeights {
-                    active: direct.saturating_add(computing),
-                    idle: if self.outer_parked { 0 } else { direct },
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -228,35 +194,6 @@ mod tests {
         assert_eq!(slot_count(40, streamed(2, false)), 0);
         assert_eq!(prefetch_depth(1, streamed(4, true)), 0);
         assert_eq!(prefetch_depth(10, streamed(0, true)), 1);
-    }
-
-    /// Between its stages a streamed component holds its outer part only when that is not
-    /// parked (its slots go back when a stage ends); during a stage, the outer part and slots.
-    #[test]
-    fn streamed_components_hold_nothing_between_stages_unless_their_outer_part_stays() {
-        let group = super::super::group::record(
-            None,
-            candle_core::DType::F32,
-            super::super::group::Packing::ByDtype,
-            |vb| vb.get(1000, "w"),
-        )
-        .unwrap();
-        let streamed = Residency::Streamed {
-            blocks_per_group: 1,
-            by_step: false,
-            options: streamed(1, true),
-        };
-        for outer_parked in [true, false] {
-            let layout = ComponentLayout {
-                direct_bytes: 10,
-                groups: vec![group.clone(); 4],
-                outer_parked,
-            };
-            let slot: usize = slot_sections(&layout.groups).iter().map(|s| s.1).sum();
-            let weights = layout.device_weights(streamed);
-            assert_eq!(weights.active, 10 + 2 * slot as u64);
-            assert_eq!(weights.idle, if outer_parked { 0 } else { 10 });
-        }
     }
 
     /// Streaming on a copy stream runs at least the steps' or the blocks' look-ahead, as its

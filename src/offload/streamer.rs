@@ -3,7 +3,7 @@
 use super::group::GroupLayout;
 use super::group::{record, Packing};
 use super::host::{HostMemory, HostSetup, HostStore};
-use super::residency::{prefetch_depth, slot_count, ComponentLayout, Residency};
+use super::residency::{prefetch_depth, slot_count, streamed_bytes};
 use super::transfer::{CopyStats, DeviceSlot, Transfer, Uploaded};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
@@ -29,8 +29,7 @@ pub struct Usage {
     /// How long filling and locking the host arenas took.
     pub setup: HostSetup,
     /// Device bytes the part takes while it computes: its slots, or without a copy stream the
-    /// largest group in fresh memory ([`ComponentLayout::device_weights`]'s rule, which the
-    /// memory plan counts by).
+    /// largest group in fresh memory ([`streamed_bytes`], the rule the memory plan counts by).
     pub device_bytes: usize,
 }
 
@@ -121,21 +120,12 @@ impl<B> Offloaded<B> {
     /// What the engine holds on the host and has copied so far (call after a device sync:
     /// the copy times come from CUDA events).
     pub fn usage(&self) -> Usage {
-        let residency = Residency::Streamed {
-            blocks_per_group: 1,
-            by_step: false,
-            options: self.options,
-        };
-        let layout = ComponentLayout {
-            groups: self.layouts(),
-            ..Default::default()
-        };
         Usage {
             copies: self.transfer.stats(),
             pinned_bytes: self.store.pinned_bytes() + self.transfer.staging_bytes(),
             host_bytes: self.store.arena_bytes(),
             setup: self.store.setup(),
-            device_bytes: layout.device_weights(residency).active as usize,
+            device_bytes: streamed_bytes(&self.layouts(), self.options) as usize,
         }
     }
 

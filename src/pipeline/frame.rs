@@ -5,6 +5,7 @@
 //! carried when a stage fails, and leaves decoding and writing to the leader of a
 //! sequence-parallel group.
 
+use super::holding::{Fsdp, Holding};
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
@@ -138,17 +139,12 @@ impl Frame {
         stages::write_output(&self.config, job, audio)
     }
 
-    /// Opens `component`'s weights and builds it as the placement says: as this rank's FSDP
-    /// shards for a DiT under `--use-fsdp-inference`.
+    /// Opens `component`'s weights and builds it as the placement says (as this rank's FSDP
+    /// shards for a DiT under `--use-fsdp-inference`), and reports where they went.
     pub fn build<M: Blockwise>(&self, component: usize, cfg: &M::Config) -> Result<Placed<M>> {
         let weights = self.weights(component)?;
-        match self.fsdp() {
-            Some(group) if self.spec.components[component].role == Role::Dit => {
-                self.shard(component, cfg, &weights, group.clone())
-            }
-            _ => self.place(component, cfg, &weights),
-        }
-        .with_context(|| self.what(component))
+        self.place(component, cfg, &weights)
+            .with_context(|| self.what(component))
     }
 
     /// "loading NAME of SOURCE", the context of a failure to build `component`.
@@ -177,7 +173,7 @@ impl Frame {
             .then_some(&ranks.group)
     }
 
-    /// Builds `component` from `weights` as the placement says and reports where they went.
+    /// Builds `component` from `weights` as its [`Holding`] says and reports where they went.
     fn place<M: Blockwise>(
         &self,
         component: usize,
@@ -185,18 +181,33 @@ impl Frame {
         weights: &WeightSet,
     ) -> Result<Placed<M>> {
         let residency = self.placement.residencies[component];
-        let name = self.spec.components[component].name;
+        let ComponentSpec { name, role, .. } = self.spec.components[component];
+        let dtype = self.spec.components[component].dtype(self.dtype());
+        let group = self.fsdp();
+        let fsdp =
+            group.and_then(|g| Fsdp::of(self.config.memory(), role, g.rank(), g.world_size()));
+        let holding = Holding::of::<M>(cfg, residency, fsdp, dtype)?;
         let placed = Placed::load(
             cfg,
             weights,
-            residency,
+            holding,
             self.placement.memory_for(component),
-            self.spec.components[component].dtype(self.dtype()),
+            dtype,
             &self.device,
+            group,
         )?;
         const GIB: f64 = (1u64 << 30) as f64;
-        self.progress.note(&match placed.offload_usage() {
-            Some(u) => format!(
+        self.progress.note(&match (holding, placed.offload_usage()) {
+            (Holding::Sharded { fsdp, .. }, _) => format!(
+                "{name}: FSDP, 1/{} of every block on this GPU{}",
+                fsdp.ranks,
+                if fsdp.on_host {
+                    " (in host memory)"
+                } else {
+                    ""
+                }
+            ),
+            (_, Some(u)) => format!(
                 "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned, in {:.2}s \
                  (filling {:.2} and locking {:.2} task-seconds)",
                 u.host_bytes as f64 / GIB,
@@ -205,40 +216,8 @@ impl Frame {
                 u.setup.fill_task_seconds,
                 u.setup.lock_task_seconds
             ),
-            None => format!("{name}: {residency}"),
+            (_, None) => format!("{name}: {residency}"),
         });
-        Ok(placed)
-    }
-
-    /// Builds a DiT with its blocks as this rank's FSDP flat shards of `group` (in host memory
-    /// with `--dit-cpu-offload`), gathered `--prefetch-depth` blocks ahead.
-    fn shard<M: Blockwise>(
-        &self,
-        component: usize,
-        cfg: &M::Config,
-        weights: &WeightSet,
-        group: Arc<dyn Collective>,
-    ) -> Result<Placed<M>> {
-        let ranks = group.world_size();
-        let m = self.config.memory();
-        let placed = Placed::load_sharded(
-            cfg,
-            weights,
-            group,
-            self.spec.components[component].dtype(self.dtype()),
-            &self.device,
-            m.dit_cpu_offload,
-            m.block_depth(),
-        )?;
-        self.progress.note(&format!(
-            "{}: FSDP, 1/{ranks} of every block on this GPU{}",
-            self.spec.components[component].name,
-            if m.dit_cpu_offload {
-                " (in host memory)"
-            } else {
-                ""
-            }
-        ));
         Ok(placed)
     }
 

@@ -697,18 +697,18 @@ mod tests {
             ..cfg.clone()
         };
         let model = ModelConstructors::<HunyuanVideoTransformer3DModel>(apart.clone());
-        let streamed = |blocks_per_group, by_step| {
-            Residency::Streamed {
-                blocks_per_group,
-                by_step,
-                options: StreamOptions {
-                    stream: true,
-                    depth: 1,
-                },
-            }
-            .for_steps(model.steps())
+        let streamed = |blocks_per_group, by_step| Residency::Streamed {
+            blocks_per_group,
+            by_step,
+            options: StreamOptions {
+                stream: true,
+                depth: 1,
+            },
         };
-        let groups = model.layout(streamed(8, false), DType::BF16, None)?.groups;
+        let holding = |c: &dyn Constructors, r| c.holding(r, None, DType::BF16);
+        let groups = model
+            .layout(holding(&model, streamed(8, false))?, DType::BF16, None)?
+            .groups;
         let lists: Vec<Option<&str>> = groups
             .iter()
             .map(|g| {
@@ -726,7 +726,7 @@ mod tests {
         let want = [vec![refiner], vec![dual; 3], vec![single; 5]].concat();
         assert_eq!(lists, want);
 
-        let leaf = model.layout(streamed(1, true), DType::BF16, None)?;
+        let leaf = model.layout(holding(&model, streamed(1, true))?, DType::BF16, None)?;
         assert_eq!(
             leaf.groups.len(),
             2 * cfg.num_refiner_layers + 3 * cfg.num_layers + 2 * cfg.num_single_layers
@@ -742,8 +742,9 @@ mod tests {
             HunyuanVideoTransformer3DModel::new_without_blocks(&apart, vb)
         })?;
         assert!(names(&outer).iter().all(|n| list(n).is_none()));
-        let modulations = ModelConstructors::<HunyuanModulations>(apart.clone()).layout(
-            streamed(1, false),
+        let modulations = ModelConstructors::<HunyuanModulations>(apart.clone());
+        let modulations = modulations.layout(
+            holding(&modulations, streamed(1, false))?,
             DType::BF16,
             None,
         )?;

@@ -5,6 +5,7 @@ pub mod cogvideox;
 mod denoise;
 pub mod draws;
 pub mod frame;
+pub mod holding;
 pub mod hunyuan_video;
 pub mod interrupt;
 pub mod jobs;
@@ -26,6 +27,7 @@ use crate::memory::{DeviceKind, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
+use holding::Fsdp;
 use interrupt::Interrupted;
 use jobs::Job;
 use placement::Placement;
@@ -847,16 +849,17 @@ impl GpuPlan {
                     .used()
                     .into_iter()
                     .map(|c| &mine.components[c])
-                    .map(|c| match c.role {
-                        Role::Dit if config.memory().use_fsdp_inference && groups.sp > 1 => {
-                            format!(
+                    .map(|c| {
+                        let (member, ranks) = (groups.rank_in_group(rank), groups.sp);
+                        match Fsdp::of(config.memory(), c.role, member, ranks) {
+                            Some(f) => format!(
                                 "{} (1/{} of every block + {} gathered)",
                                 c.name,
-                                groups.sp,
-                                config.memory().block_depth() + 1
-                            )
+                                f.ranks,
+                                f.gathered()
+                            ),
+                            None => c.name.to_string(),
                         }
-                        _ => c.name.to_string(),
                     })
                     .collect();
                 GpuPlan {

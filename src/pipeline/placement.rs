@@ -2,19 +2,19 @@
 //! the one place that builds a component accordingly (resident, parked in host memory and
 //! moved in for its stage, or streamed block by block).
 
-use super::spec::{GroupPlan, PipelineSpec, Role};
+use super::holding::{GroupPlan, Holding, Outer};
+use super::spec::{PipelineSpec, Role};
 use crate::memory::MemoryOptions;
 /// What a model declares to be placed (the block protocol, beside the models).
 pub use crate::models::blocks::Blockwise;
 use crate::models::blocks::PlacedBlocks;
 use crate::offload::{
-    build_resident, record, HostMemory, Offloaded, Packing, Recording, Residency, StreamOptions,
-    Usage,
+    build_resident, record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage,
 };
 use crate::parallel::collective::Collective;
 use crate::parallel::fsdp::{FlatShard, Home, ShardedBlocks};
 use crate::weights::WeightSet;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
@@ -168,26 +168,10 @@ pub enum Placed<M: Blockwise> {
     Sharded(Sharded<M>),
 }
 
-/// The outer (non-block) part of a streamed component.
+/// The outer (non-block) part of a streamed component, held as its [`Outer`] says.
 pub enum OuterPart<M> {
-    /// On the device while the component is loaded: it keeps tensors in host memory (a token
-    /// table) that its device part works with.
     Resident(M),
-    /// In host memory, moved in for each stage like a parked component: between its stages a
-    /// streamed component holds nothing on the device.
     Parked(Box<Offloaded<M>>),
-}
-
-/// Whether `M`'s outer part keeps tensors in host memory (a text encoder's token table): such
-/// an outer part stays on the device; any other moves in for its stages only.
-pub fn outer_keeps_host_tensors<M: Blockwise>(cfg: &M::Config, dtype: DType) -> Result<bool> {
-    let (device, host) = (Recording::default(), Recording::default());
-    drop(M::outer(
-        cfg,
-        device.var_builder(None, dtype),
-        host.var_builder(None, dtype),
-    )?);
-    Ok(host.layout(Packing::PerTensor)?.tensor_bytes() > 0)
 }
 
 /// What `build` makes, held in host memory as one group and moved in whole when fetched.
@@ -227,55 +211,60 @@ pub struct Sharded<M: Blockwise> {
 }
 
 impl<M: Blockwise> Placed<M> {
-    /// Builds the component from `weights` as `residency` says (`OnCpu` builds it in f32 on
-    /// the CPU; the outer part of a streamed component waits in host memory too unless it
-    /// keeps tensors there, see [`OuterPart`]).
+    /// Builds the component from `weights` as `holding` says (`OnCpu` builds it in f32 on the
+    /// CPU; FSDP shards are this rank's of `group`, each block read whole from `weights`, its
+    /// piece kept).
     pub fn load(
         cfg: &M::Config,
         weights: &WeightSet,
-        residency: Residency,
+        holding: Holding,
         memory: HostMemory,
         dtype: DType,
         device: &Device,
+        group: Option<&Arc<dyn Collective>>,
     ) -> Result<Self> {
-        Ok(match residency.for_steps(M::steps(cfg)) {
-            Residency::Resident => {
+        let resident_outer = || {
+            build_resident(weights, dtype, device, |vb, host_vb| {
+                M::outer(cfg, vb, host_vb)
+            })
+        };
+        Ok(match holding {
+            Holding::Resident => {
                 Placed::Resident(build_resident(weights, dtype, device, |vb, _| {
                     M::whole(cfg, vb)
                 })?)
             }
-            Residency::OnCpu => Placed::Resident(M::whole(
+            Holding::OnCpu => Placed::Resident(M::whole(
                 cfg,
                 weights.var_builder(DType::F32, &Device::Cpu),
             )?),
-            Residency::Parked => {
+            Holding::Parked => {
                 let cfg = cfg.clone();
                 Placed::Parked(parked(weights, dtype, device, memory, move |vb| {
                     M::whole(&cfg, vb)
                 })?)
             }
-            Residency::Streamed {
-                blocks_per_group,
-                by_step,
+            Holding::Streamed {
+                outer,
+                groups,
                 options,
             } => {
-                let outer = if outer_keeps_host_tensors::<M>(cfg, dtype)? {
-                    OuterPart::Resident(build_resident(weights, dtype, device, |vb, host_vb| {
-                        M::outer(cfg, vb, host_vb)
-                    })?)
-                } else {
-                    let cfg = cfg.clone();
-                    // The outer part asks nothing of host memory: an empty `VarBuilder` there.
-                    let nothing = VarBuilder::zeros(dtype, &Device::Cpu);
-                    OuterPart::Parked(Box::new(parked(
-                        weights,
-                        dtype,
-                        device,
-                        memory,
-                        move |vb| M::outer(&cfg, vb, nothing.clone()),
-                    )?))
+                let outer = match outer {
+                    Outer::Resident => OuterPart::Resident(resident_outer()?),
+                    Outer::Parked => {
+                        let cfg = cfg.clone();
+                        // The outer part asks nothing of host memory: an empty `VarBuilder` there.
+                        let nothing = VarBuilder::zeros(dtype, &Device::Cpu);
+                        OuterPart::Parked(Box::new(parked(
+                            weights,
+                            dtype,
+                            device,
+                            memory,
+                            move |vb| M::outer(&cfg, vb, nothing.clone()),
+                        )?))
+                    }
                 };
-                let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
+                let groups = GroupPlan::<M>::new(cfg, groups);
                 let blocks = Offloaded::from_weights(
                     weights,
                     groups.count,
@@ -288,61 +277,43 @@ impl<M: Blockwise> Placed<M> {
                 )?;
                 Placed::Streamed { outer, blocks }
             }
-        })
-    }
-
-    /// Builds the component with its blocks as this rank's FSDP flat shards of `group` (each
-    /// block read whole from `weights`, its piece kept; in host memory when `on_host`), the
-    /// outer part on `device`; `depth` blocks are gathered ahead of the one computing.
-    #[allow(clippy::too_many_arguments)]
-    pub fn load_sharded(
-        cfg: &M::Config,
-        weights: &WeightSet,
-        group: Arc<dyn Collective>,
-        dtype: DType,
-        device: &Device,
-        on_host: bool,
-        depth: usize,
-    ) -> Result<Self> {
-        let outer = build_resident(weights, dtype, device, |vb, host_vb| {
-            M::outer(cfg, vb, host_vb)
-        })?;
-        let home = if on_host {
-            Home::Host(device.clone())
-        } else {
-            Home::Device(device.clone())
-        };
-        let shards = (0..M::num_blocks(cfg))
-            .map(|i| {
-                // The tensors the block asks for, in the dtypes it asks for them.
-                let layout = record(Some(weights), dtype, Packing::PerTensor, |vb| {
-                    M::block(cfg, i, vb)
-                })?;
-                let tensors = layout
-                    .slots
-                    .iter()
-                    .map(|s| {
-                        let vb = weights.var_builder(s.dtype, &Device::Cpu);
-                        Ok((s.name.clone(), vb.get(s.shape.clone(), &s.name)?))
+            Holding::Sharded { fsdp, groups } => {
+                let group = group.context("FSDP shards without their group")?.clone();
+                let outer = resident_outer()?;
+                let groups = GroupPlan::<M>::new(cfg, groups);
+                let home = if fsdp.on_host {
+                    Home::Host(device.clone())
+                } else {
+                    Home::Device(device.clone())
+                };
+                let shards = (0..groups.count)
+                    .map(|g| {
+                        // The tensors the block asks for, in the dtypes it asks for them.
+                        let layout = record(Some(weights), dtype, Packing::PerTensor, |vb| {
+                            groups.build(g, vb)
+                        })?;
+                        let tensors = layout
+                            .slots
+                            .iter()
+                            .map(|s| {
+                                let vb = weights.var_builder(s.dtype, &Device::Cpu);
+                                Ok((s.name.clone(), vb.get(s.shape.clone(), &s.name)?))
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        Ok(FlatShard::new(&tensors, fsdp.rank, fsdp.ranks, &home)?)
                     })
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(FlatShard::new(
-                    &tensors,
-                    group.rank(),
-                    group.world_size(),
-                    &home,
-                )?)
-            })
-            .collect::<Result<_>>()?;
-        Ok(Placed::Sharded(Sharded {
-            outer,
-            shards,
-            group,
-            cfg: cfg.clone(),
-            dtype,
-            device: device.clone(),
-            depth,
-        }))
+                    .collect::<Result<_>>()?;
+                Placed::Sharded(Sharded {
+                    outer,
+                    shards,
+                    group,
+                    cfg: cfg.clone(),
+                    dtype,
+                    device: device.clone(),
+                    depth: fsdp.depth,
+                })
+            }
+        })
     }
 
     /// The component for one stage: borrowed when it stays put, moved in when parked (and
@@ -505,5 +476,154 @@ impl<M: Blockwise> PlacedBlocks<M> for Held<'_, M> {
         f: impl FnMut(&M::Block, &T) -> candle_core::Result<T>,
     ) -> candle_core::Result<T> {
         Held::fold_blocks(self, resident, init, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::source::{component_weights, ModelSource};
+    use crate::models::wan::text_encoder::UMT5EncoderModel;
+    use crate::models::wan::transformer::WanTransformer3DModel;
+    use crate::offload::{ComponentLayout, GroupLayout};
+    use crate::parallel::collective::ThreadGroup;
+    use crate::pipeline::holding::Fsdp;
+    use crate::pipeline::wan_t2v::WanConfigs;
+    use std::time::Duration;
+
+    /// Builds `M` from `folder` of the tiny Wan fixture as `residency` (or `fsdp`, over `group`)
+    /// makes it held, and checks that what the loader built is what the plan records: the same
+    /// kind, the same groups byte for byte, the same outer part, and (streamed) the device bytes
+    /// the plan counts. Sharded, each block's bytes this rank keeps.
+    fn built_as_planned<M: Blockwise>(
+        cfg: &M::Config,
+        folder: &str,
+        residency: Residency,
+        fsdp: Option<(Fsdp, &Arc<dyn Collective>)>,
+    ) -> (Holding, ComponentLayout, Vec<usize>) {
+        let source = ModelSource::parse(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/wan-tiny-a"
+        ))
+        .unwrap();
+        let weights = WeightSet::open(&component_weights(&source, folder).unwrap()).unwrap();
+        let dtype = DType::BF16;
+        let holding = Holding::of::<M>(cfg, residency, fsdp.map(|f| f.0), dtype).unwrap();
+        let planned = holding.layout::<M>(cfg, dtype, None).unwrap();
+        let (memory, device) = (HostMemory::Pageable, &Device::Cpu);
+        let group = fsdp.map(|f| f.1);
+        let placed = Placed::<M>::load(cfg, &weights, holding, memory, dtype, device, group);
+        let placed = placed.unwrap();
+        let bytes = |groups: &[GroupLayout]| -> Vec<(usize, usize)> {
+            groups.iter().map(|g| (g.bytes, g.tensor_bytes())).collect()
+        };
+        let what = format!("{folder} {holding:?}");
+        let mut kept = Vec::new();
+        match (holding, &placed) {
+            (Holding::Resident | Holding::OnCpu, Placed::Resident(_)) => {
+                assert!(planned.groups.is_empty(), "{what}")
+            }
+            (Holding::Parked, Placed::Parked(whole)) => {
+                assert_eq!(bytes(&whole.layouts()), bytes(&planned.groups), "{what}")
+            }
+            (
+                Holding::Streamed { outer, .. },
+                Placed::Streamed {
+                    outer: part,
+                    blocks,
+                },
+            ) => {
+                assert_eq!(bytes(&blocks.layouts()), bytes(&planned.groups), "{what}");
+                let built = match part {
+                    OuterPart::Resident(_) => Outer::Resident,
+                    OuterPart::Parked(_) => Outer::Parked,
+                };
+                assert_eq!(built, outer, "{what}");
+                let usage = placed.offload_usage().unwrap();
+                assert_eq!(
+                    holding.device_weights(&planned).active,
+                    (planned.direct_bytes + usage.device_bytes) as u64,
+                    "{what}"
+                );
+            }
+            (Holding::Sharded { .. }, Placed::Sharded(sharded)) => {
+                assert_eq!(sharded.shards.len(), planned.groups.len(), "{what}");
+                kept = (sharded.shards.iter())
+                    .map(|s| s.held().iter().map(|(d, n)| d.size_in_bytes() * n).sum())
+                    .collect();
+            }
+            _ => panic!("{what}: built otherwise"),
+        }
+        (holding, planned, kept)
+    }
+
+    /// Under every residency (streamed in block groups of 1, 2 and all, and step by step; with a
+    /// copy stream and without) and as FSDP shards, the tiny Wan DiT (whose outer part is
+    /// parked) and text encoder (whose outer part stays, it keeps a token table in host memory)
+    /// are built as the plan records them; the ranks' shards hold every block's bytes once.
+    #[test]
+    fn the_loader_builds_what_the_plan_records() {
+        let source = ModelSource::parse(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/wan-tiny-a"
+        ))
+        .unwrap();
+        let configs = WanConfigs::read(&source).unwrap();
+        let (dit, te) = (&configs.transformer, &configs.text_encoder);
+        let mut residencies = vec![Residency::Resident, Residency::OnCpu, Residency::Parked];
+        for (blocks_per_group, by_step) in [(1, false), (2, false), (dit.num_layers, false)]
+            .into_iter()
+            .chain([(1, true)])
+        {
+            for (stream, depth) in [(true, 1), (true, 3), (false, 1)] {
+                residencies.push(Residency::Streamed {
+                    blocks_per_group,
+                    by_step,
+                    options: StreamOptions { stream, depth },
+                });
+            }
+        }
+        let mut outers = Vec::new();
+        for residency in residencies {
+            for holding in [
+                built_as_planned::<WanTransformer3DModel>(dit, "transformer", residency, None).0,
+                built_as_planned::<UMT5EncoderModel>(te, "text_encoder", residency, None).0,
+            ] {
+                if let Holding::Streamed { outer, .. } = holding {
+                    outers.push(outer);
+                }
+            }
+        }
+        assert!(outers.contains(&Outer::Resident) && outers.contains(&Outer::Parked));
+
+        let groups: Vec<Arc<dyn Collective>> = ThreadGroup::new(2, Duration::from_secs(10))
+            .into_iter()
+            .map(|g| Arc::new(g) as Arc<dyn Collective>)
+            .collect();
+        for on_host in [false, true] {
+            let mut kept = Vec::new();
+            let mut planned = None;
+            for (rank, group) in groups.iter().enumerate() {
+                let fsdp = Fsdp {
+                    rank,
+                    ranks: 2,
+                    on_host,
+                    depth: 1,
+                };
+                let (_, layout, mine) = built_as_planned::<WanTransformer3DModel>(
+                    dit,
+                    "transformer",
+                    Residency::Resident,
+                    Some((fsdp, group)),
+                );
+                kept.resize(mine.len(), 0);
+                kept.iter_mut().zip(mine).for_each(|(k, m)| *k += m);
+                planned = Some(layout);
+            }
+            let blocks: Vec<usize> = (planned.unwrap().groups.iter())
+                .map(|g| g.tensor_bytes())
+                .collect();
+            assert_eq!(kept, blocks, "on host: {on_host}");
+        }
     }
 }

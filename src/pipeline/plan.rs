@@ -2,6 +2,7 @@
 //! component, the weights its constructors ask for as the offload engine would hold them, and
 //! the schedule's loads and releases.
 
+use super::holding::Fsdp;
 use super::placement::Placement;
 use super::registry::{Family, RunShape};
 use super::runner::{LoadPolicy, Schedule};
@@ -9,8 +10,7 @@ use super::spec::{PipelineSpec, Role};
 use crate::config::ResolvedConfig;
 use crate::memory::plan::{self as memory_plan, MemoryPlan, PlanStage, Request};
 use crate::memory::MemoryOptions;
-use crate::offload::{DeviceWeights, Residency, StreamOptions};
-use crate::parallel::fsdp::shard_bytes;
+use crate::offload::{DeviceWeights, Residency};
 use anyhow::Result;
 use candle_core::DType;
 use std::cell::RefCell;
@@ -28,7 +28,7 @@ pub fn load_policy(o: &MemoryOptions) -> LoadPolicy {
 }
 
 /// Plans a family's runs; remembers each component's recorded weights (they depend on the
-/// residency and dtype only), so weighing many option sets records each layout once.
+/// residency, FSDP membership and dtype only), so weighing many option sets records each layout once.
 pub struct Planner<'a> {
     family: &'a dyn Family,
     config: &'a ResolvedConfig,
@@ -111,30 +111,23 @@ impl<'a> Planner<'a> {
         let spec = self.rank_spec(self.family.spec(&shape), rank);
         let placement = Placement::new(&request.options, &spec);
         let schedule = Schedule::plan(&spec, load_policy(&request.options));
+        let groups = self.config.groups();
         let weights = spec
             .components
             .iter()
             .zip(&placement.residencies)
             .enumerate()
             .map(|(i, (c, &residency))| {
-                self.device_weights(i, &spec, residency, c.dtype(shape.dtype))
+                let fsdp = Fsdp::of(
+                    &request.options,
+                    c.role,
+                    groups.rank_in_group(rank),
+                    groups.sp,
+                );
+                self.device_weights(i, &spec, residency, fsdp, c.dtype(shape.dtype))
             })
             .collect::<Result<Vec<_>>>()?;
-        let groups = self.config.groups();
         let is_dit = |c: usize| spec.components[c].role == Role::Dit;
-        let weights: Vec<DeviceWeights> = weights
-            .into_iter()
-            .enumerate()
-            .map(|(c, w)| {
-                if is_dit(c) && request.options.use_fsdp_inference && groups.sp > 1 {
-                    let dtype = spec.components[c].dtype(shape.dtype);
-                    let member = (groups.rank_in_group(rank), groups.sp);
-                    self.fsdp_weights(c, &spec, &request.options, dtype, member)
-                } else {
-                    Ok(w)
-                }
-            })
-            .collect::<Result<_>>()?;
         // A stage whose components all compute on the CPU holds no device activations.
         let on_device = |uses: &[usize]| {
             uses.iter()
@@ -162,58 +155,23 @@ impl<'a> Planner<'a> {
         MemoryPlan::new(&stages, &weights)
     }
 
-    /// The DiT's device bytes on `rank` with FSDP: its outer part, the rank's flat shards of
-    /// every block (in pinned host memory with `--dit-cpu-offload`) and the whole blocks
-    /// gathered ahead (`--prefetch-depth` + 1 at once).
-    fn fsdp_weights(
-        &self,
-        index: usize,
-        spec: &PipelineSpec,
-        o: &MemoryOptions,
-        dtype: DType,
-        (rank, ranks): (usize, usize),
-    ) -> Result<DeviceWeights> {
-        let streamed = Residency::Streamed {
-            blocks_per_group: 1,
-            by_step: false,
-            options: StreamOptions {
-                stream: true,
-                depth: o.block_depth(),
-            },
-        };
-        let layout = spec.components[index]
-            .constructors
-            .layout(streamed, dtype, None)?;
-        let blocks: Vec<usize> = layout.groups.iter().map(|g| g.bytes).collect();
-        let shards = if o.dit_cpu_offload {
-            0
-        } else {
-            shard_bytes(&blocks, rank, ranks) as u64
-        };
-        let gathered = (o.block_depth() + 1).min(blocks.len()) as u64
-            * blocks.iter().copied().max().unwrap_or(0) as u64;
-        let outer = layout.direct_bytes as u64;
-        Ok(DeviceWeights {
-            active: outer + shards + gathered,
-            idle: outer + shards,
-        })
-    }
-
+    /// Component `index`'s device weights held as `residency`, or `fsdp`, says (see
+    /// [`super::holding::Holding`]).
     fn device_weights(
         &self,
         index: usize,
         spec: &PipelineSpec,
         residency: Residency,
+        fsdp: Option<Fsdp>,
         dtype: DType,
     ) -> Result<DeviceWeights> {
-        let key = (index, format!("{residency:?}"), dtype);
+        let key = (index, format!("{residency:?} {fsdp:?}"), dtype);
         if let Some(w) = self.weights.borrow().get(&key) {
             return Ok(*w);
         }
-        let layout = spec.components[index]
-            .constructors
-            .layout(residency, dtype, None)?;
-        let w = layout.device_weights(residency);
+        let constructors = &spec.components[index].constructors;
+        let holding = constructors.holding(residency, fsdp, dtype)?;
+        let w = holding.device_weights(&constructors.layout(holding, dtype, None)?);
         self.weights.borrow_mut().insert(key, w);
         Ok(w)
     }

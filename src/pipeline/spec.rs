@@ -4,9 +4,10 @@
 //! the stats read only this, so a new family adds no code to any of them.
 
 use super::frame::{Frame, Loaded};
+use super::holding::{Fsdp, Holding};
 use super::jobs::Job;
-use super::placement::{outer_keeps_host_tensors, Blockwise};
-use crate::offload::{ComponentLayout, GroupLayout, Packing, Recording, Residency};
+use super::placement::Blockwise;
+use crate::offload::{ComponentLayout, Packing, Residency};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::DType;
@@ -75,11 +76,14 @@ pub trait Constructors: Send + Sync {
     /// (HunyuanVideo's dual-stream blocks carry twice a single-stream block's weights for about
     /// its compute: the text stream works on a few hundred tokens).
     fn blocks_in_the_largest(&self) -> usize;
-    /// The tensors the component's constructors ask for, laid out as the engine holds them
-    /// under `residency` (see [`ComponentLayout`]); checked against `weights` when given.
+    /// How the component is held in `dtype` under `residency`, or as FSDP shards (see
+    /// [`Holding::of`]).
+    fn holding(&self, residency: Residency, fsdp: Option<Fsdp>, dtype: DType) -> Result<Holding>;
+    /// The tensors the component's constructors ask for, laid out as `holding` holds them (see
+    /// [`Holding::layout`]); checked against `weights` when given.
     fn layout(
         &self,
-        residency: Residency,
+        holding: Holding,
         dtype: DType,
         weights: Option<&WeightSet>,
     ) -> Result<ComponentLayout>;
@@ -144,118 +148,17 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
         ((largest + typical / 2) / typical.max(1)).max(1)
     }
 
+    fn holding(&self, residency: Residency, fsdp: Option<Fsdp>, dtype: DType) -> Result<Holding> {
+        Holding::of::<M>(&self.0, residency, fsdp, dtype)
+    }
+
     fn layout(
         &self,
-        residency: Residency,
+        holding: Holding,
         dtype: DType,
         weights: Option<&WeightSet>,
     ) -> Result<ComponentLayout> {
-        let cfg = &self.0;
-        let record = |packing, build: &dyn Fn(candle_nn::VarBuilder<'static>) -> _| {
-            crate::offload::record(weights, dtype, packing, build)
-        };
-        let whole = || -> Result<GroupLayout> {
-            record(Packing::PerTensor, &|vb| M::whole(cfg, vb).map(drop))
-        };
-        Ok(match residency.for_steps(M::steps(cfg)) {
-            Residency::Resident => ComponentLayout {
-                direct_bytes: whole()?.tensor_bytes(),
-                ..Default::default()
-            },
-            Residency::OnCpu => ComponentLayout::default(),
-            Residency::Parked => ComponentLayout {
-                groups: vec![whole()?],
-                ..Default::default()
-            },
-            Residency::Streamed {
-                blocks_per_group,
-                by_step,
-                ..
-            } => {
-                // What stays in host memory (a token table) is recorded apart and not counted.
-                let (device, host) = (Recording::default(), Recording::default());
-                drop(M::outer(
-                    cfg,
-                    device.var_builder(weights, dtype),
-                    host.var_builder(weights, dtype),
-                )?);
-                let groups = GroupPlan::<M>::new(cfg, blocks_per_group, by_step);
-                ComponentLayout {
-                    direct_bytes: device.layout(Packing::PerTensor)?.tensor_bytes(),
-                    groups: (0..groups.count)
-                        .map(|g| record(Packing::ByDtype, &|vb| groups.build(g, vb).map(drop)))
-                        .collect::<Result<_>>()?,
-                    outer_parked: !outer_keeps_host_tensors::<M>(cfg, dtype)?,
-                }
-            }
-        })
-    }
-}
-
-/// How a streamed model's blocks form groups: runs of up to `per_group` blocks of one kind, or
-/// one block step per group. The engine builds its groups and the plan counts them through
-/// this one rule.
-pub struct GroupPlan<M: Blockwise> {
-    cfg: M::Config,
-    groups: Vec<Group>,
-    /// Groups in all.
-    pub count: usize,
-}
-
-/// What one group holds.
-enum Group {
-    /// Whole blocks, in order.
-    Blocks(std::ops::Range<usize>),
-    /// One step of one block.
-    Step { block: usize, step: usize },
-}
-
-impl<M: Blockwise> GroupPlan<M> {
-    pub fn new(cfg: &M::Config, blocks_per_group: usize, by_step: bool) -> Self {
-        let blocks = M::num_blocks(cfg);
-        let mut groups = Vec::new();
-        if by_step && M::steps(cfg) > 1 {
-            for block in 0..blocks {
-                for step in 0..M::block_steps(cfg, block) {
-                    groups.push(Group::Step { block, step });
-                }
-            }
-        } else {
-            let per_group = blocks_per_group.max(1);
-            let mut start = 0;
-            while start < blocks {
-                let kind = M::block_kind(cfg, start);
-                let mut end = start + 1;
-                while end < blocks && end - start < per_group && M::block_kind(cfg, end) == kind {
-                    end += 1;
-                }
-                groups.push(Group::Blocks(start..end));
-                start = end;
-            }
-        }
-        GroupPlan {
-            cfg: cfg.clone(),
-            count: groups.len(),
-            groups,
-        }
-    }
-
-    /// Group `g`'s blocks (or its one block step) from the root `VarBuilder`.
-    pub fn build(
-        &self,
-        g: usize,
-        vb: candle_nn::VarBuilder<'static>,
-    ) -> candle_core::Result<Vec<M::Block>> {
-        match self.groups.get(g) {
-            Some(Group::Step { block, step }) => {
-                Ok(vec![M::block_step(&self.cfg, *block, *step, vb)?])
-            }
-            Some(Group::Blocks(blocks)) => blocks
-                .clone()
-                .map(|i| M::block(&self.cfg, i, vb.clone()))
-                .collect(),
-            None => candle_core::bail!("group {g} of {}", self.count),
-        }
+        holding.layout::<M>(&self.0, dtype, weights)
     }
 }
 

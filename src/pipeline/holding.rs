@@ -1,0 +1,330 @@
+//! How one component is held: what its residency, or its FSDP membership, means for its model,
+//! decided once per component. The memory plan records ([`Holding::layout`]) and counts
+//! ([`Holding::device_weights`]) what the loader builds ([`super::placement::Placed::load`]) from
+//! the same value, so the offload contract is stated here alone.
+
+use super::placement::Blockwise;
+use super::spec::Role;
+use crate::memory::MemoryOptions;
+use crate::offload::residency::streamed_bytes;
+use crate::offload::{
+    ComponentLayout, DeviceWeights, GroupLayout, Packing, Recording, Residency, StreamOptions,
+};
+use crate::parallel::fsdp::shard_bytes;
+use crate::weights::WeightSet;
+use anyhow::Result;
+use candle_core::DType;
+
+/// How one component is held.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Holding {
+    /// On the device for as long as the component is loaded.
+    Resident,
+    /// Built in f32 on the CPU, computing there.
+    OnCpu,
+    /// In host memory, moved in whole for each stage.
+    Parked,
+    /// The blocks stream through the device in `groups`; the outer part is held as `outer`
+    /// says.
+    Streamed {
+        outer: Outer,
+        groups: Grouping,
+        options: StreamOptions,
+    },
+    /// The outer part on the device, every group of blocks (one block each) as this rank's FSDP
+    /// flat shard.
+    Sharded { fsdp: Fsdp, groups: Grouping },
+}
+
+/// How a model's blocks form groups: runs of up to `blocks_per_group` blocks of one kind, or
+/// (`by_step`, where blocks have steps) one block step per group ([`GroupPlan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grouping {
+    pub blocks_per_group: usize,
+    pub by_step: bool,
+}
+
+/// Where a streamed component's outer part waits between its stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outer {
+    /// On the device: it keeps tensors in host memory (a token table) that its device part
+    /// works with.
+    Resident,
+    /// In host memory, moved in for each stage: between stages the component holds nothing on
+    /// the device.
+    Parked,
+}
+
+/// A DiT's FSDP membership (`--use-fsdp-inference`): rank `rank` of the `ranks` of its
+/// sequence-parallel group keeps 1/`ranks` of every block (in host memory when `on_host`) and
+/// gathers `depth` blocks ahead of the one computing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fsdp {
+    pub rank: usize,
+    pub ranks: usize,
+    pub on_host: bool,
+    pub depth: usize,
+}
+
+impl Fsdp {
+    /// The membership of a component of `role` on rank `rank` of a group of `ranks` under `o`:
+    /// the DiTs are sharded with `--use-fsdp-inference` over groups of several GPUs.
+    pub fn of(o: &MemoryOptions, role: Role, rank: usize, ranks: usize) -> Option<Fsdp> {
+        (role == Role::Dit && o.use_fsdp_inference && ranks > 1).then_some(Fsdp {
+            rank,
+            ranks,
+            on_host: o.dit_cpu_offload,
+            depth: o.block_depth(),
+        })
+    }
+
+    /// Whole blocks on the device at once while computing: the one computing and those gathered
+    /// ahead.
+    pub fn gathered(self) -> usize {
+        self.depth + 1
+    }
+}
+
+impl Holding {
+    /// How model `M` with `cfg` in `dtype` is held under `residency`, or as FSDP shards when
+    /// `fsdp` says so: streaming step by step falls back to whole blocks where a block has no
+    /// steps, and a streamed outer part stays resident only where it keeps host tensors.
+    pub fn of<M: Blockwise>(
+        cfg: &M::Config,
+        residency: Residency,
+        fsdp: Option<Fsdp>,
+        dtype: DType,
+    ) -> Result<Self> {
+        if let Some(fsdp) = fsdp {
+            let groups = Grouping {
+                blocks_per_group: 1,
+                by_step: false,
+            };
+            return Ok(Holding::Sharded { fsdp, groups });
+        }
+        Ok(match residency.for_steps(M::steps(cfg)) {
+            Residency::Resident => Holding::Resident,
+            Residency::OnCpu => Holding::OnCpu,
+            Residency::Parked => Holding::Parked,
+            Residency::Streamed {
+                blocks_per_group,
+                by_step,
+                options,
+            } => Holding::Streamed {
+                outer: match outer_keeps_host_tensors::<M>(cfg, dtype)? {
+                    true => Outer::Resident,
+                    false => Outer::Parked,
+                },
+                groups: Grouping {
+                    blocks_per_group,
+                    by_step,
+                },
+                options,
+            },
+        })
+    }
+
+    /// The tensors `M`'s constructors ask for, laid out as this holding holds them (see
+    /// [`ComponentLayout`]); checked against `weights` when given.
+    pub fn layout<M: Blockwise>(
+        self,
+        cfg: &M::Config,
+        dtype: DType,
+        weights: Option<&WeightSet>,
+    ) -> Result<ComponentLayout> {
+        let record = |packing, build: &dyn Fn(candle_nn::VarBuilder<'static>) -> _| {
+            crate::offload::record(weights, dtype, packing, build)
+        };
+        let whole = || -> Result<GroupLayout> {
+            record(Packing::PerTensor, &|vb| M::whole(cfg, vb).map(drop))
+        };
+        let groups = match self {
+            Holding::Resident => {
+                return Ok(ComponentLayout {
+                    direct_bytes: whole()?.tensor_bytes(),
+                    ..Default::default()
+                })
+            }
+            Holding::OnCpu => return Ok(ComponentLayout::default()),
+            Holding::Parked => {
+                return Ok(ComponentLayout {
+                    groups: vec![whole()?],
+                    ..Default::default()
+                })
+            }
+            Holding::Streamed { groups, .. } | Holding::Sharded { groups, .. } => {
+                GroupPlan::<M>::new(cfg, groups)
+            }
+        };
+        // What stays in host memory (a token table) is recorded apart and not counted.
+        let (device, host) = (Recording::default(), Recording::default());
+        drop(M::outer(
+            cfg,
+            device.var_builder(weights, dtype),
+            host.var_builder(weights, dtype),
+        )?);
+        Ok(ComponentLayout {
+            direct_bytes: device.layout(Packing::PerTensor)?.tensor_bytes(),
+            groups: (0..groups.count)
+                .map(|g| record(Packing::ByDtype, &|vb| groups.build(g, vb).map(drop)))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// Device weight bytes of `layout` (this holding's) while its stage runs and while it waits
+    /// loaded: resident weights stay; a parked component comes in whole for its stage; streamed
+    /// groups pass through the engine's slots ([`streamed_bytes`]) beside the outer part, which
+    /// stays between stages unless parked; FSDP keeps the outer part and this rank's shards (in
+    /// host memory when `on_host`) and gathers [`Fsdp::gathered`] whole blocks at once.
+    pub fn device_weights(self, layout: &ComponentLayout) -> DeviceWeights {
+        let direct = layout.direct_bytes as u64;
+        let largest = layout.groups.iter().map(|g| g.bytes as u64).max();
+        match self {
+            Holding::Resident => DeviceWeights {
+                active: direct,
+                idle: direct,
+            },
+            Holding::OnCpu => DeviceWeights::default(),
+            Holding::Parked => DeviceWeights {
+                active: largest.unwrap_or(0),
+                idle: 0,
+            },
+            Holding::Streamed { outer, options, .. } => DeviceWeights {
+                active: direct.saturating_add(streamed_bytes(&layout.groups, options)),
+                idle: match outer {
+                    Outer::Resident => direct,
+                    Outer::Parked => 0,
+                },
+            },
+            Holding::Sharded { fsdp, .. } => {
+                let blocks: Vec<usize> = layout.groups.iter().map(|g| g.bytes).collect();
+                let shards = if fsdp.on_host {
+                    0
+                } else {
+                    shard_bytes(&blocks, fsdp.rank, fsdp.ranks) as u64
+                };
+                let gathered = fsdp.gathered().min(blocks.len()) as u64 * largest.unwrap_or(0);
+                DeviceWeights {
+                    active: direct + shards + gathered,
+                    idle: direct + shards,
+                }
+            }
+        }
+    }
+}
+
+/// Whether `M`'s outer part keeps tensors in host memory (a text encoder's token table).
+fn outer_keeps_host_tensors<M: Blockwise>(cfg: &M::Config, dtype: DType) -> Result<bool> {
+    let (device, host) = (Recording::default(), Recording::default());
+    drop(M::outer(
+        cfg,
+        device.var_builder(None, dtype),
+        host.var_builder(None, dtype),
+    )?);
+    Ok(host.layout(Packing::PerTensor)?.tensor_bytes() > 0)
+}
+
+/// A model's groups of blocks as a [`Grouping`] forms them: the engine builds its groups (and
+/// FSDP its shards) and the plan counts them through this one rule.
+pub struct GroupPlan<M: Blockwise> {
+    cfg: M::Config,
+    groups: Vec<Group>,
+    /// Groups in all.
+    pub count: usize,
+}
+
+/// What one group holds.
+enum Group {
+    /// Whole blocks, in order.
+    Blocks(std::ops::Range<usize>),
+    /// One step of one block.
+    Step { block: usize, step: usize },
+}
+
+impl<M: Blockwise> GroupPlan<M> {
+    pub fn new(cfg: &M::Config, grouping: Grouping) -> Self {
+        let Grouping {
+            blocks_per_group,
+            by_step,
+        } = grouping;
+        let blocks = M::num_blocks(cfg);
+        let mut groups = Vec::new();
+        if by_step && M::steps(cfg) > 1 {
+            for block in 0..blocks {
+                for step in 0..M::block_steps(cfg, block) {
+                    groups.push(Group::Step { block, step });
+                }
+            }
+        } else {
+            let per_group = blocks_per_group.max(1);
+            let mut start = 0;
+            while start < blocks {
+                let kind = M::block_kind(cfg, start);
+                let mut end = start + 1;
+                while end < blocks && end - start < per_group && M::block_kind(cfg, end) == kind {
+                    end += 1;
+                }
+                groups.push(Group::Blocks(start..end));
+                start = end;
+            }
+        }
+        GroupPlan {
+            cfg: cfg.clone(),
+            count: groups.len(),
+            groups,
+        }
+    }
+
+    /// Group `g`'s blocks (or its one block step) from the root `VarBuilder`.
+    pub fn build(
+        &self,
+        g: usize,
+        vb: candle_nn::VarBuilder<'static>,
+    ) -> candle_core::Result<Vec<M::Block>> {
+        match self.groups.get(g) {
+            Some(Group::Step { block, step }) => {
+                Ok(vec![M::block_step(&self.cfg, *block, *step, vb)?])
+            }
+            Some(Group::Blocks(blocks)) => blocks
+                .clone()
+                .map(|i| M::block(&self.cfg, i, vb.clone()))
+                .collect(),
+            None => candle_core::bail!("group {g} of {}", self.count),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::offload::record;
+    use crate::offload::residency::slot_sections;
+
+    /// Between its stages a streamed component holds its outer part only when that is not
+    /// parked (its slots go back when a stage ends); during a stage, the outer part and slots.
+    #[test]
+    fn streamed_components_hold_nothing_between_stages_unless_their_outer_part_stays() {
+        let group = record(None, DType::F32, Packing::ByDtype, |vb| vb.get(1000, "w")).unwrap();
+        let layout = ComponentLayout {
+            direct_bytes: 10,
+            groups: vec![group; 4],
+        };
+        let slot: usize = slot_sections(&layout.groups).iter().map(|s| s.1).sum();
+        for outer in [Outer::Parked, Outer::Resident] {
+            let holding = Holding::Streamed {
+                outer,
+                groups: Grouping {
+                    blocks_per_group: 1,
+                    by_step: false,
+                },
+                options: StreamOptions {
+                    stream: true,
+                    depth: 1,
+                },
+            };
+            let weights = holding.device_weights(&layout);
+            assert_eq!(weights.active, 10 + 2 * slot as u64);
+            assert_eq!(weights.idle, if outer == Outer::Parked { 0 } else { 10 });
+        }
+    }
+}
