@@ -38,25 +38,16 @@ impl std::error::Error for UsageError {}
 /// The resolved run configuration. Nothing after resolution looks at raw flags.
 #[derive(Clone, Debug)]
 pub struct ResolvedConfig {
-    generation: Generation,
-    video: Video,
-    output: OutputSpec,
-    batch: Batch,
-    memory: MemoryOptions,
-    device: DeviceInfo,
-    dtype: DType,
-    tf32: bool,
-    groups: Groups,
-    overrides: Vec<Override>,
-    given: BTreeSet<String>,
-    echo: Echo,
+    /// What resolution found.
+    resolved: Resolved,
+    /// What the model family's video sizes must be (Wan's until its defaults are applied).
     frame_rule: FrameRule,
-    dry_run: bool,
-    json: bool,
+    /// On one rank of a run whose GPUs compute each video together: its group and hooks.
     ranks: Option<Ranks>,
 }
 
 /// What resolution hands [`ResolvedConfig::new`], once.
+#[derive(Clone, Debug)]
 pub struct Resolved {
     pub generation: Generation,
     pub video: Video,
@@ -236,38 +227,9 @@ impl ResolvedConfig {
     /// The configuration of what `resolved` says, sized by Wan's frame rule until
     /// [`Self::with_model_defaults`].
     pub fn new(resolved: Resolved) -> Self {
-        let Resolved {
-            generation,
-            video,
-            output,
-            batch,
-            memory,
-            device,
-            dtype,
-            tf32,
-            groups,
-            overrides,
-            given,
-            echo,
-            dry_run,
-            json,
-        } = resolved;
         ResolvedConfig {
-            generation,
-            video,
-            output,
-            batch,
-            memory,
-            device,
-            dtype,
-            tf32,
-            groups,
-            overrides,
-            given,
-            echo,
+            resolved,
             frame_rule: FrameRule::default(),
-            dry_run,
-            json,
             ranks: None,
         }
     }
@@ -277,32 +239,32 @@ impl ResolvedConfig {
     pub fn with_model_defaults(mut self, defaults: &ModelDefaults) -> Result<Self, UsageError> {
         macro_rules! default {
             ($($key:ident: $field:expr),*) => {$(
-                if let Some(value) = defaults.$key.filter(|_| !self.given.contains(stringify!($key))) {
-                    self.echo.set(stringify!($key), value);
+                if let Some(value) = defaults.$key.filter(|_| !self.resolved.given.contains(stringify!($key))) {
+                    self.resolved.echo.set(stringify!($key), value);
                     $field = value;
                 }
             )*};
         }
         default!(
-            height: self.video.height,
-            width: self.video.width,
-            num_frames: self.video.num_frames,
-            fps: self.output.fps,
-            num_inference_steps: self.video.num_inference_steps,
-            guidance_scale: self.video.guidance_scale,
-            scheduler: self.generation.scheduler
+            height: self.resolved.video.height,
+            width: self.resolved.video.width,
+            num_frames: self.resolved.video.num_frames,
+            fps: self.resolved.output.fps,
+            num_inference_steps: self.resolved.video.num_inference_steps,
+            guidance_scale: self.resolved.video.guidance_scale,
+            scheduler: self.resolved.generation.scheduler
         );
         let max_sequence_length = defaults
             .max_sequence_length
-            .filter(|_| !self.given.contains("max_sequence_length"));
+            .filter(|_| !self.resolved.given.contains("max_sequence_length"));
         if let Some(value) = max_sequence_length {
-            self.echo.set("max_sequence_length", value);
-            self.generation.max_sequence_length = value as usize;
+            self.resolved.echo.set("max_sequence_length", value);
+            self.resolved.generation.max_sequence_length = value as usize;
         }
         if let Some(rule) = defaults.frame_rule {
             self.frame_rule = rule;
         }
-        let v = &self.video;
+        let v = &self.resolved.video;
         check_flags(
             &VideoSettings {
                 height: Some(v.height),
@@ -310,25 +272,26 @@ impl ResolvedConfig {
                 num_frames: Some(v.num_frames),
                 num_inference_steps: Some(v.num_inference_steps),
                 guidance_scale: Some(v.guidance_scale),
-                output_video_name: self.output.name.as_deref(),
+                output_video_name: self.resolved.output.name.as_deref(),
                 rule: self.frame_rule,
             },
-            self.output.fps,
-            self.generation.max_sequence_length as u32,
+            self.resolved.output.fps,
+            self.resolved.generation.max_sequence_length as u32,
         )?;
-        self.output.config_json = serde_json::to_string(&self.echo).unwrap_or_default();
+        self.resolved.output.config_json =
+            serde_json::to_string(&self.resolved.echo).unwrap_or_default();
         Ok(self)
     }
 
     /// The configuration with `line_images` known (some prompt-file line names its own image).
     pub fn with_line_images(mut self, line_images: bool) -> Self {
-        self.generation.line_images = line_images;
+        self.resolved.generation.line_images = line_images;
         self
     }
 
     /// The configuration as planned for a device of `total` bytes (`None`: size unknown).
     pub fn with_total_memory(mut self, total: Option<u64>) -> Self {
-        self.device.total_memory = total;
+        self.resolved.device.total_memory = total;
         self
     }
 
@@ -336,13 +299,21 @@ impl ResolvedConfig {
     /// hooks, and its outputs in its scratch folder (a rank that does not lead its group) or its
     /// stats next to rank 0's as `NAME.rankR.EXT` (a leader other than rank 0).
     pub fn for_rank(mut self, rank: Rank) -> Self {
-        self.device.ordinal = rank.local_rank;
-        self.echo.set("device", self.device.choice());
+        self.resolved.device.ordinal = rank.local_rank;
+        self.resolved
+            .echo
+            .set("device", self.resolved.device.choice());
         self.ranks = rank.ranks;
         if let Some(dir) = rank.scratch {
-            self.output.folder = dir;
-            self.batch.stats_json = None;
-        } else if let Some(path) = self.batch.stats_json.as_mut().filter(|_| rank.rank > 0) {
+            self.resolved.output.folder = dir;
+            self.resolved.batch.stats_json = None;
+        } else if let Some(path) = self
+            .resolved
+            .batch
+            .stats_json
+            .as_mut()
+            .filter(|_| rank.rank > 0)
+        {
             let stem = path
                 .file_stem()
                 .unwrap_or_default()
@@ -354,70 +325,74 @@ impl ResolvedConfig {
             };
             path.set_file_name(name);
         }
-        self.echo.set("output_path", &self.output.folder);
-        self.echo.set("stats_json", &self.batch.stats_json);
+        self.resolved
+            .echo
+            .set("output_path", &self.resolved.output.folder);
+        self.resolved
+            .echo
+            .set("stats_json", &self.resolved.batch.stats_json);
         self
     }
 
     pub fn generation(&self) -> &Generation {
-        &self.generation
+        &self.resolved.generation
     }
 
     pub fn video(&self) -> &Video {
-        &self.video
+        &self.resolved.video
     }
 
     pub fn output(&self) -> &OutputSpec {
-        &self.output
+        &self.resolved.output
     }
 
     pub fn batch(&self) -> &Batch {
-        &self.batch
+        &self.resolved.batch
     }
 
     /// What the memory options mean, after the device's rules.
     pub fn memory(&self) -> &MemoryOptions {
-        &self.memory
+        &self.resolved.memory
     }
 
     /// The selected device and its memory model.
     pub fn device(&self) -> &DeviceInfo {
-        &self.device
+        &self.resolved.device
     }
 
     /// The compute dtype.
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.resolved.dtype
     }
 
     /// Whether f32 convolutions may use TF32 math.
     pub fn tf32(&self) -> bool {
-        self.tf32
+        self.resolved.tf32
     }
 
     /// The GPUs of the run in sequence-parallel groups.
     pub fn groups(&self) -> Groups {
-        self.groups
+        self.resolved.groups
     }
 
     /// The memory model in force.
     pub fn memory_model(&self) -> MemoryModel {
-        self.device.memory_model
+        self.resolved.device.memory_model
     }
 
     /// What the device changed, in order.
     pub fn overrides(&self) -> &[Override] {
-        &self.overrides
+        &self.resolved.overrides
     }
 
     /// Whether the user gave the option `key` (a config-file key).
     pub fn given(&self, key: &str) -> bool {
-        self.given.contains(key)
+        self.resolved.given.contains(key)
     }
 
     /// Every option with its final value.
     pub fn echo(&self) -> &Echo {
-        &self.echo
+        &self.resolved.echo
     }
 
     /// What the model family's video sizes must be (Wan's until its defaults are applied).
@@ -427,12 +402,12 @@ impl ResolvedConfig {
 
     /// Resolve and plan only.
     pub fn dry_run(&self) -> bool {
-        self.dry_run
+        self.resolved.dry_run
     }
 
     /// Machine-readable dry-run output.
     pub fn json(&self) -> bool {
-        self.json
+        self.resolved.json
     }
 
     /// On one rank of a run whose GPUs compute each video together: its group and hooks.
@@ -443,11 +418,11 @@ impl ResolvedConfig {
     /// The `--dry-run --json` keys this struct owns; later stages add their own keys.
     pub fn to_json(&self) -> serde_json::Value {
         json!({
-            "config": self.echo,
-            "memory_model": self.device.memory_model,
-            "device": self.device,
-            "overrides": self.overrides,
-            "seed_drawn": self.video.seed_drawn,
+            "config": self.resolved.echo,
+            "memory_model": self.resolved.device.memory_model,
+            "device": self.resolved.device,
+            "overrides": self.resolved.overrides,
+            "seed_drawn": self.resolved.video.seed_drawn,
         })
     }
 }
