@@ -30,8 +30,8 @@ fn main() {
             "-gencode=arch=compute_90a,code=sm_90a",
             true,
         ),
-        ("wan_ops", PORTABLE, false),
-        ("dit_ops", PORTABLE, false),
+        ("row_ops", PORTABLE, false),
+        ("wan_vae_ops", PORTABLE, false),
         ("conv3d", PORTABLE, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");

@@ -8,9 +8,6 @@ pub mod cogvideox;
 pub mod conv3d;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
-#[cfg(feature = "cuda")]
-#[path = "kernels/dit_ops.rs"]
-pub(crate) mod dit_ops;
 pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
@@ -21,6 +18,9 @@ pub(crate) mod kernel_module;
 pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
+#[cfg(feature = "cuda")]
+#[path = "kernels/row_ops.rs"]
+pub(crate) mod row_ops;
 pub mod runs;
 pub mod sequence_parallel;
 pub mod source;

@@ -21,7 +21,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 #[cfg(feature = "cuda")]
-use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
+use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the per-head LayerNorm on q and k (fixed in diffusers' `CogVideoXBlock`).
@@ -318,9 +318,9 @@ impl LayerNormZero {
             text: Some((text_len, 3 * dim, 4 * dim)),
             rows: None,
         };
-        dit_ops::layer_norm_modulate(
+        row_ops::layer_norm_modulate(
             x,
-            dit_ops::LayerNorm::Fused {
+            row_ops::LayerNorm::Fused {
                 w: self.norm.weight(),
                 b: bias,
             },
@@ -435,7 +435,7 @@ impl JointAttention {
             let Some(norm_bias) = norm.bias() else {
                 candle_core::bail!("cogvideox q/k LayerNorm without a bias")
             };
-            dit_ops::head_norm_rope(
+            row_ops::head_norm_rope(
                 x.matmul(&linear.weight().t()?)?,
                 linear.bias(),
                 norm.weight(),
@@ -450,7 +450,7 @@ impl JointAttention {
         let q = norm_rope(&self.to_q, &self.norm_q)?;
         let k = norm_rope(&self.to_k, &self.norm_k)?;
         let v = match self.to_v.bias() {
-            Some(bias) => dit_ops::matmul_bias_act(x, self.to_v.weight(), bias, Act::None)?,
+            Some(bias) => row_ops::matmul_bias_act(x, self.to_v.weight(), bias, Act::None)?,
             None => x.matmul(&self.to_v.weight().t()?)?,
         };
         let split = |t: Tensor| {
@@ -547,10 +547,10 @@ impl CogVideoXBlock {
     /// same order).
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if dit_ops::rows_supported(x)
+        if row_ops::rows_supported(x)
             && inputs.temb.dtype() == DType::BF16
             && self.attention.as_ref().is_none_or(|(_, a)| {
-                a.head_dim <= dit_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
+                a.head_dim <= row_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
             })
         {
             return self.forward_fused(x, inputs);
@@ -580,11 +580,11 @@ impl CogVideoXBlock {
             let emb = norm1.embedding(&inputs.temb)?;
             let h = norm1.forward_fused(&x, &emb, at, text_len)?;
             let attn = attn1.forward_fused(&h, b, inputs)?;
-            x = dit_ops::residual_into_delta(
+            x = row_ops::residual_into_delta(
                 &x,
                 attn,
                 attn1.to_out.bias(),
-                Some(gate(&emb, dim, text_len)),
+                Some(Gate::Bf16(gate(&emb, dim, text_len))),
                 at,
             )?;
         }
@@ -592,15 +592,15 @@ impl CogVideoXBlock {
             let emb = norm2.embedding(&inputs.temb)?;
             let h = norm2.forward_fused(&x, &emb, at, text_len)?;
             let h = match fc1.bias() {
-                Some(bias) => dit_ops::matmul_bias_act(&h, fc1.weight(), bias, Act::GeluTanh)?,
+                Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, Act::GeluTanh)?,
                 None => h.matmul(&fc1.weight().t()?)?.gelu()?,
             };
             let ff = h.matmul(&fc2.weight().t()?)?;
-            x = dit_ops::residual_into_delta(
+            x = row_ops::residual_into_delta(
                 &x,
                 ff,
                 fc2.bias(),
-                Some(gate(&emb, dim, text_len)),
+                Some(Gate::Bf16(gate(&emb, dim, text_len))),
                 at,
             )?;
         }
@@ -980,7 +980,7 @@ mod cuda_tests {
     //! Each fused path against the candle composition it replaces, on random bf16 inputs of
     //! CogVideoX-5b 720x480x49 sizes (226 text + 13·30·45 video tokens of 48x64), on the GPU.
     use super::*;
-    use crate::models::dit_ops::test_util::{
+    use crate::models::row_ops::test_util::{
         assert_within_ulp, assert_within_ulp_carrying, device, randn,
     };
 
@@ -1084,7 +1084,7 @@ mod cuda_tests {
                 .max_keepdim(4)?
                 .broadcast_as((b, heads, seq, head_dim / 2, 2))?
                 .reshape((b, heads, seq, head_dim))?;
-            let got = dit_ops::head_norm_rope(
+            let got = row_ops::head_norm_rope(
                 p.reshape((b * seq, dim))?,
                 Some(bias),
                 attn.norm_q.weight(),

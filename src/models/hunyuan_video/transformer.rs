@@ -34,7 +34,7 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_key_prefix};
 use crate::models::blocks::Blockwise;
 #[cfg(feature = "cuda")]
-use crate::models::dit_ops::{self, BatchRow, Rows};
+use crate::models::row_ops::{self, BatchRow, Gate, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
@@ -580,10 +580,10 @@ fn modulate(normed: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 /// on CUDA bf16 (same ops, same order).
 fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if dit_ops::rows_supported(x) && shift.dtype() == DType::BF16 {
+    if row_ops::rows_supported(x) && shift.dtype() == DType::BF16 {
         let (b, s, dim) = x.dims3()?;
         let table = Tensor::cat(&[shift, scale], 1)?;
-        let modulation = dit_ops::Modulation {
+        let modulation = row_ops::Modulation {
             table: &table,
             stride: 2 * dim,
             shift: 0,
@@ -591,9 +591,9 @@ fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
             text: None,
             rows: None,
         };
-        return dit_ops::layer_norm_modulate(
+        return row_ops::layer_norm_modulate(
             &x.reshape((b * s, dim))?,
-            dit_ops::LayerNorm::TwoPass,
+            row_ops::LayerNorm::TwoPass,
             Some(modulation),
             Rows { row0: 0, seq: s },
             NORM_EPS,
@@ -607,7 +607,7 @@ fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 /// into `delta`'s storage (`delta` is consumed).
 fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if dit_ops::supported(&delta) && x.dtype() == DType::BF16 && gate.dtype() == DType::BF16 {
+    if row_ops::supported(&delta) && x.dtype() == DType::BF16 && gate.dtype() == DType::BF16 {
         let (b, s, dim) = delta.dims3()?;
         let gate = gate.contiguous()?;
         let gate = BatchRow {
@@ -617,11 +617,11 @@ fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
             text: None,
             rows: None,
         };
-        return dit_ops::residual_into_delta(
+        return row_ops::residual_into_delta(
             &x.reshape((b * s, dim))?,
             delta.reshape((b * s, dim))?,
             None,
-            Some(gate),
+            Some(Gate::Bf16(gate)),
             Rows { row0: 0, seq: s },
         )?
         .reshape((b, s, dim));
@@ -686,11 +686,11 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let (Act::GeluTanh, Some(bias), [b, s, d]) = (self.act, self.fc1.bias(), x.dims()) {
-            if dit_ops::supported(x) {
+            if row_ops::supported(x) {
                 // The bias and GELU in the product's epilogue (or one pass over it).
                 let h = x.reshape((b * s, *d))?;
                 let h =
-                    dit_ops::matmul_bias_act(&h, self.fc1.weight(), bias, dit_ops::Act::GeluTanh)?;
+                    row_ops::matmul_bias_act(&h, self.fc1.weight(), bias, row_ops::Act::GeluTanh)?;
                 return self.fc2.forward(&h.reshape((*b, *s, ()))?);
             }
         }
@@ -773,12 +773,12 @@ impl QkvProjection {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let v = split_heads(&self.to_v.forward(x)?, self.heads)?;
         #[cfg(feature = "cuda")]
-        if dit_ops::supported(x) && self.norm_q.dim(0)? <= dit_ops::MAX_HEAD_DIM {
+        if row_ops::supported(x) && self.norm_q.dim(0)? <= row_ops::MAX_HEAD_DIM {
             let (b, s, dim) = x.dims3()?;
             let head_dim = dim / self.heads;
             let x = x.reshape((b * s, dim))?;
             let norm_rope = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
-                dit_ops::head_norm_rope(
+                row_ops::head_norm_rope(
                     x.matmul(&linear.weight().t()?)?,
                     linear.bias(),
                     w,
@@ -2005,7 +2005,7 @@ mod cuda_tests {
     //! HunyuanVideo sizes (3072 wide, 24 heads of 128; 17·30·40 video tokens and 256 text
     //! tokens), on the GPU.
     use super::*;
-    use crate::models::dit_ops::test_util::{
+    use crate::models::row_ops::test_util::{
         assert_within_ulp, assert_within_ulp_carrying, device, randn,
     };
 
@@ -2093,7 +2093,7 @@ mod cuda_tests {
                 .max_keepdim(4)?
                 .broadcast_as(shape)?
                 .reshape((b, HEADS, s, head_dim))?;
-            let got = dit_ops::head_norm_rope(
+            let got = row_ops::head_norm_rope(
                 p.reshape((b * s, DIM))?,
                 Some(&bias),
                 &w,

@@ -1245,7 +1245,7 @@ impl AutoencoderKLHunyuanVideo {
 mod cuda_tests {
     //! The cuDNN path in runs of output frames against the own convolution, on the GPU.
     use super::*;
-    use crate::models::dit_ops::test_util::device;
+    use crate::models::row_ops::test_util::device;
 
     #[test]
     fn cudnn_conv_in_runs_of_frames_equals_the_own_conv() -> Result<()> {

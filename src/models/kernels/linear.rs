@@ -130,7 +130,7 @@ impl CustomOp3 for BiasEpilogue {
 #[cfg(test)]
 mod cuda_tests {
     use super::*;
-    use crate::models::dit_ops::test_util::device;
+    use crate::models::row_ops::test_util::device;
 
     /// The epilogue against the f32 composition rounded once: bias in the accumulator, GELU(tanh)
     /// in f32 (cuBLASLt's own GELU may differ by float rounding: a bf16 ulp or two at most).

@@ -8,10 +8,15 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig,
+    PushKernelArg,
+};
 use candle_core::cuda::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{kernels, WrapErr};
-use candle_core::{CudaDevice, Result};
+use candle_core::cuda_backend::{kernels, CudaStorageSlice, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, InplaceOp1, Layout, Result, Storage, Tensor,
+};
 
 /// Starts, each on a thread of its own, what the first stages would otherwise wait for inside
 /// their first component: opening cuDNN's libraries (most of a second), and loading the candle
@@ -150,6 +155,172 @@ impl Module {
         };
         let func = module.load_function(func).w()?;
         Ok(Func { func, stream })
+    }
+}
+
+/// Threads of a block of [`row_launch`] (`THREADS` in the row kernels).
+pub(crate) const ROW_THREADS: usize = 256;
+/// Threads per block and blocks per SM-ish bound of the element-wise kernels.
+const ELEMENT_THREADS: u32 = 256;
+const ELEMENT_BLOCKS: usize = 132 * 16;
+
+/// A kernel argument, in the kernel's declaration order.
+pub(crate) enum Arg<'a> {
+    /// The tensor written in place.
+    Dst,
+    /// A read-only tensor (bf16, f32 or u32, contiguous); `None` passes a null pointer.
+    Tensor(Option<&'a Tensor>),
+    /// The address `offset` elements into a read-only contiguous tensor.
+    At(&'a Tensor, usize),
+    Int(i32),
+    Long(i64),
+    Float(f32),
+}
+
+/// One launch of `func` of `module` with one block of `block` threads per unit of `grid`.
+pub(crate) struct Launch<'a> {
+    module: &'static Module,
+    func: &'static str,
+    grid: u32,
+    block: u32,
+    args: Vec<Arg<'a>>,
+}
+
+/// Device address of a contiguous tensor's first element.
+fn address(
+    storage: &Storage,
+    layout: &Layout,
+    offset: usize,
+    dev: &candle_core::CudaDevice,
+) -> Result<u64> {
+    let Storage::Cuda(s) = storage else {
+        candle_core::bail!("kernel launch: an operand is not on CUDA")
+    };
+    if !layout.is_contiguous() {
+        candle_core::bail!("kernel launch: operands must be contiguous")
+    }
+    let stream = dev.cuda_stream();
+    let (base, size) = match &s.slice {
+        CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
+        CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
+        CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
+        _ => candle_core::bail!("kernel launch: operands are bf16, f32 or u32"),
+    };
+    Ok(base + ((layout.start_offset() + offset) * size) as u64)
+}
+
+impl InplaceOp1 for Launch<'_> {
+    fn name(&self) -> &'static str {
+        self.func
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        candle_core::bail!("{} runs on CUDA only", self.func)
+    }
+
+    fn cuda_fwd(&self, dst: &mut CudaStorage, dst_layout: &Layout) -> Result<()> {
+        let dev = dst.device.clone();
+        let stream = dev.cuda_stream();
+        if !dst_layout.is_contiguous() {
+            candle_core::bail!("{}: the destination must be contiguous", self.func)
+        }
+        let (base, size) = match &mut dst.slice {
+            CudaStorageSlice::BF16(out) => (out.device_ptr_mut(&stream).0, 2),
+            CudaStorageSlice::F32(out) => (out.device_ptr_mut(&stream).0, 4),
+            _ => candle_core::bail!("{}: the destination is bf16 or f32", self.func),
+        };
+        let dst_address = base + (dst_layout.start_offset() * size) as u64;
+        // Pointers as u64, integers and floats: owned here so the builder can borrow them.
+        enum Value {
+            Ptr(u64),
+            Int(i32),
+            Long(i64),
+            Float(f32),
+        }
+        let values = self
+            .args
+            .iter()
+            .map(|arg| {
+                Ok(match arg {
+                    Arg::Dst => Value::Ptr(dst_address),
+                    Arg::Tensor(None) => Value::Ptr(0),
+                    Arg::Tensor(Some(t)) => {
+                        let (storage, layout) = t.storage_and_layout();
+                        Value::Ptr(address(&storage, layout, 0, &dev)?)
+                    }
+                    Arg::At(t, offset) => {
+                        let (storage, layout) = t.storage_and_layout();
+                        Value::Ptr(address(&storage, layout, *offset, &dev)?)
+                    }
+                    Arg::Int(v) => Value::Int(*v),
+                    Arg::Long(v) => Value::Long(*v),
+                    Arg::Float(v) => Value::Float(*v),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let func = self.module.function(&dev, self.func)?;
+        let mut builder = func.builder();
+        for value in &values {
+            match value {
+                Value::Ptr(v) => builder.arg(v),
+                Value::Int(v) => builder.arg(v),
+                Value::Long(v) => builder.arg(v),
+                Value::Float(v) => builder.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (self.grid, 1, 1),
+            block_dim: (self.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments follow the kernel's signature; `supported` and the callers
+        // checked dtypes, widths and contiguity, and every pointer covers the rows launched.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// One block of [`ROW_THREADS`] threads per unit of `grid` (a row, or a group of rows).
+pub(crate) fn row_launch<'a>(
+    module: &'static Module,
+    func: &'static str,
+    grid: usize,
+    args: Vec<Arg<'a>>,
+) -> Launch<'a> {
+    Launch {
+        module,
+        func,
+        grid: grid as u32,
+        block: ROW_THREADS as u32,
+        args,
+    }
+}
+
+/// A grid-stride launch over the bf16 pairs of `elements` elements.
+pub(crate) fn element_launch<'a>(
+    module: &'static Module,
+    func: &'static str,
+    elements: usize,
+    args: Vec<Arg<'a>>,
+) -> Launch<'a> {
+    item_launch(module, func, elements / 2, args)
+}
+
+/// A grid-stride launch with one thread per item (up to the grid's bound).
+pub(crate) fn item_launch<'a>(
+    module: &'static Module,
+    func: &'static str,
+    items: usize,
+    args: Vec<Arg<'a>>,
+) -> Launch<'a> {
+    Launch {
+        module,
+        func,
+        grid: items
+            .div_ceil(ELEMENT_THREADS as usize)
+            .clamp(1, ELEMENT_BLOCKS) as u32,
+        block: ELEMENT_THREADS,
+        args,
     }
 }
 

@@ -22,7 +22,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 #[cfg(feature = "cuda")]
-use crate::models::dit_ops::{self, Act, BatchRow, Modulation, Rows};
+use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Largest width or patch size a config may give (far above any real model).
@@ -424,7 +424,7 @@ impl LtxAttention {
             None => x.clone(),
         };
         let kv_len = kv.dim(0)? / b;
-        let q = dit_ops::rms_rope(
+        let q = row_ops::rms_rope(
             x.matmul(&self.to_q.weight().t()?)?,
             self.to_q.bias(),
             &self.norm_q,
@@ -432,8 +432,9 @@ impl LtxAttention {
             dim,
             Rows { row0: 0, seq: s },
             QK_NORM_EPS,
+            Rounding::Bf16,
         )?;
-        let k = dit_ops::rms_rope(
+        let k = row_ops::rms_rope(
             kv.matmul(&self.to_k.weight().t()?)?,
             self.to_k.bias(),
             &self.norm_k,
@@ -444,9 +445,10 @@ impl LtxAttention {
                 seq: kv_len,
             },
             QK_NORM_EPS,
+            Rounding::Bf16,
         )?;
         let v = match self.to_v.bias() {
-            Some(bias) => dit_ops::matmul_bias_act(&kv, self.to_v.weight(), bias, Act::None)?,
+            Some(bias) => row_ops::matmul_bias_act(&kv, self.to_v.weight(), bias, Act::None)?,
             None => kv.matmul(&self.to_v.weight().t()?)?,
         };
         let split = |t: Tensor, n: usize| {
@@ -726,7 +728,7 @@ impl LtxTransformerBlock {
             None => None,
         };
         #[cfg(feature = "cuda")]
-        if dit_ops::rows_supported(&stream.x) && inputs.temb.dtype() == DType::BF16 {
+        if row_ops::rows_supported(&stream.x) && inputs.temb.dtype() == DType::BF16 {
             return self.forward_fused(stream, inputs, ada.as_ref());
         }
         self.forward_composite(stream, inputs, ada.as_ref())
@@ -765,20 +767,22 @@ impl LtxTransformerBlock {
             })
         };
         let gate = |i: usize| {
-            ada.as_ref().map(|table| BatchRow {
-                table,
-                stride: 6 * dim,
-                offset: i * dim,
-                text: None,
-                rows: None,
+            ada.as_ref().map(|table| {
+                Gate::Bf16(BatchRow {
+                    table,
+                    stride: 6 * dim,
+                    offset: i * dim,
+                    text: None,
+                    rows: None,
+                })
             })
         };
         let mut x = stream.x.reshape((b * s, dim))?;
         if let Some((norm1, attn1)) = &self.attn1 {
-            let h = dit_ops::rms_modulate(&x, norm1.as_ref(), modulation(0, 1), at, self.eps)?;
+            let h = row_ops::rms_modulate(&x, norm1.as_ref(), modulation(0, 1), at, self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let attn = attn1.forward_fused(&h, b, None, Some(rope), &TextKeys::All)?;
-            x = dit_ops::residual_into_delta(&x, attn, attn1.to_out.bias(), gate(2), at)?;
+            x = row_ops::residual_into_delta(&x, attn, attn1.to_out.bias(), gate(2), at)?;
         }
         if let Some(attn2) = &self.attn2 {
             let attn = attn2.forward_fused(
@@ -788,19 +792,19 @@ impl LtxTransformerBlock {
                 None,
                 &inputs.text_keys,
             )?;
-            x = dit_ops::residual_into_delta(&x, attn, attn2.to_out.bias(), None, at)?;
+            x = row_ops::residual_into_delta(&x, attn, attn2.to_out.bias(), None, at)?;
         }
         if let Some((norm2, fc1)) = &self.ff_in {
-            let h = dit_ops::rms_modulate(&x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
+            let h = row_ops::rms_modulate(&x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
             stream.ff_hidden = Some(match fc1.bias() {
-                Some(bias) => dit_ops::matmul_bias_act(&h, fc1.weight(), bias, self.act())?,
+                Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, self.act())?,
                 None if self.tanh => h.matmul(&fc1.weight().t()?)?.gelu()?,
                 None => h.matmul(&fc1.weight().t()?)?.gelu_erf()?,
             });
         }
         if let Some(fc2) = &self.ff_out {
             let out = stream.take_ff_hidden()?.matmul(&fc2.weight().t()?)?;
-            x = dit_ops::residual_into_delta(&x, out, fc2.bias(), gate(5), at)?;
+            x = row_ops::residual_into_delta(&x, out, fc2.bias(), gate(5), at)?;
         }
         stream.x = x.reshape((b, s, dim))?;
         Ok(stream)
@@ -1042,7 +1046,7 @@ mod cuda_tests {
     //! Each fused kernel against the candle composition it replaces, on random bf16 inputs of
     //! LTX-Video 512x768x161 sizes (8064 tokens of 2048), run on the GPU.
     use super::*;
-    use crate::models::dit_ops::test_util::{
+    use crate::models::row_ops::test_util::{
         assert_within_ulp, assert_within_ulp_carrying, device, randn,
     };
 
@@ -1069,7 +1073,7 @@ mod cuda_tests {
             let normed = rms_norm(&x, w.as_ref(), 1e-6)?;
             let want = modulate(&normed, &shift, &scale)?;
             let term = normed.broadcast_mul(&(&scale + 1.0)?)?;
-            let got = dit_ops::rms_modulate(
+            let got = row_ops::rms_modulate(
                 &x.reshape((b * s, DIM))?,
                 w.as_ref(),
                 Some(Modulation {
@@ -1118,7 +1122,7 @@ mod cuda_tests {
             } else {
                 (normed.clone(), normed)
             };
-            let got = dit_ops::rms_rope(
+            let got = row_ops::rms_rope(
                 x.reshape((b * n, DIM))?,
                 Some(&bias),
                 &w,
@@ -1126,6 +1130,7 @@ mod cuda_tests {
                 DIM,
                 Rows { row0: 0, seq: n },
                 QK_NORM_EPS,
+                Rounding::Bf16,
             )?;
             let what = format!("rms_rope b={b} rope={rope}");
             assert_within_ulp(&got.reshape((b, n, DIM))?, &want, &term, &what)?;
@@ -1152,17 +1157,17 @@ mod cuda_tests {
             };
             let want = (&res + &term)?;
             let term = res.abs()?.maximum(&term.abs()?)?;
-            let got = dit_ops::residual_into_delta(
+            let got = row_ops::residual_into_delta(
                 &res.reshape((b * s, DIM))?,
                 delta.reshape((b * s, DIM))?.copy()?,
                 Some(&bias),
-                gated.then_some(BatchRow {
+                gated.then_some(Gate::Bf16(BatchRow {
                     table: &ada,
                     stride: 6 * DIM,
                     offset: 2 * DIM,
                     text: None,
                     rows: None,
-                }),
+                })),
                 Rows { row0: 0, seq: s },
             )?;
             let what = format!("residual b={b} gated={gated}");
@@ -1188,7 +1193,7 @@ mod cuda_tests {
                 Act::GeluTanh => exact.gelu()?.to_dtype(DType::BF16)?,
                 Act::GeluErf => exact.gelu_erf()?.to_dtype(DType::BF16)?,
             };
-            let got = dit_ops::bias_act(x.copy()?, &bias, act)?;
+            let got = row_ops::bias_act(x.copy()?, &bias, act)?;
             assert_within_ulp(&got, &want, &want, &format!("bias_act {act:?}"))?;
         }
         Ok(())

@@ -54,10 +54,10 @@ impl SwiGlu {
         // On CUDA bf16 one kernel (SiLU in f32 rounded once, as torch computes it) instead of a
         // SiLU and a product over strided halves.
         #[cfg(feature = "cuda")]
-        if crate::models::dit_ops::supported(&h) && half % 2 == 0 {
+        if crate::models::row_ops::supported(&h) && half % 2 == 0 {
             let mut dims = h.dims().to_vec();
             let rows = h.elem_count() / (2 * half);
-            let product = crate::models::dit_ops::swiglu(&h.reshape((rows, 2 * half))?)?;
+            let product = crate::models::row_ops::swiglu(&h.reshape((rows, 2 * half))?)?;
             *dims.last_mut().expect("a Linear's output has a last axis") = half;
             return self.out.forward(&product.reshape(dims)?);
         }

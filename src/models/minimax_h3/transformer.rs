@@ -324,13 +324,13 @@ impl Attention {
         let (b, s, _) = x.dims3()?;
         #[cfg(feature = "cuda")]
         if let (Some((row0, seq)), Some((cos, sin))) = (fused, rope) {
-            return crate::models::dit_ops::head_rms_rope_half(
+            return crate::models::row_ops::head_rms_rope_half(
                 x.reshape((b * s, self.heads * self.head_dim))?,
                 &norm.weight,
                 (cos, sin),
                 self.head_dim,
                 2 * cos.dim(1)?,
-                crate::models::dit_ops::Rows { row0, seq },
+                crate::models::row_ops::Rows { row0, seq },
                 norm.eps as f64,
             )?
             .reshape((b, s, self.heads, self.head_dim))?
@@ -736,10 +736,10 @@ impl MiniMaxH3TransformerBlock {
     fn fused(&self, x: &Tensor) -> bool {
         #[cfg(feature = "cuda")]
         {
-            use crate::models::dit_ops;
+            use crate::models::row_ops;
             x.dim(0).is_ok_and(|b| b == 1)
-                && dit_ops::rows_supported(x)
-                && self.attn.head_dim <= dit_ops::MAX_HEAD_DIM
+                && row_ops::rows_supported(x)
+                && self.attn.head_dim <= row_ops::MAX_HEAD_DIM
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -760,7 +760,7 @@ impl MiniMaxH3TransformerBlock {
         (start, len): (usize, usize),
         inputs: &BlockInputs,
     ) -> Result<Tensor> {
-        use crate::models::dit_ops::{self, Modulation, Rows};
+        use crate::models::row_ops::{self, Modulation, Rows};
         let dim = self.hidden;
         let modulation = Modulation {
             table,
@@ -770,7 +770,7 @@ impl MiniMaxH3TransformerBlock {
             text: None,
             rows: Some(&inputs.adaln_indices),
         };
-        dit_ops::rms_modulate(
+        row_ops::rms_modulate(
             &x.narrow(1, start, len)?.reshape((len, dim))?,
             Some(&norm.weight),
             Some(modulation),
@@ -795,7 +795,7 @@ impl MiniMaxH3TransformerBlock {
         (start, len): (usize, usize),
         inputs: &BlockInputs,
     ) -> Result<()> {
-        use crate::models::dit_ops::{self, BatchRow, Rows};
+        use crate::models::row_ops::{self, BatchRow, Gate, Rows};
         let dim = self.hidden;
         let gate = BatchRow {
             table,
@@ -804,10 +804,11 @@ impl MiniMaxH3TransformerBlock {
             text: None,
             rows: Some(&inputs.adaln_indices),
         };
-        dit_ops::residual_in_place(
+        row_ops::residual_over(
             &x.narrow(1, start, len)?.reshape((len, dim))?,
             &out.contiguous()?.reshape((len, dim))?,
-            gate,
+            None,
+            Some(Gate::Bf16(gate)),
             Rows {
                 row0: start,
                 seq: x.dim(1)?,
@@ -1191,10 +1192,10 @@ mod cuda_tests {
     //! the published width (5376 wide, 56 heads of 128, 96 rotary channels), on the GPU: rows
     //! of a chunk that starts inside the sequence, each with its own AdaLN table row.
     use super::*;
-    use crate::models::dit_ops::test_util::{
+    use crate::models::row_ops::test_util::{
         assert_within_ulp, assert_within_ulp_carrying, device, randn,
     };
-    use crate::models::dit_ops::{self, BatchRow, Modulation, Rows};
+    use crate::models::row_ops::{self, BatchRow, Gate, Modulation, Rows};
     use candle_core::Device;
 
     const SEQ: usize = 3000;
@@ -1227,7 +1228,7 @@ mod cuda_tests {
         let (shift, scale) = (picked(3)?, picked(4)?);
         let normed = candle_nn::ops::rms_norm(&x.narrow(0, start, len)?, &w, 1e-5)?;
         let want = modulate(&normed, &shift, &scale)?;
-        let got = dit_ops::rms_modulate(
+        let got = row_ops::rms_modulate(
             &x.narrow(0, start, len)?,
             Some(&w),
             Some(Modulation {
@@ -1268,16 +1269,17 @@ mod cuda_tests {
         let product = out.broadcast_mul(&gate)?;
         let rows = before.narrow(0, start, len)?;
         let want = (&rows + &product)?;
-        dit_ops::residual_in_place(
+        row_ops::residual_over(
             &x.narrow(0, start, len)?,
             &out,
-            BatchRow {
+            None,
+            Some(Gate::Bf16(BatchRow {
                 table: &table,
                 stride: 6 * dim,
                 offset: 5 * dim,
                 text: None,
                 rows: Some(&indices),
-            },
+            })),
             Rows {
                 row0: start,
                 seq: SEQ,
@@ -1341,7 +1343,7 @@ mod cuda_tests {
             ],
             3,
         )?;
-        let got = dit_ops::head_rms_rope_half(
+        let got = row_ops::head_rms_rope_half(
             p,
             &w,
             (&cos, &sin),
@@ -1370,7 +1372,7 @@ mod cuda_tests {
             .to_dtype(DType::BF16)?
             .to_dtype(DType::F32)?;
         let want = (value * silu)?.to_dtype(DType::BF16)?;
-        let got = dit_ops::swiglu(&h)?;
+        let got = row_ops::swiglu(&h)?;
         assert_within_ulp(&got, &want, &want, "SwiGLU")
     }
 

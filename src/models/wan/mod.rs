@@ -8,8 +8,8 @@ pub mod text_encoder;
 pub mod transformer;
 pub mod vae;
 #[cfg(feature = "cuda")]
-#[path = "../kernels/wan_ops.rs"]
-pub(crate) mod wan_ops;
+#[path = "../kernels/wan_vae_ops.rs"]
+pub(crate) mod vae_ops;
 
 /// The largest size a config may give (a width, a count of layers or heads): far above any
 /// published model, and low enough that the sizes derived from it (parameter counts, bytes)

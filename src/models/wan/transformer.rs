@@ -32,7 +32,7 @@ use crate::models::attention::sdpa;
 use crate::models::sequence_parallel::SequenceParallel;
 
 #[cfg(feature = "cuda")]
-use super::wan_ops;
+use crate::models::row_ops;
 
 /// Tokens per feed-forward chunk: bounds the `[tokens, ffn_dim]` intermediate (and its GELU)
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
@@ -391,11 +391,12 @@ impl BlockInputs {
         (row0, seq): (usize, usize),
     ) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
-        if wan_ops::supported(&delta) && res.is_contiguous() {
+        if row_ops::supported(&delta) && res.is_contiguous() {
             for s in self.slabs(row0, res.dim(0)?, seq) {
                 let gate = s.of(gate)?;
                 let at = s.at.kernel();
-                wan_ops::residual_over(&s.rows(res)?, &s.rows(&delta)?, bias, Some(&gate), at)?;
+                let gate = Some(row_ops::Gate::F32(&gate));
+                row_ops::residual_over(&s.rows(res)?, &s.rows(&delta)?, bias, gate, at)?;
             }
             return Ok(None);
         }
@@ -483,8 +484,8 @@ impl Rows {
     }
 
     #[cfg(feature = "cuda")]
-    fn kernel(self) -> wan_ops::Rows {
-        wan_ops::Rows {
+    fn kernel(self) -> row_ops::Rows {
+        row_ops::Rows {
             row0: self.row0,
             seq: self.seq,
         }
@@ -529,8 +530,8 @@ fn joined(mut parts: Vec<Tensor>) -> Result<Tensor> {
 /// `[1 or batch, dim]`: the modulated norms (w = 1 + scale, b = shift) and the affine `norm2`.
 fn norm_affine(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if wan_ops::rows_supported(x) {
-        return wan_ops::layer_norm(x, w, b, at.kernel(), eps);
+    if row_ops::rows_supported(x) {
+        return row_ops::layer_norm_affine_f32(x, w, b, at.kernel(), eps);
     }
     // Two-pass mean and variance (no E[x^2]-E[x]^2 cancellation), as diffusers'
     // `FP32LayerNorm`; the modulation is applied in f32 too.
@@ -559,8 +560,9 @@ fn residual(
     at: Rows,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if wan_ops::supported(&delta) {
-        return wan_ops::residual_into_delta(res, delta, bias, gate, at.kernel());
+    if row_ops::supported(&delta) {
+        let gate = gate.map(row_ops::Gate::F32);
+        return row_ops::residual_into_delta(res, delta, bias, gate, at.kernel());
     }
     let delta = match bias {
         Some(bias) => delta.broadcast_add(bias)?,
@@ -598,7 +600,14 @@ fn linear_act(x: &Tensor, linear: &Linear, gelu: bool) -> Result<Tensor> {
     let y = matmul_t(x, linear)?;
     let y = match linear.bias() {
         #[cfg(feature = "cuda")]
-        Some(bias) if wan_ops::supported(&y) => return wan_ops::bias_act(y, bias, gelu),
+        Some(bias) if row_ops::supported(&y) => {
+            let act = if gelu {
+                row_ops::Act::GeluTanh
+            } else {
+                row_ops::Act::None
+            };
+            return row_ops::bias_act(y, bias, act);
+        }
         Some(bias) => y.broadcast_add(bias)?,
         None => y,
     };
@@ -714,15 +723,16 @@ impl WanAttention {
         at: Rows,
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if wan_ops::rows_supported(&x) {
-            return wan_ops::rms_rope(
+        if row_ops::rows_supported(&x) {
+            return row_ops::rms_rope(
                 x,
                 linear.bias(),
                 weight,
                 rope,
                 self.head_dim,
                 at.kernel(),
-                self.eps,
+                self.eps.into(),
+                row_ops::Rounding::F32,
             );
         }
         let x = match linear.bias() {
@@ -1572,11 +1582,11 @@ mod cuda_tests {
         // Written over a chunk of rows where they lie: the bits of the sum written into delta,
         // and the rows around it untouched.
         let over = x.copy().unwrap();
-        wan_ops::residual_over(
+        row_ops::residual_over(
             &part(&over),
             &part(&d),
             Some(&bias),
-            Some(&w),
+            Some(row_ops::Gate::F32(&w)),
             chunk.kernel(),
         )
         .unwrap();
@@ -1669,9 +1679,14 @@ mod cuda_tests {
         for gelu in [false, true] {
             let want = x_ref.broadcast_add(&bias_ref).unwrap();
             let want = if gelu { want.gelu().unwrap() } else { want };
-            let got = wan_ops::bias_act(x.copy().unwrap(), &bias, gelu).unwrap();
+            let act = if gelu {
+                row_ops::Act::GeluTanh
+            } else {
+                row_ops::Act::None
+            };
+            let got = row_ops::bias_act(x.copy().unwrap(), &bias, act).unwrap();
             check(&format!("bias_act gelu={gelu}"), &got, &want);
-            let got = wan_ops::bias_act(shifted(&x.copy().unwrap(), 2), &bias, gelu).unwrap();
+            let got = row_ops::bias_act(shifted(&x.copy().unwrap(), 2), &bias, act).unwrap();
             let want = shifted(&x_ref, 2).broadcast_add(&bias_ref).unwrap();
             let want = if gelu { want.gelu().unwrap() } else { want };
             check(&format!("misaligned bias_act gelu={gelu}"), &got, &want);

@@ -9,7 +9,7 @@
 //!
 //! On CUDA the convolution's input is built in place: one buffer holding the zero padding or
 //! cached frames, then the chunk, written by the fused channel-RMS-norm + SiLU kernel where a
-//! norm precedes the conv (`wan_ops::vae_rms_silu_into`), so neither the norm's
+//! norm precedes the conv (`vae_ops::vae_rms_silu_into`), so neither the norm's
 //! intermediate tensors nor a concatenation are ever stored.
 
 use candle_core::{bail, DType, Result, Tensor};
@@ -236,8 +236,8 @@ impl Conv2d {
 fn add_bias(y: Tensor, bias: &Tensor, residual: Option<&Tensor>, layout: Layout) -> Result<Tensor> {
     let channel_dim = layout.channel_dim(y.rank());
     #[cfg(feature = "cuda")]
-    if crate::models::wan::wan_ops::vae_supported(&y) {
-        return crate::models::wan::wan_ops::vae_bias_add(y, bias, residual, channel_dim);
+    if crate::models::wan::vae_ops::vae_supported(&y) {
+        return crate::models::wan::vae_ops::vae_bias_add(y, bias, residual, channel_dim);
     }
     let shape: Vec<usize> = (0..y.rank())
         .map(|d| {
@@ -626,9 +626,9 @@ impl ChannelNorm {
         offset: usize,
     ) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if crate::models::wan::wan_ops::vae_supported(x) {
+        if crate::models::wan::vae_ops::vae_supported(x) {
             let norm = (&self.gamma, self.scale, self.layout);
-            return crate::models::wan::wan_ops::vae_rms_silu_into(x, in_bias, norm, buf, offset);
+            return crate::models::wan::vae_ops::vae_rms_silu_into(x, in_bias, norm, buf, offset);
         }
         let x = match in_bias {
             Some(bias) => add_bias(x.copy()?, bias, None, self.layout)?,
@@ -811,10 +811,10 @@ fn subpixel_weight(w: &Tensor) -> Result<Tensor> {
 /// `[B, T, 2H, 2W, C]`). One pass through the kernel on CUDA f32, else candle's.
 fn subpixel_shuffle(y: &Tensor, bias: &Tensor, layout: Layout) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if crate::models::wan::wan_ops::vae_supported(y) {
+    if crate::models::wan::vae_ops::vae_supported(y) {
         return match layout {
-            Layout::ChannelsFirst => crate::models::wan::wan_ops::vae_subpixel(y, bias),
-            Layout::ChannelsLast => crate::models::wan::wan_ops::vae_subpixel_cl(y, bias),
+            Layout::ChannelsFirst => crate::models::wan::vae_ops::vae_subpixel(y, bias),
+            Layout::ChannelsLast => crate::models::wan::vae_ops::vae_subpixel_cl(y, bias),
         };
     }
     if layout == Layout::ChannelsLast {
@@ -965,8 +965,8 @@ impl Upsample {
         };
         // Channels [0, C) are frame 2t, channels [C, 2C) frame 2t + 1; the conv left its bias.
         #[cfg(feature = "cuda")]
-        if layout == Layout::ChannelsLast && crate::models::wan::wan_ops::vae_supported(&y) {
-            return crate::models::wan::wan_ops::vae_time_interleave_cl(&y, time_conv.bias());
+        if layout == Layout::ChannelsLast && crate::models::wan::vae_ops::vae_supported(&y) {
+            return crate::models::wan::vae_ops::vae_time_interleave_cl(&y, time_conv.bias());
         }
         let y = add_bias(y, time_conv.bias(), None, layout)?;
         let (b, c2, t, h, w) = layout.dims(&y)?;
@@ -1329,7 +1329,7 @@ mod cuda_tests {
                 .permute((0, 1, 3, 2, 4))?
                 .contiguous()?
                 .reshape((b, 2 * t, h, w, c))?;
-            let got = crate::models::wan::wan_ops::vae_time_interleave_cl(
+            let got = crate::models::wan::vae_ops::vae_time_interleave_cl(
                 &y.to_device(&dev)?,
                 &bias.to_device(&dev)?,
             )?;
