@@ -450,6 +450,10 @@ impl HunyuanVideo {
             });
         let cond = conds.next().context("no prompt embeddings")?;
         let negative = conds.next();
+        for c in std::iter::once(&cond).chain(&negative) {
+            stages::ensure_finite(&c.embeds, "the prompt embeddings")?;
+            stages::ensure_finite(&c.pooled, "the pooled prompt embeddings")?;
+        }
         drop((llama, clip));
         job.carry.put(Carried {
             conds: Some((cond, negative)),

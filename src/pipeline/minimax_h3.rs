@@ -598,6 +598,12 @@ impl MiniMaxH3 {
         let mut frame_shape = None;
         let frames = vae.decode_into(&z, |piece| {
             let piece = piece.contiguous()?.to_device(&Device::Cpu)?;
+            // Before the clamp, which would turn an infinity into a blank frame.
+            if !stages::all_finite(&piece)? {
+                return Err(candle_core::Error::Msg(stages::non_finite(
+                    "the decoded video",
+                )));
+            }
             let piece = decoded_to_unit_range(&piece)?
                 .squeeze(0)?
                 .permute((1, 2, 3, 0))?
@@ -624,6 +630,7 @@ impl MiniMaxH3 {
         let dtype = frame.dtype_of(self.parts.audio_vae);
         let z = unpack_audio(&rows.to_device(&frame.device)?, AUDIO_CHANNELS)?.to_dtype(dtype)?;
         let waveform = audio_vae.decode(&audio_vae.denormalize(&z)?)?;
+        stages::ensure_finite(&waveform, "the decoded audio")?;
         let stereo = stereo_from_batch(&waveform)?
             .squeeze(0)?
             .to_dtype(DType::F32)?
