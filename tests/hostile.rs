@@ -695,6 +695,36 @@ fn config_file_values_meet_the_flags_range_checks() {
     }
 }
 
+/// Every float flag refuses what the config file refuses, through one parser: NaN and the
+/// infinities are exit 2 with one line naming the flag, before any work and in a dry run too,
+/// whether or not the model would use the value.
+#[test]
+fn float_flags_refuse_what_the_config_file_refuses() {
+    let dir = scratch("float-flags");
+    let config = dir.join("c.toml");
+    for flag in [
+        "--guidance-scale",
+        "--guidance-scale-2",
+        "--true-cfg-scale",
+        "--decode-timestep",
+        "--decode-noise-scale",
+        "--flow-shift",
+    ] {
+        let key = flag.trim_start_matches("--").replace('-', "_");
+        for value in ["nan", "inf", "-inf"] {
+            let given = format!("{flag}={value}");
+            std::fs::write(&config, format!("{key} = {value}\n")).unwrap();
+            for dry in [&[][..], &["--dry-run"][..]] {
+                let run = vidgen(&[&["--prompt", "x", &given][..], dry].concat());
+                assert_refused(&run, &[flag, "is not a finite number"]);
+                let from_file = ["--prompt", "x", "--config", config.to_str().unwrap()];
+                let run = vidgen(&[&from_file[..], dry].concat());
+                assert_refused(&run, &["c.toml", &key, "is not a finite number"]);
+            }
+        }
+    }
+}
+
 /// Copies the tiny Wan fixture (configs, tokenizer, weights) to `dir/model`.
 fn copy_tiny_model(dir: &Path) -> PathBuf {
     let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a");

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+use crate::config::video::parse_finite;
 pub use crate::config::BatchOrderChoice;
 pub use crate::memory::probe::{parse_device, DeviceChoice};
 pub use crate::output::OutputType;
@@ -157,10 +158,10 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_inference_steps: u32,
     /// Classifier-free guidance scale (1 disables the negative pass).
-    #[arg(long, help_heading = "Generation", default_value_t = 5.0)]
+    #[arg(long, help_heading = "Generation", default_value_t = 5.0, value_parser = parse_finite)]
     pub guidance_scale: f64,
     /// Timestep shift of the flow schedule [default: the scheduler config's].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub flow_shift: Option<f64>,
     /// Sampler: UniPC multistep (diffusers' default for Wan) or flow-matching Euler.
     #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerKind::UniPc)]
@@ -179,17 +180,17 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub image: Option<PathBuf>,
     /// Guidance scale of the low-noise expert (Wan2.2 A14B) [default: --guidance-scale].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub guidance_scale_2: Option<f64>,
     /// Real classifier-free guidance with the negative prompt, for guidance-distilled models
     /// whose --guidance-scale is embedded (HunyuanVideo) [default: off].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub true_cfg_scale: Option<f64>,
     /// Timestep the VAE decoder is conditioned on (LTX-Video) [default: the model's].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub decode_timestep: Option<f64>,
     /// Noise mixed into the latents before decoding (LTX-Video) [default: the model's].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub decode_noise_scale: Option<f64>,
     /// Decode the VAE in spatial tiles (less memory).
     #[arg(long = "[no-]vae-tiling", alias = "vae-tiling", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]

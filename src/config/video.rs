@@ -117,7 +117,10 @@ impl VideoSettings<'_> {
                 spelling.said("num_inference_steps", 0)
             ));
         }
-        if let Some(g) = self.guidance_scale.filter(|g| !g.is_finite() || *g < 0.0) {
+        if let Some(g) = self
+            .guidance_scale
+            .filter(|g| finite(*g).is_err() || *g < 0.0)
+        {
             return Err(format!(
                 "{}: must be a finite number >= 0 (1 disables guidance)",
                 spelling.said("guidance_scale", g)
@@ -133,6 +136,26 @@ impl VideoSettings<'_> {
         }
         Ok(())
     }
+}
+
+/// The parser of every float option, whether it comes from a flag, a config file (through its
+/// flag's parser) or a prompt-file line: a finite number.
+pub fn parse_finite(text: &str) -> Result<f64, String> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number; pass a number such as 3.5"))?;
+    finite(value)
+}
+
+/// `value` if it is finite; else why not, and the fix.
+pub fn finite(value: f64) -> Result<f64, String> {
+    if !value.is_finite() {
+        return Err(format!(
+            "{value} is not a finite number; pass a number such as 3.5"
+        ));
+    }
+    Ok(value)
 }
 
 /// The checks of the flags a model's defaults may set: the video's settings, `--fps` and
