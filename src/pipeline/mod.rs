@@ -99,7 +99,7 @@ impl Outcome {
         let (status, error) = match (report.error, job.stopped_at) {
             (_, Some(stage)) => (
                 Status::Interrupted,
-                Some(format!("interrupted by Ctrl-C at {stage}")),
+                Some(format!("interrupted by Ctrl-C or SIGTERM at {stage}")),
             ),
             (Some(e), None) => (Status::Failed, Some(e)),
             (None, None) if job.written => (Status::Written, None),
@@ -223,6 +223,9 @@ pub fn run_joined(
         check_images(&config, family.as_ref(), &jobs)?;
     }
     check_output_folder(&config.output().folder)?;
+    if config.batch().resume {
+        remove_stale_temporaries(&config, progress);
+    }
     interrupt::install(config.batch().quiet);
     let started = Instant::now();
     let mut outcomes: Vec<Outcome> = jobs
@@ -391,6 +394,27 @@ fn check_output_folder(dir: &Path) -> Result<(), UsageError> {
             "the output folder {} is not writable: {e}; {fix}",
             dir.display()
         ))),
+    }
+}
+
+/// Removes what runs killed before they could clean up left behind (`--resume`): every
+/// temporary in the output folder and those of the `--stats-json` file, where the process that
+/// wrote it is gone.
+fn remove_stale_temporaries(config: &ResolvedConfig, progress: &Progress) {
+    let mut removed = crate::output::remove_stale_temporaries(&config.output().folder, |_| true);
+    if let Some(stats) = &config.batch().stats_json {
+        let dir = stats.parent().filter(|p| !p.as_os_str().is_empty());
+        let name = stats.file_name().and_then(|n| n.to_str());
+        removed.extend(crate::output::remove_stale_temporaries(
+            dir.unwrap_or(Path::new(".")),
+            |dest| Some(dest) == name,
+        ));
+    }
+    for path in removed {
+        progress.note(&format!(
+            "removed {}: a temporary of a run that ended without cleaning up (--resume)",
+            path.display()
+        ));
     }
 }
 
