@@ -300,16 +300,38 @@ fn flags_that_do_not_apply_are_refused() {
         assert!(stderr.contains(flags[0]), "{flags:?}: {stderr}");
         assert!(stderr.contains("does not apply"), "{flags:?}: {stderr}");
     }
-    // LTX-Video's sizes follow its VAE: 8k+1 frames, multiples of 32.
+    // LTX-Video's sizes follow its VAE: 8k+1 frames, multiples of 32; one step's schedule ends
+    // at sigma 1, which the scheduler's shift_terminal cannot stretch.
+    let lines = dir.join("p.jsonl");
+    std::fs::write(
+        &lines,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_inference_steps\": 1}\n",
+    )
+    .unwrap();
     for (flags, rule) in [
         (&["--num-frames", "13"][..], "8k+1"),
         (&["--height", "48"], "multiple of 32"),
+        (&["--num-inference-steps", "1"], "must be at least 2"),
+        (
+            &["--dry-run", "--num-inference-steps", "1"],
+            "must be at least 2",
+        ),
     ] {
         let run = generate(&dir, "refused", "3", &draws, flags);
         let stderr = String::from_utf8_lossy(&run.stderr);
         assert_eq!(run.status.code(), Some(2), "{flags:?}: {stderr}");
         assert!(stderr.contains(rule), "{flags:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{flags:?}: {stderr}");
     }
+    // A prompt-file line's steps meet the same rule, before anything loads.
+    let run = reference_call("3", &draws)
+        .args(["--prompt-file", lines.to_str().unwrap(), "--quiet"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("p.jsonl:2"), "{stderr}");
+    assert!(stderr.contains("must be at least 2"), "{stderr}");
     // A dry run refuses them too: every check comes before the work.
     let run = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .args(["generate", "--dry-run", "--device", "cpu", "--model"])

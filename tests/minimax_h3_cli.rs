@@ -417,7 +417,8 @@ fn dry_run_plans_the_fixture_with_the_model_defaults() {
 }
 
 /// Flags of CFG models and of other families are refused with the reason, one line, exit 2, in
-/// a run and a dry run; so is a video outside 5-15 s and a size off the canvas grid.
+/// a run and a dry run; so is a video outside 5-15 s, a size off the canvas grid and a single
+/// step.
 #[test]
 fn flags_that_do_not_apply_are_refused() {
     let dir = scratch("refused");
@@ -434,6 +435,8 @@ fn flags_that_do_not_apply_are_refused() {
         (&["--num-frames", "400"][..], "5-15 s"),
         (&["--num-frames", "30"][..], "5-15 s"),
         (&["--height", "20"][..], "multiple of 8"),
+        // The steps count sigma points, the terminal 0 among them.
+        (&["--num-inference-steps", "1"][..], "must be at least 2"),
     ] {
         for dry in [false, true] {
             let mut args = vec![

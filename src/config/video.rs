@@ -27,11 +27,13 @@ impl Spelling {
 }
 
 /// What a family's video sizes must be: frames of the form `frame_step·k + 1` (the VAE's
-/// temporal compression), height and width multiples of `size_step`.
+/// temporal compression), height and width multiples of `size_step`; and the fewest denoising
+/// steps its schedule can be made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameRule {
     pub frame_step: u32,
     pub size_step: u32,
+    pub min_steps: u32,
 }
 
 impl FrameRule {
@@ -39,15 +41,17 @@ impl FrameRule {
     pub const ANY: FrameRule = FrameRule {
         frame_step: 1,
         size_step: 1,
+        min_steps: 1,
     };
 }
 
 impl Default for FrameRule {
-    /// Wan's: 4k+1 frames, multiples of 16.
+    /// Wan's: 4k+1 frames, multiples of 16, any step count.
     fn default() -> Self {
         FrameRule {
             frame_step: 4,
             size_step: 16,
+            min_steps: 1,
         }
     }
 }
@@ -73,6 +77,7 @@ impl VideoSettings<'_> {
         let FrameRule {
             frame_step: k,
             size_step: m,
+            min_steps,
         } = self.rule;
         for (key, value) in [("height", self.height), ("width", self.width)] {
             if let Some(v) = value.filter(|v| *v == 0 || v % m != 0) {
@@ -111,10 +116,15 @@ impl VideoSettings<'_> {
         if let (Some(h), Some(w), Some(f)) = (self.height, self.width, self.num_frames) {
             check_frame_bytes(h, w, f)?;
         }
-        if self.num_inference_steps == Some(0) {
+        let min_steps = min_steps.max(1);
+        if let Some(steps) = self.num_inference_steps.filter(|s| *s < min_steps) {
+            let why = match min_steps {
+                1 => "",
+                _ => " for this model's schedule",
+            };
             return Err(format!(
-                "{}: must be at least 1",
-                spelling.said("num_inference_steps", 0)
+                "{}: must be at least {min_steps}{why}; pass {min_steps} or more",
+                spelling.said("num_inference_steps", steps)
             ));
         }
         if let Some(g) = self

@@ -157,6 +157,11 @@ impl Family for LtxConfigs {
             frame_rule: Some(FrameRule {
                 frame_step: self.vae.temporal_compression_ratio() as u32,
                 size_step: self.vae.spatial_compression_ratio() as u32,
+                // One step's schedule ends at sigma 1, which `shift_terminal` cannot stretch.
+                min_steps: match self.scheduler.shift_terminal.filter(|&t| t != 0.0) {
+                    Some(_) => 2,
+                    None => 1,
+                },
             }),
             // LTX-Video samples with flow-match Euler only (`schedulers`).
             scheduler: None,

@@ -251,10 +251,12 @@ impl Family for MiniMaxH3Configs {
             guidance_scale: Some(1.0),
             max_sequence_length: None,
             // Any frame count: it is snapped up to 17n+5 (said on stderr); sizes are multiples
-            // of the canvas multiple (VAE spatial ratio x patch width).
+            // of the canvas multiple (VAE spatial ratio x patch width); the steps count sigma
+            // points, the terminal 0 among them, so one step is no schedule.
             frame_rule: Some(FrameRule {
                 frame_step: 1,
                 size_step: (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
+                min_steps: 2,
             }),
             scheduler: None,
         }

@@ -219,11 +219,10 @@ impl WanConfigs {
                 ));
             }
         }
-        if let Some(path) = g.image.as_ref().filter(|p| !p.is_file()) {
-            return Err(format!(
-                "--image {}: no such file (a PNG or JPEG)",
-                path.display()
-            ));
+        if let Some(path) = &g.image {
+            crate::config::files::check_image(path).map_err(|why| {
+                format!("--image {}: {why}; pass a PNG or JPEG file", path.display())
+            })?;
         }
         if self.image_encoder.is_some()
             && self.transformer.has_image_branch()
