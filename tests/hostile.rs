@@ -351,7 +351,14 @@ fn stats_json_never_replaces_an_input_an_output_or_a_special_file() {
 
 #[test]
 fn sizes_no_machine_can_hold_are_refused_before_anything_allocates() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
+        // Every rank is planned: capped before the plans are allocated.
+        (
+            &["--num-gpus", "4294967295", "--memory-model", "discrete"],
+            "1..=1024",
+        ),
+        // The text encoder's attention grows with the square of the length.
+        (&["--max-sequence-length", "4097"], "pass at most 4096"),
         (&["--height", "1000000000"], "height"),
         (&["--width", "1000000000"], "width"),
         (&["--num-frames", "1000000001"], "num-frames"),

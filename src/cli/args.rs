@@ -234,12 +234,12 @@ pub struct GenerateOptions {
     /// auto, cpu, cuda, cuda:N or metal.
     #[arg(long, help_heading = "Device", default_value = "auto", value_parser = parse_device)]
     pub device: DeviceChoice,
-    /// Number of GPUs.
-    #[arg(long, help_heading = "Device", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    /// Number of GPUs (at most 1024: every rank is planned and started).
+    #[arg(long, help_heading = "Device", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_GPUS), value_name = "N")]
     pub num_gpus: u32,
     /// GPUs that split each video's tokens (Ulysses sequence parallelism); the --num-gpus /
     /// --sp-size groups run different prompts [default: --num-gpus].
-    #[arg(long, help_heading = "Device", value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    #[arg(long, help_heading = "Device", value_parser = clap::value_parser!(u32).range(1..=MAX_GPUS), value_name = "N")]
     pub sp_size: Option<u32>,
     /// Compute dtype [default: bf16 on a GPU, f32 on the CPU].
     #[arg(long, help_heading = "Device", value_enum)]
@@ -252,6 +252,10 @@ pub struct GenerateOptions {
     #[arg(long = "[no-]tf32", alias = "tf32", help_heading = "Device", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub tf32: bool,
 }
+
+/// The most GPUs a run takes (`--num-gpus`, `--sp-size`): the dry run plans, and a run starts,
+/// every rank, so the count is capped before anything is allocated for them.
+const MAX_GPUS: i64 = 1024;
 
 /// An on/off option whose default is decided by the device.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -184,12 +184,13 @@ pub fn check_flags(
             )));
         }
     }
-    // Attention over the text grows with its square: far past any text encoder's training
-    // length, and where the memory plan's byte counts would overflow.
-    const MAX_TEXT_TOKENS: u32 = 1 << 16;
+    // Attention over the text grows with its square (65536 tokens: tens of GiB of scores in
+    // each layer of the encoder, which no allocation failure could be recovered from): eight
+    // times the longest length any pipeline uses is the most taken.
+    const MAX_TEXT_TOKENS: u32 = 1 << 12;
     if max_sequence_length > MAX_TEXT_TOKENS {
         return Err(UsageError::new(format!(
-            "--max-sequence-length {max_sequence_length} is more than {MAX_TEXT_TOKENS} tokens; Wan uses 512"
+            "--max-sequence-length {max_sequence_length} is more than {MAX_TEXT_TOKENS} tokens; pass at most {MAX_TEXT_TOKENS} (Wan uses 512)"
         )));
     }
     Ok(())
