@@ -347,6 +347,51 @@ fn stats_json_never_replaces_an_input_an_output_or_a_special_file() {
         "--dry-run",
     ]);
     assert_refused(&run, &["--stats-json", "--prompt-file"]);
+
+    // Only a new file, an empty one or stats vidgen wrote are written: never through a link,
+    // never over another run's video or any other file, in a run and a dry run.
+    let video = dir.join("other-run.mp4");
+    std::fs::write(&video, b"\0\0\0\x20ftypisom").unwrap();
+    let notes = dir.join("notes.json");
+    std::fs::write(&notes, "{\"mine\": true}\n").unwrap();
+    let target = dir.join("target.txt");
+    std::fs::write(&target, "keep me\n").unwrap();
+    let link = dir.join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    for (path, needle) in [
+        (&video, "is not stats vidgen wrote"),
+        (&notes, "is not stats vidgen wrote"),
+        (&link, "symbolic link"),
+    ] {
+        let path = p(path);
+        for dry in [&[][..], &["--dry-run"][..]] {
+            let args = [&["--prompt", "x", "--stats-json", &path][..], dry].concat();
+            assert_refused(&vidgen(&args), &["--stats-json", needle]);
+        }
+    }
+    assert_eq!(std::fs::read(&video).unwrap(), b"\0\0\0\x20ftypisom");
+    assert_eq!(
+        std::fs::read_to_string(&notes).unwrap(),
+        "{\"mine\": true}\n"
+    );
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me\n");
+    assert!(link.symlink_metadata().unwrap().file_type().is_symlink());
+    // Stats of an earlier run, and an empty file, are written over.
+    let stats_path = dir.join("stats.json");
+    std::fs::write(&stats_path, "").unwrap();
+    for _ in 0..2 {
+        let run = vidgen(&[
+            "--prompt",
+            "x",
+            "--stats-json",
+            &p(&stats_path),
+            "--output-path",
+            &o,
+        ]);
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        assert_eq!(statuses(&stats(&stats_path)), ["written"]);
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 }
 
 #[test]
