@@ -458,6 +458,26 @@ fn flags_that_do_not_apply_are_refused() {
             assert!(stderr.contains(why), "{flags:?}: {stderr}");
         }
     }
+    // A prompt-file line's frame count meets the same rule, before anything loads.
+    let lines = dir.join("p.jsonl");
+    std::fs::write(
+        &lines,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_frames\": 400}\n",
+    )
+    .unwrap();
+    for dry in [false, true] {
+        let mut args = vec!["generate", "--model", fixture.to_str().unwrap()];
+        args.extend(["--prompt-file", lines.to_str().unwrap(), "--device", "cpu"]);
+        args.extend(["--height", "16", "--width", "24", "--num-frames", "121"]);
+        args.extend(["--output-path", dir.to_str().unwrap(), "--quiet"]);
+        if dry {
+            args.push("--dry-run");
+        }
+        let stderr = usage_error(&vidgen(&args), "num_frames 400 on a line");
+        assert!(stderr.contains("p.jsonl:2"), "{stderr}");
+        assert!(stderr.contains("5-15 s"), "{stderr}");
+        assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
+    }
 }
 
 /// `synthetic:minimax-h3` (the published configs) and the Hub id plan without a download: the

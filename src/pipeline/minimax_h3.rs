@@ -284,9 +284,15 @@ impl Family for MiniMaxH3Configs {
             );
         }
         let o = config.video();
-        self.geometry(o.num_frames, o.height, o.width)
+        self.size_refusal(o.num_frames, o.height, o.width)
+            .map(|why| format!("--num-frames {}: {why}", o.num_frames))
+    }
+
+    /// Frame counts of 5-15 s once snapped up to 17n+5.
+    fn size_refusal(&self, num_frames: u32, height: u32, width: u32) -> Option<String> {
+        self.geometry(num_frames, height, width)
             .err()
-            .map(|e| format!("--num-frames {}: {e:#}", o.num_frames))
+            .map(|e| format!("{e:#}"))
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {

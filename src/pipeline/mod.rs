@@ -157,6 +157,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             Some(_) => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
         };
         if let Ok((family, _)) = &found {
+            check_sizes(family.as_ref(), &prompts)?;
             check_latents(&config, family.as_ref(), &prompts)?;
         }
         let plan = DryRun::new(&config, &source, found, &prompts);
@@ -219,6 +220,7 @@ pub fn run_joined(
         .any(|j| j.image.is_some() && j.image != config.generation().image);
     let config = config.with_line_images(line_images);
     if let Ok(family) = &family {
+        check_sizes(family.as_ref(), &jobs)?;
         check_latents(&config, family.as_ref(), &jobs)?;
         check_images(&config, family.as_ref(), &jobs)?;
     }
@@ -285,6 +287,16 @@ fn check_images(
                 )))
             }
             _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Checks before anything loads that the model can make every prompt's size.
+fn check_sizes(family: &dyn Family, jobs: &[Job]) -> Result<(), UsageError> {
+    for job in jobs {
+        if let Some(why) = family.size_refusal(job.num_frames, job.height, job.width) {
+            return Err(UsageError::new(format!("{}: {why}", job.origin)));
         }
     }
     Ok(())

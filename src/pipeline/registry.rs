@@ -181,6 +181,12 @@ pub trait Family {
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
     }
+    /// Why this model cannot make a video of `num_frames` frames of `height` x `width`, if it
+    /// cannot: each prompt's size (a `.jsonl` line's as well as the flags') is checked before
+    /// anything loads, in a dry run too.
+    fn size_refusal(&self, _num_frames: u32, _height: u32, _width: u32) -> Option<String> {
+        None
+    }
     /// Whether `--output-type latent` is supported: the pipeline leaves out its decode stage
     /// and writes the latents diffusers' `output_type="latent"` returns.
     fn latent_output(&self) -> bool {
