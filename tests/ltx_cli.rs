@@ -397,3 +397,31 @@ fn a_video_that_decodes_to_nan_fails_its_prompt_and_writes_nothing() {
         assert_eq!(stages, ["encode_text", "denoise", "decode"], "{job}");
     }
 }
+
+/// Every draw the run takes from `--latents` whose shape the sizes fix is checked before
+/// anything loads, in a run and a dry run: the decoder's `decode_noise` too, not only at decode.
+#[test]
+fn the_decode_noise_draw_is_checked_before_anything_loads() {
+    let dir = scratch("draws-checked");
+    let draws = draws_file("cfg1", &dir);
+    let tensors = candle_core::safetensors::load(&draws, &Device::Cpu).unwrap();
+    let noise = &tensors["decode_noise"];
+    let mut wrong = tensors.clone();
+    wrong.insert("decode_noise".into(), noise.narrow(2, 0, 1).unwrap());
+    let mut missing = tensors.clone();
+    missing.remove("decode_noise");
+    for (name, files, says) in [
+        ("wrong", wrong, "holds decode_noise of shape"),
+        ("missing", missing, "no tensor named `decode_noise`"),
+    ] {
+        let path = dir.join(format!("{name}-draws.safetensors"));
+        candle_core::safetensors::save(&files, &path).unwrap();
+        for extra in [&[][..], &["--dry-run"][..]] {
+            let run = generate(&dir, name, "1", &path, extra);
+            let stderr = String::from_utf8_lossy(&run.stderr);
+            assert_eq!(run.status.code(), Some(2), "{name} {extra:?}: {stderr}");
+            assert!(stderr.contains(says), "{name} {extra:?}: {stderr}");
+            assert_eq!(stderr.lines().count(), 1, "{name} {extra:?}: {stderr}");
+        }
+    }
+}

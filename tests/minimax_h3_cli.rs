@@ -458,6 +458,40 @@ fn flags_that_do_not_apply_are_refused() {
             assert!(stderr.contains(why), "{flags:?}: {stderr}");
         }
     }
+    // The draws file holds the audio's draw too, of the shape the size fixes.
+    let refs = named_reference(FIXTURE, "pipeline");
+    let latents = refs["latents_init"].clone();
+    let audio = refs["audio_latents_init"].clone();
+    for (draws, says) in [
+        (
+            vec![("latents", latents.clone())],
+            "no tensor named `audio_latents`",
+        ),
+        (
+            vec![
+                ("latents", latents),
+                ("audio_latents", audio.narrow(2, 0, 1).unwrap()),
+            ],
+            "holds audio_latents of shape",
+        ),
+    ] {
+        let draws: HashMap<String, Tensor> =
+            draws.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let path = dir.join("bad-draws.safetensors");
+        candle_core::safetensors::save(&draws, &path).unwrap();
+        for dry in [false, true] {
+            let mut args = vec!["generate", "--model", fixture.to_str().unwrap()];
+            args.extend(["--prompt", "a", "--device", "cpu", "--quiet"]);
+            args.extend(["--height", "16", "--width", "24", "--num-frames", "121"]);
+            args.extend(["--latents", path.to_str().unwrap()]);
+            args.extend(["--output-path", dir.to_str().unwrap()]);
+            if dry {
+                args.push("--dry-run");
+            }
+            let stderr = usage_error(&vidgen(&args), says);
+            assert!(stderr.contains(says), "{stderr}");
+        }
+    }
     // A prompt-file line's frame count meets the same rule, before anything loads.
     let lines = dir.join("p.jsonl");
     std::fs::write(

@@ -178,8 +178,11 @@ impl Family for HunyuanConfigs {
         &[SchedulerKind::Euler]
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(self.latent_shape(num_frames, height, width).to_vec())
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        vec![(
+            "latents",
+            self.latent_shape(num_frames, height, width).to_vec(),
+        )]
     }
 
     /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,

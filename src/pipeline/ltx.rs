@@ -136,11 +136,15 @@ impl Family for LtxConfigs {
         &[SchedulerKind::Euler]
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(
-            self.packed_shape(self.grid(num_frames, height, width))
-                .to_vec(),
-        )
+    /// The packed `latents` and, with a timestep-conditioned decoder, the `decode_noise` mixed
+    /// into the unpacked latents (its `injected_noise.K` are checked as the decoder takes them).
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        let grid = self.grid(num_frames, height, width);
+        let mut draws = vec![("latents", self.packed_shape(grid).to_vec())];
+        if self.vae.timestep_conditioning {
+            draws.push(("decode_noise", self.latent_shape(grid).to_vec()));
+        }
+        draws
     }
 
     /// `LTXPipeline.__call__`'s defaults: 704x512, 161 frames told 25 fps, 50 steps, guidance 3,

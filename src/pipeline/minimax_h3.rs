@@ -288,6 +288,18 @@ impl Family for MiniMaxH3Configs {
             .map(|why| format!("--num-frames {}: {why}", o.num_frames))
     }
 
+    /// The video's `latents` and the stereo `audio_latents`.
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        match self.geometry(num_frames, height, width) {
+            Ok(g) => vec![
+                ("latents", self.latent_shape(&g).to_vec()),
+                ("audio_latents", self.audio_latent_shape(&g).to_vec()),
+            ],
+            // A size the model refuses ([`Family::size_refusal`]) takes no draws.
+            Err(_) => Vec::new(),
+        }
+    }
+
     /// Frame counts of 5-15 s once snapped up to 17n+5.
     fn size_refusal(&self, num_frames: u32, height: u32, width: u32) -> Option<String> {
         self.geometry(num_frames, height, width)

@@ -303,8 +303,8 @@ fn check_sizes(family: &dyn Family, jobs: &[Job]) -> Result<(), UsageError> {
 }
 
 /// Checks `--latents` before anything loads: a regular safetensors file (read up to its header
-/// only) whose `latents` tensor, or only tensor, is a float tensor of the shape every prompt's
-/// size needs.
+/// only) whose `latents` tensor, or only tensor, is a float tensor, holding every draw each
+/// prompt's size takes ([`Family::draws`]) as a float tensor of its shape.
 fn check_latents(
     config: &ResolvedConfig,
     family: &dyn Family,
@@ -319,31 +319,42 @@ fn check_latents(
             "{at}: {e:#}; pass a safetensors file with a `latents` tensor"
         ))
     })?;
-    let latents = match tensors.get("latents") {
-        Some(t) => t,
-        None if tensors.len() == 1 => tensors.values().next().unwrap_or_else(|| unreachable!()),
-        None => {
-            return Err(UsageError::new(format!(
-            "{at} has no tensor named `latents` (it holds {}); name the initial latents `latents`",
-            tensors.keys().cloned().collect::<Vec<_>>().join(", ")
-        )))
-        }
-    };
-    if !matches!(latents.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
-        return Err(UsageError::new(format!(
-            "{at}: the latents are {}; store them as F32 (or F16, BF16, F64)",
-            latents.dtype
-        )));
-    }
-    for job in jobs {
-        let Some(shape) = family.latents_shape(job.num_frames, job.height, job.width) else {
-            continue;
+    let find = |name: &str| -> Result<&draws::Declared, UsageError> {
+        let declared = match tensors.get(name) {
+            Some(t) => t,
+            // A file of one tensor holds the initial latents whatever its name.
+            None if name == "latents" && tensors.len() == 1 => {
+                tensors.values().next().unwrap_or_else(|| unreachable!())
+            }
+            None => {
+                let fix = match name {
+                    "latents" => "name the initial latents `latents`".to_string(),
+                    _ => format!("add the draw `{name}` (the README's --latents of this model says what each draw is)"),
+                };
+                return Err(UsageError::new(format!(
+                    "{at} has no tensor named `{name}` (it holds {}); {fix}",
+                    tensors.keys().cloned().collect::<Vec<_>>().join(", ")
+                )));
+            }
         };
-        if latents.shape != shape {
+        if !matches!(declared.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
             return Err(UsageError::new(format!(
-                "{at} holds latents of shape {:?}, but {} ({} frames of {}x{}) needs {shape:?}; pass latents of that shape or change the size",
-                latents.shape, job.origin, job.num_frames, job.height, job.width
+                "{at}: the {name} are {}; store them as F32 (or F16, BF16, F64)",
+                declared.dtype
             )));
+        }
+        Ok(declared)
+    };
+    find("latents")?;
+    for job in jobs {
+        for (name, shape) in family.draws(job.num_frames, job.height, job.width) {
+            let declared = find(name)?;
+            if declared.shape != shape {
+                return Err(UsageError::new(format!(
+                    "{at} holds {name} of shape {:?}, but {} ({} frames of {}x{}) needs {shape:?}; pass {name} of that shape or change the size",
+                    declared.shape, job.origin, job.num_frames, job.height, job.width
+                )));
+            }
         }
     }
     Ok(())

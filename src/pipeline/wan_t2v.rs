@@ -109,8 +109,11 @@ impl Family for WanConfigs {
         &[SchedulerKind::UniPc, SchedulerKind::Euler]
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(self.latent_shape(num_frames, height, width).to_vec())
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        vec![(
+            "latents",
+            self.latent_shape(num_frames, height, width).to_vec(),
+        )]
     }
 
     /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it),
