@@ -815,7 +815,7 @@ fn shard_names_stay_inside_the_model_folder() {
     let outside = dir.join("outside.safetensors");
     std::fs::rename(&weights, &outside).unwrap();
     let index = transformer.join("diffusion_pytorch_model.safetensors.index.json");
-    let run_with = |shard: &str| {
+    let run_with = |shard: &str, dry: bool| {
         std::fs::write(
             &index,
             format!(
@@ -841,36 +841,38 @@ fn shard_names_stay_inside_the_model_folder() {
                 "--output-path",
             ])
             .arg(dir.join("out"))
+            .args(dry.then_some("--dry-run"))
             .env("HF_HUB_OFFLINE", "1")
             .output()
             .unwrap()
     };
     let relative = format!("../../{}", outside.file_name().unwrap().to_str().unwrap());
-    for (shard, needle) in [
-        (relative.as_str(), "is not a file name in transformer/"),
-        (
-            outside.to_str().unwrap(),
-            "is not a file name in transformer/",
-        ),
-        ("sub/x.safetensors", "is not a file name in transformer/"),
+    // Refused before anything loads (exit 2), in a dry run too.
+    let refused = |shard: &str, needle: &str| {
+        for dry in [false, true] {
+            let run = run_with(shard, dry);
+            let stderr = text(&run.stderr);
+            assert_eq!(run.status.code(), Some(2), "{shard}: {stderr}");
+            assert!(!stderr.contains("panicked"), "{stderr}");
+            assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
+            assert!(stderr.contains(needle), "{shard}: {stderr}");
+        }
+    };
+    for shard in [
+        relative.as_str(),
+        outside.to_str().unwrap(),
+        "sub/x.safetensors",
     ] {
-        let run = run_with(shard);
-        let stderr = text(&run.stderr);
-        assert_eq!(run.status.code(), Some(1), "{shard}: {stderr}");
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        assert!(stderr.contains(needle), "{shard}: {stderr}");
+        refused(shard, "is not a file name in transformer/");
     }
     // A link in the folder to a file outside it is refused; one to a file inside it is followed.
     let link = transformer.join("shard-1.safetensors");
     std::os::unix::fs::symlink(&outside, &link).unwrap();
-    let run = run_with("shard-1.safetensors");
-    let stderr = text(&run.stderr);
-    assert_eq!(run.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("links outside the model"), "{stderr}");
+    refused("shard-1.safetensors", "links outside the model");
     std::fs::remove_file(&link).unwrap();
     std::fs::rename(&outside, transformer.join("real.safetensors")).unwrap();
     std::os::unix::fs::symlink("real.safetensors", &link).unwrap();
-    let run = run_with("shard-1.safetensors");
+    let run = run_with("shard-1.safetensors", false);
     assert!(run.status.success(), "{}", text(&run.stderr));
 }
 

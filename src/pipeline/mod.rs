@@ -143,6 +143,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 if let Some(why) = registry::refusal(family.as_ref(), &config) {
                     return Err(UsageError::new(why).into());
                 }
+                check_shards(family.as_ref(), &config, &source)?;
                 config
             }
             // A family not known: Wan's rules.
@@ -183,6 +184,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             if let Some(why) = registry::refusal(family.as_ref(), &config) {
                 return Err(UsageError::new(why).into());
             }
+            check_shards(family.as_ref(), &config, &source)?;
             config
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -288,6 +290,21 @@ fn check_images(
             }
             _ => {}
         }
+    }
+    Ok(())
+}
+
+/// Checks the shard index of every component the run loads from a local model folder
+/// ([`crate::models::source::check_shards`]) before anything loads.
+fn check_shards(
+    family: &dyn Family,
+    config: &ResolvedConfig,
+    source: &ModelSource,
+) -> Result<(), UsageError> {
+    let spec = family.spec(&RunShape::of(config));
+    for component in &spec.components {
+        crate::models::source::check_shards(source, component.folder)
+            .map_err(|e| UsageError::new(format!("{e:#}")))?;
     }
     Ok(())
 }
