@@ -452,8 +452,13 @@ impl Live {
     }
 
     fn sigint(&self) {
+        self.signal("INT");
+    }
+
+    /// Sends signal `name` (`INT`, `TERM`, `KILL`).
+    fn signal(&self, name: &str) {
         let status = Command::new("kill")
-            .args(["-INT", &self.child.id().to_string()])
+            .args([&format!("-{name}"), &self.child.id().to_string()])
             .status()
             .unwrap();
         assert!(status.success());
@@ -476,7 +481,19 @@ impl Live {
 
 #[test]
 fn ctrl_c_keeps_finished_videos_and_abandons_the_rest() {
-    let dir = scratch("ctrl-c");
+    stop_mid_batch("INT");
+}
+
+/// SIGTERM (a `kill`, a service manager, a scheduler's time limit) takes the Ctrl-C path:
+/// finished videos kept, no temporary left, the stats written, exit 130.
+#[test]
+fn sigterm_takes_the_ctrl_c_path() {
+    stop_mid_batch("TERM");
+}
+
+/// Signal `name` once the first of three videos is written and the second has begun.
+fn stop_mid_batch(name: &str) {
+    let dir = scratch(&format!("stop-{name}"));
     let out = dir.join("out");
     let prompts = write(&dir.join("p.txt"), "a fox\na boat\na tree\n");
     let stats = dir.join("stats.json");
@@ -511,7 +528,7 @@ fn ctrl_c_keeps_finished_videos_and_abandons_the_rest() {
         first.borrow().is_some() && second_begun.get()
     });
     let first = first.into_inner().unwrap();
-    live.sigint();
+    live.signal(name);
     let (code, rest, stderr) = live.finish();
     assert_eq!(code, Some(130), "{stderr}");
     assert!(rest.is_empty(), "only the first was finished: {rest:?}");
@@ -532,6 +549,75 @@ fn ctrl_c_keeps_finished_videos_and_abandons_the_rest() {
     // The third never started: not run, not interrupted.
     assert_eq!(status, ["written", "interrupted", "not_run"]);
     assert!(json["jobs"][2]["stopped_at"].is_null());
+}
+
+/// `--resume` removes the temporaries of runs that ended without cleaning up (SIGKILL), in the
+/// output folder and beside `--stats-json`, and keeps those of a running process.
+#[test]
+fn resume_removes_the_temporaries_of_runs_killed_before_cleaning_up() {
+    let dir = scratch("stale");
+    let out = dir.join("out");
+    let prompts = write(&dir.join("p.txt"), "a fox\na boat\n");
+    let stats = dir.join("stats.json");
+    let args = [
+        "--prompt-file",
+        &prompts,
+        "--stats-json",
+        stats.to_str().unwrap(),
+    ];
+    // A run killed mid-batch: what it finished stays, its stats never came.
+    let mut live = Live::spawn(&out, &args);
+    live.wait_for(|is_stdout, _| is_stdout);
+    live.signal("KILL");
+    let _ = live.finish();
+    // The temporaries a SIGKILL leaves mid-write (its process is gone), and one of a run
+    // writing now (this test's process).
+    let gone = ended_pid();
+    let stale = [
+        out.join(format!(".a-boat_002_seed2.mp4.{gone}-0.partial")),
+        out.join(format!(".png-folder_seed1.{gone}-3.partial")),
+        dir.join(format!(".stats.json.{gone}.partial")),
+    ];
+    std::fs::create_dir_all(&stale[1]).unwrap();
+    for path in [&stale[0], &stale[2]] {
+        std::fs::write(path, b"half").unwrap();
+    }
+    let running = out.join(format!(
+        ".a-boat_002_seed2.mp4.{}-0.partial",
+        std::process::id()
+    ));
+    std::fs::write(&running, b"being written").unwrap();
+    // Not vidgen's: kept.
+    std::fs::write(out.join(".notes.partial"), b"mine").unwrap();
+    let mut resumed = args.to_vec();
+    resumed.push("--resume");
+    let run = vidgen(&out, &resumed);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    for path in &stale {
+        assert!(!path.exists(), "{} left", path.display());
+        assert!(text(&run.stderr).contains(&path.display().to_string()));
+    }
+    assert!(
+        running.is_file(),
+        "a running process's temporary was removed"
+    );
+    let mut left = names(&out);
+    left.retain(|n| n.starts_with('.'));
+    assert_eq!(
+        left,
+        [
+            format!(".a-boat_002_seed2.mp4.{}-0.partial", std::process::id()),
+            ".notes.partial".to_string()
+        ]
+    );
+    assert!(stats.is_file());
+}
+
+/// The id of a process that has ended.
+fn ended_pid() -> u32 {
+    let mut child = Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    child.id()
 }
 
 #[test]

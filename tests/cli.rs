@@ -499,7 +499,7 @@ fn bad_inputs_are_one_line_errors_with_exit_code_2() {
                 "--max-sequence-length",
                 "4294967295",
             ],
-            vec!["--max-sequence-length", "65536"],
+            vec!["--max-sequence-length", "4096"],
         ),
     ];
     for (args, needles) in cases {

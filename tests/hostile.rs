@@ -347,11 +347,63 @@ fn stats_json_never_replaces_an_input_an_output_or_a_special_file() {
         "--dry-run",
     ]);
     assert_refused(&run, &["--stats-json", "--prompt-file"]);
+
+    // Only a new file, an empty one or stats vidgen wrote are written: never through a link,
+    // never over another run's video or any other file, in a run and a dry run.
+    let video = dir.join("other-run.mp4");
+    std::fs::write(&video, b"\0\0\0\x20ftypisom").unwrap();
+    let notes = dir.join("notes.json");
+    std::fs::write(&notes, "{\"mine\": true}\n").unwrap();
+    let target = dir.join("target.txt");
+    std::fs::write(&target, "keep me\n").unwrap();
+    let link = dir.join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    for (path, needle) in [
+        (&video, "is not stats vidgen wrote"),
+        (&notes, "is not stats vidgen wrote"),
+        (&link, "symbolic link"),
+    ] {
+        let path = p(path);
+        for dry in [&[][..], &["--dry-run"][..]] {
+            let args = [&["--prompt", "x", "--stats-json", &path][..], dry].concat();
+            assert_refused(&vidgen(&args), &["--stats-json", needle]);
+        }
+    }
+    assert_eq!(std::fs::read(&video).unwrap(), b"\0\0\0\x20ftypisom");
+    assert_eq!(
+        std::fs::read_to_string(&notes).unwrap(),
+        "{\"mine\": true}\n"
+    );
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me\n");
+    assert!(link.symlink_metadata().unwrap().file_type().is_symlink());
+    // Stats of an earlier run, and an empty file, are written over.
+    let stats_path = dir.join("stats.json");
+    std::fs::write(&stats_path, "").unwrap();
+    for _ in 0..2 {
+        let run = vidgen(&[
+            "--prompt",
+            "x",
+            "--stats-json",
+            &p(&stats_path),
+            "--output-path",
+            &o,
+        ]);
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        assert_eq!(statuses(&stats(&stats_path)), ["written"]);
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 }
 
 #[test]
 fn sizes_no_machine_can_hold_are_refused_before_anything_allocates() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
+        // Every rank is planned: capped before the plans are allocated.
+        (
+            &["--num-gpus", "4294967295", "--memory-model", "discrete"],
+            "1..=1024",
+        ),
+        // The text encoder's attention grows with the square of the length.
+        (&["--max-sequence-length", "4097"], "pass at most 4096"),
         (&["--height", "1000000000"], "height"),
         (&["--width", "1000000000"], "width"),
         (&["--num-frames", "1000000001"], "num-frames"),
@@ -695,6 +747,36 @@ fn config_file_values_meet_the_flags_range_checks() {
     }
 }
 
+/// Every float flag refuses what the config file refuses, through one parser: NaN and the
+/// infinities are exit 2 with one line naming the flag, before any work and in a dry run too,
+/// whether or not the model would use the value.
+#[test]
+fn float_flags_refuse_what_the_config_file_refuses() {
+    let dir = scratch("float-flags");
+    let config = dir.join("c.toml");
+    for flag in [
+        "--guidance-scale",
+        "--guidance-scale-2",
+        "--true-cfg-scale",
+        "--decode-timestep",
+        "--decode-noise-scale",
+        "--flow-shift",
+    ] {
+        let key = flag.trim_start_matches("--").replace('-', "_");
+        for value in ["nan", "inf", "-inf"] {
+            let given = format!("{flag}={value}");
+            std::fs::write(&config, format!("{key} = {value}\n")).unwrap();
+            for dry in [&[][..], &["--dry-run"][..]] {
+                let run = vidgen(&[&["--prompt", "x", &given][..], dry].concat());
+                assert_refused(&run, &[flag, "is not a finite number"]);
+                let from_file = ["--prompt", "x", "--config", config.to_str().unwrap()];
+                let run = vidgen(&[&from_file[..], dry].concat());
+                assert_refused(&run, &["c.toml", &key, "is not a finite number"]);
+            }
+        }
+    }
+}
+
 /// Copies the tiny Wan fixture (configs, tokenizer, weights) to `dir/model`.
 fn copy_tiny_model(dir: &Path) -> PathBuf {
     let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan-tiny-a");
@@ -733,7 +815,7 @@ fn shard_names_stay_inside_the_model_folder() {
     let outside = dir.join("outside.safetensors");
     std::fs::rename(&weights, &outside).unwrap();
     let index = transformer.join("diffusion_pytorch_model.safetensors.index.json");
-    let run_with = |shard: &str| {
+    let run_with = |shard: &str, dry: bool| {
         std::fs::write(
             &index,
             format!(
@@ -759,36 +841,38 @@ fn shard_names_stay_inside_the_model_folder() {
                 "--output-path",
             ])
             .arg(dir.join("out"))
+            .args(dry.then_some("--dry-run"))
             .env("HF_HUB_OFFLINE", "1")
             .output()
             .unwrap()
     };
     let relative = format!("../../{}", outside.file_name().unwrap().to_str().unwrap());
-    for (shard, needle) in [
-        (relative.as_str(), "is not a file name in transformer/"),
-        (
-            outside.to_str().unwrap(),
-            "is not a file name in transformer/",
-        ),
-        ("sub/x.safetensors", "is not a file name in transformer/"),
+    // Refused before anything loads (exit 2), in a dry run too.
+    let refused = |shard: &str, needle: &str| {
+        for dry in [false, true] {
+            let run = run_with(shard, dry);
+            let stderr = text(&run.stderr);
+            assert_eq!(run.status.code(), Some(2), "{shard}: {stderr}");
+            assert!(!stderr.contains("panicked"), "{stderr}");
+            assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
+            assert!(stderr.contains(needle), "{shard}: {stderr}");
+        }
+    };
+    for shard in [
+        relative.as_str(),
+        outside.to_str().unwrap(),
+        "sub/x.safetensors",
     ] {
-        let run = run_with(shard);
-        let stderr = text(&run.stderr);
-        assert_eq!(run.status.code(), Some(1), "{shard}: {stderr}");
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        assert!(stderr.contains(needle), "{shard}: {stderr}");
+        refused(shard, "is not a file name in transformer/");
     }
     // A link in the folder to a file outside it is refused; one to a file inside it is followed.
     let link = transformer.join("shard-1.safetensors");
     std::os::unix::fs::symlink(&outside, &link).unwrap();
-    let run = run_with("shard-1.safetensors");
-    let stderr = text(&run.stderr);
-    assert_eq!(run.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("links outside the model"), "{stderr}");
+    refused("shard-1.safetensors", "links outside the model");
     std::fs::remove_file(&link).unwrap();
     std::fs::rename(&outside, transformer.join("real.safetensors")).unwrap();
     std::os::unix::fs::symlink("real.safetensors", &link).unwrap();
-    let run = run_with("shard-1.safetensors");
+    let run = run_with("shard-1.safetensors", false);
     assert!(run.status.success(), "{}", text(&run.stderr));
 }
 

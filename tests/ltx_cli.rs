@@ -58,10 +58,27 @@ fn generate(dir: &Path, name: &str, guidance: &str, draws: &Path, extra: &[&str]
         .as_str()
         .unwrap()
         .to_string();
-    let num = |key: &str| p[key].to_string();
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(["generate", "--model", fixture().to_str().unwrap()])
+    reference_call(guidance, draws)
         .args(["--prompt", &prompt])
+        .args([
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--output-video-name",
+            name,
+        ])
+        .args(["--quiet"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// `vidgen generate` on the fixture with the reference call's settings but no prompt.
+fn reference_call(guidance: &str, draws: &Path) -> Command {
+    let p = preset();
+    let num = |key: &str| p[key].to_string();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_vidgen"));
+    command
+        .args(["generate", "--model", fixture().to_str().unwrap()])
         .args(["--negative-prompt", p["negative_prompt"].as_str().unwrap()])
         .args(["--height", &num("height"), "--width", &num("width")])
         .args([
@@ -84,17 +101,8 @@ fn generate(dir: &Path, name: &str, guidance: &str, draws: &Path, extra: &[&str]
             "--output-type",
             "safetensors",
         ])
-        .args([
-            "--output-path",
-            dir.to_str().unwrap(),
-            "--output-video-name",
-            name,
-        ])
-        .args(["--quiet"])
-        .args(extra)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
+        .env("HF_HUB_OFFLINE", "1");
+    command
 }
 
 /// The frames a run wrote, `[F, H, W, 3]`.
@@ -292,16 +300,38 @@ fn flags_that_do_not_apply_are_refused() {
         assert!(stderr.contains(flags[0]), "{flags:?}: {stderr}");
         assert!(stderr.contains("does not apply"), "{flags:?}: {stderr}");
     }
-    // LTX-Video's sizes follow its VAE: 8k+1 frames, multiples of 32.
+    // LTX-Video's sizes follow its VAE: 8k+1 frames, multiples of 32; one step's schedule ends
+    // at sigma 1, which the scheduler's shift_terminal cannot stretch.
+    let lines = dir.join("p.jsonl");
+    std::fs::write(
+        &lines,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_inference_steps\": 1}\n",
+    )
+    .unwrap();
     for (flags, rule) in [
         (&["--num-frames", "13"][..], "8k+1"),
         (&["--height", "48"], "multiple of 32"),
+        (&["--num-inference-steps", "1"], "must be at least 2"),
+        (
+            &["--dry-run", "--num-inference-steps", "1"],
+            "must be at least 2",
+        ),
     ] {
         let run = generate(&dir, "refused", "3", &draws, flags);
         let stderr = String::from_utf8_lossy(&run.stderr);
         assert_eq!(run.status.code(), Some(2), "{flags:?}: {stderr}");
         assert!(stderr.contains(rule), "{flags:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{flags:?}: {stderr}");
     }
+    // A prompt-file line's steps meet the same rule, before anything loads.
+    let run = reference_call("3", &draws)
+        .args(["--prompt-file", lines.to_str().unwrap(), "--quiet"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("p.jsonl:2"), "{stderr}");
+    assert!(stderr.contains("must be at least 2"), "{stderr}");
     // A dry run refuses them too: every check comes before the work.
     let run = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .args(["generate", "--dry-run", "--device", "cpu", "--model"])
@@ -311,4 +341,87 @@ fn flags_that_do_not_apply_are_refused() {
         .unwrap();
     assert_eq!(run.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&run.stderr).contains("--flow-shift"));
+}
+
+/// A video that decodes to NaN (NaN decode noise in the draws file) is a failed prompt, not a
+/// blank video written as success: one error line per prompt, exit 1, no file and no temporary
+/// left, and the batch goes on to the next prompt; the stats say why.
+#[test]
+fn a_video_that_decodes_to_nan_fails_its_prompt_and_writes_nothing() {
+    let dir = scratch("nan-decode");
+    let draws = draws_file("cfg1", &dir);
+    let mut tensors = candle_core::safetensors::load(&draws, &Device::Cpu).unwrap();
+    let dims = tensors["decode_noise"].dims().to_vec();
+    let nan = Tensor::full(f32::NAN, dims, &Device::Cpu).unwrap();
+    tensors.insert("decode_noise".into(), nan);
+    candle_core::safetensors::save(&tensors, &draws).unwrap();
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "a red car\na blue car\n").unwrap();
+    let (out, stats) = (dir.join("out"), dir.join("stats.json"));
+    let run = reference_call("1", &draws)
+        .args(["--prompt-file", prompts.to_str().unwrap()])
+        .args(["--output-path", out.to_str().unwrap()])
+        .args(["--stats-json", stats.to_str().unwrap(), "--quiet"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        run.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&run.stdout)
+    );
+    let failures: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("the decoded video became NaN or infinite"))
+        .collect();
+    assert_eq!(failures.len(), 2, "one line per prompt: {stderr}");
+    let left: Vec<_> = std::fs::read_dir(&out).unwrap().collect();
+    assert!(left.is_empty(), "nothing written, no temporary: {left:?}");
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    for job in stats["jobs"].as_array().unwrap() {
+        assert_eq!(job["status"], "failed", "{job}");
+        let error = job["error"].as_str().unwrap();
+        assert!(
+            error.contains("--decode-noise-scale"),
+            "names the fix: {error}"
+        );
+        let stages: Vec<&str> = job["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(stages, ["encode_text", "denoise", "decode"], "{job}");
+    }
+}
+
+/// Every draw the run takes from `--latents` whose shape the sizes fix is checked before
+/// anything loads, in a run and a dry run: the decoder's `decode_noise` too, not only at decode.
+#[test]
+fn the_decode_noise_draw_is_checked_before_anything_loads() {
+    let dir = scratch("draws-checked");
+    let draws = draws_file("cfg1", &dir);
+    let tensors = candle_core::safetensors::load(&draws, &Device::Cpu).unwrap();
+    let noise = &tensors["decode_noise"];
+    let mut wrong = tensors.clone();
+    wrong.insert("decode_noise".into(), noise.narrow(2, 0, 1).unwrap());
+    let mut missing = tensors.clone();
+    missing.remove("decode_noise");
+    for (name, files, says) in [
+        ("wrong", wrong, "holds decode_noise of shape"),
+        ("missing", missing, "no tensor named `decode_noise`"),
+    ] {
+        let path = dir.join(format!("{name}-draws.safetensors"));
+        candle_core::safetensors::save(&files, &path).unwrap();
+        for extra in [&[][..], &["--dry-run"][..]] {
+            let run = generate(&dir, name, "1", &path, extra);
+            let stderr = String::from_utf8_lossy(&run.stderr);
+            assert_eq!(run.status.code(), Some(2), "{name} {extra:?}: {stderr}");
+            assert!(stderr.contains(says), "{name} {extra:?}: {stderr}");
+            assert_eq!(stderr.lines().count(), 1, "{name} {extra:?}: {stderr}");
+        }
+    }
 }

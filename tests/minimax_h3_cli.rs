@@ -417,7 +417,8 @@ fn dry_run_plans_the_fixture_with_the_model_defaults() {
 }
 
 /// Flags of CFG models and of other families are refused with the reason, one line, exit 2, in
-/// a run and a dry run; so is a video outside 5-15 s and a size off the canvas grid.
+/// a run and a dry run; so is a video outside 5-15 s, a size off the canvas grid and a single
+/// step.
 #[test]
 fn flags_that_do_not_apply_are_refused() {
     let dir = scratch("refused");
@@ -434,6 +435,8 @@ fn flags_that_do_not_apply_are_refused() {
         (&["--num-frames", "400"][..], "5-15 s"),
         (&["--num-frames", "30"][..], "5-15 s"),
         (&["--height", "20"][..], "multiple of 8"),
+        // The steps count sigma points, the terminal 0 among them.
+        (&["--num-inference-steps", "1"][..], "must be at least 2"),
     ] {
         for dry in [false, true] {
             let mut args = vec![
@@ -454,6 +457,60 @@ fn flags_that_do_not_apply_are_refused() {
             let stderr = usage_error(&vidgen(&args), &format!("{flags:?}"));
             assert!(stderr.contains(why), "{flags:?}: {stderr}");
         }
+    }
+    // The draws file holds the audio's draw too, of the shape the size fixes.
+    let refs = named_reference(FIXTURE, "pipeline");
+    let latents = refs["latents_init"].clone();
+    let audio = refs["audio_latents_init"].clone();
+    for (draws, says) in [
+        (
+            vec![("latents", latents.clone())],
+            "no tensor named `audio_latents`",
+        ),
+        (
+            vec![
+                ("latents", latents),
+                ("audio_latents", audio.narrow(2, 0, 1).unwrap()),
+            ],
+            "holds audio_latents of shape",
+        ),
+    ] {
+        let draws: HashMap<String, Tensor> =
+            draws.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let path = dir.join("bad-draws.safetensors");
+        candle_core::safetensors::save(&draws, &path).unwrap();
+        for dry in [false, true] {
+            let mut args = vec!["generate", "--model", fixture.to_str().unwrap()];
+            args.extend(["--prompt", "a", "--device", "cpu", "--quiet"]);
+            args.extend(["--height", "16", "--width", "24", "--num-frames", "121"]);
+            args.extend(["--latents", path.to_str().unwrap()]);
+            args.extend(["--output-path", dir.to_str().unwrap()]);
+            if dry {
+                args.push("--dry-run");
+            }
+            let stderr = usage_error(&vidgen(&args), says);
+            assert!(stderr.contains(says), "{stderr}");
+        }
+    }
+    // A prompt-file line's frame count meets the same rule, before anything loads.
+    let lines = dir.join("p.jsonl");
+    std::fs::write(
+        &lines,
+        "{\"prompt\": \"a\"}\n{\"prompt\": \"b\", \"num_frames\": 400}\n",
+    )
+    .unwrap();
+    for dry in [false, true] {
+        let mut args = vec!["generate", "--model", fixture.to_str().unwrap()];
+        args.extend(["--prompt-file", lines.to_str().unwrap(), "--device", "cpu"]);
+        args.extend(["--height", "16", "--width", "24", "--num-frames", "121"]);
+        args.extend(["--output-path", dir.to_str().unwrap(), "--quiet"]);
+        if dry {
+            args.push("--dry-run");
+        }
+        let stderr = usage_error(&vidgen(&args), "num_frames 400 on a line");
+        assert!(stderr.contains("p.jsonl:2"), "{stderr}");
+        assert!(stderr.contains("5-15 s"), "{stderr}");
+        assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
     }
 }
 

@@ -341,6 +341,64 @@ fn flags_that_do_not_apply_are_refused() {
     }
 }
 
+/// A conditioning image that cannot be one (a folder, a FIFO, a text file, a truncated PNG, a
+/// PNG wider than any image vidgen decodes) is refused before anything loads, saying what is
+/// wrong with it: as `--image` in a run and in a dry run, and as a prompt-file line's `image`.
+#[test]
+fn bad_images_are_refused_before_anything_loads() {
+    let dir = scratch("bad-images");
+    let good = std::fs::read(named_fixture_dir(I2V).join("reference/input.png")).unwrap();
+    std::fs::create_dir_all(dir.join("folder.png")).unwrap();
+    let fifo = Command::new("mkfifo")
+        .arg(dir.join("fifo.png"))
+        .status()
+        .unwrap();
+    assert!(fifo.success());
+    std::fs::write(dir.join("text.png"), "not an image\n").unwrap();
+    std::fs::write(dir.join("cut.png"), &good[..good.len() / 2]).unwrap();
+    image::RgbImage::new(20_000, 1)
+        .save(dir.join("wide.png"))
+        .unwrap();
+    let model = named_fixture_dir(I2V);
+    for (name, says) in [
+        ("folder.png", "is a folder"),
+        ("fifo.png", "is not a regular file"),
+        ("text.png", "does not decode"),
+        ("cut.png", "does not decode"),
+        ("wide.png", "larger than 16384 pixels a side"),
+    ] {
+        let image = dir.join(name);
+        let lines = dir.join("p.jsonl");
+        std::fs::write(
+            &lines,
+            format!("{{\"prompt\": \"a\", \"image\": \"{name}\"}}\n"),
+        )
+        .unwrap();
+        let (image, lines) = (image.to_str().unwrap(), lines.to_str().unwrap());
+        for extra in [
+            &["--prompt", "a", "--image", image][..],
+            &["--prompt", "a", "--image", image, "--dry-run"],
+            &["--prompt-file", lines],
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+                .args(["generate", "--model", model.to_str().unwrap()])
+                .args(["--device", "cpu", "--dtype", "f32"])
+                .args(["--output-path", dir.join("out").to_str().unwrap()])
+                .args(extra)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+            assert_eq!(errors.len(), 1, "{extra:?}: {stderr}");
+            assert!(errors[0].contains(says), "{extra:?}: {stderr}");
+            assert!(errors[0].contains(name), "{extra:?}: {stderr}");
+            assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A `.jsonl` batch where each line names its own image (relative to the prompt file) or
 /// none: Wan2.2 TI2V makes the first video from its image and the second from text alone, in
 /// one stage-major batch, each as diffusers makes it.

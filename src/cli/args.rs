@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+use crate::config::video::parse_finite;
 pub use crate::config::BatchOrderChoice;
 pub use crate::memory::probe::{parse_device, DeviceChoice};
 pub use crate::output::OutputType;
@@ -157,10 +158,10 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
     pub num_inference_steps: u32,
     /// Classifier-free guidance scale (1 disables the negative pass).
-    #[arg(long, help_heading = "Generation", default_value_t = 5.0)]
+    #[arg(long, help_heading = "Generation", default_value_t = 5.0, value_parser = parse_finite)]
     pub guidance_scale: f64,
     /// Timestep shift of the flow schedule [default: the scheduler config's].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub flow_shift: Option<f64>,
     /// Sampler: UniPC multistep (diffusers' default for Wan) or flow-matching Euler.
     #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerKind::UniPc)]
@@ -179,17 +180,17 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub image: Option<PathBuf>,
     /// Guidance scale of the low-noise expert (Wan2.2 A14B) [default: --guidance-scale].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub guidance_scale_2: Option<f64>,
     /// Real classifier-free guidance with the negative prompt, for guidance-distilled models
     /// whose --guidance-scale is embedded (HunyuanVideo) [default: off].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub true_cfg_scale: Option<f64>,
     /// Timestep the VAE decoder is conditioned on (LTX-Video) [default: the model's].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub decode_timestep: Option<f64>,
     /// Noise mixed into the latents before decoding (LTX-Video) [default: the model's].
-    #[arg(long, help_heading = "Generation")]
+    #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub decode_noise_scale: Option<f64>,
     /// Decode the VAE in spatial tiles (less memory).
     #[arg(long = "[no-]vae-tiling", alias = "vae-tiling", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
@@ -233,12 +234,12 @@ pub struct GenerateOptions {
     /// auto, cpu, cuda, cuda:N or metal.
     #[arg(long, help_heading = "Device", default_value = "auto", value_parser = parse_device)]
     pub device: DeviceChoice,
-    /// Number of GPUs.
-    #[arg(long, help_heading = "Device", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    /// Number of GPUs (at most 1024: every rank is planned and started).
+    #[arg(long, help_heading = "Device", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_GPUS), value_name = "N")]
     pub num_gpus: u32,
     /// GPUs that split each video's tokens (Ulysses sequence parallelism); the --num-gpus /
     /// --sp-size groups run different prompts [default: --num-gpus].
-    #[arg(long, help_heading = "Device", value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    #[arg(long, help_heading = "Device", value_parser = clap::value_parser!(u32).range(1..=MAX_GPUS), value_name = "N")]
     pub sp_size: Option<u32>,
     /// Compute dtype [default: bf16 on a GPU, f32 on the CPU].
     #[arg(long, help_heading = "Device", value_enum)]
@@ -251,6 +252,10 @@ pub struct GenerateOptions {
     #[arg(long = "[no-]tf32", alias = "tf32", help_heading = "Device", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub tf32: bool,
 }
+
+/// The most GPUs a run takes (`--num-gpus`, `--sp-size`): the dry run plans, and a run starts,
+/// every rank, so the count is capped before anything is allocated for them.
+const MAX_GPUS: i64 = 1024;
 
 /// An on/off option whose default is decided by the device.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -140,9 +140,6 @@ fn check_as_flag(generate: &clap::Command, key: &str, value: &toml::Value) -> Re
     let text = match value {
         toml::Value::String(s) => s.clone(),
         toml::Value::Integer(i) => i.to_string(),
-        toml::Value::Float(f) if !f.is_finite() => {
-            return Err(format!("{f} is not a finite number"));
-        }
         toml::Value::Float(f) => f.to_string(),
         toml::Value::Boolean(b) => b.to_string(),
         _ => return Ok(()),

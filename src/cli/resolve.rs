@@ -213,19 +213,27 @@ fn report_memory_options(m: &MemoryOptions, o: &mut GenerateOptions) {
     o.h3_sequential_load = tristate(m.h3_sequential_load);
 }
 
-/// Refuses a `--stats-json` path that is not a regular file, or that is one of the run's own
-/// files (`others`: flag and path): its file is renamed over the path at the end of the run.
+/// Refuses a `--stats-json` path that the stats, renamed over it at the end of the run, would
+/// destroy: a symbolic link, what is not a regular file, one of the run's own files (`others`:
+/// flag and path), or a file that is not stats vidgen wrote (another run's video, a document).
 pub fn check_stats_target(
     stats: &Path,
     others: &[(&str, Option<&Path>)],
 ) -> Result<(), UsageError> {
-    if let Ok(meta) = std::fs::metadata(stats) {
-        if !meta.is_file() {
-            return Err(UsageError::new(format!(
-                "--stats-json {} exists and is not a regular file; pass a path to a new or regular file",
-                stats.display()
-            )));
-        }
+    let Ok(meta) = std::fs::symlink_metadata(stats) else {
+        return Ok(());
+    };
+    if meta.file_type().is_symlink() {
+        return Err(UsageError::new(format!(
+            "--stats-json {} is a symbolic link; vidgen writes the stats only to a new file or stats it wrote: pass the path of the file itself, or another",
+            stats.display()
+        )));
+    }
+    if !meta.is_file() {
+        return Err(UsageError::new(format!(
+            "--stats-json {} exists and is not a regular file; pass a path to a new or regular file",
+            stats.display()
+        )));
     }
     for (flag, other) in others {
         if let Some(other) = other.filter(|o| same_file(stats, o)) {
@@ -236,7 +244,28 @@ pub fn check_stats_target(
             )));
         }
     }
+    if meta.len() > 0 && !written_by_stats(stats) {
+        return Err(UsageError::new(format!(
+            "--stats-json {} exists and is not stats vidgen wrote; writing the stats would replace it: pass a new path (or remove the file)",
+            stats.display()
+        )));
+    }
     Ok(())
+}
+
+/// Whether the file at `path` is a `--stats-json` document: a JSON object with vidgen's
+/// version and the jobs (read as a stream, whatever its size).
+fn written_by_stats(path: &Path) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Stats {
+        #[serde(rename = "vidgen_version")]
+        _version: String,
+        #[serde(rename = "jobs")]
+        _jobs: Vec<serde::de::IgnoredAny>,
+    }
+    std::fs::File::open(path).is_ok_and(|file| {
+        serde_json::from_reader::<_, Stats>(std::io::BufReader::new(file)).is_ok()
+    })
 }
 
 /// Checks what no later stage could fix, with one line naming the problem and the fix.

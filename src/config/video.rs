@@ -27,11 +27,13 @@ impl Spelling {
 }
 
 /// What a family's video sizes must be: frames of the form `frame_step·k + 1` (the VAE's
-/// temporal compression), height and width multiples of `size_step`.
+/// temporal compression), height and width multiples of `size_step`; and the fewest denoising
+/// steps its schedule can be made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameRule {
     pub frame_step: u32,
     pub size_step: u32,
+    pub min_steps: u32,
 }
 
 impl FrameRule {
@@ -39,15 +41,17 @@ impl FrameRule {
     pub const ANY: FrameRule = FrameRule {
         frame_step: 1,
         size_step: 1,
+        min_steps: 1,
     };
 }
 
 impl Default for FrameRule {
-    /// Wan's: 4k+1 frames, multiples of 16.
+    /// Wan's: 4k+1 frames, multiples of 16, any step count.
     fn default() -> Self {
         FrameRule {
             frame_step: 4,
             size_step: 16,
+            min_steps: 1,
         }
     }
 }
@@ -73,6 +77,7 @@ impl VideoSettings<'_> {
         let FrameRule {
             frame_step: k,
             size_step: m,
+            min_steps,
         } = self.rule;
         for (key, value) in [("height", self.height), ("width", self.width)] {
             if let Some(v) = value.filter(|v| *v == 0 || v % m != 0) {
@@ -111,13 +116,21 @@ impl VideoSettings<'_> {
         if let (Some(h), Some(w), Some(f)) = (self.height, self.width, self.num_frames) {
             check_frame_bytes(h, w, f)?;
         }
-        if self.num_inference_steps == Some(0) {
+        let min_steps = min_steps.max(1);
+        if let Some(steps) = self.num_inference_steps.filter(|s| *s < min_steps) {
+            let why = match min_steps {
+                1 => "",
+                _ => " for this model's schedule",
+            };
             return Err(format!(
-                "{}: must be at least 1",
-                spelling.said("num_inference_steps", 0)
+                "{}: must be at least {min_steps}{why}; pass {min_steps} or more",
+                spelling.said("num_inference_steps", steps)
             ));
         }
-        if let Some(g) = self.guidance_scale.filter(|g| !g.is_finite() || *g < 0.0) {
+        if let Some(g) = self
+            .guidance_scale
+            .filter(|g| finite(*g).is_err() || *g < 0.0)
+        {
             return Err(format!(
                 "{}: must be a finite number >= 0 (1 disables guidance)",
                 spelling.said("guidance_scale", g)
@@ -133,6 +146,26 @@ impl VideoSettings<'_> {
         }
         Ok(())
     }
+}
+
+/// The parser of every float option, whether it comes from a flag, a config file (through its
+/// flag's parser) or a prompt-file line: a finite number.
+pub fn parse_finite(text: &str) -> Result<f64, String> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number; pass a number such as 3.5"))?;
+    finite(value)
+}
+
+/// `value` if it is finite; else why not, and the fix.
+pub fn finite(value: f64) -> Result<f64, String> {
+    if !value.is_finite() {
+        return Err(format!(
+            "{value} is not a finite number; pass a number such as 3.5"
+        ));
+    }
+    Ok(value)
 }
 
 /// The checks of the flags a model's defaults may set: the video's settings, `--fps` and
@@ -151,12 +184,13 @@ pub fn check_flags(
             )));
         }
     }
-    // Attention over the text grows with its square: far past any text encoder's training
-    // length, and where the memory plan's byte counts would overflow.
-    const MAX_TEXT_TOKENS: u32 = 1 << 16;
+    // Attention over the text grows with its square (65536 tokens: tens of GiB of scores in
+    // each layer of the encoder, which no allocation failure could be recovered from): eight
+    // times the longest length any pipeline uses is the most taken.
+    const MAX_TEXT_TOKENS: u32 = 1 << 12;
     if max_sequence_length > MAX_TEXT_TOKENS {
         return Err(UsageError::new(format!(
-            "--max-sequence-length {max_sequence_length} is more than {MAX_TEXT_TOKENS} tokens; Wan uses 512"
+            "--max-sequence-length {max_sequence_length} is more than {MAX_TEXT_TOKENS} tokens; pass at most {MAX_TEXT_TOKENS} (Wan uses 512)"
         )));
     }
     Ok(())

@@ -480,7 +480,52 @@ pub fn component_weights(source: &ModelSource, component: &str) -> Result<Weight
 /// The shard files named by a `*.safetensors.index.json`, each checked to exist. A shard name
 /// is a file name in the component's folder (no path: `../../etc/passwd` and `/etc/passwd` are
 /// refused), and what it resolves to, links followed, stays in the model (see [`confinement`]).
+/// Checks the shard index of `component` of a local model folder as loading it would (every
+/// shard a file name in the component's folder that resolves inside the model), so that a
+/// corrupt or escaping index is found before anything loads. Shards that are missing, like
+/// weights missing altogether, and other sources (fetched as they load) are left to the load.
+pub fn check_shards(source: &ModelSource, component: &str) -> Result<()> {
+    if !matches!(source, ModelSource::Local(_)) {
+        return Ok(());
+    }
+    for base in WEIGHT_NAMES {
+        let index = format!("{component}/{base}.safetensors.index.json");
+        if let Some(FileRef::Path(index_path)) = source.file(&index)? {
+            return shards(source, component, &index_path).map(|_| ());
+        }
+        if source
+            .file(&format!("{component}/{base}.safetensors"))?
+            .is_some()
+        {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// The shard files the index at `index_path` names, each present.
 fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<Vec<PathBuf>> {
+    shards(source, component, index_path)?
+        .into_iter()
+        .map(|(shard, path)| {
+            path.with_context(|| {
+                format!(
+                    "shard {component}/{shard} named in {} is missing; re-download the model",
+                    index_path.display()
+                )
+            })
+        })
+        .collect()
+}
+
+/// The shards the index at `index_path` names, each with its file where present: a name that
+/// is not a file name in `component`'s folder, or a file that resolves outside the model, is
+/// an error.
+fn shards(
+    source: &ModelSource,
+    component: &str,
+    index_path: &Path,
+) -> Result<Vec<(String, Option<PathBuf>)>> {
     let text = std::fs::read_to_string(index_path)
         .with_context(|| format!("reading {}", index_path.display()))?;
     let index: serde_json::Value = serde_json::from_str(&text)
@@ -508,7 +553,7 @@ fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<V
                     index_path.display()
                 );
             }
-            match source.file(&format!("{component}/{shard}"))? {
+            let path = match source.file(&format!("{component}/{shard}"))? {
                 Some(FileRef::Path(p)) => {
                     let real = p
                         .canonicalize()
@@ -520,13 +565,11 @@ fn sharded(source: &ModelSource, component: &str, index_path: &Path) -> Result<V
                             real.display()
                         );
                     }
-                    Ok(p)
+                    Some(p)
                 }
-                _ => bail!(
-                    "shard {component}/{shard} named in {} is missing; re-download the model",
-                    index_path.display()
-                ),
-            }
+                _ => None,
+            };
+            Ok((shard.to_string(), path))
         })
         .collect()
 }

@@ -435,9 +435,100 @@ impl Drop for Partial {
     }
 }
 
+/// The name of the file a vidgen temporary was writing and the id of the process that wrote
+/// it: `.NAME.PID-N.partial` (an output) or `.NAME.PID.partial` (`--stats-json`); `None` for
+/// any other name.
+fn temporary_of(name: &str) -> Option<(&str, u32)> {
+    let inner = name.strip_prefix('.')?.strip_suffix(".partial")?;
+    let (dest, tag) = inner.rsplit_once('.')?;
+    let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    let pid = match tag.split_once('-') {
+        Some((pid, n)) if digits(n) => pid,
+        Some(_) => return None,
+        None => tag,
+    };
+    match (dest.is_empty(), digits(pid)) {
+        (false, true) => Some((dest, pid.parse().ok()?)),
+        _ => None,
+    }
+}
+
+/// Whether process `pid` is running (a process that cannot be asked counts as running).
+fn running(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return true;
+        };
+        // SAFETY: signal 0 only asks whether the process exists.
+        pid <= 0
+            || unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
+/// Removes the temporaries in `dir` of the files `wanted` names that vidgen processes no
+/// longer running left behind (a run killed by SIGKILL, or by a signal it could not handle)
+/// and returns them; those of a running process (another run writing now) stay.
+pub fn remove_stale_temporaries(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let Some((dest, pid)) = name.to_str().and_then(temporary_of) else {
+            continue;
+        };
+        if !wanted(dest) || running(pid) {
+            continue;
+        }
+        let path = entry.path();
+        // A link is removed, never followed.
+        let gone = match path.symlink_metadata() {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        if gone.is_ok() {
+            removed.push(path);
+        }
+    }
+    removed.sort();
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only vidgen's temporaries are taken for one: outputs' (`PID-N`) and the stats' (`PID`).
+    #[test]
+    fn temporaries_are_told_by_their_names() {
+        assert_eq!(
+            temporary_of(".a_seed1.mp4.42-0.partial"),
+            Some(("a_seed1.mp4", 42))
+        );
+        assert_eq!(
+            temporary_of(".stats.json.7.partial"),
+            Some(("stats.json", 7))
+        );
+        for other in [
+            "a.mp4",
+            ".a.mp4.partial",
+            ".a.mp4.x-1.partial",
+            ".a.mp4.1-x.partial",
+            ".a.mp4.1-.partial",
+            "..1-0.partial",
+            ".a.mp4.1-0.replaced",
+        ] {
+            assert_eq!(temporary_of(other), None, "{other}");
+        }
+    }
 
     /// Tensors written from their storage read back as the f32 values candle gives, whatever
     /// their dtype and layout (a transposed bf16 view, an offset narrow), with the metadata.

@@ -52,9 +52,11 @@ pub fn supervise_self(groups: Groups) -> anyhow::Result<ExitCode> {
     let port = super::supervisor::free_port().context("finding a free port for the rendezvous")?;
     let sink: super::supervisor::Sink =
         std::sync::Arc::new(std::sync::Mutex::new(std::io::stderr()));
-    // Ctrl-C reaches the workers too (one process group): they stop as a run does (exit 130)
-    // while the supervisor waits for them, forwarding their last lines.
-    let _ = ctrlc::set_handler(|| {});
+    // Ctrl-C (and a closing terminal's SIGHUP) reaches the workers too (one process group):
+    // they stop as a run does (exit 130) while the supervisor waits for them, forwarding their
+    // last lines. A SIGTERM sent to the supervisor alone is passed on to them.
+    crate::pipeline::interrupt::set_handler(|| {});
+    super::supervisor::forward_sigterm();
     let ended =
         super::supervisor::supervise(&program, &args, (groups.ranks, groups.sp), port, sink)
             .context("starting the workers")?;

@@ -85,6 +85,13 @@ pub fn supervise(
                 }
             }
         }
+        if take_sigterm() {
+            for (rank, child) in children.iter().enumerate() {
+                if codes[rank].is_none() {
+                    terminate(child);
+                }
+            }
+        }
         if failed.is_some() {
             for (rank, child) in children.iter_mut().enumerate() {
                 if codes[rank].is_none() {
@@ -112,6 +119,40 @@ pub fn supervise(
         );
     }
     Ok(Ended { code, failed })
+}
+
+/// Whether a SIGTERM came since the last call (after [`forward_sigterm`]).
+static SIGTERM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn take_sigterm() -> bool {
+    SIGTERM.swap(false, std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(unix)]
+extern "C" fn record_sigterm(_: libc::c_int) {
+    SIGTERM.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// From now on a SIGTERM to this process is passed on to the workers [`supervise`] runs, each
+/// of which then stops as on Ctrl-C (the supervisor exits as they do).
+pub fn forward_sigterm() {
+    #[cfg(unix)]
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGTERM,
+            record_sigterm as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        )
+    };
+}
+
+/// Sends `child` a SIGTERM.
+fn terminate(child: &Child) {
+    #[cfg(unix)]
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: signals one process of ours; an error (it has just exited) changes nothing.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
 }
 
 /// Kills and reaps `children` (after a failed start).

@@ -115,8 +115,11 @@ impl Family for CogVideoXConfigs {
         FamilyOption::GUIDED.to_vec()
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(self.latent_shape(num_frames, height, width).to_vec())
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        vec![(
+            "latents",
+            self.latent_shape(num_frames, height, width).to_vec(),
+        )]
     }
 
     /// The published pipeline's call defaults: 480x720, 49 frames at 8 fps, 50 steps,

@@ -286,7 +286,9 @@ impl Pipeline for FramePipeline {
             .as_ref()
             .with_context(|| format!("stage {} has nothing to run", stage.name))?;
         let before: Vec<_> = stage.uses.iter().map(|&c| frame.usage(c)).collect();
-        let result = body.run(self.family.as_ref(), frame, job);
+        let result = body
+            .run(self.family.as_ref(), frame, job)
+            .and_then(|()| check_embeddings(job));
         match &result {
             Ok(()) => {
                 for (&c, before) in stage.uses.iter().zip(before) {
@@ -298,4 +300,18 @@ impl Pipeline for FramePipeline {
         }
         result
     }
+}
+
+/// Fails when the embeddings a stage left for the job hold a NaN or an infinity (families that
+/// carry their conditioning apart check it where they make it).
+fn check_embeddings(job: &Job) -> Result<()> {
+    for (embeds, what) in [
+        (&job.prompt_embeds, "the prompt embeddings"),
+        (&job.negative_embeds, "the negative prompt embeddings"),
+    ] {
+        if let Some(embeds) = embeds {
+            stages::ensure_finite(embeds, what)?;
+        }
+    }
+    Ok(())
 }

@@ -178,8 +178,11 @@ impl Family for HunyuanConfigs {
         &[SchedulerKind::Euler]
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(self.latent_shape(num_frames, height, width).to_vec())
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        vec![(
+            "latents",
+            self.latent_shape(num_frames, height, width).to_vec(),
+        )]
     }
 
     /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
@@ -450,6 +453,10 @@ impl HunyuanVideo {
             });
         let cond = conds.next().context("no prompt embeddings")?;
         let negative = conds.next();
+        for c in std::iter::once(&cond).chain(&negative) {
+            stages::ensure_finite(&c.embeds, "the prompt embeddings")?;
+            stages::ensure_finite(&c.pooled, "the pooled prompt embeddings")?;
+        }
         drop((llama, clip));
         job.carry.put(Carried {
             conds: Some((cond, negative)),

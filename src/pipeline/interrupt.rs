@@ -1,5 +1,7 @@
 //! Ctrl-C: the first asks the run to stop at the next stage boundary or denoising step, so the
 //! video in progress is abandoned cleanly and finished ones stay; the second exits at once.
+//! SIGTERM (a `kill`, a service manager, a job scheduler's time limit) and SIGHUP (the terminal
+//! closed) take the same path; a hang-up that was ignored (a run under `nohup`) stays ignored.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -10,10 +12,11 @@ pub const EXIT_CODE: u8 = 130;
 
 /// The error a stage returns when it stops because of Ctrl-C.
 #[derive(Debug, thiserror::Error)]
-#[error("interrupted by Ctrl-C")]
+#[error("interrupted by Ctrl-C or SIGTERM")]
 pub struct Interrupted;
 
-/// Installs the Ctrl-C handler. `quiet` suppresses the notice printed on the first Ctrl-C.
+/// Installs the Ctrl-C (and SIGTERM, SIGHUP) handler. `quiet` suppresses the notice printed on
+/// the first signal.
 ///
 /// Installing twice in one process keeps the first handler.
 pub fn install(quiet: bool) {
@@ -28,8 +31,26 @@ pub fn install(quiet: bool) {
             );
         }
     };
+    set_handler(handler);
+}
+
+/// `ctrlc::set_handler(handler)` for SIGINT, SIGTERM and SIGHUP, except that an ignored SIGHUP
+/// (`nohup`) stays ignored: an unattended batch goes on when its terminal closes.
+pub fn set_handler(handler: impl FnMut() + Send + 'static) {
+    #[cfg(unix)]
+    let hangup_ignored = {
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: a null new action only reads the current one into `old`.
+        let read = unsafe { libc::sigaction(libc::SIGHUP, std::ptr::null(), &mut old) };
+        read == 0 && old.sa_sigaction == libc::SIG_IGN
+    };
     // The only error is a handler already set (a library caller's, or an earlier run's).
     let _ = ctrlc::set_handler(handler);
+    #[cfg(unix)]
+    if hangup_ignored {
+        // SAFETY: ignoring a signal installs no code.
+        unsafe { libc::signal(libc::SIGHUP, libc::SIG_IGN) };
+    }
 }
 
 /// Whether Ctrl-C was pressed.

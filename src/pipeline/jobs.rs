@@ -306,9 +306,9 @@ fn parse_prompt_file(
         let mut parsed = parsed;
         if let Some(image) = parsed.image.take() {
             let image = path.parent().unwrap_or(Path::new("")).join(image);
-            if !image.is_file() {
+            if let Err(why) = crate::config::files::check_image(&image) {
                 bail!(
-                    "{at}: image {}: no such file (a PNG or JPEG; a relative path is read from the prompt file's folder)",
+                    "{at}: image {}: {why}; give a PNG or JPEG file (a relative path is read from the prompt file's folder)",
                     image.display()
                 );
             }

@@ -136,11 +136,15 @@ impl Family for LtxConfigs {
         &[SchedulerKind::Euler]
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(
-            self.packed_shape(self.grid(num_frames, height, width))
-                .to_vec(),
-        )
+    /// The packed `latents` and, with a timestep-conditioned decoder, the `decode_noise` mixed
+    /// into the unpacked latents (its `injected_noise.K` are checked as the decoder takes them).
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        let grid = self.grid(num_frames, height, width);
+        let mut draws = vec![("latents", self.packed_shape(grid).to_vec())];
+        if self.vae.timestep_conditioning {
+            draws.push(("decode_noise", self.latent_shape(grid).to_vec()));
+        }
+        draws
     }
 
     /// `LTXPipeline.__call__`'s defaults: 704x512, 161 frames told 25 fps, 50 steps, guidance 3,
@@ -157,6 +161,11 @@ impl Family for LtxConfigs {
             frame_rule: Some(FrameRule {
                 frame_step: self.vae.temporal_compression_ratio() as u32,
                 size_step: self.vae.spatial_compression_ratio() as u32,
+                // One step's schedule ends at sigma 1, which `shift_terminal` cannot stretch.
+                min_steps: match self.scheduler.shift_terminal.filter(|&t| t != 0.0) {
+                    Some(_) => 2,
+                    None => 1,
+                },
             }),
             // LTX-Video samples with flow-match Euler only (`schedulers`).
             scheduler: None,

@@ -251,10 +251,12 @@ impl Family for MiniMaxH3Configs {
             guidance_scale: Some(1.0),
             max_sequence_length: None,
             // Any frame count: it is snapped up to 17n+5 (said on stderr); sizes are multiples
-            // of the canvas multiple (VAE spatial ratio x patch width).
+            // of the canvas multiple (VAE spatial ratio x patch width); the steps count sigma
+            // points, the terminal 0 among them, so one step is no schedule.
             frame_rule: Some(FrameRule {
                 frame_step: 1,
                 size_step: (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
+                min_steps: 2,
             }),
             scheduler: None,
         }
@@ -282,9 +284,27 @@ impl Family for MiniMaxH3Configs {
             );
         }
         let o = config.video();
-        self.geometry(o.num_frames, o.height, o.width)
+        self.size_refusal(o.num_frames, o.height, o.width)
+            .map(|why| format!("--num-frames {}: {why}", o.num_frames))
+    }
+
+    /// The video's `latents` and the stereo `audio_latents`.
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        match self.geometry(num_frames, height, width) {
+            Ok(g) => vec![
+                ("latents", self.latent_shape(&g).to_vec()),
+                ("audio_latents", self.audio_latent_shape(&g).to_vec()),
+            ],
+            // A size the model refuses ([`Family::size_refusal`]) takes no draws.
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Frame counts of 5-15 s once snapped up to 17n+5.
+    fn size_refusal(&self, num_frames: u32, height: u32, width: u32) -> Option<String> {
+        self.geometry(num_frames, height, width)
             .err()
-            .map(|e| format!("--num-frames {}: {e:#}", o.num_frames))
+            .map(|e| format!("{e:#}"))
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -598,6 +618,12 @@ impl MiniMaxH3 {
         let mut frame_shape = None;
         let frames = vae.decode_into(&z, |piece| {
             let piece = piece.contiguous()?.to_device(&Device::Cpu)?;
+            // Before the clamp, which would turn an infinity into a blank frame.
+            if !stages::all_finite(&piece)? {
+                return Err(candle_core::Error::Msg(stages::non_finite(
+                    "the decoded video",
+                )));
+            }
             let piece = decoded_to_unit_range(&piece)?
                 .squeeze(0)?
                 .permute((1, 2, 3, 0))?
@@ -624,6 +650,7 @@ impl MiniMaxH3 {
         let dtype = frame.dtype_of(self.parts.audio_vae);
         let z = unpack_audio(&rows.to_device(&frame.device)?, AUDIO_CHANNELS)?.to_dtype(dtype)?;
         let waveform = audio_vae.decode(&audio_vae.denormalize(&z)?)?;
+        stages::ensure_finite(&waveform, "the decoded audio")?;
         let stereo = stereo_from_batch(&waveform)?
             .squeeze(0)?
             .to_dtype(DType::F32)?

@@ -99,7 +99,7 @@ impl Outcome {
         let (status, error) = match (report.error, job.stopped_at) {
             (_, Some(stage)) => (
                 Status::Interrupted,
-                Some(format!("interrupted by Ctrl-C at {stage}")),
+                Some(format!("interrupted by Ctrl-C or SIGTERM at {stage}")),
             ),
             (Some(e), None) => (Status::Failed, Some(e)),
             (None, None) if job.written => (Status::Written, None),
@@ -143,6 +143,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 if let Some(why) = registry::refusal(family.as_ref(), &config) {
                     return Err(UsageError::new(why).into());
                 }
+                check_shards(family.as_ref(), &config, &source)?;
                 config
             }
             // A family not known: Wan's rules.
@@ -157,6 +158,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             Some(_) => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
         };
         if let Ok((family, _)) = &found {
+            check_sizes(family.as_ref(), &prompts)?;
             check_latents(&config, family.as_ref(), &prompts)?;
         }
         let plan = DryRun::new(&config, &source, found, &prompts);
@@ -182,6 +184,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             if let Some(why) = registry::refusal(family.as_ref(), &config) {
                 return Err(UsageError::new(why).into());
             }
+            check_shards(family.as_ref(), &config, &source)?;
             config
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -219,10 +222,14 @@ pub fn run_joined(
         .any(|j| j.image.is_some() && j.image != config.generation().image);
     let config = config.with_line_images(line_images);
     if let Ok(family) = &family {
+        check_sizes(family.as_ref(), &jobs)?;
         check_latents(&config, family.as_ref(), &jobs)?;
         check_images(&config, family.as_ref(), &jobs)?;
     }
     check_output_folder(&config.output().folder)?;
+    if config.batch().resume {
+        remove_stale_temporaries(&config, progress);
+    }
     interrupt::install(config.batch().quiet);
     let started = Instant::now();
     let mut outcomes: Vec<Outcome> = jobs
@@ -287,9 +294,34 @@ fn check_images(
     Ok(())
 }
 
+/// Checks the shard index of every component the run loads from a local model folder
+/// ([`crate::models::source::check_shards`]) before anything loads.
+fn check_shards(
+    family: &dyn Family,
+    config: &ResolvedConfig,
+    source: &ModelSource,
+) -> Result<(), UsageError> {
+    let spec = family.spec(&RunShape::of(config));
+    for component in &spec.components {
+        crate::models::source::check_shards(source, component.folder)
+            .map_err(|e| UsageError::new(format!("{e:#}")))?;
+    }
+    Ok(())
+}
+
+/// Checks before anything loads that the model can make every prompt's size.
+fn check_sizes(family: &dyn Family, jobs: &[Job]) -> Result<(), UsageError> {
+    for job in jobs {
+        if let Some(why) = family.size_refusal(job.num_frames, job.height, job.width) {
+            return Err(UsageError::new(format!("{}: {why}", job.origin)));
+        }
+    }
+    Ok(())
+}
+
 /// Checks `--latents` before anything loads: a regular safetensors file (read up to its header
-/// only) whose `latents` tensor, or only tensor, is a float tensor of the shape every prompt's
-/// size needs.
+/// only) whose `latents` tensor, or only tensor, is a float tensor, holding every draw each
+/// prompt's size takes ([`Family::draws`]) as a float tensor of its shape.
 fn check_latents(
     config: &ResolvedConfig,
     family: &dyn Family,
@@ -304,31 +336,42 @@ fn check_latents(
             "{at}: {e:#}; pass a safetensors file with a `latents` tensor"
         ))
     })?;
-    let latents = match tensors.get("latents") {
-        Some(t) => t,
-        None if tensors.len() == 1 => tensors.values().next().unwrap_or_else(|| unreachable!()),
-        None => {
-            return Err(UsageError::new(format!(
-            "{at} has no tensor named `latents` (it holds {}); name the initial latents `latents`",
-            tensors.keys().cloned().collect::<Vec<_>>().join(", ")
-        )))
-        }
-    };
-    if !matches!(latents.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
-        return Err(UsageError::new(format!(
-            "{at}: the latents are {}; store them as F32 (or F16, BF16, F64)",
-            latents.dtype
-        )));
-    }
-    for job in jobs {
-        let Some(shape) = family.latents_shape(job.num_frames, job.height, job.width) else {
-            continue;
+    let find = |name: &str| -> Result<&draws::Declared, UsageError> {
+        let declared = match tensors.get(name) {
+            Some(t) => t,
+            // A file of one tensor holds the initial latents whatever its name.
+            None if name == "latents" && tensors.len() == 1 => {
+                tensors.values().next().unwrap_or_else(|| unreachable!())
+            }
+            None => {
+                let fix = match name {
+                    "latents" => "name the initial latents `latents`".to_string(),
+                    _ => format!("add the draw `{name}` (the README's --latents of this model says what each draw is)"),
+                };
+                return Err(UsageError::new(format!(
+                    "{at} has no tensor named `{name}` (it holds {}); {fix}",
+                    tensors.keys().cloned().collect::<Vec<_>>().join(", ")
+                )));
+            }
         };
-        if latents.shape != shape {
+        if !matches!(declared.dtype.as_str(), "F16" | "BF16" | "F32" | "F64") {
             return Err(UsageError::new(format!(
-                "{at} holds latents of shape {:?}, but {} ({} frames of {}x{}) needs {shape:?}; pass latents of that shape or change the size",
-                latents.shape, job.origin, job.num_frames, job.height, job.width
+                "{at}: the {name} are {}; store them as F32 (or F16, BF16, F64)",
+                declared.dtype
             )));
+        }
+        Ok(declared)
+    };
+    find("latents")?;
+    for job in jobs {
+        for (name, shape) in family.draws(job.num_frames, job.height, job.width) {
+            let declared = find(name)?;
+            if declared.shape != shape {
+                return Err(UsageError::new(format!(
+                    "{at} holds {name} of shape {:?}, but {} ({} frames of {}x{}) needs {shape:?}; pass {name} of that shape or change the size",
+                    declared.shape, job.origin, job.num_frames, job.height, job.width
+                )));
+            }
         }
     }
     Ok(())
@@ -391,6 +434,27 @@ fn check_output_folder(dir: &Path) -> Result<(), UsageError> {
             "the output folder {} is not writable: {e}; {fix}",
             dir.display()
         ))),
+    }
+}
+
+/// Removes what runs killed before they could clean up left behind (`--resume`): every
+/// temporary in the output folder and those of the `--stats-json` file, where the process that
+/// wrote it is gone.
+fn remove_stale_temporaries(config: &ResolvedConfig, progress: &Progress) {
+    let mut removed = crate::output::remove_stale_temporaries(&config.output().folder, |_| true);
+    if let Some(stats) = &config.batch().stats_json {
+        let dir = stats.parent().filter(|p| !p.as_os_str().is_empty());
+        let name = stats.file_name().and_then(|n| n.to_str());
+        removed.extend(crate::output::remove_stale_temporaries(
+            dir.unwrap_or(Path::new(".")),
+            |dest| Some(dest) == name,
+        ));
+    }
+    for path in removed {
+        progress.note(&format!(
+            "removed {}: a temporary of a run that ended without cleaning up (--resume)",
+            path.display()
+        ));
     }
 }
 

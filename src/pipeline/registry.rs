@@ -181,6 +181,12 @@ pub trait Family {
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
     }
+    /// Why this model cannot make a video of `num_frames` frames of `height` x `width`, if it
+    /// cannot: each prompt's size (a `.jsonl` line's as well as the flags') is checked before
+    /// anything loads, in a dry run too.
+    fn size_refusal(&self, _num_frames: u32, _height: u32, _width: u32) -> Option<String> {
+        None
+    }
     /// Whether `--output-type latent` is supported: the pipeline leaves out its decode stage
     /// and writes the latents diffusers' `output_type="latent"` returns.
     fn latent_output(&self) -> bool {
@@ -190,10 +196,16 @@ pub trait Family {
     fn image_input(&self) -> ImageInput {
         ImageInput::None
     }
-    /// The shape `--latents`' `latents` tensor must have for a video of this size (checked
-    /// before anything loads); `None` where the family checks its draws itself.
-    fn latents_shape(&self, _num_frames: u32, _height: u32, _width: u32) -> Option<Vec<usize>> {
-        None
+    /// The draws a run of this size takes from `--latents`, by name with the shape each must
+    /// have, checked before anything loads (a family that draws more checks the rest itself,
+    /// or when it takes them).
+    fn draws(
+        &self,
+        _num_frames: u32,
+        _height: u32,
+        _width: u32,
+    ) -> Vec<(&'static str, Vec<usize>)> {
+        Vec::new()
     }
     /// Whether its DiT splits each video's tokens across GPUs (`--sp-size` above 1).
     fn sequence_parallel(&self) -> bool {

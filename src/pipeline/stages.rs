@@ -43,18 +43,39 @@ pub(crate) fn step_done(
 
 /// Fails when `latents` hold a NaN or an infinity after denoising step `done` of `total`.
 pub(crate) fn check_finite(latents: &Tensor, done: usize, total: usize) -> Result<()> {
-    // `x - x` is exactly 0 for a finite x and NaN otherwise; the sum cannot overflow.
-    let probe = latents
-        .sub(latents)?
-        .sum_all()?
-        .to_dtype(DType::F32)?
-        .to_scalar::<f32>()?;
-    if probe != 0.0 {
+    if !all_finite(latents)? {
         anyhow::bail!(
             "the latents became NaN or infinite at denoising step {done} of {total}; lower --guidance-scale, try --dtype f32, or check the weights and --latents"
         );
     }
     Ok(())
+}
+
+/// Fails when `values` (`what` a stage made: embeddings, a decoded video, a waveform) hold a
+/// NaN or an infinity, so that nothing made of them is reported as written.
+pub(crate) fn ensure_finite(values: &Tensor, what: &str) -> Result<()> {
+    if !all_finite(values)? {
+        anyhow::bail!(non_finite(what));
+    }
+    Ok(())
+}
+
+/// The error line of `what` holding a NaN or an infinity.
+pub(crate) fn non_finite(what: &str) -> String {
+    format!(
+        "{what} became NaN or infinite; try --dtype f32, or check the weights, the draws in --latents and --decode-timestep / --decode-noise-scale"
+    )
+}
+
+/// Whether every value of `t` is finite.
+pub(crate) fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
+    // `x - x` is exactly 0 for a finite x and NaN otherwise; the sum cannot overflow.
+    let probe = t
+        .sub(t)?
+        .sum_all()?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?;
+    Ok(probe == 0.0)
 }
 
 /// Reports what the offload engine moved for a part between `before` and `after` (usage taken
@@ -150,6 +171,8 @@ pub(crate) fn explain_out_of_memory(
 /// the device holds two copies of the video at most, where a method chain keeps every
 /// temporary to its end; host memory gets one.
 pub(crate) fn video_frames(video: Tensor) -> Result<Tensor> {
+    // Before the clamp, which would turn an infinity into a blank frame.
+    ensure_finite(&video, "the decoded video")?;
     let mut frames = (&video * 0.5)?;
     drop(video);
     frames = (frames + 0.5)?;

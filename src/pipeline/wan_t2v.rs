@@ -109,8 +109,11 @@ impl Family for WanConfigs {
         &[SchedulerKind::UniPc, SchedulerKind::Euler]
     }
 
-    fn latents_shape(&self, num_frames: u32, height: u32, width: u32) -> Option<Vec<usize>> {
-        Some(self.latent_shape(num_frames, height, width).to_vec())
+    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+        vec![(
+            "latents",
+            self.latent_shape(num_frames, height, width).to_vec(),
+        )]
     }
 
     /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it),
@@ -219,11 +222,10 @@ impl WanConfigs {
                 ));
             }
         }
-        if let Some(path) = g.image.as_ref().filter(|p| !p.is_file()) {
-            return Err(format!(
-                "--image {}: no such file (a PNG or JPEG)",
-                path.display()
-            ));
+        if let Some(path) = &g.image {
+            crate::config::files::check_image(path).map_err(|why| {
+                format!("--image {}: {why}; pass a PNG or JPEG file", path.display())
+            })?;
         }
         if self.image_encoder.is_some()
             && self.transformer.has_image_branch()
