@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use vidgen::cli::{parse, Parsed};
 use vidgen::config::ResolvedConfig;
-use vidgen::memory::plan::{first_fitting, gib, MemoryPlan};
+use vidgen::memory::plan::{self as memory_plan, first_fitting, gib, Fit, MemoryPlan};
 use vidgen::models::source::{component_weights, ModelSource};
 use vidgen::models::wan::text_encoder::{UMT5Config, UMT5EncoderModel};
 use vidgen::models::wan::transformer::{
@@ -910,4 +910,64 @@ fn the_dry_run_plans_uncached_published_models_from_shipped_configs() {
     assert_eq!(json["memory_plan"], Value::Null);
     assert!(json["stages"][0].get("memory").is_none());
     assert!(dry_run(&unknown, &hf_home).contains("memory not predicted"));
+}
+
+/// A run whose options do not fit the memory that is free takes the first leaner option set
+/// predicted to fit, never one that changes an option the user set, nor the frames; the changes
+/// become overrides under their config-file keys. Where nothing fits, nothing is taken.
+#[test]
+fn a_run_fits_itself_to_the_free_memory_keeping_what_the_user_set() {
+    let (configs, config) = resident_14b();
+    let planner = Planner::new(&configs, &config);
+    let request = planner.request();
+    let asked = planner.plan(&request).unwrap();
+    assert!(matches!(planner.fit(asked.required_bytes()), Fit::AsAsked));
+    let free = asked.required_bytes() - 1;
+    // Nothing kept: the cheapest saving in speed comes first.
+    let fit_keeping_nothing = memory_plan::fit(
+        &request,
+        config.device(),
+        &|r| planner.plan(r),
+        free,
+        &|_| false,
+    );
+    match fit_keeping_nothing {
+        Fit::Leaner(c) => assert_eq!(c.flags, ["--dit-layerwise-offload"]),
+        other => panic!("{other:?}"),
+    }
+    // This run gave --no-dit-layerwise-offload and --no-text-encoder-cpu-offload: kept.
+    let leaner = match planner.fit(free) {
+        Fit::Leaner(c) => c,
+        other => panic!("{other:?}"),
+    };
+    assert!(leaner.plan.fits(free));
+    assert!(!leaner.flags.is_empty());
+    for flag in &leaner.flags {
+        assert!(
+            !flag.contains("layerwise")
+                && !flag.contains("text-encoder")
+                && !flag.contains("frames"),
+            "{:?}",
+            leaner.flags
+        );
+    }
+    assert_eq!(leaner.request.num_frames, request.num_frames);
+    let fitted = config
+        .clone()
+        .with_memory_options(leaner.request.options.clone(), "free memory");
+    let changed: Vec<&str> = fitted
+        .overrides()
+        .iter()
+        .skip(config.overrides().len())
+        .map(|o| o.option.as_str())
+        .collect();
+    assert!(!changed.is_empty());
+    assert!(
+        changed
+            .iter()
+            .all(|o| ["lazy_module_load", "vae_tiling", "leaf_level"].contains(o)),
+        "{changed:?}"
+    );
+    assert_eq!(fitted.memory(), &leaner.request.options);
+    assert!(matches!(planner.fit(1 << 30), Fit::Nothing));
 }

@@ -289,6 +289,15 @@ impl ResolvedConfig {
         self
     }
 
+    /// The configuration with the memory options `options` in place of its own (the leaner set
+    /// the free memory asks for), each change recorded as an override for `reason`.
+    pub fn with_memory_options(mut self, options: MemoryOptions, reason: &str) -> Self {
+        let changes = crate::memory::overrides::changes(&self.resolved.memory, &options, reason);
+        self.resolved.overrides.extend(changes);
+        self.resolved.memory = options;
+        self
+    }
+
     /// The configuration as planned for a device of `total` bytes (`None`: size unknown).
     pub fn with_total_memory(mut self, total: Option<u64>) -> Self {
         self.resolved.device.total_memory = total;

@@ -7,7 +7,7 @@ use serde::Serialize;
 /// One change the device made to what the user asked, with its reason.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Override {
-    pub option: &'static str,
+    pub option: String,
     pub from: serde_json::Value,
     pub to: serde_json::Value,
     pub reason: String,
@@ -46,14 +46,32 @@ pub fn report_lines(overrides: &[Override]) -> Vec<String> {
             .iter_mut()
             .find(|(from, to, _)| **from == o.from && **to == o.to)
         {
-            Some((_, _, options)) => options.push(o.option),
-            None => moot.push((&o.from, &o.to, vec![o.option])),
+            Some((_, _, options)) => options.push(&o.option),
+            None => moot.push((&o.from, &o.to, vec![&o.option])),
         }
     }
     let grouped = moot.into_iter().map(|(from, to, options)| {
         format!("{}: {from} -> {to} ({NO_ACCELERATOR})", options.join(", "))
     });
     grouped.chain(lines).collect()
+}
+
+/// The changes from `from` to `to`, each option under its config-file key, all for `reason`.
+pub fn changes(from: &MemoryOptions, to: &MemoryOptions, reason: &str) -> Vec<Override> {
+    let (serde_json::Value::Object(from), serde_json::Value::Object(to)) =
+        (serde_json::json!(from), serde_json::json!(to))
+    else {
+        return Vec::new();
+    };
+    to.into_iter()
+        .filter(|(key, value)| from.get(key) != Some(value))
+        .map(|(key, value)| Override {
+            from: from.get(&key).cloned().unwrap_or_default(),
+            option: key,
+            to: value,
+            reason: reason.to_string(),
+        })
+        .collect()
 }
 
 /// Records changes to options, each with the reason in force.
@@ -69,7 +87,7 @@ impl Changes<'_> {
     {
         if *value != to {
             self.list.push(Override {
-                option,
+                option: option.to_string(),
                 from: (*value).into(),
                 to: to.into(),
                 reason: self.reason.to_string(),

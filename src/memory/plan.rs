@@ -171,11 +171,15 @@ impl MemoryPlan {
 pub struct Candidate {
     pub flags: Vec<String>,
     pub plan: MemoryPlan,
+    /// The options and frames it plans.
+    pub request: Request,
 }
 
-/// A memory saving the advice can add: its flag, how to turn it on and whether it is on.
+/// A memory saving the advice can add: its flag, the option it sets (as `given` names it), how
+/// to turn it on and whether it is on.
 struct Saving {
     flag: &'static str,
+    option: &'static str,
     turn_on: fn(&mut MemoryOptions),
     is_on: fn(&MemoryOptions) -> bool,
 }
@@ -184,26 +188,31 @@ struct Saving {
 const SAVINGS: [Saving; 5] = [
     Saving {
         flag: "--dit-layerwise-offload",
+        option: "dit_layerwise_offload",
         turn_on: |o| o.dit_layerwise_offload = true,
         is_on: |o| o.dit_layerwise_offload,
     },
     Saving {
         flag: "--offload-type leaf-level",
+        option: "offload_type",
         turn_on: |o| o.leaf_level = true,
         is_on: |o| o.leaf_level,
     },
     Saving {
         flag: "--text-encoder-cpu-offload",
+        option: "text_encoder_cpu_offload",
         turn_on: |o| o.text_encoder_cpu_offload = true,
         is_on: |o| o.text_encoder_cpu_offload,
     },
     Saving {
         flag: "--lazy-module-load",
+        option: "lazy_module_load",
         turn_on: |o| o.lazy_module_load = Some(true),
         is_on: |o| o.lazy(),
     },
     Saving {
         flag: "--vae-tiling",
+        option: "vae_tiling",
         turn_on: |o| o.vae_tiling = true,
         is_on: |o| o.vae_tiling,
     },
@@ -223,15 +232,17 @@ pub struct Request {
 pub type PlanFor<'a> = &'a dyn Fn(&Request) -> anyhow::Result<MemoryPlan>;
 
 /// Option sets from the run's own, each adding one saving to the previous (DiT layerwise
-/// offload, step-by-step streaming, text encoder offload, lazy load, VAE tiling), then, when
-/// the device size is known, with the most frames (fewer than asked) that fit. Each set goes
-/// through the device's memory rules, so a saving the device would undo (host offload on
-/// unified memory) is not offered, and a set is offered only if it needs less than the last.
+/// offload, step-by-step streaming, text encoder offload, lazy load, VAE tiling; none that sets
+/// an option `kept` names), then, when the device size is known, with the most frames (fewer
+/// than asked) that fit. Each set goes through the device's memory rules, so a saving the
+/// device would undo (host offload on unified memory) is not offered, and a set is offered only
+/// if it needs less than the last.
 pub fn candidates(
     request: &Request,
     device: &DeviceInfo,
     plan_for: PlanFor,
     total: Option<u64>,
+    kept: &dyn Fn(&str) -> bool,
 ) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = Vec::new();
     let mut next = request.clone();
@@ -242,10 +253,14 @@ pub fn candidates(
         let flags = changed_flags(request, candidate);
         if !flags.is_empty() && plan.required_bytes() < least {
             least = plan.required_bytes();
-            out.push(Candidate { flags, plan });
+            out.push(Candidate {
+                flags,
+                plan,
+                request: candidate.clone(),
+            });
         }
     };
-    for saving in &SAVINGS {
+    for saving in SAVINGS.iter().filter(|s| !kept(s.option)) {
         let mut tried = next.clone();
         (saving.turn_on)(&mut tried.options);
         apply_memory_rules(&mut tried.options, device);
@@ -295,6 +310,36 @@ pub fn first_fitting(candidates: &[Candidate], total: u64) -> Option<&Candidate>
     candidates.iter().find(|c| c.plan.fits(total))
 }
 
+/// How a run fits the memory that is free when it starts.
+#[derive(Clone, Debug)]
+pub enum Fit {
+    /// Its own options are predicted to fit.
+    AsAsked,
+    /// They are not; this option set, the first (cheapest in speed) predicted to fit, is.
+    Leaner(Candidate),
+    /// Nothing is predicted to fit without changing the frames or an option the user set.
+    Nothing,
+}
+
+/// Fits the run `request` asks for to `free` bytes: its own options where they fit, else the
+/// first candidate set that fits, changing no option `kept` names and never the frames (a
+/// shorter video is not what was asked: the advice offers it, the run does not take it).
+pub fn fit(
+    request: &Request,
+    device: &DeviceInfo,
+    plan_for: PlanFor,
+    free: u64,
+    kept: &dyn Fn(&str) -> bool,
+) -> Fit {
+    if plan_for(request).is_ok_and(|plan| plan.fits(free)) {
+        return Fit::AsAsked;
+    }
+    candidates(request, device, plan_for, None, kept)
+        .into_iter()
+        .find(|c| c.plan.fits(free))
+        .map_or(Fit::Nothing, Fit::Leaner)
+}
+
 /// Out-of-memory advice from the plan: the predicted peak of the run's options, the device's
 /// size, and the first candidate predicted to fit; where the run's own options are predicted
 /// to fit (memory held elsewhere, or an estimate too low) or the size is unknown, the leanest.
@@ -312,7 +357,7 @@ pub fn advice(
         "the memory plan predicts a peak of {} for these options",
         current.describe_peak()
     );
-    let found = candidates(request, device, plan_for, total);
+    let found = candidates(request, device, plan_for, total, &|_| false);
     let describe = |c: &Candidate| {
         format!(
             "{} (predicted peak {})",

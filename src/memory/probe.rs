@@ -44,6 +44,10 @@ pub struct DeviceInfo {
     pub name: String,
     /// Total memory of the device in bytes, when known.
     pub total_memory: Option<u64>,
+    /// Memory free for this run when it started, when known: the device's free memory once
+    /// this process's context exists, and on unified memory no more than the host has
+    /// available (one pool shared with everything else the machine runs).
+    pub free_memory: Option<u64>,
     /// The memory model, probed or forced.
     pub memory_model: MemoryModel,
     /// Whether `memory_model` came from `--memory-model` rather than the probe.
@@ -74,6 +78,7 @@ impl DeviceInfo {
 struct CudaDevice {
     name: String,
     total_memory: u64,
+    free_memory: u64,
     integrated: bool,
 }
 
@@ -87,9 +92,11 @@ fn cuda_devices() -> Vec<CudaDevice> {
             let integrated = ctx
                 .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
                 .ok()?;
+            let (free, total) = ctx.mem_get_info().ok()?;
             Some(CudaDevice {
                 name: ctx.name().ok()?,
-                total_memory: ctx.total_mem().ok()? as u64,
+                total_memory: total as u64,
+                free_memory: free as u64,
                 integrated: integrated != 0,
             })
         })
@@ -110,12 +117,12 @@ pub fn probe(
     num_gpus: u32,
     forced: Option<MemoryModel>,
 ) -> Result<DeviceInfo, DeviceError> {
-    let (kind, ordinal, name, total_memory, probed) = match device {
+    let (kind, ordinal, name, (total_memory, free_memory), probed) = match device {
         DeviceChoice::Cpu => (
             DeviceKind::Cpu,
             0,
             "cpu".to_string(),
-            None,
+            (None, None),
             MemoryModel::None,
         ),
         DeviceChoice::Metal => metal()?,
@@ -130,7 +137,7 @@ pub fn probe(
                     DeviceKind::Cpu,
                     0,
                     "cpu".to_string(),
-                    None,
+                    (None, None),
                     MemoryModel::None,
                 )
             }
@@ -147,17 +154,66 @@ pub fn probe(
         None => (probed, false),
         Some(model) => (model, true),
     };
+    // Unified memory is one pool with the host: what the host has available bounds it.
+    let free_memory = match (free_memory, memory_model) {
+        (Some(free), MemoryModel::Unified) => Some(host_available().map_or(free, |h| h.min(free))),
+        (free, _) => free,
+    };
     Ok(DeviceInfo {
         kind,
         ordinal,
         name,
         total_memory,
+        free_memory,
         memory_model,
         memory_model_forced: forced,
     })
 }
 
-type Probed = (DeviceKind, usize, String, Option<u64>, MemoryModel);
+/// What the probe found: kind, ordinal, name, (total, free) memory and memory model.
+type Probed = (
+    DeviceKind,
+    usize,
+    String,
+    (Option<u64>, Option<u64>),
+    MemoryModel,
+);
+
+/// Host memory this process may still take: the kernel's estimate of what is available
+/// (`MemAvailable`), bounded by the process's cgroup (v2 `memory.max` less `memory.current`);
+/// `None` where neither is readable.
+pub fn host_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let available = meminfo.as_deref().and_then(mem_available);
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|c| cgroup_room(&c, |file| std::fs::read_to_string(file).ok()));
+    match (available, cgroup) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Room left under the cgroup v2 limit of the process whose `/proc/self/cgroup` is `cgroup`:
+/// `memory.max` less `memory.current` of its folder (`read` reads a file); `None` without a
+/// limit (`max`) or a v2 entry.
+fn cgroup_room(cgroup: &str, read: impl Fn(&str) -> Option<String>) -> Option<u64> {
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let folder = format!("/sys/fs/cgroup{}", path.trim_end_matches('/'));
+    let max: u64 = read(&format!("{folder}/memory.max"))?.trim().parse().ok()?;
+    let current: u64 = read(&format!("{folder}/memory.current"))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(max.saturating_sub(current))
+}
 
 fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
     if !cfg!(feature = "cuda") {
@@ -183,7 +239,7 @@ fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
         DeviceKind::Cuda,
         ordinal,
         dev.name.clone(),
-        Some(dev.total_memory),
+        (Some(dev.total_memory), Some(dev.free_memory)),
         model,
     ))
 }
@@ -198,7 +254,7 @@ fn metal() -> Result<Probed, DeviceError> {
         DeviceKind::Metal,
         0,
         "Apple GPU".into(),
-        None,
+        (None, None),
         MemoryModel::Unified,
     ))
 }
@@ -258,5 +314,30 @@ impl std::fmt::Display for DeviceChoice {
             DeviceChoice::Cuda(Some(n)) => write!(f, "cuda:{n}"),
             DeviceChoice::Metal => f.write_str("metal"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_memory_is_read_from_meminfo_and_the_cgroup_limit() {
+        let meminfo =
+            "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   65536000 kB\n";
+        assert_eq!(mem_available(meminfo), Some(65_536_000 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        let files = |limit: &'static str| {
+            move |file: &str| match file {
+                "/sys/fs/cgroup/user.slice/job/memory.max" => Some(limit.to_string()),
+                "/sys/fs/cgroup/user.slice/job/memory.current" => Some("1000\n".to_string()),
+                _ => None,
+            }
+        };
+        let cgroup = "0::/user.slice/job\n";
+        assert_eq!(cgroup_room(cgroup, files("5000\n")), Some(4000));
+        // No limit, or a v1-only hierarchy: nothing bounds the process here.
+        assert_eq!(cgroup_room(cgroup, files("max\n")), None);
+        assert_eq!(cgroup_room("4:memory:/job\n", files("5000\n")), None);
     }
 }

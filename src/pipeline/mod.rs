@@ -22,7 +22,7 @@ pub mod wan_t2v;
 
 use crate::config::{BatchOrderChoice, ModelDefaults, ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::{gib, MemoryPlan, Request};
+use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request};
 use crate::memory::{DeviceKind, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
@@ -144,7 +144,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                     return Err(UsageError::new(why).into());
                 }
                 check_shards(family.as_ref(), &config, &source)?;
-                config
+                fit_to_free(family.as_ref(), config)?
             }
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -185,7 +185,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 return Err(UsageError::new(why).into());
             }
             check_shards(family.as_ref(), &config, &source)?;
-            config
+            fit_to_free(family.as_ref(), config)?
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
@@ -193,6 +193,54 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     match parallel_part(config, &family)? {
         Ok(joined) => run_joined(joined, family, source, &progress),
         Err(code) => Ok(code),
+    }
+}
+
+/// The configuration fitted to the device memory free when the run starts (where the probe knows
+/// it): as asked when the memory plan predicts the options fit; else with the first leaner option
+/// set predicted to fit that keeps every memory option the user set (the changes recorded as
+/// overrides, printed and in `--stats-json`); else bad input, before anything loads, with the
+/// advice for what is free.
+fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
+    let Some(free) = config.device().free_memory else {
+        return Ok(config);
+    };
+    let planner = Planner::new(family, &config);
+    let asked = match planner.plan(&planner.request()) {
+        Ok(plan) => plan,
+        // Options that cannot be placed are reported where the run places them.
+        Err(_) => return Ok(config),
+    };
+    let budget = |total: Option<u64>| match total {
+        Some(total) => format!("{:.2} of the device's {:.2} GiB", gib(free), gib(total)),
+        None => format!("{:.2} GiB", gib(free)),
+    };
+    let free_text = budget(config.device().total_memory);
+    match planner.fit(free) {
+        memory_plan::Fit::AsAsked => Ok(config),
+        memory_plan::Fit::Leaner(candidate) => {
+            let reason = format!(
+                "{free_text} free; the memory plan predicts a peak of {} for the options asked, {} with {}",
+                asked.describe_peak(),
+                candidate.plan.describe_peak(),
+                candidate.flags.join(" ")
+            );
+            let options = candidate.request.options;
+            drop(planner);
+            Ok(config.with_memory_options(options, &reason))
+        }
+        memory_plan::Fit::Nothing => {
+            let advice = memory_plan::advice(
+                &planner.request(),
+                config.device(),
+                &|r| planner.plan(r),
+                Some(free),
+            );
+            Err(UsageError::new(format!(
+                "{free_text} free: no option set predicted to fit keeps the memory options you set; {advice}"
+            ))
+            .into())
+        }
     }
 }
 
@@ -1083,6 +1131,7 @@ impl<'a> DryRun<'a> {
                     "peak_gib": m.peak().map(|s| round2(gib(s.peak_bytes))),
                     "required_bytes": m.required_bytes(),
                     "device_total_bytes": total,
+                    "device_free_bytes": config.device().free_memory,
                     "fits": total.map(|t| m.fits(t)),
                 })
             }
@@ -1109,9 +1158,11 @@ impl<'a> DryRun<'a> {
         if let Ok(described) = &self.described {
             out += &format!("pipeline     {}\n", described.spec.title);
         }
-        let size = d
-            .total_memory
-            .map_or("size unknown".into(), |t| format!("{:.2} GiB", gib(t)));
+        let size = match (d.total_memory, d.free_memory) {
+            (Some(t), Some(f)) => format!("{:.2} GiB, {:.2} GiB free", gib(t), gib(f)),
+            (Some(t), None) => format!("{:.2} GiB", gib(t)),
+            (None, _) => "size unknown".into(),
+        };
         out += &format!(
             "device       {} ({}), memory model {}, {size}\n",
             d.spec(),

@@ -193,6 +193,19 @@ impl<'a> Planner<'a> {
             self.config.device(),
             &|r| self.plan(r),
             total,
+            &|_| false,
+        )
+    }
+
+    /// How the run fits `free` bytes, keeping every memory option the user set (see
+    /// [`memory_plan::fit`]).
+    pub fn fit(&self, free: u64) -> memory_plan::Fit {
+        memory_plan::fit(
+            &self.request(),
+            self.config.device(),
+            &|r| self.plan(r),
+            free,
+            &|option| self.config.given(option),
         )
     }
 }
