@@ -5,12 +5,13 @@
 //! `memory` probes the device and plans memory, `offload` moves weights between host and device,
 //! `models` holds one folder per model family, `schedulers` the diffusion samplers, `pipeline`
 //! runs the stages and is the one place where components are loaded, placed and released, and
-//! `output` writes the frames, `parallel` lets several processes (GPUs) compute one run, and `weights` reads weight files for models and the engine alike.
+//! `output` writes the frames, `parallel` lets several processes (GPUs) compute one run, and `weights` reads weight files for models and the engine alike (with `lora`'s deltas merged in).
 
 pub mod cli;
 pub mod config;
 #[cfg(test)]
 mod fuzz;
+pub mod lora;
 pub mod memory;
 pub mod models;
 pub mod offload;

@@ -31,6 +31,8 @@ pub type OnRead = Arc<dyn Fn(u64) + Send + Sync>;
 pub struct WeightSet {
     source: Source,
     on_read: Option<OnRead>,
+    /// LoRA deltas merged into the weights they change as those are read.
+    loras: Option<Arc<crate::lora::Loras>>,
 }
 
 #[derive(Clone)]
@@ -58,7 +60,34 @@ impl WeightSet {
         Ok(WeightSet {
             source,
             on_read: None,
+            loras: None,
         })
+    }
+
+    /// The same weights with `loras` merged into every weight they change, whichever way it is
+    /// read (a model's `VarBuilder`, the offload engine's host copies).
+    pub fn with_loras(mut self, loras: Arc<crate::lora::Loras>) -> Self {
+        self.loras = Some(loras).filter(|l| !l.is_empty());
+        self
+    }
+
+    /// Weight `name` (of `shape`) with the LoRA deltas merged, as `dtype` on the CPU; `None`
+    /// where no LoRA changes it.
+    fn merged(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Some(loras) = self.loras.as_ref().filter(|l| l.changes(name)) else {
+            return Ok(None);
+        };
+        let base = match &self.source {
+            Source::Mapped(st) => st.load(name, &Device::Cpu)?,
+            Source::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
+        };
+        self.report_read(name, &base);
+        loras.merged(name, &base, dtype).map(Some)
     }
 
     /// The same weights, reporting every tensor read to `on_read`.
@@ -119,6 +148,9 @@ impl WeightSet {
 
     /// The stored bytes of `name` when they already are `dtype` (zero copy from the map).
     pub fn mapped_bytes(&self, name: &str, dtype: DType) -> Option<&[u8]> {
+        if self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+            return None;
+        }
         match &self.source {
             Source::Mapped(st) => {
                 let view = st.get(name).ok()?;
@@ -133,6 +165,9 @@ impl WeightSet {
     /// or `dtype` where the host makes them (synthetic weights, or a stored dtype that
     /// [`write_bytes`] does not handle, converted on the host as candle would).
     pub fn staged_dtype(&self, name: &str, dtype: DType) -> DType {
+        if self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+            return dtype;
+        }
         let stored = match &self.source {
             Source::Mapped(st) => st
                 .get(name)
@@ -172,6 +207,16 @@ impl WeightSet {
         dtype: DType,
         dst: &mut [u8],
     ) -> candle_core::Result<()> {
+        if let Some(merged) = self.merged(name, shape, dtype)? {
+            if merged.elem_count() * dtype.size_in_bytes() != dst.len() {
+                candle_core::bail!(
+                    "{name}: {:?} merged for {} bytes",
+                    merged.shape(),
+                    dst.len()
+                )
+            }
+            return write_bytes(&merged, dst);
+        }
         if let Some(bytes) = self.mapped_bytes(name, dtype) {
             if bytes.len() != dst.len() {
                 candle_core::bail!(
@@ -258,6 +303,9 @@ impl SimpleBackend for WeightSet {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        if let Some(merged) = self.merged(name, &s, dtype)? {
+            return merged.to_device(dev);
+        }
         let t = match &self.source {
             Source::Mapped(_) if dev.is_cpu() => {
                 self.check(name, &s)?;
@@ -275,6 +323,13 @@ impl SimpleBackend for WeightSet {
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        if let Some(loras) = self.loras.as_ref().filter(|l| l.changes(name)) {
+            if let Source::Mapped(st) = &self.source {
+                let base = st.load(name, &Device::Cpu)?;
+                self.report_read(name, &base);
+                return loras.merged(name, &base, dtype)?.to_device(dev);
+            }
+        }
         let t = match &self.source {
             Source::Mapped(st) => SimpleBackend::get_unchecked(st.as_ref(), name, dtype, dev)?,
             Source::Synthetic(g) => g.get_unchecked(name, dtype, dev)?,

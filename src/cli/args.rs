@@ -4,6 +4,7 @@
 //! TOML file (serde, snake_case keys), so a flag and its config key can never drift apart. Values
 //! here are validated for form only; what they mean is derived once, in [`super::resolve`].
 
+use crate::lora::LoraSpec;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -179,6 +180,14 @@ pub struct GenerateOptions {
     /// The conditioning image of image-to-video pipelines (PNG or JPEG).
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub image: Option<PathBuf>,
+    /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
+    /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
+    /// given. Merged into each weight as it loads: no step time.
+    #[arg(long, help_heading = "Generation", value_name = "FILE[:SCALE]", value_parser = crate::lora::parse_spec)]
+    pub lora: Vec<LoraSpec>,
+    /// A LoRA for the second expert (Wan2.2 A14B's transformer_2), as --lora.
+    #[arg(long, help_heading = "Generation", value_name = "FILE[:SCALE]", value_parser = crate::lora::parse_spec)]
+    pub lora_2: Vec<LoraSpec>,
     /// Guidance scale of the low-noise expert (Wan2.2 A14B) [default: --guidance-scale].
     #[arg(long, help_heading = "Generation", value_parser = parse_finite)]
     pub guidance_scale_2: Option<f64>,

@@ -92,6 +92,8 @@ pub struct Generation {
     pub image: Option<PathBuf>,
     /// Some `.jsonl` prompt line names its own image (known once the prompt file is read).
     pub line_images: bool,
+    /// The LoRAs of the transformer and of the second expert (`transformer_2`), in order.
+    pub loras: [Vec<crate::lora::LoraSpec>; 2],
     /// Guidance of the low-noise expert (Wan2.2 A14B).
     pub guidance_scale_2: Option<f64>,
     /// Real CFG scale of a guidance-distilled model (HunyuanVideo).

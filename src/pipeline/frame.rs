@@ -155,11 +155,14 @@ impl Frame {
         )
     }
 
-    /// `component`'s weights, opened with a progress bar.
+    /// `component`'s weights, opened with a progress bar, with the LoRAs given for it merged in.
     fn weights(&self, component: usize) -> Result<WeightSet> {
         let ComponentSpec { name, folder, .. } = &self.spec.components[component];
-        let weights = WeightSet::open(&component_weights(&self.source, folder)?)
+        let mut weights = WeightSet::open(&component_weights(&self.source, folder)?)
             .with_context(|| self.what(component))?;
+        if let Some(specs) = lora_specs(&self.config, folder) {
+            weights = weights.with_loras(Arc::new(crate::lora::Loras::open(specs)?));
+        }
         let total = weights.stored_bytes();
         Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
     }
@@ -314,4 +317,19 @@ fn check_embeddings(job: &Job) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The LoRAs given for the component in `folder`: `--lora` for the transformer, `--lora-2` for
+/// the second expert (`transformer_2`).
+pub(crate) fn lora_specs<'a>(
+    config: &'a ResolvedConfig,
+    folder: &str,
+) -> Option<&'a [crate::lora::LoraSpec]> {
+    let [first, second] = &config.generation().loras;
+    let specs = match folder {
+        "transformer" => first,
+        "transformer_2" => second,
+        _ => return None,
+    };
+    (!specs.is_empty()).then_some(specs.as_slice())
 }

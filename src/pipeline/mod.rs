@@ -144,6 +144,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                     return Err(UsageError::new(why).into());
                 }
                 check_shards(family.as_ref(), &config, &source)?;
+                check_loras(family.as_ref(), &config, &source)?;
                 fit_to_free(family.as_ref(), config)?
             }
             // A family not known: Wan's rules.
@@ -185,6 +186,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 return Err(UsageError::new(why).into());
             }
             check_shards(family.as_ref(), &config, &source)?;
+            check_loras(family.as_ref(), &config, &source)?;
             fit_to_free(family.as_ref(), config)?
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -353,6 +355,35 @@ fn check_shards(
     for component in &spec.components {
         crate::models::source::check_shards(source, component.folder)
             .map_err(|e| UsageError::new(format!("{e:#}")))?;
+    }
+    Ok(())
+}
+
+/// Reads every LoRA file given and checks it against the weights of the transformer it is for
+/// (where the model has weight files): a key of no layout, a missing half, a layer the model
+/// does not have or a shape that does not fit is bad input naming the file, before anything
+/// loads.
+fn check_loras(
+    family: &dyn Family,
+    config: &ResolvedConfig,
+    source: &ModelSource,
+) -> Result<(), UsageError> {
+    let spec = family.spec(&RunShape::of(config));
+    let bad = |e: anyhow::Error| UsageError::new(format!("{e:#}"));
+    for component in &spec.components {
+        let Some(specs) = frame::lora_specs(config, component.folder) else {
+            continue;
+        };
+        let loras = crate::lora::Loras::open(specs).map_err(bad)?;
+        let weights = crate::models::source::component_weights(source, component.folder);
+        if let Ok(crate::weights::Weights::Files(files)) = weights {
+            // SAFETY: mapped read-only, for the headers.
+            let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
+                .map_err(|e| bad(e.into()))?;
+            loras
+                .check(|name| st.get(name).ok().map(|v| v.shape().to_vec()))
+                .map_err(bad)?;
+        }
     }
     Ok(())
 }

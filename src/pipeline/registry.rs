@@ -73,11 +73,13 @@ pub enum FamilyOption {
     DecodeTimestep,
     DecodeNoiseScale,
     VaeTiling,
+    Lora,
+    Lora2,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 10] = [
+    pub const ALL: [FamilyOption; 12] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -88,6 +90,8 @@ impl FamilyOption {
         FamilyOption::DecodeTimestep,
         FamilyOption::DecodeNoiseScale,
         FamilyOption::VaeTiling,
+        FamilyOption::Lora,
+        FamilyOption::Lora2,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -110,6 +114,8 @@ impl FamilyOption {
             FamilyOption::DecodeTimestep => "--decode-timestep",
             FamilyOption::DecodeNoiseScale => "--decode-noise-scale",
             FamilyOption::VaeTiling => "--vae-tiling",
+            FamilyOption::Lora => "--lora",
+            FamilyOption::Lora2 => "--lora-2",
         }
     }
 
@@ -139,6 +145,10 @@ impl FamilyOption {
                 "it conditions LTX-Video's timestep-aware VAE decoder"
             }
             FamilyOption::VaeTiling => "this model's VAE decodes without spatial tiles",
+            FamilyOption::Lora => "vidgen reads LoRAs for the Wan family's transformers so far",
+            FamilyOption::Lora2 => {
+                "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
+            }
         }
     }
 
@@ -157,6 +167,8 @@ impl FamilyOption {
             FamilyOption::DecodeTimestep => g.decode_timestep.is_some(),
             FamilyOption::DecodeNoiseScale => g.decode_noise_scale.is_some(),
             FamilyOption::VaeTiling => given("vae_tiling") && config.memory().vae_tiling,
+            FamilyOption::Lora => !g.loras[0].is_empty(),
+            FamilyOption::Lora2 => !g.loras[1].is_empty(),
         }
     }
 }

@@ -91,16 +91,20 @@ impl Family for WanConfigs {
         self.declare(shape).0
     }
 
-    /// Classifier-free guidance, a flow shift and a VAE that tiles; the first frame where the
-    /// model takes one, the low-noise expert's guidance where it has two.
+    /// Classifier-free guidance, a flow shift, a VAE that tiles and LoRAs; the first frame where
+    /// the model takes one, the low-noise expert's guidance and LoRAs where it has two.
     fn options(&self) -> Vec<FamilyOption> {
         let mut options = FamilyOption::GUIDED.to_vec();
-        options.extend([FamilyOption::FlowShift, FamilyOption::VaeTiling]);
+        options.extend([
+            FamilyOption::FlowShift,
+            FamilyOption::VaeTiling,
+            FamilyOption::Lora,
+        ]);
         if self.image_input() != ImageInput::None {
             options.push(FamilyOption::Image);
         }
         if self.transformer_2.is_some() {
-            options.push(FamilyOption::GuidanceScale2);
+            options.extend([FamilyOption::GuidanceScale2, FamilyOption::Lora2]);
         }
         options
     }

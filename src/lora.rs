@@ -1,0 +1,471 @@
+//! LoRA files for a transformer: read in the key formats people share (diffusers/PEFT, ComfyUI or
+//! the original Wan-AI layout, kohya/musubi), as deltas on the transformer's diffusers weight
+//! names. [`crate::weights::WeightSet`] merges them into each weight as it is read (`W + Σ
+//! scale · up @ down` in f32, then the run dtype), so a streamed block is merged when its host
+//! copy is made and a LoRA costs no step time.
+
+use anyhow::{bail, Context, Result};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// One `--lora FILE[:SCALE]` (in a config file, the same text).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct LoraSpec {
+    pub path: PathBuf,
+    pub scale: f64,
+}
+
+impl TryFrom<String> for LoraSpec {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        parse_spec(&text)
+    }
+}
+
+impl From<LoraSpec> for String {
+    fn from(spec: LoraSpec) -> String {
+        format!("{}:{}", spec.path.display(), spec.scale)
+    }
+}
+
+/// Parses `FILE[:SCALE]` (scale 1 when absent); a `:` followed by something that is not a
+/// finite number belongs to the path.
+pub fn parse_spec(text: &str) -> Result<LoraSpec, String> {
+    if let Some((path, scale)) = text.rsplit_once(':') {
+        if let Ok(scale) = scale.parse::<f64>() {
+            if !scale.is_finite() {
+                return Err(format!(
+                    "the scale of {text} is {scale}: give a finite number"
+                ));
+            }
+            if path.is_empty() {
+                return Err(format!("{text} names no file: give FILE[:SCALE]"));
+            }
+            return Ok(LoraSpec {
+                path: path.into(),
+                scale,
+            });
+        }
+    }
+    if text.is_empty() {
+        return Err("an empty --lora: give FILE[:SCALE]".into());
+    }
+    Ok(LoraSpec {
+        path: text.into(),
+        scale: 1.0,
+    })
+}
+
+/// The key layout of a LoRA file, told by its keys as diffusers tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `transformer.blocks.N.attn1.to_q.lora_A.weight` (PEFT; alpha folded or in the metadata).
+    Diffusers,
+    /// `diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.lora_up.weight`, `.alpha`,
+    /// `.diff`, `.diff_b` (ComfyUI and the original Wan-AI names).
+    ComfyUi,
+    /// `lora_unet_blocks_N_self_attn_q.lora_down.weight`, `.alpha` (kohya/musubi).
+    Musubi,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Diffusers => "diffusers/PEFT",
+            Layout::ComfyUi => "ComfyUI/original",
+            Layout::Musubi => "kohya/musubi",
+        }
+    }
+}
+
+/// One change to a weight: `scale · up @ down`, or a whole delta.
+#[derive(Clone, Debug)]
+enum Delta {
+    LowRank {
+        down: Tensor,
+        up: Tensor,
+        scale: f64,
+    },
+    Full {
+        diff: Tensor,
+        scale: f64,
+    },
+}
+
+/// Every LoRA of one transformer, in the order given: the deltas of each weight name.
+#[derive(Clone, Debug, Default)]
+pub struct Loras {
+    deltas: BTreeMap<String, Vec<Delta>>,
+    /// Each file with its layout and the first weight name it changes, for messages.
+    files: Vec<(PathBuf, Layout, String)>,
+}
+
+impl Loras {
+    /// Reads every file of `specs`, in order.
+    pub fn open(specs: &[LoraSpec]) -> Result<Self> {
+        let mut loras = Loras::default();
+        for spec in specs {
+            loras.add(spec)?;
+        }
+        Ok(loras)
+    }
+
+    /// Whether no LoRA was given.
+    pub fn is_empty(&self) -> bool {
+        self.deltas.is_empty()
+    }
+
+    /// Whether weight `name` has a delta.
+    pub fn changes(&self, name: &str) -> bool {
+        self.deltas.contains_key(name)
+    }
+
+    fn add(&mut self, spec: &LoraSpec) -> Result<()> {
+        let path = &spec.path;
+        // SAFETY: mapped read-only; vidgen never writes to the files it reads.
+        let st = unsafe { MmapedSafetensors::new(path) }
+            .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
+        let tensors: BTreeMap<String, Tensor> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, _)| {
+                let t = st.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?;
+                Ok((name, t))
+            })
+            .collect::<candle_core::Result<_>>()
+            .with_context(|| format!("--lora {}: reading its tensors", path.display()))?;
+        let layout = if tensors.keys().any(|k| k.starts_with("diffusion_model.")) {
+            Layout::ComfyUi
+        } else if tensors.keys().any(|k| k.starts_with("lora_unet_")) {
+            Layout::Musubi
+        } else {
+            Layout::Diffusers
+        };
+        let bad = |key: &str, why: &str| {
+            anyhow::anyhow!(
+                "--lora {}: {why} ({} layout, key {key})",
+                path.display(),
+                layout.name()
+            )
+        };
+        let peft_alpha = peft_alphas(path)?;
+        let mut first = None;
+        for (key, t) in &tensors {
+            let Some((module, part)) = split_key(key, layout) else {
+                return Err(bad(key, "a key of no LoRA layout vidgen reads"));
+            };
+            if part == Part::Alpha || part == Part::Up {
+                continue; // read with their module's down half
+            }
+            let target = match layout {
+                Layout::Diffusers => Some(module.to_string()),
+                Layout::ComfyUi => original_to_diffusers(module),
+                Layout::Musubi => {
+                    musubi_to_original(module).and_then(|m| original_to_diffusers(&m))
+                }
+            }
+            .ok_or_else(|| bad(key, "it names no layer of a Wan transformer"))?;
+            let (weight, delta) = match part {
+                Part::Down => {
+                    let up_key = key_of(key, layout, Part::Up);
+                    let up = tensors
+                        .get(&up_key)
+                        .ok_or_else(|| bad(key, &format!("its other half {up_key} is missing")))?;
+                    let (rank, _) = t.dims2().map_err(|_| bad(key, "not a matrix"))?;
+                    let (_, up_rank) = up.dims2().map_err(|_| bad(&up_key, "not a matrix"))?;
+                    if up_rank != rank {
+                        return Err(bad(
+                            key,
+                            &format!("rank {rank} against its up half's {up_rank}"),
+                        ));
+                    }
+                    let alpha = match layout {
+                        Layout::Diffusers => peft_alpha(module),
+                        _ => match tensors.get(&key_of(key, layout, Part::Alpha)) {
+                            // Any stored dtype: LightX2V's LoRAs store an i64 alpha.
+                            Some(a) => Some(a.flatten_all()?.to_vec1::<f32>()?[0] as f64),
+                            None => None,
+                        },
+                    };
+                    let scale = spec.scale * alpha.map_or(1.0, |a| a / rank as f64);
+                    let delta = Delta::LowRank {
+                        down: t.clone(),
+                        up: up.clone(),
+                        scale,
+                    };
+                    (format!("{target}.weight"), delta)
+                }
+                Part::Diff | Part::DiffBias => {
+                    let suffix = if part == Part::Diff { "weight" } else { "bias" };
+                    let delta = Delta::Full {
+                        diff: t.clone(),
+                        scale: spec.scale,
+                    };
+                    (format!("{target}.{suffix}"), delta)
+                }
+                Part::Up | Part::Alpha => unreachable!("skipped above"),
+            };
+            first.get_or_insert_with(|| weight.clone());
+            self.deltas.entry(weight).or_default().push(delta);
+        }
+        let Some(first) = first else {
+            bail!(
+                "--lora {}: no LoRA weights in it ({} layout)",
+                path.display(),
+                layout.name()
+            );
+        };
+        self.files.push((path.clone(), layout, first));
+        Ok(())
+    }
+
+    /// Checks every changed weight against the transformer's weights: it exists (`shape_of`
+    /// gives its shape) and the delta has that shape; a file for another model fails here,
+    /// before anything loads.
+    pub fn check(&self, shape_of: impl Fn(&str) -> Option<Vec<usize>>) -> Result<()> {
+        for (name, deltas) in &self.deltas {
+            let file = || {
+                self.files
+                    .iter()
+                    .find(|(_, _, first)| first == name)
+                    .or(self.files.first())
+                    .map(|(p, l, _)| format!("{} ({} layout)", p.display(), l.name()))
+                    .unwrap_or_default()
+            };
+            let Some(shape) = shape_of(name) else {
+                bail!(
+                    "--lora {}: {name} is not a weight of this transformer: a LoRA for another model?",
+                    file()
+                );
+            };
+            for delta in deltas {
+                let got = match delta {
+                    Delta::LowRank { down, up, .. } => vec![up.dim(0)?, down.dim(1)?],
+                    Delta::Full { diff, .. } => diff.dims().to_vec(),
+                };
+                if got != shape {
+                    bail!(
+                        "--lora {}: its change of {name} is {got:?}, the weight is {shape:?}: a LoRA for another model size?",
+                        file()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `base` (the stored weight `name`) with every delta of `name` added, in f32, then as `dtype`.
+    pub fn merged(&self, name: &str, base: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        let mut w = base.to_dtype(DType::F32)?;
+        for delta in self.deltas.get(name).into_iter().flatten() {
+            let change = match delta {
+                Delta::LowRank { down, up, scale } => (up.matmul(down)? * *scale)?,
+                Delta::Full { diff, scale } => (diff * *scale)?,
+            };
+            let change = change.reshape(w.shape())?;
+            w = (w + change)?;
+        }
+        w.to_dtype(dtype)
+    }
+}
+
+/// The part of a LoRA module a key holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Down,
+    Up,
+    Alpha,
+    Diff,
+    DiffBias,
+}
+
+/// The key suffixes of each part, per layout.
+fn suffix(layout: Layout, part: Part) -> &'static str {
+    match (layout, part) {
+        (Layout::Diffusers, Part::Down) => ".lora_A.weight",
+        (Layout::Diffusers, Part::Up) => ".lora_B.weight",
+        (_, Part::Down) => ".lora_down.weight",
+        (_, Part::Up) => ".lora_up.weight",
+        (_, Part::Alpha) => ".alpha",
+        (_, Part::Diff) => ".diff",
+        (_, Part::DiffBias) => ".diff_b",
+    }
+}
+
+/// The prefix of every key of a layout (diffusers': optional).
+fn prefix(layout: Layout) -> &'static str {
+    match layout {
+        Layout::Diffusers => "transformer.",
+        Layout::ComfyUi => "diffusion_model.",
+        Layout::Musubi => "lora_unet_",
+    }
+}
+
+/// A key as (module, part), prefix removed.
+fn split_key(key: &str, layout: Layout) -> Option<(&str, Part)> {
+    let rest = key.strip_prefix(prefix(layout)).or_else(|| {
+        // PEFT files may name the modules without the pipeline's prefix.
+        (layout == Layout::Diffusers).then_some(key)
+    })?;
+    [
+        Part::Down,
+        Part::Up,
+        Part::Alpha,
+        Part::Diff,
+        Part::DiffBias,
+    ]
+    .into_iter()
+    .filter(|&p| layout != Layout::Diffusers || matches!(p, Part::Down | Part::Up))
+    .find_map(|p| Some((rest.strip_suffix(suffix(layout, p))?, p)))
+}
+
+/// The key of `part` of the module of `key` (a `Part::Down` key).
+fn key_of(key: &str, layout: Layout, part: Part) -> String {
+    let stem = key.strip_suffix(suffix(layout, Part::Down)).unwrap_or(key);
+    format!("{stem}{}", suffix(layout, part))
+}
+
+/// The PEFT scaling alpha of each module of a diffusers file with `lora_adapter_metadata`
+/// (`lora_alpha`, `alpha_pattern`); `None` for a file without it (alpha folded: scale 1).
+fn peft_alphas(path: &Path) -> Result<impl Fn(&str) -> Option<f64>> {
+    let bytes = std::fs::read(path)?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .with_context(|| format!("--lora {}: reading its header", path.display()))?;
+    let config = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("lora_adapter_metadata"))
+        .map(|text| serde_json::from_str::<serde_json::Value>(text))
+        .transpose()
+        .with_context(|| {
+            format!(
+                "--lora {}: its lora_adapter_metadata is not JSON",
+                path.display()
+            )
+        })?;
+    let field = |name: &str| {
+        config
+            .as_ref()
+            .and_then(|c| c.get(format!("transformer.{name}")).or_else(|| c.get(name)))
+            .cloned()
+    };
+    let (alpha, alpha_pattern) = (field("lora_alpha"), field("alpha_pattern"));
+    // PEFT scales a module by its alpha over its rank, the rank of its stored matrices.
+    Ok(move |module: &str| {
+        alpha_pattern
+            .as_ref()
+            .and_then(|p| p.get(module))
+            .or(alpha.as_ref())
+            .and_then(|v| v.as_f64())
+    })
+}
+
+/// A musubi module name (`blocks_0_self_attn_q`) as the original one (`blocks.0.self_attn.q`).
+fn musubi_to_original(module: &str) -> Option<String> {
+    let rest = module.strip_prefix("blocks_")?;
+    let (n, rest) = rest.split_once('_')?;
+    n.parse::<usize>().ok()?;
+    let (group, layer) = ["self_attn", "cross_attn", "ffn"]
+        .into_iter()
+        .find_map(|g| Some((g, rest.strip_prefix(g)?.strip_prefix('_')?)))?;
+    Some(format!("blocks.{n}.{group}.{layer}"))
+}
+
+/// An original Wan-AI module name as the diffusers one.
+fn original_to_diffusers(module: &str) -> Option<String> {
+    if let Some(rest) = module.strip_prefix("blocks.") {
+        let (n, layer) = rest.split_once('.')?;
+        n.parse::<usize>().ok()?;
+        let mapped = match layer {
+            "self_attn.q" => "attn1.to_q",
+            "self_attn.k" => "attn1.to_k",
+            "self_attn.v" => "attn1.to_v",
+            "self_attn.o" => "attn1.to_out.0",
+            "self_attn.norm_q" => "attn1.norm_q",
+            "self_attn.norm_k" => "attn1.norm_k",
+            "cross_attn.q" => "attn2.to_q",
+            "cross_attn.k" => "attn2.to_k",
+            "cross_attn.v" => "attn2.to_v",
+            "cross_attn.o" => "attn2.to_out.0",
+            "cross_attn.norm_q" => "attn2.norm_q",
+            "cross_attn.norm_k" => "attn2.norm_k",
+            "cross_attn.k_img" => "attn2.add_k_proj",
+            "cross_attn.v_img" => "attn2.add_v_proj",
+            "cross_attn.norm_k_img" => "attn2.norm_added_k",
+            "ffn.0" => "ffn.net.0.proj",
+            "ffn.2" => "ffn.net.2",
+            "norm3" => "norm2",
+            "modulation" => "scale_shift_table",
+            _ => return None,
+        };
+        return Some(format!("blocks.{n}.{mapped}"));
+    }
+    Some(
+        match module {
+            "head.head" => "proj_out",
+            "patch_embedding" => "patch_embedding",
+            "text_embedding.0" => "condition_embedder.text_embedder.linear_1",
+            "text_embedding.2" => "condition_embedder.text_embedder.linear_2",
+            "time_embedding.0" => "condition_embedder.time_embedder.linear_1",
+            "time_embedding.2" => "condition_embedder.time_embedder.linear_2",
+            "time_projection.1" => "condition_embedder.time_proj",
+            _ => return None,
+        }
+        .to_string(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_take_a_scale_after_the_last_colon() {
+        let spec = |s: &str| parse_spec(s).unwrap();
+        assert_eq!(spec("a.safetensors").scale, 1.0);
+        assert_eq!(spec("a.safetensors:0.6").scale, 0.6);
+        assert_eq!(
+            spec("a.safetensors:0.6").path,
+            PathBuf::from("a.safetensors")
+        );
+        // A colon inside the path, not followed by a number, is the path's.
+        assert_eq!(
+            spec("C:/loras/a.safetensors").path,
+            PathBuf::from("C:/loras/a.safetensors")
+        );
+        assert!(parse_spec("a.safetensors:nan").is_err());
+        assert!(parse_spec(":2").is_err());
+        assert!(parse_spec("").is_err());
+    }
+
+    #[test]
+    fn module_names_map_to_diffusers() {
+        let m = |s: &str| musubi_to_original(s).and_then(|o| original_to_diffusers(&o));
+        assert_eq!(
+            m("blocks_3_self_attn_o").as_deref(),
+            Some("blocks.3.attn1.to_out.0")
+        );
+        assert_eq!(
+            m("blocks_0_cross_attn_k_img").as_deref(),
+            Some("blocks.0.attn2.add_k_proj")
+        );
+        assert_eq!(
+            m("blocks_1_ffn_0").as_deref(),
+            Some("blocks.1.ffn.net.0.proj")
+        );
+        assert_eq!(
+            original_to_diffusers("blocks.2.norm3").as_deref(),
+            Some("blocks.2.norm2")
+        );
+        assert_eq!(
+            original_to_diffusers("head.head").as_deref(),
+            Some("proj_out")
+        );
+        assert_eq!(original_to_diffusers("blocks.x.self_attn.q"), None);
+        assert_eq!(m("double_blocks_0_img_attn_qkv"), None);
+    }
+}
