@@ -199,6 +199,30 @@ fn bad_lora_input_is_refused_before_anything_loads() {
         &run(&model, "/nonexistent/lora.safetensors:0.5"),
         "missing file",
     );
+    // A second expert's LoRA for a model with one transformer.
+    let line = usage_error(
+        &vidgen(
+            &[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                "a cat",
+                "--device",
+                "cpu",
+                "--output-path",
+                dir.to_str().unwrap(),
+                "--lora-2",
+                lora_dir
+                    .join("lora2.diffusers.safetensors")
+                    .to_str()
+                    .unwrap(),
+            ]
+            .map(String::from),
+        ),
+        "lora-2",
+    );
+    assert!(line.contains("--lora-2 does not apply"), "{line}");
     // A family whose LoRAs vidgen does not read.
     let cog = named_fixture_dir("cogvideox-tiny-a");
     let line = usage_error(
