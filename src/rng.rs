@@ -100,7 +100,7 @@ impl TorchGenerator {
         for block in data.chunks_exact_mut(16) {
             fill16(block);
         }
-        if n % 16 != 0 {
+        if !n.is_multiple_of(16) {
             // torch redraws 16 uniforms and recomputes the last 16 values from them.
             let tail = &mut data[n - 16..];
             for v in tail.iter_mut() {
@@ -141,7 +141,7 @@ fn log_ps(x: f32) -> f32 {
     let mut e = ((bits >> 23) as i32 - 0x7F) as f32 + 1.0;
     // The mantissa, in [0.5, 1).
     let mut x = f32::from_bits((bits & 0x807F_FFFF) | 0.5f32.to_bits());
-    let below = x < f(0.707106781186547524);
+    let below = x < f(std::f64::consts::FRAC_1_SQRT_2);
     let tmp = if below { x } else { 0.0 };
     x -= 1.0;
     e -= if below { 1.0 } else { 0.0 };
@@ -176,8 +176,8 @@ fn sincos_ps(x: f32) -> (f32, f32) {
     let mut x = x;
     for dp in [
         -0.78515625,
-        -2.4187564849853515625e-4,
-        -3.77489497744594108e-8,
+        -2.418_756_484_985_351_6e-4,
+        -3.774_894_977_445_941e-8,
     ] {
         x = y.mul_add(f(dp), x);
     }
