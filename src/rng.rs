@@ -8,9 +8,11 @@
 //! the next such draw); 16 or more take the 16-wide float Box-Muller that torch runs on x86-64
 //! with AVX2 (`normal_fill_16_AVX2`, the Cephes `log` / `sincos` polynomials of
 //! `ATen/native/cpu/avx_mathfun.h` with fused multiply-adds where the compiler fuses them), on
-//! every machine alike.
+//! every machine alike. bf16 and f16 draws (diffusers asks for them where it passes the run
+//! dtype) take torch's generic `normal_fill`: uniforms of 8 or 11 bits and Box-Muller in the
+//! half type, rounding after each operation as c10's `BFloat16` / `Half` arithmetic does.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 const N: usize = 624;
 const M: usize = 397;
@@ -115,6 +117,54 @@ impl TorchGenerator {
     pub fn randn(&mut self, shape: &[usize]) -> candle_core::Result<Tensor> {
         let values = self.randn_values(shape.iter().product());
         Tensor::from_vec(values, shape, &Device::Cpu)
+    }
+
+    /// `torch.randn(shape, generator=self, dtype=dtype)` on the CPU, for f32, bf16 and f16.
+    pub fn randn_as(&mut self, shape: &[usize], dtype: DType) -> candle_core::Result<Tensor> {
+        let n = shape.iter().product();
+        let (digits, round): (u32, fn(f32) -> f32) = match dtype {
+            DType::F32 => return self.randn(shape),
+            DType::BF16 => (8, |x| half::bf16::from_f32(x).to_f32()),
+            DType::F16 => (11, |x| half::f16::from_f32(x).to_f32()),
+            _ => {
+                candle_core::bail!("torch's draws are made here in f32, bf16 or f16, not {dtype:?}")
+            }
+        };
+        let values = if n < 16 {
+            // The double value goes to the half type through float, as c10's constructors take it.
+            (0..n).map(|_| round(self.normal_f64() as f32)).collect()
+        } else {
+            let mut data: Vec<f32> = (0..n).map(|_| self.uniform_bits(digits)).collect();
+            for block in data.chunks_exact_mut(16) {
+                fill16_rounded(block, round);
+            }
+            if !n.is_multiple_of(16) {
+                let tail = &mut data[n - 16..];
+                for v in tail.iter_mut() {
+                    *v = self.uniform_bits(digits);
+                }
+                fill16_rounded(tail, round);
+            }
+            data
+        };
+        Tensor::from_vec(values, shape, &Device::Cpu)?.to_dtype(dtype)
+    }
+
+    /// `uniform_real_distribution<T>(0, 1)` of a half type: `digits` random bits of one word.
+    fn uniform_bits(&mut self, digits: u32) -> f32 {
+        (self.next_u32() & ((1 << digits) - 1)) as f32 / (1u32 << digits) as f32
+    }
+}
+
+/// torch's generic `normal_fill_16` in a half type: every operation rounds to it (`round`).
+fn fill16_rounded(d: &mut [f32], round: fn(f32) -> f32) {
+    for j in 0..8 {
+        let u1 = round(1.0 - d[j]);
+        let radius = round(round(-2.0 * round(u1.ln())).sqrt());
+        // `2.0f * pi<double> * u2` is a double, which reaches the half type through float.
+        let theta = round((2.0 * std::f64::consts::PI * d[j + 8] as f64) as f32);
+        d[j] = round(radius * round(theta.cos())) + 0.0;
+        d[j + 8] = round(radius * round(theta.sin())) + 0.0;
     }
 }
 
@@ -253,6 +303,39 @@ mod tests {
         let one = &batch.dims()[1..];
         let got = Tensor::cat(&[g.randn(one).unwrap(), g.randn(one).unwrap()], 0).unwrap();
         assert_eq!(bits(&got), bits(&batch.reshape(got.dims()).unwrap()));
+    }
+
+    /// Half-type draws: values of that type; below 16 values the double path rounded through
+    /// float; 16 or more from 8 (bf16) or 11 (f16) bits a uniform, standard normal in the mean.
+    #[test]
+    fn half_type_draws_follow_torchs_generic_path() {
+        for (dtype, digits) in [(DType::BF16, 8), (DType::F16, 11)] {
+            let small = TorchGenerator::new(3).randn_as(&[15], dtype).unwrap();
+            let want = TorchGenerator::new(3)
+                .randn(&[15])
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            assert_eq!(
+                bits(&small.to_dtype(DType::F32).unwrap()),
+                bits(&want.to_dtype(DType::F32).unwrap())
+            );
+            let mut g = TorchGenerator::new(3);
+            let u: Vec<f32> = (0..16).map(|_| g.uniform_bits(digits)).collect();
+            assert!(u
+                .iter()
+                .all(|v| (v * (1u32 << digits) as f32).fract() == 0.0 && *v < 1.0));
+            let big = TorchGenerator::new(3).randn_as(&[100_003], dtype).unwrap();
+            assert_eq!(big.dtype(), dtype);
+            let v: Vec<f32> = big.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+            let mean = v.iter().sum::<f32>() / v.len() as f32;
+            let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
+            assert!(
+                mean.abs() < 0.02 && (var - 1.0).abs() < 0.02,
+                "{dtype:?}: {mean} {var}"
+            );
+        }
+        assert!(TorchGenerator::new(3).randn_as(&[4], DType::F64).is_err());
     }
 
     /// An odd draw on the double path leaves its sine for the next one; a float-path draw

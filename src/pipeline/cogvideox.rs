@@ -165,24 +165,25 @@ struct CogVideoX {
 }
 
 /// A run's random draws: from the `--latents` file, or from the seed's generator (diffusers
-/// draws the latents and every step's noise from its one `generator`).
+/// draws the latents and every step's noise from its one `generator`, in the run dtype: the
+/// prompt embeddings' for the latents, the latents' for the noise).
 enum RunDraws {
     File(Draws),
-    Seeded(TorchGenerator),
+    Seeded(TorchGenerator, DType),
 }
 
 impl RunDraws {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         match self {
             RunDraws::File(draws) => draws.take(name, shape),
-            RunDraws::Seeded(generator) => Ok(generator.randn(shape)?),
+            RunDraws::Seeded(generator, dtype) => Ok(generator.randn_as(shape, *dtype)?),
         }
     }
 
     fn finish(&self) -> Result<()> {
         match self {
             RunDraws::File(draws) => draws.finish(),
-            RunDraws::Seeded(_) => Ok(()),
+            RunDraws::Seeded(..) => Ok(()),
         }
     }
 }
@@ -300,7 +301,7 @@ impl CogVideoX {
         let guided = job.negative_embeds.is_some();
         let mut draws = match &frame.config.generation().latents {
             Some(path) => RunDraws::File(Draws::open(path)?),
-            None => RunDraws::Seeded(TorchGenerator::new(job.seed)),
+            None => RunDraws::Seeded(TorchGenerator::new(job.seed), dtype),
         };
         let (latents, noises) = self.take_draws(
             &mut draws,

@@ -432,8 +432,12 @@ impl Ltx {
                     vae.decode(&z, Some(&timestep), &mut injected)?
                 }
                 None => {
+                    // diffusers draws it in the run dtype (the prompt embeddings').
                     let generator = carried.generator.as_mut().context("no latents drawn")?;
-                    let noise = generator.randn(z.dims())?.to_device(device)?;
+                    let noise = generator
+                        .randn_as(z.dims(), frame.dtype())?
+                        .to_dtype(DType::F32)?
+                        .to_device(device)?;
                     let z = add_decode_noise(&z, &noise, scale)?.to_dtype(frame.dtype())?;
                     vae.decode(&z, Some(&timestep), &mut global_rng(job.seed))?
                 }
