@@ -94,21 +94,30 @@ impl TorchGenerator {
     }
 
     /// `torch.randn(n, generator=self, dtype=torch.float32)` on the CPU, as a flat vector.
-    pub fn randn_values(&mut self, n: usize) -> Vec<f32> {
+    fn randn_values(&mut self, n: usize) -> Vec<f32> {
         if n < 16 {
             return (0..n).map(|_| self.normal_f64() as f32).collect();
         }
-        let mut data: Vec<f32> = (0..n).map(|_| self.uniform_f32()).collect();
-        for block in data.chunks_exact_mut(16) {
-            fill16(block);
-        }
+        self.normal_fill(n, Self::uniform_f32, fill16)
+    }
+
+    /// torch's `normal_fill` (n >= 16): all n uniforms first, then Box-Muller on each block of
+    /// 16 in place; a partial last block: 16 more uniforms, from which the last 16 values are
+    /// recomputed.
+    fn normal_fill(
+        &mut self,
+        n: usize,
+        uniform: impl Fn(&mut Self) -> f32,
+        fill: impl Fn(&mut [f32]),
+    ) -> Vec<f32> {
+        let mut data: Vec<f32> = (0..n).map(|_| uniform(self)).collect();
+        data.chunks_exact_mut(16).for_each(&fill);
         if !n.is_multiple_of(16) {
-            // torch redraws 16 uniforms and recomputes the last 16 values from them.
             let tail = &mut data[n - 16..];
             for v in tail.iter_mut() {
-                *v = self.uniform_f32();
+                *v = uniform(self);
             }
-            fill16(tail);
+            fill(tail);
         }
         data
     }
@@ -134,18 +143,7 @@ impl TorchGenerator {
             // The double value goes to the half type through float, as c10's constructors take it.
             (0..n).map(|_| round(self.normal_f64() as f32)).collect()
         } else {
-            let mut data: Vec<f32> = (0..n).map(|_| self.uniform_bits(digits)).collect();
-            for block in data.chunks_exact_mut(16) {
-                fill16_rounded(block, round);
-            }
-            if !n.is_multiple_of(16) {
-                let tail = &mut data[n - 16..];
-                for v in tail.iter_mut() {
-                    *v = self.uniform_bits(digits);
-                }
-                fill16_rounded(tail, round);
-            }
-            data
+            self.normal_fill(n, |g| g.uniform_bits(digits), |d| fill16_rounded(d, round))
         };
         Tensor::from_vec(values, shape, &Device::Cpu)?.to_dtype(dtype)
     }
