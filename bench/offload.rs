@@ -41,7 +41,8 @@ use vidgen::pipeline::ltx::{self, LtxConfigs};
 use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement};
 use vidgen::pipeline::registry::{family, Configs, RunShape};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
-use vidgen::weights::{seeded_normal, WeightSet, Weights};
+use vidgen::rng::TorchGenerator;
+use vidgen::weights::{WeightSet, Weights};
 
 /// Valid prompt tokens where a pipeline passes an attention mask (as the peer script's).
 const PROMPT_TOKENS: usize = 40;
@@ -97,9 +98,9 @@ fn main() -> Result<()> {
                 Some(&c),
                 |device, _| {
                     Ok((
-                        bf16(seeded_normal(1, &shape)?, device)?,
+                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
                         Tensor::new(&[999f32], device)?,
-                        bf16(seeded_normal(2, &[1, 512, text_dim])?, device)?,
+                        bf16(TorchGenerator::new(2).randn(&[1, 512, text_dim])?, device)?,
                     ))
                 },
                 |held: &Held<'_, WanTransformer3DModel>, (latents, t, text)| {
@@ -125,8 +126,11 @@ fn main() -> Result<()> {
                 None,
                 |device, _| {
                     Ok((
-                        bf16(seeded_normal(1, &packed)?, device)?,
-                        bf16(seeded_normal(2, &[1, text_len, caption])?, device)?,
+                        bf16(TorchGenerator::new(1).randn(&packed)?, device)?,
+                        bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, caption])?,
+                            device,
+                        )?,
                         Tensor::new(&[1000f32], device)?,
                         prompt_mask(text_len, DType::BF16, device)?,
                     ))
@@ -150,9 +154,12 @@ fn main() -> Result<()> {
                 None,
                 |device, _| {
                     Ok((
-                        bf16(seeded_normal(1, &shape)?, device)?,
+                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
                         Tensor::new(&[999i64], device)?,
-                        bf16(seeded_normal(2, &[1, text_len, text_dim])?, device)?,
+                        bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
+                            device,
+                        )?,
                     ))
                 },
                 |held: &Held<'_, CogVideoXTransformer3DModel>, (latents, t, text)| {
@@ -185,9 +192,12 @@ fn main() -> Result<()> {
                 None,
                 |device, modulations| {
                     let text = TextConds {
-                        embeds: bf16(seeded_normal(2, &[1, text_len, text_dim])?, device)?,
+                        embeds: bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
+                            device,
+                        )?,
                         mask: prompt_mask(text_len, DType::BF16, device)?,
-                        pooled: bf16(seeded_normal(3, &[1, pooled_dim])?, device)?,
+                        pooled: bf16(TorchGenerator::new(3).randn(&[1, pooled_dim])?, device)?,
                     };
                     let timestep = Tensor::new(&[1000f32], device)?;
                     let guidance = guidance_input(6.0, 1, DType::BF16, device)?;
@@ -210,7 +220,7 @@ fn main() -> Result<()> {
                     // streamed or parked, it holds nothing there once its stage is done.
                     let kept = matches!(modulations, Some(Residency::Resident)).then_some(model);
                     Ok((
-                        bf16(seeded_normal(1, &shape)?, device)?,
+                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
                         timestep,
                         text,
                         guidance,

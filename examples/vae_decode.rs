@@ -19,7 +19,8 @@ use vidgen::models::conv3d;
 use vidgen::models::source::{component_weights, ModelSource};
 use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
 use vidgen::pipeline::wan_t2v::WanConfigs;
-use vidgen::weights::{seeded_normal, WeightSet};
+use vidgen::rng::TorchGenerator;
+use vidgen::weights::WeightSet;
 
 fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
@@ -96,7 +97,7 @@ fn main() -> Result<()> {
     let vae = AutoencoderKLWan::new(&cfg, weights.var_builder(DType::F32, &dev))?;
     dev.synchronize()?;
     let setup = start.elapsed().as_secs_f64();
-    let z = seeded_normal(1, &shape)?.to_device(&dev)?;
+    let z = TorchGenerator::new(1).randn(&shape)?.to_device(&dev)?;
     let mut outs = Vec::new();
     for tf32 in std::iter::once(true).chain(exact.then_some(false)) {
         conv3d::set_tf32(tf32);

@@ -5,7 +5,9 @@
 //! `memory` probes the device and plans memory, `offload` moves weights between host and device,
 //! `models` holds one folder per model family, `schedulers` the diffusion samplers, `pipeline`
 //! runs the stages and is the one place where components are loaded, placed and released, and
-//! `output` writes the frames, `parallel` lets several processes (GPUs) compute one run, and `weights` reads weight files for models and the engine alike (with `lora`'s deltas merged in).
+//! `output` writes the frames, `rng` draws what torch's CPU generator draws for a seed, `parallel`
+//! lets several processes (GPUs) compute one run, and `weights` reads weight files for models and
+//! the engine alike (with `lora`'s deltas merged in).
 
 pub mod cli;
 pub mod config;
@@ -18,5 +20,6 @@ pub mod offload;
 pub mod output;
 pub mod parallel;
 pub mod pipeline;
+pub mod rng;
 pub mod schedulers;
 pub mod weights;

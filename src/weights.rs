@@ -581,25 +581,6 @@ pub fn fnv1a(text: &str) -> u64 {
     })
 }
 
-/// Seeded standard-normal f32 noise made on the host, so every device starts from the same
-/// latents for a given seed.
-pub fn seeded_normal(seed: u64, shape: &[usize]) -> candle_core::Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let mut state = seed ^ 0x5EED_0FC0_FFEE;
-    let mut values = Vec::with_capacity(n + 1);
-    while values.len() < n {
-        // Box-Muller: two uniforms in (0, 1] give two independent normals.
-        let u1 = ((splitmix64(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        let u2 = (splitmix64(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
-        let r = (-2.0 * u1.ln()).sqrt();
-        let theta = std::f64::consts::TAU * u2;
-        values.push((r * theta.cos()) as f32);
-        values.push((r * theta.sin()) as f32);
-    }
-    values.truncate(n);
-    Tensor::from_vec(values, shape, &Device::Cpu)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,8 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, LtxVaeConfig, SeededNoise};
+use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, LtxVaeConfig};
+use vidgen::rng::TorchGenerator;
 
 const FIXTURE: &str = "ltx-video-tiny-a";
 
@@ -44,7 +45,7 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
     let timestep = Tensor::new(&[0.05f32], &Device::Cpu).unwrap();
     let before = common::heap::start();
     let video = vae
-        .decode(&z, Some(&timestep), &mut SeededNoise::new(7))
+        .decode(&z, Some(&timestep), &mut TorchGenerator::new(7))
         .unwrap();
     let peak = common::heap::peak_above(before);
     assert_eq!(video.dims()[2..], [frames, height, width]);

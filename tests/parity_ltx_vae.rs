@@ -9,8 +9,9 @@ use common::{assert_close, named_fixture_dir, reference_in};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use vidgen::models::ltx::vae::{
-    latent_dist, AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVideoEncoder, SeededNoise,
+    latent_dist, AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVideoEncoder,
 };
+use vidgen::rng::TorchGenerator;
 
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
@@ -113,9 +114,9 @@ fn missing_or_misshapen_noise_is_an_error() {
     let mut extra = GivenNoise::new(extra);
     vae.decode(z, Some(t), &mut extra).unwrap();
     assert!(extra.check_all_used().is_err(), "an unused draw");
-    let mut seeded = SeededNoise::new(7);
+    let mut seeded = TorchGenerator::new(7);
     let a = vae.decode(z, Some(t), &mut seeded).unwrap();
-    let b = vae.decode(z, Some(t), &mut SeededNoise::new(7)).unwrap();
+    let b = vae.decode(z, Some(t), &mut TorchGenerator::new(7)).unwrap();
     assert_eq!(max_diff(&a, &b), 0.0, "seeded noise is reproducible");
     let mut none = GivenNoise::new(Vec::new());
     assert!(vae.decode(z, None, &mut none).is_err(), "timestep required");

@@ -170,7 +170,8 @@ pub struct GenerateOptions {
     /// Text tokens per prompt (padded or truncated).
     #[arg(long, help_heading = "Generation", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_sequence_length: u32,
-    /// Random seed of the initial noise [default: random].
+    /// Seed of the random draws, as diffusers' `torch.Generator("cpu").manual_seed(S)`
+    /// [default: random].
     #[arg(long, help_heading = "Generation")]
     pub seed: Option<u64>,
     /// Initial latents (safetensors, tensor `latents`) instead of seeded noise; for pipelines

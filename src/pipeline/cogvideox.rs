@@ -18,8 +18,8 @@ use crate::models::cogvideox::{activations, guidance};
 use crate::models::source::FileRef;
 use crate::models::t5::encoder::{encode_unmasked, T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::rng::TorchGenerator;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
-use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::any::Any;
@@ -164,27 +164,26 @@ struct CogVideoX {
     tokenizer: PromptTokenizer,
 }
 
-/// A run's random draws: from the `--latents` file, or from the seed.
+/// A run's random draws: from the `--latents` file, or from the seed's generator (diffusers
+/// draws the latents and every step's noise from its one `generator`, in the run dtype: the
+/// prompt embeddings' for the latents, the latents' for the noise).
 enum RunDraws {
     File(Draws),
-    Seeded(u64),
+    Seeded(TorchGenerator, DType),
 }
 
 impl RunDraws {
-    fn take(&mut self, name: &str, shape: &[usize], index: u64) -> Result<Tensor> {
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         match self {
             RunDraws::File(draws) => draws.take(name, shape),
-            RunDraws::Seeded(seed) => Ok(seeded_normal(
-                seed.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-                shape,
-            )?),
+            RunDraws::Seeded(generator, dtype) => Ok(generator.randn_as(shape, *dtype)?),
         }
     }
 
     fn finish(&self) -> Result<()> {
         match self {
             RunDraws::File(draws) => draws.finish(),
-            RunDraws::Seeded(_) => Ok(()),
+            RunDraws::Seeded(..) => Ok(()),
         }
     }
 }
@@ -241,14 +240,12 @@ impl CogVideoX {
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let shape = self.configs.latent_shape(num_frames, height, width);
         let scheduler = CogVideoXDpmScheduler::new(&self.configs.scheduler, steps as usize)?;
-        let latents = draws.take("latents", &shape, 0)?;
-        let mut index = 0;
+        let latents = draws.take("latents", &shape)?;
         let mut noises = Vec::with_capacity(steps as usize);
         for i in 0..steps as usize {
             let mut last = None;
             for k in 0..scheduler.draws_at(i) {
-                index += 1;
-                last = Some(draws.take(&format!("step{i}.scheduler_noise.{k}"), &shape, index)?);
+                last = Some(draws.take(&format!("step{i}.scheduler_noise.{k}"), &shape)?);
             }
             noises.push(last.context("a step without a draw")?);
         }
@@ -304,7 +301,7 @@ impl CogVideoX {
         let guided = job.negative_embeds.is_some();
         let mut draws = match &frame.config.generation().latents {
             Some(path) => RunDraws::File(Draws::open(path)?),
-            None => RunDraws::Seeded(job.seed),
+            None => RunDraws::Seeded(TorchGenerator::new(job.seed), dtype),
         };
         let (latents, noises) = self.take_draws(
             &mut draws,

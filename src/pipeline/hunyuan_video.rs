@@ -27,9 +27,9 @@ use crate::models::hunyuan_video::transformer::{
 };
 use crate::models::hunyuan_video::vae::{AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig};
 use crate::models::source::ModelSource;
+use crate::rng::TorchGenerator;
 use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
-use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::any::Any;
@@ -465,7 +465,7 @@ impl HunyuanVideo {
         Ok(())
     }
 
-    /// The initial latents: the draws file's `latents`, else seeded noise.
+    /// The initial latents: the draws file's `latents`, else the seed's draw.
     fn initial_latents(&self, frame: &Frame, job: &Job) -> Result<Tensor> {
         let shape = self
             .configs
@@ -477,7 +477,7 @@ impl HunyuanVideo {
                 draws.finish()?;
                 latents
             }
-            None => seeded_normal(job.seed, &shape)?,
+            None => TorchGenerator::new(job.seed).randn(&shape)?,
         };
         Ok(latents.to_dtype(DType::F32)?.to_device(&frame.device)?)
     }

@@ -16,15 +16,15 @@ use crate::models::ltx::transformer::{
     pack_latents, unpack_latents, LtxStream, LtxTransformer3DModel, LtxTransformerConfig,
 };
 use crate::models::ltx::vae::{
-    add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, SeededNoise,
+    add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig,
 };
 use crate::models::ltx::{activations, defaults};
 use crate::models::source::FileRef;
 use crate::models::t5::encoder::{attention_mask, encode_unmasked, T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::rng::TorchGenerator;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::{Scheduler, SchedulerKind};
-use crate::weights::seeded_normal;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::any::Any;
@@ -192,6 +192,13 @@ impl Family for LtxConfigs {
     }
 }
 
+/// The decoder's injected noise without a draws file. diffusers' decoder draws it from torch's
+/// global generator, not the pipeline's; a generator seeded with the job's seed stands for it,
+/// as `torch.manual_seed(S)` before the call seeds it.
+fn global_rng(seed: u64) -> TorchGenerator {
+    TorchGenerator::new(seed)
+}
+
 /// The injected noise of the decoder taken from the draws file as `injected_noise.K`, in order.
 struct DrawnNoise<'a> {
     draws: &'a mut Draws,
@@ -223,6 +230,9 @@ struct Carried {
     mask: Option<Tensor>,
     /// The job's draws file, opened in the denoise stage and finished after decoding.
     draws: Option<Draws>,
+    /// Without a draws file: the job's generator after the latents, whose next draw is the
+    /// decode noise (diffusers draws both from its `generator`).
+    generator: Option<TorchGenerator>,
 }
 
 /// LTX-Video's own part of its pipeline (the frame holds the rest).
@@ -296,6 +306,7 @@ impl Ltx {
         job.carry.put(Carried {
             mask: Some(mask),
             draws: None,
+            generator: None,
         });
         Ok(())
     }
@@ -305,8 +316,8 @@ impl Ltx {
         let token_grid = self.configs.token_grid(grid);
         let packed = self.configs.packed_shape(grid);
         let mut carried: Carried = job.carry.take();
-        // The draws: `latents` (packed) from the file, or seeded noise packed as the pipeline
-        // packs its own draw.
+        // The draws: `latents` (packed) from the file, or the seed's draw packed as the
+        // pipeline packs it.
         let latents = match &frame.config.generation().latents {
             Some(path) => {
                 let mut draws = Draws::open(path)?;
@@ -314,11 +325,16 @@ impl Ltx {
                 carried.draws = Some(draws);
                 latents
             }
-            None => pack_latents(
-                &seeded_normal(job.seed, &self.configs.latent_shape(grid))?,
-                self.configs.transformer.patch_size,
-                self.configs.transformer.patch_size_t,
-            )?,
+            None => {
+                let mut generator = TorchGenerator::new(job.seed);
+                let latents = generator.randn(&self.configs.latent_shape(grid))?;
+                carried.generator = Some(generator);
+                pack_latents(
+                    &latents,
+                    self.configs.transformer.patch_size,
+                    self.configs.transformer.patch_size_t,
+                )?
+            }
         };
         let mask = carried.mask.take();
         self.denoise_from(frame, job, latents, token_grid, mask)?;
@@ -416,16 +432,19 @@ impl Ltx {
                     vae.decode(&z, Some(&timestep), &mut injected)?
                 }
                 None => {
-                    let seed = job.seed.wrapping_add(1);
-                    let noise = seeded_normal(seed, z.dims())?.to_device(device)?;
+                    // diffusers draws it in the run dtype (the prompt embeddings').
+                    let generator = carried.generator.as_mut().context("no latents drawn")?;
+                    let noise = generator
+                        .randn_as(z.dims(), frame.dtype())?
+                        .to_dtype(DType::F32)?
+                        .to_device(device)?;
                     let z = add_decode_noise(&z, &noise, scale)?.to_dtype(frame.dtype())?;
-                    let mut injected = SeededNoise::new(job.seed.wrapping_add(2));
-                    vae.decode(&z, Some(&timestep), &mut injected)?
+                    vae.decode(&z, Some(&timestep), &mut global_rng(job.seed))?
                 }
             }
         } else {
             let z = z.to_dtype(frame.dtype())?;
-            vae.decode(&z, None, &mut SeededNoise::new(job.seed))?
+            vae.decode(&z, None, &mut global_rng(job.seed))?
         };
         if let Some(draws) = &carried.draws {
             draws.finish()?;

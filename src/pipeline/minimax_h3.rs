@@ -34,10 +34,10 @@ use crate::models::minimax_h3::vae::{
 };
 use crate::models::source::{message, FileRef};
 use crate::output::Audio;
+use crate::rng::TorchGenerator;
 use crate::schedulers::minimax_h3::{
     distinct_timesteps, MiniMaxH3Schedule, MiniMaxH3SchedulerConfig,
 };
-use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::any::Any;
@@ -441,7 +441,7 @@ impl MiniMaxH3 {
     }
 
     /// The initial noise: `latents` and `audio_latents` from the draws file (the only draws of a
-    /// `t2va` call), or seeded normals.
+    /// `t2va` call), or from the job's generator.
     fn initial_latents(
         &self,
         frame: &Frame,
@@ -463,10 +463,15 @@ impl MiniMaxH3 {
                 draws.finish()?;
                 latents
             }
-            None => (
-                seeded_normal(job.seed, &video)?,
-                seeded_normal(job.seed.wrapping_add(1), &audio)?,
-            ),
+            None => {
+                // diffusers draws the video noise, then the audio noise in its row layout
+                // `[channels * Na, Ca]` (the stereo blocks one after the other).
+                let mut generator = TorchGenerator::new(job.seed);
+                let latents = generator.randn(&video)?;
+                let [channels, ca, na] = audio;
+                let rows = generator.randn(&[channels, na, ca])?;
+                (latents, rows.transpose(1, 2)?.contiguous()?)
+            }
         })
     }
 

@@ -30,8 +30,8 @@ use crate::models::wan::text_encoder::{
 };
 use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
+use crate::rng::TorchGenerator;
 use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
-use crate::weights::seeded_normal;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::any::Any;
@@ -637,7 +637,9 @@ impl WanT2V {
                 }
                 Ok(tensor.to_dtype(DType::F32)?.to_device(&frame.device)?)
             }
-            None => Ok(seeded_normal(job.seed, &shape)?.to_device(&frame.device)?),
+            None => Ok(TorchGenerator::new(job.seed)
+                .randn(&shape)?
+                .to_device(&frame.device)?),
         }
     }
 

@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::models::conv3d;
 use crate::models::wan::transformer::timestep_embedding;
-use crate::weights::seeded_normal;
+use crate::rng::TorchGenerator;
 
 /// Epsilon of the resnets' and the output's RMSNorms (hard-coded in diffusers).
 const RMS_EPS: f64 = 1e-8;
@@ -259,27 +259,11 @@ impl GivenNoise {
     }
 }
 
-/// Draws for runs without a draws file: `seeded_normal` with one seed per draw derived from
-/// `seed` (vidgen's own generator: not the numbers of torch's global RNG).
-#[derive(Debug, Clone)]
-pub struct SeededNoise {
-    seed: u64,
-    draws: u64,
-}
-
-impl SeededNoise {
-    pub fn new(seed: u64) -> Self {
-        Self { seed, draws: 0 }
-    }
-}
-
-impl InjectedNoise for SeededNoise {
+/// Runs without a draws file: `torch.randn((height, width))` of the generator standing for
+/// diffusers' global one.
+impl InjectedNoise for TorchGenerator {
     fn next(&mut self, height: usize, width: usize, device: &Device) -> Result<Tensor> {
-        let seed = self
-            .seed
-            .wrapping_add(self.draws.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        self.draws += 1;
-        seeded_normal(seed, &[height, width])?.to_device(device)
+        self.randn(&[height, width])?.to_device(device)
     }
 }
 
