@@ -137,7 +137,7 @@ fn bad_lora_input_is_refused_before_anything_loads() {
     let dir = scratch("bad");
     let lora_dir = named_fixture_dir(FIXTURE).join("lora");
     let model = named_fixture_dir("wan-tiny-a");
-    let run = |model: &Path, lora: &str| {
+    let run_with = |model: &Path, flag: &str, lora: &str| {
         vidgen(
             &[
                 "generate",
@@ -155,12 +155,13 @@ fn bad_lora_input_is_refused_before_anything_loads() {
                 "32",
                 "--output-path",
                 dir.to_str().unwrap(),
-                "--lora",
+                flag,
                 lora,
             ]
             .map(String::from),
         )
     };
+    let run = |model: &Path, lora: &str| run_with(model, "--lora", lora);
     // A LoRA whose up half is missing.
     let src =
         candle_core::safetensors::load(lora_dir.join("lora1.comfyui.safetensors"), &Device::Cpu)
@@ -200,26 +201,9 @@ fn bad_lora_input_is_refused_before_anything_loads() {
         "missing file",
     );
     // A second expert's LoRA for a model with one transformer.
+    let lora2 = lora_dir.join("lora2.diffusers.safetensors");
     let line = usage_error(
-        &vidgen(
-            &[
-                "generate",
-                "--model",
-                model.to_str().unwrap(),
-                "--prompt",
-                "a cat",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-                "--lora-2",
-                lora_dir
-                    .join("lora2.diffusers.safetensors")
-                    .to_str()
-                    .unwrap(),
-            ]
-            .map(String::from),
-        ),
+        &run_with(&model, "--lora-2", lora2.to_str().unwrap()),
         "lora-2",
     );
     assert!(line.contains("--lora-2 does not apply"), "{line}");
