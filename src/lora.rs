@@ -375,48 +375,91 @@ fn musubi_to_original(module: &str) -> Option<String> {
     Some(format!("blocks.{n}.{group}.{layer}"))
 }
 
+/// The layers of a block: (original Wan-AI name, diffusers name).
+const ORIGINAL_BLOCK_LAYERS: [(&str, &str); 19] = [
+    ("self_attn.q", "attn1.to_q"),
+    ("self_attn.k", "attn1.to_k"),
+    ("self_attn.v", "attn1.to_v"),
+    ("self_attn.o", "attn1.to_out.0"),
+    ("self_attn.norm_q", "attn1.norm_q"),
+    ("self_attn.norm_k", "attn1.norm_k"),
+    ("cross_attn.q", "attn2.to_q"),
+    ("cross_attn.k", "attn2.to_k"),
+    ("cross_attn.v", "attn2.to_v"),
+    ("cross_attn.o", "attn2.to_out.0"),
+    ("cross_attn.norm_q", "attn2.norm_q"),
+    ("cross_attn.norm_k", "attn2.norm_k"),
+    ("cross_attn.k_img", "attn2.add_k_proj"),
+    ("cross_attn.v_img", "attn2.add_v_proj"),
+    ("cross_attn.norm_k_img", "attn2.norm_added_k"),
+    ("ffn.0", "ffn.net.0.proj"),
+    ("ffn.2", "ffn.net.2"),
+    ("norm3", "norm2"),
+    ("modulation", "scale_shift_table"),
+];
+
+/// The layers outside the blocks: (original Wan-AI name, diffusers name).
+const ORIGINAL_TOP_LAYERS: [(&str, &str); 7] = [
+    ("head.head", "proj_out"),
+    ("patch_embedding", "patch_embedding"),
+    (
+        "text_embedding.0",
+        "condition_embedder.text_embedder.linear_1",
+    ),
+    (
+        "text_embedding.2",
+        "condition_embedder.text_embedder.linear_2",
+    ),
+    (
+        "time_embedding.0",
+        "condition_embedder.time_embedder.linear_1",
+    ),
+    (
+        "time_embedding.2",
+        "condition_embedder.time_embedder.linear_2",
+    ),
+    ("time_projection.1", "condition_embedder.time_proj"),
+];
+
 /// An original Wan-AI module name as the diffusers one.
 fn original_to_diffusers(module: &str) -> Option<String> {
     if let Some(rest) = module.strip_prefix("blocks.") {
         let (n, layer) = rest.split_once('.')?;
         n.parse::<usize>().ok()?;
-        let mapped = match layer {
-            "self_attn.q" => "attn1.to_q",
-            "self_attn.k" => "attn1.to_k",
-            "self_attn.v" => "attn1.to_v",
-            "self_attn.o" => "attn1.to_out.0",
-            "self_attn.norm_q" => "attn1.norm_q",
-            "self_attn.norm_k" => "attn1.norm_k",
-            "cross_attn.q" => "attn2.to_q",
-            "cross_attn.k" => "attn2.to_k",
-            "cross_attn.v" => "attn2.to_v",
-            "cross_attn.o" => "attn2.to_out.0",
-            "cross_attn.norm_q" => "attn2.norm_q",
-            "cross_attn.norm_k" => "attn2.norm_k",
-            "cross_attn.k_img" => "attn2.add_k_proj",
-            "cross_attn.v_img" => "attn2.add_v_proj",
-            "cross_attn.norm_k_img" => "attn2.norm_added_k",
-            "ffn.0" => "ffn.net.0.proj",
-            "ffn.2" => "ffn.net.2",
-            "norm3" => "norm2",
-            "modulation" => "scale_shift_table",
-            _ => return None,
-        };
+        let (_, mapped) = ORIGINAL_BLOCK_LAYERS.iter().find(|(o, _)| *o == layer)?;
         return Some(format!("blocks.{n}.{mapped}"));
     }
-    Some(
-        match module {
-            "head.head" => "proj_out",
-            "patch_embedding" => "patch_embedding",
-            "text_embedding.0" => "condition_embedder.text_embedder.linear_1",
-            "text_embedding.2" => "condition_embedder.text_embedder.linear_2",
-            "time_embedding.0" => "condition_embedder.time_embedder.linear_1",
-            "time_embedding.2" => "condition_embedder.time_embedder.linear_2",
-            "time_projection.1" => "condition_embedder.time_proj",
-            _ => return None,
-        }
-        .to_string(),
-    )
+    ORIGINAL_TOP_LAYERS
+        .iter()
+        .find(|(o, _)| *o == module)
+        .map(|(_, d)| d.to_string())
+}
+
+/// A diffusers weight name (`blocks.0.attn1.to_q.weight`, `scale_shift_table`) as the original
+/// Wan-AI file stores it (`blocks.0.self_attn.q.weight`, `head.modulation`); `None` where the
+/// names agree or no mapping applies.
+pub fn diffusers_to_original(name: &str) -> Option<String> {
+    if name == "scale_shift_table" {
+        return Some("head.modulation".into());
+    }
+    let (module, param) = name.rsplit_once('.')?;
+    if param == "scale_shift_table" {
+        return Some(format!("{module}.modulation"));
+    }
+    let block = |n: &str, layer: &str| format!("blocks.{n}.{layer}");
+    let original = if let Some(rest) = module.strip_prefix("blocks.") {
+        let (n, layer) = rest.split_once('.')?;
+        ORIGINAL_BLOCK_LAYERS
+            .iter()
+            .find(|(_, d)| *d == layer)
+            .map(|(o, _)| block(n, o))?
+    } else {
+        ORIGINAL_TOP_LAYERS
+            .iter()
+            .find(|(_, d)| *d == module)
+            .map(|(o, _)| o.to_string())?
+    };
+    (original != module).then(|| format!("{original}.{param}"))
 }
 
 #[cfg(test)]
@@ -467,5 +510,34 @@ mod tests {
         );
         assert_eq!(original_to_diffusers("blocks.x.self_attn.q"), None);
         assert_eq!(m("double_blocks_0_img_attn_qkv"), None);
+    }
+
+    #[test]
+    fn diffusers_weight_names_map_to_the_original_layout() {
+        let o = |s: &str| diffusers_to_original(s);
+        assert_eq!(
+            o("blocks.1.attn2.to_out.0.weight").as_deref(),
+            Some("blocks.1.cross_attn.o.weight")
+        );
+        assert_eq!(
+            o("blocks.0.norm2.bias").as_deref(),
+            Some("blocks.0.norm3.bias")
+        );
+        assert_eq!(
+            o("blocks.0.scale_shift_table").as_deref(),
+            Some("blocks.0.modulation")
+        );
+        assert_eq!(o("scale_shift_table").as_deref(), Some("head.modulation"));
+        assert_eq!(o("proj_out.weight").as_deref(), Some("head.head.weight"));
+        assert_eq!(
+            o("condition_embedder.time_proj.bias").as_deref(),
+            Some("time_projection.1.bias")
+        );
+        // Names the layouts share need no mapping.
+        assert_eq!(o("patch_embedding.weight"), None);
+        assert_eq!(
+            o("blocks.0.attn1.norm_q.weight").as_deref(),
+            Some("blocks.0.self_attn.norm_q.weight")
+        );
     }
 }

@@ -37,8 +37,52 @@ pub struct WeightSet {
 
 #[derive(Clone)]
 enum Source {
-    Mapped(Arc<MmapedSafetensors>),
+    /// Memory-mapped files, their keys in `KeyLayout`.
+    Mapped(Arc<MmapedSafetensors>, KeyLayout),
     Synthetic(SyntheticWeights),
+}
+
+/// How a file names a transformer's weights: diffusers' names, or a single file in the original
+/// Wan-AI layout (`blocks.0.self_attn.q.weight`, `head.head.weight`), bare or under ComfyUI's
+/// `model.diffusion_model.`; told by `head.modulation` as diffusers tells a Wan file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyLayout {
+    Diffusers,
+    Original,
+    ComfyUi,
+}
+
+impl KeyLayout {
+    /// ComfyUI's prefix of every key.
+    const COMFYUI: &'static str = "model.diffusion_model.";
+
+    fn of(st: &MmapedSafetensors) -> Self {
+        let names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).collect();
+        if names
+            .iter()
+            .any(|n| n == "model.diffusion_model.head.modulation")
+        {
+            KeyLayout::ComfyUi
+        } else if names.iter().any(|n| n == "head.modulation") {
+            KeyLayout::Original
+        } else {
+            KeyLayout::Diffusers
+        }
+    }
+
+    /// The stored key of diffusers weight `name` (itself where no mapping applies).
+    fn stored<'a>(self, name: &'a str) -> Cow<'a, str> {
+        let original = || crate::lora::diffusers_to_original(name);
+        match self {
+            KeyLayout::Diffusers => Cow::Borrowed(name),
+            KeyLayout::Original => original().map_or(Cow::Borrowed(name), Cow::Owned),
+            KeyLayout::ComfyUi => Cow::Owned(format!(
+                "{}{}",
+                Self::COMFYUI,
+                original().unwrap_or_else(|| name.to_string())
+            )),
+        }
+    }
 }
 
 impl WeightSet {
@@ -53,7 +97,8 @@ impl WeightSet {
                         describe(files)
                     )
                 })?;
-                Source::Mapped(Arc::new(st))
+                let keys = KeyLayout::of(&st);
+                Source::Mapped(Arc::new(st), keys)
             }
             Weights::Synthetic { seed } => Source::Synthetic(SyntheticWeights { seed: *seed }),
         };
@@ -71,23 +116,61 @@ impl WeightSet {
         self
     }
 
-    /// Weight `name` (of `shape`) with the LoRA deltas merged, as `dtype` on the CPU; `None`
-    /// where no LoRA changes it.
-    fn merged(
+    /// Whether weight `name` is computed from what is stored rather than read as it is: a
+    /// LoRA changes it, or it is stored in fp8 with a scale.
+    fn transforms(&self, name: &str) -> bool {
+        self.loras.as_ref().is_some_and(|l| l.changes(name)) || self.fp8_scale(name).is_some()
+    }
+
+    /// The stored scale of an fp8 weight `name`: ComfyUI's `<module>.scale_weight` (0-dim) or
+    /// LightX2V's `<module>.weight_scale` (one per output row).
+    fn fp8_scale(&self, name: &str) -> Option<String> {
+        let Source::Mapped(st, keys) = &self.source else {
+            return None;
+        };
+        let stored = keys.stored(name);
+        let module = stored.strip_suffix(".weight")?;
+        ["scale_weight", "weight_scale"]
+            .into_iter()
+            .map(|s| format!("{module}.{s}"))
+            .find(|s| st.get(s).is_ok())
+    }
+
+    /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on the CPU: an fp8
+    /// weight times its scale (`W8 as f32 · scale`, one f32 product), then the LoRA deltas
+    /// merged; `None` where neither applies.
+    fn transformed(
         &self,
         name: &str,
         shape: &Shape,
         dtype: DType,
     ) -> candle_core::Result<Option<Tensor>> {
-        let Some(loras) = self.loras.as_ref().filter(|l| l.changes(name)) else {
+        if !self.transforms(name) {
             return Ok(None);
-        };
+        }
         let base = match &self.source {
-            Source::Mapped(st) => st.load(name, &Device::Cpu)?,
+            Source::Mapped(st, keys) => {
+                let w = st.load(&keys.stored(name), &Device::Cpu)?;
+                match self.fp8_scale(name) {
+                    Some(scale) => {
+                        let scale = st.load(&scale, &Device::Cpu)?.to_dtype(DType::F32)?;
+                        let w = w.to_dtype(DType::F32)?;
+                        let scale = match scale.rank() {
+                            0 => scale.broadcast_as(w.shape())?,
+                            _ => scale.reshape((w.dim(0)?, 1))?.broadcast_as(w.shape())?,
+                        };
+                        (w * scale)?
+                    }
+                    None => w,
+                }
+            }
             Source::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
         };
         self.report_read(name, &base);
-        loras.merged(name, &base, dtype).map(Some)
+        match self.loras.as_ref().filter(|l| l.changes(name)) {
+            Some(loras) => loras.merged(name, &base, dtype).map(Some),
+            None => base.to_dtype(dtype).map(Some),
+        }
     }
 
     /// The same weights, reporting every tensor read to `on_read`.
@@ -99,7 +182,7 @@ impl WeightSet {
     /// Bytes of every stored tensor (`None` for synthetic weights, which have no files).
     pub fn stored_bytes(&self) -> Option<u64> {
         match &self.source {
-            Source::Mapped(st) => Some(
+            Source::Mapped(st, _) => Some(
                 st.tensors()
                     .iter()
                     .map(|(_, v)| v.data().len() as u64)
@@ -120,7 +203,7 @@ impl WeightSet {
     /// Reports `name` as read: its stored size in a file, else the size made.
     fn report_read(&self, name: &str, made: &Tensor) {
         let bytes = match &self.source {
-            Source::Mapped(st) => st.get(name).map_or(0, |v| v.data().len()),
+            Source::Mapped(st, keys) => st.get(&keys.stored(name)).map_or(0, |v| v.data().len()),
             Source::Synthetic(_) => made.elem_count() * made.dtype().size_in_bytes(),
         };
         self.report(bytes);
@@ -131,10 +214,19 @@ impl WeightSet {
         VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
     }
 
+    /// The stored shape of weight `name` (`None` where it is not stored, or for synthetic
+    /// weights).
+    pub fn stored_shape(&self, name: &str) -> Option<Vec<usize>> {
+        match &self.source {
+            Source::Mapped(st, keys) => st.get(&keys.stored(name)).ok().map(|v| v.shape().to_vec()),
+            Source::Synthetic(_) => None,
+        }
+    }
+
     /// Checks that `name` exists with `shape` (synthetic weights have every shape asked for).
     pub fn check(&self, name: &str, shape: &Shape) -> candle_core::Result<()> {
-        if let Source::Mapped(st) = &self.source {
-            let stored: Shape = st.get(name)?.shape().into();
+        if let Source::Mapped(st, keys) = &self.source {
+            let stored: Shape = st.get(&keys.stored(name))?.shape().into();
             if &stored != shape {
                 Err(candle_core::Error::UnexpectedShape {
                     msg: format!("shape mismatch for {name}"),
@@ -148,12 +240,12 @@ impl WeightSet {
 
     /// The stored bytes of `name` when they already are `dtype` (zero copy from the map).
     pub fn mapped_bytes(&self, name: &str, dtype: DType) -> Option<&[u8]> {
-        if self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+        if self.transforms(name) {
             return None;
         }
         match &self.source {
-            Source::Mapped(st) => {
-                let view = st.get(name).ok()?;
+            Source::Mapped(st, keys) => {
+                let view = st.get(&keys.stored(name)).ok()?;
                 (DType::try_from(view.dtype()).ok()? == dtype).then(|| view.data())
             }
             Source::Synthetic(_) => None,
@@ -165,12 +257,12 @@ impl WeightSet {
     /// or `dtype` where the host makes them (synthetic weights, or a stored dtype that
     /// [`write_bytes`] does not handle, converted on the host as candle would).
     pub fn staged_dtype(&self, name: &str, dtype: DType) -> DType {
-        if self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+        if self.transforms(name) {
             return dtype;
         }
         let stored = match &self.source {
-            Source::Mapped(st) => st
-                .get(name)
+            Source::Mapped(st, keys) => st
+                .get(&keys.stored(name))
                 .ok()
                 .and_then(|view| DType::try_from(view.dtype()).ok()),
             Source::Synthetic(_) => None,
@@ -207,7 +299,7 @@ impl WeightSet {
         dtype: DType,
         dst: &mut [u8],
     ) -> candle_core::Result<()> {
-        if let Some(merged) = self.merged(name, shape, dtype)? {
+        if let Some(merged) = self.transformed(name, shape, dtype)? {
             if merged.elem_count() * dtype.size_in_bytes() != dst.len() {
                 candle_core::bail!(
                     "{name}: {:?} merged for {} bytes",
@@ -231,8 +323,8 @@ impl WeightSet {
             self.report(bytes.len());
             return Ok(());
         }
-        if let Source::Mapped(st) = &self.source {
-            if let Ok(view) = st.get(name) {
+        if let Source::Mapped(st, keys) = &self.source {
+            if let Ok(view) = st.get(&keys.stored(name)) {
                 let from = DType::try_from(view.dtype()).ok();
                 if from.is_some_and(|from| convert_into(view.data(), from, dtype, dst)) {
                     self.report(view.data().len());
@@ -241,7 +333,7 @@ impl WeightSet {
             }
         }
         let tensor = match &self.source {
-            Source::Mapped(st) => st.load(name, &Device::Cpu)?,
+            Source::Mapped(st, keys) => st.load(&keys.stored(name), &Device::Cpu)?,
             Source::Synthetic(s) => {
                 if s.write(shape, name, dtype, dst) {
                     self.report(dst.len());
@@ -303,11 +395,11 @@ impl SimpleBackend for WeightSet {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        if let Some(merged) = self.merged(name, &s, dtype)? {
-            return merged.to_device(dev);
+        if let Some(made) = self.transformed(name, &s, dtype)? {
+            return made.to_device(dev);
         }
         let t = match &self.source {
-            Source::Mapped(_) if dev.is_cpu() => {
+            Source::Mapped(..) if dev.is_cpu() => {
                 self.check(name, &s)?;
                 if let Some(t) = self.host_tensor(name, &s, dtype)? {
                     return Ok(t);
@@ -315,7 +407,9 @@ impl SimpleBackend for WeightSet {
                 // A dtype the parallel read does not write: candle's loading.
                 return self.get_unchecked(name, dtype, dev);
             }
-            Source::Mapped(st) => SimpleBackend::get(st.as_ref(), s, name, h, dtype, dev)?,
+            Source::Mapped(st, keys) => {
+                SimpleBackend::get(st.as_ref(), s, &keys.stored(name), h, dtype, dev)?
+            }
             Source::Synthetic(g) => g.get(s, name, h, dtype, dev)?,
         };
         self.report_read(name, &t);
@@ -323,15 +417,16 @@ impl SimpleBackend for WeightSet {
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        if let Some(loras) = self.loras.as_ref().filter(|l| l.changes(name)) {
-            if let Source::Mapped(st) = &self.source {
-                let base = st.load(name, &Device::Cpu)?;
-                self.report_read(name, &base);
-                return loras.merged(name, &base, dtype)?.to_device(dev);
-            }
-        }
         let t = match &self.source {
-            Source::Mapped(st) => SimpleBackend::get_unchecked(st.as_ref(), name, dtype, dev)?,
+            Source::Mapped(st, keys) => {
+                if self.transforms(name) {
+                    let shape = st.get(&keys.stored(name))?.shape().into();
+                    if let Some(made) = self.transformed(name, &shape, dtype)? {
+                        return made.to_device(dev);
+                    }
+                }
+                SimpleBackend::get_unchecked(st.as_ref(), &keys.stored(name), dtype, dev)?
+            }
             Source::Synthetic(g) => g.get_unchecked(name, dtype, dev)?,
         };
         self.report_read(name, &t);
@@ -340,7 +435,9 @@ impl SimpleBackend for WeightSet {
 
     fn contains_tensor(&self, name: &str) -> bool {
         match &self.source {
-            Source::Mapped(st) => SimpleBackend::contains_tensor(st.as_ref(), name),
+            Source::Mapped(st, keys) => {
+                SimpleBackend::contains_tensor(st.as_ref(), &keys.stored(name))
+            }
             Source::Synthetic(_) => true,
         }
     }

@@ -181,6 +181,15 @@ pub struct GenerateOptions {
     /// The conditioning image of image-to-video pipelines (PNG or JPEG).
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub image: Option<PathBuf>,
+    /// The transformer's weights from one file instead of the model folder's (whose config.json
+    /// still gives the architecture): diffusers keys, or the original Wan-AI layout bare or
+    /// under ComfyUI's `model.diffusion_model.`, in any float dtype, or fp8 with ComfyUI's
+    /// `scale_weight` or LightX2V's `weight_scale`.
+    #[arg(long, help_heading = "Generation", value_name = "FILE")]
+    pub transformer: Option<PathBuf>,
+    /// The second expert's weights (Wan2.2 A14B's transformer_2) from one file, as --transformer.
+    #[arg(long, help_heading = "Generation", value_name = "FILE")]
+    pub transformer_2: Option<PathBuf>,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
     /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
     /// given. Merged into each weight as it loads: no step time.

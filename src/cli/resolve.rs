@@ -85,6 +85,7 @@ impl ResolvedConfig {
                 image: o.image.clone(),
                 line_images: false,
                 loras: [o.lora.clone(), o.lora_2.clone()],
+                transformer_files: [o.transformer.clone(), o.transformer_2.clone()],
                 guidance_scale_2: o.guidance_scale_2,
                 true_cfg_scale: o.true_cfg_scale,
                 decode_timestep: o.decode_timestep,

@@ -94,6 +94,8 @@ pub struct Generation {
     pub line_images: bool,
     /// The LoRAs of the transformer and of the second expert (`transformer_2`), in order.
     pub loras: [Vec<crate::lora::LoraSpec>; 2],
+    /// Single files replacing the weights of the transformer and of `transformer_2`.
+    pub transformer_files: [Option<PathBuf>; 2],
     /// Guidance of the low-noise expert (Wan2.2 A14B).
     pub guidance_scale_2: Option<f64>,
     /// Real CFG scale of a guidance-distilled model (HunyuanVideo).

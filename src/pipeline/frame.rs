@@ -158,8 +158,11 @@ impl Frame {
     /// `component`'s weights, opened with a progress bar, with the LoRAs given for it merged in.
     fn weights(&self, component: usize) -> Result<WeightSet> {
         let ComponentSpec { name, folder, .. } = &self.spec.components[component];
-        let mut weights = WeightSet::open(&component_weights(&self.source, folder)?)
-            .with_context(|| self.what(component))?;
+        let files = match transformer_file(&self.config, folder) {
+            Some(file) => crate::weights::Weights::Files(vec![file.to_path_buf()]),
+            None => component_weights(&self.source, folder)?,
+        };
+        let mut weights = WeightSet::open(&files).with_context(|| self.what(component))?;
         if let Some(specs) = lora_specs(&self.config, folder) {
             weights = weights.with_loras(Arc::new(crate::lora::Loras::open(specs)?));
         }
@@ -332,4 +335,17 @@ pub(crate) fn lora_specs<'a>(
         _ => return None,
     };
     (!specs.is_empty()).then_some(specs.as_slice())
+}
+
+/// The single file given for the component in `folder` (`--transformer`, `--transformer-2`).
+pub(crate) fn transformer_file<'a>(
+    config: &'a ResolvedConfig,
+    folder: &str,
+) -> Option<&'a std::path::Path> {
+    let [first, second] = &config.generation().transformer_files;
+    match folder {
+        "transformer" => first.as_deref(),
+        "transformer_2" => second.as_deref(),
+        _ => None,
+    }
 }

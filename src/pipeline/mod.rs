@@ -144,7 +144,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                     return Err(UsageError::new(why).into());
                 }
                 check_shards(family.as_ref(), &config, &source)?;
-                check_loras(family.as_ref(), &config, &source)?;
+                check_weight_files(family.as_ref(), &config, &source)?;
                 fit_to_free(family.as_ref(), config)?
             }
             // A family not known: Wan's rules.
@@ -186,7 +186,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 return Err(UsageError::new(why).into());
             }
             check_shards(family.as_ref(), &config, &source)?;
-            check_loras(family.as_ref(), &config, &source)?;
+            check_weight_files(family.as_ref(), &config, &source)?;
             fit_to_free(family.as_ref(), config)?
         }
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -359,11 +359,11 @@ fn check_shards(
     Ok(())
 }
 
-/// Reads every LoRA file given and checks it against the weights of the transformer it is for
-/// (where the model has weight files): a key of no layout, a missing half, a layer the model
-/// does not have or a shape that does not fit is bad input naming the file, before anything
-/// loads.
-fn check_loras(
+/// Opens every `--transformer` file given and reads every LoRA file, checking each LoRA against
+/// the weights of the transformer it is for (where the model has weight files): a file that is
+/// not safetensors, a LoRA key of no layout, a missing half, a layer the model does not have or
+/// a shape that does not fit is bad input naming the file, before anything loads.
+fn check_weight_files(
     family: &dyn Family,
     config: &ResolvedConfig,
     source: &ModelSource,
@@ -371,17 +371,36 @@ fn check_loras(
     let spec = family.spec(&RunShape::of(config));
     let bad = |e: anyhow::Error| UsageError::new(format!("{e:#}"));
     for component in &spec.components {
+        let file = frame::transformer_file(config, component.folder);
+        let files = match file {
+            Some(file) => {
+                if !file.is_file() {
+                    return Err(UsageError::new(format!(
+                        "--transformer {}: no such file; pass a .safetensors file of the transformer's weights",
+                        file.display()
+                    )));
+                }
+                Some(crate::weights::Weights::Files(vec![file.to_path_buf()]))
+            }
+            None => crate::models::source::component_weights(source, component.folder)
+                .ok()
+                .filter(|w| matches!(w, crate::weights::Weights::Files(_))),
+        };
+        let weights = match (&files, file) {
+            (Some(files), Some(file)) => Some(
+                crate::weights::WeightSet::open(files)
+                    .map_err(|e| bad(e.context(format!("--transformer {}", file.display()))))?,
+            ),
+            (Some(files), None) => crate::weights::WeightSet::open(files).ok(),
+            (None, _) => None,
+        };
         let Some(specs) = frame::lora_specs(config, component.folder) else {
             continue;
         };
         let loras = crate::lora::Loras::open(specs).map_err(bad)?;
-        let weights = crate::models::source::component_weights(source, component.folder);
-        if let Ok(crate::weights::Weights::Files(files)) = weights {
-            // SAFETY: mapped read-only, for the headers.
-            let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
-                .map_err(|e| bad(e.into()))?;
+        if let Some(weights) = weights {
             loras
-                .check(|name| st.get(name).ok().map(|v| v.shape().to_vec()))
+                .check(|name| weights.stored_shape(name))
                 .map_err(bad)?;
         }
     }

@@ -75,11 +75,12 @@ pub enum FamilyOption {
     VaeTiling,
     Lora,
     Lora2,
+    Transformer2,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 12] = [
+    pub const ALL: [FamilyOption; 13] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -92,6 +93,7 @@ impl FamilyOption {
         FamilyOption::VaeTiling,
         FamilyOption::Lora,
         FamilyOption::Lora2,
+        FamilyOption::Transformer2,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -116,6 +118,7 @@ impl FamilyOption {
             FamilyOption::VaeTiling => "--vae-tiling",
             FamilyOption::Lora => "--lora",
             FamilyOption::Lora2 => "--lora-2",
+            FamilyOption::Transformer2 => "--transformer-2",
         }
     }
 
@@ -146,7 +149,7 @@ impl FamilyOption {
             }
             FamilyOption::VaeTiling => "this model's VAE decodes without spatial tiles",
             FamilyOption::Lora => "vidgen reads LoRAs for the Wan family's transformers so far",
-            FamilyOption::Lora2 => {
+            FamilyOption::Lora2 | FamilyOption::Transformer2 => {
                 "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
             }
         }
@@ -169,6 +172,7 @@ impl FamilyOption {
             FamilyOption::VaeTiling => given("vae_tiling") && config.memory().vae_tiling,
             FamilyOption::Lora => !g.loras[0].is_empty(),
             FamilyOption::Lora2 => !g.loras[1].is_empty(),
+            FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
         }
     }
 }

@@ -104,7 +104,11 @@ impl Family for WanConfigs {
             options.push(FamilyOption::Image);
         }
         if self.transformer_2.is_some() {
-            options.extend([FamilyOption::GuidanceScale2, FamilyOption::Lora2]);
+            options.extend([
+                FamilyOption::GuidanceScale2,
+                FamilyOption::Lora2,
+                FamilyOption::Transformer2,
+            ]);
         }
         options
     }
