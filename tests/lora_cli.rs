@@ -6,26 +6,13 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, usage_error};
+use common::{
+    assert_close, generate_frames, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir,
+    usage_error,
+};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 const FIXTURE: &str = "ecosystem-a";
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vidgen-lora-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn vidgen(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
-}
 
 /// The fixture's LoRA runs: (name, arguments with the LoRA paths made absolute, reference
 /// tensor name).
@@ -68,41 +55,14 @@ fn draws(dir: &Path, refs: &std::collections::HashMap<String, Tensor>) -> PathBu
 /// `vidgen generate` on the tiny Wan2.1 checkpoint with the case's arguments; the frames.
 fn generate(dir: &Path, draws: &Path, case_args: &[String]) -> Result<Tensor, String> {
     let model = named_fixture_dir("wan-tiny-a");
-    let mut args: Vec<String> = ["generate", "--model", model.to_str().unwrap()]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut args = vec!["--model".to_string(), model.to_str().unwrap().to_string()];
     args.extend_from_slice(case_args);
-    for a in [
-        "--latents",
-        draws.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--dtype",
-        "f32",
-        "--output-type",
-        "safetensors",
-        "--output-path",
-        dir.to_str().unwrap(),
-        "--output-video-name",
-        "v",
-        "--overwrite",
-    ] {
-        args.push(a.to_string());
-    }
-    let out = vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    if !out.status.success() {
-        return Err(stderr);
-    }
-    let written = dir.join("v.safetensors");
-    let frames = candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone();
-    Ok(frames)
+    generate_frames(&args, draws, dir)
 }
 
 #[test]
 fn loras_in_every_layout_reproduce_diffusers() {
-    let dir = scratch("parity");
+    let dir = scratch_dir("lora", "parity");
     let refs = candle_core::safetensors::load(
         named_fixture_dir(FIXTURE).join("lora.safetensors"),
         &Device::Cpu,
@@ -134,11 +94,11 @@ fn loras_in_every_layout_reproduce_diffusers() {
 
 #[test]
 fn bad_lora_input_is_refused_before_anything_loads() {
-    let dir = scratch("bad");
+    let dir = scratch_dir("lora", "bad");
     let lora_dir = named_fixture_dir(FIXTURE).join("lora");
     let model = named_fixture_dir("wan-tiny-a");
     let run_with = |model: &Path, flag: &str, lora: &str| {
-        vidgen(
+        run_vidgen(
             &[
                 "generate",
                 "--model",

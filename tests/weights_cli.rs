@@ -6,26 +6,13 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, usage_error};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use common::{
+    assert_close, generate_frames, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir,
+    usage_error,
+};
+use std::path::Path;
 
 const FIXTURE: &str = "weights-a";
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vidgen-weights-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn vidgen(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
-}
 
 /// `vidgen generate` of the fixture's call on `wan-tiny-a` with `flags`, replaying `draws`.
 fn generate(dir: &Path, draws: &Path, flags: &[String]) -> Result<Tensor, String> {
@@ -37,7 +24,6 @@ fn generate(dir: &Path, draws: &Path, flags: &[String]) -> Result<Tensor, String
     let text = |k: &str| call[k].as_str().unwrap().to_string();
     let number = |k: &str| call[k].to_string();
     let mut args: Vec<String> = vec![
-        "generate".into(),
         "--model".into(),
         named_fixture_dir("wan-tiny-a").to_str().unwrap().into(),
         "--prompt".into(),
@@ -56,34 +42,12 @@ fn generate(dir: &Path, draws: &Path, flags: &[String]) -> Result<Tensor, String
         args.extend([flag.to_string(), number(key)]);
     }
     args.extend_from_slice(flags);
-    for a in [
-        "--latents",
-        draws.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--dtype",
-        "f32",
-        "--output-type",
-        "safetensors",
-        "--output-path",
-        dir.to_str().unwrap(),
-        "--output-video-name",
-        "v",
-        "--overwrite",
-    ] {
-        args.push(a.to_string());
-    }
-    let out = vidgen(&args);
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).to_string());
-    }
-    let written = dir.join("v.safetensors");
-    Ok(candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone())
+    generate_frames(&args, draws, dir)
 }
 
 #[test]
 fn single_file_transformers_reproduce_diffusers() {
-    let dir = scratch("parity");
+    let dir = scratch_dir("weights", "parity");
     let fixture = named_fixture_dir(FIXTURE);
     let refs = candle_core::safetensors::load(
         fixture.join("reference/wan-tiny-a.safetensors"),
@@ -141,7 +105,7 @@ fn single_file_transformers_reproduce_diffusers() {
 
 #[test]
 fn a_missing_transformer_file_is_refused_before_anything_loads() {
-    let dir = scratch("missing");
+    let dir = scratch_dir("weights", "missing");
     let args = [
         "generate",
         "--model",
@@ -156,6 +120,6 @@ fn a_missing_transformer_file_is_refused_before_anything_loads() {
         "/nonexistent/wan.safetensors",
     ]
     .map(String::from);
-    let line = usage_error(&vidgen(&args), "missing file");
+    let line = usage_error(&run_vidgen(&args), "missing file");
     assert!(line.contains("/nonexistent/wan.safetensors"), "{line}");
 }

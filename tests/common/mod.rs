@@ -120,3 +120,51 @@ pub fn usage_error(out: &std::process::Output, what: &str) -> String {
     assert_eq!(stderr.trim_end().lines().count(), 1, "{what}: {stderr}");
     stderr
 }
+
+/// Runs `vidgen generate ARGS --latents DRAWS` on the CPU in f32, writing safetensors into
+/// `dir`: the frames written, or stderr where the run failed.
+pub fn generate_frames(
+    args: &[String],
+    draws: &std::path::Path,
+    dir: &std::path::Path,
+) -> Result<Tensor, String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .arg("generate")
+        .args(args)
+        .args(["--latents".as_ref(), draws.as_os_str()])
+        .args([
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--output-type",
+            "safetensors",
+        ])
+        .args(["--output-path".as_ref(), dir.as_os_str()])
+        .args(["--output-video-name", "v", "--overwrite"])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).to_string());
+    }
+    let written = dir.join("v.safetensors");
+    Ok(candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone())
+}
+
+/// A fresh scratch folder for test `name` of `suite`, unique to this process.
+pub fn scratch_dir(suite: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vidgen-{suite}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the vidgen binary with `args` (no network).
+pub fn run_vidgen(args: &[String]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
