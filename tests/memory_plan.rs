@@ -870,6 +870,11 @@ fn the_dry_run_reports_the_predicted_peak_of_every_stage() {
         Value::Null,
         "the CPU has no device limit"
     );
+    // The host's budget: what Linux says is available (bounded by the cgroup limit).
+    let host = json["host_available_bytes"]
+        .as_u64()
+        .expect("a Linux host's MemAvailable");
+    assert!(host > 0);
 
     let text = dry_run(&args, &hf_home);
     for want in &expected.stages {

@@ -1112,6 +1112,8 @@ impl<'a> DryRun<'a> {
     fn json(&self) -> serde_json::Value {
         let config = self.config;
         let mut out = config.to_json();
+        // The host's budget (it changes from moment to moment: beside the plan, not in it).
+        out["host_available_bytes"] = json!(crate::memory::probe::host_available());
         out["load_policy"] = json!(load_policy(config));
         out["batch_order"] = json!(batch_order(config));
         let source = self.source.to_string();
@@ -1219,6 +1221,9 @@ impl<'a> DryRun<'a> {
             d.name,
             json!(d.memory_model).as_str().unwrap_or("?")
         );
+        if let Some(host) = crate::memory::probe::host_available() {
+            out += &format!("host         {:.2} GiB available\n", gib(host));
+        }
         out += &format!("dtype        {}", config.dtype().as_str());
         if let Ok(described) = &self.described {
             let kept: Vec<String> = described
