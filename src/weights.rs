@@ -214,6 +214,22 @@ impl WeightSet {
         VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
     }
 
+    /// The names of every stored tensor (none for synthetic weights).
+    pub fn names(&self) -> Vec<String> {
+        match &self.source {
+            Source::Mapped(st, _) => st.tensors().into_iter().map(|(n, _)| n).collect(),
+            Source::Synthetic(_) => Vec::new(),
+        }
+    }
+
+    /// How the files name the weights, and the stored key of weight `name`.
+    pub fn stored_key(&self, name: &str) -> (KeyLayout, String) {
+        match &self.source {
+            Source::Mapped(_, keys) => (*keys, keys.stored(name).into_owned()),
+            Source::Synthetic(_) => (KeyLayout::Diffusers, name.to_string()),
+        }
+    }
+
     /// The stored shape of weight `name` (`None` where it is not stored, or for synthetic
     /// weights).
     pub fn stored_shape(&self, name: &str) -> Option<Vec<usize>> {

@@ -122,4 +122,20 @@ fn a_missing_transformer_file_is_refused_before_anything_loads() {
     .map(String::from);
     let line = usage_error(&run_vidgen(&args), "missing file");
     assert!(line.contains("/nonexistent/wan.safetensors"), "{line}");
+    // A file without one of the transformer's tensors, named in the file's own layout.
+    let original = named_fixture_dir(FIXTURE).join("wan-tiny-a-original.safetensors");
+    let tensors = candle_core::safetensors::load(&original, &Device::Cpu).unwrap();
+    let partial: std::collections::HashMap<_, _> = tensors
+        .into_iter()
+        .filter(|(k, _)| k != "blocks.1.cross_attn.o.weight")
+        .collect();
+    let path = dir.join("partial.safetensors");
+    candle_core::safetensors::save(&partial, &path).unwrap();
+    let mut args = args;
+    args[args.len() - 1] = path.to_str().unwrap().to_string();
+    let line = usage_error(&run_vidgen(&args), "missing tensor");
+    assert!(
+        line.contains("has no blocks.1.cross_attn.o.weight") && line.contains("Original layout"),
+        "{line}"
+    );
 }

@@ -387,10 +387,12 @@ fn check_weight_files(
                 .filter(|w| matches!(w, crate::weights::Weights::Files(_))),
         };
         let weights = match (&files, file) {
-            (Some(files), Some(file)) => Some(
-                crate::weights::WeightSet::open(files)
-                    .map_err(|e| bad(e.context(format!("--transformer {}", file.display()))))?,
-            ),
+            (Some(files), Some(file)) => {
+                let weights = crate::weights::WeightSet::open(files)
+                    .map_err(|e| bad(e.context(format!("--transformer {}", file.display()))))?;
+                check_single_file(&weights, file, source, component.folder)?;
+                Some(weights)
+            }
             (Some(files), None) => crate::weights::WeightSet::open(files).ok(),
             (None, _) => None,
         };
@@ -402,6 +404,41 @@ fn check_weight_files(
             loras
                 .check(|name| weights.stored_shape(name))
                 .map_err(bad)?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks a `--transformer` file against the model folder's own transformer weights, where the
+/// folder has them: every tensor there must be in the file (under the file's layout) with the
+/// same shape, else bad input naming the first one missing or misshapen.
+fn check_single_file(
+    weights: &crate::weights::WeightSet,
+    file: &Path,
+    source: &ModelSource,
+    folder: &str,
+) -> Result<(), UsageError> {
+    let Ok(crate::weights::Weights::Files(own)) =
+        crate::models::source::component_weights(source, folder)
+    else {
+        return Ok(());
+    };
+    let Ok(own) = crate::weights::WeightSet::open(&crate::weights::Weights::Files(own)) else {
+        return Ok(());
+    };
+    for name in own.names() {
+        let want = own.stored_shape(&name);
+        let got = weights.stored_shape(&name);
+        if got != want {
+            let (layout, key) = weights.stored_key(&name);
+            let what = match got {
+                None => format!("has no {key}"),
+                Some(got) => format!("holds {key} as {got:?}, the model's {name} is {want:?}"),
+            };
+            return Err(UsageError::new(format!(
+                "--transformer {} ({layout:?} layout) {what}: pass the whole transformer of this model",
+                file.display()
+            )));
         }
     }
     Ok(())
