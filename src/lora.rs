@@ -332,14 +332,21 @@ fn key_of(key: &str, layout: Layout, part: Part) -> String {
 /// The PEFT scaling alpha of each module of a diffusers file with `lora_adapter_metadata`
 /// (`lora_alpha`, `alpha_pattern`); `None` for a file without it (alpha folded: scale 1).
 fn peft_alphas(path: &Path) -> Result<impl Fn(&str) -> Option<f64>> {
-    let bytes = std::fs::read(path)?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
-        .with_context(|| format!("--lora {}: reading its header", path.display()))?;
-    let config = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("lora_adapter_metadata"))
-        .map(|text| serde_json::from_str::<serde_json::Value>(text))
+    // The header alone (8 bytes of length, then JSON), not the whole file again.
+    let header = || -> std::io::Result<serde_json::Value> {
+        use std::io::Read;
+        let mut file = std::fs::File::open(path)?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len)?;
+        let mut json = Vec::new();
+        file.take(u64::from_le_bytes(len)).read_to_end(&mut json)?;
+        Ok(serde_json::from_slice(&json)?)
+    };
+    let header =
+        header().with_context(|| format!("--lora {}: reading its header", path.display()))?;
+    let config = header["__metadata__"]["lora_adapter_metadata"]
+        .as_str()
+        .map(serde_json::from_str::<serde_json::Value>)
         .transpose()
         .with_context(|| {
             format!(
