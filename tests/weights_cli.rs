@@ -1,7 +1,9 @@
 //! Transformer weights from one file (`--transformer FILE`) through the command line, driven by
 //! `weights-a/reference/README.json`: the original Wan-AI and ComfyUI layouts in float32 (the
-//! folder's frames, bit for bit), float16, ComfyUI scaled fp8 and LightX2V fp8 with per-row
-//! scales, each within 1e-4 + 1e-4|ref| of diffusers' frames. A missing file is refused up front.
+//! folder's frames, bit for bit), float16, ComfyUI scaled fp8, LightX2V fp8 with per-row scales
+//! and city96-style GGUF files (Q8_0, Q4_0 + Q4_1, Q4_K + Q6_K), each within 1e-4 + 1e-4|ref|
+//! of diffusers' frames. A missing file, a GGUF of another model and a quantization vidgen does
+//! not decode are refused up front.
 
 mod common;
 
@@ -14,8 +16,8 @@ use std::path::Path;
 
 const FIXTURE: &str = "weights-a";
 
-/// `vidgen generate` of the fixture's call on `wan-tiny-a` with `flags`, replaying `draws`.
-fn generate(dir: &Path, draws: &Path, flags: &[String]) -> Result<Tensor, String> {
+/// `vidgen generate` of the fixture's call on `model` with `flags`, replaying `draws`.
+fn generate(model: &str, dir: &Path, draws: &Path, flags: &[String]) -> Result<Tensor, String> {
     let readme: serde_json::Value = serde_json::from_slice(
         &std::fs::read(named_fixture_dir(FIXTURE).join("reference/README.json")).unwrap(),
     )
@@ -25,7 +27,7 @@ fn generate(dir: &Path, draws: &Path, flags: &[String]) -> Result<Tensor, String
     let number = |k: &str| call[k].to_string();
     let mut args: Vec<String> = vec![
         "--model".into(),
-        named_fixture_dir("wan-tiny-a").to_str().unwrap().into(),
+        named_fixture_dir(model).to_str().unwrap().into(),
         "--prompt".into(),
         text("prompt"),
         "--negative-prompt".into(),
@@ -58,7 +60,7 @@ fn single_file_transformers_reproduce_diffusers() {
     let latents =
         std::collections::HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
     candle_core::safetensors::save(&latents, &draws).unwrap();
-    let folder = generate(&dir, &draws, &[]).unwrap();
+    let folder = generate("wan-tiny-a", &dir, &draws, &[]).unwrap();
     assert_close(
         "folder",
         &folder,
@@ -86,7 +88,8 @@ fn single_file_transformers_reproduce_diffusers() {
             "--transformer".to_string(),
             fixture.join(file).to_str().unwrap().to_string(),
         ];
-        let got = generate(&dir, &draws, &flags).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let got =
+            generate("wan-tiny-a", &dir, &draws, &flags).unwrap_or_else(|e| panic!("{file}: {e}"));
         match frames {
             // The float32 single files hold the folder's weights under other names.
             None => assert_eq!(max_abs_diff(&got, &folder), 0.0, "{file}"),
@@ -136,6 +139,138 @@ fn a_missing_transformer_file_is_refused_before_anything_loads() {
     let line = usage_error(&run_vidgen(&args), "missing tensor");
     assert!(
         line.contains("has no blocks.1.cross_attn.o.weight") && line.contains("Original layout"),
+        "{line}"
+    );
+}
+
+/// The README's cases on `wan-q-tiny-a`: its folder, then each GGUF file as `--transformer`.
+#[test]
+fn gguf_transformers_reproduce_diffusers() {
+    let dir = scratch_dir("weights", "gguf");
+    let fixture = named_fixture_dir(FIXTURE);
+    let readme: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("reference/README.json")).unwrap())
+            .unwrap();
+    let refs = candle_core::safetensors::load(
+        fixture.join("reference/wan-q-tiny-a.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let draws = dir.join("draws.safetensors");
+    let latents =
+        std::collections::HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
+    candle_core::safetensors::save(&latents, &draws).unwrap();
+    let cases: Vec<&serde_json::Value> = readme["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["model"] == "wan-q-tiny-a")
+        .collect();
+    assert!(cases.len() >= 4, "the folder and three GGUF files");
+    let mut folder = None;
+    for case in cases {
+        let name = case["case"].as_str().unwrap();
+        let flags: Vec<String> = case["flags"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap())
+            .map(|f| match f.ends_with(".gguf") {
+                true => fixture.join(f).to_str().unwrap().to_string(),
+                false => f.to_string(),
+            })
+            .collect();
+        let got = generate("wan-q-tiny-a", &dir, &draws, &flags)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let expected = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
+        eprintln!("{name}: max |diff| {:.3e}", max_abs_diff(&got, &expected));
+        assert_close(name, &got, &expected, 1e-4, 1e-4);
+        match &folder {
+            None => folder = Some(got),
+            Some(folder) => assert!(
+                max_abs_diff(&got, folder) > 1e-3,
+                "{name}: the folder's frames"
+            ),
+        }
+    }
+}
+
+/// A GGUF file holding `tensors` (name, ggml type id, dimensions slowest first, bytes) under
+/// `general.architecture = architecture`.
+fn write_gguf(path: &Path, architecture: &str, tensors: &[(&str, u32, Vec<u64>, Vec<u8>)]) {
+    let mut out: Vec<u8> = b"GGUF".to_vec();
+    let string = |out: &mut Vec<u8>, s: &str| {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    };
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend(1u64.to_le_bytes());
+    string(&mut out, "general.architecture");
+    out.extend(8u32.to_le_bytes());
+    string(&mut out, architecture);
+    let mut offset = 0u64;
+    for (name, kind, dims, bytes) in tensors {
+        string(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        for d in dims.iter().rev() {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(kind.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offset += (bytes.len() as u64).div_ceil(32) * 32;
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    for (_, _, _, bytes) in tensors {
+        out.extend(bytes);
+        out.resize(out.len().div_ceil(32) * 32, 0);
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+#[test]
+fn a_gguf_of_another_model_or_an_unknown_quantization_is_refused_before_anything_loads() {
+    let dir = scratch_dir("weights", "gguf-bad");
+    let run = |file: &Path| {
+        let args = [
+            "generate",
+            "--model",
+            named_fixture_dir("wan-q-tiny-a").to_str().unwrap(),
+            "--prompt",
+            "a cat",
+            "--device",
+            "cpu",
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--transformer",
+            file.to_str().unwrap(),
+        ]
+        .map(String::from);
+        run_vidgen(&args)
+    };
+    let other = dir.join("flux.gguf");
+    write_gguf(
+        &other,
+        "flux",
+        &[("img_in.weight", 0, vec![2, 2], vec![0; 16])],
+    );
+    let line = usage_error(&run(&other), "another architecture");
+    assert!(
+        line.contains("flux.gguf")
+            && line.contains("GGUF, architecture \"flux\"")
+            && line.contains("has no "),
+        "{line}"
+    );
+    // IQ4_XS (type 23): 136 bytes per 256 weights.
+    let unknown = dir.join("iq4.gguf");
+    write_gguf(
+        &unknown,
+        "wan",
+        &[("head.head.weight", 23, vec![1, 256], vec![0; 136])],
+    );
+    let line = usage_error(&run(&unknown), "unknown quantization");
+    assert!(
+        line.contains("iq4.gguf") && line.contains("head.head.weight is stored as IQ4_XS"),
         "{line}"
     );
 }

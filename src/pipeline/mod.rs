@@ -376,7 +376,7 @@ fn check_weight_files(
             Some(file) => {
                 if !file.is_file() {
                     return Err(UsageError::new(format!(
-                        "--transformer {}: no such file; pass a .safetensors file of the transformer's weights",
+                        "--transformer {}: no such file; pass a .safetensors or .gguf file of the transformer's weights",
                         file.display()
                     )));
                 }
@@ -436,8 +436,9 @@ fn check_single_file(
                 Some(got) => format!("holds {key} as {got:?}, the model's {name} is {want:?}"),
             };
             return Err(UsageError::new(format!(
-                "--transformer {} ({layout:?} layout) {what}: pass the whole transformer of this model",
-                file.display()
+                "--transformer {} ({}, {layout:?} layout) {what}: pass the whole transformer of this model",
+                file.display(),
+                weights.format()
             )));
         }
     }

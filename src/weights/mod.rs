@@ -1,6 +1,6 @@
-//! Weight I/O, below models and the offload engine: safetensors (single or sharded, memory
-//! mapped, checked and converted to the run dtype at load) or seeded random weights for
-//! synthetic models. Models see only a `VarBuilder`; where the files are is `models::source`'s.
+//! Weight I/O, below models and the offload engine: safetensors (single or sharded) or one GGUF
+//! file, memory mapped, checked and converted to the run dtype at load, or seeded random weights
+//! for synthetic models. Models see only a `VarBuilder`; where the files are is `models::source`'s.
 
 use anyhow::{Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
@@ -12,10 +12,12 @@ use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub mod gguf;
+
 /// Where a component's weights come from.
 #[derive(Clone, Debug)]
 pub enum Weights {
-    /// safetensors files (all shards of the component).
+    /// safetensors files (all shards of the component), or one GGUF file.
     Files(Vec<PathBuf>),
     /// Seeded random weights shaped by the model's own requests.
     Synthetic { seed: u64 },
@@ -38,8 +40,69 @@ pub struct WeightSet {
 #[derive(Clone)]
 enum Source {
     /// Memory-mapped files, their keys in `KeyLayout`.
-    Mapped(Arc<MmapedSafetensors>, KeyLayout),
+    Mapped(Arc<Files>, KeyLayout),
     Synthetic(SyntheticWeights),
+}
+
+/// Memory-mapped weight files.
+enum Files {
+    Safetensors(MmapedSafetensors),
+    Gguf(gguf::Gguf),
+}
+
+/// A stored tensor as its file holds it.
+struct View<'a> {
+    /// Its dtype where its bytes are its values in a dtype vidgen converts; `None` for a GGUF
+    /// block quantization (or another dtype), made by [`Files::load`].
+    dtype: Option<DType>,
+    shape: Vec<usize>,
+    data: &'a [u8],
+}
+
+impl Files {
+    fn names(&self) -> Vec<String> {
+        match self {
+            Files::Safetensors(st) => st.tensors().into_iter().map(|(n, _)| n).collect(),
+            Files::Gguf(g) => g.names().cloned().collect(),
+        }
+    }
+
+    fn view(&self, key: &str) -> Option<View<'_>> {
+        match self {
+            Files::Safetensors(st) => st.get(key).ok().map(|v| View {
+                dtype: DType::try_from(v.dtype()).ok(),
+                shape: v.shape().to_vec(),
+                data: v.data(),
+            }),
+            Files::Gguf(g) => g.tensor(key).map(|t| View {
+                dtype: t.kind.float(),
+                shape: t.shape.clone(),
+                data: g.data(t),
+            }),
+        }
+    }
+
+    /// Tensor `key` on the CPU as stored (a GGUF block quantization decoded to float16, as
+    /// diffusers decodes it).
+    fn load(&self, key: &str) -> candle_core::Result<Tensor> {
+        match self {
+            Files::Safetensors(st) => st.load(key, &Device::Cpu),
+            Files::Gguf(g) => {
+                let t = g
+                    .tensor(key)
+                    .ok_or_else(|| candle_core::Error::CannotFindTensor { path: key.into() })?;
+                match (t.kind.float(), g.dequantize(t)) {
+                    (Some(dtype), _) => {
+                        Tensor::from_raw_buffer(g.data(t), dtype, &t.shape, &Device::Cpu)
+                    }
+                    (None, Some(values)) => {
+                        Tensor::from_vec(values, t.shape.as_slice(), &Device::Cpu)
+                    }
+                    (None, None) => unreachable!("a block quantization decodes"),
+                }
+            }
+        }
+    }
 }
 
 /// How a file names a transformer's weights: diffusers' names, or a single file in the original
@@ -56,8 +119,7 @@ impl KeyLayout {
     /// ComfyUI's prefix of every key.
     const COMFYUI: &'static str = "model.diffusion_model.";
 
-    fn of(st: &MmapedSafetensors) -> Self {
-        let names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).collect();
+    fn of(names: &[String]) -> Self {
         if names
             .iter()
             .any(|n| n == "model.diffusion_model.head.modulation")
@@ -90,15 +152,23 @@ impl WeightSet {
     pub fn open(weights: &Weights) -> Result<Self> {
         let source = match weights {
             Weights::Files(files) => {
-                // SAFETY: the files are memory mapped read-only; vidgen never writes to model files.
-                let st = unsafe { MmapedSafetensors::multi(files) }.with_context(|| {
-                    format!(
-                        "opening {} (truncated or not a safetensors file?)",
-                        describe(files)
-                    )
-                })?;
-                let keys = KeyLayout::of(&st);
-                Source::Mapped(Arc::new(st), keys)
+                let opened = match files.as_slice() {
+                    [file] if gguf::is_gguf(file) => gguf::Gguf::open(file)
+                        .map(Files::Gguf)
+                        .with_context(|| format!("reading GGUF file {}", file.display()))?,
+                    // SAFETY: the files are memory mapped read-only; vidgen never writes to
+                    // model files.
+                    _ => unsafe { MmapedSafetensors::multi(files) }
+                        .map(Files::Safetensors)
+                        .with_context(|| {
+                            format!(
+                                "opening {} (truncated or not a safetensors or GGUF file?)",
+                                describe(files)
+                            )
+                        })?,
+                };
+                let keys = KeyLayout::of(&opened.names());
+                Source::Mapped(Arc::new(opened), keys)
             }
             Weights::Synthetic { seed } => Source::Synthetic(SyntheticWeights { seed: *seed }),
         };
@@ -125,7 +195,7 @@ impl WeightSet {
     /// The stored scale of an fp8 weight `name`: ComfyUI's `<module>.scale_weight` (0-dim) or
     /// LightX2V's `<module>.weight_scale` (one per output row).
     fn fp8_scale(&self, name: &str) -> Option<String> {
-        let Source::Mapped(st, keys) = &self.source else {
+        let Source::Mapped(files, keys) = &self.source else {
             return None;
         };
         let stored = keys.stored(name);
@@ -133,7 +203,7 @@ impl WeightSet {
         ["scale_weight", "weight_scale"]
             .into_iter()
             .map(|s| format!("{module}.{s}"))
-            .find(|s| st.get(s).is_ok())
+            .find(|s| files.view(s).is_some())
     }
 
     /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on the CPU: an fp8
@@ -149,11 +219,11 @@ impl WeightSet {
             return Ok(None);
         }
         let base = match &self.source {
-            Source::Mapped(st, keys) => {
-                let w = st.load(&keys.stored(name), &Device::Cpu)?;
+            Source::Mapped(files, keys) => {
+                let w = files.load(&keys.stored(name))?;
                 match self.fp8_scale(name) {
                     Some(scale) => {
-                        let scale = st.load(&scale, &Device::Cpu)?.to_dtype(DType::F32)?;
+                        let scale = files.load(&scale)?.to_dtype(DType::F32)?;
                         let w = w.to_dtype(DType::F32)?;
                         let scale = match scale.rank() {
                             0 => scale.broadcast_as(w.shape())?,
@@ -182,10 +252,12 @@ impl WeightSet {
     /// Bytes of every stored tensor (`None` for synthetic weights, which have no files).
     pub fn stored_bytes(&self) -> Option<u64> {
         match &self.source {
-            Source::Mapped(st, _) => Some(
-                st.tensors()
+            Source::Mapped(files, _) => Some(
+                files
+                    .names()
                     .iter()
-                    .map(|(_, v)| v.data().len() as u64)
+                    .filter_map(|n| files.view(n))
+                    .map(|v| v.data.len() as u64)
                     .sum(),
             ),
             Source::Synthetic(_) => None,
@@ -203,7 +275,7 @@ impl WeightSet {
     /// Reports `name` as read: its stored size in a file, else the size made.
     fn report_read(&self, name: &str, made: &Tensor) {
         let bytes = match &self.source {
-            Source::Mapped(st, keys) => st.get(&keys.stored(name)).map_or(0, |v| v.data().len()),
+            Source::Mapped(..) => self.view(name).map_or(0, |v| v.data.len()),
             Source::Synthetic(_) => made.elem_count() * made.dtype().size_in_bytes(),
         };
         self.report(bytes);
@@ -217,7 +289,7 @@ impl WeightSet {
     /// The names of every stored tensor (none for synthetic weights).
     pub fn names(&self) -> Vec<String> {
         match &self.source {
-            Source::Mapped(st, _) => st.tensors().into_iter().map(|(n, _)| n).collect(),
+            Source::Mapped(files, _) => files.names(),
             Source::Synthetic(_) => Vec::new(),
         }
     }
@@ -233,16 +305,41 @@ impl WeightSet {
     /// The stored shape of weight `name` (`None` where it is not stored, or for synthetic
     /// weights).
     pub fn stored_shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.view(name).map(|v| v.shape)
+    }
+
+    /// What kind of file the weights are in, for messages: "safetensors", or GGUF with the
+    /// architecture it declares.
+    pub fn format(&self) -> String {
         match &self.source {
-            Source::Mapped(st, keys) => st.get(&keys.stored(name)).ok().map(|v| v.shape().to_vec()),
+            Source::Mapped(files, _) => match files.as_ref() {
+                Files::Safetensors(_) => "safetensors".into(),
+                Files::Gguf(g) => match &g.architecture {
+                    Some(a) => format!("GGUF, architecture \"{a}\""),
+                    None => "GGUF".into(),
+                },
+            },
+            Source::Synthetic(_) => "synthetic".into(),
+        }
+    }
+
+    /// Stored tensor `name` as its file holds it (`None` where it is not stored, or for
+    /// synthetic weights).
+    fn view(&self, name: &str) -> Option<View<'_>> {
+        match &self.source {
+            Source::Mapped(files, keys) => files.view(&keys.stored(name)),
             Source::Synthetic(_) => None,
         }
     }
 
     /// Checks that `name` exists with `shape` (synthetic weights have every shape asked for).
     pub fn check(&self, name: &str, shape: &Shape) -> candle_core::Result<()> {
-        if let Source::Mapped(st, keys) = &self.source {
-            let stored: Shape = st.get(&keys.stored(name))?.shape().into();
+        if let Source::Mapped(..) = &self.source {
+            let stored: Shape = self
+                .view(name)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() })?
+                .shape
+                .into();
             if &stored != shape {
                 Err(candle_core::Error::UnexpectedShape {
                     msg: format!("shape mismatch for {name}"),
@@ -259,13 +356,8 @@ impl WeightSet {
         if self.transforms(name) {
             return None;
         }
-        match &self.source {
-            Source::Mapped(st, keys) => {
-                let view = st.get(&keys.stored(name)).ok()?;
-                (DType::try_from(view.dtype()).ok()? == dtype).then(|| view.data())
-            }
-            Source::Synthetic(_) => None,
-        }
+        let view = self.view(name)?;
+        (view.dtype? == dtype).then_some(view.data)
     }
 
     /// The dtype tensor `name`'s bytes go to a device in when a model wants it as `dtype`: as
@@ -276,14 +368,7 @@ impl WeightSet {
         if self.transforms(name) {
             return dtype;
         }
-        let stored = match &self.source {
-            Source::Mapped(st, keys) => st
-                .get(&keys.stored(name))
-                .ok()
-                .and_then(|view| DType::try_from(view.dtype()).ok()),
-            Source::Synthetic(_) => None,
-        };
-        match stored {
+        match self.view(name).and_then(|v| v.dtype) {
             Some(stored) if BYTE_DTYPES.contains(&stored) => stored,
             _ => dtype,
         }
@@ -339,17 +424,17 @@ impl WeightSet {
             self.report(bytes.len());
             return Ok(());
         }
-        if let Source::Mapped(st, keys) = &self.source {
-            if let Ok(view) = st.get(&keys.stored(name)) {
-                let from = DType::try_from(view.dtype()).ok();
-                if from.is_some_and(|from| convert_into(view.data(), from, dtype, dst)) {
-                    self.report(view.data().len());
-                    return Ok(());
-                }
+        if let Some(view) = self.view(name) {
+            if view
+                .dtype
+                .is_some_and(|from| convert_into(view.data, from, dtype, dst))
+            {
+                self.report(view.data.len());
+                return Ok(());
             }
         }
         let tensor = match &self.source {
-            Source::Mapped(st, keys) => st.load(&keys.stored(name), &Device::Cpu)?,
+            Source::Mapped(files, keys) => files.load(&keys.stored(name))?,
             Source::Synthetic(s) => {
                 if s.write(shape, name, dtype, dst) {
                     self.report(dst.len());
@@ -423,9 +508,14 @@ impl SimpleBackend for WeightSet {
                 // A dtype the parallel read does not write: candle's loading.
                 return self.get_unchecked(name, dtype, dev);
             }
-            Source::Mapped(st, keys) => {
-                SimpleBackend::get(st.as_ref(), s, &keys.stored(name), h, dtype, dev)?
-            }
+            Source::Mapped(files, keys) => match files.as_ref() {
+                Files::Safetensors(st) => {
+                    SimpleBackend::get(st, s, &keys.stored(name), h, dtype, dev)?
+                }
+                Files::Gguf(_) => {
+                    return self.get(s, name, h, dtype, &Device::Cpu)?.to_device(dev);
+                }
+            },
             Source::Synthetic(g) => g.get(s, name, h, dtype, dev)?,
         };
         self.report_read(name, &t);
@@ -434,14 +524,26 @@ impl SimpleBackend for WeightSet {
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         let t = match &self.source {
-            Source::Mapped(st, keys) => {
-                if self.transforms(name) {
-                    let shape = st.get(&keys.stored(name))?.shape().into();
-                    if let Some(made) = self.transformed(name, &shape, dtype)? {
-                        return made.to_device(dev);
+            Source::Mapped(files, keys) => {
+                let shape: Shape = self
+                    .view(name)
+                    .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() })?
+                    .shape
+                    .into();
+                if let Some(made) = self.transformed(name, &shape, dtype)? {
+                    return made.to_device(dev);
+                }
+                match files.as_ref() {
+                    Files::Safetensors(st) => {
+                        SimpleBackend::get_unchecked(st, &keys.stored(name), dtype, dev)?
+                    }
+                    Files::Gguf(_) => {
+                        let h = candle_nn::Init::Const(0.);
+                        return self
+                            .get(shape, name, h, dtype, &Device::Cpu)?
+                            .to_device(dev);
                     }
                 }
-                SimpleBackend::get_unchecked(st.as_ref(), &keys.stored(name), dtype, dev)?
             }
             Source::Synthetic(g) => g.get_unchecked(name, dtype, dev)?,
         };
@@ -451,9 +553,7 @@ impl SimpleBackend for WeightSet {
 
     fn contains_tensor(&self, name: &str) -> bool {
         match &self.source {
-            Source::Mapped(st, keys) => {
-                SimpleBackend::contains_tensor(st.as_ref(), &keys.stored(name))
-            }
+            Source::Mapped(..) => self.view(name).is_some(),
             Source::Synthetic(_) => true,
         }
     }
