@@ -42,6 +42,7 @@ impl Family for TwoExperts {
             role,
             dtype: None,
             deferrable: true,
+            storage_cast_skip: &[],
             constructors,
         };
         let dit = || {

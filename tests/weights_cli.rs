@@ -1,8 +1,8 @@
 //! Transformer weights from one file (`--transformer FILE`) through the command line, driven by
 //! `weights-a/reference/README.json`: the original Wan-AI and ComfyUI layouts in float32 (the
 //! folder's frames, bit for bit), float16, ComfyUI scaled fp8, LightX2V fp8 with per-row scales
-//! and city96-style GGUF files (Q8_0, Q4_0 + Q4_1, Q4_K + Q6_K), each within 1e-4 + 1e-4|ref|
-//! of diffusers' frames. A missing file, a GGUF of another model and a quantization vidgen does
+//! and city96-style GGUF files (Q8_0, Q4_0 + Q4_1, Q4_K + Q6_K), and layerwise fp8 storage
+//! (`--storage-dtype`), each within 1e-4 + 1e-4|ref| of diffusers' frames. A missing file, a GGUF of another model and a quantization vidgen does
 //! not decode are refused up front.
 
 mod common;
@@ -48,65 +48,6 @@ fn generate(model: &str, dir: &Path, draws: &Path, flags: &[String]) -> Result<T
 }
 
 #[test]
-fn single_file_transformers_reproduce_diffusers() {
-    let dir = scratch_dir("weights", "parity");
-    let fixture = named_fixture_dir(FIXTURE);
-    let refs = candle_core::safetensors::load(
-        fixture.join("reference/wan-tiny-a.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let draws = dir.join("draws.safetensors");
-    let latents =
-        std::collections::HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
-    candle_core::safetensors::save(&latents, &draws).unwrap();
-    let folder = generate("wan-tiny-a", &dir, &draws, &[]).unwrap();
-    assert_close(
-        "folder",
-        &folder,
-        &refs["folder.frames"].squeeze(0).unwrap(),
-        1e-4,
-        1e-4,
-    );
-    for (file, frames) in [
-        ("wan-tiny-a-original.safetensors", None),
-        ("wan-tiny-a-comfyui.safetensors", None),
-        (
-            "wan-tiny-a-comfyui-float16.safetensors",
-            Some("comfyui_float16.frames"),
-        ),
-        (
-            "wan-tiny-a-comfyui-fp8-scaled.safetensors",
-            Some("comfyui_fp8_scaled.frames"),
-        ),
-        (
-            "wan-tiny-a-fp8-e4m3fn-lightx2v.safetensors",
-            Some("lightx2v_fp8_weight_scale.frames"),
-        ),
-    ] {
-        let flags = [
-            "--transformer".to_string(),
-            fixture.join(file).to_str().unwrap().to_string(),
-        ];
-        let got =
-            generate("wan-tiny-a", &dir, &draws, &flags).unwrap_or_else(|e| panic!("{file}: {e}"));
-        match frames {
-            // The float32 single files hold the folder's weights under other names.
-            None => assert_eq!(max_abs_diff(&got, &folder), 0.0, "{file}"),
-            Some(frames) => {
-                let expected = refs[frames].squeeze(0).unwrap();
-                eprintln!("{file}: max |diff| {:.3e}", max_abs_diff(&got, &expected));
-                assert_close(file, &got, &expected, 1e-4, 1e-4);
-                assert!(
-                    max_abs_diff(&got, &folder) > 1e-3,
-                    "{file}: the folder's frames"
-                );
-            }
-        }
-    }
-}
-
-#[test]
 fn a_missing_transformer_file_is_refused_before_anything_loads() {
     let dir = scratch_dir("weights", "missing");
     let args = [
@@ -143,16 +84,18 @@ fn a_missing_transformer_file_is_refused_before_anything_loads() {
     );
 }
 
-/// The README's cases on `wan-q-tiny-a`: its folder, then each GGUF file as `--transformer`.
-#[test]
-fn gguf_transformers_reproduce_diffusers() {
-    let dir = scratch_dir("weights", "gguf");
+/// Every case of the README on `model` through the command line: its folder first, then each
+/// weight file (`--transformer`) or storage dtype, within 1e-4 + 1e-4|ref| of diffusers' frames,
+/// bit for bit the folder's where the README says the weights are the folder's, and otherwise
+/// away from the folder's frames.
+fn cases_reproduce_diffusers(model: &str) {
+    let dir = scratch_dir("weights", model);
     let fixture = named_fixture_dir(FIXTURE);
     let readme: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixture.join("reference/README.json")).unwrap())
             .unwrap();
     let refs = candle_core::safetensors::load(
-        fixture.join("reference/wan-q-tiny-a.safetensors"),
+        fixture.join(format!("reference/{model}.safetensors")),
         &Device::Cpu,
     )
     .unwrap();
@@ -164,35 +107,50 @@ fn gguf_transformers_reproduce_diffusers() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|c| c["model"] == "wan-q-tiny-a")
+        .filter(|c| c["model"] == model)
         .collect();
-    assert!(cases.len() >= 4, "the folder and three GGUF files");
+    assert_eq!(cases[0]["case"], "folder");
     let mut folder = None;
-    for case in cases {
+    for case in &cases {
         let name = case["case"].as_str().unwrap();
         let flags: Vec<String> = case["flags"]
             .as_array()
             .unwrap()
             .iter()
             .map(|f| f.as_str().unwrap())
-            .map(|f| match f.ends_with(".gguf") {
+            .map(|f| match fixture.join(f).is_file() {
                 true => fixture.join(f).to_str().unwrap().to_string(),
                 false => f.to_string(),
             })
             .collect();
-        let got = generate("wan-q-tiny-a", &dir, &draws, &flags)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got = generate(model, &dir, &draws, &flags).unwrap_or_else(|e| panic!("{name}: {e}"));
         let expected = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
         eprintln!("{name}: max |diff| {:.3e}", max_abs_diff(&got, &expected));
         assert_close(name, &got, &expected, 1e-4, 1e-4);
         match &folder {
             None => folder = Some(got),
+            Some(folder) if case["equals"] == "folder" => {
+                assert_eq!(max_abs_diff(&got, folder), 0.0, "{name}")
+            }
             Some(folder) => assert!(
                 max_abs_diff(&got, folder) > 1e-3,
                 "{name}: the folder's frames"
             ),
         }
     }
+}
+
+/// `wan-tiny-a`: the original Wan-AI and ComfyUI float32 files, float16, ComfyUI scaled fp8,
+/// LightX2V fp8 and `--storage-dtype` float8_e4m3fn / float8_e5m2.
+#[test]
+fn single_files_and_fp8_storage_reproduce_diffusers() {
+    cases_reproduce_diffusers("wan-tiny-a");
+}
+
+/// `wan-q-tiny-a`: the GGUF files.
+#[test]
+fn gguf_transformers_reproduce_diffusers() {
+    cases_reproduce_diffusers("wan-q-tiny-a");
 }
 
 /// A GGUF file holding `tensors` (name, ggml type id, dimensions slowest first, bytes) under

@@ -190,6 +190,11 @@ pub struct GenerateOptions {
     /// The second expert's weights (Wan2.2 A14B's transformer_2) from one file, as --transformer.
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub transformer_2: Option<PathBuf>,
+    /// Store the transformer's Linear weights and biases in fp8 and widen them to the run dtype
+    /// for each forward, as diffusers' `enable_layerwise_casting(storage_dtype=...)`
+    /// (float8_e4m3fn or float8_e5m2; its skip patterns: norms, embeddings, modulation).
+    #[arg(long, help_heading = "Generation", value_name = "DTYPE", value_parser = crate::weights::StorageDtype::parse)]
+    pub storage_dtype: Option<crate::weights::StorageDtype>,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
     /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
     /// given. Merged into each weight as it loads: no step time.

@@ -96,6 +96,8 @@ pub struct Generation {
     pub loras: [Vec<crate::lora::LoraSpec>; 2],
     /// Single files replacing the weights of the transformer and of `transformer_2`.
     pub transformer_files: [Option<PathBuf>; 2],
+    /// The DiTs' Linear weights stored in fp8 (diffusers' layerwise casting).
+    pub storage_dtype: Option<crate::weights::StorageDtype>,
     /// Guidance of the low-noise expert (Wan2.2 A14B).
     pub guidance_scale_2: Option<f64>,
     /// Real CFG scale of a guidance-distilled model (HunyuanVideo).

@@ -166,6 +166,11 @@ impl Frame {
         if let Some(specs) = lora_specs(&self.config, folder) {
             weights = weights.with_loras(Arc::new(crate::lora::Loras::open(specs)?));
         }
+        let spec = &self.spec.components[component];
+        if let (Some(dtype), Role::Dit) = (self.config.generation().storage_dtype, spec.role) {
+            let skip = spec.storage_cast_skip;
+            weights = weights.with_storage_cast(crate::weights::StorageCast { dtype, skip });
+        }
         let total = weights.stored_bytes();
         Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
     }

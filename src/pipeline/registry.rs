@@ -76,11 +76,12 @@ pub enum FamilyOption {
     Lora,
     Lora2,
     Transformer2,
+    StorageDtype,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 13] = [
+    pub const ALL: [FamilyOption; 14] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -94,6 +95,7 @@ impl FamilyOption {
         FamilyOption::Lora,
         FamilyOption::Lora2,
         FamilyOption::Transformer2,
+        FamilyOption::StorageDtype,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -119,6 +121,7 @@ impl FamilyOption {
             FamilyOption::Lora => "--lora",
             FamilyOption::Lora2 => "--lora-2",
             FamilyOption::Transformer2 => "--transformer-2",
+            FamilyOption::StorageDtype => "--storage-dtype",
         }
     }
 
@@ -152,6 +155,9 @@ impl FamilyOption {
             FamilyOption::Lora2 | FamilyOption::Transformer2 => {
                 "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
             }
+            FamilyOption::StorageDtype => {
+                "vidgen stores the Wan family's transformers in fp8 so far"
+            }
         }
     }
 
@@ -173,6 +179,7 @@ impl FamilyOption {
             FamilyOption::Lora => !g.loras[0].is_empty(),
             FamilyOption::Lora2 => !g.loras[1].is_empty(),
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
+            FamilyOption::StorageDtype => g.storage_dtype.is_some(),
         }
     }
 }

@@ -176,6 +176,9 @@ pub struct ComponentSpec {
     /// Safe to load late and free early: it only feeds tensors forward
     /// (FastVideo's `_lazy_module_names`).
     pub deferrable: bool,
+    /// Module paths `--storage-dtype` leaves unrounded beyond diffusers' defaults: the model's
+    /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`.
+    pub storage_cast_skip: &'static [&'static str],
     /// Its constructors, which count and place its weights.
     pub constructors: Arc<dyn Constructors>,
 }
@@ -204,6 +207,7 @@ impl<M: Blockwise> Component<M> {
                 role,
                 dtype: None,
                 deferrable: true,
+                storage_cast_skip: &[],
                 constructors: Arc::new(ModelConstructors::<M>(cfg)),
             },
             model: PhantomData,
@@ -223,6 +227,12 @@ impl<M> Component<M> {
     /// in f32).
     pub fn in_dtype(mut self, dtype: DType) -> Self {
         self.spec.dtype = Some(dtype);
+        self
+    }
+
+    /// `--storage-dtype` also leaves the modules matching `patterns` unrounded.
+    pub fn storage_cast_skipping(mut self, patterns: &'static [&'static str]) -> Self {
+        self.spec.storage_cast_skip = patterns;
         self
     }
 }

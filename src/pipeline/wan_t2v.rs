@@ -99,6 +99,7 @@ impl Family for WanConfigs {
             FamilyOption::FlowShift,
             FamilyOption::VaeTiling,
             FamilyOption::Lora,
+            FamilyOption::StorageDtype,
         ]);
         if self.image_input() != ImageInput::None {
             options.push(FamilyOption::Image);
@@ -348,11 +349,15 @@ impl WanConfigs {
                     .in_dtype(DType::F32),
             )
         });
-        let transformer = spec.add_model("transformer", Role::Dit, &self.transformer);
+        let dit = |name, cfg: &WanTransformerConfig| {
+            Component::new(name, Role::Dit, cfg.clone())
+                .storage_cast_skipping(crate::models::wan::transformer::LAYERWISE_CASTING_SKIP)
+        };
+        let transformer = spec.add(dit("transformer", &self.transformer));
         let transformer_2 = self
             .transformer_2
             .as_ref()
-            .map(|cfg| spec.add(Component::new("transformer_2", Role::Dit, cfg.clone())));
+            .map(|cfg| spec.add(dit("transformer_2", cfg)));
         let vae = spec.add(Component::new("vae", Role::Vae, self.vae.clone()).in_dtype(DType::F32));
         let parts = Parts {
             text_encoder,

@@ -13,6 +13,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub mod gguf;
+mod storage;
+
+pub use storage::{StorageCast, StorageDtype};
 
 /// Where a component's weights come from.
 #[derive(Clone, Debug)]
@@ -35,6 +38,8 @@ pub struct WeightSet {
     on_read: Option<OnRead>,
     /// LoRA deltas merged into the weights they change as those are read.
     loras: Option<Arc<crate::lora::Loras>>,
+    /// Layerwise fp8 storage: the values it rounds are read rounded.
+    cast: Option<StorageCast>,
 }
 
 #[derive(Clone)]
@@ -176,6 +181,7 @@ impl WeightSet {
             source,
             on_read: None,
             loras: None,
+            cast: None,
         })
     }
 
@@ -186,10 +192,25 @@ impl WeightSet {
         self
     }
 
+    /// The same weights with the values `cast` rounds read rounded through its fp8 format.
+    pub fn with_storage_cast(mut self, cast: StorageCast) -> Self {
+        self.cast = Some(cast);
+        self
+    }
+
     /// Whether weight `name` is computed from what is stored rather than read as it is: a
-    /// LoRA changes it, or it is stored in fp8 with a scale.
+    /// LoRA changes it, it is stored in fp8 with a scale, or `--storage-dtype` rounds it.
     fn transforms(&self, name: &str) -> bool {
-        self.loras.as_ref().is_some_and(|l| l.changes(name)) || self.fp8_scale(name).is_some()
+        self.loras.as_ref().is_some_and(|l| l.changes(name))
+            || self.fp8_scale(name).is_some()
+            || self.rounds(name)
+    }
+
+    /// Whether `--storage-dtype` rounds weight `name`.
+    fn rounds(&self, name: &str) -> bool {
+        self.cast.as_ref().is_some_and(|cast| {
+            cast.rounds(name, |weight| self.stored_shape(weight).map(|s| s.len()))
+        })
     }
 
     /// The stored scale of an fp8 weight `name`: ComfyUI's `<module>.scale_weight` (0-dim) or
@@ -207,8 +228,8 @@ impl WeightSet {
     }
 
     /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on the CPU: an fp8
-    /// weight times its scale (`W8 as f32 · scale`, one f32 product), then the LoRA deltas
-    /// merged; `None` where neither applies.
+    /// weight times its scale (`W8 as f32 · scale`, one f32 product), rounded through the
+    /// storage dtype, then the LoRA deltas merged; `None` where none applies.
     fn transformed(
         &self,
         name: &str,
@@ -235,6 +256,14 @@ impl WeightSet {
                 }
             }
             Source::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
+        };
+        let base = match self.cast.as_ref().filter(|_| self.rounds(name)) {
+            Some(cast) => {
+                let values: Vec<f32> = base.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let rounded = values.into_iter().map(|v| cast.dtype.round(v)).collect();
+                Tensor::from_vec(rounded, base.shape(), &Device::Cpu)?
+            }
+            None => base,
         };
         self.report_read(name, &base);
         match self.loras.as_ref().filter(|l| l.changes(name)) {

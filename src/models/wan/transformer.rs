@@ -38,6 +38,20 @@ use crate::models::row_ops;
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
 pub const FFN_CHUNK: usize = 8192;
 
+/// The modules diffusers' layerwise casting leaves alone in `WanTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`).
+pub const LAYERWISE_CASTING_SKIP: &[&str] = &[
+    "patch_embedding",
+    "condition_embedder",
+    "norm",
+    "rope",
+    "time_embedder",
+    "scale_shift_table",
+    "norm1",
+    "norm2",
+    "norm3",
+];
+
 /// `transformer/config.json` of a diffusers Wan checkpoint; missing keys take diffusers' defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
