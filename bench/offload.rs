@@ -104,7 +104,7 @@ fn main() -> Result<()> {
                     ))
                 },
                 |held: &Held<'_, WanTransformer3DModel>, (latents, t, text)| {
-                    Ok(dit_forward(held, latents, t, text, None, None)?)
+                    Ok(dit_forward(held, latents, t, text, None, None, None)?)
                 },
             )
         }
@@ -277,6 +277,7 @@ impl Bench {
             vae_tiling: false,
             image: false,
             decode: true,
+            cache_states: 0,
         };
         let spec = family.spec(&run);
         let mut first_output: Option<Vec<f32>> = None;

@@ -195,6 +195,12 @@ pub struct GenerateOptions {
     /// (float8_e4m3fn or float8_e5m2; its skip patterns: norms, embeddings, modulation).
     #[arg(long, help_heading = "Generation", value_name = "DTYPE", value_parser = crate::weights::StorageDtype::parse)]
     pub storage_dtype: Option<crate::weights::StorageDtype>,
+    /// A step cache over the transformer's blocks, as diffusers' `enable_cache`:
+    /// `first-block:THRESHOLD` (FirstBlockCacheConfig) or `magcache:K=V,...` (MagCacheConfig
+    /// fields: threshold, max_skip_steps, retention_ratio, num_inference_steps,
+    /// mag_ratios=R1;R2;..., calibrate=true). Skipped blocks trade exactness for speed.
+    #[arg(long, help_heading = "Generation", value_name = "HOOK:SPEC", value_parser = crate::models::step_cache::CacheSpec::parse)]
+    pub cache: Option<crate::models::step_cache::CacheSpec>,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
     /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
     /// given. Merged into each weight as it loads: no step time.

@@ -87,6 +87,7 @@ impl ResolvedConfig {
                 loras: [o.lora.clone(), o.lora_2.clone()],
                 transformer_files: [o.transformer.clone(), o.transformer_2.clone()],
                 storage_dtype: o.storage_dtype,
+                cache: o.cache.clone(),
                 guidance_scale_2: o.guidance_scale_2,
                 true_cfg_scale: o.true_cfg_scale,
                 decode_timestep: o.decode_timestep,

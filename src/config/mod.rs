@@ -98,6 +98,8 @@ pub struct Generation {
     pub transformer_files: [Option<PathBuf>; 2],
     /// The DiTs' Linear weights stored in fp8 (diffusers' layerwise casting).
     pub storage_dtype: Option<crate::weights::StorageDtype>,
+    /// A step cache over the DiT's blocks (`--cache`).
+    pub cache: Option<crate::models::step_cache::CacheSpec>,
     /// Guidance of the low-noise expert (Wan2.2 A14B).
     pub guidance_scale_2: Option<f64>,
     /// Real CFG scale of a guidance-distilled model (HunyuanVideo).

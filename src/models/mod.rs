@@ -24,6 +24,7 @@ pub(crate) mod row_ops;
 pub mod runs;
 pub mod sequence_parallel;
 pub mod source;
+pub mod step_cache;
 pub mod t5;
 pub mod wan;
 

@@ -83,21 +83,40 @@ pub fn write_with(
     metadata: &[(String, String)],
     replace: bool,
 ) -> Result<()> {
-    write_with_audio(output_type, path, frames, None, fps, metadata, replace)
+    write_with_beside(
+        output_type,
+        path,
+        frames,
+        Beside::default(),
+        fps,
+        metadata,
+        replace,
+    )
 }
 
-/// [`write_with`] for a model that makes sound: MP4 gets an AAC track of the video's length,
-/// safetensors an `audio` tensor `[channels, samples]`, a PNG folder a WAV file
-/// ([`WAV_NAME`]) beside the frames.
-pub fn write_with_audio(
+/// What is written beside the frames.
+#[derive(Default, Clone, Copy)]
+pub struct Beside<'a> {
+    /// The sound of a model that makes it: MP4 gets an AAC track of the video's length,
+    /// safetensors an `audio` tensor `[channels, samples]`, a PNG folder a WAV file
+    /// ([`WAV_NAME`]).
+    pub audio: Option<&'a Audio>,
+    /// Named tensors for the safetensors output only (a step cache's record); u8 tensors stay
+    /// u8, others are written as f32.
+    pub tensors: &'a [(String, Tensor)],
+}
+
+/// [`write_with`] with what goes `beside` the frames.
+pub fn write_with_beside(
     output_type: OutputType,
     path: &Path,
     frames: &Tensor,
-    audio: Option<&Audio>,
+    beside: Beside,
     fps: u32,
     metadata: &[(String, String)],
     replace: bool,
 ) -> Result<()> {
+    let audio = beside.audio;
     match output_type {
         #[cfg(feature = "mp4")]
         OutputType::Mp4 => mp4::write_mp4_with(path, frames, audio, fps, metadata, replace),
@@ -107,7 +126,7 @@ pub fn write_with_audio(
             anyhow::bail!("this vidgen was built without MP4 support (cargo feature `mp4`); use --output-type png or safetensors")
         }
         OutputType::Png => png::write_png_frames_with(path, frames, audio, replace),
-        OutputType::Safetensors => write_safetensors_inner(path, frames, audio, metadata, replace),
+        OutputType::Safetensors => write_safetensors_inner(path, frames, beside, metadata, replace),
         OutputType::Latent => bail!("--output-type latent writes latents, not frames"),
     }
 }
@@ -139,13 +158,13 @@ pub fn write_safetensors_with_metadata(
     frames: &Tensor,
     metadata: &[(String, String)],
 ) -> Result<()> {
-    write_safetensors_inner(path, frames, None, metadata, true)
+    write_safetensors_inner(path, frames, Beside::default(), metadata, true)
 }
 
 fn write_safetensors_inner(
     path: &Path,
     frames: &Tensor,
-    audio: Option<&Audio>,
+    beside: Beside,
     metadata: &[(String, String)],
     replace: bool,
 ) -> Result<()> {
@@ -153,37 +172,40 @@ fn write_safetensors_inner(
         let clip = Clip::from_tensor(frames)?;
         let temp = Partial::file(path)?;
         let mut tensors = vec![("frames", &clip.values)];
-        tensors.extend(audio.map(|a| ("audio", a.samples())));
+        tensors.extend(beside.audio.map(|a| ("audio", a.samples())));
+        tensors.extend(beside.tensors.iter().map(|(n, t)| (n.as_str(), t)));
         serialize_f32(&tensors, metadata, temp.path())?;
         temp.commit(path, replace)
     };
     run().with_context(|| format!("writing safetensors {}", path.display()))
 }
 
-/// One tensor's f32 values as safetensors stores them (little-endian), borrowed.
-struct F32Bytes<'a> {
+/// One tensor's values as safetensors stores them (little-endian): f32 borrowed from host
+/// storage, or u8.
+struct HostBytes<'a> {
+    dtype: safetensors::Dtype,
     shape: Vec<usize>,
-    bytes: &'a [u8],
+    bytes: std::borrow::Cow<'a, [u8]>,
 }
 
-impl safetensors::View for F32Bytes<'_> {
+impl safetensors::View for HostBytes<'_> {
     fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::F32
+        self.dtype
     }
     fn shape(&self) -> &[usize] {
         &self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(self.bytes)
+        std::borrow::Cow::Borrowed(&self.bytes)
     }
     fn data_len(&self) -> usize {
         self.bytes.len()
     }
 }
 
-/// Writes `tensors` as f32 safetensors at `path`, with `metadata` in the header, straight from
-/// their host storage: candle's own `View` copies a tensor twice before it is written (a
-/// 480x832x81 video is 388 MB).
+/// Writes `tensors` as safetensors at `path`, with `metadata` in the header: u8 tensors as u8,
+/// the others as f32 straight from their host storage (candle's own `View` copies a tensor
+/// twice before it is written: a 480x832x81 video is 388 MB).
 fn serialize_f32(
     tensors: &[(&str, &Tensor)],
     metadata: &[(String, String)],
@@ -192,9 +214,11 @@ fn serialize_f32(
     let host = tensors
         .iter()
         .map(|(_, t)| {
-            t.to_device(&Device::Cpu)?
-                .to_dtype(DType::F32)?
-                .contiguous()
+            let t = t.to_device(&Device::Cpu)?;
+            match t.dtype() {
+                DType::U8 => t.contiguous(),
+                _ => t.to_dtype(DType::F32)?.contiguous(),
+            }
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
     let held: Vec<_> = host.iter().map(|t| t.storage_and_layout()).collect();
@@ -202,6 +226,15 @@ fn serialize_f32(
         .iter()
         .zip(&host)
         .map(|((storage, layout), t)| {
+            let shape = t.dims().to_vec();
+            if t.dtype() == DType::U8 {
+                let bytes = t.flatten_all()?.to_vec1::<u8>()?;
+                return Ok(HostBytes {
+                    dtype: safetensors::Dtype::U8,
+                    shape,
+                    bytes: std::borrow::Cow::Owned(bytes),
+                });
+            }
             let values = host_f32(storage, layout.start_offset(), t.elem_count())?;
             // SAFETY: f32 has no padding and every byte pattern is a valid u8; the bytes are
             // read as safetensors' little-endian f32 on the little-endian hosts vidgen builds for.
@@ -211,9 +244,10 @@ fn serialize_f32(
                     std::mem::size_of_val(values),
                 )
             };
-            Ok(F32Bytes {
-                shape: t.dims().to_vec(),
-                bytes,
+            Ok(HostBytes {
+                dtype: safetensors::Dtype::F32,
+                shape,
+                bytes: std::borrow::Cow::Borrowed(bytes),
             })
         })
         .collect::<Result<Vec<_>>>()?;

@@ -34,6 +34,8 @@ pub struct Job {
     pub frames: Option<Tensor>,
     /// Whether the output file is complete.
     pub written: bool,
+    /// Tensors the safetensors output holds beside the frames (a step cache's record).
+    pub extra_outputs: Vec<(String, Tensor)>,
     /// The stage at which Ctrl-C stopped this job, if it did.
     pub stopped_at: Option<&'static str>,
     /// What the pipeline measured (forward times, memory peaks per stage): the job's `metrics`
@@ -208,6 +210,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             latents: None,
             frames: None,
             written: false,
+            extra_outputs: Vec::new(),
             stopped_at: None,
             metrics: serde_json::Map::new(),
             carry: Carry::default(),

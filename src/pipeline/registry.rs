@@ -29,6 +29,8 @@ pub struct RunShape {
     pub image: bool,
     /// Whether the VAE decodes the latents (not with `--output-type latent`).
     pub decode: bool,
+    /// Hidden states a step cache holds through the denoising loop (`--cache`).
+    pub cache_states: usize,
 }
 
 impl RunShape {
@@ -44,6 +46,7 @@ impl RunShape {
             vae_tiling: config.memory().vae_tiling,
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
+            cache_states: g.cache.as_ref().map_or(0, |c| c.held_states()),
         }
     }
 }
@@ -77,11 +80,12 @@ pub enum FamilyOption {
     Lora2,
     Transformer2,
     StorageDtype,
+    Cache,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 14] = [
+    pub const ALL: [FamilyOption; 15] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -96,6 +100,7 @@ impl FamilyOption {
         FamilyOption::Lora2,
         FamilyOption::Transformer2,
         FamilyOption::StorageDtype,
+        FamilyOption::Cache,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -122,6 +127,7 @@ impl FamilyOption {
             FamilyOption::Lora2 => "--lora-2",
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
+            FamilyOption::Cache => "--cache",
         }
     }
 
@@ -158,6 +164,7 @@ impl FamilyOption {
             FamilyOption::StorageDtype => {
                 "vidgen stores the Wan family's transformers in fp8 so far"
             }
+            FamilyOption::Cache => "vidgen caches the Wan family's transformer steps so far",
         }
     }
 
@@ -180,6 +187,7 @@ impl FamilyOption {
             FamilyOption::Lora2 => !g.loras[1].is_empty(),
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
+            FamilyOption::Cache => g.cache.is_some(),
         }
     }
 }

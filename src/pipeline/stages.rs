@@ -220,16 +220,61 @@ pub(crate) fn write_output(
         return Ok(());
     }
     let frames = job.frames.take().context("nothing decoded")?;
-    crate::output::write_with_audio(
+    let beside = crate::output::Beside {
+        audio,
+        tensors: &job.extra_outputs,
+    };
+    crate::output::write_with_beside(
         config.output().kind,
         &job.output,
         &frames,
-        audio,
+        beside,
         config.output().fps,
         &metadata,
         config.batch().overwrite,
     )?;
     job.written = true;
+    Ok(())
+}
+
+/// Records a denoising stage's step cache in `job`: which modules ran in each forward of each
+/// pass (`cache.computed.cond`, `.uncond` with guidance: rows appended across experts) and,
+/// when calibrating, the MagCache ratios (`cache.calibration_ratios.*`), for the safetensors
+/// output; what it skipped for `--stats-json` (`metrics.cache`).
+pub fn record_cache(
+    job: &mut Job,
+    cache: &crate::models::step_cache::StepCache,
+    guided: bool,
+    modules_per_block: usize,
+) -> Result<()> {
+    use crate::models::step_cache::Pass;
+    let passes: &[(Pass, &str)] = match guided {
+        true => &[(Pass::Cond, "cond"), (Pass::Uncond, "uncond")],
+        false => &[(Pass::Cond, "cond")],
+    };
+    for &(pass, name) in passes {
+        let computed = cache.computed(pass, modules_per_block)?;
+        let key = format!("cache.computed.{name}");
+        match job.extra_outputs.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, earlier)) => *earlier = Tensor::cat(&[&*earlier, &computed], 0)?,
+            None => job.extra_outputs.push((key, computed)),
+        }
+        if let Some(ratios) = cache.calibration(pass) {
+            let n = ratios.len();
+            let ratios = Tensor::from_vec(ratios, n, &candle_core::Device::Cpu)?;
+            let key = format!("cache.calibration_ratios.{name}");
+            job.extra_outputs.retain(|(k, _)| *k != key);
+            job.extra_outputs.push((key, ratios));
+        }
+    }
+    let report = cache.report();
+    match job.metrics.get_mut("cache") {
+        Some(serde_json::Value::Array(stages)) => stages.push(report),
+        _ => {
+            job.metrics
+                .insert("cache".into(), serde_json::Value::Array(vec![report]));
+        }
+    }
     Ok(())
 }
 

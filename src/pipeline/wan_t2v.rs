@@ -19,6 +19,7 @@ use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::{FileRef, ModelSource};
+use crate::models::step_cache::{Pass, StepCache};
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
     first_frame_condition, first_frame_mask, image_condition, per_token_timesteps,
@@ -28,7 +29,9 @@ use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
 };
-use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
+use crate::models::wan::transformer::{
+    WanTransformer3DModel, WanTransformerConfig, CACHE_MODULES_PER_BLOCK,
+};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::rng::TorchGenerator;
 use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
@@ -100,6 +103,7 @@ impl Family for WanConfigs {
             FamilyOption::VaeTiling,
             FamilyOption::Lora,
             FamilyOption::StorageDtype,
+            FamilyOption::Cache,
         ]);
         if self.image_input() != ImageInput::None {
             options.push(FamilyOption::Image);
@@ -230,6 +234,12 @@ impl WanConfigs {
                     "--{key} {v}: {title} needs a multiple of {unit} (VAE factor x patch); use e.g. {up}"
                 ));
             }
+        }
+        if g.cache.is_some() && config.groups().sp > 1 {
+            return Err(format!(
+                "--cache with --sp-size {}: a step cache decides on the whole sequence, which sequence parallelism splits; run it on one GPU per video",
+                config.groups().sp
+            ));
         }
         if let Some(path) = &g.image {
             crate::config::files::check_image(path).map_err(|why| {
@@ -376,6 +386,8 @@ impl WanConfigs {
         };
         let dit_activations = |cfg: &WanTransformerConfig| {
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
+                + shape.cache_states as u64
+                    * activations::hidden_state_bytes(cfg, latent, shape.dtype)
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self
@@ -774,6 +786,15 @@ impl WanT2V {
         }
         let sequence = frame.config.ranks().map(|r| &r.sequence);
         let image = image_embeds.as_ref();
+        // A fresh cache per expert: each transformer has its own hooks in diffusers.
+        let expert_cfg = match (low, &self.configs.transformer_2) {
+            (true, Some(cfg)) => cfg,
+            _ => &self.configs.transformer,
+        };
+        let mut cache = g
+            .cache
+            .as_ref()
+            .map(|spec| StepCache::new(spec, expert_cfg.num_layers));
         denoise.run(next_step..end, |forwards, i| {
             let t = timesteps[i];
             let input = match (&condition, &mask) {
@@ -787,16 +808,26 @@ impl WanT2V {
                 Some(m) => per_token_timesteps(t, m, 1, (ph, pw))?,
                 None => Tensor::new(&[t as f32], device)?,
             };
-            let forward = |text| dit_forward(model, &input, &timestep, text, image, sequence);
-            let noise_cond = forwards.run(|| forward(cond))?;
+            let mut forward = |text, pass| {
+                let cache = cache.as_mut().map(|c| (c, pass));
+                dit_forward(model, &input, &timestep, text, image, sequence, cache)
+            };
+            let noise_cond = forwards.run(|| forward(cond, Pass::Cond))?;
             // diffusers combines in the transformer dtype.
             let noise = match &uncond {
-                Some(uncond) => guide(&forwards.run(|| forward(uncond))?, &noise_cond, guidance)?,
+                Some(uncond) => guide(
+                    &forwards.run(|| forward(uncond, Pass::Uncond))?,
+                    &noise_cond,
+                    guidance,
+                )?,
                 None => noise_cond,
             };
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             Ok(latents.clone())
         })?;
+        if let Some(cache) = &cache {
+            stages::record_cache(job, cache, uncond.is_some(), CACHE_MODULES_PER_BLOCK)?;
+        }
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
             return Ok(Denoising {
@@ -848,6 +879,7 @@ pub fn dit_forward(
     text: &Tensor,
     image: Option<&Tensor>,
     sequence: Option<&Arc<dyn SequenceParallel>>,
+    cache: Option<(&mut StepCache, Pass)>,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
@@ -859,8 +891,15 @@ pub fn dit_forward(
         None => inputs.take_hidden_states()?,
     };
     let at = share.as_ref().unwrap_or(&inputs);
-    let x = dit.fold_blocks(WanTransformer3DModel::blocks, x, |block, x| {
-        block.forward(x, at)
-    })?;
+    let blocks = WanTransformer3DModel::blocks;
+    let x = match cache {
+        Some((cache, pass)) => cache.through_blocks(
+            pass,
+            x,
+            |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
+            |block, x| block.forward(x, at),
+        )?,
+        None => dit.fold_blocks(blocks, x, |block, x| block.forward(x, at))?,
+    };
     model.finish(&at.gather_sequence(&x)?, &inputs)
 }

@@ -128,6 +128,15 @@ pub fn generate_frames(
     draws: &std::path::Path,
     dir: &std::path::Path,
 ) -> Result<Tensor, String> {
+    Ok(generate_outputs(args, draws, dir)?["frames"].clone())
+}
+
+/// [`generate_frames`], giving every tensor of the written file.
+pub fn generate_outputs(
+    args: &[String],
+    draws: &std::path::Path,
+    dir: &std::path::Path,
+) -> Result<std::collections::HashMap<String, Tensor>, String> {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .arg("generate")
         .args(args)
@@ -149,7 +158,7 @@ pub fn generate_frames(
         return Err(String::from_utf8_lossy(&out.stderr).to_string());
     }
     let written = dir.join("v.safetensors");
-    Ok(candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone())
+    Ok(candle_core::safetensors::load(&written, &Device::Cpu).unwrap())
 }
 
 /// A fresh scratch folder for test `name` of `suite`, unique to this process.

@@ -80,6 +80,14 @@ fn score_chunk(heads: u64, q_len: u64, kv_len: u64) -> u64 {
     chunk * per_query
 }
 
+/// Bytes of one hidden state of the DiT on `latent` (what a step cache holds per state).
+pub fn hidden_state_bytes(cfg: &WanTransformerConfig, latent: [usize; 5], dtype: DType) -> u64 {
+    let [_, _, f, h, w] = latent;
+    let [pt, ph, pw] = cfg.patch_size;
+    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    tokens * cfg.inner_dim() as u64 * dtype.size_in_bytes() as u64
+}
+
 /// Peak activation bytes of one DiT forward on `latent` `[1, C, F, H, W]` with `text_len`
 /// text tokens: the larger of the self-attention and feed-forward peaks of a block, plus
 /// the RoPE tables, latents and text context that live through the whole forward.

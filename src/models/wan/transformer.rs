@@ -38,6 +38,10 @@ use crate::models::row_ops;
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
 pub const FFN_CHUNK: usize = 8192;
 
+/// The modules of a block that diffusers' cache hooks count, the block itself first:
+/// `blocks.N`, `.attn1`, `.attn2`, `.ffn` (columns of `--cache`'s record).
+pub const CACHE_MODULES_PER_BLOCK: usize = 4;
+
 /// The modules diffusers' layerwise casting leaves alone in `WanTransformer3DModel` (its
 /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`).
 pub const LAYERWISE_CASTING_SKIP: &[&str] = &[

@@ -1,0 +1,493 @@
+//! Step caches over a DiT's blocks (`--cache`), computing what diffusers' hooks compute:
+//! First Block Cache (`FirstBlockCacheConfig`) and MagCache (`MagCacheConfig`, with its
+//! calibration mode). Each keeps one state per pass (the conditional and the unconditional
+//! forward never share one, as diffusers' `cache_context("cond")` / `("uncond")`), and records
+//! which blocks ran in each forward. A cache knows blocks only as "the first" and "the rest";
+//! which model it serves, and how its blocks are placed, it does not know.
+
+use candle_core::{DType, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+/// A `--cache HOOK:SPEC` value: the hook and its config, fields as diffusers names them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "hook", rename_all = "kebab-case")]
+pub enum CacheSpec {
+    /// Skips every block after the first while the first block's residual changes by at most
+    /// `threshold` (relative mean absolute difference) from the last fully computed step.
+    FirstBlock { threshold: f64 },
+    /// Skips whole forwards while the accumulated error of the magnitude ratios stays small.
+    #[serde(rename = "magcache")]
+    Mag(MagCacheConfig),
+}
+
+/// diffusers' `MagCacheConfig`, its defaults included.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MagCacheConfig {
+    pub threshold: f64,
+    pub max_skip_steps: u32,
+    pub retention_ratio: f64,
+    pub num_inference_steps: usize,
+    /// One ratio per step, resampled to `num_inference_steps` (nearest, as diffusers).
+    pub mag_ratios: Option<Vec<f32>>,
+    pub calibrate: bool,
+}
+
+impl Default for MagCacheConfig {
+    fn default() -> Self {
+        MagCacheConfig {
+            threshold: 0.06,
+            max_skip_steps: 3,
+            retention_ratio: 0.2,
+            num_inference_steps: 28,
+            mag_ratios: None,
+            calibrate: false,
+        }
+    }
+}
+
+impl CacheSpec {
+    /// Parses `HOOK:SPEC`: `first-block:THRESHOLD` (or `first-block:threshold=T`) and
+    /// `magcache:K=V,...`; lists with `;` between items.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let (hook, spec) = text.split_once(':').unwrap_or((text, ""));
+        let pairs = || -> std::result::Result<Vec<(&str, &str)>, String> {
+            spec.split(',')
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    p.split_once('=')
+                        .ok_or_else(|| format!("--cache {text}: `{p}` is not KEY=VALUE"))
+                })
+                .collect()
+        };
+        let number = |key: &str, v: &str| -> std::result::Result<f64, String> {
+            v.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| format!("--cache {text}: {key}={v} is not a finite number"))
+        };
+        let count = |key: &str, v: &str| -> std::result::Result<usize, String> {
+            v.parse::<usize>()
+                .map_err(|_| format!("--cache {text}: {key}={v} is not a whole number"))
+        };
+        match hook {
+            "first-block" => {
+                let threshold = match pairs() {
+                    Ok(p) if p.len() == 1 && p[0].0 == "threshold" => number("threshold", p[0].1)?,
+                    _ if !spec.contains('=') && !spec.is_empty() => number("threshold", spec)?,
+                    _ if spec.is_empty() => 0.05,
+                    _ => {
+                        return Err(format!(
+                            "--cache {text}: first-block takes one key, threshold"
+                        ))
+                    }
+                };
+                Ok(CacheSpec::FirstBlock { threshold })
+            }
+            "magcache" => {
+                let mut c = MagCacheConfig::default();
+                for (key, v) in pairs()? {
+                    match key {
+                        "threshold" => c.threshold = number(key, v)?,
+                        "max_skip_steps" => c.max_skip_steps = count(key, v)? as u32,
+                        "retention_ratio" => c.retention_ratio = number(key, v)?,
+                        "num_inference_steps" => c.num_inference_steps = count(key, v)?.max(1),
+                        "calibrate" => {
+                            c.calibrate = match v {
+                                "true" => true,
+                                "false" => false,
+                                _ => return Err(format!("--cache {text}: calibrate={v} is not true or false")),
+                            }
+                        }
+                        "mag_ratios" => {
+                            c.mag_ratios = match v {
+                                "none" => None,
+                                _ => Some(
+                                    v.split(';')
+                                        .map(|r| number(key, r).map(|r| r as f32))
+                                        .collect::<std::result::Result<_, _>>()?,
+                                ),
+                            }
+                        }
+                        _ => {
+                            return Err(format!(
+                                "--cache {text}: magcache has no key {key} (threshold, max_skip_steps, retention_ratio, num_inference_steps, mag_ratios, calibrate)"
+                            ))
+                        }
+                    }
+                }
+                if c.mag_ratios.is_none() && !c.calibrate {
+                    return Err(format!(
+                        "--cache {text}: magcache needs mag_ratios=R1;R2;... (run once with calibrate=true to get them)"
+                    ));
+                }
+                Ok(CacheSpec::Mag(c))
+            }
+            "taylorseer" | "pab" => Err(format!(
+                "--cache {text}: vidgen runs the first-block and magcache caches so far"
+            )),
+            _ => Err(format!(
+                "--cache {text}: no cache named {hook} (first-block:THRESHOLD or magcache:K=V,...)"
+            )),
+        }
+    }
+
+    /// How many hidden states the cache holds between forwards: per pass (conditional and
+    /// unconditional), the first block's residual and output and the rest's residual (First
+    /// Block Cache) or the whole residual (MagCache).
+    pub fn held_states(&self) -> usize {
+        2 * match self {
+            CacheSpec::FirstBlock { .. } => 3,
+            CacheSpec::Mag(_) => 1,
+        }
+    }
+
+    /// The hook's name as `--cache` spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CacheSpec::FirstBlock { .. } => "first-block",
+            CacheSpec::Mag(_) => "magcache",
+        }
+    }
+}
+
+/// diffusers' `nearest_interp`: ratio k of `n` is `ratios[round(k · (L−1)/(n−1))]`, the product
+/// in float32 and rounded half to even.
+fn resample(ratios: &[f32], n: usize) -> Vec<f32> {
+    if ratios.len() == n {
+        return ratios.to_vec();
+    }
+    if n == 1 {
+        return ratios[ratios.len() - 1..].to_vec();
+    }
+    let scale = ((ratios.len() - 1) as f64 / (n - 1) as f64) as f32;
+    (0..n)
+        .map(|k| ratios[((k as f32) * scale).round_ties_even() as usize])
+        .collect()
+}
+
+/// Which forward of a guided step: the passes keep separate cache states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Cond,
+    Uncond,
+}
+
+/// One pass's state.
+#[derive(Default)]
+struct PassState {
+    /// First Block Cache: the first block's residual and output at the last full step, and
+    /// the residual of the rest of the blocks then.
+    head_residual: Option<Tensor>,
+    head_output: Option<Tensor>,
+    tail_residual: Option<Tensor>,
+    /// MagCache: the residual of all blocks at the last computed step, and its accumulators.
+    previous_residual: Option<Tensor>,
+    accumulated_ratio: f32,
+    accumulated_err: f32,
+    accumulated_steps: u32,
+    step_index: usize,
+    calibration: Vec<f32>,
+    /// The last complete calibration (what diffusers prints).
+    calibrated: Option<Vec<f32>>,
+    /// Per forward, how many blocks ran (all, the first only, or none).
+    ran: Vec<usize>,
+}
+
+/// A step cache for one denoising run of one transformer.
+pub struct StepCache {
+    spec: CacheSpec,
+    /// Resampled MagCache ratios.
+    ratios: Vec<f32>,
+    num_blocks: usize,
+    passes: [PassState; 2],
+}
+
+/// What [`StepCache::through_blocks`] does with the blocks of one forward.
+enum Plan {
+    All,
+    /// Run the first block, then decide (First Block Cache).
+    FirstThenDecide,
+}
+
+impl StepCache {
+    /// A fresh cache for a transformer of `num_blocks` blocks.
+    pub fn new(spec: &CacheSpec, num_blocks: usize) -> Self {
+        let ratios = match spec {
+            CacheSpec::Mag(c) => c
+                .mag_ratios
+                .as_deref()
+                .map(|r| resample(r, c.num_inference_steps))
+                .unwrap_or_default(),
+            CacheSpec::FirstBlock { .. } => Vec::new(),
+        };
+        let pass = || PassState {
+            accumulated_ratio: 1.0,
+            ..Default::default()
+        };
+        StepCache {
+            spec: spec.clone(),
+            ratios,
+            num_blocks,
+            passes: [pass(), pass()],
+        }
+    }
+
+    /// One forward's blocks under the cache: `fold(x, f)` folds `f` over the blocks in order
+    /// (resident or streamed), `run(block, x)` runs one. Gives the hidden state after the
+    /// blocks, computed or stood in for as diffusers' hooks do.
+    pub fn through_blocks<B>(
+        &mut self,
+        pass: Pass,
+        x: Tensor,
+        fold: impl FnOnce(Tensor, &mut dyn FnMut(&B, &Tensor) -> Result<Tensor>) -> Result<Tensor>,
+        run: impl Fn(&B, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let num_blocks = self.num_blocks;
+        let threshold = match &self.spec {
+            CacheSpec::FirstBlock { threshold } => Some(*threshold),
+            CacheSpec::Mag(_) => None,
+        };
+        if threshold.is_none() {
+            if let Some(out) = self.mag_skip(pass, &x)? {
+                let state = &mut self.passes[pass as usize];
+                state.ran.push(0);
+                self.advance(pass);
+                return Ok(out);
+            }
+        }
+        let plan = match threshold {
+            Some(_) => Plan::FirstThenDecide,
+            None => Plan::All,
+        };
+        let state = &mut self.passes[pass as usize];
+        let input = x.clone();
+        let (mut index, mut skipped, mut head_output) = (0usize, false, None);
+        let mut head_residual = None;
+        let mut f = |block: &B, x: &Tensor| -> Result<Tensor> {
+            let i = index;
+            index += 1;
+            if skipped {
+                return Ok(x.clone());
+            }
+            let out = run(block, x)?;
+            if i == 0 {
+                if let (Plan::FirstThenDecide, Some(threshold)) = (&plan, threshold) {
+                    let residual = (&out - x)?;
+                    let compute = match &state.head_residual {
+                        None => true,
+                        Some(prev) => relative_change(&residual, prev)? > threshold,
+                    };
+                    if !compute {
+                        skipped = true;
+                        let tail = state.tail_residual.as_ref().ok_or_else(|| {
+                            candle_core::Error::Msg(
+                                "first-block cache without a tail residual".into(),
+                            )
+                        })?;
+                        return tail + &out;
+                    }
+                    head_residual = Some(residual);
+                    head_output = Some(out.clone());
+                }
+            }
+            Ok(out)
+        };
+        let out = fold(x, &mut f)?;
+        let state = &mut self.passes[pass as usize];
+        state.ran.push(if skipped { 1 } else { num_blocks });
+        match &self.spec {
+            CacheSpec::FirstBlock { .. } if !skipped => {
+                let head = head_output.ok_or_else(|| {
+                    candle_core::Error::Msg("a transformer without blocks".into())
+                })?;
+                state.tail_residual = Some((&out - &head)?);
+                state.head_output = Some(head);
+                state.head_residual = head_residual;
+            }
+            CacheSpec::FirstBlock { .. } => {}
+            CacheSpec::Mag(c) => {
+                let residual = (&out - &input)?;
+                if c.calibrate {
+                    let ratio = match &state.previous_residual {
+                        None => 1.0,
+                        Some(prev) => norm_ratio(&residual, prev)?,
+                    };
+                    state.calibration.push(ratio);
+                }
+                state.previous_residual = Some(residual);
+                self.advance(pass);
+            }
+        }
+        Ok(out)
+    }
+
+    /// MagCache's decision at the head: the hidden state after the blocks when this forward
+    /// is skipped (the input plus the last computed residual), else `None`.
+    fn mag_skip(&mut self, pass: Pass, x: &Tensor) -> Result<Option<Tensor>> {
+        let CacheSpec::Mag(c) = &self.spec else {
+            return Ok(None);
+        };
+        if c.calibrate {
+            return Ok(None);
+        }
+        let state = &mut self.passes[pass as usize];
+        let step = state.step_index;
+        let retention = (c.retention_ratio * c.num_inference_steps as f64 + 0.5) as usize;
+        if step < retention {
+            return Ok(None);
+        }
+        let scale = self.ratios.get(step).copied().unwrap_or(1.0);
+        state.accumulated_ratio *= scale;
+        state.accumulated_steps += 1;
+        state.accumulated_err += (1.0 - state.accumulated_ratio).abs();
+        match &state.previous_residual {
+            Some(residual)
+                if state.accumulated_err <= c.threshold as f32
+                    && state.accumulated_steps <= c.max_skip_steps =>
+            {
+                Ok(Some((x + residual)?))
+            }
+            _ => {
+                state.accumulated_ratio = 1.0;
+                state.accumulated_steps = 0;
+                state.accumulated_err = 0.0;
+                Ok(None)
+            }
+        }
+    }
+
+    /// MagCache's step counter, starting over after `num_inference_steps` forwards.
+    fn advance(&mut self, pass: Pass) {
+        let CacheSpec::Mag(c) = &self.spec else {
+            return;
+        };
+        let state = &mut self.passes[pass as usize];
+        state.step_index += 1;
+        if state.step_index >= c.num_inference_steps {
+            if c.calibrate {
+                state.calibrated = Some(std::mem::take(&mut state.calibration));
+            }
+            state.step_index = 0;
+            state.accumulated_ratio = 1.0;
+            state.accumulated_steps = 0;
+            state.accumulated_err = 0.0;
+            state.previous_residual = None;
+            state.calibration.clear();
+        }
+    }
+
+    /// Per forward of `pass`, how many blocks ran (all, 1 where the first block's cache stood
+    /// in for the rest, 0 where MagCache skipped the forward).
+    pub fn blocks_run(&self, pass: Pass) -> &[usize] {
+        &self.passes[pass as usize].ran
+    }
+
+    /// Which modules ran in each forward of `pass`, as diffusers' fixtures record it: u8
+    /// `[forwards, num_blocks · modules_per_block + 1]`, per block the block then its hooked
+    /// modules, then the output projection (which always runs); 1 where it ran.
+    pub fn computed(&self, pass: Pass, modules_per_block: usize) -> Result<Tensor> {
+        let ran = self.blocks_run(pass);
+        let columns = self.num_blocks * modules_per_block + 1;
+        let rows: Vec<u8> = ran
+            .iter()
+            .flat_map(|&n| {
+                (0..columns).map(move |c| u8::from(c == columns - 1 || c / modules_per_block < n))
+            })
+            .collect();
+        Tensor::from_vec(rows, (ran.len(), columns), &candle_core::Device::Cpu)
+    }
+
+    /// What `--stats-json` reports: the hook, and per pass the forwards run and skipped and
+    /// the blocks skipped.
+    pub fn report(&self) -> serde_json::Value {
+        let pass = |p: Pass| {
+            let ran = self.blocks_run(p);
+            serde_json::json!({
+                "forwards": ran.len(),
+                "forwards_with_blocks_skipped": ran.iter().filter(|&&n| n < self.num_blocks).count(),
+                "blocks_skipped": ran.iter().map(|&n| self.num_blocks - n).sum::<usize>(),
+            })
+        };
+        serde_json::json!({
+            "hook": self.spec.name(),
+            "cond": pass(Pass::Cond),
+            "uncond": pass(Pass::Uncond),
+        })
+    }
+
+    /// The calibrated MagCache ratios of `pass` (the last complete run, else those so far).
+    pub fn calibration(&self, pass: Pass) -> Option<Vec<f32>> {
+        let CacheSpec::Mag(c) = &self.spec else {
+            return None;
+        };
+        let state = &self.passes[pass as usize];
+        c.calibrate.then(|| {
+            state
+                .calibrated
+                .clone()
+                .unwrap_or_else(|| state.calibration.clone())
+        })
+    }
+}
+
+/// `mean|a − b| / mean|b|`, in f32 as diffusers computes it.
+fn relative_change(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_dtype(DType::F32)?;
+    let b = b.to_dtype(DType::F32)?;
+    let change = (&a - &b)?.abs()?.mean_all()?.to_scalar::<f32>()?;
+    let size = b.abs()?.mean_all()?.to_scalar::<f32>()?;
+    Ok(f64::from(change / size))
+}
+
+/// The mean over tokens of ‖residual‖ / (‖previous‖ + 1e-8), norms over channels, in f32.
+fn norm_ratio(residual: &Tensor, previous: &Tensor) -> Result<f32> {
+    let norm =
+        |t: &Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)?.sqrt() };
+    let ratio = (norm(residual)? / (norm(previous)? + 1e-8)?)?;
+    ratio.mean_all()?.to_scalar::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_resample_half_to_even_as_diffusers() {
+        // 16 → 11: k = 3 maps to 4.5 → 4, k = 7 to 10.5 → 10.
+        let ratios: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        let got = resample(&ratios, 11);
+        assert_eq!(got[3], 4.0);
+        assert_eq!(got[7], 10.0);
+        assert_eq!(got[10], 15.0);
+    }
+
+    #[test]
+    fn specs_parse_as_diffusers_fields_and_refuse_the_rest() {
+        assert_eq!(
+            CacheSpec::parse("first-block:0.3"),
+            Ok(CacheSpec::FirstBlock { threshold: 0.3 })
+        );
+        assert_eq!(
+            CacheSpec::parse("first-block:threshold=0.3"),
+            Ok(CacheSpec::FirstBlock { threshold: 0.3 })
+        );
+        let CacheSpec::Mag(c) =
+            CacheSpec::parse("magcache:threshold=0.03,num_inference_steps=11,mag_ratios=1.0;0.5")
+                .unwrap()
+        else {
+            panic!("magcache")
+        };
+        assert_eq!((c.threshold, c.num_inference_steps), (0.03, 11));
+        assert_eq!(c.mag_ratios, Some(vec![1.0, 0.5]));
+        assert_eq!(c.max_skip_steps, 3);
+        for bad in [
+            "magcache:threshold=0.1",
+            "magcache:ratio=1",
+            "first-block:nan",
+            "teacache:0.1",
+            "pab:spatial_attention_block_skip_range=2",
+        ] {
+            assert!(CacheSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
