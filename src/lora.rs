@@ -105,11 +105,12 @@ pub struct Loras {
 }
 
 impl Loras {
-    /// Reads every file of `specs`, in order.
-    pub fn open(specs: &[LoraSpec]) -> Result<Self> {
+    /// Reads every file of `specs`, in order: in any layout for a Wan transformer
+    /// (`original_names`), in the diffusers/PEFT layout for any other model.
+    pub fn open(specs: &[LoraSpec], original_names: bool) -> Result<Self> {
         let mut loras = Loras::default();
         for spec in specs {
-            loras.add(spec)?;
+            loras.add(spec, original_names)?;
         }
         Ok(loras)
     }
@@ -124,7 +125,7 @@ impl Loras {
         self.deltas.contains_key(name)
     }
 
-    fn add(&mut self, spec: &LoraSpec) -> Result<()> {
+    fn add(&mut self, spec: &LoraSpec, original_names: bool) -> Result<()> {
         let path = &spec.path;
         // SAFETY: mapped read-only; vidgen never writes to the files it reads.
         let st = unsafe { MmapedSafetensors::new(path) }
@@ -152,6 +153,13 @@ impl Loras {
                 layout.name()
             )
         };
+        if layout != Layout::Diffusers && !original_names {
+            bail!(
+                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                path.display(),
+                layout.name()
+            );
+        }
         let peft_alpha = peft_alphas(path)?;
         let mut first = None;
         for (key, t) in &tensors {

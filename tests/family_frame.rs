@@ -43,6 +43,7 @@ impl Family for TwoExperts {
             dtype: None,
             deferrable: true,
             storage_cast_skip: &[],
+            original_names: false,
             constructors,
         };
         let dit = || {

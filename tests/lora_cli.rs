@@ -5,7 +5,7 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::{
     assert_close, generate_frames, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir,
     usage_error,
@@ -180,4 +180,148 @@ fn bad_lora_input_is_refused_before_anything_loads() {
         "cogvideox",
     );
     assert!(line.contains("--lora does not apply"), "{line}");
+}
+
+/// A diffusers/PEFT LoRA on LTX-Video, CogVideoX and HunyuanVideo (whose diffusers pipelines load
+/// LoRAs) gives the frames of the same model with `W + scale · alpha / rank · B @ A` written into
+/// its transformer weights (computed here in f32); a ComfyUI-layout LoRA is refused for them in
+/// one line.
+#[test]
+fn diffusers_loras_merge_into_every_family_that_loads_them() {
+    for (fixture, size) in [
+        ("ltx-video-tiny-a", ["9", "64", "64"]),
+        ("cogvideox-tiny-a", ["17", "32", "48"]),
+        ("hunyuanvideo-tiny-a", ["17", "32", "48"]),
+    ] {
+        let dir = scratch_dir("lora", fixture);
+        let source = named_fixture_dir(fixture);
+        let weights_file = source.join("transformer/diffusion_pytorch_model.safetensors");
+        let mut weights = candle_core::safetensors::load(&weights_file, &Device::Cpu).unwrap();
+        // The largest matrix of the transformer: a Linear of every block type's size.
+        let (name, base) = weights
+            .iter()
+            .filter(|(_, t)| t.rank() == 2)
+            .max_by_key(|(n, t)| (t.elem_count(), n.to_string()))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .unwrap();
+        let module = name.strip_suffix(".weight").unwrap();
+        let (out, inp) = base.dims2().unwrap();
+        let rank = 2;
+        let down = Tensor::randn(0f32, 0.3, (rank, inp), &Device::Cpu).unwrap();
+        let up = Tensor::randn(0f32, 0.3, (out, rank), &Device::Cpu).unwrap();
+        let lora = dir.join("lora.safetensors");
+        let tensors = std::collections::HashMap::from([
+            (format!("transformer.{module}.lora_A.weight"), down.clone()),
+            (format!("transformer.{module}.lora_B.weight"), up.clone()),
+        ]);
+        candle_core::safetensors::save(&tensors, &lora).unwrap();
+        // The same model with the change written into its transformer.
+        let merged = dir.join("merged");
+        for entry in std::fs::read_dir(&source).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_name() != "transformer" {
+                std::os::unix::fs::symlink(entry.path(), merged_path(&merged, &entry)).unwrap();
+            }
+        }
+        std::fs::create_dir_all(merged.join("transformer")).unwrap();
+        std::fs::copy(
+            source.join("transformer/config.json"),
+            merged.join("transformer/config.json"),
+        )
+        .unwrap();
+        let scale = 0.5;
+        let changed = (base.to_dtype(DType::F32).unwrap()
+            + (up.matmul(&down).unwrap() * scale).unwrap())
+        .unwrap();
+        weights.insert(name.clone(), changed);
+        candle_core::safetensors::save(
+            &weights,
+            merged.join("transformer/diffusion_pytorch_model.safetensors"),
+        )
+        .unwrap();
+        let run = |model: &Path, extra: &[String]| -> Tensor {
+            let mut args: Vec<String> = [
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                "a cat on a roof",
+                "--num-frames",
+                size[0],
+                "--height",
+                size[1],
+                "--width",
+                size[2],
+                "--num-inference-steps",
+                "2",
+                "--seed",
+                "7",
+                "--device",
+                "cpu",
+                "--dtype",
+                "f32",
+                "--output-type",
+                "safetensors",
+                "--output-path",
+                dir.to_str().unwrap(),
+                "--output-video-name",
+                "v",
+                "--overwrite",
+            ]
+            .map(String::from)
+            .to_vec();
+            args.extend_from_slice(extra);
+            let out = run_vidgen(&args);
+            assert!(
+                out.status.success(),
+                "{fixture}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap()
+                ["frames"]
+                .clone()
+        };
+        let plain = run(&source, &[]);
+        let with_lora = run(
+            &source,
+            &["--lora".into(), format!("{}:{scale}", lora.display())],
+        );
+        let expected = run(&merged, &[]);
+        let diff = max_abs_diff(&with_lora, &expected);
+        eprintln!("{fixture}: LoRA vs merged weights {diff:.3e}");
+        assert!(diff <= 1e-5, "{fixture}: {diff}");
+        assert!(
+            max_abs_diff(&with_lora, &plain) > 1e-3,
+            "{fixture}: the LoRA changed nothing"
+        );
+        // The ComfyUI layout names Wan's modules: refused for this model.
+        let comfy = dir.join("comfy.safetensors");
+        let tensors = std::collections::HashMap::from([
+            (format!("diffusion_model.{module}.lora_down.weight"), down),
+            (format!("diffusion_model.{module}.lora_up.weight"), up),
+        ]);
+        candle_core::safetensors::save(&tensors, &comfy).unwrap();
+        let args: Vec<String> = [
+            "generate",
+            "--model",
+            source.to_str().unwrap(),
+            "--prompt",
+            "a cat",
+            "--device",
+            "cpu",
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--lora",
+            comfy.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec();
+        let line = usage_error(&run_vidgen(&args), "ComfyUI layout");
+        assert!(line.contains("diffusers/PEFT"), "{fixture}: {line}");
+    }
+}
+
+fn merged_path(merged: &Path, entry: &std::fs::DirEntry) -> PathBuf {
+    std::fs::create_dir_all(merged).unwrap();
+    merged.join(entry.file_name())
 }

@@ -112,7 +112,7 @@ impl Family for CogVideoXConfigs {
     /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
     /// frame-batched without tiles.
     fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::GUIDED.to_vec()
+        [&FamilyOption::GUIDED[..], &[FamilyOption::Lora]].concat()
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {

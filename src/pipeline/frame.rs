@@ -163,10 +163,11 @@ impl Frame {
             None => component_weights(&self.source, folder)?,
         };
         let mut weights = WeightSet::open(&files).with_context(|| self.what(component))?;
-        if let Some(specs) = lora_specs(&self.config, folder) {
-            weights = weights.with_loras(Arc::new(crate::lora::Loras::open(specs)?));
-        }
         let spec = &self.spec.components[component];
+        if let Some(specs) = lora_specs(&self.config, folder) {
+            let loras = crate::lora::Loras::open(specs, spec.original_names)?;
+            weights = weights.with_loras(Arc::new(loras));
+        }
         if let (Some(dtype), Role::Dit) = (self.config.generation().storage_dtype, spec.role) {
             let skip = spec.storage_cast_skip;
             weights = weights.with_storage_cast(crate::weights::StorageCast { dtype, skip });

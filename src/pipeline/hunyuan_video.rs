@@ -170,6 +170,7 @@ impl Family for HunyuanConfigs {
             FamilyOption::TrueCfgScale,
             FamilyOption::FlowShift,
             FamilyOption::VaeTiling,
+            FamilyOption::Lora,
         ];
         [&FamilyOption::GUIDED[..], &own].concat()
     }

@@ -129,7 +129,7 @@ impl Family for LtxConfigs {
     /// Euler shifted by the video's token count, the VAE decoding whole.
     fn options(&self) -> Vec<FamilyOption> {
         let decoder = [FamilyOption::DecodeTimestep, FamilyOption::DecodeNoiseScale];
-        [&FamilyOption::GUIDED[..], &decoder].concat()
+        [&FamilyOption::GUIDED[..], &decoder, &[FamilyOption::Lora]].concat()
     }
 
     fn schedulers(&self) -> &'static [SchedulerKind] {

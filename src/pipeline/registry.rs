@@ -157,7 +157,7 @@ impl FamilyOption {
                 "it conditions LTX-Video's timestep-aware VAE decoder"
             }
             FamilyOption::VaeTiling => "this model's VAE decodes without spatial tiles",
-            FamilyOption::Lora => "vidgen reads LoRAs for the Wan family's transformers so far",
+            FamilyOption::Lora => "vidgen reads LoRAs for the transformers whose diffusers pipelines load them so far",
             FamilyOption::Lora2 | FamilyOption::Transformer2 => {
                 "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
             }

@@ -179,6 +179,9 @@ pub struct ComponentSpec {
     /// Module paths `--storage-dtype` leaves unrounded beyond diffusers' defaults: the model's
     /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`.
     pub storage_cast_skip: &'static [&'static str],
+    /// Its weights have an original (non-diffusers) naming that LoRA files use too (Wan's:
+    /// ComfyUI and kohya LoRAs are mapped to diffusers' names).
+    pub original_names: bool,
     /// Its constructors, which count and place its weights.
     pub constructors: Arc<dyn Constructors>,
 }
@@ -208,6 +211,7 @@ impl<M: Blockwise> Component<M> {
                 dtype: None,
                 deferrable: true,
                 storage_cast_skip: &[],
+                original_names: false,
                 constructors: Arc::new(ModelConstructors::<M>(cfg)),
             },
             model: PhantomData,
@@ -227,6 +231,12 @@ impl<M> Component<M> {
     /// in f32).
     pub fn in_dtype(mut self, dtype: DType) -> Self {
         self.spec.dtype = Some(dtype);
+        self
+    }
+
+    /// Its weights also go by an original naming that LoRA files use (Wan's).
+    pub fn with_original_names(mut self) -> Self {
+        self.spec.original_names = true;
         self
     }
 

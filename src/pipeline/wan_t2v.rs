@@ -362,6 +362,7 @@ impl WanConfigs {
         let dit = |name, cfg: &WanTransformerConfig| {
             Component::new(name, Role::Dit, cfg.clone())
                 .storage_cast_skipping(crate::models::wan::transformer::LAYERWISE_CASTING_SKIP)
+                .with_original_names()
         };
         let transformer = spec.add(dit("transformer", &self.transformer));
         let transformer_2 = self
