@@ -277,7 +277,7 @@ impl Bench {
             vae_tiling: false,
             image: false,
             decode: true,
-            cache_states: 0,
+            cache_states: (0, 0),
         };
         let spec = family.spec(&run);
         let mut first_output: Option<Vec<f32>> = None;

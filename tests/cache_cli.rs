@@ -1,8 +1,8 @@
 //! Step caches (`--cache`) through the command line, driven by `cache-a/README.json`'s
-//! `cli_cases` on `wan-tiny-a`: First Block Cache and MagCache (skipping nothing, some or many
-//! steps, ratios resampled, calibration) give diffusers' frames within 1e-4 + 1e-4|ref|, the
-//! same modules computed in every pass of every step, and the calibrated ratios. The hooks
-//! vidgen does not run yet are refused in one line.
+//! `cli_cases` on `wan-tiny-a`: First Block Cache, MagCache (skipping nothing, some or many
+//! steps, ratios resampled, calibration) and Pyramid Attention Broadcast give diffusers' frames
+//! within 1e-4 + 1e-4|ref|, the same modules computed in every pass of every step, and the
+//! calibrated ratios. TaylorSeer, which vidgen does not run yet, is refused in one line.
 
 mod common;
 
@@ -40,10 +40,7 @@ fn caches_skip_and_compute_what_diffusers_does() {
             .iter()
             .position(|a| a == "--cache")
             .map(|i| args[i + 1].clone());
-        if hook
-            .as_deref()
-            .is_some_and(|h| h.starts_with("taylorseer") || h.starts_with("pab"))
-        {
+        if hook.as_deref().is_some_and(|h| h.starts_with("taylorseer")) {
             continue;
         }
         let got = generate_outputs(&args, &draws, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -77,7 +74,7 @@ fn caches_skip_and_compute_what_diffusers_does() {
         assert_eq!(extra, declared, "{name}: {:?}", got.keys());
         ran += 1;
     }
-    assert!(ran >= 19, "{ran} cases");
+    assert!(ran >= 23, "{ran} cases");
 }
 
 #[test]
@@ -85,8 +82,8 @@ fn caches_vidgen_does_not_run_are_refused_in_one_line() {
     let dir = scratch_dir("cache", "refused");
     for (spec, says) in [
         (
-            "pab:spatial_attention_block_skip_range=2",
-            "first-block and magcache",
+            "taylorseer:cache_interval=2",
+            "first-block, magcache and pab",
         ),
         ("magcache:threshold=0.1", "needs mag_ratios"),
         ("first-block:fast", "not a finite number"),
@@ -111,7 +108,8 @@ fn caches_vidgen_does_not_run_are_refused_in_one_line() {
 }
 
 /// The plan counts what a cache holds through the loop: three hidden states per pass for
-/// First Block Cache, one for MagCache, in the denoise stage's activations.
+/// First Block Cache, one for MagCache, one per block and kind of attention for PAB, in the
+/// denoise stage's activations.
 #[test]
 fn the_plan_counts_the_hidden_states_a_cache_holds() {
     let denoise_activations = |cache: &[&str]| -> u64 {
@@ -149,4 +147,17 @@ fn the_plan_counts_the_hidden_states_a_cache_holds() {
     let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
     assert!(mag > 0, "MagCache holds its residuals");
     assert_eq!(first_block, 3 * mag);
+    // PAB holds one output per block and kind of attention it reuses (MagCache: two states).
+    let config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(named_fixture_dir("wan-tiny-a").join("transformer/config.json")).unwrap(),
+    )
+    .unwrap();
+    let layers = config["num_layers"].as_u64().unwrap();
+    let spatial = ["--cache", "pab:spatial_attention_block_skip_range=2"];
+    let both = [
+        "--cache",
+        "pab:spatial_attention_block_skip_range=2,cross_attention_block_skip_range=3",
+    ];
+    assert_eq!(denoise_activations(&spatial) - plain, layers * mag / 2);
+    assert_eq!(denoise_activations(&both) - plain, layers * mag);
 }

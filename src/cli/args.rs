@@ -196,9 +196,11 @@ pub struct GenerateOptions {
     #[arg(long, help_heading = "Generation", value_name = "DTYPE", value_parser = crate::weights::StorageDtype::parse)]
     pub storage_dtype: Option<crate::weights::StorageDtype>,
     /// A step cache over the transformer's blocks, as diffusers' `enable_cache`:
-    /// `first-block:THRESHOLD` (FirstBlockCacheConfig) or `magcache:K=V,...` (MagCacheConfig
+    /// `first-block:THRESHOLD` (FirstBlockCacheConfig), `magcache:K=V,...` (MagCacheConfig
     /// fields: threshold, max_skip_steps, retention_ratio, num_inference_steps,
-    /// mag_ratios=R1;R2;..., calibrate=true). Skipped blocks trade exactness for speed.
+    /// mag_ratios=R1;R2;..., calibrate=true) or `pab:K=V,...` (PyramidAttentionBroadcastConfig:
+    /// spatial_attention_block_skip_range=N, cross_attention_timestep_skip_range=LOW;HIGH, ...).
+    /// Skipped work trades exactness for speed.
     #[arg(long, help_heading = "Generation", value_name = "HOOK:SPEC", value_parser = crate::models::step_cache::CacheSpec::parse)]
     pub cache: Option<crate::models::step_cache::CacheSpec>,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,

@@ -1,9 +1,12 @@
 //! Step caches over a DiT's blocks (`--cache`), computing what diffusers' hooks compute:
-//! First Block Cache (`FirstBlockCacheConfig`) and MagCache (`MagCacheConfig`, with its
-//! calibration mode). Each keeps one state per pass (the conditional and the unconditional
-//! forward never share one, as diffusers' `cache_context("cond")` / `("uncond")`), and records
-//! which blocks ran in each forward. A cache knows blocks only as "the first" and "the rest";
-//! which model it serves, and how its blocks are placed, it does not know.
+//! First Block Cache (`FirstBlockCacheConfig`), MagCache (`MagCacheConfig`, with its
+//! calibration mode) and Pyramid Attention Broadcast (`PyramidAttentionBroadcastConfig`). The
+//! first two keep one state per pass (the conditional and the unconditional forward never share
+//! one, as diffusers' `cache_context("cond")` / `("uncond")`); PAB keeps one per attention
+//! module across both passes, as diffusers does. Each records which modules ran in each forward.
+//! A cache knows blocks as "the first" and "the rest" and, inside a block, the outputs a model
+//! hands it ([`BlockHooks`]); which model it serves and how its blocks are placed it does not
+//! know.
 
 use candle_core::{DType, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
@@ -18,6 +21,19 @@ pub enum CacheSpec {
     /// Skips whole forwards while the accumulated error of the magnitude ratios stays small.
     #[serde(rename = "magcache")]
     Mag(MagCacheConfig),
+    /// Reuses attention outputs of earlier calls inside a timestep range.
+    Pab(PabConfig),
+}
+
+/// diffusers' `PyramidAttentionBroadcastConfig` (its block identifiers left at their defaults,
+/// which name every block of the models vidgen runs): per kind of attention, reuse the last
+/// output for `range − 1` of every `range` calls while the timestep lies strictly inside
+/// `timesteps`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PabConfig {
+    pub spatial: Option<(u32, (f64, f64))>,
+    pub temporal: Option<(u32, (f64, f64))>,
+    pub cross: Option<(u32, (f64, f64))>,
 }
 
 /// diffusers' `MagCacheConfig`, its defaults included.
@@ -122,8 +138,49 @@ impl CacheSpec {
                 }
                 Ok(CacheSpec::Mag(c))
             }
-            "taylorseer" | "pab" => Err(format!(
-                "--cache {text}: vidgen runs the first-block and magcache caches so far"
+            "pab" => {
+                let (mut ranges, mut windows) = ([None; 3], [(100.0, 800.0); 3]);
+                let kind = |key: &str, suffix: &str| {
+                    ["spatial", "temporal", "cross"]
+                        .iter()
+                        .position(|k| key == format!("{k}_attention_{suffix}"))
+                };
+                for (key, v) in pairs()? {
+                    if let Some(i) = kind(key, "block_skip_range") {
+                        ranges[i] = match v {
+                            "none" => None,
+                            _ => Some(count(key, v)?.max(1) as u32),
+                        };
+                    } else if let Some(i) = kind(key, "timestep_skip_range") {
+                        let bounds = v
+                            .split(';')
+                            .map(|b| number(key, b))
+                            .collect::<std::result::Result<Vec<_>, _>>()?;
+                        let [lo, hi] = bounds[..] else {
+                            return Err(format!(
+                                "--cache {text}: {key} takes two bounds, LOW;HIGH"
+                            ));
+                        };
+                        windows[i] = (lo, hi);
+                    } else {
+                        return Err(format!(
+                            "--cache {text}: pab has no key {key} vidgen reads ({{spatial,temporal,cross}}_attention_block_skip_range, ..._timestep_skip_range)"
+                        ));
+                    }
+                }
+                // diffusers' default when no range is given.
+                if ranges.iter().all(Option::is_none) {
+                    ranges[0] = Some(2);
+                }
+                let with = |i: usize| ranges[i].map(|r| (r, windows[i]));
+                Ok(CacheSpec::Pab(PabConfig {
+                    spatial: with(0),
+                    temporal: with(1),
+                    cross: with(2),
+                }))
+            }
+            "taylorseer" => Err(format!(
+                "--cache {text}: vidgen runs the first-block, magcache and pab caches so far"
             )),
             _ => Err(format!(
                 "--cache {text}: no cache named {hook} (first-block:THRESHOLD or magcache:K=V,...)"
@@ -131,13 +188,15 @@ impl CacheSpec {
         }
     }
 
-    /// How many hidden states the cache holds between forwards: per pass (conditional and
-    /// unconditional), the first block's residual and output and the rest's residual (First
-    /// Block Cache) or the whole residual (MagCache).
-    pub fn held_states(&self) -> usize {
-        2 * match self {
-            CacheSpec::FirstBlock { .. } => 3,
-            CacheSpec::Mag(_) => 1,
+    /// How many hidden states the cache holds between forwards, as (in all, per block): per
+    /// pass (conditional and unconditional) the first block's residual and output and the
+    /// rest's residual (First Block Cache) or the whole residual (MagCache); per block the last
+    /// output of each kind of attention PAB reuses.
+    pub fn held_states(&self) -> (usize, usize) {
+        match self {
+            CacheSpec::FirstBlock { .. } => (6, 0),
+            CacheSpec::Mag(_) => (2, 0),
+            CacheSpec::Pab(c) => (0, [c.spatial, c.temporal, c.cross].iter().flatten().count()),
         }
     }
 
@@ -146,6 +205,7 @@ impl CacheSpec {
         match self {
             CacheSpec::FirstBlock { .. } => "first-block",
             CacheSpec::Mag(_) => "magcache",
+            CacheSpec::Pab(_) => "pab",
         }
     }
 }
@@ -172,6 +232,43 @@ pub enum Pass {
     Uncond,
 }
 
+/// The outputs inside a block a step cache may stand in for, in the block's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submodule {
+    /// Self-attention over the video tokens (PAB's "spatial" attention).
+    SelfAttention,
+    /// Attention to the text (PAB's "cross" attention).
+    CrossAttention,
+}
+
+impl Submodule {
+    /// Its column in a block's record (after the block's own).
+    fn column(self) -> usize {
+        match self {
+            Submodule::SelfAttention => 1,
+            Submodule::CrossAttention => 2,
+        }
+    }
+}
+
+/// What a block asks of a step cache while it runs: each hooked output, computed by
+/// `compute` or stood in for (the model runs the rest of its arithmetic on what it gets).
+pub trait BlockHooks {
+    fn output(
+        &mut self,
+        module: Submodule,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor>;
+}
+
+/// One forward, as the cache needs to know it.
+#[derive(Clone, Copy, Debug)]
+pub struct Forward {
+    pub pass: Pass,
+    /// The scheduler's timestep (PAB's `current_timestep`).
+    pub timestep: f64,
+}
+
 /// One pass's state.
 #[derive(Default)]
 struct PassState {
@@ -189,8 +286,16 @@ struct PassState {
     calibration: Vec<f32>,
     /// The last complete calibration (what diffusers prints).
     calibrated: Option<Vec<f32>>,
-    /// Per forward, how many blocks ran (all, the first only, or none).
-    ran: Vec<usize>,
+    /// Per forward, 1 for each module that ran: per block the block and its hooked modules,
+    /// then the output projection.
+    rows: Vec<Vec<u8>>,
+}
+
+/// PAB's state of one attention module: calls so far (both passes) and its last output.
+#[derive(Default)]
+struct Broadcast {
+    iteration: u64,
+    cached: Option<Tensor>,
 }
 
 /// A step cache for one denoising run of one transformer.
@@ -199,26 +304,75 @@ pub struct StepCache {
     /// Resampled MagCache ratios.
     ratios: Vec<f32>,
     num_blocks: usize,
+    /// Columns per block in the record: the block and its hooked modules.
+    modules_per_block: usize,
     passes: [PassState; 2],
+    /// PAB: per block, the self- and cross-attention states.
+    broadcasts: Vec<[Broadcast; 2]>,
 }
 
-/// What [`StepCache::through_blocks`] does with the blocks of one forward.
-enum Plan {
-    All,
-    /// Run the first block, then decide (First Block Cache).
-    FirstThenDecide,
+/// The hooks of one block in one forward under PAB.
+struct PabHooks<'a> {
+    config: &'a PabConfig,
+    timestep: f64,
+    states: &'a mut [Broadcast; 2],
+    row: &'a mut [u8],
+}
+
+impl BlockHooks for PabHooks<'_> {
+    fn output(
+        &mut self,
+        module: Submodule,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let (setting, state) = match module {
+            Submodule::SelfAttention => (self.config.spatial, &mut self.states[0]),
+            Submodule::CrossAttention => (self.config.cross, &mut self.states[1]),
+        };
+        let Some((range, (low, high))) = setting else {
+            return compute();
+        };
+        let inside = low < self.timestep && self.timestep < high;
+        let out = match &state.cached {
+            Some(cached)
+                if state.iteration != 0 && inside && state.iteration % u64::from(range) != 0 =>
+            {
+                self.row[module.column()] = 0;
+                cached.clone()
+            }
+            _ => compute()?,
+        };
+        state.cached = Some(out.clone());
+        state.iteration += 1;
+        Ok(out)
+    }
+}
+
+/// Hooks that compute everything (a forward without a cache, and First Block Cache and
+/// MagCache, which act between blocks).
+pub struct ComputeAll;
+
+impl BlockHooks for ComputeAll {
+    fn output(
+        &mut self,
+        _: Submodule,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        compute()
+    }
 }
 
 impl StepCache {
-    /// A fresh cache for a transformer of `num_blocks` blocks.
-    pub fn new(spec: &CacheSpec, num_blocks: usize) -> Self {
+    /// A fresh cache for a transformer of `num_blocks` blocks, each recorded as itself and
+    /// `modules_per_block − 1` hooked modules.
+    pub fn new(spec: &CacheSpec, num_blocks: usize, modules_per_block: usize) -> Self {
         let ratios = match spec {
             CacheSpec::Mag(c) => c
                 .mag_ratios
                 .as_deref()
                 .map(|r| resample(r, c.num_inference_steps))
                 .unwrap_or_default(),
-            CacheSpec::FirstBlock { .. } => Vec::new(),
+            _ => Vec::new(),
         };
         let pass = || PassState {
             accumulated_ratio: 1.0,
@@ -228,38 +382,42 @@ impl StepCache {
             spec: spec.clone(),
             ratios,
             num_blocks,
+            modules_per_block,
             passes: [pass(), pass()],
+            broadcasts: (0..num_blocks).map(|_| Default::default()).collect(),
         }
     }
 
     /// One forward's blocks under the cache: `fold(x, f)` folds `f` over the blocks in order
-    /// (resident or streamed), `run(block, x)` runs one. Gives the hidden state after the
-    /// blocks, computed or stood in for as diffusers' hooks do.
+    /// (resident or streamed), `run(block, x, hooks)` runs one, asking `hooks` for each hooked
+    /// output. Gives the hidden state after the blocks, computed or stood in for as diffusers'
+    /// hooks do.
     pub fn through_blocks<B>(
         &mut self,
-        pass: Pass,
+        forward: Forward,
         x: Tensor,
         fold: impl FnOnce(Tensor, &mut dyn FnMut(&B, &Tensor) -> Result<Tensor>) -> Result<Tensor>,
-        run: impl Fn(&B, &Tensor) -> Result<Tensor>,
+        run: impl Fn(&B, &Tensor, &mut dyn BlockHooks) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let num_blocks = self.num_blocks;
+        let pass = forward.pass;
+        let (num_blocks, per_block) = (self.num_blocks, self.modules_per_block);
+        let mut row = vec![1u8; num_blocks * per_block + 1];
+        if let Some(out) = self.mag_skip(pass, &x)? {
+            row[..num_blocks * per_block].fill(0);
+            self.passes[pass as usize].rows.push(row);
+            self.advance(pass);
+            return Ok(out);
+        }
         let threshold = match &self.spec {
             CacheSpec::FirstBlock { threshold } => Some(*threshold),
-            CacheSpec::Mag(_) => None,
+            _ => None,
         };
-        if threshold.is_none() {
-            if let Some(out) = self.mag_skip(pass, &x)? {
-                let state = &mut self.passes[pass as usize];
-                state.ran.push(0);
-                self.advance(pass);
-                return Ok(out);
-            }
-        }
-        let plan = match threshold {
-            Some(_) => Plan::FirstThenDecide,
-            None => Plan::All,
+        let pab = match &self.spec {
+            CacheSpec::Pab(c) => Some(c),
+            _ => None,
         };
         let state = &mut self.passes[pass as usize];
+        let broadcasts = &mut self.broadcasts;
         let input = x.clone();
         let (mut index, mut skipped, mut head_output) = (0usize, false, None);
         let mut head_residual = None;
@@ -267,34 +425,42 @@ impl StepCache {
             let i = index;
             index += 1;
             if skipped {
+                row[i * per_block..(i + 1) * per_block].fill(0);
                 return Ok(x.clone());
             }
-            let out = run(block, x)?;
-            if i == 0 {
-                if let (Plan::FirstThenDecide, Some(threshold)) = (&plan, threshold) {
-                    let residual = (&out - x)?;
-                    let compute = match &state.head_residual {
-                        None => true,
-                        Some(prev) => relative_change(&residual, prev)? > threshold,
+            let out = match pab {
+                Some(config) => {
+                    let mut hooks = PabHooks {
+                        config,
+                        timestep: forward.timestep,
+                        states: &mut broadcasts[i],
+                        row: &mut row[i * per_block..(i + 1) * per_block],
                     };
-                    if !compute {
-                        skipped = true;
-                        let tail = state.tail_residual.as_ref().ok_or_else(|| {
-                            candle_core::Error::Msg(
-                                "first-block cache without a tail residual".into(),
-                            )
-                        })?;
-                        return tail + &out;
-                    }
-                    head_residual = Some(residual);
-                    head_output = Some(out.clone());
+                    run(block, x, &mut hooks)?
                 }
+                None => run(block, x, &mut ComputeAll)?,
+            };
+            if let (0, Some(threshold)) = (i, threshold) {
+                let residual = (&out - x)?;
+                let compute = match &state.head_residual {
+                    None => true,
+                    Some(prev) => relative_change(&residual, prev)? > threshold,
+                };
+                if !compute {
+                    skipped = true;
+                    let tail = state.tail_residual.as_ref().ok_or_else(|| {
+                        candle_core::Error::Msg("first-block cache without a tail residual".into())
+                    })?;
+                    return tail + &out;
+                }
+                head_residual = Some(residual);
+                head_output = Some(out.clone());
             }
             Ok(out)
         };
         let out = fold(x, &mut f)?;
         let state = &mut self.passes[pass as usize];
-        state.ran.push(if skipped { 1 } else { num_blocks });
+        state.rows.push(row);
         match &self.spec {
             CacheSpec::FirstBlock { .. } if !skipped => {
                 let head = head_output.ok_or_else(|| {
@@ -304,7 +470,6 @@ impl StepCache {
                 state.head_output = Some(head);
                 state.head_residual = head_residual;
             }
-            CacheSpec::FirstBlock { .. } => {}
             CacheSpec::Mag(c) => {
                 let residual = (&out - &input)?;
                 if c.calibrate {
@@ -317,6 +482,7 @@ impl StepCache {
                 state.previous_residual = Some(residual);
                 self.advance(pass);
             }
+            _ => {}
         }
         Ok(out)
     }
@@ -376,36 +542,26 @@ impl StepCache {
         }
     }
 
-    /// Per forward of `pass`, how many blocks ran (all, 1 where the first block's cache stood
-    /// in for the rest, 0 where MagCache skipped the forward).
-    pub fn blocks_run(&self, pass: Pass) -> &[usize] {
-        &self.passes[pass as usize].ran
-    }
-
     /// Which modules ran in each forward of `pass`, as diffusers' fixtures record it: u8
     /// `[forwards, num_blocks · modules_per_block + 1]`, per block the block then its hooked
     /// modules, then the output projection (which always runs); 1 where it ran.
-    pub fn computed(&self, pass: Pass, modules_per_block: usize) -> Result<Tensor> {
-        let ran = self.blocks_run(pass);
-        let columns = self.num_blocks * modules_per_block + 1;
-        let rows: Vec<u8> = ran
-            .iter()
-            .flat_map(|&n| {
-                (0..columns).map(move |c| u8::from(c == columns - 1 || c / modules_per_block < n))
-            })
-            .collect();
-        Tensor::from_vec(rows, (ran.len(), columns), &candle_core::Device::Cpu)
+    pub fn computed(&self, pass: Pass) -> Result<Tensor> {
+        let rows = &self.passes[pass as usize].rows;
+        let columns = self.num_blocks * self.modules_per_block + 1;
+        let flat: Vec<u8> = rows.iter().flatten().copied().collect();
+        Tensor::from_vec(flat, (rows.len(), columns), &candle_core::Device::Cpu)
     }
 
-    /// What `--stats-json` reports: the hook, and per pass the forwards run and skipped and
-    /// the blocks skipped.
+    /// What `--stats-json` reports: the hook, and per pass the forwards run, those in which
+    /// the cache stood in for something, and the modules it stood in for.
     pub fn report(&self) -> serde_json::Value {
         let pass = |p: Pass| {
-            let ran = self.blocks_run(p);
+            let rows = &self.passes[p as usize].rows;
+            let skipped = |row: &Vec<u8>| row.iter().filter(|&&c| c == 0).count();
             serde_json::json!({
-                "forwards": ran.len(),
-                "forwards_with_blocks_skipped": ran.iter().filter(|&&n| n < self.num_blocks).count(),
-                "blocks_skipped": ran.iter().map(|&n| self.num_blocks - n).sum::<usize>(),
+                "forwards": rows.len(),
+                "forwards_with_skips": rows.iter().filter(|r| skipped(r) > 0).count(),
+                "modules_skipped": rows.iter().map(skipped).sum::<usize>(),
             })
         };
         serde_json::json!({
@@ -485,7 +641,8 @@ mod tests {
             "magcache:ratio=1",
             "first-block:nan",
             "teacache:0.1",
-            "pab:spatial_attention_block_skip_range=2",
+            "taylorseer:cache_interval=2",
+            "pab:spatial_attention_timestep_skip_range=1",
         ] {
             assert!(CacheSpec::parse(bad).is_err(), "{bad}");
         }

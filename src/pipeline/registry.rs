@@ -29,8 +29,9 @@ pub struct RunShape {
     pub image: bool,
     /// Whether the VAE decodes the latents (not with `--output-type latent`).
     pub decode: bool,
-    /// Hidden states a step cache holds through the denoising loop (`--cache`).
-    pub cache_states: usize,
+    /// Hidden states a step cache holds through the denoising loop (`--cache`): in all, and
+    /// per block.
+    pub cache_states: (usize, usize),
 }
 
 impl RunShape {
@@ -46,7 +47,7 @@ impl RunShape {
             vae_tiling: config.memory().vae_tiling,
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
-            cache_states: g.cache.as_ref().map_or(0, |c| c.held_states()),
+            cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
         }
     }
 }

@@ -245,7 +245,6 @@ pub fn record_cache(
     job: &mut Job,
     cache: &crate::models::step_cache::StepCache,
     guided: bool,
-    modules_per_block: usize,
 ) -> Result<()> {
     use crate::models::step_cache::Pass;
     let passes: &[(Pass, &str)] = match guided {
@@ -253,7 +252,7 @@ pub fn record_cache(
         false => &[(Pass::Cond, "cond")],
     };
     for &(pass, name) in passes {
-        let computed = cache.computed(pass, modules_per_block)?;
+        let computed = cache.computed(pass)?;
         let key = format!("cache.computed.{name}");
         match job.extra_outputs.iter_mut().find(|(k, _)| *k == key) {
             Some((_, earlier)) => *earlier = Tensor::cat(&[&*earlier, &computed], 0)?,

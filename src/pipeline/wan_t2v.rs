@@ -19,7 +19,7 @@ use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::{FileRef, ModelSource};
-use crate::models::step_cache::{Pass, StepCache};
+use crate::models::step_cache::{Forward, Pass, StepCache};
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
     first_frame_condition, first_frame_mask, image_condition, per_token_timesteps,
@@ -387,7 +387,7 @@ impl WanConfigs {
         };
         let dit_activations = |cfg: &WanTransformerConfig| {
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
-                + shape.cache_states as u64
+                + (shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers) as u64
                     * activations::hidden_state_bytes(cfg, latent, shape.dtype)
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
@@ -795,7 +795,7 @@ impl WanT2V {
         let mut cache = g
             .cache
             .as_ref()
-            .map(|spec| StepCache::new(spec, expert_cfg.num_layers));
+            .map(|spec| StepCache::new(spec, expert_cfg.num_layers, CACHE_MODULES_PER_BLOCK));
         denoise.run(next_step..end, |forwards, i| {
             let t = timesteps[i];
             let input = match (&condition, &mask) {
@@ -810,7 +810,8 @@ impl WanT2V {
                 None => Tensor::new(&[t as f32], device)?,
             };
             let mut forward = |text, pass| {
-                let cache = cache.as_mut().map(|c| (c, pass));
+                let step = Forward { pass, timestep: t };
+                let cache = cache.as_mut().map(|c| (c, step));
                 dit_forward(model, &input, &timestep, text, image, sequence, cache)
             };
             let noise_cond = forwards.run(|| forward(cond, Pass::Cond))?;
@@ -827,7 +828,7 @@ impl WanT2V {
             Ok(latents.clone())
         })?;
         if let Some(cache) = &cache {
-            stages::record_cache(job, cache, uncond.is_some(), CACHE_MODULES_PER_BLOCK)?;
+            stages::record_cache(job, cache, uncond.is_some())?;
         }
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
@@ -880,7 +881,7 @@ pub fn dit_forward(
     text: &Tensor,
     image: Option<&Tensor>,
     sequence: Option<&Arc<dyn SequenceParallel>>,
-    cache: Option<(&mut StepCache, Pass)>,
+    cache: Option<(&mut StepCache, Forward)>,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
@@ -894,11 +895,11 @@ pub fn dit_forward(
     let at = share.as_ref().unwrap_or(&inputs);
     let blocks = WanTransformer3DModel::blocks;
     let x = match cache {
-        Some((cache, pass)) => cache.through_blocks(
-            pass,
+        Some((cache, step)) => cache.through_blocks(
+            step,
             x,
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
-            |block, x| block.forward(x, at),
+            |block, x, hooks| block.forward_hooked(x, at, hooks),
         )?,
         None => dit.fold_blocks(blocks, x, |block, x| block.forward(x, at))?,
     };

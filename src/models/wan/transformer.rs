@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use crate::models::attention::sdpa;
 use crate::models::sequence_parallel::SequenceParallel;
+use crate::models::step_cache::{BlockHooks, ComputeAll, Submodule};
 
 #[cfg(feature = "cuda")]
 use crate::models::row_ops;
@@ -957,6 +958,17 @@ impl WanTransformerBlock {
     /// Runs the block's steps on `x` `[B, seq, inner]` (model dtype); returns the same shape
     /// and dtype.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.forward_hooked(x, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for the self- and cross-attention
+    /// outputs (before their output bias, which the residual adds).
+    pub fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
         let all = Rows { row0: 0, seq };
         // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
@@ -975,25 +987,31 @@ impl WanTransformerBlock {
         // 1. Self-attention.
         if let Some(attn1) = &self.attn1 {
             let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
-            let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let whole = inputs.grid.iter().product();
             let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
-            let attn = attn1.forward(h, batch, None, Some(rope), sp)?;
+            let attn = hooks.output(Submodule::SelfAttention, &mut || {
+                let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
+                attn1.forward(h, batch, None, Some(rope), sp)
+            })?;
             x = inputs.modulated_residual(&x, attn, (attn1.to_out.bias(), &gate), (0, seq))?;
         }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
         if let Some((attn2, norm2)) = &self.attn2 {
-            let h = match norm2 {
-                Some((w, b)) => norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?,
-                None => x.clone(),
-            };
-            let context = CrossContext {
-                text: &inputs.encoder_hidden_states,
-                image: inputs.encoder_hidden_states_image.as_ref(),
-            };
-            let attn = attn2.forward(h, batch, Some(context), None, None)?;
+            let attn = hooks.output(Submodule::CrossAttention, &mut || {
+                let h = match norm2 {
+                    Some((w, b)) => {
+                        norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?
+                    }
+                    None => x.clone(),
+                };
+                let context = CrossContext {
+                    text: &inputs.encoder_hidden_states,
+                    image: inputs.encoder_hidden_states_image.as_ref(),
+                };
+                attn2.forward(h, batch, Some(context), None, None)
+            })?;
             x = residual(&x, attn, attn2.to_out.bias(), None, all)?;
         }
 
