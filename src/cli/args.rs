@@ -198,7 +198,8 @@ pub struct GenerateOptions {
     /// A step cache over the transformer's blocks, as diffusers' `enable_cache`:
     /// `first-block:THRESHOLD` (FirstBlockCacheConfig), `magcache:K=V,...` (MagCacheConfig
     /// fields: threshold, max_skip_steps, retention_ratio, num_inference_steps,
-    /// mag_ratios=R1;R2;..., calibrate=true) or `pab:K=V,...` (PyramidAttentionBroadcastConfig:
+    /// mag_ratios=R1;R2;..., calibrate=true), `taylorseer:K=V,...` (TaylorSeerCacheConfig) or
+    /// `pab:K=V,...` (PyramidAttentionBroadcastConfig:
     /// spatial_attention_block_skip_range=N, cross_attention_timestep_skip_range=LOW;HIGH, ...).
     /// Skipped work trades exactness for speed.
     #[arg(long, help_heading = "Generation", value_name = "HOOK:SPEC", value_parser = crate::models::step_cache::CacheSpec::parse)]

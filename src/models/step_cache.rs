@@ -23,6 +23,90 @@ pub enum CacheSpec {
     Mag(MagCacheConfig),
     /// Reuses attention outputs of earlier calls inside a timestep range.
     Pab(PabConfig),
+    /// Predicts hooked modules' outputs by Taylor series between full steps.
+    #[serde(rename = "taylorseer")]
+    TaylorSeer(TaylorSeerConfig),
+}
+
+/// diffusers' `TaylorSeerCacheConfig`, its defaults included.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaylorSeerConfig {
+    pub cache_interval: u64,
+    pub disable_cache_before_step: u64,
+    pub disable_cache_after_step: Option<u64>,
+    pub max_order: usize,
+    /// The dtype the factors are stored in (`taylor_factors_dtype`): float32, bfloat16, float16.
+    pub factors_dtype: String,
+    /// Regular expressions (`re.fullmatch`) of the modules that return zeros between full steps.
+    pub skip_predict_identifiers: Vec<String>,
+    /// Those whose outputs are predicted.
+    pub cache_identifiers: Vec<String>,
+    pub use_lite_mode: bool,
+}
+
+impl Default for TaylorSeerConfig {
+    fn default() -> Self {
+        TaylorSeerConfig {
+            cache_interval: 5,
+            disable_cache_before_step: 3,
+            disable_cache_after_step: None,
+            max_order: 1,
+            factors_dtype: "bfloat16".into(),
+            skip_predict_identifiers: Vec::new(),
+            cache_identifiers: Vec::new(),
+            use_lite_mode: false,
+        }
+    }
+}
+
+/// diffusers' default `cache_identifiers` (its `_TRANSFORMER_BLOCK_IDENTIFIERS`), and lite mode's
+/// predicted and zeroed modules.
+const TAYLORSEER_DEFAULT: [&str; 4] = [
+    "^blocks.*attn",
+    "^transformer_blocks.*attn",
+    "^single_transformer_blocks.*attn",
+    "^temporal_transformer_blocks.*attn",
+];
+const TAYLORSEER_LITE_PREDICTED: &str = "^proj_out$";
+const TAYLORSEER_LITE_ZEROED: &str = "^[^.]*block[^.]*\\.[^.]+$";
+
+impl TaylorSeerConfig {
+    /// The compiled (zeroed, predicted) patterns, matched against whole module names.
+    fn patterns(&self) -> std::result::Result<(Vec<regex::Regex>, Vec<regex::Regex>), String> {
+        let compile = |list: &[&str]| {
+            list.iter()
+                .map(|p| {
+                    regex::Regex::new(&format!("^(?:{p})$"))
+                        .map_err(|e| format!("{p} is not a regular expression: {e}"))
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+        };
+        fn own(list: &[String]) -> Vec<&str> {
+            list.iter().map(String::as_str).collect()
+        }
+        if self.use_lite_mode {
+            return Ok((
+                compile(&[TAYLORSEER_LITE_ZEROED])?,
+                compile(&[TAYLORSEER_LITE_PREDICTED])?,
+            ));
+        }
+        let predicted = match self.cache_identifiers.is_empty() {
+            true => TAYLORSEER_DEFAULT.to_vec(),
+            false => own(&self.cache_identifiers),
+        };
+        Ok((
+            compile(&own(&self.skip_predict_identifiers))?,
+            compile(&predicted)?,
+        ))
+    }
+
+    fn dtype(&self) -> DType {
+        match self.factors_dtype.as_str() {
+            "float32" => DType::F32,
+            "float16" => DType::F16,
+            _ => DType::BF16,
+        }
+    }
 }
 
 /// diffusers' `PyramidAttentionBroadcastConfig` (its block identifiers left at their defaults,
@@ -179,9 +263,52 @@ impl CacheSpec {
                     cross: with(2),
                 }))
             }
-            "taylorseer" => Err(format!(
-                "--cache {text}: vidgen runs the first-block, magcache and pab caches so far"
-            )),
+            "taylorseer" => {
+                let mut c = TaylorSeerConfig::default();
+                let list = |v: &str| match v {
+                    "none" => Vec::new(),
+                    _ => v.split(';').map(String::from).collect(),
+                };
+                for (key, v) in pairs()? {
+                    match key {
+                        "cache_interval" => c.cache_interval = count(key, v)?.max(1) as u64,
+                        "disable_cache_before_step" => {
+                            c.disable_cache_before_step = count(key, v)? as u64
+                        }
+                        "disable_cache_after_step" => {
+                            c.disable_cache_after_step = match v {
+                                "none" => None,
+                                _ => Some(count(key, v)? as u64),
+                            }
+                        }
+                        "max_order" => c.max_order = count(key, v)?,
+                        "taylor_factors_dtype" => match v {
+                            "float32" | "bfloat16" | "float16" => c.factors_dtype = v.into(),
+                            _ => {
+                                return Err(format!(
+                                    "--cache {text}: taylor_factors_dtype={v}: give float32, bfloat16 or float16"
+                                ))
+                            }
+                        },
+                        "skip_predict_identifiers" => c.skip_predict_identifiers = list(v),
+                        "cache_identifiers" => c.cache_identifiers = list(v),
+                        "use_lite_mode" => {
+                            c.use_lite_mode = match v {
+                                "true" => true,
+                                "false" => false,
+                                _ => return Err(format!("--cache {text}: use_lite_mode={v} is not true or false")),
+                            }
+                        }
+                        _ => {
+                            return Err(format!(
+                                "--cache {text}: taylorseer has no key {key} (cache_interval, disable_cache_before_step, disable_cache_after_step, max_order, taylor_factors_dtype, skip_predict_identifiers, cache_identifiers, use_lite_mode)"
+                            ))
+                        }
+                    }
+                }
+                c.patterns().map_err(|e| format!("--cache {text}: {e}"))?;
+                Ok(CacheSpec::TaylorSeer(c))
+            }
             _ => Err(format!(
                 "--cache {text}: no cache named {hook} (first-block:THRESHOLD or magcache:K=V,...)"
             )),
@@ -197,6 +324,24 @@ impl CacheSpec {
             CacheSpec::FirstBlock { .. } => (6, 0),
             CacheSpec::Mag(_) => (2, 0),
             CacheSpec::Pab(c) => (0, [c.spatial, c.temporal, c.cross].iter().flatten().count()),
+            // Per pass and predicted module, up to max_order + 1 factors (block 0's modules
+            // stand for every block's).
+            CacheSpec::TaylorSeer(c) => {
+                let Ok((_, predicted)) = c.patterns() else {
+                    return (0, 0);
+                };
+                let held = |name: &str| {
+                    usize::from(predicted.iter().any(|p| p.is_match(name))) * 2 * (c.max_order + 1)
+                };
+                let names = ModuleNames::DIFFUSERS;
+                let per_block = held(&names.block(0))
+                    + names
+                        .submodules
+                        .iter()
+                        .map(|s| held(&names.submodule(0, s)))
+                        .sum::<usize>();
+                (held(names.proj_out), per_block)
+            }
         }
     }
 
@@ -206,6 +351,7 @@ impl CacheSpec {
             CacheSpec::FirstBlock { .. } => "first-block",
             CacheSpec::Mag(_) => "magcache",
             CacheSpec::Pab(_) => "pab",
+            CacheSpec::TaylorSeer(_) => "taylorseer",
         }
     }
 }
@@ -225,6 +371,34 @@ fn resample(ratios: &[f32], n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// How a DiT names, in diffusers, the modules a step cache hooks: block `i` is
+/// `{blocks}.{i}`, its outputs `{blocks}.{i}.{submodule}`, then the output projection.
+#[derive(Clone, Copy, Debug)]
+pub struct ModuleNames {
+    pub blocks: &'static str,
+    /// In [`Submodule`] order.
+    pub submodules: [&'static str; 3],
+    pub proj_out: &'static str,
+}
+
+impl ModuleNames {
+    /// The names of diffusers' Wan transformer (and most DiTs'), whose TaylorSeer patterns the
+    /// plan reads.
+    pub const DIFFUSERS: ModuleNames = ModuleNames {
+        blocks: "blocks",
+        submodules: ["attn1", "attn2", "ffn"],
+        proj_out: "proj_out",
+    };
+
+    fn block(&self, i: usize) -> String {
+        format!("{}.{i}", self.blocks)
+    }
+
+    fn submodule(&self, i: usize, name: &str) -> String {
+        format!("{}.{i}.{name}", self.blocks)
+    }
+}
+
 /// Which forward of a guided step: the passes keep separate cache states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
@@ -239,6 +413,7 @@ pub enum Submodule {
     SelfAttention,
     /// Attention to the text (PAB's "cross" attention).
     CrossAttention,
+    FeedForward,
 }
 
 impl Submodule {
@@ -247,19 +422,29 @@ impl Submodule {
         match self {
             Submodule::SelfAttention => 1,
             Submodule::CrossAttention => 2,
+            Submodule::FeedForward => 3,
         }
     }
 }
 
-/// What a block asks of a step cache while it runs: each hooked output, computed by
-/// `compute` or stood in for (the model runs the rest of its arithmetic on what it gets).
+/// What a block asks of a step cache while it runs: each hooked output (the module's whole
+/// output, its bias included), computed by `compute` or stood in for (the model runs the rest
+/// of its arithmetic on what it gets). Outputs not [`BlockHooks::wants`]ed are not asked for.
 pub trait BlockHooks {
+    /// Whether the cache hooks `module` of the block running.
+    fn wants(&self, module: Submodule) -> bool;
     fn output(
         &mut self,
         module: Submodule,
         compute: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor>;
 }
+
+/// Computes a module's output (what a cache runs, or stands in for).
+pub type Compute<'a> = dyn FnMut() -> Result<Tensor> + 'a;
+
+/// Gives a module's output from its computation: a step cache's hook.
+pub type Through<'a> = dyn FnMut(&mut Compute) -> Result<Tensor> + 'a;
 
 /// One forward, as the cache needs to know it.
 #[derive(Clone, Copy, Debug)]
@@ -306,9 +491,13 @@ pub struct StepCache {
     num_blocks: usize,
     /// Columns per block in the record: the block and its hooked modules.
     modules_per_block: usize,
+    names: ModuleNames,
     passes: [PassState; 2],
     /// PAB: per block, the self- and cross-attention states.
     broadcasts: Vec<[Broadcast; 2]>,
+    /// TaylorSeer's settings and, per pass, each hooked module's state.
+    taylor: Option<TaylorSeer>,
+    taylor_states: [std::collections::HashMap<String, Taylor>; 2],
 }
 
 /// The hooks of one block in one forward under PAB.
@@ -319,18 +508,32 @@ struct PabHooks<'a> {
     row: &'a mut [u8],
 }
 
+impl PabHooks<'_> {
+    fn setting(&self, module: Submodule) -> Option<(u32, (f64, f64))> {
+        match module {
+            Submodule::SelfAttention => self.config.spatial,
+            Submodule::CrossAttention => self.config.cross,
+            Submodule::FeedForward => None,
+        }
+    }
+}
+
 impl BlockHooks for PabHooks<'_> {
+    fn wants(&self, module: Submodule) -> bool {
+        self.setting(module).is_some()
+    }
+
     fn output(
         &mut self,
         module: Submodule,
         compute: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let (setting, state) = match module {
-            Submodule::SelfAttention => (self.config.spatial, &mut self.states[0]),
-            Submodule::CrossAttention => (self.config.cross, &mut self.states[1]),
-        };
-        let Some((range, (low, high))) = setting else {
+        let Some((range, (low, high))) = self.setting(module) else {
             return compute();
+        };
+        let state = match module {
+            Submodule::SelfAttention => &mut self.states[0],
+            _ => &mut self.states[1],
         };
         let inside = low < self.timestep && self.timestep < high;
         let out = match &state.cached {
@@ -353,6 +556,10 @@ impl BlockHooks for PabHooks<'_> {
 pub struct ComputeAll;
 
 impl BlockHooks for ComputeAll {
+    fn wants(&self, _: Submodule) -> bool {
+        false
+    }
+
     fn output(
         &mut self,
         _: Submodule,
@@ -362,10 +569,142 @@ impl BlockHooks for ComputeAll {
     }
 }
 
+/// TaylorSeer's state of one hooked module in one pass.
+#[derive(Default)]
+struct Taylor {
+    /// Calls so far, less one (diffusers starts at −1 and counts before deciding).
+    calls: u64,
+    /// The call of the last full computation, and its factors F_0.. (in the factors' dtype).
+    last_update: Option<u64>,
+    factors: Vec<Tensor>,
+    /// The output's shape, dtype and device at its last computation (what a zeroed module
+    /// returns zeros of, and the dtype predictions take).
+    output: Option<(candle_core::Shape, DType, candle_core::Device)>,
+}
+
+/// TaylorSeer's compiled settings.
+struct TaylorSeer {
+    config: TaylorSeerConfig,
+    zeroed: Vec<regex::Regex>,
+    predicted: Vec<regex::Regex>,
+}
+
+impl TaylorSeer {
+    /// Whether `name` is hooked, and whether it returns zeros between full steps.
+    fn hooks(&self, name: &str) -> Option<bool> {
+        let matches = |list: &[regex::Regex]| list.iter().any(|p| p.is_match(name));
+        let zeroed = matches(&self.zeroed);
+        (zeroed || matches(&self.predicted)).then_some(zeroed)
+    }
+
+    /// The output of a hooked module at its next call: computed (and the factors updated)
+    /// on a full step, else predicted (or zeros); the flag says whether it was computed.
+    fn output(
+        &self,
+        state: &mut Taylor,
+        zeroed: bool,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<(Tensor, bool)> {
+        let c = &self.config;
+        let step = state.calls;
+        state.calls += 1;
+        let before = c.disable_cache_before_step;
+        let full = step < before
+            || (step as i64 - before as i64 - 1).rem_euclid(c.cache_interval as i64) == 0
+            || c.disable_cache_after_step
+                .is_some_and(|after| step >= after);
+        if full || state.last_update.is_none() {
+            let out = compute()?;
+            state.output = Some((out.shape().clone(), out.dtype(), out.device().clone()));
+            if !zeroed {
+                let mut factors = vec![out.clone()];
+                if let Some(last) = state.last_update {
+                    let delta = (step - last) as f64;
+                    for j in 0..c.max_order {
+                        let Some(prev) = state.factors.get(j) else {
+                            break;
+                        };
+                        if prev.shape() != factors[j].shape() {
+                            break;
+                        }
+                        let prev = prev.to_dtype(out.dtype())?;
+                        // A true division, as torch's (candle's `/ f64` multiplies by 1/delta).
+                        let delta =
+                            Tensor::new(delta as f32, out.device())?.to_dtype(out.dtype())?;
+                        let next = (&factors[j] - prev)?.broadcast_div(&delta)?;
+                        factors.push(next);
+                    }
+                }
+                let dtype = self.config.dtype();
+                state.factors = factors
+                    .iter()
+                    .map(|f| f.to_dtype(dtype))
+                    .collect::<Result<_>>()?;
+            }
+            state.last_update = Some(step);
+            return Ok((out, true));
+        }
+        let offset = step - state.last_update.unwrap_or(step);
+        let (shape, dtype, device) = state.output.clone().ok_or_else(|| {
+            candle_core::Error::Msg("TaylorSeer predicts before a full step".into())
+        })?;
+        let mut out = Tensor::zeros(shape, dtype, &device)?;
+        if zeroed {
+            return Ok((out, false));
+        }
+        // Σ_j F_j · offset^j / j!, each term in the output's dtype.
+        let mut factorial = 1.0f64;
+        for (order, factor) in state.factors.iter().enumerate() {
+            factorial *= order.max(1) as f64;
+            let coeff = (offset as f64).powi(order as i32) / factorial;
+            out = (out + factor.to_dtype(dtype)?.affine(coeff as f32 as f64, 0.0)?)?;
+        }
+        Ok((out, false))
+    }
+}
+
+/// The hooks of one block in one forward under TaylorSeer.
+struct TaylorHooks<'a> {
+    seer: &'a TaylorSeer,
+    names: ModuleNames,
+    block: usize,
+    states: &'a mut std::collections::HashMap<String, Taylor>,
+    row: &'a mut [u8],
+}
+
+impl TaylorHooks<'_> {
+    fn name(&self, module: Submodule) -> String {
+        self.names
+            .submodule(self.block, self.names.submodules[module.column() - 1])
+    }
+}
+
+impl BlockHooks for TaylorHooks<'_> {
+    fn wants(&self, module: Submodule) -> bool {
+        self.seer.hooks(&self.name(module)).is_some()
+    }
+
+    fn output(
+        &mut self,
+        module: Submodule,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let name = self.name(module);
+        let Some(zeroed) = self.seer.hooks(&name) else {
+            return compute();
+        };
+        let state = self.states.entry(name).or_default();
+        let (out, computed) = self.seer.output(state, zeroed, compute)?;
+        if !computed {
+            self.row[module.column()] = 0;
+        }
+        Ok(out)
+    }
+}
+
 impl StepCache {
-    /// A fresh cache for a transformer of `num_blocks` blocks, each recorded as itself and
-    /// `modules_per_block − 1` hooked modules.
-    pub fn new(spec: &CacheSpec, num_blocks: usize, modules_per_block: usize) -> Self {
+    /// A fresh cache for a transformer of `num_blocks` blocks named as `names` says.
+    pub fn new(spec: &CacheSpec, num_blocks: usize, names: ModuleNames) -> Self {
         let ratios = match spec {
             CacheSpec::Mag(c) => c
                 .mag_ratios
@@ -378,13 +717,24 @@ impl StepCache {
             accumulated_ratio: 1.0,
             ..Default::default()
         };
+        let taylor = match spec {
+            CacheSpec::TaylorSeer(c) => c.patterns().ok().map(|(zeroed, predicted)| TaylorSeer {
+                config: c.clone(),
+                zeroed,
+                predicted,
+            }),
+            _ => None,
+        };
         StepCache {
             spec: spec.clone(),
             ratios,
             num_blocks,
-            modules_per_block,
+            modules_per_block: 1 + names.submodules.len(),
+            names,
             passes: [pass(), pass()],
             broadcasts: (0..num_blocks).map(|_| Default::default()).collect(),
+            taylor,
+            taylor_states: Default::default(),
         }
     }
 
@@ -418,6 +768,8 @@ impl StepCache {
         };
         let state = &mut self.passes[pass as usize];
         let broadcasts = &mut self.broadcasts;
+        let (taylor, names) = (self.taylor.as_ref(), self.names);
+        let taylor_states = &mut self.taylor_states[pass as usize];
         let input = x.clone();
         let (mut index, mut skipped, mut head_output) = (0usize, false, None);
         let mut head_residual = None;
@@ -428,17 +780,48 @@ impl StepCache {
                 row[i * per_block..(i + 1) * per_block].fill(0);
                 return Ok(x.clone());
             }
-            let out = match pab {
-                Some(config) => {
+            let cells = &mut row[i * per_block..(i + 1) * per_block];
+            let out = match (pab, taylor) {
+                (Some(config), _) => {
                     let mut hooks = PabHooks {
                         config,
                         timestep: forward.timestep,
                         states: &mut broadcasts[i],
-                        row: &mut row[i * per_block..(i + 1) * per_block],
+                        row: cells,
                     };
                     run(block, x, &mut hooks)?
                 }
-                None => run(block, x, &mut ComputeAll)?,
+                (None, Some(seer)) => {
+                    let name = names.block(i);
+                    let hooked = seer.hooks(&name);
+                    let mut block_state = taylor_states.remove(&name).unwrap_or_default();
+                    let mut compute = || {
+                        let mut hooks = TaylorHooks {
+                            seer,
+                            names,
+                            block: i,
+                            states: &mut *taylor_states,
+                            row: &mut *cells,
+                        };
+                        run(block, x, &mut hooks)
+                    };
+                    let out = match hooked {
+                        Some(zeroed) => {
+                            let (out, computed) =
+                                seer.output(&mut block_state, zeroed, &mut compute)?;
+                            if !computed {
+                                cells.fill(0);
+                            }
+                            out
+                        }
+                        None => compute()?,
+                    };
+                    if hooked.is_some() {
+                        taylor_states.insert(name, block_state);
+                    }
+                    out
+                }
+                (None, None) => run(block, x, &mut ComputeAll)?,
             };
             if let (0, Some(threshold)) = (i, threshold) {
                 let residual = (&out - x)?;
@@ -483,6 +866,33 @@ impl StepCache {
                 self.advance(pass);
             }
             _ => {}
+        }
+        Ok(out)
+    }
+
+    /// The output projection of a forward (after [`Self::through_blocks`]): computed by
+    /// `compute`, or TaylorSeer's stand-in where it hooks it.
+    pub fn project(
+        &mut self,
+        forward: Forward,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let Some(seer) = &self.taylor else {
+            return compute();
+        };
+        let name = self.names.proj_out;
+        let Some(zeroed) = seer.hooks(name) else {
+            return compute();
+        };
+        let pass = forward.pass as usize;
+        let state = self.taylor_states[pass]
+            .entry(name.to_string())
+            .or_default();
+        let (out, computed) = seer.output(state, zeroed, compute)?;
+        if let (false, Some(row)) = (computed, self.passes[pass].rows.last_mut()) {
+            if let Some(cell) = row.last_mut() {
+                *cell = 0;
+            }
         }
         Ok(out)
     }
@@ -641,7 +1051,7 @@ mod tests {
             "magcache:ratio=1",
             "first-block:nan",
             "teacache:0.1",
-            "taylorseer:cache_interval=2",
+            "taylorseer:max_order=x",
             "pab:spatial_attention_timestep_skip_range=1",
         ] {
             assert!(CacheSpec::parse(bad).is_err(), "{bad}");

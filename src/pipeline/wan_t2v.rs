@@ -29,9 +29,7 @@ use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
 };
-use crate::models::wan::transformer::{
-    WanTransformer3DModel, WanTransformerConfig, CACHE_MODULES_PER_BLOCK,
-};
+use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig, CACHE_NAMES};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::rng::TorchGenerator;
 use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
@@ -795,7 +793,7 @@ impl WanT2V {
         let mut cache = g
             .cache
             .as_ref()
-            .map(|spec| StepCache::new(spec, expert_cfg.num_layers, CACHE_MODULES_PER_BLOCK));
+            .map(|spec| StepCache::new(spec, expert_cfg.num_layers, CACHE_NAMES));
         denoise.run(next_step..end, |forwards, i| {
             let t = timesteps[i];
             let input = match (&condition, &mask) {
@@ -894,14 +892,21 @@ pub fn dit_forward(
     };
     let at = share.as_ref().unwrap_or(&inputs);
     let blocks = WanTransformer3DModel::blocks;
-    let x = match cache {
+    let mut cache = cache;
+    let x = match &mut cache {
         Some((cache, step)) => cache.through_blocks(
-            step,
+            *step,
             x,
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
             |block, x, hooks| block.forward_hooked(x, at, hooks),
         )?,
         None => dit.fold_blocks(blocks, x, |block, x| block.forward(x, at))?,
     };
-    model.finish(&at.gather_sequence(&x)?, &inputs)
+    let x = at.gather_sequence(&x)?;
+    match cache {
+        Some((cache, step)) => {
+            model.finish_projecting(&x, &inputs, &mut |compute| cache.project(step, compute))
+        }
+        None => model.finish(&x, &inputs),
+    }
 }

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use crate::models::attention::sdpa;
 use crate::models::sequence_parallel::SequenceParallel;
-use crate::models::step_cache::{BlockHooks, ComputeAll, Submodule};
+use crate::models::step_cache::{BlockHooks, ComputeAll, ModuleNames, Submodule, Through};
 
 #[cfg(feature = "cuda")]
 use crate::models::row_ops;
@@ -39,9 +39,9 @@ use crate::models::row_ops;
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
 pub const FFN_CHUNK: usize = 8192;
 
-/// The modules of a block that diffusers' cache hooks count, the block itself first:
-/// `blocks.N`, `.attn1`, `.attn2`, `.ffn` (columns of `--cache`'s record).
-pub const CACHE_MODULES_PER_BLOCK: usize = 4;
+/// diffusers' names of the modules a step cache hooks: `blocks.N`, `blocks.N.attn1`, `.attn2`,
+/// `.ffn` and `proj_out` (the columns of `--cache`'s record, the names its patterns match).
+pub const CACHE_NAMES: ModuleNames = ModuleNames::DIFFUSERS;
 
 /// The modules diffusers' layerwise casting leaves alone in `WanTransformer3DModel` (its
 /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`).
@@ -990,16 +990,17 @@ impl WanTransformerBlock {
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let whole = inputs.grid.iter().product();
             let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
-            let attn = hooks.output(Submodule::SelfAttention, &mut || {
+            let compute = || {
                 let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
                 attn1.forward(h, batch, None, Some(rope), sp)
-            })?;
-            x = inputs.modulated_residual(&x, attn, (attn1.to_out.bias(), &gate), (0, seq))?;
+            };
+            let (attn, bias) = hooked(hooks, Submodule::SelfAttention, compute, &attn1.to_out)?;
+            x = inputs.modulated_residual(&x, attn, (bias, &gate), (0, seq))?;
         }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
         if let Some((attn2, norm2)) = &self.attn2 {
-            let attn = hooks.output(Submodule::CrossAttention, &mut || {
+            let compute = || {
                 let h = match norm2 {
                     Some((w, b)) => {
                         norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?
@@ -1011,8 +1012,9 @@ impl WanTransformerBlock {
                     image: inputs.encoder_hidden_states_image.as_ref(),
                 };
                 attn2.forward(h, batch, Some(context), None, None)
-            })?;
-            x = residual(&x, attn, attn2.to_out.bias(), None, all)?;
+            };
+            let (attn, bias) = hooked(hooks, Submodule::CrossAttention, compute, &attn2.to_out)?;
+            x = residual(&x, attn, bias, None, all)?;
         }
 
         // 3. Feed-forward by token chunks, each written back into `x` (which this block owns):
@@ -1020,6 +1022,16 @@ impl WanTransformerBlock {
         // exact.
         if let Some(ffn) = &self.ffn {
             let (c_shift, c_scale, c_gate) = (m(3)?, (m(4)? + 1.0)?, m(5)?);
+            if hooks.wants(Submodule::FeedForward) {
+                // A step cache stands in for the whole output: computed unchunked.
+                let compute = || {
+                    let h = inputs.modulated_norm(&x, (&c_scale, &c_shift), (0, seq), self.eps)?;
+                    ffn.forward_without_out_bias(&h)
+                };
+                let (ff, bias) = hooked(hooks, Submodule::FeedForward, compute, &ffn.fc2)?;
+                let x = inputs.modulated_residual(&x, ff, (bias, &c_gate), (0, seq))?;
+                return x.reshape((batch, seq, dim));
+            }
             if self.attn1.is_none() && self.attn2.is_none() {
                 // The input is the caller's: write the chunks into a copy.
                 x = x.copy()?;
@@ -1045,6 +1057,25 @@ impl WanTransformerBlock {
         }
         x.reshape((batch, seq, dim))
     }
+}
+
+/// A block output through a step cache's `hooks` where it hooks `module`: the output with its
+/// `linear`'s bias added (what the cache keeps or stands in for) and no bias left for the
+/// residual; otherwise computed as it is, the bias left for the residual's fused add.
+fn hooked<'l>(
+    hooks: &mut dyn BlockHooks,
+    module: Submodule,
+    mut compute: impl FnMut() -> Result<Tensor>,
+    linear: &'l Linear,
+) -> Result<(Tensor, Option<&'l Tensor>)> {
+    if !hooks.wants(module) {
+        return Ok((compute()?, linear.bias()));
+    }
+    let out = hooks.output(module, &mut || match linear.bias() {
+        Some(b) => compute()?.broadcast_add(b),
+        None => compute(),
+    })?;
+    Ok((out, None))
 }
 
 /// Sinusoidal timestep embedding `[B, freq_dim]` in f32, `[cos | sin]`, exactly as diffusers'
@@ -1413,13 +1444,26 @@ impl WanTransformer3DModel {
     /// Output norm with (scale_shift_table + temb) modulation, `proj_out` and unpatchify:
     /// `[B, seq, inner]` -> `[B, out_channels, F, H, W]` (model dtype).
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.finish_projecting(x, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
         let e = inputs.modulation(&self.scale_shift_table, &inputs.temb, 1)?;
         let m = |i: usize| e.narrow(1, i, 1)?.squeeze(1)?.contiguous();
         let (shift, scale) = (m(0)?, (m(1)? + 1.0)?);
         let x = x.reshape((batch * seq, dim))?;
-        let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.cfg.eps)?;
-        let h = self.proj_out.forward(&h)?;
+        let h = project(&mut || {
+            let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.cfg.eps)?;
+            self.proj_out.forward(&h)
+        })?;
 
         let [pt, ph, pw] = self.cfg.patch_size;
         let [gf, gh, gw] = inputs.grid;
