@@ -14,6 +14,7 @@ pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
 #[path = "kernels/module.rs"]
 pub(crate) mod kernel_module;
+pub mod latte;
 #[cfg(feature = "cuda")]
 #[path = "kernels/linear.rs"]
 pub(crate) mod linear;
@@ -36,6 +37,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     cogvideox::FOLDER,
     hunyuan_video::FOLDER,
     minimax_h3::FOLDER,
+    latte::FOLDER,
     t5::FOLDER,
     clip::FOLDER,
     crate::schedulers::FOLDER,
