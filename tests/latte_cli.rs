@@ -8,7 +8,7 @@ mod common;
 use candle_core::Tensor;
 use common::{
     assert_close, generate_frames, max_abs_diff, named_fixture_dir, named_reference, run_vidgen,
-    scratch_dir, usage_error,
+    scratch_dir,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -207,7 +207,7 @@ fn flags_and_sizes_that_do_not_apply_are_refused() {
         (&["--flow-shift", "3"], "does not apply to Latte"),
         (&["--scheduler", "euler"], "does not apply to Latte"),
         (&["--num-frames", "4"], "video_length"),
-        (&["--height", "40"], "multiples of 16"),
+        (&["--height", "40"], "multiple of 16"),
     ];
     for (flags, why) in cases {
         for dry in [false, true] {
@@ -229,8 +229,12 @@ fn flags_and_sizes_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run".into());
             }
-            let line = usage_error(&run_vidgen(&args), &format!("{flags:?}"));
-            assert!(line.contains(why), "{flags:?}: {line}");
+            let out = run_vidgen(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+            assert_eq!(errors.len(), 1, "{flags:?}: {stderr}");
+            assert!(errors[0].contains(why), "{flags:?}: {stderr}");
         }
     }
 }
