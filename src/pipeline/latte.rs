@@ -111,21 +111,12 @@ impl Family for LatteConfigs {
         vec![FamilyOption::GuidanceScale, FamilyOption::NegativePrompt]
     }
 
-    /// The temporal table fixes the frame count; sizes come in whole tokens.
-    fn size_refusal(&self, num_frames: u32, height: u32, width: u32) -> Option<String> {
+    /// The temporal table fixes the frame count (sizes in whole tokens are the frame rule's).
+    fn size_refusal(&self, num_frames: u32, _height: u32, _width: u32) -> Option<String> {
         let frames = self.transformer.video_length as u32;
-        if num_frames != frames && num_frames != 1 {
-            return Some(format!(
-                "--num-frames {num_frames}: this Latte transformer's temporal position table is {frames} frames long (video_length); pass --num-frames {frames} (or 1)"
-            ));
-        }
-        let step = self.size_step();
-        if height == 0 || width == 0 || height % step != 0 || width % step != 0 {
-            return Some(format!(
-                "--height {height} --width {width}: Latte needs multiples of {step} (the VAE's 8x times the 2x2 patch)"
-            ));
-        }
-        None
+        (num_frames != frames && num_frames != 1).then(|| format!(
+            "--num-frames {num_frames}: this Latte transformer's temporal position table is {frames} frames long (video_length); pass --num-frames {frames} (or 1)"
+        ))
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {

@@ -421,7 +421,7 @@ fn block_at(cfg: &LatteTransformerConfig, i: usize) -> Result<(BlockKind, usize)
     if i >= 2 * cfg.num_layers {
         candle_core::bail!("block {i} of {} blocks", 2 * cfg.num_layers);
     }
-    let kind = if i % 2 == 0 {
+    let kind = if i.is_multiple_of(2) {
         BlockKind::Spatial
     } else {
         BlockKind::Temporal
