@@ -112,10 +112,23 @@ fn offload_modes_are_bit_identical_to_resident() {
     let modes: &[&[&str]] = &[
         &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
         &["--dit-layerwise-offload", "--num-blocks-per-group", "1"],
+        &["--dit-layerwise-offload", "--num-blocks-per-group", "8"],
+        &[
+            "--dit-layerwise-offload",
+            "--num-blocks-per-group",
+            "1",
+            "--no-offload-stream",
+        ],
         &[
             "--dit-layerwise-offload",
             "--num-blocks-per-group",
             "8",
+            "--no-offload-stream",
+        ],
+        &[
+            "--dit-layerwise-offload",
+            "--num-blocks-per-group",
+            "2",
             "--prefetch-depth",
             "2",
         ],
@@ -136,6 +149,10 @@ fn offload_modes_are_bit_identical_to_resident() {
             "{flags:?} differs from the resident run"
         );
     }
+    // Unified memory's rules (host offload off, components loaded in turn).
+    let unified = generate_frames(&args("7.5", &["--memory-model", "unified"]), &draws, &dir)
+        .unwrap_or_else(|e| panic!("unified: {e}"));
+    assert_eq!(max_abs_diff(&unified, &resident), 0.0, "unified memory");
 }
 
 fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
