@@ -194,6 +194,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
         assert_eq!(config["num_frames"], 16, "{text}");
         assert_eq!(config["num_inference_steps"], 50, "{text}");
         assert_eq!(config["guidance_scale"], 7.5, "{text}");
+        assert_eq!(config["max_sequence_length"], 120, "{text}");
         for stage in ["encode_text", "denoise", "decode", "write"] {
             assert!(text.contains(stage), "no stage {stage}: {text}");
         }

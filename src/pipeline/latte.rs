@@ -127,7 +127,7 @@ impl Family for LatteConfigs {
     }
 
     /// The published pipeline's call defaults: 512x512 (sample_size x 8), video_length frames,
-    /// 50 steps, guidance 7.5.
+    /// 50 steps, guidance 7.5, 120 text tokens.
     fn defaults(&self) -> ModelDefaults {
         let side = (self.transformer.sample_size * self.vae.scale_factor()) as u32;
         ModelDefaults {
@@ -137,6 +137,8 @@ impl Family for LatteConfigs {
             fps: Some(8),
             num_inference_steps: Some(50),
             guidance_scale: Some(7.5),
+            // Not an option here: the fixed length, so reports show what runs.
+            max_sequence_length: Some(prompt::MAX_LENGTH as u32),
             frame_rule: Some(FrameRule {
                 frame_step: 1,
                 size_step: self.size_step(),
