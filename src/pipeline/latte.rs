@@ -15,14 +15,14 @@ use crate::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::guidance::guide_batched;
 use crate::models::latte::transformer::{LatteTransformer3DModel, LatteTransformerConfig};
-use crate::models::latte::{activations, prompt, DECODE_CHUNK_FRAMES};
+use crate::models::latte::{activations, decode_latents, prompt, DECODE_CHUNK_FRAMES};
 use crate::models::source::FileRef;
 use crate::models::t5::encoder::{T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::rng::TorchGenerator;
 use crate::schedulers::ddim::{DdimConfig, DdimScheduler};
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use std::any::Any;
 
 /// Reads a Latte model's configs (the registry's entry point).
@@ -284,26 +284,13 @@ impl Latte {
         Ok(())
     }
 
-    /// `decode_latents`: every frame on its own (`[F, C, h, w]`, times 1/scaling_factor) in
-    /// chunks of [`DECODE_CHUNK_FRAMES`], then `postprocess_video` to frames `[F, H, W, 3]`.
+    /// `decode_latents` (every frame on its own, in chunks), then `postprocess_video` to frames
+    /// `[F, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let held = frame.hold(self.parts.vae)?;
         let vae = held.model();
         let latents = job.latents.take().context("nothing denoised")?;
-        let z = latents
-            .to_device(&frame.device)?
-            .squeeze(0)?
-            .permute((1, 0, 2, 3))?;
-        let z = vae.unscale_by_reciprocal(&z)?;
-        let frames = z.dim(0)?;
-        let mut decoded = Vec::with_capacity(frames.div_ceil(DECODE_CHUNK_FRAMES));
-        for start in (0..frames).step_by(DECODE_CHUNK_FRAMES) {
-            let n = DECODE_CHUNK_FRAMES.min(frames - start);
-            decoded.push(vae.decode(&z.narrow(0, start, n)?)?.to_dtype(DType::F32)?);
-        }
-        let video = Tensor::cat(&decoded, 0)?
-            .permute((1, 0, 2, 3))?
-            .unsqueeze(0)?;
+        let video = decode_latents(vae, &latents.to_device(&frame.device)?)?;
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }

@@ -17,8 +17,29 @@ pub mod activations;
 pub mod prompt;
 pub mod transformer;
 
+use crate::models::autoencoder_kl::AutoencoderKL;
+use candle_core::{DType, Result, Tensor};
+
 /// Frames per VAE call (`decode_chunk_size`'s default in `LattePipeline.__call__`).
 pub const DECODE_CHUNK_FRAMES: usize = 14;
+
+/// `decode_latents`: latents `[1, C, F, h, w]` as `F` images (times `1 / scaling_factor`),
+/// decoded [`DECODE_CHUNK_FRAMES`] at a time, to the video `[1, 3, F, H, W]` in f32 (not
+/// clamped).
+pub fn decode_latents(vae: &AutoencoderKL, latents: &Tensor) -> Result<Tensor> {
+    let z = latents.squeeze(0)?.permute((1, 0, 2, 3))?;
+    let z = vae.unscale_by_reciprocal(&z)?;
+    let frames = z.dim(0)?;
+    let mut decoded = Vec::with_capacity(frames.div_ceil(DECODE_CHUNK_FRAMES));
+    for start in (0..frames).step_by(DECODE_CHUNK_FRAMES) {
+        let n = DECODE_CHUNK_FRAMES.min(frames - start);
+        decoded.push(vae.decode(&z.narrow(0, start, n)?)?.to_dtype(DType::F32)?);
+    }
+    drop(z);
+    Tensor::cat(&decoded, 0)?
+        .permute((1, 0, 2, 3))?
+        .unsqueeze(0)
+}
 
 /// Latte's component configs and its published configs, shipped.
 pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
