@@ -29,7 +29,9 @@ const NORM_OUT_EPS: f64 = 1e-6;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct LatteTransformerConfig {
+    /// Heads of every attention.
     pub num_attention_heads: usize,
+    /// Width of a head: the hidden width is heads x this.
     pub attention_head_dim: usize,
     /// Latent channels in.
     pub in_channels: Option<usize>,
@@ -45,6 +47,7 @@ pub struct LatteTransformerConfig {
     pub attention_bias: bool,
     /// Latent size of training: sets the 2-D sin-cos table's base size.
     pub sample_size: usize,
+    /// Side of a square patch of latent pixels per token.
     pub patch_size: Option<usize>,
     /// Only `gelu-approximate`.
     pub activation_fn: String,
@@ -54,6 +57,7 @@ pub struct LatteTransformerConfig {
     pub norm_type: String,
     /// Whether the blocks' LayerNorms have weights.
     pub norm_elementwise_affine: bool,
+    /// Epsilon of the blocks' LayerNorms.
     pub norm_eps: f64,
     /// Width of the text encoder's states.
     pub caption_channels: Option<usize>,
@@ -300,7 +304,7 @@ impl Attention {
 
 /// Which of the two block lists a block belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockKind {
+enum BlockKind {
     /// `transformer_blocks.{i}`: within each frame, with cross-attention to the caption.
     Spatial,
     /// `temporal_transformer_blocks.{i}`: within each token position, across the frames.
@@ -354,11 +358,6 @@ impl LatteBlock {
             ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
             scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
         })
-    }
-
-    /// Spatial or temporal.
-    pub fn kind(&self) -> BlockKind {
-        self.kind
     }
 
     /// `x` `[B, F, N, D]` -> the same, through this block.
