@@ -677,8 +677,9 @@ impl LatteTransformer3DModel {
     }
 }
 
-/// Placed block by block: spatial and temporal blocks alternate in execution order, each kind
-/// in its own weight list (and its own streaming groups).
+/// Placed block by block: spatial and temporal blocks alternate in execution order (each kind
+/// in its own weight list), and a streamed group takes consecutive blocks of that order, both
+/// kinds: groups of one kind would hold one block each, whatever `--num-blocks-per-group` says.
 impl Blockwise for LatteTransformer3DModel {
     type Config = LatteTransformerConfig;
     type Block = LatteBlock;
@@ -690,9 +691,6 @@ impl Blockwise for LatteTransformer3DModel {
     }
     fn num_blocks(cfg: &Self::Config) -> usize {
         2 * cfg.num_layers
-    }
-    fn block_kind(_: &Self::Config, i: usize) -> usize {
-        i % 2
     }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
         LatteBlock::new(cfg, i, vb)
