@@ -67,7 +67,8 @@ impl LatteConfigs {
 
     /// Pixels per side of one transformer token: the VAE's factor times the patch.
     fn size_step(&self) -> u32 {
-        (self.vae.scale_factor() * self.transformer.patch_size().max(1)) as u32
+        let step = self.vae.scale_factor() * self.transformer.patch_size().clamp(1, 1 << 16);
+        u32::try_from(step).unwrap_or(u32::MAX)
     }
 
     /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
@@ -129,11 +130,15 @@ impl Family for LatteConfigs {
     /// The published pipeline's call defaults: 512x512 (sample_size x 8), video_length frames,
     /// 50 steps, guidance 7.5, 120 text tokens.
     fn defaults(&self) -> ModelDefaults {
-        let side = (self.transformer.sample_size * self.vae.scale_factor()) as u32;
+        let side = self
+            .transformer
+            .sample_size
+            .saturating_mul(self.vae.scale_factor());
+        let side = u32::try_from(side).unwrap_or(u32::MAX);
         ModelDefaults {
             height: Some(side),
             width: Some(side),
-            num_frames: Some(self.transformer.video_length as u32),
+            num_frames: Some(u32::try_from(self.transformer.video_length).unwrap_or(u32::MAX)),
             fps: Some(8),
             num_inference_steps: Some(50),
             guidance_scale: Some(7.5),

@@ -93,7 +93,13 @@ impl AutoencoderKLConfig {
     /// Pixels per latent pixel along each side: 2 per down block but the last (diffusers'
     /// `vae_scale_factor = 2 ** (len(block_out_channels) - 1)`).
     pub fn scale_factor(&self) -> usize {
-        1 << self.block_out_channels.len().saturating_sub(1)
+        let doublings = self.block_out_channels.len().saturating_sub(1);
+        // `validate` allows 16 levels; an unchecked config saturates instead of overflowing.
+        if doublings < usize::BITS as usize {
+            1 << doublings
+        } else {
+            usize::MAX
+        }
     }
 
     /// Rejects configurations whose decoder cannot be built, with the key at fault.

@@ -143,6 +143,29 @@ impl LatteTransformerConfig {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             candle_core::bail!("transformer config: {key} must be positive");
         }
+        // Sizes past these would only overflow the arithmetic below (Latte-1: 1152 wide, patch
+        // 2 of 64, 16 frames).
+        let inner = self
+            .num_attention_heads
+            .checked_mul(self.attention_head_dim)
+            .filter(|&d| d <= 1 << 16);
+        if inner.is_none() {
+            candle_core::bail!(
+                "transformer config: num_attention_heads x attention_head_dim must be at most 65536"
+            );
+        }
+        if self.sample_size > 1 << 16 || self.video_length > 1 << 16 {
+            candle_core::bail!(
+                "transformer config: sample_size and video_length must be at most 65536"
+            );
+        }
+        if self.patch_size() > self.sample_size {
+            candle_core::bail!(
+                "transformer config: patch_size {} is larger than sample_size {}",
+                self.patch_size(),
+                self.sample_size
+            );
+        }
         if self.cross_attention_dim != Some(self.inner_dim()) {
             candle_core::bail!(
                 "transformer config: cross_attention_dim {:?} must equal num_attention_heads x attention_head_dim ({}): the caption projection feeds the cross-attention",
