@@ -742,4 +742,63 @@ mod tests {
         );
         assert!(block_at(&cfg, 4).is_err());
     }
+
+    #[test]
+    fn hostile_configs_are_refused_with_the_key() {
+        let good = LatteTransformerConfig {
+            in_channels: Some(4),
+            out_channels: Some(8),
+            patch_size: Some(2),
+            caption_channels: Some(32),
+            cross_attention_dim: Some(32),
+            num_attention_heads: 2,
+            attention_head_dim: 16,
+            sample_size: 4,
+            norm_type: "ada_norm_single".into(),
+            activation_fn: "gelu-approximate".into(),
+            ..Default::default()
+        };
+        assert!(good.validate().is_ok());
+        let cases = [
+            (
+                LatteTransformerConfig {
+                    num_attention_heads: usize::MAX,
+                    ..good.clone()
+                },
+                "num_attention_heads",
+            ),
+            (
+                LatteTransformerConfig {
+                    patch_size: Some(8),
+                    ..good.clone()
+                },
+                "patch_size",
+            ),
+            (
+                LatteTransformerConfig {
+                    cross_attention_dim: Some(64),
+                    ..good.clone()
+                },
+                "cross_attention_dim",
+            ),
+            (
+                LatteTransformerConfig {
+                    norm_type: "layer_norm".into(),
+                    ..good.clone()
+                },
+                "norm_type",
+            ),
+            (
+                LatteTransformerConfig {
+                    in_channels: None,
+                    ..good.clone()
+                },
+                "in_channels",
+            ),
+        ];
+        for (bad, key) in cases {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
 }
