@@ -2,6 +2,7 @@
 //! know nothing of offloading.
 
 pub mod attention;
+pub mod autoencoder_kl;
 pub mod blocks;
 pub mod clip;
 pub mod cogvideox;
@@ -13,6 +14,7 @@ pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
 #[path = "kernels/module.rs"]
 pub(crate) mod kernel_module;
+pub mod latte;
 #[cfg(feature = "cuda")]
 #[path = "kernels/linear.rs"]
 pub(crate) mod linear;
@@ -36,6 +38,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     cogvideox::FOLDER,
     hunyuan_video::FOLDER,
     minimax_h3::FOLDER,
+    latte::FOLDER,
     t5::FOLDER,
     clip::FOLDER,
     crate::schedulers::FOLDER,

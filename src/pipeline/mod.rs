@@ -9,6 +9,7 @@ pub mod holding;
 pub mod hunyuan_video;
 pub mod interrupt;
 pub mod jobs;
+pub mod latte;
 pub mod ltx;
 pub mod minimax_h3;
 pub mod placement;

@@ -4,6 +4,7 @@
 //! numpy and stored as f32 like the torch tensors, and the per-step scalar arithmetic runs in f32.
 
 pub mod cogvideox_dpm;
+pub mod ddim;
 pub mod euler;
 pub mod minimax_h3;
 pub mod unipc;

@@ -1,0 +1,61 @@
+//! Activation estimates of the Latte models: the device bytes their forward passes keep alive
+//! at their peak (the weights are counted apart, from the constructors). The text encoder is
+//! the T5 v1.1 one CogVideoX estimates ([`crate::models::cogvideox::activations`]).
+
+use super::transformer::LatteTransformerConfig;
+use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::autoencoder_kl::AutoencoderKLConfig;
+use candle_core::DType;
+
+/// Device bytes of one transformer forward over the batched `[negative; positive]` pair on
+/// latents `[1, C, F, h, w]`.
+pub fn transformer_activations(
+    c: &LatteTransformerConfig,
+    latent: [usize; 5],
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let p = c.patch_size().max(1);
+    let batch = 2u64;
+    let frames = latent[2] as u64;
+    let tokens = ((latent[3] / p) * (latent[4] / p)) as u64;
+    let dim = c.inner_dim() as u64;
+    let heads = c.num_attention_heads as u64;
+    // Hidden states, the modulated norm, q/k/v, the attention output and the transposed copy
+    // of a temporal block; the feed-forward's 4x hidden and its GELU; the 2-D table in f32.
+    let hidden = batch * frames * tokens * dim * bytes;
+    let table = frames * tokens * dim * 4 * 2;
+    // The chunked attention's f32 scores of the spatial blocks (one frame's tokens attend to
+    // each other), bounded by the chunking; the cross-attention's are smaller.
+    let scores = (batch * frames * heads * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
+    let text = batch * text_len as u64 * dim * bytes * 4;
+    hidden * 10 + hidden * 4 * 2 + table + scores + text
+}
+
+/// Device bytes of the per-frame decode: one chunk of `chunk` frames through the decoder's
+/// full-resolution levels and its mid-block attention, and every decoded frame in f32.
+pub fn vae_decode_activations(
+    vae: &AutoencoderKLConfig,
+    latent: [usize; 5],
+    chunk: usize,
+    dtype: DType,
+) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let s = vae.scale_factor() as u64;
+    let (lh, lw) = (latent[3] as u64, latent[4] as u64);
+    let (h, w) = (lh * s, lw * s);
+    let frames = latent[2].min(chunk).max(1) as u64;
+    // At full resolution the last upsampler's output (the second level's channels, counting
+    // from the image side) beside the last block's resnet temporaries (GroupNorm, SiLU,
+    // conv) at the first level's channels.
+    let boc = &vae.block_out_channels;
+    let last = boc.first().copied().unwrap_or(128) as u64;
+    let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
+    let levels = frames * h * w * (2 * upsampled + 5 * last) * bytes;
+    // The mid block's one-head attention over the latent pixels, scores in f32, chunked.
+    let tokens = lh * lw;
+    let scores = (frames * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
+    let output = latent[2] as u64 * h * w * vae.out_channels as u64 * 4 * 2;
+    levels + scores + output
+}

@@ -1,0 +1,804 @@
+//! Latte's diffusion transformer (diffusers `LatteTransformer3DModel`, the Latte-XL/2 layout of
+//! maxin-cn/Latte-1): PixArt-α blocks applied per frame (spatial: self-attention, cross-attention
+//! to the caption, feed-forward) alternating with blocks over the frames of each token position
+//! (temporal: self-attention, feed-forward), all modulated by one `AdaLayerNormSingle`.
+//!
+//! The hidden state stays `[B, F, N, D]` (N tokens of a frame) between blocks; a spatial block
+//! attends within each frame, a temporal block within each token position across the frames.
+//! The forward is split for streaming: [`LatteTransformer3DModel::prepare`], the blocks in
+//! execution order (spatial 0, temporal 0, spatial 1, ...; [`LatteBlock::forward`]), then
+//! [`LatteTransformer3DModel::finish`]. Every weight uses the `VarBuilder` dtype, as diffusers
+//! keeps none of this model in f32; the sin-cos tables are computed in f64 and rounded to f32.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::sdpa;
+use crate::models::blocks::Blockwise;
+use crate::models::wan::transformer::timestep_embedding;
+
+/// Channels of the sinusoidal timestep embedding (`Timesteps(256, ...)` of PixArt-α).
+const TIME_PROJ_DIM: usize = 256;
+
+/// Epsilon of the output LayerNorm (fixed in diffusers).
+const NORM_OUT_EPS: f64 = 1e-6;
+
+/// `transformer/config.json` of a `LatteTransformer3DModel`; missing keys take diffusers'
+/// defaults (keys that must be given are options).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct LatteTransformerConfig {
+    /// Heads of every attention.
+    pub num_attention_heads: usize,
+    /// Width of a head: the hidden width is heads x this.
+    pub attention_head_dim: usize,
+    /// Latent channels in.
+    pub in_channels: Option<usize>,
+    /// Channels out (2 × latent with learned sigma); `in_channels` when null.
+    pub out_channels: Option<usize>,
+    /// Spatial blocks, and as many temporal ones.
+    pub num_layers: usize,
+    /// Informational (inference runs no dropout).
+    pub dropout: f64,
+    /// Width of the (projected) caption the spatial blocks attend to.
+    pub cross_attention_dim: Option<usize>,
+    /// Biases on q, k and v.
+    pub attention_bias: bool,
+    /// Latent size of training: sets the 2-D sin-cos table's base size.
+    pub sample_size: usize,
+    /// Side of a square patch of latent pixels per token.
+    pub patch_size: Option<usize>,
+    /// Only `gelu-approximate`.
+    pub activation_fn: String,
+    /// Informational.
+    pub num_embeds_ada_norm: Option<usize>,
+    /// Only `ada_norm_single`.
+    pub norm_type: String,
+    /// Whether the blocks' LayerNorms have weights.
+    pub norm_elementwise_affine: bool,
+    /// Epsilon of the blocks' LayerNorms.
+    pub norm_eps: f64,
+    /// Width of the text encoder's states.
+    pub caption_channels: Option<usize>,
+    /// Frames of the 1-D temporal sin-cos table: a video must have this many frames (or one).
+    pub video_length: usize,
+}
+
+impl Default for LatteTransformerConfig {
+    fn default() -> Self {
+        // The defaults of `LatteTransformer3DModel.__init__`.
+        Self {
+            num_attention_heads: 16,
+            attention_head_dim: 88,
+            in_channels: None,
+            out_channels: None,
+            num_layers: 1,
+            dropout: 0.0,
+            cross_attention_dim: None,
+            attention_bias: false,
+            sample_size: 64,
+            patch_size: None,
+            activation_fn: "geglu".into(),
+            num_embeds_ada_norm: None,
+            norm_type: "layer_norm".into(),
+            norm_elementwise_affine: true,
+            norm_eps: 1e-5,
+            caption_channels: None,
+            video_length: 16,
+        }
+    }
+}
+
+impl LatteTransformerConfig {
+    /// Width of the hidden states.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Latent channels in (0 where the config lacks them; `validate` refuses that).
+    pub fn in_channels(&self) -> usize {
+        self.in_channels.unwrap_or(0)
+    }
+
+    /// Channels out.
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels())
+    }
+
+    /// The patch side (0 where the config lacks it).
+    pub fn patch_size(&self) -> usize {
+        self.patch_size.unwrap_or(0)
+    }
+
+    /// Width of the text encoder's states (0 where the config lacks it).
+    pub fn caption_channels(&self) -> usize {
+        self.caption_channels.unwrap_or(0)
+    }
+
+    /// `interpolation_scale` of the 2-D sin-cos table: `max(sample_size // 64, 1)`.
+    fn interpolation_scale(&self) -> usize {
+        (self.sample_size / 64).max(1)
+    }
+
+    /// Rejects configurations this model cannot run, with the key at fault.
+    pub fn validate(&self) -> Result<()> {
+        let required = [
+            ("in_channels", self.in_channels),
+            ("patch_size", self.patch_size),
+            ("caption_channels", self.caption_channels),
+            ("cross_attention_dim", self.cross_attention_dim),
+        ];
+        if let Some((key, _)) = required.iter().find(|(_, v)| !v.is_some_and(|v| v > 0)) {
+            candle_core::bail!("transformer config: {key} must be a positive number");
+        }
+        let positive = [
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("num_layers", self.num_layers),
+            ("sample_size", self.sample_size),
+            ("video_length", self.video_length),
+            ("out_channels", self.out_channels()),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            candle_core::bail!("transformer config: {key} must be positive");
+        }
+        // Sizes past these would only overflow the arithmetic below (Latte-1: 1152 wide, patch
+        // 2 of 64, 16 frames).
+        let inner = self
+            .num_attention_heads
+            .checked_mul(self.attention_head_dim)
+            .filter(|&d| d <= 1 << 16);
+        if inner.is_none() {
+            candle_core::bail!(
+                "transformer config: num_attention_heads x attention_head_dim must be at most 65536"
+            );
+        }
+        if self.sample_size > 1 << 16 || self.video_length > 1 << 16 {
+            candle_core::bail!(
+                "transformer config: sample_size and video_length must be at most 65536"
+            );
+        }
+        if self.patch_size() > self.sample_size {
+            candle_core::bail!(
+                "transformer config: patch_size {} is larger than sample_size {}",
+                self.patch_size(),
+                self.sample_size
+            );
+        }
+        if self.cross_attention_dim != Some(self.inner_dim()) {
+            candle_core::bail!(
+                "transformer config: cross_attention_dim {:?} must equal num_attention_heads x attention_head_dim ({}): the caption projection feeds the cross-attention",
+                self.cross_attention_dim,
+                self.inner_dim()
+            );
+        }
+        if !self.inner_dim().is_multiple_of(4) {
+            candle_core::bail!(
+                "transformer config: num_attention_heads x attention_head_dim ({}) must be a multiple of 4 for the 2-D sin-cos table",
+                self.inner_dim()
+            );
+        }
+        if self.norm_type != "ada_norm_single" {
+            candle_core::bail!(
+                "transformer config: norm_type {:?} is not supported (only \"ada_norm_single\")",
+                self.norm_type
+            );
+        }
+        if self.activation_fn != "gelu-approximate" {
+            candle_core::bail!(
+                "transformer config: activation_fn {:?} is not supported (only \"gelu-approximate\")",
+                self.activation_fn
+            );
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            candle_core::bail!("transformer config: norm_eps must be a non-negative number");
+        }
+        Ok(())
+    }
+}
+
+/// A LayerNorm over the last dim; without `affine` the checkpoint holds no weight or bias.
+fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<LayerNorm> {
+    if affine {
+        let config = LayerNormConfig {
+            eps,
+            ..Default::default()
+        };
+        return candle_nn::layer_norm(dim, config, vb);
+    }
+    let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
+    let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
+    Ok(LayerNorm::new(ones, zeros, eps))
+}
+
+/// A linear layer with or without its bias.
+fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    if bias {
+        candle_nn::linear(cin, cout, vb)
+    } else {
+        candle_nn::linear_no_bias(cin, cout, vb)
+    }
+}
+
+/// diffusers' `get_1d_sincos_pos_embed_from_grid` (float64, `[sin | cos]`) rows for `positions`.
+fn sincos_rows(dim: usize, positions: &[f64]) -> Vec<Vec<f64>> {
+    let half = dim / 2;
+    let omega: Vec<f64> = (0..half)
+        .map(|j| 1.0 / 10000f64.powf(j as f64 / (dim as f64 / 2.0)))
+        .collect();
+    positions
+        .iter()
+        .map(|&p| {
+            let args = omega.iter().map(|w| p * w);
+            args.clone()
+                .map(f64::sin)
+                .chain(args.map(f64::cos))
+                .collect()
+        })
+        .collect()
+}
+
+/// The 2-D sin-cos table `[gh·gw, dim]` (f32) of `PatchEmbed` for a `gh × gw` token grid:
+/// diffusers' `get_2d_sincos_pos_embed(dim, (gh, gw), base_size, interpolation_scale)`, whose
+/// first half encodes the column and second half the row of each token (row-major order).
+fn spatial_pos_embed(
+    dim: usize,
+    grid: [usize; 2],
+    base_size: usize,
+    interpolation_scale: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let [gh, gw] = grid;
+    // arange(n, f32) / (n / base_size) / interpolation_scale, in f32 as torch computes it.
+    let axis = |n: usize| -> Vec<f64> {
+        let ratio = (n as f64 / base_size as f64) as f32;
+        (0..n)
+            .map(|i| f64::from(i as f32 / ratio / interpolation_scale as f32))
+            .collect()
+    };
+    let (rows, cols) = (axis(gh), axis(gw));
+    let col_table = sincos_rows(dim / 2, &cols);
+    let row_table = sincos_rows(dim / 2, &rows);
+    let mut table = Vec::with_capacity(gh * gw * dim);
+    for row in &row_table {
+        for col in &col_table {
+            table.extend(col.iter().chain(row).map(|&v| v as f32));
+        }
+    }
+    Tensor::from_vec(table, (gh * gw, dim), device)
+}
+
+/// The 1-D temporal sin-cos table `[frames, dim]` (f32) added before the first temporal block.
+pub fn temporal_pos_embed(dim: usize, frames: usize, device: &Device) -> Result<Tensor> {
+    let positions: Vec<f64> = (0..frames).map(|f| f as f64).collect();
+    let table: Vec<f32> = sincos_rows(dim, &positions)
+        .into_iter()
+        .flatten()
+        .map(|v| v as f32)
+        .collect();
+    Tensor::from_vec(table, (frames, dim), device)
+}
+
+/// Multi-head attention (`Attention` with `AttnProcessor2_0`): q from `x`, k and v from
+/// `context`, both `[B', S, ·]`, heads over `[B', H, S, head_dim]`.
+#[derive(Debug, Clone)]
+struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(cfg: &LatteTransformerConfig, context_dim: usize, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
+            to_k: linear(context_dim, dim, bias, vb.pp("to_k"))?,
+            to_v: linear(context_dim, dim, bias, vb.pp("to_v"))?,
+            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            heads: cfg.num_attention_heads,
+            head_dim: cfg.attention_head_dim,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let split = |t: Tensor| -> Result<Tensor> {
+            let (b, s, _) = t.dims3()?;
+            t.reshape((b, s, self.heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = split(self.to_q.forward(x)?)?;
+        let k = split(self.to_k.forward(context)?)?;
+        let v = split(self.to_v.forward(context)?)?;
+        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
+        let (b, _, s, _) = out.dims4()?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, s, self.heads * self.head_dim))?;
+        self.to_out.forward(&out)
+    }
+}
+
+/// Which of the two block lists a block belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockKind {
+    /// `transformer_blocks.{i}`: within each frame, with cross-attention to the caption.
+    Spatial,
+    /// `temporal_transformer_blocks.{i}`: within each token position, across the frames.
+    Temporal,
+}
+
+/// One `BasicTransformerBlock` with `norm_type="ada_norm_single"`, spatial or temporal.
+#[derive(Debug, Clone)]
+pub struct LatteBlock {
+    kind: BlockKind,
+    /// Layer index: the temporal block of layer 0 adds the temporal sin-cos table first.
+    layer: usize,
+    norm1: LayerNorm,
+    attn1: Attention,
+    /// Cross-attention (spatial blocks only; PixArt applies no norm before it).
+    attn2: Option<Attention>,
+    norm2: LayerNorm,
+    ff_in: Linear,
+    ff_out: Linear,
+    /// `[6, D]`: shift, scale, gate of the attention, then of the feed-forward.
+    scale_shift_table: Tensor,
+}
+
+impl LatteBlock {
+    /// Block `i` in execution order (spatial `i / 2` for even `i`, temporal `i / 2` for odd),
+    /// from the model's root `vb`.
+    pub fn new(cfg: &LatteTransformerConfig, i: usize, vb: VarBuilder) -> Result<Self> {
+        let (kind, layer) = block_at(cfg, i)?;
+        let vb = match kind {
+            BlockKind::Spatial => vb.pp(format!("transformer_blocks.{layer}")),
+            BlockKind::Temporal => vb.pp(format!("temporal_transformer_blocks.{layer}")),
+        };
+        let dim = cfg.inner_dim();
+        let (eps, affine) = (cfg.norm_eps, cfg.norm_elementwise_affine);
+        let attn2 = match kind {
+            BlockKind::Spatial => Some(Attention::new(
+                cfg,
+                cfg.cross_attention_dim.unwrap_or(dim),
+                vb.pp("attn2"),
+            )?),
+            BlockKind::Temporal => None,
+        };
+        Ok(Self {
+            kind,
+            layer,
+            norm1: layer_norm(dim, eps, affine, vb.pp("norm1"))?,
+            attn1: Attention::new(cfg, dim, vb.pp("attn1"))?,
+            attn2,
+            norm2: layer_norm(dim, eps, affine, vb.pp("norm2"))?,
+            ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
+            ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
+            scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
+        })
+    }
+
+    /// `x` `[B, F, N, D]` -> the same, through this block.
+    pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (b, f, n, d) = x.dims4()?;
+        // [B, 6, D] modulation: the block's table plus the timestep's, per batch entry.
+        let modulation = self
+            .scale_shift_table
+            .unsqueeze(0)?
+            .broadcast_add(&inputs.timestep.reshape((b, 6, d))?)?;
+        let part = |k: usize| -> Result<Tensor> { modulation.narrow(1, k, 1)?.reshape((b, 1, d)) };
+        let (shift_msa, scale_msa, gate_msa) = (part(0)?, part(1)?, part(2)?);
+        let (shift_mlp, scale_mlp, gate_mlp) = (part(3)?, part(4)?, part(5)?);
+        // Sequences of this block: frames (spatial) or token positions (temporal), `[B', S, D]`.
+        let mut h = match self.kind {
+            BlockKind::Spatial => x.reshape((b, f * n, d))?,
+            BlockKind::Temporal => {
+                let h = x.transpose(1, 2)?.contiguous()?;
+                match (&inputs.temp_pos_embed, self.layer) {
+                    (Some(table), 0) => h.broadcast_add(&table.unsqueeze(0)?)?,
+                    _ => h,
+                }
+                .reshape((b, n * f, d))?
+            }
+        };
+        let (groups, seq) = match self.kind {
+            BlockKind::Spatial => (f, n),
+            BlockKind::Temporal => (n, f),
+        };
+        let modulate = |t: &Tensor, scale: &Tensor, shift: &Tensor| -> Result<Tensor> {
+            t.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+        };
+        // Self-attention over each sequence.
+        let normed = modulate(&self.norm1.forward(&h)?, &scale_msa, &shift_msa)?.reshape((
+            b * groups,
+            seq,
+            d,
+        ))?;
+        let attn = self
+            .attn1
+            .forward(&normed, &normed)?
+            .reshape((b, groups * seq, d))?;
+        h = (attn.broadcast_mul(&gate_msa)? + h)?;
+        // Cross-attention of every token of a video to its caption (no norm, no gate).
+        if let Some(attn2) = &self.attn2 {
+            h = (attn2.forward(&h, &inputs.text)? + h)?;
+        }
+        let normed = modulate(&self.norm2.forward(&h)?, &scale_mlp, &shift_mlp)?;
+        let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
+        h = (ff.broadcast_mul(&gate_mlp)? + h)?;
+        match self.kind {
+            BlockKind::Spatial => h.reshape((b, f, n, d)),
+            BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
+        }
+    }
+}
+
+/// The kind and layer of block `i` in execution order.
+fn block_at(cfg: &LatteTransformerConfig, i: usize) -> Result<(BlockKind, usize)> {
+    if i >= 2 * cfg.num_layers {
+        candle_core::bail!("block {i} of {} blocks", 2 * cfg.num_layers);
+    }
+    let kind = if i.is_multiple_of(2) {
+        BlockKind::Spatial
+    } else {
+        BlockKind::Temporal
+    };
+    Ok((kind, i / 2))
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    hidden_states: Option<Tensor>,
+    /// `adaln_single`'s modulation `[B, 6·D]` (model dtype).
+    pub timestep: Tensor,
+    /// `adaln_single`'s embedded timestep `[B, D]`: the output head's modulation.
+    pub embedded_timestep: Tensor,
+    /// The projected caption `[B, L, D]`.
+    pub text: Tensor,
+    /// The temporal sin-cos table `[F, D]` in the model dtype (none for a single frame).
+    pub temp_pos_embed: Option<Tensor>,
+    /// Batch size.
+    pub batch: usize,
+    /// Frames.
+    pub frames: usize,
+    /// Token grid of a frame (rows, columns).
+    pub grid: [usize; 2],
+}
+
+impl BlockInputs {
+    /// Takes the hidden states `[B, F, N, D]` that feed block 0; once.
+    pub fn take_hidden_states(&mut self) -> Result<Tensor> {
+        self.hidden_states
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block-0 hidden states already taken".into()))
+    }
+}
+
+/// The diffusers `LatteTransformer3DModel`.
+#[derive(Debug, Clone)]
+pub struct LatteTransformer3DModel {
+    cfg: LatteTransformerConfig,
+    /// `pos_embed.proj`: Conv2d with kernel = stride = patch, as a linear over patches.
+    patch_proj: Linear,
+    /// `adaln_single.emb.timestep_embedder`: linear_1 -> SiLU -> linear_2.
+    time_embedder: (Linear, Linear),
+    /// `adaln_single.linear` (after SiLU): the blocks' `[B, 6·D]` modulation.
+    adaln_linear: Linear,
+    /// `caption_projection`: linear_1 -> GELU(tanh) -> linear_2.
+    caption_projection: (Linear, Linear),
+    blocks: Vec<LatteBlock>,
+    /// `[2, D]`: shift and scale of the output head.
+    scale_shift_table: Tensor,
+    norm_out: LayerNorm,
+    proj_out: Linear,
+    dtype: DType,
+}
+
+impl LatteTransformer3DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &LatteTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..2 * cfg.num_layers)
+            .map(|i| LatteBlock::new(cfg, i, vb.clone()))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the blocks (an engine that streams them builds each with
+    /// [`LatteBlock::new`]); `blocks()` is then empty and `forward` refuses to run.
+    pub fn new_without_blocks(cfg: &LatteTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let (c, p) = (cfg.in_channels(), cfg.patch_size());
+        let pvb = vb.pp("pos_embed.proj");
+        let patch_w = pvb
+            .get((dim, c, p, p), "weight")?
+            .reshape((dim, c * p * p))?;
+        let avb = vb.pp("adaln_single");
+        let tvb = avb.pp("emb.timestep_embedder");
+        let cvb = vb.pp("caption_projection");
+        let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
+        let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            patch_proj: Linear::new(patch_w, Some(pvb.get(dim, "bias")?)),
+            time_embedder: (
+                candle_nn::linear(TIME_PROJ_DIM, dim, tvb.pp("linear_1"))?,
+                candle_nn::linear(dim, dim, tvb.pp("linear_2"))?,
+            ),
+            adaln_linear: candle_nn::linear(dim, 6 * dim, avb.pp("linear"))?,
+            caption_projection: (
+                candle_nn::linear(cfg.caption_channels(), dim, cvb.pp("linear_1"))?,
+                candle_nn::linear(dim, dim, cvb.pp("linear_2"))?,
+            ),
+            blocks: Vec::new(),
+            scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
+            norm_out: LayerNorm::new(ones, zeros, NORM_OUT_EPS),
+            proj_out: candle_nn::linear(dim, p * p * cfg.out_channels(), vb.pp("proj_out"))?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &LatteTransformerConfig {
+        &self.cfg
+    }
+
+    /// The loaded blocks in execution order (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[LatteBlock] {
+        &self.blocks
+    }
+
+    /// Patch embedding with its sin-cos table, timestep modulation, caption projection and
+    /// temporal table for `latents` `[B, C, F, H, W]`, `timestep` `[B]` (or one value; integer
+    /// timesteps of any dtype) and `encoder_hidden_states` `[B, L, caption_channels]`.
+    pub fn prepare(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (b, c, f, h, w) = latents.dims5()?;
+        if c != cfg.in_channels() {
+            candle_core::bail!(
+                "latents [B, C, F, H, W] have {c} channels, the transformer expects {}",
+                cfg.in_channels()
+            );
+        }
+        if f != 1 && f != cfg.video_length {
+            candle_core::bail!(
+                "latents have {f} frames; this transformer's temporal table takes video_length {} (or 1)",
+                cfg.video_length
+            );
+        }
+        let p = cfg.patch_size();
+        let grid = [h / p, w / p];
+        if grid.contains(&0) {
+            candle_core::bail!("latents [{h}, {w}] are smaller than one {p}x{p} patch");
+        }
+        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
+        if eb != b || text_dim != cfg.caption_channels() {
+            candle_core::bail!(
+                "encoder_hidden_states {:?} do not match batch {b} and caption_channels {}",
+                encoder_hidden_states.dims(),
+                cfg.caption_channels()
+            );
+        }
+        let device = latents.device();
+        let dim = cfg.inner_dim();
+
+        // Patches of each frame in row-major token order, plus the 2-D sin-cos table (added in
+        // f32, as diffusers adds its float table, then rounded to the model dtype).
+        let [gh, gw] = grid;
+        let patches = latents
+            .narrow(3, 0, gh * p)?
+            .narrow(4, 0, gw * p)?
+            .to_dtype(self.dtype)?
+            .reshape(vec![b, c, f, gh, p, gw, p])?
+            .permute(vec![0, 2, 3, 5, 1, 4, 6])?
+            .reshape((b, f, gh * gw, c * p * p))?;
+        let table = spatial_pos_embed(
+            dim,
+            grid,
+            cfg.sample_size / p,
+            cfg.interpolation_scale(),
+            device,
+        )?;
+        let hidden_states = self
+            .patch_proj
+            .forward(&patches)?
+            .to_dtype(DType::F32)?
+            .broadcast_add(&table)?
+            .to_dtype(self.dtype)?;
+
+        // AdaLayerNormSingle: sinusoid (f32) -> MLP in the model dtype -> SiLU -> linear.
+        let timestep = match timestep.elem_count() {
+            1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
+            n if n == b => timestep.flatten_all()?,
+            n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+        };
+        let t_proj = timestep_embedding(&timestep.to_device(device)?, TIME_PROJ_DIM)?
+            .to_dtype(self.dtype)?;
+        let (lin1, lin2) = &self.time_embedder;
+        let embedded_timestep = lin2.forward(&lin1.forward(&t_proj)?.silu()?)?;
+        let modulation = self.adaln_linear.forward(&embedded_timestep.silu()?)?;
+
+        let (cap1, cap2) = &self.caption_projection;
+        let text = cap2.forward(
+            &cap1
+                .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?
+                .gelu()?,
+        )?;
+        let temp_pos_embed = if f > 1 {
+            Some(temporal_pos_embed(dim, cfg.video_length, device)?.to_dtype(self.dtype)?)
+        } else {
+            None
+        };
+        Ok(BlockInputs {
+            hidden_states: Some(hidden_states),
+            timestep: modulation,
+            embedded_timestep,
+            text,
+            temp_pos_embed,
+            batch: b,
+            frames: f,
+            grid,
+        })
+    }
+
+    /// The output head on `x` `[B, F, N, D]` and unpatchify: `[B, out_channels, F, H, W]`.
+    pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (b, f, n, d) = x.dims4()?;
+        let table = self
+            .scale_shift_table
+            .unsqueeze(0)?
+            .broadcast_add(&inputs.embedded_timestep.unsqueeze(1)?)?;
+        let shift = table.narrow(1, 0, 1)?.reshape((b, 1, 1, d))?;
+        let scale = table.narrow(1, 1, 1)?.reshape((b, 1, 1, d))?;
+        let h = self
+            .norm_out
+            .forward(x)?
+            .broadcast_mul(&(scale + 1.0)?)?
+            .broadcast_add(&shift)?;
+        let out = self.proj_out.forward(&h)?;
+        let p = self.cfg.patch_size();
+        let oc = self.cfg.out_channels();
+        let [gh, gw] = inputs.grid;
+        debug_assert_eq!(n, gh * gw);
+        out.reshape(vec![b, f, gh, gw, p, p, oc])?
+            .permute(vec![0, 6, 1, 2, 4, 3, 5])?
+            .reshape((b, oc, f, gh * p, gw * p))
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+    ) -> Result<Tensor> {
+        if self.blocks.len() != 2 * self.cfg.num_layers {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                2 * self.cfg.num_layers
+            );
+        }
+        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
+        let mut x = inputs.take_hidden_states()?;
+        for block in &self.blocks {
+            x = block.forward(&x, &inputs)?;
+        }
+        self.finish(&x, &inputs)
+    }
+}
+
+/// Placed block by block: spatial and temporal blocks alternate in execution order (each kind
+/// in its own weight list), and a streamed group takes consecutive blocks of that order, both
+/// kinds: groups of one kind would hold one block each, whatever `--num-blocks-per-group` says.
+impl Blockwise for LatteTransformer3DModel {
+    type Config = LatteTransformerConfig;
+    type Block = LatteBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        2 * cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        LatteBlock::new(cfg, i, vb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_alternate_spatial_and_temporal() {
+        let cfg = LatteTransformerConfig {
+            num_layers: 2,
+            ..Default::default()
+        };
+        let kinds: Vec<_> = (0..4).map(|i| block_at(&cfg, i).unwrap()).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (BlockKind::Spatial, 0),
+                (BlockKind::Temporal, 0),
+                (BlockKind::Spatial, 1),
+                (BlockKind::Temporal, 1)
+            ]
+        );
+        assert!(block_at(&cfg, 4).is_err());
+    }
+
+    #[test]
+    fn hostile_configs_are_refused_with_the_key() {
+        let good = LatteTransformerConfig {
+            in_channels: Some(4),
+            out_channels: Some(8),
+            patch_size: Some(2),
+            caption_channels: Some(32),
+            cross_attention_dim: Some(32),
+            num_attention_heads: 2,
+            attention_head_dim: 16,
+            sample_size: 4,
+            norm_type: "ada_norm_single".into(),
+            activation_fn: "gelu-approximate".into(),
+            ..Default::default()
+        };
+        assert!(good.validate().is_ok());
+        let cases = [
+            (
+                LatteTransformerConfig {
+                    num_attention_heads: usize::MAX,
+                    ..good.clone()
+                },
+                "num_attention_heads",
+            ),
+            (
+                LatteTransformerConfig {
+                    patch_size: Some(8),
+                    ..good.clone()
+                },
+                "patch_size",
+            ),
+            (
+                LatteTransformerConfig {
+                    cross_attention_dim: Some(64),
+                    ..good.clone()
+                },
+                "cross_attention_dim",
+            ),
+            (
+                LatteTransformerConfig {
+                    norm_type: "layer_norm".into(),
+                    ..good.clone()
+                },
+                "norm_type",
+            ),
+            (
+                LatteTransformerConfig {
+                    in_channels: None,
+                    ..good.clone()
+                },
+                "in_channels",
+            ),
+        ];
+        for (bad, key) in cases {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+}
