@@ -18,6 +18,7 @@ pub(crate) mod kernel_module;
 pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
+pub mod mochi;
 #[cfg(feature = "cuda")]
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;
@@ -35,6 +36,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     cogvideox::FOLDER,
     hunyuan_video::FOLDER,
     minimax_h3::FOLDER,
+    mochi::FOLDER,
     t5::FOLDER,
     clip::FOLDER,
     crate::schedulers::FOLDER,

@@ -11,6 +11,7 @@ pub mod interrupt;
 pub mod jobs;
 pub mod ltx;
 pub mod minimax_h3;
+pub mod mochi;
 pub mod placement;
 pub mod plan;
 pub mod progress;

@@ -5,6 +5,7 @@
 
 pub mod cogvideox_dpm;
 pub mod euler;
+pub mod linear_quadratic;
 pub mod minimax_h3;
 pub mod unipc;
 
