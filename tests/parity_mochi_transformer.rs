@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use vidgen::models::mochi::transformer::{
-    rope_tables, MochiTransformer3DModel, MochiTransformerConfig,
+    rope_tables, BlockStep, MochiBlock, MochiTransformer3DModel, MochiTransformerConfig,
 };
 
 const FIXTURE: &str = "mochi-tiny-a";
@@ -102,4 +102,32 @@ fn batched_call_equals_single_calls() {
         &batched.narrow(0, 1, 1).unwrap(),
         &r["output"],
     );
+}
+
+/// Each block built as its two steps apart (leaf-level streaming) gives the whole blocks'
+/// output bit for bit.
+#[test]
+fn blocks_run_step_by_step_give_the_same_output() {
+    let cfg: MochiTransformerConfig = common::config_in(FIXTURE, "transformer/config.json");
+    let vb = common::var_builder_in(FIXTURE, "transformer/diffusion_pytorch_model.safetensors");
+    let model = model();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let (x, t, text, mask) = (
+        &r["hidden_states"],
+        &r["timestep"],
+        &r["encoder_hidden_states"],
+        &r["encoder_attention_mask"],
+    );
+    let whole = model.forward(x, t, text, mask).unwrap();
+    let mut inputs = model.prepare(x, t, text, mask).unwrap();
+    let mut streams = inputs.take_streams().unwrap();
+    for i in 0..cfg.num_layers {
+        for step in BlockStep::ALL {
+            let block_vb = vb.pp(format!("transformer_blocks.{i}"));
+            let block = MochiBlock::with_steps(&cfg, i, block_vb, &[step]).unwrap();
+            streams = block.forward(&streams, &inputs).unwrap();
+        }
+    }
+    let stepped = model.finish(&streams.video, &inputs).unwrap();
+    assert_eq!(common::max_abs_diff(&stepped, &whole), 0.0);
 }

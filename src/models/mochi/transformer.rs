@@ -165,6 +165,9 @@ pub struct BlockInputs {
 pub struct Streams {
     pub video: Tensor,
     pub text: Tensor,
+    /// Between a block's attention and feed-forward steps: the video and (unless the block is
+    /// `context_pre_only`) text RMSNormZero rows `[B, 4·D]`.
+    rows: Option<(Tensor, Option<Tensor>)>,
 }
 
 impl BlockInputs {
@@ -434,86 +437,136 @@ impl JointAttention {
     }
 }
 
-/// The text stream's parts of a block that updates it.
-#[derive(Debug, Clone)]
-struct TextUpdate {
-    ff: SwiGlu,
+/// The steps of a block, in execution order. A block can be built with only some of them (an
+/// offload engine streaming steps rather than whole blocks); running such a partial block
+/// applies just its steps, with exactly the arithmetic of the whole block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockStep {
+    /// `norm1` / `norm1_context` (their modulation rows, kept in [`Streams`] for the
+    /// feed-forward step), the joint attention, the gated attention residuals.
+    Attention,
+    /// The SwiGLU feed-forwards of both streams with their gated residuals.
+    FeedForward,
 }
 
-/// One `MochiTransformerBlock` of diffusers.
+impl BlockStep {
+    pub const ALL: [BlockStep; 2] = [BlockStep::Attention, BlockStep::FeedForward];
+}
+
+/// A block's attention step.
 #[derive(Debug, Clone)]
-pub struct MochiBlock {
+struct AttentionStep {
     norm1: Modulation,
     norm1_context: Modulation,
     attn: JointAttention,
+}
+
+/// A block's feed-forward step: `ff_context` is `None` in the `context_pre_only` (last) block.
+#[derive(Debug, Clone)]
+struct FeedForwardStep {
     ff: SwiGlu,
-    /// `None` in the `context_pre_only` (last) block.
-    text: Option<TextUpdate>,
+    ff_context: Option<SwiGlu>,
+}
+
+/// One `MochiTransformerBlock` of diffusers (or some of its steps, see [`BlockStep`]).
+#[derive(Debug, Clone)]
+pub struct MochiBlock {
+    attention: Option<AttentionStep>,
+    feed_forward: Option<FeedForwardStep>,
 }
 
 impl MochiBlock {
     /// Loads block `i`; `vb` points at `transformer_blocks.{i}`.
     pub fn new(cfg: &MochiTransformerConfig, i: usize, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, i, vb, &BlockStep::ALL)
+    }
+
+    /// Loads only the weights of `steps` of block `i`; `vb` points at `transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &MochiTransformerConfig,
+        i: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
         cfg.validate()?;
         let context_pre_only = i + 1 == cfg.num_layers;
         let (dim, text_dim) = (cfg.inner_dim(), cfg.pooled_projection_dim);
-        let norm1_context = if context_pre_only {
-            Modulation::ScaleOnly(candle_nn::linear(
-                dim,
-                text_dim,
-                vb.pp("norm1_context.linear_1"),
-            )?)
-        } else {
-            Modulation::Zero(candle_nn::linear(
-                dim,
-                4 * text_dim,
-                vb.pp("norm1_context.linear"),
-            )?)
-        };
-        let text = if context_pre_only {
-            None
-        } else {
-            Some(TextUpdate {
-                ff: SwiGlu::new(text_dim, vb.pp("ff_context"))?,
+        let attention = if steps.contains(&BlockStep::Attention) {
+            let norm1_context = if context_pre_only {
+                let linear = candle_nn::linear(dim, text_dim, vb.pp("norm1_context.linear_1"))?;
+                Modulation::ScaleOnly(linear)
+            } else {
+                let linear = candle_nn::linear(dim, 4 * text_dim, vb.pp("norm1_context.linear"))?;
+                Modulation::Zero(linear)
+            };
+            Some(AttentionStep {
+                norm1: Modulation::Zero(candle_nn::linear(dim, 4 * dim, vb.pp("norm1.linear"))?),
+                norm1_context,
+                attn: JointAttention::new(cfg, context_pre_only, vb.pp("attn1"))?,
             })
+        } else {
+            None
+        };
+        let feed_forward = if steps.contains(&BlockStep::FeedForward) {
+            let ff_context = if context_pre_only {
+                None
+            } else {
+                Some(SwiGlu::new(text_dim, vb.pp("ff_context"))?)
+            };
+            Some(FeedForwardStep {
+                ff: SwiGlu::new(dim, vb.pp("ff"))?,
+                ff_context,
+            })
+        } else {
+            None
         };
         Ok(Self {
-            norm1: Modulation::Zero(candle_nn::linear(dim, 4 * dim, vb.pp("norm1.linear"))?),
-            norm1_context,
-            attn: JointAttention::new(cfg, context_pre_only, vb.pp("attn1"))?,
-            ff: SwiGlu::new(dim, vb.pp("ff"))?,
-            text,
+            attention,
+            feed_forward,
         })
     }
 
-    /// Runs the block on both streams.
+    /// Runs the block's steps on both streams.
     pub fn forward(&self, s: &Streams, inputs: &BlockInputs) -> Result<Streams> {
-        let video = self.norm1.apply(&s.video, &inputs.temb)?;
-        let text = self.norm1_context.apply(&s.text, &inputs.temb)?;
-        let (attn, text_attn) = self.attn.forward(&video.normed, &text.normed, inputs)?;
-        let emb = video
-            .emb
-            .as_ref()
-            .ok_or_else(|| candle_core::Error::Msg("norm1 gave no modulation rows".into()))?;
-        let video = gated_update(&s.video, &attn, emb, &self.ff)?;
-        let text = match (&self.text, text_attn, &text.emb) {
-            (Some(update), Some(text_attn), Some(emb)) => {
-                gated_update(&s.text, &text_attn, emb, &update.ff)?
+        let mut s = s.clone();
+        if let Some(step) = &self.attention {
+            let video = step.norm1.apply(&s.video, &inputs.temb)?;
+            let text = step.norm1_context.apply(&s.text, &inputs.temb)?;
+            let (attn, text_attn) = step.attn.forward(&video.normed, &text.normed, inputs)?;
+            let video_rows = video
+                .emb
+                .ok_or_else(|| candle_core::Error::Msg("norm1 gave no modulation rows".into()))?;
+            s.video = gated_residual(&s.video, &attn, &video_rows, 1)?;
+            if let (Some(text_attn), Some(rows)) = (text_attn, &text.emb) {
+                s.text = gated_residual(&s.text, &text_attn, rows, 1)?;
             }
-            _ => s.text.clone(),
-        };
-        Ok(Streams { video, text })
+            s.rows = Some((video_rows, text.emb));
+        }
+        if let Some(step) = &self.feed_forward {
+            let (video_rows, text_rows) = s.rows.take().ok_or_else(|| {
+                candle_core::Error::Msg("a feed-forward step without its attention step".into())
+            })?;
+            s.video = feed_forward(&s.video, &video_rows, &step.ff)?;
+            if let (Some(ff), Some(rows)) = (&step.ff_context, &text_rows) {
+                s.text = feed_forward(&s.text, rows, ff)?;
+            }
+        }
+        Ok(s)
     }
 }
 
-/// One stream's residual updates after the attention: `x += rms(attn)·tanh(gate_msa)`, then
-/// `x += rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)` (`emb` = the stream's RMSNormZero rows).
-fn gated_update(x: &Tensor, attn: &Tensor, emb: &Tensor, ff: &SwiGlu) -> Result<Tensor> {
+/// `x + rms(delta)·tanh(gate)`, the gate row `gate` of a stream's RMSNormZero rows `emb`
+/// (1: gate_msa, 3: gate_mlp).
+fn gated_residual(x: &Tensor, delta: &Tensor, emb: &Tensor, gate: usize) -> Result<Tensor> {
     let dim = x.dim(2)?;
-    let x = (x + modulated_rms(attn, &chunk(emb, 1, dim)?.tanh()?)?)?;
-    let normed = modulated_rms(&x, &(chunk(emb, 2, dim)? + 1.0)?)?;
-    let out = ff.forward(&normed)?;
-    x + modulated_rms(&out, &chunk(emb, 3, dim)?.tanh()?)?
+    x + modulated_rms(delta, &chunk(emb, gate, dim)?.tanh()?)?
+}
+
+/// A stream's feed-forward residual: `x + rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)`.
+fn feed_forward(x: &Tensor, emb: &Tensor, ff: &SwiGlu) -> Result<Tensor> {
+    let dim = x.dim(2)?;
+    let normed = modulated_rms(x, &(chunk(emb, 2, dim)? + 1.0)?)?;
+    gated_residual(x, &ff.forward(&normed)?, emb, 3)
 }
 
 /// `MochiAttentionPool`: attention of the mask-weighted mean token over [mean; tokens] (pads
@@ -753,7 +806,11 @@ impl MochiTransformer3DModel {
             })
             .collect::<Result<_>>()?;
         Ok(BlockInputs {
-            streams: Some(Streams { video, text }),
+            streams: Some(Streams {
+                video,
+                text,
+                rows: None,
+            }),
             temb,
             rope_cos: cos.reshape((rows, half))?,
             rope_sin: sin.reshape((rows, half))?,
@@ -815,14 +872,14 @@ impl MochiTransformer3DModel {
     }
 }
 
-/// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole (a block knows
-/// its index: the last one is `context_pre_only`).
+/// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step
+/// (a block knows its index: the last one is `context_pre_only`).
 impl RepeatedBlocks for MochiTransformer3DModel {
     type Config = MochiTransformerConfig;
     type Block = MochiBlock;
-    type Step = ();
+    type Step = BlockStep;
     const BLOCKS: &'static str = "transformer_blocks";
-    const STEPS: &'static [()] = &[];
+    const STEPS: &'static [BlockStep] = &BlockStep::ALL;
     fn new(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
         MochiTransformer3DModel::new(cfg, vb)
     }
@@ -834,5 +891,13 @@ impl RepeatedBlocks for MochiTransformer3DModel {
     }
     fn new_block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
         MochiBlock::new(cfg, i, vb)
+    }
+    fn with_steps(
+        cfg: &Self::Config,
+        i: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self::Block> {
+        MochiBlock::with_steps(cfg, i, vb, steps)
     }
 }
