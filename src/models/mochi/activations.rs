@@ -32,19 +32,22 @@ pub fn transformer_activations(
     video + text + scores + rope
 }
 
-/// Device bytes of the decode: at full resolution, the last up block's output and its
-/// depth-to-space copy at the first stage's channels, a resnet's norm, conv input and output
-/// (f32 statistics), and the f32 frames.
+/// Device bytes of the decode: at full resolution, four activations at the first stage's
+/// channels (the last up block's output and its depth-to-space copy, then a resnet's input,
+/// norm, conv output and sum), one GroupNorm run's f32 temporaries
+/// ([`super::vae::NORM_CHUNK_FRAMES`] frames), and the frames in f32 twice (the decoded video
+/// and its conversion).
 pub fn vae_decode_activations(vae: &MochiVaeConfig, grid: [usize; 3], dtype: DType) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
     let s = vae.spatial_compression_ratio() as u64;
     let t = vae.temporal_compression_ratio() as u64;
     let frames = grid[0] as u64 * t;
-    let pixels = frames * grid[1] as u64 * s * grid[2] as u64 * s;
+    let frame_pixels = grid[1] as u64 * s * grid[2] as u64 * s;
     let channels = vae
         .decoder_block_out_channels
         .first()
         .copied()
         .unwrap_or(128) as u64;
-    pixels * channels * (5 * bytes + 2 * 4) + pixels * vae.out_channels as u64 * 4 * 2
+    let norm_run = frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * frame_pixels * channels * 4;
+    frames * frame_pixels * (channels * 4 * bytes + vae.out_channels as u64 * 4 * 2) + 3 * norm_run
 }

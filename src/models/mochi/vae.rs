@@ -19,6 +19,8 @@ use crate::models::hunyuan_video::vae::CausalConv3d;
 const NORM_GROUPS: usize = 32;
 /// `nn.GroupNorm`'s default epsilon.
 const NORM_EPS: f64 = 1e-5;
+/// Frames a GroupNorm normalises at once (`MochiChunkedGroupNorm3D`'s `chunk_size`).
+pub const NORM_CHUNK_FRAMES: usize = 8;
 
 /// `vae/config.json` of a diffusers `AutoencoderKLMochi`; missing keys take diffusers' defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -196,7 +198,18 @@ impl FrameGroupNorm {
         })
     }
 
+    /// The norm, then SiLU, over runs of [`NORM_CHUNK_FRAMES`] frames (diffusers' chunks), so
+    /// the f32 temporaries hold one run.
     fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        let t = x.dim(1)?;
+        let runs = (0..t)
+            .step_by(NORM_CHUNK_FRAMES)
+            .map(|f| self.normalize_silu(&x.narrow(1, f, NORM_CHUNK_FRAMES.min(t - f))?))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&runs, 1)
+    }
+
+    fn normalize_silu(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c, h, w) = x.dims5()?;
         let grouped =
             x.to_dtype(DType::F32)?
