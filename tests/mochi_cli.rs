@@ -86,9 +86,10 @@ fn generate(dir: &Path, guidance: &str, frames: &str, extra: &[&str]) -> (Tensor
     (frames, stderr)
 }
 
-fn check_run(run: &str, guidance: &str, frames: &str) {
+/// The reference run `run` with `frames` frames asked; stderr.
+fn check_run(run: &str, guidance: &str, frames: &str) -> String {
     let dir = scratch(&format!("{run}-{frames}"));
-    let (written, _) = generate(&dir, guidance, frames, &[]);
+    let (written, log) = generate(&dir, guidance, frames, &[]);
     let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
         .squeeze(0)
         .unwrap();
@@ -97,11 +98,13 @@ fn check_run(run: &str, guidance: &str, frames: &str) {
         max_abs_diff(&written, &expected)
     );
     assert_close(&format!("{run}.frames"), &written, &expected, 1e-4, 1e-4);
+    log
 }
 
 #[test]
 fn guided_run_matches_diffusers() {
-    check_run("cfg4_5", "4.5", "13");
+    let log = check_run("cfg4_5", "4.5", "13");
+    assert!(!log.contains("frames asked"), "{log}");
 }
 
 #[test]
@@ -109,10 +112,11 @@ fn unguided_run_matches_diffusers() {
     check_run("cfg1", "1", "13");
 }
 
-/// 18 frames asked: the same 3 latent frames, so diffusers' 13 frames.
+/// 18 frames asked: the same 3 latent frames, so diffusers' 13 frames, said on stderr.
 #[test]
 fn frames_are_six_k_plus_one_of_the_latents() {
-    check_run("cfg1", "1", "18");
+    let log = check_run("cfg1", "1", "18");
+    assert!(log.contains("18 frames asked, 13 made"), "{log}");
 }
 
 /// Every offload mode gives the resident run's frames, bit for bit.

@@ -327,6 +327,13 @@ impl Mochi {
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_device(&frame.device)?)?;
         let video = vae.decode(&z)?.to_dtype(DType::F32)?;
+        let made = video.dim(2)?;
+        if made != job.num_frames as usize {
+            frame.progress.note(&format!(
+                "note: Mochi-1 makes 6k+1 frames: {} frames asked, {made} made",
+                job.num_frames
+            ));
+        }
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
