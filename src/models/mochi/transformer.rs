@@ -187,12 +187,17 @@ fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
     candle_nn::ops::rms_norm(&x.contiguous()?, &ones, eps as f32)
 }
 
-/// `MochiModulatedRMSNorm`: `rms(x) · factor` in f32, back in `x`'s dtype; `factor` broadcasts
-/// `[B, 1, D]`.
+/// `MochiModulatedRMSNorm`: `rms(x) · factor` in f32 (a gate `tanh(g)` in the rows' dtype, or
+/// [`one_plus`] a scale), back in `x`'s dtype; `factor` broadcasts `[B, 1, D]`.
 fn modulated_rms(x: &Tensor, factor: &Tensor) -> Result<Tensor> {
     rms_normalize(x, NORM_EPS)?
         .broadcast_mul(&factor.to_dtype(DType::F32)?)?
         .to_dtype(x.dtype())
+}
+
+/// `1 + scale` of a modulation row, in f32 (diffusers casts the row first).
+fn one_plus(scale: &Tensor) -> Result<Tensor> {
+    scale.to_dtype(DType::F32)? + 1.0
 }
 
 /// `[B, k·D]` modulation rows -> row `i` as `[B, 1, D]`.
@@ -222,7 +227,7 @@ impl Modulation {
         match self {
             Modulation::Zero(linear) => {
                 let emb = linear.forward(&silu)?;
-                let normed = modulated_rms(x, &(chunk(&emb, 0, dim)? + 1.0)?)?;
+                let normed = modulated_rms(x, &one_plus(&chunk(&emb, 0, dim)?)?)?;
                 Ok(Modulated {
                     normed,
                     emb: Some(emb),
@@ -231,7 +236,7 @@ impl Modulation {
             Modulation::ScaleOnly(linear) => {
                 let scale = linear.forward(&silu)?.unsqueeze(1)?;
                 Ok(Modulated {
-                    normed: modulated_rms(x, &(scale + 1.0)?)?,
+                    normed: modulated_rms(x, &one_plus(&scale)?)?,
                     emb: None,
                 })
             }
@@ -565,7 +570,7 @@ fn gated_residual(x: &Tensor, delta: &Tensor, emb: &Tensor, gate: usize) -> Resu
 /// A stream's feed-forward residual: `x + rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)`.
 fn feed_forward(x: &Tensor, emb: &Tensor, ff: &SwiGlu) -> Result<Tensor> {
     let dim = x.dim(2)?;
-    let normed = modulated_rms(x, &(chunk(emb, 2, dim)? + 1.0)?)?;
+    let normed = modulated_rms(x, &one_plus(&chunk(emb, 2, dim)?)?)?;
     gated_residual(x, &ff.forward(&normed)?, emb, 3)
 }
 
