@@ -270,3 +270,57 @@ fn flags_that_do_not_apply_are_refused() {
         }
     }
 }
+
+/// A draws file whose `latents` do not fit the run, or that holds a draw Mochi never makes, is
+/// bad input (exit 2, one line) naming the tensor, before anything loads.
+#[test]
+fn draws_file_mistakes_are_named() {
+    let dir = scratch("draws");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let fixture = named_fixture_dir(FIXTURE);
+    let latents = refs["latents_init"].clone();
+    let cases: [(&str, HashMap<String, Tensor>, &str); 2] = [
+        (
+            "wrong shape",
+            [("latents".to_string(), latents.narrow(2, 0, 2).unwrap())].into(),
+            "latents",
+        ),
+        (
+            "unused draw",
+            [
+                ("latents".to_string(), latents.clone()),
+                ("step0.scheduler_noise.0".to_string(), latents.clone()),
+            ]
+            .into(),
+            "step0.scheduler_noise.0",
+        ),
+    ];
+    for (what, draws, named) in cases {
+        let path = dir.join("draws.safetensors");
+        candle_core::safetensors::save(&draws, &path).unwrap();
+        let out = vidgen(&[
+            "generate",
+            "--model",
+            fixture.to_str().unwrap(),
+            "--prompt",
+            "a",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num-frames",
+            "13",
+            "--num-inference-steps",
+            "3",
+            "--latents",
+            path.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--quiet",
+        ]);
+        let line = usage_error(&out, what);
+        assert!(line.contains(named), "{what}: {line}");
+    }
+}

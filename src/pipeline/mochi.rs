@@ -10,7 +10,7 @@ use super::registry::{Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, StageSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
-use crate::config::ModelDefaults;
+use crate::config::{ModelDefaults, UsageError};
 use crate::models::guidance::guide_batched;
 use crate::models::mochi::transformer::{MochiTransformer3DModel, MochiTransformerConfig};
 use crate::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
@@ -26,6 +26,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 use std::any::Any;
+use std::path::Path;
 
 /// Reads a Mochi model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
@@ -206,17 +207,40 @@ struct Mochi {
 }
 
 impl Mochi {
-    /// Reads the tokenizer; loads no weights.
+    /// Reads the tokenizer and checks the draws file against the run's sizes; loads no weights.
     fn new(configs: MochiConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
         let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
         };
-        Ok(Mochi {
+        let pipeline = Mochi {
             configs,
             parts,
             tokenizer,
-        })
+        };
+        // A draws file that does not fit the run is bad input, found before anything loads.
+        if let Some(path) = &frame.config.generation().latents {
+            let o = frame.config.video();
+            pipeline
+                .take_latents(path, o.num_frames, o.height, o.width)
+                .map_err(|e| UsageError::new(format!("{e:#}")))?;
+        }
+        Ok(pipeline)
+    }
+
+    /// The draws file's `latents` for a video size; the file must hold nothing else.
+    fn take_latents(
+        &self,
+        path: &Path,
+        num_frames: u32,
+        height: u32,
+        width: u32,
+    ) -> Result<Tensor> {
+        let grid = self.configs.grid(num_frames, height, width);
+        let mut draws = Draws::open(path)?;
+        let latents = draws.take("latents", &self.configs.latent_shape(grid))?;
+        draws.finish()?;
+        Ok(latents)
     }
 
     /// `_get_t5_prompt_embeds` for each text: T5 with the attention mask (pad rows not zeroed),
@@ -280,17 +304,13 @@ impl Mochi {
             .context("prompt not encoded")?
             .to_device(device)?;
         let batch = embeds.dim(0)?;
-        let grid = self.configs.grid(job.num_frames, job.height, job.width);
-        let shape = self.configs.latent_shape(grid);
         // `prepare_latents`: the given latents, or a float32 draw, in the embeddings' dtype.
         let latents = match &frame.config.generation().latents {
-            Some(path) => {
-                let mut draws = Draws::open(path)?;
-                let latents = draws.take("latents", &shape)?;
-                draws.finish()?;
-                latents
+            Some(path) => self.take_latents(path, job.num_frames, job.height, job.width)?,
+            None => {
+                let grid = self.configs.grid(job.num_frames, job.height, job.width);
+                TorchGenerator::new(job.seed).randn(&self.configs.latent_shape(grid))?
             }
-            None => TorchGenerator::new(job.seed).randn(&shape)?,
         };
         let mut latents = latents.to_dtype(dtype)?.to_device(device)?;
         let steps = job.num_inference_steps as usize;
