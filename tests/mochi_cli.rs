@@ -153,6 +153,19 @@ fn offload_modes_are_bit_identical_to_resident() {
             "transformer: streamed",
         ),
         (
+            &[
+                "--dit-layerwise-offload",
+                "--no-offload-stream",
+                "--num-blocks-per-group",
+                "8",
+            ],
+            "transformer: streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--no-offload-stream"],
+            "transformer: streamed",
+        ),
+        (
             &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
             "transformer: streamed",
         ),
