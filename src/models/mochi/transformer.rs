@@ -209,7 +209,9 @@ fn chunk(emb: &Tensor, i: usize, dim: usize) -> Result<Tensor> {
 /// for the text of a `context_pre_only` block, `MochiLayerNormContinuous` (a scale only).
 #[derive(Debug, Clone)]
 enum Modulation {
+    /// `linear`: SiLU(temb) -> the four `[B, D]` rows.
     Zero(Linear),
+    /// `linear_1`: SiLU(temb) -> the scale.
     ScaleOnly(Linear),
 }
 
@@ -299,6 +301,8 @@ struct JointAttention {
     head_dim: usize,
 }
 
+/// The text queries (`add_q_proj` with its per-head norm) and the text output projection of a
+/// block that updates the text stream.
 #[derive(Debug, Clone)]
 struct TextOut {
     add_q_proj: Linear,
