@@ -16,6 +16,7 @@ const FIXTURES: [&str; 6] = [
     "hunyuanvideo-tiny-a",
     "minimax-h3-tiny-a",
     "latte-tiny-a",
+    "mochi-tiny-a",
 ];
 
 /// The keys of a JSON object.

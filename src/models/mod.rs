@@ -20,6 +20,7 @@ pub mod latte;
 pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
+pub mod mochi;
 #[cfg(feature = "cuda")]
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;
@@ -39,6 +40,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     hunyuan_video::FOLDER,
     minimax_h3::FOLDER,
     latte::FOLDER,
+    mochi::FOLDER,
     t5::FOLDER,
     clip::FOLDER,
     crate::schedulers::FOLDER,

@@ -12,6 +12,7 @@ pub mod jobs;
 pub mod latte;
 pub mod ltx;
 pub mod minimax_h3;
+pub mod mochi;
 pub mod placement;
 pub mod plan;
 pub mod progress;

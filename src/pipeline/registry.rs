@@ -5,7 +5,7 @@
 
 use super::frame::Frame;
 use super::spec::PipelineSpec;
-use super::{cogvideox, hunyuan_video, latte, ltx, minimax_h3, wan_t2v};
+use super::{cogvideox, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
 use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::source::ModelSource;
 use crate::output::OutputType;
@@ -306,6 +306,10 @@ pub const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
         class_names: &["LattePipeline"],
         read: latte::read,
+    },
+    FamilyEntry {
+        class_names: &["MochiPipeline"],
+        read: mochi::read,
     },
 ];
 

@@ -32,7 +32,7 @@ pub struct FlowMatchEulerConfig {
     pub time_shift_type: String,
     /// Stretch the schedule so its last sigma is this value (LTX-Video: 0.1).
     pub shift_terminal: Option<f64>,
-    /// `1 - sigma` schedules (not supported).
+    /// Hand the model `1 - sigma` (Mochi): sigmas and timesteps inverted, a final 1 appended.
     pub invert_sigmas: bool,
     /// Stochastic re-noising steps (not supported).
     pub stochastic_sampling: bool,
@@ -105,7 +105,6 @@ impl FlowMatchEulerConfig {
             bail!("scheduler config: shift_terminal must be below 1");
         }
         for (key, on) in [
-            ("invert_sigmas", self.invert_sigmas),
             ("stochastic_sampling", self.stochastic_sampling),
             ("use_karras_sigmas", self.use_karras_sigmas),
             ("use_exponential_sigmas", self.use_exponential_sigmas),
@@ -197,7 +196,8 @@ impl FlowMatchEuler {
 
     /// `set_timesteps(sigmas=..., mu=...)`: the given sigmas as f32, shifted (by `mu` with
     /// dynamic shifting, else by `shift`) and stretched to `shift_terminal`, all in f32 as numpy
-    /// computes them; `timesteps = sigmas * num_train_timesteps`; a final sigma 0 appended.
+    /// computes them; with `invert_sigmas` each becomes `1 - sigma`; `timesteps = sigmas *
+    /// num_train_timesteps`; a final sigma appended (0, or 1 when inverted).
     pub fn with_sigmas(
         cfg: &FlowMatchEulerConfig,
         sigmas: &[f64],
@@ -242,8 +242,13 @@ impl FlowMatchEuler {
             }
         }
         let n_train = cfg.num_train_timesteps as f32;
+        if cfg.invert_sigmas {
+            for s in &mut shifted {
+                *s = 1.0 - *s;
+            }
+        }
         let timesteps = shifted.iter().map(|&s| f64::from(s * n_train)).collect();
-        shifted.push(0.0);
+        shifted.push(if cfg.invert_sigmas { 1.0 } else { 0.0 });
         Ok(Self {
             timesteps,
             sigmas: shifted,

@@ -6,6 +6,7 @@
 pub mod cogvideox_dpm;
 pub mod ddim;
 pub mod euler;
+pub mod linear_quadratic;
 pub mod minimax_h3;
 pub mod unipc;
 

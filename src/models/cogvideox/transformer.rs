@@ -652,7 +652,7 @@ pub fn resize_crop_region(
 
 /// `torch.linspace(start, end, steps, dtype=float32)` with torch's CPU formula (from the start
 /// for the first half, from the end for the second).
-fn linspace_f32(start: f64, end: f64, steps: usize) -> Vec<f32> {
+pub(crate) fn linspace_f32(start: f64, end: f64, steps: usize) -> Vec<f32> {
     let (start, end) = (start as f32, end as f32);
     if steps <= 1 {
         return vec![start; steps];

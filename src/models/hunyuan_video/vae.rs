@@ -412,7 +412,7 @@ fn conv2d_banded(x: &Tensor, w: &Tensor, stride: usize, limit: usize) -> Result<
 /// then a Conv3d (stride `(time, space, space)`): one 3D convolution through cuDNN where it is
 /// loaded ([`conv3d`]), else one conv2d per time tap, by chunks of output frames.
 #[derive(Debug, Clone)]
-struct CausalConv3d {
+pub(crate) struct CausalConv3d {
     kernel: Kernel3d,
     bias: Tensor,
     /// (time in front, height each side, width each side), as diffusers' padding tuple.
@@ -422,7 +422,7 @@ struct CausalConv3d {
 }
 
 impl CausalConv3d {
-    fn new(in_ch: usize, out_ch: usize, k: usize, vb: VarBuilder) -> Result<Self> {
+    pub(crate) fn new(in_ch: usize, out_ch: usize, k: usize, vb: VarBuilder) -> Result<Self> {
         Self::strided(in_ch, out_ch, k, (1, 1), vb)
     }
 
@@ -445,7 +445,7 @@ impl CausalConv3d {
     }
 
     /// `x` `[B, T, C, H, W]` -> `[B, T, out, H', W']`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(w) = self.kernel.whole() {
             if let Some(y) = conv3d::or_fallback(|| self.forward_whole(w, x, RUN_ELEMENTS)) {
                 return Ok(y);

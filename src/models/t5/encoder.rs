@@ -687,20 +687,31 @@ impl Blockwise for T5EncoderModel {
 
 /// `last_hidden_state` of each of `texts` (token ids, as `[1, L]`) without a mask (every token,
 /// `<pad>` included, attends to every token), as the T5 v1.1 pipelines (CogVideoX, LTX-Video)
-/// call it, with the encoder's blocks resident or streamed; T5's relative-position bias,
-/// computed by the first block, is carried to the later ones. Each block runs on every text in
-/// turn, so a streamed encoder's weights pass once for all of them, and each text's result is
-/// what encoding it alone gives.
+/// call it; [`encode_masked`] with every token real.
 pub(crate) fn encode_unmasked(
     encoder: &impl PlacedBlocks<T5EncoderModel>,
     texts: &[&[u32]],
 ) -> anyhow::Result<Vec<Tensor>> {
+    let lens: Vec<usize> = texts.iter().map(|ids| ids.len()).collect();
+    encode_masked(encoder, texts, &lens)
+}
+
+/// `last_hidden_state` of each of `texts` (token ids, as `[1, L]`) with the attention mask of
+/// its first `seq_lens[i]` tokens (pad keys masked, pad rows not zeroed), with the encoder's
+/// blocks resident or streamed; T5's relative-position bias, computed by the first block, is
+/// carried to the later ones. Each block runs on every text in turn, so a streamed encoder's
+/// weights pass once for all of them, and each text's result is what encoding it alone gives.
+pub(crate) fn encode_masked(
+    encoder: &impl PlacedBlocks<T5EncoderModel>,
+    texts: &[&[u32]],
+    seq_lens: &[usize],
+) -> anyhow::Result<Vec<Tensor>> {
     let model = encoder.model();
     let device = model.device();
     let (mut states, mut masks) = (Vec::new(), Vec::new());
-    for ids in texts {
+    for (ids, &len) in texts.iter().zip(seq_lens) {
+        masks.push(attention_mask(&[len], ids.len(), &device)?);
         let ids = Tensor::new(*ids, &device)?.unsqueeze(0)?;
-        masks.push(Tensor::ones(ids.dims2()?, DType::U32, &device)?);
         states.push((model.embed(&ids)?, None));
     }
     let states = encoder.fold_blocks_each(

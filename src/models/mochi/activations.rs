@@ -1,0 +1,53 @@
+//! Activation estimates of the Mochi-1 models: the device bytes their forward passes keep alive
+//! at their peak (the weights are counted apart, from the constructors).
+
+use super::transformer::MochiTransformerConfig;
+use super::vae::MochiVaeConfig;
+use candle_core::DType;
+
+/// Device bytes of one transformer forward over a batch of `batch` (2 with guidance) on
+/// `tokens` video tokens and `text_len` text tokens.
+pub fn transformer_activations(
+    c: &MochiTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+    dtype: DType,
+) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let (n, l, b) = (tokens as u64, text_len as u64, batch as u64);
+    let dim = c.inner_dim() as u64;
+    let text_dim = c.pooled_projection_dim as u64;
+    let heads = c.num_attention_heads as u64;
+    let ff = MochiTransformerConfig::ff_inner_dim(c.inner_dim()) as u64;
+    // The video stream, its q/k/v and attention output, f32 norm temporaries (two hidden-sized
+    // f32 copies), the SwiGLU's 2x and 1x inner widths; the same for the text stream; the
+    // chunked attention's f32 scores (one sample at a time, up to 1024 queries); the per-head
+    // RoPE tables in f32.
+    let seq = n + l;
+    let video = b * n * (dim * (6 * bytes + 2 * 4) + 3 * ff * bytes);
+    let text = b * l * (text_dim * 6 + 3 * dim) * bytes;
+    let scores = heads * seq.min(1024) * seq * 4 * 2;
+    let rope = 2 * n * dim / 2 * 4;
+    video + text + scores + rope
+}
+
+/// Device bytes of the decode: at full resolution, four activations at the first stage's
+/// channels (the last up block's output and its depth-to-space copy, then a resnet's input,
+/// norm, conv output and sum), one GroupNorm run's f32 temporaries
+/// ([`super::vae::NORM_CHUNK_FRAMES`] frames), and the frames in f32 twice (the decoded video
+/// and its conversion).
+pub fn vae_decode_activations(vae: &MochiVaeConfig, grid: [usize; 3], dtype: DType) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let s = vae.spatial_compression_ratio() as u64;
+    let t = vae.temporal_compression_ratio() as u64;
+    let frames = grid[0] as u64 * t;
+    let frame_pixels = grid[1] as u64 * s * grid[2] as u64 * s;
+    let channels = vae
+        .decoder_block_out_channels
+        .first()
+        .copied()
+        .unwrap_or(128) as u64;
+    let norm_run = frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * frame_pixels * channels * 4;
+    frames * frame_pixels * (channels * 4 * bytes + vae.out_channels as u64 * 4 * 2) + 3 * norm_run
+}

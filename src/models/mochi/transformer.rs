@@ -1,0 +1,912 @@
+//! Mochi-1 diffusion transformer (diffusers `MochiTransformer3DModel`, genmo/mochi-1-preview).
+//!
+//! Two streams of different widths: video tokens (`inner` = heads x head_dim) and text tokens
+//! (`pooled_projection_dim`), joined only inside the attention ("asymmetric" joint attention).
+//! The forward pass is split so that an engine can stream the blocks:
+//!
+//! 1. [`MochiTransformer3DModel::prepare`]: the conditioning `temb` (timestep MLP plus the
+//!    attention-pooled caption), the text stream (`caption_proj`), the per-frame patch embedding
+//!    of the video stream, the RoPE tables from the learned `pos_frequencies`, and each sample's
+//!    valid text tokens.
+//! 2. [`MochiBlock::forward`] for every block, in order (the last is `context_pre_only`: it
+//!    reads the text but does not update it).
+//! 3. [`MochiTransformer3DModel::finish`]: AdaLayerNormContinuous (scale, shift), `proj_out`,
+//!    unpatchify to `[B, C, F, H, W]`.
+//!
+//! The RMS norms compute in f32 and cast back to the stream's dtype, as diffusers'
+//! `MochiRMSNormZero` / `MochiModulatedRMSNorm` do; the rotation of q and k runs in f32.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{LayerNorm, Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::{sdpa, sdpa_with_bias};
+use crate::models::blocks::RepeatedBlocks;
+use crate::models::cogvideox::transformer::linspace_f32;
+use crate::models::wan::transformer::timestep_embedding;
+
+/// Heads of `MochiAttentionPool` (hard-coded to 8 in `MochiCombinedTimestepCaptionEmbedding`).
+pub const POOL_HEADS: usize = 8;
+/// Epsilon of the blocks' modulated RMS norms and of the output LayerNorm.
+const NORM_EPS: f64 = 1e-6;
+/// Epsilon of the per-head RMS norms on q and k (`MochiAttention`'s `eps=1e-5`).
+const QK_NORM_EPS: f64 = 1e-5;
+/// `MochiRoPE`'s base grid: positions are scaled so the grid's area is 192 x 192 patches.
+const ROPE_BASE_AREA: f64 = 192.0 * 192.0;
+
+/// `transformer/config.json` of a diffusers Mochi checkpoint; missing keys take diffusers'
+/// defaults (those of `MochiTransformer3DModel.__init__`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct MochiTransformerConfig {
+    /// Spatial patch size (Conv2d kernel = stride), per frame.
+    pub patch_size: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of one head.
+    pub attention_head_dim: usize,
+    /// Number of transformer blocks (the last one is `context_pre_only`).
+    pub num_layers: usize,
+    /// Width of the text stream.
+    pub pooled_projection_dim: usize,
+    /// Latent channels in.
+    pub in_channels: usize,
+    /// Latent channels out (`null` means `in_channels`).
+    pub out_channels: Option<usize>,
+    /// Per-head norm of q and k (only `rms_norm`).
+    pub qk_norm: String,
+    /// Width of the text-encoder embeddings.
+    pub text_embed_dim: usize,
+    /// Sinusoid width of the timestep embedding.
+    pub time_embed_dim: usize,
+    /// Feed-forward activation (only `swiglu`).
+    pub activation_fn: String,
+    /// Informational: the text length the model was trained with.
+    pub max_sequence_length: usize,
+}
+
+impl Default for MochiTransformerConfig {
+    fn default() -> Self {
+        Self {
+            patch_size: 2,
+            num_attention_heads: 24,
+            attention_head_dim: 128,
+            num_layers: 48,
+            pooled_projection_dim: 1536,
+            in_channels: 12,
+            out_channels: None,
+            qk_norm: "rms_norm".into(),
+            text_embed_dim: 4096,
+            time_embed_dim: 256,
+            activation_fn: "swiglu".into(),
+            max_sequence_length: 256,
+        }
+    }
+}
+
+impl MochiTransformerConfig {
+    /// Video stream width: heads x head dim.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Output channels (`out_channels or in_channels`).
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+
+    /// SwiGLU inner width of a stream of width `dim` (`(4 * dim * 2) // 3`).
+    pub fn ff_inner_dim(dim: usize) -> usize {
+        4 * dim * 2 / 3
+    }
+
+    /// Rejects configurations this implementation cannot run, with the key at fault.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("patch_size", self.patch_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("num_layers", self.num_layers),
+            ("pooled_projection_dim", self.pooled_projection_dim),
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels()),
+            ("text_embed_dim", self.text_embed_dim),
+            ("time_embed_dim", self.time_embed_dim),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            candle_core::bail!("transformer config: {key} must be positive");
+        }
+        if !self.attention_head_dim.is_multiple_of(2) {
+            candle_core::bail!(
+                "transformer config: attention_head_dim {} must be even (RoPE rotates pairs)",
+                self.attention_head_dim
+            );
+        }
+        if !self.text_embed_dim.is_multiple_of(POOL_HEADS) {
+            candle_core::bail!(
+                "transformer config: text_embed_dim {} must be a multiple of the caption pool's {POOL_HEADS} heads",
+                self.text_embed_dim
+            );
+        }
+        if self.qk_norm != "rms_norm" {
+            candle_core::bail!(
+                "transformer config: qk_norm {:?} is not supported (only \"rms_norm\")",
+                self.qk_norm
+            );
+        }
+        if self.activation_fn != "swiglu" {
+            candle_core::bail!(
+                "transformer config: activation_fn {:?} is not supported (only \"swiglu\")",
+                self.activation_fn
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    streams: Option<Streams>,
+    /// Conditioning `[B, inner]` (model dtype): input of every modulation.
+    pub temb: Tensor,
+    /// RoPE cosines `[F·h·w·heads, head_dim / 2]` in f32 (a table per head).
+    pub rope_cos: Tensor,
+    /// RoPE sines, same layout as `rope_cos`.
+    pub rope_sin: Tensor,
+    /// For each sample, the indices (u32) of its text tokens the mask keeps.
+    pub valid_text: Vec<Tensor>,
+    /// Token grid (frames, height, width) after patching.
+    pub grid: [usize; 3],
+}
+
+/// The two streams between blocks: video `[B, N, inner]` and text `[B, L, pooled_dim]`.
+#[derive(Debug, Clone)]
+pub struct Streams {
+    pub video: Tensor,
+    pub text: Tensor,
+    /// Between a block's attention and feed-forward steps: the video and (unless the block is
+    /// `context_pre_only`) text RMSNormZero rows `[B, 4·D]`.
+    rows: Option<(Tensor, Option<Tensor>)>,
+}
+
+impl BlockInputs {
+    /// Takes the streams that feed block 0; once.
+    pub fn take_streams(&mut self) -> Result<Streams> {
+        self.streams
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block-0 streams already taken".into()))
+    }
+}
+
+/// `x / sqrt(mean(x²) + eps)` over the last dim, in f32 (diffusers' weightless `RMSNorm` on an
+/// f32 input).
+fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    let ones = Tensor::ones(x.dim(candle_core::D::Minus1)?, DType::F32, x.device())?;
+    candle_nn::ops::rms_norm(&x.contiguous()?, &ones, eps as f32)
+}
+
+/// `MochiModulatedRMSNorm`: `rms(x) · factor` in f32 (a gate `tanh(g)` in the rows' dtype, or
+/// [`one_plus`] a scale), back in `x`'s dtype; `factor` broadcasts `[B, 1, D]`.
+fn modulated_rms(x: &Tensor, factor: &Tensor) -> Result<Tensor> {
+    rms_normalize(x, NORM_EPS)?
+        .broadcast_mul(&factor.to_dtype(DType::F32)?)?
+        .to_dtype(x.dtype())
+}
+
+/// `1 + scale` of a modulation row, in f32 (diffusers casts the row first).
+fn one_plus(scale: &Tensor) -> Result<Tensor> {
+    scale.to_dtype(DType::F32)? + 1.0
+}
+
+/// `[B, k·D]` modulation rows -> row `i` as `[B, 1, D]`.
+fn chunk(emb: &Tensor, i: usize, dim: usize) -> Result<Tensor> {
+    emb.narrow(1, i * dim, dim)?.unsqueeze(1)
+}
+
+/// A stream's modulation: `MochiRMSNormZero` (scale_msa, gate_msa, scale_mlp, gate_mlp), or,
+/// for the text of a `context_pre_only` block, `MochiLayerNormContinuous` (a scale only).
+#[derive(Debug, Clone)]
+enum Modulation {
+    /// `linear`: SiLU(temb) -> the four `[B, D]` rows.
+    Zero(Linear),
+    /// `linear_1`: SiLU(temb) -> the scale.
+    ScaleOnly(Linear),
+}
+
+/// A stream's modulated input to the attention and what the rest of the block needs.
+struct Modulated {
+    normed: Tensor,
+    /// `[B, 4·D]` rows (RMSNormZero only).
+    emb: Option<Tensor>,
+}
+
+impl Modulation {
+    fn apply(&self, x: &Tensor, temb: &Tensor) -> Result<Modulated> {
+        let dim = x.dim(2)?;
+        let silu = candle_nn::ops::silu(temb)?;
+        match self {
+            Modulation::Zero(linear) => {
+                let emb = linear.forward(&silu)?;
+                let normed = modulated_rms(x, &one_plus(&chunk(&emb, 0, dim)?)?)?;
+                Ok(Modulated {
+                    normed,
+                    emb: Some(emb),
+                })
+            }
+            Modulation::ScaleOnly(linear) => {
+                let scale = linear.forward(&silu)?.unsqueeze(1)?;
+                Ok(Modulated {
+                    normed: modulated_rms(x, &one_plus(&scale)?)?,
+                    emb: None,
+                })
+            }
+        }
+    }
+}
+
+/// The SwiGLU feed-forward (`FeedForward(activation_fn="swiglu", bias=False)`).
+#[derive(Debug, Clone)]
+struct SwiGlu {
+    proj: Linear,
+    out: Linear,
+}
+
+impl SwiGlu {
+    fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        let inner = MochiTransformerConfig::ff_inner_dim(dim);
+        Ok(Self {
+            proj: candle_nn::linear_no_bias(dim, 2 * inner, vb.pp("net.0.proj"))?,
+            out: candle_nn::linear_no_bias(inner, dim, vb.pp("net.2"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.proj.forward(x)?;
+        let inner = h.dim(2)? / 2;
+        let gated = (h.narrow(2, 0, inner)? * candle_nn::ops::silu(&h.narrow(2, inner, inner)?)?)?;
+        self.out.forward(&gated)
+    }
+}
+
+/// A per-head RMSNorm with weight (`MochiRMSNorm`), in f32, back in the input dtype.
+fn head_rms(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    candle_nn::ops::rms_norm(
+        &x.to_dtype(DType::F32)?.contiguous()?,
+        &weight.to_dtype(DType::F32)?,
+        QK_NORM_EPS as f32,
+    )?
+    .to_dtype(x.dtype())
+}
+
+/// `MochiAttention` with `MochiAttnProcessor2_0`: video and text projected apart, per-head RMS
+/// norms, RoPE on the video q and k, attention per sample over [video; the text tokens its mask
+/// keeps]; the text outputs of masked tokens are zero before `to_add_out`.
+#[derive(Debug, Clone)]
+struct JointAttention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    norm_q: Tensor,
+    norm_k: Tensor,
+    add_k_proj: Linear,
+    add_v_proj: Linear,
+    norm_added_k: Tensor,
+    /// The text queries and the text output (absent in a `context_pre_only` block, whose text
+    /// outputs are discarded).
+    text_out: Option<TextOut>,
+    to_out: Linear,
+    heads: usize,
+    head_dim: usize,
+}
+
+/// The text queries (`add_q_proj` with its per-head norm) and the text output projection of a
+/// block that updates the text stream.
+#[derive(Debug, Clone)]
+struct TextOut {
+    add_q_proj: Linear,
+    norm_added_q: Tensor,
+    to_add_out: Linear,
+}
+
+impl JointAttention {
+    fn new(cfg: &MochiTransformerConfig, context_pre_only: bool, vb: VarBuilder) -> Result<Self> {
+        let (dim, text_dim, hd) = (
+            cfg.inner_dim(),
+            cfg.pooled_projection_dim,
+            cfg.attention_head_dim,
+        );
+        let text_out = if context_pre_only {
+            None
+        } else {
+            Some(TextOut {
+                add_q_proj: candle_nn::linear_no_bias(text_dim, dim, vb.pp("add_q_proj"))?,
+                norm_added_q: vb.get(hd, "norm_added_q.weight")?,
+                to_add_out: candle_nn::linear(dim, text_dim, vb.pp("to_add_out"))?,
+            })
+        };
+        Ok(Self {
+            to_q: candle_nn::linear_no_bias(dim, dim, vb.pp("to_q"))?,
+            to_k: candle_nn::linear_no_bias(dim, dim, vb.pp("to_k"))?,
+            to_v: candle_nn::linear_no_bias(dim, dim, vb.pp("to_v"))?,
+            norm_q: vb.get(hd, "norm_q.weight")?,
+            norm_k: vb.get(hd, "norm_k.weight")?,
+            add_k_proj: candle_nn::linear_no_bias(text_dim, dim, vb.pp("add_k_proj"))?,
+            add_v_proj: candle_nn::linear_no_bias(text_dim, dim, vb.pp("add_v_proj"))?,
+            norm_added_k: vb.get(hd, "norm_added_k.weight")?,
+            text_out,
+            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            heads: cfg.num_attention_heads,
+            head_dim: hd,
+        })
+    }
+
+    /// `[B, S, H·hd]` -> `[B, H, S, hd]`.
+    fn heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        x.reshape((b, s, self.heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    /// Projection, per-head norm and the rotation of interleaved pairs (in f32) of video
+    /// tokens: `[B, H, N, hd]`.
+    fn video_qk(
+        &self,
+        x: &Tensor,
+        linear: &Linear,
+        norm: &Tensor,
+        inputs: &BlockInputs,
+    ) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let normed = head_rms(
+            &linear
+                .forward(x)?
+                .reshape((b, n, self.heads, self.head_dim))?,
+            norm,
+        )?;
+        // One table row per (token, head): rotate as a single head over N·H positions.
+        let rotated = candle_nn::rotary_emb::rope_i(
+            &normed
+                .to_dtype(DType::F32)?
+                .reshape((b, 1, n * self.heads, self.head_dim))?
+                .contiguous()?,
+            &inputs.rope_cos,
+            &inputs.rope_sin,
+        )?
+        .to_dtype(x.dtype())?;
+        rotated
+            .reshape((b, n, self.heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    /// Text projection with its per-head norm: `[B, H, L, hd]`.
+    fn text_heads(&self, c: &Tensor, linear: &Linear, norm: Option<&Tensor>) -> Result<Tensor> {
+        let (b, l, _) = c.dims3()?;
+        let h = linear
+            .forward(c)?
+            .reshape((b, l, self.heads, self.head_dim))?;
+        let h = match norm {
+            Some(w) => head_rms(&h, w)?,
+            None => h,
+        };
+        h.transpose(1, 2)?.contiguous()
+    }
+
+    /// Video `x` `[B, N, inner]` and text `c` `[B, L, pooled]` (both modulated) -> the video
+    /// output after `to_out` and, unless `context_pre_only`, the text output after `to_add_out`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        c: &Tensor,
+        inputs: &BlockInputs,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (b, n, dim) = x.dims3()?;
+        let l = c.dim(1)?;
+        let q = self.video_qk(x, &self.to_q, &self.norm_q, inputs)?;
+        let k = self.video_qk(x, &self.to_k, &self.norm_k, inputs)?;
+        let v = self.heads(&self.to_v.forward(x)?)?;
+        let tk = self.text_heads(c, &self.add_k_proj, Some(&self.norm_added_k))?;
+        let tv = self.text_heads(c, &self.add_v_proj, None)?;
+        let tq = match &self.text_out {
+            Some(t) => Some(self.text_heads(c, &t.add_q_proj, Some(&t.norm_added_q))?),
+            None => None,
+        };
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let (mut video_out, mut text_out) = (Vec::with_capacity(b), Vec::with_capacity(b));
+        for (i, valid) in inputs.valid_text.iter().enumerate() {
+            let pick = |t: &Tensor| t.narrow(0, i, 1)?.index_select(valid, 2);
+            let keys = Tensor::cat(&[&k.narrow(0, i, 1)?, &pick(&tk)?], 2)?;
+            let values = Tensor::cat(&[&v.narrow(0, i, 1)?, &pick(&tv)?], 2)?;
+            let queries = match &tq {
+                Some(tq) => Tensor::cat(&[&q.narrow(0, i, 1)?, &pick(tq)?], 2)?,
+                // Text queries only feed the discarded text outputs.
+                None => q.narrow(0, i, 1)?,
+            };
+            // [1, H, S, hd] -> [1, S, inner]
+            let out = sdpa(&queries, &keys, &values, scale)?
+                .transpose(1, 2)?
+                .reshape((1, (), dim))?;
+            video_out.push(out.narrow(1, 0, n)?);
+            if tq.is_some() {
+                // Valid text outputs first, zeros after (diffusers pads the joint output).
+                let kept = out.narrow(1, n, valid.dim(0)?)?;
+                let pad = Tensor::zeros((1, l - kept.dim(1)?, dim), kept.dtype(), kept.device())?;
+                text_out.push(Tensor::cat(&[kept, pad], 1)?);
+            }
+        }
+        let video = self.to_out.forward(&Tensor::cat(&video_out, 0)?)?;
+        let text = match &self.text_out {
+            Some(t) => Some(t.to_add_out.forward(&Tensor::cat(&text_out, 0)?)?),
+            None => None,
+        };
+        Ok((video, text))
+    }
+}
+
+/// The steps of a block, in execution order. A block can be built with only some of them (an
+/// offload engine streaming steps rather than whole blocks); running such a partial block
+/// applies just its steps, with exactly the arithmetic of the whole block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockStep {
+    /// `norm1` / `norm1_context` (their modulation rows, kept in [`Streams`] for the
+    /// feed-forward step), the joint attention, the gated attention residuals.
+    Attention,
+    /// The SwiGLU feed-forwards of both streams with their gated residuals.
+    FeedForward,
+}
+
+impl BlockStep {
+    pub const ALL: [BlockStep; 2] = [BlockStep::Attention, BlockStep::FeedForward];
+}
+
+/// A block's attention step.
+#[derive(Debug, Clone)]
+struct AttentionStep {
+    norm1: Modulation,
+    norm1_context: Modulation,
+    attn: JointAttention,
+}
+
+/// A block's feed-forward step: `ff_context` is `None` in the `context_pre_only` (last) block.
+#[derive(Debug, Clone)]
+struct FeedForwardStep {
+    ff: SwiGlu,
+    ff_context: Option<SwiGlu>,
+}
+
+/// One `MochiTransformerBlock` of diffusers (or some of its steps, see [`BlockStep`]).
+#[derive(Debug, Clone)]
+pub struct MochiBlock {
+    attention: Option<AttentionStep>,
+    feed_forward: Option<FeedForwardStep>,
+}
+
+impl MochiBlock {
+    /// Loads block `i`; `vb` points at `transformer_blocks.{i}`.
+    pub fn new(cfg: &MochiTransformerConfig, i: usize, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, i, vb, &BlockStep::ALL)
+    }
+
+    /// Loads only the weights of `steps` of block `i`; `vb` points at `transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &MochiTransformerConfig,
+        i: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let context_pre_only = i + 1 == cfg.num_layers;
+        let (dim, text_dim) = (cfg.inner_dim(), cfg.pooled_projection_dim);
+        let attention = if steps.contains(&BlockStep::Attention) {
+            let norm1_context = if context_pre_only {
+                let linear = candle_nn::linear(dim, text_dim, vb.pp("norm1_context.linear_1"))?;
+                Modulation::ScaleOnly(linear)
+            } else {
+                let linear = candle_nn::linear(dim, 4 * text_dim, vb.pp("norm1_context.linear"))?;
+                Modulation::Zero(linear)
+            };
+            Some(AttentionStep {
+                norm1: Modulation::Zero(candle_nn::linear(dim, 4 * dim, vb.pp("norm1.linear"))?),
+                norm1_context,
+                attn: JointAttention::new(cfg, context_pre_only, vb.pp("attn1"))?,
+            })
+        } else {
+            None
+        };
+        let feed_forward = if steps.contains(&BlockStep::FeedForward) {
+            let ff_context = if context_pre_only {
+                None
+            } else {
+                Some(SwiGlu::new(text_dim, vb.pp("ff_context"))?)
+            };
+            Some(FeedForwardStep {
+                ff: SwiGlu::new(dim, vb.pp("ff"))?,
+                ff_context,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            attention,
+            feed_forward,
+        })
+    }
+
+    /// Runs the block's steps on both streams.
+    pub fn forward(&self, s: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let mut s = s.clone();
+        if let Some(step) = &self.attention {
+            let video = step.norm1.apply(&s.video, &inputs.temb)?;
+            let text = step.norm1_context.apply(&s.text, &inputs.temb)?;
+            let (attn, text_attn) = step.attn.forward(&video.normed, &text.normed, inputs)?;
+            let video_rows = video
+                .emb
+                .ok_or_else(|| candle_core::Error::Msg("norm1 gave no modulation rows".into()))?;
+            s.video = gated_residual(&s.video, &attn, &video_rows, 1)?;
+            if let (Some(text_attn), Some(rows)) = (text_attn, &text.emb) {
+                s.text = gated_residual(&s.text, &text_attn, rows, 1)?;
+            }
+            s.rows = Some((video_rows, text.emb));
+        }
+        if let Some(step) = &self.feed_forward {
+            let (video_rows, text_rows) = s.rows.take().ok_or_else(|| {
+                candle_core::Error::Msg("a feed-forward step without its attention step".into())
+            })?;
+            s.video = feed_forward(&s.video, &video_rows, &step.ff)?;
+            if let (Some(ff), Some(rows)) = (&step.ff_context, &text_rows) {
+                s.text = feed_forward(&s.text, rows, ff)?;
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// `x + rms(delta)·tanh(gate)`, the gate row `gate` of a stream's RMSNormZero rows `emb`
+/// (1: gate_msa, 3: gate_mlp).
+fn gated_residual(x: &Tensor, delta: &Tensor, emb: &Tensor, gate: usize) -> Result<Tensor> {
+    let dim = x.dim(2)?;
+    x + modulated_rms(delta, &chunk(emb, gate, dim)?.tanh()?)?
+}
+
+/// A stream's feed-forward residual: `x + rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)`.
+fn feed_forward(x: &Tensor, emb: &Tensor, ff: &SwiGlu) -> Result<Tensor> {
+    let dim = x.dim(2)?;
+    let normed = modulated_rms(x, &one_plus(&chunk(emb, 2, dim)?)?)?;
+    gated_residual(x, &ff.forward(&normed)?, emb, 3)
+}
+
+/// `MochiAttentionPool`: attention of the mask-weighted mean token over [mean; tokens] (pads
+/// masked), `POOL_HEADS` heads, then `to_out`.
+#[derive(Debug, Clone)]
+struct AttentionPool {
+    to_kv: Linear,
+    to_q: Linear,
+    to_out: Linear,
+}
+
+impl AttentionPool {
+    fn new(embed_dim: usize, output_dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            to_kv: candle_nn::linear(embed_dim, 2 * embed_dim, vb.pp("to_kv"))?,
+            to_q: candle_nn::linear(embed_dim, embed_dim, vb.pp("to_q"))?,
+            to_out: candle_nn::linear(embed_dim, output_dim, vb.pp("to_out"))?,
+        })
+    }
+
+    /// `x` `[B, L, D]`, `mask` `[B, L]` (1 keeps) in `x`'s dtype -> `[B, output_dim]`.
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, l, d) = x.dims3()?;
+        let hd = d / POOL_HEADS;
+        let count = mask.sum_keepdim(1)?.clamp(1.0, f64::INFINITY)?;
+        let weights = mask.broadcast_div(&count)?.unsqueeze(2)?;
+        let pooled = x.broadcast_mul(&weights)?.sum_keepdim(1)?;
+        let x = Tensor::cat(&[&pooled, x], 1)?;
+        let kv = self.to_kv.forward(&x)?;
+        let split = |t: Tensor, s: usize| {
+            t.reshape((b, s, POOL_HEADS, hd))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let k = split(kv.narrow(2, 0, d)?, l + 1)?;
+        let v = split(kv.narrow(2, d, d)?, l + 1)?;
+        let q = split(self.to_q.forward(&pooled)?, 1)?;
+        // The mean token is always attended; pads get -inf.
+        let keep = Tensor::cat(
+            &[
+                &Tensor::ones((b, 1), DType::F32, x.device())?,
+                &mask.to_dtype(DType::F32)?,
+            ],
+            1,
+        )?;
+        let bias = ((keep - 1.0)? * f64::from(f32::MAX))?
+            .to_dtype(x.dtype())?
+            .reshape((b, 1, 1, l + 1))?;
+        let out = sdpa_with_bias(&q, &k, &v, 1.0 / (hd as f64).sqrt(), &bias)?;
+        self.to_out.forward(&out.reshape((b, d))?)
+    }
+}
+
+/// `MochiRoPE`'s positions of a `(frames, h, w)` token grid, `[F·h·w, 3]` in f32: the frame
+/// index, and the centres of `h` (`w`) cells spanning `±size·s/2` with `s = sqrt(192² / (h·w))`.
+fn rope_positions(grid: [usize; 3]) -> Vec<f32> {
+    let [f, h, w] = grid;
+    let scale = (ROPE_BASE_AREA / (h * w) as f64).sqrt();
+    let centres = |n: usize| {
+        let half = n as f64 * scale / 2.0;
+        let edges = linspace_f32(-half, half, n + 1);
+        edges
+            .windows(2)
+            .map(|e| (e[0] + e[1]) / 2.0)
+            .collect::<Vec<f32>>()
+    };
+    let (hs, ws) = (centres(h), centres(w));
+    let mut positions = Vec::with_capacity(f * h * w * 3);
+    for t in 0..f {
+        for &y in &hs {
+            for &x in &ws {
+                positions.extend_from_slice(&[t as f32, y, x]);
+            }
+        }
+    }
+    positions
+}
+
+/// The RoPE tables of a token grid from the learned frequencies `[3, heads, head_dim / 2]`:
+/// angle = Σ_axis position·frequency, as (cos, sin) `[F·h·w, heads, head_dim / 2]` in f32.
+pub fn rope_tables(
+    pos_frequencies: &Tensor,
+    grid: [usize; 3],
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let (axes, heads, half) = pos_frequencies.dims3()?;
+    let tokens = grid.iter().product::<usize>();
+    let positions = Tensor::from_vec(rope_positions(grid), (tokens, axes), device)?;
+    let freqs = pos_frequencies
+        .to_dtype(DType::F32)?
+        .to_device(device)?
+        .reshape((axes, heads * half))?;
+    let angles = positions.matmul(&freqs)?.reshape((tokens, heads, half))?;
+    Ok((angles.cos()?, angles.sin()?))
+}
+
+/// The diffusers `MochiTransformer3DModel`.
+#[derive(Debug, Clone)]
+pub struct MochiTransformer3DModel {
+    cfg: MochiTransformerConfig,
+    /// `patch_embed.proj`: Conv2d with kernel = stride = patch, as a linear over patches.
+    patch_proj: Linear,
+    /// `time_embed.timestep_embedder`: linear_1 -> SiLU -> linear_2.
+    timestep_embedder: (Linear, Linear),
+    pooler: AttentionPool,
+    caption_proj: Linear,
+    /// Learned RoPE frequencies `[3, heads, head_dim / 2]`.
+    pos_frequencies: Tensor,
+    blocks: Vec<MochiBlock>,
+    /// `norm_out.linear`: Linear(SiLU(temb)) -> scale, shift.
+    norm_out_linear: Linear,
+    proj_out: Linear,
+    dtype: DType,
+}
+
+impl MochiTransformer3DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &MochiTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| MochiBlock::new(cfg, i, vb.pp(format!("transformer_blocks.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the blocks (for an engine that streams them).
+    pub fn new_without_blocks(cfg: &MochiTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let p = cfg.patch_size;
+        let pvb = vb.pp("patch_embed.proj");
+        let patch_w = pvb
+            .get((dim, cfg.in_channels, p, p), "weight")?
+            .reshape((dim, cfg.in_channels * p * p))?;
+        let tvb = vb.pp("time_embed");
+        let evb = tvb.pp("timestep_embedder");
+        Ok(Self {
+            cfg: cfg.clone(),
+            patch_proj: Linear::new(patch_w, Some(pvb.get(dim, "bias")?)),
+            timestep_embedder: (
+                candle_nn::linear(cfg.time_embed_dim, dim, evb.pp("linear_1"))?,
+                candle_nn::linear(dim, dim, evb.pp("linear_2"))?,
+            ),
+            pooler: AttentionPool::new(cfg.text_embed_dim, dim, tvb.pp("pooler"))?,
+            caption_proj: candle_nn::linear(
+                cfg.text_embed_dim,
+                cfg.pooled_projection_dim,
+                tvb.pp("caption_proj"),
+            )?,
+            pos_frequencies: vb.get(
+                (3, cfg.num_attention_heads, cfg.attention_head_dim / 2),
+                "pos_frequencies",
+            )?,
+            blocks: Vec::new(),
+            norm_out_linear: candle_nn::linear(dim, 2 * dim, vb.pp("norm_out.linear"))?,
+            proj_out: candle_nn::linear(dim, p * p * cfg.out_channels(), vb.pp("proj_out"))?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &MochiTransformerConfig {
+        &self.cfg
+    }
+
+    /// The loaded blocks, in execution order (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[MochiBlock] {
+        &self.blocks
+    }
+
+    /// The conditioning `temb` `[B, inner]`: the timestep MLP plus the attention-pooled caption.
+    pub fn conditioning(&self, timestep: &Tensor, text: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (lin1, lin2) = &self.timestep_embedder;
+        let t_emb = timestep_embedding(timestep, self.cfg.time_embed_dim)?.to_dtype(self.dtype)?;
+        let time = lin2.forward(&candle_nn::ops::silu(&lin1.forward(&t_emb)?)?)?;
+        time + self.pooler.forward(text, &mask.to_dtype(self.dtype)?)?
+    }
+
+    /// `temb`, the two streams, the RoPE tables and the valid text tokens for `latents`
+    /// `[B, C, F, H, W]`, `timestep` `[B]` (or one value), `encoder_hidden_states`
+    /// `[B, L, text_embed_dim]` and its mask `[B, L]` (non-zero keeps; any dtype).
+    pub fn prepare(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        mask: &Tensor,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (b, c, f, h, w) = latents.dims5()?;
+        if c != cfg.in_channels {
+            candle_core::bail!(
+                "latents [B, C, F, H, W] have {c} channels, the transformer expects {}",
+                cfg.in_channels
+            );
+        }
+        let p = cfg.patch_size;
+        if !h.is_multiple_of(p) || !w.is_multiple_of(p) || h == 0 || w == 0 || f == 0 {
+            candle_core::bail!("latents {f}x{h}x{w} are not a whole number of {p}x{p} patches");
+        }
+        let grid = [f, h / p, w / p];
+        let (eb, l, text_dim) = encoder_hidden_states.dims3()?;
+        if eb != b || text_dim != cfg.text_embed_dim || mask.dims2()? != (b, l) {
+            candle_core::bail!(
+                "encoder_hidden_states {:?} / mask {:?} do not match batch {b} and text_embed_dim {}",
+                encoder_hidden_states.dims(),
+                mask.dims(),
+                cfg.text_embed_dim
+            );
+        }
+        let device = latents.device();
+        let timestep = match timestep.elem_count() {
+            1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
+            n if n == b => timestep.flatten_all()?,
+            n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
+        };
+        let text = encoder_hidden_states.to_dtype(self.dtype)?;
+        let temb = self.conditioning(&timestep.to_device(device)?, &text, mask)?;
+        let text = self.caption_proj.forward(&text)?;
+        let [_, gh, gw] = grid;
+        let patches = latents
+            .to_dtype(self.dtype)?
+            .reshape(vec![b, c, f, gh, p, gw, p])?
+            .permute(vec![0, 2, 3, 5, 1, 4, 6])?
+            .reshape((b, f * gh * gw, c * p * p))?;
+        let video = self.patch_proj.forward(&patches)?;
+        let (cos, sin) = rope_tables(&self.pos_frequencies, grid, device)?;
+        let rows = grid.iter().product::<usize>() * cfg.num_attention_heads;
+        let half = cfg.attention_head_dim / 2;
+        let valid_text = mask
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?
+            .iter()
+            .map(|row| {
+                let kept: Vec<u32> = (0..l as u32).filter(|&j| row[j as usize] != 0.0).collect();
+                Tensor::new(kept.as_slice(), device)
+            })
+            .collect::<Result<_>>()?;
+        Ok(BlockInputs {
+            streams: Some(Streams {
+                video,
+                text,
+                rows: None,
+            }),
+            temb,
+            rope_cos: cos.reshape((rows, half))?,
+            rope_sin: sin.reshape((rows, half))?,
+            valid_text,
+            grid,
+        })
+    }
+
+    /// The output norm (LayerNorm without affine, `·(1 + scale) + shift`) on the video stream,
+    /// before `proj_out`.
+    pub fn norm_out(&self, video: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let dim = self.cfg.inner_dim();
+        let emb = self
+            .norm_out_linear
+            .forward(&candle_nn::ops::silu(&inputs.temb)?)?;
+        let scale = chunk(&emb, 0, dim)?;
+        let shift = chunk(&emb, 1, dim)?;
+        let ones = Tensor::ones(dim, video.dtype(), video.device())?;
+        let zeros = Tensor::zeros(dim, video.dtype(), video.device())?;
+        LayerNorm::new(ones, zeros, NORM_EPS)
+            .forward(video)?
+            .broadcast_mul(&(scale + 1.0)?)?
+            .broadcast_add(&shift)
+    }
+
+    /// Output head and unpatchify: video `[B, N, inner]` -> `[B, C_out, F, H, W]`.
+    pub fn finish(&self, video: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let out = self.proj_out.forward(&self.norm_out(video, inputs)?)?;
+        let p = self.cfg.patch_size;
+        let [f, gh, gw] = inputs.grid;
+        let b = out.dim(0)?;
+        let oc = self.cfg.out_channels();
+        out.reshape(vec![b, f, gh, gw, p, p, oc])?
+            .permute(vec![0, 6, 1, 2, 4, 3, 5])?
+            .reshape((b, oc, f, gh * p, gw * p))
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        if self.blocks.len() != self.cfg.num_layers {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                self.cfg.num_layers
+            );
+        }
+        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states, mask)?;
+        let mut s = inputs.take_streams()?;
+        for block in &self.blocks {
+            s = block.forward(&s, &inputs)?;
+        }
+        self.finish(&s.video, &inputs)
+    }
+}
+
+/// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step
+/// (a block knows its index: the last one is `context_pre_only`).
+impl RepeatedBlocks for MochiTransformer3DModel {
+    type Config = MochiTransformerConfig;
+    type Block = MochiBlock;
+    type Step = BlockStep;
+    const BLOCKS: &'static str = "transformer_blocks";
+    const STEPS: &'static [BlockStep] = &BlockStep::ALL;
+    fn new(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        MochiTransformer3DModel::new(cfg, vb)
+    }
+    fn new_without_blocks(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        MochiTransformer3DModel::new_without_blocks(cfg, vb)
+    }
+    fn num_layers(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn new_block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        MochiBlock::new(cfg, i, vb)
+    }
+    fn with_steps(
+        cfg: &Self::Config,
+        i: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self::Block> {
+        MochiBlock::with_steps(cfg, i, vb, steps)
+    }
+}

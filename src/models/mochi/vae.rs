@@ -1,0 +1,414 @@
+//! Mochi-1 video VAE decoder (diffusers `AutoencoderKLMochi`, decode without tiling).
+//!
+//! Activations are frames-major `[B, T, C, H, W]` (the layout of the causal convolution shared
+//! with HunyuanVideo's VAE: replicate padding, `k − 1` copies of the first frame in front, `k/2`
+//! edge copies each side in space). GroupNorms normalise each frame alone (32 groups, diffusers'
+//! `MochiChunkedGroupNorm3D`). The decoder: `conv_in` (1x1x1), a block of resnets, up blocks
+//! (resnets, then a per-position Linear to `C·t·s·s` channels and depth-to-space), a last block
+//! of resnets, SiLU, `proj_out`; the first `t_total − 1` frames are dropped (diffusers'
+//! `drop_last_temporal_frames`). The VAE computes in the `VarBuilder`'s dtype (`MochiPipeline`
+//! does not upcast it); GroupNorm statistics are taken in f32.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::hunyuan_video::vae::CausalConv3d;
+
+/// Groups of every GroupNorm (hard-coded in `MochiChunkedGroupNorm3D`).
+const NORM_GROUPS: usize = 32;
+/// `nn.GroupNorm`'s default epsilon.
+const NORM_EPS: f64 = 1e-5;
+/// Frames a GroupNorm normalises at once (`MochiChunkedGroupNorm3D`'s `chunk_size`).
+pub const NORM_CHUNK_FRAMES: usize = 8;
+
+/// `vae/config.json` of a diffusers `AutoencoderKLMochi`; missing keys take diffusers' defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct MochiVaeConfig {
+    /// Encoder input channels (RGB plus Fourier features; the encoder is not built).
+    pub in_channels: usize,
+    pub out_channels: usize,
+    /// Encoder widths (informational: text-to-video decodes only).
+    pub encoder_block_out_channels: Vec<usize>,
+    pub decoder_block_out_channels: Vec<usize>,
+    pub latent_channels: usize,
+    /// Resnets per stage: the first for `block_out`, the last for `block_in`.
+    pub layers_per_block: Vec<usize>,
+    /// Activation (only `silu` / `swish`).
+    pub act_fn: String,
+    /// Frame factor of each up block (applied last to first).
+    pub temporal_expansions: Vec<usize>,
+    /// Height and width factor of each up block (applied last to first).
+    pub spatial_expansions: Vec<usize>,
+    /// Encoder attention per stage (informational).
+    pub add_attention_block: Vec<bool>,
+    /// Per-channel mean the pipeline adds back before decoding.
+    pub latents_mean: Vec<f64>,
+    /// Per-channel std the pipeline multiplies back before decoding.
+    pub latents_std: Vec<f64>,
+    pub scaling_factor: f64,
+}
+
+impl Default for MochiVaeConfig {
+    fn default() -> Self {
+        Self {
+            in_channels: 15,
+            out_channels: 3,
+            encoder_block_out_channels: vec![64, 128, 256, 384],
+            decoder_block_out_channels: vec![128, 256, 512, 768],
+            latent_channels: 12,
+            layers_per_block: vec![3, 3, 4, 6, 3],
+            act_fn: "silu".into(),
+            temporal_expansions: vec![1, 2, 3],
+            spatial_expansions: vec![2, 2, 2],
+            add_attention_block: vec![false, true, true, true, true],
+            latents_mean: vec![
+                -0.06730895953510081,
+                -0.038011381506090416,
+                -0.07477820912866141,
+                -0.05565264470995561,
+                0.012767231469026969,
+                -0.04703542746246419,
+                0.043896967884726704,
+                -0.09346305707025976,
+                -0.09918314763016893,
+                -0.008729793427399178,
+                -0.011931556316503654,
+                -0.0321993391887285,
+            ],
+            latents_std: vec![
+                0.9263795028493863,
+                0.9248894543193766,
+                0.9393059390890617,
+                0.959253732819592,
+                0.8244560132752793,
+                0.917259975397747,
+                0.9294154431013696,
+                1.3720942357788521,
+                0.881393668867029,
+                0.9168315692124348,
+                0.9185249279345552,
+                0.9274757570805041,
+            ],
+            scaling_factor: 1.0,
+        }
+    }
+}
+
+impl MochiVaeConfig {
+    /// Pixels per latent pixel (the product of the spatial expansions).
+    pub fn spatial_compression_ratio(&self) -> usize {
+        self.spatial_expansions.iter().product()
+    }
+
+    /// Frames per latent frame (the product of the temporal expansions).
+    pub fn temporal_compression_ratio(&self) -> usize {
+        self.temporal_expansions.iter().product()
+    }
+
+    /// Frames a decode of `latent_frames` gives: `t·F` less the `t − 1` dropped in front.
+    pub fn decoded_frames(&self, latent_frames: usize) -> usize {
+        let t = self.temporal_compression_ratio();
+        match latent_frames * t {
+            n if n >= t => n - (t - 1),
+            n => n,
+        }
+    }
+
+    /// Rejects configurations the decoder cannot run, with the key at fault.
+    pub fn validate(&self) -> Result<()> {
+        let stages = self.decoder_block_out_channels.len();
+        if stages == 0 {
+            candle_core::bail!("vae config: decoder_block_out_channels is empty");
+        }
+        if let Some(c) = self
+            .decoder_block_out_channels
+            .iter()
+            .find(|&&c| c == 0 || !c.is_multiple_of(NORM_GROUPS))
+        {
+            candle_core::bail!(
+                "vae config: decoder_block_out_channels {c} must be a positive multiple of {NORM_GROUPS} (its GroupNorm groups)"
+            );
+        }
+        if self.layers_per_block.len() != stages + 1 {
+            candle_core::bail!(
+                "vae config: layers_per_block needs {} entries (one per decoder stage and one for block_in), got {}",
+                stages + 1,
+                self.layers_per_block.len()
+            );
+        }
+        for (key, list) in [
+            ("temporal_expansions", &self.temporal_expansions),
+            ("spatial_expansions", &self.spatial_expansions),
+        ] {
+            if list.len() != stages - 1 {
+                candle_core::bail!(
+                    "vae config: {key} needs {} entries (one per up block), got {}",
+                    stages - 1,
+                    list.len()
+                );
+            }
+            if list.contains(&0) {
+                candle_core::bail!("vae config: {key} must be positive");
+            }
+        }
+        if self.latent_channels == 0 || self.out_channels == 0 {
+            candle_core::bail!("vae config: latent_channels and out_channels must be positive");
+        }
+        for (key, list) in [
+            ("latents_mean", &self.latents_mean),
+            ("latents_std", &self.latents_std),
+        ] {
+            if list.len() != self.latent_channels {
+                candle_core::bail!(
+                    "vae config: {key} has {} values for {} latent channels",
+                    list.len(),
+                    self.latent_channels
+                );
+            }
+        }
+        if !(self.scaling_factor.is_finite() && self.scaling_factor != 0.0) {
+            candle_core::bail!("vae config: scaling_factor must be a non-zero number");
+        }
+        if !matches!(self.act_fn.as_str(), "silu" | "swish") {
+            candle_core::bail!(
+                "vae config: act_fn {:?} is not supported (only \"silu\")",
+                self.act_fn
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A GroupNorm applied to each frame alone, `x` `[B, T, C, H, W]`; statistics in f32, the
+/// output (and SiLU after it) in `x`'s dtype.
+#[derive(Debug, Clone)]
+struct FrameGroupNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl FrameGroupNorm {
+    fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
+        let vb = vb.pp("norm_layer");
+        Ok(Self {
+            weight: vb.get(channels, "weight")?,
+            bias: vb.get(channels, "bias")?,
+        })
+    }
+
+    /// The norm, then SiLU, over runs of [`NORM_CHUNK_FRAMES`] frames (diffusers' chunks), so
+    /// the f32 temporaries hold one run.
+    fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        let t = x.dim(1)?;
+        let runs = (0..t)
+            .step_by(NORM_CHUNK_FRAMES)
+            .map(|f| self.normalize_silu(&x.narrow(1, f, NORM_CHUNK_FRAMES.min(t - f))?))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&runs, 1)
+    }
+
+    fn normalize_silu(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c, h, w) = x.dims5()?;
+        let grouped =
+            x.to_dtype(DType::F32)?
+                .reshape((b * t, NORM_GROUPS, (c / NORM_GROUPS) * h * w))?;
+        let centred = grouped.broadcast_sub(&grouped.mean_keepdim(2)?)?;
+        let std = (centred.sqr()?.mean_keepdim(2)? + NORM_EPS)?.sqrt()?;
+        let shape = (1, 1, c, 1, 1);
+        let normed = centred
+            .broadcast_div(&std)?
+            .reshape((b, t, c, h, w))?
+            .broadcast_mul(&self.weight.to_dtype(DType::F32)?.reshape(shape)?)?
+            .broadcast_add(&self.bias.to_dtype(DType::F32)?.reshape(shape)?)?;
+        candle_nn::ops::silu(&normed.to_dtype(x.dtype())?)
+    }
+}
+
+/// `MochiResnetBlock3D`: (GroupNorm, SiLU, causal conv) twice, plus the input.
+#[derive(Debug, Clone)]
+struct ResnetBlock {
+    norm1: FrameGroupNorm,
+    conv1: CausalConv3d,
+    norm2: FrameGroupNorm,
+    conv2: CausalConv3d,
+}
+
+impl ResnetBlock {
+    fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            norm1: FrameGroupNorm::new(channels, vb.pp("norm1"))?,
+            conv1: CausalConv3d::new(channels, channels, 3, vb.pp("conv1"))?,
+            norm2: FrameGroupNorm::new(channels, vb.pp("norm2"))?,
+            conv2: CausalConv3d::new(channels, channels, 3, vb.pp("conv2"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
+        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
+        h + x
+    }
+}
+
+/// A run of resnets (`MochiMidBlock3D` without attention, or an up block's).
+fn resnets(channels: usize, layers: usize, vb: VarBuilder) -> Result<Vec<ResnetBlock>> {
+    (0..layers)
+        .map(|i| ResnetBlock::new(channels, vb.pp(format!("resnets.{i}"))))
+        .collect()
+}
+
+fn run(blocks: &[ResnetBlock], x: Tensor) -> Result<Tensor> {
+    blocks.iter().try_fold(x, |x, block| block.forward(&x))
+}
+
+/// A Linear over the channels of every position: `[B, T, C, H, W]` -> `[B, T, H, W, out]`.
+fn per_position(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    let (b, t, c, h, w) = x.dims5()?;
+    let rows = x.permute((0, 1, 3, 4, 2))?.reshape((b * t * h * w, c))?;
+    let out = linear.forward(&rows)?;
+    out.reshape((b, t, h, w, out.dim(1)?))
+}
+
+/// `MochiUpBlock3D`: resnets, then a Linear to `out·t·s·s` channels and depth-to-space.
+#[derive(Debug, Clone)]
+struct UpBlock {
+    resnets: Vec<ResnetBlock>,
+    proj: Linear,
+    out_channels: usize,
+    temporal: usize,
+    spatial: usize,
+}
+
+impl UpBlock {
+    fn forward(&self, x: Tensor) -> Result<Tensor> {
+        let x = run(&self.resnets, x)?;
+        let (b, t, _, h, w) = x.dims5()?;
+        let (c, st, s) = (self.out_channels, self.temporal, self.spatial);
+        // Channel (c, t', h', w') of the Linear lands at frame t·st + t', row h·s + h', column
+        // w·s + w' (diffusers' view + permute).
+        per_position(&self.proj, &x)?
+            .reshape(vec![b, t, h, w, c, st, s, s])?
+            .permute(vec![0, 1, 5, 4, 2, 6, 3, 7])?
+            .reshape((b, t * st, c, h * s, w * s))
+    }
+}
+
+/// `MochiDecoder3D`.
+#[derive(Debug, Clone)]
+struct Decoder {
+    conv_in: Linear,
+    block_in: Vec<ResnetBlock>,
+    up_blocks: Vec<UpBlock>,
+    block_out: Vec<ResnetBlock>,
+    proj_out: Linear,
+}
+
+impl Decoder {
+    fn new(cfg: &MochiVaeConfig, vb: VarBuilder) -> Result<Self> {
+        let ch = &cfg.decoder_block_out_channels;
+        let layers = &cfg.layers_per_block;
+        let n = ch.len();
+        let top = ch[n - 1];
+        let conv_in = Linear::new(
+            vb.get((top, cfg.latent_channels, 1, 1, 1), "conv_in.weight")?
+                .reshape((top, cfg.latent_channels))?,
+            Some(vb.get(top, "conv_in.bias")?),
+        );
+        let up_blocks = (0..n - 1)
+            .map(|i| {
+                let ub = vb.pp(format!("up_blocks.{i}"));
+                let (c_in, c_out) = (ch[n - 1 - i], ch[n - 2 - i]);
+                let (st, s) = (
+                    cfg.temporal_expansions[n - 2 - i],
+                    cfg.spatial_expansions[n - 2 - i],
+                );
+                Ok(UpBlock {
+                    resnets: resnets(c_in, layers[n - 1 - i], ub.clone())?,
+                    proj: candle_nn::linear(c_in, c_out * st * s * s, ub.pp("proj"))?,
+                    out_channels: c_out,
+                    temporal: st,
+                    spatial: s,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            conv_in,
+            block_in: resnets(top, layers[n], vb.pp("block_in"))?,
+            up_blocks,
+            block_out: resnets(ch[0], layers[0], vb.pp("block_out"))?,
+            proj_out: candle_nn::linear(ch[0], cfg.out_channels, vb.pp("proj_out"))?,
+        })
+    }
+
+    /// `z` `[B, T, C, H, W]` -> `[B, T', out, H', W']`.
+    fn forward(&self, z: &Tensor) -> Result<Tensor> {
+        let x = per_position(&self.conv_in, z)?.permute((0, 1, 4, 2, 3))?;
+        let x = run(&self.block_in, x)?;
+        let x = self.up_blocks.iter().try_fold(x, |x, up| up.forward(x))?;
+        let x = candle_nn::ops::silu(&run(&self.block_out, x)?)?;
+        per_position(&self.proj_out, &x)?.permute((0, 1, 4, 2, 3))
+    }
+}
+
+/// The diffusers `AutoencoderKLMochi`, its decoder.
+#[derive(Debug, Clone)]
+pub struct AutoencoderKLMochi {
+    cfg: MochiVaeConfig,
+    decoder: Decoder,
+    dtype: DType,
+}
+
+impl AutoencoderKLMochi {
+    /// Loads the decoder from a `vae/` checkpoint, in the `VarBuilder`'s dtype (text-to-video
+    /// never encodes).
+    pub fn new(cfg: &MochiVaeConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            decoder: Decoder::new(cfg, vb.pp("decoder"))?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The configuration the VAE was built with.
+    pub fn config(&self) -> &MochiVaeConfig {
+        &self.cfg
+    }
+
+    /// `MochiPipeline`'s de-normalisation: `z · latents_std / scaling_factor + latents_mean`
+    /// per channel of `[B, C, F, H, W]`, in `z`'s dtype.
+    pub fn denormalize(&self, z: &Tensor) -> Result<Tensor> {
+        let c = self.cfg.latent_channels;
+        let per_channel = |values: &[f64]| {
+            let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+            Tensor::from_vec(v, (1, c, 1, 1, 1), z.device())?.to_dtype(z.dtype())
+        };
+        z.broadcast_mul(&per_channel(&self.cfg.latents_std)?)?
+            .affine(1.0 / self.cfg.scaling_factor, 0.0)?
+            .broadcast_add(&per_channel(&self.cfg.latents_mean)?)
+    }
+
+    /// Decodes de-normalised latents `[B, C, F, H, W]` to video `[B, out, T, H·s, W·s]` (not
+    /// clamped), `T` = [`MochiVaeConfig::decoded_frames`].
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let (_, c, frames, h, w) = z.dims5()?;
+        if c != self.cfg.latent_channels {
+            candle_core::bail!(
+                "latents have {c} channels, the VAE expects {}",
+                self.cfg.latent_channels
+            );
+        }
+        if frames == 0 || h == 0 || w == 0 {
+            candle_core::bail!("cannot decode empty latents [{frames}, {h}, {w}]");
+        }
+        let z = z.to_dtype(self.dtype)?.permute((0, 2, 1, 3, 4))?;
+        let video = self.decoder.forward(&z)?;
+        let t = video.dim(1)?;
+        let keep = self.cfg.decoded_frames(frames);
+        video.narrow(1, t - keep, keep)?.permute((0, 2, 1, 3, 4))
+    }
+}
+
+crate::placed_whole!(AutoencoderKLMochi, MochiVaeConfig, AutoencoderKLMochi::new);

@@ -1,0 +1,339 @@
+//! Mochi-1 through the command line, driven as PARITY-CLI.md says: the `mochi-tiny-a` pipeline
+//! runs (guided and at CFG 1) reproduced from a draws file holding diffusers' initial latents;
+//! a frame count that is not 6k+1 makes 6·((n − 1) // 6) + 1 frames; offload modes
+//! bit-identical to the resident run; the dry run of the fixture and of `synthetic:mochi-1`;
+//! flags that do not apply refused.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FIXTURE: &str = "mochi-tiny-a";
+const PROMPT: &str = "A red car drives along a coastal road.";
+const NEGATIVE: &str = "blurry, static, low quality";
+
+fn scratch(name: &str) -> PathBuf {
+    common::scratch_dir("mochi", name)
+}
+
+/// The draws file of the reference runs: `latents` (the pipeline draws nothing else).
+fn draws_file(dir: &Path) -> PathBuf {
+    let refs = named_reference(FIXTURE, "pipeline");
+    let draws: HashMap<String, Tensor> =
+        [("latents".to_string(), refs["latents_init"].clone())].into();
+    let path = dir.join("draws.safetensors");
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    path
+}
+
+fn vidgen(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+/// The parity command line at guidance `guidance` for `frames` frames with `extra` flags; the
+/// written frames and stderr.
+fn generate(dir: &Path, guidance: &str, frames: &str, extra: &[&str]) -> (Tensor, String) {
+    let draws = draws_file(dir);
+    let model = named_fixture_dir(FIXTURE);
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--negative-prompt",
+        NEGATIVE,
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--num-frames",
+        frames,
+        "--num-inference-steps",
+        "3",
+        "--guidance-scale",
+        guidance,
+        "--max-sequence-length",
+        "16",
+        "--latents",
+        draws.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--dtype",
+        "f32",
+        "--output-type",
+        "safetensors",
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--output-video-name",
+        "v",
+    ];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "vidgen failed: {stderr}");
+    let written = dir.join("v.safetensors");
+    let frames = candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone();
+    std::fs::remove_file(&written).unwrap();
+    (frames, stderr)
+}
+
+/// The reference run `run` with `frames` frames asked; stderr.
+fn check_run(run: &str, guidance: &str, frames: &str) -> String {
+    let dir = scratch(&format!("{run}-{frames}"));
+    let (written, log) = generate(&dir, guidance, frames, &[]);
+    let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
+        .squeeze(0)
+        .unwrap();
+    eprintln!(
+        "{run}.frames ({frames} asked): max |diff| {:.3e}",
+        max_abs_diff(&written, &expected)
+    );
+    assert_close(&format!("{run}.frames"), &written, &expected, 1e-4, 1e-4);
+    log
+}
+
+#[test]
+fn guided_run_matches_diffusers() {
+    let log = check_run("cfg4_5", "4.5", "13");
+    assert!(!log.contains("frames asked"), "{log}");
+}
+
+#[test]
+fn unguided_run_matches_diffusers() {
+    check_run("cfg1", "1", "13");
+}
+
+/// 18 frames asked: the same 3 latent frames, so diffusers' 13 frames, said on stderr.
+#[test]
+fn frames_are_six_k_plus_one_of_the_latents() {
+    let log = check_run("cfg1", "1", "18");
+    assert!(log.contains("18 frames asked, 13 made"), "{log}");
+}
+
+/// Every offload mode gives the resident run's frames, bit for bit.
+#[test]
+fn offload_modes_are_bit_identical_to_resident() {
+    let dir = scratch("offload");
+    let resident_flags = [
+        "--memory-model",
+        "discrete",
+        "--no-dit-layerwise-offload",
+        "--no-dit-cpu-offload",
+        "--no-text-encoder-cpu-offload",
+        "--no-vae-cpu-offload",
+    ];
+    let (resident, log) = generate(&dir, "4.5", "13", &resident_flags);
+    assert!(log.contains("transformer: resident"), "{log}");
+    let modes: &[(&[&str], &str)] = &[
+        (
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+            "transformer: streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--num-blocks-per-group", "1"],
+            "transformer: streamed",
+        ),
+        (
+            &[
+                "--dit-layerwise-offload",
+                "--num-blocks-per-group",
+                "8",
+                "--prefetch-depth",
+                "2",
+            ],
+            "transformer: streamed",
+        ),
+        (
+            &[
+                "--dit-layerwise-offload",
+                "--no-offload-stream",
+                "--num-blocks-per-group",
+                "8",
+            ],
+            "transformer: streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--no-offload-stream"],
+            "transformer: streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
+            "transformer: streamed",
+        ),
+        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
+        (&["--model-cpu-offload"], "transformer: parked"),
+        (&["--sequential-cpu-offload"], "transformer: streamed"),
+        (&["--lazy-module-load"], "transformer"),
+    ];
+    for (flags, placed) in modes {
+        let mut args = vec!["--memory-model", "discrete"];
+        args.extend_from_slice(flags);
+        let (frames, log) = generate(&dir, "4.5", "13", &args);
+        assert!(log.contains(placed), "{flags:?}: {log}");
+        assert_eq!(
+            max_abs_diff(&frames, &resident),
+            0.0,
+            "{flags:?} differs from the resident run"
+        );
+    }
+    // Unified memory: host offload turned off by itself, the same frames.
+    let (frames, _) = generate(&dir, "4.5", "13", &["--memory-model", "unified"]);
+    assert_eq!(max_abs_diff(&frames, &resident), 0.0, "unified memory");
+}
+
+fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn dry_run_plans_the_fixture_and_the_published_model() {
+    let fixture = named_fixture_dir(FIXTURE);
+    for (model, extra) in [
+        (fixture.to_str().unwrap(), vec!["--device", "cpu"]),
+        ("synthetic:mochi-1", vec!["--device", "cpu"]),
+        (
+            "synthetic:mochi-1",
+            vec![
+                "--device",
+                "cpu",
+                "--dit-layerwise-offload",
+                "--dtype",
+                "bf16",
+            ],
+        ),
+    ] {
+        let plan = dry_run(model, &extra);
+        let text = plan.to_string();
+        let config = &plan["config"];
+        assert_eq!(config["height"], 480, "{text}");
+        assert_eq!(config["width"], 848, "{text}");
+        assert_eq!(config["num_frames"], 19, "{text}");
+        assert_eq!(config["num_inference_steps"], 64, "{text}");
+        assert_eq!(config["guidance_scale"], 4.5, "{text}");
+        assert_eq!(config["max_sequence_length"], 256, "{text}");
+        for stage in ["encode_text", "denoise", "decode", "write"] {
+            assert!(text.contains(stage), "{model}: no stage {stage}: {text}");
+        }
+        assert!(!text.contains("\"error\""), "{model}: {text}");
+    }
+    // The benchmark's 480x848x85: 15 latent frames of 60x106, 85 frames out.
+    let plan = dry_run(
+        "synthetic:mochi-1",
+        &["--device", "cpu", "--num-frames", "85"],
+    );
+    assert_eq!(plan["model"]["transformer_layers"], 48, "{plan}");
+    assert_eq!(
+        plan["model"]["latent_shape"],
+        serde_json::json!([1, 12, 15, 60, 106]),
+        "{plan}"
+    );
+    assert_eq!(plan["model"]["frames_out"], 85, "{plan}");
+}
+
+/// Flags of other families are refused with what they are for, one line, exit 2, in a dry run
+/// too; so are one-step schedules and sizes the patches do not tile.
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    let dir = scratch("refused");
+    let fixture = named_fixture_dir(FIXTURE);
+    let image = dir.join("x.png");
+    for (flag, value, why) in [
+        ("--image", image.to_str().unwrap(), "image-to-video"),
+        ("--guidance-scale-2", "3", "two transformers"),
+        ("--true-cfg-scale", "3", "guidance-distilled"),
+        ("--decode-timestep", "0.05", "LTX-Video"),
+        ("--flow-shift", "3", "flow-matching schedule"),
+        ("--scheduler", "euler", "its own scheduler"),
+        ("--num-inference-steps", "1", "at least 2"),
+        ("--height", "40", "16"),
+    ] {
+        for dry in [false, true] {
+            let mut args = vec![
+                "generate",
+                "--model",
+                fixture.to_str().unwrap(),
+                "--prompt",
+                "a",
+                "--device",
+                "cpu",
+                "--output-path",
+                dir.to_str().unwrap(),
+                flag,
+                value,
+            ];
+            if dry {
+                args.push("--dry-run");
+            }
+            let line = usage_error(&vidgen(&args), flag);
+            assert!(line.contains(why), "{flag}: {line}");
+        }
+    }
+}
+
+/// A draws file whose `latents` do not fit the run, or that holds a draw Mochi never makes, is
+/// bad input (exit 2, one line) naming the tensor, before anything loads.
+#[test]
+fn draws_file_mistakes_are_named() {
+    let dir = scratch("draws");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let fixture = named_fixture_dir(FIXTURE);
+    let latents = refs["latents_init"].clone();
+    let cases: [(&str, HashMap<String, Tensor>, &str); 2] = [
+        (
+            "wrong shape",
+            [("latents".to_string(), latents.narrow(2, 0, 2).unwrap())].into(),
+            "latents",
+        ),
+        (
+            "unused draw",
+            [
+                ("latents".to_string(), latents.clone()),
+                ("step0.scheduler_noise.0".to_string(), latents.clone()),
+            ]
+            .into(),
+            "step0.scheduler_noise.0",
+        ),
+    ];
+    for (what, draws, named) in cases {
+        let path = dir.join("draws.safetensors");
+        candle_core::safetensors::save(&draws, &path).unwrap();
+        let out = vidgen(&[
+            "generate",
+            "--model",
+            fixture.to_str().unwrap(),
+            "--prompt",
+            "a",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num-frames",
+            "13",
+            "--num-inference-steps",
+            "3",
+            "--latents",
+            path.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--quiet",
+        ]);
+        let line = usage_error(&out, what);
+        assert!(line.contains(named), "{what}: {line}");
+    }
+}
