@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::process::Command;
 
 /// Every family's tiny fixture.
-const FIXTURES: [&str; 6] = [
+const FIXTURES: [&str; 7] = [
     "wan-tiny-a",
     "ltx-video-tiny-a",
     "cogvideox-tiny-a",
