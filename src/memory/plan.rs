@@ -218,6 +218,16 @@ const SAVINGS: [Saving; 5] = [
     },
 ];
 
+/// The flags of the savings the advice may not change because `kept` names their options (the
+/// user set them).
+pub fn kept_savings(kept: &dyn Fn(&str) -> bool) -> Vec<&'static str> {
+    SAVINGS
+        .iter()
+        .filter(|s| kept(s.option))
+        .map(|s| s.flag)
+        .collect()
+}
+
 /// What the advice varies: the memory options and the number of frames.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Request {
@@ -388,6 +398,14 @@ pub fn advice(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The savings the user set are named by their flags, in the advice's order.
+    #[test]
+    fn kept_savings_name_the_flags_the_user_set() {
+        let kept = kept_savings(&|o| matches!(o, "vae_tiling" | "offload_type"));
+        assert_eq!(kept, ["--offload-type leaf-level", "--vae-tiling"]);
+        assert!(kept_savings(&|_| false).is_empty());
+    }
 
     /// Components alive but not computing count their idle weights and no activations;
     /// a schedule that frees each component after its stage keeps only the stage's own.

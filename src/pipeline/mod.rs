@@ -234,6 +234,13 @@ fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedCo
             Ok(config.with_memory_options(options, &reason))
         }
         memory_plan::Fit::Nothing => {
+            let kept = planner.kept();
+            let keeping = match kept.is_empty() {
+                true => String::new(),
+                false => format!(" while keeping {}", kept.join(", ")),
+            };
+            let v = config.video();
+            let size = format!("{}x{}x{}", v.num_frames, v.height, v.width);
             let advice = memory_plan::advice(
                 &planner.request(),
                 config.device(),
@@ -241,7 +248,7 @@ fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedCo
                 Some(free),
             );
             Err(UsageError::new(format!(
-                "{free_text} free: no option set predicted to fit keeps the memory options you set; {advice}"
+                "{free_text} free: no memory option set is predicted to fit {size} (frames x height x width){keeping}; {advice}"
             ))
             .into())
         }

@@ -199,6 +199,11 @@ impl<'a> Planner<'a> {
 
     /// How the run fits `free` bytes, keeping every memory option the user set (see
     /// [`memory_plan::fit`]).
+    /// The memory options the user set, which fitting keeps (their flags).
+    pub fn kept(&self) -> Vec<&'static str> {
+        memory_plan::kept_savings(&|option| self.config.given(option))
+    }
+
     pub fn fit(&self, free: u64) -> memory_plan::Fit {
         memory_plan::fit(
             &self.request(),

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# vidgen sharing a GPU with other work (issue 37), on a GPU machine with PyTorch:
+#   bash bench/gpu_faults.sh PATH/TO/vidgen [KEEP_GIB]
+# 1. Another process holds all but KEEP_GIB (default 3.3) of the GPU: synthetic Wan2.1 14B with
+#    default flags plans from what is free: at 81x480x832 (whose denoise activations alone exceed
+#    what is free) it refuses in seconds, exit 2, with advice; at 17x480x832 it takes the
+#    leaner options it prints and finishes.
+# 2. SIGTERM in the middle of denoising: exit 130 (the Ctrl-C path), no partial file, stats
+#    written; `--resume` then writes the video.
+# 3. Two vidgen processes started together on one GPU: both finish.
+# Each case prints one line (ok / FAIL) and what it measured; logs and stats under $OUT.
+set -u
+B=$1 KEEP=${2:-3.3}
+O=${OUT:-/tmp/gpu-faults}; rm -rf "$O"; mkdir -p "$O"
+gen() { # name model size steps extra...
+  local n=$1 m=$2 size=$3 steps=$4; shift 4
+  IFS=x read -r f h w <<< "$size"
+  "$B" generate --model "$m" --prompt "a red fox runs through fresh snow" --seed 1 \
+    --num-frames "$f" --height "$h" --width "$w" --num-inference-steps "$steps" --dtype bf16 \
+    --output-type safetensors --output-path "$O" --output-video-name "$n" \
+    --stats-json "$O/$n.json" "$@" 2> "$O/$n.log"
+}
+stats() { # name: wall seconds, overrides, stage times, forward times, device peaks
+  python3 - "$O/$1.json" <<'PY'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("  no stats:", e); sys.exit()
+job = (s.get("jobs") or [{}])[0]
+m = job.get("metrics", {})
+over = ["%s=%s (%s)" % (o["option"], o["to"], o["reason"]) for o in s.get("overrides", [])]
+print("  status %s; wall %.1f s; overrides %s" % (s.get("status"), s.get("wall_seconds", 0), over))
+print("  stages %s" % {x["name"]: round(x["seconds"], 2) for x in job.get("stages", [])})
+print("  forwards %s" % [round(x, 3) for x in m.get("forward_seconds", [])][:8])
+print("  device peak GiB %s" % {k: round(v.get("device_reserved_peak", 0) / 2**30, 2)
+                                for k, v in m.get("stages", {}).items()})
+PY
+}
+
+# 1. Memory held by another process.
+python3 - "$KEEP" > "$O/holder.log" 2>&1 <<'PY' &
+import sys, time, torch
+free, total = torch.cuda.mem_get_info()
+keep = float(sys.argv[1]) * 2**30
+x = torch.empty(int(free - keep), dtype=torch.uint8, device="cuda")
+free, total = torch.cuda.mem_get_info()
+print(f"holding {x.numel() / 2**30:.1f} GiB, free {free / 2**30:.2f} of {total / 2**30:.2f} GiB", flush=True)
+time.sleep(900)
+PY
+HOLDER=$!
+for _ in $(seq 60); do grep -q holding "$O/holder.log" && break; sleep 1; done
+cat "$O/holder.log"
+start=$(date +%s.%N)
+gen held-14b-81 synthetic:wan2.1-t2v-14b 81x480x832 2
+rc=$?
+end=$(date +%s.%N)
+secs=$(python3 -c "print(round($end-$start,1))")
+[ $rc = 2 ] && [ ! -f "$O/held-14b-81.safetensors" ] \
+  && echo "ok   14B 81 frames beside another process: exit 2 in $secs s, before loading" \
+  || echo "FAIL 14B 81 frames: rc=$rc in $secs s"
+cat "$O/held-14b-81.log" | tail -2
+start=$(date +%s.%N)
+gen held-14b-17 synthetic:wan2.1-t2v-14b 17x480x832 2
+rc=$?
+end=$(date +%s.%N)
+kill $HOLDER; wait $HOLDER 2> /dev/null
+if [ $rc = 0 ] && [ -f "$O/held-14b-17.safetensors" ]; then
+  echo "ok   14B 17 frames beside another process: finished in $(python3 -c "print(round($end-$start,1))") s"
+else
+  echo "FAIL 14B 17 frames beside another process: rc=$rc"; tail -4 "$O/held-14b-17.log"
+fi
+grep -i -m2 "free" "$O/held-14b-17.log"
+stats held-14b-17
+
+# 2. SIGTERM mid-denoise, then --resume.
+# vidgen itself in the background (not a subshell around it), so that the signal reaches it.
+"$B" generate --model synthetic:wan2.1-t2v-1.3b --prompt "a red fox runs through fresh snow" \
+  --seed 1 --num-frames 81 --height 480 --width 832 --num-inference-steps 20 --dtype bf16 \
+  --output-type safetensors --output-path "$O" --output-video-name term \
+  --stats-json "$O/term.json" 2> "$O/term.log" &
+P=$!
+for _ in $(seq 240); do grep -q "denois\|step 2/" "$O/term.log" 2> /dev/null && break; sleep 0.5; done
+sleep 4; kill -TERM $P; wait $P; rc=$?
+partial=$(ls "$O" | grep -c -i "partial\|\.tmp")
+if [ $rc = 130 ] && [ ! -f "$O/term.safetensors" ] && [ "$partial" = 0 ] && [ -f "$O/term.json" ]; then
+  echo "ok   SIGTERM mid-denoise: exit 130, no output, no temporary, stats written"
+else
+  echo "FAIL SIGTERM: rc=$rc output=$([ -f "$O/term.safetensors" ] && echo yes || echo no) temporaries=$partial stats=$([ -f "$O/term.json" ] && echo yes || echo no)"
+  tail -3 "$O/term.log"
+fi
+gen term synthetic:wan2.1-t2v-1.3b 81x480x832 2 --resume && [ -f "$O/term.safetensors" ] \
+  && echo "ok   --resume after SIGTERM writes the video" || { echo "FAIL --resume"; tail -3 "$O/term.log"; }
+
+# 3. Two processes at once.
+gen two-a synthetic:wan2.1-t2v-1.3b 81x480x832 4 & A=$!
+gen two-b synthetic:wan2.1-t2v-1.3b 81x480x832 4 & Bp=$!
+wait $A; ra=$?; wait $Bp; rb=$?
+[ $ra = 0 ] && [ $rb = 0 ] && echo "ok   two processes on one GPU both finished" \
+  || { echo "FAIL two processes: rc $ra $rb"; tail -2 "$O/two-a.log" "$O/two-b.log"; }
+stats two-a; stats two-b
