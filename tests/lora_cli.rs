@@ -167,18 +167,14 @@ fn bad_lora_input_is_refused_before_anything_loads() {
         "lora-2",
     );
     assert!(line.contains("--lora-2 does not apply"), "{line}");
-    // A family whose LoRAs vidgen does not read.
+    // A Wan LoRA for CogVideoX: a layer its transformer does not have.
+    let wan_lora = lora_dir.join("lora2.diffusers.safetensors");
     let cog = named_fixture_dir("cogvideox-tiny-a");
-    let line = usage_error(
-        &run(
-            &cog,
-            lora_dir
-                .join("lora2.diffusers.safetensors")
-                .to_str()
-                .unwrap(),
-        ),
-        "cogvideox",
-    );
+    let line = usage_error(&run(&cog, wan_lora.to_str().unwrap()), "cogvideox");
+    assert!(line.contains("a LoRA for another model"), "{line}");
+    // A family whose LoRAs vidgen does not read.
+    let minimax = named_fixture_dir("minimax-h3-tiny-a");
+    let line = usage_error(&run(&minimax, wan_lora.to_str().unwrap()), "minimax");
     assert!(line.contains("--lora does not apply"), "{line}");
 }
 
