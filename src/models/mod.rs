@@ -8,6 +8,7 @@ pub mod cogvideox;
 pub mod conv3d;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
+pub mod flux;
 pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
@@ -35,6 +36,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     cogvideox::FOLDER,
     hunyuan_video::FOLDER,
     minimax_h3::FOLDER,
+    flux::FOLDER,
     t5::FOLDER,
     clip::FOLDER,
     crate::schedulers::FOLDER,

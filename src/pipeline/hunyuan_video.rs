@@ -278,7 +278,10 @@ struct HunyuanVideo {
 
 /// A tokenizer folder's `tokenizer.json` text and its `tokenizer_config.json`'s when present
 /// (from the folder, the Hub, or for `synthetic:hunyuanvideo` the stand-ins it ships).
-fn tokenizer_files(source: &ModelSource, folder: &str) -> Result<(String, Option<String>)> {
+pub(super) fn tokenizer_files(
+    source: &ModelSource,
+    folder: &str,
+) -> Result<(String, Option<String>)> {
     let json = source
         .require(&format!("{folder}/tokenizer.json"))?
         .read()?;
@@ -291,7 +294,9 @@ fn tokenizer_files(source: &ModelSource, folder: &str) -> Result<(String, Option
 
 /// The CLIP tokenizer as transformers' `CLIPTokenizer` runs it for HunyuanVideo: the file
 /// verbatim, truncated and padded to 77 with the pad token.
-fn clip_tokenizer((json, config): (String, Option<String>)) -> Result<tokenizers::Tokenizer> {
+pub(super) fn clip_tokenizer(
+    (json, config): (String, Option<String>),
+) -> Result<tokenizers::Tokenizer> {
     let mut tokenizer: tokenizers::Tokenizer = json
         .parse()
         .map_err(|e| anyhow::anyhow!("loading tokenizer_2/tokenizer.json: {e}"))?;
@@ -382,45 +387,6 @@ impl HunyuanVideo {
             .collect()
     }
 
-    /// `_get_clip_prompt_embeds` of each text: the pooled output of the CLIP text model, on the
-    /// host; the texts through the layers together, as [`Self::llama_embed`].
-    fn clip_pooled(
-        &self,
-        frame: &Frame,
-        encoder: &Held<'_, ClipTextModel>,
-        texts: &[&str],
-    ) -> Result<Vec<Tensor>> {
-        let device = frame.device_of(self.parts.text_encoder_2);
-        let model = encoder.model();
-        let (mut hidden, mut ids) = (Vec::new(), Vec::new());
-        for text in texts {
-            let encoding = self
-                .tokenizer_2
-                .encode(*text, true)
-                .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
-            let tokens: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
-            let tokens = Tensor::new(tokens.as_slice(), &device)?.unsqueeze(0)?;
-            hidden.push(model.embed(&tokens)?);
-            ids.push(tokens);
-        }
-        let hidden = encoder.fold_blocks_each(
-            ClipTextModel::layers,
-            hidden,
-            |layer: &ClipEncoderLayer, _, x| layer.forward(x, true),
-        )?;
-        hidden
-            .iter()
-            .zip(&ids)
-            .map(|(x, ids)| {
-                Ok(model
-                    .finish(x, ids)?
-                    .pooler_output
-                    .to_dtype(frame.dtype())?
-                    .to_device(&Device::Cpu)?)
-            })
-            .collect()
-    }
-
     /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
     /// negative prompt given).
     fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
@@ -445,7 +411,13 @@ impl HunyuanVideo {
         let mut conds = self
             .llama_embed(frame, &llama, &texts)?
             .into_iter()
-            .zip(self.clip_pooled(frame, &clip, &texts)?)
+            .zip(clip_pooled(
+                &clip,
+                &self.tokenizer_2,
+                &frame.device_of(self.parts.text_encoder_2),
+                frame.dtype(),
+                &texts,
+            )?)
             .map(|((embeds, mask), pooled)| TextConds {
                 embeds,
                 mask,
@@ -626,6 +598,45 @@ impl HunyuanVideo {
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
+}
+
+/// `_get_clip_prompt_embeds` of each text (HunyuanVideo's and FLUX's): the pooled output of
+/// the CLIP text model on `device`, in `dtype` on the host; the texts through the layers
+/// together, each result as encoding it alone gives.
+pub(super) fn clip_pooled(
+    encoder: &Held<'_, ClipTextModel>,
+    tokenizer: &tokenizers::Tokenizer,
+    device: &Device,
+    dtype: DType,
+    texts: &[&str],
+) -> Result<Vec<Tensor>> {
+    let model = encoder.model();
+    let (mut hidden, mut ids) = (Vec::new(), Vec::new());
+    for text in texts {
+        let encoding = tokenizer
+            .encode(*text, true)
+            .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
+        let tokens: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
+        let tokens = Tensor::new(tokens.as_slice(), device)?.unsqueeze(0)?;
+        hidden.push(model.embed(&tokens)?);
+        ids.push(tokens);
+    }
+    let hidden = encoder.fold_blocks_each(
+        ClipTextModel::layers,
+        hidden,
+        |layer: &ClipEncoderLayer, _, x| layer.forward(x, true),
+    )?;
+    hidden
+        .iter()
+        .zip(&ids)
+        .map(|(x, ids)| {
+            Ok(model
+                .finish(x, ids)?
+                .pooler_output
+                .to_dtype(dtype)?
+                .to_device(&Device::Cpu)?)
+        })
+        .collect()
 }
 
 /// A text conditioning in the run dtype on the device.
