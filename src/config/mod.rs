@@ -183,6 +183,8 @@ pub struct ModelDefaults {
     pub frame_rule: Option<FrameRule>,
     /// The sampler the published pipeline ships with.
     pub scheduler: Option<SchedulerKind>,
+    /// The output the published pipeline makes where it is not a video (FLUX.1: `png`).
+    pub output_type: Option<OutputType>,
 }
 
 /// Every option with its final value, as config-file keys in the options' order: the run's
@@ -256,7 +258,8 @@ impl ResolvedConfig {
             fps: self.resolved.output.fps,
             num_inference_steps: self.resolved.video.num_inference_steps,
             guidance_scale: self.resolved.video.guidance_scale,
-            scheduler: self.resolved.generation.scheduler
+            scheduler: self.resolved.generation.scheduler,
+            output_type: self.resolved.output.kind
         );
         let max_sequence_length = defaults
             .max_sequence_length
