@@ -121,3 +121,38 @@ fn intermediates_match_diffusers() {
     check("norm_out", &normed, &r["debug.norm_out"]);
     assert_eq!(normed.dtype(), DType::F32);
 }
+
+/// The blocks built step by step (as leaf-level offload streams them) and run in order give
+/// diffusers' output.
+#[test]
+fn steps_in_order_match_diffusers() {
+    use vidgen::models::blocks::Blockwise;
+    let cfg = config();
+    let vb = common::var_builder_in(FIXTURE, "transformer/diffusion_pytorch_model.safetensors");
+    let outer = FluxTransformer2DModel::new_without_blocks(&cfg, vb.clone()).unwrap();
+    let r = common::named_reference(FIXTURE, "transformer");
+    let mut inputs = outer
+        .prepare(
+            &r["hidden_states"],
+            &r["timestep"],
+            &r["encoder_hidden_states"],
+            &r["pooled_projections"],
+            Some(&r["guidance"]),
+            &r["txt_ids"],
+            &r["img_ids"],
+        )
+        .unwrap();
+    let mut streams = inputs.take_streams().unwrap();
+    for i in 0..FluxTransformer2DModel::num_blocks(&cfg) {
+        assert!(FluxTransformer2DModel::block_steps(&cfg, i) > 1);
+        for step in 0..FluxTransformer2DModel::block_steps(&cfg, i) {
+            let block = FluxTransformer2DModel::block_step(&cfg, i, step, vb.clone()).unwrap();
+            streams = block.forward(&streams, &inputs).unwrap();
+        }
+    }
+    check(
+        "output (step by step)",
+        &outer.finish(&streams.image, &inputs).unwrap(),
+        &r["output"],
+    );
+}

@@ -165,6 +165,40 @@ pub enum BlockKind {
     SingleStream,
 }
 
+impl BlockKind {
+    /// The steps of a block of this kind, in execution order.
+    pub fn steps(self) -> &'static [BlockStep] {
+        match self {
+            BlockKind::DualStream => &[
+                BlockStep::JointAttention,
+                BlockStep::ImageFeedForward,
+                BlockStep::TextFeedForward,
+            ],
+            BlockKind::SingleStream => &[BlockStep::SingleAttention, BlockStep::SingleMlp],
+        }
+    }
+}
+
+/// The steps of a block, in execution order, each holding a disjoint part of the block's
+/// weights (at most ~210 MB in bf16 at the published size). A block built with only some of
+/// them runs just those, with exactly the arithmetic of the whole block, and hands what later
+/// steps need on in [`Streams`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStep {
+    /// Dual-stream: both streams' modulations (`norm1`, `norm1_context`), their modulated
+    /// norms, q/k/v, joint attention, `to_out` and `to_add_out`, the gated residuals.
+    JointAttention,
+    /// Dual-stream: the image stream's modulated norm, `ff`, gated residual.
+    ImageFeedForward,
+    /// Dual-stream: the text stream's modulated norm, `ff_context`, gated residual.
+    TextFeedForward,
+    /// Single-stream: the modulation (`norm`), the modulated norm of [text; image], q/k/v and
+    /// attention.
+    SingleAttention,
+    /// Single-stream: `proj_mlp`, `proj_out` over [attention; MLP], gated residual.
+    SingleMlp,
+}
+
 /// Everything the blocks and the output head need, computed once per forward by `prepare`.
 #[derive(Debug, Clone)]
 pub struct BlockInputs {
@@ -187,11 +221,51 @@ impl BlockInputs {
     }
 }
 
-/// What flows from block to block: the image `[B, N, inner]` and text `[B, L, inner]` streams.
+/// What flows from block to block: the image `[B, N, inner]` and text `[B, L, inner]` streams
+/// and, between the steps of a block streamed step by step, what its earlier steps computed
+/// for its later ones.
 #[derive(Debug, Clone)]
 pub struct Streams {
     pub image: Tensor,
     pub text: Tensor,
+    carry: Carry,
+}
+
+impl Streams {
+    /// Streams between whole blocks.
+    pub fn new(image: Tensor, text: Tensor) -> Self {
+        Self {
+            image,
+            text,
+            carry: Carry::None,
+        }
+    }
+}
+
+/// What a block's earlier steps hand its later ones.
+#[derive(Debug, Clone)]
+enum Carry {
+    /// Between blocks.
+    None,
+    /// Dual-stream: the six modulation chunks of the image and of the text stream.
+    DualStream {
+        image: Vec<Tensor>,
+        text: Vec<Tensor>,
+    },
+    /// Single-stream: the modulated norm of [text; image], the attention's output and the
+    /// gate.
+    SingleStream {
+        normed: Tensor,
+        attention: Tensor,
+        gate: Tensor,
+    },
+}
+
+/// A step run without the earlier step of its block that computes what it needs.
+fn out_of_order(step: BlockStep) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "FLUX block step {step:?} run without its block's earlier steps (steps must run in order)"
+    ))
 }
 
 /// LayerNorm without affine parameters over the last axis, statistics in f32.
@@ -344,22 +418,19 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, inputs: &BlockInputs) -> Result
     merge_heads(&sdpa(&rope(q, inputs)?, &rope(k, inputs)?, v, scale)?)
 }
 
-/// One dual-stream block (diffusers `FluxTransformerBlock`).
+/// The joint attention of a dual-stream block with both streams' modulations.
 #[derive(Debug, Clone)]
-pub struct FluxTransformerBlock {
+struct JointAttention {
     norm1: Modulation,
     norm1_context: Modulation,
     image_qkv: QkvProjection,
     text_qkv: QkvProjection,
     to_out: Linear,
     to_add_out: Linear,
-    ff: Mlp,
-    ff_context: Mlp,
 }
 
-impl FluxTransformerBlock {
-    /// `vb` points at `transformer_blocks.{i}`.
-    pub fn new(cfg: &FluxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+impl JointAttention {
+    fn new(cfg: &FluxTransformerConfig, vb: &VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
         let attn = vb.pp("attn");
         Ok(Self {
@@ -383,14 +454,12 @@ impl FluxTransformerBlock {
             )?,
             to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
             to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
-            ff: Mlp::feed_forward(dim, cfg.mlp_dim(), vb.pp("ff"))?,
-            ff_context: Mlp::feed_forward(dim, cfg.mlp_dim(), vb.pp("ff_context"))?,
         })
     }
 
-    /// Both streams' modulated norms (chunks: shift_msa, scale_msa, gate_msa, shift_mlp,
-    /// scale_mlp, gate_mlp), joint attention over [text; image], the gated residuals and each
-    /// stream's modulated feed-forward.
+    /// Both streams' modulations (chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
+    /// gate_mlp), their modulated norms, joint attention over [text; image] and the gated
+    /// residuals; the streams carry the modulations to the feed-forward steps.
     fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
         let m = self.norm1.forward(&inputs.temb)?;
         let c = self.norm1_context.forward(&inputs.temb)?;
@@ -409,61 +478,149 @@ impl FluxTransformerBlock {
             .to_out
             .forward(&out.narrow(1, text_len, total - text_len)?)?;
         let attn_text = self.to_add_out.forward(&out.narrow(1, 0, text_len)?)?;
-        let image = gated(image, &attn_image, &m[2])?;
-        let text = gated(text, &attn_text, &c[2])?;
-        let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
-            gated(x, &ff.forward(&norm_modulate(x, &m[3], &m[4])?)?, &m[5])
-        };
         Ok(Streams {
-            image: feed_forward(&self.ff, &image, &m)?,
-            text: feed_forward(&self.ff_context, &text, &c)?,
+            image: gated(image, &attn_image, &m[2])?,
+            text: gated(text, &attn_text, &c[2])?,
+            carry: Carry::DualStream { image: m, text: c },
         })
+    }
+}
+
+/// A stream's modulated feed-forward with its gated residual (chunks 3, 4, 5 of `m`).
+fn feed_forward(ff: &Mlp, x: &Tensor, m: &[Tensor]) -> Result<Tensor> {
+    gated(x, &ff.forward(&norm_modulate(x, &m[3], &m[4])?)?, &m[5])
+}
+
+/// One dual-stream block (diffusers `FluxTransformerBlock`), or some of its steps.
+#[derive(Debug, Clone)]
+pub struct FluxTransformerBlock {
+    attn: Option<JointAttention>,
+    ff: Option<Mlp>,
+    ff_context: Option<Mlp>,
+}
+
+impl FluxTransformerBlock {
+    /// Loads only the weights of `steps`; `vb` points at `transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &FluxTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        let has = |s| steps.contains(&s);
+        let ff = |name: &str| Mlp::feed_forward(cfg.inner_dim(), cfg.mlp_dim(), vb.pp(name));
+        Ok(Self {
+            attn: has(BlockStep::JointAttention)
+                .then(|| JointAttention::new(cfg, &vb))
+                .transpose()?,
+            ff: has(BlockStep::ImageFeedForward)
+                .then(|| ff("ff"))
+                .transpose()?,
+            ff_context: has(BlockStep::TextFeedForward)
+                .then(|| ff("ff_context"))
+                .transpose()?,
+        })
+    }
+
+    /// Runs the block's steps on the streams.
+    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let mut streams = match &self.attn {
+            Some(attn) => attn.forward(streams, inputs)?,
+            None => streams.clone(),
+        };
+        let Carry::DualStream { image: m, text: c } = &streams.carry else {
+            return Err(out_of_order(BlockStep::ImageFeedForward));
+        };
+        if let Some(ff) = &self.ff {
+            streams.image = feed_forward(ff, &streams.image, m)?;
+        }
+        if let Some(ff_context) = &self.ff_context {
+            streams.text = feed_forward(ff_context, &streams.text, c)?;
+            // The text feed-forward is the block's last step.
+            streams.carry = Carry::None;
+        }
+        Ok(streams)
     }
 }
 
 /// One single-stream block (diffusers `FluxSingleTransformerBlock`): attention and MLP in
-/// parallel over the joint [text; image] sequence, one output projection.
+/// parallel over the joint [text; image] sequence, one output projection; or some of its steps.
 #[derive(Debug, Clone)]
 pub struct FluxSingleTransformerBlock {
-    norm: Modulation,
-    qkv: QkvProjection,
-    proj_mlp: Linear,
-    proj_out: Linear,
+    /// `norm` (shift, scale, gate) and the attention's q/k/v.
+    attn: Option<(Modulation, QkvProjection)>,
+    /// `proj_mlp` and `proj_out`.
+    mlp: Option<(Linear, Linear)>,
 }
 
 impl FluxSingleTransformerBlock {
-    /// `vb` points at `single_transformer_blocks.{i}`.
-    pub fn new(cfg: &FluxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+    /// Loads only the weights of `steps`; `vb` points at `single_transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &FluxTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
         let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
+        let has = |s| steps.contains(&s);
         Ok(Self {
-            norm: Modulation::new(dim, 3, vb.pp("norm"))?,
-            qkv: QkvProjection::new(
-                cfg,
-                &vb.pp("attn"),
-                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-            )?,
-            proj_mlp: candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
-            proj_out: candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+            attn: has(BlockStep::SingleAttention)
+                .then(|| -> Result<_> {
+                    Ok((
+                        Modulation::new(dim, 3, vb.pp("norm"))?,
+                        QkvProjection::new(
+                            cfg,
+                            &vb.pp("attn"),
+                            ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                        )?,
+                    ))
+                })
+                .transpose()?,
+            mlp: has(BlockStep::SingleMlp)
+                .then(|| -> Result<_> {
+                    Ok((
+                        candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
+                        candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+                    ))
+                })
+                .transpose()?,
         })
     }
 
-    /// The modulated norm (shift, scale, gate) of [text; image], attention and GELU-tanh MLP
-    /// side by side, `proj_out` over both, the gated residual.
+    /// The modulated norm (shift, scale, gate) of [text; image] and the attention, then the
+    /// GELU-tanh MLP beside it, `proj_out` over both and the gated residual.
     fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
-        let text_len = streams.text.dim(1)?;
-        let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
-        let m = self.norm.forward(&inputs.temb)?;
-        let normed = norm_modulate(&x, &m[0], &m[1])?;
-        let mlp = self.proj_mlp.forward(&normed)?.gelu()?;
-        let (q, k, v) = self.qkv.forward(&normed)?;
-        let attn = attention(&q, &k, &v, inputs)?;
-        let out = self.proj_out.forward(&Tensor::cat(&[attn, mlp], 2)?)?;
-        let x = gated(&x, &out, &m[2])?;
-        let total = x.dim(1)?;
-        Ok(Streams {
-            text: x.narrow(1, 0, text_len)?,
-            image: x.narrow(1, text_len, total - text_len)?,
-        })
+        let mut streams = streams.clone();
+        if let Some((norm, qkv)) = &self.attn {
+            let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
+            let m = norm.forward(&inputs.temb)?;
+            let normed = norm_modulate(&x, &m[0], &m[1])?;
+            let (q, k, v) = qkv.forward(&normed)?;
+            streams.carry = Carry::SingleStream {
+                attention: attention(&q, &k, &v, inputs)?,
+                normed,
+                gate: m[2].clone(),
+            };
+        }
+        if let Some((proj_mlp, proj_out)) = &self.mlp {
+            let Carry::SingleStream {
+                normed,
+                attention,
+                gate,
+            } = &streams.carry
+            else {
+                return Err(out_of_order(BlockStep::SingleMlp));
+            };
+            let text_len = streams.text.dim(1)?;
+            let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
+            let mlp = proj_mlp.forward(normed)?.gelu()?;
+            let out = proj_out.forward(&Tensor::cat(&[attention, &mlp], 2)?)?;
+            let x = gated(&x, &out, gate)?;
+            let total = x.dim(1)?;
+            streams = Streams::new(
+                x.narrow(1, text_len, total - text_len)?,
+                x.narrow(1, 0, text_len)?,
+            );
+        }
+        Ok(streams)
     }
 }
 
@@ -475,22 +632,36 @@ pub enum FluxBlock {
 }
 
 impl FluxBlock {
-    /// Block `index` in execution order, from the root `VarBuilder`.
+    /// Block `index` in execution order, whole, from the root `VarBuilder`.
     pub fn new(cfg: &FluxTransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, index, vb, cfg.block_kind(index)?.0.steps())
+    }
+
+    /// Block `index` with only `steps` (of its kind's), from the root `VarBuilder`.
+    pub fn with_steps(
+        cfg: &FluxTransformerConfig,
+        index: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
         cfg.validate()?;
         Ok(match cfg.block_kind(index)? {
-            (BlockKind::DualStream, i) => FluxBlock::Dual(FluxTransformerBlock::new(
+            (BlockKind::DualStream, i) => FluxBlock::Dual(FluxTransformerBlock::with_steps(
                 cfg,
                 vb.pp(format!("transformer_blocks.{i}")),
+                steps,
             )?),
-            (BlockKind::SingleStream, i) => FluxBlock::Single(FluxSingleTransformerBlock::new(
-                cfg,
-                vb.pp(format!("single_transformer_blocks.{i}")),
-            )?),
+            (BlockKind::SingleStream, i) => {
+                FluxBlock::Single(FluxSingleTransformerBlock::with_steps(
+                    cfg,
+                    vb.pp(format!("single_transformer_blocks.{i}")),
+                    steps,
+                )?)
+            }
         })
     }
 
-    /// Runs the block on the streams.
+    /// Runs the block (or its steps) on the streams.
     pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
         match self {
             FluxBlock::Dual(block) => block.forward(streams, inputs),
@@ -702,7 +873,7 @@ impl FluxTransformer2DModel {
         )?;
         let (rope_cos, rope_sin) = rope_tables(&cfg.axes_dims_rope, &ids, latents.device())?;
         Ok(BlockInputs {
-            streams: Some(Streams { image, text }),
+            streams: Some(Streams::new(image, text)),
             temb,
             rope_cos,
             rope_sin,
@@ -778,5 +949,26 @@ impl Blockwise for FluxTransformer2DModel {
     }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
         FluxBlock::new(cfg, i, vb)
+    }
+    fn steps(_: &Self::Config) -> usize {
+        BlockKind::DualStream
+            .steps()
+            .len()
+            .max(BlockKind::SingleStream.steps().len())
+    }
+    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i).map_or(1, |(kind, _)| kind.steps().len())
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> Result<Self::Block> {
+        let steps = cfg.block_kind(i)?.0.steps();
+        match steps.get(step) {
+            Some(s) => FluxBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
+            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
+        }
     }
 }
