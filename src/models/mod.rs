@@ -2,6 +2,7 @@
 //! know nothing of offloading.
 
 pub mod attention;
+pub mod autoencoder_kl;
 pub mod blocks;
 pub mod clip;
 pub mod cogvideox;
