@@ -5,7 +5,7 @@
 
 use super::frame::Frame;
 use super::spec::PipelineSpec;
-use super::{cogvideox, hunyuan_video, ltx, minimax_h3, wan_t2v};
+use super::{cogvideox, flux, hunyuan_video, ltx, minimax_h3, wan_t2v};
 use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::source::ModelSource;
 use crate::output::OutputType;
@@ -286,6 +286,10 @@ pub const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
         class_names: &[minimax_h3::CLASS_NAME],
         read: minimax_h3::read,
+    },
+    FamilyEntry {
+        class_names: &["FluxPipeline"],
+        read: flux::read,
     },
 ];
 

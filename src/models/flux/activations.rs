@@ -2,6 +2,7 @@
 //! their peak (the weights are counted apart, from the constructors).
 
 use super::transformer::FluxTransformerConfig;
+use crate::models::autoencoder_kl::AutoencoderKLConfig;
 use crate::models::clip::ClipTextConfig;
 use crate::models::cogvideox::activations::text_encoder_activations as t5_activations;
 use crate::models::t5::encoder::T5Config;
@@ -41,4 +42,21 @@ pub fn transformer_activations(
     let rope = 2 * tokens * t.attention_head_dim as u64 * 4;
     let latents = image_tokens as u64 * t.in_channels as u64 * 4 * 4;
     tokens * (inner * 10 + (inner + mlp) * 3) * d + scores + rope + latents
+}
+
+/// Device bytes of the decode of an `h x w` latent into one image: at full resolution the last
+/// upsampler's output (the second-last level's channels) and the last up block's resnet at its
+/// own channels (input, norm, activation, conv output, residual), the mid block's attention
+/// scores over the latent's tokens (f32, chunked as [`crate::models::attention::sdpa`] bounds
+/// them), and the image in f32.
+pub fn vae_decode_activations(vae: &AutoencoderKLConfig, h: usize, w: usize, dtype: DType) -> u64 {
+    let d = dtype.size_in_bytes() as u64;
+    let scale = vae.scale_factor() as u64;
+    let pixels = h as u64 * scale * w as u64 * scale;
+    let channels = &vae.block_out_channels;
+    let last = channels.first().copied().unwrap_or(0) as u64;
+    let upsampled = channels.get(1).copied().unwrap_or(0) as u64;
+    let tokens = (h * w) as u64;
+    let scores = (tokens * tokens).min(crate::models::attention::MAX_SCORE_ELEMENTS as u64) * 4;
+    pixels * (2 * upsampled + 5 * last) * d + scores + pixels * 3 * 4 * 2
 }
