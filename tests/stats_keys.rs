@@ -9,12 +9,13 @@ use std::collections::BTreeSet;
 use std::process::Command;
 
 /// Every family's tiny fixture.
-const FIXTURES: [&str; 5] = [
+const FIXTURES: [&str; 6] = [
     "wan-tiny-a",
     "ltx-video-tiny-a",
     "cogvideox-tiny-a",
     "hunyuanvideo-tiny-a",
     "minimax-h3-tiny-a",
+    "flux-tiny-a",
 ];
 
 /// The keys of a JSON object.
