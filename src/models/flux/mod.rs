@@ -8,14 +8,22 @@ pub mod activations;
 pub mod packing;
 pub mod transformer;
 
-/// FLUX's component configs and its published configs, shipped. The tokenizers are the tiny
+/// FLUX's component configs (its DiT's and the shared `AutoencoderKL`'s, which no other folder
+/// checks yet) and its published configs, shipped. The tokenizers are the tiny
 /// fixture's stand-ins (their ids fit both encoders' vocabularies; the weights are random).
 pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
-    configs: crate::config_checks![(
-        "FluxTransformer2DModel",
-        "config.json",
-        transformer::FluxTransformerConfig
-    )],
+    configs: crate::config_checks![
+        (
+            "FluxTransformer2DModel",
+            "config.json",
+            transformer::FluxTransformerConfig
+        ),
+        (
+            "AutoencoderKL",
+            "config.json",
+            crate::models::autoencoder_kl::AutoencoderKLConfig
+        ),
+    ],
     shipped: &[crate::models::source::Shipped {
         name: "flux.1-dev",
         hub: Some("black-forest-labs/FLUX.1-dev"),
