@@ -300,7 +300,7 @@ fn model_defaults_fill_only_what_was_not_given() {
     // An image model's output type (FLUX.1's png) replaces only one not given.
     use vidgen::output::OutputType;
     let image = ModelDefaults {
-        output_type: Some(OutputType::Png),
+        image: true,
         ..ModelDefaults::default()
     };
     let kind = |args: &[&str]| {

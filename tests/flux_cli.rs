@@ -128,8 +128,8 @@ fn run_without_true_cfg_matches_diffusers() {
     check_run("cfg1");
 }
 
-/// Without `--output-type` the image is one PNG file, `v.png` (the only thing written), whose
-/// pixels are diffusers' PIL rounding of the frames, within one level.
+/// Without `--output-type` the image is one PNG file, `v.png`, whose pixels are diffusers' PIL
+/// rounding of the frames, within one level.
 #[test]
 fn the_default_output_is_one_png_file() {
     let dir = scratch("png");
@@ -158,6 +158,18 @@ fn the_default_output_is_one_png_file() {
         &expected.to_dtype(DType::F32).unwrap(),
     );
     assert!(diff <= 1.0, "uint8 off by {diff}");
+    // The image is the output `--overwrite` and `--resume` know: the same run again fails
+    // before any work, naming it, and `--resume` skips it.
+    let again = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("v.png already exists"), "{stderr}");
+    let mut resume = args.clone();
+    resume.push("--resume");
+    let skipped = vidgen(&resume);
+    let stderr = String::from_utf8_lossy(&skipped.stderr);
+    assert!(skipped.status.success(), "{stderr}");
+    assert!(stderr.contains("skipping"), "{stderr}");
 }
 
 /// Every offload mode gives the resident run's frames, bit for bit.

@@ -142,7 +142,7 @@ impl FluxConfigs {
             StageSpec::new("encode_text", &encoders, text).runs(Flux::encode_text),
             StageSpec::new("denoise", &[parts.transformer.index()], denoise).runs(Flux::denoise),
             StageSpec::new("decode", &[parts.vae.index()], decode).runs(Flux::decode),
-            StageSpec::new("write", &[], 0).runs(Flux::write),
+            StageSpec::write(),
         ];
         (spec, parts)
     }
@@ -216,7 +216,7 @@ impl Family for FluxConfigs {
                 min_steps: 1,
             }),
             scheduler: None,
-            output_type: Some(OutputType::Png),
+            image: true,
         }
     }
 
@@ -449,22 +449,6 @@ impl Flux {
             .to_device(&frame.device)?;
         let image = vae.decode(&vae.unscale(&z)?)?.to_dtype(DType::F32)?;
         job.frames = Some(stages::video_frames(image.unsqueeze(2)?)?);
-        Ok(())
-    }
-
-    /// The last stage: `png` is one PNG file, `<name>.png` (the frame's writer would make a
-    /// folder of frames); the other outputs are the frame's.
-    fn write(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        if frame.config.output().kind != OutputType::Png {
-            return frame.write(job, None);
-        }
-        let frames = job.frames.take().context("nothing decoded")?;
-        let mut path = job.output.clone().into_os_string();
-        path.push(".png");
-        let path = std::path::PathBuf::from(path);
-        crate::output::write_png_image(&path, &frames, frame.config.batch().overwrite)?;
-        job.output = path;
-        job.written = true;
         Ok(())
     }
 }

@@ -199,7 +199,7 @@ impl Family for HunyuanConfigs {
             scheduler: Some(SchedulerKind::Euler),
             // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
             frame_rule: None,
-            output_type: None,
+            image: false,
         }
     }
 

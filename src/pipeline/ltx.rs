@@ -169,7 +169,7 @@ impl Family for LtxConfigs {
             }),
             // LTX-Video samples with flow-match Euler only (`schedulers`).
             scheduler: None,
-            output_type: None,
+            image: false,
         }
     }
 

@@ -259,7 +259,7 @@ impl Family for MiniMaxH3Configs {
                 min_steps: 2,
             }),
             scheduler: None,
-            output_type: None,
+            image: false,
         }
     }
 

@@ -220,15 +220,20 @@ pub(crate) fn write_output(
         return Ok(());
     }
     let frames = job.frames.take().context("nothing decoded")?;
-    crate::output::write_with_audio(
-        config.output().kind,
-        &job.output,
-        &frames,
-        audio,
-        config.output().fps,
-        &metadata,
-        config.batch().overwrite,
-    )?;
+    let (out, overwrite) = (config.output(), config.batch().overwrite);
+    if out.image && out.kind == crate::output::OutputType::Png {
+        crate::output::write_png_image(&job.output, &frames, overwrite)?;
+    } else {
+        crate::output::write_with_audio(
+            out.kind,
+            &job.output,
+            &frames,
+            audio,
+            out.fps,
+            &metadata,
+            overwrite,
+        )?;
+    }
     job.written = true;
     Ok(())
 }
