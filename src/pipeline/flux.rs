@@ -495,6 +495,70 @@ fn dit_forward(
 mod tests {
     use super::*;
     use crate::models::source::ModelSource;
+    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
+    use crate::pipeline::spec::{Constructors, ModelConstructors};
+
+    /// The names a layout holds.
+    fn names(layout: &GroupLayout) -> Vec<String> {
+        layout.slots.iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// The published transformer streamed as the pipeline streams it: block level never puts a
+    /// dual- and a single-stream block in one group (as diffusers groups each block list apart);
+    /// leaf level splits every block into its steps; the outer part and the steps hold every
+    /// weight exactly once.
+    #[test]
+    fn groups_hold_one_kind_and_steps_split_every_weight_once() -> Result<()> {
+        let cfg: FluxTransformerConfig = serde_json::from_str(include_str!(
+            "../../assets/flux.1-dev/transformer/config.json"
+        ))?;
+        let model = ModelConstructors::<FluxTransformer2DModel>(cfg.clone());
+        let streamed = |blocks_per_group, by_step| Residency::Streamed {
+            blocks_per_group,
+            by_step,
+            options: StreamOptions {
+                stream: true,
+                depth: 1,
+            },
+        };
+        let layout = |residency| -> Result<Vec<GroupLayout>> {
+            let holding = model.holding(residency, None, DType::BF16)?;
+            Ok(model.layout(holding, DType::BF16, None)?.groups)
+        };
+        let dual = |name: &String| name.starts_with("transformer_blocks.");
+        let kinds: Vec<bool> = layout(streamed(8, false))?
+            .iter()
+            .map(|g| {
+                let names = names(g);
+                assert!(
+                    names.iter().all(|n| dual(n) == dual(&names[0])),
+                    "{names:?}"
+                );
+                dual(&names[0])
+            })
+            .collect();
+        let groups = |n: usize| n.div_ceil(8);
+        let want = [
+            vec![true; groups(cfg.num_layers)],
+            vec![false; groups(cfg.num_single_layers)],
+        ]
+        .concat();
+        assert_eq!(kinds, want);
+        let leaf = layout(streamed(1, true))?;
+        assert_eq!(leaf.len(), 3 * cfg.num_layers + 2 * cfg.num_single_layers);
+        let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
+            FluxTransformer2DModel::new_without_blocks(&cfg, vb)
+        })?;
+        let whole = record(None, DType::BF16, Packing::PerTensor, |vb| {
+            FluxTransformer2DModel::new(&cfg, vb)
+        })?;
+        let mut split: Vec<String> = leaf.iter().flat_map(names).chain(names(&outer)).collect();
+        split.sort();
+        let mut all = names(&whole);
+        all.sort();
+        assert_eq!(split, all);
+        Ok(())
+    }
 
     /// The CLIP tokenizer as the pipeline loads it, from the fixture and from the stand-ins
     /// `synthetic:flux.1-dev` ships, gives the ids FluxPipeline fed its CLIP (77 each, padded
