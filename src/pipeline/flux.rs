@@ -8,7 +8,7 @@
 use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::Frame;
-use super::hunyuan_video::{clip_pooled, clip_tokenizer, tokenizer_files};
+use super::hunyuan_video::{clip_pooled, clip_tokenizer};
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::{Configs, Family, FamilyOption, RunShape};
@@ -277,7 +277,7 @@ impl Flux {
     /// weights.
     fn new(configs: FluxConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
         let source = &frame.source;
-        let tokenizer = clip_tokenizer(tokenizer_files(source, "tokenizer")?)?;
+        let tokenizer = clip_tokenizer(source, "tokenizer")?;
         let tokenizer_2 = match source.require("tokenizer_2/tokenizer.json")? {
             FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
             FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
@@ -581,7 +581,7 @@ mod tests {
             ModelSource::Local(dir.clone()),
             ModelSource::Synthetic("flux.1-dev"),
         ] {
-            let tokenizer = clip_tokenizer(tokenizer_files(&source, "tokenizer")?)?;
+            let tokenizer = clip_tokenizer(&source, "tokenizer")?;
             for (prompt, want) in prompts.iter().zip(&want) {
                 let prompt = prompt.as_str().context("a prompt")?;
                 let encoding = tokenizer.encode(prompt, true).map_err(anyhow::Error::msg)?;

@@ -279,10 +279,7 @@ struct HunyuanVideo {
 
 /// A tokenizer folder's `tokenizer.json` text and its `tokenizer_config.json`'s when present
 /// (from the folder, the Hub, or for `synthetic:hunyuanvideo` the stand-ins it ships).
-pub(super) fn tokenizer_files(
-    source: &ModelSource,
-    folder: &str,
-) -> Result<(String, Option<String>)> {
+fn tokenizer_files(source: &ModelSource, folder: &str) -> Result<(String, Option<String>)> {
     let json = source
         .require(&format!("{folder}/tokenizer.json"))?
         .read()?;
@@ -293,14 +290,13 @@ pub(super) fn tokenizer_files(
     Ok((json, config))
 }
 
-/// The CLIP tokenizer as transformers' `CLIPTokenizer` runs it for HunyuanVideo: the file
-/// verbatim, truncated and padded to 77 with the pad token.
-pub(super) fn clip_tokenizer(
-    (json, config): (String, Option<String>),
-) -> Result<tokenizers::Tokenizer> {
+/// The CLIP tokenizer in `folder` as transformers' `CLIPTokenizer` runs it for HunyuanVideo and
+/// FLUX: the file verbatim, truncated and padded to 77 with the pad token.
+pub(super) fn clip_tokenizer(source: &ModelSource, folder: &str) -> Result<tokenizers::Tokenizer> {
+    let (json, config) = tokenizer_files(source, folder)?;
     let mut tokenizer: tokenizers::Tokenizer = json
         .parse()
-        .map_err(|e| anyhow::anyhow!("loading tokenizer_2/tokenizer.json: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("loading {folder}/tokenizer.json: {e}"))?;
     let config: serde_json::Value = config
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
@@ -311,7 +307,7 @@ pub(super) fn clip_tokenizer(
         .to_string();
     let pad_id = tokenizer
         .token_to_id(&pad)
-        .with_context(|| format!("tokenizer_2 has no pad token {pad:?}"))?;
+        .with_context(|| format!("{folder} has no pad token {pad:?}"))?;
     tokenizer
         .with_truncation(Some(tokenizers::TruncationParams {
             max_length: CLIP_MAX_LENGTH,
@@ -336,7 +332,7 @@ impl HunyuanVideo {
         let tokenizer = LlamaPromptTokenizer::from_json(&json, tokenizer_config.as_deref(), load)
             .context("loading tokenizer/tokenizer.json")?;
         let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE)?;
-        let tokenizer_2 = clip_tokenizer(tokenizer_files(source, "tokenizer_2")?)?;
+        let tokenizer_2 = clip_tokenizer(source, "tokenizer_2")?;
         Ok(HunyuanVideo {
             configs,
             parts,
@@ -815,7 +811,7 @@ mod tests {
         let (ids, crop_start) = llama(&synthetic);
         assert_eq!((ids.clone(), crop_start), llama(&fixture));
         assert!(crop_start > 1 && ids.len() > 1, "{crop_start} {ids:?}");
-        let clip = clip_tokenizer(tokenizer_files(&synthetic, "tokenizer_2").unwrap()).unwrap();
+        let clip = clip_tokenizer(&synthetic, "tokenizer_2").unwrap();
         let encoding = clip.encode("a red fox", true).unwrap();
         assert_eq!(encoding.get_ids().len(), CLIP_MAX_LENGTH);
     }
