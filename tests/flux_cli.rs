@@ -330,3 +330,54 @@ fn flags_that_do_not_apply_are_refused() {
         }
     }
 }
+
+/// A transformer without a guidance embedding (FLUX.1 schnell's config) has no guidance to
+/// set: `--guidance-scale` is refused, in a dry run too, and the dry run plans without it.
+#[test]
+fn guidance_scale_is_refused_without_a_guidance_embedding() {
+    let dir = scratch("schnell");
+    let fixture = named_fixture_dir(FIXTURE);
+    let model = dir.join("model");
+    for rel in [
+        "model_index.json",
+        "transformer/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "text_encoder_2/config.json",
+        "scheduler/scheduler_config.json",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+        "tokenizer_2/tokenizer.json",
+        "tokenizer_2/tokenizer_config.json",
+    ] {
+        let to = model.join(rel);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        let text = std::fs::read_to_string(fixture.join(rel)).unwrap();
+        let text = text.replace("\"guidance_embeds\": true", "\"guidance_embeds\": false");
+        std::fs::write(&to, text).unwrap();
+    }
+    let model = model.to_str().unwrap();
+    let base = [
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "a",
+        "--device",
+        "cpu",
+        "--dry-run",
+    ];
+    let mut guided = base.to_vec();
+    guided.extend(["--guidance-scale", "2"]);
+    let stderr = common::usage_error(&vidgen(&guided), "--guidance-scale");
+    assert!(
+        stderr.contains("--guidance-scale does not apply"),
+        "{stderr}"
+    );
+    let out = vidgen(&base);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

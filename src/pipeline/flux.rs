@@ -157,10 +157,15 @@ impl Family for FluxConfigs {
         self.declare(shape).0
     }
 
-    /// Text-to-image with embedded guidance, real CFG by `--true-cfg-scale` with a negative
-    /// prompt; its schedule comes from its own config and the image's size.
+    /// Text-to-image with embedded guidance (where the transformer embeds it: not FLUX.1
+    /// schnell), real CFG by `--true-cfg-scale` with a negative prompt; its schedule comes from
+    /// its own config and the image's size.
     fn options(&self) -> Vec<FamilyOption> {
-        [&FamilyOption::GUIDED[..], &[FamilyOption::TrueCfgScale]].concat()
+        [&FamilyOption::GUIDED[..], &[FamilyOption::TrueCfgScale]]
+            .concat()
+            .into_iter()
+            .filter(|&o| o != FamilyOption::GuidanceScale || self.transformer.guidance_embeds)
+            .collect()
     }
 
     /// An image, not a video: one frame, no MP4; and at most 512 T5 tokens.
