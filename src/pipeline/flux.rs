@@ -20,7 +20,9 @@ use crate::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use crate::models::clip::{ClipTextConfig, ClipTextModel};
 use crate::models::flux::activations;
 use crate::models::flux::packing::{pack, unpack};
-use crate::models::flux::transformer::{image_ids, FluxTransformer2DModel, FluxTransformerConfig};
+use crate::models::flux::transformer::{
+    image_ids, timestep_input, FluxTransformer2DModel, FluxTransformerConfig,
+};
 use crate::models::guidance::guide;
 use crate::models::hunyuan_video::scheduler::uses_true_cfg;
 use crate::models::source::FileRef;
@@ -417,12 +419,7 @@ impl Flux {
         let timesteps = scheduler.timesteps().to_vec();
         let mut denoise = Denoise::new(frame, timesteps.len());
         denoise.run(0..timesteps.len(), |forwards, i| {
-            // diffusers: t.expand(B).to(latents.dtype), then timestep / 1000 in that dtype.
-            let timestep = Tensor::new(&[timesteps[i] as f32], device)?
-                .to_dtype(dtype)?
-                .to_dtype(DType::F32)?
-                .broadcast_div(&Tensor::new(1000f32, device)?)?
-                .to_dtype(dtype)?;
+            let timestep = timestep_input(timesteps[i], dtype, device)?;
             let forward = |text: &TextConds| {
                 dit_forward(model, &latents, &timestep, text, guidance.as_ref(), &ids)
             };

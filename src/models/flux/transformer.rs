@@ -752,6 +752,17 @@ pub fn image_ids(h: usize, w: usize, device: &Device) -> Result<Tensor> {
     Tensor::from_vec(ids, (h * w, 3), device)
 }
 
+/// The transformer's `timestep` input `[1]` at scheduler timestep `t`: FluxPipeline's
+/// `t.expand(B).to(latents.dtype) / 1000`, divided in that dtype (the model multiplies it by
+/// 1000 again).
+pub fn timestep_input(t: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+    Tensor::new(&[t as f32], device)?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F32)?
+        .broadcast_div(&Tensor::new(1000f32, device)?)?
+        .to_dtype(dtype)
+}
+
 /// The diffusers `FluxTransformer2DModel`.
 #[derive(Debug, Clone)]
 pub struct FluxTransformer2DModel {
