@@ -172,7 +172,9 @@ fn the_default_output_is_one_png_file() {
     assert!(stderr.contains("skipping"), "{stderr}");
 }
 
-/// Every offload mode gives the resident run's frames, bit for bit.
+/// Every offload mode (block level N=1 and 8 with and without a copy stream, leaf level, text
+/// encoder, model and sequential offload, lazy loading, unified memory's rules) gives the
+/// resident run's frames, bit for bit.
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch("offload");
@@ -192,6 +194,14 @@ fn offload_modes_are_bit_identical_to_resident() {
             "transformer: streamed",
         ),
         (&["--dit-layerwise-offload"], "transformer: streamed"),
+        (
+            &["--dit-layerwise-offload", "--no-offload-stream"],
+            "transformer: streamed",
+        ),
+        (
+            &["--dit-layerwise-offload", "--num-blocks-per-group", "8"],
+            "transformer: streamed",
+        ),
         (
             &[
                 "--dit-layerwise-offload",
@@ -215,10 +225,14 @@ fn offload_modes_are_bit_identical_to_resident() {
         (&["--model-cpu-offload"], "transformer: parked"),
         (&["--sequential-cpu-offload"], "transformer: streamed"),
         (&["--lazy-module-load"], "transformer"),
+        (&["--memory-model", "unified"], "transformer: resident"),
     ];
     for (flags, placed) in modes {
-        let mut args = vec!["--memory-model", "discrete"];
-        args.extend_from_slice(flags);
+        // A discrete GPU's rules unless the mode names its memory model.
+        let mut args = flags.to_vec();
+        if !flags.contains(&"--memory-model") {
+            args.splice(0..0, ["--memory-model", "discrete"]);
+        }
         let (frames, log) = generate(&dir, "truecfg4", &args);
         assert!(log.contains(placed), "{flags:?}: {log}");
         assert_eq!(
