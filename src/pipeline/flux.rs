@@ -234,6 +234,9 @@ impl Family for FluxConfigs {
             "transformer_inner_dim": self.transformer.inner_dim(),
             "latent_shape": self.packed_shape(shape.height, shape.width),
             "latent_layout": "packed 2x2 tokens",
+            "scheduler_mu": self.scheduler.use_dynamic_shifting.then(|| {
+                self.scheduler.mu(self.packed_shape(shape.height, shape.width)[1])
+            }),
             "vae_scale_factor_spatial": self.vae.scale_factor(),
             "text_encoder_layers": self.text_encoder.num_hidden_layers,
             "text_encoder_2_layers": self.text_encoder_2.num_layers,
