@@ -48,8 +48,8 @@ fn vidgen(args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// The reference call's flags for run `run` (`truecfg4`, `cfg1`) plus `extra`, writing into
-/// `dir` as `v`.
+/// The reference call's flags for run `run` (`truecfg4`, `cfg1`), `--num-frames 1` as
+/// PARITY-CLI drives an image model, plus `extra`, writing into `dir` as `v`.
 fn parity_args(dir: &Path, run: &str, extra: &[&str]) -> Vec<String> {
     let (prompt, negative) = prompts();
     let true_cfg = run.trim_start_matches("truecfg").trim_start_matches("cfg");
@@ -67,6 +67,8 @@ fn parity_args(dir: &Path, run: &str, extra: &[&str]) -> Vec<String> {
         "48",
         "--width",
         "64",
+        "--num-frames",
+        "1",
         "--num-inference-steps",
         "3",
         "--guidance-scale",
