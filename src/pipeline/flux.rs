@@ -510,8 +510,8 @@ mod tests {
 
     /// The published transformer streamed as the pipeline streams it: block level never puts a
     /// dual- and a single-stream block in one group (as diffusers groups each block list apart);
-    /// leaf level splits every block into its steps; the outer part and the steps hold every
-    /// weight exactly once.
+    /// leaf level splits every block into its steps, none above the single-stream MLP; the
+    /// outer part and the steps hold every weight exactly once.
     #[test]
     fn groups_hold_one_kind_and_steps_split_every_weight_once() -> Result<()> {
         let cfg: FluxTransformerConfig = serde_json::from_str(include_str!(
@@ -549,8 +549,13 @@ mod tests {
         ]
         .concat();
         assert_eq!(kinds, want);
+        // Leaf level: every step its own group, none above the single-stream MLP step.
         let leaf = layout(streamed(1, true))?;
-        assert_eq!(leaf.len(), 3 * cfg.num_layers + 2 * cfg.num_single_layers);
+        assert_eq!(leaf.len(), 5 * cfg.num_layers + 2 * cfg.num_single_layers);
+        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
+        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
+        let largest = leaf.iter().map(|g| g.bytes).max().unwrap_or(0);
+        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
         let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
             FluxTransformer2DModel::new_without_blocks(&cfg, vb)
         })?;

@@ -170,6 +170,8 @@ impl BlockKind {
     pub fn steps(self) -> &'static [BlockStep] {
         match self {
             BlockKind::DualStream => &[
+                BlockStep::ImageModulation,
+                BlockStep::TextModulation,
                 BlockStep::JointAttention,
                 BlockStep::ImageFeedForward,
                 BlockStep::TextFeedForward,
@@ -180,13 +182,17 @@ impl BlockKind {
 }
 
 /// The steps of a block, in execution order, each holding a disjoint part of the block's
-/// weights (at most ~210 MB in bf16 at the published size). A block built with only some of
-/// them runs just those, with exactly the arithmetic of the whole block, and hands what later
-/// steps need on in [`Streams`].
+/// weights (at most ~170 MB in bf16 at the published size, the single-stream MLP). A block
+/// built with only some of them runs just those, with exactly the arithmetic of the whole
+/// block, and hands what later steps need on in [`Streams`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockStep {
-    /// Dual-stream: both streams' modulations (`norm1`, `norm1_context`), their modulated
-    /// norms, q/k/v, joint attention, `to_out` and `to_add_out`, the gated residuals.
+    /// Dual-stream: `norm1.linear`, the image stream's six modulations.
+    ImageModulation,
+    /// Dual-stream: `norm1_context.linear`, the text stream's six modulations.
+    TextModulation,
+    /// Dual-stream: both streams' modulated norms, q/k/v, joint attention, `to_out` and
+    /// `to_add_out`, the gated residuals.
     JointAttention,
     /// Dual-stream: the image stream's modulated norm, `ff`, gated residual.
     ImageFeedForward,
@@ -247,10 +253,11 @@ impl Streams {
 enum Carry {
     /// Between blocks.
     None,
-    /// Dual-stream: the six modulation chunks of the image and of the text stream.
+    /// Dual-stream: the six modulation chunks of the image and of the text stream, once
+    /// computed.
     DualStream {
-        image: Vec<Tensor>,
-        text: Vec<Tensor>,
+        image: Option<Vec<Tensor>>,
+        text: Option<Vec<Tensor>>,
     },
     /// Single-stream: the modulated norm of [text; image], the attention's output and the
     /// gate.
@@ -421,8 +428,6 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, inputs: &BlockInputs) -> Result
 /// The joint attention of a dual-stream block with both streams' modulations.
 #[derive(Debug, Clone)]
 struct JointAttention {
-    norm1: Modulation,
-    norm1_context: Modulation,
     image_qkv: QkvProjection,
     text_qkv: QkvProjection,
     to_out: Linear,
@@ -434,8 +439,6 @@ impl JointAttention {
         let dim = cfg.inner_dim();
         let attn = vb.pp("attn");
         Ok(Self {
-            norm1: Modulation::new(dim, 6, vb.pp("norm1"))?,
-            norm1_context: Modulation::new(dim, 6, vb.pp("norm1_context"))?,
             image_qkv: QkvProjection::new(
                 cfg,
                 &attn,
@@ -457,13 +460,16 @@ impl JointAttention {
         })
     }
 
-    /// Both streams' modulations (chunks: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
-    /// gate_mlp), their modulated norms, joint attention over [text; image] and the gated
-    /// residuals; the streams carry the modulations to the feed-forward steps.
-    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
-        let m = self.norm1.forward(&inputs.temb)?;
-        let c = self.norm1_context.forward(&inputs.temb)?;
-        let (image, text) = (&streams.image, &streams.text);
+    /// Both streams' modulated norms with their modulations `m` and `c` (chunks: shift_msa,
+    /// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp), joint attention over
+    /// [text; image] and the gated residuals: the new image and text streams.
+    fn forward(
+        &self,
+        (image, text): (&Tensor, &Tensor),
+        m: &[Tensor],
+        c: &[Tensor],
+        inputs: &BlockInputs,
+    ) -> Result<(Tensor, Tensor)> {
         let text_len = text.dim(1)?;
         let out = {
             let (q, k, v) = self
@@ -478,11 +484,10 @@ impl JointAttention {
             .to_out
             .forward(&out.narrow(1, text_len, total - text_len)?)?;
         let attn_text = self.to_add_out.forward(&out.narrow(1, 0, text_len)?)?;
-        Ok(Streams {
-            image: gated(image, &attn_image, &m[2])?,
-            text: gated(text, &attn_text, &c[2])?,
-            carry: Carry::DualStream { image: m, text: c },
-        })
+        Ok((
+            gated(image, &attn_image, &m[2])?,
+            gated(text, &attn_text, &c[2])?,
+        ))
     }
 }
 
@@ -494,6 +499,8 @@ fn feed_forward(ff: &Mlp, x: &Tensor, m: &[Tensor]) -> Result<Tensor> {
 /// One dual-stream block (diffusers `FluxTransformerBlock`), or some of its steps.
 #[derive(Debug, Clone)]
 pub struct FluxTransformerBlock {
+    norm1: Option<Modulation>,
+    norm1_context: Option<Modulation>,
     attn: Option<JointAttention>,
     ff: Option<Mlp>,
     ff_context: Option<Mlp>,
@@ -506,9 +513,16 @@ impl FluxTransformerBlock {
         vb: VarBuilder,
         steps: &[BlockStep],
     ) -> Result<Self> {
+        let dim = cfg.inner_dim();
         let has = |s| steps.contains(&s);
-        let ff = |name: &str| Mlp::feed_forward(cfg.inner_dim(), cfg.mlp_dim(), vb.pp(name));
+        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), vb.pp(name));
         Ok(Self {
+            norm1: has(BlockStep::ImageModulation)
+                .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
+                .transpose()?,
+            norm1_context: has(BlockStep::TextModulation)
+                .then(|| Modulation::new(dim, 6, vb.pp("norm1_context")))
+                .transpose()?,
             attn: has(BlockStep::JointAttention)
                 .then(|| JointAttention::new(cfg, &vb))
                 .transpose()?,
@@ -521,24 +535,40 @@ impl FluxTransformerBlock {
         })
     }
 
-    /// Runs the block's steps on the streams.
+    /// Runs the block's steps on the streams; returns them with what later steps need.
     fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
-        let mut streams = match &self.attn {
-            Some(attn) => attn.forward(streams, inputs)?,
-            None => streams.clone(),
+        let (mut m, mut c) = match &streams.carry {
+            Carry::DualStream { image, text } => (image.clone(), text.clone()),
+            _ => (None, None),
         };
-        let Carry::DualStream { image: m, text: c } = &streams.carry else {
-            return Err(out_of_order(BlockStep::ImageFeedForward));
-        };
+        if let Some(norm1) = &self.norm1 {
+            m = Some(norm1.forward(&inputs.temb)?);
+        }
+        if let Some(norm1_context) = &self.norm1_context {
+            c = Some(norm1_context.forward(&inputs.temb)?);
+        }
+        // What a step needs from the modulation steps before it.
+        let modulation =
+            |m: &Option<Vec<Tensor>>, step| m.clone().ok_or_else(|| out_of_order(step));
+        let (mut image, mut text) = (streams.image.clone(), streams.text.clone());
+        if let Some(attn) = &self.attn {
+            let step = BlockStep::JointAttention;
+            let (mi, ci) = (modulation(&m, step)?, modulation(&c, step)?);
+            (image, text) = attn.forward((&image, &text), &mi, &ci, inputs)?;
+        }
         if let Some(ff) = &self.ff {
-            streams.image = feed_forward(ff, &streams.image, m)?;
+            image = feed_forward(ff, &image, &modulation(&m, BlockStep::ImageFeedForward)?)?;
         }
         if let Some(ff_context) = &self.ff_context {
-            streams.text = feed_forward(ff_context, &streams.text, c)?;
-            // The text feed-forward is the block's last step.
-            streams.carry = Carry::None;
+            let c = modulation(&c, BlockStep::TextFeedForward)?;
+            text = feed_forward(ff_context, &text, &c)?;
         }
-        Ok(streams)
+        // The text feed-forward is the block's last step.
+        let carry = match self.ff_context {
+            Some(_) => Carry::None,
+            None => Carry::DualStream { image: m, text: c },
+        };
+        Ok(Streams { image, text, carry })
     }
 }
 
