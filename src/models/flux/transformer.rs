@@ -15,18 +15,22 @@
 //! Dtypes: weights and activations in the `VarBuilder` dtype; LayerNorm statistics, RoPE and the
 //! attention softmax in f32.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
+// The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
+use crate::models::hunyuan_video::transformer::{
+    gated, merge_heads, norm_modulate, split_heads, Act, Mlp, Modulation,
+};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
 pub const TIMESTEP_CHANNELS: usize = 256;
 
-/// Epsilon of every LayerNorm and q/k RMSNorm of the model (hard-coded in diffusers).
+/// Epsilon of the q/k RMSNorms (hard-coded in diffusers, as the LayerNorms' 1e-6).
 const NORM_EPS: f64 = 1e-6;
 
 /// RoPE base of `FluxPosEmbed` (hard-coded in diffusers).
@@ -275,100 +279,6 @@ fn out_of_order(step: BlockStep) -> candle_core::Error {
     ))
 }
 
-/// LayerNorm without affine parameters over the last axis, statistics in f32.
-fn layer_norm(x: &Tensor) -> Result<Tensor> {
-    let xf = x.to_dtype(DType::F32)?;
-    let mean = xf.mean_keepdim(D::Minus1)?;
-    let xc = xf.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    xc.broadcast_div(&(var + NORM_EPS)?.sqrt()?)?
-        .to_dtype(x.dtype())
-}
-
-/// `LayerNorm(x) * (1 + scale) + shift` with per-batch `[B, dim]` shift and scale.
-fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    layer_norm(x)?
-        .broadcast_mul(&(scale.unsqueeze(1)? + 1.0)?)?
-        .broadcast_add(&shift.unsqueeze(1)?)
-}
-
-/// `x + delta * gate` with a per-batch `[B, dim]` gate.
-fn gated(x: &Tensor, delta: &Tensor, gate: &Tensor) -> Result<Tensor> {
-    x + delta.broadcast_mul(&gate.unsqueeze(1)?)?
-}
-
-/// `Linear(SiLU(temb))` split into `n` chunks `[B, dim]` (the AdaLN modulations).
-#[derive(Debug, Clone)]
-struct Modulation {
-    linear: Linear,
-    chunks: usize,
-}
-
-impl Modulation {
-    fn new(dim: usize, chunks: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            linear: candle_nn::linear(dim, chunks * dim, vb.pp("linear"))?,
-            chunks,
-        })
-    }
-
-    fn forward(&self, temb: &Tensor) -> Result<Vec<Tensor>> {
-        let emb = self.linear.forward(&candle_nn::ops::silu(temb)?)?;
-        emb.chunk(self.chunks, 1)
-    }
-}
-
-/// Linear -> activation -> Linear: diffusers' `FeedForward` (`net.0.proj`, GELU tanh, `net.2`)
-/// and the conditioning embedders (`linear_1`, SiLU, `linear_2`).
-#[derive(Debug, Clone)]
-struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
-    gelu: bool,
-}
-
-impl Mlp {
-    fn feed_forward(dim: usize, hidden: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            fc1: candle_nn::linear(dim, hidden, vb.pp("net.0.proj"))?,
-            fc2: candle_nn::linear(hidden, dim, vb.pp("net.2"))?,
-            gelu: true,
-        })
-    }
-
-    fn embedder(input: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            fc1: candle_nn::linear(input, dim, vb.pp("linear_1"))?,
-            fc2: candle_nn::linear(dim, dim, vb.pp("linear_2"))?,
-            gelu: false,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.forward(x)?;
-        let h = if self.gelu {
-            h.gelu()?
-        } else {
-            candle_nn::ops::silu(&h)?
-        };
-        self.fc2.forward(&h)
-    }
-}
-
-/// `[B, S, inner]` -> `[B, heads, S, head_dim]` (contiguous).
-fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
-    let (b, s, dim) = x.dims3()?;
-    x.reshape((b, s, heads, dim / heads))?
-        .transpose(1, 2)?
-        .contiguous()
-}
-
-/// `[B, heads, S, head_dim]` -> `[B, S, inner]`.
-fn merge_heads(x: &Tensor) -> Result<Tensor> {
-    let (b, h, s, d) = x.dims4()?;
-    x.transpose(1, 2)?.reshape((b, s, h * d))
-}
-
 /// q, k, v projections (with bias) and the per-head RMSNorm of q and k.
 #[derive(Debug, Clone)]
 struct QkvProjection {
@@ -485,15 +395,15 @@ impl JointAttention {
             .forward(&out.narrow(1, text_len, total - text_len)?)?;
         let attn_text = self.to_add_out.forward(&out.narrow(1, 0, text_len)?)?;
         Ok((
-            gated(image, &attn_image, &m[2])?,
-            gated(text, &attn_text, &c[2])?,
+            gated(image, attn_image, &m[2])?,
+            gated(text, attn_text, &c[2])?,
         ))
     }
 }
 
 /// A stream's modulated feed-forward with its gated residual (chunks 3, 4, 5 of `m`).
 fn feed_forward(ff: &Mlp, x: &Tensor, m: &[Tensor]) -> Result<Tensor> {
-    gated(x, &ff.forward(&norm_modulate(x, &m[3], &m[4])?)?, &m[5])
+    gated(x, ff.forward(&norm_modulate(x, &m[3], &m[4])?)?, &m[5])
 }
 
 /// One dual-stream block (diffusers `FluxTransformerBlock`), or some of its steps.
@@ -515,7 +425,7 @@ impl FluxTransformerBlock {
     ) -> Result<Self> {
         let dim = cfg.inner_dim();
         let has = |s| steps.contains(&s);
-        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), vb.pp(name));
+        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp(name));
         Ok(Self {
             norm1: has(BlockStep::ImageModulation)
                 .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
@@ -643,7 +553,7 @@ impl FluxSingleTransformerBlock {
             let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
             let mlp = proj_mlp.forward(normed)?.gelu()?;
             let out = proj_out.forward(&Tensor::cat(&[attention, &mlp], 2)?)?;
-            let x = gated(&x, &out, gate)?;
+            let x = gated(&x, out, gate)?;
             let total = x.dim(1)?;
             streams = Streams::new(
                 x.narrow(1, text_len, total - text_len)?,
@@ -839,11 +749,6 @@ impl FluxTransformer2DModel {
             )?,
             dtype: vb.dtype(),
         })
-    }
-
-    /// The configuration the model was built with.
-    pub fn config(&self) -> &FluxTransformerConfig {
-        &self.cfg
     }
 
     /// The loaded blocks, dual-stream then single-stream (empty after `new_without_blocks`).
