@@ -255,13 +255,15 @@ fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
 }
 
 /// The published call defaults (1024x1024, one image as PNG, 28 steps, guidance 3.5, 512
-/// tokens) and every stage, for the fixture and the published configs.
+/// tokens) and every stage, for the fixture, the published configs and their Hub id.
 #[test]
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
     for (model, extra) in [
         (fixture.to_str().unwrap(), vec!["--device", "cpu"]),
         ("synthetic:flux.1-dev", vec!["--device", "cpu"]),
+        // The Hub id plans from the shipped configs, without a download.
+        ("black-forest-labs/FLUX.1-dev", vec!["--device", "cpu"]),
         (
             "synthetic:flux.1-dev",
             vec![
