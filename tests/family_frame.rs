@@ -299,6 +299,24 @@ fn model_defaults_fill_only_what_was_not_given() {
         ..ModelDefaults::default()
     };
     assert!(resolve(&[]).with_model_defaults(&bad).is_err());
+    // An image model's output type (FLUX.1's png) replaces only one not given.
+    use vidgen::output::OutputType;
+    let image = ModelDefaults {
+        image: true,
+        ..ModelDefaults::default()
+    };
+    let kind = |args: &[&str]| {
+        resolve(args)
+            .with_model_defaults(&image)
+            .unwrap()
+            .output()
+            .kind
+    };
+    assert_eq!(kind(&[]), OutputType::Png);
+    assert_eq!(
+        kind(&["--output-type", "safetensors"]),
+        OutputType::Safetensors
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

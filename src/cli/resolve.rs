@@ -110,6 +110,7 @@ impl ResolvedConfig {
                 name: o.output_video_name.clone(),
                 // The video's metadata records the configuration that made it.
                 config_json: serde_json::to_string(&o).unwrap_or_default(),
+                image: false,
             },
             batch: Batch {
                 order: o.batch_order,

@@ -145,6 +145,8 @@ pub struct OutputSpec {
     pub name: Option<String>,
     /// The resolved configuration as JSON, for the file's metadata.
     pub config_json: String,
+    /// The model makes one image: `png` is one file `NAME.png`, not a folder of frames.
+    pub image: bool,
 }
 
 /// How a batch of prompts runs.
@@ -187,6 +189,9 @@ pub struct ModelDefaults {
     pub frame_rule: Option<FrameRule>,
     /// The sampler the published pipeline ships with.
     pub scheduler: Option<SchedulerKind>,
+    /// The model makes one image, not a video (FLUX.1): `--output-type` defaults to `png`,
+    /// written as one file `NAME.png`.
+    pub image: bool,
 }
 
 /// Every option with its final value, as config-file keys in the options' order: the run's
@@ -262,6 +267,13 @@ impl ResolvedConfig {
             guidance_scale: self.resolved.video.guidance_scale,
             scheduler: self.resolved.generation.scheduler
         );
+        if defaults.image {
+            if !self.resolved.given.contains("output_type") {
+                self.resolved.echo.set("output_type", OutputType::Png);
+                self.resolved.output.kind = OutputType::Png;
+            }
+            self.resolved.output.image = true;
+        }
         let max_sequence_length = defaults
             .max_sequence_length
             .filter(|_| !self.resolved.given.contains("max_sequence_length"));

@@ -9,6 +9,7 @@ pub mod cogvideox;
 pub mod conv3d;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
+pub mod flux;
 pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]
@@ -41,6 +42,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     minimax_h3::FOLDER,
     latte::FOLDER,
     mochi::FOLDER,
+    flux::FOLDER,
     t5::FOLDER,
     clip::FOLDER,
     crate::schedulers::FOLDER,

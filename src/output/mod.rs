@@ -12,7 +12,7 @@ mod png;
 pub use audio::{write_wav, Audio, WAV_NAME};
 #[cfg(feature = "mp4")]
 pub use mp4::write_mp4;
-pub use png::write_png_frames;
+pub use png::{write_png_frames, write_png_image};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};

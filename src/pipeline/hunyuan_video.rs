@@ -200,6 +200,7 @@ impl Family for HunyuanConfigs {
             scheduler: Some(SchedulerKind::Euler),
             // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
             frame_rule: None,
+            image: false,
         }
     }
 
@@ -290,12 +291,13 @@ fn tokenizer_files(source: &ModelSource, folder: &str) -> Result<(String, Option
     Ok((json, config))
 }
 
-/// The CLIP tokenizer as transformers' `CLIPTokenizer` runs it for HunyuanVideo: the file
-/// verbatim, truncated and padded to 77 with the pad token.
-fn clip_tokenizer((json, config): (String, Option<String>)) -> Result<tokenizers::Tokenizer> {
+/// The CLIP tokenizer in `folder` as transformers' `CLIPTokenizer` runs it for HunyuanVideo and
+/// FLUX: the file verbatim, truncated and padded to 77 with the pad token.
+pub(super) fn clip_tokenizer(source: &ModelSource, folder: &str) -> Result<tokenizers::Tokenizer> {
+    let (json, config) = tokenizer_files(source, folder)?;
     let mut tokenizer: tokenizers::Tokenizer = json
         .parse()
-        .map_err(|e| anyhow::anyhow!("loading tokenizer_2/tokenizer.json: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("loading {folder}/tokenizer.json: {e}"))?;
     let config: serde_json::Value = config
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
@@ -306,7 +308,7 @@ fn clip_tokenizer((json, config): (String, Option<String>)) -> Result<tokenizers
         .to_string();
     let pad_id = tokenizer
         .token_to_id(&pad)
-        .with_context(|| format!("tokenizer_2 has no pad token {pad:?}"))?;
+        .with_context(|| format!("{folder} has no pad token {pad:?}"))?;
     tokenizer
         .with_truncation(Some(tokenizers::TruncationParams {
             max_length: CLIP_MAX_LENGTH,
@@ -331,7 +333,7 @@ impl HunyuanVideo {
         let tokenizer = LlamaPromptTokenizer::from_json(&json, tokenizer_config.as_deref(), load)
             .context("loading tokenizer/tokenizer.json")?;
         let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE)?;
-        let tokenizer_2 = clip_tokenizer(tokenizer_files(source, "tokenizer_2")?)?;
+        let tokenizer_2 = clip_tokenizer(source, "tokenizer_2")?;
         Ok(HunyuanVideo {
             configs,
             parts,
@@ -383,45 +385,6 @@ impl HunyuanVideo {
             .collect()
     }
 
-    /// `_get_clip_prompt_embeds` of each text: the pooled output of the CLIP text model, on the
-    /// host; the texts through the layers together, as [`Self::llama_embed`].
-    fn clip_pooled(
-        &self,
-        frame: &Frame,
-        encoder: &Held<'_, ClipTextModel>,
-        texts: &[&str],
-    ) -> Result<Vec<Tensor>> {
-        let device = frame.device_of(self.parts.text_encoder_2);
-        let model = encoder.model();
-        let (mut hidden, mut ids) = (Vec::new(), Vec::new());
-        for text in texts {
-            let encoding = self
-                .tokenizer_2
-                .encode(*text, true)
-                .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
-            let tokens: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
-            let tokens = Tensor::new(tokens.as_slice(), &device)?.unsqueeze(0)?;
-            hidden.push(model.embed(&tokens)?);
-            ids.push(tokens);
-        }
-        let hidden = encoder.fold_blocks_each(
-            ClipTextModel::layers,
-            hidden,
-            |layer: &ClipEncoderLayer, _, x| layer.forward(x, true),
-        )?;
-        hidden
-            .iter()
-            .zip(&ids)
-            .map(|(x, ids)| {
-                Ok(model
-                    .finish(x, ids)?
-                    .pooler_output
-                    .to_dtype(frame.dtype())?
-                    .to_device(&Device::Cpu)?)
-            })
-            .collect()
-    }
-
     /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
     /// negative prompt given).
     fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
@@ -446,7 +409,13 @@ impl HunyuanVideo {
         let mut conds = self
             .llama_embed(frame, &llama, &texts)?
             .into_iter()
-            .zip(self.clip_pooled(frame, &clip, &texts)?)
+            .zip(clip_pooled(
+                &clip,
+                &self.tokenizer_2,
+                &frame.device_of(self.parts.text_encoder_2),
+                frame.dtype(),
+                &texts,
+            )?)
             .map(|((embeds, mask), pooled)| TextConds {
                 embeds,
                 mask,
@@ -629,6 +598,45 @@ impl HunyuanVideo {
     }
 }
 
+/// `_get_clip_prompt_embeds` of each text (HunyuanVideo's and FLUX's): the pooled output of
+/// the CLIP text model on `device`, in `dtype` on the host; the texts through the layers
+/// together, each result as encoding it alone gives.
+pub(super) fn clip_pooled(
+    encoder: &Held<'_, ClipTextModel>,
+    tokenizer: &tokenizers::Tokenizer,
+    device: &Device,
+    dtype: DType,
+    texts: &[&str],
+) -> Result<Vec<Tensor>> {
+    let model = encoder.model();
+    let (mut hidden, mut ids) = (Vec::new(), Vec::new());
+    for text in texts {
+        let encoding = tokenizer
+            .encode(*text, true)
+            .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
+        let tokens: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
+        let tokens = Tensor::new(tokens.as_slice(), device)?.unsqueeze(0)?;
+        hidden.push(model.embed(&tokens)?);
+        ids.push(tokens);
+    }
+    let hidden = encoder.fold_blocks_each(
+        ClipTextModel::layers,
+        hidden,
+        |layer: &ClipEncoderLayer, _, x| layer.forward(x, true),
+    )?;
+    hidden
+        .iter()
+        .zip(&ids)
+        .map(|(x, ids)| {
+            Ok(model
+                .finish(x, ids)?
+                .pooler_output
+                .to_dtype(dtype)?
+                .to_device(&Device::Cpu)?)
+        })
+        .collect()
+}
+
 /// A text conditioning in the run dtype on the device.
 fn on_device(frame: &Frame, c: &TextConds) -> Result<TextConds> {
     let (dtype, device) = (frame.dtype(), &frame.device);
@@ -804,7 +812,7 @@ mod tests {
         let (ids, crop_start) = llama(&synthetic);
         assert_eq!((ids.clone(), crop_start), llama(&fixture));
         assert!(crop_start > 1 && ids.len() > 1, "{crop_start} {ids:?}");
-        let clip = clip_tokenizer(tokenizer_files(&synthetic, "tokenizer_2").unwrap()).unwrap();
+        let clip = clip_tokenizer(&synthetic, "tokenizer_2").unwrap();
         let encoding = clip.encode("a red fox", true).unwrap();
         assert_eq!(encoding.get_ids().len(), CLIP_MAX_LENGTH);
     }

@@ -3,6 +3,7 @@
 
 use crate::config::video::{FrameRule, Spelling, VideoSettings};
 use crate::config::{draw_seed, Prompts, ResolvedConfig};
+use crate::output::OutputType;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use serde::Deserialize;
@@ -140,17 +141,19 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     let seed_free = v.seed_drawn || v.seed.is_none();
     let batch = lines.len() > 1;
     let ext = out.kind.extension();
-    // PNG output is a folder of frames, named without an extension.
-    let file_name = |name: &str| match ext {
-        "png" => name.to_string(),
-        _ => format!("{name}.{ext}"),
+    // PNG output is a folder of frames, named without an extension (an image model's one frame
+    // is one file).
+    let folder = out.kind == OutputType::Png && !out.image;
+    let file_name = |name: &str| match folder {
+        true => name.to_string(),
+        false => format!("{name}.{ext}"),
     };
     let mut jobs: Vec<Job> = Vec::with_capacity(lines.len());
     // Each output's job, so that a name written twice is found in one look-up (the list is
     // built in linear time: a prompt file may hold 100,000 lines).
     let mut writers: HashMap<PathBuf, usize> = HashMap::with_capacity(lines.len());
     // `--resume`'s finished outputs by stem, read from the folder once.
-    let finished = (b.resume && seed_free).then(|| finished_by_stem(&out.folder, ext));
+    let finished = (b.resume && seed_free).then(|| finished_by_stem(&out.folder, ext, folder));
     // Whether some prompt to be made takes its seed from the drawn base seed.
     let mut base_seed_used = false;
     for (i, (origin, line)) in lines.into_iter().enumerate() {
@@ -224,11 +227,12 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
     Ok(jobs)
 }
 
-/// The finished outputs in `dir` named `<stem><seed>[.ext]`, by stem, each with its seed: what
-/// `--resume` finds for a prompt whose seed is free. Where several runs finished one stem, the
-/// first path in order is taken (deterministic). Temporaries (`.NAME.partial`) do not match.
-fn finished_by_stem(dir: &Path, ext: &str) -> HashMap<String, (PathBuf, u64)> {
-    let suffix = if ext == "png" {
+/// The finished outputs in `dir` named `<stem><seed>.ext` (a PNG `folder`: `<stem><seed>`), by
+/// stem, each with its seed: what `--resume` finds for a prompt whose seed is free. Where
+/// several runs finished one stem, the first path in order is taken (deterministic).
+/// Temporaries (`.NAME.partial`) do not match.
+fn finished_by_stem(dir: &Path, ext: &str, folder: bool) -> HashMap<String, (PathBuf, u64)> {
+    let suffix = if folder {
         String::new()
     } else {
         format!(".{ext}")
@@ -557,7 +561,7 @@ mod tests {
         ] {
             std::fs::write(dir.join(name), "").unwrap();
         }
-        let found = finished_by_stem(&dir, "mp4");
+        let found = finished_by_stem(&dir, "mp4", false);
         assert_eq!(
             found["a-fox_001_seed"],
             (dir.join("a-fox_001_seed12.mp4"), 12)
@@ -570,15 +574,17 @@ mod tests {
     /// Frames and latents of one prompt are different outputs to `--resume`.
     #[test]
     fn resume_tells_latents_from_frames() {
-        use crate::output::OutputType;
         let dir = std::env::temp_dir().join(format!("vidgen-resume-kinds-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("a-fox_001_seed9.safetensors"), "").unwrap();
         let latents = OutputType::Latent.extension();
-        assert!(finished_by_stem(&dir, latents).is_empty());
+        assert!(finished_by_stem(&dir, latents, false).is_empty());
         std::fs::write(dir.join("a-fox_001_seed4.latents.safetensors"), "").unwrap();
-        assert_eq!(finished_by_stem(&dir, latents)["a-fox_001_seed"].1, 4);
-        let frames = finished_by_stem(&dir, OutputType::Safetensors.extension());
+        assert_eq!(
+            finished_by_stem(&dir, latents, false)["a-fox_001_seed"].1,
+            4
+        );
+        let frames = finished_by_stem(&dir, OutputType::Safetensors.extension(), false);
         assert_eq!(frames["a-fox_001_seed"].1, 9);
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -144,6 +144,7 @@ impl Family for LatteConfigs {
             guidance_scale: Some(7.5),
             // Not an option here: the fixed length, so reports show what runs.
             max_sequence_length: Some(prompt::MAX_LENGTH as u32),
+            image: false,
             frame_rule: Some(FrameRule {
                 frame_step: 1,
                 size_step: self.size_step(),

@@ -169,6 +169,7 @@ impl Family for LtxConfigs {
             }),
             // LTX-Video samples with flow-match Euler only (`schedulers`).
             scheduler: None,
+            image: false,
         }
     }
 

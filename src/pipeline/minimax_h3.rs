@@ -259,6 +259,7 @@ impl Family for MiniMaxH3Configs {
                 min_steps: 2,
             }),
             scheduler: None,
+            image: false,
         }
     }
 

@@ -162,6 +162,7 @@ impl Family for MochiConfigs {
             num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS),
             guidance_scale: Some(defaults::GUIDANCE_SCALE),
             max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH),
+            image: false,
             frame_rule: Some(FrameRule {
                 frame_step: 1,
                 size_step: (self.vae.spatial_compression_ratio() * self.transformer.patch_size)

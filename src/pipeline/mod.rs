@@ -4,6 +4,7 @@
 pub mod cogvideox;
 mod denoise;
 pub mod draws;
+pub mod flux;
 pub mod frame;
 pub mod holding;
 pub mod hunyuan_video;

@@ -220,19 +220,24 @@ pub(crate) fn write_output(
         return Ok(());
     }
     let frames = job.frames.take().context("nothing decoded")?;
-    let beside = crate::output::Beside {
-        audio,
-        tensors: &job.extra_outputs,
-    };
-    crate::output::write_with_beside(
-        config.output().kind,
-        &job.output,
-        &frames,
-        beside,
-        config.output().fps,
-        &metadata,
-        config.batch().overwrite,
-    )?;
+    let (out, overwrite) = (config.output(), config.batch().overwrite);
+    if out.image && out.kind == crate::output::OutputType::Png {
+        crate::output::write_png_image(&job.output, &frames, overwrite)?;
+    } else {
+        let beside = crate::output::Beside {
+            audio,
+            tensors: &job.extra_outputs,
+        };
+        crate::output::write_with_beside(
+            out.kind,
+            &job.output,
+            &frames,
+            beside,
+            out.fps,
+            &metadata,
+            overwrite,
+        )?;
+    }
     job.written = true;
     Ok(())
 }

@@ -578,7 +578,7 @@ fn modulate(normed: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 
 /// `modulate(&layer_norm(x, NORM_EPS)?, shift, scale)` for `x` `[B, S, dim]`: one fused kernel
 /// on CUDA bf16 (same ops, same order).
-fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+pub(crate) fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if row_ops::rows_supported(x) && shift.dtype() == DType::BF16 {
         let (b, s, dim) = x.dims3()?;
@@ -605,7 +605,7 @@ fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 
 /// `x + delta * gate` with a per-batch `[B, dim]` gate; on CUDA bf16 one kernel that writes
 /// into `delta`'s storage (`delta` is consumed).
-fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
+pub(crate) fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if row_ops::supported(&delta) && x.dtype() == DType::BF16 && gate.dtype() == DType::BF16 {
         let (b, s, dim) = delta.dims3()?;
@@ -631,20 +631,20 @@ fn gated(x: &Tensor, delta: Tensor, gate: &Tensor) -> Result<Tensor> {
 
 /// `Linear(SiLU(temb))` split into `n` chunks `[B, dim]` (the AdaLN modulations).
 #[derive(Debug, Clone)]
-struct Modulation {
+pub(crate) struct Modulation {
     linear: Linear,
     chunks: usize,
 }
 
 impl Modulation {
-    fn new(dim: usize, chunks: usize, vb: VarBuilder) -> Result<Self> {
+    pub(crate) fn new(dim: usize, chunks: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             linear: candle_nn::linear(dim, chunks * dim, vb.pp("linear"))?,
             chunks,
         })
     }
 
-    fn forward(&self, temb: &Tensor) -> Result<Vec<Tensor>> {
+    pub(crate) fn forward(&self, temb: &Tensor) -> Result<Vec<Tensor>> {
         let emb = self.linear.forward(&candle_nn::ops::silu(temb)?)?;
         emb.chunk(self.chunks, 1)
     }
@@ -653,20 +653,25 @@ impl Modulation {
 /// Linear -> activation -> Linear (diffusers `FeedForward` `net.0.proj` / `net.2`,
 /// `TimestepEmbedding` and `PixArtAlphaTextProjection` `linear_1` / `linear_2`).
 #[derive(Debug, Clone)]
-struct Mlp {
+pub(crate) struct Mlp {
     fc1: Linear,
     fc2: Linear,
     act: Act,
 }
 
 #[derive(Debug, Clone, Copy)]
-enum Act {
+pub(crate) enum Act {
     GeluTanh,
     Silu,
 }
 
 impl Mlp {
-    fn feed_forward(dim: usize, hidden: usize, act: Act, vb: VarBuilder) -> Result<Self> {
+    pub(crate) fn feed_forward(
+        dim: usize,
+        hidden: usize,
+        act: Act,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         Ok(Self {
             fc1: candle_nn::linear(dim, hidden, vb.pp("net.0.proj"))?,
             fc2: candle_nn::linear(hidden, dim, vb.pp("net.2"))?,
@@ -675,7 +680,7 @@ impl Mlp {
     }
 
     /// `linear_1` -> SiLU -> `linear_2`.
-    fn embedder(input: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
+    pub(crate) fn embedder(input: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             fc1: candle_nn::linear(input, dim, vb.pp("linear_1"))?,
             fc2: candle_nn::linear(dim, dim, vb.pp("linear_2"))?,
@@ -683,7 +688,7 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let (Act::GeluTanh, Some(bias), [b, s, d]) = (self.act, self.fc1.bias(), x.dims()) {
             if row_ops::supported(x) {
@@ -704,7 +709,7 @@ impl Mlp {
 }
 
 /// `[B, S, inner]` -> `[B, heads, S, head_dim]` (contiguous).
-fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, s, dim) = x.dims3()?;
     x.reshape((b, s, heads, dim / heads))?
         .transpose(1, 2)?
@@ -712,7 +717,7 @@ fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
 }
 
 /// `[B, heads, S, head_dim]` -> `[B, S, inner]`.
-fn merge_heads(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn merge_heads(x: &Tensor) -> Result<Tensor> {
     let (b, h, s, d) = x.dims4()?;
     x.transpose(1, 2)?.reshape((b, s, h * d))
 }

@@ -1,0 +1,920 @@
+//! FLUX.1 diffusion transformer (diffusers `FluxTransformer2DModel`).
+//!
+//! The forward pass is split so that an engine can stream the blocks:
+//!
+//! 1. [`FluxTransformer2DModel::prepare`]: `x_embedder` over the packed latents,
+//!    `context_embedder` over the T5 text, the timestep + guidance + pooled-CLIP conditioning and
+//!    the RoPE table of the ids `[text; image]`.
+//! 2. [`FluxBlock::forward`] for every block of [`FluxTransformer2DModel::blocks`] in order: the
+//!    dual-stream blocks (`transformer_blocks.*`: image and text with their own weights, joint
+//!    attention), then the single-stream blocks (`single_transformer_blocks.*`: one weight set
+//!    over the joint sequence, attention and MLP in parallel). Both carry the [`Streams`].
+//! 3. [`FluxTransformer2DModel::finish`]: the output norm and `proj_out` on the image tokens.
+//!
+//! The joint sequence is `[text; image]` and no token is masked (FluxPipeline passes no mask).
+//! Dtypes: weights and activations in the `VarBuilder` dtype; LayerNorm statistics, RoPE and the
+//! attention softmax in f32.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::sdpa;
+use crate::models::blocks::Blockwise;
+// The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
+use crate::models::hunyuan_video::transformer::{
+    gated, merge_heads, norm_modulate, split_heads, Act, Mlp, Modulation,
+};
+use crate::models::wan::transformer::timestep_embedding;
+
+/// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
+pub const TIMESTEP_CHANNELS: usize = 256;
+
+/// Epsilon of the q/k RMSNorms (hard-coded in diffusers, as the LayerNorms' 1e-6).
+const NORM_EPS: f64 = 1e-6;
+
+/// RoPE base of `FluxPosEmbed` (hard-coded in diffusers).
+const ROPE_THETA: f64 = 10000.0;
+
+/// MLP width over model width of the blocks (diffusers' `mlp_ratio` default, never overridden).
+const MLP_RATIO: usize = 4;
+
+/// `transformer/config.json` of a diffusers FLUX checkpoint; missing keys take diffusers'
+/// defaults (those of `FluxTransformer2DModel.__init__`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct FluxTransformerConfig {
+    /// Patch size over the packed tokens (1 in every published FLUX.1).
+    pub patch_size: usize,
+    /// Channels of a packed token (4 x the VAE's latent channels).
+    pub in_channels: usize,
+    /// `null` means "same as `in_channels`".
+    pub out_channels: Option<usize>,
+    /// Dual-stream blocks.
+    pub num_layers: usize,
+    /// Single-stream blocks.
+    pub num_single_layers: usize,
+    /// Width of one head.
+    pub attention_head_dim: usize,
+    /// Heads of every attention.
+    pub num_attention_heads: usize,
+    /// Width of the T5 text embeddings.
+    pub joint_attention_dim: usize,
+    /// Width of the pooled CLIP embedding.
+    pub pooled_projection_dim: usize,
+    /// Whether the (distilled) guidance scale is embedded into the conditioning.
+    pub guidance_embeds: bool,
+    /// RoPE split of a head over the three id axes.
+    pub axes_dims_rope: Vec<usize>,
+}
+
+impl Default for FluxTransformerConfig {
+    fn default() -> Self {
+        FluxTransformerConfig {
+            patch_size: 1,
+            in_channels: 64,
+            out_channels: None,
+            num_layers: 19,
+            num_single_layers: 38,
+            attention_head_dim: 128,
+            num_attention_heads: 24,
+            joint_attention_dim: 4096,
+            pooled_projection_dim: 768,
+            guidance_embeds: false,
+            axes_dims_rope: vec![16, 56, 56],
+        }
+    }
+}
+
+impl FluxTransformerConfig {
+    /// Model width: heads x head dim.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Output channels (`out_channels or in_channels`).
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+
+    /// Hidden width of the MLPs.
+    pub fn mlp_dim(&self) -> usize {
+        self.inner_dim() * MLP_RATIO
+    }
+
+    /// All blocks: dual-stream, then single-stream.
+    pub fn num_blocks(&self) -> usize {
+        self.num_layers + self.num_single_layers
+    }
+
+    /// Whether block `index` (execution order) is a dual-stream block, and its index within
+    /// its kind.
+    pub fn block_kind(&self, index: usize) -> Result<(BlockKind, usize)> {
+        if index < self.num_layers {
+            Ok((BlockKind::DualStream, index))
+        } else if index < self.num_blocks() {
+            Ok((BlockKind::SingleStream, index - self.num_layers))
+        } else {
+            candle_core::bail!("block {index} of a {}-block transformer", self.num_blocks())
+        }
+    }
+
+    /// Rejects configurations this model cannot run, naming the key.
+    pub fn validate(&self) -> Result<()> {
+        if self.patch_size != 1 {
+            candle_core::bail!(
+                "transformer config: patch_size {} is not supported (FluxPipeline packs 2x2 latents itself; only 1)",
+                self.patch_size
+            );
+        }
+        if self.num_attention_heads == 0 || self.attention_head_dim == 0 {
+            candle_core::bail!(
+                "transformer config: num_attention_heads and attention_head_dim must be positive"
+            );
+        }
+        if self.in_channels == 0 || !self.in_channels.is_multiple_of(4) {
+            candle_core::bail!(
+                "transformer config: in_channels {} must be a positive multiple of 4 (2x2 packed latents)",
+                self.in_channels
+            );
+        }
+        if self.out_channels == Some(0) {
+            candle_core::bail!("transformer config: out_channels must be positive");
+        }
+        if self.joint_attention_dim == 0 || self.pooled_projection_dim == 0 {
+            candle_core::bail!(
+                "transformer config: joint_attention_dim and pooled_projection_dim must be positive"
+            );
+        }
+        if self.axes_dims_rope.len() != 3
+            || self.axes_dims_rope.iter().any(|d| d % 2 != 0)
+            || self.axes_dims_rope.iter().sum::<usize>() != self.attention_head_dim
+        {
+            candle_core::bail!(
+                "transformer config: axes_dims_rope {:?} must be three even sizes summing to attention_head_dim {}",
+                self.axes_dims_rope,
+                self.attention_head_dim
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Which of the two kinds a block is, in execution order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// `transformer_blocks.*`: separate weights per stream, joint attention.
+    DualStream,
+    /// `single_transformer_blocks.*`: one weight set over the joint sequence.
+    SingleStream,
+}
+
+impl BlockKind {
+    /// The steps of a block of this kind, in execution order.
+    pub fn steps(self) -> &'static [BlockStep] {
+        match self {
+            BlockKind::DualStream => &[
+                BlockStep::ImageModulation,
+                BlockStep::TextModulation,
+                BlockStep::JointAttention,
+                BlockStep::ImageFeedForward,
+                BlockStep::TextFeedForward,
+            ],
+            BlockKind::SingleStream => &[BlockStep::SingleAttention, BlockStep::SingleMlp],
+        }
+    }
+}
+
+/// The steps of a block, in execution order, each holding a disjoint part of the block's
+/// weights (at most ~170 MB in bf16 at the published size, the single-stream MLP). A block
+/// built with only some of them runs just those, with exactly the arithmetic of the whole
+/// block, and hands what later steps need on in [`Streams`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStep {
+    /// Dual-stream: `norm1.linear`, the image stream's six modulations.
+    ImageModulation,
+    /// Dual-stream: `norm1_context.linear`, the text stream's six modulations.
+    TextModulation,
+    /// Dual-stream: both streams' modulated norms, q/k/v, joint attention, `to_out` and
+    /// `to_add_out`, the gated residuals.
+    JointAttention,
+    /// Dual-stream: the image stream's modulated norm, `ff`, gated residual.
+    ImageFeedForward,
+    /// Dual-stream: the text stream's modulated norm, `ff_context`, gated residual.
+    TextFeedForward,
+    /// Single-stream: the modulation (`norm`), the modulated norm of [text; image], q/k/v and
+    /// attention.
+    SingleAttention,
+    /// Single-stream: `proj_mlp`, `proj_out` over [attention; MLP], gated residual.
+    SingleMlp,
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    streams: Option<Streams>,
+    /// Conditioning `[B, inner]`: timestep + guidance + pooled text embeddings.
+    pub temb: Tensor,
+    /// RoPE cosines `[text + image tokens, head_dim / 2]` in f32, one per interleaved pair.
+    pub rope_cos: Tensor,
+    /// RoPE sines, same layout as `rope_cos`.
+    pub rope_sin: Tensor,
+}
+
+impl BlockInputs {
+    /// Takes the streams that feed the first block (once; the inputs keep no copy).
+    pub fn take_streams(&mut self) -> Result<Streams> {
+        match self.streams.take() {
+            Some(s) => Ok(s),
+            None => candle_core::bail!("block-0 streams already taken"),
+        }
+    }
+}
+
+/// What flows from block to block: the image `[B, N, inner]` and text `[B, L, inner]` streams
+/// and, between the steps of a block streamed step by step, what its earlier steps computed
+/// for its later ones.
+#[derive(Debug, Clone)]
+pub struct Streams {
+    pub image: Tensor,
+    pub text: Tensor,
+    carry: Carry,
+}
+
+impl Streams {
+    /// Streams between whole blocks.
+    pub fn new(image: Tensor, text: Tensor) -> Self {
+        Self {
+            image,
+            text,
+            carry: Carry::None,
+        }
+    }
+}
+
+/// What a block's earlier steps hand its later ones.
+#[derive(Debug, Clone)]
+enum Carry {
+    /// Between blocks.
+    None,
+    /// Dual-stream: the six modulation chunks of the image and of the text stream, once
+    /// computed.
+    DualStream {
+        image: Option<Vec<Tensor>>,
+        text: Option<Vec<Tensor>>,
+    },
+    /// Single-stream: the modulated norm of [text; image], the attention's output and the
+    /// gate.
+    SingleStream {
+        normed: Tensor,
+        attention: Tensor,
+        gate: Tensor,
+    },
+}
+
+/// A step run without the earlier step of its block that computes what it needs.
+fn out_of_order(step: BlockStep) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "FLUX block step {step:?} run without its block's earlier steps (steps must run in order)"
+    ))
+}
+
+/// q, k, v projections (with bias) and the per-head RMSNorm of q and k.
+#[derive(Debug, Clone)]
+struct QkvProjection {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    norm_q: Tensor,
+    norm_k: Tensor,
+    heads: usize,
+}
+
+impl QkvProjection {
+    /// The projections named `names` (q, k, v, q norm, k norm) under `vb`.
+    fn new(cfg: &FluxTransformerConfig, vb: &VarBuilder, names: [&str; 5]) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        Ok(Self {
+            to_q: candle_nn::linear(dim, dim, vb.pp(names[0]))?,
+            to_k: candle_nn::linear(dim, dim, vb.pp(names[1]))?,
+            to_v: candle_nn::linear(dim, dim, vb.pp(names[2]))?,
+            norm_q: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[3]))?,
+            norm_k: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[4]))?,
+            heads: cfg.num_attention_heads,
+        })
+    }
+
+    /// `x` `[B, S, inner]` -> normed q and k and v, each `[B, heads, S, head_dim]`.
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let normed = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
+            let t = split_heads(&linear.forward(x)?, self.heads)?;
+            candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)
+        };
+        Ok((
+            normed(&self.to_q, &self.norm_q)?,
+            normed(&self.to_k, &self.norm_k)?,
+            split_heads(&self.to_v.forward(x)?, self.heads)?,
+        ))
+    }
+}
+
+/// Interleaved-pair RoPE on every position of `x` `[B, heads, S, D]` (in f32, cast back).
+fn rope(x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+    candle_nn::rotary_emb::rope_i(
+        &x.to_dtype(DType::F32)?.contiguous()?,
+        &inputs.rope_cos,
+        &inputs.rope_sin,
+    )?
+    .to_dtype(x.dtype())
+}
+
+/// Attention over the rotated q, k and plain v of the whole joint sequence (no mask), as
+/// `[B, S, inner]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+    let scale = 1.0 / (q.dim(3)? as f64).sqrt();
+    merge_heads(&sdpa(&rope(q, inputs)?, &rope(k, inputs)?, v, scale)?)
+}
+
+/// The joint attention of a dual-stream block with both streams' modulations.
+#[derive(Debug, Clone)]
+struct JointAttention {
+    image_qkv: QkvProjection,
+    text_qkv: QkvProjection,
+    to_out: Linear,
+    to_add_out: Linear,
+}
+
+impl JointAttention {
+    fn new(cfg: &FluxTransformerConfig, vb: &VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let attn = vb.pp("attn");
+        Ok(Self {
+            image_qkv: QkvProjection::new(
+                cfg,
+                &attn,
+                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+            )?,
+            text_qkv: QkvProjection::new(
+                cfg,
+                &attn,
+                [
+                    "add_q_proj",
+                    "add_k_proj",
+                    "add_v_proj",
+                    "norm_added_q",
+                    "norm_added_k",
+                ],
+            )?,
+            to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
+            to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+        })
+    }
+
+    /// Both streams' modulated norms with their modulations `m` and `c` (chunks: shift_msa,
+    /// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp), joint attention over
+    /// [text; image] and the gated residuals: the new image and text streams.
+    fn forward(
+        &self,
+        (image, text): (&Tensor, &Tensor),
+        m: &[Tensor],
+        c: &[Tensor],
+        inputs: &BlockInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let text_len = text.dim(1)?;
+        let out = {
+            let (q, k, v) = self
+                .image_qkv
+                .forward(&norm_modulate(image, &m[0], &m[1])?)?;
+            let (tq, tk, tv) = self.text_qkv.forward(&norm_modulate(text, &c[0], &c[1])?)?;
+            let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
+            attention(&cat(tq, q)?, &cat(tk, k)?, &cat(tv, v)?, inputs)?
+        };
+        let total = out.dim(1)?;
+        let attn_image = self
+            .to_out
+            .forward(&out.narrow(1, text_len, total - text_len)?)?;
+        let attn_text = self.to_add_out.forward(&out.narrow(1, 0, text_len)?)?;
+        Ok((
+            gated(image, attn_image, &m[2])?,
+            gated(text, attn_text, &c[2])?,
+        ))
+    }
+}
+
+/// A stream's modulated feed-forward with its gated residual (chunks 3, 4, 5 of `m`).
+fn feed_forward(ff: &Mlp, x: &Tensor, m: &[Tensor]) -> Result<Tensor> {
+    gated(x, ff.forward(&norm_modulate(x, &m[3], &m[4])?)?, &m[5])
+}
+
+/// One dual-stream block (diffusers `FluxTransformerBlock`), or some of its steps.
+#[derive(Debug, Clone)]
+pub struct FluxTransformerBlock {
+    norm1: Option<Modulation>,
+    norm1_context: Option<Modulation>,
+    attn: Option<JointAttention>,
+    ff: Option<Mlp>,
+    ff_context: Option<Mlp>,
+}
+
+impl FluxTransformerBlock {
+    /// Loads only the weights of `steps`; `vb` points at `transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &FluxTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let has = |s| steps.contains(&s);
+        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp(name));
+        Ok(Self {
+            norm1: has(BlockStep::ImageModulation)
+                .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
+                .transpose()?,
+            norm1_context: has(BlockStep::TextModulation)
+                .then(|| Modulation::new(dim, 6, vb.pp("norm1_context")))
+                .transpose()?,
+            attn: has(BlockStep::JointAttention)
+                .then(|| JointAttention::new(cfg, &vb))
+                .transpose()?,
+            ff: has(BlockStep::ImageFeedForward)
+                .then(|| ff("ff"))
+                .transpose()?,
+            ff_context: has(BlockStep::TextFeedForward)
+                .then(|| ff("ff_context"))
+                .transpose()?,
+        })
+    }
+
+    /// Runs the block's steps on the streams; returns them with what later steps need.
+    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let (mut m, mut c) = match &streams.carry {
+            Carry::DualStream { image, text } => (image.clone(), text.clone()),
+            _ => (None, None),
+        };
+        if let Some(norm1) = &self.norm1 {
+            m = Some(norm1.forward(&inputs.temb)?);
+        }
+        if let Some(norm1_context) = &self.norm1_context {
+            c = Some(norm1_context.forward(&inputs.temb)?);
+        }
+        // What a step needs from the modulation steps before it.
+        let modulation =
+            |m: &Option<Vec<Tensor>>, step| m.clone().ok_or_else(|| out_of_order(step));
+        let (mut image, mut text) = (streams.image.clone(), streams.text.clone());
+        if let Some(attn) = &self.attn {
+            let step = BlockStep::JointAttention;
+            let (mi, ci) = (modulation(&m, step)?, modulation(&c, step)?);
+            (image, text) = attn.forward((&image, &text), &mi, &ci, inputs)?;
+        }
+        if let Some(ff) = &self.ff {
+            image = feed_forward(ff, &image, &modulation(&m, BlockStep::ImageFeedForward)?)?;
+        }
+        if let Some(ff_context) = &self.ff_context {
+            let c = modulation(&c, BlockStep::TextFeedForward)?;
+            text = feed_forward(ff_context, &text, &c)?;
+        }
+        // The text feed-forward is the block's last step.
+        let carry = match self.ff_context {
+            Some(_) => Carry::None,
+            None => Carry::DualStream { image: m, text: c },
+        };
+        Ok(Streams { image, text, carry })
+    }
+}
+
+/// One single-stream block (diffusers `FluxSingleTransformerBlock`): attention and MLP in
+/// parallel over the joint [text; image] sequence, one output projection; or some of its steps.
+#[derive(Debug, Clone)]
+pub struct FluxSingleTransformerBlock {
+    /// `norm` (shift, scale, gate) and the attention's q/k/v.
+    attn: Option<(Modulation, QkvProjection)>,
+    /// `proj_mlp` and `proj_out`.
+    mlp: Option<(Linear, Linear)>,
+}
+
+impl FluxSingleTransformerBlock {
+    /// Loads only the weights of `steps`; `vb` points at `single_transformer_blocks.{i}`.
+    pub fn with_steps(
+        cfg: &FluxTransformerConfig,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
+        let has = |s| steps.contains(&s);
+        Ok(Self {
+            attn: has(BlockStep::SingleAttention)
+                .then(|| -> Result<_> {
+                    Ok((
+                        Modulation::new(dim, 3, vb.pp("norm"))?,
+                        QkvProjection::new(
+                            cfg,
+                            &vb.pp("attn"),
+                            ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                        )?,
+                    ))
+                })
+                .transpose()?,
+            mlp: has(BlockStep::SingleMlp)
+                .then(|| -> Result<_> {
+                    Ok((
+                        candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
+                        candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+                    ))
+                })
+                .transpose()?,
+        })
+    }
+
+    /// The modulated norm (shift, scale, gate) of [text; image] and the attention, then the
+    /// GELU-tanh MLP beside it, `proj_out` over both and the gated residual.
+    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        let mut streams = streams.clone();
+        if let Some((norm, qkv)) = &self.attn {
+            let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
+            let m = norm.forward(&inputs.temb)?;
+            let normed = norm_modulate(&x, &m[0], &m[1])?;
+            let (q, k, v) = qkv.forward(&normed)?;
+            streams.carry = Carry::SingleStream {
+                attention: attention(&q, &k, &v, inputs)?,
+                normed,
+                gate: m[2].clone(),
+            };
+        }
+        if let Some((proj_mlp, proj_out)) = &self.mlp {
+            let Carry::SingleStream {
+                normed,
+                attention,
+                gate,
+            } = &streams.carry
+            else {
+                return Err(out_of_order(BlockStep::SingleMlp));
+            };
+            let text_len = streams.text.dim(1)?;
+            let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
+            let mlp = proj_mlp.forward(normed)?.gelu()?;
+            let out = proj_out.forward(&Tensor::cat(&[attention, &mlp], 2)?)?;
+            let x = gated(&x, out, gate)?;
+            let total = x.dim(1)?;
+            streams = Streams::new(
+                x.narrow(1, text_len, total - text_len)?,
+                x.narrow(1, 0, text_len)?,
+            );
+        }
+        Ok(streams)
+    }
+}
+
+/// A block of either kind, as the engine streams them.
+#[derive(Debug, Clone)]
+pub enum FluxBlock {
+    Dual(FluxTransformerBlock),
+    Single(FluxSingleTransformerBlock),
+}
+
+impl FluxBlock {
+    /// Block `index` in execution order, whole, from the root `VarBuilder`.
+    pub fn new(cfg: &FluxTransformerConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+        Self::with_steps(cfg, index, vb, cfg.block_kind(index)?.0.steps())
+    }
+
+    /// Block `index` with only `steps` (of its kind's), from the root `VarBuilder`.
+    pub fn with_steps(
+        cfg: &FluxTransformerConfig,
+        index: usize,
+        vb: VarBuilder,
+        steps: &[BlockStep],
+    ) -> Result<Self> {
+        cfg.validate()?;
+        Ok(match cfg.block_kind(index)? {
+            (BlockKind::DualStream, i) => FluxBlock::Dual(FluxTransformerBlock::with_steps(
+                cfg,
+                vb.pp(format!("transformer_blocks.{i}")),
+                steps,
+            )?),
+            (BlockKind::SingleStream, i) => {
+                FluxBlock::Single(FluxSingleTransformerBlock::with_steps(
+                    cfg,
+                    vb.pp(format!("single_transformer_blocks.{i}")),
+                    steps,
+                )?)
+            }
+        })
+    }
+
+    /// Runs the block (or its steps) on the streams.
+    pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        match self {
+            FluxBlock::Dual(block) => block.forward(streams, inputs),
+            FluxBlock::Single(block) => block.forward(streams, inputs),
+        }
+    }
+}
+
+/// `time_text_embed`: timestep, guidance (where embedded) and pooled-text embedders.
+#[derive(Debug, Clone)]
+struct Conditioner {
+    timestep_embedder: Mlp,
+    guidance_embedder: Option<Mlp>,
+    text_embedder: Mlp,
+    dtype: DType,
+}
+
+impl Conditioner {
+    fn new(cfg: &FluxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        Ok(Self {
+            timestep_embedder: Mlp::embedder(TIMESTEP_CHANNELS, dim, vb.pp("timestep_embedder"))?,
+            guidance_embedder: cfg
+                .guidance_embeds
+                .then(|| Mlp::embedder(TIMESTEP_CHANNELS, dim, vb.pp("guidance_embedder")))
+                .transpose()?,
+            text_embedder: Mlp::embedder(cfg.pooled_projection_dim, dim, vb.pp("text_embedder"))?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// `[B, inner]` for `timestep` and `guidance` (`[B]`, already x1000) and `pooled`.
+    fn forward(
+        &self,
+        timestep: &Tensor,
+        guidance: Option<&Tensor>,
+        pooled: &Tensor,
+    ) -> Result<Tensor> {
+        let embed = |mlp: &Mlp, t: &Tensor| -> Result<Tensor> {
+            mlp.forward(&timestep_embedding(t, TIMESTEP_CHANNELS)?.to_dtype(self.dtype)?)
+        };
+        let mut temb = embed(&self.timestep_embedder, timestep)?;
+        if let Some(embedder) = &self.guidance_embedder {
+            let Some(guidance) = guidance else {
+                candle_core::bail!("this transformer embeds guidance: pass the guidance scale");
+            };
+            temb = (temb + embed(embedder, guidance)?)?;
+        }
+        temb + self.text_embedder.forward(&pooled.to_dtype(self.dtype)?)?
+    }
+}
+
+/// `FluxPosEmbed` of `ids` `[S, 3]` (f32 positions): per axis `d`, the angles `pos · θ^(-2j/d)`
+/// in f64, cast to f32, the axes side by side: cos and sin `[S, head_dim / 2]`, one per
+/// interleaved pair.
+pub fn rope_tables(axes_dims: &[usize], ids: &Tensor, device: &Device) -> Result<(Tensor, Tensor)> {
+    let ids = ids
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec2::<f32>()?;
+    let half: usize = axes_dims.iter().sum::<usize>() / 2;
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(ids.len() * half),
+        Vec::with_capacity(ids.len() * half),
+    );
+    for row in &ids {
+        for (axis, &dim) in axes_dims.iter().enumerate() {
+            let pos = f64::from(row[axis]);
+            for j in 0..dim / 2 {
+                let angle = pos * (1.0 / ROPE_THETA.powf((2 * j) as f64 / dim as f64));
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (ids.len(), half), device)?,
+        Tensor::from_vec(sin, (ids.len(), half), device)?,
+    ))
+}
+
+/// The image ids of `_prepare_latent_image_ids`: `(0, row, col)` for each packed token of an
+/// `h x w` grid, row-major, `[h·w, 3]` f32.
+pub fn image_ids(h: usize, w: usize, device: &Device) -> Result<Tensor> {
+    let ids: Vec<f32> = (0..h * w)
+        .flat_map(|i| [0.0, (i / w) as f32, (i % w) as f32])
+        .collect();
+    Tensor::from_vec(ids, (h * w, 3), device)
+}
+
+/// The transformer's `timestep` input `[1]` at scheduler timestep `t`: FluxPipeline's
+/// `t.expand(B).to(latents.dtype) / 1000`, divided in that dtype (the model multiplies it by
+/// 1000 again).
+pub fn timestep_input(t: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+    Tensor::new(&[t as f32], device)?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F32)?
+        .broadcast_div(&Tensor::new(1000f32, device)?)?
+        .to_dtype(dtype)
+}
+
+/// The diffusers `FluxTransformer2DModel`.
+#[derive(Debug, Clone)]
+pub struct FluxTransformer2DModel {
+    cfg: FluxTransformerConfig,
+    x_embedder: Linear,
+    context_embedder: Linear,
+    conditioner: Conditioner,
+    blocks: Vec<FluxBlock>,
+    /// AdaLayerNormContinuous: scale, shift.
+    norm_out: Modulation,
+    proj_out: Linear,
+    dtype: DType,
+}
+
+impl FluxTransformer2DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &FluxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_blocks())
+            .map(|i| FluxBlock::new(cfg, i, vb.clone()))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the blocks (for an engine that streams blocks itself).
+    pub fn new_without_blocks(cfg: &FluxTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        Ok(Self {
+            cfg: cfg.clone(),
+            x_embedder: candle_nn::linear(cfg.in_channels, dim, vb.pp("x_embedder"))?,
+            context_embedder: candle_nn::linear(
+                cfg.joint_attention_dim,
+                dim,
+                vb.pp("context_embedder"),
+            )?,
+            conditioner: Conditioner::new(cfg, vb.pp("time_text_embed"))?,
+            blocks: Vec::new(),
+            norm_out: Modulation::new(dim, 2, vb.pp("norm_out"))?,
+            proj_out: candle_nn::linear(
+                dim,
+                cfg.patch_size * cfg.patch_size * cfg.out_channels(),
+                vb.pp("proj_out"),
+            )?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The loaded blocks, dual-stream then single-stream (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[FluxBlock] {
+        &self.blocks
+    }
+
+    /// Embeddings and tables for packed `latents` `[B, N, in_channels]`, `timestep` `[B]` (the
+    /// pipeline's `t / 1000`), the T5 text `[B, L, joint_attention_dim]`, the pooled CLIP
+    /// `[B, pooled_dim]`, `guidance` `[B]` (the scale; required when `guidance_embeds`) and the
+    /// ids `[L, 3]` and `[N, 3]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        pooled_projections: &Tensor,
+        guidance: Option<&Tensor>,
+        txt_ids: &Tensor,
+        img_ids: &Tensor,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (b, n, c) = latents.dims3()?;
+        if c != cfg.in_channels {
+            candle_core::bail!(
+                "latents have {c} channels, the transformer expects {}",
+                cfg.in_channels
+            );
+        }
+        let (eb, len, text_dim) = encoder_hidden_states.dims3()?;
+        if eb != b || text_dim != cfg.joint_attention_dim {
+            candle_core::bail!(
+                "encoder_hidden_states {:?} do not match batch {b} and joint_attention_dim {}",
+                encoder_hidden_states.dims(),
+                cfg.joint_attention_dim
+            );
+        }
+        if pooled_projections.dims() != [b, cfg.pooled_projection_dim] {
+            candle_core::bail!(
+                "pooled_projections {:?} do not match [{b}, {}]",
+                pooled_projections.dims(),
+                cfg.pooled_projection_dim
+            );
+        }
+        if txt_ids.dims() != [len, 3] || img_ids.dims() != [n, 3] {
+            candle_core::bail!(
+                "txt_ids {:?} and img_ids {:?} do not match [{len}, 3] and [{n}, 3]",
+                txt_ids.dims(),
+                img_ids.dims()
+            );
+        }
+        let image = self.x_embedder.forward(&latents.to_dtype(self.dtype)?)?;
+        // diffusers: timestep.to(dtype) * 1000, guidance.to(dtype) * 1000.
+        let thousand = |t: &Tensor| t.to_dtype(self.dtype)? * 1000.0;
+        let guidance = guidance.map(thousand).transpose()?;
+        let temb = self.conditioner.forward(
+            &thousand(timestep)?,
+            guidance.as_ref(),
+            pooled_projections,
+        )?;
+        let text = self
+            .context_embedder
+            .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
+        let ids = Tensor::cat(
+            &[txt_ids.to_dtype(DType::F32)?, img_ids.to_dtype(DType::F32)?],
+            0,
+        )?;
+        let (rope_cos, rope_sin) = rope_tables(&cfg.axes_dims_rope, &ids, latents.device())?;
+        Ok(BlockInputs {
+            streams: Some(Streams::new(image, text)),
+            temb,
+            rope_cos,
+            rope_sin,
+        })
+    }
+
+    /// Output norm (AdaLayerNormContinuous: scale then shift) and `proj_out` of the image
+    /// tokens `[B, N, inner]` -> `[B, N, out_channels]`.
+    pub fn finish(&self, image: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.proj_out
+            .forward(&self.norm_out_forward(image, inputs)?)
+    }
+
+    /// `norm_out` alone (the output head before `proj_out`).
+    pub fn norm_out_forward(&self, image: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let m = self.norm_out.forward(&inputs.temb)?;
+        norm_modulate(image, &m[1], &m[0])
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        pooled_projections: &Tensor,
+        guidance: Option<&Tensor>,
+        txt_ids: &Tensor,
+        img_ids: &Tensor,
+    ) -> Result<Tensor> {
+        if self.blocks.len() != self.cfg.num_blocks() {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                self.cfg.num_blocks()
+            );
+        }
+        let mut inputs = self.prepare(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            guidance,
+            txt_ids,
+            img_ids,
+        )?;
+        let mut streams = inputs.take_streams()?;
+        for block in &self.blocks {
+            streams = block.forward(&streams, &inputs)?;
+        }
+        self.finish(&streams.image, &inputs)
+    }
+}
+
+/// Placed by the block protocol: dual-stream blocks, then single-stream ones (two kinds, never
+/// in one group, as diffusers groups each block list apart).
+impl Blockwise for FluxTransformer2DModel {
+    type Config = FluxTransformerConfig;
+    type Block = FluxBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_blocks()
+    }
+    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i)
+            .map_or(usize::MAX, |(kind, _)| kind as usize)
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        FluxBlock::new(cfg, i, vb)
+    }
+    fn steps(_: &Self::Config) -> usize {
+        BlockKind::DualStream
+            .steps()
+            .len()
+            .max(BlockKind::SingleStream.steps().len())
+    }
+    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
+        cfg.block_kind(i).map_or(1, |(kind, _)| kind.steps().len())
+    }
+    fn block_step(
+        cfg: &Self::Config,
+        i: usize,
+        step: usize,
+        vb: VarBuilder,
+    ) -> Result<Self::Block> {
+        let steps = cfg.block_kind(i)?.0.steps();
+        match steps.get(step) {
+            Some(s) => FluxBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
+            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
+        }
+    }
+}
