@@ -178,8 +178,8 @@ fn bad_lora_input_is_refused_before_anything_loads() {
     assert!(line.contains("--lora does not apply"), "{line}");
 }
 
-/// A diffusers/PEFT LoRA on LTX-Video, CogVideoX and HunyuanVideo (whose diffusers pipelines load
-/// LoRAs) gives the frames of the same model with `W + scale · alpha / rank · B @ A` written into
+/// A diffusers/PEFT LoRA on LTX-Video, CogVideoX, HunyuanVideo, Mochi-1 and FLUX.1 (whose
+/// diffusers pipelines load LoRAs) gives the frames of the same model with `W + scale · alpha / rank · B @ A` written into
 /// its transformer weights (computed here in f32); a ComfyUI-layout LoRA is refused for them in
 /// one line.
 #[test]
@@ -188,6 +188,8 @@ fn diffusers_loras_merge_into_every_family_that_loads_them() {
         ("ltx-video-tiny-a", ["9", "64", "64"]),
         ("cogvideox-tiny-a", ["17", "32", "48"]),
         ("hunyuanvideo-tiny-a", ["17", "32", "48"]),
+        ("mochi-tiny-a", ["13", "32", "48"]),
+        ("flux-tiny-a", ["1", "48", "64"]),
     ] {
         let dir = scratch_dir("lora", fixture);
         let source = named_fixture_dir(fixture);

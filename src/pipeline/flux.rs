@@ -163,7 +163,8 @@ impl Family for FluxConfigs {
     /// schnell), real CFG by `--true-cfg-scale` with a negative prompt; its schedule comes from
     /// its own config and the image's size.
     fn options(&self) -> Vec<FamilyOption> {
-        [&FamilyOption::GUIDED[..], &[FamilyOption::TrueCfgScale]]
+        let own = [FamilyOption::TrueCfgScale, FamilyOption::Lora];
+        [&FamilyOption::GUIDED[..], &own]
             .concat()
             .into_iter()
             .filter(|&o| o != FamilyOption::GuidanceScale || self.transformer.guidance_embeds)

@@ -141,7 +141,7 @@ impl Family for MochiConfigs {
     /// Text-to-video with classifier-free guidance; its own linear-quadratic flow-match
     /// schedule, the VAE decoding whole.
     fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::GUIDED.to_vec()
+        [&FamilyOption::GUIDED[..], &[FamilyOption::Lora]].concat()
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
