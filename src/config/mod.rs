@@ -25,6 +25,12 @@ impl UsageError {
     pub fn new(message: impl Into<String>) -> Self {
         UsageError(message.into())
     }
+
+    /// `e` (its whole chain, on one line) as bad input: for `map_err` where a failure means the
+    /// user's input does not fit (a draws file for another size).
+    pub fn from_error(e: anyhow::Error) -> anyhow::Error {
+        UsageError::new(format!("{e:#}")).into()
+    }
 }
 
 impl std::fmt::Display for UsageError {

@@ -213,7 +213,7 @@ impl CogVideoX {
         // A draws file that does not fit the run is bad input, found before anything loads.
         if let Some(path) = &frame.config.generation().latents {
             let o = frame.config.video();
-            let mut draws = RunDraws::File(Draws::open(path).map_err(usage)?);
+            let mut draws = RunDraws::File(Draws::open(path).map_err(UsageError::from_error)?);
             pipeline
                 .take_draws(
                     &mut draws,
@@ -223,7 +223,7 @@ impl CogVideoX {
                     o.num_inference_steps,
                 )
                 .and_then(|_| draws.finish())
-                .map_err(usage)?;
+                .map_err(UsageError::from_error)?;
         }
         Ok(pipeline)
     }
@@ -359,11 +359,6 @@ impl CogVideoX {
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
-}
-
-/// A draws file that does not fit the run, as bad input.
-fn usage(e: anyhow::Error) -> anyhow::Error {
-    UsageError::new(format!("{e:#}")).into()
 }
 
 /// One DiT forward over the joint sequence: prepare, the blocks (resident or streamed), finish.

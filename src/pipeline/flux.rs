@@ -302,11 +302,11 @@ impl Flux {
         // A draws file that does not fit the run is bad input, found before anything loads.
         if let Some(path) = &frame.config.generation().latents {
             let v = frame.config.video();
-            let mut draws = Draws::open(path).map_err(usage)?;
+            let mut draws = Draws::open(path).map_err(UsageError::from_error)?;
             draws
                 .take("latents", &pipeline.configs.packed_shape(v.height, v.width))
                 .and_then(|_| draws.finish())
-                .map_err(usage)?;
+                .map_err(UsageError::from_error)?;
         }
         Ok(pipeline)
     }
@@ -457,11 +457,6 @@ impl Flux {
         job.frames = Some(stages::video_frames(image.unsqueeze(2)?)?);
         Ok(())
     }
-}
-
-/// A draws file that does not fit the run, as bad input.
-fn usage(e: anyhow::Error) -> anyhow::Error {
-    UsageError::new(format!("{e:#}")).into()
 }
 
 /// The RoPE ids of a forward: the text's (zeros `[L, 3]`) and the packed image's.

@@ -196,11 +196,11 @@ impl Latte {
         if let Some(path) = &frame.config.generation().latents {
             let o = frame.config.video();
             let shape = configs.latent_shape(o.num_frames, o.height, o.width);
-            let mut draws = Draws::open(path).map_err(usage)?;
+            let mut draws = Draws::open(path).map_err(UsageError::from_error)?;
             draws
                 .take("latents", &shape)
                 .and_then(|_| draws.finish())
-                .map_err(usage)?;
+                .map_err(UsageError::from_error)?;
         }
         Ok(Latte {
             configs,
@@ -300,11 +300,6 @@ impl Latte {
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
-}
-
-/// A draws file that does not fit the run, as bad input.
-fn usage(e: anyhow::Error) -> anyhow::Error {
-    UsageError::new(format!("{e:#}")).into()
 }
 
 /// One DiT forward: prepare, the blocks (resident or streamed), finish.
