@@ -10,8 +10,6 @@ use anyhow::bail;
 use candle_core::Tensor;
 use serde::Deserialize;
 
-use super::np_linspace;
-
 /// `scheduler/scheduler_config.json` of a diffusers `DDIMScheduler`, with its defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
@@ -158,33 +156,8 @@ impl DdimConfig {
     /// The integer timesteps of an `n`-step run (`set_timesteps`).
     pub fn timesteps(&self, n: usize) -> anyhow::Result<Vec<i64>> {
         let train = self.num_train_timesteps;
-        if n == 0 || n > train {
-            bail!("the number of inference steps must be between 1 and num_train_timesteps ({train}), got {n}");
-        }
-        let timesteps: Vec<i64> = match self.timestep_spacing.as_str() {
-            "linspace" => np_linspace(0.0, (train - 1) as f64, n)
-                .into_iter()
-                .rev()
-                .map(|t| t.round_ties_even() as i64)
-                .collect(),
-            "leading" => {
-                let ratio = (train / n) as i64;
-                (0..n as i64)
-                    .rev()
-                    .map(|i| i * ratio + self.steps_offset)
-                    .collect()
-            }
-            _ => {
-                // np.round(np.arange(train, 0, -train / n)) - 1, with numpy's arange fill.
-                let start = train as f64;
-                let step = -(train as f64 / n as f64);
-                let len = ((0.0 - start) / step).ceil().max(0.0) as usize;
-                let delta = (start + step) - start;
-                (0..len)
-                    .map(|i| (start + i as f64 * delta).round_ties_even() as i64 - 1)
-                    .collect()
-            }
-        };
+        let timesteps =
+            super::discrete_timesteps(train, n, &self.timestep_spacing, self.steps_offset)?;
         if let Some(t) = timesteps.iter().find(|&&t| t < 0 || t >= train as i64) {
             bail!("scheduler config: timestep {t} falls outside the training schedule (check steps_offset)");
         }

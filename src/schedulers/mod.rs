@@ -206,6 +206,45 @@ pub fn build(
     })
 }
 
+/// The integer timesteps of an `n`-step run of a discrete (DDPM-trained) scheduler over `train`
+/// training steps, spaced as diffusers' `timestep_spacing` says (`linspace`, `leading` with
+/// `steps_offset`, else `trailing`), in running order.
+fn discrete_timesteps(
+    train: usize,
+    n: usize,
+    spacing: &str,
+    steps_offset: i64,
+) -> anyhow::Result<Vec<i64>> {
+    if n == 0 || n > train {
+        bail!("the number of inference steps must be between 1 and num_train_timesteps ({train}), got {n}");
+    }
+    Ok(match spacing {
+        "linspace" => np_linspace(0.0, (train - 1) as f64, n)
+            .into_iter()
+            .rev()
+            .map(|t| t.round_ties_even() as i64)
+            .collect(),
+        "leading" => {
+            let ratio = (train / n) as i64;
+            (0..n as i64)
+                .rev()
+                .map(|i| i * ratio + steps_offset)
+                .collect()
+        }
+        _ => {
+            // np.round(np.arange(train, 0, -train / n)) - 1, with numpy's arange fill
+            // (start + i * ((start + step) - start)).
+            let start = train as f64;
+            let step = -(train as f64 / n as f64);
+            let len = ((0.0 - start) / step).ceil().max(0.0) as usize;
+            let delta = (start + step) - start;
+            (0..len)
+                .map(|i| (start + i as f64 * delta).round_ties_even() as i64 - 1)
+                .collect()
+        }
+    })
+}
+
 /// `numpy.linspace(start, stop, num)` (endpoint included) with numpy's exact float64 arithmetic.
 fn np_linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
     if num == 1 {
