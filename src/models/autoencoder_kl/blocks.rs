@@ -2,7 +2,8 @@
 //! `ResnetBlock2D` without time embedding, `UNetMidBlock2D` with its one-head attention,
 //! `DownEncoderBlock2D` / `UpDecoderBlock2D` and their resamplers. Tensors are `[B, C, H, W]`.
 
-use candle_core::{DType, Module, Result, Tensor};
+use crate::models::runs::RunGroupNorm;
+use candle_core::{Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use super::AutoencoderKLConfig;
@@ -12,9 +13,6 @@ use crate::models::conv3d;
 /// Epsilon of every GroupNorm of the encoder and decoder (diffusers passes `resnet_eps=1e-6`
 /// and `eps=1e-6` to `conv_norm_out` whatever the config says).
 const NORM_EPS: f64 = 1e-6;
-
-/// Runs of groups a GroupNorm works in (at most): the temporaries are one run's.
-const NORM_RUNS: usize = 8;
 
 /// `nn.Conv2d` with bias (square kernel, zero padding), on CUDA through the 3D convolution
 /// (cuDNN or vidgen's kernel, one temporal tap) where it computes, else candle's conv2d.
@@ -67,79 +65,14 @@ impl Conv2d {
     }
 }
 
-/// `nn.GroupNorm` over `[B, C, ...]` as candle's `GroupNorm` computes it (f32 statistics for half
-/// precision), in runs of groups written into one output.
-#[derive(Debug, Clone)]
-pub(crate) struct GroupNorm {
-    weight: Tensor,
-    bias: Tensor,
-    groups: usize,
-    eps: f64,
-}
-
-impl GroupNorm {
-    pub(crate) fn new(groups: usize, channels: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get(channels, "weight")?,
-            bias: vb.get(channels, "bias")?,
-            groups,
-            eps: NORM_EPS,
-        })
-    }
-
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let c = x.dim(1)?;
-        let per_group = c / self.groups;
-        let run = self.groups.div_ceil(NORM_RUNS).max(1);
-        crate::models::runs::in_runs(c, run * per_group, 1, |c0, cn| {
-            self.normalize(
-                &x.narrow(1, c0, cn)?,
-                cn / per_group,
-                &self.weight.narrow(0, c0, cn)?,
-                &self.bias.narrow(0, c0, cn)?,
-            )
-        })
-    }
-
-    fn normalize(
-        &self,
-        x: &Tensor,
-        groups: usize,
-        weight: &Tensor,
-        bias: &Tensor,
-    ) -> Result<Tensor> {
-        let shape = x.dims().to_vec();
-        let (b, c) = (shape[0], shape[1]);
-        let hidden = shape[2..].iter().product::<usize>() * c / groups;
-        let internal = match x.dtype() {
-            DType::F16 | DType::BF16 => DType::F32,
-            d => d,
-        };
-        let mut y = x
-            .contiguous()?
-            .reshape((b, groups, hidden))?
-            .to_dtype(internal)?;
-        let mean = (y.sum_keepdim(2)? / hidden as f64)?;
-        y = y.broadcast_sub(&mean)?;
-        let var = (y.sqr()?.sum_keepdim(2)? / hidden as f64)?;
-        y = y.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        y = y.to_dtype(x.dtype())?.reshape(shape.as_slice())?;
-        let mut w_dims = vec![1; shape.len()];
-        w_dims[1] = c;
-        y = y.broadcast_mul(&weight.reshape(w_dims.as_slice())?)?;
-        y.broadcast_add(&bias.reshape(w_dims.as_slice())?)?
-            .contiguous()
-    }
-}
-
 /// diffusers' `ResnetBlock2D` with `temb_channels=None`, `time_embedding_norm="default"`,
 /// output scale 1: `x + conv2(silu(norm2(conv1(silu(norm1(x))))))`, the skip through a 1x1
 /// `conv_shortcut` when the channel count changes.
 #[derive(Debug, Clone)]
 pub(crate) struct ResnetBlock2D {
-    norm1: GroupNorm,
+    norm1: RunGroupNorm,
     conv1: Conv2d,
-    norm2: GroupNorm,
+    norm2: RunGroupNorm,
     conv2: Conv2d,
     shortcut: Option<Conv2d>,
 }
@@ -147,9 +80,9 @@ pub(crate) struct ResnetBlock2D {
 impl ResnetBlock2D {
     pub(crate) fn new(cin: usize, cout: usize, groups: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            norm1: GroupNorm::new(groups, cin, vb.pp("norm1"))?,
+            norm1: RunGroupNorm::new(groups, cin, NORM_EPS, vb.pp("norm1"))?,
             conv1: Conv2d::new(cin, cout, 3, 1, 1, vb.pp("conv1"))?,
-            norm2: GroupNorm::new(groups, cout, vb.pp("norm2"))?,
+            norm2: RunGroupNorm::new(groups, cout, NORM_EPS, vb.pp("norm2"))?,
             conv2: Conv2d::new(cout, cout, 3, 1, 1, vb.pp("conv2"))?,
             shortcut: if cin != cout {
                 Some(Conv2d::new(cin, cout, 1, 1, 0, vb.pp("conv_shortcut"))?)
@@ -177,7 +110,7 @@ impl ResnetBlock2D {
 /// checkpoints (`query`, `key`, `value`, `proj_attn`), which diffusers converts on load.
 #[derive(Debug, Clone)]
 pub(crate) struct MidAttention {
-    group_norm: GroupNorm,
+    group_norm: RunGroupNorm,
     to_q: Linear,
     to_k: Linear,
     to_v: Linear,
@@ -194,7 +127,7 @@ impl MidAttention {
         };
         let linear = |name: &str| candle_nn::linear(channels, channels, vb.pp(name));
         Ok(Self {
-            group_norm: GroupNorm::new(groups, channels, vb.pp("group_norm"))?,
+            group_norm: RunGroupNorm::new(groups, channels, NORM_EPS, vb.pp("group_norm"))?,
             to_q: linear(names[0])?,
             to_k: linear(names[1])?,
             to_v: linear(names[2])?,
@@ -289,7 +222,7 @@ pub(crate) struct Encoder {
     conv_in: Conv2d,
     down_blocks: Vec<(Vec<ResnetBlock2D>, Option<Downsample2D>)>,
     mid_block: MidBlock2D,
-    conv_norm_out: GroupNorm,
+    conv_norm_out: RunGroupNorm,
     conv_out: Conv2d,
 }
 
@@ -322,7 +255,7 @@ impl Encoder {
             conv_in: Conv2d::new(cfg.in_channels, channels[0], 3, 1, 1, vb.pp("conv_in"))?,
             down_blocks,
             mid_block: MidBlock2D::new(cfg, last, vb.pp("mid_block"))?,
-            conv_norm_out: GroupNorm::new(groups, last, vb.pp("conv_norm_out"))?,
+            conv_norm_out: RunGroupNorm::new(groups, last, NORM_EPS, vb.pp("conv_norm_out"))?,
             conv_out: Conv2d::new(last, 2 * cfg.latent_channels, 3, 1, 1, vb.pp("conv_out"))?,
         })
     }
@@ -357,7 +290,7 @@ pub(crate) struct Decoder {
     conv_in: Conv2d,
     mid_block: MidBlock2D,
     up_blocks: Vec<UpBlock>,
-    conv_norm_out: GroupNorm,
+    conv_norm_out: RunGroupNorm,
     conv_out: Conv2d,
 }
 
@@ -391,7 +324,7 @@ impl Decoder {
             conv_in: Conv2d::new(cfg.latent_channels, top, 3, 1, 1, vb.pp("conv_in"))?,
             mid_block: MidBlock2D::new(cfg, top, vb.pp("mid_block"))?,
             up_blocks,
-            conv_norm_out: GroupNorm::new(groups, last, vb.pp("conv_norm_out"))?,
+            conv_norm_out: RunGroupNorm::new(groups, last, NORM_EPS, vb.pp("conv_norm_out"))?,
             conv_out: Conv2d::new(last, cfg.out_channels, 3, 1, 1, vb.pp("conv_out"))?,
         })
     }

@@ -10,6 +10,7 @@
 //! `CogVideoXPipeline` does not upcast its VAE (`force_upcast` is not read), so a bf16 run
 //! decodes in bf16; GroupNorm statistics are taken in f32.
 
+use crate::models::runs::RunGroupNorm;
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
@@ -401,82 +402,11 @@ fn double_space_time(x: &Tensor) -> Result<Tensor> {
     double_space(&x.contiguous()?.index_select(&idx, 2)?)
 }
 
-/// Runs of groups a GroupNorm works in (at most).
-const NORM_RUNS: usize = 8;
-
-/// `nn.GroupNorm` over channel-major `[B, C, ...]`, computed as candle's `GroupNorm` computes it
-/// (f32 statistics for half precision) but over runs of groups written into one output: a
-/// group's statistics are its own, so the result is the same and the temporaries are a run's.
-struct GroupNorm {
-    weight: Tensor,
-    bias: Tensor,
-    groups: usize,
-    eps: f64,
-}
-
-impl GroupNorm {
-    fn new(groups: usize, channels: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get_with_hints(channels, "weight", candle_nn::Init::Const(1.))?,
-            bias: vb.get_with_hints(channels, "bias", candle_nn::Init::Const(0.))?,
-            groups,
-            eps,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let c = dims[1];
-        let per_group = c / self.groups;
-        let run = self.groups.div_ceil(NORM_RUNS).max(1);
-        // Runs of whole groups, counted in channels.
-        crate::models::runs::in_runs(c, run * per_group, 1, |c0, cn| {
-            self.normalize(
-                &x.narrow(1, c0, cn)?,
-                cn / per_group,
-                &self.weight.narrow(0, c0, cn)?,
-                &self.bias.narrow(0, c0, cn)?,
-            )
-        })
-    }
-
-    /// candle's `GroupNorm::forward` on `groups` groups, one op per statement.
-    fn normalize(
-        &self,
-        x: &Tensor,
-        groups: usize,
-        weight: &Tensor,
-        bias: &Tensor,
-    ) -> Result<Tensor> {
-        let shape = x.dims().to_vec();
-        let (b, c) = (shape[0], shape[1]);
-        let hidden = shape[2..].iter().product::<usize>() * c / groups;
-        let internal = match x.dtype() {
-            DType::F16 | DType::BF16 => DType::F32,
-            d => d,
-        };
-        let mut y = x
-            .contiguous()?
-            .reshape((b, groups, hidden))?
-            .to_dtype(internal)?;
-        let mean = (y.sum_keepdim(2)? / hidden as f64)?;
-        y = y.broadcast_sub(&mean)?;
-        let var = (y.sqr()?.sum_keepdim(2)? / hidden as f64)?;
-        y = y.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        y = y.to_dtype(x.dtype())?.reshape(shape.as_slice())?;
-        let mut w_dims = vec![1; shape.len()];
-        w_dims[1] = c;
-        y = y.broadcast_mul(&weight.reshape(w_dims.as_slice())?)?;
-        y.broadcast_add(&bias.reshape(w_dims.as_slice())?)?
-            .contiguous()
-    }
-}
-
 /// diffusers' `CogVideoXSpatialNorm3D`: `GroupNorm(f) · conv_y(zq) + conv_b(zq)` with `zq` the
 /// latent chunk resized to `f` (its first frame resized on its own when `f` has an odd number of
 /// frames above one).
 struct SpatialNorm3D {
-    norm: GroupNorm,
+    norm: RunGroupNorm,
     conv_y: CausalConv3d,
     conv_b: CausalConv3d,
 }
@@ -484,7 +414,7 @@ struct SpatialNorm3D {
 impl SpatialNorm3D {
     fn new(channels: usize, zq_channels: usize, groups: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            norm: GroupNorm::new(groups, channels, FIXED_NORM_EPS, vb.pp("norm_layer"))?,
+            norm: RunGroupNorm::new(groups, channels, FIXED_NORM_EPS, vb.pp("norm_layer"))?,
             conv_y: CausalConv3d::new(zq_channels, channels, 1, vb.pp("conv_y"))?,
             conv_b: CausalConv3d::new(zq_channels, channels, 1, vb.pp("conv_b"))?,
         })
@@ -513,7 +443,7 @@ impl SpatialNorm3D {
 /// GroupNorm (encoder).
 enum ResnetNorm {
     Spatial(SpatialNorm3D),
-    Group(GroupNorm),
+    Group(RunGroupNorm),
 }
 
 impl ResnetNorm {
@@ -527,7 +457,7 @@ impl ResnetNorm {
     ) -> Result<Self> {
         Ok(match latent_channels {
             Some(zc) => Self::Spatial(SpatialNorm3D::new(channels, zc, groups, vb)?),
-            None => Self::Group(GroupNorm::new(groups, channels, eps, vb)?),
+            None => Self::Group(RunGroupNorm::new(groups, channels, eps, vb)?),
         })
     }
 
@@ -668,7 +598,7 @@ struct Encoder3D {
     /// Each down block: its resnets and its downsampler (all but the last block).
     down_blocks: Vec<(Vec<ResnetBlock3D>, Option<Downsample3D>)>,
     mid: Vec<ResnetBlock3D>,
-    norm_out: GroupNorm,
+    norm_out: RunGroupNorm,
     conv_out: CausalConv3d,
 }
 
@@ -708,7 +638,12 @@ impl Encoder3D {
             conv_in: CausalConv3d::new(cfg.in_channels, channels[0], 3, vb.pp("conv_in"))?,
             down_blocks,
             mid,
-            norm_out: GroupNorm::new(cfg.norm_num_groups, last, FIXED_NORM_EPS, vb.pp("norm_out"))?,
+            norm_out: RunGroupNorm::new(
+                cfg.norm_num_groups,
+                last,
+                FIXED_NORM_EPS,
+                vb.pp("norm_out"),
+            )?,
             conv_out: CausalConv3d::new(last, 2 * cfg.latent_channels, 3, vb.pp("conv_out"))?,
         })
     }
