@@ -33,6 +33,7 @@ fn main() {
         ("row_ops", PORTABLE, false),
         ("wan_vae_ops", PORTABLE, false),
         ("conv3d", PORTABLE, false),
+        ("norms", PORTABLE, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

@@ -9,6 +9,12 @@
 //! `cargo build --release --no-default-features --features cuda --example vae_decode`;
 //! `vae_decode [B,C,F,h,w] [--exact] [--fixture DIR]`: `--exact` also decodes with exact f32
 //! (`--no-tf32`) and reports max |TF32 - exact|. One JSON line per measurement on stdout.
+//!
+//! `vae_decode --family NAME [B,C,F,h,w] [--tiled]` times another family's VAE instead, bf16, at
+//! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
+//! `hunyuanvideo`, `mochi-1`: their `synthetic:` configs), as its pipeline calls it (`--tiled`:
+//! HunyuanVideo's spatial tiling, as `--vae-tiling`), with the device's peak memory above what
+//! the weights hold (the same numbers as `bench/peer_vae_decode.py` for diffusers).
 
 use std::time::Instant;
 
@@ -57,6 +63,14 @@ fn main() -> Result<()> {
         .and_then(|i| args.get(i + 1));
     let dev = Device::new_cuda(0)?;
     let cudnn = vidgen::models::cudnn::api().map(|api| api.version_string());
+    if let Some(family) = args
+        .iter()
+        .position(|a| a == "--family")
+        .and_then(|i| args.get(i + 1))
+    {
+        let given = args.iter().any(|a| a.contains(',')).then_some(&shape[..]);
+        return family_decode(family, given, args.iter().any(|a| a == "--tiled"), &dev);
+    }
 
     if let Some(dir) = fixture {
         let dir = std::path::Path::new(dir);
@@ -117,4 +131,118 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A family's VAE decode as its pipeline calls it, on latents of `shape`.
+type Decode = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
+
+/// Times `family`'s decode (bf16, synthetic weights) after a warm-up on two latent frames.
+fn family_decode(family: &str, shape: Option<&[usize]>, tiled: bool, dev: &Device) -> Result<()> {
+    use vidgen::models::{cogvideox, hunyuan_video, ltx, mochi};
+    let source = ModelSource::parse(&format!("synthetic:{family}"))?;
+    let weights = WeightSet::open(&component_weights(&source, "vae")?)?;
+    let vb = weights.var_builder(DType::BF16, dev);
+    let used_before = used_bytes(dev)?;
+    let (decode, default): (Decode, [usize; 5]) = match family {
+        "ltx-video" => {
+            let vae = ltx::vae::AutoencoderKLLTXVideo::new(&source.json("vae/config.json")?, vb)?;
+            // 704x512x161; the pipeline's decode timestep 0.05 where the VAE is conditioned.
+            let t = Tensor::new(&[0.05f32], dev)?;
+            let decode = move |z: &Tensor| {
+                let t = vae.timestep_conditioning().then_some(&t);
+                vae.decode(z, t, &mut TorchGenerator::new(0))
+            };
+            (Box::new(decode), [1, 128, 21, 16, 22])
+        }
+        "cogvideox-5b" => {
+            let cfg = source.json("vae/config.json")?;
+            let vae = cogvideox::vae::AutoencoderKLCogVideoX::new_decoder_only(&cfg, vb)?;
+            (Box::new(move |z| vae.decode(z)), [1, 16, 13, 60, 90])
+        }
+        "hunyuanvideo" => {
+            let cfg = source.json("vae/config.json")?;
+            let mut vae = hunyuan_video::vae::AutoencoderKLHunyuanVideo::new(&cfg, vb)?;
+            if tiled {
+                let mut t = vae.tiling();
+                t.spatial = true;
+                vae.set_tiling(t)?;
+            }
+            (Box::new(move |z| vae.decode(z)), [1, 16, 33, 90, 160])
+        }
+        "mochi-1" => {
+            let vae = mochi::vae::AutoencoderKLMochi::new(&source.json("vae/config.json")?, vb)?;
+            (Box::new(move |z| vae.decode(z)), [1, 12, 15, 60, 106])
+        }
+        other => anyhow::bail!("no decode for family {other:?}"),
+    };
+    dev.synchronize()?;
+    let weights_bytes = used_bytes(dev)? - used_before;
+    let shape = shape.unwrap_or(&default);
+    let z = TorchGenerator::new(1)
+        .randn(shape)?
+        .to_dtype(DType::BF16)?
+        .to_device(dev)?;
+    let start = Instant::now();
+    drop(decode(&z.narrow(2, 0, shape[2].min(2))?)?);
+    dev.synchronize()?;
+    let warm = start.elapsed().as_secs_f64();
+    let before = used_bytes(dev)?;
+    let peak = PeakSampler::start(dev.clone());
+    let start = Instant::now();
+    let out = decode(&z)?;
+    dev.synchronize()?;
+    let secs = start.elapsed().as_secs_f64();
+    let peak = peak.stop().saturating_sub(before);
+    let finite = out
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|v| v.is_finite());
+    println!(
+        "{{\"family\":\"{family}\",\"tiled\":{tiled},\"latents\":{shape:?},\"frames\":{:?},\"cudnn\":{cudnn:?},\"decode_s\":{secs:.3},\"warm_up_s\":{warm:.3},\"weights_gib\":{:.2},\"peak_above_weights_gib\":{:.2},\"finite\":{finite}}}",
+        out.dims(),
+        weights_bytes as f64 / GIB,
+        peak as f64 / GIB,
+        cudnn = vidgen::models::cudnn::api().map(|api| api.version_string()),
+    );
+    Ok(())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Device memory in use (the driver's count: every process's allocations, candle's included).
+fn used_bytes(dev: &Device) -> Result<u64> {
+    let Device::Cuda(cuda) = dev else {
+        anyhow::bail!("not a CUDA device")
+    };
+    let (free, total) = cuda.cuda_stream().context().mem_get_info()?;
+    Ok((total - free) as u64)
+}
+
+/// Samples [`used_bytes`] every millisecond on a thread until stopped: the decode's peak.
+struct PeakSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl PeakSampler {
+    fn start(dev: Device) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peak = 0;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(used_bytes(&dev).unwrap_or(0));
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            peak.max(used_bytes(&dev).unwrap_or(0))
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
 }

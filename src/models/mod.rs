@@ -23,6 +23,9 @@ pub mod ltx;
 pub mod minimax_h3;
 pub mod mochi;
 #[cfg(feature = "cuda")]
+#[path = "kernels/norms.rs"]
+pub(crate) mod norms;
+#[cfg(feature = "cuda")]
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;
 pub mod runs;

@@ -33,6 +33,52 @@ pub fn in_runs(
     out.ok_or_else(|| candle_core::Error::Msg("nothing to compute in runs".into()))
 }
 
+/// How a fused GroupNorm rounds its affine in half precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rounding {
+    /// Normalized, weighted and biased in f32, rounded once (a norm computed in f32 whole).
+    F32,
+    /// The normalized value rounded, then each of the weight's product and the bias's sum
+    /// (candle's `GroupNorm` on half precision).
+    EachOp,
+}
+
+/// A GroupNorm as the fused kernels compute it: per-channel `weight` and `bias`, `groups`
+/// groups, `eps`, the rounding, and whether SiLU follows (of the rounded norm, in f32).
+pub struct GroupNormSpec<'a> {
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+    pub groups: usize,
+    pub eps: f64,
+    pub rounding: Rounding,
+    pub silu: bool,
+}
+
+/// `spec` applied to `x` by the fused CUDA kernels (three passes over `x`), `Some` on CUDA for
+/// bf16 and f32, else `None` (the caller's candle composition runs). Channels are dim
+/// `channel_dim`; the first `entry_dims` dims index separately normalized entries and the dims
+/// between them and the channels are normalized together (`[B, C, ...]`: 1 and 1;
+/// frames-major `[B, T, C, H, W]` over all frames: 1 and 2, each frame alone: 2 and 2).
+pub fn fused_group_norm(
+    x: &Tensor,
+    spec: &GroupNormSpec,
+    entry_dims: usize,
+    channel_dim: usize,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) {
+        let dims = x.dims();
+        if entry_dims > channel_dim || channel_dim >= dims.len() {
+            candle_core::bail!("group norm: {dims:?} with channels at {channel_dim}")
+        }
+        let rows_per_entry = dims[entry_dims..=channel_dim].iter().product();
+        let spatial = dims[channel_dim + 1..].iter().product();
+        return crate::models::norms::group_norm(x, spec, spatial, rows_per_entry).map(Some);
+    }
+    let _ = (x, spec, entry_dims, channel_dim);
+    Ok(None)
+}
+
 /// Runs of groups a GroupNorm works in (at most).
 const NORM_RUNS: usize = 8;
 
@@ -58,6 +104,17 @@ impl RunGroupNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let spec = GroupNormSpec {
+            weight: &self.weight,
+            bias: &self.bias,
+            groups: self.groups,
+            eps: self.eps,
+            rounding: Rounding::EachOp,
+            silu: false,
+        };
+        if let Some(y) = fused_group_norm(x, &spec, 1, 1)? {
+            return Ok(y);
+        }
         let dims = x.dims().to_vec();
         let c = dims[1];
         let per_group = c / self.groups;
@@ -102,5 +159,126 @@ impl RunGroupNorm {
         y = y.broadcast_mul(&weight.reshape(w_dims.as_slice())?)?;
         y.broadcast_add(&bias.reshape(w_dims.as_slice())?)?
             .contiguous()
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The fused GroupNorm kernels against an f64 reference and against candle's composition.
+    use super::*;
+    use crate::models::row_ops::test_util::device;
+    use candle_core::Device;
+
+    /// GroupNorm in f64 of `x` (host values of `dims`), entries and channels as
+    /// [`fused_group_norm`] takes them, then the affine and SiLU where asked.
+    fn reference(
+        x: &[f32],
+        dims: &[usize],
+        (entry_dims, channel_dim): (usize, usize),
+        (w, b, groups, eps, silu): (&[f32], &[f32], usize, f64, bool),
+    ) -> Vec<f64> {
+        let c = dims[channel_dim];
+        let spatial: usize = dims[channel_dim + 1..].iter().product();
+        let rows_per_entry: usize = dims[entry_dims..=channel_dim].iter().product();
+        let group_of = |i: usize| {
+            let row = i / spatial;
+            (row / rows_per_entry, (row % c) / (c / groups), row % c)
+        };
+        let entries = x.len() / (rows_per_entry * spatial);
+        let mut sum = vec![0f64; entries * groups];
+        let mut n = vec![0f64; entries * groups];
+        for (i, &v) in x.iter().enumerate() {
+            let (e, g, _) = group_of(i);
+            sum[e * groups + g] += f64::from(v);
+            n[e * groups + g] += 1.0;
+        }
+        let mean: Vec<f64> = sum.iter().zip(&n).map(|(s, n)| s / n).collect();
+        let mut sq = vec![0f64; entries * groups];
+        for (i, &v) in x.iter().enumerate() {
+            let (e, g, _) = group_of(i);
+            sq[e * groups + g] += (f64::from(v) - mean[e * groups + g]).powi(2);
+        }
+        x.iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let (e, g, ch) = group_of(i);
+                let q = e * groups + g;
+                let y = (f64::from(v) - mean[q]) / (sq[q] / n[q] + eps).sqrt() * f64::from(w[ch])
+                    + f64::from(b[ch]);
+                if silu {
+                    y / (1.0 + (-y).exp())
+                } else {
+                    y
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fused_group_norm_matches_f64_and_candle() -> Result<()> {
+        let Some(dev) = device("fused GroupNorm") else {
+            return Ok(());
+        };
+        // channels first, frames-major over all frames, frames-major per frame.
+        let cases: [(&[usize], usize, usize); 3] = [
+            (&[2, 64, 3, 17, 23], 1, 1),
+            (&[1, 5, 32, 40, 33], 1, 2),
+            (&[2, 4, 32, 9, 31], 2, 2),
+        ];
+        for (dims, entry_dims, channel_dim) in cases {
+            let c = dims[channel_dim];
+            // An offset mean, as activations have, so the variance is taken about it.
+            let x = (Tensor::randn(0f32, 1.5, dims, &Device::Cpu)? + 3.0)?;
+            let w = Tensor::randn(1f32, 0.3, c, &Device::Cpu)?;
+            let b = Tensor::randn(0f32, 0.3, c, &Device::Cpu)?;
+            for (dtype, tol) in [(DType::F32, 2e-5), (DType::BF16, 2e-2)] {
+                for (rounding, silu) in [(Rounding::F32, true), (Rounding::EachOp, false)] {
+                    let (xd, wd, bd) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, b.to_dtype(dtype)?);
+                    let spec = GroupNormSpec {
+                        weight: &wd.to_device(&dev)?,
+                        bias: &bd.to_device(&dev)?,
+                        groups: 8,
+                        eps: 1e-6,
+                        rounding,
+                        silu,
+                    };
+                    let got =
+                        fused_group_norm(&xd.to_device(&dev)?, &spec, entry_dims, channel_dim)?
+                            .expect("CUDA computes it");
+                    let host = |t: &Tensor| -> Result<Vec<f32>> {
+                        t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+                    };
+                    let want = reference(
+                        &host(&xd)?,
+                        dims,
+                        (entry_dims, channel_dim),
+                        (&host(&wd)?, &host(&bd)?, 8, 1e-6, silu),
+                    );
+                    let got = host(&got)?;
+                    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+                        let err = (f64::from(*g) - r).abs();
+                        assert!(
+                            err <= tol * (1.0 + r.abs()),
+                            "{dims:?} {dtype:?} {rounding:?}: element {i} {g} vs {r}"
+                        );
+                    }
+                    if (entry_dims, channel_dim, rounding) == (1, 1, Rounding::EachOp) {
+                        // candle's composition (RunGroupNorm's own path) on the CPU.
+                        let norm = RunGroupNorm {
+                            weight: wd.clone(),
+                            bias: bd.clone(),
+                            groups: 8,
+                            eps: 1e-6,
+                        };
+                        let candle = host(&norm.normalize(&xd, 8, &wd, &bd)?)?;
+                        let ulp = if dtype == DType::BF16 { 1e-2 } else { 1e-5 };
+                        for (g, r) in got.iter().zip(&candle) {
+                            assert!((g - r).abs() <= ulp * (1.0 + r.abs()), "{g} vs candle {r}");
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

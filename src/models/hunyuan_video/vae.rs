@@ -26,7 +26,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::conv3d::{self, Kernel3d};
-use crate::models::runs::in_runs;
+use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
 
 /// Epsilon of every GroupNorm of the decoder (hard-coded in diffusers).
 const NORM_EPS: f64 = 1e-6;
@@ -320,6 +320,17 @@ impl GroupNorm {
     /// `run_elements`; then each run normalized (and SiLU'd) into the output: the input, the
     /// output and one run's f32 temporaries at once.
     fn normalize(&self, x: &Tensor, then_silu: bool, run_elements: usize) -> Result<Tensor> {
+        let spec = GroupNormSpec {
+            weight: &self.weight,
+            bias: &self.bias,
+            groups: self.groups,
+            eps: NORM_EPS,
+            rounding: Rounding::F32,
+            silu: then_silu,
+        };
+        if let Some(y) = fused_group_norm(x, &spec, 1, 2)? {
+            return Ok(y);
+        }
         let (b, t, c, h, w) = x.dims5()?;
         let g = self.groups;
         let per_run = frames_per_run(t, b * c * h * w, run_elements);

@@ -168,7 +168,7 @@ const ELEMENT_BLOCKS: usize = 132 * 16;
 pub(crate) enum Arg<'a> {
     /// The tensor written in place.
     Dst,
-    /// A read-only tensor (bf16, f32 or u32, contiguous); `None` passes a null pointer.
+    /// A read-only tensor (bf16, f32, f64 or u32, contiguous); `None` passes a null pointer.
     Tensor(Option<&'a Tensor>),
     /// The address `offset` elements into a read-only contiguous tensor.
     At(&'a Tensor, usize),
@@ -204,7 +204,8 @@ fn address(
         CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
         CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
         CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
-        _ => candle_core::bail!("kernel launch: operands are bf16, f32 or u32"),
+        CudaStorageSlice::F64(s) => (s.device_ptr(&stream).0, 8),
+        _ => candle_core::bail!("kernel launch: operands are bf16, f32, f64 or u32"),
     };
     Ok(base + ((layout.start_offset() + offset) * size) as u64)
 }
@@ -227,7 +228,8 @@ impl InplaceOp1 for Launch<'_> {
         let (base, size) = match &mut dst.slice {
             CudaStorageSlice::BF16(out) => (out.device_ptr_mut(&stream).0, 2),
             CudaStorageSlice::F32(out) => (out.device_ptr_mut(&stream).0, 4),
-            _ => candle_core::bail!("{}: the destination is bf16 or f32", self.func),
+            CudaStorageSlice::F64(out) => (out.device_ptr_mut(&stream).0, 8),
+            _ => candle_core::bail!("{}: the destination is bf16, f32 or f64", self.func),
         };
         let dst_address = base + (dst_layout.start_offset() * size) as u64;
         // Pointers as u64, integers and floats: owned here so the builder can borrow them.

@@ -319,6 +319,22 @@ fn channel_rms_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     xf.broadcast_mul(&inv)?.to_dtype(x.dtype())
 }
 
+/// [`channel_rms_norm`], then `* (1 + scale) + shift` per `[B, C]` channel where `modulation`
+/// `(scale, shift)` is given, then SiLU: one fused kernel on CUDA.
+fn rms_modulate_silu(x: &Tensor, modulation: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+    let scale1 = modulation.map(|(scale, _)| scale + 1.0).transpose()?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let modulation = scale1.as_ref().zip(modulation.map(|(_, shift)| shift));
+        return crate::models::norms::channel_rms(x, modulation, RMS_EPS, true);
+    }
+    let mut h = channel_rms_norm(x, RMS_EPS)?;
+    if let (Some(scale1), Some((_, shift))) = (&scale1, modulation) {
+        h = h.broadcast_mul(scale1)?.broadcast_add(shift)?;
+    }
+    h.silu()
+}
+
 /// Affine LayerNorm over the channels (dim 1), computed in f32.
 fn channel_layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let c = weight.dim(0)?;
@@ -573,7 +589,6 @@ impl ResnetBlock {
         temb: Option<&Tensor>,
         noise: &mut dyn InjectedNoise,
     ) -> Result<Tensor> {
-        let mut h = channel_rms_norm(input, RMS_EPS)?;
         let modulation = match (&self.scale_shift_table, temb) {
             (Some(table), Some(temb)) => Some((
                 modulation_row(temb, table, 0)?,
@@ -584,18 +599,17 @@ impl ResnetBlock {
             (Some(_), None) => candle_core::bail!("this VAE decoder needs a decode timestep"),
             _ => None,
         };
-        if let Some((shift_1, scale_1, _, _)) = &modulation {
-            h = h.broadcast_mul(&(scale_1 + 1.0)?)?.broadcast_add(shift_1)?;
-        }
-        h = self.conv1.forward(&h.silu()?)?;
+        let first = modulation
+            .as_ref()
+            .map(|(shift, scale, _, _)| (scale, shift));
+        let mut h = self.conv1.forward(&rms_modulate_silu(input, first)?)?;
         if let Some((scale1, _)) = &self.noise_scales {
             h = Self::inject(&h, scale1, noise)?;
         }
-        h = channel_rms_norm(&h, RMS_EPS)?;
-        if let Some((_, _, shift_2, scale_2)) = &modulation {
-            h = h.broadcast_mul(&(scale_2 + 1.0)?)?.broadcast_add(shift_2)?;
-        }
-        h = self.conv2.forward(&h.silu()?)?;
+        let second = modulation
+            .as_ref()
+            .map(|(_, _, shift, scale)| (scale, shift));
+        h = self.conv2.forward(&rms_modulate_silu(&h, second)?)?;
         if let Some((_, scale2)) = &self.noise_scales {
             h = Self::inject(&h, scale2, noise)?;
         }
@@ -866,14 +880,18 @@ impl AutoencoderKLLTXVideo {
         for block in &self.up_blocks {
             h = block.forward(&h, temb.as_ref(), noise)?;
         }
-        h = channel_rms_norm(&h, RMS_EPS)?;
-        if let (Some((_, embedder, table)), Some(t)) = (&self.output_time, &temb) {
-            let emb = embedder.forward(t, h.dtype())?;
-            let shift = modulation_row(&emb, table, 0)?;
-            let scale = modulation_row(&emb, table, 1)?;
-            h = h.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(&shift)?;
-        }
-        let h = self.conv_out.forward(&h.silu()?)?;
+        let modulation = match (&self.output_time, &temb) {
+            (Some((_, embedder, table)), Some(t)) => {
+                let emb = embedder.forward(t, h.dtype())?;
+                Some((
+                    modulation_row(&emb, table, 1)?,
+                    modulation_row(&emb, table, 0)?,
+                ))
+            }
+            _ => None,
+        };
+        let modulation = modulation.as_ref().map(|(scale, shift)| (scale, shift));
+        let h = self.conv_out.forward(&rms_modulate_silu(&h, modulation)?)?;
         // Un-patchify: channel = c·(p_t·p·p) + t·p·p + w·p + h.
         let (b, _, f, hh, ww) = h.dims5()?;
         let (p, pt) = (self.cfg.patch_size, self.cfg.patch_size_t);

@@ -14,6 +14,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::hunyuan_video::vae::CausalConv3d;
+use crate::models::runs::{fused_group_norm, GroupNormSpec, Rounding};
 
 /// Groups of every GroupNorm (hard-coded in `MochiChunkedGroupNorm3D`).
 const NORM_GROUPS: usize = 32;
@@ -210,6 +211,17 @@ impl FrameGroupNorm {
     }
 
     fn normalize_silu(&self, x: &Tensor) -> Result<Tensor> {
+        let spec = GroupNormSpec {
+            weight: &self.weight,
+            bias: &self.bias,
+            groups: NORM_GROUPS,
+            eps: NORM_EPS,
+            rounding: Rounding::F32,
+            silu: true,
+        };
+        if let Some(y) = fused_group_norm(x, &spec, 2, 2)? {
+            return Ok(y);
+        }
         let (b, t, c, h, w) = x.dims5()?;
         let grouped =
             x.to_dtype(DType::F32)?

@@ -1,0 +1,152 @@
+//! The fused norm kernels (`norms.cu`). GroupNorm: the group sums, the sums of squares about the
+//! means, then the normalization with the affine and SiLU in one pass (three passes over the
+//! activation where candle's composition makes ten or more, half of them in f32).
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::models::kernel_module::{
+    item_launch, kernel_module, row_launch, Arg, Module, ROW_THREADS,
+};
+use crate::models::runs::{GroupNormSpec, Rounding};
+
+static NORMS: Module = kernel_module!("norms");
+
+/// Elements a block of the kernels takes at least (fewer blocks, fewer f64 atomics).
+const ELEMENTS_PER_BLOCK: usize = ROW_THREADS * 32;
+
+/// `spec` applied to `x` (bf16 or f32, on CUDA; any layout, copied contiguous), `rows_per_entry`
+/// of its rows of `spatial` elements normalized together per group.
+pub(crate) fn group_norm(
+    x: &Tensor,
+    spec: &GroupNormSpec,
+    spatial: usize,
+    rows_per_entry: usize,
+) -> Result<Tensor> {
+    let suffix = match x.dtype() {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        other => candle_core::bail!("group norm kernel: {other:?} activations"),
+    };
+    let channels = spec.weight.elem_count();
+    let rows = x.elem_count() / spatial.max(1);
+    if channels == 0
+        || spec.groups == 0
+        || !channels.is_multiple_of(spec.groups)
+        || !rows_per_entry.is_multiple_of(channels)
+        || rows * spatial != x.elem_count()
+        || !rows.is_multiple_of(rows_per_entry)
+    {
+        candle_core::bail!(
+            "group norm kernel: {:?} as rows of {spatial}, {rows_per_entry} per entry, {channels} channels in {} groups",
+            x.shape(),
+            spec.groups
+        )
+    }
+    let x = x.contiguous()?;
+    let entries = rows / rows_per_entry;
+    let chunks = spatial.div_ceil(ELEMENTS_PER_BLOCK).clamp(1, 1 << 16);
+    let count = (rows_per_entry / channels * (channels / spec.groups) * spatial) as f32;
+    let ints = |v: usize| Arg::Int(v as i32);
+    let shape_args = || {
+        vec![
+            Arg::Long(spatial as i64),
+            ints(channels),
+            Arg::Long(rows_per_entry as i64),
+            ints(channels / spec.groups),
+            ints(spec.groups),
+            ints(chunks),
+        ]
+    };
+    let sums = |mean: Option<&Tensor>| -> Result<Tensor> {
+        let acc = Tensor::zeros(entries * spec.groups, DType::F64, x.device())?;
+        let mut args = vec![Arg::Tensor(Some(&x)), Arg::Dst, Arg::Tensor(mean)];
+        args.extend(shape_args());
+        args.push(Arg::Float(count));
+        let func = match suffix {
+            "bf16" => "group_sums_bf16",
+            _ => "group_sums_f32",
+        };
+        acc.inplace_op1(&row_launch(&NORMS, func, rows * chunks, args))?;
+        Ok(acc)
+    };
+    let sum = sums(None)?;
+    let squares = sums(Some(&sum))?;
+    let weight = spec.weight.to_dtype(DType::F32)?.contiguous()?;
+    let bias = spec.bias.to_dtype(DType::F32)?.contiguous()?;
+    // SAFETY: the apply kernel writes every element before anything reads it.
+    let out = unsafe { Tensor::empty(x.shape(), x.dtype(), x.device()) }?;
+    let mut args = vec![
+        Arg::Tensor(Some(&x)),
+        Arg::Dst,
+        Arg::Tensor(Some(&sum)),
+        Arg::Tensor(Some(&squares)),
+        Arg::Tensor(Some(&weight)),
+        Arg::Tensor(Some(&bias)),
+    ];
+    args.extend(shape_args());
+    args.extend([
+        Arg::Float(count),
+        Arg::Float(spec.eps as f32),
+        Arg::Int(i32::from(spec.rounding == Rounding::EachOp)),
+        Arg::Int(i32::from(spec.silu)),
+    ]);
+    let func = match suffix {
+        "bf16" => "group_apply_bf16",
+        _ => "group_apply_f32",
+    };
+    out.inplace_op1(&row_launch(&NORMS, func, rows * chunks, args))?;
+    Ok(out)
+}
+
+/// The RMS norm over the channels of each position of `x` `[B, C, ...]` (bf16 or f32, on CUDA)
+/// without weight, then `* scale1 + shift` (each `[B, C]` of f32 values, `scale1` = 1 + scale as
+/// the caller rounded it) where given, then SiLU where `silu`, rounding as the candle composition.
+pub(crate) fn channel_rms(
+    x: &Tensor,
+    modulation: Option<(&Tensor, &Tensor)>,
+    eps: f64,
+    silu: bool,
+) -> Result<Tensor> {
+    let func = match x.dtype() {
+        DType::BF16 => "channel_rms_bf16",
+        DType::F32 => "channel_rms_f32",
+        other => candle_core::bail!("channel RMS kernel: {other:?} activations"),
+    };
+    let dims = x.dims();
+    let (b, c) = (dims[0], dims.get(1).copied().unwrap_or(0));
+    let spatial: usize = dims[2..].iter().product();
+    let modulation = match modulation {
+        Some((scale1, shift)) => {
+            let flat = |t: &Tensor| -> Result<Tensor> {
+                let t = t.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+                if t.elem_count() != b * c {
+                    candle_core::bail!("channel RMS kernel: modulation {:?} for {b}x{c}", t.shape())
+                }
+                Ok(t)
+            };
+            Some((flat(scale1)?, flat(shift)?))
+        }
+        None => None,
+    };
+    let x = x.contiguous()?;
+    // SAFETY: the kernel writes every element before anything reads it.
+    let out = unsafe { Tensor::empty(x.shape(), x.dtype(), x.device()) }?;
+    let positions = b * spatial;
+    out.inplace_op1(&item_launch(
+        &NORMS,
+        func,
+        positions,
+        vec![
+            Arg::Tensor(Some(&x)),
+            Arg::Dst,
+            Arg::Tensor(modulation.as_ref().map(|m| &m.0)),
+            Arg::Tensor(modulation.as_ref().map(|m| &m.1)),
+            Arg::Int(c as i32),
+            Arg::Long(spatial as i64),
+            Arg::Long(positions as i64),
+            Arg::Float(eps as f32),
+            Arg::Int(i32::from(silu)),
+        ],
+    ))?;
+    Ok(out)
+}
