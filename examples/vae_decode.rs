@@ -10,11 +10,12 @@
 //! `vae_decode [B,C,F,h,w] [--exact] [--fixture DIR]`: `--exact` also decodes with exact f32
 //! (`--no-tf32`) and reports max |TF32 - exact|. One JSON line per measurement on stdout.
 //!
-//! `vae_decode --family NAME [B,C,F,h,w] [--tiled]` times another family's VAE instead, bf16, at
+//! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`: their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! HunyuanVideo's spatial tiling, as `--vae-tiling`), with the device's peak memory above what
-//! the weights hold (the same numbers as `bench/peer_vae_decode.py` for diffusers).
+//! the weights hold (the same numbers as `bench/peer_vae_decode.py` for diffusers); `--save`
+//! writes the decoded video (f32 safetensors `video`) to compare two builds or settings.
 
 use std::time::Instant;
 
@@ -69,7 +70,11 @@ fn main() -> Result<()> {
         .and_then(|i| args.get(i + 1))
     {
         let given = args.iter().any(|a| a.contains(',')).then_some(&shape[..]);
-        return family_decode(family, given, args.iter().any(|a| a == "--tiled"), &dev);
+        let save = args
+            .iter()
+            .position(|a| a == "--save")
+            .and_then(|i| args.get(i + 1));
+        return family_decode(family, given, args.iter().any(|a| a == "--tiled"), save, &dev);
     }
 
     if let Some(dir) = fixture {
@@ -137,7 +142,13 @@ fn main() -> Result<()> {
 type Decode = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
 
 /// Times `family`'s decode (bf16, synthetic weights) after a warm-up on two latent frames.
-fn family_decode(family: &str, shape: Option<&[usize]>, tiled: bool, dev: &Device) -> Result<()> {
+fn family_decode(
+    family: &str,
+    shape: Option<&[usize]>,
+    tiled: bool,
+    save: Option<&String>,
+    dev: &Device,
+) -> Result<()> {
     use vidgen::models::{cogvideox, hunyuan_video, ltx, mochi};
     let source = ModelSource::parse(&format!("synthetic:{family}"))?;
     let weights = WeightSet::open(&component_weights(&source, "vae")?)?;
@@ -193,8 +204,13 @@ fn family_decode(family: &str, shape: Option<&[usize]>, tiled: bool, dev: &Devic
     dev.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     let peak = peak.stop().saturating_sub(before);
+    let out = out.to_dtype(DType::F32)?;
+    if let Some(path) = save {
+        let video = out.to_device(&Device::Cpu)?;
+        let tensors: std::collections::HashMap<&str, Tensor> = [("video", video)].into();
+        candle_core::safetensors::save(&tensors, path)?;
+    }
     let finite = out
-        .to_dtype(DType::F32)?
         .flatten_all()?
         .to_vec1::<f32>()?
         .iter()

@@ -66,7 +66,10 @@ pub fn fused_group_norm(
     channel_dim: usize,
 ) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F32) {
+    if x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F32)
+        && crate::models::norms::enabled()
+    {
         let dims = x.dims();
         if entry_dims > channel_dim || channel_dim >= dims.len() {
             candle_core::bail!("group norm: {dims:?} with channels at {channel_dim}")

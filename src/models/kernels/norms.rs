@@ -11,6 +11,16 @@ use crate::models::runs::{GroupNormSpec, Rounding};
 
 static NORMS: Module = kernel_module!("norms");
 
+/// Turns the fused norms off (`VIDGEN_FUSED_NORMS=off`): the candle compositions run, to
+/// compare the two in one process (bench/).
+pub const FUSED_NORMS_ENV: &str = "VIDGEN_FUSED_NORMS";
+
+/// Whether the fused norms run (read once).
+pub(crate) fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(FUSED_NORMS_ENV).map_or(true, |v| v != "off"))
+}
+
 /// Elements a block of the kernels takes at least (fewer blocks, fewer f64 atomics).
 const ELEMENTS_PER_BLOCK: usize = ROW_THREADS * 32;
 

@@ -324,7 +324,7 @@ fn channel_rms_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
 fn rms_modulate_silu(x: &Tensor, modulation: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
     let scale1 = modulation.map(|(scale, _)| scale + 1.0).transpose()?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if x.device().is_cuda() && crate::models::norms::enabled() {
         let modulation = scale1.as_ref().zip(modulation.map(|(_, shift)| shift));
         return crate::models::norms::channel_rms(x, modulation, RMS_EPS, true);
     }

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every causal-conv family's VAE decode (issue 34 item 1) in ONE device call, vidgen and diffusers:
+#   here:   CUDA build of vidgen's example: strip + xz into .device/vae_decode.xz
+#   device: run(carry: [".device"], command: "bash bench/vae_family.sh", timeout_s: 600)
+# (a) the fused norms against the candle compositions (VIDGEN_FUSED_NORMS=off) on a small decode
+#     of each family: max |difference| of the frames;
+# (b) each family's decode at its pipeline's default size, fused norms on and off, and diffusers'
+#     untiled and tiled decode of the same config and shape (bench/peer_vae_decode.py), and
+#     HunyuanVideo tiled;
+# (c) FAMILIES= and NCU=1 narrow it down / add a per-kernel time summary (ncu) of a small decode.
+set -u
+export PATH=/opt/torch/.venv/bin:$PATH
+OUT=${OUT:-/tmp/vae_family}; mkdir -p "$OUT"
+B=/tmp/vae-bin; mkdir -p "$B"
+xz -dc .device/vae_decode.xz > "$B/vae_decode" && chmod +x "$B/vae_decode"
+V="$B/vae_decode"
+FAMILIES=${FAMILIES:-"ltx-video cogvideox-5b mochi-1 hunyuanvideo"}
+small() { case $1 in ltx-video) echo 1,128,3,8,11;; cogvideox-5b) echo 1,16,3,30,45;;
+  mochi-1) echo 1,12,3,30,53;; hunyuanvideo) echo 1,16,5,30,40;; esac; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+for f in $FAMILIES; do
+  el "$f small: fused vs candle norms"
+  "$V" --family "$f" "$(small "$f")" --save "$OUT/$f-fused.st" 2>&1 | tee -a "$OUT/log.jsonl"
+  VIDGEN_FUSED_NORMS=off "$V" --family "$f" "$(small "$f")" --save "$OUT/$f-candle.st" 2>&1 | tee -a "$OUT/log.jsonl"
+  python3 - "$OUT/$f-fused.st" "$OUT/$f-candle.st" <<'PY' 2>&1 | tee -a "$OUT/log.jsonl"
+import sys, json
+from safetensors.torch import load_file
+a, b = (load_file(p)["video"] for p in sys.argv[1:3])
+print(json.dumps({"fused_vs_candle_max_abs": float((a - b).abs().max()), "max_abs": float(b.abs().max())}))
+PY
+  rm -f "$OUT"/*.st
+done
+for f in $FAMILIES; do
+  el "$f default size"
+  timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
+  VIDGEN_FUSED_NORMS=off timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
+  [ "$f" = hunyuanvideo ] && timeout 200 "$V" --family "$f" --tiled 2>&1 | tee -a "$OUT/log.jsonl"
+  timeout 300 python3 bench/peer_vae_decode.py "$f" 2>&1 | grep '^{' | tee -a "$OUT/log.jsonl"
+done
+if [ "${NCU:-0}" = 1 ]; then
+  for f in $FAMILIES; do
+    el "$f ncu"
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+      "$V" --family "$f" "$(small "$f")" > "$OUT/ncu-$f.txt" 2>&1
+    grep -E "^\s+[a-zA-Z_].*\(|gpu__time_duration" "$OUT/ncu-$f.txt" | head -80
+  done
+fi
+el done
