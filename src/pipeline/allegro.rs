@@ -117,10 +117,11 @@ impl Family for AllegroConfigs {
         self.declare(shape).0
     }
 
-    /// Text-to-video with classifier-free guidance; its own Euler ancestral scheduler, the VAE
-    /// always tiled (it has no other decode). diffusers' `AllegroPipeline` loads no LoRAs.
+    /// Text-to-video with classifier-free guidance; its own Euler ancestral scheduler. The VAE
+    /// decodes in tiles whatever `--vae-tiling` says (it has no other decode); diffusers'
+    /// `AllegroPipeline` loads no LoRAs.
     fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::GUIDED.to_vec()
+        [&FamilyOption::GUIDED[..], &[FamilyOption::VaeTiling]].concat()
     }
 
     /// The VAE decodes whole tiles only (diffusers fails on latents smaller than a tile).

@@ -98,9 +98,10 @@ impl Default for AllegroTransformerConfig {
 }
 
 impl AllegroTransformerConfig {
-    /// Width of the hidden states.
+    /// Width of the hidden states (saturating: `validate` bounds it).
     pub fn inner_dim(&self) -> usize {
-        self.num_attention_heads * self.attention_head_dim
+        self.num_attention_heads
+            .saturating_mul(self.attention_head_dim)
     }
 
     /// Rejects configurations this model cannot run, with the key at fault.
@@ -607,5 +608,83 @@ impl Blockwise for AllegroTransformer3DModel {
     }
     fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
         AllegroBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_the_model_cannot_run_are_refused_with_the_key() {
+        let good = AllegroTransformerConfig::default();
+        assert!(good.validate().is_ok());
+        let cases = [
+            (
+                AllegroTransformerConfig {
+                    patch_size_t: 2,
+                    ..good.clone()
+                },
+                "patch_size_t",
+            ),
+            (
+                AllegroTransformerConfig {
+                    attention_head_dim: 64,
+                    cross_attention_dim: 24 * 64,
+                    ..good.clone()
+                },
+                "attention_head_dim",
+            ),
+            (
+                AllegroTransformerConfig {
+                    cross_attention_dim: 4096,
+                    ..good.clone()
+                },
+                "cross_attention_dim",
+            ),
+            (
+                AllegroTransformerConfig {
+                    num_attention_heads: usize::MAX,
+                    ..good.clone()
+                },
+                "num_attention_heads",
+            ),
+            (
+                AllegroTransformerConfig {
+                    interpolation_scale_t: 0.0,
+                    ..good.clone()
+                },
+                "interpolation_scale_t",
+            ),
+        ];
+        for (bad, key) in cases {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    /// Each token's table is its frame's, row's and column's rows side by side, and position 0
+    /// does not rotate.
+    #[test]
+    fn rope_tables_follow_the_token_grid() -> Result<()> {
+        let cfg = AllegroTransformerConfig {
+            attention_head_dim: 12,
+            ..Default::default()
+        };
+        let (cos, sin) = rope_tables(&cfg, [2, 3, 4], &Device::Cpu)?;
+        assert_eq!(cos.dims(), [24, 12]);
+        let first = cos.get(0)?.to_vec1::<f32>()?;
+        assert!(first.iter().all(|&c| c == 1.0));
+        assert!(sin.get(0)?.to_vec1::<f32>()?.iter().all(|&s| s == 0.0));
+        // Token (1, 2, 3): the frame third at 1 / 2.2, the row third at 2 / 2, the column
+        // third at 3 / 2.
+        let last = cos.get(23)?.to_vec1::<f32>()?;
+        let (tc, _) = rope_axis(4, 2, 2.2);
+        assert_eq!(&last[0..4], &tc[4..8]);
+        let (hc, _) = rope_axis(4, 3, 2.0);
+        assert_eq!(&last[4..8], &hc[8..12]);
+        let (wc, _) = rope_axis(4, 4, 2.0);
+        assert_eq!(&last[8..12], &wc[12..16]);
+        Ok(())
     }
 }

@@ -622,3 +622,89 @@ crate::placed_whole!(
     AllegroVaeConfig,
     AutoencoderKLAllegro::new
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_tiles_cover_the_default_video() {
+        let cfg = AllegroVaeConfig::default();
+        assert!(cfg.validate().is_ok());
+        assert_eq!(cfg.latent_tile(), [6, 40, 40]);
+        assert_eq!(cfg.latent_stride(), [4, 25, 30]);
+        // 88 frames of 720x1280: 5 x 3 x 5 tiles reach every latent frame, row and column.
+        assert_eq!(cfg.tiles([22, 90, 160]), [5, 3, 5]);
+        assert!(cfg.decode_refusal([22, 90, 160]).is_none());
+        // Smaller than one tile: diffusers fails, vidgen refuses.
+        let why = cfg.decode_refusal([22, 30, 160]).unwrap();
+        assert!(why.contains("tiles of 40 latent rows"), "{why}");
+    }
+
+    #[test]
+    fn a_tile_smaller_than_its_overlap_strides_backwards() {
+        let cfg = AllegroVaeConfig {
+            block_out_channels: vec![8, 8, 16, 16],
+            norm_num_groups: 4,
+            sample_size: 64,
+            ..Default::default()
+        };
+        assert!(cfg.validate().is_ok());
+        // Python's floor division: -56 // 8 = -7, -16 // 8 = -2.
+        assert_eq!(cfg.latent_stride(), [4, -7, -2]);
+        assert_eq!(cfg.tiles([6, 8, 8]), [1, 1, 1]);
+        assert_eq!(cfg.tiles([10, 8, 8]), [2, 1, 1]);
+        // A larger frame fits no tile at all.
+        assert_eq!(cfg.tiles([6, 16, 8]), [1, 0, 1]);
+        assert!(cfg.decode_refusal([6, 16, 8]).is_some());
+    }
+
+    #[test]
+    fn configs_the_decoder_cannot_run_are_refused_with_the_key() {
+        let good = AllegroVaeConfig::default();
+        let cases = [
+            (
+                AllegroVaeConfig {
+                    temporal_compression_ratio: 8.0,
+                    ..good.clone()
+                },
+                "temporal_compression_ratio",
+            ),
+            (
+                AllegroVaeConfig {
+                    sample_size: 120,
+                    ..good.clone()
+                },
+                "sample_size",
+            ),
+            (
+                AllegroVaeConfig {
+                    norm_num_groups: 48,
+                    ..good.clone()
+                },
+                "norm_num_groups",
+            ),
+            (
+                AllegroVaeConfig {
+                    temporal_upsample_blocks: vec![true],
+                    ..good.clone()
+                },
+                "temporal_upsample_blocks",
+            ),
+        ];
+        for (bad, key) in cases {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn fades_ramp_over_the_overlap() -> Result<()> {
+        let x = Tensor::ones((1, 1, 4, 1, 1), DType::F32, &candle_core::Device::Cpu)?;
+        let head = fade(&x, 2, 2, true)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(head, [0.0, 0.5, 1.0, 1.0]);
+        let tail = fade(&x, 2, 2, false)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(tail, [1.0, 1.0, 1.0, 0.5]);
+        Ok(())
+    }
+}
