@@ -129,7 +129,7 @@ impl Family for AllegroConfigs {
         let grid = self.grid(num_frames, height, width);
         self.vae.decode_refusal(grid).map(|why| {
             let [f, h, w] = self.vae.tile();
-            format!("--num-frames {num_frames} --height {height} --width {width}: {why}; a video of at least {f} frames of {h}x{w} decodes")
+            format!("{num_frames} frames of {height}x{width}: {why}; the Allegro VAE decodes in tiles of {f} frames of {h}x{w} pixels: pass a size made of whole tiles (--num-frames {f}, --height {h}, --width {w} always decode)")
         })
     }
 

@@ -33,23 +33,29 @@ const TEMPORAL_NORM_EPS: f64 = 1e-5;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct AllegroVaeConfig {
+    /// Channels of the video the encoder takes (no encoder here: checked, not used).
     pub in_channels: usize,
+    /// Channels of the decoded video.
     pub out_channels: usize,
     /// Only `AllegroUpBlock3D`.
     pub up_block_types: Vec<String>,
+    /// Channels per level, image side first (the decoder runs them in reverse).
     pub block_out_channels: Vec<usize>,
     /// Which up blocks double the frames.
     pub temporal_upsample_blocks: Vec<bool>,
+    /// Channels of the latents.
     pub latent_channels: usize,
     /// Resnets per down block; the up blocks have one more.
     pub layers_per_block: usize,
     /// Only `silu`.
     pub act_fn: String,
+    /// Groups of every GroupNorm.
     pub norm_num_groups: usize,
     /// Frames per latent frame (the temporal upsamplers must make exactly this).
     pub temporal_compression_ratio: f64,
     /// Side of a pixel tile.
     pub sample_size: usize,
+    /// The decode input is `1 / scaling_factor · latents`.
     pub scaling_factor: f64,
 }
 
@@ -128,25 +134,28 @@ impl AllegroVaeConfig {
         })
     }
 
-    /// Why latents `[F, h, w]` cannot be decoded, if they cannot: diffusers' tiled decode needs
-    /// every axis at least one tile long and at least one tile to fit.
+    /// Why latents `[F, h, w]` cannot be decoded, if they cannot: diffusers' tiled decode fails
+    /// on an axis shorter than a tile, and decodes nothing along one no tile fits (a frame larger
+    /// than a tile whose overlap exceeds it).
     pub fn decode_refusal(&self, latent: [usize; 3]) -> Option<String> {
         let k = self.latent_tile();
         let tiles = self.tiles(latent);
         let axes = ["frames", "rows", "columns"];
-        (0..3)
-            .find(|&a| latent[a] < k[a] || tiles[a] == 0)
-            .map(|a| {
-                format!(
-                    "the Allegro VAE decodes in tiles of {} latent {} and this video has {} (tiles fit {}); pass a size whose latents hold whole tiles ({:?} latent frames x rows x columns, strides {:?})",
-                    k[a],
-                    axes[a],
-                    latent[a],
-                    tiles[a],
-                    k,
-                    self.latent_stride()
-                )
-            })
+        (0..3).find_map(|a| {
+            if latent[a] < k[a] {
+                Some(format!(
+                    "{} latent {} are fewer than a VAE tile's {}",
+                    latent[a], axes[a], k[a]
+                ))
+            } else if tiles[a] == 0 {
+                Some(format!(
+                    "{} latent {} fit no VAE tile of {} (its tiles overlap by more than they span)",
+                    latent[a], axes[a], k[a]
+                ))
+            } else {
+                None
+            }
+        })
     }
 
     /// Rejects configurations this decoder cannot run, with the key at fault.
@@ -638,7 +647,10 @@ mod tests {
         assert!(cfg.decode_refusal([22, 90, 160]).is_none());
         // Smaller than one tile: diffusers fails, vidgen refuses.
         let why = cfg.decode_refusal([22, 30, 160]).unwrap();
-        assert!(why.contains("tiles of 40 latent rows"), "{why}");
+        assert!(
+            why.contains("30 latent rows are fewer than a VAE tile's 40"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -656,7 +668,8 @@ mod tests {
         assert_eq!(cfg.tiles([10, 8, 8]), [2, 1, 1]);
         // A larger frame fits no tile at all.
         assert_eq!(cfg.tiles([6, 16, 8]), [1, 0, 1]);
-        assert!(cfg.decode_refusal([6, 16, 8]).is_some());
+        let why = cfg.decode_refusal([6, 16, 8]).unwrap();
+        assert!(why.contains("16 latent rows fit no VAE tile of 8"), "{why}");
     }
 
     #[test]
