@@ -316,12 +316,15 @@ impl Allegro {
         draws.finish()?;
         let scheduler =
             EulerAncestral::new(&self.configs.scheduler, job.num_inference_steps as usize)?;
-        // `prepare_latents`: the draw times init_noise_sigma, in the run dtype.
-        let sigma = Tensor::new(scheduler.init_noise_sigma(), device)?.to_dtype(dtype)?;
+        // `prepare_latents`: the draw in the run dtype times init_noise_sigma (an f32 0-dim
+        // tensor: computed in f32, rounded to the run dtype).
+        let sigma = Tensor::new(scheduler.init_noise_sigma(), device)?;
         let mut latents = latents
             .to_dtype(dtype)?
             .to_device(device)?
-            .broadcast_mul(&sigma)?;
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&sigma)?
+            .to_dtype(dtype)?;
         let timesteps = scheduler.timesteps().to_vec();
         let guidance_scale = job.guidance_scale;
         let mut denoise = Denoise::new(frame, timesteps.len());

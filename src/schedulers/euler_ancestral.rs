@@ -192,12 +192,15 @@ impl EulerAncestral {
         self.init_noise_sigma
     }
 
-    /// `scale_model_input` at step `i`: `sample / √(σ² + 1)`, in the sample's dtype.
+    /// `scale_model_input` at step `i`: `sample / √(σ² + 1)`, computed in f32 (torch's
+    /// arithmetic for a tensor over an f32 0-dim tensor) and rounded to the sample's dtype.
     pub fn scale_model_input(&self, sample: &Tensor, i: usize) -> anyhow::Result<Tensor> {
         let sigma = self.sigma(i)?;
-        let s =
-            Tensor::new((sigma * sigma + 1.0).sqrt(), sample.device())?.to_dtype(sample.dtype())?;
-        Ok(sample.broadcast_div(&s)?)
+        let s = Tensor::new((sigma * sigma + 1.0).sqrt(), sample.device())?;
+        Ok(sample
+            .to_dtype(DType::F32)?
+            .broadcast_div(&s)?
+            .to_dtype(sample.dtype())?)
     }
 
     /// One `step` at step `i` with the step's draw `noise` (the latents' shape), computed in
