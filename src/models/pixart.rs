@@ -1,6 +1,6 @@
 //! PixArt-α's conditioning layers, shared by the DiTs built on its blocks (Latte, Allegro):
 //! `AdaLayerNormSingle` (one timestep MLP modulating every block), the caption projection and
-//! the blocks' LayerNorms, whose weights a config may leave out.
+//! the blocks' LayerNorms and projections, whose weights and biases a config may leave out.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
@@ -22,6 +22,15 @@ pub fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<
     let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
     let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
     Ok(LayerNorm::new(ones, zeros, eps))
+}
+
+/// A linear layer with or without its bias (the blocks' `attention_bias`).
+pub fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    if bias {
+        candle_nn::linear(cin, cout, vb)
+    } else {
+        candle_nn::linear_no_bias(cin, cout, vb)
+    }
 }
 
 /// `AdaLayerNormSingle` without additional conditions: sinusoid (f32) → `timestep_embedder`

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{layer_norm, AdaLayerNormSingle, CaptionProjection};
+use crate::models::pixart::{layer_norm, linear, AdaLayerNormSingle, CaptionProjection};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -174,15 +174,6 @@ impl AllegroTransformerConfig {
             candle_core::bail!("transformer config: {key} must be a positive number");
         }
         Ok(())
-    }
-}
-
-/// A linear layer with or without its bias.
-fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        candle_nn::linear(cin, cout, vb)
-    } else {
-        candle_nn::linear_no_bias(cin, cout, vb)
     }
 }
 

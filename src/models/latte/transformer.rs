@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{layer_norm, AdaLayerNormSingle, CaptionProjection};
+use crate::models::pixart::{layer_norm, linear, AdaLayerNormSingle, CaptionProjection};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -192,15 +192,6 @@ impl LatteTransformerConfig {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }
         Ok(())
-    }
-}
-
-/// A linear layer with or without its bias.
-fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        candle_nn::linear(cin, cout, vb)
-    } else {
-        candle_nn::linear_no_bias(cin, cout, vb)
     }
 }
 
