@@ -460,3 +460,43 @@ fn a_run_from_the_seed_is_reproducible() {
     assert_eq!(max_abs_diff(&a, &b), 0.0);
     assert!(max_abs_diff(&a, &c) > 1e-3);
 }
+
+/// A draws file without a step's scheduler noise, or with a tensor the run never takes, is bad
+/// input named in one line (exit 2) before anything loads.
+#[test]
+fn a_draws_file_that_does_not_fit_is_refused() {
+    let dir = scratch_dir("allegro", "draws");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let latents = refs["latents_init"].clone();
+    let noise = refs["cfg7_5.step0.scheduler_noise.0"].clone();
+    let cases: [(&str, Vec<(&str, &Tensor)>, &str); 2] = [
+        (
+            "missing",
+            vec![("latents", &latents), ("step0.scheduler_noise.0", &noise)],
+            "step1.scheduler_noise.0",
+        ),
+        (
+            "extra",
+            vec![
+                ("latents", &latents),
+                ("step0.scheduler_noise.0", &noise),
+                ("step1.scheduler_noise.0", &noise),
+                ("step2.scheduler_noise.0", &noise),
+                ("step3.scheduler_noise.0", &noise),
+            ],
+            "step3.scheduler_noise.0",
+        ),
+    ];
+    for (name, tensors, why) in cases {
+        let draws: HashMap<String, Tensor> = tensors
+            .into_iter()
+            .map(|(k, t)| (k.to_string(), t.clone()))
+            .collect();
+        let path = dir.join(format!("{name}.safetensors"));
+        candle_core::safetensors::save(&draws, &path).unwrap();
+        let err = generate_frames(&args("7.5", &[]), &path, &dir).unwrap_err();
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert_eq!(errors.len(), 1, "{name}: {err}");
+        assert!(errors[0].contains(why), "{name}: {err}");
+    }
+}
