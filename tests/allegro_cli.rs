@@ -7,16 +7,17 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::{
     assert_close, config_in, generate_frames, max_abs_diff, named_fixture_dir, named_reference,
     run_vidgen, scratch_dir, var_builder_in,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use vidgen::models::allegro::transformer::{AllegroTransformer3DModel, AllegroTransformerConfig};
 use vidgen::models::allegro::vae::{AllegroVaeConfig, AutoencoderKLAllegro};
 use vidgen::models::t5::tokenizer::{clean_caption, PromptTokenizer};
+use vidgen::offload::{record, Packing};
 use vidgen::schedulers::euler_ancestral::{EulerAncestral, EulerAncestralConfig};
 
 const FIXTURE: &str = "allegro-tiny-a";
@@ -499,4 +500,60 @@ fn a_draws_file_that_does_not_fit_is_refused() {
         assert_eq!(errors.len(), 1, "{name}: {err}");
         assert!(errors[0].contains(why), "{name}: {err}");
     }
+}
+
+/// A shipped published config (`assets/allegro/...`).
+fn published_config<T: serde::de::DeserializeOwned>(relative: &str) -> T {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("assets/allegro")
+        .join(relative);
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// rhymes-ai/Allegro's state dict `name` (recorded on the meta device) as name -> shape.
+fn published_tensors(name: &str) -> BTreeMap<String, Vec<usize>> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/seed-rest-configs.json");
+    let all: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    serde_json::from_value(all["state_dicts"][name]["tensors"].clone()).unwrap()
+}
+
+/// What `build` asks for at the published sizes, without weights, as name -> shape; every
+/// name is published with that shape, and the published names not asked for are `unused`.
+fn asks_for_the_published<B>(
+    build: impl FnOnce(candle_nn::VarBuilder<'static>) -> candle_core::Result<B>,
+    published: &BTreeMap<String, Vec<usize>>,
+    unused: impl Fn(&str) -> bool,
+) {
+    let asked: BTreeMap<String, Vec<usize>> = record(None, DType::BF16, Packing::ByDtype, build)
+        .unwrap()
+        .slots
+        .into_iter()
+        .map(|slot| (slot.name, slot.shape.dims().to_vec()))
+        .collect();
+    for (name, shape) in &asked {
+        assert_eq!(published.get(name), Some(shape), "{name}");
+    }
+    for name in published.keys() {
+        assert_eq!(asked.contains_key(name), !unused(name), "{name}");
+    }
+}
+
+/// The transformer and the VAE decoder built from the shipped configs ask for exactly
+/// rhymes-ai/Allegro's tensors (the encoder side of the VAE aside: text-to-video only decodes).
+#[test]
+fn published_configs_ask_for_the_published_tensors() {
+    let cfg: AllegroTransformerConfig = published_config("transformer/config.json");
+    asks_for_the_published(
+        |vb| AllegroTransformer3DModel::new(&cfg, vb),
+        &published_tensors("Allegro transformer"),
+        |_| false,
+    );
+    let cfg: AllegroVaeConfig = published_config("vae/config.json");
+    asks_for_the_published(
+        |vb| AutoencoderKLAllegro::new(&cfg, vb),
+        &published_tensors("Allegro VAE"),
+        |name| name.starts_with("encoder.") || name.starts_with("quant_conv."),
+    );
 }
