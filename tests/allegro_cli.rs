@@ -470,29 +470,16 @@ fn a_draws_file_that_does_not_fit_is_refused() {
     let refs = named_reference(FIXTURE, "pipeline");
     let latents = refs["latents_init"].clone();
     let noise = refs["cfg7_5.step0.scheduler_noise.0"].clone();
-    let cases: [(&str, Vec<(&str, &Tensor)>, &str); 2] = [
-        (
-            "missing",
-            vec![("latents", &latents), ("step0.scheduler_noise.0", &noise)],
-            "step1.scheduler_noise.0",
-        ),
-        (
-            "extra",
-            vec![
-                ("latents", &latents),
-                ("step0.scheduler_noise.0", &noise),
-                ("step1.scheduler_noise.0", &noise),
-                ("step2.scheduler_noise.0", &noise),
-                ("step3.scheduler_noise.0", &noise),
-            ],
-            "step3.scheduler_noise.0",
-        ),
+    // (file, the steps whose noise it holds, the draw the refusal names)
+    let cases = [
+        ("missing", 0..1, "step1.scheduler_noise.0"),
+        ("extra", 0..4, "step3.scheduler_noise.0"),
     ];
-    for (name, tensors, why) in cases {
-        let draws: HashMap<String, Tensor> = tensors
-            .into_iter()
-            .map(|(k, t)| (k.to_string(), t.clone()))
-            .collect();
+    for (name, steps, why) in cases {
+        let mut draws: HashMap<String, Tensor> = [("latents".to_string(), latents.clone())].into();
+        for i in steps {
+            draws.insert(format!("step{i}.scheduler_noise.0"), noise.clone());
+        }
         let path = dir.join(format!("{name}.safetensors"));
         candle_core::safetensors::save(&draws, &path).unwrap();
         let err = generate_frames(&args("7.5", &[]), &path, &dir).unwrap_err();
