@@ -3,7 +3,7 @@
 //! latents and scheduler noise; offload modes bit-identical to the resident run; the dry run of
 //! the fixture and of `synthetic:allegro`; flags and sizes that do not apply refused. Also the
 //! components against the fixture's references: the transformer, the tiled VAE decode, the
-//! Euler ancestral scheduler and the prompt's tokens.
+//! Euler ancestral scheduler and the text encoder.
 
 mod common;
 
@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use vidgen::models::allegro::transformer::{AllegroTransformer3DModel, AllegroTransformerConfig};
 use vidgen::models::allegro::vae::{AllegroVaeConfig, AutoencoderKLAllegro};
+use vidgen::models::t5::encoder::{T5Config, T5EncoderModel};
 use vidgen::models::t5::tokenizer::{clean_caption, PromptTokenizer};
 use vidgen::offload::{record, Packing};
 use vidgen::schedulers::euler_ancestral::{EulerAncestral, EulerAncestralConfig};
@@ -395,9 +396,10 @@ fn scheduler_matches_diffusers() {
     }
 }
 
-/// The prompts lower-cased and stripped, then tokenized to 16 ids with their mask.
+/// The prompts lower-cased and stripped, tokenized to 16 ids with their mask, and T5's
+/// `last_hidden_state` with that mask (pad rows not zeroed).
 #[test]
-fn prompt_tokens_match_diffusers() {
+fn text_encoder_matches_diffusers() {
     let r = named_reference(FIXTURE, "text_encoder");
     let tokenizer =
         PromptTokenizer::from_file(&named_fixture_dir(FIXTURE).join("tokenizer/tokenizer.json"))
@@ -406,13 +408,38 @@ fn prompt_tokens_match_diffusers() {
     let prompts = preset["prompts"].as_array().unwrap();
     let ids = r["input_ids"].to_vec2::<i64>().unwrap();
     let mask = r["attention_mask"].to_vec2::<i64>().unwrap();
+    let cfg: T5Config = config_in(FIXTURE, "text_encoder/config.json");
+    let encoder = T5EncoderModel::new(
+        &cfg,
+        var_builder_in(FIXTURE, "text_encoder/model.safetensors"),
+    )
+    .unwrap();
     for (k, prompt) in prompts.iter().enumerate() {
         let (got, len) = tokenizer
             .encode(&clean_caption(prompt.as_str().unwrap()), 16)
             .unwrap();
+        let keep: Vec<u32> = (0..16).map(|i| u32::from(i < len)).collect();
+        let states = encoder
+            .forward(
+                &Tensor::new(got.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap(),
+                &Tensor::new(keep.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap(),
+            )
+            .unwrap();
         let got: Vec<i64> = got.into_iter().map(i64::from).collect();
         assert_eq!(got, ids[k], "prompt {k}");
         assert_eq!(len as i64, mask[k].iter().sum::<i64>(), "prompt {k}");
+        let expected = r["last_hidden_state"].narrow(0, k, 1).unwrap();
+        eprintln!(
+            "prompt {k}: max |diff| {:.3e}",
+            max_abs_diff(&states, &expected)
+        );
+        assert_close(&format!("prompt {k}"), &states, &expected, 1e-4, 1e-4);
     }
 }
 
