@@ -4,9 +4,9 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use vidgen::models::latte::prompt::{clean_caption, mask_feature, tokens, MAX_LENGTH};
+use vidgen::models::latte::prompt::{mask_feature, tokens, MAX_LENGTH};
 use vidgen::models::t5::encoder::{attention_mask, T5Config, T5EncoderModel};
-use vidgen::models::t5::tokenizer::PromptTokenizer;
+use vidgen::models::t5::tokenizer::{clean_caption, PromptTokenizer};
 
 const FIXTURE: &str = "latte-tiny-a";
 const ATOL: f64 = 1e-4;

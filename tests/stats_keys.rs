@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::process::Command;
 
 /// Every family's tiny fixture.
-const FIXTURES: [&str; 8] = [
+const FIXTURES: [&str; 9] = [
     "wan-tiny-a",
     "ltx-video-tiny-a",
     "cogvideox-tiny-a",
@@ -17,6 +17,7 @@ const FIXTURES: [&str; 8] = [
     "minimax-h3-tiny-a",
     "latte-tiny-a",
     "mochi-tiny-a",
+    "allegro-tiny-a",
     "flux-tiny-a",
 ];
 

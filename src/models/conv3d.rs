@@ -400,6 +400,23 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Cross-correlation of `x` `[B, C_in, T, H, W]` by `w` `[C_out, C_in, kt, kh, kw]` (zero
+/// padding; height and width share stride and padding), no bias, on any device: [`conv3d`]
+/// where an accelerated path computes it, else the exact sum of 2D convolutions.
+pub fn conv3d_anywhere(
+    x: &Tensor,
+    w: &Tensor,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Tensor> {
+    if accelerated(x.device()) {
+        if let Some(y) = or_fallback(|| conv3d(x, w, stride, padding)) {
+            return Ok(y);
+        }
+    }
+    tap_sum(x, w, stride, padding)
+}
+
 /// A 3D convolution as a sum of 2D ones over temporal taps (zero frames for the temporal
 /// padding; height and width share stride and padding): exact on any device, the last resort of
 /// [`conv3d_in`] and the tests' reference.

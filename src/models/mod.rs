@@ -1,6 +1,7 @@
 //! Model families, and how their files and weights are found. Models expose their blocks and
 //! know nothing of offloading.
 
+pub mod allegro;
 pub mod attention;
 pub mod autoencoder_kl;
 pub mod blocks;
@@ -22,6 +23,7 @@ pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
 pub mod mochi;
+pub mod pixart;
 #[cfg(feature = "cuda")]
 #[path = "kernels/norms.rs"]
 pub(crate) mod norms;
@@ -45,6 +47,7 @@ pub const FOLDERS: &[source::ModelFolder] = &[
     minimax_h3::FOLDER,
     latte::FOLDER,
     mochi::FOLDER,
+    allegro::FOLDER,
     flux::FOLDER,
     t5::FOLDER,
     clip::FOLDER,

@@ -2,7 +2,7 @@
 //! diffusers' `CogVideoXPipeline.__call__` (see [`crate::models::cogvideox`] for the math).
 
 use super::denoise::Denoise;
-use super::draws::Draws;
+use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
@@ -162,30 +162,6 @@ struct CogVideoX {
     configs: CogVideoXConfigs,
     parts: Parts,
     tokenizer: PromptTokenizer,
-}
-
-/// A run's random draws: from the `--latents` file, or from the seed's generator (diffusers
-/// draws the latents and every step's noise from its one `generator`, in the run dtype: the
-/// prompt embeddings' for the latents, the latents' for the noise).
-enum RunDraws {
-    File(Draws),
-    Seeded(TorchGenerator, DType),
-}
-
-impl RunDraws {
-    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        match self {
-            RunDraws::File(draws) => draws.take(name, shape),
-            RunDraws::Seeded(generator, dtype) => Ok(generator.randn_as(shape, *dtype)?),
-        }
-    }
-
-    fn finish(&self) -> Result<()> {
-        match self {
-            RunDraws::File(draws) => draws.finish(),
-            RunDraws::Seeded(..) => Ok(()),
-        }
-    }
 }
 
 impl CogVideoX {

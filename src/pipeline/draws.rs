@@ -2,8 +2,9 @@
 //! diffusers made: each pipeline takes its draws by name and shape, and a draw it needs that the
 //! file lacks, or a tensor in the file it never used, is an error naming it.
 
+use crate::rng::TorchGenerator;
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -140,6 +141,32 @@ impl Draws {
             )
         }
         Ok(())
+    }
+}
+
+/// A run's random draws: from the `--latents` file, or from the seed's generator (the
+/// stochastic samplers' pipelines, CogVideoX's and Allegro's, draw the latents and every step's
+/// noise from their one `generator`, in the run dtype).
+pub enum RunDraws {
+    File(Draws),
+    Seeded(TorchGenerator, DType),
+}
+
+impl RunDraws {
+    /// The draw `name` of `shape`: the file's tensor, or the generator's next draw.
+    pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        match self {
+            RunDraws::File(draws) => draws.take(name, shape),
+            RunDraws::Seeded(generator, dtype) => Ok(generator.randn_as(shape, *dtype)?),
+        }
+    }
+
+    /// A file holding a tensor the run never took is an error naming it.
+    pub fn finish(&self) -> Result<()> {
+        match self {
+            RunDraws::File(draws) => draws.finish(),
+            RunDraws::Seeded(..) => Ok(()),
+        }
     }
 }
 

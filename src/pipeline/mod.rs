@@ -1,6 +1,7 @@
 //! The stage runner and the pipelines: the single place where components are loaded, placed on
 //! a device and released.
 
+pub mod allegro;
 pub mod cogvideox;
 mod denoise;
 pub mod draws;

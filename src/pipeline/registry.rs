@@ -5,7 +5,7 @@
 
 use super::frame::Frame;
 use super::spec::PipelineSpec;
-use super::{cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
+use super::{allegro, cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
 use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::source::ModelSource;
 use crate::output::OutputType;
@@ -310,6 +310,10 @@ pub const FAMILIES: &[FamilyEntry] = &[
     FamilyEntry {
         class_names: &["MochiPipeline"],
         read: mochi::read,
+    },
+    FamilyEntry {
+        class_names: &["AllegroPipeline"],
+        read: allegro::read,
     },
     FamilyEntry {
         class_names: &["FluxPipeline"],

@@ -131,26 +131,12 @@ impl DdimConfig {
 
     /// ᾱ for every training timestep (f32, as diffusers' `alphas_cumprod`).
     pub fn alphas_cumprod(&self) -> Vec<f32> {
-        let n = self.num_train_timesteps;
-        let betas: Vec<f32> = match self.beta_schedule.as_str() {
-            "scaled_linear" => torch_linspace_f32(
-                self.beta_start.sqrt() as f32,
-                self.beta_end.sqrt() as f32,
-                n,
-            )
-            .into_iter()
-            .map(|b| b * b)
-            .collect(),
-            _ => torch_linspace_f32(self.beta_start as f32, self.beta_end as f32, n),
-        };
-        let mut acc = 1.0f64;
-        betas
-            .into_iter()
-            .map(|b| {
-                acc *= f64::from(1.0f32 - b);
-                acc as f32
-            })
-            .collect()
+        super::alphas_cumprod(
+            &self.beta_schedule,
+            self.beta_start,
+            self.beta_end,
+            self.num_train_timesteps,
+        )
     }
 
     /// The integer timesteps of an `n`-step run (`set_timesteps`).
@@ -163,26 +149,6 @@ impl DdimConfig {
         }
         Ok(timesteps)
     }
-}
-
-/// `torch.linspace(start, end, n, dtype=float32)` as the CPU kernel computes it: from the start
-/// for the first half, from the end for the second, each a fused multiply-add in f32 (what the
-/// compiled kernel runs: it reproduces diffusers' `alphas_cumprod` bit for bit).
-fn torch_linspace_f32(start: f32, end: f32, n: usize) -> Vec<f32> {
-    if n <= 1 {
-        return vec![start; n];
-    }
-    let step = (end - start) / (n - 1) as f32;
-    let half = n / 2;
-    (0..n)
-        .map(|i| {
-            if i < half {
-                (i as f32).mul_add(step, start)
-            } else {
-                (-((n - 1 - i) as f32)).mul_add(step, end)
-            }
-        })
-        .collect()
 }
 
 /// The DDIM sampler (eta 0) with its schedule set for a number of steps.

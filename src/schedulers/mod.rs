@@ -6,6 +6,7 @@
 pub mod cogvideox_dpm;
 pub mod ddim;
 pub mod euler;
+pub mod euler_ancestral;
 pub mod linear_quadratic;
 pub mod minimax_h3;
 pub mod unipc;
@@ -267,6 +268,47 @@ fn np_linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
         *last = stop;
     }
     y
+}
+
+/// ᾱ of every training timestep of a DDPM-trained model (f32, as diffusers' `alphas_cumprod`):
+/// `betas = torch.linspace(start, end, n, dtype=float32)` (of the square roots, squared, for
+/// `scaled_linear`), `torch.cumprod(1 - betas)` accumulated in f64 with each entry rounded to f32.
+fn alphas_cumprod(beta_schedule: &str, beta_start: f64, beta_end: f64, n: usize) -> Vec<f32> {
+    let betas: Vec<f32> = match beta_schedule {
+        "scaled_linear" => torch_linspace_f32(beta_start.sqrt() as f32, beta_end.sqrt() as f32, n)
+            .into_iter()
+            .map(|b| b * b)
+            .collect(),
+        _ => torch_linspace_f32(beta_start as f32, beta_end as f32, n),
+    };
+    let mut acc = 1.0f64;
+    betas
+        .into_iter()
+        .map(|b| {
+            acc *= f64::from(1.0f32 - b);
+            acc as f32
+        })
+        .collect()
+}
+
+/// `torch.linspace(start, end, n, dtype=float32)` as the CPU kernel computes it: from the start
+/// for the first half, from the end for the second, each a fused multiply-add in f32 (what the
+/// compiled kernel runs: it reproduces diffusers' `alphas_cumprod` bit for bit).
+fn torch_linspace_f32(start: f32, end: f32, n: usize) -> Vec<f32> {
+    if n <= 1 {
+        return vec![start; n];
+    }
+    let step = (end - start) / (n - 1) as f32;
+    let half = n / 2;
+    (0..n)
+        .map(|i| {
+            if i < half {
+                (i as f32).mul_add(step, start)
+            } else {
+                (-((n - 1 - i) as f32)).mul_add(step, end)
+            }
+        })
+        .collect()
 }
 
 /// Multiplies by an f32 scalar in the tensor's own dtype (like a 0-dim torch tensor would).

@@ -204,12 +204,19 @@ impl Downsample2D {
 
 /// diffusers' `Upsample2D` with `use_conv`: nearest 2x, then a 3x3 conv.
 #[derive(Debug, Clone)]
-struct Upsample2D {
+pub(crate) struct Upsample2D {
     conv: Conv2d,
 }
 
 impl Upsample2D {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The upsampler under `vb` (`upsamplers.0`) on `channels` channels.
+    pub(crate) fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            conv: Conv2d::new(channels, channels, 3, 1, 1, vb.pp("conv"))?,
+        })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (_, _, h, w) = x.dims4()?;
         let x = x.contiguous()?.upsample_nearest2d(2 * h, 2 * w)?;
         self.conv.forward(&x)
@@ -310,9 +317,7 @@ impl Decoder {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let upsampler = if i + 1 < channels.len() {
-                Some(Upsample2D {
-                    conv: Conv2d::new(out, out, 3, 1, 1, bvb.pp("upsamplers.0.conv"))?,
-                })
+                Some(Upsample2D::new(out, bvb.pp("upsamplers.0"))?)
             } else {
                 None
             };

@@ -8,7 +8,7 @@
 //! It computes in the `VarBuilder`'s dtype (the pipelines named above do not read
 //! `force_upcast`); GroupNorm statistics are taken in f32.
 
-mod blocks;
+pub(crate) mod blocks;
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -264,12 +264,7 @@ impl AutoencoderKL {
     /// `1 / scaling_factor * latents` (the SD-style pipelines' decode input, Latte's among
     /// them): the Python float's reciprocal, rounded to f32, times the latents; no shift.
     pub fn unscale_by_reciprocal(&self, latents: &Tensor) -> Result<Tensor> {
-        let inv = (1.0 / self.cfg.scaling_factor) as f32;
-        let inv = Tensor::new(inv, latents.device())?;
-        latents
-            .to_dtype(DType::F32)?
-            .broadcast_mul(&inv)?
-            .to_dtype(latents.dtype())
+        times_reciprocal(latents, self.cfg.scaling_factor)
     }
 
     /// Decodes latents `z` `[B, latent_channels, h, w]` (already unscaled) to images
@@ -319,6 +314,16 @@ impl AutoencoderKL {
         let logvar = moments.narrow(1, latent, latent)?.clamp(-30.0, 20.0)?;
         Ok((mean, logvar))
     }
+}
+
+/// `1 / scaling_factor * latents` as the SD-style pipelines compute it (Latte, Allegro): the
+/// Python float's reciprocal, rounded to f32, times the latents.
+pub fn times_reciprocal(latents: &Tensor, scaling_factor: f64) -> Result<Tensor> {
+    let inv = Tensor::new((1.0 / scaling_factor) as f32, latents.device())?;
+    latents
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&inv)?
+        .to_dtype(latents.dtype())
 }
 
 crate::placed_whole!(

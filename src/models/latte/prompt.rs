@@ -6,20 +6,12 @@
 
 use crate::models::blocks::PlacedBlocks;
 use crate::models::t5::encoder::{attention_mask, T5Block, T5EncoderModel};
-use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::models::t5::tokenizer::{clean_caption, PromptTokenizer};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
 /// Tokens per prompt: `LattePipeline` has no `max_sequence_length`, always 120.
 pub const MAX_LENGTH: usize = 120;
-
-/// `_text_preprocessing` without beautifulsoup4: Python's `text.lower().strip()`.
-pub fn clean_caption(text: &str) -> String {
-    // str.strip() drops what str.isspace() calls whitespace: Unicode White_Space plus the
-    // information separators U+001C..U+001F.
-    let is_space = |c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c);
-    text.to_lowercase().trim_matches(is_space).to_string()
-}
 
 /// The prompt's token ids, padded to [`MAX_LENGTH`], and how many are real (`</s>` included:
 /// `mask.sum()`).

@@ -11,15 +11,12 @@
 //! keeps none of this model in f32; the sin-cos tables are computed in f64 and rounded to f32.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
+use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
-use crate::models::wan::transformer::timestep_embedding;
-
-/// Channels of the sinusoidal timestep embedding (`Timesteps(256, ...)` of PixArt-α).
-const TIME_PROJ_DIM: usize = 256;
+use crate::models::pixart::{layer_norm, linear, AdaLayerNormSingle, CaptionProjection};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -195,29 +192,6 @@ impl LatteTransformerConfig {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }
         Ok(())
-    }
-}
-
-/// A LayerNorm over the last dim; without `affine` the checkpoint holds no weight or bias.
-fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<LayerNorm> {
-    if affine {
-        let config = LayerNormConfig {
-            eps,
-            ..Default::default()
-        };
-        return candle_nn::layer_norm(dim, config, vb);
-    }
-    let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
-    let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
-    Ok(LayerNorm::new(ones, zeros, eps))
-}
-
-/// A linear layer with or without its bias.
-fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        candle_nn::linear(cin, cout, vb)
-    } else {
-        candle_nn::linear_no_bias(cin, cout, vb)
     }
 }
 
@@ -486,12 +460,8 @@ pub struct LatteTransformer3DModel {
     cfg: LatteTransformerConfig,
     /// `pos_embed.proj`: Conv2d with kernel = stride = patch, as a linear over patches.
     patch_proj: Linear,
-    /// `adaln_single.emb.timestep_embedder`: linear_1 -> SiLU -> linear_2.
-    time_embedder: (Linear, Linear),
-    /// `adaln_single.linear` (after SiLU): the blocks' `[B, 6·D]` modulation.
-    adaln_linear: Linear,
-    /// `caption_projection`: linear_1 -> GELU(tanh) -> linear_2.
-    caption_projection: (Linear, Linear),
+    adaln_single: AdaLayerNormSingle,
+    caption_projection: CaptionProjection,
     blocks: Vec<LatteBlock>,
     /// `[2, D]`: shift and scale of the output head.
     scale_shift_table: Tensor,
@@ -520,23 +490,17 @@ impl LatteTransformer3DModel {
         let patch_w = pvb
             .get((dim, c, p, p), "weight")?
             .reshape((dim, c * p * p))?;
-        let avb = vb.pp("adaln_single");
-        let tvb = avb.pp("emb.timestep_embedder");
-        let cvb = vb.pp("caption_projection");
         let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
         let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
         Ok(Self {
             cfg: cfg.clone(),
             patch_proj: Linear::new(patch_w, Some(pvb.get(dim, "bias")?)),
-            time_embedder: (
-                candle_nn::linear(TIME_PROJ_DIM, dim, tvb.pp("linear_1"))?,
-                candle_nn::linear(dim, dim, tvb.pp("linear_2"))?,
-            ),
-            adaln_linear: candle_nn::linear(dim, 6 * dim, avb.pp("linear"))?,
-            caption_projection: (
-                candle_nn::linear(cfg.caption_channels(), dim, cvb.pp("linear_1"))?,
-                candle_nn::linear(dim, dim, cvb.pp("linear_2"))?,
-            ),
+            adaln_single: AdaLayerNormSingle::new(dim, vb.pp("adaln_single"))?,
+            caption_projection: CaptionProjection::new(
+                cfg.caption_channels(),
+                dim,
+                vb.pp("caption_projection"),
+            )?,
             blocks: Vec::new(),
             scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
             norm_out: LayerNorm::new(ones, zeros, NORM_OUT_EPS),
@@ -618,24 +582,8 @@ impl LatteTransformer3DModel {
             .broadcast_add(&table)?
             .to_dtype(self.dtype)?;
 
-        // AdaLayerNormSingle: sinusoid (f32) -> MLP in the model dtype -> SiLU -> linear.
-        let timestep = match timestep.elem_count() {
-            1 if b > 1 => timestep.flatten_all()?.repeat(b)?,
-            n if n == b => timestep.flatten_all()?,
-            n => candle_core::bail!("timestep has {n} values for a batch of {b}"),
-        };
-        let t_proj = timestep_embedding(&timestep.to_device(device)?, TIME_PROJ_DIM)?
-            .to_dtype(self.dtype)?;
-        let (lin1, lin2) = &self.time_embedder;
-        let embedded_timestep = lin2.forward(&lin1.forward(&t_proj)?.silu()?)?;
-        let modulation = self.adaln_linear.forward(&embedded_timestep.silu()?)?;
-
-        let (cap1, cap2) = &self.caption_projection;
-        let text = cap2.forward(
-            &cap1
-                .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?
-                .gelu()?,
-        )?;
+        let (modulation, embedded_timestep) = self.adaln_single.forward(timestep, b)?;
+        let text = self.caption_projection.forward(encoder_hidden_states)?;
         let temp_pos_embed = if f > 1 {
             Some(temporal_pos_embed(dim, cfg.video_length, device)?.to_dtype(self.dtype)?)
         } else {

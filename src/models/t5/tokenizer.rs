@@ -68,3 +68,12 @@ impl PromptTokenizer {
         Ok((ids, seq_len))
     }
 }
+
+/// The PixArt-style pipelines' `_text_preprocessing` (Latte, Allegro) without beautifulsoup4, or
+/// with `clean_caption=False`: Python's `text.lower().strip()`.
+pub fn clean_caption(text: &str) -> String {
+    // str.strip() drops what str.isspace() calls whitespace: Unicode White_Space plus the
+    // information separators U+001C..U+001F.
+    let is_space = |c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c);
+    text.to_lowercase().trim_matches(is_space).to_string()
+}

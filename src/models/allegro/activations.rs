@@ -1,0 +1,61 @@
+//! Activation estimates of the Allegro models: the device bytes their forward passes keep alive
+//! at their peak (the weights are counted apart, from the constructors). The text encoder is
+//! the T5 v1.1 one CogVideoX estimates ([`crate::models::cogvideox::activations`]).
+
+use super::transformer::AllegroTransformerConfig;
+use super::vae::AllegroVaeConfig;
+use crate::models::attention::MAX_SCORE_ELEMENTS;
+use candle_core::DType;
+
+/// Device bytes of one transformer forward over a batch of `batch` (2 with guidance) on
+/// `tokens` video tokens and `text_len` text tokens.
+pub fn transformer_activations(
+    c: &AllegroTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+    dtype: DType,
+) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let (n, l, b) = (tokens as u64, text_len as u64, batch as u64);
+    let dim = c.inner_dim() as u64;
+    let heads = c.num_attention_heads as u64;
+    // Hidden states, the modulated norm, q/k/v and the attention output, q and k rotated in
+    // f32 (two copies each); the feed-forward's 4x hidden and its GELU; the rotary tables in
+    // f32; the caption and its projection.
+    let hidden = b * n * dim * bytes;
+    let rotated = b * n * dim * 4 * 4;
+    let tables = 2 * n * c.attention_head_dim as u64 * 4;
+    // The chunked attention's f32 scores (every token attends to every token), bounded by the
+    // chunking.
+    let scores = (b * heads * n * n).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
+    let text = b * l * (c.caption_channels as u64 + 4 * dim) * bytes;
+    hidden * 8 + hidden * 4 * 2 + rotated + tables + scores + text
+}
+
+/// Device bytes of the tiled decode of latents `[F, h, w]`: one tile through the decoder at
+/// full resolution (the last levels' activations at the first level's channels: a resnet's
+/// input, norm, conv output and sum, a temporal layer's padded copies), its mid-block attention
+/// over a frame's latent pixels, and the whole video in f32 twice (the sum of the tiles and its
+/// conversion to frames).
+pub fn vae_decode_activations(vae: &AllegroVaeConfig, latent: [usize; 3], dtype: DType) -> u64 {
+    let bytes = dtype.size_in_bytes() as u64;
+    let [tf, th, tw] = vae.tile();
+    let tile_pixels = (tf * th * tw) as u64;
+    let channels = vae.block_out_channels.first().copied().unwrap_or(128) as u64;
+    let upsampled = vae
+        .block_out_channels
+        .get(1)
+        .copied()
+        .unwrap_or(channels as usize) as u64;
+    let levels = tile_pixels * (2 * upsampled + 6 * channels) * bytes;
+    let [lf, lh, lw] = vae.latent_tile();
+    let tokens = (lh * lw) as u64;
+    let scores = (lf as u64 * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
+    let (rt, rs) = (
+        vae.temporal_compression_ratio() as u64,
+        vae.spatial_compression_ratio() as u64,
+    );
+    let video = latent[0] as u64 * rt * latent[1] as u64 * rs * latent[2] as u64 * rs;
+    levels + scores + video * vae.out_channels as u64 * 4 * 2
+}

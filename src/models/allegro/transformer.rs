@@ -1,0 +1,681 @@
+//! Allegro's diffusion transformer (diffusers `AllegroTransformer3DModel`): PixArt-α blocks
+//! over every token of the video at once (self-attention with a 3-D rotary embedding,
+//! cross-attention to the caption with its padding masked, feed-forward), modulated by one
+//! `AdaLayerNormSingle`.
+//!
+//! The hidden state is `[B, F·h·w, D]` (frame-major, then rows, then columns). The forward is
+//! split for streaming: [`AllegroTransformer3DModel::prepare`], the blocks
+//! ([`AllegroBlock::forward`]), then [`AllegroTransformer3DModel::finish`]. Every weight uses
+//! the `VarBuilder` dtype; the rotary tables are f32 as diffusers computes them.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{LayerNorm, Linear, VarBuilder};
+use serde::Deserialize;
+
+use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
+use crate::models::blocks::Blockwise;
+use crate::models::pixart::{layer_norm, linear, AdaLayerNormSingle, CaptionProjection};
+
+/// Epsilon of the output LayerNorm (fixed in diffusers).
+const NORM_OUT_EPS: f64 = 1e-6;
+
+/// θ of the rotary embedding (`get_3d_rotary_pos_embed_allegro`'s default).
+const ROPE_THETA: f32 = 10000.0;
+
+/// The bias diffusers adds to the scores of masked caption tokens.
+const MASKED_KEY_BIAS: f64 = -10000.0;
+
+/// `transformer/config.json` of an `AllegroTransformer3DModel`, with diffusers' defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct AllegroTransformerConfig {
+    /// Side of a square patch of latent pixels per token.
+    pub patch_size: usize,
+    /// Frames per token (only 1: the patch embedding works per frame).
+    pub patch_size_t: usize,
+    /// Heads of every attention.
+    pub num_attention_heads: usize,
+    /// Width of a head: split in thirds (frame, row, column) by the rotary embedding.
+    pub attention_head_dim: usize,
+    /// Latent channels in.
+    pub in_channels: usize,
+    /// Channels out.
+    pub out_channels: usize,
+    /// Blocks.
+    pub num_layers: usize,
+    /// Informational (inference runs no dropout).
+    pub dropout: f64,
+    /// Width the cross-attention's keys and values are projected from (the projected caption).
+    pub cross_attention_dim: usize,
+    /// Biases on q, k and v.
+    pub attention_bias: bool,
+    /// Latent rows of training: the default height (× the VAE's factor).
+    pub sample_height: usize,
+    /// Latent columns of training: the default width.
+    pub sample_width: usize,
+    /// Latent frames of training: the default frame count (× the VAE's temporal factor).
+    pub sample_frames: usize,
+    /// Only `gelu-approximate`.
+    pub activation_fn: String,
+    /// Whether the blocks' LayerNorms have weights.
+    pub norm_elementwise_affine: bool,
+    /// Epsilon of the blocks' LayerNorms.
+    pub norm_eps: f64,
+    /// Width of the text encoder's states.
+    pub caption_channels: usize,
+    /// Positions of the rotary embedding are grid index / this, per axis.
+    pub interpolation_scale_h: f64,
+    pub interpolation_scale_w: f64,
+    pub interpolation_scale_t: f64,
+}
+
+impl Default for AllegroTransformerConfig {
+    fn default() -> Self {
+        // The defaults of `AllegroTransformer3DModel.__init__`.
+        Self {
+            patch_size: 2,
+            patch_size_t: 1,
+            num_attention_heads: 24,
+            attention_head_dim: 96,
+            in_channels: 4,
+            out_channels: 4,
+            num_layers: 32,
+            dropout: 0.0,
+            cross_attention_dim: 2304,
+            attention_bias: true,
+            sample_height: 90,
+            sample_width: 160,
+            sample_frames: 22,
+            activation_fn: "gelu-approximate".into(),
+            norm_elementwise_affine: false,
+            norm_eps: 1e-6,
+            caption_channels: 4096,
+            interpolation_scale_h: 2.0,
+            interpolation_scale_w: 2.0,
+            interpolation_scale_t: 2.2,
+        }
+    }
+}
+
+impl AllegroTransformerConfig {
+    /// Width of the hidden states (saturating: `validate` bounds it).
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads
+            .saturating_mul(self.attention_head_dim)
+    }
+
+    /// Rejects configurations this model cannot run, with the key at fault.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("patch_size", self.patch_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("num_layers", self.num_layers),
+            ("caption_channels", self.caption_channels),
+            ("sample_height", self.sample_height),
+            ("sample_width", self.sample_width),
+            ("sample_frames", self.sample_frames),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            candle_core::bail!("transformer config: {key} must be positive");
+        }
+        let too_large = [
+            ("patch_size", self.patch_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("attention_head_dim", self.attention_head_dim),
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("num_layers", self.num_layers),
+            ("caption_channels", self.caption_channels),
+            ("sample_height", self.sample_height),
+            ("sample_width", self.sample_width),
+            ("sample_frames", self.sample_frames),
+            ("inner width", self.inner_dim()),
+        ];
+        if let Some((key, _)) = too_large.iter().find(|(_, v)| *v > 1 << 16) {
+            candle_core::bail!("transformer config: {key} must be at most 65536");
+        }
+        if self.patch_size_t != 1 {
+            candle_core::bail!(
+                "transformer config: patch_size_t {} is not supported (only 1: AllegroTransformer3DModel embeds patches frame by frame)",
+                self.patch_size_t
+            );
+        }
+        if !self.attention_head_dim.is_multiple_of(6) {
+            candle_core::bail!(
+                "transformer config: attention_head_dim {} must be a multiple of 6 (three rotary axes of even width)",
+                self.attention_head_dim
+            );
+        }
+        if self.cross_attention_dim != self.inner_dim() {
+            candle_core::bail!(
+                "transformer config: cross_attention_dim {} must equal num_attention_heads x attention_head_dim ({}): the caption projection feeds the cross-attention",
+                self.cross_attention_dim,
+                self.inner_dim()
+            );
+        }
+        if self.activation_fn != "gelu-approximate" {
+            candle_core::bail!(
+                "transformer config: activation_fn {:?} is not supported (only \"gelu-approximate\")",
+                self.activation_fn
+            );
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            candle_core::bail!("transformer config: norm_eps must be a non-negative number");
+        }
+        let scales = [
+            ("interpolation_scale_t", self.interpolation_scale_t),
+            ("interpolation_scale_h", self.interpolation_scale_h),
+            ("interpolation_scale_w", self.interpolation_scale_w),
+        ];
+        if let Some((key, _)) = scales.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+            candle_core::bail!("transformer config: {key} must be a positive number");
+        }
+        Ok(())
+    }
+}
+
+/// One axis of `get_3d_rotary_pos_embed_allegro`: `get_1d_rotary_pos_embed(dim, grid / scale,
+/// use_real, repeat_interleave_real=False)` at grid positions `0..len`, in f32 as torch computes
+/// it: `(cos, sin)` rows `[len, dim]`, each `[half | half]`.
+fn rope_axis(dim: usize, len: usize, scale: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = dim / 2;
+    let freqs: Vec<f32> = (0..half)
+        .map(|j| 1.0 / ROPE_THETA.powf((2 * j) as f32 / dim as f32))
+        .collect();
+    let (mut cos, mut sin) = (Vec::with_capacity(len * dim), Vec::with_capacity(len * dim));
+    for i in 0..len {
+        let pos = i as f32 / scale as f32;
+        let args: Vec<f32> = freqs.iter().map(|f| pos * f).collect();
+        for _ in 0..2 {
+            cos.extend(args.iter().map(|a| a.cos()));
+            sin.extend(args.iter().map(|a| a.sin()));
+        }
+    }
+    (cos, sin)
+}
+
+/// The rotary tables of every token of an `f × h × w` grid, `(cos, sin)` each `[N, head_dim]`
+/// (frame, row and column thirds side by side), f32: diffusers' per-axis tables looked up by
+/// each token's grid index.
+pub fn rope_tables(
+    cfg: &AllegroTransformerConfig,
+    grid: [usize; 3],
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let dim = cfg.attention_head_dim / 3;
+    let [f, h, w] = grid;
+    let axes = [
+        rope_axis(dim, f, cfg.interpolation_scale_t),
+        rope_axis(dim, h, cfg.interpolation_scale_h),
+        rope_axis(dim, w, cfg.interpolation_scale_w),
+    ];
+    let n = f * h * w;
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(n * 3 * dim),
+        Vec::with_capacity(n * 3 * dim),
+    );
+    for ti in 0..f {
+        for hi in 0..h {
+            for wi in 0..w {
+                for (axis, i) in axes.iter().zip([ti, hi, wi]) {
+                    cos.extend_from_slice(&axis.0[i * dim..(i + 1) * dim]);
+                    sin.extend_from_slice(&axis.1[i * dim..(i + 1) * dim]);
+                }
+            }
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, 3 * dim), device)?,
+        Tensor::from_vec(sin, (n, 3 * dim), device)?,
+    ))
+}
+
+/// `apply_rotary_emb_allegro` on `x` `[B, H, N, head_dim]`: each third rotated by half
+/// (`x·cos + [−x₂ | x₁]·sin`) in f32, back in `x`'s dtype.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let third = x.dim(3)? / 3;
+    let half = third / 2;
+    let mut rotated = Vec::with_capacity(6);
+    for k in 0..3 {
+        let part = x.narrow(3, k * third, third)?;
+        rotated.push(part.narrow(3, half, half)?.neg()?);
+        rotated.push(part.narrow(3, 0, half)?);
+    }
+    let rotated = Tensor::cat(&rotated, 3)?;
+    let out = (x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
+    out.to_dtype(dtype)
+}
+
+/// `Attention` with `AllegroAttnProcessor2_0`: the rotary embedding on q and k of the
+/// self-attention, the caption mask on the cross-attention's keys.
+#[derive(Debug, Clone)]
+struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn new(cfg: &AllegroTransformerConfig, context_dim: usize, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
+            to_k: linear(context_dim, dim, bias, vb.pp("to_k"))?,
+            to_v: linear(context_dim, dim, bias, vb.pp("to_v"))?,
+            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            heads: cfg.num_attention_heads,
+            head_dim: cfg.attention_head_dim,
+        })
+    }
+
+    fn split(&self, t: Tensor) -> Result<Tensor> {
+        let (b, s, _) = t.dims3()?;
+        t.reshape((b, s, self.heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    fn merge(&self, out: Tensor) -> Result<Tensor> {
+        let (b, _, s, _) = out.dims4()?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, s, self.heads * self.head_dim))?;
+        self.to_out.forward(&out)
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
+    /// Self-attention over every token with the rotary embedding.
+    fn self_attention(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+        let q = apply_rope(&self.split(self.to_q.forward(x)?)?, &rope.0, &rope.1)?;
+        let k = apply_rope(&self.split(self.to_k.forward(x)?)?, &rope.0, &rope.1)?;
+        let v = self.split(self.to_v.forward(x)?)?;
+        self.merge(sdpa(&q, &k, &v, self.scale())?)
+    }
+
+    /// Cross-attention of every token to the caption, padding keys masked.
+    fn cross_attention(&self, x: &Tensor, text: &Tensor, mask: &TextMask) -> Result<Tensor> {
+        let q = self.split(self.to_q.forward(x)?)?;
+        let k = self.split(self.to_k.forward(text)?)?;
+        let v = self.split(self.to_v.forward(text)?)?;
+        let out = match mask {
+            TextMask::Prefix(lens) => sdpa_key_prefix(&q, &k, &v, self.scale(), lens)?,
+            TextMask::Bias(bias) => sdpa_with_bias(&q, &k, &v, self.scale(), bias)?,
+        };
+        self.merge(out)
+    }
+}
+
+/// The caption mask as the attention takes it: a prefix of real tokens per batch entry (the
+/// tokenizer's padding), or else diffusers' additive bias `[B, 1, 1, L]`.
+#[derive(Debug, Clone)]
+pub enum TextMask {
+    Prefix(Vec<usize>),
+    Bias(Tensor),
+}
+
+/// One `AllegroTransformerBlock`.
+#[derive(Debug, Clone)]
+pub struct AllegroBlock {
+    norm1: LayerNorm,
+    attn1: Attention,
+    attn2: Attention,
+    /// The feed-forward's norm (diffusers' `norm2`; its `norm3` is unused).
+    norm2: LayerNorm,
+    ff_in: Linear,
+    ff_out: Linear,
+    /// `[6, D]`: shift, scale, gate of the attention, then of the feed-forward.
+    scale_shift_table: Tensor,
+}
+
+impl AllegroBlock {
+    /// The block under `vb` (`transformer_blocks.{i}`).
+    pub fn new(cfg: &AllegroTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let (eps, affine) = (cfg.norm_eps, cfg.norm_elementwise_affine);
+        Ok(Self {
+            norm1: layer_norm(dim, eps, affine, vb.pp("norm1"))?,
+            attn1: Attention::new(cfg, dim, vb.pp("attn1"))?,
+            attn2: Attention::new(cfg, cfg.cross_attention_dim, vb.pp("attn2"))?,
+            norm2: layer_norm(dim, eps, affine, vb.pp("norm2"))?,
+            ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
+            ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
+            scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
+        })
+    }
+
+    /// `x` `[B, N, D]` -> the same, through this block.
+    pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (b, _, d) = x.dims3()?;
+        let modulation = self
+            .scale_shift_table
+            .unsqueeze(0)?
+            .broadcast_add(&inputs.timestep.reshape((b, 6, d))?)?;
+        let part = |k: usize| -> Result<Tensor> { modulation.narrow(1, k, 1) };
+        let (shift_msa, scale_msa, gate_msa) = (part(0)?, part(1)?, part(2)?);
+        let (shift_mlp, scale_mlp, gate_mlp) = (part(3)?, part(4)?, part(5)?);
+        let modulate = |t: &Tensor, scale: &Tensor, shift: &Tensor| -> Result<Tensor> {
+            t.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+        };
+        let normed = modulate(&self.norm1.forward(x)?, &scale_msa, &shift_msa)?;
+        let attn = self.attn1.self_attention(&normed, &inputs.rope)?;
+        let mut h = (attn.broadcast_mul(&gate_msa)? + x)?;
+        // The cross-attention takes the hidden states as they are (no norm, no gate).
+        h = (self.attn2.cross_attention(&h, &inputs.text, &inputs.mask)? + h)?;
+        let normed = modulate(&self.norm2.forward(&h)?, &scale_mlp, &shift_mlp)?;
+        let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
+        ff.broadcast_mul(&gate_mlp)? + h
+    }
+}
+
+/// Everything the blocks and the output head need, computed once per forward by `prepare`.
+#[derive(Debug, Clone)]
+pub struct BlockInputs {
+    hidden_states: Option<Tensor>,
+    /// `adaln_single`'s modulation `[B, 6·D]`.
+    pub timestep: Tensor,
+    /// `adaln_single`'s embedded timestep `[B, D]`: the output head's modulation.
+    pub embedded_timestep: Tensor,
+    /// The projected caption `[B, L, D]`.
+    pub text: Tensor,
+    /// Which caption tokens the cross-attention sees.
+    pub mask: TextMask,
+    /// The rotary tables `(cos, sin)` `[N, head_dim]`, f32.
+    pub rope: (Tensor, Tensor),
+    /// Token grid (frames, rows, columns).
+    pub grid: [usize; 3],
+}
+
+impl BlockInputs {
+    /// Takes the hidden states `[B, N, D]` that feed block 0; once.
+    pub fn take_hidden_states(&mut self) -> Result<Tensor> {
+        self.hidden_states
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("block-0 hidden states already taken".into()))
+    }
+}
+
+/// The diffusers `AllegroTransformer3DModel`.
+#[derive(Debug, Clone)]
+pub struct AllegroTransformer3DModel {
+    cfg: AllegroTransformerConfig,
+    /// `pos_embed.proj`: Conv2d with kernel = stride = patch, as a linear over patches.
+    patch_proj: Linear,
+    adaln_single: AdaLayerNormSingle,
+    caption_projection: CaptionProjection,
+    blocks: Vec<AllegroBlock>,
+    /// `[2, D]`: shift and scale of the output head.
+    scale_shift_table: Tensor,
+    norm_out: LayerNorm,
+    proj_out: Linear,
+    dtype: DType,
+}
+
+impl AllegroTransformer3DModel {
+    /// Loads the whole model, blocks included.
+    pub fn new(cfg: &AllegroTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let mut model = Self::new_without_blocks(cfg, vb.clone())?;
+        model.blocks = (0..cfg.num_layers)
+            .map(|i| AllegroBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(model)
+    }
+
+    /// Loads everything except the blocks (an engine that streams them builds each with
+    /// [`AllegroBlock::new`]); `blocks()` is then empty and `forward` refuses to run.
+    pub fn new_without_blocks(cfg: &AllegroTransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let (c, p) = (cfg.in_channels, cfg.patch_size);
+        let pvb = vb.pp("pos_embed.proj");
+        let patch_w = pvb
+            .get((dim, c, p, p), "weight")?
+            .reshape((dim, c * p * p))?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            patch_proj: Linear::new(patch_w, Some(pvb.get(dim, "bias")?)),
+            adaln_single: AdaLayerNormSingle::new(dim, vb.pp("adaln_single"))?,
+            caption_projection: CaptionProjection::new(
+                cfg.caption_channels,
+                dim,
+                vb.pp("caption_projection"),
+            )?,
+            blocks: Vec::new(),
+            scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
+            norm_out: layer_norm(dim, NORM_OUT_EPS, false, vb.pp("norm_out"))?,
+            proj_out: candle_nn::linear(dim, p * p * cfg.out_channels, vb.pp("proj_out"))?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &AllegroTransformerConfig {
+        &self.cfg
+    }
+
+    /// The loaded blocks (empty after `new_without_blocks`).
+    pub fn blocks(&self) -> &[AllegroBlock] {
+        &self.blocks
+    }
+
+    /// Patch embedding, timestep modulation, caption projection, caption mask and rotary
+    /// tables for `latents` `[B, C, F, H, W]`, `timestep` `[B]` (or one value),
+    /// `encoder_hidden_states` `[B, L, caption_channels]` and its keep-mask `[B, L]` (1 keep).
+    pub fn prepare(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_attention_mask: &Tensor,
+    ) -> Result<BlockInputs> {
+        let cfg = &self.cfg;
+        let (b, c, f, h, w) = latents.dims5()?;
+        if c != cfg.in_channels {
+            candle_core::bail!(
+                "latents [B, C, F, H, W] have {c} channels, the transformer expects {}",
+                cfg.in_channels
+            );
+        }
+        let p = cfg.patch_size;
+        let grid = [f, h / p, w / p];
+        if grid.contains(&0) {
+            candle_core::bail!("latents [{f}, {h}, {w}] are smaller than one {p}x{p} patch");
+        }
+        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
+        if eb != b || text_dim != cfg.caption_channels {
+            candle_core::bail!(
+                "encoder_hidden_states {:?} do not match batch {b} and caption_channels {}",
+                encoder_hidden_states.dims(),
+                cfg.caption_channels
+            );
+        }
+        let [_, gh, gw] = grid;
+        // Patches of each frame in row-major token order, frames one after another.
+        let patches = latents
+            .narrow(3, 0, gh * p)?
+            .narrow(4, 0, gw * p)?
+            .to_dtype(self.dtype)?
+            .reshape(vec![b, c, f, gh, p, gw, p])?
+            .permute(vec![0, 2, 3, 5, 1, 4, 6])?
+            .reshape((b, f * gh * gw, c * p * p))?;
+        let hidden_states = self.patch_proj.forward(&patches)?;
+        let (modulation, embedded_timestep) = self.adaln_single.forward(timestep, b)?;
+        let text = self.caption_projection.forward(encoder_hidden_states)?;
+        let mask = match mask_prefix_lens(encoder_attention_mask)? {
+            Some(lens) => TextMask::Prefix(lens),
+            None => {
+                let keep = encoder_attention_mask.to_dtype(self.dtype)?;
+                let bias = keep.affine(-1.0, 1.0)?.affine(MASKED_KEY_BIAS, 0.0)?;
+                let l = bias.dim(1)?;
+                TextMask::Bias(bias.reshape((b, 1, 1, l))?)
+            }
+        };
+        Ok(BlockInputs {
+            hidden_states: Some(hidden_states),
+            timestep: modulation,
+            embedded_timestep,
+            text,
+            mask,
+            rope: rope_tables(cfg, grid, latents.device())?,
+            grid,
+        })
+    }
+
+    /// The output head on `x` `[B, N, D]` and unpatchify: `[B, out_channels, F, H, W]`.
+    pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (b, _, d) = x.dims3()?;
+        let table = self
+            .scale_shift_table
+            .unsqueeze(0)?
+            .broadcast_add(&inputs.embedded_timestep.unsqueeze(1)?)?;
+        let shift = table.narrow(1, 0, 1)?.reshape((b, 1, d))?;
+        let scale = table.narrow(1, 1, 1)?.reshape((b, 1, d))?;
+        let h = self
+            .norm_out
+            .forward(x)?
+            .broadcast_mul(&(scale + 1.0)?)?
+            .broadcast_add(&shift)?;
+        let out = self.proj_out.forward(&h)?;
+        let p = self.cfg.patch_size;
+        let oc = self.cfg.out_channels;
+        let [f, gh, gw] = inputs.grid;
+        out.reshape(vec![b, f, gh, gw, p, p, oc])?
+            .permute(vec![0, 6, 1, 2, 4, 3, 5])?
+            .reshape((b, oc, f, gh * p, gw * p))
+    }
+
+    /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
+    pub fn forward(
+        &self,
+        latents: &Tensor,
+        timestep: &Tensor,
+        encoder_hidden_states: &Tensor,
+        encoder_attention_mask: &Tensor,
+    ) -> Result<Tensor> {
+        if self.blocks.len() != self.cfg.num_layers {
+            candle_core::bail!(
+                "transformer holds {} of {} blocks; run them through blocks() instead",
+                self.blocks.len(),
+                self.cfg.num_layers
+            );
+        }
+        let mut inputs = self.prepare(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            encoder_attention_mask,
+        )?;
+        let mut x = inputs.take_hidden_states()?;
+        for block in &self.blocks {
+            x = block.forward(&x, &inputs)?;
+        }
+        self.finish(&x, &inputs)
+    }
+}
+
+/// Placed block by block: the blocks stream one by one, whole.
+impl Blockwise for AllegroTransformer3DModel {
+    type Config = AllegroTransformerConfig;
+    type Block = AllegroBlock;
+    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
+        Self::new(cfg, vb)
+    }
+    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
+        Self::new_without_blocks(cfg, vb)
+    }
+    fn num_blocks(cfg: &Self::Config) -> usize {
+        cfg.num_layers
+    }
+    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
+        AllegroBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_the_model_cannot_run_are_refused_with_the_key() {
+        let good = AllegroTransformerConfig::default();
+        assert!(good.validate().is_ok());
+        let cases = [
+            (
+                AllegroTransformerConfig {
+                    patch_size_t: 2,
+                    ..good.clone()
+                },
+                "patch_size_t",
+            ),
+            (
+                AllegroTransformerConfig {
+                    attention_head_dim: 64,
+                    cross_attention_dim: 24 * 64,
+                    ..good.clone()
+                },
+                "attention_head_dim",
+            ),
+            (
+                AllegroTransformerConfig {
+                    cross_attention_dim: 4096,
+                    ..good.clone()
+                },
+                "cross_attention_dim",
+            ),
+            (
+                AllegroTransformerConfig {
+                    num_attention_heads: usize::MAX,
+                    ..good.clone()
+                },
+                "num_attention_heads",
+            ),
+            (
+                AllegroTransformerConfig {
+                    interpolation_scale_t: 0.0,
+                    ..good.clone()
+                },
+                "interpolation_scale_t",
+            ),
+        ];
+        for (bad, key) in cases {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    /// Each token's table is its frame's, row's and column's rows side by side, and position 0
+    /// does not rotate.
+    #[test]
+    fn rope_tables_follow_the_token_grid() -> Result<()> {
+        let cfg = AllegroTransformerConfig {
+            attention_head_dim: 12,
+            ..Default::default()
+        };
+        let (cos, sin) = rope_tables(&cfg, [2, 3, 4], &Device::Cpu)?;
+        assert_eq!(cos.dims(), [24, 12]);
+        let first = cos.get(0)?.to_vec1::<f32>()?;
+        assert!(first.iter().all(|&c| c == 1.0));
+        assert!(sin.get(0)?.to_vec1::<f32>()?.iter().all(|&s| s == 0.0));
+        // Token (1, 2, 3): the frame third at 1 / 2.2, the row third at 2 / 2, the column
+        // third at 3 / 2.
+        let last = cos.get(23)?.to_vec1::<f32>()?;
+        let (tc, _) = rope_axis(4, 2, 2.2);
+        assert_eq!(&last[0..4], &tc[4..8]);
+        let (hc, _) = rope_axis(4, 3, 2.0);
+        assert_eq!(&last[4..8], &hc[8..12]);
+        let (wc, _) = rope_axis(4, 4, 2.0);
+        assert_eq!(&last[8..12], &wc[12..16]);
+        Ok(())
+    }
+}
