@@ -7,9 +7,15 @@
 # (b) each family's decode at its pipeline's default size, fused norms on and off, and diffusers'
 #     untiled and tiled decode of the same config and shape (bench/peer_vae_decode.py), and
 #     HunyuanVideo tiled;
-# (c) FAMILIES= and NCU=1 narrow it down / add a per-kernel time summary (ncu) of a small decode.
+# (c) FAMILIES=, SMALL=0 (skip a), UNFUSED=0 (skip the candle norms at default size) narrow it
+#     down; NCU=1 adds a per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=).
+# diffusers comes from the wheel carried in .whl (python3 -m pip download --no-deps diffusers==0.42.1 -d .whl).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site
+fi
 OUT=${OUT:-/tmp/vae_family}; mkdir -p "$OUT"
 B=/tmp/vae-bin; mkdir -p "$B"
 xz -dc .device/vae_decode.xz > "$B/vae_decode" && chmod +x "$B/vae_decode"
@@ -19,7 +25,7 @@ small() { case $1 in ltx-video) echo 1,128,3,8,11;; cogvideox-5b) echo 1,16,3,30
   mochi-1) echo 1,12,3,30,53;; hunyuanvideo) echo 1,16,5,30,40;; esac; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-for f in $FAMILIES; do
+[ "${SMALL:-1}" = 1 ] && for f in $FAMILIES; do
   el "$f small: fused vs candle norms"
   "$V" --family "$f" "$(small "$f")" --save "$OUT/$f-fused.st" 2>&1 | tee -a "$OUT/log.jsonl"
   VIDGEN_FUSED_NORMS=off "$V" --family "$f" "$(small "$f")" --save "$OUT/$f-candle.st" 2>&1 | tee -a "$OUT/log.jsonl"
@@ -34,16 +40,32 @@ done
 for f in $FAMILIES; do
   el "$f default size"
   timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
-  VIDGEN_FUSED_NORMS=off timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
+  [ "${UNFUSED:-1}" = 1 ] && VIDGEN_FUSED_NORMS=off timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
   [ "$f" = hunyuanvideo ] && timeout 200 "$V" --family "$f" --tiled 2>&1 | tee -a "$OUT/log.jsonl"
-  timeout 300 python3 bench/peer_vae_decode.py "$f" 2>&1 | grep '^{' | tee -a "$OUT/log.jsonl"
+  el "$f diffusers"
+  timeout "${PEER_TIMEOUT:-300}" python3 bench/peer_vae_decode.py "$f" > "$OUT/peer-$f.log" 2>&1
+  grep '^{' "$OUT/peer-$f.log" | tee -a "$OUT/log.jsonl"; grep -E "Error|error" "$OUT/peer-$f.log" | tail -3
 done
 if [ "${NCU:-0}" = 1 ]; then
-  for f in $FAMILIES; do
+  for f in ${NCU_FAMILIES:-$FAMILIES}; do
     el "$f ncu"
-    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-      "$V" --family "$f" "$(small "$f")" > "$OUT/ncu-$f.txt" 2>&1
-    grep -E "^\s+[a-zA-Z_].*\(|gpu__time_duration" "$OUT/ncu-$f.txt" | head -80
+    timeout 200 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+      "$V" --family "$f" "$(small "$f")" > "$OUT/ncu-$f.csv" 2> "$OUT/ncu-$f.err"
+    python3 - "$OUT/ncu-$f.csv" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, rows = rows[0], rows[1:]
+k, v, u = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+total, count = collections.Counter(), collections.Counter()
+for r in rows:
+    t = float(r[v].replace(",", "")) * scale.get(r[u], 1.0)
+    total[r[k][:90]] += t; count[r[k][:90]] += 1
+all_us = sum(total.values())
+print(f"all kernels: {all_us/1e3:.1f} ms, {sum(count.values())} launches")
+for name, t in total.most_common(25):
+    print(f"{t/1e3:9.2f} ms {100*t/all_us:5.1f}% {count[name]:6d}x  {name}")
+PY
   done
 fi
 el done
