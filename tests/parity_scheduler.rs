@@ -16,7 +16,7 @@ fn unipc_timesteps_and_sigmas_exact() {
     let r = common::reference("scheduler");
     let cfg = fixture_config();
     for n in [3usize, 4, 7, 50] {
-        let s = build(SchedulerKind::UniPc, &cfg, n, None).unwrap();
+        let s = build(SchedulerKind::UniPc, &cfg, n, None, None).unwrap();
         let want_t = r[&format!("timesteps_{n}")].to_vec1::<i64>().unwrap();
         let got_t: Vec<i64> = s.timesteps().iter().map(|&t| t as i64).collect();
         assert!(
@@ -41,7 +41,7 @@ fn unipc_loop_samples() {
     let r = common::reference("scheduler");
     let cfg = fixture_config();
     for n in [4usize, 7] {
-        let mut s = build(SchedulerKind::UniPc, &cfg, n, None).unwrap();
+        let mut s = build(SchedulerKind::UniPc, &cfg, n, None, None).unwrap();
         let mut sample = r[&format!("loop{n}.sample_0")].clone();
         for i in 0..n {
             let v = &r[&format!("loop{n}.model_output_{i}")];
@@ -70,7 +70,7 @@ fn unipc_loop_samples() {
 fn unipc_flow_shift_override() {
     // With shift 1 the sigmas are the plain linspace(1, 1/1000, n+1)[:n] (first one nudged by 1e-6).
     let cfg = fixture_config();
-    let s = build(SchedulerKind::UniPc, &cfg, 4, Some(1.0)).unwrap();
+    let s = build(SchedulerKind::UniPc, &cfg, 4, Some(1.0), None).unwrap();
     let expected: Vec<f32> = vec![
         (1.0f64 - 1e-6) as f32,
         (1.0f64 + (0.001 - 1.0) / 4.0) as f32,
@@ -87,7 +87,7 @@ fn euler_schedule_and_step() {
     let cfg = fixture_config();
     let shift = 3.0f64;
     let n = 5usize;
-    let mut s = build(SchedulerKind::Euler, &cfg, n, Some(shift)).unwrap();
+    let mut s = build(SchedulerKind::Euler, &cfg, n, Some(shift), None).unwrap();
     let shifted = |x: f64| shift * x / (1.0 + (shift - 1.0) * x);
     // diffusers: sigma_min is the shifted last training sigma (in f32); the inference schedule is
     // the shifted linspace from 1 to it.
@@ -172,7 +172,7 @@ fn unsupported_configs_are_errors() {
         ),
     ];
     for (key, cfg) in cases {
-        let err = match build(SchedulerKind::UniPc, &cfg, 4, None) {
+        let err = match build(SchedulerKind::UniPc, &cfg, 4, None, None) {
             Ok(_) => panic!("{key}: accepted an unsupported config"),
             Err(e) => format!("{e:#}"),
         };
@@ -183,10 +183,10 @@ fn unsupported_configs_are_errors() {
     }
     // The diffusers defaults (epsilon prediction) are not a flow model.
     let default: SchedulerConfig = serde_json::from_str("{}").unwrap();
-    assert!(build(SchedulerKind::UniPc, &default, 4, None).is_err());
-    assert!(build(SchedulerKind::Euler, &default, 4, None).is_err());
-    assert!(build(SchedulerKind::UniPc, &base, 0, None).is_err());
-    assert!(build(SchedulerKind::Euler, &base, 4, Some(-1.0)).is_err());
+    assert!(build(SchedulerKind::UniPc, &default, 4, None, None).is_err());
+    assert!(build(SchedulerKind::Euler, &default, 4, None, None).is_err());
+    assert!(build(SchedulerKind::UniPc, &base, 0, None, None).is_err());
+    assert!(build(SchedulerKind::Euler, &base, 4, Some(-1.0), None).is_err());
     assert!(SchedulerConfig::from_file("/nonexistent/scheduler_config.json").is_err());
 }
 
@@ -200,7 +200,7 @@ fn bh1_and_sigma_min_run() {
         final_sigmas_type: "sigma_min".into(),
         ..fixture_config()
     };
-    let mut s = build(SchedulerKind::UniPc, &cfg, 4, None).unwrap();
+    let mut s = build(SchedulerKind::UniPc, &cfg, 4, None, None).unwrap();
     assert_eq!(s.sigmas()[4], s.sigmas()[3]);
     let mut sample = r["loop4.sample_0"].clone();
     for i in 0..4 {
@@ -225,7 +225,7 @@ fn bf16_model_output_keeps_f32_sample() {
     // As in diffusers' bf16 runs: the velocity comes in bf16, the latents stay f32.
     let r = common::reference("scheduler");
     let cfg = fixture_config();
-    let mut s = build(SchedulerKind::UniPc, &cfg, 4, None).unwrap();
+    let mut s = build(SchedulerKind::UniPc, &cfg, 4, None, None).unwrap();
     let mut sample = r["loop4.sample_0"].clone();
     for i in 0..4 {
         let v = r[&format!("loop4.model_output_{i}")]

@@ -167,6 +167,12 @@ pub struct GenerateOptions {
     /// Sampler: UniPC multistep (diffusers' default for Wan) or flow-matching Euler.
     #[arg(long, help_heading = "Generation", value_enum, default_value_t = SchedulerKind::UniPc)]
     pub scheduler: SchedulerKind,
+    /// The schedule's sigmas before the shift, one per step from 1 (pure noise) down, as
+    /// diffusers' `FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=...)` takes them (with
+    /// --scheduler euler): 1,0.75,0.5,0.25 is the 4-step distillation recipes' schedule
+    /// [default: the scheduler's own spacing of --num-inference-steps].
+    #[arg(long, help_heading = "Generation", value_delimiter = ',', value_parser = parse_finite, value_name = "S1,S2,...")]
+    pub sigmas: Option<Vec<f64>>,
     /// Text tokens per prompt (padded or truncated).
     #[arg(long, help_heading = "Generation", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_sequence_length: u32,

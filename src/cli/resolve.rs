@@ -2,7 +2,7 @@
 
 use super::args::{
     ComputeDevice, DTypeChoice, GenerateArgs, GenerateOptions, MemoryModelChoice, OffloadType,
-    Tristate,
+    SchedulerKind, Tristate,
 };
 use crate::config::files::same_file;
 use crate::config::video::{check_flags, FrameRule, VideoSettings};
@@ -31,6 +31,12 @@ impl ResolvedConfig {
         // Frame counts and sizes follow the model family's rule, checked once it is known
         // ([`Self::with_model_defaults`]).
         validate(&options, args.dry_run, FrameRule::ANY)?;
+        let mut given = args.given;
+        if let Some(steps) = sigma_steps(&options, &given)? {
+            // The sigmas count the steps: no model's default replaces the count.
+            options.num_inference_steps = steps;
+            given.insert("num_inference_steps".into());
+        }
         if let Some(stats) = &options.stats_json {
             let inputs = [
                 ("--prompt-file", options.prompt_file.as_deref()),
@@ -81,6 +87,7 @@ impl ResolvedConfig {
                 max_sequence_length: o.max_sequence_length as usize,
                 scheduler: o.scheduler,
                 flow_shift: o.flow_shift,
+                sigmas: o.sigmas.clone(),
                 latents: o.latents.clone(),
                 image: o.image.clone(),
                 line_images: false,
@@ -129,7 +136,7 @@ impl ResolvedConfig {
             groups: Groups::of(o.num_gpus, o.sp_size),
             device,
             overrides,
-            given: args.given,
+            given,
             echo: echo(&o),
             dry_run: args.dry_run,
             json: args.json,
@@ -153,6 +160,49 @@ fn echo(o: &GenerateOptions) -> Echo {
         keys.into_iter()
             .filter_map(|key| values.remove(&key).map(|value| (key, value))),
     )
+}
+
+/// The number of steps `--sigmas` gives (one sigma per step), once the sigmas are checked to
+/// be a schedule: the Euler sampler's, each in (0, 1], falling step by step, as many as
+/// `--num-inference-steps` where that is given too.
+fn sigma_steps(
+    o: &GenerateOptions,
+    given: &std::collections::BTreeSet<String>,
+) -> Result<Option<u32>, UsageError> {
+    let Some(sigmas) = &o.sigmas else {
+        return Ok(None);
+    };
+    if o.scheduler != SchedulerKind::Euler {
+        return Err(UsageError::new(format!(
+            "--sigmas sets the schedule of the flow-matching Euler sampler (diffusers' FlowMatchEulerDiscreteScheduler), not of --scheduler {}; add --scheduler euler",
+            o.scheduler.name()
+        )));
+    }
+    if sigmas.is_empty() {
+        return Err(UsageError::new(
+            "--sigmas is empty; give one sigma per step, e.g. 1,0.75,0.5,0.25",
+        ));
+    }
+    if let Some(s) = sigmas.iter().find(|s| !(**s > 0.0 && **s <= 1.0)) {
+        return Err(UsageError::new(format!(
+            "--sigmas {s}: each sigma must be in (0, 1] (1 is pure noise; the shift and the final 0 are added), e.g. 1,0.75,0.5,0.25"
+        )));
+    }
+    if let Some(pair) = sigmas.windows(2).find(|w| w[1] >= w[0]) {
+        return Err(UsageError::new(format!(
+            "--sigmas {} then {}: the sigmas must fall from step to step, e.g. 1,0.75,0.5,0.25",
+            pair[0], pair[1]
+        )));
+    }
+    let steps = u32::try_from(sigmas.len())
+        .map_err(|_| UsageError::new("--sigmas gives more steps than any run can take"))?;
+    if given.contains("num_inference_steps") && o.num_inference_steps != steps {
+        return Err(UsageError::new(format!(
+            "--num-inference-steps {} but --sigmas gives {steps} sigmas, one per step; drop --num-inference-steps or give {} sigmas",
+            o.num_inference_steps, o.num_inference_steps
+        )));
+    }
+    Ok(Some(steps))
 }
 
 /// `--sp-size`, defaulting to `--num-gpus`: a divisor of the GPU count (the groups it leaves run

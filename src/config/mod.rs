@@ -92,6 +92,9 @@ pub struct Generation {
     pub scheduler: SchedulerKind,
     /// Timestep shift over the scheduler config's.
     pub flow_shift: Option<f64>,
+    /// The Euler sampler's sigmas before the shift, one per step (`--sigmas`), in place of its
+    /// own spacing.
+    pub sigmas: Option<Vec<f64>>,
     /// Initial latents (and other random draws) from a file instead of the seed.
     pub latents: Option<PathBuf>,
     /// The conditioning image (image-to-video), for prompts whose line names none.

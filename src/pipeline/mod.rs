@@ -164,6 +164,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         };
         if let Ok((family, _)) = &found {
             check_sizes(family.as_ref(), &prompts)?;
+            check_steps(&config, &prompts)?;
             check_latents(&config, family.as_ref(), &prompts)?;
         }
         let plan = DryRun::new(&config, &source, found, &prompts);
@@ -284,6 +285,7 @@ pub fn run_joined(
     let config = config.with_line_images(line_images);
     if let Ok(family) = &family {
         check_sizes(family.as_ref(), &jobs)?;
+        check_steps(&config, &jobs)?;
         check_latents(&config, family.as_ref(), &jobs)?;
         check_images(&config, family.as_ref(), &jobs)?;
     }
@@ -464,6 +466,26 @@ fn check_sizes(family: &dyn Family, jobs: &[Job]) -> Result<(), UsageError> {
         }
     }
     Ok(())
+}
+
+/// Checks before anything loads that every prompt takes as many steps as `--sigmas` gives (a
+/// `.jsonl` line may set its own `num_inference_steps`).
+fn check_steps(config: &ResolvedConfig, jobs: &[Job]) -> Result<(), UsageError> {
+    let Some(sigmas) = &config.generation().sigmas else {
+        return Ok(());
+    };
+    match jobs
+        .iter()
+        .find(|j| j.num_inference_steps as usize != sigmas.len())
+    {
+        Some(job) => Err(UsageError::new(format!(
+            "{}: num_inference_steps {} but --sigmas gives {} sigmas, one per step; drop its num_inference_steps",
+            job.origin,
+            job.num_inference_steps,
+            sigmas.len()
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Checks `--latents` before anything loads: a regular safetensors file (read up to its header

@@ -74,6 +74,7 @@ pub enum FamilyOption {
     NegativePrompt,
     MaxSequenceLength,
     FlowShift,
+    Sigmas,
     DecodeTimestep,
     DecodeNoiseScale,
     VaeTiling,
@@ -86,7 +87,7 @@ pub enum FamilyOption {
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 15] = [
+    pub const ALL: [FamilyOption; 16] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -94,6 +95,7 @@ impl FamilyOption {
         FamilyOption::NegativePrompt,
         FamilyOption::MaxSequenceLength,
         FamilyOption::FlowShift,
+        FamilyOption::Sigmas,
         FamilyOption::DecodeTimestep,
         FamilyOption::DecodeNoiseScale,
         FamilyOption::VaeTiling,
@@ -121,6 +123,7 @@ impl FamilyOption {
             FamilyOption::NegativePrompt => "--negative-prompt",
             FamilyOption::MaxSequenceLength => "--max-sequence-length",
             FamilyOption::FlowShift => "--flow-shift",
+            FamilyOption::Sigmas => "--sigmas",
             FamilyOption::DecodeTimestep => "--decode-timestep",
             FamilyOption::DecodeNoiseScale => "--decode-noise-scale",
             FamilyOption::VaeTiling => "--vae-tiling",
@@ -154,6 +157,9 @@ impl FamilyOption {
             FamilyOption::FlowShift => {
                 "it shifts a flow-matching schedule, and this model's schedule comes from its own configs"
             }
+            FamilyOption::Sigmas => {
+                "vidgen runs the few-step recipes' custom sigmas on the Wan family's schedule so far"
+            }
             FamilyOption::DecodeTimestep | FamilyOption::DecodeNoiseScale => {
                 "it conditions LTX-Video's timestep-aware VAE decoder"
             }
@@ -181,6 +187,7 @@ impl FamilyOption {
             FamilyOption::NegativePrompt => given("negative_prompt"),
             FamilyOption::MaxSequenceLength => given("max_sequence_length"),
             FamilyOption::FlowShift => g.flow_shift.is_some(),
+            FamilyOption::Sigmas => g.sigmas.is_some(),
             FamilyOption::DecodeTimestep => g.decode_timestep.is_some(),
             FamilyOption::DecodeNoiseScale => g.decode_noise_scale.is_some(),
             FamilyOption::VaeTiling => given("vae_tiling") && config.memory().vae_tiling,

@@ -92,12 +92,14 @@ impl Family for WanConfigs {
         self.declare(shape).0
     }
 
-    /// Classifier-free guidance, a flow shift, a VAE that tiles and LoRAs; the first frame where
-    /// the model takes one, the low-noise expert's guidance and LoRAs where it has two.
+    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles and LoRAs; the
+    /// first frame where the model takes one, the low-noise expert's guidance and LoRAs where it
+    /// has two.
     fn options(&self) -> Vec<FamilyOption> {
         let mut options = FamilyOption::GUIDED.to_vec();
         options.extend([
             FamilyOption::FlowShift,
+            FamilyOption::Sigmas,
             FamilyOption::VaeTiling,
             FamilyOption::Lora,
             FamilyOption::StorageDtype,
@@ -708,6 +710,7 @@ impl WanT2V {
                     &self.configs.scheduler,
                     job.num_inference_steps as usize,
                     g.flow_shift,
+                    g.sigmas.as_deref(),
                 )?;
                 Denoising {
                     scheduler,

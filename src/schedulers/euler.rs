@@ -223,10 +223,9 @@ impl FlowMatchEuler {
                 }
             }
         } else {
-            let shift = cfg.shift as f32;
-            sigmas32
-                .map(|s| shift * s / (1.0 + (shift - 1.0) * s))
-                .collect()
+            // numpy: `shift` and `shift - 1` are Python floats, each rounded to f32 once.
+            let (shift, shift_m1) = (cfg.shift as f32, (cfg.shift - 1.0) as f32);
+            sigmas32.map(|s| shift * s / (1.0 + shift_m1 * s)).collect()
         };
         if let Some(terminal) = cfg.shift_terminal.filter(|&t| t != 0.0) {
             // stretch_shift_to_terminal: 1 - (1 - s) / ((1 - s_last) / (1 - terminal)).

@@ -188,11 +188,15 @@ impl SchedulerKind {
 }
 
 /// Builds a sampler with its schedule for `num_steps` steps; `flow_shift` overrides the config's.
+/// `sigmas` (Euler only, one per step) replace the sampler's own spacing, as diffusers'
+/// `FlowMatchEulerDiscreteScheduler(shift=...).set_timesteps(sigmas=...)`: the few-step
+/// distillation recipes' schedule.
 pub fn build(
     kind: SchedulerKind,
     cfg: &SchedulerConfig,
     num_steps: usize,
     flow_shift: Option<f64>,
+    sigmas: Option<&[f64]>,
 ) -> anyhow::Result<Box<dyn Scheduler>> {
     if num_steps == 0 {
         bail!("the number of inference steps must be at least 1");
@@ -201,9 +205,31 @@ pub fn build(
     if !(shift.is_finite() && shift > 0.0) {
         bail!("flow shift must be a positive number, got {shift}");
     }
-    Ok(match kind {
-        SchedulerKind::UniPc => Box::new(unipc::UniPcMultistep::new(cfg, num_steps, shift)?),
-        SchedulerKind::Euler => Box::new(euler::FlowMatchEuler::new(cfg, num_steps, shift)?),
+    Ok(match (kind, sigmas) {
+        (SchedulerKind::UniPc, None) => {
+            Box::new(unipc::UniPcMultistep::new(cfg, num_steps, shift)?)
+        }
+        (SchedulerKind::Euler, None) => {
+            Box::new(euler::FlowMatchEuler::new(cfg, num_steps, shift)?)
+        }
+        (SchedulerKind::Euler, Some(sigmas)) => {
+            if sigmas.len() != num_steps {
+                bail!(
+                    "{} sigmas for {num_steps} inference steps: give one sigma per step",
+                    sigmas.len()
+                );
+            }
+            cfg.check_flow_model()?;
+            let euler = euler::FlowMatchEulerConfig {
+                num_train_timesteps: cfg.num_train_timesteps,
+                shift,
+                ..Default::default()
+            };
+            Box::new(euler::FlowMatchEuler::with_sigmas(&euler, sigmas, None)?)
+        }
+        (SchedulerKind::UniPc, Some(_)) => {
+            bail!("custom sigmas set the flow-matching Euler schedule; use --scheduler euler")
+        }
     })
 }
 
