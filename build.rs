@@ -34,6 +34,7 @@ fn main() {
         ("wan_vae_ops", PORTABLE, false),
         ("conv3d", PORTABLE, false),
         ("norms", PORTABLE, false),
+        ("channel_ops", PORTABLE, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

@@ -8,7 +8,8 @@
 #     untiled and tiled decode of the same config and shape (bench/peer_vae_decode.py), and
 #     HunyuanVideo tiled;
 # (c) FAMILIES=, SMALL=0 (skip a), UNFUSED=0 (skip the candle norms at default size) narrow it
-#     down; NCU=1 adds a per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=).
+#     down; PEERS= names the families whose diffusers decode runs (default: all); NCU=1 adds a
+#     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=).
 # diffusers comes from the wheel carried in .whl (python3 -m pip download --no-deps diffusers==0.42.1 -d .whl).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
@@ -42,6 +43,7 @@ for f in $FAMILIES; do
   timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
   [ "${UNFUSED:-1}" = 1 ] && VIDGEN_FUSED_NORMS=off timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
   [ "$f" = hunyuanvideo ] && timeout 200 "$V" --family "$f" --tiled 2>&1 | tee -a "$OUT/log.jsonl"
+  case " ${PEERS-$FAMILIES} " in *" $f "*) ;; *) continue;; esac
   el "$f diffusers"
   timeout "${PEER_TIMEOUT:-300}" python3 bench/peer_vae_decode.py "$f" > "$OUT/peer-$f.log" 2>&1
   grep '^{' "$OUT/peer-$f.log" | tee -a "$OUT/log.jsonl"; grep -E "Error|error" "$OUT/peer-$f.log" | tail -3

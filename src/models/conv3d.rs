@@ -389,6 +389,27 @@ pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
     }
 }
 
+/// `y` `[B, C, ...]` plus a per-channel `bias` (`C` values of `y`'s dtype): on CUDA one pass of
+/// the fused kernel (the same sums, rounded once, as candle's broadcast add, which walks every
+/// dimension's index per element), else candle's broadcast add.
+pub fn add_channel_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda()
+        && y.rank() >= 3
+        && matches!(
+            y.dtype(),
+            candle_core::DType::BF16 | candle_core::DType::F32
+        )
+        && crate::models::norms::enabled()
+    {
+        use crate::models::channel_ops::{add_channel_bias, BiasOut};
+        return add_channel_bias(y, &bias.flatten_all()?, BiasOut::New);
+    }
+    let mut shape = vec![1; y.rank()];
+    shape[1] = bias.elem_count();
+    y.broadcast_add(&bias.reshape(shape)?)
+}
+
 /// `t` contiguous and starting on a 16-byte boundary (what cuDNN's vectorized kernels assume).
 #[cfg(feature = "cuda")]
 fn aligned(t: &Tensor) -> Result<Tensor> {

@@ -5,6 +5,9 @@ pub mod allegro;
 pub mod attention;
 pub mod autoencoder_kl;
 pub mod blocks;
+#[cfg(feature = "cuda")]
+#[path = "kernels/channel_ops.rs"]
+pub(crate) mod channel_ops;
 pub mod clip;
 pub mod cogvideox;
 pub mod conv3d;
@@ -23,10 +26,10 @@ pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
 pub mod mochi;
-pub mod pixart;
 #[cfg(feature = "cuda")]
 #[path = "kernels/norms.rs"]
 pub(crate) mod norms;
+pub mod pixart;
 #[cfg(feature = "cuda")]
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;

@@ -44,13 +44,16 @@ pub enum Rounding {
 }
 
 /// A GroupNorm as the fused kernels compute it: per-channel `weight` and `bias`, `groups`
-/// groups, `eps`, the rounding, and whether SiLU follows (of the rounded norm, in f32).
+/// groups, `eps`, the rounding, an element-wise `(scale, shift)` after the affine where given
+/// (of the input's shape and dtype, each op rounded), and whether SiLU follows (of the rounded
+/// value, in f32).
 pub struct GroupNormSpec<'a> {
     pub weight: &'a Tensor,
     pub bias: &'a Tensor,
     pub groups: usize,
     pub eps: f64,
     pub rounding: Rounding,
+    pub modulation: Option<(&'a Tensor, &'a Tensor)>,
     pub silu: bool,
 }
 
@@ -107,17 +110,41 @@ impl RunGroupNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_then(x, None, false)
+    }
+
+    /// The norm, then `* scale + shift` (element-wise, `x`'s shape) where given, then SiLU where
+    /// `silu`: one fused pass after the statistics on CUDA, else each op in turn.
+    pub fn forward_then(
+        &self,
+        x: &Tensor,
+        modulation: Option<(&Tensor, &Tensor)>,
+        silu: bool,
+    ) -> Result<Tensor> {
         let spec = GroupNormSpec {
             weight: &self.weight,
             bias: &self.bias,
             groups: self.groups,
             eps: self.eps,
             rounding: Rounding::EachOp,
-            silu: false,
+            modulation,
+            silu,
         };
         if let Some(y) = fused_group_norm(x, &spec, 1, 1)? {
             return Ok(y);
         }
+        let mut y = self.normalized(x)?;
+        if let Some((scale, shift)) = modulation {
+            y = ((y * scale)? + shift)?;
+        }
+        if silu {
+            y = y.silu()?;
+        }
+        Ok(y)
+    }
+
+    /// The norm as candle computes it, over runs of groups.
+    fn normalized(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let c = dims[1];
         let per_group = c / self.groups;
@@ -243,6 +270,7 @@ mod cuda_tests {
                         groups: 8,
                         eps: 1e-6,
                         rounding,
+                        modulation: None,
                         silu,
                     };
                     let got =
@@ -277,6 +305,32 @@ mod cuda_tests {
                         let ulp = if dtype == DType::BF16 { 1e-2 } else { 1e-5 };
                         for (g, r) in got.iter().zip(&candle) {
                             assert!((g - r).abs() <= ulp * (1.0 + r.abs()), "{g} vs candle {r}");
+                        }
+                        // With CogVideoX's element-wise modulation and SiLU after it.
+                        let scale =
+                            Tensor::randn(1f32, 0.5, dims, &Device::Cpu)?.to_dtype(dtype)?;
+                        let shift =
+                            Tensor::randn(0f32, 0.5, dims, &Device::Cpu)?.to_dtype(dtype)?;
+                        let on_gpu = |t: &Tensor| t.to_device(&dev);
+                        let normed = RunGroupNorm {
+                            weight: on_gpu(&wd)?,
+                            bias: on_gpu(&bd)?,
+                            groups: 8,
+                            eps: 1e-6,
+                        };
+                        let (s_gpu, b_gpu) = (on_gpu(&scale)?, on_gpu(&shift)?);
+                        let got = host(&normed.forward_then(
+                            &on_gpu(&xd)?,
+                            Some((&s_gpu, &b_gpu)),
+                            true,
+                        )?)?;
+                        let candle =
+                            host(&norm.forward_then(&xd, Some((&scale, &shift)), true)?)?;
+                        for (g, r) in got.iter().zip(&candle) {
+                            assert!(
+                                (g - r).abs() <= 2.0 * ulp * (1.0 + r.abs()),
+                                "modulated: {g} vs candle {r}"
+                            );
                         }
                     }
                 }

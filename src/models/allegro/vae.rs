@@ -14,7 +14,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::models::autoencoder_kl::blocks::{Conv2d, MidAttention, ResnetBlock2D, Upsample2D};
-use crate::models::conv3d::conv3d_anywhere;
+use crate::models::conv3d::{add_channel_bias, conv3d_anywhere};
 use crate::models::runs::RunGroupNorm;
 
 /// Frames of a pixel tile (`AutoencoderKLAllegro.__init__`'s fixed `sample_frames`).
@@ -282,8 +282,8 @@ impl Conv3d {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        conv3d_anywhere(&x.contiguous()?, &self.weight, self.stride, self.padding)?
-            .broadcast_add(&self.bias)
+        let y = conv3d_anywhere(&x.contiguous()?, &self.weight, self.stride, self.padding)?;
+        add_channel_bias(&y, &self.bias)
     }
 }
 
@@ -296,7 +296,7 @@ struct NormConv {
 
 impl NormConv {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.conv.forward(&self.norm.forward(x)?.silu()?)
+        self.conv.forward(&self.norm.forward_then(x, None, true)?)
     }
 }
 
@@ -502,7 +502,7 @@ impl Decoder {
         for block in &self.up_blocks {
             x = block.forward(&x)?;
         }
-        let x = per_frame(&x, |f| self.conv_norm_out.forward(f)?.silu())?;
+        let x = per_frame(&x, |f| self.conv_norm_out.forward_then(f, None, true))?;
         let x = (self.temp_conv_out.forward(&x)? + x)?;
         per_frame(&x, |f| self.conv_out.forward(f))
     }

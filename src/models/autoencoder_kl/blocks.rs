@@ -51,7 +51,7 @@ impl Conv2d {
                     [1, s, s],
                     [0, p, p],
                 )? {
-                    Some(y) => Ok(Some(y.squeeze(2)?.broadcast_add(&self.bias)?)),
+                    Some(y) => Ok(Some(conv3d::add_channel_bias(&y, &self.bias)?.squeeze(2)?)),
                     None => Ok(None),
                 }
             };
@@ -93,9 +93,9 @@ impl ResnetBlock2D {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.norm1.forward(x)?.silu()?;
+        let h = self.norm1.forward_then(x, None, true)?;
         let h = self.conv1.forward(&h)?;
-        let h = self.norm2.forward(&h)?.silu()?;
+        let h = self.norm2.forward_then(&h, None, true)?;
         let h = self.conv2.forward(&h)?;
         match &self.shortcut {
             Some(conv) => conv.forward(x)? + h,
@@ -278,7 +278,7 @@ impl Encoder {
             }
         }
         h = self.mid_block.forward(&h)?;
-        let h = self.conv_norm_out.forward(&h)?.silu()?;
+        let h = self.conv_norm_out.forward_then(&h, None, true)?;
         self.conv_out.forward(&h)
     }
 }
@@ -345,7 +345,7 @@ impl Decoder {
                 h = up.forward(&h)?;
             }
         }
-        let h = self.conv_norm_out.forward(&h)?.silu()?;
+        let h = self.conv_norm_out.forward_then(&h, None, true)?;
         self.conv_out.forward(&h)
     }
 }

@@ -311,7 +311,7 @@ impl CausalConv3d {
                     Tensor::cat(&[&Tensor::stack(&front, 2)?, x], 2)?
                 };
                 match conv3d::conv3d(&padded, w, [1; 3], [0, self.pad, self.pad])? {
-                    Some(y) => Ok(Some(y.broadcast_add(&self.bias.unsqueeze(4)?)?)),
+                    Some(y) => Ok(Some(conv3d::add_channel_bias(&y, &self.bias)?)),
                     None => Ok(None),
                 }
             };
@@ -404,7 +404,7 @@ fn double_space_time(x: &Tensor) -> Result<Tensor> {
 
 /// diffusers' `CogVideoXSpatialNorm3D`: `GroupNorm(f) · conv_y(zq) + conv_b(zq)` with `zq` the
 /// latent chunk resized to `f` (its first frame resized on its own when `f` has an odd number of
-/// frames above one).
+/// frames above one). Every use is followed by SiLU, taken with it.
 struct SpatialNorm3D {
     norm: RunGroupNorm,
     conv_y: CausalConv3d,
@@ -420,7 +420,8 @@ impl SpatialNorm3D {
         })
     }
 
-    fn forward(&self, f: &Tensor, zq: &Tensor) -> Result<Tensor> {
+    /// The norm, then SiLU.
+    fn forward_silu(&self, f: &Tensor, zq: &Tensor) -> Result<Tensor> {
         let (_, _, t, h, w) = f.dims5()?;
         let zq = if t > 1 && !t.is_multiple_of(2) {
             let z_len = zq.dim(2)?;
@@ -433,9 +434,7 @@ impl SpatialNorm3D {
         let y = self.conv_y.forward(&zq, None)?;
         let b = self.conv_b.forward(&zq, None)?;
         drop(zq);
-        let normed = self.norm.forward(f)?;
-        let scaled = (normed * y)?;
-        scaled + b
+        self.norm.forward_then(f, Some((&y, &b)), true)
     }
 }
 
@@ -461,10 +460,11 @@ impl ResnetNorm {
         })
     }
 
-    fn forward(&self, x: &Tensor, zq: Option<&Tensor>) -> Result<Tensor> {
+    /// The norm, then SiLU (as every resnet takes it).
+    fn forward_silu(&self, x: &Tensor, zq: Option<&Tensor>) -> Result<Tensor> {
         match (self, zq) {
-            (Self::Spatial(norm), Some(zq)) => norm.forward(x, zq),
-            (Self::Group(norm), _) => norm.forward(x),
+            (Self::Spatial(norm), Some(zq)) => norm.forward_silu(x, zq),
+            (Self::Group(norm), _) => norm.forward_then(x, None, true),
             (Self::Spatial(_), None) => candle_core::bail!("a spatial norm needs the latents"),
         }
     }
@@ -524,9 +524,9 @@ impl ResnetBlock3D {
     }
 
     fn forward(&self, x: &Tensor, zq: Option<&Tensor>, cache: &mut ConvCache) -> Result<Tensor> {
-        let h = self.norm1.forward(x, zq)?.silu()?;
+        let h = self.norm1.forward_silu(x, zq)?;
         let h = self.conv1.forward(&h, Some(cache))?;
-        let h = self.norm2.forward(&h, zq)?.silu()?;
+        let h = self.norm2.forward_silu(&h, zq)?;
         let h = self.conv2.forward(&h, Some(cache))?;
         let res = match &self.shortcut {
             Some(conv) => conv.forward(x, None)?,
@@ -663,7 +663,7 @@ impl Encoder3D {
         for resnet in &self.mid {
             h = resnet.forward(&h, None, cache)?;
         }
-        let h = self.norm_out.forward(&h)?.silu()?;
+        let h = self.norm_out.forward_then(&h, None, true)?;
         self.conv_out.forward(&h, Some(cache))
     }
 }
@@ -776,7 +776,7 @@ impl Decoder3D {
                 h = up.forward(&h)?;
             }
         }
-        let h = self.norm_out.forward(&h, z)?.silu()?;
+        let h = self.norm_out.forward_silu(&h, z)?;
         self.conv_out.forward(&h, Some(cache))
     }
 }

@@ -326,6 +326,7 @@ impl GroupNorm {
             groups: self.groups,
             eps: NORM_EPS,
             rounding: Rounding::F32,
+            modulation: None,
             silu: then_silu,
         };
         if let Some(y) = fused_group_norm(x, &spec, 1, 2)? {
@@ -482,13 +483,40 @@ impl CausalConv3d {
         let t_out = (t + pt - kt) / st + 1;
         let padded_frame = b * c * (h + 2 * ph) * (wd + 2 * pw);
         let per_run = frames_per_run(t_out, padded_frame * st, run_elements);
+        // Padded frames first * st .. (first + n - 1) * st + kt of a run; those before frame 0
+        // replicate it.
+        let frames_of = |first: usize, n: usize| -> Vec<u32> {
+            (first * st..(first + n - 1) * st + kt)
+                .map(|j| j.saturating_sub(pt) as u32)
+                .collect()
+        };
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda()
+            && matches!(x.dtype(), DType::BF16 | DType::F32)
+            && crate::models::norms::enabled()
+        {
+            // Each run's frames gathered padded into the convolution's layout, and its output
+            // stored with the bias into the frames-major result: one pass each.
+            use crate::models::channel_ops::{add_channel_bias, gather_padded_frames, BiasOut};
+            let (kh, kw) = (w.dim(3)?, w.dim(4)?);
+            let (h_out, w_out) = ((h + 2 * ph - kh) / ss + 1, (wd + 2 * pw - kw) / ss + 1);
+            // SAFETY: every run's frames are stored below before the result is returned.
+            let out = unsafe {
+                Tensor::empty((b, t_out, w.dim(0)?, h_out, w_out), x.dtype(), x.device())
+            }?;
+            for first in (0..t_out).step_by(per_run) {
+                let frames =
+                    gather_padded_frames(x, &frames_of(first, per_run.min(t_out - first)), ph, pw)?;
+                let Some(y) = conv3d::conv3d(&frames, w, [st, ss, ss], [0; 3])? else {
+                    candle_core::bail!("conv3d declined the convolution")
+                };
+                add_channel_bias(&y, &self.bias, BiasOut::FramesOf(&out, first))?;
+            }
+            return Ok(Some(out));
+        }
         let bias = self.bias.reshape((1, (), 1, 1))?;
         let y = in_runs(t_out, per_run, 1, |first, n| {
-            // Padded frames first * st .. (first + n - 1) * st + kt; those before frame 0
-            // replicate it.
-            let idx: Vec<u32> = (first * st..(first + n - 1) * st + kt)
-                .map(|j| j.saturating_sub(pt) as u32)
-                .collect();
+            let idx = frames_of(first, n);
             let mut frames = x.index_select(&Tensor::new(idx.as_slice(), x.device())?, 1)?;
             if ph > 0 {
                 frames = frames.pad_with_same(3, ph, ph)?;

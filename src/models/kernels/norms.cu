@@ -86,16 +86,18 @@ __device__ void group_sums(const T *__restrict__ x, double *__restrict__ acc,
   if (threadIdx.x == 0) atomicAdd(acc + q, (double)s);
 }
 
-// out = norm(x) per group, then weight and bias per channel, then SiLU where `silu`: with
+// out = norm(x) per group, then weight and bias per channel, then where given the element-wise
+// `scale` and `shift` (x's shape: CogVideoX's spatial norm), then SiLU where `silu`: with
 // `round_first`, the normalized value is rounded to T before the weight and each of the two
 // affine ops rounds (candle's GroupNorm on half precision); else the affine is computed in f32
-// and rounded once (a norm computed in f32 as a whole). SiLU is taken of the rounded value in
-// f32 and rounded.
+// and rounded once (a norm computed in f32 as a whole). The product with `scale` and the sum
+// with `shift` each round; SiLU is taken of the rounded value in f32 and rounded.
 template <typename T>
 __device__ void group_apply(const T *__restrict__ x, T *__restrict__ out,
                             const double *__restrict__ sums, const double *__restrict__ squares,
                             const float *__restrict__ weight, const float *__restrict__ bias,
-                            Rows rows, float count, float eps, int round_first, int silu) {
+                            const T *__restrict__ scale, const T *__restrict__ shift, Rows rows,
+                            float count, float eps, int round_first, int silu) {
   long row, begin, end;
   int q;
   rows.locate(row, begin, end, q);
@@ -114,6 +116,10 @@ __device__ void group_apply(const T *__restrict__ x, T *__restrict__ out,
     } else {
       v = round_to(x, __fadd_rn(__fmul_rn(v, w), b));
     }
+    if (scale) {
+      v = round_to(x, __fmul_rn(v, load(scale, offset + i)));
+      v = round_to(x, __fadd_rn(v, load(shift, offset + i)));
+    }
     if (silu) v = __fdiv_rn(v, __fadd_rn(1.f, expf(-v)));
     store(out, offset + i, v);
   }
@@ -123,22 +129,37 @@ __device__ void group_apply(const T *__restrict__ x, T *__restrict__ out,
 // f32 sums, then x * (1 / sqrt(mean + eps)) rounded), then where given the modulation
 // (* scale1[b, c], + shift[b, c], each rounded: scale1 = 1 + scale, already rounded), then SiLU
 // where `silu` (of the rounded value, rounded): the candle composition of the LTX-Video
-// decoder's resnets. One thread per position: a warp reads 32 consecutive positions of a channel.
+// decoder's resnets. A block takes RMS_POSITIONS consecutive positions (a warp reads them for
+// one channel), its RMS_SLICES warps each a slice of the channels, so that the low-resolution
+// stages (hundreds of channels, few positions) still fill the GPU.
+constexpr int RMS_POSITIONS = 32, RMS_SLICES = THREADS / RMS_POSITIONS;
+
 template <typename T>
 __device__ void channel_rms(const T *__restrict__ x, T *__restrict__ out,
                             const float *__restrict__ scale1, const float *__restrict__ shift,
                             int channels, long spatial, long positions, float eps, int silu) {
-  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < positions;
-       i += (long)gridDim.x * blockDim.x) {
-    const long b = i / spatial, s = i % spatial;
-    const long base = b * channels * spatial + s;
+  __shared__ float partial[RMS_SLICES][RMS_POSITIONS];
+  const int lane = threadIdx.x % RMS_POSITIONS, slice = threadIdx.x / RMS_POSITIONS;
+  for (long first = blockIdx.x * (long)RMS_POSITIONS; first < positions;
+       first += (long)gridDim.x * RMS_POSITIONS) {
+    const long i = first + lane;
+    const bool live = i < positions;
+    const long b = live ? i / spatial : 0;
+    const long base = live ? b * channels * spatial + i % spatial : 0;
     float sq = 0.f;
-    for (int c = 0; c < channels; ++c) {
-      const float v = load(x, base + c * spatial);
-      sq = __fadd_rn(sq, __fmul_rn(v, v));
-    }
-    const float inv = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(sq, 1.f / channels), eps)));
-    for (int c = 0; c < channels; ++c) {
+    if (live)
+      for (int c = slice; c < channels; c += RMS_SLICES) {
+        const float v = load(x, base + c * spatial);
+        sq = __fadd_rn(sq, __fmul_rn(v, v));
+      }
+    partial[slice][lane] = sq;
+    __syncthreads();
+    float total = 0.f;
+    for (int k = 0; k < RMS_SLICES; ++k) total = __fadd_rn(total, partial[k][lane]);
+    __syncthreads();
+    if (!live) continue;
+    const float inv = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(total, 1.f / channels), eps)));
+    for (int c = slice; c < channels; c += RMS_SLICES) {
       float v = round_to(x, __fmul_rn(load(x, base + c * spatial), inv));
       if (scale1 != nullptr) {
         v = round_to(x, __fmul_rn(v, scale1[b * channels + c]));
@@ -153,7 +174,7 @@ __device__ void channel_rms(const T *__restrict__ x, T *__restrict__ out,
 } // namespace
 
 #define CHANNEL_RMS(NAME, T)                                                                    \
-  extern "C" __global__ void channel_rms_##NAME(                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS) channel_rms_##NAME(                                                \
       const T *__restrict__ x, T *__restrict__ out, const float *__restrict__ scale1,           \
       const float *__restrict__ shift, int channels, long spatial, long positions, float eps,   \
       int silu) {                                                                               \
@@ -174,10 +195,10 @@ CHANNEL_RMS(bf16, __nv_bfloat16)
   extern "C" __global__ void __launch_bounds__(THREADS) group_apply_##NAME(                     \
       const T *__restrict__ x, T *__restrict__ out, const double *__restrict__ sums,            \
       const double *__restrict__ squares, const float *__restrict__ weight,                     \
-      const float *__restrict__ bias, long spatial, int channels, long rows_per_entry,          \
-      int per_group, int groups, int chunks, float count, float eps, int round_first,           \
-      int silu) {                                                                               \
-    group_apply(x, out, sums, squares, weight, bias,                                            \
+      const float *__restrict__ bias, const T *__restrict__ scale, const T *__restrict__ shift, \
+      long spatial, int channels, long rows_per_entry, int per_group, int groups, int chunks,   \
+      float count, float eps, int round_first, int silu) {                                      \
+    group_apply(x, out, sums, squares, weight, bias, scale, shift,                              \
                 Rows{spatial, channels, rows_per_entry, per_group, groups, chunks}, count, eps,  \
                 round_first, silu);                                                             \
   }

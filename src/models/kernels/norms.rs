@@ -4,22 +4,26 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::models::kernel_module::{
-    item_launch, kernel_module, row_launch, Arg, Module, ROW_THREADS,
-};
+use crate::models::kernel_module::{kernel_module, row_launch, Arg, Module, ROW_THREADS};
 use crate::models::runs::{GroupNormSpec, Rounding};
 
 static NORMS: Module = kernel_module!("norms");
 
-/// Turns the fused norms off (`VIDGEN_FUSED_NORMS=off`): the candle compositions run, to
-/// compare the two in one process (bench/).
+/// Turns the fused VAE kernels off (`VIDGEN_FUSED_NORMS=off`: the norms here and the channel
+/// moves of `channel_ops`): the candle compositions run, to compare the two in one process
+/// (bench/).
 pub const FUSED_NORMS_ENV: &str = "VIDGEN_FUSED_NORMS";
 
-/// Whether the fused norms run (read once).
+/// Whether the fused VAE kernels run (read once).
 pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var(FUSED_NORMS_ENV).map_or(true, |v| v != "off"))
 }
+
+/// Positions a block of the channel RMS kernel takes at once (`RMS_POSITIONS` in norms.cu), and
+/// the most blocks it launches (each then strides over the rest).
+const RMS_POSITIONS: usize = 32;
+const MAX_RMS_BLOCKS: usize = 1 << 16;
 
 /// Elements a block of the kernels takes at least (fewer blocks, fewer f64 atomics).
 const ELEMENTS_PER_BLOCK: usize = ROW_THREADS * 32;
@@ -53,6 +57,24 @@ pub(crate) fn group_norm(
         )
     }
     let x = x.contiguous()?;
+    let modulation = match spec.modulation {
+        Some((scale, shift)) => {
+            let same = |t: &Tensor| -> Result<Tensor> {
+                if t.shape() != x.shape() || t.dtype() != x.dtype() {
+                    candle_core::bail!(
+                        "group norm kernel: a modulation {:?} {:?} for {:?} {:?}",
+                        t.shape(),
+                        t.dtype(),
+                        x.shape(),
+                        x.dtype()
+                    )
+                }
+                t.contiguous()
+            };
+            Some((same(scale)?, same(shift)?))
+        }
+        None => None,
+    };
     let entries = rows / rows_per_entry;
     let chunks = spatial.div_ceil(ELEMENTS_PER_BLOCK).clamp(1, 1 << 16);
     let count = (rows_per_entry / channels * (channels / spec.groups) * spatial) as f32;
@@ -92,6 +114,8 @@ pub(crate) fn group_norm(
         Arg::Tensor(Some(&squares)),
         Arg::Tensor(Some(&weight)),
         Arg::Tensor(Some(&bias)),
+        Arg::Tensor(modulation.as_ref().map(|m| &m.0)),
+        Arg::Tensor(modulation.as_ref().map(|m| &m.1)),
     ];
     args.extend(shape_args());
     args.extend([
@@ -142,10 +166,10 @@ pub(crate) fn channel_rms(
     // SAFETY: the kernel writes every element before anything reads it.
     let out = unsafe { Tensor::empty(x.shape(), x.dtype(), x.device()) }?;
     let positions = b * spatial;
-    out.inplace_op1(&item_launch(
+    out.inplace_op1(&row_launch(
         &NORMS,
         func,
-        positions,
+        positions.div_ceil(RMS_POSITIONS).min(MAX_RMS_BLOCKS),
         vec![
             Arg::Tensor(Some(&x)),
             Arg::Dst,

@@ -406,7 +406,7 @@ impl CausalConv3d {
         let pad = k / 2;
         let whole = || -> Result<Option<Tensor>> {
             match conv3d::conv3d(&padded, &self.weight, [st; 3], [0, pad, pad])? {
-                Some(y) => Ok(Some(y.broadcast_add(&self.bias.unsqueeze(4)?)?)),
+                Some(y) => Ok(Some(conv3d::add_channel_bias(&y, &self.bias)?)),
                 None => Ok(None),
             }
         };

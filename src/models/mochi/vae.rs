@@ -14,7 +14,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::hunyuan_video::vae::CausalConv3d;
-use crate::models::runs::{fused_group_norm, GroupNormSpec, Rounding};
+use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
 
 /// Groups of every GroupNorm (hard-coded in `MochiChunkedGroupNorm3D`).
 const NORM_GROUPS: usize = 32;
@@ -217,6 +217,7 @@ impl FrameGroupNorm {
             groups: NORM_GROUPS,
             eps: NORM_EPS,
             rounding: Rounding::F32,
+            modulation: None,
             silu: true,
         };
         if let Some(y) = fused_group_norm(x, &spec, 2, 2)? {
@@ -260,8 +261,46 @@ impl ResnetBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
         let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
-        h + x
+        by_frames(x, 1, x.elem_count() / x.dim(1)?, |first, n| {
+            h.narrow(1, first, n)? + x.narrow(1, first, n)?
+        })
     }
+}
+
+/// Elements one per-frame op of the decoder takes at most: candle's element-wise and copy
+/// kernels index with 32 bits, and a full-resolution activation is larger (4.4 G elements at
+/// 128 channels for 85 frames of 480x848), so those ops run over runs of frames.
+const RUN_ELEMENTS: usize = 1 << 30;
+
+/// `f(first, n)` on input frames `first..first + n` of frames-major `x` `[B, T, ...]`, each
+/// giving `out_per_in` output frames of `out_frame_elements` elements per input frame, over
+/// runs of frames within `run_elements` ([`RUN_ELEMENTS`]), written into one output.
+fn by_frames(
+    x: &Tensor,
+    out_per_in: usize,
+    out_frame_elements: usize,
+    f: impl Fn(usize, usize) -> Result<Tensor>,
+) -> Result<Tensor> {
+    by_frames_within(x, out_per_in, out_frame_elements, RUN_ELEMENTS, f)
+}
+
+fn by_frames_within(
+    x: &Tensor,
+    out_per_in: usize,
+    out_frame_elements: usize,
+    run_elements: usize,
+    f: impl Fn(usize, usize) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    let in_frame = x.elem_count() / t.max(1);
+    let per_input_frame = in_frame.max(out_frame_elements * out_per_in).max(1);
+    let inputs_per_run = (run_elements / per_input_frame).max(1);
+    in_runs(
+        t * out_per_in,
+        inputs_per_run * out_per_in,
+        1,
+        |first, n| f(first / out_per_in, n / out_per_in),
+    )
 }
 
 /// A run of resnets (`MochiMidBlock3D` without attention, or an up block's).
@@ -296,14 +335,16 @@ struct UpBlock {
 impl UpBlock {
     fn forward(&self, x: Tensor) -> Result<Tensor> {
         let x = run(&self.resnets, x)?;
-        let (b, t, _, h, w) = x.dims5()?;
+        let (b, _, _, h, w) = x.dims5()?;
         let (c, st, s) = (self.out_channels, self.temporal, self.spatial);
         // Channel (c, t', h', w') of the Linear lands at frame t·st + t', row h·s + h', column
         // w·s + w' (diffusers' view + permute).
-        per_position(&self.proj, &x)?
-            .reshape(vec![b, t, h, w, c, st, s, s])?
-            .permute(vec![0, 1, 5, 4, 2, 6, 3, 7])?
-            .reshape((b, t * st, c, h * s, w * s))
+        by_frames(&x, st, b * c * h * s * w * s, |first, n| {
+            per_position(&self.proj, &x.narrow(1, first, n)?)?
+                .reshape(vec![b, n, h, w, c, st, s, s])?
+                .permute(vec![0, 1, 5, 4, 2, 6, 3, 7])?
+                .reshape((b, n * st, c, h * s, w * s))
+        })
     }
 }
 
@@ -359,8 +400,13 @@ impl Decoder {
         let x = per_position(&self.conv_in, z)?.permute((0, 1, 4, 2, 3))?;
         let x = run(&self.block_in, x)?;
         let x = self.up_blocks.iter().try_fold(x, |x, up| up.forward(x))?;
-        let x = candle_nn::ops::silu(&run(&self.block_out, x)?)?;
-        per_position(&self.proj_out, &x)?.permute((0, 1, 4, 2, 3))
+        let x = run(&self.block_out, x)?;
+        let (b, _, _, h, w) = x.dims5()?;
+        let out = self.proj_out.weight().dim(0)?;
+        by_frames(&x, 1, b * out * h * w, |first, n| {
+            let x = candle_nn::ops::silu(&x.narrow(1, first, n)?)?;
+            per_position(&self.proj_out, &x)?.permute((0, 1, 4, 2, 3))
+        })
     }
 }
 
@@ -424,3 +470,33 @@ impl AutoencoderKLMochi {
 }
 
 crate::placed_whole!(AutoencoderKLMochi, MochiVaeConfig, AutoencoderKLMochi::new);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A per-frame op that doubles the frames, over runs of one or two input frames, gives
+    /// exactly what it gives over all frames at once.
+    #[test]
+    fn per_frame_ops_in_runs_of_frames_are_the_whole_op() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (1, 5, 2, 3, 4), &Device::Cpu)?;
+        let double = |first: usize, n: usize| -> Result<Tensor> {
+            let part = x.narrow(1, first, n)?;
+            Tensor::cat(&[&part, &(&part * 2.0)?], 2)?.reshape((1, 2 * n, 2, 3, 4))
+        };
+        let frame = 2 * 3 * 4;
+        let whole = by_frames_within(&x, 2, frame, usize::MAX, double)?;
+        for budget in [1, 2 * frame, 4 * frame] {
+            let runs = by_frames_within(&x, 2, frame, budget, double)?;
+            let diff = (&runs - &whole)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "runs within {budget} elements");
+        }
+        assert_eq!(whole.dims(), &[1, 10, 2, 3, 4]);
+        Ok(())
+    }
+}

@@ -1,0 +1,225 @@
+//! The moves around the VAEs' convolutions (`channel_ops.cu`), each one pass over memory: a
+//! convolution's per-channel bias (optionally stored frames-major into a larger output), and the
+//! frames a causal convolution reads gathered with replicate padding into its layout.
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::models::kernel_module::{item_launch, kernel_module, Arg, Module};
+
+static CHANNEL_OPS: Module = kernel_module!("channel_ops");
+
+/// The kernel of `name` for `x`'s dtype (bf16 or f32).
+fn func(name: &str, x: &Tensor) -> Result<&'static str> {
+    Ok(match (name, x.dtype()) {
+        ("add_channel_bias", DType::BF16) => "add_channel_bias_bf16",
+        ("add_channel_bias", DType::F32) => "add_channel_bias_f32",
+        ("gather_padded_frames", DType::BF16) => "gather_padded_frames_bf16",
+        ("gather_padded_frames", DType::F32) => "gather_padded_frames_f32",
+        (name, other) => candle_core::bail!("{name} kernel: {other:?} activations"),
+    })
+}
+
+/// Where [`add_channel_bias`] stores.
+pub(crate) enum BiasOut<'a> {
+    /// A new tensor of `y`'s shape.
+    New,
+    /// Frames `first..first + F` of a frames-major `[B, T, C, ...]` output, in place.
+    FramesOf(&'a Tensor, usize),
+}
+
+/// `y` `[B, C, F, ...]` (bf16 or f32, on CUDA) plus `bias[c]` (`C` values of `y`'s dtype), each
+/// sum rounded once as candle's add: a new tensor, or stored frames-major into `out`.
+pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Result<Tensor> {
+    let func = func("add_channel_bias", y)?;
+    let dims = y.dims();
+    if dims.len() < 3 || bias.elem_count() != dims[1] || bias.dtype() != y.dtype() {
+        candle_core::bail!(
+            "channel bias: {:?} and a bias of {:?}",
+            y.shape(),
+            bias.shape()
+        )
+    }
+    let (b, c, frames) = (dims[0], dims[1], dims[2]);
+    let spatial: usize = dims[3..].iter().product();
+    let y = y.contiguous()?;
+    let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+    let (dst, frames_major, out_frames, first) = match out {
+        BiasOut::New => {
+            // SAFETY: the kernel writes every element before anything reads it.
+            let dst = unsafe { Tensor::empty(y.shape(), y.dtype(), y.device()) }?;
+            (dst, false, frames, 0)
+        }
+        BiasOut::FramesOf(out, first) => {
+            let od = out.dims();
+            let fits = od.len() == dims.len()
+                && od[0] == b
+                && od[2] == c
+                && first + frames <= od[1]
+                && od[3..] == dims[3..]
+                && out.dtype() == y.dtype()
+                && out.is_contiguous();
+            if !fits {
+                candle_core::bail!(
+                    "channel bias: {:?} as frames {first}.. of {:?}",
+                    y.shape(),
+                    out.shape()
+                )
+            }
+            (out.clone(), true, od[1], first)
+        }
+    };
+    // 16-byte items where every row starts 16-byte aligned in both tensors.
+    let lanes = 16 / y.dtype().size_in_bytes();
+    let vector = spatial.is_multiple_of(lanes)
+        && y.layout().start_offset().is_multiple_of(lanes)
+        && dst.layout().start_offset().is_multiple_of(lanes);
+    let items = y.elem_count() / if vector { lanes } else { 1 };
+    dst.inplace_op1(&item_launch(
+        &CHANNEL_OPS,
+        func,
+        items,
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Int(c as i32),
+            Arg::Long(frames as i64),
+            Arg::Long(spatial as i64),
+            Arg::Long(items as i64),
+            Arg::Int(i32::from(frames_major)),
+            Arg::Long(out_frames as i64),
+            Arg::Long(first as i64),
+            Arg::Int(i32::from(vector)),
+        ],
+    ))?;
+    Ok(dst)
+}
+
+/// `[B, C, N, H + 2 pad_h, W + 2 pad_w]` from the frames-major `x` `[B, T, C, H, W]` (bf16 or
+/// f32, on CUDA): frame `n` is `x`'s frame `index[n]`, its edges replicated outwards.
+pub(crate) fn gather_padded_frames(
+    x: &Tensor,
+    index: &[u32],
+    pad_h: usize,
+    pad_w: usize,
+) -> Result<Tensor> {
+    let func = func("gather_padded_frames", x)?;
+    let (b, t, c, h, w) = x.dims5()?;
+    if index.iter().any(|&i| i as usize >= t) || h == 0 || w == 0 {
+        candle_core::bail!("gather frames: {index:?} of {:?}", x.shape())
+    }
+    let x = x.contiguous()?;
+    let n = index.len();
+    let index = Tensor::new(index, x.device())?;
+    // SAFETY: the kernel writes every element before anything reads it.
+    let out = unsafe {
+        Tensor::empty(
+            (b, c, n, h + 2 * pad_h, w + 2 * pad_w),
+            x.dtype(),
+            x.device(),
+        )
+    }?;
+    let items = out.elem_count();
+    out.inplace_op1(&item_launch(
+        &CHANNEL_OPS,
+        func,
+        items,
+        vec![
+            Arg::Tensor(Some(&x)),
+            Arg::Dst,
+            Arg::Tensor(Some(&index)),
+            Arg::Int(c as i32),
+            Arg::Long(t as i64),
+            Arg::Long(n as i64),
+            Arg::Int(h as i32),
+            Arg::Int(w as i32),
+            Arg::Int(pad_h as i32),
+            Arg::Int(pad_w as i32),
+            Arg::Long(items as i64),
+        ],
+    ))?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod cuda_tests {
+    //! The fused moves against the candle compositions they replace: the same bits.
+    use super::*;
+    use crate::models::row_ops::test_util::device;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()
+    }
+
+    #[test]
+    fn channel_bias_is_candles_broadcast_add_bit_for_bit() -> Result<()> {
+        let Some(dev) = device("channel bias") else {
+            return Ok(());
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            // 16-byte rows (vector path), odd rows (element path), and a view at an offset.
+            for dims in [[2, 3, 4, 6, 8], [1, 5, 3, 7, 9]] {
+                let y = Tensor::randn(0f32, 3.0, &dims[..], &dev)?.to_dtype(dtype)?;
+                let bias = Tensor::randn(0f32, 3.0, dims[1], &dev)?.to_dtype(dtype)?;
+                let want = y.broadcast_add(&bias.reshape((1, dims[1], 1, 1, 1))?)?;
+                let got = add_channel_bias(&y, &bias, BiasOut::New)?;
+                assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?}");
+                let frames_major = want.transpose(1, 2)?.contiguous()?;
+                let (b, c, t, h, w) = y.dims5()?;
+                let out = Tensor::zeros((b, t + 3, c, h, w), dtype, &dev)?;
+                for (first, n) in [(0, 1), (1, t - 1)] {
+                    let part = y.narrow(2, first, n)?;
+                    add_channel_bias(&part, &bias, BiasOut::FramesOf(&out, first + 2))?;
+                }
+                let got = out.narrow(1, 2, t)?;
+                assert_eq!(
+                    max_diff(&got, &frames_major)?,
+                    0.0,
+                    "{dtype:?} {dims:?} frames-major"
+                );
+                assert_eq!(
+                    out.narrow(1, 0, 2)?
+                        .abs()?
+                        .sum_all()?
+                        .to_dtype(DType::F32)?
+                        .to_scalar::<f32>()?,
+                    0.0
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gathered_frames_are_index_select_and_replicate_padding() -> Result<()> {
+        let Some(dev) = device("gathered frames") else {
+            return Ok(());
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            let x = Tensor::randn(0f32, 1.0, (2, 5, 3, 4, 6), &dev)?.to_dtype(dtype)?;
+            for (index, ph, pw) in [
+                (vec![0u32, 0, 1, 2], 1, 1),
+                (vec![4, 3], 0, 2),
+                (vec![2], 2, 0),
+            ] {
+                let idx = Tensor::new(index.as_slice(), &dev)?;
+                let mut want = x.index_select(&idx, 1)?;
+                if ph > 0 {
+                    want = want.pad_with_same(3, ph, ph)?;
+                }
+                if pw > 0 {
+                    want = want.pad_with_same(4, pw, pw)?;
+                }
+                let want = want.transpose(1, 2)?.contiguous()?;
+                let got = gather_padded_frames(&x, &index, ph, pw)?;
+                assert_eq!(got.dims(), want.dims());
+                assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {index:?} {ph} {pw}");
+            }
+        }
+        Ok(())
+    }
+}
