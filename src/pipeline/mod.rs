@@ -149,7 +149,12 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 }
                 check_shards(family.as_ref(), &config, &source)?;
                 check_weight_files(family.as_ref(), &config, &source)?;
-                fit_to_free(family.as_ref(), config)?
+                // A host too small is shown in the plan's verdict: a dry run plans for any host.
+                fit_to_host(
+                    family.as_ref(),
+                    fit_to_device(family.as_ref(), config)?,
+                    false,
+                )?
             }
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -203,12 +208,18 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     }
 }
 
+/// The configuration fitted to the device memory, then the host memory, free when the run starts
+/// (see [`fit_to_device`] and [`fit_to_host`]).
+fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
+    fit_to_host(family, fit_to_device(family, config)?, true)
+}
+
 /// The configuration fitted to the device memory free when the run starts (where the probe knows
 /// it): as asked when the memory plan predicts the options fit; else with the first leaner option
 /// set predicted to fit that keeps every memory option the user set (the changes recorded as
 /// overrides, printed and in `--stats-json`); else bad input, before anything loads, with the
 /// advice for what is free.
-fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
+fn fit_to_device(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
     let Some(free) = config.device().free_memory else {
         return Ok(config);
     };
@@ -252,6 +263,63 @@ fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedCo
             );
             Err(UsageError::new(format!(
                 "{free_text} free: no memory option set is predicted to fit {size} (frames x height x width){keeping}; {advice}"
+            ))
+            .into())
+        }
+    }
+}
+
+/// The configuration fitted to the host memory available when the run starts (where the probe
+/// knows it): as asked when the memory plan's host peak fits; else with the first host option
+/// set predicted to fit it and the free device memory (the encoder freed before the rest
+/// loads, each component loaded for its stages alone, a bounded pinned ring), keeping every
+/// option the user set, the changes recorded as overrides; else, when `stop`, bad input,
+/// before anything loads, naming the leanest set (otherwise as asked).
+fn fit_to_host(family: &dyn Family, config: ResolvedConfig, stop: bool) -> Result<ResolvedConfig> {
+    let Some(host) = config.device().host_available else {
+        return Ok(config);
+    };
+    let planner = Planner::new(family, &config);
+    let asked = match planner.plan(&planner.request()) {
+        Ok(plan) => plan,
+        Err(_) => return Ok(config),
+    };
+    let host_text = format!("{:.2} GiB of host memory available", gib(host));
+    match planner.fit_host(host, config.device().free_memory) {
+        memory_plan::Fit::AsAsked => Ok(config),
+        memory_plan::Fit::Leaner(candidate) => {
+            let reason = format!(
+                "{host_text}; the memory plan predicts a host peak of {} for the options asked, {} with {}",
+                asked.describe_host_peak(),
+                candidate.plan.describe_host_peak(),
+                candidate.flags.join(" ")
+            );
+            let options = candidate.request.options;
+            drop(planner);
+            Ok(config.with_memory_options(options, &reason))
+        }
+        memory_plan::Fit::Nothing if !stop => Ok(config),
+        memory_plan::Fit::Nothing => {
+            let kept = planner.kept_host();
+            let keeping = match kept.is_empty() {
+                true => String::new(),
+                false => format!(" while keeping {}", kept.join(", ")),
+            };
+            let leanest = match planner.leanest_host() {
+                Some(c) => format!(
+                    "; the leanest, {}, holds {}",
+                    c.flags.join(" "),
+                    c.plan.describe_host_peak()
+                ),
+                None => String::new(),
+            };
+            let v = config.video();
+            Err(UsageError::new(format!(
+                "{host_text}: no option set is predicted to hold {}x{}x{} (frames x height x width) in it{keeping}; the options asked hold {}{leanest}; free host memory, or ask for fewer frames or a smaller size",
+                v.num_frames,
+                v.height,
+                v.width,
+                asked.describe_host_peak()
             ))
             .into())
         }
@@ -685,6 +753,7 @@ fn generate(
         family: family.as_ref(),
         meter: MemoryMeter::new(&device),
         device,
+        planner: Planner::new(family.as_ref(), config),
     };
     // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
     let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
@@ -725,12 +794,38 @@ struct Guarded<'a> {
     /// Device and host memory peaks of each load and stage.
     meter: MemoryMeter,
     device: Device,
+    /// The memory plan of each prompt's size: a stage is not begun where the host cannot hold
+    /// it.
+    planner: Planner<'a>,
 }
 
 impl Guarded<'_> {
     /// `e` as [`stages::explain_out_of_memory`] words it for this run.
     fn explain(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
         stages::explain_out_of_memory(self.family, self.config, &self.meter, when, e)
+    }
+
+    /// Why `job` cannot begin `stage`: the memory plan of its size predicts more host memory
+    /// than this process may hold now (where the run has a host budget). A host allocation that
+    /// fails aborts the process, so the prompt fails here, alone, before it allocates.
+    fn host_shortfall(&self, stage: &str, job: &Job) -> Option<String> {
+        self.config.device().host_available?;
+        let plan = self
+            .planner
+            .plan_size(job.num_frames, job.height, job.width)
+            .ok()?;
+        let need = plan.stage(stage)?.host_bytes;
+        let room = crate::memory::probe::host_room()?;
+        (need > room).then(|| {
+            format!(
+                "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",
+                gib(need),
+                job.num_frames,
+                job.height,
+                job.width,
+                gib(room)
+            )
+        })
     }
 }
 
@@ -786,6 +881,9 @@ impl Pipeline for Guarded<'_> {
                 "{} appeared during the run; pass --overwrite to replace it",
                 job.output.display()
             );
+        }
+        if let Some(why) = self.host_shortfall(stage, job) {
+            bail!(why);
         }
         let was_written = job.written;
         self.meter.reset();
@@ -1049,6 +1147,7 @@ impl SizePlan {
             "peak_bytes": memory.and_then(|m| m.peak()).map(|s| s.peak_bytes),
             "required_bytes": memory.map(|m| m.required_bytes()),
             "fits": memory.and_then(|m| total.map(|t| m.fits(t))),
+            "host_peak_bytes": memory.map(|m| m.host_required_bytes()),
             "memory_error": self.memory.as_ref().err(),
         })
     }
@@ -1184,7 +1283,7 @@ impl<'a> DryRun<'a> {
         let config = self.config;
         let mut out = config.to_json();
         // The host's budget (it changes from moment to moment: beside the plan, not in it).
-        out["host_available_bytes"] = json!(crate::memory::probe::host_available());
+        out["host_available_bytes"] = json!(host_available(config));
         out["load_policy"] = json!(load_policy(config));
         out["batch_order"] = json!(batch_order(config));
         let source = self.source.to_string();
@@ -1211,6 +1310,7 @@ impl<'a> DryRun<'a> {
                                 "activation_bytes": m.activation_bytes,
                                 "peak_bytes": m.peak_bytes,
                                 "peak_gib": round2(gib(m.peak_bytes)),
+                                "host_bytes": m.host_bytes,
                             });
                         }
                         stage
@@ -1256,6 +1356,10 @@ impl<'a> DryRun<'a> {
                     "device_total_bytes": total,
                     "device_free_bytes": config.device().free_memory,
                     "fits": total.map(|t| m.fits(t)),
+                    "host_peak_stage": m.host_peak().map(|s| s.name),
+                    "host_peak_bytes": m.host_required_bytes(),
+                    "host_available_bytes": config.device().host_available,
+                    "host_fits": config.device().host_available.map(|h| m.fits_host(h)),
                 })
             }
             None => serde_json::Value::Null,
@@ -1292,7 +1396,7 @@ impl<'a> DryRun<'a> {
             d.name,
             json!(d.memory_model).as_str().unwrap_or("?")
         );
-        if let Some(host) = crate::memory::probe::host_available() {
+        if let Some(host) = host_available(config) {
             out += &format!("host         {:.2} GiB available\n", gib(host));
         }
         out += &format!("dtype        {}", config.dtype().as_str());
@@ -1391,13 +1495,16 @@ impl<'a> DryRun<'a> {
             match stage {
                 Some(m) => {
                     out += &format!(
-                        "{:>11.2}  {:>15.2}  {:>8.2}",
+                        "{:>11.2}  {:>15.2}  {:>8.2}  {:>13.2}",
                         gib(m.weight_bytes),
                         gib(m.activation_bytes),
-                        gib(m.peak_bytes)
+                        gib(m.peak_bytes),
+                        gib(m.host_bytes)
                     )
                 }
-                None if i == 0 && memory.is_ok() => out += "weights GiB  activations GiB  peak GiB",
+                None if i == 0 && memory.is_ok() => {
+                    out += "weights GiB  activations GiB  peak GiB  host peak GiB"
+                }
                 None => {}
             }
             out = out.trim_end().to_string() + "\n";
@@ -1417,6 +1524,15 @@ impl<'a> DryRun<'a> {
                         gib(total)
                     );
                 }
+                out += &format!("\npredicted host peak {}", m.describe_host_peak());
+                if let Some(host) = d.host_available {
+                    let verdict = if m.fits_host(host) {
+                        "fits"
+                    } else {
+                        "does not fit"
+                    };
+                    out += &format!(": {verdict} in the {:.2} GiB available", gib(host));
+                }
                 out += "\n";
             }
             Err(why) => out += &format!("memory not predicted: {why}\n"),
@@ -1424,6 +1540,15 @@ impl<'a> DryRun<'a> {
         out += &prompts_text(&described.sizes, d.total_memory);
         out
     }
+}
+
+/// The host memory available: the run's budget, or where it plans for another machine (a forced
+/// memory model), what this host has.
+fn host_available(config: &ResolvedConfig) -> Option<u64> {
+    config
+        .device()
+        .host_available
+        .or_else(crate::memory::probe::host_available)
 }
 
 /// The prompts' sizes for people: how many prompts ask for each and its predicted peak (the
