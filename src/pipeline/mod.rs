@@ -1358,8 +1358,6 @@ impl<'a> DryRun<'a> {
                     "fits": total.map(|t| m.fits(t)),
                     "host_peak_stage": m.host_peak().map(|s| s.name),
                     "host_peak_bytes": m.host_required_bytes(),
-                    "host_available_bytes": config.device().host_available,
-                    "host_fits": config.device().host_available.map(|h| m.fits_host(h)),
                 })
             }
             None => serde_json::Value::Null,
