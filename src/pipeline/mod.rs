@@ -754,6 +754,10 @@ fn generate(
         meter: MemoryMeter::new(&device),
         device,
         planner: Planner::new(family.as_ref(), config),
+        current: config.clone(),
+        loaded: Vec::new(),
+        evicted: Vec::new(),
+        injected: 0,
     };
     // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
     let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
@@ -797,12 +801,91 @@ struct Guarded<'a> {
     /// The memory plan of each prompt's size: a stage is not begun where the host cannot hold
     /// it.
     planner: Planner<'a>,
+    /// The run's configuration with the memory options in force (a leaner set once a stage ran
+    /// out of device memory).
+    current: ResolvedConfig,
+    /// The components the pipeline holds.
+    loaded: Vec<usize>,
+    /// The components freed after running out of memory that the runner still counts as
+    /// loaded: each loads again before a stage that uses it.
+    evicted: Vec<usize>,
+    /// How many out-of-memory errors `VIDGEN_INJECT_OOM` has injected.
+    injected: usize,
 }
 
 impl Guarded<'_> {
     /// `e` as [`stages::explain_out_of_memory`] words it for this run.
     fn explain(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
         stages::explain_out_of_memory(self.family, self.config, &self.meter, when, e)
+    }
+
+    /// Stage `index` for `job`, after the out-of-memory error `VIDGEN_INJECT_OOM` asks for.
+    fn attempt(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        self.injected_out_of_memory(self.inner.spec().stages[index].name)?;
+        self.inner.run_stage(index, job)
+    }
+
+    /// `VIDGEN_INJECT_OOM=STAGE[:N]`: stage STAGE fails with a device out-of-memory error the
+    /// first N times it runs (once without N), so the recovery is tested without a GPU.
+    fn injected_out_of_memory(&mut self, stage: &str) -> Result<()> {
+        let Ok(asked) = std::env::var("VIDGEN_INJECT_OOM") else {
+            return Ok(());
+        };
+        let (name, times) = match asked.split_once(':') {
+            Some((name, times)) => (name, times.parse().unwrap_or(1)),
+            None => (asked.as_str(), 1),
+        };
+        if name == stage && self.injected < times {
+            self.injected += 1;
+            bail!("CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected by VIDGEN_INJECT_OOM)");
+        }
+        Ok(())
+    }
+
+    /// Loads again the components stage `index` uses that [`Guarded::make_room`] freed.
+    fn reload_evicted(&mut self, index: usize) -> Result<()> {
+        for c in self.inner.spec().stages[index].uses.clone() {
+            if let Some(at) = self.evicted.iter().position(|&e| e == c) {
+                self.evicted.remove(at);
+                self.load(c)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After `stage` ran out of device memory: frees every component and places the components
+    /// loaded from now on by the first leaner option set predicted to fit the device memory free
+    /// now (where the device says what is free and the plan predicts the options in force do
+    /// not fit it; else the first leaner set), keeping every option the user set. The flags of
+    /// that set, or `None` where there is none.
+    fn make_room(&mut self, stage: &str) -> Option<Vec<String>> {
+        for c in std::mem::take(&mut self.loaded) {
+            self.inner.release(c);
+            self.progress
+                .note(&format!("freed {}", self.inner.spec().components[c].name));
+            self.evicted.push(c);
+        }
+        let _ = self.device.synchronize();
+        let candidate = {
+            let planner = Planner::new(self.family, &self.current);
+            match self.meter.device_free().map(|free| planner.fit(free)) {
+                Some(memory_plan::Fit::Leaner(c)) => c,
+                Some(memory_plan::Fit::Nothing) => return None,
+                Some(memory_plan::Fit::AsAsked) | None => planner.leaner()?,
+            }
+        };
+        let options = candidate.request.options;
+        if !self.inner.replace_memory_options(&options) {
+            return None;
+        }
+        let reason = format!("out of device memory in {stage}");
+        self.current = self.current.clone().with_memory_options(options, &reason);
+        self.progress.note(&format!(
+            "{stage}: out of device memory; retrying once with {} (predicted peak {})",
+            candidate.flags.join(" "),
+            candidate.plan.describe_peak()
+        ));
+        Some(candidate.flags)
     }
 
     /// Why `job` cannot begin `stage`: the memory plan of its size predicts more host memory
@@ -855,6 +938,7 @@ impl Pipeline for Guarded<'_> {
         if let Err(e) = loaded {
             return Err(self.explain(&format!("while loading {name}"), e));
         }
+        self.loaded.push(component);
         self.progress.note(&format!(
             "loaded {name} in {:.2}s: {}",
             start.elapsed().as_secs_f64(),
@@ -865,8 +949,14 @@ impl Pipeline for Guarded<'_> {
 
     /// Frees a component, saying so: when each is freed is what the load levers change.
     fn release(&mut self, component: usize) {
+        if let Some(at) = self.evicted.iter().position(|&e| e == component) {
+            // Freed already, after running out of memory.
+            self.evicted.remove(at);
+            return;
+        }
         let name = self.inner.spec().components[component].name;
         self.inner.release(component);
+        self.loaded.retain(|&c| c != component);
         self.progress.note(&format!("freed {name}"));
     }
 
@@ -885,9 +975,28 @@ impl Pipeline for Guarded<'_> {
         if let Some(why) = self.host_shortfall(stage, job) {
             bail!(why);
         }
+        self.reload_evicted(index)?;
         let was_written = job.written;
         self.meter.reset();
-        let result = self.inner.run_stage(index, job);
+        // Out of device memory (another process took some after the plan): every component is
+        // freed and the stage runs once more from the same state with a leaner option set.
+        let state = job.state();
+        let mut result = self.attempt(index, job);
+        if let (Err(e), Some(state)) = (&result, state) {
+            if stages::is_out_of_memory(e) && !interrupt::interrupted() {
+                let first = format!("{e:#}");
+                if let Some(flags) = self.make_room(stage) {
+                    job.restore(state);
+                    result = self
+                        .reload_evicted(index)
+                        .and_then(|()| self.attempt(index, job));
+                    job.metrics.insert(
+                        "out_of_memory_retry".into(),
+                        json!({ "stage": stage, "with": flags, "error": first }),
+                    );
+                }
+            }
+        }
         match &result {
             Err(e) if e.is::<Interrupted>() => job.stopped_at = Some(stage),
             // Rank 0 alone speaks on stdout (the others write to a scratch folder).

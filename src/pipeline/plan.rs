@@ -267,6 +267,20 @@ impl<'a> Planner<'a> {
         )
     }
 
+    /// The first option set that needs less device memory than the run's, keeping every
+    /// memory option the user set and the frames (see [`memory_plan::candidates`]).
+    pub fn leaner(&self) -> Option<memory_plan::Candidate> {
+        memory_plan::candidates(
+            &self.request(),
+            self.config.device(),
+            &|r| self.plan(r),
+            None,
+            &|option| self.config.given(option),
+        )
+        .into_iter()
+        .next()
+    }
+
     /// How the run fits `free` bytes, keeping every memory option the user set (see
     /// [`memory_plan::fit`]).
     pub fn fit(&self, free: u64) -> memory_plan::Fit {
