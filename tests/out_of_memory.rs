@@ -96,7 +96,7 @@ fn a_stage_out_of_memory_once_runs_again_with_a_leaner_set() {
         assert!(retried.status.success(), "{stage}: {stderr}");
         assert!(
             stderr.contains(&format!(
-                "{stage}: out of device memory; retrying once with --"
+                "out of device memory in stage {stage}; retrying once with --"
             )),
             "{stderr}"
         );
@@ -119,6 +119,27 @@ fn a_stage_out_of_memory_once_runs_again_with_a_leaner_set() {
         assert!(json["jobs"][1]["metrics"]
             .get("out_of_memory_retry")
             .is_none());
+    }
+}
+
+/// Out of memory while loading a component: every other one is freed and the load runs again
+/// with a leaner set; the videos are the same.
+#[test]
+fn a_load_out_of_memory_once_loads_again_with_a_leaner_set() {
+    let clean = scratch("load-clean");
+    assert!(run(&clean, None).status.success());
+    let out = scratch("load");
+    let retried = run(&out, Some("transformer"));
+    let stderr = String::from_utf8_lossy(&retried.stderr);
+    assert!(retried.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("out of device memory while loading transformer; retrying once with --"),
+        "{stderr}"
+    );
+    for name in ["a-fox_001_seed1.safetensors", "a-cat_002_seed2.safetensors"] {
+        let (want, got) = (frames(&clean.join(name)), frames(&out.join(name)));
+        let diff = (want - got).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
     }
 }
 

@@ -819,14 +819,23 @@ impl Guarded<'_> {
         stages::explain_out_of_memory(self.family, self.config, &self.meter, when, e)
     }
 
+    /// Loads `component` (after the out-of-memory error `VIDGEN_INJECT_OOM` asks for) and waits
+    /// for its copies.
+    fn load_once(&mut self, component: usize) -> Result<()> {
+        self.injected_out_of_memory(self.inner.spec().components[component].name)?;
+        self.inner.load(component)?;
+        Ok(self.device.synchronize()?)
+    }
+
     /// Stage `index` for `job`, after the out-of-memory error `VIDGEN_INJECT_OOM` asks for.
     fn attempt(&mut self, index: usize, job: &mut Job) -> Result<()> {
         self.injected_out_of_memory(self.inner.spec().stages[index].name)?;
         self.inner.run_stage(index, job)
     }
 
-    /// `VIDGEN_INJECT_OOM=STAGE[:N]`: stage STAGE fails with a device out-of-memory error the
-    /// first N times it runs (once without N), so the recovery is tested without a GPU.
+    /// `VIDGEN_INJECT_OOM=NAME[:N]`: the stage, or the load of the component, called NAME fails
+    /// with a device out-of-memory error the first N times (once without N), so the recovery is
+    /// tested without a GPU.
     fn injected_out_of_memory(&mut self, stage: &str) -> Result<()> {
         let Ok(asked) = std::env::var("VIDGEN_INJECT_OOM") else {
             return Ok(());
@@ -853,12 +862,13 @@ impl Guarded<'_> {
         Ok(())
     }
 
-    /// After `stage` ran out of device memory: frees every component and places the components
+    /// After running out of device memory `when` (in a stage, or loading a component): frees
+    /// every component and places the components
     /// loaded from now on by the first leaner option set predicted to fit the device memory free
     /// now (where the device says what is free and the plan predicts the options in force do
     /// not fit it; else the first leaner set), keeping every option the user set. The flags of
     /// that set, or `None` where there is none.
-    fn make_room(&mut self, stage: &str) -> Option<Vec<String>> {
+    fn make_room(&mut self, when: &str) -> Option<Vec<String>> {
         for c in std::mem::take(&mut self.loaded) {
             self.inner.release(c);
             self.progress
@@ -878,10 +888,10 @@ impl Guarded<'_> {
         if !self.inner.replace_memory_options(&options) {
             return None;
         }
-        let reason = format!("out of device memory in {stage}");
+        let reason = format!("out of device memory {when}");
         self.current = self.current.clone().with_memory_options(options, &reason);
         self.progress.note(&format!(
-            "{stage}: out of device memory; retrying once with {} (predicted peak {})",
+            "out of device memory {when}; retrying once with {} (predicted peak {})",
             candidate.flags.join(" "),
             candidate.plan.describe_peak()
         ));
@@ -893,6 +903,11 @@ impl Guarded<'_> {
     /// fails aborts the process, so the prompt fails here, alone, before it allocates.
     fn host_shortfall(&self, stage: &str, job: &Job) -> Option<String> {
         self.config.device().host_available?;
+        // On unified memory what the device holds is in no resident set, so what the process
+        // may hold is not known here; the device's own error and retry cover it.
+        if self.config.device().memory_model == crate::memory::MemoryModel::Unified {
+            return None;
+        }
         let plan = self
             .planner
             .plan_size(job.num_frames, job.height, job.width)
@@ -931,12 +946,17 @@ impl Pipeline for Guarded<'_> {
         self.progress.note(&format!("loading {name}"));
         let start = Instant::now();
         self.meter.reset();
-        let loaded = self
-            .inner
-            .load(component)
-            .and_then(|()| Ok(self.device.synchronize()?));
+        let when = format!("while loading {name}");
+        let mut loaded = self.load_once(component);
+        // Out of device memory: every other component is freed and the load is tried once more
+        // with a leaner option set.
+        if let Err(e) = &loaded {
+            if stages::is_out_of_memory(e) && self.make_room(&when).is_some() {
+                loaded = self.load_once(component);
+            }
+        }
         if let Err(e) = loaded {
-            return Err(self.explain(&format!("while loading {name}"), e));
+            return Err(self.explain(&when, e));
         }
         self.loaded.push(component);
         self.progress.note(&format!(
@@ -985,7 +1005,7 @@ impl Pipeline for Guarded<'_> {
         if let (Err(e), Some(state)) = (&result, state) {
             if stages::is_out_of_memory(e) && !interrupt::interrupted() {
                 let first = format!("{e:#}");
-                if let Some(flags) = self.make_room(stage) {
+                if let Some(flags) = self.make_room(&format!("in stage {stage}")) {
                     job.restore(state);
                     result = self
                         .reload_evicted(index)
