@@ -74,13 +74,7 @@ fn main() -> Result<()> {
             .iter()
             .position(|a| a == "--save")
             .and_then(|i| args.get(i + 1));
-        return family_decode(
-            family,
-            given,
-            args.iter().any(|a| a == "--tiled"),
-            save,
-            &dev,
-        );
+        return family_decode(family, given, args.iter().any(|a| a == "--tiled"), save, &dev);
     }
 
     if let Some(dir) = fixture {

@@ -23,10 +23,10 @@ pub(crate) mod linear;
 pub mod ltx;
 pub mod minimax_h3;
 pub mod mochi;
+pub mod pixart;
 #[cfg(feature = "cuda")]
 #[path = "kernels/norms.rs"]
 pub(crate) mod norms;
-pub mod pixart;
 #[cfg(feature = "cuda")]
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;
