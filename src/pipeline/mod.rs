@@ -27,7 +27,7 @@ pub mod wan_t2v;
 use crate::config::{BatchOrderChoice, ModelDefaults, ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request};
-use crate::memory::{DeviceKind, MemoryOptions};
+use crate::memory::{DeviceKind, MemoryModel, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
@@ -836,15 +836,15 @@ impl Guarded<'_> {
     /// `VIDGEN_INJECT_OOM=NAME[:N]`: the stage, or the load of the component, called NAME fails
     /// with a device out-of-memory error the first N times (once without N), so the recovery is
     /// tested without a GPU.
-    fn injected_out_of_memory(&mut self, stage: &str) -> Result<()> {
+    fn injected_out_of_memory(&mut self, name: &str) -> Result<()> {
         let Ok(asked) = std::env::var("VIDGEN_INJECT_OOM") else {
             return Ok(());
         };
-        let (name, times) = match asked.split_once(':') {
-            Some((name, times)) => (name, times.parse().unwrap_or(1)),
+        let (target, times) = match asked.split_once(':') {
+            Some((target, times)) => (target, times.parse().unwrap_or(1)),
             None => (asked.as_str(), 1),
         };
-        if name == stage && self.injected < times {
+        if target == name && self.injected < times {
             self.injected += 1;
             bail!("CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected by VIDGEN_INJECT_OOM)");
         }
@@ -863,11 +863,10 @@ impl Guarded<'_> {
     }
 
     /// After running out of device memory `when` (in a stage, or loading a component): frees
-    /// every component and places the components
-    /// loaded from now on by the first leaner option set predicted to fit the device memory free
-    /// now (where the device says what is free and the plan predicts the options in force do
-    /// not fit it; else the first leaner set), keeping every option the user set. The flags of
-    /// that set, or `None` where there is none.
+    /// every component and places those loaded from now on by the first leaner option set
+    /// predicted to fit the device memory free now (where the device says what is free and the
+    /// plan predicts the options in force do not fit it; else the first leaner set), keeping
+    /// every option the user set. The flags of that set, or `None` where there is none.
     fn make_room(&mut self, when: &str) -> Option<Vec<String>> {
         for c in std::mem::take(&mut self.loaded) {
             self.inner.release(c);
@@ -905,7 +904,7 @@ impl Guarded<'_> {
         self.config.device().host_available?;
         // On unified memory what the device holds is in no resident set, so what the process
         // may hold is not known here; the device's own error and retry cover it.
-        if self.config.device().memory_model == crate::memory::MemoryModel::Unified {
+        if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
         let plan = self
