@@ -585,6 +585,113 @@ pub fn advice(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::probe::{DeviceKind, MemoryModel};
+
+    /// A discrete GPU's run with both load levers off and every weight pinned.
+    fn discrete_request() -> (Request, DeviceInfo) {
+        let options = MemoryOptions {
+            dit_cpu_offload: true,
+            use_fsdp_inference: false,
+            dit_layerwise_offload: true,
+            text_encoder_cpu_offload: true,
+            image_encoder_cpu_offload: true,
+            vae_cpu_offload: true,
+            pin_cpu_memory: true,
+            max_pinned_memory: None,
+            text_encoder_on_cpu: false,
+            lazy_module_load: Some(false),
+            h3_sequential_load: Some(false),
+            leaf_level: false,
+            num_blocks_per_group: 1,
+            offload_stream: true,
+            prefetch_depth: None,
+            model_cpu_offload: false,
+            sequential_cpu_offload: false,
+            vae_tiling: false,
+        };
+        let device = DeviceInfo {
+            kind: DeviceKind::Cuda,
+            ordinal: 0,
+            name: "a GPU".into(),
+            total_memory: None,
+            free_memory: None,
+            host_available: None,
+            memory_model: MemoryModel::Discrete,
+            memory_model_forced: true,
+        };
+        let request = Request {
+            options,
+            num_frames: 81,
+            frame_step: 4,
+        };
+        (request, device)
+    }
+
+    /// A one-stage plan of `device` bytes and `host` bytes of host memory.
+    fn one_stage(device: u64, host: u64) -> MemoryPlan {
+        MemoryPlan {
+            stages: vec![StagePlan {
+                name: "denoise",
+                weight_bytes: device,
+                activation_bytes: 0,
+                peak_bytes: device,
+                host_bytes: host,
+            }],
+        }
+    }
+
+    /// Host fitting, budgets in and option set out: the run's own options where they fit; else
+    /// the first set that fits, in order (sequential load, lazy load, each with a bounded pinned
+    /// ring); none that changes an option the user set, nor one the free device memory cannot
+    /// hold; nothing below the leanest.
+    #[test]
+    fn the_host_takes_the_first_set_that_fits_it() {
+        let (request, device) = discrete_request();
+        // Host bytes: 100 eager, 70 sequential, 50 lazy, 20 less with a bounded ring; the
+        // bounded lazy set needs more of the device.
+        let plan_for = |r: &Request| -> anyhow::Result<MemoryPlan> {
+            let o = &r.options;
+            let host = match (o.lazy(), o.sequential()) {
+                (true, _) => 50,
+                (false, true) => 70,
+                (false, false) => 100,
+            } - if o.max_pinned_memory.is_some() { 20 } else { 0 };
+            let device = if o.lazy() && o.max_pinned_memory.is_some() {
+                5_000
+            } else {
+                1_000
+            };
+            Ok(one_stage(device, host))
+        };
+        let fit = |host, free, kept: &dyn Fn(&str) -> bool| match fit_host(
+            &request, &device, &plan_for, host, free, kept,
+        ) {
+            Fit::AsAsked => Vec::new(),
+            Fit::Leaner(c) => c.flags,
+            Fit::Nothing => vec!["nothing".to_string()],
+        };
+        let none = |_: &str| false;
+        assert!(fit(100, None, &none).is_empty());
+        assert_eq!(fit(99, None, &none), ["--h3-sequential-load"]);
+        assert_eq!(fit(55, None, &none), ["--lazy-module-load"]);
+        assert_eq!(
+            fit(40, None, &none),
+            ["--lazy-module-load", "--max-pinned-memory 2GiB"]
+        );
+        assert_eq!(fit(29, None, &none), ["nothing"]);
+        // The device cannot hold the bounded lazy set.
+        assert_eq!(fit(40, Some(CONTEXT_BYTES + 2_000), &none), ["nothing"]);
+        // The user set lazy loading (off): the encoder freed first, with a bounded ring.
+        let lazy_kept = |o: &str| o == "lazy_module_load";
+        assert_eq!(
+            fit(55, None, &lazy_kept),
+            ["--h3-sequential-load", "--max-pinned-memory 2GiB"]
+        );
+        // The user set pinning: no bounded ring.
+        assert_eq!(fit(40, None, &|o: &str| o == "pin_cpu_memory"), ["nothing"]);
+        let leanest = leanest_host(&request, &device, &plan_for, &none).unwrap();
+        assert_eq!(leanest.plan.host_required_bytes(), 30);
+    }
 
     /// The savings the user set are named by their flags, in the advice's order.
     #[test]
