@@ -907,8 +907,16 @@ impl Guarded<'_> {
         if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
-        let plan = self
-            .planner
+        // After a retry's leaner set, that set's plan (rarely: recorded afresh each time).
+        let leaner;
+        let planner = match self.current.memory() == self.config.memory() {
+            true => &self.planner,
+            false => {
+                leaner = Planner::new(self.family, &self.current);
+                &leaner
+            }
+        };
+        let plan = planner
             .plan_size(job.num_frames, job.height, job.width)
             .ok()?;
         let need = plan.stage(stage)?.host_bytes;
