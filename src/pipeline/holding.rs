@@ -255,20 +255,22 @@ impl Holding {
             Holding::Sharded { .. } => 0,
         };
         let ring = 2 * sizes.iter().copied().max().unwrap_or(0) as u64;
-        let held = match memory {
-            _ if image == 0 => 0,
-            HostMemory::Pinned | HostMemory::Pageable => image,
-            HostMemory::Bounded { max_pinned } if max_pinned as u64 >= image => image,
-            HostMemory::Bounded { max_pinned } => {
-                let ring = ring.min(max_pinned as u64);
+        // As the engine holds it: a staged part is bounded by a ring of two groups.
+        let bound = match memory {
+            HostMemory::Staged => Some(ring),
+            HostMemory::Bounded { max_pinned } => Some(max_pinned as u64),
+            HostMemory::Pinned | HostMemory::Pageable => None,
+        };
+        let held = match bound {
+            Some(bound) if bound < image => {
+                let ring = ring.min(bound);
                 if mapped {
                     ring
                 } else {
                     image.saturating_add(ring)
                 }
             }
-            HostMemory::Staged if mapped => ring,
-            HostMemory::Staged => image.saturating_add(ring),
+            _ => image,
         };
         (layout.host_bytes as u64).saturating_add(held)
     }
@@ -467,5 +469,12 @@ mod tests {
                 "{holding:?} {memory:?} mapped {mapped}"
             );
         }
+        // One group: the staged ring of two would hold the whole, so it is pinned whole.
+        let one = ComponentLayout {
+            groups: layout.groups[..1].to_vec(),
+            ..layout
+        };
+        let parked = Holding::Parked.host_bytes(&one, HostMemory::Staged, true);
+        assert_eq!(parked, apart + g);
     }
 }
