@@ -410,3 +410,46 @@ fn a_prompt_the_host_cannot_hold_fails_alone() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+/// Weights read from files can wait in the memory map, where the kernel may drop and reread
+/// their pages: a host too small for their page-locked images takes a bounded pinned ring (the
+/// published 14B, planned from the configs vidgen ships, under an 8 GiB host).
+#[test]
+fn weights_in_files_wait_in_the_memory_map_behind_a_bounded_ring() {
+    let hf_home = scratch("hf");
+    let run = Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args([
+            "generate",
+            "--dry-run",
+            "--json",
+            "--device",
+            "cpu",
+            "--prompt",
+            "x",
+        ])
+        .args(["--model", "Wan-AI/Wan2.1-T2V-14B-Diffusers"])
+        .args(DISCRETE)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HOME", &hf_home)
+        .env("VIDGEN_HOST_MEMORY", "8GiB")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let with = "with --h3-sequential-load --max-pinned-memory 2GiB)";
+    for change in [
+        "h3_sequential_load: false -> true (8.00 GiB of host memory available",
+        "max_pinned_memory: null -> 2147483648 (8.00 GiB of host memory available",
+    ] {
+        let line = stderr.lines().find(|l| l.starts_with(change));
+        assert!(
+            line.is_some_and(|l| l.ends_with(with)),
+            "{change}: {stderr}"
+        );
+    }
+    let json: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(json["model"]["configs_from"], "shipped");
+    assert_eq!(json["placement"]["host_memory"]["max_pinned"], 2 * GIB);
+    let peak = json["memory_plan"]["host_peak_bytes"].as_u64().unwrap();
+    assert!(peak <= 8 * GIB, "{peak}");
+}
