@@ -758,6 +758,7 @@ fn generate(
         loaded: Vec::new(),
         evicted: Vec::new(),
         injected: 0,
+        host_plans: Default::default(),
     };
     // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
     let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
@@ -811,6 +812,9 @@ struct Guarded<'a> {
     evicted: Vec<usize>,
     /// How many out-of-memory errors `VIDGEN_INJECT_OOM` has injected.
     injected: usize,
+    /// The memory plan of each prompt size under the options in force, as planned (`None`:
+    /// none could be made).
+    host_plans: std::collections::HashMap<(u32, u32, u32), Option<MemoryPlan>>,
 }
 
 impl Guarded<'_> {
@@ -889,6 +893,7 @@ impl Guarded<'_> {
         }
         let reason = format!("out of device memory {when}");
         self.current = self.current.clone().with_memory_options(options, &reason);
+        self.host_plans.clear();
         self.progress.note(&format!(
             "out of device memory {when}; retrying once with {} (predicted peak {})",
             candidate.flags.join(" "),
@@ -900,26 +905,28 @@ impl Guarded<'_> {
     /// Why `job` cannot begin `stage`: the memory plan of its size predicts more host memory
     /// than this process may hold now (where the run has a host budget). A host allocation that
     /// fails aborts the process, so the prompt fails here, alone, before it allocates.
-    fn host_shortfall(&self, stage: &str, job: &Job) -> Option<String> {
+    fn host_shortfall(&mut self, stage: &str, job: &Job) -> Option<String> {
         self.config.device().host_available?;
         // On unified memory what the device holds is in no resident set, so what the process
         // may hold is not known here; the device's own error and retry cover it.
         if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
-        // After a retry's leaner set, that set's plan (rarely: recorded afresh each time).
-        let leaner;
-        let planner = match self.current.memory() == self.config.memory() {
-            true => &self.planner,
-            false => {
-                leaner = Planner::new(self.family, &self.current);
-                &leaner
-            }
-        };
-        let plan = planner
-            .plan_size(job.num_frames, job.height, job.width)
-            .ok()?;
-        let need = plan.stage(stage)?.host_bytes;
+        let size = (job.num_frames, job.height, job.width);
+        if !self.host_plans.contains_key(&size) {
+            // After a retry's leaner set, that set's plan.
+            let leaner;
+            let planner = match self.current.memory() == self.config.memory() {
+                true => &self.planner,
+                false => {
+                    leaner = Planner::new(self.family, &self.current);
+                    &leaner
+                }
+            };
+            let plan = planner.plan_size(size.0, size.1, size.2).ok();
+            self.host_plans.insert(size, plan);
+        }
+        let need = self.host_plans[&size].as_ref()?.stage(stage)?.host_bytes;
         let room = crate::memory::probe::host_room()?;
         (need > room).then(|| {
             format!(
