@@ -320,6 +320,17 @@ fn the_run_fits_itself_to_the_host_or_stops_before_loading() {
         "{json}"
     );
     assert_eq!(json["jobs"][0]["status"], "written");
+    // Each stage's metrics carry the plan's host bytes beside the measured resident set.
+    let stages = json["jobs"][0]["metrics"]["stages"].as_object().unwrap();
+    assert_eq!(stages.len(), 4, "{stages:?}");
+    for (name, stage) in stages {
+        let planned = stage["host_planned_bytes"].as_u64();
+        assert!(
+            planned.is_some_and(|p| p > 0 && p <= lazy),
+            "{name}: {stage}"
+        );
+        assert!(stage["host_rss_peak"].as_u64().is_some(), "{name}: {stage}");
+    }
 
     std::fs::remove_file(&stats).unwrap();
     let pinned = [

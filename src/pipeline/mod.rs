@@ -912,6 +912,23 @@ impl Guarded<'_> {
         if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
+        let need = self.planned_host(stage, job)?;
+        let room = crate::memory::probe::host_room()?;
+        (need > room).then(|| {
+            format!(
+                "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",
+                gib(need),
+                job.num_frames,
+                job.height,
+                job.width,
+                gib(room)
+            )
+        })
+    }
+
+    /// The host bytes the memory plan of `job`'s size predicts for `stage` under the options
+    /// in force.
+    fn planned_host(&mut self, stage: &str, job: &Job) -> Option<u64> {
         let size = (job.num_frames, job.height, job.width);
         if !self.host_plans.contains_key(&size) {
             // After a retry's leaner set, that set's plan.
@@ -926,18 +943,7 @@ impl Guarded<'_> {
             let plan = planner.plan_size(size.0, size.1, size.2).ok();
             self.host_plans.insert(size, plan);
         }
-        let need = self.host_plans[&size].as_ref()?.stage(stage)?.host_bytes;
-        let room = crate::memory::probe::host_room()?;
-        (need > room).then(|| {
-            format!(
-                "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",
-                gib(need),
-                job.num_frames,
-                job.height,
-                job.width,
-                gib(room)
-            )
-        })
+        Some(self.host_plans[&size].as_ref()?.stage(stage)?.host_bytes)
     }
 }
 
@@ -1049,8 +1055,11 @@ impl Pipeline for Guarded<'_> {
             let peaks = self.meter.peaks();
             self.progress
                 .note(&format!("  {stage}: {}", progress::describe_peaks(&peaks)));
+            let mut measured = serde_json::to_value(peaks)?;
+            // Beside what was measured, what the plan predicted.
+            measured["host_planned_bytes"] = json!(self.planned_host(stage, job));
             let stages = job.metrics.entry("stages").or_insert_with(|| json!({}));
-            stages[stage] = serde_json::to_value(peaks)?;
+            stages[stage] = measured;
         }
         result
     }
