@@ -45,6 +45,15 @@ impl MemoryMeter {
         }
     }
 
+    /// The device memory free now (`None` off CUDA).
+    pub fn device_free(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = &self.pool {
+            return p.free();
+        }
+        None
+    }
+
     /// The peaks since the last reset.
     pub fn peaks(&self) -> MemoryPeaks {
         #[allow(unused_mut)]
@@ -125,6 +134,11 @@ mod cuda {
                     sys::cuMemPoolSetAttribute(self.pool, attr, &mut zero as *mut u64 as *mut _)
                 };
             }
+        }
+
+        pub fn free(&self) -> Option<u64> {
+            let _ = self.ctx.synchronize();
+            self.ctx.mem_get_info().ok().map(|(free, _)| free as u64)
         }
 
         pub fn read(&self, peaks: &mut MemoryPeaks) {

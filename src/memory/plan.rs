@@ -46,6 +46,19 @@ pub struct PlanStage<'a> {
     pub release_after: &'a [usize],
     /// Activations and scratch of the stage's computation.
     pub activation_bytes: u64,
+    /// Host bytes the stage holds beyond the components' weights: what it computes on the CPU,
+    /// the decoded video.
+    pub host_activation_bytes: u64,
+}
+
+/// What the components hold in host memory.
+#[derive(Clone, Copy, Debug)]
+pub struct HostSide<'a> {
+    /// Each component's host bytes for as long as it is loaded.
+    pub weights: &'a [u64],
+    /// The device's memory is host memory (unified memory, or no accelerator): every device
+    /// byte of the plan is a host byte too.
+    pub shared: bool,
 }
 
 /// The predicted device bytes of one stage.
@@ -58,6 +71,9 @@ pub struct StagePlan {
     pub activation_bytes: u64,
     /// Weights plus activations.
     pub peak_bytes: u64,
+    /// Host bytes at the stage's peak: the loaded components' host weights and the stage's host
+    /// activations (with a shared pool, its device bytes too).
+    pub host_bytes: u64,
 }
 
 impl StagePlan {
@@ -86,6 +102,21 @@ impl MemoryPlan {
     /// checked: a plan beyond 2^64 bytes (sizes no machine has) is an error, never a wrapped
     /// figure that would look small.
     pub fn new(stages: &[PlanStage], weights: &[DeviceWeights]) -> anyhow::Result<Self> {
+        let none = vec![0; weights.len()];
+        let host = HostSide {
+            weights: &none,
+            shared: false,
+        };
+        Self::with_host(stages, weights, host)
+    }
+
+    /// [`MemoryPlan::new`] with the host bytes of every stage from `host`: the host weights of
+    /// every component loaded, whether or not it computes, and the stage's host activations.
+    pub fn with_host(
+        stages: &[PlanStage],
+        weights: &[DeviceWeights],
+        host: HostSide,
+    ) -> anyhow::Result<Self> {
         let mut alive: Vec<usize> = Vec::new();
         let mut planned = Vec::with_capacity(stages.len());
         for stage in stages {
@@ -115,12 +146,22 @@ impl MemoryPlan {
                 .checked_add(stage.activation_bytes)
                 .ok_or_else(overflow)?;
             StagePlan::required(peak_bytes, stage.activation_bytes).ok_or_else(overflow)?;
+            let host_bytes = alive
+                .iter()
+                .map(|&c| host.weights[c])
+                .chain([
+                    stage.host_activation_bytes,
+                    if host.shared { peak_bytes } else { 0 },
+                ])
+                .try_fold(0u64, u64::checked_add)
+                .ok_or_else(overflow)?;
             alive.retain(|c| !stage.release_after.contains(c));
             planned.push(StagePlan {
                 name: stage.name,
                 weight_bytes,
                 activation_bytes: stage.activation_bytes,
                 peak_bytes,
+                host_bytes,
             });
         }
         Ok(MemoryPlan { stages: planned })
@@ -156,6 +197,46 @@ impl MemoryPlan {
         self.required_bytes() <= total
     }
 
+    /// The stage with the highest host peak (the first of equals).
+    pub fn host_peak(&self) -> Option<&StagePlan> {
+        self.stages.iter().reduce(|best, s| {
+            if s.host_bytes > best.host_bytes {
+                s
+            } else {
+                best
+            }
+        })
+    }
+
+    /// Host bytes the run holds at most.
+    pub fn host_required_bytes(&self) -> u64 {
+        self.host_peak().map_or(0, |s| s.host_bytes)
+    }
+
+    /// Whether every stage is predicted to fit in `budget` bytes of host memory.
+    pub fn fits_host(&self, budget: u64) -> bool {
+        self.host_required_bytes() <= budget
+    }
+
+    /// "61.70 GiB in denoise", of host memory.
+    pub fn describe_host_peak(&self) -> String {
+        match self.host_peak() {
+            Some(s) => format!("{:.2} GiB in {}", gib(s.host_bytes), s.name),
+            None => "nothing".into(),
+        }
+    }
+
+    /// Whether `other` predicts the same device bytes for every stage (host bytes aside).
+    fn same_device(&self, other: &MemoryPlan) -> bool {
+        let device = |p: &MemoryPlan| -> Vec<(u64, u64)> {
+            p.stages
+                .iter()
+                .map(|s| (s.weight_bytes, s.activation_bytes))
+                .collect()
+        };
+        device(self) == device(other)
+    }
+
     /// "31.79 GiB in denoise".
     pub fn describe_peak(&self) -> String {
         match self.peak() {
@@ -175,47 +256,85 @@ pub struct Candidate {
     pub request: Request,
 }
 
-/// A memory saving the advice can add: its flag, the option it sets (as `given` names it), how
-/// to turn it on and whether it is on.
+/// A memory saving the advice can add: its flag, the options it sets or overrules (as `given`
+/// names them), how to turn it on and whether it is on.
 struct Saving {
     flag: &'static str,
-    option: &'static str,
+    options: &'static [&'static str],
     turn_on: fn(&mut MemoryOptions),
     is_on: fn(&MemoryOptions) -> bool,
 }
 
-/// The savings in the order the advice adds them: the cheapest in speed first.
+impl Saving {
+    /// Whether the user set an option this saving would change.
+    fn is_kept(&self, kept: &dyn Fn(&str) -> bool) -> bool {
+        self.options.iter().any(|o| kept(o))
+    }
+}
+
+const LAZY_LOAD: Saving = Saving {
+    flag: "--lazy-module-load",
+    options: &["lazy_module_load"],
+    turn_on: |o| o.lazy_module_load = Some(true),
+    is_on: |o| o.lazy(),
+};
+
+/// The savings of device memory in the order the advice adds them: the cheapest in speed first.
 const SAVINGS: [Saving; 5] = [
     Saving {
         flag: "--dit-layerwise-offload",
-        option: "dit_layerwise_offload",
+        options: &["dit_layerwise_offload"],
         turn_on: |o| o.dit_layerwise_offload = true,
         is_on: |o| o.dit_layerwise_offload,
     },
     Saving {
         flag: "--offload-type leaf-level",
-        option: "offload_type",
+        options: &["offload_type"],
         turn_on: |o| o.leaf_level = true,
         is_on: |o| o.leaf_level,
     },
     Saving {
         flag: "--text-encoder-cpu-offload",
-        option: "text_encoder_cpu_offload",
+        options: &["text_encoder_cpu_offload"],
         turn_on: |o| o.text_encoder_cpu_offload = true,
         is_on: |o| o.text_encoder_cpu_offload,
     },
-    Saving {
-        flag: "--lazy-module-load",
-        option: "lazy_module_load",
-        turn_on: |o| o.lazy_module_load = Some(true),
-        is_on: |o| o.lazy(),
-    },
+    LAZY_LOAD,
     Saving {
         flag: "--vae-tiling",
-        option: "vae_tiling",
+        options: &["vae_tiling"],
         turn_on: |o| o.vae_tiling = true,
         is_on: |o| o.vae_tiling,
     },
+];
+
+const SEQUENTIAL_LOAD: Saving = Saving {
+    flag: "--h3-sequential-load",
+    options: &["h3_sequential_load"],
+    turn_on: |o| o.h3_sequential_load = Some(true),
+    is_on: |o| o.sequential(),
+};
+
+/// The pinned staging ring a host too small to pin every offloaded weight gets: the size the
+/// README's example gives.
+pub const BOUNDED_PINNED_BYTES: u64 = 2 * GIB;
+
+const BOUNDED_PINNED: Saving = Saving {
+    flag: "--max-pinned-memory 2GiB",
+    options: &["max_pinned_memory", "pin_cpu_memory"],
+    turn_on: |o| o.max_pinned_memory = Some(BOUNDED_PINNED_BYTES),
+    is_on: |o| o.max_pinned_memory.is_some(),
+};
+
+/// The option sets that lower what a run holds in host memory, the cheapest in speed first:
+/// the encoder freed before the rest loads; every component loaded for its stages alone; each
+/// with the weights left in the memory map (where the kernel can drop and reread their pages)
+/// and a bounded pinned staging ring instead of page-locked images.
+const HOST_SAVINGS: [&[Saving]; 4] = [
+    &[SEQUENTIAL_LOAD],
+    &[LAZY_LOAD],
+    &[SEQUENTIAL_LOAD, BOUNDED_PINNED],
+    &[LAZY_LOAD, BOUNDED_PINNED],
 ];
 
 /// The flags of the savings the advice may not change because `kept` names their options (the
@@ -223,7 +342,16 @@ const SAVINGS: [Saving; 5] = [
 pub fn kept_savings(kept: &dyn Fn(&str) -> bool) -> Vec<&'static str> {
     SAVINGS
         .iter()
-        .filter(|s| kept(s.option))
+        .filter(|s| s.is_kept(kept))
+        .map(|s| s.flag)
+        .collect()
+}
+
+/// The flags of the host savings `kept` keeps from changing.
+pub fn kept_host_savings(kept: &dyn Fn(&str) -> bool) -> Vec<&'static str> {
+    [SEQUENTIAL_LOAD, LAZY_LOAD, BOUNDED_PINNED]
+        .iter()
+        .filter(|s| s.is_kept(kept))
         .map(|s| s.flag)
         .collect()
 }
@@ -270,7 +398,7 @@ pub fn candidates(
             });
         }
     };
-    for saving in SAVINGS.iter().filter(|s| !kept(s.option)) {
+    for saving in SAVINGS.iter().filter(|s| !s.is_kept(kept)) {
         let mut tried = next.clone();
         (saving.turn_on)(&mut tried.options);
         apply_memory_rules(&mut tried.options, device);
@@ -278,7 +406,7 @@ pub fn candidates(
         // streamed) is left out; one that lowers a stage that is not the peak is kept, as a
         // later saving may make that stage the peak.
         if let Ok(after) = plan_for(&tried) {
-            if current.as_ref() != Some(&after) {
+            if !current.as_ref().is_some_and(|c| c.same_device(&after)) {
                 next = tried;
                 current = Some(after.clone());
                 offer(&next, after);
@@ -306,6 +434,7 @@ pub fn candidates(
 fn changed_flags(from: &Request, to: &Request) -> Vec<String> {
     let mut flags: Vec<String> = SAVINGS
         .iter()
+        .chain([&SEQUENTIAL_LOAD, &BOUNDED_PINNED])
         .filter(|s| (s.is_on)(&to.options) && !(s.is_on)(&from.options))
         .map(|s| s.flag.to_string())
         .collect();
@@ -348,6 +477,64 @@ pub fn fit(
         .into_iter()
         .find(|c| c.plan.fits(free))
         .map_or(Fit::Nothing, Fit::Leaner)
+}
+
+/// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's
+/// memory rules, with their plans, in order.
+fn host_candidates<'a>(
+    request: &'a Request,
+    device: &'a DeviceInfo,
+    plan_for: PlanFor<'a>,
+    kept: &'a dyn Fn(&str) -> bool,
+) -> impl Iterator<Item = Candidate> + 'a {
+    HOST_SAVINGS
+        .iter()
+        .filter(|set| !set.iter().any(|s| s.is_kept(kept)))
+        .filter_map(move |set| {
+            let mut tried = request.clone();
+            for saving in set.iter() {
+                (saving.turn_on)(&mut tried.options);
+            }
+            apply_memory_rules(&mut tried.options, device);
+            let plan = plan_for(&tried).ok()?;
+            let flags = changed_flags(request, &tried);
+            // A set that changes nothing here (lazy load where it is on already) is no option.
+            (!flags.is_empty()).then_some(Candidate {
+                flags,
+                plan,
+                request: tried,
+            })
+        })
+}
+
+/// Fits the run `request` asks for (whose device memory [`fit`] has settled) to `host` bytes of
+/// host memory: its own options where their host peak fits, else the first of the
+/// [`host_candidates`] predicted to fit both the host and, where known, the `free` device bytes.
+pub fn fit_host(
+    request: &Request,
+    device: &DeviceInfo,
+    plan_for: PlanFor,
+    host: u64,
+    free: Option<u64>,
+    kept: &dyn Fn(&str) -> bool,
+) -> Fit {
+    let fits = |plan: &MemoryPlan| plan.fits_host(host) && free.is_none_or(|f| plan.fits(f));
+    if plan_for(request).is_ok_and(|plan| fits(&plan)) {
+        return Fit::AsAsked;
+    }
+    host_candidates(request, device, plan_for, kept)
+        .find(|c| fits(&c.plan))
+        .map_or(Fit::Nothing, Fit::Leaner)
+}
+
+/// The host candidate with the lowest host peak: what the advice names when nothing fits.
+pub fn leanest_host(
+    request: &Request,
+    device: &DeviceInfo,
+    plan_for: PlanFor,
+    kept: &dyn Fn(&str) -> bool,
+) -> Option<Candidate> {
+    host_candidates(request, device, plan_for, kept).min_by_key(|c| c.plan.host_required_bytes())
 }
 
 /// Out-of-memory advice from the plan: the predicted peak of the run's options, the device's
@@ -398,6 +585,113 @@ pub fn advice(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::probe::{DeviceKind, MemoryModel};
+
+    /// A discrete GPU's run with both load levers off and every weight pinned.
+    fn discrete_request() -> (Request, DeviceInfo) {
+        let options = MemoryOptions {
+            dit_cpu_offload: true,
+            use_fsdp_inference: false,
+            dit_layerwise_offload: true,
+            text_encoder_cpu_offload: true,
+            image_encoder_cpu_offload: true,
+            vae_cpu_offload: true,
+            pin_cpu_memory: true,
+            max_pinned_memory: None,
+            text_encoder_on_cpu: false,
+            lazy_module_load: Some(false),
+            h3_sequential_load: Some(false),
+            leaf_level: false,
+            num_blocks_per_group: 1,
+            offload_stream: true,
+            prefetch_depth: None,
+            model_cpu_offload: false,
+            sequential_cpu_offload: false,
+            vae_tiling: false,
+        };
+        let device = DeviceInfo {
+            kind: DeviceKind::Cuda,
+            ordinal: 0,
+            name: "a GPU".into(),
+            total_memory: None,
+            free_memory: None,
+            host_available: None,
+            memory_model: MemoryModel::Discrete,
+            memory_model_forced: true,
+        };
+        let request = Request {
+            options,
+            num_frames: 81,
+            frame_step: 4,
+        };
+        (request, device)
+    }
+
+    /// A one-stage plan of `device` bytes and `host` bytes of host memory.
+    fn one_stage(device: u64, host: u64) -> MemoryPlan {
+        MemoryPlan {
+            stages: vec![StagePlan {
+                name: "denoise",
+                weight_bytes: device,
+                activation_bytes: 0,
+                peak_bytes: device,
+                host_bytes: host,
+            }],
+        }
+    }
+
+    /// Host fitting, budgets in and option set out: the run's own options where they fit; else
+    /// the first set that fits, in order (sequential load, lazy load, each with a bounded pinned
+    /// ring); none that changes an option the user set, nor one the free device memory cannot
+    /// hold; nothing below the leanest.
+    #[test]
+    fn the_host_takes_the_first_set_that_fits_it() {
+        let (request, device) = discrete_request();
+        // Host bytes: 100 eager, 70 sequential, 50 lazy, 20 less with a bounded ring; the
+        // bounded lazy set needs more of the device.
+        let plan_for = |r: &Request| -> anyhow::Result<MemoryPlan> {
+            let o = &r.options;
+            let host = match (o.lazy(), o.sequential()) {
+                (true, _) => 50,
+                (false, true) => 70,
+                (false, false) => 100,
+            } - if o.max_pinned_memory.is_some() { 20 } else { 0 };
+            let device = if o.lazy() && o.max_pinned_memory.is_some() {
+                5_000
+            } else {
+                1_000
+            };
+            Ok(one_stage(device, host))
+        };
+        let fit = |host, free, kept: &dyn Fn(&str) -> bool| match fit_host(
+            &request, &device, &plan_for, host, free, kept,
+        ) {
+            Fit::AsAsked => Vec::new(),
+            Fit::Leaner(c) => c.flags,
+            Fit::Nothing => vec!["nothing".to_string()],
+        };
+        let none = |_: &str| false;
+        assert!(fit(100, None, &none).is_empty());
+        assert_eq!(fit(99, None, &none), ["--h3-sequential-load"]);
+        assert_eq!(fit(55, None, &none), ["--lazy-module-load"]);
+        assert_eq!(
+            fit(40, None, &none),
+            ["--lazy-module-load", "--max-pinned-memory 2GiB"]
+        );
+        assert_eq!(fit(29, None, &none), ["nothing"]);
+        // The device cannot hold the bounded lazy set.
+        assert_eq!(fit(40, Some(CONTEXT_BYTES + 2_000), &none), ["nothing"]);
+        // The user set lazy loading (off): the encoder freed first, with a bounded ring.
+        let lazy_kept = |o: &str| o == "lazy_module_load";
+        assert_eq!(
+            fit(55, None, &lazy_kept),
+            ["--h3-sequential-load", "--max-pinned-memory 2GiB"]
+        );
+        // The user set pinning: no bounded ring.
+        assert_eq!(fit(40, None, &|o: &str| o == "pin_cpu_memory"), ["nothing"]);
+        let leanest = leanest_host(&request, &device, &plan_for, &none).unwrap();
+        assert_eq!(leanest.plan.host_required_bytes(), 30);
+    }
 
     /// The savings the user set are named by their flags, in the advice's order.
     #[test]
@@ -428,6 +722,7 @@ mod tests {
                 load_before,
                 release_after,
                 activation_bytes: activations,
+                host_activation_bytes: 0,
             };
         let eager = [
             stage("first", &[0], &[0, 1], &[], 7),
@@ -463,6 +758,7 @@ mod tests {
             load_before: &[0, 1],
             release_after: &[],
             activation_bytes: activations,
+            host_activation_bytes: 0,
         };
         for (weights, activations) in [
             (vec![huge, huge], 0),

@@ -48,6 +48,10 @@ pub struct DeviceInfo {
     /// this process's context exists, and on unified memory no more than the host has
     /// available (one pool shared with everything else the machine runs).
     pub free_memory: Option<u64>,
+    /// Host memory this process may still take when it started ([`host_available`]): the
+    /// budget of everything vidgen holds in host memory.
+    #[serde(skip)]
+    pub host_available: Option<u64>,
     /// The memory model, probed or forced.
     pub memory_model: MemoryModel,
     /// Whether `memory_model` came from `--memory-model` rather than the probe.
@@ -154,9 +158,12 @@ pub fn probe(
         None => (probed, false),
         Some(model) => (model, true),
     };
+    // A memory model forced to other than the device's plans for another machine, whose host
+    // this one's memory says nothing of.
+    let host_available = host_budget(memory_model == probed)?;
     // Unified memory is one pool with the host: what the host has available bounds it.
     let free_memory = match (free_memory, memory_model) {
-        (Some(free), MemoryModel::Unified) => Some(host_available().map_or(free, |h| h.min(free))),
+        (Some(free), MemoryModel::Unified) => Some(host_available.map_or(free, |h| h.min(free))),
         (free, _) => free,
     };
     Ok(DeviceInfo {
@@ -165,6 +172,7 @@ pub fn probe(
         name,
         total_memory,
         free_memory,
+        host_available,
         memory_model,
         memory_model_forced: forced,
     })
@@ -179,19 +187,84 @@ type Probed = (
     MemoryModel,
 );
 
+/// The variable that replaces what the probe reads of the host ([`host_budget`]).
+pub const HOST_MEMORY_VAR: &str = "VIDGEN_HOST_MEMORY";
+
+/// The host budget of a run: `VIDGEN_HOST_MEMORY` (a size such as `64GiB`) where set, which plans
+/// for another machine (or a test) as `--memory-model` does, else, where the run is for this
+/// host (`here`), [`host_available`].
+fn host_budget(here: bool) -> Result<Option<u64>, DeviceError> {
+    match std::env::var(HOST_MEMORY_VAR) {
+        Ok(size) => crate::cli::args::parse_size(&size)
+            .map(Some)
+            .map_err(|e| DeviceError::new(format!("{HOST_MEMORY_VAR}: {e}"))),
+        Err(_) => Ok(host_available().filter(|_| here)),
+    }
+}
+
 /// Host memory this process may still take: the kernel's estimate of what is available
-/// (`MemAvailable`), bounded by the process's cgroup (v2 `memory.max` less `memory.current`);
-/// `None` where neither is readable.
+/// (`MemAvailable`), bounded by the process's cgroup (v2 `memory.max` less `memory.current`)
+/// and its `RLIMIT_AS` and `RLIMIT_DATA` (the limit less what the process has mapped, or
+/// holds as data, already); `None` where none is readable.
 pub fn host_available() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let available = meminfo.as_deref().and_then(mem_available);
     let cgroup = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
         .and_then(|c| cgroup_room(&c, |file| std::fs::read_to_string(file).ok()));
-    match (available, cgroup) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let rlimits = [(libc::RLIMIT_AS, "VmSize:"), (libc::RLIMIT_DATA, "VmData:")]
+        .map(|(resource, used)| rlimit_room(rlimit(resource), status_bytes(&status, used)));
+    [available, cgroup, rlimits[0], rlimits[1]]
+        .into_iter()
+        .flatten()
+        .min()
+}
+
+/// Host memory this process may hold in all right now: what it holds (`VmRSS`) and what it may
+/// still take ([`host_available`]); with `VIDGEN_HOST_MEMORY`, that budget.
+pub fn host_room() -> Option<u64> {
+    if let Ok(size) = std::env::var(HOST_MEMORY_VAR) {
+        return crate::cli::args::parse_size(&size).ok();
     }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let held = status_bytes(&status, "VmRSS:").unwrap_or(0);
+    host_available().map(|available| available.saturating_add(held))
+}
+
+/// The type of `getrlimit`'s resource argument.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+type Resource = libc::__rlimit_resource_t;
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+type Resource = libc::c_int;
+
+/// The soft limit of `resource`; `None` when unlimited or unreadable.
+fn rlimit(resource: Resource) -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit through a valid pointer.
+    let read = unsafe { libc::getrlimit(resource, &mut limit) } == 0;
+    (read && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+}
+
+/// Room under a limit of `limit` bytes with `used` bytes counted against it already.
+fn rlimit_room(limit: Option<u64>, used: Option<u64>) -> Option<u64> {
+    Some(limit?.saturating_sub(used.unwrap_or(0)))
+}
+
+/// A `/proc/self/status` field given in kB (`VmSize:`), in bytes.
+fn status_bytes(status: &str, field: &str) -> Option<u64> {
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
 
 /// `MemAvailable` of a `/proc/meminfo` text, in bytes.
@@ -339,5 +412,14 @@ mod tests {
         // No limit, or a v1-only hierarchy: nothing bounds the process here.
         assert_eq!(cgroup_room(cgroup, files("max\n")), None);
         assert_eq!(cgroup_room("4:memory:/job\n", files("5000\n")), None);
+        // An address-space or data limit leaves what the process has not used of it.
+        let status = "VmPeak:\t  300 kB\nVmSize:\t  200 kB\nVmData:\t   50 kB\n";
+        assert_eq!(status_bytes(status, "VmSize:"), Some(200 * 1024));
+        assert_eq!(
+            rlimit_room(Some(1 << 20), status_bytes(status, "VmData:")),
+            Some((1 << 20) - 50 * 1024)
+        );
+        assert_eq!(rlimit_room(Some(1000), Some(5000)), Some(0));
+        assert_eq!(rlimit_room(None, Some(5000)), None);
     }
 }

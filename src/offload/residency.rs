@@ -164,6 +164,9 @@ pub struct ComponentLayout {
     /// one per group of blocks or block steps when streamed, one per block when sharded, none
     /// otherwise.
     pub groups: Vec<GroupLayout>,
+    /// Bytes kept in host memory apart from the groups: what a streamed outer part keeps there
+    /// (a token table), or the whole component when it is built on the CPU.
+    pub host_bytes: usize,
 }
 
 /// Device weight bytes of a component while its stage runs and while it waits loaded.

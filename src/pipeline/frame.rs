@@ -14,6 +14,7 @@ use super::runner::Pipeline;
 use super::spec::{ComponentSpec, PipelineSpec, Role, Slot};
 use super::stages;
 use crate::config::ResolvedConfig;
+use crate::memory::MemoryOptions;
 use crate::models::source::{component_weights, ModelSource};
 use crate::offload::{Residency, Usage};
 use crate::output::Audio;
@@ -275,6 +276,15 @@ impl Pipeline for FramePipeline {
 
     fn release(&mut self, component: usize) {
         self.frame.loaded[component] = None;
+    }
+
+    /// The frame's options become `options` and its placement theirs: components load as they
+    /// say from now on.
+    fn replace_memory_options(&mut self, options: &MemoryOptions) -> bool {
+        let config = self.frame.config.clone();
+        self.frame.config = config.with_memory_options(options.clone(), "out of memory");
+        self.frame.placement = Placement::new(self.frame.config.memory(), &self.frame.spec);
+        true
     }
 
     /// Runs the stage's body, recording what the engine moved for each component it uses. A

@@ -8,7 +8,8 @@ use super::spec::Role;
 use crate::memory::MemoryOptions;
 use crate::offload::residency::streamed_bytes;
 use crate::offload::{
-    ComponentLayout, DeviceWeights, GroupLayout, Packing, Recording, Residency, StreamOptions,
+    ComponentLayout, DeviceWeights, GroupLayout, HostMemory, Packing, Recording, Residency,
+    StreamOptions,
 };
 use crate::parallel::fsdp::shard_bytes;
 use crate::weights::WeightSet;
@@ -145,7 +146,16 @@ impl Holding {
                     ..Default::default()
                 })
             }
-            Holding::OnCpu => return Ok(ComponentLayout::default()),
+            Holding::OnCpu => {
+                let f32_whole =
+                    crate::offload::record(weights, DType::F32, Packing::PerTensor, |vb| {
+                        M::whole(cfg, vb).map(drop)
+                    })?;
+                return Ok(ComponentLayout {
+                    host_bytes: f32_whole.tensor_bytes(),
+                    ..Default::default()
+                });
+            }
             Holding::Parked => {
                 return Ok(ComponentLayout {
                     groups: vec![whole()?],
@@ -156,7 +166,7 @@ impl Holding {
                 GroupPlan::<M>::new(cfg, groups)
             }
         };
-        // What stays in host memory (a token table) is recorded apart and not counted.
+        // What stays in host memory (a token table) is recorded apart.
         let (device, host) = (Recording::default(), Recording::default());
         drop(M::outer(
             cfg,
@@ -165,6 +175,7 @@ impl Holding {
         )?);
         Ok(ComponentLayout {
             direct_bytes: device.layout(Packing::PerTensor)?.tensor_bytes(),
+            host_bytes: host.layout(Packing::PerTensor)?.tensor_bytes(),
             groups: (0..groups.count)
                 .map(|g| record(Packing::ByDtype, &|vb| groups.build(g, vb).map(drop)))
                 .collect::<Result<_>>()?,
@@ -210,6 +221,58 @@ impl Holding {
                 }
             }
         }
+    }
+
+    /// Host bytes of `layout` (this holding's) for as long as the component is loaded on a
+    /// discrete device, its weights held as `memory` says: what it keeps in host memory apart
+    /// (a token table, the whole component on the CPU), and its host image (a parked
+    /// component whole; a streamed one's groups, and its outer part when parked; this rank's
+    /// FSDP shards when `on_host`). The image is held in arenas, or in the memory map's pages
+    /// locked in place, except where the weights stay in the memory map unlocked (a bounded
+    /// or staged ring) and `mapped` (read from files, where the kernel can drop and reread the
+    /// pages; generated weights fill arenas): then only the ring of two groups (at most the
+    /// bound) is held. A bound the whole image fits in pins it all.
+    pub fn host_bytes(self, layout: &ComponentLayout, memory: HostMemory, mapped: bool) -> u64 {
+        let direct = layout.direct_bytes as u64;
+        let sizes: Vec<usize> = layout.groups.iter().map(|g| g.bytes).collect();
+        let groups = sizes
+            .iter()
+            .fold(0u64, |sum, &b| sum.saturating_add(b as u64));
+        let image = match self {
+            Holding::Resident | Holding::OnCpu => 0,
+            Holding::Parked
+            | Holding::Streamed {
+                outer: Outer::Resident,
+                ..
+            } => groups,
+            Holding::Streamed {
+                outer: Outer::Parked,
+                ..
+            } => groups.saturating_add(direct),
+            Holding::Sharded { fsdp, .. } if fsdp.on_host => {
+                shard_bytes(&sizes, fsdp.rank, fsdp.ranks) as u64
+            }
+            Holding::Sharded { .. } => 0,
+        };
+        let ring = 2 * sizes.iter().copied().max().unwrap_or(0) as u64;
+        // As the engine holds it: a staged part is bounded by a ring of two groups.
+        let bound = match memory {
+            HostMemory::Staged => Some(ring),
+            HostMemory::Bounded { max_pinned } => Some(max_pinned as u64),
+            HostMemory::Pinned | HostMemory::Pageable => None,
+        };
+        let held = match bound {
+            Some(bound) if bound < image => {
+                let ring = ring.min(bound);
+                if mapped {
+                    ring
+                } else {
+                    image.saturating_add(ring)
+                }
+            }
+            _ => image,
+        };
+        (layout.host_bytes as u64).saturating_add(held)
     }
 }
 
@@ -308,6 +371,7 @@ mod tests {
         let layout = ComponentLayout {
             direct_bytes: 10,
             groups: vec![group; 4],
+            host_bytes: 0,
         };
         let slot: usize = slot_sections(&layout.groups).iter().map(|s| s.1).sum();
         for outer in [Outer::Parked, Outer::Resident] {
@@ -326,5 +390,91 @@ mod tests {
             assert_eq!(weights.active, 10 + 2 * slot as u64);
             assert_eq!(weights.idle, if outer == Outer::Parked { 0 } else { 10 });
         }
+    }
+
+    /// A component holds its host image while loaded: whole when parked or pinned (the memory
+    /// map's pages locked in place count as much as arenas), only the staging ring when its
+    /// weights wait unlocked in a file's memory map, image and ring when they were generated;
+    /// a bound the image fits in pins it all. What it keeps apart (a token table) always counts.
+    #[test]
+    fn host_bytes_follow_where_the_weights_wait() {
+        let group = record(None, DType::F32, Packing::ByDtype, |vb| vb.get(1000, "w")).unwrap();
+        let (g, direct, apart) = (group.bytes as u64, 10u64, 7u64);
+        let layout = ComponentLayout {
+            direct_bytes: direct as usize,
+            groups: vec![group; 4],
+            host_bytes: apart as usize,
+        };
+        let streamed = |outer| Holding::Streamed {
+            outer,
+            groups: Grouping {
+                blocks_per_group: 1,
+                by_step: false,
+            },
+            options: StreamOptions {
+                stream: true,
+                depth: 1,
+            },
+        };
+        let bounded = |max_pinned| HostMemory::Bounded { max_pinned };
+        let cases = [
+            (Holding::Resident, HostMemory::Pinned, true, apart),
+            (
+                streamed(Outer::Resident),
+                HostMemory::Pinned,
+                true,
+                apart + 4 * g,
+            ),
+            (
+                streamed(Outer::Parked),
+                HostMemory::Pageable,
+                true,
+                apart + 4 * g + direct,
+            ),
+            (
+                streamed(Outer::Resident),
+                HostMemory::Staged,
+                true,
+                apart + 2 * g,
+            ),
+            (
+                streamed(Outer::Resident),
+                HostMemory::Staged,
+                false,
+                apart + 6 * g,
+            ),
+            (
+                streamed(Outer::Resident),
+                bounded(g as usize),
+                true,
+                apart + g,
+            ),
+            (
+                streamed(Outer::Resident),
+                bounded(g as usize),
+                false,
+                apart + 5 * g,
+            ),
+            (
+                streamed(Outer::Resident),
+                bounded(1 << 40),
+                true,
+                apart + 4 * g,
+            ),
+        ];
+        for (holding, memory, mapped, want) in cases {
+            assert_eq!(
+                holding.host_bytes(&layout, memory, mapped),
+                want,
+                "{holding:?} {memory:?} mapped {mapped}"
+            );
+        }
+        // One group: the staged ring of two would hold the whole, so it is pinned whole.
+        let one = ComponentLayout {
+            groups: layout.groups[..1].to_vec(),
+            ..layout
+        };
+        let parked = Holding::Parked.host_bytes(&one, HostMemory::Staged, true);
+        assert_eq!(parked, apart + g);
     }
 }

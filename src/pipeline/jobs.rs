@@ -46,6 +46,45 @@ pub struct Job {
     pub carry: Carry,
 }
 
+/// What a stage may change of a job, kept to run the stage again after it ran out of memory.
+pub struct JobState {
+    prompt_embeds: Option<Tensor>,
+    negative_embeds: Option<Tensor>,
+    latents: Option<Tensor>,
+    frames: Option<Tensor>,
+    written: bool,
+    extra_outputs: Vec<(String, Tensor)>,
+    metrics: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Job {
+    /// The job's state before a stage, where it can be restored: not while its family carries
+    /// something between stages (a stage takes that out, so a failed stage loses it).
+    pub fn state(&self) -> Option<JobState> {
+        self.carry.0.is_none().then(|| JobState {
+            prompt_embeds: self.prompt_embeds.clone(),
+            negative_embeds: self.negative_embeds.clone(),
+            latents: self.latents.clone(),
+            frames: self.frames.clone(),
+            written: self.written,
+            extra_outputs: self.extra_outputs.clone(),
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Puts the job back as `state` found it.
+    pub fn restore(&mut self, state: JobState) {
+        self.prompt_embeds = state.prompt_embeds;
+        self.negative_embeds = state.negative_embeds;
+        self.latents = state.latents;
+        self.frames = state.frames;
+        self.written = state.written;
+        self.extra_outputs = state.extra_outputs;
+        self.metrics = state.metrics;
+        self.carry.clear();
+    }
+}
+
 /// What a family carries for a job between its stages beside the job's own fields (a family
 /// type of its own, taken by a stage and put back for the next); dropped when a stage fails.
 #[derive(Default)]

@@ -27,7 +27,7 @@ pub mod wan_t2v;
 use crate::config::{BatchOrderChoice, ModelDefaults, ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request};
-use crate::memory::{DeviceKind, MemoryOptions};
+use crate::memory::{DeviceKind, MemoryModel, MemoryOptions};
 use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
@@ -149,7 +149,12 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
                 }
                 check_shards(family.as_ref(), &config, &source)?;
                 check_weight_files(family.as_ref(), &config, &source)?;
-                fit_to_free(family.as_ref(), config)?
+                // A host too small is shown in the plan's verdict: a dry run plans for any host.
+                fit_to_host(
+                    family.as_ref(),
+                    fit_to_device(family.as_ref(), config)?,
+                    false,
+                )?
             }
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
@@ -203,12 +208,18 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     }
 }
 
+/// The configuration fitted to the device memory, then the host memory, free when the run starts
+/// (see [`fit_to_device`] and [`fit_to_host`]).
+fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
+    fit_to_host(family, fit_to_device(family, config)?, true)
+}
+
 /// The configuration fitted to the device memory free when the run starts (where the probe knows
 /// it): as asked when the memory plan predicts the options fit; else with the first leaner option
 /// set predicted to fit that keeps every memory option the user set (the changes recorded as
 /// overrides, printed and in `--stats-json`); else bad input, before anything loads, with the
 /// advice for what is free.
-fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
+fn fit_to_device(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
     let Some(free) = config.device().free_memory else {
         return Ok(config);
     };
@@ -252,6 +263,63 @@ fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedCo
             );
             Err(UsageError::new(format!(
                 "{free_text} free: no memory option set is predicted to fit {size} (frames x height x width){keeping}; {advice}"
+            ))
+            .into())
+        }
+    }
+}
+
+/// The configuration fitted to the host memory available when the run starts (where the probe
+/// knows it): as asked when the memory plan's host peak fits; else with the first host option
+/// set predicted to fit it and the free device memory (the encoder freed before the rest
+/// loads, each component loaded for its stages alone, a bounded pinned ring), keeping every
+/// option the user set, the changes recorded as overrides; else, when `stop`, bad input,
+/// before anything loads, naming the leanest set (otherwise as asked).
+fn fit_to_host(family: &dyn Family, config: ResolvedConfig, stop: bool) -> Result<ResolvedConfig> {
+    let Some(host) = config.device().host_available else {
+        return Ok(config);
+    };
+    let planner = Planner::new(family, &config);
+    let asked = match planner.plan(&planner.request()) {
+        Ok(plan) => plan,
+        Err(_) => return Ok(config),
+    };
+    let host_text = format!("{:.2} GiB of host memory available", gib(host));
+    match planner.fit_host(host, config.device().free_memory) {
+        memory_plan::Fit::AsAsked => Ok(config),
+        memory_plan::Fit::Leaner(candidate) => {
+            let reason = format!(
+                "{host_text}; the memory plan predicts a host peak of {} for the options asked, {} with {}",
+                asked.describe_host_peak(),
+                candidate.plan.describe_host_peak(),
+                candidate.flags.join(" ")
+            );
+            let options = candidate.request.options;
+            drop(planner);
+            Ok(config.with_memory_options(options, &reason))
+        }
+        memory_plan::Fit::Nothing if !stop => Ok(config),
+        memory_plan::Fit::Nothing => {
+            let kept = planner.kept_host();
+            let keeping = match kept.is_empty() {
+                true => String::new(),
+                false => format!(" while keeping {}", kept.join(", ")),
+            };
+            let leanest = match planner.leanest_host() {
+                Some(c) => format!(
+                    "; the leanest, {}, holds {}",
+                    c.flags.join(" "),
+                    c.plan.describe_host_peak()
+                ),
+                None => String::new(),
+            };
+            let v = config.video();
+            Err(UsageError::new(format!(
+                "{host_text}: no option set is predicted to hold {}x{}x{} (frames x height x width) in it{keeping}; the options asked hold {}{leanest}; free host memory, or ask for fewer frames or a smaller size",
+                v.num_frames,
+                v.height,
+                v.width,
+                asked.describe_host_peak()
             ))
             .into())
         }
@@ -685,6 +753,12 @@ fn generate(
         family: family.as_ref(),
         meter: MemoryMeter::new(&device),
         device,
+        planner: Planner::new(family.as_ref(), config),
+        current: config.clone(),
+        loaded: Vec::new(),
+        evicted: Vec::new(),
+        injected: 0,
+        host_plans: Default::default(),
     };
     // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
     let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
@@ -725,12 +799,151 @@ struct Guarded<'a> {
     /// Device and host memory peaks of each load and stage.
     meter: MemoryMeter,
     device: Device,
+    /// The memory plan of each prompt's size: a stage is not begun where the host cannot hold
+    /// it.
+    planner: Planner<'a>,
+    /// The run's configuration with the memory options in force (a leaner set once a stage ran
+    /// out of device memory).
+    current: ResolvedConfig,
+    /// The components the pipeline holds.
+    loaded: Vec<usize>,
+    /// The components freed after running out of memory that the runner still counts as
+    /// loaded: each loads again before a stage that uses it.
+    evicted: Vec<usize>,
+    /// How many out-of-memory errors `VIDGEN_INJECT_OOM` has injected.
+    injected: usize,
+    /// The memory plan of each prompt size under the options in force, as planned (`None`:
+    /// none could be made).
+    host_plans: std::collections::HashMap<(u32, u32, u32), Option<MemoryPlan>>,
 }
 
 impl Guarded<'_> {
     /// `e` as [`stages::explain_out_of_memory`] words it for this run.
     fn explain(&self, when: &str, e: anyhow::Error) -> anyhow::Error {
         stages::explain_out_of_memory(self.family, self.config, &self.meter, when, e)
+    }
+
+    /// Loads `component` (after the out-of-memory error `VIDGEN_INJECT_OOM` asks for) and waits
+    /// for its copies.
+    fn load_once(&mut self, component: usize) -> Result<()> {
+        self.injected_out_of_memory(self.inner.spec().components[component].name)?;
+        self.inner.load(component)?;
+        Ok(self.device.synchronize()?)
+    }
+
+    /// Stage `index` for `job`, after the out-of-memory error `VIDGEN_INJECT_OOM` asks for.
+    fn attempt(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        self.injected_out_of_memory(self.inner.spec().stages[index].name)?;
+        self.inner.run_stage(index, job)
+    }
+
+    /// `VIDGEN_INJECT_OOM=NAME[:N]`: the stage, or the load of the component, called NAME fails
+    /// with a device out-of-memory error the first N times (once without N), so the recovery is
+    /// tested without a GPU.
+    fn injected_out_of_memory(&mut self, name: &str) -> Result<()> {
+        let Ok(asked) = std::env::var("VIDGEN_INJECT_OOM") else {
+            return Ok(());
+        };
+        let (target, times) = match asked.split_once(':') {
+            Some((target, times)) => (target, times.parse().unwrap_or(1)),
+            None => (asked.as_str(), 1),
+        };
+        if target == name && self.injected < times {
+            self.injected += 1;
+            bail!("CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected by VIDGEN_INJECT_OOM)");
+        }
+        Ok(())
+    }
+
+    /// Loads again the components stage `index` uses that [`Guarded::make_room`] freed.
+    fn reload_evicted(&mut self, index: usize) -> Result<()> {
+        for c in self.inner.spec().stages[index].uses.clone() {
+            if let Some(at) = self.evicted.iter().position(|&e| e == c) {
+                self.evicted.remove(at);
+                self.load(c)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After running out of device memory `when` (in a stage, or loading a component): frees
+    /// every component and places those loaded from now on by the first leaner option set
+    /// predicted to fit the device memory free now (where the device says what is free and the
+    /// plan predicts the options in force do not fit it; else the first leaner set), keeping
+    /// every option the user set. The flags of that set, or `None` where there is none.
+    fn make_room(&mut self, when: &str) -> Option<Vec<String>> {
+        for c in std::mem::take(&mut self.loaded) {
+            self.inner.release(c);
+            self.progress
+                .note(&format!("freed {}", self.inner.spec().components[c].name));
+            self.evicted.push(c);
+        }
+        let _ = self.device.synchronize();
+        let candidate = {
+            let planner = Planner::new(self.family, &self.current);
+            match self.meter.device_free().map(|free| planner.fit(free)) {
+                Some(memory_plan::Fit::Leaner(c)) => c,
+                Some(memory_plan::Fit::Nothing) => return None,
+                Some(memory_plan::Fit::AsAsked) | None => planner.leaner()?,
+            }
+        };
+        let options = candidate.request.options;
+        if !self.inner.replace_memory_options(&options) {
+            return None;
+        }
+        let reason = format!("out of device memory {when}");
+        self.current = self.current.clone().with_memory_options(options, &reason);
+        self.host_plans.clear();
+        self.progress.note(&format!(
+            "out of device memory {when}; retrying once with {} (predicted peak {})",
+            candidate.flags.join(" "),
+            candidate.plan.describe_peak()
+        ));
+        Some(candidate.flags)
+    }
+
+    /// Why `job` cannot begin `stage`: the memory plan of its size predicts more host memory
+    /// than this process may hold now (where the run has a host budget). A host allocation that
+    /// fails aborts the process, so the prompt fails here, alone, before it allocates.
+    fn host_shortfall(&mut self, stage: &str, job: &Job) -> Option<String> {
+        self.config.device().host_available?;
+        // On unified memory what the device holds is in no resident set, so what the process
+        // may hold is not known here; the device's own error and retry cover it.
+        if self.config.device().memory_model == MemoryModel::Unified {
+            return None;
+        }
+        let need = self.planned_host(stage, job)?;
+        let room = crate::memory::probe::host_room()?;
+        (need > room).then(|| {
+            format!(
+                "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",
+                gib(need),
+                job.num_frames,
+                job.height,
+                job.width,
+                gib(room)
+            )
+        })
+    }
+
+    /// The host bytes the memory plan of `job`'s size predicts for `stage` under the options
+    /// in force.
+    fn planned_host(&mut self, stage: &str, job: &Job) -> Option<u64> {
+        let size = (job.num_frames, job.height, job.width);
+        if !self.host_plans.contains_key(&size) {
+            // After a retry's leaner set, that set's plan.
+            let leaner;
+            let planner = match self.current.memory() == self.config.memory() {
+                true => &self.planner,
+                false => {
+                    leaner = Planner::new(self.family, &self.current);
+                    &leaner
+                }
+            };
+            let plan = planner.plan_size(size.0, size.1, size.2).ok();
+            self.host_plans.insert(size, plan);
+        }
+        Some(self.host_plans[&size].as_ref()?.stage(stage)?.host_bytes)
     }
 }
 
@@ -753,13 +966,19 @@ impl Pipeline for Guarded<'_> {
         self.progress.note(&format!("loading {name}"));
         let start = Instant::now();
         self.meter.reset();
-        let loaded = self
-            .inner
-            .load(component)
-            .and_then(|()| Ok(self.device.synchronize()?));
-        if let Err(e) = loaded {
-            return Err(self.explain(&format!("while loading {name}"), e));
+        let when = format!("while loading {name}");
+        let mut loaded = self.load_once(component);
+        // Out of device memory: every other component is freed and the load is tried once more
+        // with a leaner option set.
+        if let Err(e) = &loaded {
+            if stages::is_out_of_memory(e) && self.make_room(&when).is_some() {
+                loaded = self.load_once(component);
+            }
         }
+        if let Err(e) = loaded {
+            return Err(self.explain(&when, e));
+        }
+        self.loaded.push(component);
         self.progress.note(&format!(
             "loaded {name} in {:.2}s: {}",
             start.elapsed().as_secs_f64(),
@@ -770,8 +989,14 @@ impl Pipeline for Guarded<'_> {
 
     /// Frees a component, saying so: when each is freed is what the load levers change.
     fn release(&mut self, component: usize) {
+        if let Some(at) = self.evicted.iter().position(|&e| e == component) {
+            // Freed already, after running out of memory.
+            self.evicted.remove(at);
+            return;
+        }
         let name = self.inner.spec().components[component].name;
         self.inner.release(component);
+        self.loaded.retain(|&c| c != component);
         self.progress.note(&format!("freed {name}"));
     }
 
@@ -787,9 +1012,31 @@ impl Pipeline for Guarded<'_> {
                 job.output.display()
             );
         }
+        if let Some(why) = self.host_shortfall(stage, job) {
+            bail!(why);
+        }
+        self.reload_evicted(index)?;
         let was_written = job.written;
         self.meter.reset();
-        let result = self.inner.run_stage(index, job);
+        // Out of device memory (another process took some after the plan): every component is
+        // freed and the stage runs once more from the same state with a leaner option set.
+        let state = job.state();
+        let mut result = self.attempt(index, job);
+        if let (Err(e), Some(state)) = (&result, state) {
+            if stages::is_out_of_memory(e) && !interrupt::interrupted() {
+                let first = format!("{e:#}");
+                if let Some(flags) = self.make_room(&format!("in stage {stage}")) {
+                    job.restore(state);
+                    result = self
+                        .reload_evicted(index)
+                        .and_then(|()| self.attempt(index, job));
+                    job.metrics.insert(
+                        "out_of_memory_retry".into(),
+                        json!({ "stage": stage, "with": flags, "error": first }),
+                    );
+                }
+            }
+        }
         match &result {
             Err(e) if e.is::<Interrupted>() => job.stopped_at = Some(stage),
             // Rank 0 alone speaks on stdout (the others write to a scratch folder).
@@ -808,8 +1055,11 @@ impl Pipeline for Guarded<'_> {
             let peaks = self.meter.peaks();
             self.progress
                 .note(&format!("  {stage}: {}", progress::describe_peaks(&peaks)));
+            let mut measured = serde_json::to_value(peaks)?;
+            // Beside what was measured, what the plan predicted.
+            measured["host_planned_bytes"] = json!(self.planned_host(stage, job));
             let stages = job.metrics.entry("stages").or_insert_with(|| json!({}));
-            stages[stage] = serde_json::to_value(peaks)?;
+            stages[stage] = measured;
         }
         result
     }
@@ -1049,6 +1299,7 @@ impl SizePlan {
             "peak_bytes": memory.and_then(|m| m.peak()).map(|s| s.peak_bytes),
             "required_bytes": memory.map(|m| m.required_bytes()),
             "fits": memory.and_then(|m| total.map(|t| m.fits(t))),
+            "host_peak_bytes": memory.map(|m| m.host_required_bytes()),
             "memory_error": self.memory.as_ref().err(),
         })
     }
@@ -1184,7 +1435,7 @@ impl<'a> DryRun<'a> {
         let config = self.config;
         let mut out = config.to_json();
         // The host's budget (it changes from moment to moment: beside the plan, not in it).
-        out["host_available_bytes"] = json!(crate::memory::probe::host_available());
+        out["host_available_bytes"] = json!(host_available(config));
         out["load_policy"] = json!(load_policy(config));
         out["batch_order"] = json!(batch_order(config));
         let source = self.source.to_string();
@@ -1211,6 +1462,7 @@ impl<'a> DryRun<'a> {
                                 "activation_bytes": m.activation_bytes,
                                 "peak_bytes": m.peak_bytes,
                                 "peak_gib": round2(gib(m.peak_bytes)),
+                                "host_bytes": m.host_bytes,
                             });
                         }
                         stage
@@ -1256,6 +1508,8 @@ impl<'a> DryRun<'a> {
                     "device_total_bytes": total,
                     "device_free_bytes": config.device().free_memory,
                     "fits": total.map(|t| m.fits(t)),
+                    "host_peak_stage": m.host_peak().map(|s| s.name),
+                    "host_peak_bytes": m.host_required_bytes(),
                 })
             }
             None => serde_json::Value::Null,
@@ -1292,7 +1546,7 @@ impl<'a> DryRun<'a> {
             d.name,
             json!(d.memory_model).as_str().unwrap_or("?")
         );
-        if let Some(host) = crate::memory::probe::host_available() {
+        if let Some(host) = host_available(config) {
             out += &format!("host         {:.2} GiB available\n", gib(host));
         }
         out += &format!("dtype        {}", config.dtype().as_str());
@@ -1391,13 +1645,16 @@ impl<'a> DryRun<'a> {
             match stage {
                 Some(m) => {
                     out += &format!(
-                        "{:>11.2}  {:>15.2}  {:>8.2}",
+                        "{:>11.2}  {:>15.2}  {:>8.2}  {:>13.2}",
                         gib(m.weight_bytes),
                         gib(m.activation_bytes),
-                        gib(m.peak_bytes)
+                        gib(m.peak_bytes),
+                        gib(m.host_bytes)
                     )
                 }
-                None if i == 0 && memory.is_ok() => out += "weights GiB  activations GiB  peak GiB",
+                None if i == 0 && memory.is_ok() => {
+                    out += "weights GiB  activations GiB  peak GiB  host peak GiB"
+                }
                 None => {}
             }
             out = out.trim_end().to_string() + "\n";
@@ -1417,6 +1674,15 @@ impl<'a> DryRun<'a> {
                         gib(total)
                     );
                 }
+                out += &format!("\npredicted host peak {}", m.describe_host_peak());
+                if let Some(host) = d.host_available {
+                    let verdict = if m.fits_host(host) {
+                        "fits"
+                    } else {
+                        "does not fit"
+                    };
+                    out += &format!(": {verdict} in the {:.2} GiB available", gib(host));
+                }
                 out += "\n";
             }
             Err(why) => out += &format!("memory not predicted: {why}\n"),
@@ -1424,6 +1690,15 @@ impl<'a> DryRun<'a> {
         out += &prompts_text(&described.sizes, d.total_memory);
         out
     }
+}
+
+/// The host memory available: the run's budget, or where it plans for another machine (a forced
+/// memory model), what this host has.
+fn host_available(config: &ResolvedConfig) -> Option<u64> {
+    config
+        .device()
+        .host_available
+        .or_else(crate::memory::probe::host_available)
 }
 
 /// The prompts' sizes for people: how many prompts ask for each and its predicted peak (the

@@ -8,9 +8,10 @@ use super::registry::{Family, RunShape};
 use super::runner::{LoadPolicy, Schedule};
 use super::spec::{PipelineSpec, Role};
 use crate::config::ResolvedConfig;
-use crate::memory::plan::{self as memory_plan, MemoryPlan, PlanStage, Request};
-use crate::memory::MemoryOptions;
-use crate::offload::{DeviceWeights, Residency};
+use crate::memory::plan::{self as memory_plan, HostSide, MemoryPlan, PlanStage, Request};
+use crate::memory::{MemoryModel, MemoryOptions};
+use crate::models::source::ModelSource;
+use crate::offload::{DeviceWeights, HostMemory, Residency};
 use anyhow::Result;
 use candle_core::DType;
 use std::cell::RefCell;
@@ -27,12 +28,18 @@ pub fn load_policy(o: &MemoryOptions) -> LoadPolicy {
     }
 }
 
+/// A component's device weights and host bytes under one holding.
+type Recorded = (DeviceWeights, u64);
+
 /// Plans a family's runs; remembers each component's recorded weights (they depend on the
-/// residency, FSDP membership and dtype only), so weighing many option sets records each layout once.
+/// residency, FSDP membership, host memory and dtype only), so weighing many option sets
+/// records each layout once.
 pub struct Planner<'a> {
     family: &'a dyn Family,
     config: &'a ResolvedConfig,
-    weights: RefCell<HashMap<(usize, String, DType), DeviceWeights>>,
+    weights: RefCell<HashMap<(usize, String, DType), Recorded>>,
+    /// The weights are read from files (not generated): unlocked, their pages can be dropped.
+    mapped: bool,
 }
 
 impl<'a> Planner<'a> {
@@ -41,6 +48,8 @@ impl<'a> Planner<'a> {
             family,
             config,
             weights: RefCell::default(),
+            mapped: ModelSource::parse(&config.generation().model)
+                .is_ok_and(|source| !source.is_synthetic()),
         }
     }
 
@@ -112,7 +121,7 @@ impl<'a> Planner<'a> {
         let placement = Placement::new(&request.options, &spec);
         let schedule = Schedule::plan(&spec, load_policy(&request.options));
         let groups = self.config.groups();
-        let weights = spec
+        let (weights, host_weights): (Vec<DeviceWeights>, Vec<u64>) = spec
             .components
             .iter()
             .zip(&placement.residencies)
@@ -124,10 +133,21 @@ impl<'a> Planner<'a> {
                     groups.rank_in_group(rank),
                     groups.sp,
                 );
-                self.device_weights(i, &spec, residency, fsdp, c.dtype(shape.dtype))
+                let memory = placement.memory_for(i);
+                self.component_bytes(i, &spec, residency, fsdp, memory, c.dtype(shape.dtype))
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
         let is_dit = |c: usize| spec.components[c].role == Role::Dit;
+        // The decoded video waits in host memory (f32 RGB) from the stage after the last that
+        // denoises to the end.
+        let last_dit = spec
+            .stages
+            .iter()
+            .rposition(|s| s.uses.iter().any(|&c| is_dit(c)));
+        let video_bytes = u64::from(shape.num_frames)
+            .saturating_mul(u64::from(shape.height) * u64::from(shape.width) * 3 * 4);
         // A stage whose components all compute on the CPU holds no device activations.
         let on_device = |uses: &[usize]| {
             uses.iter()
@@ -150,28 +170,44 @@ impl<'a> Planner<'a> {
                 } else {
                     s.activation_bytes
                 },
+                host_activation_bytes: match () {
+                    // A stage computing on the CPU holds its activations there.
+                    _ if !s.uses.is_empty() && !on_device(&s.uses) => s.activation_bytes,
+                    _ if shape.decode && last_dit.is_some_and(|d| i > d) => video_bytes,
+                    _ => 0,
+                },
             })
             .collect();
-        MemoryPlan::new(&stages, &weights)
+        let host = HostSide {
+            weights: &host_weights,
+            // Unified memory, or none: what the device holds, the host holds.
+            shared: self.config.device().memory_model != MemoryModel::Discrete,
+        };
+        MemoryPlan::with_host(&stages, &weights, host)
     }
 
-    /// Component `index`'s device weights held as `residency`, or `fsdp`, says (see
-    /// [`super::holding::Holding`]).
-    fn device_weights(
+    /// Component `index`'s device weights and host bytes held as `residency`, or `fsdp`, and
+    /// `memory` say (see [`super::holding::Holding`]).
+    fn component_bytes(
         &self,
         index: usize,
         spec: &PipelineSpec,
         residency: Residency,
         fsdp: Option<Fsdp>,
+        memory: HostMemory,
         dtype: DType,
-    ) -> Result<DeviceWeights> {
-        let key = (index, format!("{residency:?} {fsdp:?}"), dtype);
+    ) -> Result<Recorded> {
+        let key = (index, format!("{residency:?} {fsdp:?} {memory:?}"), dtype);
         if let Some(w) = self.weights.borrow().get(&key) {
             return Ok(*w);
         }
         let constructors = &spec.components[index].constructors;
         let holding = constructors.holding(residency, fsdp, dtype)?;
-        let w = holding.device_weights(&constructors.layout(holding, dtype, None)?);
+        let layout = constructors.layout(holding, dtype, None)?;
+        let w = (
+            holding.device_weights(&layout),
+            holding.host_bytes(&layout, memory, self.mapped),
+        );
         self.weights.borrow_mut().insert(key, w);
         Ok(w)
     }
@@ -197,13 +233,56 @@ impl<'a> Planner<'a> {
         )
     }
 
-    /// How the run fits `free` bytes, keeping every memory option the user set (see
-    /// [`memory_plan::fit`]).
     /// The memory options the user set, which fitting keeps (their flags).
     pub fn kept(&self) -> Vec<&'static str> {
         memory_plan::kept_savings(&|option| self.config.given(option))
     }
 
+    /// The host options the user set, which fitting to the host keeps (their flags).
+    pub fn kept_host(&self) -> Vec<&'static str> {
+        memory_plan::kept_host_savings(&|option| self.config.given(option))
+    }
+
+    /// How the run fits `host` bytes of host memory and, where known, the `free` device bytes,
+    /// keeping every option the user set (see [`memory_plan::fit_host`]).
+    pub fn fit_host(&self, host: u64, free: Option<u64>) -> memory_plan::Fit {
+        memory_plan::fit_host(
+            &self.request(),
+            self.config.device(),
+            &|r| self.plan(r),
+            host,
+            free,
+            &|option| self.config.given(option),
+        )
+    }
+
+    /// The host option set with the lowest host peak the run may take (see
+    /// [`memory_plan::leanest_host`]).
+    pub fn leanest_host(&self) -> Option<memory_plan::Candidate> {
+        memory_plan::leanest_host(
+            &self.request(),
+            self.config.device(),
+            &|r| self.plan(r),
+            &|option| self.config.given(option),
+        )
+    }
+
+    /// The first option set that needs less device memory than the run's, keeping every
+    /// memory option the user set and the frames (see [`memory_plan::candidates`]).
+    pub fn leaner(&self) -> Option<memory_plan::Candidate> {
+        memory_plan::candidates(
+            &self.request(),
+            self.config.device(),
+            &|r| self.plan(r),
+            None,
+            &|option| self.config.given(option),
+        )
+        .into_iter()
+        .next()
+    }
+
+    /// How the run fits `free` bytes, keeping every memory option the user set (see
+    /// [`memory_plan::fit`]).
     pub fn fit(&self, free: u64) -> memory_plan::Fit {
         memory_plan::fit(
             &self.request(),

@@ -3,6 +3,7 @@
 //! only say how.
 
 use super::spec::{PipelineSpec, StageSpec};
+use crate::memory::MemoryOptions;
 use anyhow::Result;
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -21,6 +22,12 @@ pub trait Pipeline {
     fn release(&mut self, component: usize);
     /// Runs stage `index` for one job.
     fn run_stage(&mut self, index: usize, job: &mut Self::Job) -> Result<()>;
+    /// Places the components loaded from now on as `options` say (a leaner set after running
+    /// out of memory); false where the pipeline cannot.
+    fn replace_memory_options(&mut self, options: &MemoryOptions) -> bool {
+        let _ = options;
+        false
+    }
 }
 
 /// When components are loaded and released.

@@ -133,6 +133,13 @@ pub(crate) fn report_forwards(progress: &Progress, job: &mut Job, forward_second
         .insert("forward_seconds".into(), serde_json::json!(forward_seconds));
 }
 
+/// Whether `e` is the device running out of memory (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, or an
+/// "out of memory" in its text).
+pub(crate) fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    let text = format!("{e:#}");
+    text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")
+}
+
 /// Turns a device out-of-memory error into one that names the stage, the memory in use, the
 /// peak and the device's size, and the option set the memory plan predicts to fit; other
 /// errors pass through.
@@ -143,8 +150,7 @@ pub(crate) fn explain_out_of_memory(
     when: &str,
     e: anyhow::Error,
 ) -> anyhow::Error {
-    let text = format!("{e:#}");
-    if !text.contains("OUT_OF_MEMORY") && !text.to_ascii_lowercase().contains("out of memory") {
+    if !is_out_of_memory(&e) {
         return e;
     }
     let peaks = meter.peaks();
