@@ -142,15 +142,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         let found = dry_run_family(&source);
         let config = match &found {
-            Ok((family, _)) => {
-                let config = config.with_model_defaults(&family.defaults())?;
-                if let Some(why) = registry::refusal(family.as_ref(), &config) {
-                    return Err(UsageError::new(why).into());
-                }
-                check_shards(family.as_ref(), &config, &source)?;
-                check_weight_files(family.as_ref(), &config, &source)?;
-                fit_to_free(family.as_ref(), config)?
-            }
+            Ok((family, _)) => for_family(family.as_ref(), config, &source)?,
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
         };
@@ -184,15 +176,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         found => found,
     };
     let config = match &family {
-        Ok(family) => {
-            let config = config.with_model_defaults(&family.defaults())?;
-            if let Some(why) = registry::refusal(family.as_ref(), &config) {
-                return Err(UsageError::new(why).into());
-            }
-            check_shards(family.as_ref(), &config, &source)?;
-            check_weight_files(family.as_ref(), &config, &source)?;
-            fit_to_free(family.as_ref(), config)?
-        }
+        Ok(family) => for_family(family.as_ref(), config, &source)?,
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
     progress.overrides(config.overrides());
@@ -200,6 +184,23 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         Ok(joined) => run_joined(joined, family, source, &progress),
         Err(code) => Ok(code),
     }
+}
+
+/// The run's config for `family`: its defaults for what was not given, then (bad input where
+/// the family refuses a setting or a weight file does not fit) checked and fitted to the free
+/// memory, before anything loads.
+fn for_family(
+    family: &dyn Family,
+    config: ResolvedConfig,
+    source: &ModelSource,
+) -> Result<ResolvedConfig> {
+    let config = config.with_model_defaults(&family.defaults())?;
+    if let Some(why) = registry::refusal(family, &config) {
+        return Err(UsageError::new(why).into());
+    }
+    check_shards(family, &config, source)?;
+    check_weight_files(family, &config, source)?;
+    fit_to_free(family, config)
 }
 
 /// The configuration fitted to the device memory free when the run starts (where the probe knows
