@@ -195,8 +195,7 @@ impl Allegro {
 
     fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let (embeds, mask) = job.take_masked_prompt(device)?;
         let batch = embeds.dim(0)?;
         let (latents, noises) = RunDraws::take_for(frame, job, dtype, |draws, sizes| {

@@ -206,8 +206,7 @@ impl CogVideoX {
 
     fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let text = job.guidance_batch(device)?;
         let guided = text.dim(0)? > 1;
         let (latents, noises) = RunDraws::take_for(frame, job, dtype, |draws, sizes| {

@@ -394,14 +394,10 @@ struct Ids {
 mod tests {
     use super::*;
     use crate::models::source::ModelSource;
-    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
+    use crate::offload::{record, GroupLayout, Packing};
+    use crate::pipeline::holding::testing::{assert_within_mlp_step, names, streamed};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
     use candle_core::Device;
-
-    /// The names a layout holds.
-    fn names(layout: &GroupLayout) -> Vec<String> {
-        layout.slots.iter().map(|s| s.name.clone()).collect()
-    }
 
     /// The published transformer streamed as the pipeline streams it: block level never puts a
     /// dual- and a single-stream block in one group (as diffusers groups each block list apart);
@@ -413,14 +409,6 @@ mod tests {
             "../../assets/flux.1-dev/transformer/config.json"
         ))?;
         let model = ModelConstructors::<FluxTransformer2DModel>(cfg.clone());
-        let streamed = |blocks_per_group, by_step| Residency::Streamed {
-            blocks_per_group,
-            by_step,
-            options: StreamOptions {
-                stream: true,
-                depth: 1,
-            },
-        };
         let layout = |residency| -> Result<Vec<GroupLayout>> {
             let holding = model.holding(residency, None, DType::BF16)?;
             Ok(model.layout(holding, DType::BF16, None)?.groups)
@@ -447,10 +435,7 @@ mod tests {
         // Leaf level: every step its own group, none above the single-stream MLP step.
         let leaf = layout(streamed(1, true))?;
         assert_eq!(leaf.len(), 5 * cfg.num_layers + 2 * cfg.num_single_layers);
-        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
-        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
-        let largest = leaf.iter().map(|g| g.bytes).max().unwrap_or(0);
-        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
+        assert_within_mlp_step(&leaf, cfg.inner_dim(), cfg.mlp_dim());
         let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
             FluxTransformer2DModel::new_without_blocks(&cfg, vb)
         })?;

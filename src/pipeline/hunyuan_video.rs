@@ -368,8 +368,7 @@ impl HunyuanVideo {
         let carried: Carried = job.carry.take();
         let (cond, negative) = carried.conds.context("prompt not encoded")?;
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let cond = on_device(frame, &cond)?;
         let negative = negative.as_ref().map(|n| on_device(frame, n)).transpose()?;
         let true_cfg_scale = stages::true_cfg(frame, job);
@@ -515,13 +514,9 @@ fn on_device(frame: &Frame, c: &TextConds) -> Result<TextConds> {
 mod tests {
     use super::*;
     use crate::models::source::ModelSource;
-    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
+    use crate::offload::{record, GroupLayout, Packing};
+    use crate::pipeline::holding::testing::{assert_within_mlp_step, names, streamed};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
-
-    /// The names a layout holds.
-    fn names(layout: &GroupLayout) -> Vec<String> {
-        layout.slots.iter().map(|s| s.name.clone()).collect()
-    }
 
     /// The block list a weight belongs to (None: the outer part).
     fn list(name: &str) -> Option<&'static str> {
@@ -548,14 +543,6 @@ mod tests {
             ..cfg.clone()
         };
         let model = ModelConstructors::<HunyuanVideoTransformer3DModel>(apart.clone());
-        let streamed = |blocks_per_group, by_step| Residency::Streamed {
-            blocks_per_group,
-            by_step,
-            options: StreamOptions {
-                stream: true,
-                depth: 1,
-            },
-        };
         let holding = |c: &dyn Constructors, r| c.holding(r, None, DType::BF16);
         let groups = model
             .layout(holding(&model, streamed(8, false))?, DType::BF16, None)?
@@ -582,10 +569,7 @@ mod tests {
             leaf.groups.len(),
             2 * cfg.num_refiner_layers + 3 * cfg.num_layers + 2 * cfg.num_single_layers
         );
-        let largest = leaf.groups.iter().map(|g| g.bytes).max().unwrap_or(0);
-        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
-        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
-        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
+        assert_within_mlp_step(&leaf.groups, cfg.inner_dim(), cfg.mlp_dim());
         let whole = record(None, DType::BF16, Packing::PerTensor, |vb| {
             HunyuanVideoTransformer3DModel::new(&cfg, vb)
         })?;

@@ -177,8 +177,7 @@ impl Latte {
 
     fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let text = job.guidance_batch(device)?;
         // `randn_tensor(shape, generator, dtype=prompt_embeds.dtype)`, or the file's draw;
         // init_noise_sigma is 1.

@@ -258,8 +258,7 @@ impl Ltx {
         token_grid: [usize; 3],
     ) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let (embeds, mask) = job.take_masked_prompt(device)?;
         let batch = embeds.dim(0)?;
         let rope_scale = LtxTransformerConfig::rope_interpolation_scale(

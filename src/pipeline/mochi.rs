@@ -186,8 +186,7 @@ impl Mochi {
 
     fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let (embeds, mask) = job.take_masked_prompt(device)?;
         let batch = embeds.dim(0)?;
         // `prepare_latents`: the given latents, or a float32 draw, in the embeddings' dtype.

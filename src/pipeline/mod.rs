@@ -198,8 +198,9 @@ fn for_family(
     if let Some(why) = registry::refusal(family, &config) {
         return Err(UsageError::new(why).into());
     }
-    check_shards(family, &config, source)?;
-    check_weight_files(family, &config, source)?;
+    let spec = family.spec(&RunShape::of(&config));
+    check_shards(&spec, source)?;
+    check_weight_files(&spec, &config, source)?;
     fit_to_free(family, config)
 }
 
@@ -356,14 +357,9 @@ fn check_images(
     Ok(())
 }
 
-/// Checks the shard index of every component the run loads from a local model folder
-/// ([`crate::models::source::check_shards`]) before anything loads.
-fn check_shards(
-    family: &dyn Family,
-    config: &ResolvedConfig,
-    source: &ModelSource,
-) -> Result<(), UsageError> {
-    let spec = family.spec(&RunShape::of(config));
+/// Checks the shard index of every component of `spec` (the run's) that loads from a local
+/// model folder ([`crate::models::source::check_shards`]) before anything loads.
+fn check_shards(spec: &PipelineSpec, source: &ModelSource) -> Result<(), UsageError> {
     for component in &spec.components {
         crate::models::source::check_shards(source, component.folder)
             .map_err(|e| UsageError::new(format!("{e:#}")))?;
@@ -376,11 +372,10 @@ fn check_shards(
 /// not safetensors, a LoRA key of no layout, a missing half, a layer the model does not have or
 /// a shape that does not fit is bad input naming the file, before anything loads.
 fn check_weight_files(
-    family: &dyn Family,
+    spec: &PipelineSpec,
     config: &ResolvedConfig,
     source: &ModelSource,
 ) -> Result<(), UsageError> {
-    let spec = family.spec(&RunShape::of(config));
     let bad = |e: anyhow::Error| UsageError::new(format!("{e:#}"));
     for component in &spec.components {
         let file = frame::transformer_file(config, component.folder);
