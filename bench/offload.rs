@@ -34,10 +34,10 @@ use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::group::Slot;
 use vidgen::offload::{record, Packing, Residency, Usage};
-use vidgen::pipeline::cogvideox::{self, CogVideoXConfigs};
+use vidgen::pipeline::cogvideox::CogVideoXConfigs;
 use vidgen::pipeline::holding::Holding;
-use vidgen::pipeline::hunyuan_video::{self, HunyuanConfigs, TextConds};
-use vidgen::pipeline::ltx::{self, LtxConfigs};
+use vidgen::pipeline::hunyuan_video::{HunyuanConfigs, TextConds};
+use vidgen::pipeline::ltx::LtxConfigs;
 use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement};
 use vidgen::pipeline::registry::{family, Configs, RunShape};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
@@ -136,9 +136,9 @@ fn main() -> Result<()> {
                     ))
                 },
                 |held: &Held<'_, LtxTransformer3DModel>, (latents, text, t, mask)| {
-                    Ok(ltx::dit_forward(
-                        held, latents, text, t, mask, grid, rope_scale,
-                    )?)
+                    let model = held.model();
+                    let inputs = model.prepare(latents, text, t, Some(mask), grid, rope_scale)?;
+                    Ok(held.forward(inputs)?)
                 },
             )
         }
@@ -163,7 +163,7 @@ fn main() -> Result<()> {
                     ))
                 },
                 |held: &Held<'_, CogVideoXTransformer3DModel>, (latents, t, text)| {
-                    Ok(cogvideox::dit_forward(held, latents, t, text)?)
+                    Ok(held.forward(held.model().prepare(latents, t, text)?)?)
                 },
             )
         }
@@ -230,14 +230,12 @@ fn main() -> Result<()> {
                 },
                 |held: &Held<'_, HunyuanVideoTransformer3DModel>,
                  (latents, t, text, guidance, modulations, _)| {
-                    Ok(hunyuan_video::dit_forward(
-                        held,
-                        latents,
-                        t,
-                        text,
-                        guidance,
-                        modulations.clone(),
-                    )?)
+                    let (embeds, mask, pooled) = (&text.embeds, &text.mask, &text.pooled);
+                    let mut inputs =
+                        held.model()
+                            .prepare(latents, t, embeds, mask, pooled, Some(guidance))?;
+                    inputs.modulations = Some(modulations.clone());
+                    Ok(held.forward(inputs)?)
                 },
             )
         }

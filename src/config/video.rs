@@ -43,6 +43,16 @@ impl FrameRule {
         size_step: 1,
         min_steps: 1,
     };
+
+    /// Any frame count, heights and widths in multiples of `size_step`, at least `min_steps`
+    /// denoising steps.
+    pub fn any_frames(size_step: u32, min_steps: u32) -> Self {
+        FrameRule {
+            frame_step: 1,
+            size_step,
+            min_steps,
+        }
+    }
 }
 
 impl Default for FrameRule {

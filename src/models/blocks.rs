@@ -189,6 +189,64 @@ impl<M: RepeatedBlocks> Blockwise for M {
     }
 }
 
+/// A DiT's forward once its own `prepare` has made the inputs: the blocks thread a state taken
+/// from the inputs, each block mapping it to the next, and the model finishes from the last
+/// ([`PlacedBlocks::forward`] runs it wherever the blocks are placed).
+pub trait BlockForward: Blockwise {
+    /// What `prepare` makes: what the blocks and the finish read, and the first state.
+    type Inputs;
+    /// What the blocks thread.
+    type State;
+    type Output;
+    /// The blocks loaded with the model (none when they are placed apart).
+    fn resident_blocks(&self) -> &[Self::Block];
+    /// Takes the first state from the inputs.
+    fn first_state(inputs: &mut Self::Inputs) -> candle_core::Result<Self::State>;
+    /// One block on the state.
+    fn through(
+        block: &Self::Block,
+        state: &Self::State,
+        inputs: &Self::Inputs,
+    ) -> candle_core::Result<Self::State>;
+    /// The output from the last state.
+    fn finish_forward(
+        &self,
+        state: Self::State,
+        inputs: &Self::Inputs,
+    ) -> candle_core::Result<Self::Output>;
+}
+
+/// [`BlockForward`] for a DiT whose `prepare` makes `$inputs`, whose blocks (its `blocks()`)
+/// thread the `$state` that `$inputs::$take` takes through `Block::forward(&state, &inputs)`,
+/// and whose `$output` is `$finish` of the model, the last state and the inputs.
+#[macro_export]
+macro_rules! block_forward {
+    ($model:ty, $inputs:ty, $take:ident, $state:ty, |$m:ident, $s:ident, $i:ident| $finish:expr => $output:ty) => {
+        impl $crate::models::blocks::BlockForward for $model {
+            type Inputs = $inputs;
+            type State = $state;
+            type Output = $output;
+            fn resident_blocks(&self) -> &[Self::Block] {
+                self.blocks()
+            }
+            fn first_state(inputs: &mut $inputs) -> candle_core::Result<$state> {
+                inputs.$take()
+            }
+            fn through(
+                block: &Self::Block,
+                state: &$state,
+                inputs: &$inputs,
+            ) -> candle_core::Result<$state> {
+                block.forward(state, inputs)
+            }
+            fn finish_forward(&self, $s: $state, $i: &$inputs) -> candle_core::Result<$output> {
+                let $m = self;
+                $finish
+            }
+        }
+    };
+}
+
 /// A placed model's blocks, wherever they are (resident, streamed through the device or
 /// gathered from shards), run in order: how model-side code runs a placed model without
 /// knowing how it is placed.
@@ -205,6 +263,19 @@ pub trait PlacedBlocks<M: Blockwise> {
         init: T,
         f: impl FnMut(&M::Block, &T) -> candle_core::Result<T>,
     ) -> candle_core::Result<T>;
+
+    /// One forward of a [`BlockForward`] model from its prepared `inputs`: every block in order,
+    /// then the finish.
+    fn forward(&self, mut inputs: M::Inputs) -> candle_core::Result<M::Output>
+    where
+        M: BlockForward,
+    {
+        let state = M::first_state(&mut inputs)?;
+        let state = self.fold_blocks(M::resident_blocks, state, |block, state| {
+            M::through(block, state, &inputs)
+        })?;
+        self.model().finish_forward(state, &inputs)
+    }
 
     /// [`Self::fold_blocks`] over several independent states at once: each block maps every
     /// state in turn (`f` gets the state's index), so a streamed part's blocks pass once for all

@@ -153,6 +153,17 @@ impl ModelSource {
         }
     }
 
+    /// A tokenizer folder's `tokenizer.json` text and its `tokenizer_config.json`'s when
+    /// present (from the folder, the Hub, or for a synthetic model the stand-ins it ships).
+    pub fn tokenizer_files(&self, folder: &str) -> Result<(String, Option<String>)> {
+        let json = self.require(&format!("{folder}/tokenizer.json"))?.read()?;
+        let config = self
+            .file(&format!("{folder}/tokenizer_config.json"))?
+            .map(|f| f.read())
+            .transpose()?;
+        Ok((json, config))
+    }
+
     /// A file the model must have.
     pub fn require(&self, relative: &str) -> Result<FileRef> {
         self.file(relative)?.with_context(|| {

@@ -6,6 +6,7 @@ use super::frame::Frame;
 use super::interrupt;
 use super::jobs::Job;
 use super::stages;
+use crate::models::guidance::guide;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use std::ops::Range;
@@ -24,9 +25,15 @@ pub(crate) struct Forwards<'a> {
 }
 
 impl<'a> Denoise<'a> {
-    /// A loop of `total` steps on `frame`'s device.
-    pub fn new(frame: &'a Frame, total: usize) -> Self {
-        Self::resume(frame, total, Vec::new())
+    /// A loop of `total` steps on `frame`'s device, run whole ([`Self::run`] over every step).
+    pub fn all(
+        frame: &'a Frame,
+        total: usize,
+        step: impl FnMut(&mut Forwards<'a>, usize) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let mut denoise = Self::resume(frame, total, Vec::new());
+        denoise.run(0..total, step)?;
+        Ok(denoise)
     }
 
     /// A loop whose earlier part (another expert's stage) took `seconds` of forwards.
@@ -70,11 +77,38 @@ impl<'a> Denoise<'a> {
     pub fn finish(self, job: &mut Job) {
         stages::report_forwards(&self.frame.progress, job, self.forwards.seconds);
     }
+
+    /// Ends the loop ([`Self::finish`]) with the denoised `latents`, which wait for decoding
+    /// in host memory; the prompt embeddings are spent.
+    pub fn finish_with(self, job: &mut Job, latents: &Tensor) -> Result<()> {
+        self.finish(job);
+        job.latents = Some(latents.to_device(&Device::Cpu)?);
+        job.prompt_embeds = None;
+        job.prompt_mask = None;
+        job.negative_embeds = None;
+        Ok(())
+    }
 }
 
 impl Forwards<'_> {
     /// Runs one forward, timed (waiting for the device, so the time is the work's).
     pub fn run<T>(&mut self, forward: impl FnOnce() -> candle_core::Result<T>) -> Result<T> {
         stages::timed(self.device, &mut self.seconds, forward)
+    }
+
+    /// One step's prediction with real classifier-free guidance: the forward of the prompt's
+    /// conditioning `cond`, and where `negative` gives the negative prompt's and the scale,
+    /// that forward too, combined in the predictions' dtype ([`guide`]).
+    pub fn guided<C>(
+        &mut self,
+        cond: C,
+        negative: Option<(C, f64)>,
+        mut forward: impl FnMut(C) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
+        let noise_cond = self.run(|| forward(cond))?;
+        Ok(match negative {
+            Some((negative, scale)) => guide(&self.run(|| forward(negative))?, &noise_cond, scale)?,
+            None => noise_cond,
+        })
     }
 }

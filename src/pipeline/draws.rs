@@ -2,6 +2,9 @@
 //! diffusers made: each pipeline takes its draws by name and shape, and a draw it needs that the
 //! file lacks, or a tensor in the file it never used, is an error naming it.
 
+use super::frame::Frame;
+use super::jobs::Job;
+use crate::config::UsageError;
 use crate::rng::TorchGenerator;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -166,6 +169,67 @@ impl RunDraws {
         match self {
             RunDraws::File(draws) => draws.finish(),
             RunDraws::Seeded(..) => Ok(()),
+        }
+    }
+
+    /// `job`'s draws, taken by `take` for its sizes: from the draws file, which must hold
+    /// nothing else, or from the job's seed's generator drawing in `dtype`.
+    pub fn take_for<T>(
+        frame: &Frame,
+        job: &Job,
+        dtype: DType,
+        take: impl FnOnce(&mut RunDraws, Sizes) -> Result<T>,
+    ) -> Result<T> {
+        let mut draws = match &frame.config.generation().latents {
+            Some(path) => RunDraws::File(Draws::open(path)?),
+            None => RunDraws::Seeded(TorchGenerator::new(job.seed), dtype),
+        };
+        let taken = take(&mut draws, Sizes::of(job))?;
+        draws.finish()?;
+        Ok(taken)
+    }
+
+    /// Checks the run's draws file, where one is given, before anything loads: `take` takes
+    /// what a job of the run's sizes takes. A draws file that does not fit the run is bad input.
+    pub fn check(
+        frame: &Frame,
+        take: impl FnOnce(&mut RunDraws, Sizes) -> Result<()>,
+    ) -> Result<()> {
+        let Some(path) = &frame.config.generation().latents else {
+            return Ok(());
+        };
+        let o = frame.config.video();
+        let sizes = Sizes {
+            num_frames: o.num_frames,
+            height: o.height,
+            width: o.width,
+            steps: o.num_inference_steps,
+        };
+        let mut draws = RunDraws::File(Draws::open(path).map_err(UsageError::from_error)?);
+        take(&mut draws, sizes)
+            .and_then(|_| draws.finish())
+            .map_err(UsageError::from_error)
+    }
+}
+
+/// The sizes a job's draws depend on.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub num_frames: u32,
+    pub height: u32,
+    pub width: u32,
+    /// Denoising steps.
+    pub steps: u32,
+}
+
+impl Sizes {
+    /// `job`'s sizes.
+    pub fn of(job: &Job) -> Self {
+        Sizes {
+            num_frames: job.num_frames,
+            height: job.height,
+            width: job.width,
+            steps: job.num_inference_steps,
         }
     }
 }

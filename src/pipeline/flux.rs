@@ -6,38 +6,29 @@
 //! frames `[1, H, W, 3]`.
 
 use super::denoise::Denoise;
-use super::draws::Draws;
+use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
-use super::hunyuan_video::{clip_pooled, clip_tokenizer};
 use super::jobs::Job;
-use super::placement::Held;
-use super::registry::{Configs, Family, FamilyOption, RunShape};
+use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::video::FrameRule;
-use crate::config::{ModelDefaults, UsageError};
+use crate::config::ModelDefaults;
 use crate::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
-use crate::models::clip::{ClipTextConfig, ClipTextModel};
+use crate::models::clip::{self, ClipTextConfig, ClipTextModel};
 use crate::models::flux::activations;
 use crate::models::flux::packing::{pack, unpack};
 use crate::models::flux::transformer::{
     image_ids, timestep_input, FluxTransformer2DModel, FluxTransformerConfig,
 };
-use crate::models::guidance::guide;
-use crate::models::hunyuan_video::scheduler::uses_true_cfg;
-use crate::models::source::FileRef;
-use crate::models::t5::encoder::{encode_unmasked, T5Config, T5EncoderModel};
+use crate::models::t5::encoder::{T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::output::OutputType;
 use crate::rng::TorchGenerator;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::Scheduler;
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Tensor};
-use std::any::Any;
-
-/// The CLIP tokenizer's length (`tokenizer_max_length`, 77).
-const CLIP_MAX_LENGTH: usize = 77;
+use candle_core::{DType, Tensor};
 
 /// The most T5 tokens FluxPipeline takes (`check_inputs` refuses more).
 const MAX_SEQUENCE_LENGTH: usize = 512;
@@ -119,7 +110,7 @@ impl FluxConfigs {
         let text = activations::text_encoder_activations(
             &self.text_encoder,
             &self.text_encoder_2,
-            CLIP_MAX_LENGTH,
+            clip::prompt::MAX_LENGTH,
             shape.text_len,
             dtype,
         );
@@ -153,10 +144,6 @@ impl FluxConfigs {
 impl Family for FluxConfigs {
     fn title(&self) -> &'static str {
         "FLUX.1 text-to-image"
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     /// Text-to-image with embedded guidance (where the transformer embeds it: not FLUX.1
@@ -218,13 +205,9 @@ impl Family for FluxConfigs {
             num_inference_steps: Some(28),
             guidance_scale: Some(3.5),
             max_sequence_length: Some(MAX_SEQUENCE_LENGTH as u32),
-            frame_rule: Some(FrameRule {
-                frame_step: 1,
-                size_step: self.size_step(),
-                min_steps: 1,
-            }),
-            scheduler: None,
+            frame_rule: Some(FrameRule::any_frames(self.size_step(), 1)),
             image: true,
+            ..ModelDefaults::default()
         }
     }
 
@@ -244,10 +227,7 @@ impl Family for FluxConfigs {
         })
     }
 
-    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
-        let (_, parts) = self.declare(&RunShape::of(&frame.config));
-        Ok(Box::new(Flux::new(self.clone(), parts, frame)?))
-    }
+    declared_by!(Flux::new);
 }
 
 /// One text's conditioning: T5 embeds `[1, L, D]` and the CLIP pooled embedding `[1, P]`, in
@@ -288,55 +268,19 @@ impl Flux {
     /// weights.
     fn new(configs: FluxConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
         let source = &frame.source;
-        let tokenizer = clip_tokenizer(source, "tokenizer")?;
-        let tokenizer_2 = match source.require("tokenizer_2/tokenizer.json")? {
-            FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
-            FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
-        };
+        let tokenizer = clip::prompt::tokenizer(source, "tokenizer")?;
+        let tokenizer_2 = PromptTokenizer::from_source(source, "tokenizer_2/tokenizer.json")?;
         let pipeline = Flux {
             configs,
             parts,
             tokenizer,
             tokenizer_2,
         };
-        // A draws file that does not fit the run is bad input, found before anything loads.
-        if let Some(path) = &frame.config.generation().latents {
-            let v = frame.config.video();
-            let mut draws = Draws::open(path).map_err(UsageError::from_error)?;
-            draws
-                .take("latents", &pipeline.configs.packed_shape(v.height, v.width))
-                .and_then(|_| draws.finish())
-                .map_err(UsageError::from_error)?;
-        }
+        RunDraws::check(frame, |draws, s| {
+            let packed = pipeline.configs.packed_shape(s.height, s.width);
+            draws.take("latents", &packed).map(drop)
+        })?;
         Ok(pipeline)
-    }
-
-    /// `_get_t5_prompt_embeds` of each text: T5's `last_hidden_state` of the padded ids without
-    /// a mask, on the host; the texts through the blocks together.
-    fn t5_embed(
-        &self,
-        frame: &Frame,
-        encoder: &Held<'_, T5EncoderModel>,
-        texts: &[&str],
-    ) -> Result<Vec<Tensor>> {
-        let max_len = frame.config.generation().max_sequence_length;
-        let ids = texts
-            .iter()
-            .map(|text| Ok(self.tokenizer_2.encode(text, max_len)?.0))
-            .collect::<Result<Vec<_>>>()?;
-        let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-        encode_unmasked(encoder, &ids)?
-            .into_iter()
-            .map(|t| Ok(t.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?))
-            .collect()
-    }
-
-    /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
-    /// negative prompt given).
-    fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
-        let scale = frame.config.generation().true_cfg_scale.unwrap_or(1.0);
-        let has_negative = !job.negative_prompt.is_empty() || frame.config.given("negative_prompt");
-        uses_true_cfg(scale, has_negative).then_some(scale)
     }
 
     /// Encodes the prompt (and the negative prompt under real CFG) with both encoders; the
@@ -344,23 +288,14 @@ impl Flux {
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let clip = frame.hold(self.parts.text_encoder)?;
         let t5 = frame.hold(self.parts.text_encoder_2)?;
-        let negative = Self::true_cfg(frame, job).is_some();
-        if !negative && frame.config.generation().true_cfg_scale.unwrap_or(1.0) > 1.0 {
-            frame.progress.note(
-                "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
-            );
-        }
-        let mut texts = vec![job.prompt.as_str()];
-        if negative {
-            texts.push(job.negative_prompt.as_str());
-        }
+        let texts = stages::true_cfg_texts(frame, job);
         let device = frame.device_of(self.parts.text_encoder);
-        let pooled = clip_pooled(&clip, &self.tokenizer, &device, frame.dtype(), &texts)?;
-        let mut conds = self
-            .t5_embed(frame, &t5, &texts)?
+        let pooled = clip::prompt::pooled(&clip, &self.tokenizer, &device, frame.dtype(), &texts)?;
+        // `_get_t5_prompt_embeds`: T5's `last_hidden_state` of the padded ids without a mask.
+        let mut conds = stages::t5_embeds(frame, &t5, &self.tokenizer_2, &texts, false)?
             .into_iter()
             .zip(pooled)
-            .map(|(embeds, pooled)| TextConds { embeds, pooled });
+            .map(|((embeds, _), pooled)| TextConds { embeds, pooled });
         let cond = conds.next().context("no prompt embeddings")?;
         let negative = conds.next();
         for c in std::iter::once(&cond).chain(&negative) {
@@ -400,7 +335,7 @@ impl Flux {
         let (dtype, device) = (frame.dtype(), &frame.device);
         let cond = cond.on_device(frame)?;
         let negative = negative.map(|n| n.on_device(frame)).transpose()?;
-        let true_cfg_scale = Self::true_cfg(frame, job);
+        let true_cfg_scale = stages::true_cfg(frame, job);
         let mut latents = self.initial_latents(frame, job)?;
         let tokens = latents.dim(1)?;
         let mut scheduler = FlowMatchEuler::for_sequence_length(
@@ -421,41 +356,31 @@ impl Flux {
             .then(|| Tensor::new(&[job.guidance_scale as f32], device))
             .transpose()?;
         let timesteps = scheduler.timesteps().to_vec();
-        let mut denoise = Denoise::new(frame, timesteps.len());
-        denoise.run(0..timesteps.len(), |forwards, i| {
+        let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
             let timestep = timestep_input(timesteps[i], dtype, device)?;
-            let forward = |text: &TextConds| {
-                dit_forward(model, &latents, &timestep, text, guidance.as_ref(), &ids)
-            };
-            let noise_cond = forwards.run(|| forward(&cond))?;
-            let noise = match (&negative, true_cfg_scale) {
-                (Some(neg), Some(scale)) => {
-                    let noise_neg = forwards.run(|| forward(neg))?;
-                    guide(&noise_neg, &noise_cond, scale)?
-                }
-                _ => noise_cond,
-            };
+            let noise = forwards.guided(&cond, negative.as_ref().zip(true_cfg_scale), |text| {
+                let (embeds, pooled, guidance) = (&text.embeds, &text.pooled, guidance.as_ref());
+                let prepared = model.model().prepare(
+                    &latents, &timestep, embeds, pooled, guidance, &ids.text, &ids.image,
+                );
+                model.forward(prepared?)
+            })?;
             latents = scheduler.step(&noise, &latents)?;
             Ok(latents.clone())
         })?;
-        denoise.finish(job);
-        job.latents = Some(latents.to_device(&Device::Cpu)?);
-        Ok(())
+        denoise.finish_with(job, &latents)
     }
 
     /// `_unpack_latents`, `z / scaling_factor + shift_factor`, the VAE decode and
     /// `(image / 2 + 0.5).clamp(0, 1)` as one frame `[1, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let held = frame.hold(self.parts.vae)?;
-        let vae = held.model();
-        let latents = job.latents.take().context("nothing denoised")?;
         let (h, w) = self.configs.latent_size(job.height, job.width);
-        let z = unpack(&latents, h, w)?
-            .to_dtype(frame.dtype_of(self.parts.vae))?
-            .to_device(&frame.device)?;
-        let image = vae.decode(&vae.unscale(&z)?)?.to_dtype(DType::F32)?;
-        job.frames = Some(stages::video_frames(image.unsqueeze(2)?)?);
-        Ok(())
+        let dtype = frame.dtype_of(self.parts.vae);
+        frame.decode(job, self.parts.vae, |vae, latents| {
+            let z = unpack(&latents, h, w)?.to_dtype(dtype)?;
+            let image = vae.decode(&vae.unscale(&z)?)?.to_dtype(DType::F32)?;
+            Ok(image.unsqueeze(2)?)
+        })
     }
 }
 
@@ -465,44 +390,14 @@ struct Ids {
     image: Tensor,
 }
 
-/// One DiT forward: prepare (embeddings, conditioning, RoPE), the dual- and single-stream blocks
-/// (resident or streamed), finish.
-fn dit_forward(
-    dit: &Held<'_, FluxTransformer2DModel>,
-    latents: &Tensor,
-    timestep: &Tensor,
-    text: &TextConds,
-    guidance: Option<&Tensor>,
-    ids: &Ids,
-) -> candle_core::Result<Tensor> {
-    let model = dit.model();
-    let mut inputs = model.prepare(
-        latents,
-        timestep,
-        &text.embeds,
-        &text.pooled,
-        guidance,
-        &ids.text,
-        &ids.image,
-    )?;
-    let streams = inputs.take_streams()?;
-    let streams = dit.fold_blocks(FluxTransformer2DModel::blocks, streams, |block, streams| {
-        block.forward(streams, &inputs)
-    })?;
-    model.finish(&streams.image, &inputs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::models::source::ModelSource;
-    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
+    use crate::offload::{record, GroupLayout, Packing};
+    use crate::pipeline::holding::testing::{assert_within_mlp_step, names, streamed};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
-
-    /// The names a layout holds.
-    fn names(layout: &GroupLayout) -> Vec<String> {
-        layout.slots.iter().map(|s| s.name.clone()).collect()
-    }
+    use candle_core::Device;
 
     /// The published transformer streamed as the pipeline streams it: block level never puts a
     /// dual- and a single-stream block in one group (as diffusers groups each block list apart);
@@ -514,14 +409,6 @@ mod tests {
             "../../assets/flux.1-dev/transformer/config.json"
         ))?;
         let model = ModelConstructors::<FluxTransformer2DModel>(cfg.clone());
-        let streamed = |blocks_per_group, by_step| Residency::Streamed {
-            blocks_per_group,
-            by_step,
-            options: StreamOptions {
-                stream: true,
-                depth: 1,
-            },
-        };
         let layout = |residency| -> Result<Vec<GroupLayout>> {
             let holding = model.holding(residency, None, DType::BF16)?;
             Ok(model.layout(holding, DType::BF16, None)?.groups)
@@ -548,10 +435,7 @@ mod tests {
         // Leaf level: every step its own group, none above the single-stream MLP step.
         let leaf = layout(streamed(1, true))?;
         assert_eq!(leaf.len(), 5 * cfg.num_layers + 2 * cfg.num_single_layers);
-        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
-        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
-        let largest = leaf.iter().map(|g| g.bytes).max().unwrap_or(0);
-        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
+        assert_within_mlp_step(&leaf, cfg.inner_dim(), cfg.mlp_dim());
         let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
             FluxTransformer2DModel::new_without_blocks(&cfg, vb)
         })?;
@@ -587,7 +471,7 @@ mod tests {
             ModelSource::Local(dir.clone()),
             ModelSource::Synthetic("flux.1-dev"),
         ] {
-            let tokenizer = clip_tokenizer(&source, "tokenizer")?;
+            let tokenizer = clip::prompt::tokenizer(&source, "tokenizer")?;
             for (prompt, want) in prompts.iter().zip(&want) {
                 let prompt = prompt.as_str().context("a prompt")?;
                 let encoding = tokenizer.encode(prompt, true).map_err(anyhow::Error::msg)?;

@@ -5,6 +5,7 @@
 //! carried when a stage fails, and leaves decoding and writing to the leader of a
 //! sequence-parallel group.
 
+use super::draws::{RunDraws, Sizes};
 use super::holding::{Fsdp, Holding};
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
@@ -16,14 +17,52 @@ use super::stages;
 use crate::config::ResolvedConfig;
 use crate::memory::MemoryOptions;
 use crate::models::source::{component_weights, ModelSource};
+use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::offload::{Residency, Usage};
 use crate::output::Audio;
 use crate::parallel::collective::Collective;
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use std::any::Any;
 use std::sync::Arc;
+
+/// A family's own part of its pipeline when it reads one T5 tokenizer (the frame holds the
+/// rest): its configs, its components' slots and the tokenizer; its stage bodies are its
+/// methods.
+pub struct T5Pipeline<C, P> {
+    pub configs: C,
+    pub parts: P,
+    pub tokenizer: PromptTokenizer,
+}
+
+impl<C, P> T5Pipeline<C, P> {
+    /// Reads the model's `tokenizer/tokenizer.json`; loads no weights. `spiece`: the family, whose
+    /// checkpoints may ship only `spiece.model` (the error where the file is missing says how
+    /// to write it).
+    pub fn read(configs: C, parts: P, frame: &Frame, spiece: Option<&str>) -> Result<Self> {
+        let tokenizer = match spiece {
+            Some(family) => PromptTokenizer::from_source_or_spiece(&frame.source, family)?,
+            None => PromptTokenizer::from_source(&frame.source, "tokenizer/tokenizer.json")?,
+        };
+        Ok(T5Pipeline {
+            configs,
+            parts,
+            tokenizer,
+        })
+    }
+
+    /// Itself, once the run's draws file (where one is given) holds what `take` takes for a
+    /// job of the run's sizes and nothing else ([`RunDraws::check`]).
+    pub fn checking_draws<T>(
+        self,
+        frame: &Frame,
+        take: impl FnOnce(&Self, &mut RunDraws, Sizes) -> Result<T>,
+    ) -> Result<Self> {
+        RunDraws::check(frame, |draws, sizes| take(&self, draws, sizes).map(drop))?;
+        Ok(self)
+    }
+}
 
 /// A loaded component as the frame holds it: what the engine moved is readable without its
 /// model type, the model through a [`Slot`].
@@ -134,7 +173,23 @@ impl Frame {
         self.config.ranks().is_some_and(|r| !r.leads())
     }
 
-    /// Writes the job's output: its frames (with the sound of a model that makes it), or its
+    /// A decode stage: holds the VAE in `slot`, gives `decode` the job's denoised latents (on
+    /// the device), and keeps the video `[1, 3, T, H, W]` in [-1, 1] it makes as the job's
+    /// frames ([`stages::video_frames`]).
+    pub fn decode<M: Blockwise>(
+        &self,
+        job: &mut Job,
+        slot: Slot<M>,
+        decode: impl FnOnce(&M, Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        let held = self.hold(slot)?;
+        let latents = job.latents.take().context("nothing denoised")?;
+        let video = decode(held.model(), latents.to_device(&self.device)?)?;
+        job.frames = Some(stages::video_frames(video)?);
+        Ok(())
+    }
+
+    /// Writes the job's output: (with the sound of a model that makes it), or its
     /// latents with `--output-type latent`.
     pub fn write(&self, job: &mut Job, audio: Option<&Audio>) -> Result<()> {
         stages::write_output(&self.config, job, audio)

@@ -167,12 +167,7 @@ impl Holding {
             }
         };
         // What stays in host memory (a token table) is recorded apart.
-        let (device, host) = (Recording::default(), Recording::default());
-        drop(M::outer(
-            cfg,
-            device.var_builder(weights, dtype),
-            host.var_builder(weights, dtype),
-        )?);
+        let (device, host) = record_outer::<M>(cfg, weights, dtype)?;
         Ok(ComponentLayout {
             direct_bytes: device.layout(Packing::PerTensor)?.tensor_bytes(),
             host_bytes: host.layout(Packing::PerTensor)?.tensor_bytes(),
@@ -276,14 +271,25 @@ impl Holding {
     }
 }
 
-/// Whether `M`'s outer part keeps tensors in host memory (a text encoder's token table).
-fn outer_keeps_host_tensors<M: Blockwise>(cfg: &M::Config, dtype: DType) -> Result<bool> {
+/// What `M`'s outer part asks for in `dtype` (checked against `weights` when given): on the
+/// device, and in host memory (a text encoder's token table).
+fn record_outer<M: Blockwise>(
+    cfg: &M::Config,
+    weights: Option<&WeightSet>,
+    dtype: DType,
+) -> Result<(Recording, Recording)> {
     let (device, host) = (Recording::default(), Recording::default());
     drop(M::outer(
         cfg,
-        device.var_builder(None, dtype),
-        host.var_builder(None, dtype),
+        device.var_builder(weights, dtype),
+        host.var_builder(weights, dtype),
     )?);
+    Ok((device, host))
+}
+
+/// Whether `M`'s outer part keeps tensors in host memory (a text encoder's token table).
+fn outer_keeps_host_tensors<M: Blockwise>(cfg: &M::Config, dtype: DType) -> Result<bool> {
+    let (_, host) = record_outer::<M>(cfg, None, dtype)?;
     Ok(host.layout(Packing::PerTensor)?.tensor_bytes() > 0)
 }
 
@@ -354,6 +360,37 @@ impl<M: Blockwise> GroupPlan<M> {
                 .collect(),
             None => candle_core::bail!("group {g} of {}", self.count),
         }
+    }
+}
+
+/// What the families' layout tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use crate::offload::{GroupLayout, Residency, StreamOptions};
+
+    /// The names a layout holds.
+    pub fn names(layout: &GroupLayout) -> Vec<String> {
+        layout.slots.iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// Streamed `blocks_per_group` blocks at a time (`by_step`: step by step), one copy ahead.
+    pub fn streamed(blocks_per_group: usize, by_step: bool) -> Residency {
+        Residency::Streamed {
+            blocks_per_group,
+            by_step,
+            options: StreamOptions {
+                stream: true,
+                depth: 1,
+            },
+        }
+    }
+
+    /// No group of a leaf-level layout holds more than the single-stream MLP step of a
+    /// transformer of width `dim` and MLP width `mlp` in bf16 (alignment padding aside).
+    pub fn assert_within_mlp_step(groups: &[GroupLayout], dim: usize, mlp: usize) {
+        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
+        let largest = groups.iter().map(|g| g.bytes).max().unwrap_or(0);
+        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
     }
 }
 

@@ -5,19 +5,17 @@
 //! `--true-cfg-scale` > 1), flow-match Euler with the scheduler's shift, and the causal 3D VAE.
 
 use super::denoise::Denoise;
+use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{Configs, Family, FamilyOption, RunShape};
+use super::registry::{causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::ModelDefaults;
-use crate::models::clip::{ClipEncoderLayer, ClipTextConfig, ClipTextModel};
-use crate::models::guidance::guide;
+use crate::models::clip::{self, ClipTextConfig, ClipTextModel};
 use crate::models::hunyuan_video::activations;
-use crate::models::hunyuan_video::scheduler::{
-    guidance_input, sampler, uses_true_cfg, FlowMatchEulerConfig,
-};
+use crate::models::hunyuan_video::scheduler::{guidance_input, sampler, FlowMatchEulerConfig};
 use crate::models::hunyuan_video::text_encoder::{
     crop_prompt, LlamaConfig, LlamaDecoderLayer, LlamaPromptTokenizer, LlamaTextEncoder,
     LlamaTokenizerLoad, DEFAULT_PROMPT_TEMPLATE,
@@ -26,17 +24,11 @@ use crate::models::hunyuan_video::transformer::{
     HunyuanModulations, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
 };
 use crate::models::hunyuan_video::vae::{AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig};
-use crate::models::source::ModelSource;
-use crate::rng::TorchGenerator;
 use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use std::any::Any;
 use std::sync::Arc;
-
-/// The CLIP tokenizer's length (`tokenizer_2`, `max_length=77`).
-const CLIP_MAX_LENGTH: usize = 77;
 
 /// Reads a HunyuanVideo model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
@@ -79,15 +71,12 @@ impl HunyuanConfigs {
 
     /// The latent shape `[1, C, F', H', W']` for a video size.
     pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
-        let t = self.vae.temporal_compression_ratio.max(1);
-        let s = self.vae.spatial_compression_ratio.max(1);
-        [
-            1,
-            self.transformer.in_channels,
-            (num_frames.max(1) as usize - 1) / t + 1,
-            height as usize / s,
-            width as usize / s,
-        ]
+        let (t, s) = (
+            self.vae.temporal_compression_ratio,
+            self.vae.spatial_compression_ratio,
+        );
+        let [f, h, w] = causal_latent_grid(num_frames, height, width, t, s);
+        [1, self.transformer.in_channels, f, h, w]
     }
 }
 
@@ -110,7 +99,7 @@ impl HunyuanConfigs {
             &self.text_encoder,
             &self.text_encoder_2,
             shape.text_len,
-            CLIP_MAX_LENGTH,
+            clip::prompt::MAX_LENGTH,
             shape.dtype,
         );
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
@@ -159,10 +148,6 @@ impl Family for HunyuanConfigs {
         "HunyuanVideo text-to-video"
     }
 
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
-    }
-
     /// Text-to-video with embedded guidance, real CFG by `--true-cfg-scale` with a negative
     /// prompt, flow-match Euler with a shift, and a VAE that tiles.
     fn options(&self) -> Vec<FamilyOption> {
@@ -199,8 +184,7 @@ impl Family for HunyuanConfigs {
             max_sequence_length: Some(256),
             scheduler: Some(SchedulerKind::Euler),
             // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
-            frame_rule: None,
-            image: false,
+            ..ModelDefaults::default()
         }
     }
 
@@ -220,10 +204,7 @@ impl Family for HunyuanConfigs {
         })
     }
 
-    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
-        let (_, parts) = self.declare(&RunShape::of(&frame.config));
-        Ok(Box::new(HunyuanVideo::new(self.clone(), parts, frame)?))
-    }
+    declared_by!(HunyuanVideo::new);
 }
 
 /// One text's conditioning: Llama embeds `[1, L, D]`, their mask `[1, L]` (f32), the CLIP
@@ -278,62 +259,16 @@ struct HunyuanVideo {
     tokenizer_2: tokenizers::Tokenizer,
 }
 
-/// A tokenizer folder's `tokenizer.json` text and its `tokenizer_config.json`'s when present
-/// (from the folder, the Hub, or for `synthetic:hunyuanvideo` the stand-ins it ships).
-fn tokenizer_files(source: &ModelSource, folder: &str) -> Result<(String, Option<String>)> {
-    let json = source
-        .require(&format!("{folder}/tokenizer.json"))?
-        .read()?;
-    let config = source
-        .file(&format!("{folder}/tokenizer_config.json"))?
-        .map(|f| f.read())
-        .transpose()?;
-    Ok((json, config))
-}
-
-/// The CLIP tokenizer in `folder` as transformers' `CLIPTokenizer` runs it for HunyuanVideo and
-/// FLUX: the file verbatim, truncated and padded to 77 with the pad token.
-pub(super) fn clip_tokenizer(source: &ModelSource, folder: &str) -> Result<tokenizers::Tokenizer> {
-    let (json, config) = tokenizer_files(source, folder)?;
-    let mut tokenizer: tokenizers::Tokenizer = json
-        .parse()
-        .map_err(|e| anyhow::anyhow!("loading {folder}/tokenizer.json: {e}"))?;
-    let config: serde_json::Value = config
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
-    let pad = config["pad_token"]
-        .as_str()
-        .or_else(|| config["pad_token"]["content"].as_str())
-        .unwrap_or("<|endoftext|>")
-        .to_string();
-    let pad_id = tokenizer
-        .token_to_id(&pad)
-        .with_context(|| format!("{folder} has no pad token {pad:?}"))?;
-    tokenizer
-        .with_truncation(Some(tokenizers::TruncationParams {
-            max_length: CLIP_MAX_LENGTH,
-            ..Default::default()
-        }))
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    tokenizer.with_padding(Some(tokenizers::PaddingParams {
-        strategy: tokenizers::PaddingStrategy::Fixed(CLIP_MAX_LENGTH),
-        pad_id,
-        pad_token: pad,
-        ..Default::default()
-    }));
-    Ok(tokenizer)
-}
-
 impl HunyuanVideo {
     /// Reads both tokenizers; loads no weights.
     fn new(configs: HunyuanConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
         let source = &frame.source;
         let load = LlamaTokenizerLoad::for_class(&configs.tokenizer_class);
-        let (json, tokenizer_config) = tokenizer_files(source, "tokenizer")?;
+        let (json, tokenizer_config) = source.tokenizer_files("tokenizer")?;
         let tokenizer = LlamaPromptTokenizer::from_json(&json, tokenizer_config.as_deref(), load)
             .context("loading tokenizer/tokenizer.json")?;
         let crop_start = tokenizer.crop_start(DEFAULT_PROMPT_TEMPLATE)?;
-        let tokenizer_2 = clip_tokenizer(source, "tokenizer_2")?;
+        let tokenizer_2 = clip::prompt::tokenizer(source, "tokenizer_2")?;
         Ok(HunyuanVideo {
             configs,
             parts,
@@ -385,31 +320,14 @@ impl HunyuanVideo {
             .collect()
     }
 
-    /// Whether this job runs the negative-prompt forward (diffusers: `true_cfg_scale > 1` and a
-    /// negative prompt given).
-    fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
-        let scale = frame.config.generation().true_cfg_scale.unwrap_or(1.0);
-        let has_negative = !job.negative_prompt.is_empty() || frame.config.given("negative_prompt");
-        uses_true_cfg(scale, has_negative).then_some(scale)
-    }
-
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let llama = frame.hold(self.parts.text_encoder)?;
         let clip = frame.hold(self.parts.text_encoder_2)?;
-        let negative = Self::true_cfg(frame, job).is_some();
-        if !negative && frame.config.generation().true_cfg_scale.unwrap_or(1.0) > 1.0 {
-            frame.progress.note(
-                "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
-            );
-        }
-        let mut texts = vec![job.prompt.as_str()];
-        if negative {
-            texts.push(job.negative_prompt.as_str());
-        }
+        let texts = stages::true_cfg_texts(frame, job);
         let mut conds = self
             .llama_embed(frame, &llama, &texts)?
             .into_iter()
-            .zip(clip_pooled(
+            .zip(clip::prompt::pooled(
                 &clip,
                 &self.tokenizer_2,
                 &frame.device_of(self.parts.text_encoder_2),
@@ -437,18 +355,12 @@ impl HunyuanVideo {
 
     /// The initial latents: the draws file's `latents`, else the seed's draw.
     fn initial_latents(&self, frame: &Frame, job: &Job) -> Result<Tensor> {
-        let shape = self
-            .configs
-            .latent_shape(job.num_frames, job.height, job.width);
-        let latents = match &frame.config.generation().latents {
-            Some(path) => {
-                let mut draws = super::draws::Draws::open(path)?;
-                let latents = draws.take("latents", &shape)?;
-                draws.finish()?;
-                latents
-            }
-            None => TorchGenerator::new(job.seed).randn(&shape)?,
-        };
+        let latents = RunDraws::take_for(frame, job, DType::F32, |draws, s| {
+            draws.take(
+                "latents",
+                &self.configs.latent_shape(s.num_frames, s.height, s.width),
+            )
+        })?;
         Ok(latents.to_dtype(DType::F32)?.to_device(&frame.device)?)
     }
 
@@ -456,11 +368,10 @@ impl HunyuanVideo {
         let carried: Carried = job.carry.take();
         let (cond, negative) = carried.conds.context("prompt not encoded")?;
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
+        let (dtype, device) = (frame.dtype(), &frame.device);
         let cond = on_device(frame, &cond)?;
         let negative = negative.as_ref().map(|n| on_device(frame, n)).transpose()?;
-        let true_cfg_scale = Self::true_cfg(frame, job);
+        let true_cfg_scale = stages::true_cfg(frame, job);
         let mut scheduler = self.sampler(frame, job)?;
         let guidance = guidance_input(job.guidance_scale, 1, dtype, device)?;
         let mut latents = self.initial_latents(frame, job)?;
@@ -469,32 +380,31 @@ impl HunyuanVideo {
             anyhow::bail!("prompt not modulated");
         }
         let mut modulations = carried.modulations.into_iter();
-        let mut denoise = Denoise::new(frame, timesteps.len());
-        denoise.run(0..timesteps.len(), |forwards, i| {
+        let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
             let input = latents.to_dtype(dtype)?;
             // diffusers: t.expand(B).to(latents.dtype), float32.
             let timestep = Tensor::new(&[timesteps[i] as f32], device)?;
             let mut next = || modulations.next().context("a step without modulations");
-            let m = next()?.on(device)?;
-            let noise_cond =
-                forwards.run(|| dit_forward(model, &input, &timestep, &cond, &guidance, m))?;
-            let noise = match (&negative, true_cfg_scale) {
-                (Some(neg), Some(scale)) => {
-                    let m = next()?.on(device)?;
-                    let noise_neg = forwards
-                        .run(|| dit_forward(model, &input, &timestep, neg, &guidance, m))?;
-                    guide(&noise_neg, &noise_cond, scale)?
-                }
-                _ => noise_cond,
+            let cond = (&cond, next()?.on(device)?);
+            let negative = match negative.as_ref().zip(true_cfg_scale) {
+                Some((neg, scale)) => Some(((neg, next()?.on(device)?), scale)),
+                None => None,
             };
+            let noise = forwards.guided(cond, negative, |(text, modulations)| {
+                let m = model.model();
+                let (embeds, mask, pooled) = (&text.embeds, &text.mask, &text.pooled);
+                let mut inputs =
+                    m.prepare(&input, &timestep, embeds, mask, pooled, Some(&guidance))?;
+                // This step's modulations, computed apart ([`HunyuanModulations`]).
+                inputs.modulations = Some(modulations);
+                model.forward(inputs)
+            })?;
             // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
             // back to the model dtype); the latents wait in f32, which holds that exactly.
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             Ok(latents.clone())
         })?;
-        denoise.finish(job);
-        job.latents = Some(latents.to_device(&Device::Cpu)?);
-        Ok(())
+        denoise.finish_with(job, &latents)
     }
 
     /// The flow-match Euler sampler of `job`'s steps.
@@ -513,7 +423,7 @@ impl HunyuanVideo {
         let mut carried: Carried = job.carry.take();
         let (cond, negative) = carried.conds.as_ref().context("prompt not encoded")?;
         let mut conds = vec![on_device(frame, cond)?];
-        if let (Some(negative), Some(_)) = (negative, Self::true_cfg(frame, job)) {
+        if let (Some(negative), Some(_)) = (negative, stages::true_cfg(frame, job)) {
             conds.push(on_device(frame, negative)?);
         }
         let device = &frame.device;
@@ -573,16 +483,10 @@ impl HunyuanVideo {
     /// spatial tiling with `--vae-tiling`), `(video / 2 + 0.5).clamp(0, 1)` as `[F, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let tiling = frame.config.memory().vae_tiling;
-        let held = frame.hold(self.parts.vae)?;
-        let latents = job.latents.take().context("nothing denoised")?;
-        let video = {
-            let vae = held.model();
-            let z = vae.scale_latents(
-                &latents
-                    .to_dtype(frame.dtype_of(self.parts.vae))?
-                    .to_device(&frame.device)?,
-            )?;
-            if tiling {
+        let dtype = frame.dtype_of(self.parts.vae);
+        frame.decode(job, self.parts.vae, |vae, latents| {
+            let z = vae.scale_latents(&latents.to_dtype(dtype)?)?;
+            let video = if tiling {
                 let mut vae = vae.clone();
                 let mut t = vae.tiling();
                 t.spatial = true;
@@ -590,51 +494,10 @@ impl HunyuanVideo {
                 vae.decode(&z)?
             } else {
                 vae.decode(&z)?
-            }
-        }
-        .to_dtype(DType::F32)?;
-        job.frames = Some(stages::video_frames(video)?);
-        Ok(())
-    }
-}
-
-/// `_get_clip_prompt_embeds` of each text (HunyuanVideo's and FLUX's): the pooled output of
-/// the CLIP text model on `device`, in `dtype` on the host; the texts through the layers
-/// together, each result as encoding it alone gives.
-pub(super) fn clip_pooled(
-    encoder: &Held<'_, ClipTextModel>,
-    tokenizer: &tokenizers::Tokenizer,
-    device: &Device,
-    dtype: DType,
-    texts: &[&str],
-) -> Result<Vec<Tensor>> {
-    let model = encoder.model();
-    let (mut hidden, mut ids) = (Vec::new(), Vec::new());
-    for text in texts {
-        let encoding = tokenizer
-            .encode(*text, true)
-            .map_err(|e| anyhow::anyhow!("tokenizing {text:?}: {e}"))?;
-        let tokens: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
-        let tokens = Tensor::new(tokens.as_slice(), device)?.unsqueeze(0)?;
-        hidden.push(model.embed(&tokens)?);
-        ids.push(tokens);
-    }
-    let hidden = encoder.fold_blocks_each(
-        ClipTextModel::layers,
-        hidden,
-        |layer: &ClipEncoderLayer, _, x| layer.forward(x, true),
-    )?;
-    hidden
-        .iter()
-        .zip(&ids)
-        .map(|(x, ids)| {
-            Ok(model
-                .finish(x, ids)?
-                .pooler_output
-                .to_dtype(dtype)?
-                .to_device(&Device::Cpu)?)
+            };
+            Ok(video.to_dtype(DType::F32)?)
         })
-        .collect()
+    }
 }
 
 /// A text conditioning in the run dtype on the device.
@@ -647,46 +510,13 @@ fn on_device(frame: &Frame, c: &TextConds) -> Result<TextConds> {
     })
 }
 
-/// One DiT forward: prepare (embeddings, the token refiner's input, RoPE), the refiner, dual-
-/// and single-stream blocks (resident, streamed whole or step by step) with this step's
-/// `modulations` computed apart ([`HunyuanModulations`]), finish.
-pub fn dit_forward(
-    dit: &Held<'_, HunyuanVideoTransformer3DModel>,
-    latents: &Tensor,
-    timestep: &Tensor,
-    text: &TextConds,
-    guidance: &Tensor,
-    modulations: Arc<Vec<Vec<Tensor>>>,
-) -> candle_core::Result<Tensor> {
-    let model = dit.model();
-    let mut inputs = model.prepare(
-        latents,
-        timestep,
-        &text.embeds,
-        &text.mask,
-        &text.pooled,
-        Some(guidance),
-    )?;
-    inputs.modulations = Some(modulations);
-    let streams = inputs.take_streams()?;
-    let streams = dit.fold_blocks(
-        HunyuanVideoTransformer3DModel::blocks,
-        streams,
-        |block, streams| block.forward(streams, &inputs),
-    )?;
-    model.finish(&streams.video, &inputs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
+    use crate::models::source::ModelSource;
+    use crate::offload::{record, GroupLayout, Packing};
+    use crate::pipeline::holding::testing::{assert_within_mlp_step, names, streamed};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
-
-    /// The names a layout holds.
-    fn names(layout: &GroupLayout) -> Vec<String> {
-        layout.slots.iter().map(|s| s.name.clone()).collect()
-    }
 
     /// The block list a weight belongs to (None: the outer part).
     fn list(name: &str) -> Option<&'static str> {
@@ -713,14 +543,6 @@ mod tests {
             ..cfg.clone()
         };
         let model = ModelConstructors::<HunyuanVideoTransformer3DModel>(apart.clone());
-        let streamed = |blocks_per_group, by_step| Residency::Streamed {
-            blocks_per_group,
-            by_step,
-            options: StreamOptions {
-                stream: true,
-                depth: 1,
-            },
-        };
         let holding = |c: &dyn Constructors, r| c.holding(r, None, DType::BF16);
         let groups = model
             .layout(holding(&model, streamed(8, false))?, DType::BF16, None)?
@@ -747,10 +569,7 @@ mod tests {
             leaf.groups.len(),
             2 * cfg.num_refiner_layers + 3 * cfg.num_layers + 2 * cfg.num_single_layers
         );
-        let largest = leaf.groups.iter().map(|g| g.bytes).max().unwrap_or(0);
-        let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
-        let mlp_step = (dim * mlp + mlp + (dim + mlp) * dim + dim) * 2;
-        assert!(largest <= mlp_step + 4 * 256, "{largest} > {mlp_step}");
+        assert_within_mlp_step(&leaf.groups, cfg.inner_dim(), cfg.mlp_dim());
         let whole = record(None, DType::BF16, Packing::PerTensor, |vb| {
             HunyuanVideoTransformer3DModel::new(&cfg, vb)
         })?;
@@ -802,7 +621,7 @@ mod tests {
                 .join("tests/fixtures/hunyuanvideo-tiny-a"),
         );
         let llama = |source: &ModelSource| {
-            let (json, config) = tokenizer_files(source, "tokenizer").unwrap();
+            let (json, config) = source.tokenizer_files("tokenizer").unwrap();
             let load = LlamaTokenizerLoad::for_class("LlamaTokenizerFast");
             let tokenizer =
                 LlamaPromptTokenizer::from_json(&json, config.as_deref(), load).unwrap();
@@ -812,8 +631,8 @@ mod tests {
         let (ids, crop_start) = llama(&synthetic);
         assert_eq!((ids.clone(), crop_start), llama(&fixture));
         assert!(crop_start > 1 && ids.len() > 1, "{crop_start} {ids:?}");
-        let clip = clip_tokenizer(&synthetic, "tokenizer_2").unwrap();
+        let clip = clip::prompt::tokenizer(&synthetic, "tokenizer_2").unwrap();
         let encoding = clip.encode("a red fox", true).unwrap();
-        assert_eq!(encoding.get_ids().len(), CLIP_MAX_LENGTH);
+        assert_eq!(encoding.get_ids().len(), clip::prompt::MAX_LENGTH);
     }
 }

@@ -5,7 +5,7 @@ use crate::config::video::{FrameRule, Spelling, VideoSettings};
 use crate::config::{draw_seed, Prompts, ResolvedConfig};
 use crate::output::OutputType;
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +30,8 @@ pub struct Job {
     /// Where the output goes (a folder for PNG output).
     pub output: PathBuf,
     pub prompt_embeds: Option<Tensor>,
+    /// The attention mask `[B, L]` (u32) of `prompt_embeds` where the DiT reads one.
+    pub prompt_mask: Option<Tensor>,
     pub negative_embeds: Option<Tensor>,
     pub latents: Option<Tensor>,
     pub frames: Option<Tensor>,
@@ -49,6 +51,7 @@ pub struct Job {
 /// What a stage may change of a job, kept to run the stage again after it ran out of memory.
 pub struct JobState {
     prompt_embeds: Option<Tensor>,
+    prompt_mask: Option<Tensor>,
     negative_embeds: Option<Tensor>,
     latents: Option<Tensor>,
     frames: Option<Tensor>,
@@ -63,6 +66,7 @@ impl Job {
     pub fn state(&self) -> Option<JobState> {
         self.carry.0.is_none().then(|| JobState {
             prompt_embeds: self.prompt_embeds.clone(),
+            prompt_mask: self.prompt_mask.clone(),
             negative_embeds: self.negative_embeds.clone(),
             latents: self.latents.clone(),
             frames: self.frames.clone(),
@@ -75,6 +79,7 @@ impl Job {
     /// Puts the job back as `state` found it.
     pub fn restore(&mut self, state: JobState) {
         self.prompt_embeds = state.prompt_embeds;
+        self.prompt_mask = state.prompt_mask;
         self.negative_embeds = state.negative_embeds;
         self.latents = state.latents;
         self.frames = state.frames;
@@ -82,6 +87,33 @@ impl Job {
         self.extra_outputs = state.extra_outputs;
         self.metrics = state.metrics;
         self.carry.clear();
+    }
+
+    /// What a text stage encodes: the prompt, then with `guided` the negative prompt.
+    pub fn texts(&self, guided: bool) -> Vec<&str> {
+        let mut texts = vec![self.prompt.as_str()];
+        if guided {
+            texts.push(self.negative_prompt.as_str());
+        }
+        texts
+    }
+
+    /// The prompt embeddings and their attention mask from the text stage, on `device`.
+    pub fn take_masked_prompt(&mut self, device: &Device) -> Result<(Tensor, Tensor)> {
+        let embeds = self.prompt_embeds.take().context("prompt not encoded")?;
+        let mask = self.prompt_mask.take().context("prompt not encoded")?;
+        Ok((embeds.to_device(device)?, mask.to_device(device)?))
+    }
+
+    /// The prompt embeddings as one batch [negative; positive] on `device` (the prompt alone
+    /// without a negative prompt), as diffusers calls a guided DiT.
+    pub fn guidance_batch(&self, device: &Device) -> Result<Tensor> {
+        let cond = self.prompt_embeds.as_ref().context("prompt not encoded")?;
+        let text = match &self.negative_embeds {
+            Some(uncond) => Tensor::cat(&[uncond, cond], 0)?,
+            None => cond.clone(),
+        };
+        Ok(text.to_device(device)?)
     }
 }
 
@@ -248,6 +280,7 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             output,
             prompt: line.prompt,
             prompt_embeds: None,
+            prompt_mask: None,
             negative_embeds: None,
             latents: None,
             frames: None,

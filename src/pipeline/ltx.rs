@@ -3,31 +3,29 @@
 
 use super::denoise::Denoise;
 use super::draws::Draws;
-use super::frame::Frame;
+use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::placement::Held;
-use super::registry::{Configs, Family, FamilyOption, RunShape};
-use super::spec::{PipelineSpec, StageSpec, TextToVideo};
+use super::registry::{
+    causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+};
+use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
-use crate::models::guidance::guide_batched;
+use crate::models::guidance::{batch_input, guide_if_batched};
 use crate::models::ltx::transformer::{
-    pack_latents, unpack_latents, LtxStream, LtxTransformer3DModel, LtxTransformerConfig,
+    pack_latents, unpack_latents, LtxTransformer3DModel, LtxTransformerConfig,
 };
 use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig,
 };
 use crate::models::ltx::{activations, defaults};
-use crate::models::source::FileRef;
-use crate::models::t5::encoder::{attention_mask, encode_unmasked, T5Config, T5EncoderModel};
-use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::models::t5::encoder::T5EncoderModel;
 use crate::rng::TorchGenerator;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::{Scheduler, SchedulerKind};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use std::any::Any;
 
 /// Reads an LTX-Video model's configs (the registry's entry point).
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
@@ -35,37 +33,17 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 /// The configs of an LTX-Video model: everything planning needs, no weights.
-#[derive(Clone, Debug)]
-pub struct LtxConfigs {
-    pub transformer: LtxTransformerConfig,
-    pub vae: LtxVaeConfig,
-    pub text_encoder: T5Config,
-    pub scheduler: FlowMatchEulerConfig,
-}
+pub type LtxConfigs = T5VideoConfigs<LtxTransformerConfig, LtxVaeConfig, FlowMatchEulerConfig>;
 
 impl LtxConfigs {
-    /// Reads every component's config.
-    pub fn from_configs(configs: Configs) -> Result<Self> {
-        Ok(LtxConfigs {
-            transformer: configs.read("transformer/config.json")?,
-            vae: configs.read("vae/config.json")?,
-            text_encoder: configs.read("text_encoder/config.json")?,
-            scheduler: configs.read("scheduler/scheduler_config.json")?,
-        })
-    }
-
     /// The latent grid `[F', H', W']` of a video size (the pipeline's `latent_num_frames`,
     /// `latent_height`, `latent_width`).
     pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
-        let (r_t, r_s) = (
+        let (t, s) = (
             self.vae.temporal_compression_ratio(),
             self.vae.spatial_compression_ratio(),
         );
-        [
-            (num_frames as usize).saturating_sub(1) / r_t + 1,
-            height as usize / r_s,
-            width as usize / r_s,
-        ]
+        causal_latent_grid(num_frames, height, width, t, s)
     }
 
     /// The token grid the transformer sees (the latent grid in patches).
@@ -99,30 +77,30 @@ impl LtxConfigs {
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
-        let mut spec = PipelineSpec::titled(self.title());
-        let parts = Parts::declare(&mut spec, &self.text_encoder, &self.transformer, &self.vae);
-        let (c, dtype, text_len) = (&parts, shape.dtype, shape.text_len);
-        let text = activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype);
+        let (dtype, text_len) = (shape.dtype, shape.text_len);
         let dit =
             activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype);
-        let vae = activations::vae_decode_activations(&self.vae, grid);
-        spec.stages = vec![
-            StageSpec::new("encode_text", &[c.text_encoder.index()], text).runs(Ltx::encode_text),
-            StageSpec::new("denoise", &[c.transformer.index()], dit).runs(Ltx::denoise),
-            StageSpec::new("decode", &[c.vae.index()], vae).runs(Ltx::decode),
-            StageSpec::write(),
-        ];
-        (spec, parts)
+        Parts::pipeline(
+            self.title(),
+            (&self.text_encoder, &self.transformer, &self.vae),
+            [
+                (
+                    activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype),
+                    Ltx::encode_text,
+                ),
+                (dit, Ltx::denoise),
+                (
+                    activations::vae_decode_activations(&self.vae, grid),
+                    Ltx::decode,
+                ),
+            ],
+        )
     }
 }
 
 impl Family for LtxConfigs {
     fn title(&self) -> &'static str {
         "LTX-Video text-to-video"
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     /// Text-to-video with classifier-free guidance and a timestep-conditioned decoder; flow-match
@@ -167,9 +145,8 @@ impl Family for LtxConfigs {
                     None => 1,
                 },
             }),
-            // LTX-Video samples with flow-match Euler only (`schedulers`).
-            scheduler: None,
-            image: false,
+            // No sampler of its own: LTX-Video samples with flow-match Euler only (`schedulers`).
+            ..ModelDefaults::default()
         }
     }
 
@@ -187,10 +164,7 @@ impl Family for LtxConfigs {
         })
     }
 
-    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
-        let (_, parts) = self.declare(&RunShape::of(&frame.config));
-        Ok(Box::new(Ltx::new(self.clone(), parts, frame)?))
-    }
+    declared_by!(|configs, parts, frame| Ltx::read(configs, parts, frame, None));
 }
 
 /// The decoder's injected noise without a draws file. diffusers' decoder draws it from torch's
@@ -226,9 +200,6 @@ impl InjectedNoise for DrawnNoise<'_> {
 /// What a job carries between stages beside [`Job`]'s own fields.
 #[derive(Default)]
 struct Carried {
-    /// The cross-attention mask `[B, L]` of the prompt embeddings ([negative; positive] with
-    /// guidance).
-    mask: Option<Tensor>,
     /// The job's draws file, opened in the denoise stage and finished after decoding.
     draws: Option<Draws>,
     /// Without a draws file: the job's generator after the latents, whose next draw is the
@@ -236,80 +207,17 @@ struct Carried {
     generator: Option<TorchGenerator>,
 }
 
-/// LTX-Video's own part of its pipeline (the frame holds the rest).
-struct Ltx {
-    configs: LtxConfigs,
-    parts: Parts,
-    tokenizer: PromptTokenizer,
-}
+/// Ltx's own part of its pipeline (the frame holds the rest).
+type Ltx = T5Pipeline<LtxConfigs, Parts>;
 
 impl Ltx {
-    /// Reads the tokenizer; loads no weights.
-    fn new(configs: LtxConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
-        let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
-            FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
-            FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
-        };
-        Ok(Ltx {
-            configs,
-            parts,
-            tokenizer,
-        })
-    }
-
-    /// `_get_t5_prompt_embeds` for each text: T5 without attention mask (every token, `<pad>`
-    /// included, attends to every token), blocks resident or streamed, the texts through the
-    /// blocks together; each with its mask for the transformer's cross-attention, in host memory.
-    fn embed(
-        &self,
-        frame: &Frame,
-        encoder: &Held<'_, T5EncoderModel>,
-        texts: &[&str],
-    ) -> Result<Vec<(Tensor, Tensor)>> {
-        let max_len = frame.config.generation().max_sequence_length;
-        let tokens = texts
-            .iter()
-            .map(|text| self.tokenizer.encode(text, max_len))
-            .collect::<Result<Vec<_>>>()?;
-        let ids: Vec<&[u32]> = tokens.iter().map(|(ids, _)| ids.as_slice()).collect();
-        encode_unmasked(encoder, &ids)?
-            .into_iter()
-            .zip(&tokens)
-            .map(|(embeds, (_, len))| {
-                Ok((
-                    embeds.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?,
-                    attention_mask(&[*len], max_len, &Device::Cpu)?,
-                ))
-            })
-            .collect()
-    }
-
-    /// Encodes the prompt (and with guidance the negative prompt); the embeddings wait for the
-    /// denoise stage in host memory.
+    /// `_get_t5_prompt_embeds` of the prompt (and with guidance the negative prompt): T5
+    /// without attention mask (every token, `<pad>` included, attends to every token), as one
+    /// batch [negative; positive] with the masks of the transformer's cross-attention; they
+    /// wait for the denoise stage in host memory.
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let encoder = frame.hold(self.parts.text_encoder)?;
-        let mut texts = vec![job.prompt.as_str()];
-        if job.guidance_scale > 1.0 {
-            texts.push(job.negative_prompt.as_str());
-        }
-        let mut encoded = self.embed(frame, &encoder, &texts)?.into_iter();
-        drop(encoder);
-        let (embeds, mask) = encoded.next().context("no prompt embeddings")?;
-        // With guidance, one batch: [negative; positive].
-        let (embeds, mask) = match encoded.next() {
-            Some((neg, neg_mask)) => (
-                Tensor::cat(&[&neg, &embeds], 0)?,
-                Tensor::cat(&[&neg_mask, &mask], 0)?,
-            ),
-            None => (embeds, mask),
-        };
-        job.prompt_embeds = Some(embeds);
-        job.carry.put(Carried {
-            mask: Some(mask),
-            draws: None,
-            generator: None,
-        });
-        Ok(())
+        let encoder = self.parts.text_encoder;
+        stages::encode_prompt_batch(frame, job, encoder, &self.tokenizer, str::to_string, false)
     }
 
     fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
@@ -337,8 +245,7 @@ impl Ltx {
                 )?
             }
         };
-        let mask = carried.mask.take();
-        self.denoise_from(frame, job, latents, token_grid, mask)?;
+        self.denoise_from(frame, job, latents, token_grid)?;
         job.carry.put(carried);
         Ok(())
     }
@@ -349,19 +256,11 @@ impl Ltx {
         job: &mut Job,
         latents: Tensor,
         token_grid: [usize; 3],
-        mask: Option<Tensor>,
     ) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
-        let embeds = job
-            .prompt_embeds
-            .take()
-            .context("prompt not encoded")?
-            .to_device(device)?;
-        let mask = mask.context("prompt not encoded")?.to_device(device)?;
+        let (dtype, device) = (frame.dtype(), &frame.device);
+        let (embeds, mask) = job.take_masked_prompt(device)?;
         let batch = embeds.dim(0)?;
-        let guided = batch > 1;
         let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
             self.configs.vae.temporal_compression_ratio(),
             self.configs.vae.spatial_compression_ratio(),
@@ -375,29 +274,29 @@ impl Ltx {
         let mut latents = latents.to_dtype(DType::F32)?.to_device(device)?;
         let timesteps = scheduler.timesteps().to_vec();
         let guidance_scale = job.guidance_scale;
-        let mut denoise = Denoise::new(frame, timesteps.len());
-        denoise.run(0..timesteps.len(), |forwards, i| {
-            let input = Tensor::cat(&vec![&latents; batch], 0)?.to_dtype(dtype)?;
+        let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
+            let input = batch_input(&latents, batch)?.to_dtype(dtype)?;
             let timestep = Tensor::full(timesteps[i] as f32, batch, device)?;
             let pred = forwards
                 .run(|| {
-                    dit_forward(
-                        model, &input, &embeds, &timestep, &mask, token_grid, rope_scale,
-                    )
+                    let m = model.model();
+                    let prepared = m.prepare(
+                        &input,
+                        &embeds,
+                        &timestep,
+                        Some(&mask),
+                        token_grid,
+                        rope_scale,
+                    );
+                    model.forward(prepared?)
                 })?
                 .to_dtype(DType::F32)?;
             // CFG in f32.
-            let pred = match guided {
-                true => guide_batched(&pred, guidance_scale)?,
-                false => pred,
-            };
+            let pred = guide_if_batched(pred, guidance_scale)?;
             latents = scheduler.step(&pred, &latents)?;
             Ok(latents.clone())
         })?;
-        denoise.finish(job);
-        job.latents = Some(latents.to_device(&Device::Cpu)?);
-        job.prompt_embeds = None;
-        Ok(())
+        denoise.finish_with(job, &latents)
     }
 
     /// Unpack, de-normalise; with a timestep-conditioned decoder mix in the decode noise and
@@ -453,23 +352,4 @@ impl Ltx {
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }
-}
-
-/// One DiT forward over the CFG batch: prepare, the blocks (resident or streamed), finish.
-pub fn dit_forward(
-    dit: &Held<'_, LtxTransformer3DModel>,
-    latents: &Tensor,
-    embeds: &Tensor,
-    timestep: &Tensor,
-    mask: &Tensor,
-    grid: [usize; 3],
-    rope_scale: [f64; 3],
-) -> candle_core::Result<Tensor> {
-    let model = dit.model();
-    let mut inputs = model.prepare(latents, embeds, timestep, Some(mask), grid, rope_scale)?;
-    let x = LtxStream::new(inputs.take_hidden_states()?);
-    let x = dit.fold_blocks(LtxTransformer3DModel::blocks, x, |block, x| {
-        block.forward(x.clone(), &inputs)
-    })?;
-    model.finish(&x.into_hidden()?, &inputs)
 }

@@ -9,7 +9,7 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{Configs, Family, FamilyOption, RunShape};
+use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -40,7 +40,6 @@ use crate::schedulers::minimax_h3::{
 };
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use std::any::Any;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -253,22 +252,16 @@ impl Family for MiniMaxH3Configs {
             // Any frame count: it is snapped up to 17n+5 (said on stderr); sizes are multiples
             // of the canvas multiple (VAE spatial ratio x patch width); the steps count sigma
             // points, the terminal 0 among them, so one step is no schedule.
-            frame_rule: Some(FrameRule {
-                frame_step: 1,
-                size_step: (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
-                min_steps: 2,
-            }),
-            scheduler: None,
-            image: false,
+            frame_rule: Some(FrameRule::any_frames(
+                (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
+                2,
+            )),
+            ..ModelDefaults::default()
         }
     }
 
     fn title(&self) -> &'static str {
         "MiniMax H3 text-to-video+audio"
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     /// Guidance-distilled (no guidance scale, no negative prompt), the prompt encoded whole,
@@ -331,10 +324,7 @@ impl Family for MiniMaxH3Configs {
         })
     }
 
-    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
-        let (_, parts) = self.declare(&RunShape::of(&frame.config));
-        Ok(Box::new(MiniMaxH3::new(self.clone(), parts, frame)?))
-    }
+    declared_by!(MiniMaxH3::new);
 }
 
 /// What a job carries between stages beside [`Job`]'s own fields.
@@ -577,8 +567,7 @@ impl MiniMaxH3 {
             bail!("{} steps modulated for {forwards} forwards", tables.len());
         }
         let blocks = cfg.num_layers;
-        let mut denoise = Denoise::new(frame, forwards);
-        denoise.run(0..forwards, |dit, i| {
+        let denoise = Denoise::all(frame, forwards, |dit, i| {
             let (t, t_idx) = row_timesteps(
                 &layout,
                 video_schedule.timesteps[i],

@@ -2,35 +2,40 @@
 //! diffusers' `MochiPipeline.__call__` (see [`crate::models::mochi`] for the math).
 
 use super::denoise::Denoise;
-use super::draws::Draws;
-use super::frame::Frame;
+use super::draws::{RunDraws, Sizes};
+use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::placement::Held;
-use super::registry::{Configs, Family, FamilyOption, RunShape};
-use super::spec::{PipelineSpec, StageSpec, TextToVideo};
+use super::registry::{
+    causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+};
+use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
-use crate::config::{ModelDefaults, UsageError};
-use crate::models::guidance::guide_batched;
+use crate::config::ModelDefaults;
+use crate::models::guidance::{batch_input, guide_if_batched};
 use crate::models::mochi::transformer::{MochiTransformer3DModel, MochiTransformerConfig};
 use crate::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
 use crate::models::mochi::{activations, defaults};
-use crate::models::source::FileRef;
-use crate::models::t5::encoder::{attention_mask, encode_masked, T5Config, T5EncoderModel};
-use crate::models::t5::tokenizer::PromptTokenizer;
-use crate::rng::TorchGenerator;
+use crate::models::t5::encoder::T5EncoderModel;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::linear_quadratic::{linear_quadratic_schedule, THRESHOLD_NOISE};
 use crate::schedulers::Scheduler;
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
 use serde::Deserialize;
-use std::any::Any;
-use std::path::Path;
 
-/// Reads a Mochi model's configs (the registry's entry point).
+/// Reads a Mochi model's configs (the registry's entry point); refuses the settings
+/// `MochiPipeline` does not run.
 pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
-    Ok(Box::new(MochiConfigs::from_configs(configs)?))
+    let index: MochiIndex = configs.read("model_index.json")?;
+    if index.force_zeros_for_empty_prompt {
+        bail!("model_index.json sets force_zeros_for_empty_prompt, which vidgen does not run; set it to false (as genmo/mochi-1-preview does)");
+    }
+    let family = MochiConfigs::from_configs(configs)?;
+    if family.scheduler.use_dynamic_shifting {
+        bail!("scheduler/scheduler_config.json: use_dynamic_shifting needs a mu, which MochiPipeline never passes; set it to false");
+    }
+    Ok(Box::new(family))
 }
 
 /// The keys of `model_index.json` the pipeline reads.
@@ -43,44 +48,17 @@ struct MochiIndex {
 }
 
 /// The configs of a Mochi model: everything planning needs, no weights.
-#[derive(Clone, Debug)]
-pub struct MochiConfigs {
-    pub transformer: MochiTransformerConfig,
-    pub vae: MochiVaeConfig,
-    pub text_encoder: T5Config,
-    pub scheduler: FlowMatchEulerConfig,
-}
+pub type MochiConfigs =
+    T5VideoConfigs<MochiTransformerConfig, MochiVaeConfig, FlowMatchEulerConfig>;
 
 impl MochiConfigs {
-    /// Reads every component's config.
-    pub fn from_configs(configs: Configs) -> Result<Self> {
-        let index: MochiIndex = configs.read("model_index.json")?;
-        if index.force_zeros_for_empty_prompt {
-            bail!("model_index.json sets force_zeros_for_empty_prompt, which vidgen does not run; set it to false (as genmo/mochi-1-preview does)");
-        }
-        let scheduler: FlowMatchEulerConfig = configs.read("scheduler/scheduler_config.json")?;
-        if scheduler.use_dynamic_shifting {
-            bail!("scheduler/scheduler_config.json: use_dynamic_shifting needs a mu, which MochiPipeline never passes; set it to false");
-        }
-        Ok(MochiConfigs {
-            transformer: configs.read("transformer/config.json")?,
-            vae: configs.read("vae/config.json")?,
-            text_encoder: configs.read("text_encoder/config.json")?,
-            scheduler,
-        })
-    }
-
     /// The latent grid `[F', H', W']` of a video size (`prepare_latents`).
     pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
         let (t, s) = (
             self.vae.temporal_compression_ratio(),
             self.vae.spatial_compression_ratio(),
         );
-        [
-            (num_frames as usize).saturating_sub(1) / t + 1,
-            height as usize / s,
-            width as usize / s,
-        ]
+        causal_latent_grid(num_frames, height, width, t, s)
     }
 
     /// The latents' shape `[1, C, F', H', W']`.
@@ -103,14 +81,7 @@ impl MochiConfigs {
     /// components' slots.
     fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        let mut spec = PipelineSpec::titled(self.title());
-        let parts = Parts::declare(&mut spec, &self.text_encoder, &self.transformer, &self.vae);
-        let (c, dtype, text_len) = (&parts, shape.dtype, shape.text_len);
-        let text = crate::models::cogvideox::activations::text_encoder_activations(
-            &self.text_encoder,
-            text_len,
-            dtype,
-        );
+        let (dtype, text_len) = (shape.dtype, shape.text_len);
         let dit = activations::transformer_activations(
             &self.transformer,
             self.tokens(grid),
@@ -119,23 +90,28 @@ impl MochiConfigs {
             dtype,
         );
         let vae = activations::vae_decode_activations(&self.vae, grid, dtype);
-        spec.stages = vec![
-            StageSpec::new("encode_text", &[c.text_encoder.index()], text).runs(Mochi::encode_text),
-            StageSpec::new("denoise", &[c.transformer.index()], dit).runs(Mochi::denoise),
-            StageSpec::new("decode", &[c.vae.index()], vae).runs(Mochi::decode),
-            StageSpec::write(),
-        ];
-        (spec, parts)
+        Parts::pipeline(
+            self.title(),
+            (&self.text_encoder, &self.transformer, &self.vae),
+            [
+                (
+                    crate::models::cogvideox::activations::text_encoder_activations(
+                        &self.text_encoder,
+                        text_len,
+                        dtype,
+                    ),
+                    Mochi::encode_text,
+                ),
+                (dit, Mochi::denoise),
+                (vae, Mochi::decode),
+            ],
+        )
     }
 }
 
 impl Family for MochiConfigs {
     fn title(&self) -> &'static str {
         "Mochi-1 text-to-video"
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     /// Text-to-video with classifier-free guidance; its own linear-quadratic flow-match
@@ -162,14 +138,11 @@ impl Family for MochiConfigs {
             num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS),
             guidance_scale: Some(defaults::GUIDANCE_SCALE),
             max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH),
-            image: false,
-            frame_rule: Some(FrameRule {
-                frame_step: 1,
-                size_step: (self.vae.spatial_compression_ratio() * self.transformer.patch_size)
-                    as u32,
-                min_steps: 2,
-            }),
-            scheduler: None,
+            frame_rule: Some(FrameRule::any_frames(
+                (self.vae.spatial_compression_ratio() * self.transformer.patch_size) as u32,
+                2,
+            )),
+            ..ModelDefaults::default()
         }
     }
 
@@ -187,192 +160,75 @@ impl Family for MochiConfigs {
         })
     }
 
-    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
-        let (_, parts) = self.declare(&RunShape::of(&frame.config));
-        Ok(Box::new(Mochi::new(self.clone(), parts, frame)?))
-    }
-}
-
-/// What a job carries from the text stage to the denoise stage beside its embeddings.
-#[derive(Default)]
-struct Carried {
-    /// The prompt mask `[B, L]` (u32; [negative; positive] with guidance).
-    mask: Option<Tensor>,
+    declared_by!(
+        |configs, parts, frame| Mochi::read(configs, parts, frame, None)?
+            .checking_draws(frame, Mochi::take_latents)
+    );
 }
 
 /// Mochi's own part of its pipeline (the frame holds the rest).
-struct Mochi {
-    configs: MochiConfigs,
-    parts: Parts,
-    tokenizer: PromptTokenizer,
-}
+type Mochi = T5Pipeline<MochiConfigs, Parts>;
 
 impl Mochi {
-    /// Reads the tokenizer and checks the draws file against the run's sizes; loads no weights.
-    fn new(configs: MochiConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
-        let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
-            FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
-            FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
-        };
-        let pipeline = Mochi {
-            configs,
-            parts,
-            tokenizer,
-        };
-        // A draws file that does not fit the run is bad input, found before anything loads.
-        if let Some(path) = &frame.config.generation().latents {
-            let o = frame.config.video();
-            pipeline
-                .take_latents(path, o.num_frames, o.height, o.width)
-                .map_err(|e| UsageError::new(format!("{e:#}")))?;
-        }
-        Ok(pipeline)
+    /// The run's one draw: the initial latents.
+    fn take_latents(&self, draws: &mut RunDraws, s: Sizes) -> Result<Tensor> {
+        let grid = self.configs.grid(s.num_frames, s.height, s.width);
+        draws.take("latents", &self.configs.latent_shape(grid))
     }
 
-    /// The draws file's `latents` for a video size; the file must hold nothing else.
-    fn take_latents(
-        &self,
-        path: &Path,
-        num_frames: u32,
-        height: u32,
-        width: u32,
-    ) -> Result<Tensor> {
-        let grid = self.configs.grid(num_frames, height, width);
-        let mut draws = Draws::open(path)?;
-        let latents = draws.take("latents", &self.configs.latent_shape(grid))?;
-        draws.finish()?;
-        Ok(latents)
-    }
-
-    /// `_get_t5_prompt_embeds` for each text: T5 with the attention mask (pad rows not zeroed),
-    /// the texts through the blocks together; embeddings `[1, L, D]` and masks `[1, L]`.
-    fn embed(
-        &self,
-        frame: &Frame,
-        encoder: &Held<'_, T5EncoderModel>,
-        texts: &[&str],
-    ) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let max_len = frame.config.generation().max_sequence_length;
-        let tokens = texts
-            .iter()
-            .map(|text| self.tokenizer.encode(text, max_len))
-            .collect::<Result<Vec<_>>>()?;
-        let ids: Vec<&[u32]> = tokens.iter().map(|(ids, _)| ids.as_slice()).collect();
-        let lens: Vec<usize> = tokens.iter().map(|(_, len)| *len).collect();
-        let embeds = encode_masked(encoder, &ids, &lens)?
-            .into_iter()
-            .map(|t| Ok(t.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?))
-            .collect::<Result<_>>()?;
-        let masks = lens
-            .iter()
-            .map(|&len| Ok(attention_mask(&[len], max_len, &Device::Cpu)?))
-            .collect::<Result<_>>()?;
-        Ok((embeds, masks))
-    }
-
-    /// Encodes the prompt (and with guidance the negative prompt) as one batch [negative;
-    /// positive]; embeddings and masks wait for the denoise stage in host memory.
+    /// `_get_t5_prompt_embeds` of the prompt (and with guidance the negative prompt): T5 with
+    /// the attention mask (pad rows not zeroed), as one batch [negative; positive]; embeddings
+    /// and masks wait for the denoise stage in host memory.
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let encoder = frame.hold(self.parts.text_encoder)?;
-        let mut texts = vec![job.prompt.as_str()];
-        if job.guidance_scale > 1.0 {
-            texts.push(job.negative_prompt.as_str());
-        }
-        let (mut embeds, mut masks) = self.embed(frame, &encoder, &texts)?;
-        drop(encoder);
-        // [negative; positive]: the reverse of the encoding order.
-        embeds.reverse();
-        masks.reverse();
-        job.prompt_embeds = Some(Tensor::cat(&embeds, 0)?);
-        job.carry.put(Carried {
-            mask: Some(Tensor::cat(&masks, 0)?),
-        });
-        Ok(())
+        let encoder = self.parts.text_encoder;
+        stages::encode_prompt_batch(frame, job, encoder, &self.tokenizer, str::to_string, true)
     }
 
     fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let model = &frame.hold(self.parts.transformer)?;
-        let dtype = frame.dtype();
-        let device = &frame.device;
-        let carried: Carried = job.carry.take();
-        let mask = carried
-            .mask
-            .context("prompt not encoded")?
-            .to_device(device)?;
-        let embeds = job
-            .prompt_embeds
-            .take()
-            .context("prompt not encoded")?
-            .to_device(device)?;
+        let (dtype, device) = (frame.dtype(), &frame.device);
+        let (embeds, mask) = job.take_masked_prompt(device)?;
         let batch = embeds.dim(0)?;
         // `prepare_latents`: the given latents, or a float32 draw, in the embeddings' dtype.
-        let latents = match &frame.config.generation().latents {
-            Some(path) => self.take_latents(path, job.num_frames, job.height, job.width)?,
-            None => {
-                let grid = self.configs.grid(job.num_frames, job.height, job.width);
-                TorchGenerator::new(job.seed).randn(&self.configs.latent_shape(grid))?
-            }
-        };
+        let latents = RunDraws::take_for(frame, job, DType::F32, |draws, s| {
+            self.take_latents(draws, s)
+        })?;
         let mut latents = latents.to_dtype(dtype)?.to_device(device)?;
         let steps = job.num_inference_steps as usize;
         let sigmas = linear_quadratic_schedule(steps, THRESHOLD_NOISE);
         let mut scheduler = FlowMatchEuler::with_sigmas(&self.configs.scheduler, &sigmas, None)?;
         let timesteps = scheduler.timesteps().to_vec();
         let guidance_scale = job.guidance_scale;
-        let mut denoise = Denoise::new(frame, timesteps.len());
-        denoise.run(0..timesteps.len(), |forwards, i| {
-            let input = Tensor::cat(&vec![&latents; batch], 0)?;
+        let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
+            let input = batch_input(&latents, batch)?;
             let timestep = Tensor::full(timesteps[i] as f32, batch, device)?.to_dtype(dtype)?;
             let pred = forwards
-                .run(|| dit_forward(model, &input, &embeds, &timestep, &mask))?
+                .run(|| model.forward(model.model().prepare(&input, &timestep, &embeds, &mask)?))?
                 .to_dtype(DType::F32)?;
             // CFG and the Euler step in f32, the latents back in the run dtype.
-            let pred = match batch > 1 {
-                true => guide_batched(&pred, guidance_scale)?,
-                false => pred,
-            };
+            let pred = guide_if_batched(pred, guidance_scale)?;
             latents = scheduler
                 .step(&pred, &latents.to_dtype(DType::F32)?)?
                 .to_dtype(dtype)?;
             Ok(latents.clone())
         })?;
-        denoise.finish(job);
-        job.latents = Some(latents.to_device(&Device::Cpu)?);
-        Ok(())
+        denoise.finish_with(job, &latents)
     }
 
     /// De-normalise (`z·std/scaling + mean`), decode, frames in [0, 1].
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let held = frame.hold(self.parts.vae)?;
-        let vae = held.model();
-        let latents = job.latents.take().context("nothing denoised")?;
-        let z = vae.denormalize(&latents.to_device(&frame.device)?)?;
-        let video = vae.decode(&z)?.to_dtype(DType::F32)?;
-        let made = video.dim(2)?;
-        if made != job.num_frames as usize {
-            frame.progress.note(&format!(
-                "note: Mochi-1 makes 6k+1 frames: {} frames asked, {made} made",
-                job.num_frames
-            ));
-        }
-        job.frames = Some(stages::video_frames(video)?);
-        Ok(())
+        let asked = job.num_frames;
+        frame.decode(job, self.parts.vae, |vae, latents| {
+            let video = vae
+                .decode(&vae.denormalize(&latents)?)?
+                .to_dtype(DType::F32)?;
+            let made = video.dim(2)?;
+            if made != asked as usize {
+                frame.progress.note(&format!(
+                    "note: Mochi-1 makes 6k+1 frames: {asked} frames asked, {made} made"
+                ));
+            }
+            Ok(video)
+        })
     }
-}
-
-/// One DiT forward over the CFG batch: prepare, the blocks (resident or streamed), finish.
-pub fn dit_forward(
-    dit: &Held<'_, MochiTransformer3DModel>,
-    latents: &Tensor,
-    embeds: &Tensor,
-    timestep: &Tensor,
-    mask: &Tensor,
-) -> candle_core::Result<Tensor> {
-    let model = dit.model();
-    let mut inputs = model.prepare(latents, timestep, embeds, mask)?;
-    let streams = inputs.take_streams()?;
-    let streams = dit.fold_blocks(MochiTransformer3DModel::blocks, streams, |block, s| {
-        block.forward(s, &inputs)
-    })?;
-    model.finish(&streams.video, &inputs)
 }

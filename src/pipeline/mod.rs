@@ -142,20 +142,8 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         }
         let found = dry_run_family(&source);
         let config = match &found {
-            Ok((family, _)) => {
-                let config = config.with_model_defaults(&family.defaults())?;
-                if let Some(why) = registry::refusal(family.as_ref(), &config) {
-                    return Err(UsageError::new(why).into());
-                }
-                check_shards(family.as_ref(), &config, &source)?;
-                check_weight_files(family.as_ref(), &config, &source)?;
-                // A host too small is shown in the plan's verdict: a dry run plans for any host.
-                fit_to_host(
-                    family.as_ref(),
-                    fit_to_device(family.as_ref(), config)?,
-                    false,
-                )?
-            }
+            // A host too small is shown in the plan's verdict: a dry run plans for any host.
+            Ok((family, _)) => for_family(family.as_ref(), config, &source, false)?,
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
         };
@@ -190,15 +178,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         found => found,
     };
     let config = match &family {
-        Ok(family) => {
-            let config = config.with_model_defaults(&family.defaults())?;
-            if let Some(why) = registry::refusal(family.as_ref(), &config) {
-                return Err(UsageError::new(why).into());
-            }
-            check_shards(family.as_ref(), &config, &source)?;
-            check_weight_files(family.as_ref(), &config, &source)?;
-            fit_to_free(family.as_ref(), config)?
-        }
+        Ok(family) => for_family(family.as_ref(), config, &source, true)?,
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
     progress.overrides(config.overrides());
@@ -208,10 +188,24 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
     }
 }
 
-/// The configuration fitted to the device memory, then the host memory, free when the run starts
-/// (see [`fit_to_device`] and [`fit_to_host`]).
-fn fit_to_free(family: &dyn Family, config: ResolvedConfig) -> Result<ResolvedConfig> {
-    fit_to_host(family, fit_to_device(family, config)?, true)
+/// The run's config for `family`: its defaults for what was not given, then (bad input where
+/// the family refuses a setting or a weight file does not fit) checked and fitted to the device
+/// memory, then the host memory, free when the run starts (see [`fit_to_device`] and
+/// [`fit_to_host`]), before anything loads; a host too small is bad input where `stop_on_host`.
+fn for_family(
+    family: &dyn Family,
+    config: ResolvedConfig,
+    source: &ModelSource,
+    stop_on_host: bool,
+) -> Result<ResolvedConfig> {
+    let config = config.with_model_defaults(&family.defaults())?;
+    if let Some(why) = registry::refusal(family, &config) {
+        return Err(UsageError::new(why).into());
+    }
+    let spec = family.spec(&RunShape::of(&config));
+    check_shards(&spec, source)?;
+    check_weight_files(&spec, &config, source)?;
+    fit_to_host(family, fit_to_device(family, config)?, stop_on_host)
 }
 
 /// The configuration fitted to the device memory free when the run starts (where the probe knows
@@ -425,14 +419,9 @@ fn check_images(
     Ok(())
 }
 
-/// Checks the shard index of every component the run loads from a local model folder
-/// ([`crate::models::source::check_shards`]) before anything loads.
-fn check_shards(
-    family: &dyn Family,
-    config: &ResolvedConfig,
-    source: &ModelSource,
-) -> Result<(), UsageError> {
-    let spec = family.spec(&RunShape::of(config));
+/// Checks the shard index of every component of `spec` (the run's) that loads from a local
+/// model folder ([`crate::models::source::check_shards`]) before anything loads.
+fn check_shards(spec: &PipelineSpec, source: &ModelSource) -> Result<(), UsageError> {
     for component in &spec.components {
         crate::models::source::check_shards(source, component.folder)
             .map_err(|e| UsageError::new(format!("{e:#}")))?;
@@ -445,11 +434,10 @@ fn check_shards(
 /// not safetensors, a LoRA key of no layout, a missing half, a layer the model does not have or
 /// a shape that does not fit is bad input naming the file, before anything loads.
 fn check_weight_files(
-    family: &dyn Family,
+    spec: &PipelineSpec,
     config: &ResolvedConfig,
     source: &ModelSource,
 ) -> Result<(), UsageError> {
-    let spec = family.spec(&RunShape::of(config));
     let bad = |e: anyhow::Error| UsageError::new(format!("{e:#}"));
     for component in &spec.components {
         let file = frame::transformer_file(config, component.folder);

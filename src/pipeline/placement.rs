@@ -7,7 +7,7 @@ use super::spec::{PipelineSpec, Role};
 use crate::memory::MemoryOptions;
 /// What a model declares to be placed (the block protocol, beside the models).
 pub use crate::models::blocks::Blockwise;
-use crate::models::blocks::PlacedBlocks;
+use crate::models::blocks::{BlockForward, PlacedBlocks};
 use crate::offload::{
     build_resident, record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage,
 };
@@ -417,6 +417,14 @@ impl<M: Blockwise> Held<'_, M> {
         })
         .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
         Ok(state)
+    }
+
+    /// One forward of `M` from its prepared `inputs` (see [`PlacedBlocks::forward`]).
+    pub fn forward(&self, inputs: M::Inputs) -> candle_core::Result<M::Output>
+    where
+        M: BlockForward,
+    {
+        PlacedBlocks::forward(self, inputs)
     }
 
     /// [`Self::fold_blocks`] over several independent states at once (see

@@ -8,12 +8,31 @@ use super::spec::PipelineSpec;
 use super::{allegro, cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
 use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::source::ModelSource;
+use crate::models::t5::encoder::T5Config;
 use crate::output::OutputType;
 use crate::schedulers::SchedulerKind;
 use anyhow::{Context, Result};
 use candle_core::DType;
 use serde::de::DeserializeOwned;
 use std::any::Any;
+
+/// The latent grid `[F', H', W']` of a video size under a causal video VAE that compresses time
+/// `temporal` times and space `spatial` times: the first frame alone, then `temporal` frames
+/// to a latent frame.
+pub fn causal_latent_grid(
+    num_frames: u32,
+    height: u32,
+    width: u32,
+    temporal: usize,
+    spatial: usize,
+) -> [usize; 3] {
+    let (t, s) = (temporal.max(1), spatial.max(1));
+    [
+        (num_frames as usize).saturating_sub(1) / t + 1,
+        height as usize / s,
+        width as usize / s,
+    ]
+}
 
 /// What the description of a run depends on: sizes that set activation estimates.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -259,6 +278,31 @@ pub trait Family {
     fn open(&self, frame: &Frame) -> Result<Box<dyn Any>>;
 }
 
+/// [`Family::spec`] and [`Family::open`] of a family declared at once: its `declare(&self,
+/// shape)` gives the pipeline of a run's shape as data with its components' slots, and
+/// `$new(configs, slots, frame)` its own part of a run (tokenizers read, no weights loaded),
+/// which the stage bodies get.
+macro_rules! declared_by {
+    ($new:expr) => {
+        fn spec(
+            &self,
+            shape: &$crate::pipeline::registry::RunShape,
+        ) -> $crate::pipeline::spec::PipelineSpec {
+            self.declare(shape).0
+        }
+
+        fn open(
+            &self,
+            frame: &$crate::pipeline::frame::Frame,
+        ) -> anyhow::Result<Box<dyn std::any::Any>> {
+            let shape = $crate::pipeline::registry::RunShape::of(&frame.config);
+            let (_, parts) = self.declare(&shape);
+            Ok(Box::new(($new)(self.clone(), parts, frame)?))
+        }
+    };
+}
+pub(crate) use declared_by;
+
 /// Where configs are read from: the model (downloading if needed), or only what is on disk
 /// (a dry run never downloads).
 #[derive(Clone, Copy)]
@@ -279,6 +323,28 @@ impl Configs<'_> {
                 serde_json::from_value(value).with_context(|| format!("{rel} of {source}"))
             }
         }
+    }
+}
+
+/// The configs of a plain T5 text-to-video model: `transformer`, `vae`, a T5 `text_encoder` and
+/// `scheduler` (diffusers' names); everything planning needs, no weights.
+#[derive(Clone, Debug)]
+pub struct T5VideoConfigs<D, V, S> {
+    pub transformer: D,
+    pub vae: V,
+    pub text_encoder: T5Config,
+    pub scheduler: S,
+}
+
+impl<D: DeserializeOwned, V: DeserializeOwned, S: DeserializeOwned> T5VideoConfigs<D, V, S> {
+    /// Reads every component's config.
+    pub fn from_configs(configs: Configs) -> Result<Self> {
+        Ok(T5VideoConfigs {
+            transformer: configs.read("transformer/config.json")?,
+            vae: configs.read("vae/config.json")?,
+            text_encoder: configs.read("text_encoder/config.json")?,
+            scheduler: configs.read("scheduler/scheduler_config.json")?,
+        })
     }
 }
 

@@ -276,19 +276,38 @@ pub struct TextToVideo<T, D, V> {
     pub vae: Slot<V>,
 }
 
+/// A stage body of the family's pipeline `P` (see [`StageSpec::runs`]).
+pub type Body<P> = fn(&P, &Frame, &mut Job) -> Result<()>;
+
 impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
-    /// Adds the three to `spec`, in that order.
-    pub fn declare(
-        spec: &mut PipelineSpec,
-        text_encoder: &T::Config,
-        transformer: &D::Config,
-        vae: &V::Config,
-    ) -> Self {
-        TextToVideo {
-            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, text_encoder),
-            transformer: spec.add_model("transformer", Role::Dit, transformer),
-            vae: spec.add_model("vae", Role::Vae, vae),
-        }
+    /// The plain text-to-video pipeline `title` with its components' slots: the three
+    /// components, configured by `configs`, then one stage for each in turn (`encode_text`,
+    /// `denoise`, `decode`: the activations it holds and its body of the family's pipeline
+    /// `P`) and `write`.
+    pub fn pipeline<P: 'static>(
+        title: &'static str,
+        configs: (&T::Config, &D::Config, &V::Config),
+        stages: [(u64, Body<P>); 3],
+    ) -> (PipelineSpec, Self) {
+        let mut spec = PipelineSpec::titled(title);
+        let parts = TextToVideo {
+            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, configs.0),
+            transformer: spec.add_model("transformer", Role::Dit, configs.1),
+            vae: spec.add_model("vae", Role::Vae, configs.2),
+        };
+        let uses = [
+            parts.text_encoder.index(),
+            parts.transformer.index(),
+            parts.vae.index(),
+        ];
+        let names = ["encode_text", "denoise", "decode"];
+        spec.stages = (names.into_iter().zip(uses).zip(stages))
+            .map(|((name, uses), (activations, body))| {
+                StageSpec::new(name, &[uses], activations).runs(body)
+            })
+            .chain([StageSpec::write()])
+            .collect();
+        (spec, parts)
     }
 }
 

@@ -2,13 +2,19 @@
 //! placement says, timing forwards, reporting what the offload engine moved, explaining an
 //! out-of-memory error, writing the video.
 
+use super::frame::Frame;
 use super::jobs::Job;
+use super::placement::Held;
 use super::plan::Planner;
 use super::progress::{describe_peaks, Progress};
 use super::registry::Family;
+use super::spec::Slot;
 use crate::config::ResolvedConfig;
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::gib;
+use crate::models::hunyuan_video::scheduler::uses_true_cfg;
+use crate::models::t5::encoder::{attention_mask, encode_masked, encode_unmasked, T5EncoderModel};
+use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::offload::Usage;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -169,6 +175,86 @@ pub(crate) fn explain_out_of_memory(
         "out of device memory {when} ({}{in_use}); {advice}",
         describe_peaks(&peaks)
     ))
+}
+
+/// Each of `texts` tokenized to `--max-sequence-length` and through T5 (its blocks resident or
+/// streamed, the texts through them together): the `last_hidden_state` `[1, L, D]` in the run
+/// dtype in host memory, and its token count. `masked`: the encoder masks the pad keys (else
+/// every token, `<pad>` included, attends to every token, as the T5 v1.1 pipelines call it).
+pub(crate) fn t5_embeds(
+    frame: &Frame,
+    encoder: &Held<'_, T5EncoderModel>,
+    tokenizer: &PromptTokenizer,
+    texts: &[impl AsRef<str>],
+    masked: bool,
+) -> Result<Vec<(Tensor, usize)>> {
+    let max_len = frame.config.generation().max_sequence_length;
+    let tokens = texts
+        .iter()
+        .map(|text| tokenizer.encode(text.as_ref(), max_len))
+        .collect::<Result<Vec<_>>>()?;
+    let ids: Vec<&[u32]> = tokens.iter().map(|(ids, _)| ids.as_slice()).collect();
+    let embeds = if masked {
+        let lens: Vec<usize> = tokens.iter().map(|(_, len)| *len).collect();
+        encode_masked(encoder, &ids, &lens)?
+    } else {
+        encode_unmasked(encoder, &ids)?
+    };
+    embeds
+        .into_iter()
+        .zip(&tokens)
+        .map(|(t, (_, len))| Ok((t.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?, *len)))
+        .collect()
+}
+
+/// A text stage: the job's prompt and, with guidance, its negative prompt (each made ready by
+/// `prepare`) through the T5 encoder in `slot` ([`t5_embeds`]) as one batch [negative;
+/// positive], waiting for denoising in host memory: the job's prompt embeddings `[B, L, D]`
+/// and prompt mask `[B, L]` (u32).
+pub(crate) fn encode_prompt_batch(
+    frame: &Frame,
+    job: &mut Job,
+    slot: Slot<T5EncoderModel>,
+    tokenizer: &PromptTokenizer,
+    prepare: impl Fn(&str) -> String,
+    masked: bool,
+) -> Result<()> {
+    let max_len = frame.config.generation().max_sequence_length;
+    let texts: Vec<String> = job
+        .texts(job.guidance_scale > 1.0)
+        .into_iter()
+        .map(prepare)
+        .collect();
+    let encoder = frame.hold(slot)?;
+    let mut embeds = t5_embeds(frame, &encoder, tokenizer, &texts, masked)?;
+    drop(encoder);
+    // [negative; positive]: the reverse of the encoding order.
+    embeds.reverse();
+    let lens: Vec<usize> = embeds.iter().map(|(_, len)| *len).collect();
+    let embeds: Vec<Tensor> = embeds.into_iter().map(|(t, _)| t).collect();
+    job.prompt_embeds = Some(Tensor::cat(&embeds, 0)?);
+    job.prompt_mask = Some(attention_mask(&lens, max_len, &Device::Cpu)?);
+    Ok(())
+}
+
+/// The scale of real classifier-free guidance (HunyuanVideo's, FLUX's) where `job` runs the
+/// negative prompt's forward (diffusers: `true_cfg_scale > 1` and a negative prompt given).
+pub(crate) fn true_cfg(frame: &Frame, job: &Job) -> Option<f64> {
+    let scale = frame.config.generation().true_cfg_scale.unwrap_or(1.0);
+    let has_negative = !job.negative_prompt.is_empty() || frame.config.given("negative_prompt");
+    uses_true_cfg(scale, has_negative).then_some(scale)
+}
+
+/// What the text stage of a family with real CFG encodes: the prompt, then the negative prompt
+/// where [`true_cfg`] runs; a `--true-cfg-scale` without a negative prompt is noted.
+pub(crate) fn true_cfg_texts<'a>(frame: &Frame, job: &'a Job) -> Vec<&'a str> {
+    let negative = true_cfg(frame, job).is_some();
+    if !negative && frame.config.generation().true_cfg_scale.unwrap_or(1.0) > 1.0 {
+        frame.progress.note(
+            "  note: --true-cfg-scale needs a --negative-prompt (as in diffusers); running without real CFG",
+        );
+    }
+    job.texts(negative)
 }
 
 /// Video `[1, 3, T, H, W]` in [-1, 1] as frames `[T, H, W, 3]` in [0, 1] on the CPU, in f32

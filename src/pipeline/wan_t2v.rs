@@ -8,7 +8,9 @@ use super::denoise::Denoise;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{Configs, Family, FamilyOption, ImageInput, RunShape};
+use super::registry::{
+    causal_latent_grid, declared_by, Configs, Family, FamilyOption, ImageInput, RunShape,
+};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::{ModelDefaults, ResolvedConfig};
@@ -18,7 +20,7 @@ use crate::models::clip::image_processor::{
 use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
-use crate::models::source::{FileRef, ModelSource};
+use crate::models::source::ModelSource;
 use crate::models::step_cache::{Forward, Pass, StepCache};
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
@@ -35,7 +37,6 @@ use crate::rng::TorchGenerator;
 use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use std::any::Any;
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Instant;
@@ -86,10 +87,6 @@ impl Family for WanConfigs {
             (false, false, true) => "Wan2.1 image-to-video",
             (false, false, false) => "Wan2.1 text-to-video",
         }
-    }
-
-    fn spec(&self, shape: &RunShape) -> PipelineSpec {
-        self.declare(shape).0
     }
 
     /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles and LoRAs; the
@@ -191,10 +188,7 @@ impl Family for WanConfigs {
         true
     }
 
-    fn open(&self, frame: &Frame) -> Result<Box<dyn Any>> {
-        let (_, parts) = self.declare(&RunShape::of(&frame.config));
-        Ok(Box::new(WanT2V::new(self.clone(), parts, frame)?))
-    }
+    declared_by!(WanT2V::new);
 }
 
 /// The configs of a Wan model: everything planning needs, no weights.
@@ -304,15 +298,12 @@ impl WanConfigs {
 
     /// The latent shape `[1, C, F', H', W']` for a video size (noise channels only).
     pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
-        let t = self.vae.scale_factor_temporal();
-        let s = self.vae.scale_factor_spatial();
-        [
-            1,
-            self.transformer.out_channels(),
-            (num_frames as usize - 1) / t + 1,
-            height as usize / s,
-            width as usize / s,
-        ]
+        let (t, s) = (
+            self.vae.scale_factor_temporal(),
+            self.vae.scale_factor_spatial(),
+        );
+        let [f, h, w] = causal_latent_grid(num_frames, height, width, t, s);
+        [1, self.transformer.out_channels(), f, h, w]
     }
 
     /// `boundary_ratio * num_train_timesteps` where there are two experts: steps at or above it
@@ -482,10 +473,7 @@ struct WanT2V {
 impl WanT2V {
     /// Reads the tokenizer; loads no weights.
     fn new(configs: WanConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
-        let tokenizer = match frame.source.require("tokenizer/tokenizer.json")? {
-            FileRef::Path(p) => PromptTokenizer::from_file(&p)?,
-            FileRef::Embedded(text) => PromptTokenizer::from_json(text)?,
-        };
+        let tokenizer = PromptTokenizer::from_source(&frame.source, "tokenizer/tokenizer.json")?;
         Ok(WanT2V {
             configs,
             parts,

@@ -602,6 +602,11 @@ impl Blockwise for AllegroTransformer3DModel {
     }
 }
 
+crate::block_forward!(
+    AllegroTransformer3DModel, BlockInputs, take_hidden_states, Tensor,
+    |m, x, inputs| m.finish(&x, inputs) => Tensor
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,7 @@
 
 pub mod encoder;
 pub mod image_processor;
+pub mod prompt;
 pub mod text;
 pub mod vision;
 

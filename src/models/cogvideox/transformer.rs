@@ -952,6 +952,11 @@ crate::repeated_blocks!(
     "transformer_blocks"
 );
 
+crate::block_forward!(
+    CogVideoXTransformer3DModel, BlockInputs, take_hidden_states, Tensor,
+    |m, x, inputs| m.finish(&x, inputs) => Tensor
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

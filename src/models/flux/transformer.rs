@@ -918,3 +918,8 @@ impl Blockwise for FluxTransformer2DModel {
         }
     }
 }
+
+crate::block_forward!(
+    FluxTransformer2DModel, BlockInputs, take_streams, Streams,
+    |m, s, inputs| m.finish(&s.image, inputs) => Tensor
+);

@@ -1872,6 +1872,11 @@ impl Blockwise for HunyuanModulations {
     }
 }
 
+crate::block_forward!(
+    HunyuanVideoTransformer3DModel, BlockInputs, take_streams, Streams,
+    |m, s, inputs| m.finish(&s.video, inputs) => Tensor
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

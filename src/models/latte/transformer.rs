@@ -668,6 +668,11 @@ impl Blockwise for LatteTransformer3DModel {
     }
 }
 
+crate::block_forward!(
+    LatteTransformer3DModel, BlockInputs, take_hidden_states, Tensor,
+    |m, x, inputs| m.finish(&x, inputs) => Tensor
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

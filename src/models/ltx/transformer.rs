@@ -1264,3 +1264,26 @@ mod cuda_tests {
         Ok(())
     }
 }
+
+/// The LTX-Video blocks thread an [`LtxStream`] (one block's output as the next's input).
+impl crate::models::blocks::BlockForward for LtxTransformer3DModel {
+    type Inputs = LtxBlockInputs;
+    type State = LtxStream;
+    type Output = Tensor;
+    fn resident_blocks(&self) -> &[LtxTransformerBlock] {
+        self.blocks()
+    }
+    fn first_state(inputs: &mut LtxBlockInputs) -> Result<LtxStream> {
+        Ok(LtxStream::new(inputs.take_hidden_states()?))
+    }
+    fn through(
+        block: &LtxTransformerBlock,
+        stream: &LtxStream,
+        inputs: &LtxBlockInputs,
+    ) -> Result<LtxStream> {
+        block.forward(stream.clone(), inputs)
+    }
+    fn finish_forward(&self, stream: LtxStream, inputs: &LtxBlockInputs) -> Result<Tensor> {
+        self.finish(&stream.into_hidden()?, inputs)
+    }
+}

@@ -1417,3 +1417,8 @@ mod cuda_tests {
         Ok(())
     }
 }
+
+crate::block_forward!(
+    MiniMaxH3Transformer3DModel, BlockInputs, take_hidden_states, Tensor,
+    |m, x, inputs| m.finish(&x, inputs) => (Tensor, Tensor)
+);

@@ -910,3 +910,8 @@ impl RepeatedBlocks for MochiTransformer3DModel {
         MochiBlock::with_steps(cfg, i, vb, steps)
     }
 }
+
+crate::block_forward!(
+    MochiTransformer3DModel, BlockInputs, take_streams, Streams,
+    |m, s, inputs| m.finish(&s.video, inputs) => Tensor
+);

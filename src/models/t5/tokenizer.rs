@@ -1,5 +1,6 @@
 //! The T5 SentencePiece tokenizer as the diffusers pipelines call it.
 
+use crate::models::source::{FileRef, ModelSource};
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::Path;
 use tokenizers::{PostProcessor, Tokenizer, TruncationDirection};
@@ -27,6 +28,28 @@ impl PromptTokenizer {
             .parse()
             .map_err(|e| anyhow!("parsing tokenizer.json: {e}"))?;
         Self::with_tokenizer(tokenizer)
+    }
+
+    /// The `tokenizer.json` at `rel` in `source` (the file, or the stand-in a synthetic model
+    /// ships).
+    pub fn from_source(source: &ModelSource, rel: &str) -> Result<Self> {
+        Self::from_ref(source.require(rel)?)
+    }
+
+    /// `tokenizer/tokenizer.json` of `family`'s model `source`, whose checkpoints may ship only
+    /// `spiece.model`: where it is missing, the error says how to write it.
+    pub fn from_source_or_spiece(source: &ModelSource, family: &str) -> Result<Self> {
+        let file = source.require("tokenizer/tokenizer.json").with_context(|| format!(
+            "{family} reads tokenizer/tokenizer.json; where a checkpoint ships only spiece.model, write it once with transformers: T5TokenizerFast.from_pretrained(folder, subfolder=\"tokenizer\").save_pretrained(folder + \"/tokenizer\")"
+        ))?;
+        Self::from_ref(file)
+    }
+
+    fn from_ref(file: FileRef) -> Result<Self> {
+        match file {
+            FileRef::Path(p) => Self::from_file(&p),
+            FileRef::Embedded(text) => Self::from_json(text),
+        }
     }
 
     fn with_tokenizer(mut tokenizer: Tokenizer) -> Result<Self> {
