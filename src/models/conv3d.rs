@@ -393,6 +393,15 @@ pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
 /// the fused kernel (the same sums, rounded once, as candle's broadcast add, which walks every
 /// dimension's index per element), else candle's broadcast add.
 pub fn add_channel_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let mut shape = vec![1; y.rank()];
+    shape[1] = bias.elem_count();
+    add_broadcast(y, &bias.reshape(shape)?)
+}
+
+/// `y` `[B, C, F, ...]` plus `addend`, which `y` broadcasts over batch and frames (`[1, C, 1,
+/// ...]` with ones or `y`'s sizes after, of `y`'s dtype): the fused kernel on CUDA, as
+/// [`add_channel_bias`], else candle's broadcast add.
+pub fn add_broadcast(y: &Tensor, addend: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if y.device().is_cuda()
         && y.rank() >= 3
@@ -402,12 +411,18 @@ pub fn add_channel_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
         )
         && crate::models::norms::enabled()
     {
-        use crate::models::channel_ops::{add_channel_bias, BiasOut};
-        return add_channel_bias(y, &bias.flatten_all()?, BiasOut::New);
+        let (dims, wanted) = (addend.dims(), y.dims());
+        let over_batch_and_frames = dims.len() == wanted.len()
+            && dims[0] == 1
+            && dims[1] == wanted[1]
+            && dims[2] == 1
+            && (dims[3..].iter().all(|&d| d == 1) || dims[3..] == wanted[3..]);
+        if over_batch_and_frames && addend.dtype() == y.dtype() {
+            use crate::models::channel_ops::{add_channel_bias, BiasOut};
+            return add_channel_bias(y, &addend.flatten_all()?, BiasOut::New);
+        }
     }
-    let mut shape = vec![1; y.rank()];
-    shape[1] = bias.elem_count();
-    y.broadcast_add(&bias.reshape(shape)?)
+    y.broadcast_add(addend)
 }
 
 /// `t` contiguous and starting on a 16-byte boundary (what cuDNN's vectorized kernels assume).

@@ -19,7 +19,8 @@ __device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) {
   p[i] = __float2bfloat16_rn(v);
 }
 
-// y [B, C, F, S] + bias[c], rounded once to T (as candle's add of two T values). Frames-major:
+// y [B, C, F, S] + bias[c] (or bias[c, s] where `per_position`: an addend broadcast over batch and
+// frames), rounded once to T (as candle's add of two T values). Frames-major:
 // stored at out[b, first + f, c, s] of out [B, T, C, S]; else at out's index of y. One thread
 // per 16 bytes of a row where `vector` (S a multiple of 16 bytes and both operands aligned),
 // else per element.
@@ -27,7 +28,7 @@ template <typename T>
 __device__ void add_channel_bias(const T *__restrict__ y, T *__restrict__ out,
                                  const float *__restrict__ bias, int channels, long frames,
                                  long spatial, long items, int frames_major, long out_frames,
-                                 long first, int vector) {
+                                 long first, int vector, int per_position) {
   constexpr int V = 16 / sizeof(T);
   const int per_item = vector ? V : 1;
   const long per_row = spatial / per_item;
@@ -40,7 +41,8 @@ __device__ void add_channel_bias(const T *__restrict__ y, T *__restrict__ out,
     const long src = row * spatial + s;
     const long dst =
         frames_major ? ((b * out_frames + first + f) * channels + c) * spatial + s : src;
-    const float add = bias[c];
+    const float *add = per_position ? bias + (long)c * spatial + s : bias + c;
+    const int step = per_position ? 1 : 0;
     if (vector) {
       union {
         uint4 v;
@@ -48,10 +50,10 @@ __device__ void add_channel_bias(const T *__restrict__ y, T *__restrict__ out,
       } u;
       u.v = *reinterpret_cast<const uint4 *>(y + src);
 #pragma unroll
-      for (int k = 0; k < V; ++k) store(u.e, k, __fadd_rn(load(u.e, k), add));
+      for (int k = 0; k < V; ++k) store(u.e, k, __fadd_rn(load(u.e, k), add[k * step]));
       *reinterpret_cast<uint4 *>(out + dst) = u.v;
     } else {
-      store(out, dst, __fadd_rn(load(y, src), add));
+      store(out, dst, __fadd_rn(load(y, src), add[0]));
     }
   }
 }
@@ -85,9 +87,9 @@ __device__ void gather_padded_frames(const T *__restrict__ x, T *__restrict__ ou
   extern "C" __global__ void add_channel_bias_##NAME(                                           \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
       int channels, long frames, long spatial, long items, int frames_major, long out_frames,   \
-      long first, int vector) {                                                                 \
+      long first, int vector, int per_position) {                                               \
     add_channel_bias(y, out, bias, channels, frames, spatial, items, frames_major, out_frames, \
-                     first, vector);                                                            \
+                     first, vector, per_position);                                              \
   }                                                                                             \
   extern "C" __global__ void gather_padded_frames_##NAME(                                       \
       const T *__restrict__ x, T *__restrict__ out, const uint32_t *__restrict__ index,         \

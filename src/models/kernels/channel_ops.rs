@@ -27,12 +27,18 @@ pub(crate) enum BiasOut<'a> {
     FramesOf(&'a Tensor, usize),
 }
 
-/// `y` `[B, C, F, ...]` (bf16 or f32, on CUDA) plus `bias[c]` (`C` values of `y`'s dtype), each
-/// sum rounded once as candle's add: a new tensor, or stored frames-major into `out`.
+/// `y` `[B, C, F, ...]` (bf16 or f32, on CUDA) plus `bias` of `y`'s dtype: `C` values (one per
+/// channel), or `C` times the positions of a frame (an addend broadcast over batch and frames),
+/// each sum rounded once as candle's add: a new tensor, or stored frames-major into `out`.
 pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Result<Tensor> {
     let func = func("add_channel_bias", y)?;
     let dims = y.dims();
-    if dims.len() < 3 || bias.elem_count() != dims[1] || bias.dtype() != y.dtype() {
+    let spatial: usize = dims.get(3..).map_or(0, |d| d.iter().product());
+    let per_position = dims.len() >= 3 && spatial > 1 && bias.elem_count() == dims[1] * spatial;
+    if dims.len() < 3
+        || !(bias.elem_count() == dims[1] || per_position)
+        || bias.dtype() != y.dtype()
+    {
         candle_core::bail!(
             "channel bias: {:?} and a bias of {:?}",
             y.shape(),
@@ -40,7 +46,6 @@ pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Resul
         )
     }
     let (b, c, frames) = (dims[0], dims[1], dims[2]);
-    let spatial: usize = dims[3..].iter().product();
     let y = y.contiguous()?;
     let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
     let (dst, frames_major, out_frames, first) = match out {
@@ -90,6 +95,7 @@ pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Resul
             Arg::Long(out_frames as i64),
             Arg::Long(first as i64),
             Arg::Int(i32::from(vector)),
+            Arg::Int(i32::from(per_position)),
         ],
     ))?;
     Ok(dst)
@@ -168,6 +174,16 @@ mod cuda_tests {
                 let want = y.broadcast_add(&bias.reshape((1, dims[1], 1, 1, 1))?)?;
                 let got = add_channel_bias(&y, &bias, BiasOut::New)?;
                 assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?}");
+                // An addend per channel and position, broadcast over batch and frames.
+                let plane = (1, dims[1], 1, dims[3], dims[4]);
+                let addend = Tensor::randn(0f32, 3.0, plane, &dev)?.to_dtype(dtype)?;
+                let want_plane = y.broadcast_add(&addend)?;
+                let got = add_channel_bias(&y, &addend, BiasOut::New)?;
+                assert_eq!(
+                    max_diff(&got, &want_plane)?,
+                    0.0,
+                    "{dtype:?} {dims:?} per position"
+                );
                 let frames_major = want.transpose(1, 2)?.contiguous()?;
                 let (b, c, t, h, w) = y.dims5()?;
                 let out = Tensor::zeros((b, t + 3, c, h, w), dtype, &dev)?;

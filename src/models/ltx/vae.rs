@@ -580,7 +580,7 @@ impl ResnetBlock {
         let spatial = draw
             .unsqueeze(0)?
             .broadcast_mul(&scale.to_dtype(x.dtype())?)?;
-        x.broadcast_add(&spatial.unsqueeze(0)?.unsqueeze(2)?)
+        conv3d::add_broadcast(x, &spatial.unsqueeze(0)?.unsqueeze(2)?)
     }
 
     fn forward(
