@@ -155,3 +155,81 @@ fn the_plan_counts_the_hidden_states_a_cache_holds() {
     assert_eq!(denoise_activations(&spatial) - plain, layers * mag / 2);
     assert_eq!(denoise_activations(&both) - plain, layers * mag);
 }
+
+/// The progress says in one line what the cache stood in for, per pass: the same counts as the
+/// modules diffusers skipped in the fixture's run.
+#[test]
+fn the_progress_line_counts_what_the_cache_stood_in_for() {
+    let fixture = named_fixture_dir("cache-a");
+    let readme: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("README.json")).unwrap()).unwrap();
+    let refs =
+        candle_core::safetensors::load(fixture.join("cache.safetensors"), &Device::Cpu).unwrap();
+    let case = readme["cli_cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "fbc_some.cfg5")
+        .expect("the fixture's first-block case");
+    let dir = scratch_dir("cache", "progress");
+    let draws = dir.join("draws.safetensors");
+    let latents =
+        std::collections::HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
+    candle_core::safetensors::save(&latents, &draws).unwrap();
+    let model = named_fixture_dir("wan-tiny-a");
+    let mut args: Vec<String> = ["generate", "--model", model.to_str().unwrap()]
+        .map(String::from)
+        .to_vec();
+    args.extend(
+        case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string()),
+    );
+    args.extend(
+        [
+            "--latents",
+            draws.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--output-type",
+            "safetensors",
+            "--output-path",
+            dir.to_str().unwrap(),
+            "--output-video-name",
+            "v",
+            "--overwrite",
+        ]
+        .map(String::from),
+    );
+    let out = run_vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let counts = |pass: &str| {
+        let reference = case["computed"][format!("cache.computed.{pass}")]
+            .as_str()
+            .unwrap();
+        let rows = refs[reference].to_vec2::<u8>().unwrap();
+        let skipped = |r: &Vec<u8>| r.iter().filter(|&&c| c == 0).count();
+        format!(
+            "{pass}: {} of {} forwards skipped work, {} of {} modules stood in for",
+            rows.iter().filter(|r| skipped(r) > 0).count(),
+            rows.len(),
+            rows.iter().map(skipped).sum::<usize>(),
+            rows.iter().map(|r| r.len()).sum::<usize>(),
+        )
+    };
+    let want = format!(
+        "  cache first-block: {}; {}",
+        counts("cond"),
+        counts("uncond")
+    );
+    assert!(
+        stderr.lines().any(|l| l == want),
+        "no line {want:?} in:\n{stderr}"
+    );
+    assert!(!want.contains("cond: 0 of"), "the case skips work: {want}");
+}

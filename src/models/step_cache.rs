@@ -981,6 +981,27 @@ impl StepCache {
         })
     }
 
+    /// The progress line of a finished loop: the hook and, per pass, the forwards in which it
+    /// stood in for something and the modules it stood in for.
+    pub fn summary(&self, guided: bool) -> String {
+        let pass = |p: Pass, name: &str| {
+            let rows = &self.passes[p as usize].rows;
+            let skipped = |row: &Vec<u8>| row.iter().filter(|&&c| c == 0).count();
+            let modules: usize = rows.iter().map(|r| r.len()).sum();
+            format!(
+                "{name}: {} of {} forwards skipped work, {} of {modules} modules stood in for",
+                rows.iter().filter(|r| skipped(r) > 0).count(),
+                rows.len(),
+                rows.iter().map(skipped).sum::<usize>(),
+            )
+        };
+        let mut line = format!("  cache {}: {}", self.spec.name(), pass(Pass::Cond, "cond"));
+        if guided {
+            line += &format!("; {}", pass(Pass::Uncond, "uncond"));
+        }
+        line
+    }
+
     /// The calibrated MagCache ratios of `pass` (the last complete run, else those so far).
     pub fn calibration(&self, pass: Pass) -> Option<Vec<f32>> {
         let CacheSpec::Mag(c) = &self.spec else {

@@ -337,12 +337,14 @@ pub(crate) fn write_output(
 /// Records a denoising stage's step cache in `job`: which modules ran in each forward of each
 /// pass (`cache.computed.cond`, `.uncond` with guidance: rows appended across experts) and,
 /// when calibrating, the MagCache ratios (`cache.calibration_ratios.*`), for the safetensors
-/// output; what it skipped for `--stats-json` (`metrics.cache`).
+/// output; what it skipped for `--stats-json` (`metrics.cache`) and, in one line, the progress.
 pub fn record_cache(
     job: &mut Job,
     cache: &crate::models::step_cache::StepCache,
     guided: bool,
+    progress: &Progress,
 ) -> Result<()> {
+    progress.note(&cache.summary(guided));
     use crate::models::step_cache::Pass;
     let passes: &[(Pass, &str)] = match guided {
         true => &[(Pass::Cond, "cond"), (Pass::Uncond, "uncond")],

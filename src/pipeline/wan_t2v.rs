@@ -817,7 +817,7 @@ impl WanT2V {
             Ok(latents.clone())
         })?;
         if let Some(cache) = &cache {
-            stages::record_cache(job, cache, uncond.is_some())?;
+            stages::record_cache(job, cache, uncond.is_some(), &frame.progress)?;
         }
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
