@@ -5,6 +5,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 
+use crate::models::attention::sdpa;
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Channels of the sinusoidal timestep embedding (`Timesteps(256, ...)` of PixArt-α).
@@ -30,6 +31,73 @@ pub fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Lin
         candle_nn::linear(cin, cout, vb)
     } else {
         candle_nn::linear_no_bias(cin, cout, vb)
+    }
+}
+
+/// The blocks' multi-head `Attention`: q from the tokens, k and v from a context (the tokens
+/// themselves, or the caption), heads as `[B, H, S, head_dim]`, then `to_out.0`.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    /// The attention under `vb` (`attn1`, `attn2`); `bias`: the q/k/v projections' biases.
+    pub fn new(
+        dim: usize,
+        context_dim: usize,
+        (heads, head_dim): (usize, usize),
+        bias: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
+            to_k: linear(context_dim, dim, bias, vb.pp("to_k"))?,
+            to_v: linear(context_dim, dim, bias, vb.pp("to_v"))?,
+            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            heads,
+            head_dim,
+        })
+    }
+
+    /// q of `x` and k, v of `context` (`[B', S, ·]`), each `[B', H, S, head_dim]`.
+    pub fn heads(&self, x: &Tensor, context: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let split = |t: Tensor| -> Result<Tensor> {
+            let (b, s, _) = t.dims3()?;
+            t.reshape((b, s, self.heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        Ok((
+            split(self.to_q.forward(x)?)?,
+            split(self.to_k.forward(context)?)?,
+            split(self.to_v.forward(context)?)?,
+        ))
+    }
+
+    /// The attention's output `[B', H, S, head_dim]` merged and projected: `[B', S, D]`.
+    pub fn merge(&self, out: Tensor) -> Result<Tensor> {
+        let (b, _, s, _) = out.dims4()?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, s, self.heads * self.head_dim))?;
+        self.to_out.forward(&out)
+    }
+
+    /// The softmax scale, `1 / sqrt(head_dim)`.
+    pub fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
+    /// `x` attending to `context`, unmasked.
+    pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let (q, k, v) = self.heads(x, context)?;
+        self.merge(sdpa(&q, &k, &v, self.scale())?)
     }
 }
 

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{layer_norm, linear, AdaLayerNormSingle, CaptionProjection};
+use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -251,70 +251,33 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     out.to_dtype(dtype)
 }
 
-/// `Attention` with `AllegroAttnProcessor2_0`: the rotary embedding on q and k of the
-/// self-attention, the caption mask on the cross-attention's keys.
-#[derive(Debug, Clone)]
-struct Attention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
-    heads: usize,
-    head_dim: usize,
+/// `Attention` with `AllegroAttnProcessor2_0`: self-attention over every token with the rotary
+/// embedding on q and k.
+fn self_attention(attn: &Attention, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+    let (q, k, v) = attn.heads(x, x)?;
+    let q = apply_rope(&q, &rope.0, &rope.1)?;
+    let k = apply_rope(&k, &rope.0, &rope.1)?;
+    attn.merge(sdpa(&q, &k, &v, attn.scale())?)
 }
 
-impl Attention {
-    fn new(cfg: &AllegroTransformerConfig, context_dim: usize, vb: VarBuilder) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        let bias = cfg.attention_bias;
-        Ok(Self {
-            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
-            to_k: linear(context_dim, dim, bias, vb.pp("to_k"))?,
-            to_v: linear(context_dim, dim, bias, vb.pp("to_v"))?,
-            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
-            heads: cfg.num_attention_heads,
-            head_dim: cfg.attention_head_dim,
-        })
-    }
+/// Cross-attention of every token to the caption, padding keys masked.
+fn cross_attention(attn: &Attention, x: &Tensor, text: &Tensor, mask: &TextMask) -> Result<Tensor> {
+    let (q, k, v) = attn.heads(x, text)?;
+    let out = match mask {
+        TextMask::Prefix(lens) => sdpa_key_prefix(&q, &k, &v, attn.scale(), lens)?,
+        TextMask::Bias(bias) => sdpa_with_bias(&q, &k, &v, attn.scale(), bias)?,
+    };
+    attn.merge(out)
+}
 
-    fn split(&self, t: Tensor) -> Result<Tensor> {
-        let (b, s, _) = t.dims3()?;
-        t.reshape((b, s, self.heads, self.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()
-    }
-
-    fn merge(&self, out: Tensor) -> Result<Tensor> {
-        let (b, _, s, _) = out.dims4()?;
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, s, self.heads * self.head_dim))?;
-        self.to_out.forward(&out)
-    }
-
-    fn scale(&self) -> f64 {
-        1.0 / (self.head_dim as f64).sqrt()
-    }
-
-    /// Self-attention over every token with the rotary embedding.
-    fn self_attention(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
-        let q = apply_rope(&self.split(self.to_q.forward(x)?)?, &rope.0, &rope.1)?;
-        let k = apply_rope(&self.split(self.to_k.forward(x)?)?, &rope.0, &rope.1)?;
-        let v = self.split(self.to_v.forward(x)?)?;
-        self.merge(sdpa(&q, &k, &v, self.scale())?)
-    }
-
-    /// Cross-attention of every token to the caption, padding keys masked.
-    fn cross_attention(&self, x: &Tensor, text: &Tensor, mask: &TextMask) -> Result<Tensor> {
-        let q = self.split(self.to_q.forward(x)?)?;
-        let k = self.split(self.to_k.forward(text)?)?;
-        let v = self.split(self.to_v.forward(text)?)?;
-        let out = match mask {
-            TextMask::Prefix(lens) => sdpa_key_prefix(&q, &k, &v, self.scale(), lens)?,
-            TextMask::Bias(bias) => sdpa_with_bias(&q, &k, &v, self.scale(), bias)?,
-        };
-        self.merge(out)
-    }
+/// A block's attention with the config's heads and bias.
+fn attention(
+    cfg: &AllegroTransformerConfig,
+    context_dim: usize,
+    vb: VarBuilder,
+) -> Result<Attention> {
+    let heads = (cfg.num_attention_heads, cfg.attention_head_dim);
+    Attention::new(cfg.inner_dim(), context_dim, heads, cfg.attention_bias, vb)
 }
 
 /// The caption mask as the attention takes it: a prefix of real tokens per batch entry (the
@@ -346,8 +309,8 @@ impl AllegroBlock {
         let (eps, affine) = (cfg.norm_eps, cfg.norm_elementwise_affine);
         Ok(Self {
             norm1: layer_norm(dim, eps, affine, vb.pp("norm1"))?,
-            attn1: Attention::new(cfg, dim, vb.pp("attn1"))?,
-            attn2: Attention::new(cfg, cfg.cross_attention_dim, vb.pp("attn2"))?,
+            attn1: attention(cfg, dim, vb.pp("attn1"))?,
+            attn2: attention(cfg, cfg.cross_attention_dim, vb.pp("attn2"))?,
             norm2: layer_norm(dim, eps, affine, vb.pp("norm2"))?,
             ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
             ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
@@ -369,10 +332,10 @@ impl AllegroBlock {
             t.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
         };
         let normed = modulate(&self.norm1.forward(x)?, &scale_msa, &shift_msa)?;
-        let attn = self.attn1.self_attention(&normed, &inputs.rope)?;
+        let attn = self_attention(&self.attn1, &normed, &inputs.rope)?;
         let mut h = (attn.broadcast_mul(&gate_msa)? + x)?;
         // The cross-attention takes the hidden states as they are (no norm, no gate).
-        h = (self.attn2.cross_attention(&h, &inputs.text, &inputs.mask)? + h)?;
+        h = (cross_attention(&self.attn2, &h, &inputs.text, &inputs.mask)? + h)?;
         let normed = modulate(&self.norm2.forward(&h)?, &scale_mlp, &shift_mlp)?;
         let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
         ff.broadcast_mul(&gate_mlp)? + h

@@ -14,9 +14,8 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{layer_norm, linear, AdaLayerNormSingle, CaptionProjection};
+use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -254,49 +253,14 @@ pub fn temporal_pos_embed(dim: usize, frames: usize, device: &Device) -> Result<
     Tensor::from_vec(table, (frames, dim), device)
 }
 
-/// Multi-head attention (`Attention` with `AttnProcessor2_0`): q from `x`, k and v from
-/// `context`, both `[B', S, ·]`, heads over `[B', H, S, head_dim]`.
-#[derive(Debug, Clone)]
-struct Attention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
-    heads: usize,
-    head_dim: usize,
-}
-
-impl Attention {
-    fn new(cfg: &LatteTransformerConfig, context_dim: usize, vb: VarBuilder) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        let bias = cfg.attention_bias;
-        Ok(Self {
-            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
-            to_k: linear(context_dim, dim, bias, vb.pp("to_k"))?,
-            to_v: linear(context_dim, dim, bias, vb.pp("to_v"))?,
-            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
-            heads: cfg.num_attention_heads,
-            head_dim: cfg.attention_head_dim,
-        })
-    }
-
-    fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let split = |t: Tensor| -> Result<Tensor> {
-            let (b, s, _) = t.dims3()?;
-            t.reshape((b, s, self.heads, self.head_dim))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let q = split(self.to_q.forward(x)?)?;
-        let k = split(self.to_k.forward(context)?)?;
-        let v = split(self.to_v.forward(context)?)?;
-        let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
-        let (b, _, s, _) = out.dims4()?;
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, s, self.heads * self.head_dim))?;
-        self.to_out.forward(&out)
-    }
+/// A block's attention (`AttnProcessor2_0`) with the config's heads and bias.
+fn attention(
+    cfg: &LatteTransformerConfig,
+    context_dim: usize,
+    vb: VarBuilder,
+) -> Result<Attention> {
+    let heads = (cfg.num_attention_heads, cfg.attention_head_dim);
+    Attention::new(cfg.inner_dim(), context_dim, heads, cfg.attention_bias, vb)
 }
 
 /// Which of the two block lists a block belongs to.
@@ -337,7 +301,7 @@ impl LatteBlock {
         let dim = cfg.inner_dim();
         let (eps, affine) = (cfg.norm_eps, cfg.norm_elementwise_affine);
         let attn2 = match kind {
-            BlockKind::Spatial => Some(Attention::new(
+            BlockKind::Spatial => Some(attention(
                 cfg,
                 cfg.cross_attention_dim.unwrap_or(dim),
                 vb.pp("attn2"),
@@ -348,7 +312,7 @@ impl LatteBlock {
             kind,
             layer,
             norm1: layer_norm(dim, eps, affine, vb.pp("norm1"))?,
-            attn1: Attention::new(cfg, dim, vb.pp("attn1"))?,
+            attn1: attention(cfg, dim, vb.pp("attn1"))?,
             attn2,
             norm2: layer_norm(dim, eps, affine, vb.pp("norm2"))?,
             ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
