@@ -83,18 +83,13 @@ impl CogVideoXDpmConfig {
 
     /// Rejects configurations this sampler cannot run, with the key at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.num_train_timesteps < 2 {
-            bail!("scheduler config: num_train_timesteps must be at least 2");
-        }
-        if self.trained_betas.is_some() {
-            bail!("scheduler config: trained_betas is not supported");
-        }
-        if self.beta_schedule != "scaled_linear" {
-            bail!(
-                "scheduler config: beta_schedule {:?} is not supported (only \"scaled_linear\")",
-                self.beta_schedule
-            );
-        }
+        super::validate_training_schedule(
+            self.num_train_timesteps,
+            self.trained_betas.is_some(),
+            (&self.beta_schedule, &["scaled_linear"]),
+            (self.beta_start, self.beta_end),
+            &self.timestep_spacing,
+        )?;
         if !matches!(
             self.prediction_type.as_str(),
             "v_prediction" | "epsilon" | "sample"
@@ -103,19 +98,6 @@ impl CogVideoXDpmConfig {
                 "scheduler config: prediction_type {:?} is not supported",
                 self.prediction_type
             );
-        }
-        if !matches!(
-            self.timestep_spacing.as_str(),
-            "trailing" | "leading" | "linspace"
-        ) {
-            bail!(
-                "scheduler config: timestep_spacing {:?} is not supported",
-                self.timestep_spacing
-            );
-        }
-        let betas_ok = |b: f64| b.is_finite() && (0.0..1.0).contains(&b);
-        if !betas_ok(self.beta_start) || !betas_ok(self.beta_end) {
-            bail!("scheduler config: beta_start and beta_end must lie in [0, 1)");
         }
         if !self.snr_shift_scale.is_finite() || self.snr_shift_scale <= 0.0 {
             bail!("scheduler config: snr_shift_scale must be a positive number");

@@ -76,18 +76,13 @@ impl Default for DdimConfig {
 impl DdimConfig {
     /// Rejects configurations this sampler cannot run, with the key at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.num_train_timesteps < 2 {
-            bail!("scheduler config: num_train_timesteps must be at least 2");
-        }
-        if self.trained_betas.is_some() {
-            bail!("scheduler config: trained_betas is not supported");
-        }
-        if !matches!(self.beta_schedule.as_str(), "linear" | "scaled_linear") {
-            bail!(
-                "scheduler config: beta_schedule {:?} is not supported (only \"linear\" and \"scaled_linear\")",
-                self.beta_schedule
-            );
-        }
+        super::validate_training_schedule(
+            self.num_train_timesteps,
+            self.trained_betas.is_some(),
+            (&self.beta_schedule, &["linear", "scaled_linear"]),
+            (self.beta_start, self.beta_end),
+            &self.timestep_spacing,
+        )?;
         if !matches!(
             self.prediction_type.as_str(),
             "epsilon" | "v_prediction" | "sample"
@@ -95,15 +90,6 @@ impl DdimConfig {
             bail!(
                 "scheduler config: prediction_type {:?} is not supported",
                 self.prediction_type
-            );
-        }
-        if !matches!(
-            self.timestep_spacing.as_str(),
-            "leading" | "trailing" | "linspace"
-        ) {
-            bail!(
-                "scheduler config: timestep_spacing {:?} is not supported",
-                self.timestep_spacing
             );
         }
         if self.thresholding {
@@ -118,10 +104,6 @@ impl DdimConfig {
             .filter(|v| matches!(*v, "learned" | "learned_range"))
         {
             bail!("scheduler config: variance_type {v:?} (learned sigma) cannot drive a DDIM step; drop the key");
-        }
-        let betas_ok = |b: f64| b.is_finite() && (0.0..1.0).contains(&b);
-        if !betas_ok(self.beta_start) || !betas_ok(self.beta_end) {
-            bail!("scheduler config: beta_start and beta_end must lie in [0, 1)");
         }
         if !(self.clip_sample_range.is_finite() && self.clip_sample_range > 0.0) {
             bail!("scheduler config: clip_sample_range must be a positive number");

@@ -54,39 +54,21 @@ impl Default for EulerAncestralConfig {
 impl EulerAncestralConfig {
     /// Rejects configurations this sampler cannot run, with the key at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.num_train_timesteps < 2 {
-            bail!("scheduler config: num_train_timesteps must be at least 2");
-        }
-        if self.trained_betas.is_some() {
-            bail!("scheduler config: trained_betas is not supported");
-        }
-        if !matches!(self.beta_schedule.as_str(), "linear" | "scaled_linear") {
-            bail!(
-                "scheduler config: beta_schedule {:?} is not supported (only \"linear\" and \"scaled_linear\")",
-                self.beta_schedule
-            );
-        }
+        super::validate_training_schedule(
+            self.num_train_timesteps,
+            self.trained_betas.is_some(),
+            (&self.beta_schedule, &["linear", "scaled_linear"]),
+            (self.beta_start, self.beta_end),
+            &self.timestep_spacing,
+        )?;
         if self.prediction_type != "epsilon" {
             bail!(
                 "scheduler config: prediction_type {:?} is not supported (only \"epsilon\")",
                 self.prediction_type
             );
         }
-        if !matches!(
-            self.timestep_spacing.as_str(),
-            "leading" | "trailing" | "linspace"
-        ) {
-            bail!(
-                "scheduler config: timestep_spacing {:?} is not supported",
-                self.timestep_spacing
-            );
-        }
         if self.rescale_betas_zero_snr {
             bail!("scheduler config: rescale_betas_zero_snr is not supported");
-        }
-        let betas_ok = |b: f64| b.is_finite() && (0.0..1.0).contains(&b);
-        if !betas_ok(self.beta_start) || !betas_ok(self.beta_end) {
-            bail!("scheduler config: beta_start and beta_end must lie in [0, 1)");
         }
         Ok(())
     }

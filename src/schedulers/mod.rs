@@ -296,6 +296,39 @@ fn np_linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
     y
 }
 
+/// The checks every discrete-time (DDPM-family) sampler makes of its training schedule, with
+/// the key at fault: at least two training timesteps, no explicit betas, a beta schedule among
+/// `schedules`, betas in [0, 1), and a timestep spacing diffusers defines.
+pub fn validate_training_schedule(
+    num_train_timesteps: usize,
+    trained_betas: bool,
+    (beta_schedule, schedules): (&str, &[&str]),
+    (beta_start, beta_end): (f64, f64),
+    timestep_spacing: &str,
+) -> anyhow::Result<()> {
+    if num_train_timesteps < 2 {
+        bail!("scheduler config: num_train_timesteps must be at least 2");
+    }
+    if trained_betas {
+        bail!("scheduler config: trained_betas is not supported");
+    }
+    if !schedules.contains(&beta_schedule) {
+        let only: Vec<String> = schedules.iter().map(|s| format!("{s:?}")).collect();
+        bail!(
+            "scheduler config: beta_schedule {beta_schedule:?} is not supported (only {})",
+            only.join(" and ")
+        );
+    }
+    if !matches!(timestep_spacing, "leading" | "trailing" | "linspace") {
+        bail!("scheduler config: timestep_spacing {timestep_spacing:?} is not supported");
+    }
+    let betas_ok = |b: f64| b.is_finite() && (0.0..1.0).contains(&b);
+    if !betas_ok(beta_start) || !betas_ok(beta_end) {
+        bail!("scheduler config: beta_start and beta_end must lie in [0, 1)");
+    }
+    Ok(())
+}
+
 /// ᾱ of every training timestep of a DDPM-trained model (f32, as diffusers' `alphas_cumprod`):
 /// `betas = torch.linspace(start, end, n, dtype=float32)` (of the square roots, squared, for
 /// `scaled_linear`), `torch.cumprod(1 - betas)` accumulated in f64 with each entry rounded to f32.
