@@ -214,6 +214,16 @@ pub trait BlockForward: Blockwise {
         state: Self::State,
         inputs: &Self::Inputs,
     ) -> candle_core::Result<Self::Output>;
+
+    /// The forward of a model holding its blocks: the first state through every resident
+    /// block, then the finish.
+    fn forward_resident(&self, mut inputs: Self::Inputs) -> candle_core::Result<Self::Output> {
+        let mut state = Self::first_state(&mut inputs)?;
+        for block in self.resident_blocks() {
+            state = Self::through(block, &state, &inputs)?;
+        }
+        self.finish_forward(state, &inputs)
+    }
 }
 
 /// [`BlockForward`] for a DiT whose `prepare` makes `$inputs`, whose blocks (its `blocks()`)

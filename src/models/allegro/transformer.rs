@@ -533,17 +533,13 @@ impl AllegroTransformer3DModel {
                 self.cfg.num_layers
             );
         }
-        let mut inputs = self.prepare(
+        let inputs = self.prepare(
             latents,
             timestep,
             encoder_hidden_states,
             encoder_attention_mask,
         )?;
-        let mut x = inputs.take_hidden_states()?;
-        for block in &self.blocks {
-            x = block.forward(&x, &inputs)?;
-        }
-        self.finish(&x, &inputs)
+        crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
 

@@ -934,12 +934,8 @@ impl CogVideoXTransformer3DModel {
                 self.cfg.num_layers
             );
         }
-        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
-        let mut x = inputs.take_hidden_states()?;
-        for block in &self.blocks {
-            x = block.forward(&x, &inputs)?;
-        }
-        self.finish(&x, &inputs)
+        let inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
+        crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
 

@@ -858,7 +858,7 @@ impl FluxTransformer2DModel {
                 self.cfg.num_blocks()
             );
         }
-        let mut inputs = self.prepare(
+        let inputs = self.prepare(
             latents,
             timestep,
             encoder_hidden_states,
@@ -867,11 +867,7 @@ impl FluxTransformer2DModel {
             txt_ids,
             img_ids,
         )?;
-        let mut streams = inputs.take_streams()?;
-        for block in &self.blocks {
-            streams = block.forward(&streams, &inputs)?;
-        }
-        self.finish(&streams.image, &inputs)
+        crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
 

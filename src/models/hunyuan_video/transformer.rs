@@ -1785,7 +1785,7 @@ impl HunyuanVideoTransformer3DModel {
                 self.cfg.num_blocks()
             );
         }
-        let mut inputs = self.prepare(
+        let inputs = self.prepare(
             latents,
             timestep,
             encoder_hidden_states,
@@ -1793,11 +1793,7 @@ impl HunyuanVideoTransformer3DModel {
             pooled_projections,
             guidance,
         )?;
-        let mut streams = inputs.take_streams()?;
-        for block in &self.blocks {
-            streams = block.forward(&streams, &inputs)?;
-        }
-        self.finish(&streams.video, &inputs)
+        crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
 

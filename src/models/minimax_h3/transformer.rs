@@ -1135,12 +1135,8 @@ impl MiniMaxH3Transformer3DModel {
                 self.cfg.num_layers
             );
         }
-        let mut inputs = self.prepare(video, audio, text, timestep, timestep_indices, layout)?;
-        let mut x = inputs.take_hidden_states()?;
-        for block in &self.blocks {
-            x = block.forward(&x, &inputs)?;
-        }
-        self.finish(&x, &inputs)
+        let inputs = self.prepare(video, audio, text, timestep, timestep_indices, layout)?;
+        crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
 

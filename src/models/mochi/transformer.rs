@@ -872,12 +872,8 @@ impl MochiTransformer3DModel {
                 self.cfg.num_layers
             );
         }
-        let mut inputs = self.prepare(latents, timestep, encoder_hidden_states, mask)?;
-        let mut s = inputs.take_streams()?;
-        for block in &self.blocks {
-            s = block.forward(&s, &inputs)?;
-        }
-        self.finish(&s.video, &inputs)
+        let inputs = self.prepare(latents, timestep, encoder_hidden_states, mask)?;
+        crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
 
