@@ -106,7 +106,7 @@ impl AllegroTransformerConfig {
 
     /// Rejects configurations this model cannot run, with the key at fault.
     pub fn validate(&self) -> Result<()> {
-        let positive = [
+        let sizes = [
             ("patch_size", self.patch_size),
             ("num_attention_heads", self.num_attention_heads),
             ("attention_head_dim", self.attention_head_dim),
@@ -118,23 +118,11 @@ impl AllegroTransformerConfig {
             ("sample_width", self.sample_width),
             ("sample_frames", self.sample_frames),
         ];
-        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+        if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             candle_core::bail!("transformer config: {key} must be positive");
         }
-        let too_large = [
-            ("patch_size", self.patch_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("attention_head_dim", self.attention_head_dim),
-            ("in_channels", self.in_channels),
-            ("out_channels", self.out_channels),
-            ("num_layers", self.num_layers),
-            ("caption_channels", self.caption_channels),
-            ("sample_height", self.sample_height),
-            ("sample_width", self.sample_width),
-            ("sample_frames", self.sample_frames),
-            ("inner width", self.inner_dim()),
-        ];
-        if let Some((key, _)) = too_large.iter().find(|(_, v)| *v > 1 << 16) {
+        let inner = [("inner width", self.inner_dim())];
+        if let Some((key, _)) = sizes.iter().chain(&inner).find(|(_, v)| *v > 1 << 16) {
             candle_core::bail!("transformer config: {key} must be at most 65536");
         }
         if self.patch_size_t != 1 {
