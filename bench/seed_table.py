@@ -9,8 +9,10 @@ import os
 import sys
 
 GIB = 1024**3
-# The table's steps and forwards per step (CFG doubles them; HunyuanVideo is guidance-distilled).
-RUN = {"ltx": (50, 2), "cogvideox": (50, 2), "hunyuan": (30, 1), "hunyuan-720p": (30, 1)}
+# The table's steps and forwards per step (CFG doubles them; HunyuanVideo and FLUX.1-dev embed their
+# guidance): the PR's settings, the pipelines' call defaults for the last four.
+RUN = {"ltx": (50, 2), "cogvideox": (50, 2), "hunyuan": (30, 1), "hunyuan-720p": (30, 1),
+       "mochi": (64, 2), "allegro": (100, 2), "latte": (50, 2), "flux": (28, 1)}
 
 
 def vidgen_rows(path):
@@ -38,7 +40,7 @@ def main(out):
         if os.path.exists(peer_path):
             peer = {r["mode"]: r for r in json.load(open(peer_path))["rows"] if r.get("model") == fam}
         print(f"\n### {fam} ({steps} steps x {fwd} forwards)\n")
-        print("| mode | s/forward vidgen / diffusers | run s (50 or 30 steps) vidgen / diffusers | model memory GiB vidgen / diffusers (reserved) "
+        print(f"| mode | s/forward vidgen / diffusers | run s ({steps} steps) vidgen / diffusers | model memory GiB vidgen / diffusers (reserved) "
               "| inference peak alloc GiB vidgen / diffusers | reserved vidgen / diffusers | pinned GiB vidgen / diffusers | max diff vs resident vidgen / diffusers |")
         print("|---|---|---|---|---|---|---|---|")
         for mode, r in ours.items():
