@@ -58,8 +58,8 @@ FAMILIES = {
                  fixture="flux-tiny-a", height=768, width=768, frames=1, steps=28, cfg_fwd=1,
                  quick=dict(height=32, width=32, frames=1)),
 }
-# A guess of the resident s/forward on an H200, for --quick's time plan only.
-TYPICAL_S_PER_FORWARD = dict(mochi=4.0, allegro=6.0, latte=0.1, flux=0.4)
+# The resident s/forward on an H200 as counted from FLOPs (attention over all tokens), for --quick's time plan only.
+TYPICAL_S_PER_FORWARD = dict(mochi=2.0, allegro=5.0, latte=0.1, flux=0.25)
 VAE_SPATIAL = 8
 PROMPT_TOKENS = 40  # the prompt's tokens (unmasked where a mask goes in; Latte's embeddings are cut to them)
 

@@ -35,10 +35,15 @@ def main(out):
         fam = os.path.basename(path)[: -len("-vidgen.jsonl")]
         steps, fwd = RUN[fam]
         ours = vidgen_rows(path)
-        peer_path = os.path.join(out, f"peer-{fam}", "results.json")
+        # diffusers' rows, from its calls (peer-<family>, then any peer-<family>+<tag>): the first measured
+        # row of a mode, else its first row (skipped or failed).
         peer = {}
-        if os.path.exists(peer_path):
-            peer = {r["mode"]: r for r in json.load(open(peer_path))["rows"] if r.get("model") == fam}
+        paths = [os.path.join(out, f"peer-{fam}", "results.json")]
+        for path in paths + sorted(glob.glob(os.path.join(out, f"peer-{fam}+*", "results.json"))):
+            rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+            for r in (r for r in rows if r.get("model") == fam):
+                if "s_per_forward" not in peer.get(r["mode"], {}):
+                    peer[r["mode"]] = r
         print(f"\n### {fam} ({steps} steps x {fwd} forwards)\n")
         print(f"| mode | s/forward vidgen / diffusers | run s ({steps} steps) vidgen / diffusers | model memory GiB vidgen / diffusers (reserved) "
               "| inference peak alloc GiB vidgen / diffusers | reserved vidgen / diffusers | pinned GiB vidgen / diffusers | max diff vs resident vidgen / diffusers |")
