@@ -1,7 +1,8 @@
 //! Offload benchmark: one synthetic DiT (or the Wan VAE) per mode, in one process, timed the
 //! way diffusers' peer scripts time (median s/forward after warm-up, pool peaks reset after it).
 //! Every family whose DiT streams by blocks runs: Wan (2.1, 2.2), LTX-Video, CogVideoX,
-//! HunyuanVideo, each fed the inputs its pipeline feeds its transformer at one CFG branch.
+//! HunyuanVideo, Mochi-1, Allegro, Latte-1 and FLUX.1 (size 1xHxW), each fed the inputs its
+//! pipeline feeds its transformer at one CFG branch.
 //!
 //! cargo build --release --features cuda --example offload_bench
 //! offload_bench MODEL FORWARDS FRAMESxHEIGHTxWIDTH 'label: flags' ...   (a Wan label starting with "vae" decodes instead)
@@ -22,22 +23,30 @@ use std::sync::Arc;
 use std::time::Instant;
 use vidgen::cli::args::GenerateOptions;
 use vidgen::memory::accounting::{MemoryMeter, MemoryPeaks};
+use vidgen::models::allegro::transformer::AllegroTransformer3DModel;
 use vidgen::models::cogvideox::transformer::CogVideoXTransformer3DModel;
+use vidgen::models::flux::transformer::{image_ids, timestep_input, FluxTransformer2DModel};
 use vidgen::models::hunyuan_video::scheduler::guidance_input;
 use vidgen::models::hunyuan_video::transformer::{
     HunyuanModulations, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
 };
+use vidgen::models::latte::transformer::LatteTransformer3DModel;
 use vidgen::models::ltx::transformer::{LtxTransformer3DModel, LtxTransformerConfig};
+use vidgen::models::mochi::transformer::MochiTransformer3DModel;
 use vidgen::models::source::component_weights;
 use vidgen::models::source::ModelSource;
 use vidgen::models::wan::transformer::WanTransformer3DModel;
 use vidgen::models::wan::vae::AutoencoderKLWan;
 use vidgen::offload::group::Slot;
 use vidgen::offload::{record, Packing, Residency, Usage};
+use vidgen::pipeline::allegro::AllegroConfigs;
 use vidgen::pipeline::cogvideox::CogVideoXConfigs;
+use vidgen::pipeline::flux::FluxConfigs;
 use vidgen::pipeline::holding::Holding;
 use vidgen::pipeline::hunyuan_video::{HunyuanConfigs, TextConds};
+use vidgen::pipeline::latte::LatteConfigs;
 use vidgen::pipeline::ltx::LtxConfigs;
+use vidgen::pipeline::mochi::MochiConfigs;
 use vidgen::pipeline::placement::{Blockwise, Held, Placed, Placement};
 use vidgen::pipeline::registry::{family, Configs, RunShape};
 use vidgen::pipeline::wan_t2v::{dit_forward, WanConfigs};
@@ -239,7 +248,131 @@ fn main() -> Result<()> {
                 },
             )
         }
-        other => bail!("{other:?}: the benchmark runs Wan, LTX-Video, CogVideoX and HunyuanVideo"),
+        "MochiPipeline" => {
+            let c = MochiConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let shape = c.latent_shape(c.grid(frames, height, width));
+            let text_len = vidgen::models::mochi::defaults::MAX_SEQUENCE_LENGTH as usize;
+            let text_dim = c.transformer.text_embed_dim;
+            bench.run(
+                &c.transformer,
+                text_len,
+                modes,
+                None,
+                |device, _| {
+                    Ok((
+                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
+                        // `t.expand(B).to(latents.dtype)`: a step's timestep in bf16.
+                        bf16(Tensor::new(&[1000f32], device)?, device)?,
+                        bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
+                            device,
+                        )?,
+                        prompt_mask(text_len, DType::U32, device)?,
+                    ))
+                },
+                |held: &Held<'_, MochiTransformer3DModel>, (latents, t, text, mask)| {
+                    Ok(held.forward(held.model().prepare(latents, t, text, mask)?)?)
+                },
+            )
+        }
+        "AllegroPipeline" => {
+            let c = AllegroConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let shape = c.latent_shape(c.grid(frames, height, width));
+            let text_len = vidgen::models::allegro::defaults::MAX_SEQUENCE_LENGTH as usize;
+            let text_dim = c.transformer.caption_channels;
+            bench.run(
+                &c.transformer,
+                text_len,
+                modes,
+                None,
+                |device, _| {
+                    Ok((
+                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
+                        Tensor::new(&[999f32], device)?,
+                        bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
+                            device,
+                        )?,
+                        prompt_mask(text_len, DType::U32, device)?,
+                    ))
+                },
+                |held: &Held<'_, AllegroTransformer3DModel>, (latents, t, text, mask)| {
+                    Ok(held.forward(held.model().prepare(latents, t, text, mask)?)?)
+                },
+            )
+        }
+        "LattePipeline" => {
+            let c = LatteConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let shape = c.latent_shape(frames, height, width);
+            // `mask_feature` cuts the embeddings to the prompt's tokens; no mask goes in.
+            let text_len = PROMPT_TOKENS;
+            let text_dim = c.transformer.caption_channels.context("no caption_channels")?;
+            bench.run(
+                &c.transformer,
+                text_len,
+                modes,
+                None,
+                |device, _| {
+                    Ok((
+                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
+                        Tensor::new(&[999i64], device)?,
+                        bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
+                            device,
+                        )?,
+                    ))
+                },
+                |held: &Held<'_, LatteTransformer3DModel>, (latents, t, text)| {
+                    Ok(held.forward(held.model().prepare(latents, t, text)?)?)
+                },
+            )
+        }
+        "FluxPipeline" => {
+            let c = FluxConfigs::from_configs(Configs::Fetch(&bench.source))?;
+            let packed = c.packed_shape(height, width);
+            let (h, w) = c.latent_size(height, width);
+            // FluxPipeline's max_sequence_length (T5 tokens).
+            let text_len = 512;
+            let t = &c.transformer;
+            let (text_dim, pooled_dim) = (t.joint_attention_dim, t.pooled_projection_dim);
+            bench.run(
+                t,
+                text_len,
+                modes,
+                None,
+                |device, _| {
+                    Ok((
+                        bf16(TorchGenerator::new(1).randn(&packed)?, device)?,
+                        timestep_input(1000.0, DType::BF16, device)?,
+                        bf16(
+                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
+                            device,
+                        )?,
+                        bf16(TorchGenerator::new(3).randn(&[1, pooled_dim])?, device)?,
+                        // FluxPipeline's guidance 3.5, where the transformer embeds it.
+                        t.guidance_embeds
+                            .then(|| Tensor::new(&[3.5f32], device))
+                            .transpose()?,
+                        Tensor::zeros((text_len, 3), DType::F32, device)?,
+                        image_ids(h / 2, w / 2, device)?,
+                    ))
+                },
+                |held: &Held<'_, FluxTransformer2DModel>,
+                 (latents, t, text, pooled, guidance, text_ids, image_ids)| {
+                    let inputs = held.model().prepare(
+                        latents,
+                        t,
+                        text,
+                        pooled,
+                        guidance.as_ref(),
+                        text_ids,
+                        image_ids,
+                    )?;
+                    Ok(held.forward(inputs)?)
+                },
+            )
+        }
+        other => bail!("{other:?}: the benchmark runs Wan, LTX-Video, CogVideoX, HunyuanVideo, Mochi-1, Allegro, Latte-1 and FLUX.1"),
     }
 }
 

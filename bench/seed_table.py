@@ -9,8 +9,10 @@ import os
 import sys
 
 GIB = 1024**3
-# The table's steps and forwards per step (CFG doubles them; HunyuanVideo is guidance-distilled).
-RUN = {"ltx": (50, 2), "cogvideox": (50, 2), "hunyuan": (30, 1), "hunyuan-720p": (30, 1)}
+# The table's steps and forwards per step (CFG doubles them; HunyuanVideo and FLUX.1-dev embed their
+# guidance): the PR's settings, the pipelines' call defaults for the last four.
+RUN = {"ltx": (50, 2), "cogvideox": (50, 2), "hunyuan": (30, 1), "hunyuan-720p": (30, 1),
+       "mochi": (64, 2), "allegro": (100, 2), "latte": (50, 2), "flux": (28, 1)}
 
 
 def vidgen_rows(path):
@@ -33,12 +35,17 @@ def main(out):
         fam = os.path.basename(path)[: -len("-vidgen.jsonl")]
         steps, fwd = RUN[fam]
         ours = vidgen_rows(path)
-        peer_path = os.path.join(out, f"peer-{fam}", "results.json")
+        # diffusers' rows, from its calls (peer-<family>, then any peer-<family>+<tag>): the first measured
+        # row of a mode, else its first row (skipped or failed).
         peer = {}
-        if os.path.exists(peer_path):
-            peer = {r["mode"]: r for r in json.load(open(peer_path))["rows"] if r.get("model") == fam}
+        paths = [os.path.join(out, f"peer-{fam}", "results.json")]
+        for path in paths + sorted(glob.glob(os.path.join(out, f"peer-{fam}+*", "results.json"))):
+            rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+            for r in (r for r in rows if r.get("model") == fam):
+                if "s_per_forward" not in peer.get(r["mode"], {}):
+                    peer[r["mode"]] = r
         print(f"\n### {fam} ({steps} steps x {fwd} forwards)\n")
-        print("| mode | s/forward vidgen / diffusers | run s (50 or 30 steps) vidgen / diffusers | model memory GiB vidgen / diffusers (reserved) "
+        print(f"| mode | s/forward vidgen / diffusers | run s ({steps} steps) vidgen / diffusers | model memory GiB vidgen / diffusers (reserved) "
               "| inference peak alloc GiB vidgen / diffusers | reserved vidgen / diffusers | pinned GiB vidgen / diffusers | max diff vs resident vidgen / diffusers |")
         print("|---|---|---|---|---|---|---|---|")
         for mode, r in ours.items():
