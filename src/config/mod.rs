@@ -203,6 +203,30 @@ pub struct ModelDefaults {
     pub image: bool,
 }
 
+impl ModelDefaults {
+    /// A published pipeline's video: `height` x `width`, `num_frames` frames at `fps`.
+    pub fn video(height: u32, width: u32, num_frames: u32, fps: u32) -> Self {
+        ModelDefaults {
+            height: Some(height),
+            width: Some(width),
+            num_frames: Some(num_frames),
+            fps: Some(fps),
+            ..ModelDefaults::default()
+        }
+    }
+
+    /// These defaults with the published pipeline's sampling: `steps` steps at guidance
+    /// `guidance_scale`, prompts of `text_tokens` tokens.
+    pub fn sampling(self, steps: u32, guidance_scale: f64, text_tokens: u32) -> Self {
+        ModelDefaults {
+            num_inference_steps: Some(steps),
+            guidance_scale: Some(guidance_scale),
+            max_sequence_length: Some(text_tokens),
+            ..self
+        }
+    }
+}
+
 /// Every option with its final value, as config-file keys in the options' order: the run's
 /// configuration as the reports show it (`--stats-json`, the dry run, a video's metadata).
 #[derive(Clone, Debug, Default)]

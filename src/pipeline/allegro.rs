@@ -6,7 +6,9 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs};
+use super::registry::{
+    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+};
 use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -35,22 +37,6 @@ pub type AllegroConfigs =
 type Parts = TextToVideo<T5EncoderModel, AllegroTransformer3DModel, AutoencoderKLAllegro>;
 
 impl AllegroConfigs {
-    /// The latent grid `[F, h, w]` of a video size (`prepare_latents`): `⌈n / rt⌉` frames for
-    /// an even count n, `⌈(n − 1) / rt⌉ + 1` for an odd one.
-    pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
-        let (rt, rs) = (
-            self.vae.temporal_compression_ratio().max(1),
-            self.vae.spatial_compression_ratio(),
-        );
-        let n = num_frames as usize;
-        let frames = if n.is_multiple_of(2) {
-            n.div_ceil(rt)
-        } else {
-            n.saturating_sub(1).div_ceil(rt) + 1
-        };
-        [frames, height as usize / rs, width as usize / rs]
-    }
-
     /// The latents' shape `[1, C, F, h, w]`.
     pub fn latent_shape(&self, grid: [usize; 3]) -> [usize; 5] {
         [1, self.transformer.in_channels, grid[0], grid[1], grid[2]]
@@ -114,8 +100,7 @@ impl Family for AllegroConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        let grid = self.grid(num_frames, height, width);
-        vec![("latents", self.latent_shape(grid).to_vec())]
+        latents_draw(&self.latent_shape(self.grid(num_frames, height, width)))
     }
 
     /// `AllegroPipeline.__call__`'s defaults: the transformer's sample size (×8) and frames
@@ -146,25 +131,18 @@ impl Family for AllegroConfigs {
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        serde_json::json!({
-            "transformer_layers": self.transformer.num_layers,
-            "transformer_inner_dim": self.transformer.inner_dim(),
-            "latent_shape": self.latent_shape(grid),
+        let own = serde_json::json!({
             "latent_layout": "BCFHW",
             "latent_tokens": self.tokens(grid),
-            "vae_scale_factor_spatial": self.vae.spatial_compression_ratio(),
             "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
             "vae_tile": self.vae.tile(),
             "vae_tiles": self.vae.tiles(grid),
-            "text_encoder_layers": self.text_encoder.num_layers,
             "scheduler": "EulerAncestralDiscreteScheduler",
-        })
+        });
+        self.facts_with(self.latent_shape(grid), own)
     }
 
-    declared_by!(
-        |configs, parts, frame| Allegro::read(configs, parts, frame, Some("Allegro"))?
-            .checking_draws(frame, Allegro::take_draws)
-    );
+    declared_by!(Allegro::opener(Some("Allegro"), Allegro::take_draws));
 }
 
 /// Allegro's own part of its pipeline (the frame holds the rest).

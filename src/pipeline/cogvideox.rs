@@ -5,7 +5,9 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::{causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape};
+use super::registry::{
+    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+};
 use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::ModelDefaults;
@@ -15,7 +17,7 @@ use crate::models::cogvideox::transformer::{
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use crate::models::cogvideox::{activations, guidance};
 use crate::models::guidance::batch_input;
-use crate::models::t5::encoder::{T5Config, T5EncoderModel};
+use crate::models::t5::encoder::T5EncoderModel;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
@@ -30,40 +32,13 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 /// The configs of a CogVideoX model: everything planning needs, no weights.
-#[derive(Clone, Debug)]
-pub struct CogVideoXConfigs {
-    pub transformer: CogVideoXTransformerConfig,
-    pub vae: CogVideoXVaeConfig,
-    pub text_encoder: T5Config,
-    pub scheduler: CogVideoXDpmConfig,
-    /// The scheduler class `model_index.json` names.
-    pub scheduler_class: String,
-}
+pub type CogVideoXConfigs =
+    T5VideoConfigs<CogVideoXTransformerConfig, CogVideoXVaeConfig, CogVideoXDpmConfig>;
 
 impl CogVideoXConfigs {
-    /// Reads every component's config.
-    pub fn from_configs(configs: Configs) -> Result<Self> {
-        let index: serde_json::Value = configs.read("model_index.json")?;
-        let scheduler_class = index["scheduler"][1]
-            .as_str()
-            .unwrap_or(DPM_SCHEDULER)
-            .to_string();
-        Ok(CogVideoXConfigs {
-            transformer: configs.read("transformer/config.json")?,
-            vae: configs.read("vae/config.json")?,
-            text_encoder: configs.read("text_encoder/config.json")?,
-            scheduler: configs.read("scheduler/scheduler_config.json")?,
-            scheduler_class,
-        })
-    }
-
     /// The latent shape `[1, F', C, H', W']` (frames before channels) for a video size.
     pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
-        let (t, s) = (
-            self.vae.scale_factor_temporal(),
-            self.vae.scale_factor_spatial(),
-        );
-        let [f, h, w] = causal_latent_grid(num_frames, height, width, t, s);
+        let [f, h, w] = self.grid(num_frames, height, width);
         [1, f, self.transformer.in_channels, h, w]
     }
 }
@@ -115,39 +90,24 @@ impl Family for CogVideoXConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        vec![(
-            "latents",
-            self.latent_shape(num_frames, height, width).to_vec(),
-        )]
+        latents_draw(&self.latent_shape(num_frames, height, width))
     }
 
     /// The published pipeline's call defaults: 480x720, 49 frames at 8 fps, 50 steps,
     /// guidance 6, 226 text tokens.
     fn defaults(&self) -> ModelDefaults {
-        ModelDefaults {
-            height: Some(480),
-            width: Some(720),
-            num_frames: Some(49),
-            fps: Some(8),
-            num_inference_steps: Some(50),
-            guidance_scale: Some(6.0),
-            max_sequence_length: Some(226),
-            // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
-            ..ModelDefaults::default()
-        }
+        // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
+        ModelDefaults::video(480, 720, 49, 8).sampling(50, 6.0, 226)
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
-        serde_json::json!({
-            "transformer_layers": self.transformer.num_layers,
-            "transformer_inner_dim": self.transformer.inner_dim(),
-            "latent_shape": self.latent_shape(shape.num_frames, shape.height, shape.width),
+        let own = serde_json::json!({
             "latent_layout": "BFCHW",
-            "vae_scale_factor_spatial": self.vae.scale_factor_spatial(),
             "vae_scale_factor_temporal": self.vae.scale_factor_temporal(),
-            "text_encoder_layers": self.text_encoder.num_layers,
             "scheduler": DPM_SCHEDULER,
-        })
+        });
+        let latent_shape = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        self.facts_with(latent_shape, own)
     }
 
     declared_by!(CogVideoX::new);
@@ -161,7 +121,8 @@ impl CogVideoX {
     /// checks the draws file against the run's sizes; loads no weights.
     fn new(configs: CogVideoXConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
         let pipeline = Self::read(configs, parts, frame, Some("CogVideoX"))?;
-        let class = &pipeline.configs.scheduler_class;
+        let index: serde_json::Value = Configs::Fetch(&frame.source).read("model_index.json")?;
+        let class = index["scheduler"][1].as_str().unwrap_or(DPM_SCHEDULER);
         if class != DPM_SCHEDULER {
             frame.progress.note(&format!(
                 "note: {} names {class}; vidgen samples with {DPM_SCHEDULER} from the same config, as the CogVideoX-5b model card does",

@@ -9,7 +9,7 @@ use super::denoise::Denoise;
 use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape};
+use super::registry::{declared_by, latents_draw, Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -189,7 +189,7 @@ impl Family for FluxConfigs {
     }
 
     fn draws(&self, _num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        vec![("latents", self.packed_shape(height, width).to_vec())]
+        latents_draw(&self.packed_shape(height, width))
     }
 
     /// FluxPipeline's call defaults: 1024x1024 (128 x the VAE's scale), one image written as a
@@ -292,16 +292,11 @@ impl Flux {
         let device = frame.device_of(self.parts.text_encoder);
         let pooled = clip::prompt::pooled(&clip, &self.tokenizer, &device, frame.dtype(), &texts)?;
         // `_get_t5_prompt_embeds`: T5's `last_hidden_state` of the padded ids without a mask.
-        let mut conds = stages::t5_embeds(frame, &t5, &self.tokenizer_2, &texts, false)?
+        let conds = stages::t5_embeds(frame, &t5, &self.tokenizer_2, &texts, false)?
             .into_iter()
             .zip(pooled)
             .map(|((embeds, _), pooled)| TextConds { embeds, pooled });
-        let cond = conds.next().context("no prompt embeddings")?;
-        let negative = conds.next();
-        for c in std::iter::once(&cond).chain(&negative) {
-            stages::ensure_finite(&c.embeds, "the prompt embeddings")?;
-            stages::ensure_finite(&c.pooled, "the pooled prompt embeddings")?;
-        }
+        let (cond, negative) = stages::prompt_and_negative(conds, |c| [&c.embeds, &c.pooled])?;
         job.carry.put(Carried {
             conds: Some((cond, negative)),
         });

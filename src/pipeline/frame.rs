@@ -52,6 +52,17 @@ impl<C, P> T5Pipeline<C, P> {
         })
     }
 
+    /// The family's own part of a run ([`Family::open`]): the tokenizer read as [`Self::read`]
+    /// reads it, the draws file checked against what `take` takes ([`Self::checking_draws`]).
+    pub fn opener<T>(
+        spiece: Option<&'static str>,
+        take: fn(&Self, &mut RunDraws, Sizes) -> Result<T>,
+    ) -> impl Fn(C, P, &Frame) -> Result<Self> {
+        move |configs, parts, frame| {
+            Self::read(configs, parts, frame, spiece)?.checking_draws(frame, take)
+        }
+    }
+
     /// Itself, once the run's draws file (where one is given) holds what `take` takes for a
     /// job of the run's sizes and nothing else ([`RunDraws::check`]).
     pub fn checking_draws<T>(

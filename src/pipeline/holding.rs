@@ -400,30 +400,42 @@ mod tests {
     use crate::offload::record;
     use crate::offload::residency::slot_sections;
 
+    /// Four blocks of one 1000-float group each, `direct` bytes outside the blocks and `apart`
+    /// kept in host memory; and one group's bytes.
+    fn four_blocks(direct: usize, apart: usize) -> (ComponentLayout, u64) {
+        let group = record(None, DType::F32, Packing::ByDtype, |vb| vb.get(1000, "w")).unwrap();
+        let bytes = group.bytes as u64;
+        let layout = ComponentLayout {
+            direct_bytes: direct,
+            groups: vec![group; 4],
+            host_bytes: apart,
+        };
+        (layout, bytes)
+    }
+
+    /// Streamed a block at a time, one copy ahead, its outer part `outer`.
+    fn streamed(outer: Outer) -> Holding {
+        Holding::Streamed {
+            outer,
+            groups: Grouping {
+                blocks_per_group: 1,
+                by_step: false,
+            },
+            options: StreamOptions {
+                stream: true,
+                depth: 1,
+            },
+        }
+    }
+
     /// Between its stages a streamed component holds its outer part only when that is not
     /// parked (its slots go back when a stage ends); during a stage, the outer part and slots.
     #[test]
     fn streamed_components_hold_nothing_between_stages_unless_their_outer_part_stays() {
-        let group = record(None, DType::F32, Packing::ByDtype, |vb| vb.get(1000, "w")).unwrap();
-        let layout = ComponentLayout {
-            direct_bytes: 10,
-            groups: vec![group; 4],
-            host_bytes: 0,
-        };
+        let (layout, _) = four_blocks(10, 0);
         let slot: usize = slot_sections(&layout.groups).iter().map(|s| s.1).sum();
         for outer in [Outer::Parked, Outer::Resident] {
-            let holding = Holding::Streamed {
-                outer,
-                groups: Grouping {
-                    blocks_per_group: 1,
-                    by_step: false,
-                },
-                options: StreamOptions {
-                    stream: true,
-                    depth: 1,
-                },
-            };
-            let weights = holding.device_weights(&layout);
+            let weights = streamed(outer).device_weights(&layout);
             assert_eq!(weights.active, 10 + 2 * slot as u64);
             assert_eq!(weights.idle, if outer == Outer::Parked { 0 } else { 10 });
         }
@@ -435,24 +447,8 @@ mod tests {
     /// a bound the image fits in pins it all. What it keeps apart (a token table) always counts.
     #[test]
     fn host_bytes_follow_where_the_weights_wait() {
-        let group = record(None, DType::F32, Packing::ByDtype, |vb| vb.get(1000, "w")).unwrap();
-        let (g, direct, apart) = (group.bytes as u64, 10u64, 7u64);
-        let layout = ComponentLayout {
-            direct_bytes: direct as usize,
-            groups: vec![group; 4],
-            host_bytes: apart as usize,
-        };
-        let streamed = |outer| Holding::Streamed {
-            outer,
-            groups: Grouping {
-                blocks_per_group: 1,
-                by_step: false,
-            },
-            options: StreamOptions {
-                stream: true,
-                depth: 1,
-            },
-        };
+        let (direct, apart) = (10u64, 7u64);
+        let (layout, g) = four_blocks(direct as usize, apart as usize);
         let bounded = |max_pinned| HostMemory::Bounded { max_pinned };
         let cases = [
             (Holding::Resident, HostMemory::Pinned, true, apart),

@@ -9,7 +9,7 @@ use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape};
+use super::registry::{declared_by, latents_draw, Configs, Family, FamilyOption, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::ModelDefaults;
@@ -24,6 +24,7 @@ use crate::models::hunyuan_video::transformer::{
     HunyuanModulations, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
 };
 use crate::models::hunyuan_video::vae::{AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig};
+use crate::models::video::causal_latent_grid;
 use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
 use anyhow::{Context, Result};
@@ -165,26 +166,16 @@ impl Family for HunyuanConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        vec![(
-            "latents",
-            self.latent_shape(num_frames, height, width).to_vec(),
-        )]
+        latents_draw(&self.latent_shape(num_frames, height, width))
     }
 
     /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
     /// 50 steps, embedded guidance 6, 256 prompt tokens.
     fn defaults(&self) -> ModelDefaults {
         ModelDefaults {
-            height: Some(720),
-            width: Some(1280),
-            num_frames: Some(129),
-            fps: Some(24),
-            num_inference_steps: Some(50),
-            guidance_scale: Some(6.0),
-            max_sequence_length: Some(256),
             scheduler: Some(SchedulerKind::Euler),
             // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
-            ..ModelDefaults::default()
+            ..ModelDefaults::video(720, 1280, 129, 24).sampling(50, 6.0, 256)
         }
     }
 
@@ -289,42 +280,36 @@ impl HunyuanVideo {
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let device = frame.device_of(self.parts.text_encoder);
         let model = encoder.model();
-        let (mut hidden, mut prepared, mut masks) = (Vec::new(), Vec::new(), Vec::new());
-        for text in texts {
-            let (ids, mask) = self.tokenizer.batch(
-                DEFAULT_PROMPT_TEMPLATE,
-                &[text],
-                self.crop_start,
-                frame.config.generation().max_sequence_length,
-                &device,
-            )?;
-            prepared.push(model.prepare(&mask, &device)?);
-            hidden.push(model.embed(&ids)?);
-            masks.push(mask);
-        }
-        let hidden = encoder.fold_blocks_each(
+        let max_len = frame.config.generation().max_sequence_length;
+        encoder.each_through_blocks(
             LlamaTextEncoder::blocks,
-            hidden,
-            |block: &LlamaDecoderLayer, i, h| block.forward(h, &prepared[i]),
-        )?;
-        hidden
-            .iter()
-            .zip(&masks)
-            .map(|(h, mask)| {
-                let (embeds, mask) = crop_prompt(h, mask, self.crop_start)?;
+            texts,
+            |text| {
+                let (ids, mask) = self.tokenizer.batch(
+                    DEFAULT_PROMPT_TEMPLATE,
+                    &[text],
+                    self.crop_start,
+                    max_len,
+                    &device,
+                )?;
+                Ok((model.embed(&ids)?, (model.prepare(&mask, &device)?, mask)))
+            },
+            |block: &LlamaDecoderLayer, h, (prepared, _)| block.forward(h, prepared),
+            |h, (_, mask)| {
+                let (embeds, mask) = crop_prompt(&h, &mask, self.crop_start)?;
                 Ok((
                     embeds.to_dtype(frame.dtype())?.to_device(&Device::Cpu)?,
                     mask.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
                 ))
-            })
-            .collect()
+            },
+        )
     }
 
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let llama = frame.hold(self.parts.text_encoder)?;
         let clip = frame.hold(self.parts.text_encoder_2)?;
         let texts = stages::true_cfg_texts(frame, job);
-        let mut conds = self
+        let conds = self
             .llama_embed(frame, &llama, &texts)?
             .into_iter()
             .zip(clip::prompt::pooled(
@@ -339,12 +324,7 @@ impl HunyuanVideo {
                 mask,
                 pooled,
             });
-        let cond = conds.next().context("no prompt embeddings")?;
-        let negative = conds.next();
-        for c in std::iter::once(&cond).chain(&negative) {
-            stages::ensure_finite(&c.embeds, "the prompt embeddings")?;
-            stages::ensure_finite(&c.pooled, "the pooled prompt embeddings")?;
-        }
+        let (cond, negative) = stages::prompt_and_negative(conds, |c| [&c.embeds, &c.pooled])?;
         drop((llama, clip));
         job.carry.put(Carried {
             conds: Some((cond, negative)),

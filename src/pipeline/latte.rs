@@ -5,7 +5,9 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs};
+use super::registry::{
+    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+};
 use super::spec::{PipelineSpec, TextToVideo};
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
@@ -33,14 +35,8 @@ type Parts = TextToVideo<T5EncoderModel, LatteTransformer3DModel, AutoencoderKL>
 impl LatteConfigs {
     /// The latent shape `[1, C, F, H/f, W/f]` for a video size.
     pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
-        let s = self.vae.scale_factor();
-        [
-            1,
-            self.transformer.in_channels(),
-            num_frames as usize,
-            height as usize / s,
-            width as usize / s,
-        ]
+        let [f, h, w] = self.grid(num_frames, height, width);
+        [1, self.transformer.in_channels(), f, h, w]
     }
 
     /// Pixels per side of one transformer token: the VAE's factor times the patch.
@@ -92,10 +88,7 @@ impl Family for LatteConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        vec![(
-            "latents",
-            self.latent_shape(num_frames, height, width).to_vec(),
-        )]
+        latents_draw(&self.latent_shape(num_frames, height, width))
     }
 
     /// The published pipeline's call defaults: 512x512 (sample_size x 8), video_length frames,
@@ -121,24 +114,18 @@ impl Family for LatteConfigs {
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
-        serde_json::json!({
-            "transformer_layers": self.transformer.num_layers,
+        let own = serde_json::json!({
             "transformer_temporal_layers": self.transformer.num_layers,
-            "transformer_inner_dim": self.transformer.inner_dim(),
-            "latent_shape": self.latent_shape(shape.num_frames, shape.height, shape.width),
             "latent_layout": "BCFHW",
-            "vae_scale_factor_spatial": self.vae.scale_factor(),
             "vae_decode_chunk_frames": DECODE_CHUNK_FRAMES,
-            "text_encoder_layers": self.text_encoder.num_layers,
             "text_tokens": prompt::MAX_LENGTH,
             "scheduler": "DDIMScheduler",
-        })
+        });
+        let latent_shape = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        self.facts_with(latent_shape, own)
     }
 
-    declared_by!(
-        |configs, parts, frame| Latte::read(configs, parts, frame, Some("Latte"))?
-            .checking_draws(frame, Latte::take_latents)
-    );
+    declared_by!(Latte::opener(Some("Latte"), Latte::take_latents));
 }
 
 /// Latte's own part of its pipeline (the frame holds the rest).

@@ -5,9 +5,7 @@ use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::{
-    causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
-};
+use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -36,16 +34,6 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 pub type LtxConfigs = T5VideoConfigs<LtxTransformerConfig, LtxVaeConfig, FlowMatchEulerConfig>;
 
 impl LtxConfigs {
-    /// The latent grid `[F', H', W']` of a video size (the pipeline's `latent_num_frames`,
-    /// `latent_height`, `latent_width`).
-    pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
-        let (t, s) = (
-            self.vae.temporal_compression_ratio(),
-            self.vae.spatial_compression_ratio(),
-        );
-        causal_latent_grid(num_frames, height, width, t, s)
-    }
-
     /// The token grid the transformer sees (the latent grid in patches).
     pub fn token_grid(&self, grid: [usize; 3]) -> [usize; 3] {
         let (p, pt) = (
@@ -152,16 +140,12 @@ impl Family for LtxConfigs {
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        serde_json::json!({
-            "transformer_layers": self.transformer.num_layers,
-            "transformer_inner_dim": self.transformer.inner_dim(),
-            "latent_shape": self.latent_shape(grid),
+        let own = serde_json::json!({
             "latent_tokens": self.packed_shape(grid)[1],
-            "vae_scale_factor_spatial": self.vae.spatial_compression_ratio(),
             "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
             "vae_timestep_conditioning": self.vae.timestep_conditioning,
-            "text_encoder_layers": self.text_encoder.num_layers,
-        })
+        });
+        self.facts_with(self.latent_shape(grid), own)
     }
 
     declared_by!(|configs, parts, frame| Ltx::read(configs, parts, frame, None));

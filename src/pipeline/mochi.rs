@@ -6,7 +6,7 @@ use super::draws::{RunDraws, Sizes};
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
 use super::registry::{
-    causal_latent_grid, declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
 };
 use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
@@ -52,15 +52,6 @@ pub type MochiConfigs =
     T5VideoConfigs<MochiTransformerConfig, MochiVaeConfig, FlowMatchEulerConfig>;
 
 impl MochiConfigs {
-    /// The latent grid `[F', H', W']` of a video size (`prepare_latents`).
-    pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
-        let (t, s) = (
-            self.vae.temporal_compression_ratio(),
-            self.vae.spatial_compression_ratio(),
-        );
-        causal_latent_grid(num_frames, height, width, t, s)
-    }
-
     /// The latents' shape `[1, C, F', H', W']`.
     pub fn latent_shape(&self, grid: [usize; 3]) -> [usize; 5] {
         [1, self.transformer.in_channels, grid[0], grid[1], grid[2]]
@@ -121,8 +112,7 @@ impl Family for MochiConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        let grid = self.grid(num_frames, height, width);
-        vec![("latents", self.latent_shape(grid).to_vec())]
+        latents_draw(&self.latent_shape(self.grid(num_frames, height, width)))
     }
 
     /// `MochiPipeline.__call__`'s defaults: 480x848, 19 frames, 64 steps, guidance 4.5, 256 text
@@ -148,22 +138,15 @@ impl Family for MochiConfigs {
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        serde_json::json!({
-            "transformer_layers": self.transformer.num_layers,
-            "transformer_inner_dim": self.transformer.inner_dim(),
-            "latent_shape": self.latent_shape(grid),
+        let own = serde_json::json!({
             "latent_tokens": self.tokens(grid),
             "frames_out": self.vae.decoded_frames(grid[0]),
-            "vae_scale_factor_spatial": self.vae.spatial_compression_ratio(),
             "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
-            "text_encoder_layers": self.text_encoder.num_layers,
-        })
+        });
+        self.facts_with(self.latent_shape(grid), own)
     }
 
-    declared_by!(
-        |configs, parts, frame| Mochi::read(configs, parts, frame, None)?
-            .checking_draws(frame, Mochi::take_latents)
-    );
+    declared_by!(Mochi::opener(None, Mochi::take_latents));
 }
 
 /// Mochi's own part of its pipeline (the frame holds the rest).

@@ -218,10 +218,8 @@ fn fit_to_device(family: &dyn Family, config: ResolvedConfig) -> Result<Resolved
         return Ok(config);
     };
     let planner = Planner::new(family, &config);
-    let asked = match planner.plan(&planner.request()) {
-        Ok(plan) => plan,
-        // Options that cannot be placed are reported where the run places them.
-        Err(_) => return Ok(config),
+    let Some(asked) = planner.asked() else {
+        return Ok(config);
     };
     let budget = |total: Option<u64>| match total {
         Some(total) => format!("{:.2} of the device's {:.2} GiB", gib(free), gib(total)),
@@ -231,22 +229,13 @@ fn fit_to_device(family: &dyn Family, config: ResolvedConfig) -> Result<Resolved
     match planner.fit(free) {
         memory_plan::Fit::AsAsked => Ok(config),
         memory_plan::Fit::Leaner(candidate) => {
-            let reason = format!(
-                "{free_text} free; the memory plan predicts a peak of {} for the options asked, {} with {}",
-                asked.describe_peak(),
-                candidate.plan.describe_peak(),
-                candidate.flags.join(" ")
-            );
-            let options = candidate.request.options;
             drop(planner);
-            Ok(config.with_memory_options(options, &reason))
+            let budget = format!("{free_text} free");
+            let peak = ("peak", MemoryPlan::describe_peak);
+            Ok(with_leaner(config, &candidate, &budget, peak, &asked))
         }
         memory_plan::Fit::Nothing => {
-            let kept = planner.kept();
-            let keeping = match kept.is_empty() {
-                true => String::new(),
-                false => format!(" while keeping {}", kept.join(", ")),
-            };
+            let keeping = keeping(&planner.kept());
             let v = config.video();
             let size = format!("{}x{}x{}", v.num_frames, v.height, v.width);
             let advice = memory_plan::advice(
@@ -274,31 +263,20 @@ fn fit_to_host(family: &dyn Family, config: ResolvedConfig, stop: bool) -> Resul
         return Ok(config);
     };
     let planner = Planner::new(family, &config);
-    let asked = match planner.plan(&planner.request()) {
-        Ok(plan) => plan,
-        Err(_) => return Ok(config),
+    let Some(asked) = planner.asked() else {
+        return Ok(config);
     };
     let host_text = format!("{:.2} GiB of host memory available", gib(host));
     match planner.fit_host(host, config.device().free_memory) {
         memory_plan::Fit::AsAsked => Ok(config),
         memory_plan::Fit::Leaner(candidate) => {
-            let reason = format!(
-                "{host_text}; the memory plan predicts a host peak of {} for the options asked, {} with {}",
-                asked.describe_host_peak(),
-                candidate.plan.describe_host_peak(),
-                candidate.flags.join(" ")
-            );
-            let options = candidate.request.options;
             drop(planner);
-            Ok(config.with_memory_options(options, &reason))
+            let peak = ("host peak", MemoryPlan::describe_host_peak);
+            Ok(with_leaner(config, &candidate, &host_text, peak, &asked))
         }
         memory_plan::Fit::Nothing if !stop => Ok(config),
         memory_plan::Fit::Nothing => {
-            let kept = planner.kept_host();
-            let keeping = match kept.is_empty() {
-                true => String::new(),
-                false => format!(" while keeping {}", kept.join(", ")),
-            };
+            let keeping = keeping(&planner.kept_host());
             let leanest = match planner.leanest_host() {
                 Some(c) => format!(
                     "; the leanest, {}, holds {}",
@@ -317,6 +295,34 @@ fn fit_to_host(family: &dyn Family, config: ResolvedConfig, stop: bool) -> Resul
             ))
             .into())
         }
+    }
+}
+
+/// `config` with the leaner memory options of `candidate`, the change recorded as overrides
+/// with why: the `budget`, and the `peak` (its name, how a plan describes it) the memory plan
+/// predicts for the options asked (`asked`) and for the candidate's.
+fn with_leaner(
+    config: ResolvedConfig,
+    candidate: &memory_plan::Candidate,
+    budget: &str,
+    (peak, describe): (&str, impl Fn(&MemoryPlan) -> String),
+    asked: &MemoryPlan,
+) -> ResolvedConfig {
+    let reason = format!(
+        "{budget}; the memory plan predicts a {peak} of {} for the options asked, {} with {}",
+        describe(asked),
+        describe(&candidate.plan),
+        candidate.flags.join(" ")
+    );
+    config.with_memory_options(candidate.request.options.clone(), &reason)
+}
+
+/// " while keeping A, B" of the memory options the user set that no fit may change (empty
+/// where there are none).
+fn keeping(kept: &[&str]) -> String {
+    match kept.is_empty() {
+        true => String::new(),
+        false => format!(" while keeping {}", kept.join(", ")),
     }
 }
 
@@ -1651,11 +1657,7 @@ impl<'a> DryRun<'a> {
             Ok(m) => {
                 out += &format!("predicted peak {}", m.describe_peak());
                 if let Some(total) = d.total_memory {
-                    let verdict = if m.fits(total) {
-                        "fits"
-                    } else {
-                        "does not fit"
-                    };
+                    let verdict = verdict(m.fits(total));
                     out += &format!(
                         "; {:.2} GiB with the allocator's slack and the context: {verdict} in {:.2} GiB",
                         gib(m.required_bytes()),
@@ -1664,11 +1666,7 @@ impl<'a> DryRun<'a> {
                 }
                 out += &format!("\npredicted host peak {}", m.describe_host_peak());
                 if let Some(host) = d.host_available {
-                    let verdict = if m.fits_host(host) {
-                        "fits"
-                    } else {
-                        "does not fit"
-                    };
+                    let verdict = verdict(m.fits_host(host));
                     out += &format!(": {verdict} in the {:.2} GiB available", gib(host));
                 }
                 out += "\n";
@@ -1677,6 +1675,14 @@ impl<'a> DryRun<'a> {
         }
         out += &prompts_text(&described.sizes, d.total_memory);
         out
+    }
+}
+
+/// A prediction's verdict in words.
+fn verdict(fits: bool) -> &'static str {
+    match fits {
+        true => "fits",
+        false => "does not fit",
     }
 }
 

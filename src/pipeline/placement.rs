@@ -438,6 +438,29 @@ impl<M: Blockwise> Held<'_, M> {
         PlacedBlocks::fold_blocks_each(self, resident, init, f)
     }
 
+    /// Each of `inputs` (a prompt's texts) through every block on its own, each block run on
+    /// every input in turn so that a streamed model's weights pass through once for all
+    /// ([`Self::fold_blocks_each`]): `start` makes an input's first hidden state and what its
+    /// blocks read (a mask), `block` runs a block, `finish` makes the input's result of its
+    /// last hidden state. Each result is what running its input alone gives.
+    pub fn each_through_blocks<'b, I, T, C, R>(
+        &'b self,
+        resident: impl FnOnce(&'b M) -> &'b [M::Block],
+        inputs: impl IntoIterator<Item = I>,
+        start: impl FnMut(I) -> Result<(T, C)>,
+        mut block: impl FnMut(&M::Block, &T, &C) -> candle_core::Result<T>,
+        mut finish: impl FnMut(T, C) -> Result<R>,
+    ) -> Result<Vec<R>> {
+        let started = inputs.into_iter().map(start).collect::<Result<Vec<_>>>()?;
+        let (hidden, reads): (Vec<T>, Vec<C>) = started.into_iter().unzip();
+        let hidden = self.fold_blocks_each(resident, hidden, |b, i, h| block(b, h, &reads[i]))?;
+        hidden
+            .into_iter()
+            .zip(reads)
+            .map(|(h, read)| finish(h, read))
+            .collect()
+    }
+
     /// Runs `f` on every block in order, streamed or resident (`resident` lists them).
     fn for_each_block<'b>(
         &'b self,

@@ -76,6 +76,12 @@ impl<'a> Planner<'a> {
         }
     }
 
+    /// The memory plan of the options asked, where they can be placed (where they cannot, the
+    /// run reports it where it places them).
+    pub fn asked(&self) -> Option<MemoryPlan> {
+        self.plan(&self.request()).ok()
+    }
+
     /// The memory plan of `request` on the GPU of rank 0 (the busiest: it alone encodes the
     /// text and decodes).
     pub fn plan(&self, request: &Request) -> Result<MemoryPlan> {

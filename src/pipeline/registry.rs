@@ -9,6 +9,7 @@ use super::{allegro, cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, moc
 use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::source::ModelSource;
 use crate::models::t5::encoder::T5Config;
+use crate::models::video::{VideoDit, VideoVae};
 use crate::output::OutputType;
 use crate::schedulers::SchedulerKind;
 use anyhow::{Context, Result};
@@ -16,22 +17,9 @@ use candle_core::DType;
 use serde::de::DeserializeOwned;
 use std::any::Any;
 
-/// The latent grid `[F', H', W']` of a video size under a causal video VAE that compresses time
-/// `temporal` times and space `spatial` times: the first frame alone, then `temporal` frames
-/// to a latent frame.
-pub fn causal_latent_grid(
-    num_frames: u32,
-    height: u32,
-    width: u32,
-    temporal: usize,
-    spatial: usize,
-) -> [usize; 3] {
-    let (t, s) = (temporal.max(1), spatial.max(1));
-    [
-        (num_frames as usize).saturating_sub(1) / t + 1,
-        height as usize / s,
-        width as usize / s,
-    ]
+/// The draws of a run that takes one: its initial latents, of `shape`.
+pub fn latents_draw(shape: &[usize]) -> Vec<(&'static str, Vec<usize>)> {
+    vec![("latents", shape.to_vec())]
 }
 
 /// What the description of a run depends on: sizes that set activation estimates.
@@ -345,6 +333,34 @@ impl<D: DeserializeOwned, V: DeserializeOwned, S: DeserializeOwned> T5VideoConfi
             text_encoder: configs.read("text_encoder/config.json")?,
             scheduler: configs.read("scheduler/scheduler_config.json")?,
         })
+    }
+}
+
+impl<D: VideoDit, V: VideoVae, S> T5VideoConfigs<D, V, S> {
+    /// The latent grid `[F', H', W']` of a video size ([`VideoVae::latent_grid`]).
+    pub fn grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
+        self.vae.latent_grid(num_frames, height, width)
+    }
+
+    /// The dry run's `model` facts every T5 video family reports (its transformer's size, the
+    /// latents' `latent_shape`, the VAE's spatial factor and the text encoder's layers), with
+    /// the family's `own`.
+    pub fn facts_with(
+        &self,
+        latent_shape: [usize; 5],
+        own: serde_json::Value,
+    ) -> serde_json::Value {
+        let mut facts = serde_json::json!({
+            "transformer_layers": self.transformer.num_layers(),
+            "transformer_inner_dim": self.transformer.hidden_dim(),
+            "latent_shape": latent_shape,
+            "vae_scale_factor_spatial": self.vae.compression().1,
+            "text_encoder_layers": self.text_encoder.num_layers,
+        });
+        if let (Some(facts), serde_json::Value::Object(own)) = (facts.as_object_mut(), own) {
+            facts.extend(own);
+        }
+        facts
     }
 }
 

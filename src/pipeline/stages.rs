@@ -257,6 +257,24 @@ pub(crate) fn true_cfg_texts<'a>(frame: &Frame, job: &'a Job) -> Vec<&'a str> {
     job.texts(negative)
 }
 
+/// The conditionings a family with real CFG made of [`true_cfg_texts`]: the prompt's, and the
+/// negative prompt's where it runs, each checked finite: its embeddings and pooled embedding
+/// (`[embeds, pooled]` of a conditioning).
+pub(crate) fn prompt_and_negative<T>(
+    conds: impl IntoIterator<Item = T>,
+    embeds_and_pooled: impl Fn(&T) -> [&Tensor; 2],
+) -> Result<(T, Option<T>)> {
+    let mut conds = conds.into_iter();
+    let cond = conds.next().context("no prompt embeddings")?;
+    let negative = conds.next();
+    for c in std::iter::once(&cond).chain(&negative) {
+        let [embeds, pooled] = embeds_and_pooled(c);
+        ensure_finite(embeds, "the prompt embeddings")?;
+        ensure_finite(pooled, "the pooled prompt embeddings")?;
+    }
+    Ok((cond, negative))
+}
+
 /// Video `[1, 3, T, H, W]` in [-1, 1] as frames `[T, H, W, 3]` in [0, 1] on the CPU, in f32
 /// (`output_type="np"`: `(video / 2 + 0.5).clamp(0, 1)`), contiguous so the writers read them in
 /// place. One op per statement, each result replacing the last (the decoded video is spent):

@@ -9,7 +9,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::{
-    causal_latent_grid, declared_by, Configs, Family, FamilyOption, ImageInput, RunShape,
+    declared_by, latents_draw, Configs, Family, FamilyOption, ImageInput, RunShape,
 };
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
@@ -22,6 +22,7 @@ use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::ModelSource;
 use crate::models::step_cache::{Forward, Pass, StepCache};
+use crate::models::video::causal_latent_grid;
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
     first_frame_condition, first_frame_mask, image_condition, per_token_timesteps,
@@ -120,10 +121,7 @@ impl Family for WanConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        vec![(
-            "latents",
-            self.latent_shape(num_frames, height, width).to_vec(),
-        )]
+        latents_draw(&self.latent_shape(num_frames, height, width))
     }
 
     /// Text encoder, (image encoder,) DiT expert(s) and VAE (in f32, as diffusers runs it),
@@ -155,13 +153,7 @@ impl Family for WanConfigs {
     /// take diffusers' call defaults, which are vidgen's.
     fn defaults(&self) -> ModelDefaults {
         if self.expand_timesteps {
-            ModelDefaults {
-                height: Some(704),
-                width: Some(1280),
-                num_frames: Some(121),
-                fps: Some(24),
-                ..ModelDefaults::default()
-            }
+            ModelDefaults::video(704, 1280, 121, 24)
         } else {
             ModelDefaults::default()
         }
@@ -495,26 +487,20 @@ impl WanT2V {
         let max_len = frame.config.generation().max_sequence_length;
         let model = encoder.model();
         let device = model.device();
-        let (mut hidden, mut masks, mut lens) = (Vec::new(), Vec::new(), Vec::new());
-        for text in texts {
-            let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
-            let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-            masks.push(attention_mask(&[seq_len], max_len, &device)?);
-            hidden.push(model.embed(&ids)?);
-            lens.push(seq_len);
-        }
-        let hidden = encoder.fold_blocks_each(
+        encoder.each_through_blocks(
             UMT5EncoderModel::blocks,
-            hidden,
-            |block: &UMT5Block, i, h| block.forward(h, &masks[i]),
-        )?;
-        hidden
-            .iter()
-            .zip(&lens)
-            .map(|(h, len)| {
-                Ok(zero_padding_rows(&model.final_norm(h)?, &[*len])?.to_dtype(frame.dtype())?)
-            })
-            .collect()
+            texts,
+            |text| {
+                let (ids, seq_len) = self.tokenizer.encode(&clean_prompt(text), max_len)?;
+                let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+                let mask = attention_mask(&[seq_len], max_len, &device)?;
+                Ok((model.embed(&ids)?, (mask, seq_len)))
+            },
+            |block: &UMT5Block, h, (mask, _)| block.forward(h, mask),
+            |h, (_, len)| {
+                Ok(zero_padding_rows(&model.final_norm(&h)?, &[len])?.to_dtype(frame.dtype())?)
+            },
+        )
     }
 
     /// Encodes the prompts (once per sequence-parallel group: its leader encodes, the others

@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::Blockwise;
 use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
+use crate::models::video::VideoDit;
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -162,6 +163,16 @@ impl AllegroTransformerConfig {
             candle_core::bail!("transformer config: {key} must be a positive number");
         }
         Ok(())
+    }
+}
+
+impl VideoDit for AllegroTransformerConfig {
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn hidden_dim(&self) -> usize {
+        self.inner_dim()
     }
 }
 

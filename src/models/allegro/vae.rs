@@ -16,6 +16,7 @@ use serde::Deserialize;
 use crate::models::autoencoder_kl::blocks::{Conv2d, MidAttention, ResnetBlock2D, Upsample2D};
 use crate::models::conv3d::{add_channel_bias, conv3d_anywhere};
 use crate::models::runs::RunGroupNorm;
+use crate::models::video::VideoVae;
 
 /// Frames of a pixel tile (`AutoencoderKLAllegro.__init__`'s fixed `sample_frames`).
 pub const TILE_FRAMES: usize = 24;
@@ -232,6 +233,31 @@ impl AllegroVaeConfig {
             candle_core::bail!("vae config: scaling_factor must be a non-zero number");
         }
         Ok(())
+    }
+}
+
+impl VideoVae for AllegroVaeConfig {
+    fn compression(&self) -> (usize, usize) {
+        (
+            self.temporal_compression_ratio(),
+            self.spatial_compression_ratio(),
+        )
+    }
+
+    /// `prepare_latents`: `⌈n / rt⌉` frames for an even count n, `⌈(n − 1) / rt⌉ + 1` for an
+    /// odd one.
+    fn latent_grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
+        let (rt, rs) = (
+            self.temporal_compression_ratio().max(1),
+            self.spatial_compression_ratio(),
+        );
+        let n = num_frames as usize;
+        let frames = if n.is_multiple_of(2) {
+            n.div_ceil(rt)
+        } else {
+            n.saturating_sub(1).div_ceil(rt) + 1
+        };
+        [frames, height as usize / rs, width as usize / rs]
     }
 }
 

@@ -14,6 +14,7 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::models::video::VideoVae;
 use blocks::{Conv2d, Decoder, Encoder};
 
 /// The block type every entry of `down_block_types` must name.
@@ -179,6 +180,18 @@ impl AutoencoderKLConfig {
             candle_core::bail!("vae config: layers_per_block must be at least 1 to encode");
         }
         Ok(())
+    }
+}
+
+/// An image VAE under a video DiT (Latte): every frame its own latent frame.
+impl VideoVae for AutoencoderKLConfig {
+    fn compression(&self) -> (usize, usize) {
+        (1, self.scale_factor())
+    }
+
+    fn latent_grid(&self, num_frames: u32, height: u32, width: u32) -> [usize; 3] {
+        let s = self.scale_factor();
+        [num_frames as usize, height as usize / s, width as usize / s]
     }
 }
 

@@ -22,6 +22,7 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
+use crate::models::video::VideoDit;
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the per-head LayerNorm on q and k (fixed in diffusers' `CogVideoXBlock`).
@@ -215,6 +216,16 @@ impl CogVideoXTransformerConfig {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }
         Ok(())
+    }
+}
+
+impl VideoDit for CogVideoXTransformerConfig {
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn hidden_dim(&self) -> usize {
+        self.inner_dim()
     }
 }
 

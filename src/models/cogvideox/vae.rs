@@ -16,6 +16,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::models::conv3d::{self, Kernel3d};
+use crate::models::video::VideoVae;
 
 /// GroupNorm epsilon that diffusers fixes whatever the config says: the decoder's spatial norms
 /// and the encoder's `norm_out`.
@@ -210,6 +211,12 @@ impl CogVideoXVaeConfig {
             candle_core::bail!("vae config: use_post_quant_conv = true is not supported");
         }
         Ok(())
+    }
+}
+
+impl VideoVae for CogVideoXVaeConfig {
+    fn compression(&self) -> (usize, usize) {
+        (self.scale_factor_temporal(), self.scale_factor_spatial())
     }
 }
 

@@ -16,6 +16,7 @@ use serde::Deserialize;
 
 use crate::models::blocks::Blockwise;
 use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
+use crate::models::video::VideoDit;
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -191,6 +192,16 @@ impl LatteTransformerConfig {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }
         Ok(())
+    }
+}
+
+impl VideoDit for LatteTransformerConfig {
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn hidden_dim(&self) -> usize {
+        self.inner_dim()
     }
 }
 

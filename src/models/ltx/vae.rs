@@ -15,6 +15,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::conv3d;
+use crate::models::video::VideoVae;
 use crate::models::wan::transformer::timestep_embedding;
 use crate::rng::TorchGenerator;
 
@@ -211,6 +212,15 @@ impl LtxVaeConfig {
             );
         }
         Ok(())
+    }
+}
+
+impl VideoVae for LtxVaeConfig {
+    fn compression(&self) -> (usize, usize) {
+        (
+            self.temporal_compression_ratio(),
+            self.spatial_compression_ratio(),
+        )
     }
 }
 

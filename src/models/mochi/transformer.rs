@@ -23,6 +23,7 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_with_bias};
 use crate::models::blocks::RepeatedBlocks;
 use crate::models::cogvideox::transformer::linspace_f32;
+use crate::models::video::VideoDit;
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Heads of `MochiAttentionPool` (hard-coded to 8 in `MochiCombinedTimestepCaptionEmbedding`).
@@ -141,6 +142,16 @@ impl MochiTransformerConfig {
             );
         }
         Ok(())
+    }
+}
+
+impl VideoDit for MochiTransformerConfig {
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn hidden_dim(&self) -> usize {
+        self.inner_dim()
     }
 }
 

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use crate::models::hunyuan_video::vae::CausalConv3d;
 use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
+use crate::models::video::VideoVae;
 
 /// Groups of every GroupNorm (hard-coded in `MochiChunkedGroupNorm3D`).
 const NORM_GROUPS: usize = 32;
@@ -179,6 +180,15 @@ impl MochiVaeConfig {
             );
         }
         Ok(())
+    }
+}
+
+impl VideoVae for MochiVaeConfig {
+    fn compression(&self) -> (usize, usize) {
+        (
+            self.temporal_compression_ratio(),
+            self.spatial_compression_ratio(),
+        )
     }
 }
 
