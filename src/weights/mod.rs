@@ -13,8 +13,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub mod gguf;
+mod packed;
 mod storage;
 
+pub use packed::Packed;
 pub use storage::{StorageCast, StorageDtype};
 
 /// Where a component's weights come from.
@@ -60,6 +62,8 @@ struct View<'a> {
     /// Its dtype where its bytes are its values in a dtype vidgen converts; `None` for a GGUF
     /// block quantization (or another dtype), made by [`Files::load`].
     dtype: Option<DType>,
+    /// A GGUF tensor's block quantization.
+    blocks: Option<gguf::GgmlType>,
     shape: Vec<usize>,
     data: &'a [u8],
 }
@@ -76,11 +80,13 @@ impl Files {
         match self {
             Files::Safetensors(st) => st.get(key).ok().map(|v| View {
                 dtype: DType::try_from(v.dtype()).ok(),
+                blocks: None,
                 shape: v.shape().to_vec(),
                 data: v.data(),
             }),
             Files::Gguf(g) => g.tensor(key).map(|t| View {
                 dtype: t.kind.float(),
+                blocks: t.kind.float().is_none().then_some(t.kind),
                 shape: t.shape.clone(),
                 data: g.data(t),
             }),
@@ -401,6 +407,80 @@ impl WeightSet {
             Some(stored) if BYTE_DTYPES.contains(&stored) => stored,
             _ => dtype,
         }
+    }
+
+    /// The compact form weight `name` is held and copied in when a model wants it as `dtype`,
+    /// expanded on the device ([`Packed::expand`]): fp8 bytes where `--storage-dtype` rounds it,
+    /// GGUF blocks as stored; `None` where it is held as values (a LoRA changes it, or no device
+    /// decoder reads its form).
+    pub fn packed(&self, name: &str, dtype: DType) -> Option<Packed> {
+        if self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+            return None;
+        }
+        let packed = match &self.cast {
+            Some(cast) if self.rounds(name) => Packed::Fp8(cast.dtype),
+            _ if self.fp8_scale(name).is_some() => return None,
+            _ => Packed::Gguf(self.view(name)?.blocks?),
+        };
+        Packed::expanding_to(packed, dtype)
+    }
+
+    /// Weight `name`'s bytes in form `packed`: borrowed from the map (GGUF blocks), or made on
+    /// the host (fp8 bytes of the rounded values).
+    pub fn packed_bytes(
+        &self,
+        name: &str,
+        shape: &Shape,
+        packed: Packed,
+    ) -> candle_core::Result<Cow<'_, [u8]>> {
+        if let Some(bytes) = self.mapped_packed(name, packed) {
+            self.report(bytes.len());
+            return Ok(Cow::Borrowed(bytes));
+        }
+        let mut made = vec![0u8; packed.bytes(shape.elem_count())];
+        self.read_packed(name, shape, packed, &mut made)?;
+        Ok(Cow::Owned(made))
+    }
+
+    /// The stored bytes of `name` where they are already in form `packed` (GGUF blocks).
+    pub fn mapped_packed(&self, name: &str, packed: Packed) -> Option<&[u8]> {
+        let view = self.view(name)?;
+        (Some(packed) == view.blocks.map(Packed::Gguf)).then_some(view.data)
+    }
+
+    /// Writes weight `name` in form `packed` into `dst` (exactly its byte size).
+    pub fn read_packed(
+        &self,
+        name: &str,
+        shape: &Shape,
+        packed: Packed,
+        dst: &mut [u8],
+    ) -> candle_core::Result<()> {
+        if dst.len() != packed.bytes(shape.elem_count()) {
+            candle_core::bail!("{name}: {packed:?} of {shape:?} in {} bytes", dst.len())
+        }
+        match packed {
+            Packed::Gguf(_) => {
+                let bytes = self.mapped_packed(name, packed).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{name} is not stored as {packed:?}"))
+                })?;
+                dst.par_chunks_mut(COPY_CHUNK)
+                    .zip(bytes.par_chunks(COPY_CHUNK))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                self.report(bytes.len());
+            }
+            Packed::Fp8(format) => {
+                let values = self
+                    .transformed(name, shape, DType::F32)?
+                    .ok_or_else(|| candle_core::Error::Msg(format!("{name} is not rounded")))?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                dst.par_iter_mut()
+                    .zip(values.par_iter())
+                    .for_each(|(d, &v)| *d = format.encode(v));
+            }
+        }
+        Ok(())
     }
 
     /// Tensor `name`'s bytes in [`Self::staged_dtype`]: borrowed from the map, or made on the
