@@ -29,7 +29,8 @@ pub struct Usage {
     /// How long filling and locking the host arenas took.
     pub setup: HostSetup,
     /// Device bytes the part takes while it computes: its slots, or without a copy stream the
-    /// largest group in fresh memory ([`streamed_bytes`], the rule the memory plan counts by).
+    /// largest group in fresh memory, and the expanded copy of a group's packed tensors
+    /// ([`streamed_bytes`], the rule the memory plan counts by).
     pub device_bytes: usize,
 }
 

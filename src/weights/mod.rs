@@ -410,19 +410,18 @@ impl WeightSet {
     }
 
     /// The compact form weight `name` is held and copied in when a model wants it as `dtype`,
-    /// expanded on the device ([`Packed::expand`]): fp8 bytes where `--storage-dtype` rounds it,
-    /// GGUF blocks as stored; `None` where it is held as values (a LoRA changes it, or no device
-    /// decoder reads its form).
+    /// expanded where it lands ([`Packed::expand`]): fp8 bytes where `--storage-dtype` rounds
+    /// it, GGUF blocks as stored; `None` where it is held as values (a float tensor, one a LoRA
+    /// changes or a scaled fp8 one, or `dtype` not a float dtype).
     pub fn packed(&self, name: &str, dtype: DType) -> Option<Packed> {
-        if self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+        if !Packed::expands_to(dtype) || self.loras.as_ref().is_some_and(|l| l.changes(name)) {
             return None;
         }
-        let packed = match &self.cast {
-            Some(cast) if self.rounds(name) => Packed::Fp8(cast.dtype),
-            _ if self.fp8_scale(name).is_some() => return None,
-            _ => Packed::Gguf(self.view(name)?.blocks?),
-        };
-        Packed::expanding_to(packed, dtype)
+        match &self.cast {
+            Some(cast) if self.rounds(name) => Some(Packed::Fp8(cast.dtype)),
+            _ if self.fp8_scale(name).is_some() => None,
+            _ => self.view(name)?.blocks.map(Packed::Gguf),
+        }
     }
 
     /// Weight `name`'s bytes in form `packed`: borrowed from the map (GGUF blocks), or made on

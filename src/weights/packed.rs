@@ -17,26 +17,33 @@ pub enum Packed {
     Gguf(GgmlType),
 }
 
-/// The GGUF block types the device decodes; the others are decoded on the host when read.
-const DEVICE_GGUF: [GgmlType; 5] = [
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-];
-
 /// The dtypes a packed tensor expands to (`OUT_*` in the kernel, in this order).
 const EXPANDED: [DType; 3] = [DType::F16, DType::BF16, DType::F32];
 
 impl Packed {
-    /// `packed` where it expands to `dtype` (GGUF blocks only of the types the device decodes).
-    pub fn expanding_to(packed: Packed, dtype: DType) -> Option<Packed> {
-        let decoded = match packed {
-            Packed::Fp8(_) => true,
-            Packed::Gguf(kind) => DEVICE_GGUF.contains(&kind),
-        };
-        (decoded && EXPANDED.contains(&dtype)).then_some(packed)
+    /// Whether packed weights expand to `dtype`.
+    pub fn expands_to(dtype: DType) -> bool {
+        EXPANDED.contains(&dtype)
+    }
+
+    /// This form's number in the kernel (`FP8_*`, `Q*` in `dequant.cu`).
+    #[cfg(feature = "cuda")]
+    fn kernel_form(self) -> candle_core::Result<i32> {
+        Ok(match self {
+            Packed::Fp8(StorageDtype::Float8E4m3fn) => 0,
+            Packed::Fp8(StorageDtype::Float8E5m2) => 1,
+            Packed::Gguf(GgmlType::Q8_0) => 2,
+            Packed::Gguf(GgmlType::Q4_0) => 3,
+            Packed::Gguf(GgmlType::Q4_1) => 4,
+            Packed::Gguf(GgmlType::Q5_0) => 5,
+            Packed::Gguf(GgmlType::Q5_1) => 6,
+            Packed::Gguf(GgmlType::Q2_K) => 7,
+            Packed::Gguf(GgmlType::Q3_K) => 8,
+            Packed::Gguf(GgmlType::Q4_K) => 9,
+            Packed::Gguf(GgmlType::Q5_K) => 10,
+            Packed::Gguf(GgmlType::Q6_K) => 11,
+            Packed::Gguf(float) => candle_core::bail!("GGUF {float:?} tensors are not packed"),
+        })
     }
 
     /// Bytes of `elems` values.
@@ -138,14 +145,7 @@ impl CustomOp1 for Expand {
         let dev = &storage.device;
         let src = storage.as_cuda_slice::<u8>()?.slice(start..end);
         let n = self.packed.elements(end - start);
-        let format: i32 = match self.packed {
-            Packed::Fp8(StorageDtype::Float8E4m3fn) => 0,
-            Packed::Fp8(StorageDtype::Float8E5m2) => 1,
-            Packed::Gguf(kind) => match DEVICE_GGUF.iter().position(|k| *k == kind) {
-                Some(i) => 2 + i as i32,
-                None => candle_core::bail!("no device decoder for GGUF {kind:?}"),
-            },
-        };
+        let format = self.packed.kernel_form()?;
         let Some(out) = EXPANDED.iter().position(|d| *d == self.dtype) else {
             candle_core::bail!("packed weights do not expand to {:?}", self.dtype)
         };
@@ -182,9 +182,23 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    /// Every GGUF block quantization.
+    pub(super) const BLOCK_TYPES: [GgmlType; 10] = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
+
     /// Expanding on the host gives the bits of the host decoders followed by candle's casts:
-    /// fp8 bytes (every byte) as `--storage-dtype`'s f32 values cast, GGUF blocks as the f16
-    /// values diffusers decodes cast; and expansion refuses dtypes and types it has no decoder for.
+    /// fp8 bytes (every byte) as `--storage-dtype`'s f32 values cast, GGUF blocks of every type
+    /// as the f16 values diffusers decodes cast; packed weights expand to float dtypes only.
     #[test]
     fn host_expansion_is_the_host_decode_cast() -> candle_core::Result<()> {
         let cpu = Device::Cpu;
@@ -202,26 +216,21 @@ mod tests {
                 );
             }
         }
-        for kind in DEVICE_GGUF {
+        for kind in BLOCK_TYPES {
+            let per_block = kind.block().0;
             let bytes = gguf::random_blocks(kind, 6, 3);
-            let want = Tensor::from_vec(gguf::decode(kind, &bytes), (6, 32), &cpu)?;
+            let want = Tensor::from_vec(gguf::decode(kind, &bytes), (6, per_block), &cpu)?;
             let raw = Tensor::new(bytes.as_slice(), &cpu)?;
-            assert_eq!(Packed::Gguf(kind).bytes(6 * 32), bytes.len());
+            assert_eq!(Packed::Gguf(kind).bytes(6 * per_block), bytes.len());
             for dtype in EXPANDED {
-                let got = Packed::Gguf(kind).expand(&raw, &Shape::from((6, 32)), dtype)?;
+                let got = Packed::Gguf(kind).expand(&raw, &Shape::from((6, per_block)), dtype)?;
                 assert!(
                     same_bits(&got, &want.to_dtype(dtype)?)?,
                     "{kind:?} {dtype:?}"
                 );
             }
         }
-        let q8 = Packed::Gguf(GgmlType::Q8_0);
-        assert_eq!(Packed::expanding_to(q8, DType::BF16), Some(q8));
-        assert_eq!(Packed::expanding_to(q8, DType::F64), None);
-        assert_eq!(
-            Packed::expanding_to(Packed::Gguf(GgmlType::Q4_K), DType::BF16),
-            None
-        );
+        assert!(Packed::expands_to(DType::BF16) && !Packed::expands_to(DType::F64));
         Ok(())
     }
 
@@ -238,13 +247,13 @@ mod tests {
 
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {
-    use super::tests::same_bits;
+    use super::tests::{same_bits, BLOCK_TYPES};
     use super::*;
     use candle_core::Device;
 
     /// On the GPU, every packed form expands to the bits the host expansion gives: fp8 bytes
-    /// (every byte, NaNs and infinities included) and random blocks of every GGUF type the
-    /// device decodes, in f16, bf16 and f32, from an offset into the raw bytes.
+    /// (every byte, NaNs and infinities included) and random blocks of every GGUF block type,
+    /// in f16, bf16 and f32, from an offset into the raw bytes.
     #[test]
     fn device_expansion_matches_the_host_bit_for_bit() -> candle_core::Result<()> {
         let Ok(gpu) = Device::new_cuda(0) else {
@@ -257,12 +266,9 @@ mod cuda_tests {
             let bytes: Vec<u8> = (0..=255u8).cycle().take(256 * 37 + 1).collect();
             cases.push((Packed::Fp8(format), bytes, 256 * 37 + 1));
         }
-        for kind in DEVICE_GGUF {
-            cases.push((
-                Packed::Gguf(kind),
-                gguf::random_blocks(kind, 4099, 5),
-                4099 * 32,
-            ));
+        for kind in BLOCK_TYPES {
+            let bytes = gguf::random_blocks(kind, 4099, 5);
+            cases.push((Packed::Gguf(kind), bytes, 4099 * kind.block().0));
         }
         for (packed, bytes, elems) in cases {
             // A leading byte, so the raw tensor is a view that starts past its allocation.

@@ -16,6 +16,14 @@
 #define Q4_1 4
 #define Q5_0 5
 #define Q5_1 6
+#define Q2_K 7
+#define Q3_K 8
+#define Q4_K 9
+#define Q5_K 10
+#define Q6_K 11
+
+// Bytes of one block of each GGUF form (from Q8_0 on), and values per block.
+__constant__ int BLOCK_BYTES[10] = {34, 18, 20, 22, 24, 84, 110, 144, 176, 210};
 
 // Output dtypes (`Packed::expand`).
 #define OUT_F16 0
@@ -54,6 +62,68 @@ __device__ float h(float x) { return __half2float(__float2half_rn(x)); }
 // The 4-bit value of element `j` of a 32-element block whose nibbles start at `qs`.
 __device__ float nibble(const uint8_t* qs, int j) {
     return (float)(j < 16 ? qs[j] & 15 : qs[j - 16] >> 4);
+}
+
+// The 6-bit scale and minimum of group `j` of a Q4_K/Q5_K super-block's 12 scale bytes.
+__device__ void scale_min(const uint8_t* s, int j, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+// Element `e` of a 256-element K-quant super-block `b` of `format`, before its rounding to
+// float16.
+__device__ float k_quant_value(const uint8_t* b, int e, int format) {
+    switch (format) {
+        case Q4_K:
+        case Q5_K: {
+            const float d = half_at(b), dmin = half_at(b + 2);
+            const int group = e / 32, l = e % 32;
+            const uint8_t* qs = b + (format == Q5_K ? 48 : 16);
+            const uint8_t byte = qs[32 * (group / 2) + l];
+            float q = (float)(group % 2 == 0 ? byte & 15 : byte >> 4);
+            if (format == Q5_K) q = __fadd_rn(q, 16.0f * (float)((b[16 + l] >> group) & 1));
+            float sc, m;
+            scale_min(b + 4, group, &sc, &m);
+            return __fsub_rn(h(__fmul_rn(h(__fmul_rn(d, sc)), q)), h(__fmul_rn(dmin, m)));
+        }
+        case Q6_K: {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t* sc = (const int8_t*)(b + 192);
+            const float d = half_at(b + 208);
+            const int half = e / 128, r = e % 128, quarter = r / 32, l = r % 32;
+            const uint8_t low_byte = ql[64 * half + l + 32 * (quarter % 2)];
+            const int low = quarter < 2 ? low_byte & 15 : low_byte >> 4;
+            const int high = (qh[32 * half + l] >> (2 * quarter)) & 3;
+            const float q = (float)(low | (high << 4)) - 32.0f;
+            return __fmul_rn(h(__fmul_rn(d, (float)sc[e / 16])), q);
+        }
+        case Q3_K: {
+            const uint8_t *hmask = b, *qs = b + 32, *s = b + 96;
+            const float d = half_at(b + 108);
+            const int g = e / 16;
+            const int low = g < 8 ? s[g] & 15 : s[g - 8] >> 4;
+            const int high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+            const float scale = (float)(low | (high << 4)) - 32.0f;
+            const int a = e / 128, r = e % 128, k = r / 32, l = r % 32;
+            float q = (float)((qs[32 * a + l] >> (2 * k)) & 3);
+            if (((hmask[l] >> (e / 32)) & 1) == 0) q -= 4.0f;
+            return __fmul_rn(h(__fmul_rn(d, scale)), q);
+        }
+        default: {  // Q2_K
+            const uint8_t *s = b, *qs = b + 16;
+            const float d = half_at(b + 80), dmin = half_at(b + 82);
+            const int g = e / 16, a = e / 128, r = e % 128, k = r / 32, l = r % 32;
+            const float q = (float)((qs[32 * a + l] >> (2 * k)) & 3);
+            const float dl = h(__fmul_rn(d, (float)(s[g] & 15)));
+            const float ml = h(__fmul_rn(dmin, (float)(s[g] >> 4)));
+            return __fsub_rn(h(__fmul_rn(dl, q)), ml);
+        }
+    }
 }
 
 // Element `j` of 32-element GGUF block `b` of `format`, before its rounding to float16.
@@ -102,13 +172,12 @@ extern "C" __global__ void expand(const uint8_t* src, void* dst, long long n, in
         float v;
         if (format == FP8_E4M3FN || format == FP8_E5M2) {
             v = fp8_value(src[i], format);
+        } else if (format < Q2_K) {
+            const uint8_t* block = src + (i / 32) * BLOCK_BYTES[format - Q8_0];
+            v = h(gguf_value(block, (int)(i % 32), format));
         } else {
-            const int block_bytes = format == Q8_0 ? 34
-                                    : format == Q4_0 ? 18
-                                    : format == Q4_1 ? 20
-                                    : format == Q5_0 ? 22
-                                                     : 24;
-            v = h(gguf_value(src + (i / 32) * block_bytes, (int)(i % 32), format));
+            const uint8_t* block = src + (i / 256) * BLOCK_BYTES[format - Q8_0];
+            v = h(k_quant_value(block, (int)(i % 256), format));
         }
         store(dst, i, out, v);
     }
