@@ -978,6 +978,40 @@ mod tests {
         Ok(())
     }
 
+    /// Which weights are held packed: a GGUF file's block-quantized tensors (asked for in a
+    /// float dtype) as its blocks, its float tensors not; under `--storage-dtype` the rounded
+    /// weights as fp8 bytes (a scaled fp8 weight too, rounded from its scaled values), the
+    /// others not; without it a scaled fp8 weight is not (it is read as `W8 · scale`).
+    #[test]
+    fn packed_forms_follow_what_is_stored_and_rounded() -> anyhow::Result<()> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/weights-a");
+        let gguf = WeightSet::open(&Weights::Files(vec![dir.join("wan-q-tiny-a-Q8_0.gguf")]))?;
+        let names = gguf.names();
+        let blocks = |n: &&String| gguf.view(n).is_some_and(|v| v.blocks.is_some());
+        let quantized = names.iter().find(blocks).expect("a Q8_0 tensor");
+        let float = names.iter().find(|n| !blocks(n)).expect("a float tensor");
+        let q8 = Some(Packed::Gguf(gguf::GgmlType::Q8_0));
+        assert_eq!(gguf.packed(quantized, DType::BF16), q8);
+        assert_eq!(gguf.packed(quantized, DType::F32), q8);
+        assert_eq!(gguf.packed(quantized, DType::F64), None);
+        assert_eq!(gguf.packed(float, DType::BF16), None);
+        let file = dir.join("wan-tiny-a-comfyui-fp8-scaled.safetensors");
+        let scaled = WeightSet::open(&Weights::Files(vec![file]))?;
+        let (linear, norm) = ("blocks.0.attn1.to_q.weight", "blocks.0.attn1.norm_q.weight");
+        assert!(scaled.fp8_scale(linear).is_some());
+        assert_eq!(scaled.packed(linear, DType::BF16), None);
+        let format = StorageDtype::Float8E5m2;
+        let cast = StorageCast {
+            dtype: format,
+            skip: crate::models::wan::transformer::LAYERWISE_CASTING_SKIP,
+        };
+        let cast = scaled.with_storage_cast(cast);
+        assert_eq!(cast.packed(linear, DType::BF16), Some(Packed::Fp8(format)));
+        assert!(cast.view(norm).is_some());
+        assert_eq!(cast.packed(norm, DType::BF16), None);
+        Ok(())
+    }
+
     /// Synthetic values written straight in a dtype are the bits of the f32 values converted
     /// as candle converts them (a matrix, and a norm scale), and the same through
     /// `read_into`, which the loaders call.
