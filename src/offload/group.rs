@@ -58,7 +58,7 @@ impl Slot {
     /// Writes its bytes as held into `dst` (exactly [`Self::bytes`] long).
     pub fn read(&self, weights: &WeightSet, dst: &mut [u8]) -> candle_core::Result<()> {
         match self.packed {
-            Some(packed) => weights.read_packed(&self.name, &self.shape, packed, dst),
+            Some(packed) => weights.read_packed(&self.name, &self.shape, self.dtype, packed, dst),
             None => weights.read_into(&self.name, &self.shape, self.dtype, dst),
         }
     }

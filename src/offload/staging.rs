@@ -183,7 +183,9 @@ pub fn load_tensors(
             let slot = &slots[i];
             landing.reserve(i, staged[i], sizes[i] / staged[i].size_in_bytes())?;
             Ok(match slot.packed {
-                Some(packed) => weights.packed_bytes(&slot.name, &slot.shape, packed)?,
+                Some(packed) => {
+                    weights.packed_bytes(&slot.name, &slot.shape, slot.dtype, packed)?
+                }
                 None => weights.staged_bytes(&slot.name, &slot.shape, slot.dtype)?,
             })
         },

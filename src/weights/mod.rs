@@ -235,7 +235,8 @@ impl WeightSet {
 
     /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on the CPU: an fp8
     /// weight times its scale (`W8 as f32 · scale`, one f32 product), rounded through the
-    /// storage dtype, then the LoRA deltas merged; `None` where none applies.
+    /// storage dtype from `dtype` (diffusers casts the weights it loaded in the run dtype), then
+    /// the LoRA deltas merged; `None` where none applies.
     fn transformed(
         &self,
         name: &str,
@@ -265,7 +266,8 @@ impl WeightSet {
         };
         let base = match self.cast.as_ref().filter(|_| self.rounds(name)) {
             Some(cast) => {
-                let values: Vec<f32> = base.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let loaded = base.flatten_all()?.to_dtype(dtype)?;
+                let values: Vec<f32> = loaded.to_dtype(DType::F32)?.to_vec1()?;
                 let rounded = values.into_iter().map(|v| cast.dtype.round(v)).collect();
                 Tensor::from_vec(rounded, base.shape(), &Device::Cpu)?
             }
@@ -424,12 +426,13 @@ impl WeightSet {
         }
     }
 
-    /// Weight `name`'s bytes in form `packed`: borrowed from the map (GGUF blocks), or made on
-    /// the host (fp8 bytes of the rounded values).
+    /// Weight `name`'s bytes in form `packed` for a model that wants it as `dtype`: borrowed
+    /// from the map (GGUF blocks), or made on the host (fp8 bytes of the rounded values).
     pub fn packed_bytes(
         &self,
         name: &str,
         shape: &Shape,
+        dtype: DType,
         packed: Packed,
     ) -> candle_core::Result<Cow<'_, [u8]>> {
         if let Some(bytes) = self.mapped_packed(name, packed) {
@@ -437,7 +440,7 @@ impl WeightSet {
             return Ok(Cow::Borrowed(bytes));
         }
         let mut made = vec![0u8; packed.bytes(shape.elem_count())];
-        self.read_packed(name, shape, packed, &mut made)?;
+        self.read_packed(name, shape, dtype, packed, &mut made)?;
         Ok(Cow::Owned(made))
     }
 
@@ -447,11 +450,13 @@ impl WeightSet {
         (Some(packed) == view.blocks.map(Packed::Gguf)).then_some(view.data)
     }
 
-    /// Writes weight `name` in form `packed` into `dst` (exactly its byte size).
+    /// Writes weight `name`, wanted as `dtype`, in form `packed` into `dst` (exactly its byte
+    /// size).
     pub fn read_packed(
         &self,
         name: &str,
         shape: &Shape,
+        dtype: DType,
         packed: Packed,
         dst: &mut [u8],
     ) -> candle_core::Result<()> {
@@ -469,10 +474,12 @@ impl WeightSet {
                 self.report(bytes.len());
             }
             Packed::Fp8(format) => {
+                // The rounded values, exact in `dtype` and so in f32.
                 let values = self
-                    .transformed(name, shape, DType::F32)?
+                    .transformed(name, shape, dtype)?
                     .ok_or_else(|| candle_core::Error::Msg(format!("{name} is not rounded")))?
                     .flatten_all()?
+                    .to_dtype(DType::F32)?
                     .to_vec1::<f32>()?;
                 dst.par_iter_mut()
                     .zip(values.par_iter())
@@ -1009,6 +1016,40 @@ mod tests {
         assert_eq!(cast.packed(linear, DType::BF16), Some(Packed::Fp8(format)));
         assert!(cast.view(norm).is_some());
         assert_eq!(cast.packed(norm, DType::BF16), None);
+        Ok(())
+    }
+
+    /// `--storage-dtype` rounds a weight as diffusers stores it: loaded in the run dtype, then
+    /// cast to fp8. An f32 value just above an fp8 tie rounds up in an f32 run, but to the tie
+    /// in bf16 first and then to even in a bf16 run; the fp8 bytes held for each are those.
+    #[test]
+    fn storage_rounding_goes_through_the_run_dtype() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("vidgen-fp8-run-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.safetensors");
+        let name = "blocks.0.attn1.to_q.weight";
+        let above_tie = 1.0625 + 2f32.powi(-20);
+        let w = Tensor::new(&[[above_tie, -above_tie]], &Device::Cpu)?;
+        candle_core::safetensors::save(&[(name, w)].into_iter().collect(), &path)?;
+        let format = StorageDtype::Float8E4m3fn;
+        let cast = StorageCast {
+            dtype: format,
+            skip: crate::models::wan::transformer::LAYERWISE_CASTING_SKIP,
+        };
+        let weights = WeightSet::open(&Weights::Files(vec![path]))?.with_storage_cast(cast);
+        let shape = Shape::from((1, 2));
+        for (dtype, want) in [(DType::F32, 1.125f32), (DType::BF16, 1.0)] {
+            let got = weights.var_builder(dtype, &Device::Cpu).get((1, 2), name)?;
+            let got: Vec<f32> = got.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+            assert_eq!(got, [want, -want], "{dtype:?}");
+            let packed = weights.packed_bytes(name, &shape, dtype, Packed::Fp8(format))?;
+            assert_eq!(
+                *packed,
+                [format.encode(want), format.encode(-want)],
+                "{dtype:?}"
+            );
+        }
+        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 
