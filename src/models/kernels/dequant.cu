@@ -165,7 +165,7 @@ __device__ void store(void* dst, long long i, int out, float v) {
 }
 
 // `n` values of packed form `format` at `src` expanded into `dst` as `out`, one thread per value
-// (grid-stride).
+// (grid-stride; blocks of 32 and 256 values are found by shifts, not 64-bit divisions).
 extern "C" __global__ void expand(const uint8_t* src, void* dst, long long n, int format, int out) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -173,11 +173,11 @@ extern "C" __global__ void expand(const uint8_t* src, void* dst, long long n, in
         if (format == FP8_E4M3FN || format == FP8_E5M2) {
             v = fp8_value(src[i], format);
         } else if (format < Q2_K) {
-            const uint8_t* block = src + (i / 32) * BLOCK_BYTES[format - Q8_0];
-            v = h(gguf_value(block, (int)(i % 32), format));
+            const uint8_t* block = src + (i >> 5) * BLOCK_BYTES[format - Q8_0];
+            v = h(gguf_value(block, (int)(i & 31), format));
         } else {
-            const uint8_t* block = src + (i / 256) * BLOCK_BYTES[format - Q8_0];
-            v = h(k_quant_value(block, (int)(i % 256), format));
+            const uint8_t* block = src + (i >> 8) * BLOCK_BYTES[format - Q8_0];
+            v = h(k_quant_value(block, (int)(i & 255), format));
         }
         store(dst, i, out, v);
     }
