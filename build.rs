@@ -35,6 +35,7 @@ fn main() {
         ("conv3d", PORTABLE, false),
         ("norms", PORTABLE, false),
         ("channel_ops", PORTABLE, false),
+        ("dequant", PORTABLE, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

@@ -1,6 +1,6 @@
 //! What moves together: a group's tensors, laid out once as one host image.
 
-use crate::weights::WeightSet;
+use crate::weights::{Packed, WeightSet};
 use anyhow::Result;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -16,19 +16,67 @@ pub(super) const ALIGN: usize = 256;
 pub struct Slot {
     pub name: String,
     pub shape: Shape,
+    /// The dtype the model computes with.
     pub dtype: DType,
+    /// The compact form its bytes are held and copied in, expanded to `dtype` where they land;
+    /// `None`: they are its values in `dtype`.
+    pub packed: Option<Packed>,
     /// Bytes from the start of the image.
     pub offset: usize,
 }
 
 impl Slot {
-    /// The tensor's size in bytes.
+    /// The tensor's size in bytes as held and copied.
     pub fn bytes(&self) -> usize {
+        match self.packed {
+            Some(packed) => packed.bytes(self.shape.elem_count()),
+            None => self.device_bytes(),
+        }
+    }
+
+    /// The tensor's size in bytes as the model computes with it.
+    pub fn device_bytes(&self) -> usize {
         self.shape.elem_count() * self.dtype.size_in_bytes()
+    }
+
+    /// The dtype its bytes are copied in: its own, or raw bytes when packed.
+    pub fn stored_dtype(&self) -> DType {
+        match self.packed {
+            Some(_) => DType::U8,
+            None => self.dtype,
+        }
+    }
+
+    /// Its bytes as held, where the memory map stores them so.
+    pub fn mapped<'w>(&self, weights: &'w WeightSet) -> Option<&'w [u8]> {
+        match self.packed {
+            Some(packed) => weights.mapped_packed(&self.name, packed),
+            None => weights.mapped_bytes(&self.name, self.dtype),
+        }
+    }
+
+    /// Writes its bytes as held into `dst` (exactly [`Self::bytes`] long).
+    pub fn read(&self, weights: &WeightSet, dst: &mut [u8]) -> candle_core::Result<()> {
+        match self.packed {
+            Some(packed) => weights.read_packed(&self.name, &self.shape, self.dtype, packed, dst),
+            None => weights.read_into(&self.name, &self.shape, self.dtype, dst),
+        }
+    }
+
+    /// The tensor the model gets from `landed`, its bytes on the device: packed ones expanded
+    /// (once per landing), the others as they are.
+    pub fn expand(&self, landed: Tensor) -> candle_core::Result<Tensor> {
+        match self.packed {
+            Some(packed) => packed.expand(&landed, &self.shape, self.dtype),
+            None => Ok(landed),
+        }
     }
 }
 
-/// A run of same-dtype tensors: one copy and one device allocation.
+/// A tensor asked for: its name, shape, dtype, and the compact form it is held in.
+type Request = (String, Shape, DType, Option<Packed>);
+
+/// A run of tensors copied in the same dtype: one copy and one device allocation.
 #[derive(Clone, Debug)]
 pub struct Section {
     pub dtype: DType,
@@ -58,28 +106,36 @@ pub struct GroupLayout {
 }
 
 impl GroupLayout {
-    /// Lays out `requests` (name, shape, dtype) in request order within each dtype; a tensor
+    /// Lays out `requests` in request order within each dtype they are copied in; a tensor
     /// asked for twice is stored once.
-    fn new(requests: Vec<(String, Shape, DType)>, packing: Packing) -> Self {
+    fn new(requests: Vec<Request>, packing: Packing) -> Self {
         let mut layout = GroupLayout::default();
+        let slots: Vec<Slot> = requests
+            .into_iter()
+            .map(|(name, shape, dtype, packed)| Slot {
+                name,
+                shape,
+                dtype,
+                packed,
+                offset: 0,
+            })
+            .collect();
         let mut dtypes: Vec<DType> = Vec::new();
-        for (_, _, dtype) in &requests {
-            if !dtypes.contains(dtype) {
-                dtypes.push(*dtype);
+        for slot in &slots {
+            if !dtypes.contains(&slot.stored_dtype()) {
+                dtypes.push(slot.stored_dtype());
             }
         }
         let mut offset = 0;
         for dtype in dtypes {
             let start = offset;
-            for (name, shape, _) in requests.iter().filter(|r| r.2 == dtype) {
-                if layout.slots.iter().any(|s| &s.name == name) {
+            for slot in slots.iter().filter(|s| s.stored_dtype() == dtype) {
+                if layout.slots.iter().any(|s| s.name == slot.name) {
                     continue;
                 }
                 let slot = Slot {
-                    name: name.clone(),
-                    shape: shape.clone(),
-                    dtype,
                     offset,
+                    ..slot.clone()
                 };
                 let end = (offset + slot.bytes()).next_multiple_of(ALIGN);
                 if packing == Packing::PerTensor {
@@ -104,13 +160,38 @@ impl GroupLayout {
         layout
     }
 
-    /// Bytes of the tensors themselves (without padding).
+    /// Bytes of the tensors themselves as held (without padding).
     pub fn tensor_bytes(&self) -> usize {
         self.slots.iter().map(Slot::bytes).sum()
     }
 
-    /// The tensors as views of per-section device tensors (`sections[i]` holds section i as a
-    /// flat 1-D tensor of its dtype).
+    /// Bytes of the tensors as the model computes with them.
+    pub fn device_bytes(&self) -> usize {
+        self.slots.iter().map(Slot::device_bytes).sum()
+    }
+
+    /// Device bytes of the expanded copies of the packed tensors, made when the group lands
+    /// and held while it computes.
+    pub fn expanded_bytes(&self) -> usize {
+        let packed = self.slots.iter().filter(|s| s.packed.is_some());
+        packed.map(Slot::device_bytes).sum()
+    }
+
+    /// The tensors the model gets from the group's landed `views` ([`Self::views`]), packed
+    /// ones expanded.
+    pub fn expand(
+        &self,
+        views: Vec<(String, Tensor)>,
+    ) -> candle_core::Result<Vec<(String, Tensor)>> {
+        self.slots
+            .iter()
+            .zip(views)
+            .map(|(slot, (name, view))| Ok((name, slot.expand(view)?)))
+            .collect()
+    }
+
+    /// The tensors' bytes as views of per-section device tensors (`sections[i]` holds section i
+    /// as a flat 1-D tensor of its dtype): shaped, or flat bytes where packed.
     pub fn views(&self, sections: &[Tensor]) -> candle_core::Result<Vec<(String, Tensor)>> {
         self.slots
             .iter()
@@ -120,20 +201,22 @@ impl GroupLayout {
                     .iter()
                     .enumerate()
                     .find(|(_, s)| {
-                        s.dtype == slot.dtype
+                        s.dtype == slot.stored_dtype()
                             && (s.offset..s.offset + s.bytes.max(1)).contains(&slot.offset)
                     })
                     .ok_or_else(|| {
                         candle_core::Error::Msg(format!("no section for {}", slot.name))
                     })?;
-                let size = slot.dtype.size_in_bytes();
-                let view = sections[index]
-                    .narrow(
-                        0,
-                        (slot.offset - section.offset) / size,
-                        slot.shape.elem_count(),
-                    )?
-                    .reshape(slot.shape.clone())?;
+                let size = section.dtype.size_in_bytes();
+                let view = sections[index].narrow(
+                    0,
+                    (slot.offset - section.offset) / size,
+                    slot.bytes() / size,
+                )?;
+                let view = match slot.packed {
+                    Some(_) => view,
+                    None => view.reshape(slot.shape.clone())?,
+                };
                 Ok((slot.name.clone(), view))
             })
             .collect()
@@ -146,7 +229,7 @@ impl GroupLayout {
 /// time; without, the shapes are what the constructors ask for (the memory plan's count).
 struct Recorder {
     weights: Option<WeightSet>,
-    seen: Arc<Mutex<Vec<(String, Shape, DType)>>>,
+    seen: Arc<Mutex<Vec<Request>>>,
 }
 
 impl SimpleBackend for Recorder {
@@ -161,10 +244,11 @@ impl SimpleBackend for Recorder {
         if let Some(weights) = &self.weights {
             weights.check(name, &s)?;
         }
+        let packed = self.weights.as_ref().and_then(|w| w.packed(name, dtype));
         self.seen
             .lock()
             .map_err(|_| candle_core::Error::Msg("recorder poisoned".into()))?
-            .push((name.to_string(), s.clone(), dtype));
+            .push((name.to_string(), s.clone(), dtype, packed));
         // One zero broadcast to the shape: no memory, however large the tensor.
         Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(s)
     }
@@ -183,7 +267,7 @@ impl SimpleBackend for Recorder {
 /// The tensors one or more `VarBuilder`s handed out were asked for.
 #[derive(Clone, Default)]
 pub struct Recording {
-    seen: Arc<Mutex<Vec<(String, Shape, DType)>>>,
+    seen: Arc<Mutex<Vec<Request>>>,
 }
 
 impl Recording {
@@ -224,13 +308,13 @@ pub fn record<B>(
 mod tests {
     use super::*;
 
-    fn requests() -> Vec<(String, Shape, DType)> {
+    fn requests() -> Vec<Request> {
         vec![
-            ("a".into(), Shape::from((3, 5)), DType::BF16),
-            ("b".into(), Shape::from(7), DType::F32),
-            ("c".into(), Shape::from(100), DType::BF16),
+            ("a".into(), Shape::from((3, 5)), DType::BF16, None),
+            ("b".into(), Shape::from(7), DType::F32, None),
+            ("c".into(), Shape::from(100), DType::BF16, None),
             // Asked for twice (a tied weight): stored once.
-            ("a".into(), Shape::from((3, 5)), DType::BF16),
+            ("a".into(), Shape::from((3, 5)), DType::BF16, None),
         ]
     }
 

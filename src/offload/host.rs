@@ -210,7 +210,7 @@ impl HostStore {
         device: &Device,
     ) -> Result<Self> {
         let started = Instant::now();
-        let in_map = |s: &Slot| weights.mapped_bytes(&s.name, s.dtype);
+        let in_map = |s: &Slot| s.mapped(weights);
         #[cfg(feature = "cuda")]
         if let (HostMemory::Pinned, Device::Cuda(dev)) = (memory, device) {
             let ranges: Vec<Range<usize>> = layouts
@@ -272,7 +272,7 @@ impl HostStore {
                     let converted = layout
                         .slots
                         .iter()
-                        .map(|s| match weights.mapped_bytes(&s.name, s.dtype) {
+                        .map(|s| match s.mapped(weights) {
                             Some(_) => None,
                             None => Some(pack(s.bytes())),
                         })
@@ -391,9 +391,8 @@ impl HostStore {
             }
             Place::Mapped { converted } => match converted[k] {
                 Some((arena, at)) => Ok(&self.arenas[arena].bytes()[at..at + slot.bytes()]),
-                None => self
-                    .weights
-                    .mapped_bytes(&slot.name, slot.dtype)
+                None => slot
+                    .mapped(&self.weights)
                     .with_context(|| format!("{} is no longer mapped", slot.name)),
             },
         }
@@ -460,9 +459,7 @@ fn fill(groups: &[HostGroup], index: usize, arena: &mut Arena, weights: &WeightS
     carve(arena.bytes_mut(), ranges)
         .into_par_iter()
         .zip(slots.par_iter())
-        .try_for_each(|(dst, (_, slot))| {
-            weights.read_into(&slot.name, &slot.shape, slot.dtype, dst)
-        })
+        .try_for_each(|(dst, (_, slot))| slot.read(weights, dst))
         .context("reading offloaded weights into host memory")
 }
 

@@ -8,7 +8,9 @@
 //! ([`transfer::Transfer`]: one copy per dtype into device slots reused round-robin, on a copy
 //! stream ordered with CUDA events) while the previous parts compute ([`streamer::Offloaded`]).
 //! A finished part's slot is refilled with a later part; the host copy stays, nothing is copied
-//! back. Models know nothing of this: they only see a `VarBuilder`.
+//! back. Tensors the weights hold compactly (GGUF blocks, `--storage-dtype` fp8) stay so on the
+//! host and on the copy stream, and are expanded to the compute dtype where they land
+//! ([`group::Slot::packed`]). Models know nothing of this: they only see a `VarBuilder`.
 
 pub mod group;
 pub mod host;

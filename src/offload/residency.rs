@@ -140,16 +140,26 @@ pub fn slot_sections(layouts: &[GroupLayout]) -> Vec<(candle_core::DType, usize)
 
 /// Device bytes a streamed part's groups hold while its stage runs: the [`slot_count`] slots,
 /// which stay allocated between the passes of a stage, or, without a copy stream, the largest
-/// group in fresh memory. Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the
-/// memory plan's checked sums refuse.
+/// group in fresh memory; and the expanded copy of the computing group's packed tensors.
+/// Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the memory plan's checked
+/// sums refuse.
 pub fn streamed_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
     let slot: u64 = slot_sections(groups)
         .iter()
         .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
+    let expanded = groups.iter().map(|g| g.expanded_bytes() as u64).max();
     match slot_count(groups.len(), options) as u64 {
-        0 => groups.iter().map(|g| g.bytes as u64).max().unwrap_or(0),
-        slots => slots.saturating_mul(slot),
+        0 => groups.iter().map(landed_bytes).max().unwrap_or(0),
+        slots => slots
+            .saturating_mul(slot)
+            .saturating_add(expanded.unwrap_or(0)),
     }
+}
+
+/// Device bytes of a group moved in fresh memory, while it computes: its image and the
+/// expanded copy of its packed tensors.
+pub fn landed_bytes(group: &GroupLayout) -> u64 {
+    (group.bytes as u64).saturating_add(group.expanded_bytes() as u64)
 }
 
 /// The weights of one component as its constructors ask for them, laid out as the engine

@@ -151,9 +151,10 @@ pub trait Landing: Ring {
     fn take(&mut self, item: usize) -> Result<Tensor>;
 }
 
-/// The tensors `slots` ask for, from `weights` through `landing`, one allocation per tensor: in
-/// the dtype [`WeightSet::staged_dtype`] gives, reshaped and converted to the slot's dtype as
-/// soon as its last byte is sent (so at most one tensor is held in both dtypes at once).
+/// The tensors `slots` ask for, from `weights` through `landing`, one allocation per tensor:
+/// packed ones as held ([`Slot::packed`]) and expanded, the others in the dtype
+/// [`WeightSet::staged_dtype`] gives, reshaped and converted to the slot's dtype; each as soon as
+/// its last byte is sent (so at most one tensor is held in both forms at once).
 pub fn load_tensors(
     weights: &WeightSet,
     slots: &[Slot],
@@ -161,12 +162,18 @@ pub fn load_tensors(
 ) -> Result<Vec<(String, Tensor)>> {
     let staged = slots
         .iter()
-        .map(|s| weights.staged_dtype(&s.name, s.dtype))
+        .map(|s| match s.packed {
+            Some(_) => DType::U8,
+            None => weights.staged_dtype(&s.name, s.dtype),
+        })
         .collect::<Vec<_>>();
     let sizes: Vec<usize> = slots
         .iter()
         .zip(&staged)
-        .map(|(s, d)| s.shape.elem_count() * d.size_in_bytes())
+        .map(|(s, d)| match s.packed {
+            Some(_) => s.bytes(),
+            None => s.shape.elem_count() * d.size_in_bytes(),
+        })
         .collect();
     let mut out: Vec<Option<Tensor>> = vec![None; slots.len()];
     run(
@@ -174,13 +181,21 @@ pub fn load_tensors(
         landing,
         |landing, i| {
             let slot = &slots[i];
-            landing.reserve(i, staged[i], slot.shape.elem_count())?;
-            Ok(weights.staged_bytes(&slot.name, &slot.shape, slot.dtype)?)
+            landing.reserve(i, staged[i], sizes[i] / staged[i].size_in_bytes())?;
+            Ok(match slot.packed {
+                Some(packed) => {
+                    weights.packed_bytes(&slot.name, &slot.shape, slot.dtype, packed)?
+                }
+                None => weights.staged_bytes(&slot.name, &slot.shape, slot.dtype)?,
+            })
         },
         |landing, i| {
             let slot = &slots[i];
-            let tensor = landing.take(i)?.reshape(slot.shape.clone())?;
-            out[i] = Some(tensor.to_dtype(slot.dtype)?);
+            let landed = landing.take(i)?;
+            out[i] = Some(match slot.packed {
+                Some(_) => slot.expand(landed)?,
+                None => landed.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?,
+            });
             Ok(())
         },
     )
@@ -425,6 +440,7 @@ mod tests {
             name: name.into(),
             shape: shape.into(),
             dtype,
+            packed: None,
             offset: 0,
         }
     }
@@ -476,6 +492,53 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// Packed weights (Q8_0 blocks, fp8 bytes) load resident through the ring as held (raw
+    /// bytes) and land expanded, bit-identical to what the `VarBuilder` path reads.
+    #[test]
+    fn packed_tensors_load_as_held_and_land_as_read() -> Result<()> {
+        for weights in crate::offload::streamer::tests::packed_weight_sets()? {
+            let names: Vec<(String, Vec<usize>)> = weights
+                .names()
+                .into_iter()
+                .filter(|n| n.starts_with("blocks.0."))
+                .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
+                .collect();
+            let build = |vb: VarBuilder<'static>, _: VarBuilder<'static>| {
+                names
+                    .iter()
+                    .map(|(n, s)| vb.get(s.as_slice(), n))
+                    .collect::<candle_core::Result<Vec<_>>>()
+            };
+            let dev = Device::Cpu;
+            let direct = build(
+                weights.var_builder(DType::BF16, &dev),
+                weights.var_builder(DType::BF16, &dev),
+            )?;
+            let mut packed = 0;
+            let staged = build_staged(
+                &weights,
+                DType::BF16,
+                &dev,
+                |slots| {
+                    packed = slots.iter().filter(|s| s.packed.is_some()).count();
+                    let mut ring = HostRing::new(1024, 2, slots.len());
+                    let loaded = load_tensors(&weights, slots, &mut ring)?;
+                    // Packed tensors went through the ring as held: raw bytes.
+                    for (slot, dtype) in slots.iter().zip(&ring.dtypes) {
+                        assert_eq!(slot.packed.is_some(), *dtype == DType::U8, "{}", slot.name);
+                    }
+                    Ok(loaded)
+                },
+                build,
+            )?;
+            assert!(packed > 0);
+            for (a, b) in staged.iter().zip(&direct) {
+                assert!(same_bits(a, b)?);
+            }
+        }
         Ok(())
     }
 

@@ -29,7 +29,8 @@ pub struct Usage {
     /// How long filling and locking the host arenas took.
     pub setup: HostSetup,
     /// Device bytes the part takes while it computes: its slots, or without a copy stream the
-    /// largest group in fresh memory ([`streamed_bytes`], the rule the memory plan counts by).
+    /// largest group in fresh memory, and the expanded copy of a group's packed tensors
+    /// ([`streamed_bytes`], the rule the memory plan counts by).
     pub device_bytes: usize,
 }
 
@@ -143,10 +144,14 @@ impl<B> Offloaded<B> {
         self.make(uploaded)
     }
 
+    /// Builds a landed group on the computing thread, once its copies are waited for: its
+    /// packed tensors are expanded here, on the compute stream.
     fn make(&self, uploaded: Uploaded) -> Result<B> {
         self.transfer.ready(&uploaded)?;
         let index = uploaded.index;
-        let map: HashMap<String, candle_core::Tensor> = uploaded.tensors.into_iter().collect();
+        let layout = &self.store.group(index).layout;
+        let map: HashMap<String, candle_core::Tensor> =
+            layout.expand(uploaded.tensors)?.into_iter().collect();
         (self.build)(
             index,
             VarBuilder::from_tensors(map, self.dtype, &self.device),
@@ -283,9 +288,10 @@ impl<B> Drop for Offloaded<B> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
-    use crate::weights::Weights;
+    use crate::offload::residency::slot_sections;
+    use crate::weights::{Packed, StorageCast, StorageDtype, Weights};
     use candle_core::Tensor;
     use std::time::{Duration, Instant};
 
@@ -507,6 +513,128 @@ mod tests {
         Ok(())
     }
 
+    /// The fixture weight sets whose tensors are packed: a Q8_0 GGUF (its blocks as stored),
+    /// and wan-tiny-a under `--storage-dtype` in both fp8 formats.
+    pub(in crate::offload) fn packed_weight_sets() -> Result<Vec<WeightSet>> {
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let gguf = fixtures.join("weights-a/wan-q-tiny-a-Q8_0.gguf");
+        let folder = fixtures.join("wan-tiny-a/transformer/diffusion_pytorch_model.safetensors");
+        let mut sets = vec![WeightSet::open(&Weights::Files(vec![gguf]))?];
+        for dtype in [StorageDtype::Float8E4m3fn, StorageDtype::Float8E5m2] {
+            let cast = StorageCast {
+                dtype,
+                skip: crate::models::wan::transformer::LAYERWISE_CASTING_SKIP,
+            };
+            let files = Weights::Files(vec![folder.clone()]);
+            sets.push(WeightSet::open(&files)?.with_storage_cast(cast));
+        }
+        Ok(sets)
+    }
+
+    /// A group as built: its tensors by name.
+    pub(super) type Named = Vec<(String, Tensor)>;
+
+    /// The first two blocks of `weights` (every stored tensor of each, in bf16), one group per
+    /// block, held as `memory` says and streamed to `device` one group ahead.
+    pub(super) fn stream_blocks(
+        weights: &WeightSet,
+        device: &Device,
+        memory: HostMemory,
+    ) -> Result<Offloaded<Named>> {
+        let blocks: Vec<Vec<(String, Vec<usize>)>> = (0..2)
+            .map(|b| {
+                let names = weights.names().into_iter();
+                names
+                    .filter(|n| n.starts_with(&format!("blocks.{b}.")))
+                    .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
+                    .collect()
+            })
+            .collect();
+        Offloaded::from_weights(
+            weights,
+            blocks.len(),
+            Packing::ByDtype,
+            move |i, vb| {
+                let get = |(name, shape): &(String, Vec<usize>)| {
+                    Ok((name.clone(), vb.get(shape.as_slice(), name)?))
+                };
+                blocks[i].iter().map(get).collect()
+            },
+            DType::BF16,
+            device,
+            memory,
+            StreamOptions {
+                stream: true,
+                depth: 1,
+            },
+        )
+    }
+
+    /// Checks that every tensor of every group of `part` is, bit for bit, what the
+    /// `VarBuilder` reads on the CPU; returns how many there were.
+    pub(super) fn lands_as_read(part: &Offloaded<Named>, weights: &WeightSet) -> Result<usize> {
+        let reference = weights.var_builder(DType::BF16, &Device::Cpu);
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            let values = t
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_dtype(DType::F32)?;
+            Ok(values
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect())
+        };
+        let mut seen = 0;
+        part.for_each(|group| {
+            for (name, tensor) in group {
+                let want = reference.get(tensor.dims(), name)?;
+                anyhow::ensure!(
+                    tensor.dtype() == DType::BF16,
+                    "{name} in {:?}",
+                    tensor.dtype()
+                );
+                anyhow::ensure!(bits(tensor)? == bits(&want)?, "{name} differs");
+                seen += 1;
+            }
+            Ok(())
+        })?;
+        Ok(seen)
+    }
+
+    /// Packed weights are held and moved as stored: a Q8_0 tensor's image is its bytes in the
+    /// file, an fp8-stored one one byte a value (half of bf16); the device holds its slots and
+    /// the expanded copy of a group. Every tensor lands as the `VarBuilder` reads it.
+    #[test]
+    fn packed_weights_are_held_as_stored_and_land_as_read() -> Result<()> {
+        for weights in packed_weight_sets()? {
+            let part = stream_blocks(&weights, &Device::Cpu, HostMemory::Pageable)?;
+            let layouts = part.layouts();
+            let slots: Vec<&super::super::group::Slot> =
+                layouts.iter().flat_map(|l| &l.slots).collect();
+            let mut packed = 0;
+            for slot in &slots {
+                let Some(form) = slot.packed else { continue };
+                let stored = match form {
+                    Packed::Gguf(_) => weights.mapped_packed(&slot.name, form).map(<[u8]>::len),
+                    Packed::Fp8(_) => Some(slot.shape.elem_count()),
+                };
+                assert_eq!(Some(slot.bytes()), stored, "{}", slot.name);
+                assert_eq!(slot.device_bytes(), 2 * slot.shape.elem_count());
+                packed += 1;
+            }
+            assert!(packed >= 10, "{packed} packed tensors of {}", slots.len());
+            let usage = part.usage();
+            let images: usize = layouts.iter().map(|l| l.bytes).sum();
+            assert_eq!(usage.host_bytes, images);
+            let expanded = layouts.iter().map(|l| l.expanded_bytes()).max().unwrap();
+            let slot_bytes: usize = slot_sections(&layouts).iter().map(|s| s.1).sum();
+            assert_eq!(usage.device_bytes, 2 * slot_bytes + expanded);
+            assert_eq!(lands_as_read(&part, &weights)?, slots.len());
+        }
+        Ok(())
+    }
+
     /// A bound above the part pins it all; below, the ring is the bound or two groups, the
     /// smaller; a staged part has a ring of two groups (all of it pinned when that is all);
     /// unbounded memory has no ring.
@@ -541,5 +669,61 @@ mod tests {
             host_holding(HostMemory::Pinned, 1000, 100),
             (HostMemory::Pinned, None)
         );
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::super::staging::build_resident;
+    use super::tests::{lands_as_read, packed_weight_sets, stream_blocks};
+    use super::*;
+    use candle_core::Tensor;
+
+    /// On the GPU, packed weights (Q8_0 blocks, fp8 bytes) streamed from pinned arenas or the
+    /// locked map, pageable memory or through the staging ring, and loaded resident through the
+    /// staging ring, expand to what the host reads, bit for bit.
+    #[test]
+    fn packed_weights_land_on_the_gpu_as_the_host_reads_them() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: packed streaming test skipped");
+            return Ok(());
+        };
+        for weights in packed_weight_sets()? {
+            for memory in [
+                HostMemory::Pinned,
+                HostMemory::Pageable,
+                HostMemory::Bounded {
+                    max_pinned: 1 << 16,
+                },
+            ] {
+                let part = stream_blocks(&weights, &gpu, memory)?;
+                assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
+            }
+            let names: Vec<(String, Vec<usize>)> = weights
+                .names()
+                .into_iter()
+                .filter(|n| n.starts_with("blocks.0."))
+                .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
+                .collect();
+            let resident = build_resident(&weights, DType::BF16, &gpu, |vb, _| {
+                names
+                    .iter()
+                    .map(|(n, s)| vb.get(s.as_slice(), n))
+                    .collect::<candle_core::Result<Vec<Tensor>>>()
+            })?;
+            let host = weights.var_builder(DType::BF16, &Device::Cpu);
+            for ((name, shape), got) in names.iter().zip(&resident) {
+                let want = host.get(shape.as_slice(), name)?;
+                let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                    let t = t
+                        .to_device(&Device::Cpu)?
+                        .flatten_all()?
+                        .to_dtype(DType::F32)?;
+                    Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+                };
+                assert!(bits(got)? == bits(&want)?, "{name} resident");
+            }
+        }
+        Ok(())
     }
 }

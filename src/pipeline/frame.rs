@@ -222,25 +222,16 @@ impl Frame {
         )
     }
 
-    /// `component`'s weights, opened with a progress bar, with the LoRAs given for it merged in.
+    /// `component`'s weights ([`open_weights`]), opened with a progress bar.
     fn weights(&self, component: usize) -> Result<WeightSet> {
-        let ComponentSpec { name, folder, .. } = &self.spec.components[component];
-        let files = match transformer_file(&self.config, folder) {
-            Some(file) => crate::weights::Weights::Files(vec![file.to_path_buf()]),
-            None => component_weights(&self.source, folder)?,
-        };
-        let mut weights = WeightSet::open(&files).with_context(|| self.what(component))?;
         let spec = &self.spec.components[component];
-        if let Some(specs) = lora_specs(&self.config, folder) {
-            let loras = crate::lora::Loras::open(specs, spec.original_names)?;
-            weights = weights.with_loras(Arc::new(loras));
-        }
-        if let (Some(dtype), Role::Dit) = (self.config.generation().storage_dtype, spec.role) {
-            let skip = spec.storage_cast_skip;
-            weights = weights.with_storage_cast(crate::weights::StorageCast { dtype, skip });
-        }
+        let weights =
+            open_weights(&self.config, &self.source, spec).with_context(|| self.what(component))?;
         let total = weights.stored_bytes();
-        Ok(weights.with_progress(self.progress.bytes(&format!("reading {name}"), total)))
+        let progress = self
+            .progress
+            .bytes(&format!("reading {}", spec.name), total);
+        Ok(weights.with_progress(progress))
     }
 
     /// The group the DiTs are sharded over (`--use-fsdp-inference` on a rank of several).
@@ -417,6 +408,29 @@ pub(crate) fn lora_specs<'a>(
         _ => return None,
     };
     (!specs.is_empty()).then_some(specs.as_slice())
+}
+
+/// The weights of component `spec` as the run reads them: its single file or its folder's
+/// files, with the LoRAs given for it merged in and, for a DiT, `--storage-dtype`'s rounding.
+pub(crate) fn open_weights(
+    config: &ResolvedConfig,
+    source: &ModelSource,
+    spec: &ComponentSpec,
+) -> Result<WeightSet> {
+    let files = match transformer_file(config, spec.folder) {
+        Some(file) => crate::weights::Weights::Files(vec![file.to_path_buf()]),
+        None => component_weights(source, spec.folder)?,
+    };
+    let mut weights = WeightSet::open(&files)?;
+    if let Some(specs) = lora_specs(config, spec.folder) {
+        let loras = crate::lora::Loras::open(specs, spec.original_names)?;
+        weights = weights.with_loras(Arc::new(loras));
+    }
+    if let (Some(dtype), Role::Dit) = (config.generation().storage_dtype, spec.role) {
+        let skip = spec.storage_cast_skip;
+        weights = weights.with_storage_cast(crate::weights::StorageCast { dtype, skip });
+    }
+    Ok(weights)
 }
 
 /// The single file given for the component in `folder` (`--transformer`, `--transformer-2`).

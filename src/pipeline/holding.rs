@@ -6,7 +6,7 @@
 use super::placement::Blockwise;
 use super::spec::Role;
 use crate::memory::MemoryOptions;
-use crate::offload::residency::streamed_bytes;
+use crate::offload::residency::{landed_bytes, streamed_bytes};
 use crate::offload::{
     ComponentLayout, DeviceWeights, GroupLayout, HostMemory, Packing, Recording, Residency,
     StreamOptions,
@@ -126,13 +126,15 @@ impl Holding {
     }
 
     /// The tensors `M`'s constructors ask for, laid out as this holding holds them (see
-    /// [`ComponentLayout`]); checked against `weights` when given.
+    /// [`ComponentLayout`]): checked against `weights` when given, and held packed where those
+    /// are, but as FSDP shards (which hold the weights as the model computes with them).
     pub fn layout<M: Blockwise>(
         self,
         cfg: &M::Config,
         dtype: DType,
         weights: Option<&WeightSet>,
     ) -> Result<ComponentLayout> {
+        let weights = weights.filter(|_| !matches!(self, Holding::Sharded { .. }));
         let record = |packing, build: &dyn Fn(candle_nn::VarBuilder<'static>) -> _| {
             crate::offload::record(weights, dtype, packing, build)
         };
@@ -142,7 +144,7 @@ impl Holding {
         let groups = match self {
             Holding::Resident => {
                 return Ok(ComponentLayout {
-                    direct_bytes: whole()?.tensor_bytes(),
+                    direct_bytes: whole()?.device_bytes(),
                     ..Default::default()
                 })
             }
@@ -152,7 +154,7 @@ impl Holding {
                         M::whole(cfg, vb).map(drop)
                     })?;
                 return Ok(ComponentLayout {
-                    host_bytes: f32_whole.tensor_bytes(),
+                    host_bytes: f32_whole.device_bytes(),
                     ..Default::default()
                 });
             }
@@ -169,8 +171,8 @@ impl Holding {
         // What stays in host memory (a token table) is recorded apart.
         let (device, host) = record_outer::<M>(cfg, weights, dtype)?;
         Ok(ComponentLayout {
-            direct_bytes: device.layout(Packing::PerTensor)?.tensor_bytes(),
-            host_bytes: host.layout(Packing::PerTensor)?.tensor_bytes(),
+            direct_bytes: device.layout(Packing::PerTensor)?.device_bytes(),
+            host_bytes: host.layout(Packing::PerTensor)?.device_bytes(),
             groups: (0..groups.count)
                 .map(|g| record(Packing::ByDtype, &|vb| groups.build(g, vb).map(drop)))
                 .collect::<Result<_>>()?,
@@ -192,7 +194,7 @@ impl Holding {
             },
             Holding::OnCpu => DeviceWeights::default(),
             Holding::Parked => DeviceWeights {
-                active: largest.unwrap_or(0),
+                active: layout.groups.iter().map(landed_bytes).max().unwrap_or(0),
                 idle: 0,
             },
             Holding::Streamed { outer, options, .. } => DeviceWeights {
@@ -509,5 +511,58 @@ mod tests {
         };
         let parked = Holding::Parked.host_bytes(&one, HostMemory::Staged, true);
         assert_eq!(parked, apart + g);
+    }
+
+    /// A streamed DiT whose weights are held packed is planned as the engine holds it: with a
+    /// Q8_0 GGUF file each Q8_0 tensor of its groups counts its bytes in the file (about half
+    /// of bf16), and its device weights add the expanded copy of the computing group.
+    #[test]
+    fn packed_weights_are_planned_as_held() -> Result<()> {
+        use crate::models::source::ModelSource;
+        use crate::models::wan::transformer::WanTransformer3DModel;
+        use crate::weights::Weights;
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let source = ModelSource::parse(fixtures.join("wan-q-tiny-a").to_str().unwrap())?;
+        let configs = crate::pipeline::wan_t2v::WanConfigs::read(&source)?;
+        let dit = &configs.transformer;
+        let gguf = fixtures.join("weights-a/wan-q-tiny-a-Q8_0.gguf");
+        let gguf = WeightSet::open(&Weights::Files(vec![gguf]))?;
+        let options = StreamOptions {
+            stream: true,
+            depth: 1,
+        };
+        let residency = Residency::Streamed {
+            blocks_per_group: 1,
+            by_step: false,
+            options,
+        };
+        let holding = Holding::of::<WanTransformer3DModel>(dit, residency, None, DType::BF16)?;
+        let plain = holding.layout::<WanTransformer3DModel>(dit, DType::BF16, None)?;
+        let packed = holding.layout::<WanTransformer3DModel>(dit, DType::BF16, Some(&gguf))?;
+        let mut quantized = 0;
+        for slot in packed.groups.iter().flat_map(|g| &g.slots) {
+            if let Some(form) = slot.packed {
+                let stored = gguf.mapped_packed(&slot.name, form).map(<[u8]>::len);
+                assert_eq!(Some(slot.bytes()), stored, "{}", slot.name);
+                quantized += 1;
+            }
+        }
+        assert!(quantized > 0);
+        let image = |l: &ComponentLayout| l.groups.iter().map(|g| g.bytes).sum::<usize>() as f64;
+        let ratio = image(&packed) / image(&plain);
+        assert!((0.5..0.6).contains(&ratio), "{ratio}");
+        let held = |l| holding.host_bytes(l, HostMemory::Pinned, true);
+        assert_eq!(
+            held(&plain) - held(&packed),
+            (image(&plain) - image(&packed)) as u64
+        );
+        let expanded = packed.groups.iter().map(|g| g.expanded_bytes()).max();
+        let slot: usize = slot_sections(&packed.groups).iter().map(|s| s.1).sum();
+        let slots = crate::offload::residency::slot_count(packed.groups.len(), options);
+        assert_eq!(
+            holding.device_weights(&packed).active,
+            (packed.direct_bytes + slots * slot + expanded.unwrap()) as u64
+        );
+        Ok(())
     }
 }

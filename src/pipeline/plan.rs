@@ -2,16 +2,18 @@
 //! component, the weights its constructors ask for as the offload engine would hold them, and
 //! the schedule's loads and releases.
 
+use super::frame;
 use super::holding::Fsdp;
 use super::placement::Placement;
 use super::registry::{Family, RunShape};
 use super::runner::{LoadPolicy, Schedule};
-use super::spec::{PipelineSpec, Role};
+use super::spec::{ComponentSpec, PipelineSpec, Role};
 use crate::config::ResolvedConfig;
 use crate::memory::plan::{self as memory_plan, HostSide, MemoryPlan, PlanStage, Request};
 use crate::memory::{MemoryModel, MemoryOptions};
 use crate::models::source::ModelSource;
 use crate::offload::{DeviceWeights, HostMemory, Residency};
+use crate::weights::WeightSet;
 use anyhow::Result;
 use candle_core::DType;
 use std::cell::RefCell;
@@ -38,6 +40,8 @@ pub struct Planner<'a> {
     family: &'a dyn Family,
     config: &'a ResolvedConfig,
     weights: RefCell<HashMap<(usize, String, DType), Recorded>>,
+    /// Each component's weights (by name) where some are held packed ([`Self::packed_weights`]).
+    packed: RefCell<HashMap<&'static str, Option<WeightSet>>>,
     /// The weights are read from files (not generated): unlocked, their pages can be dropped.
     mapped: bool,
 }
@@ -48,6 +52,7 @@ impl<'a> Planner<'a> {
             family,
             config,
             weights: RefCell::default(),
+            packed: RefCell::default(),
             mapped: ModelSource::parse(&config.generation().model)
                 .is_ok_and(|source| !source.is_synthetic()),
         }
@@ -209,13 +214,32 @@ impl<'a> Planner<'a> {
         }
         let constructors = &spec.components[index].constructors;
         let holding = constructors.holding(residency, fsdp, dtype)?;
-        let layout = constructors.layout(holding, dtype, None)?;
+        let weights = self.packed_weights(&spec.components[index]);
+        let layout = constructors.layout(holding, dtype, weights.as_ref())?;
         let w = (
             holding.device_weights(&layout),
             holding.host_bytes(&layout, memory, self.mapped),
         );
         self.weights.borrow_mut().insert(key, w);
         Ok(w)
+    }
+
+    /// `component`'s weights where the engine holds some packed (a GGUF file, a DiT under
+    /// `--storage-dtype`), so the plan counts them as held; elsewhere (and where they do not
+    /// open: the run reports that) `None`, the constructors' requests being the bytes.
+    fn packed_weights(&self, component: &ComponentSpec) -> Option<WeightSet> {
+        let open = || {
+            let file = frame::transformer_file(self.config, component.folder);
+            let gguf = file.is_some_and(crate::weights::gguf::is_gguf);
+            let cast =
+                self.config.generation().storage_dtype.is_some() && component.role == Role::Dit;
+            let source = ModelSource::parse(&self.config.generation().model).ok()?;
+            (gguf || cast)
+                .then(|| frame::open_weights(self.config, &source, component).ok())
+                .flatten()
+        };
+        let mut packed = self.packed.borrow_mut();
+        packed.entry(component.name).or_insert_with(open).clone()
     }
 
     /// Out-of-memory advice for the run (see [`memory_plan::advice`]).

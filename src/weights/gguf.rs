@@ -96,7 +96,7 @@ impl GgmlType {
     }
 
     /// Elements per block and bytes per block.
-    fn block(self) -> (usize, usize) {
+    pub fn block(self) -> (usize, usize) {
         match self {
             GgmlType::F32 => (1, 4),
             GgmlType::F16 | GgmlType::BF16 => (1, 2),
@@ -305,14 +305,18 @@ impl Gguf {
         if t.kind.float().is_some() {
             return None;
         }
-        let (per_block, block_bytes) = t.kind.block();
-        let data = self.data(t);
-        let mut out = vec![f16::ZERO; data.len() / block_bytes * per_block];
-        out.par_chunks_mut(per_block)
-            .zip(data.par_chunks(block_bytes))
-            .for_each(|(out, block)| decode_block(t.kind, block, out));
-        Some(out)
+        Some(decode(t.kind, self.data(t)))
     }
+}
+
+/// Blocks of `kind` decoded as diffusers decodes them (threads in parallel).
+pub fn decode(kind: GgmlType, data: &[u8]) -> Vec<f16> {
+    let (per_block, block_bytes) = kind.block();
+    let mut out = vec![f16::ZERO; data.len() / block_bytes * per_block];
+    out.par_chunks_mut(per_block)
+        .zip(data.par_chunks(block_bytes))
+        .for_each(|(out, block)| decode_block(kind, block, out));
+    out
 }
 
 /// `x` rounded to float16: every step of diffusers' decode (a float16 tensor times an integer
@@ -442,37 +446,38 @@ fn decode_block(kind: GgmlType, b: &[u8], out: &mut [f16]) {
     }
 }
 
+/// Random blocks of `kind` with float16 scales of a sane size (the quantized bytes random).
+#[cfg(test)]
+pub(super) fn random_blocks(kind: GgmlType, blocks: usize, seed: u64) -> Vec<u8> {
+    let (_, size) = kind.block();
+    let mut state = seed;
+    let mut bytes: Vec<u8> = (0..blocks * size)
+        .map(|_| (crate::weights::splitmix64(&mut state) >> 56) as u8)
+        .collect();
+    let scale_at: &[usize] = match kind {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    };
+    for (i, block) in bytes.chunks_mut(size).enumerate() {
+        for (k, &at) in scale_at.iter().enumerate() {
+            let v = f16::from_f32(
+                0.003 * (1.0 + ((i + k) % 7) as f32) * if k == 1 { -1.0 } else { 1.0 },
+            );
+            block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
     use candle_core::{Device, Tensor};
-
-    /// Random blocks of `kind` with float16 scales of a sane size (the quantized bytes random).
-    fn random_blocks(kind: GgmlType, blocks: usize, seed: u64) -> Vec<u8> {
-        let (_, size) = kind.block();
-        let mut state = seed;
-        let mut bytes: Vec<u8> = (0..blocks * size)
-            .map(|_| (crate::weights::splitmix64(&mut state) >> 56) as u8)
-            .collect();
-        let scale_at: &[usize] = match kind {
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-            GgmlType::Q2_K => &[80, 82],
-            GgmlType::Q3_K => &[108],
-            GgmlType::Q6_K => &[208],
-            _ => &[],
-        };
-        for (i, block) in bytes.chunks_mut(size).enumerate() {
-            for (k, &at) in scale_at.iter().enumerate() {
-                let v = f16::from_f32(
-                    0.003 * (1.0 + ((i + k) % 7) as f32) * if k == 1 { -1.0 } else { 1.0 },
-                );
-                block[at..at + 2].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        bytes
-    }
 
     /// Each decoder puts every element where llama.cpp's exact decode (candle's port) puts it:
     /// the two agree within the float16 rounding diffusers' arithmetic adds (a few ulps of the

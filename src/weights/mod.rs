@@ -13,8 +13,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub mod gguf;
+mod packed;
 mod storage;
 
+pub use packed::Packed;
 pub use storage::{StorageCast, StorageDtype};
 
 /// Where a component's weights come from.
@@ -60,6 +62,8 @@ struct View<'a> {
     /// Its dtype where its bytes are its values in a dtype vidgen converts; `None` for a GGUF
     /// block quantization (or another dtype), made by [`Files::load`].
     dtype: Option<DType>,
+    /// A GGUF tensor's block quantization.
+    blocks: Option<gguf::GgmlType>,
     shape: Vec<usize>,
     data: &'a [u8],
 }
@@ -76,11 +80,13 @@ impl Files {
         match self {
             Files::Safetensors(st) => st.get(key).ok().map(|v| View {
                 dtype: DType::try_from(v.dtype()).ok(),
+                blocks: None,
                 shape: v.shape().to_vec(),
                 data: v.data(),
             }),
             Files::Gguf(g) => g.tensor(key).map(|t| View {
                 dtype: t.kind.float(),
+                blocks: t.kind.float().is_none().then_some(t.kind),
                 shape: t.shape.clone(),
                 data: g.data(t),
             }),
@@ -229,7 +235,8 @@ impl WeightSet {
 
     /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on the CPU: an fp8
     /// weight times its scale (`W8 as f32 · scale`, one f32 product), rounded through the
-    /// storage dtype, then the LoRA deltas merged; `None` where none applies.
+    /// storage dtype from `dtype` (diffusers casts the weights it loaded in the run dtype), then
+    /// the LoRA deltas merged; `None` where none applies.
     fn transformed(
         &self,
         name: &str,
@@ -259,7 +266,8 @@ impl WeightSet {
         };
         let base = match self.cast.as_ref().filter(|_| self.rounds(name)) {
             Some(cast) => {
-                let values: Vec<f32> = base.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let loaded = base.flatten_all()?.to_dtype(dtype)?;
+                let values: Vec<f32> = loaded.to_dtype(DType::F32)?.to_vec1()?;
                 let rounded = values.into_iter().map(|v| cast.dtype.round(v)).collect();
                 Tensor::from_vec(rounded, base.shape(), &Device::Cpu)?
             }
@@ -401,6 +409,84 @@ impl WeightSet {
             Some(stored) if BYTE_DTYPES.contains(&stored) => stored,
             _ => dtype,
         }
+    }
+
+    /// The compact form weight `name` is held and copied in when a model wants it as `dtype`,
+    /// expanded where it lands ([`Packed::expand`]): fp8 bytes where `--storage-dtype` rounds
+    /// it, GGUF blocks as stored; `None` where it is held as values (a float tensor, one a LoRA
+    /// changes or a scaled fp8 one, or `dtype` not a float dtype).
+    pub fn packed(&self, name: &str, dtype: DType) -> Option<Packed> {
+        if !Packed::expands_to(dtype) || self.loras.as_ref().is_some_and(|l| l.changes(name)) {
+            return None;
+        }
+        match &self.cast {
+            Some(cast) if self.rounds(name) => Some(Packed::Fp8(cast.dtype)),
+            _ if self.fp8_scale(name).is_some() => None,
+            _ => self.view(name)?.blocks.map(Packed::Gguf),
+        }
+    }
+
+    /// Weight `name`'s bytes in form `packed` for a model that wants it as `dtype`: borrowed
+    /// from the map (GGUF blocks), or made on the host (fp8 bytes of the rounded values).
+    pub fn packed_bytes(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        packed: Packed,
+    ) -> candle_core::Result<Cow<'_, [u8]>> {
+        if let Some(bytes) = self.mapped_packed(name, packed) {
+            self.report(bytes.len());
+            return Ok(Cow::Borrowed(bytes));
+        }
+        let mut made = vec![0u8; packed.bytes(shape.elem_count())];
+        self.read_packed(name, shape, dtype, packed, &mut made)?;
+        Ok(Cow::Owned(made))
+    }
+
+    /// The stored bytes of `name` where they are already in form `packed` (GGUF blocks).
+    pub fn mapped_packed(&self, name: &str, packed: Packed) -> Option<&[u8]> {
+        let view = self.view(name)?;
+        (Some(packed) == view.blocks.map(Packed::Gguf)).then_some(view.data)
+    }
+
+    /// Writes weight `name`, wanted as `dtype`, in form `packed` into `dst` (exactly its byte
+    /// size).
+    pub fn read_packed(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        packed: Packed,
+        dst: &mut [u8],
+    ) -> candle_core::Result<()> {
+        if dst.len() != packed.bytes(shape.elem_count()) {
+            candle_core::bail!("{name}: {packed:?} of {shape:?} in {} bytes", dst.len())
+        }
+        match packed {
+            Packed::Gguf(_) => {
+                let bytes = self.mapped_packed(name, packed).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{name} is not stored as {packed:?}"))
+                })?;
+                dst.par_chunks_mut(COPY_CHUNK)
+                    .zip(bytes.par_chunks(COPY_CHUNK))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                self.report(bytes.len());
+            }
+            Packed::Fp8(format) => {
+                // The rounded values, exact in `dtype` and so in f32.
+                let values = self
+                    .transformed(name, shape, dtype)?
+                    .ok_or_else(|| candle_core::Error::Msg(format!("{name} is not rounded")))?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?;
+                dst.par_iter_mut()
+                    .zip(values.par_iter())
+                    .for_each(|(d, &v)| *d = format.encode(v));
+            }
+        }
+        Ok(())
     }
 
     /// Tensor `name`'s bytes in [`Self::staged_dtype`]: borrowed from the map, or made on the
@@ -894,6 +980,74 @@ mod tests {
                 .var_builder(tensor.dtype(), &Device::Cpu)
                 .get(n + 1, name);
             assert!(wrong.is_err(), "{name} with a wrong shape");
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// Which weights are held packed: a GGUF file's block-quantized tensors (asked for in a
+    /// float dtype) as its blocks, its float tensors not; under `--storage-dtype` the rounded
+    /// weights as fp8 bytes (a scaled fp8 weight too, rounded from its scaled values), the
+    /// others not; without it a scaled fp8 weight is not (it is read as `W8 · scale`).
+    #[test]
+    fn packed_forms_follow_what_is_stored_and_rounded() -> anyhow::Result<()> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/weights-a");
+        let gguf = WeightSet::open(&Weights::Files(vec![dir.join("wan-q-tiny-a-Q8_0.gguf")]))?;
+        let names = gguf.names();
+        let blocks = |n: &&String| gguf.view(n).is_some_and(|v| v.blocks.is_some());
+        let quantized = names.iter().find(blocks).expect("a Q8_0 tensor");
+        let float = names.iter().find(|n| !blocks(n)).expect("a float tensor");
+        let q8 = Some(Packed::Gguf(gguf::GgmlType::Q8_0));
+        assert_eq!(gguf.packed(quantized, DType::BF16), q8);
+        assert_eq!(gguf.packed(quantized, DType::F32), q8);
+        assert_eq!(gguf.packed(quantized, DType::F64), None);
+        assert_eq!(gguf.packed(float, DType::BF16), None);
+        let file = dir.join("wan-tiny-a-comfyui-fp8-scaled.safetensors");
+        let scaled = WeightSet::open(&Weights::Files(vec![file]))?;
+        let (linear, norm) = ("blocks.0.attn1.to_q.weight", "blocks.0.attn1.norm_q.weight");
+        assert!(scaled.fp8_scale(linear).is_some());
+        assert_eq!(scaled.packed(linear, DType::BF16), None);
+        let format = StorageDtype::Float8E5m2;
+        let cast = StorageCast {
+            dtype: format,
+            skip: crate::models::wan::transformer::LAYERWISE_CASTING_SKIP,
+        };
+        let cast = scaled.with_storage_cast(cast);
+        assert_eq!(cast.packed(linear, DType::BF16), Some(Packed::Fp8(format)));
+        assert!(cast.view(norm).is_some());
+        assert_eq!(cast.packed(norm, DType::BF16), None);
+        Ok(())
+    }
+
+    /// `--storage-dtype` rounds a weight as diffusers stores it: loaded in the run dtype, then
+    /// cast to fp8. An f32 value just above an fp8 tie rounds up in an f32 run, but to the tie
+    /// in bf16 first and then to even in a bf16 run; the fp8 bytes held for each are those.
+    #[test]
+    fn storage_rounding_goes_through_the_run_dtype() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("vidgen-fp8-run-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("w.safetensors");
+        let name = "blocks.0.attn1.to_q.weight";
+        let above_tie = 1.0625 + 2f32.powi(-20);
+        let w = Tensor::new(&[[above_tie, -above_tie]], &Device::Cpu)?;
+        candle_core::safetensors::save(&[(name, w)].into_iter().collect(), &path)?;
+        let format = StorageDtype::Float8E4m3fn;
+        let cast = StorageCast {
+            dtype: format,
+            skip: crate::models::wan::transformer::LAYERWISE_CASTING_SKIP,
+        };
+        let weights = WeightSet::open(&Weights::Files(vec![path]))?.with_storage_cast(cast);
+        let shape = Shape::from((1, 2));
+        for (dtype, want) in [(DType::F32, 1.125f32), (DType::BF16, 1.0)] {
+            let got = weights.var_builder(dtype, &Device::Cpu).get((1, 2), name)?;
+            let got: Vec<f32> = got.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+            assert_eq!(got, [want, -want], "{dtype:?}");
+            let packed = weights.packed_bytes(name, &shape, dtype, Packed::Fp8(format))?;
+            assert_eq!(
+                *packed,
+                [format.encode(want), format.encode(-want)],
+                "{dtype:?}"
+            );
         }
         std::fs::remove_dir_all(&dir)?;
         Ok(())

@@ -67,6 +67,58 @@ impl StorageDtype {
             rounded.signum() * f32::INFINITY
         }
     }
+
+    /// The byte of value `x`, one [`Self::round`] returns (NaN stored as the positive NaN).
+    pub fn encode(self, x: f32) -> u8 {
+        let (mantissa, bias, _) = self.format();
+        let sign = if x.is_sign_negative() && !x.is_nan() {
+            0x80
+        } else {
+            0
+        };
+        let top = 0x7f >> mantissa; // the all-ones exponent field
+        let magnitude = if x.is_nan() {
+            match self {
+                StorageDtype::Float8E4m3fn => 0x7f,
+                StorageDtype::Float8E5m2 => (top << mantissa) | 2,
+            }
+        } else if x.is_infinite() {
+            top << mantissa
+        } else if x == 0.0 {
+            0
+        } else {
+            let exponent = ((x.abs().to_bits() >> 23) as i32 - 127).max(1 - bias);
+            let steps = (x.abs() / 2f32.powi(exponent - mantissa)) as i32;
+            // A normal's steps carry the implicit leading one, which the exponent field stands for.
+            let field = if steps >> mantissa == 0 {
+                0
+            } else {
+                exponent + bias
+            };
+            ((field << mantissa) | (steps & ((1 << mantissa) - 1))) as u8
+        };
+        sign | magnitude
+    }
+
+    /// The value of byte `b` (exact in f32).
+    pub fn decode(self, b: u8) -> f32 {
+        let (mantissa, bias, _) = self.format();
+        let field = i32::from(b & 0x7f) >> mantissa;
+        let steps = i32::from(b) & ((1 << mantissa) - 1);
+        let top = 0x7f >> mantissa;
+        let magnitude = match self {
+            StorageDtype::Float8E4m3fn if field == top && steps == (1 << mantissa) - 1 => f32::NAN,
+            StorageDtype::Float8E5m2 if field == top && steps == 0 => f32::INFINITY,
+            StorageDtype::Float8E5m2 if field == top => f32::NAN,
+            _ if field == 0 => steps as f32 * 2f32.powi(1 - bias - mantissa),
+            _ => (steps + (1 << mantissa)) as f32 * 2f32.powi(field - bias - mantissa),
+        };
+        if b & 0x80 != 0 && !magnitude.is_nan() {
+            -magnitude
+        } else {
+            magnitude
+        }
+    }
 }
 
 /// Which stored values `--storage-dtype` rounds: a model's own skip patterns (its
@@ -133,6 +185,47 @@ mod tests {
         assert_eq!(e5.round(1.1), 1.0);
         assert_eq!(e5.round(2f32.powi(-16)), 2f32.powi(-16));
         assert_eq!(e5.round(1e6), f32::INFINITY);
+    }
+
+    /// Every byte decodes to a value rounding keeps and encodes back to itself (NaNs to the
+    /// one stored NaN), and any value rounded then encoded decodes to the rounded bits.
+    #[test]
+    fn bytes_round_trip_through_values() {
+        for format in [StorageDtype::Float8E4m3fn, StorageDtype::Float8E5m2] {
+            let mut nans = 0;
+            for b in 0..=255u8 {
+                let v = format.decode(b);
+                if v.is_nan() {
+                    nans += 1;
+                    assert!(format.decode(format.encode(v)).is_nan());
+                    continue;
+                }
+                assert_eq!(format.round(v).to_bits(), v.to_bits(), "{format:?} {b:#x}");
+                assert_eq!(format.encode(v), b, "{format:?} {b:#x} = {v}");
+            }
+            assert_eq!(
+                nans,
+                if format == StorageDtype::Float8E4m3fn {
+                    2
+                } else {
+                    6
+                }
+            );
+            let mut state = 11u64;
+            for _ in 0..100_000 {
+                // Any sign and mantissa, exponents from past the subnormals to past the largest.
+                let bits = crate::weights::splitmix64(&mut state);
+                let exponent = (bits >> 32) % 44;
+                let x =
+                    f32::from_bits((bits as u32 & 0x807f_ffff) | ((exponent as u32 + 103) << 23));
+                let rounded = format.round(x);
+                let back = format.decode(format.encode(rounded));
+                assert!(
+                    back.to_bits() == rounded.to_bits() || back.is_nan() && rounded.is_nan(),
+                    "{format:?} {x} -> {rounded} -> {back}"
+                );
+            }
+        }
     }
 
     /// On `wan-tiny-a` with Wan's skip patterns, exactly the modules diffusers casted (the
