@@ -1,0 +1,139 @@
+//! Tiled VAE decodes against diffusers 0.42.1's `tiled_decode` (`tests/fixtures/*-tiling`, made
+//! by the script beside each reference from the tiny fixtures' VAEs with tiles small enough to
+//! split their latents into several overlapping tiles), and the CLI's `--vae-tiling` in the
+//! plan.
+
+mod common;
+
+use candle_core::Tensor;
+use common::{assert_close, config_in, named_fixture_dir, var_builder_in};
+use std::collections::HashMap;
+use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
+use vidgen::models::vae_tiling::OverlapTiles;
+
+/// The fixtures README's tolerance for f32 references.
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+/// `tests/fixtures/<dir>/vae_tiled.safetensors`.
+fn tiled_reference(dir: &str) -> HashMap<String, Tensor> {
+    let path = named_fixture_dir(dir).join("vae_tiled.safetensors");
+    candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
+        .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+}
+
+#[test]
+fn cogvideox_tiled_decode_matches_diffusers() {
+    let fixture = "cogvideox-tiny-a";
+    let cfg: CogVideoXVaeConfig = config_in(fixture, "vae/config.json");
+    let vae = AutoencoderKLCogVideoX::new_decoder_only(
+        &cfg,
+        var_builder_in(fixture, "vae/diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let r = tiled_reference("cogvideox-tiling");
+    // `enable_tiling(32, 32, 0.25, 0.25)`: 2x2 tiles of 4x4 latent pixels every 3.
+    let tiles = OverlapTiles {
+        min_height: 32,
+        min_width: 32,
+        overlap_factor_height: 0.25,
+        overlap_factor_width: 0.25,
+    };
+    let video = vae.decode_tiled(&r["latents"], &tiles).unwrap();
+    assert_close("cogvideox tiled video", &video, &r["video"], ATOL, RTOL);
+    let whole = vae.decode(&r["latents"]).unwrap();
+    assert!(
+        common::max_abs_diff(&whole, &r["video"]) > 1e-3,
+        "the tiles change the video"
+    );
+    // diffusers' defaults: half the sample size, a sixth and a fifth of overlap.
+    let defaults = cfg.tiling();
+    assert_eq!((defaults.min_height, defaults.min_width), (240, 360));
+}
+
+/// The dry run's planned activation bytes of the decode of `fixture` at `height` x `width` x
+/// `frames`, with `--vae-tiling` or without.
+fn planned_decode(fixture: &str, (height, width, frames): (u32, u32, u32), tiled: bool) -> u64 {
+    let mut args: Vec<String> = [
+        "generate",
+        "--dry-run",
+        "--json",
+        "--device",
+        "cpu",
+        "--prompt",
+        "x",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.push("--model".into());
+    args.push(named_fixture_dir(fixture).to_str().unwrap().into());
+    for (flag, value) in [
+        ("--height", height),
+        ("--width", width),
+        ("--num-frames", frames),
+    ] {
+        args.extend([flag.to_string(), value.to_string()]);
+    }
+    if tiled {
+        args.push("--vae-tiling".into());
+    }
+    let out = common::run_vidgen(&args);
+    assert!(
+        out.status.success(),
+        "{fixture} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "decode")
+        .unwrap()["memory"]["activation_bytes"]
+        .as_u64()
+        .unwrap()
+}
+
+/// `--vae-tiling` is taken by every family whose diffusers VAE tiles, and the dry run's decode
+/// then counts one tile instead of the frame: less for a video larger than the default tile
+/// (diffusers' `enable_tiling()` sizes), the same for one that fits in a tile.
+#[test]
+fn vae_tiling_lowers_the_planned_decode_of_large_videos() {
+    let families = [("cogvideox-tiny-a", (480, 720, 9), (64, 64, 9))];
+    for (fixture, large, small) in families {
+        let (whole, tiled) = (
+            planned_decode(fixture, large, false),
+            planned_decode(fixture, large, true),
+        );
+        assert!(tiled < whole, "{fixture}: tiled {tiled} whole {whole}");
+        assert_eq!(
+            planned_decode(fixture, small, true),
+            planned_decode(fixture, small, false),
+            "{fixture}: one tile is decoded whole"
+        );
+    }
+}
+
+/// A family whose VAE has no tiles still refuses `--vae-tiling` (exit 2, one line).
+#[test]
+fn vae_tiling_is_refused_without_tiles() {
+    let args: Vec<String> = [
+        "generate",
+        "--dry-run",
+        "--device",
+        "cpu",
+        "--prompt",
+        "x",
+        "--vae-tiling",
+        "--model",
+    ]
+    .map(String::from)
+    .into_iter()
+    .chain([named_fixture_dir("minimax-h3-tiny-a")
+        .to_str()
+        .unwrap()
+        .to_string()])
+    .collect();
+    let stderr = common::usage_error(&common::run_vidgen(&args), "minimax-h3 --vae-tiling");
+    assert!(stderr.contains("--vae-tiling"), "{stderr}");
+}
