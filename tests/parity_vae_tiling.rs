@@ -9,7 +9,8 @@ use candle_core::Tensor;
 use common::{assert_close, config_in, named_fixture_dir, var_builder_in};
 use std::collections::HashMap;
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
-use vidgen::models::vae_tiling::OverlapTiles;
+use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVaeTiling};
+use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles};
 
 /// The fixtures README's tolerance for f32 references.
 const ATOL: f64 = 1e-4;
@@ -51,9 +52,58 @@ fn cogvideox_tiled_decode_matches_diffusers() {
     assert_eq!((defaults.min_height, defaults.min_width), (240, 360));
 }
 
-/// The dry run's planned activation bytes of the decode of `fixture` at `height` x `width` x
+/// LTX-Video's tiny VAE (32 pixels and 8 frames a latent voxel) with tiles of 48 pixels every
+/// 32 and 12 frames every 8: `spatial` splits a 2x2 latent into 2x2 tiles (`enable_tiling`
+/// alone), `temporal` 3 latent frames into 3 frame tiles (`use_framewise_decoding`); the
+/// decoder's injected noise is replayed, draw by draw, from the reference run.
+#[test]
+fn ltx_video_tiled_decode_matches_diffusers() {
+    let fixture = "ltx-video-tiny-a";
+    let cfg: LtxVaeConfig = config_in(fixture, "vae/config.json");
+    let vae = AutoencoderKLLTXVideo::new(
+        &cfg,
+        var_builder_in(fixture, "vae/diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let r = tiled_reference("ltx-video-tiling");
+    let spatial = SampleTiles::square(48, 32);
+    for (case, frames) in [("spatial", None), ("temporal", Some((12, 8)))] {
+        let tiled = vae
+            .with_tiling(Some(LtxVaeTiling { spatial, frames }))
+            .unwrap();
+        let draws: Vec<Tensor> = (0..)
+            .map_while(|k| r.get(&format!("{case}.injected_noise.{k}")).cloned())
+            .collect();
+        let mut noise = GivenNoise::new(draws);
+        let latents = &r[&format!("{case}.latents")];
+        let video = tiled
+            .decode(latents, Some(&r["timestep"]), &mut noise)
+            .unwrap();
+        noise.check_all_used().unwrap();
+        let expected = &r[&format!("{case}.video")];
+        assert_close(
+            &format!("ltx {case} tiled video"),
+            &video,
+            expected,
+            ATOL,
+            RTOL,
+        );
+    }
+    assert_eq!(
+        LtxVaeTiling::default().spatial,
+        SampleTiles::square(512, 448)
+    );
+    assert!(vae
+        .with_tiling(Some(LtxVaeTiling {
+            spatial,
+            frames: Some((4, 8))
+        }))
+        .is_err());
+}
+
+/// The dry run's planned activation bytes of the decode of `model` at `height` x `width` x
 /// `frames`, with `--vae-tiling` or without.
-fn planned_decode(fixture: &str, (height, width, frames): (u32, u32, u32), tiled: bool) -> u64 {
+fn planned_decode(model: &str, (height, width, frames): (u32, u32, u32), tiled: bool) -> u64 {
     let mut args: Vec<String> = [
         "generate",
         "--dry-run",
@@ -65,8 +115,7 @@ fn planned_decode(fixture: &str, (height, width, frames): (u32, u32, u32), tiled
     ]
     .map(String::from)
     .to_vec();
-    args.push("--model".into());
-    args.push(named_fixture_dir(fixture).to_str().unwrap().into());
+    args.extend(["--model".to_string(), model.to_string()]);
     for (flag, value) in [
         ("--height", height),
         ("--width", width),
@@ -80,7 +129,7 @@ fn planned_decode(fixture: &str, (height, width, frames): (u32, u32, u32), tiled
     let out = common::run_vidgen(&args);
     assert!(
         out.status.success(),
-        "{fixture} {args:?}: {}",
+        "{model} {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -95,21 +144,25 @@ fn planned_decode(fixture: &str, (height, width, frames): (u32, u32, u32), tiled
 }
 
 /// `--vae-tiling` is taken by every family whose diffusers VAE tiles, and the dry run's decode
-/// then counts one tile instead of the frame: less for a video larger than the default tile
-/// (diffusers' `enable_tiling()` sizes), the same for one that fits in a tile.
+/// (of the published VAEs) then counts one tile instead of the frame: less for a video larger
+/// than the default tile (diffusers' `enable_tiling()` sizes), the same for one that fits in a
+/// tile.
 #[test]
 fn vae_tiling_lowers_the_planned_decode_of_large_videos() {
-    let families = [("cogvideox-tiny-a", (480, 720, 9), (64, 64, 9))];
-    for (fixture, large, small) in families {
+    let families = [
+        ("synthetic:cogvideox-5b", (480, 720, 49), (192, 320, 49)),
+        ("synthetic:ltx-video", (704, 1216, 121), (512, 512, 121)),
+    ];
+    for (model, large, small) in families {
         let (whole, tiled) = (
-            planned_decode(fixture, large, false),
-            planned_decode(fixture, large, true),
+            planned_decode(model, large, false),
+            planned_decode(model, large, true),
         );
-        assert!(tiled < whole, "{fixture}: tiled {tiled} whole {whole}");
+        assert!(tiled < whole, "{model}: tiled {tiled} whole {whole}");
         assert_eq!(
-            planned_decode(fixture, small, true),
-            planned_decode(fixture, small, false),
-            "{fixture}: one tile is decoded whole"
+            planned_decode(model, small, true),
+            planned_decode(model, small, false),
+            "{model}: one tile is decoded whole"
         );
     }
 }

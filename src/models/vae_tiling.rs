@@ -51,7 +51,7 @@ pub fn temporal_tiles(
     (len, stride): (usize, usize),
     (blend_extent, keep, out_len): (usize, usize, usize),
     dropped: Dropped,
-    f: impl Fn(&Tensor) -> Result<Tensor>,
+    mut f: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let t = x.dim(2)?;
     let mut row: Vec<Tensor> = Vec::new();
@@ -92,7 +92,7 @@ pub fn decode_frame_tiles(
     (min_frames, stride_frames): (usize, usize),
     ratio: usize,
     dropped: Dropped,
-    decode: impl Fn(&Tensor) -> Result<Tensor>,
+    decode: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let frames = z.dim(2)?;
     temporal_tiles(
@@ -116,7 +116,7 @@ pub fn spatial_tiles(
     x: &Tensor,
     (tile, stride): ((usize, usize), (usize, usize)),
     (blend_extent, keep, out): ((usize, usize), (usize, usize), (usize, usize)),
-    f: impl Fn(&Tensor) -> Result<Tensor>,
+    mut f: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (hd, wd) = (x.rank() - 2, x.rank() - 1);
     let (h, w) = (x.dim(hd)?, x.dim(wd)?);
@@ -244,7 +244,7 @@ impl SampleTiles {
         &self,
         z: &Tensor,
         ratio: usize,
-        decode: impl Fn(&Tensor) -> Result<Tensor>,
+        decode: impl FnMut(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let (h, w) = (z.dim(z.rank() - 2)?, z.dim(z.rank() - 1)?);
         spatial_tiles(
@@ -338,7 +338,7 @@ impl OverlapTiles {
         &self,
         z: &Tensor,
         ratio: usize,
-        decode: impl Fn(&Tensor) -> Result<Tensor>,
+        decode: impl FnMut(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let blend = self.blend_extent();
         spatial_tiles(
