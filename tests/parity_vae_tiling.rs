@@ -8,6 +8,7 @@ mod common;
 use candle_core::Tensor;
 use common::{assert_close, config_in, named_fixture_dir, var_builder_in};
 use std::collections::HashMap;
+use vidgen::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVaeTiling};
 use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles};
@@ -50,6 +51,50 @@ fn cogvideox_tiled_decode_matches_diffusers() {
     // diffusers' defaults: half the sample size, a sixth and a fifth of overlap.
     let defaults = cfg.tiling();
     assert_eq!((defaults.min_height, defaults.min_width), (240, 360));
+}
+
+/// AutoencoderKL's tiled decode with Latte-1's and FLUX.1's tiny VAEs: 32-pixel tiles (4 latent
+/// pixels every 3) over a 6x6 latent, a batch of two images (frames) for Latte's.
+#[test]
+fn autoencoder_kl_tiled_decode_matches_diffusers() {
+    let r = tiled_reference("autoencoder-kl-tiling");
+    for name in ["latte", "flux"] {
+        let fixture = format!("{name}-tiny-a");
+        let cfg: AutoencoderKLConfig = config_in(&fixture, "vae/config.json");
+        let vae = AutoencoderKL::new_decoder_only(
+            &cfg,
+            var_builder_in(&fixture, "vae/diffusion_pytorch_model.safetensors"),
+        )
+        .unwrap();
+        let tiles = OverlapTiles {
+            min_height: 32,
+            min_width: 32,
+            ..cfg.tiling()
+        };
+        let latents = &r[&format!("{name}.latents")];
+        let images = vae
+            .with_tiling(Some(tiles))
+            .unwrap()
+            .decode(latents)
+            .unwrap();
+        let expected = &r[&format!("{name}.images")];
+        assert_close(
+            &format!("{name} tiled images"),
+            &images,
+            expected,
+            ATOL,
+            RTOL,
+        );
+        let whole = vae.decode(latents).unwrap();
+        assert!(
+            common::max_abs_diff(&whole, expected) > 1e-3,
+            "{name}: the tiles change the images"
+        );
+    }
+    // diffusers' defaults: the config's sample size, a quarter of overlap.
+    let latte: AutoencoderKLConfig = config_in("latte-tiny-a", "vae/config.json");
+    let tiles = latte.tiling();
+    assert_eq!((tiles.min_height, tiles.overlap_factor_width), (256, 0.25));
 }
 
 /// LTX-Video's tiny VAE (32 pixels and 8 frames a latent voxel) with tiles of 48 pixels every
@@ -152,6 +197,8 @@ fn vae_tiling_lowers_the_planned_decode_of_large_videos() {
     let families = [
         ("synthetic:cogvideox-5b", (480, 720, 49), (192, 320, 49)),
         ("synthetic:ltx-video", (704, 1216, 121), (512, 512, 121)),
+        ("synthetic:latte-1", (512, 512, 16), (256, 256, 16)),
+        ("synthetic:flux.1-dev", (2048, 2048, 1), (1024, 1024, 1)),
     ];
     for (model, large, small) in families {
         let (whole, tiled) = (

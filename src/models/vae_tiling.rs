@@ -158,14 +158,19 @@ pub fn spatial_tiles(
         .narrow(wd, 0, out.1.min(rw))
 }
 
-/// What a spatial tiling of latents `(h, w)` holds, in video pixels of `ratio` per latent
-/// pixel, for the memory plan: the largest tile's output (height, width) and the pixels of
-/// all tiles' outputs together (diffusers keeps every decoded tile until it blends them).
+/// What a decode of latents `(h, w)` in `(tile, stride)` latent pixels works on, in video
+/// pixels of `ratio` per latent pixel, for the memory plan: the (height, width) of one decoder
+/// call (the largest tile; the frame where it fits in one tile, decoded whole) and the pixels
+/// held besides (every tile's output, which diffusers keeps until it blends them, and the
+/// blended whole).
 fn tile_footprint(
     (h, w): (usize, usize),
     (tile, stride): ((usize, usize), (usize, usize)),
     ratio: usize,
 ) -> ((usize, usize), usize) {
+    if h <= tile.0 && w <= tile.1 {
+        return ((h * ratio, w * ratio), 0);
+    }
     let covered = |len: usize, tile: usize, stride: usize| -> usize {
         (0..len)
             .step_by(stride.max(1))
@@ -174,7 +179,7 @@ fn tile_footprint(
     };
     (
         (tile.0.min(h) * ratio, tile.1.min(w) * ratio),
-        covered(h, tile.0, stride.0) * covered(w, tile.1, stride.1),
+        covered(h, tile.0, stride.0) * covered(w, tile.1, stride.1) + h * w * ratio * ratio,
     )
 }
 
@@ -231,8 +236,8 @@ impl SampleTiles {
         w > min_w || h > min_h
     }
 
-    /// The largest tile's output (height, width) and all tiles' output pixels of a tiled
-    /// decode of `(h, w)` latent pixels.
+    /// What a decode of latents `(h, w)` in these tiles works on: the (height, width) of one
+    /// decoder call and the pixels held besides.
     pub fn footprint(&self, (h, w): (usize, usize), ratio: usize) -> ((usize, usize), usize) {
         let stride = (self.stride_height / ratio, self.stride_width / ratio);
         tile_footprint((h, w), (self.latent_tile(ratio), stride), ratio)
@@ -302,8 +307,8 @@ impl OverlapTiles {
         )
     }
 
-    /// The largest tile's output (height, width) and all tiles' output pixels of a tiled
-    /// decode of `(h, w)` latent pixels.
+    /// What a decode of latents `(h, w)` in these tiles works on: the (height, width) of one
+    /// decoder call and the pixels held besides.
     pub fn footprint(&self, (h, w): (usize, usize), ratio: usize) -> ((usize, usize), usize) {
         let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
         tile_footprint((h, w), tiles, ratio)

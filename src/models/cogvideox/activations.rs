@@ -57,15 +57,11 @@ pub fn vae_decode_activations(
     let t = vae.scale_factor_temporal() as u64;
     let video_frames = latent[1] as u64 * t;
     let (full_h, full_w) = (latent[3] * s, latent[4] * s);
-    let tiles = vae.tiling();
-    let ((h, w), tiles_held) = match tiled && tiles.splits((latent[3], latent[4]), s) {
-        true => {
-            let (tile, held) = tiles.footprint((latent[3], latent[4]), s);
-            let blended = full_h * full_w;
-            (tile, video_frames * (held + blended) as u64 * 3 * bytes)
-        }
+    let ((h, w), held) = match tiled {
+        true => vae.tiling().footprint((latent[3], latent[4]), s),
         false => ((full_h, full_w), 0),
     };
+    let tiles_held = video_frames * held as u64 * 3 * bytes;
     let (h, w) = (h as u64, w as u64);
     let frames = latent[1].min(3) as u64 * t;
     // At full resolution: the last upsampler's output, which the last up block's first

@@ -48,15 +48,15 @@ pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3], tiled: bool)
     );
     let frames = (grid[0] as u64 - 1) * r_t + 1;
     let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
-    let tiles = LtxVaeTiling::default().spatial;
     let s = r_s as usize;
-    let (grid, held) = match tiled && tiles.splits((grid[1], grid[2]), s) {
-        true => {
-            let ((th, tw), held) = tiles.footprint((grid[1], grid[2]), s);
-            ([grid[0], th / s, tw / s], 3 * frames * held as u64 * 4)
-        }
-        false => (grid, 0),
+    let ((tile_h, tile_w), held) = match tiled {
+        true => LtxVaeTiling::default()
+            .spatial
+            .footprint((grid[1], grid[2]), s),
+        false => ((grid[1] * s, grid[2] * s), 0),
     };
+    let held = 3 * frames * held as u64 * 4;
+    let grid = [grid[0], tile_h / s, tile_w / s];
     let tokens: u64 = grid.iter().map(|&g| g as u64).product();
     let widths: Vec<u64> = cfg
         .decoder_block_out_channels
