@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use vidgen::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVaeTiling};
+use vidgen::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig, DEFAULT_TILING};
 use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles};
 
 /// The fixtures README's tolerance for f32 references.
@@ -95,6 +96,29 @@ fn autoencoder_kl_tiled_decode_matches_diffusers() {
     let latte: AutoencoderKLConfig = config_in("latte-tiny-a", "vae/config.json");
     let tiles = latte.tiling();
     assert_eq!((tiles.min_height, tiles.overlap_factor_width), (256, 0.25));
+}
+
+/// Mochi-1's tiny VAE with `enable_tiling(16, 16, 8, 8)`: a 3x3 latent in 3x3 tiles of 2x2
+/// latent pixels every 1, blended over 8 pixels.
+#[test]
+fn mochi_tiled_decode_matches_diffusers() {
+    let fixture = "mochi-tiny-a";
+    let cfg: MochiVaeConfig = config_in(fixture, "vae/config.json");
+    let vae = AutoencoderKLMochi::new(
+        &cfg,
+        var_builder_in(fixture, "vae/diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let r = tiled_reference("mochi-tiling");
+    let tiled = vae.with_tiling(Some(SampleTiles::square(16, 8))).unwrap();
+    let video = tiled.decode(&r["latents"]).unwrap();
+    assert_close("mochi tiled video", &video, &r["video"], ATOL, RTOL);
+    let whole = vae.decode(&r["latents"]).unwrap();
+    assert!(
+        common::max_abs_diff(&whole, &r["video"]) > 1e-3,
+        "the tiles change the video"
+    );
+    assert_eq!(DEFAULT_TILING, SampleTiles::square(256, 192));
 }
 
 /// LTX-Video's tiny VAE (32 pixels and 8 frames a latent voxel) with tiles of 48 pixels every
@@ -198,6 +222,7 @@ fn vae_tiling_lowers_the_planned_decode_of_large_videos() {
         ("synthetic:cogvideox-5b", (480, 720, 49), (192, 320, 49)),
         ("synthetic:ltx-video", (704, 1216, 121), (512, 512, 121)),
         ("synthetic:latte-1", (512, 512, 16), (256, 256, 16)),
+        ("synthetic:mochi-1", (480, 848, 19), (256, 256, 19)),
         ("synthetic:flux.1-dev", (2048, 2048, 1), (1024, 1024, 1)),
     ];
     for (model, large, small) in families {
