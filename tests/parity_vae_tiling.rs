@@ -8,11 +8,16 @@ mod common;
 use candle_core::Tensor;
 use common::{assert_close, config_in, named_fixture_dir, var_builder_in};
 use std::collections::HashMap;
+use vidgen::cli::{parse, Parsed};
+use vidgen::config::ResolvedConfig;
 use vidgen::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use vidgen::models::ltx::vae::{AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig, LtxVaeTiling};
 use vidgen::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig, DEFAULT_TILING};
+use vidgen::models::source::ModelSource;
 use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles};
+use vidgen::pipeline::plan::Planner;
+use vidgen::pipeline::registry::{self, Configs};
 
 /// The fixtures README's tolerance for f32 references.
 const ATOL: f64 = 1e-4;
@@ -235,6 +240,51 @@ fn vae_tiling_lowers_the_planned_decode_of_large_videos() {
             planned_decode(model, small, true),
             planned_decode(model, small, false),
             "{model}: one tile is decoded whole"
+        );
+    }
+}
+
+/// The memory plan's advice (the option sets it would fall back to, cheapest first) turns on
+/// `--vae-tiling` for the families that tile when their whole-frame decode is what bounds the
+/// run, and never for one whose VAE has no tiles.
+#[test]
+fn the_advice_offers_vae_tiling_where_the_vae_tiles() {
+    for (model, size, offered) in [
+        ("synthetic:cogvideox-5b", ["480", "720", "9"], true),
+        ("synthetic:ltx-video", ["704", "1216", "121"], true),
+        ("synthetic:mochi-1", ["480", "848", "19"], true),
+        ("synthetic:latte-1", ["512", "512", "16"], true),
+        ("synthetic:flux.1-dev", ["2048", "2048", "1"], true),
+        ("synthetic:minimax-h3", ["480", "832", "121"], false),
+    ] {
+        let argv = ["vidgen", "generate", "--dry-run", "--device", "cpu"]
+            .into_iter()
+            .chain(["--memory-model", "discrete", "--model", model])
+            .chain([
+                "--height",
+                size[0],
+                "--width",
+                size[1],
+                "--num-frames",
+                size[2],
+            ])
+            .map(std::ffi::OsString::from);
+        let Parsed::Generate(args) = parse(argv).unwrap() else {
+            panic!("not a generate command")
+        };
+        let config = ResolvedConfig::resolve(*args).unwrap();
+        let source = ModelSource::parse(model).unwrap();
+        let family = registry::family(Configs::OnDisk(&source)).unwrap();
+        let planner = Planner::new(family.as_ref(), &config);
+        let flags: Vec<String> = planner
+            .candidates(None)
+            .iter()
+            .flat_map(|c| c.flags.clone())
+            .collect();
+        assert_eq!(
+            flags.iter().any(|f| f == "--vae-tiling"),
+            offered,
+            "{model}: {flags:?}"
         );
     }
 }
