@@ -6,29 +6,31 @@
 //! ([`SampleTiles`]: HunyuanVideo, LTX-Video, Mochi-1) or from the config's sample size with
 //! overlap factors ([`OverlapTiles`]: CogVideoX, AutoencoderKL).
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 
 /// diffusers' `blend_t` / `blend_v` / `blend_h` along `dim`: the first `extent` entries of `b`
-/// fade from the last ones of `a` into `b`'s own.
+/// fade from the last ones of `a` into `b`'s own, rounded as torch rounds
+/// `a · (1 − y/extent) + b · (y/extent)`: each product and the sum computed in f32 (the Python
+/// weight as an f32) and rounded to the tensors' dtype.
 pub fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
     let extent = extent.min(a.dim(dim)?).min(b.dim(dim)?);
     if extent == 0 {
         return Ok(b.clone());
     }
-    // Python's float weights (f64), rounded to the tensor's dtype.
-    let ramp = |f: &dyn Fn(f64) -> f64| -> Result<Tensor> {
+    let dtype = b.dtype();
+    let weighted = |x: &Tensor, f: &dyn Fn(f64) -> f64| -> Result<Tensor> {
         let w: Vec<f32> = (0..extent)
-            .map(|x| f(x as f64 / extent as f64) as f32)
+            .map(|y| f(y as f64 / extent as f64) as f32)
             .collect();
         let shape: Vec<usize> = (0..b.rank())
             .map(|d| if d == dim { extent } else { 1 })
             .collect();
-        Tensor::from_vec(w, shape, b.device())?.to_dtype(b.dtype())
+        let w = Tensor::from_vec(w, shape, b.device())?;
+        x.to_dtype(DType::F32)?.broadcast_mul(&w)?.to_dtype(dtype)
     };
-    let a_tail = a.narrow(dim, a.dim(dim)? - extent, extent)?;
-    let b_head = b.narrow(dim, 0, extent)?;
-    let mixed =
-        (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)? + b_head.broadcast_mul(&ramp(&|r| r)?)?)?;
+    let a_tail = weighted(&a.narrow(dim, a.dim(dim)? - extent, extent)?, &|r| 1.0 - r)?;
+    let b_head = weighted(&b.narrow(dim, 0, extent)?, &|r| r)?;
+    let mixed = (a_tail.to_dtype(DType::F32)? + b_head.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
     let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
     Tensor::cat(&[mixed, rest], dim)
 }
@@ -111,7 +113,8 @@ pub fn decode_frame_tiles(
 /// Spatial tiles over the last two dims (height, width) as diffusers' `tiled_encode` /
 /// `tiled_decode` run them: input tiles of `tile` (h, w) every `stride`, each through `f`; each
 /// output tile blended with the one above and the one to the left over `blend` (h, w), cropped
-/// to `keep`; the result cut to `out` (h, w).
+/// to `keep`; the result cut to `out` (h, w). A row's tiles are blended as soon as the row is
+/// made, so two rows of tiles wait at most (diffusers makes them all first: the same values).
 pub fn spatial_tiles(
     x: &Tensor,
     (tile, stride): ((usize, usize), (usize, usize)),
@@ -120,37 +123,34 @@ pub fn spatial_tiles(
 ) -> Result<Tensor> {
     let (hd, wd) = (x.rank() - 2, x.rank() - 1);
     let (h, w) = (x.dim(hd)?, x.dim(wd)?);
-    let mut rows: Vec<Vec<Tensor>> = Vec::new();
+    let mut above: Vec<Tensor> = Vec::new();
+    let mut result_rows = Vec::new();
     for i in (0..h).step_by(stride.0.max(1)) {
-        let mut row = Vec::new();
-        for j in (0..w).step_by(stride.1.max(1)) {
+        let mut row: Vec<Tensor> = Vec::new();
+        let mut result_row = Vec::new();
+        for (column, j) in (0..w).step_by(stride.1.max(1)).enumerate() {
             let part = x
                 .narrow(hd, i, tile.0.min(h - i))?
                 .narrow(wd, j, tile.1.min(w - j))?;
-            row.push(f(&part)?);
-        }
-        rows.push(row);
-    }
-    let mut result_rows = Vec::with_capacity(rows.len());
-    for i in 0..rows.len() {
-        let mut result_row = Vec::with_capacity(rows[i].len());
-        for j in 0..rows[i].len() {
-            let mut tile = rows[i][j].clone();
-            if i > 0 {
-                tile = blend(&rows[i - 1][j], &tile, blend_extent.0, hd)?;
+            // In place, as diffusers: a tile reads its neighbours already blended.
+            let mut tile = f(&part)?;
+            if let Some(up) = above.get(column) {
+                tile = blend(up, &tile, blend_extent.0, hd)?;
             }
-            if j > 0 {
-                tile = blend(&rows[i][j - 1], &tile, blend_extent.1, wd)?;
+            if let Some(left) = row.last() {
+                tile = blend(left, &tile, blend_extent.1, wd)?;
             }
-            rows[i][j] = tile.clone();
             let (th, tw) = (tile.dim(hd)?, tile.dim(wd)?);
             result_row.push(
                 tile.narrow(hd, 0, keep.0.min(th))?
                     .narrow(wd, 0, keep.1.min(tw))?,
             );
+            row.push(tile);
         }
         result_rows.push(Tensor::cat(&result_row, wd)?);
+        above = row;
     }
+    drop(above);
     let result = Tensor::cat(&result_rows, hd)?;
     let (rh, rw) = (result.dim(hd)?, result.dim(wd)?);
     result
@@ -161,8 +161,7 @@ pub fn spatial_tiles(
 /// What a decode of latents `(h, w)` in `(tile, stride)` latent pixels works on, in video
 /// pixels of `ratio` per latent pixel, for the memory plan: the (height, width) of one decoder
 /// call (the largest tile; the frame where it fits in one tile, decoded whole) and the pixels
-/// held besides (every tile's output, which diffusers keeps until it blends them, and the
-/// blended whole).
+/// held besides (two rows of decoded tiles, the cropped pieces and their concatenation).
 fn tile_footprint(
     (h, w): (usize, usize),
     (tile, stride): ((usize, usize), (usize, usize)),
@@ -171,15 +170,14 @@ fn tile_footprint(
     if h <= tile.0 && w <= tile.1 {
         return ((h * ratio, w * ratio), 0);
     }
-    let covered = |len: usize, tile: usize, stride: usize| -> usize {
-        (0..len)
-            .step_by(stride.max(1))
-            .map(|i| tile.min(len - i) * ratio)
-            .sum()
-    };
+    let row_width: usize = (0..w)
+        .step_by(stride.1.max(1))
+        .map(|j| tile.1.min(w - j) * ratio)
+        .sum();
+    let tile_height = tile.0.min(h) * ratio;
     (
-        (tile.0.min(h) * ratio, tile.1.min(w) * ratio),
-        covered(h, tile.0, stride.0) * covered(w, tile.1, stride.1) + h * w * ratio * ratio,
+        (tile_height, tile.1.min(w) * ratio),
+        2 * tile_height * row_width + 2 * h * w * ratio * ratio,
     )
 }
 
