@@ -1,10 +1,11 @@
 //! diffusers' tiled VAE decode (and encode), shared by the VAEs that have it: overlapping tiles,
 //! each through the VAE on its own, blended linearly into the neighbours they overlap
 //! (`blend_v` / `blend_h` / `blend_t`, in place as diffusers: a later tile reads its
-//! neighbours already blended) and cropped, so memory is bounded by the tile instead of the
-//! frame. Two ways diffusers sizes the spatial tiles: in pixels with a stride
-//! ([`SampleTiles`]: HunyuanVideo, LTX-Video, Mochi-1) or from the config's sample size with
-//! overlap factors ([`OverlapTiles`]: CogVideoX, AutoencoderKL).
+//! neighbours already blended) and cropped, so the decoder's activations are bounded by the
+//! tile instead of the frame. Two ways diffusers sizes the spatial tiles: in pixels with a
+//! stride ([`SampleTiles`]: HunyuanVideo, LTX-Video, Mochi-1; Wan runs [`spatial_tiles`] in its
+//! patchified output space) or from the config's sample size with overlap factors
+//! ([`OverlapTiles`]: CogVideoX, AutoencoderKL).
 
 use candle_core::{bail, DType, Result, Tensor};
 
