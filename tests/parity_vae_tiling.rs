@@ -40,7 +40,8 @@ fn cogvideox_tiled_decode_matches_diffusers() {
     )
     .unwrap();
     let r = tiled_reference("cogvideox-tiling");
-    // `enable_tiling(32, 32, 0.25, 0.25)`: 2x2 tiles of 4x4 latent pixels every 3.
+    // `enable_tiling(32, 32, 0.25, 0.25)`: 2x2 tiles of 4x4 latent pixels every 3, each of 5
+    // latent frames decoded in two frame batches.
     let tiles = OverlapTiles {
         min_height: 32,
         min_width: 32,
