@@ -319,7 +319,6 @@ fn flags_that_do_not_apply_are_refused() {
         ("--decode-timestep", "0.05", "LTX-Video"),
         ("--flow-shift", "3", "flow-matching schedule"),
         ("--scheduler", "euler", "its own scheduler"),
-        ("--vae-tiling", "true", "without spatial tiles"),
         ("--num-frames", "5", "makes one image"),
         ("--output-type", "mp4", "makes one image"),
         ("--max-sequence-length", "600", "at most 512"),

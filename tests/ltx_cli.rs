@@ -293,7 +293,6 @@ fn flags_that_do_not_apply_are_refused() {
         &["--true-cfg-scale", "4"],
         &["--flow-shift", "3"],
         &["--scheduler", "unipc"],
-        &["--vae-tiling"],
     ] {
         let run = generate(&dir, "refused", "3", &draws, flags);
         let stderr = usage_error(&run, &format!("{flags:?}"));

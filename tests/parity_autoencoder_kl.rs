@@ -190,6 +190,20 @@ fn hostile_configs_are_refused_with_the_key() {
             },
             "act_fn",
         ),
+        (
+            AutoencoderKLConfig {
+                sample_size: serde_json::json!("256"),
+                ..cfg.clone()
+            },
+            "sample_size",
+        ),
+        (
+            AutoencoderKLConfig {
+                sample_size: serde_json::json!([]),
+                ..cfg.clone()
+            },
+            "sample_size",
+        ),
     ];
     for (bad, key) in cases {
         let err = bad.validate().unwrap_err().to_string();

@@ -38,6 +38,7 @@ pub mod sequence_parallel;
 pub mod source;
 pub mod step_cache;
 pub mod t5;
+pub mod vae_tiling;
 pub mod video;
 pub mod wan;
 

@@ -70,7 +70,7 @@ impl CogVideoXConfigs {
                     CogVideoX::denoise,
                 ),
                 (
-                    activations::vae_decode_activations(&self.vae, latent, dtype),
+                    activations::vae_decode_activations(&self.vae, latent, shape.vae_tiling, dtype),
                     CogVideoX::decode,
                 ),
             ],
@@ -84,9 +84,13 @@ impl Family for CogVideoXConfigs {
     }
 
     /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
-    /// frame-batched without tiles.
+    /// frame-batched, in spatial tiles with `--vae-tiling`.
     fn options(&self) -> Vec<FamilyOption> {
-        [&FamilyOption::GUIDED[..], &[FamilyOption::Lora]].concat()
+        [
+            &FamilyOption::GUIDED[..],
+            &[FamilyOption::Lora, FamilyOption::VaeTiling],
+        ]
+        .concat()
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
@@ -202,12 +206,17 @@ impl CogVideoX {
     }
 
     /// `decode_latents` (permute to `[B, C, F, H, W]`, times 1/scaling_factor, frame-batched
-    /// decode) and `postprocess_video` to frames `[T, H, W, 3]` in [0, 1].
+    /// decode, tiled with `--vae-tiling` as `enable_tiling()`) and `postprocess_video` to frames
+    /// `[T, H, W, 3]` in [0, 1].
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let tiling = frame.config.memory().vae_tiling;
         frame.decode(job, self.parts.vae, |vae, latents| {
-            Ok(vae
-                .decode(&vae.scale_latents(&latents)?)?
-                .to_dtype(DType::F32)?)
+            let z = vae.scale_latents(&latents)?;
+            let video = match tiling {
+                true => vae.decode_tiled(&z, &vae.config().tiling())?,
+                false => vae.decode(&z)?,
+            };
+            Ok(video.to_dtype(DType::F32)?)
         })
     }
 }

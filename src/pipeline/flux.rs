@@ -118,7 +118,7 @@ impl FluxConfigs {
         let denoise =
             activations::transformer_activations(&self.transformer, tokens, shape.text_len, dtype);
         let (h, w) = self.latent_size(shape.height, shape.width);
-        let decode = activations::vae_decode_activations(&self.vae, h, w, dtype);
+        let decode = activations::vae_decode_activations(&self.vae, h, w, shape.vae_tiling, dtype);
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             text_encoder: spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder),
@@ -150,7 +150,11 @@ impl Family for FluxConfigs {
     /// schnell), real CFG by `--true-cfg-scale` with a negative prompt; its schedule comes from
     /// its own config and the image's size.
     fn options(&self) -> Vec<FamilyOption> {
-        let own = [FamilyOption::TrueCfgScale, FamilyOption::Lora];
+        let own = [
+            FamilyOption::TrueCfgScale,
+            FamilyOption::VaeTiling,
+            FamilyOption::Lora,
+        ];
         [&FamilyOption::GUIDED[..], &own]
             .concat()
             .into_iter()
@@ -366,12 +370,15 @@ impl Flux {
         denoise.finish_with(job, &latents)
     }
 
-    /// `_unpack_latents`, `z / scaling_factor + shift_factor`, the VAE decode and
-    /// `(image / 2 + 0.5).clamp(0, 1)` as one frame `[1, H, W, 3]`.
+    /// `_unpack_latents`, `z / scaling_factor + shift_factor`, the VAE decode (tiled with
+    /// `--vae-tiling` as `enable_tiling()`) and `(image / 2 + 0.5).clamp(0, 1)` as one frame
+    /// `[1, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let (h, w) = self.configs.latent_size(job.height, job.width);
         let dtype = frame.dtype_of(self.parts.vae);
+        let tiling = frame.config.memory().vae_tiling;
         frame.decode(job, self.parts.vae, |vae, latents| {
+            let vae = vae.with_tiling(tiling.then(|| vae.config().tiling()))?;
             let z = unpack(&latents, h, w)?.to_dtype(dtype)?;
             let image = vae.decode(&vae.unscale(&z)?)?.to_dtype(DType::F32)?;
             Ok(image.unsqueeze(2)?)

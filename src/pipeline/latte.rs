@@ -51,8 +51,13 @@ impl LatteConfigs {
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let (dtype, text_len) = (shape.dtype, prompt::MAX_LENGTH);
         let dit = activations::transformer_activations(&self.transformer, latent, text_len, dtype);
-        let vae =
-            activations::vae_decode_activations(&self.vae, latent, DECODE_CHUNK_FRAMES, dtype);
+        let vae = activations::vae_decode_activations(
+            &self.vae,
+            latent,
+            DECODE_CHUNK_FRAMES,
+            shape.vae_tiling,
+            dtype,
+        );
         Parts::pipeline(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
@@ -74,9 +79,14 @@ impl Family for LatteConfigs {
     }
 
     /// Text-to-video with classifier-free guidance; prompts always take 120 tokens, the DDIM
-    /// scheduler comes from the model, the VAE decodes frame by frame without tiles.
+    /// scheduler comes from the model, the VAE decodes frame by frame (in spatial tiles with
+    /// `--vae-tiling`).
     fn options(&self) -> Vec<FamilyOption> {
-        vec![FamilyOption::GuidanceScale, FamilyOption::NegativePrompt]
+        vec![
+            FamilyOption::GuidanceScale,
+            FamilyOption::NegativePrompt,
+            FamilyOption::VaeTiling,
+        ]
     }
 
     /// The temporal table fixes the frame count (sizes in whole tokens are the frame rule's).
@@ -191,11 +201,13 @@ impl Latte {
         denoise.finish_with(job, &latents)
     }
 
-    /// `decode_latents` (every frame on its own, in chunks), then `postprocess_video` to frames
-    /// `[F, H, W, 3]`.
+    /// `decode_latents` (every frame on its own, in chunks; tiled with `--vae-tiling` as
+    /// `enable_tiling()`), then `postprocess_video` to frames `[F, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
+        let tiling = frame.config.memory().vae_tiling;
         frame.decode(job, self.parts.vae, |vae, latents| {
-            Ok(decode_latents(vae, &latents)?)
+            let vae = vae.with_tiling(tiling.then(|| vae.config().tiling()))?;
+            Ok(decode_latents(&vae, &latents)?)
         })
     }
 }

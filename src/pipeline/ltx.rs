@@ -15,7 +15,7 @@ use crate::models::ltx::transformer::{
     pack_latents, unpack_latents, LtxTransformer3DModel, LtxTransformerConfig,
 };
 use crate::models::ltx::vae::{
-    add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig,
+    add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, LtxVaeTiling,
 };
 use crate::models::ltx::{activations, defaults};
 use crate::models::t5::encoder::T5EncoderModel;
@@ -78,7 +78,7 @@ impl LtxConfigs {
                 ),
                 (dit, Ltx::denoise),
                 (
-                    activations::vae_decode_activations(&self.vae, grid),
+                    activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling),
                     Ltx::decode,
                 ),
             ],
@@ -92,9 +92,14 @@ impl Family for LtxConfigs {
     }
 
     /// Text-to-video with classifier-free guidance and a timestep-conditioned decoder; flow-match
-    /// Euler shifted by the video's token count, the VAE decoding whole.
+    /// Euler shifted by the video's token count, the VAE decoding whole (in spatial tiles with
+    /// `--vae-tiling`).
     fn options(&self) -> Vec<FamilyOption> {
-        let decoder = [FamilyOption::DecodeTimestep, FamilyOption::DecodeNoiseScale];
+        let decoder = [
+            FamilyOption::DecodeTimestep,
+            FamilyOption::DecodeNoiseScale,
+            FamilyOption::VaeTiling,
+        ];
         [&FamilyOption::GUIDED[..], &decoder, &[FamilyOption::Lora]].concat()
     }
 
@@ -289,7 +294,10 @@ impl Ltx {
         let mut carried: Carried = job.carry.take();
         let device = &frame.device;
         let held = frame.hold(self.parts.vae)?;
-        let vae = held.model();
+        let tiling = frame.config.memory().vae_tiling;
+        let vae = held
+            .model()
+            .with_tiling(tiling.then(LtxVaeTiling::default))?;
         let grid = self.configs.grid(job.num_frames, job.height, job.width);
         let token_grid = self.configs.token_grid(grid);
         let latents = job.latents.take().context("nothing denoised")?;

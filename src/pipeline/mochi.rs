@@ -80,7 +80,7 @@ impl MochiConfigs {
             2,
             dtype,
         );
-        let vae = activations::vae_decode_activations(&self.vae, grid, dtype);
+        let vae = activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype);
         Parts::pipeline(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
@@ -106,9 +106,13 @@ impl Family for MochiConfigs {
     }
 
     /// Text-to-video with classifier-free guidance; its own linear-quadratic flow-match
-    /// schedule, the VAE decoding whole.
+    /// schedule, the VAE decoding whole (in spatial tiles with `--vae-tiling`).
     fn options(&self) -> Vec<FamilyOption> {
-        [&FamilyOption::GUIDED[..], &[FamilyOption::Lora]].concat()
+        [
+            &FamilyOption::GUIDED[..],
+            &[FamilyOption::Lora, FamilyOption::VaeTiling],
+        ]
+        .concat()
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
@@ -198,11 +202,15 @@ impl Mochi {
         denoise.finish_with(job, &latents)
     }
 
-    /// De-normalise (`z·std/scaling + mean`), decode, frames in [0, 1].
+    /// De-normalise (`z·std/scaling + mean`), decode (tiled with `--vae-tiling` as
+    /// `enable_tiling()`), frames in [0, 1].
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let asked = job.num_frames;
+        let tiling =
+            (frame.config.memory().vae_tiling).then_some(crate::models::mochi::vae::DEFAULT_TILING);
         frame.decode(job, self.parts.vae, |vae, latents| {
             let video = vae
+                .with_tiling(tiling)?
                 .decode(&vae.denormalize(&latents)?)?
                 .to_dtype(DType::F32)?;
             let made = video.dim(2)?;

@@ -14,7 +14,9 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::models::vae_tiling::OverlapTiles;
 use crate::models::video::VideoVae;
+
 use blocks::{Conv2d, Decoder, Encoder};
 
 /// The block type every entry of `down_block_types` must name.
@@ -44,7 +46,7 @@ pub struct AutoencoderKLConfig {
     pub latent_channels: usize,
     /// Groups of every GroupNorm.
     pub norm_num_groups: usize,
-    /// Informational (an int or a pair: tiling defaults).
+    /// An int or a pair, whose first is the tile size ([`AutoencoderKLConfig::tiling`]).
     pub sample_size: serde_json::Value,
     /// Latents are divided by it before decoding (0.18215 for SD / Latte, 0.3611 for FLUX.1).
     pub scaling_factor: f64,
@@ -103,8 +105,37 @@ impl AutoencoderKLConfig {
         }
     }
 
+    /// The config's `sample_size`, or the first of a pair.
+    fn first_sample_size(&self) -> Option<usize> {
+        let size = match &self.sample_size {
+            serde_json::Value::Array(sizes) => sizes.first()?,
+            size => size,
+        };
+        size.as_u64()
+            .filter(|&s| s > 0)
+            .and_then(|s| usize::try_from(s).ok())
+    }
+
+    /// diffusers' tiles (`enable_tiling()` takes no sizes): `sample_size` pixels (the first of
+    /// a pair) overlapping by a quarter.
+    pub fn tiling(&self) -> OverlapTiles {
+        let size = self.first_sample_size().unwrap_or(0);
+        OverlapTiles {
+            min_height: size,
+            min_width: size,
+            overlap_factor_height: 0.25,
+            overlap_factor_width: 0.25,
+        }
+    }
+
     /// Rejects configurations whose decoder cannot be built, with the key at fault.
     pub fn validate(&self) -> Result<()> {
+        if self.first_sample_size().is_none() {
+            candle_core::bail!(
+                "vae config: sample_size must be a positive integer or a list of them, got {}",
+                self.sample_size
+            );
+        }
         if self.block_out_channels.is_empty() || self.block_out_channels.contains(&0) {
             candle_core::bail!(
                 "vae config: block_out_channels must be a non-empty list of positive numbers"
@@ -195,8 +226,8 @@ impl VideoVae for AutoencoderKLConfig {
     }
 }
 
-/// diffusers' `AutoencoderKL` (no tiling, no slicing): the decoder, and the encoder unless
-/// built with [`Self::new_decoder_only`].
+/// diffusers' `AutoencoderKL` (no slicing): the decoder, and the encoder unless built with
+/// [`Self::new_decoder_only`].
 #[derive(Debug, Clone)]
 pub struct AutoencoderKL {
     cfg: AutoencoderKLConfig,
@@ -204,6 +235,8 @@ pub struct AutoencoderKL {
     post_quant_conv: Option<Conv2d>,
     decoder: Decoder,
     dtype: DType,
+    /// How [`Self::decode`] tiles; `None` decodes whole (diffusers' default).
+    tiling: Option<OverlapTiles>,
 }
 
 impl AutoencoderKL {
@@ -243,6 +276,19 @@ impl AutoencoderKL {
             },
             decoder: Decoder::new(cfg, vb.pp("decoder"))?,
             dtype: vb.dtype(),
+            tiling: None,
+        })
+    }
+
+    /// This VAE decoding in `tiling`'s tiles (diffusers' `tiled_decode`; whole with `None`),
+    /// checked against the scale factor.
+    pub fn with_tiling(&self, tiling: Option<OverlapTiles>) -> Result<Self> {
+        if let Some(tiles) = &tiling {
+            tiles.validate(self.cfg.scale_factor())?;
+        }
+        Ok(Self {
+            tiling,
+            ..self.clone()
         })
     }
 
@@ -282,8 +328,20 @@ impl AutoencoderKL {
 
     /// Decodes latents `z` `[B, latent_channels, h, w]` (already unscaled) to images
     /// `[B, out_channels, h·f, w·f]` (f = [`AutoencoderKLConfig::scale_factor`]), not clamped:
-    /// `post_quant_conv` where the config has it, then the decoder.
+    /// `post_quant_conv` where the config has it, then the decoder; in tiles where
+    /// [`Self::with_tiling`] set them and the latents exceed one.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let ratio = self.cfg.scale_factor();
+        match self.tiling {
+            Some(tiles) if tiles.splits((z.dim(2)?, z.dim(3)?), ratio) => {
+                tiles.decode(z, ratio, |tile| self.decode_whole(tile))
+            }
+            _ => self.decode_whole(z),
+        }
+    }
+
+    /// One decoder call on `z`, untiled.
+    fn decode_whole(&self, z: &Tensor) -> Result<Tensor> {
         let (_, c, h, w) = z.dims4()?;
         if c != self.cfg.latent_channels {
             candle_core::bail!(

@@ -43,12 +43,26 @@ pub fn transformer_activations(
 }
 
 /// Device bytes of the frame-batched decode: the widest level at full resolution over one
-/// chunk (up to 3 latent frames), with the conv caches.
-pub fn vae_decode_activations(vae: &CogVideoXVaeConfig, latent: [usize; 5], dtype: DType) -> u64 {
+/// chunk (up to 3 latent frames), with the conv caches; with `tiled` (diffusers'
+/// `enable_tiling()` sizes) over one tile instead of the frame, plus every decoded tile and
+/// their blended whole in the VAE dtype, which diffusers holds until the tiles are blended.
+pub fn vae_decode_activations(
+    vae: &CogVideoXVaeConfig,
+    latent: [usize; 5],
+    tiled: bool,
+    dtype: DType,
+) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
-    let s = vae.scale_factor_spatial() as u64;
+    let s = vae.scale_factor_spatial();
     let t = vae.scale_factor_temporal() as u64;
-    let (h, w) = (latent[3] as u64 * s, latent[4] as u64 * s);
+    let video_frames = latent[1] as u64 * t;
+    let (full_h, full_w) = (latent[3] * s, latent[4] * s);
+    let ((h, w), held) = match tiled {
+        true => vae.tiling().footprint((latent[3], latent[4]), s),
+        false => ((full_h, full_w), 0),
+    };
+    let tiles_held = video_frames * held as u64 * 3 * bytes;
+    let (h, w) = (h as u64, w as u64);
     let frames = latent[1].min(3) as u64 * t;
     // At full resolution: the last upsampler's output, which the last up block's first
     // resnet reads (the second up block's channels, counting from the top), and that
@@ -57,6 +71,6 @@ pub fn vae_decode_activations(vae: &CogVideoXVaeConfig, latent: [usize; 5], dtyp
     let boc = &vae.block_out_channels;
     let last = boc.first().copied().unwrap_or(128) as u64;
     let upsampled = boc.get(1).copied().unwrap_or(128) as u64;
-    let output = latent[1] as u64 * t * h * w * 3 * 4;
-    frames * h * w * (2 * upsampled + 5 * last) * bytes + output
+    let output = video_frames * full_h as u64 * full_w as u64 * 3 * 4;
+    frames * h * w * (2 * upsampled + 5 * last) * bytes + output + tiles_held
 }

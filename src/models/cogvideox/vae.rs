@@ -16,6 +16,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::models::conv3d::{self, Kernel3d};
+use crate::models::vae_tiling::OverlapTiles;
 use crate::models::video::VideoVae;
 
 /// GroupNorm epsilon that diffusers fixes whatever the config says: the decoder's spatial norms
@@ -57,9 +58,9 @@ pub struct CogVideoXVaeConfig {
     pub norm_num_groups: usize,
     /// Frames per latent frame; `log2` of it is the number of up blocks that double time.
     pub temporal_compression_ratio: f64,
-    /// Informational (tiling defaults).
+    /// Half of it is the default tile height ([`CogVideoXVaeConfig::tiling`]).
     pub sample_height: usize,
-    /// Informational (tiling defaults).
+    /// Half of it is the default tile width ([`CogVideoXVaeConfig::tiling`]).
     pub sample_width: usize,
     /// Latents are divided by it before decoding (0.7 for CogVideoX-5b).
     pub scaling_factor: f64,
@@ -109,6 +110,17 @@ impl Default for CogVideoXVaeConfig {
 }
 
 impl CogVideoXVaeConfig {
+    /// diffusers' `enable_tiling()` defaults: tiles of half the sample size, overlapping by a
+    /// sixth of their height and a fifth of their width.
+    pub fn tiling(&self) -> OverlapTiles {
+        OverlapTiles {
+            min_height: self.sample_height / 2,
+            min_width: self.sample_width / 2,
+            overlap_factor_height: 1.0 / 6.0,
+            overlap_factor_width: 1.0 / 5.0,
+        }
+    }
+
     /// Pixels per latent pixel: 2 per up block that upsamples.
     pub fn scale_factor_spatial(&self) -> usize {
         1 << self.block_out_channels.len().saturating_sub(1)
@@ -788,7 +800,7 @@ impl Decoder3D {
     }
 }
 
-/// diffusers' `AutoencoderKLCogVideoX` (no tiling): the decoder, and the encoder unless built
+/// diffusers' `AutoencoderKLCogVideoX`: the decoder, and the encoder unless built
 /// with [`Self::new_decoder_only`].
 pub struct AutoencoderKLCogVideoX {
     cfg: CogVideoXVaeConfig,
@@ -867,6 +879,19 @@ impl AutoencoderKLCogVideoX {
             );
         }
         Tensor::cat(&out, 2)
+    }
+
+    /// Decodes like [`Self::decode`] in overlapping spatial tiles, each decoded frame-batched,
+    /// blended together, as diffusers' `tiled_decode`; latents no larger than a tile are
+    /// decoded whole.
+    pub fn decode_tiled(&self, z: &Tensor, tiles: &OverlapTiles) -> Result<Tensor> {
+        let ratio = self.cfg.scale_factor_spatial();
+        tiles.validate(ratio)?;
+        let (_, _, _, h, w) = z.dims5()?;
+        if !tiles.splits((h, w), ratio) {
+            return self.decode(z);
+        }
+        tiles.decode(z, ratio, |tile| self.decode(tile))
     }
 
     /// Encodes video `[B, in_channels, T, H, W]` in [-1, 1] to the latent distribution's

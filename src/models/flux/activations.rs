@@ -48,15 +48,28 @@ pub fn transformer_activations(
 /// upsampler's output (the second-last level's channels) and the last up block's resnet at its
 /// own channels (input, norm, activation, conv output, residual), the mid block's attention
 /// scores over the latent's tokens (f32, chunked as [`crate::models::attention::sdpa`] bounds
-/// them), and the image in f32.
-pub fn vae_decode_activations(vae: &AutoencoderKLConfig, h: usize, w: usize, dtype: DType) -> u64 {
+/// them), and the image in f32; with `tiled` (diffusers' tiles) the levels and attention are
+/// one tile's, and the tiles and their blended whole are held besides.
+pub fn vae_decode_activations(
+    vae: &AutoencoderKLConfig,
+    h: usize,
+    w: usize,
+    tiled: bool,
+    dtype: DType,
+) -> u64 {
     let d = dtype.size_in_bytes() as u64;
-    let scale = vae.scale_factor() as u64;
-    let pixels = h as u64 * scale * w as u64 * scale;
+    let scale = vae.scale_factor();
+    let full = (h * scale * w * scale) as u64;
+    let ((tile_h, tile_w), held) = match tiled {
+        true => vae.tiling().footprint((h, w), scale),
+        false => ((h * scale, w * scale), 0),
+    };
+    let pixels = (tile_h * tile_w) as u64;
+    let held = held as u64 * vae.out_channels as u64 * d;
     let channels = &vae.block_out_channels;
     let last = channels.first().copied().unwrap_or(0) as u64;
     let upsampled = channels.get(1).copied().unwrap_or(0) as u64;
-    let tokens = (h * w) as u64;
+    let tokens = pixels / (scale * scale) as u64;
     let scores = (tokens * tokens).min(crate::models::attention::MAX_SCORE_ELEMENTS as u64) * 4;
-    pixels * (2 * upsampled + 5 * last) * d + scores + pixels * 3 * 4 * 2
+    pixels * (2 * upsampled + 5 * last) * d + scores + held + full * 3 * 4 * 2
 }

@@ -27,6 +27,9 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 use crate::models::conv3d::{self, Kernel3d};
 use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
+use crate::models::vae_tiling::{
+    decode_frame_tiles, spatial_tiles, temporal_tiles, Dropped, SampleTiles,
+};
 
 /// Epsilon of every GroupNorm of the decoder (hard-coded in diffusers).
 const NORM_EPS: f64 = 1e-6;
@@ -241,6 +244,16 @@ impl Default for HunyuanVideoVaeTiling {
 }
 
 impl HunyuanVideoVaeTiling {
+    /// The spatial tiles `tiled_decode` runs.
+    fn spatial_tiles(&self) -> SampleTiles {
+        SampleTiles {
+            min_height: self.tile_sample_min_height,
+            min_width: self.tile_sample_min_width,
+            stride_height: self.tile_sample_stride_height,
+            stride_width: self.tile_sample_stride_width,
+        }
+    }
+
     fn validate(&self, cfg: &HunyuanVideoVaeConfig) -> Result<()> {
         let (s, t) = (
             cfg.spatial_compression_ratio,
@@ -943,88 +956,6 @@ impl Encoder {
     }
 }
 
-/// Tiles along `dim` of `[B, C, T, H, W]` as diffusers' temporal tiling runs them: tiles of
-/// `len` entries every `stride`, each through `f`; tiles after the first drop their first
-/// output entry; each tile is blended (in place) with the previous one over `blend` entries;
-/// the first keeps `keep + 1` entries, the others `keep`; the result is cut to `out_len`.
-fn temporal_tiles(
-    x: &Tensor,
-    (len, stride): (usize, usize),
-    (blend_extent, keep, out_len): (usize, usize, usize),
-    f: impl Fn(&Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    let t = x.dim(2)?;
-    let mut row: Vec<Tensor> = Vec::new();
-    for i in (0..t).step_by(stride.max(1)) {
-        let mut tile = f(&x.narrow(2, i, len.min(t - i))?)?;
-        if i > 0 {
-            let n = tile.dim(2)?;
-            tile = tile.narrow(2, 1, n - 1)?;
-        }
-        row.push(tile);
-    }
-    let mut parts = Vec::with_capacity(row.len());
-    for i in 0..row.len() {
-        if i > 0 {
-            row[i] = blend(&row[i - 1], &row[i], blend_extent, 2)?;
-        }
-        let keep = if i > 0 { keep } else { keep + 1 };
-        parts.push(row[i].narrow(2, 0, keep.min(row[i].dim(2)?))?);
-    }
-    let out = Tensor::cat(&parts, 2)?;
-    out.narrow(2, 0, out_len.min(out.dim(2)?))
-}
-
-/// Spatial tiles of `[B, C, T, H, W]` as diffusers' `tiled_encode` / `tiled_decode` run them:
-/// input tiles of `tile` (h, w) every `stride`, each through `f`; each output tile blended (in
-/// place) with the one above and the one to the left over `blend` (h, w), cropped to `keep`;
-/// the result cut to `out` (h, w).
-fn spatial_tiles(
-    x: &Tensor,
-    (tile, stride): ((usize, usize), (usize, usize)),
-    (blend_extent, keep, out): ((usize, usize), (usize, usize), (usize, usize)),
-    f: impl Fn(&Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    let (_, _, _, h, w) = x.dims5()?;
-    let mut rows: Vec<Vec<Tensor>> = Vec::new();
-    for i in (0..h).step_by(stride.0.max(1)) {
-        let mut row = Vec::new();
-        for j in (0..w).step_by(stride.1.max(1)) {
-            let part = x
-                .narrow(3, i, tile.0.min(h - i))?
-                .narrow(4, j, tile.1.min(w - j))?;
-            row.push(f(&part)?);
-        }
-        rows.push(row);
-    }
-    let mut result_rows = Vec::with_capacity(rows.len());
-    for i in 0..rows.len() {
-        let mut result_row = Vec::with_capacity(rows[i].len());
-        for j in 0..rows[i].len() {
-            // In place, as diffusers: later tiles read the already blended neighbours.
-            let mut tile = rows[i][j].clone();
-            if i > 0 {
-                tile = blend(&rows[i - 1][j], &tile, blend_extent.0, 3)?;
-            }
-            if j > 0 {
-                tile = blend(&rows[i][j - 1], &tile, blend_extent.1, 4)?;
-            }
-            rows[i][j] = tile.clone();
-            let (th, tw) = (tile.dim(3)?, tile.dim(4)?);
-            result_row.push(
-                tile.narrow(3, 0, keep.0.min(th))?
-                    .narrow(4, 0, keep.1.min(tw))?,
-            );
-        }
-        result_rows.push(Tensor::cat(&result_row, 4)?);
-    }
-    let result = Tensor::cat(&result_rows, 3)?;
-    let (rh, rw) = (result.dim(3)?, result.dim(4)?);
-    result
-        .narrow(3, 0, out.0.min(rh))?
-        .narrow(4, 0, out.1.min(rw))
-}
-
 /// A 1x1x1 Conv3d (`quant_conv` / `post_quant_conv`) over channel-major `[B, C, T, H, W]`.
 fn pointwise_conv(conv: &Linear, x: &Tensor) -> Result<Tensor> {
     let (b, c, f, h, w) = x.dims5()?;
@@ -1046,29 +977,6 @@ fn pointwise_conv_weights(channels: usize, vb: VarBuilder) -> Result<Linear> {
 /// Channel-major `[B, C, T, H, W]` <-> frames-major `[B, T, C, H, W]` (its own inverse).
 fn swap_frames_channels(x: &Tensor) -> Result<Tensor> {
     x.transpose(1, 2)?.contiguous()
-}
-
-/// diffusers' `blend_t` / `blend_v` / `blend_h` on `[B, C, T, H, W]` tensors along `dim`: the
-/// first `extent` entries of `b` fade from the last ones of `a` into `b`'s own.
-fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
-    let extent = extent.min(a.dim(dim)?).min(b.dim(dim)?);
-    if extent == 0 {
-        return Ok(b.clone());
-    }
-    // Python's float weights (f64), rounded to the tensor's dtype.
-    let ramp = |f: &dyn Fn(f64) -> f64| -> Result<Tensor> {
-        let w: Vec<f32> = (0..extent)
-            .map(|x| f(x as f64 / extent as f64) as f32)
-            .collect();
-        let shape: Vec<usize> = (0..5).map(|d| if d == dim { extent } else { 1 }).collect();
-        Tensor::from_vec(w, shape, b.device())?.to_dtype(b.dtype())
-    };
-    let a_tail = a.narrow(dim, a.dim(dim)? - extent, extent)?;
-    let b_head = b.narrow(dim, 0, extent)?;
-    let mixed =
-        (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)? + b_head.broadcast_mul(&ramp(&|r| r)?)?)?;
-    let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
-    Tensor::cat(&[mixed, rest], dim)
 }
 
 /// diffusers' `AutoencoderKLHunyuanVideo`: the decoder, and the encoder when asked for.
@@ -1154,14 +1062,14 @@ impl AutoencoderKLHunyuanVideo {
         let min_latent = tl.tile_sample_min_num_frames / tc;
         if tl.framewise && f > min_latent {
             // diffusers' `_temporal_tiled_decode`.
-            return temporal_tiles(
+            return decode_frame_tiles(
                 z,
-                (min_latent + 1, tl.tile_sample_stride_num_frames / tc),
                 (
-                    tl.tile_sample_min_num_frames - tl.tile_sample_stride_num_frames,
+                    tl.tile_sample_min_num_frames,
                     tl.tile_sample_stride_num_frames,
-                    self.num_sample_frames(f),
                 ),
+                tc,
+                Dropped::First,
                 |tile| self.decode_tile(tile),
             );
         }
@@ -1174,27 +1082,9 @@ impl AutoencoderKLHunyuanVideo {
         let (_, _, _, h, w) = z.dims5()?;
         let s = self.cfg.spatial_compression_ratio;
         let tl = self.tiling;
-        let (min_h, min_w) = (tl.tile_sample_min_height / s, tl.tile_sample_min_width / s);
-        if tl.spatial && (w > min_w || h > min_h) {
-            return spatial_tiles(
-                z,
-                (
-                    (min_h, min_w),
-                    (
-                        tl.tile_sample_stride_height / s,
-                        tl.tile_sample_stride_width / s,
-                    ),
-                ),
-                (
-                    (
-                        tl.tile_sample_min_height - tl.tile_sample_stride_height,
-                        tl.tile_sample_min_width - tl.tile_sample_stride_width,
-                    ),
-                    (tl.tile_sample_stride_height, tl.tile_sample_stride_width),
-                    (h * s, w * s),
-                ),
-                |tile| self.decode_whole(tile),
-            );
+        let tiles = tl.spatial_tiles();
+        if tl.spatial && tiles.splits((h, w), s) {
+            return tiles.decode(z, s, |tile| self.decode_whole(tile));
         }
         self.decode_whole(z)
     }
@@ -1268,6 +1158,7 @@ impl AutoencoderKLHunyuanVideo {
                     stride_latent,
                     self.num_latent_frames(t),
                 ),
+                Dropped::First,
                 tile,
             )?
         } else {

@@ -3,7 +3,7 @@
 //! apart, from the constructors).
 
 use super::transformer::LtxTransformerConfig;
-use super::vae::LtxVaeConfig;
+use super::vae::{LtxVaeConfig, LtxVaeTiling};
 use crate::models::t5::encoder::T5Config;
 use candle_core::DType;
 
@@ -39,14 +39,24 @@ pub fn transformer_activations(
 
 /// Device bytes of the decoder: a few feature maps of its largest level (each level doubles
 /// frames, height and width and takes the next of the decoder's widths, from the widest at the
-/// latent grid), and the video, in f32.
-pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
+/// latent grid), and the video, in f32. With `tiled` (diffusers' `enable_tiling()` tiles) the
+/// feature maps are one tile's, and every decoded tile is held until they are blended.
+pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3], tiled: bool) -> u64 {
     let (r_t, r_s) = (
         cfg.temporal_compression_ratio() as u64,
         cfg.spatial_compression_ratio() as u64,
     );
     let frames = (grid[0] as u64 - 1) * r_t + 1;
     let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
+    let s = r_s as usize;
+    let ((tile_h, tile_w), held) = match tiled {
+        true => LtxVaeTiling::default()
+            .spatial
+            .footprint((grid[1], grid[2]), s),
+        false => ((grid[1] * s, grid[2] * s), 0),
+    };
+    let held = 3 * frames * held as u64 * 4;
+    let grid = [grid[0], tile_h / s, tile_w / s];
     let tokens: u64 = grid.iter().map(|&g| g as u64).product();
     let widths: Vec<u64> = cfg
         .decoder_block_out_channels
@@ -64,5 +74,5 @@ pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3]) -> u64 {
         })
         .max()
         .unwrap_or(0);
-    3 * largest * 4 + 2 * 3 * frames * h * w * 4
+    3 * largest * 4 + 2 * 3 * frames * h * w * 4 + held
 }

@@ -15,6 +15,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::conv3d;
+use crate::models::vae_tiling::{decode_frame_tiles, Dropped, SampleTiles};
 use crate::models::video::VideoVae;
 use crate::models::wan::transformer::timestep_embedding;
 use crate::rng::TorchGenerator;
@@ -716,6 +717,29 @@ pub struct AutoencoderKLLTXVideo {
     conv_out: CausalConv3d,
     latents_mean: Tensor,
     latents_std: Tensor,
+    /// How [`Self::decode`] tiles; `None` decodes whole (diffusers' default).
+    tiling: Option<LtxVaeTiling>,
+}
+
+/// The tiling of [`AutoencoderKLLTXVideo::decode`] (diffusers' `enable_tiling` sizes, in video
+/// pixels and frames, and `use_framewise_decoding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LtxVaeTiling {
+    /// Spatial tiles (`tiled_decode`).
+    pub spatial: SampleTiles,
+    /// Frame tiles (`_temporal_tiled_decode`): `tile_sample_min_num_frames` every
+    /// `tile_sample_stride_num_frames`; `None` as diffusers' `use_framewise_decoding = False`.
+    pub frames: Option<(usize, usize)>,
+}
+
+impl Default for LtxVaeTiling {
+    /// `enable_tiling()`: 512-pixel tiles every 448, no frame tiles.
+    fn default() -> Self {
+        Self {
+            spatial: SampleTiles::square(512, 448),
+            frames: None,
+        }
+    }
 }
 
 impl AutoencoderKLLTXVideo {
@@ -829,6 +853,28 @@ impl AutoencoderKLLTXVideo {
             conv_out,
             latents_mean: vb.get(cfg.latent_channels, "latents_mean")?,
             latents_std: vb.get(cfg.latent_channels, "latents_std")?,
+            tiling: None,
+        })
+    }
+
+    /// This VAE decoding in `tiling`'s tiles (or whole with `None`), checked against the
+    /// compression ratios.
+    pub fn with_tiling(&self, tiling: Option<LtxVaeTiling>) -> Result<Self> {
+        if let Some(t) = &tiling {
+            t.spatial.validate(self.cfg.spatial_compression_ratio())?;
+            let ratio = self.cfg.temporal_compression_ratio();
+            if let Some((min, stride)) = t
+                .frames
+                .filter(|&(min, stride)| stride < ratio || min < stride)
+            {
+                candle_core::bail!(
+                    "vae tiling: frame tiles of {min} every {stride} frames must be at least their stride and the stride at least {ratio} frames"
+                );
+            }
+        }
+        Ok(Self {
+            tiling,
+            ..self.clone()
         })
     }
 
@@ -862,10 +908,44 @@ impl AutoencoderKLLTXVideo {
     }
 
     /// `vae.decode(z, temb)`: `z` `[B, C, F, H, W]` (de-normalised latents) -> video `[B,
-    /// out_channels, (F - 1)·r_t + 1, H·r_s, W·r_s]`, not clamped. `timestep` `[B]` (or one
-    /// value) is the decode timestep, required with timestep conditioning; `noise` supplies the
-    /// injected noise draws.
+    /// out_channels, (F - 1)·r_t + 1, H·r_s, W·r_s]`, not clamped, tiled as
+    /// [`Self::with_tiling`] set. `timestep` `[B]` (or one value) is the decode timestep,
+    /// required with timestep conditioning; `noise` supplies the injected noise draws (tile
+    /// after tile, as diffusers draws them).
     pub fn decode(
+        &self,
+        z: &Tensor,
+        timestep: Option<&Tensor>,
+        noise: &mut dyn InjectedNoise,
+    ) -> Result<Tensor> {
+        let Some(tiling) = self.tiling else {
+            return self.decode_whole(z, timestep, noise);
+        };
+        let (s, r_t) = (
+            self.cfg.spatial_compression_ratio(),
+            self.cfg.temporal_compression_ratio(),
+        );
+        // diffusers' `tiled_decode` where the latents exceed a tile.
+        let mut decode_tile = |z: &Tensor| -> Result<Tensor> {
+            let (_, _, _, h, w) = z.dims5()?;
+            match tiling.spatial.splits((h, w), s) {
+                true => tiling
+                    .spatial
+                    .decode(z, s, |tile| self.decode_whole(tile, timestep, noise)),
+                false => self.decode_whole(z, timestep, noise),
+            }
+        };
+        match tiling.frames {
+            // diffusers' `_temporal_tiled_decode`.
+            Some(frames) if z.dim(2)? > frames.0 / r_t => {
+                decode_frame_tiles(z, frames, r_t, Dropped::Last, decode_tile)
+            }
+            _ => decode_tile(z),
+        }
+    }
+
+    /// One decoder call on `z`, untiled.
+    fn decode_whole(
         &self,
         z: &Tensor,
         timestep: Option<&Tensor>,

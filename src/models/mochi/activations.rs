@@ -36,18 +36,33 @@ pub fn transformer_activations(
 /// channels (the last up block's output and its depth-to-space copy, then a resnet's input,
 /// norm, conv output and sum), one GroupNorm run's f32 temporaries
 /// ([`super::vae::NORM_CHUNK_FRAMES`] frames), and the frames in f32 twice (the decoded video
-/// and its conversion).
-pub fn vae_decode_activations(vae: &MochiVaeConfig, grid: [usize; 3], dtype: DType) -> u64 {
+/// and its conversion); with `tiled` (diffusers' `enable_tiling()` tiles) the activations are
+/// one tile's, and every decoded tile and their blended whole are held besides.
+pub fn vae_decode_activations(
+    vae: &MochiVaeConfig,
+    grid: [usize; 3],
+    tiled: bool,
+    dtype: DType,
+) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
-    let s = vae.spatial_compression_ratio() as u64;
+    let s = vae.spatial_compression_ratio();
     let t = vae.temporal_compression_ratio() as u64;
     let frames = grid[0] as u64 * t;
-    let frame_pixels = grid[1] as u64 * s * grid[2] as u64 * s;
+    let full_pixels = (grid[1] * s * grid[2] * s) as u64;
+    let ((tile_h, tile_w), held) = match tiled {
+        true => super::vae::DEFAULT_TILING.footprint((grid[1], grid[2]), s),
+        false => ((grid[1] * s, grid[2] * s), 0),
+    };
+    let tile_pixels = (tile_h * tile_w) as u64;
     let channels = vae
         .decoder_block_out_channels
         .first()
         .copied()
         .unwrap_or(128) as u64;
-    let norm_run = frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * frame_pixels * channels * 4;
-    frames * frame_pixels * (channels * 4 * bytes + vae.out_channels as u64 * 4 * 2) + 3 * norm_run
+    let out = vae.out_channels as u64;
+    let norm_run = frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * tile_pixels * channels * 4;
+    frames * tile_pixels * channels * 4 * bytes
+        + frames * held as u64 * out * bytes
+        + frames * full_pixels * out * 4 * 2
+        + 3 * norm_run
 }

@@ -1,4 +1,4 @@
-//! Mochi-1 video VAE decoder (diffusers `AutoencoderKLMochi`, decode without tiling).
+//! Mochi-1 video VAE decoder (diffusers `AutoencoderKLMochi`, decode whole or in spatial tiles).
 //!
 //! Activations are frames-major `[B, T, C, H, W]` (the layout of the causal convolution shared
 //! with HunyuanVideo's VAE: replicate padding, `k − 1` copies of the first frame in front, `k/2`
@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use crate::models::hunyuan_video::vae::CausalConv3d;
 use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
+use crate::models::vae_tiling::SampleTiles;
 use crate::models::video::VideoVae;
 
 /// Groups of every GroupNorm (hard-coded in `MochiChunkedGroupNorm3D`).
@@ -426,7 +427,12 @@ pub struct AutoencoderKLMochi {
     cfg: MochiVaeConfig,
     decoder: Decoder,
     dtype: DType,
+    /// How [`Self::decode`] tiles; `None` decodes whole (diffusers' default).
+    tiling: Option<SampleTiles>,
 }
+
+/// diffusers' `enable_tiling()` tiles: 256 pixels every 192.
+pub const DEFAULT_TILING: SampleTiles = SampleTiles::square(256, 192);
 
 impl AutoencoderKLMochi {
     /// Loads the decoder from a `vae/` checkpoint, in the `VarBuilder`'s dtype (text-to-video
@@ -437,6 +443,19 @@ impl AutoencoderKLMochi {
             cfg: cfg.clone(),
             decoder: Decoder::new(cfg, vb.pp("decoder"))?,
             dtype: vb.dtype(),
+            tiling: None,
+        })
+    }
+
+    /// This VAE decoding in `tiling`'s tiles (diffusers' `tiled_decode`; whole with `None`),
+    /// checked against the spatial compression.
+    pub fn with_tiling(&self, tiling: Option<SampleTiles>) -> Result<Self> {
+        if let Some(tiles) = &tiling {
+            tiles.validate(self.cfg.spatial_compression_ratio())?;
+        }
+        Ok(Self {
+            tiling,
+            ..self.clone()
         })
     }
 
@@ -459,8 +478,21 @@ impl AutoencoderKLMochi {
     }
 
     /// Decodes de-normalised latents `[B, C, F, H, W]` to video `[B, out, T, H·s, W·s]` (not
-    /// clamped), `T` = [`MochiVaeConfig::decoded_frames`].
+    /// clamped), `T` = [`MochiVaeConfig::decoded_frames`]; in tiles where
+    /// [`Self::with_tiling`] set them and the latents exceed one.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let ratio = self.cfg.spatial_compression_ratio();
+        match self.tiling {
+            Some(tiles) if tiles.splits((z.dim(3)?, z.dim(4)?), ratio) => {
+                tiles.decode(z, ratio, |tile| self.decode_whole(tile))
+            }
+            _ => self.decode_whole(z),
+        }
+    }
+
+    /// One decoder call on `z`, untiled (the first frames dropped, as diffusers'
+    /// `drop_last_temporal_frames`).
+    fn decode_whole(&self, z: &Tensor) -> Result<Tensor> {
         let (_, c, frames, h, w) = z.dims5()?;
         if c != self.cfg.latent_channels {
             candle_core::bail!(

@@ -15,6 +15,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::models::conv3d::Layout;
+use crate::models::vae_tiling::spatial_tiles;
 use blocks::{
     AttentionBlock, AvgDown3D, CausalConv3d, ChannelNorm, Downsample, DupUp3D, FeatCache, MidBlock,
     ResBlock, Upsample,
@@ -266,31 +267,6 @@ impl Default for WanVaeTiling {
             tile_stride_width: 192,
         }
     }
-}
-
-/// diffusers' `blend_v` / `blend_h`: the first `extent` rows (dim 3) or columns (dim 4) of `b`
-/// fade from the last ones of `a` into `b`'s own; computed in f32.
-fn blend(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
-    let extent = extent.min(a.dim(dim)?).min(b.dim(dim)?);
-    if extent == 0 {
-        return Ok(b.clone());
-    }
-    let ramp = |f: &dyn Fn(f64) -> f64| -> Result<Tensor> {
-        let w: Vec<f32> = (0..extent)
-            .map(|y| f(y as f64 / extent as f64) as f32)
-            .collect();
-        let shape: Vec<usize> = (0..5).map(|d| if d == dim { extent } else { 1 }).collect();
-        Tensor::from_vec(w, shape, b.device())
-    };
-    let a_tail = a
-        .narrow(dim, a.dim(dim)? - extent, extent)?
-        .to_dtype(DType::F32)?;
-    let b_head = b.narrow(dim, 0, extent)?.to_dtype(DType::F32)?;
-    let mixed = (a_tail.broadcast_mul(&ramp(&|r| 1.0 - r)?)?
-        + b_head.broadcast_mul(&ramp(&|r| r)?)?)?
-    .to_dtype(b.dtype())?;
-    let rest = b.narrow(dim, extent, b.dim(dim)? - extent)?;
-    Tensor::cat(&[mixed, rest], dim)
 }
 
 /// diffusers' `patchify`: `[B, C, T, H, W]` -> `[B, C·p², T, H/p, W/p]`, channel
@@ -738,39 +714,22 @@ impl AutoencoderKLWan {
         }
         // Tiles are blended in the decoder's (patchified) output space, as diffusers does.
         let p = self.cfg.patch();
-        let sample_stride_h = tiling.tile_stride_height / p;
-        let sample_stride_w = tiling.tile_stride_width / p;
-        let blend_h = (tiling.tile_min_height / p).saturating_sub(sample_stride_h);
-        let blend_w = (tiling.tile_min_width / p).saturating_sub(sample_stride_w);
-        let mut above: Vec<Tensor> = Vec::new();
-        let mut result_rows = Vec::new();
-        for i in (0..height).step_by(stride_h) {
-            let mut row: Vec<Tensor> = Vec::new();
-            let mut cropped = Vec::new();
-            for (j_idx, j) in (0..width).step_by(stride_w).enumerate() {
-                let latent =
-                    z.narrow(3, i, min_h.min(height - i))?
-                        .narrow(4, j, min_w.min(width - j))?;
-                let mut tile = self.decode_patched(&latent)?;
-                if let Some(up) = above.get(j_idx) {
-                    tile = blend(up, &tile, blend_h, 3)?;
-                }
-                if let Some(left) = row.last() {
-                    tile = blend(left, &tile, blend_w, 4)?;
-                }
-                let th = sample_stride_h.min(tile.dim(3)?);
-                let tw = sample_stride_w.min(tile.dim(4)?);
-                cropped.push(tile.narrow(3, 0, th)?.narrow(4, 0, tw)?);
-                row.push(tile);
-            }
-            result_rows.push(Tensor::cat(&cropped, 4)?);
-            above = row;
-        }
-        drop(above);
-        let out = Tensor::cat(&result_rows, 3)?;
-        let out_h = out.dim(3)?.min(height * sf / p);
-        let out_w = out.dim(4)?.min(width * sf / p);
-        unpatchify(&out.narrow(3, 0, out_h)?.narrow(4, 0, out_w)?, p)?.clamp(-1.0, 1.0)
+        let (sample_stride_h, sample_stride_w) =
+            (tiling.tile_stride_height / p, tiling.tile_stride_width / p);
+        let out = spatial_tiles(
+            z,
+            ((min_h, min_w), (stride_h, stride_w)),
+            (
+                (
+                    (tiling.tile_min_height / p).saturating_sub(sample_stride_h),
+                    (tiling.tile_min_width / p).saturating_sub(sample_stride_w),
+                ),
+                (sample_stride_h, sample_stride_w),
+                (height * sf / p, width * sf / p),
+            ),
+            |tile| self.decode_patched(tile),
+        )?;
+        unpatchify(&out, p)?.clamp(-1.0, 1.0)
     }
 
     /// Decode without the final clamp.
