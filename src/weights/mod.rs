@@ -268,7 +268,10 @@ impl WeightSet {
             Some(cast) => {
                 let loaded = base.flatten_all()?.to_dtype(dtype)?;
                 let values: Vec<f32> = loaded.to_dtype(DType::F32)?.to_vec1()?;
-                let rounded = values.into_iter().map(|v| cast.dtype.round(v)).collect();
+                let rounded = values
+                    .into_par_iter()
+                    .map(|v| cast.dtype.round(v))
+                    .collect();
                 Tensor::from_vec(rounded, base.shape(), &Device::Cpu)?
             }
             None => base,

@@ -87,7 +87,8 @@ fn main() -> Result<()> {
 /// (run by sm_86/87), sm_89, sm_90, sm_100 (sm_103) and sm_120 (sm_121, GB10), plus compute_80
 /// PTX for any other GPU, so that a machine's first run loads them instead of waiting seconds per
 /// module for the driver to compile PTX. The sm_89+ code is built from compute_89, where the fp8
-/// kernels exist. Modules left out (quantized, sort) keep loading as PTX.
+/// kernels exist (`Module::image` in lib.rs includes them). Modules left out (quantized, sort)
+/// keep loading as PTX.
 fn build_machine_code(out_dir: &std::path::Path) {
     const MODULES: [&str; 9] = [
         "affine", "binary", "cast", "conv", "fill", "indexing", "reduce", "ternary", "unary",
@@ -119,14 +120,4 @@ fn build_machine_code(out_dir: &std::path::Path) {
             });
         }
     });
-    let consts: String = MODULES
-        .iter()
-        .map(|name| {
-            format!(
-                "pub const {}: &[u8] = include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{name}.fatbin\"));\n",
-                name.to_uppercase()
-            )
-        })
-        .collect();
-    std::fs::write(out_dir.join("images.rs"), consts).expect("writing images.rs");
 }

@@ -2,11 +2,6 @@ mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
 
-/// vidgen's patch: machine code for the modules build.rs builds it for.
-mod images {
-    include!(concat!(env!("OUT_DIR"), "/images.rs"));
-}
-
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Id {
@@ -77,25 +72,32 @@ macro_rules! mdl {
             image: None,
         };
     };
-    ($cst:ident, $id:ident, image) => {
+    ($cst:ident, $id:ident, $image:literal) => {
         pub const $cst: Module = Module {
             index: module_index(Id::$id),
             ptx: ptx::$cst,
-            image: Some(images::$cst),
+            // A reference to one static array: the machine code once in the binary, however
+            // many crates use the constant (a reference to the bytes themselves is copied into
+            // each).
+            image: Some({
+                static IMAGE: [u8; include_bytes!(concat!(env!("OUT_DIR"), "/", $image)).len()] =
+                    *include_bytes!(concat!(env!("OUT_DIR"), "/", $image));
+                &IMAGE
+            }),
         };
     };
 }
 
-mdl!(AFFINE, Affine, image);
-mdl!(BINARY, Binary, image);
-mdl!(CAST, Cast, image);
-mdl!(CONV, Conv, image);
-mdl!(FILL, Fill, image);
-mdl!(INDEXING, Indexing, image);
+mdl!(AFFINE, Affine, "affine.fatbin");
+mdl!(BINARY, Binary, "binary.fatbin");
+mdl!(CAST, Cast, "cast.fatbin");
+mdl!(CONV, Conv, "conv.fatbin");
+mdl!(FILL, Fill, "fill.fatbin");
+mdl!(INDEXING, Indexing, "indexing.fatbin");
 mdl!(QUANTIZED, Quantized);
-mdl!(REDUCE, Reduce, image);
+mdl!(REDUCE, Reduce, "reduce.fatbin");
 mdl!(SORT, Sort);
-mdl!(TERNARY, Ternary, image);
-mdl!(UNARY, Unary, image);
+mdl!(TERNARY, Ternary, "ternary.fatbin");
+mdl!(UNARY, Unary, "unary.fatbin");
 
 pub mod ffi;
