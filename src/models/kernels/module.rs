@@ -20,9 +20,10 @@ use candle_core::{
 
 /// Starts, each on a thread of its own, what the first stages would otherwise wait for inside
 /// their first component: opening cuDNN's libraries (most of a second), and loading the candle
-/// kernel modules every run uses. Those are PTX, which the driver compiles on a machine's first
-/// run (seconds per module; cached by the driver after), so that work overlaps the first weights'
-/// read instead of following it. A module loads once per device whichever thread asks first.
+/// kernel modules every run uses (machine code for the common GPUs, see vendor/README.md; PTX
+/// that the driver compiles, seconds per module, on any other), so that work overlaps the first
+/// weights' read instead of following it. A module loads once per device whichever thread asks
+/// first.
 /// The threads are joined when the returned guard drops, so none is inside the driver when the
 /// process exits.
 pub(crate) fn preload(dev: &CudaDevice) -> Preloading {
@@ -46,9 +47,9 @@ pub(crate) fn preload(dev: &CudaDevice) -> Preloading {
             let start = std::time::Instant::now();
             // The module stays loaded whether or not the (empty) function name resolves.
             let _ = dev.get_or_load_func("", module);
-            // From the driver's cache a module loads in milliseconds; compiling one takes
-            // 0.2-7 s (18 s for all nine on an H200 host), and every CUDA call of the process
-            // waits meanwhile.
+            // Machine code, or PTX from the driver's cache, loads in milliseconds; compiling PTX
+            // takes 0.2-7 s a module (18 s for all nine on an H200 host), and every CUDA call of
+            // the process waits meanwhile.
             if !noted && start.elapsed() > COMPILING {
                 noted = true;
                 eprintln!(
