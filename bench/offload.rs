@@ -250,7 +250,7 @@ fn main() -> Result<()> {
         }
         "MochiPipeline" => {
             let c = MochiConfigs::from_configs(Configs::Fetch(&bench.source))?;
-            let shape = c.latent_shape(c.grid(frames, height, width));
+            let shape = c.latent_shape(frames, height, width);
             let text_len = vidgen::models::mochi::defaults::MAX_SEQUENCE_LENGTH as usize;
             let text_dim = c.transformer.text_embed_dim;
             bench.run(
@@ -277,7 +277,7 @@ fn main() -> Result<()> {
         }
         "AllegroPipeline" => {
             let c = AllegroConfigs::from_configs(Configs::Fetch(&bench.source))?;
-            let shape = c.latent_shape(c.grid(frames, height, width));
+            let shape = c.latent_shape(frames, height, width);
             let text_len = vidgen::models::allegro::defaults::MAX_SEQUENCE_LENGTH as usize;
             let text_dim = c.transformer.caption_channels;
             bench.run(

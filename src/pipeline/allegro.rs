@@ -4,79 +4,26 @@
 
 use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
-use super::frame::{Frame, T5Pipeline};
+use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::{
-    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+    declared_by, latents_draw, Family, FamilyOption, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
-use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
+use crate::models::allegro::defaults;
 use crate::models::allegro::transformer::{AllegroTransformer3DModel, AllegroTransformerConfig};
 use crate::models::allegro::vae::{AllegroVaeConfig, AutoencoderKLAllegro};
-use crate::models::allegro::{activations, defaults};
-use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::guidance::{batch_input, guide_if_batched};
-use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::t5::tokenizer::clean_caption;
 use crate::schedulers::euler_ancestral::{EulerAncestral, EulerAncestralConfig};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 
-/// Reads an Allegro model's configs (the registry's entry point).
-pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
-    Ok(Box::new(AllegroConfigs::from_configs(configs)?))
-}
-
 /// The configs of an Allegro model: everything planning needs, no weights.
 pub type AllegroConfigs =
     T5VideoConfigs<AllegroTransformerConfig, AllegroVaeConfig, EulerAncestralConfig>;
-
-/// The components of an Allegro pipeline.
-type Parts = TextToVideo<T5EncoderModel, AllegroTransformer3DModel, AutoencoderKLAllegro>;
-
-impl AllegroConfigs {
-    /// The latents' shape `[1, C, F, h, w]`.
-    pub fn latent_shape(&self, grid: [usize; 3]) -> [usize; 5] {
-        [1, self.transformer.in_channels, grid[0], grid[1], grid[2]]
-    }
-
-    /// Video tokens of a latent grid.
-    fn tokens(&self, grid: [usize; 3]) -> usize {
-        let p = self.transformer.patch_size.max(1);
-        grid[0] * (grid[1] / p) * (grid[2] / p)
-    }
-
-    /// T5, DiT and VAE, each used by one stage and safe to defer: the pipeline as data with its
-    /// components' slots.
-    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        let (dtype, text_len) = (shape.dtype, shape.text_len);
-        let dit = activations::transformer_activations(
-            &self.transformer,
-            self.tokens(grid),
-            text_len,
-            2,
-            dtype,
-        );
-        Parts::pipeline(
-            self.title(),
-            (&self.text_encoder, &self.transformer, &self.vae),
-            [
-                (
-                    text_encoder_activations(&self.text_encoder, text_len, dtype),
-                    Allegro::encode_text,
-                ),
-                (dit, Allegro::denoise),
-                (
-                    activations::vae_decode_activations(&self.vae, grid, dtype),
-                    Allegro::decode,
-                ),
-            ],
-        )
-    }
-}
 
 impl Family for AllegroConfigs {
     fn title(&self) -> &'static str {
@@ -87,7 +34,7 @@ impl Family for AllegroConfigs {
     /// decodes in tiles whatever `--vae-tiling` says (it has no other decode); diffusers'
     /// `AllegroPipeline` loads no LoRAs.
     fn options(&self) -> Vec<FamilyOption> {
-        [&FamilyOption::GUIDED[..], &[FamilyOption::VaeTiling]].concat()
+        FamilyOption::guided_with(&[FamilyOption::VaeTiling])
     }
 
     /// The VAE decodes whole tiles only (diffusers fails on latents smaller than a tile).
@@ -100,7 +47,7 @@ impl Family for AllegroConfigs {
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(self.grid(num_frames, height, width)))
+        latents_draw(&self.latent_shape(num_frames, height, width))
     }
 
     /// `AllegroPipeline.__call__`'s defaults: the transformer's sample size (×8) and frames
@@ -133,29 +80,31 @@ impl Family for AllegroConfigs {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let own = serde_json::json!({
             "latent_layout": "BCFHW",
-            "latent_tokens": self.tokens(grid),
+            "latent_tokens": self.transformer.video_tokens(grid),
             "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
             "vae_tile": self.vae.tile(),
             "vae_tiles": self.vae.tiles(grid),
             "scheduler": "EulerAncestralDiscreteScheduler",
         });
-        self.facts_with(self.latent_shape(grid), own)
+        self.facts_with(shape, own)
     }
 
-    declared_by!(Allegro::opener(Some("Allegro"), Allegro::take_draws));
+    declared_by!(
+        Allegro::opener(Some("Allegro"), Allegro::take_draws),
+        stages [Allegro::encode_text, Allegro::denoise, Allegro::decode]
+    );
 }
 
 /// Allegro's own part of its pipeline (the frame holds the rest).
-type Allegro = T5Pipeline<AllegroConfigs, Parts>;
+type Allegro = T5VideoPipeline<AllegroConfigs, AllegroTransformer3DModel, AutoencoderKLAllegro>;
 
 impl Allegro {
     /// Every draw of a run, in the order diffusers makes them: the initial latents, then one
     /// scheduler noise per step.
     fn take_draws(&self, draws: &mut RunDraws, sizes: Sizes) -> Result<(Tensor, Vec<Tensor>)> {
-        let grid = self
+        let shape = self
             .configs
-            .grid(sizes.num_frames, sizes.height, sizes.width);
-        let shape = self.configs.latent_shape(grid);
+            .latent_shape(sizes.num_frames, sizes.height, sizes.width);
         let latents = draws.take("latents", &shape)?;
         let noises = (0..sizes.steps)
             .map(|i| draws.take(&format!("step{i}.scheduler_noise.0"), &shape))

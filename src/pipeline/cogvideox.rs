@@ -3,21 +3,20 @@
 
 use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
-use super::frame::{Frame, T5Pipeline};
+use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::{
-    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5Parts, T5VideoConfigs,
+    T5VideoPipeline,
 };
-use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::ModelDefaults;
+use crate::models::cogvideox::guidance;
 use crate::models::cogvideox::transformer::{
     CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
 };
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
-use crate::models::cogvideox::{activations, guidance};
 use crate::models::guidance::batch_input;
-use crate::models::t5::encoder::T5EncoderModel;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
@@ -26,57 +25,9 @@ use candle_core::{DType, Tensor};
 /// values; its model card swaps this one in).
 const DPM_SCHEDULER: &str = "CogVideoXDPMScheduler";
 
-/// Reads a CogVideoX model's configs (the registry's entry point).
-pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
-    Ok(Box::new(CogVideoXConfigs::from_configs(configs)?))
-}
-
 /// The configs of a CogVideoX model: everything planning needs, no weights.
 pub type CogVideoXConfigs =
     T5VideoConfigs<CogVideoXTransformerConfig, CogVideoXVaeConfig, CogVideoXDpmConfig>;
-
-impl CogVideoXConfigs {
-    /// The latent shape `[1, F', C, H', W']` (frames before channels) for a video size.
-    pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
-        let [f, h, w] = self.grid(num_frames, height, width);
-        [1, f, self.transformer.in_channels, h, w]
-    }
-}
-
-/// The components of a CogVideoX pipeline.
-type Parts = TextToVideo<T5EncoderModel, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
-
-impl CogVideoXConfigs {
-    /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
-    /// by one stage and safe to defer; the pipeline as data with its components' slots.
-    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let (dtype, text_len) = (shape.dtype, shape.text_len);
-        Parts::pipeline(
-            self.title(),
-            (&self.text_encoder, &self.transformer, &self.vae),
-            [
-                (
-                    activations::text_encoder_activations(&self.text_encoder, text_len, dtype),
-                    CogVideoX::encode_text,
-                ),
-                (
-                    activations::transformer_activations(
-                        &self.transformer,
-                        latent,
-                        text_len,
-                        dtype,
-                    ),
-                    CogVideoX::denoise,
-                ),
-                (
-                    activations::vae_decode_activations(&self.vae, latent, shape.vae_tiling, dtype),
-                    CogVideoX::decode,
-                ),
-            ],
-        )
-    }
-}
 
 impl Family for CogVideoXConfigs {
     fn title(&self) -> &'static str {
@@ -86,11 +37,7 @@ impl Family for CogVideoXConfigs {
     /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
     /// frame-batched, in spatial tiles with `--vae-tiling`.
     fn options(&self) -> Vec<FamilyOption> {
-        [
-            &FamilyOption::GUIDED[..],
-            &[FamilyOption::Lora, FamilyOption::VaeTiling],
-        ]
-        .concat()
+        FamilyOption::guided_with(&[FamilyOption::Lora, FamilyOption::VaeTiling])
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
@@ -110,20 +57,27 @@ impl Family for CogVideoXConfigs {
             "vae_scale_factor_temporal": self.vae.scale_factor_temporal(),
             "scheduler": DPM_SCHEDULER,
         });
-        let latent_shape = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        self.facts_with(latent_shape, own)
+        self.facts_with(shape, own)
     }
 
-    declared_by!(CogVideoX::new);
+    declared_by!(
+        CogVideoX::new,
+        stages [CogVideoX::encode_text, CogVideoX::denoise, CogVideoX::decode]
+    );
 }
 
 /// CogVideoX's own part of its pipeline (the frame holds the rest).
-type CogVideoX = T5Pipeline<CogVideoXConfigs, Parts>;
+type CogVideoX =
+    T5VideoPipeline<CogVideoXConfigs, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
 
 impl CogVideoX {
     /// Reads the tokenizer, says which scheduler samples where the model names another, and
     /// checks the draws file against the run's sizes; loads no weights.
-    fn new(configs: CogVideoXConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
+    fn new(
+        configs: CogVideoXConfigs,
+        parts: T5Parts<CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>,
+        frame: &Frame,
+    ) -> Result<Self> {
         let pipeline = Self::read(configs, parts, frame, Some("CogVideoX"))?;
         let index: serde_json::Value = Configs::Fetch(&frame.source).read("model_index.json")?;
         let class = index["scheduler"][1].as_str().unwrap_or(DPM_SCHEDULER);

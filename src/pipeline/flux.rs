@@ -10,7 +10,7 @@ use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::{declared_by, latents_draw, Configs, Family, FamilyOption, RunShape};
-use super::spec::{PipelineSpec, Role, Slot, StageSpec};
+use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
@@ -96,8 +96,7 @@ impl FluxConfigs {
 /// The components of a FLUX pipeline.
 #[derive(Clone, Copy)]
 struct Parts {
-    text_encoder: Slot<ClipTextModel>,
-    text_encoder_2: Slot<T5EncoderModel>,
+    encoders: TextEncoders<ClipTextModel, T5EncoderModel>,
     transformer: Slot<FluxTransformer2DModel>,
     vae: Slot<AutoencoderKL>,
 }
@@ -121,18 +120,12 @@ impl FluxConfigs {
         let decode = activations::vae_decode_activations(&self.vae, h, w, shape.vae_tiling, dtype);
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
-            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder),
-            text_encoder_2: spec.add_model(
-                "text_encoder_2",
-                Role::TextEncoder,
-                &self.text_encoder_2,
-            ),
+            encoders: TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2)),
             transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
             vae: spec.add_model("vae", Role::Vae, &self.vae),
         };
-        let encoders = [parts.text_encoder.index(), parts.text_encoder_2.index()];
         spec.stages = vec![
-            StageSpec::new("encode_text", &encoders, text).runs(Flux::encode_text),
+            parts.encoders.stage(text, Flux::encode_text),
             StageSpec::new("denoise", &[parts.transformer.index()], denoise).runs(Flux::denoise),
             StageSpec::new("decode", &[parts.vae.index()], decode).runs(Flux::decode),
             StageSpec::write(),
@@ -290,10 +283,10 @@ impl Flux {
     /// Encodes the prompt (and the negative prompt under real CFG) with both encoders; the
     /// conditionings wait for denoise in host memory.
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let clip = frame.hold(self.parts.text_encoder)?;
-        let t5 = frame.hold(self.parts.text_encoder_2)?;
+        let clip = frame.hold(self.parts.encoders.text_encoder)?;
+        let t5 = frame.hold(self.parts.encoders.text_encoder_2)?;
         let texts = stages::true_cfg_texts(frame, job);
-        let device = frame.device_of(self.parts.text_encoder);
+        let device = frame.device_of(self.parts.encoders.text_encoder);
         let pooled = clip::prompt::pooled(&clip, &self.tokenizer, &device, frame.dtype(), &texts)?;
         // `_get_t5_prompt_embeds`: T5's `last_hidden_state` of the padded ids without a mask.
         let conds = stages::t5_embeds(frame, &t5, &self.tokenizer_2, &texts, false)?

@@ -10,7 +10,7 @@ use super::holding::{Fsdp, Holding};
 use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
-use super::registry::{Family, RunShape};
+use super::registry::{Family, RunShape, T5VideoConfigs};
 use super::runner::Pipeline;
 use super::spec::{ComponentSpec, PipelineSpec, Role, Slot};
 use super::stages;
@@ -18,6 +18,7 @@ use crate::config::ResolvedConfig;
 use crate::memory::MemoryOptions;
 use crate::models::source::{component_weights, ModelSource};
 use crate::models::t5::tokenizer::PromptTokenizer;
+use crate::models::video::{VideoDit, VideoVae};
 use crate::offload::{Residency, Usage};
 use crate::output::Audio;
 use crate::parallel::collective::Collective;
@@ -72,6 +73,14 @@ impl<C, P> T5Pipeline<C, P> {
     ) -> Result<Self> {
         RunDraws::check(frame, |draws, sizes| take(&self, draws, sizes).map(drop))?;
         Ok(self)
+    }
+}
+
+impl<D: VideoDit, V: VideoVae, S, P> T5Pipeline<T5VideoConfigs<D, V, S>, P> {
+    /// The run's one draw where the family takes no other: the initial latents.
+    pub fn take_latents(&self, draws: &mut RunDraws, s: Sizes) -> Result<Tensor> {
+        let shape = self.configs.latent_shape(s.num_frames, s.height, s.width);
+        draws.take("latents", &shape)
     }
 }
 

@@ -452,50 +452,16 @@ mod tests {
         let (direct, apart) = (10u64, 7u64);
         let (layout, g) = four_blocks(direct as usize, apart as usize);
         let bounded = |max_pinned| HostMemory::Bounded { max_pinned };
+        let (resident, parked) = (streamed(Outer::Resident), streamed(Outer::Parked));
         let cases = [
             (Holding::Resident, HostMemory::Pinned, true, apart),
-            (
-                streamed(Outer::Resident),
-                HostMemory::Pinned,
-                true,
-                apart + 4 * g,
-            ),
-            (
-                streamed(Outer::Parked),
-                HostMemory::Pageable,
-                true,
-                apart + 4 * g + direct,
-            ),
-            (
-                streamed(Outer::Resident),
-                HostMemory::Staged,
-                true,
-                apart + 2 * g,
-            ),
-            (
-                streamed(Outer::Resident),
-                HostMemory::Staged,
-                false,
-                apart + 6 * g,
-            ),
-            (
-                streamed(Outer::Resident),
-                bounded(g as usize),
-                true,
-                apart + g,
-            ),
-            (
-                streamed(Outer::Resident),
-                bounded(g as usize),
-                false,
-                apart + 5 * g,
-            ),
-            (
-                streamed(Outer::Resident),
-                bounded(1 << 40),
-                true,
-                apart + 4 * g,
-            ),
+            (resident, HostMemory::Pinned, true, apart + 4 * g),
+            (parked, HostMemory::Pageable, true, apart + 4 * g + direct),
+            (resident, HostMemory::Staged, true, apart + 2 * g),
+            (resident, HostMemory::Staged, false, apart + 6 * g),
+            (resident, bounded(g as usize), true, apart + g),
+            (resident, bounded(g as usize), false, apart + 5 * g),
+            (resident, bounded(1 << 40), true, apart + 4 * g),
         ];
         for (holding, memory, mapped, want) in cases {
             assert_eq!(

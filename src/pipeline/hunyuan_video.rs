@@ -10,7 +10,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::{declared_by, latents_draw, Configs, Family, FamilyOption, RunShape};
-use super::spec::{PipelineSpec, Role, Slot, StageSpec};
+use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
 use crate::config::ModelDefaults;
 use crate::models::clip::{self, ClipTextConfig, ClipTextModel};
@@ -84,8 +84,7 @@ impl HunyuanConfigs {
 /// The components of a HunyuanVideo pipeline.
 #[derive(Clone, Copy)]
 struct Parts {
-    text_encoder: Slot<LlamaTextEncoder>,
-    text_encoder_2: Slot<ClipTextModel>,
+    encoders: TextEncoders<LlamaTextEncoder, ClipTextModel>,
     transformer: Slot<HunyuanVideoTransformer3DModel>,
     modulations: Slot<HunyuanModulations>,
     vae: Slot<AutoencoderKLHunyuanVideo>,
@@ -120,19 +119,13 @@ impl HunyuanConfigs {
         );
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
-            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder),
-            text_encoder_2: spec.add_model(
-                "text_encoder_2",
-                Role::TextEncoder,
-                &self.text_encoder_2,
-            ),
+            encoders: TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2)),
             transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
             modulations: spec.add_modulations(&self.transformer),
             vae: spec.add_model("vae", Role::Vae, &self.vae),
         };
-        let encoders = [parts.text_encoder.index(), parts.text_encoder_2.index()];
         spec.stages = vec![
-            StageSpec::new("encode_text", &encoders, text).runs(HunyuanVideo::encode_text),
+            parts.encoders.stage(text, HunyuanVideo::encode_text),
             StageSpec::new("modulate", &[parts.modulations.index()], modulate)
                 .runs(HunyuanVideo::modulate),
             StageSpec::new("denoise", &[parts.transformer.index()], denoise)
@@ -278,7 +271,7 @@ impl HunyuanVideo {
         encoder: &Held<'_, LlamaTextEncoder>,
         texts: &[&str],
     ) -> Result<Vec<(Tensor, Tensor)>> {
-        let device = frame.device_of(self.parts.text_encoder);
+        let device = frame.device_of(self.parts.encoders.text_encoder);
         let model = encoder.model();
         let max_len = frame.config.generation().max_sequence_length;
         encoder.each_through_blocks(
@@ -306,8 +299,8 @@ impl HunyuanVideo {
     }
 
     fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let llama = frame.hold(self.parts.text_encoder)?;
-        let clip = frame.hold(self.parts.text_encoder_2)?;
+        let llama = frame.hold(self.parts.encoders.text_encoder)?;
+        let clip = frame.hold(self.parts.encoders.text_encoder_2)?;
         let texts = stages::true_cfg_texts(frame, job);
         let conds = self
             .llama_embed(frame, &llama, &texts)?
@@ -315,7 +308,7 @@ impl HunyuanVideo {
             .zip(clip::prompt::pooled(
                 &clip,
                 &self.tokenizer_2,
-                &frame.device_of(self.parts.text_encoder_2),
+                &frame.device_of(self.parts.encoders.text_encoder_2),
                 frame.dtype(),
                 &texts,
             )?)

@@ -2,74 +2,30 @@
 //! `LattePipeline.__call__` (see [`crate::models::latte`] for the math).
 
 use super::denoise::Denoise;
-use super::draws::{RunDraws, Sizes};
-use super::frame::{Frame, T5Pipeline};
+use super::draws::RunDraws;
+use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::{
-    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+    declared_by, latents_draw, Family, FamilyOption, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
-use super::spec::{PipelineSpec, TextToVideo};
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
 use crate::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
-use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::guidance::{batch_input, guide_if_batched};
 use crate::models::latte::transformer::{LatteTransformer3DModel, LatteTransformerConfig};
-use crate::models::latte::{activations, decode_latents, prompt, DECODE_CHUNK_FRAMES};
-use crate::models::t5::encoder::T5EncoderModel;
+use crate::models::latte::{decode_latents, prompt, DECODE_CHUNK_FRAMES};
 use crate::schedulers::ddim::{DdimConfig, DdimScheduler};
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 
-/// Reads a Latte model's configs (the registry's entry point).
-pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
-    Ok(Box::new(LatteConfigs::from_configs(configs)?))
-}
-
 /// The configs of a Latte model: everything planning needs, no weights.
 pub type LatteConfigs = T5VideoConfigs<LatteTransformerConfig, AutoencoderKLConfig, DdimConfig>;
 
-/// The components of a Latte pipeline.
-type Parts = TextToVideo<T5EncoderModel, LatteTransformer3DModel, AutoencoderKL>;
-
 impl LatteConfigs {
-    /// The latent shape `[1, C, F, H/f, W/f]` for a video size.
-    pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
-        let [f, h, w] = self.grid(num_frames, height, width);
-        [1, self.transformer.in_channels(), f, h, w]
-    }
-
     /// Pixels per side of one transformer token: the VAE's factor times the patch.
     fn size_step(&self) -> u32 {
         let step = self.vae.scale_factor() * self.transformer.patch_size().clamp(1, 1 << 16);
         u32::try_from(step).unwrap_or(u32::MAX)
-    }
-
-    /// Text encoder, DiT and VAE (each in the run's dtype, as diffusers loads them), each used
-    /// by one stage and safe to defer; the pipeline as data with its components' slots.
-    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let (dtype, text_len) = (shape.dtype, prompt::MAX_LENGTH);
-        let dit = activations::transformer_activations(&self.transformer, latent, text_len, dtype);
-        let vae = activations::vae_decode_activations(
-            &self.vae,
-            latent,
-            DECODE_CHUNK_FRAMES,
-            shape.vae_tiling,
-            dtype,
-        );
-        Parts::pipeline(
-            self.title(),
-            (&self.text_encoder, &self.transformer, &self.vae),
-            [
-                (
-                    text_encoder_activations(&self.text_encoder, text_len, dtype),
-                    Latte::encode_text,
-                ),
-                (dit, Latte::denoise),
-                (vae, Latte::decode),
-            ],
-        )
     }
 }
 
@@ -131,25 +87,19 @@ impl Family for LatteConfigs {
             "text_tokens": prompt::MAX_LENGTH,
             "scheduler": "DDIMScheduler",
         });
-        let latent_shape = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        self.facts_with(latent_shape, own)
+        self.facts_with(shape, own)
     }
 
-    declared_by!(Latte::opener(Some("Latte"), Latte::take_latents));
+    declared_by!(
+        Latte::opener(Some("Latte"), Latte::take_latents),
+        stages [Latte::encode_text, Latte::denoise, Latte::decode]
+    );
 }
 
 /// Latte's own part of its pipeline (the frame holds the rest).
-type Latte = T5Pipeline<LatteConfigs, Parts>;
+type Latte = T5VideoPipeline<LatteConfigs, LatteTransformer3DModel, AutoencoderKL>;
 
 impl Latte {
-    /// The run's one draw: the initial latents.
-    fn take_latents(&self, draws: &mut RunDraws, s: Sizes) -> Result<Tensor> {
-        draws.take(
-            "latents",
-            &self.configs.latent_shape(s.num_frames, s.height, s.width),
-        )
-    }
-
     /// `encode_prompt` with `mask_feature`: the prompt's embeddings cut to its token count and,
     /// when guided, the negative prompt's cut to the same rows; they wait for the denoise stage
     /// in host memory.

@@ -19,6 +19,7 @@ use crate::models::ltx::vae::{
 };
 use crate::models::ltx::{activations, defaults};
 use crate::models::t5::encoder::T5EncoderModel;
+use crate::models::video::VideoDit;
 use crate::rng::TorchGenerator;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::{Scheduler, SchedulerKind};
@@ -48,11 +49,6 @@ impl LtxConfigs {
         let (p, pt) = (self.transformer.patch_size, self.transformer.patch_size_t);
         let tokens: usize = self.token_grid(grid).iter().product();
         [1, tokens, self.transformer.in_channels * pt * p * p]
-    }
-
-    /// The latents' shape `[1, C, F', H', W']`.
-    fn latent_shape(&self, grid: [usize; 3]) -> [usize; 5] {
-        [1, self.transformer.in_channels, grid[0], grid[1], grid[2]]
     }
 }
 
@@ -113,7 +109,7 @@ impl Family for LtxConfigs {
         let grid = self.grid(num_frames, height, width);
         let mut draws = vec![("latents", self.packed_shape(grid).to_vec())];
         if self.vae.timestep_conditioning {
-            draws.push(("decode_noise", self.latent_shape(grid).to_vec()));
+            draws.push(("decode_noise", self.transformer.latent_shape(grid).to_vec()));
         }
         draws
     }
@@ -150,7 +146,7 @@ impl Family for LtxConfigs {
             "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
             "vae_timestep_conditioning": self.vae.timestep_conditioning,
         });
-        self.facts_with(self.latent_shape(grid), own)
+        self.facts_with(shape, own)
     }
 
     declared_by!(|configs, parts, frame| Ltx::read(configs, parts, frame, None));
@@ -225,7 +221,7 @@ impl Ltx {
             }
             None => {
                 let mut generator = TorchGenerator::new(job.seed);
-                let latents = generator.randn(&self.configs.latent_shape(grid))?;
+                let latents = generator.randn(&self.configs.transformer.latent_shape(grid))?;
                 carried.generator = Some(generator);
                 pack_latents(
                     &latents,

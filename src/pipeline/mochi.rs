@@ -2,21 +2,20 @@
 //! diffusers' `MochiPipeline.__call__` (see [`crate::models::mochi`] for the math).
 
 use super::denoise::Denoise;
-use super::draws::{RunDraws, Sizes};
-use super::frame::{Frame, T5Pipeline};
+use super::draws::RunDraws;
+use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::{
     declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
+    T5VideoPipeline,
 };
-use super::spec::{PipelineSpec, TextToVideo};
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
 use crate::models::guidance::{batch_input, guide_if_batched};
+use crate::models::mochi::defaults;
 use crate::models::mochi::transformer::{MochiTransformer3DModel, MochiTransformerConfig};
 use crate::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
-use crate::models::mochi::{activations, defaults};
-use crate::models::t5::encoder::T5EncoderModel;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::linear_quadratic::{linear_quadratic_schedule, THRESHOLD_NOISE};
 use crate::schedulers::Scheduler;
@@ -51,55 +50,6 @@ struct MochiIndex {
 pub type MochiConfigs =
     T5VideoConfigs<MochiTransformerConfig, MochiVaeConfig, FlowMatchEulerConfig>;
 
-impl MochiConfigs {
-    /// The latents' shape `[1, C, F', H', W']`.
-    pub fn latent_shape(&self, grid: [usize; 3]) -> [usize; 5] {
-        [1, self.transformer.in_channels, grid[0], grid[1], grid[2]]
-    }
-
-    /// Video tokens of a latent grid.
-    fn tokens(&self, grid: [usize; 3]) -> usize {
-        let p = self.transformer.patch_size;
-        grid[0] * (grid[1] / p) * (grid[2] / p)
-    }
-}
-
-/// The components of a Mochi pipeline.
-type Parts = TextToVideo<T5EncoderModel, MochiTransformer3DModel, AutoencoderKLMochi>;
-
-impl MochiConfigs {
-    /// T5, DiT and VAE, each used by one stage and safe to defer: the pipeline as data with its
-    /// components' slots.
-    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        let (dtype, text_len) = (shape.dtype, shape.text_len);
-        let dit = activations::transformer_activations(
-            &self.transformer,
-            self.tokens(grid),
-            text_len,
-            2,
-            dtype,
-        );
-        let vae = activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype);
-        Parts::pipeline(
-            self.title(),
-            (&self.text_encoder, &self.transformer, &self.vae),
-            [
-                (
-                    crate::models::cogvideox::activations::text_encoder_activations(
-                        &self.text_encoder,
-                        text_len,
-                        dtype,
-                    ),
-                    Mochi::encode_text,
-                ),
-                (dit, Mochi::denoise),
-                (vae, Mochi::decode),
-            ],
-        )
-    }
-}
-
 impl Family for MochiConfigs {
     fn title(&self) -> &'static str {
         "Mochi-1 text-to-video"
@@ -108,15 +58,11 @@ impl Family for MochiConfigs {
     /// Text-to-video with classifier-free guidance; its own linear-quadratic flow-match
     /// schedule, the VAE decoding whole (in spatial tiles with `--vae-tiling`).
     fn options(&self) -> Vec<FamilyOption> {
-        [
-            &FamilyOption::GUIDED[..],
-            &[FamilyOption::Lora, FamilyOption::VaeTiling],
-        ]
-        .concat()
+        FamilyOption::guided_with(&[FamilyOption::Lora, FamilyOption::VaeTiling])
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(self.grid(num_frames, height, width)))
+        latents_draw(&self.latent_shape(num_frames, height, width))
     }
 
     /// `MochiPipeline.__call__`'s defaults: 480x848, 19 frames, 64 steps, guidance 4.5, 256 text
@@ -143,26 +89,23 @@ impl Family for MochiConfigs {
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let own = serde_json::json!({
-            "latent_tokens": self.tokens(grid),
+            "latent_tokens": self.transformer.video_tokens(grid),
             "frames_out": self.vae.decoded_frames(grid[0]),
             "vae_scale_factor_temporal": self.vae.temporal_compression_ratio(),
         });
-        self.facts_with(self.latent_shape(grid), own)
+        self.facts_with(shape, own)
     }
 
-    declared_by!(Mochi::opener(None, Mochi::take_latents));
+    declared_by!(
+        Mochi::opener(None, Mochi::take_latents),
+        stages [Mochi::encode_text, Mochi::denoise, Mochi::decode]
+    );
 }
 
 /// Mochi's own part of its pipeline (the frame holds the rest).
-type Mochi = T5Pipeline<MochiConfigs, Parts>;
+type Mochi = T5VideoPipeline<MochiConfigs, MochiTransformer3DModel, AutoencoderKLMochi>;
 
 impl Mochi {
-    /// The run's one draw: the initial latents.
-    fn take_latents(&self, draws: &mut RunDraws, s: Sizes) -> Result<Tensor> {
-        let grid = self.configs.grid(s.num_frames, s.height, s.width);
-        draws.take("latents", &self.configs.latent_shape(grid))
-    }
-
     /// `_get_t5_prompt_embeds` of the prompt (and with guidance the negative prompt): T5 with
     /// the attention mask (pad rows not zeroed), as one batch [negative; positive]; embeddings
     /// and masks wait for the denoise stage in host memory.

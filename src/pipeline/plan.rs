@@ -9,8 +9,8 @@ use super::registry::{Family, RunShape};
 use super::runner::{LoadPolicy, Schedule};
 use super::spec::{ComponentSpec, PipelineSpec, Role};
 use crate::config::ResolvedConfig;
-use crate::memory::plan::{self as memory_plan, HostSide, MemoryPlan, PlanStage, Request};
-use crate::memory::{MemoryModel, MemoryOptions};
+use crate::memory::plan::{self as memory_plan, HostSide, MemoryPlan, PlanFor, PlanStage, Request};
+use crate::memory::{DeviceInfo, MemoryModel, MemoryOptions};
 use crate::models::source::ModelSource;
 use crate::offload::{DeviceWeights, HostMemory, Residency};
 use crate::weights::WeightSet;
@@ -242,25 +242,33 @@ impl<'a> Planner<'a> {
         packed.entry(component.name).or_insert_with(open).clone()
     }
 
-    /// Out-of-memory advice for the run (see [`memory_plan::advice`]).
-    pub fn advice(&self) -> String {
-        memory_plan::advice(
+    /// What every search of option sets ([`memory_plan`]) is given, handed to `search`: the
+    /// run's request, its device, how a request is planned, and which options the user set
+    /// (which fitting keeps).
+    fn search<T>(
+        &self,
+        search: impl FnOnce(&Request, &DeviceInfo, PlanFor, &dyn Fn(&str) -> bool) -> T,
+    ) -> T {
+        let given = |option: &str| self.config.given(option);
+        search(
             &self.request(),
             self.config.device(),
             &|r| self.plan(r),
-            self.config.device().total_memory,
+            &given,
         )
+    }
+
+    /// Out-of-memory advice for the run (see [`memory_plan::advice`]).
+    pub fn advice(&self) -> String {
+        let total = self.config.device().total_memory;
+        self.search(|request, device, plan, _| memory_plan::advice(request, device, plan, total))
     }
 
     /// Option sets that need less memory (see [`memory_plan::candidates`]).
     pub fn candidates(&self, total: Option<u64>) -> Vec<memory_plan::Candidate> {
-        memory_plan::candidates(
-            &self.request(),
-            self.config.device(),
-            &|r| self.plan(r),
-            total,
-            &|_| false,
-        )
+        self.search(|request, device, plan, _| {
+            memory_plan::candidates(request, device, plan, total, &|_| false)
+        })
     }
 
     /// The memory options the user set, which fitting keeps (their flags).
@@ -276,37 +284,23 @@ impl<'a> Planner<'a> {
     /// How the run fits `host` bytes of host memory and, where known, the `free` device bytes,
     /// keeping every option the user set (see [`memory_plan::fit_host`]).
     pub fn fit_host(&self, host: u64, free: Option<u64>) -> memory_plan::Fit {
-        memory_plan::fit_host(
-            &self.request(),
-            self.config.device(),
-            &|r| self.plan(r),
-            host,
-            free,
-            &|option| self.config.given(option),
-        )
+        self.search(|request, device, plan, kept| {
+            memory_plan::fit_host(request, device, plan, host, free, kept)
+        })
     }
 
     /// The host option set with the lowest host peak the run may take (see
     /// [`memory_plan::leanest_host`]).
     pub fn leanest_host(&self) -> Option<memory_plan::Candidate> {
-        memory_plan::leanest_host(
-            &self.request(),
-            self.config.device(),
-            &|r| self.plan(r),
-            &|option| self.config.given(option),
-        )
+        self.search(memory_plan::leanest_host)
     }
 
     /// The first option set that needs less device memory than the run's, keeping every
     /// memory option the user set and the frames (see [`memory_plan::candidates`]).
     pub fn leaner(&self) -> Option<memory_plan::Candidate> {
-        memory_plan::candidates(
-            &self.request(),
-            self.config.device(),
-            &|r| self.plan(r),
-            None,
-            &|option| self.config.given(option),
-        )
+        self.search(|request, device, plan, kept| {
+            memory_plan::candidates(request, device, plan, None, kept)
+        })
         .into_iter()
         .next()
     }
@@ -314,12 +308,8 @@ impl<'a> Planner<'a> {
     /// How the run fits `free` bytes, keeping every memory option the user set (see
     /// [`memory_plan::fit`]).
     pub fn fit(&self, free: u64) -> memory_plan::Fit {
-        memory_plan::fit(
-            &self.request(),
-            self.config.device(),
-            &|r| self.plan(r),
-            free,
-            &|option| self.config.given(option),
-        )
+        self.search(|request, device, plan, kept| {
+            memory_plan::fit(request, device, plan, free, kept)
+        })
     }
 }

@@ -3,13 +3,16 @@
 //! family reads its configs into a [`Family`]; the frame asks it for its description and, to
 //! run, for a pipeline.
 
-use super::frame::Frame;
-use super::spec::PipelineSpec;
+use super::frame::{Frame, T5Pipeline};
+use super::spec::{Body, PipelineSpec, TextToVideo};
 use super::{allegro, cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
 use crate::config::{ModelDefaults, ResolvedConfig};
+use crate::models::blocks::Blockwise;
+use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::source::ModelSource;
 use crate::models::t5::encoder::T5Config;
-use crate::models::video::{VideoDit, VideoVae};
+use crate::models::t5::encoder::T5EncoderModel;
+use crate::models::video::{DecodeActivations, DenoiseActivations, VideoDit, VideoVae};
 use crate::output::OutputType;
 use crate::schedulers::SchedulerKind;
 use anyhow::{Context, Result};
@@ -119,6 +122,11 @@ impl FamilyOption {
         FamilyOption::NegativePrompt,
         FamilyOption::MaxSequenceLength,
     ];
+
+    /// The options of a guided family ([`Self::GUIDED`]) and then its `own`.
+    pub fn guided_with(own: &[FamilyOption]) -> Vec<FamilyOption> {
+        [&Self::GUIDED[..], own].concat()
+    }
 
     /// The flag as typed.
     pub fn flag(self) -> &'static str {
@@ -269,14 +277,26 @@ pub trait Family {
 /// [`Family::spec`] and [`Family::open`] of a family declared at once: its `declare(&self,
 /// shape)` gives the pipeline of a run's shape as data with its components' slots, and
 /// `$new(configs, slots, frame)` its own part of a run (tokenizers read, no weights loaded),
-/// which the stage bodies get.
+/// which the stage bodies get. A T5 video family ([`T5VideoConfigs::t5_pipeline`]) states its
+/// stage bodies instead of a `declare`: `declared_by!($new, stages [encode_text, denoise,
+/// decode])`.
 macro_rules! declared_by {
     ($new:expr) => {
+        $crate::pipeline::registry::declared_by!(@declare $new, |configs: &Self, shape| {
+            configs.declare(shape)
+        });
+    };
+    ($new:expr, stages $stages:expr) => {
+        $crate::pipeline::registry::declared_by!(@declare $new, |configs: &Self, shape| {
+            configs.t5_pipeline(shape, $stages)
+        });
+    };
+    (@declare $new:expr, $declare:expr) => {
         fn spec(
             &self,
             shape: &$crate::pipeline::registry::RunShape,
         ) -> $crate::pipeline::spec::PipelineSpec {
-            self.declare(shape).0
+            ($declare)(self, shape).0
         }
 
         fn open(
@@ -284,7 +304,7 @@ macro_rules! declared_by {
             frame: &$crate::pipeline::frame::Frame,
         ) -> anyhow::Result<Box<dyn std::any::Any>> {
             let shape = $crate::pipeline::registry::RunShape::of(&frame.config);
-            let (_, parts) = self.declare(&shape);
+            let (_, parts) = ($declare)(self, &shape);
             Ok(Box::new(($new)(self.clone(), parts, frame)?))
         }
     };
@@ -334,6 +354,15 @@ impl<D: DeserializeOwned, V: DeserializeOwned, S: DeserializeOwned> T5VideoConfi
             scheduler: configs.read("scheduler/scheduler_config.json")?,
         })
     }
+
+    /// Reads the model's configs as its family (the registry's entry point of a family that
+    /// checks nothing more).
+    pub fn read(configs: Configs) -> Result<Box<dyn Family>>
+    where
+        Self: Family + 'static,
+    {
+        Ok(Box::new(Self::from_configs(configs)?))
+    }
 }
 
 impl<D: VideoDit, V: VideoVae, S> T5VideoConfigs<D, V, S> {
@@ -342,14 +371,17 @@ impl<D: VideoDit, V: VideoVae, S> T5VideoConfigs<D, V, S> {
         self.vae.latent_grid(num_frames, height, width)
     }
 
-    /// The dry run's `model` facts every T5 video family reports (its transformer's size, the
-    /// latents' `latent_shape`, the VAE's spatial factor and the text encoder's layers), with
-    /// the family's `own`.
-    pub fn facts_with(
-        &self,
-        latent_shape: [usize; 5],
-        own: serde_json::Value,
-    ) -> serde_json::Value {
+    /// The shape of the latents of a video size ([`VideoDit::latent_shape`] of its grid).
+    pub fn latent_shape(&self, num_frames: u32, height: u32, width: u32) -> [usize; 5] {
+        let grid = self.grid(num_frames, height, width);
+        self.transformer.latent_shape(grid)
+    }
+
+    /// The dry run's `model` facts every T5 video family reports for a run of `shape` (its
+    /// transformer's size, the latents' `latent_shape`, the VAE's spatial factor and the text
+    /// encoder's layers), with the family's `own`.
+    pub fn facts_with(&self, shape: &RunShape, own: serde_json::Value) -> serde_json::Value {
+        let latent_shape = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let mut facts = serde_json::json!({
             "transformer_layers": self.transformer.num_layers(),
             "transformer_inner_dim": self.transformer.hidden_dim(),
@@ -363,6 +395,55 @@ impl<D: VideoDit, V: VideoVae, S> T5VideoConfigs<D, V, S> {
         facts
     }
 }
+
+impl<D: VideoDit + DenoiseActivations, V: VideoVae + DecodeActivations, S> T5VideoConfigs<D, V, S>
+where
+    Self: Family,
+{
+    /// The family's pipeline for a run of `shape` as data with its components' slots: T5, DiT
+    /// and VAE (each in the run's dtype, as diffusers loads them), each used by one stage and
+    /// safe to defer, holding the activations their configs estimate; `stages` are the
+    /// family's bodies of `encode_text`, `denoise` and `decode`.
+    pub fn t5_pipeline<DM, VM>(
+        &self,
+        shape: &RunShape,
+        stages: [Body<T5Pipeline<Self, T5Parts<DM, VM>>>; 3],
+    ) -> (PipelineSpec, T5Parts<DM, VM>)
+    where
+        DM: Blockwise<Config = D>,
+        VM: Blockwise<Config = V>,
+        Self: 'static,
+    {
+        let grid = self.grid(shape.num_frames, shape.height, shape.width);
+        let (dtype, text_len) = (shape.dtype, shape.text_len);
+        let [encode_text, denoise, decode] = stages;
+        TextToVideo::pipeline(
+            self.title(),
+            (&self.text_encoder, &self.transformer, &self.vae),
+            [
+                (
+                    text_encoder_activations(&self.text_encoder, text_len, dtype),
+                    encode_text,
+                ),
+                (
+                    self.transformer.denoise_activations(grid, text_len, dtype),
+                    denoise,
+                ),
+                (
+                    self.vae.decode_activations(grid, shape.vae_tiling, dtype),
+                    decode,
+                ),
+            ],
+        )
+    }
+}
+
+/// The components of a T5 video pipeline with the DiT `D` and the VAE `V`.
+pub type T5Parts<D, V> = TextToVideo<T5EncoderModel, D, V>;
+
+/// A T5 video family's own part of its pipeline: its configs `C`, the slots of its DiT `D` and
+/// VAE `V` ([`T5Parts`]), its tokenizer.
+pub type T5VideoPipeline<C, D, V> = T5Pipeline<C, T5Parts<D, V>>;
 
 /// One family: the `_class_name`s it runs and how it reads a model's configs.
 pub struct FamilyEntry {
@@ -382,7 +463,7 @@ pub const FAMILIES: &[FamilyEntry] = &[
     },
     FamilyEntry {
         class_names: &["CogVideoXPipeline"],
-        read: cogvideox::read,
+        read: cogvideox::CogVideoXConfigs::read,
     },
     FamilyEntry {
         class_names: &["HunyuanVideoPipeline"],
@@ -394,7 +475,7 @@ pub const FAMILIES: &[FamilyEntry] = &[
     },
     FamilyEntry {
         class_names: &["LattePipeline"],
-        read: latte::read,
+        read: latte::LatteConfigs::read,
     },
     FamilyEntry {
         class_names: &["MochiPipeline"],
@@ -402,7 +483,7 @@ pub const FAMILIES: &[FamilyEntry] = &[
     },
     FamilyEntry {
         class_names: &["AllegroPipeline"],
-        read: allegro::read,
+        read: allegro::AllegroConfigs::read,
     },
     FamilyEntry {
         class_names: &["FluxPipeline"],

@@ -311,6 +311,39 @@ impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
     }
 }
 
+/// A pipeline's two text encoders by diffusers' names, `text_encoder` and `text_encoder_2`
+/// (FLUX's CLIP and T5, HunyuanVideo's Llama and CLIP), each in the run's dtype and safe to
+/// defer, both used by its one `encode_text` stage.
+pub struct TextEncoders<A, B> {
+    pub text_encoder: Slot<A>,
+    pub text_encoder_2: Slot<B>,
+}
+
+impl<A: Blockwise, B: Blockwise> TextEncoders<A, B> {
+    /// Adds both, configured by `configs`, to `spec`.
+    pub fn add(spec: &mut PipelineSpec, configs: (&A::Config, &B::Config)) -> Self {
+        TextEncoders {
+            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, configs.0),
+            text_encoder_2: spec.add_model("text_encoder_2", Role::TextEncoder, configs.1),
+        }
+    }
+
+    /// The `encode_text` stage: both encoders, holding `activations`, running `body` of the
+    /// family's pipeline `P`.
+    pub fn stage<P: 'static>(&self, activations: u64, body: Body<P>) -> StageSpec {
+        let uses = [self.text_encoder.index(), self.text_encoder_2.index()];
+        StageSpec::new("encode_text", &uses, activations).runs(body)
+    }
+}
+
+impl<A, B> Clone for TextEncoders<A, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<A, B> Copy for TextEncoders<A, B> {}
+
 impl<T, D, V> Clone for TextToVideo<T, D, V> {
     fn clone(&self) -> Self {
         *self

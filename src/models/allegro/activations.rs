@@ -5,7 +5,21 @@
 use super::transformer::AllegroTransformerConfig;
 use super::vae::AllegroVaeConfig;
 use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
+
+impl DenoiseActivations for AllegroTransformerConfig {
+    fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
+        transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
+    }
+}
+
+/// The VAE decodes in tiles only: `--vae-tiling` changes nothing.
+impl DecodeActivations for AllegroVaeConfig {
+    fn decode_activations(&self, grid: [usize; 3], _tiled: bool, dtype: DType) -> u64 {
+        vae_decode_activations(self, grid, dtype)
+    }
+}
 
 /// Device bytes of one transformer forward over a batch of `batch` (2 with guidance) on
 /// `tokens` video tokens and `text_len` text tokens.

@@ -99,6 +99,12 @@ impl Default for AllegroTransformerConfig {
 }
 
 impl AllegroTransformerConfig {
+    /// Video tokens of a latent grid `[F, h, w]`: every frame patched.
+    pub fn video_tokens(&self, grid: [usize; 3]) -> usize {
+        let p = self.patch_size.max(1);
+        grid[0] * (grid[1] / p) * (grid[2] / p)
+    }
+
     /// Width of the hidden states (saturating: `validate` bounds it).
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads
@@ -173,6 +179,10 @@ impl VideoDit for AllegroTransformerConfig {
 
     fn hidden_dim(&self) -> usize {
         self.inner_dim()
+    }
+
+    fn in_channels(&self) -> usize {
+        self.in_channels
     }
 }
 

@@ -4,7 +4,20 @@
 use super::transformer::CogVideoXTransformerConfig;
 use super::vae::CogVideoXVaeConfig;
 use crate::models::t5::encoder::T5Config;
+use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
+
+impl DenoiseActivations for CogVideoXTransformerConfig {
+    fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
+        transformer_activations(self, [1, f, self.in_channels, h, w], text_len, dtype)
+    }
+}
+
+impl DecodeActivations for CogVideoXVaeConfig {
+    fn decode_activations(&self, [f, h, w]: [usize; 3], tiled: bool, dtype: DType) -> u64 {
+        vae_decode_activations(self, [1, f, self.latent_channels, h, w], tiled, dtype)
+    }
+}
 
 /// Device bytes of the text encoder's activations for `len` tokens.
 pub fn text_encoder_activations(c: &T5Config, len: usize, dtype: DType) -> u64 {

@@ -227,6 +227,15 @@ impl VideoDit for CogVideoXTransformerConfig {
     fn hidden_dim(&self) -> usize {
         self.inner_dim()
     }
+
+    fn in_channels(&self) -> usize {
+        self.in_channels
+    }
+
+    /// `[1, F', C, H', W']`: frames before channels.
+    fn latent_shape(&self, [f, h, w]: [usize; 3]) -> [usize; 5] {
+        [1, f, self.in_channels, h, w]
+    }
 }
 
 /// Everything the blocks and the output head need, computed once per forward by `prepare`.

@@ -5,7 +5,22 @@
 use super::transformer::LatteTransformerConfig;
 use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
+use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
+
+impl DenoiseActivations for LatteTransformerConfig {
+    fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
+        transformer_activations(self, [1, self.in_channels(), f, h, w], text_len, dtype)
+    }
+}
+
+/// Latte's decode: every frame on its own, [`super::DECODE_CHUNK_FRAMES`] at a time.
+impl DecodeActivations for AutoencoderKLConfig {
+    fn decode_activations(&self, [f, h, w]: [usize; 3], tiled: bool, dtype: DType) -> u64 {
+        let latent = [1, self.latent_channels, f, h, w];
+        vae_decode_activations(self, latent, super::DECODE_CHUNK_FRAMES, tiled, dtype)
+    }
+}
 
 /// Device bytes of one transformer forward over the batched `[negative; positive]` pair on
 /// latents `[1, C, F, h, w]`.

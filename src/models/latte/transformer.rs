@@ -203,6 +203,10 @@ impl VideoDit for LatteTransformerConfig {
     fn hidden_dim(&self) -> usize {
         self.inner_dim()
     }
+
+    fn in_channels(&self) -> usize {
+        self.in_channels()
+    }
 }
 
 /// diffusers' `get_1d_sincos_pos_embed_from_grid` (float64, `[sin | cos]`) rows for `positions`.

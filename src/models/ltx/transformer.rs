@@ -201,6 +201,10 @@ impl VideoDit for LtxTransformerConfig {
     fn hidden_dim(&self) -> usize {
         self.inner_dim()
     }
+
+    fn in_channels(&self) -> usize {
+        self.in_channels
+    }
 }
 
 /// `[B, C, F, H, W]` latents to `[B, F/p_t · H/p · W/p, C·p_t·p·p]` tokens (the pipeline's

@@ -3,7 +3,20 @@
 
 use super::transformer::MochiTransformerConfig;
 use super::vae::MochiVaeConfig;
+use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
+
+impl DenoiseActivations for MochiTransformerConfig {
+    fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
+        transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
+    }
+}
+
+impl DecodeActivations for MochiVaeConfig {
+    fn decode_activations(&self, grid: [usize; 3], tiled: bool, dtype: DType) -> u64 {
+        vae_decode_activations(self, grid, tiled, dtype)
+    }
+}
 
 /// Device bytes of one transformer forward over a batch of `batch` (2 with guidance) on
 /// `tokens` video tokens and `text_len` text tokens.

@@ -86,6 +86,12 @@ impl Default for MochiTransformerConfig {
 }
 
 impl MochiTransformerConfig {
+    /// Video tokens of a latent grid `[F', H', W']`: every latent frame patched.
+    pub fn video_tokens(&self, grid: [usize; 3]) -> usize {
+        let p = self.patch_size;
+        grid[0] * (grid[1] / p) * (grid[2] / p)
+    }
+
     /// Video stream width: heads x head dim.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim
@@ -152,6 +158,10 @@ impl VideoDit for MochiTransformerConfig {
 
     fn hidden_dim(&self) -> usize {
         self.inner_dim()
+    }
+
+    fn in_channels(&self) -> usize {
+        self.in_channels
     }
 }
 
