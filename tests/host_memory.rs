@@ -103,8 +103,8 @@ fn a_host_too_small_for_the_defaults_gets_sequential_then_lazy_loading() {
     // A set the free device memory cannot hold is not taken.
     let device = sequential
         .plan
-        .required_bytes()
-        .min(lazy.plan.required_bytes())
+        .required_free_bytes()
+        .min(lazy.plan.required_free_bytes())
         - 1;
     assert!(matches!(
         planner.fit_host(need - 1, Some(device)),

@@ -201,10 +201,16 @@ impl MemoryPlan {
         self.required_bytes() <= total
     }
 
+    /// Device bytes the run needs free once this process's context exists: [`Self::required_bytes`]
+    /// less the part of the context already open (which the free memory lacks already).
+    pub fn required_free_bytes(&self) -> u64 {
+        self.required_bytes().saturating_sub(OPENED_CONTEXT_BYTES)
+    }
+
     /// Whether every stage is predicted to fit in `free` bytes read once this process's context
-    /// exists (which [`MemoryPlan::fits`] would count a second time).
+    /// exists.
     pub fn fits_free(&self, free: u64) -> bool {
-        self.required_bytes() <= free.saturating_add(OPENED_CONTEXT_BYTES)
+        self.required_free_bytes() <= free
     }
 
     /// The stage with the highest host peak (the first of equals).

@@ -42,6 +42,9 @@ pub struct WeightSet {
     loras: Option<Arc<crate::lora::Loras>>,
     /// Layerwise fp8 storage: the values it rounds are read rounded.
     cast: Option<StorageCast>,
+    /// Ranks of the synthetic tensors asked for so far (synthetic weights store none): how
+    /// `--storage-dtype` tells a Linear's or a convolution's weights from a norm's there.
+    asked_ranks: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
 }
 
 #[derive(Clone)]
@@ -188,6 +191,7 @@ impl WeightSet {
             on_read: None,
             loras: None,
             cast: None,
+            asked_ranks: Arc::default(),
         })
     }
 
@@ -215,8 +219,19 @@ impl WeightSet {
     /// Whether `--storage-dtype` rounds weight `name`.
     fn rounds(&self, name: &str) -> bool {
         self.cast.as_ref().is_some_and(|cast| {
-            cast.rounds(name, |weight| self.stored_shape(weight).map(|s| s.len()))
+            cast.rounds(name, |weight| match &self.source {
+                Source::Mapped(..) => self.stored_shape(weight).map(|s| s.len()),
+                Source::Synthetic(_) => self.asked_ranks.lock().ok()?.get(weight).copied(),
+            })
         })
+    }
+
+    /// Notes the rank of synthetic tensor `name` as a model asks for it (a constructor asks for
+    /// a module's weight before its bias).
+    fn note_asked(&self, name: &str, shape: &Shape) {
+        if let (Source::Synthetic(_), Ok(mut ranks)) = (&self.source, self.asked_ranks.lock()) {
+            ranks.insert(name.to_string(), shape.rank());
+        }
     }
 
     /// The stored scale of an fp8 weight `name`: ComfyUI's `<module>.scale_weight` (0-dim) or
@@ -243,6 +258,7 @@ impl WeightSet {
         shape: &Shape,
         dtype: DType,
     ) -> candle_core::Result<Option<Tensor>> {
+        self.note_asked(name, shape);
         if !self.transforms(name) {
             return Ok(None);
         }
@@ -374,6 +390,7 @@ impl WeightSet {
 
     /// Checks that `name` exists with `shape` (synthetic weights have every shape asked for).
     pub fn check(&self, name: &str, shape: &Shape) -> candle_core::Result<()> {
+        self.note_asked(name, shape);
         if let Source::Mapped(..) = &self.source {
             let stored: Shape = self
                 .view(name)
@@ -1053,6 +1070,43 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// `--storage-dtype` on synthetic weights rounds what it rounds on stored ones: a Linear's
+    /// weight and bias (told by the rank its weight was asked for with), not a norm's, and the
+    /// engine holds those as fp8 bytes.
+    #[test]
+    fn synthetic_weights_round_the_modules_diffusers_casts() -> anyhow::Result<()> {
+        let format = StorageDtype::Float8E4m3fn;
+        let cast = StorageCast {
+            dtype: format,
+            skip: crate::models::wan::transformer::LAYERWISE_CASTING_SKIP,
+        };
+        let weights = WeightSet::open(&Weights::Synthetic { seed: 5 })?.with_storage_cast(cast);
+        let plain = WeightSet::open(&Weights::Synthetic { seed: 5 })?;
+        let ask = |w: &WeightSet, name: &str, dims: &[usize]| -> anyhow::Result<Vec<f32>> {
+            let t = w.var_builder(DType::F32, &Device::Cpu).get(dims, name)?;
+            Ok(t.flatten_all()?.to_vec1()?)
+        };
+        for (name, dims, rounded) in [
+            ("blocks.0.proj.weight", &[64, 48][..], true),
+            ("blocks.0.proj.bias", &[64][..], true),
+            ("blocks.0.norm.weight", &[48][..], false),
+            ("blocks.0.norm.bias", &[48][..], false),
+        ] {
+            let (got, raw) = (ask(&weights, name, dims)?, ask(&plain, name, dims)?);
+            let want: Vec<f32> = raw.iter().map(|&v| format.round(v)).collect();
+            assert_eq!(got, if rounded { want } else { raw.clone() }, "{name}");
+            assert_eq!(
+                weights.packed(name, DType::BF16),
+                rounded.then_some(Packed::Fp8(format)),
+                "{name}"
+            );
+            if rounded {
+                assert_ne!(got, raw, "{name}: the synthetic values were fp8 already");
+            }
+        }
         Ok(())
     }
 
