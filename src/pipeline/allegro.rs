@@ -159,7 +159,7 @@ impl Allegro {
     /// and size, then `postprocess_video` to frames `[T, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let (frames, height, width) = (job.num_frames, job.height, job.width);
-        frame.decode(job, self.parts.vae, |vae, latents| {
+        frame.decode(job, self.parts.vae, |vae, latents, _always_tiled| {
             Ok(vae
                 .decode(&vae.unscale(&latents)?)?
                 .narrow(2, 0, frames as usize)?

@@ -163,10 +163,9 @@ impl CogVideoX {
     /// decode, tiled with `--vae-tiling` as `enable_tiling()`) and `postprocess_video` to frames
     /// `[T, H, W, 3]` in [0, 1].
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let tiling = frame.config.memory().vae_tiling;
-        frame.decode(job, self.parts.vae, |vae, latents| {
+        frame.decode(job, self.parts.vae, |vae, latents, tiled| {
             let z = vae.scale_latents(&latents)?;
-            let video = match tiling {
+            let video = match tiled {
                 true => vae.decode_tiled(&z, &vae.config().tiling())?,
                 false => vae.decode(&z)?,
             };

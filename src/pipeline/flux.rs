@@ -369,9 +369,8 @@ impl Flux {
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let (h, w) = self.configs.latent_size(job.height, job.width);
         let dtype = frame.dtype_of(self.parts.vae);
-        let tiling = frame.config.memory().vae_tiling;
-        frame.decode(job, self.parts.vae, |vae, latents| {
-            let vae = vae.with_tiling(tiling.then(|| vae.config().tiling()))?;
+        frame.decode(job, self.parts.vae, |vae, latents, tiled| {
+            let vae = vae.with_tiling(tiled.then(|| vae.config().tiling()))?;
             let z = unpack(&latents, h, w)?.to_dtype(dtype)?;
             let image = vae.decode(&vae.unscale(&z)?)?.to_dtype(DType::F32)?;
             Ok(image.unsqueeze(2)?)

@@ -194,17 +194,19 @@ impl Frame {
     }
 
     /// A decode stage: holds the VAE in `slot`, gives `decode` the job's denoised latents (on
-    /// the device), and keeps the video `[1, 3, T, H, W]` in [-1, 1] it makes as the job's
-    /// frames ([`stages::video_frames`]).
+    /// the device) and whether to decode in tiles (`--vae-tiling`, or the plan's override), and
+    /// keeps the video `[1, 3, T, H, W]` in [-1, 1] it makes as the job's frames
+    /// ([`stages::video_frames`]).
     pub fn decode<M: Blockwise>(
         &self,
         job: &mut Job,
         slot: Slot<M>,
-        decode: impl FnOnce(&M, Tensor) -> Result<Tensor>,
+        decode: impl FnOnce(&M, Tensor, bool) -> Result<Tensor>,
     ) -> Result<()> {
         let held = self.hold(slot)?;
         let latents = job.latents.take().context("nothing denoised")?;
-        let video = decode(held.model(), latents.to_device(&self.device)?)?;
+        let tiled = self.config.memory().vae_tiling;
+        let video = decode(held.model(), latents.to_device(&self.device)?, tiled)?;
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }

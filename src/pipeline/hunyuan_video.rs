@@ -455,11 +455,10 @@ impl HunyuanVideo {
     /// `latents / scaling_factor`, the VAE decode (temporal tiling as diffusers' default;
     /// spatial tiling with `--vae-tiling`), `(video / 2 + 0.5).clamp(0, 1)` as `[F, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let tiling = frame.config.memory().vae_tiling;
         let dtype = frame.dtype_of(self.parts.vae);
-        frame.decode(job, self.parts.vae, |vae, latents| {
+        frame.decode(job, self.parts.vae, |vae, latents, tiled| {
             let z = vae.scale_latents(&latents.to_dtype(dtype)?)?;
-            let video = if tiling {
+            let video = if tiled {
                 let mut vae = vae.clone();
                 let mut t = vae.tiling();
                 t.spatial = true;

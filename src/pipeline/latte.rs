@@ -154,9 +154,8 @@ impl Latte {
     /// `decode_latents` (every frame on its own, in chunks; tiled with `--vae-tiling` as
     /// `enable_tiling()`), then `postprocess_video` to frames `[F, H, W, 3]`.
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
-        let tiling = frame.config.memory().vae_tiling;
-        frame.decode(job, self.parts.vae, |vae, latents| {
-            let vae = vae.with_tiling(tiling.then(|| vae.config().tiling()))?;
+        frame.decode(job, self.parts.vae, |vae, latents, tiled| {
+            let vae = vae.with_tiling(tiled.then(|| vae.config().tiling()))?;
             Ok(decode_latents(&vae, &latents)?)
         })
     }

@@ -149,11 +149,9 @@ impl Mochi {
     /// `enable_tiling()`), frames in [0, 1].
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let asked = job.num_frames;
-        let tiling =
-            (frame.config.memory().vae_tiling).then_some(crate::models::mochi::vae::DEFAULT_TILING);
-        frame.decode(job, self.parts.vae, |vae, latents| {
+        frame.decode(job, self.parts.vae, |vae, latents, tiled| {
             let video = vae
-                .with_tiling(tiling)?
+                .with_tiling(tiled.then_some(crate::models::mochi::vae::DEFAULT_TILING))?
                 .decode(&vae.denormalize(&latents)?)?
                 .to_dtype(DType::F32)?;
             let made = video.dim(2)?;
