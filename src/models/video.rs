@@ -34,19 +34,50 @@ pub trait VideoVae {
     }
 }
 
+/// What planning and the reports read of a video DiT's config.
+#[derive(Clone, Copy, Debug)]
+pub struct DitShape {
+    /// Its transformer blocks (the reports' `transformer_layers`).
+    pub num_layers: usize,
+    /// The width of its hidden states (the reports' `transformer_inner_dim`).
+    pub hidden_dim: usize,
+    /// The channels of the latents it denoises.
+    pub in_channels: usize,
+    /// Whether it takes latents `[1, F', C, H', W']` (CogVideoX) rather than `[1, C, F', H', W']`.
+    pub frames_first: bool,
+}
+
+impl DitShape {
+    /// A DiT of `num_layers` blocks of width `hidden_dim` over `in_channels` latent channels,
+    /// frames after channels.
+    pub fn of(num_layers: usize, hidden_dim: usize, in_channels: usize) -> Self {
+        let frames_first = false;
+        DitShape {
+            num_layers,
+            hidden_dim,
+            in_channels,
+            frames_first,
+        }
+    }
+}
+
 /// A video DiT's config.
 pub trait VideoDit {
-    /// Its transformer blocks (the reports' `transformer_layers`).
-    fn num_layers(&self) -> usize;
-    /// The width of its hidden states (the reports' `transformer_inner_dim`).
-    fn hidden_dim(&self) -> usize;
-    /// The channels of the latents it denoises.
-    fn in_channels(&self) -> usize;
+    /// Its sizes as planning reads them.
+    fn dit_shape(&self) -> DitShape;
 
-    /// The shape of the latents it denoises for a latent grid `[F', H', W']`: `[1, C, F', H',
-    /// W']` unless it takes frames before channels.
+    /// The shape of the latents it denoises for a latent grid `[F', H', W']`.
     fn latent_shape(&self, [f, h, w]: [usize; 3]) -> [usize; 5] {
-        [1, self.in_channels(), f, h, w]
+        let DitShape {
+            in_channels: c,
+            frames_first,
+            ..
+        } = self.dit_shape();
+        if frames_first {
+            [1, f, c, h, w]
+        } else {
+            [1, c, f, h, w]
+        }
     }
 }
 

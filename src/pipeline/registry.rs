@@ -383,8 +383,8 @@ impl<D: VideoDit, V: VideoVae, S> T5VideoConfigs<D, V, S> {
     pub fn facts_with(&self, shape: &RunShape, own: serde_json::Value) -> serde_json::Value {
         let latent_shape = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let mut facts = serde_json::json!({
-            "transformer_layers": self.transformer.num_layers(),
-            "transformer_inner_dim": self.transformer.hidden_dim(),
+            "transformer_layers": self.transformer.dit_shape().num_layers,
+            "transformer_inner_dim": self.transformer.dit_shape().hidden_dim,
             "latent_shape": latent_shape,
             "vae_scale_factor_spatial": self.vae.compression().1,
             "text_encoder_layers": self.text_encoder.num_layers,

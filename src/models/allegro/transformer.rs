@@ -15,7 +15,7 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::Blockwise;
 use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
-use crate::models::video::VideoDit;
+use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -173,16 +173,8 @@ impl AllegroTransformerConfig {
 }
 
 impl VideoDit for AllegroTransformerConfig {
-    fn num_layers(&self) -> usize {
-        self.num_layers
-    }
-
-    fn hidden_dim(&self) -> usize {
-        self.inner_dim()
-    }
-
-    fn in_channels(&self) -> usize {
-        self.in_channels
+    fn dit_shape(&self) -> DitShape {
+        DitShape::of(self.num_layers, self.inner_dim(), self.in_channels)
     }
 }
 

@@ -22,7 +22,7 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
-use crate::models::video::VideoDit;
+use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Epsilon of the per-head LayerNorm on q and k (fixed in diffusers' `CogVideoXBlock`).
@@ -220,21 +220,13 @@ impl CogVideoXTransformerConfig {
 }
 
 impl VideoDit for CogVideoXTransformerConfig {
-    fn num_layers(&self) -> usize {
-        self.num_layers
-    }
-
-    fn hidden_dim(&self) -> usize {
-        self.inner_dim()
-    }
-
-    fn in_channels(&self) -> usize {
-        self.in_channels
-    }
-
-    /// `[1, F', C, H', W']`: frames before channels.
-    fn latent_shape(&self, [f, h, w]: [usize; 3]) -> [usize; 5] {
-        [1, f, self.in_channels, h, w]
+    /// Latents `[1, F', C, H', W']`: frames before channels.
+    fn dit_shape(&self) -> DitShape {
+        let frames_first = true;
+        DitShape {
+            frames_first,
+            ..DitShape::of(self.num_layers, self.inner_dim(), self.in_channels)
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::models::blocks::Blockwise;
 use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
-use crate::models::video::VideoDit;
+use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
 const NORM_OUT_EPS: f64 = 1e-6;
@@ -196,16 +196,8 @@ impl LatteTransformerConfig {
 }
 
 impl VideoDit for LatteTransformerConfig {
-    fn num_layers(&self) -> usize {
-        self.num_layers
-    }
-
-    fn hidden_dim(&self) -> usize {
-        self.inner_dim()
-    }
-
-    fn in_channels(&self) -> usize {
-        self.in_channels()
+    fn dit_shape(&self) -> DitShape {
+        DitShape::of(self.num_layers, self.inner_dim(), self.in_channels())
     }
 }
 

@@ -23,7 +23,7 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
-use crate::models::video::VideoDit;
+use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Largest width or patch size a config may give (far above any real model).
@@ -194,16 +194,8 @@ impl LtxTransformerConfig {
 }
 
 impl VideoDit for LtxTransformerConfig {
-    fn num_layers(&self) -> usize {
-        self.num_layers
-    }
-
-    fn hidden_dim(&self) -> usize {
-        self.inner_dim()
-    }
-
-    fn in_channels(&self) -> usize {
-        self.in_channels
+    fn dit_shape(&self) -> DitShape {
+        DitShape::of(self.num_layers, self.inner_dim(), self.in_channels)
     }
 }
 

@@ -23,7 +23,7 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_with_bias};
 use crate::models::blocks::RepeatedBlocks;
 use crate::models::cogvideox::transformer::linspace_f32;
-use crate::models::video::VideoDit;
+use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Heads of `MochiAttentionPool` (hard-coded to 8 in `MochiCombinedTimestepCaptionEmbedding`).
@@ -152,16 +152,8 @@ impl MochiTransformerConfig {
 }
 
 impl VideoDit for MochiTransformerConfig {
-    fn num_layers(&self) -> usize {
-        self.num_layers
-    }
-
-    fn hidden_dim(&self) -> usize {
-        self.inner_dim()
-    }
-
-    fn in_channels(&self) -> usize {
-        self.in_channels
+    fn dit_shape(&self) -> DitShape {
+        DitShape::of(self.num_layers, self.inner_dim(), self.in_channels)
     }
 }
 
