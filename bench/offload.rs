@@ -162,14 +162,8 @@ fn main() -> Result<()> {
                 modes,
                 None,
                 |device, _| {
-                    Ok((
-                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
-                        Tensor::new(&[999i64], device)?,
-                        bf16(
-                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
-                            device,
-                        )?,
-                    ))
+                    let t = Tensor::new(&[999i64], device)?;
+                    latents_timestep_text(&shape, t, [text_len, text_dim], device)
                 },
                 |held: &Held<'_, CogVideoXTransformer3DModel>, (latents, t, text)| {
                     Ok(held.forward(held.model().prepare(latents, t, text)?)?)
@@ -259,16 +253,11 @@ fn main() -> Result<()> {
                 modes,
                 None,
                 |device, _| {
-                    Ok((
-                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
-                        // `t.expand(B).to(latents.dtype)`: a step's timestep in bf16.
-                        bf16(Tensor::new(&[1000f32], device)?, device)?,
-                        bf16(
-                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
-                            device,
-                        )?,
-                        prompt_mask(text_len, DType::U32, device)?,
-                    ))
+                    // `t.expand(B).to(latents.dtype)`: a step's timestep in bf16.
+                    let t = bf16(Tensor::new(&[1000f32], device)?, device)?;
+                    let (latents, t, text) =
+                        latents_timestep_text(&shape, t, [text_len, text_dim], device)?;
+                    Ok((latents, t, text, prompt_mask(text_len, DType::U32, device)?))
                 },
                 |held: &Held<'_, MochiTransformer3DModel>, (latents, t, text, mask)| {
                     Ok(held.forward(held.model().prepare(latents, t, text, mask)?)?)
@@ -286,15 +275,10 @@ fn main() -> Result<()> {
                 modes,
                 None,
                 |device, _| {
-                    Ok((
-                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
-                        Tensor::new(&[999f32], device)?,
-                        bf16(
-                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
-                            device,
-                        )?,
-                        prompt_mask(text_len, DType::U32, device)?,
-                    ))
+                    let t = Tensor::new(&[999f32], device)?;
+                    let (latents, t, text) =
+                        latents_timestep_text(&shape, t, [text_len, text_dim], device)?;
+                    Ok((latents, t, text, prompt_mask(text_len, DType::U32, device)?))
                 },
                 |held: &Held<'_, AllegroTransformer3DModel>, (latents, t, text, mask)| {
                     Ok(held.forward(held.model().prepare(latents, t, text, mask)?)?)
@@ -313,14 +297,8 @@ fn main() -> Result<()> {
                 modes,
                 None,
                 |device, _| {
-                    Ok((
-                        bf16(TorchGenerator::new(1).randn(&shape)?, device)?,
-                        Tensor::new(&[999i64], device)?,
-                        bf16(
-                            TorchGenerator::new(2).randn(&[1, text_len, text_dim])?,
-                            device,
-                        )?,
-                    ))
+                    let t = Tensor::new(&[999i64], device)?;
+                    latents_timestep_text(&shape, t, [text_len, text_dim], device)
                 },
                 |held: &Held<'_, LatteTransformer3DModel>, (latents, t, text)| {
                     Ok(held.forward(held.model().prepare(latents, t, text)?)?)
@@ -374,6 +352,22 @@ fn main() -> Result<()> {
         }
         other => bail!("{other:?}: the benchmark runs Wan, LTX-Video, CogVideoX, HunyuanVideo, Mochi-1, Allegro, Latte-1 and FLUX.1"),
     }
+}
+
+/// Seeded latents of `shape`, the `timestep` given and text embeddings `[1, L, D]` (`text`),
+/// bf16 on `device`: the inputs of the DiTs fed latents, a timestep and a prompt.
+fn latents_timestep_text(
+    shape: &[usize],
+    timestep: Tensor,
+    [text_len, text_dim]: [usize; 2],
+    device: &Device,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let bf16 = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::BF16)?.to_device(device)?) };
+    Ok((
+        bf16(TorchGenerator::new(1).randn(shape)?)?,
+        timestep,
+        bf16(TorchGenerator::new(2).randn(&[1, text_len, text_dim])?)?,
+    ))
 }
 
 /// A `[1, len]` mask with the first [`PROMPT_TOKENS`] tokens valid.
