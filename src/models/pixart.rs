@@ -74,9 +74,9 @@ impl Attention {
                 .contiguous()
         };
         Ok((
-            split(self.to_q.forward(x)?)?,
-            split(self.to_k.forward(context)?)?,
-            split(self.to_v.forward(context)?)?,
+            split(project(&self.to_q, x)?)?,
+            split(project(&self.to_k, context)?)?,
+            split(project(&self.to_v, context)?)?,
         ))
     }
 
@@ -86,7 +86,7 @@ impl Attention {
         let out = out
             .transpose(1, 2)?
             .reshape((b, s, self.heads * self.head_dim))?;
-        self.to_out.forward(&out)
+        project(&self.to_out, &out)
     }
 
     /// The softmax scale, `1 / sqrt(head_dim)`.
@@ -99,6 +99,14 @@ impl Attention {
         let (q, k, v) = self.heads(x, context)?;
         self.merge(sdpa(&q, &k, &v, self.scale())?)
     }
+}
+
+/// `linear` over every row of `x` `[B', S, ·]` as one matrix product: candle runs a 3-D input as
+/// B' products against a broadcast weight, which wastes the GPU where B' is large and S small
+/// (Latte's temporal blocks: 1024 sequences of 16 frames each).
+fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    let (b, s, d) = x.dims3()?;
+    linear.forward(&x.reshape((b * s, d))?)?.reshape((b, s, ()))
 }
 
 /// `AdaLayerNormSingle` without additional conditions: sinusoid (f32) → `timestep_embedder`
