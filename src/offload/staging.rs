@@ -500,12 +500,7 @@ mod tests {
     #[test]
     fn packed_tensors_load_as_held_and_land_as_read() -> Result<()> {
         for weights in crate::offload::streamer::tests::packed_weight_sets()? {
-            let names: Vec<(String, Vec<usize>)> = weights
-                .names()
-                .into_iter()
-                .filter(|n| n.starts_with("blocks.0."))
-                .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
-                .collect();
+            let names = crate::offload::streamer::tests::block_tensors(&weights, 0);
             let build = |vb: VarBuilder<'static>, _: VarBuilder<'static>| {
                 names
                     .iter()

@@ -534,6 +534,20 @@ pub(super) mod tests {
     /// A group as built: its tensors by name.
     pub(super) type Named = Vec<(String, Tensor)>;
 
+    /// Every stored tensor of block `b` of `weights`, with its shape.
+    pub(in crate::offload) fn block_tensors(
+        weights: &WeightSet,
+        b: usize,
+    ) -> Vec<(String, Vec<usize>)> {
+        let prefix = format!("blocks.{b}.");
+        weights
+            .names()
+            .into_iter()
+            .filter(|n| n.starts_with(&prefix))
+            .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
+            .collect()
+    }
+
     /// The first two blocks of `weights` (every stored tensor of each, in bf16), one group per
     /// block, held as `memory` says and streamed to `device` one group ahead.
     pub(super) fn stream_blocks(
@@ -541,15 +555,7 @@ pub(super) mod tests {
         device: &Device,
         memory: HostMemory,
     ) -> Result<Offloaded<Named>> {
-        let blocks: Vec<Vec<(String, Vec<usize>)>> = (0..2)
-            .map(|b| {
-                let names = weights.names().into_iter();
-                names
-                    .filter(|n| n.starts_with(&format!("blocks.{b}.")))
-                    .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
-                    .collect()
-            })
-            .collect();
+        let blocks: Vec<_> = (0..2).map(|b| block_tensors(weights, b)).collect();
         Offloaded::from_weights(
             weights,
             blocks.len(),
@@ -699,12 +705,7 @@ mod cuda_tests {
                 let part = stream_blocks(&weights, &gpu, memory)?;
                 assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
             }
-            let names: Vec<(String, Vec<usize>)> = weights
-                .names()
-                .into_iter()
-                .filter(|n| n.starts_with("blocks.0."))
-                .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
-                .collect();
+            let names = super::tests::block_tensors(&weights, 0);
             let resident = build_resident(&weights, DType::BF16, &gpu, |vb, _| {
                 names
                     .iter()
