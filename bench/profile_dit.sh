@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a DiT forward's GPU time goes: one resident forward per family under Nsight Compute
 # (kernel durations only), summed per kernel name, largest first.
-#   bash bench/profile_dit.sh ltx cogvideox hunyuan      (needs .device/offload_bench[.xz])
+#   bash bench/profile_dit.sh ltx cogvideox hunyuan wan mochi allegro latte flux     (needs .device/offload_bench[.xz])
 set -u
 OUT=${OUT:-/tmp/vidgen-bench}
 mkdir -p "$OUT"
@@ -15,6 +15,11 @@ for F in "$@"; do
     cogvideox) M=synthetic:cogvideox-5b; S=49x480x720 ;;
     hunyuan) M=synthetic:hunyuanvideo; S=61x320x512 ;;
     wan) M=synthetic:wan2.1-t2v-1.3b; S=81x480x832 ;;
+    mochi) M=synthetic:mochi-1; S=85x480x848 ;;
+    allegro) M=synthetic:allegro; S=88x720x1280 ;;
+    latte) M=synthetic:latte-1; S=16x512x512 ;;
+    flux) M=synthetic:flux.1-dev; S=1x768x768 ;;
+    *) echo "unknown family $F"; continue ;;
   esac
   # Without the profiler first: the forward's time with and without cuDNN.
   $B $M 1 $S "none: $OFF" 2>/dev/null | grep -o '"s_per_forward":[0-9.]*' | sed "s/^/$F cudnn /"
