@@ -5,6 +5,9 @@ pub mod allegro;
 pub mod attention;
 pub mod autoencoder_kl;
 pub mod blocks;
+#[cfg(all(test, feature = "cuda"))]
+#[path = "kernels/candle_strided.rs"]
+mod candle_strided;
 #[cfg(feature = "cuda")]
 #[path = "kernels/channel_ops.rs"]
 pub(crate) mod channel_ops;

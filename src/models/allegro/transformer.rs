@@ -14,7 +14,9 @@ use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
+use crate::models::pixart::{
+    layer_norm, AdaLayerNormSingle, Attention, Block, BlockShape, CaptionProjection,
+};
 use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
@@ -253,32 +255,23 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 }
 
 /// `Attention` with `AllegroAttnProcessor2_0`: self-attention over every token with the rotary
-/// embedding on q and k.
+/// embedding on q and k; the merged heads before `to_out`.
 fn self_attention(attn: &Attention, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
     let (q, k, v) = attn.heads(x, x)?;
     let q = apply_rope(&q, &rope.0, &rope.1)?;
     let k = apply_rope(&k, &rope.0, &rope.1)?;
-    attn.merge(sdpa(&q, &k, &v, attn.scale())?)
+    attn.merge_heads(sdpa(&q, &k, &v, attn.scale())?)
 }
 
-/// Cross-attention of every token to the caption, padding keys masked.
+/// Cross-attention of every token to the caption, padding keys masked; the merged heads before
+/// `to_out`.
 fn cross_attention(attn: &Attention, x: &Tensor, text: &Tensor, mask: &TextMask) -> Result<Tensor> {
     let (q, k, v) = attn.heads(x, text)?;
     let out = match mask {
         TextMask::Prefix(lens) => sdpa_key_prefix(&q, &k, &v, attn.scale(), lens)?,
         TextMask::Bias(bias) => sdpa_with_bias(&q, &k, &v, attn.scale(), bias)?,
     };
-    attn.merge(out)
-}
-
-/// A block's attention with the config's heads and bias.
-fn attention(
-    cfg: &AllegroTransformerConfig,
-    context_dim: usize,
-    vb: VarBuilder,
-) -> Result<Attention> {
-    let heads = (cfg.num_attention_heads, cfg.attention_head_dim);
-    Attention::new(cfg.inner_dim(), context_dim, heads, cfg.attention_bias, vb)
+    attn.merge_heads(out)
 }
 
 /// The caption mask as the attention takes it: a prefix of real tokens per batch entry (the
@@ -289,57 +282,36 @@ pub enum TextMask {
     Bias(Tensor),
 }
 
-/// One `AllegroTransformerBlock`.
+/// One `AllegroTransformerBlock` (its `norm3` is unused).
 #[derive(Debug, Clone)]
 pub struct AllegroBlock {
-    norm1: LayerNorm,
-    attn1: Attention,
-    attn2: Attention,
-    /// The feed-forward's norm (diffusers' `norm2`; its `norm3` is unused).
-    norm2: LayerNorm,
-    ff_in: Linear,
-    ff_out: Linear,
-    /// `[6, D]`: shift, scale, gate of the attention, then of the feed-forward.
-    scale_shift_table: Tensor,
+    block: Block,
 }
 
 impl AllegroBlock {
     /// The block under `vb` (`transformer_blocks.{i}`).
     pub fn new(cfg: &AllegroTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        let (eps, affine) = (cfg.norm_eps, cfg.norm_elementwise_affine);
+        let shape = BlockShape {
+            dim: cfg.inner_dim(),
+            heads: (cfg.num_attention_heads, cfg.attention_head_dim),
+            attention_bias: cfg.attention_bias,
+            norm_eps: cfg.norm_eps,
+            norm_affine: cfg.norm_elementwise_affine,
+            cross_attention_dim: Some(cfg.cross_attention_dim),
+        };
         Ok(Self {
-            norm1: layer_norm(dim, eps, affine, vb.pp("norm1"))?,
-            attn1: attention(cfg, dim, vb.pp("attn1"))?,
-            attn2: attention(cfg, cfg.cross_attention_dim, vb.pp("attn2"))?,
-            norm2: layer_norm(dim, eps, affine, vb.pp("norm2"))?,
-            ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
-            ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
-            scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
+            block: Block::new(shape, vb)?,
         })
     }
 
     /// `x` `[B, N, D]` -> the same, through this block.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let (b, _, d) = x.dims3()?;
-        let modulation = self
-            .scale_shift_table
-            .unsqueeze(0)?
-            .broadcast_add(&inputs.timestep.reshape((b, 6, d))?)?;
-        let part = |k: usize| -> Result<Tensor> { modulation.narrow(1, k, 1) };
-        let (shift_msa, scale_msa, gate_msa) = (part(0)?, part(1)?, part(2)?);
-        let (shift_mlp, scale_mlp, gate_mlp) = (part(3)?, part(4)?, part(5)?);
-        let modulate = |t: &Tensor, scale: &Tensor, shift: &Tensor| -> Result<Tensor> {
-            t.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
-        };
-        let normed = modulate(&self.norm1.forward(x)?, &scale_msa, &shift_msa)?;
-        let attn = self_attention(&self.attn1, &normed, &inputs.rope)?;
-        let mut h = (attn.broadcast_mul(&gate_msa)? + x)?;
-        // The cross-attention takes the hidden states as they are (no norm, no gate).
-        h = (cross_attention(&self.attn2, &h, &inputs.text, &inputs.mask)? + h)?;
-        let normed = modulate(&self.norm2.forward(&h)?, &scale_mlp, &shift_mlp)?;
-        let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
-        ff.broadcast_mul(&gate_mlp)? + h
+        self.block.forward(
+            x,
+            &inputs.timestep,
+            |attn, normed| self_attention(attn, normed, &inputs.rope),
+            |attn, h| cross_attention(attn, h, &inputs.text, &inputs.mask),
+        )
     }
 }
 

@@ -15,7 +15,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{layer_norm, AdaLayerNormSingle, Attention, CaptionProjection};
+use crate::models::pixart::{AdaLayerNormSingle, Attention, Block, BlockShape, CaptionProjection};
 use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
@@ -260,16 +260,6 @@ pub fn temporal_pos_embed(dim: usize, frames: usize, device: &Device) -> Result<
     Tensor::from_vec(table, (frames, dim), device)
 }
 
-/// A block's attention (`AttnProcessor2_0`) with the config's heads and bias.
-fn attention(
-    cfg: &LatteTransformerConfig,
-    context_dim: usize,
-    vb: VarBuilder,
-) -> Result<Attention> {
-    let heads = (cfg.num_attention_heads, cfg.attention_head_dim);
-    Attention::new(cfg.inner_dim(), context_dim, heads, cfg.attention_bias, vb)
-}
-
 /// Which of the two block lists a block belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BlockKind {
@@ -285,15 +275,8 @@ pub struct LatteBlock {
     kind: BlockKind,
     /// Layer index: the temporal block of layer 0 adds the temporal sin-cos table first.
     layer: usize,
-    norm1: LayerNorm,
-    attn1: Attention,
-    /// Cross-attention (spatial blocks only; PixArt applies no norm before it).
-    attn2: Option<Attention>,
-    norm2: LayerNorm,
-    ff_in: Linear,
-    ff_out: Linear,
-    /// `[6, D]`: shift, scale, gate of the attention, then of the feed-forward.
-    scale_shift_table: Tensor,
+    /// Its weights; cross-attention in spatial blocks only.
+    block: Block,
 }
 
 impl LatteBlock {
@@ -301,46 +284,33 @@ impl LatteBlock {
     /// from the model's root `vb`.
     pub fn new(cfg: &LatteTransformerConfig, i: usize, vb: VarBuilder) -> Result<Self> {
         let (kind, layer) = block_at(cfg, i)?;
-        let vb = match kind {
-            BlockKind::Spatial => vb.pp(format!("transformer_blocks.{layer}")),
-            BlockKind::Temporal => vb.pp(format!("temporal_transformer_blocks.{layer}")),
+        let (vb, cross_attention_dim) = match kind {
+            BlockKind::Spatial => (
+                vb.pp(format!("transformer_blocks.{layer}")),
+                Some(cfg.cross_attention_dim.unwrap_or(cfg.inner_dim())),
+            ),
+            BlockKind::Temporal => (vb.pp(format!("temporal_transformer_blocks.{layer}")), None),
         };
-        let dim = cfg.inner_dim();
-        let (eps, affine) = (cfg.norm_eps, cfg.norm_elementwise_affine);
-        let attn2 = match kind {
-            BlockKind::Spatial => Some(attention(
-                cfg,
-                cfg.cross_attention_dim.unwrap_or(dim),
-                vb.pp("attn2"),
-            )?),
-            BlockKind::Temporal => None,
+        let shape = BlockShape {
+            dim: cfg.inner_dim(),
+            heads: (cfg.num_attention_heads, cfg.attention_head_dim),
+            attention_bias: cfg.attention_bias,
+            norm_eps: cfg.norm_eps,
+            norm_affine: cfg.norm_elementwise_affine,
+            cross_attention_dim,
         };
         Ok(Self {
             kind,
             layer,
-            norm1: layer_norm(dim, eps, affine, vb.pp("norm1"))?,
-            attn1: attention(cfg, dim, vb.pp("attn1"))?,
-            attn2,
-            norm2: layer_norm(dim, eps, affine, vb.pp("norm2"))?,
-            ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
-            ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
-            scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
+            block: Block::new(shape, vb)?,
         })
     }
 
     /// `x` `[B, F, N, D]` -> the same, through this block.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (b, f, n, d) = x.dims4()?;
-        // [B, 6, D] modulation: the block's table plus the timestep's, per batch entry.
-        let modulation = self
-            .scale_shift_table
-            .unsqueeze(0)?
-            .broadcast_add(&inputs.timestep.reshape((b, 6, d))?)?;
-        let part = |k: usize| -> Result<Tensor> { modulation.narrow(1, k, 1)?.reshape((b, 1, d)) };
-        let (shift_msa, scale_msa, gate_msa) = (part(0)?, part(1)?, part(2)?);
-        let (shift_mlp, scale_mlp, gate_mlp) = (part(3)?, part(4)?, part(5)?);
         // Sequences of this block: frames (spatial) or token positions (temporal), `[B', S, D]`.
-        let mut h = match self.kind {
+        let h = match self.kind {
             BlockKind::Spatial => x.reshape((b, f * n, d))?,
             BlockKind::Temporal => {
                 let h = x.transpose(1, 2)?.contiguous()?;
@@ -355,27 +325,16 @@ impl LatteBlock {
             BlockKind::Spatial => (f, n),
             BlockKind::Temporal => (n, f),
         };
-        let modulate = |t: &Tensor, scale: &Tensor, shift: &Tensor| -> Result<Tensor> {
-            t.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+        // Self-attention over each sequence; cross-attention of every token of a video to its
+        // caption.
+        let self_attention = |attn: &Attention, normed: &Tensor| {
+            let normed = normed.reshape((b * groups, seq, d))?;
+            attn.attend(&normed, &normed)?.reshape((b, groups * seq, d))
         };
-        // Self-attention over each sequence.
-        let normed = modulate(&self.norm1.forward(&h)?, &scale_msa, &shift_msa)?.reshape((
-            b * groups,
-            seq,
-            d,
-        ))?;
-        let attn = self
-            .attn1
-            .forward(&normed, &normed)?
-            .reshape((b, groups * seq, d))?;
-        h = (attn.broadcast_mul(&gate_msa)? + h)?;
-        // Cross-attention of every token of a video to its caption (no norm, no gate).
-        if let Some(attn2) = &self.attn2 {
-            h = (attn2.forward(&h, &inputs.text)? + h)?;
-        }
-        let normed = modulate(&self.norm2.forward(&h)?, &scale_mlp, &shift_mlp)?;
-        let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
-        h = (ff.broadcast_mul(&gate_mlp)? + h)?;
+        let cross_attention = |attn: &Attention, h: &Tensor| attn.attend(h, &inputs.text);
+        let h = self
+            .block
+            .forward(&h, &inputs.timestep, self_attention, cross_attention)?;
         match self.kind {
             BlockKind::Spatial => h.reshape((b, f, n, d)),
             BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
@@ -383,7 +342,6 @@ impl LatteBlock {
     }
 }
 
-/// The kind and layer of block `i` in execution order.
 fn block_at(cfg: &LatteTransformerConfig, i: usize) -> Result<(BlockKind, usize)> {
     if i >= 2 * cfg.num_layers {
         candle_core::bail!("block {i} of {} blocks", 2 * cfg.num_layers);

@@ -25,9 +25,9 @@ extern "C" __global__ void FN_NAME( \
             unsigned int tmp_i = i; \
             unsigned int rhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; \
-                rhs_i += i_dim * rhs_strides[d]; \
-                tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; \
+                rhs_i += i_dim * (unsigned int)rhs_strides[d]; \
+                tmp_i /= (unsigned int)dims[d]; \
             } \
             TYPENAME x = lhs[i]; \
             TYPENAME y = rhs[rhs_i]; \
@@ -38,9 +38,9 @@ extern "C" __global__ void FN_NAME( \
             unsigned int tmp_i = i; \
             unsigned int lhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; \
-                lhs_i += i_dim * lhs_strides[d]; \
-                tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; \
+                lhs_i += i_dim * (unsigned int)lhs_strides[d]; \
+                tmp_i /= (unsigned int)dims[d]; \
             } \
             TYPENAME x = lhs[lhs_i]; \
             TYPENAME y = rhs[i]; \
@@ -52,10 +52,10 @@ extern "C" __global__ void FN_NAME( \
             unsigned int lhs_i = 0; \
             unsigned int rhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; \
-                lhs_i += i_dim * lhs_strides[d]; \
-                rhs_i += i_dim * rhs_strides[d]; \
-                tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; \
+                lhs_i += i_dim * (unsigned int)lhs_strides[d]; \
+                rhs_i += i_dim * (unsigned int)rhs_strides[d]; \
+                tmp_i /= (unsigned int)dims[d]; \
             } \
             TYPENAME x = lhs[lhs_i]; \
             TYPENAME y = rhs[rhs_i]; \
@@ -114,11 +114,28 @@ extern "C" __global__ void FN_NAME( \
                 out[i] = SCALAR_FUNC; \
             } \
         } \
+    } else if (vec_walks<8>(num_dims, dims, lhs_strides, lhs) \
+               && vec_walks<8>(num_dims, dims, rhs_strides, rhs) && is_aligned_16(out)) { \
+        /* vidgen's patch: broadcast operands 8 elements at a time (cuda_utils.cuh). */ \
+        const bool lhs_rep = lhs_strides[num_dims - 1] == 0; \
+        const bool rhs_rep = rhs_strides[num_dims - 1] == 0; \
+        for (unsigned int v = blockIdx.x * blockDim.x + threadIdx.x; v < numel / 8; v += blockDim.x * gridDim.x) { \
+            const unsigned int i = v * 8; \
+            float4 a = load_vec<__nv_bfloat16>(lhs, get_strided_index(i, num_dims, dims, lhs_strides), lhs_rep); \
+            float4 b = load_vec<__nv_bfloat16>(rhs, get_strided_index(i, num_dims, dims, rhs_strides), rhs_rep); \
+            __nv_bfloat162 *a2 = reinterpret_cast<__nv_bfloat162 *>(&a); \
+            __nv_bfloat162 *b2 = reinterpret_cast<__nv_bfloat162 *>(&b); \
+            _Pragma("unroll") \
+            for (int j = 0; j < 4; j++) { \
+                a2[j] = VEC2_OP(a2[j], b2[j]); \
+            } \
+            reinterpret_cast<float4 *>(out)[v] = a; \
+        } \
     } else if (lhs_cont) { \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int tmp_i = i; unsigned int rhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; rhs_i += i_dim * rhs_strides[d]; tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; rhs_i += i_dim * (unsigned int)rhs_strides[d]; tmp_i /= (unsigned int)dims[d]; \
             } \
             __nv_bfloat16 x = lhs[i], y = rhs[rhs_i]; \
             out[i] = SCALAR_FUNC; \
@@ -127,7 +144,7 @@ extern "C" __global__ void FN_NAME( \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int tmp_i = i; unsigned int lhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; lhs_i += i_dim * lhs_strides[d]; tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; lhs_i += i_dim * (unsigned int)lhs_strides[d]; tmp_i /= (unsigned int)dims[d]; \
             } \
             __nv_bfloat16 x = lhs[lhs_i], y = rhs[i]; \
             out[i] = SCALAR_FUNC; \
@@ -136,9 +153,9 @@ extern "C" __global__ void FN_NAME( \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int tmp_i = i; unsigned int lhs_i = 0, rhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; \
-                lhs_i += i_dim * lhs_strides[d]; rhs_i += i_dim * rhs_strides[d]; \
-                tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; \
+                lhs_i += i_dim * (unsigned int)lhs_strides[d]; rhs_i += i_dim * (unsigned int)rhs_strides[d]; \
+                tmp_i /= (unsigned int)dims[d]; \
             } \
             __nv_bfloat16 x = lhs[lhs_i], y = rhs[rhs_i]; \
             out[i] = SCALAR_FUNC; \
@@ -187,11 +204,23 @@ extern "C" __global__ void FN_NAME( \
                 out[i] = SCALAR_FUNC; \
             } \
         } \
+    } else if (vec_walks<4>(num_dims, dims, lhs_strides, lhs) \
+               && vec_walks<4>(num_dims, dims, rhs_strides, rhs) && is_aligned_16(out)) { \
+        /* vidgen's patch: broadcast operands 4 elements at a time (cuda_utils.cuh). */ \
+        const bool lhs_rep = lhs_strides[num_dims - 1] == 0; \
+        const bool rhs_rep = rhs_strides[num_dims - 1] == 0; \
+        for (unsigned int v = blockIdx.x * blockDim.x + threadIdx.x; v < numel / 4; v += blockDim.x * gridDim.x) { \
+            const unsigned int i = v * 4; \
+            float4 a = load_vec<float>(lhs, get_strided_index(i, num_dims, dims, lhs_strides), lhs_rep); \
+            float4 b = load_vec<float>(rhs, get_strided_index(i, num_dims, dims, rhs_strides), rhs_rep); \
+            F4_BODY \
+            reinterpret_cast<float4 *>(out)[v] = a; \
+        } \
     } else if (lhs_cont) { \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int tmp_i = i; unsigned int rhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; rhs_i += i_dim * rhs_strides[d]; tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; rhs_i += i_dim * (unsigned int)rhs_strides[d]; tmp_i /= (unsigned int)dims[d]; \
             } \
             float x = lhs[i], y = rhs[rhs_i]; \
             out[i] = SCALAR_FUNC; \
@@ -200,7 +229,7 @@ extern "C" __global__ void FN_NAME( \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int tmp_i = i; unsigned int lhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; lhs_i += i_dim * lhs_strides[d]; tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; lhs_i += i_dim * (unsigned int)lhs_strides[d]; tmp_i /= (unsigned int)dims[d]; \
             } \
             float x = lhs[lhs_i], y = rhs[i]; \
             out[i] = SCALAR_FUNC; \
@@ -209,9 +238,9 @@ extern "C" __global__ void FN_NAME( \
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) { \
             unsigned int tmp_i = i; unsigned int lhs_i = 0, rhs_i = 0; \
             for (int d = num_dims - 1; d >= 0; d--) { \
-                unsigned int i_dim = tmp_i % dims[d]; \
-                lhs_i += i_dim * lhs_strides[d]; rhs_i += i_dim * rhs_strides[d]; \
-                tmp_i /= dims[d]; \
+                unsigned int i_dim = tmp_i % (unsigned int)dims[d]; \
+                lhs_i += i_dim * (unsigned int)lhs_strides[d]; rhs_i += i_dim * (unsigned int)rhs_strides[d]; \
+                tmp_i /= (unsigned int)dims[d]; \
             } \
             float x = lhs[lhs_i], y = rhs[rhs_i]; \
             out[i] = SCALAR_FUNC; \

@@ -32,13 +32,61 @@ __device__ unsigned int get_strided_index(
     const size_t *dims,
     const size_t *strides
 ) {
+    // vidgen's patch: the index arithmetic in 32 bits, as the index itself (with size_t dims
+    // every division was a 64-bit software routine, the cost of every strided kernel).
     unsigned int strided_i = 0;
     for (unsigned int d = 0; d < num_dims; d++) {
         unsigned int dim_idx = num_dims - 1 - d;
-        strided_i += (idx % dims[dim_idx]) * strides[dim_idx];
-        idx /= dims[dim_idx];
+        unsigned int dim = (unsigned int)dims[dim_idx];
+        strided_i += (idx % dim) * (unsigned int)strides[dim_idx];
+        idx /= dim;
     }
     return strided_i;
+}
+
+// vidgen's patch: strided operands read 8 (bf16) or 4 (f32) elements at a time along their last
+// dim, where that dim is a whole number of 16-byte vectors: one 16-byte load where the last stride
+// is 1 and every other stride keeps vectors aligned, one element repeated where it is 0 (a
+// broadcast row or column).
+template <int V>
+__device__ __forceinline__ bool vec_walks(
+    const size_t num_dims,
+    const size_t *dims,
+    const size_t *strides,
+    const void *ptr
+) {
+    if (num_dims == 0 || dims[num_dims - 1] % V != 0) {
+        return false;
+    }
+    if (strides[num_dims - 1] == 0) {
+        return true;
+    }
+    if (strides[num_dims - 1] != 1 || !is_aligned_16(ptr)) {
+        return false;
+    }
+    for (unsigned int d = 0; d + 1 < num_dims; d++) {
+        if (dims[d] > 1 && strides[d] % V != 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// The 16 bytes of elements `off..off+V` of an operand [`vec_walks`] takes (`repeat`: its last
+// stride is 0).
+template <typename T>
+__device__ __forceinline__ float4 load_vec(const T *ptr, unsigned int off, bool repeat) {
+    if (!repeat) {
+        return *reinterpret_cast<const float4 *>(ptr + off);
+    }
+    float4 r;
+    T *elems = reinterpret_cast<T *>(&r);
+    const T x = ptr[off];
+    #pragma unroll
+    for (int j = 0; j < (int)(sizeof(float4) / sizeof(T)); j++) {
+        elems[j] = x;
+    }
+    return r;
 }
 
 __device__ unsigned int restrided(

@@ -172,6 +172,13 @@ extern "C" __global__ void ucopy_bf16(
                 out[i] = inp ? inp[i] : out[i];
             }
         }
+    } else if (inp && vec_walks<8>(num_dims, dims, strides, inp) && strides[num_dims - 1] == 1
+               && is_aligned_16(out)) {
+        // vidgen's patch: rows of whole 16-byte vectors copied as such (cuda_utils.cuh).
+        for (unsigned int v = blockIdx.x * blockDim.x + threadIdx.x; v < numel / 8; v += blockDim.x * gridDim.x) {
+            reinterpret_cast<float4 *>(out)[v] =
+                load_vec(inp, get_strided_index(v * 8, num_dims, dims, strides), false);
+        }
     } else {
         for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += blockDim.x * gridDim.x) {
             unsigned strided_i = get_strided_index(i, num_dims, dims, strides);
