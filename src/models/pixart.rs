@@ -127,16 +127,42 @@ fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
 #[derive(Debug, Clone, Copy)]
 pub struct BlockShape {
     /// Hidden width `D` (heads x head_dim).
-    pub dim: usize,
+    dim: usize,
     /// `(heads, head_dim)`.
-    pub heads: (usize, usize),
+    heads: (usize, usize),
     /// Whether the q/k/v projections have biases (`attention_bias`).
-    pub attention_bias: bool,
+    attention_bias: bool,
     /// The norms' epsilon and whether they have weights (`norm_elementwise_affine`).
-    pub norm_eps: f64,
-    pub norm_affine: bool,
+    norm: (f64, bool),
     /// The caption width of the cross-attention `attn2`, where the block has one.
-    pub cross_attention_dim: Option<usize>,
+    cross_attention_dim: Option<usize>,
+}
+
+impl BlockShape {
+    /// A block of `heads` `(heads, head_dim)`, `norm` `(eps, elementwise_affine)`.
+    pub fn new(
+        heads: (usize, usize),
+        attention_bias: bool,
+        norm: (f64, bool),
+        cross_attention_dim: Option<usize>,
+    ) -> Self {
+        Self {
+            dim: heads.0 * heads.1,
+            heads,
+            attention_bias,
+            norm,
+            cross_attention_dim,
+        }
+    }
+}
+
+/// How a model's [`Block`] runs its attentions (its token grouping, positions and masks): each
+/// returns the attention's merged heads `[B, S, D]` before `to_out`.
+pub trait BlockAttention {
+    /// `attn1` over the normed, modulated states `[B, S, D]`.
+    fn self_attention(&self, attn: &Attention, normed: &Tensor) -> Result<Tensor>;
+    /// `attn2` from the states `[B, S, D]` to the caption.
+    fn cross_attention(&self, attn: &Attention, states: &Tensor) -> Result<Tensor>;
 }
 
 /// A PixArt-α `BasicTransformerBlock` with `ada_norm_single`: a modulated LayerNorm, a
@@ -178,8 +204,7 @@ impl Block {
             dim,
             heads,
             attention_bias,
-            norm_eps,
-            norm_affine,
+            norm: (norm_eps, norm_affine),
             cross_attention_dim,
         } = shape;
         let attention = |context: usize, vb: VarBuilder| {
@@ -200,14 +225,12 @@ impl Block {
     }
 
     /// `x` `[B, S, D]` through the block, `timestep` the `[B, 6·D]` modulation of
-    /// `adaln_single`. `self_attention(attn1, normed)` and `cross_attention(attn2, states)` return
-    /// an attention's merged heads `[B, S, D]` before `to_out`.
+    /// `adaln_single`, the attentions run as `attention` says.
     pub fn forward(
         &self,
         x: &Tensor,
         timestep: &Tensor,
-        self_attention: impl FnOnce(&Attention, &Tensor) -> Result<Tensor>,
-        cross_attention: impl FnOnce(&Attention, &Tensor) -> Result<Tensor>,
+        attention: &impl BlockAttention,
     ) -> Result<Tensor> {
         let (b, _, d) = x.dims3()?;
         let modulation = self
@@ -216,9 +239,9 @@ impl Block {
             .broadcast_add(&timestep.reshape((b, 6, d))?)?;
         #[cfg(feature = "cuda")]
         if row_ops::rows_supported(x) {
-            return self.forward_fused(x, &modulation, self_attention, cross_attention);
+            return self.forward_fused(x, &modulation, attention);
         }
-        self.forward_composite(x, &modulation, self_attention, cross_attention)
+        self.forward_composite(x, &modulation, attention)
     }
 
     /// [`Self::forward`] as candle ops (CPU, f32, other dtypes), `modulation` `[B, 6, D]`.
@@ -226,8 +249,7 @@ impl Block {
         &self,
         x: &Tensor,
         modulation: &Tensor,
-        self_attention: impl FnOnce(&Attention, &Tensor) -> Result<Tensor>,
-        cross_attention: impl FnOnce(&Attention, &Tensor) -> Result<Tensor>,
+        attention: &impl BlockAttention,
     ) -> Result<Tensor> {
         let row = |r: Row| modulation.narrow(1, r as usize, 1);
         let modulate = |t: &Tensor, scale: Row, shift: Row| -> Result<Tensor> {
@@ -235,10 +257,11 @@ impl Block {
                 .broadcast_add(&row(shift)?)
         };
         let normed = modulate(&self.norm1.forward(x)?, Row::ScaleMsa, Row::ShiftMsa)?;
-        let attn = project(&self.attn1.to_out, &self_attention(&self.attn1, &normed)?)?;
+        let heads = attention.self_attention(&self.attn1, &normed)?;
+        let attn = project(&self.attn1.to_out, &heads)?;
         let mut h = (attn.broadcast_mul(&row(Row::GateMsa)?)? + x)?;
         if let Some(attn2) = &self.attn2 {
-            h = (project(&attn2.to_out, &cross_attention(attn2, &h)?)? + h)?;
+            h = (project(&attn2.to_out, &attention.cross_attention(attn2, &h)?)? + h)?;
         }
         let normed = modulate(&self.norm2.forward(&h)?, Row::ScaleMlp, Row::ShiftMlp)?;
         let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
@@ -252,8 +275,7 @@ impl Block {
         &self,
         x: &Tensor,
         modulation: &Tensor,
-        self_attention: impl FnOnce(&Attention, &Tensor) -> Result<Tensor>,
-        cross_attention: impl FnOnce(&Attention, &Tensor) -> Result<Tensor>,
+        attention: &impl BlockAttention,
     ) -> Result<Tensor> {
         let (b, s, d) = x.dims3()?;
         let table = modulation.reshape((b, 6 * d))?;
@@ -292,10 +314,10 @@ impl Block {
         };
         let x = x.reshape((b * s, d))?;
         let normed = norm_modulate(&x, &self.norm1, Row::ShiftMsa, Row::ScaleMsa)?;
-        let heads = self_attention(&self.attn1, &normed.reshape((b, s, d))?)?;
+        let heads = attention.self_attention(&self.attn1, &normed.reshape((b, s, d))?)?;
         let mut h = residual(&x, &self.attn1.to_out, &heads, Some(gate(Row::GateMsa)))?;
         if let Some(attn2) = &self.attn2 {
-            let heads = cross_attention(attn2, &h.reshape((b, s, d))?)?;
+            let heads = attention.cross_attention(attn2, &h.reshape((b, s, d))?)?;
             h = residual(&h, &attn2.to_out, &heads, None)?;
         }
         let normed = norm_modulate(&h, &self.norm2, Row::ShiftMlp, Row::ScaleMlp)?;
@@ -382,20 +404,26 @@ mod cuda_tests {
     use super::*;
     use crate::models::row_ops::test_util::{device, randn};
 
+    /// Unmasked attentions over the whole sequence, to a caption.
+    struct Plain(Tensor);
+
+    impl BlockAttention for Plain {
+        fn self_attention(&self, attn: &Attention, normed: &Tensor) -> Result<Tensor> {
+            attn.attend(normed, normed)
+        }
+
+        fn cross_attention(&self, attn: &Attention, states: &Tensor) -> Result<Tensor> {
+            attn.attend(states, &self.0)
+        }
+    }
+
     #[test]
     fn block_fused_matches_composite() -> Result<()> {
         let Some(dev) = device("PixArt fused block") else {
             return Ok(());
         };
         let (b, s, text_len, dim) = (2, 1024, 120, 1152);
-        let shape = BlockShape {
-            dim,
-            heads: (16, 72),
-            attention_bias: true,
-            norm_eps: 1e-6,
-            norm_affine: true,
-            cross_attention_dim: Some(dim),
-        };
+        let shape = BlockShape::new((16, 72), true, (1e-6, true), Some(dim));
         let map = candle_nn::VarMap::new();
         let block = Block::new(shape, VarBuilder::from_varmap(&map, DType::BF16, &dev))?;
         // The VarMap's init leaves norms at one and biases at zero: draw them too.
@@ -411,11 +439,9 @@ mod cuda_tests {
             .scale_shift_table
             .unsqueeze(0)?
             .broadcast_add(&timestep.reshape((b, 6, dim))?)?;
-        let self_attention = |attn: &Attention, normed: &Tensor| attn.attend(normed, normed);
-        let cross_attention = |attn: &Attention, h: &Tensor| attn.attend(h, &text);
-        let fused = block.forward(&x, &timestep, self_attention, cross_attention)?;
-        let composite =
-            block.forward_composite(&x, &modulation, self_attention, cross_attention)?;
+        let attention = Plain(text);
+        let fused = block.forward(&x, &timestep, &attention)?;
+        let composite = block.forward_composite(&x, &modulation, &attention)?;
         let (fused, composite) = (fused.to_dtype(DType::F32)?, composite.to_dtype(DType::F32)?);
         // The fused path adds biases in the GEMM epilogues (one rounding, as PyTorch): compare
         // the relative L2 error, bf16-sized.

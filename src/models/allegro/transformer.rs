@@ -15,7 +15,7 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::Blockwise;
 use crate::models::pixart::{
-    layer_norm, AdaLayerNormSingle, Attention, Block, BlockShape, CaptionProjection,
+    layer_norm, AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -291,14 +291,12 @@ pub struct AllegroBlock {
 impl AllegroBlock {
     /// The block under `vb` (`transformer_blocks.{i}`).
     pub fn new(cfg: &AllegroTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        let shape = BlockShape {
-            dim: cfg.inner_dim(),
-            heads: (cfg.num_attention_heads, cfg.attention_head_dim),
-            attention_bias: cfg.attention_bias,
-            norm_eps: cfg.norm_eps,
-            norm_affine: cfg.norm_elementwise_affine,
-            cross_attention_dim: Some(cfg.cross_attention_dim),
-        };
+        let shape = BlockShape::new(
+            (cfg.num_attention_heads, cfg.attention_head_dim),
+            cfg.attention_bias,
+            (cfg.norm_eps, cfg.norm_elementwise_affine),
+            Some(cfg.cross_attention_dim),
+        );
         Ok(Self {
             block: Block::new(shape, vb)?,
         })
@@ -306,12 +304,18 @@ impl AllegroBlock {
 
     /// `x` `[B, N, D]` -> the same, through this block.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        self.block.forward(
-            x,
-            &inputs.timestep,
-            |attn, normed| self_attention(attn, normed, &inputs.rope),
-            |attn, h| cross_attention(attn, h, &inputs.text, &inputs.mask),
-        )
+        self.block.forward(x, &inputs.timestep, inputs)
+    }
+}
+
+/// Allegro's attentions: rotary self-attention over every token, masked cross-attention.
+impl BlockAttention for BlockInputs {
+    fn self_attention(&self, attn: &Attention, normed: &Tensor) -> Result<Tensor> {
+        self_attention(attn, normed, &self.rope)
+    }
+
+    fn cross_attention(&self, attn: &Attention, states: &Tensor) -> Result<Tensor> {
+        cross_attention(attn, states, &self.text, &self.mask)
     }
 }
 

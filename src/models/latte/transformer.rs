@@ -15,7 +15,9 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::blocks::Blockwise;
-use crate::models::pixart::{AdaLayerNormSingle, Attention, Block, BlockShape, CaptionProjection};
+use crate::models::pixart::{
+    AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
+};
 use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
@@ -291,14 +293,12 @@ impl LatteBlock {
             ),
             BlockKind::Temporal => (vb.pp(format!("temporal_transformer_blocks.{layer}")), None),
         };
-        let shape = BlockShape {
-            dim: cfg.inner_dim(),
-            heads: (cfg.num_attention_heads, cfg.attention_head_dim),
-            attention_bias: cfg.attention_bias,
-            norm_eps: cfg.norm_eps,
-            norm_affine: cfg.norm_elementwise_affine,
+        let shape = BlockShape::new(
+            (cfg.num_attention_heads, cfg.attention_head_dim),
+            cfg.attention_bias,
+            (cfg.norm_eps, cfg.norm_elementwise_affine),
             cross_attention_dim,
-        };
+        );
         Ok(Self {
             kind,
             layer,
@@ -325,20 +325,38 @@ impl LatteBlock {
             BlockKind::Spatial => (f, n),
             BlockKind::Temporal => (n, f),
         };
-        // Self-attention over each sequence; cross-attention of every token of a video to its
-        // caption.
-        let self_attention = |attn: &Attention, normed: &Tensor| {
-            let normed = normed.reshape((b * groups, seq, d))?;
-            attn.attend(&normed, &normed)?.reshape((b, groups * seq, d))
+        let attention = Sequences {
+            groups,
+            seq,
+            text: &inputs.text,
         };
-        let cross_attention = |attn: &Attention, h: &Tensor| attn.attend(h, &inputs.text);
-        let h = self
-            .block
-            .forward(&h, &inputs.timestep, self_attention, cross_attention)?;
+        let h = self.block.forward(&h, &inputs.timestep, &attention)?;
         match self.kind {
             BlockKind::Spatial => h.reshape((b, f, n, d)),
             BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
         }
+    }
+}
+
+/// Latte's attentions: self-attention within each of a video's `groups` sequences of `seq`
+/// tokens (frames, or token positions across the frames); cross-attention of every token of a
+/// video to its caption.
+struct Sequences<'a> {
+    groups: usize,
+    seq: usize,
+    text: &'a Tensor,
+}
+
+impl BlockAttention for Sequences<'_> {
+    fn self_attention(&self, attn: &Attention, normed: &Tensor) -> Result<Tensor> {
+        let (b, _, d) = normed.dims3()?;
+        let normed = normed.reshape((b * self.groups, self.seq, d))?;
+        attn.attend(&normed, &normed)?
+            .reshape((b, self.groups * self.seq, d))
+    }
+
+    fn cross_attention(&self, attn: &Attention, states: &Tensor) -> Result<Tensor> {
+        attn.attend(states, self.text)
     }
 }
 
