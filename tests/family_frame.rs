@@ -17,7 +17,7 @@ use vidgen::pipeline::frame::Frame;
 use vidgen::pipeline::inert_options;
 use vidgen::pipeline::placement::Placement;
 use vidgen::pipeline::plan::{load_policy, Planner};
-use vidgen::pipeline::registry::{Family, FamilyOption, RunShape};
+use vidgen::pipeline::registry::{About, Family, RunShape};
 use vidgen::pipeline::runner::{self, BatchOrder, LoadPolicy, Pipeline};
 use vidgen::pipeline::spec::{ComponentSpec, ModelConstructors, PipelineSpec, Role, StageSpec};
 use vidgen::pipeline::wan_t2v::WanConfigs;
@@ -26,12 +26,8 @@ use vidgen::pipeline::wan_t2v::WanConfigs;
 struct TwoExperts(WanConfigs);
 
 impl Family for TwoExperts {
-    fn title(&self) -> &'static str {
-        "two-expert toy"
-    }
-
-    fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::GUIDED.to_vec()
+    fn about(&self) -> About {
+        About::guided("two-expert toy", &[])
     }
 
     fn spec(&self, _: &RunShape) -> PipelineSpec {

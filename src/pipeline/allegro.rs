@@ -6,9 +6,9 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::{
-    declared_by, latents_draw, Family, FamilyOption, RunShape, T5VideoConfigs, T5VideoPipeline,
-};
+use super::registry::FamilyOption::VaeTiling;
+use super::registry::{declared_by, About, Family, RunShape, T5VideoConfigs, T5VideoPipeline};
+use super::spec::TextToVideoStages;
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
@@ -25,16 +25,43 @@ use candle_core::{DType, Tensor};
 pub type AllegroConfigs =
     T5VideoConfigs<AllegroTransformerConfig, AllegroVaeConfig, EulerAncestralConfig>;
 
+/// Allegro's own part of its pipeline (the frame holds the rest).
+type Allegro = T5VideoPipeline<AllegroConfigs, AllegroTransformer3DModel, AutoencoderKLAllegro>;
+
 impl Family for AllegroConfigs {
-    fn title(&self) -> &'static str {
-        "Allegro text-to-video"
-    }
+    declared_by!(Allegro::opener(Some("Allegro"), Allegro::take_draws), stages Allegro);
 
     /// Text-to-video with classifier-free guidance; its own Euler ancestral scheduler. The VAE
     /// decodes in tiles whatever `--vae-tiling` says (it has no other decode); diffusers'
-    /// `AllegroPipeline` loads no LoRAs.
-    fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::guided_with(&[FamilyOption::VaeTiling])
+    /// `AllegroPipeline` loads no LoRAs. `AllegroPipeline.__call__`'s defaults: the
+    /// transformer's sample size (×8) and frames (×4), 100 steps, guidance 7.5, 512 text tokens;
+    /// 15 fps (diffusers' example). Sizes in multiples of the VAE's factor times the patch.
+    fn about(&self) -> About {
+        let (rs, rt) = (
+            self.vae.spatial_compression_ratio(),
+            self.vae.temporal_compression_ratio(),
+        );
+        let t = &self.transformer;
+        let side = |n: usize| u32::try_from(n.saturating_mul(rs)).unwrap_or(u32::MAX);
+        About {
+            defaults: ModelDefaults {
+                height: Some(side(t.sample_height)),
+                width: Some(side(t.sample_width)),
+                num_frames: Some(
+                    u32::try_from(t.sample_frames.saturating_mul(rt)).unwrap_or(u32::MAX),
+                ),
+                fps: Some(defaults::FPS),
+                num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS),
+                guidance_scale: Some(defaults::GUIDANCE_SCALE),
+                max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH),
+                frame_rule: Some(FrameRule::any_frames(
+                    side(t.patch_size.clamp(1, 1 << 16)),
+                    1,
+                )),
+                ..ModelDefaults::default()
+            },
+            ..About::guided("Allegro text-to-video", &[VaeTiling])
+        }
     }
 
     /// The VAE decodes whole tiles only (diffusers fails on latents smaller than a tile).
@@ -44,36 +71,6 @@ impl Family for AllegroConfigs {
             let [f, h, w] = self.vae.tile();
             format!("{num_frames} frames of {height}x{width}: {why}; the Allegro VAE decodes in tiles of {f} frames of {h}x{w} pixels: pass a size made of whole tiles (--num-frames {f}, --height {h}, --width {w} always decode)")
         })
-    }
-
-    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(num_frames, height, width))
-    }
-
-    /// `AllegroPipeline.__call__`'s defaults: the transformer's sample size (×8) and frames
-    /// (×4), 100 steps, guidance 7.5, 512 text tokens; 15 fps (diffusers' example). Sizes in
-    /// multiples of the VAE's factor times the patch.
-    fn defaults(&self) -> ModelDefaults {
-        let (rs, rt) = (
-            self.vae.spatial_compression_ratio(),
-            self.vae.temporal_compression_ratio(),
-        );
-        let t = &self.transformer;
-        let side = |n: usize| u32::try_from(n.saturating_mul(rs)).unwrap_or(u32::MAX);
-        ModelDefaults {
-            height: Some(side(t.sample_height)),
-            width: Some(side(t.sample_width)),
-            num_frames: Some(u32::try_from(t.sample_frames.saturating_mul(rt)).unwrap_or(u32::MAX)),
-            fps: Some(defaults::FPS),
-            num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS),
-            guidance_scale: Some(defaults::GUIDANCE_SCALE),
-            max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH),
-            frame_rule: Some(FrameRule::any_frames(
-                side(t.patch_size.clamp(1, 1 << 16)),
-                1,
-            )),
-            ..ModelDefaults::default()
-        }
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -88,15 +85,7 @@ impl Family for AllegroConfigs {
         });
         self.facts_with(shape, own)
     }
-
-    declared_by!(
-        Allegro::opener(Some("Allegro"), Allegro::take_draws),
-        stages [Allegro::encode_text, Allegro::denoise, Allegro::decode]
-    );
 }
-
-/// Allegro's own part of its pipeline (the frame holds the rest).
-type Allegro = T5VideoPipeline<AllegroConfigs, AllegroTransformer3DModel, AutoencoderKLAllegro>;
 
 impl Allegro {
     /// Every draw of a run, in the order diffusers makes them: the initial latents, then one
@@ -111,7 +100,9 @@ impl Allegro {
             .collect::<Result<_>>()?;
         Ok((latents, noises))
     }
+}
 
+impl TextToVideoStages for Allegro {
     /// Encodes the prompt (and with guidance the negative prompt), each cleaned and padded to
     /// `max_sequence_length` tokens, as one batch [negative; positive]; embeddings and masks
     /// wait for the denoise stage in host memory.

@@ -5,10 +5,11 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
+use super::registry::FamilyOption::{Lora, VaeTiling};
 use super::registry::{
-    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5Parts, T5VideoConfigs,
-    T5VideoPipeline,
+    declared_by, About, Configs, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
 };
+use super::spec::TextToVideoStages;
 use super::stages;
 use crate::config::ModelDefaults;
 use crate::models::cogvideox::guidance;
@@ -29,26 +30,22 @@ const DPM_SCHEDULER: &str = "CogVideoXDPMScheduler";
 pub type CogVideoXConfigs =
     T5VideoConfigs<CogVideoXTransformerConfig, CogVideoXVaeConfig, CogVideoXDpmConfig>;
 
+/// CogVideoX's own part of its pipeline (the frame holds the rest).
+type CogVideoX =
+    T5VideoPipeline<CogVideoXConfigs, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
+
 impl Family for CogVideoXConfigs {
-    fn title(&self) -> &'static str {
-        "CogVideoX text-to-video"
-    }
+    declared_by!(CogVideoX::new, stages CogVideoX);
 
     /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
-    /// frame-batched, in spatial tiles with `--vae-tiling`.
-    fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::guided_with(&[FamilyOption::Lora, FamilyOption::VaeTiling])
-    }
-
-    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(num_frames, height, width))
-    }
-
-    /// The published pipeline's call defaults: 480x720, 49 frames at 8 fps, 50 steps,
-    /// guidance 6, 226 text tokens.
-    fn defaults(&self) -> ModelDefaults {
-        // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
-        ModelDefaults::video(480, 720, 49, 8).sampling(50, 6.0, 226)
+    /// frame-batched, in spatial tiles with `--vae-tiling`. The published pipeline's call
+    /// defaults: 480x720, 49 frames at 8 fps, 50 steps, guidance 6, 226 text tokens.
+    fn about(&self) -> About {
+        About {
+            // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
+            defaults: ModelDefaults::video(480, 720, 49, 8).sampling(50, 6.0, 226),
+            ..About::guided("CogVideoX text-to-video", &[Lora, VaeTiling])
+        }
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -59,16 +56,7 @@ impl Family for CogVideoXConfigs {
         });
         self.facts_with(shape, own)
     }
-
-    declared_by!(
-        CogVideoX::new,
-        stages [CogVideoX::encode_text, CogVideoX::denoise, CogVideoX::decode]
-    );
 }
-
-/// CogVideoX's own part of its pipeline (the frame holds the rest).
-type CogVideoX =
-    T5VideoPipeline<CogVideoXConfigs, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
 
 impl CogVideoX {
     /// Reads the tokenizer, says which scheduler samples where the model names another, and
@@ -109,7 +97,9 @@ impl CogVideoX {
         }
         Ok((latents, noises))
     }
+}
 
+impl TextToVideoStages for CogVideoX {
     /// Encodes the prompts (the negative one when guided): T5's `last_hidden_state` `[1, L,
     /// text_dim]` of the padded ids without a mask (the prompt is not cleaned); the embeddings
     /// wait for the denoise stage in host memory.

@@ -9,7 +9,8 @@ use super::denoise::Denoise;
 use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::{declared_by, latents_draw, Configs, Family, FamilyOption, RunShape};
+use super::registry::FamilyOption::{GuidanceScale, Lora, TrueCfgScale, VaeTiling};
+use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -135,24 +136,33 @@ impl FluxConfigs {
 }
 
 impl Family for FluxConfigs {
-    fn title(&self) -> &'static str {
-        "FLUX.1 text-to-image"
-    }
-
     /// Text-to-image with embedded guidance (where the transformer embeds it: not FLUX.1
     /// schnell), real CFG by `--true-cfg-scale` with a negative prompt; its schedule comes from
-    /// its own config and the image's size.
-    fn options(&self) -> Vec<FamilyOption> {
-        let own = [
-            FamilyOption::TrueCfgScale,
-            FamilyOption::VaeTiling,
-            FamilyOption::Lora,
-        ];
-        [&FamilyOption::GUIDED[..], &own]
-            .concat()
-            .into_iter()
-            .filter(|&o| o != FamilyOption::GuidanceScale || self.transformer.guidance_embeds)
-            .collect()
+    /// its own config and the image's size. FluxPipeline's call defaults: 1024x1024 (128 x the
+    /// VAE's scale), one image written as a PNG file, 28 steps, embedded guidance 3.5, 512 T5
+    /// tokens; sizes in multiples of 16 (the VAE's 8 x the 2x2 packing).
+    fn about(&self) -> About {
+        let side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor() as u32;
+        let guided = About::guided("FLUX.1 text-to-image", &[TrueCfgScale, VaeTiling, Lora]);
+        let embeds_guidance = self.transformer.guidance_embeds;
+        About {
+            options: (guided.options.into_iter())
+                .filter(|&o| o != GuidanceScale || embeds_guidance)
+                .collect(),
+            defaults: ModelDefaults {
+                height: Some(side),
+                width: Some(side),
+                num_frames: Some(1),
+                fps: None,
+                num_inference_steps: Some(28),
+                guidance_scale: Some(3.5),
+                max_sequence_length: Some(MAX_SEQUENCE_LENGTH as u32),
+                frame_rule: Some(FrameRule::any_frames(self.size_step(), 1)),
+                image: true,
+                ..ModelDefaults::default()
+            },
+            ..guided
+        }
     }
 
     /// An image, not a video: one frame, no MP4; and at most 512 T5 tokens.
@@ -187,25 +197,6 @@ impl Family for FluxConfigs {
 
     fn draws(&self, _num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
         latents_draw(&self.packed_shape(height, width))
-    }
-
-    /// FluxPipeline's call defaults: 1024x1024 (128 x the VAE's scale), one image written as a
-    /// PNG file, 28 steps, embedded guidance 3.5, 512 T5 tokens; sizes in multiples of 16 (the
-    /// VAE's 8 x the 2x2 packing).
-    fn defaults(&self) -> ModelDefaults {
-        let side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor() as u32;
-        ModelDefaults {
-            height: Some(side),
-            width: Some(side),
-            num_frames: Some(1),
-            fps: None,
-            num_inference_steps: Some(28),
-            guidance_scale: Some(3.5),
-            max_sequence_length: Some(MAX_SEQUENCE_LENGTH as u32),
-            frame_rule: Some(FrameRule::any_frames(self.size_step(), 1)),
-            image: true,
-            ..ModelDefaults::default()
-        }
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -388,8 +379,8 @@ struct Ids {
 mod tests {
     use super::*;
     use crate::models::source::ModelSource;
-    use crate::offload::{record, GroupLayout, Packing};
-    use crate::pipeline::holding::testing::{assert_within_mlp_step, names, streamed};
+    use crate::offload::GroupLayout;
+    use crate::pipeline::holding::testing::{assert_within_mlp_step, built_names, names, streamed};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
     use candle_core::Device;
 
@@ -430,17 +421,11 @@ mod tests {
         let leaf = layout(streamed(1, true))?;
         assert_eq!(leaf.len(), 5 * cfg.num_layers + 2 * cfg.num_single_layers);
         assert_within_mlp_step(&leaf, cfg.inner_dim(), cfg.mlp_dim());
-        let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
-            FluxTransformer2DModel::new_without_blocks(&cfg, vb)
-        })?;
-        let whole = record(None, DType::BF16, Packing::PerTensor, |vb| {
-            FluxTransformer2DModel::new(&cfg, vb)
-        })?;
-        let mut split: Vec<String> = leaf.iter().flat_map(names).chain(names(&outer)).collect();
+        let outer = built_names(|vb| FluxTransformer2DModel::new_without_blocks(&cfg, vb))?;
+        let mut split: Vec<String> = leaf.iter().flat_map(names).chain(outer).collect();
         split.sort();
-        let mut all = names(&whole);
-        all.sort();
-        assert_eq!(split, all);
+        let whole = built_names(|vb| FluxTransformer2DModel::new(&cfg, vb))?;
+        assert_eq!(split, whole);
         Ok(())
     }
 

@@ -368,11 +368,22 @@ impl<M: Blockwise> GroupPlan<M> {
 /// What the families' layout tests share.
 #[cfg(test)]
 pub(crate) mod testing {
-    use crate::offload::{GroupLayout, Residency, StreamOptions};
+    use crate::offload::{record, GroupLayout, Packing, Residency, StreamOptions};
+    use candle_core::DType;
+    use candle_nn::VarBuilder;
 
     /// The names a layout holds.
     pub fn names(layout: &GroupLayout) -> Vec<String> {
         layout.slots.iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// The names of the weights `build` asks for, sorted.
+    pub fn built_names<B>(
+        build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<B>,
+    ) -> anyhow::Result<Vec<String>> {
+        let mut names = names(&record(None, DType::BF16, Packing::PerTensor, build)?);
+        names.sort();
+        Ok(names)
     }
 
     /// Streamed `blocks_per_group` blocks at a time (`by_step`: step by step), one copy ahead.

@@ -9,7 +9,8 @@ use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{declared_by, latents_draw, Configs, Family, FamilyOption, RunShape};
+use super::registry::FamilyOption::{FlowShift, Lora, TrueCfgScale, VaeTiling};
+use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
 use crate::config::ModelDefaults;
@@ -138,38 +139,27 @@ impl HunyuanConfigs {
 }
 
 impl Family for HunyuanConfigs {
-    fn title(&self) -> &'static str {
-        "HunyuanVideo text-to-video"
-    }
-
     /// Text-to-video with embedded guidance, real CFG by `--true-cfg-scale` with a negative
     /// prompt, flow-match Euler with a shift, and a VAE that tiles.
-    fn options(&self) -> Vec<FamilyOption> {
-        let own = [
-            FamilyOption::TrueCfgScale,
-            FamilyOption::FlowShift,
-            FamilyOption::VaeTiling,
-            FamilyOption::Lora,
-        ];
-        [&FamilyOption::GUIDED[..], &own].concat()
-    }
-
-    fn schedulers(&self) -> &'static [SchedulerKind] {
-        &[SchedulerKind::Euler]
+    /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps, 50
+    /// steps, embedded guidance 6, 256 prompt tokens.
+    fn about(&self) -> About {
+        About {
+            schedulers: &[SchedulerKind::Euler],
+            defaults: ModelDefaults {
+                scheduler: Some(SchedulerKind::Euler),
+                // Wan's rule: 4k+1 frames, multiples of 16 (the VAE's 4x time, 8x space, patch 2).
+                ..ModelDefaults::video(720, 1280, 129, 24).sampling(50, 6.0, 256)
+            },
+            ..About::guided(
+                "HunyuanVideo text-to-video",
+                &[TrueCfgScale, FlowShift, VaeTiling, Lora],
+            )
+        }
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
         latents_draw(&self.latent_shape(num_frames, height, width))
-    }
-
-    /// hunyuanvideo-community/HunyuanVideo's call defaults: 720x1280, 129 frames at 24 fps,
-    /// 50 steps, embedded guidance 6, 256 prompt tokens.
-    fn defaults(&self) -> ModelDefaults {
-        ModelDefaults {
-            scheduler: Some(SchedulerKind::Euler),
-            // 4k+1 frames and multiples of 16 (the VAE's 4x time, 8x space, patch 2): Wan's rule.
-            ..ModelDefaults::video(720, 1280, 129, 24).sampling(50, 6.0, 256)
-        }
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -486,8 +476,8 @@ fn on_device(frame: &Frame, c: &TextConds) -> Result<TextConds> {
 mod tests {
     use super::*;
     use crate::models::source::ModelSource;
-    use crate::offload::{record, GroupLayout, Packing};
-    use crate::pipeline::holding::testing::{assert_within_mlp_step, names, streamed};
+    use crate::offload::GroupLayout;
+    use crate::pipeline::holding::testing::{assert_within_mlp_step, built_names, names, streamed};
     use crate::pipeline::spec::{Constructors, ModelConstructors};
 
     /// The block list a weight belongs to (None: the outer part).
@@ -542,13 +532,9 @@ mod tests {
             2 * cfg.num_refiner_layers + 3 * cfg.num_layers + 2 * cfg.num_single_layers
         );
         assert_within_mlp_step(&leaf.groups, cfg.inner_dim(), cfg.mlp_dim());
-        let whole = record(None, DType::BF16, Packing::PerTensor, |vb| {
-            HunyuanVideoTransformer3DModel::new(&cfg, vb)
-        })?;
-        let outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
-            HunyuanVideoTransformer3DModel::new_without_blocks(&apart, vb)
-        })?;
-        assert!(names(&outer).iter().all(|n| list(n).is_none()));
+        let outer =
+            built_names(|vb| HunyuanVideoTransformer3DModel::new_without_blocks(&apart, vb))?;
+        assert!(outer.iter().all(|n| list(n).is_none()));
         let modulations = ModelConstructors::<HunyuanModulations>(apart.clone());
         let modulations = modulations.layout(
             holding(&modulations, streamed(1, false))?,
@@ -562,18 +548,16 @@ mod tests {
             / (bytes(&modulations.groups) + bytes(&leaf.groups)) as f64;
         assert!((0.26..0.29).contains(&share), "{share}");
         let mut split: Vec<String> = leaf.groups.iter().flat_map(names).collect();
-        split.extend(names(&outer));
+        split.extend(outer);
         // The modulation component's own outer part: the conditioning embedders and the
         // output head's modulation, which the transformer's outer part then leaves out.
-        let modulation_outer = record(None, DType::BF16, Packing::PerTensor, |vb| {
+        split.extend(built_names(|vb| {
             HunyuanModulations::new_without_blocks(&apart, vb)
-        })?;
-        split.extend(names(&modulation_outer));
+        })?);
         split.extend(modulations.groups.iter().flat_map(names));
         split.sort();
-        let mut all = names(&whole);
-        all.sort();
-        assert_eq!(split, all);
+        let whole = built_names(|vb| HunyuanVideoTransformer3DModel::new(&cfg, vb))?;
+        assert_eq!(split, whole);
         // Block streaming's look-ahead: a dual-stream body is two single-stream bodies' bytes,
         // so the transformer's copies run two blocks ahead; the modulation pass computes next
         // to nothing (copies bound it at any depth) and runs one ahead.

@@ -5,9 +5,9 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::{
-    declared_by, latents_draw, Family, FamilyOption, RunShape, T5VideoConfigs, T5VideoPipeline,
-};
+use super::registry::FamilyOption::{GuidanceScale, NegativePrompt, VaeTiling};
+use super::registry::{declared_by, About, Family, RunShape, T5VideoConfigs, T5VideoPipeline};
+use super::spec::TextToVideoStages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
 use crate::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
@@ -21,6 +21,9 @@ use candle_core::{Device, Tensor};
 /// The configs of a Latte model: everything planning needs, no weights.
 pub type LatteConfigs = T5VideoConfigs<LatteTransformerConfig, AutoencoderKLConfig, DdimConfig>;
 
+/// Latte's own part of its pipeline (the frame holds the rest).
+type Latte = T5VideoPipeline<LatteConfigs, LatteTransformer3DModel, AutoencoderKL>;
+
 impl LatteConfigs {
     /// Pixels per side of one transformer token: the VAE's factor times the patch.
     fn size_step(&self) -> u32 {
@@ -30,19 +33,35 @@ impl LatteConfigs {
 }
 
 impl Family for LatteConfigs {
-    fn title(&self) -> &'static str {
-        "Latte text-to-video"
-    }
+    declared_by!(Latte::opener(Some("Latte"), Latte::take_latents), stages Latte);
 
     /// Text-to-video with classifier-free guidance; prompts always take 120 tokens, the DDIM
     /// scheduler comes from the model, the VAE decodes frame by frame (in spatial tiles with
-    /// `--vae-tiling`).
-    fn options(&self) -> Vec<FamilyOption> {
-        vec![
-            FamilyOption::GuidanceScale,
-            FamilyOption::NegativePrompt,
-            FamilyOption::VaeTiling,
-        ]
+    /// `--vae-tiling`). The published pipeline's call defaults: 512x512 (sample_size x 8),
+    /// video_length frames, 50 steps, guidance 7.5, 120 text tokens.
+    fn about(&self) -> About {
+        let side = self
+            .transformer
+            .sample_size
+            .saturating_mul(self.vae.scale_factor());
+        let side = u32::try_from(side).unwrap_or(u32::MAX);
+        About {
+            title: "Latte text-to-video",
+            options: vec![GuidanceScale, NegativePrompt, VaeTiling],
+            defaults: ModelDefaults {
+                height: Some(side),
+                width: Some(side),
+                num_frames: Some(u32::try_from(self.transformer.video_length).unwrap_or(u32::MAX)),
+                fps: Some(8),
+                num_inference_steps: Some(50),
+                guidance_scale: Some(7.5),
+                // Not an option here: the fixed length, so reports show what runs.
+                max_sequence_length: Some(prompt::MAX_LENGTH as u32),
+                frame_rule: Some(FrameRule::any_frames(self.size_step(), 1)),
+                ..ModelDefaults::default()
+            },
+            ..About::default()
+        }
     }
 
     /// The temporal table fixes the frame count (sizes in whole tokens are the frame rule's).
@@ -51,32 +70,6 @@ impl Family for LatteConfigs {
         (num_frames != frames && num_frames != 1).then(|| format!(
             "--num-frames {num_frames}: this Latte transformer's temporal position table is {frames} frames long (video_length); pass --num-frames {frames} (or 1)"
         ))
-    }
-
-    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(num_frames, height, width))
-    }
-
-    /// The published pipeline's call defaults: 512x512 (sample_size x 8), video_length frames,
-    /// 50 steps, guidance 7.5, 120 text tokens.
-    fn defaults(&self) -> ModelDefaults {
-        let side = self
-            .transformer
-            .sample_size
-            .saturating_mul(self.vae.scale_factor());
-        let side = u32::try_from(side).unwrap_or(u32::MAX);
-        ModelDefaults {
-            height: Some(side),
-            width: Some(side),
-            num_frames: Some(u32::try_from(self.transformer.video_length).unwrap_or(u32::MAX)),
-            fps: Some(8),
-            num_inference_steps: Some(50),
-            guidance_scale: Some(7.5),
-            // Not an option here: the fixed length, so reports show what runs.
-            max_sequence_length: Some(prompt::MAX_LENGTH as u32),
-            frame_rule: Some(FrameRule::any_frames(self.size_step(), 1)),
-            ..ModelDefaults::default()
-        }
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -89,17 +82,9 @@ impl Family for LatteConfigs {
         });
         self.facts_with(shape, own)
     }
-
-    declared_by!(
-        Latte::opener(Some("Latte"), Latte::take_latents),
-        stages [Latte::encode_text, Latte::denoise, Latte::decode]
-    );
 }
 
-/// Latte's own part of its pipeline (the frame holds the rest).
-type Latte = T5VideoPipeline<LatteConfigs, LatteTransformer3DModel, AutoencoderKL>;
-
-impl Latte {
+impl TextToVideoStages for Latte {
     /// `encode_prompt` with `mask_feature`: the prompt's embeddings cut to its token count and,
     /// when guided, the negative prompt's cut to the same rows; they wait for the denoise stage
     /// in host memory.

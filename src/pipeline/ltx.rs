@@ -5,8 +5,9 @@ use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape, T5VideoConfigs};
-use super::spec::{PipelineSpec, TextToVideo};
+use super::registry::FamilyOption::{DecodeNoiseScale, DecodeTimestep, Lora, VaeTiling};
+use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
+use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
@@ -64,43 +65,52 @@ impl LtxConfigs {
         let (dtype, text_len) = (shape.dtype, shape.text_len);
         let dit =
             activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype);
-        Parts::pipeline(
+        Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
             [
-                (
-                    activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype),
-                    Ltx::encode_text,
-                ),
-                (dit, Ltx::denoise),
-                (
-                    activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling),
-                    Ltx::decode,
-                ),
+                activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype),
+                dit,
+                activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling),
             ],
         )
     }
 }
 
 impl Family for LtxConfigs {
-    fn title(&self) -> &'static str {
-        "LTX-Video text-to-video"
-    }
-
     /// Text-to-video with classifier-free guidance and a timestep-conditioned decoder; flow-match
     /// Euler shifted by the video's token count, the VAE decoding whole (in spatial tiles with
-    /// `--vae-tiling`).
-    fn options(&self) -> Vec<FamilyOption> {
-        let decoder = [
-            FamilyOption::DecodeTimestep,
-            FamilyOption::DecodeNoiseScale,
-            FamilyOption::VaeTiling,
-        ];
-        [&FamilyOption::GUIDED[..], &decoder, &[FamilyOption::Lora]].concat()
-    }
-
-    fn schedulers(&self) -> &'static [SchedulerKind] {
-        &[SchedulerKind::Euler]
+    /// `--vae-tiling`). `LTXPipeline.__call__`'s defaults: 704x512, 161 frames told 25 fps, 50
+    /// steps, guidance 3, 128 text tokens.
+    fn about(&self) -> About {
+        // One step's schedule ends at sigma 1, which `shift_terminal` cannot stretch.
+        let min_steps = match self.scheduler.shift_terminal.filter(|&t| t != 0.0) {
+            Some(_) => 2,
+            None => 1,
+        };
+        About {
+            schedulers: &[SchedulerKind::Euler],
+            defaults: ModelDefaults {
+                height: Some(defaults::HEIGHT as u32),
+                width: Some(defaults::WIDTH as u32),
+                num_frames: Some(defaults::NUM_FRAMES as u32),
+                fps: Some(defaults::FRAME_RATE as u32),
+                num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS as u32),
+                guidance_scale: Some(defaults::GUIDANCE_SCALE),
+                max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH as u32),
+                frame_rule: Some(FrameRule {
+                    frame_step: self.vae.temporal_compression_ratio() as u32,
+                    size_step: self.vae.spatial_compression_ratio() as u32,
+                    min_steps,
+                }),
+                // No sampler of its own: LTX-Video samples with flow-match Euler only.
+                ..ModelDefaults::default()
+            },
+            ..About::guided(
+                "LTX-Video text-to-video",
+                &[DecodeTimestep, DecodeNoiseScale, VaeTiling, Lora],
+            )
+        }
     }
 
     /// The packed `latents` and, with a timestep-conditioned decoder, the `decode_noise` mixed
@@ -112,31 +122,6 @@ impl Family for LtxConfigs {
             draws.push(("decode_noise", self.transformer.latent_shape(grid).to_vec()));
         }
         draws
-    }
-
-    /// `LTXPipeline.__call__`'s defaults: 704x512, 161 frames told 25 fps, 50 steps, guidance 3,
-    /// 128 text tokens.
-    fn defaults(&self) -> ModelDefaults {
-        ModelDefaults {
-            height: Some(defaults::HEIGHT as u32),
-            width: Some(defaults::WIDTH as u32),
-            num_frames: Some(defaults::NUM_FRAMES as u32),
-            fps: Some(defaults::FRAME_RATE as u32),
-            num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS as u32),
-            guidance_scale: Some(defaults::GUIDANCE_SCALE),
-            max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH as u32),
-            frame_rule: Some(FrameRule {
-                frame_step: self.vae.temporal_compression_ratio() as u32,
-                size_step: self.vae.spatial_compression_ratio() as u32,
-                // One step's schedule ends at sigma 1, which `shift_terminal` cannot stretch.
-                min_steps: match self.scheduler.shift_terminal.filter(|&t| t != 0.0) {
-                    Some(_) => 2,
-                    None => 1,
-                },
-            }),
-            // No sampler of its own: LTX-Video samples with flow-match Euler only (`schedulers`).
-            ..ModelDefaults::default()
-        }
     }
 
     fn facts(&self, shape: &RunShape) -> serde_json::Value {
@@ -195,7 +180,7 @@ struct Carried {
 /// Ltx's own part of its pipeline (the frame holds the rest).
 type Ltx = T5Pipeline<LtxConfigs, Parts>;
 
-impl Ltx {
+impl TextToVideoStages for Ltx {
     /// `_get_t5_prompt_embeds` of the prompt (and with guidance the negative prompt): T5
     /// without attention mask (every token, `<pad>` included, attends to every token), as one
     /// batch [negative; positive] with the masks of the transformer's cross-attention; they
@@ -233,55 +218,6 @@ impl Ltx {
         self.denoise_from(frame, job, latents, token_grid)?;
         job.carry.put(carried);
         Ok(())
-    }
-
-    fn denoise_from(
-        &self,
-        frame: &Frame,
-        job: &mut Job,
-        latents: Tensor,
-        token_grid: [usize; 3],
-    ) -> Result<()> {
-        let model = &frame.hold(self.parts.transformer)?;
-        let (dtype, device) = (frame.dtype(), &frame.device);
-        let (embeds, mask) = job.take_masked_prompt(device)?;
-        let batch = embeds.dim(0)?;
-        let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
-            self.configs.vae.temporal_compression_ratio(),
-            self.configs.vae.spatial_compression_ratio(),
-            f64::from(frame.config.output().fps),
-        );
-        let mut scheduler = FlowMatchEuler::for_sequence_length(
-            &self.configs.scheduler,
-            job.num_inference_steps as usize,
-            token_grid.iter().product(),
-        )?;
-        let mut latents = latents.to_dtype(DType::F32)?.to_device(device)?;
-        let timesteps = scheduler.timesteps().to_vec();
-        let guidance_scale = job.guidance_scale;
-        let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
-            let input = batch_input(&latents, batch)?.to_dtype(dtype)?;
-            let timestep = Tensor::full(timesteps[i] as f32, batch, device)?;
-            let pred = forwards
-                .run(|| {
-                    let m = model.model();
-                    let prepared = m.prepare(
-                        &input,
-                        &embeds,
-                        &timestep,
-                        Some(&mask),
-                        token_grid,
-                        rope_scale,
-                    );
-                    model.forward(prepared?)
-                })?
-                .to_dtype(DType::F32)?;
-            // CFG in f32.
-            let pred = guide_if_batched(pred, guidance_scale)?;
-            latents = scheduler.step(&pred, &latents)?;
-            Ok(latents.clone())
-        })?;
-        denoise.finish_with(job, &latents)
     }
 
     /// Unpack, de-normalise; with a timestep-conditioned decoder mix in the decode noise and
@@ -339,5 +275,58 @@ impl Ltx {
         }
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
+    }
+}
+
+impl Ltx {
+    /// The denoising loop from the packed `latents` (the transformer's tokens laid out as
+    /// `token_grid`).
+    fn denoise_from(
+        &self,
+        frame: &Frame,
+        job: &mut Job,
+        latents: Tensor,
+        token_grid: [usize; 3],
+    ) -> Result<()> {
+        let model = &frame.hold(self.parts.transformer)?;
+        let (dtype, device) = (frame.dtype(), &frame.device);
+        let (embeds, mask) = job.take_masked_prompt(device)?;
+        let batch = embeds.dim(0)?;
+        let rope_scale = LtxTransformerConfig::rope_interpolation_scale(
+            self.configs.vae.temporal_compression_ratio(),
+            self.configs.vae.spatial_compression_ratio(),
+            f64::from(frame.config.output().fps),
+        );
+        let mut scheduler = FlowMatchEuler::for_sequence_length(
+            &self.configs.scheduler,
+            job.num_inference_steps as usize,
+            token_grid.iter().product(),
+        )?;
+        let mut latents = latents.to_dtype(DType::F32)?.to_device(device)?;
+        let timesteps = scheduler.timesteps().to_vec();
+        let guidance_scale = job.guidance_scale;
+        let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
+            let input = batch_input(&latents, batch)?.to_dtype(dtype)?;
+            let timestep = Tensor::full(timesteps[i] as f32, batch, device)?;
+            let pred = forwards
+                .run(|| {
+                    let m = model.model();
+                    let prepared = m.prepare(
+                        &input,
+                        &embeds,
+                        &timestep,
+                        Some(&mask),
+                        token_grid,
+                        rope_scale,
+                    );
+                    model.forward(prepared?)
+                })?
+                .to_dtype(DType::F32)?;
+            // CFG in f32.
+            let pred = guide_if_batched(pred, guidance_scale)?;
+            latents = scheduler.step(&pred, &latents)?;
+            Ok(latents.clone())
+        })?;
+        denoise.finish_with(job, &latents)
     }
 }

@@ -9,7 +9,7 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{declared_by, Configs, Family, FamilyOption, RunShape};
+use super::registry::{declared_by, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -238,36 +238,32 @@ impl MiniMaxH3Configs {
 }
 
 impl Family for MiniMaxH3Configs {
-    /// The published pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768 within
-    /// `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
-    fn defaults(&self) -> ModelDefaults {
-        ModelDefaults {
-            height: Some(768),
-            width: Some(1344),
-            num_frames: Some(124),
-            fps: Some(FPS as u32),
-            num_inference_steps: Some(50),
-            guidance_scale: Some(1.0),
-            max_sequence_length: None,
-            // Any frame count: it is snapped up to 17n+5 (said on stderr); sizes are multiples
-            // of the canvas multiple (VAE spatial ratio x patch width); the steps count sigma
-            // points, the terminal 0 among them, so one step is no schedule.
-            frame_rule: Some(FrameRule::any_frames(
-                (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
-                2,
-            )),
-            ..ModelDefaults::default()
-        }
-    }
-
-    fn title(&self) -> &'static str {
-        "MiniMax H3 text-to-video+audio"
-    }
-
     /// Guidance-distilled (no guidance scale, no negative prompt), the prompt encoded whole,
-    /// its own two flow schedules (video and audio): none of the family options.
-    fn options(&self) -> Vec<FamilyOption> {
-        Vec::new()
+    /// its own two flow schedules (video and audio): none of the family options. The published
+    /// pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768 within
+    /// `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
+    fn about(&self) -> About {
+        About {
+            title: "MiniMax H3 text-to-video+audio",
+            defaults: ModelDefaults {
+                height: Some(768),
+                width: Some(1344),
+                num_frames: Some(124),
+                fps: Some(FPS as u32),
+                num_inference_steps: Some(50),
+                guidance_scale: Some(1.0),
+                max_sequence_length: None,
+                // Any frame count: it is snapped up to 17n+5 (said on stderr); sizes are
+                // multiples of the canvas multiple (VAE spatial ratio x patch width); the steps
+                // count sigma points, the terminal 0 among them, so one step is no schedule.
+                frame_rule: Some(FrameRule::any_frames(
+                    (self.vae.spatial_ratio() * self.transformer.patch_size[2]) as u32,
+                    2,
+                )),
+                ..ModelDefaults::default()
+            },
+            ..About::default()
+        }
     }
 
     /// Video at 24 fps with its sound in step, and frame counts of 5-15 s.

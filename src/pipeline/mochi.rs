@@ -5,10 +5,11 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
+use super::registry::FamilyOption::{Lora, VaeTiling};
 use super::registry::{
-    declared_by, latents_draw, Configs, Family, FamilyOption, RunShape, T5VideoConfigs,
-    T5VideoPipeline,
+    declared_by, About, Configs, Family, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
+use super::spec::TextToVideoStages;
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
@@ -50,39 +51,35 @@ struct MochiIndex {
 pub type MochiConfigs =
     T5VideoConfigs<MochiTransformerConfig, MochiVaeConfig, FlowMatchEulerConfig>;
 
+/// Mochi's own part of its pipeline (the frame holds the rest).
+type Mochi = T5VideoPipeline<MochiConfigs, MochiTransformer3DModel, AutoencoderKLMochi>;
+
 impl Family for MochiConfigs {
-    fn title(&self) -> &'static str {
-        "Mochi-1 text-to-video"
-    }
+    declared_by!(Mochi::opener(None, Mochi::take_latents), stages Mochi);
 
     /// Text-to-video with classifier-free guidance; its own linear-quadratic flow-match
     /// schedule, the VAE decoding whole (in spatial tiles with `--vae-tiling`).
-    fn options(&self) -> Vec<FamilyOption> {
-        FamilyOption::guided_with(&[FamilyOption::Lora, FamilyOption::VaeTiling])
-    }
-
-    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(num_frames, height, width))
-    }
-
     /// `MochiPipeline.__call__`'s defaults: 480x848, 19 frames, 64 steps, guidance 4.5, 256 text
     /// tokens; 30 fps (Mochi's frame rate). Any frame count (a decode gives
     /// `6·((n − 1) // 6) + 1`), sizes in multiples of the VAE's 8x times the patch, at least 2
     /// steps (the schedule's linear half is empty with one).
-    fn defaults(&self) -> ModelDefaults {
-        ModelDefaults {
-            height: Some(defaults::HEIGHT),
-            width: Some(defaults::WIDTH),
-            num_frames: Some(defaults::NUM_FRAMES),
-            fps: Some(defaults::FPS),
-            num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS),
-            guidance_scale: Some(defaults::GUIDANCE_SCALE),
-            max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH),
-            frame_rule: Some(FrameRule::any_frames(
-                (self.vae.spatial_compression_ratio() * self.transformer.patch_size) as u32,
-                2,
-            )),
-            ..ModelDefaults::default()
+    fn about(&self) -> About {
+        About {
+            defaults: ModelDefaults {
+                height: Some(defaults::HEIGHT),
+                width: Some(defaults::WIDTH),
+                num_frames: Some(defaults::NUM_FRAMES),
+                fps: Some(defaults::FPS),
+                num_inference_steps: Some(defaults::NUM_INFERENCE_STEPS),
+                guidance_scale: Some(defaults::GUIDANCE_SCALE),
+                max_sequence_length: Some(defaults::MAX_SEQUENCE_LENGTH),
+                frame_rule: Some(FrameRule::any_frames(
+                    (self.vae.spatial_compression_ratio() * self.transformer.patch_size) as u32,
+                    2,
+                )),
+                ..ModelDefaults::default()
+            },
+            ..About::guided("Mochi-1 text-to-video", &[Lora, VaeTiling])
         }
     }
 
@@ -95,17 +92,9 @@ impl Family for MochiConfigs {
         });
         self.facts_with(shape, own)
     }
-
-    declared_by!(
-        Mochi::opener(None, Mochi::take_latents),
-        stages [Mochi::encode_text, Mochi::denoise, Mochi::decode]
-    );
 }
 
-/// Mochi's own part of its pipeline (the frame holds the rest).
-type Mochi = T5VideoPipeline<MochiConfigs, MochiTransformer3DModel, AutoencoderKLMochi>;
-
-impl Mochi {
+impl TextToVideoStages for Mochi {
     /// `_get_t5_prompt_embeds` of the prompt (and with guidance the negative prompt): T5 with
     /// the attention mask (pad rows not zeroed), as one batch [negative; positive]; embeddings
     /// and masks wait for the denoise stage in host memory.

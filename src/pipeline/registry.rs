@@ -4,7 +4,7 @@
 //! run, for a pipeline.
 
 use super::frame::{Frame, T5Pipeline};
-use super::spec::{Body, PipelineSpec, TextToVideo};
+use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
 use super::{allegro, cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
 use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::blocks::Blockwise;
@@ -74,7 +74,7 @@ pub enum ImageInput {
 }
 
 /// An option only some families honour. Each family lists those it takes
-/// ([`Family::options`]); [`refusal`] refuses the others in one sentence.
+/// ([`About::options`]); [`refusal`] refuses the others in one sentence.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FamilyOption {
     Image,
@@ -122,11 +122,6 @@ impl FamilyOption {
         FamilyOption::NegativePrompt,
         FamilyOption::MaxSequenceLength,
     ];
-
-    /// The options of a guided family ([`Self::GUIDED`]) and then its `own`.
-    pub fn guided_with(own: &[FamilyOption]) -> Vec<FamilyOption> {
-        [&Self::GUIDED[..], own].concat()
-    }
 
     /// The flag as typed.
     pub fn flag(self) -> &'static str {
@@ -215,23 +210,48 @@ impl FamilyOption {
     }
 }
 
+/// What a family declares about a model once: what it makes, what the user may change and
+/// the published pipeline's call defaults ([`Family::about`]).
+#[derive(Clone, Debug, Default)]
+pub struct About {
+    /// What it makes, in words ("CogVideoX text-to-video").
+    pub title: &'static str,
+    /// The options of [`FamilyOption`] this model honours; [`refusal`] refuses the others.
+    pub options: Vec<FamilyOption>,
+    /// The samplers `--scheduler` may pick (none: the model samples with its own scheduler).
+    pub schedulers: &'static [SchedulerKind],
+    /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's),
+    /// its frame rule among them.
+    pub defaults: ModelDefaults,
+}
+
+impl About {
+    /// A family titled `title` that takes the options of classifier-free guidance
+    /// ([`FamilyOption::GUIDED`]) and its `own`, with vidgen's defaults and its own sampler.
+    pub fn guided(title: &'static str, own: &[FamilyOption]) -> Self {
+        About {
+            title,
+            options: [&FamilyOption::GUIDED[..], own].concat(),
+            ..About::default()
+        }
+    }
+}
+
 /// A model family with its configs read: everything the frame needs to plan, report and run it.
 pub trait Family {
-    /// What it makes, in words ("CogVideoX text-to-video").
-    fn title(&self) -> &'static str;
-    /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's).
-    fn defaults(&self) -> ModelDefaults {
-        ModelDefaults::default()
+    /// What the family declares about this model.
+    fn about(&self) -> About;
+    /// What it makes, in words ([`About::title`]).
+    fn title(&self) -> &'static str {
+        self.about().title
     }
-    /// The options of [`FamilyOption`] this model honours; [`refusal`] refuses the others.
-    fn options(&self) -> Vec<FamilyOption>;
-    /// The samplers `--scheduler` may pick (none: the model samples with its own scheduler).
-    fn schedulers(&self) -> &'static [SchedulerKind] {
-        &[]
+    /// The published pipeline's call defaults ([`About::defaults`]).
+    fn defaults(&self) -> ModelDefaults {
+        self.about().defaults
     }
     /// The first value the user gave that this model cannot take (a size it cannot patch, a
     /// missing input file), as one line saying why (a run and a dry run refuse it as bad
-    /// input, before any work). Options it has no use for at all are [`Family::options`]'.
+    /// input, before any work). Options it has no use for at all are [`About::options`]'.
     fn inapplicable(&self, _config: &ResolvedConfig) -> Option<String> {
         None
     }
@@ -277,18 +297,22 @@ pub trait Family {
 /// [`Family::spec`] and [`Family::open`] of a family declared at once: its `declare(&self,
 /// shape)` gives the pipeline of a run's shape as data with its components' slots, and
 /// `$new(configs, slots, frame)` its own part of a run (tokenizers read, no weights loaded),
-/// which the stage bodies get. A T5 video family ([`T5VideoConfigs::t5_pipeline`]) states its
-/// stage bodies instead of a `declare`: `declared_by!($new, stages [encode_text, denoise,
-/// decode])`.
+/// which the stage bodies get. A T5 video family names its part instead of a `declare`,
+/// `declared_by!($new, stages $pipeline)` ([`T5VideoPipeline::declare`]), and takes one draw,
+/// its initial latents ([`Family::draws`]).
 macro_rules! declared_by {
     ($new:expr) => {
         $crate::pipeline::registry::declared_by!(@declare $new, |configs: &Self, shape| {
             configs.declare(shape)
         });
     };
-    ($new:expr, stages $stages:expr) => {
+    ($new:expr, stages $pipeline:ty) => {
+        fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
+            $crate::pipeline::registry::latents_draw(&self.latent_shape(num_frames, height, width))
+        }
+
         $crate::pipeline::registry::declared_by!(@declare $new, |configs: &Self, shape| {
-            configs.t5_pipeline(shape, $stages)
+            <$pipeline>::declare(configs, shape)
         });
     };
     (@declare $new:expr, $declare:expr) => {
@@ -396,54 +420,48 @@ impl<D: VideoDit, V: VideoVae, S> T5VideoConfigs<D, V, S> {
     }
 }
 
-impl<D: VideoDit + DenoiseActivations, V: VideoVae + DecodeActivations, S> T5VideoConfigs<D, V, S>
-where
-    Self: Family,
-{
-    /// The family's pipeline for a run of `shape` as data with its components' slots: T5, DiT
-    /// and VAE (each in the run's dtype, as diffusers loads them), each used by one stage and
-    /// safe to defer, holding the activations their configs estimate; `stages` are the
-    /// family's bodies of `encode_text`, `denoise` and `decode`.
-    pub fn t5_pipeline<DM, VM>(
-        &self,
-        shape: &RunShape,
-        stages: [Body<T5Pipeline<Self, T5Parts<DM, VM>>>; 3],
-    ) -> (PipelineSpec, T5Parts<DM, VM>)
-    where
-        DM: Blockwise<Config = D>,
-        VM: Blockwise<Config = V>,
-        Self: 'static,
-    {
-        let grid = self.grid(shape.num_frames, shape.height, shape.width);
-        let (dtype, text_len) = (shape.dtype, shape.text_len);
-        let [encode_text, denoise, decode] = stages;
-        TextToVideo::pipeline(
-            self.title(),
-            (&self.text_encoder, &self.transformer, &self.vae),
-            [
-                (
-                    text_encoder_activations(&self.text_encoder, text_len, dtype),
-                    encode_text,
-                ),
-                (
-                    self.transformer.denoise_activations(grid, text_len, dtype),
-                    denoise,
-                ),
-                (
-                    self.vae.decode_activations(grid, shape.vae_tiling, dtype),
-                    decode,
-                ),
-            ],
-        )
-    }
-}
-
 /// The components of a T5 video pipeline with the DiT `D` and the VAE `V`.
 pub type T5Parts<D, V> = TextToVideo<T5EncoderModel, D, V>;
 
 /// A T5 video family's own part of its pipeline: its configs `C`, the slots of its DiT `D` and
 /// VAE `V` ([`T5Parts`]), its tokenizer.
 pub type T5VideoPipeline<C, D, V> = T5Pipeline<C, T5Parts<D, V>>;
+
+impl<D, V, S, DM, VM> T5VideoPipeline<T5VideoConfigs<D, V, S>, DM, VM>
+where
+    D: VideoDit + DenoiseActivations,
+    V: VideoVae + DecodeActivations,
+    DM: Blockwise<Config = D>,
+    VM: Blockwise<Config = V>,
+    T5VideoConfigs<D, V, S>: Family,
+    Self: TextToVideoStages,
+{
+    /// The family's pipeline for a run of `shape` as data with its components' slots: T5, DiT
+    /// and VAE (each in the run's dtype, as diffusers loads them), each used by one stage of
+    /// this part and safe to defer, holding the activations their configs estimate.
+    pub fn declare(
+        configs: &T5VideoConfigs<D, V, S>,
+        shape: &RunShape,
+    ) -> (PipelineSpec, T5Parts<DM, VM>) {
+        let grid = configs.grid(shape.num_frames, shape.height, shape.width);
+        let (dtype, text_len) = (shape.dtype, shape.text_len);
+        let T5VideoConfigs {
+            transformer,
+            vae,
+            text_encoder,
+            ..
+        } = configs;
+        T5Parts::pipeline::<Self>(
+            configs.title(),
+            (text_encoder, transformer, vae),
+            [
+                text_encoder_activations(text_encoder, text_len, dtype),
+                transformer.denoise_activations(grid, text_len, dtype),
+                vae.decode_activations(grid, shape.vae_tiling, dtype),
+            ],
+        )
+    }
+}
 
 /// One family: the `_class_name`s it runs and how it reads a model's configs.
 pub struct FamilyEntry {
@@ -502,13 +520,17 @@ pub struct UnsupportedPipeline {
 /// The first option of `config` that `family` cannot honour, as one line saying why: the
 /// options it does not take, a sampler it does not run, then the family's own checks.
 pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
-    let title = family.title();
+    let About {
+        title,
+        options,
+        schedulers,
+        ..
+    } = family.about();
     if config.output().kind == OutputType::Latent && !family.latent_output() {
         return Some(format!(
             "--output-type latent is not supported for {title}; use safetensors, png or mp4"
         ));
     }
-    let options = family.options();
     if let Some(option) = FamilyOption::ALL
         .into_iter()
         .find(|o| o.given(config) && !options.contains(o))
@@ -520,8 +542,8 @@ pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
         ));
     }
     let scheduler = config.generation().scheduler;
-    if config.given("scheduler") && !family.schedulers().contains(&scheduler) {
-        let runs = match family.schedulers() {
+    if config.given("scheduler") && !schedulers.contains(&scheduler) {
+        let runs = match schedulers {
             [] => "its own scheduler".to_string(),
             kinds => kinds
                 .iter()

@@ -279,15 +279,26 @@ pub struct TextToVideo<T, D, V> {
 /// A stage body of the family's pipeline `P` (see [`StageSpec::runs`]).
 pub type Body<P> = fn(&P, &Frame, &mut Job) -> Result<()>;
 
+/// The stage bodies of a family's part of a plain text-to-video pipeline
+/// ([`TextToVideo::pipeline`]), one for each component in turn.
+pub trait TextToVideoStages: 'static {
+    /// Encodes the job's prompts; the embeddings wait for the denoise stage.
+    fn encode_text(&self, frame: &Frame, job: &mut Job) -> Result<()>;
+    /// Denoises the job's latents.
+    fn denoise(&self, frame: &Frame, job: &mut Job) -> Result<()>;
+    /// Decodes the job's latents into its frames.
+    fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()>;
+}
+
 impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
     /// The plain text-to-video pipeline `title` with its components' slots: the three
     /// components, configured by `configs`, then one stage for each in turn (`encode_text`,
     /// `denoise`, `decode`: the activations it holds and its body of the family's pipeline
     /// `P`) and `write`.
-    pub fn pipeline<P: 'static>(
+    pub fn pipeline<P: TextToVideoStages>(
         title: &'static str,
         configs: (&T::Config, &D::Config, &V::Config),
-        stages: [(u64, Body<P>); 3],
+        activations: [u64; 3],
     ) -> (PipelineSpec, Self) {
         let mut spec = PipelineSpec::titled(title);
         let parts = TextToVideo {
@@ -301,8 +312,9 @@ impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
             parts.vae.index(),
         ];
         let names = ["encode_text", "denoise", "decode"];
-        spec.stages = (names.into_iter().zip(uses).zip(stages))
-            .map(|((name, uses), (activations, body))| {
+        let bodies: [Body<P>; 3] = [P::encode_text, P::denoise, P::decode];
+        spec.stages = (names.into_iter().zip(uses).zip(activations).zip(bodies))
+            .map(|(((name, uses), activations), body)| {
                 StageSpec::new(name, &[uses], activations).runs(body)
             })
             .chain([StageSpec::write()])

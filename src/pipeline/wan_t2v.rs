@@ -8,9 +8,11 @@ use super::denoise::Denoise;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{
-    declared_by, latents_draw, Configs, Family, FamilyOption, ImageInput, RunShape,
+use super::registry::FamilyOption::{
+    Cache, FlowShift, GuidanceScale2, Image, Lora, Lora2, Sigmas, StorageDtype, Transformer2,
+    VaeTiling,
 };
+use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::{ModelDefaults, ResolvedConfig};
@@ -76,48 +78,34 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 impl Family for WanConfigs {
-    fn title(&self) -> &'static str {
-        match (
-            self.transformer_2.is_some(),
-            self.expand_timesteps,
-            self.image_to_video,
-        ) {
+    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles and LoRAs; the
+    /// first frame where the model takes one, the low-noise expert's guidance and LoRAs where it
+    /// has two. Wan2.2 TI2V-5B's published size and rate (704x1280, 121 frames at 24 fps); the
+    /// others take diffusers' call defaults, which are vidgen's.
+    fn about(&self) -> About {
+        let two_experts = self.transformer_2.is_some();
+        let title = match (two_experts, self.expand_timesteps, self.image_to_video) {
             (true, _, true) => "Wan2.2 A14B image-to-video",
             (true, _, false) => "Wan2.2 A14B text-to-video",
             (false, true, _) => "Wan2.2 TI2V",
             (false, false, true) => "Wan2.1 image-to-video",
             (false, false, false) => "Wan2.1 text-to-video",
-        }
-    }
-
-    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles and LoRAs; the
-    /// first frame where the model takes one, the low-noise expert's guidance and LoRAs where it
-    /// has two.
-    fn options(&self) -> Vec<FamilyOption> {
-        let mut options = FamilyOption::GUIDED.to_vec();
-        options.extend([
-            FamilyOption::FlowShift,
-            FamilyOption::Sigmas,
-            FamilyOption::VaeTiling,
-            FamilyOption::Lora,
-            FamilyOption::StorageDtype,
-            FamilyOption::Cache,
-        ]);
+        };
+        let mut options = vec![FlowShift, Sigmas, VaeTiling, Lora, StorageDtype, Cache];
         if self.image_input() != ImageInput::None {
-            options.push(FamilyOption::Image);
+            options.push(Image);
         }
-        if self.transformer_2.is_some() {
-            options.extend([
-                FamilyOption::GuidanceScale2,
-                FamilyOption::Lora2,
-                FamilyOption::Transformer2,
-            ]);
+        if two_experts {
+            options.extend([GuidanceScale2, Lora2, Transformer2]);
         }
-        options
-    }
-
-    fn schedulers(&self) -> &'static [SchedulerKind] {
-        &[SchedulerKind::UniPc, SchedulerKind::Euler]
+        About {
+            schedulers: &[SchedulerKind::UniPc, SchedulerKind::Euler],
+            defaults: match self.expand_timesteps {
+                true => ModelDefaults::video(704, 1280, 121, 24),
+                false => ModelDefaults::default(),
+            },
+            ..About::guided(title, &options)
+        }
     }
 
     fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
@@ -147,16 +135,6 @@ impl Family for WanConfigs {
             "image_to_video": self.image_to_video || (self.expand_timesteps && shape.image),
             "image_encoder_layers": self.image_encoder.as_ref().map(|c| c.num_hidden_layers),
         })
-    }
-
-    /// Wan2.2 TI2V-5B's published size and rate (704x1280, 121 frames at 24 fps); the others
-    /// take diffusers' call defaults, which are vidgen's.
-    fn defaults(&self) -> ModelDefaults {
-        if self.expand_timesteps {
-            ModelDefaults::video(704, 1280, 121, 24)
-        } else {
-            ModelDefaults::default()
-        }
     }
 
     /// Wan2.1 I2V needs the first frame; Wan2.2 TI2V makes a video with it or without.
