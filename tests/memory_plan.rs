@@ -672,7 +672,7 @@ fn the_first_candidate_that_fits_is_chosen() {
             "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload",
             "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load",
             "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling",
-            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling --num-frames 77",
+            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling --low-activation",
         ]
     );
     for (k, c) in found.iter().enumerate() {
@@ -724,6 +724,7 @@ fn fewer_frames_are_the_most_that_fit() {
     more.options.text_encoder_cpu_offload = true;
     more.options.lazy_module_load = Some(true);
     more.options.vae_tiling = true;
+    more.options.low_activation = true;
     more.num_frames = frames + 4;
     assert!(!planner.plan(&more).unwrap().fits(total));
     assert_eq!(first_fitting(&found, total).unwrap().flags, last.flags);

@@ -234,6 +234,10 @@ pub struct GenerateOptions {
     /// Decode the VAE in spatial tiles (less memory).
     #[arg(long = "[no-]vae-tiling", alias = "vae-tiling", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub vae_tiling: bool,
+    /// Run the transformer's blocks by chunks of tokens written over the hidden states: a
+    /// fraction of the activation memory, the same frames, a little slower (Wan family).
+    #[arg(long = "[no-]low-activation", alias = "low-activation", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub low_activation: bool,
 
     // ----- output -----
     /// Folder the outputs are written to.

@@ -244,6 +244,7 @@ pub fn memory_options(o: &GenerateOptions) -> MemoryOptions {
         model_cpu_offload: o.model_cpu_offload,
         sequential_cpu_offload: o.sequential_cpu_offload,
         vae_tiling: o.vae_tiling,
+        low_activation: o.low_activation,
     }
 }
 

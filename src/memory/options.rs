@@ -40,6 +40,9 @@ pub struct MemoryOptions {
     pub sequential_cpu_offload: bool,
     /// The VAE decodes in spatial tiles.
     pub vae_tiling: bool,
+    /// The DiT's blocks run by chunks of tokens written over the hidden states: less activation
+    /// memory, the same arithmetic per token (the Wan family).
+    pub low_activation: bool,
 }
 
 impl MemoryOptions {

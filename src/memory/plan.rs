@@ -296,7 +296,7 @@ const LAZY_LOAD: Saving = Saving {
 };
 
 /// The savings of device memory in the order the advice adds them: the cheapest in speed first.
-const SAVINGS: [Saving; 5] = [
+const SAVINGS: [Saving; 6] = [
     Saving {
         flag: "--dit-layerwise-offload",
         options: &["dit_layerwise_offload"],
@@ -321,6 +321,12 @@ const SAVINGS: [Saving; 5] = [
         options: &["vae_tiling"],
         turn_on: |o| o.vae_tiling = true,
         is_on: |o| o.vae_tiling,
+    },
+    Saving {
+        flag: "--low-activation",
+        options: &["low_activation"],
+        turn_on: |o| o.low_activation = true,
+        is_on: |o| o.low_activation,
     },
 ];
 
@@ -624,6 +630,7 @@ mod tests {
             model_cpu_offload: false,
             sequential_cpu_offload: false,
             vae_tiling: false,
+            low_activation: false,
         };
         let device = DeviceInfo {
             kind: DeviceKind::Cuda,

@@ -35,6 +35,8 @@ pub struct RunShape {
     /// Text tokens per prompt (`--max-sequence-length`).
     pub text_len: usize,
     pub vae_tiling: bool,
+    /// The DiT runs in low-activation mode (`--low-activation`).
+    pub low_activation: bool,
     /// Whether the run conditions on `--image`.
     pub image: bool,
     /// Whether the VAE decodes the latents (not with `--output-type latent`).
@@ -55,6 +57,7 @@ impl RunShape {
             width: v.width,
             text_len: g.max_sequence_length,
             vae_tiling: config.memory().vae_tiling,
+            low_activation: config.memory().low_activation,
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
             cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
@@ -93,11 +96,12 @@ pub enum FamilyOption {
     Transformer2,
     StorageDtype,
     Cache,
+    LowActivation,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 16] = [
+    pub const ALL: [FamilyOption; 17] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -114,6 +118,7 @@ impl FamilyOption {
         FamilyOption::Transformer2,
         FamilyOption::StorageDtype,
         FamilyOption::Cache,
+        FamilyOption::LowActivation,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -147,6 +152,7 @@ impl FamilyOption {
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
             FamilyOption::Cache => "--cache",
+            FamilyOption::LowActivation => "--low-activation",
         }
     }
 
@@ -187,6 +193,9 @@ impl FamilyOption {
                 "vidgen stores the Wan family's transformers in fp8 so far"
             }
             FamilyOption::Cache => "vidgen caches the Wan family's transformer steps so far",
+            FamilyOption::LowActivation => {
+                "vidgen runs the Wan family's transformer by chunks of tokens so far"
+            }
         }
     }
 
@@ -211,6 +220,7 @@ impl FamilyOption {
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
             FamilyOption::Cache => g.cache.is_some(),
+            FamilyOption::LowActivation => config.memory().low_activation,
         }
     }
 }

@@ -90,9 +90,9 @@ impl Family for WanConfigs {
         }
     }
 
-    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles and LoRAs; the
-    /// first frame where the model takes one, the low-noise expert's guidance and LoRAs where it
-    /// has two.
+    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles, LoRAs and the
+    /// low-activation DiT; the first frame where the model takes one, the low-noise expert's
+    /// guidance and LoRAs where it has two.
     fn options(&self) -> Vec<FamilyOption> {
         let mut options = FamilyOption::GUIDED.to_vec();
         options.extend([
@@ -102,6 +102,7 @@ impl Family for WanConfigs {
             FamilyOption::Lora,
             FamilyOption::StorageDtype,
             FamilyOption::Cache,
+            FamilyOption::LowActivation,
         ]);
         if self.image_input() != ImageInput::None {
             options.push(FamilyOption::Image);
@@ -368,10 +369,14 @@ impl WanConfigs {
         } else {
             latent
         };
+        // A step cache holds hidden states, and (in low-activation mode) each block's input
+        // beside the output it writes.
         let dit_activations = |cfg: &WanTransformerConfig| {
-            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
-                + (shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers) as u64
-                    * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+            let low = shape.low_activation;
+            let cached = shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers;
+            let copies = cached + usize::from(low && cached > 0);
+            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
+                + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self
@@ -761,6 +766,7 @@ impl WanT2V {
             );
         }
         let sequence = frame.config.ranks().map(|r| &r.sequence);
+        let low_activation = frame.config.memory().low_activation;
         let image = image_embeds.as_ref();
         // A fresh cache per expert: each transformer has its own hooks in diffusers.
         let expert_cfg = match (low, &self.configs.transformer_2) {
@@ -787,7 +793,16 @@ impl WanT2V {
             let mut forward = |text, pass| {
                 let step = Forward { pass, timestep: t };
                 let cache = cache.as_mut().map(|c| (c, step));
-                dit_forward(model, &input, &timestep, text, image, sequence, cache)
+                dit_forward(
+                    model,
+                    &input,
+                    &timestep,
+                    text,
+                    image,
+                    sequence,
+                    cache,
+                    low_activation,
+                )
             };
             let noise_cond = forwards.run(|| forward(cond, Pass::Cond))?;
             // diffusers combines in the transformer dtype.
@@ -847,8 +862,10 @@ impl WanT2V {
 }
 
 /// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or
-/// streamed), finish; on a rank of a sequence-parallel run (`sequence`), the blocks run on the
-/// rank's share of the tokens and their output is gathered before `finish`.
+/// streamed, in low-activation mode where `low_activation`), finish; on a rank of a
+/// sequence-parallel run (`sequence`), the blocks run on the rank's share of the tokens and
+/// their output is gathered before `finish`.
+#[allow(clippy::too_many_arguments)]
 pub fn dit_forward(
     dit: &Held<'_, WanTransformer3DModel>,
     latents: &Tensor,
@@ -857,9 +874,11 @@ pub fn dit_forward(
     image: Option<&Tensor>,
     sequence: Option<&Arc<dyn SequenceParallel>>,
     cache: Option<(&mut StepCache, Forward)>,
+    low_activation: bool,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
+    inputs.low_activation = low_activation;
     let mut share = sequence
         .map(|sp| inputs.split_sequence(sp.clone()))
         .transpose()?;
@@ -877,7 +896,8 @@ pub fn dit_forward(
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
             |block, x, hooks| block.forward_hooked(x, at, hooks),
         )?,
-        None => dit.fold_blocks(blocks, x, |block, x| block.forward(x, at))?,
+        // The fold drops each block's input as the block returns: the block may write over it.
+        None => dit.fold_blocks(blocks, x, |block, x| block.forward_owned(x.clone(), at))?,
     };
     let x = at.gather_sequence(&x)?;
     match cache {
