@@ -400,6 +400,7 @@ impl Bench {
             width,
             text_len,
             vae_tiling: false,
+            vae_tile_size: None,
             low_activation: false,
             image: false,
             decode: true,

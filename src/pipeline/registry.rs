@@ -35,6 +35,8 @@ pub struct RunShape {
     /// Text tokens per prompt (`--max-sequence-length`).
     pub text_len: usize,
     pub vae_tiling: bool,
+    /// The VAE's tiles in pixels where not its default (`--vae-tile-size`).
+    pub vae_tile_size: Option<u32>,
     /// The DiT runs in low-activation mode (`--low-activation`).
     pub low_activation: bool,
     /// Whether the run conditions on `--image`.
@@ -57,6 +59,7 @@ impl RunShape {
             width: v.width,
             text_len: g.max_sequence_length,
             vae_tiling: config.memory().vae_tiling,
+            vae_tile_size: config.memory().vae_tile_size,
             low_activation: config.memory().low_activation,
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
@@ -91,6 +94,7 @@ pub enum FamilyOption {
     DecodeTimestep,
     DecodeNoiseScale,
     VaeTiling,
+    VaeTileSize,
     Lora,
     Lora2,
     Transformer2,
@@ -101,7 +105,7 @@ pub enum FamilyOption {
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 17] = [
+    pub const ALL: [FamilyOption; 18] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -113,6 +117,7 @@ impl FamilyOption {
         FamilyOption::DecodeTimestep,
         FamilyOption::DecodeNoiseScale,
         FamilyOption::VaeTiling,
+        FamilyOption::VaeTileSize,
         FamilyOption::Lora,
         FamilyOption::Lora2,
         FamilyOption::Transformer2,
@@ -147,6 +152,7 @@ impl FamilyOption {
             FamilyOption::DecodeTimestep => "--decode-timestep",
             FamilyOption::DecodeNoiseScale => "--decode-noise-scale",
             FamilyOption::VaeTiling => "--vae-tiling",
+            FamilyOption::VaeTileSize => "--vae-tile-size",
             FamilyOption::Lora => "--lora",
             FamilyOption::Lora2 => "--lora-2",
             FamilyOption::Transformer2 => "--transformer-2",
@@ -185,6 +191,9 @@ impl FamilyOption {
                 "it conditions LTX-Video's timestep-aware VAE decoder"
             }
             FamilyOption::VaeTiling => "this model's VAE decodes without spatial tiles",
+            FamilyOption::VaeTileSize => {
+                "vidgen sizes the tiles of the Wan family's VAE so far (the others take their configs' tiles)"
+            }
             FamilyOption::Lora => "vidgen reads LoRAs for the transformers whose diffusers pipelines load them so far",
             FamilyOption::Lora2 | FamilyOption::Transformer2 => {
                 "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
@@ -215,6 +224,7 @@ impl FamilyOption {
             FamilyOption::DecodeTimestep => g.decode_timestep.is_some(),
             FamilyOption::DecodeNoiseScale => g.decode_noise_scale.is_some(),
             FamilyOption::VaeTiling => given("vae_tiling") && config.memory().vae_tiling,
+            FamilyOption::VaeTileSize => given("vae_tile_size"),
             FamilyOption::Lora => !g.loras[0].is_empty(),
             FamilyOption::Lora2 => !g.loras[1].is_empty(),
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),

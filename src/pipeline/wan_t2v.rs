@@ -90,7 +90,8 @@ impl Family for WanConfigs {
         }
     }
 
-    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles, LoRAs and the
+    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles (in tiles of
+    /// any size), LoRAs and the
     /// low-activation DiT; the first frame where the model takes one, the low-noise expert's
     /// guidance and LoRAs where it has two.
     fn options(&self) -> Vec<FamilyOption> {
@@ -99,6 +100,7 @@ impl Family for WanConfigs {
             FamilyOption::FlowShift,
             FamilyOption::Sigmas,
             FamilyOption::VaeTiling,
+            FamilyOption::VaeTileSize,
             FamilyOption::Lora,
             FamilyOption::StorageDtype,
             FamilyOption::Cache,
@@ -362,7 +364,9 @@ impl WanConfigs {
             vae,
         };
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let tiling = shape.vae_tiling.then(WanVaeTiling::default);
+        let tiling = shape
+            .vae_tiling
+            .then(|| WanVaeTiling::sized(shape.vae_tile_size));
         // What the image stage encodes: the whole video (Wan2.1 I2V) or the first frame (TI2V).
         let encoded = if self.expand_timesteps {
             [latent[0], latent[1], 1, latent[3], latent[4]]
@@ -852,7 +856,8 @@ impl WanT2V {
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&frame.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
         let video = if frame.config.memory().vae_tiling {
-            vae.decode_tiled(&z, &WanVaeTiling::default())?
+            let px = frame.config.memory().vae_tile_size;
+            vae.decode_tiled(&z, &WanVaeTiling::sized(px))?
         } else {
             vae.decode(&z)?
         };
