@@ -993,7 +993,8 @@ fn a_run_fits_itself_to_the_free_memory_keeping_what_the_user_set() {
 /// its default flags and size (81x480x832) plans to fit by adding every saving, the
 /// low-activation DiT and 128 px VAE tiles (whose caveat the override names) included, and
 /// neither alone is enough; with plenty free it runs as asked, low-activation off; with
-/// `--no-low-activation` pinned nothing fits (the run exits 2 before loading).
+/// `--no-low-activation` or `--no-vae-tiling` pinned nothing fits (the run exits 2 before
+/// loading).
 #[test]
 fn the_14b_default_run_fits_3_3_gib_free_with_the_low_activation_dit() {
     let configs = shipped("wan2.1-t2v-14b");
@@ -1033,11 +1034,11 @@ fn the_14b_default_run_fits_3_3_gib_free_with_the_low_activation_dit() {
     assert!(matches!(planner.fit(100 << 30), Fit::AsAsked));
     assert!(!config.memory().low_activation);
 
-    let pinned = resolve(&[&args[..], &["--no-low-activation"]].concat());
-    assert!(matches!(
-        Planner::new(&configs, &pinned).fit(free),
-        Fit::Nothing
-    ));
+    for pin in ["--no-low-activation", "--no-vae-tiling"] {
+        let pinned = resolve(&[&args[..], &[pin]].concat());
+        let fit = Planner::new(&configs, &pinned).fit(free);
+        assert!(matches!(fit, Fit::Nothing), "{pin}: {fit:?}");
+    }
 }
 
 /// The low-activation DiT holds the hidden states, keys and values whole and one chunk of

@@ -343,11 +343,10 @@ const SAVINGS: [Saving; 7] = [
     },
     Saving {
         flag: "--vae-tile-size 128",
-        options: &["vae_tiling", "vae_tile_size"],
-        turn_on: |o| {
-            o.vae_tiling = true;
-            o.vae_tile_size = Some(SMALL_VAE_TILE);
-        },
+        // The tiles of the VAE tiling above: with tiling off (kept by the user) they change no
+        // stage, so they are not offered.
+        options: &["vae_tile_size"],
+        turn_on: |o| o.vae_tile_size = Some(SMALL_VAE_TILE),
         is_on: |o| o.vae_tiling && o.vae_tile_size.is_some_and(|px| px <= SMALL_VAE_TILE),
         caveat: Some(
             "128 px VAE tiles blend more seams than diffusers' default 256 px tiles: the frames differ slightly",
