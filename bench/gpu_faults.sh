@@ -3,7 +3,8 @@
 #   bash bench/gpu_faults.sh PATH/TO/vidgen [KEEP_GIB]
 # 1. Another process holds all but KEEP_GIB (default 3.3) of the GPU: synthetic Wan2.1 14B with
 #    default flags plans from what is free: at 81x480x832 it takes the leaner options it prints
-#    (leaf level, lazy load, VAE tiling, the low-activation DiT, 128 px VAE tiles) and finishes;
+#    (leaf level, lazy load, VAE tiling, the low-activation DiT, synchronous copies, 128 px VAE
+#    tiles) and finishes;
 #    with --no-low-activation pinned nothing fits: exit 2 within 3 s, before loading, with advice.
 # 2. SIGTERM in the middle of denoising: exit 130 (the Ctrl-C path), no partial file, stats
 #    written; `--resume` then writes the video.

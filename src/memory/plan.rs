@@ -304,7 +304,7 @@ pub const SMALL_VAE_TILE: u32 = 128;
 
 /// The savings of device memory in the order the advice adds them: the cheapest in speed first,
 /// and those that change the frames last.
-const SAVINGS: [Saving; 7] = [
+const SAVINGS: [Saving; 8] = [
     Saving {
         flag: "--dit-layerwise-offload",
         options: &["dit_layerwise_offload"],
@@ -339,6 +339,13 @@ const SAVINGS: [Saving; 7] = [
         options: &["low_activation"],
         turn_on: |o| o.low_activation = true,
         is_on: |o| o.low_activation,
+        caveat: None,
+    },
+    Saving {
+        flag: "--no-offload-stream",
+        options: &["offload_stream"],
+        turn_on: |o| o.offload_stream = false,
+        is_on: |o| !o.offload_stream,
         caveat: None,
     },
     Saving {

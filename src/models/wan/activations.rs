@@ -12,9 +12,9 @@
 //! | 33 x 240 x 416 | | 0.65 / 0.65 | 2.02 / 2.05 |
 //! | 21 x 720 x 1280 | | 1.46 / 1.42 | tiled 1.82 / 1.67 |
 //!
-//! The low-activation DiT (`--low-activation`) is predicted at 1.13 GiB for the 14B at 81 x 480 x
-//! 832 (1.97 without it) and 128 px decode tiles at 1.45 GiB, the video's copies (not yet
-//! measured).
+//! The low-activation DiT (`--low-activation`) is predicted at 1.08 GiB for the 14B at 81 x 480 x
+//! 832 (1.97 without it) and its 128 px tiled decode at 1.09 GiB, the video's copies (neither
+//! measured yet).
 
 use super::text_encoder::UMT5Config;
 use super::transformer::{WanTransformerConfig, FFN_CHUNK, LOW_ACTIVATION_ROWS};
@@ -48,9 +48,10 @@ const LATENT_COPIES: u64 = 8;
 /// Copies of the VAE decoder's largest chunk feature map alive at once: input, norm and
 /// SiLU outputs, the conv's cached frames, per-frame outputs and their stacking.
 const DECODE_FEATURE_MAPS: u64 = 6;
-/// Copies of the decoded video alive at the end: the decoder's output, its clamp, and the
-/// pipeline's rescale to [0, 1].
-const VIDEO_COPIES: u64 = 4;
+/// Copies of the decoded video alive at the end: two at a time (the decoder's pieces and their
+/// concatenation, the output and its clamp, then each step of the pipeline's rescale to [0, 1]
+/// replacing the last), and one more as margin.
+const VIDEO_COPIES: u64 = 3;
 /// Elements of the im2col scratch one VAE conv2d may build.
 const CONV_SCRATCH_ELEMENTS: u64 = MAX_IM2COL_ELEMENTS as u64;
 /// Frames each causal conv of the VAE caches between chunks.
