@@ -162,6 +162,71 @@ fn low_activation_matches_diffusers() {
     common::assert_close("output_t937_5", &out, &r["output_t937_5"], 1e-4, 1e-4);
 }
 
+/// `--low-activation` reaches the pipeline's transformer: a tiny synthetic run over 1,280 tokens
+/// (two chunks) writes the frames of the run without it, bit for bit; another family refuses
+/// the flag (exit 2).
+#[test]
+fn the_flag_gives_the_same_frames_end_to_end() {
+    let dir = common::scratch_dir("low-activation", "e2e");
+    let frames = |extra: &[&str]| {
+        let mut args: Vec<String> = [
+            "generate",
+            "--model",
+            "synthetic:wan2.1-tiny",
+            "--prompt",
+            "a fox",
+            "--seed",
+            "1",
+            "--num-frames",
+            "17",
+            "--height",
+            "256",
+            "--width",
+            "256",
+            "--num-inference-steps",
+            "2",
+            "--device",
+            "cpu",
+            "--output-type",
+            "safetensors",
+            "--overwrite",
+            "--output-video-name",
+            "v",
+            "--output-path",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(dir.display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = common::run_vidgen(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let written = candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu);
+        written.unwrap()["frames"].clone()
+    };
+    assert!(bits(&frames(&[])) == bits(&frames(&["--low-activation"])));
+    let refused = common::run_vidgen(
+        &[
+            "generate",
+            "--model",
+            "synthetic:ltx-video",
+            "--prompt",
+            "x",
+            "--dry-run",
+        ]
+        .iter()
+        .chain(&["--low-activation"])
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>(),
+    );
+    let line = common::usage_error(&refused, "--low-activation on LTX-Video");
+    assert!(line.contains("--low-activation does not apply"), "{line}");
+}
+
 /// On CUDA in bf16 (the fused row kernels, cuBLAS, the fused attention over 9,360 keys), with
 /// seeded weights of a 128-wide head: the low-activation forward writes over the hidden states
 /// and stays within bf16 rounding of the normal one (cuBLAS may pick other kernels for a chunk's
