@@ -113,7 +113,7 @@ fn main() -> Result<()> {
                     ))
                 },
                 |held: &Held<'_, WanTransformer3DModel>, (latents, t, text)| {
-                    Ok(dit_forward(held, latents, t, text, None, None, None)?)
+                    Ok(dit_forward(held, latents, t, text, None, None, None, false)?)
                 },
             )
         }
@@ -400,6 +400,8 @@ impl Bench {
             width,
             text_len,
             vae_tiling: false,
+            vae_tile_size: None,
+            low_activation: false,
             image: false,
             decode: true,
             cache_states: (0, 0),

@@ -147,7 +147,7 @@ fn the_pipeline_runs_a_sharded_dit_with_and_without_sequence_parallelism() {
             let sp: Arc<dyn vidgen::models::sequence_parallel::SequenceParallel> =
                 Arc::new(Ulysses::new(group));
             let sequence = split_sequence.then_some(&sp);
-            dit_forward(&held, latents, t, text, None, sequence, None).unwrap()
+            dit_forward(&held, latents, t, text, None, sequence, None, false).unwrap()
         });
         for (rank, out) in outs.iter().enumerate() {
             let diff = common::max_abs_diff(out, &want);

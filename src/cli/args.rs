@@ -234,6 +234,15 @@ pub struct GenerateOptions {
     /// Decode the VAE in spatial tiles (less memory).
     #[arg(long = "[no-]vae-tiling", alias = "vae-tiling", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub vae_tiling: bool,
+    /// With --vae-tiling: tiles of PX pixels every 3/4 PX, as diffusers' `enable_tiling` with
+    /// these sizes (a multiple of 64; smaller tiles hold less memory and blend more seams: the
+    /// frames differ slightly) [default: 256, every 192] (Wan family).
+    #[arg(long, help_heading = "Generation", value_name = "PX", value_parser = parse_tile_size)]
+    pub vae_tile_size: Option<u32>,
+    /// Run the transformer's blocks by chunks of tokens written over the hidden states: a
+    /// fraction of the activation memory, the same frames, a little slower (Wan family).
+    #[arg(long = "[no-]low-activation", alias = "low-activation", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub low_activation: bool,
 
     // ----- output -----
     /// Folder the outputs are written to.
@@ -351,6 +360,17 @@ impl std::str::FromStr for Tristate {
 pub enum ComputeDevice {
     Gpu,
     Cpu,
+}
+
+/// Parses `--vae-tile-size`: pixels, a multiple of 64 (so that three quarters of it is whole
+/// latents of every Wan VAE) from 64 to 4096.
+fn parse_tile_size(text: &str) -> Result<u32, String> {
+    match text.trim().parse::<u32>() {
+        Ok(px) if px % 64 == 0 && (64..=4096).contains(&px) => Ok(px),
+        _ => Err(format!(
+            "'{text}' is not a tile size: pixels, a multiple of 64 from 64 to 4096 (e.g. 128)"
+        )),
+    }
 }
 
 /// Parses a byte size: a number with an optional unit (B, K/KB/KiB, M/MB/MiB, G/GB/GiB,

@@ -244,6 +244,8 @@ pub fn memory_options(o: &GenerateOptions) -> MemoryOptions {
         model_cpu_offload: o.model_cpu_offload,
         sequential_cpu_offload: o.sequential_cpu_offload,
         vae_tiling: o.vae_tiling,
+        vae_tile_size: o.vae_tile_size,
+        low_activation: o.low_activation,
     }
 }
 
@@ -362,6 +364,11 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
                 "--flow-shift {shift} must be a positive number (Wan uses 3.0 at 480p, 5.0 at 720p)"
             )));
         }
+    }
+    if let (Some(px), false) = (o.vae_tile_size, o.vae_tiling) {
+        return Err(UsageError::new(format!(
+            "--vae-tile-size {px} sizes the tiles of --vae-tiling, which is off; add --vae-tiling"
+        )));
     }
     if o.resume && o.overwrite {
         return Err(UsageError::new(

@@ -40,6 +40,12 @@ pub struct MemoryOptions {
     pub sequential_cpu_offload: bool,
     /// The VAE decodes in spatial tiles.
     pub vae_tiling: bool,
+    /// Tiles of this many pixels (every three quarters of it) instead of the VAE's default
+    /// (the Wan family; with `vae_tiling`).
+    pub vae_tile_size: Option<u32>,
+    /// The DiT's blocks run by chunks of tokens written over the hidden states: less activation
+    /// memory, the same arithmetic per token (the Wan family).
+    pub low_activation: bool,
 }
 
 impl MemoryOptions {

@@ -273,12 +273,14 @@ pub struct Candidate {
 }
 
 /// A memory saving the advice can add: its flag, the options it sets or overrules (as `given`
-/// names them), how to turn it on and whether it is on.
+/// names them), how to turn it on and whether it is on, and what it changes in the output
+/// beside the memory, if anything.
 struct Saving {
     flag: &'static str,
     options: &'static [&'static str],
     turn_on: fn(&mut MemoryOptions),
     is_on: fn(&MemoryOptions) -> bool,
+    caveat: Option<&'static str>,
 }
 
 impl Saving {
@@ -293,27 +295,36 @@ const LAZY_LOAD: Saving = Saving {
     options: &["lazy_module_load"],
     turn_on: |o| o.lazy_module_load = Some(true),
     is_on: |o| o.lazy(),
+    caveat: None,
 };
 
-/// The savings of device memory in the order the advice adds them: the cheapest in speed first.
-const SAVINGS: [Saving; 5] = [
+/// The VAE tiles (pixels) the last saving decodes in: half diffusers' default, the same
+/// overlap ratio.
+pub const SMALL_VAE_TILE: u32 = 128;
+
+/// The savings of device memory in the order the advice adds them: the cheapest in speed first,
+/// and those that change the frames last.
+const SAVINGS: [Saving; 8] = [
     Saving {
         flag: "--dit-layerwise-offload",
         options: &["dit_layerwise_offload"],
         turn_on: |o| o.dit_layerwise_offload = true,
         is_on: |o| o.dit_layerwise_offload,
+        caveat: None,
     },
     Saving {
         flag: "--offload-type leaf-level",
         options: &["offload_type"],
         turn_on: |o| o.leaf_level = true,
         is_on: |o| o.leaf_level,
+        caveat: None,
     },
     Saving {
         flag: "--text-encoder-cpu-offload",
         options: &["text_encoder_cpu_offload"],
         turn_on: |o| o.text_encoder_cpu_offload = true,
         is_on: |o| o.text_encoder_cpu_offload,
+        caveat: None,
     },
     LAZY_LOAD,
     Saving {
@@ -321,6 +332,32 @@ const SAVINGS: [Saving; 5] = [
         options: &["vae_tiling"],
         turn_on: |o| o.vae_tiling = true,
         is_on: |o| o.vae_tiling,
+        caveat: None,
+    },
+    Saving {
+        flag: "--low-activation",
+        options: &["low_activation"],
+        turn_on: |o| o.low_activation = true,
+        is_on: |o| o.low_activation,
+        caveat: None,
+    },
+    Saving {
+        flag: "--no-offload-stream",
+        options: &["offload_stream"],
+        turn_on: |o| o.offload_stream = false,
+        is_on: |o| !o.offload_stream,
+        caveat: None,
+    },
+    Saving {
+        flag: "--vae-tile-size 128",
+        // The tiles of the VAE tiling above: with tiling off (kept by the user) they change no
+        // stage, so they are not offered.
+        options: &["vae_tile_size"],
+        turn_on: |o| o.vae_tile_size = Some(SMALL_VAE_TILE),
+        is_on: |o| o.vae_tiling && o.vae_tile_size.is_some_and(|px| px <= SMALL_VAE_TILE),
+        caveat: Some(
+            "128 px VAE tiles blend more seams than diffusers' default 256 px tiles: the frames differ slightly",
+        ),
     },
 ];
 
@@ -329,6 +366,7 @@ const SEQUENTIAL_LOAD: Saving = Saving {
     options: &["h3_sequential_load"],
     turn_on: |o| o.h3_sequential_load = Some(true),
     is_on: |o| o.sequential(),
+    caveat: None,
 };
 
 /// The pinned staging ring a host too small to pin every offloaded weight gets: the size the
@@ -340,6 +378,7 @@ const BOUNDED_PINNED: Saving = Saving {
     options: &["max_pinned_memory", "pin_cpu_memory"],
     turn_on: |o| o.max_pinned_memory = Some(BOUNDED_PINNED_BYTES),
     is_on: |o| o.max_pinned_memory.is_some(),
+    caveat: None,
 };
 
 /// The option sets that lower what a run holds in host memory, the cheapest in speed first:
@@ -444,6 +483,16 @@ pub fn candidates(
         }
     }
     out
+}
+
+/// What the savings that turn the options `from` into `to` change in the output beside the
+/// memory.
+pub fn caveats(from: &MemoryOptions, to: &MemoryOptions) -> Vec<&'static str> {
+    SAVINGS
+        .iter()
+        .filter(|s| (s.is_on)(to) && !(s.is_on)(from))
+        .filter_map(|s| s.caveat)
+        .collect()
 }
 
 /// The flags that turn `from` into `to`, among those the advice changes.
@@ -624,6 +673,8 @@ mod tests {
             model_cpu_offload: false,
             sequential_cpu_offload: false,
             vae_tiling: false,
+            vae_tile_size: None,
+            low_activation: false,
         };
         let device = DeviceInfo {
             kind: DeviceKind::Cuda,

@@ -300,7 +300,8 @@ fn fit_to_host(family: &dyn Family, config: ResolvedConfig, stop: bool) -> Resul
 
 /// `config` with the leaner memory options of `candidate`, the change recorded as overrides
 /// with why: the `budget`, and the `peak` (its name, how a plan describes it) the memory plan
-/// predicts for the options asked (`asked`) and for the candidate's.
+/// predicts for the options asked (`asked`) and for the candidate's, and what the change does to
+/// the output beside the memory.
 fn with_leaner(
     config: ResolvedConfig,
     candidate: &memory_plan::Candidate,
@@ -308,11 +309,13 @@ fn with_leaner(
     (peak, describe): (&str, impl Fn(&MemoryPlan) -> String),
     asked: &MemoryPlan,
 ) -> ResolvedConfig {
+    let caveats = memory_plan::caveats(config.memory(), &candidate.request.options);
     let reason = format!(
-        "{budget}; the memory plan predicts a {peak} of {} for the options asked, {} with {}",
+        "{budget}; the memory plan predicts a {peak} of {} for the options asked, {} with {}{}",
         describe(asked),
         describe(&candidate.plan),
-        candidate.flags.join(" ")
+        candidate.flags.join(" "),
+        caveats.iter().map(|c| format!("; {c}")).collect::<String>()
     );
     config.with_memory_options(candidate.request.options.clone(), &reason)
 }

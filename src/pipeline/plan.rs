@@ -77,6 +77,8 @@ impl<'a> Planner<'a> {
         RunShape {
             num_frames: request.num_frames,
             vae_tiling: request.options.vae_tiling,
+            vae_tile_size: request.options.vae_tile_size,
+            low_activation: request.options.low_activation,
             ..RunShape::of(self.config)
         }
     }

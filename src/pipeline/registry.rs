@@ -35,6 +35,10 @@ pub struct RunShape {
     /// Text tokens per prompt (`--max-sequence-length`).
     pub text_len: usize,
     pub vae_tiling: bool,
+    /// The VAE's tiles in pixels where not its default (`--vae-tile-size`).
+    pub vae_tile_size: Option<u32>,
+    /// The DiT runs in low-activation mode (`--low-activation`).
+    pub low_activation: bool,
     /// Whether the run conditions on `--image`.
     pub image: bool,
     /// Whether the VAE decodes the latents (not with `--output-type latent`).
@@ -55,6 +59,8 @@ impl RunShape {
             width: v.width,
             text_len: g.max_sequence_length,
             vae_tiling: config.memory().vae_tiling,
+            vae_tile_size: config.memory().vae_tile_size,
+            low_activation: config.memory().low_activation,
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
             cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
@@ -88,16 +94,18 @@ pub enum FamilyOption {
     DecodeTimestep,
     DecodeNoiseScale,
     VaeTiling,
+    VaeTileSize,
     Lora,
     Lora2,
     Transformer2,
     StorageDtype,
     Cache,
+    LowActivation,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 16] = [
+    pub const ALL: [FamilyOption; 18] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -109,11 +117,13 @@ impl FamilyOption {
         FamilyOption::DecodeTimestep,
         FamilyOption::DecodeNoiseScale,
         FamilyOption::VaeTiling,
+        FamilyOption::VaeTileSize,
         FamilyOption::Lora,
         FamilyOption::Lora2,
         FamilyOption::Transformer2,
         FamilyOption::StorageDtype,
         FamilyOption::Cache,
+        FamilyOption::LowActivation,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -137,11 +147,13 @@ impl FamilyOption {
             FamilyOption::DecodeTimestep => "--decode-timestep",
             FamilyOption::DecodeNoiseScale => "--decode-noise-scale",
             FamilyOption::VaeTiling => "--vae-tiling",
+            FamilyOption::VaeTileSize => "--vae-tile-size",
             FamilyOption::Lora => "--lora",
             FamilyOption::Lora2 => "--lora-2",
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
             FamilyOption::Cache => "--cache",
+            FamilyOption::LowActivation => "--low-activation",
         }
     }
 
@@ -174,6 +186,9 @@ impl FamilyOption {
                 "it conditions LTX-Video's timestep-aware VAE decoder"
             }
             FamilyOption::VaeTiling => "this model's VAE decodes without spatial tiles",
+            FamilyOption::VaeTileSize => {
+                "vidgen sizes the tiles of the Wan family's VAE so far (the others take their configs' tiles)"
+            }
             FamilyOption::Lora => "vidgen reads LoRAs for the transformers whose diffusers pipelines load them so far",
             FamilyOption::Lora2 | FamilyOption::Transformer2 => {
                 "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
@@ -182,6 +197,9 @@ impl FamilyOption {
                 "vidgen stores the Wan family's transformers in fp8 so far"
             }
             FamilyOption::Cache => "vidgen caches the Wan family's transformer steps so far",
+            FamilyOption::LowActivation => {
+                "vidgen runs the Wan family's transformer by chunks of tokens so far"
+            }
         }
     }
 
@@ -201,11 +219,13 @@ impl FamilyOption {
             FamilyOption::DecodeTimestep => g.decode_timestep.is_some(),
             FamilyOption::DecodeNoiseScale => g.decode_noise_scale.is_some(),
             FamilyOption::VaeTiling => given("vae_tiling") && config.memory().vae_tiling,
+            FamilyOption::VaeTileSize => given("vae_tile_size"),
             FamilyOption::Lora => !g.loras[0].is_empty(),
             FamilyOption::Lora2 => !g.loras[1].is_empty(),
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
             FamilyOption::Cache => g.cache.is_some(),
+            FamilyOption::LowActivation => config.memory().low_activation,
         }
     }
 }

@@ -9,8 +9,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, GuidanceScale2, Image, Lora, Lora2, Sigmas, StorageDtype, Transformer2,
-    VaeTiling,
+    Cache, FlowShift, GuidanceScale2, Image, Lora, Lora2, LowActivation, Sigmas, StorageDtype,
+    Transformer2, VaeTileSize, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
@@ -78,8 +78,8 @@ pub fn read(configs: Configs) -> Result<Box<dyn Family>> {
 }
 
 impl Family for WanConfigs {
-    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles and LoRAs; the
-    /// first frame where the model takes one, the low-noise expert's guidance and LoRAs where it
+    /// Classifier-free guidance, a flow shift and custom sigmas, a VAE that tiles (in tiles of
+    /// any size), LoRAs and the low-activation DiT; the first frame where the model takes one, the low-noise expert's guidance and LoRAs where it
     /// has two. Wan2.2 TI2V-5B's published size and rate (704x1280, 121 frames at 24 fps); the
     /// others take diffusers' call defaults, which are vidgen's.
     fn about(&self) -> About {
@@ -91,7 +91,16 @@ impl Family for WanConfigs {
             (false, false, true) => "Wan2.1 image-to-video",
             (false, false, false) => "Wan2.1 text-to-video",
         };
-        let mut options = vec![FlowShift, Sigmas, VaeTiling, Lora, StorageDtype, Cache];
+        let mut options = vec![
+            FlowShift,
+            Sigmas,
+            VaeTiling,
+            VaeTileSize,
+            Lora,
+            StorageDtype,
+            Cache,
+            LowActivation,
+        ];
         if self.image_input() != ImageInput::None {
             options.push(Image);
         }
@@ -339,17 +348,23 @@ impl WanConfigs {
             vae,
         };
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        let tiling = shape.vae_tiling.then(WanVaeTiling::default);
+        let tiling = shape
+            .vae_tiling
+            .then(|| WanVaeTiling::sized(shape.vae_tile_size));
         // What the image stage encodes: the whole video (Wan2.1 I2V) or the first frame (TI2V).
         let encoded = if self.expand_timesteps {
             [latent[0], latent[1], 1, latent[3], latent[4]]
         } else {
             latent
         };
+        // A step cache holds hidden states, and (in low-activation mode) each block's input
+        // beside the output it writes.
         let dit_activations = |cfg: &WanTransformerConfig| {
-            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype)
-                + (shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers) as u64
-                    * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+            let low = shape.low_activation;
+            let cached = shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers;
+            let copies = cached + usize::from(low && cached > 0);
+            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
+                + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self
@@ -739,6 +754,7 @@ impl WanT2V {
             );
         }
         let sequence = frame.config.ranks().map(|r| &r.sequence);
+        let low_activation = frame.config.memory().low_activation;
         let image = image_embeds.as_ref();
         // A fresh cache per expert: each transformer has its own hooks in diffusers.
         let expert_cfg = match (low, &self.configs.transformer_2) {
@@ -765,7 +781,16 @@ impl WanT2V {
             let mut forward = |text, pass| {
                 let step = Forward { pass, timestep: t };
                 let cache = cache.as_mut().map(|c| (c, step));
-                dit_forward(model, &input, &timestep, text, image, sequence, cache)
+                dit_forward(
+                    model,
+                    &input,
+                    &timestep,
+                    text,
+                    image,
+                    sequence,
+                    cache,
+                    low_activation,
+                )
             };
             let noise_cond = forwards.run(|| forward(cond, Pass::Cond))?;
             // diffusers combines in the transformer dtype.
@@ -815,7 +840,8 @@ impl WanT2V {
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&frame.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
         let video = if frame.config.memory().vae_tiling {
-            vae.decode_tiled(&z, &WanVaeTiling::default())?
+            let px = frame.config.memory().vae_tile_size;
+            vae.decode_tiled(&z, &WanVaeTiling::sized(px))?
         } else {
             vae.decode(&z)?
         };
@@ -825,8 +851,10 @@ impl WanT2V {
 }
 
 /// One DiT forward (with the CLIP image tokens of Wan2.1 I2V): prepare, the blocks (resident or
-/// streamed), finish; on a rank of a sequence-parallel run (`sequence`), the blocks run on the
-/// rank's share of the tokens and their output is gathered before `finish`.
+/// streamed, in low-activation mode where `low_activation`), finish; on a rank of a
+/// sequence-parallel run (`sequence`), the blocks run on the rank's share of the tokens and
+/// their output is gathered before `finish`.
+#[allow(clippy::too_many_arguments)]
 pub fn dit_forward(
     dit: &Held<'_, WanTransformer3DModel>,
     latents: &Tensor,
@@ -835,9 +863,11 @@ pub fn dit_forward(
     image: Option<&Tensor>,
     sequence: Option<&Arc<dyn SequenceParallel>>,
     cache: Option<(&mut StepCache, Forward)>,
+    low_activation: bool,
 ) -> candle_core::Result<Tensor> {
     let model = dit.model();
     let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
+    inputs.low_activation = low_activation;
     let mut share = sequence
         .map(|sp| inputs.split_sequence(sp.clone()))
         .transpose()?;
@@ -855,7 +885,8 @@ pub fn dit_forward(
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
             |block, x, hooks| block.forward_hooked(x, at, hooks),
         )?,
-        None => dit.fold_blocks(blocks, x, |block, x| block.forward(x, at))?,
+        // The fold drops each block's input as the block returns: the block may write over it.
+        None => dit.fold_blocks(blocks, x, |block, x| block.forward_owned(x.clone(), at))?,
     };
     let x = at.gather_sequence(&x)?;
     match cache {

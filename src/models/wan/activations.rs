@@ -11,9 +11,13 @@
 //! | 49 x 320 x 576 | | 0.88 / 0.86 | 3.56 / 3.58 |
 //! | 33 x 240 x 416 | | 0.65 / 0.65 | 2.02 / 2.05 |
 //! | 21 x 720 x 1280 | | 1.46 / 1.42 | tiled 1.82 / 1.67 |
+//!
+//! The low-activation DiT (`--low-activation`) is predicted at 1.08 GiB for the 14B at 81 x 480 x
+//! 832 (1.97 without it) and its 128 px tiled decode at 1.09 GiB, the video's copies (neither
+//! measured yet).
 
 use super::text_encoder::UMT5Config;
-use super::transformer::{WanTransformerConfig, FFN_CHUNK};
+use super::transformer::{WanTransformerConfig, FFN_CHUNK, LOW_ACTIVATION_ROWS};
 use super::vae::blocks::{CACHE_T, MAX_IM2COL_ELEMENTS};
 use super::vae::{WanVaeConfig, WanVaeTiling};
 use crate::models::attention::MAX_SCORE_ELEMENTS;
@@ -31,15 +35,23 @@ const ATTENTION_HIDDEN_COPIES: u64 = 6;
 /// Copies alive in the feed-forward, besides one token chunk's intermediate: the block's
 /// hidden states (chunks are written back into them) and one chunk's norm and output.
 const FFN_HIDDEN_COPIES: u64 = 2;
+/// Copies of the hidden states alive in low-activation mode: the hidden states the blocks
+/// write over, and the self-attention's keys and values (the output norm before `proj_out`
+/// holds two).
+const LOW_ACTIVATION_HIDDEN_COPIES: u64 = 3;
+/// `[chunk, inner]` tensors of one chunk of a low-activation attention alive at once: its
+/// norm, queries, attention output and that output token-major, and the projection.
+const LOW_ACTIVATION_CHUNK_COPIES: u64 = 5;
 /// f32 copies of the latents alive while denoising: latents, model input, both noise
 /// predictions and the scheduler's history.
 const LATENT_COPIES: u64 = 8;
 /// Copies of the VAE decoder's largest chunk feature map alive at once: input, norm and
 /// SiLU outputs, the conv's cached frames, per-frame outputs and their stacking.
 const DECODE_FEATURE_MAPS: u64 = 6;
-/// Copies of the decoded video alive at the end: the decoder's output, its clamp, and the
-/// pipeline's rescale to [0, 1].
-const VIDEO_COPIES: u64 = 4;
+/// Copies of the decoded video alive at the end: two at a time (the decoder's pieces and their
+/// concatenation, the output and its clamp, then each step of the pipeline's rescale to [0, 1]
+/// replacing the last), and one more as margin.
+const VIDEO_COPIES: u64 = 3;
 /// Elements of the im2col scratch one VAE conv2d may build.
 const CONV_SCRATCH_ELEMENTS: u64 = MAX_IM2COL_ELEMENTS as u64;
 /// Frames each causal conv of the VAE caches between chunks.
@@ -89,13 +101,15 @@ pub fn hidden_state_bytes(cfg: &WanTransformerConfig, latent: [usize; 5], dtype:
 }
 
 /// Peak activation bytes of one DiT forward on `latent` `[1, C, F, H, W]` with `text_len`
-/// text tokens: the larger of the self-attention and feed-forward peaks of a block, plus
-/// the RoPE tables, latents and text context that live through the whole forward.
+/// text tokens, in low-activation mode where `low_activation`: the larger of the
+/// self-attention and feed-forward peaks of a block, plus the RoPE tables, latents and text
+/// context that live through the whole forward.
 pub fn transformer_activations(
     cfg: &WanTransformerConfig,
     latent: [usize; 5],
     text_len: usize,
     dtype: DType,
+    low_activation: bool,
 ) -> u64 {
     let s = dtype.size_in_bytes() as u64;
     let [_, c, f, h, w] = latent;
@@ -105,14 +119,28 @@ pub fn transformer_activations(
     let text_len = text_len as u64;
     let hidden = tokens * d * s;
     // The fused CUDA attention (bf16/f16) materialises no scores; f32 takes the chunked path.
-    let scores = if matches!(dtype, DType::BF16 | DType::F16) {
-        0
-    } else {
-        score_chunk(heads, tokens, tokens).max(score_chunk(heads, tokens, text_len)) * s
+    let scores = |queries: u64| {
+        if matches!(dtype, DType::BF16 | DType::F16) {
+            0
+        } else {
+            score_chunk(heads, queries, tokens).max(score_chunk(heads, queries, text_len)) * s
+        }
     };
-    let attention = ATTENTION_HIDDEN_COPIES * hidden + 2 * scores;
-    let chunk = tokens.min(FFN_CHUNK as u64);
-    let ffn = FFN_HIDDEN_COPIES * hidden + chunk * (cfg.ffn_dim as u64 + 2 * d) * s;
+    let ffn_chunk = |chunk: u64| chunk * (cfg.ffn_dim as u64 + 2 * d) * s;
+    let (attention, ffn) = if low_activation {
+        let chunk = tokens.min(LOW_ACTIVATION_ROWS as u64);
+        (
+            LOW_ACTIVATION_HIDDEN_COPIES * hidden
+                + LOW_ACTIVATION_CHUNK_COPIES * chunk * d * s
+                + 2 * scores(chunk),
+            hidden + ffn_chunk(chunk),
+        )
+    } else {
+        (
+            ATTENTION_HIDDEN_COPIES * hidden + 2 * scores(tokens),
+            FFN_HIDDEN_COPIES * hidden + ffn_chunk(tokens.min(FFN_CHUNK as u64)),
+        )
+    };
     let rope = 2 * tokens * (cfg.attention_head_dim / 2) as u64 * F32;
     let latents = LATENT_COPIES * (c * f * h * w) as u64 * F32;
     let text = 2 * text_len * cfg.text_dim as u64 * s + text_len * d * s;

@@ -39,6 +39,12 @@ use crate::models::row_ops;
 /// to a few hundred MB instead of ~1.8 GB at 14B and 480x832x81.
 pub const FFN_CHUNK: usize = 8192;
 
+/// Rows per chunk in low-activation mode ([`BlockInputs::low_activation`]): every step of a
+/// block runs over chunks of this many tokens, so besides the hidden states, keys and values
+/// only a chunk's intermediates exist (~50 MB at 14B instead of ~1.6 GB), while a chunk's
+/// matrix products and attention still fill an H200 (1024 queries x 40 heads).
+pub const LOW_ACTIVATION_ROWS: usize = 1024;
+
 /// diffusers' names of the modules a step cache hooks: `blocks.N`, `blocks.N.attn1`, `.attn2`,
 /// `.ffn` and `proj_out` (the columns of `--cache`'s record, the names its patterns match).
 pub const CACHE_NAMES: ModuleNames = ModuleNames::DIFFUSERS;
@@ -283,6 +289,12 @@ pub struct BlockInputs {
     /// Set on one rank's share of a sequence split across ranks ([`Self::split_sequence`]):
     /// self-attention goes through it.
     pub sequence: Option<Arc<dyn SequenceParallel>>,
+    /// Low-activation mode (`--low-activation`): every step of a block runs by chunks of
+    /// [`LOW_ACTIVATION_ROWS`] tokens written over the hidden states, so that only they, the
+    /// self-attention's keys and values and one chunk's intermediates exist at once; the same
+    /// arithmetic per row as the whole tensors. A rank of a split sequence attends whole (its
+    /// all-to-all needs every query).
+    pub low_activation: bool,
 }
 
 impl BlockInputs {
@@ -601,6 +613,32 @@ fn residual(
     sum.reshape((rows, dim))?.to_dtype(res.dtype())
 }
 
+/// [`residual`] without a gate written over `res` (rows of hidden states the caller owns) where
+/// the fused kernel computes it: `None`. Otherwise the sum, for the caller to store.
+fn residual_over(
+    res: &Tensor,
+    delta: Tensor,
+    bias: Option<&Tensor>,
+    at: Rows,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if row_ops::supported(&delta) && res.is_contiguous() {
+        row_ops::residual_over(res, &delta, bias, None, at.kernel())?;
+        return Ok(None);
+    }
+    residual(res, delta, bias, None, at).map(Some)
+}
+
+/// The chunks `(row0, rows)` of at most `chunk` rows of `[batch * seq]` hidden states, none
+/// across batch entries.
+fn row_chunks(batch: usize, seq: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..batch).flat_map(move |b| {
+        (0..seq)
+            .step_by(chunk)
+            .map(move |start| (b * seq + start, chunk.min(seq - start)))
+    })
+}
+
 /// `x @ W^T` of a Linear without its bias, for `x` `[rows, in]`: the fused ops add the bias.
 fn matmul_t(x: &Tensor, linear: &Linear) -> Result<Tensor> {
     x.matmul(&linear.weight().t()?)
@@ -764,17 +802,26 @@ impl WanAttention {
         };
         // Interleaved-pair rotation computed in f32 (as diffusers does), cast back.
         let (rows, dim) = x.dims2()?;
-        let (groups, per) = if at.row0 == 0 && rows.is_multiple_of(at.seq) {
-            (rows / at.seq, at.seq)
+        let first = at.row0 % at.seq;
+        let (groups, per, cos, sin) = if at.row0 == 0 && rows.is_multiple_of(at.seq) {
+            (rows / at.seq, at.seq, cos.clone(), sin.clone())
+        } else if first + rows <= at.seq {
+            // A chunk inside one sequence: its positions' rows of the tables.
+            (
+                1,
+                rows,
+                cos.narrow(0, first, rows)?,
+                sin.narrow(0, first, rows)?,
+            )
         } else {
-            candle_core::bail!("RoPE needs whole sequences, got rows {}..+{rows}", at.row0)
+            candle_core::bail!("RoPE rows {}..+{rows} straddle sequences", at.row0)
         };
         let heads = x
             .reshape((groups, per, self.heads, self.head_dim))?
             .transpose(1, 2)?
             .contiguous()?
             .to_dtype(DType::F32)?;
-        candle_nn::rotary_emb::rope_i(&heads, cos, sin)?
+        candle_nn::rotary_emb::rope_i(&heads, &cos, &sin)?
             .to_dtype(x.dtype())?
             .transpose(1, 2)?
             .reshape((rows, dim))
@@ -839,22 +886,8 @@ impl WanAttention {
             _ => sdpa(&q, &k, &v, scale)?,
         };
         drop((k, v));
-        let image = context.and_then(|c| c.image);
-        match (&self.added, image) {
-            (Some(added), Some(image)) => {
-                let (k, v, n) = self.context_kv(
-                    image,
-                    (&added.add_k_proj, &added.norm_added_k, &added.add_v_proj),
-                )?;
-                out = (out + sdpa(&q, &split(k, n)?, &split(v, n)?, scale)?)?;
-            }
-            (Some(_), None) if context.is_some() => {
-                candle_core::bail!("image-to-video cross-attention needs the image tokens")
-            }
-            (None, Some(_)) => {
-                candle_core::bail!("image tokens given to a cross-attention without image branch")
-            }
-            _ => {}
+        if let Some((k, v, n)) = self.image_kv(context)? {
+            out = (out + sdpa(&q, &split(k, n)?, &split(v, n)?, scale)?)?;
         }
         // Only the output is still needed: q, k and v (each as large as the hidden states) go
         // before `to_out` allocates, which keeps the block's peak at x, q, k, v and the output.
@@ -864,6 +897,90 @@ impl WanAttention {
             heads.transpose(1, 2)?.reshape((rows, dim))?
         };
         matmul_t(&out, &self.to_out)
+    }
+
+    /// Keys and values `[batch * n, inner]` of the image tokens of a cross `context` through the
+    /// image branch; `None` without image tokens (refused where the branch and the tokens do
+    /// not go together).
+    fn image_kv(&self, context: Option<CrossContext>) -> Result<Option<(Tensor, Tensor, usize)>> {
+        match (&self.added, context.and_then(|c| c.image)) {
+            (Some(added), Some(image)) => self
+                .context_kv(
+                    image,
+                    (&added.add_k_proj, &added.norm_added_k, &added.add_v_proj),
+                )
+                .map(Some),
+            (Some(_), None) if context.is_some() => {
+                candle_core::bail!("image-to-video cross-attention needs the image tokens")
+            }
+            (None, Some(_)) => {
+                candle_core::bail!("image tokens given to a cross-attention without image branch")
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// [`Self::forward`] in low-activation mode, by chunks of [`LOW_ACTIVATION_ROWS`] rows of
+    /// `x` `[batch * seq, inner]`, the block's hidden states: `norm` makes a chunk's input from
+    /// its rows; self-attention's keys and values are made chunk by chunk into whole tensors
+    /// first, then each chunk of queries attends and `write` gets the chunk's rows of `x` and
+    /// their output before `to_out`'s bias (it may write over those rows: nothing reads them
+    /// again). Only `x`, the keys and the values exist whole; each row's arithmetic is
+    /// [`Self::forward`]'s.
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        batch: usize,
+        norm: &dyn Fn(&Tensor, Rows) -> Result<Tensor>,
+        (context, rope): (Option<CrossContext>, Option<(&Tensor, &Tensor)>),
+        write: &mut dyn FnMut(&Tensor, Tensor, Rows) -> Result<()>,
+    ) -> Result<()> {
+        let (rows, dim) = x.dims2()?;
+        let seq = rows / batch;
+        let chunks = || row_chunks(batch, seq, LOW_ACTIVATION_ROWS);
+        let split = |t: Tensor, n: usize| {
+            t.reshape(((), n, self.heads, self.head_dim))?
+                .transpose(1, 2)
+        };
+        let (k, v, kv_len) = match context {
+            None => {
+                let k = Tensor::zeros((rows, dim), x.dtype(), x.device())?;
+                let v = k.zeros_like()?;
+                for (row0, len) in chunks() {
+                    let at = Rows { row0, seq };
+                    let h = norm(&x.narrow(0, row0, len)?, at)?;
+                    let kc = matmul_t(&h, &self.to_k)?;
+                    let kc = self.norm_rope(kc, &self.to_k, &self.norm_k, rope, at)?;
+                    k.slice_set(&kc, 0, row0)?;
+                    v.slice_set(&linear_act(&h, &self.to_v, false)?, 0, row0)?;
+                }
+                (k, v, seq)
+            }
+            Some(context) => {
+                self.context_kv(context.text, (&self.to_k, &self.norm_k, &self.to_v))?
+            }
+        };
+        let (k, v) = (split(k, kv_len)?, split(v, kv_len)?);
+        let image = match self.image_kv(context)? {
+            Some((k, v, n)) => Some((split(k, n)?, split(v, n)?)),
+            None => None,
+        };
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        for (row0, len) in chunks() {
+            let at = Rows { row0, seq };
+            let entry = |t: &Tensor| t.narrow(0, row0 / seq, 1);
+            let rows_x = x.narrow(0, row0, len)?;
+            let q = matmul_t(&norm(&rows_x, at)?, &self.to_q)?;
+            let q = split(self.norm_rope(q, &self.to_q, &self.norm_q, rope, at)?, len)?;
+            let mut out = sdpa(&q, &entry(&k)?, &entry(&v)?, scale)?;
+            if let Some((k, v)) = &image {
+                out = (out + sdpa(&q, &entry(k)?, &entry(v)?, scale)?)?;
+            }
+            drop(q);
+            let out = out.transpose(1, 2)?.reshape((len, dim))?;
+            write(&rows_x, matmul_t(&out, &self.to_out)?, at)?;
+        }
+        Ok(())
     }
 }
 
@@ -961,6 +1078,13 @@ impl WanTransformerBlock {
         self.forward_hooked(x, inputs, &mut ComputeAll)
     }
 
+    /// [`Self::forward`] on hidden states the caller gives up: in low-activation mode
+    /// ([`BlockInputs::low_activation`]) the block writes its output over `x`'s storage, so the
+    /// hidden states exist once (the caller holds no other view of them that it reads again).
+    pub fn forward_owned(&self, x: Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.run(x, true, inputs, &mut ComputeAll)
+    }
+
     /// [`Self::forward`], asking `hooks` (a step cache) for the self- and cross-attention
     /// outputs (before their output bias, which the residual adds).
     pub fn forward_hooked(
@@ -969,8 +1093,21 @@ impl WanTransformerBlock {
         inputs: &BlockInputs,
         hooks: &mut dyn BlockHooks,
     ) -> Result<Tensor> {
+        self.run(x.clone(), false, inputs, hooks)
+    }
+
+    /// The block on `x`, whose storage is the block's to write where `owned` and in
+    /// low-activation mode (else the first step that writes in place writes into a copy).
+    fn run(
+        &self,
+        x: Tensor,
+        owned: bool,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         let (batch, seq, dim) = x.dims3()?;
         let all = Rows { row0: 0, seq };
+        let low = inputs.low_activation && inputs.sequence.is_none();
         // (scale_shift_table + temb.float()).chunk(6): shift, scale, gate, c_shift, c_scale,
         // c_gate, each [entries, inner] f32 (an entry per batch entry, or per timestep run);
         // scales as 1 + scale.
@@ -983,38 +1120,82 @@ impl WanTransformerBlock {
             None => candle_core::bail!("block step needs the scale_shift_table"),
         };
         let mut x = x.reshape((batch * seq, dim))?;
+        // Whether `x` is this block's to write over: given up by the caller in low-activation
+        // mode, or made by a step.
+        let mut own = owned && low;
+        let own_x = |x: &mut Tensor, own: &mut bool| -> Result<()> {
+            if !*own {
+                *x = x.copy()?;
+                *own = true;
+            }
+            Ok(())
+        };
 
         // 1. Self-attention.
         if let Some(attn1) = &self.attn1 {
             let (shift, scale, gate) = (m(0)?, (m(1)? + 1.0)?, m(2)?);
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
-            let whole = inputs.grid.iter().product();
-            let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
-            let compute = || {
-                let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
-                attn1.forward(h, batch, None, Some(rope), sp)
-            };
-            let (attn, bias) = hooked(hooks, Submodule::SelfAttention, compute, &attn1.to_out)?;
-            x = inputs.modulated_residual(&x, attn, (bias, &gate), (0, seq))?;
+            if low && !hooks.wants(Submodule::SelfAttention) {
+                own_x(&mut x, &mut own)?;
+                let norm = |rows: &Tensor, at: Rows| {
+                    inputs.modulated_norm(rows, (&scale, &shift), (at.row0, seq), self.eps)
+                };
+                let bias = attn1.to_out.bias();
+                attn1.forward_rows(
+                    &x,
+                    batch,
+                    &norm,
+                    (None, Some(rope)),
+                    &mut |rows, out, at| {
+                        let place = (at.row0, seq);
+                        let sum =
+                            inputs.modulated_residual_over(rows, out, (bias, &gate), place)?;
+                        sum.map_or(Ok(()), |sum| x.slice_set(&sum, 0, at.row0))
+                    },
+                )?;
+            } else {
+                let whole = inputs.grid.iter().product();
+                let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
+                let compute = || {
+                    let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
+                    attn1.forward(h, batch, None, Some(rope), sp)
+                };
+                let (attn, bias) = hooked(hooks, Submodule::SelfAttention, compute, &attn1.to_out)?;
+                x = inputs.modulated_residual(&x, attn, (bias, &gate), (0, seq))?;
+                own = true;
+            }
         }
 
         // 2. Cross-attention (no gate, residual in the model dtype).
         if let Some((attn2, norm2)) = &self.attn2 {
-            let compute = || {
-                let h = match norm2 {
-                    Some((w, b)) => {
-                        norm_affine(&x, &w.unsqueeze(0)?, &b.unsqueeze(0)?, all, self.eps)?
-                    }
-                    None => x.clone(),
-                };
-                let context = CrossContext {
-                    text: &inputs.encoder_hidden_states,
-                    image: inputs.encoder_hidden_states_image.as_ref(),
-                };
-                attn2.forward(h, batch, Some(context), None, None)
+            let norm = |rows: &Tensor, at: Rows| match norm2 {
+                Some((w, b)) => norm_affine(rows, &w.unsqueeze(0)?, &b.unsqueeze(0)?, at, self.eps),
+                None => Ok(rows.clone()),
             };
-            let (attn, bias) = hooked(hooks, Submodule::CrossAttention, compute, &attn2.to_out)?;
-            x = residual(&x, attn, bias, None, all)?;
+            let context = CrossContext {
+                text: &inputs.encoder_hidden_states,
+                image: inputs.encoder_hidden_states_image.as_ref(),
+            };
+            if low && !hooks.wants(Submodule::CrossAttention) {
+                own_x(&mut x, &mut own)?;
+                let bias = attn2.to_out.bias();
+                attn2.forward_rows(
+                    &x,
+                    batch,
+                    &norm,
+                    (Some(context), None),
+                    &mut |rows, out, at| {
+                        let sum = residual_over(rows, out, bias, at)?;
+                        sum.map_or(Ok(()), |sum| x.slice_set(&sum, 0, at.row0))
+                    },
+                )?;
+            } else {
+                let compute = || attn2.forward(norm(&x, all)?, batch, Some(context), None, None);
+                let (attn, bias) =
+                    hooked(hooks, Submodule::CrossAttention, compute, &attn2.to_out)?;
+                x = residual(&x, attn, bias, None, all)?;
+                own = true;
+            }
         }
 
         // 3. Feed-forward by token chunks, each written back into `x` (which this block owns):
@@ -1032,26 +1213,16 @@ impl WanTransformerBlock {
                 let x = inputs.modulated_residual(&x, ff, (bias, &c_gate), (0, seq))?;
                 return x.reshape((batch, seq, dim));
             }
-            if self.attn1.is_none() && self.attn2.is_none() {
-                // The input is the caller's: write the chunks into a copy.
-                x = x.copy()?;
-            }
-            for b in 0..batch {
-                for start in (0..seq).step_by(FFN_CHUNK) {
-                    let at = Rows {
-                        row0: b * seq + start,
-                        seq,
-                    };
-                    let rows = x.narrow(0, at.row0, FFN_CHUNK.min(seq - start))?;
-                    let place = (at.row0, seq);
-                    let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
-                    let ff = ffn.forward_without_out_bias(&h)?;
-                    let bias_gate = (ffn.fc2.bias(), &c_gate);
-                    if let Some(out) =
-                        inputs.modulated_residual_over(&rows, ff, bias_gate, place)?
-                    {
-                        x.slice_set(&out, 0, at.row0)?;
-                    }
+            own_x(&mut x, &mut own)?;
+            let chunk = if low { LOW_ACTIVATION_ROWS } else { FFN_CHUNK };
+            for (row0, len) in row_chunks(batch, seq, chunk) {
+                let rows = x.narrow(0, row0, len)?;
+                let place = (row0, seq);
+                let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
+                let ff = ffn.forward_without_out_bias(&h)?;
+                let bias_gate = (ffn.fc2.bias(), &c_gate);
+                if let Some(out) = inputs.modulated_residual_over(&rows, ff, bias_gate, place)? {
+                    x.slice_set(&out, 0, row0)?;
                 }
             }
         }
@@ -1438,6 +1609,7 @@ impl WanTransformer3DModel {
             batch: b,
             grid,
             sequence: None,
+            low_activation: false,
         })
     }
 

@@ -269,6 +269,25 @@ impl Default for WanVaeTiling {
     }
 }
 
+impl WanVaeTiling {
+    /// Tiles of `px` pixels every three quarters of it (`--vae-tile-size`), diffusers' default
+    /// ratio; `None`: the defaults.
+    pub fn sized(px: Option<u32>) -> Self {
+        match px {
+            Some(px) => {
+                let (tile, stride) = (px as usize, px as usize / 4 * 3);
+                Self {
+                    tile_min_height: tile,
+                    tile_min_width: tile,
+                    tile_stride_height: stride,
+                    tile_stride_width: stride,
+                }
+            }
+            None => Self::default(),
+        }
+    }
+}
+
 /// diffusers' `patchify`: `[B, C, T, H, W]` -> `[B, C·p², T, H/p, W/p]`, channel
 /// `c·p² + pw·p + ph` holding pixel `(p·i + ph, p·j + pw)` (the w offset before the h offset).
 pub fn patchify(x: &Tensor, p: usize) -> Result<Tensor> {
