@@ -250,9 +250,10 @@ impl WeightSet {
 
     /// Whether the files hold scaled fp8 weights (a scale of [`Self::fp8_scale`]'s).
     pub fn holds_scaled_fp8(&self) -> bool {
-        self.names()
-            .iter()
-            .any(|n| FP8_SCALES.iter().any(|s| n.ends_with(&format!(".{s}"))))
+        self.names().iter().any(|n| {
+            n.rsplit_once('.')
+                .is_some_and(|(_, last)| FP8_SCALES.contains(&last))
+        })
     }
 
     /// The packed form of weight `name` where it is stored as float8_e4m3fn with a scale for

@@ -1,7 +1,8 @@
 //! Weights held compactly until they land on the device: the fp8 bytes of `--storage-dtype`, a
-//! scaled fp8 file's bytes and scales, or GGUF blocks. The offload engine holds and copies a packed tensor's bytes as stored and expands
-//! them to the compute dtype where they land ([`Packed::expand`]): a CUDA kernel
-//! (`kernels/dequant.cu`) on the GPU, the host decoders elsewhere, with the same bits.
+//! scaled fp8 file's bytes and scales, or GGUF blocks. The offload engine holds and copies a
+//! packed tensor's bytes as stored and expands them to the compute dtype where they land
+//! ([`Packed::expand`]): a CUDA kernel (`kernels/dequant.cu`) on the GPU, the host decoders
+//! elsewhere, with the same bits.
 
 use super::gguf::{self, GgmlType};
 use super::StorageDtype;
@@ -72,17 +73,19 @@ impl Packed {
         }
     }
 
-    /// Values held in `bytes` bytes.
-    #[cfg(feature = "cuda")]
-    fn elements(self, bytes: usize) -> usize {
-        match self {
+    /// Values held in `bytes` bytes (a scaled fp8 tensor's: a whole number per scale).
+    fn elements(self, bytes: usize) -> candle_core::Result<usize> {
+        Ok(match self {
             Packed::Fp8(_) => bytes,
             Packed::Gguf(kind) => {
                 let (per_block, block_bytes) = kind.block();
                 bytes / block_bytes * per_block
             }
-            Packed::ScaledFp8 { scales } => bytes - 4 * scales,
-        }
+            Packed::ScaledFp8 { scales } => match bytes.checked_sub(4 * scales) {
+                Some(n) if scales > 0 && n.is_multiple_of(scales) => n,
+                _ => candle_core::bail!("{bytes} bytes are not {scales} scales and their rows"),
+            },
+        })
     }
 
     /// `raw` (this form's bytes as a flat u8 tensor) expanded to `shape` in `dtype`, on
@@ -105,10 +108,7 @@ impl Packed {
                 .map(|v| v.to_f32())
                 .collect(),
             Packed::ScaledFp8 { scales } => {
-                let value_bytes = bytes.len().checked_sub(4 * scales);
-                if scales == 0 || value_bytes.is_none_or(|v| !v.is_multiple_of(scales)) {
-                    candle_core::bail!("{} bytes are not {scales} scales and rows", bytes.len())
-                }
+                self.elements(bytes.len())?;
                 let (scales, values) = bytes.split_at(4 * scales);
                 let scales: Vec<f32> = scales
                     .chunks_exact(4)
@@ -184,7 +184,7 @@ impl CustomOp1 for Expand {
         };
         let dev = &storage.device;
         let src = storage.as_cuda_slice::<u8>()?.slice(start..end);
-        let n = self.packed.elements(end - start);
+        let n = self.packed.elements(end - start)?;
         let format = self.packed.kernel_form()?;
         let Some(out) = EXPANDED.iter().position(|d| *d == self.dtype) else {
             candle_core::bail!("packed weights do not expand to {:?}", self.dtype)
@@ -209,7 +209,8 @@ impl CustomOp1 for Expand {
                     .arg(&out)
                     .arg(&scales);
                 // SAFETY: the arguments follow `expand`'s signature; `src` holds the bytes of
-                // `n` values of `format` and `dst` `n` values of the output dtype.
+                // `n` values of `format` (after their `scales`, a whole number of values
+                // each) and `dst` `n` values of the output dtype.
                 unsafe { builder.launch(cfg) }.w()?;
                 CudaStorage::wrap_cuda_slice(dst, dev.clone())
             }};
@@ -243,8 +244,9 @@ mod tests {
 
     /// Expanding on the host gives the bits of the host decoders followed by candle's casts:
     /// fp8 bytes (every byte) as `--storage-dtype`'s f32 values cast, scaled fp8 (every byte,
-    /// one scale and one per row) as a scaled file's weight is read, GGUF blocks of every type
-    /// as the f16 values diffusers decodes cast; packed weights expand to float dtypes only.
+    /// one scale and one per row) as a scaled file's weight is read (and refused without a
+    /// whole number of values a scale), GGUF blocks of every type as the f16 values diffusers
+    /// decodes cast; packed weights expand to float dtypes only.
     #[test]
     fn host_expansion_is_the_host_decode_cast() -> candle_core::Result<()> {
         let cpu = Device::Cpu;
@@ -286,6 +288,12 @@ mod tests {
                     "{form:?} {dtype:?}"
                 );
             }
+        }
+        // Scales without a whole number of values each are refused.
+        for (scales, bytes) in [(2, 13), (4, 12), (0, 8)] {
+            let raw = Tensor::new(&every_byte[..bytes], &cpu)?;
+            let form = Packed::ScaledFp8 { scales };
+            assert!(form.expand(&raw, &Shape::from(bytes), DType::F32).is_err());
         }
         for kind in BLOCK_TYPES {
             let per_block = kind.block().0;
