@@ -58,13 +58,14 @@ __device__ float float_at(const uint8_t* b) {
     return __uint_as_float(b[0] | (b[1] << 8) | (b[2] << 16) | ((uint32_t)b[3] << 24));
 }
 
-// Value `i` of a scaled fp8 tensor of `n` values at `src`: `scales` f32 scales (one per
-// `n / scales` values) then the float8_e4m3fn bytes; the byte widened as candle's load widens it
-// (a NaN as float16's all-ones NaN in f32) times its scale, one f32 product.
-__device__ float scaled_fp8_value(const uint8_t* src, long long i, long long n, long long scales) {
+// Value `i` of a scaled fp8 tensor at `src`: `scales` f32 scales (one per `per_scale` values)
+// then the float8_e4m3fn bytes; the byte widened as candle's load widens it (a NaN as float16's
+// all-ones NaN in f32) times its scale, one f32 product. One scale needs no 64-bit division.
+__device__ float scaled_fp8_value(const uint8_t* src, long long i, long long scales,
+                                  long long per_scale) {
     const float v = fp8_value(src[4 * scales + i], FP8_E4M3FN);
     if (isnan(v)) return __uint_as_float(0x7fffe000);
-    return __fmul_rn(v, float_at(src + 4 * (i / (n / scales))));
+    return __fmul_rn(v, float_at(src + 4 * (scales == 1 ? 0 : i / per_scale)));
 }
 
 __device__ float half_at(const uint8_t* b) {
@@ -185,10 +186,11 @@ __device__ void store(void* dst, long long i, int out, float v) {
 extern "C" __global__ void expand(const uint8_t* src, void* dst, long long n, int format, int out,
                                   long long scales) {
     const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long per_scale = scales > 0 ? n / scales : n;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float v;
         if (format == FP8_E4M3FN_SCALED) {
-            v = scaled_fp8_value(src, i, n, scales);
+            v = scaled_fp8_value(src, i, scales, per_scale);
         } else if (format == FP8_E4M3FN || format == FP8_E5M2) {
             v = fp8_value(src[i], format);
         } else if (format < Q2_K) {
