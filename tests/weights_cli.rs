@@ -3,7 +3,7 @@
 //! folder's frames, bit for bit), float16, ComfyUI scaled fp8, LightX2V fp8 with per-row scales
 //! and city96-style GGUF files (Q8_0, Q4_0 + Q4_1, Q4_K + Q6_K), and layerwise fp8 storage
 //! (`--storage-dtype`), each within 1e-4 + 1e-4|ref| of diffusers' frames. A missing file, a GGUF of another model and a quantization vidgen does
-//! not decode are refused up front.
+//! not decode are refused up front; a scaled fp8 file is planned as held (fp8 on the host).
 
 mod common;
 
@@ -82,6 +82,65 @@ fn a_missing_transformer_file_is_refused_before_anything_loads() {
         line.contains("has no blocks.1.cross_attn.o.weight") && line.contains("Original layout"),
         "{line}"
     );
+}
+
+/// A streamed DiT read from a scaled fp8 file is planned as the engine holds it: its fp8 bytes
+/// and scales wait in host memory (less than the float file's weights in bf16, in every stage),
+/// and the device adds the expanded copy of the computing block while it denoises.
+#[test]
+fn a_scaled_fp8_file_is_planned_as_held() {
+    let stages = |file: &str| -> Vec<(String, u64, u64)> {
+        let args = [
+            "generate",
+            "--dry-run",
+            "--json",
+            "--device",
+            "cpu",
+            "--memory-model",
+            "discrete",
+            "--dtype",
+            "bf16",
+            "--dit-layerwise-offload",
+            "--prompt",
+            "a cat",
+            "--model",
+            named_fixture_dir("wan-tiny-a").to_str().unwrap(),
+            "--transformer",
+            named_fixture_dir(FIXTURE).join(file).to_str().unwrap(),
+        ]
+        .map(String::from);
+        let out = run_vidgen(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        json["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                let bytes = |k: &str| s["memory"][k].as_u64().unwrap();
+                let name = s["name"].as_str().unwrap().to_string();
+                (name, bytes("host_bytes"), bytes("weight_bytes"))
+            })
+            .collect()
+    };
+    let float = stages("wan-tiny-a-comfyui.safetensors");
+    let scaled = stages("wan-tiny-a-comfyui-fp8-scaled.safetensors");
+    assert_eq!(float.len(), scaled.len());
+    for ((name, float_host, float_device), (_, scaled_host, scaled_device)) in
+        float.iter().zip(&scaled)
+    {
+        assert!(scaled_host < float_host, "{name}: {scaled_host} host bytes");
+        if name == "denoise" {
+            assert!(
+                scaled_device > float_device,
+                "{name}: {scaled_device} device bytes"
+            );
+        }
+    }
 }
 
 /// Every case of the README on `model` through the command line: its folder first, then each

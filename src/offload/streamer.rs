@@ -520,6 +520,13 @@ pub(super) mod tests {
         let gguf = fixtures.join("weights-a/wan-q-tiny-a-Q8_0.gguf");
         let folder = fixtures.join("wan-tiny-a/transformer/diffusion_pytorch_model.safetensors");
         let mut sets = vec![WeightSet::open(&Weights::Files(vec![gguf]))?];
+        for scaled in [
+            "wan-tiny-a-comfyui-fp8-scaled.safetensors",
+            "wan-tiny-a-fp8-e4m3fn-lightx2v.safetensors",
+        ] {
+            let file = fixtures.join("weights-a").join(scaled);
+            sets.push(WeightSet::open(&Weights::Files(vec![file]))?);
+        }
         for dtype in [StorageDtype::Float8E4m3fn, StorageDtype::Float8E5m2] {
             let cast = StorageCast {
                 dtype,
@@ -534,7 +541,8 @@ pub(super) mod tests {
     /// A group as built: its tensors by name.
     pub(super) type Named = Vec<(String, Tensor)>;
 
-    /// Every stored tensor of block `b` of `weights`, with its shape.
+    /// Every stored tensor of block `b` of `weights`, with its shape (named without ComfyUI's
+    /// prefix, as models ask).
     pub(in crate::offload) fn block_tensors(
         weights: &WeightSet,
         b: usize,
@@ -543,6 +551,7 @@ pub(super) mod tests {
         weights
             .names()
             .into_iter()
+            .map(|n| n.trim_start_matches("model.diffusion_model.").to_string())
             .filter(|n| n.starts_with(&prefix))
             .filter_map(|n| Some((n.clone(), weights.stored_shape(&n)?)))
             .collect()
@@ -624,6 +633,7 @@ pub(super) mod tests {
                 let stored = match form {
                     Packed::Gguf(_) => weights.mapped_packed(&slot.name, form).map(<[u8]>::len),
                     Packed::Fp8(_) => Some(slot.shape.elem_count()),
+                    Packed::ScaledFp8 { scales } => Some(4 * scales + slot.shape.elem_count()),
                 };
                 assert_eq!(Some(slot.bytes()), stored, "{}", slot.name);
                 assert_eq!(slot.device_bytes(), 2 * slot.shape.elem_count());

@@ -226,9 +226,10 @@ impl<'a> Planner<'a> {
         Ok(w)
     }
 
-    /// `component`'s weights where the engine holds some packed (a GGUF file, a DiT under
-    /// `--storage-dtype`), so the plan counts them as held; elsewhere (and where they do not
-    /// open: the run reports that) `None`, the constructors' requests being the bytes.
+    /// `component`'s weights where the engine holds some packed (a GGUF file, a scaled fp8
+    /// file, a DiT under `--storage-dtype`), so the plan counts them as held; elsewhere (and
+    /// where they do not open: the run reports that) `None`, the constructors' requests being
+    /// the bytes.
     fn packed_weights(&self, component: &ComponentSpec) -> Option<WeightSet> {
         let open = || {
             let file = frame::transformer_file(self.config, component.folder);
@@ -236,9 +237,10 @@ impl<'a> Planner<'a> {
             let cast =
                 self.config.generation().storage_dtype.is_some() && component.role == Role::Dit;
             let source = ModelSource::parse(&self.config.generation().model).ok()?;
-            (gguf || cast)
+            (file.is_some() || cast)
                 .then(|| frame::open_weights(self.config, &source, component).ok())
                 .flatten()
+                .filter(|weights| gguf || cast || weights.holds_scaled_fp8())
         };
         let mut packed = self.packed.borrow_mut();
         packed.entry(component.name).or_insert_with(open).clone()

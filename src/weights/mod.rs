@@ -242,10 +242,34 @@ impl WeightSet {
         };
         let stored = keys.stored(name);
         let module = stored.strip_suffix(".weight")?;
-        ["scale_weight", "weight_scale"]
+        FP8_SCALES
             .into_iter()
             .map(|s| format!("{module}.{s}"))
             .find(|s| files.view(s).is_some())
+    }
+
+    /// Whether the files hold scaled fp8 weights (a scale of [`Self::fp8_scale`]'s).
+    pub fn holds_scaled_fp8(&self) -> bool {
+        self.names().iter().any(|n| {
+            n.rsplit_once('.')
+                .is_some_and(|(_, last)| FP8_SCALES.contains(&last))
+        })
+    }
+
+    /// The packed form of weight `name` where it is stored as float8_e4m3fn with a scale for
+    /// the tensor (0-dim) or one per row of a matrix, as [`Self::transformed`] reads them.
+    fn scaled_fp8(&self, name: &str) -> Option<Packed> {
+        let (Source::Mapped(files, _), Some(scale)) = (&self.source, self.fp8_scale(name)) else {
+            return None;
+        };
+        let (weight, scale) = (self.view(name)?, files.view(&scale)?);
+        let scales = match (scale.shape.as_slice(), weight.shape.as_slice()) {
+            ([], _) => 1,
+            (dims, &[rows, _]) if dims.iter().product::<usize>() == rows => rows,
+            _ => return None,
+        };
+        (weight.dtype == Some(DType::F8E4M3) && scale.dtype.is_some())
+            .then_some(Packed::ScaledFp8 { scales })
     }
 
     /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on the CPU: an fp8
@@ -433,21 +457,22 @@ impl WeightSet {
 
     /// The compact form weight `name` is held and copied in when a model wants it as `dtype`,
     /// expanded where it lands ([`Packed::expand`]): fp8 bytes where `--storage-dtype` rounds
-    /// it, GGUF blocks as stored; `None` where it is held as values (a float tensor, one a LoRA
-    /// changes or a scaled fp8 one, or `dtype` not a float dtype).
+    /// it, a scaled fp8 weight's bytes and scales, GGUF blocks as stored; `None` where it is
+    /// held as values (a float tensor, one a LoRA changes, or `dtype` not a float dtype).
     pub fn packed(&self, name: &str, dtype: DType) -> Option<Packed> {
         if !Packed::expands_to(dtype) || self.loras.as_ref().is_some_and(|l| l.changes(name)) {
             return None;
         }
         match &self.cast {
             Some(cast) if self.rounds(name) => Some(Packed::Fp8(cast.dtype)),
-            _ if self.fp8_scale(name).is_some() => None,
+            _ if self.fp8_scale(name).is_some() => self.scaled_fp8(name),
             _ => self.view(name)?.blocks.map(Packed::Gguf),
         }
     }
 
     /// Weight `name`'s bytes in form `packed` for a model that wants it as `dtype`: borrowed
-    /// from the map (GGUF blocks), or made on the host (fp8 bytes of the rounded values).
+    /// from the map (GGUF blocks), or made on the host (fp8 bytes of the rounded values, a
+    /// scaled fp8 weight's scales in f32 and its bytes).
     pub fn packed_bytes(
         &self,
         name: &str,
@@ -492,6 +517,30 @@ impl WeightSet {
                     .zip(bytes.par_chunks(COPY_CHUNK))
                     .for_each(|(d, s)| d.copy_from_slice(s));
                 self.report(bytes.len());
+            }
+            Packed::ScaledFp8 { scales } => {
+                let (Source::Mapped(files, _), Some(scale), Some(view)) =
+                    (&self.source, self.fp8_scale(name), self.view(name))
+                else {
+                    candle_core::bail!("{name} is not stored as scaled fp8")
+                };
+                let scale: Vec<f32> = files
+                    .load(&scale)?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1()?;
+                if scale.len() != scales {
+                    candle_core::bail!("{name}: {} scales stored, {scales} held", scale.len())
+                }
+                let (held, values) = dst.split_at_mut(4 * scales);
+                for (d, s) in held.chunks_exact_mut(4).zip(&scale) {
+                    d.copy_from_slice(&s.to_le_bytes());
+                }
+                values
+                    .par_chunks_mut(COPY_CHUNK)
+                    .zip(view.data.par_chunks(COPY_CHUNK))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                self.report(view.data.len());
             }
             Packed::Fp8(format) => {
                 // The rounded values, exact in `dtype` and so in f32.
@@ -693,6 +742,10 @@ impl SimpleBackend for WeightSet {
         }
     }
 }
+
+/// The names beside a module's fp8 weight of its scale: ComfyUI's (0-dim) and LightX2V's (one
+/// per output row).
+const FP8_SCALES: [&str; 2] = ["scale_weight", "weight_scale"];
 
 /// The dtypes [`write_bytes`] and the offload engine's device buffers handle.
 pub const BYTE_DTYPES: [DType; 7] = [
@@ -1006,9 +1059,9 @@ mod tests {
     }
 
     /// Which weights are held packed: a GGUF file's block-quantized tensors (asked for in a
-    /// float dtype) as its blocks, its float tensors not; under `--storage-dtype` the rounded
-    /// weights as fp8 bytes (a scaled fp8 weight too, rounded from its scaled values), the
-    /// others not; without it a scaled fp8 weight is not (it is read as `W8 · scale`).
+    /// float dtype) as its blocks, its float tensors not; a scaled fp8 weight as its bytes and
+    /// its scales (one, or one per row); under `--storage-dtype` the rounded weights as fp8
+    /// bytes (a scaled fp8 weight too, rounded from its scaled values), the others not.
     #[test]
     fn packed_forms_follow_what_is_stored_and_rounded() -> anyhow::Result<()> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/weights-a");
@@ -1025,8 +1078,17 @@ mod tests {
         let file = dir.join("wan-tiny-a-comfyui-fp8-scaled.safetensors");
         let scaled = WeightSet::open(&Weights::Files(vec![file]))?;
         let (linear, norm) = ("blocks.0.attn1.to_q.weight", "blocks.0.attn1.norm_q.weight");
-        assert!(scaled.fp8_scale(linear).is_some());
-        assert_eq!(scaled.packed(linear, DType::BF16), None);
+        assert!(scaled.fp8_scale(linear).is_some() && scaled.holds_scaled_fp8());
+        let one_scale = Some(Packed::ScaledFp8 { scales: 1 });
+        assert_eq!(scaled.packed(linear, DType::BF16), one_scale);
+        assert_eq!(scaled.packed(linear, DType::F64), None);
+        assert_eq!(scaled.packed(norm, DType::BF16), None);
+        assert!(!gguf.holds_scaled_fp8());
+        let file = dir.join("wan-tiny-a-fp8-e4m3fn-lightx2v.safetensors");
+        let per_row = WeightSet::open(&Weights::Files(vec![file]))?;
+        let rows = per_row.stored_shape(linear).expect("stored")[0];
+        let row_scales = Some(Packed::ScaledFp8 { scales: rows });
+        assert_eq!(per_row.packed(linear, DType::BF16), row_scales);
         let format = StorageDtype::Float8E5m2;
         let cast = StorageCast {
             dtype: format,
@@ -1036,6 +1098,52 @@ mod tests {
         assert_eq!(cast.packed(linear, DType::BF16), Some(Packed::Fp8(format)));
         assert!(cast.view(norm).is_some());
         assert_eq!(cast.packed(norm, DType::BF16), None);
+        Ok(())
+    }
+
+    /// A scaled fp8 weight is held as its scales in f32 and its fp8 bytes (about half of its
+    /// bf16 bytes: one byte a value) and expands, on the host, to the bits it is read as
+    /// (`W8 as f32 · scale`, then the run dtype): ComfyUI's one scale and LightX2V's per row.
+    #[test]
+    fn scaled_fp8_weights_are_held_as_stored_and_expand_as_read() -> anyhow::Result<()> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/weights-a");
+        for file in [
+            "wan-tiny-a-comfyui-fp8-scaled.safetensors",
+            "wan-tiny-a-fp8-e4m3fn-lightx2v.safetensors",
+        ] {
+            let weights = WeightSet::open(&Weights::Files(vec![dir.join(file)]))?;
+            let (mut held, mut bf16, mut packed) = (0, 0, 0);
+            for stored in weights.names() {
+                let name = stored.trim_start_matches(KeyLayout::COMFYUI);
+                let Some(form) = weights.packed(name, DType::BF16) else {
+                    continue;
+                };
+                let Packed::ScaledFp8 { scales } = form else {
+                    panic!("{name} held as {form:?}")
+                };
+                let shape = Shape::from(weights.stored_shape(name).expect("stored"));
+                let bytes = weights.packed_bytes(name, &shape, DType::BF16, form)?;
+                assert_eq!(bytes.len(), 4 * scales + shape.elem_count(), "{name}");
+                let raw = Tensor::new(&*bytes, &Device::Cpu)?;
+                for dtype in [DType::BF16, DType::F16, DType::F32] {
+                    let want = weights.var_builder(dtype, &Device::Cpu).get(&shape, name)?;
+                    let got = form.expand(&raw, &shape, dtype)?;
+                    let bits = |t: &Tensor| -> anyhow::Result<Vec<u8>> {
+                        let mut out = vec![0u8; t.elem_count() * dtype.size_in_bytes()];
+                        write_bytes(t, &mut out)?;
+                        Ok(out)
+                    };
+                    assert!(bits(&got)? == bits(&want)?, "{name} {dtype:?}");
+                }
+                held += bytes.len();
+                bf16 += 2 * shape.elem_count();
+                packed += 1;
+            }
+            assert!(packed >= 20, "{file}: {packed} packed");
+            // Per-row scales add 4 bytes a row (7% on this fixture's short rows).
+            let ratio = held as f64 / bf16 as f64;
+            assert!((0.5..0.6).contains(&ratio), "{file}: {ratio}");
+        }
         Ok(())
     }
 

@@ -1,5 +1,5 @@
 // Expands packed weights to the compute dtype where they land (`weights::packed`): fp8 bytes of
-// `--storage-dtype`, and GGUF blocks decoded with diffusers' float16 arithmetic, bit for bit as
+// `--storage-dtype`, a scaled fp8 file's bytes times their f32 scales, and GGUF blocks decoded with diffusers' float16 arithmetic, bit for bit as
 // the host decoders (`StorageDtype::decode`, `gguf::decode_block`). Every product and sum is an
 // explicit round-to-nearest float op (`__fmul_rn`, `__fadd_rn`): nvcc must not fuse them into an
 // FMA, which would skip the rounding the host does.
@@ -21,6 +21,7 @@
 #define Q4_K 9
 #define Q5_K 10
 #define Q6_K 11
+#define FP8_E4M3FN_SCALED 12
 
 // Bytes of one block of each GGUF form (from Q8_0 on), and values per block.
 __constant__ int BLOCK_BYTES[10] = {34, 18, 20, 22, 24, 84, 110, 144, 176, 210};
@@ -50,6 +51,21 @@ __device__ float fp8_value(uint8_t b, int format) {
         magnitude = ldexpf((float)(steps + (1 << mantissa)), field - bias - mantissa);
     }
     return (b & 0x80) ? -magnitude : magnitude;
+}
+
+// The little-endian f32 at `b` (any alignment).
+__device__ float float_at(const uint8_t* b) {
+    return __uint_as_float(b[0] | (b[1] << 8) | (b[2] << 16) | ((uint32_t)b[3] << 24));
+}
+
+// Value `i` of a scaled fp8 tensor at `src`: `scales` f32 scales (one per `per_scale` values)
+// then the float8_e4m3fn bytes; the byte widened as candle's load widens it (a NaN as float16's
+// all-ones NaN in f32) times its scale, one f32 product. One scale needs no 64-bit division.
+__device__ float scaled_fp8_value(const uint8_t* src, long long i, long long scales,
+                                  long long per_scale) {
+    const float v = fp8_value(src[4 * scales + i], FP8_E4M3FN);
+    if (isnan(v)) return __uint_as_float(0x7fffe000);
+    return __fmul_rn(v, float_at(src + 4 * (scales == 1 ? 0 : i / per_scale)));
 }
 
 __device__ float half_at(const uint8_t* b) {
@@ -165,12 +181,17 @@ __device__ void store(void* dst, long long i, int out, float v) {
 }
 
 // `n` values of packed form `format` at `src` expanded into `dst` as `out`, one thread per value
-// (grid-stride; blocks of 32 and 256 values are found by shifts, not 64-bit divisions).
-extern "C" __global__ void expand(const uint8_t* src, void* dst, long long n, int format, int out) {
+// (grid-stride; blocks of 32 and 256 values are found by shifts, not 64-bit divisions);
+// `scales`: the f32 scales before a scaled fp8 tensor's bytes.
+extern "C" __global__ void expand(const uint8_t* src, void* dst, long long n, int format, int out,
+                                  long long scales) {
     const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long per_scale = scales > 0 ? n / scales : n;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float v;
-        if (format == FP8_E4M3FN || format == FP8_E5M2) {
+        if (format == FP8_E4M3FN_SCALED) {
+            v = scaled_fp8_value(src, i, scales, per_scale);
+        } else if (format == FP8_E4M3FN || format == FP8_E5M2) {
             v = fp8_value(src[i], format);
         } else if (format < Q2_K) {
             const uint8_t* block = src + (i >> 5) * BLOCK_BYTES[format - Q8_0];
