@@ -411,28 +411,29 @@ impl BlockInputs {
         joined(parts)
     }
 
-    /// [`Self::modulated_residual`] written over `res` (rows of hidden states the caller owns)
-    /// where the fused kernel computes it, so the sum is never copied into them: `None`.
-    /// Otherwise the sum, for the caller to store.
+    /// [`Self::modulated_residual`] of rows `row0..` of `hidden` (hidden states the caller owns),
+    /// stored into those rows: by the fused kernel where it computes the sum, so the sum is never
+    /// copied into them.
     fn modulated_residual_over(
         &self,
-        res: &Tensor,
+        hidden: &Tensor,
         delta: Tensor,
         (bias, gate): (Option<&Tensor>, &Tensor),
         (row0, seq): (usize, usize),
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<()> {
+        let res = hidden.narrow(0, row0, delta.dim(0)?)?;
         #[cfg(feature = "cuda")]
         if row_ops::supported(&delta) && res.is_contiguous() {
             for s in self.slabs(row0, res.dim(0)?, seq) {
                 let gate = s.of(gate)?;
                 let at = s.at.kernel();
                 let gate = Some(row_ops::Gate::F32(&gate));
-                row_ops::residual_over(&s.rows(res)?, &s.rows(&delta)?, bias, gate, at)?;
+                row_ops::residual_over(&s.rows(&res)?, &s.rows(&delta)?, bias, gate, at)?;
             }
-            return Ok(None);
+            return Ok(());
         }
-        self.modulated_residual(res, delta, (bias, gate), (row0, seq))
-            .map(Some)
+        let sum = self.modulated_residual(&res, delta, (bias, gate), (row0, seq))?;
+        hidden.slice_set(&sum, 0, row0)
     }
 
     /// This rank's share of the inputs with the sequence split across ranks by `sp`: its tokens
@@ -613,20 +614,16 @@ fn residual(
     sum.reshape((rows, dim))?.to_dtype(res.dtype())
 }
 
-/// [`residual`] without a gate written over `res` (rows of hidden states the caller owns) where
-/// the fused kernel computes it: `None`. Otherwise the sum, for the caller to store.
-fn residual_over(
-    res: &Tensor,
-    delta: Tensor,
-    bias: Option<&Tensor>,
-    at: Rows,
-) -> Result<Option<Tensor>> {
+/// [`residual`] without a gate of rows `at.row0..` of `hidden` (hidden states the caller owns),
+/// stored into those rows (by the fused kernel where it computes the sum).
+fn residual_over(hidden: &Tensor, delta: Tensor, bias: Option<&Tensor>, at: Rows) -> Result<()> {
+    let res = hidden.narrow(0, at.row0, delta.dim(0)?)?;
     #[cfg(feature = "cuda")]
     if row_ops::supported(&delta) && res.is_contiguous() {
-        row_ops::residual_over(res, &delta, bias, None, at.kernel())?;
-        return Ok(None);
+        return row_ops::residual_over(&res, &delta, bias, None, at.kernel());
     }
-    residual(res, delta, bias, None, at).map(Some)
+    let sum = residual(&res, delta, bias, None, at)?;
+    hidden.slice_set(&sum, 0, at.row0)
 }
 
 /// The chunks `(row0, rows)` of at most `chunk` rows of `[batch * seq]` hidden states, none
@@ -923,8 +920,8 @@ impl WanAttention {
     /// [`Self::forward`] in low-activation mode, by chunks of [`LOW_ACTIVATION_ROWS`] rows of
     /// `x` `[batch * seq, inner]`, the block's hidden states: `norm` makes a chunk's input from
     /// its rows; self-attention's keys and values are made chunk by chunk into whole tensors
-    /// first, then each chunk of queries attends and `write` gets the chunk's rows of `x` and
-    /// their output before `to_out`'s bias (it may write over those rows: nothing reads them
+    /// first, then each chunk of queries attends and `write` gets the chunk's output before
+    /// `to_out`'s bias and its rows (it may write over those rows of `x`: nothing reads them
     /// again). Only `x`, the keys and the values exist whole; each row's arithmetic is
     /// [`Self::forward`]'s.
     fn forward_rows(
@@ -933,7 +930,7 @@ impl WanAttention {
         batch: usize,
         norm: &dyn Fn(&Tensor, Rows) -> Result<Tensor>,
         (context, rope): (Option<CrossContext>, Option<(&Tensor, &Tensor)>),
-        write: &mut dyn FnMut(&Tensor, Tensor, Rows) -> Result<()>,
+        write: &mut dyn FnMut(Tensor, Rows) -> Result<()>,
     ) -> Result<()> {
         let (rows, dim) = x.dims2()?;
         let seq = rows / batch;
@@ -978,7 +975,7 @@ impl WanAttention {
             }
             drop(q);
             let out = out.transpose(1, 2)?.reshape((len, dim))?;
-            write(&rows_x, matmul_t(&out, &self.to_out)?, at)?;
+            write(matmul_t(&out, &self.to_out)?, at)?;
         }
         Ok(())
     }
@@ -1141,18 +1138,9 @@ impl WanTransformerBlock {
                     inputs.modulated_norm(rows, (&scale, &shift), (at.row0, seq), self.eps)
                 };
                 let bias = attn1.to_out.bias();
-                attn1.forward_rows(
-                    &x,
-                    batch,
-                    &norm,
-                    (None, Some(rope)),
-                    &mut |rows, out, at| {
-                        let place = (at.row0, seq);
-                        let sum =
-                            inputs.modulated_residual_over(rows, out, (bias, &gate), place)?;
-                        sum.map_or(Ok(()), |sum| x.slice_set(&sum, 0, at.row0))
-                    },
-                )?;
+                attn1.forward_rows(&x, batch, &norm, (None, Some(rope)), &mut |out, at| {
+                    inputs.modulated_residual_over(&x, out, (bias, &gate), (at.row0, seq))
+                })?;
             } else {
                 let whole = inputs.grid.iter().product();
                 let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
@@ -1179,16 +1167,9 @@ impl WanTransformerBlock {
             if low && !hooks.wants(Submodule::CrossAttention) {
                 own_x(&mut x, &mut own)?;
                 let bias = attn2.to_out.bias();
-                attn2.forward_rows(
-                    &x,
-                    batch,
-                    &norm,
-                    (Some(context), None),
-                    &mut |rows, out, at| {
-                        let sum = residual_over(rows, out, bias, at)?;
-                        sum.map_or(Ok(()), |sum| x.slice_set(&sum, 0, at.row0))
-                    },
-                )?;
+                attn2.forward_rows(&x, batch, &norm, (Some(context), None), &mut |out, at| {
+                    residual_over(&x, out, bias, at)
+                })?;
             } else {
                 let compute = || attn2.forward(norm(&x, all)?, batch, Some(context), None, None);
                 let (attn, bias) =
@@ -1221,9 +1202,7 @@ impl WanTransformerBlock {
                 let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
                 let ff = ffn.forward_without_out_bias(&h)?;
                 let bias_gate = (ffn.fc2.bias(), &c_gate);
-                if let Some(out) = inputs.modulated_residual_over(&rows, ff, bias_gate, place)? {
-                    x.slice_set(&out, 0, row0)?;
-                }
+                inputs.modulated_residual_over(&x, ff, bias_gate, place)?;
             }
         }
         x.reshape((batch, seq, dim))
