@@ -354,6 +354,70 @@ fn the_run_fits_itself_to_the_host_or_stops_before_loading() {
     assert!(!stats.exists(), "bad input writes no stats");
 }
 
+/// The processes of one machine share its host memory: a budget that holds one run as asked
+/// holds it for neither of two workers started together (`--num-gpus 2`), each planning within
+/// half of it (the dry run says so), so each worker takes a load lever and finishes.
+#[test]
+fn workers_started_together_plan_within_a_share_of_the_host() {
+    let out = scratch("share");
+    let prompts = out.join("p.txt");
+    std::fs::write(&prompts, "a cat\na dog\n").unwrap();
+    let tiny = tiny_run(&out);
+    let tiny: Vec<&str> = tiny.iter().map(String::as_str).collect();
+    let one = [
+        &tiny[..],
+        &[
+            "--memory-model",
+            "discrete",
+            "--prompt-file",
+            prompts.to_str().unwrap(),
+        ],
+    ]
+    .concat();
+    let eager = host_peak(&one);
+    let lazy = host_peak(&[&one[..], &["--lazy-module-load"]].concat());
+    let budget = eager.max(2 * lazy);
+    let two = [&one[..], &["--num-gpus", "2", "--sp-size", "1"]].concat();
+
+    let plan = vidgen(
+        &[&two[..], &["--dry-run"]].concat(),
+        &[],
+        &budget.to_string(),
+    );
+    let text = String::from_utf8_lossy(&plan.stdout);
+    assert!(
+        plan.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+    assert!(
+        text.contains(&format!(
+            "host         {:.2} GiB available (one share of 2 processes on this host)",
+            gib(budget / 2)
+        )),
+        "{text}"
+    );
+
+    let alone = vidgen(&one, &[], &budget.to_string());
+    let stderr = String::from_utf8_lossy(&alone.stderr);
+    assert!(alone.status.success(), "{stderr}");
+    assert!(!stderr.contains("of host memory available"), "{stderr}");
+
+    let shared = vidgen(&two, &["--overwrite"], &budget.to_string());
+    let stderr = String::from_utf8_lossy(&shared.stderr);
+    assert!(shared.status.success(), "{stderr}");
+    let share = format!("{:.2} GiB of host memory available", gib(budget / 2));
+    for rank in ["rank 0: ", "rank 1: "] {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(rank)
+                && l.contains(&share)
+                && l.contains(": false -> true")),
+            "each worker takes a lever: {stderr}"
+        );
+    }
+    assert_eq!(String::from_utf8_lossy(&shared.stdout).lines().count(), 2);
+}
+
 /// A prompt of a batch whose size the host cannot hold fails alone, with one line, before its
 /// stage allocates (a host allocation that fails would abort the whole run): the prompts before
 /// and after it are written, the stats record it, and the exit code is 1.

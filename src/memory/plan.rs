@@ -683,6 +683,7 @@ mod tests {
             total_memory: None,
             free_memory: None,
             host_available: None,
+            host_sharers: 1,
             memory_model: MemoryModel::Discrete,
             memory_model_forced: true,
         };

@@ -49,9 +49,15 @@ pub struct DeviceInfo {
     /// available (one pool shared with everything else the machine runs).
     pub free_memory: Option<u64>,
     /// Host memory this process may still take when it started ([`host_available`]): the
-    /// budget of everything vidgen holds in host memory.
+    /// budget of everything vidgen holds in host memory; its share where several processes of
+    /// this machine start together ([`Self::host_sharers`]).
     #[serde(skip)]
     pub host_available: Option<u64>,
+    /// The processes of this machine that start together and share its host memory (the ranks
+    /// of a run on several GPUs; 1 alone): each plans within an equal share, as each would
+    /// otherwise plan for all of it.
+    #[serde(skip)]
+    pub host_sharers: u32,
     /// The memory model, probed or forced.
     pub memory_model: MemoryModel,
     /// Whether `memory_model` came from `--memory-model` rather than the probe.
@@ -160,7 +166,8 @@ pub fn probe(
     };
     // A memory model forced to other than the device's plans for another machine, whose host
     // this one's memory says nothing of.
-    let host_available = host_budget(memory_model == probed)?;
+    let host_sharers = num_gpus.max(1);
+    let host_available = host_budget(memory_model == probed)?.map(|h| host_share(h, host_sharers));
     // Unified memory is one pool with the host: what the host has available bounds it.
     let free_memory = match (free_memory, memory_model) {
         (Some(free), MemoryModel::Unified) => Some(host_available.map_or(free, |h| h.min(free))),
@@ -173,9 +180,15 @@ pub fn probe(
         total_memory,
         free_memory,
         host_available,
+        host_sharers,
         memory_model,
         memory_model_forced: forced,
     })
+}
+
+/// One process's equal share of `budget` bytes among `sharers`.
+fn host_share(budget: u64, sharers: u32) -> u64 {
+    budget / u64::from(sharers.max(1))
 }
 
 /// What the probe found: kind, ordinal, name, (total, free) memory and memory model.
@@ -221,15 +234,18 @@ pub fn host_available() -> Option<u64> {
         .min()
 }
 
-/// Host memory this process may hold in all right now: what it holds (`VmRSS`) and what it may
-/// still take ([`host_available`]); with `VIDGEN_HOST_MEMORY`, that budget.
-pub fn host_room() -> Option<u64> {
+/// Host memory this process may hold in all right now, one of `sharers` processes of this
+/// machine: what it holds (`VmRSS`) and its share of what they may still take
+/// ([`host_available`]); with `VIDGEN_HOST_MEMORY`, its share of that budget.
+pub fn host_room(sharers: u32) -> Option<u64> {
     if let Ok(size) = std::env::var(HOST_MEMORY_VAR) {
-        return crate::cli::args::parse_size(&size).ok();
+        return crate::cli::args::parse_size(&size)
+            .ok()
+            .map(|budget| host_share(budget, sharers));
     }
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let held = status_bytes(&status, "VmRSS:").unwrap_or(0);
-    host_available().map(|available| available.saturating_add(held))
+    host_available().map(|available| host_share(available, sharers).saturating_add(held))
 }
 
 /// The type of `getrlimit`'s resource argument.

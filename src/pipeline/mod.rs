@@ -910,7 +910,7 @@ impl Guarded<'_> {
             return None;
         }
         let need = self.planned_host(stage, job)?;
-        let room = crate::memory::probe::host_room()?;
+        let room = crate::memory::probe::host_room(self.config.device().host_sharers)?;
         (need > room).then(|| {
             format!(
                 "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",
@@ -1544,7 +1544,11 @@ impl<'a> DryRun<'a> {
             json!(d.memory_model).as_str().unwrap_or("?")
         );
         if let Some(host) = host_available(config) {
-            out += &format!("host         {:.2} GiB available\n", gib(host));
+            out += &format!("host         {:.2} GiB available", gib(host));
+            if d.host_sharers > 1 {
+                out += &format!(" (one share of {} processes on this host)", d.host_sharers);
+            }
+            out += "\n";
         }
         out += &format!("dtype        {}", config.dtype().as_str());
         if let Ok(described) = &self.described {
