@@ -9,9 +9,16 @@
 # 2. SIGTERM in the middle of denoising: exit 130 (the Ctrl-C path), no partial file, stats
 #    written; `--resume` then writes the video.
 # 3. Two vidgen processes started together on one GPU: both finish.
+# 4. Memory taken mid-run: another process takes all but KEEP_GIB of the GPU while a two-prompt
+#    batch denoises its first prompt; the run finishes that prompt through its one retry with a
+#    leaner set (or fails it alone, with no partial file), and writes the second.
+# 5. SIGKILL mid-denoise (no handler runs): the temporary it leaves is cleared by `--resume`,
+#    which writes the video.
 # Each case prints one line (ok / FAIL) and what it measured; logs and stats under $OUT.
+# CASES="4 5" runs only those.
 set -u
 B=$1 KEEP=${2:-3.3}
+want() { [[ " ${CASES:-1 2 3 4 5} " == *" $1 "* ]]; }
 O=${OUT:-/tmp/gpu-faults}; rm -rf "$O"; mkdir -p "$O"
 gen() { # name model size steps extra...
   local n=$1 m=$2 size=$3 steps=$4; shift 4
@@ -39,8 +46,8 @@ print("  device peak GiB %s" % {k: round(v.get("device_reserved_peak", 0) / 2**3
 PY
 }
 
-# 1. Memory held by another process.
-python3 - "$KEEP" > "$O/holder.log" 2>&1 <<'PY' &
+hold() { # log: another process takes all but KEEP GiB of the GPU (its pid in HOLDER)
+  python3 - "$KEEP" > "$O/$1" 2>&1 <<'PY' &
 import sys, time, torch
 free, total = torch.cuda.mem_get_info()
 keep = float(sys.argv[1]) * 2**30
@@ -49,9 +56,14 @@ free, total = torch.cuda.mem_get_info()
 print(f"holding {x.numel() / 2**30:.1f} GiB, free {free / 2**30:.2f} of {total / 2**30:.2f} GiB", flush=True)
 time.sleep(900)
 PY
-HOLDER=$!
-for _ in $(seq 60); do grep -q holding "$O/holder.log" && break; sleep 1; done
-cat "$O/holder.log"
+  HOLDER=$!
+  for _ in $(seq 60); do grep -q holding "$O/$1" && break; sleep 1; done
+  cat "$O/$1"
+}
+
+# 1. Memory held by another process.
+if want 1; then
+hold holder.log
 start=$(date +%s.%N)
 gen held-14b-pinned synthetic:wan2.1-t2v-14b 81x480x832 2 --no-low-activation
 rc=$?
@@ -73,8 +85,10 @@ else
 fi
 grep -i -m2 "free" "$O/held-14b-81.log"
 stats held-14b-81
+fi
 
 # 2. SIGTERM mid-denoise, then --resume.
+if want 2; then
 # vidgen itself in the background (not a subshell around it), so that the signal reaches it.
 "$B" generate --model synthetic:wan2.1-t2v-1.3b --prompt "a red fox runs through fresh snow" \
   --seed 1 --num-frames 81 --height 480 --width 832 --num-inference-steps 20 --dtype bf16 \
@@ -92,11 +106,58 @@ else
 fi
 gen term synthetic:wan2.1-t2v-1.3b 81x480x832 2 --resume && [ -f "$O/term.safetensors" ] \
   && echo "ok   --resume after SIGTERM writes the video" || { echo "FAIL --resume"; tail -3 "$O/term.log"; }
+fi
 
 # 3. Two processes at once.
+if want 3; then
 gen two-a synthetic:wan2.1-t2v-1.3b 81x480x832 4 & A=$!
 gen two-b synthetic:wan2.1-t2v-1.3b 81x480x832 4 & Bp=$!
 wait $A; ra=$?; wait $Bp; rb=$?
 [ $ra = 0 ] && [ $rb = 0 ] && echo "ok   two processes on one GPU both finished" \
   || { echo "FAIL two processes: rc $ra $rb"; tail -2 "$O/two-a.log" "$O/two-b.log"; }
 stats two-a; stats two-b
+fi
+
+# 4. Memory taken mid-run: a two-prompt batch; the holder starts once the first prompt denoises.
+if want 4; then
+printf 'a red fox runs through fresh snow\na grey cat sleeps on a warm roof\n' > "$O/two.txt"
+"$B" generate --model synthetic:wan2.1-t2v-1.3b --prompt-file "$O/two.txt" --seed 1 \
+  --num-frames 81 --height 480 --width 832 --num-inference-steps 8 --dtype bf16 \
+  --output-type safetensors --output-path "$O/mid" --stats-json "$O/mid.json" 2> "$O/mid.log" &
+P=$!
+for _ in $(seq 240); do grep -q "step 2/" "$O/mid.log" 2> /dev/null && break; sleep 0.5; done
+hold holder-mid.log
+wait $P; rc=$?
+kill $HOLDER; wait $HOLDER 2> /dev/null
+written=$(ls "$O/mid" 2> /dev/null | grep -c "\.safetensors$")
+partial=$(ls "$O/mid" 2> /dev/null | grep -c -i "partial\|\.tmp")
+retried=$(grep -c "retrying once" "$O/mid.log")
+if [ "$partial" = 0 ] && { [ $rc = 0 ] && [ "$written" = 2 ] || [ $rc = 1 ] && [ "$written" = 1 ]; }; then
+  echo "ok   memory taken mid-run: rc=$rc, $written of 2 written, $retried retry, no temporary"
+else
+  echo "FAIL memory taken mid-run: rc=$rc written=$written temporaries=$partial retries=$retried"
+fi
+grep -m3 "out of device memory\|retrying\|error" "$O/mid.log"
+stats mid
+fi
+
+# 5. SIGKILL mid-denoise, then --resume.
+if want 5; then
+"$B" generate --model synthetic:wan2.1-t2v-1.3b --prompt "a red fox runs through fresh snow" \
+  --seed 1 --num-frames 81 --height 480 --width 832 --num-inference-steps 20 --dtype bf16 \
+  --output-type safetensors --output-path "$O/kill" --output-video-name killed 2> "$O/kill.log" &
+P=$!
+for _ in $(seq 240); do grep -q "step 2/" "$O/kill.log" 2> /dev/null && break; sleep 0.5; done
+sleep 2; kill -KILL $P; wait $P; rc=$?
+left=$(ls -A "$O/kill" | grep -v "^killed\.safetensors$" | tr '\n' ' ')
+"$B" generate --model synthetic:wan2.1-t2v-1.3b --prompt "a red fox runs through fresh snow" \
+  --seed 1 --num-frames 81 --height 480 --width 832 --num-inference-steps 2 --dtype bf16 \
+  --output-type safetensors --output-path "$O/kill" --output-video-name killed --resume 2> "$O/killed.log"
+rc2=$?
+after=$(ls -A "$O/kill" | grep -v "^killed\.safetensors$" | tr '\n' ' ')
+if [ $rc = 137 ] && [ $rc2 = 0 ] && [ -f "$O/kill/killed.safetensors" ] && [ -z "$after" ]; then
+  echo "ok   SIGKILL mid-denoise (left: ${left:-nothing}); --resume cleared it and wrote the video"
+else
+  echo "FAIL SIGKILL: rc=$rc resume rc=$rc2 left before: '$left' after: '$after'"; tail -3 "$O/killed.log"
+fi
+fi
