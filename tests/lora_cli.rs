@@ -1,23 +1,27 @@
 //! LoRAs through the command line on the tiny Wan2.1 checkpoint, driven by the `cli_cases` of
 //! `ecosystem-a/README.json` (diffusers 0.42.1's `load_lora_weights` + `set_adapters`): the
-//! three key layouts and PEFT metadata at scale 1, a scale of 0.6, two LoRAs stacked; the frames
-//! within 1e-4 + 1e-4|ref|. Bad LoRA input is refused in one line before anything loads.
+//! three key layouts and PEFT metadata at scale 1, a scale of 0.6, two LoRAs stacked; and on the
+//! tiny Wan2.2 A14B checkpoint, `--lora-2` on its second expert alone and with `--lora` on the
+//! first (`wan22-a14b-lora2/README.json`); the frames within 1e-4 + 1e-4|ref|. Bad LoRA input is
+//! refused in one line before anything loads.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    assert_close, generate_frames, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir,
-    usage_error,
+    assert_close, generate_frames, max_abs_diff, named_fixture_dir, named_reference, run_vidgen,
+    scratch_dir, usage_error,
 };
 use std::path::{Path, PathBuf};
 
 const FIXTURE: &str = "ecosystem-a";
+/// The LoRA references of Wan2.2 A14B's two experts, made by its `make.py`.
+const A14B_FIXTURE: &str = "wan22-a14b-lora2";
 
-/// The fixture's LoRA runs: (name, arguments with the LoRA paths made absolute, reference
-/// tensor name).
-fn lora_cases() -> Vec<(String, Vec<String>, String)> {
-    let dir = named_fixture_dir(FIXTURE);
+/// The LoRA runs of the LoRA fixture `fixture`: (name, arguments with the LoRA paths made
+/// absolute, reference tensor name).
+fn lora_cases(fixture: &str) -> Vec<(String, Vec<String>, String)> {
+    let dir = named_fixture_dir(fixture);
     let readme: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
     readme["cli_cases"]
@@ -35,7 +39,7 @@ fn lora_cases() -> Vec<(String, Vec<String>, String)> {
                 } else {
                     a.to_string()
                 });
-                lora_next = a == "--lora";
+                lora_next = a == "--lora" || a == "--lora-2";
             }
             let name = c["name"].as_str().unwrap().to_string();
             (name, args, c["tensor"].as_str().unwrap().to_string())
@@ -52,9 +56,9 @@ fn draws(dir: &Path, refs: &std::collections::HashMap<String, Tensor>) -> PathBu
     path
 }
 
-/// `vidgen generate` on the tiny Wan2.1 checkpoint with the case's arguments; the frames.
-fn generate(dir: &Path, draws: &Path, case_args: &[String]) -> Result<Tensor, String> {
-    let model = named_fixture_dir("wan-tiny-a");
+/// `vidgen generate` on the tiny checkpoint `model` with the case's arguments; the frames.
+fn generate(model: &str, dir: &Path, draws: &Path, case_args: &[String]) -> Result<Tensor, String> {
+    let model = named_fixture_dir(model);
     let mut args = vec!["--model".to_string(), model.to_str().unwrap().to_string()];
     args.extend_from_slice(case_args);
     generate_frames(&args, draws, dir)
@@ -69,10 +73,11 @@ fn loras_in_every_layout_reproduce_diffusers() {
     )
     .unwrap();
     let draws = draws(&dir, &refs);
-    let cases = lora_cases();
+    let cases = lora_cases(FIXTURE);
     assert!(cases.len() >= 6, "{} LoRA cases", cases.len());
     for (name, args, tensor) in &cases {
-        let frames = generate(&dir, &draws, args).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let frames =
+            generate("wan-tiny-a", &dir, &draws, args).unwrap_or_else(|e| panic!("{name}: {e}"));
         let expected = refs[tensor].squeeze(0).unwrap();
         eprintln!(
             "{name}: max |diff| {:.3e}",
@@ -88,8 +93,49 @@ fn loras_in_every_layout_reproduce_diffusers() {
         .filter(|(i, a)| *a != "--lora" && (*i == 0 || args[i - 1] != "--lora"))
         .map(|(_, a)| a.clone())
         .collect();
-    let frames = generate(&dir, &draws, &without).unwrap();
+    let frames = generate("wan-tiny-a", &dir, &draws, &without).unwrap();
     assert!(max_abs_diff(&frames, &refs[tensor].squeeze(0).unwrap()) > 0.05);
+}
+
+/// `--lora-2` loads a LoRA into Wan2.2 A14B's low-noise expert (`transformer_2`, the last two of
+/// the four steps) as diffusers' `load_lora_weights(..., load_into_transformer_2=True)` does,
+/// alone at scales 1 and 0.6 and together with `--lora` on the high-noise expert, from files in
+/// the diffusers, ComfyUI and kohya layouts.
+#[test]
+fn a14b_expert_loras_reproduce_diffusers() {
+    let dir = scratch_dir("lora", "a14b");
+    let refs = candle_core::safetensors::load(
+        named_fixture_dir(A14B_FIXTURE).join("lora.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let draws = draws(&dir, &refs);
+    let cases = lora_cases(A14B_FIXTURE);
+    let flags = |args: &[String], flag: &str| args.iter().filter(|a| *a == flag).count();
+    assert!(
+        cases
+            .iter()
+            .any(|(_, a, _)| flags(a, "--lora-2") == 1 && flags(a, "--lora") == 0)
+            && cases
+                .iter()
+                .any(|(_, a, _)| flags(a, "--lora-2") == 1 && flags(a, "--lora") == 1),
+        "the fixture runs --lora-2 alone and with --lora"
+    );
+    // The same draws and call without LoRAs: the checkpoint's own reference.
+    let plain = named_reference("wan22-a14b-tiny-a", "pipeline")["cfg5.frames"]
+        .squeeze(0)
+        .unwrap();
+    for (name, args, tensor) in &cases {
+        let expected = refs[tensor].squeeze(0).unwrap();
+        // The LoRAs move the frames far beyond the tolerance: matching them needs the LoRAs.
+        assert!(
+            max_abs_diff(&expected, &plain) > 0.05,
+            "{name}: the LoRA changes nothing"
+        );
+        let frames = generate("wan22-a14b-tiny-a", &dir, &draws, args)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_close(name, &frames, &expected, 1e-4, 1e-4);
+    }
 }
 
 #[test]
