@@ -15,7 +15,7 @@ if [ -n "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site "$WHL" 2>/dev/null
   export PYTHONPATH=/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-T=tests/fixtures/wan2.1-configs.json K=transformer_Wan2.1-T2V-14B
+T=${TABLE:-tests/fixtures/wan2.1-configs.json} K=transformer_Wan2.1-T2V-14B
 [ -f "$W/q8.gguf" ] || python3 bench/make_gguf.py $T $K "$W/q8.gguf" Q8_0 | tee "$O/q8.json"
 [ -f "$W/lora.safetensors" ] || python3 bench/make_lora.py $T $K "$W/lora.safetensors" 32 | tee "$O/lora.json"
 RESIDENT=(--dit-layerwise-offload=false --dit-cpu-offload=false)
