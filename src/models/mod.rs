@@ -33,6 +33,7 @@ pub mod mochi;
 #[path = "kernels/norms.rs"]
 pub(crate) mod norms;
 pub mod pixart;
+pub mod projection;
 #[cfg(feature = "cuda")]
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 
 use crate::models::attention::sdpa;
+use crate::models::projection::project;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 use crate::models::wan::transformer::timestep_embedding;
@@ -103,24 +104,6 @@ impl Attention {
         let (q, k, v) = self.heads(x, context)?;
         self.merge_heads(sdpa(&q, &k, &v, self.scale())?)
     }
-}
-
-/// `linear` over every row of `x` `[B', S, ·]` as one matrix product: candle runs a 3-D input as
-/// B' products against a broadcast weight, which wastes the GPU where B' is large and S small
-/// (Latte's temporal blocks: 1024 sequences of 16 frames each). On CUDA bf16 the bias is added in
-/// the product's epilogue, as PyTorch adds a Linear's.
-fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
-    let (b, s, d) = x.dims3()?;
-    let rows = x.reshape((b * s, d))?;
-    #[cfg(feature = "cuda")]
-    if let (true, Some(bias)) = (row_ops::supported(&rows), linear.bias()) {
-        return row_ops::matmul_bias_act(&rows, linear.weight(), bias, Act::None)?.reshape((
-            b,
-            s,
-            (),
-        ));
-    }
-    linear.forward(&rows)?.reshape((b, s, ()))
 }
 
 /// The sizes of a [`Block`], from its model's config.

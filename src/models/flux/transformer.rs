@@ -23,8 +23,9 @@ use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
-    gated, merge_heads, norm_modulate, split_heads, Act, Mlp, Modulation,
+    gated, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
 };
+use crate::models::projection::{project, project_gelu_tanh};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
@@ -279,60 +280,20 @@ fn out_of_order(step: BlockStep) -> candle_core::Error {
     ))
 }
 
-/// q, k, v projections (with bias) and the per-head RMSNorm of q and k.
-#[derive(Debug, Clone)]
-struct QkvProjection {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    norm_q: Tensor,
-    norm_k: Tensor,
-    heads: usize,
+/// The rows `start..start + len` of the RoPE table: the positions of one stream in the joint
+/// sequence.
+fn rope_rows(inputs: &BlockInputs, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
+    Ok((
+        inputs.rope_cos.narrow(0, start, len)?,
+        inputs.rope_sin.narrow(0, start, len)?,
+    ))
 }
 
-impl QkvProjection {
-    /// The projections named `names` (q, k, v, q norm, k norm) under `vb`.
-    fn new(cfg: &FluxTransformerConfig, vb: &VarBuilder, names: [&str; 5]) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        Ok(Self {
-            to_q: candle_nn::linear(dim, dim, vb.pp(names[0]))?,
-            to_k: candle_nn::linear(dim, dim, vb.pp(names[1]))?,
-            to_v: candle_nn::linear(dim, dim, vb.pp(names[2]))?,
-            norm_q: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[3]))?,
-            norm_k: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[4]))?,
-            heads: cfg.num_attention_heads,
-        })
-    }
-
-    /// `x` `[B, S, inner]` -> normed q and k and v, each `[B, heads, S, head_dim]`.
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let normed = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
-            let t = split_heads(&linear.forward(x)?, self.heads)?;
-            candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)
-        };
-        Ok((
-            normed(&self.to_q, &self.norm_q)?,
-            normed(&self.to_k, &self.norm_k)?,
-            split_heads(&self.to_v.forward(x)?, self.heads)?,
-        ))
-    }
-}
-
-/// Interleaved-pair RoPE on every position of `x` `[B, heads, S, D]` (in f32, cast back).
-fn rope(x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-    candle_nn::rotary_emb::rope_i(
-        &x.to_dtype(DType::F32)?.contiguous()?,
-        &inputs.rope_cos,
-        &inputs.rope_sin,
-    )?
-    .to_dtype(x.dtype())
-}
-
-/// Attention over the rotated q, k and plain v of the whole joint sequence (no mask), as
+/// Attention over q, k (normed and rotated) and v of the whole joint sequence (no mask), as
 /// `[B, S, inner]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(3)? as f64).sqrt();
-    merge_heads(&sdpa(&rope(q, inputs)?, &rope(k, inputs)?, v, scale)?)
+    merge_heads(&sdpa(q, k, v, scale)?)
 }
 
 /// The joint attention of a dual-stream block with both streams' modulations.
@@ -350,12 +311,12 @@ impl JointAttention {
         let attn = vb.pp("attn");
         Ok(Self {
             image_qkv: QkvProjection::new(
-                cfg,
+                (cfg.num_attention_heads, cfg.attention_head_dim),
                 &attn,
                 ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
             )?,
             text_qkv: QkvProjection::new(
-                cfg,
+                (cfg.num_attention_heads, cfg.attention_head_dim),
                 &attn,
                 [
                     "add_q_proj",
@@ -380,20 +341,20 @@ impl JointAttention {
         c: &[Tensor],
         inputs: &BlockInputs,
     ) -> Result<(Tensor, Tensor)> {
-        let text_len = text.dim(1)?;
+        let (text_len, image_len) = (text.dim(1)?, image.dim(1)?);
         let out = {
-            let (q, k, v) = self
-                .image_qkv
-                .forward(&norm_modulate(image, &m[0], &m[1])?)?;
-            let (tq, tk, tv) = self.text_qkv.forward(&norm_modulate(text, &c[0], &c[1])?)?;
+            // Each stream rotated at its own positions of [text; image].
+            let (cos, sin) = rope_rows(inputs, text_len, image_len)?;
+            let normed = norm_modulate(image, &m[0], &m[1])?;
+            let (q, k, v) = self.image_qkv.forward(&normed, Some((&cos, &sin)))?;
+            let (cos, sin) = rope_rows(inputs, 0, text_len)?;
+            let normed = norm_modulate(text, &c[0], &c[1])?;
+            let (tq, tk, tv) = self.text_qkv.forward(&normed, Some((&cos, &sin)))?;
             let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
-            attention(&cat(tq, q)?, &cat(tk, k)?, &cat(tv, v)?, inputs)?
+            attention(&cat(tq, q)?, &cat(tk, k)?, &cat(tv, v)?)?
         };
-        let total = out.dim(1)?;
-        let attn_image = self
-            .to_out
-            .forward(&out.narrow(1, text_len, total - text_len)?)?;
-        let attn_text = self.to_add_out.forward(&out.narrow(1, 0, text_len)?)?;
+        let attn_image = project(&self.to_out, &out.narrow(1, text_len, image_len)?)?;
+        let attn_text = project(&self.to_add_out, &out.narrow(1, 0, text_len)?)?;
         Ok((
             gated(image, attn_image, &m[2])?,
             gated(text, attn_text, &c[2])?,
@@ -507,7 +468,7 @@ impl FluxSingleTransformerBlock {
                     Ok((
                         Modulation::new(dim, 3, vb.pp("norm"))?,
                         QkvProjection::new(
-                            cfg,
+                            (cfg.num_attention_heads, cfg.attention_head_dim),
                             &vb.pp("attn"),
                             ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
                         )?,
@@ -533,9 +494,10 @@ impl FluxSingleTransformerBlock {
             let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
             let m = norm.forward(&inputs.temb)?;
             let normed = norm_modulate(&x, &m[0], &m[1])?;
-            let (q, k, v) = qkv.forward(&normed)?;
+            let rope = (&inputs.rope_cos, &inputs.rope_sin);
+            let (q, k, v) = qkv.forward(&normed, Some(rope))?;
             streams.carry = Carry::SingleStream {
-                attention: attention(&q, &k, &v, inputs)?,
+                attention: attention(&q, &k, &v)?,
                 normed,
                 gate: m[2].clone(),
             };
@@ -551,8 +513,8 @@ impl FluxSingleTransformerBlock {
             };
             let text_len = streams.text.dim(1)?;
             let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
-            let mlp = proj_mlp.forward(normed)?.gelu()?;
-            let out = proj_out.forward(&Tensor::cat(&[attention, &mlp], 2)?)?;
+            let mlp = project_gelu_tanh(proj_mlp, normed)?;
+            let out = project(proj_out, &Tensor::cat(&[attention, &mlp], 2)?)?;
             let x = gated(&x, out, gate)?;
             let total = x.dim(1)?;
             streams = Streams::new(
@@ -801,7 +763,7 @@ impl FluxTransformer2DModel {
                 img_ids.dims()
             );
         }
-        let image = self.x_embedder.forward(&latents.to_dtype(self.dtype)?)?;
+        let image = project(&self.x_embedder, &latents.to_dtype(self.dtype)?)?;
         // diffusers: timestep.to(dtype) * 1000, guidance.to(dtype) * 1000.
         let thousand = |t: &Tensor| t.to_dtype(self.dtype)? * 1000.0;
         let guidance = guidance.map(thousand).transpose()?;
@@ -810,9 +772,10 @@ impl FluxTransformer2DModel {
             guidance.as_ref(),
             pooled_projections,
         )?;
-        let text = self
-            .context_embedder
-            .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
+        let text = project(
+            &self.context_embedder,
+            &encoder_hidden_states.to_dtype(self.dtype)?,
+        )?;
         let ids = Tensor::cat(
             &[txt_ids.to_dtype(DType::F32)?, img_ids.to_dtype(DType::F32)?],
             0,
@@ -829,8 +792,7 @@ impl FluxTransformer2DModel {
     /// Output norm (AdaLayerNormContinuous: scale then shift) and `proj_out` of the image
     /// tokens `[B, N, inner]` -> `[B, N, out_channels]`.
     pub fn finish(&self, image: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        self.proj_out
-            .forward(&self.norm_out_forward(image, inputs)?)
+        project(&self.proj_out, &self.norm_out_forward(image, inputs)?)
     }
 
     /// `norm_out` alone (the output head before `proj_out`).

@@ -33,6 +33,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_key_prefix};
 use crate::models::blocks::Blockwise;
+use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
 use crate::models::wan::transformer::timestep_embedding;
@@ -645,7 +646,7 @@ impl Modulation {
     }
 
     pub(crate) fn forward(&self, temb: &Tensor) -> Result<Vec<Tensor>> {
-        let emb = self.linear.forward(&candle_nn::ops::silu(temb)?)?;
+        let emb = project(&self.linear, &candle_nn::ops::silu(temb)?)?;
         emb.chunk(self.chunks, 1)
     }
 }
@@ -689,22 +690,11 @@ impl Mlp {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let (Act::GeluTanh, Some(bias), [b, s, d]) = (self.act, self.fc1.bias(), x.dims()) {
-            if row_ops::supported(x) {
-                // The bias and GELU in the product's epilogue (or one pass over it).
-                let h = x.reshape((b * s, *d))?;
-                let h =
-                    row_ops::matmul_bias_act(&h, self.fc1.weight(), bias, row_ops::Act::GeluTanh)?;
-                return self.fc2.forward(&h.reshape((*b, *s, ()))?);
-            }
-        }
-        let h = self.fc1.forward(x)?;
         let h = match self.act {
-            Act::GeluTanh => h.gelu()?,
-            Act::Silu => candle_nn::ops::silu(&h)?,
+            Act::GeluTanh => project_gelu_tanh(&self.fc1, x)?,
+            Act::Silu => candle_nn::ops::silu(&project(&self.fc1, x)?)?,
         };
-        self.fc2.forward(&h)
+        project(&self.fc2, &h)
     }
 }
 
@@ -744,9 +734,10 @@ fn attention_key_prefix(q: &Tensor, k: &Tensor, v: &Tensor, kv_lens: &[usize]) -
     sdpa_key_prefix(q, k, v, 1.0 / (q.dim(3)? as f64).sqrt(), kv_lens)
 }
 
-/// q, k, v projections (with bias) and the per-head RMSNorm of q and k.
+/// q, k, v projections (with bias) and the per-head RMSNorm of q and k (HunyuanVideo's and
+/// FLUX.1's attentions).
 #[derive(Debug, Clone)]
-struct QkvProjection {
+pub(crate) struct QkvProjection {
     to_q: Linear,
     to_k: Linear,
     to_v: Linear,
@@ -756,27 +747,33 @@ struct QkvProjection {
 }
 
 impl QkvProjection {
-    fn new(cfg: &HunyuanVideoTransformerConfig, vb: &VarBuilder, names: [&str; 5]) -> Result<Self> {
-        let dim = cfg.inner_dim();
+    /// The projections of `heads` heads of `head_dim` named `names` (q, k, v, q norm, k norm)
+    /// under `vb`.
+    pub(crate) fn new(
+        (heads, head_dim): (usize, usize),
+        vb: &VarBuilder,
+        names: [&str; 5],
+    ) -> Result<Self> {
+        let dim = heads * head_dim;
         Ok(Self {
             to_q: candle_nn::linear(dim, dim, vb.pp(names[0]))?,
             to_k: candle_nn::linear(dim, dim, vb.pp(names[1]))?,
             to_v: candle_nn::linear(dim, dim, vb.pp(names[2]))?,
-            norm_q: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[3]))?,
-            norm_k: vb.get(cfg.attention_head_dim, &format!("{}.weight", names[4]))?,
-            heads: cfg.num_attention_heads,
+            norm_q: vb.get(head_dim, &format!("{}.weight", names[3]))?,
+            norm_k: vb.get(head_dim, &format!("{}.weight", names[4]))?,
+            heads,
         })
     }
 
     /// `x` `[B, S, inner]` -> normed q, k and v, each `[B, heads, S, head_dim]`; q and k
     /// rotated at the first `rope.0.dim(0)` positions when `rope` (cos, sin) is given. On CUDA
     /// bf16 the bias, per-head RMSNorm and RoPE of q and k are one kernel each.
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: &Tensor,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let v = split_heads(&self.to_v.forward(x)?, self.heads)?;
+        let v = split_heads(&project(&self.to_v, x)?, self.heads)?;
         #[cfg(feature = "cuda")]
         if row_ops::supported(x) && self.norm_q.dim(0)? <= row_ops::MAX_HEAD_DIM {
             let (b, s, dim) = x.dims3()?;
@@ -802,7 +799,7 @@ impl QkvProjection {
             return Ok((q, k, v));
         }
         let norm_rope = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
-            let t = split_heads(&linear.forward(x)?, self.heads)?;
+            let t = split_heads(&project(linear, x)?, self.heads)?;
             let t = candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)?;
             match rope {
                 Some((cos, sin)) => rope_prefix(&t, cos, sin),
@@ -850,10 +847,8 @@ impl JointAttention {
             merge_heads(&out)?
         };
         let total = out.dim(1)?;
-        let attn_video = self.to_out.forward(&out.narrow(1, 0, n_video)?)?;
-        let attn_text = self
-            .to_add_out
-            .forward(&out.narrow(1, n_video, total - n_video)?)?;
+        let attn_video = project(&self.to_out, &out.narrow(1, 0, n_video)?)?;
+        let attn_text = project(&self.to_add_out, &out.narrow(1, n_video, total - n_video)?)?;
         Ok((
             gated(hidden, attn_video, &m[2])?,
             gated(encoder, attn_text, &c[2])?,
@@ -895,12 +890,12 @@ impl HunyuanVideoTransformerBlock {
                 .then(|| -> Result<_> {
                     Ok(JointAttention {
                         video_qkv: QkvProjection::new(
-                            cfg,
+                            (cfg.num_attention_heads, cfg.attention_head_dim),
                             &attn,
                             ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
                         )?,
                         text_qkv: QkvProjection::new(
-                            cfg,
+                            (cfg.num_attention_heads, cfg.attention_head_dim),
                             &attn,
                             [
                                 "add_q_proj",
@@ -1018,7 +1013,7 @@ impl HunyuanVideoSingleTransformerBlock {
                 .contains(&BlockStep::SingleAttention)
                 .then(|| {
                     QkvProjection::new(
-                        cfg,
+                        (cfg.num_attention_heads, cfg.attention_head_dim),
                         &vb.pp("attn"),
                         ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
                     )
@@ -1101,9 +1096,9 @@ impl HunyuanVideoSingleTransformerBlock {
         // MLP in parallel with the attention, one output projection over both, by token chunks.
         let x = by_token_chunks(&x, |start, rows| {
             let len = rows.dim(1)?;
-            let mlp = proj_mlp.forward(&normed.narrow(1, start, len)?)?.gelu()?;
+            let mlp = project_gelu_tanh(proj_mlp, &normed.narrow(1, start, len)?)?;
             let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
-            gated(rows, proj_out.forward(&both)?, &gate)
+            gated(rows, project(proj_out, &both)?, &gate)
         })?;
         let total = x.dim(1)?;
         Ok(Streams::new(
@@ -1305,9 +1300,9 @@ impl RefinerAttention {
     /// `x` `[B, L, inner]` -> `to_out` of the attention over the valid text.
     fn forward(&self, x: &Tensor, valid: &[Vec<bool>]) -> Result<Tensor> {
         let h = self.norm1.forward(x)?;
-        let q = split_heads(&self.to_q.forward(&h)?, self.heads)?;
-        let k = split_heads(&self.to_k.forward(&h)?, self.heads)?;
-        let v = split_heads(&self.to_v.forward(&h)?, self.heads)?;
+        let q = split_heads(&project(&self.to_q, &h)?, self.heads)?;
+        let k = split_heads(&project(&self.to_k, &h)?, self.heads)?;
+        let v = split_heads(&project(&self.to_v, &h)?, self.heads)?;
         let scale = 1.0 / (q.dim(3)? as f64).sqrt();
         let outs = valid
             .iter()
@@ -1333,7 +1328,7 @@ impl RefinerAttention {
                     .where_cond(&out, &v.narrow(2, 0, 1)?.broadcast_as(out.shape())?)
             })
             .collect::<Result<Vec<_>>>()?;
-        self.to_out.forward(&merge_heads(&Tensor::cat(&outs, 0)?)?)
+        project(&self.to_out, &merge_heads(&Tensor::cat(&outs, 0)?)?)
     }
 }
 
