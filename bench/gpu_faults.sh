@@ -132,7 +132,7 @@ kill $HOLDER; wait $HOLDER 2> /dev/null
 written=$(ls "$O/mid" 2> /dev/null | grep -c "\.safetensors$")
 partial=$(ls "$O/mid" 2> /dev/null | grep -c -i "partial\|\.tmp")
 retried=$(grep -c "retrying once" "$O/mid.log")
-if [ "$partial" = 0 ] && { [ $rc = 0 ] && [ "$written" = 2 ] || [ $rc = 1 ] && [ "$written" = 1 ]; }; then
+if [ "$partial" = 0 ] && { { [ $rc = 0 ] && [ "$written" = 2 ]; } || { [ $rc = 1 ] && [ "$written" = 1 ]; }; }; then
   echo "ok   memory taken mid-run: rc=$rc, $written of 2 written, $retried retry, no temporary"
 else
   echo "FAIL memory taken mid-run: rc=$rc written=$written temporaries=$partial retries=$retried"
