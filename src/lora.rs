@@ -296,7 +296,8 @@ impl Loras {
                         Some(up) => (up.narrow(0, start, len)?.matmul(other)? * *scale)?,
                         None => (other.narrow(0, start, len)? * *scale)?,
                     };
-                    w = (w + change.reshape(w.shape())?)?;
+                    let change = change.reshape(w.shape())?;
+                    w = (w + change)?;
                 }
                 w.to_dtype(dtype)
             })

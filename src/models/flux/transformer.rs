@@ -15,7 +15,7 @@
 //! Dtypes: weights and activations in the `VarBuilder` dtype; LayerNorm statistics, RoPE and the
 //! attention softmax in f32.
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
@@ -30,9 +30,6 @@ use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
 pub const TIMESTEP_CHANNELS: usize = 256;
-
-/// Epsilon of the q/k RMSNorms (hard-coded in diffusers, as the LayerNorms' 1e-6).
-const NORM_EPS: f64 = 1e-6;
 
 /// RoPE base of `FluxPosEmbed` (hard-coded in diffusers).
 const ROPE_THETA: f64 = 10000.0;
