@@ -1214,7 +1214,7 @@ mod cuda_tests {
         let err = (diff.sqr()?.sum_all()?.sqrt()? / composite.sqr()?.sum_all()?.sqrt()?)?
             .to_scalar::<f32>()?;
         eprintln!(
-            "{what}: max |fused - composite| {worst} ({} ulps of the peak {peak}), relative L2 error {err}",
+            "{what}: worst |fused - composite| {worst} ({} ulps of the peak {peak}), relative L2 error {err}",
             worst / ulp
         );
         assert!(fused
