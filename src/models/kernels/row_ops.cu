@@ -9,7 +9,8 @@
 //   _f32   Wan's f32 block: gates and modulation are f32 and applied unrounded (the product and
 //          the sum rounded once), norm scales as candle's fused ops (x / dim, rsqrtf), each
 //          product of a RoPE rotation rounded on its own; rows of up to 8192 reduced by groups of
-//          32-128 threads.
+//          32-128 threads. Mochi's f32 RMS norms times an f32 row (`rms_mul`) round the same way,
+//          their residual add after the cast back to bf16.
 //   _bf16  candle's bf16 composition (LTX-Video, CogVideoX, HunyuanVideo, MiniMax H3): bf16 gates
 //          and modulation, each product rounded; norms as the f32 composite computes them
 //          (sum * f32(1 / dim), IEEE sqrt and reciprocal); RoPE with one fma per output; rows
@@ -503,6 +504,58 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
   }
 }
 
+// out = bf16(RMSNorm(x) * w), or with `res` bf16(res + bf16(RMSNorm(x) * w)), over rows of `dim`,
+// G threads per row: candle's fused f32 `rms_norm` without a weight (x * rsqrtf(sum(x^2) / dim +
+// eps)), times the f32 row of w of the row's batch entry (`w_stride` 0: one row for all), rounded
+// once (`rms_norm` on an f32 copy, an f32 `broadcast_mul`, a cast back), then the bf16 residual
+// add. `out` may be `x` (a row's group reads all of it before writing), not `res`. VEC: 16-byte
+// accesses (every pointer aligned), else scalar ones, with the same arithmetic.
+template <int G, bool VEC>
+__device__ __forceinline__ void rms_mul_rows(const bf16 *x, const bf16 *__restrict__ res,
+                                               bf16 *out, const float *__restrict__ w, long rows,
+                                               int dim, long row0, long seq, long w_stride,
+                                               float eps, float *s_sq) {
+  const int lane = threadIdx.x % G;
+  const long row = blockIdx.x * (long)(THREADS / G) + threadIdx.x / G;
+  const bool active = row < rows;
+  if (G == 32 && !active) return; // no barrier in a warp's reduction
+  const int vecs = dim / 8;
+  const long base = row * dim;
+  uint4 v[MAX_VECS];
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < MAX_VECS; ++i) {
+    const int k = lane + i * G;
+    if (active && k < vecs) v[i] = biased8<VEC>(x + base + 8 * k, nullptr, 8 * k, sq);
+  }
+  const float scale = rsqrtf(group_sum<G>(sq, s_sq) / dim + eps);
+  if (!active) return;
+  const float *wr = w + (row0 + row) / seq * w_stride;
+#pragma unroll
+  for (int i = 0; i < MAX_VECS; ++i) {
+    const int k = lane + i * G;
+    if (k < vecs) {
+      float wv[8];
+      load_f32<VEC, 8>(wr + 8 * k, wv);
+      const uint4 r = res != nullptr ? load8_ro<VEC>(res + base + 8 * k) : make_uint4(0, 0, 0, 0);
+      uint4 o;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack(word(v[i], j));
+        float y0 = __fmul_rn(__fmul_rn(scale, f.x), wv[2 * j]);
+        float y1 = __fmul_rn(__fmul_rn(scale, f.y), wv[2 * j + 1]);
+        if (res != nullptr) {
+          const float2 rr = unpack(word(r, j));
+          y0 = __fadd_rn(rr.x, round_bf16(y0));
+          y1 = __fadd_rn(rr.y, round_bf16(y1));
+        }
+        set_word(o, j, pack(y0, y1));
+      }
+      store8<VEC>(out + base + 8 * k, o);
+    }
+  }
+}
+
 // ---- block-per-row kernels: one block of THREADS per row, any even dim <= 2 * MAX_PAIRS *
 // THREADS ----
 
@@ -811,6 +864,22 @@ extern "C" __global__ void layer_norm_mod_bf16(
 LAYER_NORM_GROUPED(32)
 LAYER_NORM_GROUPED(64)
 LAYER_NORM_GROUPED(128)
+
+// `rms_mul_rows`: dim % 8 == 0, dim <= 8 * MAX_VECS * G; blocks of THREADS threads, THREADS / G
+// rows each (`rows` rows in all).
+#define RMS_MUL_GROUPED(G)                                                                       \
+  extern "C" __global__ void __launch_bounds__(THREADS, 4) rms_mul_g##G##_f32(                   \
+      const bf16 *x, const bf16 *__restrict__ res, bf16 *out, const float *__restrict__ w,       \
+      long rows, int dim, long row0, long seq, long w_stride, float eps) {                       \
+    __shared__ float s_sq[THREADS / 32];                                                         \
+    if (aligned16(x) && aligned16(res) && aligned16(out) && aligned16(w) && w_stride % 4 == 0)   \
+      rms_mul_rows<G, true>(x, res, out, w, rows, dim, row0, seq, w_stride, eps, s_sq);          \
+    else                                                                                         \
+      rms_mul_rows<G, false>(x, res, out, w, rows, dim, row0, seq, w_stride, eps, s_sq);         \
+  }
+RMS_MUL_GROUPED(32)
+RMS_MUL_GROUPED(64)
+RMS_MUL_GROUPED(128)
 
 // out = RMSNorm(x) [* w] then, when `scale` is not null, bf16(bf16(n * bf16(1 + scale)) + shift):
 // the composite `rms_norm` (f32: x * recip(sqrt(mean(x^2) + eps)) [* w], rounded) followed by

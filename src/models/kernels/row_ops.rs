@@ -53,6 +53,11 @@ pub(crate) fn rows_supported(x: &Tensor) -> bool {
     supported(x) && x.dim(D::Minus1).is_ok_and(|d| d <= MAX_DIM)
 }
 
+/// Whether the grouped row kernels ([`rms_mul_f32`]) take `x`: also `dim` a multiple of 8.
+pub(crate) fn grouped_rows_supported(x: &Tensor) -> bool {
+    supported(x) && x.dim(D::Minus1).is_ok_and(|d| row_group(d).is_some())
+}
+
 /// Where a `[rows, dim]` slab sits in a `[batch * seq, dim]` tensor: its first row, and the
 /// rows per batch entry (which pick the modulation row and the RoPE position of each row).
 #[derive(Debug, Clone, Copy)]
@@ -273,6 +278,99 @@ pub(crate) fn layer_norm_affine_f32(
     };
     out.inplace_op1(&launch)?;
     Ok(out)
+}
+
+/// `RMSNorm(x) * w` of `x` `[rows, dim]` (rows of [`grouped_rows_supported`]): candle's fused
+/// f32 `rms_norm` without a weight, times `w` f32 `[1 or batch, dim]` (a modulation's `1 + scale`,
+/// a gate) unrounded, rounded once: `rms_norm` on an f32 copy, an f32 `broadcast_mul`, the cast
+/// back to bf16.
+pub(crate) fn rms_mul_f32(x: &Tensor, w: &Tensor, at: Rows, eps: f64) -> Result<Tensor> {
+    let dims = x.dims2()?;
+    // SAFETY: the kernel writes every element of `out`.
+    let out = unsafe { Tensor::empty(dims, DType::BF16, x.device()) }?;
+    if dims.0 > 0 {
+        out.inplace_op1(&rms_mul_launch(x, false, None, w, at, eps)?)?;
+    }
+    Ok(out)
+}
+
+/// `res + RMSNorm(delta) * w` ([`rms_mul_f32`] of `delta`, then the bf16 add), written into
+/// `delta`'s storage.
+pub(crate) fn rms_mul_residual_f32(
+    res: &Tensor,
+    delta: Tensor,
+    w: &Tensor,
+    at: Rows,
+    eps: f64,
+) -> Result<Tensor> {
+    if res.dims2()? != delta.dims2()? {
+        candle_core::bail!(
+            "rms_mul residual: {:?} and {:?} differ",
+            res.dims(),
+            delta.dims()
+        )
+    }
+    if delta.dim(0)? > 0 {
+        delta.inplace_op1(&rms_mul_launch(&delta, true, Some(res), w, at, eps)?)?;
+    }
+    Ok(delta)
+}
+
+/// The `rms_mul` kernel's launch over the rows of `x` (when `x_is_dst`, the destination: each
+/// row is read before it is written), adding `res` where given.
+fn rms_mul_launch<'a>(
+    x: &'a Tensor,
+    x_is_dst: bool,
+    res: Option<&'a Tensor>,
+    w: &'a Tensor,
+    at: Rows,
+    eps: f64,
+) -> Result<Launch<'a>> {
+    let (rows, dim) = x.dims2()?;
+    let (w_rows, w_dim) = w.dims2()?;
+    let Some(g) = row_group(dim) else {
+        candle_core::bail!("rms_mul: rows of {dim} (a multiple of 8 up to {MAX_DIM})")
+    };
+    let batches = (at.row0 + rows).div_ceil(at.seq.max(1));
+    if x.dtype() != DType::BF16
+        || res.is_some_and(|r| r.dtype() != DType::BF16)
+        || w.dtype() != DType::F32
+        || w_dim != dim
+        || at.seq == 0
+        || (w_rows != 1 && w_rows < batches)
+    {
+        candle_core::bail!(
+            "rms_mul: x {:?} {:?}, w {:?} {:?} for {batches} batch entries",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        )
+    }
+    Ok(row_launch(
+        &ROWS,
+        grouped(
+            ["rms_mul_g32_f32", "rms_mul_g64_f32", "rms_mul_g128_f32"],
+            g,
+        ),
+        rows.div_ceil(ROW_THREADS / g),
+        vec![
+            if x_is_dst {
+                Arg::Dst
+            } else {
+                Arg::Tensor(Some(x))
+            },
+            Arg::Tensor(res),
+            Arg::Dst,
+            Arg::Tensor(Some(w)),
+            Arg::Long(rows as i64),
+            Arg::Int(dim as i32),
+            Arg::Long(at.row0 as i64),
+            Arg::Long(at.seq as i64),
+            Arg::Long(if w_rows == 1 { 0 } else { dim as i64 }),
+            Arg::Float(eps as f32),
+        ],
+    ))
 }
 
 /// Widest head [`head_norm_rope`] takes (`2 * 32 * MAX_HEAD_PAIRS` in the kernel).

@@ -14,7 +14,10 @@
 //!    unpatchify to `[B, C, F, H, W]`.
 //!
 //! The RMS norms compute in f32 and cast back to the stream's dtype, as diffusers'
-//! `MochiRMSNormZero` / `MochiModulatedRMSNorm` do; the rotation of q and k runs in f32.
+//! `MochiRMSNormZero` / `MochiModulatedRMSNorm` do; the rotation of q and k runs in f32. On CUDA
+//! bf16 the blocks' norms with their modulation, gated residuals, q/k norms with RoPE, Linear
+//! biases and SwiGLU run as the fused row kernels every DiT shares (`kernels/row_ops.cu`), with
+//! the same roundings ([`Ops`]).
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
@@ -23,6 +26,8 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_with_bias};
 use crate::models::blocks::RepeatedBlocks;
 use crate::models::cogvideox::transformer::linspace_f32;
+#[cfg(feature = "cuda")]
+use crate::models::row_ops::{self, Act, Rows};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -200,11 +205,11 @@ fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
     candle_nn::ops::rms_norm(&x.contiguous()?, &ones, eps as f32)
 }
 
-/// `MochiModulatedRMSNorm`: `rms(x) · factor` in f32 (a gate `tanh(g)` in the rows' dtype, or
-/// [`one_plus`] a scale), back in `x`'s dtype; `factor` broadcasts `[B, 1, D]`.
+/// `MochiModulatedRMSNorm`: `rms(x) · factor` in f32 (`factor` f32 `[B, 1, D]`: [`one_plus`] a
+/// scale or [`tanh_gate`]), back in `x`'s dtype.
 fn modulated_rms(x: &Tensor, factor: &Tensor) -> Result<Tensor> {
     rms_normalize(x, NORM_EPS)?
-        .broadcast_mul(&factor.to_dtype(DType::F32)?)?
+        .broadcast_mul(factor)?
         .to_dtype(x.dtype())
 }
 
@@ -213,9 +218,135 @@ fn one_plus(scale: &Tensor) -> Result<Tensor> {
     scale.to_dtype(DType::F32)? + 1.0
 }
 
+/// The gate `tanh(g)` of a modulation row, in the row's dtype, as f32 (the factor of
+/// [`modulated_rms`]).
+fn tanh_gate(gate: &Tensor) -> Result<Tensor> {
+    gate.tanh()?.to_dtype(DType::F32)
+}
+
 /// `[B, k·D]` modulation rows -> row `i` as `[B, 1, D]`.
 fn chunk(emb: &Tensor, i: usize, dim: usize) -> Result<Tensor> {
     emb.narrow(1, i * dim, dim)?.unsqueeze(1)
+}
+
+/// How a block runs its per-token steps (modulated norms, gated residuals, q/k norms with RoPE,
+/// Linear layers, SwiGLU); the block's structure is the same for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ops {
+    /// candle ops: the CPU, f32 and other dtypes, and the reference of the fused path.
+    Composite,
+    /// The fused row kernels on CUDA bf16 (`kernels/row_ops.cu`): one pass over the rows per
+    /// step, rounded as the candle ops round (bar a reduction's summation order); a Linear's bias
+    /// goes into its GEMM's epilogue, rounded once, as PyTorch adds it.
+    #[cfg(feature = "cuda")]
+    Fused,
+}
+
+impl Ops {
+    /// [`modulated_rms`] of `x` `[B, S, D]` by `factor` (f32 `[B, 1, D]`).
+    fn modulated_rms(self, x: &Tensor, factor: &Tensor) -> Result<Tensor> {
+        match self {
+            Ops::Composite => modulated_rms(x, factor),
+            #[cfg(feature = "cuda")]
+            Ops::Fused => {
+                let (b, s, d) = x.dims3()?;
+                let factor = factor.reshape((b, d))?.contiguous()?;
+                let at = Rows { row0: 0, seq: s };
+                row_ops::rms_mul_f32(&x.reshape((b * s, d))?, &factor, at, NORM_EPS)?
+                    .reshape((b, s, d))
+            }
+        }
+    }
+
+    /// `x + modulated_rms(delta, factor)` for `x`, `delta` `[B, S, D]` (the fused kernel writes
+    /// the sum into `delta`'s storage).
+    fn gated_residual(self, x: &Tensor, delta: Tensor, factor: &Tensor) -> Result<Tensor> {
+        match self {
+            Ops::Composite => x + modulated_rms(&delta, factor)?,
+            #[cfg(feature = "cuda")]
+            Ops::Fused => {
+                let (b, s, d) = x.dims3()?;
+                let factor = factor.reshape((b, d))?.contiguous()?;
+                let (x, delta) = (x.reshape((b * s, d))?, delta.reshape((b * s, d))?);
+                let at = Rows { row0: 0, seq: s };
+                row_ops::rms_mul_residual_f32(&x, delta, &factor, at, NORM_EPS)?.reshape((b, s, d))
+            }
+        }
+    }
+
+    /// `linear` over `x` `[B, S, in]`; fused, one GEMM over the rows with the bias in its
+    /// epilogue.
+    fn linear(self, linear: &Linear, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ops::Composite => linear.forward(x),
+            #[cfg(feature = "cuda")]
+            Ops::Fused => {
+                let (b, s, d) = x.dims3()?;
+                let rows = x.reshape((b * s, d))?;
+                match linear.bias() {
+                    Some(bias) => {
+                        row_ops::matmul_bias_act(&rows, linear.weight(), bias, Act::None)?
+                    }
+                    None => rows.matmul(&linear.weight().t()?)?,
+                }
+                .reshape((b, s, ()))
+            }
+        }
+    }
+
+    /// The per-head RMSNorm with `weight` ([`head_rms`]) of a projection `x` `[B, S, H·hd]`, then
+    /// with `rope` (cos, sin `[S·H, hd / 2]` f32: a row per token and head) the rotation of its
+    /// interleaved pairs in f32, back in `x`'s dtype. The fused kernel works in `x`'s storage.
+    fn head_norm_rope(
+        self,
+        x: Tensor,
+        weight: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+        head_dim: usize,
+    ) -> Result<Tensor> {
+        let (b, s, dim) = x.dims3()?;
+        let heads = dim / head_dim;
+        match self {
+            #[cfg(feature = "cuda")]
+            Ops::Fused if weight.dtype() == DType::BF16 => {
+                // A kernel row per (token, head): its position s·H + h picks its table row.
+                let at = Rows {
+                    row0: 0,
+                    seq: s * heads,
+                };
+                let rows = x.reshape((b * s * heads, head_dim))?;
+                row_ops::head_norm_rope(
+                    rows,
+                    None,
+                    weight,
+                    None,
+                    rope,
+                    head_dim,
+                    0,
+                    at,
+                    QK_NORM_EPS,
+                )?
+                .reshape((b, s, dim))
+            }
+            _ => {
+                let normed = head_rms(&x.reshape((b, s, heads, head_dim))?, weight)?;
+                let Some((cos, sin)) = rope else {
+                    return normed.reshape((b, s, dim));
+                };
+                // One table row per (token, head): rotate as a single head over S·H positions.
+                candle_nn::rotary_emb::rope_i(
+                    &normed
+                        .to_dtype(DType::F32)?
+                        .reshape((b, 1, s * heads, head_dim))?
+                        .contiguous()?,
+                    cos,
+                    sin,
+                )?
+                .to_dtype(x.dtype())?
+                .reshape((b, s, dim))
+            }
+        }
+    }
 }
 
 /// A stream's modulation: `MochiRMSNormZero` (scale_msa, gate_msa, scale_mlp, gate_mlp), or,
@@ -236,26 +367,20 @@ struct Modulated {
 }
 
 impl Modulation {
-    fn apply(&self, x: &Tensor, temb: &Tensor) -> Result<Modulated> {
+    fn apply(&self, x: &Tensor, temb: &Tensor, ops: Ops) -> Result<Modulated> {
         let dim = x.dim(2)?;
         let silu = candle_nn::ops::silu(temb)?;
-        match self {
+        let (scale, emb) = match self {
             Modulation::Zero(linear) => {
                 let emb = linear.forward(&silu)?;
-                let normed = modulated_rms(x, &one_plus(&chunk(&emb, 0, dim)?)?)?;
-                Ok(Modulated {
-                    normed,
-                    emb: Some(emb),
-                })
+                (chunk(&emb, 0, dim)?, Some(emb))
             }
-            Modulation::ScaleOnly(linear) => {
-                let scale = linear.forward(&silu)?.unsqueeze(1)?;
-                Ok(Modulated {
-                    normed: modulated_rms(x, &one_plus(&scale)?)?,
-                    emb: None,
-                })
-            }
-        }
+            Modulation::ScaleOnly(linear) => (linear.forward(&silu)?.unsqueeze(1)?, None),
+        };
+        Ok(Modulated {
+            normed: ops.modulated_rms(x, &one_plus(&scale)?)?,
+            emb,
+        })
     }
 }
 
@@ -275,11 +400,19 @@ impl SwiGlu {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.proj.forward(x)?;
+    fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
+        let h = ops.linear(&self.proj, x)?;
         let inner = h.dim(2)? / 2;
-        let gated = (h.narrow(2, 0, inner)? * candle_nn::ops::silu(&h.narrow(2, inner, inner)?)?)?;
-        self.out.forward(&gated)
+        let gated = match ops {
+            // The same SiLU (f32, rounded once) and rounded product as candle's bf16 ops.
+            #[cfg(feature = "cuda")]
+            Ops::Fused if inner.is_multiple_of(2) => {
+                let (b, s, width) = h.dims3()?;
+                row_ops::swiglu(&h.reshape((b * s, width))?)?.reshape((b, s, inner))?
+            }
+            _ => (h.narrow(2, 0, inner)? * candle_nn::ops::silu(&h.narrow(2, inner, inner)?)?)?,
+        };
+        ops.linear(&self.out, &gated)
     }
 }
 
@@ -363,49 +496,22 @@ impl JointAttention {
             .contiguous()
     }
 
-    /// Projection, per-head norm and the rotation of interleaved pairs (in f32) of video
-    /// tokens: `[B, H, N, hd]`.
-    fn video_qk(
+    /// `linear` of `x` `[B, S, ·]` as heads `[B, H, S, hd]`, each normed with `norm` where given
+    /// and, with `rope`, rotated.
+    fn project_heads(
         &self,
         x: &Tensor,
         linear: &Linear,
-        norm: &Tensor,
-        inputs: &BlockInputs,
+        norm: Option<&Tensor>,
+        rope: Option<(&Tensor, &Tensor)>,
+        ops: Ops,
     ) -> Result<Tensor> {
-        let (b, n, _) = x.dims3()?;
-        let normed = head_rms(
-            &linear
-                .forward(x)?
-                .reshape((b, n, self.heads, self.head_dim))?,
-            norm,
-        )?;
-        // One table row per (token, head): rotate as a single head over N·H positions.
-        let rotated = candle_nn::rotary_emb::rope_i(
-            &normed
-                .to_dtype(DType::F32)?
-                .reshape((b, 1, n * self.heads, self.head_dim))?
-                .contiguous()?,
-            &inputs.rope_cos,
-            &inputs.rope_sin,
-        )?
-        .to_dtype(x.dtype())?;
-        rotated
-            .reshape((b, n, self.heads, self.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()
-    }
-
-    /// Text projection with its per-head norm: `[B, H, L, hd]`.
-    fn text_heads(&self, c: &Tensor, linear: &Linear, norm: Option<&Tensor>) -> Result<Tensor> {
-        let (b, l, _) = c.dims3()?;
-        let h = linear
-            .forward(c)?
-            .reshape((b, l, self.heads, self.head_dim))?;
+        let h = ops.linear(linear, x)?;
         let h = match norm {
-            Some(w) => head_rms(&h, w)?,
+            Some(w) => ops.head_norm_rope(h, w, rope, self.head_dim)?,
             None => h,
         };
-        h.transpose(1, 2)?.contiguous()
+        self.heads(&h)
     }
 
     /// Video `x` `[B, N, inner]` and text `c` `[B, L, pooled]` (both modulated) -> the video
@@ -415,16 +521,20 @@ impl JointAttention {
         x: &Tensor,
         c: &Tensor,
         inputs: &BlockInputs,
+        ops: Ops,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (b, n, dim) = x.dims3()?;
         let l = c.dim(1)?;
-        let q = self.video_qk(x, &self.to_q, &self.norm_q, inputs)?;
-        let k = self.video_qk(x, &self.to_k, &self.norm_k, inputs)?;
-        let v = self.heads(&self.to_v.forward(x)?)?;
-        let tk = self.text_heads(c, &self.add_k_proj, Some(&self.norm_added_k))?;
-        let tv = self.text_heads(c, &self.add_v_proj, None)?;
+        let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
+        let q = self.project_heads(x, &self.to_q, Some(&self.norm_q), rope, ops)?;
+        let k = self.project_heads(x, &self.to_k, Some(&self.norm_k), rope, ops)?;
+        let v = self.project_heads(x, &self.to_v, None, None, ops)?;
+        let tk = self.project_heads(c, &self.add_k_proj, Some(&self.norm_added_k), None, ops)?;
+        let tv = self.project_heads(c, &self.add_v_proj, None, None, ops)?;
         let tq = match &self.text_out {
-            Some(t) => Some(self.text_heads(c, &t.add_q_proj, Some(&t.norm_added_q))?),
+            Some(t) => {
+                Some(self.project_heads(c, &t.add_q_proj, Some(&t.norm_added_q), None, ops)?)
+            }
             None => None,
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
@@ -450,9 +560,9 @@ impl JointAttention {
                 text_out.push(Tensor::cat(&[kept, pad], 1)?);
             }
         }
-        let video = self.to_out.forward(&Tensor::cat(&video_out, 0)?)?;
+        let video = ops.linear(&self.to_out, &Tensor::cat(&video_out, 0)?)?;
         let text = match &self.text_out {
-            Some(t) => Some(t.to_add_out.forward(&Tensor::cat(&text_out, 0)?)?),
+            Some(t) => Some(ops.linear(&t.to_add_out, &Tensor::cat(&text_out, 0)?)?),
             None => None,
         };
         Ok((video, text))
@@ -548,19 +658,44 @@ impl MochiBlock {
         })
     }
 
-    /// Runs the block's steps on both streams.
+    /// Runs the block's steps on both streams: the fused row kernels on CUDA bf16, else candle
+    /// ops.
     pub fn forward(&self, s: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        self.forward_with(s, inputs, self.ops(s))
+    }
+
+    /// [`Ops::Fused`] where both streams are CUDA bf16 of widths the row kernels take and the
+    /// heads are no wider than theirs.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn ops(&self, s: &Streams) -> Ops {
+        #[cfg(feature = "cuda")]
+        if row_ops::grouped_rows_supported(&s.video)
+            && row_ops::grouped_rows_supported(&s.text)
+            && self
+                .attention
+                .as_ref()
+                .is_none_or(|a| a.attn.head_dim <= row_ops::MAX_HEAD_DIM)
+        {
+            return Ops::Fused;
+        }
+        Ops::Composite
+    }
+
+    /// [`Self::forward`] through `ops`.
+    fn forward_with(&self, s: &Streams, inputs: &BlockInputs, ops: Ops) -> Result<Streams> {
         let mut s = s.clone();
         if let Some(step) = &self.attention {
-            let video = step.norm1.apply(&s.video, &inputs.temb)?;
-            let text = step.norm1_context.apply(&s.text, &inputs.temb)?;
-            let (attn, text_attn) = step.attn.forward(&video.normed, &text.normed, inputs)?;
+            let video = step.norm1.apply(&s.video, &inputs.temb, ops)?;
+            let text = step.norm1_context.apply(&s.text, &inputs.temb, ops)?;
+            let (attn, text_attn) = step
+                .attn
+                .forward(&video.normed, &text.normed, inputs, ops)?;
             let video_rows = video
                 .emb
                 .ok_or_else(|| candle_core::Error::Msg("norm1 gave no modulation rows".into()))?;
-            s.video = gated_residual(&s.video, &attn, &video_rows, 1)?;
+            s.video = gated_residual(&s.video, attn, &video_rows, 1, ops)?;
             if let (Some(text_attn), Some(rows)) = (text_attn, &text.emb) {
-                s.text = gated_residual(&s.text, &text_attn, rows, 1)?;
+                s.text = gated_residual(&s.text, text_attn, rows, 1, ops)?;
             }
             s.rows = Some((video_rows, text.emb));
         }
@@ -568,9 +703,9 @@ impl MochiBlock {
             let (video_rows, text_rows) = s.rows.take().ok_or_else(|| {
                 candle_core::Error::Msg("a feed-forward step without its attention step".into())
             })?;
-            s.video = feed_forward(&s.video, &video_rows, &step.ff)?;
+            s.video = feed_forward(&s.video, &video_rows, &step.ff, ops)?;
             if let (Some(ff), Some(rows)) = (&step.ff_context, &text_rows) {
-                s.text = feed_forward(&s.text, rows, ff)?;
+                s.text = feed_forward(&s.text, rows, ff, ops)?;
             }
         }
         Ok(s)
@@ -579,16 +714,22 @@ impl MochiBlock {
 
 /// `x + rms(delta)·tanh(gate)`, the gate row `gate` of a stream's RMSNormZero rows `emb`
 /// (1: gate_msa, 3: gate_mlp).
-fn gated_residual(x: &Tensor, delta: &Tensor, emb: &Tensor, gate: usize) -> Result<Tensor> {
-    let dim = x.dim(2)?;
-    x + modulated_rms(delta, &chunk(emb, gate, dim)?.tanh()?)?
+fn gated_residual(
+    x: &Tensor,
+    delta: Tensor,
+    emb: &Tensor,
+    gate: usize,
+    ops: Ops,
+) -> Result<Tensor> {
+    let factor = tanh_gate(&chunk(emb, gate, x.dim(2)?)?)?;
+    ops.gated_residual(x, delta, &factor)
 }
 
 /// A stream's feed-forward residual: `x + rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)`.
-fn feed_forward(x: &Tensor, emb: &Tensor, ff: &SwiGlu) -> Result<Tensor> {
+fn feed_forward(x: &Tensor, emb: &Tensor, ff: &SwiGlu, ops: Ops) -> Result<Tensor> {
     let dim = x.dim(2)?;
-    let normed = modulated_rms(x, &one_plus(&chunk(emb, 2, dim)?)?)?;
-    gated_residual(x, &ff.forward(&normed)?, emb, 3)
+    let normed = ops.modulated_rms(x, &one_plus(&chunk(emb, 2, dim)?)?)?;
+    gated_residual(x, ff.forward(&normed, ops)?, emb, 3, ops)
 }
 
 /// `MochiAttentionPool`: attention of the mask-weighted mean token over [mean; tokens] (pads
@@ -924,3 +1065,185 @@ crate::block_forward!(
     MochiTransformer3DModel, BlockInputs, take_streams, Streams,
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The fused path against the candle composition, on random bf16 inputs of Mochi-1's widths
+    //! (24 heads x 128 = 3072 video, 1536 text) on the GPU: the `rms_mul` kernels and the q/k
+    //! norms with RoPE element by element, then one block and a two-block forward.
+    use super::*;
+    use crate::models::row_ops::test_util::{
+        assert_within_ulp, assert_within_ulp_carrying, device, randn,
+    };
+
+    const HEADS: usize = 24;
+    const HEAD_DIM: usize = 128;
+    const DIM: usize = HEADS * HEAD_DIM;
+    const TEXT_DIM: usize = 1536;
+    /// A token grid of 2 latent frames of 16 x 24 patches (768 tokens).
+    const GRID: [usize; 3] = [2, 16, 24];
+    const TOKENS: usize = GRID[0] * GRID[1] * GRID[2];
+
+    /// Normal values `[b, s, d]` seen `offset` elements into their storage (an offset of 4 puts
+    /// them 8 bytes off 16-byte alignment: the kernels' scalar accesses).
+    fn randn_at(b: usize, s: usize, d: usize, offset: usize, dev: &Device) -> Result<Tensor> {
+        let n = b * s * d;
+        (randn(&[n + offset], 1.0, dev)? * 3.0)?
+            .narrow(0, offset, n)?
+            .reshape((b, s, d))
+    }
+
+    #[test]
+    fn rms_mul_matches_composite() -> Result<()> {
+        let Some(dev) = device("Mochi fused kernels") else {
+            return Ok(());
+        };
+        // Both stream widths (a warp per row of 1536, two warps per row of 3072), aligned and not.
+        for (b, s, d, offset) in [(2, TOKENS, DIM, 0), (2, 256, TEXT_DIM, 0), (1, 300, DIM, 4)] {
+            let what = format!("b={b} d={d} offset={offset}");
+            let x = randn_at(b, s, d, offset, &dev)?;
+            let emb = randn(&[b, 4 * d], 0.5, &dev)?;
+            let scale = one_plus(&chunk(&emb, 0, d)?)?;
+            let want = modulated_rms(&x, &scale)?;
+            let got = Ops::Fused.modulated_rms(&x, &scale)?;
+            assert_within_ulp(&got, &want, &want, &format!("modulated rms {what}"))?;
+
+            let res = randn(&[b, s, d], 1.0, &dev)?;
+            let gate = tanh_gate(&chunk(&emb, 1, d)?)?;
+            let gated = modulated_rms(&x, &gate)?;
+            let want = (&res + &gated)?;
+            // The kernel writes into `x`'s storage (at its offset).
+            let got = Ops::Fused.gated_residual(&res, x, &gate)?;
+            // A one-ulp flip of the rounded gated term, then the sum's rounding.
+            let term = res.abs()?.maximum(&gated.abs()?)?;
+            let carried = (&gated, &gated.ones_like()?);
+            let what = format!("gated residual {what}");
+            assert_within_ulp_carrying(&got, &want, &term, carried, &what)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn qk_norm_rope_matches_composite() -> Result<()> {
+        let Some(dev) = device("Mochi fused kernels") else {
+            return Ok(());
+        };
+        let b = 2;
+        let (cos, sin) = rope_tables(&randn(&[3, HEADS, HEAD_DIM / 2], 0.5, &dev)?, GRID, &dev)?;
+        let table = |t: Tensor| t.reshape((TOKENS * HEADS, HEAD_DIM / 2));
+        let (cos, sin) = (table(cos)?, table(sin)?);
+        let x = randn(&[b, TOKENS, DIM], 1.0, &dev)?;
+        let w = randn(&[HEAD_DIM], 1.0, &dev)?;
+        let normed = Ops::Composite.head_norm_rope(x.clone(), &w, None, HEAD_DIM)?;
+        // The video q/k (RoPE, a table row per token and head) and the text q/k (none).
+        for rope in [Some((&cos, &sin)), None] {
+            let what = format!("q/k norm, rope {}", rope.is_some());
+            let want = Ops::Composite.head_norm_rope(x.clone(), &w, rope, HEAD_DIM)?;
+            // The kernel works in place: hand it a copy.
+            let got = Ops::Fused.head_norm_rope(x.copy()?, &w, rope, HEAD_DIM)?;
+            if rope.is_none() {
+                assert_within_ulp(&got, &want, &want, &what)?;
+                continue;
+            }
+            // A rotated pair mixes both members: a one-ulp flip of either normed value carries
+            // through, bounded by the larger of the two.
+            let pair_max = normed
+                .abs()?
+                .reshape((b, TOKENS, DIM / 2, 2))?
+                .max_keepdim(3)?
+                .broadcast_as((b, TOKENS, DIM / 2, 2))?
+                .reshape((b, TOKENS, DIM))?;
+            let carried = (&pair_max, &pair_max.ones_like()?);
+            assert_within_ulp_carrying(&got, &want, &pair_max, carried, &what)?;
+        }
+        Ok(())
+    }
+
+    /// The two blocks of a two-layer Mochi-1 with random weights: block 0 updates both streams,
+    /// block 1 is `context_pre_only`.
+    fn random_blocks(dev: &Device) -> Result<Vec<MochiBlock>> {
+        let cfg = MochiTransformerConfig {
+            num_layers: 2,
+            ..Default::default()
+        };
+        let map = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::BF16, dev);
+        let blocks = (0..cfg.num_layers)
+            .map(|i| MochiBlock::new(&cfg, i, vb.pp(format!("transformer_blocks.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        // The VarMap leaves the q/k norm weights at zero: draw them.
+        for (name, var) in map.data().lock().expect("varmap lock").iter() {
+            if name.contains("norm_") {
+                var.set(&randn(var.dims(), 1.0, dev)?)?;
+            }
+        }
+        Ok(blocks)
+    }
+
+    /// The blocks' inputs for `b` samples of `l` text tokens; sample 0 keeps only 200 of them.
+    fn random_inputs(b: usize, l: usize, dev: &Device) -> Result<BlockInputs> {
+        let (cos, sin) = rope_tables(&randn(&[3, HEADS, HEAD_DIM / 2], 0.5, dev)?, GRID, dev)?;
+        let table = |t: Tensor| t.reshape((TOKENS * HEADS, HEAD_DIM / 2));
+        let valid_text = (0..b)
+            .map(|i| Tensor::arange(0u32, if i == 0 { 200 } else { l as u32 }, dev))
+            .collect::<Result<_>>()?;
+        Ok(BlockInputs {
+            streams: Some(Streams {
+                video: randn(&[b, TOKENS, DIM], 1.0, dev)?,
+                text: randn(&[b, l, TEXT_DIM], 1.0, dev)?,
+                rows: None,
+            }),
+            temb: randn(&[b, DIM], 1.0, dev)?,
+            rope_cos: table(cos)?,
+            rope_sin: table(sin)?,
+            valid_text,
+            grid: GRID,
+        })
+    }
+
+    /// Asserts that `fused` is `composite` up to bf16 rounding at the stream's scale: no element
+    /// more than 8 ulps of the largest magnitude apart (a rounding flip anywhere inside moves a
+    /// residual sum by an ulp or two of its magnitude; 1-ulp flips of q/k and of the GEMM outputs
+    /// reach the normed deltas as a few ulps), and a relative L2 error below 1e-2.
+    fn assert_close(fused: &Tensor, composite: &Tensor, what: &str) -> Result<()> {
+        let (fused, composite) = (fused.to_dtype(DType::F32)?, composite.to_dtype(DType::F32)?);
+        let diff = (&fused - &composite)?;
+        let worst = diff.abs()?.max_all()?.to_scalar::<f32>()?;
+        let peak = composite.abs()?.max_all()?.to_scalar::<f32>()?;
+        let ulp = 2f32.powi(peak.log2().floor() as i32 - 7);
+        let err = (diff.sqr()?.sum_all()?.sqrt()? / composite.sqr()?.sum_all()?.sqrt()?)?
+            .to_scalar::<f32>()?;
+        eprintln!(
+            "{what}: worst |fused - composite| {worst} ({} ulps of the peak {peak}), relative L2 error {err}",
+            worst / ulp
+        );
+        assert!(fused
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .all(|v| v.is_finite()));
+        assert!(worst <= 8.0 * ulp, "{what}: {worst} over 8 ulps of {peak}");
+        assert!(err < 1e-2, "{what}: relative L2 error {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn block_fused_matches_composite() -> Result<()> {
+        let Some(dev) = device("Mochi fused block") else {
+            return Ok(());
+        };
+        let blocks = random_blocks(&dev)?;
+        let mut inputs = random_inputs(2, 256, &dev)?;
+        let streams = inputs.take_streams()?;
+        assert_eq!(blocks[0].ops(&streams), Ops::Fused);
+        // Block 0 from the same streams; block 1 from each path's own output of block 0.
+        let (mut fused, mut composite) = (streams.clone(), streams);
+        for (i, block) in blocks.iter().enumerate() {
+            fused = block.forward_with(&fused, &inputs, Ops::Fused)?;
+            composite = block.forward_with(&composite, &inputs, Ops::Composite)?;
+            assert_close(&fused.video, &composite.video, &format!("block {i} video"))?;
+            assert_close(&fused.text, &composite.text, &format!("block {i} text"))?;
+        }
+        Ok(())
+    }
+}
