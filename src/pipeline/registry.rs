@@ -10,6 +10,7 @@ use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::blocks::Blockwise;
 use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::source::ModelSource;
+use crate::models::step_cache::CacheSpec;
 use crate::models::t5::encoder::T5Config;
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::{DecodeActivations, DenoiseActivations, VideoDit, VideoVae};
@@ -100,12 +101,13 @@ pub enum FamilyOption {
     Transformer2,
     StorageDtype,
     Cache,
+    CacheInsideBlocks,
     LowActivation,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 18] = [
+    pub const ALL: [FamilyOption; 19] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -123,6 +125,7 @@ impl FamilyOption {
         FamilyOption::Transformer2,
         FamilyOption::StorageDtype,
         FamilyOption::Cache,
+        FamilyOption::CacheInsideBlocks,
         FamilyOption::LowActivation,
     ];
 
@@ -153,6 +156,7 @@ impl FamilyOption {
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
             FamilyOption::Cache => "--cache",
+            FamilyOption::CacheInsideBlocks => "--cache pab / taylorseer",
             FamilyOption::LowActivation => "--low-activation",
         }
     }
@@ -196,7 +200,12 @@ impl FamilyOption {
             FamilyOption::StorageDtype => {
                 "vidgen stores the Wan family's transformers in fp8 so far"
             }
-            FamilyOption::Cache => "vidgen caches the Wan family's transformer steps so far",
+            FamilyOption::Cache => {
+                "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
+            }
+            FamilyOption::CacheInsideBlocks => {
+                "they stand in for attention and feed-forward outputs inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
+            }
             FamilyOption::LowActivation => {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
             }
@@ -225,6 +234,9 @@ impl FamilyOption {
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
             FamilyOption::Cache => g.cache.is_some(),
+            FamilyOption::CacheInsideBlocks => {
+                matches!(g.cache, Some(CacheSpec::Pab(_) | CacheSpec::TaylorSeer(_)))
+            }
             FamilyOption::LowActivation => config.memory().low_activation,
         }
     }
