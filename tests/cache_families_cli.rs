@@ -212,8 +212,9 @@ fn caches_skip_and_compute_what_diffusers_does_in_every_family() {
     assert_eq!(families.len(), 5, "{families:?}");
 }
 
-/// A family whose diffusers transformer takes no cache hook refuses `--cache`, and the families
-/// here refuse the caches that stand in for modules inside blocks, each in one line.
+/// A family whose diffusers transformer takes no cache hook refuses `--cache`, the families here
+/// refuse the caches that stand in for modules inside blocks, and every family a step cache
+/// with blocks streamed step by step, each in one line.
 #[test]
 fn caches_a_family_cannot_take_are_refused_in_one_line() {
     let dir = scratch_dir("cache-families", "refused");
@@ -235,21 +236,39 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache pab / taylorseer does not apply",
         ),
     ] {
-        let args = [
-            "generate",
-            "--model",
-            named_fixture_dir(fixture).to_str().unwrap(),
-            "--prompt",
-            "a cat",
-            "--device",
-            "cpu",
-            "--output-path",
-            dir.to_str().unwrap(),
-            "--cache",
-            spec,
-        ]
-        .map(String::from);
-        let line = usage_error(&run_vidgen(&args), spec);
-        assert!(line.contains(says), "{fixture} {spec}: {line}");
+        refused(fixture, &["--cache", spec], says, &dir);
     }
+    // A step cache acts between whole blocks, which these stream one step at a time.
+    for (fixture, flags) in [
+        ("hunyuanvideo-tiny-a", &["--sequential-cpu-offload"][..]),
+        (
+            "wan-tiny-a",
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"][..],
+        ),
+    ] {
+        // Offloading as on a discrete GPU (the CPU's own memory needs none).
+        let discrete = ["--memory-model", "discrete", "--cache", "first-block:0.1"];
+        let args = [&discrete[..], flags].concat();
+        refused(fixture, &args, "between whole blocks", &dir);
+    }
+}
+
+/// Asserts that `vidgen generate` on `fixture` with `flags` is refused in one line saying `says`.
+fn refused(fixture: &str, flags: &[&str], says: &str, dir: &Path) {
+    let mut args: Vec<String> = [
+        "generate",
+        "--model",
+        named_fixture_dir(fixture).to_str().unwrap(),
+        "--prompt",
+        "a cat",
+        "--device",
+        "cpu",
+        "--output-path",
+        dir.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let line = usage_error(&run_vidgen(&args), fixture);
+    assert!(line.contains(says), "{fixture} {flags:?}: {line}");
 }

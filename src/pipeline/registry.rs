@@ -573,6 +573,14 @@ pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
             option.purpose()
         ));
     }
+    let memory = config.memory();
+    let by_step =
+        memory.sequential_cpu_offload || (memory.dit_layerwise_offload && memory.leaf_level);
+    if config.generation().cache.is_some() && by_step {
+        return Some(
+            "--cache with --sequential-cpu-offload or --offload-type leaf-level: a step cache acts between whole blocks, which these stream one step at a time; stream block groups (--dit-layerwise-offload) instead".into(),
+        );
+    }
     let scheduler = config.generation().scheduler;
     if config.given("scheduler") && !schedulers.contains(&scheduler) {
         let runs = match schedulers {
