@@ -272,3 +272,49 @@ fn refused(fixture: &str, flags: &[&str], says: &str, dir: &Path) {
     let line = usage_error(&run_vidgen(&args), fixture);
     assert!(line.contains(says), "{fixture} {flags:?}: {line}");
 }
+
+/// The plan counts what a cache holds through the loop in the denoise stage's activations:
+/// three block states per pass for First Block Cache, one for MagCache, in every family.
+#[test]
+fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
+    for fixture in [
+        "cogvideox-tiny-a",
+        "ltx-video-tiny-a",
+        "hunyuanvideo-tiny-a",
+        "mochi-tiny-a",
+        "flux-tiny-a",
+    ] {
+        let denoise_activations = |cache: &[&str]| -> u64 {
+            let mut args: Vec<String> = [
+                "generate",
+                "--model",
+                named_fixture_dir(fixture).to_str().unwrap(),
+                "--prompt",
+                "a cat",
+                "--device",
+                "cpu",
+                "--dry-run",
+                "--json",
+            ]
+            .map(String::from)
+            .to_vec();
+            args.extend(cache.iter().map(|s| s.to_string()));
+            let out = run_vidgen(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{fixture}: {stderr}");
+            let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let stage = plan["stages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["name"] == "denoise")
+                .unwrap();
+            stage["memory"]["activation_bytes"].as_u64().unwrap()
+        };
+        let plain = denoise_activations(&[]);
+        let first_block = denoise_activations(&["--cache", "first-block:0.1"]) - plain;
+        let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
+        assert!(mag > 0, "{fixture}: MagCache holds its residuals");
+        assert_eq!(first_block, 3 * mag, "{fixture}");
+    }
+}

@@ -104,12 +104,14 @@ impl HunyuanConfigs {
             shape.dtype,
         );
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        let (t, p) = (self.transformer.patch_size_t, self.transformer.patch_size);
+        let tokens = latent[2] / t * (latent[3] / p) * (latent[4] / p) + shape.text_len;
         let denoise = activations::transformer_activations(
             &self.transformer,
             latent,
             shape.text_len,
             shape.dtype,
-        );
+        ) + shape.cache_bytes((tokens, self.transformer.inner_dim()));
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
         let decode = activations::vae_decode_activations(
             &self.vae,

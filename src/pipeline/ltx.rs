@@ -65,7 +65,8 @@ impl LtxConfigs {
         let tokens: usize = self.token_grid(grid).iter().product();
         let (dtype, text_len) = (shape.dtype, shape.text_len);
         let dit =
-            activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype);
+            activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
+                + shape.cache_bytes((tokens, self.transformer.inner_dim()));
         Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),

@@ -50,6 +50,13 @@ pub struct RunShape {
 }
 
 impl RunShape {
+    /// Device bytes the run's step cache holds through the denoising loop: its hidden states,
+    /// each one prompt's block state of `tokens` tokens of width `dim` (the per-block states
+    /// are PAB's and TaylorSeer's, which the Wan family counts itself).
+    pub fn cache_bytes(&self, (tokens, dim): (usize, usize)) -> u64 {
+        (self.cache_states.0 * tokens * dim * self.dtype.size_in_bytes()) as u64
+    }
+
     /// The shape of a resolved run.
     pub fn of(config: &ResolvedConfig) -> Self {
         let (v, g) = (config.video(), config.generation());
@@ -488,7 +495,8 @@ where
             (text_encoder, transformer, vae),
             [
                 text_encoder_activations(text_encoder, text_len, dtype),
-                transformer.denoise_activations(grid, text_len, dtype),
+                transformer.denoise_activations(grid, text_len, dtype)
+                    + shape.cache_bytes(transformer.block_state(grid, text_len)),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],
         )
