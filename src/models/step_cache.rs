@@ -839,6 +839,19 @@ impl StepCache {
         let taylor_states = &mut self.taylor_states[pass as usize];
         let (mut position, mut skipped, mut mag_skipped) = (0usize, false, false);
         let (mut head_output, mut head_residual, mut head_input) = (None, None, None);
+        // MagCache decides at the first hooked block's input: where that is the forward's own,
+        // a skipped forward folds no block at all (a streamed one is not even copied).
+        if let (0, Some(c)) = (hooked.first, mag) {
+            let mut input = streams.streams(&x)?;
+            if let Some(hidden) = state.mag_skip(c, ratios, &input[0])? {
+                row[..num_blocks * per_block].fill(0);
+                state.rows.push(row);
+                state.advance(c);
+                input[0] = hidden;
+                return streams.state(input);
+            }
+            head_input = Some(input.swap_remove(0));
+        }
         let mut f = |block: &B, x: &S| -> Result<S> {
             let Some(i) = position.checked_sub(hooked.first) else {
                 position += 1;
@@ -852,7 +865,7 @@ impl StepCache {
                 row[i * per_block..(i + 1) * per_block].fill(0);
                 return Ok(x.clone());
             }
-            if let (0, Some(c)) = (i, mag) {
+            if let (0, Some(c), None) = (i, mag, &head_input) {
                 let mut input = streams.streams(x)?;
                 if let Some(hidden) = state.mag_skip(c, ratios, &input[0])? {
                     skipped = true;
