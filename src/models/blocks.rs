@@ -3,6 +3,8 @@
 //! ([`Blockwise`]); the common DiT shape declared by a few facts ([`RepeatedBlocks`]); and how
 //! model-side code runs a placed model's blocks, wherever they are ([`PlacedBlocks`]).
 
+use crate::models::step_cache::{BlockStreams, Forward, HookedBlocks, StepCache};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 /// A model with no repeated blocks to stream (a VAE, an image encoder): resident or parked
@@ -226,6 +228,31 @@ pub trait BlockForward: Blockwise {
     }
 }
 
+/// A [`BlockForward`] DiT whose blocks take diffusers' step caches that act between blocks
+/// (`--cache first-block:...`, `magcache:...`): which of its blocks diffusers hooks, and how its
+/// state splits into diffusers' streams. Declaring it is all a model does to take them.
+pub trait CachedForward: BlockForward<State: Clone> {
+    /// The blocks diffusers' cache hooks see, among those the forward folds.
+    fn hooked_blocks(&self) -> HookedBlocks;
+    /// A state's streams, diffusers' `hidden_states` (the video or image tokens) first.
+    fn streams(state: &Self::State, inputs: &Self::Inputs) -> candle_core::Result<Vec<Tensor>>;
+    /// The state between whole blocks of `streams`.
+    fn state(streams: Vec<Tensor>, inputs: &Self::Inputs) -> candle_core::Result<Self::State>;
+}
+
+/// A [`CachedForward`] model's states as a step cache reads them.
+struct StreamsOf<'i, M: CachedForward>(&'i M::Inputs);
+
+impl<M: CachedForward> BlockStreams<M::State> for StreamsOf<'_, M> {
+    fn streams(&self, state: &M::State) -> candle_core::Result<Vec<Tensor>> {
+        M::streams(state, self.0)
+    }
+
+    fn state(&self, streams: Vec<Tensor>) -> candle_core::Result<M::State> {
+        M::state(streams, self.0)
+    }
+}
+
 /// [`BlockForward`] for a DiT whose `prepare` makes `$inputs`, whose blocks (its `blocks()`)
 /// thread the `$state` that `$inputs::$take` takes through `Block::forward(&state, &inputs)`,
 /// and whose `$output` is `$finish` of the model, the last state and the inputs.
@@ -284,6 +311,32 @@ pub trait PlacedBlocks<M: Blockwise> {
         let state = self.fold_blocks(M::resident_blocks, state, |block, state| {
             M::through(block, state, &inputs)
         })?;
+        self.model().finish_forward(state, &inputs)
+    }
+
+    /// [`Self::forward`] through a step cache where `cache` gives one (the forward's pass and
+    /// timestep with it): the cache decides which blocks run.
+    fn forward_cached(
+        &self,
+        mut inputs: M::Inputs,
+        cache: Option<(&mut StepCache, Forward)>,
+    ) -> candle_core::Result<M::Output>
+    where
+        M: CachedForward,
+    {
+        let Some((cache, step)) = cache else {
+            return self.forward(inputs);
+        };
+        let state = M::first_state(&mut inputs)?;
+        let streams = StreamsOf::<M>(&inputs);
+        let state = cache.through_blocks(
+            step,
+            state,
+            self.model().hooked_blocks(),
+            &streams,
+            |state, f| self.fold_blocks(M::resident_blocks, state, |block, s| f(block, s)),
+            |block, state, _| M::through(block, state, &inputs),
+        )?;
         self.model().finish_forward(state, &inputs)
     }
 

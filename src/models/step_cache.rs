@@ -376,8 +376,9 @@ fn resample(ratios: &[f32], n: usize) -> Vec<f32> {
 #[derive(Clone, Copy, Debug)]
 pub struct ModuleNames {
     pub blocks: &'static str,
-    /// In [`Submodule`] order.
-    pub submodules: [&'static str; 3],
+    /// In [`Submodule`] order; none where the model hands the cache no outputs inside its
+    /// blocks (the caches that act between blocks only).
+    pub submodules: &'static [&'static str],
     pub proj_out: &'static str,
 }
 
@@ -386,7 +387,15 @@ impl ModuleNames {
     /// plan reads.
     pub const DIFFUSERS: ModuleNames = ModuleNames {
         blocks: "blocks",
-        submodules: ["attn1", "attn2", "ffn"],
+        submodules: &["attn1", "attn2", "ffn"],
+        proj_out: "proj_out",
+    };
+
+    /// The names of a DiT whose blocks the cache only sees whole (`transformer_blocks`, then any
+    /// other list diffusers hooks after it).
+    pub const BLOCKS_ONLY: ModuleNames = ModuleNames {
+        blocks: "transformer_blocks",
+        submodules: &[],
         proj_out: "proj_out",
     };
 
@@ -454,15 +463,52 @@ pub struct Forward {
     pub timestep: f64,
 }
 
+/// How a step cache reads and rebuilds the state a DiT's blocks thread between whole blocks:
+/// as its streams, diffusers' `hidden_states` first (what First Block Cache decides on and
+/// MagCache's residual is of), then `encoder_hidden_states` where the blocks return it (whose
+/// residual First Block Cache keeps too).
+pub trait BlockStreams<S> {
+    fn streams(&self, state: &S) -> Result<Vec<Tensor>>;
+    /// The state of `streams`, in [`Self::streams`]' order.
+    fn state(&self, streams: Vec<Tensor>) -> Result<S>;
+}
+
+/// A state that is the hidden states alone (blocks that return no text stream).
+pub struct HiddenStates;
+
+impl BlockStreams<Tensor> for HiddenStates {
+    fn streams(&self, state: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(vec![state.clone()])
+    }
+
+    fn state(&self, mut streams: Vec<Tensor>) -> Result<Tensor> {
+        streams
+            .pop()
+            .ok_or_else(|| candle_core::Error::Msg("a block state without streams".into()))
+    }
+}
+
+/// The blocks a step cache hooks among those a forward folds: diffusers' block lists
+/// (`transformer_blocks`, then `single_transformer_blocks` where there are two), `count` blocks
+/// from fold position `first` (blocks before it, as HunyuanVideo's token refiner, which
+/// diffusers runs inside an embedder, run untouched), named as `names` says.
+#[derive(Clone, Copy, Debug)]
+pub struct HookedBlocks {
+    pub first: usize,
+    pub count: usize,
+    pub names: ModuleNames,
+}
+
 /// One pass's state.
 #[derive(Default)]
 struct PassState {
-    /// First Block Cache: the first block's residual and output at the last full step, and
-    /// the residual of the rest of the blocks then.
+    /// First Block Cache: the first block's hidden-state residual and its output streams at
+    /// the last full step, and the residual of the rest of the blocks then (per stream).
     head_residual: Option<Tensor>,
-    head_output: Option<Tensor>,
-    tail_residual: Option<Tensor>,
-    /// MagCache: the residual of all blocks at the last computed step, and its accumulators.
+    head_output: Option<Vec<Tensor>>,
+    tail_residual: Option<Vec<Tensor>>,
+    /// MagCache: the hidden-state residual of all blocks at the last computed step, and its
+    /// accumulators.
     previous_residual: Option<Tensor>,
     accumulated_ratio: f32,
     accumulated_err: f32,
@@ -488,10 +534,8 @@ pub struct StepCache {
     spec: CacheSpec,
     /// Resampled MagCache ratios.
     ratios: Vec<f32>,
-    num_blocks: usize,
-    /// Columns per block in the record: the block and its hooked modules.
-    modules_per_block: usize,
-    names: ModuleNames,
+    /// The blocks it hooks, known from the first forward on.
+    hooked: Option<HookedBlocks>,
     passes: [PassState; 2],
     /// PAB: per block, the self- and cross-attention states.
     broadcasts: Vec<[Broadcast; 2]>,
@@ -673,15 +717,17 @@ struct TaylorHooks<'a> {
 }
 
 impl TaylorHooks<'_> {
-    fn name(&self, module: Submodule) -> String {
-        self.names
-            .submodule(self.block, self.names.submodules[module.column() - 1])
+    /// The module's diffusers name, where the model names its outputs.
+    fn name(&self, module: Submodule) -> Option<String> {
+        let name = self.names.submodules.get(module.column() - 1)?;
+        Some(self.names.submodule(self.block, name))
     }
 }
 
 impl BlockHooks for TaylorHooks<'_> {
     fn wants(&self, module: Submodule) -> bool {
-        self.seer.hooks(&self.name(module)).is_some()
+        self.name(module)
+            .is_some_and(|name| self.seer.hooks(&name).is_some())
     }
 
     fn output(
@@ -689,7 +735,9 @@ impl BlockHooks for TaylorHooks<'_> {
         module: Submodule,
         compute: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let name = self.name(module);
+        let Some(name) = self.name(module) else {
+            return compute();
+        };
         let Some(zeroed) = self.seer.hooks(&name) else {
             return compute();
         };
@@ -703,8 +751,9 @@ impl BlockHooks for TaylorHooks<'_> {
 }
 
 impl StepCache {
-    /// A fresh cache for a transformer of `num_blocks` blocks named as `names` says.
-    pub fn new(spec: &CacheSpec, num_blocks: usize, names: ModuleNames) -> Self {
+    /// A fresh cache for one transformer's denoising loop; it learns the transformer's blocks
+    /// at the first forward.
+    pub fn new(spec: &CacheSpec) -> Self {
         let ratios = match spec {
             CacheSpec::Mag(c) => c
                 .mag_ratios
@@ -728,57 +777,104 @@ impl StepCache {
         StepCache {
             spec: spec.clone(),
             ratios,
-            num_blocks,
-            modules_per_block: 1 + names.submodules.len(),
-            names,
+            hooked: None,
             passes: [pass(), pass()],
-            broadcasts: (0..num_blocks).map(|_| Default::default()).collect(),
+            broadcasts: Vec::new(),
             taylor,
             taylor_states: Default::default(),
         }
     }
 
+    /// The blocks this cache hooks: those of the first forward, which every later forward
+    /// must have.
+    fn hook(&mut self, hooked: HookedBlocks) -> Result<HookedBlocks> {
+        match self.hooked {
+            None => {
+                self.hooked = Some(hooked);
+                self.broadcasts = (0..hooked.count).map(|_| Default::default()).collect();
+            }
+            Some(known) if known.first != hooked.first || known.count != hooked.count => {
+                candle_core::bail!(
+                    "a step cache of {} blocks handed a transformer of {}",
+                    known.count,
+                    hooked.count
+                )
+            }
+            Some(_) => {}
+        }
+        Ok(hooked)
+    }
+
     /// One forward's blocks under the cache: `fold(x, f)` folds `f` over the blocks in order
     /// (resident or streamed), `run(block, x, hooks)` runs one, asking `hooks` for each hooked
-    /// output. Gives the hidden state after the blocks, computed or stood in for as diffusers'
+    /// output; `hooked` says which of the folded blocks the cache hooks and `streams` how their
+    /// state splits. Gives the state after the blocks, computed or stood in for as diffusers'
     /// hooks do.
-    pub fn through_blocks<B>(
+    pub fn through_blocks<B, S: Clone>(
         &mut self,
         forward: Forward,
-        x: Tensor,
-        fold: impl FnOnce(Tensor, &mut dyn FnMut(&B, &Tensor) -> Result<Tensor>) -> Result<Tensor>,
-        run: impl Fn(&B, &Tensor, &mut dyn BlockHooks) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+        x: S,
+        hooked: HookedBlocks,
+        streams: &dyn BlockStreams<S>,
+        fold: impl FnOnce(S, &mut dyn FnMut(&B, &S) -> Result<S>) -> Result<S>,
+        run: impl Fn(&B, &S, &mut dyn BlockHooks) -> Result<S>,
+    ) -> Result<S> {
+        let hooked = self.hook(hooked)?;
         let pass = forward.pass;
-        let (num_blocks, per_block) = (self.num_blocks, self.modules_per_block);
+        let (num_blocks, per_block) = (hooked.count, 1 + hooked.names.submodules.len());
         let mut row = vec![1u8; num_blocks * per_block + 1];
-        if let Some(out) = self.mag_skip(pass, &x)? {
-            row[..num_blocks * per_block].fill(0);
-            self.passes[pass as usize].rows.push(row);
-            self.advance(pass);
-            return Ok(out);
-        }
         let threshold = match &self.spec {
             CacheSpec::FirstBlock { threshold } => Some(*threshold),
             _ => None,
         };
-        let pab = match &self.spec {
-            CacheSpec::Pab(c) => Some(c),
-            _ => None,
+        let (pab, mag) = match &self.spec {
+            CacheSpec::Pab(c) => (Some(c), None),
+            CacheSpec::Mag(c) => (None, Some(c)),
+            _ => (None, None),
         };
+        let ratios = &self.ratios;
         let state = &mut self.passes[pass as usize];
         let broadcasts = &mut self.broadcasts;
-        let (taylor, names) = (self.taylor.as_ref(), self.names);
+        let (taylor, names) = (self.taylor.as_ref(), hooked.names);
         let taylor_states = &mut self.taylor_states[pass as usize];
-        let input = x.clone();
-        let (mut index, mut skipped, mut head_output) = (0usize, false, None);
-        let mut head_residual = None;
-        let mut f = |block: &B, x: &Tensor| -> Result<Tensor> {
-            let i = index;
-            index += 1;
+        let (mut position, mut skipped, mut mag_skipped) = (0usize, false, false);
+        let (mut head_output, mut head_residual, mut head_input) = (None, None, None);
+        // MagCache decides at the first hooked block's input: where that is the forward's own,
+        // a skipped forward folds no block at all (a streamed one is not even copied).
+        if let (0, Some(c)) = (hooked.first, mag) {
+            let mut input = streams.streams(&x)?;
+            if let Some(hidden) = state.mag_skip(c, ratios, &input[0])? {
+                row[..num_blocks * per_block].fill(0);
+                state.rows.push(row);
+                state.advance(c);
+                input[0] = hidden;
+                return streams.state(input);
+            }
+            head_input = Some(input.swap_remove(0));
+        }
+        let mut f = |block: &B, x: &S| -> Result<S> {
+            let Some(i) = position.checked_sub(hooked.first) else {
+                position += 1;
+                return run(block, x, &mut ComputeAll);
+            };
+            position += 1;
+            if i >= num_blocks {
+                candle_core::bail!("a step cache of {num_blocks} blocks handed more");
+            }
             if skipped {
                 row[i * per_block..(i + 1) * per_block].fill(0);
                 return Ok(x.clone());
+            }
+            if let (0, Some(c), None) = (i, mag, &head_input) {
+                let mut input = streams.streams(x)?;
+                if let Some(hidden) = state.mag_skip(c, ratios, &input[0])? {
+                    skipped = true;
+                    mag_skipped = true;
+                    row[..per_block].fill(0);
+                    input[0] = hidden;
+                    return streams.state(input);
+                }
+                head_input = Some(input.swap_remove(0));
             }
             let cells = &mut row[i * per_block..(i + 1) * per_block];
             let out = match (pab, taylor) {
@@ -803,7 +899,7 @@ impl StepCache {
                             states: &mut *taylor_states,
                             row: &mut *cells,
                         };
-                        run(block, x, &mut hooks)
+                        only_stream(streams.streams(&run(block, x, &mut hooks)?)?)
                     };
                     let out = match hooked {
                         Some(zeroed) => {
@@ -819,12 +915,13 @@ impl StepCache {
                     if hooked.is_some() {
                         taylor_states.insert(name, block_state);
                     }
-                    out
+                    streams.state(vec![out])?
                 }
                 (None, None) => run(block, x, &mut ComputeAll)?,
             };
             if let (0, Some(threshold)) = (i, threshold) {
-                let residual = (&out - x)?;
+                let output = streams.streams(&out)?;
+                let residual = (&output[0] - &streams.streams(x)?[0])?;
                 let compute = match &state.head_residual {
                     None => true,
                     Some(prev) => relative_change(&residual, prev)? > threshold,
@@ -834,14 +931,20 @@ impl StepCache {
                     let tail = state.tail_residual.as_ref().ok_or_else(|| {
                         candle_core::Error::Msg("first-block cache without a tail residual".into())
                     })?;
-                    return tail + &out;
+                    return streams.state(zip_streams(tail, &output, |t, o| t + o)?);
                 }
                 head_residual = Some(residual);
-                head_output = Some(out.clone());
+                head_output = Some(output);
             }
             Ok(out)
         };
         let out = fold(x, &mut f)?;
+        if position != hooked.first + num_blocks {
+            candle_core::bail!(
+                "a step cache of {num_blocks} blocks from position {} handed {position} (block steps streamed apart are not whole blocks)",
+                hooked.first
+            );
+        }
         let state = &mut self.passes[pass as usize];
         state.rows.push(row);
         match &self.spec {
@@ -849,21 +952,27 @@ impl StepCache {
                 let head = head_output.ok_or_else(|| {
                     candle_core::Error::Msg("a transformer without blocks".into())
                 })?;
-                state.tail_residual = Some((&out - &head)?);
+                state.tail_residual =
+                    Some(zip_streams(&streams.streams(&out)?, &head, |o, h| o - h)?);
                 state.head_output = Some(head);
                 state.head_residual = head_residual;
             }
             CacheSpec::Mag(c) => {
-                let residual = (&out - &input)?;
-                if c.calibrate {
-                    let ratio = match &state.previous_residual {
-                        None => 1.0,
-                        Some(prev) => norm_ratio(&residual, prev)?,
-                    };
-                    state.calibration.push(ratio);
+                if !mag_skipped {
+                    let input = head_input.ok_or_else(|| {
+                        candle_core::Error::Msg("a transformer without blocks".into())
+                    })?;
+                    let residual = (&streams.streams(&out)?[0] - &input)?;
+                    if c.calibrate {
+                        let ratio = match &state.previous_residual {
+                            None => 1.0,
+                            Some(prev) => norm_ratio(&residual, prev)?,
+                        };
+                        state.calibration.push(ratio);
+                    }
+                    state.previous_residual = Some(residual);
                 }
-                state.previous_residual = Some(residual);
-                self.advance(pass);
+                state.advance(c);
             }
             _ => {}
         }
@@ -877,10 +986,10 @@ impl StepCache {
         forward: Forward,
         compute: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let Some(seer) = &self.taylor else {
+        let (Some(seer), Some(hooked)) = (&self.taylor, self.hooked) else {
             return compute();
         };
-        let name = self.names.proj_out;
+        let name = hooked.names.proj_out;
         let Some(zeroed) = seer.hooks(name) else {
             return compute();
         };
@@ -897,67 +1006,14 @@ impl StepCache {
         Ok(out)
     }
 
-    /// MagCache's decision at the head: the hidden state after the blocks when this forward
-    /// is skipped (the input plus the last computed residual), else `None`.
-    fn mag_skip(&mut self, pass: Pass, x: &Tensor) -> Result<Option<Tensor>> {
-        let CacheSpec::Mag(c) = &self.spec else {
-            return Ok(None);
-        };
-        if c.calibrate {
-            return Ok(None);
-        }
-        let state = &mut self.passes[pass as usize];
-        let step = state.step_index;
-        let retention = (c.retention_ratio * c.num_inference_steps as f64 + 0.5) as usize;
-        if step < retention {
-            return Ok(None);
-        }
-        let scale = self.ratios.get(step).copied().unwrap_or(1.0);
-        state.accumulated_ratio *= scale;
-        state.accumulated_steps += 1;
-        state.accumulated_err += (1.0 - state.accumulated_ratio).abs();
-        match &state.previous_residual {
-            Some(residual)
-                if state.accumulated_err <= c.threshold as f32
-                    && state.accumulated_steps <= c.max_skip_steps =>
-            {
-                Ok(Some((x + residual)?))
-            }
-            _ => {
-                state.accumulated_ratio = 1.0;
-                state.accumulated_steps = 0;
-                state.accumulated_err = 0.0;
-                Ok(None)
-            }
-        }
-    }
-
-    /// MagCache's step counter, starting over after `num_inference_steps` forwards.
-    fn advance(&mut self, pass: Pass) {
-        let CacheSpec::Mag(c) = &self.spec else {
-            return;
-        };
-        let state = &mut self.passes[pass as usize];
-        state.step_index += 1;
-        if state.step_index >= c.num_inference_steps {
-            if c.calibrate {
-                state.calibrated = Some(std::mem::take(&mut state.calibration));
-            }
-            state.step_index = 0;
-            state.accumulated_ratio = 1.0;
-            state.accumulated_steps = 0;
-            state.accumulated_err = 0.0;
-            state.previous_residual = None;
-            state.calibration.clear();
-        }
-    }
-
     /// Which modules ran in each forward of `pass`, as diffusers' fixtures record it: u8
     /// `[forwards, num_blocks · modules_per_block + 1]`, per block the block then its hooked
     /// modules, then the output projection (which always runs); 1 where it ran.
     pub fn computed(&self, pass: Pass) -> Result<Tensor> {
         let rows = &self.passes[pass as usize].rows;
-        let columns = self.num_blocks * self.modules_per_block + 1;
+        let columns = self
+            .hooked
+            .map_or(1, |h| h.count * (1 + h.names.submodules.len()) + 1);
         let flat: Vec<u8> = rows.iter().flatten().copied().collect();
         Tensor::from_vec(flat, (rows.len(), columns), &candle_core::Device::Cpu)
     }
@@ -981,9 +1037,15 @@ impl StepCache {
         })
     }
 
+    /// Whether the loop ran unconditional forwards apart (guidance not batched with the
+    /// conditional ones).
+    pub fn guided(&self) -> bool {
+        !self.passes[Pass::Uncond as usize].rows.is_empty()
+    }
+
     /// The progress line of a finished loop: the hook and, per pass, the forwards in which it
     /// stood in for something and the modules it stood in for.
-    pub fn summary(&self, guided: bool) -> String {
+    pub fn summary(&self) -> String {
         let pass = |p: Pass, name: &str| {
             let rows = &self.passes[p as usize].rows;
             let skipped = |row: &Vec<u8>| row.iter().filter(|&&c| c == 0).count();
@@ -996,7 +1058,7 @@ impl StepCache {
             )
         };
         let mut line = format!("  cache {}: {}", self.spec.name(), pass(Pass::Cond, "cond"));
-        if guided {
+        if self.guided() {
             line += &format!("; {}", pass(Pass::Uncond, "uncond"));
         }
         line
@@ -1015,6 +1077,81 @@ impl StepCache {
                 .unwrap_or_else(|| state.calibration.clone())
         })
     }
+}
+
+impl PassState {
+    /// MagCache's decision at the first hooked block, whose input's hidden states are
+    /// `hidden`: the hidden states after the blocks when this forward is skipped (the input
+    /// plus the last computed residual), else `None`.
+    fn mag_skip(
+        &mut self,
+        c: &MagCacheConfig,
+        ratios: &[f32],
+        hidden: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        if c.calibrate {
+            return Ok(None);
+        }
+        let step = self.step_index;
+        let retention = (c.retention_ratio * c.num_inference_steps as f64 + 0.5) as usize;
+        if step < retention {
+            return Ok(None);
+        }
+        let scale = ratios.get(step).copied().unwrap_or(1.0);
+        self.accumulated_ratio *= scale;
+        self.accumulated_steps += 1;
+        self.accumulated_err += (1.0 - self.accumulated_ratio).abs();
+        match &self.previous_residual {
+            Some(residual)
+                if self.accumulated_err <= c.threshold as f32
+                    && self.accumulated_steps <= c.max_skip_steps =>
+            {
+                Ok(Some((hidden + residual)?))
+            }
+            _ => {
+                self.accumulated_ratio = 1.0;
+                self.accumulated_steps = 0;
+                self.accumulated_err = 0.0;
+                Ok(None)
+            }
+        }
+    }
+
+    /// MagCache's step counter, starting over after `num_inference_steps` forwards.
+    fn advance(&mut self, c: &MagCacheConfig) {
+        self.step_index += 1;
+        if self.step_index >= c.num_inference_steps {
+            if c.calibrate {
+                self.calibrated = Some(std::mem::take(&mut self.calibration));
+            }
+            self.step_index = 0;
+            self.accumulated_ratio = 1.0;
+            self.accumulated_steps = 0;
+            self.accumulated_err = 0.0;
+            self.previous_residual = None;
+            self.calibration.clear();
+        }
+    }
+}
+
+/// The one stream of a block state that TaylorSeer predicts whole.
+fn only_stream(mut streams: Vec<Tensor>) -> Result<Tensor> {
+    match (streams.pop(), streams.is_empty()) {
+        (Some(hidden), true) => Ok(hidden),
+        _ => candle_core::bail!("TaylorSeer predicts blocks of one stream"),
+    }
+}
+
+/// Two states' streams combined stream by stream.
+fn zip_streams(
+    a: &[Tensor],
+    b: &[Tensor],
+    f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    if a.len() != b.len() {
+        candle_core::bail!("block states of {} and {} streams", a.len(), b.len());
+    }
+    a.iter().zip(b).map(|(a, b)| f(a, b)).collect()
 }
 
 /// `mean|a − b| / mean|b|`, in f32 as diffusers computes it.

@@ -87,6 +87,13 @@ pub trait DenoiseActivations {
     /// alive at its peak (the weights counted apart), for a latent grid `[F', H', W']` and
     /// prompts of `text_len` tokens.
     fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64;
+
+    /// The tokens (video and text) and width of one prompt's block state, of which a step
+    /// cache (`--cache`) holds copies through the loop; none where the DiT takes no cache.
+    fn block_state(&self, grid: [usize; 3], text_len: usize) -> (usize, usize) {
+        let _ = (grid, text_len);
+        (0, 0)
+    }
 }
 
 /// A video VAE's activation estimate, for planning.

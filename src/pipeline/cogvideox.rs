@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Lora, VaeTiling};
+use super::registry::FamilyOption::{Cache, Lora, VaeTiling};
 use super::registry::{
     declared_by, About, Configs, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
 };
@@ -18,6 +18,7 @@ use crate::models::cogvideox::transformer::{
 };
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use crate::models::guidance::batch_input;
+use crate::models::step_cache::Pass;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
@@ -44,7 +45,7 @@ impl Family for CogVideoXConfigs {
         About {
             // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
             defaults: ModelDefaults::video(480, 720, 49, 8).sampling(50, 6.0, 226),
-            ..About::guided("CogVideoX text-to-video", &[Lora, VaeTiling])
+            ..About::guided("CogVideoX text-to-video", &[Lora, VaeTiling, Cache])
         }
     }
 
@@ -132,7 +133,9 @@ impl TextToVideoStages for CogVideoX {
             let input = batch_input(&latents, text.dim(0)?)?;
             let timestep = Tensor::new(&[t], device)?;
             let out = forwards
-                .run(|| model.forward(model.model().prepare(&input, &timestep, &text)?))?
+                .dit(model, Pass::Cond, t as f64, |m| {
+                    m.prepare(&input, &timestep, &text)
+                })?
                 .to_dtype(DType::F32)?;
             let noise_pred = if guided {
                 let scale = guidance::scale_at(guidance_scale, false, t, steps);

@@ -1,12 +1,16 @@
 //! The denoising loop every family runs around its own step: Ctrl-C honoured before each step,
-//! each forward timed, the latents checked finite and the step shown after it, the forward
-//! times reported at the end. (Guidance's combine is [`crate::models::guidance`].)
+//! each forward timed (and run through the step cache `--cache` asks for), the latents checked
+//! finite and the step shown after it, the forward times and what the cache skipped reported
+//! at the end. (Guidance's combine is [`crate::models::guidance`].)
 
 use super::frame::Frame;
 use super::interrupt;
 use super::jobs::Job;
+use super::placement::Held;
 use super::stages;
+use crate::models::blocks::{CachedForward, PlacedBlocks};
 use crate::models::guidance::guide;
+use crate::models::step_cache::{Forward, Pass, StepCache};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use std::ops::Range;
@@ -18,10 +22,12 @@ pub(crate) struct Denoise<'a> {
     forwards: Forwards<'a>,
 }
 
-/// The transformer forwards of a loop, each timed.
+/// The transformer forwards of a loop, each timed, and the loop's step cache (one per
+/// transformer: each has its own hooks in diffusers).
 pub(crate) struct Forwards<'a> {
     device: &'a Device,
     seconds: Vec<f64>,
+    cache: Option<StepCache>,
 }
 
 impl<'a> Denoise<'a> {
@@ -44,6 +50,7 @@ impl<'a> Denoise<'a> {
             forwards: Forwards {
                 device: &frame.device,
                 seconds,
+                cache: frame.config.generation().cache.as_ref().map(StepCache::new),
             },
         }
     }
@@ -68,20 +75,28 @@ impl<'a> Denoise<'a> {
         self.forwards.seconds.len()
     }
 
-    /// The forward times so far, for the loop's next part.
-    pub fn into_seconds(self) -> Vec<f64> {
-        self.forwards.seconds
+    /// Ends this part of the loop (another transformer runs the next): what its cache skipped
+    /// is recorded in `job`; gives the forward times so far.
+    pub fn into_seconds(self, job: &mut Job) -> Result<Vec<f64>> {
+        if let Some(cache) = &self.forwards.cache {
+            stages::record_cache(job, cache, &self.frame.progress)?;
+        }
+        Ok(self.forwards.seconds)
     }
 
-    /// Ends the loop: its forward times are the job's `forward_seconds`.
-    pub fn finish(self, job: &mut Job) {
-        stages::report_forwards(&self.frame.progress, job, self.forwards.seconds);
+    /// Ends the loop: what its cache skipped is recorded in `job`, its forward times are the
+    /// job's `forward_seconds`.
+    pub fn finish(self, job: &mut Job) -> Result<()> {
+        let progress = &self.frame.progress;
+        let seconds = self.into_seconds(job)?;
+        stages::report_forwards(progress, job, seconds);
+        Ok(())
     }
 
     /// Ends the loop ([`Self::finish`]) with the denoised `latents`, which wait for decoding
     /// in host memory; the prompt embeddings are spent.
     pub fn finish_with(self, job: &mut Job, latents: &Tensor) -> Result<()> {
-        self.finish(job);
+        self.finish(job)?;
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         job.prompt_embeds = None;
         job.prompt_mask = None;
@@ -96,18 +111,55 @@ impl Forwards<'_> {
         stages::timed(self.device, &mut self.seconds, forward)
     }
 
-    /// One step's prediction with real classifier-free guidance: the forward of the prompt's
-    /// conditioning `cond`, and where `negative` gives the negative prompt's and the scale,
-    /// that forward too, combined in the predictions' dtype ([`guide`]).
-    pub fn guided<C>(
+    /// Runs one forward of `pass` at `timestep`, timed, handing it the loop's step cache where
+    /// the run has one.
+    pub fn run_cached<T>(
         &mut self,
+        pass: Pass,
+        timestep: f64,
+        forward: impl FnOnce(Option<(&mut StepCache, Forward)>) -> candle_core::Result<T>,
+    ) -> Result<T> {
+        let cache = self.cache.as_mut().map(|c| (c, Forward { pass, timestep }));
+        stages::timed(self.device, &mut self.seconds, || forward(cache))
+    }
+
+    /// One forward of the DiT `model` on the inputs `prepare` makes, as pass `pass` at
+    /// `timestep`, through the loop's step cache where the run has one (a batched guided
+    /// forward is one conditional pass, as diffusers' `cache_context("cond_uncond")`).
+    pub fn dit<M: CachedForward>(
+        &mut self,
+        model: &Held<'_, M>,
+        pass: Pass,
+        timestep: f64,
+        prepare: impl FnOnce(&M) -> candle_core::Result<M::Inputs>,
+    ) -> Result<M::Output> {
+        self.run_cached(pass, timestep, |cache| {
+            model.forward_cached(prepare(model.model())?, cache)
+        })
+    }
+
+    /// One step's prediction of the DiT `model` at `timestep` with real classifier-free
+    /// guidance: the forward of the inputs `prepare` makes of the prompt's conditioning `cond`
+    /// and, where `negative` gives the negative prompt's and the scale, that forward too (the
+    /// unconditional pass), combined in the predictions' dtype ([`guide`]).
+    pub fn guided<M, C>(
+        &mut self,
+        model: &Held<'_, M>,
+        timestep: f64,
         cond: C,
         negative: Option<(C, f64)>,
-        mut forward: impl FnMut(C) -> candle_core::Result<Tensor>,
-    ) -> Result<Tensor> {
-        let noise_cond = self.run(|| forward(cond))?;
+        mut prepare: impl FnMut(&M, C) -> candle_core::Result<M::Inputs>,
+    ) -> Result<Tensor>
+    where
+        M: CachedForward<Output = Tensor>,
+    {
+        let noise_cond = self.dit(model, Pass::Cond, timestep, |m| prepare(m, cond))?;
         Ok(match negative {
-            Some((negative, scale)) => guide(&self.run(|| forward(negative))?, &noise_cond, scale)?,
+            Some((negative, scale)) => {
+                let noise_uncond =
+                    self.dit(model, Pass::Uncond, timestep, |m| prepare(m, negative))?;
+                guide(&noise_uncond, &noise_cond, scale)?
+            }
             None => noise_cond,
         })
     }

@@ -9,7 +9,7 @@ use super::denoise::Denoise;
 use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{GuidanceScale, Lora, TrueCfgScale, VaeTiling};
+use super::registry::FamilyOption::{Cache, GuidanceScale, Lora, TrueCfgScale, VaeTiling};
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
@@ -116,7 +116,8 @@ impl FluxConfigs {
         );
         let [_, tokens, _] = self.packed_shape(shape.height, shape.width);
         let denoise =
-            activations::transformer_activations(&self.transformer, tokens, shape.text_len, dtype);
+            activations::transformer_activations(&self.transformer, tokens, shape.text_len, dtype)
+                + shape.cache_bytes((tokens + shape.text_len, self.transformer.inner_dim()));
         let (h, w) = self.latent_size(shape.height, shape.width);
         let decode = activations::vae_decode_activations(&self.vae, h, w, shape.vae_tiling, dtype);
         let mut spec = PipelineSpec::titled(self.title());
@@ -143,7 +144,10 @@ impl Family for FluxConfigs {
     /// tokens; sizes in multiples of 16 (the VAE's 8 x the 2x2 packing).
     fn about(&self) -> About {
         let side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor() as u32;
-        let guided = About::guided("FLUX.1 text-to-image", &[TrueCfgScale, VaeTiling, Lora]);
+        let guided = About::guided(
+            "FLUX.1 text-to-image",
+            &[TrueCfgScale, VaeTiling, Lora, Cache],
+        );
         let embeds_guidance = self.transformer.guidance_embeds;
         About {
             options: (guided.options.into_iter())
@@ -341,12 +345,12 @@ impl Flux {
         let timesteps = scheduler.timesteps().to_vec();
         let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
             let timestep = timestep_input(timesteps[i], dtype, device)?;
-            let noise = forwards.guided(&cond, negative.as_ref().zip(true_cfg_scale), |text| {
+            let negative = negative.as_ref().zip(true_cfg_scale);
+            let noise = forwards.guided(model, timesteps[i], &cond, negative, |m, text| {
                 let (embeds, pooled, guidance) = (&text.embeds, &text.pooled, guidance.as_ref());
-                let prepared = model.model().prepare(
+                m.prepare(
                     &latents, &timestep, embeds, pooled, guidance, &ids.text, &ids.image,
-                );
-                model.forward(prepared?)
+                )
             })?;
             latents = scheduler.step(&noise, &latents)?;
             Ok(latents.clone())

@@ -9,7 +9,7 @@ use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::FamilyOption::{FlowShift, Lora, TrueCfgScale, VaeTiling};
+use super::registry::FamilyOption::{Cache, FlowShift, Lora, TrueCfgScale, VaeTiling};
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
@@ -104,12 +104,14 @@ impl HunyuanConfigs {
             shape.dtype,
         );
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
+        let (t, p) = (self.transformer.patch_size_t, self.transformer.patch_size);
+        let tokens = latent[2] / t * (latent[3] / p) * (latent[4] / p) + shape.text_len;
         let denoise = activations::transformer_activations(
             &self.transformer,
             latent,
             shape.text_len,
             shape.dtype,
-        );
+        ) + shape.cache_bytes((tokens, self.transformer.inner_dim()));
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
         let decode = activations::vae_decode_activations(
             &self.vae,
@@ -153,7 +155,7 @@ impl Family for HunyuanConfigs {
             },
             ..About::guided(
                 "HunyuanVideo text-to-video",
-                &[TrueCfgScale, FlowShift, VaeTiling, Lora],
+                &[TrueCfgScale, FlowShift, VaeTiling, Lora, Cache],
             )
         }
     }
@@ -353,15 +355,20 @@ impl HunyuanVideo {
                 Some((neg, scale)) => Some(((neg, next()?.on(device)?), scale)),
                 None => None,
             };
-            let noise = forwards.guided(cond, negative, |(text, modulations)| {
-                let m = model.model();
-                let (embeds, mask, pooled) = (&text.embeds, &text.mask, &text.pooled);
-                let mut inputs =
-                    m.prepare(&input, &timestep, embeds, mask, pooled, Some(&guidance))?;
-                // This step's modulations, computed apart ([`HunyuanModulations`]).
-                inputs.modulations = Some(modulations);
-                model.forward(inputs)
-            })?;
+            let noise = forwards.guided(
+                model,
+                timesteps[i],
+                cond,
+                negative,
+                |m, (text, modulations)| {
+                    let (embeds, mask, pooled) = (&text.embeds, &text.mask, &text.pooled);
+                    let mut inputs =
+                        m.prepare(&input, &timestep, embeds, mask, pooled, Some(&guidance))?;
+                    // This step's modulations, computed apart ([`HunyuanModulations`]).
+                    inputs.modulations = Some(modulations);
+                    Ok(inputs)
+                },
+            )?;
             // The step runs as diffusers' does (dt * v in the model dtype, the sum in f32, then
             // back to the model dtype); the latents wait in f32, which holds that exactly.
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;

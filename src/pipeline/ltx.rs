@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::FamilyOption::{DecodeNoiseScale, DecodeTimestep, Lora, VaeTiling};
+use super::registry::FamilyOption::{Cache, DecodeNoiseScale, DecodeTimestep, Lora, VaeTiling};
 use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
 use super::stages;
@@ -19,6 +19,7 @@ use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, LtxVaeTiling,
 };
 use crate::models::ltx::{activations, defaults};
+use crate::models::step_cache::Pass;
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::VideoDit;
 use crate::rng::TorchGenerator;
@@ -64,7 +65,8 @@ impl LtxConfigs {
         let tokens: usize = self.token_grid(grid).iter().product();
         let (dtype, text_len) = (shape.dtype, shape.text_len);
         let dit =
-            activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype);
+            activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
+                + shape.cache_bytes((tokens, self.transformer.inner_dim()));
         Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
@@ -108,7 +110,7 @@ impl Family for LtxConfigs {
             },
             ..About::guided(
                 "LTX-Video text-to-video",
-                &[DecodeTimestep, DecodeNoiseScale, VaeTiling, Lora],
+                &[DecodeTimestep, DecodeNoiseScale, VaeTiling, Lora, Cache],
             )
         }
     }
@@ -309,17 +311,15 @@ impl Ltx {
             let input = batch_input(&latents, batch)?.to_dtype(dtype)?;
             let timestep = Tensor::full(timesteps[i] as f32, batch, device)?;
             let pred = forwards
-                .run(|| {
-                    let m = model.model();
-                    let prepared = m.prepare(
+                .dit(model, Pass::Cond, timesteps[i], |m| {
+                    m.prepare(
                         &input,
                         &embeds,
                         &timestep,
                         Some(&mask),
                         token_grid,
                         rope_scale,
-                    );
-                    model.forward(prepared?)
+                    )
                 })?
                 .to_dtype(DType::F32)?;
             // CFG in f32.

@@ -585,7 +585,7 @@ impl MiniMaxH3 {
             stages::check_finite(&audio, i + 1, forwards)?;
             Ok(video.clone())
         })?;
-        denoise.finish(job);
+        denoise.finish(job)?;
         let size = [g.num_latent_frames, g.latent_height, g.latent_width];
         let latents = unpatchify(&video, cfg.in_channels, size, cfg.patch_size)?;
         job.latents = Some(latents.to_device(&Device::Cpu)?);

@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Lora, VaeTiling};
+use super::registry::FamilyOption::{Cache, Lora, VaeTiling};
 use super::registry::{
     declared_by, About, Configs, Family, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
@@ -17,6 +17,7 @@ use crate::models::guidance::{batch_input, guide_if_batched};
 use crate::models::mochi::defaults;
 use crate::models::mochi::transformer::{MochiTransformer3DModel, MochiTransformerConfig};
 use crate::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
+use crate::models::step_cache::Pass;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::linear_quadratic::{linear_quadratic_schedule, THRESHOLD_NOISE};
 use crate::schedulers::Scheduler;
@@ -79,7 +80,7 @@ impl Family for MochiConfigs {
                 )),
                 ..ModelDefaults::default()
             },
-            ..About::guided("Mochi-1 text-to-video", &[Lora, VaeTiling])
+            ..About::guided("Mochi-1 text-to-video", &[Lora, VaeTiling, Cache])
         }
     }
 
@@ -122,7 +123,9 @@ impl TextToVideoStages for Mochi {
             let input = batch_input(&latents, batch)?;
             let timestep = Tensor::full(timesteps[i] as f32, batch, device)?.to_dtype(dtype)?;
             let pred = forwards
-                .run(|| model.forward(model.model().prepare(&input, &timestep, &embeds, &mask)?))?
+                .dit(model, Pass::Cond, timesteps[i], |m| {
+                    m.prepare(&input, &timestep, &embeds, &mask)
+                })?
                 .to_dtype(DType::F32)?;
             // CFG and the Euler step in f32, the latents back in the run dtype.
             let pred = guide_if_batched(pred, guidance_scale)?;

@@ -253,7 +253,10 @@ impl<'a> Planner<'a> {
         &self,
         search: impl FnOnce(&Request, &DeviceInfo, PlanFor, &dyn Fn(&str) -> bool) -> T,
     ) -> T {
-        let given = |option: &str| self.config.given(option);
+        // A step cache acts between whole blocks: fitting never streams them step by step.
+        let cached = self.config.generation().cache.is_some();
+        let given =
+            |option: &str| self.config.given(option) || (cached && option == "offload_type");
         search(
             &self.request(),
             self.config.device(),

@@ -10,6 +10,7 @@ use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::blocks::Blockwise;
 use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::source::ModelSource;
+use crate::models::step_cache::CacheSpec;
 use crate::models::t5::encoder::T5Config;
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::{DecodeActivations, DenoiseActivations, VideoDit, VideoVae};
@@ -49,6 +50,13 @@ pub struct RunShape {
 }
 
 impl RunShape {
+    /// Device bytes the run's step cache holds through the denoising loop: its hidden states,
+    /// each one prompt's block state of `tokens` tokens of width `dim` (the per-block states
+    /// are PAB's and TaylorSeer's, which the Wan family counts itself).
+    pub fn cache_bytes(&self, (tokens, dim): (usize, usize)) -> u64 {
+        (self.cache_states.0 * tokens * dim * self.dtype.size_in_bytes()) as u64
+    }
+
     /// The shape of a resolved run.
     pub fn of(config: &ResolvedConfig) -> Self {
         let (v, g) = (config.video(), config.generation());
@@ -100,12 +108,13 @@ pub enum FamilyOption {
     Transformer2,
     StorageDtype,
     Cache,
+    CacheInsideBlocks,
     LowActivation,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 18] = [
+    pub const ALL: [FamilyOption; 19] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -123,6 +132,7 @@ impl FamilyOption {
         FamilyOption::Transformer2,
         FamilyOption::StorageDtype,
         FamilyOption::Cache,
+        FamilyOption::CacheInsideBlocks,
         FamilyOption::LowActivation,
     ];
 
@@ -153,6 +163,7 @@ impl FamilyOption {
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
             FamilyOption::Cache => "--cache",
+            FamilyOption::CacheInsideBlocks => "--cache pab / taylorseer",
             FamilyOption::LowActivation => "--low-activation",
         }
     }
@@ -196,7 +207,12 @@ impl FamilyOption {
             FamilyOption::StorageDtype => {
                 "vidgen stores the Wan family's transformers in fp8 so far"
             }
-            FamilyOption::Cache => "vidgen caches the Wan family's transformer steps so far",
+            FamilyOption::Cache => {
+                "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
+            }
+            FamilyOption::CacheInsideBlocks => {
+                "they stand in for attention and feed-forward outputs inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
+            }
             FamilyOption::LowActivation => {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
             }
@@ -225,6 +241,9 @@ impl FamilyOption {
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
             FamilyOption::Cache => g.cache.is_some(),
+            FamilyOption::CacheInsideBlocks => {
+                matches!(g.cache, Some(CacheSpec::Pab(_) | CacheSpec::TaylorSeer(_)))
+            }
             FamilyOption::LowActivation => config.memory().low_activation,
         }
     }
@@ -476,7 +495,8 @@ where
             (text_encoder, transformer, vae),
             [
                 text_encoder_activations(text_encoder, text_len, dtype),
-                transformer.denoise_activations(grid, text_len, dtype),
+                transformer.denoise_activations(grid, text_len, dtype)
+                    + shape.cache_bytes(transformer.block_state(grid, text_len)),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],
         )
@@ -560,6 +580,14 @@ pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
             option.flag(),
             option.purpose()
         ));
+    }
+    let memory = config.memory();
+    let by_step =
+        memory.sequential_cpu_offload || (memory.dit_layerwise_offload && memory.leaf_level);
+    if config.generation().cache.is_some() && by_step {
+        return Some(
+            "--cache with --sequential-cpu-offload or --offload-type leaf-level: a step cache acts between whole blocks, which these stream one step at a time; stream block groups (--dit-layerwise-offload) instead".into(),
+        );
     }
     let scheduler = config.generation().scheduler;
     if config.given("scheduler") && !schedulers.contains(&scheduler) {

@@ -359,12 +359,11 @@ pub(crate) fn write_output(
 pub fn record_cache(
     job: &mut Job,
     cache: &crate::models::step_cache::StepCache,
-    guided: bool,
     progress: &Progress,
 ) -> Result<()> {
-    progress.note(&cache.summary(guided));
+    progress.note(&cache.summary());
     use crate::models::step_cache::Pass;
-    let passes: &[(Pass, &str)] = match guided {
+    let passes: &[(Pass, &str)] = match cache.guided() {
         true => &[(Pass::Cond, "cond"), (Pass::Uncond, "uncond")],
         false => &[(Pass::Cond, "cond")],
     };

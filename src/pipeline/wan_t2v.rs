@@ -9,8 +9,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, GuidanceScale2, Image, Lora, Lora2, LowActivation, Sigmas, StorageDtype,
-    Transformer2, VaeTileSize, VaeTiling,
+    Cache, CacheInsideBlocks, FlowShift, GuidanceScale2, Image, Lora, Lora2, LowActivation, Sigmas,
+    StorageDtype, Transformer2, VaeTileSize, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
@@ -23,7 +23,7 @@ use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::ModelSource;
-use crate::models::step_cache::{Forward, Pass, StepCache};
+use crate::models::step_cache::{Forward, HiddenStates, HookedBlocks, Pass, StepCache};
 use crate::models::video::causal_latent_grid;
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
@@ -99,6 +99,7 @@ impl Family for WanConfigs {
             Lora,
             StorageDtype,
             Cache,
+            CacheInsideBlocks,
             LowActivation,
         ];
         if self.image_input() != ImageInput::None {
@@ -756,15 +757,6 @@ impl WanT2V {
         let sequence = frame.config.ranks().map(|r| &r.sequence);
         let low_activation = frame.config.memory().low_activation;
         let image = image_embeds.as_ref();
-        // A fresh cache per expert: each transformer has its own hooks in diffusers.
-        let expert_cfg = match (low, &self.configs.transformer_2) {
-            (true, Some(cfg)) => cfg,
-            _ => &self.configs.transformer,
-        };
-        let mut cache = g
-            .cache
-            .as_ref()
-            .map(|spec| StepCache::new(spec, expert_cfg.num_layers, CACHE_NAMES));
         denoise.run(next_step..end, |forwards, i| {
             let t = timesteps[i];
             let input = match (&condition, &mask) {
@@ -778,9 +770,7 @@ impl WanT2V {
                 Some(m) => per_token_timesteps(t, m, 1, (ph, pw))?,
                 None => Tensor::new(&[t as f32], device)?,
             };
-            let mut forward = |text, pass| {
-                let step = Forward { pass, timestep: t };
-                let cache = cache.as_mut().map(|c| (c, step));
+            let forward = |text: &Tensor, cache: Option<(&mut StepCache, Forward)>| {
                 dit_forward(
                     model,
                     &input,
@@ -792,11 +782,11 @@ impl WanT2V {
                     low_activation,
                 )
             };
-            let noise_cond = forwards.run(|| forward(cond, Pass::Cond))?;
+            let noise_cond = forwards.run_cached(Pass::Cond, t, |c| forward(cond, c))?;
             // diffusers combines in the transformer dtype.
             let noise = match &uncond {
                 Some(uncond) => guide(
-                    &forwards.run(|| forward(uncond, Pass::Uncond))?,
+                    &forwards.run_cached(Pass::Uncond, t, |c| forward(uncond, c))?,
                     &noise_cond,
                     guidance,
                 )?,
@@ -805,19 +795,16 @@ impl WanT2V {
             latents = scheduler.step(&noise, &latents)?.to_dtype(DType::F32)?;
             Ok(latents.clone())
         })?;
-        if let Some(cache) = &cache {
-            stages::record_cache(job, cache, uncond.is_some(), &frame.progress)?;
-        }
         let last = self.configs.transformer_2.is_none() || low;
         if !last {
             return Ok(Denoising {
                 scheduler,
                 latents: latents.to_device(&Device::Cpu)?,
                 next_step: end,
-                forward_seconds: denoise.into_seconds(),
+                forward_seconds: denoise.into_seconds(job)?,
             });
         }
-        denoise.finish(job);
+        denoise.finish(job)?;
         // Wan2.2 TI2V image-to-video: frame 0 is the condition after the loop too.
         if let (Some(c), Some(m)) = (&condition, &mask) {
             latents = replace_first_frame(&latents, c, m)?;
@@ -882,6 +869,12 @@ pub fn dit_forward(
         Some((cache, step)) => cache.through_blocks(
             *step,
             x,
+            HookedBlocks {
+                first: 0,
+                count: model.config().num_layers,
+                names: CACHE_NAMES,
+            },
+            &HiddenStates,
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
             |block, x, hooks| block.forward_hooked(x, at, hooks),
         )?,

@@ -11,6 +11,11 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
     fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, [1, f, self.in_channels, h, w], text_len, dtype)
     }
+
+    fn block_state(&self, [f, h, w]: [usize; 3], text_len: usize) -> (usize, usize) {
+        let p = self.patch_size;
+        (text_len + f * (h / p) * (w / p), self.inner_dim())
+    }
 }
 
 impl DecodeActivations for CogVideoXVaeConfig {

@@ -22,6 +22,7 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
+use crate::models::step_cache::{HookedBlocks, ModuleNames};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -964,6 +965,33 @@ crate::block_forward!(
     CogVideoXTransformer3DModel, BlockInputs, take_hidden_states, Tensor,
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
+
+/// diffusers' cache hooks see `transformer_blocks`, each returning the video tokens
+/// (`hidden_states`) and the text (`encoder_hidden_states`): the joint sequence's two parts.
+impl crate::models::blocks::CachedForward for CogVideoXTransformer3DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: self.cfg.num_layers,
+            names: ModuleNames::BLOCKS_ONLY,
+        }
+    }
+
+    fn streams(x: &Tensor, inputs: &BlockInputs) -> Result<Vec<Tensor>> {
+        let video = x.dim(1)? - inputs.text_len;
+        Ok(vec![
+            x.narrow(1, inputs.text_len, video)?,
+            x.narrow(1, 0, inputs.text_len)?,
+        ])
+    }
+
+    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
+        match &streams[..] {
+            [video, text] => Tensor::cat(&[text, video], 1),
+            _ => candle_core::bail!("CogVideoX's blocks thread two streams"),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

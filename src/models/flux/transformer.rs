@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
+use crate::models::step_cache::{HookedBlocks, ModuleNames};
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
     gated, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
@@ -878,3 +879,29 @@ crate::block_forward!(
     FluxTransformer2DModel, BlockInputs, take_streams, Streams,
     |m, s, inputs| m.finish(&s.image, inputs) => Tensor
 );
+
+/// diffusers' cache hooks see `transformer_blocks` then `single_transformer_blocks`, each
+/// returning the image and text streams.
+impl crate::models::blocks::CachedForward for FluxTransformer2DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: self.cfg.num_blocks(),
+            names: ModuleNames::BLOCKS_ONLY,
+        }
+    }
+
+    fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
+        if !matches!(s.carry, Carry::None) {
+            candle_core::bail!("a step cache reads FLUX.1's streams between whole blocks");
+        }
+        Ok(vec![s.image.clone(), s.text.clone()])
+    }
+
+    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Streams> {
+        match <[Tensor; 2]>::try_from(streams) {
+            Ok([image, text]) => Ok(Streams::new(image, text)),
+            Err(_) => candle_core::bail!("FLUX.1's blocks thread two streams"),
+        }
+    }
+}

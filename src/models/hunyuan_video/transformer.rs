@@ -36,6 +36,7 @@ use crate::models::blocks::Blockwise;
 use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
+use crate::models::step_cache::{HookedBlocks, ModuleNames};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
@@ -1867,6 +1868,32 @@ crate::block_forward!(
     HunyuanVideoTransformer3DModel, BlockInputs, take_streams, Streams,
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
+
+/// diffusers' cache hooks see `transformer_blocks` then `single_transformer_blocks` (the token
+/// refiner runs inside `context_embedder`, unhooked), each returning the video and text streams.
+impl crate::models::blocks::CachedForward for HunyuanVideoTransformer3DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: self.cfg.num_refiner_layers,
+            count: self.cfg.num_layers + self.cfg.num_single_layers,
+            names: ModuleNames::BLOCKS_ONLY,
+        }
+    }
+
+    fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
+        if s.mid_block() {
+            candle_core::bail!("a step cache reads HunyuanVideo's streams between whole blocks");
+        }
+        Ok(vec![s.video.clone(), s.text.clone()])
+    }
+
+    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Streams> {
+        match <[Tensor; 2]>::try_from(streams) {
+            Ok([video, text]) => Ok(Streams::new(video, text)),
+            Err(_) => candle_core::bail!("HunyuanVideo's blocks thread two streams"),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -23,6 +23,7 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
+use crate::models::step_cache::{BlockStreams, HiddenStates, HookedBlocks, ModuleNames};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -1292,5 +1293,24 @@ impl crate::models::blocks::BlockForward for LtxTransformer3DModel {
     }
     fn finish_forward(&self, stream: LtxStream, inputs: &LtxBlockInputs) -> Result<Tensor> {
         self.finish(&stream.into_hidden()?, inputs)
+    }
+}
+
+/// diffusers' cache hooks see `transformer_blocks`, each returning the hidden states alone.
+impl crate::models::blocks::CachedForward for LtxTransformer3DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: self.cfg.num_layers,
+            names: ModuleNames::BLOCKS_ONLY,
+        }
+    }
+
+    fn streams(stream: &LtxStream, _: &LtxBlockInputs) -> Result<Vec<Tensor>> {
+        Ok(vec![stream.clone().into_hidden()?])
+    }
+
+    fn state(streams: Vec<Tensor>, _: &LtxBlockInputs) -> Result<LtxStream> {
+        HiddenStates.state(streams).map(LtxStream::new)
     }
 }

@@ -10,6 +10,10 @@ impl DenoiseActivations for MochiTransformerConfig {
     fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
     }
+
+    fn block_state(&self, grid: [usize; 3], text_len: usize) -> (usize, usize) {
+        (self.video_tokens(grid) + text_len, self.inner_dim())
+    }
 }
 
 impl DecodeActivations for MochiVaeConfig {

@@ -28,6 +28,7 @@ use crate::models::blocks::RepeatedBlocks;
 use crate::models::cogvideox::transformer::linspace_f32;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, Rows};
+use crate::models::step_cache::{HookedBlocks, ModuleNames};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -1065,6 +1066,35 @@ crate::block_forward!(
     MochiTransformer3DModel, BlockInputs, take_streams, Streams,
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
+
+/// diffusers' cache hooks see `transformer_blocks`, each returning the video and text streams.
+impl crate::models::blocks::CachedForward for MochiTransformer3DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: self.cfg.num_layers,
+            names: ModuleNames::BLOCKS_ONLY,
+        }
+    }
+
+    fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
+        if s.rows.is_some() {
+            candle_core::bail!("a step cache reads Mochi's streams between whole blocks");
+        }
+        Ok(vec![s.video.clone(), s.text.clone()])
+    }
+
+    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Streams> {
+        match <[Tensor; 2]>::try_from(streams) {
+            Ok([video, text]) => Ok(Streams {
+                video,
+                text,
+                rows: None,
+            }),
+            Err(_) => candle_core::bail!("Mochi's blocks thread two streams"),
+        }
+    }
+}
 
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {

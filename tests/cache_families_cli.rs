@@ -1,0 +1,320 @@
+//! The caches that act between blocks (`--cache first-block:T`, `magcache:...` with its
+//! calibration) on every family whose diffusers transformer takes diffusers' cache hooks,
+//! driven by `cache-families/README.json`'s `cli_cases` (diffusers' `enable_cache(config)`
+//! around each tiny fixture's reference call, same draws): the frames within 1e-4 + 1e-4|ref|
+//! of diffusers', which differ from the uncached run's where the case skips; the same blocks
+//! computed in every pass of every step; the calibrated ratios; `--stats-json` and the
+//! progress line count what was skipped. Families whose transformer takes no hook refuse
+//! `--cache` in one line, as the ones here refuse the caches that reach inside blocks.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{assert_close, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir, usage_error};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+fn readme() -> serde_json::Value {
+    let path = named_fixture_dir("cache-families").join("README.json");
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn strings(value: &serde_json::Value) -> Vec<String> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The draws file of `case`: each reference tensor its `draws` names (`N`, `K`: every step and
+/// draw the fixture's pipeline reference holds) under its draw name.
+fn draws_file(case: &serde_json::Value, refs: &HashMap<String, Tensor>, dir: &Path) -> PathBuf {
+    let mut draws = HashMap::new();
+    for (from, to) in case["draws"].as_object().unwrap() {
+        let to = to.as_str().unwrap();
+        let pattern = regex::Regex::new(&format!(
+            "^{}$",
+            regex::escape(from).replace(['N', 'K'], "(\\d+)")
+        ))
+        .unwrap();
+        let mut found = 0;
+        for (name, tensor) in refs {
+            let Some(captures) = pattern.captures(name) else {
+                continue;
+            };
+            let mut numbers = captures.iter().skip(1).map(|c| c.unwrap().as_str());
+            let mut draw = String::new();
+            for c in to.chars() {
+                match c {
+                    'N' | 'K' => draw.push_str(numbers.next().unwrap()),
+                    c => draw.push(c),
+                }
+            }
+            draws.insert(draw, tensor.clone());
+            found += 1;
+        }
+        assert!(found > 0, "{}: no reference tensor {from}", case["name"]);
+    }
+    let path = dir.join("draws.safetensors");
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    path
+}
+
+/// What one case's run wrote: its tensors, stderr and `--stats-json`.
+struct Run {
+    outputs: HashMap<String, Tensor>,
+    stderr: String,
+    stats: serde_json::Value,
+}
+
+fn run_case(case: &serde_json::Value, dir: &Path) -> Run {
+    let fixture = named_fixture_dir(case["fixture"].as_str().unwrap());
+    let pipeline = candle_core::safetensors::load(
+        fixture.join("reference/pipeline.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let draws = draws_file(case, &pipeline, dir);
+    let stats = dir.join("stats.json");
+    let mut args: Vec<String> = vec!["generate".into(), "--model".into()];
+    args.push(fixture.to_str().unwrap().into());
+    args.extend(strings(&case["args"]));
+    for (flag, value) in [
+        ("--latents", draws.as_path()),
+        ("--output-path", dir),
+        ("--stats-json", stats.as_path()),
+    ] {
+        args.extend([flag.to_string(), value.to_str().unwrap().to_string()]);
+    }
+    args.extend(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--output-type",
+            "safetensors",
+            "--output-video-name",
+            "v",
+            "--overwrite",
+        ]
+        .map(String::from),
+    );
+    let out = run_vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{}: {stderr}", case["name"]);
+    Run {
+        outputs: candle_core::safetensors::load(dir.join("v.safetensors"), &Device::Cpu).unwrap(),
+        stderr,
+        stats: serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap(),
+    }
+}
+
+/// `pass: F of N forwards skipped work, M of T modules stood in for`, of recorded rows.
+fn counts(pass: &str, rows: &[Vec<u8>]) -> (String, usize, usize) {
+    let skipped = |r: &Vec<u8>| r.iter().filter(|&&c| c == 0).count();
+    let forwards = rows.iter().filter(|r| skipped(r) > 0).count();
+    let modules: usize = rows.iter().map(skipped).sum();
+    let line = format!(
+        "{pass}: {forwards} of {} forwards skipped work, {modules} of {} modules stood in for",
+        rows.len(),
+        rows.iter().map(|r| r.len()).sum::<usize>(),
+    );
+    (line, forwards, modules)
+}
+
+#[test]
+fn caches_skip_and_compute_what_diffusers_does_in_every_family() {
+    let readme = readme();
+    let refs = candle_core::safetensors::load(
+        named_fixture_dir("cache-families").join("cache.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut families = std::collections::BTreeSet::new();
+    for case in readme["cli_cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let dir = scratch_dir("cache-families", name);
+        let run = run_case(case, &dir);
+        let fixture = named_fixture_dir(case["fixture"].as_str().unwrap());
+        let plain = candle_core::safetensors::load(
+            fixture.join("reference/pipeline.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let uncached = plain[case["no_cache_frames"].as_str().unwrap()]
+            .squeeze(0)
+            .unwrap();
+        let skips = case["expect"] == "skips";
+        let want = match case["frames"].as_str() {
+            Some(frames) => refs[frames].squeeze(0).unwrap(),
+            None => uncached.clone(),
+        };
+        assert_close(name, &run.outputs["frames"], &want, ATOL, RTOL);
+        // A skipping cache changes the video: a run that computes every block fails the check
+        // above.
+        let moved = max_abs_diff(&want, &uncached);
+        assert!(
+            !skips || moved > 100.0 * ATOL,
+            "{name}: the cache moves frames {moved:.2e}"
+        );
+        let hook = case["hook"].as_str().unwrap();
+
+        let mut summary = Vec::new();
+        for (written, reference) in case["computed"].as_object().unwrap() {
+            let got = run
+                .outputs
+                .get(written)
+                .unwrap_or_else(|| panic!("{name}: no {written}"));
+            assert_eq!(got.dtype(), DType::U8, "{name}: {written}");
+            let rows = refs[reference.as_str().unwrap()].to_vec2::<u8>().unwrap();
+            assert_eq!(got.to_vec2::<u8>().unwrap(), rows, "{name}: {written}");
+            let pass = written.strip_prefix("cache.computed.").unwrap();
+            let (line, forwards, modules) = counts(pass, &rows);
+            assert_eq!(forwards > 0, skips, "{name}: {pass} skips {forwards}");
+            let stats = &run.stats["jobs"][0]["metrics"]["cache"][0];
+            assert_eq!(stats["hook"], hook, "{name}");
+            assert_eq!(stats[pass]["forwards"], rows.len(), "{name}: {pass}");
+            assert_eq!(stats[pass]["forwards_with_skips"], forwards, "{name}");
+            assert_eq!(stats[pass]["modules_skipped"], modules, "{name}: {pass}");
+            summary.push(line);
+        }
+        for (written, reference) in case["calibration_ratios"].as_object().unwrap() {
+            let got = run
+                .outputs
+                .get(written)
+                .unwrap_or_else(|| panic!("{name}: no {written}"));
+            let want = &refs[reference.as_str().unwrap()];
+            assert_close(name, got, want, ATOL, RTOL);
+        }
+        let extra = run.outputs.keys().filter(|k| k.starts_with("cache."));
+        assert_eq!(
+            extra.count(),
+            case["computed"].as_object().unwrap().len()
+                + case["calibration_ratios"].as_object().unwrap().len(),
+            "{name}: {:?}",
+            run.outputs.keys()
+        );
+        summary.sort();
+        let line = format!("  cache {hook}: {}", summary.join("; "));
+        assert!(
+            run.stderr.lines().any(|l| l == line),
+            "{name}: no line {line:?} in:\n{}",
+            run.stderr
+        );
+        families.insert(case["fixture"].as_str().unwrap().to_string());
+    }
+    assert_eq!(families.len(), 5, "{families:?}");
+}
+
+/// A family whose diffusers transformer takes no cache hook refuses `--cache`, the families here
+/// refuse the caches that stand in for modules inside blocks, and every family a step cache
+/// with blocks streamed step by step, each in one line.
+#[test]
+fn caches_a_family_cannot_take_are_refused_in_one_line() {
+    let dir = scratch_dir("cache-families", "refused");
+    for (fixture, spec, says) in [
+        ("latte-tiny-a", "first-block:0.1", "--cache does not apply"),
+        (
+            "allegro-tiny-a",
+            "first-block:0.1",
+            "--cache does not apply",
+        ),
+        (
+            "cogvideox-tiny-a",
+            "pab:spatial_attention_block_skip_range=2",
+            "--cache pab / taylorseer does not apply",
+        ),
+        (
+            "flux-tiny-a",
+            "taylorseer:cache_interval=2",
+            "--cache pab / taylorseer does not apply",
+        ),
+    ] {
+        refused(fixture, &["--cache", spec], says, &dir);
+    }
+    // A step cache acts between whole blocks, which these stream one step at a time.
+    for (fixture, flags) in [
+        ("hunyuanvideo-tiny-a", &["--sequential-cpu-offload"][..]),
+        (
+            "wan-tiny-a",
+            &["--dit-layerwise-offload", "--offload-type", "leaf-level"][..],
+        ),
+    ] {
+        // Offloading as on a discrete GPU (the CPU's own memory needs none).
+        let discrete = ["--memory-model", "discrete", "--cache", "first-block:0.1"];
+        let args = [&discrete[..], flags].concat();
+        refused(fixture, &args, "between whole blocks", &dir);
+    }
+}
+
+/// Asserts that `vidgen generate` on `fixture` with `flags` is refused in one line saying `says`.
+fn refused(fixture: &str, flags: &[&str], says: &str, dir: &Path) {
+    let mut args: Vec<String> = [
+        "generate",
+        "--model",
+        named_fixture_dir(fixture).to_str().unwrap(),
+        "--prompt",
+        "a cat",
+        "--device",
+        "cpu",
+        "--output-path",
+        dir.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let line = usage_error(&run_vidgen(&args), fixture);
+    assert!(line.contains(says), "{fixture} {flags:?}: {line}");
+}
+
+/// The plan counts what a cache holds through the loop in the denoise stage's activations:
+/// three block states per pass for First Block Cache, one for MagCache, in every family.
+#[test]
+fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
+    for fixture in [
+        "cogvideox-tiny-a",
+        "ltx-video-tiny-a",
+        "hunyuanvideo-tiny-a",
+        "mochi-tiny-a",
+        "flux-tiny-a",
+    ] {
+        let denoise_activations = |cache: &[&str]| -> u64 {
+            let mut args: Vec<String> = [
+                "generate",
+                "--model",
+                named_fixture_dir(fixture).to_str().unwrap(),
+                "--prompt",
+                "a cat",
+                "--device",
+                "cpu",
+                "--dry-run",
+                "--json",
+            ]
+            .map(String::from)
+            .to_vec();
+            args.extend(cache.iter().map(|s| s.to_string()));
+            let out = run_vidgen(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{fixture}: {stderr}");
+            let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let stage = plan["stages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["name"] == "denoise")
+                .unwrap();
+            stage["memory"]["activation_bytes"].as_u64().unwrap()
+        };
+        let plain = denoise_activations(&[]);
+        let first_block = denoise_activations(&["--cache", "first-block:0.1"]) - plain;
+        let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
+        assert!(mag > 0, "{fixture}: MagCache holds its residuals");
+        assert_eq!(first_block, 3 * mag, "{fixture}");
+    }
+}
