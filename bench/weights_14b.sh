@@ -6,7 +6,7 @@
 # projection of every block (bench/make_lora.py), then runs: bf16 streamed (the default flags) and resident,
 # bf16 + the LoRA, Q8_0 streamed and resident, `--storage-dtype float8_e4m3fn` streamed and resident; each
 # with its dry run. Prints one table row per run (load, forwards, pinned and host bytes, peaks against the
-# plan); stats and logs under $OUT.
+# plan); stats and logs under $OUT. ROWS="bf16-stream fp8-stream" runs only those rows.
 set -u
 B=$1 WHL=${2:-}
 O=${OUT:-/tmp/weights-14b}; W=${WEIGHTS:-/tmp/weights-14b-files}
@@ -16,11 +16,12 @@ if [ -n "$WHL" ]; then
   export PYTHONPATH=/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 T=${TABLE:-tests/fixtures/wan2.1-configs.json} K=transformer_Wan2.1-T2V-14B
-[ -f "$W/q8.gguf" ] || python3 bench/make_gguf.py $T $K "$W/q8.gguf" Q8_0 | tee "$O/q8.json"
-[ -f "$W/lora.safetensors" ] || python3 bench/make_lora.py $T $K "$W/lora.safetensors" 32 | tee "$O/lora.json"
+[[ -n "${ROWS:-}" && "$ROWS" != *q8* ]] || [ -f "$W/q8.gguf" ] || python3 bench/make_gguf.py $T $K "$W/q8.gguf" Q8_0 | tee "$O/q8.json"
+[[ -n "${ROWS:-}" && "$ROWS" != *lora* ]] || [ -f "$W/lora.safetensors" ] || python3 bench/make_lora.py $T $K "$W/lora.safetensors" 32 | tee "$O/lora.json"
 RESIDENT=(--dit-layerwise-offload=false --dit-cpu-offload=false)
 gen() { # name extra...
   local n=$1; shift
+  [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $n "* ]] && return
   local a=(generate --model synthetic:wan2.1-t2v-14b --prompt "a red fox runs through fresh snow" --seed 1
     --num-frames 81 --height 480 --width 832 --num-inference-steps 3 --dtype bf16 "$@")
   "$B" "${a[@]}" --dry-run --json > "$O/$n.plan.json" 2> "$O/$n.plan.log"
