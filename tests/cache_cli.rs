@@ -9,8 +9,8 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::{
-    assert_close, generate_outputs, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir,
-    usage_error,
+    assert_close, generate_outputs, max_abs_diff, named_fixture_dir, planned_denoise_activations,
+    run_vidgen, scratch_dir, usage_error,
 };
 
 #[test]
@@ -106,36 +106,7 @@ fn bad_cache_specs_are_refused_in_one_line() {
 /// denoise stage's activations.
 #[test]
 fn the_plan_counts_the_hidden_states_a_cache_holds() {
-    let denoise_activations = |cache: &[&str]| -> u64 {
-        let mut args: Vec<String> = [
-            "generate",
-            "--model",
-            named_fixture_dir("wan-tiny-a").to_str().unwrap(),
-            "--prompt",
-            "a cat",
-            "--device",
-            "cpu",
-            "--dry-run",
-            "--json",
-        ]
-        .map(String::from)
-        .to_vec();
-        args.extend(cache.iter().map(|s| s.to_string()));
-        let out = run_vidgen(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let stage = plan["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["name"] == "denoise")
-            .unwrap();
-        stage["memory"]["activation_bytes"].as_u64().unwrap()
-    };
+    let denoise_activations = |cache: &[&str]| planned_denoise_activations("wan-tiny-a", cache);
     let plain = denoise_activations(&[]);
     let first_block = denoise_activations(&["--cache", "first-block:0.1"]) - plain;
     let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;

@@ -10,7 +10,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir, usage_error};
+use common::{
+    assert_close, max_abs_diff, named_fixture_dir, planned_denoise_activations, run_vidgen,
+    scratch_dir, usage_error,
+};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -284,33 +287,7 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         "mochi-tiny-a",
         "flux-tiny-a",
     ] {
-        let denoise_activations = |cache: &[&str]| -> u64 {
-            let mut args: Vec<String> = [
-                "generate",
-                "--model",
-                named_fixture_dir(fixture).to_str().unwrap(),
-                "--prompt",
-                "a cat",
-                "--device",
-                "cpu",
-                "--dry-run",
-                "--json",
-            ]
-            .map(String::from)
-            .to_vec();
-            args.extend(cache.iter().map(|s| s.to_string()));
-            let out = run_vidgen(&args);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{fixture}: {stderr}");
-            let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            let stage = plan["stages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|s| s["name"] == "denoise")
-                .unwrap();
-            stage["memory"]["activation_bytes"].as_u64().unwrap()
-        };
+        let denoise_activations = |cache: &[&str]| planned_denoise_activations(fixture, cache);
         let plain = denoise_activations(&[]);
         let first_block = denoise_activations(&["--cache", "first-block:0.1"]) - plain;
         let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;

@@ -177,3 +177,33 @@ pub fn run_vidgen(args: &[String]) -> std::process::Output {
         .output()
         .unwrap()
 }
+
+/// The activation bytes the dry-run plan of a one-prompt CPU run of `fixture` predicts for its
+/// denoise stage, with `extra` flags.
+pub fn planned_denoise_activations(fixture: &str, extra: &[&str]) -> u64 {
+    let mut args: Vec<String> = [
+        "generate",
+        "--model",
+        named_fixture_dir(fixture).to_str().unwrap(),
+        "--prompt",
+        "a cat",
+        "--device",
+        "cpu",
+        "--dry-run",
+        "--json",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let out = run_vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{fixture}: {stderr}");
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stage = plan["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "denoise")
+        .unwrap();
+    stage["memory"]["activation_bytes"].as_u64().unwrap()
+}
