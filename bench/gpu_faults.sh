@@ -14,8 +14,11 @@
 #    leaner set (or fails it alone, with no partial file), and writes the second.
 # 5. SIGKILL mid-denoise (no handler runs): the temporary it leaves is cleared by `--resume`,
 #    which writes the video.
+# 6. A host limit through a cgroup (v2, as root): synthetic MiniMax H3 with default flags inside a
+#    cgroup whose memory.max is HOST_LIMIT (default 64G) takes lazy loading and finishes; its
+#    maximum resident set stays under the limit and near the host peak the dry run predicts.
 # Each case prints one line (ok / FAIL) and what it measured; logs and stats under $OUT.
-# CASES="4 5" runs only those.
+# CASES="4 5" runs only those (case 6 runs only when asked: CASES="6").
 set -u
 B=$1 KEEP=${2:-3.3}
 want() { [[ " ${CASES:-1 2 3 4 5} " == *" $1 "* ]]; }
@@ -160,4 +163,32 @@ if [ $rc = 137 ] && [ $rc2 = 0 ] && [ -f "$O/kill/killed.safetensors" ] && [ -z 
 else
   echo "FAIL SIGKILL: rc=$rc resume rc=$rc2 left before: '$left' after: '$after'"; tail -3 "$O/killed.log"
 fi
+fi
+
+# 6. A host limit through a cgroup: this shell moves into the cgroup, so vidgen reads the limit
+#    itself (memory.max less memory.current), as under a container's limit.
+if [[ " ${CASES:-} " == *" 6 "* ]]; then
+L=${HOST_LIMIT:-64G} G=/sys/fs/cgroup/vidgen-faults
+mkdir -p $G && echo "$L" > $G/memory.max && echo 0 > $G/memory.swap.max 2> /dev/null
+(
+  echo $BASHPID > $G/cgroup.procs
+  /usr/bin/time -v -o "$O/h3-limit.time" "$B" generate --model synthetic:minimax-h3 \
+    --prompt "a red fox runs through fresh snow" --seed 1 --num-frames 124 --height 768 --width 1344 \
+    --num-inference-steps 2 --output-type safetensors --output-path "$O" --output-video-name h3-limit \
+    --stats-json "$O/h3-limit.json" 2> "$O/h3-limit.log"
+  echo "rc=$?" > "$O/h3-limit.rc"
+)
+python3 - "$O" "$L" "$(cat $G/memory.peak 2> /dev/null)" <<'PY'
+import re, sys
+o, limit, peak = sys.argv[1:]
+rc = open(f"{o}/h3-limit.rc").read().strip()
+log = open(f"{o}/h3-limit.log").read()
+rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(f"{o}/h3-limit.time").read())
+over = [l for l in log.splitlines() if "host memory available" in l]
+top = int(rss.group(1)) / 2**20 if rss else float("nan")
+ok = rc == "rc=0" and over and top < float(limit.rstrip("G"))
+print(("ok  " if ok else "FAIL") + f" host limit {limit}: {rc}, maximum RSS {top:.2f} GiB (cgroup peak "
+      f"{int(peak or 0) / 2**30:.2f} GiB), override: {over[0] if over else 'none'}")
+PY
+rmdir $G 2> /dev/null
 fi
