@@ -11,8 +11,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    assert_close, max_abs_diff, named_fixture_dir, planned_denoise_activations, run_vidgen,
-    scratch_dir, usage_error,
+    assert_close, cpu_prompt_args, max_abs_diff, named_fixture_dir, planned_denoise_activations,
+    run_vidgen, scratch_dir, usage_error,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -258,19 +258,11 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
 
 /// Asserts that `vidgen generate` on `fixture` with `flags` is refused in one line saying `says`.
 fn refused(fixture: &str, flags: &[&str], says: &str, dir: &Path) {
-    let mut args: Vec<String> = [
-        "generate",
-        "--model",
-        named_fixture_dir(fixture).to_str().unwrap(),
-        "--prompt",
-        "a cat",
-        "--device",
-        "cpu",
-        "--output-path",
-        dir.to_str().unwrap(),
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut args = cpu_prompt_args(fixture);
+    args.extend([
+        "--output-path".to_string(),
+        dir.to_str().unwrap().to_string(),
+    ]);
     args.extend(flags.iter().map(|f| f.to_string()));
     let line = usage_error(&run_vidgen(&args), fixture);
     assert!(line.contains(says), "{fixture} {flags:?}: {line}");

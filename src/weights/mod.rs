@@ -330,18 +330,16 @@ impl WeightSet {
             None => base,
         };
         self.report_read(name, &base);
-        match self.loras.as_ref().filter(|l| l.changes(name)) {
-            Some(loras) if !self.merge_on.is_cpu() => {
-                // One merge at a time on a GPU (the readers that fill host copies run in
-                // parallel): what merges hold there stays one run's, not one per reader.
-                static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-                let _merging = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-                let merged = loras.merged(name, &base.to_device(&self.merge_on)?, dtype)?;
-                merged.to_device(dev).map(Some)
-            }
-            Some(loras) => loras.merged(name, &base, dtype)?.to_device(dev).map(Some),
-            None => base.to_dtype(dtype)?.to_device(dev).map(Some),
-        }
+        let Some(loras) = self.loras.as_ref().filter(|l| l.changes(name)) else {
+            return base.to_dtype(dtype)?.to_device(dev).map(Some);
+        };
+        // One merge at a time on a GPU (the readers that fill host copies run in parallel):
+        // what merges hold there stays one run's, not one per reader.
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _merging = (!self.merge_on.is_cpu())
+            .then(|| ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()));
+        let merged = loras.merged(name, &base.to_device(&self.merge_on)?, dtype)?;
+        merged.to_device(dev).map(Some)
     }
 
     /// The same weights, reporting every tensor read to `on_read`.

@@ -178,10 +178,9 @@ pub fn run_vidgen(args: &[String]) -> std::process::Output {
         .unwrap()
 }
 
-/// The activation bytes the dry-run plan of a one-prompt CPU run of `fixture` predicts for its
-/// denoise stage, with `extra` flags.
-pub fn planned_denoise_activations(fixture: &str, extra: &[&str]) -> u64 {
-    let mut args: Vec<String> = [
+/// `generate --model FIXTURE --prompt "a cat" --device cpu`: a one-prompt CPU run of `fixture`.
+pub fn cpu_prompt_args(fixture: &str) -> Vec<String> {
+    [
         "generate",
         "--model",
         named_fixture_dir(fixture).to_str().unwrap(),
@@ -189,12 +188,21 @@ pub fn planned_denoise_activations(fixture: &str, extra: &[&str]) -> u64 {
         "a cat",
         "--device",
         "cpu",
-        "--dry-run",
-        "--json",
     ]
     .map(String::from)
-    .to_vec();
-    args.extend(extra.iter().map(|s| s.to_string()));
+    .to_vec()
+}
+
+/// The activation bytes the dry-run plan of a one-prompt CPU run of `fixture` predicts for its
+/// denoise stage, with `extra` flags.
+pub fn planned_denoise_activations(fixture: &str, extra: &[&str]) -> u64 {
+    let mut args = cpu_prompt_args(fixture);
+    args.extend(
+        ["--dry-run", "--json"]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string()),
+    );
     let out = run_vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{fixture}: {stderr}");
