@@ -36,6 +36,7 @@ fn main() {
         ("norms", PORTABLE, false),
         ("channel_ops", PORTABLE, false),
         ("dequant", PORTABLE, false),
+        ("lora_merge", PORTABLE, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

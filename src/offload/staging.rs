@@ -194,7 +194,10 @@ pub fn load_tensors(
             let landed = landing.take(i)?;
             out[i] = Some(match slot.packed {
                 Some(_) => slot.expand(landed)?,
-                None => landed.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?,
+                None => weights.merged_where_landed(
+                    &slot.name,
+                    landed.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?,
+                )?,
             });
             Ok(())
         },
@@ -573,6 +576,65 @@ mod tests {
         for (a, b) in staged.iter().zip(&direct) {
             assert!(same_bits(a, b)?);
         }
+        Ok(())
+    }
+
+    /// A LoRA'd weight lands unmerged and is merged where it landed, with the bits of the host
+    /// merge a var builder (or a streamed block's host copy) reads; the LoRA changes it.
+    #[test]
+    fn lora_weights_merge_where_they_land_as_on_the_host() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("vidgen-staging-lora-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("lora.safetensors");
+        let cpu = Device::Cpu;
+        let a = (Tensor::arange(0f32, 120., &cpu)? * 0.1)?
+            .sin()?
+            .reshape((4, 30))?;
+        let b = (Tensor::arange(0f32, 160., &cpu)? * 0.3)?
+            .cos()?
+            .reshape((40, 4))?;
+        candle_core::safetensors::save(
+            &std::collections::HashMap::from([
+                ("transformer.proj.lora_A.weight".to_string(), a),
+                ("transformer.proj.lora_B.weight".to_string(), b),
+            ]),
+            &path,
+        )?;
+        let spec = crate::lora::parse_spec(&format!("{}:0.5", path.display()))
+            .map_err(anyhow::Error::msg)?;
+        let loras = crate::lora::Loras::open(&[spec], false)?;
+        std::fs::remove_dir_all(&dir)?;
+        let plain = WeightSet::open(&Weights::Synthetic { seed: 3 })?;
+        let weights = plain.clone().with_loras(std::sync::Arc::new(loras));
+        let build = |vb: VarBuilder<'static>, _: VarBuilder<'static>| {
+            Ok(vec![
+                vb.pp("proj").get((40, 30), "weight")?,
+                vb.get(40, "norm.weight")?,
+            ])
+        };
+        let direct = build(
+            weights.var_builder(DType::BF16, &cpu),
+            weights.var_builder(DType::BF16, &cpu),
+        )?;
+        let staged = build_staged(
+            &weights,
+            DType::BF16,
+            &cpu,
+            |slots| load_tensors(&weights, slots, &mut HostRing::new(1024, 2, slots.len())),
+            build,
+        )?;
+        let unchanged = build(
+            plain.var_builder(DType::BF16, &cpu),
+            plain.var_builder(DType::BF16, &cpu),
+        )?;
+        for (a, b) in staged.iter().zip(&direct) {
+            assert!(same_bits(a, b)?);
+        }
+        assert!(
+            !same_bits(&staged[0], &unchanged[0])?,
+            "the LoRA changed nothing"
+        );
+        assert!(same_bits(&staged[1], &unchanged[1])?);
         Ok(())
     }
 

@@ -236,9 +236,8 @@ impl Frame {
     /// `component`'s weights ([`open_weights`]), opened with a progress bar.
     fn weights(&self, component: usize) -> Result<WeightSet> {
         let spec = &self.spec.components[component];
-        let weights = open_weights(&self.config, &self.source, spec)
-            .with_context(|| self.what(component))?
-            .merging_on(self.device.clone());
+        let weights =
+            open_weights(&self.config, &self.source, spec).with_context(|| self.what(component))?;
         let total = weights.stored_bytes();
         let progress = self
             .progress

@@ -40,8 +40,6 @@ pub struct WeightSet {
     on_read: Option<OnRead>,
     /// LoRA deltas merged into the weights they change as those are read.
     loras: Option<Arc<crate::lora::Loras>>,
-    /// Where the LoRA deltas are merged ([`WeightSet::merging_on`]).
-    merge_on: Device,
     /// Layerwise fp8 storage: the values it rounds are read rounded.
     cast: Option<StorageCast>,
     /// Ranks of the synthetic tensors asked for so far (synthetic weights store none): how
@@ -192,7 +190,6 @@ impl WeightSet {
             source,
             on_read: None,
             loras: None,
-            merge_on: Device::Cpu,
             cast: None,
             asked_ranks: Arc::default(),
         })
@@ -205,15 +202,6 @@ impl WeightSet {
         self
     }
 
-    /// The same weights with the LoRAs merged on `device`, the run's compute device, wherever
-    /// a weight is read for: a GPU merges in milliseconds what takes the CPU seconds (a rank-32
-    /// LoRA on every projection of a 14B is ~0.9 TFLOP), and every placement (resident, or a
-    /// host copy to stream from) gets the same bits.
-    pub fn merging_on(mut self, device: Device) -> Self {
-        self.merge_on = device;
-        self
-    }
-
     /// The same weights with the values `cast` rounds read rounded through its fp8 format.
     pub fn with_storage_cast(mut self, cast: StorageCast) -> Self {
         self.cast = Some(cast);
@@ -223,9 +211,18 @@ impl WeightSet {
     /// Whether weight `name` is computed from what is stored rather than read as it is: a
     /// LoRA changes it, it is stored in fp8 with a scale, or `--storage-dtype` rounds it.
     fn transforms(&self, name: &str) -> bool {
-        self.loras.as_ref().is_some_and(|l| l.changes(name))
-            || self.fp8_scale(name).is_some()
-            || self.rounds(name)
+        self.lora_of(name).is_some() || self.converts(name)
+    }
+
+    /// Whether weight `name`'s values are computed from what is stored (before any LoRA): fp8
+    /// with a scale, or rounded by `--storage-dtype`.
+    fn converts(&self, name: &str) -> bool {
+        self.fp8_scale(name).is_some() || self.rounds(name)
+    }
+
+    /// The LoRAs, where they change weight `name`.
+    fn lora_of(&self, name: &str) -> Option<&crate::lora::Loras> {
+        self.loras.as_deref().filter(|l| l.changes(name))
     }
 
     /// Whether `--storage-dtype` rounds weight `name`.
@@ -284,10 +281,8 @@ impl WeightSet {
             .then_some(Packed::ScaledFp8 { scales })
     }
 
-    /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on `dev`: an fp8
-    /// weight times its scale (`W8 as f32 · scale`, one f32 product), rounded through the
-    /// storage dtype from `dtype` (diffusers casts the weights it loaded in the run dtype), then
-    /// the LoRA deltas merged (on [`Self::merging_on`]'s device); `None` where none applies.
+    /// Weight `name` (of `shape`) computed from what is stored, as `dtype` on `dev` (as
+    /// [`Self::read_into`] computes it on the host); `None` where it is read as stored.
     fn transformed(
         &self,
         name: &str,
@@ -299,47 +294,10 @@ impl WeightSet {
         if !self.transforms(name) {
             return Ok(None);
         }
-        let base = match &self.source {
-            Source::Mapped(files, keys) => {
-                let w = files.load(&keys.stored(name))?;
-                match self.fp8_scale(name) {
-                    Some(scale) => {
-                        let scale = files.load(&scale)?.to_dtype(DType::F32)?;
-                        let w = w.to_dtype(DType::F32)?;
-                        let scale = match scale.rank() {
-                            0 => scale.broadcast_as(w.shape())?,
-                            _ => scale.reshape((w.dim(0)?, 1))?.broadcast_as(w.shape())?,
-                        };
-                        (w * scale)?
-                    }
-                    None => w,
-                }
-            }
-            Source::Synthetic(s) => Tensor::from_vec(s.make(shape, name), shape, &Device::Cpu)?,
-        };
-        let base = match self.cast.as_ref().filter(|_| self.rounds(name)) {
-            Some(cast) => {
-                let loaded = base.flatten_all()?.to_dtype(dtype)?;
-                let values: Vec<f32> = loaded.to_dtype(DType::F32)?.to_vec1()?;
-                let rounded = values
-                    .into_par_iter()
-                    .map(|v| cast.dtype.round(v))
-                    .collect();
-                Tensor::from_vec(rounded, base.shape(), &Device::Cpu)?
-            }
-            None => base,
-        };
-        self.report_read(name, &base);
-        let Some(loras) = self.loras.as_ref().filter(|l| l.changes(name)) else {
-            return base.to_dtype(dtype)?.to_device(dev).map(Some);
-        };
-        // One merge at a time on a GPU (the readers that fill host copies run in parallel):
-        // what merges hold there stays one run's, not one per reader.
-        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _merging = (!self.merge_on.is_cpu())
-            .then(|| ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()));
-        let merged = loras.merged(name, &base.to_device(&self.merge_on)?, dtype)?;
-        merged.to_device(dev).map(Some)
+        match self.host_tensor(name, shape, dtype)? {
+            Some(t) => t.to_device(dev).map(Some),
+            None => candle_core::bail!("{name}: a LoRA or fp8 weight wanted as {dtype:?}"),
+        }
     }
 
     /// The same weights, reporting every tensor read to `on_read`.
@@ -456,6 +414,11 @@ impl WeightSet {
         if self.transforms(name) {
             return None;
         }
+        self.stored_bytes_as(name, dtype)
+    }
+
+    /// The stored bytes of `name` where they are stored as `dtype`, whatever is done with them.
+    fn stored_bytes_as(&self, name: &str, dtype: DType) -> Option<&[u8]> {
         let view = self.view(name)?;
         (view.dtype? == dtype).then_some(view.data)
     }
@@ -465,7 +428,7 @@ impl WeightSet {
     /// or `dtype` where the host makes them (synthetic weights, or a stored dtype that
     /// [`write_bytes`] does not handle, converted on the host as candle would).
     pub fn staged_dtype(&self, name: &str, dtype: DType) -> DType {
-        if self.transforms(name) {
+        if self.converts(name) {
             return dtype;
         }
         match self.view(name).and_then(|v| v.dtype) {
@@ -563,39 +526,53 @@ impl WeightSet {
             }
             Packed::Fp8(format) => {
                 // The rounded values, exact in `dtype` and so in f32.
-                let values = self
-                    .transformed(name, shape, dtype, &Device::Cpu)?
-                    .ok_or_else(|| candle_core::Error::Msg(format!("{name} is not rounded")))?
-                    .flatten_all()?
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?;
-                dst.par_iter_mut()
-                    .zip(values.par_iter())
-                    .for_each(|(d, &v)| *d = format.encode(v));
+                let mut values = vec![0u8; shape.elem_count() * dtype.size_in_bytes()];
+                self.read_unmerged_into(name, shape, dtype, &mut values)?;
+                let encode = |v: f32| format.encode(v);
+                match dtype {
+                    DType::F32 => encode_each::<f32>(&mut values, dst, encode)?,
+                    DType::BF16 => encode_each::<half::bf16>(&mut values, dst, encode)?,
+                    DType::F16 => encode_each::<half::f16>(&mut values, dst, encode)?,
+                    other => candle_core::bail!("{name}: fp8 weights wanted as {other:?}"),
+                }
             }
         }
         Ok(())
     }
 
-    /// Tensor `name`'s bytes in [`Self::staged_dtype`]: borrowed from the map, or made on the
-    /// host (and then held only until they are copied).
+    /// Tensor `name`'s bytes in [`Self::staged_dtype`], before any LoRA (merged where they land:
+    /// [`Self::merged_where_landed`]): borrowed from the map, or made on the host (and then held
+    /// only until they are copied).
     pub fn staged_bytes(
         &self,
         name: &str,
         shape: &Shape,
         dtype: DType,
     ) -> candle_core::Result<Cow<'_, [u8]>> {
-        if let Some(bytes) = self.mapped_bytes(name, self.staged_dtype(name, dtype)) {
+        let stored = (!self.converts(name))
+            .then(|| self.stored_bytes_as(name, self.staged_dtype(name, dtype)))
+            .flatten();
+        if let Some(bytes) = stored {
             self.report(bytes.len());
             return Ok(Cow::Borrowed(bytes));
         }
         let mut made = vec![0u8; shape.elem_count() * dtype.size_in_bytes()];
-        self.read_into(name, shape, dtype, &mut made)?;
+        self.read_unmerged_into(name, shape, dtype, &mut made)?;
         Ok(Cow::Owned(made))
     }
 
-    /// Writes tensor `name` as `dtype` into `dst` (exactly its byte size): a plain copy from
-    /// the map when the stored dtype matches, a conversion otherwise.
+    /// `landed`, weight `name` from [`Self::staged_bytes`] on a device in the model's dtype, with
+    /// the LoRA deltas merged there (a GPU merges in milliseconds; the same bits as a host copy's
+    /// merge, see `lora::merge`).
+    pub fn merged_where_landed(&self, name: &str, landed: Tensor) -> candle_core::Result<Tensor> {
+        match self.lora_of(name) {
+            Some(loras) => loras.merged(name, &landed),
+            None => Ok(landed),
+        }
+    }
+
+    /// Writes tensor `name` as `dtype` into `dst` (exactly its byte size), with the LoRA deltas
+    /// merged in place.
     pub fn read_into(
         &self,
         name: &str,
@@ -603,17 +580,55 @@ impl WeightSet {
         dtype: DType,
         dst: &mut [u8],
     ) -> candle_core::Result<()> {
-        if let Some(merged) = self.transformed(name, shape, dtype, &Device::Cpu)? {
-            if merged.elem_count() * dtype.size_in_bytes() != dst.len() {
-                candle_core::bail!(
-                    "{name}: {:?} merged for {} bytes",
-                    merged.shape(),
-                    dst.len()
-                )
-            }
-            return write_bytes(&merged, dst);
+        self.read_unmerged_into(name, shape, dtype, dst)?;
+        match self.lora_of(name) {
+            Some(loras) => loras.merge_into(name, shape.dims(), dtype, dst),
+            None => Ok(()),
         }
-        if let Some(bytes) = self.mapped_bytes(name, dtype) {
+    }
+
+    /// Writes tensor `name` as `dtype` into `dst` (exactly its byte size), before any LoRA: a
+    /// plain copy from the map when the stored dtype matches, a conversion otherwise; an fp8
+    /// weight times its scale (`W8 as f32 · scale`, one f32 product); then rounded through the
+    /// storage dtype where `--storage-dtype` rounds it (diffusers casts the weights it loaded in
+    /// the run dtype).
+    fn read_unmerged_into(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        dst: &mut [u8],
+    ) -> candle_core::Result<()> {
+        self.note_asked(name, shape);
+        self.read_stored_into(name, shape, dtype, dst)?;
+        match self.cast.as_ref().filter(|_| self.rounds(name)) {
+            Some(cast) => round_in_place(cast, dtype, dst),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::read_unmerged_into`] before the rounding.
+    fn read_stored_into(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        dst: &mut [u8],
+    ) -> candle_core::Result<()> {
+        if dst.len() != shape.elem_count() * dtype.size_in_bytes() {
+            candle_core::bail!("{name}: {shape:?} of {dtype:?} in {} bytes", dst.len())
+        }
+        if let (Source::Mapped(files, keys), Some(scale)) = (&self.source, self.fp8_scale(name)) {
+            let w = files.load(&keys.stored(name))?.to_dtype(DType::F32)?;
+            let scale = files.load(&scale)?.to_dtype(DType::F32)?;
+            let scale = match scale.rank() {
+                0 => scale.broadcast_as(w.shape())?,
+                _ => scale.reshape((w.dim(0)?, 1))?.broadcast_as(w.shape())?,
+            };
+            self.report_read(name, &w);
+            return write_bytes(&(w * scale)?.to_dtype(dtype)?, dst);
+        }
+        if let Some(bytes) = self.stored_bytes_as(name, dtype) {
             if bytes.len() != dst.len() {
                 candle_core::bail!(
                     "{name}: {} stored bytes for {} wanted",
@@ -839,6 +854,79 @@ fn convert_into(src: &[u8], from: DType, to: DType, dst: &mut [u8]) -> bool {
         }),
         _ => false,
     }
+}
+
+/// A float dtype whose values host code reads and writes as f32 (widening exactly, rounding to
+/// nearest even as candle's casts do).
+pub(crate) trait HostFloat: Copy + Send + Sync {
+    fn get(self) -> f32;
+    fn put(v: f32) -> Self;
+}
+
+impl HostFloat for f32 {
+    fn get(self) -> f32 {
+        self
+    }
+    fn put(v: f32) -> Self {
+        v
+    }
+}
+
+impl HostFloat for half::bf16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+impl HostFloat for half::f16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// Host bytes as the `T` values they hold (an error where they are not aligned for `T`).
+pub(crate) fn host_values_mut<T: HostFloat>(bytes: &mut [u8]) -> candle_core::Result<&mut [T]> {
+    // SAFETY: T is a plain numeric type: every bit pattern is a valid value.
+    match unsafe { bytes.align_to_mut::<T>() } {
+        (&mut [], values, &mut []) => Ok(values),
+        _ => candle_core::bail!("host values not aligned for their dtype"),
+    }
+}
+
+/// Rounds every value of `dst` (values of `dtype`) through `cast`'s fp8 format, in parallel.
+fn round_in_place(cast: &StorageCast, dtype: DType, dst: &mut [u8]) -> candle_core::Result<()> {
+    fn each<T: HostFloat>(cast: &StorageCast, dst: &mut [u8]) -> candle_core::Result<()> {
+        let values = host_values_mut::<T>(dst)?;
+        values
+            .par_iter_mut()
+            .for_each(|v| *v = T::put(cast.dtype.round(v.get())));
+        Ok(())
+    }
+    match dtype {
+        DType::F32 => each::<f32>(cast, dst),
+        DType::BF16 => each::<half::bf16>(cast, dst),
+        DType::F16 => each::<half::f16>(cast, dst),
+        other => candle_core::bail!("--storage-dtype rounds float weights, not {other:?}"),
+    }
+}
+
+/// `encode` of every value of `values` (host bytes of `T`s) into `dst`, one byte each.
+fn encode_each<T: HostFloat>(
+    values: &mut [u8],
+    dst: &mut [u8],
+    encode: impl Fn(f32) -> u8 + Sync,
+) -> candle_core::Result<()> {
+    host_values_mut::<T>(values)?
+        .par_iter()
+        .zip(dst.par_iter_mut())
+        .for_each(|(v, d)| *d = encode(v.get()));
+    Ok(())
 }
 
 /// Copies a host tensor's elements, as laid out in memory, into `dst`.

@@ -10,6 +10,9 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod merge;
+use merge::{Delta, Merge};
+
 /// One `--lora FILE[:SCALE]` (in a config file, the same text).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
@@ -80,20 +83,6 @@ impl Layout {
             Layout::Musubi => "kohya/musubi",
         }
     }
-}
-
-/// One change to a weight: `scale · up @ down`, or a whole delta.
-#[derive(Clone, Debug)]
-enum Delta {
-    LowRank {
-        down: Tensor,
-        up: Tensor,
-        scale: f64,
-    },
-    Full {
-        diff: Tensor,
-        scale: f64,
-    },
 }
 
 /// Every LoRA of one transformer, in the order given: the deltas of each weight name.
@@ -201,17 +190,19 @@ impl Loras {
                     };
                     let scale = spec.scale * alpha.map_or(1.0, |a| a / rank as f64);
                     let delta = Delta::LowRank {
-                        down: t.clone(),
-                        up: up.clone(),
-                        scale,
+                        up: up.flatten_all()?.to_vec1()?,
+                        down: t.flatten_all()?.to_vec1()?,
+                        rank,
+                        scale: scale as f32,
                     };
                     (format!("{target}.weight"), delta)
                 }
                 Part::Diff | Part::DiffBias => {
                     let suffix = if part == Part::Diff { "weight" } else { "bias" };
                     let delta = Delta::Full {
-                        diff: t.clone(),
-                        scale: spec.scale,
+                        diff: t.flatten_all()?.to_vec1()?,
+                        dims: t.dims().to_vec(),
+                        scale: spec.scale as f32,
                     };
                     (format!("{target}.{suffix}"), delta)
                 }
@@ -251,11 +242,10 @@ impl Loras {
                 );
             };
             for delta in deltas {
-                let got = match delta {
-                    Delta::LowRank { down, up, .. } => vec![up.dim(0)?, down.dim(1)?],
-                    Delta::Full { diff, .. } => diff.dims().to_vec(),
-                };
-                if got != shape {
+                let got = delta.dims();
+                if got.iter().product::<usize>() != shape.iter().product::<usize>()
+                    || got[0] != shape[0]
+                {
                     bail!(
                         "--lora {}: its change of {name} is {got:?}, the weight is {shape:?}: a LoRA for another model size?",
                         file()
@@ -266,48 +256,30 @@ impl Loras {
         Ok(())
     }
 
-    /// `base` (the stored weight `name`) with every delta of `name` added, in f32, then as
-    /// `dtype`, on `base`'s device: by runs of rows of about [`MERGE_RUN`] values, so that what a
-    /// merge holds besides the weight stays small whatever the weight's size.
-    pub fn merged(&self, name: &str, base: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-        let deltas = self.deltas.get(name).map(Vec::as_slice).unwrap_or_default();
-        let dev = base.device();
-        let rows = base.dim(0)?;
-        let run = (MERGE_RUN / (base.elem_count() / rows.max(1)).max(1)).max(1);
-        // Each delta on the device whole, shaped as the weight (a low-rank one as its factors).
-        let deltas = deltas
-            .iter()
-            .map(|delta| match delta {
-                Delta::LowRank { down, up, scale } => {
-                    Ok((Some(up.to_device(dev)?), down.to_device(dev)?, *scale))
-                }
-                Delta::Full { diff, scale } => {
-                    Ok((None, diff.reshape(base.shape())?.to_device(dev)?, *scale))
-                }
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let runs = (0..rows)
-            .step_by(run)
-            .map(|start| {
-                let len = run.min(rows - start);
-                let mut w = base.narrow(0, start, len)?.to_dtype(DType::F32)?;
-                for (up, other, scale) in &deltas {
-                    let change = match up {
-                        Some(up) => (up.narrow(0, start, len)?.matmul(other)? * *scale)?,
-                        None => (other.narrow(0, start, len)? * *scale)?,
-                    };
-                    let change = change.reshape(w.shape())?;
-                    w = (w + change)?;
-                }
-                w.to_dtype(dtype)
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Tensor::cat(&runs, 0)
+    /// `base`, weight `name` on any device (contiguous, in a float dtype), with its deltas
+    /// merged there ([`merge`]).
+    pub fn merged(&self, name: &str, base: &Tensor) -> candle_core::Result<Tensor> {
+        base.contiguous()?.apply_op1_no_bwd(&Merge {
+            deltas: self.deltas(name),
+        })
+    }
+
+    /// Merges weight `name`'s deltas into `values`, its values of `dims` stored as `dtype`, in
+    /// place on the host ([`merge`]: the bits [`Self::merged`] gives on any device).
+    pub fn merge_into(
+        &self,
+        name: &str,
+        dims: &[usize],
+        dtype: DType,
+        values: &mut [u8],
+    ) -> candle_core::Result<()> {
+        merge::merge_into(self.deltas(name), dims, dtype, values)
+    }
+
+    fn deltas(&self, name: &str) -> &[Delta] {
+        self.deltas.get(name).map(Vec::as_slice).unwrap_or_default()
     }
 }
-
-/// Values of a weight merged at a time ([`Loras::merged`]): 16 Mi (64 MiB in f32).
-const MERGE_RUN: usize = 1 << 24;
 
 /// The part of a LoRA module a key holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
