@@ -335,7 +335,7 @@ mod tests {
 
     /// A rank-3 delta, a whole one and a second low-rank one on an 11 x 37 weight (rows and
     /// columns that are no multiple of the blocks).
-    fn deltas() -> (Vec<Delta>, Vec<usize>) {
+    pub(super) fn deltas() -> (Vec<Delta>, Vec<usize>) {
         let (rows, cols, rank) = (11, 37, 3);
         let wave = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect::<Vec<_>>();
         let deltas = vec![
@@ -422,12 +422,21 @@ mod tests {
         }
         Ok(())
     }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use super::tests::deltas;
+    use super::*;
+    use candle_core::{Device, Tensor};
 
     /// The GPU's merge holds the host's bits.
-    #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_merges_the_bits_of_the_host() -> candle_core::Result<()> {
-        let gpu = Device::new_cuda(0)?;
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: LoRA merge test skipped");
+            return Ok(());
+        };
         let (deltas, dims) = deltas();
         let n = dims[0] * dims[1];
         let base: Vec<f32> = (0..n).map(|i| (i as f32 * 0.013).cos()).collect();
