@@ -1,9 +1,10 @@
 //! The one arithmetic of a LoRA merge, run where the weight is: in a host copy (in place, by
 //! threads in parallel) or where it landed on the device (a kernel, `kernels/lora_merge.cu`).
 //! Both compute, per value in f32, `w = base`, then for each delta in order `acc = Σ_k up[i,k] ·
-//! down[k,j]` summed in k's order, `w = w + acc · scale` (a whole delta: `w = w + diff[i,j] ·
-//! scale`), each product and sum rounded (never fused), and round `w` to the weight's dtype: a
-//! streamed block merged in its host copy and a resident one merged on the GPU hold the same bits.
+//! down[k,j]` as a chain of fused multiply-adds in k's order (`acc = fma(up, down, acc)` from 0),
+//! `w = fma(acc, scale, w)` (a whole delta: `w = fma(diff[i,j], scale, w)`), and round `w` to the
+//! weight's dtype. An FMA is exactly defined (one rounding), so a streamed block merged in its host
+//! copy and a resident one merged on the GPU hold the same bits.
 
 use crate::weights::{host_values_mut, HostFloat as Value};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape};
@@ -78,7 +79,8 @@ pub(super) fn merge_into(
     }
 }
 
-/// Rows one task merges: enough work to be worth a thread, few enough to spread.
+/// Rows one task merges: enough work to be worth a thread, few enough to spread (a multiple
+/// of the register block's rows).
 const TASK_ROWS: usize = 16;
 
 fn merge_values<T: Value>(deltas: &[Delta], dims: &[usize], values: &mut [T]) {
@@ -89,113 +91,176 @@ fn merge_values<T: Value>(deltas: &[Delta], dims: &[usize], values: &mut [T]) {
         .for_each(|(task, rows)| merge_rows(deltas, cols, task * TASK_ROWS, rows));
 }
 
-/// Rows merged at once by the host: each value of `down` is loaded once for all of them.
-const BLOCK_ROWS: usize = 4;
-/// Columns merged at once by the host: the accumulators stay in vector registers.
-const BLOCK_COLS: usize = 16;
-
 /// Merges whole rows `rows` (the first is row `first` of the weight, `cols` values each).
 fn merge_rows<T: Value>(deltas: &[Delta], cols: usize, first: usize, rows: &mut [T]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above). Without FMA enabled no product and sum
-        // fuse, so the bits are those of the portable path.
-        unsafe { merge_rows_avx2(deltas, cols, first, rows) };
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        unsafe { merge_rows_fma(deltas, cols, first, rows) };
         return;
     }
-    merge_rows_portable(deltas, cols, first, rows);
+    merge_rows_with(deltas, cols, first, rows, add_low_rank);
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn merge_rows_avx2<T: Value>(deltas: &[Delta], cols: usize, first: usize, rows: &mut [T]) {
-    merge_rows_portable(deltas, cols, first, rows);
+#[target_feature(enable = "avx2,fma")]
+unsafe fn merge_rows_fma<T: Value>(deltas: &[Delta], cols: usize, first: usize, rows: &mut [T]) {
+    merge_rows_with(
+        deltas,
+        cols,
+        first,
+        rows,
+        |w, cols, up, down, rank, scale| {
+            // SAFETY: this function runs only where the CPU has AVX2 and FMA.
+            unsafe { add_low_rank_fma(w, cols, up, down, rank, scale) }
+        },
+    );
 }
 
+/// Merges whole rows with `add` adding a low-rank delta to rows of f32 values (`cols` each)
+/// from their rows of `up`.
 #[inline(always)]
-fn merge_rows_portable<T: Value>(deltas: &[Delta], cols: usize, first: usize, rows: &mut [T]) {
-    let mut w = vec![0f32; BLOCK_ROWS * cols];
-    for (block, values) in rows.chunks_mut(BLOCK_ROWS * cols).enumerate() {
-        let n = values.len() / cols;
-        let i0 = first + block * BLOCK_ROWS;
-        let w = &mut w[..n * cols];
-        for (w, v) in w.iter_mut().zip(values.iter()) {
-            *w = v.get();
-        }
-        for delta in deltas {
-            match delta {
-                Delta::LowRank {
-                    up,
-                    down,
-                    rank,
-                    scale,
-                } => add_low_rank(
-                    w,
-                    n,
-                    cols,
-                    &up[i0 * rank..(i0 + n) * rank],
-                    down,
-                    *rank,
-                    *scale,
-                ),
-                Delta::Full { diff, scale, .. } => {
-                    for (w, d) in w.iter_mut().zip(&diff[i0 * cols..(i0 + n) * cols]) {
-                        *w += *d * *scale;
-                    }
+fn merge_rows_with<T: Value>(
+    deltas: &[Delta],
+    cols: usize,
+    first: usize,
+    rows: &mut [T],
+    add: impl Fn(&mut [f32], usize, &[f32], &[f32], usize, f32),
+) {
+    let n = rows.len() / cols.max(1);
+    let mut w: Vec<f32> = rows.iter().map(|v| v.get()).collect();
+    for delta in deltas {
+        match delta {
+            Delta::LowRank {
+                up,
+                down,
+                rank,
+                scale,
+            } => add(
+                &mut w,
+                cols,
+                &up[first * rank..(first + n) * rank],
+                down,
+                *rank,
+                *scale,
+            ),
+            Delta::Full { diff, scale, .. } => {
+                for (w, d) in w.iter_mut().zip(&diff[first * cols..(first + n) * cols]) {
+                    *w = d.mul_add(*scale, *w);
                 }
             }
         }
-        for (v, w) in values.iter_mut().zip(w.iter()) {
-            *v = T::put(*w);
+    }
+    for (v, w) in rows.iter_mut().zip(&w) {
+        *v = T::put(*w);
+    }
+}
+
+/// `w[r, j] = fma(Σ_k up[r, k] · down[k, j], scale, w[r, j])`, the sum an FMA chain in k's order.
+fn add_low_rank(w: &mut [f32], cols: usize, up: &[f32], down: &[f32], rank: usize, scale: f32) {
+    let mut acc = vec![0f32; cols];
+    for (r, w) in w.chunks_exact_mut(cols).enumerate() {
+        acc.fill(0.0);
+        for (k, down) in down.chunks_exact(cols).enumerate().take(rank) {
+            let u = up[r * rank + k];
+            for (a, d) in acc.iter_mut().zip(down) {
+                *a = u.mul_add(*d, *a);
+            }
+        }
+        for (w, a) in w.iter_mut().zip(&acc) {
+            *w = a.mul_add(scale, *w);
         }
     }
 }
 
-/// `w[r, j] += (Σ_k up[r, k] · down[k, j]) · scale` for the `n` (at most [`BLOCK_ROWS`]) rows of `w`.
-#[inline(always)]
-fn add_low_rank(
+/// Rows and columns of the register block [`add_low_rank_fma`] computes at once.
+#[cfg(target_arch = "x86_64")]
+const BLOCK: (usize, usize) = (4, 16);
+
+/// [`add_low_rank`] with AVX2 FMAs: blocks of 4 rows x 16 columns kept in eight registers over
+/// the whole rank (each `down` value loaded once for four rows); the same FMA chain per value,
+/// so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_low_rank_fma(
     w: &mut [f32],
-    n: usize,
     cols: usize,
     up: &[f32],
     down: &[f32],
     rank: usize,
     scale: f32,
 ) {
-    let mut j = 0;
-    while j < cols {
-        let width = BLOCK_COLS.min(cols - j);
-        let mut acc = [[0f32; BLOCK_COLS]; BLOCK_ROWS];
-        if width == BLOCK_COLS && n == BLOCK_ROWS {
-            // The common case, with fixed sizes the compiler keeps in registers.
+    use std::arch::x86_64::*;
+    let n = w.len() / cols;
+    let (block_rows, block_cols) = BLOCK;
+    let full_rows = n - n % block_rows;
+    let full_cols = cols - cols % block_cols;
+    let scale8 = _mm256_set1_ps(scale);
+    for r0 in (0..full_rows).step_by(block_rows) {
+        for j in (0..full_cols).step_by(block_cols) {
+            let mut acc = [_mm256_setzero_ps(); 8];
             for k in 0..rank {
-                let d: &[f32; BLOCK_COLS] = down[k * cols + j..][..BLOCK_COLS]
-                    .try_into()
-                    .expect("BLOCK_COLS values");
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let u = up[r * rank + k];
-                    for (a, d) in acc.iter_mut().zip(d) {
-                        *a += u * *d;
-                    }
+                // SAFETY: k < rank and j + 16 <= cols: inside `down` (rank x cols).
+                let d = unsafe {
+                    let at = down.as_ptr().add(k * cols + j);
+                    [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
+                };
+                for r in 0..block_rows {
+                    let u = _mm256_set1_ps(up[(r0 + r) * rank + k]);
+                    acc[2 * r] = _mm256_fmadd_ps(u, d[0], acc[2 * r]);
+                    acc[2 * r + 1] = _mm256_fmadd_ps(u, d[1], acc[2 * r + 1]);
                 }
             }
-        } else {
-            for k in 0..rank {
-                let d = &down[k * cols + j..][..width];
-                for (r, acc) in acc.iter_mut().enumerate().take(n) {
-                    let u = up[r * rank + k];
-                    for (a, d) in acc.iter_mut().zip(d) {
-                        *a += u * *d;
+            for r in 0..block_rows {
+                for half in 0..2 {
+                    let at = &mut w[(r0 + r) * cols + j + 8 * half..][..8];
+                    // SAFETY: `at` holds 8 values.
+                    unsafe {
+                        let old = _mm256_loadu_ps(at.as_ptr());
+                        let new = _mm256_fmadd_ps(acc[2 * r + half], scale8, old);
+                        _mm256_storeu_ps(at.as_mut_ptr(), new);
                     }
                 }
             }
         }
-        for (r, acc) in acc.iter().enumerate().take(n) {
-            for (w, a) in w[r * cols + j..][..width].iter_mut().zip(acc) {
-                *w += *a * scale;
+        // Columns past the last whole block, one value at a time (the same chain).
+        add_values(
+            w,
+            cols,
+            up,
+            down,
+            rank,
+            scale,
+            r0..r0 + block_rows,
+            full_cols,
+        );
+    }
+    add_values(w, cols, up, down, rank, scale, full_rows..n, 0);
+}
+
+/// The values of rows `rows` from column `from` on, one at a time (FMA instructions here, where
+/// the caller enables them).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn add_values(
+    w: &mut [f32],
+    cols: usize,
+    up: &[f32],
+    down: &[f32],
+    rank: usize,
+    scale: f32,
+    rows: std::ops::Range<usize>,
+    from: usize,
+) {
+    for r in rows {
+        for j in from..cols {
+            let mut a = 0f32;
+            for k in 0..rank {
+                a = up[r * rank + k].mul_add(down[k * cols + j], a);
             }
+            w[r * cols + j] = a.mul_add(scale, w[r * cols + j]);
         }
-        j += width;
     }
 }
 
@@ -242,8 +307,8 @@ impl CustomOp1 for Merge<'_> {
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use crate::models::kernel_module::{kernel_module, Module};
-        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::backend::BackendStorage;
+        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
         use candle_core::CudaStorage;
         static LORA_MERGE: Module = kernel_module!("lora_merge");
@@ -381,11 +446,11 @@ mod tests {
                     } => {
                         let mut acc = 0f32;
                         for k in 0..*rank {
-                            acc += up[i * rank + k] * down[k * cols + j];
+                            acc = up[i * rank + k].mul_add(down[k * cols + j], acc);
                         }
-                        *w += acc * scale;
+                        *w = acc.mul_add(*scale, *w);
                     }
-                    Delta::Full { diff, scale, .. } => *w += diff[at] * scale,
+                    Delta::Full { diff, scale, .. } => *w = diff[at].mul_add(*scale, *w),
                 }
             }
             *w = round(*w);

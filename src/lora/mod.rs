@@ -7,6 +7,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -121,7 +122,7 @@ impl Loras {
             .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
         let tensors: BTreeMap<String, Tensor> = st
             .tensors()
-            .into_iter()
+            .into_par_iter()
             .map(|(name, _)| {
                 let t = st.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?;
                 Ok((name, t))

@@ -1,7 +1,5 @@
 // Merges LoRA deltas into a weight where it landed on the device (`lora::merge`), bit for bit as
-// the host merge: every product and sum is an explicit round-to-nearest f32 op (`__fmul_rn`,
-// `__fadd_rn`), since nvcc would otherwise fuse them into FMAs, which skip the rounding the host
-// does.
+// the host merge: the same chain of fused multiply-adds (`__fmaf_rn`, exactly defined) per value.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,8 +32,8 @@ __device__ __forceinline__ void store_value(void* dst, long long i, int dtype, f
 // `out` = `base` (`rows` x `cols` values of `dtype`) with the deltas added, per value in f32:
 // w = base; for each delta d in order (4 int64s at deltas + 4d: its rank, the offsets in `factors`
 // of its up and down factors (rank 0: of a whole diff shaped as the weight), the bits of its f32
-// scale): rank > 0: acc = sum over k in order of up[i,k] * down[k,j], w = w + acc * scale;
-// rank 0: w = w + diff[i,j] * scale; then w rounded to `dtype`. One thread per column and
+// scale): rank > 0: acc = fma(up[i,k], down[k,j], acc) for k in order from 0, w = fma(acc, scale,
+// w); rank 0: w = fma(diff[i,j], scale, w); then w rounded to `dtype`. One thread per column and
 // MERGE_ROWS rows (grid-stride over rows); `base` and `out` may be the same memory.
 extern "C" __global__ void lora_merge(const void* base, void* out, int dtype, long long rows,
                                       long long cols, const float* factors,
@@ -58,7 +56,7 @@ extern "C" __global__ void lora_merge(const void* base, void* out, int dtype, lo
             if (rank == 0) {
 #pragma unroll
                 for (int r = 0; r < MERGE_ROWS; ++r) {
-                    if (r < n) w[r] = __fadd_rn(w[r], __fmul_rn(a[(i0 + r) * cols + j], scale));
+                    if (r < n) w[r] = __fmaf_rn(a[(i0 + r) * cols + j], scale, w[r]);
                 }
                 continue;
             }
@@ -69,11 +67,11 @@ extern "C" __global__ void lora_merge(const void* base, void* out, int dtype, lo
                 const float down = b[k * cols + j];
 #pragma unroll
                 for (int r = 0; r < MERGE_ROWS; ++r) {
-                    if (r < n) acc[r] = __fadd_rn(acc[r], __fmul_rn(a[(i0 + r) * rank + k], down));
+                    if (r < n) acc[r] = __fmaf_rn(a[(i0 + r) * rank + k], down, acc[r]);
                 }
             }
 #pragma unroll
-            for (int r = 0; r < MERGE_ROWS; ++r) w[r] = __fadd_rn(w[r], __fmul_rn(acc[r], scale));
+            for (int r = 0; r < MERGE_ROWS; ++r) w[r] = __fmaf_rn(acc[r], scale, w[r]);
         }
 #pragma unroll
         for (int r = 0; r < MERGE_ROWS; ++r) {
