@@ -462,8 +462,8 @@ def print_table(folder):
     for name in sorted(os.listdir(folder)):
         if name.endswith(".json") and not name.endswith(".stats.json"):
             res = json.load(open(os.path.join(folder, name)))
-            if "family" in res:
-                print("\n".join(rows(res)))
+            for row in rows(res) if "family" in res else []:
+                print(row)
 
 
 # ---------------------------------------------------------------------------------------------------- main

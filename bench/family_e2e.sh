@@ -50,6 +50,6 @@ for F in "$@"; do
     > "$OUT/$F.log" 2>&1
   echo "== $F: exit $?"
   grep -E "checkpoint|differ|failed|frames vs diffusers:|Error" "$OUT/$F.log" | cut -c1-400
-  [ -n "${KEEP:-}" ] || rm -rf "${ROOT:?}/$F" "${ROOT:?}/$F-tiny"
+  [ -n "${KEEP:-}" ] || rm -rf "${ROOT:?}/$F" "${ROOT:?}/$F"-*
 done
 python3 bench/family_e2e.py --table "$OUT" | tee "$OUT/family-e2e.md"
