@@ -220,6 +220,11 @@ impl WeightSet {
         self.fp8_scale(name).is_some() || self.rounds(name)
     }
 
+    /// Whether a LoRA changes weight `name`.
+    pub fn lora_changes(&self, name: &str) -> bool {
+        self.lora_of(name).is_some()
+    }
+
     /// The LoRAs, where they change weight `name`.
     fn lora_of(&self, name: &str) -> Option<&crate::lora::Loras> {
         self.loras.as_deref().filter(|l| l.changes(name))
@@ -592,7 +597,7 @@ impl WeightSet {
     /// weight times its scale (`W8 as f32 · scale`, one f32 product); then rounded through the
     /// storage dtype where `--storage-dtype` rounds it (diffusers casts the weights it loaded in
     /// the run dtype).
-    fn read_unmerged_into(
+    pub fn read_unmerged_into(
         &self,
         name: &str,
         shape: &Shape,
