@@ -242,6 +242,7 @@ impl CustomOp1 for Merge<'_> {
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use crate::models::kernel_module::{kernel_module, Module};
+        use candle_core::backend::BackendStorage;
         use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
         use candle_core::CudaStorage;
@@ -279,8 +280,8 @@ impl CustomOp1 for Merge<'_> {
         }
         let dev = &storage.device;
         let stream = dev.cuda_stream();
-        let factors = stream.memcpy_stod(&factors).w()?;
-        let table = stream.memcpy_stod(&table).w()?;
+        let factors = stream.clone_htod(&factors).w()?;
+        let table = stream.clone_htod(&table).w()?;
         let func = LORA_MERGE.function(dev, "lora_merge")?;
         const THREADS: u32 = 128;
         let cfg = LaunchConfig {
