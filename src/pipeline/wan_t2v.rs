@@ -9,8 +9,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, CacheInsideBlocks, FlowShift, GuidanceScale2, Image, Lora, Lora2, LowActivation, Sigmas,
-    StorageDtype, Transformer2, VaeTileSize, VaeTiling,
+    Cache, CacheInsideBlocks, FlowShift, Fp8Matmul, GuidanceScale2, Image, Lora, Lora2,
+    LowActivation, Sigmas, StorageDtype, Transformer2, VaeTileSize, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
@@ -101,6 +101,7 @@ impl Family for WanConfigs {
             Cache,
             CacheInsideBlocks,
             LowActivation,
+            Fp8Matmul,
         ];
         if self.image_input() != ImageInput::None {
             options.push(Image);
@@ -331,7 +332,11 @@ impl WanConfigs {
             )
         });
         let dit = |name, cfg: &WanTransformerConfig| {
-            Component::new(name, Role::Dit, cfg.clone())
+            let cfg = WanTransformerConfig {
+                fp8_matmul: shape.fp8_matmul,
+                ..cfg.clone()
+            };
+            Component::new(name, Role::Dit, cfg)
                 .storage_cast_skipping(crate::models::wan::transformer::LAYERWISE_CASTING_SKIP)
                 .with_original_names()
         };
