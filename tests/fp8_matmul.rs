@@ -125,6 +125,22 @@ fn other_families_and_f16_are_refused() {
     );
 }
 
+/// The memory plan counts what the fp8 path adds to the denoise stage: one block's weight codes,
+/// the largest input's codes and a product's workspace.
+#[test]
+fn the_plan_counts_the_fp8_codes() {
+    let exact = common::planned_denoise_activations(FIXTURE, &[]);
+    let fp8 = common::planned_denoise_activations(FIXTURE, &["--fp8-matmul"]);
+    let cfg: WanTransformerConfig = common::config_in(FIXTURE, "transformer/config.json");
+    // The CPU run's default size, 81x480x832.
+    let latent = [1, 16, 21, 60, 104];
+    let added = vidgen::models::wan::activations::fp8_matmul_activations(&cfg, latent, false);
+    assert_eq!(fp8 - exact, added);
+    // A width-24 block's eight attention Linears and two feed-forward ones (width 48); the
+    // 32,760 tokens by 24 (more than a feed-forward chunk's 8,192 by 48); 32 MiB.
+    assert_eq!(added, (8 * 24 * 24 + 2 * 24 * 48) + 32760 * 24 + (32 << 20));
+}
+
 /// On a GPU (compute capability 8.9+), in bf16: the fp8 forward against the exact one, and the
 /// Linear speed at Wan2.1 14B's shapes. Skipped without a CUDA device.
 #[cfg(feature = "cuda")]

@@ -24,6 +24,9 @@ use crate::weights::StorageDtype;
 /// e4m3's largest finite value: a row's absmax maps to it.
 pub const E4M3_MAX: f32 = 448.0;
 
+/// Bytes of the cuBLASLt workspace one fp8 product may use (its recommendation for Hopper).
+pub const PRODUCT_WORKSPACE: usize = 32 << 20;
+
 /// What cuBLASLt's fp8 kernels want K and N to be multiples of.
 const ALIGN: usize = 16;
 

@@ -369,8 +369,14 @@ impl WanConfigs {
             let low = shape.low_activation;
             let cached = shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers;
             let copies = cached + usize::from(low && cached > 0);
+            let fp8 = if shape.fp8_matmul {
+                activations::fp8_matmul_activations(cfg, latent, low)
+            } else {
+                0
+            };
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
                 + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+                + fp8
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self

@@ -18,8 +18,7 @@ use crate::models::linear::{handle, lt_error};
 
 static FP8: Module = kernel_module!("fp8");
 
-/// Bytes of the workspace each product may use (cuBLASLt's recommendation for Hopper).
-const WORKSPACE: usize = 32 << 20;
+const WORKSPACE: usize = fp8::PRODUCT_WORKSPACE;
 
 /// The cuBLASLt type of a dtype the fp8 path computes in ([`fp8::check_dtype`]'s).
 fn output(dtype: DType) -> Result<sys::cudaDataType> {
