@@ -7,6 +7,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/models/kernels/tensor_core.cuh");
+    println!("cargo:rerun-if-changed=src/models/kernels/activation.cuh");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -21,8 +22,11 @@ fn main() {
     // compute_80 PTX (mma.sync bf16 and cp.async need sm_80) that the driver compiles for any
     // other. `flash_attn_sm90` is Hopper's extra: wgmma and TMA exist on sm_90a alone, so it holds
     // that machine code only and loads on compute capability 9.0 alone. The DiT block kernels keep
-    // IEEE division and square roots (no fast math): they stand in for candle's f32 ops.
+    // IEEE division and square roots (no fast math): they stand in for candle's f32 ops. `fp8`
+    // (the fp8 matmuls' quantizer and epilogue) starts at sm_89, the first GPUs with fp8 tensor
+    // cores, whose e4m3 conversions it uses.
     const PORTABLE: &str = "-gencode=arch=compute_80,code=[compute_80,sm_80,sm_90,sm_100,sm_120]";
+    const FP8: &str = "-gencode=arch=compute_89,code=[compute_89,sm_89,sm_90,sm_100,sm_120]";
     for (name, gencode, fast_math) in [
         ("flash_attn", PORTABLE, true),
         (
@@ -37,6 +41,7 @@ fn main() {
         ("channel_ops", PORTABLE, false),
         ("dequant", PORTABLE, false),
         ("lora_merge", PORTABLE, false),
+        ("fp8", FP8, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

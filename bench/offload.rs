@@ -405,6 +405,7 @@ impl Bench {
             image: false,
             decode: true,
             cache_states: (0, 0),
+            fp8_matmul: false,
         };
         let spec = family.spec(&run);
         let mut first_output: Option<Vec<f32>> = None;

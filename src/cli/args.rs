@@ -210,6 +210,11 @@ pub struct GenerateOptions {
     /// Skipped work trades exactness for speed.
     #[arg(long, help_heading = "Generation", value_name = "HOOK:SPEC", value_parser = crate::models::step_cache::CacheSpec::parse)]
     pub cache: Option<crate::models::step_cache::CacheSpec>,
+    /// Run the transformer blocks' Linear layers as fp8 matmuls: weights and inputs in e4m3
+    /// with one scale per output channel and per token, f32 accumulation (GPUs of compute
+    /// capability 8.9 or newer, or the CPU). Faster; trades exactness for speed (Wan family).
+    #[arg(long = "[no-]fp8-matmul", alias = "fp8-matmul", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub fp8_matmul: bool,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
     /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
     /// given. Merged into each weight as it loads: no step time.

@@ -95,6 +95,7 @@ impl ResolvedConfig {
                 transformer_files: [o.transformer.clone(), o.transformer_2.clone()],
                 storage_dtype: o.storage_dtype,
                 cache: o.cache.clone(),
+                fp8_matmul: o.fp8_matmul,
                 guidance_scale_2: o.guidance_scale_2,
                 true_cfg_scale: o.true_cfg_scale,
                 decode_timestep: o.decode_timestep,

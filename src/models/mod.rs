@@ -17,6 +17,10 @@ pub mod conv3d;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
 pub mod flux;
+pub mod fp8;
+#[cfg(feature = "cuda")]
+#[path = "kernels/fp8.rs"]
+pub(crate) mod fp8_kernels;
 pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]

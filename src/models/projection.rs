@@ -6,9 +6,84 @@
 //! into the product's epilogue instead: the f32 accumulator gets the bias before the one rounding
 //! to bf16, as `addmm` does. Elsewhere: the product, then the bias (and the GELU), as candle adds
 //! them.
+//!
+//! [`Projection`] is a Linear whose product may instead be an fp8 one (`--fp8-matmul`,
+//! [`crate::models::fp8`]).
+
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Linear;
+
+use crate::models::fp8::{self, Fp8Rows};
+
+/// A DiT's Linear layer, its product exact or (`fp8`) in e4m3 with per-channel and per-token
+/// scales. The fp8 weight is made from the landed weight at the layer's first product: once per
+/// landing (a streamed block is built anew each time it lands), and never for a build that only
+/// records which weights a block asks for (those are not real tensors).
+#[derive(Debug, Clone)]
+pub struct Projection {
+    linear: Linear,
+    /// The quantized weight once made (shared by clones of the layer); `None`: exact.
+    fp8: Option<Arc<OnceLock<Fp8Rows>>>,
+}
+
+impl Projection {
+    /// `linear`, in fp8 where `fp8`.
+    pub fn new(linear: Linear, fp8: bool) -> Self {
+        Self {
+            linear,
+            fp8: fp8.then(Default::default),
+        }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        self.linear.weight()
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.linear.bias()
+    }
+
+    /// The fp8 product of `x` `[..., in]`, plus `bias` and then GELU(tanh) where `gelu`; `None`
+    /// for an exact layer (the caller computes it its own way).
+    pub fn fp8_product(
+        &self,
+        x: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+    ) -> Result<Option<Tensor>> {
+        let Some(cell) = &self.fp8 else {
+            return Ok(None);
+        };
+        let weight = match cell.get() {
+            Some(w) => w,
+            None => {
+                // Two threads may both quantize a layer; they make the same codes.
+                let _ = cell.set(Fp8Rows::quantize(self.weight(), true)?);
+                cell.get().unwrap_or_else(|| unreachable!("set above"))
+            }
+        };
+        let dims = x.dims();
+        let Some((&inner, outer)) = dims.split_last() else {
+            candle_core::bail!("a Linear layer's input needs at least one dimension")
+        };
+        let mut shape = outer.to_vec();
+        shape.push(weight.rows);
+        fp8::linear(&x.reshape(((), inner))?, weight, bias, gelu)?
+            .reshape(shape)
+            .map(Some)
+    }
+}
+
+impl Module for Projection {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self.fp8_product(x, self.bias(), false)? {
+            Some(y) => Ok(y),
+            None => self.linear.forward(x),
+        }
+    }
+}
 
 /// `linear` of `x` `[..., in]`.
 pub fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {

@@ -88,8 +88,15 @@ impl<'a> Denoise<'a> {
     /// job's `forward_seconds`.
     pub fn finish(self, job: &mut Job) -> Result<()> {
         let progress = &self.frame.progress;
+        let fp8 = self.frame.config.generation().fp8_matmul;
         let seconds = self.into_seconds(job)?;
         stages::report_forwards(progress, job, seconds);
+        if fp8 {
+            let products = crate::models::fp8::products();
+            progress.note(&format!(
+                "  fp8 matmuls: {products} products so far in this process"
+            ));
+        }
         Ok(())
     }
 

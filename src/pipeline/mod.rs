@@ -1158,6 +1158,10 @@ fn stats(
     out["status"] = json!(status);
     out["error"] = json!(error.map(|e| format!("{e:#}")));
     out["wall_seconds"] = json!(wall.as_secs_f64());
+    if config.generation().fp8_matmul {
+        // The products that ran in fp8 (`--fp8-matmul`): the option's effect, counted.
+        out["fp8_matmuls"] = json!(crate::models::fp8::products());
+    }
     out["jobs"] = jobs
         .iter()
         .zip(outcomes)

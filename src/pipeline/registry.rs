@@ -47,6 +47,8 @@ pub struct RunShape {
     /// Hidden states a step cache holds through the denoising loop (`--cache`): in all, and
     /// per block.
     pub cache_states: (usize, usize),
+    /// The DiT blocks' Linears run as fp8 matmuls (`--fp8-matmul`).
+    pub fp8_matmul: bool,
 }
 
 impl RunShape {
@@ -72,6 +74,7 @@ impl RunShape {
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
             cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
+            fp8_matmul: g.fp8_matmul,
         }
     }
 }
@@ -110,11 +113,12 @@ pub enum FamilyOption {
     Cache,
     CacheInsideBlocks,
     LowActivation,
+    Fp8Matmul,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 19] = [
+    pub const ALL: [FamilyOption; 20] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -134,6 +138,7 @@ impl FamilyOption {
         FamilyOption::Cache,
         FamilyOption::CacheInsideBlocks,
         FamilyOption::LowActivation,
+        FamilyOption::Fp8Matmul,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -165,6 +170,7 @@ impl FamilyOption {
             FamilyOption::Cache => "--cache",
             FamilyOption::CacheInsideBlocks => "--cache pab / taylorseer",
             FamilyOption::LowActivation => "--low-activation",
+            FamilyOption::Fp8Matmul => "--fp8-matmul",
         }
     }
 
@@ -216,6 +222,9 @@ impl FamilyOption {
             FamilyOption::LowActivation => {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
             }
+            FamilyOption::Fp8Matmul => {
+                "vidgen runs the Wan family's transformer Linears as fp8 matmuls so far"
+            }
         }
     }
 
@@ -245,6 +254,7 @@ impl FamilyOption {
                 matches!(g.cache, Some(CacheSpec::Pab(_) | CacheSpec::TaylorSeer(_)))
             }
             FamilyOption::LowActivation => config.memory().low_activation,
+            FamilyOption::Fp8Matmul => g.fp8_matmul,
         }
     }
 }
@@ -580,6 +590,11 @@ pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
             option.flag(),
             option.purpose()
         ));
+    }
+    if config.generation().fp8_matmul && config.dtype() == DType::F16 {
+        return Some(
+            "--fp8-matmul with --dtype f16: fp8 matmuls compute in bf16 or f32 (their f32 sums overflow f16); use --dtype bf16".into(),
+        );
     }
     let memory = config.memory();
     let by_step =

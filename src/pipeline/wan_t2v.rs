@@ -9,8 +9,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, CacheInsideBlocks, FlowShift, GuidanceScale2, Image, Lora, Lora2, LowActivation, Sigmas,
-    StorageDtype, Transformer2, VaeTileSize, VaeTiling,
+    Cache, CacheInsideBlocks, FlowShift, Fp8Matmul, GuidanceScale2, Image, Lora, Lora2,
+    LowActivation, Sigmas, StorageDtype, Transformer2, VaeTileSize, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
@@ -101,6 +101,7 @@ impl Family for WanConfigs {
             Cache,
             CacheInsideBlocks,
             LowActivation,
+            Fp8Matmul,
         ];
         if self.image_input() != ImageInput::None {
             options.push(Image);
@@ -331,7 +332,11 @@ impl WanConfigs {
             )
         });
         let dit = |name, cfg: &WanTransformerConfig| {
-            Component::new(name, Role::Dit, cfg.clone())
+            let cfg = WanTransformerConfig {
+                fp8_matmul: shape.fp8_matmul,
+                ..cfg.clone()
+            };
+            Component::new(name, Role::Dit, cfg)
                 .storage_cast_skipping(crate::models::wan::transformer::LAYERWISE_CASTING_SKIP)
                 .with_original_names()
         };
@@ -364,8 +369,14 @@ impl WanConfigs {
             let low = shape.low_activation;
             let cached = shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers;
             let copies = cached + usize::from(low && cached > 0);
+            let fp8 = if shape.fp8_matmul {
+                activations::fp8_matmul_activations(cfg, latent, low)
+            } else {
+                0
+            };
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
                 + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+                + fp8
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self

@@ -36,7 +36,7 @@ struct BiasEpilogue {
 }
 
 /// One cuBLASLt handle (and its workspace) per device stream, made on first use.
-fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
+pub(crate) fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
     static HANDLES: Mutex<Vec<(usize, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
     let stream = dev.cuda_stream();
     let key = stream.cu_stream() as usize;
@@ -49,7 +49,9 @@ fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
     Ok(h)
 }
 
-fn lt_error(e: candle_core::cuda::cudarc::cublaslt::result::CublasError) -> candle_core::Error {
+pub(crate) fn lt_error(
+    e: candle_core::cuda::cudarc::cublaslt::result::CublasError,
+) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
 }
 

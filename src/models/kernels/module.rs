@@ -169,8 +169,12 @@ const ELEMENT_BLOCKS: usize = 132 * 16;
 pub(crate) enum Arg<'a> {
     /// The tensor written in place.
     Dst,
-    /// A read-only tensor (bf16, f32, f64 or u32, contiguous); `None` passes a null pointer.
+    /// A read-only tensor (bf16, f32, f64, u32 or e4m3 codes, contiguous); `None` passes a null
+    /// pointer.
     Tensor(Option<&'a Tensor>),
+    /// A second tensor the kernel writes (a fresh one the caller made for it, as the
+    /// destination).
+    Out(&'a Tensor),
     /// The address `offset` elements into a read-only contiguous tensor.
     At(&'a Tensor, usize),
     Int(i32),
@@ -206,7 +210,8 @@ fn address(
         CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
         CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
         CudaStorageSlice::F64(s) => (s.device_ptr(&stream).0, 8),
-        _ => candle_core::bail!("kernel launch: operands are bf16, f32, f64 or u32"),
+        CudaStorageSlice::F8E4M3(s) => (s.device_ptr(&stream).0, 1),
+        _ => candle_core::bail!("kernel launch: operands are bf16, f32, f64, u32 or e4m3"),
     };
     Ok(base + ((layout.start_offset() + offset) * size) as u64)
 }
@@ -247,7 +252,7 @@ impl InplaceOp1 for Launch<'_> {
                 Ok(match arg {
                     Arg::Dst => Value::Ptr(dst_address),
                     Arg::Tensor(None) => Value::Ptr(0),
-                    Arg::Tensor(Some(t)) => {
+                    Arg::Tensor(Some(t)) | Arg::Out(t) => {
                         let (storage, layout) = t.storage_and_layout();
                         Value::Ptr(address(&storage, layout, 0, &dev)?)
                     }

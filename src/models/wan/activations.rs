@@ -26,6 +26,7 @@ use candle_core::DType;
 
 /// Bytes of an f32 element (the VAE, RoPE tables, latents and f32 scratch).
 const F32: u64 = 4;
+const FP8_WORKSPACE: u64 = crate::models::fp8::PRODUCT_WORKSPACE as u64;
 
 /// Copies of the block's hidden states `[tokens, dim]` (run dtype) alive at the
 /// self-attention's peak: the block input, q, k, v (heads are strided views, RoPE and the
@@ -145,6 +146,31 @@ pub fn transformer_activations(
     let latents = LATENT_COPIES * (c * f * h * w) as u64 * F32;
     let text = 2 * text_len * cfg.text_dim as u64 * s + text_len * d * s;
     attention.max(ffn) + rope + latents + text
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward on `latent`: the e4m3 codes of one block's
+/// Linear weights (made where the block lands, held while it computes; a model whose blocks stay
+/// resident keeps every block's, which this does not count), of the largest Linear input (all
+/// tokens, or a low-activation chunk, by the model width; a feed-forward chunk by its width)
+/// and one product's cuBLASLt workspace.
+pub fn fp8_matmul_activations(
+    cfg: &WanTransformerConfig,
+    latent: [usize; 5],
+    low_activation: bool,
+) -> u64 {
+    let [_, _, f, h, w] = latent;
+    let [pt, ph, pw] = cfg.patch_size;
+    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    let (d, ffn) = (cfg.inner_dim() as u64, cfg.ffn_dim as u64);
+    let image = cfg.added_kv_proj_dim.map_or(0, |kv| 2 * kv as u64 * d);
+    let weights = 8 * d * d + 2 * d * ffn + image;
+    let rows = if low_activation {
+        tokens.min(LOW_ACTIVATION_ROWS as u64)
+    } else {
+        tokens
+    };
+    let chunk = rows.min(FFN_CHUNK as u64);
+    weights + (rows * d).max(chunk * ffn) + FP8_WORKSPACE
 }
 
 /// Peak activation bytes of encoding one prompt of `len` tokens: four f32 score tensors

@@ -29,6 +29,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 use crate::models::attention::sdpa;
+use crate::models::projection::Projection;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::step_cache::{BlockHooks, ComputeAll, ModuleNames, Submodule, Through};
 
@@ -101,6 +102,9 @@ pub struct WanTransformerConfig {
     pub rope_max_seq_len: usize,
     /// First-last-frame (FLF2V) image position embedding; not supported.
     pub pos_embed_seq_len: Option<usize>,
+    /// Not in the file: the blocks' Linears run in fp8 (`--fp8-matmul`, set by the pipeline).
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for WanTransformerConfig {
@@ -122,6 +126,7 @@ impl Default for WanTransformerConfig {
             added_kv_proj_dim: None,
             rope_max_seq_len: 1024,
             pos_embed_seq_len: None,
+            fp8_matmul: false,
         }
     }
 }
@@ -637,14 +642,20 @@ fn row_chunks(batch: usize, seq: usize, chunk: usize) -> impl Iterator<Item = (u
 }
 
 /// `x @ W^T` of a Linear without its bias, for `x` `[rows, in]`: the fused ops add the bias.
-fn matmul_t(x: &Tensor, linear: &Linear) -> Result<Tensor> {
-    x.matmul(&linear.weight().t()?)
+fn matmul_t(x: &Tensor, linear: &Projection) -> Result<Tensor> {
+    match linear.fp8_product(x, None, false)? {
+        Some(y) => Ok(y),
+        None => x.matmul(&linear.weight().t()?),
+    }
 }
 
 /// `linear(x)` for `x` `[rows, in]`, then GELU(tanh) when `gelu`; on CUDA in bf16 the bias (and
 /// GELU) are the matmul's epilogue, as PyTorch adds a Linear's bias (no second pass over the
-/// product), elsewhere on CUDA they are applied in place.
-fn linear_act(x: &Tensor, linear: &Linear, gelu: bool) -> Result<Tensor> {
+/// product), elsewhere on CUDA they are applied in place; an fp8 layer's epilogue adds them.
+fn linear_act(x: &Tensor, linear: &Projection, gelu: bool) -> Result<Tensor> {
+    if let Some(y) = linear.fp8_product(x, linear.bias(), gelu)? {
+        return Ok(y);
+    }
     #[cfg(feature = "cuda")]
     if let Some(bias) = linear.bias() {
         if let Some(y) = crate::models::linear::linear_bias_act(x, linear.weight(), bias, gelu)? {
@@ -672,15 +683,27 @@ fn linear_act(x: &Tensor, linear: &Linear, gelu: bool) -> Result<Tensor> {
     }
 }
 
+/// A block's Linear `(in, out)` under `vb`: in fp8 where the config asks (`--fp8-matmul`).
+fn block_linear(
+    cfg: &WanTransformerConfig,
+    (inner, out): (usize, usize),
+    vb: VarBuilder,
+) -> Result<Projection> {
+    Ok(Projection::new(
+        candle_nn::linear(inner, out, vb)?,
+        cfg.fp8_matmul,
+    ))
+}
+
 /// Linear -> GELU(tanh) -> Linear (diffusers `FeedForward` / `PixArtAlphaTextProjection`).
 #[derive(Debug, Clone)]
 struct GeluMlp {
-    fc1: Linear,
-    fc2: Linear,
+    fc1: Projection,
+    fc2: Projection,
 }
 
 impl GeluMlp {
-    fn new(fc1: Linear, fc2: Linear) -> Self {
+    fn new(fc1: Projection, fc2: Projection) -> Self {
         Self { fc1, fc2 }
     }
 
@@ -698,8 +721,8 @@ impl GeluMlp {
 /// embedded image tokens.
 #[derive(Debug, Clone)]
 struct AddedKv {
-    add_k_proj: Linear,
-    add_v_proj: Linear,
+    add_k_proj: Projection,
+    add_v_proj: Projection,
     norm_added_k: Tensor,
 }
 
@@ -715,10 +738,10 @@ struct CrossContext<'a> {
 /// Self- or cross-attention with RMSNorm across heads on q and k.
 #[derive(Debug, Clone)]
 struct WanAttention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
+    to_out: Projection,
     norm_q: Tensor,
     norm_k: Tensor,
     /// Cross-attention of an image-to-video model only.
@@ -740,8 +763,8 @@ impl WanAttention {
             Some(kv) => {
                 let dim = cfg.inner_dim();
                 Some(AddedKv {
-                    add_k_proj: candle_nn::linear(kv, dim, vb.pp("add_k_proj"))?,
-                    add_v_proj: candle_nn::linear(kv, dim, vb.pp("add_v_proj"))?,
+                    add_k_proj: block_linear(cfg, (kv, dim), vb.pp("add_k_proj"))?,
+                    add_v_proj: block_linear(cfg, (kv, dim), vb.pp("add_v_proj"))?,
                     norm_added_k: vb.get(dim, "norm_added_k.weight")?,
                 })
             }
@@ -754,10 +777,10 @@ impl WanAttention {
         let dim = cfg.inner_dim();
         Ok(Self {
             added,
-            to_q: candle_nn::linear(dim, dim, vb.pp("to_q"))?,
-            to_k: candle_nn::linear(dim, dim, vb.pp("to_k"))?,
-            to_v: candle_nn::linear(dim, dim, vb.pp("to_v"))?,
-            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            to_q: block_linear(cfg, (dim, dim), vb.pp("to_q"))?,
+            to_k: block_linear(cfg, (dim, dim), vb.pp("to_k"))?,
+            to_v: block_linear(cfg, (dim, dim), vb.pp("to_v"))?,
+            to_out: block_linear(cfg, (dim, dim), vb.pp("to_out.0"))?,
             norm_q: vb.get(dim, "norm_q.weight")?,
             norm_k: vb.get(dim, "norm_k.weight")?,
             heads: cfg.num_attention_heads,
@@ -771,7 +794,7 @@ impl WanAttention {
     fn norm_rope(
         &self,
         x: Tensor,
-        linear: &Linear,
+        linear: &Projection,
         weight: &Tensor,
         rope: Option<(&Tensor, &Tensor)>,
         at: Rows,
@@ -830,7 +853,7 @@ impl WanAttention {
     fn context_kv(
         &self,
         context: &Tensor,
-        (k_proj, k_norm, v_proj): (&Linear, &Tensor, &Linear),
+        (k_proj, k_norm, v_proj): (&Projection, &Tensor, &Projection),
     ) -> Result<(Tensor, Tensor, usize)> {
         let (batch, len, dim) = context.dims3()?;
         let context = context.reshape((batch * len, dim))?;
@@ -1045,8 +1068,8 @@ impl WanTransformerBlock {
         };
         let ffn = if has(BlockStep::FeedForward) {
             Some(GeluMlp::new(
-                candle_nn::linear(dim, cfg.ffn_dim, vb.pp("ffn.net.0.proj"))?,
-                candle_nn::linear(cfg.ffn_dim, dim, vb.pp("ffn.net.2"))?,
+                block_linear(cfg, (dim, cfg.ffn_dim), vb.pp("ffn.net.0.proj"))?,
+                block_linear(cfg, (cfg.ffn_dim, dim), vb.pp("ffn.net.2"))?,
             ))
         } else {
             None
@@ -1216,7 +1239,7 @@ fn hooked<'l>(
     hooks: &mut dyn BlockHooks,
     module: Submodule,
     mut compute: impl FnMut() -> Result<Tensor>,
-    linear: &'l Linear,
+    linear: &'l Projection,
 ) -> Result<(Tensor, Option<&'l Tensor>)> {
     if !hooks.wants(module) {
         return Ok((compute()?, linear.bias()));
@@ -1375,9 +1398,18 @@ impl WanTransformer3DModel {
             candle_nn::linear(dim, dim, tvb.pp("linear_2"))?,
         );
         let time_proj = candle_nn::linear(dim, 6 * dim, cvb.pp("time_proj"))?;
+        let exact = |linear| Projection::new(linear, false);
         let text_embedder = GeluMlp::new(
-            candle_nn::linear(cfg.text_dim, dim, cvb.pp("text_embedder.linear_1"))?,
-            candle_nn::linear(dim, dim, cvb.pp("text_embedder.linear_2"))?,
+            exact(candle_nn::linear(
+                cfg.text_dim,
+                dim,
+                cvb.pp("text_embedder.linear_1"),
+            )?),
+            exact(candle_nn::linear(
+                dim,
+                dim,
+                cvb.pp("text_embedder.linear_2"),
+            )?),
         );
         let image_embedder = match cfg.image_dim {
             Some(image_dim) => Some(ImageEmbedder::new(
@@ -1848,7 +1880,7 @@ mod cuda_tests {
             let (wq, wq_ref) = pair(6, &[dim, dim], &Device::Cpu);
             let w = if dtype == DType::BF16 { wq } else { wq_ref };
             let t = |v: &Tensor| v.to_dtype(dtype).unwrap().to_device(dev).unwrap();
-            let lin = Linear::new(t(&w), Some(t(&bias_ref)));
+            let lin = Projection::new(Linear::new(t(&w), Some(t(&bias_ref))), false);
             WanAttention {
                 to_q: lin.clone(),
                 to_k: lin.clone(),

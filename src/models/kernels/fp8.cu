@@ -1,0 +1,187 @@
+// fp8 matmuls (`--fp8-matmul`, models/fp8.rs defines the arithmetic): the row quantizer that
+// turns a Linear's weight or its input into e4m3 codes with one f32 scale per row, and the
+// epilogue that scales cuBLASLt's fp8 product back (times both rows' scales, plus the bias, then
+// the activation). Built for compute_89 and up (e4m3 conversions in hardware; the products need
+// sm_89+ anyway).
+//
+// Every product, quotient and sum is an explicit round-to-nearest float op, as the host
+// definition computes it.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace {
+
+#include "activation.cuh"
+
+constexpr int THREADS = 256; // threads per block: one block per row
+constexpr float E4M3_MAX = 448.f;
+
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(float v) { return v; }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ float from_f32(float v) { return v; }
+
+// Largest of `v` over the block (NaN ignored, as fmaxf and the host's f32::max do); every thread
+// gets it. `scratch` holds one float per warp.
+__device__ __forceinline__ float block_max(float v, float *scratch) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < THREADS / 32 ? scratch[lane] : 0.f;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ bool aligned16(const void *p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// 8 consecutive values at a 16-byte aligned `p`, in f32 (one or two 16-byte loads).
+__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4 *>(p);
+  const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const float *p, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4 *>(p)[0];
+  const float4 b = reinterpret_cast<const float4 *>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// 8 values to a 16-byte aligned `p`, each rounded once.
+__device__ __forceinline__ void store8(__nv_bfloat16 *p, const float (&v)[8]) {
+  uint4 u;
+  __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4 *>(p) = u;
+}
+__device__ __forceinline__ void store8(float *p, const float (&v)[8]) {
+  reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4 *>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ uint8_t e4m3(float v) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Row `blockIdx.x` of x [rows, k] into q [*, k_pad] (e4m3 codes) and scale[row]: the scale is
+// absmax / 448, the codes e4m3(x / scale) rounded to nearest even (a zero row: scale 0, codes 0);
+// columns from k to k_pad and rows from `rows` on (the padding cuBLASLt's fp8 layouts need) are
+// zero codes with scale 0. Where k % 8 == 0 and x is 16-byte aligned, 8 values at a time (the
+// same arithmetic).
+template <typename T>
+__device__ __forceinline__ void quantize_row(const T *__restrict__ x, uint8_t *__restrict__ q,
+                                             float *__restrict__ scale, int k, int k_pad,
+                                             long rows) {
+  __shared__ float scratch[THREADS / 32];
+  const long row = blockIdx.x;
+  const bool real = row < rows;
+  uint8_t *qr = q + row * k_pad;
+  const T *xr = x + row * k;
+  const bool vec = k % 8 == 0 && aligned16(x) && aligned16(q);
+  float m = 0.f;
+  if (real && vec) {
+    for (int c = 8 * threadIdx.x; c < k; c += 8 * THREADS) {
+      float v[8];
+      load8(xr + c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+    }
+  } else if (real) {
+    for (int c = threadIdx.x; c < k; c += THREADS) m = fmaxf(m, fabsf(to_f32(xr[c])));
+  }
+  const float s = __fdiv_rn(block_max(m, scratch), E4M3_MAX);
+  if (threadIdx.x == 0) scale[row] = s;
+  const bool codes = real && s > 0.f;
+  if (vec) {
+    for (int c = 8 * threadIdx.x; c < k_pad; c += 8 * THREADS) {
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (codes && c < k) {
+        load8(xr + c, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], s);
+      }
+      uint2 out;
+      uint8_t *b = reinterpret_cast<uint8_t *>(&out);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = e4m3(v[i]);
+      *reinterpret_cast<uint2 *>(qr + c) = out;
+    }
+  } else {
+    for (int c = threadIdx.x; c < k_pad; c += THREADS) {
+      const float v = (codes && c < k) ? __fdiv_rn(to_f32(xr[c]), s) : 0.f;
+      qr[c] = e4m3(v);
+    }
+  }
+}
+
+// act(acc * a * w + bias) in f32, as the host computes it.
+__device__ __forceinline__ float scaled(float acc, float a, float w, const float *bias, int act) {
+  float v = __fmul_rn(__fmul_rn(acc, a), w);
+  if (bias != nullptr) v = __fadd_rn(v, *bias);
+  return activate(v, act);
+}
+
+// Row `blockIdx.x` of out [rows, n] = act(acc * scale_a[row] * scale_w[col] + bias[col]) in f32,
+// rounded once; acc [rows, ld] is the fp8 product as cuBLASLt stored it (it may be `out` itself
+// when ld == n: each element is read before the same thread writes it). `bias` may be null.
+// Where n and ld are multiples of 8 and every pointer is 16-byte aligned, 8 values at a time.
+template <typename T>
+__device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
+                                          const float *__restrict__ scale_a,
+                                          const float *__restrict__ scale_w,
+                                          const T *__restrict__ bias, int n, int act) {
+  const long row = blockIdx.x;
+  const float a = scale_a[row];
+  const T *ar = acc + row * ld;
+  T *orow = out + row * n;
+  const bool vec = n % 8 == 0 && ld % 8 == 0 && aligned16(acc) && aligned16(out) &&
+                   aligned16(scale_w) && (bias == nullptr || aligned16(bias));
+  if (vec) {
+    for (int c = 8 * threadIdx.x; c < n; c += 8 * THREADS) {
+      float v[8], w[8], b[8];
+      load8(ar + c, v);
+      load8(scale_w + c, w);
+      if (bias != nullptr) load8(bias + c, b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = scaled(v[i], a, w[i], bias != nullptr ? &b[i] : nullptr, act);
+      store8(orow + c, v);
+    }
+  } else {
+    for (int c = threadIdx.x; c < n; c += THREADS) {
+      const float b = bias != nullptr ? to_f32(bias[c]) : 0.f;
+      orow[c] = from_f32<T>(scaled(to_f32(ar[c]), a, scale_w[c], bias != nullptr ? &b : nullptr, act));
+    }
+  }
+}
+
+} // namespace
+
+#define FP8_KERNELS(NAME, T)                                                                       \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                          \
+      quantize_rows_##NAME(const T *__restrict__ x, uint8_t *__restrict__ q,                       \
+                           float *__restrict__ scale, int k, int k_pad, long rows) {               \
+    quantize_row<T>(x, q, scale, k, k_pad, rows);                                                  \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                          \
+      scale_rows_##NAME(const T *acc, long ld, T *out, const float *__restrict__ scale_a,          \
+                        const float *__restrict__ scale_w, const T *__restrict__ bias, int n,      \
+                        int act) {                                                                 \
+    scale_row<T>(acc, ld, out, scale_a, scale_w, bias, n, act);                                    \
+  }
+
+FP8_KERNELS(bf16, __nv_bfloat16)
+FP8_KERNELS(f32, float)
