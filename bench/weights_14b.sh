@@ -4,7 +4,8 @@
 #   bash bench/weights_14b.sh PATH/TO/vidgen [GGUF_WHL]
 # Writes a full-size Q8_0 GGUF of the 14B transformer (bench/make_gguf.py) and a rank-32 LoRA on every
 # projection of every block (bench/make_lora.py), then runs: bf16 streamed (the default flags) and resident,
-# bf16 + the LoRA, Q8_0 streamed and resident, `--storage-dtype float8_e4m3fn` streamed and resident; each
+# bf16 + the LoRA, Q8_0 streamed and resident, `--storage-dtype float8_e4m3fn` streamed and resident,
+# `--fp8-matmul` (issue 36) streamed and resident; each
 # with its dry run. Prints one table row per run (load, forwards, pinned and host bytes, peaks against the
 # plan); stats and logs under $OUT. ROWS="bf16-stream fp8-stream" runs only those rows.
 set -u
@@ -63,3 +64,5 @@ gen q8-stream --transformer "$W/q8.gguf"
 gen q8-resident --transformer "$W/q8.gguf" "${RESIDENT[@]}"
 gen fp8-stream --storage-dtype float8_e4m3fn
 gen fp8-resident --storage-dtype float8_e4m3fn "${RESIDENT[@]}"
+gen fp8mm-stream --fp8-matmul
+gen fp8mm-resident --fp8-matmul "${RESIDENT[@]}"
