@@ -20,24 +20,8 @@ pub(super) enum Delta {
         rank: usize,
         scale: f32,
     },
-    /// `scale · diff`, `diff` of the weight's shape `dims`.
-    Full {
-        diff: Vec<f32>,
-        dims: Vec<usize>,
-        scale: f32,
-    },
-}
-
-impl Delta {
-    /// The shape of the weight it changes.
-    pub(super) fn dims(&self) -> Vec<usize> {
-        match self {
-            Delta::LowRank { up, down, rank, .. } => {
-                vec![up.len() / rank.max(&1), down.len() / rank.max(&1)]
-            }
-            Delta::Full { dims, .. } => dims.clone(),
-        }
-    }
+    /// `scale · diff`, `diff` of the weight's shape.
+    Full { diff: Vec<f32>, scale: f32 },
 }
 
 /// The weight dtypes a merge reads and writes, in the kernel's order (`W_*` in lora_merge.cu).
@@ -144,7 +128,7 @@ fn merge_rows_with<T: Value>(
                 *rank,
                 *scale,
             ),
-            Delta::Full { diff, scale, .. } => {
+            Delta::Full { diff, scale } => {
                 for (w, d) in w.iter_mut().zip(&diff[first * cols..(first + n) * cols]) {
                     *w = d.mul_add(*scale, *w);
                 }
@@ -306,92 +290,119 @@ impl CustomOp1 for Merge<'_> {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use crate::models::kernel_module::{kernel_module, Module};
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
         use candle_core::CudaStorage;
-        static LORA_MERGE: Module = kernel_module!("lora_merge");
 
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("a weight to merge into is contiguous")
         };
-        let dtype = storage.dtype();
-        let Some(code) = DTYPES.iter().position(|d| *d == dtype) else {
-            candle_core::bail!("LoRA deltas merge into float weights, not {dtype:?}")
-        };
-        let (rows, cols) = rows_cols(layout.dims());
-        // Every factor in one buffer, and each delta's rank, offsets and scale bits.
-        let mut factors = Vec::new();
-        let mut table = Vec::new();
-        for delta in self.deltas {
-            let (rank, a, b, scale) = match delta {
-                Delta::LowRank {
-                    up,
-                    down,
-                    rank,
-                    scale,
-                } => (*rank, up.as_slice(), down.as_slice(), *scale),
-                Delta::Full { diff, scale, .. } => (0, diff.as_slice(), &[][..], *scale),
-            };
-            table.extend([
-                rank as i64,
-                factors.len() as i64,
-                (factors.len() + a.len()) as i64,
-                i64::from(scale.to_bits() as i32),
-            ]);
-            factors.extend_from_slice(a);
-            factors.extend_from_slice(b);
-        }
         let dev = &storage.device;
         let stream = dev.cuda_stream();
-        let factors = stream.clone_htod(&factors).w()?;
-        let table = stream.clone_htod(&table).w()?;
-        let func = LORA_MERGE.function(dev, "lora_merge")?;
-        const THREADS: u32 = 128;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                (cols as u32).div_ceil(THREADS),
-                (rows.div_ceil(8) as u32).clamp(1, 65535),
-                1,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        macro_rules! launch {
+        macro_rules! merged {
             ($t:ty) => {{
                 let src = storage.as_cuda_slice::<$t>()?.slice(start..end);
-                // SAFETY: the kernel writes all `rows * cols` values.
-                let dst = unsafe { dev.alloc::<$t>(end - start) }?;
-                let (code, rows, cols, n) = (
-                    code as i32,
-                    rows as i64,
-                    cols as i64,
-                    self.deltas.len() as i32,
-                );
-                let mut builder = func.builder();
-                builder
-                    .arg(&src)
-                    .arg(&dst)
-                    .arg(&code)
-                    .arg(&rows)
-                    .arg(&cols)
-                    .arg(&factors)
-                    .arg(&table)
-                    .arg(&n);
-                // SAFETY: the arguments follow `lora_merge`'s signature; `src` and `dst` hold
-                // `rows * cols` values of `dtype`, `factors` every offset `table` names.
-                unsafe { builder.launch(cfg) }.w()?;
+                // SAFETY: the kernel writes all `end - start` values.
+                let mut dst = unsafe { dev.alloc::<$t>(end - start) }?;
+                {
+                    let (base, _read) = src.device_ptr(&stream);
+                    let (out, _write) = dst.device_ptr_mut(&stream);
+                    launch(
+                        dev,
+                        &stream,
+                        base,
+                        out,
+                        layout.dims(),
+                        storage.dtype(),
+                        self.deltas,
+                    )?;
+                }
                 CudaStorage::wrap_cuda_slice(dst, dev.clone())
             }};
         }
-        let out = match dtype {
-            DType::F16 => launch!(half::f16),
-            DType::BF16 => launch!(half::bf16),
-            _ => launch!(f32),
+        let out = match storage.dtype() {
+            DType::F16 => merged!(half::f16),
+            DType::BF16 => merged!(half::bf16),
+            DType::F32 => merged!(f32),
+            other => candle_core::bail!("LoRA deltas merge into float weights, not {other:?}"),
         };
         Ok((out, layout.shape().clone()))
     }
+}
+
+/// Launches the merge of `deltas` into the weight at device address `base` (`dims` values of
+/// `dtype`, contiguous), writing them to `out` (which may be `base`: a merge in place), on
+/// `stream`: the factors go up first, on the same stream, and are freed in its order after the
+/// kernel, so the caller may return at once.
+#[cfg(feature = "cuda")]
+pub(super) fn launch(
+    dev: &candle_core::CudaDevice,
+    stream: &std::sync::Arc<candle_core::cuda::cudarc::driver::CudaStream>,
+    base: u64,
+    out: u64,
+    dims: &[usize],
+    dtype: DType,
+    deltas: &[Delta],
+) -> candle_core::Result<()> {
+    use crate::models::kernel_module::{kernel_module, Module};
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    static LORA_MERGE: Module = kernel_module!("lora_merge");
+
+    let Some(code) = DTYPES.iter().position(|d| *d == dtype) else {
+        candle_core::bail!("LoRA deltas merge into float weights, not {dtype:?}")
+    };
+    let (rows, cols) = rows_cols(dims);
+    // Every factor in one buffer, and each delta's rank, offsets and scale bits.
+    let mut factors = Vec::new();
+    let mut table = Vec::new();
+    for delta in deltas {
+        let (rank, a, b, scale) = match delta {
+            Delta::LowRank {
+                up,
+                down,
+                rank,
+                scale,
+            } => (*rank, up.as_slice(), down.as_slice(), *scale),
+            Delta::Full { diff, scale } => (0, diff.as_slice(), &[][..], *scale),
+        };
+        table.extend([
+            rank as i64,
+            factors.len() as i64,
+            (factors.len() + a.len()) as i64,
+            i64::from(scale.to_bits() as i32),
+        ]);
+        factors.extend_from_slice(a);
+        factors.extend_from_slice(b);
+    }
+    let factors = stream.clone_htod(&factors).w()?;
+    let table = stream.clone_htod(&table).w()?;
+    let func = LORA_MERGE.function(dev, "lora_merge")?;
+    const THREADS: u32 = 128;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (cols as u32).div_ceil(THREADS),
+            (rows.div_ceil(8) as u32).clamp(1, 65535),
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (code, rows, cols, n) = (code as i32, rows as i64, cols as i64, deltas.len() as i32);
+    let mut builder = stream.launch_builder(&func);
+    builder
+        .arg(&base)
+        .arg(&out)
+        .arg(&code)
+        .arg(&rows)
+        .arg(&cols)
+        .arg(&factors)
+        .arg(&table)
+        .arg(&n);
+    // SAFETY: the arguments follow `lora_merge`'s signature; `base` and `out` hold `rows * cols`
+    // values of `dtype` (the caller's word), `factors` every offset `table` names.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -413,7 +424,6 @@ mod tests {
             },
             Delta::Full {
                 diff: wave(rows * cols, 0.11),
-                dims: vec![rows, cols],
                 scale: -0.25,
             },
             Delta::LowRank {
@@ -450,7 +460,7 @@ mod tests {
                         }
                         *w = acc.mul_add(*scale, *w);
                     }
-                    Delta::Full { diff, scale, .. } => *w = diff[at].mul_add(*scale, *w),
+                    Delta::Full { diff, scale } => *w = diff[at].mul_add(*scale, *w),
                 }
             }
             *w = round(*w);

@@ -86,23 +86,46 @@ impl Layout {
     }
 }
 
+/// Every LoRA of one transformer as its files' headers tell it, in the order given: which
+/// weight each file changes, how and with what shape; no values read, so a run checks its LoRAs
+/// before any work and reads them once ([`Self::read`]).
+pub struct Scanned {
+    changes: BTreeMap<String, Vec<Change>>,
+    /// Each file's map, layout and the first weight name it changes (for messages).
+    files: Vec<(MmapedSafetensors, PathBuf, Layout, String)>,
+}
+
+/// One file's change of one weight.
+struct Change {
+    file: usize,
+    /// The shape of the weight it changes.
+    dims: Vec<usize>,
+    kind: ChangeKind,
+}
+
+enum ChangeKind {
+    /// `scale · up @ down` from keys `up` (rows x rank) and `down` (rank x cols).
+    LowRank {
+        up: String,
+        down: String,
+        rank: usize,
+        scale: f32,
+    },
+    /// `scale · diff`, key `diff` of the weight's shape.
+    Full { diff: String, scale: f32 },
+}
+
 /// Every LoRA of one transformer, in the order given: the deltas of each weight name.
 #[derive(Clone, Debug, Default)]
 pub struct Loras {
     deltas: BTreeMap<String, Vec<Delta>>,
-    /// Each file with its layout and the first weight name it changes, for messages.
-    files: Vec<(PathBuf, Layout, String)>,
 }
 
 impl Loras {
     /// Reads every file of `specs`, in order: in any layout for a Wan transformer
     /// (`original_names`), in the diffusers/PEFT layout for any other model.
     pub fn open(specs: &[LoraSpec], original_names: bool) -> Result<Self> {
-        let mut loras = Loras::default();
-        for spec in specs {
-            loras.add(spec, original_names)?;
-        }
-        Ok(loras)
+        Scanned::scan(specs, original_names)?.read()
     }
 
     /// Whether no LoRA was given.
@@ -113,148 +136,6 @@ impl Loras {
     /// Whether weight `name` has a delta.
     pub fn changes(&self, name: &str) -> bool {
         self.deltas.contains_key(name)
-    }
-
-    fn add(&mut self, spec: &LoraSpec, original_names: bool) -> Result<()> {
-        let path = &spec.path;
-        // SAFETY: mapped read-only; vidgen never writes to the files it reads.
-        let st = unsafe { MmapedSafetensors::new(path) }
-            .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
-        let tensors: BTreeMap<String, Tensor> = st
-            .tensors()
-            .into_par_iter()
-            .map(|(name, _)| {
-                let t = st.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?;
-                Ok((name, t))
-            })
-            .collect::<candle_core::Result<_>>()
-            .with_context(|| format!("--lora {}: reading its tensors", path.display()))?;
-        let layout = if tensors.keys().any(|k| k.starts_with("diffusion_model.")) {
-            Layout::ComfyUi
-        } else if tensors.keys().any(|k| k.starts_with("lora_unet_")) {
-            Layout::Musubi
-        } else {
-            Layout::Diffusers
-        };
-        let bad = |key: &str, why: &str| {
-            anyhow::anyhow!(
-                "--lora {}: {why} ({} layout, key {key})",
-                path.display(),
-                layout.name()
-            )
-        };
-        if layout != Layout::Diffusers && !original_names {
-            bail!(
-                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
-                path.display(),
-                layout.name()
-            );
-        }
-        let peft_alpha = peft_alphas(path)?;
-        let mut first = None;
-        for (key, t) in &tensors {
-            let Some((module, part)) = split_key(key, layout) else {
-                return Err(bad(key, "a key of no LoRA layout vidgen reads"));
-            };
-            if part == Part::Alpha || part == Part::Up {
-                continue; // read with their module's down half
-            }
-            let target = match layout {
-                Layout::Diffusers => Some(module.to_string()),
-                Layout::ComfyUi => original_to_diffusers(module),
-                Layout::Musubi => {
-                    musubi_to_original(module).and_then(|m| original_to_diffusers(&m))
-                }
-            }
-            .ok_or_else(|| bad(key, "it names no layer of a Wan transformer"))?;
-            let (weight, delta) = match part {
-                Part::Down => {
-                    let up_key = key_of(key, layout, Part::Up);
-                    let up = tensors
-                        .get(&up_key)
-                        .ok_or_else(|| bad(key, &format!("its other half {up_key} is missing")))?;
-                    let (rank, _) = t.dims2().map_err(|_| bad(key, "not a matrix"))?;
-                    let (_, up_rank) = up.dims2().map_err(|_| bad(&up_key, "not a matrix"))?;
-                    if up_rank != rank {
-                        return Err(bad(
-                            key,
-                            &format!("rank {rank} against its up half's {up_rank}"),
-                        ));
-                    }
-                    let alpha = match layout {
-                        Layout::Diffusers => peft_alpha(module),
-                        _ => match tensors.get(&key_of(key, layout, Part::Alpha)) {
-                            // Any stored dtype: LightX2V's LoRAs store an i64 alpha.
-                            Some(a) => Some(a.flatten_all()?.to_vec1::<f32>()?[0] as f64),
-                            None => None,
-                        },
-                    };
-                    let scale = spec.scale * alpha.map_or(1.0, |a| a / rank as f64);
-                    let delta = Delta::LowRank {
-                        up: up.flatten_all()?.to_vec1()?,
-                        down: t.flatten_all()?.to_vec1()?,
-                        rank,
-                        scale: scale as f32,
-                    };
-                    (format!("{target}.weight"), delta)
-                }
-                Part::Diff | Part::DiffBias => {
-                    let suffix = if part == Part::Diff { "weight" } else { "bias" };
-                    let delta = Delta::Full {
-                        diff: t.flatten_all()?.to_vec1()?,
-                        dims: t.dims().to_vec(),
-                        scale: spec.scale as f32,
-                    };
-                    (format!("{target}.{suffix}"), delta)
-                }
-                Part::Up | Part::Alpha => unreachable!("skipped above"),
-            };
-            first.get_or_insert_with(|| weight.clone());
-            self.deltas.entry(weight).or_default().push(delta);
-        }
-        let Some(first) = first else {
-            bail!(
-                "--lora {}: no LoRA weights in it ({} layout)",
-                path.display(),
-                layout.name()
-            );
-        };
-        self.files.push((path.clone(), layout, first));
-        Ok(())
-    }
-
-    /// Checks every changed weight against the transformer's weights: it exists (`shape_of`
-    /// gives its shape) and the delta has that shape; a file for another model fails here,
-    /// before anything loads.
-    pub fn check(&self, shape_of: impl Fn(&str) -> Option<Vec<usize>>) -> Result<()> {
-        for (name, deltas) in &self.deltas {
-            let file = || {
-                self.files
-                    .iter()
-                    .find(|(_, _, first)| first == name)
-                    .or(self.files.first())
-                    .map(|(p, l, _)| format!("{} ({} layout)", p.display(), l.name()))
-                    .unwrap_or_default()
-            };
-            let Some(shape) = shape_of(name) else {
-                bail!(
-                    "--lora {}: {name} is not a weight of this transformer: a LoRA for another model?",
-                    file()
-                );
-            };
-            for delta in deltas {
-                let got = delta.dims();
-                if got.iter().product::<usize>() != shape.iter().product::<usize>()
-                    || got[0] != shape[0]
-                {
-                    bail!(
-                        "--lora {}: its change of {name} is {got:?}, the weight is {shape:?}: a LoRA for another model size?",
-                        file()
-                    );
-                }
-            }
-        }
-        Ok(())
     }
 
     /// `base`, weight `name` on any device (contiguous, in a float dtype), with its deltas
@@ -277,9 +158,238 @@ impl Loras {
         merge::merge_into(self.deltas(name), dims, dtype, values)
     }
 
+    /// Launches the merge of weight `name`'s deltas into its values at device address `weight`
+    /// (`dims` values of `dtype`), in place, on `stream` ([`merge`]: the host merge's bits);
+    /// asynchronous, ordered on `stream`.
+    #[cfg(feature = "cuda")]
+    pub fn merge_in_place(
+        &self,
+        name: &str,
+        dev: &candle_core::CudaDevice,
+        stream: &std::sync::Arc<candle_core::cuda::cudarc::driver::CudaStream>,
+        weight: u64,
+        dims: &[usize],
+        dtype: DType,
+    ) -> candle_core::Result<()> {
+        merge::launch(dev, stream, weight, weight, dims, dtype, self.deltas(name))
+    }
+
     fn deltas(&self, name: &str) -> &[Delta] {
         self.deltas.get(name).map(Vec::as_slice).unwrap_or_default()
     }
+}
+
+impl Scanned {
+    /// Reads the headers of every file of `specs` (and alphas, a value each), in order: in any
+    /// layout for a Wan transformer (`original_names`), in the diffusers/PEFT layout for any
+    /// other model.
+    pub fn scan(specs: &[LoraSpec], original_names: bool) -> Result<Self> {
+        let mut scanned = Scanned {
+            changes: BTreeMap::new(),
+            files: Vec::new(),
+        };
+        for spec in specs {
+            scanned.add(spec, original_names)?;
+        }
+        Ok(scanned)
+    }
+
+    fn add(&mut self, spec: &LoraSpec, original_names: bool) -> Result<()> {
+        let path = &spec.path;
+        // SAFETY: mapped read-only; vidgen never writes to the files it reads.
+        let st = unsafe { MmapedSafetensors::new(path) }
+            .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
+        let shapes: BTreeMap<String, Vec<usize>> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.shape().to_vec()))
+            .collect();
+        let layout = if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
+            Layout::ComfyUi
+        } else if shapes.keys().any(|k| k.starts_with("lora_unet_")) {
+            Layout::Musubi
+        } else {
+            Layout::Diffusers
+        };
+        let bad = |key: &str, why: &str| {
+            anyhow::anyhow!(
+                "--lora {}: {why} ({} layout, key {key})",
+                path.display(),
+                layout.name()
+            )
+        };
+        if layout != Layout::Diffusers && !original_names {
+            bail!(
+                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                path.display(),
+                layout.name()
+            );
+        }
+        let peft_alpha = peft_alphas(path)?;
+        let file = self.files.len();
+        let mut first = None;
+        for (key, dims) in &shapes {
+            let Some((module, part)) = split_key(key, layout) else {
+                return Err(bad(key, "a key of no LoRA layout vidgen reads"));
+            };
+            if part == Part::Alpha || part == Part::Up {
+                continue; // read with their module's down half
+            }
+            let target = match layout {
+                Layout::Diffusers => Some(module.to_string()),
+                Layout::ComfyUi => original_to_diffusers(module),
+                Layout::Musubi => {
+                    musubi_to_original(module).and_then(|m| original_to_diffusers(&m))
+                }
+            }
+            .ok_or_else(|| bad(key, "it names no layer of a Wan transformer"))?;
+            let (weight, change) = match part {
+                Part::Down => {
+                    let up_key = key_of(key, layout, Part::Up);
+                    let up_dims = shapes
+                        .get(&up_key)
+                        .ok_or_else(|| bad(key, &format!("its other half {up_key} is missing")))?;
+                    let &[rank, cols] = &dims[..] else {
+                        return Err(bad(key, "not a matrix"));
+                    };
+                    let &[rows, up_rank] = &up_dims[..] else {
+                        return Err(bad(&up_key, "not a matrix"));
+                    };
+                    if up_rank != rank {
+                        return Err(bad(
+                            key,
+                            &format!("rank {rank} against its up half's {up_rank}"),
+                        ));
+                    }
+                    let alpha = match layout {
+                        Layout::Diffusers => peft_alpha(module),
+                        _ => {
+                            let alpha_key = key_of(key, layout, Part::Alpha);
+                            match shapes.contains_key(&alpha_key) {
+                                // Any stored dtype: LightX2V's LoRAs store an i64 alpha.
+                                true => Some(
+                                    *read_f32(&st, &alpha_key)?
+                                        .first()
+                                        .ok_or_else(|| bad(&alpha_key, "an empty alpha"))?
+                                        as f64,
+                                ),
+                                false => None,
+                            }
+                        }
+                    };
+                    let scale = spec.scale * alpha.map_or(1.0, |a| a / rank as f64);
+                    let kind = ChangeKind::LowRank {
+                        up: up_key,
+                        down: key.clone(),
+                        rank,
+                        scale: scale as f32,
+                    };
+                    let dims = vec![rows, cols];
+                    (format!("{target}.weight"), Change { file, dims, kind })
+                }
+                Part::Diff | Part::DiffBias => {
+                    let suffix = if part == Part::Diff { "weight" } else { "bias" };
+                    let kind = ChangeKind::Full {
+                        diff: key.clone(),
+                        scale: spec.scale as f32,
+                    };
+                    let dims = dims.clone();
+                    (format!("{target}.{suffix}"), Change { file, dims, kind })
+                }
+                Part::Up | Part::Alpha => unreachable!("skipped above"),
+            };
+            first.get_or_insert_with(|| weight.clone());
+            self.changes.entry(weight).or_default().push(change);
+        }
+        let Some(first) = first else {
+            bail!(
+                "--lora {}: no LoRA weights in it ({} layout)",
+                path.display(),
+                layout.name()
+            );
+        };
+        self.files.push((st, path.clone(), layout, first));
+        Ok(())
+    }
+
+    /// Checks every changed weight against the transformer's weights: it exists (`shape_of`
+    /// gives its shape) and the delta has that shape; a file for another model fails here,
+    /// before anything loads.
+    pub fn check(&self, shape_of: impl Fn(&str) -> Option<Vec<usize>>) -> Result<()> {
+        for (name, changes) in &self.changes {
+            for change in changes {
+                let file = || {
+                    let (_, path, layout, _) = &self.files[change.file];
+                    format!("{} ({} layout)", path.display(), layout.name())
+                };
+                let Some(shape) = shape_of(name) else {
+                    bail!(
+                        "--lora {}: {name} is not a weight of this transformer: a LoRA for another model?",
+                        file()
+                    );
+                };
+                let got = &change.dims;
+                if got.iter().product::<usize>() != shape.iter().product::<usize>()
+                    || got[0] != shape[0]
+                {
+                    bail!(
+                        "--lora {}: its change of {name} is {got:?}, the weight is {shape:?}: a LoRA for another model size?",
+                        file()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every change's values (as f32: exact for every float dtype), all in parallel.
+    pub fn read(self) -> Result<Loras> {
+        let changes: Vec<(&String, &Change)> = self
+            .changes
+            .iter()
+            .flat_map(|(name, changes)| changes.iter().map(move |c| (name, c)))
+            .collect();
+        let deltas: Vec<Delta> = changes
+            .par_iter()
+            .map(|(_, change)| {
+                let (st, path, ..) = &self.files[change.file];
+                let read = |key: &str| {
+                    read_f32(st, key)
+                        .with_context(|| format!("--lora {}: reading {key}", path.display()))
+                };
+                Ok(match &change.kind {
+                    ChangeKind::LowRank {
+                        up,
+                        down,
+                        rank,
+                        scale,
+                    } => Delta::LowRank {
+                        up: read(up)?,
+                        down: read(down)?,
+                        rank: *rank,
+                        scale: *scale,
+                    },
+                    ChangeKind::Full { diff, scale } => Delta::Full {
+                        diff: read(diff)?,
+                        scale: *scale,
+                    },
+                })
+            })
+            .collect::<Result<_>>()?;
+        let mut loras = Loras::default();
+        for ((name, _), delta) in changes.into_iter().zip(deltas) {
+            loras.deltas.entry(name.clone()).or_default().push(delta);
+        }
+        Ok(loras)
+    }
+}
+
+/// Tensor `key` of `st` as f32 values.
+fn read_f32(st: &MmapedSafetensors, key: &str) -> candle_core::Result<Vec<f32>> {
+    st.load(key, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()
 }
 
 /// The part of a LoRA module a key holds.

@@ -286,28 +286,65 @@ impl HostStore {
             })
             .collect();
         let pinned = memory == HostMemory::Pinned;
-        let (arenas, times): (Vec<Arena>, Vec<(f64, f64)>) = arena_sizes
-            .par_iter()
-            .enumerate()
-            .map(|(index, &bytes)| {
+        // Each arena, once filled and locked, is handed to one thread that merges LoRA deltas
+        // on the GPU ([`merge_on_device`]) while the pool's threads fill the next arenas.
+        let slots: Vec<std::sync::Mutex<Option<Arena>>> =
+            arena_sizes.iter().map(|_| Default::default()).collect();
+        let (filled, merging) = std::thread::scope(|scope| {
+            let (ready, arrivals) = std::sync::mpsc::channel::<usize>();
+            let merger = scope.spawn(|| -> Result<f64> {
                 let start = Instant::now();
-                let mut arena = Arena::new(bytes, pinned, device)?;
-                fill(&groups, index, &mut arena, weights, device)?;
-                let filled = Instant::now();
-                arena.lock()?;
-                let locked = Instant::now();
-                // Merging on the device finishes the filling: counted with it.
-                #[cfg(feature = "cuda")]
-                merge_on_device(&groups, index, &mut arena, weights, device)?;
-                let times = (
-                    (filled - start + locked.elapsed()).as_secs_f64(),
-                    (locked - filled).as_secs_f64(),
-                );
-                Ok((arena, times))
-            })
-            .collect::<Result<Vec<_>>>()?
+                for index in arrivals {
+                    #[cfg(feature = "cuda")]
+                    if let Some(arena) = slots[index]
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_mut()
+                    {
+                        merge_on_device(&groups, index, arena, weights, device)?;
+                    }
+                    // Nothing arrives without CUDA ([`merges_on_device`]).
+                    #[cfg(not(feature = "cuda"))]
+                    let _ = index;
+                }
+                Ok(start.elapsed().as_secs_f64())
+            });
+            let filled = arena_sizes
+                .par_iter()
+                .enumerate()
+                .map_with(ready, |ready, (index, &bytes)| {
+                    let start = Instant::now();
+                    let mut arena = Arena::new(bytes, pinned, device)?;
+                    fill(&groups, index, &mut arena, weights, device)?;
+                    let filled = Instant::now();
+                    arena.lock()?;
+                    let locked = Instant::now();
+                    *slots[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(arena);
+                    if arena_slots(&groups, index)
+                        .iter()
+                        .any(|(_, s)| merges_on_device(weights, s, device))
+                    {
+                        // A closed channel means the merger failed: its error is returned.
+                        let _ = ready.send(index);
+                    }
+                    Ok((
+                        (filled - start).as_secs_f64(),
+                        (locked - filled).as_secs_f64(),
+                    ))
+                })
+                .collect::<Result<Vec<_>>>();
+            let merging = merger
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the LoRA merge thread panicked")));
+            (filled, merging)
+        });
+        // Merging on the device finishes the filling: counted with it.
+        let (times, merging) = (filled?, merging?);
+        let arenas = slots
             .into_iter()
-            .unzip();
+            .map(|a| a.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect::<Option<Vec<Arena>>>()
+            .context("an arena was never filled")?;
         Ok(HostStore {
             groups,
             arenas,
@@ -317,7 +354,7 @@ impl HostStore {
             setup: HostSetup {
                 seconds: started.elapsed().as_secs_f64(),
                 // Folded from +0.0: an empty f64 sum is -0.0.
-                fill_task_seconds: times.iter().fold(0.0, |s, t| s + t.0),
+                fill_task_seconds: times.iter().fold(merging, |s, t| s + t.0),
                 lock_task_seconds: times.iter().fold(0.0, |s, t| s + t.1),
             },
         })
@@ -497,9 +534,12 @@ fn fill(
 
 /// Merges the LoRA deltas of arena `index`'s tensors that [`merges_on_device`] on the GPU, in
 /// place: each goes up from the (page-locked) arena, is merged where it landed
-/// ([`WeightSet::merged_where_landed`]: the host merge's bits) and comes back. A GPU merges a
-/// 14B's rank-32 LoRA in well under a second where the host's threads take over a minute of
-/// task time; one weight at a time, so the device holds two weights' copies at most.
+/// ([`WeightSet::merge_in_place`]: the host merge's bits) and comes back. A 14B's LoRA on every
+/// projection sends 28 GB each way, which is the link's time (~0.5 s a direction) when the
+/// copies are all that the GPU does: the weights alternate between two streams, so one weight's
+/// copy up runs beside the other's copy down, and the next waits only for the weight two before
+/// it (so the device holds two weights at most). One thread merges, arena after arena, while the
+/// others fill.
 #[cfg(feature = "cuda")]
 fn merge_on_device(
     groups: &[HostGroup],
@@ -508,8 +548,7 @@ fn merge_on_device(
     weights: &WeightSet,
     device: &Device,
 ) -> Result<()> {
-    use candle_core::{DType, Storage, Tensor};
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    use candle_core::cuda::cudarc::driver::DevicePtrMut;
     let Device::Cuda(dev) = device else {
         return Ok(());
     };
@@ -517,33 +556,40 @@ fn merge_on_device(
         .into_iter()
         .filter(|(_, s)| merges_on_device(weights, s, device))
         .collect();
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let ctx = dev.cuda_stream().context().clone();
+    // SAFETY: as for the offload copy stream (transfer.rs): the only memory these streams share
+    // with candle's is the arena, whose copies are waited for below before it is read again.
+    unsafe { ctx.disable_event_tracking() };
+    let streams = [ctx.new_stream()?, ctx.new_stream()?];
     let bytes = arena.bytes_mut();
-    for (at, slot) in slots {
-        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for (n, (at, slot)) in slots.into_iter().enumerate() {
+        let stream = &streams[n % 2];
+        // The weight two before is back in the arena and its device copy free.
+        if n >= 2 {
+            stream.synchronize()?;
+        }
         let piece = &mut bytes[at..at + slot.bytes()];
-        macro_rules! round_trip {
-            ($t:ty) => {{
-                let values = crate::weights::host_values_mut::<$t>(piece)?;
-                let landed = Tensor::from_slice(&*values, slot.shape.clone(), device)?;
-                let merged = weights.merged_where_landed(&slot.name, landed)?;
-                let (storage, layout) = merged.storage_and_layout();
-                let (Storage::Cuda(merged), Some((start, end))) =
-                    (&*storage, layout.contiguous_offsets())
-                else {
-                    anyhow::bail!("{}: merged off the GPU", slot.name)
-                };
-                let stream = dev.cuda_stream();
-                let src = merged.as_cuda_slice::<$t>()?.slice(start..end);
-                stream.memcpy_dtoh(&src, values)?;
-                stream.synchronize()?;
-            }};
+        // SAFETY: the copy up below writes every byte before the kernel reads any.
+        let mut landed = unsafe { stream.alloc::<u8>(piece.len()) }?;
+        stream.memcpy_htod(&*piece, &mut landed)?;
+        {
+            let (address, _write) = landed.device_ptr_mut(stream);
+            weights.merge_in_place(
+                &slot.name,
+                dev,
+                stream,
+                address,
+                slot.shape.dims(),
+                slot.dtype,
+            )?;
         }
-        match slot.dtype {
-            DType::F32 => round_trip!(f32),
-            DType::BF16 => round_trip!(half::bf16),
-            DType::F16 => round_trip!(half::f16),
-            other => anyhow::bail!("{}: a LoRA merge into {other:?}", slot.name),
-        }
+        stream.memcpy_dtoh(&landed, piece)?;
+    }
+    for stream in &streams {
+        stream.synchronize()?;
     }
     Ok(())
 }

@@ -154,7 +154,8 @@ pub trait Landing: Ring {
 /// The tensors `slots` ask for, from `weights` through `landing`, one allocation per tensor:
 /// packed ones as held ([`Slot::packed`]) and expanded, the others in the dtype
 /// [`WeightSet::staged_dtype`] gives, reshaped and converted to the slot's dtype; each as soon as
-/// its last byte is sent (so at most one tensor is held in both forms at once).
+/// its last byte is sent (so at most one tensor is held in both forms at once); LoRA deltas
+/// merged where they landed once every copy is queued.
 pub fn load_tensors(
     weights: &WeightSet,
     slots: &[Slot],
@@ -194,19 +195,26 @@ pub fn load_tensors(
             let landed = landing.take(i)?;
             out[i] = Some(match slot.packed {
                 Some(_) => slot.expand(landed)?,
-                None => weights.merged_where_landed(
-                    &slot.name,
-                    landed.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?,
-                )?,
+                None => landed.reshape(slot.shape.clone())?.to_dtype(slot.dtype)?,
             });
             Ok(())
         },
     )
     .context("loading weights through the staging buffers")?;
+    // LoRA deltas merge once every copy is on its way: a merge sends its factors up from
+    // pageable memory, which waits for the copies queued before it, so merging between the
+    // chunks would stall the ring once per changed weight.
     slots
         .iter()
         .zip(out)
-        .map(|(s, t)| Ok((s.name.clone(), t.context("a staged tensor never landed")?)))
+        .map(|(s, t)| {
+            let landed = t.context("a staged tensor never landed")?;
+            let tensor = match s.packed {
+                Some(_) => landed,
+                None => weights.merged_where_landed(&s.name, landed)?,
+            };
+            Ok((s.name.clone(), tensor))
+        })
         .collect()
 }
 

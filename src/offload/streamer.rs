@@ -715,25 +715,72 @@ mod cuda_tests {
                 let part = stream_blocks(&weights, &gpu, memory)?;
                 assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
             }
-            let names = super::tests::block_tensors(&weights, 0);
-            let resident = build_resident(&weights, DType::BF16, &gpu, |vb, _| {
-                names
-                    .iter()
-                    .map(|(n, s)| vb.get(s.as_slice(), n))
-                    .collect::<candle_core::Result<Vec<Tensor>>>()
-            })?;
-            let host = weights.var_builder(DType::BF16, &Device::Cpu);
-            for ((name, shape), got) in names.iter().zip(&resident) {
-                let want = host.get(shape.as_slice(), name)?;
-                let bits = |t: &Tensor| -> Result<Vec<u32>> {
-                    let t = t
-                        .to_device(&Device::Cpu)?
-                        .flatten_all()?
-                        .to_dtype(DType::F32)?;
-                    Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
-                };
-                assert!(bits(got)? == bits(&want)?, "{name} resident");
-            }
+            lands_resident_as_read(&weights, &gpu)?;
+        }
+        Ok(())
+    }
+
+    /// LoRA'd weights streamed from pinned arenas (merged on the GPU, two streams, while other
+    /// arenas fill) or pageable ones, and loaded resident (merged where they landed), hold what
+    /// the host reads with the LoRA merged, bit for bit.
+    #[test]
+    fn lora_weights_land_on_the_gpu_as_the_host_merges_them() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: LoRA streaming test skipped");
+            return Ok(());
+        };
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        // Two LoRAs stacked, in two layouts.
+        let specs = [
+            "lora1.comfyui.safetensors:0.7",
+            "lora2.diffusers.safetensors:0.5",
+        ]
+        .map(|f| crate::lora::parse_spec(&format!("{}/ecosystem-a/lora/{f}", fixtures.display())))
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(anyhow::Error::msg)?;
+        let loras = crate::lora::Loras::open(&specs, true)?;
+        let folder = fixtures.join("wan-tiny-a/transformer/diffusion_pytorch_model.safetensors");
+        let weights = WeightSet::open(&crate::weights::Weights::Files(vec![folder]))?
+            .with_loras(std::sync::Arc::new(loras));
+        let changed = |b| {
+            super::tests::block_tensors(&weights, b)
+                .iter()
+                .filter(|(n, _)| weights.lora_changes(n))
+                .count()
+        };
+        assert!(
+            changed(0) > 1 && changed(1) > 1,
+            "the LoRA changes the streamed blocks"
+        );
+        for memory in [HostMemory::Pinned, HostMemory::Pageable] {
+            let part = stream_blocks(&weights, &gpu, memory)?;
+            assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
+        }
+        lands_resident_as_read(&weights, &gpu)
+    }
+
+    /// Block 0 of `weights` loaded resident on `gpu` through the staging ring holds what the host
+    /// reads, bit for bit.
+    fn lands_resident_as_read(weights: &WeightSet, gpu: &Device) -> Result<()> {
+        let names = super::tests::block_tensors(weights, 0);
+        let resident = build_resident(weights, DType::BF16, gpu, |vb, _| {
+            names
+                .iter()
+                .map(|(n, s)| vb.get(s.as_slice(), n))
+                .collect::<candle_core::Result<Vec<Tensor>>>()
+        })?;
+        let host = weights.var_builder(DType::BF16, &Device::Cpu);
+        for ((name, shape), got) in names.iter().zip(&resident) {
+            let want = host.get(shape.as_slice(), name)?;
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                let t = t
+                    .to_device(&Device::Cpu)?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?;
+                Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+            };
+            anyhow::ensure!(bits(got)? == bits(&want)?, "{name} resident");
         }
         Ok(())
     }

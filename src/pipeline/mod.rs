@@ -477,7 +477,7 @@ fn check_weight_files(
         let Some(specs) = frame::lora_specs(config, component.folder) else {
             continue;
         };
-        let loras = crate::lora::Loras::open(specs, component.original_names).map_err(bad)?;
+        let loras = crate::lora::Scanned::scan(specs, component.original_names).map_err(bad)?;
         if let Some(weights) = weights {
             loras
                 .check(|name| weights.stored_shape(name))

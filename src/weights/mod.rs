@@ -576,6 +576,25 @@ impl WeightSet {
         }
     }
 
+    /// Launches the merge of weight `name`'s LoRA deltas into its unmerged values at device
+    /// address `weight` (`dims` values of `dtype`) in place on `stream`, where a LoRA changes it
+    /// (the host merge's bits); asynchronous, ordered on `stream`.
+    #[cfg(feature = "cuda")]
+    pub fn merge_in_place(
+        &self,
+        name: &str,
+        dev: &candle_core::CudaDevice,
+        stream: &Arc<candle_core::cuda::cudarc::driver::CudaStream>,
+        weight: u64,
+        dims: &[usize],
+        dtype: DType,
+    ) -> candle_core::Result<()> {
+        match self.lora_of(name) {
+            Some(loras) => loras.merge_in_place(name, dev, stream, weight, dims, dtype),
+            None => Ok(()),
+        }
+    }
+
     /// Writes tensor `name` as `dtype` into `dst` (exactly its byte size), with the LoRA deltas
     /// merged in place.
     pub fn read_into(
