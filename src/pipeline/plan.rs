@@ -178,8 +178,17 @@ impl<'a> Planner<'a> {
                 activation_bytes: if !on_device(&s.uses) {
                     0
                 } else if s.uses.iter().any(|&c| is_dit(c)) {
-                    // Sequence parallelism: each rank holds its share of the tokens.
+                    let whole = s.uses.iter().any(|&c| {
+                        is_dit(c)
+                            && matches!(
+                                placement.residencies[c],
+                                Residency::Resident | Residency::Parked
+                            )
+                    });
+                    // Sequence parallelism: each rank holds its share of the tokens (and the
+                    // whole DiT's extra bytes).
                     s.activation_bytes.div_ceil(groups.sp as u64)
+                        + if whole { s.whole_dit_bytes } else { 0 }
                 } else {
                     s.activation_bytes
                 },

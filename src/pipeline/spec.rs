@@ -395,6 +395,12 @@ pub struct StageSpec {
     /// weights (0 on the CPU is still an estimate of host bytes).
     #[serde(skip)]
     pub activation_bytes: u64,
+    /// Device bytes its DiT holds beside its weights and the activations when the DiT stays
+    /// whole on the device (resident, or moved in whole): what every block makes at its first
+    /// use and keeps while it stays there (`--fp8-matmul`'s weight codes), for the blocks the
+    /// activations leave out (they count the one block a streamed DiT holds).
+    #[serde(skip)]
+    pub whole_dit_bytes: u64,
     /// What it does; a stage without one (a plan's stand-in) fails when run.
     #[serde(skip)]
     pub body: Option<StageBody>,
@@ -406,8 +412,15 @@ impl StageSpec {
             name,
             uses: uses.to_vec(),
             activation_bytes,
+            whole_dit_bytes: 0,
             body: None,
         }
+    }
+
+    /// The stage's DiT, whole on the device, holds `bytes` more ([`Self::whole_dit_bytes`]).
+    pub fn holding_when_whole(mut self, bytes: u64) -> Self {
+        self.whole_dit_bytes = bytes;
+        self
     }
 
     /// The stage runs `body` with the family's pipeline `P` (what [`Frame::open`] was given).

@@ -378,6 +378,11 @@ impl WanConfigs {
                 + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
                 + fp8
         };
+        // Every block past the first keeps its fp8 weight codes while the DiT stays whole.
+        let whole_dit = |cfg: &WanTransformerConfig| {
+            let codes = activations::fp8_block_codes(cfg);
+            u64::from(shape.fp8_matmul) * cfg.num_layers.saturating_sub(1) as u64 * codes
+        };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self
             .steps(shape.image, shape.decode)
@@ -411,13 +416,18 @@ impl WanConfigs {
                     &[transformer.index()],
                     dit_activations(&self.transformer),
                 )
+                .holding_when_whole(whole_dit(&self.transformer))
                 .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, false)),
-                Step::DenoiseLow => StageSpec::new(
-                    "denoise_low_noise",
-                    &index(transformer_2.map(Slot::index)),
-                    dit_activations(self.transformer_2.as_ref().unwrap_or(&self.transformer)),
-                )
-                .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, true)),
+                Step::DenoiseLow => {
+                    let cfg = self.transformer_2.as_ref().unwrap_or(&self.transformer);
+                    StageSpec::new(
+                        "denoise_low_noise",
+                        &index(transformer_2.map(Slot::index)),
+                        dit_activations(cfg),
+                    )
+                    .holding_when_whole(whole_dit(cfg))
+                    .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, true))
+                }
                 Step::Decode => StageSpec::new(
                     "decode",
                     &[vae.index()],

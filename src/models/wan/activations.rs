@@ -148,11 +148,19 @@ pub fn transformer_activations(
     attention.max(ffn) + rope + latents + text
 }
 
-/// Device bytes `--fp8-matmul` adds to a forward on `latent`: the e4m3 codes of one block's
-/// Linear weights (made where the block lands, held while it computes; a model whose blocks stay
-/// resident keeps every block's, which this does not count), of the largest Linear input (all
-/// tokens, or a low-activation chunk, by the model width; a feed-forward chunk by its width)
-/// and one product's cuBLASLt workspace.
+/// Device bytes of the e4m3 codes of one block's Linear weights under `--fp8-matmul` (made where
+/// the block lands, held while it stays).
+pub fn fp8_block_codes(cfg: &WanTransformerConfig) -> u64 {
+    let (d, ffn) = (cfg.inner_dim() as u64, cfg.ffn_dim as u64);
+    let image = cfg.added_kv_proj_dim.map_or(0, |kv| 2 * kv as u64 * d);
+    8 * d * d + 2 * d * ffn + image
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward on `latent`: one block's weight codes
+/// ([`fp8_block_codes`]; a DiT that stays whole on the device keeps every block's, which the
+/// plan adds as the stage's `whole_dit_bytes`), the codes of the largest Linear input (all
+/// tokens, or a low-activation chunk, by the model width; a feed-forward chunk by its width) and
+/// one product's cuBLASLt workspace.
 pub fn fp8_matmul_activations(
     cfg: &WanTransformerConfig,
     latent: [usize; 5],
@@ -162,8 +170,7 @@ pub fn fp8_matmul_activations(
     let [pt, ph, pw] = cfg.patch_size;
     let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
     let (d, ffn) = (cfg.inner_dim() as u64, cfg.ffn_dim as u64);
-    let image = cfg.added_kv_proj_dim.map_or(0, |kv| 2 * kv as u64 * d);
-    let weights = 8 * d * d + 2 * d * ffn + image;
+    let weights = fp8_block_codes(cfg);
     let rows = if low_activation {
         tokens.min(LOW_ACTIVATION_ROWS as u64)
     } else {
