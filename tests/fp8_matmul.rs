@@ -126,18 +126,30 @@ fn other_families_and_f16_are_refused() {
 }
 
 /// The memory plan counts what the fp8 path adds to the denoise stage: one block's weight codes,
-/// the largest input's codes and a product's workspace, and, the DiT being resident (a CPU run),
-/// the codes every other block keeps.
+/// the largest input's codes and a product's workspace, and the codes of every other block held
+/// at once: all of a resident DiT's (a CPU run's default), a streamed group's.
 #[test]
 fn the_plan_counts_the_fp8_codes() {
-    let exact = common::planned_denoise_activations(FIXTURE, &[]);
-    let fp8 = common::planned_denoise_activations(FIXTURE, &["--fp8-matmul"]);
+    let added_by = |placement: &[&str]| {
+        let fp8 = [placement, &["--fp8-matmul"]].concat();
+        common::planned_denoise_activations(FIXTURE, &fp8)
+            - common::planned_denoise_activations(FIXTURE, placement)
+    };
     let cfg: WanTransformerConfig = common::config_in(FIXTURE, "transformer/config.json");
     // The CPU run's default size, 81x480x832.
     let latent = [1, 16, 21, 60, 104];
     let added = vidgen::models::wan::activations::fp8_matmul_activations(&cfg, latent, false);
     let codes = vidgen::models::wan::activations::fp8_block_codes(&cfg);
-    assert_eq!(fp8 - exact, added + (cfg.num_layers as u64 - 1) * codes);
+    let blocks = cfg.num_layers as u64;
+    assert_eq!(added_by(&[]), added + (blocks - 1) * codes, "resident");
+    let streamed = ["--memory-model", "discrete"];
+    assert_eq!(added_by(&streamed), added, "streamed block by block");
+    let pairs = [
+        &streamed[..],
+        &["--num-blocks-per-group", "2", "--no-offload-stream"],
+    ]
+    .concat();
+    assert_eq!(added_by(&pairs), added + codes, "streamed in groups of two");
     // A width-24 block's eight attention Linears and two feed-forward ones (width 48); the
     // 32,760 tokens by 24 (more than a feed-forward chunk's 8,192 by 48); 32 MiB.
     assert_eq!(codes, 8 * 24 * 24 + 2 * 24 * 48);

@@ -178,17 +178,26 @@ impl<'a> Planner<'a> {
                 activation_bytes: if !on_device(&s.uses) {
                     0
                 } else if s.uses.iter().any(|&c| is_dit(c)) {
-                    let whole = s.uses.iter().any(|&c| {
-                        is_dit(c)
-                            && matches!(
-                                placement.residencies[c],
-                                Residency::Resident | Residency::Parked
-                            )
-                    });
-                    // Sequence parallelism: each rank holds its share of the tokens (and the
-                    // whole DiT's extra bytes).
+                    let (per_block, blocks) = s.block_bytes;
+                    let held = s
+                        .uses
+                        .iter()
+                        .filter(|&&c| is_dit(c))
+                        .map(|&c| match placement.residencies[c] {
+                            Residency::Resident | Residency::Parked => blocks,
+                            Residency::Streamed {
+                                blocks_per_group,
+                                by_step: false,
+                                ..
+                            } => blocks_per_group.min(blocks),
+                            _ => 1,
+                        })
+                        .max()
+                        .unwrap_or(1);
+                    // Sequence parallelism: each rank holds its share of the tokens (and its
+                    // blocks' own bytes whole).
                     s.activation_bytes.div_ceil(groups.sp as u64)
-                        + if whole { s.whole_dit_bytes } else { 0 }
+                        + per_block * held.saturating_sub(1) as u64
                 } else {
                     s.activation_bytes
                 },

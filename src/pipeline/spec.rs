@@ -395,12 +395,12 @@ pub struct StageSpec {
     /// weights (0 on the CPU is still an estimate of host bytes).
     #[serde(skip)]
     pub activation_bytes: u64,
-    /// Device bytes its DiT holds beside its weights and the activations when the DiT stays
-    /// whole on the device (resident, or moved in whole): what every block makes at its first
-    /// use and keeps while it stays there (`--fp8-matmul`'s weight codes), for the blocks the
-    /// activations leave out (they count the one block a streamed DiT holds).
+    /// Device bytes each block of its DiT makes at its first use and keeps while it is built on
+    /// the device (`--fp8-matmul`'s weight codes), and how many blocks the DiT has: the
+    /// activations count one block's; the plan adds those of the others held at once (every
+    /// block of a DiT whole on the device, a streamed group's).
     #[serde(skip)]
-    pub whole_dit_bytes: u64,
+    pub block_bytes: (u64, usize),
     /// What it does; a stage without one (a plan's stand-in) fails when run.
     #[serde(skip)]
     pub body: Option<StageBody>,
@@ -412,14 +412,15 @@ impl StageSpec {
             name,
             uses: uses.to_vec(),
             activation_bytes,
-            whole_dit_bytes: 0,
+            block_bytes: (0, 0),
             body: None,
         }
     }
 
-    /// The stage's DiT, whole on the device, holds `bytes` more ([`Self::whole_dit_bytes`]).
-    pub fn holding_when_whole(mut self, bytes: u64) -> Self {
-        self.whole_dit_bytes = bytes;
+    /// Each block of the stage's DiT holds `bytes` while built, of `blocks` blocks
+    /// ([`Self::block_bytes`]).
+    pub fn holding_per_block(mut self, (bytes, blocks): (u64, usize)) -> Self {
+        self.block_bytes = (bytes, blocks);
         self
     }
 

@@ -378,10 +378,10 @@ impl WanConfigs {
                 + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
                 + fp8
         };
-        // Every block past the first keeps its fp8 weight codes while the DiT stays whole.
-        let whole_dit = |cfg: &WanTransformerConfig| {
-            let codes = activations::fp8_block_codes(cfg);
-            u64::from(shape.fp8_matmul) * cfg.num_layers.saturating_sub(1) as u64 * codes
+        // Each block built on the device keeps its fp8 weight codes.
+        let block_codes = |cfg: &WanTransformerConfig| {
+            let codes = u64::from(shape.fp8_matmul) * activations::fp8_block_codes(cfg);
+            (codes, cfg.num_layers)
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self
@@ -416,7 +416,7 @@ impl WanConfigs {
                     &[transformer.index()],
                     dit_activations(&self.transformer),
                 )
-                .holding_when_whole(whole_dit(&self.transformer))
+                .holding_per_block(block_codes(&self.transformer))
                 .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, false)),
                 Step::DenoiseLow => {
                     let cfg = self.transformer_2.as_ref().unwrap_or(&self.transformer);
@@ -425,7 +425,7 @@ impl WanConfigs {
                         &index(transformer_2.map(Slot::index)),
                         dit_activations(cfg),
                     )
-                    .holding_when_whole(whole_dit(cfg))
+                    .holding_per_block(block_codes(cfg))
                     .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, true))
                 }
                 Step::Decode => StageSpec::new(

@@ -157,8 +157,8 @@ pub fn fp8_block_codes(cfg: &WanTransformerConfig) -> u64 {
 }
 
 /// Device bytes `--fp8-matmul` adds to a forward on `latent`: one block's weight codes
-/// ([`fp8_block_codes`]; a DiT that stays whole on the device keeps every block's, which the
-/// plan adds as the stage's `whole_dit_bytes`), the codes of the largest Linear input (all
+/// ([`fp8_block_codes`]; the plan adds those of the other blocks held at once, see
+/// `StageSpec::block_bytes`), the codes of the largest Linear input (all
 /// tokens, or a low-activation chunk, by the model width; a feed-forward chunk by its width) and
 /// one product's cuBLASLt workspace.
 pub fn fp8_matmul_activations(
