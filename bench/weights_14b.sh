@@ -7,7 +7,7 @@
 # bf16 + the LoRA, Q8_0 streamed and resident, `--storage-dtype float8_e4m3fn` streamed and resident,
 # `--fp8-matmul` (issue 36) streamed and resident; each
 # with its dry run. Prints one table row per run (load, forwards, pinned and host bytes, peaks against the
-# plan); stats and logs under $OUT. ROWS="bf16-stream fp8-stream" runs only those rows.
+# plan); stats and logs under $OUT. ROWS="bf16-stream fp8-stream" runs only those rows; REPEAT and WARM below.
 set -u
 B=$1 WHL=${2:-}
 O=${OUT:-/tmp/weights-14b}; W=${WEIGHTS:-/tmp/weights-14b-files}
@@ -23,6 +23,7 @@ RESIDENT=(--dit-layerwise-offload=false --dit-cpu-offload=false)
 gen() { # name extra...
   local n=$1; shift
   [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $n "* ]] && return
+  n=$n${SUFFIX:-}
   local a=(generate --model synthetic:wan2.1-t2v-14b --prompt "a red fox runs through fresh snow" --seed 1
     --num-frames 81 --height 480 --width 832 --num-inference-steps 3 --dtype bf16 "$@")
   "$B" "${a[@]}" --dry-run --json > "$O/$n.plan.json" 2> "$O/$n.plan.log"
@@ -54,15 +55,23 @@ print(f"| {n} | {s['status']} | {load.group(1) if load else '?'} | {st.get('enco
       f"{(p.get('memory_plan') or {}).get('host_peak_bytes', 0) / G:.2f} | {st.get('decode', 0):.2f} |")
 PY
 }
+rows() {
+  gen bf16-stream
+  gen bf16-resident "${RESIDENT[@]}"
+  gen bf16-lora-stream --lora "$W/lora.safetensors"
+  gen bf16-lora-resident --lora "$W/lora.safetensors" "${RESIDENT[@]}"
+  gen q8-stream --transformer "$W/q8.gguf"
+  gen q8-resident --transformer "$W/q8.gguf" "${RESIDENT[@]}"
+  gen fp8-stream --storage-dtype float8_e4m3fn
+  gen fp8-resident --storage-dtype float8_e4m3fn "${RESIDENT[@]}"
+  gen fp8mm-stream --fp8-matmul
+  gen fp8mm-resident --fp8-matmul "${RESIDENT[@]}"
+}
+# WARM=1: one default run first, unrecorded, so the machine's first-run costs (page cache, the driver's
+# first pinning) fall on no row. REPEAT=N: the rows N times, interleaved (load times move between runs).
+[ "${WARM:-0}" = 1 ] && ROWS= SUFFIX=-warm gen bf16-stream > /dev/null
 echo "| run | status | transformer load (s) | text stage (s) | forwards 2-6 (s) | pinned GB | host GB | denoise used / plan GiB | max RSS / plan host GiB | decode (s) |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
-gen bf16-stream
-gen bf16-resident "${RESIDENT[@]}"
-gen bf16-lora-stream --lora "$W/lora.safetensors"
-gen bf16-lora-resident --lora "$W/lora.safetensors" "${RESIDENT[@]}"
-gen q8-stream --transformer "$W/q8.gguf"
-gen q8-resident --transformer "$W/q8.gguf" "${RESIDENT[@]}"
-gen fp8-stream --storage-dtype float8_e4m3fn
-gen fp8-resident --storage-dtype float8_e4m3fn "${RESIDENT[@]}"
-gen fp8mm-stream --fp8-matmul
-gen fp8mm-resident --fp8-matmul "${RESIDENT[@]}"
+for r in $(seq "${REPEAT:-1}"); do
+  if [ "${REPEAT:-1}" = 1 ]; then SUFFIX= rows; else SUFFIX=-$r rows; fi
+done
