@@ -292,9 +292,11 @@ impl HostStore {
             arena_sizes.iter().map(|_| Default::default()).collect();
         let (filled, merging) = std::thread::scope(|scope| {
             let (ready, arrivals) = std::sync::mpsc::channel::<usize>();
+            // Its busy time, in seconds.
             let merger = scope.spawn(|| -> Result<f64> {
-                let start = Instant::now();
+                let mut busy = 0.0;
                 for index in arrivals {
+                    let start = Instant::now();
                     #[cfg(feature = "cuda")]
                     if let Some(arena) = slots[index]
                         .lock()
@@ -306,8 +308,9 @@ impl HostStore {
                     // Nothing arrives without CUDA ([`merges_on_device`]).
                     #[cfg(not(feature = "cuda"))]
                     let _ = index;
+                    busy += start.elapsed().as_secs_f64();
                 }
-                Ok(start.elapsed().as_secs_f64())
+                Ok(busy)
             });
             let filled = arena_sizes
                 .par_iter()
