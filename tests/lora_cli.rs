@@ -196,6 +196,25 @@ fn bad_lora_input_is_refused_before_anything_loads() {
         line.contains("blocks.7.") && line.contains("another model"),
         "{line}"
     );
+    // A factor stored as integers.
+    let ints: std::collections::HashMap<String, Tensor> = src
+        .iter()
+        .map(|(k, v)| {
+            let v = if k.ends_with("blocks.0.self_attn.q.lora_up.weight") {
+                v.to_dtype(candle_core::DType::U8).unwrap()
+            } else {
+                v.clone()
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    let ints_path = dir.join("ints.safetensors");
+    candle_core::safetensors::save(&ints, &ints_path).unwrap();
+    let line = usage_error(&run(&model, ints_path.to_str().unwrap()), "integer factor");
+    assert!(
+        line.contains("ints.safetensors") && line.contains("q.lora_up") && line.contains("U8"),
+        "{line}"
+    );
     // Not a LoRA file at all, and a file that is not there.
     let line = usage_error(
         &run(&model, model.join("model_index.json").to_str().unwrap()),

@@ -199,10 +199,15 @@ impl Scanned {
         // SAFETY: mapped read-only; vidgen never writes to the files it reads.
         let st = unsafe { MmapedSafetensors::new(path) }
             .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
-        let shapes: BTreeMap<String, Vec<usize>> = st
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| (name, view.shape().to_vec()))
+        let tensors = st.tensors();
+        let shapes: BTreeMap<String, Vec<usize>> = tensors
+            .iter()
+            .map(|(name, view)| (name.clone(), view.shape().to_vec()))
+            .collect();
+        // Factors are floats (alphas may be any number: LightX2V's are i64).
+        let dtypes: BTreeMap<&str, Option<DType>> = tensors
+            .iter()
+            .map(|(name, view)| (name.as_str(), DType::try_from(view.dtype()).ok()))
             .collect();
         let layout = if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
             Layout::ComfyUi
@@ -232,8 +237,22 @@ impl Scanned {
             let Some((module, part)) = split_key(key, layout) else {
                 return Err(bad(key, "a key of no LoRA layout vidgen reads"));
             };
-            if part == Part::Alpha || part == Part::Up {
-                continue; // read with their module's down half
+            if part == Part::Alpha {
+                continue; // read with its module's down half
+            }
+            match dtypes.get(key.as_str()).copied().flatten() {
+                Some(dtype) if dtype.is_float() => {}
+                dtype => {
+                    let stored =
+                        dtype.map_or("a type vidgen cannot read".into(), |d| format!("{d:?}"));
+                    return Err(bad(
+                        key,
+                        &format!("a LoRA factor stored as {stored}, not as floats"),
+                    ));
+                }
+            }
+            if part == Part::Up {
+                continue; // read with its module's down half
             }
             let target = match layout {
                 Layout::Diffusers => Some(module.to_string()),
