@@ -199,15 +199,14 @@ impl Scanned {
         // SAFETY: mapped read-only; vidgen never writes to the files it reads.
         let st = unsafe { MmapedSafetensors::new(path) }
             .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
-        let tensors = st.tensors();
-        let shapes: BTreeMap<String, Vec<usize>> = tensors
-            .iter()
-            .map(|(name, view)| (name.clone(), view.shape().to_vec()))
-            .collect();
-        // Factors are floats (alphas may be any number: LightX2V's are i64).
-        let dtypes: BTreeMap<&str, Option<DType>> = tensors
-            .iter()
-            .map(|(name, view)| (name.as_str(), DType::try_from(view.dtype()).ok()))
+        // Each tensor's shape and dtype (`None`: one candle does not read).
+        let shapes: BTreeMap<String, (Vec<usize>, Option<DType>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let dtype = DType::try_from(view.dtype()).ok();
+                (name, (view.shape().to_vec(), dtype))
+            })
             .collect();
         let layout = if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
             Layout::ComfyUi
@@ -233,14 +232,15 @@ impl Scanned {
         let peft_alpha = peft_alphas(path)?;
         let file = self.files.len();
         let mut first = None;
-        for (key, dims) in &shapes {
+        for (key, (dims, dtype)) in &shapes {
             let Some((module, part)) = split_key(key, layout) else {
                 return Err(bad(key, "a key of no LoRA layout vidgen reads"));
             };
             if part == Part::Alpha {
                 continue; // read with its module's down half
             }
-            match dtypes.get(key.as_str()).copied().flatten() {
+            // Factors are floats (alphas may be any number: LightX2V's are i64).
+            match *dtype {
                 Some(dtype) if dtype.is_float() => {}
                 dtype => {
                     let stored =
@@ -265,7 +265,7 @@ impl Scanned {
             let (weight, change) = match part {
                 Part::Down => {
                     let up_key = key_of(key, layout, Part::Up);
-                    let up_dims = shapes
+                    let (up_dims, _) = shapes
                         .get(&up_key)
                         .ok_or_else(|| bad(key, &format!("its other half {up_key} is missing")))?;
                     let &[rank, cols] = &dims[..] else {
