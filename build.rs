@@ -24,7 +24,7 @@ fn main() {
     // that machine code only and loads on compute capability 9.0 alone. The DiT block kernels keep
     // IEEE division and square roots (no fast math): they stand in for candle's f32 ops. `fp8`
     // (the fp8 matmuls' quantizer and epilogue) starts at sm_89, the first GPUs with fp8 tensor
-    // cores, whose e4m3 conversions it uses.
+    // cores, whose e4m3 conversions it uses; so does `sage_attn` (8-bit attention: e4m3 mma.sync).
     const PORTABLE: &str = "-gencode=arch=compute_80,code=[compute_80,sm_80,sm_90,sm_100,sm_120]";
     const FP8: &str = "-gencode=arch=compute_89,code=[compute_89,sm_89,sm_90,sm_100,sm_120]";
     for (name, gencode, fast_math) in [
@@ -42,6 +42,7 @@ fn main() {
         ("dequant", PORTABLE, false),
         ("lora_merge", PORTABLE, false),
         ("fp8", FP8, false),
+        ("sage_attn", FP8, false),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

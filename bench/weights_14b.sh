@@ -5,7 +5,8 @@
 # Writes a full-size Q8_0 GGUF of the 14B transformer (bench/make_gguf.py) and a rank-32 LoRA on every
 # projection of every block (bench/make_lora.py), then runs: bf16 streamed (the default flags) and resident,
 # bf16 + the LoRA, Q8_0 streamed and resident, `--storage-dtype float8_e4m3fn` streamed and resident,
-# `--fp8-matmul` (issue 36) streamed and resident; each
+# `--fp8-matmul` (issue 36) streamed and resident, `--attention sage` streamed and resident, and both fast
+# options together resident; each
 # with its dry run. Prints one table row per run (load, forwards, pinned and host bytes, peaks against the
 # plan); stats and logs under $OUT. ROWS="bf16-stream fp8-stream" runs only those rows; REPEAT and WARM below.
 set -u
@@ -66,6 +67,9 @@ rows() {
   gen fp8-resident --storage-dtype float8_e4m3fn "${RESIDENT[@]}"
   gen fp8mm-stream --fp8-matmul
   gen fp8mm-resident --fp8-matmul "${RESIDENT[@]}"
+  gen sage-stream --attention sage
+  gen sage-resident --attention sage "${RESIDENT[@]}"
+  gen fast-resident --fp8-matmul --attention sage "${RESIDENT[@]}"
 }
 # WARM=1: one default run first, unrecorded, so the machine's first-run costs (page cache, the driver's
 # first pinning) fall on no row. REPEAT=N: the rows N times, interleaved (load times move between runs).

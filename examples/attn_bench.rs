@@ -1,10 +1,11 @@
 //! Times `sdpa` (the fused kernel where it applies) against the chunked path on a CUDA GPU, at
 //! Wan2.1's attention shapes, and checks both against the chunked path in f32.
 //!
-//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper]`
+//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper|sage]`
 //! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one;
 //! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self- and
-//! cross-attention shapes and key counts between, in interleaved rounds)
+//! cross-attention shapes and key counts between, in interleaved rounds; `sage`: the 8-bit
+//! attention against the exact kernels)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -12,6 +13,7 @@ use vidgen::models::attention::flash_attn::{self, device_tile, SHARED_MEMORY_LIM
 use vidgen::models::attention::flash_attn_sm90;
 use vidgen::models::attention::{sdpa, sdpa_chunked};
 use vidgen::models::cudnn::sdpa::sdpa_with_plan;
+use vidgen::models::sage_kernels;
 
 #[path = "support/median.rs"]
 mod median;
@@ -58,6 +60,7 @@ fn main() -> Result<()> {
     match std::env::args().nth(1).as_deref() {
         Some("plans") => return cudnn_plans(&dev),
         Some("hopper") => return hopper(&dev),
+        Some("sage") => return sage(&dev),
         _ => {}
     }
     let Device::Cuda(cuda) = &dev else {
@@ -226,6 +229,79 @@ fn hopper(dev: &Device) -> Result<()> {
                         "{label} {:.3} ms ({:.0} TFLOP/s)",
                         s * 1e3,
                         flops / s / 1e12
+                    )
+                })
+                .collect();
+            println!("{name} round {round}: {}", line.join(", "));
+        }
+    }
+    Ok(())
+}
+
+/// The 8-bit attention (`--attention sage`, both launch configurations, then under GB10's
+/// shared-memory limit) against `sdpa`'s exact path (the Hopper kernel or cuDNN) and the portable
+/// bf16 kernel, at Wan's self- and cross-attention shapes, in interleaved rounds; each output's
+/// relative L2 error and cosine similarity against the f32 attention.
+fn sage(dev: &Device) -> Result<()> {
+    const ROUNDS: usize = 3;
+    const REPS: usize = 10;
+    let b = 1;
+    for (name, h, n, m, d) in [
+        ("1.3B self", 12, 32760, 32760, 128),
+        ("14B self", 40, 32760, 32760, 128),
+        ("14B cross", 40, 32760, 512, 128),
+        ("d64 self", 24, 32760, 32760, 64),
+    ] {
+        let rand = |len: usize| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1f32, (b, len, h, d), dev)?
+                .to_dtype(DType::BF16)?
+                .transpose(1, 2)?)
+        };
+        let (q, k, v) = (rand(n)?, rand(m)?, rand(m)?);
+        let scale = 1.0 / (d as f64).sqrt();
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let reference = sdpa_chunked(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale)?;
+        let exact = || sdpa(&q, &k, &v, scale);
+        let portable = || flash_attn::flash_attn(&q, &k, &v, scale);
+        let sage2 = || sage_kernels::attend_with(&q, &k, &v, scale, Some(2));
+        let sage1 = || sage_kernels::attend_with(&q, &k, &v, scale, Some(1));
+        let cosine = |out: &Tensor| -> Result<f32> {
+            let out = out.to_dtype(DType::F32)?;
+            let dot = |a: &Tensor, b: &Tensor| -> Result<f32> {
+                Ok((a * b)?.sum_all()?.to_scalar::<f32>()?)
+            };
+            Ok(dot(&out, &reference)? / (dot(&out, &out)? * dot(&reference, &reference)?).sqrt())
+        };
+        for (label, out) in [
+            ("exact", exact()?),
+            ("portable", portable()?),
+            ("sage m2", sage2()?),
+            ("sage m1", sage1()?),
+        ] {
+            let (max, rel) = errors(&out, &reference)?;
+            let cos = cosine(&out)?;
+            println!("{name} {label} vs f32: max {max:.2e}, relative {rel:.2e}, cosine {cos:.6}");
+        }
+        let flops = 4.0 * (b * h * n * m * d) as f64;
+        for round in 0..ROUNDS {
+            let mut times = vec![
+                ("exact", time(dev, REPS, exact)?),
+                ("portable", time(dev, REPS, portable)?),
+                ("sage m2", time(dev, REPS, sage2)?),
+                ("sage m1", time(dev, REPS, sage1)?),
+            ];
+            set_limit(Some(101_376));
+            times.push(("sage gb10", time(dev, REPS, || sage_kernels::attend(&q, &k, &v, scale))?));
+            set_limit(None);
+            let base = times[0].1;
+            let line: Vec<String> = times
+                .iter()
+                .map(|(label, s)| {
+                    format!(
+                        "{label} {:.3} ms ({:.0} TFLOP/s, {:.2}x)",
+                        s * 1e3,
+                        flops / s / 1e12,
+                        base / s
                     )
                 })
                 .collect();

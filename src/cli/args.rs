@@ -215,6 +215,12 @@ pub struct GenerateOptions {
     /// capability 8.9 or newer, or the CPU). Faster; trades exactness for speed (Wan family).
     #[arg(long = "[no-]fp8-matmul", alias = "fp8-matmul", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub fp8_matmul: bool,
+    /// How the transformer's attention computes: exact (diffusers' arithmetic) or sage (8-bit
+    /// products, SageAttention2's scheme: int8 Q·Kᵀ over mean-smoothed keys, e4m3 P·V, f32
+    /// sums; GPUs of compute capability 8.9 or newer, or the CPU). Text encoders and VAEs stay
+    /// exact. Faster; trades exactness for speed (every family).
+    #[arg(long, help_heading = "Generation", value_name = "KIND", default_value = "exact", value_parser = crate::models::sage_attention::AttentionKind::parse)]
+    pub attention: crate::models::sage_attention::AttentionKind,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
     /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
     /// given. Merged into each weight as it loads: no step time.

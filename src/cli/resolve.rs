@@ -96,6 +96,7 @@ impl ResolvedConfig {
                 storage_dtype: o.storage_dtype,
                 cache: o.cache.clone(),
                 fp8_matmul: o.fp8_matmul,
+                attention: o.attention,
                 guidance_scale_2: o.guidance_scale_2,
                 true_cfg_scale: o.true_cfg_scale,
                 decode_timestep: o.decode_timestep,

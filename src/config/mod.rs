@@ -111,6 +111,8 @@ pub struct Generation {
     pub cache: Option<crate::models::step_cache::CacheSpec>,
     /// The DiT blocks' Linears run as fp8 matmuls (`--fp8-matmul`).
     pub fp8_matmul: bool,
+    /// How the DiTs' attention computes (`--attention`).
+    pub attention: crate::models::sage_attention::AttentionKind,
     /// Guidance of the low-noise expert (Wan2.2 A14B).
     pub guidance_scale_2: Option<f64>,
     /// Real CFG scale of a guidance-distilled model (HunyuanVideo).

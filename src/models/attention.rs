@@ -16,6 +16,7 @@
 //! normalised in place by candle's softmax kernel (which accumulates in f32) instead of making
 //! round trips through an f32 copy: three passes over each score chunk instead of seven.
 
+use crate::models::sage_attention::{self, AttentionKind};
 use candle_core::{DType, Result, Tensor, D};
 
 #[cfg(feature = "cuda")]
@@ -52,7 +53,14 @@ pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 
 /// Attention over `[batch, heads, seq, head_dim]` tensors; `scale` multiplies q·kᵀ.
 /// Softmax accumulates in f32 for every dtype.
+/// Inside a DiT forward of `--attention sage` (`sage_attention::computing`), where the device
+/// computes it, with 8-bit products instead.
 pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    if sage_attention::current() == AttentionKind::Sage {
+        if let Some(out) = sage_attention::attend(q, k, v, scale)? {
+            return Ok(out);
+        }
+    }
     #[cfg(feature = "cuda")]
     {
         let hopper = flash_attn_sm90::supported(q, k, v);

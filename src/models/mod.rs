@@ -42,6 +42,10 @@ pub mod projection;
 #[path = "kernels/row_ops.rs"]
 pub(crate) mod row_ops;
 pub mod runs;
+pub mod sage_attention;
+#[cfg(feature = "cuda")]
+#[path = "kernels/sage_attn.rs"]
+pub mod sage_kernels;
 pub mod sequence_parallel;
 pub mod source;
 pub mod step_cache;

@@ -10,6 +10,7 @@ use super::placement::Held;
 use super::stages;
 use crate::models::blocks::{CachedForward, PlacedBlocks};
 use crate::models::guidance::guide;
+use crate::models::sage_attention::{self, AttentionKind};
 use crate::models::step_cache::{Forward, Pass, StepCache};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
@@ -26,6 +27,8 @@ pub(crate) struct Denoise<'a> {
 /// transformer: each has its own hooks in diffusers).
 pub(crate) struct Forwards<'a> {
     device: &'a Device,
+    /// How each forward's attention computes (`--attention`).
+    attention: AttentionKind,
     seconds: Vec<f64>,
     cache: Option<StepCache>,
 }
@@ -49,6 +52,7 @@ impl<'a> Denoise<'a> {
             total,
             forwards: Forwards {
                 device: &frame.device,
+                attention: frame.config.generation().attention,
                 seconds,
                 cache: frame.config.generation().cache.as_ref().map(StepCache::new),
             },
@@ -88,13 +92,20 @@ impl<'a> Denoise<'a> {
     /// job's `forward_seconds`.
     pub fn finish(self, job: &mut Job) -> Result<()> {
         let progress = &self.frame.progress;
-        let fp8 = self.frame.config.generation().fp8_matmul;
+        let generation = self.frame.config.generation();
+        let (fp8, attention) = (generation.fp8_matmul, generation.attention);
         let seconds = self.into_seconds(job)?;
         stages::report_forwards(progress, job, seconds);
         if fp8 {
             let products = crate::models::fp8::products();
             progress.note(&format!(
                 "  fp8 matmuls: {products} products so far in this process"
+            ));
+        }
+        if attention == AttentionKind::Sage {
+            let calls = sage_attention::calls();
+            progress.note(&format!(
+                "  8-bit attention: {calls} attentions so far in this process"
             ));
         }
         Ok(())
@@ -115,7 +126,10 @@ impl<'a> Denoise<'a> {
 impl Forwards<'_> {
     /// Runs one forward, timed (waiting for the device, so the time is the work's).
     pub fn run<T>(&mut self, forward: impl FnOnce() -> candle_core::Result<T>) -> Result<T> {
-        stages::timed(self.device, &mut self.seconds, forward)
+        let attention = self.attention;
+        stages::timed(self.device, &mut self.seconds, || {
+            sage_attention::computing(attention, forward)
+        })
     }
 
     /// Runs one forward of `pass` at `timestep`, timed, handing it the loop's step cache where
@@ -127,7 +141,10 @@ impl Forwards<'_> {
         forward: impl FnOnce(Option<(&mut StepCache, Forward)>) -> candle_core::Result<T>,
     ) -> Result<T> {
         let cache = self.cache.as_mut().map(|c| (c, Forward { pass, timestep }));
-        stages::timed(self.device, &mut self.seconds, || forward(cache))
+        let attention = self.attention;
+        stages::timed(self.device, &mut self.seconds, || {
+            sage_attention::computing(attention, || forward(cache))
+        })
     }
 
     /// One forward of the DiT `model` on the inputs `prepare` makes, as pass `pass` at

@@ -29,6 +29,7 @@ use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request};
 use crate::memory::{DeviceKind, MemoryModel, MemoryOptions};
 use crate::models::source::ModelSource;
+use crate::models::sage_attention::AttentionKind;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use holding::Fsdp;
@@ -1162,6 +1163,10 @@ fn stats(
         // The products that ran in fp8 (`--fp8-matmul`): the option's effect, counted.
         out["fp8_matmuls"] = json!(crate::models::fp8::products());
     }
+    if config.generation().attention == AttentionKind::Sage {
+        // The attentions that ran in 8 bits (`--attention sage`): the option's effect, counted.
+        out["sage_attentions"] = json!(crate::models::sage_attention::calls());
+    }
     out["jobs"] = jobs
         .iter()
         .zip(outcomes)
@@ -1222,7 +1227,18 @@ fn write_stats(path: &Path, stats: &serde_json::Value) -> Result<()> {
 fn candle_device(config: &ResolvedConfig) -> Result<Device> {
     Ok(match config.device().kind {
         DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(config.device().ordinal)?,
+        DeviceKind::Cuda => {
+            let device = Device::new_cuda(config.device().ordinal)?;
+            #[cfg(feature = "cuda")]
+            if config.generation().attention == AttentionKind::Sage
+                && !crate::models::sage_kernels::device_runs(device.as_cuda_device()?)
+            {
+                anyhow::bail!(
+                    "--attention sage needs a GPU with fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell, GB10); use --attention exact"
+                );
+            }
+            device
+        }
         DeviceKind::Metal => Device::new_metal(config.device().ordinal)?,
     })
 }

@@ -49,6 +49,8 @@ pub struct RunShape {
     pub cache_states: (usize, usize),
     /// The DiT blocks' Linears run as fp8 matmuls (`--fp8-matmul`).
     pub fp8_matmul: bool,
+    /// The DiTs' attention computes in 8 bits (`--attention sage`).
+    pub sage_attention: bool,
 }
 
 impl RunShape {
@@ -75,6 +77,7 @@ impl RunShape {
             decode: config.output().kind != OutputType::Latent,
             cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
             fp8_matmul: g.fp8_matmul,
+            sage_attention: g.attention == crate::models::sage_attention::AttentionKind::Sage,
         }
     }
 }

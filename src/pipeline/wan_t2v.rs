@@ -374,9 +374,15 @@ impl WanConfigs {
             } else {
                 0
             };
+            let sage = if shape.sage_attention {
+                activations::sage_attention_activations(cfg, latent)
+            } else {
+                0
+            };
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
                 + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
                 + fp8
+                + sage
         };
         // Each block built on the device keeps its fp8 weight codes.
         let block_codes = |cfg: &WanTransformerConfig| {

@@ -180,6 +180,19 @@ pub fn fp8_matmul_activations(
     weights + (rows * d).max(chunk * ffn) + FP8_WORKSPACE
 }
 
+/// Device bytes `--attention sage` adds to a forward on `latent`: the self-attention's int8 codes
+/// of q and k and e4m3 codes of v (one byte an element, v padded to whole 64-key tiles), the
+/// tokens' f32 scales, and the channel statistics.
+pub fn sage_attention_activations(cfg: &WanTransformerConfig, latent: [usize; 5]) -> u64 {
+    let [_, _, f, h, w] = latent;
+    let [pt, ph, pw] = cfg.patch_size;
+    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    let (heads, head_dim) = (cfg.num_attention_heads as u64, cfg.attention_head_dim as u64);
+    let codes = (2 * tokens + tokens.next_multiple_of(64)) * heads * head_dim;
+    let scales = (tokens + tokens.next_multiple_of(64)) * heads * F32;
+    codes + scales + 4 * heads * head_dim * F32
+}
+
 /// Peak activation bytes of encoding one prompt of `len` tokens: four f32 score tensors
 /// (scores, position bias and the two masked sums) or the feed-forward's intermediates,
 /// over the f32 residual stream.
