@@ -8,6 +8,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/models/kernels/tensor_core.cuh");
     println!("cargo:rerun-if-changed=src/models/kernels/activation.cuh");
+    println!("cargo:rerun-if-changed=src/models/kernels/hopper.cuh");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -20,9 +21,10 @@ fn main() {
     // One fat binary per file: machine code for sm_80 (also run by sm_86/87/89), sm_90, sm_100
     // and sm_120 (also sm_121, GB10), so those GPUs load the kernels without compiling them, and
     // compute_80 PTX (mma.sync bf16 and cp.async need sm_80) that the driver compiles for any
-    // other. `flash_attn_sm90` is Hopper's extra: wgmma and TMA exist on sm_90a alone, so it holds
-    // that machine code only and loads on compute capability 9.0 alone. The DiT block kernels keep
-    // IEEE division and square roots (no fast math): they stand in for candle's f32 ops. `fp8`
+    // other. `flash_attn_sm90` and `sage_attn_sm90` are Hopper's extras: wgmma and TMA exist on
+    // sm_90a alone, so they hold that machine code only and load on compute capability 9.0 alone.
+    // The DiT block kernels keep IEEE division and square roots (no fast math): they stand in for
+    // candle's f32 ops. `fp8`
     // (the fp8 matmuls' quantizer and epilogue) starts at sm_89, the first GPUs with fp8 tensor
     // cores, whose e4m3 conversions it uses; so does `sage_attn` (8-bit attention: e4m3 mma.sync).
     const PORTABLE: &str = "-gencode=arch=compute_80,code=[compute_80,sm_80,sm_90,sm_100,sm_120]";
@@ -43,6 +45,11 @@ fn main() {
         ("lora_merge", PORTABLE, false),
         ("fp8", FP8, false),
         ("sage_attn", FP8, false),
+        (
+            "sage_attn_sm90",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            false,
+        ),
     ] {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");

@@ -13,7 +13,7 @@ use vidgen::models::attention::flash_attn::{self, device_tile, SHARED_MEMORY_LIM
 use vidgen::models::attention::flash_attn_sm90;
 use vidgen::models::attention::{sdpa, sdpa_chunked};
 use vidgen::models::cudnn::sdpa::sdpa_with_plan;
-use vidgen::models::sage_kernels;
+use vidgen::models::sage_kernels::{self, Kernel};
 
 #[path = "support/median.rs"]
 mod median;
@@ -263,8 +263,14 @@ fn sage(dev: &Device) -> Result<()> {
         let reference = sdpa_chunked(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale)?;
         let exact = || sdpa(&q, &k, &v, scale);
         let portable = || flash_attn::flash_attn(&q, &k, &v, scale);
-        let sage2 = || sage_kernels::attend_with(&q, &k, &v, scale, Some(2));
-        let sage1 = || sage_kernels::attend_with(&q, &k, &v, scale, Some(1));
+        let with = |kernel| sage_kernels::attend_with(&q, &k, &v, scale, Some(kernel));
+        let sage2 = || with(Kernel::Portable(2));
+        let sage1 = || with(Kernel::Portable(1));
+        let Device::Cuda(cuda) = dev else {
+            bail!("sage needs a CUDA device")
+        };
+        let hopper = sage_kernels::device_kernel(cuda, d) == Some(Kernel::Hopper);
+        let sm90 = || with(if hopper { Kernel::Hopper } else { Kernel::Portable(2) });
         let cosine = |out: &Tensor| -> Result<f32> {
             let out = out.to_dtype(DType::F32)?;
             let dot = |a: &Tensor, b: &Tensor| -> Result<f32> {
@@ -277,6 +283,7 @@ fn sage(dev: &Device) -> Result<()> {
             ("portable", portable()?),
             ("sage m2", sage2()?),
             ("sage m1", sage1()?),
+            ("sage sm90", sm90()?),
         ] {
             let (max, rel) = errors(&out, &reference)?;
             let cos = cosine(&out)?;
@@ -289,6 +296,7 @@ fn sage(dev: &Device) -> Result<()> {
                 ("portable", time(dev, REPS, portable)?),
                 ("sage m2", time(dev, REPS, sage2)?),
                 ("sage m1", time(dev, REPS, sage1)?),
+                ("sage sm90", time(dev, REPS, sm90)?),
             ];
             set_limit(Some(101_376));
             times.push(("sage gb10", time(dev, REPS, || sage_kernels::attend(&q, &k, &v, scale))?));

@@ -152,7 +152,13 @@ fn the_plan_counts_the_codes() {
     let latent = [1, 16, 21, 60, 104];
     let want = vidgen::models::wan::activations::sage_attention_activations(&cfg, latent);
     assert_eq!(added, want);
-    // 32,760 tokens (a multiple of 64 less 8) by the fixture's heads and head_dim.
-    let inner = (cfg.num_attention_heads * cfg.attention_head_dim) as u64;
-    assert_eq!(want, (3 * 32760 + 8) * inner + (2 * 32760 + 8) * cfg.num_attention_heads as u64 * 4 + 4 * inner * 4);
+    // 32,760 tokens (256 blocks of 128 keys less 8) by the fixture's heads and head_dim.
+    let (heads, inner) = (
+        cfg.num_attention_heads as u64,
+        (cfg.num_attention_heads * cfg.attention_head_dim) as u64,
+    );
+    assert_eq!(
+        want,
+        (3 * 32760 + 8) * inner + (32760 + 256) * heads * 4 + 4 * inner * 4
+    );
 }

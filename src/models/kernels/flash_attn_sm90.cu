@@ -29,92 +29,12 @@ constexpr int TILE = 2 * BOX;         // a 128 x 128 tile: two boxes side by sid
 constexpr int CONSUMER_WARPS = 8;     // arrivals that free a stage
 static_assert(TILE == BN * D * 2 && BM == BN, "query, key and value tiles are alike");
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// One 128-row x 64-column box of `map` at (column, row, head, batch) into shared memory.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *map, uint32_t bar,
-                                         int col, int row, int head, int batch) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
-      : "memory");
-}
-
-// wgmma shared-memory matrix descriptor of a 128-byte-swizzled operand at `addr`: `lbo` bytes to
-// the next 64 columns (MN-major operands), `sbo` bytes to the next 8 rows.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// The two consumer warpgroups take turns (barriers 1 and 2, 256 threads each).
-__device__ __forceinline__ void turn_wait(int consumer) {
-  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
-}
-__device__ __forceinline__ void turn_pass(int consumer) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+#include "hopper.cuh"
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t *>(&v);
 }
-
-// The 64 f32 accumulators a thread holds of a wgmma m64n128 tile: their list in the instruction
-// (%0-%63) and the operands bound to them.
-#define ACCUMULATOR_REGISTERS                                                                      \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-#define ACCUMULATOR_OPERANDS8(d, i)                                                                \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
-#define ACCUMULATOR_OPERANDS(d)                                                                    \
-  ACCUMULATOR_OPERANDS8(d, 0), ACCUMULATOR_OPERANDS8(d, 8), ACCUMULATOR_OPERANDS8(d, 16),          \
-      ACCUMULATOR_OPERANDS8(d, 24), ACCUMULATOR_OPERANDS8(d, 32), ACCUMULATOR_OPERANDS8(d, 40),    \
-      ACCUMULATOR_OPERANDS8(d, 48), ACCUMULATOR_OPERANDS8(d, 56)
 
 // D (64 x 128, f32) (+)= A (64 x 16, shared) * B (16 x 128, shared, K-major); scale_d 0 zeroes D.
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
@@ -123,7 +43,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b,
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       ACCUMULATOR_REGISTERS
       "%64, %65, p, 1, 1, 0, 0;\n}\n"
-      : ACCUMULATOR_OPERANDS(d)
+      : ACCUMULATORS("+f", d)
       : "l"(a), "l"(b), "r"(scale_d));
 }
 
@@ -134,7 +54,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       ACCUMULATOR_REGISTERS
       "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : ACCUMULATOR_OPERANDS(d)
+      : ACCUMULATORS("+f", d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 

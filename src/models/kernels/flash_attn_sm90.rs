@@ -51,7 +51,7 @@ pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tens
 
 /// A TMA descriptor, passed by value as the kernel's `__grid_constant__ CUtensorMap`.
 #[repr(transparent)]
-struct TensorMap(CUtensorMap);
+pub(crate) struct TensorMap(CUtensorMap);
 
 // SAFETY: a CUtensorMap is plain bytes the driver copies into the kernel's parameters.
 unsafe impl DeviceRepr for TensorMap {}
@@ -73,15 +73,45 @@ impl TensorMap {
         let head = stride(1, n * row as usize / 2);
         let batch = stride(0, h * head as usize / 2);
         let global_dim = [d as u64, n as u64, h as u64, b as u64];
-        let global_strides = [row, head, batch];
-        let box_dim = [64u32, ROWS as u32, 1, 1];
+        Self::encode(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            global_dim,
+            [row, head, batch],
+            [64, ROWS as u32, 1, 1],
+        )
+    }
+
+    /// Boxes of 128 x 128 bytes, 128-byte swizzled, over `planes` contiguous planes of `rows` x
+    /// `cols` bytes at `ptr` (`cols` a multiple of 16); rows and columns past the ends read as
+    /// zeros. The 8-bit attention's codes (`sage_attn_sm90.cu`).
+    pub(crate) fn byte_tiles(ptr: u64, cols: usize, rows: usize, planes: usize) -> Result<Self> {
+        let (cols, rows, planes) = (cols as u64, rows as u64, planes as u64);
+        Self::encode(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            [cols, rows, planes, 1],
+            [cols, cols * rows, cols * rows * planes],
+            [128, 128, 1, 1],
+        )
+    }
+
+    /// A rank-4 map of `global_dim` elements (innermost first) with byte strides
+    /// `global_strides` of the outer three, read in boxes of `box_dim`, 128-byte swizzled.
+    fn encode(
+        ptr: u64,
+        dtype: sys::CUtensorMapDataType,
+        global_dim: [u64; 4],
+        global_strides: [u64; 3],
+        box_dim: [u32; 4],
+    ) -> Result<Self> {
         let element_strides = [1u32; 4];
         let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
         // SAFETY: the arrays have the lengths rank 4 asks for; `map` is written by the call.
         let status = unsafe {
             sys::cuTensorMapEncodeTiled(
                 map.as_mut_ptr(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                dtype,
                 4,
                 ptr as *mut c_void,
                 global_dim.as_ptr(),
@@ -96,7 +126,7 @@ impl TensorMap {
         };
         if status != sys::CUresult::CUDA_SUCCESS {
             candle_core::bail!(
-                "attention (sm_90): TMA descriptor of {dims:?} / {strides:?}: {status:?}"
+                "attention (sm_90): TMA descriptor of {global_dim:?} / {global_strides:?} bytes: {status:?}"
             )
         }
         // SAFETY: initialised by the successful call above.

@@ -5,18 +5,18 @@
 // Four launches per attention:
 // 1. `sage_stats`: per (batch, head) and channel, the sum of k and the sum, max and min of v
 //    over the keys (atomics into [bh][4][D]: sums zeroed, max -inf, min +inf by `sage_stats_init`);
-// 2. `sage_rows`: q, and k minus its channel means ("smoothed": a constant per query row of the
-//    scores, which the softmax drops), as int8 codes with one f32 scale per token
-//    (absmax / 127, round to nearest even);
+// 2. `sage_q` and `sage_k`: q as int8 codes with one f32 scale per token, and k minus its
+//    channel means ("smoothed": a constant per query row of the scores, which the softmax drops)
+//    as int8 codes with one scale per block of 128 keys (absmax / 127, round to nearest even);
 // 3. `sage_v`: v minus its channel means over one f32 scale per channel (max |v - mean| / 448) as
-//    e4m3 codes, transposed to [bh][D][keys] (padded to whole tiles with zero codes) so that the
+//    e4m3 codes, transposed to [bh][D][pad] (pad: keys rounded up to 128, zero codes) so that the
 //    P·V operand is K-major, with the keys of each group of 16 in the order the probabilities'
 //    registers hold them (below);
-// 4. `sage_fwd`: the FlashAttention-2 loop of flash_attn.cu with S = Q K^T on int8 mma.sync
-//    (m16n8k32, exact int32 sums) times both tokens' scales, the online softmax in f32, and P·V
-//    on e4m3 mma.sync (m16n8k32) with P scaled by 448; each tile's P·V is summed apart and then
-//    added to the f32 accumulators (the fp8 mma's own accumulation is narrower than f32). The
-//    output is acc * scale_v / (448 * rowsum) + mean_v.
+// 4. `sage_fwd` (or, on Hopper, sage_attn_sm90.cu's wgmma kernel): the FlashAttention-2 loop of
+//    flash_attn.cu with S = Q K^T on int8 mma.sync (m16n8k32, exact int32 sums) times both tokens'
+//    scales, the online softmax in f32 (448 p = 2^(s - max + log2 448)), and P·V on e4m3 mma.sync
+//    (m16n8k32); each tile's P·V is summed apart and then added to the f32 accumulators (the fp8
+//    mma's own accumulation is narrower than f32). The output is acc * scale_v / Σ(448 p) + mean_v.
 //
 // The probabilities' registers: for a 32-key step, the score accumulators of a thread hold keys
 // {2t, 2t+1} of each 8-key n-tile (t = lane % 4), while the mma's A operand wants 4 consecutive
@@ -32,10 +32,15 @@ namespace {
 
 #include "tensor_core.cuh"
 
-constexpr int BC = 64;        // keys per tile (also the padding unit of the transposed v)
+constexpr int BC = 64;        // keys per tile
 constexpr int ROW_PAD = 16;   // bytes added to each shared-memory row: conflict-free ldmatrix
 constexpr float I8_MAX = 127.f;
 constexpr float E4M3_MAX = 448.f;
+constexpr float LOG2_E4M3_MAX = 8.807354922057604f;  // log2(448): P times 448 inside the exponent
+// An int32 below 2^22 in magnitude plus this, as a float, is 2^23 + 2^22 + the int: one integer
+// add and one float subtract instead of a conversion (which issues at a quarter of the rate).
+constexpr int MAGIC_INT = 0x4B400000;
+constexpr float MAGIC_FLOAT = 12582912.f;
 
 __device__ __forceinline__ float2 load2(const __nv_bfloat16 *p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
@@ -56,7 +61,7 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
+  return __byte_perm(lo, hi, 0x5410);
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -151,54 +156,102 @@ __device__ __forceinline__ void stats_kernel(const T *k, const T *v, float *stat
   atomic_min(s + 3 * D, acc[6]), atomic_min(s + 3 * D + 1, acc[7]);
 }
 
-// Rows of x [b, h, len, D] (minus the channel means of `stats` where given: k) as int8 codes
-// [bh][len][D] and scales [bh][rows]: one warp per row, rows past `len` up to `rows` get scale 0.
-// Block 256 threads (8 rows); grid (ceil(rows / 8), bh).
-template <typename T, int D>
-__device__ __forceinline__ void rows_kernel(const T *x, const float *stats, int8_t *codes,
-                                            float *scales, int len, int rows, int heads,
-                                            long long sb, long long sh, long long ss) {
-  constexpr int E = D / 32;  // values per lane
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 8 + threadIdx.x / 32;
-  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
-  if (row >= rows) return;
-  const long long out_row = static_cast<long long>(bh) * rows + row;
-  if (row >= len) {
-    if (lane == 0) scales[out_row] = 0.f;
-    return;
-  }
-  const T *p = x + b * sb + h * sh + row * ss + lane * E;
-  float val[E];
+// Keys per scale of the key codes.
+constexpr int KEY_BLOCK = 128;
+
+// Loads E = D / 32 consecutive values of a row at p into v (a lane's share of the row).
+template <typename T, int E> __device__ __forceinline__ void load_lane(const T *p, float (&v)[E]) {
 #pragma unroll
   for (int i = 0; i < E; i += 2) {
     const float2 f = load2(p + i);
-    val[i] = f.x, val[i + 1] = f.y;
+    v[i] = f.x, v[i + 1] = f.y;
   }
-  if (stats != nullptr) {
-    const float *sum = stats + static_cast<long long>(bh) * 4 * D + lane * E;
-#pragma unroll
-    for (int i = 0; i < E; ++i) val[i] = val[i] - sum[i] / static_cast<float>(len);
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < E; ++i) amax = fmaxf(amax, fabsf(val[i]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = amax / I8_MAX;
+}
+
+// A lane's E values over `scale` as int8 codes, stored at out.
+template <int E> __device__ __forceinline__ void store_codes(const float (&v)[E], float scale,
+                                                             int8_t *out) {
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    const int q = scale > 0.f ? max(-127, min(127, __float2int_rn(val[i] / scale))) : 0;
+    const int q = scale > 0.f ? max(-127, min(127, __float2int_rn(v[i] / scale))) : 0;
     packed |= (static_cast<uint32_t>(q) & 0xffu) << (8 * i);
   }
-  int8_t *out = codes + (static_cast<long long>(bh) * len + row) * D + lane * E;
   if constexpr (E == 4) {
     *reinterpret_cast<uint32_t *>(out) = packed;
   } else {
     *reinterpret_cast<uint16_t *>(out) = static_cast<uint16_t>(packed);
   }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Rows of q [b, h, len, D] as int8 codes [bh][len][D], one scale each [bh][len]: one warp a row.
+// Block 256 threads (8 rows); grid (ceil(len / 8), bh).
+template <typename T, int D>
+__device__ __forceinline__ void q_kernel(const T *x, int8_t *codes, float *scales, int len,
+                                         int heads, long long sb, long long sh, long long ss) {
+  constexpr int E = D / 32;
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32;
+  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
+  if (row >= len) return;
+  float v[E];
+  load_lane<T, E>(x + b * sb + h * sh + row * ss + lane * E, v);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < E; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const float scale = warp_max(amax) / I8_MAX;
+  const long long out_row = static_cast<long long>(bh) * len + row;
+  store_codes<E>(v, scale, codes + out_row * D + lane * E);
   if (lane == 0) scales[out_row] = scale;
+}
+
+// Blocks of KEY_BLOCK rows of k [b, h, len, D] minus the channel means of `stats` as int8 codes
+// [bh][len][D] with one scale per block [bh][blocks] (blocks past `len` get scale 0). Block 256
+// threads, 8 warps of 16 rows each, the rows held in registers; grid (blocks, bh).
+template <typename T, int D>
+__device__ __forceinline__ void k_kernel(const T *x, const float *stats, int8_t *codes,
+                                         float *scales, int len, int heads, long long sb,
+                                         long long sh, long long ss) {
+  constexpr int E = D / 32, ROWS = KEY_BLOCK / 8;
+  __shared__ float warp_amax[8];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
+  const int row0 = blockIdx.x * KEY_BLOCK + warp * ROWS;
+  const float *sum = stats + static_cast<long long>(bh) * 4 * D + lane * E;
+  float mean[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) mean[i] = sum[i] / static_cast<float>(len);
+  float v[ROWS][E];
+  float amax = 0.f;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (row0 + r < len) {
+      load_lane<T, E>(x + b * sb + h * sh + (row0 + r) * ss + lane * E, v[r]);
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        v[r][i] = v[r][i] - mean[i];
+        amax = fmaxf(amax, fabsf(v[r][i]));
+      }
+    }
+  }
+  amax = warp_max(amax);
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  amax = lane < 8 ? warp_amax[lane] : 0.f;
+  const float scale = warp_max(amax) / I8_MAX;
+  if (threadIdx.x == 0) scales[static_cast<long long>(bh) * gridDim.x + blockIdx.x] = scale;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (row0 + r < len) {
+      store_codes<E>(v[r], scale, codes + (static_cast<long long>(bh) * len + row0 + r) * D + lane * E);
+    }
+  }
 }
 
 // v [b, h, len, D] as e4m3 codes of (v - mean) / scale per channel, transposed and permuted:
@@ -255,7 +308,6 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
   uint8_t *sQ = smem;                                         // [BR][QS]
   uint8_t *sK = sQ + BR * QS;                                 // [2][BC][QS]
   uint8_t *sV = sK + 2 * BC * QS;                             // [2][D][VS]
-  float *sKs = reinterpret_cast<float *>(sV + 2 * D * VS);    // [2][BC]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
@@ -263,7 +315,7 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
   const int wrow = warp * 16 * MT;
   const int8_t *qp = qc + static_cast<long long>(bh) * q_len * D;
   const int8_t *kp = kc + static_cast<long long>(bh) * kv_len * D;
-  const float *ksp = ks + static_cast<long long>(bh) * pad;
+  const float *ksp = ks + static_cast<long long>(bh) * (pad / KEY_BLOCK);
   const uint8_t *vp = vt + static_cast<long long>(bh) * D * pad;
   const float *st = stats + static_cast<long long>(bh) * 4 * D;
 
@@ -289,7 +341,6 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
       cp_async16(smem_addr(sV + (buf * D + d) * VS + col),
                  vp + static_cast<long long>(d) * pad + k0 + col, 16);
     }
-    if (tid < BC / 4) cp_async16(smem_addr(sKs + buf * BC + 4 * tid), ksp + k0 + 4 * tid, 16);
   };
   load_kv(0, 0);
   cp_async_commit();
@@ -326,6 +377,7 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
+    const float k_scale = ksp[j * BC / KEY_BLOCK];
 
     // Integer scores of this warp's rows against the tile's keys.
     int si[MT][BC / 8][4];
@@ -357,59 +409,70 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
       }
     }
 
-    // Scores in the log2 domain: times both tokens' scales; keys past the end masked.
-    const float *ksb = sKs + buf * BC;
-    const bool partial = (j + 1) * BC > kv_len;
+    // Online softmax in f32 on the raw sums: as floats (MAGIC_INT added), the scores are
+    // s = (raw - MAGIC_FLOAT) * a with a = the row's scale times the key block's, so the max is
+    // taken on raw and 448 p = 2^(raw * a - (MAGIC_FLOAT * a + max - log2 448)), one fma.
+    // Every tile holds at least one valid key, so the new max is finite.
     float s[MT][BC / 8][4];
-#pragma unroll
-    for (int n = 0; n < BC / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = n * 8 + 2 * (lane % 4) + e;
-        const float kscale = ksb[key];
-        const bool masked = partial && j * BC + key >= kv_len;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            s[mt][n][2 * hf + e] =
-                masked ? -INFINITY
-                       : static_cast<float>(si[mt][n][2 * hf + e]) * q_scale[mt][hf] * kscale;
-          }
-        }
-      }
-    }
-
-    // Online softmax in f32; every tile holds at least one valid key, so the new max is finite.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float mx = -INFINITY;
+      for (int n = 0; n < BC / 8; ++n) {
 #pragma unroll
-        for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][hf], mx);
-        const float alpha = ex2(m_run[mt][hf] - m_new);
-        m_run[mt][hf] = m_new;
-        float sum = 0.f;
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = __int_as_float(si[mt][n][e] + MAGIC_INT);
+      }
+    }
+    // `partial` (the last tile, keys past the end masked) is a constant where it is called: the
+    // other tiles carry no per-key test.
+    float alpha[MT][2];
+    auto softmax_tile = [&](bool partial) {
+      auto masked = [&](int n, int e) { return j * BC + n * 8 + 2 * (lane % 4) + (e & 1) >= kv_len; };
+      if (partial) {
 #pragma unroll
-        for (int n = 0; n < BC / 8; ++n) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-          for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-            const float p = ex2(s[mt][n][e] - m_new);
-            s[mt][n][e] = p * E4M3_MAX;
-            sum += p;
+          for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (masked(n, e)) s[mt][n][e] = -INFINITY;
+            }
           }
         }
-        l_run[mt][hf] = l_run[mt][hf] * alpha + sum;
+      }
 #pragma unroll
-        for (int d = 0; d < D / 8; ++d) {
-          acc[mt][d][2 * hf] *= alpha;
-          acc[mt][d][2 * hf + 1] *= alpha;
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float a = q_scale[mt][hf] * k_scale;
+          const float m_new = fmaxf(m_run[mt][hf], (mx - MAGIC_FLOAT) * a);
+          alpha[mt][hf] = ex2(m_run[mt][hf] - m_new);
+          m_run[mt][hf] = m_new;
+          const float bias = fmaf(MAGIC_FLOAT, a, m_new - LOG2_E4M3_MAX);
+          float sum = 0.f;
+#pragma unroll
+          for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+            for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
+              float p = ex2(fmaf(s[mt][n][e], a, -bias));
+              // -inf times a zero scale is NaN: masked keys get 0 outright.
+              if (partial && masked(n, e)) p = 0.f;
+              s[mt][n][e] = p;
+              sum += p;
+            }
+          }
+          l_run[mt][hf] = l_run[mt][hf] * alpha[mt][hf] + sum;
         }
       }
+    };
+    if ((j + 1) * BC > kv_len) {
+      softmax_tile(true);
+    } else {
+      softmax_tile(false);
     }
 
     // P as e4m3 A operands, 32 keys per step, in V's permuted key order.
@@ -426,7 +489,7 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
       }
     }
 
-    // acc += P V, each tile's sums apart first.
+    // acc = acc * alpha + P V: each tile's sums apart first.
     const uint8_t *sVb = sV + buf * D * VS;
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
@@ -453,7 +516,9 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mt][2 * dp + x][e] += t[mt][x][e];
+          for (int e = 0; e < 4; ++e) {
+            acc[mt][2 * dp + x][e] = fmaf(acc[mt][2 * dp + x][e], alpha[mt][e / 2], t[mt][x][e]);
+          }
         }
       }
     }
@@ -468,7 +533,7 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
       float l = l_run[mt][hf];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = 1.f / (l * E4M3_MAX);
+      const float inv = 1.f / l;  // l sums 448 p
       const int row = q0 + wrow + mt * 16 + lane / 4 + hf * 8;
       if (row < q_len) {
 #pragma unroll
@@ -514,10 +579,14 @@ extern "C" __global__ void sage_stats_init(float *stats, int bh, int d) {
     stats_kernel<T, D>(k, v, stats, len, heads, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);           \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                            \
-      sage_rows_##TN##_d##D(const T *x, const float *stats, int8_t *codes, float *scales,      \
-                            int len, int rows, int heads, long long sb, long long sh,          \
-                            long long ss) {                                                    \
-    rows_kernel<T, D>(x, stats, codes, scales, len, rows, heads, sb, sh, ss);                  \
+      sage_q_##TN##_d##D(const T *x, int8_t *codes, float *scales, int len, int heads,         \
+                         long long sb, long long sh, long long ss) {                           \
+    q_kernel<T, D>(x, codes, scales, len, heads, sb, sh, ss);                                  \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256)                                            \
+      sage_k_##TN##_d##D(const T *x, const float *stats, int8_t *codes, float *scales,         \
+                         int len, int heads, long long sb, long long sh, long long ss) {       \
+    k_kernel<T, D>(x, stats, codes, scales, len, heads, sb, sh, ss);                           \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                            \
       sage_v_##TN##_d##D(const T *v, const float *stats, uint8_t *vt, int len, int pad,        \

@@ -181,15 +181,17 @@ pub fn fp8_matmul_activations(
 }
 
 /// Device bytes `--attention sage` adds to a forward on `latent`: the self-attention's int8 codes
-/// of q and k and e4m3 codes of v (one byte an element, v padded to whole 64-key tiles), the
-/// tokens' f32 scales, and the channel statistics.
+/// of q and k and e4m3 codes of v (one byte an element, v padded to whole blocks of 128 keys), the
+/// f32 scales of q's rows and k's blocks, and the channel statistics.
 pub fn sage_attention_activations(cfg: &WanTransformerConfig, latent: [usize; 5]) -> u64 {
     let [_, _, f, h, w] = latent;
     let [pt, ph, pw] = cfg.patch_size;
     let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
     let (heads, head_dim) = (cfg.num_attention_heads as u64, cfg.attention_head_dim as u64);
-    let codes = (2 * tokens + tokens.next_multiple_of(64)) * heads * head_dim;
-    let scales = (tokens + tokens.next_multiple_of(64)) * heads * F32;
+    let block = crate::models::sage_attention::KEY_BLOCK as u64;
+    let padded = tokens.next_multiple_of(block);
+    let codes = (2 * tokens + padded) * heads * head_dim;
+    let scales = (tokens + padded / block) * heads * F32;
     codes + scales + 4 * heads * head_dim * F32
 }
 

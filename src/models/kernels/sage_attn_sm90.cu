@@ -1,0 +1,328 @@
+// 8-bit attention for Hopper (sm_90a only; built and loaded on compute capability 9.0 alone, beside
+// the portable kernel of sage_attn.cu, whose preparation launches make its inputs): the
+// FlashAttention-3 loop of flash_attn_sm90.cu on wgmma's 8-bit products.
+//
+// One block takes 128 query rows of one (batch, head) at head_dim 128: a producer warpgroup loads
+// the query codes once and each 128-key tile of key codes and of transposed value codes with TMA
+// (one 128-byte swizzled box of 128 x 128 bytes each) into two stages; two consumer warpgroups of
+// 64 rows each compute S = Q K^T on wgmma m64n128k32 s8 (exact int32 sums), scale it by both tokens'
+// scales, run the online softmax in f32, and add P V on wgmma m64n128k32 e4m3 with P from registers
+// (times 448, in the value codes' permuted key order, see sage_attn.cu), each tile's product summed
+// apart and then added to the f32 accumulators. The P V of tile j-1 runs while tile j's softmax is
+// computed, and the two warpgroups take turns issuing their products.
+// Inputs: int8 codes of q [bh][q_len][128] and k [bh][kv_len][128], e4m3 value codes
+// [bh][128][pad] (pad a multiple of 128), f32 scales of q's rows [bh][q_len] and of k's blocks of
+// 128 keys [bh][pad / 128], the
+// channel statistics [bh][4][128]. Output [batch, q_len, heads, 128] at the given element strides.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace {
+
+#include "hopper.cuh"
+
+constexpr int D = 128;                 // head_dim, bytes per code row
+constexpr int BM = 128;                // query rows per block
+constexpr int BN = 128;                // keys per tile
+constexpr int STAGES = 2;              // key and value tiles in flight
+constexpr int TILE = 128 * 128;        // one tile of codes: a 128 x 128-byte TMA box
+constexpr int CONSUMER_WARPS = 8;      // arrivals that free a stage
+constexpr float E4M3_MAX = 448.f;
+constexpr float LOG2_E4M3_MAX = 8.807354922057604f;  // log2(448): P times 448 inside the exponent
+// An int32 below 2^22 in magnitude plus this, as a float, is 2^23 + 2^22 + the int: one integer
+// add and one float subtract instead of a conversion (which issues at a quarter of the rate).
+constexpr int MAGIC_INT = 0x4B400000;
+constexpr float MAGIC_FLOAT = 12582912.f;
+
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return __byte_perm(lo, hi, 0x5410);
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// Channel c's mean and scale of v, as sage_attn.cu's `v_channel`.
+__device__ __forceinline__ float2 v_channel(const float *stats, int c, int len) {
+  const float mean = stats[D + c] / static_cast<float>(len);
+  const float spread = fmaxf(stats[2 * D + c] - mean, mean - stats[3 * D + c]);
+  return make_float2(mean, spread / E4M3_MAX);
+}
+
+// S (64 x 128, s32) (+)= A (64 x 32 int8, shared) * B (32 x 128 int8, shared, K-major).
+__device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+      ACCUMULATOR_REGISTERS
+      "%64, %65, p;\n}\n"
+      : ACCUMULATORS("+r", d)
+      : "l"(a), "l"(b), "r"(scale_d));
+}
+
+// D (64 x 128, f32) (+)= A (64 x 32 e4m3, registers) * B (32 x 128 e4m3, shared, K-major).
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                           int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      ACCUMULATOR_REGISTERS
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : ACCUMULATORS("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+template <typename T>
+__device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtensorMap &k_map,
+                                          const CUtensorMap &v_map, const float *q_scales,
+                                          const float *k_scales, const float *stats, T *out,
+                                          int q_len, int kv_len, int pad, int heads,
+                                          long long out_batch, long long out_row,
+                                          long long out_head, float scale_log2) {
+  extern __shared__ uint8_t raw[];
+  // q, then per stage: keys full, values full, keys empty, values empty.
+  __shared__ __align__(8) uint64_t bars[1 + 4 * STAGES];
+  const uint32_t base = (smem_addr(raw) + 1023) & ~1023u;  // swizzled boxes need 1024-byte alignment
+  const uint32_t sq = base, sk = base + TILE, sv = base + TILE * (1 + STAGES);
+  const uint32_t bar_q = smem_addr(&bars[0]);
+  auto full_k = [&](int s) { return smem_addr(&bars[1 + s]); };
+  auto full_v = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
+  auto empty_k = [&](int s) { return smem_addr(&bars[1 + 2 * STAGES + s]); };
+  auto empty_v = [&](int s) { return smem_addr(&bars[1 + 3 * STAGES + s]); };
+  const int q_tile = blockIdx.x, bh = blockIdx.y;
+  const int tiles = (kv_len + BN - 1) / BN;
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_k(s), 1);
+      mbar_init(full_v(s), 1);
+      mbar_init(empty_k(s), CONSUMER_WARPS);
+      mbar_init(empty_v(s), CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(bar_q, TILE);
+      tma_load(sq, &q_map, bar_q, 0, q_tile * BM, bh, 0);
+      for (int j = 0; j < tiles; ++j) {
+        const int s = j % STAGES;
+        const uint32_t phase = (j / STAGES) & 1;
+        mbar_wait(empty_k(s), phase ^ 1);
+        mbar_expect_tx(full_k(s), TILE);
+        tma_load(sk + s * TILE, &k_map, full_k(s), 0, j * BN, bh, 0);
+        mbar_wait(empty_v(s), phase ^ 1);
+        mbar_expect_tx(full_v(s), TILE);
+        tma_load(sv + s * TILE, &v_map, full_v(s), j * BN, 0, bh, 0);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int consumer = wg - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const bool warp_leader = lane == 0;
+  // Scores: int32 sums from the product, then f32 (their bits) in place.
+  uint32_t s[64], p[16];
+  float o[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  const int row0 = q_tile * BM + consumer * 64 + warp * 16 + g;
+  // The thread's two rows (g and g + 8 of its warp's 16): scales times scale_log2, statistics.
+  float q_scale[2], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f},
+                    correction[2] = {1.f, 1.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    q_scale[r] = row < q_len ? q_scales[static_cast<long long>(bh) * q_len + row] * scale_log2 : 0.f;
+  }
+  const float *k_scale = k_scales + static_cast<long long>(bh) * (pad / BN);
+
+  // S = Q K^T over head_dim in 4 steps of 32 bytes within the 128-byte swizzled rows.
+  auto scores = [&](int stage) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t a = smem_desc(sq + consumer * 64 * 128 + kk * 32, 16, 1024);
+      const uint64_t b = smem_desc(sk + stage * TILE + kk * 32, 16, 1024);
+      wgmma_s8(s, a, b, kk > 0);
+    }
+    wgmma_commit();
+  };
+  // part = P V over the tile's keys in 4 steps of 32 (value codes K-major: keys contiguous).
+  auto values = [&](int stage) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+      wgmma_e4m3(part, a, smem_desc(sv + stage * TILE + kk * 32, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+  };
+  // Online softmax of tile j's scores, in place. As floats (MAGIC_INT added), the raw sums give
+  // the scores s = (raw - MAGIC_FLOAT) * a, a the row's scale times the key block's `ks`: the max
+  // is taken on raw, and 448 p = 2^(raw * a - (MAGIC_FLOAT * a + max - log2 448)) is one fma. The
+  // rescale of O the new maxima ask for goes to `correction`.
+  // `partial` (the last tile, keys past the end masked) is a constant where it is called: the
+  // other tiles carry no per-key test.
+  auto softmax_tile = [&](int j, float ks, bool partial) {
+    auto masked = [&](int i) { return j * BN + 8 * (i / 4) + 2 * t + (i % 2) >= kv_len; };
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      s[i] = __float_as_uint(__int_as_float(static_cast<int>(s[i]) + MAGIC_INT));
+      if (partial && masked(i)) s[i] = __float_as_uint(-INFINITY);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        mx = fmaxf(mx, fmaxf(__uint_as_float(s[4 * i + 2 * r]), __uint_as_float(s[4 * i + 2 * r + 1])));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float a = q_scale[r] * ks;
+      const float m_new = fmaxf(row_max[r], (mx - MAGIC_FLOAT) * a);
+      correction[r] = exp2_approx(row_max[r] - m_new);
+      row_max[r] = m_new;
+      const float bias = fmaf(MAGIC_FLOAT, a, m_new - LOG2_E4M3_MAX);
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int k = 4 * i + 2 * r + e;
+          float y = exp2_approx(fmaf(__uint_as_float(s[k]), a, -bias));
+          // -inf times a zero scale is NaN: masked keys get 0 outright.
+          if (partial && masked(k)) y = 0.f;
+          s[k] = __float_as_uint(y);
+          sum += y;
+        }
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  };
+  auto softmax = [&](int j, float ks) {
+    if ((j + 1) * BN > kv_len) {
+      softmax_tile(j, ks, true);
+    } else {
+      softmax_tile(j, ks, false);
+    }
+  };
+  // O = O * c + P V of the last tile, c its maxima's correction.
+  auto accumulate = [&](const float (&c)[2]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], c[(i / 2) % 2], part[i]);
+  };
+  // P as e4m3 A operands: step kk's registers hold n-tiles 4kk..4kk+3 in the value codes' order.
+  auto to_p = [&]() {
+    auto f = [&](int i, int r, int e) { return __uint_as_float(s[4 * i + 2 * r + e]); };
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int n = 4 * kk;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        p[4 * kk + r] = e4m3x4(f(n, r, 0), f(n, r, 1), f(n + 1, r, 0), f(n + 1, r, 1));
+        p[4 * kk + 2 + r] = e4m3x4(f(n + 2, r, 0), f(n + 2, r, 1), f(n + 3, r, 0), f(n + 3, r, 1));
+      }
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    if (warp_leader) mbar_arrive(bar);
+  };
+
+  // Tile j's Q K^T and tile j-1's P V are issued in one turn, and tile j's softmax is computed
+  // while P V runs (session 28 measured this 5-7% faster than issuing them one at a time, with or
+  // without turns).
+  if (consumer == 1) turn_pass(1);  // warpgroup 1 issues first
+  float ks = k_scale[0];
+  mbar_wait(bar_q, 0);
+  mbar_wait(full_k(0), 0);
+  turn_wait(consumer);
+  wgmma_fence();
+  scores(0);
+  turn_pass(consumer);
+  wgmma_wait<0>();
+  release(empty_k(0));
+  softmax(0, ks);
+  to_p();
+  for (int j = 1; j < tiles; ++j) {
+    const int s_now = j % STAGES, s_prev = (j - 1) % STAGES;
+    ks = k_scale[j];  // read early: used after this tile's Q K^T
+    const float c[2] = {correction[0], correction[1]};
+    mbar_wait(full_k(s_now), (j / STAGES) & 1);
+    turn_wait(consumer);
+    wgmma_fence();
+    scores(s_now);
+    mbar_wait(full_v(s_prev), ((j - 1) / STAGES) & 1);
+    values(s_prev);
+    turn_pass(consumer);
+    wgmma_wait<1>();
+    release(empty_k(s_now));
+    softmax(j, ks);
+    wgmma_wait<0>();
+    release(empty_v(s_prev));
+    accumulate(c);
+    to_p();
+  }
+  const int s_last = (tiles - 1) % STAGES;
+  const float c[2] = {correction[0], correction[1]};
+  mbar_wait(full_v(s_last), ((tiles - 1) / STAGES) & 1);
+  turn_wait(consumer);
+  wgmma_fence();
+  values(s_last);
+  turn_pass(consumer);
+  wgmma_wait<0>();
+  release(empty_v(s_last));
+  accumulate(c);
+
+  const float *st = stats + static_cast<long long>(bh) * 4 * D;
+  const int batch = bh / heads, head = bh % heads;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const float inv = 1.f / sum;
+    const int row = row0 + 8 * r;
+    if (row >= q_len) continue;
+    T *dst = out + batch * out_batch + row * out_row + head * out_head + 2 * t;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int col = 8 * i + 2 * t;
+      const float2 c0 = v_channel(st, col, kv_len), c1 = v_channel(st, col + 1, kv_len);
+      *reinterpret_cast<uint32_t *>(dst + 8 * i) =
+          pack2(o[4 * i + 2 * r] * inv * c0.y + c0.x, o[4 * i + 2 * r + 1] * inv * c1.y + c1.x, T());
+    }
+  }
+}
+
+}  // namespace
+
+#define SAGE_SM90(TN, T)                                                                       \
+  extern "C" __global__ void __launch_bounds__(384, 1) sage_fwd_sm90_##TN##_d128(              \
+      const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,    \
+      const __grid_constant__ CUtensorMap v_map, const float *q_scales, const float *k_scales, \
+      const float *stats, T *out, int q_len, int kv_len, int pad, int heads,                   \
+      long long out_batch, long long out_row, long long out_head, float scale_log2) {          \
+    sage_sm90<T>(q_map, k_map, v_map, q_scales, k_scales, stats, out, q_len, kv_len, pad,      \
+                 heads, out_batch, out_row, out_head, scale_log2);                             \
+  }
+
+SAGE_SM90(bf16, __nv_bfloat16)
+SAGE_SM90(f16, __half)
