@@ -406,6 +406,7 @@ impl Bench {
             decode: true,
             cache_states: (0, 0),
             fp8_matmul: false,
+            sage_attention: false,
         };
         let spec = family.spec(&run);
         let mut first_output: Option<Vec<f32>> = None;

@@ -270,7 +270,13 @@ fn sage(dev: &Device) -> Result<()> {
             bail!("sage needs a CUDA device")
         };
         let hopper = sage_kernels::device_kernel(cuda, d) == Some(Kernel::Hopper);
-        let sm90 = || with(if hopper { Kernel::Hopper } else { Kernel::Portable(2) });
+        let sm90 = || {
+            with(if hopper {
+                Kernel::Hopper
+            } else {
+                Kernel::Portable(2)
+            })
+        };
         let cosine = |out: &Tensor| -> Result<f32> {
             let out = out.to_dtype(DType::F32)?;
             let dot = |a: &Tensor, b: &Tensor| -> Result<f32> {
@@ -299,7 +305,10 @@ fn sage(dev: &Device) -> Result<()> {
                 ("sage sm90", time(dev, REPS, sm90)?),
             ];
             set_limit(Some(101_376));
-            times.push(("sage gb10", time(dev, REPS, || sage_kernels::attend(&q, &k, &v, scale))?));
+            times.push((
+                "sage gb10",
+                time(dev, REPS, || sage_kernels::attend(&q, &k, &v, scale))?,
+            ));
             set_limit(None);
             let base = times[0].1;
             let line: Vec<String> = times

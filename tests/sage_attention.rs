@@ -20,8 +20,7 @@ fn relative_l2(a: &Tensor, b: &Tensor) -> f32 {
 
 /// The `sage_attentions` count of a `--stats-json` report.
 fn sage_attentions(stats: &Path) -> u64 {
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(stats).unwrap()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(stats).unwrap()).unwrap();
     report["sage_attentions"].as_u64().unwrap_or(0)
 }
 
@@ -62,7 +61,15 @@ fn wan_runs_sage_attention() {
     .to_vec();
     let exact = generate_frames(&args, &draws, &dir).unwrap();
     let stats = dir.join("stats.json");
-    args.extend(["--attention", "sage", "--stats-json", stats.to_str().unwrap()].map(String::from));
+    args.extend(
+        [
+            "--attention",
+            "sage",
+            "--stats-json",
+            stats.to_str().unwrap(),
+        ]
+        .map(String::from),
+    );
     let sage = generate_frames(&args, &draws, &dir).unwrap();
     let err = relative_l2(&sage, &exact);
     eprintln!("frames: relative L2 {err:.3e}");
@@ -120,7 +127,12 @@ fn ltx_video_runs_sage_attention() {
     let stats = dir.join("stats.json");
     let exact = run(&[], "exact");
     let sage = run(
-        &["--attention", "sage", "--stats-json", stats.to_str().unwrap()],
+        &[
+            "--attention",
+            "sage",
+            "--stats-json",
+            stats.to_str().unwrap(),
+        ],
         "sage",
     );
     let err = relative_l2(&sage, &exact);
@@ -137,7 +149,10 @@ fn unknown_kinds_are_refused() {
     let out = run_vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("exact") && stderr.contains("sage"), "{stderr}");
+    assert!(
+        stderr.contains("exact") && stderr.contains("sage"),
+        "{stderr}"
+    );
 }
 
 /// The memory plan counts the 8-bit codes and scales of the self-attention's q, k and v at the

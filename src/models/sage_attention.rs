@@ -219,7 +219,13 @@ impl Head {
                 row.iter()
                     .zip(&value_mean)
                     .zip(&value_scale)
-                    .map(|((x, mean), s)| if *s > 0.0 { e4m3.round((x - mean) / s) } else { 0.0 })
+                    .map(|((x, mean), s)| {
+                        if *s > 0.0 {
+                            e4m3.round((x - mean) / s)
+                        } else {
+                            0.0
+                        }
+                    })
                     .collect::<Vec<_>>()
             })
             .collect();
@@ -297,7 +303,10 @@ mod tests {
             let scale = 1.0 / (dims.4 as f64).sqrt();
             let exact = sdpa_chunked(&q, &k, &v, scale)?;
             let (err, cos) = compare(&attend_host(&q, &k, &v, scale)?, &exact)?;
-            assert!(err > 1e-4 && err < 2e-2, "{dims:?}: relative error {err:.2e}");
+            assert!(
+                err > 1e-4 && err < 2e-2,
+                "{dims:?}: relative error {err:.2e}"
+            );
             assert!(cos > 0.999, "{dims:?}: cosine {cos}");
         }
         Ok(())
@@ -324,7 +333,9 @@ mod tests {
         assert!(AttentionKind::parse("fast").unwrap_err().contains("exact"));
         assert_eq!(current(), AttentionKind::Exact);
         let inside = computing(AttentionKind::Sage, || {
-            std::thread::spawn(current).join().map(|other| (current(), other))
+            std::thread::spawn(current)
+                .join()
+                .map(|other| (current(), other))
         });
         assert_eq!(
             inside.expect("thread"),

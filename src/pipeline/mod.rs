@@ -28,8 +28,8 @@ use crate::config::{BatchOrderChoice, ModelDefaults, ResolvedConfig, UsageError}
 use crate::memory::accounting::MemoryMeter;
 use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request};
 use crate::memory::{DeviceKind, MemoryModel, MemoryOptions};
-use crate::models::source::ModelSource;
 use crate::models::sage_attention::AttentionKind;
+use crate::models::source::ModelSource;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use holding::Fsdp;

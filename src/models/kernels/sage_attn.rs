@@ -167,8 +167,9 @@ impl SageAttn {
             v.slice(vl.start_offset()..),
         );
         let (qs, ks, vs) = (strides(ql), strides(kl), strides(vl));
-        let (n32, m32, pad32, h32, d32, bh32) =
-            (n as i32, m as i32, pad as i32, h as i32, d as i32, bh as i32);
+        let (n32, m32, pad32, h32, d32, bh32) = (
+            n as i32, m as i32, pad as i32, h as i32, d as i32, bh as i32,
+        );
 
         // SAFETY (every launch below): the arguments match the kernel's signature; `supported` and
         // `aligned` checked the shapes, head_dim and the alignment of the inputs' rows; each
@@ -202,7 +203,11 @@ impl SageAttn {
         let mut k_codes = unsafe { dev.alloc::<i8>(bh * m * d) }?;
         let mut k_scales = unsafe { dev.alloc::<f32>(bh * pad / KEY_BLOCK) }?;
         let mut builder = func.builder();
-        builder.arg(&k).arg(&stats).arg(&mut k_codes).arg(&mut k_scales);
+        builder
+            .arg(&k)
+            .arg(&stats)
+            .arg(&mut k_codes)
+            .arg(&mut k_scales);
         builder.arg(&m32).arg(&h32);
         for s in &ks {
             builder.arg(s);
@@ -232,7 +237,11 @@ impl SageAttn {
                 )
                 .w()?;
                 let mut builder = func.builder();
-                builder.arg(&q_codes).arg(&q_scales).arg(&k_codes).arg(&k_scales);
+                builder
+                    .arg(&q_codes)
+                    .arg(&q_scales)
+                    .arg(&k_codes)
+                    .arg(&k_scales);
                 builder.arg(&v_codes).arg(&stats).arg(&mut out);
                 builder.arg(&n32).arg(&m32).arg(&pad32).arg(&h32);
                 for s in &os {
@@ -262,7 +271,11 @@ impl SageAttn {
                 ];
                 let mut builder = func.builder();
                 builder.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]);
-                builder.arg(&q_scales).arg(&k_scales).arg(&stats).arg(&mut out);
+                builder
+                    .arg(&q_scales)
+                    .arg(&k_scales)
+                    .arg(&stats)
+                    .arg(&mut out);
                 builder.arg(&n32).arg(&m32).arg(&pad32).arg(&h32);
                 let (batch, row, head) = (os[0], os[2], os[1]);
                 builder.arg(&batch).arg(&row).arg(&head);
@@ -371,8 +384,13 @@ mod cuda_tests {
             let scale = 1.0 / (d as f64).sqrt();
             let f32 = |t: &Tensor| t.to_dtype(DType::F32);
             let exact = sdpa_chunked(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale)?;
-            let host = attend_host(&q.to_device(&Device::Cpu)?, &k.to_device(&Device::Cpu)?, &v.to_device(&Device::Cpu)?, scale)?
-                .to_dtype(DType::F32)?;
+            let host = attend_host(
+                &q.to_device(&Device::Cpu)?,
+                &k.to_device(&Device::Cpu)?,
+                &v.to_device(&Device::Cpu)?,
+                scale,
+            )?
+            .to_dtype(DType::F32)?;
             let (to_exact, _) = compare(&host, &exact.to_device(&Device::Cpu)?)?;
             let hopper = device_kernel(dev.as_cuda_device()?, d) == Some(Kernel::Hopper);
             let kernels = M_TILES
@@ -399,7 +417,10 @@ mod cuda_tests {
                     to_host < bound * to_exact.max(1e-3),
                     "{case}: {to_host:.2e} from the definition"
                 );
-                assert!(err < 2e-2 && cos > 0.999, "{case}: {err:.2e} from exact, cosine {cos}");
+                assert!(
+                    err < 2e-2 && cos > 0.999,
+                    "{case}: {err:.2e} from exact, cosine {cos}"
+                );
             }
         }
         Ok(())

@@ -187,7 +187,10 @@ pub fn sage_attention_activations(cfg: &WanTransformerConfig, latent: [usize; 5]
     let [_, _, f, h, w] = latent;
     let [pt, ph, pw] = cfg.patch_size;
     let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
-    let (heads, head_dim) = (cfg.num_attention_heads as u64, cfg.attention_head_dim as u64);
+    let (heads, head_dim) = (
+        cfg.num_attention_heads as u64,
+        cfg.attention_head_dim as u64,
+    );
     let block = crate::models::sage_attention::KEY_BLOCK as u64;
     let padded = tokens.next_multiple_of(block);
     let codes = (2 * tokens + padded) * heads * head_dim;
