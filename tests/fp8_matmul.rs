@@ -6,22 +6,11 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
-use common::{
-    cpu_prompt_args, generate_frames, named_fixture_dir, run_vidgen, scratch_dir, usage_error,
-};
+use candle_core::{Device, Tensor};
+use common::{cpu_prompt_args, generate_frames, relative_l2, run_vidgen, scratch_dir, usage_error};
 use vidgen::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
 
 const FIXTURE: &str = "wan-tiny-a";
-
-/// ‖a − b‖ / ‖b‖ over all elements, in f32.
-fn relative_l2(a: &Tensor, b: &Tensor) -> f32 {
-    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    let (a, b) = (f(a), f(b));
-    let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().sqrt().unwrap();
-    let num = norm(&(&a - &b).unwrap()).to_scalar::<f32>().unwrap();
-    num / norm(&b).to_scalar::<f32>().unwrap()
-}
 
 /// Deterministic values in [-1, 1] of `shape` (`sin` of a ramp, `seed` its phase).
 fn values(shape: &[usize], seed: u64) -> Tensor {
@@ -68,33 +57,7 @@ fn each_forward_stays_close_to_the_exact_one() {
 #[test]
 fn the_command_line_runs_fp8_matmuls() {
     let dir = scratch_dir("fp8-matmul", "cli");
-    let refs = candle_core::safetensors::load(
-        named_fixture_dir(FIXTURE).join("reference/pipeline.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let draws = dir.join("draws.safetensors");
-    let latents =
-        std::collections::HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
-    candle_core::safetensors::save(&latents, &draws).unwrap();
-    let mut args: Vec<String> = [
-        "--model",
-        named_fixture_dir(FIXTURE).to_str().unwrap(),
-        "--prompt",
-        "A red car drives along a coastal road.",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--num-frames",
-        "9",
-        "--num-inference-steps",
-        "3",
-        "--max-sequence-length",
-        "20",
-    ]
-    .map(String::from)
-    .to_vec();
+    let (mut args, draws) = common::wan_tiny_reference_call(&dir);
     let exact = generate_frames(&args, &draws, &dir).unwrap();
     args.push("--fp8-matmul".into());
     let fp8 = generate_frames(&args, &draws, &dir).unwrap();
@@ -161,6 +124,7 @@ fn the_plan_counts_the_fp8_codes() {
 #[cfg(feature = "cuda")]
 mod cuda_tests {
     use super::*;
+    use candle_core::DType;
     use std::time::Instant;
     use vidgen::models::fp8::{self, Fp8Rows};
     use vidgen::weights::{WeightSet, Weights};

@@ -5,18 +5,11 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
-use common::{cpu_prompt_args, generate_frames, named_fixture_dir, run_vidgen, scratch_dir};
+use candle_core::{Device, Tensor};
+use common::{
+    cpu_prompt_args, generate_frames, named_fixture_dir, relative_l2, run_vidgen, scratch_dir,
+};
 use std::path::Path;
-
-/// ‖a − b‖ / ‖b‖ over all elements, in f32.
-fn relative_l2(a: &Tensor, b: &Tensor) -> f32 {
-    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    let (a, b) = (f(a), f(b));
-    let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().sqrt().unwrap();
-    let num = norm(&(&a - &b).unwrap()).to_scalar::<f32>().unwrap();
-    num / norm(&b).to_scalar::<f32>().unwrap()
-}
 
 /// The `sage_attentions` count of a `--stats-json` report.
 fn sage_attentions(stats: &Path) -> u64 {
@@ -32,33 +25,7 @@ fn sage_attentions(stats: &Path) -> u64 {
 fn wan_runs_sage_attention() {
     let fixture = "wan-tiny-a";
     let dir = scratch_dir("sage-attention", "wan");
-    let refs = candle_core::safetensors::load(
-        named_fixture_dir(fixture).join("reference/pipeline.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let draws = dir.join("draws.safetensors");
-    let latents =
-        std::collections::HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
-    candle_core::safetensors::save(&latents, &draws).unwrap();
-    let mut args: Vec<String> = [
-        "--model",
-        named_fixture_dir(fixture).to_str().unwrap(),
-        "--prompt",
-        "A red car drives along a coastal road.",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--num-frames",
-        "9",
-        "--num-inference-steps",
-        "3",
-        "--max-sequence-length",
-        "20",
-    ]
-    .map(String::from)
-    .to_vec();
+    let (mut args, draws) = common::wan_tiny_reference_call(&dir);
     let exact = generate_frames(&args, &draws, &dir).unwrap();
     let stats = dir.join("stats.json");
     args.extend(

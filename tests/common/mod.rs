@@ -215,3 +215,51 @@ pub fn planned_denoise_activations(fixture: &str, extra: &[&str]) -> u64 {
         .unwrap();
     stage["memory"]["activation_bytes"].as_u64().unwrap()
 }
+
+/// ‖a − b‖ / ‖b‖ over all elements, in f32.
+pub fn relative_l2(a: &Tensor, b: &Tensor) -> f32 {
+    let f = |t: &Tensor| {
+        t.to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+    };
+    let (a, b) = (f(a), f(b));
+    let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().sqrt().unwrap();
+    let num = norm(&(&a - &b).unwrap()).to_scalar::<f32>().unwrap();
+    num / norm(&b).to_scalar::<f32>().unwrap()
+}
+
+/// The tiny Wan checkpoint's reference call through the command line (its prompt, 32x32x9, three
+/// steps with classifier-free guidance) and the draws file of its initial latents, written into
+/// `dir`: the arguments for [`generate_frames`] and the draws.
+pub fn wan_tiny_reference_call(dir: &std::path::Path) -> (Vec<String>, PathBuf) {
+    let fixture = named_fixture_dir("wan-tiny-a");
+    let refs = candle_core::safetensors::load(
+        fixture.join("reference/pipeline.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let draws = dir.join("draws.safetensors");
+    let latents = HashMap::from([("latents".to_string(), refs["latents_init"].clone())]);
+    candle_core::safetensors::save(&latents, &draws).unwrap();
+    let args = [
+        "--model",
+        fixture.to_str().unwrap(),
+        "--prompt",
+        "A red car drives along a coastal road.",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-frames",
+        "9",
+        "--num-inference-steps",
+        "3",
+        "--max-sequence-length",
+        "20",
+    ]
+    .map(String::from)
+    .to_vec();
+    (args, draws)
+}
