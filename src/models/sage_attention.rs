@@ -202,15 +202,15 @@ impl Head {
             key_codes.extend(codes);
             key_scales.extend(std::iter::repeat_n(scale, block.len() / d));
         }
+        let (mut lo, mut hi) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
+        for row in v.chunks_exact(d) {
+            for (c, &x) in row.iter().enumerate() {
+                lo[c] = lo[c].min(x);
+                hi[c] = hi[c].max(x);
+            }
+        }
         let value_scale: Vec<f32> = (0..d)
-            .map(|c| {
-                let (lo, hi) = v
-                    .chunks_exact(d)
-                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), row| {
-                        (lo.min(row[c]), hi.max(row[c]))
-                    });
-                (hi - value_mean[c]).max(value_mean[c] - lo) / E4M3_MAX
-            })
+            .map(|c| (hi[c] - value_mean[c]).max(value_mean[c] - lo[c]) / E4M3_MAX)
             .collect();
         let e4m3 = StorageDtype::Float8E4m3fn;
         let value_codes = v
@@ -267,7 +267,7 @@ impl Head {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::models::attention::sdpa_chunked;
 

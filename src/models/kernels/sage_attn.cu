@@ -31,39 +31,17 @@
 namespace {
 
 #include "tensor_core.cuh"
+#include "sage.cuh"
 
 constexpr int BC = 64;        // keys per tile
 constexpr int ROW_PAD = 16;   // bytes added to each shared-memory row: conflict-free ldmatrix
 constexpr float I8_MAX = 127.f;
-constexpr float E4M3_MAX = 448.f;
-constexpr float LOG2_E4M3_MAX = 8.807354922057604f;  // log2(448): P times 448 inside the exponent
-// An int32 below 2^22 in magnitude plus this, as a float, is 2^23 + 2^22 + the int: one integer
-// add and one float subtract instead of a conversion (which issues at a quarter of the rate).
-constexpr int MAGIC_INT = 0x4B400000;
-constexpr float MAGIC_FLOAT = 12582912.f;
-
 __device__ __forceinline__ float2 load2(const __nv_bfloat16 *p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
 }
 __device__ __forceinline__ float2 load2(const __half *p) {
   return __half22float2(*reinterpret_cast<const __half2 *>(p));
 }
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-
-// Four floats as e4m3 codes (round to nearest even, saturating), a in the lowest byte.
-__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return __byte_perm(lo, hi, 0x5410);
-}
-
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -105,13 +83,6 @@ __device__ __forceinline__ void atomic_min(float *a, float v) {
   } else {
     atomicMax(reinterpret_cast<unsigned *>(a), __float_as_uint(v));
   }
-}
-
-// Channel c's mean and scale of v from the stats of its (batch, head) over `len` keys.
-__device__ __forceinline__ float2 v_channel(const float *stats, int D, int c, int len) {
-  const float mean = stats[D + c] / static_cast<float>(len);
-  const float spread = fmaxf(stats[2 * D + c] - mean, mean - stats[3 * D + c]);
-  return make_float2(mean, spread / E4M3_MAX);
 }
 
 // Rows per block of `sage_stats`.

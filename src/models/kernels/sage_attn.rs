@@ -6,7 +6,7 @@
 use crate::models::attention::flash_attn::aligned;
 use crate::models::attention::flash_attn_sm90::TensorMap;
 use crate::models::kernel_module::{kernel_module, shared_memory_limit, Module};
-use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{
     CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -55,23 +55,18 @@ pub fn shared_bytes(head_dim: usize, m_tiles: usize) -> usize {
 
 /// Whether `dev` has the fp8 tensor cores the kernel needs (compute capability 8.9 or newer).
 pub fn device_runs(dev: &CudaDevice) -> bool {
-    let stream = dev.cuda_stream();
-    let ctx = stream.context();
-    let attr = |a| ctx.attribute(a).unwrap_or(0);
-    let cc = (
-        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
-    );
-    cc >= (8, 9)
+    compute_capability(dev).is_some_and(|cc| cc >= (8, 9))
+}
+
+fn compute_capability(dev: &CudaDevice) -> Option<(i32, i32)> {
+    dev.cuda_stream().context().compute_capability().ok()
 }
 
 /// The kernel the attention launches on `dev`: Hopper's where it runs, else the portable one with
 /// the most m-tiles that fit its shared memory.
 pub fn device_kernel(dev: &CudaDevice, head_dim: usize) -> Option<Kernel> {
     let limit = shared_memory_limit(dev)?;
-    let hopper = head_dim == 128
-        && limit >= SM90_SHARED
-        && dev.cuda_stream().context().compute_capability().ok() == Some((9, 0));
+    let hopper = head_dim == 128 && limit >= SM90_SHARED && compute_capability(dev) == Some((9, 0));
     if hopper {
         return Some(Kernel::Hopper);
     }
@@ -337,17 +332,8 @@ mod cuda_tests {
     use super::*;
     use crate::models::attention::sdpa_chunked;
     use crate::models::sage_attention::attend_host;
+    use crate::models::sage_attention::tests::compare;
     use candle_core::DType;
-
-    fn compare(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
-        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-        let dot = |x: &Tensor, y: &Tensor| -> Result<f64> {
-            Ok(f64::from((x * y)?.sum_all()?.to_scalar::<f32>()?))
-        };
-        let diff = (&a - &b)?;
-        let (ab, aa, bb) = (dot(&a, &b)?, dot(&a, &a)?, dot(&b, &b)?);
-        Ok(((dot(&diff, &diff)? / bb).sqrt(), ab / (aa * bb).sqrt()))
-    }
 
     /// Each kernel the device runs (both portable launch configurations, and Hopper's there)
     /// against the host definition (the same codes but for the probabilities' running max, see

@@ -24,6 +24,7 @@
 namespace {
 
 #include "hopper.cuh"
+#include "sage.cuh"
 
 constexpr int D = 128;                 // head_dim, bytes per code row
 constexpr int BM = 128;                // query rows per block
@@ -31,35 +32,6 @@ constexpr int BN = 128;                // keys per tile
 constexpr int STAGES = 2;              // key and value tiles in flight
 constexpr int TILE = 128 * 128;        // one tile of codes: a 128 x 128-byte TMA box
 constexpr int CONSUMER_WARPS = 8;      // arrivals that free a stage
-constexpr float E4M3_MAX = 448.f;
-constexpr float LOG2_E4M3_MAX = 8.807354922057604f;  // log2(448): P times 448 inside the exponent
-// An int32 below 2^22 in magnitude plus this, as a float, is 2^23 + 2^22 + the int: one integer
-// add and one float subtract instead of a conversion (which issues at a quarter of the rate).
-constexpr int MAGIC_INT = 0x4B400000;
-constexpr float MAGIC_FLOAT = 12582912.f;
-
-__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return __byte_perm(lo, hi, 0x5410);
-}
-
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-
-// Channel c's mean and scale of v, as sage_attn.cu's `v_channel`.
-__device__ __forceinline__ float2 v_channel(const float *stats, int c, int len) {
-  const float mean = stats[D + c] / static_cast<float>(len);
-  const float spread = fmaxf(stats[2 * D + c] - mean, mean - stats[3 * D + c]);
-  return make_float2(mean, spread / E4M3_MAX);
-}
-
 // S (64 x 128, s32) (+)= A (64 x 32 int8, shared) * B (32 x 128 int8, shared, K-major).
 __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t a, uint64_t b, int scale_d) {
   asm volatile(
@@ -305,7 +277,7 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int col = 8 * i + 2 * t;
-      const float2 c0 = v_channel(st, col, kv_len), c1 = v_channel(st, col + 1, kv_len);
+      const float2 c0 = v_channel(st, D, col, kv_len), c1 = v_channel(st, D, col + 1, kv_len);
       *reinterpret_cast<uint32_t *>(dst + 8 * i) =
           pack2(o[4 * i + 2 * r] * inv * c0.y + c0.x, o[4 * i + 2 * r + 1] * inv * c1.y + c1.x, T());
     }

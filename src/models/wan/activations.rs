@@ -93,11 +93,16 @@ fn score_chunk(heads: u64, q_len: u64, kv_len: u64) -> u64 {
     chunk * per_query
 }
 
-/// Bytes of one hidden state of the DiT on `latent` (what a step cache holds per state).
-pub fn hidden_state_bytes(cfg: &WanTransformerConfig, latent: [usize; 5], dtype: DType) -> u64 {
+/// The DiT's tokens on `latent` `[1, C, F, H, W]`: one per patch.
+fn tokens(cfg: &WanTransformerConfig, latent: [usize; 5]) -> u64 {
     let [_, _, f, h, w] = latent;
     let [pt, ph, pw] = cfg.patch_size;
-    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    ((f / pt) * (h / ph) * (w / pw)) as u64
+}
+
+/// Bytes of one hidden state of the DiT on `latent` (what a step cache holds per state).
+pub fn hidden_state_bytes(cfg: &WanTransformerConfig, latent: [usize; 5], dtype: DType) -> u64 {
+    let tokens = tokens(cfg, latent);
     tokens * cfg.inner_dim() as u64 * dtype.size_in_bytes() as u64
 }
 
@@ -114,8 +119,7 @@ pub fn transformer_activations(
 ) -> u64 {
     let s = dtype.size_in_bytes() as u64;
     let [_, c, f, h, w] = latent;
-    let [pt, ph, pw] = cfg.patch_size;
-    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    let tokens = tokens(cfg, latent);
     let (d, heads) = (cfg.inner_dim() as u64, cfg.num_attention_heads as u64);
     let text_len = text_len as u64;
     let hidden = tokens * d * s;
@@ -166,9 +170,7 @@ pub fn fp8_matmul_activations(
     latent: [usize; 5],
     low_activation: bool,
 ) -> u64 {
-    let [_, _, f, h, w] = latent;
-    let [pt, ph, pw] = cfg.patch_size;
-    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    let tokens = tokens(cfg, latent);
     let (d, ffn) = (cfg.inner_dim() as u64, cfg.ffn_dim as u64);
     let weights = fp8_block_codes(cfg);
     let rows = if low_activation {
@@ -184,9 +186,7 @@ pub fn fp8_matmul_activations(
 /// of q and k and e4m3 codes of v (one byte an element, v padded to whole blocks of 128 keys), the
 /// f32 scales of q's rows and k's blocks, and the channel statistics.
 pub fn sage_attention_activations(cfg: &WanTransformerConfig, latent: [usize; 5]) -> u64 {
-    let [_, _, f, h, w] = latent;
-    let [pt, ph, pw] = cfg.patch_size;
-    let tokens = ((f / pt) * (h / ph) * (w / pw)) as u64;
+    let tokens = tokens(cfg, latent);
     let (heads, head_dim) = (
         cfg.num_attention_heads as u64,
         cfg.attention_head_dim as u64,
