@@ -67,47 +67,31 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                              int q_len, int kv_len, long long out_batch, long long out_row,
                              long long out_head, float scale_log2) {
   extern __shared__ uint8_t raw[];
-  // q, then per stage: keys full, values full, keys empty, values empty.
-  __shared__ __align__(8) uint64_t bars[1 + 4 * STAGES];
+  __shared__ __align__(8) Barriers<STAGES> bars;
   const uint32_t base = (smem_addr(raw) + 1023) & ~1023u; // swizzled boxes need 1024-byte alignment
   const uint32_t sq = base, sk = base + TILE, sv = base + TILE * (1 + STAGES);
-  const uint32_t bar_q = smem_addr(&bars[0]);
-  auto full_k = [&](int s) { return smem_addr(&bars[1 + s]); };
-  auto full_v = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
-  auto empty_k = [&](int s) { return smem_addr(&bars[1 + 2 * STAGES + s]); };
-  auto empty_v = [&](int s) { return smem_addr(&bars[1 + 3 * STAGES + s]); };
   const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int tiles = (kv_len + BN - 1) / BN;
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_k(s), 1);
-      mbar_init(full_v(s), 1);
-      mbar_init(empty_k(s), CONSUMER_WARPS);
-      mbar_init(empty_v(s), CONSUMER_WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  bars.init(CONSUMER_WARPS);
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x == 0) {
-      mbar_expect_tx(bar_q, TILE);
-      tma_load(sq, &q_map, bar_q, 0, q_tile * BM, head, batch);
-      tma_load(sq + BOX, &q_map, bar_q, 64, q_tile * BM, head, batch);
+      mbar_expect_tx(bars.q(), TILE);
+      tma_load(sq, &q_map, bars.q(), 0, q_tile * BM, head, batch);
+      tma_load(sq + BOX, &q_map, bars.q(), 64, q_tile * BM, head, batch);
       for (int j = 0; j < tiles; ++j) {
         const int s = j % STAGES;
         const uint32_t phase = (j / STAGES) & 1;
-        mbar_wait(empty_k(s), phase ^ 1);
-        mbar_expect_tx(full_k(s), TILE);
-        tma_load(sk + s * TILE, &k_map, full_k(s), 0, j * BN, head, batch);
-        tma_load(sk + s * TILE + BOX, &k_map, full_k(s), 64, j * BN, head, batch);
-        mbar_wait(empty_v(s), phase ^ 1);
-        mbar_expect_tx(full_v(s), TILE);
-        tma_load(sv + s * TILE, &v_map, full_v(s), 0, j * BN, head, batch);
-        tma_load(sv + s * TILE + BOX, &v_map, full_v(s), 64, j * BN, head, batch);
+        mbar_wait(bars.empty_k(s), phase ^ 1);
+        mbar_expect_tx(bars.full_k(s), TILE);
+        tma_load(sk + s * TILE, &k_map, bars.full_k(s), 0, j * BN, head, batch);
+        tma_load(sk + s * TILE + BOX, &k_map, bars.full_k(s), 64, j * BN, head, batch);
+        mbar_wait(bars.empty_v(s), phase ^ 1);
+        mbar_expect_tx(bars.full_v(s), TILE);
+        tma_load(sv + s * TILE, &v_map, bars.full_v(s), 0, j * BN, head, batch);
+        tma_load(sv + s * TILE + BOX, &v_map, bars.full_v(s), 64, j * BN, head, batch);
       }
     }
     return;
@@ -191,43 +175,43 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   };
 
   if (consumer == 1) turn_pass(1); // warpgroup 1 issues first
-  mbar_wait(bar_q, 0);
-  mbar_wait(full_k(0), 0);
+  mbar_wait(bars.q(), 0);
+  mbar_wait(bars.full_k(0), 0);
   turn_wait(consumer);
   wgmma_fence();
   scores(0);
   turn_pass(consumer);
   wgmma_wait<0>();
-  release(empty_k(0));
+  release(bars.empty_k(0));
   softmax(0);
   to_p();
   for (int j = 1; j < tiles; ++j) {
     const int s_now = j % STAGES, s_prev = (j - 1) % STAGES;
-    mbar_wait(full_k(s_now), (j / STAGES) & 1);
+    mbar_wait(bars.full_k(s_now), (j / STAGES) & 1);
     turn_wait(consumer);
     wgmma_fence();
     scores(s_now);
     rescale();
-    mbar_wait(full_v(s_prev), ((j - 1) / STAGES) & 1);
+    mbar_wait(bars.full_v(s_prev), ((j - 1) / STAGES) & 1);
     wgmma_fence();
     values(s_prev);
     turn_pass(consumer);
     wgmma_wait<1>();
-    release(empty_k(s_now));
+    release(bars.empty_k(s_now));
     softmax(j);
     wgmma_wait<0>();
-    release(empty_v(s_prev));
+    release(bars.empty_v(s_prev));
     to_p();
   }
   const int s_last = (tiles - 1) % STAGES;
   rescale();
-  mbar_wait(full_v(s_last), ((tiles - 1) / STAGES) & 1);
+  mbar_wait(bars.full_v(s_last), ((tiles - 1) / STAGES) & 1);
   turn_wait(consumer);
   wgmma_fence();
   values(s_last);
   turn_pass(consumer);
   wgmma_wait<0>();
-  release(empty_v(s_last));
+  release(bars.empty_v(s_last));
 
   float inv[2];
 #pragma unroll

@@ -57,6 +57,33 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// The mbarriers of the Hopper attention kernels' pipeline, in shared memory: the query tile's, and
+// per stage of `STAGES`: keys full, values full, keys empty, values empty.
+template <int STAGES> struct Barriers {
+  uint64_t bars[1 + 4 * STAGES];
+
+  __device__ __forceinline__ uint32_t q() { return smem_addr(&bars[0]); }
+  __device__ __forceinline__ uint32_t full_k(int s) { return smem_addr(&bars[1 + s]); }
+  __device__ __forceinline__ uint32_t full_v(int s) { return smem_addr(&bars[1 + STAGES + s]); }
+  __device__ __forceinline__ uint32_t empty_k(int s) { return smem_addr(&bars[1 + 2 * STAGES + s]); }
+  __device__ __forceinline__ uint32_t empty_v(int s) { return smem_addr(&bars[1 + 3 * STAGES + s]); }
+
+  // Thread 0 initialises them (a stage is freed by `consumer_warps` arrivals); then the block syncs.
+  __device__ __forceinline__ void init(int consumer_warps) {
+    if (threadIdx.x == 0) {
+      mbar_init(q(), 1);
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full_k(s), 1);
+        mbar_init(full_v(s), 1);
+        mbar_init(empty_k(s), consumer_warps);
+        mbar_init(empty_v(s), consumer_warps);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+};
+
 // The two consumer warpgroups take turns (barriers 1 and 2, 256 threads each).
 __device__ __forceinline__ void turn_wait(int consumer) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
