@@ -39,7 +39,12 @@ SEED = 1
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RESIDENT = ["--dit-layerwise-offload=false", "--dit-cpu-offload=false",
             "--text-encoder-cpu-offload=false", "--vae-cpu-offload=false"]
-VIDGEN_MODES = {"default": [], "resident": RESIDENT}
+FAST = ["--fp8-matmul", "--attention", "sage"]  # issue 36's opt-in kernels
+VIDGEN_MODES = {"default": [], "resident": RESIDENT, "fast": FAST, "fast-resident": RESIDENT + FAST,
+                "fast-mp4": FAST + ["--output-type", "mp4"]}
+# The step-distillation recipe (README "Few-step recipes"): Euler at shift 5 over these sigmas, CFG off.
+FEWSTEP_SIGMAS = [1.0, 0.75, 0.5, 0.25]
+FEWSTEP_SHIFT = 5.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ FAMILIES = {
                       call={"clean_caption": False}),
     "flux.1-dev": Family("flux-tiny-a", (1, 1024, 1024), (1, 48, 64), 3.5, 512, frames_kwarg=None),
     "wan2.1-t2v-1.3b": Family("wan-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
+    "wan2.1-t2v-14b": Family("wan-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
 }
 QUICK_MAX_SEQ = 16
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}  # vidgen's --dtype names
@@ -215,6 +221,16 @@ def median(xs):
     return sorted(xs)[len(xs) // 2] if xs else None
 
 
+def fewstep_scheduler(pipe):
+    """The few-step recipe in diffusers: FlowMatchEulerDiscreteScheduler(shift=5) stepping over the recipe's
+    sigmas (WanPipeline asks its scheduler for num_inference_steps only)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=FEWSTEP_SHIFT)
+    plain = scheduler.set_timesteps
+    scheduler.set_timesteps = lambda n=None, device=None, **k: plain(sigmas=FEWSTEP_SIGMAS, device=device)
+    pipe.scheduler = scheduler
+
+
 def run_diffusers(fam, ckpt, run, reps):
     """Loads the pipeline resident on the device and makes the video `reps` times; returns the timings and
     the first run's frames [F, H, W, 3] in [0, 1]. A failure (out of memory, a refusal) is recorded, not raised,
@@ -225,7 +241,7 @@ def run_diffusers(fam, ckpt, run, reps):
     r, first, pipe = {"pipeline": cls.__name__}, None, None
     frames, height, width = run["size"]
     kwargs = {"prompt": PROMPT, "height": height, "width": width, "num_inference_steps": run["steps"],
-              "guidance_scale": fam.guidance, "output_type": "np", **fam.call}
+              "guidance_scale": run["guidance"], "output_type": "np", **fam.call}
     if fam.frames_kwarg:
         kwargs[fam.frames_kwarg] = frames
     if run["max_seq"] is not None:
@@ -249,6 +265,8 @@ def run_diffusers(fam, ckpt, run, reps):
         pipe.vae.decode = timed(pipe.vae.decode, spans["decode"])
         if fam.prepare:
             kwargs.update(fam.prepare(pipe))
+        if run["fewstep"]:
+            fewstep_scheduler(pipe)
         r["call_kwargs"] = dict(kwargs)
         for rep in range(reps):
             for v in spans.values():
@@ -326,6 +344,14 @@ def run_vidgen(binary, ckpt, run, label, flags, out):
         cmd += ["--max-sequence-length", str(run["max_seq"])]
     if run["vae_tiling"]:
         cmd += ["--vae-tiling"]
+    if run["fewstep"]:
+        cmd += ["--scheduler", "euler", "--flow-shift", str(FEWSTEP_SHIFT),
+                "--sigmas", ",".join(map(str, FEWSTEP_SIGMAS))]
+    for lora in run["loras"]:
+        cmd += ["--lora", lora]
+    if "--output-type" in flags:  # the mode's own output type (mp4: what a user writes; not compared)
+        at = cmd.index("--output-type")
+        del cmd[at:at + 2]
     cmd += flags
     if os.path.exists(stats):
         os.remove(stats)
@@ -428,7 +454,9 @@ def rows(res):
     d = res.get("diffusers", {})
     d0 = d.get("run0", {})
     base = d["load_s"] + d0["call_s"] if "call_s" in d0 else None
-    fam = res["family"] + (" (quick)" if res.get("quick") else "")
+    run = res.get("run", {})
+    fam = (res["family"] + (" (quick)" if res.get("quick") else "") + (" 4-step" if run.get("fewstep") else "")
+           + (" + LoRA" if run.get("loras") else ""))
     if d:
         whole = fmt(base) if base else cell(d.get("error", "failed"))
         out.append(f"| {fam} | diffusers {res['versions']['diffusers']} | {fmt(d.get('load_s'))} "
@@ -481,6 +509,10 @@ def main():
     ap.add_argument("--reps", type=int, default=1, help="diffusers calls after one load (the first is reported)")
     ap.add_argument("--vidgen-modes", default="default,resident", help=f"of {sorted(VIDGEN_MODES)}")
     ap.add_argument("--vae-tiling", action="store_true", help="both programs decode in spatial tiles")
+    ap.add_argument("--fewstep", action="store_true", help="the Wan step-distillation recipe in both programs: "
+                    f"Euler at shift {FEWSTEP_SHIFT} over sigmas {FEWSTEP_SIGMAS}, guidance 1 (steps: their count)")
+    ap.add_argument("--lora", action="append", default=[], help="a LoRA file merged by vidgen (repeatable); "
+                    "diffusers then does not run (its PEFT loading is another measurement)")
     ap.add_argument("--videos", default="/tmp/vidgen-e2e-videos", help="vidgen's outputs (removed once compared)")
     ap.add_argument("--table", metavar="DIR", help="print the markdown table of DIR's results and exit")
     a = ap.parse_args()
@@ -502,7 +534,8 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     dtype = a.dtype or ("f32" if a.quick else "bf16")
     run = {
-        "family": a.family, "steps": a.steps or (2 if a.quick else 4), "guidance": fam.guidance,
+        "family": a.family, "steps": len(FEWSTEP_SIGMAS) if a.fewstep else a.steps or (2 if a.quick else 4),
+        "guidance": 1.0 if a.fewstep else fam.guidance, "fewstep": a.fewstep, "loras": a.lora,
         "device": "cpu" if a.quick else "cuda", "dtype": DTYPES[dtype], "vidgen_dtype": dtype,
         "vae_dtype": fam.vae_dtype if dtype != "f32" else None,
         "size": fam.tiny if a.quick else fam.size,
@@ -535,12 +568,16 @@ def main():
         if res["vidgen_defaults_differ"]:
             log("vidgen's defaults differ from the pipeline's:", res["vidgen_defaults_differ"])
 
+    result_name = a.family + ("-fewstep" if a.fewstep else "") + ("-lora" if a.lora else "")
+
     def save():  # after each program, so a call cut short keeps what ran
-        json.dump(res, open(os.path.join(a.out, f"{a.family}.json"), "w"), indent=1)
+        json.dump(res, open(os.path.join(a.out, f"{result_name}.json"), "w"), indent=1)
     save()
     reset_peak_rss()  # the writer's peak is not diffusers'
-    res["diffusers"], reference = run_diffusers(fam, ckpt, run, a.reps)
-    res["diffusers_max_rss_gib"] = peak_rss_gib()
+    reference = None
+    if not a.lora:
+        res["diffusers"], reference = run_diffusers(fam, ckpt, run, a.reps)
+        res["diffusers_max_rss_gib"] = peak_rss_gib()
     res["vidgen"] = {}
     save()
     for label in modes:

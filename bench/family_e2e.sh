@@ -38,7 +38,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /dev/shm /tmp | tail -n +2
 # Checkpoint sizes in GB (bf16; Wan's VAE f32), from the published configs.
-declare -A SIZE=([wan2.1-t2v-1.3b]=15 [ltx-video]=16 [latte-1]=12 [cogvideox-5b]=22 [mochi-1]=31
+declare -A SIZE=([wan2.1-t2v-1.3b]=15 [wan2.1-t2v-14b]=41 [ltx-video]=16 [latte-1]=12 [cogvideox-5b]=22 [mochi-1]=31
   [flux.1-dev]=34 [allegro]=16 [hunyuanvideo]=42)
 for F in "$@"; do
   [ -n "${SIZE[$F]:-}" ] || { echo "unknown family $F (one of ${!SIZE[*]})"; continue; }
