@@ -41,7 +41,7 @@ RESIDENT = ["--dit-layerwise-offload=false", "--dit-cpu-offload=false",
             "--text-encoder-cpu-offload=false", "--vae-cpu-offload=false"]
 FAST = ["--fp8-matmul", "--attention", "sage"]  # issue 36's opt-in kernels
 VIDGEN_MODES = {"default": [], "resident": RESIDENT, "fast": FAST, "fast-resident": RESIDENT + FAST,
-                "fast-mp4": FAST + ["--output-type", "mp4"]}
+                "fast-mp4": FAST + ["--output-type", "mp4"], "fast-stream": FAST + ["--dit-layerwise-offload"]}
 # The step-distillation recipe (README "Few-step recipes"): Euler at shift 5 over these sigmas, CFG off.
 FEWSTEP_SIGMAS = [1.0, 0.75, 0.5, 0.25]
 FEWSTEP_SHIFT = 5.0
@@ -182,6 +182,7 @@ def write_checkpoint(src, dest, dtype, vae_dtype, device, shard_size):
         shutil.rmtree(dest, ignore_errors=True)
         raise
     open(os.path.join(dest, "done"), "w").write("ok")
+    os.sync()  # the runs below read it back from the page cache, not beside its write-back to a disk
     seconds = time.perf_counter() - t0
     log(f"checkpoint written to {dest} in {seconds:.1f} s: " + ", ".join(
         f"{k} {v['class']} {v['gib']:.2f} GiB" for k, v in written.items()))
@@ -360,10 +361,18 @@ def run_vidgen(binary, ckpt, run, label, flags, out):
     rss_file = logfile + ".time"
     timer = ["/usr/bin/time", "-v", "-o", rss_file] if os.path.exists("/usr/bin/time") else []
     start = time.perf_counter()
-    with open(logfile, "w") as err:
-        p = subprocess.run(timer + cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    # Each stderr line is kept as written and, in <label>.stamped.log, after the seconds since start.
+    with open(logfile, "w") as err, open(logfile[:-4] + ".stamped.log", "w") as stamped:
+        p = subprocess.Popen(timer + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in p.stderr:
+            err.write(line)
+            stamped.write(f"{time.perf_counter() - start:8.3f} {line}")
+        stdout = p.stdout.read()
+        p.wait()
     wall = time.perf_counter() - start
-    stderr, stdout = open(logfile).read(), p.stdout
+    stamped_end = f"{wall:8.3f} (exit {p.returncode})\n"
+    open(logfile[:-4] + ".stamped.log", "a").write(stamped_end)
+    stderr = open(logfile).read()
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(rss_file).read()) if timer else None
     r = {"label": label, "flags": flags, "cmd": cmd, "exit": p.returncode, "process_wall_s": wall,
          "max_rss_gib": int(rss.group(1)) * 1024 / GiB if rss else None, "stdout": stdout.strip()}
@@ -513,6 +522,7 @@ def main():
                     f"Euler at shift {FEWSTEP_SHIFT} over sigmas {FEWSTEP_SIGMAS}, guidance 1 (steps: their count)")
     ap.add_argument("--lora", action="append", default=[], help="a LoRA file merged by vidgen (repeatable); "
                     "diffusers then does not run (its PEFT loading is another measurement)")
+    ap.add_argument("--skip-diffusers", action="store_true", help="vidgen's runs only")
     ap.add_argument("--videos", default="/tmp/vidgen-e2e-videos", help="vidgen's outputs (removed once compared)")
     ap.add_argument("--table", metavar="DIR", help="print the markdown table of DIR's results and exit")
     a = ap.parse_args()
@@ -575,7 +585,7 @@ def main():
     save()
     reset_peak_rss()  # the writer's peak is not diffusers'
     reference = None
-    if not a.lora:
+    if not (a.lora or a.skip_diffusers):
         res["diffusers"], reference = run_diffusers(fam, ckpt, run, a.reps)
         res["diffusers_max_rss_gib"] = peak_rss_gib()
     res["vidgen"] = {}

@@ -544,6 +544,45 @@ pub fn fit(
         .map_or(Fit::Nothing, Fit::Leaner)
 }
 
+/// The options that say where a DiT's weights wait and how they stream (config-file keys).
+const DIT_PLACEMENT: [&str; 9] = [
+    "dit_cpu_offload",
+    "dit_layerwise_offload",
+    "offload_type",
+    "num_blocks_per_group",
+    "offload_stream",
+    "prefetch_depth",
+    "model_cpu_offload",
+    "sequential_cpu_offload",
+    "use_fsdp_inference",
+];
+
+/// `request` with its DiT held on the device instead of in host memory, with that set's plan,
+/// where `request` offloads the DiT by default only (`given` names none of
+/// [`DIT_PLACEMENT`]) and the set is predicted to fit `free` bytes; else `None`. The run
+/// takes it when LoRAs change the DiT: each weight a LoRA changes that streams needs its merged
+/// copy in page-locked host memory (a 14B with a LoRA on every projection: 28 GB, built in
+/// ~4 s and released in ~1 s at exit; bench/RESULTS.md, session 29), while one held on the
+/// device is merged where it lands.
+pub fn dit_on_device(
+    request: &Request,
+    device: &DeviceInfo,
+    plan_for: PlanFor,
+    free: u64,
+    given: &dyn Fn(&str) -> bool,
+) -> Option<(Request, MemoryPlan)> {
+    let o = &request.options;
+    if !(o.dit_cpu_offload || o.dit_layerwise_offload) || DIT_PLACEMENT.iter().any(|k| given(k)) {
+        return None;
+    }
+    let mut resident = request.clone();
+    resident.options.dit_cpu_offload = false;
+    resident.options.dit_layerwise_offload = false;
+    apply_memory_rules(&mut resident.options, device);
+    let plan = plan_for(&resident).ok()?;
+    plan.fits_free(free).then_some((resident, plan))
+}
+
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's
 /// memory rules, with their plans, in order.
 fn host_candidates<'a>(

@@ -206,7 +206,29 @@ fn for_family(
     let spec = family.spec(&RunShape::of(&config));
     check_shards(&spec, source)?;
     check_weight_files(&spec, &config, source)?;
+    let config = dit_on_device_for_loras(family, config);
     fit_to_host(family, fit_to_device(family, config)?, stop_on_host)
+}
+
+/// The configuration with a DiT that LoRAs change held on the device, where only the defaults
+/// offload it and the memory plan predicts it fits the device memory free when the run starts
+/// (see [`memory_plan::dit_on_device`]: merged copies in page-locked host memory cost seconds),
+/// the change recorded as overrides with why; else as asked.
+fn dit_on_device_for_loras(family: &dyn Family, config: ResolvedConfig) -> ResolvedConfig {
+    let Some(free) = config.device().free_memory else {
+        return config;
+    };
+    let planner = Planner::new(family, &config);
+    let Some((resident, plan)) = planner.lora_dit_on_device(free) else {
+        return config;
+    };
+    drop(planner);
+    let reason = format!(
+        "LoRAs change the DiT and the memory plan predicts a peak of {} with it on the device ({:.2} GiB free): held there and merged as it lands, not merged into copies in page-locked host memory",
+        plan.describe_peak(),
+        gib(free)
+    );
+    config.with_memory_options(resident.options, &reason)
 }
 
 /// The configuration fitted to the device memory free when the run starts (where the probe knows

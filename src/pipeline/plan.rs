@@ -320,6 +320,23 @@ impl<'a> Planner<'a> {
         self.search(memory_plan::leanest_host)
     }
 
+    /// Where LoRAs change the DiT: the run's options with the DiT held on the device, where its
+    /// defaults offload it and that is predicted to fit `free` bytes (see
+    /// [`memory_plan::dit_on_device`]).
+    pub fn lora_dit_on_device(&self, free: u64) -> Option<(Request, MemoryPlan)> {
+        if self.config.generation().loras.iter().all(Vec::is_empty) {
+            return None;
+        }
+        let given = |option: &str| self.config.given(option);
+        memory_plan::dit_on_device(
+            &self.request(),
+            self.config.device(),
+            &|r| self.plan(r),
+            free,
+            &given,
+        )
+    }
+
     /// The first option set that needs less device memory than the run's, keeping every
     /// memory option the user set and the frames (see [`memory_plan::candidates`]).
     pub fn leaner(&self) -> Option<memory_plan::Candidate> {
