@@ -1,11 +1,15 @@
 //! Scaled dot-product attention that never materialises the whole score matrix.
 //!
 //! On CUDA, bf16/f16 inputs go to a fused attention that keeps scores on the chip: on Hopper
-//! (compute capability 9.0), bf16 at head_dim 128 over more than 8192 keys to the own wgmma kernel
-//! (`kernels/flash_attn_sm90.cu`, faster than cuDNN's best plan there); else to cuDNN's fused
-//! attention where cuDNN >= 9.13.1 is loaded (`models::cudnn`, head_dim up to 256); else to the
-//! Hopper kernel where it applies, or with head_dim 64 or 128 to the own portable kernel
-//! (`kernels/flash_attn.cu`). Everything else takes the chunked path below.
+//! (compute capability 9.0), bf16 at head_dim 128 to the own wgmma kernel
+//! (`kernels/flash_attn_sm90.cu`); else to cuDNN's fused attention where cuDNN >= 9.13.1 is
+//! loaded (`models::cudnn`, head_dim up to 256); else with head_dim 64 or 128 to the own
+//! portable kernel (`kernels/flash_attn.cu`). Everything else takes the chunked path below.
+//! cuDNN compiles its attention kernels when a process first runs them (0.6 s in the first
+//! forward on a machine whose driver cache is empty, 0.06-0.08 s in every process's first
+//! forward after that), while the own kernels are machine code: the whole Wan forwards are as
+//! fast either way (bench/RESULTS.md, session 29), so where an own kernel computes the shape,
+//! cuDNN is not asked.
 //!
 //! At 480x832x81 a Wan self-attention layer has 32,760 tokens: the full score matrix would be
 //! ~26 GB per layer. Queries are processed in chunks so the scratch stays bounded by
@@ -63,15 +67,11 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     {
-        let hopper = flash_attn_sm90::supported(q, k, v);
-        if hopper && k.dim(2)? > CUDNN_UP_TO_KEYS {
+        if flash_attn_sm90::supported(q, k, v) {
             return flash_attn_sm90::flash_attn(q, k, v, scale);
         }
         if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
             return Ok(out);
-        }
-        if hopper {
-            return flash_attn_sm90::flash_attn(q, k, v, scale);
         }
         if flash_attn::supported(q, k, v) {
             return flash_attn::flash_attn(q, k, v, scale);
@@ -79,13 +79,6 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     }
     sdpa_chunked(q, k, v, scale)
 }
-
-/// Up to this many keys cuDNN's attention (where loaded) runs before the Hopper kernel: its blocks
-/// start faster, while over long key sequences the Hopper kernel is ahead (`attn_bench hopper`,
-/// 40 heads x 32,760 queries, session 17: cuDNN ahead at 512 keys in most rounds, by up to 14%,
-/// about even at 1024-8192 keys, 1.05-1.17x as long as the Hopper kernel at 32,760).
-#[cfg(feature = "cuda")]
-const CUDNN_UP_TO_KEYS: usize = 8192;
 
 /// [`sdpa`] by query chunks through matmul and softmax, on any device and dtype: the path of
 /// every input the fused CUDA kernel does not take, and the reference it is checked against.
@@ -319,8 +312,10 @@ mod cuda_tests {
         Ok(())
     }
 
+    /// On Hopper, bf16 at head_dim 128 takes the own kernel over short and long key sequences
+    /// alike (cross-attention's 512 text tokens, self-attention's video tokens), never cuDNN.
     #[test]
-    fn long_key_sequences_take_the_hopper_kernel() -> Result<()> {
+    fn every_key_length_takes_the_hopper_kernel() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
             eprintln!("no CUDA device: attention routing test skipped");
             return Ok(());
@@ -340,14 +335,11 @@ mod cuda_tests {
                 .to_scalar::<f32>()?;
             Ok(gap == 0.0)
         };
-        for keys in [CUDNN_UP_TO_KEYS, CUDNN_UP_TO_KEYS + 1] {
+        for keys in [512, 8192, 8193] {
             let (k, v) = (rand(keys)?, rand(keys)?);
             let out = sdpa(&q, &k, &v, 0.1)?;
             let hopper = flash_attn_sm90::flash_attn(&q, &k, &v, 0.1)?;
-            match crate::models::cudnn::sdpa::sdpa(&q, &k, &v, 0.1) {
-                Some(cudnn) if keys <= CUDNN_UP_TO_KEYS => assert!(same(&out, &cudnn)?),
-                _ => assert!(same(&out, &hopper)?, "{keys} keys"),
-            }
+            assert!(same(&out, &hopper)?, "{keys} keys");
         }
         Ok(())
     }
