@@ -8,6 +8,7 @@
 # Rough device time per family on an H200 (not yet measured; write + diffusers + vidgen default + resident,
 # plus about 20 s of start-up per call):
 #   wan2.1-t2v-1.3b  (81x480x832, 14.7 GB checkpoint)    ~1.5 min
+#   wan2.1-t2v-14b   (81x480x832, 40 GB, on disk)        ~2.5 min (write 47-51 s; with --fewstep, session 29)
 #   ltx-video        (161x512x704, 15.2 GB)              ~1.5 min
 #   latte-1          (16x512x512, 11.8 GB)               ~1.5 min
 #   cogvideox-5b     (49x480x720, 21.1 GB)               ~2.5 min
@@ -21,6 +22,9 @@
 # /dev/shm, where they sit beside both programs' host memory (vidgen's default flags pin about the DiT and
 # text encoder: the checkpoint's size again); bigger ones (FLUX.1, HunyuanVideo) to /tmp on disk, read back
 # from the page cache that writing them filled (caches cannot be dropped there, so nothing is read cold).
+# Issue 36's fast videos run bench/family_e2e.py itself with --fewstep (and --lora, --skip-diffusers), e.g.
+#   python3 bench/family_e2e.py --family wan2.1-t2v-14b --fewstep --vidgen V --out O --ckpt-root /tmp/vidgen-e2e \
+#     --vidgen-modes fast,fast-resident,default
 # Env: OUT (results, default /tmp/vidgen-e2e-out), STEPS, MODES (vidgen modes: default,resident), REPS
 # (diffusers calls after its one load), KEEP=1 keeps each checkpoint, CKPT_ROOT forces one root, QUICK=1 runs
 # the CPU smoke test (tiny fixture configs) instead.
