@@ -562,7 +562,7 @@ const DIT_PLACEMENT: [&str; 9] = [
 /// [`DIT_PLACEMENT`]) and the set is predicted to fit `free` bytes; else `None`. The run
 /// takes it when LoRAs change the DiT: each weight a LoRA changes that streams needs its merged
 /// copy in page-locked host memory (a 14B with a LoRA on every projection: 28 GB, built in
-/// ~4 s and released in ~1 s at exit; bench/RESULTS.md, session 29), while one held on the
+/// 4.8-7.0 s and released in 1.4 s at exit; bench/RESULTS.md, session 29), while one held on the
 /// device is merged where it lands.
 pub fn dit_on_device(
     request: &Request,
