@@ -5,9 +5,10 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use common::{
-    cpu_prompt_args, generate_frames, named_fixture_dir, relative_l2, run_vidgen, scratch_dir,
+    cpu_prompt_args, generate_frames, generate_written, named_fixture_dir, relative_l2, run_vidgen,
+    scratch_dir,
 };
 use std::path::Path;
 
@@ -55,53 +56,36 @@ fn wan_runs_sage_attention() {
 #[test]
 fn ltx_video_runs_sage_attention() {
     let dir = scratch_dir("sage-attention", "ltx");
-    let run = |extra: &[&str], name: &str| -> Tensor {
-        let mut args = cpu_prompt_args("ltx-video-tiny-a");
-        args.extend(
-            [
-                "--height",
-                "32",
-                "--width",
-                "32",
-                "--num-frames",
-                "9",
-                "--num-inference-steps",
-                "2",
-                "--seed",
-                "3",
-                "--dtype",
-                "f32",
-                "--output-type",
-                "safetensors",
-                "--output-path",
-                dir.to_str().unwrap(),
-                "--output-video-name",
-                name,
-                "--overwrite",
-            ]
-            .map(String::from),
-        );
+    let run = |extra: &[&str]| -> Tensor {
+        let mut args = [
+            "--model",
+            named_fixture_dir("ltx-video-tiny-a").to_str().unwrap(),
+            "--prompt",
+            "a cat",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num-frames",
+            "9",
+            "--num-inference-steps",
+            "2",
+            "--seed",
+            "3",
+        ]
+        .map(String::from)
+        .to_vec();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let out = run_vidgen(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let written = dir.join(format!("{name}.safetensors"));
-        candle_core::safetensors::load(written, &Device::Cpu).unwrap()["frames"].clone()
+        generate_written(&args, &dir).unwrap()["frames"].clone()
     };
     let stats = dir.join("stats.json");
-    let exact = run(&[], "exact");
-    let sage = run(
-        &[
-            "--attention",
-            "sage",
-            "--stats-json",
-            stats.to_str().unwrap(),
-        ],
+    let exact = run(&[]);
+    let sage = run(&[
+        "--attention",
         "sage",
-    );
+        "--stats-json",
+        stats.to_str().unwrap(),
+    ]);
     let err = relative_l2(&sage, &exact);
     eprintln!("frames: relative L2 {err:.3e}");
     assert!(err > 0.0 && err <= 0.03, "frames: relative L2 {err}");

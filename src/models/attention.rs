@@ -198,7 +198,7 @@ fn sdpa_chunked_with_bias(
 }
 
 #[cfg(all(test, feature = "cuda"))]
-mod cuda_tests {
+pub(crate) mod cuda_tests {
     use super::*;
     use candle_core::Device;
 
@@ -215,7 +215,7 @@ mod cuda_tests {
     fn relative_error(
         dev: &Device,
         dtype: DType,
-        (b, h, n, m, d): (usize, usize, usize, usize, usize),
+        (b, h, n, m, d): Dims,
         spread: f64,
         attend: Attend,
     ) -> Result<f64> {
@@ -244,20 +244,26 @@ mod cuda_tests {
         Ok(err)
     }
 
+    /// (batch, heads, queries, keys, head_dim).
+    pub(crate) type Dims = (usize, usize, usize, usize, usize);
+
+    /// The fused kernels' cases: (dtype, (batch, heads, queries, keys, head_dim), the spread of
+    /// the values): whole and partial tiles, one key, batches, both head sizes and dtypes.
+    pub(crate) const FUSED_CASES: [(DType, Dims, f64); 6] = [
+        (DType::BF16, (1, 2, 1000, 333, 128), 1.0),
+        (DType::BF16, (2, 3, 64, 64, 128), 3.0),
+        (DType::BF16, (1, 4, 517, 512, 128), 2.0),
+        (DType::F16, (1, 2, 129, 77, 128), 2.0),
+        (DType::BF16, (1, 2, 300, 1, 64), 1.0),
+        (DType::F16, (2, 2, 250, 700, 64), 3.0),
+    ];
+
     #[test]
     fn fused_kernel_matches_chunked_reference() -> Result<()> {
         let Ok(dev) = Device::new_cuda(0) else {
             eprintln!("no CUDA device: fused attention test skipped");
             return Ok(());
         };
-        let cases = [
-            (DType::BF16, (1, 2, 1000, 333, 128), 1.0),
-            (DType::BF16, (2, 3, 64, 64, 128), 3.0),
-            (DType::BF16, (1, 4, 517, 512, 128), 2.0),
-            (DType::F16, (1, 2, 129, 77, 128), 2.0),
-            (DType::BF16, (1, 2, 300, 1, 64), 1.0),
-            (DType::F16, (2, 2, 250, 700, 64), 3.0),
-        ];
         // Every configuration: the device's own (padded), GB10's 99 KB per block (swizzled), and
         // a limit only the one-m-tile configuration fits; each in a process of its own, as the
         // limit is read from the environment.
@@ -272,7 +278,7 @@ mod cuda_tests {
             return Ok(());
         }
         let limit = std::env::var(flash_attn::SHARED_MEMORY_LIMIT_ENV).ok();
-        for (dtype, dims, spread) in cases {
+        for (dtype, dims, spread) in FUSED_CASES {
             let err = relative_error(&dev, dtype, dims, spread, fused)?;
             assert!(
                 err < 1e-2,

@@ -137,10 +137,20 @@ pub fn generate_outputs(
     draws: &std::path::Path,
     dir: &std::path::Path,
 ) -> Result<std::collections::HashMap<String, Tensor>, String> {
+    let mut args = args.to_vec();
+    args.extend(["--latents".to_string(), draws.to_str().unwrap().to_string()]);
+    generate_written(&args, dir)
+}
+
+/// Runs `vidgen generate ARGS` on the CPU in f32, writing safetensors into `dir`: every tensor
+/// of the written file, or stderr where the run failed.
+pub fn generate_written(
+    args: &[String],
+    dir: &std::path::Path,
+) -> Result<std::collections::HashMap<String, Tensor>, String> {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .arg("generate")
         .args(args)
-        .args(["--latents".as_ref(), draws.as_os_str()])
         .args([
             "--device",
             "cpu",

@@ -330,6 +330,7 @@ impl CustomOp3 for SageAttn {
 #[cfg(test)]
 mod cuda_tests {
     use super::*;
+    use crate::models::attention::cuda_tests::FUSED_CASES;
     use crate::models::attention::sdpa_chunked;
     use crate::models::sage_attention::attend_host;
     use crate::models::sage_attention::tests::compare;
@@ -349,15 +350,7 @@ mod cuda_tests {
             eprintln!("no fp8 tensor cores: sage attention test skipped");
             return Ok(());
         }
-        let cases = [
-            (DType::BF16, (1, 2, 1000, 333, 128), 1.0),
-            (DType::BF16, (2, 3, 64, 64, 128), 3.0),
-            (DType::BF16, (1, 4, 517, 512, 128), 2.0),
-            (DType::F16, (1, 2, 129, 77, 128), 2.0),
-            (DType::BF16, (1, 2, 300, 1, 64), 1.0),
-            (DType::F16, (2, 2, 250, 700, 64), 3.0),
-        ];
-        for (dtype, (b, h, n, m, d), spread) in cases {
+        for (dtype, (b, h, n, m, d), spread) in FUSED_CASES {
             // Heads-major views of [b, seq, h, d] storage; values with a common part per channel.
             let rand = |len: usize, s: f64| -> Result<Tensor> {
                 (Tensor::randn(0f32, 1f32, (b, len, h, d), &dev)? * s)?
