@@ -6,7 +6,8 @@
 //! `models` holds one folder per model family, `schedulers` the diffusion samplers, `pipeline`
 //! runs the stages and is the one place where components are loaded, placed and released, and
 //! `output` writes the frames, `rng` draws what torch's CPU generator draws for a seed, `parallel`
-//! lets several processes (GPUs) compute one run, and `weights` reads weight files for models and
+//! lets several processes (GPUs) compute one run, `teardown` unmaps and unlocks large host memory off
+//! the critical path, and `weights` reads weight files for models and
 //! the engine alike (with `lora`'s deltas merged in).
 
 pub mod cli;
@@ -22,4 +23,5 @@ pub mod parallel;
 pub mod pipeline;
 pub mod rng;
 pub mod schedulers;
+pub mod teardown;
 pub mod weights;

@@ -28,7 +28,9 @@ fn run() -> anyhow::Result<ExitCode> {
         Parsed::Generate(args) => args,
     };
     let config = ResolvedConfig::resolve(*args)?;
-    vidgen::pipeline::run(config)
+    let code = vidgen::pipeline::run(config);
+    vidgen::teardown::finish();
+    code
 }
 
 /// Past a file-size limit (`ulimit -f`) a write raises SIGXFSZ, which kills the process with no

@@ -217,6 +217,55 @@ fn the_runner_switches_experts_without_holding_both() {
     assert_eq!(log.last().map(String::as_str), Some("run write"), "{log:?}");
 }
 
+/// Loading eagerly, every component stays loaded for the next prompt, and the last prompt
+/// releases each after its last stage (the encoder before the denoising, the experts before the
+/// decode), so the stages after have its memory and its teardown overlaps them.
+#[test]
+fn the_last_prompt_releases_each_component_after_its_last_stage() {
+    let family = toy();
+    let config = resolve(&["--memory-model", "discrete"]);
+    assert_eq!(load_policy(config.memory()), LoadPolicy::Eager);
+    let log = Log::default();
+    let mut pipeline = Recording {
+        spec: family.spec(&RunShape::of(&config)),
+        log: &log,
+    };
+    let reports = runner::run(
+        &mut pipeline,
+        &mut [(), ()],
+        LoadPolicy::Eager,
+        BatchOrder::Prompt,
+        |job, stage| log.0.lock().unwrap().push(format!("{stage} {job}")),
+    );
+    assert!(reports.iter().all(|r| r.error.is_none()));
+    let log = log.0.into_inner().unwrap();
+    let at = |entry: &str| log.iter().position(|l| l == entry).unwrap();
+    // Loaded once, before the first prompt's first stage.
+    for name in ["text_encoder", "transformer", "transformer_2", "vae"] {
+        let load = format!("load {name}");
+        assert_eq!(log.iter().filter(|l| **l == load).count(), 1, "{log:?}");
+        assert!(at(&load) < at("run encode_text"), "{log:?}");
+    }
+    // Nothing is freed before the last prompt begins.
+    let first_free = log.iter().position(|l| l.starts_with("free ")).unwrap();
+    assert!(first_free > at("encode_text 1"), "{log:?}");
+    // Then each component right after its last stage.
+    let last_run = |stage: &str| {
+        log.iter()
+            .rposition(|l| *l == format!("run {stage}"))
+            .unwrap()
+    };
+    for (name, stage) in [
+        ("text_encoder", "encode_text"),
+        ("transformer", "denoise_high"),
+        ("transformer_2", "denoise_low"),
+        ("vae", "decode"),
+    ] {
+        assert_eq!(at(&format!("free {name}")), last_run(stage) + 1, "{log:?}");
+    }
+    assert_eq!(log.last().map(String::as_str), Some("run write"), "{log:?}");
+}
+
 /// A model whose pipeline no family runs (here the Wan2.1 image-to-video fixture) is refused
 /// at once as bad input naming its class, in a dry run and a real run alike.
 #[test]

@@ -131,6 +131,53 @@ fn same_seed_same_video_other_seed_other_video() {
     assert_ne!(a, frames("2", "c"));
 }
 
+/// Loaded eagerly, the components a stage does not use load beside it on a thread of their own
+/// (the DiT and the VAE beside the text encoding), and the video is the one that loading each
+/// component before its own stage makes.
+#[test]
+fn components_load_beside_the_first_stage_and_change_nothing() {
+    let out = scratch("beside");
+    let run = |name: &str, flags: &[&str]| {
+        let mut args = vec![
+            "--prompt",
+            "a boat",
+            "--seed",
+            "3",
+            "--output-type",
+            "safetensors",
+        ];
+        args.extend(["--output-video-name", name]);
+        args.extend(flags);
+        let run = vidgen(&fixture_dir(), &out, &args);
+        let log = String::from_utf8_lossy(&run.stderr).to_string();
+        assert!(run.status.success(), "{log}");
+        let t = candle_core::safetensors::load(
+            out.join(format!("{name}.safetensors")),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        (
+            t["frames"].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            log,
+        )
+    };
+    let eager = ["--lazy-module-load=false", "--h3-sequential-load=false"];
+    let (beside, log) = run("eager", &eager);
+    for name in ["transformer", "vae"] {
+        assert!(
+            log.contains(&format!("loading {name} beside encode_text")),
+            "{log}"
+        );
+        assert!(
+            log.contains(&format!("loaded {name} beside encode_text, in ")),
+            "{log}"
+        );
+    }
+    let (lazy, log) = run("lazy", &["--lazy-module-load"]);
+    assert!(!log.contains("beside"), "{log}");
+    assert_eq!(beside, lazy);
+}
+
 fn copy_fixture(dst: &Path) {
     for entry in walk(&fixture_dir()) {
         let rel = entry.strip_prefix(fixture_dir()).unwrap();

@@ -56,8 +56,10 @@ fn a_host_too_small_for_the_defaults_gets_sequential_then_lazy_loading() {
     let held = |plan: &vidgen::memory::plan::MemoryPlan, stage: &str| {
         plan.stage(stage).unwrap().host_bytes
     };
-    // Eagerly loaded, every image is held from the first stage on.
-    assert_eq!(held(&asked, "encode_text"), held(&asked, "denoise"));
+    // Eagerly loaded, every image is held from the first stage on; the run's one prompt
+    // releases the encoder's after its stage.
+    let encoder_image = held(&asked, "encode_text") - held(&asked, "denoise");
+    assert!(encoder_image > 5 * GIB, "{}", asked.describe_host_peak());
     assert!(
         held(&asked, "denoise") > 20 * GIB,
         "{}",
@@ -74,11 +76,8 @@ fn a_host_too_small_for_the_defaults_gets_sequential_then_lazy_loading() {
     assert!(sequential.plan.fits_host(need - 1));
     // The encoder alone, then gone before the DiT and the VAE load.
     let encoder = held(&sequential.plan, "encode_text");
-    assert!(encoder > 5 * GIB && encoder < held(&asked, "encode_text"));
-    assert_eq!(
-        held(&sequential.plan, "denoise"),
-        held(&asked, "denoise") - encoder
-    );
+    assert_eq!(encoder, encoder_image);
+    assert_eq!(held(&sequential.plan, "denoise"), held(&asked, "denoise"));
 
     let smaller = sequential.plan.host_required_bytes() - 1;
     let lazy = match planner.fit_host(smaller, None) {
@@ -110,6 +109,30 @@ fn a_host_too_small_for_the_defaults_gets_sequential_then_lazy_loading() {
         planner.fit_host(need - 1, Some(device)),
         Fit::Nothing
     ));
+}
+
+/// A prompt file's jobs keep every eagerly loaded component for the next one: the plan holds
+/// the encoder's image in every stage.
+#[test]
+fn a_prompt_file_keeps_every_component_between_its_prompts() {
+    let file = scratch("prompt-file").join("prompts.txt");
+    std::fs::write(&file, "a fox\na cat\n").unwrap();
+    let args = [&DISCRETE[..], &["--prompt-file", file.to_str().unwrap()]].concat();
+    let (family, config) = resolve("synthetic:wan2.1-t2v-14b", &args);
+    let planner = Planner::new(family.as_ref(), &config);
+    let plan = planner.plan(&planner.request()).unwrap();
+    let held = |stage: &str| plan.stage(stage).unwrap().host_bytes;
+    assert_eq!(held("encode_text"), held("denoise"));
+    // One prompt releases the encoder after its stage.
+    let (family, config) = resolve(
+        "synthetic:wan2.1-t2v-14b",
+        &[&DISCRETE[..], &["--prompt", "a"]].concat(),
+    );
+    let planner = Planner::new(family.as_ref(), &config);
+    let one = planner.plan(&planner.request()).unwrap();
+    let held_one = |stage: &str| one.stage(stage).unwrap().host_bytes;
+    assert!(held_one("denoise") + 5 * GIB < held_one("encode_text"));
+    assert_eq!(held_one("encode_text"), held("encode_text"));
 }
 
 /// Options the user set are kept: with lazy loading turned off the encoder is freed first

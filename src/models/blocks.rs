@@ -23,7 +23,7 @@ macro_rules! placed_whole {
 }
 
 /// A model the engine can place: built whole, or as its outer part plus blocks built apart.
-pub trait Blockwise: Sized + 'static {
+pub trait Blockwise: Sized + Send + Sync + 'static {
     type Config: Clone + Send + Sync + 'static;
     type Block: 'static;
     /// The whole model from its root `VarBuilder`.
@@ -80,7 +80,7 @@ pub trait Blockwise: Sized + 'static {
 /// The common DiT shape, declared by its few facts: an outer part and one list of like blocks
 /// under one weight prefix, each block optionally split into steps. Every such model is
 /// [`Blockwise`] by the one implementation below.
-pub trait RepeatedBlocks: Sized + 'static {
+pub trait RepeatedBlocks: Sized + Send + Sync + 'static {
     type Config: Clone + Send + Sync + 'static;
     type Block: 'static;
     /// What a block can be split into for finer streaming (`()` where it cannot).

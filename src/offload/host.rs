@@ -106,7 +106,8 @@ impl Arena {
 /// filled.
 #[cfg(feature = "cuda")]
 pub struct Locked {
-    map: memmap2::MmapMut,
+    /// Taken by `drop`, which hands it to the teardown thread.
+    map: std::mem::ManuallyDrop<memmap2::MmapMut>,
     ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     locked: bool,
 }
@@ -119,7 +120,7 @@ impl Locked {
         let map = memmap2::MmapMut::map_anon(bytes)
             .with_context(|| format!("allocating {bytes} bytes of host memory"))?;
         Ok(Locked {
-            map,
+            map: std::mem::ManuallyDrop::new(map),
             ctx: dev.cuda_stream().context().clone(),
             locked: false,
         })
@@ -146,12 +147,19 @@ impl Locked {
 
 #[cfg(feature = "cuda")]
 impl Drop for Locked {
+    /// Unlocks and unmaps on the teardown thread (page-table work that grows with the size).
     fn drop(&mut self) {
-        if self.locked {
-            // No copy from it is pending (`Offloaded` waits for its copies before its store is
-            // dropped).
-            super::locked::unregister(&self.ctx, self.map.as_mut_ptr() as usize);
-        }
+        // SAFETY: `map` is taken once, here, and never read again.
+        let mut map = unsafe { std::mem::ManuallyDrop::take(&mut self.map) };
+        let (ctx, locked) = (self.ctx.clone(), self.locked);
+        crate::teardown::later(map.len() as u64, move || {
+            if locked {
+                // No copy from it is pending (`Offloaded` waits for its copies before its store
+                // is dropped).
+                super::locked::unregister(&ctx, map.as_mut_ptr() as usize);
+            }
+            drop(map);
+        });
     }
 }
 

@@ -167,11 +167,16 @@ mod cuda {
     }
 
     impl Drop for LockedMap {
+        /// Unlocks on the teardown thread, queued before the owner's mapping is (its pages
+        /// stay in the page cache: nothing is given back).
         fn drop(&mut self) {
             // The owner has no copy from the runs pending.
-            for run in &self.runs {
-                unregister(&self.ctx, run.start);
-            }
+            let (runs, ctx) = (std::mem::take(&mut self.runs), self.ctx.clone());
+            crate::teardown::later(0, move || {
+                for run in &runs {
+                    unregister(&ctx, run.start);
+                }
+            });
         }
     }
 }

@@ -11,7 +11,7 @@ use super::jobs::Job;
 use super::placement::{Blockwise, Held, Placed, Placement};
 use super::progress::Progress;
 use super::registry::{Family, RunShape, T5VideoConfigs};
-use super::runner::Pipeline;
+use super::runner::{LoadedBeside, Pipeline};
 use super::spec::{ComponentSpec, PipelineSpec, Role, Slot};
 use super::stages;
 use crate::config::ResolvedConfig;
@@ -27,6 +27,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::any::Any;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A family's own part of its pipeline when it reads one T5 tokenizer (the frame holds the
 /// rest): its configs, its components' slots and the tokenizer; its stage bodies are its
@@ -85,8 +86,9 @@ impl<D: VideoDit, V: VideoVae, S, P> T5Pipeline<T5VideoConfigs<D, V, S>, P> {
 }
 
 /// A loaded component as the frame holds it: what the engine moved is readable without its
-/// model type, the model through a [`Slot`].
-pub trait Loaded {
+/// model type, the model through a [`Slot`]. Built on the thread that loads it beside a stage
+/// ([`Pipeline::run_stage_loading`]).
+pub trait Loaded: Send + Sync {
     /// What the offload engine holds and has moved for it (`None` if resident).
     fn offload_usage(&self) -> Option<Usage>;
     fn as_any(&self) -> &dyn Any;
@@ -355,41 +357,91 @@ impl Pipeline for FramePipeline {
         true
     }
 
-    /// Runs the stage's body, recording what the engine moved for each component it uses. A
-    /// rank that follows its group's leader skips what comes after the DiTs (the leader
-    /// decodes and writes); a failed stage drops what the job carried for the later ones.
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        let frame = &self.frame;
-        let stages = &frame.spec.stages;
-        let stage = &stages[index];
-        if frame.follows() {
-            let last_dit = stages.iter().rposition(|s| !s.uses.is_empty());
-            if last_dit.is_some_and(|last| index > last) {
-                job.latents = None;
-                job.frames = None;
-                job.written = index + 1 == stages.len();
-                return Ok(());
-            }
-        }
-        let body = stage
-            .body
-            .as_ref()
-            .with_context(|| format!("stage {} has nothing to run", stage.name))?;
-        let before: Vec<_> = stage.uses.iter().map(|&c| frame.usage(c)).collect();
-        let result = body
-            .run(self.family.as_ref(), frame, job)
-            .and_then(|()| check_embeddings(job));
-        match &result {
-            Ok(()) => {
-                for (&c, before) in stage.uses.iter().zip(before) {
-                    let key = frame.usage_key(c);
-                    stages::report_offload(&frame.progress, job, &key, before, frame.usage(c));
-                }
-            }
-            Err(_) => job.carry.clear(),
-        }
-        result
+        run_stage(&self.frame, self.family.as_ref(), index, job)
     }
+
+    /// The components `ahead` are built on a thread of their own while the stage runs (reading
+    /// and page-locking their weights is host work; what either queues on the device runs in
+    /// stream order), then held by the frame.
+    fn run_stage_loading(
+        &mut self,
+        index: usize,
+        job: &mut Job,
+        ahead: &[usize],
+    ) -> (Result<()>, Vec<LoadedBeside>) {
+        if ahead.is_empty() {
+            return (self.run_stage(index, job), Vec::new());
+        }
+        let (frame, family) = (&self.frame, self.family.as_ref());
+        let (result, built) = std::thread::scope(|scope| {
+            let loader = scope.spawn(|| {
+                ahead
+                    .iter()
+                    .map(|&c| {
+                        let start = Instant::now();
+                        let built = frame.spec.components[c]
+                            .constructors
+                            .load(frame, c)
+                            .and_then(|b| Ok(frame.device.synchronize().map(|()| b)?));
+                        (c, built.map(|b| (b, start.elapsed())))
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let result = run_stage(frame, family, index, job);
+            let built = loader.join().unwrap_or_else(|_| {
+                let failed = || Err(anyhow::anyhow!("its load beside the stage panicked"));
+                ahead.iter().map(|&c| (c, failed())).collect()
+            });
+            (result, built)
+        });
+        let landed = built
+            .into_iter()
+            .map(|(c, built)| {
+                let seconds = built.map(|(b, seconds)| {
+                    self.frame.loaded[c] = Some(b);
+                    seconds
+                });
+                (c, seconds)
+            })
+            .collect();
+        (result, landed)
+    }
+}
+
+/// Runs the stage's body, recording what the engine moved for each component it uses. A rank
+/// that follows its group's leader skips what comes after the DiTs (the leader decodes and
+/// writes); a failed stage drops what the job carried for the later ones.
+fn run_stage(frame: &Frame, family: &dyn Any, index: usize, job: &mut Job) -> Result<()> {
+    let stages = &frame.spec.stages;
+    let stage = &stages[index];
+    if frame.follows() {
+        let last_dit = stages.iter().rposition(|s| !s.uses.is_empty());
+        if last_dit.is_some_and(|last| index > last) {
+            job.latents = None;
+            job.frames = None;
+            job.written = index + 1 == stages.len();
+            return Ok(());
+        }
+    }
+    let body = stage
+        .body
+        .as_ref()
+        .with_context(|| format!("stage {} has nothing to run", stage.name))?;
+    let before: Vec<_> = stage.uses.iter().map(|&c| frame.usage(c)).collect();
+    let result = body
+        .run(family, frame, job)
+        .and_then(|()| check_embeddings(job));
+    match &result {
+        Ok(()) => {
+            for (&c, before) in stage.uses.iter().zip(before) {
+                let key = frame.usage_key(c);
+                stages::report_offload(&frame.progress, job, &key, before, frame.usage(c));
+            }
+        }
+        Err(_) => job.carry.clear(),
+    }
+    result
 }
 
 /// Fails when the embeddings a stage left for the job hold a NaN or an infinity (families that

@@ -39,7 +39,7 @@ use placement::Placement;
 use plan::Planner;
 use progress::Progress;
 use registry::{Configs, Family, ImageInput, RunShape};
-use runner::{BatchOrder, JobReport, LoadPolicy, Pipeline, Schedule};
+use runner::{BatchOrder, JobReport, LoadPolicy, LoadedBeside, Pipeline, Schedule};
 use serde::Serialize;
 use serde_json::json;
 use spec::{PipelineSpec, Role};
@@ -853,8 +853,52 @@ impl Guarded<'_> {
 
     /// Stage `index` for `job`, after the out-of-memory error `VIDGEN_INJECT_OOM` asks for.
     fn attempt(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        self.injected_out_of_memory(self.inner.spec().stages[index].name)?;
-        self.inner.run_stage(index, job)
+        self.attempt_beside(index, job, &[], &mut Vec::new())
+    }
+
+    /// [`Guarded::attempt`] with `ahead` loading beside the stage (none after Ctrl-C), each
+    /// announced and, where it loaded, held; what loaded goes to `landed`. One that failed is
+    /// loaded again before its first stage, where its error is reported.
+    fn attempt_beside(
+        &mut self,
+        index: usize,
+        job: &mut Job,
+        ahead: &[usize],
+        landed: &mut Vec<LoadedBeside>,
+    ) -> Result<()> {
+        let stage = self.inner.spec().stages[index].name;
+        self.injected_out_of_memory(stage)?;
+        let ahead = match interrupt::interrupted() {
+            true => &[][..],
+            false => ahead,
+        };
+        let name = |c: usize| self.inner.spec().components[c].name;
+        for &c in ahead {
+            self.progress
+                .note(&format!("loading {} beside {stage}", name(c)));
+        }
+        if !ahead.is_empty() {
+            // What released components give back is free again before anything more is held.
+            crate::teardown::settle();
+        }
+        let (result, got) = self.inner.run_stage_loading(index, job, ahead);
+        for (c, loaded) in got {
+            let name = self.inner.spec().components[c].name;
+            match &loaded {
+                Ok(took) => {
+                    self.loaded.push(c);
+                    self.progress.note(&format!(
+                        "loaded {name} beside {stage}, in {:.2}s",
+                        took.as_secs_f64()
+                    ));
+                }
+                Err(e) => self.progress.note(&format!(
+                    "{name} did not load beside {stage} ({e:#}); it loads again before its first stage"
+                )),
+            }
+            landed.push((c, loaded));
+        }
+        result
     }
 
     /// `VIDGEN_INJECT_OOM=NAME[:N]`: the stage, or the load of the component, called NAME fails
@@ -932,6 +976,8 @@ impl Guarded<'_> {
         if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
+        // What the components released before this stage give back is counted free.
+        crate::teardown::settle();
         let need = self.planned_host(stage, job)?;
         let room = crate::memory::probe::host_room(self.config.device().host_sharers)?;
         (need > room).then(|| {
@@ -985,6 +1031,8 @@ impl Pipeline for Guarded<'_> {
         let name = self.inner.spec().components[component].name;
         self.progress.note(&format!("loading {name}"));
         let start = Instant::now();
+        // What released components give back is free again before anything more is held.
+        crate::teardown::settle();
         self.meter.reset();
         let when = format!("while loading {name}");
         let mut loaded = self.load_once(component);
@@ -1021,6 +1069,31 @@ impl Pipeline for Guarded<'_> {
     }
 
     fn run_stage(&mut self, index: usize, job: &mut Job) -> Result<()> {
+        self.run_stage_loading(index, job, &[]).0
+    }
+
+    fn run_stage_loading(
+        &mut self,
+        index: usize,
+        job: &mut Job,
+        ahead: &[usize],
+    ) -> (Result<()>, Vec<LoadedBeside>) {
+        let mut landed = Vec::new();
+        let result = self.stage_beside(index, job, ahead, &mut landed);
+        (result, landed)
+    }
+}
+
+impl Guarded<'_> {
+    /// Stage `index` for `job` as [`Pipeline::run_stage`] runs it, with `ahead` loading beside
+    /// its first attempt; what loaded goes to `landed`.
+    fn stage_beside(
+        &mut self,
+        index: usize,
+        job: &mut Job,
+        ahead: &[usize],
+        landed: &mut Vec<LoadedBeside>,
+    ) -> Result<()> {
         let stage = self.inner.spec().stages[index].name;
         if let Err(e) = interrupt::check() {
             job.stopped_at = Some(stage);
@@ -1041,7 +1114,7 @@ impl Pipeline for Guarded<'_> {
         // Out of device memory (another process took some after the plan): every component is
         // freed and the stage runs once more from the same state with a leaner option set.
         let state = job.state();
-        let mut result = self.attempt(index, job);
+        let mut result = self.attempt_beside(index, job, ahead, landed);
         if let (Err(e), Some(state)) = (&result, state) {
             if stages::is_out_of_memory(e) && !interrupt::interrupted() {
                 let first = format!("{e:#}");
@@ -1451,7 +1524,7 @@ impl<'a> DryRun<'a> {
                 gpus: GpuPlan::all(&planner, &request, &spec, config),
                 facts: family.facts(&RunShape::of(config)),
                 from,
-                schedule: Schedule::plan(&spec, load_policy(config)),
+                schedule: Schedule::plan(&spec, load_policy(config), planner.jobs()),
                 placement: Placement::new(config.memory(), &spec),
                 memory: planner.plan(&request).map_err(|e| format!("{e:#}")),
                 sizes: SizePlan::of(&planner, jobs),

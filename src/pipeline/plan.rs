@@ -6,7 +6,7 @@ use super::frame;
 use super::holding::Fsdp;
 use super::placement::Placement;
 use super::registry::{Family, RunShape};
-use super::runner::{LoadPolicy, Schedule};
+use super::runner::{Jobs, LoadPolicy, Schedule};
 use super::spec::{ComponentSpec, PipelineSpec, Role};
 use crate::config::ResolvedConfig;
 use crate::memory::plan::{self as memory_plan, HostSide, MemoryPlan, PlanFor, PlanStage, Request};
@@ -55,6 +55,16 @@ impl<'a> Planner<'a> {
             packed: RefCell::default(),
             mapped: ModelSource::parse(&config.generation().model)
                 .is_ok_and(|source| !source.is_synthetic()),
+        }
+    }
+
+    /// Which jobs the plan is for: one `--prompt` is the run's last job (each component is
+    /// released after its last stage); a prompt file has more (every component stays for the
+    /// next one).
+    pub fn jobs(&self) -> Jobs {
+        match self.config.generation().prompts {
+            Some(crate::config::Prompts::File(_)) => Jobs::More,
+            _ => Jobs::Last,
         }
     }
 
@@ -132,7 +142,7 @@ impl<'a> Planner<'a> {
     fn plan_shape(&self, request: &Request, shape: RunShape, rank: usize) -> Result<MemoryPlan> {
         let spec = self.rank_spec(self.family.spec(&shape), rank);
         let placement = Placement::new(&request.options, &spec);
-        let schedule = Schedule::plan(&spec, load_policy(&request.options));
+        let schedule = Schedule::plan(&spec, load_policy(&request.options), self.jobs());
         let groups = self.config.groups();
         let (weights, host_weights): (Vec<DeviceWeights>, Vec<u64>) = spec
             .components

@@ -22,6 +22,25 @@ pub trait Pipeline {
     fn release(&mut self, component: usize);
     /// Runs stage `index` for one job.
     fn run_stage(&mut self, index: usize, job: &mut Self::Job) -> Result<()>;
+    /// Runs stage `index` for one job while `ahead` (components the schedule loads before it
+    /// that it does not use) load beside it; each one's load time, or why it failed (it is then
+    /// loaded again before its first stage). Where a pipeline cannot load beside a stage, they
+    /// load first.
+    fn run_stage_loading(
+        &mut self,
+        index: usize,
+        job: &mut Self::Job,
+        ahead: &[usize],
+    ) -> (Result<()>, Vec<LoadedBeside>) {
+        let landed = ahead
+            .iter()
+            .map(|&c| {
+                let start = Instant::now();
+                (c, self.load(c).map(|()| start.elapsed()))
+            })
+            .collect();
+        (self.run_stage(index, job), landed)
+    }
     /// Places the components loaded from now on as `options` say (a leaner set after running
     /// out of memory); false where the pipeline cannot.
     fn replace_memory_options(&mut self, options: &MemoryOptions) -> bool {
@@ -29,6 +48,10 @@ pub trait Pipeline {
         false
     }
 }
+
+/// A component loaded beside a stage ([`Pipeline::run_stage_loading`]): its index, and how long
+/// its load took or why it failed.
+pub type LoadedBeside = (usize, Result<Duration>);
 
 /// When components are loaded and released.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -63,6 +86,17 @@ pub struct JobReport {
     pub error: Option<String>,
 }
 
+/// Which jobs a [`Schedule`] is for: under [`LoadPolicy::Eager`] every component stays loaded
+/// for the next job, and the last job (or the only one) releases each after its last stage, so
+/// its host teardown overlaps the stages after it and they have its device memory.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Jobs {
+    /// Jobs with others after them.
+    More,
+    /// The last job of a run.
+    Last,
+}
+
 /// Which components are alive before and after each stage under a policy.
 #[derive(Clone, Debug)]
 pub struct Schedule {
@@ -73,8 +107,8 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// Plans the loads and releases of `spec`'s stages under `policy`.
-    pub fn plan(spec: &PipelineSpec, policy: LoadPolicy) -> Self {
+    /// Plans the loads and releases of `spec`'s stages under `policy` for `jobs`.
+    pub fn plan(spec: &PipelineSpec, policy: LoadPolicy, jobs: Jobs) -> Self {
         let stages = &spec.stages;
         let n = stages.len();
         let mut load_before = vec![Vec::new(); n];
@@ -91,6 +125,7 @@ impl Schedule {
         let last = |c: &usize| stages.iter().rposition(|s| s.uses.contains(c)).unwrap_or(0);
         for c in all {
             let (load_at, release_at) = match policy {
+                LoadPolicy::Eager if jobs == Jobs::Last => (0, last(&c)),
                 LoadPolicy::Eager => (0, n - 1),
                 LoadPolicy::Lazy if spec.components[c].deferrable => (first(&c), last(&c)),
                 LoadPolicy::Lazy => (0, n - 1),
@@ -126,7 +161,9 @@ pub fn run<P: Pipeline>(
     mut on_stage: impl FnMut(usize, &'static str),
 ) -> Vec<JobReport> {
     let stages = pipeline.spec().stages.clone();
-    let schedule = Schedule::plan(pipeline.spec(), policy);
+    // Eager components stay for the next job: only the last job's stages release them.
+    let schedule = Schedule::plan(pipeline.spec(), policy, Jobs::Last);
+    let keeps = |last_job: bool| policy == LoadPolicy::Eager && !last_job;
     let mut reports: Vec<JobReport> = jobs.iter().map(|_| JobReport::default()).collect();
     let mut loaded: Vec<usize> = Vec::new();
     let mut step = |pipeline: &mut P,
@@ -140,9 +177,17 @@ pub fn run<P: Pipeline>(
         }
         on_stage(job_index, stages[stage].name);
         let start = Instant::now();
-        let result = ensure_loaded(pipeline, loaded, &schedule.load_before[stage])
-            .and_then(|()| ensure_loaded(pipeline, loaded, &stages[stage].uses))
-            .and_then(|()| pipeline.run_stage(stage, job));
+        // The stage's own components first; the others the schedule loads now, beside it.
+        let result = ensure_loaded(pipeline, loaded, &stages[stage].uses).and_then(|()| {
+            let ahead: Vec<usize> = schedule.load_before[stage]
+                .iter()
+                .copied()
+                .filter(|c| !loaded.contains(c))
+                .collect();
+            let (result, landed) = pipeline.run_stage_loading(stage, job, &ahead);
+            loaded.extend(landed.iter().filter(|(_, r)| r.is_ok()).map(|&(c, _)| c));
+            result
+        });
         report
             .stage_times
             .push((stages[stage].name, start.elapsed()));
@@ -153,6 +198,7 @@ pub fn run<P: Pipeline>(
     match order {
         BatchOrder::Stage => {
             let groups = stage_groups(&stages);
+            let last_chunk = jobs.len().div_ceil(MAX_IN_FLIGHT).saturating_sub(1);
             let chunks = jobs
                 .chunks_mut(MAX_IN_FLIGHT)
                 .zip(reports.chunks_mut(MAX_IN_FLIGHT));
@@ -171,8 +217,7 @@ pub fn run<P: Pipeline>(
                             );
                         }
                     }
-                    // Eager components stay for the next chunk; the end releases them.
-                    if policy != LoadPolicy::Eager {
+                    if !keeps(c == last_chunk) {
                         for stage in group.clone() {
                             release(pipeline, &mut loaded, &schedule.release_after[stage]);
                         }
@@ -181,11 +226,12 @@ pub fn run<P: Pipeline>(
             }
         }
         BatchOrder::Prompt => {
+            let last_job = jobs.len().saturating_sub(1);
             for (i, (job, report)) in jobs.iter_mut().zip(&mut reports).enumerate() {
                 for stage in 0..stages.len() {
                     step(pipeline, &mut loaded, stage, i, job, report);
-                    // Eager components stay for the next prompt; deferred ones reload per prompt.
-                    if policy != LoadPolicy::Eager {
+                    // Deferred components reload per prompt.
+                    if !keeps(i == last_job) {
                         release(pipeline, &mut loaded, &schedule.release_after[stage]);
                     }
                 }

@@ -50,7 +50,7 @@ pub struct WeightSet {
 #[derive(Clone)]
 enum Source {
     /// Memory-mapped files, their keys in `KeyLayout`.
-    Mapped(Arc<Files>, KeyLayout),
+    Mapped(Arc<Mapped>, KeyLayout),
     Synthetic(SyntheticWeights),
 }
 
@@ -58,6 +58,27 @@ enum Source {
 enum Files {
     Safetensors(MmapedSafetensors),
     Gguf(gguf::Gguf),
+}
+
+/// [`Files`] unmapped on the teardown thread when the last holder lets go: unmapping the
+/// pages a load read costs page-table work that grows with the file (their contents stay in the
+/// page cache: nothing is given back).
+struct Mapped(std::mem::ManuallyDrop<Files>);
+
+impl std::ops::Deref for Mapped {
+    type Target = Files;
+
+    fn deref(&self) -> &Files {
+        &self.0
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and never read again.
+        let files = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
+        crate::teardown::later(0, move || drop(files));
+    }
 }
 
 /// A stored tensor as its file holds it.
@@ -182,7 +203,7 @@ impl WeightSet {
                         })?,
                 };
                 let keys = KeyLayout::of(&opened.names());
-                Source::Mapped(Arc::new(opened), keys)
+                Source::Mapped(Arc::new(Mapped(std::mem::ManuallyDrop::new(opened))), keys)
             }
             Weights::Synthetic { seed } => Source::Synthetic(SyntheticWeights { seed: *seed }),
         };
@@ -374,7 +395,7 @@ impl WeightSet {
     /// architecture it declares.
     pub fn format(&self) -> String {
         match &self.source {
-            Source::Mapped(files, _) => match files.as_ref() {
+            Source::Mapped(files, _) => match &***files {
                 Files::Safetensors(_) => "safetensors".into(),
                 Files::Gguf(g) => match &g.architecture {
                     Some(a) => format!("GGUF, architecture \"{a}\""),
@@ -750,7 +771,7 @@ impl SimpleBackend for WeightSet {
                 // A dtype the parallel read does not write: candle's loading.
                 return self.get_unchecked(name, dtype, dev);
             }
-            Source::Mapped(files, keys) => match files.as_ref() {
+            Source::Mapped(files, keys) => match &***files {
                 Files::Safetensors(st) => {
                     SimpleBackend::get(st, s, &keys.stored(name), h, dtype, dev)?
                 }
@@ -775,7 +796,7 @@ impl SimpleBackend for WeightSet {
                 if let Some(made) = self.transformed(name, &shape, dtype, dev)? {
                     return Ok(made);
                 }
-                match files.as_ref() {
+                match &***files {
                     Files::Safetensors(st) => {
                         SimpleBackend::get_unchecked(st, &keys.stored(name), dtype, dev)?
                     }
