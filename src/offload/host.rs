@@ -57,6 +57,21 @@ pub enum Arena {
     Pinned(Locked),
 }
 
+impl Drop for Arena {
+    /// A pageable arena is freed on the teardown thread (unmapping gigabytes of anonymous
+    /// memory is page-table work that grows with the size); a pinned one frees itself so.
+    fn drop(&mut self) {
+        match self {
+            Arena::Pageable(bytes) => {
+                let bytes = std::mem::take(bytes);
+                crate::teardown::later(bytes.len() as u64, move || drop(bytes));
+            }
+            #[cfg(feature = "cuda")]
+            Arena::Pinned(_) => {}
+        }
+    }
+}
+
 impl Arena {
     /// `bytes` of host memory, to be filled and then, when `pinned` and the device is CUDA,
     /// page-locked with [`Arena::lock`].
