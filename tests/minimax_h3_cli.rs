@@ -192,7 +192,8 @@ fn line(log: &str, what: &str) -> usize {
 }
 
 /// FastVideo's load levers, seen in the order of loads, stages and frees: eager loads every
-/// component before the first stage and frees them at the end; `--h3-sequential-load` loads the
+/// component by the first stage (the others beside it) and the one prompt frees each after its
+/// last stage (the DiT before the decode); `--h3-sequential-load` loads the
 /// encoder, encodes and frees it before the DiT and both VAEs load; `--lazy-module-load` loads
 /// each component for its stage and frees it after (the DiT is gone before decoding).
 #[test]
@@ -214,7 +215,12 @@ fn load_levers_order_loads_and_frees() {
         "{eager}"
     );
     assert!(
-        line(&eager, "freed transformer") > line(&eager, "[1/1] write"),
+        line(&eager, "loading transformer beside encode_text") < line(&eager, "[1/1] denoise"),
+        "{eager}"
+    );
+    let freed = line(&eager, "freed transformer");
+    assert!(
+        freed > line(&eager, "[1/1] denoise") && freed < line(&eager, "[1/1] write"),
         "{eager}"
     );
 

@@ -62,6 +62,31 @@ pub fn cut_at_run_ends(runs: &[Range<usize>], range: Range<usize>) -> Vec<Range<
     parts
 }
 
+/// `run` cut where the pieces of `registered` (sorted, disjoint) begin and end: each part with
+/// whether it lies in one of them (registered already) or in none (free to register).
+pub fn split_by_registered(
+    registered: &[Range<usize>],
+    run: Range<usize>,
+) -> Vec<(Range<usize>, bool)> {
+    let mut parts = Vec::new();
+    let mut at = run.start;
+    let first = registered.partition_point(|r| r.end <= run.start);
+    for r in registered[first..].iter().take_while(|r| r.start < run.end) {
+        if r.start > at {
+            parts.push((at..r.start, false));
+        }
+        let end = r.end.min(run.end);
+        if end > at.max(r.start) {
+            parts.push((at.max(r.start)..end, true));
+        }
+        at = at.max(end);
+    }
+    if at < run.end {
+        parts.push((at..run.end, false));
+    }
+    parts
+}
+
 #[cfg(feature = "cuda")]
 pub use cuda::{register, unregister, LockedMap};
 
@@ -99,10 +124,26 @@ mod cuda {
         }
     }
 
+    /// The pieces of host memory this process registered through [`LockedMap`], sorted by
+    /// address and disjoint. Two stores of one component read one mapping (a parked outer part
+    /// and the streamed blocks), and the page where one's tensors end and the other's begin is
+    /// theirs both: a page can be registered once, so the second reads it where the first
+    /// registered it.
+    static REGISTERED: std::sync::Mutex<Vec<Range<usize>>> = std::sync::Mutex::new(Vec::new());
+
+    fn registered() -> std::sync::MutexGuard<'static, Vec<Range<usize>>> {
+        REGISTERED.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Pages of a memory map, page-locked in place (read-only) until dropped. The owner keeps
     /// the mapping alive longer than this, and no copy from it pending when it drops.
     pub struct LockedMap {
+        /// Every piece holding the ranges, each inside one registration (a copy is cut at
+        /// their ends).
         runs: Vec<Range<usize>>,
+        /// The pieces this map registered (the others another map registered first); released
+        /// when it drops.
+        owned: Vec<Range<usize>>,
         ctx: Arc<CudaContext>,
     }
 
@@ -120,8 +161,19 @@ mod cuda {
                 .ok()
                 .filter(|p| p.is_power_of_two())
                 .context("reading the host page size")?;
-            let runs = split_runs(page_runs(ranges, page), piece.next_multiple_of(page));
-            let results: Vec<Result<()>> = runs
+            let pieces = split_runs(page_runs(ranges, page), piece.next_multiple_of(page));
+            // Held while registering, so no other map takes a page this one finds free.
+            let mut registry = registered();
+            let (mut runs, mut free) = (Vec::new(), Vec::new());
+            for piece in pieces {
+                for (part, taken) in split_by_registered(&registry, piece) {
+                    if !taken {
+                        free.push(part.clone());
+                    }
+                    runs.push(part);
+                }
+            }
+            let results: Vec<Result<()>> = free
                 .par_iter()
                 .map(|run| {
                     // SAFETY: the run is whole pages of a live mapping (the caller's promise);
@@ -132,15 +184,19 @@ mod cuda {
                 })
                 .collect();
             let mut failure = None;
-            let mut locked = Vec::with_capacity(runs.len());
-            for (run, result) in runs.into_iter().zip(results) {
+            let mut owned = Vec::with_capacity(free.len());
+            for (run, result) in free.into_iter().zip(results) {
                 match result {
-                    Ok(()) => locked.push(run),
+                    Ok(()) => owned.push(run),
                     Err(e) => failure = failure.or(Some(e)),
                 }
             }
+            registry.extend(owned.iter().cloned());
+            registry.sort_by_key(|r| r.start);
+            drop(registry);
             let map = LockedMap {
-                runs: locked,
+                runs,
+                owned,
                 ctx: ctx.clone(),
             };
             match failure {
@@ -171,11 +227,12 @@ mod cuda {
         /// stay in the page cache: nothing is given back).
         fn drop(&mut self) {
             // The owner has no copy from the runs pending.
-            let (runs, ctx) = (std::mem::take(&mut self.runs), self.ctx.clone());
+            let (owned, ctx) = (std::mem::take(&mut self.owned), self.ctx.clone());
             crate::teardown::later(0, move || {
-                for run in &runs {
+                for run in &owned {
                     unregister(&ctx, run.start);
                 }
+                registered().retain(|r| !owned.contains(r));
             });
         }
     }
@@ -204,6 +261,37 @@ mod tests {
         );
         assert_eq!(runs, [0..32_768, 36_864..40_960]);
         assert!(page_runs(std::iter::once(5..5), 4096).is_empty());
+    }
+
+    /// A run is cut where registered pieces begin and end: the parts cover it exactly, in
+    /// order, those inside a registered piece marked taken.
+    #[test]
+    fn runs_are_split_around_what_is_registered() {
+        let registered = [0..4096, 8192..16_384, 20_480..24_576, 40_960..45_056];
+        assert_eq!(
+            split_by_registered(&registered, 4096..28_672),
+            [
+                (4096..8192, false),
+                (8192..16_384, true),
+                (16_384..20_480, false),
+                (20_480..24_576, true),
+                (24_576..28_672, false),
+            ]
+        );
+        // Inside one piece, starting inside one, or touching none.
+        assert_eq!(
+            split_by_registered(&registered, 12_288..16_384),
+            [(12_288..16_384, true)]
+        );
+        assert_eq!(
+            split_by_registered(&registered, 12_288..20_480),
+            [(12_288..16_384, true), (16_384..20_480, false)]
+        );
+        assert_eq!(
+            split_by_registered(&registered, 28_672..32_768),
+            [(28_672..32_768, false)]
+        );
+        assert_eq!(split_by_registered(&[], 0..4096), [(0..4096, false)]);
     }
 
     /// Runs split into pieces of at most the piece size, covering the runs exactly; a range cut
@@ -277,6 +365,70 @@ mod cuda_tests {
         stream.synchronize()?;
         assert!(stream.clone_dtoh(&on_device)? == bytes);
         drop(locked);
+        // Unlocked (on the teardown thread) before it is unmapped.
+        crate::teardown::finish();
+        drop(map);
+        std::fs::remove_file(&path)?;
+        Ok(())
+    }
+
+    /// Two maps over one mapping whose ranges share a page (a parked outer part and streamed
+    /// blocks whose tensors meet mid-page) both lock: the second reads the shared page where
+    /// the first registered it, its copies cut there, and every byte arrives.
+    #[test]
+    fn maps_that_share_a_page_both_lock() -> Result<()> {
+        let Device::Cuda(dev) = Device::new_cuda(0)? else {
+            unreachable!()
+        };
+        let page = 4096;
+        let path = std::env::temp_dir().join(format!("vidgen-shared-{}", std::process::id()));
+        let content: Vec<u8> = (0..6 * page).map(|i| (i * 13 % 251) as u8).collect();
+        std::fs::write(&path, &content)?;
+        let file = std::fs::File::open(&path)?;
+        // SAFETY: the test's own file, not written while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file)? };
+        let start = map.as_ptr() as usize;
+        let stream = dev.cuda_stream();
+        // The first ends, and the second begins, inside page 2.
+        let (first, second) = (
+            &map[100..2 * page + 500],
+            &map[2 * page + 500..6 * page - 9],
+        );
+        let range = |b: &[u8]| b.as_ptr() as usize..b.as_ptr() as usize + b.len();
+        let a = LockedMap::lock(std::iter::once(range(first)), page, stream.context())?;
+        let b = LockedMap::lock(std::iter::once(range(second)), page, stream.context())?;
+        assert_eq!(a.bytes(), 3 * page);
+        assert_eq!(b.bytes(), 4 * page);
+        // The second's first piece is the shared page, registered by the first.
+        let pieces = b.pieces(second);
+        assert_eq!(pieces[0].as_ptr() as usize, start + 2 * page + 500);
+        assert_eq!(pieces[0].len(), page - 500);
+        let mut on_device = stream.alloc_zeros::<u8>(second.len())?;
+        {
+            let (ptr, _guard) = on_device.device_ptr_mut(&stream);
+            let mut at = ptr;
+            for piece in pieces {
+                // SAFETY: the buffer holds `second.len()` bytes; the map outlives the copies
+                // (synchronized below).
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(at, piece, stream.cu_stream())
+                }?;
+                at += piece.len() as u64;
+            }
+        }
+        stream.synchronize()?;
+        assert!(stream.clone_dtoh(&on_device)? == second);
+        drop((a, b));
+        crate::teardown::finish();
+        // Every page is free to lock again.
+        let again = LockedMap::lock(
+            std::iter::once(start..start + map.len()),
+            page,
+            stream.context(),
+        )?;
+        assert_eq!(again.bytes(), 6 * page);
+        drop(again);
+        crate::teardown::finish();
         drop(map);
         std::fs::remove_file(&path)?;
         Ok(())
