@@ -92,7 +92,7 @@ pub use cuda::{register, unregister, LockedMap};
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{cut_at_run_ends, page_runs, split_runs};
+    use super::{cut_at_run_ends, page_runs, split_by_registered, split_runs};
     use anyhow::{Context, Result};
     use cudarc::driver::{sys, CudaContext, DriverError};
     use rayon::prelude::*;
