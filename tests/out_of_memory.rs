@@ -122,16 +122,21 @@ fn a_stage_out_of_memory_once_runs_again_with_a_leaner_set() {
     }
 }
 
-/// Out of memory while loading a component: every other one is freed and the load runs again
+/// Out of memory while loading a component beside the first stage: it loads again before its
+/// own stage, and out of memory there, every other component is freed and the load runs again
 /// with a leaner set; the videos are the same.
 #[test]
 fn a_load_out_of_memory_once_loads_again_with_a_leaner_set() {
     let clean = scratch("load-clean");
     assert!(run(&clean, None).status.success());
     let out = scratch("load");
-    let retried = run(&out, Some("transformer"));
+    let retried = run(&out, Some("transformer:2"));
     let stderr = String::from_utf8_lossy(&retried.stderr);
     assert!(retried.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("transformer did not load beside encode_text ("),
+        "{stderr}"
+    );
     assert!(
         stderr.contains("out of device memory while loading transformer; retrying once with --"),
         "{stderr}"

@@ -133,7 +133,14 @@ fn a_scaled_fp8_file_is_planned_as_held() {
     for ((name, float_host, float_device), (_, scaled_host, scaled_device)) in
         float.iter().zip(&scaled)
     {
-        assert!(scaled_host < float_host, "{name}: {scaled_host} host bytes");
+        // The one prompt releases the transformer after denoising: the stages after hold
+        // neither file's weights.
+        match name.as_str() {
+            "encode_text" | "denoise" => {
+                assert!(scaled_host < float_host, "{name}: {scaled_host} host bytes")
+            }
+            _ => assert_eq!(scaled_host, float_host, "{name}"),
+        }
         if name == "denoise" {
             assert!(
                 scaled_device > float_device,

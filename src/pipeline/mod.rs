@@ -868,15 +868,25 @@ impl Guarded<'_> {
     ) -> Result<()> {
         let stage = self.inner.spec().stages[index].name;
         self.injected_out_of_memory(stage)?;
-        let ahead = match interrupt::interrupted() {
-            true => &[][..],
-            false => ahead,
-        };
-        let name = |c: usize| self.inner.spec().components[c].name;
-        for &c in ahead {
-            self.progress
-                .note(&format!("loading {} beside {stage}", name(c)));
+        // None loads after Ctrl-C; one that `VIDGEN_INJECT_OOM` names fails as it would.
+        let mut beside = Vec::with_capacity(ahead.len());
+        for &c in ahead.iter().filter(|_| !interrupt::interrupted()) {
+            let name = self.inner.spec().components[c].name;
+            match self.injected_out_of_memory(name) {
+                Ok(()) => {
+                    self.progress
+                        .note(&format!("loading {name} beside {stage}"));
+                    beside.push(c);
+                }
+                Err(e) => {
+                    self.progress.note(&format!(
+                        "{name} did not load beside {stage} ({e:#}); it loads again before its first stage"
+                    ));
+                    landed.push((c, Err(e)));
+                }
+            }
         }
+        let ahead = &beside[..];
         if !ahead.is_empty() {
             // What released components give back is free again before anything more is held.
             crate::teardown::settle();
