@@ -190,13 +190,12 @@ impl Pipeline for Recording<'_> {
     }
 }
 
-/// Loading lazily, the runner frees the first expert before the second loads: only the expert
-/// in use needs the device.
-#[test]
-fn the_runner_switches_experts_without_holding_both() {
+/// The runner's calls for `jobs` prompts of the toy family, prompt by prompt, with `flags` (whose
+/// load policy is `policy`), each stage's start logged as `<stage> <job>`; every job succeeds.
+fn recorded_run(flags: &[&str], jobs: usize, policy: LoadPolicy) -> Vec<String> {
     let family = toy();
-    let config = resolve(&["--memory-model", "discrete", "--lazy-module-load"]);
-    assert_eq!(load_policy(config.memory()), LoadPolicy::Lazy);
+    let config = resolve(&[&["--memory-model", "discrete"][..], flags].concat());
+    assert_eq!(load_policy(config.memory()), policy);
     let log = Log::default();
     let mut pipeline = Recording {
         spec: family.spec(&RunShape::of(&config)),
@@ -204,13 +203,20 @@ fn the_runner_switches_experts_without_holding_both() {
     };
     let reports = runner::run(
         &mut pipeline,
-        &mut [()],
-        LoadPolicy::Lazy,
+        &mut vec![(); jobs],
+        policy,
         BatchOrder::Prompt,
-        |_, _| {},
+        |job, stage| log.0.lock().unwrap().push(format!("{stage} {job}")),
     );
-    assert!(reports[0].error.is_none());
-    let log = log.0.into_inner().unwrap();
+    assert!(reports.iter().all(|r| r.error.is_none()));
+    log.0.into_inner().unwrap()
+}
+
+/// Loading lazily, the runner frees the first expert before the second loads: only the expert
+/// in use needs the device.
+#[test]
+fn the_runner_switches_experts_without_holding_both() {
+    let log = recorded_run(&["--lazy-module-load"], 1, LoadPolicy::Lazy);
     let at = |entry: &str| log.iter().position(|l| l == entry).unwrap();
     assert!(at("free transformer") < at("load transformer_2"), "{log:?}");
     assert!(at("free text_encoder") < at("load transformer"), "{log:?}");
@@ -222,23 +228,7 @@ fn the_runner_switches_experts_without_holding_both() {
 /// decode), so the stages after have its memory and its teardown overlaps them.
 #[test]
 fn the_last_prompt_releases_each_component_after_its_last_stage() {
-    let family = toy();
-    let config = resolve(&["--memory-model", "discrete"]);
-    assert_eq!(load_policy(config.memory()), LoadPolicy::Eager);
-    let log = Log::default();
-    let mut pipeline = Recording {
-        spec: family.spec(&RunShape::of(&config)),
-        log: &log,
-    };
-    let reports = runner::run(
-        &mut pipeline,
-        &mut [(), ()],
-        LoadPolicy::Eager,
-        BatchOrder::Prompt,
-        |job, stage| log.0.lock().unwrap().push(format!("{stage} {job}")),
-    );
-    assert!(reports.iter().all(|r| r.error.is_none()));
-    let log = log.0.into_inner().unwrap();
+    let log = recorded_run(&[], 2, LoadPolicy::Eager);
     let at = |entry: &str| log.iter().position(|l| l == entry).unwrap();
     // Loaded once, before the first prompt's first stage.
     for name in ["text_encoder", "transformer", "transformer_2", "vae"] {

@@ -323,7 +323,27 @@ mod cuda_tests {
     use super::LockedMap;
     use anyhow::Result;
     use candle_core::Device;
-    use cudarc::driver::DevicePtrMut;
+    use cudarc::driver::{CudaStream, DevicePtrMut};
+    use std::sync::Arc;
+
+    /// `pieces` copied to the device one after the other, one copy each, and read back.
+    fn copied(stream: &Arc<CudaStream>, pieces: &[&[u8]]) -> Result<Vec<u8>> {
+        let len = pieces.iter().map(|p| p.len()).sum();
+        let mut on_device = stream.alloc_zeros::<u8>(len)?;
+        {
+            let (mut at, _guard) = on_device.device_ptr_mut(stream);
+            for piece in pieces {
+                // SAFETY: the buffer holds every piece's bytes; the caller's map outlives the
+                // copies (synchronized below).
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(at, piece, stream.cu_stream())
+                }?;
+                at += piece.len() as u64;
+            }
+        }
+        stream.synchronize()?;
+        Ok(stream.clone_dtoh(&on_device)?)
+    }
 
     /// Locked in pieces of one page, bytes that span many pieces copy to the device piece by
     /// piece and arrive as they are in the file.
@@ -349,21 +369,7 @@ mod cuda_tests {
         )?;
         let pieces = locked.pieces(bytes);
         assert!(pieces.len() >= 5, "{} pieces", pieces.len());
-        let mut on_device = stream.alloc_zeros::<u8>(bytes.len())?;
-        {
-            let (ptr, _guard) = on_device.device_ptr_mut(&stream);
-            let mut at = ptr;
-            for piece in pieces {
-                // SAFETY: the buffer holds `bytes.len()` bytes; the map outlives the copies
-                // (synchronized below).
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(at, piece, stream.cu_stream())
-                }?;
-                at += piece.len() as u64;
-            }
-        }
-        stream.synchronize()?;
-        assert!(stream.clone_dtoh(&on_device)? == bytes);
+        assert!(copied(&stream, &pieces)? == bytes);
         drop(locked);
         // Unlocked (on the teardown thread) before it is unmapped.
         crate::teardown::finish();
@@ -403,21 +409,7 @@ mod cuda_tests {
         let pieces = b.pieces(second);
         assert_eq!(pieces[0].as_ptr() as usize, start + 2 * page + 500);
         assert_eq!(pieces[0].len(), page - 500);
-        let mut on_device = stream.alloc_zeros::<u8>(second.len())?;
-        {
-            let (ptr, _guard) = on_device.device_ptr_mut(&stream);
-            let mut at = ptr;
-            for piece in pieces {
-                // SAFETY: the buffer holds `second.len()` bytes; the map outlives the copies
-                // (synchronized below).
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(at, piece, stream.cu_stream())
-                }?;
-                at += piece.len() as u64;
-            }
-        }
-        stream.synchronize()?;
-        assert!(stream.clone_dtoh(&on_device)? == second);
+        assert!(copied(&stream, &pieces)? == second);
         drop((a, b));
         crate::teardown::finish();
         // Every page is free to lock again.
