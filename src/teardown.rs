@@ -1,8 +1,9 @@
 //! Tearing down large host memory off the run's critical path. Unmapping an 11 GB weight file
-//! after its tensors landed on the device, or unlocking 27 GB of page-locked memory when a
-//! component is released, costs the calling thread 60 ms per GB of page-table work (an H200
-//! host, `bench/RESULTS.md` session 30): done on one background thread, in the order queued, it
-//! overlaps the next load or stage instead of delaying it.
+//! after its tensors landed on the device cost the loading thread 0.72 s of page-table work (an
+//! H200 host, `bench/RESULTS.md` session 30): done on a background thread, in the order queued,
+//! it overlaps the next load or stage instead of delaying it. One `munmap` of gigabytes also holds
+//! every other thread's `mmap` for its whole length, so the pages go first in pieces
+//! ([`discard_pages`]).
 //!
 //! Teardowns that give memory back (anonymous memory) have a thread of their own, which
 //! [`settle`] waits for before anything allocates against a host budget; [`finish`] waits for
@@ -100,6 +101,41 @@ pub fn finish() {
     drain(lane(false));
 }
 
+/// Most bytes one call drops from the page tables: a single `munmap` of gigabytes holds every
+/// other thread's `mmap` (thread starts, large allocations, the CUDA driver's own) for its whole
+/// length; in pieces of this size each waits at most one piece's work (`bench/unmap_stall.c`).
+const DISCARD_PIECE: usize = 64 << 20;
+
+/// Drops the pages wholly inside `ranges` from the process's page tables, piece by piece, so
+/// that the unmapping or freeing that follows is cheap and holds up no other thread.
+///
+/// # Safety
+/// The ranges are memory of this process that nothing reads or writes any more (a file mapping
+/// or anonymous memory about to be unmapped or freed, no longer page-locked).
+pub unsafe fn discard_pages(ranges: impl IntoIterator<Item = std::ops::Range<usize>>) {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = match usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) {
+            Ok(p) if p.is_power_of_two() => p,
+            _ => return,
+        };
+        for range in ranges {
+            // Whole pages only: the first and last may hold another allocation's bytes.
+            let (start, end) = (range.start.next_multiple_of(page), range.end / page * page);
+            let mut at = start;
+            while at < end {
+                let len = DISCARD_PIECE.min(end - at);
+                // SAFETY: the caller's promise; a failure (nothing mapped there) changes nothing.
+                unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+                at += len;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ranges.into_iter();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +170,21 @@ mod tests {
         assert!(order_now.iter().position(|&i| i == 0) < order_now.iter().position(|&i| i == 1));
         finish();
         assert_eq!(ran.load(Ordering::SeqCst), 3);
+    }
+
+    /// Discarded pages of anonymous memory read as zeros again; the bytes of the partial pages
+    /// at either end of the range are kept.
+    #[test]
+    fn discarded_pages_are_dropped_and_partial_pages_kept() {
+        let mut bytes = vec![7u8; 3 * DISCARD_PIECE + 12_345];
+        let start = bytes.as_ptr() as usize;
+        // SAFETY: the pages wholly inside the range are this test's and read only below.
+        unsafe { discard_pages(std::iter::once(start + 100..start + bytes.len() - 100)) };
+        assert_eq!(bytes[..100], [7; 100]);
+        assert_eq!(bytes[bytes.len() - 100..], [7; 100]);
+        let zeros = bytes.iter().filter(|&&b| b == 0).count();
+        assert!(zeros >= 3 * DISCARD_PIECE - 2 * 4096, "{zeros} zeros");
+        bytes.fill(1);
+        assert!(bytes.iter().all(|&b| b == 1));
     }
 }

@@ -64,7 +64,14 @@ impl Drop for Arena {
         match self {
             Arena::Pageable(bytes) => {
                 let bytes = std::mem::take(bytes);
-                crate::teardown::later(bytes.len() as u64, move || drop(bytes));
+                crate::teardown::later(bytes.len() as u64, move || {
+                    let start = bytes.as_ptr() as usize;
+                    // SAFETY: the arena's own bytes, freed right after.
+                    unsafe {
+                        crate::teardown::discard_pages(std::iter::once(start..start + bytes.len()))
+                    };
+                    drop(bytes);
+                });
             }
             #[cfg(feature = "cuda")]
             Arena::Pinned(_) => {}
@@ -168,11 +175,14 @@ impl Drop for Locked {
         let mut map = unsafe { std::mem::ManuallyDrop::take(&mut self.map) };
         let (ctx, locked) = (self.ctx.clone(), self.locked);
         crate::teardown::later(map.len() as u64, move || {
+            let start = map.as_mut_ptr() as usize;
             if locked {
                 // No copy from it is pending (`Offloaded` waits for its copies before its store
                 // is dropped).
-                super::locked::unregister(&ctx, map.as_mut_ptr() as usize);
+                super::locked::unregister(&ctx, start);
             }
+            // SAFETY: the arena's own pages, unlocked, unmapped right after.
+            unsafe { crate::teardown::discard_pages(std::iter::once(start..start + map.len())) };
             drop(map);
         });
     }

@@ -77,7 +77,13 @@ impl Drop for Mapped {
     fn drop(&mut self) {
         // SAFETY: taken once, here, and never read again.
         let files = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
-        crate::teardown::later(0, move || drop(files));
+        crate::teardown::later(0, move || {
+            let ranges = files.data_ranges();
+            // SAFETY: the tensors' bytes, read by nothing now (any page lock on them was
+            // released before, on the same thread), unmapped right after.
+            unsafe { crate::teardown::discard_pages(ranges) };
+            drop(files);
+        });
     }
 }
 
@@ -93,6 +99,26 @@ struct View<'a> {
 }
 
 impl Files {
+    /// The address ranges of every tensor's bytes in the mappings, those that meet or lie less
+    /// than a page apart merged.
+    fn data_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let mut ranges: Vec<std::ops::Range<usize>> = self
+            .names()
+            .iter()
+            .filter_map(|name| self.view(name))
+            .map(|v| v.data.as_ptr() as usize..v.data.as_ptr() as usize + v.data.len())
+            .collect();
+        ranges.sort_by_key(|r| r.start);
+        let mut merged: Vec<std::ops::Range<usize>> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(last) if r.start <= last.end + 4096 => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        merged
+    }
+
     fn names(&self) -> Vec<String> {
         match self {
             Files::Safetensors(st) => st.tensors().into_iter().map(|(n, _)| n).collect(),
