@@ -218,7 +218,11 @@ fn load_levers_order_loads_and_frees() {
         line(&eager, "loading transformer beside encode_text") < line(&eager, "[1/1] denoise"),
         "{eager}"
     );
-    let freed = line(&eager, "freed transformer");
+    // (Not "freed transformer_modulations", freed after its own stage.)
+    let freed = eager
+        .lines()
+        .position(|l| l == "freed transformer")
+        .unwrap();
     assert!(
         freed > line(&eager, "[1/1] denoise") && freed < line(&eager, "[1/1] write"),
         "{eager}"
