@@ -398,11 +398,11 @@ impl Pipeline for FramePipeline {
         let landed = built
             .into_iter()
             .map(|(c, built)| {
-                let seconds = built.map(|(b, seconds)| {
+                let took = built.map(|(b, took)| {
                     self.frame.loaded[c] = Some(b);
-                    seconds
+                    took
                 });
-                (c, seconds)
+                (c, took)
             })
             .collect();
         (result, landed)
