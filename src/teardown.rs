@@ -107,11 +107,13 @@ pub fn finish() {
 const DISCARD_PIECE: usize = 64 << 20;
 
 /// Drops the pages wholly inside `ranges` from the process's page tables, piece by piece, so
-/// that the unmapping or freeing that follows is cheap and holds up no other thread.
+/// that the unmapping or freeing that follows is cheap and holds up no other thread. Ranges that
+/// meet or lie less than a page apart are taken as one (the tensors of one file).
 ///
 /// # Safety
-/// The ranges are memory of this process that nothing reads or writes any more (a file mapping
-/// or anonymous memory about to be unmapped or freed, no longer page-locked).
+/// The ranges, and what lies less than a page between two of them, are memory of this process
+/// that nothing reads or writes any more (a file mapping or anonymous memory about to be
+/// unmapped or freed, no longer page-locked).
 pub unsafe fn discard_pages(ranges: impl IntoIterator<Item = std::ops::Range<usize>>) {
     #[cfg(unix)]
     {
@@ -120,7 +122,16 @@ pub unsafe fn discard_pages(ranges: impl IntoIterator<Item = std::ops::Range<usi
             Ok(p) if p.is_power_of_two() => p,
             _ => return,
         };
-        for range in ranges {
+        let mut ranges: Vec<std::ops::Range<usize>> = ranges.into_iter().collect();
+        ranges.sort_by_key(|r| r.start);
+        let mut merged: Vec<std::ops::Range<usize>> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(last) if r.start < last.end + page => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        for range in merged {
             // Whole pages only: the first and last may hold another allocation's bytes.
             let (start, end) = (range.start.next_multiple_of(page), range.end / page * page);
             let mut at = start;
@@ -173,17 +184,23 @@ mod tests {
     }
 
     /// Discarded pages of anonymous memory read as zeros again; the bytes of the partial pages
-    /// at either end of the range are kept.
+    /// at either end are kept, and the page where two ranges meet is dropped.
     #[test]
     fn discarded_pages_are_dropped_and_partial_pages_kept() {
         let mut bytes = vec![7u8; 3 * DISCARD_PIECE + 12_345];
         let start = bytes.as_ptr() as usize;
         // SAFETY: the pages wholly inside the range are this test's and read only below.
-        unsafe { discard_pages(std::iter::once(start + 100..start + bytes.len() - 100)) };
+        // Two ranges that meet mid-page are one: the page where they meet goes too.
+        let (mid, end) = (start + DISCARD_PIECE + 2000, start + bytes.len() - 100);
+        unsafe { discard_pages([mid..end, start + 100..mid]) };
         assert_eq!(bytes[..100], [7; 100]);
         assert_eq!(bytes[bytes.len() - 100..], [7; 100]);
         let zeros = bytes.iter().filter(|&&b| b == 0).count();
         assert!(zeros >= 3 * DISCARD_PIECE - 2 * 4096, "{zeros} zeros");
+        assert_eq!(
+            bytes[DISCARD_PIECE + 2000 - 1..DISCARD_PIECE + 2000 + 1],
+            [0, 0]
+        );
         bytes.fill(1);
         assert!(bytes.iter().all(|&b| b == 1));
     }

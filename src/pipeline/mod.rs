@@ -853,23 +853,24 @@ impl Guarded<'_> {
 
     /// Stage `index` for `job`, after the out-of-memory error `VIDGEN_INJECT_OOM` asks for.
     fn attempt(&mut self, index: usize, job: &mut Job) -> Result<()> {
-        self.attempt_beside(index, job, &[], &mut Vec::new())
+        self.attempt_beside(index, job, &[]).0
     }
 
-    /// [`Guarded::attempt`] with `ahead` loading beside the stage (none after Ctrl-C), each
-    /// announced and, where it loaded, held; what loaded goes to `landed`. One that failed is
-    /// loaded again before its first stage, where its error is reported.
+    /// [`Guarded::attempt`] with `ahead` loading beside the stage (none after Ctrl-C; one that
+    /// `VIDGEN_INJECT_OOM` names fails as it would), each announced and, where it loaded, held;
+    /// what loaded or failed comes back. One that failed is loaded again before its first stage,
+    /// where its error is reported.
     fn attempt_beside(
         &mut self,
         index: usize,
         job: &mut Job,
         ahead: &[usize],
-        landed: &mut Vec<LoadedBeside>,
-    ) -> Result<()> {
+    ) -> (Result<()>, Vec<LoadedBeside>) {
         let stage = self.inner.spec().stages[index].name;
-        self.injected_out_of_memory(stage)?;
-        // None loads after Ctrl-C; one that `VIDGEN_INJECT_OOM` names fails as it would.
-        let mut beside = Vec::with_capacity(ahead.len());
+        if let Err(e) = self.injected_out_of_memory(stage) {
+            return (Err(e), Vec::new());
+        }
+        let (mut beside, mut landed) = (Vec::with_capacity(ahead.len()), Vec::new());
         for &c in ahead.iter().filter(|_| !interrupt::interrupted()) {
             let name = self.inner.spec().components[c].name;
             match self.injected_out_of_memory(name) {
@@ -878,37 +879,28 @@ impl Guarded<'_> {
                         .note(&format!("loading {name} beside {stage}"));
                     beside.push(c);
                 }
-                Err(e) => {
-                    self.progress.note(&format!(
-                        "{name} did not load beside {stage} ({e:#}); it loads again before its first stage"
-                    ));
-                    landed.push((c, Err(e)));
-                }
+                Err(e) => landed.push((c, Err(e))),
             }
         }
-        let ahead = &beside[..];
-        if !ahead.is_empty() {
+        if !beside.is_empty() {
             // What released components give back is free again before anything more is held.
             crate::teardown::settle();
         }
-        let (result, got) = self.inner.run_stage_loading(index, job, ahead);
-        for (c, loaded) in got {
-            let name = self.inner.spec().components[c].name;
-            match &loaded {
+        let (result, got) = self.inner.run_stage_loading(index, job, &beside);
+        landed.extend(got);
+        for (c, loaded) in &landed {
+            let name = self.inner.spec().components[*c].name;
+            self.progress.note(&match loaded {
                 Ok(took) => {
-                    self.loaded.push(c);
-                    self.progress.note(&format!(
-                        "loaded {name} beside {stage}, in {:.2}s",
-                        took.as_secs_f64()
-                    ));
+                    self.loaded.push(*c);
+                    format!("loaded {name} beside {stage}, in {:.2}s", took.as_secs_f64())
                 }
-                Err(e) => self.progress.note(&format!(
+                Err(e) => format!(
                     "{name} did not load beside {stage} ({e:#}); it loads again before its first stage"
-                )),
-            }
-            landed.push((c, loaded));
+                ),
+            });
         }
-        result
+        (result, landed)
     }
 
     /// `VIDGEN_INJECT_OOM=NAME[:N]`: the stage, or the load of the component, called NAME fails
@@ -1124,7 +1116,8 @@ impl Guarded<'_> {
         // Out of device memory (another process took some after the plan): every component is
         // freed and the stage runs once more from the same state with a leaner option set.
         let state = job.state();
-        let mut result = self.attempt_beside(index, job, ahead, landed);
+        let (mut result, loaded_beside) = self.attempt_beside(index, job, ahead);
+        landed.extend(loaded_beside);
         if let (Err(e), Some(state)) = (&result, state) {
             if stages::is_out_of_memory(e) && !interrupt::interrupted() {
                 let first = format!("{e:#}");

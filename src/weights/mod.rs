@@ -79,8 +79,9 @@ impl Drop for Mapped {
         let files = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
         crate::teardown::later(0, move || {
             let ranges = files.data_ranges();
-            // SAFETY: the tensors' bytes, read by nothing now (any page lock on them was
-            // released before, on the same thread), unmapped right after.
+            // SAFETY: the tensors' bytes (and what lies between them in the files), read by
+            // nothing now (any page lock on them was released before, on the same thread),
+            // unmapped right after.
             unsafe { crate::teardown::discard_pages(ranges) };
             drop(files);
         });
@@ -99,24 +100,13 @@ struct View<'a> {
 }
 
 impl Files {
-    /// The address ranges of every tensor's bytes in the mappings, those that meet or lie less
-    /// than a page apart merged.
+    /// The address ranges of every tensor's bytes in the mappings.
     fn data_ranges(&self) -> Vec<std::ops::Range<usize>> {
-        let mut ranges: Vec<std::ops::Range<usize>> = self
-            .names()
+        self.names()
             .iter()
             .filter_map(|name| self.view(name))
             .map(|v| v.data.as_ptr() as usize..v.data.as_ptr() as usize + v.data.len())
-            .collect();
-        ranges.sort_by_key(|r| r.start);
-        let mut merged: Vec<std::ops::Range<usize>> = Vec::with_capacity(ranges.len());
-        for r in ranges {
-            match merged.last_mut() {
-                Some(last) if r.start <= last.end + 4096 => last.end = last.end.max(r.end),
-                _ => merged.push(r),
-            }
-        }
-        merged
+            .collect()
     }
 
     fn names(&self) -> Vec<String> {
