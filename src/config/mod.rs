@@ -365,6 +365,10 @@ impl ResolvedConfig {
     /// hooks, and its outputs in its scratch folder (a rank that does not lead its group) or its
     /// stats next to rank 0's as `NAME.rankR.EXT` (a leader other than rank 0).
     pub fn for_rank(mut self, rank: Rank) -> Self {
+        if rank.local_rank != self.resolved.device.ordinal {
+            // The probe's context is on another GPU: it would hold that GPU's memory for nothing.
+            self.resolved.device.context = Default::default();
+        }
         self.resolved.device.ordinal = rank.local_rank;
         self.resolved
             .echo

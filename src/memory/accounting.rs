@@ -18,7 +18,10 @@ pub struct MemoryPeaks {
     pub host_rss_peak: u64,
 }
 
-/// Reads and resets the peaks of one device; a no-op on devices without a pool.
+/// Reads and resets the peaks of one device; a no-op on devices without a pool. It also sets
+/// how the pool caches: what is freed stays in the pool for the interval's later allocations,
+/// and goes back to the device when the next interval starts (a stage, a load) or when the free
+/// memory is asked for.
 pub struct MemoryMeter {
     #[cfg(feature = "cuda")]
     pool: Option<cuda::Pool>,
@@ -31,13 +34,14 @@ impl MemoryMeter {
         MemoryMeter {
             #[cfg(feature = "cuda")]
             pool: match device {
-                Device::Cuda(d) => cuda::Pool::of(d),
+                Device::Cuda(d) => cuda::Pool::of(d).inspect(cuda::Pool::keep_freed),
                 _ => None,
             },
         }
     }
 
-    /// Starts a new interval: the device high-water marks drop to the current use.
+    /// Starts a new interval: what the pool holds unused goes back to the device, and the
+    /// high-water marks drop to the current use.
     pub fn reset(&self) {
         #[cfg(feature = "cuda")]
         if let Some(p) = &self.pool {
@@ -45,7 +49,8 @@ impl MemoryMeter {
         }
     }
 
-    /// The device memory free now (`None` off CUDA).
+    /// The device memory free now, once the pool has returned what it holds unused (`None` off
+    /// CUDA).
     pub fn device_free(&self) -> Option<u64> {
         #[cfg(feature = "cuda")]
         if let Some(p) = &self.pool {
@@ -122,8 +127,31 @@ mod cuda {
             }
         }
 
-        pub fn reset(&self) {
+        /// Keeps what tensors free in the pool across synchronizations. By default the
+        /// driver returns it to the device at every synchronization and maps it again for the
+        /// next allocation: the Wan decode's chunks paid 0.1-0.4 s for that (an H200,
+        /// `bench/RESULTS.md` session 31). [`Pool::trim`] returns it.
+        pub fn keep_freed(&self) {
+            let mut keep = u64::MAX;
+            // SAFETY: the release threshold is a cuuint64_t.
+            let _ = unsafe {
+                sys::cuMemPoolSetAttribute(
+                    self.pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut _,
+                )
+            };
+        }
+
+        /// Returns what the pool holds unused to the device (after the work queued so far).
+        fn trim(&self) {
             let _ = self.ctx.synchronize();
+            // SAFETY: a valid pool; keeping 0 bytes releases every unused one.
+            let _ = unsafe { sys::cuMemPoolTrimTo(self.pool, 0) };
+        }
+
+        pub fn reset(&self) {
+            self.trim();
             for attr in [
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
@@ -137,7 +165,7 @@ mod cuda {
         }
 
         pub fn free(&self) -> Option<u64> {
-            let _ = self.ctx.synchronize();
+            self.trim();
             self.ctx.mem_get_info().ok().map(|(free, _)| free as u64)
         }
 

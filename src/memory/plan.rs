@@ -725,6 +725,7 @@ mod tests {
             host_sharers: 1,
             memory_model: MemoryModel::Discrete,
             memory_model_forced: true,
+            context: Default::default(),
         };
         let request = Request {
             options,

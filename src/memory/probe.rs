@@ -62,6 +62,9 @@ pub struct DeviceInfo {
     pub memory_model: MemoryModel,
     /// Whether `memory_model` came from `--memory-model` rather than the probe.
     pub memory_model_forced: bool,
+    /// The selected GPU's context, held while the config lives ([`HeldContext`]).
+    #[serde(skip)]
+    pub context: HeldContext,
 }
 
 impl DeviceInfo {
@@ -84,29 +87,33 @@ impl DeviceInfo {
     }
 }
 
-/// A CUDA device as the driver describes it.
+/// A CUDA device as the driver describes it without a context.
 struct CudaDevice {
     name: String,
     total_memory: u64,
-    free_memory: u64,
     integrated: bool,
 }
 
+/// Every CUDA device, read from the driver without creating a context on any (a context costs
+/// ~0.1 s; one per GPU of an 8-GPU host added up before the first stage).
 #[cfg(feature = "cuda")]
 fn cuda_devices() -> Vec<CudaDevice> {
-    use candle_core::cuda::cudarc::driver::{sys::CUdevice_attribute, CudaContext};
-    let count = CudaContext::device_count().unwrap_or(0).max(0) as usize;
+    use candle_core::cuda::cudarc::driver::{result::device, sys::CUdevice_attribute, CudaContext};
+    let count = CudaContext::device_count().unwrap_or(0).max(0);
     (0..count)
         .filter_map(|ordinal| {
-            let ctx = CudaContext::new(ordinal).ok()?;
-            let integrated = ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
-                .ok()?;
-            let (free, total) = ctx.mem_get_info().ok()?;
+            let dev = device::get(ordinal).ok()?;
+            // SAFETY: `dev` is a device handle the driver just returned.
+            let (integrated, total) = unsafe {
+                (
+                    device::get_attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)
+                        .ok()?,
+                    device::total_mem(dev).ok()?,
+                )
+            };
             Some(CudaDevice {
-                name: ctx.name().ok()?,
+                name: device::get_name(dev).ok()?,
                 total_memory: total as u64,
-                free_memory: free as u64,
                 integrated: integrated != 0,
             })
         })
@@ -118,6 +125,40 @@ fn cuda_devices() -> Vec<CudaDevice> {
     Vec::new()
 }
 
+/// The context this process runs on device `ordinal` (its primary context), created by the
+/// probe to read the memory free once it exists, and held for the run: the pipeline's device
+/// then retains the same context instead of creating it a second time.
+#[derive(Clone, Default)]
+pub struct HeldContext {
+    /// Held for its lifetime alone: the driver keeps a retained primary context.
+    #[cfg(feature = "cuda")]
+    _context: Option<std::sync::Arc<candle_core::cuda::cudarc::driver::CudaContext>>,
+}
+
+impl std::fmt::Debug for HeldContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HeldContext")
+    }
+}
+
+/// Device `ordinal`'s context and the memory free on it once the context exists.
+#[cfg(feature = "cuda")]
+fn cuda_context(ordinal: usize) -> Option<(HeldContext, u64)> {
+    let ctx = candle_core::cuda::cudarc::driver::CudaContext::new(ordinal).ok()?;
+    let (free, _) = ctx.mem_get_info().ok()?;
+    Some((
+        HeldContext {
+            _context: Some(ctx),
+        },
+        free as u64,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_context(_ordinal: usize) -> Option<(HeldContext, u64)> {
+    None
+}
+
 /// Selects the device the user asked for and finds its memory model.
 ///
 /// `--memory-model discrete|unified` replaces the probe's answer, so a plan for another machine
@@ -127,14 +168,16 @@ pub fn probe(
     num_gpus: u32,
     forced: Option<MemoryModel>,
 ) -> Result<DeviceInfo, DeviceError> {
-    let (kind, ordinal, name, (total_memory, free_memory), probed) = match device {
-        DeviceChoice::Cpu => (
-            DeviceKind::Cpu,
-            0,
-            "cpu".to_string(),
-            (None, None),
-            MemoryModel::None,
-        ),
+    let Probed {
+        kind,
+        ordinal,
+        name,
+        total_memory,
+        free_memory,
+        model: probed,
+        context,
+    } = match device {
+        DeviceChoice::Cpu => Probed::cpu(),
         DeviceChoice::Metal => metal()?,
         DeviceChoice::Cuda(ordinal) => cuda(ordinal.unwrap_or(0), num_gpus)?,
         DeviceChoice::Auto => {
@@ -143,13 +186,7 @@ pub fn probe(
             } else if cfg!(feature = "metal") {
                 metal()?
             } else {
-                (
-                    DeviceKind::Cpu,
-                    0,
-                    "cpu".to_string(),
-                    (None, None),
-                    MemoryModel::None,
-                )
+                Probed::cpu()
             }
         }
     };
@@ -183,6 +220,7 @@ pub fn probe(
         host_sharers,
         memory_model,
         memory_model_forced: forced,
+        context,
     })
 }
 
@@ -191,14 +229,30 @@ fn host_share(budget: u64, sharers: u32) -> u64 {
     budget / u64::from(sharers.max(1))
 }
 
-/// What the probe found: kind, ordinal, name, (total, free) memory and memory model.
-type Probed = (
-    DeviceKind,
-    usize,
-    String,
-    (Option<u64>, Option<u64>),
-    MemoryModel,
-);
+/// What the probe found of the selected device.
+struct Probed {
+    kind: DeviceKind,
+    ordinal: usize,
+    name: String,
+    total_memory: Option<u64>,
+    free_memory: Option<u64>,
+    model: MemoryModel,
+    context: HeldContext,
+}
+
+impl Probed {
+    fn cpu() -> Self {
+        Probed {
+            kind: DeviceKind::Cpu,
+            ordinal: 0,
+            name: "cpu".into(),
+            total_memory: None,
+            free_memory: None,
+            model: MemoryModel::None,
+            context: HeldContext::default(),
+        }
+    }
+}
 
 /// The variable that replaces what the probe reads of the host ([`host_budget`]).
 pub const HOST_MEMORY_VAR: &str = "VIDGEN_HOST_MEMORY";
@@ -324,13 +378,21 @@ fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
     } else {
         MemoryModel::Discrete
     };
-    Ok((
-        DeviceKind::Cuda,
+    let (context, free) = cuda_context(ordinal).ok_or_else(|| {
+        DeviceError::new(format!(
+            "cuda:{ordinal} ({}): the driver could not create a context on it; check that no other program holds it exclusively, or pick another --device",
+            dev.name
+        ))
+    })?;
+    Ok(Probed {
+        kind: DeviceKind::Cuda,
         ordinal,
-        dev.name.clone(),
-        (Some(dev.total_memory), Some(dev.free_memory)),
+        name: dev.name.clone(),
+        total_memory: Some(dev.total_memory),
+        free_memory: Some(free),
         model,
-    ))
+        context,
+    })
 }
 
 fn metal() -> Result<Probed, DeviceError> {
@@ -339,13 +401,12 @@ fn metal() -> Result<Probed, DeviceError> {
             "--device metal: this vidgen was built without Metal; rebuild with `cargo build --release --features metal` or use --device cpu",
         ));
     }
-    Ok((
-        DeviceKind::Metal,
-        0,
-        "Apple GPU".into(),
-        (None, None),
-        MemoryModel::Unified,
-    ))
+    Ok(Probed {
+        kind: DeviceKind::Metal,
+        name: "Apple GPU".into(),
+        model: MemoryModel::Unified,
+        ..Probed::cpu()
+    })
 }
 
 /// The device, as asked.

@@ -244,6 +244,17 @@ impl Transfer {
     }
 }
 
+/// `tensor` in host memory. A CUDA tensor comes through two pinned buffers that the device fills
+/// in turn while every core copies the other out: a decoded 81x480x832 video (388 MB of f32)
+/// took 0.24-0.29 s through the driver's pageable copy (an H200, `bench/RESULTS.md` session 31).
+pub fn to_host(tensor: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = tensor.device() {
+        return cuda::download(tensor, dev);
+    }
+    Ok(tensor.to_device(&Device::Cpu)?)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::super::group::Slot;
@@ -253,7 +264,7 @@ mod cuda {
     use crate::weights::WeightSet;
     use anyhow::{Context, Result};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-    use candle_core::{op::BackpropOp, DType, Device, Storage, Tensor};
+    use candle_core::{op::BackpropOp, DType, Device, Storage, Tensor, WithDType};
     use cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
     use rayon::prelude::*;
     use std::borrow::Cow;
@@ -666,6 +677,122 @@ mod cuda {
         // outlives the copy (arenas live as long as the engine; a staging buffer is refilled
         // only after the event recorded after its copies completed).
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// Bytes of each of [`download`]'s two pinned buffers: a 32 MiB copy takes ~0.6 ms at the
+    /// link's speed, and copying it out splits into 1 MiB pieces for every core.
+    const DOWNLOAD_CHUNK: usize = 32 << 20;
+
+    /// [`super::to_host`] on CUDA: copies on candle's stream (after the work that made
+    /// `tensor`) into two pinned buffers in turn, each copied out into the host tensor by every
+    /// core while the device fills the other.
+    pub fn download(tensor: &Tensor, dev: &CudaDevice) -> Result<Tensor> {
+        let tensor = tensor.contiguous()?;
+        let (dtype, elems) = (tensor.dtype(), tensor.elem_count());
+        let bytes = elems * dtype.size_in_bytes();
+        if bytes <= DOWNLOAD_CHUNK {
+            return Ok(tensor.to_device(&Device::Cpu)?);
+        }
+        let stream = dev.cuda_stream();
+        let src = {
+            let (storage, layout) = tensor.storage_and_layout();
+            let Storage::Cuda(storage) = &*storage else {
+                anyhow::bail!("a CUDA tensor without CUDA storage")
+            };
+            macro_rules! address {
+                ($t:ty) => {
+                    storage.as_cuda_slice::<$t>()?.device_ptr(&stream).0
+                };
+            }
+            let base = match dtype {
+                DType::BF16 => address!(half::bf16),
+                DType::F16 => address!(half::f16),
+                DType::F32 => address!(f32),
+                DType::F64 => address!(f64),
+                DType::U8 => address!(u8),
+                DType::U32 => address!(u32),
+                DType::I64 => address!(i64),
+                other => anyhow::bail!("cannot copy {other:?} tensors to the host"),
+            };
+            base + (layout.start_offset() * dtype.size_in_bytes()) as u64
+        };
+        let shape = tensor.shape().clone();
+        macro_rules! host_tensor {
+            ($t:ty) => {{
+                let mut values = vec![<$t as WithDType>::from_f64(0.0); elems];
+                // SAFETY: plain numbers, any byte pattern valid; the view covers `values` alone.
+                let view = unsafe {
+                    std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), bytes)
+                };
+                download_into(view, src, &stream, &Device::Cuda(dev.clone()))?;
+                Tensor::from_vec(values, shape, &Device::Cpu)?
+            }};
+        }
+        Ok(match dtype {
+            DType::BF16 => host_tensor!(half::bf16),
+            DType::F16 => host_tensor!(half::f16),
+            DType::F32 => host_tensor!(f32),
+            DType::F64 => host_tensor!(f64),
+            DType::U8 => host_tensor!(u8),
+            DType::U32 => host_tensor!(u32),
+            DType::I64 => host_tensor!(i64),
+            other => anyhow::bail!("cannot copy {other:?} tensors to the host"),
+        })
+    }
+
+    /// Fills `host` with the bytes at device address `src`, through two pinned buffers.
+    fn download_into(
+        host: &mut [u8],
+        src: u64,
+        stream: &Arc<CudaStream>,
+        device: &Device,
+    ) -> Result<()> {
+        let mut buffers = (0..2)
+            .map(|_| {
+                let mut buffer = Arena::new(DOWNLOAD_CHUNK, true, device)?;
+                // Touched by every core first: locking pages already there is ~10x faster.
+                buffer
+                    .bytes_mut()
+                    .par_chunks_mut(1 << 20)
+                    .for_each(|page| page.fill(0));
+                buffer.lock()?;
+                Ok(buffer)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let chunks: Vec<std::ops::Range<usize>> = (0..host.len())
+            .step_by(DOWNLOAD_CHUNK)
+            .map(|at| at..(at + DOWNLOAD_CHUNK).min(host.len()))
+            .collect();
+        let start = |i: usize, buffers: &mut [Arena]| -> Result<CudaEvent> {
+            let range = chunks[i].clone();
+            let dst = &mut buffers[i % 2].bytes_mut()[..range.len()];
+            // SAFETY: `src` holds `host.len()` bytes that nothing writes before this returns
+            // (it waits for every copy); the pinned buffer is read only once the event completed.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    dst,
+                    src + range.start as u64,
+                    stream.cu_stream(),
+                )
+            }?;
+            Ok(stream.record_event(None)?)
+        };
+        let mut pending = Some(start(0, &mut buffers)?);
+        for (i, range) in chunks.iter().enumerate() {
+            let landed = pending
+                .take()
+                .context("a download chunk was never started")?;
+            // The other buffer was copied out in the previous turn: the device may fill it.
+            if i + 1 < chunks.len() {
+                pending = Some(start(i + 1, &mut buffers)?);
+            }
+            landed.synchronize()?;
+            host[range.clone()]
+                .par_chunks_mut(1 << 20)
+                .zip(buffers[i % 2].bytes()[..range.len()].par_chunks(1 << 20))
+                .for_each(|(dst, src)| dst.copy_from_slice(src));
+        }
         Ok(())
     }
 }

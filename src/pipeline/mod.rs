@@ -661,7 +661,11 @@ fn parallel_part(
     let groups = config.groups();
     match part {
         Part::Alone => Ok(Ok((config, None, None))),
-        Part::Supervisor(_) => launch::supervise_self(groups).map(Err),
+        Part::Supervisor(_) => {
+            // It runs nothing on a GPU: the probe's context goes before the workers start.
+            drop(config);
+            launch::supervise_self(groups).map(Err)
+        }
         // Prompt parallelism (--sp-size 1) needs no collective.
         Part::Rank(world) if groups.sp == 1 => launch::as_rank(config, &world, None).map(Ok),
         #[cfg(feature = "nccl")]
@@ -978,10 +982,15 @@ impl Guarded<'_> {
         if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
-        // What the components released before this stage give back is counted free.
-        crate::teardown::settle();
         let need = self.planned_host(stage, job)?;
-        let room = crate::memory::probe::host_room(self.config.device().host_sharers)?;
+        let sharers = self.config.device().host_sharers;
+        let mut room = crate::memory::probe::host_room(sharers)?;
+        if need > room {
+            // What the components released before this stage give back is counted free, once
+            // given back: worth waiting for only here (a streamed encoder's 11 GB took 0.3 s).
+            crate::teardown::settle();
+            room = crate::memory::probe::host_room(sharers)?;
+        }
         (need > room).then(|| {
             format!(
                 "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",

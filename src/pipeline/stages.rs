@@ -292,7 +292,7 @@ pub(crate) fn video_frames(video: Tensor) -> Result<Tensor> {
         .permute((1, 2, 3, 0))?
         .to_dtype(DType::F32)?
         .contiguous()?;
-    Ok(frames.to_device(&Device::Cpu)?)
+    crate::offload::transfer::to_host(&frames)
 }
 
 /// Writes the job's decoded frames (with the sound of a model that makes it) and the run's
