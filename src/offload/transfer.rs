@@ -808,6 +808,41 @@ mod cuda_tests {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
 
+    /// Through the two pinned buffers (several chunks and a partial one; a view that starts
+    /// inside its storage; bf16 and f32) a tensor reaches the host bit for bit as the driver's
+    /// own copy brings it.
+    #[test]
+    fn a_tensor_reaches_the_host_through_the_pinned_buffers_bit_for_bit() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let elems = 3 * (32 << 20) / 4 + 12_345;
+        let whole = Tensor::randn(0f32, 1f32, (2, elems), &dev)?;
+        for tensor in [
+            whole.clone(),
+            whole.narrow(0, 1, 1)?,
+            whole.to_dtype(DType::BF16)?,
+        ] {
+            let ours = super::to_host(&tensor)?;
+            let theirs = tensor.to_device(&Device::Cpu)?;
+            assert!(ours.device().is_cpu());
+            assert_eq!(ours.dims(), theirs.dims());
+            assert_eq!(ours.dtype(), theirs.dtype());
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect())
+            };
+            assert!(
+                bits(&ours)? == bits(&theirs)?,
+                "{:?} differs",
+                tensor.dims()
+            );
+        }
+        Ok(())
+    }
+
     fn same(gpu: &Tensor, cpu: &Tensor) -> Result<bool> {
         let gpu = gpu
             .to_device(&Device::Cpu)?
