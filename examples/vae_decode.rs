@@ -7,8 +7,9 @@
 //! latents (`reference/vae.safetensors`) and reports the error against diffusers' frames.
 //!
 //! `cargo build --release --no-default-features --features cuda --example vae_decode`;
-//! `vae_decode [B,C,F,h,w] [--exact] [--fixture DIR]`: `--exact` also decodes with exact f32
-//! (`--no-tf32`) and reports max |TF32 - exact|. One JSON line per measurement on stdout.
+//! `vae_decode [B,C,F,h,w] [--exact] [--bf16] [--fixture DIR]`: `--exact` also decodes with exact f32
+//! (`--no-tf32`) and reports max |TF32 - exact|; `--bf16` also decodes with the weights and
+//! latents in bf16 and reports max |bf16 - TF32|. One JSON line per measurement on stdout.
 //!
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
@@ -139,6 +140,17 @@ fn main() -> Result<()> {
         println!(
             "{{\"latents\":{shape:?},\"max_abs_tf32_vs_exact\":{}}}",
             max_abs(tf32, exact)?
+        );
+    }
+    if args.iter().any(|a| a == "--bf16") {
+        // The same weights in bf16: the decoder then runs channels first (its fused kernels are
+        // f32), the convolutions in bf16.
+        let vae = AutoencoderKLWan::new(&cfg, weights.var_builder(DType::BF16, &dev))?;
+        let (out, warm, secs) = timed_decode(&vae, &z.to_dtype(DType::BF16)?, &dev)?;
+        let out = out.to_dtype(DType::F32)?;
+        println!(
+            "{{\"latents\":{shape:?},\"dtype\":\"bf16\",\"decode_s\":{secs:.3},\"warm_up_s\":{warm:.3},\"max_abs_vs_tf32\":{}}}",
+            max_abs(&out, &outs[0])?
         );
     }
     Ok(())
