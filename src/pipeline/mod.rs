@@ -984,13 +984,8 @@ impl Guarded<'_> {
         }
         let need = self.planned_host(stage, job)?;
         let sharers = self.config.device().host_sharers;
-        let mut room = crate::memory::probe::host_room(sharers)?;
-        if need > room {
-            // What the components released before this stage give back is counted free, once
-            // given back: worth waiting for only here (a streamed encoder's 11 GB took 0.3 s).
-            crate::teardown::settle();
-            room = crate::memory::probe::host_room(sharers)?;
-        }
+        // What the components released before this stage give back is counted free.
+        let room = crate::teardown::room_for(need, || crate::memory::probe::host_room(sharers))?;
         (need > room).then(|| {
             format!(
                 "the memory plan predicts {:.2} GiB of host memory for {}x{}x{} (frames x height x width) here, more than the {:.2} GiB this process may hold now; free host memory, or ask for fewer frames or a smaller size",
