@@ -270,6 +270,23 @@ mod cuda {
     use std::borrow::Cow;
     use std::sync::{Arc, Mutex};
 
+    /// `$each!(T)` for the Rust type `T` of `$dtype` (a dtype the engine moves); any other is
+    /// an error: "cannot `$what` .. tensors".
+    macro_rules! by_dtype {
+        ($dtype:expr, $what:expr, $each:ident) => {
+            match $dtype {
+                DType::BF16 => $each!(half::bf16),
+                DType::F16 => $each!(half::f16),
+                DType::F32 => $each!(f32),
+                DType::F64 => $each!(f64),
+                DType::U8 => $each!(u8),
+                DType::U32 => $each!(u32),
+                DType::I64 => $each!(i64),
+                other => anyhow::bail!("cannot {} {other:?} tensors", $what),
+            }
+        };
+    }
+
     /// A group's tensors by name.
     type NamedTensors = Vec<(String, Tensor)>;
 
@@ -305,16 +322,7 @@ mod cuda {
                 (CudaStorage::wrap_cuda_slice(slice, device.clone()), ptr)
             }};
         }
-        let (storage, ptr) = match dtype {
-            DType::BF16 => alloc!(half::bf16),
-            DType::F16 => alloc!(half::f16),
-            DType::F32 => alloc!(f32),
-            DType::F64 => alloc!(f64),
-            DType::U8 => alloc!(u8),
-            DType::U32 => alloc!(u32),
-            DType::I64 => alloc!(i64),
-            other => anyhow::bail!("cannot offload {other:?} tensors"),
-        };
+        let (storage, ptr) = by_dtype!(dtype, "offload", alloc);
         let tensor = Tensor::from_storage(Storage::Cuda(storage), elems, BackpropOp::none(), false);
         Ok((tensor, ptr))
     }
@@ -705,16 +713,7 @@ mod cuda {
                     storage.as_cuda_slice::<$t>()?.device_ptr(&stream).0
                 };
             }
-            let base = match dtype {
-                DType::BF16 => address!(half::bf16),
-                DType::F16 => address!(half::f16),
-                DType::F32 => address!(f32),
-                DType::F64 => address!(f64),
-                DType::U8 => address!(u8),
-                DType::U32 => address!(u32),
-                DType::I64 => address!(i64),
-                other => anyhow::bail!("cannot copy {other:?} tensors to the host"),
-            };
+            let base = by_dtype!(dtype, "copy to the host", address);
             base + (layout.start_offset() * dtype.size_in_bytes()) as u64
         };
         let shape = tensor.shape().clone();
@@ -729,16 +728,7 @@ mod cuda {
                 Tensor::from_vec(values, shape, &Device::Cpu)?
             }};
         }
-        Ok(match dtype {
-            DType::BF16 => host_tensor!(half::bf16),
-            DType::F16 => host_tensor!(half::f16),
-            DType::F32 => host_tensor!(f32),
-            DType::F64 => host_tensor!(f64),
-            DType::U8 => host_tensor!(u8),
-            DType::U32 => host_tensor!(u32),
-            DType::I64 => host_tensor!(i64),
-            other => anyhow::bail!("cannot copy {other:?} tensors to the host"),
-        })
+        Ok(by_dtype!(dtype, "copy to the host", host_tensor))
     }
 
     /// Fills `host` with the bytes at device address `src`, through two pinned buffers.
