@@ -380,7 +380,7 @@ fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
     };
     let (context, free) = cuda_context(ordinal).ok_or_else(|| {
         DeviceError::new(format!(
-            "cuda:{ordinal} ({}): the driver could not create a context on it; check that no other program holds it exclusively, or pick another --device",
+            "cuda:{ordinal} ({}): the driver could not create a context on it; check that no other program holds it exclusively, or pick another --device (--device cpu runs without a GPU)",
             dev.name
         ))
     })?;
