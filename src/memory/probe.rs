@@ -179,10 +179,11 @@ pub fn probe(
     } = match device {
         DeviceChoice::Cpu => Probed::cpu(),
         DeviceChoice::Metal => metal()?,
-        DeviceChoice::Cuda(ordinal) => cuda(ordinal.unwrap_or(0), num_gpus)?,
+        DeviceChoice::Cuda(ordinal) => cuda(&cuda_devices(), ordinal.unwrap_or(0), num_gpus)?,
         DeviceChoice::Auto => {
-            if !cuda_devices().is_empty() {
-                cuda(0, num_gpus)?
+            let devices = cuda_devices();
+            if !devices.is_empty() {
+                cuda(&devices, 0, num_gpus)?
             } else if cfg!(feature = "metal") {
                 metal()?
             } else {
@@ -358,13 +359,14 @@ fn cgroup_room(cgroup: &str, read: impl Fn(&str) -> Option<String>) -> Option<u6
     Some(max.saturating_sub(current))
 }
 
-fn cuda(ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
+/// Device `ordinal` of `devices` (every CUDA GPU here), with its context, for a run on
+/// `num_gpus` of them from it.
+fn cuda(devices: &[CudaDevice], ordinal: usize, num_gpus: u32) -> Result<Probed, DeviceError> {
     if !cfg!(feature = "cuda") {
         return Err(DeviceError::new(
             "--device cuda: this vidgen was built without CUDA; rebuild with `cargo build --release --features cuda` or use --device cpu",
         ));
     }
-    let devices = cuda_devices();
     let wanted = ordinal + num_gpus as usize;
     if devices.len() < wanted {
         return Err(DeviceError::new(format!(

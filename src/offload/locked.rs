@@ -345,6 +345,21 @@ mod cuda_tests {
         Ok(stream.clone_dtoh(&on_device)?)
     }
 
+    /// A file of `len` bytes (byte i is `i * step % 251`) written for one test and mapped.
+    fn mapped_file(
+        name: &str,
+        len: usize,
+        step: usize,
+    ) -> Result<(std::path::PathBuf, memmap2::Mmap)> {
+        let path = std::env::temp_dir().join(format!("vidgen-{name}-{}", std::process::id()));
+        let content: Vec<u8> = (0..len).map(|i| (i * step % 251) as u8).collect();
+        std::fs::write(&path, &content)?;
+        let file = std::fs::File::open(&path)?;
+        // SAFETY: the test's own file, not written while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file)? };
+        Ok((path, map))
+    }
+
     /// Locked in pieces of one page, bytes that span many pieces copy to the device piece by
     /// piece and arrive as they are in the file.
     #[test]
@@ -353,12 +368,7 @@ mod cuda_tests {
             unreachable!()
         };
         let page = 4096;
-        let path = std::env::temp_dir().join(format!("vidgen-pieces-{}", std::process::id()));
-        let content: Vec<u8> = (0..5 * page + 123).map(|i| (i * 7 % 251) as u8).collect();
-        std::fs::write(&path, &content)?;
-        let file = std::fs::File::open(&path)?;
-        // SAFETY: the test's own file, not written while mapped.
-        let map = unsafe { memmap2::Mmap::map(&file)? };
+        let (path, map) = mapped_file("pieces", 5 * page + 123, 7)?;
         let bytes = &map[1000..map.len() - 77];
         let start = bytes.as_ptr() as usize;
         let stream = dev.cuda_stream();
@@ -387,12 +397,7 @@ mod cuda_tests {
             unreachable!()
         };
         let page = 4096;
-        let path = std::env::temp_dir().join(format!("vidgen-shared-{}", std::process::id()));
-        let content: Vec<u8> = (0..6 * page).map(|i| (i * 13 % 251) as u8).collect();
-        std::fs::write(&path, &content)?;
-        let file = std::fs::File::open(&path)?;
-        // SAFETY: the test's own file, not written while mapped.
-        let map = unsafe { memmap2::Mmap::map(&file)? };
+        let (path, map) = mapped_file("shared", 6 * page, 13)?;
         let start = map.as_ptr() as usize;
         let stream = dev.cuda_stream();
         // The first ends, and the second begins, inside page 2.
