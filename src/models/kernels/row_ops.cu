@@ -8,13 +8,13 @@
 // named by its suffix (`Rounding` below):
 //   _f32   Wan's f32 block: gates and modulation are f32 and applied unrounded (the product and
 //          the sum rounded once), norm scales as candle's fused ops (x / dim, rsqrtf), each
-//          product of a RoPE rotation rounded on its own; rows of up to 8192 reduced by groups of
-//          32-128 threads. Mochi's f32 RMS norms times an f32 row (`rms_mul`) round the same way,
-//          their residual add after the cast back to bf16.
+//          product of a RoPE rotation rounded on its own. Mochi's f32 RMS norms times an f32
+//          row (`rms_mul`) round the same way, their residual add after the cast back to bf16.
 //   _bf16  candle's bf16 composition (LTX-Video, CogVideoX, HunyuanVideo, MiniMax H3): bf16 gates
 //          and modulation, each product rounded; norms as the f32 composite computes them
-//          (sum * f32(1 / dim), IEEE sqrt and reciprocal); RoPE with one fma per output; rows
-//          reduced by one block each.
+//          (sum * f32(1 / dim), IEEE sqrt and reciprocal); RoPE with one fma per output.
+// Row kernels reduce a row with one block (any even dim) or, where dim % 8 == 0, with a group of
+// 32-128 threads holding 8-element vectors (rows of up to 8192).
 // GELU (in f32, rounded once as torch computes it) and the Linear bias are the same in both.
 //
 // Rows are tokens of [rows, dim] contiguous storage; `row0` is the index of the first row in the
@@ -300,7 +300,8 @@ __device__ __forceinline__ uint4 layer_norm_vec(uint4 v, float mean, float std, 
 }
 
 // One vector of RMSNorm (scale * v * w, rounded as candle's rms_norm), then, when `rope`, the
-// F32 rotation of its 4 pairs by (cj, sj), rounded.
+// rotation of its 4 pairs by (cj, sj) in the rounding R, rounded.
+template <Rounding R>
 __device__ __forceinline__ uint4 rms_rope_vec(uint4 v, uint4 wv, float scale, bool rope,
                                               const float (&cj)[4], const float (&sj)[4]) {
   uint4 o;
@@ -311,7 +312,7 @@ __device__ __forceinline__ uint4 rms_rope_vec(uint4 v, uint4 wv, float scale, bo
     float y0 = round_bf16(__fmul_rn(__fmul_rn(scale, f.x), g.x));
     float y1 = round_bf16(__fmul_rn(__fmul_rn(scale, f.y), g.y));
     if (rope) {
-      const float2 r = rotate<Rounding::F32>(y0, y1, cj[j], sj[j]);
+      const float2 r = rotate<R>(y0, y1, cj[j], sj[j]);
       y0 = r.x;
       y1 = r.y;
     }
@@ -370,13 +371,13 @@ __device__ __forceinline__ void layer_norm_rows(const bf16 *__restrict__ x, bf16
   }
 }
 
-template <int G>
+template <Rounding R, int G>
 __device__ __forceinline__ void rms_rope_rows(bf16 *x, const bf16 *__restrict__ bias,
                                               const bf16 *__restrict__ w,
                                               const float *__restrict__ cos,
                                               const float *__restrict__ sin, int rows, int dim,
-                                              int head_dim, int row0, int seq, float eps,
-                                              float *s_sq) {
+                                              int head_dim, int row0, int seq, float inv_dim,
+                                              float eps, float *s_sq) {
   const int lane = threadIdx.x % G;
   const int row = blockIdx.x * (THREADS / G) + threadIdx.x / G;
   const bool active = row < rows;
@@ -393,7 +394,7 @@ __device__ __forceinline__ void rms_rope_rows(bf16 *x, const bf16 *__restrict__ 
       v[i] = biased8<true>(x + base + 8 * k, bias, 8 * k, sq);
     }
   }
-  const float scale = rsqrtf(group_sum<G>(sq, s_sq) / dim + eps);
+  const float scale = rms_scale<R>(group_sum<G>(sq, s_sq), dim, inv_dim, eps);
   if (!active) return;
   const int pos = (row0 + row) % seq;
   const int half = head_dim / 2;
@@ -409,7 +410,7 @@ __device__ __forceinline__ void rms_rope_rows(bf16 *x, const bf16 *__restrict__ 
         load_f32<true, 4>(cos + j, cj);
         load_f32<true, 4>(sin + j, sj);
       }
-      store8<true>(x + base + 8 * k, rms_rope_vec(v[i], wv, scale, cos != nullptr, cj, sj));
+      store8<true>(x + base + 8 * k, rms_rope_vec<R>(v[i], wv, scale, cos != nullptr, cj, sj));
     }
   }
 }
@@ -455,13 +456,13 @@ __device__ __forceinline__ void layer_norm_rows_scalar(const bf16 *__restrict__ 
   }
 }
 
-template <int G>
+template <Rounding R, int G>
 __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__restrict__ bias,
                                                      const bf16 *__restrict__ w,
                                                      const float *__restrict__ cos,
                                                      const float *__restrict__ sin, int rows,
                                                      int dim, int head_dim, int row0, int seq,
-                                                     float eps, float *s_sq) {
+                                                     float inv_dim, float eps, float *s_sq) {
   const int lane = threadIdx.x % G;
   const int row = blockIdx.x * (THREADS / G) + threadIdx.x / G;
   const bool active = row < rows;
@@ -471,7 +472,7 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
   float sq = 0.f;
 #pragma unroll 1
   for (int k = lane; k < vecs; k += G) biased8<false>(x + base + 8 * k, bias, 8 * k, sq);
-  const float scale = rsqrtf(group_sum<G>(sq, s_sq) / dim + eps);
+  const float scale = rms_scale<R>(group_sum<G>(sq, s_sq), dim, inv_dim, eps);
   if (!active) return;
   const int pos = (row0 + row) % seq;
   const int half = head_dim / 2;
@@ -486,7 +487,109 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
       load_f32<false, 4>(cos + j, cj);
       load_f32<false, 4>(sin + j, sj);
     }
-    store8<false>(x + base + 8 * k, rms_rope_vec(v, wv, scale, cos != nullptr, cj, sj));
+    store8<false>(x + base + 8 * k, rms_rope_vec<R>(v, wv, scale, cos != nullptr, cj, sj));
+  }
+}
+
+// out = a norm of x, rounded, then the bf16 modulation, over rows of `dim` (dim % 8 == 0), G
+// threads per row: the vector version of `layer_norm_mod_bf16` (`rms` 0) and `rms_mod_bf16`
+// (`rms` 1), element by element the same arithmetic; only the reductions' summation order
+// differs (vectors of 8 per thread, then the group's butterfly). The modulation row is found once
+// per row. VEC: 16-byte accesses (every pointer aligned, `mod_stride` % 8 == 0), else scalar
+// ones. 32-bit indices: row0 + rows, seq, split and every modulation offset fit.
+template <int G, bool VEC>
+__device__ __forceinline__ void norm_mod_rows(
+    const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,
+    const bf16 *__restrict__ b, const bf16 *shift, const bf16 *scale, const bf16 *shift_text,
+    const bf16 *scale_text, const unsigned *table_rows, int rows, int dim, int row0, int seq,
+    int split, int mod_stride, int rms, int two_pass, float inv_dim, float eps, float *s_a,
+    float *s_b) {
+  const int lane = threadIdx.x % G;
+  const int row = blockIdx.x * (THREADS / G) + threadIdx.x / G;
+  const bool active = row < rows;
+  if (G == 32 && !active) return; // no barrier in a warp's reduction
+  const int vecs = dim / 8;
+  const long base = (long)row * dim;
+  uint4 v[MAX_VECS];
+  float sum = 0.f, sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < MAX_VECS; ++i) {
+    const int k = lane + i * G;
+    if (active && k < vecs) {
+      v[i] = load8<VEC>(x + base + 8 * k);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack(word(v[i], j));
+        sum += f.x + f.y;
+        sq += f.x * f.x + f.y * f.y;
+      }
+    }
+  }
+  // The block kernels' statistics: see `layer_norm_mod_block` and `rms_mod_bf16`.
+  float mean = 0.f, inv = 0.f, std = 0.f;
+  if (rms) {
+    inv = rms_scale<Rounding::Bf16>(group_sum<G>(sq, s_a), dim, inv_dim, eps);
+  } else if (two_pass) {
+    mean = __fmul_rn(group_sum<G>(sum, s_a), inv_dim);
+    float sq_c = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_VECS; ++i) {
+      const int k = lane + i * G;
+      if (active && k < vecs) add_centered_sq(v[i], mean, sq_c);
+    }
+    std = __fsqrt_rn(__fadd_rn(__fmul_rn(group_sum<G>(sq_c, s_b), inv_dim), eps));
+  } else {
+    mean = group_sum<G>(sum, s_a) / dim;
+    const float var = group_sum<G>(sq, s_b) / dim - mean * mean;
+    inv = rsqrtf(var + eps);
+  }
+  if (!active) return;
+  const int r = row0 + row;
+  const bool text = table_rows == nullptr && r % seq < split;
+  const int mod_row = (table_rows == nullptr ? r / seq : (int)table_rows[r]) * mod_stride;
+  const bf16 *shift_r = shift == nullptr ? nullptr : (text ? shift_text : shift) + mod_row;
+  const bf16 *scale_r = shift == nullptr ? nullptr : (text ? scale_text : scale) + mod_row;
+#pragma unroll
+  for (int i = 0; i < MAX_VECS; ++i) {
+    const int k = lane + i * G;
+    if (k < vecs) {
+      const int c = 8 * k;
+      const uint4 wv = w != nullptr ? load8_ro<VEC>(w + c) : make_uint4(0, 0, 0, 0);
+      const uint4 bv = b != nullptr ? load8_ro<VEC>(b + c) : make_uint4(0, 0, 0, 0);
+      const uint4 shv = shift_r != nullptr ? load8_ro<VEC>(shift_r + c) : make_uint4(0, 0, 0, 0);
+      const uint4 scv = shift_r != nullptr ? load8_ro<VEC>(scale_r + c) : make_uint4(0, 0, 0, 0);
+      uint4 o;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack(word(v[i], j));
+        const float2 wf = unpack(word(wv, j)), bf = unpack(word(bv, j));
+        const float2 sh = unpack(word(shv, j)), sc = unpack(word(scv, j));
+        float y[2] = {f.x, f.y};
+        const float wk[2] = {wf.x, wf.y}, bk[2] = {bf.x, bf.y};
+        const float shk[2] = {sh.x, sh.y}, sck[2] = {sc.x, sc.y};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (rms) {
+            y[e] = __fmul_rn(y[e], inv);
+            if (w != nullptr) y[e] = __fmul_rn(y[e], wk[e]);
+          } else {
+            if (two_pass) {
+              y[e] = __fdiv_rn(y[e] - mean, std);
+            } else {
+              y[e] = (y[e] - mean) * inv;
+            }
+            if (w != nullptr) y[e] = y[e] * wk[e] + bk[e];
+          }
+          y[e] = round_bf16(y[e]);
+          if (shift_r != nullptr) {
+            const float s1 = round_bf16(sck[e] + 1.f);
+            y[e] = __fadd_rn(round_bf16(__fmul_rn(y[e], s1)), shk[e]);
+          }
+        }
+        set_word(o, j, pack(y[0], y[1]));
+      }
+      store8<VEC>(out + base + c, o);
+    }
   }
 }
 
@@ -794,22 +897,27 @@ extern "C" __global__ void rms_rope_bf16(bf16 *x, const bf16 *__restrict__ bias,
   rms_rope_block<Rounding::Bf16>(x, bias, w, cos, sin, dim, head_dim, row0, seq, inv_dim, eps);
 }
 
-// Grouped F32 version: dim % 8 == 0, dim <= 8 * MAX_VECS * G, and with RoPE head_dim % 8 == 0;
-// blocks of THREADS threads, THREADS / G rows each (`rows` rows in all).
-#define RMS_ROPE_GROUPED(G)                                                                      \
-  extern "C" __global__ void __launch_bounds__(THREADS, 4) rms_rope_g##G##_f32(                  \
+// Grouped version in both roundings: dim % 8 == 0, dim <= 8 * MAX_VECS * G, and with RoPE
+// head_dim % 8 == 0; blocks of THREADS threads, THREADS / G rows each (`rows` rows in all).
+#define RMS_ROPE_GROUPED(G, R, SUFFIX)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, 4) rms_rope_g##G##_##SUFFIX(             \
       bf16 *x, const bf16 *__restrict__ bias, const bf16 *__restrict__ w,                        \
       const float *__restrict__ cos, const float *__restrict__ sin, int rows, int dim,           \
-      int head_dim, int row0, int seq, float eps) {                                              \
+      int head_dim, int row0, int seq, float inv_dim, float eps) {                               \
     __shared__ float s_sq[THREADS / 32];                                                         \
     if (aligned16(x) && aligned16(bias) && aligned16(w) && aligned16(cos) && aligned16(sin))     \
-      rms_rope_rows<G>(x, bias, w, cos, sin, rows, dim, head_dim, row0, seq, eps, s_sq);         \
+      rms_rope_rows<R, G>(x, bias, w, cos, sin, rows, dim, head_dim, row0, seq, inv_dim, eps,    \
+                          s_sq);                                                                 \
     else                                                                                         \
-      rms_rope_rows_scalar<G>(x, bias, w, cos, sin, rows, dim, head_dim, row0, seq, eps, s_sq);  \
+      rms_rope_rows_scalar<R, G>(x, bias, w, cos, sin, rows, dim, head_dim, row0, seq, inv_dim,  \
+                                 eps, s_sq);                                                     \
   }
-RMS_ROPE_GROUPED(32)
-RMS_ROPE_GROUPED(64)
-RMS_ROPE_GROUPED(128)
+RMS_ROPE_GROUPED(32, Rounding::F32, f32)
+RMS_ROPE_GROUPED(64, Rounding::F32, f32)
+RMS_ROPE_GROUPED(128, Rounding::F32, f32)
+RMS_ROPE_GROUPED(32, Rounding::Bf16, bf16)
+RMS_ROPE_GROUPED(64, Rounding::Bf16, bf16)
+RMS_ROPE_GROUPED(128, Rounding::Bf16, bf16)
 
 // ---- norms with modulation ----
 
@@ -828,6 +936,32 @@ extern "C" __global__ void layer_norm_mod_bf16(
   layer_norm_mod_block<Rounding::Bf16>(x, out, w, b, shift, scale, shift_text, scale_text, rows,
                                        dim, row0, seq, split, mod_stride, two_pass, inv_dim, eps);
 }
+
+// Grouped vector version of `layer_norm_mod_bf16` (`rms` 0) and `rms_mod_bf16` (`rms` 1; `b`
+// null): dim % 8 == 0, dim <= 8 * MAX_VECS * G; blocks of THREADS threads, THREADS / G rows each.
+// 2 blocks per SM: ptxas spills at 3 or 4, and 16 warps of 16-byte loads keep enough bytes in
+// flight.
+#define NORM_MOD_GROUPED(G)                                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, 2) norm_mod_g##G##_bf16(                 \
+      const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,            \
+      const bf16 *__restrict__ b, const bf16 *shift, const bf16 *scale, const bf16 *shift_text,  \
+      const bf16 *scale_text, const unsigned *table_rows, int rows, int dim, int row0, int seq,  \
+      int split, int mod_stride, int rms, int two_pass, float inv_dim, float eps) {              \
+    __shared__ float s_a[THREADS / 32], s_b[THREADS / 32];                                       \
+    const bool mods_aligned = aligned16(shift) && aligned16(scale) && aligned16(shift_text) &&   \
+                              aligned16(scale_text) && mod_stride % 8 == 0;                      \
+    if (aligned16(x) && aligned16(out) && aligned16(w) && aligned16(b) && mods_aligned)          \
+      norm_mod_rows<G, true>(x, out, w, b, shift, scale, shift_text, scale_text, table_rows,     \
+                             rows, dim, row0, seq, split, mod_stride, rms, two_pass, inv_dim,    \
+                             eps, s_a, s_b);                                                     \
+    else                                                                                         \
+      norm_mod_rows<G, false>(x, out, w, b, shift, scale, shift_text, scale_text, table_rows,    \
+                              rows, dim, row0, seq, split, mod_stride, rms, two_pass, inv_dim,   \
+                              eps, s_a, s_b);                                                    \
+  }
+NORM_MOD_GROUPED(32)
+NORM_MOD_GROUPED(64)
+NORM_MOD_GROUPED(128)
 
 // Grouped F32 version of `layer_norm_mod_f32` (the same arithmetic): dim % 8 == 0, dim <= 8 *
 // MAX_VECS * G; blocks of THREADS threads, THREADS / G rows each (`rows` rows in all). Capped at

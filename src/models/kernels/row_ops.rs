@@ -25,11 +25,10 @@ const MAX_VECS: usize = 8;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Rounding {
     /// Wan's f32 block: f32 gates and modulation applied unrounded, norm scales as candle's
-    /// fused ops, each product of a RoPE rotation rounded; rows reduced by groups of threads.
+    /// fused ops, each product of a RoPE rotation rounded.
     F32,
     /// candle's bf16 composition (LTX-Video, CogVideoX, HunyuanVideo, MiniMax H3): bf16 gates
-    /// and modulation, each product rounded, norms as the f32 composite; rows reduced by one
-    /// block each.
+    /// and modulation, each product rounded, norms as the f32 composite.
     Bf16,
 }
 
@@ -150,23 +149,7 @@ pub(crate) fn rms_modulate(
     at: Rows,
     eps: f64,
 ) -> Result<Tensor> {
-    let (rows, dim) = x.dims2()?;
-    let (mods, split, stride) = Modulation::args(modulation);
-    let mut args = vec![Arg::Tensor(Some(x)), Arg::Dst, Arg::Tensor(w)];
-    args.extend(mods);
-    args.extend([
-        Arg::Int(dim as i32),
-        Arg::Long(at.row0 as i64),
-        Arg::Long(at.seq as i64),
-        Arg::Long(split as i64),
-        Arg::Long(stride as i64),
-        Arg::Float(inv_dim(dim)),
-        Arg::Float(eps as f32),
-    ]);
-    // SAFETY: the kernel writes every element of `out`.
-    let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
-    out.inplace_op1(&row_launch(&ROWS, "rms_mod_bf16", rows, args))?;
-    Ok(out)
+    norm_modulate(x, Norm::Rms(w), modulation, at, eps, Width::Widest)
 }
 
 /// The two LayerNorms of [`layer_norm_modulate`].
@@ -188,32 +171,89 @@ pub(crate) fn layer_norm_modulate(
     at: Rows,
     eps: f64,
 ) -> Result<Tensor> {
-    let (w, b, two_pass) = match norm {
-        LayerNorm::Fused { w, b } => (Some(w), Some(b), 0),
-        LayerNorm::TwoPass => (None, None, 1),
-    };
+    norm_modulate(x, Norm::Layer(norm), modulation, at, eps, Width::Widest)
+}
+
+/// The norms the bf16 modulated-norm kernels compute.
+#[derive(Debug, Clone, Copy)]
+enum Norm<'a> {
+    /// The composite RMSNorm, times `w` when given.
+    Rms(Option<&'a Tensor>),
+    Layer(LayerNorm<'a>),
+}
+
+/// [`rms_modulate`] and [`layer_norm_modulate`]: the grouped vector kernel where rows are whole
+/// 8-element vectors and every index fits its 32 bits, else the block-per-row one (the same
+/// arithmetic, summed in another order).
+fn norm_modulate(
+    x: &Tensor,
+    norm: Norm,
+    modulation: Option<Modulation>,
+    at: Rows,
+    eps: f64,
+    width: Width,
+) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    let (mods, split, stride) = Modulation::args(modulation);
-    let mut args = vec![
-        Arg::Tensor(Some(x)),
-        Arg::Dst,
-        Arg::Tensor(w),
-        Arg::Tensor(b),
-    ];
-    args.extend(mods);
-    args.extend([
-        Arg::Int(dim as i32),
-        Arg::Long(at.row0 as i64),
-        Arg::Long(at.seq as i64),
-        Arg::Long(split as i64),
-        Arg::Long(stride as i64),
-        Arg::Int(two_pass),
-        Arg::Float(inv_dim(dim)),
-        Arg::Float(eps as f32),
-    ]);
     // SAFETY: the kernel writes every element of `out`.
     let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
-    out.inplace_op1(&row_launch(&ROWS, "layer_norm_mod_bf16", rows, args))?;
+    if rows == 0 {
+        return Ok(out);
+    }
+    let (w, b, rms, two_pass) = match norm {
+        Norm::Rms(w) => (w, None, 1, 0),
+        Norm::Layer(LayerNorm::Fused { w, b }) => (Some(w), Some(b), 0, 0),
+        Norm::Layer(LayerNorm::TwoPass) => (None, None, 0, 1),
+    };
+    let table_len = modulation.map_or(0, |m| m.table.elem_count());
+    let (mods, split, stride) = Modulation::args(modulation);
+    let indices = [rows, dim, at.row0 + rows, at.seq, split, stride, table_len];
+    let launch = match row_group(dim).filter(|_| width.vectors(dim, &indices)) {
+        Some(g) => {
+            let mut args = vec![
+                Arg::Tensor(Some(x)),
+                Arg::Dst,
+                Arg::Tensor(w),
+                Arg::Tensor(b),
+            ];
+            args.extend(mods);
+            args.extend(
+                [rows, dim, at.row0, at.seq, split, stride, rms, two_pass]
+                    .map(|v| Arg::Int(v as i32)),
+            );
+            args.extend([Arg::Float(inv_dim(dim)), Arg::Float(eps as f32)]);
+            let names = [
+                "norm_mod_g32_bf16",
+                "norm_mod_g64_bf16",
+                "norm_mod_g128_bf16",
+            ];
+            row_launch(
+                &ROWS,
+                grouped(names, g),
+                rows.div_ceil(ROW_THREADS / g),
+                args,
+            )
+        }
+        None => {
+            let mut args = vec![Arg::Tensor(Some(x)), Arg::Dst, Arg::Tensor(w)];
+            if rms == 0 {
+                args.push(Arg::Tensor(b));
+            }
+            args.extend(mods);
+            args.push(Arg::Int(dim as i32));
+            args.extend([at.row0, at.seq, split, stride].map(|v| Arg::Long(v as i64)));
+            if rms == 0 {
+                args.push(Arg::Int(two_pass as i32));
+            }
+            args.extend([Arg::Float(inv_dim(dim)), Arg::Float(eps as f32)]);
+            let name = if rms == 1 {
+                "rms_mod_bf16"
+            } else {
+                "layer_norm_mod_bf16"
+            };
+            row_launch(&ROWS, name, rows, args)
+        }
+    };
+    out.inplace_op1(&launch)?;
     Ok(out)
 }
 
@@ -508,59 +548,102 @@ pub(crate) fn rms_rope(
     eps: f64,
     rounding: Rounding,
 ) -> Result<Tensor> {
-    let (rows, dim) = x.dims2()?;
-    if rows == 0 {
-        return Ok(x);
-    }
-    let (cos, sin) = (rope.map(|r| r.0), rope.map(|r| r.1));
-    let group = row_group(dim).filter(|_| {
-        rounding == Rounding::F32
-            && (rope.is_none() || head_dim.is_multiple_of(8))
-            && fits_i32(&[rows, dim, head_dim, at.row0 + rows, at.seq])
-    });
-    let launch = match group {
-        Some(g) => row_launch(
-            &ROWS,
-            grouped(
-                ["rms_rope_g32_f32", "rms_rope_g64_f32", "rms_rope_g128_f32"],
-                g,
-            ),
-            rows.div_ceil(ROW_THREADS / g),
-            vec![
-                Arg::Dst,
-                Arg::Tensor(bias),
-                Arg::Tensor(Some(w)),
-                Arg::Tensor(cos),
-                Arg::Tensor(sin),
-                Arg::Int(rows as i32),
-                Arg::Int(dim as i32),
-                Arg::Int(head_dim as i32),
-                Arg::Int(at.row0 as i32),
-                Arg::Int(at.seq as i32),
-                Arg::Float(eps as f32),
-            ],
-        ),
-        None => row_launch(
-            &ROWS,
-            rounding.kernel(["rms_rope_f32", "rms_rope_bf16"]),
-            rows,
-            vec![
-                Arg::Dst,
-                Arg::Tensor(bias),
-                Arg::Tensor(Some(w)),
-                Arg::Tensor(cos),
-                Arg::Tensor(sin),
-                Arg::Int(dim as i32),
-                Arg::Int(head_dim as i32),
-                Arg::Long(at.row0 as i64),
-                Arg::Long(at.seq as i64),
-                Arg::Float(inv_dim(dim)),
-                Arg::Float(eps as f32),
-            ],
-        ),
+    let norm = RmsRope {
+        bias,
+        w,
+        rope,
+        head_dim,
+        eps,
+        rounding,
     };
-    x.inplace_op1(&launch)?;
-    Ok(x)
+    norm.apply(x, at, Width::Widest)
+}
+
+/// What [`rms_rope`] computes over each row.
+struct RmsRope<'a> {
+    bias: Option<&'a Tensor>,
+    w: &'a Tensor,
+    rope: Option<(&'a Tensor, &'a Tensor)>,
+    head_dim: usize,
+    eps: f64,
+    rounding: Rounding,
+}
+
+impl RmsRope<'_> {
+    /// [`rms_rope`] through the grouped vector kernel where `width` and the row allow it, else
+    /// the block-per-row one.
+    fn apply(&self, x: Tensor, at: Rows, width: Width) -> Result<Tensor> {
+        let RmsRope {
+            bias,
+            w,
+            rope,
+            head_dim,
+            eps,
+            rounding,
+        } = *self;
+        let (rows, dim) = x.dims2()?;
+        if rows == 0 {
+            return Ok(x);
+        }
+        let (cos, sin) = (rope.map(|r| r.0), rope.map(|r| r.1));
+        let group = row_group(dim).filter(|_| {
+            (rope.is_none() || head_dim.is_multiple_of(8))
+                && width.vectors(dim, &[rows, dim, head_dim, at.row0 + rows, at.seq])
+        });
+        let launch = match group {
+            Some(g) => row_launch(
+                &ROWS,
+                grouped(
+                    match rounding {
+                        Rounding::F32 => {
+                            ["rms_rope_g32_f32", "rms_rope_g64_f32", "rms_rope_g128_f32"]
+                        }
+                        Rounding::Bf16 => [
+                            "rms_rope_g32_bf16",
+                            "rms_rope_g64_bf16",
+                            "rms_rope_g128_bf16",
+                        ],
+                    },
+                    g,
+                ),
+                rows.div_ceil(ROW_THREADS / g),
+                vec![
+                    Arg::Dst,
+                    Arg::Tensor(bias),
+                    Arg::Tensor(Some(w)),
+                    Arg::Tensor(cos),
+                    Arg::Tensor(sin),
+                    Arg::Int(rows as i32),
+                    Arg::Int(dim as i32),
+                    Arg::Int(head_dim as i32),
+                    Arg::Int(at.row0 as i32),
+                    Arg::Int(at.seq as i32),
+                    Arg::Float(inv_dim(dim)),
+                    Arg::Float(eps as f32),
+                ],
+            ),
+            None => row_launch(
+                &ROWS,
+                rounding.kernel(["rms_rope_f32", "rms_rope_bf16"]),
+                rows,
+                vec![
+                    Arg::Dst,
+                    Arg::Tensor(bias),
+                    Arg::Tensor(Some(w)),
+                    Arg::Tensor(cos),
+                    Arg::Tensor(sin),
+                    Arg::Int(dim as i32),
+                    Arg::Int(head_dim as i32),
+                    Arg::Long(at.row0 as i64),
+                    Arg::Long(at.seq as i64),
+                    Arg::Float(inv_dim(dim)),
+                    Arg::Float(eps as f32),
+                ],
+            ),
+        };
+        x.inplace_op1(&launch)?;
+        Ok(x)
+    }
 }
 
 /// The gate of a residual update, whose dtype is the rounding of the product.
@@ -613,11 +696,11 @@ pub(crate) fn residual_over(
     )?)
 }
 
-/// Which version of an element-wise kernel runs.
+/// Which version of an element-wise or row kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Width {
     /// The vector kernel where rows are whole 8-element vectors and every index fits its 32
-    /// bits, else the pair kernel.
+    /// bits, else the pair kernel (for rows: the block-per-row one).
     Widest,
     /// The pair kernel (bf16 pairs, 64-bit indices): the tests' reference for the vector one.
     #[cfg(test)]
@@ -909,8 +992,10 @@ pub(crate) mod test_util {
 mod cuda_tests {
     //! The vector kernels against the pair kernels, which compute the same arithmetic element by
     //! element: equal bits in both roundings, through 16-byte and scalar accesses, with a text
-    //! part and a row table. (Each family's tests compare the kernels with its compositions.)
-    use super::test_util::{device, randn};
+    //! part and a row table; the grouped row kernels against the block-per-row ones, which sum
+    //! a row in another order: within the ulp such an order moves. (Each family's tests compare
+    //! the kernels with its compositions.)
+    use super::test_util::{assert_within_ulp, assert_within_ulp_carrying, device, randn};
     use super::*;
 
     /// The bits of a bf16 tensor.
@@ -1010,6 +1095,103 @@ mod cuda_tests {
                     bits(&x)
                 };
                 widths_agree(run, &format!("{act:?}, offset {offset}"))?;
+            }
+        }
+        Ok(())
+    }
+    #[test]
+    fn grouped_norms_agree_with_block_norms() -> Result<()> {
+        let Some(dev) = device("row kernels") else {
+            return Ok(());
+        };
+        let (rows, dim, seq) = (300, 1152, 150);
+        let x = ((randn(&[rows + 1, dim], 1.0, &dev)? * 3.0)? + 0.5)?;
+        let (w, b) = (randn(&[dim], 1.0, &dev)?, randn(&[dim], 0.5, &dev)?);
+        let table = randn(&[4, 6 * dim], 0.5, &dev)?;
+        let entries: Vec<u32> = (0..rows as u32).map(|r| (r * 7) % 4).collect();
+        let entries = Tensor::new(entries, &dev)?;
+        let modulation = |text, rows| Modulation {
+            table: &table,
+            stride: 6 * dim,
+            shift: 0,
+            scale: dim,
+            text,
+            rows,
+        };
+        let modulations = [
+            None,
+            Some(modulation(None, None)),
+            Some(modulation(Some((20, 3 * dim, 4 * dim)), None)),
+            Some(modulation(None, Some(&entries))),
+        ];
+        // The largest gain `1 + scale` of any modulation row: what a flip of the norm carries.
+        let gain = (table.to_dtype(DType::F32)?.abs()?.max_all()? + 1.0)?.reshape((1, 1))?;
+        let norms = [
+            Norm::Rms(None),
+            Norm::Rms(Some(&w)),
+            Norm::Layer(LayerNorm::Fused { w: &w, b: &b }),
+            Norm::Layer(LayerNorm::TwoPass),
+        ];
+        let at = Rows { row0: 0, seq };
+        for (n, norm) in norms.into_iter().enumerate() {
+            for offset in [0, 8, 2] {
+                let x = shifted(&x, offset, rows)?;
+                let normed = norm_modulate(&x, norm, None, at, 1e-6, Width::Pairs)?;
+                for (m, modulation) in modulations.into_iter().enumerate() {
+                    let what = format!("norm {n}, modulation {m}, offset {offset}");
+                    let run = |width| norm_modulate(&x, norm, modulation, at, 1e-6, width);
+                    let (got, want) = (run(Width::Widest)?, run(Width::Pairs)?);
+                    if modulation.is_none() {
+                        assert_within_ulp(&got, &want, &want, &what)?;
+                    } else {
+                        let term = normed
+                            .to_dtype(DType::F32)?
+                            .broadcast_mul(&gain.broadcast_as((rows, dim))?)?;
+                        let gain = gain.broadcast_as((rows, dim))?;
+                        assert_within_ulp_carrying(&got, &want, &term, (&normed, &gain), &what)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn grouped_rms_rope_agrees_with_block_rms_rope() -> Result<()> {
+        let Some(dev) = device("row kernels") else {
+            return Ok(());
+        };
+        let (rows, dim, head_dim, seq) = (300, 1024, 64, 150);
+        let x = (randn(&[rows + 1, dim], 1.0, &dev)? * 3.0)?;
+        let (w, bias) = (randn(&[dim], 1.0, &dev)?, randn(&[dim], 0.5, &dev)?);
+        let angles = Tensor::arange(0f32, (seq * head_dim / 2) as f32, &dev)?
+            .affine(0.01, 0.0)?
+            .reshape((seq, head_dim / 2))?;
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let at = Rows { row0: 0, seq };
+        for rounding in [Rounding::F32, Rounding::Bf16] {
+            for offset in [0, 2] {
+                let norm = |rope| RmsRope {
+                    bias: Some(&bias),
+                    w: &w,
+                    rope,
+                    head_dim,
+                    eps: 1e-6,
+                    rounding,
+                };
+                let run =
+                    |rope, width| norm(rope).apply(shifted(&x.copy()?, offset, rows)?, at, width);
+                // A rotated pair mixes both members: bound by the larger normalised one.
+                let term = run(None, Width::Pairs)?
+                    .abs()?
+                    .reshape((rows, dim / 2, 2))?
+                    .max_keepdim(2)?
+                    .broadcast_as((rows, dim / 2, 2))?
+                    .reshape((rows, dim))?;
+                let rope = Some((&cos, &sin));
+                let (got, want) = (run(rope, Width::Widest)?, run(rope, Width::Pairs)?);
+                let what = format!("{rounding:?}, offset {offset}");
+                assert_within_ulp(&got, &want, &term, &what)?;
             }
         }
         Ok(())
