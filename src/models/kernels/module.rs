@@ -186,9 +186,22 @@ pub(crate) enum Arg<'a> {
 pub(crate) struct Launch<'a> {
     module: &'static Module,
     func: &'static str,
+    /// The kernel launched instead where a pointer argument is not 16-byte aligned (`func`
+    /// then reads 16 bytes at a time).
+    unaligned: Option<&'static str>,
     grid: u32,
     block: u32,
     args: Vec<Arg<'a>>,
+}
+
+impl Launch<'_> {
+    /// This launch, with `func` replaced by `unaligned` where a pointer is not 16-byte aligned.
+    pub(crate) fn or_unaligned(self, unaligned: &'static str) -> Self {
+        Self {
+            unaligned: Some(unaligned),
+            ..self
+        }
+    }
 }
 
 /// Device address of a contiguous tensor's first element.
@@ -266,7 +279,14 @@ impl InplaceOp1 for Launch<'_> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let func = self.module.function(&dev, self.func)?;
+        let aligned = values
+            .iter()
+            .all(|v| !matches!(v, Value::Ptr(p) if p % 16 != 0));
+        let name = match self.unaligned {
+            Some(unaligned) if !aligned => unaligned,
+            _ => self.func,
+        };
+        let func = self.module.function(&dev, name)?;
         let mut builder = func.builder();
         for value in &values {
             match value {
@@ -298,6 +318,7 @@ pub(crate) fn row_launch<'a>(
     Launch {
         module,
         func,
+        unaligned: None,
         grid: grid as u32,
         block: ROW_THREADS as u32,
         args,
@@ -324,6 +345,7 @@ pub(crate) fn item_launch<'a>(
     Launch {
         module,
         func,
+        unaligned: None,
         grid: items
             .div_ceil(ELEMENT_THREADS as usize)
             .clamp(1, ELEMENT_BLOCKS) as u32,

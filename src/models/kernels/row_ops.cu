@@ -40,6 +40,9 @@ namespace {
 constexpr int THREADS = 256;  // threads per block of the row kernels
 constexpr int MAX_PAIRS = 16; // block-per-row kernels: bf16 pairs per thread, dim <= 2 * 16 * 256
 constexpr int MAX_VECS = 8;   // grouped row kernels: 8-element vectors per thread, dim <= 64 * G
+// The grouped modulated norms hold fewer, so that 4 blocks of them fit an SM without spilling
+// (at 8 their 120 registers left 2, and the kernel waited on latency): dim <= 32 * G.
+constexpr int NORM_VECS = 4;
 
 typedef __nv_bfloat16 bf16;
 typedef __nv_bfloat162 bf162;
@@ -494,9 +497,9 @@ __device__ __forceinline__ void rms_rope_rows_scalar(bf16 *x, const bf16 *__rest
 // out = a norm of x, rounded, then the bf16 modulation, over rows of `dim` (dim % 8 == 0), G
 // threads per row: the vector version of `layer_norm_mod_bf16` (`rms` 0) and `rms_mod_bf16`
 // (`rms` 1), element by element the same arithmetic; only the reductions' summation order
-// differs (vectors of 8 per thread, then the group's butterfly). The modulation row is found once
-// per row. VEC: 16-byte accesses (every pointer aligned, `mod_stride` % 8 == 0), else scalar
-// ones. 32-bit indices: row0 + rows, seq, split and every modulation offset fit.
+// differs (up to NORM_VECS vectors of 8 per thread, then the group's butterfly). The modulation
+// row is found once per row. VEC: 16-byte accesses (every pointer aligned, `mod_stride` % 8 ==
+// 0), else scalar ones. 32-bit indices: row0 + rows, seq, split and every modulation offset fit.
 template <int G, bool VEC>
 __device__ __forceinline__ void norm_mod_rows(
     const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,
@@ -510,10 +513,10 @@ __device__ __forceinline__ void norm_mod_rows(
   if (G == 32 && !active) return; // no barrier in a warp's reduction
   const int vecs = dim / 8;
   const long base = (long)row * dim;
-  uint4 v[MAX_VECS];
+  uint4 v[NORM_VECS];
   float sum = 0.f, sq = 0.f;
 #pragma unroll
-  for (int i = 0; i < MAX_VECS; ++i) {
+  for (int i = 0; i < NORM_VECS; ++i) {
     const int k = lane + i * G;
     if (active && k < vecs) {
       v[i] = load8<VEC>(x + base + 8 * k);
@@ -533,7 +536,7 @@ __device__ __forceinline__ void norm_mod_rows(
     mean = __fmul_rn(group_sum<G>(sum, s_a), inv_dim);
     float sq_c = 0.f;
 #pragma unroll
-    for (int i = 0; i < MAX_VECS; ++i) {
+    for (int i = 0; i < NORM_VECS; ++i) {
       const int k = lane + i * G;
       if (active && k < vecs) add_centered_sq(v[i], mean, sq_c);
     }
@@ -550,7 +553,7 @@ __device__ __forceinline__ void norm_mod_rows(
   const bf16 *shift_r = shift == nullptr ? nullptr : (text ? shift_text : shift) + mod_row;
   const bf16 *scale_r = shift == nullptr ? nullptr : (text ? scale_text : scale) + mod_row;
 #pragma unroll
-  for (int i = 0; i < MAX_VECS; ++i) {
+  for (int i = 0; i < NORM_VECS; ++i) {
     const int k = lane + i * G;
     if (k < vecs) {
       const int c = 8 * k;
@@ -938,30 +941,28 @@ extern "C" __global__ void layer_norm_mod_bf16(
 }
 
 // Grouped vector version of `layer_norm_mod_bf16` (`rms` 0) and `rms_mod_bf16` (`rms` 1; `b`
-// null): dim % 8 == 0, dim <= 8 * MAX_VECS * G; blocks of THREADS threads, THREADS / G rows each.
-// 2 blocks per SM: ptxas spills at 3 or 4, and 16 warps of 16-byte loads keep enough bytes in
-// flight.
-#define NORM_MOD_GROUPED(G)                                                                      \
-  extern "C" __global__ void __launch_bounds__(THREADS, 2) norm_mod_g##G##_bf16(                 \
+// null): dim % 8 == 0, dim <= 8 * NORM_VECS * G; blocks of THREADS threads, THREADS / G rows each.
+// `_unaligned`: scalar accesses, for any pointer not 16-byte aligned or `mod_stride` % 8 != 0
+// (the launch picks it: one path per kernel keeps the registers of the 16-byte one).
+#define NORM_MOD_GROUPED(G, VEC, NAME)                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS, 4) NAME(                                 \
       const bf16 *__restrict__ x, bf16 *__restrict__ out, const bf16 *__restrict__ w,            \
       const bf16 *__restrict__ b, const bf16 *shift, const bf16 *scale, const bf16 *shift_text,  \
       const bf16 *scale_text, const unsigned *table_rows, int rows, int dim, int row0, int seq,  \
       int split, int mod_stride, int rms, int two_pass, float inv_dim, float eps) {              \
     __shared__ float s_a[THREADS / 32], s_b[THREADS / 32];                                       \
-    const bool mods_aligned = aligned16(shift) && aligned16(scale) && aligned16(shift_text) &&   \
-                              aligned16(scale_text) && mod_stride % 8 == 0;                      \
-    if (aligned16(x) && aligned16(out) && aligned16(w) && aligned16(b) && mods_aligned)          \
-      norm_mod_rows<G, true>(x, out, w, b, shift, scale, shift_text, scale_text, table_rows,     \
-                             rows, dim, row0, seq, split, mod_stride, rms, two_pass, inv_dim,    \
-                             eps, s_a, s_b);                                                     \
-    else                                                                                         \
-      norm_mod_rows<G, false>(x, out, w, b, shift, scale, shift_text, scale_text, table_rows,    \
-                              rows, dim, row0, seq, split, mod_stride, rms, two_pass, inv_dim,   \
-                              eps, s_a, s_b);                                                    \
+    norm_mod_rows<G, VEC>(x, out, w, b, shift, scale, shift_text, scale_text, table_rows, rows,  \
+                          dim, row0, seq, split, mod_stride, rms, two_pass, inv_dim, eps, s_a,   \
+                          s_b);                                                                  \
   }
-NORM_MOD_GROUPED(32)
-NORM_MOD_GROUPED(64)
-NORM_MOD_GROUPED(128)
+NORM_MOD_GROUPED(32, true, norm_mod_g32_bf16)
+NORM_MOD_GROUPED(64, true, norm_mod_g64_bf16)
+NORM_MOD_GROUPED(128, true, norm_mod_g128_bf16)
+NORM_MOD_GROUPED(256, true, norm_mod_g256_bf16)
+NORM_MOD_GROUPED(32, false, norm_mod_g32_unaligned_bf16)
+NORM_MOD_GROUPED(64, false, norm_mod_g64_unaligned_bf16)
+NORM_MOD_GROUPED(128, false, norm_mod_g128_unaligned_bf16)
+NORM_MOD_GROUPED(256, false, norm_mod_g256_unaligned_bf16)
 
 // Grouped F32 version of `layer_norm_mod_f32` (the same arithmetic): dim % 8 == 0, dim <= 8 *
 // MAX_VECS * G; blocks of THREADS threads, THREADS / G rows each (`rows` rows in all). Capped at

@@ -2382,6 +2382,17 @@ impl BackendStorage for CudaStorage {
                     ds.builder_arg(&mut builder);
                     builder.arg(&src);
                     builder.arg(&mut dst);
+                    // vidgen's patch: where the copy can go 8 elements at a time (unary.cu), a
+                    // thread per vector: a thread per element left 7 of 8 threads only checking
+                    // the layout, most of the kernel's time. Any grid is correct (grid-stride
+                    // loops).
+                    let vectors = dims.last().is_some_and(|d| d % 8 == 0)
+                        && src_l.stride().last() == Some(&1);
+                    let cfg = if vectors {
+                        LaunchConfig::for_num_elems((el_count / 8) as u32)
+                    } else {
+                        cfg
+                    };
                     // SAFETY: ffi.
                     unsafe { builder.launch(cfg) }.w()?;
                 }
