@@ -598,56 +598,44 @@ impl RmsRope<'_> {
             (rope.is_none() || head_dim.is_multiple_of(8))
                 && width.vectors(dim, &[rows, dim, head_dim, at.row0 + rows, at.seq])
         });
+        // The pointers both kernels take first.
+        let mut args = vec![
+            Arg::Dst,
+            Arg::Tensor(bias),
+            Arg::Tensor(Some(w)),
+            Arg::Tensor(cos),
+            Arg::Tensor(sin),
+        ];
         let launch = match group {
-            Some(g) => row_launch(
-                &ROWS,
-                grouped(
-                    match rounding {
-                        Rounding::F32 => {
-                            ["rms_rope_g32_f32", "rms_rope_g64_f32", "rms_rope_g128_f32"]
-                        }
-                        Rounding::Bf16 => [
-                            "rms_rope_g32_bf16",
-                            "rms_rope_g64_bf16",
-                            "rms_rope_g128_bf16",
-                        ],
-                    },
-                    g,
-                ),
-                rows.div_ceil(ROW_THREADS / g),
-                vec![
-                    Arg::Dst,
-                    Arg::Tensor(bias),
-                    Arg::Tensor(Some(w)),
-                    Arg::Tensor(cos),
-                    Arg::Tensor(sin),
-                    Arg::Int(rows as i32),
-                    Arg::Int(dim as i32),
-                    Arg::Int(head_dim as i32),
-                    Arg::Int(at.row0 as i32),
-                    Arg::Int(at.seq as i32),
-                    Arg::Float(inv_dim(dim)),
-                    Arg::Float(eps as f32),
-                ],
-            ),
-            None => row_launch(
-                &ROWS,
-                rounding.kernel(["rms_rope_f32", "rms_rope_bf16"]),
-                rows,
-                vec![
-                    Arg::Dst,
-                    Arg::Tensor(bias),
-                    Arg::Tensor(Some(w)),
-                    Arg::Tensor(cos),
-                    Arg::Tensor(sin),
-                    Arg::Int(dim as i32),
-                    Arg::Int(head_dim as i32),
-                    Arg::Long(at.row0 as i64),
-                    Arg::Long(at.seq as i64),
-                    Arg::Float(inv_dim(dim)),
-                    Arg::Float(eps as f32),
-                ],
-            ),
+            Some(g) => {
+                args.extend([rows, dim, head_dim, at.row0, at.seq].map(|v| Arg::Int(v as i32)));
+                args.extend([Arg::Float(inv_dim(dim)), Arg::Float(eps as f32)]);
+                let names = match rounding {
+                    Rounding::F32 => ["rms_rope_g32_f32", "rms_rope_g64_f32", "rms_rope_g128_f32"],
+                    Rounding::Bf16 => [
+                        "rms_rope_g32_bf16",
+                        "rms_rope_g64_bf16",
+                        "rms_rope_g128_bf16",
+                    ],
+                };
+                row_launch(
+                    &ROWS,
+                    grouped(names, g),
+                    rows.div_ceil(ROW_THREADS / g),
+                    args,
+                )
+            }
+            None => {
+                args.extend([Arg::Int(dim as i32), Arg::Int(head_dim as i32)]);
+                args.extend([at.row0, at.seq].map(|v| Arg::Long(v as i64)));
+                args.extend([Arg::Float(inv_dim(dim)), Arg::Float(eps as f32)]);
+                row_launch(
+                    &ROWS,
+                    rounding.kernel(["rms_rope_f32", "rms_rope_bf16"]),
+                    rows,
+                    args,
+                )
+            }
         };
         x.inplace_op1(&launch)?;
         Ok(x)
