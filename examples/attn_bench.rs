@@ -1,11 +1,11 @@
 //! Times `sdpa` (the fused kernel where it applies) against the chunked path on a CUDA GPU, at
 //! Wan2.1's attention shapes, and checks both against the chunked path in f32.
 //!
-//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper|sage]`
+//! `cargo run --release --no-default-features --features cuda --example attn_bench [plans|hopper|head-dims|sage]`
 //! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one;
 //! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self- and
-//! cross-attention shapes and key counts between, in interleaved rounds; `sage`: the 8-bit
-//! attention against the exact kernels)
+//! cross-attention shapes and key counts between, in interleaved rounds; `head-dims`: the same
+//! at the other families' head dims; `sage`: the 8-bit attention against the exact kernels)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -25,6 +25,30 @@ const LIMITS: [(&str, Option<usize>); 3] = [
     ("device", None),
     ("gb10", Some(101_376)),
     ("<98304", Some(98_303)),
+];
+
+/// `hopper`'s cases: Wan's self- and cross-attention and key counts between.
+const WAN_CASES: [(&str, usize, usize, usize, usize, usize); 8] = [
+    ("1.3B self", 1, 12, 32760, 32760, 128),
+    ("14B self", 1, 40, 32760, 32760, 128),
+    ("1.3B cross", 1, 12, 32760, 512, 128),
+    ("14B cross", 1, 40, 32760, 512, 128),
+    ("14B 1024 keys", 1, 40, 32760, 1024, 128),
+    ("14B 2048 keys", 1, 40, 32760, 2048, 128),
+    ("14B 4096 keys", 1, 40, 32760, 4096, 128),
+    ("14B 8192 keys", 1, 40, 32760, 8192, 128),
+];
+
+/// `head-dims`' cases: the self-attention of the families below head_dim 128 at their default
+/// sizes with guidance (Allegro 88x720x1280, Latte-1's spatial and temporal attention at
+/// 16x512x512, CogVideoX-5b 49x480x720 with its text, LTX-Video 161x512x704), and 80.
+const HEAD_DIM_CASES: [(&str, usize, usize, usize, usize, usize); 6] = [
+    ("Allegro self d96", 2, 24, 79200, 79200, 96),
+    ("Latte spatial d72", 32, 16, 1024, 1024, 72),
+    ("Latte temporal d72", 2048, 16, 16, 16, 72),
+    ("CogVideoX self d64", 2, 48, 17776, 17776, 64),
+    ("LTX self d64", 2, 32, 7392, 7392, 64),
+    ("d80 self", 1, 24, 32760, 32760, 80),
 ];
 
 fn set_limit(limit: Option<usize>) {
@@ -59,7 +83,8 @@ fn main() -> Result<()> {
     ];
     match std::env::args().nth(1).as_deref() {
         Some("plans") => return cudnn_plans(&dev),
-        Some("hopper") => return hopper(&dev),
+        Some("hopper") => return hopper(&dev, &WAN_CASES),
+        Some("head-dims") => return hopper(&dev, &HEAD_DIM_CASES),
         Some("sage") => return sage(&dev),
         _ => {}
     }
@@ -178,26 +203,17 @@ fn cudnn_plans(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// cuDNN's attention (its first plan), the Hopper kernel and the portable kernel at the Wan
-/// self- and cross-attention shapes and at key counts between (where `sdpa` switches from cuDNN
-/// to the Hopper kernel): rounds of each in turn, so the clocks' drift under sustained load hits
-/// them alike; the error of each against cuDNN's output.
-fn hopper(dev: &Device) -> Result<()> {
+/// cuDNN's attention (its first plan), the Hopper kernel and the portable kernel (where it takes
+/// the head_dim) at `cases` `(name, batch, heads, queries, keys, head_dim)`: rounds of each in
+/// turn, so the clocks' drift under sustained load hits them alike; the error of each against
+/// cuDNN's output. `hopper`: the Wan self- and cross-attention shapes and key counts between;
+/// `head-dims`: the other families' head dims (the Hopper kernel computes those below 128 as 128).
+fn hopper(dev: &Device, cases: &[(&str, usize, usize, usize, usize, usize)]) -> Result<()> {
     /// Rounds, and timed calls of each kernel per round.
     const ROUNDS: usize = 3;
     const REPS: usize = 10;
-    let (b, n, d) = (1, 32760, 128);
-    let scale = 1.0 / (d as f64).sqrt();
-    for (name, h, m) in [
-        ("1.3B self", 12, n),
-        ("14B self", 40, n),
-        ("1.3B cross", 12, 512),
-        ("14B cross", 40, 512),
-        ("14B 1024 keys", 40, 1024),
-        ("14B 2048 keys", 40, 2048),
-        ("14B 4096 keys", 40, 4096),
-        ("14B 8192 keys", 40, 8192),
-    ] {
+    for &(name, b, h, n, m, d) in cases {
+        let scale = 1.0 / (d as f64).sqrt();
         let rand = |len: usize| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1f32, (b, len, h, d), dev)?
                 .to_dtype(DType::BF16)?
@@ -210,18 +226,25 @@ fn hopper(dev: &Device) -> Result<()> {
         let cudnn = || sdpa_with_plan(&q, &k, &v, scale, 0).map(|r| r.0);
         let sm90 = || flash_attn_sm90::flash_attn(&q, &k, &v, scale);
         let portable = || flash_attn::flash_attn(&q, &k, &v, scale);
+        let with_portable = flash_attn::supported(&q, &k, &v);
         let reference = cudnn()?.to_dtype(DType::F32)?;
-        for (label, out) in [("sm90", sm90()?), ("portable", portable()?)] {
+        let mut outs = vec![("sm90", sm90()?)];
+        if with_portable {
+            outs.push(("portable", portable()?));
+        }
+        for (label, out) in outs {
             let (max, rel) = errors(&out, &reference)?;
             println!("{name} {label} vs cuDNN: max {max:.2e}, relative {rel:.2e}");
         }
         let flops = 4.0 * (b * h * n * m * d) as f64;
         for round in 0..ROUNDS {
-            let times = [
+            let mut times = vec![
                 ("cuDNN", time(dev, REPS, cudnn)?),
                 ("sm90", time(dev, REPS, sm90)?),
-                ("portable", time(dev, REPS, portable)?),
             ];
+            if with_portable {
+                times.push(("portable", time(dev, REPS, portable)?));
+            }
             let line: Vec<String> = times
                 .iter()
                 .map(|(label, s)| {

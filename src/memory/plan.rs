@@ -559,11 +559,13 @@ const DIT_PLACEMENT: [&str; 9] = [
 
 /// `request` with its DiT held on the device instead of in host memory, with that set's plan,
 /// where `request` offloads the DiT by default only (`given` names none of
-/// [`DIT_PLACEMENT`]) and the set is predicted to fit `free` bytes; else `None`. The run
-/// takes it when LoRAs change the DiT: each weight a LoRA changes that streams needs its merged
-/// copy in page-locked host memory (a 14B with a LoRA on every projection: 28 GB, built in
-/// 4.8-7.0 s and released in 1.4 s at exit; bench/RESULTS.md, session 29), while one held on the
-/// device is merged where it lands.
+/// [`DIT_PLACEMENT`]) and the set is predicted to fit `free` bytes with a tenth of them to
+/// spare (the plan's margin: it is within 10% of the measured peaks); else `None`. A streamed
+/// DiT copies its weights every forward: where the copies outlast the compute (FLUX.1's forward
+/// is a fifth of its copies' time on an H200, bench/RESULTS.md session 25) the run is several
+/// times slower, and each weight a LoRA changes needs its merged copy in page-locked host
+/// memory (a 14B with a LoRA on every projection: 28 GB, built in 4.8-7.0 s; session 29),
+/// while a DiT held on the device costs nothing per step and is merged where it lands.
 pub fn dit_on_device(
     request: &Request,
     device: &DeviceInfo,
@@ -580,7 +582,7 @@ pub fn dit_on_device(
     resident.options.dit_layerwise_offload = false;
     apply_memory_rules(&mut resident.options, device);
     let plan = plan_for(&resident).ok()?;
-    plan.fits_free(free).then_some((resident, plan))
+    plan.fits_free(free - free / 10).then_some((resident, plan))
 }
 
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's

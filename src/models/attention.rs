@@ -1,7 +1,7 @@
 //! Scaled dot-product attention that never materialises the whole score matrix.
 //!
 //! On CUDA, bf16/f16 inputs go to a fused attention that keeps scores on the chip: on Hopper
-//! (compute capability 9.0), bf16 at head_dim 128 to the own wgmma kernel
+//! (compute capability 9.0), bf16 at head_dim 80 to 128 to the own wgmma kernel
 //! (`kernels/flash_attn_sm90.cu`); else to cuDNN's fused attention where cuDNN >= 9.13.1 is
 //! loaded (`models::cudnn`, head_dim up to 256); else with head_dim 64 or 128 to the own
 //! portable kernel (`kernels/flash_attn.cu`). Everything else takes the chunked path below.
@@ -67,7 +67,7 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     {
-        if flash_attn_sm90::supported(q, k, v) {
+        if flash_attn_sm90::supported(q, k, v) && flash_attn_sm90::preferred(q.dim(3)?) {
             return flash_attn_sm90::flash_attn(q, k, v, scale);
         }
         if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {
@@ -303,8 +303,13 @@ pub(crate) mod cuda_tests {
             eprintln!("not a compute capability 9.0 GPU: Hopper attention test skipped");
             return Ok(());
         }
-        // Whole and partial tiles of queries and keys, one key, batches, sharp softmaxes.
+        // Whole and partial tiles of queries and keys, one key, batches, sharp softmaxes; smaller
+        // head dims (zero-filled columns), Latte's 16-frame sequences among them.
         for (dims, spread) in [
+            ((1, 3, 1000, 333, 96), 2.0),
+            ((2, 2, 130, 700, 72), 3.0),
+            ((64, 2, 16, 16, 72), 2.0),
+            ((1, 2, 300, 17, 64), 1.0),
             ((1, 2, 1000, 333, 128), 1.0),
             ((2, 3, 64, 64, 128), 3.0),
             ((1, 4, 517, 512, 128), 2.0),

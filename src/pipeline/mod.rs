@@ -206,25 +206,31 @@ fn for_family(
     let spec = family.spec(&RunShape::of(&config));
     check_shards(&spec, source)?;
     check_weight_files(&spec, &config, source)?;
-    let config = dit_on_device_for_loras(family, config);
+    let config = dit_on_device_where_free(family, config);
     fit_to_host(family, fit_to_device(family, config)?, stop_on_host)
 }
 
-/// The configuration with a DiT that LoRAs change held on the device, where only the defaults
-/// offload it and the memory plan predicts it fits the device memory free when the run starts
-/// (see [`memory_plan::dit_on_device`]: merged copies in page-locked host memory cost seconds),
-/// the change recorded as overrides with why; else as asked.
-fn dit_on_device_for_loras(family: &dyn Family, config: ResolvedConfig) -> ResolvedConfig {
+/// The configuration with its DiT held on the device, where only the defaults offload it and
+/// the memory plan predicts it fits the device memory free when the run starts with room to
+/// spare (see [`memory_plan::dit_on_device`]: a streamed DiT copies its weights every forward,
+/// and LoRAs' merged copies in page-locked host memory cost seconds), the change recorded as
+/// overrides with why; else as asked.
+fn dit_on_device_where_free(family: &dyn Family, config: ResolvedConfig) -> ResolvedConfig {
     let Some(free) = config.device().free_memory else {
         return config;
     };
     let planner = Planner::new(family, &config);
-    let Some((resident, plan)) = planner.lora_dit_on_device(free) else {
+    let Some((resident, plan)) = planner.dit_on_device(free) else {
         return config;
     };
     drop(planner);
+    let merged = if config.generation().loras.iter().any(|l| !l.is_empty()) {
+        "; the LoRAs are merged as it lands, not into copies in page-locked host memory"
+    } else {
+        ""
+    };
     let reason = format!(
-        "LoRAs change the DiT and the memory plan predicts a peak of {} with it on the device ({:.2} GiB free): held there and merged as it lands, not merged into copies in page-locked host memory",
+        "the memory plan predicts a peak of {} with the DiT on the device ({:.2} GiB free): held there, not streamed from host memory every step{merged}",
         plan.describe_peak(),
         gib(free)
     );

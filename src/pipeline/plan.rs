@@ -330,13 +330,10 @@ impl<'a> Planner<'a> {
         self.search(memory_plan::leanest_host)
     }
 
-    /// Where LoRAs change the DiT: the run's options with the DiT held on the device, where its
-    /// defaults offload it and that is predicted to fit `free` bytes (see
+    /// The run's options with the DiT held on the device, where its defaults offload it and
+    /// that is predicted to fit `free` bytes with room to spare (see
     /// [`memory_plan::dit_on_device`]).
-    pub fn lora_dit_on_device(&self, free: u64) -> Option<(Request, MemoryPlan)> {
-        if self.config.generation().loras.iter().all(Vec::is_empty) {
-            return None;
-        }
+    pub fn dit_on_device(&self, free: u64) -> Option<(Request, MemoryPlan)> {
         let given = |option: &str| self.config.given(option);
         memory_plan::dit_on_device(
             &self.request(),

@@ -34,17 +34,33 @@ pub fn transformer_activations(
     let (n, l, b) = (tokens as u64, text_len as u64, batch as u64);
     let dim = c.inner_dim() as u64;
     let heads = c.num_attention_heads as u64;
-    // Hidden states, the modulated norm, q/k/v and the attention output, q and k rotated in
-    // f32 (two copies each); the feed-forward's 4x hidden and its GELU; the rotary tables in
-    // f32; the caption and its projection.
+    // Hidden states, the modulated norm, q/k/v, the attention output and its projection; q and
+    // k rotated in f32 (two copies each) where the rotary embedding is composed (bf16 rotates
+    // them in place, in one kernel on CUDA); the feed-forward's 4x hidden, with its GELU a copy
+    // more where it is not fused into the product (bf16); the rotary tables in f32; the caption
+    // and its projection. (bf16 on an H200 at 88x720x1280 with guidance, the DiT held: 12.07
+    // GiB measured in denoise against 12.72 planned, bench/RESULTS.md session 33.)
     let hidden = b * n * dim * bytes;
-    let rotated = b * n * dim * 4 * 4;
+    let feed_forward = if dtype == DType::BF16 {
+        hidden * 4
+    } else {
+        hidden * 4 * 2
+    };
+    let rotated = if dtype == DType::BF16 {
+        0
+    } else {
+        b * n * dim * 4 * 4
+    };
     let tables = 2 * n * c.attention_head_dim as u64 * 4;
     // The chunked attention's f32 scores (every token attends to every token), bounded by the
-    // chunking.
-    let scores = (b * heads * n * n).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
+    // chunking; the fused CUDA attention (bf16, f16) keeps none.
+    let scores = if matches!(dtype, DType::BF16 | DType::F16) {
+        0
+    } else {
+        (b * heads * n * n).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2
+    };
     let text = b * l * (c.caption_channels as u64 + 4 * dim) * bytes;
-    hidden * 8 + hidden * 4 * 2 + rotated + tables + scores + text
+    hidden * 7 + feed_forward + rotated + tables + scores + text
 }
 
 /// Device bytes of the tiled decode of latents `[F, h, w]`: one tile through the decoder at

@@ -17,6 +17,8 @@ use crate::models::blocks::Blockwise;
 use crate::models::pixart::{
     layer_norm, AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
+#[cfg(feature = "cuda")]
+use crate::models::row_ops::{self, Rows};
 use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
@@ -254,12 +256,30 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     out.to_dtype(dtype)
 }
 
+/// [`apply_rope`] on a head view `[B, H, N, head_dim]` of a projection's `[B, N, H * head_dim]`
+/// rows: in one kernel over those rows where it runs (bf16 on CUDA), else composed.
+fn rope_heads(x: Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let (b, h, n, d) = x.dims4()?;
+        let rows = x.transpose(1, 2)?;
+        if rows.is_contiguous() && row_ops::supported(&rows) {
+            drop(x);
+            let at = Rows { row0: 0, seq: n };
+            return row_ops::rope_sections(rows.reshape((b * n, h * d))?, (cos, sin), d, 3, at)?
+                .reshape((b, n, h, d))?
+                .transpose(1, 2);
+        }
+    }
+    apply_rope(&x, cos, sin)
+}
+
 /// `Attention` with `AllegroAttnProcessor2_0`: self-attention over every token with the rotary
 /// embedding on q and k; the merged heads before `to_out`.
 fn self_attention(attn: &Attention, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
     let (q, k, v) = attn.heads(x, x)?;
-    let q = apply_rope(&q, &rope.0, &rope.1)?;
-    let k = apply_rope(&k, &rope.0, &rope.1)?;
+    let q = rope_heads(q, rope)?;
+    let k = rope_heads(k, rope)?;
     attn.merge_heads(sdpa(&q, &k, &v, attn.scale())?)
 }
 
@@ -617,6 +637,38 @@ mod tests {
         assert_eq!(&last[4..8], &hc[8..12]);
         let (wc, _) = rope_axis(4, 4, 2.0);
         assert_eq!(&last[8..12], &wc[12..16]);
+        Ok(())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The rotary embedding's kernel against its candle composition on the GPU, bit for bit.
+    use super::*;
+    use crate::models::row_ops::test_util::{device, randn};
+
+    /// q of Allegro's head width (96: three sections of 32) over a 3 x 5 x 7 token grid with
+    /// guidance's batch of 2, as the projection's head view, and the model's own tables.
+    #[test]
+    fn rope_kernel_matches_composite() -> Result<()> {
+        let Some(dev) = device("Allegro rotary kernel") else {
+            return Ok(());
+        };
+        let cfg = AllegroTransformerConfig::default();
+        let (heads, d) = (4, cfg.attention_head_dim);
+        let grid = [3, 5, 7];
+        let n: usize = grid.iter().product();
+        let tables = rope_tables(&cfg, grid, &dev)?;
+        let rows = (randn(&[2, n, heads * d], 1.0, &dev)? * 4.0)?;
+        let view = || -> Result<Tensor> { rows.copy()?.reshape((2, n, heads, d))?.transpose(1, 2) };
+        let want = apply_rope(&view()?, &tables.0, &tables.1)?;
+        let got = rope_heads(view()?, &tables)?;
+        assert_eq!(got.dims(), want.dims());
+        let gap = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(gap, 0.0, "fused rotary embedding differs by {gap}");
         Ok(())
     }
 }

@@ -1,7 +1,9 @@
 // Fused attention forward for Hopper (sm_90a only; built and loaded on compute capability 9.0
 // alone, beside the portable kernel of flash_attn.cu): the FlashAttention-3 scheme.
 //
-// One block takes 128 query rows of one (batch, head) at head_dim 128, bf16, in three warpgroups:
+// One block takes 128 query rows of one (batch, head) at head_dim 128, bf16, in three warpgroups
+// (a smaller head_dim, a multiple of 8, runs as 128: TMA fills the columns past it with zeros,
+// which add nothing to Q K^T and make zero output columns, left unstored):
 // - warpgroup 0 is the producer: one thread loads the query tile once and then each 128-key tile
 //   of keys and of values with TMA (128-byte swizzled boxes of 64 columns) into two stages of
 //   shared memory, each guarded by a full and an empty mbarrier;
@@ -65,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                              const __grid_constant__ CUtensorMap k_map,
                              const __grid_constant__ CUtensorMap v_map, __nv_bfloat16 *out,
                              int q_len, int kv_len, long long out_batch, long long out_row,
-                             long long out_head, float scale_log2) {
+                             long long out_head, int head_dim, float scale_log2) {
   extern __shared__ uint8_t raw[];
   __shared__ __align__(8) Barriers<STAGES> bars;
   const uint32_t base = (smem_addr(raw) + 1023) & ~1023u; // swizzled boxes need 1024-byte alignment
@@ -229,6 +231,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     __nv_bfloat16 *dst = out + batch * out_batch + row * out_row + head * out_head + 2 * t;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
+      if (8 * i >= head_dim) break;
       *reinterpret_cast<uint32_t *>(dst + 8 * i) =
           pack_bf16(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
     }

@@ -1,7 +1,8 @@
 //! Hopper's fused attention forward (`flash_attn_sm90.cu`, the FlashAttention-3 scheme: TMA
 //! loads, wgmma, a producer warpgroup and two consumer warpgroups taking turns). Its machine code
 //! exists for sm_90a alone (wgmma and TMA are Hopper's), so it runs on compute capability 9.0
-//! only, at head_dim 128 in bf16; every other GPU and input takes the portable kernel.
+//! only, in bf16 at head_dim 128 or a smaller multiple of 8 (computed as 128: the tensor maps fill
+//! the columns past the head_dim with zeros); every other GPU and input takes the portable kernel.
 
 use std::ffi::c_void;
 
@@ -26,8 +27,8 @@ const THREADS: u32 = 384;
 /// 1024 bytes to align the swizzled tiles.
 const SHARED_BYTES: usize = 5 * ROWS * HEAD_DIM * 2 + 1024;
 
-/// Whether the Hopper kernel computes `sdpa` for these inputs: compute capability 9.0, bf16,
-/// head_dim 128, matching batch and heads, at least one key, strides TMA can address (multiples
+/// Whether the Hopper kernel can compute these inputs: compute capability 9.0, bf16, head_dim
+/// a multiple of 8 up to 128, matching batch and heads, at least one key, strides TMA can address (multiples
 /// of 8 elements, checked by [`super::flash_attn::aligned`]'s copy where needed) and the
 /// shared memory the kernel needs.
 pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
@@ -36,15 +37,25 @@ pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         return false;
     };
     q.dtype() == DType::BF16
-        && d == HEAD_DIM
+        && d.is_multiple_of(8)
+        && d <= HEAD_DIM
         && b.max(h) <= u16::MAX as usize
         && n.max(m) < i32::MAX as usize
         && dev.cuda_stream().context().compute_capability().ok() == Some((9, 0))
         && shared_memory_limit(dev).is_some_and(|limit| limit >= SHARED_BYTES)
 }
 
-/// Attention over `[batch, heads, seq, 128]` bf16; the caller checked [`supported`]. The result is
-/// a `[batch, heads, q_len, 128]` view of `[batch, q_len, heads, 128]` storage.
+/// Whether `sdpa` takes the Hopper kernel over cuDNN at this head_dim: a smaller one costs the
+/// products of 128 columns, which pays from 80 on (bench/RESULTS.md, session 33).
+pub fn preferred(head_dim: usize) -> bool {
+    head_dim >= MIN_PREFERRED_HEAD_DIM
+}
+
+/// The smallest head_dim [`preferred`] takes.
+const MIN_PREFERRED_HEAD_DIM: usize = 80;
+
+/// Attention over `[batch, heads, seq, head_dim]` bf16; the caller checked [`supported`]. The
+/// result is a `[batch, heads, q_len, head_dim]` view of `[batch, q_len, heads, head_dim]` storage.
 pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     super::flash_attn::fused(q, k, v, scale, true)
 }
@@ -134,8 +145,9 @@ impl TensorMap {
     }
 }
 
-/// Launches the kernel on q, k and v `[batch, heads, seq, 128]` (their storage and layouts);
-/// `scale_log2` is the softmax scale times log2(e). Returns the `[batch, q_len, heads, 128]` output.
+/// Launches the kernel on q, k and v `[batch, heads, seq, head_dim]` (their storage and layouts);
+/// `scale_log2` is the softmax scale times log2(e). Returns the `[batch, q_len, heads, head_dim]`
+/// output.
 pub(super) fn launch(
     dev: &CudaDevice,
     (q, ql): (&CudaSlice<bf16>, &Layout),
@@ -173,7 +185,8 @@ pub(super) fn launch(
     builder.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&out);
     builder.arg(&q_len).arg(&kv_len);
     builder.arg(&out_batch).arg(&out_row).arg(&out_head);
-    builder.arg(&scale_log2);
+    let head_dim = d as i32;
+    builder.arg(&head_dim).arg(&scale_log2);
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(ROWS) as u32, h as u32, b as u32),
         block_dim: (THREADS, 1, 1),

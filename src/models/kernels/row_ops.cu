@@ -1203,6 +1203,30 @@ extern "C" __global__ void bias_act_v8(bf16 *x, const bf16 *__restrict__ bias, i
     bias_act_vecs<false>(x, bias, n / 8, dim, act);
 }
 
+// In place on x [rows, heads * head_dim]: each head split in sections of 2 * half channels, each
+// rotated by half, x * cos + [-x2 | x1] * sin with cos and sin [seq, head_dim] f32 rows at the
+// row's position (row0 + row) % seq, in f32 with each product and the sum rounded on their own and
+// the result once (torch's `(x.float() * cos + rotated.float() * sin).to(bf16)`: Allegro's rotary
+// embedding, a section per axis). One thread per rotated pair; pairs = rows * dim / 2.
+extern "C" __global__ void rope_sections_bf16(bf16 *x, const float *__restrict__ cos,
+                                              const float *__restrict__ sin, long pairs, int dim,
+                                              int head_dim, int half, long row0, long seq) {
+  const int row_pairs = dim / 2;
+  for (long p = blockIdx.x * (long)blockDim.x + threadIdx.x; p < pairs;
+       p += (long)gridDim.x * blockDim.x) {
+    const long row = p / row_pairs;
+    const int q = (int)(p % row_pairs);
+    const int c = (q / half) * 2 * half + q % half; // the pair's first channel in the row
+    const int hc = c % head_dim;                     // and in its head
+    const long at = ((row0 + row) % seq) * head_dim;
+    bf16 *r = x + row * dim;
+    const float a = __bfloat162float(r[c]), b = __bfloat162float(r[c + half]);
+    r[c] = __float2bfloat16_rn(__fadd_rn(__fmul_rn(a, cos[at + hc]), __fmul_rn(-b, sin[at + hc])));
+    r[c + half] = __float2bfloat16_rn(
+        __fadd_rn(__fmul_rn(b, cos[at + hc + half]), __fmul_rn(a, sin[at + hc + half])));
+  }
+}
+
 // out [rows, inner] = bf16(value * bf16(silu(gate))) of h [rows, 2 * inner] = [value | gate]
 // (diffusers' SwiGLU feed-forward, value first): SiLU in f32 and rounded once, as torch's bf16
 // `silu` computes it, then the rounded product.

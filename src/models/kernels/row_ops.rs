@@ -484,6 +484,56 @@ pub(crate) fn head_rms_rope_half(
     )
 }
 
+/// In place on `x` `[rows, heads * head_dim]`: each head's `sections` equal sections rotated by
+/// half, `x * cos + [-x2 | x1] * sin` with cos, sin `[seq, head_dim]` f32 at each row's position,
+/// in f32 with each product and the sum rounded (torch's `(x.float() * cos + rotated.float() *
+/// sin).to(bf16)`, Allegro's rotary embedding).
+pub(crate) fn rope_sections(
+    x: Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    head_dim: usize,
+    sections: usize,
+    at: Rows,
+) -> Result<Tensor> {
+    let (rows, dim) = x.dims2()?;
+    let width = if sections == 0 {
+        0
+    } else {
+        head_dim / sections
+    };
+    if width == 0
+        || width * sections != head_dim
+        || !width.is_multiple_of(2)
+        || !dim.is_multiple_of(head_dim)
+        || cos.dims2()? != (at.seq, head_dim)
+        || sin.dims2()? != (at.seq, head_dim)
+        || !fits_i32(&[dim])
+    {
+        candle_core::bail!(
+            "rope_sections: {sections} sections of {head_dim} channels in rows of {dim}, tables {:?}",
+            cos.dims()
+        )
+    }
+    let pairs = rows * dim / 2;
+    x.inplace_op1(&item_launch(
+        &ROWS,
+        "rope_sections_bf16",
+        pairs,
+        vec![
+            Arg::Dst,
+            Arg::Tensor(Some(cos)),
+            Arg::Tensor(Some(sin)),
+            Arg::Long(pairs as i64),
+            Arg::Int(dim as i32),
+            Arg::Int(head_dim as i32),
+            Arg::Int((width / 2) as i32),
+            Arg::Long(at.row0 as i64),
+            Arg::Long(at.seq as i64),
+        ],
+    ))?;
+    Ok(x)
+}
+
 /// The per-head norm of [`head_norm_rope`]: `w`, `b` `[head_dim]` (no `b`: RMSNorm).
 struct HeadNorm<'a> {
     w: &'a Tensor,
