@@ -125,11 +125,12 @@ pub(crate) fn gather_padded_frames(
             x.device(),
         )
     }?;
-    let items = out.elem_count();
+    // A warp per output row.
+    let rows = b * c * n * (h + 2 * pad_h);
     out.inplace_op1(&item_launch(
         &CHANNEL_OPS,
         func,
-        items,
+        rows * 32,
         vec![
             Arg::Tensor(Some(&x)),
             Arg::Dst,
@@ -141,7 +142,7 @@ pub(crate) fn gather_padded_frames(
             Arg::Int(w as i32),
             Arg::Int(pad_h as i32),
             Arg::Int(pad_w as i32),
-            Arg::Long(items as i64),
+            Arg::Long(rows as i64),
         ],
     ))?;
     Ok(out)
