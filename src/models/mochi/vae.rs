@@ -210,18 +210,10 @@ impl FrameGroupNorm {
         })
     }
 
-    /// The norm, then SiLU, over runs of [`NORM_CHUNK_FRAMES`] frames (diffusers' chunks), so
-    /// the f32 temporaries hold one run.
+    /// The norm, then SiLU: every frame at once by the fused kernels (each frame its own
+    /// statistics, one output written once), else composed over runs of [`NORM_CHUNK_FRAMES`]
+    /// frames (diffusers' chunks), so the f32 temporaries hold one run.
     fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
-        let t = x.dim(1)?;
-        let runs = (0..t)
-            .step_by(NORM_CHUNK_FRAMES)
-            .map(|f| self.normalize_silu(&x.narrow(1, f, NORM_CHUNK_FRAMES.min(t - f))?))
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&runs, 1)
-    }
-
-    fn normalize_silu(&self, x: &Tensor) -> Result<Tensor> {
         let spec = GroupNormSpec {
             weight: &self.weight,
             bias: &self.bias,
@@ -234,6 +226,16 @@ impl FrameGroupNorm {
         if let Some(y) = fused_group_norm(x, &spec, 2, 2)? {
             return Ok(y);
         }
+        let t = x.dim(1)?;
+        let runs = (0..t)
+            .step_by(NORM_CHUNK_FRAMES)
+            .map(|f| self.normalize_silu(&x.narrow(1, f, NORM_CHUNK_FRAMES.min(t - f))?))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&runs, 1)
+    }
+
+    /// The norm and SiLU composed, in f32.
+    fn normalize_silu(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c, h, w) = x.dims5()?;
         let grouped =
             x.to_dtype(DType::F32)?
