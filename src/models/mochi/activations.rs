@@ -49,12 +49,15 @@ pub fn transformer_activations(
     video + text + scores + rope
 }
 
-/// Device bytes of the decode: at full resolution, four activations at the first stage's
-/// channels (the last up block's output and its depth-to-space copy, then a resnet's input,
-/// norm, conv output and sum), one GroupNorm run's f32 temporaries
-/// ([`super::vae::NORM_CHUNK_FRAMES`] frames), and the frames in f32 twice (the decoded video
-/// and its conversion); with `tiled` (diffusers' `enable_tiling()` tiles) the activations are
-/// one tile's, and every decoded tile and their blended whole are held besides.
+/// Device bytes of the decode: at full resolution, activations at the first stage's channels
+/// (the last up block's output and its depth-to-space copy, then a resnet's input, norm, conv
+/// output and sum): four, with one GroupNorm run's f32 temporaries
+/// ([`super::vae::NORM_CHUNK_FRAMES`] frames) where the norm is composed, five in bf16, whose
+/// norm is fused (measured on an H200 at 85x480x848 and 19x480x848: 42.03 and 11.47 GiB above
+/// the weights, planned 44.5 and 11.9; bench/RESULTS.md session 33); and the frames in f32
+/// twice (the decoded video and its conversion). With `tiled` (diffusers' `enable_tiling()`
+/// tiles) the activations are one tile's, and every decoded tile and their blended whole are
+/// held besides.
 pub fn vae_decode_activations(
     vae: &MochiVaeConfig,
     grid: [usize; 3],
@@ -77,9 +80,13 @@ pub fn vae_decode_activations(
         .copied()
         .unwrap_or(128) as u64;
     let out = vae.out_channels as u64;
-    let norm_run = frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * tile_pixels * channels * 4;
-    frames * tile_pixels * channels * 4 * bytes
-        + frames * held as u64 * out * bytes
-        + frames * full_pixels * out * 4 * 2
-        + 3 * norm_run
+    let activation = frames * tile_pixels * channels * bytes;
+    let working = if dtype == DType::BF16 {
+        5 * activation
+    } else {
+        let norm_run =
+            frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * tile_pixels * channels * 4;
+        4 * activation + 3 * norm_run
+    };
+    working + frames * held as u64 * out * bytes + frames * full_pixels * out * 4 * 2
 }
