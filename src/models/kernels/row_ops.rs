@@ -496,11 +496,7 @@ pub(crate) fn rope_sections(
     at: Rows,
 ) -> Result<Tensor> {
     let (rows, dim) = x.dims2()?;
-    let width = if sections == 0 {
-        0
-    } else {
-        head_dim / sections
-    };
+    let width = head_dim.checked_div(sections).unwrap_or(0);
     if width == 0
         || width * sections != head_dim
         || !width.is_multiple_of(2)
