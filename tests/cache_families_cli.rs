@@ -1,11 +1,13 @@
 //! The caches that act between blocks (`--cache first-block:T`, `magcache:...` with its
-//! calibration) on every family whose diffusers transformer takes diffusers' cache hooks,
+//! calibration) on every family whose diffusers transformer takes diffusers' cache hooks, and
+//! Pyramid Attention Broadcast (`--cache pab:...`) where vidgen hooks attention inside the
+//! blocks (CogVideoX),
 //! driven by `cache-families/README.json`'s `cli_cases` (diffusers' `enable_cache(config)`
 //! around each tiny fixture's reference call, same draws): the frames within 1e-4 + 1e-4|ref|
 //! of diffusers', which differ from the uncached run's where the case skips; the same blocks
 //! computed in every pass of every step; the calibrated ratios; `--stats-json` and the
 //! progress line count what was skipped. Families whose transformer takes no hook refuse
-//! `--cache` in one line, as the ones here refuse the caches that reach inside blocks.
+//! `--cache` in one line, as the others here refuse the caches that reach inside blocks.
 
 mod common;
 
@@ -229,14 +231,19 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache does not apply",
         ),
         (
-            "cogvideox-tiny-a",
+            "ltx-video-tiny-a",
             "pab:spatial_attention_block_skip_range=2",
-            "--cache pab / taylorseer does not apply",
+            "--cache pab does not apply",
+        ),
+        (
+            "cogvideox-tiny-a",
+            "taylorseer:cache_interval=2",
+            "--cache taylorseer does not apply",
         ),
         (
             "flux-tiny-a",
             "taylorseer:cache_interval=2",
-            "--cache pab / taylorseer does not apply",
+            "--cache taylorseer does not apply",
         ),
     ] {
         refused(fixture, &["--cache", spec], says, &dir);
@@ -269,7 +276,8 @@ fn refused(fixture: &str, flags: &[&str], says: &str, dir: &Path) {
 }
 
 /// The plan counts what a cache holds through the loop in the denoise stage's activations:
-/// three block states per pass for First Block Cache, one for MagCache, in every family.
+/// three block states per pass for First Block Cache, one for MagCache, in every family; and
+/// for PAB on CogVideoX one per block of both prompts of the guided batch.
 #[test]
 fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
     for fixture in [
@@ -285,5 +293,15 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
         assert!(mag > 0, "{fixture}: MagCache holds its residuals");
         assert_eq!(first_block, 3 * mag, "{fixture}");
+        if fixture == "cogvideox-tiny-a" {
+            let config: serde_json::Value = serde_json::from_slice(
+                &std::fs::read(named_fixture_dir(fixture).join("transformer/config.json")).unwrap(),
+            )
+            .unwrap();
+            let layers = config["num_layers"].as_u64().unwrap();
+            let pab = denoise_activations(&["--cache", "pab:spatial_attention_block_skip_range=2"])
+                - plain;
+            assert_eq!(pab, layers * mag, "{fixture}");
+        }
     }
 }

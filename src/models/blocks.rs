@@ -3,7 +3,7 @@
 //! ([`Blockwise`]); the common DiT shape declared by a few facts ([`RepeatedBlocks`]); and how
 //! model-side code runs a placed model's blocks, wherever they are ([`PlacedBlocks`]).
 
-use crate::models::step_cache::{BlockStreams, Forward, HookedBlocks, StepCache};
+use crate::models::step_cache::{BlockHooks, BlockStreams, Forward, HookedBlocks, StepCache};
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
@@ -234,6 +234,18 @@ pub trait BlockForward: Blockwise {
 pub trait CachedForward: BlockForward<State: Clone> {
     /// The blocks diffusers' cache hooks see, among those the forward folds.
     fn hooked_blocks(&self) -> HookedBlocks;
+    /// One block on the state, asking `hooks` for the outputs inside it that the model hands a
+    /// step cache (those [`HookedBlocks::names`] lists; a model that hands none runs
+    /// [`BlockForward::through`]).
+    fn through_hooked(
+        block: &Self::Block,
+        state: &Self::State,
+        inputs: &Self::Inputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> candle_core::Result<Self::State> {
+        let _ = hooks;
+        Self::through(block, state, inputs)
+    }
     /// A state's streams, diffusers' `hidden_states` (the video or image tokens) first.
     fn streams(state: &Self::State, inputs: &Self::Inputs) -> candle_core::Result<Vec<Tensor>>;
     /// The state between whole blocks of `streams`.
@@ -335,7 +347,7 @@ pub trait PlacedBlocks<M: Blockwise> {
             self.model().hooked_blocks(),
             &streams,
             |state, f| self.fold_blocks(M::resident_blocks, state, |block, s| f(block, s)),
-            |block, state, _| M::through(block, state, &inputs),
+            |block, state, hooks| M::through_hooked(block, state, &inputs, hooks),
         )?;
         self.model().finish_forward(state, &inputs)
     }

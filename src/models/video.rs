@@ -94,6 +94,12 @@ pub trait DenoiseActivations {
         let _ = (grid, text_len);
         (0, 0)
     }
+
+    /// The blocks whose attention outputs a step cache that reaches inside them (PAB) holds,
+    /// a block state each: none where the DiT hands it none.
+    fn attention_cache_blocks(&self) -> usize {
+        0
+    }
 }
 
 /// A video VAE's activation estimate, for planning.

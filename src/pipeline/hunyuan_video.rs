@@ -111,7 +111,7 @@ impl HunyuanConfigs {
             latent,
             shape.text_len,
             shape.dtype,
-        ) + shape.cache_bytes((tokens, self.transformer.inner_dim()));
+        ) + shape.cache_bytes((tokens, self.transformer.inner_dim()), 0);
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
         let decode = activations::vae_decode_activations(
             &self.vae,

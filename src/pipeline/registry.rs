@@ -55,10 +55,12 @@ pub struct RunShape {
 
 impl RunShape {
     /// Device bytes the run's step cache holds through the denoising loop: its hidden states,
-    /// each one prompt's block state of `tokens` tokens of width `dim` (the per-block states
-    /// are PAB's and TaylorSeer's, which the Wan family counts itself).
-    pub fn cache_bytes(&self, (tokens, dim): (usize, usize)) -> u64 {
-        (self.cache_states.0 * tokens * dim * self.dtype.size_in_bytes()) as u64
+    /// each one prompt's block state of `tokens` tokens of width `dim`, and the per-block ones
+    /// (PAB's attention outputs) for each of `blocks` blocks, of both prompts of a batched
+    /// guidance pair (the Wan family, whose passes run apart, counts its own).
+    pub fn cache_bytes(&self, (tokens, dim): (usize, usize), blocks: usize) -> u64 {
+        let states = self.cache_states.0 + 2 * self.cache_states.1 * blocks;
+        (states * tokens * dim * self.dtype.size_in_bytes()) as u64
     }
 
     /// The shape of a resolved run.
@@ -114,14 +116,15 @@ pub enum FamilyOption {
     Transformer2,
     StorageDtype,
     Cache,
-    CacheInsideBlocks,
+    Pab,
+    TaylorSeer,
     LowActivation,
     Fp8Matmul,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 20] = [
+    pub const ALL: [FamilyOption; 21] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -139,7 +142,8 @@ impl FamilyOption {
         FamilyOption::Transformer2,
         FamilyOption::StorageDtype,
         FamilyOption::Cache,
-        FamilyOption::CacheInsideBlocks,
+        FamilyOption::Pab,
+        FamilyOption::TaylorSeer,
         FamilyOption::LowActivation,
         FamilyOption::Fp8Matmul,
     ];
@@ -171,7 +175,8 @@ impl FamilyOption {
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
             FamilyOption::Cache => "--cache",
-            FamilyOption::CacheInsideBlocks => "--cache pab / taylorseer",
+            FamilyOption::Pab => "--cache pab",
+            FamilyOption::TaylorSeer => "--cache taylorseer",
             FamilyOption::LowActivation => "--low-activation",
             FamilyOption::Fp8Matmul => "--fp8-matmul",
         }
@@ -219,8 +224,11 @@ impl FamilyOption {
             FamilyOption::Cache => {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
             }
-            FamilyOption::CacheInsideBlocks => {
-                "they stand in for attention and feed-forward outputs inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
+            FamilyOption::Pab => {
+                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's and CogVideoX's transformers so far; use first-block or magcache"
+            }
+            FamilyOption::TaylorSeer => {
+                "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
             }
             FamilyOption::LowActivation => {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
@@ -253,9 +261,8 @@ impl FamilyOption {
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
             FamilyOption::Cache => g.cache.is_some(),
-            FamilyOption::CacheInsideBlocks => {
-                matches!(g.cache, Some(CacheSpec::Pab(_) | CacheSpec::TaylorSeer(_)))
-            }
+            FamilyOption::Pab => matches!(g.cache, Some(CacheSpec::Pab(_))),
+            FamilyOption::TaylorSeer => matches!(g.cache, Some(CacheSpec::TaylorSeer(_))),
             FamilyOption::LowActivation => config.memory().low_activation,
             FamilyOption::Fp8Matmul => g.fp8_matmul,
         }
@@ -509,7 +516,10 @@ where
             [
                 text_encoder_activations(text_encoder, text_len, dtype),
                 transformer.denoise_activations(grid, text_len, dtype)
-                    + shape.cache_bytes(transformer.block_state(grid, text_len)),
+                    + shape.cache_bytes(
+                        transformer.block_state(grid, text_len),
+                        transformer.attention_cache_blocks(),
+                    ),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],
         )

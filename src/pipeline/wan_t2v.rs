@@ -9,8 +9,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, CacheInsideBlocks, FlowShift, Fp8Matmul, GuidanceScale2, Image, Lora, Lora2,
-    LowActivation, Sigmas, StorageDtype, Transformer2, VaeTileSize, VaeTiling,
+    Cache, FlowShift, Fp8Matmul, GuidanceScale2, Image, Lora, Lora2, LowActivation, Pab, Sigmas,
+    StorageDtype, TaylorSeer, Transformer2, VaeTileSize, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
@@ -99,7 +99,8 @@ impl Family for WanConfigs {
             Lora,
             StorageDtype,
             Cache,
-            CacheInsideBlocks,
+            Pab,
+            TaylorSeer,
             LowActivation,
             Fp8Matmul,
         ];

@@ -16,6 +16,10 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
         let p = self.patch_size;
         (text_len + f * (h / p) * (w / p), self.inner_dim())
     }
+
+    fn attention_cache_blocks(&self) -> usize {
+        self.num_layers
+    }
 }
 
 impl DecodeActivations for CogVideoXVaeConfig {

@@ -22,7 +22,7 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
-use crate::models::step_cache::{HookedBlocks, ModuleNames};
+use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -559,6 +559,17 @@ impl CogVideoXBlock {
     /// shape. Fused kernels on CUDA bf16, else the candle composition (the same ops in the
     /// same order).
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.forward_hooked(x, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s output: the joint
+    /// sequence's attention after `to_out`, its bias included (diffusers' `attn1` module).
+    pub fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if row_ops::rows_supported(x)
             && inputs.temb.dtype() == DType::BF16
@@ -566,15 +577,20 @@ impl CogVideoXBlock {
                 a.head_dim <= row_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
             })
         {
-            return self.forward_fused(x, inputs);
+            return self.forward_fused(x, inputs, hooks);
         }
-        self.forward_composite(x, inputs)
+        self.forward_composite(x, inputs, hooks)
     }
 
     /// [`Self::forward`] as fused kernels: each modulated LayerNorm, q/k bias + per-head norm +
     /// RoPE, bias + GELU and bias + gate + residual is one pass over bf16 storage.
     #[cfg(feature = "cuda")]
-    fn forward_fused(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         let (b, seq, dim) = x.dims3()?;
         let text_len = inputs.text_len;
         let at = Rows { row0: 0, seq };
@@ -592,11 +608,22 @@ impl CogVideoXBlock {
         if let Some((norm1, attn1)) = &self.attention {
             let emb = norm1.embedding(&inputs.temb)?;
             let h = norm1.forward_fused(&x, &emb, at, text_len)?;
-            let attn = attn1.forward_fused(&h, b, inputs)?;
+            // Where a cache hooks the output, it is whole (its bias added); else the residual
+            // kernel adds the bias.
+            let bias = attn1.to_out.bias();
+            let (attn, bias) = if hooks.wants(Submodule::SelfAttention) {
+                let mut compute = || {
+                    let attn = attn1.forward_fused(&h, b, inputs)?;
+                    bias.map_or(Ok(attn.clone()), |bias| attn.broadcast_add(bias))
+                };
+                (hooks.output(Submodule::SelfAttention, &mut compute)?, None)
+            } else {
+                (attn1.forward_fused(&h, b, inputs)?, bias)
+            };
             x = row_ops::residual_into_delta(
                 &x,
                 attn,
-                attn1.to_out.bias(),
+                bias,
                 Some(Gate::Bf16(gate(&emb, dim, text_len))),
                 at,
             )?;
@@ -621,12 +648,19 @@ impl CogVideoXBlock {
     }
 
     /// [`Self::forward`] as candle ops (CPU, f32, other dtypes).
-    fn forward_composite(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+    fn forward_composite(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         let text_len = inputs.text_len;
         let mut x = x.clone();
         if let Some((norm1, attn1)) = &self.attention {
             let mods = norm1.forward(&x, &inputs.temb, text_len)?;
-            let attn = attn1.forward(&mods.hidden_states, inputs)?;
+            let attn = hooks.output(Submodule::SelfAttention, &mut || {
+                attn1.forward(&mods.hidden_states, inputs)
+            })?;
             x = gated_residual(&x, &attn, &mods, text_len)?;
         }
         if let Some((norm2, fc1, fc2)) = &self.feed_forward {
@@ -966,6 +1000,14 @@ crate::block_forward!(
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
 
+/// How diffusers names what its cache hooks see: `transformer_blocks`, and in each its joint
+/// self-attention `attn1` (PAB's spatial attention).
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "transformer_blocks",
+    submodules: &["attn1"],
+    proj_out: "proj_out",
+};
+
 /// diffusers' cache hooks see `transformer_blocks`, each returning the video tokens
 /// (`hidden_states`) and the text (`encoder_hidden_states`): the joint sequence's two parts.
 impl crate::models::blocks::CachedForward for CogVideoXTransformer3DModel {
@@ -973,8 +1015,17 @@ impl crate::models::blocks::CachedForward for CogVideoXTransformer3DModel {
         HookedBlocks {
             first: 0,
             count: self.cfg.num_layers,
-            names: ModuleNames::BLOCKS_ONLY,
+            names: CACHE_NAMES,
         }
+    }
+
+    fn through_hooked(
+        block: &Self::Block,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        block.forward_hooked(x, inputs, hooks)
     }
 
     fn streams(x: &Tensor, inputs: &BlockInputs) -> Result<Vec<Tensor>> {
@@ -1155,7 +1206,9 @@ mod cuda_tests {
         let inputs = inputs(b, video, &dev)?;
         let x = randn(&[b, TEXT + video, cfg.inner_dim()], 1.0, &dev)?;
         let fused = block.forward(&x, &inputs)?.to_dtype(DType::F32)?;
-        let composite = block.forward_composite(&x, &inputs)?.to_dtype(DType::F32)?;
+        let composite = block
+            .forward_composite(&x, &inputs, &mut ComputeAll)?
+            .to_dtype(DType::F32)?;
         // GEMMs and attention follow each kernel, so a one-ulp flip inside can grow: compare
         // the relative L2 error instead, bf16-sized.
         let err = ((&fused - &composite)?.sqr()?.sum_all()?.sqrt()?
