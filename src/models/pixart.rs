@@ -12,6 +12,7 @@ use crate::models::attention::sdpa;
 use crate::models::projection::project;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
+use crate::models::step_cache::{BlockHooks, ComputeAll, Submodule};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Channels of the sinusoidal timestep embedding (`Timesteps(256, ...)` of PixArt-α).
@@ -215,6 +216,18 @@ impl Block {
         timestep: &Tensor,
         attention: &impl BlockAttention,
     ) -> Result<Tensor> {
+        self.forward_hooked(x, timestep, attention, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for the outputs of `attn1` and `attn2`
+    /// (after `to_out`, its bias included: diffusers' attention modules).
+    pub fn forward_hooked(
+        &self,
+        x: &Tensor,
+        timestep: &Tensor,
+        attention: &impl BlockAttention,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         let (b, _, d) = x.dims3()?;
         let modulation = self
             .scale_shift_table
@@ -222,9 +235,9 @@ impl Block {
             .broadcast_add(&timestep.reshape((b, 6, d))?)?;
         #[cfg(feature = "cuda")]
         if row_ops::rows_supported(x) {
-            return self.forward_fused(x, &modulation, attention);
+            return self.forward_fused(x, &modulation, attention, hooks);
         }
-        self.forward_composite(x, &modulation, attention)
+        self.forward_composite(x, &modulation, attention, hooks)
     }
 
     /// [`Self::forward`] as candle ops (CPU, f32, other dtypes), `modulation` `[B, 6, D]`.
@@ -233,6 +246,7 @@ impl Block {
         x: &Tensor,
         modulation: &Tensor,
         attention: &impl BlockAttention,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<Tensor> {
         let row = |r: Row| modulation.narrow(1, r as usize, 1);
         let modulate = |t: &Tensor, scale: Row, shift: Row| -> Result<Tensor> {
@@ -240,11 +254,18 @@ impl Block {
                 .broadcast_add(&row(shift)?)
         };
         let normed = modulate(&self.norm1.forward(x)?, Row::ScaleMsa, Row::ShiftMsa)?;
-        let heads = attention.self_attention(&self.attn1, &normed)?;
-        let attn = project(&self.attn1.to_out, &heads)?;
+        let attn = hooks.output(Submodule::SelfAttention, &mut || {
+            project(
+                &self.attn1.to_out,
+                &attention.self_attention(&self.attn1, &normed)?,
+            )
+        })?;
         let mut h = (attn.broadcast_mul(&row(Row::GateMsa)?)? + x)?;
         if let Some(attn2) = &self.attn2 {
-            h = (project(&attn2.to_out, &attention.cross_attention(attn2, &h)?)? + h)?;
+            let attn = hooks.output(Submodule::CrossAttention, &mut || {
+                project(&attn2.to_out, &attention.cross_attention(attn2, &h)?)
+            })?;
+            h = (attn + h)?;
         }
         let normed = modulate(&self.norm2.forward(&h)?, Row::ScaleMlp, Row::ShiftMlp)?;
         let ff = self.ff_out.forward(&self.ff_in.forward(&normed)?.gelu()?)?;
@@ -259,6 +280,7 @@ impl Block {
         x: &Tensor,
         modulation: &Tensor,
         attention: &impl BlockAttention,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<Tensor> {
         let (b, s, d) = x.dims3()?;
         let table = modulation.reshape((b, 6 * d))?;
@@ -291,17 +313,45 @@ impl Block {
             })
         };
         // `res + (out @ to_out^T + bias) * gate`, the product's bias added by the residual.
+        let project_rows =
+            |linear: &Linear, out: &Tensor| out.reshape((b * s, ()))?.matmul(&linear.weight().t()?);
         let residual = |res: &Tensor, linear: &Linear, out: &Tensor, gate: Option<Gate>| {
-            let out = out.reshape((b * s, ()))?.matmul(&linear.weight().t()?)?;
-            row_ops::residual_into_delta(res, out, linear.bias(), gate, at)
+            row_ops::residual_into_delta(res, project_rows(linear, out)?, linear.bias(), gate, at)
+        };
+        // An attention a step cache hooks: its whole output (bias added), then the residual.
+        let hooked = |hooks: &mut dyn BlockHooks,
+                      module: Submodule,
+                      res: &Tensor,
+                      linear: &Linear,
+                      heads: &dyn Fn() -> Result<Tensor>,
+                      gate: Option<Gate>| {
+            let out = hooks.output(module, &mut || {
+                let out = project_rows(linear, &heads()?)?;
+                linear
+                    .bias()
+                    .map_or(Ok(out.clone()), |bias| out.broadcast_add(bias))
+            })?;
+            row_ops::residual_into_delta(res, out, None, gate, at)
         };
         let x = x.reshape((b * s, d))?;
         let normed = norm_modulate(&x, &self.norm1, Row::ShiftMsa, Row::ScaleMsa)?;
-        let heads = attention.self_attention(&self.attn1, &normed.reshape((b, s, d))?)?;
-        let mut h = residual(&x, &self.attn1.to_out, &heads, Some(gate(Row::GateMsa)))?;
+        let self_heads = || attention.self_attention(&self.attn1, &normed.reshape((b, s, d))?);
+        let gate_msa = Some(gate(Row::GateMsa));
+        let mut h = if hooks.wants(Submodule::SelfAttention) {
+            let module = Submodule::SelfAttention;
+            hooked(hooks, module, &x, &self.attn1.to_out, &self_heads, gate_msa)?
+        } else {
+            residual(&x, &self.attn1.to_out, &self_heads()?, gate_msa)?
+        };
         if let Some(attn2) = &self.attn2 {
-            let heads = attention.cross_attention(attn2, &h.reshape((b, s, d))?)?;
-            h = residual(&h, &attn2.to_out, &heads, None)?;
+            let states = h.reshape((b, s, d))?;
+            let cross_heads = || attention.cross_attention(attn2, &states);
+            h = if hooks.wants(Submodule::CrossAttention) {
+                let module = Submodule::CrossAttention;
+                hooked(hooks, module, &h, &attn2.to_out, &cross_heads, None)?
+            } else {
+                residual(&h, &attn2.to_out, &cross_heads()?, None)?
+            };
         }
         let normed = norm_modulate(&h, &self.norm2, Row::ShiftMlp, Row::ScaleMlp)?;
         let Some(ff_bias) = self.ff_in.bias() else {
@@ -424,7 +474,7 @@ mod cuda_tests {
             .broadcast_add(&timestep.reshape((b, 6, dim))?)?;
         let attention = Plain(text);
         let fused = block.forward(&x, &timestep, &attention)?;
-        let composite = block.forward_composite(&x, &modulation, &attention)?;
+        let composite = block.forward_composite(&x, &modulation, &attention, &mut ComputeAll)?;
         let (fused, composite) = (fused.to_dtype(DType::F32)?, composite.to_dtype(DType::F32)?);
         // The fused path adds biases in the GEMM epilogues (one rounding, as PyTorch): compare
         // the relative L2 error, bf16-sized.
@@ -433,6 +483,25 @@ mod cuda_tests {
         .to_scalar::<f32>()?;
         eprintln!("PixArt block fused vs composite: relative L2 error {err}");
         assert!(err < 1e-2, "relative L2 error {err}");
+
+        // A step cache hooking both attentions: each whole output (bias included) computed
+        // once, the block's result that of the unhooked block; then both reused, the same bits.
+        let mut hooks = crate::models::step_cache::ReplayHooks::default();
+        let hooked = block.forward_hooked(&x, &timestep, &attention, &mut hooks)?;
+        let hooked = hooked.to_dtype(DType::F32)?;
+        let err = ((&hooked - &fused)?.sqr()?.sum_all()?.sqrt()?
+            / fused.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        assert!(err < 1e-2, "hooked: relative L2 error {err}");
+        let reused = block.forward_hooked(&x, &timestep, &attention, &mut hooks)?;
+        let gap = (reused.to_dtype(DType::F32)? - &hooked)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(gap, 0.0, "reused outputs");
+        use crate::models::step_cache::Submodule::{CrossAttention, SelfAttention};
+        let once = [SelfAttention, CrossAttention];
+        assert_eq!(hooks.asked, [once, once].concat());
         Ok(())
     }
 }

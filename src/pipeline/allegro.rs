@@ -6,7 +6,7 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::VaeTiling;
+use super::registry::FamilyOption::{Pab, VaeTiling};
 use super::registry::{declared_by, About, Family, RunShape, T5VideoConfigs, T5VideoPipeline};
 use super::spec::TextToVideoStages;
 use super::stages;
@@ -16,6 +16,7 @@ use crate::models::allegro::defaults;
 use crate::models::allegro::transformer::{AllegroTransformer3DModel, AllegroTransformerConfig};
 use crate::models::allegro::vae::{AllegroVaeConfig, AutoencoderKLAllegro};
 use crate::models::guidance::{batch_input, guide_if_batched};
+use crate::models::step_cache::Pass;
 use crate::models::t5::tokenizer::clean_caption;
 use crate::schedulers::euler_ancestral::{EulerAncestral, EulerAncestralConfig};
 use anyhow::Result;
@@ -60,7 +61,7 @@ impl Family for AllegroConfigs {
                 )),
                 ..ModelDefaults::default()
             },
-            ..About::guided("Allegro text-to-video", &[VaeTiling])
+            ..About::guided("Allegro text-to-video", &[VaeTiling, Pab])
         }
     }
 
@@ -136,8 +137,10 @@ impl TextToVideoStages for Allegro {
             let input = batch_input(&latents, batch)?;
             let input = scheduler.scale_model_input(&input, i)?;
             let timestep = Tensor::full(timesteps[i], batch, device)?;
-            let pred = forwards
-                .run(|| model.forward(model.model().prepare(&input, &timestep, &embeds, &mask)?))?;
+            // One batched guided forward: one conditional pass, as a step cache sees it.
+            let pred = forwards.dit(model, Pass::Cond, timesteps[i] as f64, |m| {
+                m.prepare(&input, &timestep, &embeds, &mask)
+            })?;
             let pred = guide_if_batched(pred, guidance_scale)?;
             let noise = noises[i].to_device(device)?;
             latents = scheduler.step(&pred, &latents, &noise, i)?;

@@ -174,7 +174,7 @@ impl FamilyOption {
             FamilyOption::Lora2 => "--lora-2",
             FamilyOption::Transformer2 => "--transformer-2",
             FamilyOption::StorageDtype => "--storage-dtype",
-            FamilyOption::Cache => "--cache",
+            FamilyOption::Cache => "--cache first-block / magcache",
             FamilyOption::Pab => "--cache pab",
             FamilyOption::TaylorSeer => "--cache taylorseer",
             FamilyOption::LowActivation => "--low-activation",
@@ -225,7 +225,7 @@ impl FamilyOption {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
             }
             FamilyOption::Pab => {
-                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's and CogVideoX's transformers so far; use first-block or magcache"
+                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's, CogVideoX's and Allegro's transformers so far"
             }
             FamilyOption::TaylorSeer => {
                 "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
@@ -260,7 +260,10 @@ impl FamilyOption {
             FamilyOption::Lora2 => !g.loras[1].is_empty(),
             FamilyOption::Transformer2 => g.transformer_files[1].is_some(),
             FamilyOption::StorageDtype => g.storage_dtype.is_some(),
-            FamilyOption::Cache => g.cache.is_some(),
+            FamilyOption::Cache => matches!(
+                g.cache,
+                Some(CacheSpec::FirstBlock { .. } | CacheSpec::Mag(_))
+            ),
             FamilyOption::Pab => matches!(g.cache, Some(CacheSpec::Pab(_))),
             FamilyOption::TaylorSeer => matches!(g.cache, Some(CacheSpec::TaylorSeer(_))),
             FamilyOption::LowActivation => config.memory().low_activation,

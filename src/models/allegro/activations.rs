@@ -12,6 +12,15 @@ impl DenoiseActivations for AllegroTransformerConfig {
     fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
     }
+
+    /// The blocks thread the video tokens alone (the caption is an input of each).
+    fn block_state(&self, grid: [usize; 3], _text_len: usize) -> (usize, usize) {
+        (self.video_tokens(grid), self.inner_dim())
+    }
+
+    fn attention_cache_blocks(&self) -> usize {
+        self.num_layers
+    }
 }
 
 /// The VAE decodes in tiles only: `--vae-tiling` changes nothing.

@@ -13,12 +13,13 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
-use crate::models::blocks::Blockwise;
+use crate::models::blocks::{Blockwise, CachedForward};
 use crate::models::pixart::{
     layer_norm, AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Rows};
+use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames};
 use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
@@ -324,7 +325,18 @@ impl AllegroBlock {
 
     /// `x` `[B, N, D]` -> the same, through this block.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        self.block.forward(x, &inputs.timestep, inputs)
+        self.forward_hooked(x, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s and `attn2`'s outputs.
+    pub fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        self.block
+            .forward_hooked(x, &inputs.timestep, inputs, hooks)
     }
 }
 
@@ -562,6 +574,46 @@ crate::block_forward!(
     AllegroTransformer3DModel, BlockInputs, take_hidden_states, Tensor,
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
+
+/// How diffusers names what PAB hooks in Allegro: `transformer_blocks`, and in each the
+/// self-attention over every token (`attn1`, PAB's spatial attention) and the cross-attention
+/// to the caption (`attn2`). diffusers' block hooks (First Block Cache, MagCache) do not take
+/// Allegro's blocks, which its hook registry does not list; PAB hooks attention modules by name.
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "transformer_blocks",
+    submodules: &["attn1", "attn2"],
+    proj_out: "proj_out",
+};
+
+/// The blocks thread the video tokens alone.
+impl CachedForward for AllegroTransformer3DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: self.cfg.num_layers,
+            names: CACHE_NAMES,
+        }
+    }
+
+    fn through_hooked(
+        block: &Self::Block,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        block.forward_hooked(x, inputs, hooks)
+    }
+
+    fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {
+        Ok(vec![x.clone()])
+    }
+
+    fn state(mut streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
+        streams
+            .pop()
+            .ok_or_else(|| candle_core::Error::Msg("a block state without streams".into()))
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -1216,6 +1216,24 @@ mod cuda_tests {
         .to_scalar::<f32>()?;
         eprintln!("CogVideoX block fused vs composite: relative L2 error {err}");
         assert!(err < 1e-2, "relative L2 error {err}");
+
+        // A step cache hooking `attn1`: its whole joint output (bias included) computed once,
+        // the block's result that of the unhooked block; then reused, the same bits.
+        let mut hooks = crate::models::step_cache::ReplayHooks::default();
+        let hooked = block
+            .forward_hooked(&x, &inputs, &mut hooks)?
+            .to_dtype(DType::F32)?;
+        let err = ((&hooked - &fused)?.sqr()?.sum_all()?.sqrt()?
+            / fused.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        assert!(err < 1e-2, "hooked: relative L2 error {err}");
+        let reused = block.forward_hooked(&x, &inputs, &mut hooks)?;
+        let gap = (reused.to_dtype(DType::F32)? - &hooked)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(gap, 0.0, "reused output");
+        assert_eq!(hooks.asked, [Submodule::SelfAttention; 2]);
         Ok(())
     }
 }
