@@ -19,7 +19,9 @@ use crate::models::pixart::{
 };
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Rows};
-use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames};
+use crate::models::step_cache::{
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames,
+};
 use crate::models::video::{DitShape, VideoDit};
 
 /// Epsilon of the output LayerNorm (fixed in diffusers).
@@ -605,13 +607,11 @@ impl CachedForward for AllegroTransformer3DModel {
     }
 
     fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {
-        Ok(vec![x.clone()])
+        HiddenStates.streams(x)
     }
 
-    fn state(mut streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
-        streams
-            .pop()
-            .ok_or_else(|| candle_core::Error::Msg("a block state without streams".into()))
+    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
+        HiddenStates.state(streams)
     }
 }
 
