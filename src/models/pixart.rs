@@ -12,6 +12,8 @@ use crate::models::attention::sdpa;
 use crate::models::projection::project;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
+#[cfg(feature = "cuda")]
+use crate::models::step_cache::whole_output;
 use crate::models::step_cache::{BlockHooks, ComputeAll, Submodule};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -312,46 +314,27 @@ impl Block {
                 rows: None,
             })
         };
-        // `res + (out @ to_out^T + bias) * gate`, the product's bias added by the residual.
+        // `res + (out @ to_out^T + bias) * gate`, the product's bias added by the residual (or
+        // first, where a step cache hooks the output: `whole_output`).
         let project_rows =
             |linear: &Linear, out: &Tensor| out.reshape((b * s, ()))?.matmul(&linear.weight().t()?);
-        let residual = |res: &Tensor, linear: &Linear, out: &Tensor, gate: Option<Gate>| {
-            row_ops::residual_into_delta(res, project_rows(linear, out)?, linear.bias(), gate, at)
-        };
-        // An attention a step cache hooks: its whole output (bias added), then the residual.
-        let hooked = |hooks: &mut dyn BlockHooks,
-                      module: Submodule,
-                      res: &Tensor,
-                      linear: &Linear,
-                      heads: &dyn Fn() -> Result<Tensor>,
-                      gate: Option<Gate>| {
-            let out = hooks.output(module, &mut || {
-                let out = project_rows(linear, &heads()?)?;
-                linear
-                    .bias()
-                    .map_or(Ok(out.clone()), |bias| out.broadcast_add(bias))
-            })?;
-            row_ops::residual_into_delta(res, out, None, gate, at)
+        let residual = |res: &Tensor, (out, bias): (Tensor, Option<&Tensor>), gate| {
+            row_ops::residual_into_delta(res, out, bias, gate, at)
         };
         let x = x.reshape((b * s, d))?;
         let normed = norm_modulate(&x, &self.norm1, Row::ShiftMsa, Row::ScaleMsa)?;
-        let self_heads = || attention.self_attention(&self.attn1, &normed.reshape((b, s, d))?);
-        let gate_msa = Some(gate(Row::GateMsa));
-        let mut h = if hooks.wants(Submodule::SelfAttention) {
-            let module = Submodule::SelfAttention;
-            hooked(hooks, module, &x, &self.attn1.to_out, &self_heads, gate_msa)?
-        } else {
-            residual(&x, &self.attn1.to_out, &self_heads()?, gate_msa)?
-        };
+        let to_out = &self.attn1.to_out;
+        let heads = || attention.self_attention(&self.attn1, &normed.reshape((b, s, d))?);
+        let compute = || project_rows(to_out, &heads()?);
+        let attn = whole_output(hooks, Submodule::SelfAttention, compute, to_out.bias())?;
+        let mut h = residual(&x, attn, Some(gate(Row::GateMsa)))?;
         if let Some(attn2) = &self.attn2 {
             let states = h.reshape((b, s, d))?;
-            let cross_heads = || attention.cross_attention(attn2, &states);
-            h = if hooks.wants(Submodule::CrossAttention) {
-                let module = Submodule::CrossAttention;
-                hooked(hooks, module, &h, &attn2.to_out, &cross_heads, None)?
-            } else {
-                residual(&h, &attn2.to_out, &cross_heads()?, None)?
-            };
+            let heads = || attention.cross_attention(attn2, &states);
+            let compute = || project_rows(&attn2.to_out, &heads()?);
+            let module = Submodule::CrossAttention;
+            let attn = whole_output(hooks, module, compute, attn2.to_out.bias())?;
+            h = residual(&h, attn, None)?;
         }
         let normed = norm_modulate(&h, &self.norm2, Row::ShiftMlp, Row::ScaleMlp)?;
         let Some(ff_bias) = self.ff_in.bias() else {
@@ -359,7 +342,8 @@ impl Block {
         };
         let hidden =
             row_ops::matmul_bias_act(&normed, self.ff_in.weight(), ff_bias, Act::GeluTanh)?;
-        residual(&h, &self.ff_out, &hidden, Some(gate(Row::GateMlp)))?.reshape((b, s, d))
+        let ff = (project_rows(&self.ff_out, &hidden)?, self.ff_out.bias());
+        residual(&h, ff, Some(gate(Row::GateMlp)))?.reshape((b, s, d))
     }
 }
 

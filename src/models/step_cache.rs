@@ -449,6 +449,25 @@ pub trait BlockHooks {
     ) -> Result<Tensor>;
 }
 
+/// A module's output through a step cache's `hooks` where they hook `module`: computed whole
+/// (`bias`, its Linear's, added), which the cache keeps or stands in for, and no bias left for
+/// the caller's residual; otherwise computed as it is, `bias` left for the residual's fused add.
+pub fn whole_output<'b>(
+    hooks: &mut dyn BlockHooks,
+    module: Submodule,
+    mut compute: impl FnMut() -> Result<Tensor>,
+    bias: Option<&'b Tensor>,
+) -> Result<(Tensor, Option<&'b Tensor>)> {
+    if !hooks.wants(module) {
+        return Ok((compute()?, bias));
+    }
+    let out = hooks.output(module, &mut || match bias {
+        Some(b) => compute()?.broadcast_add(b),
+        None => compute(),
+    })?;
+    Ok((out, None))
+}
+
 /// Computes a module's output (what a cache runs, or stands in for).
 pub type Compute<'a> = dyn FnMut() -> Result<Tensor> + 'a;
 

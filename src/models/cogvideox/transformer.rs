@@ -22,6 +22,8 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
+#[cfg(feature = "cuda")]
+use crate::models::step_cache::whole_output;
 use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
@@ -608,18 +610,9 @@ impl CogVideoXBlock {
         if let Some((norm1, attn1)) = &self.attention {
             let emb = norm1.embedding(&inputs.temb)?;
             let h = norm1.forward_fused(&x, &emb, at, text_len)?;
-            // Where a cache hooks the output, it is whole (its bias added); else the residual
-            // kernel adds the bias.
-            let bias = attn1.to_out.bias();
-            let (attn, bias) = if hooks.wants(Submodule::SelfAttention) {
-                let mut compute = || {
-                    let attn = attn1.forward_fused(&h, b, inputs)?;
-                    bias.map_or(Ok(attn.clone()), |bias| attn.broadcast_add(bias))
-                };
-                (hooks.output(Submodule::SelfAttention, &mut compute)?, None)
-            } else {
-                (attn1.forward_fused(&h, b, inputs)?, bias)
-            };
+            let compute = || attn1.forward_fused(&h, b, inputs);
+            let module = Submodule::SelfAttention;
+            let (attn, bias) = whole_output(hooks, module, compute, attn1.to_out.bias())?;
             x = row_ops::residual_into_delta(
                 &x,
                 attn,

@@ -31,7 +31,9 @@ use std::sync::Arc;
 use crate::models::attention::sdpa;
 use crate::models::projection::Projection;
 use crate::models::sequence_parallel::SequenceParallel;
-use crate::models::step_cache::{BlockHooks, ComputeAll, ModuleNames, Submodule, Through};
+use crate::models::step_cache::{
+    whole_output, BlockHooks, ComputeAll, ModuleNames, Submodule, Through,
+};
 
 #[cfg(feature = "cuda")]
 use crate::models::row_ops;
@@ -1171,7 +1173,12 @@ impl WanTransformerBlock {
                     let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
                     attn1.forward(h, batch, None, Some(rope), sp)
                 };
-                let (attn, bias) = hooked(hooks, Submodule::SelfAttention, compute, &attn1.to_out)?;
+                let (attn, bias) = whole_output(
+                    hooks,
+                    Submodule::SelfAttention,
+                    compute,
+                    attn1.to_out.bias(),
+                )?;
                 x = inputs.modulated_residual(&x, attn, (bias, &gate), (0, seq))?;
                 own = true;
             }
@@ -1195,8 +1202,12 @@ impl WanTransformerBlock {
                 })?;
             } else {
                 let compute = || attn2.forward(norm(&x, all)?, batch, Some(context), None, None);
-                let (attn, bias) =
-                    hooked(hooks, Submodule::CrossAttention, compute, &attn2.to_out)?;
+                let (attn, bias) = whole_output(
+                    hooks,
+                    Submodule::CrossAttention,
+                    compute,
+                    attn2.to_out.bias(),
+                )?;
                 x = residual(&x, attn, bias, None, all)?;
                 own = true;
             }
@@ -1213,7 +1224,8 @@ impl WanTransformerBlock {
                     let h = inputs.modulated_norm(&x, (&c_scale, &c_shift), (0, seq), self.eps)?;
                     ffn.forward_without_out_bias(&h)
                 };
-                let (ff, bias) = hooked(hooks, Submodule::FeedForward, compute, &ffn.fc2)?;
+                let (ff, bias) =
+                    whole_output(hooks, Submodule::FeedForward, compute, ffn.fc2.bias())?;
                 let x = inputs.modulated_residual(&x, ff, (bias, &c_gate), (0, seq))?;
                 return x.reshape((batch, seq, dim));
             }
@@ -1230,25 +1242,6 @@ impl WanTransformerBlock {
         }
         x.reshape((batch, seq, dim))
     }
-}
-
-/// A block output through a step cache's `hooks` where it hooks `module`: the output with its
-/// `linear`'s bias added (what the cache keeps or stands in for) and no bias left for the
-/// residual; otherwise computed as it is, the bias left for the residual's fused add.
-fn hooked<'l>(
-    hooks: &mut dyn BlockHooks,
-    module: Submodule,
-    mut compute: impl FnMut() -> Result<Tensor>,
-    linear: &'l Projection,
-) -> Result<(Tensor, Option<&'l Tensor>)> {
-    if !hooks.wants(module) {
-        return Ok((compute()?, linear.bias()));
-    }
-    let out = hooks.output(module, &mut || match linear.bias() {
-        Some(b) => compute()?.broadcast_add(b),
-        None => compute(),
-    })?;
-    Ok((out, None))
 }
 
 /// Sinusoidal timestep embedding `[B, freq_dim]` in f32, `[cos | sin]`, exactly as diffusers'
