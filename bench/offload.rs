@@ -405,6 +405,7 @@ impl Bench {
             image: false,
             decode: true,
             cache_states: (0, 0),
+            pab: None,
             fp8_matmul: false,
             sage_attention: false,
         };

@@ -215,7 +215,7 @@ fn caches_skip_and_compute_what_diffusers_does_in_every_family() {
         );
         families.insert(case["fixture"].as_str().unwrap().to_string());
     }
-    assert_eq!(families.len(), 6, "{families:?}");
+    assert_eq!(families.len(), 7, "{families:?}");
 }
 
 /// A family whose diffusers transformer takes no cache hook refuses `--cache`, the families here
@@ -237,8 +237,8 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
         ),
         (
             "latte-tiny-a",
-            "pab:spatial_attention_block_skip_range=2",
-            "--cache pab does not apply",
+            "taylorseer:cache_interval=2",
+            "--cache taylorseer does not apply",
         ),
         (
             "ltx-video-tiny-a",
@@ -320,6 +320,22 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         "{spatial}"
     );
     assert_eq!(both, 2 * spatial);
+    // Latte's temporal attentions take the spatial setting where it is set (diffusers matches
+    // them by the spatial identifier too), their own only without it.
+    let fixture = "latte-tiny-a";
+    let denoise_activations =
+        |cache: &str| planned_denoise_activations(fixture, &["--cache", cache]);
+    let plain = planned_denoise_activations(fixture, &[]);
+    let temporal = denoise_activations("pab:temporal_attention_block_skip_range=2") - plain;
+    let spatial = denoise_activations(PAB_SPATIAL) - plain;
+    let every = denoise_activations(&format!(
+        "{PAB_SPATIAL},temporal_attention_block_skip_range=3,cross_attention_block_skip_range=2"
+    )) - plain;
+    assert!(
+        temporal > 0 && temporal.is_multiple_of(num_layers(fixture)),
+        "{temporal}"
+    );
+    assert_eq!((spatial, every), (2 * temporal, 3 * temporal));
 }
 
 /// PAB reusing the self-attention every other call.

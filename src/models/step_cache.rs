@@ -113,11 +113,38 @@ impl TaylorSeerConfig {
 /// which name every block of the models vidgen runs): per kind of attention, reuse the last
 /// output for `range − 1` of every `range` calls while the timestep lies strictly inside
 /// `timesteps`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PabConfig {
     pub spatial: Option<(u32, (f64, f64))>,
     pub temporal: Option<(u32, (f64, f64))>,
     pub cross: Option<(u32, (f64, f64))>,
+}
+
+/// How many attention modules of each kind of PAB's a transformer has.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionModules {
+    pub spatial: usize,
+    pub temporal: usize,
+    pub cross: usize,
+}
+
+impl PabConfig {
+    /// The attention outputs PAB holds (one prompt's each) in a transformer of `modules`.
+    /// diffusers tells the kinds apart by name, and its spatial identifier `blocks` is in a
+    /// temporal module's name too (`temporal_transformer_blocks.N.attn1`): a temporal attention
+    /// takes the spatial setting where it is set, its own only where it is not
+    /// ([`Submodule::TemporalAttention`]).
+    pub fn held_outputs(&self, modules: AttentionModules) -> usize {
+        let temporal = self.spatial.or(self.temporal);
+        [
+            (self.spatial, modules.spatial),
+            (temporal, modules.temporal),
+            (self.cross, modules.cross),
+        ]
+        .iter()
+        .map(|(setting, count)| if setting.is_some() { *count } else { 0 })
+        .sum()
+    }
 }
 
 /// diffusers' `MagCacheConfig`, its defaults included.
@@ -323,7 +350,8 @@ impl CacheSpec {
         match self {
             CacheSpec::FirstBlock { .. } => (6, 0),
             CacheSpec::Mag(_) => (2, 0),
-            CacheSpec::Pab(c) => (0, [c.spatial, c.temporal, c.cross].iter().flatten().count()),
+            // Per attention module: the transformer's own count ([`PabConfig::held_outputs`]).
+            CacheSpec::Pab(_) => (0, 0),
             // Per pass and predicted module, up to max_order + 1 factors (block 0's modules
             // stand for every block's).
             CacheSpec::TaylorSeer(c) => {
@@ -420,6 +448,9 @@ pub enum Pass {
 pub enum Submodule {
     /// Self-attention over the video tokens (PAB's "spatial" attention).
     SelfAttention,
+    /// Self-attention across the frames of each token position (Latte's temporal blocks'
+    /// `attn1`: PAB's "temporal" attention, where the spatial range is not set).
+    TemporalAttention,
     /// Attention to the text (PAB's "cross" attention).
     CrossAttention,
     FeedForward,
@@ -429,7 +460,7 @@ impl Submodule {
     /// Its column in a block's record (after the block's own).
     fn column(self) -> usize {
         match self {
-            Submodule::SelfAttention => 1,
+            Submodule::SelfAttention | Submodule::TemporalAttention => 1,
             Submodule::CrossAttention => 2,
             Submodule::FeedForward => 3,
         }
@@ -575,6 +606,7 @@ impl PabHooks<'_> {
     fn setting(&self, module: Submodule) -> Option<(u32, (f64, f64))> {
         match module {
             Submodule::SelfAttention => self.config.spatial,
+            Submodule::TemporalAttention => self.config.spatial.or(self.config.temporal),
             Submodule::CrossAttention => self.config.cross,
             Submodule::FeedForward => None,
         }
@@ -595,7 +627,7 @@ impl BlockHooks for PabHooks<'_> {
             return compute();
         };
         let state = match module {
-            Submodule::SelfAttention => &mut self.states[0],
+            Submodule::SelfAttention | Submodule::TemporalAttention => &mut self.states[0],
             _ => &mut self.states[1],
         };
         let inside = low < self.timestep && self.timestep < high;

@@ -1,6 +1,7 @@
 //! What planning and the reports read of a video model's configs whatever its family: the
 //! latent grid its VAE makes of a video size, and its DiT's size.
 
+use crate::models::step_cache::AttentionModules;
 use candle_core::DType;
 
 /// The latent grid `[F', H', W']` of a video size under a causal video VAE that compresses time
@@ -95,10 +96,10 @@ pub trait DenoiseActivations {
         (0, 0)
     }
 
-    /// The blocks whose attention outputs a step cache that reaches inside them (PAB) holds,
-    /// a block state each: none where the DiT hands it none.
-    fn attention_cache_blocks(&self) -> usize {
-        0
+    /// The attention modules, by PAB's kinds, whose outputs the DiT hands a step cache that
+    /// reaches inside its blocks (a block state each): none where it hands none.
+    fn attention_modules(&self) -> AttentionModules {
+        AttentionModules::default()
     }
 }
 

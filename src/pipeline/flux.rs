@@ -117,7 +117,10 @@ impl FluxConfigs {
         let [_, tokens, _] = self.packed_shape(shape.height, shape.width);
         let denoise =
             activations::transformer_activations(&self.transformer, tokens, shape.text_len, dtype)
-                + shape.cache_bytes((tokens + shape.text_len, self.transformer.inner_dim()), 0);
+                + shape.cache_bytes(
+                    (tokens + shape.text_len, self.transformer.inner_dim()),
+                    Default::default(),
+                );
         let (h, w) = self.latent_size(shape.height, shape.width);
         let decode = activations::vae_decode_activations(&self.vae, h, w, shape.vae_tiling, dtype);
         let mut spec = PipelineSpec::titled(self.title());

@@ -111,7 +111,8 @@ impl HunyuanConfigs {
             latent,
             shape.text_len,
             shape.dtype,
-        ) + shape.cache_bytes((tokens, self.transformer.inner_dim()), 0);
+        ) + shape
+            .cache_bytes((tokens, self.transformer.inner_dim()), Default::default());
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
         let decode = activations::vae_decode_activations(
             &self.vae,

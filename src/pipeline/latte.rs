@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{GuidanceScale, NegativePrompt, VaeTiling};
+use super::registry::FamilyOption::{GuidanceScale, NegativePrompt, Pab, VaeTiling};
 use super::registry::{declared_by, About, Family, RunShape, T5VideoConfigs, T5VideoPipeline};
 use super::spec::TextToVideoStages;
 use crate::config::video::FrameRule;
@@ -14,6 +14,7 @@ use crate::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use crate::models::guidance::{batch_input, guide_if_batched};
 use crate::models::latte::transformer::{LatteTransformer3DModel, LatteTransformerConfig};
 use crate::models::latte::{decode_latents, prompt, DECODE_CHUNK_FRAMES};
+use crate::models::step_cache::Pass;
 use crate::schedulers::ddim::{DdimConfig, DdimScheduler};
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -47,7 +48,7 @@ impl Family for LatteConfigs {
         let side = u32::try_from(side).unwrap_or(u32::MAX);
         About {
             title: "Latte text-to-video",
-            options: vec![GuidanceScale, NegativePrompt, VaeTiling],
+            options: vec![GuidanceScale, NegativePrompt, VaeTiling, Pab],
             defaults: ModelDefaults {
                 height: Some(side),
                 width: Some(side),
@@ -125,8 +126,10 @@ impl TextToVideoStages for Latte {
             let t = timesteps[i];
             let input = batch_input(&latents, text.dim(0)?)?;
             let timestep = Tensor::new(&[t], device)?;
-            let out =
-                forwards.run(|| model.forward(model.model().prepare(&input, &timestep, &text)?))?;
+            // One batched guided forward: one conditional pass, as a step cache sees it.
+            let out = forwards.dit(model, Pass::Cond, t as f64, |m| {
+                m.prepare(&input, &timestep, &text)
+            })?;
             let noise_pred = guide_if_batched(out, guidance_scale)?;
             // The learned sigma (channels C..2C) is dropped before the step.
             let noise_pred = noise_pred.narrow(1, 0, channels)?;

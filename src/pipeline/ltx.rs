@@ -66,7 +66,7 @@ impl LtxConfigs {
         let (dtype, text_len) = (shape.dtype, shape.text_len);
         let dit =
             activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
-                + shape.cache_bytes((tokens, self.transformer.inner_dim()), 0);
+                + shape.cache_bytes((tokens, self.transformer.inner_dim()), Default::default());
         Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),

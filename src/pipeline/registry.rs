@@ -10,7 +10,7 @@ use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::blocks::Blockwise;
 use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::source::ModelSource;
-use crate::models::step_cache::CacheSpec;
+use crate::models::step_cache::{AttentionModules, CacheSpec, PabConfig};
 use crate::models::t5::encoder::T5Config;
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::{DecodeActivations, DenoiseActivations, VideoDit, VideoVae};
@@ -47,6 +47,8 @@ pub struct RunShape {
     /// Hidden states a step cache holds through the denoising loop (`--cache`): in all, and
     /// per block.
     pub cache_states: (usize, usize),
+    /// PAB's settings (`--cache pab:...`), whose held attention outputs depend on the model's.
+    pub pab: Option<PabConfig>,
     /// The DiT blocks' Linears run as fp8 matmuls (`--fp8-matmul`).
     pub fp8_matmul: bool,
     /// The DiTs' attention computes in 8 bits (`--attention sage`).
@@ -55,12 +57,17 @@ pub struct RunShape {
 
 impl RunShape {
     /// Device bytes the run's step cache holds through the denoising loop: its hidden states,
-    /// each one prompt's block state of `tokens` tokens of width `dim`, and the per-block ones
-    /// (PAB's attention outputs) for each of `blocks` blocks, of both prompts of a batched
-    /// guidance pair (the Wan family, whose passes run apart, counts its own).
-    pub fn cache_bytes(&self, (tokens, dim): (usize, usize), blocks: usize) -> u64 {
-        let states = self.cache_states.0 + 2 * self.cache_states.1 * blocks;
+    /// each one prompt's block state of `tokens` tokens of width `dim`, and PAB's attention
+    /// outputs of a transformer of `modules`, of both prompts of a batched guidance pair (the
+    /// Wan family, whose passes run apart, counts its own).
+    pub fn cache_bytes(&self, (tokens, dim): (usize, usize), modules: AttentionModules) -> u64 {
+        let states = self.cache_states.0 + 2 * self.pab_outputs(modules);
         (states * tokens * dim * self.dtype.size_in_bytes()) as u64
+    }
+
+    /// The attention outputs (one prompt's each) PAB holds in a transformer of `modules`.
+    pub fn pab_outputs(&self, modules: AttentionModules) -> usize {
+        self.pab.as_ref().map_or(0, |c| c.held_outputs(modules))
     }
 
     /// The shape of a resolved run.
@@ -78,6 +85,10 @@ impl RunShape {
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
             cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
+            pab: match &g.cache {
+                Some(CacheSpec::Pab(c)) => Some(*c),
+                _ => None,
+            },
             fp8_matmul: g.fp8_matmul,
             sage_attention: g.attention == crate::models::sage_attention::AttentionKind::Sage,
         }
@@ -225,7 +236,7 @@ impl FamilyOption {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
             }
             FamilyOption::Pab => {
-                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's, CogVideoX's and Allegro's transformers so far"
+                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's, CogVideoX's, Allegro's and Latte's transformers so far"
             }
             FamilyOption::TaylorSeer => {
                 "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
@@ -521,7 +532,7 @@ where
                 transformer.denoise_activations(grid, text_len, dtype)
                     + shape.cache_bytes(
                         transformer.block_state(grid, text_len),
-                        transformer.attention_cache_blocks(),
+                        transformer.attention_modules(),
                     ),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],

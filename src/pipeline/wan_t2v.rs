@@ -23,7 +23,9 @@ use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::ModelSource;
-use crate::models::step_cache::{Forward, HiddenStates, HookedBlocks, Pass, StepCache};
+use crate::models::step_cache::{
+    AttentionModules, Forward, HiddenStates, HookedBlocks, Pass, StepCache,
+};
 use crate::models::video::causal_latent_grid;
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
@@ -368,7 +370,14 @@ impl WanConfigs {
         // beside the output it writes.
         let dit_activations = |cfg: &WanTransformerConfig| {
             let low = shape.low_activation;
-            let cached = shape.cache_states.0 + shape.cache_states.1 * cfg.num_layers;
+            let attentions = AttentionModules {
+                spatial: cfg.num_layers,
+                temporal: 0,
+                cross: cfg.num_layers,
+            };
+            let cached = shape.cache_states.0
+                + shape.cache_states.1 * cfg.num_layers
+                + shape.pab_outputs(attentions);
             let copies = cached + usize::from(low && cached > 0);
             let fp8 = if shape.fp8_matmul {
                 activations::fp8_matmul_activations(cfg, latent, low)

@@ -5,6 +5,7 @@
 use super::transformer::AllegroTransformerConfig;
 use super::vae::AllegroVaeConfig;
 use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::step_cache::AttentionModules;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 
@@ -18,8 +19,13 @@ impl DenoiseActivations for AllegroTransformerConfig {
         (self.video_tokens(grid), self.inner_dim())
     }
 
-    fn attention_cache_blocks(&self) -> usize {
-        self.num_layers
+    /// `attn1` and `attn2` of every block.
+    fn attention_modules(&self) -> AttentionModules {
+        AttentionModules {
+            spatial: self.num_layers,
+            temporal: 0,
+            cross: self.num_layers,
+        }
     }
 }
 

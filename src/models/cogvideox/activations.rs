@@ -3,6 +3,7 @@
 
 use super::transformer::CogVideoXTransformerConfig;
 use super::vae::CogVideoXVaeConfig;
+use crate::models::step_cache::AttentionModules;
 use crate::models::t5::encoder::T5Config;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
@@ -17,8 +18,12 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
         (text_len + f * (h / p) * (w / p), self.inner_dim())
     }
 
-    fn attention_cache_blocks(&self) -> usize {
-        self.num_layers
+    /// `attn1` of every block: the joint self-attention.
+    fn attention_modules(&self) -> AttentionModules {
+        AttentionModules {
+            spatial: self.num_layers,
+            ..Default::default()
+        }
     }
 }
 

@@ -5,12 +5,28 @@
 use super::transformer::LatteTransformerConfig;
 use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
+use crate::models::step_cache::AttentionModules;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 
 impl DenoiseActivations for LatteTransformerConfig {
     fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, [1, self.in_channels(), f, h, w], text_len, dtype)
+    }
+
+    /// The blocks thread the video tokens alone (the caption is an input of each).
+    fn block_state(&self, [f, h, w]: [usize; 3], _text_len: usize) -> (usize, usize) {
+        let p = self.patch_size().max(1);
+        (f * (h / p) * (w / p), self.inner_dim())
+    }
+
+    /// Per layer the spatial block's `attn1` and `attn2` and the temporal block's `attn1`.
+    fn attention_modules(&self) -> AttentionModules {
+        AttentionModules {
+            spatial: self.num_layers,
+            temporal: self.num_layers,
+            cross: self.num_layers,
+        }
     }
 }
 

@@ -14,9 +14,12 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::models::blocks::Blockwise;
+use crate::models::blocks::{Blockwise, CachedForward};
 use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
+};
+use crate::models::step_cache::{
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Submodule,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -308,6 +311,17 @@ impl LatteBlock {
 
     /// `x` `[B, F, N, D]` -> the same, through this block.
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.forward_hooked(x, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for the attention outputs: a temporal
+    /// block's `attn1` as [`Submodule::TemporalAttention`].
+    pub fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
         let (b, f, n, d) = x.dims4()?;
         // Sequences of this block: frames (spatial) or token positions (temporal), `[B', S, D]`.
         let h = match self.kind {
@@ -330,11 +344,47 @@ impl LatteBlock {
             seq,
             text: &inputs.text,
         };
-        let h = self.block.forward(&h, &inputs.timestep, &attention)?;
+        let h = match self.kind {
+            BlockKind::Spatial => {
+                self.block
+                    .forward_hooked(&h, &inputs.timestep, &attention, hooks)
+            }
+            BlockKind::Temporal => {
+                let mut temporal = TemporalHooks(hooks);
+                self.block
+                    .forward_hooked(&h, &inputs.timestep, &attention, &mut temporal)
+            }
+        }?;
         match self.kind {
             BlockKind::Spatial => h.reshape((b, f, n, d)),
             BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
         }
+    }
+}
+
+/// A temporal block's hooks: its self-attention is PAB's temporal attention.
+struct TemporalHooks<'h>(&'h mut dyn BlockHooks);
+
+impl TemporalHooks<'_> {
+    fn kind(module: Submodule) -> Submodule {
+        match module {
+            Submodule::SelfAttention => Submodule::TemporalAttention,
+            other => other,
+        }
+    }
+}
+
+impl BlockHooks for TemporalHooks<'_> {
+    fn wants(&self, module: Submodule) -> bool {
+        self.0.wants(Self::kind(module))
+    }
+
+    fn output(
+        &mut self,
+        module: Submodule,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.0.output(Self::kind(module), compute)
     }
 }
 
@@ -615,6 +665,44 @@ crate::block_forward!(
     LatteTransformer3DModel, BlockInputs, take_hidden_states, Tensor,
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
+
+/// What PAB hooks in Latte, named as diffusers names it: `attn1` and `attn2` of each block
+/// (a temporal block has no `attn2`), the blocks in execution order (spatial 0, temporal 0,
+/// spatial 1, ...). diffusers' block hooks (First Block Cache, MagCache) do not run in Latte:
+/// they need a cache context, which its pipeline does not open; PAB's hooks need none.
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "blocks",
+    submodules: &["attn1", "attn2"],
+    proj_out: "proj_out",
+};
+
+/// The blocks thread the video tokens alone.
+impl CachedForward for LatteTransformer3DModel {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: 2 * self.cfg.num_layers,
+            names: CACHE_NAMES,
+        }
+    }
+
+    fn through_hooked(
+        block: &Self::Block,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        block.forward_hooked(x, inputs, hooks)
+    }
+
+    fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {
+        HiddenStates.streams(x)
+    }
+
+    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
+        HiddenStates.state(streams)
+    }
+}
 
 #[cfg(test)]
 mod tests {
