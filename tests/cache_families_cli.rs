@@ -241,7 +241,7 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache taylorseer does not apply",
         ),
         (
-            "ltx-video-tiny-a",
+            "mochi-tiny-a",
             "pab:spatial_attention_block_skip_range=2",
             "--cache pab does not apply",
         ),
@@ -303,10 +303,18 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
         assert!(mag > 0, "{fixture}: MagCache holds its residuals");
         assert_eq!(first_block, 3 * mag, "{fixture}");
-        if fixture == "cogvideox-tiny-a" {
-            let pab = denoise_activations(&["--cache", PAB_SPATIAL]) - plain;
-            assert_eq!(pab, num_layers(fixture) * mag, "{fixture}");
-        }
+        // CogVideoX's `attn1`; LTX-Video's `attn1` and `attn2`, both PAB's spatial kind.
+        let spatial_attentions = match fixture {
+            "cogvideox-tiny-a" => 1,
+            "ltx-video-tiny-a" => 2,
+            _ => continue,
+        };
+        let pab = denoise_activations(&["--cache", PAB_SPATIAL]) - plain;
+        assert_eq!(
+            pab,
+            spatial_attentions * num_layers(fixture) * mag,
+            "{fixture}"
+        );
     }
     let fixture = "allegro-tiny-a";
     let denoise_activations =

@@ -453,6 +453,10 @@ pub enum Submodule {
     TemporalAttention,
     /// Attention to the text (PAB's "cross" attention).
     CrossAttention,
+    /// Attention to the text in a module diffusers does not flag as cross-attention
+    /// (LTX-Video's `LTXAttention` has no `is_cross_attention`): PAB takes it for a spatial
+    /// self-attention by its name, so it takes the spatial settings.
+    UnflaggedCrossAttention,
     FeedForward,
 }
 
@@ -461,7 +465,7 @@ impl Submodule {
     fn column(self) -> usize {
         match self {
             Submodule::SelfAttention | Submodule::TemporalAttention => 1,
-            Submodule::CrossAttention => 2,
+            Submodule::CrossAttention | Submodule::UnflaggedCrossAttention => 2,
             Submodule::FeedForward => 3,
         }
     }
@@ -497,6 +501,40 @@ pub fn whole_output<'b>(
         None => compute(),
     })?;
     Ok((out, None))
+}
+
+/// A block's hooks with its `from` output handed on as `to`: a module that diffusers' hooks
+/// classify otherwise than its place in the block says (Latte's temporal `attn1`, LTX-Video's
+/// `attn2`).
+pub struct Reclassified<'h> {
+    pub hooks: &'h mut dyn BlockHooks,
+    pub from: Submodule,
+    pub to: Submodule,
+}
+
+impl Reclassified<'_> {
+    fn kind(&self, module: Submodule) -> Submodule {
+        if module == self.from {
+            self.to
+        } else {
+            module
+        }
+    }
+}
+
+impl BlockHooks for Reclassified<'_> {
+    fn wants(&self, module: Submodule) -> bool {
+        self.hooks.wants(self.kind(module))
+    }
+
+    fn output(
+        &mut self,
+        module: Submodule,
+        compute: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let kind = self.kind(module);
+        self.hooks.output(kind, compute)
+    }
 }
 
 /// Computes a module's output (what a cache runs, or stands in for).
@@ -608,6 +646,7 @@ impl PabHooks<'_> {
             Submodule::SelfAttention => self.config.spatial,
             Submodule::TemporalAttention => self.config.spatial.or(self.config.temporal),
             Submodule::CrossAttention => self.config.cross,
+            Submodule::UnflaggedCrossAttention => self.config.spatial,
             Submodule::FeedForward => None,
         }
     }

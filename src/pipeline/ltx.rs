@@ -5,7 +5,9 @@ use super::denoise::Denoise;
 use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
-use super::registry::FamilyOption::{Cache, DecodeNoiseScale, DecodeTimestep, Lora, VaeTiling};
+use super::registry::FamilyOption::{
+    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, VaeTiling,
+};
 use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
 use super::stages;
@@ -19,7 +21,7 @@ use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, LtxVaeTiling,
 };
 use crate::models::ltx::{activations, defaults};
-use crate::models::step_cache::Pass;
+use crate::models::step_cache::{AttentionModules, Pass};
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::VideoDit;
 use crate::rng::TorchGenerator;
@@ -64,9 +66,15 @@ impl LtxConfigs {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
         let (dtype, text_len) = (shape.dtype, shape.text_len);
+        // PAB holds `attn1`'s and `attn2`'s outputs, both of the spatial kind (diffusers'
+        // `LTXAttention` is not flagged as cross-attention).
+        let attentions = AttentionModules {
+            spatial: 2 * self.transformer.num_layers,
+            ..Default::default()
+        };
         let dit =
             activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
-                + shape.cache_bytes((tokens, self.transformer.inner_dim()), Default::default());
+                + shape.cache_bytes((tokens, self.transformer.inner_dim()), attentions);
         Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
@@ -110,7 +118,14 @@ impl Family for LtxConfigs {
             },
             ..About::guided(
                 "LTX-Video text-to-video",
-                &[DecodeTimestep, DecodeNoiseScale, VaeTiling, Lora, Cache],
+                &[
+                    DecodeTimestep,
+                    DecodeNoiseScale,
+                    VaeTiling,
+                    Lora,
+                    Cache,
+                    Pab,
+                ],
             )
         }
     }

@@ -19,7 +19,8 @@ use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
 use crate::models::step_cache::{
-    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Submodule,
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Reclassified,
+    Submodule,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -350,7 +351,11 @@ impl LatteBlock {
                     .forward_hooked(&h, &inputs.timestep, &attention, hooks)
             }
             BlockKind::Temporal => {
-                let mut temporal = TemporalHooks(hooks);
+                let mut temporal = Reclassified {
+                    hooks,
+                    from: Submodule::SelfAttention,
+                    to: Submodule::TemporalAttention,
+                };
                 self.block
                     .forward_hooked(&h, &inputs.timestep, &attention, &mut temporal)
             }
@@ -359,32 +364,6 @@ impl LatteBlock {
             BlockKind::Spatial => h.reshape((b, f, n, d)),
             BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
         }
-    }
-}
-
-/// A temporal block's hooks: its self-attention is PAB's temporal attention.
-struct TemporalHooks<'h>(&'h mut dyn BlockHooks);
-
-impl TemporalHooks<'_> {
-    fn kind(module: Submodule) -> Submodule {
-        match module {
-            Submodule::SelfAttention => Submodule::TemporalAttention,
-            other => other,
-        }
-    }
-}
-
-impl BlockHooks for TemporalHooks<'_> {
-    fn wants(&self, module: Submodule) -> bool {
-        self.0.wants(Self::kind(module))
-    }
-
-    fn output(
-        &mut self,
-        module: Submodule,
-        compute: &mut dyn FnMut() -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        self.0.output(Self::kind(module), compute)
     }
 }
 

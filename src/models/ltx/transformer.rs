@@ -23,7 +23,9 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
-use crate::models::step_cache::{BlockStreams, HiddenStates, HookedBlocks, ModuleNames};
+use crate::models::step_cache::{
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Submodule,
+};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -724,6 +726,18 @@ impl LtxTransformerBlock {
     /// Runs the block's steps on `stream` (`x` `[B, S, inner]`): the fused kernels on CUDA
     /// bf16, else the candle composition (both compute the same ops in the same order).
     pub fn forward(&self, stream: LtxStream, inputs: &LtxBlockInputs) -> Result<LtxStream> {
+        self.forward_hooked(stream, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for the outputs of `attn1` and `attn2`
+    /// (the latter as [`Submodule::UnflaggedCrossAttention`]: diffusers' `LTXAttention` is not
+    /// flagged as cross-attention, so PAB gives it the spatial settings).
+    pub fn forward_hooked(
+        &self,
+        stream: LtxStream,
+        inputs: &LtxBlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<LtxStream> {
         let (b, _, dim) = stream.x.dims3()?;
         // [B, 1, 6, inner] = table + temb; unbind the 6 rows.
         let ada = match &self.scale_shift_table {
@@ -737,9 +751,9 @@ impl LtxTransformerBlock {
         };
         #[cfg(feature = "cuda")]
         if row_ops::rows_supported(&stream.x) && inputs.temb.dtype() == DType::BF16 {
-            return self.forward_fused(stream, inputs, ada.as_ref());
+            return self.forward_fused(stream, inputs, ada.as_ref(), hooks);
         }
-        self.forward_composite(stream, inputs, ada.as_ref())
+        self.forward_composite(stream, inputs, ada.as_ref(), hooks)
     }
 
     /// The GELU of this block's feed-forward.
@@ -760,6 +774,7 @@ impl LtxTransformerBlock {
         mut stream: LtxStream,
         inputs: &LtxBlockInputs,
         ada: Option<&Tensor>,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<LtxStream> {
         let (b, s, dim) = stream.x.dims3()?;
         let at = Rows { row0: 0, seq: s };
@@ -789,18 +804,27 @@ impl LtxTransformerBlock {
         if let Some((norm1, attn1)) = &self.attn1 {
             let h = row_ops::rms_modulate(&x, norm1.as_ref(), modulation(0, 1), at, self.eps)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
-            let attn = attn1.forward_fused(&h, b, None, Some(rope), &TextKeys::All)?;
-            x = row_ops::residual_into_delta(&x, attn, attn1.to_out.bias(), gate(2), at)?;
+            let compute = || attn1.forward_fused(&h, b, None, Some(rope), &TextKeys::All);
+            let module = Submodule::SelfAttention;
+            let (attn, bias) = crate::models::step_cache::whole_output(
+                hooks,
+                module,
+                compute,
+                attn1.to_out.bias(),
+            )?;
+            x = row_ops::residual_into_delta(&x, attn, bias, gate(2), at)?;
         }
         if let Some(attn2) = &self.attn2 {
-            let attn = attn2.forward_fused(
-                &x,
-                b,
-                Some(&inputs.encoder_hidden_states),
-                None,
-                &inputs.text_keys,
+            let text = Some(&inputs.encoder_hidden_states);
+            let compute = || attn2.forward_fused(&x, b, text, None, &inputs.text_keys);
+            let module = Submodule::UnflaggedCrossAttention;
+            let (attn, bias) = crate::models::step_cache::whole_output(
+                hooks,
+                module,
+                compute,
+                attn2.to_out.bias(),
             )?;
-            x = row_ops::residual_into_delta(&x, attn, attn2.to_out.bias(), None, at)?;
+            x = row_ops::residual_into_delta(&x, attn, bias, None, at)?;
         }
         if let Some((norm2, fc1)) = &self.ff_in {
             let h = row_ops::rms_modulate(&x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
@@ -824,6 +848,7 @@ impl LtxTransformerBlock {
         mut stream: LtxStream,
         inputs: &LtxBlockInputs,
         ada: Option<&Tensor>,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<LtxStream> {
         let row = |i: usize| -> Result<Tensor> {
             let ada = ada.ok_or_else(|| {
@@ -835,16 +860,16 @@ impl LtxTransformerBlock {
         if let Some((norm1, attn1)) = &self.attn1 {
             let h = modulate(&rms_norm(&x, norm1.as_ref(), self.eps)?, &row(0)?, &row(1)?)?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
-            let attn = attn1.forward(&h, None, Some(rope), &TextKeys::All)?;
+            let attn = hooks.output(Submodule::SelfAttention, &mut || {
+                attn1.forward(&h, None, Some(rope), &TextKeys::All)
+            })?;
             x = (x + attn.broadcast_mul(&row(2)?)?)?;
         }
         if let Some(attn2) = &self.attn2 {
-            let attn = attn2.forward(
-                &x,
-                Some(&inputs.encoder_hidden_states),
-                None,
-                &inputs.text_keys,
-            )?;
+            let text = Some(&inputs.encoder_hidden_states);
+            let attn = hooks.output(Submodule::UnflaggedCrossAttention, &mut || {
+                attn2.forward(&x, text, None, &inputs.text_keys)
+            })?;
             x = (x + attn)?;
         }
         if let Some((norm2, fc1)) = &self.ff_in {
@@ -1259,7 +1284,12 @@ mod cuda_tests {
             .into_hidden()?
             .to_dtype(DType::F32)?;
         let composite = block
-            .forward_composite(LtxStream::new(x), &inputs, Some(&ada))?
+            .forward_composite(
+                LtxStream::new(x.clone()),
+                &inputs,
+                Some(&ada),
+                &mut ComputeAll,
+            )?
             .into_hidden()?
             .to_dtype(DType::F32)?;
         // Whole-block outputs go through GEMMs and attention after each kernel, so a one-ulp
@@ -1269,6 +1299,26 @@ mod cuda_tests {
         .to_scalar::<f32>()?;
         eprintln!("LTX block fused vs composite: relative L2 error {err}");
         assert!(err < 1e-2, "relative L2 error {err}");
+
+        // A step cache hooking both attentions: each whole output (bias included) computed
+        // once, the block's result that of the unhooked block; then both reused, the same bits.
+        let mut hooks = crate::models::step_cache::ReplayHooks::default();
+        let mut hooked = || -> Result<Tensor> {
+            block
+                .forward_hooked(LtxStream::new(x.clone()), &inputs, &mut hooks)?
+                .into_hidden()?
+                .to_dtype(DType::F32)
+        };
+        let first = hooked()?;
+        let err = ((&first - &fused)?.sqr()?.sum_all()?.sqrt()?
+            / fused.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        assert!(err < 1e-2, "hooked: relative L2 error {err}");
+        let gap = (hooked()? - &first)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(gap, 0.0, "reused outputs");
+        use crate::models::step_cache::Submodule::{SelfAttention, UnflaggedCrossAttention};
+        let once = [SelfAttention, UnflaggedCrossAttention];
+        assert_eq!(hooks.asked, [once, once].concat());
         Ok(())
     }
 }
@@ -1296,14 +1346,30 @@ impl crate::models::blocks::BlockForward for LtxTransformer3DModel {
     }
 }
 
-/// diffusers' cache hooks see `transformer_blocks`, each returning the hidden states alone.
+/// How diffusers names what its cache hooks see in LTX-Video: `transformer_blocks`, each
+/// returning the hidden states alone, and in each `attn1` and `attn2` (PAB's).
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "transformer_blocks",
+    submodules: &["attn1", "attn2"],
+    proj_out: "proj_out",
+};
+
 impl crate::models::blocks::CachedForward for LtxTransformer3DModel {
     fn hooked_blocks(&self) -> HookedBlocks {
         HookedBlocks {
             first: 0,
             count: self.cfg.num_layers,
-            names: ModuleNames::BLOCKS_ONLY,
+            names: CACHE_NAMES,
         }
+    }
+
+    fn through_hooked(
+        block: &LtxTransformerBlock,
+        stream: &LtxStream,
+        inputs: &LtxBlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<LtxStream> {
+        block.forward_hooked(stream.clone(), inputs, hooks)
     }
 
     fn streams(stream: &LtxStream, _: &LtxBlockInputs) -> Result<Vec<Tensor>> {
