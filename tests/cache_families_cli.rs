@@ -241,7 +241,7 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache taylorseer does not apply",
         ),
         (
-            "mochi-tiny-a",
+            "flux-tiny-a",
             "pab:spatial_attention_block_skip_range=2",
             "--cache pab does not apply",
         ),
@@ -303,9 +303,10 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
         assert!(mag > 0, "{fixture}: MagCache holds its residuals");
         assert_eq!(first_block, 3 * mag, "{fixture}");
-        // CogVideoX's `attn1`; LTX-Video's `attn1` and `attn2`, both PAB's spatial kind.
+        // CogVideoX's and Mochi-1's `attn1`; LTX-Video's `attn1` and `attn2`, both PAB's
+        // spatial kind.
         let spatial_attentions = match fixture {
-            "cogvideox-tiny-a" => 1,
+            "cogvideox-tiny-a" | "mochi-tiny-a" => 1,
             "ltx-video-tiny-a" => 2,
             _ => continue,
         };

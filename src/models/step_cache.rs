@@ -503,6 +503,43 @@ pub fn whole_output<'b>(
     Ok((out, None))
 }
 
+/// A joint attention's outputs through a step cache's `hooks` where they hook `module`: the
+/// video output of shape `video` and, where the module has one, the text output of shape
+/// `text`, kept and stood in for together (diffusers' hook keeps the module's tuple); otherwise
+/// computed as they are.
+pub fn joint_output(
+    hooks: &mut dyn BlockHooks,
+    module: Submodule,
+    video: &[usize],
+    text: Option<&[usize]>,
+    mut compute: impl FnMut() -> Result<(Tensor, Option<Tensor>)>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if !hooks.wants(module) {
+        return compute();
+    }
+    // One tensor per sample: the video output's elements, then the text output's.
+    let batch = video.first().copied().unwrap_or(1);
+    let packed = hooks.output(module, &mut || {
+        let (v, t) = compute()?;
+        let mut parts = vec![v.reshape((batch, ()))?];
+        if let Some(t) = t {
+            parts.push(t.reshape((batch, ()))?);
+        }
+        Tensor::cat(&parts, 1)
+    })?;
+    let elements = |shape: &[usize]| shape.iter().skip(1).product::<usize>();
+    let v = packed.narrow(1, 0, elements(video))?.reshape(video)?;
+    let t = match text {
+        Some(shape) => Some(
+            packed
+                .narrow(1, elements(video), elements(shape))?
+                .reshape(shape)?,
+        ),
+        None => None,
+    };
+    Ok((v, t))
+}
+
 /// A block's hooks with its `from` output handed on as `to`: a module that diffusers' hooks
 /// classify otherwise than its place in the block says (Latte's temporal `attn1`, LTX-Video's
 /// `attn2`).

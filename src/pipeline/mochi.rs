@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Cache, Lora, VaeTiling};
+use super::registry::FamilyOption::{Cache, Lora, Pab, VaeTiling};
 use super::registry::{
     declared_by, About, Configs, Family, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
@@ -80,7 +80,7 @@ impl Family for MochiConfigs {
                 )),
                 ..ModelDefaults::default()
             },
-            ..About::guided("Mochi-1 text-to-video", &[Lora, VaeTiling, Cache])
+            ..About::guided("Mochi-1 text-to-video", &[Lora, VaeTiling, Cache, Pab])
         }
     }
 
@@ -122,8 +122,10 @@ impl TextToVideoStages for Mochi {
         let denoise = Denoise::all(frame, timesteps.len(), |forwards, i| {
             let input = batch_input(&latents, batch)?;
             let timestep = Tensor::full(timesteps[i] as f32, batch, device)?.to_dtype(dtype)?;
+            // diffusers' `current_timestep` (what PAB compares) is `1000 - t`, in f32.
+            let current = f64::from(1000f32 - timesteps[i] as f32);
             let pred = forwards
-                .dit(model, Pass::Cond, timesteps[i], |m| {
+                .dit(model, Pass::Cond, current, |m| {
                     m.prepare(&input, &timestep, &embeds, &mask)
                 })?
                 .to_dtype(DType::F32)?;

@@ -236,7 +236,7 @@ impl FamilyOption {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
             }
             FamilyOption::Pab => {
-                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's, CogVideoX's, LTX-Video's, Allegro's and Latte's transformers so far"
+                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's, CogVideoX's, LTX-Video's, Mochi's, Allegro's and Latte's transformers so far"
             }
             FamilyOption::TaylorSeer => {
                 "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"

@@ -3,6 +3,7 @@
 
 use super::transformer::MochiTransformerConfig;
 use super::vae::MochiVaeConfig;
+use crate::models::step_cache::AttentionModules;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 
@@ -13,6 +14,15 @@ impl DenoiseActivations for MochiTransformerConfig {
 
     fn block_state(&self, grid: [usize; 3], text_len: usize) -> (usize, usize) {
         (self.video_tokens(grid) + text_len, self.inner_dim())
+    }
+
+    /// `attn1` of every block: the joint attention, whose video and text outputs PAB keeps
+    /// (no wider than a block state).
+    fn attention_modules(&self) -> AttentionModules {
+        AttentionModules {
+            spatial: self.num_layers,
+            ..Default::default()
+        }
     }
 }
 

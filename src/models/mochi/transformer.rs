@@ -28,7 +28,9 @@ use crate::models::blocks::RepeatedBlocks;
 use crate::models::cogvideox::transformer::linspace_f32;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, Rows};
-use crate::models::step_cache::{HookedBlocks, ModuleNames};
+use crate::models::step_cache::{
+    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
+};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -662,7 +664,17 @@ impl MochiBlock {
     /// Runs the block's steps on both streams: the fused row kernels on CUDA bf16, else candle
     /// ops.
     pub fn forward(&self, s: &Streams, inputs: &BlockInputs) -> Result<Streams> {
-        self.forward_with(s, inputs, self.ops(s))
+        self.forward_hooked(s, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s video and text outputs.
+    pub fn forward_hooked(
+        &self,
+        s: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        self.forward_with(s, inputs, self.ops(s), hooks)
     }
 
     /// [`Ops::Fused`] where both streams are CUDA bf16 of widths the row kernels take and the
@@ -683,14 +695,26 @@ impl MochiBlock {
     }
 
     /// [`Self::forward`] through `ops`.
-    fn forward_with(&self, s: &Streams, inputs: &BlockInputs, ops: Ops) -> Result<Streams> {
+    fn forward_with(
+        &self,
+        s: &Streams,
+        inputs: &BlockInputs,
+        ops: Ops,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
         let mut s = s.clone();
         if let Some(step) = &self.attention {
             let video = step.norm1.apply(&s.video, &inputs.temb, ops)?;
             let text = step.norm1_context.apply(&s.text, &inputs.temb, ops)?;
-            let (attn, text_attn) = step
-                .attn
-                .forward(&video.normed, &text.normed, inputs, ops)?;
+            // The text output is as wide as the text stream, where the block has one.
+            let text_shape = step.attn.text_out.as_ref().map(|_| s.text.dims());
+            let (attn, text_attn) = joint_output(
+                hooks,
+                Submodule::SelfAttention,
+                video.normed.dims(),
+                text_shape,
+                || step.attn.forward(&video.normed, &text.normed, inputs, ops),
+            )?;
             let video_rows = video
                 .emb
                 .ok_or_else(|| candle_core::Error::Msg("norm1 gave no modulation rows".into()))?;
@@ -1067,14 +1091,30 @@ crate::block_forward!(
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
 
-/// diffusers' cache hooks see `transformer_blocks`, each returning the video and text streams.
+/// How diffusers names what its cache hooks see in Mochi-1: `transformer_blocks`, each
+/// returning the video and text streams, and in each the joint attention `attn1` (PAB's).
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "transformer_blocks",
+    submodules: &["attn1"],
+    proj_out: "proj_out",
+};
+
 impl crate::models::blocks::CachedForward for MochiTransformer3DModel {
     fn hooked_blocks(&self) -> HookedBlocks {
         HookedBlocks {
             first: 0,
             count: self.cfg.num_layers,
-            names: ModuleNames::BLOCKS_ONLY,
+            names: CACHE_NAMES,
         }
+    }
+
+    fn through_hooked(
+        block: &Self::Block,
+        s: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        block.forward_hooked(s, inputs, hooks)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
@@ -1269,8 +1309,23 @@ mod cuda_tests {
         // Block 0 from the same streams; block 1 from each path's own output of block 0.
         let (mut fused, mut composite) = (streams.clone(), streams);
         for (i, block) in blocks.iter().enumerate() {
-            fused = block.forward_with(&fused, &inputs, Ops::Fused)?;
-            composite = block.forward_with(&composite, &inputs, Ops::Composite)?;
+            // A step cache hooking the joint attention: its video and text outputs kept
+            // together, the block's result the unhooked block's bit for bit, then reused.
+            let mut hooks = crate::models::step_cache::ReplayHooks::default();
+            let hooked = block.forward_hooked(&fused, &inputs, &mut hooks)?;
+            let reused = block.forward_hooked(&fused, &inputs, &mut hooks)?;
+            fused = block.forward_with(&fused, &inputs, Ops::Fused, &mut ComputeAll)?;
+            for (name, got) in [("hooked", &hooked), ("reused", &reused)] {
+                for (a, b) in [(&got.video, &fused.video), (&got.text, &fused.text)] {
+                    let gap = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    assert_eq!(gap, 0.0, "block {i}: {name} outputs");
+                }
+            }
+            assert_eq!(hooks.asked, [Submodule::SelfAttention; 2]);
+            composite = block.forward_with(&composite, &inputs, Ops::Composite, &mut ComputeAll)?;
             assert_close(&fused.video, &composite.video, &format!("block {i} video"))?;
             assert_close(&fused.text, &composite.text, &format!("block {i} text"))?;
         }
