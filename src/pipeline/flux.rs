@@ -9,7 +9,7 @@ use super::denoise::Denoise;
 use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Cache, GuidanceScale, Lora, TrueCfgScale, VaeTiling};
+use super::registry::FamilyOption::{Cache, GuidanceScale, Lora, Pab, TrueCfgScale, VaeTiling};
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
@@ -22,6 +22,7 @@ use crate::models::flux::packing::{pack, unpack};
 use crate::models::flux::transformer::{
     image_ids, timestep_input, FluxTransformer2DModel, FluxTransformerConfig,
 };
+use crate::models::step_cache::AttentionModules;
 use crate::models::t5::encoder::{T5Config, T5EncoderModel};
 use crate::models::t5::tokenizer::PromptTokenizer;
 use crate::output::OutputType;
@@ -119,7 +120,13 @@ impl FluxConfigs {
             activations::transformer_activations(&self.transformer, tokens, shape.text_len, dtype)
                 + shape.cache_bytes(
                     (tokens + shape.text_len, self.transformer.inner_dim()),
-                    Default::default(),
+                    // Every block's `attn`: the dual blocks' image and text outputs, the single
+                    // blocks' joint one, each a block state wide.
+                    AttentionModules {
+                        spatial: self.transformer.num_blocks(),
+                        ..Default::default()
+                    },
+                    1,
                 );
         let (h, w) = self.latent_size(shape.height, shape.width);
         let decode = activations::vae_decode_activations(&self.vae, h, w, shape.vae_tiling, dtype);
@@ -149,7 +156,7 @@ impl Family for FluxConfigs {
         let side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor() as u32;
         let guided = About::guided(
             "FLUX.1 text-to-image",
-            &[TrueCfgScale, VaeTiling, Lora, Cache],
+            &[TrueCfgScale, VaeTiling, Lora, Cache, Pab],
         );
         let embeds_guidance = self.transformer.guidance_embeds;
         About {

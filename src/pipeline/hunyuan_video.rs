@@ -111,8 +111,11 @@ impl HunyuanConfigs {
             latent,
             shape.text_len,
             shape.dtype,
-        ) + shape
-            .cache_bytes((tokens, self.transformer.inner_dim()), Default::default());
+        ) + shape.cache_bytes(
+            (tokens, self.transformer.inner_dim()),
+            Default::default(),
+            1,
+        );
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
         let decode = activations::vae_decode_activations(
             &self.vae,

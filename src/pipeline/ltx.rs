@@ -74,7 +74,7 @@ impl LtxConfigs {
         };
         let dit =
             activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
-                + shape.cache_bytes((tokens, self.transformer.inner_dim()), attentions);
+                + shape.cache_bytes((tokens, self.transformer.inner_dim()), attentions, 2);
         Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),

@@ -58,10 +58,15 @@ pub struct RunShape {
 impl RunShape {
     /// Device bytes the run's step cache holds through the denoising loop: its hidden states,
     /// each one prompt's block state of `tokens` tokens of width `dim`, and PAB's attention
-    /// outputs of a transformer of `modules`, of both prompts of a batched guidance pair (the
-    /// Wan family, whose passes run apart, counts its own).
-    pub fn cache_bytes(&self, (tokens, dim): (usize, usize), modules: AttentionModules) -> u64 {
-        let states = self.cache_states.0 + 2 * self.pab_outputs(modules);
+    /// outputs of a transformer of `modules`, each of `prompts` prompts (2 where guidance is
+    /// batched into one forward, 1 where its passes run apart and share PAB's outputs).
+    pub fn cache_bytes(
+        &self,
+        (tokens, dim): (usize, usize),
+        modules: AttentionModules,
+        prompts: usize,
+    ) -> u64 {
+        let states = self.cache_states.0 + prompts * self.pab_outputs(modules);
         (states * tokens * dim * self.dtype.size_in_bytes()) as u64
     }
 
@@ -236,7 +241,7 @@ impl FamilyOption {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
             }
             FamilyOption::Pab => {
-                "it reuses attention outputs inside the blocks, which vidgen hooks in the Wan family's, CogVideoX's, LTX-Video's, Mochi's, Allegro's and Latte's transformers so far"
+                "it reuses attention outputs inside the blocks, which vidgen hooks in every transformer but HunyuanVideo's and MiniMax H3's so far"
             }
             FamilyOption::TaylorSeer => {
                 "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
@@ -533,6 +538,7 @@ where
                     + shape.cache_bytes(
                         transformer.block_state(grid, text_len),
                         transformer.attention_modules(),
+                        2,
                     ),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],

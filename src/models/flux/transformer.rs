@@ -21,7 +21,9 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::Blockwise;
-use crate::models::step_cache::{HookedBlocks, ModuleNames};
+use crate::models::step_cache::{
+    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
+};
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
     gated, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
@@ -332,7 +334,38 @@ impl JointAttention {
     /// Both streams' modulated norms with their modulations `m` and `c` (chunks: shift_msa,
     /// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp), joint attention over
     /// [text; image] and the gated residuals: the new image and text streams.
+    /// The module's outputs (`attn`'s image and text outputs after `to_out` / `to_add_out`)
+    /// go through `hooks`.
     fn forward(
+        &self,
+        (image, text): (&Tensor, &Tensor),
+        m: &[Tensor],
+        c: &[Tensor],
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<(Tensor, Tensor)> {
+        let (attn_image, attn_text) = joint_output(
+            hooks,
+            Submodule::SelfAttention,
+            image.dims(),
+            Some(text.dims()),
+            || {
+                self.attend((image, text), m, c, inputs)
+                    .map(|(i, t)| (i, Some(t)))
+            },
+        )?;
+        let attn_text = attn_text.ok_or_else(|| {
+            candle_core::Error::Msg("FLUX.1's joint attention without its text output".into())
+        })?;
+        Ok((
+            gated(image, attn_image, &m[2])?,
+            gated(text, attn_text, &c[2])?,
+        ))
+    }
+
+    /// `attn` itself: both streams' modulated norms, the joint attention over [text; image],
+    /// and its output projections.
+    fn attend(
         &self,
         (image, text): (&Tensor, &Tensor),
         m: &[Tensor],
@@ -353,10 +386,7 @@ impl JointAttention {
         };
         let attn_image = project(&self.to_out, &out.narrow(1, text_len, image_len)?)?;
         let attn_text = project(&self.to_add_out, &out.narrow(1, 0, text_len)?)?;
-        Ok((
-            gated(image, attn_image, &m[2])?,
-            gated(text, attn_text, &c[2])?,
-        ))
+        Ok((attn_image, attn_text))
     }
 }
 
@@ -405,7 +435,12 @@ impl FluxTransformerBlock {
     }
 
     /// Runs the block's steps on the streams; returns them with what later steps need.
-    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+    fn forward(
+        &self,
+        streams: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
         let (mut m, mut c) = match &streams.carry {
             Carry::DualStream { image, text } => (image.clone(), text.clone()),
             _ => (None, None),
@@ -423,7 +458,7 @@ impl FluxTransformerBlock {
         if let Some(attn) = &self.attn {
             let step = BlockStep::JointAttention;
             let (mi, ci) = (modulation(&m, step)?, modulation(&c, step)?);
-            (image, text) = attn.forward((&image, &text), &mi, &ci, inputs)?;
+            (image, text) = attn.forward((&image, &text), &mi, &ci, inputs, hooks)?;
         }
         if let Some(ff) = &self.ff {
             image = feed_forward(ff, &image, &modulation(&m, BlockStep::ImageFeedForward)?)?;
@@ -484,18 +519,27 @@ impl FluxSingleTransformerBlock {
         })
     }
 
-    /// The modulated norm (shift, scale, gate) of [text; image] and the attention, then the
-    /// GELU-tanh MLP beside it, `proj_out` over both and the gated residual.
-    fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+    /// The modulated norm (shift, scale, gate) of [text; image] and the attention (`attn`,
+    /// whose output goes through `hooks`), then the GELU-tanh MLP beside it, `proj_out` over
+    /// both and the gated residual.
+    fn forward(
+        &self,
+        streams: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
         let mut streams = streams.clone();
         if let Some((norm, qkv)) = &self.attn {
             let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
             let m = norm.forward(&inputs.temb)?;
             let normed = norm_modulate(&x, &m[0], &m[1])?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
-            let (q, k, v) = qkv.forward(&normed, Some(rope))?;
+            let attention = hooks.output(Submodule::SelfAttention, &mut || {
+                let (q, k, v) = qkv.forward(&normed, Some(rope))?;
+                attention(&q, &k, &v)
+            })?;
             streams.carry = Carry::SingleStream {
-                attention: attention(&q, &k, &v)?,
+                attention,
                 normed,
                 gate: m[2].clone(),
             };
@@ -563,9 +607,19 @@ impl FluxBlock {
 
     /// Runs the block (or its steps) on the streams.
     pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        self.forward_hooked(streams, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for the output of `attn`.
+    pub fn forward_hooked(
+        &self,
+        streams: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
         match self {
-            FluxBlock::Dual(block) => block.forward(streams, inputs),
-            FluxBlock::Single(block) => block.forward(streams, inputs),
+            FluxBlock::Dual(block) => block.forward(streams, inputs, hooks),
+            FluxBlock::Single(block) => block.forward(streams, inputs, hooks),
         }
     }
 }
@@ -880,15 +934,31 @@ crate::block_forward!(
     |m, s, inputs| m.finish(&s.image, inputs) => Tensor
 );
 
-/// diffusers' cache hooks see `transformer_blocks` then `single_transformer_blocks`, each
-/// returning the image and text streams.
+/// How diffusers names what its cache hooks see in FLUX.1: `transformer_blocks` then
+/// `single_transformer_blocks`, each returning the image and text streams, and in each its
+/// attention `attn` (PAB's).
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "transformer_blocks",
+    submodules: &["attn"],
+    proj_out: "proj_out",
+};
+
 impl crate::models::blocks::CachedForward for FluxTransformer2DModel {
     fn hooked_blocks(&self) -> HookedBlocks {
         HookedBlocks {
             first: 0,
             count: self.cfg.num_blocks(),
-            names: ModuleNames::BLOCKS_ONLY,
+            names: CACHE_NAMES,
         }
+    }
+
+    fn through_hooked(
+        block: &Self::Block,
+        s: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        block.forward_hooked(s, inputs, hooks)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
