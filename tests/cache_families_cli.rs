@@ -248,7 +248,7 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache taylorseer does not apply",
         ),
         (
-            "hunyuanvideo-tiny-a",
+            "minimax-h3-tiny-a",
             "pab:spatial_attention_block_skip_range=2",
             "--cache pab does not apply",
         ),
@@ -311,13 +311,21 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         assert!(mag > 0, "{fixture}: MagCache holds its residuals");
         assert_eq!(first_block, 3 * mag, "{fixture}");
         // CogVideoX's and Mochi-1's `attn1`, LTX-Video's `attn1` and `attn2` (both PAB's
-        // spatial kind), each of the guided batch's two prompts; FLUX.1's `attn` of every block
-        // of both lists, one prompt's (its passes run apart and share the outputs).
+        // spatial kind), each of the guided batch's two prompts; FLUX.1's and HunyuanVideo's
+        // `attn` of every block of both lists, one prompt's (their passes run apart and share
+        // the outputs).
         let (attentions, prompts) = match fixture {
             "cogvideox-tiny-a" | "mochi-tiny-a" => (num_layers(fixture), 2),
             "ltx-video-tiny-a" => (2 * num_layers(fixture), 2),
             "flux-tiny-a" => (
                 num_layers(fixture) + config_u64(fixture, "num_single_layers"),
+                1,
+            ),
+            // HunyuanVideo's token refiner's `attn` too (counted as block states).
+            "hunyuanvideo-tiny-a" => (
+                num_layers(fixture)
+                    + config_u64(fixture, "num_single_layers")
+                    + config_u64(fixture, "num_refiner_layers"),
                 1,
             ),
             _ => continue,

@@ -616,7 +616,8 @@ impl BlockStreams<Tensor> for HiddenStates {
 /// The blocks a step cache hooks among those a forward folds: diffusers' block lists
 /// (`transformer_blocks`, then `single_transformer_blocks` where there are two), `count` blocks
 /// from fold position `first` (blocks before it, as HunyuanVideo's token refiner, which
-/// diffusers runs inside an embedder, run untouched), named as `names` says.
+/// diffusers runs inside an embedder, are left to PAB alone, which hooks attention modules by
+/// name), named as `names` says.
 #[derive(Clone, Copy, Debug)]
 pub struct HookedBlocks {
     pub first: usize,
@@ -918,7 +919,8 @@ impl StepCache {
         match self.hooked {
             None => {
                 self.hooked = Some(hooked);
-                self.broadcasts = (0..hooked.count).map(|_| Default::default()).collect();
+                let folded = hooked.first + hooked.count;
+                self.broadcasts = (0..folded).map(|_| Default::default()).collect();
             }
             Some(known) if known.first != hooked.first || known.count != hooked.count => {
                 candle_core::bail!(
@@ -981,8 +983,23 @@ impl StepCache {
         }
         let mut f = |block: &B, x: &S| -> Result<S> {
             let Some(i) = position.checked_sub(hooked.first) else {
+                // Unhooked by the block hooks; PAB hooks attention modules by name wherever
+                // they are (HunyuanVideo's token refiner's `refiner_blocks.N.attn`), unrecorded.
+                let states = &mut broadcasts[position];
                 position += 1;
-                return run(block, x, &mut ComputeAll);
+                return match pab {
+                    Some(config) => run(
+                        block,
+                        x,
+                        &mut PabHooks {
+                            config,
+                            timestep: forward.timestep,
+                            states,
+                            row: &mut [1; 4],
+                        },
+                    ),
+                    None => run(block, x, &mut ComputeAll),
+                };
             };
             position += 1;
             if i >= num_blocks {
@@ -1009,7 +1026,7 @@ impl StepCache {
                     let mut hooks = PabHooks {
                         config,
                         timestep: forward.timestep,
-                        states: &mut broadcasts[i],
+                        states: &mut broadcasts[hooked.first + i],
                         row: cells,
                     };
                     run(block, x, &mut hooks)?

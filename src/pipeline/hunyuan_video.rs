@@ -9,7 +9,7 @@ use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::FamilyOption::{Cache, FlowShift, Lora, TrueCfgScale, VaeTiling};
+use super::registry::FamilyOption::{Cache, FlowShift, Lora, Pab, TrueCfgScale, VaeTiling};
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
@@ -25,6 +25,7 @@ use crate::models::hunyuan_video::transformer::{
     HunyuanModulations, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig,
 };
 use crate::models::hunyuan_video::vae::{AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig};
+use crate::models::step_cache::AttentionModules;
 use crate::models::video::causal_latent_grid;
 use crate::schedulers::euler::FlowMatchEuler;
 use crate::schedulers::{Scheduler, SchedulerKind};
@@ -113,7 +114,14 @@ impl HunyuanConfigs {
             shape.dtype,
         ) + shape.cache_bytes(
             (tokens, self.transformer.inner_dim()),
-            Default::default(),
+            // Every block's `attn`, the token refiner's too (its text-wide outputs counted as
+            // block states): one prompt's each, the passes of guidance running apart.
+            AttentionModules {
+                spatial: self.transformer.num_refiner_layers
+                    + self.transformer.num_layers
+                    + self.transformer.num_single_layers,
+                ..Default::default()
+            },
             1,
         );
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
@@ -159,7 +167,7 @@ impl Family for HunyuanConfigs {
             },
             ..About::guided(
                 "HunyuanVideo text-to-video",
-                &[TrueCfgScale, FlowShift, VaeTiling, Lora, Cache],
+                &[TrueCfgScale, FlowShift, VaeTiling, Lora, Cache, Pab],
             )
         }
     }

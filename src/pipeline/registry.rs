@@ -241,7 +241,7 @@ impl FamilyOption {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"
             }
             FamilyOption::Pab => {
-                "it reuses attention outputs inside the blocks, which vidgen hooks in every transformer but HunyuanVideo's and MiniMax H3's so far"
+                "it reuses attention outputs inside the blocks, which vidgen hooks in every transformer but MiniMax H3's so far"
             }
             FamilyOption::TaylorSeer => {
                 "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"

@@ -36,7 +36,9 @@ use crate::models::blocks::Blockwise;
 use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
-use crate::models::step_cache::{HookedBlocks, ModuleNames};
+use crate::models::step_cache::{
+    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
+};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
@@ -833,6 +835,34 @@ impl JointAttention {
         m: &[Tensor],
         c: &[Tensor],
         inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<(Tensor, Tensor)> {
+        // `attn`'s outputs (after `to_out` / `to_add_out`) go through `hooks`.
+        let (attn_video, attn_text) = joint_output(
+            hooks,
+            Submodule::SelfAttention,
+            hidden.dims(),
+            Some(encoder.dims()),
+            || {
+                self.attend(hidden, encoder, m, c, inputs)
+                    .map(|(v, t)| (v, Some(t)))
+            },
+        )?;
+        let attn_text = carried(attn_text, "the joint attention's text output")?;
+        Ok((
+            gated(hidden, attn_video, &m[2])?,
+            gated(encoder, attn_text, &c[2])?,
+        ))
+    }
+
+    /// `attn` itself: the modulated norms, the joint attention and its output projections.
+    fn attend(
+        &self,
+        hidden: &Tensor,
+        encoder: &Tensor,
+        m: &[Tensor],
+        c: &[Tensor],
+        inputs: &BlockInputs,
     ) -> Result<(Tensor, Tensor)> {
         let n_video = hidden.dim(1)?;
         let norm_hidden = norm_modulate(hidden, &m[0], &m[1])?;
@@ -850,10 +880,7 @@ impl JointAttention {
         let total = out.dim(1)?;
         let attn_video = project(&self.to_out, &out.narrow(1, 0, n_video)?)?;
         let attn_text = project(&self.to_add_out, &out.narrow(1, n_video, total - n_video)?)?;
-        Ok((
-            gated(hidden, attn_video, &m[2])?,
-            gated(encoder, attn_text, &c[2])?,
-        ))
+        Ok((attn_video, attn_text))
     }
 }
 
@@ -927,6 +954,7 @@ impl HunyuanVideoTransformerBlock {
         streams: &Streams,
         inputs: &BlockInputs,
         apart: Option<&[Tensor]>,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<Streams> {
         let (mut m, mut c) = match &streams.carry {
             Carry::None => (None, None),
@@ -951,7 +979,7 @@ impl HunyuanVideoTransformerBlock {
                 carried(m.as_ref(), "video modulation")?,
                 carried(c.as_ref(), "text modulation")?,
             );
-            (hidden, encoder) = attn.forward(&hidden, &encoder, mv, mc, inputs)?;
+            (hidden, encoder) = attn.forward(&hidden, &encoder, mv, mc, inputs, hooks)?;
         }
         let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
             by_token_chunks(x, |_, rows| {
@@ -1039,6 +1067,7 @@ impl HunyuanVideoSingleTransformerBlock {
         streams: &Streams,
         inputs: &BlockInputs,
         apart: Option<&[Tensor]>,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<Streams> {
         let (mut m, mut carry) = match &streams.carry {
             Carry::None => (None, None),
@@ -1066,13 +1095,14 @@ impl HunyuanVideoSingleTransformerBlock {
             )?;
             let x = Tensor::cat(&[&streams.video, &streams.text], 1)?;
             let normed = norm_modulate(&x, &m[0], &m[1])?;
-            // q, k and v are dropped once attended.
-            let attn = {
+            // `attn`'s output (its video and text parts joined, as the block joins them) goes
+            // through `hooks`; q, k and v are dropped once attended.
+            let attn = hooks.output(Submodule::SelfAttention, &mut || {
                 let rope = (&inputs.rope_cos, &inputs.rope_sin);
                 let (q, k, v) = qkv.forward(&normed, Some(rope))?;
                 let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
-                merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)?
-            };
+                merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)
+            })?;
             carry = Some((x, normed, attn, m[2].clone()));
         }
         let Some((proj_mlp, proj_out)) = &self.mlp else {
@@ -1171,11 +1201,21 @@ impl HunyuanVideoBlock {
     /// Runs the block (or its steps) on the streams: the refiner on the text alone, the
     /// others on both.
     pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
+        self.forward_hooked(streams, inputs, &mut ComputeAll)
+    }
+
+    /// [`Self::forward`], asking `hooks` (a step cache) for the output of the block's `attn`.
+    pub fn forward_hooked(
+        &self,
+        streams: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
         let apart = inputs.modulation(self.index);
         match &self.part {
-            BlockPart::Refiner(b) => b.forward(streams, inputs, apart),
-            BlockPart::DualStream(b) => b.forward(streams, inputs, apart),
-            BlockPart::SingleStream(b) => b.forward(streams, inputs, apart),
+            BlockPart::Refiner(b) => b.forward(streams, inputs, apart, hooks),
+            BlockPart::DualStream(b) => b.forward(streams, inputs, apart, hooks),
+            BlockPart::SingleStream(b) => b.forward(streams, inputs, apart, hooks),
         }
     }
 
@@ -1393,6 +1433,7 @@ impl RefinerBlock {
         streams: &Streams,
         inputs: &BlockInputs,
         apart: Option<&[Tensor]>,
+        hooks: &mut dyn BlockHooks,
     ) -> Result<Streams> {
         let mut gates = match &streams.carry {
             Carry::None => None,
@@ -1405,7 +1446,9 @@ impl RefinerBlock {
         let gates = carried(gates.or_else(|| apart.map(<[Tensor]>::to_vec)), "gates")?;
         let mut x = streams.text.clone();
         if let Some(attn) = &self.attn {
-            let out = attn.forward(&x, &inputs.text_valid)?;
+            let out = hooks.output(Submodule::SelfAttention, &mut || {
+                attn.forward(&x, &inputs.text_valid)
+            })?;
             x = gated(&x, out, &gates[0])?;
         }
         let carry = match &self.ff {
@@ -1869,15 +1912,31 @@ crate::block_forward!(
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
 
-/// diffusers' cache hooks see `transformer_blocks` then `single_transformer_blocks` (the token
-/// refiner runs inside `context_embedder`, unhooked), each returning the video and text streams.
+/// How diffusers names what its cache hooks see in HunyuanVideo: `transformer_blocks` then
+/// `single_transformer_blocks` (the token refiner runs inside `context_embedder`, where only
+/// PAB reaches its `attn`), each returning the video and text streams, and in each `attn`.
+const CACHE_NAMES: ModuleNames = ModuleNames {
+    blocks: "transformer_blocks",
+    submodules: &["attn"],
+    proj_out: "proj_out",
+};
+
 impl crate::models::blocks::CachedForward for HunyuanVideoTransformer3DModel {
     fn hooked_blocks(&self) -> HookedBlocks {
         HookedBlocks {
             first: self.cfg.num_refiner_layers,
             count: self.cfg.num_layers + self.cfg.num_single_layers,
-            names: ModuleNames::BLOCKS_ONLY,
+            names: CACHE_NAMES,
         }
+    }
+
+    fn through_hooked(
+        block: &Self::Block,
+        s: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        block.forward_hooked(s, inputs, hooks)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
