@@ -474,6 +474,8 @@ impl Submodule {
 /// What a block asks of a step cache while it runs: each hooked output (the module's whole
 /// output, its bias included), computed by `compute` or stood in for (the model runs the rest
 /// of its arithmetic on what it gets). Outputs not [`BlockHooks::wants`]ed are not asked for.
+/// The tensor given is the caller's (the fused residual kernels write their sums into it): a
+/// cache that keeps an output keeps its own copy.
 pub trait BlockHooks {
     /// Whether the cache hooks `module` of the block running.
     fn wants(&self, module: Submodule) -> bool;
@@ -708,16 +710,21 @@ impl BlockHooks for PabHooks<'_> {
             _ => &mut self.states[1],
         };
         let inside = low < self.timestep && self.timestep < high;
-        let out = match &state.cached {
+        // The caller writes into what it gets: the cache keeps storage of its own.
+        let (out, kept) = match &state.cached {
             Some(cached)
                 if state.iteration != 0 && inside && state.iteration % u64::from(range) != 0 =>
             {
                 self.row[module.column()] = 0;
-                cached.clone()
+                (cached.copy()?, cached.clone())
             }
-            _ => compute()?,
+            _ => {
+                let out = compute()?;
+                let kept = out.copy()?;
+                (out, kept)
+            }
         };
-        state.cached = Some(out.clone());
+        state.cached = Some(kept);
         state.iteration += 1;
         Ok(out)
     }
@@ -789,7 +796,9 @@ impl TaylorSeer {
             let out = compute()?;
             state.output = Some((out.shape().clone(), out.dtype(), out.device().clone()));
             if !zeroed {
-                let mut factors = vec![out.clone()];
+                // The caller writes into `out`: F_0 is a copy (`to_dtype` below keeps the
+                // storage where the dtypes agree).
+                let mut factors = vec![out.copy()?];
                 if let Some(last) = state.last_update {
                     let delta = (step - last) as f64;
                     for j in 0..c.max_order {
@@ -1337,10 +1346,10 @@ impl BlockHooks for ReplayHooks {
     ) -> Result<Tensor> {
         self.asked.push(module);
         if let Some((_, kept)) = self.kept.iter().find(|(m, _)| *m == module) {
-            return Ok(kept.clone());
+            return kept.copy();
         }
         let out = compute()?;
-        self.kept.push((module, out.clone()));
+        self.kept.push((module, out.copy()?));
         Ok(out)
     }
 }
