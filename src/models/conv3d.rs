@@ -393,15 +393,30 @@ pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
 /// the fused kernel (the same sums, rounded once, as candle's broadcast add, which walks every
 /// dimension's index per element), else candle's broadcast add.
 pub fn add_channel_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    add_channel_bias_plus(y, bias, None)
+}
+
+/// [`add_channel_bias`], then plus `residual` (of `y`'s shape) where given: a resnet's
+/// `conv(h) + x` in the same pass on CUDA (the same bits as the two adds).
+pub fn add_channel_bias_plus(
+    y: &Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
     let mut shape = vec![1; y.rank()];
     shape[1] = bias.elem_count();
-    add_broadcast(y, &bias.reshape(shape)?)
+    add_broadcast_plus(y, &bias.reshape(shape)?, residual)
 }
 
 /// `y` `[B, C, F, ...]` plus `addend`, which `y` broadcasts over batch and frames (`[1, C, 1,
 /// ...]` with ones or `y`'s sizes after, of `y`'s dtype): the fused kernel on CUDA, as
 /// [`add_channel_bias`], else candle's broadcast add.
 pub fn add_broadcast(y: &Tensor, addend: &Tensor) -> Result<Tensor> {
+    add_broadcast_plus(y, addend, None)
+}
+
+/// [`add_broadcast`], then plus `residual` where given.
+fn add_broadcast_plus(y: &Tensor, addend: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if y.device().is_cuda()
         && y.rank() >= 3
@@ -417,12 +432,17 @@ pub fn add_broadcast(y: &Tensor, addend: &Tensor) -> Result<Tensor> {
             && dims[1] == wanted[1]
             && dims[2] == 1
             && (dims[3..].iter().all(|&d| d == 1) || dims[3..] == wanted[3..]);
-        if over_batch_and_frames && addend.dtype() == y.dtype() {
+        let fused_residual = residual.is_none_or(|r| r.dims() == wanted && r.is_contiguous());
+        if over_batch_and_frames && addend.dtype() == y.dtype() && fused_residual {
             use crate::models::channel_ops::{add_channel_bias, BiasOut};
-            return add_channel_bias(y, &addend.flatten_all()?, BiasOut::New);
+            return add_channel_bias(y, &addend.flatten_all()?, BiasOut::New, residual);
         }
     }
-    y.broadcast_add(addend)
+    let sum = y.broadcast_add(addend)?;
+    match residual {
+        Some(r) => sum + r,
+        None => Ok(sum),
+    }
 }
 
 /// `t` contiguous and starting on a 16-byte boundary (what cuDNN's vectorized kernels assume).

@@ -290,6 +290,17 @@ impl CausalConv3d {
     /// time and each output frame is written into the result in place, so the peak stays near
     /// input + output + one frame's im2col.
     fn forward(&self, x: &Tensor, cache: Option<&mut ConvCache>) -> Result<Tensor> {
+        self.forward_plus(x, cache, None)
+    }
+
+    /// [`Self::forward`] plus `residual` (of the output's shape) where given: a resnet's
+    /// `conv(h) + x`, added with the bias in one pass on the fused path.
+    fn forward_plus(
+        &self,
+        x: &Tensor,
+        cache: Option<&mut ConvCache>,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let kt = self.kernel.kt()?;
         let context = kt.saturating_sub(1);
         let (b, _, t_in, _, _) = x.dims5()?;
@@ -330,7 +341,9 @@ impl CausalConv3d {
                     Tensor::cat(&[&Tensor::stack(&front, 2)?, x], 2)?
                 };
                 match conv3d::conv3d(&padded, w, [1; 3], [0, self.pad, self.pad])? {
-                    Some(y) => Ok(Some(conv3d::add_channel_bias(&y, &self.bias)?)),
+                    Some(y) => Ok(Some(conv3d::add_channel_bias_plus(
+                        &y, &self.bias, residual,
+                    )?)),
                     None => Ok(None),
                 }
             };
@@ -367,7 +380,12 @@ impl CausalConv3d {
             out.slice_set(&y, 2, o)?;
             window.pop_front();
         }
-        out.ok_or_else(|| candle_core::Error::Msg("causal conv3d on zero frames".into()))
+        let out =
+            out.ok_or_else(|| candle_core::Error::Msg("causal conv3d on zero frames".into()))?;
+        match residual {
+            Some(r) => out + r,
+            None => Ok(out),
+        }
     }
 }
 
@@ -546,12 +564,11 @@ impl ResnetBlock3D {
         let h = self.norm1.forward_silu(x, zq)?;
         let h = self.conv1.forward(&h, Some(cache))?;
         let h = self.norm2.forward_silu(&h, zq)?;
-        let h = self.conv2.forward(&h, Some(cache))?;
         let res = match &self.shortcut {
             Some(conv) => conv.forward(x, None)?,
             None => x.clone(),
         };
-        h + res
+        self.conv2.forward_plus(&h, Some(cache), Some(&res))
     }
 }
 

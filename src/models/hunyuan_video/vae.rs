@@ -471,18 +471,32 @@ impl CausalConv3d {
 
     /// `x` `[B, T, C, H, W]` -> `[B, T, out, H', W']`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+
+    /// [`Self::forward`] plus `residual` (of the output's shape) where given: a resnet's
+    /// `conv(h) + x`, added as the fused path stores each frame (the same bits as the add).
+    pub(crate) fn forward_plus(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         if let Some(w) = self.kernel.whole() {
-            if let Some(y) = conv3d::or_fallback(|| self.forward_whole(w, x, RUN_ELEMENTS)) {
-                return Ok(y);
+            let whole = || self.forward_whole(w, x, residual, RUN_ELEMENTS);
+            if let Some((y, added)) = conv3d::or_fallback(whole) {
+                return plus(y, residual.filter(|_| !added));
             }
         }
-        self.forward_bounded(x, MAX_IM2COL_ELEMENTS)
+        plus(self.forward_bounded(x, MAX_IM2COL_ELEMENTS)?, residual)
     }
 
     /// The conv as 3D convolutions (cuDNN) over runs of output frames, each from a
     /// replicate-padded copy of the input frames it reads (about `run_elements`), or `None`
-    /// where [`conv3d`] does not run it.
-    fn forward_whole(&self, w: &Tensor, x: &Tensor, run_elements: usize) -> Result<Option<Tensor>> {
+    /// where [`conv3d`] does not run it; with whether `residual` was added.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn forward_whole(
+        &self,
+        w: &Tensor,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        run_elements: usize,
+    ) -> Result<Option<(Tensor, bool)>> {
         if !conv3d::computes(x.device(), x.dtype()) {
             return Ok(None);
         }
@@ -517,15 +531,17 @@ impl CausalConv3d {
             let out = unsafe {
                 Tensor::empty((b, t_out, w.dim(0)?, h_out, w_out), x.dtype(), x.device())
             }?;
+            // The residual is added in the same store where it has the output's layout.
+            let residual = residual.filter(|r| r.dims() == out.dims() && r.is_contiguous());
             for first in (0..t_out).step_by(per_run) {
                 let frames =
                     gather_padded_frames(x, &frames_of(first, per_run.min(t_out - first)), ph, pw)?;
                 let Some(y) = conv3d::conv3d(&frames, w, [st, ss, ss], [0; 3])? else {
                     candle_core::bail!("conv3d declined the convolution")
                 };
-                add_channel_bias(&y, &self.bias, BiasOut::FramesOf(&out, first))?;
+                add_channel_bias(&y, &self.bias, BiasOut::FramesOf(&out, first), residual)?;
             }
-            return Ok(Some(out));
+            return Ok(Some((out, residual.is_some())));
         }
         let bias = self.bias.reshape((1, (), 1, 1))?;
         let y = in_runs(t_out, per_run, 1, |first, n| {
@@ -543,7 +559,7 @@ impl CausalConv3d {
                 None => candle_core::bail!("conv3d declined the convolution"),
             }
         })?;
-        Ok(Some(y))
+        Ok(Some((y, false)))
     }
 
     fn forward_bounded(&self, x: &Tensor, limit: usize) -> Result<Tensor> {
@@ -623,14 +639,25 @@ impl ResnetBlock {
         drop(normed);
         let normed = self.norm2.forward_silu(&h)?;
         drop(h);
-        let h = self.conv2.forward(&normed)?;
-        drop(normed);
         let residual = match &self.conv_shortcut {
             Some(conv) => conv.forward(x)?,
             None => x.clone(),
         };
-        h + residual
+        self.conv2.forward_plus(&normed, Some(&residual))
     }
+}
+
+/// `y + residual` (frames-major, of one shape) by runs of frames: candle's element-wise kernels
+/// index with 32 bits, and a full-resolution activation can be larger.
+fn plus(y: Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    let Some(r) = residual else {
+        return Ok(y);
+    };
+    let frames = y.dim(1)?;
+    let per_frame = (y.elem_count() / frames.max(1)).max(1);
+    in_runs(frames, RUN_ELEMENTS / per_frame, 1, |first, n| {
+        y.narrow(1, first, n)? + r.narrow(1, first, n)?
+    })
 }
 
 /// The mid-block attention: GroupNorm, one head over all positions, frame-causal (a position
@@ -1209,13 +1236,19 @@ mod cuda_tests {
                 .expect("a whole kernel on the GPU")
                 .clone();
             let xd = x.to_device(&dev)?;
+            // A residual of the output's shape, added as each run is stored.
+            let residual = Tensor::randn(0f32, 1.0, own.dims(), &dev)?;
+            let with_residual = (&own + residual.to_device(&cpu)?)?;
             for run in [usize::MAX, 1] {
-                let got = conv
-                    .forward_whole(&w, &xd, run)?
-                    .expect("cuDNN computes exact f32")
-                    .to_device(&candle_core::Device::Cpu)?;
-                let diff = (&got - &own)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                assert!(diff < 1e-4, "{stride:?}, runs of {run}: {diff}");
+                for (r, want) in [(None, &own), (Some(&residual), &with_residual)] {
+                    let (got, added) = conv
+                        .forward_whole(&w, &xd, r, run)?
+                        .expect("cuDNN computes exact f32");
+                    assert_eq!(added, r.is_some());
+                    let got = got.to_device(&cpu)?;
+                    let diff = (&got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(diff < 1e-4, "{stride:?}, runs of {run}: {diff}");
+                }
             }
         }
         Ok(())

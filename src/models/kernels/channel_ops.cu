@@ -24,11 +24,14 @@ __device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) {
 // stored at out[b, first + f, c, s] of out [B, T, C, S]; else at out's index of y. One thread
 // per 16 bytes of a row where `vector` (S a multiple of 16 bytes and both operands aligned),
 // else per element.
+//   With `res` (of out's layout, or null), the rounded sum plus res[dst], rounded again: a
+// residual added in the same store, as candle's add of the two would round it.
 template <typename T>
 __device__ void add_channel_bias(const T *__restrict__ y, T *__restrict__ out,
-                                 const float *__restrict__ bias, int channels, long frames,
-                                 long spatial, long items, int frames_major, long out_frames,
-                                 long first, int vector, int per_position) {
+                                 const float *__restrict__ bias, const T *__restrict__ res,
+                                 int channels, long frames, long spatial, long items,
+                                 int frames_major, long out_frames, long first, int vector,
+                                 int per_position) {
   constexpr int V = 16 / sizeof(T);
   const int per_item = vector ? V : 1;
   const long per_row = spatial / per_item;
@@ -51,9 +54,19 @@ __device__ void add_channel_bias(const T *__restrict__ y, T *__restrict__ out,
       u.v = *reinterpret_cast<const uint4 *>(y + src);
 #pragma unroll
       for (int k = 0; k < V; ++k) store(u.e, k, __fadd_rn(load(u.e, k), add[k * step]));
+      if (res) {
+        union {
+          uint4 v;
+          T e[V];
+        } r;
+        r.v = *reinterpret_cast<const uint4 *>(res + dst);
+#pragma unroll
+        for (int k = 0; k < V; ++k) store(u.e, k, __fadd_rn(load(u.e, k), load(r.e, k)));
+      }
       *reinterpret_cast<uint4 *>(out + dst) = u.v;
     } else {
       store(out, dst, __fadd_rn(load(y, src), add[0]));
+      if (res) store(out, dst, __fadd_rn(load(out, dst), load(res, dst)));
     }
   }
 }
@@ -90,10 +103,10 @@ __device__ void gather_padded_frames(const T *__restrict__ x, T *__restrict__ ou
 #define CHANNEL_OPS(NAME, T)                                                                    \
   extern "C" __global__ void add_channel_bias_##NAME(                                           \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
-      int channels, long frames, long spatial, long items, int frames_major, long out_frames,   \
-      long first, int vector, int per_position) {                                               \
-    add_channel_bias(y, out, bias, channels, frames, spatial, items, frames_major, out_frames, \
-                     first, vector, per_position);                                              \
+      const T *__restrict__ res, int channels, long frames, long spatial, long items,           \
+      int frames_major, long out_frames, long first, int vector, int per_position) {            \
+    add_channel_bias(y, out, bias, res, channels, frames, spatial, items, frames_major,         \
+                     out_frames, first, vector, per_position);                                  \
   }                                                                                             \
   extern "C" __global__ void gather_padded_frames_##NAME(                                       \
       const T *__restrict__ x, T *__restrict__ out, const uint32_t *__restrict__ index,         \

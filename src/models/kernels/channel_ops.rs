@@ -30,7 +30,15 @@ pub(crate) enum BiasOut<'a> {
 /// `y` `[B, C, F, ...]` (bf16 or f32, on CUDA) plus `bias` of `y`'s dtype: `C` values (one per
 /// channel), or `C` times the positions of a frame (an addend broadcast over batch and frames),
 /// each sum rounded once as candle's add: a new tensor, or stored frames-major into `out`.
-pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Result<Tensor> {
+/// With `residual` (contiguous, of the stored layout: `y`'s, or `out`'s whole), each rounded
+/// sum plus the residual's element where it is stored, rounded again: a resnet's
+/// `conv(h) + x` in one store, the same bits as candle's two adds.
+pub(crate) fn add_channel_bias(
+    y: &Tensor,
+    bias: &Tensor,
+    out: BiasOut,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
     let func = func("add_channel_bias", y)?;
     let dims = y.dims();
     let spatial: usize = dims.get(3..).map_or(0, |d| d.iter().product());
@@ -73,11 +81,21 @@ pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Resul
             (out.clone(), true, od[1], first)
         }
     };
-    // 16-byte items where every row starts 16-byte aligned in both tensors.
+    if let Some(r) = residual {
+        if r.dims() != dst.dims() || r.dtype() != y.dtype() || !r.is_contiguous() {
+            candle_core::bail!(
+                "channel bias: a residual of {:?} for a store of {:?}",
+                r.shape(),
+                dst.shape()
+            )
+        }
+    }
+    // 16-byte items where every row starts 16-byte aligned in every tensor.
     let lanes = 16 / y.dtype().size_in_bytes();
     let vector = spatial.is_multiple_of(lanes)
         && y.layout().start_offset().is_multiple_of(lanes)
-        && dst.layout().start_offset().is_multiple_of(lanes);
+        && dst.layout().start_offset().is_multiple_of(lanes)
+        && residual.is_none_or(|r| r.layout().start_offset().is_multiple_of(lanes));
     let items = y.elem_count() / if vector { lanes } else { 1 };
     dst.inplace_op1(&item_launch(
         &CHANNEL_OPS,
@@ -87,6 +105,7 @@ pub(crate) fn add_channel_bias(y: &Tensor, bias: &Tensor, out: BiasOut) -> Resul
             Arg::Tensor(Some(&y)),
             Arg::Dst,
             Arg::Tensor(Some(&bias)),
+            Arg::Tensor(residual),
             Arg::Int(c as i32),
             Arg::Long(frames as i64),
             Arg::Long(spatial as i64),
@@ -173,13 +192,13 @@ mod cuda_tests {
                 let y = Tensor::randn(0f32, 3.0, &dims[..], &dev)?.to_dtype(dtype)?;
                 let bias = Tensor::randn(0f32, 3.0, dims[1], &dev)?.to_dtype(dtype)?;
                 let want = y.broadcast_add(&bias.reshape((1, dims[1], 1, 1, 1))?)?;
-                let got = add_channel_bias(&y, &bias, BiasOut::New)?;
+                let got = add_channel_bias(&y, &bias, BiasOut::New, None)?;
                 assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?}");
                 // An addend per channel and position, broadcast over batch and frames.
                 let plane = (1, dims[1], 1, dims[3], dims[4]);
                 let addend = Tensor::randn(0f32, 3.0, plane, &dev)?.to_dtype(dtype)?;
                 let want_plane = y.broadcast_add(&addend)?;
-                let got = add_channel_bias(&y, &addend, BiasOut::New)?;
+                let got = add_channel_bias(&y, &addend, BiasOut::New, None)?;
                 assert_eq!(
                     max_diff(&got, &want_plane)?,
                     0.0,
@@ -190,7 +209,7 @@ mod cuda_tests {
                 let out = Tensor::zeros((b, t + 3, c, h, w), dtype, &dev)?;
                 for (first, n) in [(0, 1), (1, t - 1)] {
                     let part = y.narrow(2, first, n)?;
-                    add_channel_bias(&part, &bias, BiasOut::FramesOf(&out, first + 2))?;
+                    add_channel_bias(&part, &bias, BiasOut::FramesOf(&out, first + 2), None)?;
                 }
                 let got = out.narrow(1, 2, t)?;
                 assert_eq!(
@@ -205,6 +224,28 @@ mod cuda_tests {
                         .to_dtype(DType::F32)?
                         .to_scalar::<f32>()?,
                     0.0
+                );
+                // A residual added in the same store: candle's add of the biased sum and it.
+                let residual = Tensor::randn(0f32, 3.0, &dims[..], &dev)?.to_dtype(dtype)?;
+                let got = add_channel_bias(&y, &bias, BiasOut::New, Some(&residual))?;
+                let want_res = (&want + &residual)?;
+                assert_eq!(
+                    max_diff(&got, &want_res)?,
+                    0.0,
+                    "{dtype:?} {dims:?} residual"
+                );
+                let out_res = Tensor::randn(0f32, 3.0, out.dims(), &dev)?.to_dtype(dtype)?;
+                let stored = out_res.copy()?;
+                for (first, n) in [(0, 1), (1, t - 1)] {
+                    let part = y.narrow(2, first, n)?;
+                    let place = BiasOut::FramesOf(&stored, first + 2);
+                    add_channel_bias(&part, &bias, place, Some(&out_res))?;
+                }
+                let want_frames = (&frames_major + out_res.narrow(1, 2, t)?)?;
+                assert_eq!(
+                    max_diff(&stored.narrow(1, 2, t)?, &want_frames)?,
+                    0.0,
+                    "{dtype:?} {dims:?} frames-major residual"
                 );
             }
         }

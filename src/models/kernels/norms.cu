@@ -129,60 +129,85 @@ __device__ void group_apply(const T *__restrict__ x, T *__restrict__ out,
 // f32 sums, then x * (1 / sqrt(mean + eps)) rounded), then where given the modulation
 // (* scale1[b, c], + shift[b, c], each rounded: scale1 = 1 + scale, already rounded), then SiLU
 // where `silu` (of the rounded value, rounded): the candle composition of the LTX-Video
-// decoder's resnets. A block takes RMS_POSITIONS consecutive positions (a warp reads them for
-// one channel), its RMS_SLICES warps each a slice of the channels, so that the low-resolution
-// stages (hundreds of channels, few positions) still fill the GPU.
+// decoder's resnets. A block takes RMS_POSITIONS·V consecutive positions (a warp reads them for
+// one channel, V adjacent positions a lane: one 8- or 16-byte load where V = 4), its RMS_SLICES
+// warps each a slice of the channels, so that the low-resolution stages (hundreds of channels,
+// few positions) still fill the GPU. Every position's sum runs in the same order whatever V.
 constexpr int RMS_POSITIONS = 32, RMS_SLICES = THREADS / RMS_POSITIONS;
 
-template <typename T>
+// V adjacent elements, loaded and stored at once.
+template <typename T, int V> struct alignas(sizeof(T) * V) Lanes {
+  T e[V];
+};
+
+template <typename T, int V>
 __device__ void channel_rms(const T *__restrict__ x, T *__restrict__ out,
                             const float *__restrict__ scale1, const float *__restrict__ shift,
                             int channels, long spatial, long positions, float eps, int silu) {
-  __shared__ float partial[RMS_SLICES][RMS_POSITIONS];
+  constexpr int P = RMS_POSITIONS * V;
+  __shared__ float partial[RMS_SLICES][P];
   const int lane = threadIdx.x % RMS_POSITIONS, slice = threadIdx.x / RMS_POSITIONS;
-  for (long first = blockIdx.x * (long)RMS_POSITIONS; first < positions;
-       first += (long)gridDim.x * RMS_POSITIONS) {
-    const long i = first + lane;
+  // With V > 1, `spatial` is a multiple of V: a lane's positions share their batch entry.
+  for (long first = blockIdx.x * (long)P; first < positions; first += (long)gridDim.x * P) {
+    const long i = first + (long)lane * V;
     const bool live = i < positions;
     const long b = live ? i / spatial : 0;
     const long base = live ? b * channels * spatial + i % spatial : 0;
-    float sq = 0.f;
+    float sq[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sq[k] = 0.f;
     if (live)
       for (int c = slice; c < channels; c += RMS_SLICES) {
-        const float v = load(x, base + c * spatial);
-        sq = __fadd_rn(sq, __fmul_rn(v, v));
+        const Lanes<T, V> q = *reinterpret_cast<const Lanes<T, V> *>(x + base + c * spatial);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float v = load(q.e, k);
+          sq[k] = __fadd_rn(sq[k], __fmul_rn(v, v));
+        }
       }
-    partial[slice][lane] = sq;
+#pragma unroll
+    for (int k = 0; k < V; ++k) partial[slice][lane * V + k] = sq[k];
     __syncthreads();
-    float total = 0.f;
-    for (int k = 0; k < RMS_SLICES; ++k) total = __fadd_rn(total, partial[k][lane]);
+    float inv[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float total = 0.f;
+      for (int s = 0; s < RMS_SLICES; ++s) total = __fadd_rn(total, partial[s][lane * V + k]);
+      inv[k] = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(total, 1.f / channels), eps)));
+    }
     __syncthreads();
     if (!live) continue;
-    const float inv = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(total, 1.f / channels), eps)));
     for (int c = slice; c < channels; c += RMS_SLICES) {
-      float v = round_to(x, __fmul_rn(load(x, base + c * spatial), inv));
-      if (scale1 != nullptr) {
-        v = round_to(x, __fmul_rn(v, scale1[b * channels + c]));
-        v = round_to(x, __fadd_rn(v, shift[b * channels + c]));
+      Lanes<T, V> q = *reinterpret_cast<const Lanes<T, V> *>(x + base + c * spatial);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float v = round_to(x, __fmul_rn(load(q.e, k), inv[k]));
+        if (scale1 != nullptr) {
+          v = round_to(x, __fmul_rn(v, scale1[b * channels + c]));
+          v = round_to(x, __fadd_rn(v, shift[b * channels + c]));
+        }
+        if (silu) v = __fdiv_rn(v, __fadd_rn(1.f, expf(-v)));
+        store(q.e, k, v);
       }
-      if (silu) v = __fdiv_rn(v, __fadd_rn(1.f, expf(-v)));
-      store(out, base + c * spatial, v);
+      *reinterpret_cast<Lanes<T, V> *>(out + base + c * spatial) = q;
     }
   }
 }
 
 } // namespace
 
-#define CHANNEL_RMS(NAME, T)                                                                    \
-  extern "C" __global__ void __launch_bounds__(THREADS) channel_rms_##NAME(                                                \
+#define CHANNEL_RMS(NAME, V, T)                                                                 \
+  extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                   \
       const T *__restrict__ x, T *__restrict__ out, const float *__restrict__ scale1,           \
       const float *__restrict__ shift, int channels, long spatial, long positions, float eps,   \
       int silu) {                                                                               \
-    channel_rms(x, out, scale1, shift, channels, spatial, positions, eps, silu);                \
+    channel_rms<T, V>(x, out, scale1, shift, channels, spatial, positions, eps, silu);          \
   }
 
-CHANNEL_RMS(f32, float)
-CHANNEL_RMS(bf16, __nv_bfloat16)
+CHANNEL_RMS(channel_rms_f32, 1, float)
+CHANNEL_RMS(channel_rms_bf16, 1, __nv_bfloat16)
+CHANNEL_RMS(channel_rms4_f32, 4, float)
+CHANNEL_RMS(channel_rms4_bf16, 4, __nv_bfloat16)
 
 #define GROUP_NORM(NAME, T)                                                                     \
   extern "C" __global__ void __launch_bounds__(THREADS) group_sums_##NAME(                      \

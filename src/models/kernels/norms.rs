@@ -141,11 +141,21 @@ pub(crate) fn channel_rms(
     eps: f64,
     silu: bool,
 ) -> Result<Tensor> {
-    let func = match x.dtype() {
-        DType::BF16 => "channel_rms_bf16",
-        DType::F32 => "channel_rms_f32",
-        other => candle_core::bail!("channel RMS kernel: {other:?} activations"),
-    };
+    channel_rms_with(x, modulation, eps, silu, RMS_VECTOR)
+}
+
+/// Adjacent positions a lane of the channel RMS kernel takes at once where the frame's size and
+/// the storage allow (one load of each): 1 or 4.
+const RMS_VECTOR: usize = 4;
+
+/// [`channel_rms`] with lanes of up to `vector` positions.
+fn channel_rms_with(
+    x: &Tensor,
+    modulation: Option<(&Tensor, &Tensor)>,
+    eps: f64,
+    silu: bool,
+    vector: usize,
+) -> Result<Tensor> {
     let dims = x.dims();
     let (b, c) = (dims[0], dims.get(1).copied().unwrap_or(0));
     let spatial: usize = dims[2..].iter().product();
@@ -166,10 +176,29 @@ pub(crate) fn channel_rms(
     // SAFETY: the kernel writes every element before anything reads it.
     let out = unsafe { Tensor::empty(x.shape(), x.dtype(), x.device()) }?;
     let positions = b * spatial;
+    // Four positions a lane where every lane's four lie in one frame and load aligned.
+    let lanes = if vector == 4
+        && spatial.is_multiple_of(4)
+        && x.layout().start_offset().is_multiple_of(4)
+        && out.layout().start_offset().is_multiple_of(4)
+    {
+        4
+    } else {
+        1
+    };
+    let func = match (x.dtype(), lanes) {
+        (DType::BF16, 4) => "channel_rms4_bf16",
+        (DType::BF16, _) => "channel_rms_bf16",
+        (DType::F32, 4) => "channel_rms4_f32",
+        (DType::F32, _) => "channel_rms_f32",
+        (other, _) => candle_core::bail!("channel RMS kernel: {other:?} activations"),
+    };
     out.inplace_op1(&row_launch(
         &NORMS,
         func,
-        positions.div_ceil(RMS_POSITIONS).min(MAX_RMS_BLOCKS),
+        positions
+            .div_ceil(RMS_POSITIONS * lanes)
+            .min(MAX_RMS_BLOCKS),
         vec![
             Arg::Tensor(Some(&x)),
             Arg::Dst,
@@ -183,4 +212,45 @@ pub(crate) fn channel_rms(
         ],
     ))?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod cuda_tests {
+    use super::*;
+    use crate::models::row_ops::test_util::device;
+
+    /// Four positions a lane give each position's norm bit for bit as one a lane (the sums run in
+    /// the same order), with and without the modulation and SiLU, and the norm is the f64 one
+    /// within rounding.
+    #[test]
+    fn channel_rms_lanes_of_four_match_lanes_of_one() -> Result<()> {
+        let Some(dev) = device("channel RMS") else {
+            return Ok(());
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            // Several blocks' worth of positions, a partial last block, two batch entries.
+            for dims in [[2, 24, 3, 8, 12], [1, 520, 2, 4, 6]] {
+                let x = Tensor::randn(0f32, 2.0, &dims[..], &dev)?.to_dtype(dtype)?;
+                let (b, c) = (dims[0], dims[1]);
+                let scale1 = Tensor::randn(1f32, 0.5, (b, c), &dev)?;
+                let shift = Tensor::randn(0f32, 0.5, (b, c), &dev)?;
+                for (modulation, silu) in [(None, false), (Some((&scale1, &shift)), true)] {
+                    let one = channel_rms_with(&x, modulation, 1e-6, silu, 1)?;
+                    let four = channel_rms_with(&x, modulation, 1e-6, silu, 4)?;
+                    let gap = (one.to_dtype(DType::F32)? - four.to_dtype(DType::F32)?)?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    assert_eq!(gap, 0.0, "{dtype:?} {dims:?} silu {silu}");
+                }
+                let xf = x.to_dtype(DType::F64)?;
+                let want = xf.broadcast_div(&(xf.sqr()?.mean_keepdim(1)? + 1e-6)?.sqrt()?)?;
+                let got = channel_rms_with(&x, None, 1e-6, false, 4)?.to_dtype(DType::F64)?;
+                let err = (got - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+                let peak = want.abs()?.max_all()?.to_scalar::<f64>()?;
+                assert!(err <= peak / 128.0, "{dtype:?} {dims:?}: {err} of {peak}");
+            }
+        }
+        Ok(())
+    }
 }

@@ -397,6 +397,12 @@ impl CausalConv3d {
 
     /// `[B, C, T, H, W]` -> `[B, C_out, T', H', W']` (the same sizes at stride 1).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+
+    /// [`Self::forward`] plus `residual` (of the output's shape) where given: a resnet's
+    /// `conv(h) + x`, added with the bias in one pass on the fused path.
+    fn forward_plus(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         let (b, c, t, h, w) = x.dims5()?;
         let k = self.weight.dim(2)?;
         let (front, back) = if self.causal {
@@ -417,7 +423,9 @@ impl CausalConv3d {
         let pad = k / 2;
         let whole = || -> Result<Option<Tensor>> {
             match conv3d::conv3d(&padded, &self.weight, [st; 3], [0, pad, pad])? {
-                Some(y) => Ok(Some(conv3d::add_channel_bias(&y, &self.bias)?)),
+                Some(y) => Ok(Some(conv3d::add_channel_bias_plus(
+                    &y, &self.bias, residual,
+                )?)),
                 None => Ok(None),
             }
         };
@@ -463,9 +471,14 @@ impl CausalConv3d {
         }
         let y = Tensor::cat(&outs, 0)?;
         let (_, cout, ho, wo) = y.dims4()?;
-        y.reshape((b, t_out, cout, ho, wo))?
+        let y = y
+            .reshape((b, t_out, cout, ho, wo))?
             .permute((0, 2, 1, 3, 4))?
-            .contiguous()
+            .contiguous()?;
+        match residual {
+            Some(r) => y + r,
+            None => Ok(y),
+        }
     }
 }
 
@@ -620,15 +633,16 @@ impl ResnetBlock {
         let second = modulation
             .as_ref()
             .map(|(_, _, shift, scale)| (scale, shift));
-        h = self.conv2.forward(&rms_modulate_silu(&h, second)?)?;
-        if let Some((_, scale2)) = &self.noise_scales {
-            h = Self::inject(&h, scale2, noise)?;
-        }
+        let h = rms_modulate_silu(&h, second)?;
         let residual = match &self.shortcut {
             Some((w, b, conv)) => conv.forward(&channel_layer_norm(input, w, b, self.eps)?)?,
             None => input.clone(),
         };
-        h + residual
+        match &self.noise_scales {
+            // The noise lands between the convolution and the residual.
+            Some((_, scale2)) => Self::inject(&self.conv2.forward(&h)?, scale2, noise)? + residual,
+            None => self.conv2.forward_plus(&h, Some(&residual)),
+        }
     }
 }
 

@@ -273,10 +273,8 @@ impl ResnetBlock {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
-        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
-        by_frames(x, 1, x.elem_count() / x.dim(1)?, |first, n| {
-            h.narrow(1, first, n)? + x.narrow(1, first, n)?
-        })
+        self.conv2
+            .forward_plus(&self.norm2.forward_silu(&h)?, Some(x))
     }
 }
 
