@@ -523,8 +523,13 @@ impl CausalConv3d {
             && crate::models::norms::enabled()
         {
             // Each run's frames gathered padded into the convolution's layout, and its output
-            // stored with the bias into the frames-major result: one pass each.
-            use crate::models::channel_ops::{add_channel_bias, gather_padded_frames, BiasOut};
+            // stored with the bias into the frames-major result: one pass each. Channels last
+            // where a channels-last convolution runs (cuDNN's NDHWC kernels read it without
+            // transposing: the gather and the store transpose instead).
+            use crate::models::channel_ops::{
+                add_channel_bias, gather_padded_frames, gather_padded_frames_channels_last,
+                store_channels_last, BiasOut,
+            };
             let (kh, kw) = (w.dim(3)?, w.dim(4)?);
             let (h_out, w_out) = ((h + 2 * ph - kh) / ss + 1, (wd + 2 * pw - kw) / ss + 1);
             // SAFETY: every run's frames are stored below before the result is returned.
@@ -533,10 +538,17 @@ impl CausalConv3d {
             }?;
             // The residual is added in the same store where it has the output's layout.
             let residual = residual.filter(|r| r.dims() == out.dims() && r.is_contiguous());
+            let w_last = w.permute((0, 2, 3, 4, 1))?.contiguous()?;
+            let stride = [st, ss, ss];
             for first in (0..t_out).step_by(per_run) {
-                let frames =
-                    gather_padded_frames(x, &frames_of(first, per_run.min(t_out - first)), ph, pw)?;
-                let Some(y) = conv3d::conv3d(&frames, w, [st, ss, ss], [0; 3])? else {
+                let index = frames_of(first, per_run.min(t_out - first));
+                let frames = gather_padded_frames_channels_last(x, &index, ph, pw)?;
+                if let Some(y) = conv3d::conv3d_channels_last(&frames, &w_last, stride, [0; 3])? {
+                    store_channels_last(&y, &self.bias, &out, first, residual)?;
+                    continue;
+                }
+                let frames = gather_padded_frames(x, &index, ph, pw)?;
+                let Some(y) = conv3d::conv3d(&frames, w, stride, [0; 3])? else {
                     candle_core::bail!("conv3d declined the convolution")
                 };
                 add_channel_bias(&y, &self.bias, BiasOut::FramesOf(&out, first), residual)?;

@@ -18,6 +18,12 @@ __device__ __forceinline__ void store(float *p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) {
   p[i] = __float2bfloat16_rn(v);
 }
+// v rounded to the storage type T, back in f32.
+template <typename T> __device__ __forceinline__ float round_to_storage(float v);
+template <> __device__ __forceinline__ float round_to_storage<float>(float v) { return v; }
+template <> __device__ __forceinline__ float round_to_storage<__nv_bfloat16>(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
 
 // y [B, C, F, S] + bias[c] (or bias[c, s] where `per_position`: an addend broadcast over batch and
 // frames), rounded once to T (as candle's add of two T values). Frames-major:
@@ -98,6 +104,95 @@ __device__ void gather_padded_frames(const T *__restrict__ x, T *__restrict__ ou
   }
 }
 
+// The channels-last moves around cuDNN's NDHWC convolutions, each a tiled transpose in one pass
+// (cuDNN given channels first transposes every input and output itself, two more passes): a
+// tile of 32 channels by 64 columns per step of a grid-stride loop over tiles, through shared
+// memory, so that loads and stores both run along rows (a warp's 32 lanes cover 64 elements of
+// a row in two steps, or one 32-channel row of the transposed side), each row's address found
+// once. 256 threads: 8 warps.
+constexpr int TILE_C = 32, TILE_W = 64, WARPS = 8;
+
+__device__ __forceinline__ int clamp_to(int v, int hi) { return min(max(v, 0), hi); }
+
+// out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from frames-major x [B, T, C, h, w]: frame f
+// is x's frame index[f], rows and columns outside x replicate its edge (copies).
+template <typename T>
+__device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__ out,
+                                        const uint32_t *__restrict__ index, int channels,
+                                        long frames, long n, int h, int w, int ph, int pw,
+                                        long tiles) {
+  __shared__ T tile[TILE_C][TILE_W + 4 / sizeof(T)];  // a bank-conflict-free column
+  const int hp = h + 2 * ph, wp = w + 2 * pw;
+  const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (wp + TILE_W - 1) / TILE_W;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
+    long q = t;
+    const int w0 = (int)(q % w_tiles) * TILE_W;
+    q /= w_tiles;
+    const int c0 = (int)(q % c_tiles) * TILE_C;
+    q /= c_tiles;
+    const int row = (int)(q % hp);
+    q /= hp;
+    const long f = q % n, b = q / n;
+    const int sy = clamp_to(row - ph, h - 1);
+    const int cols = min(TILE_W, wp - w0), chans = min(TILE_C, channels - c0);
+    // Rows of x: channel c0 + k, padded columns w0 + lane (+ 32).
+    const T *frame = x + ((b * frames + index[f]) * channels + c0) * (long)h * w + (long)sy * w;
+    for (int k = warp; k < chans; k += WARPS) {
+      const T *src = frame + (long)k * h * w;
+      for (int j = lane; j < cols; j += 32) tile[k][j] = src[clamp_to(w0 + j - pw, w - 1)];
+    }
+    __syncthreads();
+    // Rows of out: padded column w0 + j, channels c0 + lane.
+    T *dst = out + (((b * n + f) * hp + row) * (long)wp + w0) * channels + c0;
+    if (lane < chans)
+      for (int j = warp; j < cols; j += WARPS) dst[(long)j * channels + lane] = tile[lane][j];
+    __syncthreads();
+  }
+}
+
+// y [B, n, h, w, C] (channels last, a convolution's output) + bias[c], rounded to T (then + res,
+// of out's layout, rounded again, where res is given: as add_channel_bias), stored frames-major
+// at out[b, first + f, c, :, :] of out [B, out_frames, C, h, w].
+template <typename T>
+__device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out,
+                                    const float *__restrict__ bias, const T *__restrict__ res,
+                                    int channels, long n, int h, int w, long out_frames,
+                                    long first, long tiles) {
+  __shared__ T tile[TILE_C][TILE_W + 4 / sizeof(T)];  // a bank-conflict-free column
+  const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (w + TILE_W - 1) / TILE_W;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
+    long q = t;
+    const int w0 = (int)(q % w_tiles) * TILE_W;
+    q /= w_tiles;
+    const int c0 = (int)(q % c_tiles) * TILE_C;
+    q /= c_tiles;
+    const int row = (int)(q % h);
+    q /= h;
+    const long f = q % n, b = q / n;
+    const int cols = min(TILE_W, w - w0), chans = min(TILE_C, channels - c0);
+    // Rows of y: column w0 + j, channels c0 + lane.
+    const T *src = y + (((b * n + f) * h + row) * (long)w + w0) * channels + c0;
+    if (lane < chans)
+      for (int j = warp; j < cols; j += WARPS) tile[lane][j] = src[(long)j * channels + lane];
+    __syncthreads();
+    // Rows of out: channel c0 + k, columns w0 + lane (+ 32).
+    const long plane = (long)h * w;
+    const long base = ((b * out_frames + first + f) * channels + c0) * plane + (long)row * w + w0;
+    for (int k = warp; k < chans; k += WARPS) {
+      const float add = bias[c0 + k];
+      for (int j = lane; j < cols; j += 32) {
+        const long dst = base + k * plane + j;
+        float v = round_to_storage<T>(__fadd_rn(load(&tile[k][j], 0), add));
+        if (res) v = __fadd_rn(v, load(res, dst));
+        store(out, dst, v);
+      }
+    }
+    __syncthreads();
+  }
+}
+
 } // namespace
 
 #define CHANNEL_OPS(NAME, T)                                                                    \
@@ -112,6 +207,17 @@ __device__ void gather_padded_frames(const T *__restrict__ x, T *__restrict__ ou
       const T *__restrict__ x, T *__restrict__ out, const uint32_t *__restrict__ index,         \
       int channels, long frames, long n, int h, int w, int ph, int pw, long rows) {             \
     gather_padded_frames(x, out, index, channels, frames, n, h, w, ph, pw, rows);               \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32) gather_padded_frames_cl_##NAME(     \
+      const T *__restrict__ x, T *__restrict__ out, const uint32_t *__restrict__ index,         \
+      int channels, long frames, long n, int h, int w, int ph, int pw, long tiles) {            \
+    gather_padded_frames_cl(x, out, index, channels, frames, n, h, w, ph, pw, tiles);           \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32) store_channels_last_##NAME(          \
+      const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
+      const T *__restrict__ res, int channels, long n, int h, int w, long out_frames,           \
+      long first, long tiles) {                                                                 \
+    store_channels_last(y, out, bias, res, channels, n, h, w, out_frames, first, tiles);        \
   }
 
 CHANNEL_OPS(f32, float)

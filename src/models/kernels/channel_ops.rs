@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::models::kernel_module::{item_launch, kernel_module, Arg, Module};
+use crate::models::kernel_module::{item_launch, kernel_module, row_launch, Arg, Module};
 
 static CHANNEL_OPS: Module = kernel_module!("channel_ops");
 
@@ -15,6 +15,10 @@ fn func(name: &str, x: &Tensor) -> Result<&'static str> {
         ("add_channel_bias", DType::F32) => "add_channel_bias_f32",
         ("gather_padded_frames", DType::BF16) => "gather_padded_frames_bf16",
         ("gather_padded_frames", DType::F32) => "gather_padded_frames_f32",
+        ("gather_padded_frames_cl", DType::BF16) => "gather_padded_frames_cl_bf16",
+        ("gather_padded_frames_cl", DType::F32) => "gather_padded_frames_cl_f32",
+        ("store_channels_last", DType::BF16) => "store_channels_last_bf16",
+        ("store_channels_last", DType::F32) => "store_channels_last_f32",
         (name, other) => candle_core::bail!("{name} kernel: {other:?} activations"),
     })
 }
@@ -167,6 +171,105 @@ pub(crate) fn gather_padded_frames(
     Ok(out)
 }
 
+/// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 32
+/// channels by 64 columns.
+const TILE: (usize, usize) = (32, 64);
+
+/// [`gather_padded_frames`] into cuDNN's channels-last layout: `[B, N, H + 2 pad_h, W + 2 pad_w,
+/// C]` from the frames-major `x` `[B, T, C, H, W]`, in one tiled pass (cuDNN transposes a
+/// channels-first input itself, one more pass).
+pub(crate) fn gather_padded_frames_channels_last(
+    x: &Tensor,
+    index: &[u32],
+    pad_h: usize,
+    pad_w: usize,
+) -> Result<Tensor> {
+    let func = func("gather_padded_frames_cl", x)?;
+    let (b, t, c, h, w) = x.dims5()?;
+    if index.iter().any(|&i| i as usize >= t) || h == 0 || w == 0 || c == 0 {
+        candle_core::bail!("gather frames: {index:?} of {:?}", x.shape())
+    }
+    let x = x.contiguous()?;
+    let n = index.len();
+    let (hp, wp) = (h + 2 * pad_h, w + 2 * pad_w);
+    let index = Tensor::new(index, x.device())?;
+    // SAFETY: the kernel writes every element before anything reads it.
+    let out = unsafe { Tensor::empty((b, n, hp, wp, c), x.dtype(), x.device()) }?;
+    let tiles = b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1);
+    out.inplace_op1(&row_launch(
+        &CHANNEL_OPS,
+        func,
+        tiles.min(MAX_TILE_BLOCKS),
+        vec![
+            Arg::Tensor(Some(&x)),
+            Arg::Dst,
+            Arg::Tensor(Some(&index)),
+            Arg::Int(c as i32),
+            Arg::Long(t as i64),
+            Arg::Long(n as i64),
+            Arg::Int(h as i32),
+            Arg::Int(w as i32),
+            Arg::Int(pad_h as i32),
+            Arg::Int(pad_w as i32),
+            Arg::Long(tiles as i64),
+        ],
+    ))?;
+    Ok(out)
+}
+
+/// Blocks a tiled move launches at most (grid-stride over the rest).
+const MAX_TILE_BLOCKS: usize = 1 << 16;
+
+/// A channels-last convolution output `y` `[B, N, H, W, C]` plus its per-channel `bias` (and
+/// `residual`, of `out`'s shape, where given), stored as frames `first..first + N` of the
+/// frames-major `out` `[B, T, C, H, W]`: [`add_channel_bias`]'s sums and roundings, transposed
+/// in the same pass.
+pub(crate) fn store_channels_last(
+    y: &Tensor,
+    bias: &Tensor,
+    out: &Tensor,
+    first: usize,
+    residual: Option<&Tensor>,
+) -> Result<()> {
+    let func = func("store_channels_last", y)?;
+    let (b, n, h, w, c) = y.dims5()?;
+    let (ob, ot, oc, oh, ow) = out.dims5()?;
+    let fits = (ob, oc, oh, ow) == (b, c, h, w)
+        && first + n <= ot
+        && out.dtype() == y.dtype()
+        && out.is_contiguous()
+        && bias.elem_count() == c
+        && residual.is_none_or(|r| r.dims() == out.dims() && r.is_contiguous());
+    if !fits {
+        candle_core::bail!(
+            "channels-last store: {:?} as frames {first}.. of {:?}",
+            y.shape(),
+            out.shape()
+        )
+    }
+    let y = y.contiguous()?;
+    let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+    let tiles = b * n * h * c.div_ceil(TILE.0) * w.div_ceil(TILE.1);
+    out.inplace_op1(&row_launch(
+        &CHANNEL_OPS,
+        func,
+        tiles.min(MAX_TILE_BLOCKS),
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Tensor(residual),
+            Arg::Int(c as i32),
+            Arg::Long(n as i64),
+            Arg::Int(h as i32),
+            Arg::Int(w as i32),
+            Arg::Long(ot as i64),
+            Arg::Long(first as i64),
+            Arg::Long(tiles as i64),
+        ],
+    ))
+}
+
 #[cfg(test)]
 mod cuda_tests {
     //! The fused moves against the candle compositions they replace: the same bits.
@@ -247,6 +350,43 @@ mod cuda_tests {
                     0.0,
                     "{dtype:?} {dims:?} frames-major residual"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// The channels-last moves are the channels-first ones transposed, bit for bit: shapes
+    /// with partial tiles of channels and columns.
+    #[test]
+    fn channels_last_moves_are_the_transposed_channels_first_ones() -> Result<()> {
+        let Some(dev) = device("channels-last moves") else {
+            return Ok(());
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            for (dims, index, ph, pw) in [
+                ([2, 5, 40, 4, 37], vec![0u32, 0, 1, 2, 4], 1, 1),
+                ([1, 3, 7, 3, 70], vec![2u32, 1], 0, 2),
+            ] {
+                let x = Tensor::randn(0f32, 1.0, &dims[..], &dev)?.to_dtype(dtype)?;
+                let want = gather_padded_frames(&x, &index, ph, pw)?.permute((0, 2, 3, 4, 1))?;
+                let got = gather_padded_frames_channels_last(&x, &index, ph, pw)?;
+                assert_eq!(got.dims(), want.dims());
+                assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?} gather");
+                // The gathered frames as a convolution's output: stored with a bias (and a
+                // residual) into frames 1.. of a frames-major output, as add_channel_bias does.
+                let (b, n, hp, wp, c) = got.dims5()?;
+                let bias = Tensor::randn(0f32, 1.0, c, &dev)?.to_dtype(dtype)?;
+                let residual = Tensor::randn(0f32, 1.0, (b, n + 1, c, hp, wp), &dev)?;
+                let residual = residual.to_dtype(dtype)?;
+                for r in [None, Some(&residual)] {
+                    let want_out = Tensor::zeros((b, n + 1, c, hp, wp), dtype, &dev)?;
+                    let channels_first = got.permute((0, 4, 1, 2, 3))?.contiguous()?;
+                    add_channel_bias(&channels_first, &bias, BiasOut::FramesOf(&want_out, 1), r)?;
+                    let out = Tensor::zeros((b, n + 1, c, hp, wp), dtype, &dev)?;
+                    store_channels_last(&got, &bias, &out, 1, r)?;
+                    let what = format!("{dtype:?} {dims:?} store, residual {}", r.is_some());
+                    assert_eq!(max_diff(&out, &want_out)?, 0.0, "{what}");
+                }
             }
         }
         Ok(())
