@@ -62,10 +62,11 @@ pub fn transformer_activations(
 /// Device bytes of the decode: at full resolution, activations at the first stage's channels
 /// (the last up block's output and its depth-to-space copy, then a resnet's input, norm, conv
 /// output and sum): four, with one GroupNorm run's f32 temporaries
-/// ([`super::vae::NORM_CHUNK_FRAMES`] frames) where the norm is composed, five in bf16, whose
-/// norm is fused (measured on an H200 at 85x480x848 and 19x480x848: 42.03 and 11.47 GiB above
-/// the weights, planned 44.5 and 11.9; bench/RESULTS.md session 33); and the frames in f32
-/// twice (the decoded video and its conversion). With `tiled` (diffusers' `enable_tiling()`
+/// ([`super::vae::NORM_CHUNK_FRAMES`] frames) where the norm is composed, four in bf16, whose
+/// norm is fused and whose residual the second convolution adds as it stores (measured on an
+/// H200 at 85x480x848 and 19x480x848: 33.91 and 8.78 GiB above the weights, planned 35.8 and
+/// 9.5; bench/RESULTS.md session 34); and the frames in f32 twice (the decoded video and its
+/// conversion). With `tiled` (diffusers' `enable_tiling()`
 /// tiles) the activations are one tile's, and every decoded tile and their blended whole are
 /// held besides.
 pub fn vae_decode_activations(
@@ -92,7 +93,7 @@ pub fn vae_decode_activations(
     let out = vae.out_channels as u64;
     let activation = frames * tile_pixels * channels * bytes;
     let working = if dtype == DType::BF16 {
-        5 * activation
+        4 * activation
     } else {
         let norm_run =
             frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * tile_pixels * channels * 4;

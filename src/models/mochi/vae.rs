@@ -271,10 +271,13 @@ impl ResnetBlock {
         })
     }
 
+    /// Each intermediate is dropped as soon as the next exists: at full resolution an
+    /// activation is gigabytes.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
-        self.conv2
-            .forward_plus(&self.norm2.forward_silu(&h)?, Some(x))
+        let normed = self.norm2.forward_silu(&h)?;
+        drop(h);
+        self.conv2.forward_plus(&normed, Some(x))
     }
 }
 
