@@ -564,12 +564,11 @@ impl ResnetBlock3D {
         let h = self.norm1.forward_silu(x, zq)?;
         let h = self.conv1.forward(&h, Some(cache))?;
         let h = self.norm2.forward_silu(&h, zq)?;
-        match &self.shortcut {
-            // The input added as the second convolution stores its output.
-            None => self.conv2.forward_plus(&h, Some(cache), Some(x)),
-            // A shortcut's output would be held through the second convolution: added after.
-            Some(conv) => self.conv2.forward(&h, Some(cache))? + conv.forward(x, None)?,
-        }
+        let res = match &self.shortcut {
+            Some(conv) => conv.forward(x, None)?,
+            None => x.clone(),
+        };
+        self.conv2.forward_plus(&h, Some(cache), Some(&res))
     }
 }
 

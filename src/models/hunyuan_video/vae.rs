@@ -651,16 +651,11 @@ impl ResnetBlock {
         drop(normed);
         let normed = self.norm2.forward_silu(&h)?;
         drop(h);
-        match &self.conv_shortcut {
-            // The input added as the second convolution stores its output.
-            None => self.conv2.forward_plus(&normed, Some(x)),
-            // A shortcut's output would be held through the second convolution: added after.
-            Some(conv) => {
-                let h = self.conv2.forward(&normed)?;
-                drop(normed);
-                plus(h, Some(&conv.forward(x)?))
-            }
-        }
+        let residual = match &self.conv_shortcut {
+            Some(conv) => conv.forward(x)?,
+            None => x.clone(),
+        };
+        self.conv2.forward_plus(&normed, Some(&residual))
     }
 }
 

@@ -634,19 +634,15 @@ impl ResnetBlock {
             .as_ref()
             .map(|(_, _, shift, scale)| (scale, shift));
         let h = rms_modulate_silu(&h, second)?;
-        if let (None, None) = (&self.shortcut, &self.noise_scales) {
-            // The input added as the second convolution stores its output.
-            return self.conv2.forward_plus(&h, Some(input));
-        }
-        let mut h = self.conv2.forward(&h)?;
-        if let Some((_, scale2)) = &self.noise_scales {
-            h = Self::inject(&h, scale2, noise)?;
-        }
         let residual = match &self.shortcut {
             Some((w, b, conv)) => conv.forward(&channel_layer_norm(input, w, b, self.eps)?)?,
             None => input.clone(),
         };
-        h + residual
+        match &self.noise_scales {
+            // The noise lands between the convolution and the residual.
+            Some((_, scale2)) => Self::inject(&self.conv2.forward(&h)?, scale2, noise)? + residual,
+            None => self.conv2.forward_plus(&h, Some(&residual)),
+        }
     }
 }
 
