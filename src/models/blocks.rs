@@ -228,24 +228,26 @@ pub trait BlockForward: Blockwise {
     }
 }
 
-/// A [`BlockForward`] DiT whose blocks take diffusers' step caches that act between blocks
-/// (`--cache first-block:...`, `magcache:...`): which of its blocks diffusers hooks, and how its
-/// state splits into diffusers' streams. Declaring it is all a model does to take them.
-pub trait CachedForward: BlockForward<State: Clone> {
+/// A DiT block that runs on a state `S` with its forward's inputs `I`, asking `hooks` (a step
+/// cache) for the outputs inside it that its model hands one (those
+/// [`HookedBlocks::names`] lists).
+pub trait HookedBlock<S, I> {
+    fn forward_hooked(
+        &self,
+        state: &S,
+        inputs: &I,
+        hooks: &mut dyn BlockHooks,
+    ) -> candle_core::Result<S>;
+}
+
+/// A [`BlockForward`] DiT whose blocks take diffusers' step caches (`--cache ...`): which of its
+/// blocks diffusers hooks, and how its state splits into diffusers' streams; its blocks hand the
+/// cache their outputs inside ([`HookedBlock`]). Declaring it is all a model does to take them.
+pub trait CachedForward:
+    BlockForward<State: Clone, Block: HookedBlock<Self::State, Self::Inputs>>
+{
     /// The blocks diffusers' cache hooks see, among those the forward folds.
     fn hooked_blocks(&self) -> HookedBlocks;
-    /// One block on the state, asking `hooks` for the outputs inside it that the model hands a
-    /// step cache (those [`HookedBlocks::names`] lists; a model that hands none runs
-    /// [`BlockForward::through`]).
-    fn through_hooked(
-        block: &Self::Block,
-        state: &Self::State,
-        inputs: &Self::Inputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> candle_core::Result<Self::State> {
-        let _ = hooks;
-        Self::through(block, state, inputs)
-    }
     /// A state's streams, diffusers' `hidden_states` (the video or image tokens) first.
     fn streams(state: &Self::State, inputs: &Self::Inputs) -> candle_core::Result<Vec<Tensor>>;
     /// The state between whole blocks of `streams`.
@@ -347,7 +349,7 @@ pub trait PlacedBlocks<M: Blockwise> {
             self.model().hooked_blocks(),
             &streams,
             |state, f| self.fold_blocks(M::resident_blocks, state, |block, s| f(block, s)),
-            |block, state, hooks| M::through_hooked(block, state, &inputs, hooks),
+            |block, state, hooks| block.forward_hooked(state, &inputs, hooks),
         )?;
         self.model().finish_forward(state, &inputs)
     }

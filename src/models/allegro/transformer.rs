@@ -13,7 +13,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
-use crate::models::blocks::{Blockwise, CachedForward};
+use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
 use crate::models::pixart::{
     layer_norm, AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
@@ -329,17 +329,6 @@ impl AllegroBlock {
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         self.forward_hooked(x, inputs, &mut ComputeAll)
     }
-
-    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s and `attn2`'s outputs.
-    pub fn forward_hooked(
-        &self,
-        x: &Tensor,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Tensor> {
-        self.block
-            .forward_hooked(x, &inputs.timestep, inputs, hooks)
-    }
 }
 
 /// Allegro's attentions: rotary self-attention over every token, masked cross-attention.
@@ -577,6 +566,19 @@ crate::block_forward!(
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
 
+impl HookedBlock<Tensor, BlockInputs> for AllegroBlock {
+    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s and `attn2`'s outputs.
+    fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        self.block
+            .forward_hooked(x, &inputs.timestep, inputs, hooks)
+    }
+}
+
 /// How diffusers names what PAB hooks in Allegro: `transformer_blocks`, and in each the
 /// self-attention over every token (`attn1`, PAB's spatial attention) and the cross-attention
 /// to the caption (`attn2`). diffusers' block hooks (First Block Cache, MagCache) do not take
@@ -595,15 +597,6 @@ impl CachedForward for AllegroTransformer3DModel {
             count: self.cfg.num_layers,
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &Self::Block,
-        x: &Tensor,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Tensor> {
-        block.forward_hooked(x, inputs, hooks)
     }
 
     fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {

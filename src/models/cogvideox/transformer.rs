@@ -20,6 +20,7 @@ use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
+use crate::models::blocks::HookedBlock;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
@@ -564,26 +565,6 @@ impl CogVideoXBlock {
         self.forward_hooked(x, inputs, &mut ComputeAll)
     }
 
-    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s output: the joint
-    /// sequence's attention after `to_out`, its bias included (diffusers' `attn1` module).
-    pub fn forward_hooked(
-        &self,
-        x: &Tensor,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if row_ops::rows_supported(x)
-            && inputs.temb.dtype() == DType::BF16
-            && self.attention.as_ref().is_none_or(|(_, a)| {
-                a.head_dim <= row_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
-            })
-        {
-            return self.forward_fused(x, inputs, hooks);
-        }
-        self.forward_composite(x, inputs, hooks)
-    }
-
     /// [`Self::forward`] as fused kernels: each modulated LayerNorm, q/k bias + per-head norm +
     /// RoPE, bias + GELU and bias + gate + residual is one pass over bf16 storage.
     #[cfg(feature = "cuda")]
@@ -993,6 +974,28 @@ crate::block_forward!(
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
 
+impl HookedBlock<Tensor, BlockInputs> for CogVideoXBlock {
+    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s output: the joint
+    /// sequence's attention after `to_out`, its bias included (diffusers' `attn1` module).
+    fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if row_ops::rows_supported(x)
+            && inputs.temb.dtype() == DType::BF16
+            && self.attention.as_ref().is_none_or(|(_, a)| {
+                a.head_dim <= row_ops::MAX_HEAD_DIM && a.head_dim.is_multiple_of(2)
+            })
+        {
+            return self.forward_fused(x, inputs, hooks);
+        }
+        self.forward_composite(x, inputs, hooks)
+    }
+}
+
 /// How diffusers names what its cache hooks see: `transformer_blocks`, and in each its joint
 /// self-attention `attn1` (PAB's spatial attention).
 const CACHE_NAMES: ModuleNames = ModuleNames {
@@ -1010,15 +1013,6 @@ impl crate::models::blocks::CachedForward for CogVideoXTransformer3DModel {
             count: self.cfg.num_layers,
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &Self::Block,
-        x: &Tensor,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Tensor> {
-        block.forward_hooked(x, inputs, hooks)
     }
 
     fn streams(x: &Tensor, inputs: &BlockInputs) -> Result<Vec<Tensor>> {

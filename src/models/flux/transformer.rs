@@ -20,7 +20,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
-use crate::models::blocks::Blockwise;
+use crate::models::blocks::{Blockwise, HookedBlock};
 use crate::models::step_cache::{
     joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
 };
@@ -609,19 +609,6 @@ impl FluxBlock {
     pub fn forward(&self, streams: &Streams, inputs: &BlockInputs) -> Result<Streams> {
         self.forward_hooked(streams, inputs, &mut ComputeAll)
     }
-
-    /// [`Self::forward`], asking `hooks` (a step cache) for the output of `attn`.
-    pub fn forward_hooked(
-        &self,
-        streams: &Streams,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Streams> {
-        match self {
-            FluxBlock::Dual(block) => block.forward(streams, inputs, hooks),
-            FluxBlock::Single(block) => block.forward(streams, inputs, hooks),
-        }
-    }
 }
 
 /// `time_text_embed`: timestep, guidance (where embedded) and pooled-text embedders.
@@ -934,6 +921,21 @@ crate::block_forward!(
     |m, s, inputs| m.finish(&s.image, inputs) => Tensor
 );
 
+impl HookedBlock<Streams, BlockInputs> for FluxBlock {
+    /// [`Self::forward`], asking `hooks` (a step cache) for the output of `attn`.
+    fn forward_hooked(
+        &self,
+        streams: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        match self {
+            FluxBlock::Dual(block) => block.forward(streams, inputs, hooks),
+            FluxBlock::Single(block) => block.forward(streams, inputs, hooks),
+        }
+    }
+}
+
 /// How diffusers names what its cache hooks see in FLUX.1: `transformer_blocks` then
 /// `single_transformer_blocks`, each returning the image and text streams, and in each its
 /// attention `attn` (PAB's).
@@ -950,15 +952,6 @@ impl crate::models::blocks::CachedForward for FluxTransformer2DModel {
             count: self.cfg.num_blocks(),
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &Self::Block,
-        s: &Streams,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Streams> {
-        block.forward_hooked(s, inputs, hooks)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {

@@ -32,7 +32,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_key_prefix};
-use crate::models::blocks::Blockwise;
+use crate::models::blocks::{Blockwise, HookedBlock};
 use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
@@ -1204,21 +1204,6 @@ impl HunyuanVideoBlock {
         self.forward_hooked(streams, inputs, &mut ComputeAll)
     }
 
-    /// [`Self::forward`], asking `hooks` (a step cache) for the output of the block's `attn`.
-    pub fn forward_hooked(
-        &self,
-        streams: &Streams,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Streams> {
-        let apart = inputs.modulation(self.index);
-        match &self.part {
-            BlockPart::Refiner(b) => b.forward(streams, inputs, apart, hooks),
-            BlockPart::DualStream(b) => b.forward(streams, inputs, apart, hooks),
-            BlockPart::SingleStream(b) => b.forward(streams, inputs, apart, hooks),
-        }
-    }
-
     /// The block's modulation chunks for conditionings `temb` and `refiner_temb` (the refiner
     /// reads the latter), what [`BlockInputs::modulations`] hands a block built without its
     /// modulation steps; needs a block built with them.
@@ -1912,6 +1897,23 @@ crate::block_forward!(
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
 
+impl HookedBlock<Streams, BlockInputs> for HunyuanVideoBlock {
+    /// [`Self::forward`], asking `hooks` (a step cache) for the output of the block's `attn`.
+    fn forward_hooked(
+        &self,
+        streams: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        let apart = inputs.modulation(self.index);
+        match &self.part {
+            BlockPart::Refiner(b) => b.forward(streams, inputs, apart, hooks),
+            BlockPart::DualStream(b) => b.forward(streams, inputs, apart, hooks),
+            BlockPart::SingleStream(b) => b.forward(streams, inputs, apart, hooks),
+        }
+    }
+}
+
 /// How diffusers names what its cache hooks see in HunyuanVideo: `transformer_blocks` then
 /// `single_transformer_blocks` (the token refiner runs inside `context_embedder`, where only
 /// PAB reaches its `attn`), each returning the video and text streams, and in each `attn`.
@@ -1928,15 +1930,6 @@ impl crate::models::blocks::CachedForward for HunyuanVideoTransformer3DModel {
             count: self.cfg.num_layers + self.cfg.num_single_layers,
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &Self::Block,
-        s: &Streams,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Streams> {
-        block.forward_hooked(s, inputs, hooks)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::models::blocks::{Blockwise, CachedForward};
+use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
 use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
@@ -314,57 +314,6 @@ impl LatteBlock {
     pub fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         self.forward_hooked(x, inputs, &mut ComputeAll)
     }
-
-    /// [`Self::forward`], asking `hooks` (a step cache) for the attention outputs: a temporal
-    /// block's `attn1` as [`Submodule::TemporalAttention`].
-    pub fn forward_hooked(
-        &self,
-        x: &Tensor,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Tensor> {
-        let (b, f, n, d) = x.dims4()?;
-        // Sequences of this block: frames (spatial) or token positions (temporal), `[B', S, D]`.
-        let h = match self.kind {
-            BlockKind::Spatial => x.reshape((b, f * n, d))?,
-            BlockKind::Temporal => {
-                let h = x.transpose(1, 2)?.contiguous()?;
-                match (&inputs.temp_pos_embed, self.layer) {
-                    (Some(table), 0) => h.broadcast_add(&table.unsqueeze(0)?)?,
-                    _ => h,
-                }
-                .reshape((b, n * f, d))?
-            }
-        };
-        let (groups, seq) = match self.kind {
-            BlockKind::Spatial => (f, n),
-            BlockKind::Temporal => (n, f),
-        };
-        let attention = Sequences {
-            groups,
-            seq,
-            text: &inputs.text,
-        };
-        let h = match self.kind {
-            BlockKind::Spatial => {
-                self.block
-                    .forward_hooked(&h, &inputs.timestep, &attention, hooks)
-            }
-            BlockKind::Temporal => {
-                let mut temporal = Reclassified {
-                    hooks,
-                    from: Submodule::SelfAttention,
-                    to: Submodule::TemporalAttention,
-                };
-                self.block
-                    .forward_hooked(&h, &inputs.timestep, &attention, &mut temporal)
-            }
-        }?;
-        match self.kind {
-            BlockKind::Spatial => h.reshape((b, f, n, d)),
-            BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
-        }
-    }
 }
 
 /// Latte's attentions: self-attention within each of a video's `groups` sequences of `seq`
@@ -645,6 +594,59 @@ crate::block_forward!(
     |m, x, inputs| m.finish(&x, inputs) => Tensor
 );
 
+impl HookedBlock<Tensor, BlockInputs> for LatteBlock {
+    /// [`Self::forward`], asking `hooks` (a step cache) for the attention outputs: a temporal
+    /// block's `attn1` as [`Submodule::TemporalAttention`].
+    fn forward_hooked(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Tensor> {
+        let (b, f, n, d) = x.dims4()?;
+        // Sequences of this block: frames (spatial) or token positions (temporal), `[B', S, D]`.
+        let h = match self.kind {
+            BlockKind::Spatial => x.reshape((b, f * n, d))?,
+            BlockKind::Temporal => {
+                let h = x.transpose(1, 2)?.contiguous()?;
+                match (&inputs.temp_pos_embed, self.layer) {
+                    (Some(table), 0) => h.broadcast_add(&table.unsqueeze(0)?)?,
+                    _ => h,
+                }
+                .reshape((b, n * f, d))?
+            }
+        };
+        let (groups, seq) = match self.kind {
+            BlockKind::Spatial => (f, n),
+            BlockKind::Temporal => (n, f),
+        };
+        let attention = Sequences {
+            groups,
+            seq,
+            text: &inputs.text,
+        };
+        let h = match self.kind {
+            BlockKind::Spatial => {
+                self.block
+                    .forward_hooked(&h, &inputs.timestep, &attention, hooks)
+            }
+            BlockKind::Temporal => {
+                let mut temporal = Reclassified {
+                    hooks,
+                    from: Submodule::SelfAttention,
+                    to: Submodule::TemporalAttention,
+                };
+                self.block
+                    .forward_hooked(&h, &inputs.timestep, &attention, &mut temporal)
+            }
+        }?;
+        match self.kind {
+            BlockKind::Spatial => h.reshape((b, f, n, d)),
+            BlockKind::Temporal => h.reshape((b, n, f, d))?.transpose(1, 2)?.contiguous(),
+        }
+    }
+}
+
 /// What PAB hooks in Latte, named as diffusers names it: `attn1` and `attn2` of each block
 /// (a temporal block has no `attn2`), the blocks in execution order (spatial 0, temporal 0,
 /// spatial 1, ...). diffusers' block hooks (First Block Cache, MagCache) do not run in Latte:
@@ -663,15 +665,6 @@ impl CachedForward for LatteTransformer3DModel {
             count: 2 * self.cfg.num_layers,
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &Self::Block,
-        x: &Tensor,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Tensor> {
-        block.forward_hooked(x, inputs, hooks)
     }
 
     fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {

@@ -21,6 +21,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
+use crate::models::blocks::HookedBlock;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
 use crate::models::step_cache::{
@@ -726,13 +727,13 @@ impl LtxTransformerBlock {
     /// Runs the block's steps on `stream` (`x` `[B, S, inner]`): the fused kernels on CUDA
     /// bf16, else the candle composition (both compute the same ops in the same order).
     pub fn forward(&self, stream: LtxStream, inputs: &LtxBlockInputs) -> Result<LtxStream> {
-        self.forward_hooked(stream, inputs, &mut ComputeAll)
+        self.run(stream, inputs, &mut ComputeAll)
     }
 
     /// [`Self::forward`], asking `hooks` (a step cache) for the outputs of `attn1` and `attn2`
     /// (the latter as [`Submodule::UnflaggedCrossAttention`]: diffusers' `LTXAttention` is not
     /// flagged as cross-attention, so PAB gives it the spatial settings).
-    pub fn forward_hooked(
+    fn run(
         &self,
         stream: LtxStream,
         inputs: &LtxBlockInputs,
@@ -1305,7 +1306,7 @@ mod cuda_tests {
         let mut hooks = crate::models::step_cache::ReplayHooks::default();
         let mut hooked = || -> Result<Tensor> {
             block
-                .forward_hooked(LtxStream::new(x.clone()), &inputs, &mut hooks)?
+                .forward_hooked(&LtxStream::new(x.clone()), &inputs, &mut hooks)?
                 .into_hidden()?
                 .to_dtype(DType::F32)
         };
@@ -1346,6 +1347,17 @@ impl crate::models::blocks::BlockForward for LtxTransformer3DModel {
     }
 }
 
+impl HookedBlock<LtxStream, LtxBlockInputs> for LtxTransformerBlock {
+    fn forward_hooked(
+        &self,
+        stream: &LtxStream,
+        inputs: &LtxBlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<LtxStream> {
+        self.run(stream.clone(), inputs, hooks)
+    }
+}
+
 /// How diffusers names what its cache hooks see in LTX-Video: `transformer_blocks`, each
 /// returning the hidden states alone, and in each `attn1` and `attn2` (PAB's).
 const CACHE_NAMES: ModuleNames = ModuleNames {
@@ -1361,15 +1373,6 @@ impl crate::models::blocks::CachedForward for LtxTransformer3DModel {
             count: self.cfg.num_layers,
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &LtxTransformerBlock,
-        stream: &LtxStream,
-        inputs: &LtxBlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<LtxStream> {
-        block.forward_hooked(stream.clone(), inputs, hooks)
     }
 
     fn streams(stream: &LtxStream, _: &LtxBlockInputs) -> Result<Vec<Tensor>> {

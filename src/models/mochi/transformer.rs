@@ -24,7 +24,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_with_bias};
-use crate::models::blocks::RepeatedBlocks;
+use crate::models::blocks::{HookedBlock, RepeatedBlocks};
 use crate::models::cogvideox::transformer::linspace_f32;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, Rows};
@@ -667,16 +667,6 @@ impl MochiBlock {
         self.forward_hooked(s, inputs, &mut ComputeAll)
     }
 
-    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s video and text outputs.
-    pub fn forward_hooked(
-        &self,
-        s: &Streams,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Streams> {
-        self.forward_with(s, inputs, self.ops(s), hooks)
-    }
-
     /// [`Ops::Fused`] where both streams are CUDA bf16 of widths the row kernels take and the
     /// heads are no wider than theirs.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
@@ -1091,6 +1081,18 @@ crate::block_forward!(
     |m, s, inputs| m.finish(&s.video, inputs) => Tensor
 );
 
+impl HookedBlock<Streams, BlockInputs> for MochiBlock {
+    /// [`Self::forward`], asking `hooks` (a step cache) for `attn1`'s video and text outputs.
+    fn forward_hooked(
+        &self,
+        s: &Streams,
+        inputs: &BlockInputs,
+        hooks: &mut dyn BlockHooks,
+    ) -> Result<Streams> {
+        self.forward_with(s, inputs, self.ops(s), hooks)
+    }
+}
+
 /// How diffusers names what its cache hooks see in Mochi-1: `transformer_blocks`, each
 /// returning the video and text streams, and in each the joint attention `attn1` (PAB's).
 const CACHE_NAMES: ModuleNames = ModuleNames {
@@ -1106,15 +1108,6 @@ impl crate::models::blocks::CachedForward for MochiTransformer3DModel {
             count: self.cfg.num_layers,
             names: CACHE_NAMES,
         }
-    }
-
-    fn through_hooked(
-        block: &Self::Block,
-        s: &Streams,
-        inputs: &BlockInputs,
-        hooks: &mut dyn BlockHooks,
-    ) -> Result<Streams> {
-        block.forward_hooked(s, inputs, hooks)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {
