@@ -21,12 +21,10 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::{Blockwise, HookedBlock};
-use crate::models::step_cache::{
-    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
-};
+use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule};
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
-    gated, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
+    gated, gated_joint_attention, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
 };
 use crate::models::projection::{project, project_gelu_tanh};
 use crate::models::wan::transformer::timestep_embedding;
@@ -344,23 +342,9 @@ impl JointAttention {
         inputs: &BlockInputs,
         hooks: &mut dyn BlockHooks,
     ) -> Result<(Tensor, Tensor)> {
-        let (attn_image, attn_text) = joint_output(
-            hooks,
-            Submodule::SelfAttention,
-            image.dims(),
-            Some(text.dims()),
-            || {
-                self.attend((image, text), m, c, inputs)
-                    .map(|(i, t)| (i, Some(t)))
-            },
-        )?;
-        let attn_text = attn_text.ok_or_else(|| {
-            candle_core::Error::Msg("FLUX.1's joint attention without its text output".into())
-        })?;
-        Ok((
-            gated(image, attn_image, &m[2])?,
-            gated(text, attn_text, &c[2])?,
-        ))
+        gated_joint_attention(hooks, (image, text), (m, c), || {
+            self.attend((image, text), m, c, inputs)
+        })
     }
 
     /// `attn` itself: both streams' modulated norms, the joint attention over [text; image],

@@ -815,6 +815,29 @@ impl QkvProjection {
     }
 }
 
+/// A dual-stream block's attention step (HunyuanVideo's, FLUX.1's): `attend` (the module
+/// `attn`: both streams' outputs after their projections) through `hooks`, then each stream's
+/// gated residual (gates at 2 of `m` and `c`).
+pub(crate) fn gated_joint_attention(
+    hooks: &mut dyn BlockHooks,
+    (video, text): (&Tensor, &Tensor),
+    (m, c): (&[Tensor], &[Tensor]),
+    mut attend: impl FnMut() -> Result<(Tensor, Tensor)>,
+) -> Result<(Tensor, Tensor)> {
+    let (attn_video, attn_text) = joint_output(
+        hooks,
+        Submodule::SelfAttention,
+        video.dims(),
+        Some(text.dims()),
+        || attend().map(|(v, t)| (v, Some(t))),
+    )?;
+    let attn_text = carried(attn_text, "the joint attention's text output")?;
+    Ok((
+        gated(video, attn_video, &m[2])?,
+        gated(text, attn_text, &c[2])?,
+    ))
+}
+
 /// The joint attention of a dual-stream block: q/k/v of each stream and both output
 /// projections.
 #[derive(Debug, Clone)]
@@ -837,22 +860,9 @@ impl JointAttention {
         inputs: &BlockInputs,
         hooks: &mut dyn BlockHooks,
     ) -> Result<(Tensor, Tensor)> {
-        // `attn`'s outputs (after `to_out` / `to_add_out`) go through `hooks`.
-        let (attn_video, attn_text) = joint_output(
-            hooks,
-            Submodule::SelfAttention,
-            hidden.dims(),
-            Some(encoder.dims()),
-            || {
-                self.attend(hidden, encoder, m, c, inputs)
-                    .map(|(v, t)| (v, Some(t)))
-            },
-        )?;
-        let attn_text = carried(attn_text, "the joint attention's text output")?;
-        Ok((
-            gated(hidden, attn_video, &m[2])?,
-            gated(encoder, attn_text, &c[2])?,
-        ))
+        gated_joint_attention(hooks, (hidden, encoder), (m, c), || {
+            self.attend(hidden, encoder, m, c, inputs)
+        })
     }
 
     /// `attn` itself: the modulated norms, the joint attention and its output projections.
