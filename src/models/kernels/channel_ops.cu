@@ -114,6 +114,25 @@ constexpr int TILE_C = 32, TILE_W = 64, WARPS = 8;
 
 __device__ __forceinline__ int clamp_to(int v, int hi) { return min(max(v, 0), hi); }
 
+// Tile t of the moves' grid: batch entries of n frames of `rows` rows, each row's channels and
+// columns in tiles (columns fastest).
+struct Tile {
+  long b, f;
+  int row, c0, w0;
+};
+__device__ __forceinline__ Tile tile_at(long t, long n, int rows, int c_tiles, int w_tiles) {
+  Tile at;
+  at.w0 = (int)(t % w_tiles) * TILE_W;
+  t /= w_tiles;
+  at.c0 = (int)(t % c_tiles) * TILE_C;
+  t /= c_tiles;
+  at.row = (int)(t % rows);
+  t /= rows;
+  at.f = t % n;
+  at.b = t / n;
+  return at;
+}
+
 // out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from frames-major x [B, T, C, h, w]: frame f
 // is x's frame index[f], rows and columns outside x replicate its edge (copies).
 template <typename T>
@@ -126,14 +145,9 @@ __device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__
   const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (wp + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
-    long q = t;
-    const int w0 = (int)(q % w_tiles) * TILE_W;
-    q /= w_tiles;
-    const int c0 = (int)(q % c_tiles) * TILE_C;
-    q /= c_tiles;
-    const int row = (int)(q % hp);
-    q /= hp;
-    const long f = q % n, b = q / n;
+    const Tile at = tile_at(t, n, hp, c_tiles, w_tiles);
+    const long b = at.b, f = at.f;
+    const int row = at.row, c0 = at.c0, w0 = at.w0;
     const int sy = clamp_to(row - ph, h - 1);
     const int cols = min(TILE_W, wp - w0), chans = min(TILE_C, channels - c0);
     // Rows of x: channel c0 + k, padded columns w0 + lane (+ 32).
@@ -163,14 +177,9 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
   const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (w + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
-    long q = t;
-    const int w0 = (int)(q % w_tiles) * TILE_W;
-    q /= w_tiles;
-    const int c0 = (int)(q % c_tiles) * TILE_C;
-    q /= c_tiles;
-    const int row = (int)(q % h);
-    q /= h;
-    const long f = q % n, b = q / n;
+    const Tile at = tile_at(t, n, h, c_tiles, w_tiles);
+    const long b = at.b, f = at.f;
+    const int row = at.row, c0 = at.c0, w0 = at.w0;
     const int cols = min(TILE_W, w - w0), chans = min(TILE_C, channels - c0);
     // Rows of y: column w0 + j, channels c0 + lane.
     const T *src = y + (((b * n + f) * h + row) * (long)w + w0) * channels + c0;

@@ -132,59 +132,27 @@ pub(crate) fn gather_padded_frames(
     pad_h: usize,
     pad_w: usize,
 ) -> Result<Tensor> {
-    let func = func("gather_padded_frames", x)?;
-    let (b, t, c, h, w) = x.dims5()?;
-    if index.iter().any(|&i| i as usize >= t) || h == 0 || w == 0 {
-        candle_core::bail!("gather frames: {index:?} of {:?}", x.shape())
-    }
-    let x = x.contiguous()?;
-    let n = index.len();
-    let index = Tensor::new(index, x.device())?;
-    // SAFETY: the kernel writes every element before anything reads it.
-    let out = unsafe {
-        Tensor::empty(
-            (b, c, n, h + 2 * pad_h, w + 2 * pad_w),
-            x.dtype(),
-            x.device(),
-        )
-    }?;
-    // A warp per output row.
-    let rows = b * c * n * (h + 2 * pad_h);
-    out.inplace_op1(&item_launch(
-        &CHANNEL_OPS,
-        func,
-        rows * 32,
-        vec![
-            Arg::Tensor(Some(&x)),
-            Arg::Dst,
-            Arg::Tensor(Some(&index)),
-            Arg::Int(c as i32),
-            Arg::Long(t as i64),
-            Arg::Long(n as i64),
-            Arg::Int(h as i32),
-            Arg::Int(w as i32),
-            Arg::Int(pad_h as i32),
-            Arg::Int(pad_w as i32),
-            Arg::Long(rows as i64),
-        ],
-    ))?;
-    Ok(out)
+    gather(x, index, (pad_h, pad_w), false)
 }
 
-/// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 32
-/// channels by 64 columns.
-const TILE: (usize, usize) = (32, 64);
-
 /// [`gather_padded_frames`] into cuDNN's channels-last layout: `[B, N, H + 2 pad_h, W + 2 pad_w,
-/// C]` from the frames-major `x` `[B, T, C, H, W]`, in one tiled pass (cuDNN transposes a
-/// channels-first input itself, one more pass).
+/// C]`, in one tiled pass (cuDNN transposes a channels-first input itself, one more pass).
 pub(crate) fn gather_padded_frames_channels_last(
     x: &Tensor,
     index: &[u32],
     pad_h: usize,
     pad_w: usize,
 ) -> Result<Tensor> {
-    let func = func("gather_padded_frames_cl", x)?;
+    gather(x, index, (pad_h, pad_w), true)
+}
+
+/// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 32
+/// channels by 64 columns.
+const TILE: (usize, usize) = (32, 64);
+
+/// The padded frames `index` of `x`, channels first (a warp per output row) or last (a block
+/// per tile).
+fn gather(x: &Tensor, index: &[u32], (pad_h, pad_w): (usize, usize), last: bool) -> Result<Tensor> {
     let (b, t, c, h, w) = x.dims5()?;
     if index.iter().any(|&i| i as usize >= t) || h == 0 || w == 0 || c == 0 {
         candle_core::bail!("gather frames: {index:?} of {:?}", x.shape())
@@ -192,28 +160,42 @@ pub(crate) fn gather_padded_frames_channels_last(
     let x = x.contiguous()?;
     let n = index.len();
     let (hp, wp) = (h + 2 * pad_h, w + 2 * pad_w);
-    let index = Tensor::new(index, x.device())?;
+    let shape = match last {
+        true => (b, n, hp, wp, c),
+        false => (b, c, n, hp, wp),
+    };
     // SAFETY: the kernel writes every element before anything reads it.
-    let out = unsafe { Tensor::empty((b, n, hp, wp, c), x.dtype(), x.device()) }?;
-    let tiles = b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1);
-    out.inplace_op1(&row_launch(
-        &CHANNEL_OPS,
-        func,
-        tiles.min(MAX_TILE_BLOCKS),
-        vec![
-            Arg::Tensor(Some(&x)),
-            Arg::Dst,
-            Arg::Tensor(Some(&index)),
-            Arg::Int(c as i32),
-            Arg::Long(t as i64),
-            Arg::Long(n as i64),
-            Arg::Int(h as i32),
-            Arg::Int(w as i32),
-            Arg::Int(pad_h as i32),
-            Arg::Int(pad_w as i32),
-            Arg::Long(tiles as i64),
-        ],
-    ))?;
+    let out = unsafe { Tensor::empty(shape, x.dtype(), x.device()) }?;
+    let index = Tensor::new(index, x.device())?;
+    let items = match last {
+        true => b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1),
+        false => b * c * n * hp,
+    };
+    let args = vec![
+        Arg::Tensor(Some(&x)),
+        Arg::Dst,
+        Arg::Tensor(Some(&index)),
+        Arg::Int(c as i32),
+        Arg::Long(t as i64),
+        Arg::Long(n as i64),
+        Arg::Int(h as i32),
+        Arg::Int(w as i32),
+        Arg::Int(pad_h as i32),
+        Arg::Int(pad_w as i32),
+        Arg::Long(items as i64),
+    ];
+    out.inplace_op1(&match last {
+        true => {
+            let func = func("gather_padded_frames_cl", &x)?;
+            row_launch(&CHANNEL_OPS, func, items.min(MAX_TILE_BLOCKS), args)
+        }
+        false => item_launch(
+            &CHANNEL_OPS,
+            func("gather_padded_frames", &x)?,
+            items * 32,
+            args,
+        ),
+    })?;
     Ok(out)
 }
 
