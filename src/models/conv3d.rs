@@ -438,12 +438,25 @@ fn add_broadcast_plus(y: &Tensor, addend: &Tensor, residual: Option<&Tensor>) ->
             return add_channel_bias(y, &addend.flatten_all()?, BiasOut::New, residual);
         }
     }
-    let sum = y.broadcast_add(addend)?;
-    match residual {
-        Some(r) => sum + r,
-        None => Ok(sum),
-    }
+    plus(y.broadcast_add(addend)?, residual)
 }
+
+/// `y + residual` (of one shape) where a residual is given, by runs along dim 1 (frames or
+/// channels: the add is element-wise): candle's element-wise kernels index with 32 bits, and a
+/// full-resolution activation can be larger (Mochi's at 85x480x848).
+pub fn plus(y: Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    let Some(r) = residual else {
+        return Ok(y);
+    };
+    let len = y.dim(1)?;
+    let per_slice = (y.elem_count() / len.max(1)).max(1);
+    crate::models::runs::in_runs(len, PLUS_RUN_ELEMENTS / per_slice, 1, |first, n| {
+        y.narrow(1, first, n)? + r.narrow(1, first, n)?
+    })
+}
+
+/// Elements [`plus`] adds at once at most.
+const PLUS_RUN_ELEMENTS: usize = 1 << 26;
 
 /// `t` contiguous and starting on a 16-byte boundary (what cuDNN's vectorized kernels assume).
 #[cfg(feature = "cuda")]

@@ -543,8 +543,8 @@ pub fn joint_output(
 }
 
 /// A block's hooks with its `from` output handed on as `to`: a module that diffusers' hooks
-/// classify otherwise than its place in the block says (Latte's temporal `attn1`, LTX-Video's
-/// `attn2`).
+/// classify otherwise than its place in a shared block says (Latte's temporal blocks are PixArt
+/// blocks whose `attn1` PAB takes for temporal attention).
 pub struct Reclassified<'h> {
     pub hooks: &'h mut dyn BlockHooks,
     pub from: Submodule,

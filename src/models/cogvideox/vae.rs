@@ -382,10 +382,7 @@ impl CausalConv3d {
         }
         let out =
             out.ok_or_else(|| candle_core::Error::Msg("causal conv3d on zero frames".into()))?;
-        match residual {
-            Some(r) => out + r,
-            None => Ok(out),
-        }
+        conv3d::plus(out, residual)
     }
 }
 

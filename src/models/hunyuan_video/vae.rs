@@ -480,10 +480,10 @@ impl CausalConv3d {
         if let Some(w) = self.kernel.whole() {
             let whole = || self.forward_whole(w, x, residual, RUN_ELEMENTS);
             if let Some((y, added)) = conv3d::or_fallback(whole) {
-                return plus(y, residual.filter(|_| !added));
+                return conv3d::plus(y, residual.filter(|_| !added));
             }
         }
-        plus(self.forward_bounded(x, MAX_IM2COL_ELEMENTS)?, residual)
+        conv3d::plus(self.forward_bounded(x, MAX_IM2COL_ELEMENTS)?, residual)
     }
 
     /// The conv as 3D convolutions (cuDNN) over runs of output frames, each from a
@@ -657,19 +657,6 @@ impl ResnetBlock {
         };
         self.conv2.forward_plus(&normed, Some(&residual))
     }
-}
-
-/// `y + residual` (frames-major, of one shape) by runs of frames: candle's element-wise kernels
-/// index with 32 bits, and a full-resolution activation can be larger.
-fn plus(y: Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
-    let Some(r) = residual else {
-        return Ok(y);
-    };
-    let frames = y.dim(1)?;
-    let per_frame = (y.elem_count() / frames.max(1)).max(1);
-    in_runs(frames, RUN_ELEMENTS / per_frame, 1, |first, n| {
-        y.narrow(1, first, n)? + r.narrow(1, first, n)?
-    })
 }
 
 /// The mid-block attention: GroupNorm, one head over all positions, frame-causal (a position

@@ -475,10 +475,7 @@ impl CausalConv3d {
             .reshape((b, t_out, cout, ho, wo))?
             .permute((0, 2, 1, 3, 4))?
             .contiguous()?;
-        match residual {
-            Some(r) => y + r,
-            None => Ok(y),
-        }
+        conv3d::plus(y, residual)
     }
 }
 
