@@ -152,6 +152,34 @@ pub fn conv3d_channels_last(
     Ok(None)
 }
 
+/// Output frames `first..` of a convolution of frames gathered from `x` (laid out as `layout`),
+/// computed channels last: the frames `index` gathered with `replicate` (height, width) edges
+/// copied outwards, convolved by [`conv3d_channels_last`] (`w_last` `[C_out, kt, kh, kw, C_in]`,
+/// `stride`, zero `padding`), and stored with `bias` (and `residual`, of `out`'s shape) into
+/// `out` of `layout`: one pass each side of the convolution. `false` where no channels-last
+/// convolution takes the shape (nothing is stored).
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_frames_channels_last(
+    (x, layout): (&Tensor, crate::models::channel_ops::VideoLayout),
+    index: &[u32],
+    replicate: (usize, usize),
+    (w_last, stride, padding): (&Tensor, [usize; 3], [usize; 3]),
+    bias: &Tensor,
+    out: &Tensor,
+    first: usize,
+    residual: Option<&Tensor>,
+) -> Result<bool> {
+    use crate::models::channel_ops::{gather_padded_frames_channels_last, store_channels_last};
+    let frames = gather_padded_frames_channels_last(x, index, replicate.0, replicate.1, layout)?;
+    let Some(y) = conv3d_channels_last(&frames, w_last, stride, padding)? else {
+        return Ok(false);
+    };
+    drop(frames);
+    store_channels_last(&y, bias, (out, layout), first, residual)?;
+    Ok(true)
+}
+
 /// Whether [`conv3d_channels_last`] runs the own kernel: where it outruns cuDNN, or where cuDNN
 /// is not loaded and it takes the shape.
 #[cfg(feature = "cuda")]
@@ -389,34 +417,42 @@ pub fn or_fallback<T>(f: impl FnOnce() -> Result<Option<T>>) -> Option<T> {
     }
 }
 
-/// `y` `[B, C, ...]` plus a per-channel `bias` (`C` values of `y`'s dtype): on CUDA one pass of
-/// the fused kernel (the same sums, rounded once, as candle's broadcast add, which walks every
-/// dimension's index per element), else candle's broadcast add.
-pub fn add_channel_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+/// A convolution's fresh output `y` `[B, C, ...]` plus a per-channel `bias` (`C` values of
+/// `y`'s dtype): on CUDA one pass of the fused kernel into `y`'s own memory (the same sums,
+/// rounded once, as candle's broadcast add, which walks every dimension's index per element),
+/// else candle's broadcast add.
+pub fn add_channel_bias(y: Tensor, bias: &Tensor) -> Result<Tensor> {
     add_channel_bias_plus(y, bias, None)
 }
 
 /// [`add_channel_bias`], then plus `residual` (of `y`'s shape) where given: a resnet's
 /// `conv(h) + x` in the same pass on CUDA (the same bits as the two adds).
 pub fn add_channel_bias_plus(
-    y: &Tensor,
+    y: Tensor,
     bias: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let mut shape = vec![1; y.rank()];
     shape[1] = bias.elem_count();
-    add_broadcast_plus(y, &bias.reshape(shape)?, residual)
+    add_broadcast_plus(&y, &bias.reshape(shape)?, residual, true)
 }
 
 /// `y` `[B, C, F, ...]` plus `addend`, which `y` broadcasts over batch and frames (`[1, C, 1,
 /// ...]` with ones or `y`'s sizes after, of `y`'s dtype): the fused kernel on CUDA, as
-/// [`add_channel_bias`], else candle's broadcast add.
+/// [`add_channel_bias`] (into a new tensor), else candle's broadcast add.
 pub fn add_broadcast(y: &Tensor, addend: &Tensor) -> Result<Tensor> {
-    add_broadcast_plus(y, addend, None)
+    add_broadcast_plus(y, addend, None, false)
 }
 
-/// [`add_broadcast`], then plus `residual` where given.
-fn add_broadcast_plus(y: &Tensor, addend: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+/// [`add_broadcast`], then plus `residual` where given; stored into `y` where `in_place` (its
+/// caller's own fresh tensor).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn add_broadcast_plus(
+    y: &Tensor,
+    addend: &Tensor,
+    residual: Option<&Tensor>,
+    in_place: bool,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if y.device().is_cuda()
         && y.rank() >= 3
@@ -435,7 +471,12 @@ fn add_broadcast_plus(y: &Tensor, addend: &Tensor, residual: Option<&Tensor>) ->
         let fused_residual = residual.is_none_or(|r| r.dims() == wanted && r.is_contiguous());
         if over_batch_and_frames && addend.dtype() == y.dtype() && fused_residual {
             use crate::models::channel_ops::{add_channel_bias, BiasOut};
-            return add_channel_bias(y, &addend.flatten_all()?, BiasOut::New, residual);
+            let out = if in_place {
+                BiasOut::InPlace
+            } else {
+                BiasOut::New
+            };
+            return add_channel_bias(y, &addend.flatten_all()?, out, residual);
         }
     }
     plus(y.broadcast_add(addend)?, residual)

@@ -309,7 +309,7 @@ impl Conv3d {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = conv3d_anywhere(&x.contiguous()?, &self.weight, self.stride, self.padding)?;
-        add_channel_bias(&y, &self.bias)
+        add_channel_bias(y, &self.bias)
     }
 }
 

@@ -51,7 +51,7 @@ impl Conv2d {
                     [1, s, s],
                     [0, p, p],
                 )? {
-                    Some(y) => Ok(Some(conv3d::add_channel_bias(&y, &self.bias)?.squeeze(2)?)),
+                    Some(y) => Ok(Some(conv3d::add_channel_bias(y, &self.bias)?.squeeze(2)?)),
                     None => Ok(None),
                 }
             };
@@ -93,10 +93,14 @@ impl ResnetBlock2D {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.norm1.forward_then(x, None, true)?;
-        let h = self.conv1.forward(&h)?;
-        let h = self.norm2.forward_then(&h, None, true)?;
-        let h = self.conv2.forward(&h)?;
+        // Each intermediate dropped as the next exists (a shadowed binding lives to the end).
+        let h = self
+            .conv1
+            .forward(&self.norm1.forward_then(x, None, true)?)?;
+        let normed = self.norm2.forward_then(&h, None, true)?;
+        drop(h);
+        let h = self.conv2.forward(&normed)?;
+        drop(normed);
         match &self.shortcut {
             Some(conv) => conv.forward(x)? + h,
             None => x + h,

@@ -342,7 +342,7 @@ impl CausalConv3d {
                 };
                 match conv3d::conv3d(&padded, w, [1; 3], [0, self.pad, self.pad])? {
                     Some(y) => Ok(Some(conv3d::add_channel_bias_plus(
-                        &y, &self.bias, residual,
+                        y, &self.bias, residual,
                     )?)),
                     None => Ok(None),
                 }
@@ -558,14 +558,17 @@ impl ResnetBlock3D {
     }
 
     fn forward(&self, x: &Tensor, zq: Option<&Tensor>, cache: &mut ConvCache) -> Result<Tensor> {
-        let h = self.norm1.forward_silu(x, zq)?;
-        let h = self.conv1.forward(&h, Some(cache))?;
-        let h = self.norm2.forward_silu(&h, zq)?;
+        // Each intermediate dropped as the next exists (a shadowed binding lives to the end).
+        let h = self
+            .conv1
+            .forward(&self.norm1.forward_silu(x, zq)?, Some(cache))?;
+        let normed = self.norm2.forward_silu(&h, zq)?;
+        drop(h);
         let res = match &self.shortcut {
             Some(conv) => conv.forward(x, None)?,
             None => x.clone(),
         };
-        self.conv2.forward_plus(&h, Some(cache), Some(&res))
+        self.conv2.forward_plus(&normed, Some(cache), Some(&res))
     }
 }
 

@@ -527,8 +527,7 @@ impl CausalConv3d {
             // where a channels-last convolution runs (cuDNN's NDHWC kernels read it without
             // transposing: the gather and the store transpose instead).
             use crate::models::channel_ops::{
-                add_channel_bias, gather_padded_frames, gather_padded_frames_channels_last,
-                store_channels_last, BiasOut,
+                add_channel_bias, gather_padded_frames, BiasOut, VideoLayout,
             };
             let (kh, kw) = (w.dim(3)?, w.dim(4)?);
             let (h_out, w_out) = ((h + 2 * ph - kh) / ss + 1, (wd + 2 * pw - kw) / ss + 1);
@@ -542,9 +541,19 @@ impl CausalConv3d {
             let stride = [st, ss, ss];
             for first in (0..t_out).step_by(per_run) {
                 let index = frames_of(first, per_run.min(t_out - first));
-                let frames = gather_padded_frames_channels_last(x, &index, ph, pw)?;
-                if let Some(y) = conv3d::conv3d_channels_last(&frames, &w_last, stride, [0; 3])? {
-                    store_channels_last(&y, &self.bias, &out, first, residual)?;
+                let input = (x, VideoLayout::FramesMajor);
+                let conv = (&w_last, stride, [0; 3]);
+                let bias = &self.bias;
+                if conv3d::conv_frames_channels_last(
+                    input,
+                    &index,
+                    (ph, pw),
+                    conv,
+                    bias,
+                    &out,
+                    first,
+                    residual,
+                )? {
                     continue;
                 }
                 let frames = gather_padded_frames(x, &index, ph, pw)?;

@@ -3,7 +3,7 @@
 // the largest kernel of the CogVideoX decode), optionally stored frames-major into a larger
 // output; and the frames a causal convolution reads, gathered from a frames-major activation
 // with replicate padding into the convolution's channel-major layout (an index_select, two pads
-// and a transposing copy before).
+// and a transposing copy before); and a per-position Linear's output expanded depth to space.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -133,13 +133,24 @@ __device__ __forceinline__ Tile tile_at(long t, long n, int rows, int c_tiles, i
   return at;
 }
 
-// out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from frames-major x [B, T, C, h, w]: frame f
-// is x's frame index[f], rows and columns outside x replicate its edge (copies).
+// Strides (elements) of a frame and of a channel in a video [B, T, C, h, w] (frames-major) or
+// [B, C, T, h, w] (channels first) of T frames; a batch entry is C T h w either way.
+struct Strides {
+  long frame, channel;
+};
+__device__ __forceinline__ Strides strides_of(int channels_first, int channels, long frames,
+                                              long plane) {
+  return channels_first ? Strides{plane, frames * plane} : Strides{channels * plane, plane};
+}
+
+// out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from x [B, T, C, h, w] (or, where
+// `channels_first`, [B, C, T, h, w]): frame f is x's frame index[f], rows and columns outside x
+// replicate its edge (copies).
 template <typename T>
 __device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__ out,
                                         const uint32_t *__restrict__ index, int channels,
                                         long frames, long n, int h, int w, int ph, int pw,
-                                        long tiles) {
+                                        long tiles, int channels_first) {
   __shared__ T tile[TILE_C][TILE_W + 4 / sizeof(T)];  // a bank-conflict-free column
   const int hp = h + 2 * ph, wp = w + 2 * pw;
   const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (wp + TILE_W - 1) / TILE_W;
@@ -151,9 +162,12 @@ __device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__
     const int sy = clamp_to(row - ph, h - 1);
     const int cols = min(TILE_W, wp - w0), chans = min(TILE_C, channels - c0);
     // Rows of x: channel c0 + k, padded columns w0 + lane (+ 32).
-    const T *frame = x + ((b * frames + index[f]) * channels + c0) * (long)h * w + (long)sy * w;
+    const long plane = (long)h * w;
+    const Strides at_x = strides_of(channels_first, channels, frames, plane);
+    const T *frame = x + b * channels * frames * plane + index[f] * at_x.frame +
+                     c0 * at_x.channel + (long)sy * w;
     for (int k = warp; k < chans; k += WARPS) {
-      const T *src = frame + (long)k * h * w;
+      const T *src = frame + k * at_x.channel;
       for (int j = lane; j < cols; j += 32) tile[k][j] = src[clamp_to(w0 + j - pw, w - 1)];
     }
     __syncthreads();
@@ -166,13 +180,14 @@ __device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__
 }
 
 // y [B, n, h, w, C] (channels last, a convolution's output) + bias[c], rounded to T (then + res,
-// of out's layout, rounded again, where res is given: as add_channel_bias), stored frames-major
-// at out[b, first + f, c, :, :] of out [B, out_frames, C, h, w].
+// of out's layout, rounded again, where res is given: as add_channel_bias), stored at
+// out[b, first + f, c, :, :] of out [B, out_frames, C, h, w] (or, where `channels_first`, at
+// out[b, c, first + f, :, :] of out [B, C, out_frames, h, w]).
 template <typename T>
 __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out,
                                     const float *__restrict__ bias, const T *__restrict__ res,
                                     int channels, long n, int h, int w, long out_frames,
-                                    long first, long tiles) {
+                                    long first, long tiles, int channels_first) {
   __shared__ T tile[TILE_C][TILE_W + 4 / sizeof(T)];  // a bank-conflict-free column
   const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (w + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -188,17 +203,63 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
     __syncthreads();
     // Rows of out: channel c0 + k, columns w0 + lane (+ 32).
     const long plane = (long)h * w;
-    const long base = ((b * out_frames + first + f) * channels + c0) * plane + (long)row * w + w0;
+    const Strides at_out = strides_of(channels_first, channels, out_frames, plane);
+    const long base = b * channels * out_frames * plane + (first + f) * at_out.frame +
+                      c0 * at_out.channel + (long)row * w + w0;
     for (int k = warp; k < chans; k += WARPS) {
       const float add = bias[c0 + k];
       for (int j = lane; j < cols; j += 32) {
-        const long dst = base + k * plane + j;
+        const long dst = base + k * at_out.channel + j;
         float v = round_to_storage<T>(__fadd_rn(load(&tile[k][j], 0), add));
         if (res) v = __fadd_rn(v, load(res, dst));
         store(out, dst, v);
       }
     }
     __syncthreads();
+  }
+}
+
+// y [B, n, C, st, s, s, h, w] (a per-position Linear's output: channel (c, t', h', w')) +
+// bias[channel of y], rounded to T (as add_channel_bias), stored at out[b, first + f st + t', c,
+// hh s + h', ww s + w'] of out [B, out_frames, C, h s, w s]: diffusers' view and permute that
+// expand time and space, and the Linear's bias, in one pass (a strided copy walking eight
+// dimensions per element and a broadcast add before). A warp per output row, the row's source
+// found once; a lane per source column stores its s output columns (one store where s is 2).
+template <typename T>
+__device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
+                               const float *__restrict__ bias, int channels, int st, int s, int h,
+                               int w, long n, long out_frames, long first, long rows) {
+  const int hs = h * s;
+  const long plane = (long)h * w;
+  const int lane = threadIdx.x % 32;
+  const long warps = (long)gridDim.x * blockDim.x / 32;
+  for (long r = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
+    const int row = (int)(r % hs);
+    long q = r / hs;
+    const int c = (int)(q % channels);
+    q /= channels;
+    const long tf = q % (n * st), b = q / (n * st);
+    const long f = tf / st;
+    const int tp = (int)(tf % st), hp = row % s, hh = row / s;
+    const long ch0 = (((long)c * st + tp) * s + hp) * s;  // y's channel of w' = 0
+    const T *src = y + ((b * n + f) * channels * st * s * s + ch0) * plane + (long)hh * w;
+    T *dst = out + (((b * out_frames + first + tf) * channels + c) * hs + row) * (long)w * s;
+    const float *add = bias + ch0;
+    if (s == 2) {
+      struct alignas(2 * sizeof(T)) Pair {
+        T e[2];
+      };
+      for (int ww = lane; ww < w; ww += 32) {
+        Pair p;
+        store(p.e, 0, __fadd_rn(load(src, ww), add[0]));
+        store(p.e, 1, __fadd_rn(load(src, plane + ww), add[1]));
+        reinterpret_cast<Pair *>(dst)[ww] = p;
+      }
+    } else {
+      for (int ww = lane; ww < w; ww += 32)
+        for (int wp = 0; wp < s; ++wp)
+          store(dst, (long)ww * s + wp, __fadd_rn(load(src, wp * plane + ww), add[wp]));
+    }
   }
 }
 
@@ -219,14 +280,23 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) gather_padded_frames_cl_##NAME(     \
       const T *__restrict__ x, T *__restrict__ out, const uint32_t *__restrict__ index,         \
-      int channels, long frames, long n, int h, int w, int ph, int pw, long tiles) {            \
-    gather_padded_frames_cl(x, out, index, channels, frames, n, h, w, ph, pw, tiles);           \
+      int channels, long frames, long n, int h, int w, int ph, int pw, long tiles,              \
+      int channels_first) {                                                                     \
+    gather_padded_frames_cl(x, out, index, channels, frames, n, h, w, ph, pw, tiles,            \
+                            channels_first);                                                    \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) store_channels_last_##NAME(          \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
       const T *__restrict__ res, int channels, long n, int h, int w, long out_frames,           \
-      long first, long tiles) {                                                                 \
-    store_channels_last(y, out, bias, res, channels, n, h, w, out_frames, first, tiles);        \
+      long first, long tiles, int channels_first) {                                             \
+    store_channels_last(y, out, bias, res, channels, n, h, w, out_frames, first, tiles,         \
+                        channels_first);                                                        \
+  }                                                                                             \
+  extern "C" __global__ void depth_to_space_##NAME(                                             \
+      const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
+      int channels, int st, int s, int h, int w, long n, long out_frames, long first,          \
+      long rows) {                                                                              \
+    depth_to_space(y, out, bias, channels, st, s, h, w, n, out_frames, first, rows);            \
   }
 
 CHANNEL_OPS(f32, float)

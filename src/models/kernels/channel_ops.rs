@@ -1,6 +1,7 @@
 //! The moves around the VAEs' convolutions (`channel_ops.cu`), each one pass over memory: a
 //! convolution's per-channel bias (optionally stored frames-major into a larger output), and the
-//! frames a causal convolution reads gathered with replicate padding into its layout.
+//! frames a causal convolution reads gathered with replicate padding into its layout, and a
+//! per-position Linear's channels expanded into frames, rows and columns (depth to space).
 
 use candle_core::{DType, Result, Tensor};
 
@@ -19,6 +20,8 @@ fn func(name: &str, x: &Tensor) -> Result<&'static str> {
         ("gather_padded_frames_cl", DType::F32) => "gather_padded_frames_cl_f32",
         ("store_channels_last", DType::BF16) => "store_channels_last_bf16",
         ("store_channels_last", DType::F32) => "store_channels_last_f32",
+        ("depth_to_space", DType::BF16) => "depth_to_space_bf16",
+        ("depth_to_space", DType::F32) => "depth_to_space_f32",
         (name, other) => candle_core::bail!("{name} kernel: {other:?} activations"),
     })
 }
@@ -27,6 +30,9 @@ fn func(name: &str, x: &Tensor) -> Result<&'static str> {
 pub(crate) enum BiasOut<'a> {
     /// A new tensor of `y`'s shape.
     New,
+    /// `y`'s own memory, where `y` is contiguous (else a new tensor): for a convolution's fresh
+    /// output, which nothing else holds (one activation less at a decode's peak).
+    InPlace,
     /// Frames `first..first + F` of a frames-major `[B, T, C, ...]` output, in place.
     FramesOf(&'a Tensor, usize),
 }
@@ -58,10 +64,12 @@ pub(crate) fn add_channel_bias(
         )
     }
     let (b, c, frames) = (dims[0], dims[1], dims[2]);
+    let in_place = matches!(out, BiasOut::InPlace) && y.is_contiguous();
     let y = y.contiguous()?;
     let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
     let (dst, frames_major, out_frames, first) = match out {
-        BiasOut::New => {
+        BiasOut::InPlace if in_place => (y.clone(), false, frames, 0),
+        BiasOut::New | BiasOut::InPlace => {
             // SAFETY: the kernel writes every element before anything reads it.
             let dst = unsafe { Tensor::empty(y.shape(), y.dtype(), y.device()) }?;
             (dst, false, frames, 0)
@@ -106,7 +114,12 @@ pub(crate) fn add_channel_bias(
         func,
         items,
         vec![
-            Arg::Tensor(Some(&y)),
+            // In place, the destination's own pointer: its storage is locked for writing.
+            if in_place {
+                Arg::Dst
+            } else {
+                Arg::Tensor(Some(&y))
+            },
             Arg::Dst,
             Arg::Tensor(Some(&bias)),
             Arg::Tensor(residual),
@@ -124,6 +137,26 @@ pub(crate) fn add_channel_bias(
     Ok(dst)
 }
 
+/// How a video's frames and channels lie in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum VideoLayout {
+    /// `[B, T, C, H, W]`: the VAEs that run their frames as images (HunyuanVideo, Mochi-1).
+    FramesMajor,
+    /// `[B, C, T, H, W]`: diffusers' layout (LTX-Video).
+    ChannelsFirst,
+}
+
+impl VideoLayout {
+    /// `(B, T, C, H, W)` of a video in this layout.
+    fn dims(self, video: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+        let (b, d1, d2, h, w) = video.dims5()?;
+        Ok(match self {
+            VideoLayout::FramesMajor => (b, d1, d2, h, w),
+            VideoLayout::ChannelsFirst => (b, d2, d1, h, w),
+        })
+    }
+}
+
 /// `[B, C, N, H + 2 pad_h, W + 2 pad_w]` from the frames-major `x` `[B, T, C, H, W]` (bf16 or
 /// f32, on CUDA): frame `n` is `x`'s frame `index[n]`, its edges replicated outwards.
 pub(crate) fn gather_padded_frames(
@@ -132,28 +165,35 @@ pub(crate) fn gather_padded_frames(
     pad_h: usize,
     pad_w: usize,
 ) -> Result<Tensor> {
-    gather(x, index, (pad_h, pad_w), false)
+    gather(x, index, (pad_h, pad_w), None)
 }
 
-/// [`gather_padded_frames`] into cuDNN's channels-last layout: `[B, N, H + 2 pad_h, W + 2 pad_w,
-/// C]`, in one tiled pass (cuDNN transposes a channels-first input itself, one more pass).
+/// [`gather_padded_frames`] into cuDNN's channels-last layout, from `x` in `layout`: `[B, N, H +
+/// 2 pad_h, W + 2 pad_w, C]`, in one tiled pass (cuDNN transposes a channels-first input itself,
+/// one more pass).
 pub(crate) fn gather_padded_frames_channels_last(
     x: &Tensor,
     index: &[u32],
     pad_h: usize,
     pad_w: usize,
+    layout: VideoLayout,
 ) -> Result<Tensor> {
-    gather(x, index, (pad_h, pad_w), true)
+    gather(x, index, (pad_h, pad_w), Some(layout))
 }
 
 /// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 32
 /// channels by 64 columns.
 const TILE: (usize, usize) = (32, 64);
 
-/// The padded frames `index` of `x`, channels first (a warp per output row) or last (a block
-/// per tile).
-fn gather(x: &Tensor, index: &[u32], (pad_h, pad_w): (usize, usize), last: bool) -> Result<Tensor> {
-    let (b, t, c, h, w) = x.dims5()?;
+/// The padded frames `index` of `x`, channels first from a frames-major `x` (a warp per output
+/// row), or last from `x` in the layout given (a block per tile).
+fn gather(
+    x: &Tensor,
+    index: &[u32],
+    (pad_h, pad_w): (usize, usize),
+    last: Option<VideoLayout>,
+) -> Result<Tensor> {
+    let (b, t, c, h, w) = last.unwrap_or(VideoLayout::FramesMajor).dims(x)?;
     if index.iter().any(|&i| i as usize >= t) || h == 0 || w == 0 || c == 0 {
         candle_core::bail!("gather frames: {index:?} of {:?}", x.shape())
     }
@@ -161,17 +201,17 @@ fn gather(x: &Tensor, index: &[u32], (pad_h, pad_w): (usize, usize), last: bool)
     let n = index.len();
     let (hp, wp) = (h + 2 * pad_h, w + 2 * pad_w);
     let shape = match last {
-        true => (b, n, hp, wp, c),
-        false => (b, c, n, hp, wp),
+        Some(_) => (b, n, hp, wp, c),
+        None => (b, c, n, hp, wp),
     };
     // SAFETY: the kernel writes every element before anything reads it.
     let out = unsafe { Tensor::empty(shape, x.dtype(), x.device()) }?;
     let index = Tensor::new(index, x.device())?;
     let items = match last {
-        true => b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1),
-        false => b * c * n * hp,
+        Some(_) => b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1),
+        None => b * c * n * hp,
     };
-    let args = vec![
+    let mut args = vec![
         Arg::Tensor(Some(&x)),
         Arg::Dst,
         Arg::Tensor(Some(&index)),
@@ -185,11 +225,12 @@ fn gather(x: &Tensor, index: &[u32], (pad_h, pad_w): (usize, usize), last: bool)
         Arg::Long(items as i64),
     ];
     out.inplace_op1(&match last {
-        true => {
+        Some(layout) => {
+            args.push(Arg::Int(i32::from(layout == VideoLayout::ChannelsFirst)));
             let func = func("gather_padded_frames_cl", &x)?;
             row_launch(&CHANNEL_OPS, func, items.min(MAX_TILE_BLOCKS), args)
         }
-        false => item_launch(
+        None => item_launch(
             &CHANNEL_OPS,
             func("gather_padded_frames", &x)?,
             items * 32,
@@ -203,19 +244,18 @@ fn gather(x: &Tensor, index: &[u32], (pad_h, pad_w): (usize, usize), last: bool)
 const MAX_TILE_BLOCKS: usize = 1 << 16;
 
 /// A channels-last convolution output `y` `[B, N, H, W, C]` plus its per-channel `bias` (and
-/// `residual`, of `out`'s shape, where given), stored as frames `first..first + N` of the
-/// frames-major `out` `[B, T, C, H, W]`: [`add_channel_bias`]'s sums and roundings, transposed
-/// in the same pass.
+/// `residual`, of `out`'s shape, where given), stored as frames `first..first + N` of `out` in
+/// `layout`: [`add_channel_bias`]'s sums and roundings, transposed in the same pass.
 pub(crate) fn store_channels_last(
     y: &Tensor,
     bias: &Tensor,
-    out: &Tensor,
+    (out, layout): (&Tensor, VideoLayout),
     first: usize,
     residual: Option<&Tensor>,
 ) -> Result<()> {
     let func = func("store_channels_last", y)?;
     let (b, n, h, w, c) = y.dims5()?;
-    let (ob, ot, oc, oh, ow) = out.dims5()?;
+    let (ob, ot, oc, oh, ow) = layout.dims(out)?;
     let fits = (ob, oc, oh, ow) == (b, c, h, w)
         && first + n <= ot
         && out.dtype() == y.dtype()
@@ -248,6 +288,62 @@ pub(crate) fn store_channels_last(
             Arg::Long(ot as i64),
             Arg::Long(first as i64),
             Arg::Long(tiles as i64),
+            Arg::Int(i32::from(layout == VideoLayout::ChannelsFirst)),
+        ],
+    ))
+}
+
+/// A per-position Linear's output `y` `[B, N, C·st·s·s, H, W]` (channel `(c, t', h', w')`)
+/// plus its `bias` (one per channel of `y`), stored as frames `first..first + N·st` of the
+/// frames-major `out` `[B, T, C, H·s, W·s]`: channel `(c, t', h', w')` of input frame `f` at
+/// frame `f·st + t'`, row `h·s + h'`, column `w·s + w'`. [`add_channel_bias`]'s sum and
+/// rounding, moved in the same pass.
+pub(crate) fn depth_to_space(
+    y: &Tensor,
+    bias: &Tensor,
+    (st, s): (usize, usize),
+    out: &Tensor,
+    first: usize,
+) -> Result<()> {
+    let func = func("depth_to_space", y)?;
+    let (b, n, cy, h, w) = y.dims5()?;
+    let (ob, ot, c, oh, ow) = out.dims5()?;
+    let fits = st > 0
+        && s > 0
+        && ob == b
+        && cy == c * st * s * s
+        && (oh, ow) == (h * s, w * s)
+        && first + n * st <= ot
+        && out.dtype() == y.dtype()
+        && out.is_contiguous()
+        && bias.elem_count() == cy;
+    if !fits {
+        candle_core::bail!(
+            "depth to space: {:?} by ({st}, {s}) as frames {first}.. of {:?}",
+            y.shape(),
+            out.shape()
+        )
+    }
+    let y = y.contiguous()?;
+    let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+    let rows = b * n * st * c * oh;
+    out.inplace_op1(&item_launch(
+        &CHANNEL_OPS,
+        func,
+        rows * 32,
+        vec![
+            Arg::Tensor(Some(&y)),
+            Arg::Dst,
+            Arg::Tensor(Some(&bias)),
+            Arg::Int(c as i32),
+            Arg::Int(st as i32),
+            Arg::Int(s as i32),
+            Arg::Int(h as i32),
+            Arg::Int(w as i32),
+            Arg::Long(n as i64),
+            Arg::Long(ot as i64),
+            Arg::Long(first as i64),
+            Arg::Long(rows as i64),
         ],
     ))
 }
@@ -279,6 +375,11 @@ mod cuda_tests {
                 let want = y.broadcast_add(&bias.reshape((1, dims[1], 1, 1, 1))?)?;
                 let got = add_channel_bias(&y, &bias, BiasOut::New, None)?;
                 assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?}");
+                // In place: the sums in y's own memory.
+                let own = y.copy()?;
+                let got = add_channel_bias(&own, &bias, BiasOut::InPlace, None)?;
+                assert_eq!(max_diff(&own, &want)?, 0.0, "{dtype:?} {dims:?} in place");
+                assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?} in place");
                 // An addend per channel and position, broadcast over batch and frames.
                 let plane = (1, dims[1], 1, dims[3], dims[4]);
                 let addend = Tensor::randn(0f32, 3.0, plane, &dev)?.to_dtype(dtype)?;
@@ -351,23 +452,55 @@ mod cuda_tests {
             ] {
                 let x = Tensor::randn(0f32, 1.0, &dims[..], &dev)?.to_dtype(dtype)?;
                 let want = gather_padded_frames(&x, &index, ph, pw)?.permute((0, 2, 3, 4, 1))?;
-                let got = gather_padded_frames_channels_last(&x, &index, ph, pw)?;
+                let got = gather_padded_frames_channels_last(
+                    &x,
+                    &index,
+                    ph,
+                    pw,
+                    VideoLayout::FramesMajor,
+                )?;
                 assert_eq!(got.dims(), want.dims());
                 assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {dims:?} gather");
+                // The same frames gathered from the video laid out channels first.
+                let x_cf = x.transpose(1, 2)?.contiguous()?;
+                let got_cf = gather_padded_frames_channels_last(
+                    &x_cf,
+                    &index,
+                    ph,
+                    pw,
+                    VideoLayout::ChannelsFirst,
+                )?;
+                assert_eq!(
+                    max_diff(&got_cf, &want)?,
+                    0.0,
+                    "{dtype:?} {dims:?} gather cf"
+                );
                 // The gathered frames as a convolution's output: stored with a bias (and a
-                // residual) into frames 1.. of a frames-major output, as add_channel_bias does.
+                // residual) into frames 1.. of a frames-major output, as add_channel_bias does,
+                // and of the channels-first output, transposed.
                 let (b, n, hp, wp, c) = got.dims5()?;
                 let bias = Tensor::randn(0f32, 1.0, c, &dev)?.to_dtype(dtype)?;
                 let residual = Tensor::randn(0f32, 1.0, (b, n + 1, c, hp, wp), &dev)?;
                 let residual = residual.to_dtype(dtype)?;
-                for r in [None, Some(&residual)] {
+                let residual_cf = residual.transpose(1, 2)?.contiguous()?;
+                for (r, r_cf) in [(None, None), (Some(&residual), Some(&residual_cf))] {
                     let want_out = Tensor::zeros((b, n + 1, c, hp, wp), dtype, &dev)?;
                     let channels_first = got.permute((0, 4, 1, 2, 3))?.contiguous()?;
                     add_channel_bias(&channels_first, &bias, BiasOut::FramesOf(&want_out, 1), r)?;
                     let out = Tensor::zeros((b, n + 1, c, hp, wp), dtype, &dev)?;
-                    store_channels_last(&got, &bias, &out, 1, r)?;
+                    store_channels_last(&got, &bias, (&out, VideoLayout::FramesMajor), 1, r)?;
                     let what = format!("{dtype:?} {dims:?} store, residual {}", r.is_some());
                     assert_eq!(max_diff(&out, &want_out)?, 0.0, "{what}");
+                    let out_cf = Tensor::zeros((b, c, n + 1, hp, wp), dtype, &dev)?;
+                    store_channels_last(
+                        &got,
+                        &bias,
+                        (&out_cf, VideoLayout::ChannelsFirst),
+                        1,
+                        r_cf,
+                    )?;
+                    let want_cf = want_out.transpose(1, 2)?;
+                    assert_eq!(max_diff(&out_cf, &want_cf)?, 0.0, "{what} cf");
                 }
             }
         }
@@ -398,6 +531,48 @@ mod cuda_tests {
                 let got = gather_padded_frames(&x, &index, ph, pw)?;
                 assert_eq!(got.dims(), want.dims());
                 assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?} {index:?} {ph} {pw}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The depth-to-space store is the view, permute and broadcast add it replaces, bit for
+    /// bit: Mochi-1's expansions (time 1-3, space 2), space 3, odd columns, and runs stored
+    /// at frame offsets of one output.
+    #[test]
+    fn depth_to_space_is_the_permuted_broadcast_add() -> Result<()> {
+        let Some(dev) = device("depth to space") else {
+            return Ok(());
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            for (b, n, c, st, s, h, w) in [
+                (1, 3, 5, 3, 2, 4, 37),
+                (2, 2, 3, 2, 2, 3, 64),
+                (1, 2, 4, 1, 2, 5, 33),
+                (1, 2, 2, 2, 3, 3, 7),
+            ] {
+                let y = Tensor::randn(0f32, 3.0, (b, n, c * st * s * s, h, w), &dev)?;
+                let y = y.to_dtype(dtype)?;
+                let bias = Tensor::randn(0f32, 3.0, c * st * s * s, &dev)?.to_dtype(dtype)?;
+                let want = y
+                    .broadcast_add(&bias.reshape((1, 1, (), 1, 1))?)?
+                    .reshape(vec![b, n, c, st, s, s, h, w])?
+                    .permute(vec![0, 1, 3, 2, 6, 4, 7, 5])?
+                    .reshape((b, n * st, c, h * s, w * s))?;
+                let out = Tensor::zeros((b, (n + 1) * st, c, h * s, w * s), dtype, &dev)?;
+                for f in 0..n {
+                    let run = y.narrow(1, f, 1)?;
+                    depth_to_space(&run, &bias, (st, s), &out, (f + 1) * st)?;
+                }
+                let what = format!("{dtype:?} {:?} by ({st}, {s})", y.dims());
+                let got = out.narrow(1, st, n * st)?;
+                assert_eq!(max_diff(&got, &want)?, 0.0, "{what}");
+                let untouched = out.narrow(1, 0, st)?.abs()?.sum_all()?;
+                assert_eq!(
+                    untouched.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+                    0.0,
+                    "{what}"
+                );
             }
         }
         Ok(())

@@ -2,13 +2,14 @@
 // alone, beside the portable kernel of flash_attn.cu): the FlashAttention-3 scheme.
 //
 // One block takes 128 query rows of one (batch, head) at head_dim 128, bf16, in three warpgroups
-// (a smaller head_dim, a multiple of 8, runs as 128: TMA fills the columns past it with zeros,
-// which add nothing to Q K^T and make zero output columns, left unstored):
+// (a smaller head_dim, a multiple of 8, runs in tiles of 128 columns: TMA fills the columns past
+// it with zeros; the kernel built for 64, 96 or 128 columns, the narrowest that covers it, runs
+// both products over that many, and at 64 loads only the first 64):
 // - warpgroup 0 is the producer: one thread loads the query tile once and then each 128-key tile
 //   of keys and of values with TMA (128-byte swizzled boxes of 64 columns) into two stages of
 //   shared memory, each guarded by a full and an empty mbarrier;
 // - warpgroups 1 and 2 each own 64 query rows. S = Q K^T and O += P V run on wgmma
-//   (m64n128k16, f32 accumulators; Q, K and V from shared memory, P from registers), the softmax
+//   (m64n128k16 and m64nVk16, f32 accumulators; Q, K and V from shared memory, P from registers), the softmax
 //   online in f32 on the registers. The P V of tile j-1 runs while the softmax of tile j is
 //   computed, and the two warpgroups take turns issuing their matrix products (named barriers),
 //   so one's softmax overlaps the other's products.
@@ -49,7 +50,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b,
       : "l"(a), "l"(b), "r"(scale_d));
 }
 
-// D (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, shared, MN-major).
+// D (64 x N, f32) += A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 128, 96 or 64
+// (the accumulator array's size picks the instruction).
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -59,15 +61,36 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
       : ACCUMULATORS("+f", d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
+__device__ __forceinline__ void wgmma_rs(float (&d)[48], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      ACCUMULATOR_REGISTERS_48
+      "{%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
+      : ACCUMULATORS_48("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      ACCUMULATOR_REGISTERS_32
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : ACCUMULATORS_32("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
 
 } // namespace
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_fwd_sm90_bf16_d128(const __grid_constant__ CUtensorMap q_map,
-                             const __grid_constant__ CUtensorMap k_map,
-                             const __grid_constant__ CUtensorMap v_map, __nv_bfloat16 *out,
-                             int q_len, int kv_len, long long out_batch, long long out_row,
-                             long long out_head, int head_dim, float scale_log2) {
+// The kernel computing NV output columns (head_dim <= NV).
+template <int NV>
+__device__ __forceinline__ void
+flash_fwd(const CUtensorMap *q_map, const CUtensorMap *k_map, const CUtensorMap *v_map,
+          __nv_bfloat16 *out, int q_len, int kv_len, long long out_batch, long long out_row,
+          long long out_head, int head_dim, float scale_log2) {
+  static_assert(NV == 64 || NV == 96 || NV == 128, "an m64nNVk16 product");
+  // The 64-column boxes of each tile loaded: the second only where columns past 64 are read.
+  constexpr int BOXES = NV > 64 ? 2 : 1;
   extern __shared__ uint8_t raw[];
   __shared__ __align__(8) Barriers<STAGES> bars;
   const uint32_t base = (smem_addr(raw) + 1023) & ~1023u; // swizzled boxes need 1024-byte alignment
@@ -80,20 +103,20 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x == 0) {
-      mbar_expect_tx(bars.q(), TILE);
-      tma_load(sq, &q_map, bars.q(), 0, q_tile * BM, head, batch);
-      tma_load(sq + BOX, &q_map, bars.q(), 64, q_tile * BM, head, batch);
+      mbar_expect_tx(bars.q(), BOXES * BOX);
+      for (int x = 0; x < BOXES; ++x)
+        tma_load(sq + x * BOX, q_map, bars.q(), 64 * x, q_tile * BM, head, batch);
       for (int j = 0; j < tiles; ++j) {
         const int s = j % STAGES;
         const uint32_t phase = (j / STAGES) & 1;
         mbar_wait(bars.empty_k(s), phase ^ 1);
-        mbar_expect_tx(bars.full_k(s), TILE);
-        tma_load(sk + s * TILE, &k_map, bars.full_k(s), 0, j * BN, head, batch);
-        tma_load(sk + s * TILE + BOX, &k_map, bars.full_k(s), 64, j * BN, head, batch);
+        mbar_expect_tx(bars.full_k(s), BOXES * BOX);
+        for (int x = 0; x < BOXES; ++x)
+          tma_load(sk + s * TILE + x * BOX, k_map, bars.full_k(s), 64 * x, j * BN, head, batch);
         mbar_wait(bars.empty_v(s), phase ^ 1);
-        mbar_expect_tx(bars.full_v(s), TILE);
-        tma_load(sv + s * TILE, &v_map, bars.full_v(s), 0, j * BN, head, batch);
-        tma_load(sv + s * TILE + BOX, &v_map, bars.full_v(s), 64, j * BN, head, batch);
+        mbar_expect_tx(bars.full_v(s), BOXES * BOX);
+        for (int x = 0; x < BOXES; ++x)
+          tma_load(sv + s * TILE + x * BOX, v_map, bars.full_v(s), 64 * x, j * BN, head, batch);
       }
     }
     return;
@@ -104,17 +127,18 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const bool warp_leader = lane == 0;
-  float o[64], s[64];
+  float o[NV / 2], s[64];
   uint32_t p[32];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  for (int i = 0; i < NV / 2; ++i) o[i] = 0.f;
   // Row statistics of the thread's two rows (g and g + 8 of its warp's 16).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, correction[2] = {1.f, 1.f};
 
-  // S = Q K^T over head_dim in 8 steps of 16 (32 bytes within a 128-byte swizzled row).
+  // S = Q K^T over the NV columns in steps of 16 (32 bytes within a 128-byte swizzled row; the
+  // zero-filled columns past head_dim add exact zeros).
   auto scores = [&](int stage) {
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < NV / 16; ++kk) {
       const uint32_t col = (kk / 4) * BOX + (kk % 4) * 32;
       const uint64_t a = smem_desc(sq + consumer * 64 * 128 + col, 16, 1024);
       const uint64_t b = smem_desc(sk + stage * TILE + col, 16, 1024);
@@ -122,7 +146,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     wgmma_commit();
   };
-  // O += P V over the tile's keys in 8 steps of 16 rows; V is MN-major (head_dim contiguous).
+  // O += P V over the tile's keys in 8 steps of 16 rows; V is MN-major (head_dim contiguous),
+  // its NV columns read across the tile's boxes.
   auto values = [&](int stage) {
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
@@ -166,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   };
   auto rescale = [&]() {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] *= correction[(i / 2) % 2];
+    for (int i = 0; i < NV / 2; ++i) o[i] *= correction[(i / 2) % 2];
   };
   auto to_p = [&]() {
 #pragma unroll
@@ -230,10 +255,23 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     if (row >= q_len) continue;
     __nv_bfloat16 *dst = out + batch * out_batch + row * out_row + head * out_head + 2 * t;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < NV / 8; ++i) {
       if (8 * i >= head_dim) break;
       *reinterpret_cast<uint32_t *>(dst + 8 * i) =
           pack_bf16(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
     }
   }
 }
+
+#define FLASH_FWD(NV)                                                                             \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_sm90_bf16_d##NV(               \
+      const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,     \
+      const __grid_constant__ CUtensorMap v_map, __nv_bfloat16 *out, int q_len, int kv_len,     \
+      long long out_batch, long long out_row, long long out_head, int head_dim,                 \
+      float scale_log2) {                                                                       \
+    flash_fwd<NV>(&q_map, &k_map, &v_map, out, q_len, kv_len, out_batch, out_row, out_head,     \
+                  head_dim, scale_log2);                                                        \
+  }
+FLASH_FWD(64)
+FLASH_FWD(96)
+FLASH_FWD(128)

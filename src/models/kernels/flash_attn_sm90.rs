@@ -1,8 +1,10 @@
 //! Hopper's fused attention forward (`flash_attn_sm90.cu`, the FlashAttention-3 scheme: TMA
 //! loads, wgmma, a producer warpgroup and two consumer warpgroups taking turns). Its machine code
 //! exists for sm_90a alone (wgmma and TMA are Hopper's), so it runs on compute capability 9.0
-//! only, in bf16 at head_dim 128 or a smaller multiple of 8 (computed as 128: the tensor maps fill
-//! the columns past the head_dim with zeros); every other GPU and input takes the portable kernel.
+//! only, in bf16 at head_dim 128 or a smaller multiple of 8 (in tiles of 128 columns: the tensor
+//! maps fill the columns past the head_dim with zeros, and the kernel built for 64, 96 or 128
+//! output columns, the narrowest covering it, runs); every other GPU and input takes the
+//! portable kernel.
 
 use std::ffi::c_void;
 
@@ -16,8 +18,13 @@ use candle_core::{CudaDevice, DType, Device, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 static ATTN: Module = kernel_module!("flash_attn_sm90");
-const KERNEL: &str = "flash_fwd_sm90_bf16_d128";
-/// The one head_dim the kernel is built for.
+/// The kernels by the output columns they compute: the narrowest that covers the head_dim runs.
+const KERNELS: [(usize, &str); 3] = [
+    (64, "flash_fwd_sm90_bf16_d64"),
+    (96, "flash_fwd_sm90_bf16_d96"),
+    (128, "flash_fwd_sm90_bf16_d128"),
+];
+/// The widest head_dim the kernels take (their tiles' columns).
 const HEAD_DIM: usize = 128;
 /// Query rows per block (`BM`) and keys per tile (`BN`).
 const ROWS: usize = 128;
@@ -157,7 +164,10 @@ pub(super) fn launch(
 ) -> Result<(CudaSlice<bf16>, Shape)> {
     let (b, h, n, d) = ql.shape().dims4()?;
     let m = kl.dims()[2];
-    let func = ATTN.function(dev, KERNEL)?;
+    let Some(&(_, kernel)) = KERNELS.iter().find(|(width, _)| d <= *width) else {
+        candle_core::bail!("Hopper attention: head_dim {d} above {HEAD_DIM}")
+    };
+    let func = ATTN.function(dev, kernel)?;
     func.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         SHARED_BYTES as i32,

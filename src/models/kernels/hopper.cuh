@@ -111,4 +111,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
   ACCUMULATORS8(C, d, 0), ACCUMULATORS8(C, d, 8), ACCUMULATORS8(C, d, 16), ACCUMULATORS8(C, d, 24), \
       ACCUMULATORS8(C, d, 32), ACCUMULATORS8(C, d, 40), ACCUMULATORS8(C, d, 48),                   \
       ACCUMULATORS8(C, d, 56)
+// The same for the 48 and 32 accumulators of an n96 or n64 product (operands from %48 or %32).
+#define ACCUMULATOR_REGISTERS_48                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+#define ACCUMULATORS_48(C, d)                                                                      \
+  ACCUMULATORS8(C, d, 0), ACCUMULATORS8(C, d, 8), ACCUMULATORS8(C, d, 16), ACCUMULATORS8(C, d, 24), \
+      ACCUMULATORS8(C, d, 32), ACCUMULATORS8(C, d, 40)
+#define ACCUMULATOR_REGISTERS_32                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define ACCUMULATORS_32(C, d)                                                                      \
+  ACCUMULATORS8(C, d, 0), ACCUMULATORS8(C, d, 8), ACCUMULATORS8(C, d, 16), ACCUMULATORS8(C, d, 24)
 

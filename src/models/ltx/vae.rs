@@ -28,6 +28,10 @@ const TIMESTEP_PROJ_DIM: usize = 256;
 const MAX_SIZE: usize = 1 << 16;
 /// Upper bound on im2col elements of one conv2d call (frames are convolved in batches).
 const MAX_IM2COL_ELEMENTS: usize = 1 << 27;
+/// Elements of the input frames a channels-last convolution gathers per run (128 MiB in bf16):
+/// a run's copy stays a small share of a full-resolution activation.
+#[cfg(feature = "cuda")]
+const RUN_ELEMENTS: usize = 1 << 26;
 
 /// `vae/config.json` of `AutoencoderKLLTXVideo`; missing keys take diffusers' defaults. The
 /// encoder keys are read for the compression ratios only.
@@ -400,16 +404,92 @@ impl CausalConv3d {
         self.forward_plus(x, None)
     }
 
+    /// Copies of the first and last frames in front of and behind the input.
+    fn time_padding(&self) -> (usize, usize) {
+        let k = self.weight.dim(2).unwrap_or(1);
+        match self.causal {
+            true => (k - 1, 0),
+            false => ((k - 1) / 2, (k - 1) / 2),
+        }
+    }
+
+    /// The convolution channels last over runs of output frames where a channels-last
+    /// convolution takes it (CUDA, bf16 or f32, the fused moves on): each run's input frames
+    /// gathered (first and last replicated in time) into cuDNN's NDHWC layout, its output
+    /// stored with the bias (and residual) into the channels-first result. No padded copy of
+    /// the whole input, and no transposes (nor their workspace) inside cuDNN. `None` elsewhere.
+    #[cfg(feature = "cuda")]
+    fn forward_channels_last(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        use crate::models::channel_ops::VideoLayout;
+        if !(x.device().is_cuda()
+            && matches!(x.dtype(), DType::BF16 | DType::F32)
+            && crate::models::norms::enabled()
+            && conv3d::computes(x.device(), x.dtype()))
+        {
+            return Ok(None);
+        }
+        let (b, cin, t, h, w) = x.dims5()?;
+        let (cout, _, k, _, _) = self.weight.dims5()?;
+        let (front, back) = self.time_padding();
+        let (st, pad) = (self.stride, k / 2);
+        if t == 0 || t + front + back < k || h + 2 * pad < k || w + 2 * pad < k {
+            return Ok(None);
+        }
+        let t_out = (t + front + back - k) / st + 1;
+        let (h_out, w_out) = ((h + 2 * pad - k) / st + 1, (w + 2 * pad - k) / st + 1);
+        // SAFETY: every run's frames are stored below before the result is returned.
+        let out = unsafe { Tensor::empty((b, cout, t_out, h_out, w_out), x.dtype(), x.device()) }?;
+        // The residual is added in the same store where it has the output's layout.
+        let fused = residual.filter(|r| r.dims() == out.dims() && r.is_contiguous());
+        let w_last = self.weight.permute((0, 2, 3, 4, 1))?.contiguous()?;
+        let per_run = (RUN_ELEMENTS / (b * cin * h * w * st).max(1)).clamp(1, t_out);
+        for first in (0..t_out).step_by(per_run) {
+            let n = per_run.min(t_out - first);
+            // Padded frames first·st .. (first + n - 1)·st + k: those outside x replicate its
+            // first or last frame.
+            let index: Vec<u32> = (first * st..(first + n - 1) * st + k)
+                .map(|j| j.saturating_sub(front).min(t - 1) as u32)
+                .collect();
+            let conv = (&w_last, [st; 3], [0, pad, pad]);
+            let input = (x, VideoLayout::ChannelsFirst);
+            let stored = conv3d::conv_frames_channels_last(
+                input,
+                &index,
+                (0, 0),
+                conv,
+                &self.bias,
+                &out,
+                first,
+                fused,
+            )?;
+            if !stored {
+                // Every run has the first's shape but maybe the last: declined at the first.
+                return match first {
+                    0 => Ok(None),
+                    _ => candle_core::bail!("a channels-last convolution declined a run"),
+                };
+            }
+        }
+        match fused {
+            Some(_) => Ok(Some(out)),
+            None => conv3d::plus(out, residual).map(Some),
+        }
+    }
+
     /// [`Self::forward`] plus `residual` (of the output's shape) where given: a resnet's
     /// `conv(h) + x`, added with the bias in one pass on the fused path.
     fn forward_plus(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(y) = conv3d::or_fallback(|| self.forward_channels_last(x, residual)) {
+            return Ok(y);
+        }
         let (b, c, t, h, w) = x.dims5()?;
         let k = self.weight.dim(2)?;
-        let (front, back) = if self.causal {
-            (k - 1, 0)
-        } else {
-            ((k - 1) / 2, (k - 1) / 2)
-        };
+        let (front, back) = self.time_padding();
         let mut parts = Vec::with_capacity(3);
         if front > 0 {
             parts.push(x.narrow(2, 0, 1)?.repeat((1, 1, front, 1, 1))?);
@@ -424,7 +504,7 @@ impl CausalConv3d {
         let whole = || -> Result<Option<Tensor>> {
             match conv3d::conv3d(&padded, &self.weight, [st; 3], [0, pad, pad])? {
                 Some(y) => Ok(Some(conv3d::add_channel_bias_plus(
-                    &y, &self.bias, residual,
+                    y, &self.bias, residual,
                 )?)),
                 None => Ok(None),
             }
@@ -630,7 +710,8 @@ impl ResnetBlock {
         let second = modulation
             .as_ref()
             .map(|(_, _, shift, scale)| (scale, shift));
-        let h = rms_modulate_silu(&h, second)?;
+        // Assigned, not shadowed: the convolution's output is dropped here, not at the end.
+        h = rms_modulate_silu(&h, second)?;
         let residual = match &self.shortcut {
             Some((w, b, conv)) => conv.forward(&channel_layer_norm(input, w, b, self.eps)?)?,
             None => input.clone(),

@@ -9,7 +9,7 @@
 //! `drop_last_temporal_frames`). The VAE computes in the `VarBuilder`'s dtype (`MochiPipeline`
 //! does not upcast it); GroupNorm statistics are taken in f32.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
@@ -328,12 +328,25 @@ fn run(blocks: &[ResnetBlock], x: Tensor) -> Result<Tensor> {
     blocks.iter().try_fold(x, |x, block| block.forward(&x))
 }
 
-/// A Linear over the channels of every position: `[B, T, C, H, W]` -> `[B, T, H, W, out]`.
-fn per_position(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+/// A Linear's weight `[out, C]` over the channels of every position, without its bias: `[B, T,
+/// C, H, W]` -> `[B, T, out, H, W]`, one matmul per frame on the frames-major layout (the weight
+/// broadcast over frames, not copied), no transposing copy on either side.
+fn project(weight: &Tensor, x: &Tensor) -> Result<Tensor> {
     let (b, t, c, h, w) = x.dims5()?;
-    let rows = x.permute((0, 1, 3, 4, 2))?.reshape((b * t * h * w, c))?;
-    let out = linear.forward(&rows)?;
-    out.reshape((b, t, h, w, out.dim(1)?))
+    let out = weight.dim(0)?;
+    let y = weight
+        .broadcast_as((b * t, out, c))?
+        .matmul(&x.reshape((b * t, c, h * w))?)?;
+    y.reshape((b, t, out, h, w))
+}
+
+/// A Linear over the channels of every position: `[B, T, C, H, W]` -> `[B, T, out, H, W]`.
+fn per_position(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    let y = project(linear.weight(), x)?;
+    match linear.bias() {
+        Some(bias) => y.broadcast_add(&bias.reshape((1, 1, (), 1, 1))?),
+        None => Ok(y),
+    }
 }
 
 /// `MochiUpBlock3D`: resnets, then a Linear to `out·t·s·s` channels and depth-to-space.
@@ -351,12 +364,37 @@ impl UpBlock {
         let x = run(&self.resnets, x)?;
         let (b, _, _, h, w) = x.dims5()?;
         let (c, st, s) = (self.out_channels, self.temporal, self.spatial);
+        let frame = b * c * h * s * w * s;
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda()
+            && matches!(x.dtype(), DType::BF16 | DType::F32)
+            && crate::models::norms::enabled()
+        {
+            // The projection of each run of frames stored with its bias straight into its
+            // place in the expanded output: one pass after the matmul.
+            let bias = self.proj.bias().ok_or_else(|| {
+                candle_core::Error::Msg("an up block's projection without a bias".into())
+            })?;
+            let t = x.dim(1)?;
+            // SAFETY: every run's frames are stored below before the result is returned.
+            let out =
+                unsafe { Tensor::empty((b, t * st, c, h * s, w * s), x.dtype(), x.device()) }?;
+            let per_run = (RUN_ELEMENTS / (frame * st).max(1)).max(1);
+            for first in (0..t).step_by(per_run) {
+                let y = project(
+                    self.proj.weight(),
+                    &x.narrow(1, first, per_run.min(t - first))?,
+                )?;
+                crate::models::channel_ops::depth_to_space(&y, bias, (st, s), &out, first * st)?;
+            }
+            return Ok(out);
+        }
         // Channel (c, t', h', w') of the Linear lands at frame t·st + t', row h·s + h', column
         // w·s + w' (diffusers' view + permute).
-        by_frames(&x, st, b * c * h * s * w * s, |first, n| {
+        by_frames(&x, st, frame, |first, n| {
             per_position(&self.proj, &x.narrow(1, first, n)?)?
-                .reshape(vec![b, n, h, w, c, st, s, s])?
-                .permute(vec![0, 1, 5, 4, 2, 6, 3, 7])?
+                .reshape(vec![b, n, c, st, s, s, h, w])?
+                .permute(vec![0, 1, 3, 2, 6, 4, 7, 5])?
                 .reshape((b, n * st, c, h * s, w * s))
         })
     }
@@ -411,7 +449,7 @@ impl Decoder {
 
     /// `z` `[B, T, C, H, W]` -> `[B, T', out, H', W']`.
     fn forward(&self, z: &Tensor) -> Result<Tensor> {
-        let x = per_position(&self.conv_in, z)?.permute((0, 1, 4, 2, 3))?;
+        let x = per_position(&self.conv_in, z)?;
         let x = run(&self.block_in, x)?;
         let x = self.up_blocks.iter().try_fold(x, |x, up| up.forward(x))?;
         let x = run(&self.block_out, x)?;
@@ -419,7 +457,7 @@ impl Decoder {
         let out = self.proj_out.weight().dim(0)?;
         by_frames(&x, 1, b * out * h * w, |first, n| {
             let x = candle_nn::ops::silu(&x.narrow(1, first, n)?)?;
-            per_position(&self.proj_out, &x)?.permute((0, 1, 4, 2, 3))
+            per_position(&self.proj_out, &x)
         })
     }
 }
