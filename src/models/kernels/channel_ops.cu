@@ -219,18 +219,24 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
   }
 }
 
-// y [B, n, C, st, s, s, h, w] (a per-position Linear's output: channel (c, t', h', w')) +
-// bias[channel of y], rounded to T (as add_channel_bias), stored at out[b, first + f st + t', c,
-// hh s + h', ww s + w'] of out [B, out_frames, C, h s, w s]: diffusers' view and permute that
-// expand time and space, and the Linear's bias, in one pass (a strided copy walking eight
+// y [B, n, C, st, s, s, h, w] (a per-position Linear's or a convolution's output: channel
+// (c, t', h', w')) + bias[channel of y] where bias is given, rounded to T (as add_channel_bias),
+// stored at out[b, first + f st + t' - skip, c, hh s + h', ww s + w'] of out [B, out_frames, C,
+// h s, w s]; with `channels_first`, y is [B, C st s s, n, h, w] and out [B, C, out_frames, h s,
+// w s]. The first `skip` expanded frames of the run are dropped. diffusers' view and permute
+// that expand time and space (and a Linear's bias) in one pass (a strided copy walking eight
 // dimensions per element and a broadcast add before). A warp per output row, the row's source
 // found once; a lane per source column stores its s output columns (one store where s is 2).
 template <typename T>
 __device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
                                const float *__restrict__ bias, int channels, int st, int s, int h,
-                               int w, long n, long out_frames, long first, long rows) {
+                               int w, long n, long out_frames, long first, long skip, long rows,
+                               int channels_first) {
   const int hs = h * s;
-  const long plane = (long)h * w;
+  const long plane = (long)h * w, y_channels = (long)channels * st * s * s;
+  const long kept = n * st - skip;  // expanded frames stored per batch entry
+  const Strides at_y = strides_of(channels_first, (int)y_channels, n, plane);
+  const Strides at_out = strides_of(channels_first, channels, out_frames, (long)hs * w * s);
   const int lane = threadIdx.x % 32;
   const long warps = (long)gridDim.x * blockDim.x / 32;
   for (long r = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
@@ -238,27 +244,32 @@ __device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
     long q = r / hs;
     const int c = (int)(q % channels);
     q /= channels;
-    const long tf = q % (n * st), b = q / (n * st);
-    const long f = tf / st;
+    const long kf = q % kept, b = q / kept;
+    const long tf = kf + skip, f = tf / st;
     const int tp = (int)(tf % st), hp = row % s, hh = row / s;
     const long ch0 = (((long)c * st + tp) * s + hp) * s;  // y's channel of w' = 0
-    const T *src = y + ((b * n + f) * channels * st * s * s + ch0) * plane + (long)hh * w;
-    T *dst = out + (((b * out_frames + first + tf) * channels + c) * hs + row) * (long)w * s;
-    const float *add = bias + ch0;
+    const T *src = y + b * y_channels * n * plane + f * at_y.frame + ch0 * at_y.channel +
+                   (long)hh * w;
+    T *dst = out + b * channels * out_frames * (long)hs * w * s + (first + kf) * at_out.frame +
+             c * at_out.channel + (long)row * w * s;
+    const float *add = bias ? bias + ch0 : nullptr;
+    auto value = [&](int wp, int ww) {
+      const float v = load(src, wp * at_y.channel + ww);
+      return add ? __fadd_rn(v, add[wp]) : v;
+    };
     if (s == 2) {
       struct alignas(2 * sizeof(T)) Pair {
         T e[2];
       };
       for (int ww = lane; ww < w; ww += 32) {
         Pair p;
-        store(p.e, 0, __fadd_rn(load(src, ww), add[0]));
-        store(p.e, 1, __fadd_rn(load(src, plane + ww), add[1]));
+        store(p.e, 0, value(0, ww));
+        store(p.e, 1, value(1, ww));
         reinterpret_cast<Pair *>(dst)[ww] = p;
       }
     } else {
       for (int ww = lane; ww < w; ww += 32)
-        for (int wp = 0; wp < s; ++wp)
-          store(dst, (long)ww * s + wp, __fadd_rn(load(src, wp * plane + ww), add[wp]));
+        for (int wp = 0; wp < s; ++wp) store(dst, (long)ww * s + wp, value(wp, ww));
     }
   }
 }
@@ -295,8 +306,9 @@ __device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
   extern "C" __global__ void depth_to_space_##NAME(                                             \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
       int channels, int st, int s, int h, int w, long n, long out_frames, long first,          \
-      long rows) {                                                                              \
-    depth_to_space(y, out, bias, channels, st, s, h, w, n, out_frames, first, rows);            \
+      long skip, long rows, int channels_first) {                                               \
+    depth_to_space(y, out, bias, channels, st, s, h, w, n, out_frames, first, skip, rows,       \
+                   channels_first);                                                             \
   }
 
 CHANNEL_OPS(f32, float)

@@ -293,30 +293,33 @@ pub(crate) fn store_channels_last(
     ))
 }
 
-/// A per-position Linear's output `y` `[B, N, C·st·s·s, H, W]` (channel `(c, t', h', w')`)
-/// plus its `bias` (one per channel of `y`), stored as frames `first..first + N·st` of the
-/// frames-major `out` `[B, T, C, H·s, W·s]`: channel `(c, t', h', w')` of input frame `f` at
-/// frame `f·st + t'`, row `h·s + h'`, column `w·s + w'`. [`add_channel_bias`]'s sum and
-/// rounding, moved in the same pass.
+/// A per-position Linear's or a convolution's output `y` (`[B, N, C·st·s·s, H, W]` frames-major,
+/// or `[B, C·st·s·s, N, H, W]` channels first: `layout`'s) plus `bias` (one per channel of `y`)
+/// where given, stored as frames `first..` of `out` `[B, T, C, H·s, W·s]` (`layout`'s):
+/// channel `(c, t', h', w')` of input frame `f` lands at frame `f·st + t' - skip`, row
+/// `h·s + h'`, column `w·s + w'`, the first `skip` expanded frames dropped.
+/// [`add_channel_bias`]'s sum and rounding, moved in the same pass.
 pub(crate) fn depth_to_space(
     y: &Tensor,
-    bias: &Tensor,
+    bias: Option<&Tensor>,
     (st, s): (usize, usize),
-    out: &Tensor,
+    (out, layout): (&Tensor, VideoLayout),
     first: usize,
+    skip: usize,
 ) -> Result<()> {
     let func = func("depth_to_space", y)?;
-    let (b, n, cy, h, w) = y.dims5()?;
-    let (ob, ot, c, oh, ow) = out.dims5()?;
+    let (b, n, cy, h, w) = layout.dims(y)?;
+    let (ob, ot, c, oh, ow) = layout.dims(out)?;
     let fits = st > 0
         && s > 0
         && ob == b
         && cy == c * st * s * s
         && (oh, ow) == (h * s, w * s)
-        && first + n * st <= ot
+        && skip <= n * st
+        && first + n * st - skip <= ot
         && out.dtype() == y.dtype()
         && out.is_contiguous()
-        && bias.elem_count() == cy;
+        && bias.is_none_or(|bias| bias.elem_count() == cy);
     if !fits {
         candle_core::bail!(
             "depth to space: {:?} by ({st}, {s}) as frames {first}.. of {:?}",
@@ -325,8 +328,10 @@ pub(crate) fn depth_to_space(
         )
     }
     let y = y.contiguous()?;
-    let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
-    let rows = b * n * st * c * oh;
+    let bias = bias
+        .map(|bias| bias.to_dtype(DType::F32)?.flatten_all()?.contiguous())
+        .transpose()?;
+    let rows = b * (n * st - skip) * c * oh;
     out.inplace_op1(&item_launch(
         &CHANNEL_OPS,
         func,
@@ -334,7 +339,7 @@ pub(crate) fn depth_to_space(
         vec![
             Arg::Tensor(Some(&y)),
             Arg::Dst,
-            Arg::Tensor(Some(&bias)),
+            Arg::Tensor(bias.as_ref()),
             Arg::Int(c as i32),
             Arg::Int(st as i32),
             Arg::Int(s as i32),
@@ -343,7 +348,9 @@ pub(crate) fn depth_to_space(
             Arg::Long(n as i64),
             Arg::Long(ot as i64),
             Arg::Long(first as i64),
+            Arg::Long(skip as i64),
             Arg::Long(rows as i64),
+            Arg::Int(i32::from(layout == VideoLayout::ChannelsFirst)),
         ],
     ))
 }
@@ -562,7 +569,8 @@ mod cuda_tests {
                 let out = Tensor::zeros((b, (n + 1) * st, c, h * s, w * s), dtype, &dev)?;
                 for f in 0..n {
                     let run = y.narrow(1, f, 1)?;
-                    depth_to_space(&run, &bias, (st, s), &out, (f + 1) * st)?;
+                    let place = (&out, VideoLayout::FramesMajor);
+                    depth_to_space(&run, Some(&bias), (st, s), place, (f + 1) * st, 0)?;
                 }
                 let what = format!("{dtype:?} {:?} by ({st}, {s})", y.dims());
                 let got = out.narrow(1, st, n * st)?;
@@ -573,6 +581,19 @@ mod cuda_tests {
                     0.0,
                     "{what}"
                 );
+                // Channels first, no bias, the first expanded frame dropped (LTX-Video's
+                // upsampler): the same values transposed.
+                let y_cf = y.transpose(1, 2)?.contiguous()?;
+                let out_cf = Tensor::zeros((b, c, n * st - 1, h * s, w * s), dtype, &dev)?;
+                let place = (&out_cf, VideoLayout::ChannelsFirst);
+                depth_to_space(&y_cf, None, (st, s), place, 0, 1)?;
+                let want_cf = y
+                    .reshape(vec![b, n, c, st, s, s, h, w])?
+                    .permute(vec![0, 1, 3, 2, 6, 4, 7, 5])?
+                    .reshape((b, n * st, c, h * s, w * s))?
+                    .narrow(1, 1, n * st - 1)?
+                    .transpose(1, 2)?;
+                assert_eq!(max_diff(&out_cf, &want_cf)?, 0.0, "{what} channels first");
             }
         }
         Ok(())

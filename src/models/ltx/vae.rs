@@ -724,13 +724,27 @@ impl ResnetBlock {
     }
 }
 
-/// `[B, C·8, T, H, W]` -> `[B, C, 2T, 2H, 2W]` (channel = c·8 + t·4 + h·2 + w).
-fn depth_to_space(x: &Tensor) -> Result<Tensor> {
+/// `[B, C·8, T, H, W]` -> `[B, C, 2T - 1, 2H, 2W]` (channel = c·8 + t·4 + h·2 + w), the first
+/// frame dropped: one move into a contiguous result on CUDA (a copy walking eight dimensions,
+/// left as a view whose every reader copied it again, before).
+fn depth_to_space_drop_first(x: &Tensor) -> Result<Tensor> {
     let (b, c8, t, h, w) = x.dims5()?;
     let c = c8 / 8;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F32)
+        && crate::models::norms::enabled()
+    {
+        use crate::models::channel_ops::{depth_to_space, VideoLayout};
+        // SAFETY: the move writes every element.
+        let out = unsafe { Tensor::empty((b, c, 2 * t - 1, 2 * h, 2 * w), x.dtype(), x.device()) }?;
+        depth_to_space(x, None, (2, 2), (&out, VideoLayout::ChannelsFirst), 0, 1)?;
+        return Ok(out);
+    }
     x.reshape(vec![b, c, 2, 2, 2, t, h, w])?
         .permute(vec![0, 1, 5, 2, 6, 3, 7, 4])?
-        .reshape((b, c, 2 * t, 2 * h, 2 * w))
+        .reshape((b, c, 2 * t, 2 * h, 2 * w))?
+        .narrow(2, 1, 2 * t - 1)
 }
 
 /// `LTXVideoUpsampler3d` with stride (2, 2, 2): conv to `8C / factor` channels,
@@ -745,15 +759,11 @@ struct Upsampler {
 
 impl Upsampler {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let drop_first = |t: Tensor| -> Result<Tensor> {
-            let frames = t.dim(2)?;
-            t.narrow(2, 1, frames - 1)
-        };
-        let y = drop_first(depth_to_space(&self.conv.forward(x)?)?)?;
+        let y = depth_to_space_drop_first(&self.conv.forward(x)?)?;
         if !self.residual {
             return Ok(y);
         }
-        let r = drop_first(depth_to_space(x)?)?;
+        let r = depth_to_space_drop_first(x)?;
         let repeats = 8 / self.factor;
         y + r.repeat((1, repeats, 1, 1, 1))?
     }

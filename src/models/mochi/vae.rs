@@ -372,6 +372,7 @@ impl UpBlock {
         {
             // The projection of each run of frames stored with its bias straight into its
             // place in the expanded output: one pass after the matmul.
+            use crate::models::channel_ops::{depth_to_space, VideoLayout};
             let bias = self.proj.bias().ok_or_else(|| {
                 candle_core::Error::Msg("an up block's projection without a bias".into())
             })?;
@@ -385,7 +386,8 @@ impl UpBlock {
                     self.proj.weight(),
                     &x.narrow(1, first, per_run.min(t - first))?,
                 )?;
-                crate::models::channel_ops::depth_to_space(&y, bias, (st, s), &out, first * st)?;
+                let place = (&out, VideoLayout::FramesMajor);
+                depth_to_space(&y, Some(bias), (st, s), place, first * st, 0)?;
             }
             return Ok(out);
         }
