@@ -51,34 +51,19 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b,
 }
 
 // D (64 x N, f32) += A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 128, 96 or 64
-// (the accumulator array's size picks the instruction).
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      ACCUMULATOR_REGISTERS
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : ACCUMULATORS("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[48], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
-      ACCUMULATOR_REGISTERS_48
-      "{%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
-      : ACCUMULATORS_48("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      ACCUMULATOR_REGISTERS_32
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : ACCUMULATORS_32("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
+// (the accumulator array's size, N / 2, picks the instruction); the operands after the
+// accumulators are numbered A0-A3 (A's registers), B (its descriptor) and P (the scale flag).
+#define WGMMA_RS(N, REGISTERS, BOUND, A0, A1, A2, A3, B, P)                                       \
+  __device__ __forceinline__ void wgmma_rs(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t b) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                  \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 " REGISTERS             \
+                 "{" A0 ", " A1 ", " A2 ", " A3 "}, " B ", p, 1, 1, 1;\n}\n"                      \
+                 : BOUND("+f", d)                                                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                  \
+  }
+WGMMA_RS(128, ACCUMULATOR_REGISTERS, ACCUMULATORS, "%64", "%65", "%66", "%67", "%68", "%69")
+WGMMA_RS(96, ACCUMULATOR_REGISTERS_48, ACCUMULATORS_48, "%48", "%49", "%50", "%51", "%52", "%53")
+WGMMA_RS(64, ACCUMULATOR_REGISTERS_32, ACCUMULATORS_32, "%32", "%33", "%34", "%35", "%36", "%37")
 
 } // namespace
 
