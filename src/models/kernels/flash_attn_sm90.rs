@@ -52,8 +52,8 @@ pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && shared_memory_limit(dev).is_some_and(|limit| limit >= SHARED_BYTES)
 }
 
-/// Whether `sdpa` takes the Hopper kernel over cuDNN at this head_dim: a smaller one costs the
-/// products of 128 columns, which pays from 80 on (bench/RESULTS.md, session 33).
+/// Whether `sdpa` takes the Hopper kernel over cuDNN at this head_dim: it is ahead from 80 on,
+/// level with cuDNN at 64 and 72 (bench/RESULTS.md, session 35).
 pub fn preferred(head_dim: usize) -> bool {
     head_dim >= MIN_PREFERRED_HEAD_DIM
 }
