@@ -14,8 +14,9 @@
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`: their `synthetic:` configs), as its pipeline calls it (`--tiled`:
-//! HunyuanVideo's spatial tiling, as `--vae-tiling`), with the device's peak memory above what
-//! the weights hold (the same numbers as `bench/peer_vae_decode.py` for diffusers); `--save`
+//! HunyuanVideo's spatial tiling, as `--vae-tiling`), with the memory pool's peaks above what it
+//! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
+//! which `bench/peer_vae_decode.py` reports for diffusers), and `reserved_peak_gib`; `--save`
 //! writes the decoded video (f32 safetensors `video`) to compare two builds or settings.
 
 use std::time::Instant;
@@ -23,6 +24,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use vidgen::memory::accounting::MemoryMeter;
 use vidgen::models::conv3d;
 use vidgen::models::source::{component_weights, ModelSource};
 use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
@@ -215,13 +217,20 @@ fn family_decode(
     drop(decode(&z.narrow(2, 0, shape[2].min(2))?)?);
     dev.synchronize()?;
     let warm = start.elapsed().as_secs_f64();
-    let before = used_bytes(dev)?;
-    let peak = PeakSampler::start(dev.clone());
+    // The memory pool's high-water marks over the decode, above what it held before (weights
+    // and latents): what tensors used (as torch's allocated) and what the pool held (reserved).
+    let meter = MemoryMeter::new(dev);
+    meter.reset();
+    let before = meter.peaks().device_used_peak;
     let start = Instant::now();
     let out = decode(&z)?;
     dev.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
-    let peak = peak.stop().saturating_sub(before);
+    let peaks = meter.peaks();
+    let (used, reserved) = (
+        peaks.device_used_peak.saturating_sub(before),
+        peaks.device_reserved_peak.saturating_sub(before),
+    );
     let out = out.to_dtype(DType::F32)?;
     if let Some(path) = save {
         let video = out.to_device(&Device::Cpu)?;
@@ -234,10 +243,11 @@ fn family_decode(
         .iter()
         .all(|v| v.is_finite());
     println!(
-        "{{\"family\":\"{family}\",\"tiled\":{tiled},\"latents\":{shape:?},\"frames\":{:?},\"cudnn\":{cudnn:?},\"decode_s\":{secs:.3},\"warm_up_s\":{warm:.3},\"weights_gib\":{:.2},\"peak_above_weights_gib\":{:.2},\"finite\":{finite}}}",
+        "{{\"family\":\"{family}\",\"tiled\":{tiled},\"latents\":{shape:?},\"frames\":{:?},\"cudnn\":{cudnn:?},\"decode_s\":{secs:.3},\"warm_up_s\":{warm:.3},\"weights_gib\":{:.2},\"used_peak_gib\":{:.2},\"reserved_peak_gib\":{:.2},\"finite\":{finite}}}",
         out.dims(),
         weights_bytes as f64 / GIB,
-        peak as f64 / GIB,
+        used as f64 / GIB,
+        reserved as f64 / GIB,
         cudnn = vidgen::models::cudnn::api().map(|api| api.version_string()),
     );
     Ok(())
@@ -254,29 +264,3 @@ fn used_bytes(dev: &Device) -> Result<u64> {
     Ok((total - free) as u64)
 }
 
-/// Samples [`used_bytes`] every millisecond on a thread until stopped: the decode's peak.
-struct PeakSampler {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<u64>,
-}
-
-impl PeakSampler {
-    fn start(dev: Device) -> Self {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let mut peak = 0;
-            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                peak = peak.max(used_bytes(&dev).unwrap_or(0));
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            peak.max(used_bytes(&dev).unwrap_or(0))
-        });
-        Self { stop, thread }
-    }
-
-    fn stop(self) -> u64 {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.join().unwrap_or(0)
-    }
-}
