@@ -263,4 +263,3 @@ fn used_bytes(dev: &Device) -> Result<u64> {
     let (free, total) = cuda.cuda_stream().context().mem_get_info()?;
     Ok((total - free) as u64)
 }
-
