@@ -6,7 +6,7 @@
 #     of each family: max |difference| of the frames;
 # (b) each family's decode at its pipeline's default size, fused norms on and off, and diffusers'
 #     untiled and tiled decode of the same config and shape (bench/peer_vae_decode.py), and
-#     HunyuanVideo tiled;
+#     each family tiled as its `--vae-tiling` tiles;
 # (c) FAMILIES=, SMALL=0 (skip a), UNFUSED=0 (skip the candle norms at default size) narrow it
 #     down; PEERS= names the families whose diffusers decode runs (default: all); NCU=1 adds a
 #     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=).
@@ -42,7 +42,7 @@ for f in $FAMILIES; do
   el "$f default size"
   timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
   [ "${UNFUSED:-1}" = 1 ] && VIDGEN_FUSED_NORMS=off timeout 300 "$V" --family "$f" 2>&1 | tee -a "$OUT/log.jsonl"
-  [ "$f" = hunyuanvideo ] && timeout 200 "$V" --family "$f" --tiled 2>&1 | tee -a "$OUT/log.jsonl"
+  timeout 200 "$V" --family "$f" --tiled 2>&1 | tee -a "$OUT/log.jsonl"
   case " ${PEERS-$FAMILIES} " in *" $f "*) ;; *) continue;; esac
   el "$f diffusers"
   timeout "${PEER_TIMEOUT:-300}" python3 bench/peer_vae_decode.py "$f" > "$OUT/peer-$f.log" 2>&1

@@ -14,7 +14,7 @@
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`: their `synthetic:` configs), as its pipeline calls it (`--tiled`:
-//! HunyuanVideo's spatial tiling, as `--vae-tiling`), with the memory pool's peaks above what it
+//! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
 //! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
 //! which `bench/peer_vae_decode.py` reports for diffusers), and `reserved_peak_gib`; `--save`
 //! writes the decoded video (f32 safetensors `video`) to compare two builds or settings.
@@ -176,7 +176,8 @@ fn family_decode(
     let used_before = used_bytes(dev)?;
     let (decode, default): (Decode, [usize; 5]) = match family {
         "ltx-video" => {
-            let vae = ltx::vae::AutoencoderKLLTXVideo::new(&source.json("vae/config.json")?, vb)?;
+            let vae = ltx::vae::AutoencoderKLLTXVideo::new(&source.json("vae/config.json")?, vb)?
+                .with_tiling(tiled.then(ltx::vae::LtxVaeTiling::default))?;
             // 704x512x161; the pipeline's decode timestep 0.05 where the VAE is conditioned.
             let t = Tensor::new(&[0.05f32], dev)?;
             let decode = move |z: &Tensor| {
@@ -188,7 +189,11 @@ fn family_decode(
         "cogvideox-5b" => {
             let cfg = source.json("vae/config.json")?;
             let vae = cogvideox::vae::AutoencoderKLCogVideoX::new_decoder_only(&cfg, vb)?;
-            (Box::new(move |z| vae.decode(z)), [1, 16, 13, 60, 90])
+            let decode = move |z: &Tensor| match tiled {
+                true => vae.decode_tiled(z, &vae.config().tiling()),
+                false => vae.decode(z),
+            };
+            (Box::new(decode), [1, 16, 13, 60, 90])
         }
         "hunyuanvideo" => {
             let cfg = source.json("vae/config.json")?;
@@ -201,7 +206,8 @@ fn family_decode(
             (Box::new(move |z| vae.decode(z)), [1, 16, 33, 90, 160])
         }
         "mochi-1" => {
-            let vae = mochi::vae::AutoencoderKLMochi::new(&source.json("vae/config.json")?, vb)?;
+            let vae = mochi::vae::AutoencoderKLMochi::new(&source.json("vae/config.json")?, vb)?
+                .with_tiling(tiled.then_some(mochi::vae::DEFAULT_TILING))?;
             (Box::new(move |z| vae.decode(z)), [1, 12, 15, 60, 106])
         }
         other => anyhow::bail!("no decode for family {other:?}"),
