@@ -59,14 +59,14 @@ pub fn transformer_activations(
     video + text + scores + rope
 }
 
-/// Device bytes of the decode: at full resolution, activations at the first stage's channels
-/// (the last up block's output and its depth-to-space copy, then a resnet's input, norm, conv
-/// output and sum): four, with one GroupNorm run's f32 temporaries
-/// ([`super::vae::NORM_CHUNK_FRAMES`] frames) where the norm is composed, four in bf16, whose
-/// norm is fused and whose residual the second convolution adds as it stores (measured on an
-/// H200 at 85x480x848 and 19x480x848: 33.91 and 8.78 GiB above the weights, planned 35.8 and
-/// 9.5; bench/RESULTS.md session 34); and the frames in f32 twice (the decoded video and its
-/// conversion). With `tiled` (diffusers' `enable_tiling()`
+/// Device bytes of the decode: at full resolution, activations at the first stage's channels.
+/// Composed (f32): four (the last up block's output and its depth-to-space copy, then a
+/// resnet's input, norm, conv output and sum) with one GroupNorm run's f32 temporaries
+/// ([`super::vae::NORM_CHUNK_FRAMES`] frames). In bf16 three: the norm is fused, the up block
+/// stores its depth-to-space in place, and a resnet holds its input, a norm and one
+/// convolution's output (the second convolution adds the residual as it stores). Measured on
+/// an H200 at 85x480x848: 26.59 GiB used above the weights, planned 27.0 (bench/RESULTS.md
+/// session 35). Plus the frames in f32 twice (the decoded video and its conversion). With `tiled` (diffusers' `enable_tiling()`
 /// tiles) the activations are one tile's, and every decoded tile and their blended whole are
 /// held besides.
 pub fn vae_decode_activations(
@@ -93,7 +93,7 @@ pub fn vae_decode_activations(
     let out = vae.out_channels as u64;
     let activation = frames * tile_pixels * channels * bytes;
     let working = if dtype == DType::BF16 {
-        4 * activation
+        3 * activation
     } else {
         let norm_run =
             frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * tile_pixels * channels * 4;
