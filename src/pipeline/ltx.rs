@@ -81,7 +81,7 @@ impl LtxConfigs {
             [
                 activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype),
                 dit,
-                activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling),
+                activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype),
             ],
         )
     }

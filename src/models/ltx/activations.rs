@@ -37,11 +37,21 @@ pub fn transformer_activations(
     8 * hidden + mlp + rope + text + latents
 }
 
-/// Device bytes of the decoder: a few feature maps of its largest level (each level doubles
-/// frames, height and width and takes the next of the decoder's widths, from the widest at the
-/// latent grid), and the video, in f32. With `tiled` (diffusers' `enable_tiling()` tiles) the
-/// feature maps are one tile's, and every decoded tile is held until they are blended.
-pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3], tiled: bool) -> u64 {
+/// Device bytes of the decoder in `dtype`, and the video in f32. Half precision runs the fused
+/// path (CUDA): five maps of the full-resolution level (a resnet there holds its input, a norm,
+/// the second convolution's output, the noise injected into it and the sum with the residual;
+/// an H200 at 161x512x704 in bf16 held 4.54 GiB above the weights, the video included, where
+/// these maps and the video are 4.64; bench/RESULTS.md session 35). f32 composes: three f32 maps
+/// of its largest level, counted at each level's widths (each level doubles frames, height and
+/// width and takes the next of the decoder's widths, from the widest at the latent grid). With
+/// `tiled` (diffusers' `enable_tiling()` tiles) the feature maps are one tile's, and every
+/// decoded tile is held until they are blended.
+pub fn vae_decode_activations(
+    cfg: &LtxVaeConfig,
+    grid: [usize; 3],
+    tiled: bool,
+    dtype: DType,
+) -> u64 {
     let (r_t, r_s) = (
         cfg.temporal_compression_ratio() as u64,
         cfg.spatial_compression_ratio() as u64,
@@ -74,5 +84,13 @@ pub fn vae_decode_activations(cfg: &LtxVaeConfig, grid: [usize; 3], tiled: bool)
         })
         .max()
         .unwrap_or(0);
-    3 * largest * 4 + 2 * 3 * frames * h * w * 4 + held
+    let maps = match dtype {
+        DType::BF16 | DType::F16 => {
+            let patch = cfg.patch_size.max(1) as u64;
+            let full_level = frames * (tile_h as u64 / patch) * (tile_w as u64 / patch);
+            5 * full_level * cfg.decoder_output_channels() as u64 * dtype.size_in_bytes() as u64
+        }
+        _ => 3 * largest * 4,
+    };
+    maps + 2 * 3 * frames * h * w * 4 + held
 }

@@ -117,6 +117,17 @@ impl LtxVaeConfig {
         self.spatio_temporal_scaling.iter().filter(|&&s| s).count() as u32
     }
 
+    /// Channels of the decoder's full-resolution feature maps (its last up block's output):
+    /// the first of `decoder_block_out_channels` over its upsampler's factor.
+    pub fn decoder_output_channels(&self) -> usize {
+        let last_block = self
+            .decoder_block_out_channels
+            .first()
+            .copied()
+            .unwrap_or(0);
+        last_block / self.upsample_factor.first().copied().unwrap_or(1).max(1)
+    }
+
     /// Pixels per latent pixel (`patch_size * 2^downsamplings` unless the config says).
     pub fn spatial_compression_ratio(&self) -> usize {
         self.spatial_compression_ratio
