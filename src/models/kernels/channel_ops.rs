@@ -26,6 +26,11 @@ fn func(name: &str, x: &Tensor) -> Result<&'static str> {
     })
 }
 
+/// A bias (or addend) as the kernels read it: f32, flat, contiguous.
+fn f32_values(bias: &Tensor) -> Result<Tensor> {
+    bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()
+}
+
 /// Where [`add_channel_bias`] stores.
 pub(crate) enum BiasOut<'a> {
     /// A new tensor of `y`'s shape.
@@ -66,7 +71,7 @@ pub(crate) fn add_channel_bias(
     let (b, c, frames) = (dims[0], dims[1], dims[2]);
     let in_place = matches!(out, BiasOut::InPlace) && y.is_contiguous();
     let y = y.contiguous()?;
-    let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+    let bias = f32_values(bias)?;
     let (dst, frames_major, out_frames, first) = match out {
         BiasOut::InPlace if in_place => (y.clone(), false, frames, 0),
         BiasOut::New | BiasOut::InPlace => {
@@ -270,7 +275,7 @@ pub(crate) fn store_channels_last(
         )
     }
     let y = y.contiguous()?;
-    let bias = bias.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+    let bias = f32_values(bias)?;
     let tiles = b * n * h * c.div_ceil(TILE.0) * w.div_ceil(TILE.1);
     out.inplace_op1(&row_launch(
         &CHANNEL_OPS,
@@ -328,9 +333,7 @@ pub(crate) fn depth_to_space(
         )
     }
     let y = y.contiguous()?;
-    let bias = bias
-        .map(|bias| bias.to_dtype(DType::F32)?.flatten_all()?.contiguous())
-        .transpose()?;
+    let bias = bias.map(f32_values).transpose()?;
     let rows = b * (n * st - skip) * c * oh;
     out.inplace_op1(&item_launch(
         &CHANNEL_OPS,
