@@ -7,9 +7,13 @@
 //! 1. each row r of the weight (once per landing) and of `x` (each product): its scale
 //!    s = absmax(row) / 448 in f32, its codes e4m3(v / s) rounded to nearest even (448 is
 //!    e4m3's largest value; a zero row has s = 0 and zero codes);
-//! 2. acc = codes(x) @ codes(W)^T summed in f32 (each product of two codes is exact), stored as
-//!    T;
+//! 2. acc = codes(x) @ codes(W)^T summed in f32 (each product of two codes is exact);
 //! 3. y = act(acc * s_x[r] * s_w[c] + bias[c]) in f32, rounded to T once.
+//!
+//! On CUDA in bf16, cuBLASLt computes all three steps' products in one call, the scales and the
+//! bias applied in its epilogue (outer-vector scaling). Where its library or the GPU cannot
+//! (before cuBLAS 12.9; in f32), the product is stored as T and a second pass scales it: in
+//! bf16, one more rounding than the definition.
 //!
 //! cuBLASLt's fp8 kernels want K and N in multiples of 16: the codes are padded with zeros
 //! there (zero codes add nothing; padded weight rows have scale 0 and are cut off), on the host
@@ -133,7 +137,12 @@ pub fn linear(x: &Tensor, weight: &Fp8Rows, bias: Option<&Tensor>, gelu: bool) -
     let scale_w = weight.scale.narrow(0, 0, weight.rows)?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        use crate::models::fp8_kernels::{product, scale_rows};
+        use crate::models::fp8_kernels::{product, scale_rows, scaled_product};
+        if dtype == DType::BF16 {
+            if let Some(y) = scaled_product(&input, weight, bias, gelu)? {
+                return Ok(y);
+            }
+        }
         let acc = product(&input.q, &weight.q, dtype)?;
         let act = i32::from(gelu);
         return scale_rows(acc, weight.rows, (&input.scale, &scale_w), bias, act);
@@ -141,9 +150,7 @@ pub fn linear(x: &Tensor, weight: &Fp8Rows, bias: Option<&Tensor>, gelu: bool) -
     let codes = |t: &Tensor| t.to_dtype(DType::F32);
     let acc = codes(&input.q)?
         .matmul(&codes(&weight.q)?.t()?)?
-        .narrow(1, 0, weight.rows)?
-        .to_dtype(dtype)?
-        .to_dtype(DType::F32)?;
+        .narrow(1, 0, weight.rows)?;
     let y = acc
         .broadcast_mul(&input.scale.unsqueeze(1)?)?
         .broadcast_mul(&scale_w.unsqueeze(0)?)?;

@@ -20,7 +20,7 @@ pub mod flux;
 pub mod fp8;
 #[cfg(feature = "cuda")]
 #[path = "kernels/fp8.rs"]
-pub(crate) mod fp8_kernels;
+pub mod fp8_kernels;
 pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]

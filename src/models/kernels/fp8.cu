@@ -15,7 +15,7 @@ namespace {
 
 #include "activation.cuh"
 
-constexpr int THREADS = 256; // threads per block: one block per row
+constexpr int THREADS = 256; // threads per block of the scale pass: one block per row
 constexpr float E4M3_MAX = 448.f;
 
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -26,18 +26,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32(float v) {
   return __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ float from_f32(float v) { return v; }
-
-// Largest of `v` over the block (NaN ignored, as fmaxf and the host's f32::max do); every thread
-// gets it. `scratch` holds one float per warp.
-__device__ __forceinline__ float block_max(float v, float *scratch) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < THREADS / 32 ? scratch[lane] : 0.f;
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 __device__ __forceinline__ bool aligned16(const void *p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
@@ -77,53 +65,66 @@ __device__ __forceinline__ uint8_t e4m3(float v) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
 
-// Row `blockIdx.x` of x [rows, k] into q [*, k_pad] (e4m3 codes) and scale[row]: the scale is
-// absmax / 448, the codes e4m3(x / scale) rounded to nearest even (a zero row: scale 0, codes 0);
-// columns from k to k_pad and rows from `rows` on (the padding cuBLASLt's fp8 layouts need) are
-// zero codes with scale 0. Where k % 8 == 0 and x is 16-byte aligned, 8 values at a time (the
-// same arithmetic).
+// Largest of `v` over the warp (NaN ignored, as fmaxf and the host's f32::max do); every lane
+// gets it.
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Rows of x [rows, k] into q [rows_pad, k_pad] (e4m3 codes) and scale [rows_pad], a warp per row
+// (grid-stride): the scale is absmax / 448, the codes e4m3(x / scale) rounded to nearest even (a
+// zero row: scale 0, codes 0); columns from k to k_pad and rows from `rows` on (the padding
+// cuBLASLt's fp8 layouts need) are zero codes with scale 0. Where k % 8 == 0 and x is 16-byte
+// aligned, 8 values at a time (the same arithmetic). A warp reads its row twice: the second
+// read finds it in cache.
 template <typename T>
-__device__ __forceinline__ void quantize_row(const T *__restrict__ x, uint8_t *__restrict__ q,
-                                             float *__restrict__ scale, int k, int k_pad,
-                                             long rows) {
-  __shared__ float scratch[THREADS / 32];
-  const long row = blockIdx.x;
-  const bool real = row < rows;
-  uint8_t *qr = q + row * k_pad;
-  const T *xr = x + row * k;
+__device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *__restrict__ q,
+                                              float *__restrict__ scale, int k, int k_pad,
+                                              long rows, long rows_pad) {
+  const int lane = threadIdx.x % 32;
+  const long warps = (long)gridDim.x * blockDim.x / 32;
   const bool vec = k % 8 == 0 && aligned16(x) && aligned16(q);
-  float m = 0.f;
-  if (real && vec) {
-    for (int c = 8 * threadIdx.x; c < k; c += 8 * THREADS) {
-      float v[8];
-      load8(xr + c, v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
-    }
-  } else if (real) {
-    for (int c = threadIdx.x; c < k; c += THREADS) m = fmaxf(m, fabsf(to_f32(xr[c])));
-  }
-  const float s = __fdiv_rn(block_max(m, scratch), E4M3_MAX);
-  if (threadIdx.x == 0) scale[row] = s;
-  const bool codes = real && s > 0.f;
-  if (vec) {
-    for (int c = 8 * threadIdx.x; c < k_pad; c += 8 * THREADS) {
-      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (codes && c < k) {
+  for (long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows_pad;
+       row += warps) {
+    const bool real = row < rows;
+    uint8_t *qr = q + row * k_pad;
+    const T *xr = x + row * k;
+    float m = 0.f;
+    if (real && vec) {
+#pragma unroll 4
+      for (int c = 8 * lane; c < k; c += 8 * 32) {
+        float v[8];
         load8(xr + c, v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], s);
+        for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
       }
-      uint2 out;
-      uint8_t *b = reinterpret_cast<uint8_t *>(&out);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) b[i] = e4m3(v[i]);
-      *reinterpret_cast<uint2 *>(qr + c) = out;
+    } else if (real) {
+      for (int c = lane; c < k; c += 32) m = fmaxf(m, fabsf(to_f32(xr[c])));
     }
-  } else {
-    for (int c = threadIdx.x; c < k_pad; c += THREADS) {
-      const float v = (codes && c < k) ? __fdiv_rn(to_f32(xr[c]), s) : 0.f;
-      qr[c] = e4m3(v);
+    const float s = __fdiv_rn(warp_max(m), E4M3_MAX);
+    if (lane == 0) scale[row] = s;
+    const bool codes = real && s > 0.f;
+    if (vec) {
+#pragma unroll 4
+      for (int c = 8 * lane; c < k_pad; c += 8 * 32) {
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (codes && c < k) {
+          load8(xr + c, v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], s);
+        }
+        uint2 out;
+        uint8_t *b = reinterpret_cast<uint8_t *>(&out);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = e4m3(v[i]);
+        *reinterpret_cast<uint2 *>(qr + c) = out;
+      }
+    } else {
+      for (int c = lane; c < k_pad; c += 32) {
+        const float v = (codes && c < k) ? __fdiv_rn(to_f32(xr[c]), s) : 0.f;
+        qr[c] = e4m3(v);
+      }
     }
   }
 }
@@ -171,10 +172,10 @@ __device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
 } // namespace
 
 #define FP8_KERNELS(NAME, T)                                                                       \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                          \
-      quantize_rows_##NAME(const T *__restrict__ x, uint8_t *__restrict__ q,                       \
-                           float *__restrict__ scale, int k, int k_pad, long rows) {               \
-    quantize_row<T>(x, q, scale, k, k_pad, rows);                                                  \
+  extern "C" __global__ void quantize_rows_##NAME(const T *__restrict__ x, uint8_t *__restrict__ q, \
+                                                 float *__restrict__ scale, int k, int k_pad,     \
+                                                 long rows, long rows_pad) {                      \
+    quantize_rows<T>(x, q, scale, k, k_pad, rows, rows_pad);                                       \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(THREADS)                                          \
       scale_rows_##NAME(const T *acc, long ld, T *out, const float *__restrict__ scale_a,          \

@@ -2,6 +2,8 @@
 //! quantizer and the scale epilogue (`fp8.cu`), and the e4m3 x e4m3 product through cuBLASLt
 //! (fp32 accumulation, the "TN" layout cuBLASLt's fp8 kernels require: both operands K-major).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
@@ -12,8 +14,8 @@ use candle_core::{
 };
 use half::bf16;
 
-use crate::models::fp8;
-use crate::models::kernel_module::{kernel_module, row_launch, Arg, Module};
+use crate::models::fp8::{self, Fp8Rows};
+use crate::models::kernel_module::{item_launch, kernel_module, row_launch, Arg, Module};
 use crate::models::linear::{handle, lt_error};
 
 static FP8: Module = kernel_module!("fp8");
@@ -81,14 +83,16 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
         Arg::Int(i32::try_from(k).map_err(candle_core::Error::wrap)?),
         Arg::Int(i32::try_from(k_pad).map_err(candle_core::Error::wrap)?),
         Arg::Long(rows as i64),
+        Arg::Long(rows_pad as i64),
     ];
-    scale.inplace_op1(&row_launch(&FP8, func, rows_pad, args))?;
+    // A warp per row.
+    scale.inplace_op1(&item_launch(&FP8, func, rows_pad * 32, args))?;
     Ok((q, scale))
 }
 
 /// `act(acc * scale_a[row] * scale_w[col] + bias[col])` of the product `acc` `[rows, ld]`, its
 /// first `n` columns, in `acc`'s dtype: in place where `ld == n` (`fp8.cu`'s `scale_rows`).
-pub(crate) fn scale_rows(
+pub fn scale_rows(
     acc: Tensor,
     n: usize,
     (scale_a, scale_w): (&Tensor, &Tensor),
@@ -132,13 +136,111 @@ pub(crate) fn scale_rows(
 
 /// `x_q @ w_q^T` of e4m3 codes `x_q` `[rows, k]` and `w_q` `[n, k]` (k and n multiples of 16)
 /// with f32 accumulation, stored as `dtype` `[rows, n]`.
-pub(crate) fn product(x_q: &Tensor, w_q: &Tensor, dtype: DType) -> Result<Tensor> {
-    x_q.apply_op2_no_bwd(w_q, &Fp8Product { dtype })
+pub fn product(x_q: &Tensor, w_q: &Tensor, dtype: DType) -> Result<Tensor> {
+    x_q.apply_op2_no_bwd(
+        w_q,
+        &Fp8Product {
+            dtype,
+            epilogue: None,
+        },
+    )
 }
 
-/// The cuBLASLt e4m3 product of [`product`].
+/// Set once this process's cuBLASLt refused its epilogue to apply the rows' scales (outer-vector
+/// scaling needs cuBLAS 12.9 or newer and a GPU it has kernels for): every later product takes
+/// [`product`] and [`scale_rows`] instead.
+static SCALES_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// The whole fp8 Linear of [`fp8::linear`] for bf16 in one cuBLASLt call: the f32 accumulator
+/// times both rows' scales, plus the bias, then GELU(tanh) where `gelu`, rounded to bf16 once,
+/// in the product's epilogue, so no second pass reads and writes the product. `None` where
+/// cuBLASLt cannot (then the caller runs [`product`] and [`scale_rows`]).
+pub(crate) fn scaled_product(
+    input: &Fp8Rows,
+    weight: &Fp8Rows,
+    bias: Option<&Tensor>,
+    gelu: bool,
+) -> Result<Option<Tensor>> {
+    if SCALES_REFUSED.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    let n_pad = weight.q.dim(0)?;
+    // The bias runs along the padded output columns; the padding's scale is 0, its bias 0.
+    let bias = bias
+        .map(|b| {
+            b.to_dtype(DType::BF16)?
+                .pad_with_zeros(0, 0, n_pad - weight.rows)
+        })
+        .transpose()?;
+    let epilogue = Epilogue {
+        scale_w: f32_address(&weight.scale)?,
+        scale_x: f32_address(&input.scale)?,
+        bias: bias.as_ref().map(bf16_address).transpose()?,
+        gelu,
+    };
+    let y = match input.q.apply_op2_no_bwd(
+        &weight.q,
+        &Fp8Product {
+            dtype: DType::BF16,
+            epilogue: Some(epilogue),
+        },
+    ) {
+        Ok(y) => y,
+        Err(_) if SCALES_REFUSED.load(Ordering::Relaxed) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if n_pad == weight.rows {
+        return Ok(Some(y));
+    }
+    y.narrow(1, 0, weight.rows)?.contiguous().map(Some)
+}
+
+/// The cuBLASLt e4m3 product of [`product`] and [`scaled_product`].
 struct Fp8Product {
     dtype: DType,
+    /// What the epilogue applies ([`scaled_product`]); `None`: the bare product.
+    epilogue: Option<Epilogue>,
+}
+
+/// Device addresses of the scales and the bias the epilogue applies: outer-vector scaling, the
+/// weight's scales along the output columns and the input's along its rows.
+struct Epilogue {
+    scale_w: u64,
+    scale_x: u64,
+    bias: Option<u64>,
+    gelu: bool,
+}
+
+/// A cuBLASLt status that says this library or GPU does not do what was asked.
+fn unsupported(e: &result::CublasError) -> bool {
+    matches!(
+        e.0,
+        sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
+            | sys::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
+            | sys::cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH
+    )
+}
+
+/// The device address of a contiguous tensor's first element.
+fn address<T: CudaDType + DeviceRepr>(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        candle_core::bail!("fp8 product: the scales and bias live on CUDA")
+    };
+    if !layout.is_contiguous() {
+        candle_core::bail!("fp8 product: the scales and bias must be contiguous")
+    }
+    let stream = s.device().cuda_stream();
+    let base = s.as_cuda_slice::<T>()?.device_ptr(&stream).0;
+    Ok(base + (layout.start_offset() * std::mem::size_of::<T>()) as u64)
+}
+
+fn f32_address(t: &Tensor) -> Result<u64> {
+    address::<f32>(t)
+}
+
+fn bf16_address(t: &Tensor) -> Result<u64> {
+    address::<bf16>(t)
 }
 
 /// A cuBLASLt descriptor, destroyed when dropped.
@@ -240,17 +342,79 @@ impl CustomOp2 for Fp8Product {
             .map_err(lt_error)?,
             destroy: result::destroy_matmul_desc,
         };
+        /// Sets one attribute of the descriptor to `value` (the type the attribute takes).
+        fn set<T>(
+            desc: sys::cublasLtMatmulDesc_t,
+            attr: sys::cublasLtMatmulDescAttributes_t,
+            value: &T,
+        ) -> std::result::Result<(), result::CublasError> {
+            // SAFETY: `value` is the attribute's type, alive for the call.
+            unsafe {
+                result::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    value as *const T as _,
+                    std::mem::size_of::<T>(),
+                )
+            }
+        }
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
         let (transposed, straight) = (1i32, 0i32);
-        let size = std::mem::size_of::<i32>();
-        // SAFETY: the attributes take an i32 (cublasOperation_t) each.
-        unsafe {
-            use sys::cublasLtMatmulDescAttributes_t as Attr;
-            for (attr, op) in [
-                (Attr::CUBLASLT_MATMUL_DESC_TRANSA, &transposed),
-                (Attr::CUBLASLT_MATMUL_DESC_TRANSB, &straight),
-            ] {
-                result::set_matmul_desc_attribute(desc.handle, attr, op as *const i32 as _, size)
-                    .map_err(lt_error)?;
+        set(desc.handle, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &transposed).map_err(lt_error)?;
+        set(desc.handle, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &straight).map_err(lt_error)?;
+        let refused = |e: result::CublasError| {
+            if self.epilogue.is_some() && unsupported(&e) {
+                SCALES_REFUSED.store(true, Ordering::Relaxed);
+            }
+            lt_error(e)
+        };
+        if let Some(ep) = &self.epilogue {
+            // cublasLtMatmulMatrixScale_t's OUTER_VEC_32F: a scale per row of op(A) (the
+            // weight's output channels) and per column of B (the input's rows).
+            const OUTER_VEC_32F: i32 = 3;
+            let kind = match (ep.bias.is_some(), ep.gelu) {
+                (false, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+                (false, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
+                (true, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                (true, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+            };
+            let (scale_w, scale_x) = (ep.scale_w as *const f32, ep.scale_x as *const f32);
+            set(
+                desc.handle,
+                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                &OUTER_VEC_32F,
+            )
+            .map_err(refused)?;
+            set(
+                desc.handle,
+                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                &OUTER_VEC_32F,
+            )
+            .map_err(refused)?;
+            set(
+                desc.handle,
+                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &scale_w,
+            )
+            .map_err(refused)?;
+            set(
+                desc.handle,
+                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &scale_x,
+            )
+            .map_err(refused)?;
+            set(desc.handle, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind).map_err(refused)?;
+            if let Some(bias) = ep.bias {
+                let bias = bias as *const bf16;
+                let bf16_type = sys::cudaDataType_t::CUDA_R_16BF;
+                set(desc.handle, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)
+                    .map_err(refused)?;
+                set(
+                    desc.handle,
+                    Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    &bf16_type,
+                )
+                .map_err(refused)?;
             }
         }
         let pref = Owned {
@@ -276,7 +440,7 @@ impl CustomOp2 for Fp8Product {
                 c.handle,
                 pref.handle,
             )
-            .map_err(lt_error)?;
+            .map_err(refused)?;
             let (alpha, beta) = (1f32, 0f32);
             let ws = workspace.device_ptr_mut(&stream).0;
             result::matmul(
@@ -297,7 +461,7 @@ impl CustomOp2 for Fp8Product {
                 WORKSPACE,
                 stream.cu_stream() as _,
             )
-            .map_err(lt_error)?;
+            .map_err(refused)?;
         }
         Ok((y, Shape::from((rows, n))))
     }

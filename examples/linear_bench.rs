@@ -1,0 +1,101 @@
+//! Times a DiT Linear exact (bf16, bias and GELU in cuBLASLt's epilogue) against `--fp8-matmul`'s
+//! (the input quantized per row, the e4m3 product with its scales and bias applied by cuBLASLt),
+//! at Wan2.1 14B's and 1.3B's shapes (480x832x81: 32,760 tokens; the feed-forward runs in chunks
+//! of 8,192), in interleaved rounds. Also timed: the input's quantization alone, and the path
+//! taken where cuBLASLt cannot apply the scales itself (the bare product, then a scale pass).
+//!
+//! `cargo run --release --no-default-features --features cuda --example linear_bench`
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::Linear;
+use vidgen::memory::accounting::MemoryMeter;
+use vidgen::models::fp8::{self, Fp8Rows};
+use vidgen::models::fp8_kernels::{product, scale_rows};
+use vidgen::models::projection::{project, project_gelu_tanh};
+
+#[path = "support/median.rs"]
+mod median;
+use median::median_seconds as time;
+
+/// (model, rows, in, out, GELU): the attention projections and the feed-forward's two Linears.
+const SHAPES: [(&str, usize, usize, usize, bool); 6] = [
+    ("14B q/k/v/o", 32760, 5120, 5120, false),
+    ("14B ffn up", 8192, 5120, 13824, true),
+    ("14B ffn down", 8192, 13824, 5120, false),
+    ("1.3B q/k/v/o", 32760, 1536, 1536, false),
+    ("1.3B ffn up", 8192, 1536, 8960, true),
+    ("1.3B ffn down", 8192, 8960, 1536, false),
+];
+
+const ROUNDS: usize = 3;
+const REPS: usize = 20;
+
+fn main() -> Result<()> {
+    let dev = Device::new_cuda(0)?;
+    // Freed memory stays in the pool across synchronizations, as in a run (else every timed call
+    // maps its outputs anew).
+    let _pool = MemoryMeter::new(&dev);
+    println!("| shape | bf16 ms | fp8 ms | of which the input's quantization ms | two-pass fp8 ms | bf16 / fp8 | TFLOP/s bf16, fp8 |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, rows, inner, out, gelu) in SHAPES {
+        let randn = |shape: (usize, usize), std: f32| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, std, shape, &dev)?.to_dtype(DType::BF16)?)
+        };
+        let x = randn((rows, inner), 1.0)?;
+        let w = randn((out, inner), 0.02)?;
+        let b = randn((1, out), 0.1)?.squeeze(0)?;
+        let weight = Fp8Rows::quantize(&w, true)?;
+        let linear = Linear::new(w, Some(b.clone()));
+        let exact = || {
+            if gelu {
+                project_gelu_tanh(&linear, &x)
+            } else {
+                project(&linear, &x)
+            }
+        };
+        let two_pass = || {
+            let input = Fp8Rows::quantize(&x, false)?;
+            let acc = product(&input.q, &weight.q, DType::BF16)?;
+            let scale_w = weight.scale.narrow(0, 0, weight.rows)?;
+            scale_rows(
+                acc,
+                out,
+                (&input.scale, &scale_w),
+                Some(&b),
+                i32::from(gelu),
+            )
+        };
+        let (mut bf16, mut fp8, mut quant, mut unfused) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            bf16.push(time(&dev, REPS, exact)?);
+            fp8.push(time(&dev, REPS, || {
+                fp8::linear(&x, &weight, Some(&b), gelu)
+            })?);
+            quant.push(time(&dev, REPS, || Fp8Rows::quantize(&x, false))?);
+            unfused.push(time(&dev, REPS, two_pass)?);
+        }
+        let flop = 2.0 * (rows * inner * out) as f64;
+        let ms = |v: &[f64]| {
+            let (lo, hi) = v
+                .iter()
+                .fold((f64::MAX, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+            format!("{:.3}-{:.3}", lo * 1e3, hi * 1e3)
+        };
+        let best = |v: &[f64]| v.iter().copied().fold(f64::MAX, f64::min);
+        println!(
+            "| {name} [{rows}, {inner}] x [{inner}, {out}]{} | {} | {} | {} | {} | {:.2}x | {:.0}, {:.0} |",
+            if gelu { " + GELU" } else { "" },
+            ms(&bf16),
+            ms(&fp8),
+            ms(&quant),
+            ms(&unfused),
+            best(&bf16) / best(&fp8),
+            flop / best(&bf16) / 1e12,
+            flop / best(&fp8) / 1e12,
+        );
+    }
+    println!("fp8 products run: {}", fp8::products());
+    Ok(())
+}
