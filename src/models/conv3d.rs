@@ -161,7 +161,11 @@ pub fn conv3d_channels_last(
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn conv_frames_channels_last(
-    (x, layout): (&Tensor, crate::models::channel_ops::VideoLayout),
+    (x, front, layout): (
+        &Tensor,
+        Option<&Tensor>,
+        crate::models::channel_ops::VideoLayout,
+    ),
     index: &[u32],
     replicate: (usize, usize),
     (w_last, stride, padding): (&Tensor, [usize; 3], [usize; 3]),
@@ -171,13 +175,114 @@ pub(crate) fn conv_frames_channels_last(
     residual: Option<&Tensor>,
 ) -> Result<bool> {
     use crate::models::channel_ops::{gather_padded_frames_channels_last, store_channels_last};
-    let frames = gather_padded_frames_channels_last(x, index, replicate.0, replicate.1, layout)?;
+    let frames =
+        gather_padded_frames_channels_last((x, front), index, replicate.0, replicate.1, layout)?;
     let Some(y) = conv3d_channels_last(&frames, w_last, stride, padding)? else {
         return Ok(false);
     };
     drop(frames);
     store_channels_last(&y, bias, (out, layout), first, residual)?;
     Ok(true)
+}
+
+/// Elements of the input frames [`padded_conv_channels_last`] gathers per run (512 MiB in bf16):
+/// at CogVideoX's and LTX-Video's full resolution, runs of several frames, so the temporal halo
+/// each run gathers again stays small (runs of one frame read the input three times over:
+/// CogVideoX's decode took 1.50 s against 1.36 s, LTX-Video's 0.230 against 0.218 s, same
+/// peaks used; an H200, bench/RESULTS.md session 36).
+#[cfg(feature = "cuda")]
+const RUN_ELEMENTS: usize = 1 << 28;
+
+/// A VAE convolution of the channels-first `x` `[B, C, T, H, W]` by `weight` `[C_out, C, kt, kh,
+/// kw]` with `stride` in every dim and `pad` zeros around each image, over `t_padded` frames in
+/// time: padded frame j is frame `source(j)` of `front` and then `x` (as
+/// [`gather_padded_frames_channels_last`] names them; `front`: a causal convolution's context
+/// kept from the chunk before), plus `bias` (and `residual`, of the output's shape). Computed
+/// channels last in runs of output frames: each run's frames gathered straight into cuDNN's NDHWC
+/// layout and its output stored with the bias (and residual) into the channels-first result, so
+/// no padded copy of the whole input and no transposes (nor their workspace) inside cuDNN.
+/// `None` where it does not apply: off CUDA, outside bf16/f32, with the fused moves off, or a
+/// shape no channels-last convolution takes.
+///
+/// [`gather_padded_frames_channels_last`]: crate::models::channel_ops::gather_padded_frames_channels_last
+#[cfg(feature = "cuda")]
+pub(crate) fn padded_conv_channels_last(
+    (x, front): (&Tensor, Option<&Tensor>),
+    (t_padded, source): (usize, &dyn Fn(usize) -> u32),
+    conv: (&Tensor, usize, usize),
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    padded_conv_in_runs(
+        (x, front),
+        (t_padded, source),
+        conv,
+        bias,
+        residual,
+        RUN_ELEMENTS,
+    )
+}
+
+/// [`padded_conv_channels_last`] gathering about `run_elements` input elements a run.
+#[cfg(feature = "cuda")]
+fn padded_conv_in_runs(
+    (x, front): (&Tensor, Option<&Tensor>),
+    (t_padded, source): (usize, &dyn Fn(usize) -> u32),
+    (weight, stride, pad): (&Tensor, usize, usize),
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    run_elements: usize,
+) -> Result<Option<Tensor>> {
+    use crate::models::channel_ops::VideoLayout;
+    use candle_core::DType;
+    if !(x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F32)
+        && crate::models::norms::enabled()
+        && computes(x.device(), x.dtype()))
+    {
+        return Ok(None);
+    }
+    let (b, cin, t, h, w) = x.dims5()?;
+    let (cout, _, kt, kh, kw) = weight.dims5()?;
+    let st = stride.max(1);
+    if t == 0 || t_padded < kt || h + 2 * pad < kh || w + 2 * pad < kw {
+        return Ok(None);
+    }
+    let t_out = (t_padded - kt) / st + 1;
+    let (h_out, w_out) = ((h + 2 * pad - kh) / st + 1, (w + 2 * pad - kw) / st + 1);
+    // SAFETY: every run's frames are stored below before the result is returned.
+    let out = unsafe { Tensor::empty((b, cout, t_out, h_out, w_out), x.dtype(), x.device()) }?;
+    // The residual is added in the same store where it has the output's layout.
+    let fused = residual.filter(|r| r.dims() == out.dims() && r.is_contiguous());
+    let w_last = weight.permute((0, 2, 3, 4, 1))?.contiguous()?;
+    let per_run = (run_elements / (b * cin * h * w * st).max(1)).clamp(1, t_out);
+    for first in (0..t_out).step_by(per_run) {
+        let n = per_run.min(t_out - first);
+        let index: Vec<u32> = (first * st..(first + n - 1) * st + kt)
+            .map(source)
+            .collect();
+        let stored = conv_frames_channels_last(
+            (x, front, VideoLayout::ChannelsFirst),
+            &index,
+            (0, 0),
+            (&w_last, [st; 3], [0, pad, pad]),
+            bias,
+            &out,
+            first,
+            fused,
+        )?;
+        if !stored {
+            // Every run has the first's shape but maybe the last: declined at the first.
+            return match first {
+                0 => Ok(None),
+                _ => candle_core::bail!("a channels-last convolution declined a run"),
+            };
+        }
+    }
+    match fused {
+        Some(_) => Ok(Some(out)),
+        None => plus(out, residual).map(Some),
+    }
 }
 
 /// Whether [`conv3d_channels_last`] runs the own kernel: where it outruns cuDNN, or where cuDNN
@@ -918,6 +1023,71 @@ mod cuda_tests {
                 .max(0)?
                 .to_scalar::<f32>()?;
             assert!(err < tolerance, "{dtype:?}: max |last - first| {err:.2e}");
+        }
+        Ok(())
+    }
+
+    /// A causal convolution channels last with its context frames read from a second tensor
+    /// (CogVideoX's cache) or repeated from x's first frame, in runs of output frames, against
+    /// the composition it replaces: the padded input concatenated, convolved channels first,
+    /// plus the bias and a residual. Exact f32 to f32 rounding, bf16 to a few bf16 ulps.
+    #[test]
+    fn padded_channels_last_equals_the_concatenated_convolution() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: padded channels-last test skipped");
+            return Ok(());
+        };
+        if !cudnn_loaded() {
+            eprintln!("no cuDNN: padded channels-last test skipped");
+            return Ok(());
+        }
+        let _exact = tf32_here(false);
+        let (cin, cout, t, h, w) = (24, 40, 5, 9, 14);
+        let x = Tensor::randn(0f32, 1f32, (1, cin, t, h, w), &dev)?;
+        let context = Tensor::randn(0f32, 1f32, (1, cin, 2, h, w), &dev)?;
+        let weight = (Tensor::randn(0f32, 1f32, (cout, cin, 3, 3, 3), &dev)? / 27.0)?;
+        let bias = Tensor::randn(0f32, 1f32, cout, &dev)?;
+        let residual = Tensor::randn(0f32, 1f32, (1, cout, t, h, w), &dev)?;
+        for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 6e-2)] {
+            let cast = |v: &Tensor| v.to_dtype(dtype);
+            let (x, context, weight) = (cast(&x)?, cast(&context)?, cast(&weight)?);
+            let (bias, residual) = (cast(&bias)?, cast(&residual)?);
+            let first = x.narrow(2, 0, 1)?;
+            for (front, padded, runs) in [
+                (Some(&context), Tensor::cat(&[&context, &x], 2)?, false),
+                (None, Tensor::cat(&[&first, &first, &x], 2)?, false),
+                (Some(&context), Tensor::cat(&[&context, &x], 2)?, true),
+            ] {
+                let want = conv3d(&padded, &weight, [1; 3], [0, 1, 1])?.expect("cuDNN ran");
+                let want = want
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&bias.to_dtype(DType::F32)?.reshape((1, cout, 1, 1, 1))?)?
+                    .to_dtype(dtype)?;
+                let want = (want + &residual)?;
+                let source = |j: usize| match front {
+                    Some(_) => j as u32,
+                    None => j.saturating_sub(2) as u32,
+                };
+                // Two output frames a run where `runs` (as a large activation runs).
+                let run_elements = if runs { 2 * cin * h * w } else { RUN_ELEMENTS };
+                let got = padded_conv_in_runs(
+                    (&x, front),
+                    (t + 2, &source),
+                    (&weight, 1, 1),
+                    &bias,
+                    Some(&residual),
+                    run_elements,
+                )?
+                .expect("a channels-last convolution ran");
+                assert_eq!(got.dims(), want.dims());
+                let err = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                let what = format!("{dtype:?}, context {}, runs {runs}", front.is_some());
+                assert!(err < tolerance, "{what}: max |got - want| {err:.2e}");
+            }
         }
         Ok(())
     }

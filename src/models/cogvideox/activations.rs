@@ -94,12 +94,12 @@ pub fn vae_decode_activations(
     // At full resolution: the last upsampler's output, which the last up block's first
     // resnet reads (the second up block's channels, counting from the top), and that
     // block's spatial norms at its own channels (the resized latents' scale and shift, the
-    // norm, its product), and cuDNN's workspace for the channels-first convolutions, about
-    // one more map at those channels (an H200 at 49x480x720 in bf16: 10.61 GiB used above
-    // the weights, planned 10.1; bench/RESULTS.md session 35).
+    // norm, its product). The convolutions gather their padded input channels last run by
+    // run and need no transposing workspace (an H200 at 49x480x720 in bf16: 8.13 GiB used
+    // above the weights, planned 8.10; bench/RESULTS.md session 36).
     let boc = &vae.block_out_channels;
     let last = boc.first().copied().unwrap_or(128) as u64;
     let upsampled = boc.get(1).copied().unwrap_or(128) as u64;
     let output = video_frames * full_h as u64 * full_w as u64 * 3 * 4;
-    frames * h * w * (2 * upsampled + 6 * last) * bytes + output + tiles_held
+    frames * h * w * (2 * upsampled + 4 * last) * bytes + output + tiles_held
 }

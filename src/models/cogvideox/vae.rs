@@ -326,10 +326,35 @@ impl CausalConv3d {
             }
         };
         if let Some(slot) = slot {
-            let kept = (t_in..t_in + context)
-                .map(source)
-                .collect::<Result<Vec<_>>>()?;
-            *slot = Some(Tensor::stack(&kept, 2)?);
+            *slot = Some(if t_in >= context {
+                x.narrow(2, t_in - context, context)?.contiguous()?
+            } else {
+                let kept = (t_in..t_in + context)
+                    .map(source)
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::stack(&kept, 2)?
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(w) = self.kernel.whole() {
+            // Channels last, the context read where it lies: the frames kept from the chunk
+            // before, or x's first frame repeated.
+            let from = |j: usize| match prev {
+                Some(_) => j as u32,
+                None => j.saturating_sub(context) as u32,
+            };
+            let channels_last = || {
+                conv3d::padded_conv_channels_last(
+                    (x, prev.as_ref()),
+                    (context + t_in, &from),
+                    (w, 1, self.pad),
+                    &self.bias,
+                    residual,
+                )
+            };
+            if let Some(y) = conv3d::or_fallback(channels_last) {
+                return Ok(y);
+            }
         }
         if let Some(w) = self.kernel.whole() {
             // One 3D convolution over [context | x] (cuDNN).

@@ -541,7 +541,7 @@ impl CausalConv3d {
             let stride = [st, ss, ss];
             for first in (0..t_out).step_by(per_run) {
                 let index = frames_of(first, per_run.min(t_out - first));
-                let input = (x, VideoLayout::FramesMajor);
+                let input = (x, None, VideoLayout::FramesMajor);
                 let conv = (&w_last, stride, [0; 3]);
                 let bias = &self.bias;
                 if conv3d::conv_frames_channels_last(

@@ -143,11 +143,14 @@ __device__ __forceinline__ Strides strides_of(int channels_first, int channels, 
   return channels_first ? Strides{plane, frames * plane} : Strides{channels * plane, plane};
 }
 
-// out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from x [B, T, C, h, w] (or, where
-// `channels_first`, [B, C, T, h, w]): frame f is x's frame index[f], rows and columns outside x
-// replicate its edge (copies).
+// out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from the frames of `front` [B, F, C, h, w]
+// and then x [B, T, C, h, w] (or, where `channels_first`, [B, C, F, h, w] and [B, C, T, h, w]):
+// frame f is front's frame index[f] where index[f] < F (`front_frames`; `front` may be null
+// where F is 0), else x's frame index[f] - F; rows and columns outside a frame replicate its
+// edge (copies).
 template <typename T>
-__device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__ out,
+__device__ void gather_padded_frames_cl(const T *__restrict__ x, const T *__restrict__ front,
+                                        long front_frames, T *__restrict__ out,
                                         const uint32_t *__restrict__ index, int channels,
                                         long frames, long n, int h, int w, int ph, int pw,
                                         long tiles, int channels_first) {
@@ -163,9 +166,14 @@ __device__ void gather_padded_frames_cl(const T *__restrict__ x, T *__restrict__
     const int cols = min(TILE_W, wp - w0), chans = min(TILE_C, channels - c0);
     // Rows of x: channel c0 + k, padded columns w0 + lane (+ 32).
     const long plane = (long)h * w;
-    const Strides at_x = strides_of(channels_first, channels, frames, plane);
-    const T *frame = x + b * channels * frames * plane + index[f] * at_x.frame +
-                     c0 * at_x.channel + (long)sy * w;
+    const long i = index[f];
+    const bool ahead = i < front_frames;
+    const T *src_video = ahead ? front : x;
+    const long src_frames = ahead ? front_frames : frames;
+    const Strides at_x = strides_of(channels_first, channels, src_frames, plane);
+    const T *frame = src_video + b * channels * src_frames * plane +
+                     (ahead ? i : i - front_frames) * at_x.frame + c0 * at_x.channel +
+                     (long)sy * w;
     for (int k = warp; k < chans; k += WARPS) {
       const T *src = frame + k * at_x.channel;
       for (int j = lane; j < cols; j += 32) tile[k][j] = src[clamp_to(w0 + j - pw, w - 1)];
@@ -290,11 +298,11 @@ __device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
     gather_padded_frames(x, out, index, channels, frames, n, h, w, ph, pw, rows);               \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) gather_padded_frames_cl_##NAME(     \
-      const T *__restrict__ x, T *__restrict__ out, const uint32_t *__restrict__ index,         \
-      int channels, long frames, long n, int h, int w, int ph, int pw, long tiles,              \
-      int channels_first) {                                                                     \
-    gather_padded_frames_cl(x, out, index, channels, frames, n, h, w, ph, pw, tiles,            \
-                            channels_first);                                                    \
+      const T *__restrict__ x, const T *__restrict__ front, long front_frames,                  \
+      T *__restrict__ out, const uint32_t *__restrict__ index, int channels, long frames,       \
+      long n, int h, int w, int ph, int pw, long tiles, int channels_first) {                   \
+    gather_padded_frames_cl(x, front, front_frames, out, index, channels, frames, n, h, w, ph,  \
+                            pw, tiles, channels_first);                                         \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) store_channels_last_##NAME(          \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \

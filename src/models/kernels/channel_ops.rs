@@ -170,36 +170,51 @@ pub(crate) fn gather_padded_frames(
     pad_h: usize,
     pad_w: usize,
 ) -> Result<Tensor> {
-    gather(x, index, (pad_h, pad_w), None)
+    gather((x, None), index, (pad_h, pad_w), None)
 }
 
-/// [`gather_padded_frames`] into cuDNN's channels-last layout, from `x` in `layout`: `[B, N, H +
-/// 2 pad_h, W + 2 pad_w, C]`, in one tiled pass (cuDNN transposes a channels-first input itself,
-/// one more pass).
+/// [`gather_padded_frames`] into cuDNN's channels-last layout, from `x` in `layout` behind the
+/// frames of `front` (of `x`'s layout, batch, channels and size; a causal convolution's context
+/// kept from the previous chunk): `[B, N, H + 2 pad_h, W + 2 pad_w, C]`, in one tiled pass
+/// (cuDNN transposes a channels-first input itself, one more pass). `index[n]` below `front`'s
+/// frame count F names a frame of `front`, any other `x`'s frame `index[n] - F`.
 pub(crate) fn gather_padded_frames_channels_last(
-    x: &Tensor,
+    (x, front): (&Tensor, Option<&Tensor>),
     index: &[u32],
     pad_h: usize,
     pad_w: usize,
     layout: VideoLayout,
 ) -> Result<Tensor> {
-    gather(x, index, (pad_h, pad_w), Some(layout))
+    gather((x, front), index, (pad_h, pad_w), Some(layout))
 }
 
 /// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 32
 /// channels by 64 columns.
 const TILE: (usize, usize) = (32, 64);
 
-/// The padded frames `index` of `x`, channels first from a frames-major `x` (a warp per output
-/// row), or last from `x` in the layout given (a block per tile).
+/// The padded frames `index` of `front` and then `x`, channels first from a frames-major `x`
+/// (a warp per output row; no `front`), or last from `x` in the layout given (a block per
+/// tile).
 fn gather(
-    x: &Tensor,
+    (x, front): (&Tensor, Option<&Tensor>),
     index: &[u32],
     (pad_h, pad_w): (usize, usize),
     last: Option<VideoLayout>,
 ) -> Result<Tensor> {
-    let (b, t, c, h, w) = last.unwrap_or(VideoLayout::FramesMajor).dims(x)?;
-    if index.iter().any(|&i| i as usize >= t) || h == 0 || w == 0 || c == 0 {
+    let layout = last.unwrap_or(VideoLayout::FramesMajor);
+    let (b, t, c, h, w) = layout.dims(x)?;
+    let front = front.map(|f| f.contiguous()).transpose()?;
+    let ahead = match &front {
+        Some(f) => {
+            let (fb, ft, fc, fh, fw) = layout.dims(f)?;
+            if last.is_none() || (fb, fc, fh, fw) != (b, c, h, w) {
+                candle_core::bail!("gather frames: {:?} ahead of {:?}", f.shape(), x.shape())
+            }
+            ft
+        }
+        None => 0,
+    };
+    if index.iter().any(|&i| i as usize >= ahead + t) || h == 0 || w == 0 || c == 0 {
         candle_core::bail!("gather frames: {index:?} of {:?}", x.shape())
     }
     let x = x.contiguous()?;
@@ -216,8 +231,11 @@ fn gather(
         Some(_) => b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1),
         None => b * c * n * hp,
     };
-    let mut args = vec![
-        Arg::Tensor(Some(&x)),
+    let mut args = vec![Arg::Tensor(Some(&x))];
+    if last.is_some() {
+        args.extend([Arg::Tensor(front.as_ref()), Arg::Long(ahead as i64)]);
+    }
+    args.extend([
         Arg::Dst,
         Arg::Tensor(Some(&index)),
         Arg::Int(c as i32),
@@ -228,7 +246,7 @@ fn gather(
         Arg::Int(pad_h as i32),
         Arg::Int(pad_w as i32),
         Arg::Long(items as i64),
-    ];
+    ]);
     out.inplace_op1(&match last {
         Some(layout) => {
             args.push(Arg::Int(i32::from(layout == VideoLayout::ChannelsFirst)));
@@ -463,7 +481,7 @@ mod cuda_tests {
                 let x = Tensor::randn(0f32, 1.0, &dims[..], &dev)?.to_dtype(dtype)?;
                 let want = gather_padded_frames(&x, &index, ph, pw)?.permute((0, 2, 3, 4, 1))?;
                 let got = gather_padded_frames_channels_last(
-                    &x,
+                    (&x, None),
                     &index,
                     ph,
                     pw,
@@ -474,7 +492,7 @@ mod cuda_tests {
                 // The same frames gathered from the video laid out channels first.
                 let x_cf = x.transpose(1, 2)?.contiguous()?;
                 let got_cf = gather_padded_frames_channels_last(
-                    &x_cf,
+                    (&x_cf, None),
                     &index,
                     ph,
                     pw,
@@ -485,6 +503,30 @@ mod cuda_tests {
                     0.0,
                     "{dtype:?} {dims:?} gather cf"
                 );
+                // The same frames with the video's first two held apart, ahead of the rest (a
+                // causal convolution's context from the chunk before), in either layout.
+                let (ahead, rest) = (2, dims[1] - 2);
+                for (video, layout) in [
+                    (&x, VideoLayout::FramesMajor),
+                    (&x_cf, VideoLayout::ChannelsFirst),
+                ] {
+                    let time = if layout == VideoLayout::FramesMajor {
+                        1
+                    } else {
+                        2
+                    };
+                    let front = video.narrow(time, 0, ahead)?;
+                    let behind = video.narrow(time, ahead, rest)?;
+                    let got_split = gather_padded_frames_channels_last(
+                        (&behind, Some(&front)),
+                        &index,
+                        ph,
+                        pw,
+                        layout,
+                    )?;
+                    let what = format!("{dtype:?} {dims:?} {layout:?} gather with frames ahead");
+                    assert_eq!(max_diff(&got_split, &want)?, 0.0, "{what}");
+                }
                 // The gathered frames as a convolution's output: stored with a bias (and a
                 // residual) into frames 1.. of a frames-major output, as add_channel_bias does,
                 // and of the channels-first output, transposed.

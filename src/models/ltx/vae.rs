@@ -28,10 +28,6 @@ const TIMESTEP_PROJ_DIM: usize = 256;
 const MAX_SIZE: usize = 1 << 16;
 /// Upper bound on im2col elements of one conv2d call (frames are convolved in batches).
 const MAX_IM2COL_ELEMENTS: usize = 1 << 27;
-/// Elements of the input frames a channels-last convolution gathers per run (128 MiB in bf16):
-/// a run's copy stays a small share of a full-resolution activation.
-#[cfg(feature = "cuda")]
-const RUN_ELEMENTS: usize = 1 << 26;
 
 /// `vae/config.json` of `AutoencoderKLLTXVideo`; missing keys take diffusers' defaults. The
 /// encoder keys are read for the compression ratios only.
@@ -424,71 +420,26 @@ impl CausalConv3d {
         }
     }
 
-    /// The convolution channels last over runs of output frames where a channels-last
-    /// convolution takes it (CUDA, bf16 or f32, the fused moves on): each run's input frames
-    /// gathered (first and last replicated in time) into cuDNN's NDHWC layout, its output
-    /// stored with the bias (and residual) into the channels-first result. No padded copy of
-    /// the whole input, and no transposes (nor their workspace) inside cuDNN. `None` elsewhere.
+    /// The convolution channels last ([`conv3d::padded_conv_channels_last`]), its first and last
+    /// frames replicated in time; `None` where that does not apply.
     #[cfg(feature = "cuda")]
     fn forward_channels_last(
         &self,
         x: &Tensor,
         residual: Option<&Tensor>,
     ) -> Result<Option<Tensor>> {
-        use crate::models::channel_ops::VideoLayout;
-        if !(x.device().is_cuda()
-            && matches!(x.dtype(), DType::BF16 | DType::F32)
-            && crate::models::norms::enabled()
-            && conv3d::computes(x.device(), x.dtype()))
-        {
-            return Ok(None);
-        }
-        let (b, cin, t, h, w) = x.dims5()?;
-        let (cout, _, k, _, _) = self.weight.dims5()?;
+        let t = x.dim(2)?;
+        let k = self.weight.dim(2)?;
         let (front, back) = self.time_padding();
-        let (st, pad) = (self.stride, k / 2);
-        if t == 0 || t + front + back < k || h + 2 * pad < k || w + 2 * pad < k {
-            return Ok(None);
-        }
-        let t_out = (t + front + back - k) / st + 1;
-        let (h_out, w_out) = ((h + 2 * pad - k) / st + 1, (w + 2 * pad - k) / st + 1);
-        // SAFETY: every run's frames are stored below before the result is returned.
-        let out = unsafe { Tensor::empty((b, cout, t_out, h_out, w_out), x.dtype(), x.device()) }?;
-        // The residual is added in the same store where it has the output's layout.
-        let fused = residual.filter(|r| r.dims() == out.dims() && r.is_contiguous());
-        let w_last = self.weight.permute((0, 2, 3, 4, 1))?.contiguous()?;
-        let per_run = (RUN_ELEMENTS / (b * cin * h * w * st).max(1)).clamp(1, t_out);
-        for first in (0..t_out).step_by(per_run) {
-            let n = per_run.min(t_out - first);
-            // Padded frames first·st .. (first + n - 1)·st + k: those outside x replicate its
-            // first or last frame.
-            let index: Vec<u32> = (first * st..(first + n - 1) * st + k)
-                .map(|j| j.saturating_sub(front).min(t - 1) as u32)
-                .collect();
-            let conv = (&w_last, [st; 3], [0, pad, pad]);
-            let input = (x, VideoLayout::ChannelsFirst);
-            let stored = conv3d::conv_frames_channels_last(
-                input,
-                &index,
-                (0, 0),
-                conv,
-                &self.bias,
-                &out,
-                first,
-                fused,
-            )?;
-            if !stored {
-                // Every run has the first's shape but maybe the last: declined at the first.
-                return match first {
-                    0 => Ok(None),
-                    _ => candle_core::bail!("a channels-last convolution declined a run"),
-                };
-            }
-        }
-        match fused {
-            Some(_) => Ok(Some(out)),
-            None => conv3d::plus(out, residual).map(Some),
-        }
+        // Padded frames outside x replicate its first or last frame.
+        let source = |j: usize| j.saturating_sub(front).min(t.saturating_sub(1)) as u32;
+        conv3d::padded_conv_channels_last(
+            (x, None),
+            (t + front + back, &source),
+            (&self.weight, self.stride, k / 2),
+            &self.bias,
+            residual,
+        )
     }
 
     /// [`Self::forward`] plus `residual` (of the output's shape) where given: a resnet's
