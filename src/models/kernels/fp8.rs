@@ -169,7 +169,8 @@ pub(crate) fn scaled_product(
     let bias = bias
         .map(|b| {
             b.to_dtype(DType::BF16)?
-                .pad_with_zeros(0, 0, n_pad - weight.rows)
+                .pad_with_zeros(0, 0, n_pad - weight.rows)?
+                .contiguous()
         })
         .transpose()?;
     let epilogue = Epilogue {
