@@ -95,3 +95,20 @@ OUT=$OUT/w14 ROWS="bf16-resident fp8mm-resident fp8mm-stream" timeout 300 bash b
 el "cogvideox e2e"
 MODES=default OUT=$OUT/e2e timeout 330 bash bench/family_e2e.sh cogvideox-5b 2>&1 | tail -8
 el done
+set -u
+B=/tmp/b; mkdir -p $B
+for x in vae_decode vae_decode_old vidgen-lib-tests; do xz -dc .device/$x.xz > $B/$x; chmod +x $B/$x; done
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+timeout 60 $B/vidgen-lib-tests --test-threads=1 channel_ops conv3d::cuda_tests::padded 2>&1 | grep -E "^test |panicked|result:" | tee $OUT/lane.txt
+el "A/B: upsampler gathers from x (new) vs upsampled copy (old)"
+for r in 1 2; do for v in vae_decode_old vae_decode; do for a in "cogvideox-5b" "cogvideox-5b --tiled"; do
+  echo -n "$v $r $a: "; timeout 40 $B/$v --family $a 2>&1 | grep '^{' | tail -1 | grep -o '"decode_s":[0-9.]*,.*"used_peak_gib":[0-9.]*'
+done; done; done | tee $OUT/ab.txt
+el "small decode frames: new vs old"
+$B/vae_decode --family cogvideox-5b 1,16,3,30,45 --save /tmp/new.st | grep -o '"decode_s":[0-9.]*'
+$B/vae_decode_old --family cogvideox-5b 1,16,3,30,45 --save /tmp/old.st | grep -o '"decode_s":[0-9.]*'
+/opt/torch/.venv/bin/python3 -c "
+from safetensors.torch import load_file
+a=load_file('/tmp/new.st')['video'];b=load_file('/tmp/old.st')['video']
+print('new vs old max abs', float((a-b).abs().max()), 'of', float(b.abs().max()))" | tee -a $OUT/ab.txt
+el done
