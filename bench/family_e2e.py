@@ -11,7 +11,9 @@ default size, frames, guidance and text length, N steps (default 4), bf16, one p
 `torch.Generator("cpu").manual_seed(1)` draws, so the frames are compared too).
 
   diffusers:  from_pretrained + .to(cuda) = load | encode_prompt | each step (callback_on_step_end) and each
-              transformer forward | vae.decode | the whole call | max_memory_allocated / reserved
+              transformer forward | vae.decode | the whole call | max_memory_allocated / reserved | then,
+              for issue 34's text-stage target, the pipeline loaded again with its text encoders only
+              (the other model components None) + .to(cuda), which with encode_prompt is the text stage
   vidgen:     the process's wall time and max RSS (GNU time) | --stats-json stages, each component's load (its
               "loaded X in Ys" lines, taken out of the stage that paid them) | forward_seconds | device peaks;
               with default flags (its plan chooses offloading) and everything resident
@@ -318,6 +320,30 @@ def run_diffusers(fam, ckpt, run, reps):
     return r, first
 
 
+def time_text_load(ckpt, run):
+    """Seconds diffusers takes to load the pipeline with its text encoders alone (tokenizers and
+    scheduler too; every other model component None) from the page cache and move it to the device:
+    the load a text stage pays. A failure is recorded, not raised."""
+    import diffusers
+    index = json.load(open(os.path.join(ckpt, "model_index.json")))
+    cls = getattr(diffusers, index["_class_name"])
+    others = {name: None for name, spec in index.items()
+              if isinstance(spec, list) and not name.startswith(("text_encoder", "tokenizer", "scheduler"))}
+    pipe = None
+    try:
+        sync()
+        t0 = time.perf_counter()
+        pipe = cls.from_pretrained(ckpt, torch_dtype=run["dtype"], **others)
+        pipe.to(run["device"])
+        sync()
+        return {"text_load_s": time.perf_counter() - t0}
+    except Exception as e:
+        return {"text_load_error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+    finally:
+        del pipe
+        free_memory()
+
+
 STAGE_LINE = re.compile(r"^\[\d+/\d+\] (\w+)$")
 LOADED_LINE = re.compile(r"^loaded (\S+) in ([\d.]+)s")
 
@@ -497,13 +523,36 @@ def rows(res):
     return out
 
 
+TEXT_HEADER = ("| family | diffusers text-encoder load s | encode_prompt s | diffusers text stage s "
+               "| vidgen encode_text stage s (mode) | x diffusers |\n|---|---|---|---|---|---|")
+
+
+def text_rows(res):
+    """Issue 34's text-stage target, one row per vidgen mode: vidgen's whole encode_text stage (its
+    text encoders' loads included) against diffusers' text-encoder load + its call's encode_prompt."""
+    d = res.get("diffusers", {})
+    load, encode = d.get("text_load_s"), d.get("run0", {}).get("encode_s")
+    base = load + encode if load is not None and encode is not None else None
+    out = []
+    for label, v in res.get("vidgen", {}).items():
+        stage = (v.get("stages") or {}).get("encode_text")
+        ratio = fmt(stage / base, 3) if stage is not None and base else "—"
+        out.append(f"| {res['family']} | {fmt(load) if load is not None else cell(d.get('text_load_error', '—'))} "
+                   f"| {fmt(encode)} | {fmt(base)} | {fmt(stage)} ({label}) | {ratio} |")
+    return out
+
+
 def print_table(folder):
+    results = [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))
+               if name.endswith(".json") and not name.endswith(".stats.json")]
+    results = [res for res in results if "family" in res]
     print(HEADER)
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".json") and not name.endswith(".stats.json"):
-            res = json.load(open(os.path.join(folder, name)))
-            for row in rows(res) if "family" in res else []:
-                print(row)
+    for row in (row for res in results for row in rows(res)):
+        print(row)
+    print()
+    print(TEXT_HEADER)
+    for row in (row for res in results for row in text_rows(res)):
+        print(row)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -591,6 +640,7 @@ def main():
     if not (a.lora or a.skip_diffusers):
         res["diffusers"], reference = run_diffusers(fam, ckpt, run, a.reps)
         res["diffusers_max_rss_gib"] = peak_rss_gib()
+        res["diffusers"].update(time_text_load(ckpt, run))
     res["vidgen"] = {}
     save()
     for label in modes:
@@ -603,6 +653,9 @@ def main():
         save()
     print(HEADER)
     print("\n".join(rows(res)), flush=True)
+    print()
+    print(TEXT_HEADER)
+    print("\n".join(text_rows(res)), flush=True)
 
 
 if __name__ == "__main__":
