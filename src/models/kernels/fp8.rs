@@ -15,7 +15,9 @@ use candle_core::{
 use half::bf16;
 
 use crate::models::fp8::{self, Fp8Rows};
-use crate::models::kernel_module::{item_launch, kernel_module, row_launch, Arg, Module};
+use crate::models::kernel_module::{
+    item_launch, kernel_module, row_launch, tensor_address, Arg, Module,
+};
 use crate::models::linear::{handle, lt_error};
 
 static FP8: Module = kernel_module!("fp8");
@@ -173,10 +175,12 @@ pub(crate) fn scaled_product(
                 .contiguous()
         })
         .transpose()?;
+    let dev = weight.q.device().as_cuda_device()?;
+    let address = |t: &Tensor| tensor_address(t, 0, dev);
     let epilogue = Epilogue {
-        scale_w: f32_address(&weight.scale)?,
-        scale_x: f32_address(&input.scale)?,
-        bias: bias.as_ref().map(bf16_address).transpose()?,
+        scale_w: address(&weight.scale)?,
+        scale_x: address(&input.scale)?,
+        bias: bias.as_ref().map(address).transpose()?,
         gelu,
     };
     let y = match input.q.apply_op2_no_bwd(
@@ -220,28 +224,6 @@ fn unsupported(e: &result::CublasError) -> bool {
             | sys::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
             | sys::cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH
     )
-}
-
-/// The device address of a contiguous tensor's first element.
-fn address<T: CudaDType + DeviceRepr>(t: &Tensor) -> Result<u64> {
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cuda(s) = &*storage else {
-        candle_core::bail!("fp8 product: the scales and bias live on CUDA")
-    };
-    if !layout.is_contiguous() {
-        candle_core::bail!("fp8 product: the scales and bias must be contiguous")
-    }
-    let stream = s.device().cuda_stream();
-    let base = s.as_cuda_slice::<T>()?.device_ptr(&stream).0;
-    Ok(base + (layout.start_offset() * std::mem::size_of::<T>()) as u64)
-}
-
-fn f32_address(t: &Tensor) -> Result<u64> {
-    address::<f32>(t)
-}
-
-fn bf16_address(t: &Tensor) -> Result<u64> {
-    address::<bf16>(t)
 }
 
 /// A cuBLASLt descriptor, destroyed when dropped.

@@ -204,14 +204,15 @@ impl Launch<'_> {
     }
 }
 
-/// Device address of a contiguous tensor's first element.
-fn address(
-    storage: &Storage,
-    layout: &Layout,
+/// Device address of the element `offset` into the contiguous CUDA tensor `t` (bf16, f32, f64,
+/// u32 or e4m3), on `dev`'s stream.
+pub(crate) fn tensor_address(
+    t: &Tensor,
     offset: usize,
     dev: &candle_core::CudaDevice,
 ) -> Result<u64> {
-    let Storage::Cuda(s) = storage else {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
         candle_core::bail!("kernel launch: an operand is not on CUDA")
     };
     if !layout.is_contiguous() {
@@ -265,14 +266,8 @@ impl InplaceOp1 for Launch<'_> {
                 Ok(match arg {
                     Arg::Dst => Value::Ptr(dst_address),
                     Arg::Tensor(None) => Value::Ptr(0),
-                    Arg::Tensor(Some(t)) | Arg::Out(t) => {
-                        let (storage, layout) = t.storage_and_layout();
-                        Value::Ptr(address(&storage, layout, 0, &dev)?)
-                    }
-                    Arg::At(t, offset) => {
-                        let (storage, layout) = t.storage_and_layout();
-                        Value::Ptr(address(&storage, layout, *offset, &dev)?)
-                    }
+                    Arg::Tensor(Some(t)) | Arg::Out(t) => Value::Ptr(tensor_address(t, 0, &dev)?),
+                    Arg::At(t, offset) => Value::Ptr(tensor_address(t, *offset, &dev)?),
                     Arg::Int(v) => Value::Int(*v),
                     Arg::Long(v) => Value::Long(*v),
                     Arg::Float(v) => Value::Float(*v),
