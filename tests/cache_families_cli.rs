@@ -1,13 +1,15 @@
-//! The caches that act between blocks (`--cache first-block:T`, `magcache:...` with its
-//! calibration) on every family whose diffusers transformer takes diffusers' cache hooks, and
-//! Pyramid Attention Broadcast (`--cache pab:...`) where vidgen hooks attention inside the
-//! blocks (CogVideoX; Allegro, whose blocks diffusers' block hooks do not take, PAB only),
+//! The step caches on every family whose diffusers transformer takes diffusers' cache hooks:
+//! those that act between blocks (`--cache first-block:T`, `magcache:...` with its calibration),
+//! TaylorSeer (`--cache taylorseer:...`: whole blocks of every list predicted, modules inside
+//! them predicted or zeroed, lite mode) where diffusers' pipeline opens the cache context its
+//! state needs, and Pyramid Attention Broadcast (`--cache pab:...`) where vidgen hooks attention
+//! inside the blocks (Allegro and Latte, whose pipelines open no cache context, PAB only),
 //! driven by `cache-families/README.json`'s `cli_cases` (diffusers' `enable_cache(config)`
 //! around each tiny fixture's reference call, same draws): the frames within 1e-4 + 1e-4|ref|
-//! of diffusers', which differ from the uncached run's where the case skips; the same blocks
+//! of diffusers', which differ from the uncached run's where the case skips; the same modules
 //! computed in every pass of every step; the calibrated ratios; `--stats-json` and the
 //! progress line count what was skipped. Families whose transformer takes no hook refuse
-//! `--cache` in one line, as the others here refuse the caches that reach inside blocks.
+//! `--cache` in one line, as the others here refuse the caches they cannot take.
 
 mod common;
 
@@ -253,13 +255,13 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache pab does not apply",
         ),
         (
-            "cogvideox-tiny-a",
+            "allegro-tiny-a",
             "taylorseer:cache_interval=2",
             "--cache taylorseer does not apply",
         ),
         (
-            "flux-tiny-a",
-            "taylorseer:cache_interval=2",
+            "minimax-h3-tiny-a",
+            "taylorseer:use_lite_mode=true",
             "--cache taylorseer does not apply",
         ),
     ] {
@@ -293,8 +295,9 @@ fn refused(fixture: &str, flags: &[&str], says: &str, dir: &Path) {
 }
 
 /// The plan counts what a cache holds through the loop in the denoise stage's activations:
-/// three block states per pass for First Block Cache, one for MagCache, in every family; and
-/// for PAB one per block and kind of attention reused, of both prompts of the guided batch.
+/// three block states per pass for First Block Cache, one for MagCache, in every family; for
+/// TaylorSeer its factors of each predicted module per pass; and for PAB one per block and kind
+/// of attention reused, of both prompts of the guided batch.
 #[test]
 fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
     for fixture in [
@@ -310,6 +313,23 @@ fn the_plan_counts_the_states_a_cache_holds_in_every_family() {
         let mag = denoise_activations(&["--cache", "magcache:calibrate=true"]) - plain;
         assert!(mag > 0, "{fixture}: MagCache holds its residuals");
         assert_eq!(first_block, 3 * mag, "{fixture}");
+        // TaylorSeer: per pass two factors (max_order 1) of every predicted module, a block's
+        // streams counted as one block state; lite mode predicts `proj_out` alone.
+        let blocks = num_layers(fixture)
+            + match fixture {
+                "flux-tiny-a" | "hunyuanvideo-tiny-a" => config_u64(fixture, "num_single_layers"),
+                _ => 0,
+            };
+        let taylor = |spec: &str| denoise_activations(&["--cache", spec]) - plain;
+        let every_block = taylor(
+            r"taylorseer:max_order=1,cache_identifiers=transformer_blocks\.\d+;single_transformer_blocks\.\d+",
+        );
+        assert_eq!(every_block, 2 * blocks * mag, "{fixture}");
+        assert_eq!(
+            taylor("taylorseer:use_lite_mode=true"),
+            2 * mag,
+            "{fixture}"
+        );
         // CogVideoX's and Mochi-1's `attn1`, LTX-Video's `attn1` and `attn2` (both PAB's
         // spatial kind), each of the guided batch's two prompts; FLUX.1's and HunyuanVideo's
         // `attn` of every block of both lists, one prompt's (their passes run apart and share

@@ -3,7 +3,9 @@
 //! ([`Blockwise`]); the common DiT shape declared by a few facts ([`RepeatedBlocks`]); and how
 //! model-side code runs a placed model's blocks, wherever they are ([`PlacedBlocks`]).
 
-use crate::models::step_cache::{BlockHooks, BlockStreams, Forward, HookedBlocks, StepCache};
+use crate::models::step_cache::{
+    BlockHooks, BlockStreams, Forward, HookedBlocks, StepCache, Through,
+};
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
@@ -252,6 +254,14 @@ pub trait CachedForward:
     fn streams(state: &Self::State, inputs: &Self::Inputs) -> candle_core::Result<Vec<Tensor>>;
     /// The state between whole blocks of `streams`.
     fn state(streams: Vec<Tensor>, inputs: &Self::Inputs) -> candle_core::Result<Self::State>;
+    /// [`BlockForward::finish_forward`], the output projection's output through `project` (a
+    /// step cache's, which may stand in for it).
+    fn finish_hooked(
+        &self,
+        state: Self::State,
+        inputs: &Self::Inputs,
+        project: &mut Through,
+    ) -> candle_core::Result<Self::Output>;
 }
 
 /// A [`CachedForward`] model's states as a step cache reads them.
@@ -351,7 +361,8 @@ pub trait PlacedBlocks<M: Blockwise> {
             |state, f| self.fold_blocks(M::resident_blocks, state, |block, s| f(block, s)),
             |block, state, hooks| block.forward_hooked(state, &inputs, hooks),
         )?;
-        self.model().finish_forward(state, &inputs)
+        self.model()
+            .finish_hooked(state, &inputs, &mut |compute| cache.project(step, compute))
     }
 
     /// [`Self::fold_blocks`] over several independent states at once: each block maps every

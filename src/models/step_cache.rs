@@ -342,33 +342,27 @@ impl CacheSpec {
         }
     }
 
-    /// How many hidden states the cache holds between forwards, as (in all, per block): per
-    /// pass (conditional and unconditional) the first block's residual and output and the
-    /// rest's residual (First Block Cache) or the whole residual (MagCache); per block the last
-    /// output of each kind of attention PAB reuses.
-    pub fn held_states(&self) -> (usize, usize) {
+    /// How many hidden states the cache holds between forwards in a transformer whose blocks
+    /// it sees as `hooked`: per pass (conditional and unconditional) the first block's residual
+    /// and output and the rest's residual (First Block Cache) or the whole residual (MagCache);
+    /// per pass and predicted module up to max_order + 1 factors (TaylorSeer; a block's
+    /// streams and a module's output counted a hidden state each). PAB's attention outputs
+    /// are the transformer's own count ([`PabConfig::held_outputs`]).
+    pub fn held_states(&self, hooked: &HookedBlocks) -> usize {
         match self {
-            CacheSpec::FirstBlock { .. } => (6, 0),
-            CacheSpec::Mag(_) => (2, 0),
-            // Per attention module: the transformer's own count ([`PabConfig::held_outputs`]).
-            CacheSpec::Pab(_) => (0, 0),
-            // Per pass and predicted module, up to max_order + 1 factors (block 0's modules
-            // stand for every block's).
+            CacheSpec::FirstBlock { .. } => 6,
+            CacheSpec::Mag(_) => 2,
+            CacheSpec::Pab(_) => 0,
             CacheSpec::TaylorSeer(c) => {
                 let Ok((_, predicted)) = c.patterns() else {
-                    return (0, 0);
+                    return 0;
                 };
-                let held = |name: &str| {
-                    usize::from(predicted.iter().any(|p| p.is_match(name))) * 2 * (c.max_order + 1)
-                };
-                let names = ModuleNames::DIFFUSERS;
-                let per_block = held(&names.block(0))
-                    + names
-                        .submodules
-                        .iter()
-                        .map(|s| held(&names.submodule(0, s)))
-                        .sum::<usize>();
-                (held(names.proj_out), per_block)
+                let modules = hooked.modules();
+                let matched = modules
+                    .iter()
+                    .filter(|name| predicted.iter().any(|p| p.is_match(name)))
+                    .count();
+                matched * 2 * (c.max_order + 1)
             }
         }
     }
@@ -399,13 +393,18 @@ fn resample(ratios: &[f32], n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// How a DiT names, in diffusers, the modules a step cache hooks: block `i` is
-/// `{blocks}.{i}`, its outputs `{blocks}.{i}.{submodule}`, then the output projection.
+/// How a DiT names, in diffusers, the modules a step cache hooks: its block lists (block `i`
+/// of a list is `{list}.{i}`), the outputs each block hands the cache (`{list}.{i}.{submodule}`)
+/// and the output projection.
 #[derive(Clone, Copy, Debug)]
 pub struct ModuleNames {
-    pub blocks: &'static str,
-    /// In [`Submodule`] order; none where the model hands the cache no outputs inside its
-    /// blocks (the caches that act between blocks only).
+    /// diffusers' block lists, in the order the forward runs them.
+    pub lists: &'static [&'static str],
+    /// Whether the forward takes the lists' blocks in turns (Latte: spatial 0, temporal 0,
+    /// spatial 1, ...) rather than one list after the other.
+    pub interleaved: bool,
+    /// In [`Submodule`] column order; none where the model hands the cache no outputs inside
+    /// its blocks (the caches that act between blocks only).
     pub submodules: &'static [&'static str],
     pub proj_out: &'static str,
 }
@@ -414,25 +413,20 @@ impl ModuleNames {
     /// The names of diffusers' Wan transformer (and most DiTs'), whose TaylorSeer patterns the
     /// plan reads.
     pub const DIFFUSERS: ModuleNames = ModuleNames {
-        blocks: "blocks",
+        lists: &["blocks"],
+        interleaved: false,
         submodules: &["attn1", "attn2", "ffn"],
         proj_out: "proj_out",
     };
 
-    /// The names of a DiT whose blocks the cache only sees whole (`transformer_blocks`, then any
-    /// other list diffusers hooks after it).
-    pub const BLOCKS_ONLY: ModuleNames = ModuleNames {
-        blocks: "transformer_blocks",
-        submodules: &[],
-        proj_out: "proj_out",
-    };
-
-    fn block(&self, i: usize) -> String {
-        format!("{}.{i}", self.blocks)
-    }
-
-    fn submodule(&self, i: usize, name: &str) -> String {
-        format!("{}.{i}.{name}", self.blocks)
+    /// One list of `transformer_blocks` handing the cache `submodules`.
+    pub const fn transformer_blocks(submodules: &'static [&'static str]) -> ModuleNames {
+        ModuleNames {
+            lists: &["transformer_blocks"],
+            interleaved: false,
+            submodules,
+            proj_out: "proj_out",
+        }
     }
 }
 
@@ -619,12 +613,50 @@ impl BlockStreams<Tensor> for HiddenStates {
 /// (`transformer_blocks`, then `single_transformer_blocks` where there are two), `count` blocks
 /// from fold position `first` (blocks before it, as HunyuanVideo's token refiner, which
 /// diffusers runs inside an embedder, are left to PAB alone, which hooks attention modules by
-/// name), named as `names` says.
+/// name), `split` of them in the first list, named as `names` says.
 #[derive(Clone, Copy, Debug)]
 pub struct HookedBlocks {
     pub first: usize,
     pub count: usize,
+    pub split: usize,
     pub names: ModuleNames,
+}
+
+impl HookedBlocks {
+    /// `count` blocks of one list named `names`, from the forward's first block.
+    pub fn one_list(count: usize, names: ModuleNames) -> Self {
+        HookedBlocks {
+            first: 0,
+            count,
+            split: count,
+            names,
+        }
+    }
+
+    /// diffusers' name of hooked block `i` (in the forward's order).
+    pub fn block(&self, i: usize) -> String {
+        let lists = self.names.lists;
+        let (list, index) = match (lists.len(), self.names.interleaved) {
+            (1, _) => (0, i),
+            (n, true) => (i % n, i / n),
+            (_, false) if i < self.split => (0, i),
+            (_, false) => (1, i - self.split),
+        };
+        format!("{}.{index}", lists[list.min(lists.len() - 1)])
+    }
+
+    /// Every module these blocks let a step cache hook, by diffusers' names: each block, its
+    /// hooked outputs, and the output projection.
+    pub fn modules(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for i in 0..self.count {
+            let block = self.block(i);
+            names.extend(self.names.submodules.iter().map(|s| format!("{block}.{s}")));
+            names.push(block);
+        }
+        names.push(self.names.proj_out.to_string());
+        names
+    }
 }
 
 /// One pass's state.
@@ -753,12 +785,13 @@ impl BlockHooks for ComputeAll {
 struct Taylor {
     /// Calls so far, less one (diffusers starts at −1 and counts before deciding).
     calls: u64,
-    /// The call of the last full computation, and its factors F_0.. (in the factors' dtype).
+    /// The call of the last full computation, and per output its factors F_0.. (in the
+    /// factors' dtype).
     last_update: Option<u64>,
-    factors: Vec<Tensor>,
-    /// The output's shape, dtype and device at its last computation (what a zeroed module
+    factors: Vec<Vec<Tensor>>,
+    /// Each output's shape, dtype and device at its last computation (what a zeroed module
     /// returns zeros of, and the dtype predictions take).
-    output: Option<(candle_core::Shape, DType, candle_core::Device)>,
+    outputs: Vec<(candle_core::Shape, DType, candle_core::Device)>,
 }
 
 /// TaylorSeer's compiled settings.
@@ -776,14 +809,15 @@ impl TaylorSeer {
         (zeroed || matches(&self.predicted)).then_some(zeroed)
     }
 
-    /// The output of a hooked module at its next call: computed (and the factors updated)
-    /// on a full step, else predicted (or zeros); the flag says whether it was computed.
+    /// The outputs of a hooked module at its next call (a block's are its streams): computed
+    /// (and the factors updated) on a full step, else predicted (or zeros); the flag says
+    /// whether they were computed.
     fn output(
         &self,
         state: &mut Taylor,
         zeroed: bool,
-        compute: &mut dyn FnMut() -> Result<Tensor>,
-    ) -> Result<(Tensor, bool)> {
+        compute: &mut dyn FnMut() -> Result<Vec<Tensor>>,
+    ) -> Result<(Vec<Tensor>, bool)> {
         let c = &self.config;
         let step = state.calls;
         state.calls += 1;
@@ -793,61 +827,79 @@ impl TaylorSeer {
             || c.disable_cache_after_step
                 .is_some_and(|after| step >= after);
         if full || state.last_update.is_none() {
-            let out = compute()?;
-            state.output = Some((out.shape().clone(), out.dtype(), out.device().clone()));
+            let outs = compute()?;
+            state.outputs = outs
+                .iter()
+                .map(|o| (o.shape().clone(), o.dtype(), o.device().clone()))
+                .collect();
             if !zeroed {
-                // The caller writes into `out`: F_0 is a copy (`to_dtype` below keeps the
-                // storage where the dtypes agree).
-                let mut factors = vec![out.copy()?];
-                if let Some(last) = state.last_update {
-                    let delta = (step - last) as f64;
-                    for j in 0..c.max_order {
-                        let Some(prev) = state.factors.get(j) else {
-                            break;
-                        };
-                        if prev.shape() != factors[j].shape() {
-                            break;
-                        }
-                        let prev = prev.to_dtype(out.dtype())?;
-                        // A true division, as torch's (candle's `/ f64` multiplies by 1/delta).
-                        let delta =
-                            Tensor::new(delta as f32, out.device())?.to_dtype(out.dtype())?;
-                        let next = (&factors[j] - prev)?.broadcast_div(&delta)?;
-                        factors.push(next);
-                    }
+                let mut factors = Vec::with_capacity(outs.len());
+                for (k, out) in outs.iter().enumerate() {
+                    factors.push(self.factors(state, k, out, step)?);
                 }
-                let dtype = self.config.dtype();
-                state.factors = factors
-                    .iter()
-                    .map(|f| f.to_dtype(dtype))
-                    .collect::<Result<_>>()?;
+                state.factors = factors;
             }
             state.last_update = Some(step);
-            return Ok((out, true));
+            return Ok((outs, true));
         }
         let offset = step - state.last_update.unwrap_or(step);
-        let (shape, dtype, device) = state.output.clone().ok_or_else(|| {
-            candle_core::Error::Msg("TaylorSeer predicts before a full step".into())
-        })?;
-        let mut out = Tensor::zeros(shape, dtype, &device)?;
-        if zeroed {
-            return Ok((out, false));
+        if state.outputs.is_empty() {
+            candle_core::bail!("TaylorSeer predicts before a full step");
         }
-        // Σ_j F_j · offset^j / j!, each term in the output's dtype.
-        let mut factorial = 1.0f64;
-        for (order, factor) in state.factors.iter().enumerate() {
-            factorial *= order.max(1) as f64;
-            let coeff = (offset as f64).powi(order as i32) / factorial;
-            out = (out + factor.to_dtype(dtype)?.affine(coeff as f32 as f64, 0.0)?)?;
+        let mut outs = Vec::with_capacity(state.outputs.len());
+        // diffusers takes the number of orders from the first output's factors.
+        let orders = state.factors.first().map_or(0, Vec::len);
+        for (k, (shape, dtype, device)) in state.outputs.iter().enumerate() {
+            let mut out = Tensor::zeros(shape, *dtype, device)?;
+            if !zeroed {
+                // Σ_j F_j · offset^j / j!, each term in the output's dtype.
+                let mut factorial = 1.0f64;
+                for order in 0..orders {
+                    factorial *= order.max(1) as f64;
+                    let coeff = (offset as f64).powi(order as i32) / factorial;
+                    let factor = state.factors[k].get(order).ok_or_else(|| {
+                        candle_core::Error::Msg("TaylorSeer's outputs hold unequal orders".into())
+                    })?;
+                    out = (out + factor.to_dtype(*dtype)?.affine(coeff as f32 as f64, 0.0)?)?;
+                }
+            }
+            outs.push(out);
         }
-        Ok((out, false))
+        Ok((outs, false))
+    }
+
+    /// The factors of output `k` after a full computation `out` at call `step`: F_0 = `out`,
+    /// then the divided differences against the last full step's factors, up to max_order (no
+    /// further where a factor's shape changed), stored in the factors' dtype.
+    fn factors(&self, state: &Taylor, k: usize, out: &Tensor, step: u64) -> Result<Vec<Tensor>> {
+        // The caller writes into `out`: F_0 is a copy (`to_dtype` below keeps the storage
+        // where the dtypes agree).
+        let mut factors = vec![out.copy()?];
+        if let (Some(last), Some(previous)) = (state.last_update, state.factors.get(k)) {
+            let delta = (step - last) as f64;
+            for j in 0..self.config.max_order {
+                let Some(prev) = previous.get(j) else {
+                    break;
+                };
+                if prev.shape() != factors[j].shape() {
+                    break;
+                }
+                let prev = prev.to_dtype(out.dtype())?;
+                // A true division, as torch's (candle's `/ f64` multiplies by 1/delta).
+                let delta = Tensor::new(delta as f32, out.device())?.to_dtype(out.dtype())?;
+                let next = (&factors[j] - prev)?.broadcast_div(&delta)?;
+                factors.push(next);
+            }
+        }
+        let dtype = self.config.dtype();
+        factors.iter().map(|f| f.to_dtype(dtype)).collect()
     }
 }
 
 /// The hooks of one block in one forward under TaylorSeer.
 struct TaylorHooks<'a> {
     seer: &'a TaylorSeer,
-    names: ModuleNames,
+    hooked: HookedBlocks,
     block: usize,
     states: &'a mut std::collections::HashMap<String, Taylor>,
     row: &'a mut [u8],
@@ -856,8 +908,8 @@ struct TaylorHooks<'a> {
 impl TaylorHooks<'_> {
     /// The module's diffusers name, where the model names its outputs.
     fn name(&self, module: Submodule) -> Option<String> {
-        let name = self.names.submodules.get(module.column() - 1)?;
-        Some(self.names.submodule(self.block, name))
+        let name = self.hooked.names.submodules.get(module.column() - 1)?;
+        Some(format!("{}.{name}", self.hooked.block(self.block)))
     }
 }
 
@@ -879,11 +931,14 @@ impl BlockHooks for TaylorHooks<'_> {
             return compute();
         };
         let state = self.states.entry(name).or_default();
-        let (out, computed) = self.seer.output(state, zeroed, compute)?;
+        let (mut outs, computed) = self
+            .seer
+            .output(state, zeroed, &mut || Ok(vec![compute()?]))?;
         if !computed {
             self.row[module.column()] = 0;
         }
-        Ok(out)
+        outs.pop()
+            .ok_or_else(|| candle_core::Error::Msg("a hooked module without an output".into()))
     }
 }
 
@@ -973,7 +1028,7 @@ impl StepCache {
         let ratios = &self.ratios;
         let state = &mut self.passes[pass as usize];
         let broadcasts = &mut self.broadcasts;
-        let (taylor, names) = (self.taylor.as_ref(), hooked.names);
+        let taylor = self.taylor.as_ref();
         let taylor_states = &mut self.taylor_states[pass as usize];
         let (mut position, mut skipped, mut mag_skipped) = (0usize, false, false);
         let (mut head_output, mut head_residual, mut head_input) = (None, None, None);
@@ -1041,20 +1096,20 @@ impl StepCache {
                     run(block, x, &mut hooks)?
                 }
                 (None, Some(seer)) => {
-                    let name = names.block(i);
-                    let hooked = seer.hooks(&name);
+                    let name = hooked.block(i);
+                    let mode = seer.hooks(&name);
                     let mut block_state = taylor_states.remove(&name).unwrap_or_default();
                     let mut compute = || {
                         let mut hooks = TaylorHooks {
                             seer,
-                            names,
+                            hooked,
                             block: i,
                             states: &mut *taylor_states,
                             row: &mut *cells,
                         };
-                        only_stream(streams.streams(&run(block, x, &mut hooks)?)?)
+                        streams.streams(&run(block, x, &mut hooks)?)
                     };
-                    let out = match hooked {
+                    let out = match mode {
                         Some(zeroed) => {
                             let (out, computed) =
                                 seer.output(&mut block_state, zeroed, &mut compute)?;
@@ -1065,10 +1120,10 @@ impl StepCache {
                         }
                         None => compute()?,
                     };
-                    if hooked.is_some() {
+                    if mode.is_some() {
                         taylor_states.insert(name, block_state);
                     }
-                    streams.state(vec![out])?
+                    streams.state(out)?
                 }
                 (None, None) => run(block, x, &mut ComputeAll)?,
             };
@@ -1150,7 +1205,10 @@ impl StepCache {
         let state = self.taylor_states[pass]
             .entry(name.to_string())
             .or_default();
-        let (out, computed) = seer.output(state, zeroed, compute)?;
+        let (mut outs, computed) = seer.output(state, zeroed, &mut || Ok(vec![compute()?]))?;
+        let out = outs
+            .pop()
+            .ok_or_else(|| candle_core::Error::Msg("proj_out without an output".into()))?;
         if let (false, Some(row)) = (computed, self.passes[pass].rows.last_mut()) {
             if let Some(cell) = row.last_mut() {
                 *cell = 0;
@@ -1284,14 +1342,6 @@ impl PassState {
             self.previous_residual = None;
             self.calibration.clear();
         }
-    }
-}
-
-/// The one stream of a block state that TaylorSeer predicts whole.
-fn only_stream(mut streams: Vec<Tensor>) -> Result<Tensor> {
-    match (streams.pop(), streams.is_empty()) {
-        (Some(hidden), true) => Ok(hidden),
-        _ => candle_core::bail!("TaylorSeer predicts blocks of one stream"),
     }
 }
 

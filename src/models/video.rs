@@ -1,7 +1,7 @@
 //! What planning and the reports read of a video model's configs whatever its family: the
 //! latent grid its VAE makes of a video size, and its DiT's size.
 
-use crate::models::step_cache::AttentionModules;
+use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use candle_core::DType;
 
 /// The latent grid `[F', H', W']` of a video size under a causal video VAE that compresses time
@@ -101,6 +101,9 @@ pub trait DenoiseActivations {
     fn attention_modules(&self) -> AttentionModules {
         AttentionModules::default()
     }
+
+    /// The blocks diffusers' cache hooks see, by their names.
+    fn hooked_blocks(&self) -> HookedBlocks;
 }
 
 /// A video VAE's activation estimate, for planning.

@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Cache, Lora, Pab, VaeTiling};
+use super::registry::FamilyOption::{Cache, Lora, Pab, TaylorSeer, VaeTiling};
 use super::registry::{
     declared_by, About, Configs, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
 };
@@ -45,7 +45,10 @@ impl Family for CogVideoXConfigs {
         About {
             // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
             defaults: ModelDefaults::video(480, 720, 49, 8).sampling(50, 6.0, 226),
-            ..About::guided("CogVideoX text-to-video", &[Lora, VaeTiling, Cache, Pab])
+            ..About::guided(
+                "CogVideoX text-to-video",
+                &[Lora, VaeTiling, Cache, Pab, TaylorSeer],
+            )
         }
     }
 

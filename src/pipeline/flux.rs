@@ -9,7 +9,9 @@ use super::denoise::Denoise;
 use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Cache, GuidanceScale, Lora, Pab, TrueCfgScale, VaeTiling};
+use super::registry::FamilyOption::{
+    Cache, GuidanceScale, Lora, Pab, TaylorSeer, TrueCfgScale, VaeTiling,
+};
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
@@ -122,10 +124,13 @@ impl FluxConfigs {
                     (tokens + shape.text_len, self.transformer.inner_dim()),
                     // Every block's `attn`: the dual blocks' image and text outputs, the single
                     // blocks' joint one, each a block state wide.
-                    AttentionModules {
-                        spatial: self.transformer.num_blocks(),
-                        ..Default::default()
-                    },
+                    (
+                        AttentionModules {
+                            spatial: self.transformer.num_blocks(),
+                            ..Default::default()
+                        },
+                        &self.transformer.hooked_blocks(),
+                    ),
                     1,
                 );
         let (h, w) = self.latent_size(shape.height, shape.width);
@@ -156,7 +161,7 @@ impl Family for FluxConfigs {
         let side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor() as u32;
         let guided = About::guided(
             "FLUX.1 text-to-image",
-            &[TrueCfgScale, VaeTiling, Lora, Cache, Pab],
+            &[TrueCfgScale, VaeTiling, Lora, Cache, Pab, TaylorSeer],
         );
         let embeds_guidance = self.transformer.guidance_embeds;
         About {

@@ -9,7 +9,9 @@ use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::FamilyOption::{Cache, FlowShift, Lora, Pab, TrueCfgScale, VaeTiling};
+use super::registry::FamilyOption::{
+    Cache, FlowShift, Lora, Pab, TaylorSeer, TrueCfgScale, VaeTiling,
+};
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
@@ -116,12 +118,15 @@ impl HunyuanConfigs {
             (tokens, self.transformer.inner_dim()),
             // Every block's `attn`, the token refiner's too (its text-wide outputs counted as
             // block states): one prompt's each, the passes of guidance running apart.
-            AttentionModules {
-                spatial: self.transformer.num_refiner_layers
-                    + self.transformer.num_layers
-                    + self.transformer.num_single_layers,
-                ..Default::default()
-            },
+            (
+                AttentionModules {
+                    spatial: self.transformer.num_refiner_layers
+                        + self.transformer.num_layers
+                        + self.transformer.num_single_layers,
+                    ..Default::default()
+                },
+                &self.transformer.hooked_blocks(),
+            ),
             1,
         );
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
@@ -167,7 +172,15 @@ impl Family for HunyuanConfigs {
             },
             ..About::guided(
                 "HunyuanVideo text-to-video",
-                &[TrueCfgScale, FlowShift, VaeTiling, Lora, Cache, Pab],
+                &[
+                    TrueCfgScale,
+                    FlowShift,
+                    VaeTiling,
+                    Lora,
+                    Cache,
+                    Pab,
+                    TaylorSeer,
+                ],
             )
         }
     }

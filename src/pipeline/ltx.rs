@@ -6,7 +6,7 @@ use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, VaeTiling,
+    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, TaylorSeer, VaeTiling,
 };
 use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
@@ -74,7 +74,11 @@ impl LtxConfigs {
         };
         let dit =
             activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
-                + shape.cache_bytes((tokens, self.transformer.inner_dim()), attentions, 2);
+                + shape.cache_bytes(
+                    (tokens, self.transformer.inner_dim()),
+                    (attentions, &self.transformer.hooked_blocks()),
+                    2,
+                );
         Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
@@ -125,6 +129,7 @@ impl Family for LtxConfigs {
                     Lora,
                     Cache,
                     Pab,
+                    TaylorSeer,
                 ],
             )
         }

@@ -10,7 +10,7 @@ use crate::config::{ModelDefaults, ResolvedConfig};
 use crate::models::blocks::Blockwise;
 use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::source::ModelSource;
-use crate::models::step_cache::{AttentionModules, CacheSpec, PabConfig};
+use crate::models::step_cache::{AttentionModules, CacheSpec, HookedBlocks};
 use crate::models::t5::encoder::T5Config;
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::{DecodeActivations, DenoiseActivations, VideoDit, VideoVae};
@@ -27,7 +27,7 @@ pub fn latents_draw(shape: &[usize]) -> Vec<(&'static str, Vec<usize>)> {
 }
 
 /// What the description of a run depends on: sizes that set activation estimates.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RunShape {
     pub dtype: DType,
     pub num_frames: u32,
@@ -44,11 +44,8 @@ pub struct RunShape {
     pub image: bool,
     /// Whether the VAE decodes the latents (not with `--output-type latent`).
     pub decode: bool,
-    /// Hidden states a step cache holds through the denoising loop (`--cache`): in all, and
-    /// per block.
-    pub cache_states: (usize, usize),
-    /// PAB's settings (`--cache pab:...`), whose held attention outputs depend on the model's.
-    pub pab: Option<PabConfig>,
+    /// The step cache (`--cache`), whose held states depend on the model's blocks.
+    pub cache: Option<CacheSpec>,
     /// The DiT blocks' Linears run as fp8 matmuls (`--fp8-matmul`).
     pub fp8_matmul: bool,
     /// The DiTs' attention computes in 8 bits (`--attention sage`).
@@ -56,23 +53,33 @@ pub struct RunShape {
 }
 
 impl RunShape {
-    /// Device bytes the run's step cache holds through the denoising loop: its hidden states,
-    /// each one prompt's block state of `tokens` tokens of width `dim`, and PAB's attention
-    /// outputs of a transformer of `modules`, each of `prompts` prompts (2 where guidance is
-    /// batched into one forward, 1 where its passes run apart and share PAB's outputs).
+    /// Device bytes the run's step cache holds through the denoising loop in a transformer
+    /// whose blocks it sees as `hooked`: its hidden states, each one prompt's block state of
+    /// `tokens` tokens of width `dim`, and PAB's attention outputs of a transformer of
+    /// `modules`, each of `prompts` prompts (2 where guidance is batched into one forward, 1
+    /// where its passes run apart and share PAB's outputs).
     pub fn cache_bytes(
         &self,
         (tokens, dim): (usize, usize),
-        modules: AttentionModules,
+        (modules, hooked): (AttentionModules, &HookedBlocks),
         prompts: usize,
     ) -> u64 {
-        let states = self.cache_states.0 + prompts * self.pab_outputs(modules);
+        let states = self.cache_states(hooked) + prompts * self.pab_outputs(modules);
         (states * tokens * dim * self.dtype.size_in_bytes()) as u64
+    }
+
+    /// The hidden states the step cache holds in a transformer whose blocks it sees as
+    /// `hooked` (PAB's attention outputs apart).
+    pub fn cache_states(&self, hooked: &HookedBlocks) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.held_states(hooked))
     }
 
     /// The attention outputs (one prompt's each) PAB holds in a transformer of `modules`.
     pub fn pab_outputs(&self, modules: AttentionModules) -> usize {
-        self.pab.as_ref().map_or(0, |c| c.held_outputs(modules))
+        match &self.cache {
+            Some(CacheSpec::Pab(c)) => c.held_outputs(modules),
+            _ => 0,
+        }
     }
 
     /// The shape of a resolved run.
@@ -89,11 +96,7 @@ impl RunShape {
             low_activation: config.memory().low_activation,
             image: g.image.is_some() || g.line_images,
             decode: config.output().kind != OutputType::Latent,
-            cache_states: g.cache.as_ref().map_or((0, 0), |c| c.held_states()),
-            pab: match &g.cache {
-                Some(CacheSpec::Pab(c)) => Some(*c),
-                _ => None,
-            },
+            cache: g.cache.clone(),
             fp8_matmul: g.fp8_matmul,
             sage_attention: g.attention == crate::models::sage_attention::AttentionKind::Sage,
         }
@@ -244,7 +247,7 @@ impl FamilyOption {
                 "it reuses attention outputs inside the blocks, which vidgen hooks in every transformer but MiniMax H3's so far"
             }
             FamilyOption::TaylorSeer => {
-                "it predicts the outputs of modules inside the blocks, which vidgen hooks in the Wan family's transformer so far; use first-block or magcache"
+                "vidgen runs TaylorSeer in the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, whose diffusers pipelines open the cache context its state needs"
             }
             FamilyOption::LowActivation => {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
@@ -537,7 +540,10 @@ where
                 transformer.denoise_activations(grid, text_len, dtype)
                     + shape.cache_bytes(
                         transformer.block_state(grid, text_len),
-                        transformer.attention_modules(),
+                        (
+                            transformer.attention_modules(),
+                            &transformer.hooked_blocks(),
+                        ),
                         2,
                     ),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),

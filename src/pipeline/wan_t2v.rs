@@ -23,9 +23,7 @@ use crate::models::clip::{ClipVisionConfig, ClipVisionModel};
 use crate::models::guidance::guide;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::source::ModelSource;
-use crate::models::step_cache::{
-    AttentionModules, Forward, HiddenStates, HookedBlocks, Pass, StepCache,
-};
+use crate::models::step_cache::{AttentionModules, Forward, HiddenStates, Pass, StepCache};
 use crate::models::video::causal_latent_grid;
 use crate::models::wan::activations;
 use crate::models::wan::condition::{
@@ -36,7 +34,7 @@ use crate::models::wan::prompt::{clean_prompt, PromptTokenizer};
 use crate::models::wan::text_encoder::{
     attention_mask, zero_padding_rows, UMT5Block, UMT5Config, UMT5EncoderModel,
 };
-use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig, CACHE_NAMES};
+use crate::models::wan::transformer::{WanTransformer3DModel, WanTransformerConfig};
 use crate::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use crate::rng::TorchGenerator;
 use crate::schedulers::{self, Scheduler, SchedulerConfig, SchedulerKind};
@@ -375,9 +373,7 @@ impl WanConfigs {
                 temporal: 0,
                 cross: cfg.num_layers,
             };
-            let cached = shape.cache_states.0
-                + shape.cache_states.1 * cfg.num_layers
-                + shape.pab_outputs(attentions);
+            let cached = shape.cache_states(&cfg.hooked_blocks()) + shape.pab_outputs(attentions);
             let copies = cached + usize::from(low && cached > 0);
             let fp8 = if shape.fp8_matmul {
                 activations::fp8_matmul_activations(cfg, latent, low)
@@ -906,11 +902,7 @@ pub fn dit_forward(
         Some((cache, step)) => cache.through_blocks(
             *step,
             x,
-            HookedBlocks {
-                first: 0,
-                count: model.config().num_layers,
-                names: CACHE_NAMES,
-            },
+            model.config().hooked_blocks(),
             &HiddenStates,
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
             |block, x, hooks| block.forward_hooked(x, at, hooks),

@@ -20,7 +20,7 @@ use crate::models::pixart::{
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Rows};
 use crate::models::step_cache::{
-    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames,
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -497,6 +497,17 @@ impl AllegroTransformer3DModel {
 
     /// The output head on `x` `[B, N, D]` and unpatchify: `[B, out_channels, F, H, W]`.
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.finish_projecting(x, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
         let (b, _, d) = x.dims3()?;
         let table = self
             .scale_shift_table
@@ -509,7 +520,7 @@ impl AllegroTransformer3DModel {
             .forward(x)?
             .broadcast_mul(&(scale + 1.0)?)?
             .broadcast_add(&shift)?;
-        let out = self.proj_out.forward(&h)?;
+        let out = project(&mut || self.proj_out.forward(&h))?;
         let p = self.cfg.patch_size;
         let oc = self.cfg.out_channels;
         let [f, gh, gw] = inputs.grid;
@@ -583,20 +594,21 @@ impl HookedBlock<Tensor, BlockInputs> for AllegroBlock {
 /// self-attention over every token (`attn1`, PAB's spatial attention) and the cross-attention
 /// to the caption (`attn2`). diffusers' block hooks (First Block Cache, MagCache) do not take
 /// Allegro's blocks, which its hook registry does not list; PAB hooks attention modules by name.
-const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "transformer_blocks",
-    submodules: &["attn1", "attn2"],
-    proj_out: "proj_out",
-};
+pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1", "attn2"]);
 
 /// The blocks thread the video tokens alone.
 impl CachedForward for AllegroTransformer3DModel {
+    fn finish_hooked(
+        &self,
+        x: Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&x, inputs, project)
+    }
+
     fn hooked_blocks(&self) -> HookedBlocks {
-        HookedBlocks {
-            first: 0,
-            count: self.cfg.num_layers,
-            names: CACHE_NAMES,
-        }
+        crate::models::video::DenoiseActivations::hooked_blocks(&self.cfg)
     }
 
     fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {

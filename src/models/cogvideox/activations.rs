@@ -3,12 +3,16 @@
 
 use super::transformer::CogVideoXTransformerConfig;
 use super::vae::CogVideoXVaeConfig;
-use crate::models::step_cache::AttentionModules;
+use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::t5::encoder::T5Config;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 
 impl DenoiseActivations for CogVideoXTransformerConfig {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks::one_list(self.num_layers, super::transformer::CACHE_NAMES)
+    }
+
     fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, [1, f, self.in_channels, h, w], text_len, dtype)
     }

@@ -25,7 +25,9 @@ use crate::models::blocks::HookedBlock;
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
 use crate::models::step_cache::whole_output;
-use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule};
+use crate::models::step_cache::{
+    BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
+};
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -912,7 +914,7 @@ impl CogVideoXTransformer3DModel {
 
     /// `norm_final` and the AdaLayerNorm on the video tokens of the joint sequence `x`, then
     /// `proj_out`: `[B, F·h·w, p·p·C_out]`, before unpatchifying.
-    pub fn head(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+    pub fn head(&self, x: &Tensor, inputs: &BlockInputs, project: &mut Through) -> Result<Tensor> {
         let seq = x.dim(1)?;
         let dim = self.cfg.inner_dim();
         let video = x.narrow(1, inputs.text_len, seq - inputs.text_len)?;
@@ -927,12 +929,23 @@ impl CogVideoXTransformer3DModel {
             .forward(&video)?
             .broadcast_mul(&(scale + 1.0)?)?
             .broadcast_add(&shift)?;
-        self.proj_out.forward(&video)
+        project(&mut || self.proj_out.forward(&video))
     }
 
     /// Output head and unpatchify: joint `[B, L + N, inner]` -> `[B, F, C_out, H, W]`.
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let out = self.head(x, inputs)?;
+        self.finish_projecting(x, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        let out = self.head(x, inputs, project)?;
         let p = self.cfg.patch_size;
         let [f, gh, gw] = inputs.grid;
         let oc = self.cfg.out_channels();
@@ -998,21 +1011,22 @@ impl HookedBlock<Tensor, BlockInputs> for CogVideoXBlock {
 
 /// How diffusers names what its cache hooks see: `transformer_blocks`, and in each its joint
 /// self-attention `attn1` (PAB's spatial attention).
-const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "transformer_blocks",
-    submodules: &["attn1"],
-    proj_out: "proj_out",
-};
+pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1"]);
 
 /// diffusers' cache hooks see `transformer_blocks`, each returning the video tokens
 /// (`hidden_states`) and the text (`encoder_hidden_states`): the joint sequence's two parts.
 impl crate::models::blocks::CachedForward for CogVideoXTransformer3DModel {
+    fn finish_hooked(
+        &self,
+        x: Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&x, inputs, project)
+    }
+
     fn hooked_blocks(&self) -> HookedBlocks {
-        HookedBlocks {
-            first: 0,
-            count: self.cfg.num_layers,
-            names: CACHE_NAMES,
-        }
+        crate::models::video::DenoiseActivations::hooked_blocks(&self.cfg)
     }
 
     fn streams(x: &Tensor, inputs: &BlockInputs) -> Result<Vec<Tensor>> {

@@ -21,7 +21,9 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::{Blockwise, HookedBlock};
-use crate::models::step_cache::{BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule};
+use crate::models::step_cache::{
+    BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
+};
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
     gated, gated_joint_attention, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
@@ -815,7 +817,18 @@ impl FluxTransformer2DModel {
     /// Output norm (AdaLayerNormContinuous: scale then shift) and `proj_out` of the image
     /// tokens `[B, N, inner]` -> `[B, N, out_channels]`.
     pub fn finish(&self, image: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        project(&self.proj_out, &self.norm_out_forward(image, inputs)?)
+        self.finish_projecting(image, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `through` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        image: &Tensor,
+        inputs: &BlockInputs,
+        through: &mut Through,
+    ) -> Result<Tensor> {
+        through(&mut || project(&self.proj_out, &self.norm_out_forward(image, inputs)?))
     }
 
     /// `norm_out` alone (the output head before `proj_out`).
@@ -924,18 +937,36 @@ impl HookedBlock<Streams, BlockInputs> for FluxBlock {
 /// `single_transformer_blocks`, each returning the image and text streams, and in each its
 /// attention `attn` (PAB's).
 const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "transformer_blocks",
+    lists: &["transformer_blocks", "single_transformer_blocks"],
+    interleaved: false,
     submodules: &["attn"],
     proj_out: "proj_out",
 };
 
-impl crate::models::blocks::CachedForward for FluxTransformer2DModel {
-    fn hooked_blocks(&self) -> HookedBlocks {
+impl FluxTransformerConfig {
+    /// The blocks diffusers' cache hooks see, by their names.
+    pub fn hooked_blocks(&self) -> HookedBlocks {
         HookedBlocks {
             first: 0,
-            count: self.cfg.num_blocks(),
+            count: self.num_blocks(),
+            split: self.num_layers,
             names: CACHE_NAMES,
         }
+    }
+}
+
+impl crate::models::blocks::CachedForward for FluxTransformer2DModel {
+    fn finish_hooked(
+        &self,
+        s: Streams,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&s.image, inputs, project)
+    }
+
+    fn hooked_blocks(&self) -> HookedBlocks {
+        self.cfg.hooked_blocks()
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {

@@ -37,7 +37,7 @@ use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
 use crate::models::step_cache::{
-    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
+    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
 };
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -1782,6 +1782,17 @@ impl HunyuanVideoTransformer3DModel {
     /// Output norm (AdaLayerNormContinuous, scale then shift), `proj_out` and unpatchify:
     /// video tokens `[B, N, inner]` -> `[B, out_channels, F, H, W]`.
     pub fn finish(&self, hidden: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.finish_projecting(hidden, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        hidden: &Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
         let m = match &self.norm_out {
             Some(norm_out) => norm_out.forward(inputs.temb()?)?,
             None => match inputs.modulation(self.cfg.num_blocks()) {
@@ -1792,7 +1803,7 @@ impl HunyuanVideoTransformer3DModel {
             },
         };
         let h = modulate(&layer_norm(hidden, NORM_EPS)?, &m[1], &m[0])?;
-        let h = self.proj_out.forward(&h)?;
+        let h = project(&mut || self.proj_out.forward(&h))?;
         let (pt, p) = (self.cfg.patch_size_t, self.cfg.patch_size);
         let [gf, gh, gw] = inputs.grid;
         let oc = self.cfg.out_channels();
@@ -1928,18 +1939,36 @@ impl HookedBlock<Streams, BlockInputs> for HunyuanVideoBlock {
 /// `single_transformer_blocks` (the token refiner runs inside `context_embedder`, where only
 /// PAB reaches its `attn`), each returning the video and text streams, and in each `attn`.
 const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "transformer_blocks",
+    lists: &["transformer_blocks", "single_transformer_blocks"],
+    interleaved: false,
     submodules: &["attn"],
     proj_out: "proj_out",
 };
 
-impl crate::models::blocks::CachedForward for HunyuanVideoTransformer3DModel {
-    fn hooked_blocks(&self) -> HookedBlocks {
+impl HunyuanVideoTransformerConfig {
+    /// The blocks diffusers' cache hooks see, by their names.
+    pub fn hooked_blocks(&self) -> HookedBlocks {
         HookedBlocks {
-            first: self.cfg.num_refiner_layers,
-            count: self.cfg.num_layers + self.cfg.num_single_layers,
+            first: self.num_refiner_layers,
+            count: self.num_layers + self.num_single_layers,
+            split: self.num_layers,
             names: CACHE_NAMES,
         }
+    }
+}
+
+impl crate::models::blocks::CachedForward for HunyuanVideoTransformer3DModel {
+    fn finish_hooked(
+        &self,
+        s: Streams,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&s.video, inputs, project)
+    }
+
+    fn hooked_blocks(&self) -> HookedBlocks {
+        self.cfg.hooked_blocks()
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {

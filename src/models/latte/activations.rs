@@ -5,11 +5,20 @@
 use super::transformer::LatteTransformerConfig;
 use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
-use crate::models::step_cache::AttentionModules;
+use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 
 impl DenoiseActivations for LatteTransformerConfig {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks {
+            first: 0,
+            count: 2 * self.num_layers,
+            split: self.num_layers,
+            names: super::transformer::CACHE_NAMES,
+        }
+    }
+
     fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, [1, self.in_channels(), f, h, w], text_len, dtype)
     }

@@ -20,7 +20,7 @@ use crate::models::pixart::{
 };
 use crate::models::step_cache::{
     BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Reclassified,
-    Submodule,
+    Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -528,6 +528,17 @@ impl LatteTransformer3DModel {
 
     /// The output head on `x` `[B, F, N, D]` and unpatchify: `[B, out_channels, F, H, W]`.
     pub fn finish(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        self.finish_projecting(x, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        x: &Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
         let (b, f, n, d) = x.dims4()?;
         let table = self
             .scale_shift_table
@@ -540,7 +551,7 @@ impl LatteTransformer3DModel {
             .forward(x)?
             .broadcast_mul(&(scale + 1.0)?)?
             .broadcast_add(&shift)?;
-        let out = self.proj_out.forward(&h)?;
+        let out = project(&mut || self.proj_out.forward(&h))?;
         let p = self.cfg.patch_size();
         let oc = self.cfg.out_channels();
         let [gh, gw] = inputs.grid;
@@ -651,20 +662,26 @@ impl HookedBlock<Tensor, BlockInputs> for LatteBlock {
 /// (a temporal block has no `attn2`), the blocks in execution order (spatial 0, temporal 0,
 /// spatial 1, ...). diffusers' block hooks (First Block Cache, MagCache) do not run in Latte:
 /// they need a cache context, which its pipeline does not open; PAB's hooks need none.
-const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "blocks",
+pub(super) const CACHE_NAMES: ModuleNames = ModuleNames {
+    lists: &["transformer_blocks", "temporal_transformer_blocks"],
+    interleaved: true,
     submodules: &["attn1", "attn2"],
     proj_out: "proj_out",
 };
 
 /// The blocks thread the video tokens alone.
 impl CachedForward for LatteTransformer3DModel {
+    fn finish_hooked(
+        &self,
+        x: Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&x, inputs, project)
+    }
+
     fn hooked_blocks(&self) -> HookedBlocks {
-        HookedBlocks {
-            first: 0,
-            count: 2 * self.cfg.num_layers,
-            names: CACHE_NAMES,
-        }
+        crate::models::video::DenoiseActivations::hooked_blocks(&self.cfg)
     }
 
     fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {

@@ -26,6 +26,7 @@ use crate::models::blocks::HookedBlock;
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
 use crate::models::step_cache::{
     BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Submodule,
+    Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
@@ -1020,6 +1021,17 @@ impl LtxTransformer3DModel {
     /// After the blocks: LayerNorm (no affine), modulation by the embedded timestep,
     /// `proj_out`: `[B, S, out_channels]`.
     pub fn finish(&self, x: &Tensor, inputs: &LtxBlockInputs) -> Result<Tensor> {
+        self.finish_projecting(x, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        x: &Tensor,
+        inputs: &LtxBlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
         let (b, _, dim) = x.dims3()?;
         let ss = inputs
             .embedded_timestep
@@ -1034,7 +1046,7 @@ impl LtxTransformer3DModel {
         let normed = xc
             .broadcast_div(&(var + NORM_OUT_EPS)?.sqrt()?)?
             .to_dtype(x.dtype())?;
-        self.proj_out.forward(&modulate(&normed, &shift, &scale)?)
+        project(&mut || self.proj_out.forward(&modulate(&normed, &shift, &scale)?))
     }
 
     /// The whole forward: [`Self::prepare`], the blocks in order, [`Self::finish`].
@@ -1360,19 +1372,27 @@ impl HookedBlock<LtxStream, LtxBlockInputs> for LtxTransformerBlock {
 
 /// How diffusers names what its cache hooks see in LTX-Video: `transformer_blocks`, each
 /// returning the hidden states alone, and in each `attn1` and `attn2` (PAB's).
-const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "transformer_blocks",
-    submodules: &["attn1", "attn2"],
-    proj_out: "proj_out",
-};
+const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1", "attn2"]);
+
+impl LtxTransformerConfig {
+    /// The blocks diffusers' cache hooks see, by their names.
+    pub fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks::one_list(self.num_layers, CACHE_NAMES)
+    }
+}
 
 impl crate::models::blocks::CachedForward for LtxTransformer3DModel {
+    fn finish_hooked(
+        &self,
+        stream: LtxStream,
+        inputs: &LtxBlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&stream.into_hidden()?, inputs, project)
+    }
+
     fn hooked_blocks(&self) -> HookedBlocks {
-        HookedBlocks {
-            first: 0,
-            count: self.cfg.num_layers,
-            names: CACHE_NAMES,
-        }
+        self.cfg.hooked_blocks()
     }
 
     fn streams(stream: &LtxStream, _: &LtxBlockInputs) -> Result<Vec<Tensor>> {

@@ -3,11 +3,15 @@
 
 use super::transformer::MochiTransformerConfig;
 use super::vae::MochiVaeConfig;
-use crate::models::step_cache::AttentionModules;
+use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 
 impl DenoiseActivations for MochiTransformerConfig {
+    fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks::one_list(self.num_layers, super::transformer::CACHE_NAMES)
+    }
+
     fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
     }

@@ -29,7 +29,7 @@ use crate::models::cogvideox::transformer::linspace_f32;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, Rows};
 use crate::models::step_cache::{
-    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule,
+    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
@@ -1016,7 +1016,18 @@ impl MochiTransformer3DModel {
 
     /// Output head and unpatchify: video `[B, N, inner]` -> `[B, C_out, F, H, W]`.
     pub fn finish(&self, video: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
-        let out = self.proj_out.forward(&self.norm_out(video, inputs)?)?;
+        self.finish_projecting(video, inputs, &mut |compute| compute())
+    }
+
+    /// [`Self::finish`], the output projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn finish_projecting(
+        &self,
+        video: &Tensor,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        let out = project(&mut || self.proj_out.forward(&self.norm_out(video, inputs)?))?;
         let p = self.cfg.patch_size;
         let [f, gh, gw] = inputs.grid;
         let b = out.dim(0)?;
@@ -1095,19 +1106,20 @@ impl HookedBlock<Streams, BlockInputs> for MochiBlock {
 
 /// How diffusers names what its cache hooks see in Mochi-1: `transformer_blocks`, each
 /// returning the video and text streams, and in each the joint attention `attn1` (PAB's).
-const CACHE_NAMES: ModuleNames = ModuleNames {
-    blocks: "transformer_blocks",
-    submodules: &["attn1"],
-    proj_out: "proj_out",
-};
+pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1"]);
 
 impl crate::models::blocks::CachedForward for MochiTransformer3DModel {
+    fn finish_hooked(
+        &self,
+        s: Streams,
+        inputs: &BlockInputs,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        self.finish_projecting(&s.video, inputs, project)
+    }
+
     fn hooked_blocks(&self) -> HookedBlocks {
-        HookedBlocks {
-            first: 0,
-            count: self.cfg.num_layers,
-            names: CACHE_NAMES,
-        }
+        crate::models::video::DenoiseActivations::hooked_blocks(&self.cfg)
     }
 
     fn streams(s: &Streams, _: &BlockInputs) -> Result<Vec<Tensor>> {

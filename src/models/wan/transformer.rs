@@ -32,7 +32,7 @@ use crate::models::attention::sdpa;
 use crate::models::projection::Projection;
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::step_cache::{
-    whole_output, BlockHooks, ComputeAll, ModuleNames, Submodule, Through,
+    whole_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
 };
 
 #[cfg(feature = "cuda")]
@@ -51,6 +51,13 @@ pub const LOW_ACTIVATION_ROWS: usize = 1024;
 /// diffusers' names of the modules a step cache hooks: `blocks.N`, `blocks.N.attn1`, `.attn2`,
 /// `.ffn` and `proj_out` (the columns of `--cache`'s record, the names its patterns match).
 pub const CACHE_NAMES: ModuleNames = ModuleNames::DIFFUSERS;
+
+impl WanTransformerConfig {
+    /// The blocks diffusers' cache hooks see, by their names.
+    pub fn hooked_blocks(&self) -> HookedBlocks {
+        HookedBlocks::one_list(self.num_layers, CACHE_NAMES)
+    }
+}
 
 /// The modules diffusers' layerwise casting leaves alone in `WanTransformer3DModel` (its
 /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`).
