@@ -264,6 +264,23 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "taylorseer:use_lite_mode=true",
             "--cache taylorseer does not apply",
         ),
+        // Patterns that match modules the blocks do not hand the cache: the token refiner's
+        // `attn` (inside `context_embedder`), a feed-forward, a Linear inside an attention.
+        (
+            "hunyuanvideo-tiny-a",
+            "taylorseer:cache_identifiers=.*attn",
+            "the module \"context_embedder.token_refiner.refiner_blocks.0.attn\", which vidgen does not hook",
+        ),
+        (
+            "flux-tiny-a",
+            r"taylorseer:skip_predict_identifiers=transformer_blocks\.\d+\.ff",
+            "the module \"transformer_blocks.0.ff\", which vidgen does not hook",
+        ),
+        (
+            "wan-tiny-a",
+            r"taylorseer:cache_identifiers=blocks\.\d+\.attn1\.to_q",
+            "the module \"blocks.0.attn1.to_q\", which vidgen does not hook",
+        ),
     ] {
         refused(fixture, &["--cache", spec], says, &dir);
     }

@@ -367,6 +367,24 @@ impl CacheSpec {
         }
     }
 
+    /// The first of a transformer's `modules` (diffusers' module paths) that one of
+    /// TaylorSeer's patterns matches although the blocks (`hooked`) do not hand it to the
+    /// cache: diffusers would predict or zero it, vidgen could not.
+    pub fn unhooked_module<'m>(
+        &self,
+        hooked: &HookedBlocks,
+        modules: impl IntoIterator<Item = &'m str>,
+    ) -> Option<&'m str> {
+        let CacheSpec::TaylorSeer(c) = self else {
+            return None;
+        };
+        let (zeroed, predicted) = c.patterns().ok()?;
+        let own: std::collections::HashSet<String> = hooked.modules().into_iter().collect();
+        modules.into_iter().find(|name| {
+            zeroed.iter().chain(&predicted).any(|p| p.is_match(name)) && !own.contains(*name)
+        })
+    }
+
     /// The hook's name as `--cache` spells it.
     pub fn name(&self) -> &'static str {
         match self {
@@ -428,6 +446,21 @@ impl ModuleNames {
             proj_out: "proj_out",
         }
     }
+}
+
+/// The module paths (diffusers' `named_modules()` names, the root `""` first) of a model whose
+/// parameters are `tensors` (`blocks.0.attn1.to_q.weight`: `blocks`, `blocks.0`, ...), sorted.
+pub fn module_paths<'t>(tensors: impl IntoIterator<Item = &'t str>) -> Vec<String> {
+    let mut paths = std::collections::BTreeSet::from([String::new()]);
+    for name in tensors {
+        let mut end = 0;
+        while let Some(dot) = name[end..].find('.') {
+            end += dot;
+            paths.insert(name[..end].to_string());
+            end += 1;
+        }
+    }
+    paths.into_iter().collect()
 }
 
 /// Which forward of a guided step: the passes keep separate cache states.

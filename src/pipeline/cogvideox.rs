@@ -19,6 +19,7 @@ use crate::models::cogvideox::transformer::{
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use crate::models::guidance::batch_input;
 use crate::models::step_cache::Pass;
+use crate::models::video::DenoiseActivations;
 use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
@@ -45,6 +46,7 @@ impl Family for CogVideoXConfigs {
         About {
             // 4k+1 frames (the VAE's 4x in time), sizes in multiples of 16 (8x space, patch 2).
             defaults: ModelDefaults::video(480, 720, 49, 8).sampling(50, 6.0, 226),
+            cache_blocks: Some(DenoiseActivations::hooked_blocks(&self.transformer)),
             ..About::guided(
                 "CogVideoX text-to-video",
                 &[Lora, VaeTiling, Cache, Pab, TaylorSeer],

@@ -165,6 +165,7 @@ impl Family for FluxConfigs {
         );
         let embeds_guidance = self.transformer.guidance_embeds;
         About {
+            cache_blocks: Some(self.transformer.hooked_blocks()),
             options: (guided.options.into_iter())
                 .filter(|&o| o != GuidanceScale || embeds_guidance)
                 .collect(),

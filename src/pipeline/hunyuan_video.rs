@@ -165,6 +165,7 @@ impl Family for HunyuanConfigs {
     fn about(&self) -> About {
         About {
             schedulers: &[SchedulerKind::Euler],
+            cache_blocks: Some(self.transformer.hooked_blocks()),
             defaults: ModelDefaults {
                 scheduler: Some(SchedulerKind::Euler),
                 // Wan's rule: 4k+1 frames, multiples of 16 (the VAE's 4x time, 8x space, patch 2).

@@ -104,6 +104,7 @@ impl Family for LtxConfigs {
         };
         About {
             schedulers: &[SchedulerKind::Euler],
+            cache_blocks: Some(self.transformer.hooked_blocks()),
             defaults: ModelDefaults {
                 height: Some(defaults::HEIGHT as u32),
                 width: Some(defaults::WIDTH as u32),

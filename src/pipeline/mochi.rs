@@ -18,6 +18,7 @@ use crate::models::mochi::defaults;
 use crate::models::mochi::transformer::{MochiTransformer3DModel, MochiTransformerConfig};
 use crate::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
 use crate::models::step_cache::Pass;
+use crate::models::video::DenoiseActivations;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
 use crate::schedulers::linear_quadratic::{linear_quadratic_schedule, THRESHOLD_NOISE};
 use crate::schedulers::Scheduler;
@@ -66,6 +67,7 @@ impl Family for MochiConfigs {
     /// steps (the schedule's linear half is empty with one).
     fn about(&self) -> About {
         About {
+            cache_blocks: Some(DenoiseActivations::hooked_blocks(&self.transformer)),
             defaults: ModelDefaults {
                 height: Some(defaults::HEIGHT),
                 width: Some(defaults::WIDTH),

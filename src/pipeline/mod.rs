@@ -206,6 +206,7 @@ fn for_family(
     let spec = family.spec(&RunShape::of(&config));
     check_shards(&spec, source)?;
     check_weight_files(&spec, &config, source)?;
+    check_cache_modules(&family.about(), &config, source)?;
     let config = dit_on_device_where_free(family, config);
     fit_to_host(family, fit_to_device(family, config)?, stop_on_host)
 }
@@ -514,6 +515,41 @@ fn check_weight_files(
         }
     }
     Ok(())
+}
+
+/// Checks `--cache taylorseer`'s patterns against the transformer's modules, named by the
+/// folder's own weights where it has them: a module a pattern matches that the blocks do not
+/// hand the cache (diffusers would predict or zero it) is bad input naming it.
+fn check_cache_modules(
+    about: &registry::About,
+    config: &ResolvedConfig,
+    source: &ModelSource,
+) -> Result<(), UsageError> {
+    let (Some(cache), Some(hooked)) = (&config.generation().cache, &about.cache_blocks) else {
+        return Ok(());
+    };
+    let Ok(weights @ crate::weights::Weights::Files(_)) =
+        crate::models::source::component_weights(source, "transformer")
+    else {
+        return Ok(());
+    };
+    let Ok(weights) = crate::weights::WeightSet::open(&weights) else {
+        return Ok(());
+    };
+    let names = weights.names();
+    let modules = crate::models::step_cache::module_paths(names.iter().map(String::as_str));
+    match cache.unhooked_module(hooked, modules.iter().map(String::as_str)) {
+        Some(module) => Err(UsageError::new(format!(
+            "--cache taylorseer: a pattern matches the module {module:?}, which vidgen does not hook in this transformer (it hooks each of {} and their {}, and {}); narrow cache_identifiers / skip_predict_identifiers to those",
+            hooked.names.lists.join(" / "),
+            match hooked.names.submodules {
+                [] => "whole outputs".to_string(),
+                subs => subs.join(", "),
+            },
+            hooked.names.proj_out,
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Checks a `--transformer` file against the model folder's own transformer weights, where the

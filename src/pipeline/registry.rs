@@ -304,6 +304,9 @@ pub struct About {
     /// The published pipeline's call defaults where they differ from vidgen's (Wan2.1's),
     /// its frame rule among them.
     pub defaults: ModelDefaults,
+    /// The transformer's blocks as its step caches see them, where it takes TaylorSeer (whose
+    /// patterns name modules: those it matches must be among these blocks' modules).
+    pub cache_blocks: Option<HookedBlocks>,
 }
 
 impl About {

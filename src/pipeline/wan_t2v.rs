@@ -112,6 +112,7 @@ impl Family for WanConfigs {
         }
         About {
             schedulers: &[SchedulerKind::UniPc, SchedulerKind::Euler],
+            cache_blocks: Some(self.transformer.hooked_blocks()),
             defaults: match self.expand_timesteps {
                 true => ModelDefaults::video(704, 1280, 121, 24),
                 false => ModelDefaults::default(),
