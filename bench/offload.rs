@@ -404,8 +404,7 @@ impl Bench {
             low_activation: false,
             image: false,
             decode: true,
-            cache_states: (0, 0),
-            pab: None,
+            cache: None,
             fp8_matmul: false,
             sage_attention: false,
         };

@@ -153,7 +153,7 @@ fn intermediates_match_diffusers() {
     }
     check(
         "proj_out",
-        &model.head(&x, &inputs).unwrap(),
+        &model.head(&x, &inputs, &mut |compute| compute()).unwrap(),
         &r["debug.proj_out"],
     );
     check("output", &model.finish(&x, &inputs).unwrap(), &r["output"]);
