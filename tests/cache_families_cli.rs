@@ -15,8 +15,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    assert_close, cpu_prompt_args, max_abs_diff, named_fixture_dir, planned_denoise_activations,
-    run_vidgen, scratch_dir, usage_error,
+    assert_close, cpu_prompt_args, draws_file, max_abs_diff, named_fixture_dir,
+    planned_denoise_activations, run_vidgen, scratch_dir, usage_error,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -36,40 +36,6 @@ fn strings(value: &serde_json::Value) -> Vec<String> {
         .iter()
         .map(|a| a.as_str().unwrap().to_string())
         .collect()
-}
-
-/// The draws file of `case`: each reference tensor its `draws` names (`N`, `K`: every step and
-/// draw the fixture's pipeline reference holds) under its draw name.
-fn draws_file(case: &serde_json::Value, refs: &HashMap<String, Tensor>, dir: &Path) -> PathBuf {
-    let mut draws = HashMap::new();
-    for (from, to) in case["draws"].as_object().unwrap() {
-        let to = to.as_str().unwrap();
-        let pattern = regex::Regex::new(&format!(
-            "^{}$",
-            regex::escape(from).replace(['N', 'K'], "(\\d+)")
-        ))
-        .unwrap();
-        let mut found = 0;
-        for (name, tensor) in refs {
-            let Some(captures) = pattern.captures(name) else {
-                continue;
-            };
-            let mut numbers = captures.iter().skip(1).map(|c| c.unwrap().as_str());
-            let mut draw = String::new();
-            for c in to.chars() {
-                match c {
-                    'N' | 'K' => draw.push_str(numbers.next().unwrap()),
-                    c => draw.push(c),
-                }
-            }
-            draws.insert(draw, tensor.clone());
-            found += 1;
-        }
-        assert!(found > 0, "{}: no reference tensor {from}", case["name"]);
-    }
-    let path = dir.join("draws.safetensors");
-    candle_core::safetensors::save(&draws, &path).unwrap();
-    path
 }
 
 /// What one case's run wrote: its tensors, stderr and `--stats-json`.

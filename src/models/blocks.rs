@@ -28,6 +28,10 @@ macro_rules! placed_whole {
 pub trait Blockwise: Sized + Send + Sync + 'static {
     type Config: Clone + Send + Sync + 'static;
     type Block: 'static;
+    /// The module paths diffusers' layerwise casting (`--storage-dtype`) leaves alone in this
+    /// model beyond its defaults: the class's `_skip_layerwise_casting_patterns` and
+    /// `_keep_in_fp32_modules`.
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = &[];
     /// The whole model from its root `VarBuilder`.
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self>;
     /// Everything but the repeated blocks; lookup tables (exact on any device) may come from
@@ -89,6 +93,8 @@ pub trait RepeatedBlocks: Sized + Send + Sync + 'static {
     type Step: Copy + 'static;
     /// Where the block list's weights sit under the root: block `i` at `{BLOCKS}.{i}`.
     const BLOCKS: &'static str;
+    /// [`Blockwise::LAYERWISE_CASTING_SKIP`].
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = &[];
     /// Every step of a block, in execution order (empty: a block streams whole).
     const STEPS: &'static [Self::Step];
     /// The whole model from its root `VarBuilder`.
@@ -115,15 +121,16 @@ pub trait RepeatedBlocks: Sized + Send + Sync + 'static {
 /// [`RepeatedBlocks`] for a DiT of the usual shape: the model built by `new` and
 /// `new_without_blocks(cfg, vb)`, `cfg.num_layers` blocks under `$prefix.{i}`, each built by
 /// `$block::new(cfg, vb)` or, one step at a time, `$block::with_steps(cfg, vb, steps)` over
-/// `$step::ALL`.
+/// `$step::ALL`; `skip` is its [`Blockwise::LAYERWISE_CASTING_SKIP`].
 #[macro_export]
 macro_rules! repeated_blocks {
-    ($model:ty, $config:ty, $block:ty, $step:ty, $prefix:literal) => {
+    ($model:ty, $config:ty, $block:ty, $step:ty, $prefix:literal, skip: $skip:expr) => {
         impl $crate::models::blocks::RepeatedBlocks for $model {
             type Config = $config;
             type Block = $block;
             type Step = $step;
             const BLOCKS: &'static str = $prefix;
+            const LAYERWISE_CASTING_SKIP: &'static [&'static str] = $skip;
             const STEPS: &'static [$step] = &<$step>::ALL;
             fn new(cfg: &$config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
                 <$model>::new(cfg, vb)
@@ -165,6 +172,7 @@ fn block_vb<M: RepeatedBlocks>(vb: VarBuilder, i: usize) -> VarBuilder {
 impl<M: RepeatedBlocks> Blockwise for M {
     type Config = M::Config;
     type Block = M::Block;
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = M::LAYERWISE_CASTING_SKIP;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
         M::new(cfg, vb)
     }

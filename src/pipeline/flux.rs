@@ -10,7 +10,7 @@ use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, GuidanceScale, Lora, Pab, TaylorSeer, TrueCfgScale, VaeTiling,
+    Cache, GuidanceScale, Lora, Pab, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -161,7 +161,15 @@ impl Family for FluxConfigs {
         let side = DEFAULT_SAMPLE_SIZE * self.vae.scale_factor() as u32;
         let guided = About::guided(
             "FLUX.1 text-to-image",
-            &[TrueCfgScale, VaeTiling, Lora, Cache, Pab, TaylorSeer],
+            &[
+                TrueCfgScale,
+                VaeTiling,
+                Lora,
+                StorageDtype,
+                Cache,
+                Pab,
+                TaylorSeer,
+            ],
         );
         let embeds_guidance = self.transformer.guidance_embeds;
         About {

@@ -10,7 +10,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, Lora, Pab, TaylorSeer, TrueCfgScale, VaeTiling,
+    Cache, FlowShift, Lora, Pab, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -178,6 +178,7 @@ impl Family for HunyuanConfigs {
                     FlowShift,
                     VaeTiling,
                     Lora,
+                    StorageDtype,
                     Cache,
                     Pab,
                     TaylorSeer,

@@ -6,7 +6,7 @@ use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, TaylorSeer, VaeTiling,
+    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
 };
 use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
@@ -128,6 +128,7 @@ impl Family for LtxConfigs {
                     DecodeNoiseScale,
                     VaeTiling,
                     Lora,
+                    StorageDtype,
                     Cache,
                     Pab,
                     TaylorSeer,

@@ -5,7 +5,7 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Cache, Lora, Pab, TaylorSeer, VaeTiling};
+use super::registry::FamilyOption::{Cache, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling};
 use super::registry::{
     declared_by, About, Configs, Family, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
@@ -84,7 +84,7 @@ impl Family for MochiConfigs {
             },
             ..About::guided(
                 "Mochi-1 text-to-video",
-                &[Lora, VaeTiling, Cache, Pab, TaylorSeer],
+                &[Lora, StorageDtype, VaeTiling, Cache, Pab, TaylorSeer],
             )
         }
     }

@@ -238,7 +238,7 @@ impl FamilyOption {
                 "it changes the second expert of a model with two transformers (Wan2.2 A14B)"
             }
             FamilyOption::StorageDtype => {
-                "vidgen stores the Wan family's transformers in fp8 so far"
+                "vidgen stores in fp8 the transformers of the families whose diffusers models it runs (MiniMax H3's is not diffusers')"
             }
             FamilyOption::Cache => {
                 "diffusers' cache hooks take the blocks of the Wan, CogVideoX, LTX-Video, HunyuanVideo, Mochi and FLUX.1 transformers, not this one's"

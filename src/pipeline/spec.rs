@@ -177,7 +177,8 @@ pub struct ComponentSpec {
     /// (FastVideo's `_lazy_module_names`).
     pub deferrable: bool,
     /// Module paths `--storage-dtype` leaves unrounded beyond diffusers' defaults: the model's
-    /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`.
+    /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`
+    /// ([`crate::models::blocks::Blockwise::LAYERWISE_CASTING_SKIP`]).
     pub storage_cast_skip: &'static [&'static str],
     /// Its weights have an original (non-diffusers) naming that LoRA files use too (Wan's:
     /// ComfyUI and kohya LoRAs are mapped to diffusers' names).
@@ -210,7 +211,7 @@ impl<M: Blockwise> Component<M> {
                 role,
                 dtype: None,
                 deferrable: true,
-                storage_cast_skip: &[],
+                storage_cast_skip: M::LAYERWISE_CASTING_SKIP,
                 original_names: false,
                 constructors: Arc::new(ModelConstructors::<M>(cfg)),
             },
@@ -237,12 +238,6 @@ impl<M> Component<M> {
     /// Its weights also go by an original naming that LoRA files use (Wan's).
     pub fn with_original_names(mut self) -> Self {
         self.spec.original_names = true;
-        self
-    }
-
-    /// `--storage-dtype` also leaves the modules matching `patterns` unrounded.
-    pub fn storage_cast_skipping(mut self, patterns: &'static [&'static str]) -> Self {
-        self.spec.storage_cast_skip = patterns;
         self
     }
 }

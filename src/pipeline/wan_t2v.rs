@@ -338,9 +338,7 @@ impl WanConfigs {
                 fp8_matmul: shape.fp8_matmul,
                 ..cfg.clone()
             };
-            Component::new(name, Role::Dit, cfg)
-                .storage_cast_skipping(crate::models::wan::transformer::LAYERWISE_CASTING_SKIP)
-                .with_original_names()
+            Component::new(name, Role::Dit, cfg).with_original_names()
         };
         let transformer = spec.add(dit("transformer", &self.transformer));
         let transformer_2 = self

@@ -5,7 +5,7 @@ pub mod heap;
 
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The tiny diffusers checkpoint with its reference outputs.
 pub fn fixture_dir() -> PathBuf {
@@ -272,4 +272,38 @@ pub fn wan_tiny_reference_call(dir: &std::path::Path) -> (Vec<String>, PathBuf) 
     .map(String::from)
     .to_vec();
     (args, draws)
+}
+
+/// The `--latents` draws file of a fixture case (`cli_cases` of a references README.json): each reference tensor its `draws` names (`N`, `K`: every step and
+/// draw the fixture's pipeline reference holds) under its draw name.
+pub fn draws_file(case: &serde_json::Value, refs: &HashMap<String, Tensor>, dir: &Path) -> PathBuf {
+    let mut draws = HashMap::new();
+    for (from, to) in case["draws"].as_object().unwrap() {
+        let to = to.as_str().unwrap();
+        let pattern = regex::Regex::new(&format!(
+            "^{}$",
+            regex::escape(from).replace(['N', 'K'], "(\\d+)")
+        ))
+        .unwrap();
+        let mut found = 0;
+        for (name, tensor) in refs {
+            let Some(captures) = pattern.captures(name) else {
+                continue;
+            };
+            let mut numbers = captures.iter().skip(1).map(|c| c.unwrap().as_str());
+            let mut draw = String::new();
+            for c in to.chars() {
+                match c {
+                    'N' | 'K' => draw.push_str(numbers.next().unwrap()),
+                    c => draw.push(c),
+                }
+            }
+            draws.insert(draw, tensor.clone());
+            found += 1;
+        }
+        assert!(found > 0, "{}: no reference tensor {from}", case["name"]);
+    }
+    let path = dir.join("draws.safetensors");
+    candle_core::safetensors::save(&draws, &path).unwrap();
+    path
 }

@@ -555,7 +555,12 @@ impl AllegroTransformer3DModel {
 }
 
 /// Placed block by block: the blocks stream one by one, whole.
+/// The modules diffusers' layerwise casting leaves alone in `AllegroTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns`).
+const LAYERWISE_CASTING_SKIP: &[&str] = &["pos_embed", "norm", "adaln_single"];
+
 impl Blockwise for AllegroTransformer3DModel {
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = AllegroTransformerConfig;
     type Block = AllegroBlock;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {

@@ -974,12 +974,17 @@ impl CogVideoXTransformer3DModel {
 }
 
 // Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step.
+/// The modules diffusers' layerwise casting leaves alone in `CogVideoXTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns`).
+const LAYERWISE_CASTING_SKIP: &[&str] = &["patch_embed", "norm"];
+
 crate::repeated_blocks!(
     CogVideoXTransformer3DModel,
     CogVideoXTransformerConfig,
     CogVideoXBlock,
     BlockStep,
-    "transformer_blocks"
+    "transformer_blocks",
+    skip: LAYERWISE_CASTING_SKIP
 );
 
 crate::block_forward!(

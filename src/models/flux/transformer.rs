@@ -871,7 +871,12 @@ impl FluxTransformer2DModel {
 
 /// Placed by the block protocol: dual-stream blocks, then single-stream ones (two kinds, never
 /// in one group, as diffusers groups each block list apart).
+/// The modules diffusers' layerwise casting leaves alone in `FluxTransformer2DModel` (its
+/// `_skip_layerwise_casting_patterns`).
+const LAYERWISE_CASTING_SKIP: &[&str] = &["pos_embed", "norm"];
+
 impl Blockwise for FluxTransformer2DModel {
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = FluxTransformerConfig;
     type Block = FluxBlock;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {

@@ -1844,7 +1844,12 @@ impl HunyuanVideoTransformer3DModel {
 
 /// Placed by the block protocol: refiner blocks, dual-stream blocks, then single-stream ones,
 /// each kind with its own steps.
+/// The modules diffusers' layerwise casting leaves alone in `HunyuanVideoTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns`); its modulations are read from the same weights.
+const LAYERWISE_CASTING_SKIP: &[&str] = &["x_embedder", "context_embedder", "norm"];
+
 impl Blockwise for HunyuanVideoTransformer3DModel {
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = HunyuanVideoTransformerConfig;
     type Block = HunyuanVideoBlock;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
@@ -1892,6 +1897,7 @@ impl Blockwise for HunyuanVideoTransformer3DModel {
 /// The modulation Linears of every block, streamed (or placed) as a DiT of their own: one pass
 /// before denoising computes every step's modulations.
 impl Blockwise for HunyuanModulations {
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = HunyuanVideoTransformerConfig;
     type Block = HunyuanVideoBlock;
     const COPY_BOUND: bool = true;

@@ -583,7 +583,12 @@ impl LatteTransformer3DModel {
 /// Placed block by block: spatial and temporal blocks alternate in execution order (each kind
 /// in its own weight list), and a streamed group takes consecutive blocks of that order, both
 /// kinds: groups of one kind would hold one block each, whatever `--num-blocks-per-group` says.
+/// The modules diffusers' layerwise casting leaves alone in `LatteTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns`).
+const LAYERWISE_CASTING_SKIP: &[&str] = &["pos_embed", "norm"];
+
 impl Blockwise for LatteTransformer3DModel {
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = LatteTransformerConfig;
     type Block = LatteBlock;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {

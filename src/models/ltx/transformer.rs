@@ -1079,12 +1079,17 @@ impl LtxTransformer3DModel {
 }
 
 // Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step.
+/// The modules diffusers' layerwise casting leaves alone in `LTXVideoTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns`).
+const LAYERWISE_CASTING_SKIP: &[&str] = &["norm"];
+
 crate::repeated_blocks!(
     LtxTransformer3DModel,
     LtxTransformerConfig,
     LtxTransformerBlock,
     BlockStep,
-    "transformer_blocks"
+    "transformer_blocks",
+    skip: LAYERWISE_CASTING_SKIP
 );
 
 #[cfg(all(test, feature = "cuda"))]

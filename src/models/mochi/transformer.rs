@@ -1059,7 +1059,12 @@ impl MochiTransformer3DModel {
 
 /// Placed by the block protocol: `transformer_blocks.{i}`, each streamed whole or step by step
 /// (a block knows its index: the last one is `context_pre_only`).
+/// The modules diffusers' layerwise casting leaves alone in `MochiTransformer3DModel` (its
+/// `_skip_layerwise_casting_patterns`).
+const LAYERWISE_CASTING_SKIP: &[&str] = &["patch_embed", "norm"];
+
 impl RepeatedBlocks for MochiTransformer3DModel {
+    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = MochiTransformerConfig;
     type Block = MochiBlock;
     type Step = BlockStep;

@@ -1702,7 +1702,8 @@ crate::repeated_blocks!(
     WanTransformerConfig,
     WanTransformerBlock,
     BlockStep,
-    "blocks"
+    "blocks",
+    skip: LAYERWISE_CASTING_SKIP
 );
 
 /// The fused CUDA kernels against the candle compositions they stand in for (run on the CPU in
