@@ -12,6 +12,7 @@ use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+mod flux_layout;
 pub mod gguf;
 mod packed;
 mod storage;
@@ -97,6 +98,65 @@ struct View<'a> {
     blocks: Option<gguf::GgmlType>,
     shape: Vec<usize>,
     data: &'a [u8],
+    /// Its values are the stored ones with the halves of the first dimension swapped: `data`
+    /// is not them as they are read (see [`Part`]).
+    swapped: bool,
+}
+
+/// Which part of a stored tensor a weight is, in a file that fuses or reorders what diffusers
+/// keeps apart (FLUX.1's original layout).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Part {
+    /// The stored tensor as it is.
+    Whole,
+    /// Rows `range` of the first dimension.
+    Rows(std::ops::Range<usize>),
+    /// The whole tensor with the two halves of its first dimension swapped.
+    SwappedHalves,
+}
+
+impl Part {
+    /// `t` (as stored) cut to this part.
+    fn cut(&self, t: Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Part::Whole => Ok(t),
+            Part::Rows(r) => t.narrow(0, r.start, r.len())?.contiguous(),
+            Part::SwappedHalves => {
+                let half = t.dim(0)? / 2;
+                Tensor::cat(&[t.narrow(0, half, half)?, t.narrow(0, 0, half)?], 0)
+            }
+        }
+    }
+}
+
+impl<'a> View<'a> {
+    /// This stored tensor cut to `part` (`None` where its bytes do not split by rows).
+    fn part(self, part: &Part) -> Option<View<'a>> {
+        if *part == Part::Whole {
+            return Some(self);
+        }
+        let rows = *self.shape.first()?;
+        if rows == 0 || self.data.len() % rows != 0 {
+            return None;
+        }
+        match part {
+            Part::Whole => Some(self),
+            Part::Rows(r) => {
+                let row = self.data.len() / rows;
+                let mut shape = self.shape.clone();
+                shape[0] = r.len();
+                Some(View {
+                    data: &self.data[r.start * row..r.end * row],
+                    shape,
+                    ..self
+                })
+            }
+            Part::SwappedHalves => (rows % 2 == 0).then_some(View {
+                swapped: true,
+                ..self
+            }),
+        }
+    }
 }
 
 impl Files {
@@ -123,12 +183,14 @@ impl Files {
                 blocks: None,
                 shape: v.shape().to_vec(),
                 data: v.data(),
+                swapped: false,
             }),
             Files::Gguf(g) => g.tensor(key).map(|t| View {
                 dtype: t.kind.float(),
                 blocks: t.kind.float().is_none().then_some(t.kind),
                 shape: t.shape.clone(),
                 data: g.data(t),
+                swapped: false,
             }),
         }
     }
@@ -156,14 +218,17 @@ impl Files {
     }
 }
 
-/// How a file names a transformer's weights: diffusers' names, or a single file in the original
-/// Wan-AI layout (`blocks.0.self_attn.q.weight`, `head.head.weight`), bare or under ComfyUI's
-/// `model.diffusion_model.`; told by `head.modulation` as diffusers tells a Wan file.
+/// How a file names a transformer's weights: diffusers' names, or a single file in an original
+/// layout, bare or under ComfyUI's `model.diffusion_model.`: Wan-AI's (`blocks.0.self_attn.q.
+/// weight`, `head.head.weight`; told by `head.modulation` as diffusers tells a Wan file) or
+/// FLUX.1's (`double_blocks.0.img_attn.qkv.weight`: [`flux_layout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeyLayout {
     Diffusers,
     Original,
     ComfyUi,
+    FluxOriginal,
+    FluxComfyUi,
 }
 
 impl KeyLayout {
@@ -171,29 +236,51 @@ impl KeyLayout {
     const COMFYUI: &'static str = "model.diffusion_model.";
 
     fn of(names: &[String]) -> Self {
-        if names
-            .iter()
-            .any(|n| n == "model.diffusion_model.head.modulation")
-        {
+        let has = |key: &str| names.iter().any(|n| n == key);
+        let comfyui = |key: &str| has(&format!("{}{key}", Self::COMFYUI));
+        if comfyui("head.modulation") {
             KeyLayout::ComfyUi
-        } else if names.iter().any(|n| n == "head.modulation") {
+        } else if has("head.modulation") {
             KeyLayout::Original
+        } else if comfyui(flux_layout::MARKER) {
+            KeyLayout::FluxComfyUi
+        } else if has(flux_layout::MARKER) {
+            KeyLayout::FluxOriginal
         } else {
             KeyLayout::Diffusers
         }
     }
 
-    /// The stored key of diffusers weight `name` (itself where no mapping applies).
-    fn stored<'a>(self, name: &'a str) -> Cow<'a, str> {
+    /// The stored key of diffusers weight `name` (itself where no mapping applies) and where
+    /// the weight lies in it.
+    fn locate<'a>(self, name: &'a str) -> (Cow<'a, str>, flux_layout::Piece) {
+        let whole = flux_layout::Piece::Whole;
         let original = || crate::lora::diffusers_to_original(name);
+        let comfyui = |key: &str| Cow::Owned(format!("{}{key}", Self::COMFYUI));
+        let flux = || flux_layout::original(name).unwrap_or_else(|| (name.to_string(), whole));
         match self {
-            KeyLayout::Diffusers => Cow::Borrowed(name),
-            KeyLayout::Original => original().map_or(Cow::Borrowed(name), Cow::Owned),
-            KeyLayout::ComfyUi => Cow::Owned(format!(
-                "{}{}",
-                Self::COMFYUI,
-                original().unwrap_or_else(|| name.to_string())
-            )),
+            KeyLayout::Diffusers => (Cow::Borrowed(name), whole),
+            KeyLayout::Original => (original().map_or(Cow::Borrowed(name), Cow::Owned), whole),
+            KeyLayout::ComfyUi => (
+                comfyui(&original().unwrap_or_else(|| name.to_string())),
+                whole,
+            ),
+            KeyLayout::FluxOriginal => {
+                let (key, piece) = flux();
+                (Cow::Owned(key), piece)
+            }
+            KeyLayout::FluxComfyUi => {
+                let (key, piece) = flux();
+                (comfyui(&key), piece)
+            }
+        }
+    }
+
+    /// The stored key of the tensor whose rows give a FLUX.1 single block's D.
+    fn stored_linear2(self, block: usize) -> String {
+        match self {
+            KeyLayout::FluxComfyUi => format!("{}{}", Self::COMFYUI, flux_layout::linear2(block)),
+            _ => flux_layout::linear2(block),
         }
     }
 }
@@ -291,7 +378,7 @@ impl WeightSet {
         let Source::Mapped(files, keys) = &self.source else {
             return None;
         };
-        let stored = keys.stored(name);
+        let (stored, _) = keys.locate(name);
         let module = stored.strip_suffix(".weight")?;
         FP8_SCALES
             .into_iter()
@@ -313,7 +400,7 @@ impl WeightSet {
         let (Source::Mapped(files, _), Some(scale)) = (&self.source, self.fp8_scale(name)) else {
             return None;
         };
-        let (weight, scale) = (self.view(name)?, files.view(&scale)?);
+        let (weight, scale) = (self.view(name).filter(|v| !v.swapped)?, files.view(&scale)?);
         let scales = match (scale.shape.as_slice(), weight.shape.as_slice()) {
             ([], _) => 1,
             (dims, &[rows, _]) if dims.iter().product::<usize>() == rows => rows,
@@ -396,7 +483,7 @@ impl WeightSet {
     /// How the files name the weights, and the stored key of weight `name`.
     pub fn stored_key(&self, name: &str) -> (KeyLayout, String) {
         match &self.source {
-            Source::Mapped(_, keys) => (*keys, keys.stored(name).into_owned()),
+            Source::Mapped(_, keys) => (*keys, keys.locate(name).0.into_owned()),
             Source::Synthetic(_) => (KeyLayout::Diffusers, name.to_string()),
         }
     }
@@ -425,10 +512,47 @@ impl WeightSet {
     /// Stored tensor `name` as its file holds it (`None` where it is not stored, or for
     /// synthetic weights).
     fn view(&self, name: &str) -> Option<View<'_>> {
-        match &self.source {
-            Source::Mapped(files, keys) => files.view(&keys.stored(name)),
-            Source::Synthetic(_) => None,
-        }
+        let (files, key, part) = self.located(name)?;
+        files.view(&key)?.part(&part)
+    }
+
+    /// The file, stored key and part of the stored tensor that weight `name` is (`None` where
+    /// it is not stored, or for synthetic weights).
+    fn located(&self, name: &str) -> Option<(&Files, String, Part)> {
+        let Source::Mapped(files, keys) = &self.source else {
+            return None;
+        };
+        let (key, piece) = keys.locate(name);
+        let part = match piece {
+            flux_layout::Piece::Whole => Part::Whole,
+            flux_layout::Piece::SwappedHalves => Part::SwappedHalves,
+            piece => {
+                let rows = *files.view(&key)?.shape.first()?;
+                let d = match piece {
+                    flux_layout::Piece::Linear1 { block, .. } => {
+                        Some(*files.view(&keys.stored_linear2(block))?.shape.first()?)
+                    }
+                    _ => None,
+                };
+                Part::Rows(flux_layout::rows(piece, rows, d)?)
+            }
+        };
+        Some((files, key.into_owned(), part))
+    }
+
+    /// Weight `name` on the CPU as its part of the stored tensor holds it.
+    fn load_stored(&self, name: &str) -> candle_core::Result<Tensor> {
+        let (files, key, part) = self
+            .located(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() })?;
+        part.cut(files.load(&key)?)
+    }
+
+    /// Whether weight `name` is all of a stored tensor as it is stored (read straight from the
+    /// file by candle where it lands).
+    fn stored_whole(&self, name: &str) -> bool {
+        self.located(name)
+            .is_some_and(|(_, _, part)| part == Part::Whole)
     }
 
     /// Checks that `name` exists with `shape` (synthetic weights have every shape asked for).
@@ -462,7 +586,7 @@ impl WeightSet {
     /// The stored bytes of `name` where they are stored as `dtype`, whatever is done with them.
     fn stored_bytes_as(&self, name: &str, dtype: DType) -> Option<&[u8]> {
         let view = self.view(name)?;
-        (view.dtype? == dtype).then_some(view.data)
+        (view.dtype? == dtype && !view.swapped).then_some(view.data)
     }
 
     /// The dtype tensor `name`'s bytes go to a device in when a model wants it as `dtype`: as
@@ -490,7 +614,11 @@ impl WeightSet {
         match &self.cast {
             Some(cast) if self.rounds(name) => Some(Packed::Fp8(cast.dtype)),
             _ if self.fp8_scale(name).is_some() => self.scaled_fp8(name),
-            _ => self.view(name)?.blocks.map(Packed::Gguf),
+            _ => self
+                .view(name)
+                .filter(|v| !v.swapped)?
+                .blocks
+                .map(Packed::Gguf),
         }
     }
 
@@ -516,7 +644,7 @@ impl WeightSet {
     /// The stored bytes of `name` where they are already in form `packed` (GGUF blocks).
     pub fn mapped_packed(&self, name: &str, packed: Packed) -> Option<&[u8]> {
         let view = self.view(name)?;
-        (Some(packed) == view.blocks.map(Packed::Gguf)).then_some(view.data)
+        (Some(packed) == view.blocks.map(Packed::Gguf) && !view.swapped).then_some(view.data)
     }
 
     /// Writes weight `name`, wanted as `dtype`, in form `packed` into `dst` (exactly its byte
@@ -679,9 +807,14 @@ impl WeightSet {
         if dst.len() != shape.elem_count() * dtype.size_in_bytes() {
             candle_core::bail!("{name}: {shape:?} of {dtype:?} in {} bytes", dst.len())
         }
-        if let (Source::Mapped(files, keys), Some(scale)) = (&self.source, self.fp8_scale(name)) {
-            let w = files.load(&keys.stored(name))?.to_dtype(DType::F32)?;
+        if let (Source::Mapped(files, _), Some(scale)) = (&self.source, self.fp8_scale(name)) {
+            let w = self.load_stored(name)?.to_dtype(DType::F32)?;
             let scale = files.load(&scale)?.to_dtype(DType::F32)?;
+            // A scale per row is cut as its weight is.
+            let scale = match (scale.rank(), self.located(name)) {
+                (0, _) | (_, None) => scale,
+                (_, Some((_, _, part))) => part.cut(scale.flatten_all()?)?,
+            };
             let scale = match scale.rank() {
                 0 => scale.broadcast_as(w.shape())?,
                 _ => scale.reshape((w.dim(0)?, 1))?.broadcast_as(w.shape())?,
@@ -704,16 +837,17 @@ impl WeightSet {
             return Ok(());
         }
         if let Some(view) = self.view(name) {
-            if view
-                .dtype
-                .is_some_and(|from| convert_into(view.data, from, dtype, dst))
+            if !view.swapped
+                && view
+                    .dtype
+                    .is_some_and(|from| convert_into(view.data, from, dtype, dst))
             {
                 self.report(view.data.len());
                 return Ok(());
             }
         }
         let tensor = match &self.source {
-            Source::Mapped(files, keys) => files.load(&keys.stored(name))?,
+            Source::Mapped(..) => self.load_stored(name)?,
             Source::Synthetic(s) => {
                 if s.write(shape, name, dtype, dst) {
                     self.report(dst.len());
@@ -788,12 +922,11 @@ impl SimpleBackend for WeightSet {
                 return self.get_unchecked(name, dtype, dev);
             }
             Source::Mapped(files, keys) => match &***files {
-                Files::Safetensors(st) => {
-                    SimpleBackend::get(st, s, &keys.stored(name), h, dtype, dev)?
+                Files::Safetensors(st) if self.stored_whole(name) => {
+                    SimpleBackend::get(st, s, &keys.locate(name).0, h, dtype, dev)?
                 }
-                Files::Gguf(_) => {
-                    return self.get(s, name, h, dtype, &Device::Cpu)?.to_device(dev);
-                }
+                // Read on the host: a GGUF decodes there, a part of a fused tensor is cut there.
+                _ => return self.get(s, name, h, dtype, &Device::Cpu)?.to_device(dev),
             },
             Source::Synthetic(g) => g.get(s, name, h, dtype, dev)?,
         };
@@ -813,10 +946,10 @@ impl SimpleBackend for WeightSet {
                     return Ok(made);
                 }
                 match &***files {
-                    Files::Safetensors(st) => {
-                        SimpleBackend::get_unchecked(st, &keys.stored(name), dtype, dev)?
+                    Files::Safetensors(st) if self.stored_whole(name) => {
+                        SimpleBackend::get_unchecked(st, &keys.locate(name).0, dtype, dev)?
                     }
-                    Files::Gguf(_) => {
+                    _ => {
                         let h = candle_nn::Init::Const(0.);
                         return self
                             .get(shape, name, h, dtype, &Device::Cpu)?

@@ -1,0 +1,88 @@
+//! FLUX.1 single files in the original (Black Forest Labs) layout through `--transformer`: q, k
+//! and v fused in one matrix (with the MLP's input in a single block's `linear1`), the output
+//! norm's modulation stored shift first, bare, under ComfyUI's prefix in bf16, and as a Q8_0
+//! GGUF (the fused matrices cut by rows of quantized blocks). Driven by
+//! `flux-original/README.json`: each file's frames within 1e-4 + 1e-4|ref| of diffusers' with
+//! the transformer it converts from the file (`make.py`), the same draws as the fixture's call.
+
+mod common;
+
+use candle_core::Device;
+use common::{assert_close, draws_file, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir};
+
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+#[test]
+fn original_layout_files_make_what_diffusers_makes_of_them() {
+    let dir = named_fixture_dir("flux-original");
+    let readme: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
+    let refs =
+        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let fixture = named_fixture_dir("flux-tiny-a");
+    let pipeline = candle_core::safetensors::load(
+        fixture.join("reference/pipeline.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let cases = readme["cases"].as_array().unwrap();
+    for case in cases {
+        let file = case["file"].as_str().unwrap();
+        let out = scratch_dir("flux-original", file);
+        let draws = draws_file(case, &pipeline, &out);
+        let mut args: Vec<String> = ["generate", "--model", fixture.to_str().unwrap()]
+            .map(String::from)
+            .to_vec();
+        args.extend(
+            case["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap().to_string()),
+        );
+        args.extend(
+            [
+                "--transformer",
+                dir.join(file).to_str().unwrap(),
+                "--latents",
+                draws.to_str().unwrap(),
+                "--output-path",
+                out.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--dtype",
+                "f32",
+                "--output-type",
+                "safetensors",
+                "--output-video-name",
+                "v",
+                "--overwrite",
+            ]
+            .map(String::from),
+        );
+        let run = run_vidgen(&args);
+        assert!(
+            run.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let frames = candle_core::safetensors::load(out.join("v.safetensors"), &Device::Cpu)
+            .unwrap()["frames"]
+            .clone();
+        let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
+        assert_close(file, &frames, &want, ATOL, RTOL);
+        // The bf16 and Q8_0 files' rounding moves the frames from the folder's: a run that
+        // read the folder's weights instead fails above.
+        let folder = pipeline[case["folder_frames"].as_str().unwrap()]
+            .squeeze(0)
+            .unwrap();
+        let moved = max_abs_diff(&want, &folder);
+        assert_eq!(
+            moved > 10.0 * ATOL,
+            !file.ends_with("-original.safetensors"),
+            "{file}: {moved:.2e}"
+        );
+    }
+    assert_eq!(cases.len(), 3);
+}
