@@ -79,7 +79,8 @@ fn a_missing_transformer_file_is_refused_before_anything_loads() {
     args[args.len() - 1] = path.to_str().unwrap().to_string();
     let line = usage_error(&run_vidgen(&args), "missing tensor");
     assert!(
-        line.contains("has no blocks.1.cross_attn.o.weight") && line.contains("Original layout"),
+        line.contains("has no blocks.1.cross_attn.o.weight")
+            && line.contains("Wan-AI original layout"),
         "{line}"
     );
 }

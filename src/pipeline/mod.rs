@@ -579,7 +579,7 @@ fn check_single_file(
                 Some(got) => format!("holds {key} as {got:?}, the model's {name} is {want:?}"),
             };
             return Err(UsageError::new(format!(
-                "--transformer {} ({}, {layout:?} layout) {what}: pass the whole transformer of this model",
+                "--transformer {} ({}, {layout} layout) {what}: pass the whole transformer of this model",
                 file.display(),
                 weights.format()
             )));

@@ -12,8 +12,8 @@ use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-mod flux_layout;
 pub mod gguf;
+mod original;
 mod packed;
 mod storage;
 
@@ -218,17 +218,29 @@ impl Files {
     }
 }
 
-/// How a file names a transformer's weights: diffusers' names, or a single file in an original
-/// layout, bare or under ComfyUI's `model.diffusion_model.`: Wan-AI's (`blocks.0.self_attn.q.
-/// weight`, `head.head.weight`; told by `head.modulation` as diffusers tells a Wan file) or
-/// FLUX.1's (`double_blocks.0.img_attn.qkv.weight`: [`flux_layout`]).
+/// How a file names a transformer's weights: diffusers' names, or a single file in a model's
+/// original layout ([`original::Model`]: Wan-AI's `blocks.0.self_attn.q.weight`, FLUX.1's and
+/// HunyuanVideo's `double_blocks.0.img_attn...`), bare or under ComfyUI's
+/// `model.diffusion_model.`; told by the layout's marker key, as diffusers tells them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeyLayout {
     Diffusers,
-    Original,
-    ComfyUi,
-    FluxOriginal,
-    FluxComfyUi,
+    Original {
+        model: original::Model,
+        comfyui: bool,
+    },
+}
+
+impl std::fmt::Display for KeyLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyLayout::Diffusers => write!(f, "diffusers"),
+            KeyLayout::Original { model, comfyui } => {
+                let prefix = if *comfyui { "ComfyUI " } else { "" };
+                write!(f, "{prefix}{} original", model.name())
+            }
+        }
+    }
 }
 
 impl KeyLayout {
@@ -237,51 +249,45 @@ impl KeyLayout {
 
     fn of(names: &[String]) -> Self {
         let has = |key: &str| names.iter().any(|n| n == key);
-        let comfyui = |key: &str| has(&format!("{}{key}", Self::COMFYUI));
-        if comfyui("head.modulation") {
-            KeyLayout::ComfyUi
-        } else if has("head.modulation") {
-            KeyLayout::Original
-        } else if comfyui(flux_layout::MARKER) {
-            KeyLayout::FluxComfyUi
-        } else if has(flux_layout::MARKER) {
-            KeyLayout::FluxOriginal
-        } else {
-            KeyLayout::Diffusers
+        for model in original::Model::ALL {
+            for comfyui in [true, false] {
+                let prefix = if comfyui { Self::COMFYUI } else { "" };
+                if has(&format!("{prefix}{}", model.marker())) {
+                    return KeyLayout::Original { model, comfyui };
+                }
+            }
+        }
+        KeyLayout::Diffusers
+    }
+
+    /// The stored key of `key` as the layout's files name it: under ComfyUI's prefix where
+    /// they have it.
+    fn prefixed<'a>(self, key: Cow<'a, str>) -> Cow<'a, str> {
+        match self {
+            KeyLayout::Original { comfyui: true, .. } => {
+                Cow::Owned(format!("{}{key}", Self::COMFYUI))
+            }
+            _ => key,
         }
     }
 
     /// The stored key of diffusers weight `name` (itself where no mapping applies) and where
     /// the weight lies in it.
-    fn locate<'a>(self, name: &'a str) -> (Cow<'a, str>, flux_layout::Piece) {
-        let whole = flux_layout::Piece::Whole;
-        let original = || crate::lora::diffusers_to_original(name);
-        let comfyui = |key: &str| Cow::Owned(format!("{}{key}", Self::COMFYUI));
-        let flux = || flux_layout::original(name).unwrap_or_else(|| (name.to_string(), whole));
-        match self {
-            KeyLayout::Diffusers => (Cow::Borrowed(name), whole),
-            KeyLayout::Original => (original().map_or(Cow::Borrowed(name), Cow::Owned), whole),
-            KeyLayout::ComfyUi => (
-                comfyui(&original().unwrap_or_else(|| name.to_string())),
-                whole,
-            ),
-            KeyLayout::FluxOriginal => {
-                let (key, piece) = flux();
-                (Cow::Owned(key), piece)
-            }
-            KeyLayout::FluxComfyUi => {
-                let (key, piece) = flux();
-                (comfyui(&key), piece)
-            }
+    fn locate<'a>(self, name: &'a str) -> (Cow<'a, str>, original::Piece) {
+        let (key, piece) = match self {
+            KeyLayout::Diffusers => None,
+            KeyLayout::Original { model, .. } => model.original(name),
         }
+        .map_or((Cow::Borrowed(name), original::Piece::Whole), |(k, p)| {
+            (Cow::Owned(k), p)
+        });
+        (self.prefixed(key), piece)
     }
 
-    /// The stored key of the tensor whose rows give a FLUX.1 single block's D.
+    /// The stored key of the tensor whose rows give a single block's D.
     fn stored_linear2(self, block: usize) -> String {
-        match self {
-            KeyLayout::FluxComfyUi => format!("{}{}", Self::COMFYUI, flux_layout::linear2(block)),
-            _ => flux_layout::linear2(block),
-        }
+        self.prefixed(Cow::Owned(original::linear2(block)))
+            .into_owned()
     }
 }
 
@@ -524,17 +530,17 @@ impl WeightSet {
         };
         let (key, piece) = keys.locate(name);
         let part = match piece {
-            flux_layout::Piece::Whole => Part::Whole,
-            flux_layout::Piece::SwappedHalves => Part::SwappedHalves,
+            original::Piece::Whole => Part::Whole,
+            original::Piece::SwappedHalves => Part::SwappedHalves,
             piece => {
                 let rows = *files.view(&key)?.shape.first()?;
                 let d = match piece {
-                    flux_layout::Piece::Linear1 { block, .. } => {
+                    original::Piece::Linear1 { block, .. } => {
                         Some(*files.view(&keys.stored_linear2(block))?.shape.first()?)
                     }
                     _ => None,
                 };
-                Part::Rows(flux_layout::rows(piece, rows, d)?)
+                Part::Rows(original::rows(piece, rows, d)?)
             }
         };
         Some((files, key.into_owned(), part))

@@ -1,9 +1,11 @@
-//! FLUX.1 single files in the original (Black Forest Labs) layout through `--transformer`: q, k
-//! and v fused in one matrix (with the MLP's input in a single block's `linear1`), the output
-//! norm's modulation stored shift first, bare, under ComfyUI's prefix in bf16, and as a Q8_0
-//! GGUF (the fused matrices cut by rows of quantized blocks). Driven by
-//! `flux-original/README.json`: each file's frames within 1e-4 + 1e-4|ref| of diffusers' with
-//! the transformer it converts from the file (`make.py`), the same draws as the fixture's call.
+//! Single files in the original layouts diffusers converts with `from_single_file`, through
+//! `--transformer`: FLUX.1's (Black Forest Labs) and HunyuanVideo's, whose q, k and v are fused
+//! in one matrix (with the MLP's input in a single block's `linear1`) and whose output norm's
+//! modulation is stored shift first; bare in float32, as a Q8_0 GGUF (the fused matrices cut by
+//! rows of quantized blocks), FLUX.1 under ComfyUI's prefix in bf16 and HunyuanVideo with fp8
+//! block weights. Driven by `original-layouts/README.json`: each file's frames within
+//! 1e-4 + 1e-4|ref| of diffusers' with the transformer it converts from the file (`make.py`),
+//! the same draws as the fixture's call.
 
 mod common;
 
@@ -15,21 +17,22 @@ const RTOL: f64 = 1e-4;
 
 #[test]
 fn original_layout_files_make_what_diffusers_makes_of_them() {
-    let dir = named_fixture_dir("flux-original");
+    let dir = named_fixture_dir("original-layouts");
     let readme: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
     let refs =
         candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    let fixture = named_fixture_dir("flux-tiny-a");
-    let pipeline = candle_core::safetensors::load(
-        fixture.join("reference/pipeline.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
     let cases = readme["cases"].as_array().unwrap();
+    let mut fixtures = std::collections::BTreeSet::new();
     for case in cases {
         let file = case["file"].as_str().unwrap();
-        let out = scratch_dir("flux-original", file);
+        let fixture = named_fixture_dir(case["fixture"].as_str().unwrap());
+        let pipeline = candle_core::safetensors::load(
+            fixture.join("reference/pipeline.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let out = scratch_dir("original-layouts", file);
         let draws = draws_file(case, &pipeline, &out);
         let mut args: Vec<String> = ["generate", "--model", fixture.to_str().unwrap()]
             .map(String::from)
@@ -72,8 +75,8 @@ fn original_layout_files_make_what_diffusers_makes_of_them() {
             .clone();
         let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
         assert_close(file, &frames, &want, ATOL, RTOL);
-        // The bf16 and Q8_0 files' rounding moves the frames from the folder's: a run that
-        // read the folder's weights instead fails above.
+        // The other files' rounding moves the frames from the folder's: a run that read the
+        // folder's weights instead fails above.
         let folder = pipeline[case["folder_frames"].as_str().unwrap()]
             .squeeze(0)
             .unwrap();
@@ -83,6 +86,7 @@ fn original_layout_files_make_what_diffusers_makes_of_them() {
             !file.ends_with("-original.safetensors"),
             "{file}: {moved:.2e}"
         );
+        fixtures.insert(case["fixture"].as_str().unwrap().to_string());
     }
-    assert_eq!(cases.len(), 3);
+    assert_eq!((cases.len(), fixtures.len()), (6, 2));
 }
