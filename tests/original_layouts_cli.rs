@@ -1,9 +1,10 @@
 //! Single files in the original layouts diffusers converts with `from_single_file`, through
-//! `--transformer`: FLUX.1's (Black Forest Labs) and HunyuanVideo's, whose q, k and v are fused
-//! in one matrix (with the MLP's input in a single block's `linear1`) and whose output norm's
-//! modulation is stored shift first; bare in float32, as a Q8_0 GGUF (the fused matrices cut by
-//! rows of quantized blocks), FLUX.1 under ComfyUI's prefix in bf16 and HunyuanVideo with fp8
-//! block weights. Driven by `original-layouts/README.json`: each file's frames within
+//! `--transformer`: FLUX.1's (Black Forest Labs), HunyuanVideo's and Mochi-1's, whose q, k and v
+//! are fused in one matrix (with the MLP's input in a single block's `linear1`) and whose output
+//! norm's modulation (Mochi-1: its SwiGLU's halves too) is stored swapped, and LTX-Video's (a
+//! renaming, the VAE in the same file); bare in float32, as a Q8_0 GGUF (the fused matrices cut
+//! by rows of quantized blocks), and in the forms the community shares (ComfyUI's prefix, bf16,
+//! fp8 block weights). Driven by `original-layouts/README.json`: each file's frames within
 //! 1e-4 + 1e-4|ref| of diffusers' with the transformer it converts from the file (`make.py`),
 //! the same draws as the fixture's call.
 
@@ -88,5 +89,5 @@ fn original_layout_files_make_what_diffusers_makes_of_them() {
         );
         fixtures.insert(case["fixture"].as_str().unwrap().to_string());
     }
-    assert_eq!((cases.len(), fixtures.len()), (6, 2));
+    assert_eq!((cases.len(), fixtures.len()), (12, 4));
 }

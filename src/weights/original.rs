@@ -1,10 +1,13 @@
 //! The original single-file layouts of the transformers diffusers converts with
-//! `from_single_file`, as its converters read them: Wan-AI's (a renaming), FLUX.1's (Black Forest
-//! Labs: `double_blocks.N` / `single_blocks.N`, `convert_flux_transformer_checkpoint_to_diffusers`)
-//! and HunyuanVideo's (`convert_hunyuan_video_transformer_to_diffusers`). The last two fuse the
-//! attention's q, k and v in one matrix (`img_attn.qkv`; in a single block with the MLP's input,
-//! `linear1`) and store the output norm's modulation shift first (diffusers' scale first): a
-//! diffusers weight is a [`Piece`] of an original tensor.
+//! `from_single_file`, as its converters read them: Wan-AI's and LTX-Video's (renamings), FLUX.1's
+//! (Black Forest Labs: `double_blocks.N` / `single_blocks.N`,
+//! `convert_flux_transformer_checkpoint_to_diffusers`), HunyuanVideo's
+//! (`convert_hunyuan_video_transformer_to_diffusers`) and Mochi-1's
+//! (`convert_mochi_transformer_checkpoint_to_diffusers`). The last three fuse the attention's q, k
+//! and v in one matrix (`img_attn.qkv`, `qkv_x`; in a single block with the MLP's input,
+//! `linear1`) and store the output norm's modulation shift first (diffusers' scale first; Mochi-1
+//! its SwiGLU's projection before the gate): a diffusers weight is a [`Piece`] of an original
+//! tensor.
 
 /// A model whose original layout vidgen reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,10 +15,18 @@ pub enum Model {
     Wan,
     Flux,
     HunyuanVideo,
+    LtxVideo,
+    Mochi,
 }
 
 impl Model {
-    pub const ALL: [Model; 3] = [Model::Wan, Model::Flux, Model::HunyuanVideo];
+    pub const ALL: [Model; 5] = [
+        Model::Wan,
+        Model::Flux,
+        Model::HunyuanVideo,
+        Model::LtxVideo,
+        Model::Mochi,
+    ];
 
     /// Its name in messages.
     pub fn name(self) -> &'static str {
@@ -23,6 +34,8 @@ impl Model {
             Model::Wan => "Wan-AI",
             Model::Flux => "FLUX.1",
             Model::HunyuanVideo => "HunyuanVideo",
+            Model::LtxVideo => "LTX-Video",
+            Model::Mochi => "Mochi-1",
         }
     }
 
@@ -34,6 +47,8 @@ impl Model {
             Model::HunyuanVideo => {
                 "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias"
             }
+            Model::LtxVideo => "patchify_proj.weight",
+            Model::Mochi => "blocks.0.attn.qkv_x.weight",
         }
     }
 
@@ -44,6 +59,8 @@ impl Model {
             Model::Wan => crate::lora::diffusers_to_original(name).map(|k| (k, Piece::Whole)),
             Model::Flux => flux(name),
             Model::HunyuanVideo => hunyuan_video(name),
+            Model::LtxVideo => ltx_video(name).map(|k| (k, Piece::Whole)),
+            Model::Mochi => mochi(name),
         }
     }
 }
@@ -242,6 +259,73 @@ fn hunyuan_video(name: &str) -> Option<(String, Piece)> {
                 Piece::SwappedHalves,
             ))
         }
+        _ => return None,
+    };
+    whole(top.to_string())
+}
+
+/// LTX-Video's original key of diffusers weight `name`: `patchify_proj`, `adaln_single`,
+/// `q_norm` and `k_norm` for `proj_in`, `time_embed`, `norm_q` and `norm_k`.
+fn ltx_video(name: &str) -> Option<String> {
+    if let Some(rest) = name.strip_prefix("proj_in.") {
+        return Some(format!("patchify_proj.{rest}"));
+    }
+    if let Some(rest) = name.strip_prefix("time_embed.") {
+        return Some(format!("adaln_single.{rest}"));
+    }
+    let renamed = name
+        .replace(".norm_q.", ".q_norm.")
+        .replace(".norm_k.", ".k_norm.");
+    (renamed != name).then_some(renamed)
+}
+
+/// Mochi-1's original key and piece of diffusers weight `name`.
+fn mochi(name: &str) -> Option<(String, Piece)> {
+    let (module, param) = name.rsplit_once('.')?;
+    let whole = |key: String| Some((format!("{key}.{param}"), Piece::Whole));
+    let swapped = |key: String| Some((format!("{key}.{param}"), Piece::SwappedHalves));
+    if let Some(rest) = module.strip_prefix("transformer_blocks.") {
+        let (n, layer) = rest.split_once('.')?;
+        let at = |l: &str| format!("blocks.{n}.{l}");
+        let qkv = |stream: &str, i: usize| {
+            Some((
+                format!("{}.{param}", at(&format!("attn.qkv_{stream}"))),
+                Piece::Third(i),
+            ))
+        };
+        return match layer {
+            "norm1.linear" => whole(at("mod_x")),
+            // The last block's context modulation is `linear_1` in diffusers.
+            "norm1_context.linear" | "norm1_context.linear_1" => whole(at("mod_y")),
+            "attn1.to_q" => qkv("x", 0),
+            "attn1.to_k" => qkv("x", 1),
+            "attn1.to_v" => qkv("x", 2),
+            "attn1.add_q_proj" => qkv("y", 0),
+            "attn1.add_k_proj" => qkv("y", 1),
+            "attn1.add_v_proj" => qkv("y", 2),
+            "attn1.norm_q" => whole(at("attn.q_norm_x")),
+            "attn1.norm_k" => whole(at("attn.k_norm_x")),
+            "attn1.norm_added_q" => whole(at("attn.q_norm_y")),
+            "attn1.norm_added_k" => whole(at("attn.k_norm_y")),
+            "attn1.to_out.0" => whole(at("attn.proj_x")),
+            "attn1.to_add_out" => whole(at("attn.proj_y")),
+            "ff.net.0.proj" => swapped(at("mlp_x.w1")),
+            "ff.net.2" => whole(at("mlp_x.w2")),
+            "ff_context.net.0.proj" => swapped(at("mlp_y.w1")),
+            "ff_context.net.2" => whole(at("mlp_y.w2")),
+            _ => None,
+        };
+    }
+    let top = match module {
+        "patch_embed.proj" => "x_embedder.proj",
+        "time_embed.timestep_embedder.linear_1" => "t_embedder.mlp.0",
+        "time_embed.timestep_embedder.linear_2" => "t_embedder.mlp.2",
+        "time_embed.pooler.to_kv" => "t5_y_embedder.to_kv",
+        "time_embed.pooler.to_q" => "t5_y_embedder.to_q",
+        "time_embed.pooler.to_out" => "t5_y_embedder.to_out",
+        "time_embed.caption_proj" => "t5_yproj",
+        "proj_out" => "final_layer.linear",
+        "norm_out.linear" => return swapped("final_layer.mod".to_string()),
         _ => return None,
     };
     whole(top.to_string())
