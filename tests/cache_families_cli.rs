@@ -19,7 +19,7 @@ use common::{
     planned_denoise_activations, run_vidgen, scratch_dir, usage_error,
 };
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;

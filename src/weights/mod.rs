@@ -136,7 +136,7 @@ impl<'a> View<'a> {
             return Some(self);
         }
         let rows = *self.shape.first()?;
-        if rows == 0 || self.data.len() % rows != 0 {
+        if rows == 0 || !self.data.len().is_multiple_of(rows) {
             return None;
         }
         match part {
@@ -151,7 +151,7 @@ impl<'a> View<'a> {
                     ..self
                 })
             }
-            Part::SwappedHalves => (rows % 2 == 0).then_some(View {
+            Part::SwappedHalves => rows.is_multiple_of(2).then_some(View {
                 swapped: true,
                 ..self
             }),

@@ -336,7 +336,9 @@ fn mochi(name: &str) -> Option<(String, Piece)> {
 pub fn rows(piece: Piece, rows: usize, linear1_d: Option<usize>) -> Option<std::ops::Range<usize>> {
     match piece {
         Piece::Whole | Piece::SwappedHalves => Some(0..rows),
-        Piece::Third(i) => (rows % 3 == 0).then(|| i * rows / 3..(i + 1) * rows / 3),
+        Piece::Third(i) => rows
+            .is_multiple_of(3)
+            .then(|| i * rows / 3..(i + 1) * rows / 3),
         Piece::Linear1 { part, .. } => {
             let d = linear1_d?;
             match part {
