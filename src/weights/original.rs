@@ -57,10 +57,10 @@ impl Model {
     pub fn original(self, name: &str) -> Option<(String, Piece)> {
         match self {
             Model::Wan => crate::lora::diffusers_to_original(name).map(|k| (k, Piece::Whole)),
-            Model::Flux => flux(name),
-            Model::HunyuanVideo => hunyuan_video(name),
+            Model::Flux => FLUX.original(name),
+            Model::HunyuanVideo => HUNYUAN_VIDEO.original(name),
             Model::LtxVideo => ltx_video(name).map(|k| (k, Piece::Whole)),
-            Model::Mochi => mochi(name),
+            Model::Mochi => MOCHI.original(name),
         }
     }
 }
@@ -87,181 +87,288 @@ pub fn linear2(block: usize) -> String {
     format!("single_blocks.{block}.linear2.weight")
 }
 
-/// FLUX.1's original key and piece of diffusers weight `name`.
-fn flux(name: &str) -> Option<(String, Piece)> {
-    let (module, param) = name.rsplit_once('.')?;
-    let whole = |key: String| Some((format!("{key}.{param}"), Piece::Whole));
-    if let Some(rest) = module.strip_prefix("transformer_blocks.") {
-        let (n, layer) = rest.split_once('.')?;
-        let at = |l: &str| format!("double_blocks.{n}.{l}");
-        let qkv = |stream: &str, i: usize| {
-            Some((
-                format!("{}.{param}", at(&format!("{stream}_attn.qkv"))),
-                Piece::Third(i),
-            ))
-        };
-        let norm = |l: &str| Some((at(l), Piece::Whole));
-        return match layer {
-            "norm1.linear" => whole(at("img_mod.lin")),
-            "norm1_context.linear" => whole(at("txt_mod.lin")),
-            "attn.to_q" => qkv("img", 0),
-            "attn.to_k" => qkv("img", 1),
-            "attn.to_v" => qkv("img", 2),
-            "attn.add_q_proj" => qkv("txt", 0),
-            "attn.add_k_proj" => qkv("txt", 1),
-            "attn.add_v_proj" => qkv("txt", 2),
-            "attn.norm_q" if param == "weight" => norm("img_attn.norm.query_norm.scale"),
-            "attn.norm_k" if param == "weight" => norm("img_attn.norm.key_norm.scale"),
-            "attn.norm_added_q" if param == "weight" => norm("txt_attn.norm.query_norm.scale"),
-            "attn.norm_added_k" if param == "weight" => norm("txt_attn.norm.key_norm.scale"),
-            "ff.net.0.proj" => whole(at("img_mlp.0")),
-            "ff.net.2" => whole(at("img_mlp.2")),
-            "ff_context.net.0.proj" => whole(at("txt_mlp.0")),
-            "ff_context.net.2" => whole(at("txt_mlp.2")),
-            "attn.to_out.0" => whole(at("img_attn.proj")),
-            "attn.to_add_out" => whole(at("txt_attn.proj")),
-            _ => None,
-        };
-    }
-    if let Some(rest) = module.strip_prefix("single_transformer_blocks.") {
-        let (n, layer) = rest.split_once('.')?;
-        let block: usize = n.parse().ok()?;
-        let at = |l: &str| format!("single_blocks.{n}.{l}");
-        let linear1 = |part: usize| {
-            Some((
-                at(&format!("linear1.{param}")),
-                Piece::Linear1 { part, block },
-            ))
-        };
-        return match layer {
-            "norm.linear" => whole(at("modulation.lin")),
-            "attn.to_q" => linear1(0),
-            "attn.to_k" => linear1(1),
-            "attn.to_v" => linear1(2),
-            "proj_mlp" => linear1(3),
-            "attn.norm_q" if param == "weight" => Some((at("norm.query_norm.scale"), Piece::Whole)),
-            "attn.norm_k" if param == "weight" => Some((at("norm.key_norm.scale"), Piece::Whole)),
-            "proj_out" => whole(at("linear2")),
-            _ => None,
-        };
-    }
-    let top = match module {
-        "time_text_embed.timestep_embedder.linear_1" => "time_in.in_layer",
-        "time_text_embed.timestep_embedder.linear_2" => "time_in.out_layer",
-        "time_text_embed.text_embedder.linear_1" => "vector_in.in_layer",
-        "time_text_embed.text_embedder.linear_2" => "vector_in.out_layer",
-        "time_text_embed.guidance_embedder.linear_1" => "guidance_in.in_layer",
-        "time_text_embed.guidance_embedder.linear_2" => "guidance_in.out_layer",
-        "context_embedder" => "txt_in",
-        "x_embedder" => "img_in",
-        "proj_out" => "final_layer.linear",
-        "norm_out.linear" => {
-            return Some((
-                format!("final_layer.adaLN_modulation.1.{param}"),
-                Piece::SwappedHalves,
-            ))
-        }
-        _ => return None,
-    };
-    whole(top.to_string())
+/// How a diffusers module is stored in an original layout.
+#[derive(Clone, Copy)]
+enum Stored {
+    /// As the original module, the same parameters.
+    As(&'static str),
+    /// Third `i` of the fused original module.
+    Third(&'static str, usize),
+    /// Part `i` of a single block's fused `linear1`.
+    Linear1(usize),
+    /// The original module with the halves of its first dimension swapped.
+    Swapped(&'static str),
+    /// The original module's `scale` (an RMS norm's `weight`).
+    Scale(&'static str),
 }
 
-/// HunyuanVideo's original key and piece of diffusers weight `name`.
-fn hunyuan_video(name: &str) -> Option<(String, Piece)> {
-    let (module, param) = name.rsplit_once('.')?;
-    let whole = |key: String| Some((format!("{key}.{param}"), Piece::Whole));
-    if let Some(rest) = module.strip_prefix("transformer_blocks.") {
-        let (n, layer) = rest.split_once('.')?;
-        let at = |l: &str| format!("double_blocks.{n}.{l}");
-        let qkv = |stream: &str, i: usize| {
-            Some((
-                format!("{}.{param}", at(&format!("{stream}_attn_qkv"))),
-                Piece::Third(i),
-            ))
-        };
-        return match layer {
-            "norm1.linear" => whole(at("img_mod.linear")),
-            "norm1_context.linear" => whole(at("txt_mod.linear")),
-            "attn.to_q" => qkv("img", 0),
-            "attn.to_k" => qkv("img", 1),
-            "attn.to_v" => qkv("img", 2),
-            "attn.add_q_proj" => qkv("txt", 0),
-            "attn.add_k_proj" => qkv("txt", 1),
-            "attn.add_v_proj" => qkv("txt", 2),
-            "attn.norm_q" => whole(at("img_attn_q_norm")),
-            "attn.norm_k" => whole(at("img_attn_k_norm")),
-            "attn.norm_added_q" => whole(at("txt_attn_q_norm")),
-            "attn.norm_added_k" => whole(at("txt_attn_k_norm")),
-            "attn.to_out.0" => whole(at("img_attn_proj")),
-            "attn.to_add_out" => whole(at("txt_attn_proj")),
-            "ff.net.0.proj" => whole(at("img_mlp.fc1")),
-            "ff.net.2" => whole(at("img_mlp.fc2")),
-            "ff_context.net.0.proj" => whole(at("txt_mlp.fc1")),
-            "ff_context.net.2" => whole(at("txt_mlp.fc2")),
-            _ => None,
-        };
+/// An original layout: per block list, diffusers' prefix, the original prefix and how each
+/// module of a block is stored; then the modules outside the blocks.
+struct Layout {
+    lists: &'static [(
+        &'static str,
+        &'static str,
+        &'static [(&'static str, Stored)],
+    )],
+    top: &'static [(&'static str, Stored)],
+}
+
+use Stored::{As, Linear1, Scale, Swapped, Third};
+
+const FLUX: Layout = Layout {
+    lists: &[
+        (
+            "transformer_blocks",
+            "double_blocks",
+            &[
+                ("norm1.linear", As("img_mod.lin")),
+                ("norm1_context.linear", As("txt_mod.lin")),
+                ("attn.to_q", Third("img_attn.qkv", 0)),
+                ("attn.to_k", Third("img_attn.qkv", 1)),
+                ("attn.to_v", Third("img_attn.qkv", 2)),
+                ("attn.add_q_proj", Third("txt_attn.qkv", 0)),
+                ("attn.add_k_proj", Third("txt_attn.qkv", 1)),
+                ("attn.add_v_proj", Third("txt_attn.qkv", 2)),
+                ("attn.norm_q", Scale("img_attn.norm.query_norm")),
+                ("attn.norm_k", Scale("img_attn.norm.key_norm")),
+                ("attn.norm_added_q", Scale("txt_attn.norm.query_norm")),
+                ("attn.norm_added_k", Scale("txt_attn.norm.key_norm")),
+                ("ff.net.0.proj", As("img_mlp.0")),
+                ("ff.net.2", As("img_mlp.2")),
+                ("ff_context.net.0.proj", As("txt_mlp.0")),
+                ("ff_context.net.2", As("txt_mlp.2")),
+                ("attn.to_out.0", As("img_attn.proj")),
+                ("attn.to_add_out", As("txt_attn.proj")),
+            ],
+        ),
+        (
+            "single_transformer_blocks",
+            "single_blocks",
+            &[
+                ("norm.linear", As("modulation.lin")),
+                ("attn.to_q", Linear1(0)),
+                ("attn.to_k", Linear1(1)),
+                ("attn.to_v", Linear1(2)),
+                ("proj_mlp", Linear1(3)),
+                ("attn.norm_q", Scale("norm.query_norm")),
+                ("attn.norm_k", Scale("norm.key_norm")),
+                ("proj_out", As("linear2")),
+            ],
+        ),
+    ],
+    top: &[
+        (
+            "time_text_embed.timestep_embedder.linear_1",
+            As("time_in.in_layer"),
+        ),
+        (
+            "time_text_embed.timestep_embedder.linear_2",
+            As("time_in.out_layer"),
+        ),
+        (
+            "time_text_embed.text_embedder.linear_1",
+            As("vector_in.in_layer"),
+        ),
+        (
+            "time_text_embed.text_embedder.linear_2",
+            As("vector_in.out_layer"),
+        ),
+        (
+            "time_text_embed.guidance_embedder.linear_1",
+            As("guidance_in.in_layer"),
+        ),
+        (
+            "time_text_embed.guidance_embedder.linear_2",
+            As("guidance_in.out_layer"),
+        ),
+        ("context_embedder", As("txt_in")),
+        ("x_embedder", As("img_in")),
+        ("proj_out", As("final_layer.linear")),
+        ("norm_out.linear", Swapped("final_layer.adaLN_modulation.1")),
+    ],
+};
+
+const HUNYUAN_VIDEO: Layout = Layout {
+    lists: &[
+        (
+            "transformer_blocks",
+            "double_blocks",
+            &[
+                ("norm1.linear", As("img_mod.linear")),
+                ("norm1_context.linear", As("txt_mod.linear")),
+                ("attn.to_q", Third("img_attn_qkv", 0)),
+                ("attn.to_k", Third("img_attn_qkv", 1)),
+                ("attn.to_v", Third("img_attn_qkv", 2)),
+                ("attn.add_q_proj", Third("txt_attn_qkv", 0)),
+                ("attn.add_k_proj", Third("txt_attn_qkv", 1)),
+                ("attn.add_v_proj", Third("txt_attn_qkv", 2)),
+                ("attn.norm_q", As("img_attn_q_norm")),
+                ("attn.norm_k", As("img_attn_k_norm")),
+                ("attn.norm_added_q", As("txt_attn_q_norm")),
+                ("attn.norm_added_k", As("txt_attn_k_norm")),
+                ("attn.to_out.0", As("img_attn_proj")),
+                ("attn.to_add_out", As("txt_attn_proj")),
+                ("ff.net.0.proj", As("img_mlp.fc1")),
+                ("ff.net.2", As("img_mlp.fc2")),
+                ("ff_context.net.0.proj", As("txt_mlp.fc1")),
+                ("ff_context.net.2", As("txt_mlp.fc2")),
+            ],
+        ),
+        (
+            "single_transformer_blocks",
+            "single_blocks",
+            &[
+                ("norm.linear", As("modulation.linear")),
+                ("attn.to_q", Linear1(0)),
+                ("attn.to_k", Linear1(1)),
+                ("attn.to_v", Linear1(2)),
+                ("proj_mlp", Linear1(3)),
+                ("attn.norm_q", As("q_norm")),
+                ("attn.norm_k", As("k_norm")),
+                ("proj_out", As("linear2")),
+            ],
+        ),
+        (
+            "context_embedder.token_refiner.refiner_blocks",
+            "txt_in.individual_token_refiner.blocks",
+            &[
+                ("attn.to_q", Third("self_attn_qkv", 0)),
+                ("attn.to_k", Third("self_attn_qkv", 1)),
+                ("attn.to_v", Third("self_attn_qkv", 2)),
+                ("attn.to_out.0", As("self_attn_proj")),
+                ("ff.net.0.proj", As("mlp.fc1")),
+                ("ff.net.2", As("mlp.fc2")),
+                ("norm_out.linear", As("adaLN_modulation.1")),
+                ("norm1", As("norm1")),
+                ("norm2", As("norm2")),
+            ],
+        ),
+    ],
+    top: &[
+        ("x_embedder.proj", As("img_in.proj")),
+        (
+            "time_text_embed.timestep_embedder.linear_1",
+            As("time_in.mlp.0"),
+        ),
+        (
+            "time_text_embed.timestep_embedder.linear_2",
+            As("time_in.mlp.2"),
+        ),
+        (
+            "time_text_embed.guidance_embedder.linear_1",
+            As("guidance_in.mlp.0"),
+        ),
+        (
+            "time_text_embed.guidance_embedder.linear_2",
+            As("guidance_in.mlp.2"),
+        ),
+        (
+            "time_text_embed.text_embedder.linear_1",
+            As("vector_in.in_layer"),
+        ),
+        (
+            "time_text_embed.text_embedder.linear_2",
+            As("vector_in.out_layer"),
+        ),
+        ("context_embedder.proj_in", As("txt_in.input_embedder")),
+        (
+            "context_embedder.time_text_embed.timestep_embedder.linear_1",
+            As("txt_in.t_embedder.mlp.0"),
+        ),
+        (
+            "context_embedder.time_text_embed.timestep_embedder.linear_2",
+            As("txt_in.t_embedder.mlp.2"),
+        ),
+        (
+            "context_embedder.time_text_embed.text_embedder.linear_1",
+            As("txt_in.c_embedder.linear_1"),
+        ),
+        (
+            "context_embedder.time_text_embed.text_embedder.linear_2",
+            As("txt_in.c_embedder.linear_2"),
+        ),
+        ("proj_out", As("final_layer.linear")),
+        ("norm_out.linear", Swapped("final_layer.adaLN_modulation.1")),
+    ],
+};
+
+const MOCHI: Layout = Layout {
+    lists: &[(
+        "transformer_blocks",
+        "blocks",
+        &[
+            ("norm1.linear", As("mod_x")),
+            ("norm1_context.linear", As("mod_y")),
+            // The last block's context modulation is `linear_1` in diffusers.
+            ("norm1_context.linear_1", As("mod_y")),
+            ("attn1.to_q", Third("attn.qkv_x", 0)),
+            ("attn1.to_k", Third("attn.qkv_x", 1)),
+            ("attn1.to_v", Third("attn.qkv_x", 2)),
+            ("attn1.add_q_proj", Third("attn.qkv_y", 0)),
+            ("attn1.add_k_proj", Third("attn.qkv_y", 1)),
+            ("attn1.add_v_proj", Third("attn.qkv_y", 2)),
+            ("attn1.norm_q", As("attn.q_norm_x")),
+            ("attn1.norm_k", As("attn.k_norm_x")),
+            ("attn1.norm_added_q", As("attn.q_norm_y")),
+            ("attn1.norm_added_k", As("attn.k_norm_y")),
+            ("attn1.to_out.0", As("attn.proj_x")),
+            ("attn1.to_add_out", As("attn.proj_y")),
+            // The SwiGLU's input is stored projection first, diffusers' gate first.
+            ("ff.net.0.proj", Swapped("mlp_x.w1")),
+            ("ff.net.2", As("mlp_x.w2")),
+            ("ff_context.net.0.proj", Swapped("mlp_y.w1")),
+            ("ff_context.net.2", As("mlp_y.w2")),
+        ],
+    )],
+    top: &[
+        ("patch_embed.proj", As("x_embedder.proj")),
+        (
+            "time_embed.timestep_embedder.linear_1",
+            As("t_embedder.mlp.0"),
+        ),
+        (
+            "time_embed.timestep_embedder.linear_2",
+            As("t_embedder.mlp.2"),
+        ),
+        ("time_embed.pooler.to_kv", As("t5_y_embedder.to_kv")),
+        ("time_embed.pooler.to_q", As("t5_y_embedder.to_q")),
+        ("time_embed.pooler.to_out", As("t5_y_embedder.to_out")),
+        ("time_embed.caption_proj", As("t5_yproj")),
+        ("proj_out", As("final_layer.linear")),
+        ("norm_out.linear", Swapped("final_layer.mod")),
+    ],
+};
+
+impl Layout {
+    /// The original key and piece of diffusers weight `name` (`None`: not in the layout).
+    fn original(&self, name: &str) -> Option<(String, Piece)> {
+        let (module, param) = name.rsplit_once('.')?;
+        let (prefix, block, modules, rest) = self
+            .lists
+            .iter()
+            .find_map(|(list, original, modules)| {
+                let rest = module.strip_prefix(list)?.strip_prefix('.')?;
+                let (n, rest) = rest.split_once('.')?;
+                Some((format!("{original}.{n}."), n.parse().ok(), *modules, rest))
+            })
+            .unwrap_or((String::new(), None, self.top, module));
+        let (_, stored) = modules.iter().find(|(m, _)| *m == rest)?;
+        let key = |m: &str, p: &str| format!("{prefix}{m}.{p}");
+        Some(match *stored {
+            As(m) => (key(m, param), Piece::Whole),
+            Third(m, i) => (key(m, param), Piece::Third(i)),
+            Linear1(part) => (
+                key("linear1", param),
+                Piece::Linear1 {
+                    part,
+                    block: block?,
+                },
+            ),
+            Swapped(m) => (key(m, param), Piece::SwappedHalves),
+            Scale(m) if param == "weight" => (key(m, "scale"), Piece::Whole),
+            Scale(_) => return None,
+        })
     }
-    if let Some(rest) = module.strip_prefix("single_transformer_blocks.") {
-        let (n, layer) = rest.split_once('.')?;
-        let block: usize = n.parse().ok()?;
-        let at = |l: &str| format!("single_blocks.{n}.{l}");
-        let linear1 = |part: usize| {
-            Some((
-                at(&format!("linear1.{param}")),
-                Piece::Linear1 { part, block },
-            ))
-        };
-        return match layer {
-            "norm.linear" => whole(at("modulation.linear")),
-            "attn.to_q" => linear1(0),
-            "attn.to_k" => linear1(1),
-            "attn.to_v" => linear1(2),
-            "proj_mlp" => linear1(3),
-            "attn.norm_q" => whole(at("q_norm")),
-            "attn.norm_k" => whole(at("k_norm")),
-            "proj_out" => whole(at("linear2")),
-            _ => None,
-        };
-    }
-    if let Some(rest) = module.strip_prefix("context_embedder.token_refiner.refiner_blocks.") {
-        let (n, layer) = rest.split_once('.')?;
-        let at = |l: &str| format!("txt_in.individual_token_refiner.blocks.{n}.{l}");
-        let qkv = |i: usize| Some((format!("{}.{param}", at("self_attn_qkv")), Piece::Third(i)));
-        return match layer {
-            "attn.to_q" => qkv(0),
-            "attn.to_k" => qkv(1),
-            "attn.to_v" => qkv(2),
-            "attn.to_out.0" => whole(at("self_attn_proj")),
-            "ff.net.0.proj" => whole(at("mlp.fc1")),
-            "ff.net.2" => whole(at("mlp.fc2")),
-            "norm_out.linear" => whole(at("adaLN_modulation.1")),
-            "norm1" | "norm2" => whole(at(layer)),
-            _ => None,
-        };
-    }
-    let top = match module {
-        "x_embedder.proj" => "img_in.proj",
-        "time_text_embed.timestep_embedder.linear_1" => "time_in.mlp.0",
-        "time_text_embed.timestep_embedder.linear_2" => "time_in.mlp.2",
-        "time_text_embed.guidance_embedder.linear_1" => "guidance_in.mlp.0",
-        "time_text_embed.guidance_embedder.linear_2" => "guidance_in.mlp.2",
-        "time_text_embed.text_embedder.linear_1" => "vector_in.in_layer",
-        "time_text_embed.text_embedder.linear_2" => "vector_in.out_layer",
-        "context_embedder.proj_in" => "txt_in.input_embedder",
-        "context_embedder.time_text_embed.timestep_embedder.linear_1" => "txt_in.t_embedder.mlp.0",
-        "context_embedder.time_text_embed.timestep_embedder.linear_2" => "txt_in.t_embedder.mlp.2",
-        "context_embedder.time_text_embed.text_embedder.linear_1" => "txt_in.c_embedder.linear_1",
-        "context_embedder.time_text_embed.text_embedder.linear_2" => "txt_in.c_embedder.linear_2",
-        "proj_out" => "final_layer.linear",
-        "norm_out.linear" => {
-            return Some((
-                format!("final_layer.adaLN_modulation.1.{param}"),
-                Piece::SwappedHalves,
-            ))
-        }
-        _ => return None,
-    };
-    whole(top.to_string())
 }
 
 /// LTX-Video's original key of diffusers weight `name`: `patchify_proj`, `adaln_single`,
@@ -277,58 +384,6 @@ fn ltx_video(name: &str) -> Option<String> {
         .replace(".norm_q.", ".q_norm.")
         .replace(".norm_k.", ".k_norm.");
     (renamed != name).then_some(renamed)
-}
-
-/// Mochi-1's original key and piece of diffusers weight `name`.
-fn mochi(name: &str) -> Option<(String, Piece)> {
-    let (module, param) = name.rsplit_once('.')?;
-    let whole = |key: String| Some((format!("{key}.{param}"), Piece::Whole));
-    let swapped = |key: String| Some((format!("{key}.{param}"), Piece::SwappedHalves));
-    if let Some(rest) = module.strip_prefix("transformer_blocks.") {
-        let (n, layer) = rest.split_once('.')?;
-        let at = |l: &str| format!("blocks.{n}.{l}");
-        let qkv = |stream: &str, i: usize| {
-            Some((
-                format!("{}.{param}", at(&format!("attn.qkv_{stream}"))),
-                Piece::Third(i),
-            ))
-        };
-        return match layer {
-            "norm1.linear" => whole(at("mod_x")),
-            // The last block's context modulation is `linear_1` in diffusers.
-            "norm1_context.linear" | "norm1_context.linear_1" => whole(at("mod_y")),
-            "attn1.to_q" => qkv("x", 0),
-            "attn1.to_k" => qkv("x", 1),
-            "attn1.to_v" => qkv("x", 2),
-            "attn1.add_q_proj" => qkv("y", 0),
-            "attn1.add_k_proj" => qkv("y", 1),
-            "attn1.add_v_proj" => qkv("y", 2),
-            "attn1.norm_q" => whole(at("attn.q_norm_x")),
-            "attn1.norm_k" => whole(at("attn.k_norm_x")),
-            "attn1.norm_added_q" => whole(at("attn.q_norm_y")),
-            "attn1.norm_added_k" => whole(at("attn.k_norm_y")),
-            "attn1.to_out.0" => whole(at("attn.proj_x")),
-            "attn1.to_add_out" => whole(at("attn.proj_y")),
-            "ff.net.0.proj" => swapped(at("mlp_x.w1")),
-            "ff.net.2" => whole(at("mlp_x.w2")),
-            "ff_context.net.0.proj" => swapped(at("mlp_y.w1")),
-            "ff_context.net.2" => whole(at("mlp_y.w2")),
-            _ => None,
-        };
-    }
-    let top = match module {
-        "patch_embed.proj" => "x_embedder.proj",
-        "time_embed.timestep_embedder.linear_1" => "t_embedder.mlp.0",
-        "time_embed.timestep_embedder.linear_2" => "t_embedder.mlp.2",
-        "time_embed.pooler.to_kv" => "t5_y_embedder.to_kv",
-        "time_embed.pooler.to_q" => "t5_y_embedder.to_q",
-        "time_embed.pooler.to_out" => "t5_y_embedder.to_out",
-        "time_embed.caption_proj" => "t5_yproj",
-        "proj_out" => "final_layer.linear",
-        "norm_out.linear" => return swapped("final_layer.mod".to_string()),
-        _ => return None,
-    };
-    whole(top.to_string())
 }
 
 /// The rows of `piece` in a stored first dimension of `rows`, D being `linear1_d` for a
