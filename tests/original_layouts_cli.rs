@@ -11,7 +11,9 @@
 mod common;
 
 use candle_core::Device;
-use common::{assert_close, draws_file, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir};
+use common::{
+    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, scratch_dir,
+};
 
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
@@ -27,53 +29,11 @@ fn original_layout_files_make_what_diffusers_makes_of_them() {
     let mut fixtures = std::collections::BTreeSet::new();
     for case in cases {
         let file = case["file"].as_str().unwrap();
-        let fixture = named_fixture_dir(case["fixture"].as_str().unwrap());
-        let pipeline = candle_core::safetensors::load(
-            fixture.join("reference/pipeline.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let fixture = case["fixture"].as_str().unwrap();
         let out = scratch_dir("original-layouts", file);
-        let draws = draws_file(case, &pipeline, &out);
-        let mut args: Vec<String> = ["generate", "--model", fixture.to_str().unwrap()]
-            .map(String::from)
-            .to_vec();
-        args.extend(
-            case["args"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|a| a.as_str().unwrap().to_string()),
-        );
-        args.extend(
-            [
-                "--transformer",
-                dir.join(file).to_str().unwrap(),
-                "--latents",
-                draws.to_str().unwrap(),
-                "--output-path",
-                out.to_str().unwrap(),
-                "--device",
-                "cpu",
-                "--dtype",
-                "f32",
-                "--output-type",
-                "safetensors",
-                "--output-video-name",
-                "v",
-                "--overwrite",
-            ]
-            .map(String::from),
-        );
-        let run = run_vidgen(&args);
-        assert!(
-            run.status.success(),
-            "{file}: {}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let frames = candle_core::safetensors::load(out.join("v.safetensors"), &Device::Cpu)
-            .unwrap()["frames"]
-            .clone();
+        let transformer = ["--transformer", dir.join(file).to_str().unwrap()].map(String::from);
+        let frames = run_reference_case(case, fixture, &transformer, &out)["frames"].clone();
+        let pipeline = named_reference(fixture, "pipeline");
         let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
         assert_close(file, &frames, &want, ATOL, RTOL);
         // The other files' rounding moves the frames from the folder's: a run that read the
@@ -87,7 +47,7 @@ fn original_layout_files_make_what_diffusers_makes_of_them() {
             !file.ends_with("-original.safetensors"),
             "{file}: {moved:.2e}"
         );
-        fixtures.insert(case["fixture"].as_str().unwrap().to_string());
+        fixtures.insert(fixture.to_string());
     }
     assert_eq!((cases.len(), fixtures.len()), (12, 4));
 }

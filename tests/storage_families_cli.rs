@@ -8,7 +8,10 @@
 mod common;
 
 use candle_core::Device;
-use common::{assert_close, draws_file, max_abs_diff, named_fixture_dir, run_vidgen, scratch_dir};
+use common::{
+    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, run_vidgen,
+    scratch_dir,
+};
 
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
@@ -23,51 +26,10 @@ fn fp8_storage_computes_what_diffusers_layerwise_casting_does_in_every_family() 
     let mut fixtures = std::collections::BTreeSet::new();
     for case in readme["cli_cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
+        let fixture = case["fixture"].as_str().unwrap();
         let out = scratch_dir("storage-families", name);
-        let fixture = named_fixture_dir(case["fixture"].as_str().unwrap());
-        let pipeline = candle_core::safetensors::load(
-            fixture.join("reference/pipeline.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let draws = draws_file(case, &pipeline, &out);
-        let mut args: Vec<String> = ["generate", "--model", fixture.to_str().unwrap()]
-            .map(String::from)
-            .to_vec();
-        args.extend(
-            case["args"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|a| a.as_str().unwrap().to_string()),
-        );
-        args.extend(
-            [
-                "--latents",
-                draws.to_str().unwrap(),
-                "--output-path",
-                out.to_str().unwrap(),
-                "--device",
-                "cpu",
-                "--dtype",
-                "f32",
-                "--output-type",
-                "safetensors",
-                "--output-video-name",
-                "v",
-                "--overwrite",
-            ]
-            .map(String::from),
-        );
-        let run = run_vidgen(&args);
-        assert!(
-            run.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let frames = candle_core::safetensors::load(out.join("v.safetensors"), &Device::Cpu)
-            .unwrap()["frames"]
-            .clone();
+        let frames = run_reference_case(case, fixture, &[], &out)["frames"].clone();
+        let pipeline = named_reference(fixture, "pipeline");
         let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
         assert_close(name, &frames, &want, ATOL, RTOL);
         // The rounding moves the frames: a run that reads the weights unrounded fails above.
@@ -76,7 +38,7 @@ fn fp8_storage_computes_what_diffusers_layerwise_casting_does_in_every_family() 
             .unwrap();
         let moved = max_abs_diff(&want, &float32);
         assert!(moved > 10.0 * ATOL, "{name}: fp8 moves frames {moved:.2e}");
-        fixtures.insert(case["fixture"].as_str().unwrap().to_string());
+        fixtures.insert(fixture.to_string());
     }
     assert_eq!(fixtures.len(), 7, "{fixtures:?}");
 }

@@ -102,15 +102,14 @@ enum Stored {
     Scale(&'static str),
 }
 
+/// How each module of a block (or of the model outside its blocks) is stored.
+type Modules = &'static [(&'static str, Stored)];
+
 /// An original layout: per block list, diffusers' prefix, the original prefix and how each
 /// module of a block is stored; then the modules outside the blocks.
 struct Layout {
-    lists: &'static [(
-        &'static str,
-        &'static str,
-        &'static [(&'static str, Stored)],
-    )],
-    top: &'static [(&'static str, Stored)],
+    lists: &'static [(&'static str, &'static str, Modules)],
+    top: Modules,
 }
 
 use Stored::{As, Linear1, Scale, Swapped, Third};

@@ -307,3 +307,31 @@ pub fn draws_file(case: &serde_json::Value, refs: &HashMap<String, Tensor>, dir:
     candle_core::safetensors::save(&draws, &path).unwrap();
     path
 }
+
+/// Runs a fixture case of a references README.json (`cli_cases`: its `args` and `draws` from
+/// `fixture`'s `reference/pipeline.safetensors`) through `vidgen generate --model FIXTURE` with
+/// `extra` flags, on the CPU in f32, in `dir`: every tensor of the written file.
+pub fn run_reference_case(
+    case: &serde_json::Value,
+    fixture: &str,
+    extra: &[String],
+    dir: &Path,
+) -> HashMap<String, Tensor> {
+    let fixture = named_fixture_dir(fixture);
+    let pipeline = candle_core::safetensors::load(
+        fixture.join("reference/pipeline.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let draws = draws_file(case, &pipeline, dir);
+    let mut args = vec!["--model".to_string(), fixture.to_str().unwrap().to_string()];
+    args.extend(
+        case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string()),
+    );
+    args.extend_from_slice(extra);
+    generate_outputs(&args, &draws, dir).unwrap_or_else(|stderr| panic!("{case}: {stderr}"))
+}
