@@ -4,6 +4,7 @@
 //! scale · up @ down` in f32, then the run dtype), so a streamed block is merged when its host
 //! copy is made and a LoRA costs no step time.
 
+use crate::weights::original::{Model, Piece};
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -93,6 +94,8 @@ pub struct Scanned {
     changes: BTreeMap<String, Vec<Change>>,
     /// Each file's map, layout and the first weight name it changes (for messages).
     files: Vec<(MmapedSafetensors, PathBuf, Layout, String)>,
+    /// Per file, the modules left out ([`Self::left_out`]).
+    left_out: Vec<(PathBuf, Vec<String>)>,
 }
 
 /// One file's change of one weight.
@@ -104,9 +107,11 @@ struct Change {
 }
 
 enum ChangeKind {
-    /// `scale · up @ down` from keys `up` (rows x rank) and `down` (rank x cols).
+    /// `scale · up @ down` from keys `up` (rows x rank; `up_rows` of them where the module is
+    /// fused in the LoRA's layout) and `down` (rank x cols).
     LowRank {
         up: String,
+        up_rows: Option<std::ops::Range<usize>>,
         down: String,
         rank: usize,
         scale: f32,
@@ -122,10 +127,10 @@ pub struct Loras {
 }
 
 impl Loras {
-    /// Reads every file of `specs`, in order: in any layout for a Wan transformer
-    /// (`original_names`), in the diffusers/PEFT layout for any other model.
-    pub fn open(specs: &[LoraSpec], original_names: bool) -> Result<Self> {
-        Scanned::scan(specs, original_names)?.read()
+    /// Reads every file of `specs`, in order, for a transformer whose original layout is
+    /// `original` ([`Scanned::scan`]).
+    pub fn open(specs: &[LoraSpec], original: Option<Model>) -> Result<Self> {
+        Scanned::scan(specs, original)?.read()
     }
 
     /// Whether no LoRA was given.
@@ -180,21 +185,30 @@ impl Loras {
 }
 
 impl Scanned {
-    /// Reads the headers of every file of `specs` (and alphas, a value each), in order: in any
-    /// layout for a Wan transformer (`original_names`), in the diffusers/PEFT layout for any
-    /// other model.
-    pub fn scan(specs: &[LoraSpec], original_names: bool) -> Result<Self> {
+    /// Reads the headers of every file of `specs` (and alphas, a value each), in order, for a
+    /// transformer whose original layout is `original`: in any layout for a Wan transformer,
+    /// diffusers/PEFT or kohya for FLUX.1's, in the diffusers/PEFT layout for any other model.
+    pub fn scan(specs: &[LoraSpec], original: Option<Model>) -> Result<Self> {
         let mut scanned = Scanned {
             changes: BTreeMap::new(),
             files: Vec::new(),
+            left_out: Vec::new(),
         };
         for spec in specs {
-            scanned.add(spec, original_names)?;
+            scanned.add(spec, original)?;
         }
         Ok(scanned)
     }
 
-    fn add(&mut self, spec: &LoraSpec, original_names: bool) -> Result<()> {
+    /// Per file, the modules it holds outside the transformer's blocks that diffusers' kohya
+    /// FLUX.1 conversion leaves out, and so vidgen too.
+    pub fn left_out(&self) -> impl Iterator<Item = (&Path, &[String])> {
+        self.left_out
+            .iter()
+            .map(|(p, m)| (p.as_path(), m.as_slice()))
+    }
+
+    fn add(&mut self, spec: &LoraSpec, original: Option<Model>) -> Result<()> {
         let path = &spec.path;
         // SAFETY: mapped read-only; vidgen never writes to the files it reads.
         let st = unsafe { MmapedSafetensors::new(path) }
@@ -222,13 +236,19 @@ impl Scanned {
                 layout.name()
             )
         };
-        if layout != Layout::Diffusers && !original_names {
+        let maps = match (layout, original) {
+            (Layout::Diffusers, _) | (_, Some(Model::Wan)) => true,
+            (Layout::Musubi, Some(Model::Flux)) => true,
+            _ => false,
+        };
+        if !maps {
             bail!(
-                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
                 path.display(),
                 layout.name()
             );
         }
+        let mut left_out = Vec::new();
         let peft_alpha = peft_alphas(path)?;
         let file = self.files.len();
         let mut first = None;
@@ -254,71 +274,99 @@ impl Scanned {
             if part == Part::Up {
                 continue; // read with its module's down half
             }
-            let target = match layout {
-                Layout::Diffusers => Some(module.to_string()),
-                Layout::ComfyUi => original_to_diffusers(module),
-                Layout::Musubi => {
-                    musubi_to_original(module).and_then(|m| original_to_diffusers(&m))
+            let whole = |m: Option<String>| m.map(|m| vec![(m, Piece::Whole)]);
+            let targets = match (layout, original) {
+                (Layout::Diffusers, _) => whole(Some(module.to_string())),
+                (Layout::Musubi, Some(Model::Flux)) => Model::Flux.kohya_targets(module),
+                (Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
+                (Layout::Musubi, _) => {
+                    whole(musubi_to_original(module).and_then(|m| original_to_diffusers(&m)))
                 }
             }
-            .ok_or_else(|| bad(key, "it names no layer of a Wan transformer"))?;
-            let (weight, change) = match part {
-                Part::Down => {
-                    let up_key = key_of(key, layout, Part::Up);
-                    let (up_dims, _) = shapes
-                        .get(&up_key)
-                        .ok_or_else(|| bad(key, &format!("its other half {up_key} is missing")))?;
-                    let &[rank, cols] = &dims[..] else {
-                        return Err(bad(key, "not a matrix"));
-                    };
-                    let &[rows, up_rank] = &up_dims[..] else {
-                        return Err(bad(&up_key, "not a matrix"));
-                    };
-                    if up_rank != rank {
-                        return Err(bad(
-                            key,
-                            &format!("rank {rank} against its up half's {up_rank}"),
-                        ));
-                    }
-                    let alpha = match layout {
-                        Layout::Diffusers => peft_alpha(module),
-                        _ => {
-                            let alpha_key = key_of(key, layout, Part::Alpha);
-                            match shapes.contains_key(&alpha_key) {
-                                // Any stored dtype: LightX2V's LoRAs store an i64 alpha.
-                                true => Some(
-                                    *read_f32(&st, &alpha_key)?
-                                        .first()
-                                        .ok_or_else(|| bad(&alpha_key, "an empty alpha"))?
-                                        as f64,
-                                ),
-                                false => None,
-                            }
+            .ok_or_else(|| bad(key, "it names no layer of this transformer"))?;
+            if targets.is_empty() {
+                left_out.push(module.to_string());
+            }
+            for (target, piece) in targets {
+                let (weight, change) = match part {
+                    Part::Down => {
+                        let up_key = key_of(key, layout, Part::Up);
+                        let (up_dims, _) = shapes.get(&up_key).ok_or_else(|| {
+                            bad(key, &format!("its other half {up_key} is missing"))
+                        })?;
+                        let &[rank, cols] = &dims[..] else {
+                            return Err(bad(key, "not a matrix"));
+                        };
+                        let &[stored_rows, up_rank] = &up_dims[..] else {
+                            return Err(bad(&up_key, "not a matrix"));
+                        };
+                        // A fused module's up rows split as diffusers splits them: thirds, or a
+                        // single block's (D, D, D, 4D) (its hard-coded FLUX.1 widths, scaled).
+                        let up_rows = match piece {
+                            Piece::Whole => None,
+                            piece => Some(
+                                crate::weights::original::rows(
+                                    piece,
+                                    stored_rows,
+                                    Some(stored_rows / 7),
+                                )
+                                .filter(|_| piece != Piece::SwappedHalves)
+                                .ok_or_else(|| {
+                                    bad(&up_key, "its rows do not split into the fused layers")
+                                })?,
+                            ),
+                        };
+                        let rows = up_rows.as_ref().map_or(stored_rows, |r| r.len());
+                        if up_rank != rank {
+                            return Err(bad(
+                                key,
+                                &format!("rank {rank} against its up half's {up_rank}"),
+                            ));
                         }
-                    };
-                    let scale = spec.scale * alpha.map_or(1.0, |a| a / rank as f64);
-                    let kind = ChangeKind::LowRank {
-                        up: up_key,
-                        down: key.clone(),
-                        rank,
-                        scale: scale as f32,
-                    };
-                    let dims = vec![rows, cols];
-                    (format!("{target}.weight"), Change { file, dims, kind })
-                }
-                Part::Diff | Part::DiffBias => {
-                    let suffix = if part == Part::Diff { "weight" } else { "bias" };
-                    let kind = ChangeKind::Full {
-                        diff: key.clone(),
-                        scale: spec.scale as f32,
-                    };
-                    let dims = dims.clone();
-                    (format!("{target}.{suffix}"), Change { file, dims, kind })
-                }
-                Part::Up | Part::Alpha => unreachable!("skipped above"),
-            };
-            first.get_or_insert_with(|| weight.clone());
-            self.changes.entry(weight).or_default().push(change);
+                        let alpha = match layout {
+                            Layout::Diffusers => peft_alpha(module),
+                            _ => {
+                                let alpha_key = key_of(key, layout, Part::Alpha);
+                                match shapes.contains_key(&alpha_key) {
+                                    // Any stored dtype: LightX2V's LoRAs store an i64 alpha.
+                                    true => Some(
+                                        *read_f32(&st, &alpha_key)?
+                                            .first()
+                                            .ok_or_else(|| bad(&alpha_key, "an empty alpha"))?
+                                            as f64,
+                                    ),
+                                    false => None,
+                                }
+                            }
+                        };
+                        let scale = spec.scale * alpha.map_or(1.0, |a| a / rank as f64);
+                        let kind = ChangeKind::LowRank {
+                            up: up_key,
+                            up_rows,
+                            down: key.clone(),
+                            rank,
+                            scale: scale as f32,
+                        };
+                        let dims = vec![rows, cols];
+                        (format!("{target}.weight"), Change { file, dims, kind })
+                    }
+                    Part::Diff | Part::DiffBias => {
+                        let suffix = if part == Part::Diff { "weight" } else { "bias" };
+                        let kind = ChangeKind::Full {
+                            diff: key.clone(),
+                            scale: spec.scale as f32,
+                        };
+                        let dims = dims.clone();
+                        (format!("{target}.{suffix}"), Change { file, dims, kind })
+                    }
+                    Part::Up | Part::Alpha => unreachable!("skipped above"),
+                };
+                first.get_or_insert_with(|| weight.clone());
+                self.changes.entry(weight).or_default().push(change);
+            }
+        }
+        if !left_out.is_empty() {
+            self.left_out.push((path.clone(), left_out));
         }
         let Some(first) = first else {
             bail!(
@@ -379,11 +427,15 @@ impl Scanned {
                 Ok(match &change.kind {
                     ChangeKind::LowRank {
                         up,
+                        up_rows,
                         down,
                         rank,
                         scale,
                     } => Delta::LowRank {
-                        up: read(up)?,
+                        up: match up_rows {
+                            Some(r) => read(up)?[r.start * rank..r.end * rank].to_vec(),
+                            None => read(up)?,
+                        },
                         down: read(down)?,
                         rank: *rank,
                         scale: *scale,

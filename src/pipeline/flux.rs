@@ -13,7 +13,7 @@ use super::registry::FamilyOption::{
     Cache, GuidanceScale, Lora, Pab, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
-use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
@@ -138,7 +138,10 @@ impl FluxConfigs {
         let mut spec = PipelineSpec::titled(self.title());
         let parts = Parts {
             encoders: TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2)),
-            transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
+            transformer: spec.add(
+                Component::new("transformer", Role::Dit, self.transformer.clone())
+                    .with_original_layout(crate::weights::original::Model::Flux),
+            ),
             vae: spec.add_model("vae", Role::Vae, &self.vae),
         };
         spec.stages = vec![

@@ -486,7 +486,7 @@ pub(crate) fn open_weights(
     };
     let mut weights = WeightSet::open(&files)?;
     if let Some(specs) = lora_specs(config, spec.folder) {
-        let loras = crate::lora::Loras::open(specs, spec.original_names)?;
+        let loras = crate::lora::Loras::open(specs, spec.original_layout)?;
         weights = weights.with_loras(Arc::new(loras));
     }
     if let (Some(dtype), Role::Dit) = (config.generation().storage_dtype, spec.role) {

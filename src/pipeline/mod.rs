@@ -507,7 +507,15 @@ fn check_weight_files(
         let Some(specs) = frame::lora_specs(config, component.folder) else {
             continue;
         };
-        let loras = crate::lora::Scanned::scan(specs, component.original_names).map_err(bad)?;
+        let loras = crate::lora::Scanned::scan(specs, component.original_layout).map_err(bad)?;
+        for (path, modules) in loras.left_out() {
+            eprintln!(
+                "--lora {}: {} modules outside the transformer's blocks ({}) left out, as diffusers' kohya FLUX.1 conversion leaves them out",
+                path.display(),
+                modules.len(),
+                modules.join(", ")
+            );
+        }
         if let Some(weights) = weights {
             loras
                 .check(|name| weights.stored_shape(name))

@@ -180,9 +180,9 @@ pub struct ComponentSpec {
     /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`
     /// ([`crate::models::blocks::Blockwise::LAYERWISE_CASTING_SKIP`]).
     pub storage_cast_skip: &'static [&'static str],
-    /// Its weights have an original (non-diffusers) naming that LoRA files use too (Wan's:
-    /// ComfyUI and kohya LoRAs are mapped to diffusers' names).
-    pub original_names: bool,
+    /// The model's original (non-diffusers) layout, which LoRA files use too (Wan's ComfyUI and
+    /// kohya LoRAs, FLUX.1's kohya ones: mapped to diffusers' names).
+    pub original_layout: Option<crate::weights::original::Model>,
     /// Its constructors, which count and place its weights.
     pub constructors: Arc<dyn Constructors>,
 }
@@ -212,7 +212,7 @@ impl<M: Blockwise> Component<M> {
                 dtype: None,
                 deferrable: true,
                 storage_cast_skip: M::LAYERWISE_CASTING_SKIP,
-                original_names: false,
+                original_layout: None,
                 constructors: Arc::new(ModelConstructors::<M>(cfg)),
             },
             model: PhantomData,
@@ -235,9 +235,9 @@ impl<M> Component<M> {
         self
     }
 
-    /// Its weights also go by an original naming that LoRA files use (Wan's).
-    pub fn with_original_names(mut self) -> Self {
-        self.spec.original_names = true;
+    /// Its weights also go by `layout`, an original naming that LoRA files use too.
+    pub fn with_original_layout(mut self, layout: crate::weights::original::Model) -> Self {
+        self.spec.original_layout = Some(layout);
         self
     }
 }

@@ -338,7 +338,8 @@ impl WanConfigs {
                 fp8_matmul: shape.fp8_matmul,
                 ..cfg.clone()
             };
-            Component::new(name, Role::Dit, cfg).with_original_names()
+            Component::new(name, Role::Dit, cfg)
+                .with_original_layout(crate::weights::original::Model::Wan)
         };
         let transformer = spec.add(dit("transformer", &self.transformer));
         let transformer_2 = self

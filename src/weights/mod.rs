@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub mod gguf;
-mod original;
+pub mod original;
 mod packed;
 mod storage;
 

@@ -52,6 +52,16 @@ impl Model {
         }
     }
 
+    /// The diffusers modules kohya (sd-scripts) LoRA module `module` changes and the piece of
+    /// its up matrix each takes (FLUX.1's layout; see `Layout::kohya_targets`); `None` where
+    /// the layout maps no kohya LoRAs or the name is not one of its modules.
+    pub fn kohya_targets(self, module: &str) -> Option<Vec<(String, Piece)>> {
+        match self {
+            Model::Flux => FLUX.kohya_targets(module),
+            _ => None,
+        }
+    }
+
     /// The original key and piece of diffusers weight `name` (`None`: a name the layout does
     /// not map, which the file then holds under its diffusers name or lacks).
     pub fn original(self, name: &str) -> Option<(String, Piece)> {
@@ -338,7 +348,50 @@ const MOCHI: Layout = Layout {
     ],
 };
 
+impl Stored {
+    /// The original module it is (part of).
+    fn module(self) -> &'static str {
+        match self {
+            As(m) | Third(m, _) | Swapped(m) | Scale(m) => m,
+            Linear1(_) => "linear1",
+        }
+    }
+}
+
 impl Layout {
+    /// The diffusers modules kohya (sd-scripts) LoRA module `module` (the original module's
+    /// name with `_` for `.`) changes, with the piece of its up matrix each takes; empty for a
+    /// module outside the blocks, which diffusers' conversion leaves out; `None` for a name of
+    /// no module of the layout.
+    fn kohya_targets(&self, module: &str) -> Option<Vec<(String, Piece)>> {
+        let kohya = |m: &str| m.replace('.', "_");
+        for (list, original, modules) in self.lists {
+            let Some(rest) = module.strip_prefix(&format!("{}_", kohya(original))) else {
+                continue;
+            };
+            let (n, layer) = rest.split_once('_')?;
+            let block: usize = n.parse().ok()?;
+            let targets: Vec<_> = modules
+                .iter()
+                .filter(|(_, stored)| kohya(stored.module()) == layer)
+                .map(|(m, stored)| {
+                    let piece = match *stored {
+                        Third(_, i) => Piece::Third(i),
+                        Linear1(part) => Piece::Linear1 { part, block },
+                        Swapped(_) => Piece::SwappedHalves,
+                        As(_) | Scale(_) => Piece::Whole,
+                    };
+                    (format!("{list}.{block}.{m}"), piece)
+                })
+                .collect();
+            return (!targets.is_empty()).then_some(targets);
+        }
+        self.top
+            .iter()
+            .any(|(_, stored)| kohya(stored.module()) == module)
+            .then(Vec::new)
+    }
+
     /// The original key and piece of diffusers weight `name` (`None`: not in the layout).
     fn original(&self, name: &str) -> Option<(String, Piece)> {
         let (module, param) = name.rsplit_once('.')?;
@@ -441,6 +494,32 @@ mod tests {
             Model::Flux.original("transformer_blocks.0.attn.norm_q.bias"),
             None
         );
+    }
+
+    #[test]
+    fn kohya_modules_name_their_targets_as_diffusers_converts_them() {
+        let t = |m: &str| Model::Flux.kohya_targets(m);
+        assert_eq!(
+            t("double_blocks_2_txt_attn_qkv").unwrap()[1],
+            (
+                "transformer_blocks.2.attn.add_k_proj".into(),
+                Piece::Third(1)
+            )
+        );
+        assert_eq!(
+            t("single_blocks_1_linear1").unwrap()[3],
+            (
+                "single_transformer_blocks.1.proj_mlp".into(),
+                Piece::Linear1 { part: 3, block: 1 }
+            )
+        );
+        assert_eq!(
+            t("double_blocks_0_img_mod_lin").unwrap(),
+            vec![("transformer_blocks.0.norm1.linear".into(), Piece::Whole)]
+        );
+        // Outside the blocks: known, left out; unknown: none.
+        assert_eq!(t("final_layer_adaLN_modulation_1"), Some(vec![]));
+        assert_eq!(t("double_blocks_0_img_attn_qkvz"), None);
     }
 
     #[test]

@@ -1,0 +1,91 @@
+//! LoRAs in the layouts the community shares for the families beyond Wan, as diffusers'
+//! `load_lora_weights` reads them: FLUX.1's kohya (sd-scripts) files, whose fused `qkv` and
+//! single-block `linear1` modules are split into q, k, v (and the MLP's input) and whose modules
+//! outside the blocks diffusers' conversion leaves out. Driven by `lora-families/README.json`:
+//! the frames within 1e-4 + 1e-4|ref| of diffusers' at each scale, the same draws as the
+//! fixture's call; the left-out modules named in one line.
+
+mod common;
+
+use candle_core::Device;
+use common::{
+    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, scratch_dir,
+};
+
+const ATOL: f64 = 1e-4;
+const RTOL: f64 = 1e-4;
+
+#[test]
+fn kohya_flux_loras_make_what_diffusers_makes_of_them() {
+    let dir = named_fixture_dir("lora-families");
+    let readme: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
+    let refs =
+        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let cases = readme["cli_cases"].as_array().unwrap();
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let fixture = case["fixture"].as_str().unwrap();
+        let out = scratch_dir("lora-families", name);
+        let lora = dir.join(case["lora"].as_str().unwrap());
+        let spec = format!("{}:{}", lora.display(), case["scale"].as_f64().unwrap());
+        let extra = ["--lora".to_string(), spec];
+        let frames = run_reference_case(case, fixture, &extra, &out)["frames"].clone();
+        let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
+        assert_close(name, &frames, &want, ATOL, RTOL);
+        let plain = named_reference(fixture, "pipeline")[case["no_lora_frames"].as_str().unwrap()]
+            .squeeze(0)
+            .unwrap();
+        let moved = max_abs_diff(&want, &plain);
+        assert!(
+            moved > 10.0 * ATOL,
+            "{name}: the LoRA moves frames {moved:.2e}"
+        );
+    }
+    assert_eq!(cases.len(), 2);
+}
+
+/// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout
+/// vidgen does not map for the model is refused in one line before any work.
+#[test]
+fn left_out_modules_are_named_and_unmapped_layouts_refused() {
+    let dir = named_fixture_dir("lora-families");
+    let out = scratch_dir("lora-families", "notice");
+    let lora = dir.join("flux-kohya.safetensors");
+    let mut args = common::cpu_prompt_args("flux-tiny-a");
+    args.extend(
+        [
+            "--lora",
+            lora.to_str().unwrap(),
+            "--dry-run",
+            "--output-path",
+            out.to_str().unwrap(),
+        ]
+        .map(String::from),
+    );
+    let run = common::run_vidgen(&args);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let notice: Vec<_> = stderr.lines().filter(|l| l.contains("left out")).collect();
+    assert_eq!(notice.len(), 1, "{stderr}");
+    for module in [
+        "img_in",
+        "time_in_in_layer",
+        "final_layer_linear",
+        "final_layer_adaLN_modulation_1",
+    ] {
+        assert!(notice[0].contains(module), "{}", notice[0]);
+    }
+    // The same modules under ComfyUI's names: a layout vidgen maps for Wan only.
+    let comfyui = out.join("comfyui.safetensors");
+    let tensors = candle_core::safetensors::load(&lora, &Device::Cpu).unwrap();
+    let renamed: std::collections::HashMap<_, _> = tensors
+        .into_iter()
+        .map(|(k, v)| (k.replace("lora_unet_", "diffusion_model."), v))
+        .collect();
+    candle_core::safetensors::save(&renamed, &comfyui).unwrap();
+    let mut args = common::cpu_prompt_args("flux-tiny-a");
+    args.extend(["--lora", comfyui.to_str().unwrap()].map(String::from));
+    let line = common::usage_error(&common::run_vidgen(&args), "comfyui lora");
+    assert!(line.contains("ComfyUI/original layout"), "{line}");
+}
