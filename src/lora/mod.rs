@@ -236,11 +236,10 @@ impl Scanned {
                 layout.name()
             )
         };
-        let maps = match (layout, original) {
-            (Layout::Diffusers, _) | (_, Some(Model::Wan)) => true,
-            (Layout::Musubi, Some(Model::Flux)) => true,
-            _ => false,
-        };
+        let maps = matches!(
+            (layout, original),
+            (Layout::Diffusers, _) | (_, Some(Model::Wan)) | (Layout::Musubi, Some(Model::Flux))
+        );
         if !maps {
             bail!(
                 "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
