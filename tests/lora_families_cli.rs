@@ -1,9 +1,11 @@
 //! LoRAs in the layouts the community shares for the families beyond Wan, as diffusers'
 //! `load_lora_weights` reads them: FLUX.1's kohya (sd-scripts) files, whose fused `qkv` and
 //! single-block `linear1` modules are split into q, k, v (and the MLP's input) and whose modules
-//! outside the blocks diffusers' conversion leaves out. Driven by `lora-families/README.json`:
-//! the frames within 1e-4 + 1e-4|ref| of diffusers' at each scale, the same draws as the
-//! fixture's call; the left-out modules named in one line.
+//! outside the blocks diffusers' conversion leaves out; HunyuanVideo's original module names
+//! with PEFT halves, outside modules mapped and the output norm's modulation swapped in both
+//! halves, as diffusers swaps it. Driven by `lora-families/README.json`: the frames within
+//! 1e-4 + 1e-4|ref| of diffusers' at each scale, the same draws as the fixture's call; the
+//! left-out modules named in one line.
 
 mod common;
 
@@ -16,7 +18,7 @@ const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
 
 #[test]
-fn kohya_flux_loras_make_what_diffusers_makes_of_them() {
+fn community_loras_make_what_diffusers_makes_of_them() {
     let dir = named_fixture_dir("lora-families");
     let readme: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
@@ -42,7 +44,7 @@ fn kohya_flux_loras_make_what_diffusers_makes_of_them() {
             "{name}: the LoRA moves frames {moved:.2e}"
         );
     }
-    assert_eq!(cases.len(), 2);
+    assert_eq!(cases.len(), 4);
 }
 
 /// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout

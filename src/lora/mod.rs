@@ -75,6 +75,10 @@ pub enum Layout {
     ComfyUi,
     /// `lora_unet_blocks_N_self_attn_q.lora_down.weight`, `.alpha` (kohya/musubi).
     Musubi,
+    /// `diffusion_model.double_blocks.N.img_attn_qkv.lora_A.weight`: a model's original module
+    /// names (under `diffusion_model.`, `transformer.` or bare) with PEFT's halves
+    /// (HunyuanVideo's, told by `img_attn_qkv` as diffusers tells it).
+    OriginalPeft,
 }
 
 impl Layout {
@@ -83,6 +87,7 @@ impl Layout {
             Layout::Diffusers => "diffusers/PEFT",
             Layout::ComfyUi => "ComfyUI/original",
             Layout::Musubi => "kohya/musubi",
+            Layout::OriginalPeft => "original/PEFT",
         }
     }
 }
@@ -112,6 +117,9 @@ enum ChangeKind {
     LowRank {
         up: String,
         up_rows: Option<std::ops::Range<usize>>,
+        /// Both factors' first-dimension halves swapped (diffusers' quirk for a swapped
+        /// module: the up rows, and the down half's rank rows too).
+        swapped: bool,
         down: String,
         rank: usize,
         scale: f32,
@@ -222,7 +230,10 @@ impl Scanned {
                 (name, (view.shape().to_vec(), dtype))
             })
             .collect();
-        let layout = if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
+        let hunyuan = original == Some(Model::HunyuanVideo);
+        let layout = if hunyuan && shapes.keys().any(|k| k.contains("img_attn_qkv")) {
+            Layout::OriginalPeft
+        } else if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
             Layout::ComfyUi
         } else if shapes.keys().any(|k| k.starts_with("lora_unet_")) {
             Layout::Musubi
@@ -238,11 +249,13 @@ impl Scanned {
         };
         let maps = matches!(
             (layout, original),
-            (Layout::Diffusers, _) | (_, Some(Model::Wan)) | (Layout::Musubi, Some(Model::Flux))
+            (Layout::Diffusers | Layout::OriginalPeft, _)
+                | (Layout::ComfyUi | Layout::Musubi, Some(Model::Wan))
+                | (Layout::Musubi, Some(Model::Flux))
         );
         if !maps {
             bail!(
-                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1, original names for HunyuanVideo) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
                 path.display(),
                 layout.name()
             );
@@ -277,6 +290,8 @@ impl Scanned {
             let targets = match (layout, original) {
                 (Layout::Diffusers, _) => whole(Some(module.to_string())),
                 (Layout::Musubi, Some(Model::Flux)) => Model::Flux.kohya_targets(module),
+                (Layout::OriginalPeft, Some(model)) => model.original_targets(module),
+                (Layout::OriginalPeft, None) => None,
                 (Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
                 (Layout::Musubi, _) => {
                     whole(musubi_to_original(module).and_then(|m| original_to_diffusers(&m)))
@@ -300,16 +315,17 @@ impl Scanned {
                             return Err(bad(&up_key, "not a matrix"));
                         };
                         // A fused module's up rows split as diffusers splits them: thirds, or a
-                        // single block's (D, D, D, 4D) (its hard-coded FLUX.1 widths, scaled).
+                        // single block's (D, D, D, 4D) (its hard-coded widths, scaled); a swapped
+                        // module's halves swap in both factors, as diffusers swaps them.
+                        let swapped = piece == Piece::SwappedHalves;
                         let up_rows = match piece {
-                            Piece::Whole => None,
+                            Piece::Whole | Piece::SwappedHalves => None,
                             piece => Some(
                                 crate::weights::original::rows(
                                     piece,
                                     stored_rows,
                                     Some(stored_rows / 7),
                                 )
-                                .filter(|_| piece != Piece::SwappedHalves)
                                 .ok_or_else(|| {
                                     bad(&up_key, "its rows do not split into the fused layers")
                                 })?,
@@ -324,6 +340,7 @@ impl Scanned {
                         }
                         let alpha = match layout {
                             Layout::Diffusers => peft_alpha(module),
+                            Layout::OriginalPeft => peft_alpha(&target),
                             _ => {
                                 let alpha_key = key_of(key, layout, Part::Alpha);
                                 match shapes.contains_key(&alpha_key) {
@@ -342,6 +359,7 @@ impl Scanned {
                         let kind = ChangeKind::LowRank {
                             up: up_key,
                             up_rows,
+                            swapped,
                             down: key.clone(),
                             rank,
                             scale: scale as f32,
@@ -427,18 +445,27 @@ impl Scanned {
                     ChangeKind::LowRank {
                         up,
                         up_rows,
+                        swapped,
                         down,
                         rank,
                         scale,
-                    } => Delta::LowRank {
-                        up: match up_rows {
-                            Some(r) => read(up)?[r.start * rank..r.end * rank].to_vec(),
-                            None => read(up)?,
-                        },
-                        down: read(down)?,
-                        rank: *rank,
-                        scale: *scale,
-                    },
+                    } => {
+                        let (mut up, mut down) = (read(up)?, read(down)?);
+                        if let Some(r) = up_rows {
+                            up = up[r.start * rank..r.end * rank].to_vec();
+                        }
+                        if *swapped {
+                            let rows = up.len() / rank;
+                            up = swap_halves(up, rows);
+                            down = swap_halves(down, *rank);
+                        }
+                        Delta::LowRank {
+                            up,
+                            down,
+                            rank: *rank,
+                            scale: *scale,
+                        }
+                    }
                     ChangeKind::Full { diff, scale } => Delta::Full {
                         diff: read(diff)?,
                         scale: *scale,
@@ -452,6 +479,14 @@ impl Scanned {
         }
         Ok(loras)
     }
+}
+
+/// `values`, `rows` rows of a matrix, with its first `ceil(rows / 2)` rows moved after the
+/// rest (torch's `cat(chunk(2)[::-1])`).
+fn swap_halves(values: Vec<f32>, rows: usize) -> Vec<f32> {
+    let cols = values.len() / rows.max(1);
+    let head = rows.div_ceil(2) * cols;
+    [&values[head..], &values[..head]].concat()
 }
 
 /// Tensor `key` of `st` as f32 values.
@@ -475,8 +510,8 @@ enum Part {
 /// The key suffixes of each part, per layout.
 fn suffix(layout: Layout, part: Part) -> &'static str {
     match (layout, part) {
-        (Layout::Diffusers, Part::Down) => ".lora_A.weight",
-        (Layout::Diffusers, Part::Up) => ".lora_B.weight",
+        (Layout::Diffusers | Layout::OriginalPeft, Part::Down) => ".lora_A.weight",
+        (Layout::Diffusers | Layout::OriginalPeft, Part::Up) => ".lora_B.weight",
         (_, Part::Down) => ".lora_down.weight",
         (_, Part::Up) => ".lora_up.weight",
         (_, Part::Alpha) => ".alpha",
@@ -485,21 +520,24 @@ fn suffix(layout: Layout, part: Part) -> &'static str {
     }
 }
 
-/// The prefix of every key of a layout (diffusers': optional).
-fn prefix(layout: Layout) -> &'static str {
+/// The prefixes a key of a layout may have (diffusers' and original/PEFT's: optional).
+fn prefixes(layout: Layout) -> &'static [&'static str] {
     match layout {
-        Layout::Diffusers => "transformer.",
-        Layout::ComfyUi => "diffusion_model.",
-        Layout::Musubi => "lora_unet_",
+        Layout::Diffusers => &["transformer."],
+        Layout::ComfyUi => &["diffusion_model."],
+        Layout::Musubi => &["lora_unet_"],
+        Layout::OriginalPeft => &["diffusion_model.", "transformer."],
     }
 }
 
 /// A key as (module, part), prefix removed.
 fn split_key(key: &str, layout: Layout) -> Option<(&str, Part)> {
-    let rest = key.strip_prefix(prefix(layout)).or_else(|| {
-        // PEFT files may name the modules without the pipeline's prefix.
-        (layout == Layout::Diffusers).then_some(key)
-    })?;
+    let peft = matches!(layout, Layout::Diffusers | Layout::OriginalPeft);
+    let rest = prefixes(layout)
+        .iter()
+        .find_map(|p| key.strip_prefix(p))
+        // PEFT files may name the modules without a prefix.
+        .or_else(|| peft.then_some(key))?;
     [
         Part::Down,
         Part::Up,
@@ -508,7 +546,7 @@ fn split_key(key: &str, layout: Layout) -> Option<(&str, Part)> {
         Part::DiffBias,
     ]
     .into_iter()
-    .filter(|&p| layout != Layout::Diffusers || matches!(p, Part::Down | Part::Up))
+    .filter(|&p| !peft || matches!(p, Part::Down | Part::Up))
     .find_map(|p| Some((rest.strip_suffix(suffix(layout, p))?, p)))
 }
 

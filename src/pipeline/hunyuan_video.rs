@@ -13,7 +13,7 @@ use super::registry::FamilyOption::{
     Cache, FlowShift, Lora, Pab, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
-use super::spec::{PipelineSpec, Role, Slot, StageSpec, TextEncoders};
+use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
 use super::stages;
 use crate::config::ModelDefaults;
 use crate::models::clip::{self, ClipTextConfig, ClipTextModel};
@@ -138,10 +138,15 @@ impl HunyuanConfigs {
             shape.dtype,
         );
         let mut spec = PipelineSpec::titled(self.title());
+        let encoders = TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2));
+        let transformer = spec.add(
+            Component::new("transformer", Role::Dit, self.transformer.clone())
+                .with_original_layout(crate::weights::original::Model::HunyuanVideo),
+        );
         let parts = Parts {
-            encoders: TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2)),
-            transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
-            modulations: spec.add_modulations(&self.transformer),
+            encoders,
+            modulations: spec.add_modulations(&self.transformer, &transformer),
+            transformer,
             vae: spec.add_model("vae", Role::Vae, &self.vae),
         };
         spec.stages = vec![

@@ -186,10 +186,12 @@ impl MiniMaxH3Configs {
         let text = shape.text_len;
         let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
         let mut spec = PipelineSpec::titled(self.title());
+        let text_encoder = spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder);
+        let transformer = spec.add_model("transformer", Role::Dit, &self.transformer);
         let parts = Parts {
-            text_encoder: spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder),
-            transformer: spec.add_model("transformer", Role::Dit, &self.transformer),
-            modulations: spec.add_modulations(&self.transformer),
+            text_encoder,
+            modulations: spec.add_modulations(&self.transformer, &transformer),
+            transformer,
             vae: spec.add_model("vae", Role::Vae, &self.vae),
             // The vocoder runs in f32 (its checkpoint's dtype): a bf16 waveform is audibly
             // noisy.

@@ -475,9 +475,15 @@ impl PipelineSpec {
 
     /// Adds the modulation weights of the DiT configured by `cfg` (HunyuanVideo's, MiniMax
     /// H3's) as a component of their own, `transformer_modulations`, read from the
-    /// transformer's folder: they run once before denoising, in their own stage.
-    pub fn add_modulations<M: Blockwise>(&mut self, cfg: &M::Config) -> Slot<M> {
-        let modulations = Component::new("transformer_modulations", Role::Dit, cfg.clone());
+    /// transformer's folder (`transformer`'s, whose original layout they share): they run once
+    /// before denoising, in their own stage.
+    pub fn add_modulations<M: Blockwise, T>(
+        &mut self,
+        cfg: &M::Config,
+        transformer: &Slot<T>,
+    ) -> Slot<M> {
+        let mut modulations = Component::new("transformer_modulations", Role::Dit, cfg.clone());
+        modulations.spec.original_layout = self.components[transformer.index()].original_layout;
         self.add(modulations.in_folder("transformer"))
     }
 

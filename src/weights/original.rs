@@ -53,11 +53,22 @@ impl Model {
     }
 
     /// The diffusers modules kohya (sd-scripts) LoRA module `module` changes and the piece of
-    /// its up matrix each takes (FLUX.1's layout; see `Layout::kohya_targets`); `None` where
-    /// the layout maps no kohya LoRAs or the name is not one of its modules.
+    /// its up matrix each takes (FLUX.1's layout; those outside the blocks, which diffusers'
+    /// conversion leaves out, none); `None` where the layout maps no kohya LoRAs or the name is
+    /// not one of its modules.
     pub fn kohya_targets(self, module: &str) -> Option<Vec<(String, Piece)>> {
         match self {
-            Model::Flux => FLUX.kohya_targets(module),
+            Model::Flux => FLUX.targets(module, true),
+            _ => None,
+        }
+    }
+
+    /// The diffusers modules original module `module` (a LoRA's, named as the layout names it)
+    /// changes and the piece each takes (HunyuanVideo's layout); `None` where the layout maps
+    /// no such LoRAs or the name is not one of its modules.
+    pub fn original_targets(self, module: &str) -> Option<Vec<(String, Piece)>> {
+        match self {
+            Model::HunyuanVideo => HUNYUAN_VIDEO.targets(module, false),
             _ => None,
         }
     }
@@ -359,37 +370,48 @@ impl Stored {
 }
 
 impl Layout {
-    /// The diffusers modules kohya (sd-scripts) LoRA module `module` (the original module's
-    /// name with `_` for `.`) changes, with the piece of its up matrix each takes; empty for a
-    /// module outside the blocks, which diffusers' conversion leaves out; `None` for a name of
-    /// no module of the layout.
-    fn kohya_targets(&self, module: &str) -> Option<Vec<(String, Piece)>> {
-        let kohya = |m: &str| m.replace('.', "_");
+    /// The diffusers modules original module `module` holds, with the piece of it each is:
+    /// named as the layout names it or, `kohya`, as kohya (sd-scripts) LoRAs name it (`_` for
+    /// `.`; its modules outside the blocks, which diffusers' conversion leaves out, give none).
+    /// `None` for a name of no module of the layout.
+    fn targets(&self, module: &str, kohya: bool) -> Option<Vec<(String, Piece)>> {
+        let dot = if kohya { '_' } else { '.' };
+        let name = |m: &str| m.replace('.', &dot.to_string());
+        let piece = |stored: Stored, block: Option<usize>| match stored {
+            Third(_, i) => Some(Piece::Third(i)),
+            Linear1(part) => Some(Piece::Linear1 {
+                part,
+                block: block?,
+            }),
+            Swapped(_) => Some(Piece::SwappedHalves),
+            As(_) | Scale(_) => Some(Piece::Whole),
+        };
         for (list, original, modules) in self.lists {
-            let Some(rest) = module.strip_prefix(&format!("{}_", kohya(original))) else {
+            let Some(rest) = module.strip_prefix(&format!("{}{dot}", name(original))) else {
                 continue;
             };
-            let (n, layer) = rest.split_once('_')?;
+            let (n, layer) = rest.split_once(dot)?;
             let block: usize = n.parse().ok()?;
             let targets: Vec<_> = modules
                 .iter()
-                .filter(|(_, stored)| kohya(stored.module()) == layer)
-                .map(|(m, stored)| {
-                    let piece = match *stored {
-                        Third(_, i) => Piece::Third(i),
-                        Linear1(part) => Piece::Linear1 { part, block },
-                        Swapped(_) => Piece::SwappedHalves,
-                        As(_) | Scale(_) => Piece::Whole,
-                    };
-                    (format!("{list}.{block}.{m}"), piece)
+                .filter(|(_, stored)| name(stored.module()) == layer)
+                .map(|&(m, stored)| {
+                    Some((format!("{list}.{block}.{m}"), piece(stored, Some(block))?))
                 })
-                .collect();
+                .collect::<Option<_>>()?;
             return (!targets.is_empty()).then_some(targets);
         }
-        self.top
+        let top: Vec<_> = self
+            .top
             .iter()
-            .any(|(_, stored)| kohya(stored.module()) == module)
-            .then(Vec::new)
+            .filter(|(_, stored)| name(stored.module()) == module)
+            .map(|&(m, stored)| Some((m.to_string(), piece(stored, None)?)))
+            .collect::<Option<_>>()?;
+        match (top.is_empty(), kohya) {
+            (true, _) => None,
+            (false, true) => Some(Vec::new()),
+            (false, false) => Some(top),
+        }
     }
 
     /// The original key and piece of diffusers weight `name` (`None`: not in the layout).
@@ -520,6 +542,19 @@ mod tests {
         // Outside the blocks: known, left out; unknown: none.
         assert_eq!(t("final_layer_adaLN_modulation_1"), Some(vec![]));
         assert_eq!(t("double_blocks_0_img_attn_qkvz"), None);
+        let o = |m: &str| Model::HunyuanVideo.original_targets(m);
+        assert_eq!(
+            o("final_layer.adaLN_modulation.1"),
+            Some(vec![("norm_out.linear".into(), Piece::SwappedHalves)])
+        );
+        assert_eq!(
+            o("txt_in.individual_token_refiner.blocks.0.mlp.fc1"),
+            Some(vec![(
+                "context_embedder.token_refiner.refiner_blocks.0.ff.net.0.proj".into(),
+                Piece::Whole
+            )])
+        );
+        assert_eq!(o("double_blocks.0.img_attn_qkv").map(|t| t.len()), Some(3));
     }
 
     #[test]
