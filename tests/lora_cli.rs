@@ -357,7 +357,7 @@ fn diffusers_loras_merge_into_every_family_that_loads_them() {
             max_abs_diff(&with_lora, &plain) > 1e-3,
             "{fixture}: the LoRA changed nothing"
         );
-        // The ComfyUI layout names Wan's modules: refused for this model.
+        // A ComfyUI-layout file (Wan's module names, `lora_down` halves): refused in one line.
         let comfy = dir.join("comfy.safetensors");
         let tensors = std::collections::HashMap::from([
             (format!("diffusion_model.{module}.lora_down.weight"), down),

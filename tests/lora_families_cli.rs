@@ -44,7 +44,7 @@ fn community_loras_make_what_diffusers_makes_of_them() {
             "{name}: the LoRA moves frames {moved:.2e}"
         );
     }
-    assert_eq!(cases.len(), 4);
+    assert_eq!(cases.len(), 6);
 }
 
 /// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout

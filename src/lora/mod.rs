@@ -77,7 +77,8 @@ pub enum Layout {
     Musubi,
     /// `diffusion_model.double_blocks.N.img_attn_qkv.lora_A.weight`: a model's original module
     /// names (under `diffusion_model.`, `transformer.` or bare) with PEFT's halves
-    /// (HunyuanVideo's, told by `img_attn_qkv` as diffusers tells it).
+    /// (HunyuanVideo's, told by `img_attn_qkv` as diffusers tells it; LTX-Video's, diffusers'
+    /// names under `diffusion_model.`).
     OriginalPeft,
 }
 
@@ -230,8 +231,14 @@ impl Scanned {
                 (name, (view.shape().to_vec(), dtype))
             })
             .collect();
-        let hunyuan = original == Some(Model::HunyuanVideo);
-        let layout = if hunyuan && shapes.keys().any(|k| k.contains("img_attn_qkv")) {
+        // Told as diffusers' loaders tell them: HunyuanVideo's by `img_attn_qkv`, LTX-Video's by
+        // the prefix.
+        let original_peft = match original {
+            Some(Model::HunyuanVideo) => shapes.keys().any(|k| k.contains("img_attn_qkv")),
+            Some(Model::LtxVideo) => shapes.keys().any(|k| k.starts_with("diffusion_model.")),
+            _ => false,
+        };
+        let layout = if original_peft {
             Layout::OriginalPeft
         } else if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
             Layout::ComfyUi
@@ -255,7 +262,7 @@ impl Scanned {
         );
         if !maps {
             bail!(
-                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1, original names for HunyuanVideo) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1, ComfyUI's for HunyuanVideo and LTX-Video) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
                 path.display(),
                 layout.name()
             );
@@ -266,7 +273,10 @@ impl Scanned {
         let mut first = None;
         for (key, (dims, dtype)) in &shapes {
             let Some((module, part)) = split_key(key, layout) else {
-                return Err(bad(key, "a key of no LoRA layout vidgen reads"));
+                return Err(bad(
+                    key,
+                    "a key of no LoRA layout vidgen reads; give a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                ));
             };
             if part == Part::Alpha {
                 continue; // read with its module's down half

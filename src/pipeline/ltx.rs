@@ -79,7 +79,7 @@ impl LtxConfigs {
                     (attentions, &self.transformer.hooked_blocks()),
                     2,
                 );
-        Parts::pipeline::<Ltx>(
+        let (mut spec, parts) = Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &self.transformer, &self.vae),
             [
@@ -87,7 +87,11 @@ impl LtxConfigs {
                 dit,
                 activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype),
             ],
-        )
+        );
+        // Its LoRAs may come under ComfyUI's `diffusion_model.` prefix.
+        spec.components[parts.transformer.index()].original_layout =
+            Some(crate::weights::original::Model::LtxVideo);
+        (spec, parts)
     }
 }
 

@@ -63,12 +63,15 @@ impl Model {
         }
     }
 
-    /// The diffusers modules original module `module` (a LoRA's, named as the layout names it)
-    /// changes and the piece each takes (HunyuanVideo's layout); `None` where the layout maps
-    /// no such LoRAs or the name is not one of its modules.
+    /// The diffusers modules original module `module` (a LoRA's under `diffusion_model.`, named
+    /// as diffusers' LoRA conversion for the model reads it) changes and the piece each takes
+    /// (HunyuanVideo's layout; LTX-Video's, which is diffusers' names); `None` where the layout
+    /// maps no such LoRAs or the name is not one of its modules.
     pub fn original_targets(self, module: &str) -> Option<Vec<(String, Piece)>> {
         match self {
             Model::HunyuanVideo => HUNYUAN_VIDEO.targets(module, false),
+            // diffusers' LTX-Video conversion renames nothing (its LoRAs use diffusers' names).
+            Model::LtxVideo => Some(vec![(module.to_string(), Piece::Whole)]),
             _ => None,
         }
     }
