@@ -1,5 +1,5 @@
 //! LoRAs in the layouts the community shares for the families beyond Wan, as diffusers'
-//! `load_lora_weights` reads them: FLUX.1's kohya (sd-scripts) files, whose fused `qkv` and
+//! `load_lora_weights` reads them: FLUX.1's kohya (sd-scripts) and ComfyUI files, whose fused `qkv` and
 //! single-block `linear1` modules are split into q, k, v (and the MLP's input) and whose modules
 //! outside the blocks diffusers' conversion leaves out; HunyuanVideo's original module names
 //! with PEFT halves, outside modules mapped and the output norm's modulation swapped in both
@@ -44,11 +44,12 @@ fn community_loras_make_what_diffusers_makes_of_them() {
             "{name}: the LoRA moves frames {moved:.2e}"
         );
     }
-    assert_eq!(cases.len(), 6);
+    assert_eq!(cases.len(), 8);
 }
 
 /// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout
-/// vidgen does not map for the model is refused in one line before any work.
+/// vidgen does not map for the model, or a part it does not read, is refused in one line before
+/// any work.
 #[test]
 fn left_out_modules_are_named_and_unmapped_layouts_refused() {
     let dir = named_fixture_dir("lora-families");
@@ -78,16 +79,23 @@ fn left_out_modules_are_named_and_unmapped_layouts_refused() {
     ] {
         assert!(notice[0].contains(module), "{}", notice[0]);
     }
-    // The same modules under ComfyUI's names: a layout vidgen maps for Wan only.
-    let comfyui = out.join("comfyui.safetensors");
-    let tensors = candle_core::safetensors::load(&lora, &Device::Cpu).unwrap();
-    let renamed: std::collections::HashMap<_, _> = tensors
-        .into_iter()
-        .map(|(k, v)| (k.replace("lora_unet_", "diffusion_model."), v))
-        .collect();
-    candle_core::safetensors::save(&renamed, &comfyui).unwrap();
+    // A kohya file for a model whose original layout vidgen does not map for LoRAs (Mochi-1),
+    // and a ComfyUI FLUX.1 file with a full delta (diffusers' conversion drops them): refused.
+    let mut args = common::cpu_prompt_args("mochi-tiny-a");
+    args.extend(["--lora", lora.to_str().unwrap()].map(String::from));
+    let line = common::usage_error(&common::run_vidgen(&args), "kohya for Mochi-1");
+    assert!(
+        line.contains("kohya/musubi layout LoRA, which vidgen maps for"),
+        "{line}"
+    );
+    let diff = out.join("diff.safetensors");
+    let delta =
+        candle_core::Tensor::zeros((32, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let key = "diffusion_model.double_blocks.0.img_attn.proj.diff".to_string();
+    candle_core::safetensors::save(&std::collections::HashMap::from([(key, delta)]), &diff)
+        .unwrap();
     let mut args = common::cpu_prompt_args("flux-tiny-a");
-    args.extend(["--lora", comfyui.to_str().unwrap()].map(String::from));
-    let line = common::usage_error(&common::run_vidgen(&args), "comfyui lora");
-    assert!(line.contains("ComfyUI/original layout"), "{line}");
+    args.extend(["--lora", diff.to_str().unwrap()].map(String::from));
+    let line = common::usage_error(&common::run_vidgen(&args), "ComfyUI delta");
+    assert!(line.contains("a full delta of a FLUX.1 LoRA"), "{line}");
 }

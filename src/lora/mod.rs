@@ -257,12 +257,14 @@ impl Scanned {
         let maps = matches!(
             (layout, original),
             (Layout::Diffusers | Layout::OriginalPeft, _)
-                | (Layout::ComfyUi | Layout::Musubi, Some(Model::Wan))
-                | (Layout::Musubi, Some(Model::Flux))
+                | (
+                    Layout::ComfyUi | Layout::Musubi,
+                    Some(Model::Wan | Model::Flux)
+                )
         );
         if !maps {
             bail!(
-                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family (and kohya's for FLUX.1, ComfyUI's for HunyuanVideo and LTX-Video) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family and FLUX.1 (and ComfyUI's for HunyuanVideo and LTX-Video) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
                 path.display(),
                 layout.name()
             );
@@ -300,6 +302,16 @@ impl Scanned {
             let targets = match (layout, original) {
                 (Layout::Diffusers, _) => whole(Some(module.to_string())),
                 (Layout::Musubi, Some(Model::Flux)) => Model::Flux.kohya_targets(module),
+                // diffusers renames ComfyUI's FLUX.1 modules to kohya's.
+                (Layout::ComfyUi, Some(Model::Flux)) if matches!(part, Part::Down) => {
+                    Model::Flux.kohya_targets(&module.replace('.', "_"))
+                }
+                (Layout::ComfyUi, Some(Model::Flux)) => {
+                    return Err(bad(
+                        key,
+                        "a full delta of a FLUX.1 LoRA, which diffusers' conversion drops; give its low-rank halves",
+                    ))
+                }
                 (Layout::OriginalPeft, Some(model)) => model.original_targets(module),
                 (Layout::OriginalPeft, None) => None,
                 (Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
