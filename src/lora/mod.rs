@@ -319,7 +319,12 @@ impl Scanned {
                     whole(musubi_to_original(module).and_then(|m| original_to_diffusers(&m)))
                 }
             }
-            .ok_or_else(|| bad(key, "it names no layer of this transformer"))?;
+            .ok_or_else(|| {
+                bad(
+                    key,
+                    "it names no layer of this transformer (a LoRA for another model? diffusers/PEFT names them transformer.<module>.lora_A.weight)",
+                )
+            })?;
             if targets.is_empty() {
                 left_out.push(module.to_string());
             }
