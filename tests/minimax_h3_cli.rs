@@ -134,6 +134,26 @@ fn t2va_call_matches_diffusers_frames_and_audio() {
     assert_close("alt_prompt.audio", &audio, &alt, TOL, TOL);
 }
 
+/// The transformer from a single file in MiniMax H3's original layout (the published files'
+/// stacked `[q; k; v]`, the SwiGLU's gate first), bare or under ComfyUI's prefix, made by the
+/// inverse of diffusers' converter (`original-layouts/make.py`, which checks that the converter
+/// maps it back to the folder's weights exactly): diffusers' frames and audio.
+#[test]
+fn original_layout_single_files_make_the_reference_call() {
+    let dir = scratch("original");
+    let refs = named_reference(FIXTURE, "pipeline");
+    let files = named_fixture_dir("original-layouts");
+    for file in [
+        "minimax-h3-tiny-a-original.safetensors",
+        "minimax-h3-tiny-a-comfyui.safetensors",
+    ] {
+        let path = files.join(file);
+        let (frames, audio, _) = generate(&dir, 0, &["--transformer", path.to_str().unwrap()]);
+        assert_close(file, &frames, &refs["videos"].squeeze(0).unwrap(), TOL, TOL);
+        assert_close(file, &audio, &refs["audio"].squeeze(0).unwrap(), TOL, TOL);
+    }
+}
+
 /// Every offload mode and load lever gives the resident run's frames and audio, bit for bit.
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {

@@ -27,7 +27,10 @@ fn original_layout_files_make_what_diffusers_makes_of_them() {
         candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
     let cases = readme["cases"].as_array().unwrap();
     let mut fixtures = std::collections::BTreeSet::new();
-    for case in cases {
+    // MiniMax H3's files (no diffusers pipeline to make frames of them) are run by its own
+    // suite against the fixture's reference.
+    let cases: Vec<_> = cases.iter().filter(|c| !c["frames"].is_null()).collect();
+    for case in &cases {
         let file = case["file"].as_str().unwrap();
         let fixture = case["fixture"].as_str().unwrap();
         let out = scratch_dir("original-layouts", file);

@@ -2,12 +2,13 @@
 //! `from_single_file`, as its converters read them: Wan-AI's and LTX-Video's (renamings), FLUX.1's
 //! (Black Forest Labs: `double_blocks.N` / `single_blocks.N`,
 //! `convert_flux_transformer_checkpoint_to_diffusers`), HunyuanVideo's
-//! (`convert_hunyuan_video_transformer_to_diffusers`) and Mochi-1's
-//! (`convert_mochi_transformer_checkpoint_to_diffusers`). The last three fuse the attention's q, k
-//! and v in one matrix (`img_attn.qkv`, `qkv_x`; in a single block with the MLP's input,
-//! `linear1`) and store the output norm's modulation shift first (diffusers' scale first; Mochi-1
-//! its SwiGLU's projection before the gate): a diffusers weight is a [`Piece`] of an original
-//! tensor.
+//! (`convert_hunyuan_video_transformer_to_diffusers`), Mochi-1's
+//! (`convert_mochi_transformer_checkpoint_to_diffusers`) and MiniMax H3's
+//! (`convert_minimax_h3_transformer_checkpoint_to_diffusers`). The last four fuse the attention's
+//! q, k and v in one matrix (`img_attn.qkv`, `qkv_x`, `qkv_proj`; in a single block with the MLP's
+//! input, `linear1`) and store some halves swapped (the output norm's modulation shift first,
+//! diffusers' scale first; Mochi-1's and MiniMax H3's SwiGLU input): a diffusers weight is a
+//! [`Piece`] of an original tensor.
 
 /// A model whose original layout vidgen reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -17,15 +18,17 @@ pub enum Model {
     HunyuanVideo,
     LtxVideo,
     Mochi,
+    MiniMaxH3,
 }
 
 impl Model {
-    pub const ALL: [Model; 5] = [
+    pub const ALL: [Model; 6] = [
         Model::Wan,
         Model::Flux,
         Model::HunyuanVideo,
         Model::LtxVideo,
         Model::Mochi,
+        Model::MiniMaxH3,
     ];
 
     /// Its name in messages.
@@ -36,6 +39,7 @@ impl Model {
             Model::HunyuanVideo => "HunyuanVideo",
             Model::LtxVideo => "LTX-Video",
             Model::Mochi => "Mochi-1",
+            Model::MiniMaxH3 => "MiniMax H3",
         }
     }
 
@@ -49,6 +53,7 @@ impl Model {
             }
             Model::LtxVideo => "patchify_proj.weight",
             Model::Mochi => "blocks.0.attn.qkv_x.weight",
+            Model::MiniMaxH3 => "token_refiner.blocks.0.attn.qkv_proj.weight",
         }
     }
 
@@ -85,6 +90,7 @@ impl Model {
             Model::HunyuanVideo => HUNYUAN_VIDEO.original(name),
             Model::LtxVideo => ltx_video(name).map(|k| (k, Piece::Whole)),
             Model::Mochi => MOCHI.original(name),
+            Model::MiniMaxH3 => MINIMAX_H3.original(name),
         }
     }
 }
@@ -359,6 +365,45 @@ const MOCHI: Layout = Layout {
         ("time_embed.caption_proj", As("t5_yproj")),
         ("proj_out", As("final_layer.linear")),
         ("norm_out.linear", Swapped("final_layer.mod")),
+    ],
+};
+
+/// MiniMax H3's blocks and its token refiner's (`convert_minimax_h3_transformer_checkpoint_to_
+/// diffusers`, the published files' stacked `[q; k; v]`; its SwiGLU stores the gate first).
+const MINIMAX_H3_BLOCK: Modules = &[
+    ("attn.to_q", Third("attn.qkv_proj", 0)),
+    ("attn.to_k", Third("attn.qkv_proj", 1)),
+    ("attn.to_v", Third("attn.qkv_proj", 2)),
+    ("attn.norm_q", As("attn.q_norm")),
+    ("attn.norm_k", As("attn.k_norm")),
+    ("attn.to_out.0", As("attn.out_proj")),
+    ("ff.net.0.proj", Swapped("mlp.fc1")),
+    ("ff.net.2", As("mlp.fc2")),
+    ("adaln_proj.linear", As("adaln_proj.linear")),
+    ("norm1", As("norm1")),
+    ("norm2", As("norm2")),
+];
+
+const MINIMAX_H3: Layout = Layout {
+    lists: &[
+        ("transformer_blocks", "blocks", MINIMAX_H3_BLOCK),
+        (
+            "token_refiner.refiner_blocks",
+            "token_refiner.blocks",
+            MINIMAX_H3_BLOCK,
+        ),
+    ],
+    top: &[
+        ("proj_in", As("video_patch_proj")),
+        ("audio_proj_in", As("audio_patch_proj")),
+        ("context_embedder", As("condition_proj")),
+        ("time_embedder.linear_1", As("time_embedder.proj_in")),
+        ("time_embedder.linear_2", As("time_embedder.proj_out")),
+        ("token_refiner.final_norm", As("token_refiner.final_norm")),
+        ("norm_out.norm", As("final_layer.norm")),
+        ("norm_out.linear", As("final_layer.adaln_proj.linear")),
+        ("proj_out", As("final_layer.video_out")),
+        ("audio_proj_out", As("final_layer.audio_out")),
     ],
 };
 
