@@ -1,5 +1,5 @@
 //! LoRAs in the layouts the community shares for the families beyond Wan, as diffusers'
-//! `load_lora_weights` reads them: FLUX.1's kohya (sd-scripts) and ComfyUI files, whose fused `qkv` and
+//! `load_lora_weights` reads them: FLUX.1's kohya (sd-scripts), ComfyUI and XLabs files, whose fused `qkv` and
 //! single-block `linear1` modules are split into q, k, v (and the MLP's input) and whose modules
 //! outside the blocks diffusers' conversion leaves out; HunyuanVideo's original module names
 //! with PEFT halves, outside modules mapped and the output norm's modulation swapped in both
@@ -44,7 +44,7 @@ fn community_loras_make_what_diffusers_makes_of_them() {
             "{name}: the LoRA moves frames {moved:.2e}"
         );
     }
-    assert_eq!(cases.len(), 8);
+    assert_eq!(cases.len(), 10);
 }
 
 /// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout

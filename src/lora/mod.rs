@@ -80,6 +80,9 @@ pub enum Layout {
     /// (HunyuanVideo's, told by `img_attn_qkv` as diffusers tells it; LTX-Video's, diffusers'
     /// names under `diffusion_model.`).
     OriginalPeft,
+    /// `double_blocks.N.processor.qkv_lora1.down.weight`, `.up.weight` (XLabs' FLUX.1 LoRAs, told
+    /// by `processor` as diffusers tells them; no alpha).
+    XLabs,
 }
 
 impl Layout {
@@ -89,6 +92,7 @@ impl Layout {
             Layout::ComfyUi => "ComfyUI/original",
             Layout::Musubi => "kohya/musubi",
             Layout::OriginalPeft => "original/PEFT",
+            Layout::XLabs => "XLabs",
         }
     }
 }
@@ -238,7 +242,10 @@ impl Scanned {
             Some(Model::LtxVideo) => shapes.keys().any(|k| k.starts_with("diffusion_model.")),
             _ => false,
         };
-        let layout = if original_peft {
+        let xlabs = original == Some(Model::Flux) && shapes.keys().any(|k| k.contains("processor"));
+        let layout = if xlabs {
+            Layout::XLabs
+        } else if original_peft {
             Layout::OriginalPeft
         } else if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
             Layout::ComfyUi
@@ -256,7 +263,7 @@ impl Scanned {
         };
         let maps = matches!(
             (layout, original),
-            (Layout::Diffusers | Layout::OriginalPeft, _)
+            (Layout::Diffusers | Layout::OriginalPeft | Layout::XLabs, _)
                 | (
                     Layout::ComfyUi | Layout::Musubi,
                     Some(Model::Wan | Model::Flux)
@@ -314,6 +321,7 @@ impl Scanned {
                 }
                 (Layout::OriginalPeft, Some(model)) => model.original_targets(module),
                 (Layout::OriginalPeft, None) => None,
+                (Layout::XLabs, _) => xlabs_targets(module),
                 (Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
                 (Layout::Musubi, _) => {
                     whole(musubi_to_original(module).and_then(|m| original_to_diffusers(&m)))
@@ -539,6 +547,8 @@ fn suffix(layout: Layout, part: Part) -> &'static str {
     match (layout, part) {
         (Layout::Diffusers | Layout::OriginalPeft, Part::Down) => ".lora_A.weight",
         (Layout::Diffusers | Layout::OriginalPeft, Part::Up) => ".lora_B.weight",
+        (Layout::XLabs, Part::Down) => ".down.weight",
+        (Layout::XLabs, Part::Up) => ".up.weight",
         (_, Part::Down) => ".lora_down.weight",
         (_, Part::Up) => ".lora_up.weight",
         (_, Part::Alpha) => ".alpha",
@@ -554,12 +564,16 @@ fn prefixes(layout: Layout) -> &'static [&'static str] {
         Layout::ComfyUi => &["diffusion_model."],
         Layout::Musubi => &["lora_unet_"],
         Layout::OriginalPeft => &["diffusion_model.", "transformer."],
+        Layout::XLabs => &["diffusion_model."],
     }
 }
 
 /// A key as (module, part), prefix removed.
 fn split_key(key: &str, layout: Layout) -> Option<(&str, Part)> {
-    let peft = matches!(layout, Layout::Diffusers | Layout::OriginalPeft);
+    let peft = matches!(
+        layout,
+        Layout::Diffusers | Layout::OriginalPeft | Layout::XLabs
+    );
     let rest = prefixes(layout)
         .iter()
         .find_map(|p| key.strip_prefix(p))
@@ -623,6 +637,46 @@ fn peft_alphas(path: &Path) -> Result<impl Fn(&str) -> Option<f64>> {
             .or(alpha.as_ref())
             .and_then(|v| v.as_f64())
     })
+}
+
+/// The FLUX.1 modules an XLabs LoRA module changes and the piece of its up matrix each takes, as
+/// diffusers' `_convert_xlabs_flux_lora_to_diffusers` maps them: a double block's `qkv_lora1` /
+/// `qkv_lora2` (image / text q, k, v) and `proj_lora1` / `proj_lora2`, a single block's
+/// `qkv_lora` and `proj_lora` (its `proj_out`).
+fn xlabs_targets(module: &str) -> Option<Vec<(String, Piece)>> {
+    let (blocks, rest) = module.split_once('.')?;
+    let (n, processor) = rest.split_once(".processor.")?;
+    n.parse::<usize>().ok()?;
+    let whole = |m: String| Some(vec![(m, Piece::Whole)]);
+    let thirds = |m: [String; 3]| {
+        Some(
+            m.into_iter()
+                .zip(0..)
+                .map(|(m, i)| (m, Piece::Third(i)))
+                .collect(),
+        )
+    };
+    match (blocks, processor) {
+        ("double_blocks", p) => {
+            let at = |l: &str| format!("transformer_blocks.{n}.attn.{l}");
+            match p {
+                "qkv_lora1" => thirds([at("to_q"), at("to_k"), at("to_v")]),
+                "qkv_lora2" => thirds([at("add_q_proj"), at("add_k_proj"), at("add_v_proj")]),
+                "proj_lora1" => whole(at("to_out.0")),
+                "proj_lora2" => whole(at("to_add_out")),
+                _ => None,
+            }
+        }
+        ("single_blocks", p) => {
+            let at = |l: &str| format!("single_transformer_blocks.{n}.{l}");
+            match p {
+                "qkv_lora" => thirds([at("attn.to_q"), at("attn.to_k"), at("attn.to_v")]),
+                "proj_lora" => whole(at("proj_out")),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
 }
 
 /// A musubi module name (`blocks_0_self_attn_q`) as the original one (`blocks.0.self_attn.q`).
