@@ -104,7 +104,7 @@ struct View<'a> {
 }
 
 /// Which part of a stored tensor a weight is, in a file that fuses or reorders what diffusers
-/// keeps apart (FLUX.1's original layout).
+/// keeps apart (the original layouts of [`original`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Part {
     /// The stored tensor as it is.
