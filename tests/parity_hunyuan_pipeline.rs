@@ -102,7 +102,7 @@ fn guidance_distilled_run_matches_diffusers() {
 
     // true_cfg_scale 1: one forward per step, no negative pass.
     assert!(!uses_true_cfg(1.0, true));
-    let mut euler = sampler(&scfg, STEPS, None).unwrap();
+    let mut euler = sampler(&scfg, STEPS, None, None).unwrap();
     let mut latents = r["latents_init"].clone();
     for i in 0..STEPS {
         let t = Tensor::new(&[euler.timesteps()[i] as f32], &Device::Cpu).unwrap();
@@ -164,7 +164,7 @@ fn true_cfg_run_matches_diffusers() {
     let guidance = guidance_input(GUIDANCE_SCALE, 1, DType::F32, &Device::Cpu).unwrap();
     check("truecfg4.guidance", &guidance, &r["truecfg4.guidance"]);
     assert!(uses_true_cfg(4.0, true));
-    let mut euler = sampler(&scfg, STEPS, None).unwrap();
+    let mut euler = sampler(&scfg, STEPS, None, None).unwrap();
     let mut latents = r["latents_init"].clone();
     for i in 0..STEPS {
         let t = Tensor::new(&[euler.timesteps()[i] as f32], &Device::Cpu).unwrap();

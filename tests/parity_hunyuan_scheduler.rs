@@ -49,7 +49,7 @@ fn schedules_match_diffusers() {
 #[test]
 fn euler_loop_matches_diffusers() {
     let r = common::named_reference(FIXTURE, "scheduler");
-    let mut euler = sampler(&config(), 4, None).unwrap();
+    let mut euler = sampler(&config(), 4, None, None).unwrap();
     let mut sample = r["loop4.sample_0"].clone();
     for i in 0..4 {
         sample = euler
@@ -93,7 +93,7 @@ fn guidance_inputs_match_the_pipeline() {
     let cond = &r["truecfg4.step0.noise_pred_cond"];
     let uncond = &r["truecfg4.step0.noise_pred_uncond"];
     let noise = vidgen::models::guidance::guide(uncond, cond, 4.0).unwrap();
-    let mut euler = sampler(&config(), 3, None).unwrap();
+    let mut euler = sampler(&config(), 3, None, None).unwrap();
     let t0 = euler.timesteps()[0] as f32;
     assert_eq!(
         t0,

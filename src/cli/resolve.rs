@@ -2,7 +2,7 @@
 
 use super::args::{
     ComputeDevice, DTypeChoice, GenerateArgs, GenerateOptions, MemoryModelChoice, OffloadType,
-    SchedulerKind, Tristate,
+    Tristate,
 };
 use crate::config::files::same_file;
 use crate::config::video::{check_flags, FrameRule, VideoSettings};
@@ -165,8 +165,8 @@ fn echo(o: &GenerateOptions) -> Echo {
 }
 
 /// The number of steps `--sigmas` gives (one sigma per step), once the sigmas are checked to
-/// be a schedule: the Euler sampler's, each in (0, 1], falling step by step, as many as
-/// `--num-inference-steps` where that is given too.
+/// be a schedule: each in (0, 1], falling step by step, as many as `--num-inference-steps`
+/// where that is given too (the family checks that its sampler takes them).
 fn sigma_steps(
     o: &GenerateOptions,
     given: &std::collections::BTreeSet<String>,
@@ -174,12 +174,6 @@ fn sigma_steps(
     let Some(sigmas) = &o.sigmas else {
         return Ok(None);
     };
-    if o.scheduler != SchedulerKind::Euler {
-        return Err(UsageError::new(format!(
-            "--sigmas sets the schedule of the flow-matching Euler sampler (diffusers' FlowMatchEulerDiscreteScheduler), not of --scheduler {}; add --scheduler euler",
-            o.scheduler.name()
-        )));
-    }
     if sigmas.is_empty() {
         return Err(UsageError::new(
             "--sigmas is empty; give one sigma per step, e.g. 1,0.75,0.5,0.25",

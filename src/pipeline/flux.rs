@@ -10,7 +10,7 @@ use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, GuidanceScale, Lora, Pab, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
+    Cache, GuidanceScale, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -166,6 +166,7 @@ impl Family for FluxConfigs {
             "FLUX.1 text-to-image",
             &[
                 TrueCfgScale,
+                Sigmas,
                 VaeTiling,
                 Lora,
                 StorageDtype,
@@ -352,11 +353,18 @@ impl Flux {
         let true_cfg_scale = stages::true_cfg(frame, job);
         let mut latents = self.initial_latents(frame, job)?;
         let tokens = latents.dim(1)?;
-        let mut scheduler = FlowMatchEuler::for_sequence_length(
-            &self.configs.scheduler,
-            job.num_inference_steps as usize,
-            tokens,
-        )?;
+        let cfg = &self.configs.scheduler;
+        let mut scheduler = match &frame.config.generation().sigmas {
+            // `set_timesteps(sigmas=..., mu=...)`: the pipeline's shift of its own sigmas.
+            Some(sigmas) => FlowMatchEuler::with_sigmas(
+                cfg,
+                sigmas,
+                cfg.use_dynamic_shifting.then(|| cfg.mu(tokens)),
+            )?,
+            None => {
+                FlowMatchEuler::for_sequence_length(cfg, job.num_inference_steps as usize, tokens)?
+            }
+        };
         let (h, w) = self.configs.latent_size(job.height, job.width);
         let ids = Ids {
             text: Tensor::zeros((cond.embeds.dim(1)?, 3), DType::F32, device)?,

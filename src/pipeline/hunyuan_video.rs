@@ -10,7 +10,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, Lora, Pab, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
+    Cache, FlowShift, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -181,6 +181,7 @@ impl Family for HunyuanConfigs {
                 &[
                     TrueCfgScale,
                     FlowShift,
+                    Sigmas,
                     VaeTiling,
                     Lora,
                     StorageDtype,
@@ -409,12 +410,14 @@ impl HunyuanVideo {
         denoise.finish_with(job, &latents)
     }
 
-    /// The flow-match Euler sampler of `job`'s steps.
+    /// The flow-match Euler sampler of `job`'s steps (over `--sigmas` where given).
     fn sampler(&self, frame: &Frame, job: &Job) -> Result<FlowMatchEuler> {
+        let g = frame.config.generation();
         sampler(
             &self.configs.scheduler,
             job.num_inference_steps as usize,
-            frame.config.generation().flow_shift,
+            g.flow_shift,
+            g.sigmas.as_deref(),
         )
     }
 

@@ -224,7 +224,7 @@ impl FamilyOption {
                 "it shifts a flow-matching schedule, and this model's schedule comes from its own configs"
             }
             FamilyOption::Sigmas => {
-                "vidgen runs the few-step recipes' custom sigmas on the Wan family's schedule so far"
+                "it sets the flow-matching schedule's sigmas, which this model's diffusers pipeline takes none of (the Wan family's, FLUX.1's and HunyuanVideo's take them)"
             }
             FamilyOption::DecodeTimestep | FamilyOption::DecodeNoiseScale => {
                 "it conditions LTX-Video's timestep-aware VAE decoder"
@@ -647,6 +647,17 @@ pub fn refusal(family: &dyn Family, config: &ResolvedConfig) -> Option<String> {
         );
     }
     let scheduler = config.generation().scheduler;
+    // A family with a choice of samplers takes `--sigmas` on its flow-matching Euler one (one
+    // without samples with its own, which takes them).
+    if config.generation().sigmas.is_some()
+        && !schedulers.is_empty()
+        && scheduler != SchedulerKind::Euler
+    {
+        return Some(format!(
+            "--sigmas sets the schedule of the flow-matching Euler sampler (diffusers' FlowMatchEulerDiscreteScheduler), not of --scheduler {}; add --scheduler euler",
+            scheduler.name()
+        ));
+    }
     if config.given("scheduler") && !schedulers.contains(&scheduler) {
         let runs = match schedulers {
             [] => "its own scheduler".to_string(),

@@ -24,6 +24,23 @@ pub fn schedule(
     num_steps: usize,
     shift: Option<f64>,
 ) -> anyhow::Result<(Vec<f64>, Vec<f32>)> {
+    if num_steps == 0 {
+        bail!("the number of inference steps must be at least 1");
+    }
+    // np.linspace(1.0, 0.0, N + 1)[:-1] in f64.
+    let step = -1.0 / num_steps as f64;
+    let sigmas: Vec<f64> = (0..num_steps).map(|i| i as f64 * step + 1.0).collect();
+    schedule_of(cfg, &sigmas, shift)
+}
+
+/// The schedule of `sigmas` (the pipeline's own, or those its `sigmas=` argument gives):
+/// `.astype(float32)`, shifted once statically in float32; timesteps and the sigmas with a
+/// final 0. `shift` overrides the config's.
+pub fn schedule_of(
+    cfg: &FlowMatchEulerConfig,
+    sigmas: &[f64],
+    shift: Option<f64>,
+) -> anyhow::Result<(Vec<f64>, Vec<f32>)> {
     cfg.validate()?;
     // The pipeline shifts its own sigmas once, statically.
     if cfg.use_dynamic_shifting {
@@ -32,20 +49,19 @@ pub fn schedule(
     if cfg.shift_terminal.is_some_and(|s| s != 0.0) {
         bail!("scheduler config: shift_terminal is not supported by HunyuanVideo's schedule");
     }
-    if num_steps == 0 {
+    if sigmas.is_empty() {
         bail!("the number of inference steps must be at least 1");
     }
     let shift = shift.unwrap_or(cfg.shift);
     if !(shift.is_finite() && shift > 0.0) {
         bail!("flow shift must be a positive number, got {shift}");
     }
-    // np.linspace(1.0, 0.0, N + 1)[:-1] in f64, then .astype(float32); the shift runs in f32
-    // (numpy keeps float32 arrays float32 against Python floats).
+    // numpy keeps float32 arrays float32 against Python floats.
     let (shift, shift_m1) = (shift as f32, (shift - 1.0) as f32);
-    let step = -1.0 / num_steps as f64;
-    let mut sigmas: Vec<f32> = (0..num_steps)
-        .map(|i| {
-            let s = (i as f64 * step + 1.0) as f32;
+    let mut sigmas: Vec<f32> = sigmas
+        .iter()
+        .map(|&s| {
+            let s = s as f32;
             (shift * s) / (1.0 + shift_m1 * s)
         })
         .collect();
@@ -55,13 +71,17 @@ pub fn schedule(
     Ok((timesteps, sigmas))
 }
 
-/// The Euler sampler over [`schedule`].
+/// The Euler sampler over [`schedule`], or over [`schedule_of`] the given `sigmas`.
 pub fn sampler(
     cfg: &FlowMatchEulerConfig,
     num_steps: usize,
     shift: Option<f64>,
+    sigmas: Option<&[f64]>,
 ) -> anyhow::Result<FlowMatchEuler> {
-    let (timesteps, sigmas) = schedule(cfg, num_steps, shift)?;
+    let (timesteps, sigmas) = match sigmas {
+        Some(sigmas) => schedule_of(cfg, sigmas, shift)?,
+        None => schedule(cfg, num_steps, shift)?,
+    };
     FlowMatchEuler::with_schedule(timesteps, sigmas)
 }
 
