@@ -620,11 +620,7 @@ impl WeightSet {
         match &self.cast {
             Some(cast) if self.rounds(name) => Some(Packed::Fp8(cast.dtype)),
             _ if self.fp8_scale(name).is_some() => self.scaled_fp8(name),
-            _ => self
-                .view(name)
-                .filter(|v| !v.swapped)?
-                .blocks
-                .map(Packed::Gguf),
+            _ => self.view(name)?.blocks.map(Packed::Gguf),
         }
     }
 
@@ -668,13 +664,22 @@ impl WeightSet {
         }
         match packed {
             Packed::Gguf(_) => {
-                let bytes = self.mapped_packed(name, packed).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("{name} is not stored as {packed:?}"))
-                })?;
-                dst.par_chunks_mut(COPY_CHUNK)
-                    .zip(bytes.par_chunks(COPY_CHUNK))
-                    .for_each(|(d, s)| d.copy_from_slice(s));
-                self.report(bytes.len());
+                let view = self
+                    .view(name)
+                    .filter(|v| Some(packed) == v.blocks.map(Packed::Gguf))
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!("{name} is not stored as {packed:?}"))
+                    })?;
+                // A swapped tensor's halves change places: whole rows of blocks each.
+                let half = if view.swapped { view.data.len() / 2 } else { 0 };
+                let (head, tail) = view.data.split_at(half);
+                let (front, back) = dst.split_at_mut(tail.len());
+                for (d, s) in [(front, tail), (back, head)] {
+                    d.par_chunks_mut(COPY_CHUNK)
+                        .zip(s.par_chunks(COPY_CHUNK))
+                        .for_each(|(d, s)| d.copy_from_slice(s));
+                }
+                self.report(view.data.len());
             }
             Packed::ScaledFp8 { scales } => {
                 let (Source::Mapped(files, _), Some(scale), Some(view)) =
@@ -1411,6 +1416,58 @@ mod tests {
     /// A scaled fp8 weight is held as its scales in f32 and its fp8 bytes (about half of its
     /// bf16 bytes: one byte a value) and expands, on the host, to the bits it is read as
     /// (`W8 as f32 · scale`, then the run dtype): ComfyUI's one scale and LightX2V's per row.
+    #[test]
+    fn original_layout_gguf_weights_are_held_quantized_and_expand_as_read() -> anyhow::Result<()> {
+        // Every weight of the original-layout GGUF fixtures held in a block quantization (a
+        // fused matrix's rows cut, a swapped one's halves moved) expands to the values read.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/original-layouts");
+        let (mut cut, mut swapped) = (0, 0);
+        for file in std::fs::read_dir(&dir)? {
+            let path = file?.path();
+            if path.extension().is_none_or(|e| e != "gguf") {
+                continue;
+            }
+            let weights = WeightSet::open(&Weights::Files(vec![path.clone()]))?;
+            let folder = path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .replace("-Q8_0.gguf", "");
+            let reference = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures")
+                .join(&folder)
+                .join("transformer/diffusion_pytorch_model.safetensors");
+            let names = WeightSet::open(&Weights::Files(vec![reference]))?.names();
+            for name in &names {
+                let Some(form) = weights.packed(name, DType::F32) else {
+                    continue;
+                };
+                let (_, _, part) = weights.located(name).expect("stored");
+                match part {
+                    Part::Rows(_) => cut += 1,
+                    Part::SwappedHalves => swapped += 1,
+                    Part::Whole => {}
+                }
+                let shape = Shape::from(weights.stored_shape(name).expect("stored"));
+                let bytes = weights.packed_bytes(name, &shape, DType::F32, form)?;
+                let got = form.expand(&Tensor::new(&*bytes, &Device::Cpu)?, &shape, DType::F32)?;
+                let want = weights
+                    .var_builder(DType::F32, &Device::Cpu)
+                    .get(&shape, name)?;
+                let diff = (got - want)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{folder}: {name}");
+            }
+        }
+        // FLUX.1's, HunyuanVideo's and Mochi-1's fused q, k, v; Mochi-1's swapped SwiGLU inputs.
+        assert!(cut >= 20 && swapped >= 2, "{cut} cut, {swapped} swapped");
+        Ok(())
+    }
+
     #[test]
     fn scaled_fp8_weights_are_held_as_stored_and_expand_as_read() -> anyhow::Result<()> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/weights-a");
