@@ -10,39 +10,18 @@
 mod common;
 
 use candle_core::Device;
-use common::{
-    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, scratch_dir,
-};
-
-const ATOL: f64 = 1e-4;
-const RTOL: f64 = 1e-4;
+use common::{check_reference_frames, named_fixture_dir, references, scratch_dir};
 
 #[test]
 fn community_loras_make_what_diffusers_makes_of_them() {
+    let (readme, refs) = references("lora-families", "reference.safetensors");
     let dir = named_fixture_dir("lora-families");
-    let readme: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
-    let refs =
-        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
     let cases = readme["cli_cases"].as_array().unwrap();
     for case in cases {
-        let name = case["name"].as_str().unwrap();
-        let fixture = case["fixture"].as_str().unwrap();
-        let out = scratch_dir("lora-families", name);
         let lora = dir.join(case["lora"].as_str().unwrap());
         let spec = format!("{}:{}", lora.display(), case["scale"].as_f64().unwrap());
         let extra = ["--lora".to_string(), spec];
-        let frames = run_reference_case(case, fixture, &extra, &out)["frames"].clone();
-        let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
-        assert_close(name, &frames, &want, ATOL, RTOL);
-        let plain = named_reference(fixture, "pipeline")[case["no_lora_frames"].as_str().unwrap()]
-            .squeeze(0)
-            .unwrap();
-        let moved = max_abs_diff(&want, &plain);
-        assert!(
-            moved > 10.0 * ATOL,
-            "{name}: the LoRA moves frames {moved:.2e}"
-        );
+        check_reference_frames(case, &refs, &extra, ("lora-families", "no_lora_frames"));
     }
     assert_eq!(cases.len(), 10);
 }

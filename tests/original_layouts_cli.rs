@@ -10,9 +10,9 @@
 
 mod common;
 
-use candle_core::Device;
 use common::{
-    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, scratch_dir,
+    assert_close, max_abs_diff, named_fixture_dir, named_reference, references, run_reference_case,
+    scratch_dir,
 };
 
 const ATOL: f64 = 1e-4;
@@ -21,10 +21,7 @@ const RTOL: f64 = 1e-4;
 #[test]
 fn original_layout_files_make_what_diffusers_makes_of_them() {
     let dir = named_fixture_dir("original-layouts");
-    let readme: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
-    let refs =
-        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let (readme, refs) = references("original-layouts", "reference.safetensors");
     let cases = readme["cases"].as_array().unwrap();
     let mut fixtures = std::collections::BTreeSet::new();
     // MiniMax H3's files (no diffusers pipeline to make frames of them) are run by its own

@@ -6,38 +6,14 @@
 
 mod common;
 
-use candle_core::Device;
-use common::{
-    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, scratch_dir,
-};
-
-const ATOL: f64 = 1e-4;
-const RTOL: f64 = 1e-4;
+use common::{check_reference_frames, references, scratch_dir};
 
 #[test]
 fn custom_sigmas_make_what_diffusers_makes_of_them() {
-    let dir = named_fixture_dir("sigmas-families");
-    let readme: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
-    let refs =
-        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let (readme, refs) = references("sigmas-families", "reference.safetensors");
     let cases = readme["cli_cases"].as_array().unwrap();
     for case in cases {
-        let name = case["name"].as_str().unwrap();
-        let fixture = case["fixture"].as_str().unwrap();
-        let out = scratch_dir("sigmas-families", name);
-        let frames = run_reference_case(case, fixture, &[], &out)["frames"].clone();
-        let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
-        assert_close(name, &frames, &want, ATOL, RTOL);
-        let default = named_reference(fixture, "pipeline")
-            [case["default_frames"].as_str().unwrap()]
-        .squeeze(0)
-        .unwrap();
-        let moved = max_abs_diff(&want, &default);
-        assert!(
-            moved > 10.0 * ATOL,
-            "{name}: the sigmas move frames {moved:.2e}"
-        );
+        check_reference_frames(case, &refs, &[], ("sigmas-families", "default_frames"));
     }
     assert_eq!(cases.len(), 2);
     let out = scratch_dir("sigmas-families", "refused");

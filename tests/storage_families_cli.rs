@@ -7,38 +7,15 @@
 
 mod common;
 
-use candle_core::Device;
-use common::{
-    assert_close, max_abs_diff, named_fixture_dir, named_reference, run_reference_case, run_vidgen,
-    scratch_dir,
-};
-
-const ATOL: f64 = 1e-4;
-const RTOL: f64 = 1e-4;
+use common::{check_reference_frames, references, run_vidgen, scratch_dir};
 
 #[test]
 fn fp8_storage_computes_what_diffusers_layerwise_casting_does_in_every_family() {
-    let dir = named_fixture_dir("storage-families");
-    let readme: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
-    let refs =
-        candle_core::safetensors::load(dir.join("storage.safetensors"), &Device::Cpu).unwrap();
+    let (readme, refs) = references("storage-families", "storage.safetensors");
     let mut fixtures = std::collections::BTreeSet::new();
     for case in readme["cli_cases"].as_array().unwrap() {
-        let name = case["name"].as_str().unwrap();
-        let fixture = case["fixture"].as_str().unwrap();
-        let out = scratch_dir("storage-families", name);
-        let frames = run_reference_case(case, fixture, &[], &out)["frames"].clone();
-        let pipeline = named_reference(fixture, "pipeline");
-        let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
-        assert_close(name, &frames, &want, ATOL, RTOL);
-        // The rounding moves the frames: a run that reads the weights unrounded fails above.
-        let float32 = pipeline[case["float32_frames"].as_str().unwrap()]
-            .squeeze(0)
-            .unwrap();
-        let moved = max_abs_diff(&want, &float32);
-        assert!(moved > 10.0 * ATOL, "{name}: fp8 moves frames {moved:.2e}");
-        fixtures.insert(fixture.to_string());
+        check_reference_frames(case, &refs, &[], ("storage-families", "float32_frames"));
+        fixtures.insert(case["fixture"].as_str().unwrap().to_string());
     }
     assert_eq!(fixtures.len(), 7, "{fixtures:?}");
 }

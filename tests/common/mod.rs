@@ -335,3 +335,34 @@ pub fn run_reference_case(
     args.extend_from_slice(extra);
     generate_outputs(&args, &draws, dir).unwrap_or_else(|stderr| panic!("{case}: {stderr}"))
 }
+
+/// A references folder's `README.json` and its reference tensors file `file`.
+pub fn references(name: &str, file: &str) -> (serde_json::Value, HashMap<String, Tensor>) {
+    let dir = named_fixture_dir(name);
+    let readme = serde_json::from_slice(&std::fs::read(dir.join("README.json")).unwrap()).unwrap();
+    let refs = candle_core::safetensors::load(dir.join(file), &Device::Cpu).unwrap();
+    (readme, refs)
+}
+
+/// Runs `case` ([`run_reference_case`] with `extra`, in a scratch folder of `suite`) and checks
+/// its frames against `refs[case.frames]` (1e-4 + 1e-4|ref|), and that those differ from the
+/// fixture's own reference frames `case[baseline]` (by more than 1e-3: a run that ignored what
+/// the case changes fails).
+pub fn check_reference_frames(
+    case: &serde_json::Value,
+    refs: &HashMap<String, Tensor>,
+    extra: &[String],
+    (suite, baseline): (&str, &str),
+) {
+    let name = case["name"].as_str().unwrap();
+    let fixture = case["fixture"].as_str().unwrap();
+    let out = scratch_dir(suite, name);
+    let frames = run_reference_case(case, fixture, extra, &out)["frames"].clone();
+    let want = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
+    assert_close(name, &frames, &want, 1e-4, 1e-4);
+    let plain = named_reference(fixture, "pipeline")[case[baseline].as_str().unwrap()]
+        .squeeze(0)
+        .unwrap();
+    let moved = max_abs_diff(&want, &plain);
+    assert!(moved > 1e-3, "{name}: the case moves frames {moved:.2e}");
+}
