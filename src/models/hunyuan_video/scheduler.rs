@@ -1,10 +1,9 @@
 //! The sampling schedule and guidance inputs of `HunyuanVideoPipeline` (diffusers 0.42.1).
 //!
-//! The pipeline passes its own sigmas, `linspace(1, 0, N + 1)[:-1]`, to
-//! `FlowMatchEulerDiscreteScheduler.set_timesteps`, which shifts them once with the static
-//! `shift` (7 for the published model) in float32: `σ' = shift·σ / (1 + (shift − 1)·σ)`;
-//! timesteps are `σ'·1000` and a final sigma 0 is appended. The step itself is the shared
-//! flow-matching Euler step ([`crate::schedulers::euler::FlowMatchEuler`]).
+//! The pipeline passes its own sigmas, `linspace(1, 0, N + 1)[:-1]` (or its `sigmas=`
+//! argument), to `FlowMatchEulerDiscreteScheduler.set_timesteps`, which shifts them once with the
+//! static `shift` (7 for the published model) in float32: the shared flow-matching Euler
+//! schedule and step ([`crate::schedulers::euler::FlowMatchEuler::with_sigmas`]).
 //!
 //! The model is guidance-distilled: `guidance_scale` is not classifier-free guidance but an
 //! input, `guidance_scale · 1000` in the transformer dtype. Real CFG (`true_cfg_scale`) runs a
@@ -16,6 +15,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use crate::schedulers::euler::FlowMatchEuler;
 pub use crate::schedulers::euler::FlowMatchEulerConfig;
+use crate::schedulers::Scheduler;
 
 /// The pipeline's schedule for `num_steps` steps: timesteps (f32 values) and `num_steps + 1`
 /// sigmas ending in 0. `shift` overrides the config's.
@@ -24,65 +24,44 @@ pub fn schedule(
     num_steps: usize,
     shift: Option<f64>,
 ) -> anyhow::Result<(Vec<f64>, Vec<f32>)> {
-    if num_steps == 0 {
-        bail!("the number of inference steps must be at least 1");
-    }
-    // np.linspace(1.0, 0.0, N + 1)[:-1] in f64.
-    let step = -1.0 / num_steps as f64;
-    let sigmas: Vec<f64> = (0..num_steps).map(|i| i as f64 * step + 1.0).collect();
-    schedule_of(cfg, &sigmas, shift)
+    let euler = sampler(cfg, num_steps, shift, None)?;
+    Ok((euler.timesteps().to_vec(), euler.sigmas().to_vec()))
 }
 
-/// The schedule of `sigmas` (the pipeline's own, or those its `sigmas=` argument gives):
-/// `.astype(float32)`, shifted once statically in float32; timesteps and the sigmas with a
-/// final 0. `shift` overrides the config's.
-pub fn schedule_of(
-    cfg: &FlowMatchEulerConfig,
-    sigmas: &[f64],
-    shift: Option<f64>,
-) -> anyhow::Result<(Vec<f64>, Vec<f32>)> {
-    cfg.validate()?;
-    // The pipeline shifts its own sigmas once, statically.
-    if cfg.use_dynamic_shifting {
-        bail!("scheduler config: use_dynamic_shifting = true is not supported by HunyuanVideo's schedule");
-    }
-    if cfg.shift_terminal.is_some_and(|s| s != 0.0) {
-        bail!("scheduler config: shift_terminal is not supported by HunyuanVideo's schedule");
-    }
-    if sigmas.is_empty() {
-        bail!("the number of inference steps must be at least 1");
-    }
-    let shift = shift.unwrap_or(cfg.shift);
-    if !(shift.is_finite() && shift > 0.0) {
-        bail!("flow shift must be a positive number, got {shift}");
-    }
-    // numpy keeps float32 arrays float32 against Python floats.
-    let (shift, shift_m1) = (shift as f32, (shift - 1.0) as f32);
-    let mut sigmas: Vec<f32> = sigmas
-        .iter()
-        .map(|&s| {
-            let s = s as f32;
-            (shift * s) / (1.0 + shift_m1 * s)
-        })
-        .collect();
-    let n = cfg.num_train_timesteps as f32;
-    let timesteps = sigmas.iter().map(|&s| f64::from(s * n)).collect();
-    sigmas.push(0.0);
-    Ok((timesteps, sigmas))
-}
-
-/// The Euler sampler over [`schedule`], or over [`schedule_of`] the given `sigmas`.
+/// The Euler sampler of the pipeline's own sigmas for `num_steps` steps,
+/// `np.linspace(1.0, 0.0, N + 1)[:-1]`, or of the `sigmas` its `sigmas=` argument gives: handed
+/// to `set_timesteps(sigmas=...)`, which shifts them once statically (`shift` overrides the
+/// config's).
 pub fn sampler(
     cfg: &FlowMatchEulerConfig,
     num_steps: usize,
     shift: Option<f64>,
     sigmas: Option<&[f64]>,
 ) -> anyhow::Result<FlowMatchEuler> {
-    let (timesteps, sigmas) = match sigmas {
-        Some(sigmas) => schedule_of(cfg, sigmas, shift)?,
-        None => schedule(cfg, num_steps, shift)?,
+    if cfg.use_dynamic_shifting {
+        bail!("scheduler config: use_dynamic_shifting = true is not supported by HunyuanVideo's schedule");
+    }
+    if cfg.shift_terminal.is_some_and(|s| s != 0.0) {
+        bail!("scheduler config: shift_terminal is not supported by HunyuanVideo's schedule");
+    }
+    let shift = shift.unwrap_or(cfg.shift);
+    if !(shift.is_finite() && shift > 0.0) {
+        bail!("flow shift must be a positive number, got {shift}");
+    }
+    let own: Vec<f64>;
+    let sigmas = match sigmas {
+        Some(sigmas) => sigmas,
+        None => {
+            let step = -1.0 / num_steps as f64;
+            own = (0..num_steps).map(|i| i as f64 * step + 1.0).collect();
+            &own
+        }
     };
-    FlowMatchEuler::with_schedule(timesteps, sigmas)
+    let cfg = FlowMatchEulerConfig {
+        shift,
+        ..cfg.clone()
+    };
+    FlowMatchEuler::with_sigmas(&cfg, sigmas, None)
 }
 
 /// The transformer's `guidance` input `[batch]`: `guidance_scale` in `dtype`, times 1000 in
