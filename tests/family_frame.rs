@@ -39,7 +39,7 @@ impl Family for TwoExperts {
             dtype: None,
             deferrable: true,
             storage_cast_skip: &[],
-            original_layout: None,
+            lora: None,
             constructors,
         };
         let dit = || {

@@ -23,7 +23,7 @@ fn community_loras_make_what_diffusers_makes_of_them() {
         let extra = ["--lora".to_string(), spec];
         check_reference_frames(case, &refs, &extra, ("lora-families", "no_lora_frames"));
     }
-    assert_eq!(cases.len(), 10);
+    assert_eq!(cases.len(), 16);
 }
 
 /// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout
@@ -77,4 +77,66 @@ fn left_out_modules_are_named_and_unmapped_layouts_refused() {
     args.extend(["--lora", diff.to_str().unwrap()].map(String::from));
     let line = common::usage_error(&common::run_vidgen(&args), "ComfyUI delta");
     assert!(line.contains("a full delta of a FLUX.1 LoRA"), "{line}");
+}
+
+/// A FLUX.1 file's T5 modules (ComfyUI's `text_encoders.t5xxl.transformer.`) are named as left
+/// out, in one line, as diffusers drops them; text-encoder keys for a model whose diffusers loader
+/// reads none (Wan), and a CLIP key that names no Linear of its encoder layers, are refused in
+/// one line before any work.
+#[test]
+fn text_encoder_keys_are_read_for_flux_alone() {
+    let dir = named_fixture_dir("lora-families");
+    let out = scratch_dir("lora-families", "text-encoder");
+    let dry_run = |fixture: &str, lora: &std::path::Path| {
+        let mut args = common::cpu_prompt_args(fixture);
+        args.extend(
+            [
+                "--lora",
+                lora.to_str().unwrap(),
+                "--dry-run",
+                "--output-path",
+                out.to_str().unwrap(),
+            ]
+            .map(String::from),
+        );
+        common::run_vidgen(&args)
+    };
+    let run = dry_run("flux-tiny-a", &dir.join("flux-comfyui-te.safetensors"));
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let notice: Vec<_> = stderr.lines().filter(|l| l.contains("left out")).collect();
+    assert_eq!(notice.len(), 1, "{stderr}");
+    assert!(
+        notice[0].contains("1 T5 text-encoder modules (encoder.block.0.layer.0.SelfAttention.q)"),
+        "{}",
+        notice[0]
+    );
+    let line = common::usage_error(
+        &dry_run("wan-tiny-a", &dir.join("flux-peft-te.safetensors")),
+        "CLIP keys for Wan",
+    );
+    assert!(
+        line.contains(
+            "a text encoder's module, which diffusers' LoRA loader for this model does not read"
+        ),
+        "{line}"
+    );
+    let stray = out.join("stray.safetensors");
+    let factor =
+        candle_core::Tensor::zeros((4, 24), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let stem = "lora_te1_text_model_embeddings_token_embedding";
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([
+            (format!("{stem}.lora_down.weight"), factor.clone()),
+            (format!("{stem}.lora_up.weight"), factor.t().unwrap()),
+        ]),
+        &stray,
+    )
+    .unwrap();
+    let line = common::usage_error(&dry_run("flux-tiny-a", &stray), "a CLIP embedding");
+    assert!(
+        line.contains("names no Linear of CLIP's encoder layers")
+            && line.contains("kohya/musubi layout"),
+        "{line}"
+    );
 }

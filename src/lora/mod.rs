@@ -1,6 +1,6 @@
-//! LoRA files for a transformer: read in the key formats people share (diffusers/PEFT, ComfyUI or
-//! the original Wan-AI layout, kohya/musubi), as deltas on the transformer's diffusers weight
-//! names. [`crate::weights::WeightSet`] merges them into each weight as it is read (`W + Σ
+//! LoRA files for a transformer (and FLUX.1's CLIP text encoder): read in the key formats people
+//! share (diffusers/PEFT, ComfyUI or the original Wan-AI layout, kohya/musubi), as deltas on the
+//! component's diffusers weight names. [`crate::weights::WeightSet`] merges them into each weight as it is read (`W + Σ
 //! scale · up @ down` in f32, then the run dtype), so a streamed block is merged when its host
 //! copy is made and a LoRA costs no step time.
 
@@ -97,15 +97,28 @@ impl Layout {
     }
 }
 
-/// Every LoRA of one transformer as its files' headers tell it, in the order given: which
+/// The component of a pipeline whose weights a scan of LoRA files changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A transformer, whose weights may also go by an original (non-diffusers) layout that LoRA
+    /// files use too.
+    Transformer(Option<Model>),
+    /// FLUX.1's CLIP text encoder, whose modules diffusers' FLUX.1 loader reads from the same
+    /// files as the transformer's (kohya's `lora_te1_`, ComfyUI's
+    /// `text_encoders.clip_l.transformer.`, PEFT's `text_encoder.`).
+    ClipText,
+}
+
+/// Every LoRA of one component as its files' headers tell it, in the order given: which
 /// weight each file changes, how and with what shape; no values read, so a run checks its LoRAs
 /// before any work and reads them once ([`Self::read`]).
 pub struct Scanned {
     changes: BTreeMap<String, Vec<Change>>,
-    /// Each file's map, layout and the first weight name it changes (for messages).
-    files: Vec<(MmapedSafetensors, PathBuf, Layout, String)>,
-    /// Per file, the modules left out ([`Self::left_out`]).
-    left_out: Vec<(PathBuf, Vec<String>)>,
+    /// Each file's map and layout (for messages).
+    files: Vec<(MmapedSafetensors, PathBuf, Layout)>,
+    /// One line for each file's modules that diffusers leaves out, and so vidgen too
+    /// ([`Self::notices`]).
+    notices: Vec<String>,
 }
 
 /// One file's change of one weight.
@@ -140,12 +153,6 @@ pub struct Loras {
 }
 
 impl Loras {
-    /// Reads every file of `specs`, in order, for a transformer whose original layout is
-    /// `original` ([`Scanned::scan`]).
-    pub fn open(specs: &[LoraSpec], original: Option<Model>) -> Result<Self> {
-        Scanned::scan(specs, original)?.read()
-    }
-
     /// Whether no LoRA was given.
     pub fn is_empty(&self) -> bool {
         self.deltas.is_empty()
@@ -198,30 +205,45 @@ impl Loras {
 }
 
 impl Scanned {
-    /// Reads the headers of every file of `specs` (and alphas, a value each), in order, for a
-    /// transformer whose original layout is `original`: in any layout for a Wan transformer,
-    /// diffusers/PEFT or kohya for FLUX.1's, in the diffusers/PEFT layout for any other model.
-    pub fn scan(specs: &[LoraSpec], original: Option<Model>) -> Result<Self> {
+    /// Reads the headers of every file of `specs` (and alphas, a value each), in order, for the
+    /// component `target`: a transformer's keys in any layout for the Wan family, diffusers/PEFT,
+    /// kohya, ComfyUI or XLabs for FLUX.1, its original names with PEFT halves for HunyuanVideo
+    /// and LTX-Video, diffusers/PEFT for any other model; FLUX.1's CLIP keys in kohya's,
+    /// ComfyUI's or PEFT's layout. A file holding no key of `target` but keys of another
+    /// component the pipeline reads changes nothing here.
+    pub fn scan(specs: &[LoraSpec], target: Target) -> Result<Self> {
         let mut scanned = Scanned {
             changes: BTreeMap::new(),
             files: Vec::new(),
-            left_out: Vec::new(),
+            notices: Vec::new(),
         };
         for spec in specs {
-            scanned.add(spec, original)?;
+            scanned.add(spec, target)?;
         }
         Ok(scanned)
     }
 
-    /// Per file, the modules it holds outside the transformer's blocks that diffusers' kohya
-    /// FLUX.1 conversion leaves out, and so vidgen too.
-    pub fn left_out(&self) -> impl Iterator<Item = (&Path, &[String])> {
-        self.left_out
-            .iter()
-            .map(|(p, m)| (p.as_path(), m.as_slice()))
+    /// One line per file naming the modules it holds that diffusers leaves out, and so vidgen
+    /// too: those outside FLUX.1's blocks in a kohya file, T5's in a ComfyUI one.
+    pub fn notices(&self) -> &[String] {
+        &self.notices
     }
 
-    fn add(&mut self, spec: &LoraSpec, original: Option<Model>) -> Result<()> {
+    /// The same changes named as the component's weights are: a text encoder's weights saved
+    /// without the `text_model.` root (transformers 5 flattens CLIP) take the LoRA's names
+    /// without it, as diffusers drops it then; `holds` tells whether the component has a weight.
+    pub fn rooted(mut self, holds: impl Fn(&str) -> bool) -> Self {
+        self.changes = std::mem::take(&mut self.changes)
+            .into_iter()
+            .map(|(name, changes)| match name.strip_prefix("text_model.") {
+                Some(bare) if !holds(&name) && holds(bare) => (bare.to_string(), changes),
+                _ => (name, changes),
+            })
+            .collect();
+        self
+    }
+
+    fn add(&mut self, spec: &LoraSpec, target: Target) -> Result<()> {
         let path = &spec.path;
         // SAFETY: mapped read-only; vidgen never writes to the files it reads.
         let st = unsafe { MmapedSafetensors::new(path) }
@@ -235,26 +257,31 @@ impl Scanned {
                 (name, (view.shape().to_vec(), dtype))
             })
             .collect();
-        // Told as diffusers' loaders tell them: HunyuanVideo's by `img_attn_qkv`, LTX-Video's by
-        // the prefix.
+        let original = match target {
+            Target::Transformer(original) => original,
+            Target::ClipText => None,
+        };
+        // The transformer's keys' layout, told as diffusers' loaders tell it: HunyuanVideo's by
+        // `img_attn_qkv`, LTX-Video's by the prefix.
+        let dit_keys = || shapes.keys().filter(|k| TextKey::of(k).is_none());
         let original_peft = match original {
-            Some(Model::HunyuanVideo) => shapes.keys().any(|k| k.contains("img_attn_qkv")),
-            Some(Model::LtxVideo) => shapes.keys().any(|k| k.starts_with("diffusion_model.")),
+            Some(Model::HunyuanVideo) => dit_keys().any(|k| k.contains("img_attn_qkv")),
+            Some(Model::LtxVideo) => dit_keys().any(|k| k.starts_with("diffusion_model.")),
             _ => false,
         };
-        let xlabs = original == Some(Model::Flux) && shapes.keys().any(|k| k.contains("processor"));
+        let xlabs = original == Some(Model::Flux) && dit_keys().any(|k| k.contains("processor"));
         let layout = if xlabs {
             Layout::XLabs
         } else if original_peft {
             Layout::OriginalPeft
-        } else if shapes.keys().any(|k| k.starts_with("diffusion_model.")) {
+        } else if dit_keys().any(|k| k.starts_with("diffusion_model.")) {
             Layout::ComfyUi
-        } else if shapes.keys().any(|k| k.starts_with("lora_unet_")) {
+        } else if dit_keys().any(|k| k.starts_with("lora_unet_")) {
             Layout::Musubi
         } else {
             Layout::Diffusers
         };
-        let bad = |key: &str, why: &str| {
+        let bad = |layout: Layout, key: &str, why: &str| {
             anyhow::anyhow!(
                 "--lora {}: {why} ({} layout, key {key})",
                 path.display(),
@@ -269,7 +296,7 @@ impl Scanned {
                     Some(Model::Wan | Model::Flux)
                 )
         );
-        if !maps {
+        if !maps && target != Target::ClipText {
             bail!(
                 "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family and FLUX.1 (and ComfyUI's for HunyuanVideo and LTX-Video) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
                 path.display(),
@@ -277,16 +304,60 @@ impl Scanned {
             );
         }
         let mut left_out = Vec::new();
-        let peft_alpha = peft_alphas(path)?;
+        let mut t5 = Vec::new();
+        // Keys of another component the pipeline reads from the same file.
+        let mut others = 0;
+        let peft_alpha = peft_alphas(
+            path,
+            match target {
+                Target::Transformer(_) => "transformer",
+                Target::ClipText => "text_encoder",
+            },
+        )?;
         let file = self.files.len();
-        let mut first = None;
+        let mut changes_any = false;
         for (key, (dims, dtype)) in &shapes {
-            let Some((module, part)) = split_key(key, layout) else {
-                return Err(bad(
-                    key,
-                    "a key of no LoRA layout vidgen reads; give a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
-                ));
+            let text = TextKey::of(key);
+            let (layout, module, part) = match (target, text) {
+                (Target::ClipText, None) => {
+                    others += 1;
+                    continue;
+                }
+                (_, Some(TextKey::T5 { module, part })) => {
+                    if original == Some(Model::Flux) && part == Part::Down {
+                        t5.push(module.to_string());
+                    }
+                    continue;
+                }
+                (Target::Transformer(Some(Model::Flux)), Some(_)) => {
+                    others += 1;
+                    continue;
+                }
+                (Target::Transformer(_), Some(TextKey::Clip { layout, .. })) => {
+                    return Err(bad(
+                        layout,
+                        key,
+                        "a text encoder's module, which diffusers' LoRA loader for this model does not read (vidgen reads text-encoder LoRAs for FLUX.1's CLIP, as diffusers does)",
+                    ))
+                }
+                (Target::ClipText, Some(TextKey::Clip { layout, module, part })) => {
+                    let module = module.ok_or_else(|| {
+                        bad(layout, key, "it names no Linear of CLIP's encoder layers")
+                    })?;
+                    (layout, module, part)
+                }
+                (Target::Transformer(_), None) => {
+                    let (module, part) = split_key(key, layout).ok_or_else(|| {
+                        bad(
+                            layout,
+                            key,
+                            "a key of no LoRA layout vidgen reads; give a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                        )
+                    })?;
+                    (layout, module.to_string(), part)
+                }
             };
+            let bad = |key: &str, why: &str| bad(layout, key, why);
             if part == Part::Alpha {
                 continue; // read with its module's down half
             }
@@ -305,25 +376,33 @@ impl Scanned {
             if part == Part::Up {
                 continue; // read with its module's down half
             }
+            let module = module.as_str();
             let whole = |m: Option<String>| m.map(|m| vec![(m, Piece::Whole)]);
-            let targets = match (layout, original) {
-                (Layout::Diffusers, _) => whole(Some(module.to_string())),
-                (Layout::Musubi, Some(Model::Flux)) => Model::Flux.kohya_targets(module),
+            let targets = match (target, layout, original) {
+                (Target::ClipText, _, _) if part == Part::Down => whole(Some(module.to_string())),
+                (Target::ClipText, _, _) => {
+                    return Err(bad(
+                        key,
+                        "a full delta of a text encoder's module, which diffusers drops; give its low-rank halves",
+                    ))
+                }
+                (_, Layout::Diffusers, _) => whole(Some(module.to_string())),
+                (_, Layout::Musubi, Some(Model::Flux)) => Model::Flux.kohya_targets(module),
                 // diffusers renames ComfyUI's FLUX.1 modules to kohya's.
-                (Layout::ComfyUi, Some(Model::Flux)) if matches!(part, Part::Down) => {
+                (_, Layout::ComfyUi, Some(Model::Flux)) if matches!(part, Part::Down) => {
                     Model::Flux.kohya_targets(&module.replace('.', "_"))
                 }
-                (Layout::ComfyUi, Some(Model::Flux)) => {
+                (_, Layout::ComfyUi, Some(Model::Flux)) => {
                     return Err(bad(
                         key,
                         "a full delta of a FLUX.1 LoRA, which diffusers' conversion drops; give its low-rank halves",
                     ))
                 }
-                (Layout::OriginalPeft, Some(model)) => model.original_targets(module),
-                (Layout::OriginalPeft, None) => None,
-                (Layout::XLabs, _) => xlabs_targets(module),
-                (Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
-                (Layout::Musubi, _) => {
+                (_, Layout::OriginalPeft, Some(model)) => model.original_targets(module),
+                (_, Layout::OriginalPeft, None) => None,
+                (_, Layout::XLabs, _) => xlabs_targets(module),
+                (_, Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
+                (_, Layout::Musubi, _) => {
                     whole(musubi_to_original(module).and_then(|m| original_to_diffusers(&m)))
                 }
             }
@@ -413,37 +492,54 @@ impl Scanned {
                     }
                     Part::Up | Part::Alpha => unreachable!("skipped above"),
                 };
-                first.get_or_insert_with(|| weight.clone());
+                changes_any = true;
                 self.changes.entry(weight).or_default().push(change);
             }
         }
-        if !left_out.is_empty() {
-            self.left_out.push((path.clone(), left_out));
-        }
-        let Some(first) = first else {
+        let mut notice = |modules: Vec<String>, what: &str, why: &str| {
+            if !modules.is_empty() {
+                self.notices.push(format!(
+                    "--lora {}: {} {what} ({}) left out, as {why}",
+                    path.display(),
+                    modules.len(),
+                    modules.join(", ")
+                ));
+            }
+        };
+        notice(
+            left_out,
+            "modules outside the transformer's blocks",
+            "diffusers' kohya FLUX.1 conversion leaves them out",
+        );
+        notice(
+            t5,
+            "T5 text-encoder modules",
+            "diffusers' FLUX.1 loader drops them",
+        );
+        if !changes_any && others == 0 {
             bail!(
                 "--lora {}: no LoRA weights in it ({} layout)",
                 path.display(),
                 layout.name()
             );
-        };
-        self.files.push((st, path.clone(), layout, first));
+        }
+        self.files.push((st, path.clone(), layout));
         Ok(())
     }
 
-    /// Checks every changed weight against the transformer's weights: it exists (`shape_of`
+    /// Checks every changed weight against the component's weights: it exists (`shape_of`
     /// gives its shape) and the delta has that shape; a file for another model fails here,
     /// before anything loads.
     pub fn check(&self, shape_of: impl Fn(&str) -> Option<Vec<usize>>) -> Result<()> {
         for (name, changes) in &self.changes {
             for change in changes {
                 let file = || {
-                    let (_, path, layout, _) = &self.files[change.file];
+                    let (_, path, layout) = &self.files[change.file];
                     format!("{} ({} layout)", path.display(), layout.name())
                 };
                 let Some(shape) = shape_of(name) else {
                     bail!(
-                        "--lora {}: {name} is not a weight of this transformer: a LoRA for another model?",
+                        "--lora {}: {name} is not a weight of this model: a LoRA for another model?",
                         file()
                     );
                 };
@@ -597,9 +693,11 @@ fn key_of(key: &str, layout: Layout, part: Part) -> String {
     format!("{stem}{}", suffix(layout, part))
 }
 
-/// The PEFT scaling alpha of each module of a diffusers file with `lora_adapter_metadata`
-/// (`lora_alpha`, `alpha_pattern`); `None` for a file without it (alpha folded: scale 1).
-fn peft_alphas(path: &Path) -> Result<impl Fn(&str) -> Option<f64>> {
+/// The PEFT scaling alpha of each module of `component` (`transformer`, `text_encoder`) in a
+/// diffusers file with `lora_adapter_metadata` (`lora_alpha`, `alpha_pattern`, under the
+/// component's prefix or, in a file of one component, bare); `None` for a file without it (alpha
+/// folded: scale 1).
+fn peft_alphas(path: &Path, component: &str) -> Result<impl Fn(&str) -> Option<f64>> {
     // The header alone (8 bytes of length, then JSON), not the whole file again.
     let header = || -> std::io::Result<serde_json::Value> {
         use std::io::Read;
@@ -625,18 +723,107 @@ fn peft_alphas(path: &Path) -> Result<impl Fn(&str) -> Option<f64>> {
     let field = |name: &str| {
         config
             .as_ref()
-            .and_then(|c| c.get(format!("transformer.{name}")).or_else(|| c.get(name)))
+            .and_then(|c| c.get(format!("{component}.{name}")).or_else(|| c.get(name)))
             .cloned()
     };
     let (alpha, alpha_pattern) = (field("lora_alpha"), field("alpha_pattern"));
-    // PEFT scales a module by its alpha over its rank, the rank of its stored matrices.
+    // PEFT scales a module by its alpha over its rank, the rank of its stored matrices; a text
+    // encoder's patterns name its modules as the model does (without CLIP's `text_model.` in
+    // transformers 5).
     Ok(move |module: &str| {
+        let bare = module.strip_prefix("text_model.").unwrap_or(module);
         alpha_pattern
             .as_ref()
-            .and_then(|p| p.get(module))
+            .and_then(|p| p.get(module).or_else(|| p.get(bare)))
             .or(alpha.as_ref())
             .and_then(|v| v.as_f64())
     })
+}
+
+/// A key of a text encoder's module, told by the prefix each layout gives them.
+enum TextKey {
+    /// CLIP's, in `layout`: its module under `text_model.` (`None`: no Linear of its encoder
+    /// layers, the only modules diffusers' FLUX.1 loader gives a CLIP LoRA).
+    Clip {
+        layout: Layout,
+        module: Option<String>,
+        part: Part,
+    },
+    /// T5's (ComfyUI's `text_encoders.t5xxl.transformer.`), which diffusers' FLUX.1 loader
+    /// drops.
+    T5 { module: String, part: Part },
+}
+
+/// CLIP's Linears in an encoder layer: (kohya's name, the model's).
+const CLIP_LINEARS: [(&str, &str); 6] = [
+    ("self_attn_q_proj", "self_attn.q_proj"),
+    ("self_attn_k_proj", "self_attn.k_proj"),
+    ("self_attn_v_proj", "self_attn.v_proj"),
+    ("self_attn_out_proj", "self_attn.out_proj"),
+    ("mlp_fc1", "mlp.fc1"),
+    ("mlp_fc2", "mlp.fc2"),
+];
+
+impl TextKey {
+    /// `key` as a text encoder's (kohya's `lora_te1_` / `lora_te_`, ComfyUI's
+    /// `text_encoders.clip_l.transformer.` / `text_encoders.t5xxl.transformer.`, PEFT's
+    /// `text_encoder.`); `None` for any other key.
+    fn of(key: &str) -> Option<TextKey> {
+        let (layout, rest) = [
+            ("lora_te1_", Layout::Musubi),
+            ("lora_te_", Layout::Musubi),
+            ("text_encoders.clip_l.transformer.", Layout::ComfyUi),
+            ("text_encoders.t5xxl.transformer.", Layout::ComfyUi),
+            ("text_encoder.", Layout::Diffusers),
+        ]
+        .into_iter()
+        .find_map(|(prefix, layout)| Some((layout, key.strip_prefix(prefix)?)))?;
+        let parts: &[Part] = match layout {
+            Layout::Diffusers => &[Part::Down, Part::Up],
+            _ => &[
+                Part::Down,
+                Part::Up,
+                Part::Alpha,
+                Part::Diff,
+                Part::DiffBias,
+            ],
+        };
+        let (stem, part) = parts
+            .iter()
+            .find_map(|&p| Some((rest.strip_suffix(suffix(layout, p))?, p)))
+            .unwrap_or((rest, Part::Down));
+        if key.starts_with("text_encoders.t5xxl.") {
+            let module = stem.to_string();
+            return Some(TextKey::T5 { module, part });
+        }
+        let layer = |n: &str, linear: &str| {
+            n.parse::<usize>().ok()?;
+            Some(format!("text_model.encoder.layers.{n}.{linear}"))
+        };
+        let module = match layout {
+            Layout::Musubi => stem
+                .strip_prefix("text_model_encoder_layers_")
+                .and_then(|rest| rest.split_once('_'))
+                .and_then(|(n, linear)| {
+                    let (_, linear) = CLIP_LINEARS.iter().find(|(k, _)| *k == linear)?;
+                    layer(n, linear)
+                }),
+            _ => stem
+                .strip_prefix("text_model.")
+                .unwrap_or(stem)
+                .strip_prefix("encoder.layers.")
+                .and_then(|rest| rest.split_once('.'))
+                .and_then(|(n, linear)| {
+                    let (_, linear) = CLIP_LINEARS.iter().find(|(_, m)| *m == linear)?;
+                    layer(n, linear)
+                }),
+        };
+        Some(TextKey::Clip {
+            layout,
+            module,
+            part,
+        })
+    }
 }
 
 /// The FLUX.1 modules an XLabs LoRA module changes and the piece of its up matrix each takes, as
@@ -798,6 +985,75 @@ mod tests {
         assert!(parse_spec("a.safetensors:nan").is_err());
         assert!(parse_spec(":2").is_err());
         assert!(parse_spec("").is_err());
+    }
+
+    /// CLIP's modules in the three layouts land on the weight names of either CLIP save: under
+    /// `text_model.` (transformers 4, FLUX.1-dev's) or flattened (transformers 5).
+    #[test]
+    fn clip_keys_name_the_weights_of_either_clip_layout() -> Result<()> {
+        let module = |key: &str| match TextKey::of(key) {
+            Some(TextKey::Clip { module, .. }) => module,
+            _ => None,
+        };
+        let q = "text_model.encoder.layers.3.self_attn.q_proj";
+        for key in [
+            "lora_te1_text_model_encoder_layers_3_self_attn_q_proj.lora_down.weight",
+            "lora_te_text_model_encoder_layers_3_self_attn_q_proj.alpha",
+            "text_encoders.clip_l.transformer.text_model.encoder.layers.3.self_attn.q_proj.lora_up.weight",
+            "text_encoder.encoder.layers.3.self_attn.q_proj.lora_A.weight",
+            "text_encoder.text_model.encoder.layers.3.self_attn.q_proj.lora_B.weight",
+        ] {
+            assert_eq!(module(key).as_deref(), Some(q), "{key}");
+        }
+        assert_eq!(
+            module("lora_te1_text_model_encoder_layers_0_mlp_fc2.lora_down.weight").as_deref(),
+            Some("text_model.encoder.layers.0.mlp.fc2")
+        );
+        assert_eq!(
+            module("lora_te1_text_model_final_layer_norm.lora_down.weight"),
+            None
+        );
+        assert!(matches!(
+            TextKey::of(
+                "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.alpha"
+            ),
+            Some(TextKey::T5 {
+                part: Part::Alpha,
+                ..
+            })
+        ));
+        assert!(TextKey::of("lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight").is_none());
+
+        let dir = std::env::temp_dir().join(format!("vidgen-lora-clip-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("te.safetensors");
+        let stem = "lora_te1_text_model_encoder_layers_3_self_attn_q_proj";
+        let factor = Tensor::ones((2, 8), DType::F32, &Device::Cpu)?;
+        candle_core::safetensors::save(
+            &std::collections::HashMap::from([
+                (format!("{stem}.lora_down.weight"), factor.clone()),
+                (format!("{stem}.lora_up.weight"), factor.t()?),
+            ]),
+            &path,
+        )?;
+        let spec = LoraSpec { path, scale: 1.0 };
+        let names = |holds: &[&str]| -> Result<Vec<String>> {
+            let holds: Vec<String> = holds.iter().map(|m| format!("{m}.weight")).collect();
+            let scanned = Scanned::scan(std::slice::from_ref(&spec), Target::ClipText)?
+                .rooted(|n| holds.iter().any(|h| h == n));
+            Ok(scanned.changes.into_keys().collect())
+        };
+        assert_eq!(names(&[q])?, [format!("{q}.weight")]);
+        let bare = q.strip_prefix("text_model.").unwrap();
+        assert_eq!(names(&[bare])?, [format!("{bare}.weight")]);
+        // The transformer's scan of the same file changes nothing and asks nothing of it.
+        let dit = Scanned::scan(
+            std::slice::from_ref(&spec),
+            Target::Transformer(Some(Model::Flux)),
+        )?;
+        assert!(dit.changes.is_empty());
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
     }
 
     #[test]

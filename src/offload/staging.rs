@@ -610,7 +610,8 @@ mod tests {
         )?;
         let spec = crate::lora::parse_spec(&format!("{}:0.5", path.display()))
             .map_err(anyhow::Error::msg)?;
-        let loras = crate::lora::Loras::open(&[spec], None)?;
+        let loras =
+            crate::lora::Scanned::scan(&[spec], crate::lora::Target::Transformer(None))?.read()?;
         std::fs::remove_dir_all(&dir)?;
         let plain = WeightSet::open(&Weights::Synthetic { seed: 3 })?;
         let weights = plain.clone().with_loras(std::sync::Arc::new(loras));

@@ -739,7 +739,8 @@ mod cuda_tests {
         .into_iter()
         .collect::<Result<Vec<_>, _>>()
         .map_err(anyhow::Error::msg)?;
-        let loras = crate::lora::Loras::open(&specs, Some(crate::weights::original::Model::Wan))?;
+        let wan = crate::lora::Target::Transformer(Some(crate::weights::original::Model::Wan));
+        let loras = crate::lora::Scanned::scan(&specs, wan)?.read()?;
         let folder = fixtures.join("wan-tiny-a/transformer/diffusion_pytorch_model.safetensors");
         let weights = WeightSet::open(&crate::weights::Weights::Files(vec![folder]))?
             .with_loras(std::sync::Arc::new(loras));

@@ -144,6 +144,9 @@ impl FluxConfigs {
             ),
             vae: spec.add_model("vae", Role::Vae, &self.vae),
         };
+        // diffusers' FLUX.1 loader reads the LoRAs of its CLIP too.
+        spec.components[parts.encoders.text_encoder.index()].lora =
+            Some(crate::lora::Target::ClipText);
         spec.stages = vec![
             parts.encoders.stage(text, Flux::encode_text),
             StageSpec::new("denoise", &[parts.transformer.index()], denoise).runs(Flux::denoise),

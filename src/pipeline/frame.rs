@@ -458,19 +458,18 @@ fn check_embeddings(job: &Job) -> Result<()> {
     Ok(())
 }
 
-/// The LoRAs given for the component in `folder`: `--lora` for the transformer, `--lora-2` for
-/// the second expert (`transformer_2`).
+/// The LoRAs given for component `spec` and which of their keys change it: `--lora-2` for the
+/// second expert (`transformer_2`), `--lora` for any other component LoRAs change.
 pub(crate) fn lora_specs<'a>(
     config: &'a ResolvedConfig,
-    folder: &str,
-) -> Option<&'a [crate::lora::LoraSpec]> {
+    spec: &ComponentSpec,
+) -> Option<(&'a [crate::lora::LoraSpec], crate::lora::Target)> {
     let [first, second] = &config.generation().loras;
-    let specs = match folder {
-        "transformer" => first,
+    let specs = match spec.folder {
         "transformer_2" => second,
-        _ => return None,
+        _ => first,
     };
-    (!specs.is_empty()).then_some(specs.as_slice())
+    Some((specs.as_slice(), spec.lora?)).filter(|(specs, _)| !specs.is_empty())
 }
 
 /// The weights of component `spec` as the run reads them: its single file or its folder's
@@ -485,8 +484,10 @@ pub(crate) fn open_weights(
         None => component_weights(source, spec.folder)?,
     };
     let mut weights = WeightSet::open(&files)?;
-    if let Some(specs) = lora_specs(config, spec.folder) {
-        let loras = crate::lora::Loras::open(specs, spec.original_layout)?;
+    if let Some((specs, target)) = lora_specs(config, spec) {
+        let loras = crate::lora::Scanned::scan(specs, target)?
+            .rooted(|name| weights.stored_shape(name).is_some())
+            .read()?;
         weights = weights.with_loras(Arc::new(loras));
     }
     if let (Some(dtype), Role::Dit) = (config.generation().storage_dtype, spec.role) {

@@ -89,8 +89,9 @@ impl LtxConfigs {
             ],
         );
         // Its LoRAs may come under ComfyUI's `diffusion_model.` prefix.
-        spec.components[parts.transformer.index()].original_layout =
-            Some(crate::weights::original::Model::LtxVideo);
+        spec.components[parts.transformer.index()].lora = Some(crate::lora::Target::Transformer(
+            Some(crate::weights::original::Model::LtxVideo),
+        ));
         (spec, parts)
     }
 }

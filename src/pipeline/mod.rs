@@ -504,20 +504,16 @@ fn check_weight_files(
             (Some(files), None) => crate::weights::WeightSet::open(files).ok(),
             (None, _) => None,
         };
-        let Some(specs) = frame::lora_specs(config, component.folder) else {
+        let Some((specs, target)) = frame::lora_specs(config, component) else {
             continue;
         };
-        let loras = crate::lora::Scanned::scan(specs, component.original_layout).map_err(bad)?;
-        for (path, modules) in loras.left_out() {
-            eprintln!(
-                "--lora {}: {} modules outside the transformer's blocks ({}) left out, as diffusers' kohya FLUX.1 conversion leaves them out",
-                path.display(),
-                modules.len(),
-                modules.join(", ")
-            );
+        let loras = crate::lora::Scanned::scan(specs, target).map_err(bad)?;
+        for notice in loras.notices() {
+            eprintln!("{notice}");
         }
         if let Some(weights) = weights {
             loras
+                .rooted(|name| weights.stored_shape(name).is_some())
                 .check(|name| weights.stored_shape(name))
                 .map_err(bad)?;
         }

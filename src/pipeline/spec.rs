@@ -180,9 +180,10 @@ pub struct ComponentSpec {
     /// `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`
     /// ([`crate::models::blocks::Blockwise::LAYERWISE_CASTING_SKIP`]).
     pub storage_cast_skip: &'static [&'static str],
-    /// The model's original (non-diffusers) layout, which LoRA files use too (Wan's ComfyUI and
-    /// kohya LoRAs, FLUX.1's kohya ones: mapped to diffusers' names).
-    pub original_layout: Option<crate::weights::original::Model>,
+    /// Which keys of `--lora` files (`--lora-2` for `transformer_2`) change it: a DiT's, with
+    /// the model's original (non-diffusers) layout that LoRA files use too (Wan's ComfyUI and
+    /// kohya LoRAs, FLUX.1's kohya ones: mapped to diffusers' names); FLUX.1's CLIP's; none.
+    pub lora: Option<crate::lora::Target>,
     /// Its constructors, which count and place its weights.
     pub constructors: Arc<dyn Constructors>,
 }
@@ -212,7 +213,7 @@ impl<M: Blockwise> Component<M> {
                 dtype: None,
                 deferrable: true,
                 storage_cast_skip: M::LAYERWISE_CASTING_SKIP,
-                original_layout: None,
+                lora: (role == Role::Dit).then_some(crate::lora::Target::Transformer(None)),
                 constructors: Arc::new(ModelConstructors::<M>(cfg)),
             },
             model: PhantomData,
@@ -237,7 +238,7 @@ impl<M> Component<M> {
 
     /// Its weights also go by `layout`, an original naming that LoRA files use too.
     pub fn with_original_layout(mut self, layout: crate::weights::original::Model) -> Self {
-        self.spec.original_layout = Some(layout);
+        self.spec.lora = Some(crate::lora::Target::Transformer(Some(layout)));
         self
     }
 }
@@ -483,7 +484,7 @@ impl PipelineSpec {
         transformer: &Slot<T>,
     ) -> Slot<M> {
         let mut modulations = Component::new("transformer_modulations", Role::Dit, cfg.clone());
-        modulations.spec.original_layout = self.components[transformer.index()].original_layout;
+        modulations.spec.lora = self.components[transformer.index()].lora;
         self.add(modulations.in_folder("transformer"))
     }
 
