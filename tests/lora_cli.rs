@@ -97,6 +97,40 @@ fn loras_in_every_layout_reproduce_diffusers() {
     assert!(max_abs_diff(&frames, &refs[tensor].squeeze(0).unwrap()) > 0.05);
 }
 
+/// Wan LoRAs under the original names with PEFT's halves (`diffusion_model.blocks.N.self_attn.q.
+/// lora_A.weight`, diffusion-pipe's layout), with alphas and bias deltas (`diff_b`) on every module
+/// and modules outside the blocks, as diffusers' Wan conversion reads them
+/// (`wan-loras/README.json`, ecosystem-a's call and latents), at scales 1 and 0.7.
+#[test]
+fn original_names_with_peft_halves_reproduce_diffusers() {
+    let dir = scratch_dir("lora", "original-peft");
+    let ecosystem = candle_core::safetensors::load(
+        named_fixture_dir(FIXTURE).join("lora.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let draws = draws(&dir, &ecosystem);
+    let (readme, refs) = common::references("wan-loras", "reference.safetensors");
+    let cases = readme["cli_cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let lora = named_fixture_dir("wan-loras").join(case["lora"].as_str().unwrap());
+        let mut args: Vec<String> = case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect();
+        let scale = case["scale"].as_f64().unwrap();
+        args.extend(["--lora".to_string(), format!("{}:{scale}", lora.display())]);
+        let frames =
+            generate("wan-tiny-a", &dir, &draws, &args).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let expected = refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
+        assert_close(name, &frames, &expected, 1e-4, 1e-4);
+    }
+}
+
 /// `--lora-2` loads a LoRA into Wan2.2 A14B's low-noise expert (`transformer_2`, the last two of
 /// the four steps) as diffusers' `load_lora_weights(..., load_into_transformer_2=True)` does,
 /// alone at scales 1 and 0.6 and together with `--lora` on the high-noise expert, from files in

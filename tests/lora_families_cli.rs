@@ -67,6 +67,15 @@ fn left_out_modules_are_named_and_unmapped_layouts_refused() {
         line.contains("kohya/musubi layout LoRA, which vidgen maps for"),
         "{line}"
     );
+    // Wan's original names with PEFT halves, which diffusers' FLUX.1 loader does not convert.
+    let wan = named_fixture_dir("wan-loras").join("wan-original-peft.safetensors");
+    let mut args = common::cpu_prompt_args("flux-tiny-a");
+    args.extend(["--lora", wan.to_str().unwrap()].map(String::from));
+    let line = common::usage_error(&common::run_vidgen(&args), "PEFT halves for FLUX.1");
+    assert!(
+        line.contains("ComfyUI/original with PEFT halves layout LoRA, which vidgen maps for the Wan family only"),
+        "{line}"
+    );
     let diff = out.join("diff.safetensors");
     let delta =
         candle_core::Tensor::zeros((32, 32), candle_core::DType::F32, &Device::Cpu).unwrap();

@@ -71,8 +71,10 @@ pub enum Layout {
     /// `transformer.blocks.N.attn1.to_q.lora_A.weight` (PEFT; alpha folded or in the metadata).
     Diffusers,
     /// `diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.lora_up.weight`, `.alpha`,
-    /// `.diff`, `.diff_b` (ComfyUI and the original Wan-AI names).
-    ComfyUi,
+    /// `.diff`, `.diff_b` (ComfyUI and the original Wan-AI names); with `peft_halves`, the halves
+    /// named `.lora_A.weight` / `.lora_B.weight` instead (diffusion-pipe's and other trainers'
+    /// Wan LoRAs, which diffusers' Wan conversion reads alike, told by any `lora_A` key).
+    ComfyUi { peft_halves: bool },
     /// `lora_unet_blocks_N_self_attn_q.lora_down.weight`, `.alpha` (kohya/musubi).
     Musubi,
     /// `diffusion_model.double_blocks.N.img_attn_qkv.lora_A.weight`: a model's original module
@@ -89,7 +91,8 @@ impl Layout {
     fn name(self) -> &'static str {
         match self {
             Layout::Diffusers => "diffusers/PEFT",
-            Layout::ComfyUi => "ComfyUI/original",
+            Layout::ComfyUi { peft_halves: false } => "ComfyUI/original",
+            Layout::ComfyUi { peft_halves: true } => "ComfyUI/original with PEFT halves",
             Layout::Musubi => "kohya/musubi",
             Layout::OriginalPeft => "original/PEFT",
             Layout::XLabs => "XLabs",
@@ -275,7 +278,9 @@ impl Scanned {
         } else if original_peft {
             Layout::OriginalPeft
         } else if dit_keys().any(|k| k.starts_with("diffusion_model.")) {
-            Layout::ComfyUi
+            Layout::ComfyUi {
+                peft_halves: dit_keys().any(|k| k.contains("lora_A")),
+            }
         } else if dit_keys().any(|k| k.starts_with("lora_unet_")) {
             Layout::Musubi
         } else {
@@ -292,13 +297,18 @@ impl Scanned {
             (layout, original),
             (Layout::Diffusers | Layout::OriginalPeft | Layout::XLabs, _)
                 | (
-                    Layout::ComfyUi | Layout::Musubi,
+                    Layout::ComfyUi { peft_halves: false } | Layout::Musubi,
                     Some(Model::Wan | Model::Flux)
                 )
+                | (Layout::ComfyUi { peft_halves: true }, Some(Model::Wan))
         );
         if !maps && target != Target::ClipText {
+            let models = match layout {
+                Layout::ComfyUi { peft_halves: true } => "the Wan family",
+                _ => "the Wan family and FLUX.1 (and ComfyUI's for HunyuanVideo and LTX-Video)",
+            };
             bail!(
-                "--lora {}: a {} layout LoRA, which vidgen maps for the Wan family and FLUX.1 (and ComfyUI's for HunyuanVideo and LTX-Video) only; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
+                "--lora {}: a {} layout LoRA, which vidgen maps for {models} only, as diffusers' loaders do; give this model a diffusers/PEFT LoRA (transformer.<module>.lora_A.weight)",
                 path.display(),
                 layout.name()
             );
@@ -389,10 +399,10 @@ impl Scanned {
                 (_, Layout::Diffusers, _) => whole(Some(module.to_string())),
                 (_, Layout::Musubi, Some(Model::Flux)) => Model::Flux.kohya_targets(module),
                 // diffusers renames ComfyUI's FLUX.1 modules to kohya's.
-                (_, Layout::ComfyUi, Some(Model::Flux)) if matches!(part, Part::Down) => {
+                (_, Layout::ComfyUi { .. }, Some(Model::Flux)) if matches!(part, Part::Down) => {
                     Model::Flux.kohya_targets(&module.replace('.', "_"))
                 }
-                (_, Layout::ComfyUi, Some(Model::Flux)) => {
+                (_, Layout::ComfyUi { .. }, Some(Model::Flux)) => {
                     return Err(bad(
                         key,
                         "a full delta of a FLUX.1 LoRA, which diffusers' conversion drops; give its low-rank halves",
@@ -401,7 +411,7 @@ impl Scanned {
                 (_, Layout::OriginalPeft, Some(model)) => model.original_targets(module),
                 (_, Layout::OriginalPeft, None) => None,
                 (_, Layout::XLabs, _) => xlabs_targets(module),
-                (_, Layout::ComfyUi, _) => whole(original_to_diffusers(module)),
+                (_, Layout::ComfyUi { .. }, _) => whole(original_to_diffusers(module)),
                 (_, Layout::Musubi, _) => {
                     whole(musubi_to_original(module).and_then(|m| original_to_diffusers(&m)))
                 }
@@ -641,8 +651,14 @@ enum Part {
 /// The key suffixes of each part, per layout.
 fn suffix(layout: Layout, part: Part) -> &'static str {
     match (layout, part) {
-        (Layout::Diffusers | Layout::OriginalPeft, Part::Down) => ".lora_A.weight",
-        (Layout::Diffusers | Layout::OriginalPeft, Part::Up) => ".lora_B.weight",
+        (
+            Layout::Diffusers | Layout::OriginalPeft | Layout::ComfyUi { peft_halves: true },
+            Part::Down,
+        ) => ".lora_A.weight",
+        (
+            Layout::Diffusers | Layout::OriginalPeft | Layout::ComfyUi { peft_halves: true },
+            Part::Up,
+        ) => ".lora_B.weight",
         (Layout::XLabs, Part::Down) => ".down.weight",
         (Layout::XLabs, Part::Up) => ".up.weight",
         (_, Part::Down) => ".lora_down.weight",
@@ -657,7 +673,7 @@ fn suffix(layout: Layout, part: Part) -> &'static str {
 fn prefixes(layout: Layout) -> &'static [&'static str] {
     match layout {
         Layout::Diffusers => &["transformer."],
-        Layout::ComfyUi => &["diffusion_model."],
+        Layout::ComfyUi { .. } => &["diffusion_model."],
         Layout::Musubi => &["lora_unet_"],
         Layout::OriginalPeft => &["diffusion_model.", "transformer."],
         Layout::XLabs => &["diffusion_model."],
@@ -772,8 +788,14 @@ impl TextKey {
         let (layout, rest) = [
             ("lora_te1_", Layout::Musubi),
             ("lora_te_", Layout::Musubi),
-            ("text_encoders.clip_l.transformer.", Layout::ComfyUi),
-            ("text_encoders.t5xxl.transformer.", Layout::ComfyUi),
+            (
+                "text_encoders.clip_l.transformer.",
+                Layout::ComfyUi { peft_halves: false },
+            ),
+            (
+                "text_encoders.t5xxl.transformer.",
+                Layout::ComfyUi { peft_halves: false },
+            ),
             ("text_encoder.", Layout::Diffusers),
         ]
         .into_iter()
