@@ -30,13 +30,7 @@ fn caches_skip_and_compute_what_diffusers_does() {
     for case in readme["cli_cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let mut args: Vec<String> = vec!["--model".into(), model.to_str().unwrap().into()];
-        args.extend(
-            case["args"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|a| a.as_str().unwrap().to_string()),
-        );
+        args.extend(common::strings(&case["args"]));
         let got = generate_outputs(&args, &draws, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
         let frames = &refs[case["frames"].as_str().unwrap()].squeeze(0).unwrap();
         eprintln!(
@@ -151,13 +145,7 @@ fn the_progress_line_counts_what_the_cache_stood_in_for() {
     let mut args: Vec<String> = ["generate", "--model", model.to_str().unwrap()]
         .map(String::from)
         .to_vec();
-    args.extend(
-        case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_string()),
-    );
+    args.extend(common::strings(&case["args"]));
     args.extend(
         [
             "--latents",

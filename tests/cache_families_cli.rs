@@ -16,7 +16,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{
     assert_close, cpu_prompt_args, draws_file, max_abs_diff, named_fixture_dir,
-    planned_denoise_activations, run_vidgen, scratch_dir, usage_error,
+    planned_denoise_activations, run_vidgen, scratch_dir, strings, usage_error,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -27,15 +27,6 @@ const RTOL: f64 = 1e-4;
 fn readme() -> serde_json::Value {
     let path = named_fixture_dir("cache-families").join("README.json");
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
-}
-
-fn strings(value: &serde_json::Value) -> Vec<String> {
-    value
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap().to_string())
-        .collect()
 }
 
 /// What one case's run wrote: its tensors, stderr and `--stats-json`.

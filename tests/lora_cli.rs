@@ -116,12 +116,7 @@ fn original_names_with_peft_halves_reproduce_diffusers() {
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let lora = named_fixture_dir("wan-loras").join(case["lora"].as_str().unwrap());
-        let mut args: Vec<String> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_string())
-            .collect();
+        let mut args = common::strings(&case["args"]);
         let scale = case["scale"].as_f64().unwrap();
         args.extend(["--lora".to_string(), format!("{}:{scale}", lora.display())]);
         let frames =

@@ -26,15 +26,9 @@ fn community_loras_make_what_diffusers_makes_of_them() {
     assert_eq!(cases.len(), 16);
 }
 
-/// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout
-/// vidgen does not map for the model, or a part it does not read, is refused in one line before
-/// any work.
-#[test]
-fn left_out_modules_are_named_and_unmapped_layouts_refused() {
-    let dir = named_fixture_dir("lora-families");
-    let out = scratch_dir("lora-families", "notice");
-    let lora = dir.join("flux-kohya.safetensors");
-    let mut args = common::cpu_prompt_args("flux-tiny-a");
+/// `vidgen generate --dry-run` of `fixture` with `--lora LORA`, writing into `out`.
+fn dry_run(fixture: &str, lora: &std::path::Path, out: &std::path::Path) -> std::process::Output {
+    let mut args = common::cpu_prompt_args(fixture);
     args.extend(
         [
             "--lora",
@@ -45,7 +39,18 @@ fn left_out_modules_are_named_and_unmapped_layouts_refused() {
         ]
         .map(String::from),
     );
-    let run = common::run_vidgen(&args);
+    common::run_vidgen(&args)
+}
+
+/// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout
+/// vidgen does not map for the model, or a part it does not read, is refused in one line before
+/// any work.
+#[test]
+fn left_out_modules_are_named_and_unmapped_layouts_refused() {
+    let dir = named_fixture_dir("lora-families");
+    let out = scratch_dir("lora-families", "notice");
+    let lora = dir.join("flux-kohya.safetensors");
+    let run = dry_run("flux-tiny-a", &lora, &out);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
     let notice: Vec<_> = stderr.lines().filter(|l| l.contains("left out")).collect();
@@ -96,21 +101,11 @@ fn left_out_modules_are_named_and_unmapped_layouts_refused() {
 fn text_encoder_keys_are_read_for_flux_alone() {
     let dir = named_fixture_dir("lora-families");
     let out = scratch_dir("lora-families", "text-encoder");
-    let dry_run = |fixture: &str, lora: &std::path::Path| {
-        let mut args = common::cpu_prompt_args(fixture);
-        args.extend(
-            [
-                "--lora",
-                lora.to_str().unwrap(),
-                "--dry-run",
-                "--output-path",
-                out.to_str().unwrap(),
-            ]
-            .map(String::from),
-        );
-        common::run_vidgen(&args)
-    };
-    let run = dry_run("flux-tiny-a", &dir.join("flux-comfyui-te.safetensors"));
+    let run = dry_run(
+        "flux-tiny-a",
+        &dir.join("flux-comfyui-te.safetensors"),
+        &out,
+    );
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
     let notice: Vec<_> = stderr.lines().filter(|l| l.contains("left out")).collect();
@@ -121,7 +116,7 @@ fn text_encoder_keys_are_read_for_flux_alone() {
         notice[0]
     );
     let line = common::usage_error(
-        &dry_run("wan-tiny-a", &dir.join("flux-peft-te.safetensors")),
+        &dry_run("wan-tiny-a", &dir.join("flux-peft-te.safetensors"), &out),
         "CLIP keys for Wan",
     );
     assert!(
@@ -142,7 +137,7 @@ fn text_encoder_keys_are_read_for_flux_alone() {
         &stray,
     )
     .unwrap();
-    let line = common::usage_error(&dry_run("flux-tiny-a", &stray), "a CLIP embedding");
+    let line = common::usage_error(&dry_run("flux-tiny-a", &stray, &out), "a CLIP embedding");
     assert!(
         line.contains("names no Linear of CLIP's encoder layers")
             && line.contains("kohya/musubi layout"),

@@ -70,12 +70,7 @@ fn seeds_give_diffusers_frames() {
     let dir = scratch("cases");
     for case in cases {
         let name = case["name"].as_str().unwrap();
-        let mut args: Vec<String> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_string())
-            .collect();
+        let mut args = common::strings(&case["args"]);
         assert!(!args.iter().any(|a| a == "--latents"));
         args.extend(["--output-video-name".into(), name.into()]);
         let written = generate(&dir, &args);

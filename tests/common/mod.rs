@@ -308,6 +308,16 @@ pub fn draws_file(case: &serde_json::Value, refs: &HashMap<String, Tensor>, dir:
     path
 }
 
+/// A JSON array of strings (a case's `args`) as strings.
+pub fn strings(value: &serde_json::Value) -> Vec<String> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
 /// Runs a fixture case of a references README.json (`cli_cases`: its `args` and `draws` from
 /// `fixture`'s `reference/pipeline.safetensors`) through `vidgen generate --model FIXTURE` with
 /// `extra` flags, on the CPU in f32, in `dir`: every tensor of the written file.
@@ -325,13 +335,7 @@ pub fn run_reference_case(
     .unwrap();
     let draws = draws_file(case, &pipeline, dir);
     let mut args = vec!["--model".to_string(), fixture.to_str().unwrap().to_string()];
-    args.extend(
-        case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_string()),
-    );
+    args.extend(strings(&case["args"]));
     args.extend_from_slice(extra);
     generate_outputs(&args, &draws, dir).unwrap_or_else(|stderr| panic!("{case}: {stderr}"))
 }
