@@ -1,7 +1,8 @@
 # Session 37 had no device. The first call of the next session with one: the GPU paths of this
 # session's CPU-checked work, on the tiny fixtures.
 # Carry: .device (vidgen.xz, vidgen-lib-tests.xz, built with --features cuda), and
-# tests/fixtures/{original-layouts,flux-tiny-a,hunyuanvideo-tiny-a,mochi-tiny-a,ltx-video-tiny-a,lora-families}
+# tests/fixtures/{original-layouts,flux-tiny-a,hunyuanvideo-tiny-a,mochi-tiny-a,ltx-video-tiny-a,lora-families,
+# wan-tiny-a,wan-loras}
 # (the fixtures are otherwise left out of a call's tree).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
@@ -28,15 +29,22 @@ for pair in flux-tiny-a:flux-tiny-a-Q8_0.gguf flux-tiny-a:flux-tiny-a-comfyui-bf
       --output-video-name "$f.$mode" --overwrite $extra 2>&1 | tail -1
   done
 done
-# A kohya FLUX.1 LoRA merged on the GPU, resident and streamed.
-for mode in cpu cuda cuda-streamed; do
-  dev=cuda; extra=""
-  [ $mode = cpu ] && dev=cpu
-  [ $mode = cuda-streamed ] && extra="--memory-model discrete --dit-layerwise-offload"
-  el "flux kohya lora $mode"
-  $B/vidgen generate --model $F/flux-tiny-a --lora $F/lora-families/flux-kohya.safetensors --prompt "a red fox" \
-    --seed 1 --num-inference-steps 2 --device $dev --dtype f32 --output-type safetensors --output-path $OUT/ol \
-    --output-video-name "lora.$mode" --overwrite $extra 2>&1 | tail -1
+# kohya FLUX.1 LoRAs merged on the GPU, resident and streamed: the transformer's alone, then with CLIP's
+# (session 38: the text encoder's weights merged where they land); Wan's original names with PEFT halves and
+# bias deltas (session 38).
+for lora in flux-tiny-a:lora-families/flux-kohya.safetensors flux-tiny-a:lora-families/flux-kohya-te.safetensors \
+            wan-tiny-a:wan-loras/wan-original-peft.safetensors; do
+  m=${lora%%:*}; f=${lora##*:}; n=$(basename $f .safetensors)
+  for mode in cpu cuda cuda-streamed; do
+    dev=cuda; extra=""
+    [ $mode = cpu ] && dev=cpu
+    [ $mode = cuda-streamed ] && extra="--memory-model discrete --dit-layerwise-offload"
+    el "$n $mode"
+    size=""; [ $m = wan-tiny-a ] && size="--height 32 --width 32 --num-frames 9"
+    $B/vidgen generate --model $F/$m --lora $F/$f --prompt "a red fox" $size \
+      --seed 1 --num-inference-steps 2 --device $dev --dtype f32 --output-type safetensors --output-path $OUT/ol \
+      --output-video-name "lora-$n.$mode" --overwrite $extra 2>&1 | tail -1
+  done
 done
 python3 - $OUT/ol <<'PY' | tee $OUT/compare.txt
 import sys, glob
