@@ -1,7 +1,7 @@
 //! The step caches on every family whose diffusers transformer takes diffusers' cache hooks:
 //! those that act between blocks (`--cache first-block:T`, `magcache:...` with its calibration),
-//! TaylorSeer (`--cache taylorseer:...`: whole blocks of every list predicted, modules inside
-//! them predicted or zeroed, lite mode) where diffusers' pipeline opens the cache context its
+//! TaylorSeer (`--cache taylorseer:...`: whole blocks of every list predicted, attentions and
+//! feed-forwards inside them predicted or zeroed, lite mode) where diffusers' pipeline opens the cache context its
 //! state needs, and Pyramid Attention Broadcast (`--cache pab:...`) where vidgen hooks attention
 //! inside the blocks (Allegro and Latte, whose pipelines open no cache context, PAB only),
 //! driven by `cache-families/README.json`'s `cli_cases` (diffusers' `enable_cache(config)`
@@ -222,7 +222,8 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
             "--cache taylorseer does not apply",
         ),
         // Patterns that match modules the blocks do not hand the cache: the token refiner's
-        // `attn` (inside `context_embedder`), a feed-forward, a Linear inside an attention.
+        // `attn` (inside `context_embedder`), a single block's MLP Linear, a Linear inside an
+        // attention.
         (
             "hunyuanvideo-tiny-a",
             "taylorseer:cache_identifiers=.*attn",
@@ -230,8 +231,8 @@ fn caches_a_family_cannot_take_are_refused_in_one_line() {
         ),
         (
             "flux-tiny-a",
-            r"taylorseer:skip_predict_identifiers=transformer_blocks\.\d+\.ff",
-            "the module \"transformer_blocks.0.ff\", which vidgen does not hook",
+            r"taylorseer:skip_predict_identifiers=single_transformer_blocks\.\d+\.proj_mlp",
+            "the module \"single_transformer_blocks.0.proj_mlp\", which vidgen does not hook",
         ),
         (
             "wan-tiny-a",

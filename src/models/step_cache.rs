@@ -421,10 +421,28 @@ pub struct ModuleNames {
     /// Whether the forward takes the lists' blocks in turns (Latte: spatial 0, temporal 0,
     /// spatial 1, ...) rather than one list after the other.
     pub interleaved: bool,
-    /// In [`Submodule`] column order; none where the model hands the cache no outputs inside
-    /// its blocks (the caches that act between blocks only).
-    pub submodules: &'static [&'static str],
+    /// The outputs the blocks hand the cache, by kind and diffusers' name, in the order of the
+    /// columns of a block's record (after the block's own); none where the model hands the
+    /// cache no outputs inside its blocks (the caches that act between blocks only). A block
+    /// without one of them (FLUX.1's single blocks have no `ff`) never asks for it: its column
+    /// reads computed.
+    pub submodules: &'static [(Output, &'static str)],
+    /// Which blocks lack some of `submodules`.
+    pub absent: Absent,
     pub proj_out: &'static str,
+}
+
+/// Which blocks lack an output the others hand the cache (diffusers' module is absent: its
+/// record column reads computed, even in a block the cache skips whole).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Absent {
+    /// Every block has every output.
+    Nothing,
+    /// The second list's blocks (FLUX.1's and HunyuanVideo's single-stream blocks) have no
+    /// feed-forwards.
+    FeedForwardsAfterFirstList,
+    /// The last block has no text feed-forward (Mochi-1's `context_pre_only` block).
+    LastContextFeedForward,
 }
 
 impl ModuleNames {
@@ -433,18 +451,39 @@ impl ModuleNames {
     pub const DIFFUSERS: ModuleNames = ModuleNames {
         lists: &["blocks"],
         interleaved: false,
-        submodules: &["attn1", "attn2", "ffn"],
+        submodules: &[
+            (Output::Attention, "attn1"),
+            (Output::CrossAttention, "attn2"),
+            (Output::FeedForward, "ffn"),
+        ],
+        absent: Absent::Nothing,
         proj_out: "proj_out",
     };
 
     /// One list of `transformer_blocks` handing the cache `submodules`.
-    pub const fn transformer_blocks(submodules: &'static [&'static str]) -> ModuleNames {
+    pub const fn transformer_blocks(submodules: &'static [(Output, &'static str)]) -> ModuleNames {
         ModuleNames {
             lists: &["transformer_blocks"],
             interleaved: false,
             submodules,
+            absent: Absent::Nothing,
             proj_out: "proj_out",
         }
+    }
+
+    /// The column of `module` in a block's record (the block's own is 0), where the blocks
+    /// name it.
+    fn column(&self, module: Submodule) -> Option<usize> {
+        let kind = module.output();
+        self.submodules
+            .iter()
+            .position(|(output, _)| *output == kind)
+            .map(|i| i + 1)
+    }
+
+    /// The names of the outputs the blocks hand the cache, in column order.
+    pub fn submodule_names(&self) -> impl Iterator<Item = &'static str> {
+        self.submodules.iter().map(|(_, name)| *name)
     }
 }
 
@@ -484,18 +523,34 @@ pub enum Submodule {
     /// (LTX-Video's `LTXAttention` has no `is_cross_attention`): PAB takes it for a spatial
     /// self-attention by its name, so it takes the spatial settings.
     UnflaggedCrossAttention,
+    /// The (image stream's) feed-forward module.
     FeedForward,
+    /// The text stream's feed-forward module in a dual-stream block (`ff_context`).
+    ContextFeedForward,
 }
 
 impl Submodule {
-    /// Its column in a block's record (after the block's own).
-    fn column(self) -> usize {
+    /// The kind of output it is, by which a model names it ([`ModuleNames::submodules`]).
+    fn output(self) -> Output {
         match self {
-            Submodule::SelfAttention | Submodule::TemporalAttention => 1,
-            Submodule::CrossAttention | Submodule::UnflaggedCrossAttention => 2,
-            Submodule::FeedForward => 3,
+            Submodule::SelfAttention | Submodule::TemporalAttention => Output::Attention,
+            Submodule::CrossAttention | Submodule::UnflaggedCrossAttention => {
+                Output::CrossAttention
+            }
+            Submodule::FeedForward => Output::FeedForward,
+            Submodule::ContextFeedForward => Output::ContextFeedForward,
         }
     }
+}
+
+/// The kinds of output inside a block a model may hand a step cache, each named once by the
+/// model (a block's spatial and temporal attentions share a name: Latte's `attn1`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    Attention,
+    CrossAttention,
+    FeedForward,
+    ContextFeedForward,
 }
 
 /// What a block asks of a step cache while it runs: each hooked output (the module's whole
@@ -678,17 +733,42 @@ impl HookedBlocks {
         format!("{}.{index}", lists[list.min(lists.len() - 1)])
     }
 
+    /// Whether hooked block `i` has `output` ([`ModuleNames::absent`]).
+    fn has(&self, i: usize, output: Output) -> bool {
+        match (self.names.absent, output) {
+            (
+                Absent::FeedForwardsAfterFirstList,
+                Output::FeedForward | Output::ContextFeedForward,
+            ) => i < self.split,
+            (Absent::LastContextFeedForward, Output::ContextFeedForward) => i + 1 < self.count,
+            _ => true,
+        }
+    }
+
     /// Every module these blocks let a step cache hook, by diffusers' names: each block, its
     /// hooked outputs, and the output projection.
     pub fn modules(&self) -> Vec<String> {
         let mut names = Vec::new();
         for i in 0..self.count {
             let block = self.block(i);
-            names.extend(self.names.submodules.iter().map(|s| format!("{block}.{s}")));
+            let outputs = self.names.submodules.iter();
+            let present = outputs.filter(|(output, _)| self.has(i, *output));
+            names.extend(present.map(|(_, s)| format!("{block}.{s}")));
             names.push(block);
         }
         names.push(self.names.proj_out.to_string());
         names
+    }
+
+    /// Marks block `i` skipped whole in its record `cells` (the block's own column and those of
+    /// the outputs it has).
+    fn skip(&self, i: usize, cells: &mut [u8]) {
+        cells[0] = 0;
+        for (column, (output, _)) in self.names.submodules.iter().enumerate() {
+            if self.has(i, *output) {
+                cells[column + 1] = 0;
+            }
+        }
     }
 }
 
@@ -740,6 +820,7 @@ pub struct StepCache {
 /// The hooks of one block in one forward under PAB.
 struct PabHooks<'a> {
     config: &'a PabConfig,
+    names: ModuleNames,
     timestep: f64,
     states: &'a mut [Broadcast; 2],
     row: &'a mut [u8],
@@ -752,7 +833,7 @@ impl PabHooks<'_> {
             Submodule::TemporalAttention => self.config.spatial.or(self.config.temporal),
             Submodule::CrossAttention => self.config.cross,
             Submodule::UnflaggedCrossAttention => self.config.spatial,
-            Submodule::FeedForward => None,
+            Submodule::FeedForward | Submodule::ContextFeedForward => None,
         }
     }
 }
@@ -780,7 +861,9 @@ impl BlockHooks for PabHooks<'_> {
             Some(cached)
                 if state.iteration != 0 && inside && state.iteration % u64::from(range) != 0 =>
             {
-                self.row[module.column()] = 0;
+                if let Some(column) = self.names.column(module) {
+                    self.row[column] = 0;
+                }
                 (cached.copy()?, cached.clone())
             }
             _ => {
@@ -939,17 +1022,19 @@ struct TaylorHooks<'a> {
 }
 
 impl TaylorHooks<'_> {
-    /// The module's diffusers name, where the model names its outputs.
-    fn name(&self, module: Submodule) -> Option<String> {
-        let name = self.hooked.names.submodules.get(module.column() - 1)?;
-        Some(format!("{}.{name}", self.hooked.block(self.block)))
+    /// The module's diffusers name and record column, where the model names it.
+    fn name(&self, module: Submodule) -> Option<(String, usize)> {
+        let names = &self.hooked.names;
+        let column = names.column(module)?;
+        let (_, name) = names.submodules[column - 1];
+        Some((format!("{}.{name}", self.hooked.block(self.block)), column))
     }
 }
 
 impl BlockHooks for TaylorHooks<'_> {
     fn wants(&self, module: Submodule) -> bool {
         self.name(module)
-            .is_some_and(|name| self.seer.hooks(&name).is_some())
+            .is_some_and(|(name, _)| self.seer.hooks(&name).is_some())
     }
 
     fn output(
@@ -957,7 +1042,7 @@ impl BlockHooks for TaylorHooks<'_> {
         module: Submodule,
         compute: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let Some(name) = self.name(module) else {
+        let Some((name, column)) = self.name(module) else {
             return compute();
         };
         let Some(zeroed) = self.seer.hooks(&name) else {
@@ -968,7 +1053,7 @@ impl BlockHooks for TaylorHooks<'_> {
             .seer
             .output(state, zeroed, &mut || Ok(vec![compute()?]))?;
         if !computed {
-            self.row[module.column()] = 0;
+            self.row[column] = 0;
         }
         outs.pop()
             .ok_or_else(|| candle_core::Error::Msg("a hooked module without an output".into()))
@@ -1070,7 +1155,9 @@ impl StepCache {
         if let (0, Some(c)) = (hooked.first, mag) {
             let mut input = streams.streams(&x)?;
             if let Some(hidden) = state.mag_skip(c, ratios, &input[0])? {
-                row[..num_blocks * per_block].fill(0);
+                for (i, cells) in row.chunks_mut(per_block).take(num_blocks).enumerate() {
+                    hooked.skip(i, cells);
+                }
                 state.rows.push(row);
                 state.advance(c);
                 input[0] = hidden;
@@ -1090,6 +1177,7 @@ impl StepCache {
                         x,
                         &mut PabHooks {
                             config,
+                            names: hooked.names,
                             timestep: forward.timestep,
                             states,
                             row: &mut [1; 4],
@@ -1103,7 +1191,7 @@ impl StepCache {
                 candle_core::bail!("a step cache of {num_blocks} blocks handed more");
             }
             if skipped {
-                row[i * per_block..(i + 1) * per_block].fill(0);
+                hooked.skip(i, &mut row[i * per_block..(i + 1) * per_block]);
                 return Ok(x.clone());
             }
             if let (0, Some(c), None) = (i, mag, &head_input) {
@@ -1111,7 +1199,7 @@ impl StepCache {
                 if let Some(hidden) = state.mag_skip(c, ratios, &input[0])? {
                     skipped = true;
                     mag_skipped = true;
-                    row[..per_block].fill(0);
+                    hooked.skip(0, &mut row[..per_block]);
                     input[0] = hidden;
                     return streams.state(input);
                 }
@@ -1122,6 +1210,7 @@ impl StepCache {
                 (Some(config), _) => {
                     let mut hooks = PabHooks {
                         config,
+                        names: hooked.names,
                         timestep: forward.timestep,
                         states: &mut broadcasts[hooked.first + i],
                         row: cells,
@@ -1147,7 +1236,7 @@ impl StepCache {
                             let (out, computed) =
                                 seer.output(&mut block_state, zeroed, &mut compute)?;
                             if !computed {
-                                cells.fill(0);
+                                hooked.skip(i, cells);
                             }
                             out
                         }

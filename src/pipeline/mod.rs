@@ -548,7 +548,7 @@ fn check_cache_modules(
             hooked.names.lists.join(" / "),
             match hooked.names.submodules {
                 [] => "whole outputs".to_string(),
-                subs => subs.join(", "),
+                _ => hooked.names.submodule_names().collect::<Vec<_>>().join(", "),
             },
             hooked.names.proj_out,
         ))),

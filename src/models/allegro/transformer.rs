@@ -20,7 +20,7 @@ use crate::models::pixart::{
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Rows};
 use crate::models::step_cache::{
-    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Through,
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -599,7 +599,10 @@ impl HookedBlock<Tensor, BlockInputs> for AllegroBlock {
 /// self-attention over every token (`attn1`, PAB's spatial attention) and the cross-attention
 /// to the caption (`attn2`). diffusers' block hooks (First Block Cache, MagCache) do not take
 /// Allegro's blocks, which its hook registry does not list; PAB hooks attention modules by name.
-pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1", "attn2"]);
+pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&[
+    (Output::Attention, "attn1"),
+    (Output::CrossAttention, "attn2"),
+]);
 
 /// The blocks thread the video tokens alone.
 impl CachedForward for AllegroTransformer3DModel {

@@ -26,7 +26,7 @@ use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
 use crate::models::step_cache::whole_output;
 use crate::models::step_cache::{
-    BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
+    BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Output, Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
@@ -607,15 +607,18 @@ impl CogVideoXBlock {
         if let Some((norm2, fc1, fc2)) = &self.feed_forward {
             let emb = norm2.embedding(&inputs.temb)?;
             let h = norm2.forward_fused(&x, &emb, at, text_len)?;
-            let h = match fc1.bias() {
-                Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, Act::GeluTanh)?,
-                None => h.matmul(&fc1.weight().t()?)?.gelu()?,
+            let compute = || {
+                let h = match fc1.bias() {
+                    Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, Act::GeluTanh)?,
+                    None => h.matmul(&fc1.weight().t()?)?.gelu()?,
+                };
+                h.matmul(&fc2.weight().t()?)
             };
-            let ff = h.matmul(&fc2.weight().t()?)?;
+            let (ff, bias) = whole_output(hooks, Submodule::FeedForward, compute, fc2.bias())?;
             x = row_ops::residual_into_delta(
                 &x,
                 ff,
-                fc2.bias(),
+                bias,
                 Some(Gate::Bf16(gate(&emb, dim, text_len))),
                 at,
             )?;
@@ -641,7 +644,9 @@ impl CogVideoXBlock {
         }
         if let Some((norm2, fc1, fc2)) = &self.feed_forward {
             let mods = norm2.forward(&x, &inputs.temb, text_len)?;
-            let ff = fc2.forward(&fc1.forward(&mods.hidden_states)?.gelu()?)?;
+            let ff = hooks.output(Submodule::FeedForward, &mut || {
+                fc2.forward(&fc1.forward(&mods.hidden_states)?.gelu()?)
+            })?;
             x = gated_residual(&x, &ff, &mods, text_len)?;
         }
         Ok(x)
@@ -1015,8 +1020,9 @@ impl HookedBlock<Tensor, BlockInputs> for CogVideoXBlock {
 }
 
 /// How diffusers names what its cache hooks see: `transformer_blocks`, and in each its joint
-/// self-attention `attn1` (PAB's spatial attention).
-pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1"]);
+/// self-attention `attn1` (PAB's spatial attention) and its feed-forward `ff`.
+pub(super) const CACHE_NAMES: ModuleNames =
+    ModuleNames::transformer_blocks(&[(Output::Attention, "attn1"), (Output::FeedForward, "ff")]);
 
 /// diffusers' cache hooks see `transformer_blocks`, each returning the video tokens
 /// (`hidden_states`) and the text (`encoder_hidden_states`): the joint sequence's two parts.
@@ -1223,8 +1229,9 @@ mod cuda_tests {
         eprintln!("CogVideoX block fused vs composite: relative L2 error {err}");
         assert!(err < 1e-2, "relative L2 error {err}");
 
-        // A step cache hooking `attn1`: its whole joint output (bias included) computed once,
-        // the block's result that of the unhooked block; then reused, the same bits.
+        // A step cache hooking `attn1` and `ff`: their whole joint outputs (bias included)
+        // computed once, the block's result that of the unhooked block; then reused, the same
+        // bits.
         let mut hooks = crate::models::step_cache::ReplayHooks::default();
         let hooked = block
             .forward_hooked(&x, &inputs, &mut hooks)?
@@ -1239,7 +1246,8 @@ mod cuda_tests {
             .max_all()?
             .to_scalar::<f32>()?;
         assert_eq!(gap, 0.0, "reused output");
-        assert_eq!(hooks.asked, [Submodule::SelfAttention; 2]);
+        let once = [Submodule::SelfAttention, Submodule::FeedForward];
+        assert_eq!(hooks.asked, [once, once].concat());
         Ok(())
     }
 }

@@ -22,7 +22,7 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 use crate::models::blocks::{Blockwise, HookedBlock};
 use crate::models::step_cache::{
-    BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
+    Absent, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Output, Submodule, Through,
 };
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
@@ -376,9 +376,16 @@ impl JointAttention {
     }
 }
 
-/// A stream's modulated feed-forward with its gated residual (chunks 3, 4, 5 of `m`).
-fn feed_forward(ff: &Mlp, x: &Tensor, m: &[Tensor]) -> Result<Tensor> {
-    gated(x, ff.forward(&norm_modulate(x, &m[3], &m[4])?)?, &m[5])
+/// A stream's modulated feed-forward (`module`, whose output goes through `hooks`) with its
+/// gated residual (chunks 3, 4, 5 of `m`).
+fn feed_forward(
+    (ff, module): (&Mlp, Submodule),
+    x: &Tensor,
+    m: &[Tensor],
+    hooks: &mut dyn BlockHooks,
+) -> Result<Tensor> {
+    let out = hooks.output(module, &mut || ff.forward(&norm_modulate(x, &m[3], &m[4])?))?;
+    gated(x, out, &m[5])
 }
 
 /// One dual-stream block (diffusers `FluxTransformerBlock`), or some of its steps.
@@ -447,11 +454,13 @@ impl FluxTransformerBlock {
             (image, text) = attn.forward((&image, &text), &mi, &ci, inputs, hooks)?;
         }
         if let Some(ff) = &self.ff {
-            image = feed_forward(ff, &image, &modulation(&m, BlockStep::ImageFeedForward)?)?;
+            let m = modulation(&m, BlockStep::ImageFeedForward)?;
+            image = feed_forward((ff, Submodule::FeedForward), &image, &m, hooks)?;
         }
         if let Some(ff_context) = &self.ff_context {
             let c = modulation(&c, BlockStep::TextFeedForward)?;
-            text = feed_forward(ff_context, &text, &c)?;
+            let module = (ff_context, Submodule::ContextFeedForward);
+            text = feed_forward(module, &text, &c, hooks)?;
         }
         // The text feed-forward is the block's last step.
         let carry = match self.ff_context {
@@ -940,11 +949,17 @@ impl HookedBlock<Streams, BlockInputs> for FluxBlock {
 
 /// How diffusers names what its cache hooks see in FLUX.1: `transformer_blocks` then
 /// `single_transformer_blocks`, each returning the image and text streams, and in each its
-/// attention `attn` (PAB's).
+/// attention `attn` (PAB's) and, in the dual-stream blocks, the streams' feed-forwards `ff`
+/// and `ff_context` (TaylorSeer's, where its patterns name them).
 const CACHE_NAMES: ModuleNames = ModuleNames {
     lists: &["transformer_blocks", "single_transformer_blocks"],
     interleaved: false,
-    submodules: &["attn"],
+    submodules: &[
+        (Output::Attention, "attn"),
+        (Output::FeedForward, "ff"),
+        (Output::ContextFeedForward, "ff_context"),
+    ],
+    absent: Absent::FeedForwardsAfterFirstList,
     proj_out: "proj_out",
 };
 

@@ -37,7 +37,8 @@ use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
 use crate::models::step_cache::{
-    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
+    joint_output, Absent, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Output, Submodule,
+    Through,
 };
 use crate::models::wan::transformer::timestep_embedding;
 
@@ -991,21 +992,24 @@ impl HunyuanVideoTransformerBlock {
             );
             (hidden, encoder) = attn.forward(&hidden, &encoder, mv, mc, inputs, hooks)?;
         }
-        let feed_forward = |ff: &Mlp, x: &Tensor, m: &[Tensor]| {
-            by_token_chunks(x, |_, rows| {
-                let h = ff.forward(&norm_modulate(rows, &m[3], &m[4])?)?;
-                gated(rows, h, &m[5])
-            })
+        // A stream's feed-forward and gated residual, by token chunks; a feed-forward a step
+        // cache hooks (`module`) gives its whole output, which the cache keeps or stands in for.
+        let mut feed_forward = |(ff, module): (&Mlp, Submodule), x: &Tensor, m: &[Tensor]| {
+            let ff_out = |rows: &Tensor| ff.forward(&norm_modulate(rows, &m[3], &m[4])?);
+            if hooks.wants(module) {
+                let out =
+                    hooks.output(module, &mut || by_token_chunks(x, |_, rows| ff_out(rows)))?;
+                return gated(x, out, &m[5]);
+            }
+            by_token_chunks(x, |_, rows| gated(rows, ff_out(rows)?, &m[5]))
         };
         if let Some(ff) = &self.ff {
-            hidden = feed_forward(ff, &hidden, carried(m.as_ref(), "video modulation")?)?;
+            let m = carried(m.as_ref(), "video modulation")?;
+            hidden = feed_forward((ff, Submodule::FeedForward), &hidden, m)?;
         }
         if let Some(ff_context) = &self.ff_context {
-            encoder = feed_forward(
-                ff_context,
-                &encoder,
-                carried(c.as_ref(), "text modulation")?,
-            )?;
+            let c = carried(c.as_ref(), "text modulation")?;
+            encoder = feed_forward((ff_context, Submodule::ContextFeedForward), &encoder, c)?;
         }
         // The text feed-forward is the block's last step.
         let carry = match self.ff_context {
@@ -1943,11 +1947,17 @@ impl HookedBlock<Streams, BlockInputs> for HunyuanVideoBlock {
 
 /// How diffusers names what its cache hooks see in HunyuanVideo: `transformer_blocks` then
 /// `single_transformer_blocks` (the token refiner runs inside `context_embedder`, where only
-/// PAB reaches its `attn`), each returning the video and text streams, and in each `attn`.
+/// PAB reaches its `attn`), each returning the video and text streams, and in each `attn` and,
+/// in the dual-stream blocks, the streams' feed-forwards `ff` and `ff_context`.
 const CACHE_NAMES: ModuleNames = ModuleNames {
     lists: &["transformer_blocks", "single_transformer_blocks"],
     interleaved: false,
-    submodules: &["attn"],
+    submodules: &[
+        (Output::Attention, "attn"),
+        (Output::FeedForward, "ff"),
+        (Output::ContextFeedForward, "ff_context"),
+    ],
+    absent: Absent::FeedForwardsAfterFirstList,
     proj_out: "proj_out",
 };
 

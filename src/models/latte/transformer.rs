@@ -19,8 +19,8 @@ use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
 use crate::models::step_cache::{
-    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Reclassified,
-    Submodule, Through,
+    Absent, BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output,
+    Reclassified, Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -670,7 +670,11 @@ impl HookedBlock<Tensor, BlockInputs> for LatteBlock {
 pub(super) const CACHE_NAMES: ModuleNames = ModuleNames {
     lists: &["transformer_blocks", "temporal_transformer_blocks"],
     interleaved: true,
-    submodules: &["attn1", "attn2"],
+    submodules: &[
+        (Output::Attention, "attn1"),
+        (Output::CrossAttention, "attn2"),
+    ],
+    absent: Absent::Nothing,
     proj_out: "proj_out",
 };
 

@@ -25,8 +25,8 @@ use crate::models::blocks::HookedBlock;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
 use crate::models::step_cache::{
-    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Submodule,
-    Through,
+    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output,
+    Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
@@ -828,17 +828,33 @@ impl LtxTransformerBlock {
             )?;
             x = row_ops::residual_into_delta(&x, attn, bias, None, at)?;
         }
-        if let Some((norm2, fc1)) = &self.ff_in {
-            let h = row_ops::rms_modulate(&x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
-            stream.ff_hidden = Some(match fc1.bias() {
-                Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, self.act())?,
-                None if self.tanh => h.matmul(&fc1.weight().t()?)?.gelu()?,
-                None => h.matmul(&fc1.weight().t()?)?.gelu_erf()?,
-            });
-        }
-        if let Some(fc2) = &self.ff_out {
-            let out = stream.take_ff_hidden()?.matmul(&fc2.weight().t()?)?;
-            x = row_ops::residual_into_delta(&x, out, fc2.bias(), gate(5), at)?;
+        // The feed-forward's input step: norm2 with modulation, the first Linear and GELU.
+        let ff_hidden = |x: &Tensor, (norm2, fc1): &(Option<Tensor>, Linear)| -> Result<Tensor> {
+            let h = row_ops::rms_modulate(x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
+            match fc1.bias() {
+                Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, self.act()),
+                None if self.tanh => h.matmul(&fc1.weight().t()?)?.gelu(),
+                None => h.matmul(&fc1.weight().t()?)?.gelu_erf(),
+            }
+        };
+        match (&self.ff_in, &self.ff_out) {
+            // A whole feed-forward: the module `ff` a step cache hooks.
+            (Some(ff_in), Some(fc2)) => {
+                let compute = || ff_hidden(&x, ff_in)?.matmul(&fc2.weight().t()?);
+                let module = Submodule::FeedForward;
+                let (out, bias) =
+                    crate::models::step_cache::whole_output(hooks, module, compute, fc2.bias())?;
+                x = row_ops::residual_into_delta(&x, out, bias, gate(5), at)?;
+            }
+            (ff_in, ff_out) => {
+                if let Some(ff_in) = ff_in {
+                    stream.ff_hidden = Some(ff_hidden(&x, ff_in)?);
+                }
+                if let Some(fc2) = ff_out {
+                    let out = stream.take_ff_hidden()?.matmul(&fc2.weight().t()?)?;
+                    x = row_ops::residual_into_delta(&x, out, fc2.bias(), gate(5), at)?;
+                }
+            }
         }
         stream.x = x.reshape((b, s, dim))?;
         Ok(stream)
@@ -874,14 +890,33 @@ impl LtxTransformerBlock {
             })?;
             x = (x + attn)?;
         }
-        if let Some((norm2, fc1)) = &self.ff_in {
-            let h = modulate(&rms_norm(&x, norm2.as_ref(), self.eps)?, &row(3)?, &row(4)?)?;
+        // The feed-forward's input step: norm2 with modulation, the first Linear and GELU.
+        let ff_hidden = |x: &Tensor, (norm2, fc1): &(Option<Tensor>, Linear)| -> Result<Tensor> {
+            let h = modulate(&rms_norm(x, norm2.as_ref(), self.eps)?, &row(3)?, &row(4)?)?;
             let h = fc1.forward(&h)?;
-            stream.ff_hidden = Some(if self.tanh { h.gelu()? } else { h.gelu_erf()? });
-        }
-        if let Some(fc2) = &self.ff_out {
-            let out = fc2.forward(&stream.take_ff_hidden()?)?;
-            x = (&x + out.broadcast_mul(&row(5)?)?)?;
+            if self.tanh {
+                h.gelu()
+            } else {
+                h.gelu_erf()
+            }
+        };
+        match (&self.ff_in, &self.ff_out) {
+            // A whole feed-forward: the module `ff` a step cache hooks.
+            (Some(ff_in), Some(fc2)) => {
+                let out = hooks.output(Submodule::FeedForward, &mut || {
+                    fc2.forward(&ff_hidden(&x, ff_in)?)
+                })?;
+                x = (&x + out.broadcast_mul(&row(5)?)?)?;
+            }
+            (ff_in, ff_out) => {
+                if let Some(ff_in) = ff_in {
+                    stream.ff_hidden = Some(ff_hidden(&x, ff_in)?);
+                }
+                if let Some(fc2) = ff_out {
+                    let out = fc2.forward(&stream.take_ff_hidden()?)?;
+                    x = (&x + out.broadcast_mul(&row(5)?)?)?;
+                }
+            }
         }
         stream.x = x;
         Ok(stream)
@@ -1318,8 +1353,9 @@ mod cuda_tests {
         eprintln!("LTX block fused vs composite: relative L2 error {err}");
         assert!(err < 1e-2, "relative L2 error {err}");
 
-        // A step cache hooking both attentions: each whole output (bias included) computed
-        // once, the block's result that of the unhooked block; then both reused, the same bits.
+        // A step cache hooking both attentions and the feed-forward: each whole output (bias
+        // included) computed once, the block's result that of the unhooked block; then all
+        // reused, the same bits.
         let mut hooks = crate::models::step_cache::ReplayHooks::default();
         let mut hooked = || -> Result<Tensor> {
             block
@@ -1334,8 +1370,10 @@ mod cuda_tests {
         assert!(err < 1e-2, "hooked: relative L2 error {err}");
         let gap = (hooked()? - &first)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert_eq!(gap, 0.0, "reused outputs");
-        use crate::models::step_cache::Submodule::{SelfAttention, UnflaggedCrossAttention};
-        let once = [SelfAttention, UnflaggedCrossAttention];
+        use crate::models::step_cache::Submodule::{
+            FeedForward, SelfAttention, UnflaggedCrossAttention,
+        };
+        let once = [SelfAttention, UnflaggedCrossAttention, FeedForward];
         assert_eq!(hooks.asked, [once, once].concat());
         Ok(())
     }
@@ -1376,8 +1414,12 @@ impl HookedBlock<LtxStream, LtxBlockInputs> for LtxTransformerBlock {
 }
 
 /// How diffusers names what its cache hooks see in LTX-Video: `transformer_blocks`, each
-/// returning the hidden states alone, and in each `attn1` and `attn2` (PAB's).
-const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1", "attn2"]);
+/// returning the hidden states alone, and in each `attn1` and `attn2` (PAB's) and `ff`.
+const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&[
+    (Output::Attention, "attn1"),
+    (Output::CrossAttention, "attn2"),
+    (Output::FeedForward, "ff"),
+]);
 
 impl LtxTransformerConfig {
     /// The blocks diffusers' cache hooks see, by their names.

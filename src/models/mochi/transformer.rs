@@ -29,7 +29,8 @@ use crate::models::cogvideox::transformer::linspace_f32;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, Rows};
 use crate::models::step_cache::{
-    joint_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
+    joint_output, Absent, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Output, Submodule,
+    Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 use crate::models::wan::transformer::timestep_embedding;
@@ -718,9 +719,11 @@ impl MochiBlock {
             let (video_rows, text_rows) = s.rows.take().ok_or_else(|| {
                 candle_core::Error::Msg("a feed-forward step without its attention step".into())
             })?;
-            s.video = feed_forward(&s.video, &video_rows, &step.ff, ops)?;
+            let ff = (&step.ff, Submodule::FeedForward);
+            s.video = feed_forward(&s.video, &video_rows, ff, ops, hooks)?;
             if let (Some(ff), Some(rows)) = (&step.ff_context, &text_rows) {
-                s.text = feed_forward(&s.text, rows, ff, ops)?;
+                let ff = (ff, Submodule::ContextFeedForward);
+                s.text = feed_forward(&s.text, rows, ff, ops, hooks)?;
             }
         }
         Ok(s)
@@ -740,11 +743,21 @@ fn gated_residual(
     ops.gated_residual(x, delta, &factor)
 }
 
-/// A stream's feed-forward residual: `x + rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)`.
-fn feed_forward(x: &Tensor, emb: &Tensor, ff: &SwiGlu, ops: Ops) -> Result<Tensor> {
+/// A stream's feed-forward residual: `x + rms(ff(rms(x)·(1 + scale_mlp)))·tanh(gate_mlp)`, the
+/// feed-forward's output (`module`) through `hooks`.
+fn feed_forward(
+    x: &Tensor,
+    emb: &Tensor,
+    (ff, module): (&SwiGlu, Submodule),
+    ops: Ops,
+    hooks: &mut dyn BlockHooks,
+) -> Result<Tensor> {
     let dim = x.dim(2)?;
-    let normed = ops.modulated_rms(x, &one_plus(&chunk(emb, 2, dim)?)?)?;
-    gated_residual(x, ff.forward(&normed, ops)?, emb, 3, ops)
+    let out = hooks.output(module, &mut || {
+        let normed = ops.modulated_rms(x, &one_plus(&chunk(emb, 2, dim)?)?)?;
+        ff.forward(&normed, ops)
+    })?;
+    gated_residual(x, out, emb, 3, ops)
 }
 
 /// `MochiAttentionPool`: attention of the mask-weighted mean token over [mean; tokens] (pads
@@ -1110,8 +1123,16 @@ impl HookedBlock<Streams, BlockInputs> for MochiBlock {
 }
 
 /// How diffusers names what its cache hooks see in Mochi-1: `transformer_blocks`, each
-/// returning the video and text streams, and in each the joint attention `attn1` (PAB's).
-pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&["attn1"]);
+/// returning the video and text streams, and in each the joint attention `attn1` (PAB's) and
+/// the streams' feed-forwards `ff` and `ff_context` (the last block has none for the text).
+pub(super) const CACHE_NAMES: ModuleNames = ModuleNames {
+    absent: Absent::LastContextFeedForward,
+    ..ModuleNames::transformer_blocks(&[
+        (Output::Attention, "attn1"),
+        (Output::FeedForward, "ff"),
+        (Output::ContextFeedForward, "ff_context"),
+    ])
+};
 
 impl crate::models::blocks::CachedForward for MochiTransformer3DModel {
     fn finish_hooked(
@@ -1319,12 +1340,21 @@ mod cuda_tests {
         // Block 0 from the same streams; block 1 from each path's own output of block 0.
         let (mut fused, mut composite) = (streams.clone(), streams);
         for (i, block) in blocks.iter().enumerate() {
-            // A step cache hooking the joint attention: its video and text outputs kept
-            // together, the block's result the unhooked block's, then reused bit for bit.
+            // A step cache hooking the joint attention (its video and text outputs kept
+            // together) and the feed-forwards: the block's result the unhooked block's, then
+            // reused bit for bit.
             let mut hooks = crate::models::step_cache::ReplayHooks::default();
             let hooked = block.forward_hooked(&fused, &inputs, &mut hooks)?;
             let reused = block.forward_hooked(&fused, &inputs, &mut hooks)?;
-            assert_eq!(hooks.asked, [Submodule::SelfAttention; 2]);
+            let mut once = vec![Submodule::SelfAttention, Submodule::FeedForward];
+            if block
+                .feed_forward
+                .as_ref()
+                .is_some_and(|f| f.ff_context.is_some())
+            {
+                once.push(Submodule::ContextFeedForward);
+            }
+            assert_eq!(hooks.asked, [once.clone(), once].concat());
             fused = block.forward_with(&fused, &inputs, Ops::Fused, &mut ComputeAll)?;
             for (a, b, stream) in [
                 (&hooked.video, &reused.video, "video"),
