@@ -43,8 +43,8 @@ fn dry_run(fixture: &str, lora: &std::path::Path, out: &std::path::Path) -> std:
 }
 
 /// The kohya modules outside FLUX.1's blocks are named as left out, in one line; a LoRA layout
-/// vidgen does not map for the model, or a part it does not read, is refused in one line before
-/// any work.
+/// vidgen does not map for the model, a part it does not read, or a FLUX.1 Control LoRA (for
+/// another pipeline) is refused in one line before any work.
 #[test]
 fn left_out_modules_are_named_and_unmapped_layouts_refused() {
     let dir = named_fixture_dir("lora-families");
@@ -81,6 +81,25 @@ fn left_out_modules_are_named_and_unmapped_layouts_refused() {
         line.contains("ComfyUI/original with PEFT halves layout LoRA, which vidgen maps for the Wan family only"),
         "{line}"
     );
+    // BFL's Control LoRAs, for FluxControlPipeline's control image.
+    let control = out.join("control.safetensors");
+    let zeros = |dims: &[usize]| {
+        candle_core::Tensor::zeros(dims, candle_core::DType::F32, &Device::Cpu).unwrap()
+    };
+    let tensors = [
+        (
+            "double_blocks.0.img_attn.norm.query_norm.scale",
+            zeros(&[16]),
+        ),
+        ("img_in.lora_A.weight", zeros(&[4, 128])),
+        ("img_in.lora_B.weight", zeros(&[32, 4])),
+    ];
+    let tensors = tensors.map(|(k, t)| (k.to_string(), t));
+    candle_core::safetensors::save(&std::collections::HashMap::from(tensors), &control).unwrap();
+    let mut args = common::cpu_prompt_args("flux-tiny-a");
+    args.extend(["--lora", control.to_str().unwrap()].map(String::from));
+    let line = common::usage_error(&common::run_vidgen(&args), "a Control LoRA");
+    assert!(line.contains("a FLUX.1 Control LoRA"), "{line}");
     let diff = out.join("diff.safetensors");
     let delta =
         candle_core::Tensor::zeros((32, 32), candle_core::DType::F32, &Device::Cpu).unwrap();

@@ -190,7 +190,8 @@ pub struct GenerateOptions {
     /// The transformer's weights from one file instead of the model folder's (whose config.json
     /// still gives the architecture): diffusers keys, or the original Wan-AI layout bare or
     /// under ComfyUI's `model.diffusion_model.`, in any float dtype, or fp8 with ComfyUI's
-    /// `scale_weight` or LightX2V's `weight_scale`.
+    /// `scale_weight` or LightX2V's `weight_scale`, or GGUF. `hf:OWNER/REPO/PATH` names a file of
+    /// a Hugging Face Hub repository (from the cache, or downloaded).
     #[arg(long, help_heading = "Generation", value_name = "FILE")]
     pub transformer: Option<PathBuf>,
     /// The second expert's weights (Wan2.2 A14B's transformer_2) from one file, as --transformer.
@@ -223,7 +224,8 @@ pub struct GenerateOptions {
     pub attention: crate::models::sage_attention::AttentionKind,
     /// A LoRA for the transformer, FILE[:SCALE] (scale 1 by default), in the diffusers/PEFT,
     /// ComfyUI/original or kohya/musubi key layout; repeat to stack LoRAs, applied in the order
-    /// given. Merged into each weight as it loads: no step time.
+    /// given. Merged into each weight as it loads: no step time. `hf:OWNER/REPO/PATH` names a file
+    /// of a Hugging Face Hub repository (from the cache, or downloaded).
     #[arg(long, help_heading = "Generation", value_name = "FILE[:SCALE]", value_parser = crate::lora::parse_spec)]
     pub lora: Vec<LoraSpec>,
     /// A LoRA for the second expert (Wan2.2 A14B's transformer_2), as --lora.

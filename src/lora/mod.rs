@@ -248,8 +248,10 @@ impl Scanned {
 
     fn add(&mut self, spec: &LoraSpec, target: Target) -> Result<()> {
         let path = &spec.path;
+        let local = crate::models::source::flag_file(path)
+            .with_context(|| format!("--lora {}", path.display()))?;
         // SAFETY: mapped read-only; vidgen never writes to the files it reads.
-        let st = unsafe { MmapedSafetensors::new(path) }
+        let st = unsafe { MmapedSafetensors::new(&local) }
             .with_context(|| format!("--lora {}: not a safetensors file", path.display()))?;
         // Each tensor's shape and dtype (`None`: one candle does not read).
         let shapes: BTreeMap<String, (Vec<usize>, Option<DType>)> = st
@@ -272,6 +274,17 @@ impl Scanned {
             Some(Model::LtxVideo) => dit_keys().any(|k| k.starts_with("diffusion_model.")),
             _ => false,
         };
+        // BFL's Control LoRAs (told by `query_norm.scale`, as diffusers tells them) widen
+        // `img_in` to take a control image's latents beside the noise: FluxControlPipeline's,
+        // which FluxPipeline cannot run either.
+        if original == Some(Model::Flux) {
+            if let Some(key) = dit_keys().find(|k| k.contains("query_norm.scale")) {
+                bail!(
+                    "--lora {}: a FLUX.1 Control LoRA (BFL's layout, key {key}), which widens img_in for a control image's latents (FluxControlPipeline); vidgen runs FluxPipeline: give a LoRA for FLUX.1 itself",
+                    path.display()
+                );
+            }
+        }
         let xlabs = original == Some(Model::Flux) && dit_keys().any(|k| k.contains("processor"));
         let layout = if xlabs {
             Layout::XLabs
@@ -318,7 +331,7 @@ impl Scanned {
         // Keys of another component the pipeline reads from the same file.
         let mut others = 0;
         let peft_alpha = peft_alphas(
-            path,
+            &local,
             match target {
                 Target::Transformer(_) => "transformer",
                 Target::ClipText => "text_encoder",

@@ -402,7 +402,12 @@ mod hub {
         }
     }
 
-    fn offline() -> bool {
+    /// The cache folder's path (for messages).
+    pub fn cache_path() -> PathBuf {
+        cache().path().clone()
+    }
+
+    pub fn offline() -> bool {
         std::env::var("HF_HUB_OFFLINE")
             .is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false" | "FALSE"))
     }
@@ -437,6 +442,29 @@ mod hub {
             Err(hf_hub::api::sync::ApiError::RequestError(e)) if e.to_string().contains("404") => Ok(None),
             Err(e) => Err(e).with_context(|| format!("downloading {relative} of {repo} (set HF_TOKEN for gated repos, HF_HUB_OFFLINE=1 to use only the cache)")),
         }
+    }
+}
+
+/// The local file a flag names (`--lora`, `--transformer`): its path, or for
+/// `hf:OWNER/REPO/PATH` the file `PATH` of the Hugging Face Hub repository `OWNER/REPO`, from the
+/// cache or downloaded (with a progress bar) as `--model`'s files are. Its errors name no flag:
+/// the caller's context does.
+pub fn flag_file(path: &Path) -> Result<PathBuf> {
+    let Some(hub_path) = path.to_str().and_then(|p| p.strip_prefix("hf:")) else {
+        return Ok(path.to_path_buf());
+    };
+    let mut parts = hub_path.splitn(3, '/');
+    let (Some(owner), Some(name), Some(file)) = (parts.next(), parts.next(), parts.next()) else {
+        bail!("name a file of a Hugging Face Hub repository as hf:OWNER/REPO/PATH");
+    };
+    let repo = format!("{owner}/{name}");
+    match hub::fetch(&repo, file)? {
+        Some(FileRef::Path(local)) => Ok(local),
+        _ if hub::offline() => bail!(
+            "{repo} has no file {file} in the Hugging Face cache ({}) and HF_HUB_OFFLINE=1; download it first (unset HF_HUB_OFFLINE) or pass a local file",
+            hub::cache_path().display()
+        ),
+        _ => bail!("the Hugging Face Hub repository {repo} has no file {file}"),
     }
 }
 

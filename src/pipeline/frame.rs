@@ -479,8 +479,8 @@ pub(crate) fn open_weights(
     source: &ModelSource,
     spec: &ComponentSpec,
 ) -> Result<WeightSet> {
-    let files = match transformer_file(config, spec.folder) {
-        Some(file) => crate::weights::Weights::Files(vec![file.to_path_buf()]),
+    let files = match transformer_file(config, spec.folder)? {
+        Some((_, local)) => crate::weights::Weights::Files(vec![local]),
         None => component_weights(source, spec.folder)?,
     };
     let mut weights = WeightSet::open(&files)?;
@@ -497,15 +497,24 @@ pub(crate) fn open_weights(
     Ok(weights)
 }
 
-/// The single file given for the component in `folder` (`--transformer`, `--transformer-2`).
+/// The single file given for the component in `folder` (`--transformer`, `--transformer-2`):
+/// as given, and the local file it names (an `hf:` file fetched,
+/// [`crate::models::source::flag_file`]).
 pub(crate) fn transformer_file<'a>(
     config: &'a ResolvedConfig,
     folder: &str,
-) -> Option<&'a std::path::Path> {
+) -> Result<Option<(&'a std::path::Path, std::path::PathBuf)>> {
     let [first, second] = &config.generation().transformer_files;
-    match folder {
+    let given = match folder {
         "transformer" => first.as_deref(),
         "transformer_2" => second.as_deref(),
         _ => None,
-    }
+    };
+    given
+        .map(|file| {
+            let local = crate::models::source::flag_file(file)
+                .with_context(|| format!("--transformer {}", file.display()))?;
+            Ok((file, local))
+        })
+        .transpose()
 }

@@ -479,23 +479,23 @@ fn check_weight_files(
 ) -> Result<(), UsageError> {
     let bad = |e: anyhow::Error| UsageError::new(format!("{e:#}"));
     for component in &spec.components {
-        let file = frame::transformer_file(config, component.folder);
-        let files = match file {
-            Some(file) => {
-                if !file.is_file() {
+        let file = frame::transformer_file(config, component.folder).map_err(bad)?;
+        let files = match &file {
+            Some((given, local)) => {
+                if !local.is_file() {
                     return Err(UsageError::new(format!(
                         "--transformer {}: no such file; pass a .safetensors or .gguf file of the transformer's weights",
-                        file.display()
+                        given.display()
                     )));
                 }
-                Some(crate::weights::Weights::Files(vec![file.to_path_buf()]))
+                Some(crate::weights::Weights::Files(vec![local.clone()]))
             }
             None => crate::models::source::component_weights(source, component.folder)
                 .ok()
                 .filter(|w| matches!(w, crate::weights::Weights::Files(_))),
         };
         let weights = match (&files, file) {
-            (Some(files), Some(file)) => {
+            (Some(files), Some((file, _))) => {
                 let weights = crate::weights::WeightSet::open(files)
                     .map_err(|e| bad(e.context(format!("--transformer {}", file.display()))))?;
                 check_single_file(&weights, file, source, component.folder)?;

@@ -260,8 +260,10 @@ impl<'a> Planner<'a> {
     /// the bytes.
     fn packed_weights(&self, component: &ComponentSpec) -> Option<WeightSet> {
         let open = || {
-            let file = frame::transformer_file(self.config, component.folder);
-            let gguf = file.is_some_and(crate::weights::gguf::is_gguf);
+            let file = frame::transformer_file(self.config, component.folder).ok()?;
+            let gguf = file
+                .as_ref()
+                .is_some_and(|(_, local)| crate::weights::gguf::is_gguf(local));
             let cast =
                 self.config.generation().storage_dtype.is_some() && component.role == Role::Dit;
             let source = ModelSource::parse(&self.config.generation().model).ok()?;
