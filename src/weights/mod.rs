@@ -730,15 +730,18 @@ impl WeightSet {
         shape: &Shape,
         dtype: DType,
     ) -> candle_core::Result<Cow<'_, [u8]>> {
+        let staged = self.staged_dtype(name, dtype);
         let stored = (!self.converts(name))
-            .then(|| self.stored_bytes_as(name, self.staged_dtype(name, dtype)))
+            .then(|| self.stored_bytes_as(name, staged))
             .flatten();
         if let Some(bytes) = stored {
             self.report(bytes.len());
             return Ok(Cow::Borrowed(bytes));
         }
-        let mut made = vec![0u8; shape.elem_count() * dtype.size_in_bytes()];
-        self.read_unmerged_into(name, shape, dtype, &mut made)?;
+        // Made on the host (a swapped original-layout tensor, converted values), still in the
+        // staged dtype: the copy's size and the conversion where it lands go by it.
+        let mut made = vec![0u8; shape.elem_count() * staged.size_in_bytes()];
+        self.read_unmerged_into(name, shape, staged, &mut made)?;
         Ok(Cow::Owned(made))
     }
 
@@ -1416,6 +1419,63 @@ mod tests {
     /// A scaled fp8 weight is held as its scales in f32 and its fp8 bytes (about half of its
     /// bf16 bytes: one byte a value) and expands, on the host, to the bits it is read as
     /// (`W8 as f32 · scale`, then the run dtype): ComfyUI's one scale and LightX2V's per row.
+    #[test]
+    fn staged_bytes_are_in_the_staged_dtype_for_every_original_layout() -> anyhow::Result<()> {
+        // What a resident load copies of each weight (borrowed row cuts, swapped halves made on
+        // the host, converted values) is the staged dtype's size, in bf16 and f32 runs alike,
+        // and lands as the values read (a swapped bf16 tensor of an f32 run was once made in
+        // f32 while its copy was sized for bf16).
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let mut swapped = 0;
+        for file in std::fs::read_dir(fixtures.join("original-layouts"))? {
+            let path = file?.path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            let Some(folder) = ["flux-tiny-a", "hunyuanvideo-tiny-a", "mochi-tiny-a"]
+                .into_iter()
+                .find(|f| name.starts_with(f))
+            else {
+                continue;
+            };
+            if !(name.ends_with(".gguf") || name.ends_with(".safetensors")) {
+                continue;
+            }
+            let weights = WeightSet::open(&Weights::Files(vec![path.clone()]))?;
+            let reference = fixtures
+                .join(folder)
+                .join("transformer/diffusion_pytorch_model.safetensors");
+            for weight in WeightSet::open(&Weights::Files(vec![reference]))?.names() {
+                let shape = Shape::from(weights.stored_shape(&weight).expect("stored"));
+                if matches!(weights.located(&weight), Some((_, _, Part::SwappedHalves))) {
+                    swapped += 1;
+                }
+                for dtype in [DType::BF16, DType::F32] {
+                    let staged = weights.staged_dtype(&weight, dtype);
+                    let bytes = weights.staged_bytes(&weight, &shape, dtype)?;
+                    let what = format!("{name}: {weight} in a {dtype:?} run");
+                    assert_eq!(
+                        bytes.len(),
+                        shape.elem_count() * staged.size_in_bytes(),
+                        "{what}"
+                    );
+                    let landed =
+                        Tensor::from_raw_buffer(&bytes, staged, shape.dims(), &Device::Cpu)?
+                            .to_dtype(dtype)?;
+                    let want = weights
+                        .var_builder(dtype, &Device::Cpu)
+                        .get(&shape, &weight)?;
+                    let diff = (landed.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?
+                        .abs()?
+                        .flatten_all()?
+                        .max(0)?
+                        .to_scalar::<f32>()?;
+                    assert_eq!(diff, 0.0, "{what}");
+                }
+            }
+        }
+        assert!(swapped > 0, "no swapped tensor checked");
+        Ok(())
+    }
+
     #[test]
     fn original_layout_gguf_weights_are_held_quantized_and_expand_as_read() -> anyhow::Result<()> {
         // Every weight of the original-layout GGUF fixtures held in a block quantization (a
