@@ -38,6 +38,7 @@ for c in cache_cases:
 runs += [
     ("flux-kohya-lora", "flux-tiny-a", base["flux-tiny-a"] + ["--lora", str(fixtures / "flux-kohya.safetensors")]),
     ("flux-clip-lora", "flux-tiny-a", base["flux-tiny-a"] + ["--lora", str(fixtures / "flux-kohya-te.safetensors")]),
+    ("wan-no-lora", "wan-tiny-a", base["wan-tiny-a"]),
     ("wan-peft-lora", "wan-tiny-a",
      base["wan-tiny-a"] + ["--lora", str(fixtures / "wan-loras/wan-original-peft.safetensors") + ":0.7"]),
 ]
