@@ -268,7 +268,18 @@ impl Scanned {
         };
         // The transformer's keys' layout, told as diffusers' loaders tell it: HunyuanVideo's by
         // `img_attn_qkv`, LTX-Video's by the prefix.
-        let dit_keys = || shapes.keys().filter(|k| TextKey::of(k).is_none());
+        // Each key's text-encoder reading, told once ([`TextKey::of`]); the others are the
+        // transformer's.
+        let mut text_keys: BTreeMap<&str, TextKey> = shapes
+            .keys()
+            .filter_map(|k| Some((k.as_str(), TextKey::of(k)?)))
+            .collect();
+        let dit_keys = || {
+            let text_keys = &text_keys;
+            shapes
+                .keys()
+                .filter(move |k| !text_keys.contains_key(k.as_str()))
+        };
         let original_peft = match original {
             Some(Model::HunyuanVideo) => dit_keys().any(|k| k.contains("img_attn_qkv")),
             Some(Model::LtxVideo) => dit_keys().any(|k| k.starts_with("diffusion_model.")),
@@ -340,7 +351,7 @@ impl Scanned {
         let file = self.files.len();
         let mut changes_any = false;
         for (key, (dims, dtype)) in &shapes {
-            let text = TextKey::of(key);
+            let text = text_keys.remove(key.as_str());
             let (layout, module, part) = match (target, text) {
                 (Target::ClipText, None) => {
                     others += 1;
