@@ -3,6 +3,8 @@
 //! at Wan2.1 14B's and 1.3B's shapes (480x832x81: 32,760 tokens; the feed-forward runs in chunks
 //! of 8,192), in interleaved rounds. Also timed: the input's quantization alone, and the path
 //! taken where cuBLASLt cannot apply the scales itself (the bare product, then a scale pass).
+//! Then a whole block's Linears as Wan's forward runs them, where self-attention's q, k and v
+//! share one quantization of their input.
 //!
 //! `cargo run --release --no-default-features --features cuda --example linear_bench`
 
@@ -12,7 +14,7 @@ use candle_nn::Linear;
 use vidgen::memory::accounting::MemoryMeter;
 use vidgen::models::fp8::{self, Fp8Rows};
 use vidgen::models::fp8_kernels::{product, scale_rows};
-use vidgen::models::projection::{project, project_gelu_tanh};
+use vidgen::models::projection::{project, project_gelu_tanh, Input, Projection};
 
 #[path = "support/median.rs"]
 mod median;
@@ -96,6 +98,92 @@ fn main() -> Result<()> {
             flop / best(&fp8) / 1e12,
         );
     }
+    println!();
+    println!("| a block's Linears, 32,760 tokens | bf16 ms | fp8 ms | bf16 / fp8 |");
+    println!("|---|---|---|---|");
+    for (name, dim, ffn) in [("14B", 5120, 13824), ("1.3B", 1536, 8960)] {
+        let (mut bf16, mut fp8) = (Vec::new(), Vec::new());
+        let exact = BlockLinears::new(&dev, dim, ffn, false)?;
+        let quantized = BlockLinears::new(&dev, dim, ffn, true)?;
+        for _ in 0..ROUNDS {
+            bf16.push(time(&dev, REPS, || exact.run())?);
+            fp8.push(time(&dev, REPS, || quantized.run())?);
+        }
+        let best = |v: &[f64]| v.iter().copied().fold(f64::MAX, f64::min);
+        let ms = |v: &[f64]| {
+            let hi = v.iter().copied().fold(0f64, f64::max);
+            format!("{:.2}-{:.2}", best(v) * 1e3, hi * 1e3)
+        };
+        println!(
+            "| {name} | {} | {} | {:.2}x |",
+            ms(&bf16),
+            ms(&fp8),
+            best(&bf16) / best(&fp8)
+        );
+    }
     println!("fp8 products run: {}", fp8::products());
     Ok(())
+}
+
+/// Rows of the feed-forward's chunks (`wan::transformer`'s): 32,760 tokens in four.
+const FFN_CHUNKS: [usize; 4] = [8192, 8192, 8192, 8184];
+
+/// A Wan block's Linears at 480x832x81: self-attention's q, k, v (one input) and output,
+/// cross-attention's q and output (its keys and values read 512 text tokens: left out), and
+/// the feed-forward's two Linears over each chunk of rows.
+struct BlockLinears {
+    x: Tensor,
+    attention: Projection,
+    up: Projection,
+    down: Projection,
+}
+
+impl BlockLinears {
+    fn new(dev: &Device, dim: usize, ffn: usize, fp8: bool) -> Result<Self> {
+        let randn = |shape: (usize, usize), std: f32| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, std, shape, dev)?.to_dtype(DType::BF16)?)
+        };
+        let layer = |inner: usize, out: usize| -> Result<Projection> {
+            let bias = randn((1, out), 0.1)?.squeeze(0)?;
+            let linear = Linear::new(randn((out, inner), 0.02)?, Some(bias));
+            Ok(Projection::new(linear, fp8))
+        };
+        Ok(Self {
+            x: randn((32760, dim), 1.0)?,
+            attention: layer(dim, dim)?,
+            up: layer(dim, ffn)?,
+            down: layer(ffn, dim)?,
+        })
+    }
+
+    /// `layer(x)` (+ GELU), by the fp8 product where the layer is fp8, else the exact one.
+    fn apply(layer: &Projection, x: &Input, gelu: bool) -> Result<Tensor> {
+        if let Some(y) = layer.fp8_product(x, layer.bias(), gelu)? {
+            return Ok(y);
+        }
+        let linear = Linear::new(layer.weight().clone(), layer.bias().cloned());
+        Ok(if gelu {
+            project_gelu_tanh(&linear, x.tensor())?
+        } else {
+            project(&linear, x.tensor())?
+        })
+    }
+
+    fn run(&self) -> Result<()> {
+        let shared = Input::new(&self.x);
+        for _ in 0..3 {
+            Self::apply(&self.attention, &shared, false)?;
+        }
+        for _ in 0..3 {
+            Self::apply(&self.attention, &Input::new(&self.x), false)?;
+        }
+        let mut row0 = 0;
+        for rows in FFN_CHUNKS {
+            let chunk = self.x.narrow(0, row0, rows)?;
+            let h = Self::apply(&self.up, &Input::new(&chunk), true)?;
+            Self::apply(&self.down, &Input::new(&h), false)?;
+            row0 += rows;
+        }
+        Ok(())
+    }
 }

@@ -153,8 +153,8 @@ pub fn conv3d_channels_last(
 }
 
 /// Output frames `first..` of a convolution of frames gathered from `x` (laid out as `layout`),
-/// computed channels last: the frames `index` gathered with `replicate` (height, width) edges
-/// copied outwards, convolved by [`conv3d_channels_last`] (`w_last` `[C_out, kt, kh, kw, C_in]`,
+/// computed channels last: the frames `index` gathered (each image framed as `framing` says:
+/// upsampled, its edges copied outwards), convolved by [`conv3d_channels_last`] (`w_last` `[C_out, kt, kh, kw, C_in]`,
 /// `stride`, zero `padding`), and stored with `bias` (and `residual`, of `out`'s shape) into
 /// `out` of `layout`: one pass each side of the convolution. `false` where no channels-last
 /// convolution takes the shape (nothing is stored).
@@ -167,7 +167,7 @@ pub(crate) fn conv_frames_channels_last(
         crate::models::channel_ops::VideoLayout,
     ),
     index: &[u32],
-    replicate: (usize, usize),
+    framing: crate::models::channel_ops::Framing,
     (w_last, stride, padding): (&Tensor, [usize; 3], [usize; 3]),
     bias: &Tensor,
     out: &Tensor,
@@ -175,8 +175,7 @@ pub(crate) fn conv_frames_channels_last(
     residual: Option<&Tensor>,
 ) -> Result<bool> {
     use crate::models::channel_ops::{gather_padded_frames_channels_last, store_channels_last};
-    let frames =
-        gather_padded_frames_channels_last((x, front), index, replicate.0, replicate.1, layout)?;
+    let frames = gather_padded_frames_channels_last((x, front), index, framing, layout)?;
     let Some(y) = conv3d_channels_last(&frames, w_last, stride, padding)? else {
         return Ok(false);
     };
@@ -197,7 +196,9 @@ const RUN_ELEMENTS: usize = 1 << 28;
 /// kw]` with `stride` in every dim and `pad` zeros around each image, over `t_padded` frames in
 /// time: padded frame j is frame `source(j)` of `front` and then `x` (as
 /// [`gather_padded_frames_channels_last`] names them; `front`: a causal convolution's context
-/// kept from the chunk before), plus `bias` (and `residual`, of the output's shape). Computed
+/// kept from the chunk before), each upsampled `up` times in height and width (nearest: an
+/// upsampler's convolution reads its input's pixels where they lie), plus `bias` (and
+/// `residual`, of the output's shape). Computed
 /// channels last in runs of output frames: each run's frames gathered straight into cuDNN's NDHWC
 /// layout and its output stored with the bias (and residual) into the channels-first result, so
 /// no padded copy of the whole input and no transposes (nor their workspace) inside cuDNN.
@@ -208,32 +209,25 @@ const RUN_ELEMENTS: usize = 1 << 28;
 #[cfg(feature = "cuda")]
 pub(crate) fn padded_conv_channels_last(
     (x, front): (&Tensor, Option<&Tensor>),
-    (t_padded, source): (usize, &dyn Fn(usize) -> u32),
+    frames: (usize, &dyn Fn(usize) -> u32, usize),
     conv: (&Tensor, usize, usize),
     bias: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Option<Tensor>> {
-    padded_conv_in_runs(
-        (x, front),
-        (t_padded, source),
-        conv,
-        bias,
-        residual,
-        RUN_ELEMENTS,
-    )
+    padded_conv_in_runs((x, front), frames, conv, bias, residual, RUN_ELEMENTS)
 }
 
 /// [`padded_conv_channels_last`] gathering about `run_elements` input elements a run.
 #[cfg(feature = "cuda")]
 fn padded_conv_in_runs(
     (x, front): (&Tensor, Option<&Tensor>),
-    (t_padded, source): (usize, &dyn Fn(usize) -> u32),
+    (t_padded, source, up): (usize, &dyn Fn(usize) -> u32, usize),
     (weight, stride, pad): (&Tensor, usize, usize),
     bias: &Tensor,
     residual: Option<&Tensor>,
     run_elements: usize,
 ) -> Result<Option<Tensor>> {
-    use crate::models::channel_ops::VideoLayout;
+    use crate::models::channel_ops::{Framing, VideoLayout};
     use candle_core::DType;
     if !(x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F32)
@@ -243,9 +237,10 @@ fn padded_conv_in_runs(
         return Ok(None);
     }
     let (b, cin, t, h, w) = x.dims5()?;
+    let (h, w) = (h * up, w * up);
     let (cout, _, kt, kh, kw) = weight.dims5()?;
     let st = stride.max(1);
-    if t == 0 || t_padded < kt || h + 2 * pad < kh || w + 2 * pad < kw {
+    if t == 0 || up == 0 || t_padded < kt || h + 2 * pad < kh || w + 2 * pad < kw {
         return Ok(None);
     }
     let t_out = (t_padded - kt) / st + 1;
@@ -264,7 +259,7 @@ fn padded_conv_in_runs(
         let stored = conv_frames_channels_last(
             (x, front, VideoLayout::ChannelsFirst),
             &index,
-            (0, 0),
+            Framing { up, pad: (0, 0) },
             (&w_last, [st; 3], [0, pad, pad]),
             bias,
             &out,
@@ -1072,7 +1067,7 @@ mod cuda_tests {
                 let run_elements = if runs { 2 * cin * h * w } else { RUN_ELEMENTS };
                 let got = padded_conv_in_runs(
                     (&x, front),
-                    (t + 2, &source),
+                    (t + 2, &source, 1),
                     (&weight, 1, 1),
                     &bias,
                     Some(&residual),

@@ -19,6 +19,7 @@
 //! there (zero codes add nothing; padded weight rows have scale 0 and are cut off), on the host
 //! as on the GPU, so the two hold the same tensors.
 
+use std::cell::OnceCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Result, Tensor};
@@ -119,6 +120,18 @@ pub fn products() -> u64 {
 /// `x @ W^T` (+ `bias`, then GELU(tanh) where `gelu`) for `x` `[rows, in]` and the quantized
 /// weight `weight` `[out, in]`, in `x`'s dtype, by the definition above.
 pub fn linear(x: &Tensor, weight: &Fp8Rows, bias: Option<&Tensor>, gelu: bool) -> Result<Tensor> {
+    linear_sharing(x, &OnceCell::new(), weight, bias, gelu)
+}
+
+/// [`linear`] with `x`'s codes taken from `codes`, or made there for the next layer that reads
+/// the same input (self-attention's q, k and v: one quantization of the input, not three).
+pub fn linear_sharing(
+    x: &Tensor,
+    codes: &OnceCell<Fp8Rows>,
+    weight: &Fp8Rows,
+    bias: Option<&Tensor>,
+    gelu: bool,
+) -> Result<Tensor> {
     let (rows, inner) = x.dims2()?;
     if inner != weight.cols {
         candle_core::bail!(
@@ -133,13 +146,20 @@ pub fn linear(x: &Tensor, weight: &Fp8Rows, bias: Option<&Tensor>, gelu: bool) -
         return Tensor::zeros((0, weight.rows), dtype, x.device());
     }
     PRODUCTS.fetch_add(1, Ordering::Relaxed);
-    let input = Fp8Rows::quantize(x, false)?;
+    let input = match codes.get() {
+        Some(input) if input.rows == rows && input.cols == inner => input,
+        Some(_) => candle_core::bail!("fp8 Linear: codes of another input"),
+        None => {
+            let _ = codes.set(Fp8Rows::quantize(x, false)?);
+            codes.get().unwrap_or_else(|| unreachable!("set above"))
+        }
+    };
     let scale_w = weight.scale.narrow(0, 0, weight.rows)?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         use crate::models::fp8_kernels::{product, scale_rows, scaled_product};
         if dtype == DType::BF16 {
-            if let Some(y) = scaled_product(&input, weight, bias, gelu)? {
+            if let Some(y) = scaled_product(input, weight, bias, gelu)? {
                 return Ok(y);
             }
         }

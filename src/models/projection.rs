@@ -10,6 +10,7 @@
 //! [`Projection`] is a Linear whose product may instead be an fp8 one (`--fp8-matmul`,
 //! [`crate::models::fp8`]).
 
+use std::cell::OnceCell;
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{Module, Result, Tensor};
@@ -49,7 +50,7 @@ impl Projection {
     /// for an exact layer (the caller computes it its own way).
     pub fn fp8_product(
         &self,
-        x: &Tensor,
+        x: &Input,
         bias: Option<&Tensor>,
         gelu: bool,
     ) -> Result<Option<Tensor>> {
@@ -64,21 +65,42 @@ impl Projection {
                 cell.get().unwrap_or_else(|| unreachable!("set above"))
             }
         };
-        let dims = x.dims();
+        let dims = x.x.dims();
         let Some((&inner, outer)) = dims.split_last() else {
             candle_core::bail!("a Linear layer's input needs at least one dimension")
         };
         let mut shape = outer.to_vec();
         shape.push(weight.rows);
-        fp8::linear(&x.reshape(((), inner))?, weight, bias, gelu)?
+        let rows = x.x.reshape(((), inner))?;
+        fp8::linear_sharing(&rows, &x.codes, weight, bias, gelu)?
             .reshape(shape)
             .map(Some)
     }
 }
 
+/// A Linear's input `[..., in]`, with the e4m3 codes of its rows made by the first fp8 layer
+/// that reads it and kept for the others that read it too.
+pub struct Input<'a> {
+    x: &'a Tensor,
+    codes: OnceCell<Fp8Rows>,
+}
+
+impl<'a> Input<'a> {
+    pub fn new(x: &'a Tensor) -> Self {
+        Self {
+            x,
+            codes: OnceCell::new(),
+        }
+    }
+
+    pub fn tensor(&self) -> &'a Tensor {
+        self.x
+    }
+}
+
 impl Module for Projection {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self.fp8_product(x, self.bias(), false)? {
+        match self.fp8_product(&Input::new(x), self.bias(), false)? {
             Some(y) => Ok(y),
             None => self.linear.forward(x),
         }

@@ -346,7 +346,7 @@ impl CausalConv3d {
             let channels_last = || {
                 conv3d::padded_conv_channels_last(
                     (x, prev.as_ref()),
-                    (context + t_in, &from),
+                    (context + t_in, &from, 1),
                     (w, 1, self.pad),
                     &self.bias,
                     residual,
@@ -753,11 +753,37 @@ impl Upsample3D {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = x.dim(2)?;
-        let x = if self.compress_time && t > 1 && !t.is_multiple_of(2) {
+        // Time doubles where it is compressed; with an odd count the first frame stays single.
+        let doubled = self.compress_time && t > 1;
+        let odd = doubled && !t.is_multiple_of(2);
+        #[cfg(feature = "cuda")]
+        if let Some(w) = self.conv.kernel.whole() {
+            // The convolution gathers each upsampled frame's pixels from x where they lie: no
+            // upsampled copy (output frame j is x's frame `source(j)`).
+            let frames = if doubled { 2 * t - usize::from(odd) } else { t };
+            let source = |j: usize| match (doubled, odd) {
+                (true, true) => j.div_ceil(2) as u32,
+                (true, false) => (j / 2) as u32,
+                _ => j as u32,
+            };
+            let upsampled = || {
+                conv3d::padded_conv_channels_last(
+                    (x, None),
+                    (frames, &source, 2),
+                    (w, 1, self.conv.pad),
+                    &self.conv.bias,
+                    None,
+                )
+            };
+            if let Some(y) = conv3d::or_fallback(upsampled) {
+                return Ok(y);
+            }
+        }
+        let x = if odd {
             let first = double_space(&x.narrow(2, 0, 1)?)?;
             let rest = double_space_time(&x.narrow(2, 1, t - 1)?)?;
             Tensor::cat(&[first, rest], 2)?
-        } else if self.compress_time && t > 1 {
+        } else if doubled {
             double_space_time(x)?
         } else {
             double_space(x)?

@@ -527,7 +527,7 @@ impl CausalConv3d {
             // where a channels-last convolution runs (cuDNN's NDHWC kernels read it without
             // transposing: the gather and the store transpose instead).
             use crate::models::channel_ops::{
-                add_channel_bias, gather_padded_frames, BiasOut, VideoLayout,
+                add_channel_bias, gather_padded_frames, BiasOut, Framing, VideoLayout,
             };
             let (kh, kw) = (w.dim(3)?, w.dim(4)?);
             let (h_out, w_out) = ((h + 2 * ph - kh) / ss + 1, (wd + 2 * pw - kw) / ss + 1);
@@ -547,7 +547,7 @@ impl CausalConv3d {
                 if conv3d::conv_frames_channels_last(
                     input,
                     &index,
-                    (ph, pw),
+                    Framing::padded((ph, pw)),
                     conv,
                     bias,
                     &out,

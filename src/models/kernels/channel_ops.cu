@@ -106,13 +106,35 @@ __device__ void gather_padded_frames(const T *__restrict__ x, T *__restrict__ ou
 
 // The channels-last moves around cuDNN's NDHWC convolutions, each a tiled transpose in one pass
 // (cuDNN given channels first transposes every input and output itself, two more passes): a
-// tile of 32 channels by 64 columns per step of a grid-stride loop over tiles, through shared
-// memory, so that loads and stores both run along rows (a warp's 32 lanes cover 64 elements of
-// a row in two steps, or one 32-channel row of the transposed side), each row's address found
-// once. 256 threads: 8 warps.
-constexpr int TILE_C = 32, TILE_W = 64, WARPS = 8;
+// tile of 64 channels by 64 columns per step of a grid-stride loop over tiles, through shared
+// memory, so that loads and stores both run along rows. On the channels-first side a warp moves
+// 8 channel rows of 64 columns (two elements a lane); on the channels-last side 8 columns of
+// 64 channels, a lane moving a pair of channels in one access. Every thread issues all 16 of its
+// loads before its first store to shared memory: the moves are bound by how many bytes are in
+// flight, and a loop that waits on each load ran at a third of a plain pass's rate.
+// 256 threads: 8 warps.
+constexpr int TILE_C = 64, TILE_W = 64, WARPS = 8;
+constexpr int ROWS_PER_WARP = TILE_C / WARPS;  // channels-first side: channel rows of a warp
+constexpr int COLS_PER_LANE = TILE_W / 32;     // channels-first side: columns of a lane
+constexpr int COLS_PER_WARP = TILE_W / WARPS;  // channels-last side: columns of a warp
 
 __device__ __forceinline__ int clamp_to(int v, int hi) { return min(max(v, 0), hi); }
+
+// Two neighbouring channels of one position: the channels-last side's access.
+template <typename T> struct alignas(2 * sizeof(T)) Pair {
+  T e[2];
+};
+
+// A tile in shared memory: channel pairs by columns, with a column of padding, so that the
+// channels-first side's row of consecutive columns and the channels-last side's column of 32
+// pairs (a stride of 65 words in bf16) each fall in distinct banks.
+template <typename T> using TileMem = Pair<T>[TILE_C / 2][TILE_W + 1];
+
+// Whether the channels-last side may move pairs: an even channel count (every tile's pairs
+// start at an even element) and storage aligned to a pair.
+template <typename T> __device__ __forceinline__ bool pairs_fit(const T *p, int channels) {
+  return channels % 2 == 0 && reinterpret_cast<uintptr_t>(p) % sizeof(Pair<T>) == 0;
+}
 
 // Tile t of the moves' grid: batch entries of n frames of `rows` rows, each row's channels and
 // columns in tiles (columns fastest).
@@ -143,28 +165,29 @@ __device__ __forceinline__ Strides strides_of(int channels_first, int channels, 
   return channels_first ? Strides{plane, frames * plane} : Strides{channels * plane, plane};
 }
 
-// out [B, n, h + 2 ph, w + 2 pw, C] (channels last) from the frames of `front` [B, F, C, h, w]
-// and then x [B, T, C, h, w] (or, where `channels_first`, [B, C, F, h, w] and [B, C, T, h, w]):
-// frame f is front's frame index[f] where index[f] < F (`front_frames`; `front` may be null
-// where F is 0), else x's frame index[f] - F; rows and columns outside a frame replicate its
-// edge (copies).
+// out [B, n, h up + 2 ph, w up + 2 pw, C] (channels last) from the frames of `front`
+// [B, F, C, h, w] and then x [B, T, C, h, w] (or, where `channels_first`, [B, C, F, h, w] and
+// [B, C, T, h, w]): frame f is front's frame index[f] where index[f] < F (`front_frames`;
+// `front` may be null where F is 0), else x's frame index[f] - F, first upsampled `up` times in
+// height and width (nearest); rows and columns outside a frame replicate its edge (copies).
 template <typename T>
 __device__ void gather_padded_frames_cl(const T *__restrict__ x, const T *__restrict__ front,
                                         long front_frames, T *__restrict__ out,
                                         const uint32_t *__restrict__ index, int channels,
-                                        long frames, long n, int h, int w, int ph, int pw,
-                                        long tiles, int channels_first) {
-  __shared__ T tile[TILE_C][TILE_W + 4 / sizeof(T)];  // a bank-conflict-free column
-  const int hp = h + 2 * ph, wp = w + 2 * pw;
+                                        long frames, long n, int h, int w, int up, int ph,
+                                        int pw, long tiles, int channels_first) {
+  __shared__ TileMem<T> tile;
+  const int hu = h * up, wu = w * up;
+  const int hp = hu + 2 * ph, wp = wu + 2 * pw;
   const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (wp + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const bool pairs = pairs_fit(out, channels);
   for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile at = tile_at(t, n, hp, c_tiles, w_tiles);
     const long b = at.b, f = at.f;
     const int row = at.row, c0 = at.c0, w0 = at.w0;
-    const int sy = clamp_to(row - ph, h - 1);
+    const int sy = clamp_to(row - ph, hu - 1) / up;
     const int cols = min(TILE_W, wp - w0), chans = min(TILE_C, channels - c0);
-    // Rows of x: channel c0 + k, padded columns w0 + lane (+ 32).
     const long plane = (long)h * w;
     const long i = index[f];
     const bool ahead = i < front_frames;
@@ -174,15 +197,41 @@ __device__ void gather_padded_frames_cl(const T *__restrict__ x, const T *__rest
     const T *frame = src_video + b * channels * src_frames * plane +
                      (ahead ? i : i - front_frames) * at_x.frame + c0 * at_x.channel +
                      (long)sy * w;
-    for (int k = warp; k < chans; k += WARPS) {
-      const T *src = frame + k * at_x.channel;
-      for (int j = lane; j < cols; j += 32) tile[k][j] = src[clamp_to(w0 + j - pw, w - 1)];
-    }
+    // Rows of x: channel c0 + k, padded columns w0 + j.
+    T v[ROWS_PER_WARP][COLS_PER_LANE];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
+#pragma unroll
+      for (int q = 0; q < COLS_PER_LANE; ++q) {
+        const int k = warp + r * WARPS, j = lane + q * 32;
+        if (k < chans && j < cols)
+          v[r][q] = frame[k * at_x.channel + clamp_to(w0 + j - pw, wu - 1) / up];
+      }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
+#pragma unroll
+      for (int q = 0; q < COLS_PER_LANE; ++q) {
+        const int k = warp + r * WARPS, j = lane + q * 32;
+        if (k < chans && j < cols) tile[k / 2][j].e[k % 2] = v[r][q];
+      }
     __syncthreads();
-    // Rows of out: padded column w0 + j, channels c0 + lane.
+    // Rows of out: padded column w0 + j, channels c0 + 2 lane and the next.
     T *dst = out + (((b * n + f) * hp + row) * (long)wp + w0) * channels + c0;
-    if (lane < chans)
-      for (int j = warp; j < cols; j += WARPS) dst[(long)j * channels + lane] = tile[lane][j];
+    const int c = 2 * lane;
+#pragma unroll
+    for (int q = 0; q < COLS_PER_WARP; ++q) {
+      const int j = warp + q * WARPS;
+      if (j < cols && c < chans) {
+        const Pair<T> p = tile[lane][j];
+        T *d = dst + (long)j * channels + c;
+        if (pairs) {
+          *reinterpret_cast<Pair<T> *>(d) = p;
+        } else {
+          d[0] = p.e[0];
+          if (c + 1 < chans) d[1] = p.e[1];
+        }
+      }
+    }
     __syncthreads();
   }
 }
@@ -196,31 +245,56 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
                                     const float *__restrict__ bias, const T *__restrict__ res,
                                     int channels, long n, int h, int w, long out_frames,
                                     long first, long tiles, int channels_first) {
-  __shared__ T tile[TILE_C][TILE_W + 4 / sizeof(T)];  // a bank-conflict-free column
+  __shared__ TileMem<T> tile;
   const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (w + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const bool pairs = pairs_fit(y, channels);
   for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile at = tile_at(t, n, h, c_tiles, w_tiles);
     const long b = at.b, f = at.f;
     const int row = at.row, c0 = at.c0, w0 = at.w0;
     const int cols = min(TILE_W, w - w0), chans = min(TILE_C, channels - c0);
-    // Rows of y: column w0 + j, channels c0 + lane.
+    // Rows of y: column w0 + j, channels c0 + 2 lane and the next.
     const T *src = y + (((b * n + f) * h + row) * (long)w + w0) * channels + c0;
-    if (lane < chans)
-      for (int j = warp; j < cols; j += WARPS) tile[lane][j] = src[(long)j * channels + lane];
+    const int c = 2 * lane;
+    Pair<T> v[COLS_PER_WARP];
+#pragma unroll
+    for (int q = 0; q < COLS_PER_WARP; ++q) {
+      const int j = warp + q * WARPS;
+      if (j < cols && c < chans) {
+        const T *s = src + (long)j * channels + c;
+        if (pairs) {
+          v[q] = *reinterpret_cast<const Pair<T> *>(s);
+        } else {
+          v[q].e[0] = s[0];
+          v[q].e[1] = c + 1 < chans ? s[1] : s[0];
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < COLS_PER_WARP; ++q) {
+      const int j = warp + q * WARPS;
+      if (j < cols && c < chans) tile[lane][j] = v[q];
+    }
     __syncthreads();
-    // Rows of out: channel c0 + k, columns w0 + lane (+ 32).
+    // Rows of out: channel c0 + k, columns w0 + j.
     const long plane = (long)h * w;
     const Strides at_out = strides_of(channels_first, channels, out_frames, plane);
     const long base = b * channels * out_frames * plane + (first + f) * at_out.frame +
                       c0 * at_out.channel + (long)row * w + w0;
-    for (int k = warp; k < chans; k += WARPS) {
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+      const int k = warp + r * WARPS;
+      if (k >= chans) continue;
       const float add = bias[c0 + k];
-      for (int j = lane; j < cols; j += 32) {
+#pragma unroll
+      for (int q = 0; q < COLS_PER_LANE; ++q) {
+        const int j = lane + q * 32;
+        if (j >= cols) continue;
         const long dst = base + k * at_out.channel + j;
-        float v = round_to_storage<T>(__fadd_rn(load(&tile[k][j], 0), add));
-        if (res) v = __fadd_rn(v, load(res, dst));
-        store(out, dst, v);
+        float s = round_to_storage<T>(__fadd_rn(load(&tile[k / 2][j].e[k % 2], 0), add));
+        if (res) s = __fadd_rn(s, load(res, dst));
+        store(out, dst, s);
       }
     }
     __syncthreads();
@@ -300,9 +374,9 @@ __device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
   extern "C" __global__ void __launch_bounds__(WARPS * 32) gather_padded_frames_cl_##NAME(     \
       const T *__restrict__ x, const T *__restrict__ front, long front_frames,                  \
       T *__restrict__ out, const uint32_t *__restrict__ index, int channels, long frames,       \
-      long n, int h, int w, int ph, int pw, long tiles, int channels_first) {                   \
-    gather_padded_frames_cl(x, front, front_frames, out, index, channels, frames, n, h, w, ph,  \
-                            pw, tiles, channels_first);                                         \
+      long n, int h, int w, int up, int ph, int pw, long tiles, int channels_first) {           \
+    gather_padded_frames_cl(x, front, front_frames, out, index, channels, frames, n, h, w, up,  \
+                            ph, pw, tiles, channels_first);                                     \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) store_channels_last_##NAME(          \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \

@@ -162,6 +162,21 @@ impl VideoLayout {
     }
 }
 
+/// How a gather frames each source image: upsampled `up` times in height and width (nearest,
+/// as `F.interpolate(scale_factor=up)`), then its edges replicated `pad` (height, width) outwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Framing {
+    pub up: usize,
+    pub pad: (usize, usize),
+}
+
+impl Framing {
+    /// Edges replicated `pad` (height, width) outwards, no upsampling.
+    pub(crate) const fn padded(pad: (usize, usize)) -> Self {
+        Self { up: 1, pad }
+    }
+}
+
 /// `[B, C, N, H + 2 pad_h, W + 2 pad_w]` from the frames-major `x` `[B, T, C, H, W]` (bf16 or
 /// f32, on CUDA): frame `n` is `x`'s frame `index[n]`, its edges replicated outwards.
 pub(crate) fn gather_padded_frames(
@@ -170,27 +185,27 @@ pub(crate) fn gather_padded_frames(
     pad_h: usize,
     pad_w: usize,
 ) -> Result<Tensor> {
-    gather((x, None), index, (pad_h, pad_w), None)
+    gather((x, None), index, Framing::padded((pad_h, pad_w)), None)
 }
 
 /// [`gather_padded_frames`] into cuDNN's channels-last layout, from `x` in `layout` behind the
 /// frames of `front` (of `x`'s layout, batch, channels and size; a causal convolution's context
-/// kept from the previous chunk): `[B, N, H + 2 pad_h, W + 2 pad_w, C]`, in one tiled pass
-/// (cuDNN transposes a channels-first input itself, one more pass). `index[n]` below `front`'s
-/// frame count F names a frame of `front`, any other `x`'s frame `index[n] - F`.
+/// kept from the previous chunk), each image framed as `framing` says: `[B, N, H up + 2 pad_h,
+/// W up + 2 pad_w, C]`, in one tiled pass (cuDNN transposes a channels-first input itself, one
+/// more pass). `index[n]` below `front`'s frame count F names a frame of `front`, any other
+/// `x`'s frame `index[n] - F`.
 pub(crate) fn gather_padded_frames_channels_last(
     (x, front): (&Tensor, Option<&Tensor>),
     index: &[u32],
-    pad_h: usize,
-    pad_w: usize,
+    framing: Framing,
     layout: VideoLayout,
 ) -> Result<Tensor> {
-    gather((x, front), index, (pad_h, pad_w), Some(layout))
+    gather((x, front), index, framing, Some(layout))
 }
 
-/// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 32
+/// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 64
 /// channels by 64 columns.
-const TILE: (usize, usize) = (32, 64);
+const TILE: (usize, usize) = (64, 64);
 
 /// The padded frames `index` of `front` and then `x`, channels first from a frames-major `x`
 /// (a warp per output row; no `front`), or last from `x` in the layout given (a block per
@@ -198,9 +213,15 @@ const TILE: (usize, usize) = (32, 64);
 fn gather(
     (x, front): (&Tensor, Option<&Tensor>),
     index: &[u32],
-    (pad_h, pad_w): (usize, usize),
+    Framing {
+        up,
+        pad: (pad_h, pad_w),
+    }: Framing,
     last: Option<VideoLayout>,
 ) -> Result<Tensor> {
+    if up == 0 || (up > 1 && last.is_none()) {
+        candle_core::bail!("gather frames: upsampling by {up} (channels last only, at least 1)")
+    }
     let layout = last.unwrap_or(VideoLayout::FramesMajor);
     let (b, t, c, h, w) = layout.dims(x)?;
     let front = front.map(|f| f.contiguous()).transpose()?;
@@ -219,7 +240,7 @@ fn gather(
     }
     let x = x.contiguous()?;
     let n = index.len();
-    let (hp, wp) = (h + 2 * pad_h, w + 2 * pad_w);
+    let (hp, wp) = (h * up + 2 * pad_h, w * up + 2 * pad_w);
     let shape = match last {
         Some(_) => (b, n, hp, wp, c),
         None => (b, c, n, hp, wp),
@@ -243,6 +264,11 @@ fn gather(
         Arg::Long(n as i64),
         Arg::Int(h as i32),
         Arg::Int(w as i32),
+    ]);
+    if last.is_some() {
+        args.push(Arg::Int(up as i32));
+    }
+    args.extend([
         Arg::Int(pad_h as i32),
         Arg::Int(pad_w as i32),
         Arg::Long(items as i64),
@@ -467,7 +493,7 @@ mod cuda_tests {
     }
 
     /// The channels-last moves are the channels-first ones transposed, bit for bit: shapes
-    /// with partial tiles of channels and columns.
+    /// with whole and partial tiles of channels and columns, even and odd channel counts.
     #[test]
     fn channels_last_moves_are_the_transposed_channels_first_ones() -> Result<()> {
         let Some(dev) = device("channels-last moves") else {
@@ -477,14 +503,16 @@ mod cuda_tests {
             for (dims, index, ph, pw) in [
                 ([2, 5, 40, 4, 37], vec![0u32, 0, 1, 2, 4], 1, 1),
                 ([1, 3, 7, 3, 70], vec![2u32, 1], 0, 2),
+                // Whole tiles of 64 channels and a partial one of an odd count.
+                ([1, 3, 131, 2, 66], vec![0u32, 2, 1], 1, 1),
             ] {
                 let x = Tensor::randn(0f32, 1.0, &dims[..], &dev)?.to_dtype(dtype)?;
                 let want = gather_padded_frames(&x, &index, ph, pw)?.permute((0, 2, 3, 4, 1))?;
+                let framing = Framing::padded((ph, pw));
                 let got = gather_padded_frames_channels_last(
                     (&x, None),
                     &index,
-                    ph,
-                    pw,
+                    framing,
                     VideoLayout::FramesMajor,
                 )?;
                 assert_eq!(got.dims(), want.dims());
@@ -494,8 +522,7 @@ mod cuda_tests {
                 let got_cf = gather_padded_frames_channels_last(
                     (&x_cf, None),
                     &index,
-                    ph,
-                    pw,
+                    framing,
                     VideoLayout::ChannelsFirst,
                 )?;
                 assert_eq!(
@@ -520,13 +547,37 @@ mod cuda_tests {
                     let got_split = gather_padded_frames_channels_last(
                         (&behind, Some(&front)),
                         &index,
-                        ph,
-                        pw,
+                        framing,
                         layout,
                     )?;
                     let what = format!("{dtype:?} {dims:?} {layout:?} gather with frames ahead");
                     assert_eq!(max_diff(&got_split, &want)?, 0.0, "{what}");
                 }
+                // The frames upsampled twice (nearest) before the padding, as gathered from the
+                // upsampled video (CogVideoX's upsampler before its convolution).
+                let (b, t, c, h, w) = x.dims5()?;
+                let upsampled = x
+                    .reshape((b * t, c, h, w))?
+                    .upsample_nearest2d(2 * h, 2 * w)?
+                    .reshape((b, t, c, 2 * h, 2 * w))?;
+                let want_up = gather_padded_frames_channels_last(
+                    (&upsampled, None),
+                    &index,
+                    framing,
+                    VideoLayout::FramesMajor,
+                )?;
+                let got_up = gather_padded_frames_channels_last(
+                    (&x_cf, None),
+                    &index,
+                    Framing {
+                        up: 2,
+                        pad: (ph, pw),
+                    },
+                    VideoLayout::ChannelsFirst,
+                )?;
+                assert_eq!(got_up.dims(), want_up.dims());
+                let what = format!("{dtype:?} {dims:?} gather upsampled");
+                assert_eq!(max_diff(&got_up, &want_up)?, 0.0, "{what}");
                 // The gathered frames as a convolution's output: stored with a bias (and a
                 // residual) into frames 1.. of a frames-major output, as add_channel_bias does,
                 // and of the channels-first output, transposed.

@@ -129,6 +129,72 @@ __device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *
   }
 }
 
+// 8 consecutive values of T, one 16-byte aligned load (two for f32).
+template <typename T> struct alignas(16) Vec8 {
+  T e[8];
+};
+
+// 8 e4m3 codes of v / s (zeros where `zero`), one 8-byte store to `q`.
+__device__ __forceinline__ void store_codes(uint8_t *q, const float (&v)[8], float s, bool zero) {
+  uint2 out;
+  uint8_t *b = reinterpret_cast<uint8_t *>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b[i] = e4m3(zero ? 0.f : __fdiv_rn(v[i], s));
+  *reinterpret_cast<uint2 *>(q) = out;
+}
+
+// quantize_rows for rows that fit a block's registers (k % 8 == 0, x and q 16-byte aligned,
+// k_pad <= 8 THREADS CHUNKS): a block per row (grid-stride) holds the row while it finds the
+// absmax, so x is read from memory once. The warp-per-row kernel reads each row twice, and with
+// its many rows in flight (tens of MB) the second read missed the L2 and went to memory again.
+// The same codes and scales: the absmax does not depend on the order of the fmaxf's.
+template <typename T, int CHUNKS>
+__device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
+                                                   uint8_t *__restrict__ q,
+                                                   float *__restrict__ scale, int k, int k_pad,
+                                                   long rows, long rows_pad) {
+  __shared__ float warp_maxima[THREADS / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (long row = blockIdx.x; row < rows_pad; row += gridDim.x) {
+    const bool real = row < rows;
+    const T *xr = x + row * k;
+    Vec8<T> held[CHUNKS];
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = 8 * (threadIdx.x + i * THREADS);
+      if (real && c < k) held[i] = *reinterpret_cast<const Vec8<T> *>(xr + c);
+    }
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = 8 * (threadIdx.x + i * THREADS);
+      if (real && c < k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(to_f32(held[i].e[e])));
+    }
+    m = warp_max(m);
+    if (lane == 0) warp_maxima[warp] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) m = fmaxf(m, warp_maxima[w]);
+    __syncthreads();  // every thread has read the maxima before the next row writes them
+    const float s = __fdiv_rn(m, E4M3_MAX);
+    if (threadIdx.x == 0) scale[row] = s;
+    const bool zero = !real || s == 0.f;
+    uint8_t *qr = q + row * k_pad;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = 8 * (threadIdx.x + i * THREADS);
+      if (c < k_pad) {
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = to_f32(held[i].e[e]);
+        store_codes(qr + c, v, s, zero || c >= k);
+      }
+    }
+  }
+}
+
 // act(acc * a * w + bias) in f32, as the host computes it.
 __device__ __forceinline__ float scaled(float acc, float a, float w, const float *bias, int act) {
   float v = __fmul_rn(__fmul_rn(acc, a), w);
@@ -171,12 +237,24 @@ __device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
 
 } // namespace
 
+// quantize_rows_held<T, CHUNKS> as its own kernel (each its own register budget).
+#define QUANTIZE_HELD(NAME, T, CHUNKS)                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_held##CHUNKS##_##NAME(     \
+      const T *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale, int k,        \
+      int k_pad, long rows, long rows_pad) {                                                    \
+    quantize_rows_held<T, CHUNKS>(x, q, scale, k, k_pad, rows, rows_pad);                        \
+  }
+
 #define FP8_KERNELS(NAME, T)                                                                       \
   extern "C" __global__ void quantize_rows_##NAME(const T *__restrict__ x, uint8_t *__restrict__ q, \
                                                  float *__restrict__ scale, int k, int k_pad,     \
                                                  long rows, long rows_pad) {                      \
     quantize_rows<T>(x, q, scale, k, k_pad, rows, rows_pad);                                       \
   }                                                                                                \
+  QUANTIZE_HELD(NAME, T, 1)                                                                      \
+  QUANTIZE_HELD(NAME, T, 2)                                                                      \
+  QUANTIZE_HELD(NAME, T, 4)                                                                      \
+  QUANTIZE_HELD(NAME, T, 8)                                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS)                                          \
       scale_rows_##NAME(const T *acc, long ld, T *out, const float *__restrict__ scale_a,          \
                         const float *__restrict__ scale_w, const T *__restrict__ bias, int n,      \

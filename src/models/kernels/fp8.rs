@@ -16,7 +16,7 @@ use half::bf16;
 
 use crate::models::fp8::{self, Fp8Rows};
 use crate::models::kernel_module::{
-    item_launch, kernel_module, row_launch, tensor_address, Arg, Module,
+    item_launch, kernel_module, row_launch, tensor_address, Arg, Module, ROW_THREADS,
 };
 use crate::models::linear::{handle, lt_error};
 
@@ -77,7 +77,26 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
     if rows_pad == 0 {
         return Ok((q, scale));
     }
-    let func = kernel(x.dtype(), ["quantize_rows_bf16", "quantize_rows_f32"]);
+    let held = held_chunks(&x, k, k_pad);
+    let func = match held {
+        Some(1) => kernel(
+            x.dtype(),
+            ["quantize_rows_held1_bf16", "quantize_rows_held1_f32"],
+        ),
+        Some(2) => kernel(
+            x.dtype(),
+            ["quantize_rows_held2_bf16", "quantize_rows_held2_f32"],
+        ),
+        Some(4) => kernel(
+            x.dtype(),
+            ["quantize_rows_held4_bf16", "quantize_rows_held4_f32"],
+        ),
+        Some(_) => kernel(
+            x.dtype(),
+            ["quantize_rows_held8_bf16", "quantize_rows_held8_f32"],
+        ),
+        None => kernel(x.dtype(), ["quantize_rows_bf16", "quantize_rows_f32"]),
+    };
     let args = vec![
         Arg::Tensor(Some(&x)),
         Arg::Out(&q),
@@ -87,9 +106,30 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
         Arg::Long(rows as i64),
         Arg::Long(rows_pad as i64),
     ];
-    // A warp per row.
-    scale.inplace_op1(&item_launch(&FP8, func, rows_pad * 32, args))?;
+    scale.inplace_op1(&match held {
+        // A block per row.
+        Some(_) => row_launch(&FP8, func, rows_pad.min(MAX_ROW_BLOCKS), args),
+        // A warp per row.
+        None => item_launch(&FP8, func, rows_pad * 32, args),
+    })?;
     Ok((q, scale))
+}
+
+/// Blocks the held-row quantizer launches at most (grid-stride over the rest).
+const MAX_ROW_BLOCKS: usize = 1 << 16;
+
+/// The chunks of 8 values per thread (1, 2, 4 or 8) with which a block of [`ROW_THREADS`] holds
+/// a row of `k` values of `x` in registers and writes its `k_pad` codes (`quantize_rows_held`
+/// in `fp8.cu`): where `k` is a multiple of 8, `x` starts 16-byte aligned and the padded row
+/// fits; `None` elsewhere (the warp-per-row kernel, which reads each row twice).
+fn held_chunks(x: &Tensor, k: usize, k_pad: usize) -> Option<usize> {
+    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
+    if k == 0 || !k.is_multiple_of(8) || !k_pad.is_multiple_of(8) || !aligned {
+        return None;
+    }
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&c| k_pad <= c * 8 * ROW_THREADS)
 }
 
 /// `act(acc * scale_a[row] * scale_w[col] + bias[col])` of the product `acc` `[rows, ld]`, its
@@ -476,8 +516,9 @@ mod cuda_tests {
         x.broadcast_mul(&gains)?.to_dtype(dtype)?.to_device(dev)
     }
 
-    /// The GPU quantizer writes exactly the host's codes and scales, padding included, by 8
-    /// values at a time (widths of multiples of 8) and one at a time (100).
+    /// The GPU quantizer writes exactly the host's codes and scales, padding included: rows
+    /// held in a block's registers (widths of multiples of 8 up to 16,384, each chunk count),
+    /// rows read twice by a warp (16,400) and one value at a time (100).
     #[test]
     fn quantizer_matches_the_host_definition() -> Result<()> {
         let Some(dev) = device("fp8 quantizer") else {
@@ -487,6 +528,9 @@ mod cuda_tests {
             (DType::BF16, 37, 200),
             (DType::F32, 5, 5120),
             (DType::F32, 64, 13824),
+            (DType::BF16, 33, 5120),
+            (DType::BF16, 9, 13824),
+            (DType::BF16, 3, 16400),
             (DType::BF16, 3, 24),
             (DType::BF16, 5, 100),
         ] {

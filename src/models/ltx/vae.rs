@@ -435,7 +435,7 @@ impl CausalConv3d {
         let source = |j: usize| j.saturating_sub(front).min(t.saturating_sub(1)) as u32;
         conv3d::padded_conv_channels_last(
             (x, None),
-            (t + front + back, &source),
+            (t + front + back, &source, 1),
             (&self.weight, self.stride, k / 2),
             &self.bias,
             residual,

@@ -29,7 +29,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 use crate::models::attention::sdpa;
-use crate::models::projection::Projection;
+use crate::models::projection::{Input, Projection};
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::step_cache::{
     whole_output, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Submodule, Through,
@@ -651,27 +651,28 @@ fn row_chunks(batch: usize, seq: usize, chunk: usize) -> impl Iterator<Item = (u
 }
 
 /// `x @ W^T` of a Linear without its bias, for `x` `[rows, in]`: the fused ops add the bias.
-fn matmul_t(x: &Tensor, linear: &Projection) -> Result<Tensor> {
+fn matmul_t(x: &Input, linear: &Projection) -> Result<Tensor> {
     match linear.fp8_product(x, None, false)? {
         Some(y) => Ok(y),
-        None => x.matmul(&linear.weight().t()?),
+        None => x.tensor().matmul(&linear.weight().t()?),
     }
 }
 
 /// `linear(x)` for `x` `[rows, in]`, then GELU(tanh) when `gelu`; on CUDA in bf16 the bias (and
 /// GELU) are the matmul's epilogue, as PyTorch adds a Linear's bias (no second pass over the
 /// product), elsewhere on CUDA they are applied in place; an fp8 layer's epilogue adds them.
-fn linear_act(x: &Tensor, linear: &Projection, gelu: bool) -> Result<Tensor> {
-    if let Some(y) = linear.fp8_product(x, linear.bias(), gelu)? {
+fn linear_act(input: &Input, linear: &Projection, gelu: bool) -> Result<Tensor> {
+    if let Some(y) = linear.fp8_product(input, linear.bias(), gelu)? {
         return Ok(y);
     }
     #[cfg(feature = "cuda")]
     if let Some(bias) = linear.bias() {
-        if let Some(y) = crate::models::linear::linear_bias_act(x, linear.weight(), bias, gelu)? {
+        let (x, weight) = (input.tensor(), linear.weight());
+        if let Some(y) = crate::models::linear::linear_bias_act(x, weight, bias, gelu)? {
             return Ok(y);
         }
     }
-    let y = matmul_t(x, linear)?;
+    let y = matmul_t(input, linear)?;
     let y = match linear.bias() {
         #[cfg(feature = "cuda")]
         Some(bias) if row_ops::supported(&y) => {
@@ -722,7 +723,8 @@ impl GeluMlp {
 
     /// `fc2(gelu(fc1(x)))` for `x` `[rows, in]`, leaving out `fc2`'s bias (the residual adds it).
     fn forward_without_out_bias(&self, x: &Tensor) -> Result<Tensor> {
-        matmul_t(&linear_act(x, &self.fc1, true)?, &self.fc2)
+        let h = linear_act(&Input::new(x), &self.fc1, true)?;
+        matmul_t(&Input::new(&h), &self.fc2)
     }
 }
 
@@ -866,6 +868,7 @@ impl WanAttention {
     ) -> Result<(Tensor, Tensor, usize)> {
         let (batch, len, dim) = context.dims3()?;
         let context = context.reshape((batch * len, dim))?;
+        let context = Input::new(&context);
         let k = matmul_t(&context, k_proj)?;
         let k = self.norm_rope(k, k_proj, k_norm, None, Rows { row0: 0, seq: len })?;
         Ok((k, linear_act(&context, v_proj, false)?, len))
@@ -885,18 +888,21 @@ impl WanAttention {
     ) -> Result<Tensor> {
         let (rows, dim) = x.dims2()?;
         let seq = rows / batch;
-        let q = matmul_t(&x, &self.to_q)?;
+        // One input for q, k and v: quantized once under `--fp8-matmul`.
+        let input = Input::new(&x);
+        let q = matmul_t(&input, &self.to_q)?;
         let q = self.norm_rope(q, &self.to_q, &self.norm_q, rope, Rows { row0: 0, seq })?;
         let (k, v, kv_len) = match context {
             None => {
-                let k = matmul_t(&x, &self.to_k)?;
+                let k = matmul_t(&input, &self.to_k)?;
                 let k = self.norm_rope(k, &self.to_k, &self.norm_k, rope, Rows { row0: 0, seq })?;
-                (k, linear_act(&x, &self.to_v, false)?, seq)
+                (k, linear_act(&input, &self.to_v, false)?, seq)
             }
             Some(context) => {
                 self.context_kv(context.text, (&self.to_k, &self.norm_k, &self.to_v))?
             }
         };
+        drop(input);
         drop(x);
         // [batch * n, inner] -> [batch, heads, n, head_dim] views: the fused attention reads
         // strided heads, the chunked path copies what it needs.
@@ -925,7 +931,7 @@ impl WanAttention {
             let heads = out;
             heads.transpose(1, 2)?.reshape((rows, dim))?
         };
-        matmul_t(&out, &self.to_out)
+        matmul_t(&Input::new(&out), &self.to_out)
     }
 
     /// Keys and values `[batch * n, inner]` of the image tokens of a cross `context` through the
@@ -978,6 +984,7 @@ impl WanAttention {
                 for (row0, len) in chunks() {
                     let at = Rows { row0, seq };
                     let h = norm(&x.narrow(0, row0, len)?, at)?;
+                    let h = Input::new(&h);
                     let kc = matmul_t(&h, &self.to_k)?;
                     let kc = self.norm_rope(kc, &self.to_k, &self.norm_k, rope, at)?;
                     k.slice_set(&kc, 0, row0)?;
@@ -999,7 +1006,7 @@ impl WanAttention {
             let at = Rows { row0, seq };
             let entry = |t: &Tensor| t.narrow(0, row0 / seq, 1);
             let rows_x = x.narrow(0, row0, len)?;
-            let q = matmul_t(&norm(&rows_x, at)?, &self.to_q)?;
+            let q = matmul_t(&Input::new(&norm(&rows_x, at)?), &self.to_q)?;
             let q = split(self.norm_rope(q, &self.to_q, &self.norm_q, rope, at)?, len)?;
             let mut out = sdpa(&q, &entry(&k)?, &entry(&v)?, scale)?;
             if let Some((k, v)) = &image {
@@ -1007,7 +1014,7 @@ impl WanAttention {
             }
             drop(q);
             let out = out.transpose(1, 2)?.reshape((len, dim))?;
-            write(matmul_t(&out, &self.to_out)?, at)?;
+            write(matmul_t(&Input::new(&out), &self.to_out)?, at)?;
         }
         Ok(())
     }
@@ -1928,8 +1935,8 @@ mod cuda_tests {
         check("rms", &got, &cpu_q(d_ref.clone(), all, false));
 
         // Bias in place (the v projection).
-        let got = linear_act(&x, &gpu_attn.to_v, false).unwrap();
-        let want = linear_act(&x_ref, &cpu_attn.to_v, false).unwrap();
+        let got = linear_act(&Input::new(&x), &gpu_attn.to_v, false).unwrap();
+        let want = linear_act(&Input::new(&x_ref), &cpu_attn.to_v, false).unwrap();
         check("linear", &got, &want);
 
         // Bias + GELU inside the feed-forward.
