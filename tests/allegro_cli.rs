@@ -169,24 +169,12 @@ fn offload_modes_are_bit_identical_to_resident() {
     assert_eq!(max_abs_diff(&unified, &resident), 0.0, "unified memory");
 }
 
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args: Vec<String> = ["generate", "--model", model, "--dry-run", "--json"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let out = run_vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// The published call defaults (720x1280, 88 frames, 100 steps, guidance 7.5, 512 tokens) and
 /// the plan's stages, for the fixture and `synthetic:allegro`.
 #[test]
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
-    let plan = dry_run(fixture.to_str().unwrap(), &["--device", "cpu"]);
+    let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     // The fixture's transformer: sample 8 x 8 x 6 latents (x8 = 64, x4 = 24).
     assert_eq!(plan["config"]["height"], 64, "{plan}");
     assert_eq!(plan["config"]["num_frames"], 24, "{plan}");
@@ -200,7 +188,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             "bf16",
         ],
     ] {
-        let plan = dry_run("synthetic:allegro", &extra);
+        let plan = common::dry_run_plan("synthetic:allegro", &extra);
         let text = plan.to_string();
         let config = &plan["config"];
         assert_eq!(config["height"], 720, "{text}");

@@ -9,7 +9,6 @@ use candle_core::{Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 const FIXTURE: &str = "cogvideox-tiny-a";
 const PROMPT: &str = "A red car drives along a coastal road.";
@@ -39,14 +38,6 @@ fn draws_file(dir: &Path, run: &str) -> PathBuf {
     let path = dir.join(format!("draws-{run}.safetensors"));
     candle_core::safetensors::save(&draws, &path).unwrap();
     path
-}
-
-fn vidgen(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
 }
 
 /// The parity command line of run `run` with `extra` flags; the written frames and stderr.
@@ -88,7 +79,7 @@ fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
         "v",
     ];
     args.extend_from_slice(extra);
-    let out = vidgen(&args);
+    let out = common::vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "vidgen failed: {stderr}");
     let written = dir.join("v.safetensors");
@@ -171,15 +162,6 @@ fn offload_modes_are_bit_identical_to_resident() {
     }
 }
 
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
-    args.extend_from_slice(extra);
-    let out = vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// Prints the stage names with their bytes, for the assertions' messages.
 fn stages(plan: &serde_json::Value) -> String {
     plan.to_string()
@@ -202,7 +184,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             ],
         ),
     ] {
-        let plan = dry_run(model, &extra);
+        let plan = common::dry_run_plan(model, &extra);
         let text = stages(&plan);
         let config = &plan["config"];
         assert_eq!(config["height"], 480, "{text}");
@@ -216,7 +198,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
         }
         assert!(!text.contains("\"error\""), "{model}: {text}");
     }
-    let plan = dry_run("synthetic:cogvideox-5b", &["--device", "cpu"]);
+    let plan = common::dry_run_plan("synthetic:cogvideox-5b", &["--device", "cpu"]);
     assert_eq!(plan["model"]["transformer_layers"], 42, "{plan}");
     assert_eq!(
         plan["model"]["latent_shape"],
@@ -256,7 +238,7 @@ fn flags_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run");
             }
-            let out = vidgen(&args);
+            let out = common::vidgen(&args);
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
             assert!(stderr.contains(why), "{flag}: {stderr}");
@@ -287,7 +269,7 @@ fn draws_file_mistakes_are_named() {
     .into();
     candle_core::safetensors::save(&partial, &path).unwrap();
     let fixture = named_fixture_dir(FIXTURE);
-    let out = vidgen(&[
+    let out = common::vidgen(&[
         "generate",
         "--model",
         fixture.to_str().unwrap(),

@@ -10,7 +10,6 @@ use candle_core::{DType, Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 const FIXTURE: &str = "flux-tiny-a";
 
@@ -38,14 +37,6 @@ fn draws_file(dir: &Path) -> PathBuf {
     let path = dir.join("draws.safetensors");
     candle_core::safetensors::save(&draws, &path).unwrap();
     path
-}
-
-fn vidgen(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
 }
 
 /// The reference call's flags for run `run` (`truecfg4`, `cfg1`), `--num-frames 1` as
@@ -101,7 +92,7 @@ fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
     flags.extend_from_slice(extra);
     let args = parity_args(dir, run, &flags);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = vidgen(&args);
+    let out = common::vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "vidgen failed: {stderr}");
     let written = dir.join("v.safetensors");
@@ -137,7 +128,7 @@ fn the_default_output_is_one_png_file() {
     let dir = scratch("png");
     let args = parity_args(&dir, "truecfg4", &[]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = vidgen(&args);
+    let out = common::vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let path = dir.join("v.png");
@@ -162,13 +153,13 @@ fn the_default_output_is_one_png_file() {
     assert!(diff <= 1.0, "uint8 off by {diff}");
     // The image is the output `--overwrite` and `--resume` know: the same run again fails
     // before any work, naming it, and `--resume` skips it.
-    let again = vidgen(&args);
+    let again = common::vidgen(&args);
     let stderr = String::from_utf8_lossy(&again.stderr);
     assert_eq!(again.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("v.png already exists"), "{stderr}");
     let mut resume = args.clone();
     resume.push("--resume");
-    let skipped = vidgen(&resume);
+    let skipped = common::vidgen(&resume);
     let stderr = String::from_utf8_lossy(&skipped.stderr);
     assert!(skipped.status.success(), "{stderr}");
     assert!(stderr.contains("skipping"), "{stderr}");
@@ -245,15 +236,6 @@ fn offload_modes_are_bit_identical_to_resident() {
     }
 }
 
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
-    args.extend_from_slice(extra);
-    let out = vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// The published call defaults (1024x1024, one image as PNG, 28 steps, guidance 3.5, 512
 /// tokens) and every stage, for the fixture, the published configs and their Hub id.
 #[test]
@@ -275,7 +257,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             ],
         ),
     ] {
-        let plan = dry_run(model, &extra);
+        let plan = common::dry_run_plan(model, &extra);
         let text = plan.to_string();
         let config = &plan["config"];
         assert_eq!(config["height"], 1024, "{text}");
@@ -290,7 +272,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
         }
         assert!(!text.contains("\"error\""), "{model}: {text}");
     }
-    let plan = dry_run("synthetic:flux.1-dev", &["--device", "cpu"]);
+    let plan = common::dry_run_plan("synthetic:flux.1-dev", &["--device", "cpu"]);
     assert_eq!(
         plan["model"]["transformer_dual_stream_layers"], 19,
         "{plan}"
@@ -340,7 +322,7 @@ fn flags_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run");
             }
-            let out = vidgen(&args);
+            let out = common::vidgen(&args);
             let stderr = common::usage_error(&out, flag);
             assert!(stderr.contains(why), "{flag}: {stderr}");
             assert!(stderr.contains(flag), "{flag}: {stderr}");
@@ -386,12 +368,12 @@ fn guidance_scale_is_refused_without_a_guidance_embedding() {
     ];
     let mut guided = base.to_vec();
     guided.extend(["--guidance-scale", "2"]);
-    let stderr = common::usage_error(&vidgen(&guided), "--guidance-scale");
+    let stderr = common::usage_error(&common::vidgen(&guided), "--guidance-scale");
     assert!(
         stderr.contains("--guidance-scale does not apply"),
         "{stderr}"
     );
-    let out = vidgen(&base);
+    let out = common::vidgen(&base);
     assert!(
         out.status.success(),
         "{}",

@@ -98,7 +98,7 @@ fn check_run(tag: &str, true_cfg_scale: f64) {
     common::assert_close(&format!("{tag}.frames"), &frames, &want, ATOL, RTOL);
     // Leaf level streams each step of a block as a group of its own (the plan says so).
     let fixture = common::named_fixture_dir(FIXTURE);
-    let plan = dry_run(
+    let plan = common::dry_run_plan(
         fixture.to_str().unwrap(),
         &[
             "--memory-model",
@@ -157,20 +157,6 @@ fn embedded_guidance_run_matches_diffusers_and_offload_is_bit_identical() {
 #[test]
 fn true_cfg_run_matches_diffusers_and_offload_is_bit_identical() {
     check_run("truecfg4", 4.0);
-}
-
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let out = vidgen()
-        .args(["generate", "--model", model, "--dry-run", "--json"])
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "dry run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// Every stage planned with weights and activations, and both text encoders released before
@@ -249,7 +235,7 @@ fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
             (&["--h3-sequential-load"][..], true),
             (&["--lazy-module-load"][..], true),
         ] {
-            let plan = dry_run(model, extra);
+            let plan = common::dry_run_plan(model, extra);
             let config = &plan["config"];
             assert_eq!(config["height"], 720, "{model}: {config}");
             assert_eq!(config["width"], 1280, "{model}: {config}");
@@ -264,7 +250,7 @@ fn dry_run_plans_the_fixture_and_the_full_size_model_with_its_defaults() {
     }
     // The full-size model's weights as published: a 12.8 B-parameter DiT, its blocks'
     // modulations (27%) apart from the rest (both hold the small conditioning embedders).
-    let plan = dry_run("synthetic:hunyuanvideo", &["--dtype", "bf16"]);
+    let plan = common::dry_run_plan("synthetic:hunyuanvideo", &["--dtype", "bf16"]);
     let weights = |stage: usize| {
         plan["stages"][stage]["memory"]["weight_bytes"]
             .as_u64()
@@ -300,7 +286,7 @@ fn dit_weight_bytes(extra: &[&str]) -> u64 {
         extra,
     ]
     .concat();
-    let plan = dry_run("synthetic:hunyuanvideo", &flags);
+    let plan = common::dry_run_plan("synthetic:hunyuanvideo", &flags);
     let denoise = &plan["stages"][2];
     assert_eq!(denoise["components"], serde_json::json!(["transformer"]));
     denoise["memory"]["weight_bytes"].as_u64().unwrap()

@@ -155,24 +155,12 @@ fn offload_modes_are_bit_identical_to_resident() {
     assert_eq!(max_abs_diff(&unified, &resident), 0.0, "unified memory");
 }
 
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args: Vec<String> = ["generate", "--model", model, "--dry-run", "--json"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let out = run_vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// The published call defaults (512x512, video_length frames, 50 steps, guidance 7.5) and the
 /// plan's stages, for the fixture and `synthetic:latte-1`.
 #[test]
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
-    let plan = dry_run(fixture.to_str().unwrap(), &["--device", "cpu"]);
+    let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     // The fixture's transformer: sample_size 4 (x8 = 32), video_length 5.
     assert_eq!(plan["config"]["height"], 32, "{plan}");
     assert_eq!(plan["config"]["num_frames"], 5, "{plan}");
@@ -186,7 +174,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             "bf16",
         ],
     ] {
-        let plan = dry_run("synthetic:latte-1", &extra);
+        let plan = common::dry_run_plan("synthetic:latte-1", &extra);
         let text = plan.to_string();
         let config = &plan["config"];
         assert_eq!(config["height"], 512, "{text}");

@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 const FIXTURE: &str = "minimax-h3-tiny-a";
 /// The README's tolerance for videos and audio: |Δ| <= 3e-5 + 3e-5·|ref|.
@@ -49,14 +49,6 @@ fn draws_file(dir: &Path) -> PathBuf {
     let path = dir.join("draws.safetensors");
     candle_core::safetensors::save(&draws, &path).unwrap();
     path
-}
-
-fn vidgen(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
 }
 
 /// The parity command line of the reference call (prompt `prompt_index`) with `extra` flags,
@@ -101,7 +93,7 @@ fn run(dir: &Path, prompt_index: usize, output_type: &str, extra: &[&str]) -> St
         "--overwrite",
     ];
     args.extend_from_slice(extra);
-    let out = vidgen(&args);
+    let out = common::vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "vidgen failed: {stderr}");
     stderr
@@ -379,20 +371,11 @@ fn mp4_muxes_stereo_aac_of_the_video_length_and_png_writes_a_wav() {
     );
 }
 
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
-    args.extend_from_slice(extra);
-    let out = vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// The dry run plans every stage with the model's defaults; sizes come from the configs.
 #[test]
 fn dry_run_plans_the_fixture_with_the_model_defaults() {
     let fixture = named_fixture_dir(FIXTURE);
-    let plan = dry_run(fixture.to_str().unwrap(), &["--device", "cpu"]);
+    let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     let config = &plan["config"];
     assert_eq!(config["height"], 768, "{config}");
     assert_eq!(config["width"], 1344, "{config}");
@@ -439,7 +422,7 @@ fn dry_run_plans_the_fixture_with_the_model_defaults() {
     assert_eq!(model["text_encoder_layers_loaded"], 50, "{model}");
 
     // A frame count is snapped as a run snaps it; one past 15 s is refused.
-    let plan = dry_run(
+    let plan = common::dry_run_plan(
         fixture.to_str().unwrap(),
         &["--device", "cpu", "--num-frames", "130"],
     );
@@ -484,7 +467,7 @@ fn flags_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run");
             }
-            let stderr = usage_error(&vidgen(&args), &format!("{flags:?}"));
+            let stderr = usage_error(&common::vidgen(&args), &format!("{flags:?}"));
             assert!(stderr.contains(why), "{flags:?}: {stderr}");
         }
     }
@@ -518,7 +501,7 @@ fn flags_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run");
             }
-            let stderr = usage_error(&vidgen(&args), says);
+            let stderr = usage_error(&common::vidgen(&args), says);
             assert!(stderr.contains(says), "{stderr}");
         }
     }
@@ -537,7 +520,7 @@ fn flags_that_do_not_apply_are_refused() {
         if dry {
             args.push("--dry-run");
         }
-        let stderr = usage_error(&vidgen(&args), "num_frames 400 on a line");
+        let stderr = usage_error(&common::vidgen(&args), "num_frames 400 on a line");
         assert!(stderr.contains("p.jsonl:2"), "{stderr}");
         assert!(stderr.contains("5-15 s"), "{stderr}");
         assert!(!stderr.contains("loading"), "nothing loads: {stderr}");
@@ -549,7 +532,7 @@ fn flags_that_do_not_apply_are_refused() {
 #[test]
 fn dry_run_plans_the_published_model() {
     for model in ["synthetic:minimax-h3", "MiniMaxAI/MiniMax-H3"] {
-        let plan = dry_run(model, &["--device", "cpu", "--dtype", "bf16"]);
+        let plan = common::dry_run_plan(model, &["--device", "cpu", "--dtype", "bf16"]);
         let facts = &plan["model"];
         assert_eq!(facts["transformer_layers"], 50, "{model}: {facts}");
         assert_eq!(facts["text_encoder_layers"], 64, "{model}: {facts}");
@@ -570,7 +553,7 @@ fn dry_run_plans_the_published_model() {
     // The published weights as planned: the DiT's 33.1 B parameters, its blocks' AdaLN
     // projections (13 B, 39%) apart from the rest (both hold the small time embedder), the
     // encoder's embedding and 50 layers (about 26 B of its 33.4 B), in bf16.
-    let plan = dry_run(
+    let plan = common::dry_run_plan(
         "synthetic:minimax-h3",
         &["--device", "cpu", "--dtype", "bf16", "--lazy-module-load"],
     );
@@ -611,7 +594,7 @@ fn dry_run_plans_the_published_model() {
 #[test]
 fn default_flags_plan_encode_and_denoise_within_8_gib_on_a_discrete_gpu() {
     const LIMIT: u64 = 8 << 30;
-    let plan = dry_run(
+    let plan = common::dry_run_plan(
         "synthetic:minimax-h3",
         &[
             "--device",
@@ -707,7 +690,7 @@ fn bad_configs_are_named_before_anything_loads() {
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         config[key] = value;
         std::fs::write(&path, config.to_string()).unwrap();
-        let out = vidgen(&[
+        let out = common::vidgen(&[
             "generate",
             "--model",
             model.to_str().unwrap(),
@@ -738,7 +721,7 @@ fn prompt_file_lines_run_alone_and_guidance_fails_only_its_line() {
     .unwrap();
     let draws = draws_file(&dir);
     let model = named_fixture_dir(FIXTURE);
-    let out = vidgen(&[
+    let out = common::vidgen(&[
         "generate",
         "--model",
         model.to_str().unwrap(),
@@ -787,7 +770,7 @@ fn prompt_file_lines_run_alone_and_guidance_fails_only_its_line() {
 fn other_sizes_follow_the_configs() {
     let dir = scratch("sizes");
     let model = named_fixture_dir(FIXTURE);
-    let out = vidgen(&[
+    let out = common::vidgen(&[
         "generate",
         "--model",
         model.to_str().unwrap(),
@@ -845,7 +828,7 @@ fn non_finite_audio_latents_fail_the_prompt() {
         size("num_inference_steps"),
     );
     let model = named_fixture_dir(FIXTURE);
-    let out = vidgen(&[
+    let out = common::vidgen(&[
         "generate",
         "--model",
         model.to_str().unwrap(),

@@ -10,7 +10,6 @@ use candle_core::{Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 const FIXTURE: &str = "mochi-tiny-a";
 const PROMPT: &str = "A red car drives along a coastal road.";
@@ -28,14 +27,6 @@ fn draws_file(dir: &Path) -> PathBuf {
     let path = dir.join("draws.safetensors");
     candle_core::safetensors::save(&draws, &path).unwrap();
     path
-}
-
-fn vidgen(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap()
 }
 
 /// The parity command line at guidance `guidance` for `frames` frames with `extra` flags; the
@@ -77,7 +68,7 @@ fn generate(dir: &Path, guidance: &str, frames: &str, extra: &[&str]) -> (Tensor
         "v",
     ];
     args.extend_from_slice(extra);
-    let out = vidgen(&args);
+    let out = common::vidgen(&args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "vidgen failed: {stderr}");
     let written = dir.join("v.safetensors");
@@ -190,15 +181,6 @@ fn offload_modes_are_bit_identical_to_resident() {
     assert_eq!(max_abs_diff(&frames, &resident), 0.0, "unified memory");
 }
 
-fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
-    args.extend_from_slice(extra);
-    let out = vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 #[test]
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
@@ -216,7 +198,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             ],
         ),
     ] {
-        let plan = dry_run(model, &extra);
+        let plan = common::dry_run_plan(model, &extra);
         let text = plan.to_string();
         let config = &plan["config"];
         assert_eq!(config["height"], 480, "{text}");
@@ -231,7 +213,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
         assert!(!text.contains("\"error\""), "{model}: {text}");
     }
     // The benchmark's 480x848x85: 15 latent frames of 60x106, 85 frames out.
-    let plan = dry_run(
+    let plan = common::dry_run_plan(
         "synthetic:mochi-1",
         &["--device", "cpu", "--num-frames", "85"],
     );
@@ -278,7 +260,7 @@ fn flags_that_do_not_apply_are_refused() {
             if dry {
                 args.push("--dry-run");
             }
-            let line = usage_error(&vidgen(&args), flag);
+            let line = usage_error(&common::vidgen(&args), flag);
             assert!(line.contains(why), "{flag}: {line}");
         }
     }
@@ -311,7 +293,7 @@ fn draws_file_mistakes_are_named() {
     for (what, draws, named) in cases {
         let path = dir.join("draws.safetensors");
         candle_core::safetensors::save(&draws, &path).unwrap();
-        let out = vidgen(&[
+        let out = common::vidgen(&[
             "generate",
             "--model",
             fixture.to_str().unwrap(),

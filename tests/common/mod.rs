@@ -188,6 +188,25 @@ pub fn run_vidgen(args: &[String]) -> std::process::Output {
         .unwrap()
 }
 
+/// `vidgen ARGS`, offline.
+pub fn vidgen(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap()
+}
+
+/// The plan of `vidgen generate --model MODEL --dry-run --json EXTRA`, which must succeed.
+pub fn dry_run_plan(model: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["generate", "--model", model, "--dry-run", "--json"];
+    args.extend_from_slice(extra);
+    let out = vidgen(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "dry run of {model} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// `generate --model FIXTURE --prompt "a cat" --device cpu`: a one-prompt CPU run of `fixture`.
 pub fn cpu_prompt_args(fixture: &str) -> Vec<String> {
     [
