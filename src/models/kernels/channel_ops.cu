@@ -106,8 +106,8 @@ __device__ void gather_padded_frames(const T *__restrict__ x, T *__restrict__ ou
 
 // The channels-last moves around cuDNN's NDHWC convolutions, each a tiled transpose in one pass
 // (cuDNN given channels first transposes every input and output itself, two more passes): a
-// tile of 64 channels by 64 columns per step of a grid-stride loop over tiles, through shared
-// memory, so that loads and stores both run along rows. On the channels-first side a warp moves
+// tile of 64 channels by 64 columns at a time, through shared memory, so that loads and stores
+// both run along rows. On the channels-first side a warp moves
 // 8 channel rows of 64 columns (two elements a lane); on the channels-last side 8 columns of
 // 64 channels, a lane moving a pair of channels in one access. Every thread issues all 16 of its
 // loads before its first store to shared memory: the moves are bound by how many bytes are in
@@ -136,23 +136,16 @@ template <typename T> __device__ __forceinline__ bool pairs_fit(const T *p, int 
   return channels % 2 == 0 && reinterpret_cast<uintptr_t>(p) % sizeof(Pair<T>) == 0;
 }
 
-// Tile t of the moves' grid: batch entries of n frames of `rows` rows, each row's channels and
-// columns in tiles (columns fastest).
-struct Tile {
+// Line `line` of the moves' grid: batch entries of n frames of `rows` rows. A block moves one
+// line at a time (grid-stride), all its tiles of channels and columns in turn, so the 64-bit
+// divisions that place a line are paid once per line, not once per tile.
+struct Line {
   long b, f;
-  int row, c0, w0;
+  int row;
 };
-__device__ __forceinline__ Tile tile_at(long t, long n, int rows, int c_tiles, int w_tiles) {
-  Tile at;
-  at.w0 = (int)(t % w_tiles) * TILE_W;
-  t /= w_tiles;
-  at.c0 = (int)(t % c_tiles) * TILE_C;
-  t /= c_tiles;
-  at.row = (int)(t % rows);
-  t /= rows;
-  at.f = t % n;
-  at.b = t / n;
-  return at;
+__device__ __forceinline__ Line line_at(long line, long n, int rows) {
+  const long bf = line / rows;
+  return Line{bf / n, bf % n, (int)(line - bf * rows)};
 }
 
 // Strides (elements) of a frame and of a channel in a video [B, T, C, h, w] (frames-major) or
@@ -168,136 +161,144 @@ __device__ __forceinline__ Strides strides_of(int channels_first, int channels, 
 // out [B, n, h up + 2 ph, w up + 2 pw, C] (channels last) from the frames of `front`
 // [B, F, C, h, w] and then x [B, T, C, h, w] (or, where `channels_first`, [B, C, F, h, w] and
 // [B, C, T, h, w]): frame f is front's frame index[f] where index[f] < F (`front_frames`;
-// `front` may be null where F is 0), else x's frame index[f] - F, first upsampled `up` times in
-// height and width (nearest); rows and columns outside a frame replicate its edge (copies).
+// `front` may be null where F is 0), else x's frame index[f] - F, first upsampled
+// `up` = 2^up_shift times in height and width (nearest); rows and columns outside a frame
+// replicate its edge (copies). `lines` = B n (h up + 2 ph).
 template <typename T>
 __device__ void gather_padded_frames_cl(const T *__restrict__ x, const T *__restrict__ front,
                                         long front_frames, T *__restrict__ out,
                                         const uint32_t *__restrict__ index, int channels,
-                                        long frames, long n, int h, int w, int up, int ph,
-                                        int pw, long tiles, int channels_first) {
+                                        long frames, long n, int h, int w, int up_shift, int ph,
+                                        int pw, long lines, int channels_first) {
   __shared__ TileMem<T> tile;
-  const int hu = h * up, wu = w * up;
+  const int hu = h << up_shift, wu = w << up_shift;
   const int hp = hu + 2 * ph, wp = wu + 2 * pw;
-  const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (wp + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool pairs = pairs_fit(out, channels);
-  for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile at = tile_at(t, n, hp, c_tiles, w_tiles);
-    const long b = at.b, f = at.f;
-    const int row = at.row, c0 = at.c0, w0 = at.w0;
-    const int sy = clamp_to(row - ph, hu - 1) / up;
-    const int cols = min(TILE_W, wp - w0), chans = min(TILE_C, channels - c0);
-    const long plane = (long)h * w;
-    const long i = index[f];
+  const long plane = (long)h * w;
+  for (long line = blockIdx.x; line < lines; line += gridDim.x) {
+    const Line at = line_at(line, n, hp);
+    const long i = index[at.f];
     const bool ahead = i < front_frames;
     const T *src_video = ahead ? front : x;
     const long src_frames = ahead ? front_frames : frames;
     const Strides at_x = strides_of(channels_first, channels, src_frames, plane);
-    const T *frame = src_video + b * channels * src_frames * plane +
-                     (ahead ? i : i - front_frames) * at_x.frame + c0 * at_x.channel +
-                     (long)sy * w;
-    // Rows of x: channel c0 + k, padded columns w0 + j.
-    T v[ROWS_PER_WARP][COLS_PER_LANE];
+    const T *src_row = src_video + at.b * channels * src_frames * plane +
+                       (ahead ? i : i - front_frames) * at_x.frame +
+                       (long)(clamp_to(at.row - ph, hu - 1) >> up_shift) * w;
+    T *dst_row = out + ((at.b * n + at.f) * hp + at.row) * (long)wp * channels;
+    for (int c0 = 0; c0 < channels; c0 += TILE_C) {
+      const int chans = min(TILE_C, channels - c0);
+      const T *frame = src_row + c0 * at_x.channel;
+      for (int w0 = 0; w0 < wp; w0 += TILE_W) {
+        const int cols = min(TILE_W, wp - w0);
+        // Rows of x: channel c0 + k, padded columns w0 + j.
+        T v[ROWS_PER_WARP][COLS_PER_LANE];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r)
+        for (int r = 0; r < ROWS_PER_WARP; ++r)
 #pragma unroll
-      for (int q = 0; q < COLS_PER_LANE; ++q) {
-        const int k = warp + r * WARPS, j = lane + q * 32;
-        if (k < chans && j < cols)
-          v[r][q] = frame[k * at_x.channel + clamp_to(w0 + j - pw, wu - 1) / up];
-      }
+          for (int q = 0; q < COLS_PER_LANE; ++q) {
+            const int k = warp + r * WARPS, j = lane + q * 32;
+            if (k < chans && j < cols)
+              v[r][q] = frame[k * at_x.channel + (clamp_to(w0 + j - pw, wu - 1) >> up_shift)];
+          }
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r)
+        for (int r = 0; r < ROWS_PER_WARP; ++r)
 #pragma unroll
-      for (int q = 0; q < COLS_PER_LANE; ++q) {
-        const int k = warp + r * WARPS, j = lane + q * 32;
-        if (k < chans && j < cols) tile[k / 2][j].e[k % 2] = v[r][q];
-      }
-    __syncthreads();
-    // Rows of out: padded column w0 + j, channels c0 + 2 lane and the next.
-    T *dst = out + (((b * n + f) * hp + row) * (long)wp + w0) * channels + c0;
-    const int c = 2 * lane;
+          for (int q = 0; q < COLS_PER_LANE; ++q) {
+            const int k = warp + r * WARPS, j = lane + q * 32;
+            if (k < chans && j < cols) tile[k / 2][j].e[k % 2] = v[r][q];
+          }
+        __syncthreads();
+        // Rows of out: padded column w0 + j, channels c0 + 2 lane and the next.
+        T *dst = dst_row + (long)w0 * channels + c0;
+        const int c = 2 * lane;
 #pragma unroll
-    for (int q = 0; q < COLS_PER_WARP; ++q) {
-      const int j = warp + q * WARPS;
-      if (j < cols && c < chans) {
-        const Pair<T> p = tile[lane][j];
-        T *d = dst + (long)j * channels + c;
-        if (pairs) {
-          *reinterpret_cast<Pair<T> *>(d) = p;
-        } else {
-          d[0] = p.e[0];
-          if (c + 1 < chans) d[1] = p.e[1];
+        for (int q = 0; q < COLS_PER_WARP; ++q) {
+          const int j = warp + q * WARPS;
+          if (j < cols && c < chans) {
+            const Pair<T> p = tile[lane][j];
+            T *d = dst + (long)j * channels + c;
+            if (pairs) {
+              *reinterpret_cast<Pair<T> *>(d) = p;
+            } else {
+              d[0] = p.e[0];
+              if (c + 1 < chans) d[1] = p.e[1];
+            }
+          }
         }
+        __syncthreads();
       }
     }
-    __syncthreads();
   }
 }
 
 // y [B, n, h, w, C] (channels last, a convolution's output) + bias[c], rounded to T (then + res,
 // of out's layout, rounded again, where res is given: as add_channel_bias), stored at
 // out[b, first + f, c, :, :] of out [B, out_frames, C, h, w] (or, where `channels_first`, at
-// out[b, c, first + f, :, :] of out [B, C, out_frames, h, w]).
+// out[b, c, first + f, :, :] of out [B, C, out_frames, h, w]). `lines` = B n h.
 template <typename T>
 __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out,
                                     const float *__restrict__ bias, const T *__restrict__ res,
                                     int channels, long n, int h, int w, long out_frames,
-                                    long first, long tiles, int channels_first) {
+                                    long first, long lines, int channels_first) {
   __shared__ TileMem<T> tile;
-  const int c_tiles = (channels + TILE_C - 1) / TILE_C, w_tiles = (w + TILE_W - 1) / TILE_W;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool pairs = pairs_fit(y, channels);
-  for (long t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile at = tile_at(t, n, h, c_tiles, w_tiles);
-    const long b = at.b, f = at.f;
-    const int row = at.row, c0 = at.c0, w0 = at.w0;
-    const int cols = min(TILE_W, w - w0), chans = min(TILE_C, channels - c0);
-    // Rows of y: column w0 + j, channels c0 + 2 lane and the next.
-    const T *src = y + (((b * n + f) * h + row) * (long)w + w0) * channels + c0;
-    const int c = 2 * lane;
-    Pair<T> v[COLS_PER_WARP];
+  const long plane = (long)h * w;
+  const Strides at_out = strides_of(channels_first, channels, out_frames, plane);
+  for (long line = blockIdx.x; line < lines; line += gridDim.x) {
+    const Line at = line_at(line, n, h);
+    const T *src_row = y + ((at.b * n + at.f) * h + at.row) * (long)w * channels;
+    const long out_row = at.b * channels * out_frames * plane + (first + at.f) * at_out.frame +
+                         (long)at.row * w;
+    for (int c0 = 0; c0 < channels; c0 += TILE_C) {
+      const int chans = min(TILE_C, channels - c0);
+      for (int w0 = 0; w0 < w; w0 += TILE_W) {
+        const int cols = min(TILE_W, w - w0);
+        // Rows of y: column w0 + j, channels c0 + 2 lane and the next.
+        const T *src = src_row + (long)w0 * channels + c0;
+        const int c = 2 * lane;
+        Pair<T> v[COLS_PER_WARP];
 #pragma unroll
-    for (int q = 0; q < COLS_PER_WARP; ++q) {
-      const int j = warp + q * WARPS;
-      if (j < cols && c < chans) {
-        const T *s = src + (long)j * channels + c;
-        if (pairs) {
-          v[q] = *reinterpret_cast<const Pair<T> *>(s);
-        } else {
-          v[q].e[0] = s[0];
-          v[q].e[1] = c + 1 < chans ? s[1] : s[0];
+        for (int q = 0; q < COLS_PER_WARP; ++q) {
+          const int j = warp + q * WARPS;
+          if (j < cols && c < chans) {
+            const T *s = src + (long)j * channels + c;
+            if (pairs) {
+              v[q] = *reinterpret_cast<const Pair<T> *>(s);
+            } else {
+              v[q].e[0] = s[0];
+              v[q].e[1] = c + 1 < chans ? s[1] : s[0];
+            }
+          }
         }
+#pragma unroll
+        for (int q = 0; q < COLS_PER_WARP; ++q) {
+          const int j = warp + q * WARPS;
+          if (j < cols && c < chans) tile[lane][j] = v[q];
+        }
+        __syncthreads();
+        // Rows of out: channel c0 + k, columns w0 + j.
+        const long base = out_row + c0 * at_out.channel + w0;
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+          const int k = warp + r * WARPS;
+          if (k >= chans) continue;
+          const float add = bias[c0 + k];
+          const long row_k = base + k * at_out.channel;
+#pragma unroll
+          for (int q = 0; q < COLS_PER_LANE; ++q) {
+            const int j = lane + q * 32;
+            if (j >= cols) continue;
+            float s = round_to_storage<T>(__fadd_rn(load(&tile[k / 2][j].e[k % 2], 0), add));
+            if (res) s = __fadd_rn(s, load(res, row_k + j));
+            store(out, row_k + j, s);
+          }
+        }
+        __syncthreads();
       }
     }
-#pragma unroll
-    for (int q = 0; q < COLS_PER_WARP; ++q) {
-      const int j = warp + q * WARPS;
-      if (j < cols && c < chans) tile[lane][j] = v[q];
-    }
-    __syncthreads();
-    // Rows of out: channel c0 + k, columns w0 + j.
-    const long plane = (long)h * w;
-    const Strides at_out = strides_of(channels_first, channels, out_frames, plane);
-    const long base = b * channels * out_frames * plane + (first + f) * at_out.frame +
-                      c0 * at_out.channel + (long)row * w + w0;
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-      const int k = warp + r * WARPS;
-      if (k >= chans) continue;
-      const float add = bias[c0 + k];
-#pragma unroll
-      for (int q = 0; q < COLS_PER_LANE; ++q) {
-        const int j = lane + q * 32;
-        if (j >= cols) continue;
-        const long dst = base + k * at_out.channel + j;
-        float s = round_to_storage<T>(__fadd_rn(load(&tile[k / 2][j].e[k % 2], 0), add));
-        if (res) s = __fadd_rn(s, load(res, dst));
-        store(out, dst, s);
-      }
-    }
-    __syncthreads();
   }
 }
 
@@ -374,15 +375,16 @@ __device__ void depth_to_space(const T *__restrict__ y, T *__restrict__ out,
   extern "C" __global__ void __launch_bounds__(WARPS * 32) gather_padded_frames_cl_##NAME(     \
       const T *__restrict__ x, const T *__restrict__ front, long front_frames,                  \
       T *__restrict__ out, const uint32_t *__restrict__ index, int channels, long frames,       \
-      long n, int h, int w, int up, int ph, int pw, long tiles, int channels_first) {           \
-    gather_padded_frames_cl(x, front, front_frames, out, index, channels, frames, n, h, w, up,  \
-                            ph, pw, tiles, channels_first);                                     \
+      long n, int h, int w, int up_shift, int ph, int pw, long lines, int channels_first) {     \
+    gather_padded_frames_cl(x, front, front_frames, out, index, channels, frames, n, h, w,      \
+                            up_shift,                                                           \
+                            ph, pw, lines, channels_first);                                     \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) store_channels_last_##NAME(          \
       const T *__restrict__ y, T *__restrict__ out, const float *__restrict__ bias,             \
       const T *__restrict__ res, int channels, long n, int h, int w, long out_frames,           \
-      long first, long tiles, int channels_first) {                                             \
-    store_channels_last(y, out, bias, res, channels, n, h, w, out_frames, first, tiles,         \
+      long first, long lines, int channels_first) {                                             \
+    store_channels_last(y, out, bias, res, channels, n, h, w, out_frames, first, lines,         \
                         channels_first);                                                        \
   }                                                                                             \
   extern "C" __global__ void depth_to_space_##NAME(                                             \

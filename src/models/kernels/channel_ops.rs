@@ -203,13 +203,9 @@ pub(crate) fn gather_padded_frames_channels_last(
     gather((x, front), index, framing, Some(layout))
 }
 
-/// Tiles of the channels-last moves' transposes (`TILE_C`, `TILE_W` in channel_ops.cu): 64
-/// channels by 64 columns.
-const TILE: (usize, usize) = (64, 64);
-
 /// The padded frames `index` of `front` and then `x`, channels first from a frames-major `x`
 /// (a warp per output row; no `front`), or last from `x` in the layout given (a block per
-/// tile).
+/// output line).
 fn gather(
     (x, front): (&Tensor, Option<&Tensor>),
     index: &[u32],
@@ -219,8 +215,8 @@ fn gather(
     }: Framing,
     last: Option<VideoLayout>,
 ) -> Result<Tensor> {
-    if up == 0 || (up > 1 && last.is_none()) {
-        candle_core::bail!("gather frames: upsampling by {up} (channels last only, at least 1)")
+    if !up.is_power_of_two() || (up > 1 && last.is_none()) {
+        candle_core::bail!("gather frames: upsampling by {up} (channels last only, a power of 2)")
     }
     let layout = last.unwrap_or(VideoLayout::FramesMajor);
     let (b, t, c, h, w) = layout.dims(x)?;
@@ -248,8 +244,9 @@ fn gather(
     // SAFETY: the kernel writes every element before anything reads it.
     let out = unsafe { Tensor::empty(shape, x.dtype(), x.device()) }?;
     let index = Tensor::new(index, x.device())?;
+    // Channels last: output lines (a block each); else output rows (a warp each).
     let items = match last {
-        Some(_) => b * n * hp * c.div_ceil(TILE.0) * wp.div_ceil(TILE.1),
+        Some(_) => b * n * hp,
         None => b * c * n * hp,
     };
     let mut args = vec![Arg::Tensor(Some(&x))];
@@ -266,7 +263,8 @@ fn gather(
         Arg::Int(w as i32),
     ]);
     if last.is_some() {
-        args.push(Arg::Int(up as i32));
+        // The kernel divides by `up` as a shift.
+        args.push(Arg::Int(up.trailing_zeros() as i32));
     }
     args.extend([
         Arg::Int(pad_h as i32),
@@ -277,7 +275,7 @@ fn gather(
         Some(layout) => {
             args.push(Arg::Int(i32::from(layout == VideoLayout::ChannelsFirst)));
             let func = func("gather_padded_frames_cl", &x)?;
-            row_launch(&CHANNEL_OPS, func, items.min(MAX_TILE_BLOCKS), args)
+            row_launch(&CHANNEL_OPS, func, items.min(MAX_LINE_BLOCKS), args)
         }
         None => item_launch(
             &CHANNEL_OPS,
@@ -289,8 +287,9 @@ fn gather(
     Ok(out)
 }
 
-/// Blocks a tiled move launches at most (grid-stride over the rest).
-const MAX_TILE_BLOCKS: usize = 1 << 16;
+/// Blocks a channels-last move launches at most, a line of output at a time (grid-stride over
+/// the rest).
+const MAX_LINE_BLOCKS: usize = 1 << 16;
 
 /// A channels-last convolution output `y` `[B, N, H, W, C]` plus its per-channel `bias` (and
 /// `residual`, of `out`'s shape, where given), stored as frames `first..first + N` of `out` in
@@ -320,11 +319,11 @@ pub(crate) fn store_channels_last(
     }
     let y = y.contiguous()?;
     let bias = f32_values(bias)?;
-    let tiles = b * n * h * c.div_ceil(TILE.0) * w.div_ceil(TILE.1);
+    let lines = b * n * h;
     out.inplace_op1(&row_launch(
         &CHANNEL_OPS,
         func,
-        tiles.min(MAX_TILE_BLOCKS),
+        lines.min(MAX_LINE_BLOCKS),
         vec![
             Arg::Tensor(Some(&y)),
             Arg::Dst,
@@ -336,7 +335,7 @@ pub(crate) fn store_channels_last(
             Arg::Int(w as i32),
             Arg::Long(ot as i64),
             Arg::Long(first as i64),
-            Arg::Long(tiles as i64),
+            Arg::Long(lines as i64),
             Arg::Int(i32::from(layout == VideoLayout::ChannelsFirst)),
         ],
     ))

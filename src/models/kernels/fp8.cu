@@ -195,6 +195,51 @@ __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
   }
 }
 
+// quantize_rows for bf16 rows that fit a warp's registers (k % 8 == 0, x and q 16-byte aligned,
+// k_pad <= 256 CHUNKS): a warp per row (grid-stride) holds its row as loaded, all its loads in
+// flight at once, and takes the absmax in bf16 pairs (the largest |x| of bf16 values is one of
+// them: the same value as in f32); no block-wide reduction, so nothing waits for other warps.
+template <int CHUNKS>
+__device__ __forceinline__ void quantize_rows_warp_held(const __nv_bfloat16 *__restrict__ x,
+                                                        uint8_t *__restrict__ q,
+                                                        float *__restrict__ scale, int k,
+                                                        int k_pad, long rows, long rows_pad) {
+  const int lane = threadIdx.x % 32;
+  const long warps = (long)gridDim.x * blockDim.x / 32;
+  for (long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows_pad;
+       row += warps) {
+    const bool real = row < rows;
+    const __nv_bfloat16 *xr = x + row * k;
+    uint4 held[CHUNKS];
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = 8 * (lane + 32 * i);
+      held[i] = real && c < k ? *reinterpret_cast<const uint4 *>(xr + c) : make_uint4(0, 0, 0, 0);
+    }
+    __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&held[i]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m2 = __hmax2(m2, __habs2(h[e]));
+    }
+    const float m = warp_max(fmaxf(__low2float(m2), __high2float(m2)));
+    const float s = __fdiv_rn(m, E4M3_MAX);
+    if (lane == 0) scale[row] = s;
+    const bool zero = !real || s == 0.f;
+    uint8_t *qr = q + row * k_pad;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = 8 * (lane + 32 * i);
+      if (c < k_pad) {
+        float v[8];
+        load8(reinterpret_cast<const __nv_bfloat16 *>(&held[i]), v);
+        store_codes(qr + c, v, s, zero || c >= k);
+      }
+    }
+  }
+}
+
 // act(acc * a * w + bias) in f32, as the host computes it.
 __device__ __forceinline__ float scaled(float acc, float a, float w, const float *bias, int act) {
   float v = __fmul_rn(__fmul_rn(acc, a), w);
@@ -244,17 +289,12 @@ __device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
       int k_pad, long rows, long rows_pad) {                                                    \
     quantize_rows_held<T, CHUNKS>(x, q, scale, k, k_pad, rows, rows_pad);                        \
   }
-
 #define FP8_KERNELS(NAME, T)                                                                       \
   extern "C" __global__ void quantize_rows_##NAME(const T *__restrict__ x, uint8_t *__restrict__ q, \
                                                  float *__restrict__ scale, int k, int k_pad,     \
                                                  long rows, long rows_pad) {                      \
     quantize_rows<T>(x, q, scale, k, k_pad, rows, rows_pad);                                       \
   }                                                                                                \
-  QUANTIZE_HELD(NAME, T, 1)                                                                      \
-  QUANTIZE_HELD(NAME, T, 2)                                                                      \
-  QUANTIZE_HELD(NAME, T, 4)                                                                      \
-  QUANTIZE_HELD(NAME, T, 8)                                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS)                                          \
       scale_rows_##NAME(const T *acc, long ld, T *out, const float *__restrict__ scale_a,          \
                         const float *__restrict__ scale_w, const T *__restrict__ bias, int n,      \
@@ -264,3 +304,19 @@ __device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
 
 FP8_KERNELS(bf16, __nv_bfloat16)
 FP8_KERNELS(f32, float)
+QUANTIZE_HELD(bf16, __nv_bfloat16, 4)
+QUANTIZE_HELD(bf16, __nv_bfloat16, 8)
+QUANTIZE_HELD(f32, float, 1)
+QUANTIZE_HELD(f32, float, 2)
+QUANTIZE_HELD(f32, float, 4)
+QUANTIZE_HELD(f32, float, 8)
+
+// quantize_rows_warp_held<CHUNKS> (bf16) as its own kernel.
+#define QUANTIZE_WARP_HELD(CHUNKS)                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_warp_held##CHUNKS##_bf16(  \
+      const __nv_bfloat16 *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale,   \
+      int k, int k_pad, long rows, long rows_pad) {                                              \
+    quantize_rows_warp_held<CHUNKS>(x, q, scale, k, k_pad, rows, rows_pad);                      \
+  }
+QUANTIZE_WARP_HELD(8)
+QUANTIZE_WARP_HELD(24)

@@ -77,21 +77,17 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
     if rows_pad == 0 {
         return Ok((q, scale));
     }
-    let held = held_chunks(&x, k, k_pad);
+    let held = Held::of(&x, k, k_pad);
     let func = match held {
-        Some(1) => kernel(
-            x.dtype(),
-            ["quantize_rows_held1_bf16", "quantize_rows_held1_f32"],
-        ),
-        Some(2) => kernel(
-            x.dtype(),
-            ["quantize_rows_held2_bf16", "quantize_rows_held2_f32"],
-        ),
-        Some(4) => kernel(
+        Some(Held::Warp(8)) => "quantize_rows_warp_held8_bf16",
+        Some(Held::Warp(_)) => "quantize_rows_warp_held24_bf16",
+        Some(Held::Block(1)) => "quantize_rows_held1_f32",
+        Some(Held::Block(2)) => "quantize_rows_held2_f32",
+        Some(Held::Block(4)) => kernel(
             x.dtype(),
             ["quantize_rows_held4_bf16", "quantize_rows_held4_f32"],
         ),
-        Some(_) => kernel(
+        Some(Held::Block(_)) => kernel(
             x.dtype(),
             ["quantize_rows_held8_bf16", "quantize_rows_held8_f32"],
         ),
@@ -107,10 +103,9 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
         Arg::Long(rows_pad as i64),
     ];
     scale.inplace_op1(&match held {
-        // A block per row.
-        Some(_) => row_launch(&FP8, func, rows_pad.min(MAX_ROW_BLOCKS), args),
+        Some(Held::Block(_)) => row_launch(&FP8, func, rows_pad.min(MAX_ROW_BLOCKS), args),
         // A warp per row.
-        None => item_launch(&FP8, func, rows_pad * 32, args),
+        Some(Held::Warp(_)) | None => item_launch(&FP8, func, rows_pad * 32, args),
     })?;
     Ok((q, scale))
 }
@@ -118,18 +113,33 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
 /// Blocks the held-row quantizer launches at most (grid-stride over the rest).
 const MAX_ROW_BLOCKS: usize = 1 << 16;
 
-/// The chunks of 8 values per thread (1, 2, 4 or 8) with which a block of [`ROW_THREADS`] holds
-/// a row of `k` values of `x` in registers and writes its `k_pad` codes (`quantize_rows_held`
-/// in `fp8.cu`): where `k` is a multiple of 8, `x` starts 16-byte aligned and the padded row
-/// fits; `None` elsewhere (the warp-per-row kernel, which reads each row twice).
-fn held_chunks(x: &Tensor, k: usize, k_pad: usize) -> Option<usize> {
-    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
-    if k == 0 || !k.is_multiple_of(8) || !k_pad.is_multiple_of(8) || !aligned {
-        return None;
+/// How the quantizer holds a row in registers while it finds the absmax (`fp8.cu`), by the
+/// chunks of 8 values each thread holds: where `k` and `k_pad` are multiples of 8, `x` starts
+/// 16-byte aligned and the padded row fits. `None` elsewhere: the warp-per-row kernel that reads
+/// each row twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    /// A warp per row (bf16 rows up to 6,144 values): 8 or 24 chunks a lane.
+    Warp(usize),
+    /// A block of [`ROW_THREADS`] per row: 4 or 8 chunks a thread (bf16), 1, 2, 4 or 8 (f32).
+    Block(usize),
+}
+
+impl Held {
+    fn of(x: &Tensor, k: usize, k_pad: usize) -> Option<Self> {
+        let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
+        if k == 0 || !k.is_multiple_of(8) || !k_pad.is_multiple_of(8) || !aligned {
+            return None;
+        }
+        let bf16 = x.dtype() == DType::BF16;
+        let warp = [8, 24].into_iter().find(|&c| bf16 && k_pad <= c * 8 * 32);
+        let block: &[usize] = if bf16 { &[4, 8] } else { &[1, 2, 4, 8] };
+        let block = block
+            .iter()
+            .copied()
+            .find(|&c| k_pad <= c * 8 * ROW_THREADS);
+        warp.map(Held::Warp).or(block.map(Held::Block))
     }
-    [1, 2, 4, 8]
-        .into_iter()
-        .find(|&c| k_pad <= c * 8 * ROW_THREADS)
 }
 
 /// `act(acc * scale_a[row] * scale_w[col] + bias[col])` of the product `acc` `[rows, ld]`, its
@@ -517,8 +527,8 @@ mod cuda_tests {
     }
 
     /// The GPU quantizer writes exactly the host's codes and scales, padding included: rows
-    /// held in a block's registers (widths of multiples of 8 up to 16,384, each chunk count),
-    /// rows read twice by a warp (16,400) and one value at a time (100).
+    /// held in a warp's or a block's registers (widths of multiples of 8 up to 16,384, each
+    /// kernel), rows read twice by a warp (16,400) and one value at a time (100).
     #[test]
     fn quantizer_matches_the_host_definition() -> Result<()> {
         let Some(dev) = device("fp8 quantizer") else {
@@ -530,6 +540,9 @@ mod cuda_tests {
             (DType::F32, 64, 13824),
             (DType::BF16, 33, 5120),
             (DType::BF16, 9, 13824),
+            (DType::BF16, 7, 8000),
+            (DType::F32, 4, 1000),
+            (DType::F32, 4, 3000),
             (DType::BF16, 3, 16400),
             (DType::BF16, 3, 24),
             (DType::BF16, 5, 100),
