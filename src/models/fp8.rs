@@ -5,8 +5,10 @@
 //!
 //! For `x` `[rows, in]` in dtype T and a weight `[out, in]`:
 //! 1. each row r of the weight (once per landing) and of `x` (each product): its scale
-//!    s = absmax(row) / 448 in f32, its codes e4m3(v / s) rounded to nearest even (448 is
-//!    e4m3's largest value; a zero row has s = 0 and zero codes);
+//!    s = absmax(row) / 448 in f32, its codes e4m3(v * (1 / s)) rounded to nearest even (448 is
+//!    e4m3's largest value; one reciprocal per row, a product per value: a quotient per value
+//!    made the GPU quantizer issue-bound). A row whose s is below f32's smallest normal value
+//!    (absmax < 5.3e-36, where 1 / s overflows) is a zero row: s = 0 and zero codes;
 //! 2. acc = codes(x) @ codes(W)^T summed in f32 (each product of two codes is exact);
 //! 3. y = act(acc * s_x[r] * s_w[c] + bias[c]) in f32, rounded to T once.
 //!
@@ -95,11 +97,13 @@ fn quantize_host(x: &Tensor, rows_pad: usize, cols_pad: usize) -> Result<(Tensor
     let mut scales = vec![0f32; rows_pad];
     for (r, row) in values.chunks_exact(cols.max(1)).take(rows).enumerate() {
         let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / E4M3_MAX;
+        if scale < f32::MIN_POSITIVE {
+            continue;
+        }
         scales[r] = scale;
-        if scale > 0.0 {
-            for (code, v) in codes[r * cols_pad..].iter_mut().zip(row) {
-                *code = E4M3.encode(E4M3.round(v / scale));
-            }
+        let inverse = 1.0 / scale;
+        for (code, v) in codes[r * cols_pad..].iter_mut().zip(row) {
+            *code = E4M3.encode(E4M3.round(v * inverse));
         }
     }
     let dev = x.device();
@@ -209,8 +213,9 @@ mod tests {
     /// (2^-4 relative, subnormal steps of 2^-9 · scale); zero rows and the padding are zero.
     #[test]
     fn rows_quantize_to_scaled_codes() -> Result<()> {
-        let (rows, cols) = (6, 37);
-        let gains = [1.0f32, 1e-3, 0.0, 250.0, 1e-6, 3.0];
+        let (rows, cols) = (7, 37);
+        // 1e-37: a scale below f32's normal range, quantized as a zero row.
+        let gains = [1.0f32, 1e-3, 0.0, 250.0, 1e-6, 3.0, 1e-37];
         let mut state = 5u64;
         let values: Vec<f32> = (0..rows * cols)
             .map(|i| {
@@ -227,6 +232,11 @@ mod tests {
         for r in 0..16 {
             let row = values.get(r * cols..(r + 1) * cols).filter(|_| r < rows);
             let absmax = row.map_or(0.0, |row| row.iter().fold(0f32, |m, v| m.max(v.abs())));
+            let absmax = if absmax / E4M3_MAX < f32::MIN_POSITIVE {
+                0.0
+            } else {
+                absmax
+            };
             assert_eq!(scales[r], absmax / E4M3_MAX, "row {r}");
             for (c, &code) in codes[r].iter().enumerate() {
                 let Some(v) = row.and_then(|row| row.get(c)).filter(|_| absmax > 0.0) else {
@@ -236,7 +246,7 @@ mod tests {
                 if v.abs() == absmax {
                     assert_eq!(code.abs(), E4M3_MAX);
                 }
-                let target = v / scales[r];
+                let target = v * (1.0 / scales[r]);
                 let step = 2f32.powi((target.abs().log2().floor() as i32).max(-6) - 3);
                 assert!(
                     (code - target).abs() <= step / 2.0,

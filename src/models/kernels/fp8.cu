@@ -64,6 +64,21 @@ __device__ __forceinline__ void store8(float *p, const float (&v)[8]) {
 __device__ __forceinline__ uint8_t e4m3(float v) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
+// Two codes in one conversion: a's in the low byte, b's in the high one.
+__device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// A row's scale, absmax / 448, where it is a normal float; 0 below (the row quantizes as a zero
+// row: its 1 / scale would overflow).
+__device__ __forceinline__ float row_scale(float absmax) {
+  const float s = __fdiv_rn(absmax, E4M3_MAX);
+  return s < 1.17549435e-38f ? 0.f : s;
+}
+
+// The factor a row's values are multiplied by before rounding to e4m3: 1 / scale, correctly
+// rounded (the host's 1.0 / scale).
+__device__ __forceinline__ float inverse(float scale) { return __frcp_rn(scale); }
 
 // Largest of `v` over the warp (NaN ignored, as fmaxf and the host's f32::max do); every lane
 // gets it.
@@ -73,7 +88,8 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Rows of x [rows, k] into q [rows_pad, k_pad] (e4m3 codes) and scale [rows_pad], a warp per row
-// (grid-stride): the scale is absmax / 448, the codes e4m3(x / scale) rounded to nearest even (a
+// (grid-stride): the scale is absmax / 448 (row_scale), the codes e4m3(x * (1 / scale)) rounded
+// to nearest even (a
 // zero row: scale 0, codes 0); columns from k to k_pad and rows from `rows` on (the padding
 // cuBLASLt's fp8 layouts need) are zero codes with scale 0. Where k % 8 == 0 and x is 16-byte
 // aligned, 8 values at a time (the same arithmetic). A warp reads its row twice: the second
@@ -102,7 +118,7 @@ __device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *
     } else if (real) {
       for (int c = lane; c < k; c += 32) m = fmaxf(m, fabsf(to_f32(xr[c])));
     }
-    const float s = __fdiv_rn(warp_max(m), E4M3_MAX);
+    const float s = row_scale(warp_max(m)), inv = inverse(s);
     if (lane == 0) scale[row] = s;
     const bool codes = real && s > 0.f;
     if (vec) {
@@ -112,7 +128,7 @@ __device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *
         if (codes && c < k) {
           load8(xr + c, v);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] = __fdiv_rn(v[i], s);
+          for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], inv);
         }
         uint2 out;
         uint8_t *b = reinterpret_cast<uint8_t *>(&out);
@@ -122,7 +138,7 @@ __device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *
       }
     } else {
       for (int c = lane; c < k_pad; c += 32) {
-        const float v = (codes && c < k) ? __fdiv_rn(to_f32(xr[c]), s) : 0.f;
+        const float v = (codes && c < k) ? __fmul_rn(to_f32(xr[c]), inv) : 0.f;
         qr[c] = e4m3(v);
       }
     }
@@ -134,12 +150,14 @@ template <typename T> struct alignas(16) Vec8 {
   T e[8];
 };
 
-// 8 e4m3 codes of v / s (zeros where `zero`), one 8-byte store to `q`.
-__device__ __forceinline__ void store_codes(uint8_t *q, const float (&v)[8], float s, bool zero) {
+// 8 e4m3 codes of v * inv (zeros where `zero`), converted in pairs, one 8-byte store to `q`.
+__device__ __forceinline__ void store_codes(uint8_t *q, const float (&v)[8], float inv,
+                                            bool zero) {
   uint2 out;
-  uint8_t *b = reinterpret_cast<uint8_t *>(&out);
+  uint16_t *pair = reinterpret_cast<uint16_t *>(&out);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) b[i] = e4m3(zero ? 0.f : __fdiv_rn(v[i], s));
+  for (int i = 0; i < 4; ++i)
+    pair[i] = zero ? 0 : e4m3x2(__fmul_rn(v[2 * i], inv), __fmul_rn(v[2 * i + 1], inv));
   *reinterpret_cast<uint2 *>(q) = out;
 }
 
@@ -178,7 +196,7 @@ __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
 #pragma unroll
     for (int w = 0; w < THREADS / 32; ++w) m = fmaxf(m, warp_maxima[w]);
     __syncthreads();  // every thread has read the maxima before the next row writes them
-    const float s = __fdiv_rn(m, E4M3_MAX);
+    const float s = row_scale(m), inv = inverse(s);
     if (threadIdx.x == 0) scale[row] = s;
     const bool zero = !real || s == 0.f;
     uint8_t *qr = q + row * k_pad;
@@ -189,7 +207,7 @@ __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
         float v[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = to_f32(held[i].e[e]);
-        store_codes(qr + c, v, s, zero || c >= k);
+        store_codes(qr + c, v, inv, zero || c >= k);
       }
     }
   }
@@ -224,7 +242,7 @@ __device__ __forceinline__ void quantize_rows_warp_held(const __nv_bfloat16 *__r
       for (int e = 0; e < 4; ++e) m2 = __hmax2(m2, __habs2(h[e]));
     }
     const float m = warp_max(fmaxf(__low2float(m2), __high2float(m2)));
-    const float s = __fdiv_rn(m, E4M3_MAX);
+    const float s = row_scale(m), inv = inverse(s);
     if (lane == 0) scale[row] = s;
     const bool zero = !real || s == 0.f;
     uint8_t *qr = q + row * k_pad;
@@ -234,7 +252,7 @@ __device__ __forceinline__ void quantize_rows_warp_held(const __nv_bfloat16 *__r
       if (c < k_pad) {
         float v[8];
         load8(reinterpret_cast<const __nv_bfloat16 *>(&held[i]), v);
-        store_codes(qr + c, v, s, zero || c >= k);
+        store_codes(qr + c, v, inv, zero || c >= k);
       }
     }
   }
