@@ -163,9 +163,8 @@ __device__ __forceinline__ void store_codes(uint8_t *q, const float (&v)[8], flo
 
 // quantize_rows for rows that fit a block's registers (k % 8 == 0, x and q 16-byte aligned,
 // k_pad <= 8 THREADS CHUNKS): a block per row (grid-stride) holds the row while it finds the
-// absmax, so x is read from memory once. The warp-per-row kernel reads each row twice, and with
-// its many rows in flight (tens of MB) the second read missed the L2 and went to memory again.
-// The same codes and scales: the absmax does not depend on the order of the fmaxf's.
+// absmax, so x is read once (the warp-per-row kernel reads each row twice). The same codes and
+// scales: the absmax does not depend on the order of the fmaxf's.
 template <typename T, int CHUNKS>
 __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
                                                    uint8_t *__restrict__ q,

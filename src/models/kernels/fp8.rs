@@ -77,20 +77,9 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
     if rows_pad == 0 {
         return Ok((q, scale));
     }
-    let held = Held::of(&x, k, k_pad);
+    let held = held_kernel(&x, k, k_pad);
     let func = match held {
-        Some(Held::Warp(8)) => "quantize_rows_warp_held8_bf16",
-        Some(Held::Warp(_)) => "quantize_rows_warp_held24_bf16",
-        Some(Held::Block(1)) => "quantize_rows_held1_f32",
-        Some(Held::Block(2)) => "quantize_rows_held2_f32",
-        Some(Held::Block(4)) => kernel(
-            x.dtype(),
-            ["quantize_rows_held4_bf16", "quantize_rows_held4_f32"],
-        ),
-        Some(Held::Block(_)) => kernel(
-            x.dtype(),
-            ["quantize_rows_held8_bf16", "quantize_rows_held8_f32"],
-        ),
+        Some(HeldKernel { name, .. }) => name,
         None => kernel(x.dtype(), ["quantize_rows_bf16", "quantize_rows_f32"]),
     };
     let args = vec![
@@ -103,9 +92,11 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
         Arg::Long(rows_pad as i64),
     ];
     scale.inplace_op1(&match held {
-        Some(Held::Block(_)) => row_launch(&FP8, func, rows_pad.min(MAX_ROW_BLOCKS), args),
+        Some(HeldKernel { block: true, .. }) => {
+            row_launch(&FP8, func, rows_pad.min(MAX_ROW_BLOCKS), args)
+        }
         // A warp per row.
-        Some(Held::Warp(_)) | None => item_launch(&FP8, func, rows_pad * 32, args),
+        _ => item_launch(&FP8, func, rows_pad * 32, args),
     })?;
     Ok((q, scale))
 }
@@ -113,33 +104,52 @@ pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result
 /// Blocks the held-row quantizer launches at most (grid-stride over the rest).
 const MAX_ROW_BLOCKS: usize = 1 << 16;
 
-/// How the quantizer holds a row in registers while it finds the absmax (`fp8.cu`), by the
-/// chunks of 8 values each thread holds: where `k` and `k_pad` are multiples of 8, `x` starts
-/// 16-byte aligned and the padded row fits. `None` elsewhere: the warp-per-row kernel that reads
-/// each row twice.
+/// A quantizer kernel that holds each row in registers while it finds the absmax (`fp8.cu`'s
+/// `quantize_rows_warp_held` and `quantize_rows_held`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Held {
-    /// A warp per row (bf16 rows up to 6,144 values): 8 or 24 chunks a lane.
-    Warp(usize),
-    /// A block of [`ROW_THREADS`] per row: 4 or 8 chunks a thread (bf16), 1, 2, 4 or 8 (f32).
-    Block(usize),
+struct HeldKernel {
+    dtype: DType,
+    /// A block of [`ROW_THREADS`] per row; else a warp.
+    block: bool,
+    /// The padded row length it holds at most: 8 values a chunk, its chunks per thread.
+    values: usize,
+    name: &'static str,
 }
 
-impl Held {
-    fn of(x: &Tensor, k: usize, k_pad: usize) -> Option<Self> {
-        let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
-        if k == 0 || !k.is_multiple_of(8) || !k_pad.is_multiple_of(8) || !aligned {
-            return None;
+/// The held-row kernels `fp8.cu` builds, the smallest of each dtype first.
+const HELD_KERNELS: [HeldKernel; 8] = {
+    const fn held(dtype: DType, block: bool, chunks: usize, name: &'static str) -> HeldKernel {
+        let threads = if block { ROW_THREADS } else { 32 };
+        HeldKernel {
+            dtype,
+            block,
+            values: 8 * threads * chunks,
+            name,
         }
-        let bf16 = x.dtype() == DType::BF16;
-        let warp = [8, 24].into_iter().find(|&c| bf16 && k_pad <= c * 8 * 32);
-        let block: &[usize] = if bf16 { &[4, 8] } else { &[1, 2, 4, 8] };
-        let block = block
-            .iter()
-            .copied()
-            .find(|&c| k_pad <= c * 8 * ROW_THREADS);
-        warp.map(Held::Warp).or(block.map(Held::Block))
     }
+    [
+        held(DType::BF16, false, 8, "quantize_rows_warp_held8_bf16"),
+        held(DType::BF16, false, 24, "quantize_rows_warp_held24_bf16"),
+        held(DType::BF16, true, 4, "quantize_rows_held4_bf16"),
+        held(DType::BF16, true, 8, "quantize_rows_held8_bf16"),
+        held(DType::F32, true, 1, "quantize_rows_held1_f32"),
+        held(DType::F32, true, 2, "quantize_rows_held2_f32"),
+        held(DType::F32, true, 4, "quantize_rows_held4_f32"),
+        held(DType::F32, true, 8, "quantize_rows_held8_f32"),
+    ]
+};
+
+/// The held-row kernel for rows of `k` values of `x` padded to `k_pad`: the smallest that holds
+/// the padded row, where `k` and `k_pad` are multiples of 8 and `x` starts 16-byte aligned.
+/// `None` elsewhere: the warp-per-row kernel that reads each row twice.
+fn held_kernel(x: &Tensor, k: usize, k_pad: usize) -> Option<HeldKernel> {
+    let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
+    if k == 0 || !k.is_multiple_of(8) || !k_pad.is_multiple_of(8) || !aligned {
+        return None;
+    }
+    HELD_KERNELS
+        .into_iter()
+        .find(|h| h.dtype == x.dtype() && k_pad <= h.values)
 }
 
 /// `act(acc * scale_a[row] * scale_w[col] + bias[col])` of the product `acc` `[rows, ld]`, its
