@@ -12,6 +12,7 @@ use common::{
     assert_close, config_in, generate_frames, max_abs_diff, named_fixture_dir, named_reference,
     run_vidgen, scratch_dir, var_builder_in,
 };
+use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use vidgen::models::allegro::transformer::{AllegroTransformer3DModel, AllegroTransformerConfig};
@@ -107,66 +108,15 @@ fn unguided_run_matches_diffusers() {
     check_run("cfg1", "1");
 }
 
-/// Every offload mode gives the resident run's frames, bit for bit.
+/// Every offload mode gives the resident run's frames, bit for bit; so does a tiled decode
+/// asked for (the VAE decodes in tiles either way).
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch_dir("allegro", "offload");
     let draws = draws_file(&dir, "cfg7_5");
-    let resident = generate_frames(
-        &args(
-            "7.5",
-            &[
-                "--memory-model",
-                "discrete",
-                "--no-dit-layerwise-offload",
-                "--no-dit-cpu-offload",
-                "--no-text-encoder-cpu-offload",
-                "--no-vae-cpu-offload",
-            ],
-        ),
-        &draws,
-        &dir,
-    )
-    .unwrap();
-    let modes: &[&[&str]] = &[
-        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-        &["--dit-layerwise-offload", "--num-blocks-per-group", "1"],
-        &["--dit-layerwise-offload", "--num-blocks-per-group", "8"],
-        &[
-            "--dit-layerwise-offload",
-            "--num-blocks-per-group",
-            "1",
-            "--no-offload-stream",
-        ],
-        &[
-            "--dit-layerwise-offload",
-            "--num-blocks-per-group",
-            "8",
-            "--no-offload-stream",
-        ],
-        &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
-        &["--text-encoder-cpu-offload", "--vae-cpu-offload"],
-        &["--model-cpu-offload"],
-        &["--sequential-cpu-offload"],
-        &["--lazy-module-load"],
-        // Accepted: the VAE decodes in tiles either way.
-        &["--vae-tiling"],
-    ];
-    for flags in modes {
-        let mut extra = vec!["--memory-model", "discrete"];
-        extra.extend_from_slice(flags);
-        let frames = generate_frames(&args("7.5", &extra), &draws, &dir)
-            .unwrap_or_else(|e| panic!("{flags:?}: {e}"));
-        assert_eq!(
-            max_abs_diff(&frames, &resident),
-            0.0,
-            "{flags:?} differs from the resident run"
-        );
-    }
-    // Unified memory's rules (host offload off, components loaded in turn).
-    let unified = generate_frames(&args("7.5", &["--memory-model", "unified"]), &draws, &dir)
-        .unwrap_or_else(|e| panic!("unified: {e}"));
-    assert_eq!(max_abs_diff(&unified, &resident), 0.0, "unified memory");
+    common::assert_offload_modes_bit_identical(&[(&["--vae-tiling"], "transformer")], |flags| {
+        common::generate_frames_logged(&args("7.5", flags), &draws, &dir)
+    });
 }
 
 /// The published call defaults (720x1280, 88 frames, 100 steps, guidance 7.5, 512 tokens) and
@@ -176,11 +126,10 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
     let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     // The fixture's transformer: sample 8 x 8 x 6 latents (x8 = 64, x4 = 24).
-    assert_eq!(plan["config"]["height"], 64, "{plan}");
-    assert_eq!(plan["config"]["num_frames"], 24, "{plan}");
+    common::assert_planned_call(&plan, &json!({"height": 64, "num_frames": 24}));
     for extra in [
-        vec!["--device", "cpu"],
-        vec![
+        &["--device", "cpu"][..],
+        &[
             "--device",
             "cpu",
             "--dit-layerwise-offload",
@@ -188,30 +137,16 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             "bf16",
         ],
     ] {
-        let plan = common::dry_run_plan("synthetic:allegro", &extra);
-        let text = plan.to_string();
-        let config = &plan["config"];
-        assert_eq!(config["height"], 720, "{text}");
-        assert_eq!(config["width"], 1280, "{text}");
-        assert_eq!(config["num_frames"], 88, "{text}");
-        assert_eq!(config["num_inference_steps"], 100, "{text}");
-        assert_eq!(config["guidance_scale"], 7.5, "{text}");
-        assert_eq!(config["max_sequence_length"], 512, "{text}");
-        for stage in ["encode_text", "denoise", "decode", "write"] {
-            assert!(text.contains(stage), "no stage {stage}: {text}");
-        }
-        assert!(!text.contains("\"error\""), "{text}");
-        assert_eq!(plan["model"]["transformer_layers"], 32, "{text}");
-        assert_eq!(
-            plan["model"]["latent_shape"],
-            serde_json::json!([1, 4, 22, 90, 160]),
-            "{text}"
+        let plan = common::dry_run_plan("synthetic:allegro", extra);
+        common::assert_planned_call(
+            &plan,
+            &json!({"height": 720, "width": 1280, "num_frames": 88, "num_inference_steps": 100,
+                "guidance_scale": 7.5, "max_sequence_length": 512}),
         );
-        assert_eq!(
-            plan["model"]["vae_tiles"],
-            serde_json::json!([5, 3, 5]),
-            "{text}"
-        );
+        let model = &plan["model"];
+        assert_eq!(model["transformer_layers"], 32, "{plan}");
+        assert_eq!(model["latent_shape"], json!([1, 4, 22, 90, 160]), "{plan}");
+        assert_eq!(model["vae_tiles"], json!([5, 3, 5]), "{plan}");
     }
 }
 
@@ -222,15 +157,13 @@ fn flags_and_sizes_that_do_not_apply_are_refused() {
     let dir = scratch_dir("allegro", "refused");
     let fixture = named_fixture_dir(FIXTURE);
     let image = dir.join("x.png");
+    let other_family = "does not apply to Allegro";
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["--image", image.to_str().unwrap()],
-            "does not apply to Allegro",
-        ),
-        (&["--lora", "x.safetensors"], "does not apply to Allegro"),
-        (&["--true-cfg-scale", "3"], "does not apply to Allegro"),
-        (&["--flow-shift", "3"], "does not apply to Allegro"),
-        (&["--scheduler", "euler"], "does not apply to Allegro"),
+        (&["--image", image.to_str().unwrap()], other_family),
+        (&["--lora", "x.safetensors"], other_family),
+        (&["--true-cfg-scale", "3"], other_family),
+        (&["--flow-shift", "3"], other_family),
+        (&["--scheduler", "euler"], other_family),
         (
             &["--num-frames", "16"],
             "4 latent frames are fewer than a VAE tile's 6",
@@ -243,32 +176,7 @@ fn flags_and_sizes_that_do_not_apply_are_refused() {
         (&["--width", "40"], "multiple of 16"),
     ];
     for (flags, why) in cases {
-        for dry in [false, true] {
-            let mut args: Vec<String> = [
-                "generate",
-                "--model",
-                fixture.to_str().unwrap(),
-                "--prompt",
-                "a",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            args.extend(flags.iter().map(|s| s.to_string()));
-            if dry {
-                args.push("--dry-run".into());
-            }
-            let out = run_vidgen(&args);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
-            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
-            assert_eq!(errors.len(), 1, "{flags:?}: {stderr}");
-            assert!(errors[0].contains(why), "{flags:?}: {stderr}");
-        }
+        common::assert_refused(&fixture, &dir, flags, &[why]);
     }
 }
 

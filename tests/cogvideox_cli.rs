@@ -7,6 +7,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
+use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -115,67 +116,18 @@ fn unguided_run_matches_diffusers() {
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch("offload");
-    let resident_flags = [
-        "--memory-model",
-        "discrete",
-        "--no-dit-layerwise-offload",
-        "--no-dit-cpu-offload",
-        "--no-text-encoder-cpu-offload",
-        "--no-vae-cpu-offload",
-    ];
-    let (resident, log) = generate(&dir, "cfg6", &resident_flags);
-    assert!(log.contains("transformer: resident"), "{log}");
-    let modes: &[(&[&str], &str)] = &[
-        (
-            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-            "transformer: streamed",
-        ),
-        (
-            &[
-                "--dit-layerwise-offload",
-                "--num-blocks-per-group",
-                "2",
-                "--prefetch-depth",
-                "2",
-            ],
-            "transformer: streamed",
-        ),
-        (
-            &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
-            "transformer: streamed",
-        ),
-        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
-        (&["--model-cpu-offload"], "transformer: parked"),
-        (&["--sequential-cpu-offload"], "transformer: streamed"),
-        (&["--lazy-module-load"], "transformer"),
-    ];
-    for (flags, placed) in modes {
-        let mut args = vec!["--memory-model", "discrete"];
-        args.extend_from_slice(flags);
-        let (frames, log) = generate(&dir, "cfg6", &args);
-        assert!(log.contains(placed), "{flags:?}: {log}");
-        assert_eq!(
-            max_abs_diff(&frames, &resident),
-            0.0,
-            "{flags:?} differs from the resident run"
-        );
-    }
-}
-
-/// Prints the stage names with their bytes, for the assertions' messages.
-fn stages(plan: &serde_json::Value) -> String {
-    plan.to_string()
+    common::assert_offload_modes_bit_identical(&[], |flags| generate(&dir, "cfg6", flags));
 }
 
 #[test]
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
     for (model, extra) in [
-        (fixture.to_str().unwrap(), vec!["--device", "cpu"]),
-        ("synthetic:cogvideox-5b", vec!["--device", "cpu"]),
+        (fixture.to_str().unwrap(), &["--device", "cpu"][..]),
+        ("synthetic:cogvideox-5b", &["--device", "cpu"]),
         (
             "synthetic:cogvideox-5b",
-            vec![
+            &[
                 "--device",
                 "cpu",
                 "--dit-layerwise-offload",
@@ -184,25 +136,17 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             ],
         ),
     ] {
-        let plan = common::dry_run_plan(model, &extra);
-        let text = stages(&plan);
-        let config = &plan["config"];
-        assert_eq!(config["height"], 480, "{text}");
-        assert_eq!(config["width"], 720, "{text}");
-        assert_eq!(config["num_frames"], 49, "{text}");
-        assert_eq!(config["fps"], 8, "{text}");
-        assert_eq!(config["guidance_scale"], 6.0, "{text}");
-        assert_eq!(config["max_sequence_length"], 226, "{text}");
-        for stage in ["encode_text", "denoise", "decode", "write"] {
-            assert!(text.contains(stage), "{model}: no stage {stage}: {text}");
-        }
-        assert!(!text.contains("\"error\""), "{model}: {text}");
+        common::assert_planned_call(
+            &common::dry_run_plan(model, extra),
+            &json!({"height": 480, "width": 720, "num_frames": 49, "fps": 8,
+                "guidance_scale": 6.0, "max_sequence_length": 226}),
+        );
     }
     let plan = common::dry_run_plan("synthetic:cogvideox-5b", &["--device", "cpu"]);
     assert_eq!(plan["model"]["transformer_layers"], 42, "{plan}");
     assert_eq!(
         plan["model"]["latent_shape"],
-        serde_json::json!([1, 13, 16, 60, 90]),
+        json!([1, 13, 16, 60, 90]),
         "{plan}"
     );
 }
@@ -221,34 +165,8 @@ fn flags_that_do_not_apply_are_refused() {
         ("--flow-shift", "3", "flow-matching schedule"),
         ("--scheduler", "euler", "its own scheduler"),
     ] {
-        for dry in [false, true] {
-            let mut args = vec![
-                "generate",
-                "--model",
-                fixture.to_str().unwrap(),
-                "--prompt",
-                "a",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-                flag,
-                value,
-            ];
-            if dry {
-                args.push("--dry-run");
-            }
-            let out = common::vidgen(&args);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
-            assert!(stderr.contains(why), "{flag}: {stderr}");
-            assert!(stderr.contains(flag), "{flag}: {stderr}");
-            let refusal = "does not apply to CogVideoX text-to-video";
-            assert!(stderr.contains(refusal), "{flag}: {stderr}");
-            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
-            assert_eq!(errors.len(), 1, "{flag}: {stderr}");
-            assert!(errors[0].contains(why), "{flag}: {stderr}");
-        }
+        let refusal = "does not apply to CogVideoX text-to-video";
+        common::assert_refused(&fixture, &dir, &[flag, value], &[flag, why, refusal]);
     }
 }
 

@@ -8,6 +8,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
+use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -165,75 +166,11 @@ fn the_default_output_is_one_png_file() {
     assert!(stderr.contains("skipping"), "{stderr}");
 }
 
-/// Every offload mode (block level N=1 and 8 with and without a copy stream, leaf level, text
-/// encoder, model and sequential offload, lazy loading, unified memory's rules) gives the
-/// resident run's frames, bit for bit.
+/// Every offload mode gives the resident run's image, bit for bit.
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch("offload");
-    let resident_flags = [
-        "--memory-model",
-        "discrete",
-        "--no-dit-layerwise-offload",
-        "--no-dit-cpu-offload",
-        "--no-text-encoder-cpu-offload",
-        "--no-vae-cpu-offload",
-    ];
-    let (resident, log) = generate(&dir, "truecfg4", &resident_flags);
-    assert!(log.contains("transformer: resident"), "{log}");
-    let modes: &[(&[&str], &str)] = &[
-        (
-            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-            "transformer: streamed",
-        ),
-        (&["--dit-layerwise-offload"], "transformer: streamed"),
-        (
-            &["--dit-layerwise-offload", "--no-offload-stream"],
-            "transformer: streamed",
-        ),
-        (
-            &["--dit-layerwise-offload", "--num-blocks-per-group", "8"],
-            "transformer: streamed",
-        ),
-        (
-            &[
-                "--dit-layerwise-offload",
-                "--num-blocks-per-group",
-                "8",
-                "--no-offload-stream",
-            ],
-            "transformer: streamed",
-        ),
-        (
-            &[
-                "--dit-layerwise-offload",
-                "--num-blocks-per-group",
-                "2",
-                "--prefetch-depth",
-                "2",
-            ],
-            "transformer: streamed",
-        ),
-        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
-        (&["--model-cpu-offload"], "transformer: parked"),
-        (&["--sequential-cpu-offload"], "transformer: streamed"),
-        (&["--lazy-module-load"], "transformer"),
-        (&["--memory-model", "unified"], "transformer: resident"),
-    ];
-    for (flags, placed) in modes {
-        // A discrete GPU's rules unless the mode names its memory model.
-        let mut args = flags.to_vec();
-        if !flags.contains(&"--memory-model") {
-            args.splice(0..0, ["--memory-model", "discrete"]);
-        }
-        let (frames, log) = generate(&dir, "truecfg4", &args);
-        assert!(log.contains(placed), "{flags:?}: {log}");
-        assert_eq!(
-            max_abs_diff(&frames, &resident),
-            0.0,
-            "{flags:?} differs from the resident run"
-        );
-    }
+    common::assert_offload_modes_bit_identical(&[], |flags| generate(&dir, "truecfg4", flags));
 }
 
 /// The published call defaults (1024x1024, one image as PNG, 28 steps, guidance 3.5, 512
@@ -242,13 +179,13 @@ fn offload_modes_are_bit_identical_to_resident() {
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
     for (model, extra) in [
-        (fixture.to_str().unwrap(), vec!["--device", "cpu"]),
-        ("synthetic:flux.1-dev", vec!["--device", "cpu"]),
+        (fixture.to_str().unwrap(), &["--device", "cpu"][..]),
+        ("synthetic:flux.1-dev", &["--device", "cpu"]),
         // The Hub id plans from the shipped configs, without a download.
-        ("black-forest-labs/FLUX.1-dev", vec!["--device", "cpu"]),
+        ("black-forest-labs/FLUX.1-dev", &["--device", "cpu"]),
         (
             "synthetic:flux.1-dev",
-            vec![
+            &[
                 "--device",
                 "cpu",
                 "--dit-layerwise-offload",
@@ -257,35 +194,17 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             ],
         ),
     ] {
-        let plan = common::dry_run_plan(model, &extra);
-        let text = plan.to_string();
-        let config = &plan["config"];
-        assert_eq!(config["height"], 1024, "{text}");
-        assert_eq!(config["width"], 1024, "{text}");
-        assert_eq!(config["num_frames"], 1, "{text}");
-        assert_eq!(config["num_inference_steps"], 28, "{text}");
-        assert_eq!(config["guidance_scale"], 3.5, "{text}");
-        assert_eq!(config["max_sequence_length"], 512, "{text}");
-        assert_eq!(config["output_type"], "png", "{text}");
-        for stage in ["encode_text", "denoise", "decode", "write"] {
-            assert!(text.contains(stage), "{model}: no stage {stage}: {text}");
-        }
-        assert!(!text.contains("\"error\""), "{model}: {text}");
+        common::assert_planned_call(
+            &common::dry_run_plan(model, extra),
+            &json!({"height": 1024, "width": 1024, "num_frames": 1, "num_inference_steps": 28,
+                "guidance_scale": 3.5, "max_sequence_length": 512, "output_type": "png"}),
+        );
     }
     let plan = common::dry_run_plan("synthetic:flux.1-dev", &["--device", "cpu"]);
-    assert_eq!(
-        plan["model"]["transformer_dual_stream_layers"], 19,
-        "{plan}"
-    );
-    assert_eq!(
-        plan["model"]["transformer_single_stream_layers"], 38,
-        "{plan}"
-    );
-    assert_eq!(
-        plan["model"]["latent_shape"],
-        serde_json::json!([1, 4096, 64]),
-        "{plan}"
-    );
+    let model = &plan["model"];
+    assert_eq!(model["transformer_dual_stream_layers"], 19, "{plan}");
+    assert_eq!(model["transformer_single_stream_layers"], 38, "{plan}");
+    assert_eq!(model["latent_shape"], json!([1, 4096, 64]), "{plan}");
 }
 
 /// Flags of other families, a video's frame count and output, and more T5 tokens than the
@@ -305,28 +224,7 @@ fn flags_that_do_not_apply_are_refused() {
         ("--output-type", "mp4", "makes one image"),
         ("--max-sequence-length", "600", "at most 512"),
     ] {
-        for dry in [false, true] {
-            let mut args = vec![
-                "generate",
-                "--model",
-                fixture.to_str().unwrap(),
-                "--prompt",
-                "a",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-                flag,
-                value,
-            ];
-            if dry {
-                args.push("--dry-run");
-            }
-            let out = common::vidgen(&args);
-            let stderr = common::usage_error(&out, flag);
-            assert!(stderr.contains(why), "{flag}: {stderr}");
-            assert!(stderr.contains(flag), "{flag}: {stderr}");
-        }
+        common::assert_refused(&fixture, &dir, &[flag, value], &[flag, why]);
     }
 }
 

@@ -10,6 +10,7 @@ use common::{
     assert_close, generate_frames, max_abs_diff, named_fixture_dir, named_reference, run_vidgen,
     scratch_dir,
 };
+use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -93,66 +94,9 @@ fn unguided_run_matches_diffusers() {
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch_dir("latte", "offload");
     let draws = draws_file(&dir);
-    let resident = generate_frames(
-        &args(
-            "7.5",
-            &[
-                "--memory-model",
-                "discrete",
-                "--no-dit-layerwise-offload",
-                "--no-dit-cpu-offload",
-                "--no-text-encoder-cpu-offload",
-                "--no-vae-cpu-offload",
-            ],
-        ),
-        &draws,
-        &dir,
-    )
-    .unwrap();
-    let modes: &[&[&str]] = &[
-        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-        &["--dit-layerwise-offload", "--num-blocks-per-group", "1"],
-        &["--dit-layerwise-offload", "--num-blocks-per-group", "8"],
-        &[
-            "--dit-layerwise-offload",
-            "--num-blocks-per-group",
-            "1",
-            "--no-offload-stream",
-        ],
-        &[
-            "--dit-layerwise-offload",
-            "--num-blocks-per-group",
-            "8",
-            "--no-offload-stream",
-        ],
-        &[
-            "--dit-layerwise-offload",
-            "--num-blocks-per-group",
-            "2",
-            "--prefetch-depth",
-            "2",
-        ],
-        &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
-        &["--text-encoder-cpu-offload", "--vae-cpu-offload"],
-        &["--model-cpu-offload"],
-        &["--sequential-cpu-offload"],
-        &["--lazy-module-load"],
-    ];
-    for flags in modes {
-        let mut extra = vec!["--memory-model", "discrete"];
-        extra.extend_from_slice(flags);
-        let frames = generate_frames(&args("7.5", &extra), &draws, &dir)
-            .unwrap_or_else(|e| panic!("{flags:?}: {e}"));
-        assert_eq!(
-            max_abs_diff(&frames, &resident),
-            0.0,
-            "{flags:?} differs from the resident run"
-        );
-    }
-    // Unified memory's rules (host offload off, components loaded in turn).
-    let unified = generate_frames(&args("7.5", &["--memory-model", "unified"]), &draws, &dir)
-        .unwrap_or_else(|e| panic!("unified: {e}"));
-    assert_eq!(max_abs_diff(&unified, &resident), 0.0, "unified memory");
+    common::assert_offload_modes_bit_identical(&[], |flags| {
+        common::generate_frames_logged(&args("7.5", flags), &draws, &dir)
+    });
 }
 
 /// The published call defaults (512x512, video_length frames, 50 steps, guidance 7.5) and the
@@ -162,11 +106,10 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
     let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     // The fixture's transformer: sample_size 4 (x8 = 32), video_length 5.
-    assert_eq!(plan["config"]["height"], 32, "{plan}");
-    assert_eq!(plan["config"]["num_frames"], 5, "{plan}");
+    common::assert_planned_call(&plan, &json!({"height": 32, "num_frames": 5}));
     for extra in [
-        vec!["--device", "cpu"],
-        vec![
+        &["--device", "cpu"][..],
+        &[
             "--device",
             "cpu",
             "--dit-layerwise-offload",
@@ -174,24 +117,17 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             "bf16",
         ],
     ] {
-        let plan = common::dry_run_plan("synthetic:latte-1", &extra);
-        let text = plan.to_string();
-        let config = &plan["config"];
-        assert_eq!(config["height"], 512, "{text}");
-        assert_eq!(config["width"], 512, "{text}");
-        assert_eq!(config["num_frames"], 16, "{text}");
-        assert_eq!(config["num_inference_steps"], 50, "{text}");
-        assert_eq!(config["guidance_scale"], 7.5, "{text}");
-        assert_eq!(config["max_sequence_length"], 120, "{text}");
-        for stage in ["encode_text", "denoise", "decode", "write"] {
-            assert!(text.contains(stage), "no stage {stage}: {text}");
-        }
-        assert!(!text.contains("\"error\""), "{text}");
-        assert_eq!(plan["model"]["transformer_layers"], 28, "{text}");
+        let plan = common::dry_run_plan("synthetic:latte-1", extra);
+        common::assert_planned_call(
+            &plan,
+            &json!({"height": 512, "width": 512, "num_frames": 16, "num_inference_steps": 50,
+                "guidance_scale": 7.5, "max_sequence_length": 120}),
+        );
+        assert_eq!(plan["model"]["transformer_layers"], 28, "{plan}");
         assert_eq!(
             plan["model"]["latent_shape"],
-            serde_json::json!([1, 4, 16, 64, 64]),
-            "{text}"
+            json!([1, 4, 16, 64, 64]),
+            "{plan}"
         );
     }
 }
@@ -203,45 +139,18 @@ fn flags_and_sizes_that_do_not_apply_are_refused() {
     let dir = scratch_dir("latte", "refused");
     let fixture = named_fixture_dir(FIXTURE);
     let image = dir.join("x.png");
+    let other_family = "does not apply to Latte";
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["--image", image.to_str().unwrap()],
-            "does not apply to Latte",
-        ),
-        (&["--max-sequence-length", "16"], "does not apply to Latte"),
-        (&["--true-cfg-scale", "3"], "does not apply to Latte"),
-        (&["--flow-shift", "3"], "does not apply to Latte"),
-        (&["--scheduler", "euler"], "does not apply to Latte"),
+        (&["--image", image.to_str().unwrap()], other_family),
+        (&["--max-sequence-length", "16"], other_family),
+        (&["--true-cfg-scale", "3"], other_family),
+        (&["--flow-shift", "3"], other_family),
+        (&["--scheduler", "euler"], other_family),
         (&["--num-frames", "4"], "video_length"),
         (&["--height", "40"], "multiple of 16"),
     ];
     for (flags, why) in cases {
-        for dry in [false, true] {
-            let mut args: Vec<String> = [
-                "generate",
-                "--model",
-                fixture.to_str().unwrap(),
-                "--prompt",
-                "a",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            args.extend(flags.iter().map(|s| s.to_string()));
-            if dry {
-                args.push("--dry-run".into());
-            }
-            let out = run_vidgen(&args);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
-            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
-            assert_eq!(errors.len(), 1, "{flags:?}: {stderr}");
-            assert!(errors[0].contains(why), "{flags:?}: {stderr}");
-        }
+        common::assert_refused(&fixture, &dir, flags, &[why]);
     }
 }
 

@@ -8,6 +8,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
+use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -114,82 +115,18 @@ fn frames_are_six_k_plus_one_of_the_latents() {
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch("offload");
-    let resident_flags = [
-        "--memory-model",
-        "discrete",
-        "--no-dit-layerwise-offload",
-        "--no-dit-cpu-offload",
-        "--no-text-encoder-cpu-offload",
-        "--no-vae-cpu-offload",
-    ];
-    let (resident, log) = generate(&dir, "4.5", "13", &resident_flags);
-    assert!(log.contains("transformer: resident"), "{log}");
-    let modes: &[(&[&str], &str)] = &[
-        (
-            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-            "transformer: streamed",
-        ),
-        (
-            &["--dit-layerwise-offload", "--num-blocks-per-group", "1"],
-            "transformer: streamed",
-        ),
-        (
-            &[
-                "--dit-layerwise-offload",
-                "--num-blocks-per-group",
-                "8",
-                "--prefetch-depth",
-                "2",
-            ],
-            "transformer: streamed",
-        ),
-        (
-            &[
-                "--dit-layerwise-offload",
-                "--no-offload-stream",
-                "--num-blocks-per-group",
-                "8",
-            ],
-            "transformer: streamed",
-        ),
-        (
-            &["--dit-layerwise-offload", "--no-offload-stream"],
-            "transformer: streamed",
-        ),
-        (
-            &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
-            "transformer: streamed",
-        ),
-        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
-        (&["--model-cpu-offload"], "transformer: parked"),
-        (&["--sequential-cpu-offload"], "transformer: streamed"),
-        (&["--lazy-module-load"], "transformer"),
-    ];
-    for (flags, placed) in modes {
-        let mut args = vec!["--memory-model", "discrete"];
-        args.extend_from_slice(flags);
-        let (frames, log) = generate(&dir, "4.5", "13", &args);
-        assert!(log.contains(placed), "{flags:?}: {log}");
-        assert_eq!(
-            max_abs_diff(&frames, &resident),
-            0.0,
-            "{flags:?} differs from the resident run"
-        );
-    }
-    // Unified memory: host offload turned off by itself, the same frames.
-    let (frames, _) = generate(&dir, "4.5", "13", &["--memory-model", "unified"]);
-    assert_eq!(max_abs_diff(&frames, &resident), 0.0, "unified memory");
+    common::assert_offload_modes_bit_identical(&[], |flags| generate(&dir, "4.5", "13", flags));
 }
 
 #[test]
 fn dry_run_plans_the_fixture_and_the_published_model() {
     let fixture = named_fixture_dir(FIXTURE);
     for (model, extra) in [
-        (fixture.to_str().unwrap(), vec!["--device", "cpu"]),
-        ("synthetic:mochi-1", vec!["--device", "cpu"]),
+        (fixture.to_str().unwrap(), &["--device", "cpu"][..]),
+        ("synthetic:mochi-1", &["--device", "cpu"]),
         (
             "synthetic:mochi-1",
-            vec![
+            &[
                 "--device",
                 "cpu",
                 "--dit-layerwise-offload",
@@ -198,19 +135,11 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
             ],
         ),
     ] {
-        let plan = common::dry_run_plan(model, &extra);
-        let text = plan.to_string();
-        let config = &plan["config"];
-        assert_eq!(config["height"], 480, "{text}");
-        assert_eq!(config["width"], 848, "{text}");
-        assert_eq!(config["num_frames"], 19, "{text}");
-        assert_eq!(config["num_inference_steps"], 64, "{text}");
-        assert_eq!(config["guidance_scale"], 4.5, "{text}");
-        assert_eq!(config["max_sequence_length"], 256, "{text}");
-        for stage in ["encode_text", "denoise", "decode", "write"] {
-            assert!(text.contains(stage), "{model}: no stage {stage}: {text}");
-        }
-        assert!(!text.contains("\"error\""), "{model}: {text}");
+        common::assert_planned_call(
+            &common::dry_run_plan(model, extra),
+            &json!({"height": 480, "width": 848, "num_frames": 19, "num_inference_steps": 64,
+                "guidance_scale": 4.5, "max_sequence_length": 256}),
+        );
     }
     // The benchmark's 480x848x85: 15 latent frames of 60x106, 85 frames out.
     let plan = common::dry_run_plan(
@@ -220,7 +149,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     assert_eq!(plan["model"]["transformer_layers"], 48, "{plan}");
     assert_eq!(
         plan["model"]["latent_shape"],
-        serde_json::json!([1, 12, 15, 60, 106]),
+        json!([1, 12, 15, 60, 106]),
         "{plan}"
     );
     assert_eq!(plan["model"]["frames_out"], 85, "{plan}");
@@ -243,26 +172,7 @@ fn flags_that_do_not_apply_are_refused() {
         ("--num-inference-steps", "1", "at least 2"),
         ("--height", "40", "16"),
     ] {
-        for dry in [false, true] {
-            let mut args = vec![
-                "generate",
-                "--model",
-                fixture.to_str().unwrap(),
-                "--prompt",
-                "a",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-                flag,
-                value,
-            ];
-            if dry {
-                args.push("--dry-run");
-            }
-            let line = usage_error(&common::vidgen(&args), flag);
-            assert!(line.contains(why), "{flag}: {line}");
-        }
+        common::assert_refused(&fixture, &dir, &[flag, value], &[why]);
     }
 }
 

@@ -187,7 +187,8 @@ struct PromptLine {
 /// any model loads, and two prompts may not write the same file.
 ///
 /// Seeds: prompt *i* gets the base seed + *i* − 1 unless its line sets one. Without `--seed`
-/// the base seed is drawn (printed here on stderr, and in `--stats-json` as `config.seed`), so
+/// the base seed is drawn (said by the notice returned beside the jobs, for the caller to print
+/// once the jobs pass its checks, and in `--stats-json` as `config.seed`), so
 /// such a prompt's seed is free: it asked for a video of its prompt with any seed. `--resume`
 /// therefore counts it finished when its derived name exists with any seed
 /// (`<slug>_<iii>_seed<N>`), and reports that file and its seed. Refusing `--resume` without
@@ -195,7 +196,7 @@ struct PromptLine {
 /// overnight batch expects the same command line to finish it, and a first run started without
 /// `--seed` could then never be resumed. A fixed seed (`--seed`, a line's `seed`) or an
 /// explicit name still needs that exact file.
-pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
+pub fn jobs(config: &ResolvedConfig) -> Result<(Vec<Job>, Option<String>)> {
     let (v, out, b) = (config.video(), config.output(), config.batch());
     let lines = match &config.generation().prompts {
         Some(Prompts::Text(p)) => vec![(
@@ -291,12 +292,10 @@ pub fn jobs(config: &ResolvedConfig) -> Result<Vec<Job>> {
             carry: Carry::default(),
         });
     }
-    if seed_free && base_seed_used && !b.quiet && !config.dry_run() {
-        eprintln!(
-            "seed: none given, drew base seed {base_seed} (prompt i gets {base_seed} + i - 1); pass --seed {base_seed} to make the same videos again"
-        );
-    }
-    Ok(jobs)
+    let seed_notice = (seed_free && base_seed_used).then(|| {
+        format!("seed: none given, drew base seed {base_seed} (prompt i gets {base_seed} + i - 1); pass --seed {base_seed} to make the same videos again")
+    });
+    Ok((jobs, seed_notice))
 }
 
 /// The finished outputs in `dir` named `<stem><seed>.ext` (a PNG `folder`: `<stem><seed>`), by

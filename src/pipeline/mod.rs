@@ -148,19 +148,23 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             // A family not known: Wan's rules.
             Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
         };
-        // What the device changed, once the sizes are known to be good (an error is one line).
-        progress.overrides(config.overrides());
         // The prompts are read and checked as a run would (a missing or broken prompt file is
         // bad input here too), so that the plan covers every size they ask for.
         let prompts = match &config.generation().prompts {
             None => Vec::new(),
-            Some(_) => jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?,
+            Some(_) => {
+                jobs::jobs(&config)
+                    .map_err(|e| UsageError::new(format!("{e:#}")))?
+                    .0
+            }
         };
         if let Ok((family, _)) = &found {
             check_sizes(family.as_ref(), &prompts)?;
             check_steps(&config, &prompts)?;
             check_latents(&config, family.as_ref(), &prompts)?;
         }
+        // What the device changed, once the sizes are known to be good (an error is one line).
+        progress.overrides(config.overrides());
         let plan = DryRun::new(&config, &source, found, &prompts);
         if config.json() {
             println!("{}", plan.json());
@@ -182,8 +186,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
         Ok(family) => for_family(family.as_ref(), config, &source, true)?,
         Err(_) => config.with_model_defaults(&ModelDefaults::default())?,
     };
-    progress.overrides(config.overrides());
-    match parallel_part(config, &family)? {
+    match parallel_part(config, &family, &progress)? {
         Ok(joined) => run_joined(joined, family, source, &progress),
         Err(code) => Ok(code),
     }
@@ -367,7 +370,8 @@ pub fn run_joined(
     source: ModelSource,
     progress: &Arc<Progress>,
 ) -> Result<ExitCode> {
-    let mut jobs = jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
+    let (mut jobs, seed_notice) =
+        jobs::jobs(&config).map_err(|e| UsageError::new(format!("{e:#}")))?;
     if let Some(stats) = &config.batch().stats_json {
         for job in &jobs {
             if crate::config::files::same_file(stats, &job.output) {
@@ -391,6 +395,12 @@ pub fn run_joined(
         check_images(&config, family.as_ref(), &jobs)?;
     }
     check_output_folder(&config.output().folder)?;
+    // What the device changed and the seed drawn, once the prompts are known to be good (an
+    // error is one line).
+    progress.overrides(config.overrides());
+    if let Some(notice) = seed_notice {
+        progress.note(&notice);
+    }
     if config.batch().resume {
         remove_stale_temporaries(&config, progress);
     }
@@ -691,6 +701,7 @@ fn cannot_run(config: &ResolvedConfig) -> Option<String> {
 fn parallel_part(
     config: ResolvedConfig,
     family: &Result<Box<dyn Family>>,
+    progress: &Progress,
 ) -> Result<Result<crate::parallel::launch::Joined, ExitCode>> {
     use crate::parallel::launch::{self, Part};
     let world =
@@ -708,6 +719,8 @@ fn parallel_part(
     match part {
         Part::Alone => Ok(Ok((config, None, None))),
         Part::Supervisor(_) => {
+            // A worker checks the prompts and says what it changed once they pass.
+            progress.overrides(config.overrides());
             // It runs nothing on a GPU: the probe's context goes before the workers start.
             drop(config);
             launch::supervise_self(groups).map(Err)

@@ -131,6 +131,20 @@ pub fn generate_frames(
     Ok(generate_outputs(args, draws, dir)?["frames"].clone())
 }
 
+/// [`generate_frames`] with the run's log, for [`assert_offload_modes_bit_identical`]; a failed
+/// run panics with its stderr.
+pub fn generate_frames_logged(
+    args: &[String],
+    draws: &std::path::Path,
+    dir: &std::path::Path,
+) -> (Tensor, String) {
+    let mut args = args.to_vec();
+    args.extend(["--latents".to_string(), draws.to_str().unwrap().to_string()]);
+    let (written, log) =
+        generate_logged(&args, dir).unwrap_or_else(|stderr| panic!("{args:?}: {stderr}"));
+    (written["frames"].clone(), log)
+}
+
 /// [`generate_frames`], giving every tensor of the written file.
 pub fn generate_outputs(
     args: &[String],
@@ -148,6 +162,14 @@ pub fn generate_written(
     args: &[String],
     dir: &std::path::Path,
 ) -> Result<std::collections::HashMap<String, Tensor>, String> {
+    Ok(generate_logged(args, dir)?.0)
+}
+
+/// [`generate_written`], with the run's log (stderr).
+pub fn generate_logged(
+    args: &[String],
+    dir: &std::path::Path,
+) -> Result<(std::collections::HashMap<String, Tensor>, String), String> {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vidgen"))
         .arg("generate")
         .args(args)
@@ -168,7 +190,155 @@ pub fn generate_written(
         return Err(String::from_utf8_lossy(&out.stderr).to_string());
     }
     let written = dir.join("v.safetensors");
-    Ok(candle_core::safetensors::load(&written, &Device::Cpu).unwrap())
+    Ok((
+        candle_core::safetensors::load(&written, &Device::Cpu).unwrap(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    ))
+}
+
+/// The flags that keep every component resident under a discrete device's rules: the run each
+/// of [`OFFLOAD_MODES`] must reproduce bit for bit.
+pub const RESIDENT: &[&str] = &[
+    "--memory-model",
+    "discrete",
+    "--no-dit-layerwise-offload",
+    "--no-dit-cpu-offload",
+    "--no-text-encoder-cpu-offload",
+    "--no-vae-cpu-offload",
+];
+
+/// Every way of placing a pipeline's components, each with what the run's log then says of a
+/// placement: block level with one and with eight blocks a group, with and without the copy
+/// stream, with a deeper prefetch and under a pinned-memory cap; leaf level; the text encoder
+/// and the VAE offloaded; model offload; sequential offload; lazy loading; unified memory's
+/// rules (host offload off, components loaded in turn).
+pub const OFFLOAD_MODES: &[(&[&str], &str)] = &[
+    (
+        &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
+        "transformer: streamed",
+    ),
+    (
+        &["--dit-layerwise-offload", "--num-blocks-per-group", "1"],
+        "transformer: streamed",
+    ),
+    (
+        &["--dit-layerwise-offload", "--num-blocks-per-group", "8"],
+        "transformer: streamed",
+    ),
+    (
+        &[
+            "--dit-layerwise-offload",
+            "--num-blocks-per-group",
+            "1",
+            "--no-offload-stream",
+        ],
+        "transformer: streamed",
+    ),
+    (
+        &[
+            "--dit-layerwise-offload",
+            "--num-blocks-per-group",
+            "8",
+            "--no-offload-stream",
+        ],
+        "transformer: streamed",
+    ),
+    (
+        &[
+            "--dit-layerwise-offload",
+            "--num-blocks-per-group",
+            "2",
+            "--prefetch-depth",
+            "2",
+        ],
+        "transformer: streamed",
+    ),
+    (
+        &["--dit-layerwise-offload", "--max-pinned-memory", "1MiB"],
+        "transformer: streamed",
+    ),
+    (
+        &["--text-encoder-cpu-offload", "--vae-cpu-offload"],
+        "text_encoder: streamed",
+    ),
+    (&["--model-cpu-offload"], "transformer: parked"),
+    (&["--sequential-cpu-offload"], "transformer: streamed"),
+    (&["--lazy-module-load"], "transformer"),
+    (&["--memory-model", "unified"], "transformer: resident"),
+];
+
+/// Asserts that each of [`OFFLOAD_MODES`] and `more` reproduces the [`RESIDENT`] run's output
+/// bit for bit, placed as its log says. `generate(flags)` is a family's parity run with `flags`
+/// added: its output and its log. A mode runs under a discrete device's rules unless it names
+/// its memory model: on the CPU the device rules turn offloading off, the discrete model keeps
+/// it, so every mode really moves weights.
+pub fn assert_offload_modes_bit_identical(
+    more: &[(&[&str], &str)],
+    generate: impl Fn(&[&str]) -> (Tensor, String),
+) {
+    let (resident, log) = generate(RESIDENT);
+    assert!(log.contains("transformer: resident"), "{log}");
+    for (flags, placed) in OFFLOAD_MODES.iter().chain(more) {
+        let mut args = flags.to_vec();
+        if !flags.contains(&"--memory-model") {
+            args.splice(0..0, ["--memory-model", "discrete"]);
+        }
+        let (output, log) = generate(&args);
+        assert!(log.contains(placed), "{flags:?}: {log}");
+        assert_eq!(
+            max_abs_diff(&output, &resident),
+            0.0,
+            "{flags:?} differs from the resident run"
+        );
+    }
+}
+
+/// Asserts that `plan` (a `--dry-run --json` plan) calls the pipeline with each `config` value
+/// of `expected` (a JSON object) and plans every stage of a run without an error.
+pub fn assert_planned_call(plan: &serde_json::Value, expected: &serde_json::Value) {
+    let text = plan.to_string();
+    for (key, value) in expected.as_object().unwrap() {
+        assert_eq!(&plan["config"][key], value, "{key}: {text}");
+    }
+    let stages: Vec<&str> = plan["stages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no stages: {text}"))
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        stages,
+        ["encode_text", "denoise", "decode", "write"],
+        "{text}"
+    );
+    assert!(!text.contains("\"error\""), "{text}");
+}
+
+/// Asserts that `vidgen generate --model MODEL --prompt a --device cpu --output-path DIR FLAGS`
+/// is refused as bad input before any work, with and without `--dry-run`: exit 2, one line on
+/// stderr, naming each of `says`.
+pub fn assert_refused(model: &Path, dir: &Path, flags: &[&str], says: &[&str]) {
+    for dry in [false, true] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "a",
+            "--device",
+            "cpu",
+            "--output-path",
+            dir.to_str().unwrap(),
+        ];
+        args.extend_from_slice(flags);
+        if dry {
+            args.push("--dry-run");
+        }
+        let line = usage_error(&vidgen(&args), &format!("{flags:?}"));
+        for said in says {
+            assert!(line.contains(said), "{flags:?} (dry run: {dry}): {line}");
+        }
+    }
 }
 
 /// A fresh scratch folder for test `name` of `suite`, unique to this process.
