@@ -44,8 +44,8 @@ fn draws(dir: &Path) -> PathBuf {
     path
 }
 
-/// Runs the fixture's pipeline call with `extra` flags and returns the written frames.
-fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> Tensor {
+/// The fixture's pipeline call at `true_cfg_scale`, writing `name` into `dir`.
+fn parity_call(dir: &Path, name: &str, true_cfg_scale: f64) -> Command {
     let p = preset();
     let prompt = p["prompts"][p["pipeline_prompt_index"].as_u64().unwrap() as usize]
         .as_str()
@@ -53,7 +53,8 @@ fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> Tens
         .to_string();
     let model = common::named_fixture_dir(FIXTURE);
     let draws = draws(dir);
-    let out = vidgen()
+    let mut command = vidgen();
+    command
         .args(["generate", "--model"])
         .arg(&model)
         .args(["--prompt", &prompt])
@@ -70,25 +71,30 @@ fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> Tens
             "f32",
             "--output-type",
             "safetensors",
+            "--overwrite",
         ])
         .args(["--output-path"])
         .arg(dir)
-        .args(["--output-video-name", name, "--quiet"])
+        .args(["--output-video-name", name]);
+    command
+}
+
+/// Runs the fixture's pipeline call with `extra` flags: the written frames and the log.
+fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> (Tensor, String) {
+    let out = parity_call(dir, name, true_cfg_scale)
         .args(extra)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "vidgen failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "vidgen failed: {log}");
     let file = dir.join(format!("{name}.safetensors"));
-    candle_core::safetensors::load(&file, &Device::Cpu).unwrap()["frames"].clone()
+    let frames = candle_core::safetensors::load(&file, &Device::Cpu).unwrap()["frames"].clone();
+    (frames, log)
 }
 
 fn check_run(tag: &str, true_cfg_scale: f64) {
     let dir = scratch(tag);
-    let frames = generate(&dir, tag, true_cfg_scale, &[]);
+    let (frames, _) = generate(&dir, tag, true_cfg_scale, &[]);
     let r = common::named_reference(FIXTURE, "pipeline");
     let want = r[&format!("{tag}.frames")].squeeze(0).unwrap();
     eprintln!(
@@ -96,7 +102,25 @@ fn check_run(tag: &str, true_cfg_scale: f64) {
         common::max_abs_diff(&frames, &want)
     );
     common::assert_close(&format!("{tag}.frames"), &frames, &want, ATOL, RTOL);
-    // Leaf level streams each step of a block as a group of its own (the plan says so).
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn embedded_guidance_run_matches_diffusers() {
+    check_run("cfg1", 1.0);
+}
+
+#[test]
+fn true_cfg_run_matches_diffusers() {
+    check_run("truecfg4", 4.0);
+}
+
+/// Every offload mode gives the resident run's frames, bit for bit, with both text encoders
+/// streamed or computed on the CPU where components load lazily or one stage at a time; leaf
+/// level streams each step of a block as a group of its own (the plan says so).
+#[test]
+fn offload_modes_are_bit_identical_to_resident() {
+    let dir = scratch("offload");
     let fixture = common::named_fixture_dir(FIXTURE);
     let plan = common::dry_run_plan(
         fixture.to_str().unwrap(),
@@ -109,54 +133,23 @@ fn check_run(tag: &str, true_cfg_scale: f64) {
         ],
     );
     let placed = plan["placement"]["dit"].to_string();
-    assert!(placed.contains(r#""by_step":true"#), "{tag}: {placed}");
-    for (what, extra) in [
+    assert!(placed.contains(r#""by_step":true"#), "{placed}");
+    let more: &[(&[&str], &str)] = &[
         (
-            "layerwise leaf-level",
-            &["--dit-layerwise-offload", "--offload-type", "leaf-level"][..],
+            &["--lazy-module-load", "--text-encoder-cpu-offload"],
+            "text_encoder: streamed",
         ),
-        ("model cpu offload", &["--model-cpu-offload"][..]),
         (
-            "lazy load, text encoders streamed",
-            &["--lazy-module-load", "--text-encoder-cpu-offload"][..],
-        ),
-        ("sequential cpu offload", &["--sequential-cpu-offload"][..]),
-        (
-            "sequential load, text encoders on the cpu",
             &[
                 "--h3-sequential-load",
                 "--text-encoder-cpu-offload",
                 "--text-encoder-compute",
                 "cpu",
-            ][..],
+            ],
+            "text_encoder: on the CPU",
         ),
-    ] {
-        // On the CPU the device rules keep everything resident; a discrete memory model keeps
-        // the offload flags, so the engine really streams and parks.
-        let extra = [&["--memory-model", "discrete"][..], extra].concat();
-        let other = generate(
-            &dir,
-            &format!("{tag}-{}", what.replace(' ', "-")),
-            true_cfg_scale,
-            &extra,
-        );
-        assert_eq!(
-            common::max_abs_diff(&frames, &other),
-            0.0,
-            "{tag}: {what} differs from the resident run"
-        );
-    }
-    std::fs::remove_dir_all(&dir).ok();
-}
-
-#[test]
-fn embedded_guidance_run_matches_diffusers_and_offload_is_bit_identical() {
-    check_run("cfg1", 1.0);
-}
-
-#[test]
-fn true_cfg_run_matches_diffusers_and_offload_is_bit_identical() {
-    check_run("truecfg4", 4.0);
+    ];
+    common::assert_offload_modes_bit_identical(more, |flags| generate(&dir, "mode", 4.0, flags));
 }
 
 /// Every stage planned with weights and activations, and both text encoders released before
@@ -331,19 +324,7 @@ fn flags_that_do_not_apply_are_refused() {
         &["--decode-timestep", "0.05"][..],
         &["--scheduler", "unipc"][..],
     ] {
-        let out = vidgen()
-            .args(["generate", "--model"])
-            .arg(&model)
-            .args(["--prompt", "a", "--device", "cpu", "--output-path"])
-            .arg(&dir)
-            .args(["--height", "32", "--width", "48", "--num-frames", "5"])
-            .args(["--num-inference-steps", "1", "--max-sequence-length", "4"])
-            .args(flags)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
-        assert!(err.contains(flags[0]), "{flags:?}: {err}");
+        common::assert_refused(&model, &dir, flags, &[flags[0], "does not apply"]);
     }
     std::fs::remove_dir_all(&dir).ok();
 }

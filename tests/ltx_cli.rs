@@ -53,23 +53,28 @@ fn draws_file(run: &str, dir: &Path) -> PathBuf {
 
 /// `vidgen generate` on the fixture with the reference call's settings and `extra` flags.
 fn generate(dir: &Path, name: &str, guidance: &str, draws: &Path, extra: &[&str]) -> Output {
+    parity_call(dir, name, guidance, draws)
+        .arg("--quiet")
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// The reference call with the fixture's prompt, writing `name` into `dir`.
+fn parity_call(dir: &Path, name: &str, guidance: &str, draws: &Path) -> Command {
     let p = preset();
     let prompt = p["prompts"][p["pipeline_prompt_index"].as_u64().unwrap() as usize]
         .as_str()
         .unwrap()
         .to_string();
-    reference_call(guidance, draws)
-        .args(["--prompt", &prompt])
-        .args([
-            "--output-path",
-            dir.to_str().unwrap(),
-            "--output-video-name",
-            name,
-        ])
-        .args(["--quiet"])
-        .args(extra)
-        .output()
-        .unwrap()
+    let mut command = reference_call(guidance, draws);
+    command.args(["--prompt", &prompt]).args([
+        "--output-path",
+        dir.to_str().unwrap(),
+        "--output-video-name",
+        name,
+    ]);
+    command
 }
 
 /// `vidgen generate` on the fixture with the reference call's settings but no prompt.
@@ -139,62 +144,20 @@ fn unguided_run_matches_diffusers() {
     parity("cfg1", "1");
 }
 
+/// Every offload mode gives the resident run's frames, bit for bit.
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch("offload");
     let draws = draws_file("cfg3", &dir);
-    let resident = frames(
-        &dir,
-        "resident",
-        &generate(&dir, "resident", "3", &draws, &[]),
-    );
-    // On the CPU the device rules turn offloading off; the discrete memory model keeps it, so
-    // every mode really moves weights (the placement each gets is checked in the dry run).
-    let modes: &[(&[&str], &str, &str)] = &[
-        (
-            // Leaf level streams each step of a block (self-attention, cross-attention,
-            // feed-forward) as a group of its own.
-            &["--dit-layerwise-offload", "--offload-type", "leaf-level"],
-            "dit",
-            r#""by_step":true"#,
-        ),
-        (
-            &["--dit-layerwise-offload", "--num-blocks-per-group", "2"],
-            "dit",
-            "streamed",
-        ),
-        (
-            &["--dit-layerwise-offload", "--no-offload-stream"],
-            "text_encoder",
-            "streamed",
-        ),
-        (
-            &["--no-dit-layerwise-offload", "--dit-cpu-offload"],
-            "dit",
-            "parked",
-        ),
-        (&["--model-cpu-offload"], "vae", "parked"),
-        (&["--sequential-cpu-offload"], "dit", "streamed"),
-        (&["--lazy-module-load"], "vae", "parked"),
-        (
-            &["--dit-layerwise-offload", "--max-pinned-memory", "1000"],
-            "dit",
-            "streamed",
-        ),
-    ];
-    for (i, (flags, role, residency)) in modes.iter().enumerate() {
-        let flags = [&["--memory-model", "discrete"][..], flags].concat();
-        let plan = dry_run(fixture().to_str().unwrap(), &flags);
-        let placed = plan["placement"][role].to_string();
-        assert!(placed.contains(residency), "{flags:?}: {role} {placed}");
-        let name = format!("mode{i}");
-        let got = frames(&dir, &name, &generate(&dir, &name, "3", &draws, &flags));
-        assert_eq!(
-            max_abs_diff(&got, &resident),
-            0.0,
-            "{flags:?} differs from the resident run"
-        );
-    }
+    common::assert_offload_modes_bit_identical(&[], |flags| {
+        let run = parity_call(&dir, "mode", "3", &draws)
+            .arg("--overwrite")
+            .args(flags)
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&run.stderr).to_string();
+        (frames(&dir, "mode", &run), log)
+    });
 }
 
 /// `--dry-run --json` of `model` with `extra` flags.

@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
+use common::{assert_close, named_fixture_dir, named_reference, usage_error};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -150,29 +150,7 @@ fn original_layout_single_files_make_the_reference_call() {
 #[test]
 fn offload_modes_are_bit_identical_to_resident() {
     let dir = scratch("offload");
-    let resident_flags = [
-        "--memory-model",
-        "discrete",
-        "--no-dit-layerwise-offload",
-        "--no-dit-cpu-offload",
-        "--no-text-encoder-cpu-offload",
-        "--no-vae-cpu-offload",
-    ];
-    let (frames, audio, log) = generate(&dir, 0, &resident_flags);
-    assert!(log.contains("transformer: resident"), "{log}");
-    let modes: &[(&[&str], &str)] = &[
-        (&["--dit-layerwise-offload"], "transformer: streamed"),
-        (
-            &[
-                "--dit-layerwise-offload",
-                "--num-blocks-per-group",
-                "2",
-                "--prefetch-depth",
-                "2",
-            ],
-            "transformer: streamed",
-        ),
-        (&["--text-encoder-cpu-offload"], "text_encoder: streamed"),
+    let more: &[(&[&str], &str)] = &[
         (
             &[
                 "--text-encoder-cpu-offload",
@@ -183,17 +161,16 @@ fn offload_modes_are_bit_identical_to_resident() {
         ),
         (&["--model-cpu-offload"], "audio_vae: parked"),
         (&["--sequential-cpu-offload"], "text_encoder: streamed"),
-        (&["--lazy-module-load"], "transformer"),
         (&["--h3-sequential-load"], "transformer"),
     ];
-    for (flags, placed) in modes {
-        let mut args = vec!["--memory-model", "discrete"];
-        args.extend_from_slice(flags);
-        let (f, a, log) = generate(&dir, 0, &args);
-        assert!(log.contains(placed), "{flags:?}: {log}");
-        assert_eq!(max_abs_diff(&f, &frames), 0.0, "{flags:?}: frames differ");
-        assert_eq!(max_abs_diff(&a, &audio), 0.0, "{flags:?}: audio differs");
-    }
+    common::assert_offload_modes_bit_identical(more, |flags| {
+        let (frames, audio, log) = generate(&dir, 0, flags);
+        let both = Tensor::cat(
+            &[frames.flatten_all().unwrap(), audio.flatten_all().unwrap()],
+            0,
+        );
+        (both.unwrap(), log)
+    });
 }
 
 /// Where each line of `log` starting with `what` first appears.
@@ -451,25 +428,7 @@ fn flags_that_do_not_apply_are_refused() {
         // The steps count sigma points, the terminal 0 among them.
         (&["--num-inference-steps", "1"][..], "must be at least 2"),
     ] {
-        for dry in [false, true] {
-            let mut args = vec![
-                "generate",
-                "--model",
-                fixture.to_str().unwrap(),
-                "--prompt",
-                "a",
-                "--device",
-                "cpu",
-                "--output-path",
-                dir.to_str().unwrap(),
-            ];
-            args.extend_from_slice(flags);
-            if dry {
-                args.push("--dry-run");
-            }
-            let stderr = usage_error(&common::vidgen(&args), &format!("{flags:?}"));
-            assert!(stderr.contains(why), "{flags:?}: {stderr}");
-        }
+        common::assert_refused(&fixture, &dir, flags, &[why]);
     }
     // The draws file holds the audio's draw too, of the shape the size fixes.
     let refs = named_reference(FIXTURE, "pipeline");

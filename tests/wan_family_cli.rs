@@ -321,23 +321,9 @@ fn flags_that_do_not_apply_are_refused() {
             "multiple of 32",
         ),
     ];
+    let dir = scratch("refused");
     for (fixture, extra, says) in cases {
-        let model = named_fixture_dir(fixture);
-        let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
-            .args([
-                "generate",
-                "--model",
-                model.to_str().unwrap(),
-                "--prompt",
-                "a",
-            ])
-            .args(["--device", "cpu", "--dtype", "f32"])
-            .args(&extra)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{fixture} {extra:?}: {stderr}");
-        assert!(stderr.contains(says), "{fixture} {extra:?}: {stderr}");
+        common::assert_refused(&named_fixture_dir(fixture), &dir, &extra, &[says]);
     }
 }
 

@@ -162,6 +162,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             check_sizes(family.as_ref(), &prompts)?;
             check_steps(&config, &prompts)?;
             check_latents(&config, family.as_ref(), &prompts)?;
+            check_images(&config, family.as_ref(), &prompts)?;
         }
         // What the device changed, once the sizes are known to be good (an error is one line).
         progress.overrides(config.overrides());
