@@ -223,7 +223,7 @@ fn the_leader_alone_encodes_and_decodes_for_its_group() {
                 ranks: Some(Ranks::new(group)),
                 scratch: None,
             });
-            let mut jobs = vidgen::pipeline::jobs::jobs(&config).unwrap();
+            let (mut jobs, _) = vidgen::pipeline::jobs::jobs(&config).unwrap();
             let progress = Arc::new(Progress::new(true));
             let inner =
                 Frame::open(family.as_ref(), config, source, Device::Cpu, progress).unwrap();

@@ -546,7 +546,7 @@ mod tests {
             "--resume",
             "--output-path",
         ];
-        let made = jobs(&config(&[&argv[..], &[out.to_str().unwrap()]].concat())).unwrap();
+        let (made, _) = jobs(&config(&[&argv[..], &[out.to_str().unwrap()]].concat())).unwrap();
         assert_eq!(made.len(), n);
         assert_eq!(made[n - 1].seed, n as u64);
         text += "{\"prompt\": \"again\", \"output_video_name\": \"same\"}\n";
