@@ -10,12 +10,13 @@ use candle_nn::VarBuilder;
 use std::path::Path;
 use vidgen::models::minimax_h3::audio_vae::{MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder};
 use vidgen::models::minimax_h3::layout::{
-    pack_audio, patchify, row_timesteps, t2va_layout, T2vaGeometry, AUDIO_CHANNELS,
+    pack_audio, row_timesteps, t2va_layout, T2vaGeometry, AUDIO_CHANNELS,
 };
 use vidgen::models::minimax_h3::transformer::{
     MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
 };
 use vidgen::models::minimax_h3::vae::{MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder};
+use vidgen::models::patches::patchify;
 
 const FIXTURE: &str = "minimax-h3-tiny-a";
 

@@ -11,10 +11,9 @@ use candle_nn::VarBuilder;
 use common::{assert_close, named_fixture_dir, reference_in};
 use std::path::{Path, PathBuf};
 use vidgen::models::ltx::prompt::prompt_embeds;
-use vidgen::models::ltx::transformer::{
-    unpack_latents, LtxTransformer3DModel, LtxTransformerConfig,
-};
+use vidgen::models::ltx::transformer::{LtxTransformer3DModel, LtxTransformerConfig};
 use vidgen::models::ltx::vae::{add_decode_noise, AutoencoderKLLTXVideo, GivenNoise, LtxVaeConfig};
+use vidgen::models::patches::unpatchify;
 use vidgen::models::t5::encoder::{T5Config, T5EncoderModel};
 use vidgen::models::t5::tokenizer::PromptTokenizer;
 use vidgen::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
@@ -162,15 +161,7 @@ fn run_pipeline(run: &str, guidance_scale: f64) {
         vb(d.join("vae/diffusion_pytorch_model.safetensors")),
     )
     .unwrap();
-    let z = unpack_latents(
-        &latents,
-        grid[0],
-        grid[1],
-        grid[2],
-        tr_cfg.patch_size,
-        tr_cfg.patch_size_t,
-    )
-    .unwrap();
+    let z = unpatchify(&latents, grid, tr_cfg.patch()).unwrap();
     let z = vae.denormalize(&z).unwrap();
     let z = add_decode_noise(&z, &r[&format!("{run}.decode_noise")], decode_noise_scale).unwrap();
     assert_close(

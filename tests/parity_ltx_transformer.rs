@@ -7,8 +7,7 @@ use candle_nn::VarBuilder;
 use common::{assert_close, named_fixture_dir, reference_in};
 use std::path::PathBuf;
 use vidgen::models::ltx::transformer::{
-    pack_latents, rope_tables, unpack_latents, LtxStream, LtxTransformer3DModel,
-    LtxTransformerBlock, LtxTransformerConfig,
+    rope_tables, LtxStream, LtxTransformer3DModel, LtxTransformerBlock, LtxTransformerConfig,
 };
 
 const ATOL: f64 = 1e-4;
@@ -184,34 +183,6 @@ fn blocks_load_alone_and_batch_of_two() {
     }
     let out = outer.finish(&h, &inputs).unwrap();
     assert_close("output (batch 2)", &out, &two(&r["output"]), ATOL, RTOL);
-}
-
-#[test]
-fn packing_round_trips_in_token_order_f_h_w() {
-    let x = Tensor::arange(0f32, 2.0 * 3.0 * 2.0 * 4.0 * 6.0, &Device::Cpu)
-        .unwrap()
-        .reshape((2, 3, 2, 4, 6))
-        .unwrap();
-    let packed = pack_latents(&x, 1, 1).unwrap();
-    assert_eq!(packed.dims(), &[2, 48, 3]);
-    // Token 1 is (f 0, h 0, w 1): channel c holds x[0, c, 0, 0, 1].
-    let t1 = packed
-        .narrow(1, 1, 1)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    assert_eq!(&t1[..3], &[1.0, 49.0, 97.0]);
-    let back = unpack_latents(&packed, 2, 4, 6, 1, 1).unwrap();
-    assert_eq!(max_diff(&back, &x), 0.0);
-    let packed2 = pack_latents(&x, 2, 2).unwrap();
-    assert_eq!(packed2.dims(), &[2, 6, 24]);
-    assert_eq!(
-        max_diff(&unpack_latents(&packed2, 1, 2, 3, 2, 2).unwrap(), &x),
-        0.0
-    );
-    assert!(pack_latents(&x, 5, 1).is_err());
 }
 
 #[test]

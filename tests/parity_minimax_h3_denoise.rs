@@ -6,12 +6,12 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use vidgen::models::minimax_h3::layout::{
-    pack_audio, patchify, row_timesteps, t2va_layout, unpack_audio, unpatchify, LayoutSizes,
-    T2vaGeometry,
+    pack_audio, row_timesteps, t2va_layout, unpack_audio, LayoutSizes, T2vaGeometry,
 };
 use vidgen::models::minimax_h3::transformer::{
     MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
 };
+use vidgen::models::patches::{patchify, unpatchify};
 use vidgen::schedulers::minimax_h3::{MiniMaxH3Schedule, MiniMaxH3SchedulerConfig};
 
 const ATOL: f64 = 3e-5;
@@ -34,7 +34,7 @@ fn layout_and_denoise_loop_match_diffusers() {
     let r = common::reference_in(&dir(), "pipeline");
     let cfg: MiniMaxH3TransformerConfig = json("transformer/config.json");
     let latents_init = &r["latents_init"];
-    let (_, channels, frames, lh, lw) = latents_init.dims5().unwrap();
+    let (_, _, frames, lh, lw) = latents_init.dims5().unwrap();
     let audio_init = &r["audio_latents_init"];
     let (audio_channels, _, na) = audio_init.dims3().unwrap();
     let text_len = r["prompt_embeds"].dim(1).unwrap();
@@ -153,7 +153,9 @@ fn layout_and_denoise_loop_match_diffusers() {
             RTOL,
         );
     }
-    let final_video = unpatchify(&video, channels, [frames, lh, lw], cfg.patch_size).unwrap();
+    let [pt, ph, pw] = cfg.patch_size;
+    let grid = [frames / pt, lh / ph, lw / pw];
+    let final_video = unpatchify(&video, grid, cfg.patch_size).unwrap();
     common::assert_close(
         "final.latents",
         &final_video,
@@ -176,7 +178,7 @@ fn packing_round_trips() {
     let r = common::reference_in(&dir(), "transformer");
     let rows = patchify(&r["input.latents"], [1, 2, 2]).unwrap();
     assert_exact("patchify", &rows, &r["hidden_states"]);
-    let back = unpatchify(&rows, 8, [37, 4, 6], [1, 2, 2]).unwrap();
+    let back = unpatchify(&rows, [37, 2, 3], [1, 2, 2]).unwrap();
     assert_exact("unpatchify", &back, &r["input.latents"]);
     assert!(patchify(&r["input.latents"], [1, 3, 2]).is_err());
 }

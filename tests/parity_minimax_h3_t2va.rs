@@ -10,7 +10,7 @@ use vidgen::models::minimax_h3::audio_vae::{
     stereo_from_batch, MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder,
 };
 use vidgen::models::minimax_h3::layout::{
-    pack_audio, patchify, row_timesteps, t2va_layout, unpack_audio, unpatchify, T2vaGeometry,
+    pack_audio, row_timesteps, t2va_layout, unpack_audio, T2vaGeometry,
 };
 use vidgen::models::minimax_h3::text_encoder::{
     MiniMaxH3TextEncoder, MiniMaxH3Tokenizer, Qwen3VLConfig,
@@ -21,6 +21,7 @@ use vidgen::models::minimax_h3::transformer::{
 use vidgen::models::minimax_h3::vae::{
     decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder,
 };
+use vidgen::models::patches::{patchify, unpatchify};
 use vidgen::schedulers::minimax_h3::{MiniMaxH3Schedule, MiniMaxH3SchedulerConfig};
 
 const ATOL: f64 = 3e-5;
@@ -105,13 +106,13 @@ fn t2va(
         video = video_schedule.step(i, &v, &video).unwrap();
         audio = audio_schedule.step(i, &a, &audio).unwrap();
     }
-    let c = tr_cfg.in_channels;
-    let size = [
-        geometry.num_latent_frames,
-        geometry.latent_height,
-        geometry.latent_width,
+    let [pt, ph, pw] = tr_cfg.patch_size;
+    let grid = [
+        geometry.num_latent_frames / pt,
+        geometry.latent_height / ph,
+        geometry.latent_width / pw,
     ];
-    let final_latents = unpatchify(&video, c, size, tr_cfg.patch_size).unwrap();
+    let final_latents = unpatchify(&video, grid, tr_cfg.patch_size).unwrap();
 
     // 4. Decode video and audio.
     let vae = MiniMaxH3VaeDecoder::new(

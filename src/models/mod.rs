@@ -36,6 +36,7 @@ pub mod mochi;
 #[cfg(feature = "cuda")]
 #[path = "kernels/norms.rs"]
 pub(crate) mod norms;
+pub mod patches;
 pub mod pixart;
 pub mod projection;
 #[cfg(feature = "cuda")]

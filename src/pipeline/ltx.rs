@@ -14,13 +14,12 @@ use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
 use crate::models::guidance::{batch_input, guide_if_batched};
-use crate::models::ltx::transformer::{
-    pack_latents, unpack_latents, LtxTransformer3DModel, LtxTransformerConfig,
-};
+use crate::models::ltx::transformer::{LtxTransformer3DModel, LtxTransformerConfig};
 use crate::models::ltx::vae::{
     add_decode_noise, AutoencoderKLLTXVideo, InjectedNoise, LtxVaeConfig, LtxVaeTiling,
 };
 use crate::models::ltx::{activations, defaults};
+use crate::models::patches::{patchify, unpatchify};
 use crate::models::step_cache::{AttentionModules, Pass};
 use crate::models::t5::encoder::T5EncoderModel;
 use crate::models::video::VideoDit;
@@ -237,11 +236,7 @@ impl TextToVideoStages for Ltx {
                 let mut generator = TorchGenerator::new(job.seed);
                 let latents = generator.randn(&self.configs.transformer.latent_shape(grid))?;
                 carried.generator = Some(generator);
-                pack_latents(
-                    &latents,
-                    self.configs.transformer.patch_size,
-                    self.configs.transformer.patch_size_t,
-                )?
+                patchify(&latents, self.configs.transformer.patch())?
             }
         };
         self.denoise_from(frame, job, latents, token_grid)?;
@@ -262,13 +257,10 @@ impl TextToVideoStages for Ltx {
         let grid = self.configs.grid(job.num_frames, job.height, job.width);
         let token_grid = self.configs.token_grid(grid);
         let latents = job.latents.take().context("nothing denoised")?;
-        let z = unpack_latents(
+        let z = unpatchify(
             &latents.to_device(device)?,
-            token_grid[0],
-            token_grid[1],
-            token_grid[2],
-            self.configs.transformer.patch_size,
-            self.configs.transformer.patch_size_t,
+            token_grid,
+            self.configs.transformer.patch(),
         )?;
         let z = vae.denormalize(&z.to_dtype(DType::F32)?)?;
         let video = if vae.timestep_conditioning() {

@@ -19,8 +19,8 @@ use crate::models::minimax_h3::audio_vae::{
     stereo_from_batch, MiniMaxH3AudioVaeConfig, MiniMaxH3AudioVaeDecoder,
 };
 use crate::models::minimax_h3::layout::{
-    pack_audio, patchify, row_timesteps, t2va_layout, unpack_audio, unpatchify, T2vaGeometry,
-    AUDIO_CHANNELS, FPS, MIN_DURATION_S,
+    pack_audio, row_timesteps, t2va_layout, unpack_audio, T2vaGeometry, AUDIO_CHANNELS, FPS,
+    MIN_DURATION_S,
 };
 use crate::models::minimax_h3::text_encoder::{
     MiniMaxH3TextEncoder, MiniMaxH3Tokenizer, Qwen3DecoderLayer, Qwen3VLConfig, Qwen3VLTextConfig,
@@ -32,6 +32,7 @@ use crate::models::minimax_h3::transformer::{
 use crate::models::minimax_h3::vae::{
     decoded_to_unit_range, MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder,
 };
+use crate::models::patches::{patchify, unpatchify};
 use crate::models::source::{message, FileRef};
 use crate::output::Audio;
 use crate::rng::TorchGenerator;
@@ -588,8 +589,13 @@ impl MiniMaxH3 {
             Ok(video.clone())
         })?;
         denoise.finish(job)?;
-        let size = [g.num_latent_frames, g.latent_height, g.latent_width];
-        let latents = unpatchify(&video, cfg.in_channels, size, cfg.patch_size)?;
+        let [pt, ph, pw] = cfg.patch_size;
+        let grid = [
+            g.num_latent_frames / pt,
+            g.latent_height / ph,
+            g.latent_width / pw,
+        ];
+        let latents = unpatchify(&video, grid, cfg.patch_size)?;
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         carried.audio_latents = Some(audio.to_device(&Device::Cpu)?);
         job.carry.put(carried);

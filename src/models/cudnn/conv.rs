@@ -558,15 +558,7 @@ impl CustomOp2 for Conv3d {
         "cudnn-conv3d"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("cuDNN conv3d runs on CUDA only")
-    }
+    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
 
     fn cuda_fwd(
         &self,

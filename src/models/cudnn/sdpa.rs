@@ -778,17 +778,7 @@ impl CustomOp3 for Sdpa {
         "cudnn-sdpa"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("cuDNN attention runs on CUDA only")
-    }
+    crate::models::kernel_module::cuda_only_cpu_fwd!(3);
 
     fn cuda_fwd(
         &self,

@@ -33,6 +33,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_key_prefix};
 use crate::models::blocks::{Blockwise, HookedBlock};
+use crate::models::patches::{unpatchify, whole_patches};
 use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
@@ -1725,15 +1726,7 @@ impl HunyuanVideoTransformer3DModel {
         let device = latents.device();
 
         // Patch embedding: Conv3d with kernel = stride = patch, as a matmul over patches.
-        let [gf, gh, gw] = grid;
-        let patches = latents
-            .narrow(2, 0, gf * pt)?
-            .narrow(3, 0, gh * p)?
-            .narrow(4, 0, gw * p)?
-            .to_dtype(self.dtype)?
-            .reshape(vec![b, c, gf, pt, gh, p, gw, p])?
-            .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
-            .reshape((b, gf * gh * gw, c * pt * p * p))?;
+        let patches = whole_patches(&latents.to_dtype(self.dtype)?, [pt, p, p])?;
         let hidden_states = self.x_embedder.forward(&patches)?;
 
         // Text: the token refiner's conditioning and input; its blocks run with the others.
@@ -1809,12 +1802,7 @@ impl HunyuanVideoTransformer3DModel {
         let h = modulate(&layer_norm(hidden, NORM_EPS)?, &m[1], &m[0])?;
         let h = project(&mut || self.proj_out.forward(&h))?;
         let (pt, p) = (self.cfg.patch_size_t, self.cfg.patch_size);
-        let [gf, gh, gw] = inputs.grid;
-        let oc = self.cfg.out_channels();
-        // diffusers: reshape(B, F, H, W, C, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).
-        h.reshape(vec![inputs.batch, gf, gh, gw, oc, pt, p, p])?
-            .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
-            .reshape((inputs.batch, oc, gf * pt, gh * p, gw * p))
+        unpatchify(&h, inputs.grid, [pt, p, p])
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.

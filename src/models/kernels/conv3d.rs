@@ -781,15 +781,7 @@ impl CustomOp2 for Conv3d {
         "vidgen-conv3d"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("the conv3d kernel runs on CUDA only")
-    }
+    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
 
     fn cuda_fwd(
         &self,
@@ -936,15 +928,7 @@ impl CustomOp2 for Conv3dCl {
         "vidgen-conv3d-channels-last"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("the conv3d kernel runs on CUDA only")
-    }
+    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
 
     fn cuda_fwd(
         &self,

@@ -326,15 +326,7 @@ impl CustomOp2 for Fp8Product {
         "fp8-product"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the cuBLASLt fp8 product runs on CUDA only")
-    }
+    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
 
     fn cuda_fwd(
         &self,

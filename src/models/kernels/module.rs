@@ -112,6 +112,36 @@ macro_rules! kernel_module {
 }
 pub(crate) use kernel_module;
 
+/// The `cpu_fwd` of a candle custom op over 2 or 3 operands that exists on CUDA alone: an error
+/// naming the op.
+macro_rules! cuda_only_cpu_fwd {
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!("{} runs on CUDA only", self.name())
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!("{} runs on CUDA only", self.name())
+        }
+    };
+}
+pub(crate) use cuda_only_cpu_fwd;
+
 /// A kernel of a loaded module, launched on the device's stream.
 pub(crate) struct Func {
     func: CudaFunction,

@@ -288,17 +288,7 @@ impl CustomOp3 for SageAttn {
         "sage-attn"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the sage attention kernel runs on CUDA only")
-    }
+    crate::models::kernel_module::cuda_only_cpu_fwd!(3);
 
     fn cuda_fwd(
         &self,

@@ -8,12 +8,12 @@
 //!    positive] (embeds and masks concatenated).
 //! 2. Sizes: latent grid `[(frames - 1) / r_t + 1, height / r_s, width / r_s]` with the VAE
 //!    config's ratios; noise drawn as `[1, C, F, H, W]` and packed with
-//!    [`transformer::pack_latents`] (latents given by the caller are already packed).
+//!    [`crate::models::patches::patchify`] by [`transformer::LtxTransformerConfig::patch`] (latents given by the caller are already packed).
 //! 3. [`crate::schedulers::euler::FlowMatchEuler::for_sequence_length`] with the grid's token
 //!    count; per step one transformer forward over the batch (`timestep` = σ·1000 as f32,
 //!    `rope_interpolation_scale` from [`transformer::LtxTransformerConfig::rope_interpolation_scale`]
 //!    with the frame rate), CFG `uncond + g·(cond − uncond)` in f32, Euler step.
-//! 4. [`transformer::unpack_latents`], [`vae::AutoencoderKLLTXVideo::denormalize`]; with timestep
+//! 4. [`crate::models::patches::unpatchify`], [`vae::AutoencoderKLLTXVideo::denormalize`]; with timestep
 //!    conditioning [`vae::add_decode_noise`] (noise `[1, C, F, H, W]`, scale
 //!    `decode_noise_scale`, default `decode_timestep`) and `decode(z, Some(decode_timestep),
 //!    noise)`; else `decode(z, None, ..)`.

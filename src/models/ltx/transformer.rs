@@ -1,6 +1,6 @@
 //! LTX-Video's diffusion transformer (diffusers `LTXVideoTransformer3DModel`).
 //!
-//! It works on **packed** latents `[B, F·H·W, C]` (token order f, h, w; see [`pack_latents`]).
+//! It works on **packed** latents `[B, F·H·W, C]` (token order f, h, w; see [`LtxTransformerConfig::patch`]).
 //! The forward pass is split like Wan's so an engine can stream the blocks:
 //!
 //! 1. [`LtxTransformer3DModel::prepare`]: `proj_in`, the AdaLayerNormSingle time embedding, the
@@ -112,6 +112,12 @@ impl LtxTransformerConfig {
         self.out_channels.unwrap_or(self.in_channels)
     }
 
+    /// The patch `[p_t, p, p]` the pipeline packs latents into tokens by (`_pack_latents`, see
+    /// [`crate::models::patches::patchify`]).
+    pub fn patch(&self) -> [usize; 3] {
+        [self.patch_size_t, self.patch_size, self.patch_size]
+    }
+
     /// The pipeline's `rope_interpolation_scale`: (temporal compression / frame rate, spatial
     /// compression, spatial compression) of the VAE.
     pub fn rope_interpolation_scale(
@@ -202,46 +208,6 @@ impl VideoDit for LtxTransformerConfig {
     fn dit_shape(&self) -> DitShape {
         DitShape::of(self.num_layers, self.inner_dim(), self.in_channels)
     }
-}
-
-/// `[B, C, F, H, W]` latents to `[B, F/p_t · H/p · W/p, C·p_t·p·p]` tokens (the pipeline's
-/// `_pack_latents`).
-pub fn pack_latents(latents: &Tensor, patch_size: usize, patch_size_t: usize) -> Result<Tensor> {
-    let (b, c, f, h, w) = latents.dims5()?;
-    let (p, pt) = (patch_size, patch_size_t);
-    if p == 0 || pt == 0 || f % pt != 0 || h % p != 0 || w % p != 0 {
-        candle_core::bail!("latents {f}x{h}x{w} do not split into {pt}x{p}x{p} patches");
-    }
-    let (fp, hp, wp) = (f / pt, h / p, w / p);
-    latents
-        .reshape(vec![b, c, fp, pt, hp, p, wp, p])?
-        .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
-        .reshape((b, fp * hp * wp, c * pt * p * p))
-}
-
-/// Inverse of [`pack_latents`]: `[B, S, D]` tokens of a `num_frames x height x width` grid
-/// (in patches) back to `[B, C, F, H, W]` (the pipeline's `_unpack_latents`).
-pub fn unpack_latents(
-    latents: &Tensor,
-    num_frames: usize,
-    height: usize,
-    width: usize,
-    patch_size: usize,
-    patch_size_t: usize,
-) -> Result<Tensor> {
-    let (b, s, d) = latents.dims3()?;
-    let (p, pt) = (patch_size, patch_size_t);
-    let patch = pt * p * p;
-    if s != num_frames * height * width || patch == 0 || d % patch != 0 {
-        candle_core::bail!(
-            "{s} tokens of {d} channels are not a {num_frames}x{height}x{width} grid of {pt}x{p}x{p} patches"
-        );
-    }
-    let c = d / patch;
-    latents
-        .reshape(vec![b, num_frames, height, width, c, pt, p, p])?
-        .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
-        .reshape((b, c, num_frames * pt, height * p, width * p))
 }
 
 /// `torch.linspace(start, end, steps)` in f32: `start + i*step` for the first half,

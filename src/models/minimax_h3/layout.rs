@@ -153,41 +153,6 @@ pub fn row_timesteps(
     ))
 }
 
-/// Video latents `[B, C, F, H, W]` -> rows `[B, F/pt · H/ph · W/pw, C·pt·ph·pw]`, frame-major then
-/// row-major, each row in (c, pt, ph, pw) order.
-pub fn patchify(latents: &Tensor, patch_size: [usize; 3]) -> Result<Tensor> {
-    let (b, c, f, h, w) = latents.dims5()?;
-    let [pt, ph, pw] = patch_size;
-    if pt == 0 || ph == 0 || pw == 0 || f % pt != 0 || h % ph != 0 || w % pw != 0 {
-        candle_core::bail!("latents [{f}, {h}, {w}] are not divisible by the patch {patch_size:?}");
-    }
-    latents
-        .reshape(vec![b, c, f / pt, pt, h / ph, ph, w / pw, pw])?
-        .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
-        .reshape((b, (f / pt) * (h / ph) * (w / pw), c * pt * ph * pw))
-}
-
-/// Inverse of [`patchify`]: rows `[B, N, C·pt·ph·pw]` -> `[B, C, F, H, W]` for the latent size
-/// `[F, H, W]`.
-pub fn unpatchify(
-    rows: &Tensor,
-    channels: usize,
-    size: [usize; 3],
-    patch_size: [usize; 3],
-) -> Result<Tensor> {
-    let b = rows.dim(0)?;
-    let [f, h, w] = size;
-    let [pt, ph, pw] = patch_size;
-    if pt == 0 || ph == 0 || pw == 0 || f % pt != 0 || h % ph != 0 || w % pw != 0 {
-        candle_core::bail!(
-            "latent size [{f}, {h}, {w}] is not divisible by the patch {patch_size:?}"
-        );
-    }
-    rows.reshape(vec![b, f / pt, h / ph, w / pw, channels, pt, ph, pw])?
-        .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
-        .reshape((b, channels, f, h, w))
-}
-
 /// Audio latents `[channels, Ca, Na]` -> rows `[1, channels·Na, Ca]` (channel-major: all of the
 /// left channel, then the right).
 pub fn pack_audio(latents: &Tensor) -> Result<Tensor> {

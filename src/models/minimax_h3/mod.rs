@@ -13,7 +13,7 @@
 //!    `scheduler/` and `audio_scheduler/`): [`layout::row_timesteps`], one
 //!    [`transformer::MiniMaxH3Transformer3DModel::forward`] (or `prepare`, the blocks, `finish`),
 //!    then each schedule's `step` on its own rows. No CFG: one forward per step.
-//! 5. [`layout::unpatchify`] / [`layout::unpack_audio`], then
+//! 5. [`crate::models::patches::unpatchify`] / [`layout::unpack_audio`], then
 //!    [`vae::MiniMaxH3VaeDecoder::decode`] of `denormalize(latents)` and
 //!    [`vae::decoded_to_unit_range`] (frames at [`layout::FPS`]), and
 //!    [`audio_vae::MiniMaxH3AudioVaeDecoder::decode`] of `denormalize(audio)` with

@@ -464,14 +464,8 @@ impl MiniMaxH3VaeDecoder {
             .proj_out
             .forward(&self.norm_out.forward(&x)?)?
             .narrow(1, 0, tokens)?;
-        let (rt, rs, oc) = (
-            self.cfg.temporal_ratio(),
-            self.cfg.spatial_ratio(),
-            self.cfg.out_channels,
-        );
-        x.reshape(vec![b, f, h, w, oc, rt, rs, rs])?
-            .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
-            .reshape((b, oc, f * rt, h * rs, w * rs))
+        let (rt, rs) = (self.cfg.temporal_ratio(), self.cfg.spatial_ratio());
+        crate::models::patches::unpatchify(&x, [f, h, w], [rt, rs, rs])
     }
 
     /// One clip, spatially tiled when tiling is on and the clip exceeds a tile.

@@ -29,6 +29,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 use crate::models::attention::sdpa;
+use crate::models::patches::whole_patches;
 use crate::models::projection::{Input, Projection};
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::step_cache::{
@@ -1541,14 +1542,7 @@ impl WanTransformer3DModel {
 
         // Patch embedding: Conv3d with kernel = stride = patch, as a matmul over patches.
         let [gf, gh, gw] = grid;
-        let patches = latents
-            .narrow(2, 0, gf * pt)?
-            .narrow(3, 0, gh * ph)?
-            .narrow(4, 0, gw * pw)?
-            .to_dtype(self.dtype)?
-            .reshape(vec![b, c, gf, pt, gh, ph, gw, pw])?
-            .permute(vec![0, 2, 4, 6, 1, 3, 5, 7])?
-            .reshape((b, gf * gh * gw, c * pt * ph * pw))?;
+        let patches = whole_patches(&latents.to_dtype(self.dtype)?, [pt, ph, pw])?;
         let hidden_states = self.patch_embedding.forward(&patches)?;
 
         // Time embedding (time_embedder in f32, then cast to the text dtype), per batch entry
