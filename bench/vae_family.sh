@@ -9,7 +9,8 @@
 #     each family tiled as its `--vae-tiling` tiles;
 # (c) FAMILIES=, SMALL=0 (skip a), UNFUSED=0 (skip the candle norms at default size) narrow it
 #     down; PEERS= names the families whose diffusers decode runs (default: all); NCU=1 adds a
-#     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=).
+#     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=); VAE_DECODE= runs another
+#     build of the example (a patch's, beside HEAD's in one call).
 # diffusers comes from the wheel carried in .whl (python3 -m pip download --no-deps diffusers==0.42.1 -d .whl).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
@@ -19,8 +20,12 @@ if [ -d .whl ]; then
 fi
 OUT=${OUT:-/tmp/vae_family}; mkdir -p "$OUT"
 B=/tmp/vae-bin; mkdir -p "$B"
-xz -dc .device/vae_decode.xz > "$B/vae_decode" && chmod +x "$B/vae_decode"
-V="$B/vae_decode"
+if [ -n "${VAE_DECODE:-}" ]; then
+  V=$VAE_DECODE
+else
+  xz -dc .device/vae_decode.xz > "$B/vae_decode" && chmod +x "$B/vae_decode"
+  V="$B/vae_decode"
+fi
 FAMILIES=${FAMILIES:-"ltx-video cogvideox-5b mochi-1 hunyuanvideo"}
 small() { case $1 in ltx-video) echo 1,128,3,8,11;; cogvideox-5b) echo 1,16,3,30,45;;
   mochi-1) echo 1,12,3,30,53;; hunyuanvideo) echo 1,16,5,30,40;; esac; }

@@ -11,9 +11,7 @@ use std::ffi::c_void;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape,
-};
+use candle_core::{bail, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape};
 
 use super::sdpa::{alloc, ptr, ptr_mut};
 use super::{data, data_type, with_handle, Api, Desc, Handle, PlanCache};

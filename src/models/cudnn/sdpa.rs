@@ -9,9 +9,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::CudaStorageSlice;
-use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{api, data_type, note_once, with_handle, Api, Desc, Handle, PlanCache};
 

@@ -9,8 +9,7 @@ use candle_core::cuda::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Device, Layout, Result, Shape,
-    Storage, Tensor,
+    bail, CudaDevice, CudaStorage, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
 
 static CONV: Module = kernel_module!("conv3d");

@@ -7,7 +7,7 @@ use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
+    CudaDevice, CudaStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
 };
 
 static ATTN: Module = kernel_module!("flash_attn");

@@ -9,9 +9,7 @@ use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice};
-use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{CudaDevice, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 use crate::models::fp8::{self, Fp8Rows};

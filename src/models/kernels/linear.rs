@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 /// `x @ weight^T + bias`, then GELU(tanh) when `gelu`, for `x` `[rows, in]` and `weight`

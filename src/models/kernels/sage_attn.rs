@@ -11,9 +11,7 @@ use candle_core::cuda::cudarc::driver::{
     CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, CustomOp3, Device, Layout, Result, Shape, Tensor,
-};
+use candle_core::{CudaDevice, CudaStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
 static SAGE: Module = kernel_module!("sage_attn");
 static SAGE_SM90: Module = kernel_module!("sage_attn_sm90");
