@@ -140,15 +140,7 @@ fn cfg1_frames_match_diffusers_under_every_load_policy() {
 /// mode gives the resident output bit for bit (planned as on a discrete GPU, run on the CPU).
 #[test]
 fn every_offload_mode_equals_resident_bit_for_bit() {
-    let resident_only = [
-        "--memory-model",
-        "discrete",
-        "--no-dit-layerwise-offload",
-        "--no-dit-cpu-offload",
-        "--no-text-encoder-cpu-offload",
-        "--no-vae-cpu-offload",
-    ];
-    let (resident, log) = generate_logged(&scratch("resident"), "5", &resident_only);
+    let (resident, log) = generate_logged(&scratch("resident"), "5", common::RESIDENT);
     assert!(log.contains("transformer: resident"), "{log}");
     let expected = reference("pipeline")["cfg5.frames"].squeeze(0).unwrap();
     assert_close("resident", &resident, &expected, 1e-4, 1e-4);

@@ -9,7 +9,7 @@
 //! says how many the generator makes at a step, so a caller replaying a draws file consumes them
 //! in order and hands the last to [`CogVideoXDpmScheduler::step`].
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::Tensor;
 use serde::Deserialize;
 use std::path::Path;
@@ -74,11 +74,7 @@ impl Default for CogVideoXDpmConfig {
 impl CogVideoXDpmConfig {
     /// Reads a `scheduler_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> anyhow::Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading scheduler config {}", path.display()))?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("parsing scheduler config {}", path.display()))
+        super::read_config(path.as_ref())
     }
 
     /// Rejects configurations this sampler cannot run, with the key at fault.

@@ -4,7 +4,7 @@
 //! derives from the video's sequence length ([`FlowMatchEuler::for_sequence_length`]).
 
 use super::{np_linspace, scale, Scheduler, SchedulerConfig};
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::{DType, Result, Tensor};
 use serde::Deserialize;
 use std::path::Path;
@@ -69,11 +69,7 @@ impl Default for FlowMatchEulerConfig {
 impl FlowMatchEulerConfig {
     /// Reads a `scheduler_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> anyhow::Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading scheduler config {}", path.display()))?;
-        let cfg: Self = serde_json::from_str(&text)
-            .with_context(|| format!("parsing scheduler config {}", path.display()))?;
+        let cfg: Self = super::read_config(path.as_ref())?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -87,11 +87,7 @@ impl Default for SchedulerConfig {
 impl SchedulerConfig {
     /// Reads a `scheduler_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> anyhow::Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading scheduler config {}", path.display()))?;
-        serde_json::from_str(&text)
-            .with_context(|| format!("parsing scheduler config {}", path.display()))
+        read_config(path.as_ref())
     }
 
     /// Rejects a config that no sampler here can run, naming the key: checked when the config
@@ -294,6 +290,14 @@ fn np_linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
         *last = stop;
     }
     y
+}
+
+/// A `scheduler_config.json` read and parsed, the file named in either error.
+fn read_config<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading scheduler config {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("parsing scheduler config {}", path.display()))
 }
 
 /// The checks every discrete-time (DDPM-family) sampler makes of its training schedule, with
