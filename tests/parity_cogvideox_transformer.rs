@@ -107,6 +107,12 @@ fn intermediates_match_diffusers() {
     assert!(model.blocks().is_empty());
     let r = common::named_reference(FIXTURE, "transformer");
     let t = &r["timestep"];
+    // Without its blocks the model refuses a whole forward, saying what it holds.
+    let refused = model
+        .forward(&r["hidden_states"], t, &r["encoder_hidden_states"])
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("holds 0 of"), "{refused}");
     let mut inputs = model
         .prepare(&r["hidden_states"], t, &r["encoder_hidden_states"])
         .unwrap();

@@ -210,6 +210,8 @@ pub trait BlockForward: Blockwise {
     /// What the blocks thread.
     type State;
     type Output;
+    /// The configuration the model was built with.
+    fn config(&self) -> &Self::Config;
     /// The blocks loaded with the model (none when they are placed apart).
     fn resident_blocks(&self) -> &[Self::Block];
     /// Takes the first state from the inputs.
@@ -228,8 +230,17 @@ pub trait BlockForward: Blockwise {
     ) -> candle_core::Result<Self::Output>;
 
     /// The forward of a model holding its blocks: the first state through every resident
-    /// block, then the finish.
+    /// block, then the finish. A model built without them (they are placed apart) refuses.
     fn forward_resident(&self, mut inputs: Self::Inputs) -> candle_core::Result<Self::Output> {
+        let (held, all) = (
+            self.resident_blocks().len(),
+            Self::num_blocks(self.config()),
+        );
+        if held != all {
+            candle_core::bail!(
+                "transformer holds {held} of {all} blocks; run them through blocks() instead"
+            );
+        }
         let mut state = Self::first_state(&mut inputs)?;
         for block in self.resident_blocks() {
             state = Self::through(block, &state, &inputs)?;
@@ -295,6 +306,9 @@ macro_rules! block_forward {
             type Inputs = $inputs;
             type State = $state;
             type Output = $output;
+            fn config(&self) -> &Self::Config {
+                self.config()
+            }
             fn resident_blocks(&self) -> &[Self::Block] {
                 self.blocks()
             }

@@ -1,9 +1,42 @@
 //! Video latents as patch tokens and back: the layout of every DiT's patch embedding (a
 //! convolution whose kernel is its stride, computed as a matmul over flattened patches) and of
 //! the pipelines that pack latents into tokens (LTX-Video's `_pack_latents`, FLUX.1's 2x2
-//! packing with one frame, MiniMax H3's rows).
+//! packing with one frame, MiniMax H3's rows); and the checks that latents and text fit a DiT
+//! before it patches them.
 
 use candle_core::{Result, Tensor};
+
+/// The batch and the grid of whole `patch`es of `[B, C, F, H, W]` latents for a transformer that
+/// takes `channels`; an error naming the mismatch where the channels differ or a side holds no
+/// whole patch.
+pub fn token_grid(
+    latents: &Tensor,
+    channels: usize,
+    patch: [usize; 3],
+) -> Result<(usize, [usize; 3])> {
+    let (b, c, f, h, w) = latents.dims5()?;
+    if c != channels {
+        candle_core::bail!("latents have {c} channels, the transformer expects {channels}");
+    }
+    let [pt, ph, pw] = patch;
+    if patch.contains(&0) || f < pt || h < ph || w < pw {
+        candle_core::bail!("latents [{f}, {h}, {w}] are smaller than one {pt}x{ph}x{pw} patch");
+    }
+    Ok((b, [f / pt, h / ph, w / pw]))
+}
+
+/// The length of `[B, L, dim]` text states for a batch of `batch`; an error naming the config
+/// key of `dim` where they do not fit.
+pub fn text_len(text: &Tensor, batch: usize, (key, dim): (&str, usize)) -> Result<usize> {
+    let (b, len, d) = text.dims3()?;
+    if b != batch || d != dim {
+        candle_core::bail!(
+            "encoder_hidden_states {:?} do not match batch {batch} and {key} {dim}",
+            text.dims()
+        );
+    }
+    Ok(len)
+}
 
 /// `[B, C, F, H, W]` latents -> `[B, F/pt · H/ph · W/pw, C·pt·ph·pw]` tokens for the patch
 /// `[pt, ph, pw]`: frame-major then row-major, each token's values in (c, pt, ph, pw) order.
@@ -39,6 +72,25 @@ pub fn whole_patches(latents: &Tensor, patch: [usize; 3]) -> Result<Tensor> {
 /// Inverse of [`patchify`]: `[B, f·h·w, C·pt·ph·pw]` tokens of the grid `[f, h, w]` (in
 /// patches) -> `[B, C, f·pt, h·ph, w·pw]`.
 pub fn unpatchify(tokens: &Tensor, grid: [usize; 3], patch: [usize; 3]) -> Result<Tensor> {
+    tokens_to_video(tokens, grid, patch, false)
+}
+
+/// [`unpatchify`] of tokens whose values are in (pt, ph, pw, c) order, channels last (Wan's,
+/// Allegro's, Latte's and Mochi-1's output projections).
+pub fn unpatchify_channels_last(
+    tokens: &Tensor,
+    grid: [usize; 3],
+    patch: [usize; 3],
+) -> Result<Tensor> {
+    tokens_to_video(tokens, grid, patch, true)
+}
+
+fn tokens_to_video(
+    tokens: &Tensor,
+    grid: [usize; 3],
+    patch: [usize; 3],
+    channels_last: bool,
+) -> Result<Tensor> {
     let (b, n, d) = tokens.dims3()?;
     let [f, h, w] = grid;
     let [pt, ph, pw] = patch;
@@ -49,9 +101,19 @@ pub fn unpatchify(tokens: &Tensor, grid: [usize; 3], patch: [usize; 3]) -> Resul
         );
     }
     let c = d / values;
+    let (split, order) = match channels_last {
+        false => (
+            vec![b, f, h, w, c, pt, ph, pw],
+            vec![0, 4, 1, 5, 2, 6, 3, 7],
+        ),
+        true => (
+            vec![b, f, h, w, pt, ph, pw, c],
+            vec![0, 7, 1, 4, 2, 5, 3, 6],
+        ),
+    };
     tokens
-        .reshape(vec![b, f, h, w, c, pt, ph, pw])?
-        .permute(vec![0, 4, 1, 5, 2, 6, 3, 7])?
+        .reshape(split)?
+        .permute(order)?
         .reshape((b, c, f * pt, h * ph, w * pw))
 }
 
@@ -79,6 +141,16 @@ mod tests {
         let got = tokens.get(1)?.get(token)?.get(value)?.to_scalar::<f32>()?;
         assert_eq!(got, at(1, 2, 2 + 1, 2, 2));
         let back = unpatchify(&tokens, [2, 2, 2], patch)?;
+        assert_eq!(
+            back.flatten_all()?.to_vec1::<f32>()?,
+            latents.flatten_all()?.to_vec1::<f32>()?
+        );
+        // The same tokens with each token's values reordered to (pt, ph, pw, c).
+        let channels_last = tokens
+            .reshape(vec![2, 8, c, 2, 3, 2])?
+            .permute(vec![0, 1, 3, 4, 5, 2])?
+            .reshape((2, 8, c * 12))?;
+        let back = unpatchify_channels_last(&channels_last, [2, 2, 2], patch)?;
         assert_eq!(
             back.flatten_all()?.to_vec1::<f32>()?,
             latents.flatten_all()?.to_vec1::<f32>()?

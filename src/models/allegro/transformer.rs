@@ -14,6 +14,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
+use crate::models::patches::{text_len, token_grid, unpatchify_channels_last, whole_patches};
 use crate::models::pixart::{
     layer_norm, AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
@@ -443,35 +444,15 @@ impl AllegroTransformer3DModel {
         encoder_attention_mask: &Tensor,
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
-        let (b, c, f, h, w) = latents.dims5()?;
-        if c != cfg.in_channels {
-            candle_core::bail!(
-                "latents [B, C, F, H, W] have {c} channels, the transformer expects {}",
-                cfg.in_channels
-            );
-        }
         let p = cfg.patch_size;
-        let grid = [f, h / p, w / p];
-        if grid.contains(&0) {
-            candle_core::bail!("latents [{f}, {h}, {w}] are smaller than one {p}x{p} patch");
-        }
-        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
-        if eb != b || text_dim != cfg.caption_channels {
-            candle_core::bail!(
-                "encoder_hidden_states {:?} do not match batch {b} and caption_channels {}",
-                encoder_hidden_states.dims(),
-                cfg.caption_channels
-            );
-        }
-        let [_, gh, gw] = grid;
+        let (b, grid) = token_grid(latents, cfg.in_channels, [1, p, p])?;
+        text_len(
+            encoder_hidden_states,
+            b,
+            ("caption_channels", cfg.caption_channels),
+        )?;
         // Patches of each frame in row-major token order, frames one after another.
-        let patches = latents
-            .narrow(3, 0, gh * p)?
-            .narrow(4, 0, gw * p)?
-            .to_dtype(self.dtype)?
-            .reshape(vec![b, c, f, gh, p, gw, p])?
-            .permute(vec![0, 2, 3, 5, 1, 4, 6])?
-            .reshape((b, f * gh * gw, c * p * p))?;
+        let patches = whole_patches(&latents.to_dtype(self.dtype)?, [1, p, p])?;
         let hidden_states = self.patch_proj.forward(&patches)?;
         let (modulation, embedded_timestep) = self.adaln_single.forward(timestep, b)?;
         let text = self.caption_projection.forward(encoder_hidden_states)?;
@@ -522,11 +503,7 @@ impl AllegroTransformer3DModel {
             .broadcast_add(&shift)?;
         let out = project(&mut || self.proj_out.forward(&h))?;
         let p = self.cfg.patch_size;
-        let oc = self.cfg.out_channels;
-        let [f, gh, gw] = inputs.grid;
-        out.reshape(vec![b, f, gh, gw, p, p, oc])?
-            .permute(vec![0, 6, 1, 2, 4, 3, 5])?
-            .reshape((b, oc, f, gh * p, gw * p))
+        unpatchify_channels_last(&out, inputs.grid, [1, p, p])
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
@@ -537,13 +514,6 @@ impl AllegroTransformer3DModel {
         encoder_hidden_states: &Tensor,
         encoder_attention_mask: &Tensor,
     ) -> Result<Tensor> {
-        if self.blocks.len() != self.cfg.num_layers {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                self.cfg.num_layers
-            );
-        }
         let inputs = self.prepare(
             latents,
             timestep,

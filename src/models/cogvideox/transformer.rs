@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::HookedBlock;
+use crate::models::patches::{text_len, token_grid, whole_patches};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
@@ -857,26 +858,15 @@ impl CogVideoXTransformer3DModel {
         encoder_hidden_states: &Tensor,
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
-        let (b, f, c, h, w) = latents.dims5()?;
-        if c != cfg.in_channels {
-            candle_core::bail!(
-                "latents [B, F, C, H, W] have {c} channels, the transformer expects {}",
-                cfg.in_channels
-            );
-        }
         let p = cfg.patch_size;
-        let grid = [f, h / p, w / p];
-        if grid.contains(&0) {
-            candle_core::bail!("latents [{f}, {h}, {w}] are smaller than one {p}x{p} patch");
-        }
-        let (eb, text_len, text_dim) = encoder_hidden_states.dims3()?;
-        if eb != b || text_dim != cfg.text_embed_dim {
-            candle_core::bail!(
-                "encoder_hidden_states {:?} do not match batch {b} and text_embed_dim {}",
-                encoder_hidden_states.dims(),
-                cfg.text_embed_dim
-            );
-        }
+        // Frames before channels: the patches of the channels-second view.
+        let latents = latents.transpose(1, 2)?;
+        let (b, grid) = token_grid(&latents, cfg.in_channels, [1, p, p])?;
+        let text_len = text_len(
+            encoder_hidden_states,
+            b,
+            ("text_embed_dim", cfg.text_embed_dim),
+        )?;
         let device = latents.device();
 
         // Time embedding: sinusoid in f32, cast to the model dtype, then the MLP.
@@ -894,14 +884,7 @@ impl CogVideoXTransformer3DModel {
         let text = self
             .text_proj
             .forward(&encoder_hidden_states.to_dtype(self.dtype)?)?;
-        let [_, gh, gw] = grid;
-        let patches = latents
-            .narrow(3, 0, gh * p)?
-            .narrow(4, 0, gw * p)?
-            .to_dtype(self.dtype)?
-            .reshape(vec![b, f, c, gh, p, gw, p])?
-            .permute(vec![0, 1, 3, 5, 2, 4, 6])?
-            .reshape((b, f * gh * gw, c * p * p))?;
+        let patches = whole_patches(&latents.to_dtype(self.dtype)?, [1, p, p])?;
         let video = self.patch_proj.forward(&patches)?;
         let hidden_states = Tensor::cat(&[text, video], 1)?;
 
@@ -966,13 +949,6 @@ impl CogVideoXTransformer3DModel {
         timestep: &Tensor,
         encoder_hidden_states: &Tensor,
     ) -> Result<Tensor> {
-        if self.blocks.len() != self.cfg.num_layers {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                self.cfg.num_layers
-            );
-        }
         let inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
         crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }

@@ -747,6 +747,11 @@ impl FluxTransformer2DModel {
         })
     }
 
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &FluxTransformerConfig {
+        &self.cfg
+    }
+
     /// The loaded blocks, dual-stream then single-stream (empty after `new_without_blocks`).
     pub fn blocks(&self) -> &[FluxBlock] {
         &self.blocks
@@ -775,14 +780,11 @@ impl FluxTransformer2DModel {
                 cfg.in_channels
             );
         }
-        let (eb, len, text_dim) = encoder_hidden_states.dims3()?;
-        if eb != b || text_dim != cfg.joint_attention_dim {
-            candle_core::bail!(
-                "encoder_hidden_states {:?} do not match batch {b} and joint_attention_dim {}",
-                encoder_hidden_states.dims(),
-                cfg.joint_attention_dim
-            );
-        }
+        let len = crate::models::patches::text_len(
+            encoder_hidden_states,
+            b,
+            ("joint_attention_dim", cfg.joint_attention_dim),
+        )?;
         if pooled_projections.dims() != [b, cfg.pooled_projection_dim] {
             candle_core::bail!(
                 "pooled_projections {:?} do not match [{b}, {}]",
@@ -858,13 +860,6 @@ impl FluxTransformer2DModel {
         txt_ids: &Tensor,
         img_ids: &Tensor,
     ) -> Result<Tensor> {
-        if self.blocks.len() != self.cfg.num_blocks() {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                self.cfg.num_blocks()
-            );
-        }
         let inputs = self.prepare(
             latents,
             timestep,

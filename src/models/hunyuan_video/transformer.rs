@@ -33,7 +33,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{sdpa, sdpa_key_prefix};
 use crate::models::blocks::{Blockwise, HookedBlock};
-use crate::models::patches::{unpatchify, whole_patches};
+use crate::models::patches::{text_len, token_grid, unpatchify, whole_patches};
 use crate::models::projection::{project, project_gelu_tanh};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
@@ -1690,26 +1690,13 @@ impl HunyuanVideoTransformer3DModel {
         guidance: Option<&Tensor>,
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
-        let (b, c, f, h, w) = latents.dims5()?;
-        if c != cfg.in_channels {
-            candle_core::bail!(
-                "latents have {c} channels, the transformer expects {}",
-                cfg.in_channels
-            );
-        }
         let (pt, p) = (cfg.patch_size_t, cfg.patch_size);
-        let grid = [f / pt, h / p, w / p];
-        if grid.contains(&0) {
-            candle_core::bail!("latents [{f}, {h}, {w}] are smaller than one patch");
-        }
-        let (eb, len, text_dim) = encoder_hidden_states.dims3()?;
-        if eb != b || text_dim != cfg.text_embed_dim {
-            candle_core::bail!(
-                "encoder_hidden_states {:?} do not match batch {b} and text_embed_dim {}",
-                encoder_hidden_states.dims(),
-                cfg.text_embed_dim
-            );
-        }
+        let (b, grid) = token_grid(latents, cfg.in_channels, [pt, p, p])?;
+        let len = text_len(
+            encoder_hidden_states,
+            b,
+            ("text_embed_dim", cfg.text_embed_dim),
+        )?;
         if encoder_attention_mask.dims() != [b, len] {
             candle_core::bail!(
                 "encoder_attention_mask {:?} does not match the text [{b}, {len}]",
@@ -1815,13 +1802,6 @@ impl HunyuanVideoTransformer3DModel {
         pooled_projections: &Tensor,
         guidance: Option<&Tensor>,
     ) -> Result<Tensor> {
-        if self.blocks.len() != self.cfg.num_blocks() {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                self.cfg.num_blocks()
-            );
-        }
         let inputs = self.prepare(
             latents,
             timestep,

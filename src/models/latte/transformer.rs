@@ -15,6 +15,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
+use crate::models::patches::{text_len, unpatchify_channels_last, whole_patches};
 use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
 };
@@ -472,27 +473,23 @@ impl LatteTransformer3DModel {
         if grid.contains(&0) {
             candle_core::bail!("latents [{h}, {w}] are smaller than one {p}x{p} patch");
         }
-        let (eb, _, text_dim) = encoder_hidden_states.dims3()?;
-        if eb != b || text_dim != cfg.caption_channels() {
-            candle_core::bail!(
-                "encoder_hidden_states {:?} do not match batch {b} and caption_channels {}",
-                encoder_hidden_states.dims(),
-                cfg.caption_channels()
-            );
-        }
+        text_len(
+            encoder_hidden_states,
+            b,
+            ("caption_channels", cfg.caption_channels()),
+        )?;
         let device = latents.device();
         let dim = cfg.inner_dim();
 
         // Patches of each frame in row-major token order, plus the 2-D sin-cos table (added in
         // f32, as diffusers adds its float table, then rounded to the model dtype).
         let [gh, gw] = grid;
-        let patches = latents
-            .narrow(3, 0, gh * p)?
-            .narrow(4, 0, gw * p)?
-            .to_dtype(self.dtype)?
-            .reshape(vec![b, c, f, gh, p, gw, p])?
-            .permute(vec![0, 2, 3, 5, 1, 4, 6])?
-            .reshape((b, f, gh * gw, c * p * p))?;
+        let patches = whole_patches(&latents.to_dtype(self.dtype)?, [1, p, p])?.reshape((
+            b,
+            f,
+            gh * gw,
+            (),
+        ))?;
         let table = spatial_pos_embed(
             dim,
             grid,
@@ -553,12 +550,10 @@ impl LatteTransformer3DModel {
             .broadcast_add(&shift)?;
         let out = project(&mut || self.proj_out.forward(&h))?;
         let p = self.cfg.patch_size();
-        let oc = self.cfg.out_channels();
         let [gh, gw] = inputs.grid;
         debug_assert_eq!(n, gh * gw);
-        out.reshape(vec![b, f, gh, gw, p, p, oc])?
-            .permute(vec![0, 6, 1, 2, 4, 3, 5])?
-            .reshape((b, oc, f, gh * p, gw * p))
+        let out = out.reshape((b, f * n, ()))?;
+        unpatchify_channels_last(&out, [f, gh, gw], [1, p, p])
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
@@ -568,13 +563,6 @@ impl LatteTransformer3DModel {
         timestep: &Tensor,
         encoder_hidden_states: &Tensor,
     ) -> Result<Tensor> {
-        if self.blocks.len() != 2 * self.cfg.num_layers {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                2 * self.cfg.num_layers
-            );
-        }
         let inputs = self.prepare(latents, timestep, encoder_hidden_states)?;
         crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }

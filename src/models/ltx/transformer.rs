@@ -1350,6 +1350,9 @@ impl crate::models::blocks::BlockForward for LtxTransformer3DModel {
     type Inputs = LtxBlockInputs;
     type State = LtxStream;
     type Output = Tensor;
+    fn config(&self) -> &LtxTransformerConfig {
+        self.config()
+    }
     fn resident_blocks(&self) -> &[LtxTransformerBlock] {
         self.blocks()
     }

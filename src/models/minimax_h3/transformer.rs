@@ -1128,13 +1128,6 @@ impl MiniMaxH3Transformer3DModel {
         timestep_indices: &Tensor,
         layout: &PackedLayout,
     ) -> Result<(Tensor, Tensor)> {
-        if self.blocks.len() != self.cfg.num_layers {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                self.cfg.num_layers
-            );
-        }
         let inputs = self.prepare(video, audio, text, timestep, timestep_indices, layout)?;
         crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }

@@ -26,6 +26,7 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_with_bias};
 use crate::models::blocks::{HookedBlock, RepeatedBlocks};
 use crate::models::cogvideox::transformer::linspace_f32;
+use crate::models::patches::{patchify, unpatchify_channels_last};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, Rows};
 use crate::models::step_cache::{
@@ -977,12 +978,7 @@ impl MochiTransformer3DModel {
         let text = encoder_hidden_states.to_dtype(self.dtype)?;
         let temb = self.conditioning(&timestep.to_device(device)?, &text, mask)?;
         let text = self.caption_proj.forward(&text)?;
-        let [_, gh, gw] = grid;
-        let patches = latents
-            .to_dtype(self.dtype)?
-            .reshape(vec![b, c, f, gh, p, gw, p])?
-            .permute(vec![0, 2, 3, 5, 1, 4, 6])?
-            .reshape((b, f * gh * gw, c * p * p))?;
+        let patches = patchify(&latents.to_dtype(self.dtype)?, [1, p, p])?;
         let video = self.patch_proj.forward(&patches)?;
         let (cos, sin) = rope_tables(&self.pos_frequencies, grid, device)?;
         let rows = grid.iter().product::<usize>() * cfg.num_attention_heads;
@@ -1042,12 +1038,7 @@ impl MochiTransformer3DModel {
     ) -> Result<Tensor> {
         let out = project(&mut || self.proj_out.forward(&self.norm_out(video, inputs)?))?;
         let p = self.cfg.patch_size;
-        let [f, gh, gw] = inputs.grid;
-        let b = out.dim(0)?;
-        let oc = self.cfg.out_channels();
-        out.reshape(vec![b, f, gh, gw, p, p, oc])?
-            .permute(vec![0, 6, 1, 2, 4, 3, 5])?
-            .reshape((b, oc, f, gh * p, gw * p))
+        unpatchify_channels_last(&out, inputs.grid, [1, p, p])
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
@@ -1058,13 +1049,6 @@ impl MochiTransformer3DModel {
         encoder_hidden_states: &Tensor,
         mask: &Tensor,
     ) -> Result<Tensor> {
-        if self.blocks.len() != self.cfg.num_layers {
-            candle_core::bail!(
-                "transformer holds {} of {} blocks; run them through blocks() instead",
-                self.blocks.len(),
-                self.cfg.num_layers
-            );
-        }
         let inputs = self.prepare(latents, timestep, encoder_hidden_states, mask)?;
         crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }

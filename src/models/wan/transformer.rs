@@ -29,7 +29,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 use crate::models::attention::sdpa;
-use crate::models::patches::whole_patches;
+use crate::models::patches::{text_len, token_grid, unpatchify_channels_last, whole_patches};
 use crate::models::projection::{Input, Projection};
 use crate::models::sequence_parallel::SequenceParallel;
 use crate::models::step_cache::{
@@ -1482,35 +1482,15 @@ impl WanTransformer3DModel {
         encoder_hidden_states_image: Option<&Tensor>,
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
-        let (b, c, f, h, w) = latents.dims5()?;
-        if c != cfg.in_channels {
-            candle_core::bail!(
-                "latents have {c} channels, the transformer expects {}",
-                cfg.in_channels
-            );
-        }
+        let (b, grid) = token_grid(latents, cfg.in_channels, cfg.patch_size)?;
         let [pt, ph, pw] = cfg.patch_size;
-        let grid = [f / pt, h / ph, w / pw];
-        if grid.contains(&0) {
-            candle_core::bail!(
-                "latents [{f}, {h}, {w}] are smaller than one patch {:?}",
-                cfg.patch_size
-            );
-        }
         if let Some(&g) = grid.iter().find(|&&g| g > cfg.rope_max_seq_len) {
             candle_core::bail!(
                 "latent grid extent {g} exceeds rope_max_seq_len {}",
                 cfg.rope_max_seq_len
             );
         }
-        let (eb, text_len, text_dim) = encoder_hidden_states.dims3()?;
-        if eb != b || text_dim != cfg.text_dim {
-            candle_core::bail!(
-                "encoder_hidden_states {:?} do not match batch {b} and text_dim {}",
-                encoder_hidden_states.dims(),
-                cfg.text_dim
-            );
-        }
+        let text_len = text_len(encoder_hidden_states, b, ("text_dim", cfg.text_dim))?;
         let image_tokens = match (&self.image_embedder, encoder_hidden_states_image) {
             (Some(embedder), Some(image)) => {
                 let (ib, _, image_dim) = image.dims3()?;
@@ -1649,12 +1629,8 @@ impl WanTransformer3DModel {
             self.proj_out.forward(&h)
         })?;
 
-        let [pt, ph, pw] = self.cfg.patch_size;
-        let [gf, gh, gw] = inputs.grid;
-        let oc = self.cfg.out_channels();
-        h.reshape(vec![inputs.batch, gf, gh, gw, pt, ph, pw, oc])?
-            .permute(vec![0, 7, 1, 4, 2, 5, 3, 6])?
-            .reshape((inputs.batch, oc, gf * pt, gh * ph, gw * pw))
+        let h = h.reshape((inputs.batch, seq, ()))?;
+        unpatchify_channels_last(&h, inputs.grid, self.cfg.patch_size)
     }
 
     /// Full forward: `prepare`, every block, `finish`. Needs a model built with `new`.
