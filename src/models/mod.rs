@@ -13,6 +13,7 @@ mod candle_strided;
 pub(crate) mod channel_ops;
 pub mod clip;
 pub mod cogvideox;
+pub mod config_checks;
 pub mod conv3d;
 #[cfg(feature = "cuda")]
 pub mod cudnn;

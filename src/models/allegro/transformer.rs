@@ -133,9 +133,7 @@ impl AllegroTransformerConfig {
             ("sample_width", self.sample_width),
             ("sample_frames", self.sample_frames),
         ];
-        if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("transformer config: {key} must be positive");
-        }
+        crate::models::config_checks::positive("transformer config", &sizes)?;
         let inner = [("inner width", self.inner_dim())];
         if let Some((key, _)) = sizes.iter().chain(&inner).find(|(_, v)| *v > 1 << 16) {
             candle_core::bail!("transformer config: {key} must be at most 65536");
@@ -159,12 +157,11 @@ impl AllegroTransformerConfig {
                 self.inner_dim()
             );
         }
-        if self.activation_fn != "gelu-approximate" {
-            candle_core::bail!(
-                "transformer config: activation_fn {:?} is not supported (only \"gelu-approximate\")",
-                self.activation_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("activation_fn", &self.activation_fn),
+            &["gelu-approximate"],
+        )?;
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }

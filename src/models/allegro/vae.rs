@@ -179,12 +179,7 @@ impl AllegroVaeConfig {
                 "vae config: up block type {t:?} is not supported (only \"AllegroUpBlock3D\")"
             );
         }
-        if self.act_fn != "silu" {
-            candle_core::bail!(
-                "vae config: act_fn {:?} is not supported (only \"silu\")",
-                self.act_fn
-            );
-        }
+        crate::models::config_checks::one_of("vae config", ("act_fn", &self.act_fn), &["silu"])?;
         let g = self.norm_num_groups;
         if g == 0
             || self

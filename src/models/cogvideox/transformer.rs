@@ -166,9 +166,7 @@ impl CogVideoXTransformerConfig {
             ("sample_height", self.sample_height),
             ("sample_width", self.sample_width),
         ];
-        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("transformer config: {key} must be positive");
-        }
+        crate::models::config_checks::positive("transformer config", &positive)?;
         // The RoPE base grid is the training latent size in patches.
         if self.sample_height < self.patch_size || self.sample_width < self.patch_size {
             candle_core::bail!(
@@ -207,18 +205,16 @@ impl CogVideoXTransformerConfig {
                 self.freq_shift
             );
         }
-        if self.activation_fn != "gelu-approximate" {
-            candle_core::bail!(
-                "transformer config: activation_fn {:?} is not supported (only \"gelu-approximate\")",
-                self.activation_fn
-            );
-        }
-        if self.timestep_activation_fn != "silu" {
-            candle_core::bail!(
-                "transformer config: timestep_activation_fn {:?} is not supported (only \"silu\")",
-                self.timestep_activation_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("activation_fn", &self.activation_fn),
+            &["gelu-approximate"],
+        )?;
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("timestep_activation_fn", &self.timestep_activation_fn),
+            &["silu"],
+        )?;
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }

@@ -203,12 +203,11 @@ impl CogVideoXVaeConfig {
                 self.block_out_channels
             );
         }
-        if self.act_fn != "silu" && self.act_fn != "swish" {
-            candle_core::bail!(
-                "vae config: act_fn {:?} is not supported (only \"silu\")",
-                self.act_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "vae config",
+            ("act_fn", &self.act_fn),
+            &["silu", "swish"],
+        )?;
         if !(self.temporal_compression_ratio.is_finite() && self.temporal_compression_ratio >= 1.0)
         {
             candle_core::bail!("vae config: temporal_compression_ratio must be at least 1");

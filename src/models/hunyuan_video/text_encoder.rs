@@ -140,12 +140,11 @@ impl LlamaConfig {
 
     /// Rejects configurations this encoder cannot run, naming the key.
     pub fn validate(&self) -> Result<()> {
-        if self.hidden_act != "silu" {
-            candle_core::bail!(
-                "text_encoder config: hidden_act {:?} is not supported (only \"silu\")",
-                self.hidden_act
-            );
-        }
+        crate::models::config_checks::one_of(
+            "text_encoder config",
+            ("hidden_act", &self.hidden_act),
+            &["silu"],
+        )?;
         for (key, params) in [
             ("rope_parameters", &self.rope_parameters),
             ("rope_scaling", &self.rope_scaling),

@@ -120,12 +120,11 @@ impl Default for HunyuanVideoVaeConfig {
 impl HunyuanVideoVaeConfig {
     /// Rejects configurations this decoder cannot build, naming the key.
     pub fn validate(&self) -> Result<()> {
-        if self.act_fn != "silu" && self.act_fn != "swish" {
-            candle_core::bail!(
-                "vae config: act_fn {:?} is not supported (only \"silu\")",
-                self.act_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "vae config",
+            ("act_fn", &self.act_fn),
+            &["silu", "swish"],
+        )?;
         if self.block_out_channels.is_empty() || self.block_out_channels.contains(&0) {
             candle_core::bail!(
                 "vae config: block_out_channels {:?} must be non-empty and positive",

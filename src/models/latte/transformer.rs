@@ -144,9 +144,7 @@ impl LatteTransformerConfig {
             ("video_length", self.video_length),
             ("out_channels", self.out_channels()),
         ];
-        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("transformer config: {key} must be positive");
-        }
+        crate::models::config_checks::positive("transformer config", &positive)?;
         // Sizes past these would only overflow the arithmetic below (Latte-1: 1152 wide, patch
         // 2 of 64, 16 frames).
         let inner = self
@@ -183,18 +181,16 @@ impl LatteTransformerConfig {
                 self.inner_dim()
             );
         }
-        if self.norm_type != "ada_norm_single" {
-            candle_core::bail!(
-                "transformer config: norm_type {:?} is not supported (only \"ada_norm_single\")",
-                self.norm_type
-            );
-        }
-        if self.activation_fn != "gelu-approximate" {
-            candle_core::bail!(
-                "transformer config: activation_fn {:?} is not supported (only \"gelu-approximate\")",
-                self.activation_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("norm_type", &self.norm_type),
+            &["ada_norm_single"],
+        )?;
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("activation_fn", &self.activation_fn),
+            &["gelu-approximate"],
+        )?;
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
             candle_core::bail!("transformer config: norm_eps must be a non-negative number");
         }

@@ -151,19 +151,18 @@ impl LtxTransformerConfig {
                 );
             }
         }
-        for (key, value) in [
-            ("in_channels", self.in_channels),
-            ("num_attention_heads", self.num_attention_heads),
-            ("attention_head_dim", self.attention_head_dim),
-            ("caption_channels", self.caption_channels),
-            ("patch_size", self.patch_size),
-            ("patch_size_t", self.patch_size_t),
-            ("out_channels", self.out_channels()),
-        ] {
-            if value == 0 {
-                candle_core::bail!("ltx transformer config: {key} must be positive");
-            }
-        }
+        crate::models::config_checks::positive(
+            "ltx transformer config",
+            &[
+                ("in_channels", self.in_channels),
+                ("num_attention_heads", self.num_attention_heads),
+                ("attention_head_dim", self.attention_head_dim),
+                ("caption_channels", self.caption_channels),
+                ("patch_size", self.patch_size),
+                ("patch_size_t", self.patch_size_t),
+                ("out_channels", self.out_channels()),
+            ],
+        )?;
         if self.inner_dim() < 6 || !self.inner_dim().is_multiple_of(2) {
             candle_core::bail!(
                 "ltx transformer config: num_attention_heads x attention_head_dim = {} must be even and at least 6 (RoPE)",
@@ -177,12 +176,11 @@ impl LtxTransformerConfig {
                 self.inner_dim()
             );
         }
-        if self.qk_norm != "rms_norm_across_heads" {
-            candle_core::bail!(
-                "ltx transformer config: qk_norm {:?} is not supported (only \"rms_norm_across_heads\")",
-                self.qk_norm
-            );
-        }
+        crate::models::config_checks::one_of(
+            "ltx transformer config",
+            ("qk_norm", &self.qk_norm),
+            &["rms_norm_across_heads"],
+        )?;
         self.gelu()?;
         if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
             candle_core::bail!(

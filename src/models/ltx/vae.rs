@@ -139,17 +139,16 @@ impl LtxVaeConfig {
     /// Rejects a config the decoder cannot run, with a one-line error naming the key.
     pub fn validate(&self) -> Result<()> {
         let n = self.decoder_block_out_channels.len();
-        for (key, value) in [
-            ("latent_channels", self.latent_channels),
-            ("out_channels", self.out_channels),
-            ("patch_size", self.patch_size),
-            ("patch_size_t", self.patch_size_t),
-            ("decoder_block_out_channels", n),
-        ] {
-            if value == 0 {
-                candle_core::bail!("ltx vae config: {key} must be positive");
-            }
-        }
+        crate::models::config_checks::positive(
+            "ltx vae config",
+            &[
+                ("latent_channels", self.latent_channels),
+                ("out_channels", self.out_channels),
+                ("patch_size", self.patch_size),
+                ("patch_size_t", self.patch_size_t),
+                ("decoder_block_out_channels", n),
+            ],
+        )?;
         // Bounds far above any real model keep the size arithmetic below from overflowing.
         let widths = self.decoder_block_out_channels.iter();
         for (key, value) in [

@@ -61,16 +61,15 @@ impl MiniMaxH3AudioVaeConfig {
 
     /// Rejects configurations the decoder cannot run, naming the key.
     pub fn validate(&self) -> Result<()> {
-        for (key, value) in [
-            ("latent_dim", self.latent_dim),
-            ("latent_channels", self.latent_channels),
-            ("decoder_dim", self.decoder_dim),
-            ("sampling_rate", self.sampling_rate),
-        ] {
-            if value == 0 {
-                candle_core::bail!("audio_vae config: {key} must be positive");
-            }
-        }
+        crate::models::config_checks::positive(
+            "audio_vae config",
+            &[
+                ("latent_dim", self.latent_dim),
+                ("latent_channels", self.latent_channels),
+                ("decoder_dim", self.decoder_dim),
+                ("sampling_rate", self.sampling_rate),
+            ],
+        )?;
         if self.encoder_rates.contains(&0)
             || self.decoder_rates.is_empty()
             || self.decoder_rates.contains(&0)

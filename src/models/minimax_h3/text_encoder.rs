@@ -133,17 +133,16 @@ impl Qwen3VLTextConfig {
 
     /// Rejects configurations the encoder cannot run, naming the key.
     pub fn validate(&self) -> Result<()> {
-        for (key, value) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-        ] {
-            if value == 0 {
-                candle_core::bail!("text_encoder config: text_config.{key} must be positive");
-            }
-        }
+        crate::models::config_checks::positive(
+            "text_encoder config",
+            &[
+                ("text_config.vocab_size", self.vocab_size),
+                ("text_config.hidden_size", self.hidden_size),
+                ("text_config.intermediate_size", self.intermediate_size),
+                ("text_config.num_attention_heads", self.num_attention_heads),
+                ("text_config.num_key_value_heads", self.num_key_value_heads),
+            ],
+        )?;
         if self.num_hidden_layers <= PROMPT_HIDDEN_STATE_INDEX {
             candle_core::bail!(
                 "text_encoder config: text_config.num_hidden_layers is {}, but MiniMax H3 reads the output of layer {PROMPT_HIDDEN_STATE_INDEX} before the final norm (needs more than {PROMPT_HIDDEN_STATE_INDEX})",

@@ -168,9 +168,7 @@ impl MiniMaxH3TransformerConfig {
             ("time_embed_hidden_dim", self.time_embed_hidden_dim),
             ("time_embed_dim", self.time_embed_dim),
         ];
-        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("transformer config: {key} must be positive");
-        }
+        crate::models::config_checks::positive("transformer config", &positive)?;
         if self.patch_size.contains(&0) {
             candle_core::bail!("transformer config: patch_size entries must be positive");
         }

@@ -125,24 +125,23 @@ impl MiniMaxH3VaeConfig {
 
     /// Rejects configurations the decoder cannot run, naming the key.
     pub fn validate(&self) -> Result<()> {
-        for (key, value) in [
-            ("out_channels", self.out_channels),
-            ("latent_channels", self.latent_channels),
-            (
-                "decoder_num_attention_heads",
-                self.decoder_num_attention_heads,
-            ),
-            (
-                "decoder_attention_head_dim",
-                self.decoder_attention_head_dim,
-            ),
-            ("decoder_ffn_mult", self.decoder_ffn_mult),
-            ("clip_length", self.clip_length),
-        ] {
-            if value == 0 {
-                candle_core::bail!("vae config: {key} must be positive");
-            }
-        }
+        crate::models::config_checks::positive(
+            "vae config",
+            &[
+                ("out_channels", self.out_channels),
+                ("latent_channels", self.latent_channels),
+                (
+                    "decoder_num_attention_heads",
+                    self.decoder_num_attention_heads,
+                ),
+                (
+                    "decoder_attention_head_dim",
+                    self.decoder_attention_head_dim,
+                ),
+                ("decoder_ffn_mult", self.decoder_ffn_mult),
+                ("clip_length", self.clip_length),
+            ],
+        )?;
         if self.spatial_downsample_factors.is_empty()
             || self.spatial_downsample_factors.contains(&0)
         {

@@ -130,9 +130,7 @@ impl MochiTransformerConfig {
             ("text_embed_dim", self.text_embed_dim),
             ("time_embed_dim", self.time_embed_dim),
         ];
-        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("transformer config: {key} must be positive");
-        }
+        crate::models::config_checks::positive("transformer config", &positive)?;
         if !self.attention_head_dim.is_multiple_of(2) {
             candle_core::bail!(
                 "transformer config: attention_head_dim {} must be even (RoPE rotates pairs)",
@@ -145,18 +143,16 @@ impl MochiTransformerConfig {
                 self.text_embed_dim
             );
         }
-        if self.qk_norm != "rms_norm" {
-            candle_core::bail!(
-                "transformer config: qk_norm {:?} is not supported (only \"rms_norm\")",
-                self.qk_norm
-            );
-        }
-        if self.activation_fn != "swiglu" {
-            candle_core::bail!(
-                "transformer config: activation_fn {:?} is not supported (only \"swiglu\")",
-                self.activation_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("qk_norm", &self.qk_norm),
+            &["rms_norm"],
+        )?;
+        crate::models::config_checks::one_of(
+            "transformer config",
+            ("activation_fn", &self.activation_fn),
+            &["swiglu"],
+        )?;
         Ok(())
     }
 }

@@ -174,12 +174,11 @@ impl MochiVaeConfig {
         if !(self.scaling_factor.is_finite() && self.scaling_factor != 0.0) {
             candle_core::bail!("vae config: scaling_factor must be a non-zero number");
         }
-        if !matches!(self.act_fn.as_str(), "silu" | "swish") {
-            candle_core::bail!(
-                "vae config: act_fn {:?} is not supported (only \"silu\")",
-                self.act_fn
-            );
-        }
+        crate::models::config_checks::one_of(
+            "vae config",
+            ("act_fn", &self.act_fn),
+            &["silu", "swish"],
+        )?;
         Ok(())
     }
 }
