@@ -32,7 +32,11 @@ mod tests {
 
     /// The message alone (candle appends a backtrace where RUST_BACKTRACE asks for one).
     fn message(err: candle_core::Error) -> String {
-        err.to_string().lines().next().unwrap_or_default().to_string()
+        err.to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()
     }
 
     #[test]
