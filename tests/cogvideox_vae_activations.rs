@@ -6,7 +6,6 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 
 const FIXTURE: &str = "cogvideox-tiny-a";
@@ -26,29 +25,12 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
     .unwrap();
     let s = cfg.scale_factor_spatial();
     let latent_frames = (frames - 1) / cfg.scale_factor_temporal() + 1;
-    let z = Tensor::randn(
-        0f32,
-        1.,
-        (1, cfg.latent_channels, latent_frames, height / s, width / s),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let before = common::heap::start();
-    let video = vae.decode(&z).unwrap();
-    let peak = common::heap::peak_above(before);
+    let shape = [1, cfg.latent_channels, latent_frames, height / s, width / s];
+    let (video, peak) = common::heap::decode_peak(&shape, |z| vae.decode(z));
     assert_eq!(video.dims()[3..], [height, width]);
     // The CPU's own convolution adds an im2col scratch (a GPU convolves through cuDNN without
     // one): one output frame of the widest full-resolution conv, its input's 3x3 taps.
     let upsampled = cfg.block_out_channels[1];
     let scratch = upsampled * 9 * height * width * 4;
-    eprintln!(
-        "decode peak {:.2} MB, planned {:.2} MB + {:.2} MB CPU im2col scratch",
-        peak as f64 / 1e6,
-        planned as f64 / 1e6,
-        scratch as f64 / 1e6
-    );
-    assert!(
-        peak <= planned + scratch,
-        "the decode held {peak} bytes, the plan predicts {planned} + {scratch}"
-    );
+    common::heap::assert_within_plan(peak, planned, scratch);
 }

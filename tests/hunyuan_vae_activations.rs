@@ -6,7 +6,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 use vidgen::models::hunyuan_video::vae::{
     AutoencoderKLHunyuanVideo, HunyuanVideoVaeConfig, MIN_RUNS,
 };
@@ -28,22 +28,14 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
     )
     .unwrap();
     let s = cfg.spatial_compression_ratio;
-    let z = Tensor::randn(
-        0f32,
-        1.,
-        (
-            1,
-            cfg.latent_channels,
-            vae.num_latent_frames(frames),
-            height / s,
-            width / s,
-        ),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let before = common::heap::start();
-    let video = vae.decode(&z).unwrap();
-    let peak = common::heap::peak_above(before);
+    let shape = [
+        1,
+        cfg.latent_channels,
+        vae.num_latent_frames(frames),
+        height / s,
+        width / s,
+    ];
+    let (video, peak) = common::heap::decode_peak(&shape, |z| vae.decode(z));
     assert_eq!(video.dims(), [1, 3, frames, height, width]);
     assert_eq!(video.dtype(), DType::F32);
     // The CPU's own convolution adds an im2col scratch (a GPU convolves through cuDNN without
@@ -51,11 +43,5 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
     let (upsampled, _) = cfg.full_resolution_channels();
     let run_frames = frames.div_ceil(MIN_RUNS);
     let scratch = run_frames * height * width * upsampled * 9 * 4;
-    eprintln!(
-        "decode peak {:.2} MB, planned {:.2} MB + {:.2} MB CPU im2col scratch",
-        peak as f64 / 1e6,
-        planned as f64 / 1e6,
-        scratch as f64 / 1e6,
-    );
-    assert!(peak <= planned + scratch, "{peak} > {planned} + {scratch}");
+    common::heap::assert_within_plan(peak, planned, scratch);
 }

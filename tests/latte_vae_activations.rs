@@ -6,7 +6,6 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
 use vidgen::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use vidgen::models::latte::decode_latents;
 
@@ -26,29 +25,12 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
     )
     .unwrap();
     let s = cfg.scale_factor();
-    let z = Tensor::randn(
-        0f32,
-        1.,
-        (1, cfg.latent_channels, frames, height / s, width / s),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let before = common::heap::start();
-    let video = decode_latents(&vae, &z).unwrap();
-    let peak = common::heap::peak_above(before);
+    let shape = [1, cfg.latent_channels, frames, height / s, width / s];
+    let (video, peak) = common::heap::decode_peak(&shape, |z| decode_latents(&vae, z));
     assert_eq!(video.dims(), [1, cfg.out_channels, frames, height, width]);
     // The CPU's own convolution adds an im2col scratch (a GPU convolves through cuDNN without
     // one): the widest full-resolution conv's input taps, for every frame of the chunk.
     let upsampled = cfg.block_out_channels[1];
     let scratch = frames * upsampled * 9 * height * width * 4;
-    eprintln!(
-        "decode peak {:.2} MB, planned {:.2} MB + {:.2} MB CPU im2col scratch",
-        peak as f64 / 1e6,
-        planned as f64 / 1e6,
-        scratch as f64 / 1e6
-    );
-    assert!(
-        peak <= planned + scratch,
-        "the decode held {peak} bytes, the plan predicts {planned} + {scratch}"
-    );
+    common::heap::assert_within_plan(peak, planned, scratch);
 }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 use vidgen::models::autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig};
 use vidgen::models::latte::{activations, decode_latents, DECODE_CHUNK_FRAMES};
 
@@ -36,10 +36,7 @@ fn one_tiled_decode_allocates_no_more_than_the_plan_predicts() {
     .unwrap()
     .with_tiling(Some(cfg.tiling()))
     .unwrap();
-    let z = Tensor::randn(0f32, 1., latent.to_vec(), &Device::Cpu).unwrap();
-    let before = common::heap::start();
-    let video = decode_latents(&vae, &z).unwrap();
-    let peak = common::heap::peak_above(before);
+    let (video, peak) = common::heap::decode_peak(&latent, |z| decode_latents(&vae, z));
     assert_eq!(video.dims(), [1, cfg.out_channels, frames, height, width]);
     // The CPU's own convolution adds an im2col scratch (a GPU convolves through cuDNN without
     // one): the widest full-resolution conv's input taps over one tile.

@@ -29,39 +29,22 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
         cfg.spatial_compression_ratio(),
         cfg.temporal_compression_ratio(),
     );
-    let z = Tensor::randn(
-        0f32,
-        1.,
-        (
-            1,
-            cfg.latent_channels,
-            (frames - 1) / rt + 1,
-            height / rs,
-            width / rs,
-        ),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let shape = [
+        1,
+        cfg.latent_channels,
+        (frames - 1) / rt + 1,
+        height / rs,
+        width / rs,
+    ];
     let timestep = Tensor::new(&[0.05f32], &Device::Cpu).unwrap();
-    let before = common::heap::start();
-    let video = vae
-        .decode(&z, Some(&timestep), &mut TorchGenerator::new(7))
-        .unwrap();
-    let peak = common::heap::peak_above(before);
+    let (video, peak) = common::heap::decode_peak(&shape, |z| {
+        vae.decode(z, Some(&timestep), &mut TorchGenerator::new(7))
+    });
     assert_eq!(video.dims()[2..], [frames, height, width]);
     // The CPU's own convolution adds an im2col scratch (a GPU convolves through cuDNN without
     // one): every output frame of the widest conv at the decoder's last level, its input's 3x3
     // taps (the frames of one call).
     let last = cfg.decoder_block_out_channels[0];
     let scratch = last * 9 * frames * (height / cfg.patch_size) * (width / cfg.patch_size) * 4;
-    eprintln!(
-        "decode peak {:.2} MB, planned {:.2} MB + {:.2} MB CPU im2col scratch",
-        peak as f64 / 1e6,
-        planned as f64 / 1e6,
-        scratch as f64 / 1e6
-    );
-    assert!(
-        peak <= planned + scratch,
-        "the decode held {peak} bytes, the plan predicts {planned} + {scratch}"
-    );
+    common::heap::assert_within_plan(peak, planned, scratch);
 }

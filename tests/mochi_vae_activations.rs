@@ -6,7 +6,6 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
 use vidgen::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
 
 const FIXTURE: &str = "mochi-tiny-a";
@@ -26,24 +25,8 @@ fn one_decode_allocates_no_more_than_the_plan_predicts() {
     .unwrap();
     let s = cfg.spatial_compression_ratio();
     let latent_frames = (frames - 1) / cfg.temporal_compression_ratio() + 1;
-    let z = Tensor::randn(
-        0f32,
-        1.,
-        (1, cfg.latent_channels, latent_frames, height / s, width / s),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let before = common::heap::start();
-    let video = vae.decode(&z).unwrap();
-    let peak = common::heap::peak_above(before);
+    let shape = [1, cfg.latent_channels, latent_frames, height / s, width / s];
+    let (video, peak) = common::heap::decode_peak(&shape, |z| vae.decode(z));
     assert_eq!(video.dims()[2..], [frames, height, width]);
-    eprintln!(
-        "decode peak {:.2} MB, planned {:.2} MB",
-        peak as f64 / 1e6,
-        planned as f64 / 1e6
-    );
-    assert!(
-        peak <= planned,
-        "the decode held {peak} bytes, the plan predicts {planned}"
-    );
+    common::heap::assert_within_plan(peak, planned, 0);
 }

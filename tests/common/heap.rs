@@ -43,6 +43,33 @@ pub fn peak_above(before: usize) -> usize {
     PEAK.load(Ordering::Relaxed) - before
 }
 
+/// Decodes random latents of `shape` with `decode`, counting every allocation: the video and
+/// the most bytes held during the decode above what was held before it.
+pub fn decode_peak(
+    shape: &[usize],
+    decode: impl FnOnce(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+) -> (candle_core::Tensor, usize) {
+    let z = candle_core::Tensor::randn(0f32, 1., shape, &candle_core::Device::Cpu).unwrap();
+    let before = start();
+    let video = decode(&z).unwrap();
+    (video, peak_above(before))
+}
+
+/// Asserts that a decode's `peak` is within the plan's `planned` bytes plus the CPU
+/// convolution's own im2col `scratch` (a GPU convolves through cuDNN without one).
+pub fn assert_within_plan(peak: usize, planned: usize, scratch: usize) {
+    eprintln!(
+        "decode peak {:.2} MB, planned {:.2} MB + {:.2} MB CPU im2col scratch",
+        peak as f64 / 1e6,
+        planned as f64 / 1e6,
+        scratch as f64 / 1e6
+    );
+    assert!(
+        peak <= planned + scratch,
+        "the decode held {peak} bytes, the plan predicts {planned} + {scratch}"
+    );
+}
+
 /// The dry run's JSON plan (on the CPU, in f32) for the model in `dir` at `height` x `width` x `frames`.
 pub fn plan(dir: &Path, (height, width, frames): (usize, usize, usize)) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
