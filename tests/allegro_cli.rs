@@ -88,14 +88,7 @@ fn args(guidance: &str, extra: &[&str]) -> Vec<String> {
 fn check_run(run: &str, guidance: &str) {
     let dir = scratch_dir("allegro", run);
     let frames = generate_frames(&args(guidance, &[]), &draws_file(&dir, run), &dir).unwrap();
-    let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
-        .squeeze(0)
-        .unwrap();
-    eprintln!(
-        "{run}.frames: max |diff| {:.3e}",
-        max_abs_diff(&frames, &expected)
-    );
-    assert_close(&format!("{run}.frames"), &frames, &expected, 1e-4, 1e-4);
+    common::assert_reference_run(FIXTURE, run, &frames, (1e-4, 1e-4));
 }
 
 #[test]

@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference};
+use common::{named_fixture_dir, named_reference};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -92,14 +92,7 @@ fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
 fn check_run(run: &str) {
     let dir = scratch(run);
     let (frames, _) = generate(&dir, run, &[]);
-    let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
-        .squeeze(0)
-        .unwrap();
-    eprintln!(
-        "{run}.frames: max |diff| {:.3e}",
-        max_abs_diff(&frames, &expected)
-    );
-    assert_close(&format!("{run}.frames"), &frames, &expected, 1e-4, 1e-4);
+    common::assert_reference_run(FIXTURE, run, &frames, (1e-4, 1e-4));
 }
 
 #[test]

@@ -95,13 +95,7 @@ fn generate(dir: &Path, name: &str, true_cfg_scale: f64, extra: &[&str]) -> (Ten
 fn check_run(tag: &str, true_cfg_scale: f64) {
     let dir = scratch(tag);
     let (frames, _) = generate(&dir, tag, true_cfg_scale, &[]);
-    let r = common::named_reference(FIXTURE, "pipeline");
-    let want = r[&format!("{tag}.frames")].squeeze(0).unwrap();
-    eprintln!(
-        "{tag}.frames: max |diff| {:.3e}",
-        common::max_abs_diff(&frames, &want)
-    );
-    common::assert_close(&format!("{tag}.frames"), &frames, &want, ATOL, RTOL);
+    common::assert_reference_run(FIXTURE, tag, &frames, (ATOL, RTOL));
     std::fs::remove_dir_all(&dir).ok();
 }
 

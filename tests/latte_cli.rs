@@ -7,8 +7,7 @@ mod common;
 
 use candle_core::Tensor;
 use common::{
-    assert_close, generate_frames, max_abs_diff, named_fixture_dir, named_reference, run_vidgen,
-    scratch_dir,
+    generate_frames, max_abs_diff, named_fixture_dir, named_reference, run_vidgen, scratch_dir,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -69,14 +68,7 @@ fn args(guidance: &str, extra: &[&str]) -> Vec<String> {
 fn check_run(run: &str, guidance: &str) {
     let dir = scratch_dir("latte", run);
     let frames = generate_frames(&args(guidance, &[]), &draws_file(&dir), &dir).unwrap();
-    let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
-        .squeeze(0)
-        .unwrap();
-    eprintln!(
-        "{run}.frames: max |diff| {:.3e}",
-        max_abs_diff(&frames, &expected)
-    );
-    assert_close(&format!("{run}.frames"), &frames, &expected, 1e-4, 1e-4);
+    common::assert_reference_run(FIXTURE, run, &frames, (1e-4, 1e-4));
 }
 
 #[test]

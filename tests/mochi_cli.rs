@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{assert_close, max_abs_diff, named_fixture_dir, named_reference, usage_error};
+use common::{named_fixture_dir, named_reference, usage_error};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -82,14 +82,7 @@ fn generate(dir: &Path, guidance: &str, frames: &str, extra: &[&str]) -> (Tensor
 fn check_run(run: &str, guidance: &str, frames: &str) -> String {
     let dir = scratch(&format!("{run}-{frames}"));
     let (written, log) = generate(&dir, guidance, frames, &[]);
-    let expected = named_reference(FIXTURE, "pipeline")[&format!("{run}.frames")]
-        .squeeze(0)
-        .unwrap();
-    eprintln!(
-        "{run}.frames ({frames} asked): max |diff| {:.3e}",
-        max_abs_diff(&written, &expected)
-    );
-    assert_close(&format!("{run}.frames"), &written, &expected, 1e-4, 1e-4);
+    common::assert_reference_run(FIXTURE, run, &written, (1e-4, 1e-4));
     log
 }
 

@@ -112,6 +112,17 @@ pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, atol: f64, r
     );
 }
 
+/// Asserts that `frames` a run wrote match the fixture's pipeline reference `{run}.frames`
+/// within `atol + rtol·|ref|`, printing the largest difference.
+pub fn assert_reference_run(fixture: &str, run: &str, frames: &Tensor, (atol, rtol): (f64, f64)) {
+    let name = format!("{run}.frames");
+    let expected = named_reference(fixture, "pipeline")[&name]
+        .squeeze(0)
+        .unwrap();
+    eprintln!("{name}: max |diff| {:.3e}", max_abs_diff(frames, &expected));
+    assert_close(&name, frames, &expected, atol, rtol);
+}
+
 /// Asserts that a run failed as bad input (exit 2) with one line on stderr, and returns that
 /// line; `what` names the case in the failure message.
 pub fn usage_error(out: &std::process::Output, what: &str) -> String {
