@@ -556,7 +556,7 @@ impl CustomOp2 for Conv3d {
         "cudnn-conv3d"
     }
 
-    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
+    crate::models::kernel_module::cuda_only_cpu_fwd!(a a_layout, b b_layout);
 
     fn cuda_fwd(
         &self,

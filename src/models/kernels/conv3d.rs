@@ -780,7 +780,7 @@ impl CustomOp2 for Conv3d {
         "vidgen-conv3d"
     }
 
-    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
+    crate::models::kernel_module::cuda_only_cpu_fwd!(a a_layout, b b_layout);
 
     fn cuda_fwd(
         &self,
@@ -927,7 +927,7 @@ impl CustomOp2 for Conv3dCl {
         "vidgen-conv3d-channels-last"
     }
 
-    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
+    crate::models::kernel_module::cuda_only_cpu_fwd!(a a_layout, b b_layout);
 
     fn cuda_fwd(
         &self,

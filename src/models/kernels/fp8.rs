@@ -324,7 +324,7 @@ impl CustomOp2 for Fp8Product {
         "fp8-product"
     }
 
-    crate::models::kernel_module::cuda_only_cpu_fwd!(2);
+    crate::models::kernel_module::cuda_only_cpu_fwd!(a a_layout, b b_layout);
 
     fn cuda_fwd(
         &self,

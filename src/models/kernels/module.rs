@@ -112,30 +112,15 @@ macro_rules! kernel_module {
 }
 pub(crate) use kernel_module;
 
-/// The `cpu_fwd` of a candle custom op over 2 or 3 operands that exists on CUDA alone: an error
-/// naming the op.
+/// The `cpu_fwd` of a candle custom op that exists on CUDA alone, its operands named as
+/// `storage layout` pairs: an error naming the op.
 macro_rules! cuda_only_cpu_fwd {
-    (2) => {
+    ($($storage:ident $layout:ident),+) => {
         fn cpu_fwd(
             &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
+            $($storage: &candle_core::CpuStorage, $layout: &candle_core::Layout),+
         ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            candle_core::bail!("{} runs on CUDA only", self.name())
-        }
-    };
-    (3) => {
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            let _ = ($($storage, $layout),+);
             candle_core::bail!("{} runs on CUDA only", self.name())
         }
     };

@@ -286,7 +286,7 @@ impl CustomOp3 for SageAttn {
         "sage-attn"
     }
 
-    crate::models::kernel_module::cuda_only_cpu_fwd!(3);
+    crate::models::kernel_module::cuda_only_cpu_fwd!(a a_layout, b b_layout, c c_layout);
 
     fn cuda_fwd(
         &self,
