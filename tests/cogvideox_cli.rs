@@ -5,7 +5,7 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use common::{named_fixture_dir, named_reference};
 use serde_json::json;
 use std::collections::HashMap;
@@ -46,8 +46,7 @@ fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
     let draws = draws_file(dir, run);
     let model = named_fixture_dir(FIXTURE);
     let guidance = run.trim_start_matches("cfg");
-    let mut args = vec![
-        "generate",
+    let args: Vec<String> = [
         "--model",
         model.to_str().unwrap(),
         "--prompt",
@@ -66,27 +65,12 @@ fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
         guidance,
         "--max-sequence-length",
         "16",
-        "--latents",
-        draws.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--dtype",
-        "f32",
-        "--output-type",
-        "safetensors",
-        "--output-path",
-        dir.to_str().unwrap(),
-        "--output-video-name",
-        "v",
-    ];
-    args.extend_from_slice(extra);
-    let out = common::vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "vidgen failed: {stderr}");
-    let written = dir.join("v.safetensors");
-    let frames = candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone();
-    std::fs::remove_file(&written).unwrap();
-    (frames, stderr)
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect();
+    common::generate_frames_logged(&args, &draws, dir)
 }
 
 fn check_run(run: &str) {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use common::{named_fixture_dir, named_reference, usage_error};
 use serde_json::json;
 use std::collections::HashMap;
@@ -35,8 +35,7 @@ fn draws_file(dir: &Path) -> PathBuf {
 fn generate(dir: &Path, guidance: &str, frames: &str, extra: &[&str]) -> (Tensor, String) {
     let draws = draws_file(dir);
     let model = named_fixture_dir(FIXTURE);
-    let mut args = vec![
-        "generate",
+    let args: Vec<String> = [
         "--model",
         model.to_str().unwrap(),
         "--prompt",
@@ -55,27 +54,12 @@ fn generate(dir: &Path, guidance: &str, frames: &str, extra: &[&str]) -> (Tensor
         guidance,
         "--max-sequence-length",
         "16",
-        "--latents",
-        draws.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--dtype",
-        "f32",
-        "--output-type",
-        "safetensors",
-        "--output-path",
-        dir.to_str().unwrap(),
-        "--output-video-name",
-        "v",
-    ];
-    args.extend_from_slice(extra);
-    let out = common::vidgen(&args);
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "vidgen failed: {stderr}");
-    let written = dir.join("v.safetensors");
-    let frames = candle_core::safetensors::load(&written, &Device::Cpu).unwrap()["frames"].clone();
-    std::fs::remove_file(&written).unwrap();
-    (frames, stderr)
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect();
+    common::generate_frames_logged(&args, &draws, dir)
 }
 
 /// The reference run `run` with `frames` frames asked; stderr.

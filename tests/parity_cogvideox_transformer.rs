@@ -16,25 +16,11 @@ const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
 
 fn config() -> CogVideoXTransformerConfig {
-    let path = common::named_fixture_dir(FIXTURE).join("transformer/config.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    common::config_in(FIXTURE, "transformer/config.json")
 }
 
 fn var_builder() -> VarBuilder<'static> {
-    let path =
-        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
-    unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
-}
-
-/// `[seq, D/2]` pair table -> diffusers' repeat-interleaved `[seq, D]` layout.
-fn interleave(t: &Tensor) -> Tensor {
-    let (seq, half) = t.dims2().unwrap();
-    t.unsqueeze(2)
-        .unwrap()
-        .broadcast_as((seq, half, 2))
-        .unwrap()
-        .reshape((seq, 2 * half))
-        .unwrap()
+    common::var_builder_in(FIXTURE, "transformer/diffusion_pytorch_model.safetensors")
 }
 
 fn check(what: &str, actual: &Tensor, expected: &Tensor) {
@@ -117,8 +103,16 @@ fn intermediates_match_diffusers() {
         .prepare(&r["hidden_states"], t, &r["encoder_hidden_states"])
         .unwrap();
 
-    check("rope_cos", &interleave(&inputs.rope_cos), &r["rope_cos"]);
-    check("rope_sin", &interleave(&inputs.rope_sin), &r["rope_sin"]);
+    check(
+        "rope_cos",
+        &common::interleave_pairs(&inputs.rope_cos),
+        &r["rope_cos"],
+    );
+    check(
+        "rope_sin",
+        &common::interleave_pairs(&inputs.rope_sin),
+        &r["rope_sin"],
+    );
     let (cos, _) = rotary_embedding(&cfg, inputs.grid, &Device::Cpu).unwrap();
     assert_eq!(cos.dims(), inputs.rope_cos.dims());
     check(

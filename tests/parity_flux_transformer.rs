@@ -22,17 +22,6 @@ fn model() -> FluxTransformer2DModel {
     FluxTransformer2DModel::new(&config(), vb).unwrap()
 }
 
-/// `[seq, D/2]` pair table -> diffusers' repeat-interleaved `[seq, D]` layout.
-fn interleave(t: &Tensor) -> Tensor {
-    let (seq, half) = t.dims2().unwrap();
-    t.unsqueeze(2)
-        .unwrap()
-        .broadcast_as((seq, half, 2))
-        .unwrap()
-        .reshape((seq, 2 * half))
-        .unwrap()
-}
-
 fn check(what: &str, actual: &Tensor, expected: &Tensor) {
     common::assert_close(what, actual, expected, ATOL, RTOL);
 }
@@ -77,8 +66,16 @@ fn intermediates_match_diffusers() {
     check("img_ids", &ids, &r["img_ids"]);
     let all = Tensor::cat(&[&r["txt_ids"], &r["img_ids"]], 0).unwrap();
     let (cos, sin) = rope_tables(&config().axes_dims_rope, &all, &Device::Cpu).unwrap();
-    check("rope_cos", &interleave(&cos), &r["debug.rope_cos"]);
-    check("rope_sin", &interleave(&sin), &r["debug.rope_sin"]);
+    check(
+        "rope_cos",
+        &common::interleave_pairs(&cos),
+        &r["debug.rope_cos"],
+    );
+    check(
+        "rope_sin",
+        &common::interleave_pairs(&sin),
+        &r["debug.rope_sin"],
+    );
 
     let mut inputs = model
         .prepare(

@@ -49,8 +49,7 @@ fn config() -> LlamaConfig {
 }
 
 fn var_builder() -> VarBuilder<'static> {
-    let path = common::named_fixture_dir(FIXTURE).join("text_encoder/model.safetensors");
-    unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
+    common::var_builder_in(FIXTURE, "text_encoder/model.safetensors")
 }
 
 fn check(what: &str, actual: &Tensor, expected: &Tensor) {

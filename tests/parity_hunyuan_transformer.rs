@@ -16,14 +16,11 @@ const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
 
 fn config() -> HunyuanVideoTransformerConfig {
-    let path = common::named_fixture_dir(FIXTURE).join("transformer/config.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    common::config_in(FIXTURE, "transformer/config.json")
 }
 
 fn var_builder() -> VarBuilder<'static> {
-    let path =
-        common::named_fixture_dir(FIXTURE).join("transformer/diffusion_pytorch_model.safetensors");
-    unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &Device::Cpu).unwrap() }
+    common::var_builder_in(FIXTURE, "transformer/diffusion_pytorch_model.safetensors")
 }
 
 fn check(what: &str, actual: &Tensor, expected: &Tensor) {
@@ -32,17 +29,6 @@ fn check(what: &str, actual: &Tensor, expected: &Tensor) {
         common::max_abs_diff(actual, expected)
     );
     common::assert_close(what, actual, expected, ATOL, RTOL);
-}
-
-/// `[seq, D/2]` pair table -> diffusers' repeat-interleaved `[seq, D]`.
-fn interleave(t: &Tensor) -> Tensor {
-    let (seq, half) = t.dims2().unwrap();
-    t.unsqueeze(2)
-        .unwrap()
-        .broadcast_as((seq, half, 2))
-        .unwrap()
-        .reshape((seq, 2 * half))
-        .unwrap()
 }
 
 #[test]
@@ -94,12 +80,12 @@ fn intermediates_match_diffusers() {
         .unwrap();
     check(
         "rope_cos",
-        &interleave(&inputs.rope_cos),
+        &common::interleave_pairs(&inputs.rope_cos),
         &r["debug.rope_cos"],
     );
     check(
         "rope_sin",
-        &interleave(&inputs.rope_sin),
+        &common::interleave_pairs(&inputs.rope_sin),
         &r["debug.rope_sin"],
     );
     check("temb", inputs.temb.as_ref().unwrap(), &r["debug.temb"]);

@@ -14,8 +14,7 @@ const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
 
 fn config() -> HunyuanVideoVaeConfig {
-    let path = common::named_fixture_dir(FIXTURE).join("vae/config.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    common::config_in(FIXTURE, "vae/config.json")
 }
 
 fn vae() -> AutoencoderKLHunyuanVideo {

@@ -44,14 +44,12 @@ fn transformer(fixture: &str, folder: &str) -> (WanTransformerConfig, WanTransfo
     (cfg, model)
 }
 
-/// `[seq, D/2]` pair table -> diffusers' `[1, seq, 1, D]` repeat-interleaved layout.
+/// A `[seq, D/2]` pair table in diffusers' `[1, seq, 1, D]` repeat-interleaved layout.
 fn interleave(t: &Tensor) -> Tensor {
-    let (seq, half) = t.dims2().unwrap();
-    t.unsqueeze(2)
+    common::interleave_pairs(t)
+        .unsqueeze(0)
         .unwrap()
-        .broadcast_as((seq, half, 2))
-        .unwrap()
-        .reshape((1, seq, 1, 2 * half))
+        .unsqueeze(2)
         .unwrap()
 }
 

@@ -426,6 +426,17 @@ pub fn planned_denoise_activations(fixture: &str, extra: &[&str]) -> u64 {
     stage["memory"]["activation_bytes"].as_u64().unwrap()
 }
 
+/// A `[seq, D/2]` RoPE pair table in diffusers' repeat-interleaved `[seq, D]` layout.
+pub fn interleave_pairs(t: &Tensor) -> Tensor {
+    let (seq, half) = t.dims2().unwrap();
+    t.unsqueeze(2)
+        .unwrap()
+        .broadcast_as((seq, half, 2))
+        .unwrap()
+        .reshape((seq, 2 * half))
+        .unwrap()
+}
+
 /// ‖a − b‖ / ‖b‖ over all elements, in f32.
 pub fn relative_l2(a: &Tensor, b: &Tensor) -> f32 {
     let f = |t: &Tensor| {
