@@ -1,10 +1,14 @@
 # The device calls planned in session 40 (2026-12-05), which was lent no device: run them when one is
-# lent, one H200, from the repository root carrying .device (stripped, xz'd CUDA builds of HEAD: vidgen,
-# vidgen-lib-tests, linear_bench, vae_decode; wan2.1-configs.json) and .whl (diffusers 0.42.1's wheel):
+# lent, one H200, from the repository root:
 #   bash bench/results/session40/calls.sh N
-# 1: session 39's untested store patch (bench/results/session39/untested-store-column-pairs.patch), built
-#    into .device/patched/ (vidgen-lib-tests, vae_decode): its CUDA test, then the causal-conv decodes of
-#    HEAD and of the patch in one call, CogVideoX-5b beside diffusers, with the kernel profile.
+# Carried: .whl (diffusers 0.42.1's wheel) and, for call 1, DEV=.device-call1 (HEAD's and the patch's
+# vae_decode, the patch's library CUDA tests), for calls 2-5 .device (vidgen, linear_bench,
+# wan2.1-configs.json). Session 40 built both folders from d7e97d2's src (stripped, xz'd; rebuild them if
+# src changed since), e.g. run(carry: [".device-call1", ".whl"], command: "DEV=.device-call1 bash
+# bench/results/session40/calls.sh 1").
+# 1: session 39's untested store patch (bench/results/session39/untested-store-column-pairs.patch): its
+#    CUDA test, then the causal-conv decodes of HEAD and of the patch in one call, CogVideoX-5b beside
+#    diffusers, with the kernel profile.
 # 2: the Linear bench with the GPU's SM clock and power sampled beside it (is the block loop's 2.85 ms over
 #    the per-shape sum the clock dropping under a longer sustained load?), then the streamed LoRA load
 #    again (issue 35: +11% against +10% in session 27), a warm-up run first, bf16 and LoRA rows interleaved.
@@ -12,9 +16,10 @@
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
 B=/tmp/b; mkdir -p $B/patched
+DEV=${DEV:-.device}
 for x in vidgen vidgen-lib-tests linear_bench vae_decode; do
-  [ -f .device/$x.xz ] && xz -dc .device/$x.xz > $B/$x && chmod +x $B/$x
-  [ -f .device/patched/$x.xz ] && xz -dc .device/patched/$x.xz > $B/patched/$x && chmod +x $B/patched/$x
+  [ -f $DEV/$x.xz ] && xz -dc $DEV/$x.xz > $B/$x && chmod +x $B/$x
+  [ -f $DEV/patched/$x.xz ] && xz -dc $DEV/patched/$x.xz > $B/patched/$x && chmod +x $B/patched/$x
 done
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
