@@ -162,19 +162,7 @@ fn offload_modes_are_bit_identical_to_resident() {
 
 /// `--dry-run --json` of `model` with `extra` flags.
 fn dry_run(model: &str, extra: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_vidgen"))
-        .args(["generate", "--dry-run", "--json", "--device", "cpu"])
-        .args(["--model", model])
-        .args(extra)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::dry_run_plan(model, &[&["--device", "cpu"][..], extra].concat())
 }
 
 fn check_plan(plan: &serde_json::Value) {

@@ -106,12 +106,7 @@ fn t2va(
         video = video_schedule.step(i, &v, &video).unwrap();
         audio = audio_schedule.step(i, &a, &audio).unwrap();
     }
-    let [pt, ph, pw] = tr_cfg.patch_size;
-    let grid = [
-        geometry.num_latent_frames / pt,
-        geometry.latent_height / ph,
-        geometry.latent_width / pw,
-    ];
+    let grid = geometry.token_grid(tr_cfg.patch_size);
     let final_latents = unpatchify(&video, grid, tr_cfg.patch_size).unwrap();
 
     // 4. Decode video and audio.

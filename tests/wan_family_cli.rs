@@ -173,15 +173,7 @@ fn wan22_a14b_frames_match_diffusers() {
 /// discrete GPU, run on the CPU), for each model of the family.
 #[test]
 fn every_offload_mode_equals_resident_bit_for_bit() {
-    let resident_only = [
-        "--memory-model",
-        "discrete",
-        "--no-dit-layerwise-offload",
-        "--no-dit-cpu-offload",
-        "--no-text-encoder-cpu-offload",
-        "--no-image-encoder-cpu-offload",
-        "--no-vae-cpu-offload",
-    ];
+    let resident_only = [common::RESIDENT, &["--no-image-encoder-cpu-offload"]].concat();
     let modes: [&[&str]; 6] = [
         &[],
         &["--dit-layerwise-offload", "--offload-type", "leaf-level"],

@@ -9,6 +9,27 @@ pub fn positive(what: &str, sizes: &[(&str, usize)]) -> candle_core::Result<()> 
     }
 }
 
+/// The largest size a config may give (a width, a count of layers or heads): far above any
+/// published model, and low enough that the sizes derived from it (parameter counts, bytes)
+/// cannot overflow where they are multiplied.
+pub const MAX_CONFIG_SIZE: usize = 1 << 16;
+
+/// Checks that each named size of a config is positive and at most [`MAX_CONFIG_SIZE`], naming
+/// the first key that is not.
+pub fn bounded_sizes(sizes: &[(&str, usize)]) -> candle_core::Result<()> {
+    for &(key, value) in sizes {
+        if value == 0 {
+            candle_core::bail!("`{key}` is 0: it must be positive");
+        }
+        if value > MAX_CONFIG_SIZE {
+            candle_core::bail!(
+                "`{key}` is {value}: larger than any model (at most {MAX_CONFIG_SIZE})"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// An error where `value` of `key` is none of `supported`:
 /// `"{what}: {key} {value:?} is not supported (only \"a\" or \"b\")"`.
 pub fn one_of(

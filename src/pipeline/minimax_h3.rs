@@ -155,10 +155,7 @@ impl MiniMaxH3Configs {
 
     /// Video rows of the packed sequence.
     fn video_rows(&self, g: &T2vaGeometry) -> usize {
-        let [pt, ph, pw] = self.transformer.patch_size;
-        (g.num_latent_frames / pt.max(1))
-            * (g.latent_height / ph.max(1))
-            * (g.latent_width / pw.max(1))
+        g.token_grid(self.transformer.patch_size).iter().product()
     }
 
     /// Waveform samples per channel of a geometry's audio.
@@ -589,13 +586,7 @@ impl MiniMaxH3 {
             Ok(video.clone())
         })?;
         denoise.finish(job)?;
-        let [pt, ph, pw] = cfg.patch_size;
-        let grid = [
-            g.num_latent_frames / pt,
-            g.latent_height / ph,
-            g.latent_width / pw,
-        ];
-        let latents = unpatchify(&video, grid, cfg.patch_size)?;
+        let latents = unpatchify(&video, g.token_grid(cfg.patch_size), cfg.patch_size)?;
         job.latents = Some(latents.to_device(&Device::Cpu)?);
         carried.audio_latents = Some(audio.to_device(&Device::Cpu)?);
         job.carry.put(carried);

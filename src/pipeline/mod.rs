@@ -159,10 +159,7 @@ pub fn run(config: ResolvedConfig) -> Result<ExitCode> {
             }
         };
         if let Ok((family, _)) = &found {
-            check_sizes(family.as_ref(), &prompts)?;
-            check_steps(&config, &prompts)?;
-            check_latents(&config, family.as_ref(), &prompts)?;
-            check_images(&config, family.as_ref(), &prompts)?;
+            check_jobs(&config, family.as_ref(), &prompts)?;
         }
         // What the device changed, once the sizes are known to be good (an error is one line).
         progress.overrides(config.overrides());
@@ -390,10 +387,7 @@ pub fn run_joined(
         .any(|j| j.image.is_some() && j.image != config.generation().image);
     let config = config.with_line_images(line_images);
     if let Ok(family) = &family {
-        check_sizes(family.as_ref(), &jobs)?;
-        check_steps(&config, &jobs)?;
-        check_latents(&config, family.as_ref(), &jobs)?;
-        check_images(&config, family.as_ref(), &jobs)?;
+        check_jobs(&config, family.as_ref(), &jobs)?;
     }
     check_output_folder(&config.output().folder)?;
     // What the device changed and the seed drawn, once the prompts are known to be good (an
@@ -439,6 +433,19 @@ pub fn run_joined(
         let _ = std::fs::remove_dir_all(dir);
     }
     result.map(|()| code)
+}
+
+/// Every check of the prompts a run makes before anything loads (a dry run makes them too):
+/// their sizes, steps, draws file and images.
+fn check_jobs(
+    config: &ResolvedConfig,
+    family: &dyn Family,
+    jobs: &[Job],
+) -> Result<(), UsageError> {
+    check_sizes(family, jobs)?;
+    check_steps(config, jobs)?;
+    check_latents(config, family, jobs)?;
+    check_images(config, family, jobs)
 }
 
 /// Checks before anything loads that every prompt has an image if the model needs one, and

@@ -149,11 +149,17 @@ pub fn generate_frames_logged(
     draws: &std::path::Path,
     dir: &std::path::Path,
 ) -> (Tensor, String) {
-    let mut args = args.to_vec();
-    args.extend(["--latents".to_string(), draws.to_str().unwrap().to_string()]);
+    let args = with_draws(args, draws);
     let (written, log) =
         generate_logged(&args, dir).unwrap_or_else(|stderr| panic!("{args:?}: {stderr}"));
     (written["frames"].clone(), log)
+}
+
+/// `args` with `--latents DRAWS`.
+fn with_draws(args: &[String], draws: &std::path::Path) -> Vec<String> {
+    let mut args = args.to_vec();
+    args.extend(["--latents".to_string(), draws.to_str().unwrap().to_string()]);
+    args
 }
 
 /// [`generate_frames`], giving every tensor of the written file.
@@ -162,9 +168,7 @@ pub fn generate_outputs(
     draws: &std::path::Path,
     dir: &std::path::Path,
 ) -> Result<std::collections::HashMap<String, Tensor>, String> {
-    let mut args = args.to_vec();
-    args.extend(["--latents".to_string(), draws.to_str().unwrap().to_string()]);
-    generate_written(&args, dir)
+    generate_written(&with_draws(args, draws), dir)
 }
 
 /// Runs `vidgen generate ARGS` on the CPU in f32, writing safetensors into `dir`: every tensor

@@ -260,6 +260,16 @@ impl T2vaGeometry {
         })
     }
 
+    /// The video's grid of whole `patch`es of its latents (frames, rows, columns).
+    pub fn token_grid(&self, patch: [usize; 3]) -> [usize; 3] {
+        let [pt, ph, pw] = patch.map(|p| p.max(1));
+        [
+            self.num_latent_frames / pt,
+            self.latent_height / ph,
+            self.latent_width / pw,
+        ]
+    }
+
     /// The layout sizes for a prompt of `num_text_tokens` tokens.
     pub fn layout_sizes(&self, num_text_tokens: usize) -> LayoutSizes {
         LayoutSizes {

@@ -11,27 +11,6 @@ pub mod vae;
 #[path = "../kernels/wan_vae_ops.rs"]
 pub(crate) mod vae_ops;
 
-/// The largest size a config may give (a width, a count of layers or heads): far above any
-/// published model, and low enough that the sizes derived from it (parameter counts, bytes)
-/// cannot overflow where they are multiplied.
-pub(crate) const MAX_CONFIG_SIZE: usize = 1 << 16;
-
-/// Checks that each named size of a config is positive and at most [`MAX_CONFIG_SIZE`], naming
-/// the first key that is not.
-pub(crate) fn check_sizes(sizes: &[(&str, usize)]) -> candle_core::Result<()> {
-    for &(key, value) in sizes {
-        if value == 0 {
-            candle_core::bail!("`{key}` is 0: it must be positive");
-        }
-        if value > MAX_CONFIG_SIZE {
-            candle_core::bail!(
-                "`{key}` is {value}: larger than any model (at most {MAX_CONFIG_SIZE})"
-            );
-        }
-    }
-    Ok(())
-}
-
 /// The Wan family's component configs and the models whose published configs vidgen ships.
 pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::ModelFolder {
     configs: crate::config_checks![

@@ -195,7 +195,7 @@ impl WanTransformerConfig {
                 self.patch_size
             );
         }
-        super::check_sizes(&[
+        crate::models::config_checks::bounded_sizes(&[
             ("num_attention_heads", self.num_attention_heads),
             ("attention_head_dim", self.attention_head_dim),
             ("in_channels", self.in_channels),
@@ -207,12 +207,16 @@ impl WanTransformerConfig {
             ("rope_max_seq_len", self.rope_max_seq_len),
         ])?;
         // Heads x head width is the model's width: bounded like every other width.
-        super::check_sizes(&[(
+        crate::models::config_checks::bounded_sizes(&[(
             "num_attention_heads` x `attention_head_dim",
             self.num_attention_heads
                 .saturating_mul(self.attention_head_dim),
         )])?;
-        if self.patch_size.iter().any(|&p| p > super::MAX_CONFIG_SIZE) {
+        if self
+            .patch_size
+            .iter()
+            .any(|&p| p > crate::models::config_checks::MAX_CONFIG_SIZE)
+        {
             candle_core::bail!(
                 "`patch_size` {:?} is larger than any model",
                 self.patch_size

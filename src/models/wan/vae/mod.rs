@@ -166,7 +166,7 @@ impl WanVaeConfig {
         }
         // The widest stage is a base width times the largest multiplier.
         let widest = self.dim_mult.iter().copied().max().unwrap_or(1);
-        super::check_sizes(&[
+        crate::models::config_checks::bounded_sizes(&[
             ("base_dim", self.base_dim),
             (
                 "decoder_base_dim",
