@@ -163,6 +163,75 @@ macro_rules! repeated_blocks {
     };
 }
 
+/// [`Blockwise`] for a DiT whose blocks come in kinds, each kind its own weight list and its own
+/// steps (FLUX.1's dual- and single-stream blocks; HunyuanVideo's refiner, dual- and
+/// single-stream ones): the model built by `new` and `new_without_blocks(cfg, vb)`; the config
+/// numbers the blocks in execution order (`cfg.num_blocks()`, and `cfg.block_kind(i)`: the kind
+/// and the index within it); block `i` is built from the root by `$block::new(cfg, i, vb)` or,
+/// one step at a time, `$block::with_steps(cfg, i, vb, steps)`; `steps` gives a kind's steps
+/// (every kind listed in `$kind::ALL`); `skip` is [`Blockwise::LAYERWISE_CASTING_SKIP`].
+#[macro_export]
+macro_rules! kinded_blocks {
+    ($model:ty, $config:ty, $block:ty, $kind:ty, skip: $skip:expr,
+     steps: |$cfg:pat_param, $k:pat_param| $steps:expr) => {
+        impl $crate::models::blocks::Blockwise for $model {
+            const LAYERWISE_CASTING_SKIP: &'static [&'static str] = $skip;
+            type Config = $config;
+            type Block = $block;
+            fn whole(cfg: &$config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
+                <$model>::new(cfg, vb)
+            }
+            fn outer(
+                cfg: &$config,
+                vb: candle_nn::VarBuilder,
+                _: candle_nn::VarBuilder,
+            ) -> candle_core::Result<Self> {
+                <$model>::new_without_blocks(cfg, vb)
+            }
+            fn num_blocks(cfg: &$config) -> usize {
+                cfg.num_blocks()
+            }
+            fn block_kind(cfg: &$config, i: usize) -> usize {
+                cfg.block_kind(i)
+                    .map_or(usize::MAX, |(kind, _)| kind as usize)
+            }
+            fn block(
+                cfg: &$config,
+                i: usize,
+                vb: candle_nn::VarBuilder,
+            ) -> candle_core::Result<$block> {
+                <$block>::new(cfg, i, vb)
+            }
+            fn steps(cfg: &$config) -> usize {
+                let steps_of = |$cfg: &$config, $k: $kind| $steps;
+                <$kind>::ALL
+                    .iter()
+                    .map(|&kind| steps_of(cfg, kind).len())
+                    .max()
+                    .unwrap_or(1)
+            }
+            fn block_steps(cfg: &$config, i: usize) -> usize {
+                let steps_of = |$cfg: &$config, $k: $kind| $steps;
+                cfg.block_kind(i)
+                    .map_or(1, |(kind, _)| steps_of(cfg, kind).len())
+            }
+            fn block_step(
+                cfg: &$config,
+                i: usize,
+                step: usize,
+                vb: candle_nn::VarBuilder,
+            ) -> candle_core::Result<$block> {
+                let steps_of = |$cfg: &$config, $k: $kind| $steps;
+                let steps = steps_of(cfg, cfg.block_kind(i)?.0);
+                match steps.get(step) {
+                    Some(s) => <$block>::with_steps(cfg, i, vb, std::slice::from_ref(s)),
+                    None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
+                }
+            }
+        }
+    };
+}
+
 /// Block `i`'s `VarBuilder` under the root `vb`.
 fn block_vb<M: RepeatedBlocks>(vb: VarBuilder, i: usize) -> VarBuilder {
     vb.pp(format!("{}.{i}", M::BLOCKS))

@@ -20,7 +20,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::sdpa;
-use crate::models::blocks::{Blockwise, HookedBlock};
+use crate::models::blocks::HookedBlock;
 use crate::models::step_cache::{
     Absent, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Output, Submodule, Through,
 };
@@ -171,6 +171,9 @@ pub enum BlockKind {
 }
 
 impl BlockKind {
+    /// Every kind, in execution order.
+    pub const ALL: [BlockKind; 2] = [BlockKind::DualStream, BlockKind::SingleStream];
+
     /// The steps of a block of this kind, in execution order.
     pub fn steps(self) -> &'static [BlockStep] {
         match self {
@@ -873,54 +876,16 @@ impl FluxTransformer2DModel {
     }
 }
 
-/// Placed by the block protocol: dual-stream blocks, then single-stream ones (two kinds, never
-/// in one group, as diffusers groups each block list apart).
 /// The modules diffusers' layerwise casting leaves alone in `FluxTransformer2DModel` (its
 /// `_skip_layerwise_casting_patterns`).
 const LAYERWISE_CASTING_SKIP: &[&str] = &["pos_embed", "norm"];
 
-impl Blockwise for FluxTransformer2DModel {
-    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
-    type Config = FluxTransformerConfig;
-    type Block = FluxBlock;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_blocks()
-    }
-    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i)
-            .map_or(usize::MAX, |(kind, _)| kind as usize)
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
-        FluxBlock::new(cfg, i, vb)
-    }
-    fn steps(_: &Self::Config) -> usize {
-        BlockKind::DualStream
-            .steps()
-            .len()
-            .max(BlockKind::SingleStream.steps().len())
-    }
-    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i).map_or(1, |(kind, _)| kind.steps().len())
-    }
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> Result<Self::Block> {
-        let steps = cfg.block_kind(i)?.0.steps();
-        match steps.get(step) {
-            Some(s) => FluxBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
-            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
-        }
-    }
-}
+// Placed by the block protocol: dual-stream blocks, then single-stream ones (two kinds, never
+// in one group, as diffusers groups each block list apart).
+crate::kinded_blocks!(
+    FluxTransformer2DModel, FluxTransformerConfig, FluxBlock, BlockKind,
+    skip: LAYERWISE_CASTING_SKIP, steps: |_, kind| kind.steps()
+);
 
 crate::block_forward!(
     FluxTransformer2DModel, BlockInputs, take_streams, Streams,

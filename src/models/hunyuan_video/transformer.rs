@@ -1814,57 +1814,16 @@ impl HunyuanVideoTransformer3DModel {
     }
 }
 
-/// Placed by the block protocol: refiner blocks, dual-stream blocks, then single-stream ones,
-/// each kind with its own steps.
 /// The modules diffusers' layerwise casting leaves alone in `HunyuanVideoTransformer3DModel` (its
 /// `_skip_layerwise_casting_patterns`); its modulations are read from the same weights.
 const LAYERWISE_CASTING_SKIP: &[&str] = &["x_embedder", "context_embedder", "norm"];
 
-impl Blockwise for HunyuanVideoTransformer3DModel {
-    const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
-    type Config = HunyuanVideoTransformerConfig;
-    type Block = HunyuanVideoBlock;
-    fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
-        Self::new(cfg, vb)
-    }
-    fn outer(cfg: &Self::Config, vb: VarBuilder, _: VarBuilder) -> Result<Self> {
-        Self::new_without_blocks(cfg, vb)
-    }
-    /// Refiner blocks, dual-stream blocks, then single-stream ones, in execution order.
-    fn num_blocks(cfg: &Self::Config) -> usize {
-        cfg.num_blocks()
-    }
-    fn block_kind(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i)
-            .map_or(usize::MAX, |(kind, _)| kind as usize)
-    }
-    fn block(cfg: &Self::Config, i: usize, vb: VarBuilder) -> Result<Self::Block> {
-        HunyuanVideoBlock::new(cfg, i, vb)
-    }
-    fn steps(cfg: &Self::Config) -> usize {
-        BlockKind::ALL
-            .iter()
-            .map(|&k| cfg.steps_of(k).len())
-            .max()
-            .unwrap_or(1)
-    }
-    fn block_steps(cfg: &Self::Config, i: usize) -> usize {
-        cfg.block_kind(i)
-            .map_or(1, |(kind, _)| cfg.steps_of(kind).len())
-    }
-    fn block_step(
-        cfg: &Self::Config,
-        i: usize,
-        step: usize,
-        vb: VarBuilder,
-    ) -> Result<Self::Block> {
-        let steps = cfg.steps_of(cfg.block_kind(i)?.0);
-        match steps.get(step) {
-            Some(s) => HunyuanVideoBlock::with_steps(cfg, i, vb, std::slice::from_ref(s)),
-            None => candle_core::bail!("step {step} of a {}-step block", steps.len()),
-        }
-    }
-}
+// Placed by the block protocol: refiner blocks, dual-stream blocks, then single-stream ones,
+// each kind with its own steps.
+crate::kinded_blocks!(
+    HunyuanVideoTransformer3DModel, HunyuanVideoTransformerConfig, HunyuanVideoBlock, BlockKind,
+    skip: LAYERWISE_CASTING_SKIP, steps: |cfg, kind| cfg.steps_of(kind)
+);
 
 /// The modulation Linears of every block, streamed (or placed) as a DiT of their own: one pass
 /// before denoising computes every step's modulations.
