@@ -312,23 +312,11 @@ impl JointAttention {
     fn new(cfg: &FluxTransformerConfig, vb: &VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
         let attn = vb.pp("attn");
+        let (image_qkv, text_qkv) =
+            QkvProjection::joint((cfg.num_attention_heads, cfg.attention_head_dim), &attn)?;
         Ok(Self {
-            image_qkv: QkvProjection::new(
-                (cfg.num_attention_heads, cfg.attention_head_dim),
-                &attn,
-                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-            )?,
-            text_qkv: QkvProjection::new(
-                (cfg.num_attention_heads, cfg.attention_head_dim),
-                &attn,
-                [
-                    "add_q_proj",
-                    "add_k_proj",
-                    "add_v_proj",
-                    "norm_added_q",
-                    "norm_added_k",
-                ],
-            )?,
+            image_qkv,
+            text_qkv,
             to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
             to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
         })

@@ -770,6 +770,25 @@ impl QkvProjection {
         })
     }
 
+    /// A joint attention's two sets under `attn`, as diffusers names them: the main stream's
+    /// (`to_q`, ..., `norm_k`) and the text stream's (`add_q_proj`, ..., `norm_added_k`).
+    pub(crate) fn joint(heads: (usize, usize), attn: &VarBuilder) -> Result<(Self, Self)> {
+        Ok((
+            Self::new(heads, attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"])?,
+            Self::new(
+                heads,
+                attn,
+                [
+                    "add_q_proj",
+                    "add_k_proj",
+                    "add_v_proj",
+                    "norm_added_q",
+                    "norm_added_k",
+                ],
+            )?,
+        ))
+    }
+
     /// `x` `[B, S, inner]` -> normed q, k and v, each `[B, heads, S, head_dim]`; q and k
     /// rotated at the first `rope.0.dim(0)` positions when `rope` (cos, sin) is given. On CUDA
     /// bf16 the bias, per-head RMSNorm and RoPE of q and k are one kernel each.
@@ -928,23 +947,13 @@ impl HunyuanVideoTransformerBlock {
                 .transpose()?,
             attn: has(BlockStep::JointAttention)
                 .then(|| -> Result<_> {
+                    let (video_qkv, text_qkv) = QkvProjection::joint(
+                        (cfg.num_attention_heads, cfg.attention_head_dim),
+                        &attn,
+                    )?;
                     Ok(JointAttention {
-                        video_qkv: QkvProjection::new(
-                            (cfg.num_attention_heads, cfg.attention_head_dim),
-                            &attn,
-                            ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-                        )?,
-                        text_qkv: QkvProjection::new(
-                            (cfg.num_attention_heads, cfg.attention_head_dim),
-                            &attn,
-                            [
-                                "add_q_proj",
-                                "add_k_proj",
-                                "add_v_proj",
-                                "norm_added_q",
-                                "norm_added_k",
-                            ],
-                        )?,
+                        video_qkv,
+                        text_qkv,
                         to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
                         to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
                     })
