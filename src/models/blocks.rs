@@ -83,6 +83,17 @@ pub trait Blockwise: Sized + Send + Sync + 'static {
     }
 }
 
+/// Every block of `M`, built from the root `vb` as the engine builds each: what the whole model
+/// holds beyond its outer part.
+pub fn all_blocks<M: Blockwise>(
+    cfg: &M::Config,
+    vb: &VarBuilder,
+) -> candle_core::Result<Vec<M::Block>> {
+    (0..M::num_blocks(cfg))
+        .map(|i| M::block(cfg, i, vb.clone()))
+        .collect()
+}
+
 /// The common DiT shape, declared by its few facts: an outer part and one list of like blocks
 /// under one weight prefix, each block optionally split into steps. Every such model is
 /// [`Blockwise`] by the one implementation below.

@@ -789,9 +789,7 @@ impl CogVideoXTransformer3DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &CogVideoXTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| CogVideoXBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}"))))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

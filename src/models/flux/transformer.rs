@@ -708,9 +708,7 @@ impl FluxTransformer2DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &FluxTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_blocks())
-            .map(|i| FluxBlock::new(cfg, i, vb.clone()))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

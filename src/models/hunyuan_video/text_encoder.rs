@@ -328,9 +328,7 @@ impl LlamaTextEncoder {
     /// Loads the embeddings and the layers that run (`cfg.layers_used()`).
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.layers_used())
-            .map(|i| LlamaDecoderLayer::new(cfg, vb.pp(format!("layers.{i}"))))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

@@ -1276,9 +1276,7 @@ impl HunyuanModulations {
     /// transformer's root.
     pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_blocks())
-            .map(|i| Self::block(cfg, i, vb.clone()))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 
@@ -1636,9 +1634,7 @@ impl HunyuanVideoTransformer3DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &HunyuanVideoTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_blocks())
-            .map(|i| HunyuanVideoBlock::new(cfg, i, vb.clone()))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

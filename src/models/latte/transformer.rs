@@ -396,9 +396,7 @@ impl LatteTransformer3DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &LatteTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..2 * cfg.num_layers)
-            .map(|i| LatteBlock::new(cfg, i, vb.clone()))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

@@ -907,9 +907,7 @@ impl LtxTransformer3DModel {
     /// Loads the whole model from `vb` (`transformer/diffusion_pytorch_model*.safetensors`).
     pub fn new(cfg: &LtxTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| LtxTransformerBlock::new(cfg, vb.pp(format!("transformer_blocks.{i}"))))
-            .collect::<Result<Vec<_>>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

@@ -498,9 +498,7 @@ impl MiniMaxH3Modulations {
     /// Loads the time embedder and every block's projection; `vb` is the transformer's root.
     pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| AdalnProjection::new(cfg, i, vb.clone()))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 
@@ -874,9 +872,7 @@ impl MiniMaxH3Transformer3DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| MiniMaxH3TransformerBlock::new(cfg, i, vb.clone()))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

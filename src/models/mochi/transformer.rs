@@ -874,9 +874,7 @@ impl MochiTransformer3DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &MochiTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| MochiBlock::new(cfg, i, vb.pp(format!("transformer_blocks.{i}"))))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

@@ -553,9 +553,7 @@ impl T5EncoderModel {
     /// Loads the whole encoder from the checkpoint root `vb` (`text_encoder/model*.safetensors`).
     pub fn new(cfg: &T5Config, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone(), vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| Self::block(cfg, i, vb.clone()))
-            .collect::<Result<Vec<_>>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 

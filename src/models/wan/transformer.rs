@@ -1385,9 +1385,7 @@ impl WanTransformer3DModel {
     /// Loads the whole model, blocks included.
     pub fn new(cfg: &WanTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let mut model = Self::new_without_blocks(cfg, vb.clone())?;
-        model.blocks = (0..cfg.num_layers)
-            .map(|i| WanTransformerBlock::new(cfg, vb.pp(format!("blocks.{i}"))))
-            .collect::<Result<_>>()?;
+        model.blocks = crate::models::blocks::all_blocks::<Self>(cfg, &vb)?;
         Ok(model)
     }
 
