@@ -1,15 +1,15 @@
 //! Scaled dot-product attention that never materialises the whole score matrix.
 //!
 //! On CUDA, bf16/f16 inputs go to a fused attention that keeps scores on the chip: on Hopper
-//! (compute capability 9.0), bf16 at head_dim 80 to 128 to the own wgmma kernel
+//! (compute capability 9.0), bf16 at head_dim up to 128 to the own wgmma kernel
 //! (`kernels/flash_attn_sm90.cu`); else to cuDNN's fused attention where cuDNN >= 9.13.1 is
 //! loaded (`models::cudnn`, head_dim up to 256); else with head_dim 64 or 128 to the own
 //! portable kernel (`kernels/flash_attn.cu`). Everything else takes the chunked path below.
-//! cuDNN compiles its attention kernels when a process first runs them (0.6 s in the first
-//! forward on a machine whose driver cache is empty, 0.06-0.08 s in every process's first
-//! forward after that), while the own kernels are machine code: the whole Wan forwards are as
-//! fast either way (bench/RESULTS.md, session 29), so where an own kernel computes the shape,
-//! cuDNN is not asked.
+//! cuDNN compiles its attention kernels when a process first runs them (0.6 s in Wan's first
+//! forward on a machine whose driver cache is empty, 1.0-1.9 s in LTX-Video's and Latte-1's;
+//! 0.06-0.08 s in every process's first forward after that), while the own kernels are machine
+//! code and level with cuDNN's from head_dim 64 (bench/RESULTS.md, sessions 29, 35 and 41), so
+//! where an own kernel computes the shape, cuDNN is not asked.
 //!
 //! At 480x832x81 a Wan self-attention layer has 32,760 tokens: the full score matrix would be
 //! ~26 GB per layer. Queries are processed in chunks so the scratch stays bounded by
@@ -67,7 +67,7 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     {
-        if flash_attn_sm90::supported(q, k, v) && flash_attn_sm90::preferred(q.dim(3)?) {
+        if flash_attn_sm90::supported(q, k, v) {
             return flash_attn_sm90::flash_attn(q, k, v, scale);
         }
         if let Some(out) = crate::models::cudnn::sdpa::sdpa(q, k, v, scale) {

@@ -319,16 +319,46 @@ impl HostStore {
             })
             .collect();
         let pinned = memory == HostMemory::Pinned;
-        // Each arena, once filled and locked, is handed to one thread that merges LoRA deltas
-        // on the GPU ([`merge_on_device`]) while the pool's threads fill the next arenas.
+        let merges = |index: usize| {
+            arena_slots(&groups, index)
+                .iter()
+                .any(|(_, s)| merges_on_device(weights, s, device))
+        };
+        // Where a LoRA is merged on the GPU ([`merge_on_device`]), the arenas are filled one at
+        // a time, each by every thread, and pass in turn to one thread that locks them and on
+        // to one that merges their deltas, while the pool fills the next: filled side by side,
+        // they would all be ready near the end, and the merges (bound by the link) would follow
+        // the filling instead of running beside it. Otherwise arenas are filled and locked side
+        // by side.
+        let lora_on_device = (0..arena_sizes.len()).any(merges);
+        let at_once = if lora_on_device { 1 } else { arena_sizes.len() };
         let slots: Vec<std::sync::Mutex<Option<Arena>>> =
             arena_sizes.iter().map(|_| Default::default()).collect();
-        let (filled, merging) = std::thread::scope(|scope| {
+        let (filled, locking, merging) = std::thread::scope(|scope| {
+            let (slots, groups) = (&slots, &groups);
             let (ready, arrivals) = std::sync::mpsc::channel::<usize>();
-            // Its busy time, in seconds.
-            let merger = scope.spawn(|| -> Result<f64> {
+            let (locked, to_merge) = std::sync::mpsc::channel::<usize>();
+            // Each thread's busy time, in seconds. A closed channel means the next thread
+            // failed: its error is returned.
+            let locker = scope.spawn(move || -> Result<f64> {
                 let mut busy = 0.0;
                 for index in arrivals {
+                    let start = Instant::now();
+                    if let Some(arena) = slots[index]
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_mut()
+                    {
+                        arena.lock()?;
+                    }
+                    busy += start.elapsed().as_secs_f64();
+                    let _ = locked.send(index);
+                }
+                Ok(busy)
+            });
+            let merger = scope.spawn(move || -> Result<f64> {
+                let mut busy = 0.0;
+                for index in to_merge {
                     let start = Instant::now();
                     #[cfg(feature = "cuda")]
                     if let Some(arena) = slots[index]
@@ -336,7 +366,7 @@ impl HostStore {
                         .unwrap_or_else(|e| e.into_inner())
                         .as_mut()
                     {
-                        merge_on_device(&groups, index, arena, weights, device)?;
+                        merge_on_device(groups, index, arena, weights, device)?;
                     }
                     // Nothing arrives without CUDA ([`merges_on_device`]).
                     #[cfg(not(feature = "cuda"))]
@@ -345,37 +375,42 @@ impl HostStore {
                 }
                 Ok(busy)
             });
-            let filled = arena_sizes
-                .par_iter()
-                .enumerate()
-                .map_with(ready, |ready, (index, &bytes)| {
-                    let start = Instant::now();
-                    let mut arena = Arena::new(bytes, pinned, device)?;
-                    fill(&groups, index, &mut arena, weights, device)?;
-                    let filled = Instant::now();
-                    arena.lock()?;
-                    let locked = Instant::now();
-                    *slots[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(arena);
-                    if arena_slots(&groups, index)
-                        .iter()
-                        .any(|(_, s)| merges_on_device(weights, s, device))
-                    {
-                        // A closed channel means the merger failed: its error is returned.
-                        let _ = ready.send(index);
-                    }
-                    Ok((
-                        (filled - start).as_secs_f64(),
-                        (locked - filled).as_secs_f64(),
-                    ))
+            let indices: Vec<usize> = (0..arena_sizes.len()).collect();
+            let filled = indices
+                .chunks(at_once.max(1))
+                .map(|turn| {
+                    turn.par_iter()
+                        .map_with(ready.clone(), |ready, &index| {
+                            let start = Instant::now();
+                            let mut arena = Arena::new(arena_sizes[index], pinned, device)?;
+                            fill(groups, index, &mut arena, weights, device)?;
+                            let filled = Instant::now();
+                            if !lora_on_device {
+                                arena.lock()?;
+                            }
+                            let locked = Instant::now();
+                            *slots[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(arena);
+                            if lora_on_device {
+                                let _ = ready.send(index);
+                            }
+                            Ok((
+                                (filled - start).as_secs_f64(),
+                                (locked - filled).as_secs_f64(),
+                            ))
+                        })
+                        .collect::<Result<Vec<_>>>()
                 })
                 .collect::<Result<Vec<_>>>();
-            let merging = merger
-                .join()
-                .unwrap_or_else(|_| Err(anyhow::anyhow!("the LoRA merge thread panicked")));
-            (filled, merging)
+            drop(ready);
+            let joined = |thread: std::thread::ScopedJoinHandle<'_, Result<f64>>| {
+                thread
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("an arena thread panicked")))
+            };
+            (filled, joined(locker), joined(merger))
         });
         // Merging on the device finishes the filling: counted with it.
-        let (times, merging) = (filled?, merging?);
+        let (locking, merging, times) = (locking?, merging?, filled?.concat());
         let arenas = slots
             .into_iter()
             .map(|a| a.into_inner().unwrap_or_else(|e| e.into_inner()))
@@ -391,7 +426,7 @@ impl HostStore {
                 seconds: started.elapsed().as_secs_f64(),
                 // Folded from +0.0: an empty f64 sum is -0.0.
                 fill_task_seconds: times.iter().fold(merging, |s, t| s + t.0),
-                lock_task_seconds: times.iter().fold(0.0, |s, t| s + t.1),
+                lock_task_seconds: times.iter().fold(locking, |s, t| s + t.1),
             },
         })
     }

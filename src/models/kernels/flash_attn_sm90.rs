@@ -52,15 +52,6 @@ pub fn supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && shared_memory_limit(dev).is_some_and(|limit| limit >= SHARED_BYTES)
 }
 
-/// Whether `sdpa` takes the Hopper kernel over cuDNN at this head_dim: it is ahead from 80 on,
-/// level with cuDNN at 64 and 72 (bench/RESULTS.md, session 35).
-pub fn preferred(head_dim: usize) -> bool {
-    head_dim >= MIN_PREFERRED_HEAD_DIM
-}
-
-/// The smallest head_dim [`preferred`] takes.
-const MIN_PREFERRED_HEAD_DIM: usize = 80;
-
 /// Attention over `[batch, heads, seq, head_dim]` bf16; the caller checked [`supported`]. The
 /// result is a `[batch, heads, q_len, head_dim]` view of `[batch, q_len, heads, head_dim]` storage.
 pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
