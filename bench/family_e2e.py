@@ -26,7 +26,8 @@ Usage (GPU machine; bench/family_e2e.sh runs several families in one device call
 components sharded as the full-size ones are), on the CPU in f32, and runs both programs at the fixture's tiny
 size with 2 steps: on the CPU in f32 the two programs' frames agree to about 1e-5, which checks that both made the
 same thing. (`--quick --dtype bf16` runs diffusers' bf16 path too; vidgen's CPU backend has no bf16 convolution,
-so only Wan, whose VAE runs in f32, decodes there.)
+so only Wan, whose VAE runs in f32, decodes there.) `--quick --configs DIR` writes it from DIR's configs instead:
+the published ones (assets/<family>) with fewer layers run every width of the full-size model on the CPU.
 The ratio in the table is vidgen's whole process (start-up, CUDA context, loads, stages, writing the file) over
 diffusers' from_pretrained + .to(cuda) + its call (its interpreter, imports and CUDA context are not counted).
 """
@@ -566,6 +567,8 @@ def main():
     ap.add_argument("--ckpt-root", help="where checkpoints are written (default /dev/shm/vidgen-e2e; --quick "
                                         "/tmp/vidgen-e2e-quick); <root>/<family> is reused when complete")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny fixture configs, f32, tiny size")
+    ap.add_argument("--configs", help="with --quick: the configs and tokenizers to write the checkpoint from, in "
+                                      "place of the tiny fixture's (e.g. the published ones with fewer layers)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="run dtype (default bf16; --quick f32)")
     ap.add_argument("--reps", type=int, default=1, help="diffusers calls after one load (the first is reported)")
     ap.add_argument("--vidgen-modes", default="default,resident", help=f"of {sorted(VIDGEN_MODES)}")
@@ -611,7 +614,10 @@ def main():
            "versions": {"vidgen": vidgen_version, "diffusers": diffusers.__version__,
                         "transformers": transformers.__version__, "torch": torch.__version__},
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    src = os.path.join(ROOT, "tests", "fixtures", fam.fixture) if a.quick else os.path.join(ROOT, "assets", a.family)
+    if a.configs and not a.quick:
+        ap.error("--configs goes with --quick")
+    src = (a.configs or os.path.join(ROOT, "tests", "fixtures", fam.fixture)) if a.quick \
+        else os.path.join(ROOT, "assets", a.family)
     root = a.ckpt_root or ("/tmp/vidgen-e2e-quick" if a.quick else "/dev/shm/vidgen-e2e")
     ckpt = os.path.join(root, a.family + ("-tiny" if a.quick else "") + ("" if dtype == "bf16" else "-" + dtype))
     res["checkpoint"] = {"path": ckpt, "from": os.path.relpath(src, ROOT),
