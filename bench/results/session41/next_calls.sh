@@ -10,7 +10,10 @@
 #   3: run(carry: [".device", ".whl"], command: "bash bench/results/session41/next_calls.sh 3")
 #      LTX-Video's and Mochi-1's frames against diffusers' in f32 (session 41: mean |diff| 0.20 and 0.25 in bf16,
 #      where Wan2.1 and Latte-1 differ by 0.06 and 0.05): is the full-size GPU path right? (On the CPU in f32,
-#      `family_e2e.py --quick --configs` with the published configs cut to two layers: within 4.1e-6 and 2.9e-5.)
+#      `family_e2e.py --quick --configs` with the published configs cut to two layers: within 4.1e-6 and 2.9e-5;
+#      diffusers' own bf16 against f32 at LTX-Video's full depth on the CPU: mean 0.0033.) Both decode through the
+#      causal-conv VAEs' channels-last moves (rebuilt in session 39); if f32 agrees, decode diffusers' final bf16
+#      latents with both programs to isolate the VAE.
 #   4: the clock-sampled Linear bench and calls 1, 4, 5 of bench/results/session40/calls.sh (rebuild
 #      .device-call1 first if channel_ops changed).
 set -u
