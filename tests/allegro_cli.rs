@@ -120,16 +120,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     // The fixture's transformer: sample 8 x 8 x 6 latents (x8 = 64, x4 = 24).
     common::assert_planned_call(&plan, &json!({"height": 64, "num_frames": 24}));
-    for extra in [
-        &["--device", "cpu"][..],
-        &[
-            "--device",
-            "cpu",
-            "--dit-layerwise-offload",
-            "--dtype",
-            "bf16",
-        ],
-    ] {
+    for extra in [&["--device", "cpu"][..], common::STREAMED_BF16] {
         let plan = common::dry_run_plan("synthetic:allegro", extra);
         common::assert_planned_call(
             &plan,

@@ -102,16 +102,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     for (model, extra) in [
         (fixture.to_str().unwrap(), &["--device", "cpu"][..]),
         ("synthetic:cogvideox-5b", &["--device", "cpu"]),
-        (
-            "synthetic:cogvideox-5b",
-            &[
-                "--device",
-                "cpu",
-                "--dit-layerwise-offload",
-                "--dtype",
-                "bf16",
-            ],
-        ),
+        ("synthetic:cogvideox-5b", common::STREAMED_BF16),
     ] {
         common::assert_planned_call(
             &common::dry_run_plan(model, extra),

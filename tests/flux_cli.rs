@@ -179,16 +179,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
         ("synthetic:flux.1-dev", &["--device", "cpu"]),
         // The Hub id plans from the shipped configs, without a download.
         ("black-forest-labs/FLUX.1-dev", &["--device", "cpu"]),
-        (
-            "synthetic:flux.1-dev",
-            &[
-                "--device",
-                "cpu",
-                "--dit-layerwise-offload",
-                "--dtype",
-                "bf16",
-            ],
-        ),
+        ("synthetic:flux.1-dev", common::STREAMED_BF16),
     ] {
         common::assert_planned_call(
             &common::dry_run_plan(model, extra),

@@ -99,16 +99,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
     // The fixture's transformer: sample_size 4 (x8 = 32), video_length 5.
     common::assert_planned_call(&plan, &json!({"height": 32, "num_frames": 5}));
-    for extra in [
-        &["--device", "cpu"][..],
-        &[
-            "--device",
-            "cpu",
-            "--dit-layerwise-offload",
-            "--dtype",
-            "bf16",
-        ],
-    ] {
+    for extra in [&["--device", "cpu"][..], common::STREAMED_BF16] {
         let plan = common::dry_run_plan("synthetic:latte-1", extra);
         common::assert_planned_call(
             &plan,

@@ -101,16 +101,7 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     for (model, extra) in [
         (fixture.to_str().unwrap(), &["--device", "cpu"][..]),
         ("synthetic:mochi-1", &["--device", "cpu"]),
-        (
-            "synthetic:mochi-1",
-            &[
-                "--device",
-                "cpu",
-                "--dit-layerwise-offload",
-                "--dtype",
-                "bf16",
-            ],
-        ),
+        ("synthetic:mochi-1", common::STREAMED_BF16),
     ] {
         common::assert_planned_call(
             &common::dry_run_plan(model, extra),

@@ -211,6 +211,16 @@ pub fn generate_logged(
     ))
 }
 
+/// The published model's plan streamed in bf16 on the CPU: what each family's dry-run test plans
+/// beside the CPU's defaults.
+pub const STREAMED_BF16: &[&str] = &[
+    "--device",
+    "cpu",
+    "--dit-layerwise-offload",
+    "--dtype",
+    "bf16",
+];
+
 /// The flags that keep every component resident under a discrete device's rules: the run each
 /// of [`OFFLOAD_MODES`] must reproduce bit for bit.
 pub const RESIDENT: &[&str] = &[
