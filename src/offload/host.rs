@@ -336,6 +336,8 @@ impl HostStore {
             arena_sizes.iter().map(|_| Default::default()).collect();
         let (filled, locking, merging) = std::thread::scope(|scope| {
             let (slots, groups) = (&slots, &groups);
+            // Arena `index`'s place (each thread holds it only while it works on that arena).
+            let slot = |index: usize| slots[index].lock().unwrap_or_else(|e| e.into_inner());
             let (ready, arrivals) = std::sync::mpsc::channel::<usize>();
             let (locked, to_merge) = std::sync::mpsc::channel::<usize>();
             // Each thread's busy time, in seconds. A closed channel means the next thread
@@ -344,11 +346,7 @@ impl HostStore {
                 let mut busy = 0.0;
                 for index in arrivals {
                     let start = Instant::now();
-                    if let Some(arena) = slots[index]
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .as_mut()
-                    {
+                    if let Some(arena) = slot(index).as_mut() {
                         arena.lock()?;
                     }
                     busy += start.elapsed().as_secs_f64();
@@ -361,11 +359,7 @@ impl HostStore {
                 for index in to_merge {
                     let start = Instant::now();
                     #[cfg(feature = "cuda")]
-                    if let Some(arena) = slots[index]
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .as_mut()
-                    {
+                    if let Some(arena) = slot(index).as_mut() {
                         merge_on_device(groups, index, arena, weights, device)?;
                     }
                     // Nothing arrives without CUDA ([`merges_on_device`]).
@@ -389,7 +383,7 @@ impl HostStore {
                                 arena.lock()?;
                             }
                             let locked = Instant::now();
-                            *slots[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(arena);
+                            *slot(index) = Some(arena);
                             if lora_on_device {
                                 let _ = ready.send(index);
                             }
