@@ -1,6 +1,7 @@
 //! CogVideoX through the command line, driven as PARITY-CLI.md says: the `cogvideox-tiny-a`
 //! pipeline runs (guided and at CFG 1) reproduced from a draws file holding diffusers' initial
-//! latents and scheduler noise; offload modes bit-identical to the resident run; the dry run
+//! latents and scheduler noise, and with the DDIM sampler the CogVideoX-5b repo ships
+//! (`cogvideox-ddim`); offload modes bit-identical to the resident run; the dry run
 //! of the fixture and of `synthetic:cogvideox-5b`; flags that do not apply refused.
 
 mod common;
@@ -44,7 +45,17 @@ fn draws_file(dir: &Path, run: &str) -> PathBuf {
 /// The parity command line of run `run` with `extra` flags; the written frames and stderr.
 fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
     let draws = draws_file(dir, run);
-    let model = named_fixture_dir(FIXTURE);
+    generate_with(&named_fixture_dir(FIXTURE), &draws, dir, run, extra)
+}
+
+/// The parity command line of run `run` of `model` replaying `draws`.
+fn generate_with(
+    model: &Path,
+    draws: &Path,
+    dir: &Path,
+    run: &str,
+    extra: &[&str],
+) -> (Tensor, String) {
     let guidance = run.trim_start_matches("cfg");
     let args: Vec<String> = [
         "--model",
@@ -70,7 +81,32 @@ fn generate(dir: &Path, run: &str, extra: &[&str]) -> (Tensor, String) {
     .chain(extra)
     .map(|s| s.to_string())
     .collect();
-    common::generate_frames_logged(&args, &draws, dir)
+    common::generate_frames_logged(&args, draws, dir)
+}
+
+/// The tiny model as the CogVideoX-5b repo names its sampler (`CogVideoXDDIMScheduler`, in
+/// `model_index.json` and the scheduler config; same values): the other components linked from
+/// the fixture.
+fn ddim_model(dir: &Path) -> PathBuf {
+    let fixture = named_fixture_dir(FIXTURE);
+    let model = dir.join("model");
+    std::fs::create_dir_all(model.join("scheduler")).unwrap();
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let name = entry.unwrap().file_name();
+        if name != "scheduler" && name != "model_index.json" {
+            std::os::unix::fs::symlink(fixture.join(&name), model.join(&name)).unwrap();
+        }
+    }
+    for (file, pointer) in [
+        ("model_index.json", "/scheduler/1"),
+        ("scheduler/scheduler_config.json", "/_class_name"),
+    ] {
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture.join(file)).unwrap()).unwrap();
+        *json.pointer_mut(pointer).unwrap() = json!("CogVideoXDDIMScheduler");
+        std::fs::write(model.join(file), json.to_string()).unwrap();
+    }
+    model
 }
 
 fn check_run(run: &str) {
@@ -87,6 +123,23 @@ fn guided_run_matches_diffusers() {
 #[test]
 fn unguided_run_matches_diffusers() {
     check_run("cfg1");
+}
+
+/// The guided run with the DDIM sampler: the initial latents are its only draw.
+#[test]
+fn ddim_run_matches_diffusers() {
+    let dir = scratch("ddim");
+    let refs = named_reference("cogvideox-ddim", "ddim");
+    let draws = dir.join("draws.safetensors");
+    let latents: HashMap<&str, Tensor> = [("latents", refs["cfg6.latents_init"].clone())].into();
+    candle_core::safetensors::save(&latents, &draws).unwrap();
+    let (frames, _) = generate_with(&ddim_model(&dir), &draws, &dir, "cfg6", &[]);
+    let expected = refs["cfg6.frames"].squeeze(0).unwrap();
+    eprintln!(
+        "ddim cfg6.frames: max |diff| {:.3e}",
+        common::max_abs_diff(&frames, &expected)
+    );
+    common::assert_close("ddim cfg6.frames", &frames, &expected, 1e-4, 1e-4);
 }
 
 /// Every offload mode gives the resident run's frames, bit for bit.
@@ -115,6 +168,16 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
     assert_eq!(
         plan["model"]["latent_shape"],
         json!([1, 13, 16, 60, 90]),
+        "{plan}"
+    );
+    // The sampler each checkpoint names: the published repo's DDIM, the fixture's DPM.
+    assert_eq!(
+        plan["model"]["scheduler"], "CogVideoXDDIMScheduler",
+        "{plan}"
+    );
+    let plan = common::dry_run_plan(fixture.to_str().unwrap(), &["--device", "cpu"]);
+    assert_eq!(
+        plan["model"]["scheduler"], "CogVideoXDPMScheduler",
         "{plan}"
     );
 }

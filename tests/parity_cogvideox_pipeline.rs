@@ -12,7 +12,7 @@ use vidgen::models::cogvideox::transformer::{
     CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
 };
 use vidgen::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
-use vidgen::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
+use vidgen::schedulers::cogvideox::{CogVideoXSampler, CogVideoXSchedulerConfig};
 
 const FIXTURE: &str = "cogvideox-tiny-a";
 const ATOL: f64 = 1e-4;
@@ -41,12 +41,12 @@ fn read_config<T: serde::de::DeserializeOwned>(component: &str, file: &str) -> T
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn scheduler() -> CogVideoXDpmScheduler {
-    let cfg = CogVideoXDpmConfig::from_file(
+fn scheduler() -> CogVideoXSampler {
+    let cfg = CogVideoXSchedulerConfig::from_file(
         common::named_fixture_dir(FIXTURE).join("scheduler/scheduler_config.json"),
     )
     .unwrap();
-    CogVideoXDpmScheduler::new(&cfg, STEPS).unwrap()
+    CogVideoXSampler::new(&cfg, STEPS).unwrap()
 }
 
 /// The step's last stored draw (the one that enters the result), after checking the count.
@@ -104,7 +104,7 @@ fn unguided_run_matches_diffusers() {
             &r[&format!("{prefix}.noise_pred_cond")],
         );
         let noise = step_noise(&r, &prefix, sched.draws_at(i));
-        latents = sched.step(&noise_pred, &latents, &noise).unwrap();
+        latents = sched.step(&noise_pred, &latents, Some(&noise)).unwrap();
         check(
             &format!("{prefix}.latents"),
             &latents,
@@ -131,7 +131,7 @@ fn guided_run_matches_diffusers() {
         )
         .unwrap();
         let noise = step_noise(&r, &prefix, sched.draws_at(i));
-        latents = sched.step(&noise_pred, &latents, &noise).unwrap();
+        latents = sched.step(&noise_pred, &latents, Some(&noise)).unwrap();
         check(
             &format!("{prefix}.latents"),
             &latents,

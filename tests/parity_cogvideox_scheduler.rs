@@ -1,20 +1,22 @@
-//! Parity of the CogVideoX-5b sampler (`CogVideoXDPMScheduler`) and the pipeline's guidance
-//! with diffusers on the `cogvideox-tiny-a` references: the schedule, a 4-step loop with its
-//! stored draws, and the guided (CFG 6) and unguided denoising loops of the pipeline run.
+//! Parity of the CogVideoX samplers and the pipeline's guidance with diffusers: on the
+//! `cogvideox-tiny-a` references the schedule, a 4-step `CogVideoXDPMScheduler` loop with its
+//! stored draws, and the guided (CFG 6) and unguided denoising loops of the pipeline run; on the
+//! `cogvideox-ddim` references a 4-step loop of `CogVideoXDDIMScheduler`, the class the
+//! CogVideoX-5b repo ships.
 
 mod common;
 
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 use vidgen::models::cogvideox::guidance;
-use vidgen::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
+use vidgen::schedulers::cogvideox::{CogVideoXSampler, CogVideoXSchedulerConfig};
 
 const FIXTURE: &str = "cogvideox-tiny-a";
 const ATOL: f64 = 1e-4;
 const RTOL: f64 = 1e-4;
 
-fn config() -> CogVideoXDpmConfig {
-    CogVideoXDpmConfig::from_file(
+fn config() -> CogVideoXSchedulerConfig {
+    CogVideoXSchedulerConfig::from_file(
         common::named_fixture_dir(FIXTURE).join("scheduler/scheduler_config.json"),
     )
     .unwrap()
@@ -52,7 +54,7 @@ fn schedule_matches_diffusers() {
     common::assert_close("alphas_cumprod", &alphas, &r["alphas_cumprod"], 0.0, 1e-6);
     assert_eq!(cfg.alphas_cumprod()[999], 0.0, "zero terminal SNR");
     for n in [3, 4, 7, 50] {
-        let sched = CogVideoXDpmScheduler::new(&cfg, n).unwrap();
+        let sched = CogVideoXSampler::new(&cfg, n).unwrap();
         assert_eq!(
             sched.timesteps(),
             ints(&r[&format!("timesteps_{n}")]),
@@ -60,23 +62,24 @@ fn schedule_matches_diffusers() {
         );
     }
     // The DDIM class the 5b repo ships sets the same timesteps from the same config.
-    let sched = CogVideoXDpmScheduler::new(&cfg, 4).unwrap();
+    let sched = CogVideoXSampler::new(&ddim(cfg.clone()), 4).unwrap();
+    assert_eq!(sched.class(), CogVideoXSampler::DDIM);
     assert_eq!(sched.timesteps(), ints(&r["ddim.timesteps_4"]));
-    assert!(CogVideoXDpmScheduler::new(&cfg, 0).is_err());
-    assert!(CogVideoXDpmScheduler::new(&cfg, 1001).is_err());
+    assert!(CogVideoXSampler::new(&cfg, 0).is_err());
+    assert!(CogVideoXSampler::new(&cfg, 1001).is_err());
 }
 
 #[test]
 fn four_step_loop_matches_diffusers() {
     let cfg = config();
     let r = common::named_reference(FIXTURE, "scheduler");
-    let mut sched = CogVideoXDpmScheduler::new(&cfg, 4).unwrap();
+    let mut sched = CogVideoXSampler::new(&cfg, 4).unwrap();
     let mut x = r["loop4.sample_0"].clone();
     for i in 0..4 {
         let noise = draws(&r, &format!("loop4.noise_{i}"));
         assert_eq!(noise.len(), sched.draws_at(i), "draws of step {i}");
         let model_output = &r[&format!("loop4.model_output_{i}")];
-        x = sched.step(model_output, &x, noise.last().unwrap()).unwrap();
+        x = sched.step(model_output, &x, noise.last()).unwrap();
         check(
             &format!("loop4.pred_original_sample_{i}"),
             sched.pred_original_sample().unwrap(),
@@ -88,8 +91,40 @@ fn four_step_loop_matches_diffusers() {
             &r[&format!("loop4.sample_{}", i + 1)],
         );
     }
-    let extra = sched.step(&x, &x, &x);
+    let extra = sched.step(&x, &x, Some(&x));
     assert!(extra.is_err(), "a step past the schedule is refused");
+}
+
+/// The tiny fixture's config as the CogVideoX-5b repo names it.
+fn ddim(cfg: CogVideoXSchedulerConfig) -> CogVideoXSchedulerConfig {
+    CogVideoXSchedulerConfig {
+        class_name: CogVideoXSampler::DDIM.into(),
+        ..cfg
+    }
+}
+
+#[test]
+fn ddim_four_step_loop_matches_diffusers() {
+    let r = common::named_reference("cogvideox-ddim", "ddim");
+    let mut sched = CogVideoXSampler::new(&ddim(config()), 4).unwrap();
+    assert_eq!(sched.timesteps(), ints(&r["loop4.timesteps"]));
+    let mut x = r["loop4.sample_0"].clone();
+    for i in 0..4 {
+        assert_eq!(sched.draws_at(i), 0, "DDIM draws nothing at step {i}");
+        x = sched
+            .step(&r[&format!("loop4.model_output_{i}")], &x, None)
+            .unwrap();
+        check(
+            &format!("loop4.pred_original_sample_{i}"),
+            sched.pred_original_sample().unwrap(),
+            &r[&format!("loop4.pred_original_sample_{i}")],
+        );
+        check(
+            &format!("loop4.sample_{}", i + 1),
+            &x,
+            &r[&format!("loop4.sample_{}", i + 1)],
+        );
+    }
 }
 
 /// The pipeline's denoising loop on the stored transformer outputs: guidance, then the sampler
@@ -98,7 +133,7 @@ fn pipeline_loop(run: &str, guidance_scale: f64) {
     let cfg = config();
     let r = common::named_reference(FIXTURE, "pipeline");
     let steps = 3;
-    let mut sched = CogVideoXDpmScheduler::new(&cfg, steps).unwrap();
+    let mut sched = CogVideoXSampler::new(&cfg, steps).unwrap();
     let mut latents = (r["latents_init"].clone() * sched.init_noise_sigma()).unwrap();
     for (i, &t) in sched.timesteps().to_vec().iter().enumerate() {
         let prefix = format!("{run}.step{i}");
@@ -116,9 +151,7 @@ fn pipeline_loop(run: &str, guidance_scale: f64) {
         };
         let noise = draws(&r, &format!("{prefix}.scheduler_noise"));
         assert_eq!(noise.len(), sched.draws_at(i), "draws of step {i}");
-        latents = sched
-            .step(&noise_pred, &latents, noise.last().unwrap())
-            .unwrap();
+        latents = sched.step(&noise_pred, &latents, noise.last()).unwrap();
         check(
             &format!("{prefix}.latents"),
             &latents,
@@ -142,43 +175,50 @@ fn hostile_configs_are_refused_with_the_key() {
     let cfg = config();
     let cases = vec![
         (
-            CogVideoXDpmConfig {
+            CogVideoXSchedulerConfig {
                 num_train_timesteps: 0,
                 ..cfg.clone()
             },
             "num_train_timesteps",
         ),
         (
-            CogVideoXDpmConfig {
+            CogVideoXSchedulerConfig {
                 beta_schedule: "squaredcos_cap_v2".into(),
                 ..cfg.clone()
             },
             "beta_schedule",
         ),
         (
-            CogVideoXDpmConfig {
+            CogVideoXSchedulerConfig {
                 prediction_type: "flow_prediction".into(),
                 ..cfg.clone()
             },
             "prediction_type",
         ),
         (
-            CogVideoXDpmConfig {
+            CogVideoXSchedulerConfig {
                 snr_shift_scale: 0.0,
                 ..cfg.clone()
             },
             "snr_shift_scale",
         ),
         (
-            CogVideoXDpmConfig {
+            CogVideoXSchedulerConfig {
                 timestep_spacing: "karras".into(),
                 ..cfg.clone()
             },
             "timestep_spacing",
         ),
+        (
+            CogVideoXSchedulerConfig {
+                class_name: "DDIMScheduler".into(),
+                ..cfg.clone()
+            },
+            "_class_name",
+        ),
     ];
     for (bad, key) in cases {
-        let err = CogVideoXDpmScheduler::new(&bad, 3).unwrap_err().to_string();
+        let err = CogVideoXSampler::new(&bad, 3).unwrap_err().to_string();
         assert!(err.contains(key), "{key}: {err}");
     }
 }

@@ -7,7 +7,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::FamilyOption::{Cache, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling};
 use super::registry::{
-    declared_by, About, Configs, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
+    declared_by, About, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
 };
 use super::spec::TextToVideoStages;
 use super::stages;
@@ -20,17 +20,13 @@ use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
 use crate::models::guidance::batch_input;
 use crate::models::step_cache::Pass;
 use crate::models::video::DenoiseActivations;
-use crate::schedulers::cogvideox_dpm::{CogVideoXDpmConfig, CogVideoXDpmScheduler};
-use anyhow::{Context, Result};
+use crate::schedulers::cogvideox::{CogVideoXSampler, CogVideoXSchedulerConfig};
+use anyhow::Result;
 use candle_core::{DType, Tensor};
-
-/// The scheduler the pipeline runs (the 5b repo ships `CogVideoXDDIMScheduler` with the same
-/// values; its model card swaps this one in).
-const DPM_SCHEDULER: &str = "CogVideoXDPMScheduler";
 
 /// The configs of a CogVideoX model: everything planning needs, no weights.
 pub type CogVideoXConfigs =
-    T5VideoConfigs<CogVideoXTransformerConfig, CogVideoXVaeConfig, CogVideoXDpmConfig>;
+    T5VideoConfigs<CogVideoXTransformerConfig, CogVideoXVaeConfig, CogVideoXSchedulerConfig>;
 
 /// CogVideoX's own part of its pipeline (the frame holds the rest).
 type CogVideoX =
@@ -39,7 +35,7 @@ type CogVideoX =
 impl Family for CogVideoXConfigs {
     declared_by!(CogVideoX::new, stages CogVideoX);
 
-    /// Text-to-video with classifier-free guidance; its own DPM scheduler, its VAE decodes
+    /// Text-to-video with classifier-free guidance; the DDIM or DPM sampler its checkpoint names, its VAE decodes
     /// frame-batched, in spatial tiles with `--vae-tiling`. The published pipeline's call
     /// defaults: 480x720, 49 frames at 8 fps, 50 steps, guidance 6, 226 text tokens.
     fn about(&self) -> About {
@@ -58,48 +54,47 @@ impl Family for CogVideoXConfigs {
         let own = serde_json::json!({
             "latent_layout": "BFCHW",
             "vae_scale_factor_temporal": self.vae.scale_factor_temporal(),
-            "scheduler": DPM_SCHEDULER,
+            "scheduler": self.scheduler.class_name,
         });
         self.facts_with(shape, own)
     }
 }
 
 impl CogVideoX {
-    /// Reads the tokenizer, says which scheduler samples where the model names another, and
-    /// checks the draws file against the run's sizes; loads no weights.
+    /// Reads the tokenizer, checks the sampler the scheduler config names (diffusers' class:
+    /// DDIM for the CogVideoX-5b repo) and the draws file against the run's sizes; loads no
+    /// weights.
     fn new(
         configs: CogVideoXConfigs,
         parts: T5Parts<CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>,
         frame: &Frame,
     ) -> Result<Self> {
+        configs.scheduler.validate()?;
         let pipeline = Self::read(configs, parts, frame, Some("CogVideoX"))?;
-        let index: serde_json::Value = Configs::Fetch(&frame.source).read("model_index.json")?;
-        let class = index["scheduler"][1].as_str().unwrap_or(DPM_SCHEDULER);
-        if class != DPM_SCHEDULER {
-            frame.progress.note(&format!(
-                "note: {} names {class}; vidgen samples with {DPM_SCHEDULER} from the same config, as the CogVideoX-5b model card does",
-                frame.source
-            ));
-        }
         pipeline.checking_draws(frame, Self::take_draws)
     }
 
     /// Every draw of a run, in the order diffusers makes them: the initial latents, then each
-    /// step's scheduler noise (the last of the step's draws is the one it uses).
-    fn take_draws(&self, draws: &mut RunDraws, sizes: Sizes) -> Result<(Tensor, Vec<Tensor>)> {
+    /// step's scheduler noise (DPM: the last of the step's draws is the one it uses; DDIM draws
+    /// none).
+    fn take_draws(
+        &self,
+        draws: &mut RunDraws,
+        sizes: Sizes,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
         let shape = self
             .configs
             .latent_shape(sizes.num_frames, sizes.height, sizes.width);
         let steps = sizes.steps as usize;
-        let scheduler = CogVideoXDpmScheduler::new(&self.configs.scheduler, steps)?;
+        let sampler = CogVideoXSampler::new(&self.configs.scheduler, steps)?;
         let latents = draws.take("latents", &shape)?;
         let mut noises = Vec::with_capacity(steps);
         for i in 0..steps {
             let mut last = None;
-            for k in 0..scheduler.draws_at(i) {
+            for k in 0..sampler.draws_at(i) {
                 last = Some(draws.take(&format!("step{i}.scheduler_noise.{k}"), &shape)?);
             }
-            noises.push(last.context("a step without a draw")?);
+            noises.push(last);
         }
         Ok((latents, noises))
     }
@@ -128,7 +123,7 @@ impl TextToVideoStages for CogVideoX {
             self.take_draws(draws, sizes)
         })?;
         let steps = job.num_inference_steps as usize;
-        let mut scheduler = CogVideoXDpmScheduler::new(&self.configs.scheduler, steps)?;
+        let mut scheduler = CogVideoXSampler::new(&self.configs.scheduler, steps)?;
         // init_noise_sigma is 1: the latents are used as drawn.
         let mut latents = latents.to_dtype(dtype)?.to_device(device)?;
         let timesteps = scheduler.timesteps().to_vec();
@@ -148,9 +143,12 @@ impl TextToVideoStages for CogVideoX {
             } else {
                 out
             };
-            let noise = noises[i].to_dtype(DType::F32)?.to_device(device)?;
+            let noise = noises[i]
+                .as_ref()
+                .map(|n| n.to_dtype(DType::F32)?.to_device(device))
+                .transpose()?;
             latents = scheduler
-                .step(&noise_pred, &latents.to_dtype(DType::F32)?, &noise)?
+                .step(&noise_pred, &latents.to_dtype(DType::F32)?, noise.as_ref())?
                 .to_dtype(dtype)?;
             Ok(latents.clone())
         })?;

@@ -3,7 +3,7 @@
 //! Both samplers reproduce diffusers 0.42.1 number for number: the schedule is computed in f64 like
 //! numpy and stored as f32 like the torch tensors, and the per-step scalar arithmetic runs in f32.
 
-pub mod cogvideox_dpm;
+pub mod cogvideox;
 pub mod ddim;
 pub mod euler;
 pub mod euler_ancestral;
@@ -403,12 +403,12 @@ pub const FOLDER: crate::models::source::ModelFolder = crate::models::source::Mo
         (
             "CogVideoXDPMScheduler",
             "scheduler_config.json",
-            cogvideox_dpm::CogVideoXDpmConfig
+            cogvideox::CogVideoXSchedulerConfig
         ),
         (
             "CogVideoXDDIMScheduler",
             "scheduler_config.json",
-            cogvideox_dpm::CogVideoXDpmConfig
+            cogvideox::CogVideoXSchedulerConfig
         ),
     ],
     shipped: &[],

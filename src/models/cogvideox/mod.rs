@@ -4,7 +4,7 @@
 //! 1. Text: the shared T5 v1.1 encoder run **without** a mask; `last_hidden_state` (pads not
 //!    zeroed) is the prompt embedding `[B, L, text_embed_dim]`, every token attended later.
 //! 2. Denoising, latents `[B, F, C, H, W]` (frames before channels), for each timestep of
-//!    [`crate::schedulers::cogvideox_dpm::CogVideoXDpmScheduler`]:
+//!    [`crate::schedulers::cogvideox::CogVideoXDpmScheduler`]:
 //!    [`transformer::CogVideoXTransformer3DModel`] (one batched call over `[negative; positive]`
 //!    when [`guidance::is_guided`]), [`guidance::apply`] with [`guidance::scale_at`], then the
 //!    scheduler's `step` with the last of the step's `draws_at(i)` noise draws.

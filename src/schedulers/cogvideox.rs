@@ -1,24 +1,30 @@
-//! diffusers' `CogVideoXDPMScheduler`: the stochastic DPM-Solver++(2M) SDE sampler that
-//! CogVideoX-5b runs with (v-prediction, zero-terminal-SNR schedule, "trailing" timesteps).
+//! diffusers' two CogVideoX samplers over one schedule (v-prediction, zero-terminal-SNR,
+//! "trailing" timesteps): `CogVideoXDDIMScheduler`, which the CogVideoX-5b repo ships and
+//! diffusers' pipeline runs as loaded, and `CogVideoXDPMScheduler`, the stochastic
+//! DPM-Solver++(2M) SDE sampler its model card swaps in. [`CogVideoXSampler`] is the one a
+//! checkpoint names.
 //!
 //! The schedule is computed in f64 as diffusers keeps it (its `alphas_cumprod` is a float64
 //! tensor); the per-step multipliers are f64 scalars that multiply the f32 latents after rounding
-//! to f32, as torch does for 0-dim tensors. The sampler's random draws are inputs: diffusers
+//! to f32, as torch does for 0-dim tensors. The DPM sampler's random draws are inputs: diffusers
 //! draws one `randn` per step, and a second one in the steps that apply the second-order
-//! correction (only that second draw enters the result); [`CogVideoXDpmScheduler::draws_at`]
+//! correction (only that second draw enters the result); [`CogVideoXSampler::draws_at`]
 //! says how many the generator makes at a step, so a caller replaying a draws file consumes them
-//! in order and hands the last to [`CogVideoXDpmScheduler::step`].
+//! in order and hands the last to [`CogVideoXSampler::step`]. The DDIM sampler draws none.
 
 use anyhow::bail;
 use candle_core::Tensor;
 use serde::Deserialize;
 use std::path::Path;
 
-/// `scheduler/scheduler_config.json` of a `CogVideoXDPMScheduler` (or of the
-/// `CogVideoXDDIMScheduler` the 5b repo ships, same keys), with diffusers' defaults.
+/// `scheduler/scheduler_config.json` of a `CogVideoXDPMScheduler` or a `CogVideoXDDIMScheduler`
+/// (the same keys and defaults).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
-pub struct CogVideoXDpmConfig {
+pub struct CogVideoXSchedulerConfig {
+    /// The sampler: [`CogVideoXSampler::DDIM`] or [`CogVideoXSampler::DPM`] (diffusers' class).
+    #[serde(rename = "_class_name")]
+    pub class_name: String,
     /// Length of the training schedule.
     pub num_train_timesteps: usize,
     /// First beta of the schedule.
@@ -29,7 +35,7 @@ pub struct CogVideoXDpmConfig {
     pub beta_schedule: String,
     /// Explicit betas (not supported).
     pub trained_betas: Option<Vec<f64>>,
-    /// Clipping of x0 (diffusers' DPM step never clips; accepted and ignored like diffusers).
+    /// Clipping of x0 (neither of diffusers' steps clips; accepted and ignored like diffusers).
     pub clip_sample: bool,
     /// ᾱ used past the end of the schedule (`prev_t < 0`): 1 when true, else `ᾱ[0]`.
     pub set_alpha_to_one: bool,
@@ -37,9 +43,9 @@ pub struct CogVideoXDpmConfig {
     pub steps_offset: i64,
     /// `v_prediction` (CogVideoX), `epsilon` or `sample`.
     pub prediction_type: String,
-    /// Ignored by the DPM step (as in diffusers).
+    /// Ignored by both steps (as in diffusers).
     pub clip_sample_range: f64,
-    /// Ignored by the DPM step (as in diffusers).
+    /// Ignored by both steps (as in diffusers).
     pub sample_max_value: f64,
     /// `trailing` (CogVideoX), `leading` or `linspace`.
     pub timestep_spacing: String,
@@ -49,10 +55,11 @@ pub struct CogVideoXDpmConfig {
     pub snr_shift_scale: f64,
 }
 
-impl Default for CogVideoXDpmConfig {
+impl Default for CogVideoXSchedulerConfig {
     fn default() -> Self {
-        // The defaults of `CogVideoXDPMScheduler.__init__`.
+        // The defaults of both samplers' `__init__`.
         Self {
+            class_name: String::new(),
             num_train_timesteps: 1000,
             beta_start: 0.00085,
             beta_end: 0.012,
@@ -71,7 +78,7 @@ impl Default for CogVideoXDpmConfig {
     }
 }
 
-impl CogVideoXDpmConfig {
+impl CogVideoXSchedulerConfig {
     /// Reads a `scheduler_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> anyhow::Result<Self> {
         super::read_config(path.as_ref())
@@ -79,6 +86,14 @@ impl CogVideoXDpmConfig {
 
     /// Rejects configurations this sampler cannot run, with the key at fault.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if ![CogVideoXSampler::DDIM, CogVideoXSampler::DPM].contains(&self.class_name.as_str()) {
+            bail!(
+                "scheduler config: _class_name {:?} cannot sample CogVideoX: use {} or {}",
+                self.class_name,
+                CogVideoXSampler::DDIM,
+                CogVideoXSampler::DPM
+            );
+        }
         super::validate_training_schedule(
             self.num_train_timesteps,
             self.trained_betas.is_some(),
@@ -182,22 +197,19 @@ fn lin2(a: f64, x: &Tensor, b: f64, y: &Tensor) -> candle_core::Result<Tensor> {
     ax + by
 }
 
-/// The CogVideoX DPM sampler with its schedule set for a number of steps. Call
-/// [`Self::step`] once per timestep, in order.
+/// The schedule both samplers step through, set for a number of steps (`set_timesteps`).
 #[derive(Debug, Clone)]
-pub struct CogVideoXDpmScheduler {
-    cfg: CogVideoXDpmConfig,
+struct Schedule {
+    prediction_type: String,
     alphas_cumprod: Vec<f64>,
     final_alpha_cumprod: f64,
     timesteps: Vec<i64>,
-    step_index: usize,
-    /// x0 of the previous step (the second-order term's history).
-    old_pred_original_sample: Option<Tensor>,
+    /// `num_train_timesteps // N`: how far back each step's `prev_t` lies.
+    step_ratio: i64,
 }
 
-impl CogVideoXDpmScheduler {
-    /// Builds the schedule for `num_steps` steps (`set_timesteps`).
-    pub fn new(cfg: &CogVideoXDpmConfig, num_steps: usize) -> anyhow::Result<Self> {
+impl Schedule {
+    fn new(cfg: &CogVideoXSchedulerConfig, num_steps: usize) -> anyhow::Result<Self> {
         cfg.validate()?;
         let alphas_cumprod = cfg.alphas_cumprod();
         let final_alpha_cumprod = if cfg.set_alpha_to_one {
@@ -211,23 +223,93 @@ impl CogVideoXDpmScheduler {
             bail!("scheduler config: timestep {t} falls outside the training schedule (check steps_offset)");
         }
         Ok(Self {
-            cfg: cfg.clone(),
+            prediction_type: cfg.prediction_type.clone(),
             alphas_cumprod,
             final_alpha_cumprod,
+            step_ratio: (cfg.num_train_timesteps / timesteps.len()) as i64,
             timesteps,
+        })
+    }
+
+    /// `prev_t` of step `i`: `t − num_train_timesteps // N` (not the next list entry).
+    fn prev_timestep(&self, i: usize) -> i64 {
+        self.timesteps[i] - self.step_ratio
+    }
+
+    /// ᾱ at `t`, or the final ᾱ for `t < 0`.
+    fn alpha_at(&self, t: i64) -> f64 {
+        if t < 0 {
+            self.final_alpha_cumprod
+        } else {
+            self.alphas_cumprod[t as usize]
+        }
+    }
+
+    /// x0 predicted from the model output at a timestep of ᾱ = `alpha_t`.
+    fn pred_original(
+        &self,
+        alpha_t: f64,
+        model_output: &Tensor,
+        sample: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let beta_t = 1.0 - alpha_t;
+        match self.prediction_type.as_str() {
+            "v_prediction" => lin2(alpha_t.sqrt(), sample, -beta_t.sqrt(), model_output),
+            "epsilon" => {
+                let scaled = model_output.affine(f64::from(beta_t.sqrt() as f32), 0.0)?;
+                let divisor = Tensor::new(alpha_t.sqrt() as f32, sample.device())?
+                    .to_dtype(sample.dtype())?;
+                (sample - scaled)?.broadcast_div(&divisor)
+            }
+            _ => Ok(model_output.clone()),
+        }
+    }
+}
+
+/// The sampler a CogVideoX checkpoint names (`model_index.json`'s scheduler class), with its
+/// schedule set for a number of steps. Call [`Self::step`] once per timestep, in order.
+#[derive(Debug, Clone)]
+pub struct CogVideoXSampler {
+    schedule: Schedule,
+    /// Whether it is the DPM sampler (else DDIM).
+    dpm: bool,
+    step_index: usize,
+    /// x0 of the previous step (the DPM sampler's second-order history).
+    old_pred_original_sample: Option<Tensor>,
+}
+
+impl CogVideoXSampler {
+    /// diffusers' class name of the DPM sampler.
+    pub const DPM: &'static str = "CogVideoXDPMScheduler";
+    /// diffusers' class name of the DDIM sampler.
+    pub const DDIM: &'static str = "CogVideoXDDIMScheduler";
+
+    /// The sampler the config names (`_class_name`) for `num_steps` steps (`set_timesteps`).
+    pub fn new(cfg: &CogVideoXSchedulerConfig, num_steps: usize) -> anyhow::Result<Self> {
+        Ok(Self {
+            schedule: Schedule::new(cfg, num_steps)?,
+            dpm: cfg.class_name == Self::DPM,
             step_index: 0,
             old_pred_original_sample: None,
         })
     }
 
+    /// diffusers' class name of this sampler.
+    pub fn class(&self) -> &'static str {
+        match self.dpm {
+            true => Self::DPM,
+            false => Self::DDIM,
+        }
+    }
+
     /// The timesteps handed to the transformer, one per step (int64 in diffusers).
     pub fn timesteps(&self) -> &[i64] {
-        &self.timesteps
+        &self.schedule.timesteps
     }
 
     /// ᾱ of every training timestep (f64, as diffusers keeps it).
     pub fn alphas_cumprod(&self) -> &[f64] {
-        &self.alphas_cumprod
+        &self.schedule.alphas_cumprod
     }
 
     /// The initial noise is used as drawn (diffusers' `init_noise_sigma`).
@@ -240,19 +322,19 @@ impl CogVideoXDpmScheduler {
         self.step_index
     }
 
-    /// `prev_t` of step `i`: `t − num_train_timesteps // N` (not the next list entry).
-    fn prev_timestep(&self, i: usize) -> i64 {
-        self.timesteps[i] - (self.cfg.num_train_timesteps / self.timesteps.len()) as i64
-    }
-
-    /// How many `randn` draws diffusers' step `i` makes from the pipeline generator: 2 when it
-    /// applies the second-order correction (a previous x0 exists and `prev_t ≥ 0`), else 1.
-    /// Only the last one enters the result.
+    /// How many `randn` draws diffusers' step `i` makes from the pipeline generator. DPM: 2
+    /// when it applies the second-order correction (a previous x0 exists and `prev_t ≥ 0`),
+    /// else 1, of which only the last enters the result. DDIM: none.
     pub fn draws_at(&self, i: usize) -> usize {
-        if i > 0 && i < self.timesteps.len() && self.prev_timestep(i) >= 0 {
-            2
-        } else {
-            1
+        match self.dpm {
+            false => 0,
+            true if i > 0
+                && i < self.schedule.timesteps.len()
+                && self.schedule.prev_timestep(i) >= 0 =>
+            {
+                2
+            }
+            true => 1,
         }
     }
 
@@ -261,73 +343,63 @@ impl CogVideoXDpmScheduler {
         self.old_pred_original_sample.as_ref()
     }
 
-    /// ᾱ at `t`, or the final ᾱ for `t < 0`.
-    fn alpha_at(&self, t: i64) -> f64 {
-        if t < 0 {
-            self.final_alpha_cumprod
-        } else {
-            self.alphas_cumprod[t as usize]
-        }
-    }
-
-    /// Advances `sample` by one step given the model output at the current timestep and the
-    /// step's noise (the last of its [`Self::draws_at`] draws, shaped like `sample`).
+    /// Advances `sample` by one step given the model output at the current timestep and, for
+    /// the DPM sampler, the step's noise (the last of its [`Self::draws_at`] draws, shaped like
+    /// `sample`).
     pub fn step(
         &mut self,
         model_output: &Tensor,
         sample: &Tensor,
-        noise: &Tensor,
+        noise: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let i = self.step_index;
-        let steps = self.timesteps.len();
+        let s = &self.schedule;
+        let steps = s.timesteps.len();
         if i >= steps {
-            candle_core::bail!(
-                "CogVideoX DPM: all {steps} steps of the schedule were already taken"
-            );
+            candle_core::bail!("CogVideoX: all {steps} steps of the schedule were already taken");
         }
-        if noise.dims() != sample.dims() || model_output.dims() != sample.dims() {
+        if model_output.dims() != sample.dims() || noise.is_some_and(|n| n.dims() != sample.dims())
+        {
             candle_core::bail!(
-                "CogVideoX DPM: model output {:?}, sample {:?} and noise {:?} differ in shape",
+                "CogVideoX: model output {:?}, sample {:?} and noise {:?} differ in shape",
                 model_output.dims(),
                 sample.dims(),
-                noise.dims()
+                noise.map(Tensor::dims)
             );
         }
-        let t = self.timesteps[i];
-        let prev_t = self.prev_timestep(i);
-        let alpha_t = self.alpha_at(t);
-        let alpha_prev = self.alpha_at(prev_t);
-        let beta_t = 1.0 - alpha_t;
-
-        let pred_original = match self.cfg.prediction_type.as_str() {
-            "v_prediction" => lin2(alpha_t.sqrt(), sample, -beta_t.sqrt(), model_output)?,
-            "epsilon" => {
-                let scaled = model_output.affine(f64::from(beta_t.sqrt() as f32), 0.0)?;
-                let divisor = Tensor::new(alpha_t.sqrt() as f32, sample.device())?
-                    .to_dtype(sample.dtype())?;
-                (sample - scaled)?.broadcast_div(&divisor)?
-            }
-            _ => model_output.clone(),
+        let t = s.timesteps[i];
+        let prev_t = s.prev_timestep(i);
+        let alpha_t = s.alpha_at(t);
+        let alpha_prev = s.alpha_at(prev_t);
+        let pred_original = s.pred_original(alpha_t, model_output, sample)?;
+        let prev_sample = if self.dpm {
+            let Some(noise) = noise else {
+                candle_core::bail!("CogVideoX DPM: step {i} needs its noise draw")
+            };
+            let lamb = lambda(alpha_t);
+            let h = lambda(alpha_prev) - lamb;
+            let mult1 = ((1.0 - alpha_prev) / (1.0 - alpha_t)).sqrt() * (-h).exp();
+            let mult2 = (-2.0 * h).exp_m1() * alpha_prev.sqrt();
+            let mult_noise = (1.0 - alpha_prev).sqrt() * (1.0 - (-2.0 * h).exp()).sqrt();
+            let denoised = match &self.old_pred_original_sample {
+                Some(old) if prev_t >= 0 && i > 0 => {
+                    let h_last = lamb - lambda(s.alpha_at(s.timesteps[i - 1]));
+                    let r = h_last / h;
+                    let mult3 = 1.0 + 1.0 / (2.0 * r);
+                    let mult4 = 1.0 / (2.0 * r);
+                    lin2(mult3, &pred_original, -mult4, old)?
+                }
+                _ => pred_original.clone(),
+            };
+            (lin2(mult1, sample, -mult2, &denoised)?
+                + noise.affine(f64::from(mult_noise as f32), 0.0)?)?
+        } else {
+            // DDIM at eta 0: x_prev = a·x + b·x0 with a = √((1 − ᾱ_prev)/(1 − ᾱ_t)),
+            // b = √ᾱ_prev − √ᾱ_t·a (0-dim f64 tensors in diffusers).
+            let a = ((1.0 - alpha_prev) / (1.0 - alpha_t)).sqrt();
+            let b = alpha_prev.sqrt() - alpha_t.sqrt() * a;
+            lin2(a, sample, b, &pred_original)?
         };
-
-        let lamb = lambda(alpha_t);
-        let h = lambda(alpha_prev) - lamb;
-        let mult1 = ((1.0 - alpha_prev) / (1.0 - alpha_t)).sqrt() * (-h).exp();
-        let mult2 = (-2.0 * h).exp_m1() * alpha_prev.sqrt();
-        let mult_noise = (1.0 - alpha_prev).sqrt() * (1.0 - (-2.0 * h).exp()).sqrt();
-
-        let denoised = match &self.old_pred_original_sample {
-            Some(old) if prev_t >= 0 && i > 0 => {
-                let h_last = lamb - lambda(self.alpha_at(self.timesteps[i - 1]));
-                let r = h_last / h;
-                let mult3 = 1.0 + 1.0 / (2.0 * r);
-                let mult4 = 1.0 / (2.0 * r);
-                lin2(mult3, &pred_original, -mult4, old)?
-            }
-            _ => pred_original.clone(),
-        };
-        let prev_sample = (lin2(mult1, sample, -mult2, &denoised)?
-            + noise.affine(f64::from(mult_noise as f32), 0.0)?)?;
         self.old_pred_original_sample = Some(pred_original);
         self.step_index += 1;
         Ok(prev_sample)
