@@ -77,6 +77,24 @@ def hunyuan_template(pipe):
     return {"prompt_template": {"template": template, "crop_start": crop_start}}
 
 
+def ltx_noise_on_cpu(pipe):
+    """LTX-Video's decoder adds `torch.randn` noise from the global generator of the VAE's device: on a GPU that
+    is CUDA's Philox stream (its values depend on the launch), which no other program reproduces. diffusers then
+    draws it as on the CPU, where vidgen draws it on every device: f32 from the CPU's global generator, cast and
+    moved (the call's `torch.manual_seed` seeds both)."""
+    from diffusers.models.autoencoders import autoencoder_kl_ltx
+
+    class CpuRandn:  # the module's `torch`, whose randn draws on the CPU
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def randn(*shape, generator=None, device=None, dtype=None):
+            return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+    autoencoder_kl_ltx.torch = CpuRandn()
+    return {}
+
+
 def allegro_tiles(pipe):
     """Allegro's VAE decodes in tiles only: diffusers raises without enable_tiling(), vidgen always tiles."""
     pipe.vae.enable_tiling()
@@ -85,7 +103,7 @@ def allegro_tiles(pipe):
 
 # clean_caption=False: the lower-cased, stripped prompt vidgen encodes, without depending on beautifulsoup4.
 FAMILIES = {
-    "ltx-video": Family("ltx-video-tiny-a", (161, 512, 704), (9, 64, 64), 3.0, 128),
+    "ltx-video": Family("ltx-video-tiny-a", (161, 512, 704), (9, 64, 64), 3.0, 128, prepare=ltx_noise_on_cpu),
     "cogvideox-5b": Family("cogvideox-tiny-a", (49, 480, 720), (17, 32, 48), 6.0, 226),
     "hunyuanvideo": Family("hunyuanvideo-tiny-a", (129, 720, 1280), (17, 32, 48), 6.0, 256,
                            prepare=hunyuan_template),
@@ -569,6 +587,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny fixture configs, f32, tiny size")
     ap.add_argument("--configs", help="with --quick: the configs and tokenizers to write the checkpoint from, in "
                                       "place of the tiny fixture's (e.g. the published ones with fewer layers)")
+    ap.add_argument("--size", help="F,H,W in place of the family's (its call defaults; --quick: the tiny size)")
+    ap.add_argument("--max-seq", type=int, help="the text length in place of the family's (--quick: 16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="run dtype (default bf16; --quick f32)")
     ap.add_argument("--reps", type=int, default=1, help="diffusers calls after one load (the first is reported)")
     ap.add_argument("--vidgen-modes", default="default,resident", help=f"of {sorted(VIDGEN_MODES)}")
@@ -603,8 +623,8 @@ def main():
         "guidance": 1.0 if a.fewstep else fam.guidance, "fewstep": a.fewstep, "loras": a.lora,
         "device": "cpu" if a.quick else "cuda", "dtype": DTYPES[dtype], "vidgen_dtype": dtype,
         "vae_dtype": fam.vae_dtype if dtype != "f32" else None,
-        "size": fam.tiny if a.quick else fam.size,
-        "max_seq": None if fam.max_seq is None else (QUICK_MAX_SEQ if a.quick else fam.max_seq),
+        "size": tuple(map(int, a.size.split(","))) if a.size else fam.tiny if a.quick else fam.size,
+        "max_seq": None if fam.max_seq is None else a.max_seq or (QUICK_MAX_SEQ if a.quick else fam.max_seq),
         "output_type": "png" if fam.frames_kwarg is None else "safetensors",
         "vae_tiling": a.vae_tiling, "videos": a.videos,
     }

@@ -11,6 +11,9 @@
 #     down; PEERS= names the families whose diffusers decode runs (default: all); NCU=1 adds a
 #     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=); VAE_DECODE= runs another
 #     build of the example (a patch's, beside HEAD's in one call).
+# (d) HOST_CHECK=1 runs only this: each family's decode at the published widths on a small latent, on the GPU
+#     in bf16 and in f32 against the host's f32 decode of the same weights and latents (the device kernels'
+#     error at full width, where the fixtures' tiny widths miss whole channel tiles).
 # diffusers comes from the wheel carried in .whl (python3 -m pip download --no-deps diffusers==0.42.1 -d .whl).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
@@ -31,6 +34,24 @@ small() { case $1 in ltx-video) echo 1,128,3,8,11;; cogvideox-5b) echo 1,16,3,30
   mochi-1) echo 1,12,3,30,53;; hunyuanvideo) echo 1,16,5,30,40;; esac; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+if [ "${HOST_CHECK:-0}" = 1 ]; then
+  for f in $FAMILIES; do
+    el "$f: GPU bf16 and f32 against the host's f32"
+    case $f in ltx-video) z=1,128,3,6,7;; *) z=1,$( [ $f = mochi-1 ] && echo 12 || echo 16),3,6,7;; esac
+    timeout 240 "$V" --family "$f" $z --f32 --cpu --save "$OUT/$f-host.st" | tee -a "$OUT/log.jsonl"
+    "$V" --family "$f" $z --f32 --save "$OUT/$f-f32.st" | tee -a "$OUT/log.jsonl"
+    "$V" --family "$f" $z --save "$OUT/$f-bf16.st" | tee -a "$OUT/log.jsonl"
+    python3 - "$OUT/$f-host.st" "$OUT/$f-f32.st" "$OUT/$f-bf16.st" <<'PY' 2>&1 | tee -a "$OUT/log.jsonl"
+import sys, json
+from safetensors.torch import load_file
+host, f32, bf16 = (load_file(p)["video"] for p in sys.argv[1:4])
+d = lambda a: {"max_abs": float((a - host).abs().max()), "mean_abs": float((a - host).abs().mean())}
+print(json.dumps({"host_mean_abs": float(host.abs().mean()), "gpu_f32_vs_host": d(f32), "gpu_bf16_vs_host": d(bf16)}))
+PY
+    rm -f "$OUT"/$f-*.st
+  done
+  el done; exit 0
+fi
 [ "${SMALL:-1}" = 1 ] && for f in $FAMILIES; do
   el "$f small: fused vs candle norms"
   "$V" --family "$f" "$(small "$f")" --save "$OUT/$f-fused.st" 2>&1 | tee -a "$OUT/log.jsonl"
