@@ -598,6 +598,9 @@ def main():
     ap.add_argument("--lora", action="append", default=[], help="a LoRA file merged by vidgen (repeatable); "
                     "diffusers then does not run (its PEFT loading is another measurement)")
     ap.add_argument("--skip-diffusers", action="store_true", help="vidgen's runs only")
+    ap.add_argument("--diffusers-frames", metavar="NPY", help="diffusers' frames are saved here (float16) or, where "
+                    "the file exists, compared with it (e.g. its bf16 run against its f32 one: what rounding alone "
+                    "moves)")
     ap.add_argument("--videos", default="/tmp/vidgen-e2e-videos", help="vidgen's outputs (removed once compared)")
     ap.add_argument("--table", metavar="DIR", help="print the markdown table of DIR's results and exit")
     a = ap.parse_args()
@@ -665,6 +668,14 @@ def main():
     reference = None
     if not (a.lora or a.skip_diffusers):
         res["diffusers"], reference = run_diffusers(fam, ckpt, run, a.reps)
+        if a.diffusers_frames and reference is not None:
+            import numpy as np
+            if os.path.exists(a.diffusers_frames):
+                d = np.abs(np.asarray(reference, dtype=np.float32) - np.load(a.diffusers_frames).astype(np.float32))
+                res["diffusers"]["frames_vs_saved"] = {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
+                log("diffusers frames vs", a.diffusers_frames, res["diffusers"]["frames_vs_saved"])
+            else:
+                np.save(a.diffusers_frames, np.asarray(reference, dtype=np.float16))
         res["diffusers_max_rss_gib"] = peak_rss_gib()
         res["diffusers"].update(time_text_load(ckpt, run))
     res["vidgen"] = {}
