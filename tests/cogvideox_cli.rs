@@ -170,7 +170,9 @@ fn dry_run_plans_the_fixture_and_the_published_model() {
         json!([1, 13, 16, 60, 90]),
         "{plan}"
     );
-    // The sampler each checkpoint names: the published repo's DDIM, the fixture's DPM.
+    // The sampler each checkpoint names: the published repo's DDIM, the fixture's DPM; the
+    // configuration echoes no `--scheduler` (it picks none of them).
+    assert!(plan["config"].get("scheduler").is_none(), "{plan}");
     assert_eq!(
         plan["model"]["scheduler"], "CogVideoXDDIMScheduler",
         "{plan}"

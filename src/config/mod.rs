@@ -202,6 +202,9 @@ pub struct ModelDefaults {
     pub frame_rule: Option<FrameRule>,
     /// The sampler the published pipeline ships with.
     pub scheduler: Option<SchedulerKind>,
+    /// The model samples with its own scheduler (`--scheduler` picks none of it): the reports
+    /// leave `scheduler` out rather than echo a sampler that does not run.
+    pub own_sampler: bool,
     /// The model makes one image, not a video (FLUX.1): `--output-type` defaults to `png`,
     /// written as one file `NAME.png`.
     pub image: bool,
@@ -246,6 +249,11 @@ impl Echo {
         if let Some((_, old)) = self.0.iter_mut().find(|(k, _)| k == key) {
             *old = serde_json::to_value(value).expect("option values serialize");
         }
+    }
+
+    /// Leaves `key` out of the reports (an option the model has no use for).
+    fn remove(&mut self, key: &str) {
+        self.0.retain(|(k, _)| k != key);
     }
 }
 
@@ -304,6 +312,9 @@ impl ResolvedConfig {
             guidance_scale: self.resolved.video.guidance_scale,
             scheduler: self.resolved.generation.scheduler
         );
+        if defaults.own_sampler {
+            self.resolved.echo.remove("scheduler");
+        }
         if defaults.image {
             if !self.resolved.given.contains("output_type") {
                 self.resolved.echo.set("output_type", OutputType::Png);

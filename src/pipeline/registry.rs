@@ -329,9 +329,14 @@ pub trait Family {
     fn title(&self) -> &'static str {
         self.about().title
     }
-    /// The published pipeline's call defaults ([`About::defaults`]).
+    /// The published pipeline's call defaults ([`About::defaults`]), saying whether it samples
+    /// with its own scheduler.
     fn defaults(&self) -> ModelDefaults {
-        self.about().defaults
+        let about = self.about();
+        ModelDefaults {
+            own_sampler: about.schedulers.is_empty(),
+            ..about.defaults
+        }
     }
     /// The first value the user gave that this model cannot take (a size it cannot patch, a
     /// missing input file), as one line saying why (a run and a dry run refuse it as bad
