@@ -69,14 +69,12 @@ fn schedule_matches_diffusers() {
     assert!(CogVideoXSampler::new(&cfg, 1001).is_err());
 }
 
-#[test]
-fn four_step_loop_matches_diffusers() {
-    let cfg = config();
-    let r = common::named_reference(FIXTURE, "scheduler");
-    let mut sched = CogVideoXSampler::new(&cfg, 4).unwrap();
+/// Four steps of `sched` through reference `r`'s `loop4` (its stored model outputs, and the
+/// draws of each step that `draws_at` names), each step's x0 and sample checked.
+fn four_step_loop(mut sched: CogVideoXSampler, r: &HashMap<String, Tensor>) {
     let mut x = r["loop4.sample_0"].clone();
     for i in 0..4 {
-        let noise = draws(&r, &format!("loop4.noise_{i}"));
+        let noise = draws(r, &format!("loop4.noise_{i}"));
         assert_eq!(noise.len(), sched.draws_at(i), "draws of step {i}");
         let model_output = &r[&format!("loop4.model_output_{i}")];
         x = sched.step(model_output, &x, noise.last()).unwrap();
@@ -95,6 +93,12 @@ fn four_step_loop_matches_diffusers() {
     assert!(extra.is_err(), "a step past the schedule is refused");
 }
 
+#[test]
+fn four_step_loop_matches_diffusers() {
+    let r = common::named_reference(FIXTURE, "scheduler");
+    four_step_loop(CogVideoXSampler::new(&config(), 4).unwrap(), &r);
+}
+
 /// The tiny fixture's config as the CogVideoX-5b repo names it.
 fn ddim(cfg: CogVideoXSchedulerConfig) -> CogVideoXSchedulerConfig {
     CogVideoXSchedulerConfig {
@@ -103,28 +107,13 @@ fn ddim(cfg: CogVideoXSchedulerConfig) -> CogVideoXSchedulerConfig {
     }
 }
 
+/// The DDIM sampler draws nothing (its reference holds no `loop4.noise_*`).
 #[test]
 fn ddim_four_step_loop_matches_diffusers() {
     let r = common::named_reference("cogvideox-ddim", "ddim");
-    let mut sched = CogVideoXSampler::new(&ddim(config()), 4).unwrap();
+    let sched = CogVideoXSampler::new(&ddim(config()), 4).unwrap();
     assert_eq!(sched.timesteps(), ints(&r["loop4.timesteps"]));
-    let mut x = r["loop4.sample_0"].clone();
-    for i in 0..4 {
-        assert_eq!(sched.draws_at(i), 0, "DDIM draws nothing at step {i}");
-        x = sched
-            .step(&r[&format!("loop4.model_output_{i}")], &x, None)
-            .unwrap();
-        check(
-            &format!("loop4.pred_original_sample_{i}"),
-            sched.pred_original_sample().unwrap(),
-            &r[&format!("loop4.pred_original_sample_{i}")],
-        );
-        check(
-            &format!("loop4.sample_{}", i + 1),
-            &x,
-            &r[&format!("loop4.sample_{}", i + 1)],
-        );
-    }
+    four_step_loop(sched, &r);
 }
 
 /// The pipeline's denoising loop on the stored transformer outputs: guidance, then the sampler
