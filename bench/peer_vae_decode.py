@@ -16,6 +16,7 @@ DEFAULT = {
     "cogvideox-5b": [1, 16, 13, 60, 90],
     "hunyuanvideo": [1, 16, 33, 90, 160],
     "mochi-1": [1, 12, 15, 60, 106],
+    "latte-1": [1, 4, 16, 64, 64],
 }
 
 family = sys.argv[1]
@@ -35,6 +36,9 @@ if getattr(vae.config, "timestep_conditioning", False):
 
 def decode(x):
     with torch.no_grad():
+        if family == "latte-1":  # LattePipeline.decode_latents: the frames as images, 14 at a time
+            x = x.permute(0, 2, 1, 3, 4).flatten(0, 1)
+            return torch.cat([vae.decode(x[i:i + 14]).sample for i in range(0, x.shape[0], 14)])
         return vae.decode(x, return_dict=False, **kwargs)[0]
 
 

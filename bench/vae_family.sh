@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every causal-conv family's VAE decode (issue 34 item 1) in ONE device call, vidgen and diffusers:
+# Every video family's VAE decode (issue 34 item 1: the causal-conv ones and Latte-1's image VAE) in ONE device call, vidgen and diffusers:
 #   here:   CUDA build of vidgen's example: strip + xz into .device/vae_decode.xz
 #   device: run(carry: [".device"], command: "bash bench/vae_family.sh", timeout_s: 600)
 # (a) the fused norms against the candle compositions (VIDGEN_FUSED_NORMS=off) on a small decode
@@ -29,15 +29,15 @@ else
   xz -dc .device/vae_decode.xz > "$B/vae_decode" && chmod +x "$B/vae_decode"
   V="$B/vae_decode"
 fi
-FAMILIES=${FAMILIES:-"ltx-video cogvideox-5b mochi-1 hunyuanvideo"}
+FAMILIES=${FAMILIES:-"ltx-video cogvideox-5b mochi-1 hunyuanvideo latte-1"}
 small() { case $1 in ltx-video) echo 1,128,3,8,11;; cogvideox-5b) echo 1,16,3,30,45;;
-  mochi-1) echo 1,12,3,30,53;; hunyuanvideo) echo 1,16,5,30,40;; esac; }
+  mochi-1) echo 1,12,3,30,53;; hunyuanvideo) echo 1,16,5,30,40;; latte-1) echo 1,4,4,32,32;; esac; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 if [ "${HOST_CHECK:-0}" = 1 ]; then
   for f in $FAMILIES; do
     el "$f: GPU bf16 and f32 against the host's f32"
-    case $f in ltx-video) z=1,128,3,6,7;; *) z=1,$( [ $f = mochi-1 ] && echo 12 || echo 16),3,6,7;; esac
+    case $f in ltx-video) c=128;; mochi-1) c=12;; latte-1) c=4;; *) c=16;; esac; z=1,$c,3,6,7
     timeout 240 "$V" --family "$f" $z --f32 --cpu --save "$OUT/$f-host.st" | tee -a "$OUT/log.jsonl"
     "$V" --family "$f" $z --f32 --save "$OUT/$f-f32.st" | tee -a "$OUT/log.jsonl"
     "$V" --family "$f" $z --save "$OUT/$f-bf16.st" | tee -a "$OUT/log.jsonl"
