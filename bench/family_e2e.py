@@ -26,8 +26,10 @@ Usage (GPU machine; bench/family_e2e.sh runs several families in one device call
 components sharded as the full-size ones are), on the CPU in f32, and runs both programs at the fixture's tiny
 size with 2 steps: on the CPU in f32 the two programs' frames agree to about 1e-5, which checks that both made the
 same thing. (`--quick --dtype bf16` runs diffusers' bf16 path too; vidgen's CPU backend has no bf16 convolution,
-so only Wan, whose VAE runs in f32, decodes there.) `--quick --configs DIR` writes it from DIR's configs instead:
-the published ones (assets/<family>) with fewer layers run every width of the full-size model on the CPU.
+so only Wan, whose VAE runs in f32, decodes there.) `--quick --configs DIR` writes it from DIR's configs instead;
+`--quick --published-layers N` from the published ones (assets/<family>) with N layers in each transformer stack and
+one in each text encoder (three in Llama, whose third-from-last hidden state HunyuanVideo reads): every width of the
+full-size model, on the CPU (session 42: every family within 3e-5 of diffusers this way).
 The ratio in the table is vidgen's whole process (start-up, CUDA context, loads, stages, writing the file) over
 diffusers' from_pretrained + .to(cuda) + its call (its interpreter, imports and CUDA context are not counted).
 """
@@ -65,6 +67,7 @@ class Family:
     vae_dtype: torch.dtype | None = None      # where the pipeline's usage loads the VAE in another dtype
     call: dict = field(default_factory=dict)  # more diffusers call kwargs
     prepare: object = None    # set-up of the loaded diffusers pipeline, returning call kwargs computed from it
+    published_tiny: tuple | None = None  # --published-layers' size where the published config refuses `tiny`
 
 
 def hunyuan_template(pipe):
@@ -109,9 +112,9 @@ FAMILIES = {
                            prepare=hunyuan_template),
     "mochi-1": Family("mochi-tiny-a", (19, 480, 848), (13, 32, 48), 4.5, 256),
     "allegro": Family("allegro-tiny-a", (88, 720, 1280), (24, 64, 64), 7.5, 512, call={"clean_caption": False},
-                      prepare=allegro_tiles),
+                      prepare=allegro_tiles, published_tiny=(24, 320, 320)),  # whole VAE tiles
     "latte-1": Family("latte-tiny-a", (16, 512, 512), (5, 32, 48), 7.5, None, frames_kwarg="video_length",
-                      call={"clean_caption": False}),
+                      call={"clean_caption": False}, published_tiny=(16, 32, 48)),  # its 16-frame position table
     "flux.1-dev": Family("flux-tiny-a", (1, 1024, 1024), (1, 48, 64), 3.5, 512, frames_kwarg=None),
     "wan2.1-t2v-1.3b": Family("wan-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
     "wan2.1-t2v-14b": Family("wan-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
@@ -167,6 +170,24 @@ def fill_(model, seed, device):
             amplitude = (3.0 / max(1, p[0].numel())) ** 0.5 if p.ndim >= 2 and not table else 0.05
             u = torch.rand(p.shape, generator=g, device=device, dtype=torch.float32)
             p.copy_((u * 2 - 1) * amplitude)
+
+
+def cut_layers(src, dest, layers):
+    """`src`'s configs and tokenizers copied to `dest` with `layers` layers in each transformer stack and one in
+    each text encoder (three in Llama); returns `dest`."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src, dest)
+    for component in sorted(os.listdir(dest)):
+        path = os.path.join(dest, component, "config.json")
+        if not os.path.exists(path):
+            continue
+        cfg = json.load(open(path))
+        text = component.startswith("text_encoder")
+        for key in ("num_layers", "num_single_layers", "num_decoder_layers", "num_hidden_layers"):
+            if isinstance(cfg.get(key), int):
+                cfg[key] = (3 if cfg.get("model_type") == "llama" else 1) if text else layers
+        json.dump(cfg, open(path, "w"), indent=1)
+    return dest
 
 
 def write_checkpoint(src, dest, dtype, vae_dtype, device, shard_size):
@@ -587,6 +608,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny fixture configs, f32, tiny size")
     ap.add_argument("--configs", help="with --quick: the configs and tokenizers to write the checkpoint from, in "
                                       "place of the tiny fixture's (e.g. the published ones with fewer layers)")
+    ap.add_argument("--published-layers", type=int, metavar="N", help="with --quick: the published configs with N "
+                    "transformer layers per stack and one text-encoder layer (see above)")
     ap.add_argument("--size", help="F,H,W in place of the family's (its call defaults; --quick: the tiny size)")
     ap.add_argument("--max-seq", type=int, help="the text length in place of the family's (--quick: 16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="run dtype (default bf16; --quick f32)")
@@ -626,7 +649,8 @@ def main():
         "guidance": 1.0 if a.fewstep else fam.guidance, "fewstep": a.fewstep, "loras": a.lora,
         "device": "cpu" if a.quick else "cuda", "dtype": DTYPES[dtype], "vidgen_dtype": dtype,
         "vae_dtype": fam.vae_dtype if dtype != "f32" else None,
-        "size": tuple(map(int, a.size.split(","))) if a.size else fam.tiny if a.quick else fam.size,
+        "size": tuple(map(int, a.size.split(","))) if a.size else fam.size if not a.quick
+        else fam.published_tiny or fam.tiny if a.published_layers else fam.tiny,
         "max_seq": None if fam.max_seq is None else a.max_seq or (QUICK_MAX_SEQ if a.quick else fam.max_seq),
         "output_type": "png" if fam.frames_kwarg is None else "safetensors",
         "vae_tiling": a.vae_tiling, "videos": a.videos,
@@ -637,12 +661,17 @@ def main():
            "versions": {"vidgen": vidgen_version, "diffusers": diffusers.__version__,
                         "transformers": transformers.__version__, "torch": torch.__version__},
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    if a.configs and not a.quick:
-        ap.error("--configs goes with --quick")
+    if (a.configs or a.published_layers) and not a.quick:
+        ap.error("--configs and --published-layers go with --quick")
+    if a.published_layers:
+        a.configs = cut_layers(os.path.join(ROOT, "assets", a.family), os.path.join(a.out, "configs"),
+                               a.published_layers)
     src = (a.configs or os.path.join(ROOT, "tests", "fixtures", fam.fixture)) if a.quick \
         else os.path.join(ROOT, "assets", a.family)
     root = a.ckpt_root or ("/tmp/vidgen-e2e-quick" if a.quick else "/dev/shm/vidgen-e2e")
-    ckpt = os.path.join(root, a.family + ("-tiny" if a.quick else "") + ("" if dtype == "bf16" else "-" + dtype))
+    made_from = f"-published{a.published_layers}" if a.published_layers else "-configs" if a.configs else ""
+    ckpt = os.path.join(root, a.family + ("-tiny" + made_from if a.quick else "")
+                        + ("" if dtype == "bf16" else "-" + dtype))
     res["checkpoint"] = {"path": ckpt, "from": os.path.relpath(src, ROOT),
                          **write_checkpoint(src, ckpt, run["dtype"], run["vae_dtype"], run["device"],
                                             shard_size="100KB" if a.quick else "10GB")}

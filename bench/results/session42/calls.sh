@@ -4,6 +4,8 @@
 #      parity fixes: diffusers' LTX decoder noise drawn on the CPU, CogVideoX sampling with the checkpoint's DDIM.
 #   2: Mochi-1's bf16 frames: diffusers' own bf16 against its f32 (what rounding alone moves at full size), and
 #      vidgen's bf16 against diffusers' bf16.
+#   3: Latte-1's decode (level with diffusers' in call 4: 0.34 against 0.33 s) beside diffusers', with a per-kernel
+#      profile of a small decode (.device/vae_decode.xz at this session's last commit).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -19,5 +21,6 @@ case $1 in
      rm -rf /dev/shm/vidgen-e2e/mochi-1*
      el "mochi-1 bf16: diffusers against its f32 frames, vidgen against diffusers"
      e2e 280 --family mochi-1 --out $OUT/bf16 --diffusers-frames /dev/shm/mochi-f32.npy;;
+  3) FAMILIES=latte-1 NCU=1 UNFUSED=0 OUT=$OUT/vae bash bench/vae_family.sh 2>&1 | tail -40;;
 esac
 el done
