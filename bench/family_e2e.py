@@ -29,7 +29,8 @@ same thing. (`--quick --dtype bf16` runs diffusers' bf16 path too; vidgen's CPU 
 so only Wan, whose VAE runs in f32, decodes there.) `--quick --configs DIR` writes it from DIR's configs instead;
 `--quick --published-layers N` from the published ones (assets/<family>) with N layers in each transformer stack and
 one in each text encoder (three in Llama, whose third-from-last hidden state HunyuanVideo reads): every width of the
-full-size model, on the CPU (session 42: every family within 3e-5 of diffusers this way).
+full-size model, on the CPU (session 42: every video family within 3e-5 of diffusers this way, FLUX.1 within its
+PNG's uint8 rounding).
 The ratio in the table is vidgen's whole process (start-up, CUDA context, loads, stages, writing the file) over
 diffusers' from_pretrained + .to(cuda) + its call (its interpreter, imports and CUDA context are not counted).
 """
