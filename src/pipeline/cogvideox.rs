@@ -61,15 +61,14 @@ impl Family for CogVideoXConfigs {
 }
 
 impl CogVideoX {
-    /// Reads the tokenizer, checks the sampler the scheduler config names (diffusers' class:
-    /// DDIM for the CogVideoX-5b repo) and the draws file against the run's sizes; loads no
-    /// weights.
+    /// Reads the tokenizer and checks the draws file against the run's sizes; loads no weights.
+    /// (The sampler the scheduler config names was checked with every config as the model was
+    /// read.)
     fn new(
         configs: CogVideoXConfigs,
         parts: T5Parts<CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>,
         frame: &Frame,
     ) -> Result<Self> {
-        configs.scheduler.validate()?;
         let pipeline = Self::read(configs, parts, frame, Some("CogVideoX"))?;
         pipeline.checking_draws(frame, Self::take_draws)
     }
