@@ -9,7 +9,7 @@
 #     each family tiled as its `--vae-tiling` tiles;
 # (c) FAMILIES=, SMALL=0 (skip a), UNFUSED=0 (skip the candle norms at default size) narrow it
 #     down; PEERS= names the families whose diffusers decode runs (default: all); NCU=1 adds a
-#     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=); VAE_DECODE= runs another
+#     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=; NCU_SHAPE=b,c,f,h,w another latent shape); VAE_DECODE= runs another
 #     build of the example (a patch's, beside HEAD's in one call).
 # (d) HOST_CHECK=1 runs only this: each family's decode at the published widths on a small latent, on the GPU
 #     in bf16 and in f32 against the host's f32 decode of the same weights and latents (the device kernels'
@@ -78,7 +78,7 @@ if [ "${NCU:-0}" = 1 ]; then
   for f in ${NCU_FAMILIES:-$FAMILIES}; do
     el "$f ncu"
     timeout 200 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
-      "$V" --family "$f" "$(small "$f")" > "$OUT/ncu-$f.csv" 2> "$OUT/ncu-$f.err"
+      "$V" --family "$f" "${NCU_SHAPE:-$(small "$f")}" > "$OUT/ncu-$f.csv" 2> "$OUT/ncu-$f.err"
     python3 - "$OUT/ncu-$f.csv" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]

@@ -214,13 +214,67 @@ pub(crate) fn padded_conv_channels_last(
     bias: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Option<Tensor>> {
-    padded_conv_in_runs((x, front), frames, conv, bias, residual, RUN_ELEMENTS)
+    use crate::models::channel_ops::VideoLayout;
+    padded_conv_in_runs(
+        (x, front, VideoLayout::ChannelsFirst),
+        frames,
+        conv,
+        bias,
+        residual,
+        RUN_ELEMENTS,
+    )
 }
 
-/// [`padded_conv_channels_last`] gathering about `run_elements` input elements a run.
+/// 2D convolutions of images `x` `[N, C, H, W]` by `weight` `[C_out, C, kh, kw]` (stride 1,
+/// `pad` zeros around each image), each image upsampled `up` times first (nearest), plus `bias`
+/// (and `residual`, of the output's shape): [`padded_conv_channels_last`] over the images as the
+/// frames of one frames-major video (a temporal kernel of one tap), in runs of images. The
+/// image VAEs' convolutions (`AutoencoderKL`'s, Allegro's spatial ones): no transposes inside
+/// cuDNN, the upsampled copy, bias and residual folded into the gather and the store. `None`
+/// where it does not apply.
+#[cfg(feature = "cuda")]
+pub(crate) fn images_conv_channels_last(
+    x: &Tensor,
+    conv: (&Tensor, usize, usize),
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    images_conv_in_runs(x, conv, bias, residual, RUN_ELEMENTS)
+}
+
+/// [`images_conv_channels_last`] gathering about `run_elements` input elements a run.
+#[cfg(feature = "cuda")]
+fn images_conv_in_runs(
+    x: &Tensor,
+    (weight, pad, up): (&Tensor, usize, usize),
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    run_elements: usize,
+) -> Result<Option<Tensor>> {
+    use crate::models::channel_ops::VideoLayout;
+    let n = x.dim(0)?;
+    let video = |t: &Tensor| t.unsqueeze(0);
+    let residual = residual.map(video).transpose()?;
+    let y = padded_conv_in_runs(
+        (&video(x)?, None, VideoLayout::FramesMajor),
+        (n, &|j| j as u32, up),
+        (&weight.unsqueeze(2)?, 1, pad),
+        bias,
+        residual.as_ref(),
+        run_elements,
+    )?;
+    y.map(|y| y.squeeze(0)).transpose()
+}
+
+/// [`padded_conv_channels_last`] of `x` in `layout` (the result in it too), gathering about
+/// `run_elements` input elements a run.
 #[cfg(feature = "cuda")]
 fn padded_conv_in_runs(
-    (x, front): (&Tensor, Option<&Tensor>),
+    (x, front, layout): (
+        &Tensor,
+        Option<&Tensor>,
+        crate::models::channel_ops::VideoLayout,
+    ),
     (t_padded, source, up): (usize, &dyn Fn(usize) -> u32, usize),
     (weight, stride, pad): (&Tensor, usize, usize),
     bias: &Tensor,
@@ -236,7 +290,7 @@ fn padded_conv_in_runs(
     {
         return Ok(None);
     }
-    let (b, cin, t, h, w) = x.dims5()?;
+    let (b, t, cin, h, w) = layout.dims(x)?;
     let (h, w) = (h * up, w * up);
     let (cout, _, kt, kh, kw) = weight.dims5()?;
     let st = stride.max(1);
@@ -245,8 +299,12 @@ fn padded_conv_in_runs(
     }
     let t_out = (t_padded - kt) / st + 1;
     let (h_out, w_out) = ((h + 2 * pad - kh) / st + 1, (w + 2 * pad - kw) / st + 1);
+    let shape = match layout {
+        VideoLayout::ChannelsFirst => (b, cout, t_out, h_out, w_out),
+        VideoLayout::FramesMajor => (b, t_out, cout, h_out, w_out),
+    };
     // SAFETY: every run's frames are stored below before the result is returned.
-    let out = unsafe { Tensor::empty((b, cout, t_out, h_out, w_out), x.dtype(), x.device()) }?;
+    let out = unsafe { Tensor::empty(shape, x.dtype(), x.device()) }?;
     // The residual is added in the same store where it has the output's layout.
     let fused = residual.filter(|r| r.dims() == out.dims() && r.is_contiguous());
     let w_last = weight.permute((0, 2, 3, 4, 1))?.contiguous()?;
@@ -257,7 +315,7 @@ fn padded_conv_in_runs(
             .map(source)
             .collect();
         let stored = conv_frames_channels_last(
-            (x, front, VideoLayout::ChannelsFirst),
+            (x, front, layout),
             &index,
             Framing { up, pad: (0, 0) },
             (&w_last, [st; 3], [0, pad, pad]),
@@ -1066,7 +1124,11 @@ mod cuda_tests {
                 // Two output frames a run where `runs` (as a large activation runs).
                 let run_elements = if runs { 2 * cin * h * w } else { RUN_ELEMENTS };
                 let got = padded_conv_in_runs(
-                    (&x, front),
+                    (
+                        &x,
+                        front,
+                        crate::models::channel_ops::VideoLayout::ChannelsFirst,
+                    ),
                     (t + 2, &source, 1),
                     (&weight, 1, 1),
                     &bias,
@@ -1082,6 +1144,66 @@ mod cuda_tests {
                     .to_scalar::<f32>()?;
                 let what = format!("{dtype:?}, context {}, runs {runs}", front.is_some());
                 assert!(err < tolerance, "{what}: max |got - want| {err:.2e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Images convolved as the frames of one channels-last video (the image VAEs' path), each
+    /// upsampled first where asked, in runs of images, against candle's 2D convolution of the
+    /// upsampled images plus the bias and a residual (a 3x3 and a 1x1 kernel), relative to
+    /// 1 + |want|: exact f32 to f32 rounding, bf16 (inputs rounded too) to a few bf16 ulps.
+    #[test]
+    fn images_channels_last_equal_candles_conv2d() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: channels-last image test skipped");
+            return Ok(());
+        };
+        if !computes(&dev, DType::BF16) {
+            eprintln!("no channels-last convolution here: image test skipped");
+            return Ok(());
+        }
+        let _exact = tf32_here(false);
+        let (n, cin, cout, h, w) = (5, 24, 40, 9, 14);
+        let x = Tensor::randn(0f32, 1f32, (n, cin, h, w), &dev)?;
+        let bias = Tensor::randn(0f32, 1f32, cout, &dev)?;
+        for (k, pad, up) in [(3, 1, 1), (3, 1, 2), (1, 0, 1)] {
+            let weight = (Tensor::randn(0f32, 1f32, (cout, cin, k, k), &dev)? / (k * k) as f64)?;
+            let residual = Tensor::randn(0f32, 1f32, (n, cout, h * up, w * up), &dev)?;
+            let want = x
+                .upsample_nearest2d(h * up, w * up)?
+                .conv2d(&weight, pad, 1, 1, 1)?
+                .broadcast_add(&bias.reshape((1, cout, 1, 1))?)?;
+            for (dtype, tolerance) in [(DType::F32, 1e-4f32), (DType::BF16, 2e-2)] {
+                let cast = |v: &Tensor| v.to_dtype(dtype);
+                let want = (cast(&want)? + cast(&residual)?)?;
+                // Two images a run where `runs` (as a large activation runs).
+                for runs in [false, true] {
+                    let run_elements = if runs {
+                        2 * cin * h * w * up * up
+                    } else {
+                        RUN_ELEMENTS
+                    };
+                    let got = images_conv_in_runs(
+                        &cast(&x)?,
+                        (&cast(&weight)?, pad, up),
+                        &cast(&bias)?,
+                        Some(&cast(&residual)?),
+                        run_elements,
+                    )?
+                    .expect("a channels-last convolution ran");
+                    assert_eq!(got.dims(), want.dims());
+                    let want = want.to_dtype(DType::F32)?;
+                    let err = ((got.to_dtype(DType::F32)? - &want)?.abs()? / (want.abs()? + 1.0)?)?
+                        .flatten_all()?
+                        .max(0)?
+                        .to_scalar::<f32>()?;
+                    let what = format!("{dtype:?}, {k}x{k} up {up}, runs {runs}");
+                    assert!(
+                        err < tolerance,
+                        "{what}: max |got - want| / (1 + |want|) {err:.2e}"
+                    );
+                }
             }
         }
         Ok(())

@@ -14,8 +14,11 @@ use crate::models::conv3d;
 /// and `eps=1e-6` to `conv_norm_out` whatever the config says).
 const NORM_EPS: f64 = 1e-6;
 
-/// `nn.Conv2d` with bias (square kernel, zero padding), on CUDA through the 3D convolution
-/// (cuDNN or vidgen's kernel, one temporal tap) where it computes, else candle's conv2d.
+/// `nn.Conv2d` with bias (square kernel, zero padding). On CUDA a stride-1 convolution runs
+/// channels last over the images as one video's frames
+/// ([`conv3d::images_conv_channels_last`]: an upsampler's input and a resnet's residual read in
+/// the same passes); others through the 3D convolution (cuDNN or vidgen's kernel, one temporal
+/// tap) where it computes; else candle's conv2d.
 #[derive(Debug, Clone)]
 pub(crate) struct Conv2d {
     weight: Tensor,
@@ -42,6 +45,43 @@ impl Conv2d {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_then(x, 1, None)
+    }
+
+    /// The convolution of `x` `[B, C, H, W]` upsampled `up` times (nearest, as
+    /// `F.interpolate(scale_factor=up)`), plus `residual` (of the output's shape) where given.
+    pub(crate) fn forward_then(
+        &self,
+        x: &Tensor,
+        up: usize,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.stride == 1 {
+            let conv = (&self.weight, self.padding, up);
+            let channels_last = || conv3d::images_conv_channels_last(x, conv, &self.bias, residual);
+            if let Some(y) = conv3d::or_fallback(channels_last) {
+                return Ok(y);
+            }
+        }
+        let upsampled;
+        let x = match up {
+            1 => x,
+            _ => {
+                let (_, _, h, w) = x.dims4()?;
+                upsampled = x.contiguous()?.upsample_nearest2d(up * h, up * w)?;
+                &upsampled
+            }
+        };
+        let y = self.composed(x)?;
+        match residual {
+            Some(r) => r + y,
+            None => Ok(y),
+        }
+    }
+
+    /// The convolution and then its bias, each its own pass.
+    fn composed(&self, x: &Tensor) -> Result<Tensor> {
         if conv3d::accelerated(x.device()) {
             let whole = || -> Result<Option<Tensor>> {
                 let (s, p) = (self.stride, self.padding);
@@ -99,12 +139,11 @@ impl ResnetBlock2D {
             .forward(&self.norm1.forward_then(x, None, true)?)?;
         let normed = self.norm2.forward_then(&h, None, true)?;
         drop(h);
-        let h = self.conv2.forward(&normed)?;
-        drop(normed);
-        match &self.shortcut {
-            Some(conv) => conv.forward(x)? + h,
-            None => x + h,
-        }
+        let skip = match &self.shortcut {
+            Some(conv) => conv.forward(x)?,
+            None => x.clone(),
+        };
+        self.conv2.forward_then(&normed, 1, Some(&skip))
     }
 }
 
@@ -221,9 +260,7 @@ impl Upsample2D {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let x = x.contiguous()?.upsample_nearest2d(2 * h, 2 * w)?;
-        self.conv.forward(&x)
+        self.conv.forward_then(x, 2, None)
     }
 }
 

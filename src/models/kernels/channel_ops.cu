@@ -130,10 +130,10 @@ template <typename T> struct alignas(2 * sizeof(T)) Pair {
 // pairs (a stride of 65 words in bf16) each fall in distinct banks.
 template <typename T> using TileMem = Pair<T>[TILE_C / 2][TILE_W + 1];
 
-// Whether the channels-last side may move pairs: an even channel count (every tile's pairs
-// start at an even element) and storage aligned to a pair.
-template <typename T> __device__ __forceinline__ bool pairs_fit(const T *p, int channels) {
-  return channels % 2 == 0 && reinterpret_cast<uintptr_t>(p) % sizeof(Pair<T>) == 0;
+// Whether pairs of neighbouring elements along a dimension of `len` may move in one access: an
+// even length (every tile's pairs start at an even element) and storage aligned to a pair.
+template <typename T> __device__ __forceinline__ bool pairs_fit(const T *p, int len) {
+  return len % 2 == 0 && reinterpret_cast<uintptr_t>(p) % sizeof(Pair<T>) == 0;
 }
 
 // Line `line` of the moves' grid: batch entries of n frames of `rows` rows. A block moves one
@@ -245,6 +245,8 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
   __shared__ TileMem<T> tile;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool pairs = pairs_fit(y, channels);
+  // Every output row starts at an even element where w is even (tiles start at even columns).
+  const bool column_pairs = pairs_fit(out, w) && (res == nullptr || pairs_fit(res, w));
   const long plane = (long)h * w;
   const Strides at_out = strides_of(channels_first, channels, out_frames, plane);
   for (long line = blockIdx.x; line < lines; line += gridDim.x) {
@@ -279,21 +281,32 @@ __device__ void store_channels_last(const T *__restrict__ y, T *__restrict__ out
           if (j < cols && c < chans) tile[lane][j] = v[q];
         }
         __syncthreads();
-        // Rows of out: channel c0 + k, columns w0 + j.
+        // Rows of out: channel c0 + k, columns w0 + j (a lane's two neighbouring columns in one
+        // access where the rows' pairs are aligned).
         const long base = out_row + c0 * at_out.channel + w0;
+        auto sum = [&](int k, int j, float add, long at) {
+          float s = round_to_storage<T>(__fadd_rn(load(&tile[k / 2][j].e[k % 2], 0), add));
+          return res ? __fadd_rn(s, load(res, at)) : s;
+        };
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
           const int k = warp + r * WARPS;
           if (k >= chans) continue;
           const float add = bias[c0 + k];
           const long row_k = base + k * at_out.channel;
+          if (column_pairs) {
+            const int j = 2 * lane;
+            if (j >= cols) continue;
+            Pair<T> p;
+            store(p.e, 0, sum(k, j, add, row_k + j));
+            store(p.e, 1, sum(k, j + 1, add, row_k + j + 1));
+            *reinterpret_cast<Pair<T> *>(out + row_k + j) = p;
+            continue;
+          }
 #pragma unroll
           for (int q = 0; q < COLS_PER_LANE; ++q) {
             const int j = lane + q * 32;
-            if (j >= cols) continue;
-            float s = round_to_storage<T>(__fadd_rn(load(&tile[k / 2][j].e[k % 2], 0), add));
-            if (res) s = __fadd_rn(s, load(res, row_k + j));
-            store(out, row_k + j, s);
+            if (j < cols) store(out, row_k + j, sum(k, j, add, row_k + j));
           }
         }
         __syncthreads();

@@ -153,7 +153,7 @@ pub(crate) enum VideoLayout {
 
 impl VideoLayout {
     /// `(B, T, C, H, W)` of a video in this layout.
-    fn dims(self, video: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+    pub(crate) fn dims(self, video: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
         let (b, d1, d2, h, w) = video.dims5()?;
         Ok(match self {
             VideoLayout::FramesMajor => (b, d1, d2, h, w),
