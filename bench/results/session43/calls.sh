@@ -5,8 +5,8 @@
 #   2 (carry .device/vae_decode.xz, .device43/vidgen.xz, .device43/vae_decode.xz, .whl): Latte-1's decode on the GPU
 #      against the host at the published widths; Latte-1's and CogVideoX-5b's decodes before and after beside diffusers; Latte-1's and FLUX.1's whole
 #      runs against diffusers; a per-kernel profile of one 14-frame Latte-1 decode.
-#   3 (carry .device43/vidgen-lib-tests.xz, .device43/vidgen.xz, .whl): the CUDA tests again (the image test's
-#      tolerance relative), and HunyuanVideo's text stage beside diffusers' (a whole run at 33x320x512).
+#   3 (carry .device43/vidgen-lib-tests.xz, .device43/vidgen.xz, .device43/vae_decode.xz, .whl): the CUDA tests again
+#      (the image test's tolerance relative), cuDNN's host time per API function in Latte-1's first decode, and HunyuanVideo's text stage beside diffusers' (a whole run at 33x320x512).
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -33,7 +33,14 @@ case $1 in
      for f in latte-1 flux.1-dev; do el "$f whole"; e2e 200 --family $f --out $OUT/e2e; rm -rf /dev/shm/vidgen-e2e/$f*; done;;
   3) el "CUDA tests"
      /tmp/vidgen-lib-tests --test-threads=1 conv3d::cuda_tests channel_ops 2>&1 | grep -E "^test |panicked|skipped|result:|max " | tail -40
+     el "latte-1: cuDNN's host time in a first 14-frame decode"
+     CUDNN_LOGLEVEL_DBG=3 CUDNN_LOGDEST_DBG=/tmp/cudnn.log /tmp/vae_decode --family latte-1 1,4,14,64,64 | cut -c1-300
+     python3 bench/cudnn_api_times.py /tmp/cudnn.log; grep -m3 "Time:" /tmp/cudnn.log; rm -f /tmp/cudnn.log
      el "hunyuanvideo whole at 33x320x512 (its text stage: issue 34 item 4)"
      e2e 480 --family hunyuanvideo --size 33,320,512 --out $OUT/e2e; rm -rf /dev/shm/vidgen-e2e/hunyuanvideo*;;
+  4) el "every CUDA test of the library"
+     /tmp/vidgen-lib-tests --test-threads=1 cuda_tests candle_strided 2>&1 | grep -E "^test .*FAILED|panicked|max |result:" | tail -20
+     el "allegro whole at 24x320x320 (its VAE's 2D convolutions channels last, frames against diffusers')"
+     e2e 300 --family allegro --size 24,320,320 --out $OUT/e2e; rm -rf /dev/shm/vidgen-e2e/allegro*;;
 esac
 el done
