@@ -42,5 +42,15 @@ case $1 in
      /tmp/vidgen-lib-tests --test-threads=1 cuda_tests candle_strided 2>&1 | grep -E "^test .*FAILED|panicked|max |result:" | tail -20
      el "allegro whole at 24x320x320 (its VAE's 2D convolutions channels last, frames against diffusers')"
      e2e 300 --family allegro --size 24,320,320 --out $OUT/e2e; rm -rf /dev/shm/vidgen-e2e/allegro*;;
+  5) el "which cuDNN libraries a first decode opens (LD_DEBUG=files)"
+     xz -dc .device44/vidgen.xz > /tmp/vidgen-new && chmod +x /tmp/vidgen-new && cp /tmp/vidgen /tmp/vidgen-old
+     xz -dc .device44/vae_decode.xz > /tmp/vae_decode && chmod +x /tmp/vae_decode
+     LD_DEBUG=files /tmp/vae_decode --family latte-1 1,4,2,8,8 2>&1 | grep -oE "file=[^ ]*cudnn[^ ]*" | sort | uniq -c
+     el "latte-1 whole, vidgen before and after opening cuDNN's engine libraries on the preload thread"
+     for i in 1 2; do for v in old new; do
+       PYTHONPATH=/tmp/site timeout 200 python3 bench/family_e2e.py --vidgen /tmp/vidgen-$v --ckpt-root /dev/shm/vidgen-e2e \
+         --vidgen-modes default --skip-diffusers --family latte-1 --out $OUT/e2e-$v-$i 2>&1 | grep -E "Error|^\| latte" | sed "s/^/$v $i /"
+       grep -h -E "decode|denoise  |forwards" $OUT/e2e-$v-$i/*stamped.log | sed "s/^/$v $i /"
+     done; done;;
 esac
 el done

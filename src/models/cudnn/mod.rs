@@ -33,6 +33,16 @@ const SUBLIBRARIES: [&str; 3] = [
     "libcudnn_ops.so.9",
     "libcudnn_cnn.so.9",
 ];
+/// The sub-libraries cuDNN opens by itself at its first convolution's heuristic query (seen with
+/// `LD_DEBUG=files`, bench/RESULTS.md session 43): its heuristics and engines, a few hundred MB
+/// to map, read from disk on a machine's first run. [`load`] opens them too, where present, so
+/// that (as [`api`] runs on the preload thread beside the first weights' read) the first
+/// convolution does not wait for them.
+const ENGINE_SUBLIBRARIES: [&str; 3] = [
+    "libcudnn_heuristic.so.9",
+    "libcudnn_engines_precompiled.so.9",
+    "libcudnn_engines_runtime_compiled.so.9",
+];
 /// Where the H200 image's PyTorch keeps its cuDNN wheel.
 const TORCH_VENV_LIB: &str = "/opt/torch/.venv/lib";
 
@@ -269,11 +279,12 @@ fn load() -> std::result::Result<Api, String> {
         // ones used here are opened first (from the shim's folder): failing that, cuDNN is
         // skipped before any of its functions runs.
         let mut sublibs = Vec::new();
+        let beside = |name: &str| match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(dir) => dir.join(name),
+            None => PathBuf::from(name),
+        };
         for name in SUBLIBRARIES {
-            let sub = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                Some(dir) => dir.join(name),
-                None => PathBuf::from(name),
-            };
+            let sub = beside(name);
             // SAFETY: as for the shim below.
             match unsafe { Library::new(&sub) } {
                 Ok(lib) => sublibs.push(lib),
@@ -292,7 +303,6 @@ fn load() -> std::result::Result<Api, String> {
                 // SAFETY: the file is named libcudnn.so.9; the version is checked right after.
                 let mut api =
                     unsafe { Api::new(lib) }.map_err(|e| format!("{}: {e}", path.display()))?;
-                api._sublibs = sublibs;
                 if api.version / 10000 != MAJOR {
                     return Err(format!(
                         "{} is cuDNN {}, not {MAJOR}.x",
@@ -300,6 +310,14 @@ fn load() -> std::result::Result<Api, String> {
                         api.version_string()
                     ));
                 }
+                // Best effort: cuDNN opens any that is missing here itself, when it needs it.
+                // SAFETY: as for the sub-libraries above.
+                sublibs.extend(
+                    ENGINE_SUBLIBRARIES
+                        .iter()
+                        .filter_map(|name| unsafe { Library::new(beside(name)) }.ok()),
+                );
+                api._sublibs = sublibs;
                 return Ok(api);
             }
             Err(e) => tried.push(e.to_string()),

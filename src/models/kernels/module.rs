@@ -19,7 +19,8 @@ use candle_core::{
 };
 
 /// Starts, each on a thread of its own, what the first stages would otherwise wait for inside
-/// their first component: opening cuDNN's libraries (most of a second), and loading the candle
+/// their first component: opening cuDNN's libraries (most of a second, its engines among them),
+/// and loading the candle
 /// kernel modules every run uses (machine code for the common GPUs, see vendor/README.md; PTX
 /// that the driver compiles, seconds per module, on any other), so that work overlaps the first
 /// weights' read instead of following it. A module loads once per device whichever thread asks
