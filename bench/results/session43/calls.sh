@@ -12,7 +12,7 @@ export PATH=/opt/torch/.venv/bin:$PATH
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-for b in vidgen vae_decode vidgen-lib-tests; do [ -f .device43/$b.xz ] && xz -dc .device43/$b.xz > /tmp/$b && chmod +x /tmp/$b; done
+for b in vidgen vae_decode vidgen-lib-tests; do for d in .device43 .device44; do [ -f $d/$b.xz ] && xz -dc $d/$b.xz > /tmp/$b && chmod +x /tmp/$b; done; done
 [ -f .device/vae_decode.xz ] && xz -dc .device/vae_decode.xz > /tmp/vae_decode_before && chmod +x /tmp/vae_decode_before
 e2e() { PYTHONPATH=/tmp/site timeout "$1" python3 bench/family_e2e.py --vidgen /tmp/vidgen --ckpt-root /dev/shm/vidgen-e2e \
   --vidgen-modes default "${@:2}" 2>&1 | grep -E "frames vs|Error|^\| " | cut -c1-300; }
@@ -43,7 +43,7 @@ case $1 in
      el "allegro whole at 24x320x320 (its VAE's 2D convolutions channels last, frames against diffusers')"
      e2e 300 --family allegro --size 24,320,320 --out $OUT/e2e; rm -rf /dev/shm/vidgen-e2e/allegro*;;
   5) el "which cuDNN libraries a first decode opens (LD_DEBUG=files)"
-     xz -dc .device44/vidgen.xz > /tmp/vidgen-new && chmod +x /tmp/vidgen-new && cp /tmp/vidgen /tmp/vidgen-old
+     xz -dc .device44/vidgen.xz > /tmp/vidgen-new && xz -dc .device43/vidgen.xz > /tmp/vidgen-old && chmod +x /tmp/vidgen-*
      xz -dc .device44/vae_decode.xz > /tmp/vae_decode && chmod +x /tmp/vae_decode
      LD_DEBUG=files /tmp/vae_decode --family latte-1 1,4,2,8,8 2>&1 | grep -oE "file=[^ ]*cudnn[^ ]*" | sort | uniq -c
      el "latte-1 whole, vidgen before and after opening cuDNN's engine libraries on the preload thread"
@@ -52,5 +52,7 @@ case $1 in
          --vidgen-modes default --skip-diffusers --family latte-1 --out $OUT/e2e-$v-$i 2>&1 | grep -E "Error|^\| latte" | sed "s/^/$v $i /"
        grep -h -E "decode|denoise  |forwards" $OUT/e2e-$v-$i/*stamped.log | sed "s/^/$v $i /"
      done; done;;
+  6) el "every CUDA test of the library at the session's last source, with the fixtures its tests read"
+     /tmp/vidgen-lib-tests --test-threads=1 cuda_tests candle_strided 2>&1 | grep -E "^test .*FAILED|panicked|Error|result:" | tail -20;;
 esac
 el done
