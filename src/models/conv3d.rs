@@ -188,9 +188,9 @@ pub(crate) fn conv_frames_channels_last(
 /// at CogVideoX's and LTX-Video's full resolution, runs of several frames, so the temporal halo
 /// each run gathers again stays small (runs of one frame read the input three times over:
 /// CogVideoX's decode took 1.50 s against 1.36 s, LTX-Video's 0.230 against 0.218 s, same
-/// peaks used; an H200, bench/RESULTS.md session 36).
-#[cfg(feature = "cuda")]
-const RUN_ELEMENTS: usize = 1 << 28;
+/// peaks used; an H200, bench/RESULTS.md session 36). The memory plan counts one run's input
+/// and output.
+pub const RUN_ELEMENTS: usize = 1 << 28;
 
 /// A VAE convolution of the channels-first `x` `[B, C, T, H, W]` by `weight` `[C_out, C, kt, kh,
 /// kw]` with `stride` in every dim and `pad` zeros around each image, over `t_padded` frames in

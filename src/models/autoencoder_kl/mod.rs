@@ -14,6 +14,7 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::vae_tiling::OverlapTiles;
 use crate::models::video::VideoVae;
 
@@ -103,6 +104,45 @@ impl AutoencoderKLConfig {
         } else {
             usize::MAX
         }
+    }
+
+    /// Device bytes the decode of `images` latent images of `(h, w)` keeps alive at its peak
+    /// besides the weights and the decoded output, on the path a GPU runs (its convolutions
+    /// channels last, [`crate::models::conv3d::images_conv_channels_last`]). At full resolution
+    /// (one tile's, with `tiled`) the last up block's first resnet holds the upsampler's output
+    /// (the second level's channels, counting from the image side) and its normalized copy
+    /// beside the convolution's output (the first level's channels) and one run of that
+    /// convolution's gathered input and output. The mid block's chunked attention scores peak at
+    /// another time: the larger of the two counts. With `tiled`, the decoded tiles held for
+    /// blending. (Latte-1, 14 frames of 512x512 in bf16 on an H100: 5.38 GiB used with the
+    /// weights, planned 5.31; bench/RESULTS.md session 43.)
+    pub fn decode_activations(
+        &self,
+        images: usize,
+        (h, w): (usize, usize),
+        tiled: bool,
+        dtype: DType,
+    ) -> u64 {
+        let bytes = dtype.size_in_bytes() as u64;
+        let s = self.scale_factor();
+        let ((th, tw), held) = match tiled {
+            true => self.tiling().footprint((h, w), s),
+            false => ((h * s, w * s), 0),
+        };
+        let images = images.max(1) as u64;
+        let pixels = images * (th * tw) as u64;
+        let held = images * held as u64 * self.out_channels as u64 * bytes;
+        let boc = &self.block_out_channels;
+        let last = boc.first().copied().unwrap_or(128) as u64;
+        let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
+        let run = (pixels * upsampled).min(crate::models::conv3d::RUN_ELEMENTS as u64);
+        let runs = run * (upsampled + last) / upsampled.max(1) * bytes;
+        let levels = pixels * (2 * upsampled + last) * bytes + runs;
+        // The mid block's one-head attention over one tile's latent pixels, f32 scores and
+        // probabilities, chunked.
+        let tokens = ((th / s) * (tw / s)) as u64;
+        let scores = (images * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
+        levels.max(scores) + held
     }
 
     /// The config's `sample_size`, or the first of a pair.

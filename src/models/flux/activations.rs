@@ -44,12 +44,8 @@ pub fn transformer_activations(
     tokens * (inner * 10 + (inner + mlp) * 3) * d + scores + rope + latents
 }
 
-/// Device bytes of the decode of an `h x w` latent into one image: at full resolution the last
-/// upsampler's output (the second-last level's channels) and the last up block's resnet at its
-/// own channels (input, norm, activation, conv output, residual), the mid block's attention
-/// scores over the latent's tokens (f32, chunked as [`crate::models::attention::sdpa`] bounds
-/// them), and the image in f32; with `tiled` (diffusers' tiles) the levels and attention are
-/// one tile's, and the tiles and their blended whole are held besides.
+/// Device bytes of the decode of one image's latents `[h, w]`
+/// ([`AutoencoderKLConfig::decode_activations`]; with `tiled` one tile's) and the image in f32.
 pub fn vae_decode_activations(
     vae: &AutoencoderKLConfig,
     h: usize,
@@ -57,19 +53,7 @@ pub fn vae_decode_activations(
     tiled: bool,
     dtype: DType,
 ) -> u64 {
-    let d = dtype.size_in_bytes() as u64;
     let scale = vae.scale_factor();
     let full = (h * scale * w * scale) as u64;
-    let ((tile_h, tile_w), held) = match tiled {
-        true => vae.tiling().footprint((h, w), scale),
-        false => ((h * scale, w * scale), 0),
-    };
-    let pixels = (tile_h * tile_w) as u64;
-    let held = held as u64 * vae.out_channels as u64 * d;
-    let channels = &vae.block_out_channels;
-    let last = channels.first().copied().unwrap_or(0) as u64;
-    let upsampled = channels.get(1).copied().unwrap_or(0) as u64;
-    let tokens = pixels / (scale * scale) as u64;
-    let scores = (tokens * tokens).min(crate::models::attention::MAX_SCORE_ELEMENTS as u64) * 4;
-    pixels * (2 * upsampled + 5 * last) * d + scores + held + full * 3 * 4 * 2
+    vae.decode_activations(1, (h, w), tiled, dtype) + full * vae.out_channels as u64 * 4 * 2
 }

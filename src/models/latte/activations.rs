@@ -73,10 +73,9 @@ pub fn transformer_activations(
     hidden * 10 + hidden * 4 * 2 + table + scores + text
 }
 
-/// Device bytes of the per-frame decode: one chunk of `chunk` frames through the decoder's
-/// full-resolution levels and its mid-block attention, and every decoded frame in f32; with
-/// `tiled` (diffusers' tiles) the levels and attention are one tile's, and the chunk's tiles
-/// and their blended whole are held besides.
+/// Device bytes of the per-frame decode: one chunk of `chunk` frames through the decoder
+/// ([`AutoencoderKLConfig::decode_activations`]; with `tiled` one tile's, diffusers' tiles) and
+/// every decoded frame in f32.
 pub fn vae_decode_activations(
     vae: &AutoencoderKLConfig,
     latent: [usize; 5],
@@ -84,27 +83,10 @@ pub fn vae_decode_activations(
     tiled: bool,
     dtype: DType,
 ) -> u64 {
-    let bytes = dtype.size_in_bytes() as u64;
-    let s = vae.scale_factor();
-    let (full_h, full_w) = ((latent[3] * s) as u64, (latent[4] * s) as u64);
-    let ((h, w), held) = match tiled {
-        true => vae.tiling().footprint((latent[3], latent[4]), s),
-        false => ((latent[3] * s, latent[4] * s), 0),
-    };
-    let (h, w) = (h as u64, w as u64);
-    let (lh, lw) = (h / s as u64, w / s as u64);
-    let frames = latent[2].min(chunk).max(1) as u64;
-    let held = frames * held as u64 * vae.out_channels as u64 * bytes;
-    // At full resolution the last upsampler's output (the second level's channels, counting
-    // from the image side) beside the last block's resnet temporaries (GroupNorm, SiLU,
-    // conv) at the first level's channels.
-    let boc = &vae.block_out_channels;
-    let last = boc.first().copied().unwrap_or(128) as u64;
-    let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
-    let levels = frames * h * w * (2 * upsampled + 5 * last) * bytes + held;
-    // The mid block's one-head attention over the latent pixels, scores in f32, chunked.
-    let tokens = lh * lw;
-    let scores = (frames * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
-    let output = latent[2] as u64 * full_h * full_w * vae.out_channels as u64 * 4 * 2;
-    levels + scores + output
+    let s = vae.scale_factor() as u64;
+    let frames = latent[2].min(chunk);
+    let decode = vae.decode_activations(frames, (latent[3], latent[4]), tiled, dtype);
+    let full = latent[3] as u64 * latent[4] as u64 * s * s;
+    let output = latent[2] as u64 * full * vae.out_channels as u64 * 4 * 2;
+    decode + output
 }
