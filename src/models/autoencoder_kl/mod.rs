@@ -108,14 +108,16 @@ impl AutoencoderKLConfig {
 
     /// Device bytes the decode of `images` latent images of `(h, w)` keeps alive at its peak
     /// besides the weights and the decoded output, on the path a GPU runs (its convolutions
-    /// channels last, [`crate::models::conv3d::images_conv_channels_last`]). At full resolution
-    /// (one tile's, with `tiled`) the last up block's first resnet holds the upsampler's output
-    /// (the second level's channels, counting from the image side) and its normalized copy
-    /// beside the convolution's output (the first level's channels) and one run of that
-    /// convolution's gathered input and output. The mid block's chunked attention scores peak at
-    /// another time: the larger of the two counts. With `tiled`, the decoded tiles held for
-    /// blending. (Latte-1, 14 frames of 512x512 in bf16 on an H100: 5.38 GiB used with the
-    /// weights, planned 5.31; bench/RESULTS.md session 43.)
+    /// channels last, [`crate::models::conv3d::images_conv_channels_last`], each with one run of
+    /// its gathered input and its output alive). The peak is in the last up block's first resnet,
+    /// at full resolution (one tile's, with `tiled`): its input, the upsampler's output at the
+    /// second level's channels (counting from the image side), is held throughout; beside it
+    /// either its normalized copy and the first convolution's output (at the first level's
+    /// channels), or, at the second convolution, that convolution's input, the shortcut's output
+    /// and its own output. The mid block's chunked attention scores peak at another time: the
+    /// largest of the three counts. With `tiled`, the decoded tiles held for blending. (Latte-1,
+    /// 14 frames of 512x512 in bf16 on an H100: 5.38 GiB used above the weights, planned 5.47;
+    /// bench/RESULTS.md session 43.)
     pub fn decode_activations(
         &self,
         images: usize,
@@ -135,14 +137,18 @@ impl AutoencoderKLConfig {
         let boc = &self.block_out_channels;
         let last = boc.first().copied().unwrap_or(128) as u64;
         let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
-        let run = (pixels * upsampled).min(crate::models::conv3d::RUN_ELEMENTS as u64);
-        let runs = run * (upsampled + last) / upsampled.max(1) * bytes;
-        let levels = pixels * (2 * upsampled + last) * bytes + runs;
+        // One run of a convolution from `cin` to `cout` channels: its gathered input and output.
+        let run = |cin: u64, cout: u64| {
+            let input = (pixels * cin).min(crate::models::conv3d::RUN_ELEMENTS as u64);
+            (input + input * cout / cin.max(1)) * bytes
+        };
+        let first = pixels * (2 * upsampled + last) * bytes + run(upsampled, last);
+        let second = pixels * (upsampled + 3 * last) * bytes + run(last, last);
         // The mid block's one-head attention over one tile's latent pixels, f32 scores and
         // probabilities, chunked.
         let tokens = ((th / s) * (tw / s)) as u64;
         let scores = (images * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
-        levels.max(scores) + held
+        first.max(second).max(scores) + held
     }
 
     /// The config's `sample_size`, or the first of a pair.
