@@ -1,6 +1,7 @@
 """diffusers 0.42.1's VAE decode of one family, bf16, random weights from vidgen's synthetic config
 (assets/<family>/vae/config.json), at the shape `examples/vae_decode.rs --family` uses: one JSON
-line per run (untiled, then tiled with `enable_tiling()`), after a warm-up on two latent frames.
+line per run (untiled, then tiled with `enable_tiling()`), after a warm-up on two latent frames. Allegro's VAE
+decodes in tiles only (untiled it raises), warmed up on the whole latents.
 
 python3 bench/peer_vae_decode.py FAMILY [B,C,F,h,w]
 """
@@ -17,6 +18,7 @@ DEFAULT = {
     "hunyuanvideo": [1, 16, 33, 90, 160],
     "mochi-1": [1, 12, 15, 60, 106],
     "latte-1": [1, 4, 16, 64, 64],
+    "allegro": [1, 4, 22, 90, 160],
 }
 
 family = sys.argv[1]
@@ -42,12 +44,12 @@ def decode(x):
         return vae.decode(x, return_dict=False, **kwargs)[0]
 
 
-for tiled in (False, True):
+for tiled in (True,) if family == "allegro" else (False, True):
     if tiled:
         vae.enable_tiling()
     try:
         start = time.perf_counter()
-        decode(z[:, :, : min(2, shape[2])])
+        decode(z if family == "allegro" else z[:, :, : min(2, shape[2])])
         torch.cuda.synchronize()
         warm = time.perf_counter() - start
         torch.cuda.empty_cache()

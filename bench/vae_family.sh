@@ -8,6 +8,7 @@
 #     untiled and tiled decode of the same config and shape (bench/peer_vae_decode.py), and
 #     each family tiled as its `--vae-tiling` tiles;
 # (c) FAMILIES=, SMALL=0 (skip a), UNFUSED=0 (skip the candle norms at default size) narrow it
+#     (FAMILIES=allegro runs only with SMALL=0 and without HOST_CHECK: its VAE decodes whole tiles only)
 #     down; PEERS= names the families whose diffusers decode runs (default: all); NCU=1 adds a
 #     per-kernel time summary (ncu) of a small decode (NCU_FAMILIES=; NCU_SHAPE=b,c,f,h,w another latent shape); VAE_DECODE= runs another
 #     build of the example (a patch's, beside HEAD's in one call).

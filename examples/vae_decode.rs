@@ -13,7 +13,7 @@
 //!
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
-//! `hunyuanvideo`, `mochi-1`, `latte-1`: their `synthetic:` configs), as its pipeline calls it (`--tiled`:
+//! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
 //! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
 //! which `bench/peer_vae_decode.py` reports for diffusers), and `reserved_peak_gib`; `--save`
@@ -181,11 +181,14 @@ fn family_decode(
     dtype: DType,
     dev: &Device,
 ) -> Result<()> {
-    use vidgen::models::{cogvideox, hunyuan_video, ltx, mochi};
+    use vidgen::models::{allegro, cogvideox, hunyuan_video, ltx, mochi};
     let source = ModelSource::parse(&format!("synthetic:{family}"))?;
     let weights = WeightSet::open(&component_weights(&source, "vae")?)?;
     let vb = weights.var_builder(dtype, dev);
     let used_before = used_bytes(dev)?;
+    // The warm-up decodes the first two latent frames, or (`Some`) this many frames, rows and
+    // columns: one tile of a VAE that decodes whole tiles only.
+    let mut warm_up: Option<[usize; 3]> = None;
     let (decode, default): (Decode, [usize; 5]) = match family {
         "ltx-video" => {
             let vae = ltx::vae::AutoencoderKLLTXVideo::new(&source.json("vae/config.json")?, vb)?
@@ -225,6 +228,16 @@ fn family_decode(
             let decode = move |z: &Tensor| vidgen::models::latte::decode_latents(&vae, z);
             (Box::new(decode), [1, 4, 16, 64, 64])
         }
+        "allegro" => {
+            let cfg: allegro::vae::AllegroVaeConfig = source.json("vae/config.json")?;
+            warm_up = Some(cfg.latent_tile());
+            let vae = allegro::vae::AutoencoderKLAllegro::new(&cfg, vb)?;
+            // 88x720x1280, in tiles whatever `--tiled` says (the VAE has no other decode).
+            (
+                Box::new(move |z| vae.decode(&vae.unscale(z)?)),
+                [1, 4, 22, 90, 160],
+            )
+        }
         "mochi-1" => {
             let vae = mochi::vae::AutoencoderKLMochi::new(&source.json("vae/config.json")?, vb)?
                 .with_tiling(tiled.then_some(mochi::vae::DEFAULT_TILING))?;
@@ -239,8 +252,12 @@ fn family_decode(
         .randn(shape)?
         .to_dtype(dtype)?
         .to_device(dev)?;
+    let first = match warm_up {
+        Some([f, h, w]) => z.narrow(2, 0, f)?.narrow(3, 0, h)?.narrow(4, 0, w)?,
+        None => z.narrow(2, 0, shape[2].min(2))?,
+    };
     let start = Instant::now();
-    drop(decode(&z.narrow(2, 0, shape[2].min(2))?)?);
+    drop(decode(&first)?);
     dev.synchronize()?;
     let warm = start.elapsed().as_secs_f64();
     // The memory pool's high-water marks over the decode, above what it held before (weights
