@@ -45,17 +45,12 @@ impl Conv2d {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_then(x, 1, None)
+        self.forward_with(x, 1, None)
     }
 
     /// The convolution of `x` `[B, C, H, W]` upsampled `up` times (nearest, as
     /// `F.interpolate(scale_factor=up)`), plus `residual` (of the output's shape) where given.
-    pub(crate) fn forward_then(
-        &self,
-        x: &Tensor,
-        up: usize,
-        residual: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn forward_with(&self, x: &Tensor, up: usize, residual: Option<&Tensor>) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.stride == 1 {
             let conv = (&self.weight, self.padding, up);
@@ -143,7 +138,7 @@ impl ResnetBlock2D {
             Some(conv) => conv.forward(x)?,
             None => x.clone(),
         };
-        self.conv2.forward_then(&normed, 1, Some(&skip))
+        self.conv2.forward_with(&normed, 1, Some(&skip))
     }
 }
 
@@ -260,7 +255,7 @@ impl Upsample2D {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.conv.forward_then(x, 2, None)
+        self.conv.forward_with(x, 2, None)
     }
 }
 
