@@ -192,6 +192,13 @@ pub(crate) fn conv_frames_channels_last(
 /// and output.
 pub const RUN_ELEMENTS: usize = 1 << 28;
 
+/// Elements of the input images [`images_conv_channels_last`] gathers per run (128 MiB in bf16).
+/// A 2D convolution has no temporal halo to gather again, so short runs cost no extra reads and
+/// keep the gathered input and cuDNN's output small beside the layer's own tensors (a whole
+/// Allegro tile, 24 images of 256x256 at 128 channels, was one 0.8 GB pair in runs of
+/// [`RUN_ELEMENTS`]). The memory plan counts one run's input and output.
+pub const IMAGE_RUN_ELEMENTS: usize = 1 << 26;
+
 /// A VAE convolution of the channels-first `x` `[B, C, T, H, W]` by `weight` `[C_out, C, kt, kh,
 /// kw]` with `stride` in every dim and `pad` zeros around each image, over `t_padded` frames in
 /// time: padded frame j is frame `source(j)` of `front` and then `x` (as
@@ -239,7 +246,7 @@ pub(crate) fn images_conv_channels_last(
     bias: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Option<Tensor>> {
-    images_conv_in_runs(x, conv, bias, residual, RUN_ELEMENTS)
+    images_conv_in_runs(x, conv, bias, residual, IMAGE_RUN_ELEMENTS)
 }
 
 /// [`images_conv_channels_last`] gathering about `run_elements` input elements a run.

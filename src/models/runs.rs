@@ -338,4 +338,47 @@ mod cuda_tests {
         }
         Ok(())
     }
+
+    /// The apply pass moves 16 bytes at a time where the input and output lie alike modulo 16
+    /// bytes, else one element at a time: both give the same bits (an input starting one element
+    /// past an aligned address takes the element path throughout).
+    #[test]
+    fn vector_and_element_applies_give_the_same_bits() -> Result<()> {
+        let Some(dev) = device("GroupNorm apply vectors") else {
+            return Ok(());
+        };
+        let dims = [2, 64, 3, 17, 23];
+        let n: usize = dims.iter().product();
+        let host = |t: &Tensor| -> Result<Vec<u32>> {
+            let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            Ok(v.iter().map(|f| f.to_bits()).collect())
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            let flat = (Tensor::randn(0f32, 1.5, n + 1, &dev)? + 3.0)?.to_dtype(dtype)?;
+            let shifted = flat.narrow(0, 1, n)?.reshape(&dims[..])?;
+            let same_values = shifted.copy()?;
+            let weight = Tensor::randn(1f32, 0.3, 64, &dev)?.to_dtype(dtype)?;
+            let bias = Tensor::randn(0f32, 0.3, 64, &dev)?.to_dtype(dtype)?;
+            for (rounding, silu) in [(Rounding::F32, true), (Rounding::EachOp, false)] {
+                let spec = GroupNormSpec {
+                    weight: &weight,
+                    bias: &bias,
+                    groups: 8,
+                    eps: 1e-6,
+                    rounding,
+                    modulation: None,
+                    silu,
+                };
+                let run = |x: &Tensor| -> Result<Vec<u32>> {
+                    host(&fused_group_norm(x, &spec, 1, 1)?.expect("CUDA computes it"))
+                };
+                let (by_elements, by_vectors) = (run(&shifted)?, run(&same_values)?);
+                assert!(
+                    by_elements == by_vectors,
+                    "{dtype:?} {rounding:?}: the vector pass changed bits"
+                );
+            }
+        }
+        Ok(())
+    }
 }

@@ -139,7 +139,7 @@ impl AutoencoderKLConfig {
         let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
         // One run of a convolution from `cin` to `cout` channels: its gathered input and output.
         let run = |cin: u64, cout: u64| {
-            let input = (pixels * cin).min(crate::models::conv3d::RUN_ELEMENTS as u64);
+            let input = (pixels * cin).min(crate::models::conv3d::IMAGE_RUN_ELEMENTS as u64);
             (input + input * cout / cin.max(1)) * bytes
         };
         let first = pixels * (2 * upsampled + last) * bytes + run(upsampled, last);

@@ -26,6 +26,20 @@ __device__ __forceinline__ void store(float *p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) {
   p[i] = __float2bfloat16_rn(v);
 }
+// 16 bytes of T values holding `v` (4 f32, or 8 bf16 each rounded to nearest).
+__device__ __forceinline__ uint4 pack16(const float *v, const float *) {
+  return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                    __float_as_uint(v[3]));
+}
+__device__ __forceinline__ uint4 pack16(const float *v, const __nv_bfloat16 *) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[k] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(v[2 * k])) |
+           ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(v[2 * k + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 // v rounded to the storage type T, back in f32.
 __device__ __forceinline__ float round_to(const float *, float v) { return v; }
 __device__ __forceinline__ float round_to(const __nv_bfloat16 *, float v) {
@@ -106,9 +120,10 @@ __device__ void group_apply(const T *__restrict__ x, T *__restrict__ out,
   const float std = sqrtf((float)squares[q] / count + eps);
   const float w = weight[c], b = bias[c];
   const long offset = row * rows.spatial;
-  for (long i = begin + threadIdx.x; i < end; i += THREADS) {
-    // Separate roundings (no contraction into FMAs), as the candle ops compute.
-    float v = __fdiv_rn(__fsub_rn(load(x, offset + i), mean), std);
+  // One element, at `at`: separate roundings (no contraction into FMAs), as the candle ops
+  // compute.
+  auto apply = [&](float v, long at) {
+    v = __fdiv_rn(__fsub_rn(v, mean), std);
     if (round_first) {
       v = round_to(x, v);
       v = round_to(x, __fmul_rn(v, w));
@@ -117,11 +132,37 @@ __device__ void group_apply(const T *__restrict__ x, T *__restrict__ out,
       v = round_to(x, __fadd_rn(__fmul_rn(v, w), b));
     }
     if (scale) {
-      v = round_to(x, __fmul_rn(v, load(scale, offset + i)));
-      v = round_to(x, __fadd_rn(v, load(shift, offset + i)));
+      v = round_to(x, __fmul_rn(v, load(scale, at)));
+      v = round_to(x, __fadd_rn(v, load(shift, at)));
     }
     if (silu) v = __fdiv_rn(v, __fadd_rn(1.f, expf(-v)));
-    store(out, offset + i, v);
+    return v;
+  };
+  // Elements [head, tail) move 16 bytes a load and a store where x and out lie alike modulo 16
+  // bytes (and no element-wise modulation is read): the same arithmetic per element, an eighth
+  // of the bf16 load and store instructions. The rest of the chunk goes one element at a time.
+  constexpr int VEC = 16 / sizeof(T);
+  const T *xs = x + offset;
+  T *outs = out + offset;
+  long head = end, tail = end;
+  const uintptr_t at_x = reinterpret_cast<uintptr_t>(xs + begin);
+  if (!scale && (at_x - reinterpret_cast<uintptr_t>(outs + begin)) % 16 == 0) {
+    head = min(end, begin + (long)((16 - at_x % 16) % 16 / sizeof(T)));
+    tail = head + (end - head) / VEC * VEC;
+  }
+  for (long i = begin + threadIdx.x; i < head; i += THREADS) {
+    store(out, offset + i, apply(load(x, offset + i), offset + i));
+  }
+  for (long j = head + (long)threadIdx.x * VEC; j < tail; j += (long)THREADS * VEC) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(xs + j));
+    const T *in = reinterpret_cast<const T *>(&raw);
+    float res[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) res[k] = apply(load(in, k), offset + j + k);
+    __stwb(reinterpret_cast<uint4 *>(outs + j), pack16(res, x));
+  }
+  for (long i = tail + threadIdx.x; i < end; i += THREADS) {
+    store(out, offset + i, apply(load(x, offset + i), offset + i));
   }
 }
 
