@@ -10,6 +10,8 @@
 #   4, 5 (as 2): every seed-table row of Latte-1 and Mochi-1 (4), FLUX.1-dev (5), both programs in one call.
 #   6 (carry .device45/{vae_decode,vae_decode_before,offload_bench}.xz): Latte-1's and Allegro's decodes with the image
 #      convolutions' shorter runs against the build before; FLUX.1-dev's stream rows at a look-ahead of one group.
+#   7 (carry .device45/{vae_decode,vidgen}.xz, .whl): Allegro's decode with its tiles summed in the VAE's dtype, and
+#      its whole run beside diffusers.
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -71,5 +73,10 @@ for l in open('$OUT/flux-depth1.jsonl'):
     if l.startswith('{') and 's_per_forward' in l:
         r = json.loads(l); print(r['label'], round(r['s_per_forward'], 4), 'alloc', round(r['peak_alloc_gib'], 3), 'reserved', round(r['peak_reserved_gib'], 3))
     elif l.startswith('{'): print(l.strip())";;
+  7) el "allegro's decode with the tiles summed in the VAE's dtype (diffusers' tiled: call 1)"
+     timeout 100 /tmp/vae_decode --family allegro | cut -c1-330
+     el "allegro whole at 24x320x320 beside diffusers (frames against diffusers')"
+     PYTHONPATH=/tmp/site timeout 150 python3 bench/family_e2e.py --vidgen /tmp/vidgen --ckpt-root /dev/shm/vidgen-e2e \
+       --vidgen-modes default --family allegro --size 24,320,320 --out $OUT/e2e 2>&1 | grep -E "frames vs|Error|^\| " | cut -c1-300;;
 esac
 el done

@@ -85,8 +85,8 @@ pub fn transformer_activations(
 /// Device bytes of the tiled decode of latents `[F, h, w]`: one tile through the decoder at
 /// full resolution (the last levels' activations at the first level's channels: a resnet's
 /// input, norm, conv output and sum, a temporal layer's padded copies), its mid-block attention
-/// over a frame's latent pixels, and the whole video in f32 twice (the sum of the tiles and its
-/// conversion to frames).
+/// over a frame's latent pixels, and the sum of the tiles in the VAE's dtype; or, after the
+/// tiles, the whole video in f32 twice (the sum converted, and its conversion to frames).
 pub fn vae_decode_activations(vae: &AllegroVaeConfig, latent: [usize; 3], dtype: DType) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
     let [tf, th, tw] = vae.tile();
@@ -106,5 +106,6 @@ pub fn vae_decode_activations(vae: &AllegroVaeConfig, latent: [usize; 3], dtype:
         vae.spatial_compression_ratio() as u64,
     );
     let video = latent[0] as u64 * rt * latent[1] as u64 * rs * latent[2] as u64 * rs;
-    levels + scores + video * vae.out_channels as u64 * 4 * 2
+    let video = video * vae.out_channels as u64;
+    (levels + scores + video * bytes).max(video * 4 * 2)
 }

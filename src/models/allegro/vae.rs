@@ -530,7 +530,8 @@ impl Decoder {
 }
 
 /// The linear fade of a tile over `overlap` entries of `axis` (2, 3 or 4) at its head
-/// (`i / overlap`) or its tail (`1 − i / overlap`), in f32; 1 elsewhere.
+/// (`i / overlap`) or its tail (`1 − i / overlap`), 1 elsewhere: multiplied in f32 and rounded
+/// to the tile's dtype, as diffusers stores each f32 product back into the tile.
 fn fade(x: &Tensor, axis: usize, overlap: usize, head: bool) -> Result<Tensor> {
     let len = x.dim(axis)?;
     let mut ramp = vec![1f32; len];
@@ -544,7 +545,9 @@ fn fade(x: &Tensor, axis: usize, overlap: usize, head: bool) -> Result<Tensor> {
     }
     let mut shape = vec![1; 5];
     shape[axis] = len;
-    x.broadcast_mul(&Tensor::from_vec(ramp, shape, x.device())?)
+    x.to_dtype(DType::F32)?
+        .broadcast_mul(&Tensor::from_vec(ramp, shape, x.device())?)?
+        .to_dtype(x.dtype())
 }
 
 /// The diffusers `AutoencoderKLAllegro`, decoder side.
@@ -580,7 +583,9 @@ impl AutoencoderKLAllegro {
     }
 
     /// `tiled_decode` of unscaled latents `[1, C, F, h, w]` to the video `[1, 3, F·rt, h·rs,
-    /// w·rs]` in f32 (not clamped; frames no tile covers stay 0, as in diffusers).
+    /// w·rs]` in f32 (not clamped; frames no tile covers stay 0, as in diffusers). The faded
+    /// tiles are summed in the VAE's dtype, as diffusers sums them (and half the memory of an
+    /// f32 sum in bf16).
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         let (b, c, f, h, w) = z.dims5()?;
         if b != 1 || c != self.cfg.latent_channels {
@@ -605,7 +610,7 @@ impl AutoencoderKLAllegro {
         let out = [f * rt, h * rs, w * rs];
         let mut video = Tensor::zeros(
             (1, self.cfg.out_channels, out[0], out[1], out[2]),
-            DType::F32,
+            self.dtype,
             z.device(),
         )?;
         // Python's `start = index · stride` for either sign of stride (a lone tile starts at 0).
@@ -618,7 +623,7 @@ impl AutoencoderKLAllegro {
                         .narrow(2, start(i, s[0]), k[0])?
                         .narrow(3, start(j, s[1]), k[1])?
                         .narrow(4, start(l, s[2]), k[2])?;
-                    let mut pixels = self.decoder.forward(&latent)?.to_dtype(DType::F32)?;
+                    let mut pixels = self.decoder.forward(&latent)?;
                     for a in 0..3 {
                         if index[a] > 0 {
                             pixels = fade(&pixels, a + 2, TILE_OVERLAP[a], true)?;
@@ -643,7 +648,7 @@ impl AutoencoderKLAllegro {
                 }
             }
         }
-        Ok(video)
+        video.to_dtype(DType::F32)
     }
 }
 
