@@ -746,4 +746,25 @@ mod tests {
         assert_eq!(tail, [1.0, 1.0, 1.0, 0.5]);
         Ok(())
     }
+
+    /// A bf16 tile is faded as diffusers fades it: each value times the f32 ramp, rounded once
+    /// to bf16 (the tile stays bf16, so the tiles sum in bf16 as diffusers' `z.new_zeros` does).
+    #[test]
+    fn a_bf16_tile_fades_in_f32_rounded_to_bf16() -> Result<()> {
+        let values: Vec<f32> = (0..7).map(|i| 1.0 + i as f32 / 3.0).collect();
+        let x = Tensor::from_vec(values.clone(), (1, 1, 7, 1, 1), &candle_core::Device::Cpu)?
+            .to_dtype(DType::BF16)?;
+        let faded = fade(&x, 2, 7, true)?;
+        assert_eq!(faded.dtype(), DType::BF16);
+        let got = faded
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        for (i, (g, v)) in got.iter().zip(&values).enumerate() {
+            let stored = half::bf16::from_f32(*v).to_f32();
+            let want = half::bf16::from_f32(stored * (i as f32 / 7.0)).to_f32();
+            assert_eq!(*g, want, "entry {i}");
+        }
+        Ok(())
+    }
 }
