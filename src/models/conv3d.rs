@@ -188,15 +188,17 @@ pub(crate) fn conv_frames_channels_last(
 /// at CogVideoX's and LTX-Video's full resolution, runs of several frames, so the temporal halo
 /// each run gathers again stays small (runs of one frame read the input three times over:
 /// CogVideoX's decode took 1.50 s against 1.36 s, LTX-Video's 0.230 against 0.218 s, same
-/// peaks used; an H200, bench/RESULTS.md session 36). The memory plan counts one run's input
-/// and output.
-pub const RUN_ELEMENTS: usize = 1 << 28;
+/// peaks used; an H200, bench/RESULTS.md session 36).
+#[cfg(feature = "cuda")]
+const RUN_ELEMENTS: usize = 1 << 28;
 
 /// Elements of the input images [`images_conv_channels_last`] gathers per run (128 MiB in bf16).
 /// A 2D convolution has no temporal halo to gather again, so short runs cost no extra reads and
-/// keep the gathered input and cuDNN's output small beside the layer's own tensors (a whole
-/// Allegro tile, 24 images of 256x256 at 128 channels, was one 0.8 GB pair in runs of
-/// [`RUN_ELEMENTS`]). The memory plan counts one run's input and output.
+/// keep the gathered input and cuDNN's output small beside the layer's own tensors (Latte-1's
+/// 16x512x512 decode: 4.63 GiB used against 5.38 in runs of 2^28 elements, +3% time; an H100,
+/// bench/RESULTS.md session 44). The memory plan
+/// ([`crate::models::autoencoder_kl::AutoencoderKLConfig::decode_activations`]) counts one run's
+/// input and output.
 pub const IMAGE_RUN_ELEMENTS: usize = 1 << 26;
 
 /// A VAE convolution of the channels-first `x` `[B, C, T, H, W]` by `weight` `[C_out, C, kt, kh,
