@@ -114,9 +114,9 @@ pub struct GenerateOptions {
     /// Prefetch groups on a dedicated copy stream (off: synchronous copies).
     #[arg(long = "[no-]offload-stream", alias = "offload-stream", help_heading = "Group offload (diffusers)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub offload_stream: bool,
-    /// How many groups ahead the copy stream runs [default: as many blocks as typical blocks
-    /// make the largest (1; HunyuanVideo 2); leaf level: as many steps as make the smallest
-    /// block].
+    /// How many device slots ahead the copy stream fills (a slot holds the largest group, or
+    /// as many consecutive smaller ones as fit) [default: 1; leaf level: as many steps as make
+    /// the smallest block].
     #[arg(long, help_heading = "Group offload (diffusers)", value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub prefetch_depth: Option<u32>,
     /// diffusers' enable_model_cpu_offload: whole components move to the GPU in pipeline order.

@@ -26,7 +26,7 @@ impl std::fmt::Display for Override {
 /// Why a copy stream moves one block per group.
 const STREAMED_GROUPS: &str = "with a copy stream, groups are single blocks as in diffusers' \
      use_stream (the copies keep pace block by block; larger groups only hold more memory); \
-     --prefetch-depth N runs N blocks ahead";
+     --prefetch-depth N fills N slots ahead";
 
 /// Why the CPU changes options: with no accelerator there is nothing to offload to.
 const NO_ACCELERATOR: &str = "no accelerator";

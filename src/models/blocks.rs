@@ -57,10 +57,6 @@ pub trait Blockwise: Sized + Send + Sync + 'static {
         let _ = (cfg, i);
         0
     }
-    /// Whether a pass over the blocks computes next to nothing (a matrix-vector product per
-    /// block, as the modulation components' one pass before denoising): copies bound it at any
-    /// look-ahead, so running further ahead for larger blocks would only hold more.
-    const COPY_BOUND: bool = false;
     /// How many steps a block can be split into for finer streaming (1: it cannot); the most
     /// of any block where kinds differ.
     fn steps(_: &Self::Config) -> usize {

@@ -44,28 +44,24 @@ impl Residency {
         }
     }
 
-    /// Streaming on a copy stream, copies at least `steps()` groups ahead of the one computing
-    /// when they are block steps, `blocks()` when they are whole blocks (each asked only then).
-    /// Step by step, a step that computes little (a cross-attention over a short text) would
-    /// otherwise leave the copy of the next, larger step no time; the caller bounds it by what
-    /// fits in one block's bytes, so leaf level never holds more than block level. Block by
-    /// block, a block several times the typical one (HunyuanVideo's dual-stream blocks) needs
-    /// as many typical computations to hide its copy.
-    pub fn with_groups_ahead(
-        self,
-        steps: impl FnOnce() -> usize,
-        blocks: impl FnOnce() -> usize,
-    ) -> Residency {
+    /// Streaming step by step on a copy stream copies at least `steps()` slot fills ahead of
+    /// the one computing (asked only then): a step that computes little (a cross-attention over
+    /// a short text) would otherwise leave the copy of the next, larger step no time; the
+    /// caller bounds it by what fits in one block's bytes, so leaf level never holds more than
+    /// block level. Whole blocks need no more than one fill ahead: smaller blocks share a slot
+    /// ([`SlotRuns`]), so a block several times the typical one has as many typical blocks'
+    /// compute to hide its copy behind.
+    pub fn with_steps_ahead(self, steps: impl FnOnce() -> usize) -> Residency {
         match self {
             Residency::Streamed {
                 blocks_per_group,
-                by_step,
+                by_step: true,
                 options,
             } if options.stream => Residency::Streamed {
                 blocks_per_group,
-                by_step,
+                by_step: true,
                 options: StreamOptions {
-                    depth: options.depth.max(if by_step { steps() } else { blocks() }),
+                    depth: options.depth.max(steps()),
                     ..options
                 },
             },
@@ -107,21 +103,83 @@ impl std::fmt::Display for Residency {
     }
 }
 
-/// Groups the copy stream keeps ahead of the computing one over `groups` groups: at most the
-/// groups there are besides the computing one (a single group is never prefetched against
-/// itself, which would hold it twice).
-pub fn prefetch_depth(groups: usize, options: StreamOptions) -> usize {
-    options.depth.max(1).min(groups.saturating_sub(1))
+/// Slot fills the copy stream keeps ahead of the computing one over `runs` [`SlotRuns`]: at
+/// most the runs there are besides the computing one (a single run is never prefetched
+/// against itself, which would hold it twice).
+pub fn prefetch_depth(runs: usize, options: StreamOptions) -> usize {
+    options.depth.max(1).min(runs.saturating_sub(1))
 }
 
-/// Device slots a streamed part allocates once and keeps between passes: the computing group
-/// and the prefetched ones (with a copy stream), else none (each group gets fresh memory that
-/// is freed after it runs).
-pub fn slot_count(groups: usize, options: StreamOptions) -> usize {
-    if options.stream && groups > 0 {
-        prefetch_depth(groups, options) + 1
+/// Device slots a streamed part allocates once and keeps between passes, over `runs`
+/// [`SlotRuns`]: the computing run and the prefetched ones (with a copy stream), else none
+/// (each group gets fresh memory that is freed after it runs).
+pub fn slot_count(runs: usize, options: StreamOptions) -> usize {
+    if options.stream && runs > 0 {
+        prefetch_depth(runs, options) + 1
     } else {
         0
+    }
+}
+
+/// How a streamed part's groups share its device slots: consecutive groups fill one slot
+/// while their sections fit in it. A slot holds the largest group, so where groups differ
+/// (FLUX.1's and HunyuanVideo's single-stream blocks are half a dual-stream block or less)
+/// the copy stream runs several small groups ahead in the bytes one large group takes: a
+/// large block's copy then hides behind as much compute as its bytes, at no device memory
+/// beyond the slots. Groups of one size fill a slot each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotRuns {
+    /// The groups of each slot fill, in order (one pass: a run never spans the pass's end).
+    pub runs: Vec<std::ops::Range<usize>>,
+    /// For each group, the byte offset of each of its sections in the slot's buffer of the
+    /// section's dtype.
+    pub offsets: Vec<Vec<usize>>,
+}
+
+impl SlotRuns {
+    /// The runs of `groups` within slots of [`slot_sections`].
+    pub fn of(groups: &[GroupLayout]) -> Self {
+        let room = slot_sections(groups);
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut offsets = Vec::with_capacity(groups.len());
+        // Bytes of each dtype's buffer taken by the current run.
+        let mut filled: Vec<(candle_core::DType, usize)> = Vec::new();
+        for (index, group) in groups.iter().enumerate() {
+            let fits = |filled: &[(candle_core::DType, usize)]| {
+                group.sections.iter().all(|s| {
+                    let used: usize = filled.iter().filter(|f| f.0 == s.dtype).map(|f| f.1).sum();
+                    let cap = room.iter().find(|r| r.0 == s.dtype).map_or(0, |r| r.1);
+                    used + s.bytes <= cap
+                })
+            };
+            match runs.last_mut() {
+                Some(run) if fits(&filled) => run.end = index + 1,
+                _ => {
+                    runs.push(index..index + 1);
+                    filled.clear();
+                }
+            }
+            let mut at = Vec::with_capacity(group.sections.len());
+            for s in &group.sections {
+                match filled.iter_mut().find(|f| f.0 == s.dtype) {
+                    Some(f) => {
+                        at.push(f.1);
+                        f.1 += s.bytes;
+                    }
+                    None => {
+                        at.push(0);
+                        filled.push((s.dtype, s.bytes));
+                    }
+                }
+            }
+            offsets.push(at);
+        }
+        SlotRuns { runs, offsets }
+    }
+
+    /// Whether group `index` is the last of its run (its slot is free once it has computed).
+    pub fn ends_run(&self, index: usize) -> bool {
+        self.runs.iter().any(|r| r.end == index + 1)
     }
 }
 
@@ -148,7 +206,7 @@ pub fn streamed_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
         .iter()
         .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
     let expanded = groups.iter().map(|g| g.expanded_bytes() as u64).max();
-    match slot_count(groups.len(), options) as u64 {
+    match slot_count(SlotRuns::of(groups).runs.len(), options) as u64 {
         0 => groups.iter().map(landed_bytes).max().unwrap_or(0),
         slots => slots
             .saturating_mul(slot)
@@ -209,25 +267,87 @@ mod tests {
         assert_eq!(prefetch_depth(10, streamed(0, true)), 1);
     }
 
-    /// Streaming on a copy stream runs at least the steps' or the blocks' look-ahead, as its
-    /// groups are (more when asked); without a copy stream the depth stays.
+    /// Streaming step by step on a copy stream runs at least the steps' look-ahead (more when
+    /// asked); whole blocks and synchronous copies keep the depth asked.
     #[test]
-    fn streaming_runs_at_least_its_groups_look_ahead() {
+    fn streaming_steps_run_at_least_their_look_ahead() {
         let depth = |by_step, stream, asked| match (Residency::Streamed {
             blocks_per_group: 1,
             by_step,
             options: streamed(asked, stream),
         })
-        .with_groups_ahead(|| 3, || 2)
+        .with_steps_ahead(|| 3)
         {
             Residency::Streamed { options, .. } => options.depth,
             other => panic!("{other:?}"),
         };
         assert_eq!(depth(true, true, 1), 3);
         assert_eq!(depth(true, true, 4), 4);
-        assert_eq!(depth(false, true, 1), 2);
+        assert_eq!(depth(false, true, 1), 1);
         assert_eq!(depth(false, true, 4), 4);
         assert_eq!(depth(false, false, 1), 1);
         assert_eq!(depth(true, false, 1), 1);
+    }
+
+    /// A group of `sections` (dtype, bytes), each at the next offset of its image.
+    fn group(sections: &[(candle_core::DType, usize)]) -> GroupLayout {
+        let mut offset = 0;
+        GroupLayout {
+            sections: sections
+                .iter()
+                .map(|&(dtype, bytes)| {
+                    offset += bytes;
+                    crate::offload::group::Section {
+                        dtype,
+                        offset: offset - bytes,
+                        bytes,
+                    }
+                })
+                .collect(),
+            bytes: sections.iter().map(|s| s.1).sum(),
+            ..Default::default()
+        }
+    }
+
+    /// Consecutive groups share a slot while every dtype's sections fit in it, each section
+    /// after the last one of its dtype; a group that does not fit starts the next fill, and
+    /// groups of the largest size fill a slot each.
+    #[test]
+    fn smaller_groups_share_a_slot_while_they_fit() {
+        use candle_core::DType::{BF16, F32};
+        let (large, small) = (group(&[(BF16, 1024), (F32, 256)]), group(&[(BF16, 512)]));
+        let mixed = group(&[(BF16, 256), (F32, 256)]);
+        let groups = [
+            large.clone(),
+            large.clone(),
+            small.clone(),
+            small.clone(),
+            small.clone(),
+            mixed.clone(),
+            mixed,
+            large,
+        ];
+        let runs = SlotRuns::of(&groups);
+        assert_eq!(runs.runs, [0..1, 1..2, 2..4, 4..6, 6..7, 7..8]);
+        assert_eq!(
+            runs.offsets,
+            [
+                vec![0, 0],
+                vec![0, 0],
+                vec![0],
+                vec![512],
+                vec![0],
+                vec![512, 0],
+                vec![0, 0],
+                vec![0, 0],
+            ]
+        );
+        let ends: Vec<bool> = (0..groups.len()).map(|i| runs.ends_run(i)).collect();
+        assert_eq!(ends, [true, true, false, true, false, true, true, true]);
+        // Two slots of 1280 bytes, however many groups each holds.
+        assert_eq!(streamed_bytes(&groups, streamed(1, true)), 2 * (1024 + 256));
+        // Groups of one size: one each (their count bounds the slots).
+        let even = SlotRuns::of(&[small.clone(), small.clone(), small]);
+        assert_eq!(even.runs, [0..1, 1..2, 2..3]);
     }
 }

@@ -3,8 +3,8 @@
 use super::group::GroupLayout;
 use super::group::{record, Packing};
 use super::host::{HostMemory, HostSetup, HostStore};
-use super::residency::{prefetch_depth, slot_count, streamed_bytes};
-use super::transfer::{CopyStats, DeviceSlot, Transfer, Uploaded};
+use super::residency::{prefetch_depth, slot_count, streamed_bytes, SlotRuns};
+use super::transfer::{CopyStats, DeviceSlot, SlotPlace, Transfer, Uploaded};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
@@ -54,11 +54,13 @@ pub struct Offloaded<B> {
     options: StreamOptions,
     /// The first groups of the next pass, prefetched while the last ones computed.
     pending: Mutex<VecDeque<Uploaded>>,
+    /// Which groups share a slot, and where in it each lands.
+    runs: SlotRuns,
     /// Device slots for streamed groups ([`slot_count`]), made on the first pass after each
     /// [`Self::release`].
     slots: Mutex<Option<Arc<Vec<DeviceSlot>>>>,
-    /// Uploads so far: upload k goes to slot k mod the slot count.
-    uploads: AtomicUsize,
+    /// Slot fills so far: fill k goes to slot k mod the slot count.
+    fills: AtomicUsize,
 }
 
 impl<B> Offloaded<B> {
@@ -102,7 +104,11 @@ impl<B> Offloaded<B> {
         device: &Device,
         options: StreamOptions,
     ) -> Self {
+        let layouts: Vec<GroupLayout> = (0..store.len())
+            .map(|i| store.group(i).layout.clone())
+            .collect();
         Offloaded {
+            runs: SlotRuns::of(&layouts),
             store,
             transfer,
             build,
@@ -114,7 +120,7 @@ impl<B> Offloaded<B> {
             },
             pending: Mutex::new(VecDeque::new()),
             slots: Mutex::new(None),
-            uploads: AtomicUsize::new(0),
+            fills: AtomicUsize::new(0),
         }
     }
 
@@ -160,7 +166,7 @@ impl<B> Offloaded<B> {
     }
 
     /// Runs `f` on every group in order; each group is on the device only around its turn,
-    /// and at most [`slot_count`] groups are on the device at once.
+    /// and at most [`slot_count`] slot fills ([`SlotRuns`]) are on the device at once.
     pub fn for_each(&self, mut f: impl FnMut(&B) -> Result<()>) -> Result<()> {
         let n = self.store.len();
         if !self.options.stream {
@@ -169,17 +175,16 @@ impl<B> Offloaded<B> {
             }
             return Ok(());
         }
-        let depth = prefetch_depth(n, self.options);
+        let runs = &self.runs.runs;
+        let depth = prefetch_depth(runs.len(), self.options);
         let poisoned = || anyhow::anyhow!("offload state poisoned");
         let slots = {
             let mut kept = self.slots.lock().map_err(|_| poisoned())?;
             match &*kept {
                 Some(slots) => slots.clone(),
                 None => {
-                    let made = Arc::new(
-                        self.transfer
-                            .slots(&self.store, slot_count(n, self.options))?,
-                    );
+                    let count = slot_count(runs.len(), self.options);
+                    let made = Arc::new(self.transfer.slots(&self.store, count)?);
                     *kept = Some(made.clone());
                     made
                 }
@@ -187,27 +192,33 @@ impl<B> Offloaded<B> {
         };
         let slots = &*slots;
         let mut ready = std::mem::take(&mut *self.pending.lock().map_err(|_| poisoned())?);
-        let first_missing = ready.len();
-        // A copy thread uploads in order: the rest of this pass, then the first `depth` groups
-        // of the next one. It takes a permit per upload; a retired group returns one.
-        let (uploads, received) = sync_channel::<Result<Uploaded>>(n + depth);
-        let (permits, permit) = sync_channel::<()>(n + depth);
+        // Whole runs are prefetched: the ready groups are the first runs of the pass.
+        let first_missing = ready.iter().filter(|u| self.runs.ends_run(u.index)).count();
+        // A copy thread fills slots in order: the rest of this pass, then the first `depth`
+        // runs of the next one. It takes a permit per fill; a retired run returns one.
+        let (uploads, received) = sync_channel::<Result<Uploaded>>(2 * n);
+        let (permits, permit) = sync_channel::<()>(runs.len() + depth);
         for _ in first_missing..=depth {
             permits.send(()).ok();
         }
         std::thread::scope(|scope| -> Result<()> {
             scope.spawn(move || {
-                for index in first_missing..n + depth {
+                for run in first_missing..runs.len() + depth {
                     if permit.recv().is_err() {
                         break;
                     }
-                    let k = self.uploads.fetch_add(1, Ordering::Relaxed) % slots.len();
-                    let uploaded =
-                        self.transfer
-                            .upload(&self.store, index % n, Some((k, &slots[k])));
-                    let failed = uploaded.is_err();
-                    if uploads.send(uploaded).is_err() || failed {
-                        break;
+                    let k = self.fills.fetch_add(1, Ordering::Relaxed) % slots.len();
+                    for index in runs[run % runs.len()].clone() {
+                        let place = SlotPlace {
+                            index: k,
+                            slot: &slots[k],
+                            offsets: &self.runs.offsets[index],
+                        };
+                        let uploaded = self.transfer.upload(&self.store, index, Some(place));
+                        let failed = uploaded.is_err();
+                        if uploads.send(uploaded).is_err() || failed {
+                            return;
+                        }
                     }
                 }
             });
@@ -218,17 +229,21 @@ impl<B> Offloaded<B> {
                         Some(u) => u,
                         None => received.recv().map_err(|_| stopped())??,
                     };
-                    let slot = uploaded.slot;
+                    let (slot, index) = (uploaded.slot, uploaded.index);
                     let group = self.make(uploaded)?;
                     f(&group)?;
                     drop(group);
                     if let Some(k) = slot {
                         self.transfer.retire(&slots[k])?;
                     }
-                    permits.send(()).ok();
+                    if self.runs.ends_run(index) {
+                        permits.send(()).ok();
+                    }
                 }
-                for _ in 0..depth {
-                    ready.push_back(received.recv().map_err(|_| stopped())??);
+                for run in &runs[..depth] {
+                    for _ in run.clone() {
+                        ready.push_back(received.recv().map_err(|_| stopped())??);
+                    }
                 }
                 Ok(())
             })();
@@ -299,7 +314,7 @@ pub(super) mod tests {
     const GROUPS: usize = 5;
 
     /// A group as built on the device: group i's f32 weight holds i, its bf16 scale i + 0.5.
-    struct Group {
+    pub(super) struct Group {
         index: usize,
         weight: Tensor,
         scale: Tensor,
@@ -308,34 +323,48 @@ pub(super) mod tests {
     /// A part of [`GROUPS`] groups read from a safetensors file, each of two tensors in two
     /// dtypes (two sections), held in pageable arenas and streamed `depth` groups ahead.
     fn part(name: &str, depth: usize) -> Result<Offloaded<Group>> {
+        part_on(name, depth, &[(3, 2); GROUPS], &Device::Cpu)
+    }
+
+    /// A part of one group per entry of `lens` (its f32 weight's and bf16 scale's lengths) on
+    /// `device`, read from a safetensors file, held in pageable arenas and streamed `depth` slot
+    /// fills ahead.
+    pub(super) fn part_on(
+        name: &str,
+        depth: usize,
+        lens: &[(usize, usize)],
+        device: &Device,
+    ) -> Result<Offloaded<Group>> {
         let cpu = Device::Cpu;
         let dir =
             std::env::temp_dir().join(format!("vidgen-streamer-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let path = dir.join("w.safetensors");
         let mut tensors = HashMap::new();
-        for i in 0..GROUPS {
-            let weight = Tensor::full(i as f32, 3, &cpu)?;
-            let scale = Tensor::full(i as f32 + 0.5, 2, &cpu)?.to_dtype(DType::BF16)?;
+        for (i, &(w, s)) in lens.iter().enumerate() {
+            let weight = Tensor::full(i as f32, w, &cpu)?;
+            let scale = Tensor::full(i as f32 + 0.5, s, &cpu)?.to_dtype(DType::BF16)?;
             tensors.insert(format!("blocks.{i}.weight"), weight);
             tensors.insert(format!("blocks.{i}.scale"), scale);
         }
         candle_core::safetensors::save(&tensors, &path)?;
         let weights = WeightSet::open(&Weights::Files(vec![path]))?;
+        let lens = lens.to_vec();
         let part = Offloaded::from_weights(
             &weights,
-            GROUPS,
+            lens.len(),
             Packing::ByDtype,
-            |index, vb| {
+            move |index, vb| {
                 let vb = vb.pp(format!("blocks.{index}"));
+                let (w, s) = lens[index];
                 Ok(Group {
                     index,
-                    weight: vb.get(3, "weight")?,
-                    scale: vb.to_dtype(DType::BF16).get(2, "scale")?,
+                    weight: vb.get(w, "weight")?,
+                    scale: vb.to_dtype(DType::BF16).get(s, "scale")?,
                 })
             },
             DType::F32,
-            &cpu,
+            device,
             HostMemory::Pageable,
             StreamOptions {
                 stream: true,
@@ -348,18 +377,51 @@ pub(super) mod tests {
     }
 
     /// One whole pass: the groups it visited, in order, each checked to hold its own values.
-    fn visit_all(part: &Offloaded<Group>) -> Result<Vec<usize>> {
+    pub(super) fn visit_all(part: &Offloaded<Group>) -> Result<Vec<usize>> {
         let mut seen = Vec::new();
         part.for_each(|group| {
             let i = group.index as f32;
             let weight = group.weight.to_vec1::<f32>()?;
             let scale = group.scale.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            anyhow::ensure!(weight == [i; 3], "group {i}: weight {weight:?}");
-            anyhow::ensure!(scale == [i + 0.5; 2], "group {i}: scale {scale:?}");
+            anyhow::ensure!(
+                weight.iter().all(|&w| w == i),
+                "group {i}: weight {weight:?}"
+            );
+            anyhow::ensure!(
+                scale.iter().all(|&s| s == i + 0.5),
+                "group {i}: scale {scale:?}"
+            );
             seen.push(group.index);
             Ok(())
         })?;
         Ok(seen)
+    }
+
+    /// Group lengths where the middle three share a slot the size of the outer ones.
+    pub(super) const UNEVEN: [(usize, usize); 5] =
+        [(256, 512), (64, 128), (64, 128), (64, 128), (256, 512)];
+
+    /// Smaller groups share a slot: with three that fit one slot between two that fill one,
+    /// a pass fills three slots, prefetches the next pass's first fills whole (the large
+    /// group, then the three small ones), and every pass visits each group in order with its
+    /// own tensors and copies each once.
+    #[test]
+    fn small_groups_fill_one_slot_together() -> Result<()> {
+        let all: Vec<usize> = (0..UNEVEN.len()).collect();
+        for (depth, prefetched) in [(1, vec![0]), (2, vec![0, 1, 2, 3])] {
+            let part = part_on(&format!("uneven-{depth}"), depth, &UNEVEN, &Device::Cpu)?;
+            assert_eq!(part.runs.runs, [0..1, 1..4, 4..5]);
+            assert_eq!(visit_all(&part)?, all);
+            assert_eq!(copies(&part), UNEVEN.len() + prefetched.len());
+            assert_eq!(slots(&part).expect("slots made").len(), depth + 1);
+            for pass in 1..4 {
+                assert_eq!(pending(&part), prefetched, "depth {depth}, pass {pass}");
+                let before = copies(&part);
+                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
+                assert_eq!(copies(&part) - before, UNEVEN.len());
+            }
+        }
+        Ok(())
     }
 
     /// Groups copied to the device so far.
@@ -645,7 +707,9 @@ pub(super) mod tests {
             assert_eq!(usage.host_bytes, images);
             let expanded = layouts.iter().map(|l| l.expanded_bytes()).max().unwrap();
             let slot_bytes: usize = slot_sections(&layouts).iter().map(|s| s.1).sum();
-            assert_eq!(usage.device_bytes, 2 * slot_bytes + expanded);
+            // Two slots, or one where the blocks hold different dtypes and share it.
+            let fills = part.runs.runs.len().min(2);
+            assert_eq!(usage.device_bytes, fills * slot_bytes + expanded);
             assert_eq!(lands_as_read(&part, &weights)?, slots.len());
         }
         Ok(())
@@ -691,7 +755,9 @@ pub(super) mod tests {
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {
     use super::super::staging::build_resident;
-    use super::tests::{lands_as_read, packed_weight_sets, stream_blocks};
+    use super::tests::{
+        lands_as_read, packed_weight_sets, part_on, stream_blocks, visit_all, UNEVEN,
+    };
     use super::*;
     use candle_core::Tensor;
 
@@ -716,6 +782,24 @@ mod cuda_tests {
                 assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
             }
             lands_resident_as_read(&weights, &gpu)?;
+        }
+        Ok(())
+    }
+
+    /// On the GPU, groups that share a slot land each at its own place in it: every pass
+    /// visits each group with its own tensors, one and two fills ahead.
+    #[test]
+    fn groups_sharing_a_slot_keep_their_own_tensors() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: shared-slot test skipped");
+            return Ok(());
+        };
+        let all: Vec<usize> = (0..UNEVEN.len()).collect();
+        for depth in [1, 2] {
+            let part = part_on(&format!("uneven-gpu-{depth}"), depth, &UNEVEN, &gpu)?;
+            for pass in 0..4 {
+                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
+            }
         }
         Ok(())
     }

@@ -58,7 +58,8 @@ pub struct Uploaded {
 /// exactly what is used.
 #[derive(Default)]
 pub struct DeviceSlot {
-    /// One flat buffer per dtype (its first bytes hold the group's section), with its address.
+    /// One flat buffer per dtype (holding the sections of that dtype of the groups it carries),
+    /// with its address.
     #[cfg(feature = "cuda")]
     buffers: Vec<(candle_core::DType, Tensor, u64)>,
     /// Recorded on the compute stream once the slot's last group was used: the next copy into
@@ -78,6 +79,15 @@ impl DeviceSlot {
     pub(super) fn in_use(&self) -> bool {
         self.in_use.load(std::sync::atomic::Ordering::Relaxed)
     }
+}
+
+/// Where a streamed group lands: slot `index`, each of its sections at its byte offset in
+/// the slot's buffer of that dtype ([`super::residency::SlotRuns`]).
+#[derive(Clone, Copy)]
+pub struct SlotPlace<'a> {
+    pub index: usize,
+    pub slot: &'a DeviceSlot,
+    pub offsets: &'a [usize],
 }
 
 /// Moves groups from a `HostStore` to a device.
@@ -125,28 +135,31 @@ impl Transfer {
         Ok((0..count).map(|_| DeviceSlot::default()).collect())
     }
 
-    /// Starts moving group `index` to the device: into `slot` (on the copy stream) or into fresh
-    /// memory (on the compute stream). Its tensors may be used once `ready` ran.
+    /// Starts moving group `index` to the device: into its place in a slot (on the copy
+    /// stream) or into fresh memory (on the compute stream). Its tensors may be used once
+    /// `ready` ran.
     pub fn upload(
         &self,
         store: &HostStore,
         index: usize,
-        slot: Option<(usize, &DeviceSlot)>,
+        place: Option<SlotPlace>,
     ) -> Result<Uploaded> {
         // Marked before the copy is counted: a test that waits for the count sees the mark.
         #[cfg(test)]
-        if let Some((_, slot)) = slot {
-            slot.in_use
+        if let Some(place) = place {
+            place
+                .slot
+                .in_use
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         let layout = &store.group(index).layout;
         self.count(layout.bytes);
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.cuda {
-            let (tensors, ready) = cuda.upload(store, index, slot.map(|s| s.1))?;
+            let (tensors, ready) = cuda.upload(store, index, place)?;
             return Ok(Uploaded {
                 index,
-                slot: slot.map(|s| s.0),
+                slot: place.map(|p| p.index),
                 tensors,
                 ready,
             });
@@ -168,7 +181,7 @@ impl Transfer {
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Uploaded {
             index,
-            slot: slot.map(|s| s.0),
+            slot: place.map(|p| p.index),
             tensors: layout.views(&sections)?,
             #[cfg(feature = "cuda")]
             ready: None,
@@ -260,7 +273,7 @@ mod cuda {
     use super::super::group::Slot;
     use super::super::host::{Arena, HostStore};
     use super::super::staging::{self, Chunk, Landing, Ring};
-    use super::DeviceSlot;
+    use super::{DeviceSlot, SlotPlace};
     use crate::weights::WeightSet;
     use anyhow::{Context, Result};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
@@ -417,15 +430,17 @@ mod cuda {
             Ok(slots)
         }
 
-        /// Copies group `index` into `slot` on the copy stream, or into fresh memory on the
-        /// compute stream; returns its tensors and, for a slot, the event the compute waits for.
+        /// Copies group `index` into its place in a slot on the copy stream, or into fresh
+        /// memory on the compute stream; returns its tensors and, for a slot, the event the
+        /// compute waits for.
         pub fn upload(
             &self,
             store: &HostStore,
             index: usize,
-            slot: Option<&DeviceSlot>,
+            place: Option<SlotPlace>,
         ) -> Result<(NamedTensors, Option<CudaEvent>)> {
             let layout = &store.group(index).layout;
+            let slot = place.map(|p| p.slot);
             let (stream, mut sections, mut targets) = (
                 match slot {
                     Some(_) => self.copy.clone(),
@@ -434,16 +449,19 @@ mod cuda {
                 Vec::with_capacity(layout.sections.len()),
                 Vec::with_capacity(layout.sections.len()),
             );
-            for s in &layout.sections {
-                let elems = s.bytes / s.dtype.size_in_bytes();
-                let (tensor, ptr) = match slot {
-                    Some(slot) => {
-                        let (_, base, ptr) = slot
+            for (k, s) in layout.sections.iter().enumerate() {
+                let size = s.dtype.size_in_bytes();
+                let elems = s.bytes / size;
+                let (tensor, ptr) = match place {
+                    Some(place) => {
+                        let (_, base, ptr) = place
+                            .slot
                             .buffers
                             .iter()
                             .find(|(d, _, _)| *d == s.dtype)
                             .context("device slot lacks a dtype")?;
-                        (base.narrow(0, 0, elems)?, *ptr)
+                        let at = place.offsets[k];
+                        (base.narrow(0, at / size, elems)?, *ptr + at as u64)
                     }
                     None => alloc(&self.device, &stream, s.dtype, elems)?,
                 };
@@ -791,7 +809,7 @@ mod cuda {
 mod cuda_tests {
     use super::super::group::{record, Packing};
     use super::super::host::{HostMemory, HostStore};
-    use super::Transfer;
+    use super::{SlotPlace, Transfer};
     use crate::weights::{WeightSet, Weights};
     use anyhow::Result;
     use candle_core::{DType, Device, Tensor};
@@ -885,7 +903,13 @@ mod cuda_tests {
         assert_eq!(read.load(Ordering::Relaxed), in_map as u64 + 3_000_003 * 4);
         let transfer = Transfer::new(&dev, true, None)?;
         let slots = transfer.slots(&store, 1)?;
-        let uploaded = transfer.upload(&store, 0, Some((0, &slots[0])))?;
+        let offsets = vec![0; store.group(0).layout.sections.len()];
+        let place = SlotPlace {
+            index: 0,
+            slot: &slots[0],
+            offsets: &offsets,
+        };
+        let uploaded = transfer.upload(&store, 0, Some(place))?;
         transfer.ready(&uploaded)?;
         let cpu = weights.var_builder(DType::BF16, &Device::Cpu);
         for (name, tensor) in &uploaded.tensors {

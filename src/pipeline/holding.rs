@@ -547,7 +547,10 @@ mod tests {
             );
             let expanded = packed.groups.iter().map(|g| g.expanded_bytes()).max();
             let slot: usize = slot_sections(&packed.groups).iter().map(|s| s.1).sum();
-            let slots = crate::offload::residency::slot_count(packed.groups.len(), options);
+            let runs = crate::offload::residency::SlotRuns::of(&packed.groups)
+                .runs
+                .len();
+            let slots = crate::offload::residency::slot_count(runs, options);
             assert_eq!(
                 holding.device_weights(&packed).active,
                 (packed.direct_bytes + slots * slot + expanded.unwrap()) as u64

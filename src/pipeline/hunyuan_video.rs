@@ -600,12 +600,14 @@ mod tests {
         split.sort();
         let whole = built_names(|vb| HunyuanVideoTransformer3DModel::new(&cfg, vb))?;
         assert_eq!(split, whole);
-        // Block streaming's look-ahead: a dual-stream body is two single-stream bodies' bytes,
-        // so the transformer's copies run two blocks ahead; the modulation pass computes next
-        // to nothing (copies bound it at any depth) and runs one ahead.
-        assert_eq!(model.blocks_in_the_largest(), 2);
-        let modulation = ModelConstructors::<HunyuanModulations>(apart.clone());
-        assert_eq!(modulation.blocks_in_the_largest(), 1);
+        // Block streaming's slots: a dual-stream body is two single-stream bodies' bytes, so
+        // the single-stream blocks fill a slot two at a time (the copy stream runs two of them
+        // ahead in one dual-stream block's bytes), the dual-stream ones one each.
+        let blocks = model.layout(holding(&model, streamed(1, false))?, DType::BF16, None)?;
+        let runs = crate::offload::residency::SlotRuns::of(&blocks.groups);
+        let sizes: Vec<usize> = runs.runs.iter().map(|r| r.len()).collect();
+        // 2 refiner blocks, 20 dual-stream, 40 single-stream.
+        assert_eq!(sizes, [vec![1; 2 + 20], vec![2; 20]].concat());
         Ok(())
     }
 

@@ -37,8 +37,8 @@ impl Placement {
     /// every component whole; otherwise each follows its role's flag (for DiTs,
     /// `--dit-layerwise-offload` over `--dit-cpu-offload`). Streaming step by step applies
     /// where a model's blocks have steps. Unless `--prefetch-depth` says otherwise, a copy
-    /// stream runs as many steps ahead as make the smallest block, or as many blocks ahead as
-    /// typical blocks make the largest.
+    /// stream runs one slot fill ahead (smaller blocks share a slot), or step by step as many
+    /// steps ahead as make the smallest block.
     pub fn new(o: &MemoryOptions, spec: &PipelineSpec) -> Self {
         let residencies = spec
             .components
@@ -47,11 +47,8 @@ impl Placement {
                 let residency = role_residency(o, c.role).for_steps(c.constructors.steps());
                 match o.prefetch_depth {
                     Some(_) => residency,
-                    // Each recorded only where it applies: it records every block (and step).
-                    None => residency.with_groups_ahead(
-                        || c.constructors.steps_ahead_in_a_block(),
-                        || c.constructors.blocks_in_the_largest(),
-                    ),
+                    // Recorded only where it applies: it records every block and step.
+                    None => residency.with_steps_ahead(|| c.constructors.steps_ahead_in_a_block()),
                 }
             })
             .collect();

@@ -70,12 +70,6 @@ pub trait Constructors: Send + Sync {
     /// smallest block, so leaf level holds less than block level around every block kind
     /// (0 without steps).
     fn steps_ahead_in_a_block(&self) -> usize;
-    /// How many typical (median) blocks make the largest, rounded (at least 1; 1 for a
-    /// [`Blockwise::COPY_BOUND`] model): streaming whole blocks, the copy of a block that many
-    /// times the typical one's bytes needs about as many typical blocks' compute to hide behind
-    /// (HunyuanVideo's dual-stream blocks carry twice a single-stream block's weights for about
-    /// its compute: the text stream works on a few hundred tokens).
-    fn blocks_in_the_largest(&self) -> usize;
     /// How the component is held in `dtype` under `residency`, or as FSDP shards (see
     /// [`Holding::of`]).
     fn holding(&self, residency: Residency, fsdp: Option<Fsdp>, dtype: DType) -> Result<Holding>;
@@ -134,18 +128,6 @@ impl<M: Blockwise> Constructors for ModelConstructors<M> {
             .max()
             .unwrap_or(0);
         ((block + step / 2) / step.max(1)).saturating_sub(1)
-    }
-
-    fn blocks_in_the_largest(&self) -> usize {
-        if M::COPY_BOUND {
-            return 1;
-        }
-        let mut blocks = block_bytes::<M>(&self.0);
-        blocks.sort_unstable();
-        let (Some(&largest), Some(&typical)) = (blocks.last(), blocks.get(blocks.len() / 2)) else {
-            return 1;
-        };
-        ((largest + typical / 2) / typical.max(1)).max(1)
     }
 
     fn holding(&self, residency: Residency, fsdp: Option<Fsdp>, dtype: DType) -> Result<Holding> {

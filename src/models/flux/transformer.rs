@@ -535,15 +535,20 @@ impl FluxSingleTransformerBlock {
                 normed,
                 attention,
                 gate,
-            } = &streams.carry
+            } = std::mem::replace(&mut streams.carry, Carry::None)
             else {
                 return Err(out_of_order(BlockStep::SingleMlp));
             };
+            // Each intermediate is dropped as soon as the next one exists: [attention; MLP]
+            // is the block's largest tensor, and only it lives through `proj_out`.
+            let mlp = project_gelu_tanh(proj_mlp, &normed)?;
+            drop(normed);
+            let joined = Tensor::cat(&[attention, mlp], 2)?;
+            let out = project(proj_out, &joined)?;
+            drop(joined);
             let text_len = streams.text.dim(1)?;
             let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
-            let mlp = project_gelu_tanh(proj_mlp, normed)?;
-            let out = project(proj_out, &Tensor::cat(&[attention, &mlp], 2)?)?;
-            let x = gated(&x, out, gate)?;
+            let x = gated(&x, out, &gate)?;
             let total = x.dim(1)?;
             streams = Streams::new(
                 x.narrow(1, text_len, total - text_len)?,

@@ -1836,7 +1836,6 @@ impl Blockwise for HunyuanModulations {
     const LAYERWISE_CASTING_SKIP: &'static [&'static str] = LAYERWISE_CASTING_SKIP;
     type Config = HunyuanVideoTransformerConfig;
     type Block = HunyuanVideoBlock;
-    const COPY_BOUND: bool = true;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
         Self::new(cfg, vb)
     }

@@ -1154,7 +1154,6 @@ impl RepeatedBlocks for MiniMaxH3Transformer3DModel {
 impl Blockwise for MiniMaxH3Modulations {
     type Config = MiniMaxH3TransformerConfig;
     type Block = AdalnProjection;
-    const COPY_BOUND: bool = true;
     fn whole(cfg: &Self::Config, vb: VarBuilder) -> Result<Self> {
         Self::new(cfg, vb)
     }

@@ -1,0 +1,35 @@
+# Session 45's device calls: run(carry: [".device46/…", ".whl"], command: "bash bench/results/session45/calls.sh N")
+# .device46/: vidgen, offload_bench and the library's CUDA tests at this session's src (streamed groups share
+# a device slot while they fit; FLUX.1's single-stream MLP step drops each intermediate once the next exists).
+#   1 (carry .device46/{vidgen-lib-tests,offload_bench,vidgen}.xz, .whl): the offload engine's CUDA tests (groups
+#      sharing a slot); FLUX.1-dev's stream rows, vidgen (default look-ahead, leaf level, the old two-slot
+#      look-ahead) beside diffusers' in the same call, and the dry-run plan of the default row.
+#   2 (carry .device46/offload_bench.xz, .whl): HunyuanVideo 61x320x512, vidgen's default (one slot ahead, two
+#      single-stream blocks a slot) against two slots ahead (the old default's look-ahead) and resident,
+#      beside diffusers' stream row.
+set -u
+export PATH=/opt/torch/.venv/bin:$PATH
+OUT=${OUT:-$PWD/out}; mkdir -p $OUT
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+for b in vidgen vidgen-lib-tests offload_bench; do
+  [ -f .device46/$b.xz ] && xz -dc .device46/$b.xz > /tmp/$b && chmod +x /tmp/$b
+done
+mkdir -p .device && cp /tmp/offload_bench .device/offload_bench && cp .device46/seed_table_bench.py .device/
+export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
+case $1 in
+  1) el "the offload engine's CUDA tests"
+     timeout 120 /tmp/vidgen-lib-tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:" | tail -20
+     el "FLUX.1-dev's plan at default flags (dry run on the GPU)"
+     /tmp/vidgen generate --model synthetic:flux.1-dev --prompt x --dtype bf16 --height 768 --width 768 \
+       --dry-run 2>&1 | grep -E "^denoise|predicted|transformer" | head -8
+     el "FLUX.1-dev stream rows, vidgen then diffusers"
+     EXTRA_MODE='two_slots_ahead: --num-blocks-per-group 1 --prefetch-depth 2' \
+     PEER_MODES=none,block_level_N1_stream,leaf_level_stream PEER_BUDGET_S=300 OUT=$OUT/seed \
+       timeout 560 bash bench/seed_table.sh flux 2>&1 | tail -24;;
+  2) el "HunyuanVideo 61x320x512: resident, default, two slots ahead, leaf; diffusers' stream row"
+     EXTRA_MODE='two_slots_ahead: --num-blocks-per-group 1 --prefetch-depth 2' FORWARDS=3 \
+     PEER_MODES=none,block_level_N1_stream PEER_BUDGET_S=250 OUT=$OUT/seed \
+       timeout 560 bash bench/seed_table.sh hunyuan 2>&1 | tail -24;;
+esac
