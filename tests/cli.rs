@@ -754,7 +754,7 @@ fn help_documents_every_flag_with_its_default() {
         ("--offload-stream", "true"),
         (
             "--prefetch-depth",
-            "as many blocks as typical blocks make the largest (1; HunyuanVideo 2); leaf level: as many steps as make the smallest block",
+            "1; leaf level: as many steps as make the smallest block",
         ),
         ("--model-cpu-offload", "false"),
         ("--sequential-cpu-offload", "false"),

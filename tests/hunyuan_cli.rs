@@ -284,23 +284,22 @@ fn streamed_dit_keeps_only_the_embedders_and_leaf_level_moves_block_steps() {
     const GIB: f64 = (1u64 << 30) as f64;
     // Block level: the input embedders and the output projection (0.03 GiB; the token
     // refiner's blocks stream with the others, the conditioning embedders and every
-    // modulation Linear live in the modulation component) plus three slots of the largest
-    // block body, a dual-stream one (0.45 GB without its 0.23 GB of modulations): a
-    // dual-stream block carries twice the typical (single-stream) block's bytes, so the copy
-    // stream runs two blocks ahead. One block ahead when asked: two slots.
+    // modulation Linear live in the modulation component) plus two slots of the largest
+    // block body, a dual-stream one (0.45 GB without its 0.23 GB of modulations): one slot
+    // ahead, which carries two single-stream blocks. Two slots ahead when asked: three.
     let block = dit_weight_bytes(&[]) as f64 / GIB;
-    assert!((1.2..1.35).contains(&block), "block level {block:.3} GiB");
-    let one_ahead = dit_weight_bytes(&["--prefetch-depth", "1"]) as f64 / GIB;
+    assert!((0.8..0.9).contains(&block), "block level {block:.3} GiB");
+    let two_ahead = dit_weight_bytes(&["--prefetch-depth", "2"]) as f64 / GIB;
     assert!(
-        (0.8..0.9).contains(&one_ahead),
-        "block level, depth 1 {one_ahead:.3} GiB"
+        (1.2..1.35).contains(&two_ahead),
+        "block level, depth 2 {two_ahead:.3} GiB"
     );
     // Leaf level: the same outer part plus two slots of the largest step (a single-stream
     // block's proj_mlp and proj_out, 0.17 GB): the copy stream runs one step ahead, as many
     // as make the smallest block (a refiner block's body, 0.23 GB).
     let leaf = dit_weight_bytes(&["--offload-type", "leaf-level"]) as f64 / GIB;
     assert!((0.32..0.42).contains(&leaf), "leaf level {leaf:.3} GiB");
-    // Three steps ahead when asked: four slots, still less than block level's two blocks.
+    // Three steps ahead when asked: four slots, still less than block level's two.
     let deeper = dit_weight_bytes(&["--offload-type", "leaf-level", "--prefetch-depth", "3"]);
     let deeper = deeper as f64 / GIB;
     assert!(

@@ -31,7 +31,9 @@ use crate::weights::StorageDtype;
 /// e4m3's largest finite value: a row's absmax maps to it.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// Bytes of the cuBLASLt workspace one fp8 product may use (its recommendation for Hopper).
+/// Bytes of the cuBLASLt workspace a product through vidgen's handle uses (fp8 products and the
+/// bias epilogue alike): cudarc allocates it per handle, 32 MiB from Hopper on (4 MiB before);
+/// the plan counts the larger.
 pub const PRODUCT_WORKSPACE: usize = 32 << 20;
 
 /// What cuBLASLt's fp8 kernels want K and N to be multiples of.

@@ -48,6 +48,11 @@ pub fn peak_above(before: usize) -> usize {
     PEAK.load(Ordering::Relaxed) - before
 }
 
+/// The bytes held now above `before` (what [`start`] returned).
+pub fn held_above(before: usize) -> usize {
+    CURRENT.load(Ordering::Relaxed) - before
+}
+
 /// Decodes random latents of `shape` with `decode`, counting every allocation: the video and
 /// the most bytes held during the decode above what was held before it.
 pub fn decode_peak(

@@ -2,9 +2,11 @@
 //! their peak (the weights are counted apart, from the constructors).
 
 use super::transformer::FluxTransformerConfig;
+use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
 use crate::models::clip::ClipTextConfig;
 use crate::models::cogvideox::activations::text_encoder_activations as t5_activations;
+use crate::models::fp8::PRODUCT_WORKSPACE;
 use crate::models::t5::encoder::T5Config;
 use candle_core::DType;
 
@@ -23,11 +25,20 @@ pub fn text_encoder_activations(
     clip.max(t5_activations(t5, text_len, dtype))
 }
 
+/// Copies of the joint sequence a block's attention holds at once: the streams, the modulated
+/// norm, q/k/v and one projection's product in flight (the attention's output comes once the
+/// products are gone; q/k/v go before its heads are merged).
+const ATTENTION_COPIES: u64 = 6;
+/// Copies the chunked attention (where no fused kernel runs) adds: the scaled queries, the
+/// transposed keys, the chunks' outputs and their concatenation.
+const CHUNKED_ATTENTION_COPIES: u64 = 4;
+
 /// Device bytes of one transformer forward over `image_tokens` packed tokens and `text_len`
-/// text tokens: the joint sequence through a single-stream block (the streams, the modulated
-/// copy, q/k/v, the attention output, the MLP and the concatenation before `proj_out`), the
-/// attention's scores (f32, up to 1024 queries at a time), the RoPE tables and the latents in
-/// f32.
+/// text tokens: the larger of a block's attention and the single-stream MLP
+/// ([`single_mlp_activations`]), plus the RoPE tables and the latents in f32. bf16 and f16 run
+/// the fused attention and the products' GELU epilogue (with their cuBLASLt workspace); other
+/// dtypes run the chunked attention, with its scores and probabilities for as many queries as
+/// [`MAX_SCORE_ELEMENTS`] allows.
 pub fn transformer_activations(
     t: &FluxTransformerConfig,
     image_tokens: usize,
@@ -37,11 +48,37 @@ pub fn transformer_activations(
     let d = dtype.size_in_bytes() as u64;
     let tokens = (image_tokens + text_len) as u64;
     let inner = t.inner_dim() as u64;
-    let mlp = t.mlp_dim() as u64;
-    let scores = t.num_attention_heads as u64 * tokens.min(1024) * tokens * 4 * 2;
+    let fused = fused(dtype);
+    let attention = ATTENTION_COPIES * tokens * inner * d
+        + if fused {
+            0
+        } else {
+            let per_query = t.num_attention_heads as u64 * tokens;
+            let queries = (MAX_SCORE_ELEMENTS as u64 / per_query.max(1)).clamp(1, tokens);
+            CHUNKED_ATTENTION_COPIES * tokens * inner * d + 2 * queries * per_query * d
+        };
+    let single_mlp = single_mlp_activations(t, tokens as usize, dtype);
+    let workspace = if fused { PRODUCT_WORKSPACE as u64 } else { 0 };
     let rope = 2 * tokens * t.attention_head_dim as u64 * 4;
     let latents = image_tokens as u64 * t.in_channels as u64 * 4 * 4;
-    tokens * (inner * 10 + (inner + mlp) * 3) * d + scores + rope + latents
+    attention.max(single_mlp) + workspace + rope + latents
+}
+
+/// Device bytes of a single-stream block's MLP step over `tokens` joint tokens: the block's
+/// input, the modulated norm, the attention's output and one half's output, with a half's MLP
+/// (and, without the products' GELU epilogue, the MLP before its GELU) and [attention; MLP]
+/// (the step runs by halves of the rows).
+pub fn single_mlp_activations(t: &FluxTransformerConfig, tokens: usize, dtype: DType) -> u64 {
+    let d = dtype.size_in_bytes() as u64;
+    let (inner, mlp) = (t.inner_dim() as u64, t.mlp_dim() as u64);
+    let (tokens, half) = (tokens as u64, tokens.div_ceil(2) as u64);
+    let unfused_gelu = if fused(dtype) { 0 } else { mlp };
+    (tokens * 3 * inner + half * (2 * inner + 2 * mlp + unfused_gelu)) * d
+}
+
+/// Whether a forward in `dtype` runs the fused attention and the GELU epilogue (bf16, f16).
+fn fused(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
 }
 
 /// Device bytes of the decode of one image's latents `[h, w]`

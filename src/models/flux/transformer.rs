@@ -293,10 +293,12 @@ fn rope_rows(inputs: &BlockInputs, start: usize, len: usize) -> Result<(Tensor, 
 }
 
 /// Attention over q, k (normed and rotated) and v of the whole joint sequence (no mask), as
-/// `[B, S, inner]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+/// `[B, S, inner]`; q, k and v go before the heads are merged.
+fn attention(q: Tensor, k: Tensor, v: Tensor) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(3)? as f64).sqrt();
-    merge_heads(&sdpa(q, k, v, scale)?)
+    let out = sdpa(&q, &k, &v, scale)?;
+    drop((q, k, v));
+    merge_heads(&out)
 }
 
 /// The joint attention of a dual-stream block with both streams' modulations.
@@ -351,15 +353,18 @@ impl JointAttention {
     ) -> Result<(Tensor, Tensor)> {
         let (text_len, image_len) = (text.dim(1)?, image.dim(1)?);
         let out = {
-            // Each stream rotated at its own positions of [text; image].
+            // Each stream rotated at its own positions of [text; image]; each modulated norm
+            // goes once projected.
             let (cos, sin) = rope_rows(inputs, text_len, image_len)?;
-            let normed = norm_modulate(image, &m[0], &m[1])?;
-            let (q, k, v) = self.image_qkv.forward(&normed, Some((&cos, &sin)))?;
+            let (q, k, v) = self
+                .image_qkv
+                .forward(&norm_modulate(image, &m[0], &m[1])?, Some((&cos, &sin)))?;
             let (cos, sin) = rope_rows(inputs, 0, text_len)?;
-            let normed = norm_modulate(text, &c[0], &c[1])?;
-            let (tq, tk, tv) = self.text_qkv.forward(&normed, Some((&cos, &sin)))?;
+            let (tq, tk, tv) = self
+                .text_qkv
+                .forward(&norm_modulate(text, &c[0], &c[1])?, Some((&cos, &sin)))?;
             let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
-            attention(&cat(tq, q)?, &cat(tk, k)?, &cat(tv, v)?)?
+            attention(cat(tq, q)?, cat(tk, k)?, cat(tv, v)?)?
         };
         let attn_image = project(&self.to_out, &out.narrow(1, text_len, image_len)?)?;
         let attn_text = project(&self.to_add_out, &out.narrow(1, 0, text_len)?)?;
@@ -516,13 +521,16 @@ impl FluxSingleTransformerBlock {
     ) -> Result<Streams> {
         let mut streams = streams.clone();
         if let Some((norm, qkv)) = &self.attn {
-            let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
             let m = norm.forward(&inputs.temb)?;
-            let normed = norm_modulate(&x, &m[0], &m[1])?;
+            let normed = norm_modulate(
+                &Tensor::cat(&[&streams.text, &streams.image], 1)?,
+                &m[0],
+                &m[1],
+            )?;
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             let attention = hooks.output(Submodule::SelfAttention, &mut || {
                 let (q, k, v) = qkv.forward(&normed, Some(rope))?;
-                attention(&q, &k, &v)
+                attention(q, k, v)
             })?;
             streams.carry = Carry::SingleStream {
                 attention,
@@ -539,13 +547,23 @@ impl FluxSingleTransformerBlock {
             else {
                 return Err(out_of_order(BlockStep::SingleMlp));
             };
-            // Each intermediate is dropped as soon as the next one exists: [attention; MLP]
-            // is the block's largest tensor, and only it lives through `proj_out`.
-            let mlp = project_gelu_tanh(proj_mlp, &normed)?;
-            drop(normed);
-            let joined = Tensor::cat(&[attention, mlp], 2)?;
-            let out = project(proj_out, &joined)?;
-            drop(joined);
+            // The MLP and [attention; MLP] (the block's largest tensors) exist for one half
+            // of the rows at a time: the same products, row by row, in half the memory.
+            let rows = normed.dim(1)?;
+            let half = rows.div_ceil(2);
+            let mut halves = Vec::with_capacity(2);
+            for (start, len) in [(0, half), (half, rows - half)] {
+                if len == 0 {
+                    continue;
+                }
+                let mlp = project_gelu_tanh(proj_mlp, &normed.narrow(1, start, len)?)?;
+                let joined = Tensor::cat(&[&attention.narrow(1, start, len)?, &mlp], 2)?;
+                drop(mlp);
+                halves.push(project(proj_out, &joined)?);
+            }
+            drop((normed, attention));
+            let out = Tensor::cat(&halves, 1)?;
+            drop(halves);
             let text_len = streams.text.dim(1)?;
             let x = Tensor::cat(&[&streams.text, &streams.image], 1)?;
             let x = gated(&x, out, &gate)?;
