@@ -1,12 +1,14 @@
-# Session 45's device calls: run(carry: [".device46/…", ".whl"], command: "bash bench/results/session45/calls.sh N")
-# .device46/: vidgen, offload_bench and the library's CUDA tests at this session's src (streamed groups share
-# a device slot while they fit; FLUX.1's single-stream MLP step drops each intermediate once the next exists).
-#   1 (carry .device46/{vidgen-lib-tests,offload_bench,vidgen}.xz, .whl): the offload engine's CUDA tests (groups
-#      sharing a slot); FLUX.1-dev's stream rows, vidgen (default look-ahead, leaf level, the old two-slot
-#      look-ahead) beside diffusers' in the same call, and the dry-run plan of the default row.
-#   2 (carry .device46/offload_bench.xz, .whl): HunyuanVideo 61x320x512, vidgen's default (one slot ahead, two
-#      single-stream blocks a slot) against two slots ahead (the old default's look-ahead) and resident,
-#      beside diffusers' stream row.
+# Session 45 got no device (none was lent): these calls are ready for the next session. Build vidgen, offload_bench and
+# the library's CUDA tests at HEAD into .device46/ (strip, xz -9e: the carry with .whl must stay under 64 MiB), then
+#   run(carry: [".device46/…", ".whl"], command: "bash bench/results/session45/calls.sh N")
+#   1 (carry .device46/{vidgen-lib-tests,offload_bench,vidgen}.xz, .device46/seed_table_bench.py, .whl): the offload
+#      engine's CUDA tests (groups sharing a slot land each at its own place); FLUX.1-dev's stream rows, vidgen
+#      (default: one slot ahead, two single-stream blocks a slot; leaf level; two slots ahead) beside diffusers'
+#      in the same call, and the dry-run plan of the default row (expected: 0.035 + 0.12 outer + 1.26 slots + 0.17
+#      activations = 1.58 GiB against diffusers' 1.632).
+#   2 (carry .device46/{offload_bench.xz,seed_table_bench.py}, .whl): HunyuanVideo 61x320x512, vidgen's default
+#      (one slot ahead, two single-stream blocks a slot) against two slots ahead (the old default's look-ahead)
+#      and resident, beside diffusers' stream row: the default must keep the old +1.2% overhead at 2 slots.
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
