@@ -16,9 +16,13 @@ use vidgen::models::flux::transformer::{
 #[global_allocator]
 static ALLOCATOR: common::heap::Counting = common::heap::Counting;
 
+/// The model's forward inputs in argument order: latents, timestep, prompt, pooled prompt,
+/// guidance, text ids and image ids.
+type Inputs = [Tensor; 7];
+
 /// Random inputs of a forward over `image` packed image tokens (a square grid) and `text`
-/// prompt rows: latents, timestep, prompt, pooled prompt, guidance, text and image ids.
-fn inputs(cfg: &FluxTransformerConfig, image: usize, text: usize) -> [Tensor; 7] {
+/// prompt rows.
+fn inputs(cfg: &FluxTransformerConfig, image: usize, text: usize) -> Inputs {
     let dev = Device::Cpu;
     let side = (image as f64).sqrt() as usize;
     assert_eq!(side * side, image);
@@ -33,29 +37,29 @@ fn inputs(cfg: &FluxTransformerConfig, image: usize, text: usize) -> [Tensor; 7]
     ]
 }
 
+/// A model method that takes the forward's inputs (`forward`, `prepare`), called with `inputs`.
+type Call<'a, R> =
+    &'a dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, Option<&Tensor>, &Tensor, &Tensor) -> R;
+
+fn call<R>(inputs: &Inputs, f: Call<R>) -> R {
+    let [latents, t, prompt, pooled, guidance, txt_ids, img_ids] = inputs;
+    f(latents, t, prompt, pooled, Some(guidance), txt_ids, img_ids)
+}
+
 /// Heap bytes one forward of `model` holds at most above its inputs. A first forward grows the
 /// CPU products' packing scratch, which each thread keeps (a GPU has none); the measured one is
 /// the next.
 fn measured(model: &FluxTransformer2DModel, image: usize, text: usize) -> usize {
-    let [latents, t, prompt, pooled, guidance, txt_ids, img_ids] =
-        inputs(model.config(), image, text);
+    let inputs = inputs(model.config(), image, text);
     let forward = || {
-        model
-            .forward(
-                &latents,
-                &t,
-                &prompt,
-                &pooled,
-                Some(&guidance),
-                &txt_ids,
-                &img_ids,
-            )
-            .unwrap()
+        call(&inputs, &|a, b, c, d, e, f, g| {
+            model.forward(a, b, c, d, e, f, g)
+        })
     };
     common::heap::start();
-    drop(forward());
+    drop(forward().unwrap());
     let before = common::heap::start();
-    let out = forward();
+    let out = forward().unwrap();
     let peak = common::heap::peak_above(before);
     drop(out);
     peak
@@ -65,18 +69,11 @@ fn measured(model: &FluxTransformer2DModel, image: usize, text: usize) -> usize 
 /// attention step before it hands on (after a first run of both, as [`measured`]).
 fn measured_mlp_step(model: &FluxTransformer2DModel, image: usize, text: usize) -> usize {
     let cfg = model.config();
-    let [latents, t, prompt, pooled, guidance, txt_ids, img_ids] = inputs(cfg, image, text);
-    let mut prepared = model
-        .prepare(
-            &latents,
-            &t,
-            &prompt,
-            &pooled,
-            Some(&guidance),
-            &txt_ids,
-            &img_ids,
-        )
-        .unwrap();
+    let inputs = inputs(cfg, image, text);
+    let mut prepared = call(&inputs, &|a, b, c, d, e, f, g| {
+        model.prepare(a, b, c, d, e, f, g)
+    })
+    .unwrap();
     let streams = prepared.take_streams().unwrap();
     let single = cfg.num_layers;
     let step = |s| {

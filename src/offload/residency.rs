@@ -146,10 +146,10 @@ impl SlotRuns {
         let mut filled: Vec<(candle_core::DType, usize)> = Vec::new();
         for (index, group) in groups.iter().enumerate() {
             let fits = |filled: &[(candle_core::DType, usize)]| {
-                group.sections.iter().all(|s| {
-                    let used: usize = filled.iter().filter(|f| f.0 == s.dtype).map(|f| f.1).sum();
-                    let cap = room.iter().find(|r| r.0 == s.dtype).map_or(0, |r| r.1);
-                    used + s.bytes <= cap
+                dtype_bytes(group).iter().all(|&(dtype, bytes)| {
+                    let used = filled.iter().find(|f| f.0 == dtype).map_or(0, |f| f.1);
+                    let cap = room.iter().find(|r| r.0 == dtype).map_or(0, |r| r.1);
+                    used + bytes <= cap
                 })
             };
             match runs.last_mut() {
@@ -183,17 +183,29 @@ impl SlotRuns {
     }
 }
 
-/// Bytes of one device slot: for each dtype, the largest section of any group (a slot holds
-/// any group).
+/// Bytes of one device slot: for each dtype, the most any group holds in it (a slot holds any
+/// group, its sections of one dtype one after the other).
 pub fn slot_sections(layouts: &[GroupLayout]) -> Vec<(candle_core::DType, usize)> {
     let mut need: Vec<(candle_core::DType, usize)> = Vec::new();
-    for section in layouts.iter().flat_map(|l| &l.sections) {
-        match need.iter_mut().find(|(d, _)| *d == section.dtype) {
-            Some((_, bytes)) => *bytes = (*bytes).max(section.bytes),
-            None => need.push((section.dtype, section.bytes)),
+    for (dtype, bytes) in layouts.iter().flat_map(dtype_bytes) {
+        match need.iter_mut().find(|(d, _)| *d == dtype) {
+            Some((_, most)) => *most = (*most).max(bytes),
+            None => need.push((dtype, bytes)),
         }
     }
     need
+}
+
+/// A group's section bytes summed by dtype.
+fn dtype_bytes(group: &GroupLayout) -> Vec<(candle_core::DType, usize)> {
+    let mut sums: Vec<(candle_core::DType, usize)> = Vec::new();
+    for section in &group.sections {
+        match sums.iter_mut().find(|(d, _)| *d == section.dtype) {
+            Some((_, bytes)) => *bytes += section.bytes,
+            None => sums.push((section.dtype, section.bytes)),
+        }
+    }
+    sums
 }
 
 /// Device bytes a streamed part's groups hold while its stage runs: the [`slot_count`] slots,
@@ -347,7 +359,16 @@ mod tests {
         // Two slots of 1280 bytes, however many groups each holds.
         assert_eq!(streamed_bytes(&groups, streamed(1, true)), 2 * (1024 + 256));
         // Groups of one size: one each (their count bounds the slots).
-        let even = SlotRuns::of(&[small.clone(), small.clone(), small]);
+        let even = SlotRuns::of(&[small.clone(), small.clone(), small.clone()]);
         assert_eq!(even.runs, [0..1, 1..2, 2..3]);
+        // A group's sections of one dtype lie one after the other, and the slot holds them all.
+        let split = group(&[(BF16, 256), (BF16, 256)]);
+        assert_eq!(
+            slot_sections(&[split.clone(), small.clone()]),
+            [(BF16, 512)]
+        );
+        let runs = SlotRuns::of(&[split, small]);
+        assert_eq!(runs.runs, [0..1, 1..2]);
+        assert_eq!(runs.offsets, [vec![0, 256], vec![0]]);
     }
 }
