@@ -208,11 +208,13 @@ impl<B> Offloaded<B> {
                         break;
                     }
                     let k = self.fills.fetch_add(1, Ordering::Relaxed) % slots.len();
-                    for index in runs[run % runs.len()].clone() {
+                    let groups = runs[run % runs.len()].clone();
+                    for index in groups.clone() {
                         let place = SlotPlace {
                             index: k,
                             slot: &slots[k],
                             offsets: &self.runs.offsets[index],
+                            first: index == groups.start,
                         };
                         let uploaded = self.transfer.upload(&self.store, index, Some(place));
                         let failed = uploaded.is_err();

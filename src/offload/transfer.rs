@@ -82,12 +82,14 @@ impl DeviceSlot {
 }
 
 /// Where a streamed group lands: slot `index`, each of its sections at its byte offset in
-/// the slot's buffer of that dtype ([`super::residency::SlotRuns`]).
+/// the slot's buffer of that dtype ([`super::residency::SlotRuns`]); `first`: the first group
+/// of this fill of the slot.
 #[derive(Clone, Copy)]
 pub struct SlotPlace<'a> {
     pub index: usize,
     pub slot: &'a DeviceSlot,
     pub offsets: &'a [usize],
+    pub first: bool,
 }
 
 /// Moves groups from a `HostStore` to a device.
@@ -440,9 +442,8 @@ mod cuda {
             place: Option<SlotPlace>,
         ) -> Result<(NamedTensors, Option<CudaEvent>)> {
             let layout = &store.group(index).layout;
-            let slot = place.map(|p| p.slot);
             let (stream, mut sections, mut targets) = (
-                match slot {
+                match place {
                     Some(_) => self.copy.clone(),
                     None => self.device.cuda_stream(),
                 },
@@ -468,8 +469,11 @@ mod cuda {
                 sections.push(tensor);
                 targets.push((s.offset..s.offset + s.bytes, ptr));
             }
-            if let Some(slot) = slot {
-                let done = slot
+            // The fill's first group waits for the slot's last use; the others follow it on the
+            // copy stream (a group of this fill retired meanwhile must not hold them back).
+            if let Some(place) = place.filter(|p| p.first) {
+                let done = place
+                    .slot
                     .done
                     .lock()
                     .map_err(|_| anyhow::anyhow!("slot poisoned"))?
@@ -505,7 +509,7 @@ mod cuda {
                 }
             }
             let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            let ready = slot.map(|_| stream.record_event(None)).transpose()?;
+            let ready = place.map(|_| stream.record_event(None)).transpose()?;
             if let Ok(mut t) = self.timings.lock() {
                 t.push((begin, end));
             }
@@ -908,6 +912,7 @@ mod cuda_tests {
             index: 0,
             slot: &slots[0],
             offsets: &offsets,
+            first: true,
         };
         let uploaded = transfer.upload(&store, 0, Some(place))?;
         transfer.ready(&uploaded)?;
