@@ -406,7 +406,8 @@ pub(super) mod tests {
     /// Smaller groups share a slot: with three that fit one slot between two that fill one,
     /// a pass fills three slots, prefetches the next pass's first fills whole (the large
     /// group, then the three small ones), and every pass visits each group in order with its
-    /// own tensors and copies each once.
+    /// own tensors and copies each once; a pass that stops in the shared slot leaves nothing
+    /// behind.
     #[test]
     fn small_groups_fill_one_slot_together() -> Result<()> {
         let all: Vec<usize> = (0..UNEVEN.len()).collect();
@@ -422,6 +423,18 @@ pub(super) mod tests {
                 assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
                 assert_eq!(copies(&part) - before, UNEVEN.len());
             }
+            // A pass that stops inside the shared slot keeps nothing and retires every slot;
+            // the next one copies and visits every group again.
+            let stopped = part.for_each(|group| match group.index {
+                2 => anyhow::bail!("stopped"),
+                _ => Ok(()),
+            });
+            assert_eq!(stopped.expect_err("stopped").to_string(), "stopped");
+            assert_eq!(pending(&part), [0; 0]);
+            assert_eq!(in_use(&part), [0; 0]);
+            let before = copies(&part);
+            assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
+            assert_eq!(copies(&part) - before, UNEVEN.len() + prefetched.len());
         }
         Ok(())
     }
