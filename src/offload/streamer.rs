@@ -202,7 +202,7 @@ impl<B> Offloaded<B> {
             permits.send(()).ok();
         }
         std::thread::scope(|scope| -> Result<()> {
-            scope.spawn(move || {
+            let copier = scope.spawn(move || {
                 for run in first_missing..runs.len() + depth {
                     if permit.recv().is_err() {
                         break;
@@ -249,15 +249,18 @@ impl<B> Offloaded<B> {
                 }
                 Ok(())
             })();
-            if result.is_err() {
+            // Stops the copy thread if the pass ended early (it may finish the copy it is on:
+            // the rest of a fill needs no permit), and waits for it.
+            drop(permits);
+            drop(received);
+            let copied = copier.join();
+            if result.is_err() || copied.is_err() {
                 // Whatever the early exit left queued must finish before a slot is refilled.
                 for slot in slots {
                     self.transfer.retire(slot).ok();
                 }
             }
-            // Stops the copy thread if the pass ended early; the scope joins it.
-            drop(permits);
-            drop(received);
+            copied.map_err(|_| anyhow::anyhow!("offload copy thread panicked"))?;
             result
         })?;
         *self.pending.lock().map_err(|_| poisoned())? = ready;
