@@ -458,6 +458,11 @@ impl HostStore {
         &self.groups[index]
     }
 
+    /// The layouts of the groups, in order.
+    pub fn layouts(&self) -> Vec<super::group::GroupLayout> {
+        self.groups.iter().map(|g| g.layout.clone()).collect()
+    }
+
     /// Bytes held in host arenas (pinned or pageable; the memory map is not counted).
     pub fn arena_bytes(&self) -> usize {
         self.arenas.iter().map(|a| a.bytes().len()).sum()

@@ -143,14 +143,12 @@ impl SlotRuns {
         let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
         let mut offsets = Vec::with_capacity(groups.len());
         // Bytes of each dtype's buffer taken by the current run.
-        let mut filled: Vec<(candle_core::DType, usize)> = Vec::new();
+        let mut filled: ByDtype = Vec::new();
         for (index, group) in groups.iter().enumerate() {
-            let fits = |filled: &[(candle_core::DType, usize)]| {
-                dtype_bytes(group).iter().all(|&(dtype, bytes)| {
-                    let used = filled.iter().find(|f| f.0 == dtype).map_or(0, |f| f.1);
-                    let cap = room.iter().find(|r| r.0 == dtype).map_or(0, |r| r.1);
-                    used + bytes <= cap
-                })
+            let fits = |filled: &ByDtype| {
+                dtype_bytes(group)
+                    .into_iter()
+                    .all(|(dtype, bytes)| get(filled, dtype) + bytes <= get(&room, dtype))
             };
             match runs.last_mut() {
                 Some(run) if fits(&filled) => run.end = index + 1,
@@ -159,20 +157,12 @@ impl SlotRuns {
                     filled.clear();
                 }
             }
-            let mut at = Vec::with_capacity(group.sections.len());
-            for s in &group.sections {
-                match filled.iter_mut().find(|f| f.0 == s.dtype) {
-                    Some(f) => {
-                        at.push(f.1);
-                        f.1 += s.bytes;
-                    }
-                    None => {
-                        at.push(0);
-                        filled.push((s.dtype, s.bytes));
-                    }
-                }
-            }
-            offsets.push(at);
+            let place = |s: &super::group::Section| {
+                let used = entry(&mut filled, s.dtype);
+                *used += s.bytes;
+                *used - s.bytes
+            };
+            offsets.push(group.sections.iter().map(place).collect());
         }
         SlotRuns { runs, offsets }
     }
@@ -185,25 +175,42 @@ impl SlotRuns {
 
 /// Bytes of one device slot: for each dtype, the most any group holds in it (a slot holds any
 /// group, its sections of one dtype one after the other).
-pub fn slot_sections(layouts: &[GroupLayout]) -> Vec<(candle_core::DType, usize)> {
-    let mut need: Vec<(candle_core::DType, usize)> = Vec::new();
+pub fn slot_sections(layouts: &[GroupLayout]) -> ByDtype {
+    let mut need: ByDtype = Vec::new();
     for (dtype, bytes) in layouts.iter().flat_map(dtype_bytes) {
-        match need.iter_mut().find(|(d, _)| *d == dtype) {
-            Some((_, most)) => *most = (*most).max(bytes),
-            None => need.push((dtype, bytes)),
-        }
+        let most = entry(&mut need, dtype);
+        *most = (*most).max(bytes);
     }
     need
 }
 
-/// A group's section bytes summed by dtype.
-fn dtype_bytes(group: &GroupLayout) -> Vec<(candle_core::DType, usize)> {
-    let mut sums: Vec<(candle_core::DType, usize)> = Vec::new();
-    for section in &group.sections {
-        match sums.iter_mut().find(|(d, _)| *d == section.dtype) {
-            Some((_, bytes)) => *bytes += section.bytes,
-            None => sums.push((section.dtype, section.bytes)),
+/// Bytes by dtype, in the order the dtypes first come.
+pub type ByDtype = Vec<(candle_core::DType, usize)>;
+
+/// The bytes of `dtype` in `list` (0 where it has none).
+fn get(list: &ByDtype, dtype: candle_core::DType) -> usize {
+    list.iter()
+        .find(|(d, _)| *d == dtype)
+        .map_or(0, |(_, b)| *b)
+}
+
+/// The bytes of `dtype` in `list`, added as 0 where it has none.
+fn entry(list: &mut ByDtype, dtype: candle_core::DType) -> &mut usize {
+    let at = match list.iter().position(|(d, _)| *d == dtype) {
+        Some(at) => at,
+        None => {
+            list.push((dtype, 0));
+            list.len() - 1
         }
+    };
+    &mut list[at].1
+}
+
+/// A group's section bytes summed by dtype.
+fn dtype_bytes(group: &GroupLayout) -> ByDtype {
+    let mut sums: ByDtype = Vec::new();
+    for section in &group.sections {
+        *entry(&mut sums, section.dtype) += section.bytes;
     }
     sums
 }

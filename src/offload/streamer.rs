@@ -104,11 +104,8 @@ impl<B> Offloaded<B> {
         device: &Device,
         options: StreamOptions,
     ) -> Self {
-        let layouts: Vec<GroupLayout> = (0..store.len())
-            .map(|i| store.group(i).layout.clone())
-            .collect();
         Offloaded {
-            runs: SlotRuns::of(&layouts),
+            runs: SlotRuns::of(&store.layouts()),
             store,
             transfer,
             build,
@@ -138,9 +135,7 @@ impl<B> Offloaded<B> {
 
     /// The layouts of the part's groups, in order.
     pub fn layouts(&self) -> Vec<GroupLayout> {
-        (0..self.store.len())
-            .map(|i| self.store.group(i).layout.clone())
-            .collect()
+        self.store.layouts()
     }
 
     /// Group `index` in fresh device memory, built; copied on the compute stream, so the

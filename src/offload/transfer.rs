@@ -400,10 +400,7 @@ mod cuda {
         }
 
         pub fn slots(&self, store: &HostStore, count: usize) -> Result<Vec<DeviceSlot>> {
-            let layouts: Vec<_> = (0..store.len())
-                .map(|i| store.group(i).layout.clone())
-                .collect();
-            let need = crate::offload::residency::slot_sections(&layouts);
+            let need = crate::offload::residency::slot_sections(&store.layouts());
             let compute = self.device.cuda_stream();
             let slots = (0..count)
                 .map(|_| {
