@@ -55,6 +55,31 @@ pub(crate) fn fused_shapes(
 /// Upper bound on score-matrix elements materialised at once.
 pub const MAX_SCORE_ELEMENTS: usize = 1 << 27;
 
+/// Whether a forward in `dtype` runs the fused kernels on the device (bf16, f16): attention that
+/// keeps its scores on the chip, and the products' bias + GELU epilogue with its cuBLASLt
+/// workspace ([`crate::models::fp8::PRODUCT_WORKSPACE`]). Other dtypes take [`sdpa_chunked`].
+pub fn runs_fused(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
+/// Copies of the queries the chunked attention adds: the scaled queries, the transposed keys,
+/// the chunks' outputs and their concatenation.
+const CHUNKED_ATTENTION_COPIES: u64 = 4;
+
+/// Device bytes [`sdpa`] holds beyond its q, k, v and output over `tokens` queries and keys of
+/// `heads` heads, `inner` wide in all: nothing where it runs fused ([`runs_fused`]); else the
+/// chunked path's copies and one chunk's scores and probabilities ([`MAX_SCORE_ELEMENTS`]).
+pub fn attention_workspace(heads: usize, tokens: usize, inner: usize, dtype: DType) -> u64 {
+    if runs_fused(dtype) {
+        return 0;
+    }
+    let d = dtype.size_in_bytes() as u64;
+    let tokens = tokens as u64;
+    let per_query = heads as u64 * tokens;
+    let queries = (MAX_SCORE_ELEMENTS as u64 / per_query.max(1)).clamp(1, tokens);
+    CHUNKED_ATTENTION_COPIES * tokens * inner as u64 * d + 2 * queries * per_query * d
+}
+
 /// Attention over `[batch, heads, seq, head_dim]` tensors; `scale` multiplies q·kᵀ.
 /// Softmax accumulates in f32 for every dtype.
 /// Inside a DiT forward of `--attention sage` (`sage_attention::computing`), where the device

@@ -2,7 +2,7 @@
 //! their peak (the weights are counted apart, from the constructors).
 
 use super::transformer::FluxTransformerConfig;
-use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::attention::{attention_workspace, runs_fused};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
 use crate::models::clip::ClipTextConfig;
 use crate::models::cogvideox::activations::text_encoder_activations as t5_activations;
@@ -29,16 +29,12 @@ pub fn text_encoder_activations(
 /// norm, q/k/v and one projection's product in flight (the attention's output comes once the
 /// products are gone; q/k/v go before its heads are merged).
 const ATTENTION_COPIES: u64 = 6;
-/// Copies the chunked attention (where no fused kernel runs) adds: the scaled queries, the
-/// transposed keys, the chunks' outputs and their concatenation.
-const CHUNKED_ATTENTION_COPIES: u64 = 4;
 
 /// Device bytes of one transformer forward over `image_tokens` packed tokens and `text_len`
 /// text tokens: the larger of a block's attention and the single-stream MLP
-/// ([`single_mlp_activations`]), plus the RoPE tables and the latents in f32. bf16 and f16 run
-/// the fused attention and the products' GELU epilogue (with their cuBLASLt workspace); other
-/// dtypes run the chunked attention, with its scores and probabilities for as many queries as
-/// [`MAX_SCORE_ELEMENTS`] allows.
+/// ([`single_mlp_activations`]), plus the RoPE tables and the latents in f32; with the fused
+/// kernels ([`runs_fused`]) the products' cuBLASLt workspace, else the chunked attention's
+/// ([`attention_workspace`]).
 pub fn transformer_activations(
     t: &FluxTransformerConfig,
     image_tokens: usize,
@@ -48,17 +44,14 @@ pub fn transformer_activations(
     let d = dtype.size_in_bytes() as u64;
     let tokens = (image_tokens + text_len) as u64;
     let inner = t.inner_dim() as u64;
-    let fused = fused(dtype);
     let attention = ATTENTION_COPIES * tokens * inner * d
-        + if fused {
-            0
-        } else {
-            let per_query = t.num_attention_heads as u64 * tokens;
-            let queries = (MAX_SCORE_ELEMENTS as u64 / per_query.max(1)).clamp(1, tokens);
-            CHUNKED_ATTENTION_COPIES * tokens * inner * d + 2 * queries * per_query * d
-        };
+        + attention_workspace(t.num_attention_heads, tokens as usize, t.inner_dim(), dtype);
     let single_mlp = single_mlp_activations(t, tokens as usize, dtype);
-    let workspace = if fused { PRODUCT_WORKSPACE as u64 } else { 0 };
+    let workspace = if runs_fused(dtype) {
+        PRODUCT_WORKSPACE as u64
+    } else {
+        0
+    };
     let rope = 2 * tokens * t.attention_head_dim as u64 * 4;
     let latents = image_tokens as u64 * t.in_channels as u64 * 4 * 4;
     attention.max(single_mlp) + workspace + rope + latents
@@ -72,13 +65,8 @@ pub fn single_mlp_activations(t: &FluxTransformerConfig, tokens: usize, dtype: D
     let d = dtype.size_in_bytes() as u64;
     let (inner, mlp) = (t.inner_dim() as u64, t.mlp_dim() as u64);
     let (tokens, half) = (tokens as u64, tokens.div_ceil(2) as u64);
-    let unfused_gelu = if fused(dtype) { 0 } else { mlp };
+    let unfused_gelu = if runs_fused(dtype) { 0 } else { mlp };
     (tokens * 3 * inner + half * (2 * inner + 2 * mlp + unfused_gelu)) * d
-}
-
-/// Whether a forward in `dtype` runs the fused attention and the GELU epilogue (bf16, f16).
-fn fused(dtype: DType) -> bool {
-    matches!(dtype, DType::BF16 | DType::F16)
 }
 
 /// Device bytes of the decode of one image's latents `[h, w]`

@@ -4,7 +4,9 @@
 use super::text_encoder::{LlamaConfig, DEFAULT_CROP_START};
 use super::transformer::{HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS};
 use super::vae::{self, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling};
+use crate::models::attention::{attention_workspace, runs_fused};
 use crate::models::clip::ClipTextConfig;
+use crate::models::fp8::PRODUCT_WORKSPACE;
 use candle_core::DType;
 
 /// Bytes of one element of `dtype`.
@@ -29,8 +31,24 @@ pub fn text_encoder_activations(
         + clip_len as u64 * clip.intermediate_size as u64 * 4 * 4
 }
 
-/// Device bytes of one transformer forward: the joint sequence through one block (streams,
-/// modulated copies, q/k/v, attention output, the chunked MLP), and the latents in f32.
+/// Copies of the joint sequence `[tokens, inner]` a block's attention holds at once: the
+/// streams, the modulated norm, q/k/v and the attention's output (the joined streams go once
+/// normed, q/k/v before the heads are merged; a dual-stream block's joined q/k/v replace its
+/// streams' one at a time).
+const ATTENTION_COPIES: u64 = 6;
+
+/// Copies of the joint sequence the single-stream MLP step holds beside its chunks: the streams,
+/// the modulated norm and the attention's output.
+const MLP_STEP_COPIES: u64 = 3;
+
+/// The single-stream modulation's chunks (shift, scale, gate), each `[inner]`.
+const SINGLE_MODULATIONS: u64 = 3;
+
+/// Device bytes of one transformer forward: the larger of a single-stream block's attention and
+/// its MLP step ([`single_mlp_activations`]; the dual-stream blocks' streams stay apart and hold
+/// less), plus the RoPE tables and the latents in f32; with the fused kernels
+/// ([`runs_fused`]) the products' cuBLASLt workspace, else the chunked attention's
+/// ([`attention_workspace`]).
 pub fn transformer_activations(
     t: &HunyuanVideoTransformerConfig,
     latent: [usize; 5],
@@ -42,9 +60,41 @@ pub fn transformer_activations(
     let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
     let tokens = video + text_len as u64;
     let inner = t.inner_dim() as u64;
-    let mlp = t.mlp_dim() as u64 * tokens.min(MLP_CHUNK_TOKENS as u64);
+    let attention = ATTENTION_COPIES * tokens * inner * d
+        + attention_workspace(t.num_attention_heads, tokens as usize, t.inner_dim(), dtype);
+    let mlp = single_mlp_activations(t, tokens as usize, dtype);
+    let workspace = if runs_fused(dtype) {
+        PRODUCT_WORKSPACE as u64
+    } else {
+        0
+    };
+    // Cosines and sines of half a head per video token, f32.
+    let rope = video * t.attention_head_dim as u64 * 4;
     let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;
-    (tokens * inner * 10 + mlp * 2) * d + latent_bytes
+    attention.max(mlp) + workspace + rope + latent_bytes
+}
+
+/// Device bytes of a single-stream block's MLP step over `tokens` joint tokens, which runs by
+/// chunks of [`MLP_CHUNK_TOKENS`] rows: beside the step's inputs and its modulation, the chunks
+/// done so far and one chunk's MLP with [attention; MLP] (a chunk's GELU, fused or not, and its
+/// output projection hold less), or at the end the joined output and its streams apart.
+pub fn single_mlp_activations(
+    t: &HunyuanVideoTransformerConfig,
+    tokens: usize,
+    dtype: DType,
+) -> u64 {
+    let (inner, mlp) = (t.inner_dim() as u64, t.mlp_dim() as u64);
+    let chunk = (0..tokens)
+        .step_by(MLP_CHUNK_TOKENS)
+        .map(|done| {
+            let rows = MLP_CHUNK_TOKENS.min(tokens - done) as u64;
+            done as u64 * inner + rows * (2 * mlp + inner)
+        })
+        .max()
+        .unwrap_or(0);
+    let tokens = tokens as u64;
+    let held = MLP_STEP_COPIES * tokens * inner + SINGLE_MODULATIONS * inner;
+    (held + chunk.max(2 * tokens * inner)) * size(dtype)
 }
 
 /// Device bytes of the modulations' pass: one block's modulations (at most 12 chunks, a

@@ -514,9 +514,8 @@ enum Carry {
     },
     /// Single-stream: shift, scale and gate.
     SingleModulation { m: Vec<Tensor> },
-    /// Single-stream: the joint sequence, its modulated norm, the attention output and the gate.
+    /// Single-stream: the joint sequence's modulated norm, the attention output and the gate.
     SingleStream {
-        joint: Tensor,
         normed: Tensor,
         attn: Tensor,
         gate: Tensor,
@@ -533,6 +532,21 @@ impl Carry {
             Carry::SingleModulation { .. } | Carry::SingleStream { .. } => "a single-stream step",
         }
     }
+}
+
+/// Rows `start..start + len` of the joint sequence [video; text], read from the streams (a
+/// copy only where the rows span both).
+fn joint_rows(streams: &Streams, start: usize, len: usize) -> Result<Tensor> {
+    let n_video = streams.video.dim(1)?;
+    if start + len <= n_video {
+        return streams.video.narrow(1, start, len);
+    }
+    if start >= n_video {
+        return streams.text.narrow(1, start - n_video, len);
+    }
+    let video = streams.video.narrow(1, start, n_video - start)?;
+    let text = streams.text.narrow(1, 0, start + len - n_video)?;
+    Tensor::cat(&[video, text], 1)
 }
 
 /// What a step needs from an earlier step of its block, or a one-line error naming it.
@@ -1096,15 +1110,9 @@ impl HunyuanVideoSingleTransformerBlock {
         let (mut m, mut carry) = match &streams.carry {
             Carry::None => (None, None),
             Carry::SingleModulation { m } => (Some(m.clone()), None),
-            Carry::SingleStream {
-                joint,
-                normed,
-                attn,
-                gate,
-            } => (
-                None,
-                Some((joint.clone(), normed.clone(), attn.clone(), gate.clone())),
-            ),
+            Carry::SingleStream { normed, attn, gate } => {
+                (None, Some((normed.clone(), attn.clone(), gate.clone())))
+            }
             other => candle_core::bail!("a single-stream block step after {}", other.after()),
         };
         // Chunks: shift, scale, gate.
@@ -1117,26 +1125,25 @@ impl HunyuanVideoSingleTransformerBlock {
                 m.take().or_else(|| apart.map(<[Tensor]>::to_vec)),
                 "modulation",
             )?;
-            let x = Tensor::cat(&[&streams.video, &streams.text], 1)?;
-            let normed = norm_modulate(&x, &m[0], &m[1])?;
+            // The joined sequence lives only to be normed: the residual reads the streams.
+            let joint = Tensor::cat(&[&streams.video, &streams.text], 1)?;
+            let normed = norm_modulate(&joint, &m[0], &m[1])?;
+            drop(joint);
             // `attn`'s output (its video and text parts joined, as the block joins them) goes
-            // through `hooks`; q, k and v are dropped once attended.
+            // through `hooks`; q, k and v go before the heads are merged.
             let attn = hooks.output(Submodule::SelfAttention, &mut || {
                 let rope = (&inputs.rope_cos, &inputs.rope_sin);
                 let (q, k, v) = qkv.forward(&normed, Some(rope))?;
                 let kv_lens: Vec<usize> = inputs.text_lens.iter().map(|l| n_video + l).collect();
-                merge_heads(&attention_key_prefix(&q, &k, &v, &kv_lens)?)
+                let out = attention_key_prefix(&q, &k, &v, &kv_lens)?;
+                drop((q, k, v));
+                merge_heads(&out)
             })?;
-            carry = Some((x, normed, attn, m[2].clone()));
+            carry = Some((normed, attn, m[2].clone()));
         }
         let Some((proj_mlp, proj_out)) = &self.mlp else {
             let carry = match (carry, m) {
-                (Some((joint, normed, attn, gate)), _) => Carry::SingleStream {
-                    joint,
-                    normed,
-                    attn,
-                    gate,
-                },
+                (Some((normed, attn, gate)), _) => Carry::SingleStream { normed, attn, gate },
                 (None, m) => Carry::SingleModulation {
                     m: carried(m, "modulation")?,
                 },
@@ -1147,13 +1154,16 @@ impl HunyuanVideoSingleTransformerBlock {
                 carry,
             });
         };
-        let (x, normed, attn, gate) = carried(carry, "attention")?;
-        // MLP in parallel with the attention, one output projection over both, by token chunks.
-        let x = by_token_chunks(&x, |start, rows| {
-            let len = rows.dim(1)?;
-            let mlp = project_gelu_tanh(proj_mlp, &normed.narrow(1, start, len)?)?;
+        let (normed, attn, gate) = carried(carry, "attention")?;
+        // MLP in parallel with the attention, one output projection over both and the gated
+        // residual, by token chunks.
+        let x = by_token_chunks(&normed, |start, normed| {
+            let len = normed.dim(1)?;
+            let mlp = project_gelu_tanh(proj_mlp, normed)?;
             let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
-            gated(rows, project(proj_out, &both)?, &gate)
+            let out = project(proj_out, &both)?;
+            drop(both);
+            gated(&joint_rows(streams, start, len)?, out, &gate)
         })?;
         let total = x.dim(1)?;
         Ok(Streams::new(
