@@ -1,0 +1,42 @@
+# Session 46's calls (builds at 9651096 in .device46/: strip, xz -9e; see session45/calls.sh for the carry).
+#   3 (carry .device46/offload_bench.xz): HunyuanVideo 61x320x512, resident against the copy stream 1 to 6 slot
+#      fills ahead: how far ahead the dual-stream blocks' copies (8.4 ms each at 53.5 GB/s, against about 6.5 ms
+#      of compute) must start for streaming to cost nothing, and what each fill costs in device memory.
+#   4 (carry .device46/offload_bench.xz, .device47/offload_bench.xz): HunyuanVideo's single-stream blocks without
+#      the joined copy and with q/k/v gone before the heads merge, against the build before (9651096): resident,
+#      default stream and leaf level at 61x320x512, resident and default stream at 720x1280x129 (one timed
+#      forward): peaks, speed and every mode's output against the resident one.
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+xz -dc .device46/offload_bench.xz > /tmp/offload_bench && chmod +x /tmp/offload_bench
+[ -f .device47/offload_bench.xz ] && xz -dc .device47/offload_bench.xz > /tmp/offload_bench_new && chmod +x /tmp/offload_bench_new
+summary() { python3 - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "s_per_forward" in r:
+        print(f"{r['label']:>10} {r['s_per_forward']:.4f} s  peak {r['peak_alloc_gib']:.3f} GiB  model {r['model_memory_gib']:.3f}  reserved {r['peak_reserved_gib']:.3f}  copy busy {r['copy_busy_s']:.3f} s at {r['copy_gb_s']:.1f} GB/s  times {[round(t, 4) for t in r['times']]}")
+    else:
+        print(f"{r['label']:>10} max diff vs the first mode {r['max_abs_diff_vs_first_mode']}")
+PY
+}
+export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
+case $1 in
+  3) MODES=("none: --dit-layerwise-offload=false --dit-cpu-offload=false")
+     for d in 1 2 3 4 5 6 8; do MODES+=("depth_$d: --num-blocks-per-group 1 --prefetch-depth $d"); done
+     /tmp/offload_bench synthetic:hunyuanvideo 3 61x320x512 "${MODES[@]}" > $OUT/hunyuan-depths.jsonl 2> $OUT/hunyuan-depths.log
+     echo "exit $?"; summary $OUT/hunyuan-depths.jsonl;;
+  4) SMALL=("none: --dit-layerwise-offload=false --dit-cpu-offload=false" "default: " "leaf: --offload-type leaf-level")
+     BIG=("none: --dit-layerwise-offload=false --dit-cpu-offload=false" "default: ")
+     for round in 1 2; do for b in offload_bench offload_bench_new; do
+       echo "== $b 61x320x512 (round $round)"
+       /tmp/$b synthetic:hunyuanvideo 3 61x320x512 "${SMALL[@]}" > $OUT/small-$b-$round.jsonl 2> $OUT/small-$b-$round.log
+       echo "exit $?"; summary $OUT/small-$b-$round.jsonl
+     done; done
+     for b in offload_bench offload_bench_new; do
+       echo "== $b 129x720x1280"
+       timeout 200 /tmp/$b synthetic:hunyuanvideo 1 129x720x1280 "${BIG[@]}" > $OUT/big-$b.jsonl 2> $OUT/big-$b.log
+       echo "exit $?"; summary $OUT/big-$b.jsonl
+     done;;
+esac
