@@ -66,18 +66,25 @@ pub fn runs_fused(dtype: DType) -> bool {
 /// the chunks' outputs and their concatenation.
 const CHUNKED_ATTENTION_COPIES: u64 = 4;
 
-/// Device bytes [`sdpa`] holds beyond its q, k, v and output over `tokens` queries and keys of
-/// `heads` heads, `inner` wide in all: nothing where it runs fused ([`runs_fused`]); else the
-/// chunked path's copies and one chunk's scores and probabilities ([`MAX_SCORE_ELEMENTS`]).
-pub fn attention_workspace(heads: usize, tokens: usize, inner: usize, dtype: DType) -> u64 {
+/// Device bytes [`sdpa`] holds beyond its q, k, v and output over `sequences` sequences of
+/// `tokens` queries and keys, `heads` heads `inner` wide in all: nothing where it runs fused
+/// ([`runs_fused`]); else the chunked path's copies and one chunk's scores and probabilities
+/// ([`MAX_SCORE_ELEMENTS`]).
+pub fn attention_workspace(
+    sequences: usize,
+    heads: usize,
+    tokens: usize,
+    inner: usize,
+    dtype: DType,
+) -> u64 {
     if runs_fused(dtype) {
         return 0;
     }
     let d = dtype.size_in_bytes() as u64;
-    let tokens = tokens as u64;
-    let per_query = heads as u64 * tokens;
+    let (sequences, tokens) = (sequences as u64, tokens as u64);
+    let per_query = sequences * heads as u64 * tokens;
     let queries = (MAX_SCORE_ELEMENTS as u64 / per_query.max(1)).clamp(1, tokens);
-    CHUNKED_ATTENTION_COPIES * tokens * inner as u64 * d + 2 * queries * per_query * d
+    CHUNKED_ATTENTION_COPIES * sequences * tokens * inner as u64 * d + 2 * queries * per_query * d
 }
 
 /// Attention over `[batch, heads, seq, head_dim]` tensors; `scale` multiplies q·kᵀ.

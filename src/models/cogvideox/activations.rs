@@ -3,6 +3,8 @@
 
 use super::transformer::CogVideoXTransformerConfig;
 use super::vae::CogVideoXVaeConfig;
+use crate::models::attention::{attention_workspace, runs_fused};
+use crate::models::fp8::PRODUCT_WORKSPACE;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::t5::encoder::T5Config;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
@@ -51,7 +53,19 @@ pub fn text_encoder_activations(c: &T5Config, len: usize, dtype: DType) -> u64 {
     len * d * (4 + 6 * bytes) + 3 * len * ff * bytes + 3 * heads * len * len * 4
 }
 
-/// Device bytes of one transformer forward over the batched `[negative; positive]` pair.
+/// Copies of the batched joint sequence a block holds at its peak with the fused kernels
+/// ([`runs_fused`]): its feed-forward step holds eight as it runs (the block's input, the
+/// sequence after the attention, the modulated norm, the 4x hidden and its product); an H100
+/// measured 9.1 copies' worth at 49x480x720 (bench/RESULTS.md, session 46), so nine.
+const FUSED_COPIES: u64 = 9;
+
+/// Copies the candle composition holds (CPU, f32): hidden states, q/k/v, the attention output
+/// and norm temporaries, and the FFN's 4x hidden with its GELU.
+const COMPOSITE_COPIES: u64 = 18;
+
+/// Device bytes of one transformer forward over the batched `[negative; positive]` pair: the
+/// block's copies of the joint sequence, the RoPE tables, and with the fused kernels the
+/// products' cuBLASLt workspace, else the chunked attention's ([`attention_workspace`]).
 pub fn transformer_activations(
     c: &CogVideoXTransformerConfig,
     latent: [usize; 5],
@@ -60,17 +74,19 @@ pub fn transformer_activations(
 ) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
     let p = c.patch_size;
-    let batch = 2u64;
-    let seq = (text_len + latent[1] * (latent[3] / p) * (latent[4] / p)) as u64;
-    let dim = c.inner_dim() as u64;
-    let heads = c.num_attention_heads as u64;
-    // Hidden states, q/k/v, the attention output and norm temporaries; the FFN's 4x
-    // hidden; the chunked attention's scores (f32, up to 1024 queries at a time).
-    let hidden = batch * seq * dim * bytes;
-    let scores = batch * heads * seq.min(1024) * seq * 4 * 2;
+    let batch = 2;
+    let seq = text_len + latent[1] * (latent[3] / p) * (latent[4] / p);
+    let hidden = (batch * seq * c.inner_dim()) as u64 * bytes;
     // The RoPE tables, f32, per token and head dim.
-    let rope = 2 * seq * c.attention_head_dim as u64 * 4;
-    hidden * 10 + hidden * 4 * 2 + scores + rope
+    let rope = 2 * seq as u64 * c.attention_head_dim as u64 * 4;
+    let blocks = match runs_fused(dtype) {
+        true => FUSED_COPIES * hidden + PRODUCT_WORKSPACE as u64,
+        false => {
+            let heads = c.num_attention_heads;
+            COMPOSITE_COPIES * hidden + attention_workspace(batch, heads, seq, c.inner_dim(), dtype)
+        }
+    };
+    blocks + rope
 }
 
 /// Device bytes of the frame-batched decode: the widest level at full resolution over one

@@ -45,7 +45,13 @@ pub fn transformer_activations(
     let tokens = (image_tokens + text_len) as u64;
     let inner = t.inner_dim() as u64;
     let attention = ATTENTION_COPIES * tokens * inner * d
-        + attention_workspace(t.num_attention_heads, tokens as usize, t.inner_dim(), dtype);
+        + attention_workspace(
+            1,
+            t.num_attention_heads,
+            tokens as usize,
+            t.inner_dim(),
+            dtype,
+        );
     let single_mlp = single_mlp_activations(t, tokens as usize, dtype);
     let workspace = if runs_fused(dtype) {
         PRODUCT_WORKSPACE as u64

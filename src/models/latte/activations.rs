@@ -3,8 +3,9 @@
 //! the T5 v1.1 one CogVideoX estimates ([`crate::models::cogvideox::activations`]).
 
 use super::transformer::LatteTransformerConfig;
-use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::attention::{runs_fused, MAX_SCORE_ELEMENTS};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
+use crate::models::fp8::PRODUCT_WORKSPACE;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
@@ -47,6 +48,13 @@ impl DecodeActivations for AutoencoderKLConfig {
     }
 }
 
+/// Copies of the batched video tokens a temporal block holds at its peak with the fused kernels
+/// ([`runs_fused`]), in its feed-forward: the block's input, its frames-last copy, both
+/// modulated norms, the sequence after the attention, the 4x hidden and its product (an H100
+/// measured 10.5 copies' worth at 16x512x512, bench/RESULTS.md session 46; a spatial block
+/// holds one fewer).
+const FUSED_COPIES: u64 = 10;
+
 /// Device bytes of one transformer forward over the batched `[negative; positive]` pair on
 /// latents `[1, C, F, h, w]`.
 pub fn transformer_activations(
@@ -62,14 +70,17 @@ pub fn transformer_activations(
     let tokens = ((latent[3] / p) * (latent[4] / p)) as u64;
     let dim = c.inner_dim() as u64;
     let heads = c.num_attention_heads as u64;
+    let hidden = batch * frames * tokens * dim * bytes;
+    let text = batch * text_len as u64 * dim * bytes * 4;
+    if runs_fused(dtype) {
+        return FUSED_COPIES * hidden + PRODUCT_WORKSPACE as u64 + text;
+    }
     // Hidden states, the modulated norm, q/k/v, the attention output and the transposed copy
     // of a temporal block; the feed-forward's 4x hidden and its GELU; the 2-D table in f32.
-    let hidden = batch * frames * tokens * dim * bytes;
     let table = frames * tokens * dim * 4 * 2;
     // The chunked attention's f32 scores of the spatial blocks (one frame's tokens attend to
     // each other), bounded by the chunking; the cross-attention's are smaller.
     let scores = (batch * frames * heads * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
-    let text = batch * text_len as u64 * dim * bytes * 4;
     hidden * 10 + hidden * 4 * 2 + table + scores + text
 }
 
