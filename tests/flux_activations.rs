@@ -86,15 +86,10 @@ fn measured_mlp_step(model: &FluxTransformer2DModel, image: usize, text: usize) 
         .unwrap()
     };
     let (attention, mlp) = (step(BlockStep::SingleAttention), step(BlockStep::SingleMlp));
-    common::heap::start();
-    drop(mlp.forward(&attention.forward(&streams, &prepared).unwrap(), &prepared));
-    let before = common::heap::start();
-    let carried = attention.forward(&streams, &prepared).unwrap();
-    let carry = common::heap::held_above(before);
-    let before = common::heap::start();
-    let out = mlp.forward(&carried, &prepared).unwrap();
-    let peak = common::heap::peak_above(before);
-    drop(out);
+    let (carry, peak) = common::heap::handed_on_and_peak(
+        || attention.forward(&streams, &prepared).unwrap(),
+        |carried| mlp.forward(carried, &prepared).unwrap(),
+    );
     let stream_bytes = (streams.image.elem_count() + streams.text.elem_count()) * 4;
     stream_bytes + carry + peak
 }

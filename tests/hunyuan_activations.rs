@@ -69,15 +69,10 @@ fn measured_mlp_step(cfg: &HunyuanVideoTransformerConfig, frames: usize, side: u
     let step = |s: &[BlockStep]| HunyuanVideoBlock::with_steps(cfg, single, vb.clone(), s).unwrap();
     let attention = step(&[BlockStep::SingleModulation, BlockStep::SingleAttention]);
     let mlp = step(&[BlockStep::SingleMlp]);
-    common::heap::start();
-    drop(mlp.forward(&attention.forward(&streams, &prepared).unwrap(), &prepared));
-    let before = common::heap::start();
-    let carried = attention.forward(&streams, &prepared).unwrap();
-    let carry = common::heap::held_above(before);
-    let before = common::heap::start();
-    let out = mlp.forward(&carried, &prepared).unwrap();
-    let peak = common::heap::peak_above(before);
-    drop(out);
+    let (carry, peak) = common::heap::handed_on_and_peak(
+        || attention.forward(&streams, &prepared).unwrap(),
+        |carried| mlp.forward(carried, &prepared).unwrap(),
+    );
     let stream_bytes = (streams.video.elem_count() + streams.text.elem_count()) * 4;
     stream_bytes + carry + peak
 }
@@ -97,6 +92,19 @@ fn assert_near_plan(what: &str, peak: usize, predicted: usize) {
     assert!(
         4 * peak >= 3 * predicted,
         "{what}: held {peak} bytes, far below the plan's {predicted}"
+    );
+}
+
+/// The single-stream MLP step over `frames` latent frames of `side` x `side` against the plan's
+/// term for it.
+fn assert_mlp_step_near_plan(cfg: &HunyuanVideoTransformerConfig, frames: usize, side: usize) {
+    let video = frames * (side / cfg.patch_size).pow(2);
+    let predicted = single_mlp_activations(cfg, video + TEXT, DType::F32) as usize;
+    let peak = measured_mlp_step(cfg, frames, side);
+    assert_near_plan(
+        &format!("{video} video tokens, the MLP step"),
+        peak,
+        predicted,
     );
 }
 
@@ -129,13 +137,7 @@ fn one_forward_allocates_about_what_the_plan_predicts() {
         let predicted = transformer_activations(&cfg, latent, TEXT, DType::F32) as usize;
         let peak = measured(&model, frames, side);
         assert_near_plan(&format!("{video} video tokens, a forward"), peak, predicted);
-        let predicted = single_mlp_activations(&cfg, video + TEXT, DType::F32) as usize;
-        let peak = measured_mlp_step(&cfg, frames, side);
-        assert_near_plan(
-            &format!("{video} video tokens, the MLP step"),
-            peak,
-            predicted,
-        );
+        assert_mlp_step_near_plan(&cfg, frames, side);
     }
     // One head of the fixture's width: the attention before the step stays cheap.
     let narrow = HunyuanVideoTransformerConfig {
@@ -143,13 +145,6 @@ fn one_forward_allocates_about_what_the_plan_predicts() {
         ..one_of_each
     };
     let (frames, side) = (9, 64);
-    let video = frames * (side / patch) * (side / patch);
-    assert!(video + TEXT > MLP_CHUNK_TOKENS);
-    let predicted = single_mlp_activations(&narrow, video + TEXT, DType::F32) as usize;
-    let peak = measured_mlp_step(&narrow, frames, side);
-    assert_near_plan(
-        &format!("{video} video tokens, the MLP step"),
-        peak,
-        predicted,
-    );
+    assert!(frames * (side / patch) * (side / patch) + TEXT > MLP_CHUNK_TOKENS);
+    assert_mlp_step_near_plan(&narrow, frames, side);
 }

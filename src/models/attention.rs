@@ -62,6 +62,28 @@ pub fn runs_fused(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
 
+/// The cuBLASLt workspace the fused products take from the pool ([`runs_fused`]), else nothing.
+pub fn product_workspace(dtype: DType) -> u64 {
+    match runs_fused(dtype) {
+        true => crate::models::fp8::PRODUCT_WORKSPACE as u64,
+        false => 0,
+    }
+}
+
+/// Device bytes of an attention over one joint sequence of `tokens` rows, `heads` heads `inner`
+/// wide in all, that holds `copies` copies of the sequence at once (streams, norms, q/k/v,
+/// outputs), with its [`attention_workspace`].
+pub fn joint_attention_activations(
+    copies: u64,
+    heads: usize,
+    tokens: usize,
+    inner: usize,
+    dtype: DType,
+) -> u64 {
+    let held = copies * (tokens * inner) as u64 * dtype.size_in_bytes() as u64;
+    held + attention_workspace(1, heads, tokens, inner, dtype)
+}
+
 /// Copies of the queries the chunked attention adds: the scaled queries, the transposed keys,
 /// the chunks' outputs and their concatenation.
 const CHUNKED_ATTENTION_COPIES: u64 = 4;

@@ -53,6 +53,22 @@ pub fn held_above(before: usize) -> usize {
     CURRENT.load(Ordering::Relaxed) - before
 }
 
+/// Heap bytes of a block's two steps run in turn: what `first` hands on, and the most `second`
+/// holds above it, each measured after a first run of both (which grows the CPU products'
+/// packing scratch, which each thread keeps and a GPU has none of).
+pub fn handed_on_and_peak<C, O>(first: impl Fn() -> C, second: impl Fn(&C) -> O) -> (usize, usize) {
+    start();
+    drop(second(&first()));
+    let before = start();
+    let carried = first();
+    let handed_on = held_above(before);
+    let before = start();
+    let out = second(&carried);
+    let peak = peak_above(before);
+    drop(out);
+    (handed_on, peak)
+}
+
 /// Decodes random latents of `shape` with `decode`, counting every allocation: the video and
 /// the most bytes held during the decode above what was held before it.
 pub fn decode_peak(

@@ -3,8 +3,7 @@
 
 use super::transformer::CogVideoXTransformerConfig;
 use super::vae::CogVideoXVaeConfig;
-use crate::models::attention::{attention_workspace, runs_fused};
-use crate::models::fp8::PRODUCT_WORKSPACE;
+use crate::models::attention::{attention_workspace, product_workspace, runs_fused};
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::t5::encoder::T5Config;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
@@ -80,7 +79,7 @@ pub fn transformer_activations(
     // The RoPE tables, f32, per token and head dim.
     let rope = 2 * seq as u64 * c.attention_head_dim as u64 * 4;
     let blocks = match runs_fused(dtype) {
-        true => FUSED_COPIES * hidden + PRODUCT_WORKSPACE as u64,
+        true => FUSED_COPIES * hidden + product_workspace(dtype),
         false => {
             let heads = c.num_attention_heads;
             COMPOSITE_COPIES * hidden + attention_workspace(batch, heads, seq, c.inner_dim(), dtype)

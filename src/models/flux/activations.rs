@@ -2,11 +2,10 @@
 //! their peak (the weights are counted apart, from the constructors).
 
 use super::transformer::FluxTransformerConfig;
-use crate::models::attention::{attention_workspace, runs_fused};
+use crate::models::attention::{joint_attention_activations, product_workspace, runs_fused};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
 use crate::models::clip::ClipTextConfig;
 use crate::models::cogvideox::activations::text_encoder_activations as t5_activations;
-use crate::models::fp8::PRODUCT_WORKSPACE;
 use crate::models::t5::encoder::T5Config;
 use candle_core::DType;
 
@@ -32,32 +31,24 @@ const ATTENTION_COPIES: u64 = 6;
 
 /// Device bytes of one transformer forward over `image_tokens` packed tokens and `text_len`
 /// text tokens: the larger of a block's attention and the single-stream MLP
-/// ([`single_mlp_activations`]), plus the RoPE tables and the latents in f32; with the fused
-/// kernels ([`runs_fused`]) the products' cuBLASLt workspace, else the chunked attention's
-/// ([`attention_workspace`]).
+/// ([`single_mlp_activations`]), plus the RoPE tables and the latents in f32, and the products'
+/// workspace ([`product_workspace`]).
 pub fn transformer_activations(
     t: &FluxTransformerConfig,
     image_tokens: usize,
     text_len: usize,
     dtype: DType,
 ) -> u64 {
-    let d = dtype.size_in_bytes() as u64;
     let tokens = (image_tokens + text_len) as u64;
-    let inner = t.inner_dim() as u64;
-    let attention = ATTENTION_COPIES * tokens * inner * d
-        + attention_workspace(
-            1,
-            t.num_attention_heads,
-            tokens as usize,
-            t.inner_dim(),
-            dtype,
-        );
+    let attention = joint_attention_activations(
+        ATTENTION_COPIES,
+        t.num_attention_heads,
+        tokens as usize,
+        t.inner_dim(),
+        dtype,
+    );
     let single_mlp = single_mlp_activations(t, tokens as usize, dtype);
-    let workspace = if runs_fused(dtype) {
-        PRODUCT_WORKSPACE as u64
-    } else {
-        0
-    };
+    let workspace = product_workspace(dtype);
     let rope = 2 * tokens * t.attention_head_dim as u64 * 4;
     let latents = image_tokens as u64 * t.in_channels as u64 * 4 * 4;
     attention.max(single_mlp) + workspace + rope + latents

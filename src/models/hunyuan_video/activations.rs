@@ -4,9 +4,8 @@
 use super::text_encoder::{LlamaConfig, DEFAULT_CROP_START};
 use super::transformer::{HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS};
 use super::vae::{self, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling};
-use crate::models::attention::{attention_workspace, runs_fused};
+use crate::models::attention::{joint_attention_activations, product_workspace};
 use crate::models::clip::ClipTextConfig;
-use crate::models::fp8::PRODUCT_WORKSPACE;
 use candle_core::DType;
 
 /// Bytes of one element of `dtype`.
@@ -46,34 +45,26 @@ const SINGLE_MODULATIONS: u64 = 3;
 
 /// Device bytes of one transformer forward: the larger of a single-stream block's attention and
 /// its MLP step ([`single_mlp_activations`]; the dual-stream blocks' streams stay apart and hold
-/// less), plus the RoPE tables and the latents in f32; with the fused kernels
-/// ([`runs_fused`]) the products' cuBLASLt workspace, else the chunked attention's
-/// ([`attention_workspace`]).
+/// less), plus the RoPE tables and the latents in f32, and the products' workspace
+/// ([`product_workspace`]).
 pub fn transformer_activations(
     t: &HunyuanVideoTransformerConfig,
     latent: [usize; 5],
     text_len: usize,
     dtype: DType,
 ) -> u64 {
-    let d = size(dtype);
     let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
     let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
     let tokens = video + text_len as u64;
-    let inner = t.inner_dim() as u64;
-    let attention = ATTENTION_COPIES * tokens * inner * d
-        + attention_workspace(
-            1,
-            t.num_attention_heads,
-            tokens as usize,
-            t.inner_dim(),
-            dtype,
-        );
+    let attention = joint_attention_activations(
+        ATTENTION_COPIES,
+        t.num_attention_heads,
+        tokens as usize,
+        t.inner_dim(),
+        dtype,
+    );
     let mlp = single_mlp_activations(t, tokens as usize, dtype);
-    let workspace = if runs_fused(dtype) {
-        PRODUCT_WORKSPACE as u64
-    } else {
-        0
-    };
+    let workspace = product_workspace(dtype);
     // Cosines and sines of half a head per video token, f32.
     let rope = video * t.attention_head_dim as u64 * 4;
     let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;

@@ -3,9 +3,8 @@
 //! the T5 v1.1 one CogVideoX estimates ([`crate::models::cogvideox::activations`]).
 
 use super::transformer::LatteTransformerConfig;
-use crate::models::attention::{runs_fused, MAX_SCORE_ELEMENTS};
+use crate::models::attention::{product_workspace, runs_fused, MAX_SCORE_ELEMENTS};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
-use crate::models::fp8::PRODUCT_WORKSPACE;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
@@ -73,7 +72,7 @@ pub fn transformer_activations(
     let hidden = batch * frames * tokens * dim * bytes;
     let text = batch * text_len as u64 * dim * bytes * 4;
     if runs_fused(dtype) {
-        return FUSED_COPIES * hidden + PRODUCT_WORKSPACE as u64 + text;
+        return FUSED_COPIES * hidden + product_workspace(dtype) + text;
     }
     // Hidden states, the modulated norm, q/k/v, the attention output and the transposed copy
     // of a temporal block; the feed-forward's 4x hidden and its GELU; the 2-D table in f32.
