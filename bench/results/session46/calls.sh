@@ -38,4 +38,15 @@ case $1 in
        timeout 150 /tmp/$b synthetic:hunyuanvideo 1 129x720x1280 "${BIG[@]}" > $OUT/big-$b.jsonl 2> $OUT/big-$b.log
        echo "exit $?"; summary $OUT/big-$b.jsonl
      done;;
+  5) SMALL=("none: --dit-layerwise-offload=false --dit-cpu-offload=false" "default: " "leaf: --offload-type leaf-level")
+     for b in offload_bench offload_bench_new; do
+       echo "== $b 61x320x512"
+       /tmp/$b synthetic:hunyuanvideo 3 61x320x512 "${SMALL[@]}" > $OUT/small-$b.jsonl 2> $OUT/small-$b.log
+       echo "exit $?"; summary $OUT/small-$b.jsonl
+     done
+     for b in offload_bench_new offload_bench; do
+       echo "== $b 129x720x1280"
+       timeout 75 /tmp/$b synthetic:hunyuanvideo 1 129x720x1280 "none: --dit-layerwise-offload=false --dit-cpu-offload=false" > $OUT/big-$b.jsonl 2> $OUT/big-$b.log
+       echo "exit $?"; summary $OUT/big-$b.jsonl; tail -2 $OUT/big-$b.log
+     done;;
 esac
