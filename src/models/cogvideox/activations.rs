@@ -122,3 +122,32 @@ pub fn vae_decode_activations(
     let output = video_frames * full_h as u64 * full_w as u64 * 3 * 4;
     frames * h * w * (2 * upsampled + 4 * last) * bytes + output + tiles_held
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fused attention (bf16) makes no scores: at one width, twice the heads of half the
+    /// width plan no more than the RoPE tables' difference, where the chunked attention's (f32)
+    /// scores grow with them.
+    #[test]
+    fn only_the_chunked_attention_plans_scores() {
+        let cfg = |heads, head_dim| CogVideoXTransformerConfig {
+            num_attention_heads: heads,
+            attention_head_dim: head_dim,
+            ..Default::default()
+        };
+        let (few, many) = (cfg(2, 64), cfg(4, 32));
+        let text = 8;
+        let latent = [1, 2, few.in_channels, 16, 16];
+        let plan =
+            |c: &CogVideoXTransformerConfig, dtype| transformer_activations(c, latent, text, dtype);
+        let seq = text + 2 * (16 / few.patch_size) * (16 / few.patch_size);
+        let rope_difference = 2 * seq as u64 * (64 - 32) * 4;
+        assert_eq!(
+            plan(&few, DType::BF16),
+            plan(&many, DType::BF16) + rope_difference
+        );
+        assert!(plan(&many, DType::F32) > plan(&few, DType::F32) - rope_difference);
+    }
+}

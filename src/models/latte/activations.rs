@@ -100,3 +100,26 @@ pub fn vae_decode_activations(
     let output = latent[2] as u64 * full * vae.out_channels as u64 * 4 * 2;
     decode + output
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fused attention (bf16) makes no scores: at one width its plan does not grow with the
+    /// heads, where the chunked attention's (f32) does. Two frames of 8x8 tokens keep the
+    /// scores under the chunking's bound.
+    #[test]
+    fn only_the_chunked_attention_plans_scores() {
+        let cfg = |heads, head_dim| LatteTransformerConfig {
+            num_attention_heads: heads,
+            attention_head_dim: head_dim,
+            ..Default::default()
+        };
+        let (few, many) = (cfg(2, 64), cfg(4, 32));
+        let plan = |c: &LatteTransformerConfig, dtype| {
+            transformer_activations(c, [1, c.in_channels(), 2, 16, 16], 8, dtype)
+        };
+        assert_eq!(plan(&few, DType::BF16), plan(&many, DType::BF16));
+        assert!(plan(&many, DType::F32) > plan(&few, DType::F32));
+    }
+}
