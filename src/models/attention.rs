@@ -70,18 +70,21 @@ pub fn product_workspace(dtype: DType) -> u64 {
     }
 }
 
-/// Device bytes of an attention over one joint sequence of `tokens` rows, `heads` heads `inner`
-/// wide in all, that holds `copies` copies of the sequence at once (streams, norms, q/k/v,
-/// outputs), with its [`attention_workspace`].
-pub fn joint_attention_activations(
+/// Device bytes of a joint-sequence DiT's blocks at their peak: the larger of an attention over
+/// one sequence of `tokens` rows (`heads` heads `inner` wide in all) holding `copies` copies of
+/// it at once (streams, norms, q/k/v, outputs) with its [`attention_workspace`], and the block's
+/// largest other step (`step` bytes); plus the products' workspace ([`product_workspace`]).
+pub fn joint_block_activations(
     copies: u64,
     heads: usize,
     tokens: usize,
     inner: usize,
+    step: u64,
     dtype: DType,
 ) -> u64 {
     let held = copies * (tokens * inner) as u64 * dtype.size_in_bytes() as u64;
-    held + attention_workspace(1, heads, tokens, inner, dtype)
+    let attention = held + attention_workspace(1, heads, tokens, inner, dtype);
+    attention.max(step) + product_workspace(dtype)
 }
 
 /// Copies of the queries the chunked attention adds: the scaled queries, the transposed keys,

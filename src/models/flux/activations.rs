@@ -2,7 +2,7 @@
 //! their peak (the weights are counted apart, from the constructors).
 
 use super::transformer::FluxTransformerConfig;
-use crate::models::attention::{joint_attention_activations, product_workspace, runs_fused};
+use crate::models::attention::{joint_block_activations, runs_fused};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
 use crate::models::clip::ClipTextConfig;
 use crate::models::cogvideox::activations::text_encoder_activations as t5_activations;
@@ -31,8 +31,8 @@ const ATTENTION_COPIES: u64 = 6;
 
 /// Device bytes of one transformer forward over `image_tokens` packed tokens and `text_len`
 /// text tokens: the larger of a block's attention and the single-stream MLP
-/// ([`single_mlp_activations`]), plus the RoPE tables and the latents in f32, and the products'
-/// workspace ([`product_workspace`]).
+/// ([`single_mlp_activations`]) with the products' workspace ([`joint_block_activations`]),
+/// plus the RoPE tables and the latents in f32.
 pub fn transformer_activations(
     t: &FluxTransformerConfig,
     image_tokens: usize,
@@ -40,18 +40,17 @@ pub fn transformer_activations(
     dtype: DType,
 ) -> u64 {
     let tokens = (image_tokens + text_len) as u64;
-    let attention = joint_attention_activations(
+    let blocks = joint_block_activations(
         ATTENTION_COPIES,
         t.num_attention_heads,
         tokens as usize,
         t.inner_dim(),
+        single_mlp_activations(t, tokens as usize, dtype),
         dtype,
     );
-    let single_mlp = single_mlp_activations(t, tokens as usize, dtype);
-    let workspace = product_workspace(dtype);
     let rope = 2 * tokens * t.attention_head_dim as u64 * 4;
     let latents = image_tokens as u64 * t.in_channels as u64 * 4 * 4;
-    attention.max(single_mlp) + workspace + rope + latents
+    blocks + rope + latents
 }
 
 /// Device bytes of a single-stream block's MLP step over `tokens` joint tokens: the block's

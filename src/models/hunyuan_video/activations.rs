@@ -4,7 +4,7 @@
 use super::text_encoder::{LlamaConfig, DEFAULT_CROP_START};
 use super::transformer::{HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS};
 use super::vae::{self, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling};
-use crate::models::attention::{joint_attention_activations, product_workspace};
+use crate::models::attention::joint_block_activations;
 use crate::models::clip::ClipTextConfig;
 use candle_core::DType;
 
@@ -45,8 +45,8 @@ const SINGLE_MODULATIONS: u64 = 3;
 
 /// Device bytes of one transformer forward: the larger of a single-stream block's attention and
 /// its MLP step ([`single_mlp_activations`]; the dual-stream blocks' streams stay apart and hold
-/// less), plus the RoPE tables and the latents in f32, and the products' workspace
-/// ([`product_workspace`]).
+/// less) with the products' workspace ([`joint_block_activations`]), plus the RoPE tables and
+/// the latents in f32.
 pub fn transformer_activations(
     t: &HunyuanVideoTransformerConfig,
     latent: [usize; 5],
@@ -56,19 +56,18 @@ pub fn transformer_activations(
     let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
     let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
     let tokens = video + text_len as u64;
-    let attention = joint_attention_activations(
+    let blocks = joint_block_activations(
         ATTENTION_COPIES,
         t.num_attention_heads,
         tokens as usize,
         t.inner_dim(),
+        single_mlp_activations(t, tokens as usize, dtype),
         dtype,
     );
-    let mlp = single_mlp_activations(t, tokens as usize, dtype);
-    let workspace = product_workspace(dtype);
     // Cosines and sines of half a head per video token, f32.
     let rope = video * t.attention_head_dim as u64 * 4;
     let latent_bytes = latent.iter().product::<usize>() as u64 * 4 * 4;
-    attention.max(mlp) + workspace + rope + latent_bytes
+    blocks + rope + latent_bytes
 }
 
 /// Device bytes of a single-stream block's MLP step over `tokens` joint tokens, which runs by
