@@ -37,15 +37,18 @@ pub fn transformer_activations(
     8 * hidden + mlp + rope + text + latents
 }
 
-/// Device bytes of the decoder in `dtype`, and the video in f32. Half precision runs the fused
-/// path (CUDA): five maps of the full-resolution level (a resnet there holds its input, a norm,
-/// the second convolution's output, the noise injected into it and the sum with the residual;
-/// an H200 at 161x512x704 in bf16 held 4.54 GiB above the weights, the video included, where
-/// these maps and the video are 4.64; bench/RESULTS.md session 35). f32 composes: three f32 maps
-/// of its largest level, counted at each level's widths (each level doubles frames, height and
-/// width and takes the next of the decoder's widths, from the widest at the latent grid). With
-/// `tiled` (diffusers' `enable_tiling()` tiles) the feature maps are one tile's, and every
-/// decoded tile is held until they are blended.
+/// Device bytes of the decode stage: the decoder in `dtype`, then (its maps gone) the video in
+/// `dtype` beside its f32 frames (`stages::video_frames`). Half precision runs the fused path
+/// (CUDA): five maps of the full-resolution level (a resnet there holds its input, a norm, the
+/// second convolution's output, the noise injected into it and the sum with the residual) and
+/// the video; an H200 at 161x512x704 in bf16 held 4.54 GiB above the weights, video included,
+/// where these are 4.64 (bench/RESULTS.md session 35), and a whole run's decode stage 5.99 GiB
+/// with the weights, where the frames' f32 copy never met the maps (session 42). f32 composes:
+/// three f32 maps of its largest level and a video of temporaries, the maps counted at each
+/// level's widths (each level doubles frames, height and width and takes the next of the
+/// decoder's widths, from the widest at the latent grid). With `tiled` (diffusers'
+/// `enable_tiling()` tiles) the feature maps are one tile's, and the decoded tiles are held
+/// until they are blended.
 pub fn vae_decode_activations(
     cfg: &LtxVaeConfig,
     grid: [usize; 3],
@@ -65,7 +68,13 @@ pub fn vae_decode_activations(
             .footprint((grid[1], grid[2]), s),
         false => ((grid[1] * s, grid[2] * s), 0),
     };
-    let held = 3 * frames * held as u64 * 4;
+    let d = dtype.size_in_bytes() as u64;
+    let video = 3 * frames * h * w;
+    // The decoded tiles and their blend, or (untiled) the decoder's output.
+    let held = match tiled {
+        true => 3 * frames * held as u64,
+        false => video,
+    };
     let grid = [grid[0], tile_h / s, tile_w / s];
     let tokens: u64 = grid.iter().map(|&g| g as u64).product();
     let widths: Vec<u64> = cfg
@@ -88,9 +97,10 @@ pub fn vae_decode_activations(
         DType::BF16 | DType::F16 => {
             let patch = cfg.patch_size.max(1) as u64;
             let full_level = frames * (tile_h as u64 / patch) * (tile_w as u64 / patch);
-            5 * full_level * cfg.decoder_output_channels() as u64 * dtype.size_in_bytes() as u64
+            5 * full_level * cfg.decoder_output_channels() as u64 * d
         }
-        _ => 3 * largest * 4,
+        // The composed path's temporaries hold about one video besides (the CPU heap test).
+        _ => 3 * largest * 4 + video * 4,
     };
-    maps + 2 * 3 * frames * h * w * 4 + held
+    (maps + held * d).max(video * (d + 4))
 }
