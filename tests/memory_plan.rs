@@ -121,7 +121,11 @@ fn streamed(blocks_per_group: usize, by_step: bool, stream: bool, depth: usize) 
     Residency::Streamed {
         blocks_per_group,
         by_step,
-        options: StreamOptions { stream, depth },
+        options: StreamOptions {
+            stream,
+            depth,
+            kept_bytes: 0,
+        },
     }
 }
 

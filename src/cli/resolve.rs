@@ -225,6 +225,7 @@ pub fn memory_options(o: &GenerateOptions) -> MemoryOptions {
         dit_cpu_offload: o.dit_cpu_offload,
         use_fsdp_inference: o.use_fsdp_inference,
         dit_layerwise_offload: o.dit_layerwise_offload,
+        dit_resident_memory: o.dit_resident_memory.unwrap_or(0),
         text_encoder_cpu_offload: o.text_encoder_cpu_offload,
         image_encoder_cpu_offload: o.image_encoder_cpu_offload,
         vae_cpu_offload: o.vae_cpu_offload,
@@ -256,6 +257,7 @@ fn report_memory_options(m: &MemoryOptions, o: &mut GenerateOptions) {
     o.dit_cpu_offload = m.dit_cpu_offload;
     o.use_fsdp_inference = m.use_fsdp_inference;
     o.dit_layerwise_offload = m.dit_layerwise_offload;
+    o.dit_resident_memory = Some(m.dit_resident_memory).filter(|&b| b > 0);
     o.text_encoder_cpu_offload = m.text_encoder_cpu_offload;
     o.image_encoder_cpu_offload = m.image_encoder_cpu_offload;
     o.vae_cpu_offload = m.vae_cpu_offload;

@@ -13,6 +13,9 @@ pub struct MemoryOptions {
     pub use_fsdp_inference: bool,
     /// Every DiT's blocks stream from host memory (over `dit_cpu_offload`).
     pub dit_layerwise_offload: bool,
+    /// Of each streamed DiT, up to this many bytes of blocks stay on the device through a stage
+    /// (spread through the pass, copied once); the rest stream every step.
+    pub dit_resident_memory: u64,
     pub text_encoder_cpu_offload: bool,
     pub image_encoder_cpu_offload: bool,
     pub vae_cpu_offload: bool,

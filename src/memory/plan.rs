@@ -711,6 +711,7 @@ mod tests {
             num_blocks_per_group: 1,
             offload_stream: true,
             prefetch_depth: None,
+            dit_resident_memory: 0,
             model_cpu_offload: false,
             sequential_cpu_offload: false,
             vae_tiling: false,

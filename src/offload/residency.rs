@@ -69,6 +69,26 @@ impl Residency {
         }
     }
 
+    /// This residency with up to `bytes` of a streamed part's groups kept on the device through
+    /// a stage ([`kept_groups`]).
+    pub fn keeping(self, bytes: u64) -> Residency {
+        match self {
+            Residency::Streamed {
+                blocks_per_group,
+                by_step,
+                options,
+            } => Residency::Streamed {
+                blocks_per_group,
+                by_step,
+                options: StreamOptions {
+                    kept_bytes: bytes,
+                    ..options
+                },
+            },
+            other => other,
+        }
+    }
+
     /// Whether the weights wait in host memory.
     pub fn uses_host_memory(self) -> bool {
         matches!(self, Residency::Parked | Residency::Streamed { .. })
@@ -98,7 +118,15 @@ impl std::fmt::Display for Residency {
                 } else {
                     "synchronous copies".to_string()
                 }
-            ),
+            )
+            .and_then(|()| match options.kept_bytes {
+                0 => Ok(()),
+                kept => write!(
+                    f,
+                    ", up to {:.2} GiB of groups kept on the device",
+                    kept as f64 / (1u64 << 30) as f64
+                ),
+            }),
         }
     }
 }
@@ -215,12 +243,50 @@ fn dtype_bytes(group: &GroupLayout) -> ByDtype {
     sums
 }
 
-/// Device bytes a streamed part's groups hold while its stage runs: the [`slot_count`] slots,
-/// which stay allocated between the passes of a stage, or, without a copy stream, the largest
-/// group in fresh memory; and the expanded copy of the computing group's packed tensors.
+/// Device bytes a streamed part's groups hold while its stage runs: the groups it keeps there
+/// ([`kept_groups`]); for the groups it moves, the [`slot_count`] slots, which stay allocated
+/// between the passes of a stage, or, without a copy stream, the largest group in fresh memory,
+/// and the expanded copy of the computing group's packed tensors.
 /// Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the memory plan's checked
 /// sums refuse.
 pub fn streamed_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
+    let kept = kept_groups(groups, options.kept_bytes);
+    let (held, moved): (Vec<_>, Vec<_>) = groups.iter().zip(kept).partition(|(_, k)| *k);
+    let held = held
+        .into_iter()
+        .fold(0u64, |sum, (g, _)| sum.saturating_add(landed_bytes(g)));
+    let moved: Vec<GroupLayout> = moved.into_iter().map(|(g, _)| g.clone()).collect();
+    held.saturating_add(moving_bytes(&moved, options))
+}
+
+/// Which of `groups` stay on the device through a stage within `budget` bytes (each counted by
+/// [`landed_bytes`]): spread through the pass by bytes, each group kept where that leaves the
+/// kept bytes so far nearer the budget's share of the bytes so far. Each stretch of the pass then moves the
+/// same share of its bytes, and each moved group's copy hides behind the compute of the kept
+/// groups around it, where kept groups in one run would leave the copies of the rest to
+/// outlast their compute as before.
+pub fn kept_groups(groups: &[GroupLayout], budget: u64) -> Vec<bool> {
+    let total: u128 = groups.iter().map(|g| landed_bytes(g) as u128).sum();
+    let (mut seen, mut kept) = (0u128, 0u128);
+    groups
+        .iter()
+        .map(|g| {
+            let bytes = landed_bytes(g) as u128;
+            seen += bytes;
+            // Kept where that leaves the kept bytes nearer the share than moving it would.
+            let keep = bytes > 0
+                && kept + bytes <= budget as u128
+                && (2 * kept + bytes) * total <= 2 * budget as u128 * seen;
+            if keep {
+                kept += bytes;
+            }
+            keep
+        })
+        .collect()
+}
+
+/// Device bytes of moved `groups` while their stage runs (see [`streamed_bytes`]).
+fn moving_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
     let slot: u64 = slot_sections(groups)
         .iter()
         .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
@@ -268,7 +334,11 @@ mod tests {
     use super::*;
 
     fn streamed(depth: usize, stream: bool) -> StreamOptions {
-        StreamOptions { stream, depth }
+        StreamOptions {
+            stream,
+            depth,
+            kept_bytes: 0,
+        }
     }
 
     /// The slot rule: depth + 1 slots while there are more groups than that, never more slots
@@ -326,6 +396,32 @@ mod tests {
             bytes: sections.iter().map(|s| s.1).sum(),
             ..Default::default()
         }
+    }
+
+    /// Kept groups spread through the pass by bytes: half of five equal groups keeps the first
+    /// and third; a budget under one group keeps none, one over all keeps all. The plan counts
+    /// the kept groups and slots for the moved ones alone: keeping a large group shrinks the
+    /// slots to the small ones.
+    #[test]
+    fn kept_groups_spread_through_the_pass() {
+        use candle_core::DType::BF16;
+        let equal = vec![group(&[(BF16, 100)]); 5];
+        assert_eq!(kept_groups(&equal, 250), [true, false, true, false, false]);
+        assert_eq!(kept_groups(&equal, 99), [false; 5]);
+        assert_eq!(kept_groups(&equal, 10_000), [true; 5]);
+        let keeping = |kept_bytes| StreamOptions {
+            kept_bytes,
+            ..streamed(1, true)
+        };
+        // Two kept, two slots of one group for the three moved.
+        assert_eq!(streamed_bytes(&equal, keeping(250)), 200 + 2 * 100);
+        assert_eq!(streamed_bytes(&equal, keeping(10_000)), 500);
+        assert_eq!(streamed_bytes(&equal, keeping(0)), 2 * 100);
+        let (large, small) = (group(&[(BF16, 400)]), group(&[(BF16, 100)]));
+        let mixed = [small.clone(), large, small.clone(), small];
+        assert_eq!(kept_groups(&mixed, 500), [true, true, false, false]);
+        assert_eq!(streamed_bytes(&mixed, keeping(0)), 2 * 400);
+        assert_eq!(streamed_bytes(&mixed, keeping(500)), 500 + 2 * 100);
     }
 
     /// Consecutive groups share a slot while every dtype's sections fit in it, each section

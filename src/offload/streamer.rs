@@ -3,13 +3,16 @@
 use super::group::GroupLayout;
 use super::group::{record, Packing};
 use super::host::{HostMemory, HostSetup, HostStore};
-use super::residency::{prefetch_depth, slot_count, streamed_bytes, SlotRuns};
+use super::residency::{kept_groups, prefetch_depth, slot_count, streamed_bytes, SlotRuns};
 use super::transfer::{CopyStats, DeviceSlot, SlotPlace, Transfer, Uploaded};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use std::collections::{HashMap, VecDeque};
+
+/// A landed group's tensors by name, as its constructor asks for them.
+type NamedTensors = HashMap<String, candle_core::Tensor>;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
@@ -42,6 +45,9 @@ pub struct StreamOptions {
     pub stream: bool,
     /// Groups on the device ahead of the computing one.
     pub depth: usize,
+    /// Up to this many bytes of groups stay on the device from their first pass in a stage to
+    /// its end ([`kept_groups`]), copied once; the rest move every pass.
+    pub kept_bytes: u64,
 }
 
 /// An offloaded model part: groups held on the host, moved to the device around their use.
@@ -54,7 +60,16 @@ pub struct Offloaded<B> {
     options: StreamOptions,
     /// The first groups of the next pass, prefetched while the last ones computed.
     pending: Mutex<VecDeque<Uploaded>>,
-    /// Which groups share a slot, and where in it each lands.
+    /// The tensors of the groups kept on the device through a stage, landed on its first pass
+    /// (`None` where a group moves, or before that pass); each pass builds them anew.
+    kept: Mutex<Vec<Option<NamedTensors>>>,
+    /// Whether each group is kept ([`kept_groups`]).
+    is_kept: Vec<bool>,
+    /// The moved groups, in order: a run's positions index this list.
+    moved: Vec<usize>,
+    /// Each moved group's position in `moved`.
+    position: Vec<usize>,
+    /// Which moved groups share a slot, and where in it each lands.
     runs: SlotRuns,
     /// Device slots for streamed groups ([`slot_count`]), made on the first pass after each
     /// [`Self::release`].
@@ -104,8 +119,20 @@ impl<B> Offloaded<B> {
         device: &Device,
         options: StreamOptions,
     ) -> Self {
+        let layouts = store.layouts();
+        let is_kept = kept_groups(&layouts, options.kept_bytes);
+        let moved: Vec<usize> = (0..layouts.len()).filter(|&i| !is_kept[i]).collect();
+        let mut position = vec![usize::MAX; layouts.len()];
+        for (at, &index) in moved.iter().enumerate() {
+            position[index] = at;
+        }
+        let moved_layouts: Vec<GroupLayout> = moved.iter().map(|&i| layouts[i].clone()).collect();
         Offloaded {
-            runs: SlotRuns::of(&store.layouts()),
+            runs: SlotRuns::of(&moved_layouts),
+            kept: Mutex::new((0..layouts.len()).map(|_| None).collect()),
+            is_kept,
+            moved,
+            position,
             store,
             transfer,
             build,
@@ -145,41 +172,69 @@ impl<B> Offloaded<B> {
         self.make(uploaded)
     }
 
-    /// Builds a landed group on the computing thread, once its copies are waited for: its
-    /// packed tensors are expanded here, on the compute stream.
+    /// Builds a landed group on the computing thread (see [`Self::land`]).
     fn make(&self, uploaded: Uploaded) -> Result<B> {
-        self.transfer.ready(&uploaded)?;
         let index = uploaded.index;
-        let layout = &self.store.group(index).layout;
-        let map: HashMap<String, candle_core::Tensor> =
-            layout.expand(uploaded.tensors)?.into_iter().collect();
+        self.build_group(index, self.land(uploaded)?)
+    }
+
+    /// A group's tensors once its copies are waited for: its packed tensors are expanded here,
+    /// on the compute stream.
+    fn land(&self, uploaded: Uploaded) -> Result<NamedTensors> {
+        self.transfer.ready(&uploaded)?;
+        let layout = &self.store.group(uploaded.index).layout;
+        Ok(layout.expand(uploaded.tensors)?.into_iter().collect())
+    }
+
+    /// Builds group `index` from its landed `tensors`.
+    fn build_group(&self, index: usize, tensors: NamedTensors) -> Result<B> {
         (self.build)(
             index,
-            VarBuilder::from_tensors(map, self.dtype, &self.device),
+            VarBuilder::from_tensors(tensors, self.dtype, &self.device),
         )
         .with_context(|| format!("building offloaded group {index} on the device"))
     }
 
-    /// Runs `f` on every group in order; each group is on the device only around its turn,
-    /// and at most [`slot_count`] slot fills ([`SlotRuns`]) are on the device at once.
+    /// Runs `f` on every group in order; a kept group is on the device from its stage's first
+    /// pass to [`Self::release`], each other group only around its turn, and at most
+    /// [`slot_count`] slot fills ([`SlotRuns`]) of those are on the device at once.
     pub fn for_each(&self, mut f: impl FnMut(&B) -> Result<()>) -> Result<()> {
         let n = self.store.len();
+        let poisoned = || anyhow::anyhow!("offload state poisoned");
+        let mut kept = self.kept.lock().map_err(|_| poisoned())?;
+        // Built before any copy of the moved groups starts, in fresh memory on the compute
+        // stream: the copy thread below owns the copy stream.
+        for (index, tensors) in kept.iter_mut().enumerate() {
+            if self.is_kept[index] && tensors.is_none() {
+                let uploaded = self.transfer.upload(&self.store, index, None)?;
+                *tensors = Some(self.land(uploaded)?);
+            }
+        }
+        let kept_group = |index: usize| -> Option<Result<B>> {
+            let tensors = kept[index].clone()?;
+            Some(self.build_group(index, tensors))
+        };
         if !self.options.stream {
             for index in 0..n {
-                f(&self.fetch(index)?)?;
+                match kept_group(index) {
+                    Some(group) => f(&group?)?,
+                    None => f(&self.fetch(index)?)?,
+                }
             }
             return Ok(());
         }
         let runs = &self.runs.runs;
         let depth = prefetch_depth(runs.len(), self.options);
-        let poisoned = || anyhow::anyhow!("offload state poisoned");
         let slots = {
             let mut kept = self.slots.lock().map_err(|_| poisoned())?;
             match &*kept {
                 Some(slots) => slots.clone(),
                 None => {
                     let count = slot_count(runs.len(), self.options);
-                    let made = Arc::new(self.transfer.slots(&self.store, count)?);
+                    let moved: Vec<GroupLayout> = (self.moved.iter())
+                        .map(|&i| self.store.group(i).layout.clone())
+                        .collect();
+                    let made = Arc::new(self.transfer.slots(&moved, count)?);
                     *kept = Some(made.clone());
                     made
                 }
@@ -187,8 +242,9 @@ impl<B> Offloaded<B> {
         };
         let slots = &*slots;
         let mut ready = std::mem::take(&mut *self.pending.lock().map_err(|_| poisoned())?);
+        let ends_run = |index: usize| self.runs.ends_run(self.position[index]);
         // Whole runs are prefetched: the ready groups are the first runs of the pass.
-        let first_missing = ready.iter().filter(|u| self.runs.ends_run(u.index)).count();
+        let first_missing = ready.iter().filter(|u| ends_run(u.index)).count();
         // A copy thread fills slots in order: the rest of this pass, then the first `depth`
         // runs of the next one. It takes a permit per fill; a retired run returns one.
         let (uploads, received) = sync_channel::<Result<Uploaded>>(2 * n);
@@ -204,12 +260,13 @@ impl<B> Offloaded<B> {
                     }
                     let k = self.fills.fetch_add(1, Ordering::Relaxed) % slots.len();
                     let groups = runs[run % runs.len()].clone();
-                    for index in groups.clone() {
+                    for at in groups.clone() {
+                        let index = self.moved[at];
                         let place = SlotPlace {
                             index: k,
                             slot: &slots[k],
-                            offsets: &self.runs.offsets[index],
-                            first: index == groups.start,
+                            offsets: &self.runs.offsets[at],
+                            first: at == groups.start,
                         };
                         let uploaded = self.transfer.upload(&self.store, index, Some(place));
                         let failed = uploaded.is_err();
@@ -221,7 +278,11 @@ impl<B> Offloaded<B> {
             });
             let stopped = || anyhow::anyhow!("offload copy thread stopped");
             let result = (|| -> Result<()> {
-                for _ in 0..n {
+                for index in 0..n {
+                    if let Some(group) = kept_group(index) {
+                        f(&group?)?;
+                        continue;
+                    }
                     let uploaded = match ready.pop_front() {
                         Some(u) => u,
                         None => received.recv().map_err(|_| stopped())??,
@@ -233,7 +294,7 @@ impl<B> Offloaded<B> {
                     if let Some(k) = slot {
                         self.transfer.retire(&slots[k])?;
                     }
-                    if self.runs.ends_run(index) {
+                    if ends_run(index) {
                         permits.send(()).ok();
                     }
                 }
@@ -264,14 +325,20 @@ impl<B> Offloaded<B> {
 }
 
 impl<B> Offloaded<B> {
-    /// Gives the device slots back, with the next pass's groups prefetched into them: between
-    /// its stages the part holds no device memory (the next pass makes slots again).
+    /// Gives the device slots back, with the next pass's groups prefetched into them, and the
+    /// kept groups: between its stages the part holds no device memory (the next pass makes
+    /// slots and keeps groups again).
     pub fn release(&self) -> Result<()> {
         // Prefetches may still be copying into the slots.
         self.transfer.wait_idle()?;
         let poisoned = || anyhow::anyhow!("offload state poisoned");
         self.pending.lock().map_err(|_| poisoned())?.clear();
         *self.slots.lock().map_err(|_| poisoned())? = None;
+        self.kept
+            .lock()
+            .map_err(|_| poisoned())?
+            .iter_mut()
+            .for_each(|tensors| *tensors = None);
         Ok(())
     }
 }
@@ -323,15 +390,24 @@ pub(super) mod tests {
     /// A part of [`GROUPS`] groups read from a safetensors file, each of two tensors in two
     /// dtypes (two sections), held in pageable arenas and streamed `depth` groups ahead.
     fn part(name: &str, depth: usize) -> Result<Offloaded<Group>> {
-        part_on(name, depth, &[(3, 2); GROUPS], &Device::Cpu)
+        part_on(name, ahead(depth), &[(3, 2); GROUPS], &Device::Cpu)
+    }
+
+    /// Streaming on a copy stream `depth` slot fills ahead, keeping nothing.
+    pub(super) fn ahead(depth: usize) -> StreamOptions {
+        StreamOptions {
+            stream: true,
+            depth,
+            kept_bytes: 0,
+        }
     }
 
     /// A part of one group per entry of `lens` (its f32 weight's and bf16 scale's lengths) on
-    /// `device`, read from a safetensors file, held in pageable arenas and streamed `depth` slot
-    /// fills ahead.
+    /// `device`, read from a safetensors file, held in pageable arenas and moved as `options`
+    /// say.
     pub(super) fn part_on(
         name: &str,
-        depth: usize,
+        options: StreamOptions,
         lens: &[(usize, usize)],
         device: &Device,
     ) -> Result<Offloaded<Group>> {
@@ -366,10 +442,7 @@ pub(super) mod tests {
             DType::F32,
             device,
             HostMemory::Pageable,
-            StreamOptions {
-                stream: true,
-                depth,
-            },
+            options,
         )?;
         // Every group was read into an arena: the file is not read again.
         std::fs::remove_dir_all(&dir)?;
@@ -410,7 +483,12 @@ pub(super) mod tests {
     fn small_groups_fill_one_slot_together() -> Result<()> {
         let all: Vec<usize> = (0..UNEVEN.len()).collect();
         for (depth, prefetched) in [(1, vec![0]), (2, vec![0, 1, 2, 3])] {
-            let part = part_on(&format!("uneven-{depth}"), depth, &UNEVEN, &Device::Cpu)?;
+            let part = part_on(
+                &format!("uneven-{depth}"),
+                ahead(depth),
+                &UNEVEN,
+                &Device::Cpu,
+            )?;
             assert_eq!(part.runs.runs, [0..1, 1..4, 4..5]);
             assert_eq!(visit_all(&part)?, all);
             assert_eq!(copies(&part), UNEVEN.len() + prefetched.len());
@@ -433,6 +511,51 @@ pub(super) mod tests {
             let before = copies(&part);
             assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
             assert_eq!(copies(&part) - before, UNEVEN.len() + prefetched.len());
+        }
+        Ok(())
+    }
+
+    /// Groups kept within two groups' bytes (the second and fourth of five equal ones) land on a
+    /// stage's first pass and stay: later passes copy only the three moved groups (and, on a
+    /// copy stream, the next pass's first), into slots sized by those, and visit every group in
+    /// order with its own tensors; `release` gives the kept ones back, so the next stage copies
+    /// them again.
+    #[test]
+    fn kept_groups_are_copied_once_per_stage() -> Result<()> {
+        let all: Vec<usize> = (0..GROUPS).collect();
+        let lens = [(3, 2); GROUPS];
+        let probe = part_on("kept-probe", ahead(1), &lens, &Device::Cpu)?;
+        let group_bytes = crate::offload::residency::landed_bytes(&probe.layouts()[0]);
+        for stream in [true, false] {
+            let options = StreamOptions {
+                stream,
+                depth: 1,
+                kept_bytes: 2 * group_bytes,
+            };
+            let part = part_on(&format!("kept-{stream}"), options, &lens, &Device::Cpu)?;
+            assert_eq!(part.is_kept, [false, true, false, true, false]);
+            let prefetched = usize::from(stream);
+            for stage in 0..2 {
+                let before = copies(&part);
+                assert_eq!(visit_all(&part)?, all, "stream {stream}, stage {stage}");
+                assert_eq!(copies(&part) - before, GROUPS + prefetched);
+                for pass in 1..3 {
+                    let before = copies(&part);
+                    assert_eq!(visit_all(&part)?, all, "stream {stream}, pass {pass}");
+                    assert_eq!(copies(&part) - before, 3, "stream {stream}, pass {pass}");
+                }
+                let kept = part
+                    .kept
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(Option::is_some)
+                    .collect::<Vec<_>>();
+                assert_eq!(kept, part.is_kept);
+                assert_eq!(slots(&part).map(|s| s.len()), stream.then_some(2));
+                part.release()?;
+                assert!(part.kept.lock().unwrap().iter().all(Option::is_none));
+            }
         }
         Ok(())
     }
@@ -656,6 +779,7 @@ pub(super) mod tests {
             StreamOptions {
                 stream: true,
                 depth: 1,
+                kept_bytes: 0,
             },
         )
     }
@@ -809,7 +933,7 @@ mod cuda_tests {
         };
         let all: Vec<usize> = (0..UNEVEN.len()).collect();
         for depth in [1, 2] {
-            let part = part_on(&format!("uneven-gpu-{depth}"), depth, &UNEVEN, &gpu)?;
+            let part = part_on(&format!("uneven-gpu-{depth}"), ahead(depth), &UNEVEN, &gpu)?;
             for pass in 0..4 {
                 assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
             }

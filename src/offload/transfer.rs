@@ -4,6 +4,7 @@
 //! whole parked component gets fresh memory instead. Resident parts load through the same
 //! staging ring straight from the weights ([`Transfer::load`]).
 
+use super::group::GroupLayout;
 use super::host::HostStore;
 #[cfg(feature = "cuda")]
 use anyhow::Context;
@@ -126,14 +127,14 @@ impl Transfer {
         0
     }
 
-    /// `count` device slots big enough for any group of `store` (empty off CUDA, where each
-    /// group gets fresh tensors).
-    pub fn slots(&self, store: &HostStore, count: usize) -> Result<Vec<DeviceSlot>> {
+    /// `count` device slots big enough for any of `groups` (empty off CUDA, where each group
+    /// gets fresh tensors).
+    pub fn slots(&self, groups: &[GroupLayout], count: usize) -> Result<Vec<DeviceSlot>> {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.cuda {
-            return cuda.slots(store, count);
+            return cuda.slots(groups, count);
         }
-        let _ = store;
+        let _ = groups;
         Ok((0..count).map(|_| DeviceSlot::default()).collect())
     }
 
@@ -275,7 +276,7 @@ mod cuda {
     use super::super::group::Slot;
     use super::super::host::{Arena, HostStore};
     use super::super::staging::{self, Chunk, Landing, Ring};
-    use super::{DeviceSlot, SlotPlace};
+    use super::{DeviceSlot, GroupLayout, SlotPlace};
     use crate::weights::WeightSet;
     use anyhow::{Context, Result};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
@@ -399,8 +400,8 @@ mod cuda {
             })
         }
 
-        pub fn slots(&self, store: &HostStore, count: usize) -> Result<Vec<DeviceSlot>> {
-            let need = crate::offload::residency::slot_sections(&store.layouts());
+        pub fn slots(&self, groups: &[GroupLayout], count: usize) -> Result<Vec<DeviceSlot>> {
+            let need = crate::offload::residency::slot_sections(groups);
             let compute = self.device.cuda_stream();
             let slots = (0..count)
                 .map(|_| {
@@ -903,7 +904,7 @@ mod cuda_tests {
         // Progress counts the locked tensors as read, b as its stored f32 bytes.
         assert_eq!(read.load(Ordering::Relaxed), in_map as u64 + 3_000_003 * 4);
         let transfer = Transfer::new(&dev, true, None)?;
-        let slots = transfer.slots(&store, 1)?;
+        let slots = transfer.slots(&store.layouts(), 1)?;
         let offsets = vec![0; store.group(0).layout.sections.len()];
         let place = SlotPlace {
             index: 0,

@@ -394,6 +394,7 @@ pub(crate) mod testing {
             options: StreamOptions {
                 stream: true,
                 depth: 1,
+                kept_bytes: 0,
             },
         }
     }
@@ -437,6 +438,7 @@ mod tests {
             options: StreamOptions {
                 stream: true,
                 depth: 1,
+                kept_bytes: 0,
             },
         }
     }
@@ -513,6 +515,7 @@ mod tests {
             let options = StreamOptions {
                 stream: true,
                 depth: 1,
+                kept_bytes: 0,
             };
             let residency = Residency::Streamed {
                 blocks_per_group: 1,

@@ -115,7 +115,11 @@ fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
     let streamed = |stream, depth, per_group, by_step| Residency::Streamed {
         blocks_per_group: per_group,
         by_step,
-        options: StreamOptions { stream, depth },
+        options: StreamOptions {
+            stream,
+            depth,
+            kept_bytes: 0,
+        },
     };
     let parked_if = |offload: bool| {
         if offload {
@@ -145,7 +149,7 @@ fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
             (true, true) => Residency::OnCpu,
             (true, false) => layerwise,
         },
-        Role::Dit if o.dit_layerwise_offload => layerwise,
+        Role::Dit if o.dit_layerwise_offload => layerwise.keeping(o.dit_resident_memory),
         Role::Dit => parked_if(o.dit_cpu_offload),
         Role::ImageEncoder => parked_if(o.image_encoder_cpu_offload),
         Role::Vae | Role::AudioVae => parked_if(o.vae_cpu_offload),
@@ -182,6 +186,7 @@ fn parked<B>(
     let options = StreamOptions {
         stream: false,
         depth: 1,
+        kept_bytes: 0,
     };
     Offloaded::from_weights(
         weights,
@@ -607,7 +612,11 @@ mod tests {
                 residencies.push(Residency::Streamed {
                     blocks_per_group,
                     by_step,
-                    options: StreamOptions { stream, depth },
+                    options: StreamOptions {
+                        stream,
+                        depth,
+                        kept_bytes: 0,
+                    },
                 });
             }
         }
