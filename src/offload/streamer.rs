@@ -924,7 +924,8 @@ mod cuda_tests {
     }
 
     /// On the GPU, groups that share a slot land each at its own place in it: every pass
-    /// visits each group with its own tensors, one and two fills ahead.
+    /// visits each group with its own tensors, one and two fills ahead, and with a large group
+    /// kept through two stages.
     #[test]
     fn groups_sharing_a_slot_keep_their_own_tensors() -> Result<()> {
         let Ok(gpu) = Device::new_cuda(0) else {
@@ -937,6 +938,23 @@ mod cuda_tests {
             for pass in 0..4 {
                 assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
             }
+        }
+        // Kept within one large group's bytes: the three small ones (the share reaches a large
+        // one only after it), the large ones moving one fill each.
+        let probe = part_on("uneven-gpu-probe", ahead(1), &UNEVEN, &gpu)?;
+        let kept_bytes = crate::offload::residency::landed_bytes(&probe.layouts()[0]);
+        let options = StreamOptions {
+            kept_bytes,
+            ..ahead(1)
+        };
+        let part = part_on("uneven-gpu-kept", options, &UNEVEN, &gpu)?;
+        assert_eq!(part.is_kept, [false, true, true, true, false]);
+        assert_eq!(part.runs.runs, [0..1, 1..2]);
+        for stage in 0..2 {
+            for pass in 0..3 {
+                assert_eq!(visit_all(&part)?, all, "kept, stage {stage}, pass {pass}");
+            }
+            part.release()?;
         }
         Ok(())
     }
