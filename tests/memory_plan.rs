@@ -1089,6 +1089,54 @@ fn the_low_activation_estimate_holds_three_hidden_states_and_a_chunk() {
     assert_eq!(normal, denoise(&["--no-low-activation"]));
 }
 
+/// Where the whole DiT does not fit what is free, as many of its streamed blocks as fit with a
+/// tenth to spare stay on the device: whole blocks of the 14B, within the budget and more than
+/// all but two of its blocks' worth of it; none where the streamed run alone does not fit, and
+/// never over a DiT placement the user set.
+#[test]
+fn blocks_stay_on_the_device_where_the_whole_dit_does_not_fit() {
+    let configs = shipped("wan2.1-t2v-14b");
+    let args = ["--memory-model", "discrete", "--dtype", "bf16"];
+    let with = |extra: &[&str]| resolve(&[&args[..], extra].concat());
+    let config = with(&[]);
+    let planner = Planner::new(&configs, &config);
+    let streamed = planner.plan(&planner.request()).unwrap();
+    let (_, whole) = planner.dit_on_device(100 << 30).unwrap();
+    let (low, high) = (streamed.required_free_bytes(), whole.required_free_bytes());
+    let free = (low + high) / 2;
+    assert!(planner.dit_on_device(free).is_none());
+    let (kept, plan) = planner.dit_kept_on_device(free).unwrap();
+    let budget = kept.options.dit_resident_memory;
+    assert!(kept.options.dit_layerwise_offload && budget > 0);
+    assert!(plan.fits_free(free - free / 10));
+    let denoise_weights = |p: &MemoryPlan| p.stage("denoise").unwrap().weight_bytes;
+    let gained = denoise_weights(&plan) - denoise_weights(&streamed);
+    // A 14B block holds under 0.85 GiB in bf16.
+    let block = 27u64 << 30 >> 5;
+    assert!(
+        gained <= budget && gained + 2 * block > budget,
+        "{} of {}",
+        gib(gained),
+        gib(budget)
+    );
+    // The streamed run alone needs all that is free, with a tenth spare.
+    assert!(planner
+        .dit_kept_on_device(low + low / 9 - (1 << 20))
+        .is_none());
+    for placement in [
+        &["--dit-layerwise-offload"][..],
+        &["--dit-resident-memory", "4GiB"],
+    ] {
+        let asked = with(placement);
+        assert!(
+            Planner::new(&configs, &asked)
+                .dit_kept_on_device(free)
+                .is_none(),
+            "{placement:?}"
+        );
+    }
+}
+
 /// A DiT is held on the device where only the defaults stream it and the plan says the resident
 /// set fits what is free with a tenth to spare (a streamed DiT copies its weights every forward;
 /// merged LoRA host copies of a 14B cost seconds), with or without LoRAs; not where it does not

@@ -146,7 +146,16 @@ fn every_offload_mode_equals_resident_bit_for_bit() {
     assert_close("resident", &resident, &expected, 1e-4, 1e-4);
     let resident = resident.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     // (flags, a line the log must show: the mode really ran)
-    let modes: [(&[&str], &str); 11] = [
+    let modes: [(&[&str], &str); 13] = [
+        // Of the tiny Wan's two blocks (32.5 KB each in f32) the first is kept, then both.
+        (
+            &["--dit-resident-memory", "40KiB"],
+            "prefetch depth 1 on a copy stream, up to 0.04 MiB of groups kept on the device",
+        ),
+        (
+            &["--dit-resident-memory", "1MiB"],
+            "up to 1.00 MiB of groups kept on the device",
+        ),
         (
             &[],
             "transformer: streamed in groups of 1 block(s), prefetch depth 1 on a copy stream",

@@ -545,9 +545,10 @@ pub fn fit(
 }
 
 /// The options that say where a DiT's weights wait and how they stream (config-file keys).
-const DIT_PLACEMENT: [&str; 9] = [
+const DIT_PLACEMENT: [&str; 10] = [
     "dit_cpu_offload",
     "dit_layerwise_offload",
+    "dit_resident_memory",
     "offload_type",
     "num_blocks_per_group",
     "offload_stream",
@@ -583,6 +584,39 @@ pub fn dit_on_device(
     apply_memory_rules(&mut resident.options, device);
     let plan = plan_for(&resident).ok()?;
     plan.fits_free(free - free / 10).then_some((resident, plan))
+}
+
+/// `request` with as many of its streamed DiT's blocks kept on the device
+/// ([`MemoryOptions::dit_resident_memory`]) as `free` bytes hold with a tenth of them to spare,
+/// with that set's plan, where `request` streams the DiT by default only (`given` names none of
+/// [`DIT_PLACEMENT`]) and fits as it is; else `None` (nothing fits, or no block would be kept).
+/// Each kept block is copied once per stage instead of every step: where the whole DiT does not
+/// fit, the copies left hide behind more compute (FLUX.1's forward copies for five times as long
+/// as it computes, HunyuanVideo's dual-stream blocks for 1.3 times; bench/RESULTS.md sessions
+/// 25 and 46).
+pub fn dit_kept_on_device(
+    request: &Request,
+    plan_for: PlanFor,
+    free: u64,
+    given: &dyn Fn(&str) -> bool,
+) -> Option<(Request, MemoryPlan)> {
+    if !request.options.dit_layerwise_offload || DIT_PLACEMENT.iter().any(|k| given(k)) {
+        return None;
+    }
+    let room = free - free / 10;
+    let streamed = plan_for(request).ok()?;
+    let spare = room.checked_sub(streamed.required_free_bytes())?;
+    // Kept bytes count in every stage that holds the DiT, once per DiT: where two stream (two
+    // experts) the spare is halved, down to a 256th of it.
+    (0..9)
+        .map(|halvings| spare >> halvings)
+        .find_map(|budget| {
+            let mut kept = request.clone();
+            kept.options.dit_resident_memory = budget;
+            let plan = plan_for(&kept).ok()?;
+            plan.fits_free(room).then_some((kept, plan))
+        })
+        .filter(|(_, plan)| *plan != streamed)
 }
 
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's

@@ -123,8 +123,8 @@ impl std::fmt::Display for Residency {
                 0 => Ok(()),
                 kept => write!(
                     f,
-                    ", up to {:.2} GiB of groups kept on the device",
-                    kept as f64 / (1u64 << 30) as f64
+                    ", up to {:.2} MiB of groups kept on the device",
+                    kept as f64 / (1u64 << 20) as f64
                 ),
             }),
         }

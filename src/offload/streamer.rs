@@ -214,7 +214,8 @@ impl<B> Offloaded<B> {
             let tensors = kept[index].clone()?;
             Some(self.build_group(index, tensors))
         };
-        if !self.options.stream {
+        // Without a copy stream, or with every group kept, nothing is copied ahead.
+        if !self.options.stream || self.moved.is_empty() {
             for index in 0..n {
                 match kept_group(index) {
                     Some(group) => f(&group?)?,
@@ -519,7 +520,7 @@ pub(super) mod tests {
     /// stage's first pass and stay: later passes copy only the three moved groups (and, on a
     /// copy stream, the next pass's first), into slots sized by those, and visit every group in
     /// order with its own tensors; `release` gives the kept ones back, so the next stage copies
-    /// them again.
+    /// them again. With every group kept, a pass after the first copies nothing.
     #[test]
     fn kept_groups_are_copied_once_per_stage() -> Result<()> {
         let all: Vec<usize> = (0..GROUPS).collect();
@@ -557,6 +558,20 @@ pub(super) mod tests {
                 assert!(part.kept.lock().unwrap().iter().all(Option::is_none));
             }
         }
+        // Every group kept: the first pass copies each once, the next ones nothing, and no
+        // slot is made.
+        let options = StreamOptions {
+            kept_bytes: u64::MAX,
+            ..ahead(1)
+        };
+        let part = part_on("kept-all", options, &lens, &Device::Cpu)?;
+        assert_eq!(part.is_kept, [true; GROUPS]);
+        for pass in 0..3 {
+            let before = copies(&part);
+            assert_eq!(visit_all(&part)?, all, "every group kept, pass {pass}");
+            assert_eq!(copies(&part) - before, if pass == 0 { GROUPS } else { 0 });
+        }
+        assert!(slots(&part).is_none());
         Ok(())
     }
 
@@ -893,7 +908,7 @@ pub(super) mod tests {
 mod cuda_tests {
     use super::super::staging::build_resident;
     use super::tests::{
-        lands_as_read, packed_weight_sets, part_on, stream_blocks, visit_all, UNEVEN,
+        ahead, lands_as_read, packed_weight_sets, part_on, stream_blocks, visit_all, UNEVEN,
     };
     use super::*;
     use candle_core::Tensor;

@@ -215,15 +215,26 @@ fn for_family(
 /// The configuration with its DiT held on the device, where only the defaults offload it and
 /// the memory plan predicts it fits the device memory free when the run starts with room to
 /// spare (see [`memory_plan::dit_on_device`]: a streamed DiT copies its weights every forward,
-/// and LoRAs' merged copies in page-locked host memory cost seconds), the change recorded as
-/// overrides with why; else as asked.
+/// and LoRAs' merged copies in page-locked host memory cost seconds); where it does not, with
+/// as many of its streamed blocks kept there as fit (see [`memory_plan::dit_kept_on_device`]);
+/// the change recorded as overrides with why; else as asked.
 fn dit_on_device_where_free(family: &dyn Family, config: ResolvedConfig) -> ResolvedConfig {
     let Some(free) = config.device().free_memory else {
         return config;
     };
     let planner = Planner::new(family, &config);
     let Some((resident, plan)) = planner.dit_on_device(free) else {
-        return config;
+        let Some((kept, plan)) = planner.dit_kept_on_device(free) else {
+            return config;
+        };
+        drop(planner);
+        let reason = format!(
+            "the memory plan predicts a peak of {} with up to {:.2} GiB of the streamed DiT's blocks kept on the device ({:.2} GiB free; the whole DiT does not fit): those are copied once per stage, the rest every step",
+            plan.describe_peak(),
+            gib(kept.options.dit_resident_memory),
+            gib(free)
+        );
+        return config.with_memory_options(kept.options, &reason);
     };
     drop(planner);
     let merged = if config.generation().loras.iter().any(|l| !l.is_empty()) {

@@ -346,6 +346,14 @@ impl<'a> Planner<'a> {
         )
     }
 
+    /// The run's options with as many of its streamed DiT's blocks kept on the device as `free`
+    /// bytes hold with room to spare, where its defaults stream the DiT (see
+    /// [`memory_plan::dit_kept_on_device`]).
+    pub fn dit_kept_on_device(&self, free: u64) -> Option<(Request, MemoryPlan)> {
+        let given = |option: &str| self.config.given(option);
+        memory_plan::dit_kept_on_device(&self.request(), &|r| self.plan(r), free, &given)
+    }
+
     /// The first option set that needs less device memory than the run's, keeping every
     /// memory option the user set and the frames (see [`memory_plan::candidates`]).
     pub fn leaner(&self) -> Option<memory_plan::Candidate> {
