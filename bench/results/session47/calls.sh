@@ -12,16 +12,7 @@ for d in .device46 .device48; do
   [ -f $d/offload_bench.xz ] && xz -dc $d/offload_bench.xz > /tmp/offload_bench_${d#.device} && chmod +x /tmp/offload_bench_${d#.device}
 done
 [ -f .device48/vidgen-lib-tests.xz ] && xz -dc .device48/vidgen-lib-tests.xz > /tmp/lib_tests && chmod +x /tmp/lib_tests
-summary() { python3 - "$1" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "s_per_forward" in r:
-        print(f"{r['label']:>10} {r['s_per_forward']:.4f} s  peak {r['peak_alloc_gib']:.3f} GiB  model {r['model_memory_gib']:.3f}  reserved {r['peak_reserved_gib']:.3f}  copy busy {r['copy_busy_s']:.3f} s at {r['copy_gb_s']:.1f} GB/s  times {[round(t, 4) for t in r['times']]}")
-    else:
-        print(f"{r['label']:>10} max diff vs the first mode {r['max_abs_diff_vs_first_mode']}")
-PY
-}
+summary() { python3 bench/offload_summary.py "$1"; }
 export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
 NONE="none: --dit-layerwise-offload=false --dit-cpu-offload=false"
 case $1 in
