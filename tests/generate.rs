@@ -389,6 +389,15 @@ fn stats_count_the_blocks_the_engine_moved() {
         encoder_layers + 1,
         "{streamed}"
     );
+    // One of the two blocks kept: copied once, the other every pass (alone in its slot run,
+    // nothing is prefetched against it); both kept: each copied once.
+    for (budget, kept, copied) in [("40KiB", 1, 1 + passes), ("1MiB", 2, 2)] {
+        let flags = ["--dit-layerwise-offload", "--dit-resident-memory", budget];
+        let m = stats(&format!("kept-{budget}"), &flags);
+        assert_eq!(m["offload"]["kept_groups"], kept, "{m}");
+        assert!(m["offload"]["kept_bytes"].as_u64() > Some(0), "{m}");
+        assert_eq!(m["offload"]["groups_copied"], copied, "{m}");
+    }
     let resident = stats(
         "resident",
         &["--no-dit-layerwise-offload", "--no-dit-cpu-offload"],

@@ -150,11 +150,11 @@ fn every_offload_mode_equals_resident_bit_for_bit() {
         // Of the tiny Wan's two blocks (32.5 KB each in f32) the first is kept, then both.
         (
             &["--dit-resident-memory", "40KiB"],
-            "prefetch depth 1 on a copy stream, up to 0.04 MiB of groups kept on the device",
+            "prefetch depth 1 on a copy stream, up to 0.04 MiB of groups kept on the device; kept on the device: 1 group(s)",
         ),
         (
             &["--dit-resident-memory", "1MiB"],
-            "up to 1.00 MiB of groups kept on the device",
+            "up to 1.00 MiB of groups kept on the device; kept on the device: 2 group(s)",
         ),
         (
             &[],

@@ -35,6 +35,9 @@ pub struct Usage {
     /// largest group in fresh memory, and the expanded copy of a group's packed tensors
     /// ([`streamed_bytes`], the rule the memory plan counts by).
     pub device_bytes: usize,
+    /// The groups kept on the device through a stage ([`kept_groups`]), and their bytes.
+    pub kept_groups: usize,
+    pub kept_bytes: u64,
 }
 
 /// How groups move.
@@ -157,6 +160,11 @@ impl<B> Offloaded<B> {
             host_bytes: self.store.arena_bytes(),
             setup: self.store.setup(),
             device_bytes: streamed_bytes(&self.layouts(), self.options) as usize,
+            kept_groups: self.is_kept.iter().filter(|&&k| k).count(),
+            kept_bytes: (0..self.store.len())
+                .filter(|&i| self.is_kept[i])
+                .map(|i| crate::offload::residency::landed_bytes(&self.store.group(i).layout))
+                .sum(),
         }
     }
 

@@ -291,8 +291,15 @@ impl Frame {
                 }
             ),
             (_, Some(u)) => format!(
-                "{name}: {residency}; {:.2} GiB copied into host memory, {:.2} GiB pinned, in {:.2}s \
+                "{name}: {residency}{}; {:.2} GiB copied into host memory, {:.2} GiB pinned, in {:.2}s \
                  (filling {:.2} and locking {:.2} task-seconds)",
+                match u.kept_groups {
+                    0 => String::new(),
+                    n => format!(
+                        "; kept on the device: {n} group(s), {:.2} GiB",
+                        u.kept_bytes as f64 / GIB
+                    ),
+                },
                 u.host_bytes as f64 / GIB,
                 u.pinned_bytes as f64 / GIB,
                 u.setup.seconds,

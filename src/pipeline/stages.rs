@@ -121,6 +121,8 @@ pub(crate) fn report_offload(
             "pinned_bytes": pinned,
             "host_bytes": after.host_bytes,
             "device_bytes": after.device_bytes,
+            "kept_groups": after.kept_groups,
+            "kept_bytes": after.kept_bytes,
         }),
     );
 }
