@@ -87,10 +87,10 @@ pub struct GenerateOptions {
     /// Hold offloaded weights in page-locked host memory (fast, asynchronous copies).
     #[arg(long = "[no-]pin-cpu-memory", alias = "pin-cpu-memory", help_heading = "Offload (FastVideo)", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub pin_cpu_memory: bool,
-    /// Of a streamed DiT (--dit-layerwise-offload), keep up to SIZE of its blocks on the device
-    /// (e.g. 12GiB): spread through each pass and copied once per stage; the rest stream every
-    /// step. Unset: none when --dit-layerwise-offload or another DiT placement is given; with the
-    /// default placement, where the whole DiT does not fit, what the free memory allows.
+    /// Of a streamed DiT, keep up to SIZE of its blocks on the device (e.g. 12GiB): spread
+    /// through each pass and copied once per stage; the rest stream every step. Unset: none
+    /// where a DiT placement option is given; with the default placement, where the whole DiT
+    /// does not fit, what the free memory allows.
     #[arg(long, help_heading = "Offload (FastVideo)", value_name = "SIZE", value_parser = parse_size)]
     #[serde(default, deserialize_with = "size_or_bytes")]
     pub dit_resident_memory: Option<u64>,

@@ -16,14 +16,14 @@ summary() { python3 bench/offload_summary.py "$1"; }
 export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
 NONE="none: --dit-layerwise-offload=false --dit-cpu-offload=false"
 case $1 in
-  1) timeout 120 /tmp/lib_tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:" | tee $OUT/tests.txt
+  1) timeout 90 /tmp/lib_tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:" | tee $OUT/tests.txt
      echo "== HunyuanVideo 61x320x512"
-     timeout 200 /tmp/offload_bench_49 synthetic:hunyuanvideo 3 61x320x512 "$NONE" "stream: " \
+     timeout 170 /tmp/offload_bench_49 synthetic:hunyuanvideo 3 61x320x512 "$NONE" "stream: " \
        "kept2: --dit-resident-memory 2GiB" "kept4: --dit-resident-memory 4GiB" "kept8: --dit-resident-memory 8GiB" \
        > $OUT/hunyuan-kept.jsonl 2> $OUT/hunyuan-kept.log
      echo "exit $?"; summary $OUT/hunyuan-kept.jsonl
      echo "== FLUX.1-dev 768x768"
-     timeout 200 /tmp/offload_bench_49 synthetic:flux.1-dev 3 1x768x768 "$NONE" "stream: " \
+     timeout 170 /tmp/offload_bench_49 synthetic:flux.1-dev 3 1x768x768 "$NONE" "stream: " \
        "kept4: --dit-resident-memory 4GiB" "kept8: --dit-resident-memory 8GiB" "kept16: --dit-resident-memory 16GiB" \
        > $OUT/flux-kept.jsonl 2> $OUT/flux-kept.log
      echo "exit $?"; summary $OUT/flux-kept.jsonl;;

@@ -70,11 +70,8 @@ pub fn vae_decode_activations(
     };
     let d = dtype.size_in_bytes() as u64;
     let video = 3 * frames * h * w;
-    // The decoded tiles and their blend, or (untiled) the decoder's output.
-    let held = match tiled {
-        true => 3 * frames * held as u64,
-        false => video,
-    };
+    // The decoded tiles and their blend, at least the decoder's output (one tile, or untiled).
+    let held = (3 * frames * held as u64).max(video);
     let grid = [grid[0], tile_h / s, tile_w / s];
     let tokens: u64 = grid.iter().map(|&g| g as u64).product();
     let widths: Vec<u64> = cfg
