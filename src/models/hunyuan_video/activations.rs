@@ -33,7 +33,7 @@ pub fn text_encoder_activations(
 /// Copies of the joint sequence `[tokens, inner]` a block's attention holds at once: the
 /// streams, the modulated norm, q/k/v and the attention's output (the joined streams go once
 /// normed, q/k/v before the heads are merged; a dual-stream block's joined q/k/v replace its
-/// streams' one at a time).
+/// streams' one at a time). The fused path holds more ([`joint_block_activations`]).
 const ATTENTION_COPIES: u64 = 6;
 
 /// Copies of the joint sequence the single-stream MLP step holds beside its chunks: the streams,
@@ -43,10 +43,9 @@ const MLP_STEP_COPIES: u64 = 3;
 /// The single-stream modulation's chunks (shift, scale, gate), each `[inner]`.
 const SINGLE_MODULATIONS: u64 = 3;
 
-/// Device bytes of one transformer forward: the larger of a single-stream block's attention and
-/// its MLP step ([`single_mlp_activations`]; the dual-stream blocks' streams stay apart and hold
-/// less) with the products' workspace ([`joint_block_activations`]), plus the RoPE tables and
-/// the latents in f32.
+/// Device bytes of one transformer forward: the larger of a block's joint attention and the
+/// single-stream MLP step ([`single_mlp_activations`]) with the products' workspace
+/// ([`joint_block_activations`]), plus the RoPE tables and the latents in f32.
 pub fn transformer_activations(
     t: &HunyuanVideoTransformerConfig,
     latent: [usize; 5],
