@@ -10,12 +10,12 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use std::collections::{HashMap, VecDeque};
-
-/// A landed group's tensors by name, as its constructor asks for them.
-type NamedTensors = HashMap<String, candle_core::Tensor>;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
+
+/// A landed group's tensors by name, as its constructor asks for them.
+type NamedTensors = HashMap<String, candle_core::Tensor>;
 
 /// Builds group `i` (e.g. a run of transformer blocks) from a `VarBuilder` over its device copies.
 pub type BuildGroup<B> =
