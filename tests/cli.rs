@@ -501,6 +501,30 @@ fn bad_inputs_are_one_line_errors_with_exit_code_2() {
             ],
             vec!["--max-sequence-length", "4096"],
         ),
+        (
+            vec![
+                "generate",
+                "--dry-run",
+                "--dit-resident-memory",
+                "4GiB",
+                "--no-dit-layerwise-offload",
+            ],
+            vec!["--dit-resident-memory", "--no-dit-layerwise-offload"],
+        ),
+        (
+            vec![
+                "generate",
+                "--dry-run",
+                "--dit-resident-memory",
+                "4GiB",
+                "--model-cpu-offload",
+            ],
+            vec!["--dit-resident-memory", "--model-cpu-offload"],
+        ),
+        (
+            vec!["generate", "--dry-run", "--dit-resident-memory", "0"],
+            vec!["'0'", "positive size"],
+        ),
     ];
     for (args, needles) in cases {
         assert_usage_error(&args, &needles);

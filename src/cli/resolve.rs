@@ -368,6 +368,19 @@ fn validate(o: &GenerateOptions, dry_run: bool, rule: FrameRule) -> Result<(), U
             "--vae-tile-size {px} sizes the tiles of --vae-tiling, which is off; add --vae-tiling"
         )));
     }
+    if o.dit_resident_memory.is_some() {
+        let not_streamed = [
+            (!o.dit_layerwise_offload, "--no-dit-layerwise-offload"),
+            (o.model_cpu_offload, "--model-cpu-offload"),
+            (o.sequential_cpu_offload, "--sequential-cpu-offload"),
+            (o.use_fsdp_inference, "--use-fsdp-inference"),
+        ];
+        if let Some((_, flag)) = not_streamed.iter().find(|(given, _)| *given) {
+            return Err(UsageError::new(format!(
+                "--dit-resident-memory keeps blocks of a DiT streamed by --dit-layerwise-offload, which {flag} replaces; drop one of them"
+            )));
+        }
+    }
     if o.resume && o.overwrite {
         return Err(UsageError::new(
             "--resume skips existing outputs and --overwrite replaces them; pass only one",
