@@ -1090,50 +1090,68 @@ fn the_low_activation_estimate_holds_three_hidden_states_and_a_chunk() {
 }
 
 /// Where the whole DiT does not fit what is free, as many of its streamed blocks as fit with a
-/// tenth to spare stay on the device: whole blocks of the 14B, within the budget and more than
-/// all but two of its blocks' worth of it; none where the streamed run alone does not fit, and
-/// never over a DiT placement the user set.
+/// tenth to spare stay on the device: within the budget, filling the room but for two blocks (or
+/// keeping every block), also where the DiT's stages are not the run's peak and two experts
+/// stream (Wan2.2 A14B); none where the streamed run alone does not fit, and never over a DiT
+/// placement the user set.
 #[test]
 fn blocks_stay_on_the_device_where_the_whole_dit_does_not_fit() {
-    let configs = shipped("wan2.1-t2v-14b");
     let args = ["--memory-model", "discrete", "--dtype", "bf16"];
     let with = |extra: &[&str]| resolve(&[&args[..], extra].concat());
-    let config = with(&[]);
-    let planner = Planner::new(&configs, &config);
-    let streamed = planner.plan(&planner.request()).unwrap();
-    let (_, whole) = planner.dit_on_device(100 << 30).unwrap();
-    let (low, high) = (streamed.required_free_bytes(), whole.required_free_bytes());
-    let free = (low + high) / 2;
-    assert!(planner.dit_on_device(free).is_none());
-    let (kept, plan) = planner.dit_kept_on_device(free).unwrap();
-    let budget = kept.options.dit_resident_memory;
-    assert!(kept.options.dit_layerwise_offload && budget > 0);
-    assert!(plan.fits_free(free - free / 10));
-    let denoise_weights = |p: &MemoryPlan| p.stage("denoise").unwrap().weight_bytes;
-    let gained = denoise_weights(&plan) - denoise_weights(&streamed);
     // A 14B block holds under 0.85 GiB in bf16.
     let block = 27u64 << 30 >> 5;
-    assert!(
-        gained <= budget && gained + 2 * block > budget,
-        "{} of {}",
-        gib(gained),
-        gib(budget)
-    );
-    // The streamed run alone needs all that is free, with a tenth spare.
-    assert!(planner
-        .dit_kept_on_device(low + low / 9 - (1 << 20))
-        .is_none());
-    for placement in [
-        &["--dit-layerwise-offload"][..],
-        &["--dit-resident-memory", "4GiB"],
-    ] {
-        let asked = with(placement);
+    for name in ["wan2.1-t2v-14b", "wan2.2-t2v-a14b"] {
+        let configs = shipped(name);
+        let config = with(&[]);
+        let planner = Planner::new(&configs, &config);
+        let streamed = planner.plan(&planner.request()).unwrap();
+        let (_, whole) = planner.dit_on_device(400 << 30).unwrap();
+        let (low, high) = (streamed.required_free_bytes(), whole.required_free_bytes());
+        let free = (low + high) / 2;
+        let room = free - free / 10;
+        assert!(planner.dit_on_device(free).is_none(), "{name}");
+        let (kept, plan) = planner.dit_kept_on_device(free).unwrap();
+        let budget = kept.options.dit_resident_memory;
+        assert!(kept.options.dit_layerwise_offload && budget > 0, "{name}");
+        assert!(plan.fits_free(room), "{name}");
+        // The room is filled but for two blocks, or every block is kept (the A14B: each expert
+        // whole in its own stage, where both at once do not fit).
+        let mut more = kept.clone();
+        more.options.dit_resident_memory = budget + 2 * block;
         assert!(
-            Planner::new(&configs, &asked)
-                .dit_kept_on_device(free)
-                .is_none(),
-            "{placement:?}"
+            plan.required_free_bytes() + 2 * block > room || planner.plan(&more).unwrap() == plan,
+            "{name}"
         );
+        let denoise_weights = |p: &MemoryPlan| {
+            (p.stages.iter())
+                .filter(|s| s.name.starts_with("denoise"))
+                .map(|s| s.weight_bytes)
+                .max()
+                .unwrap()
+        };
+        let gained = denoise_weights(&plan) - denoise_weights(&streamed);
+        assert!(
+            gained > 0 && gained <= budget,
+            "{name}: {} of {}",
+            gib(gained),
+            gib(budget)
+        );
+        // The streamed run alone needs all that is free, with a tenth spare.
+        assert!(planner
+            .dit_kept_on_device(low + low / 9 - (1 << 20))
+            .is_none());
+        for placement in [
+            &["--dit-layerwise-offload"][..],
+            &["--dit-resident-memory", "4GiB"],
+        ] {
+            let asked = with(placement);
+            assert!(
+                Planner::new(&configs, &asked)
+                    .dit_kept_on_device(free)
+                    .is_none(),
+                "{name} {placement:?}"
+            );
+        }
     }
 }
 

@@ -587,7 +587,8 @@ pub fn dit_on_device(
 }
 
 /// `request` with as many of its streamed DiT's blocks kept on the device
-/// ([`MemoryOptions::dit_resident_memory`]) as `free` bytes hold with a tenth of them to spare,
+/// ([`MemoryOptions::dit_resident_memory`]) as `free` bytes hold with a tenth of them to spare
+/// (the largest budget whose plan fits),
 /// with that set's plan, where `request` streams the DiT by default only (`given` names none of
 /// [`DIT_PLACEMENT`]) and fits as it is; else `None` (nothing fits, or no block would be kept).
 /// Each kept block is copied once per stage instead of every step: where the whole DiT does not
@@ -605,18 +606,25 @@ pub fn dit_kept_on_device(
     }
     let room = free - free / 10;
     let streamed = plan_for(request).ok()?;
-    let spare = room.checked_sub(streamed.required_free_bytes())?;
-    // Kept bytes count in every stage that holds the DiT, once per DiT: where two stream (two
-    // experts) the spare is halved, down to a 256th of it.
-    (0..9)
-        .map(|halvings| spare >> halvings)
-        .find_map(|budget| {
-            let mut kept = request.clone();
-            kept.options.dit_resident_memory = budget;
-            let plan = plan_for(&kept).ok()?;
-            plan.fits_free(room).then_some((kept, plan))
-        })
-        .filter(|(_, plan)| *plan != streamed)
+    streamed.fits_free(room).then_some(())?;
+    let keeping = |budget: u64| {
+        let mut kept = request.clone();
+        kept.options.dit_resident_memory = budget;
+        let plan = plan_for(&kept).ok()?;
+        plan.fits_free(room).then_some((kept, plan))
+    };
+    // The largest budget that fits, to a MiB: kept bytes count only in the stages that hold
+    // the DiT, which need not be the run's peak, and in each of two experts' own stages.
+    let (mut fits, mut fails) = (0u64, room.saturating_add(1));
+    let mut found = None;
+    while fails - fits > 1 << 20 {
+        let budget = fits + (fails - fits) / 2;
+        match keeping(budget) {
+            Some(kept) => (fits, found) = (budget, Some(kept)),
+            None => fails = budget,
+        }
+    }
+    found.filter(|(_, plan)| *plan != streamed)
 }
 
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's
