@@ -5,6 +5,9 @@
 #   2 (carry .device46/offload_bench.xz, .device49/offload_bench.xz): session 46's call 5, HunyuanVideo's single-stream
 #      blocks without the joined copy (0d9cb53, in the f231d0a build) against 9651096: resident, default stream and leaf
 #      level at 61x320x512, resident at 720x1280x129.
+#   3 (carry .device50/vidgen.xz, the binary at 873ef13): whole FLUX.1-dev images at 768x768 (4 steps) through the
+#      command line, the DiT resident, streamed, and streamed with 16 GiB kept: the stats' kept groups and copies,
+#      each stage's device peak against the dry run's plan, and the images against the resident one.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -38,4 +41,38 @@ case $1 in
        timeout 75 /tmp/offload_bench_$b synthetic:hunyuanvideo 1 129x720x1280 "$NONE" > $OUT/big-$b.jsonl 2> $OUT/big-$b.log
        echo "exit $?"; summary $OUT/big-$b.jsonl; tail -2 $OUT/big-$b.log
      done;;
+  3) xz -dc .device50/vidgen.xz > /tmp/vidgen && chmod +x /tmp/vidgen
+     for mode in "resident:--no-dit-layerwise-offload --no-dit-cpu-offload" "stream:--dit-layerwise-offload" \
+                 "kept16:--dit-layerwise-offload --dit-resident-memory 16GiB"; do
+       label=${mode%%:*}; flags=${mode#*:}
+       common="--model synthetic:flux.1-dev --prompt a-fox --height 768 --width 768 --num-inference-steps 4 --seed 1"
+       /tmp/vidgen generate $common $flags --dry-run --json > $OUT/$label-plan.json 2> $OUT/$label-plan.log
+       timeout 150 /tmp/vidgen generate $common $flags --output-type safetensors --output-path $OUT/$label \
+         --stats-json $OUT/$label-stats.json > $OUT/$label.log 2>&1
+       echo "== $label exit $?"; grep -E "transformer:|kept|forwards" $OUT/$label.log | head -4
+       python3 - $OUT/$label-stats.json $OUT/$label-plan.json <<'PY'
+import json, sys
+stats, plan = (json.load(open(p)) for p in sys.argv[1:3])
+job = stats["jobs"][0]
+planned = {s["name"]: s["memory"]["peak_bytes"] for s in plan["stages"]}
+for name, m in job["metrics"]["stages"].items():
+    print(f"  {name}: used {m['device_used_peak'] / 2**30:.3f} GiB, planned {planned.get(name, 0) / 2**30:.3f}")
+off = job["metrics"].get("offload")
+if off:
+    print(f"  offload: kept {off['kept_groups']} groups, {off['kept_bytes'] / 2**30:.2f} GiB; {off['groups_copied']} groups, {off['bytes_copied'] / 1e9:.1f} GB copied")
+print(f"  stages {[(s['name'], round(s['seconds'], 3)) for s in job['stages']]}; forwards {[round(t, 4) for t in job['metrics']['forward_seconds']]}")
+PY
+     done
+     python3 - $OUT <<'PY'
+import sys
+from safetensors.numpy import load_file
+import glob
+out = sys.argv[1]
+def frames(label):
+    return load_file(glob.glob(f"{out}/{label}/*.safetensors")[0])["frames"]
+ref = frames("resident")
+for label in ("stream", "kept16"):
+    print(label, "max abs diff vs resident", float(abs(frames(label) - ref).max()))
+PY
+     ;;
 esac
