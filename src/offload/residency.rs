@@ -261,10 +261,10 @@ pub fn streamed_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
 
 /// Which of `groups` stay on the device through a stage within `budget` bytes (each counted by
 /// [`landed_bytes`]): spread through the pass by bytes, each group kept where that leaves the
-/// kept bytes so far nearer the budget's share of the bytes so far. Each stretch of the pass then moves the
-/// same share of its bytes, and each moved group's copy hides behind the compute of the kept
-/// groups around it, where kept groups in one run would leave the copies of the rest to
-/// outlast their compute as before.
+/// kept bytes so far nearer the budget's share of the bytes so far. Each stretch of the pass
+/// then moves the same share of its bytes, and each moved group's copy hides behind the compute
+/// of the kept groups around it, where kept groups in one run would leave the copies of the
+/// rest to outlast their compute as before.
 pub fn kept_groups(groups: &[GroupLayout], budget: u64) -> Vec<bool> {
     let total: u128 = groups.iter().map(|g| landed_bytes(g) as u128).sum();
     let (mut seen, mut kept) = (0u128, 0u128);

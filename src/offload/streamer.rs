@@ -129,9 +129,8 @@ impl<B> Offloaded<B> {
         for (at, &index) in moved.iter().enumerate() {
             position[index] = at;
         }
-        let moved_layouts: Vec<GroupLayout> = moved.iter().map(|&i| layouts[i].clone()).collect();
         Offloaded {
-            runs: SlotRuns::of(&moved_layouts),
+            runs: SlotRuns::of(&picked(&layouts, &moved)),
             kept: Mutex::new((0..layouts.len()).map(|_| None).collect()),
             is_kept,
             moved,
@@ -240,9 +239,7 @@ impl<B> Offloaded<B> {
                 Some(slots) => slots.clone(),
                 None => {
                     let count = slot_count(runs.len(), self.options);
-                    let moved: Vec<GroupLayout> = (self.moved.iter())
-                        .map(|&i| self.store.group(i).layout.clone())
-                        .collect();
+                    let moved = picked(&self.layouts(), &self.moved);
                     let made = Arc::new(self.transfer.slots(&moved, count)?);
                     *kept = Some(made.clone());
                     made
@@ -350,6 +347,11 @@ impl<B> Offloaded<B> {
             .for_each(|tensors| *tensors = None);
         Ok(())
     }
+}
+
+/// The layouts of the groups at `indices`, in their order.
+fn picked(layouts: &[GroupLayout], indices: &[usize]) -> Vec<GroupLayout> {
+    indices.iter().map(|&i| layouts[i].clone()).collect()
 }
 
 /// How a part of `total` bytes whose largest group has `largest` bytes is held on the host, and

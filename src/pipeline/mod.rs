@@ -223,31 +223,31 @@ fn dit_on_device_where_free(family: &dyn Family, config: ResolvedConfig) -> Reso
         return config;
     };
     let planner = Planner::new(family, &config);
-    let Some((resident, plan)) = planner.dit_on_device(free) else {
-        let Some((kept, plan)) = planner.dit_kept_on_device(free) else {
-            return config;
+    let (options, reason) = if let Some((resident, plan)) = planner.dit_on_device(free) {
+        let merged = if config.generation().loras.iter().any(|l| !l.is_empty()) {
+            "; the LoRAs are merged as it lands, not into copies in page-locked host memory"
+        } else {
+            ""
         };
-        drop(planner);
+        let reason = format!(
+            "the memory plan predicts a peak of {} with the DiT on the device ({:.2} GiB free): held there, not streamed from host memory every step{merged}",
+            plan.describe_peak(),
+            gib(free)
+        );
+        (resident.options, reason)
+    } else if let Some((kept, plan)) = planner.dit_kept_on_device(free) {
         let reason = format!(
             "the memory plan predicts a peak of {} with up to {:.2} GiB of the streamed DiT's blocks kept on the device ({:.2} GiB free; the whole DiT does not fit): those are copied once per stage, the rest every step",
             plan.describe_peak(),
             gib(kept.options.dit_resident_memory),
             gib(free)
         );
-        return config.with_memory_options(kept.options, &reason);
+        (kept.options, reason)
+    } else {
+        return config;
     };
     drop(planner);
-    let merged = if config.generation().loras.iter().any(|l| !l.is_empty()) {
-        "; the LoRAs are merged as it lands, not into copies in page-locked host memory"
-    } else {
-        ""
-    };
-    let reason = format!(
-        "the memory plan predicts a peak of {} with the DiT on the device ({:.2} GiB free): held there, not streamed from host memory every step{merged}",
-        plan.describe_peak(),
-        gib(free)
-    );
-    config.with_memory_options(resident.options, &reason)
+    config.with_memory_options(options, &reason)
 }
 
 /// The configuration fitted to the device memory free when the run starts (where the probe knows
