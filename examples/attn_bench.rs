@@ -5,7 +5,8 @@
 //! (`plans`: only cuDNN's execution plans for the self-attention shapes, timed one by one;
 //! `hopper`: only cuDNN, the Hopper kernel and the portable kernel at the self- and
 //! cross-attention shapes and key counts between, in interleaved rounds; `head-dims`: the same
-//! at the other families' head dims; `sage`: the 8-bit attention against the exact kernels)
+//! at the other families' head dims; `sage [CASE]`: the 8-bit attention against the exact
+//! kernels, only the cases whose names start with CASE where one is given)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -85,7 +86,7 @@ fn main() -> Result<()> {
         Some("plans") => return cudnn_plans(&dev),
         Some("hopper") => return hopper(&dev, &WAN_CASES),
         Some("head-dims") => return hopper(&dev, &HEAD_DIM_CASES),
-        Some("sage") => return sage(&dev),
+        Some("sage") => return sage(&dev, std::env::args().nth(2).as_deref()),
         _ => {}
     }
     let Device::Cuda(cuda) = &dev else {
@@ -265,7 +266,7 @@ fn hopper(dev: &Device, cases: &[(&str, usize, usize, usize, usize, usize)]) -> 
 /// shared-memory limit) against `sdpa`'s exact path (the Hopper kernel or cuDNN) and the portable
 /// bf16 kernel, at Wan's self- and cross-attention shapes, in interleaved rounds; each output's
 /// relative L2 error and cosine similarity against the f32 attention.
-fn sage(dev: &Device) -> Result<()> {
+fn sage(dev: &Device, only: Option<&str>) -> Result<()> {
     const ROUNDS: usize = 3;
     const REPS: usize = 10;
     let b = 1;
@@ -274,7 +275,10 @@ fn sage(dev: &Device) -> Result<()> {
         ("14B self", 40, 32760, 32760, 128),
         ("14B cross", 40, 32760, 512, 128),
         ("d64 self", 24, 32760, 32760, 64),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(name, ..)| only.is_none_or(|only| name.starts_with(only)))
+    {
         let rand = |len: usize| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1f32, (b, len, h, d), dev)?
                 .to_dtype(DType::BF16)?

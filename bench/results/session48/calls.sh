@@ -1,0 +1,62 @@
+# Session 48's calls.
+#   1 (carry .device50/vidgen.xz, the binary at 873ef13; behaviour as at 6ced4c2): session 47's call 3 (whole FLUX.1-dev
+#      images at 768x768, 4 steps, through the command line: resident, streamed, 16 GiB kept), then the same image with
+#      default flags while another process (PyTorch) holds all but 18 GiB of the device: the automatic kept budget
+#      under memory pressure, its plan (dry run under the same pressure) against each stage's measured peak, and the
+#      image against the resident one.
+#   2 (carry .device51: attn_bench and vae_decode at 6ced4c2) HunyuanVideo's decode peaks at five sizes (its
+#      plan is 13% over at 33x320x512, within 5% at 720p), and Nsight Compute on the exact and the 8-bit Hopper
+#      attention kernels at the 1.3B self-attention shape (issue 36: 8-bit at 1.11-1.13x against 1.6x).
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p $OUT
+case $1 in
+  1) OUT=$OUT bash bench/results/session47/calls.sh 3
+     python3 - > $OUT/holder.log 2>&1 <<'PY' &
+import time, torch
+free, total = torch.cuda.mem_get_info()
+held = torch.empty(free - 18 * 2**30, dtype=torch.uint8, device="cuda")
+print(f"held {held.numel() / 2**30:.2f} GiB of {total / 2**30:.2f}", flush=True)
+open("/tmp/holding", "w").close()
+time.sleep(400)
+PY
+     holder=$!
+     for i in $(seq 60); do [ -f /tmp/holding ] && break; sleep 1; done
+     cat $OUT/holder.log; nvidia-smi --query-gpu=memory.used,memory.free --format=csv,noheader
+     common="--model synthetic:flux.1-dev --prompt a-fox --height 768 --width 768 --num-inference-steps 4 --seed 1"
+     /tmp/vidgen generate $common --dry-run > $OUT/pressure-plan.txt 2>&1
+     /tmp/vidgen generate $common --dry-run --json > $OUT/pressure-plan.json 2> /dev/null
+     cat $OUT/pressure-plan.txt
+     timeout 200 /tmp/vidgen generate $common --output-type safetensors --output-path $OUT/pressure \
+       --stats-json $OUT/pressure-stats.json > $OUT/pressure.log 2>&1
+     echo "== pressure exit $?"; grep -E "transformer:|kept|forwards" $OUT/pressure.log | head -4
+     python3 - $OUT <<'PY'
+import glob, json, sys
+from safetensors.numpy import load_file
+out = sys.argv[1]
+stats, plan = json.load(open(f"{out}/pressure-stats.json")), json.load(open(f"{out}/pressure-plan.json"))
+job = stats["jobs"][0]
+planned = {s["name"]: s["memory"]["peak_bytes"] for s in plan["stages"]}
+for name, m in job["metrics"]["stages"].items():
+    print(f"  {name}: used {m['device_used_peak'] / 2**30:.3f} GiB, planned {planned.get(name, 0) / 2**30:.3f}")
+off = job["metrics"].get("offload")
+if off:
+    print(f"  offload: kept {off['kept_groups']} groups, {off['kept_bytes'] / 2**30:.2f} GiB; {off['groups_copied']} groups, {off['bytes_copied'] / 1e9:.1f} GB copied")
+print(f"  stages {[(s['name'], round(s['seconds'], 3)) for s in job['stages']]}; forwards {[round(t, 4) for t in job['metrics']['forward_seconds']]}")
+frames = lambda label: load_file(glob.glob(f"{out}/{label}/*.safetensors")[0])["frames"]
+print("pressure max abs diff vs resident", float(abs(frames("pressure") - frames("resident")).max()))
+PY
+     kill $holder; wait;;
+  2) for e in attn_bench vae_decode; do xz -dc .device51/$e.xz > /tmp/$e && chmod +x /tmp/$e; done
+     echo "== HunyuanVideo decode peaks (bf16)"
+     for s in 1,16,5,40,64 1,16,9,40,64 1,16,17,40,64 1,16,9,60,106 1,16,33,90,160; do
+       timeout 100 /tmp/vae_decode --family hunyuanvideo $s 2>> $OUT/hunyuan-decode.err | tee -a $OUT/hunyuan-decode.jsonl
+     done
+     echo "== Nsight Compute: exact and 8-bit Hopper attention, 1.3B self"
+     timeout 240 ncu --set full --import-source no -k regex:sm90 --launch-count 2 -o $OUT/attn /tmp/attn_bench sage 1.3B \
+       > $OUT/ncu-attn.log 2>&1
+     echo "ncu exit $?"; tail -3 $OUT/ncu-attn.log
+     ncu --import $OUT/attn.ncu-rep --page details > $OUT/attn-details.txt 2>&1
+     ncu --import $OUT/attn.ncu-rep --page source --csv --print-source sass > $OUT/attn-source.csv 2> $OUT/attn-source.err
+     grep -E "Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Th" $OUT/attn-details.txt
+     ls -la $OUT/attn*;;
+esac
