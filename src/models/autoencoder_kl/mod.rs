@@ -138,8 +138,13 @@ impl AutoencoderKLConfig {
         let last = boc.first().copied().unwrap_or(128) as u64;
         let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
         // One run of a convolution from `cin` to `cout` channels: its gathered input and output.
+        // A run is whole images, at least one, however large (FLUX.1's one 768x768 image at 256
+        // channels is 2.25 runs' worth of elements: 1.250 GiB used against 1.059 planned while
+        // the run was capped, an H100, bench/RESULTS.md session 48).
         let run = |cin: u64, cout: u64| {
-            let input = (pixels * cin).min(crate::models::conv3d::IMAGE_RUN_ELEMENTS as u64);
+            let cap =
+                (crate::models::conv3d::IMAGE_RUN_ELEMENTS as u64).max((th * tw) as u64 * cin);
+            let input = (pixels * cin).min(cap);
             (input + input * cout / cin.max(1)) * bytes
         };
         let first = pixels * (2 * upsampled + last) * bytes + run(upsampled, last);

@@ -104,9 +104,12 @@ pub fn modulations_activations(t: &HunyuanVideoTransformerConfig, dtype: DType) 
 /// temporal tile (5 latent frames, 17 video frames) at full size (256x256 with `tiling`). Its
 /// peak is at full resolution: the last upsampler's output and the first conv's input of the
 /// last up block at the upsampled channels, that block's output at its own, plus one run of
-/// frames' f32 temporaries (a layer works in runs, `vae::RUN_ELEMENTS`, at least
-/// `vae::MIN_RUNS` of them); then the whole video in f32 twice (the tiles, and the blended
-/// whole).
+/// frames' f32 temporaries (two, a layer working in runs of whole frames, `vae::RUN_ELEMENTS`
+/// and at least `vae::MIN_RUNS` of them), beside the whole video in f32 that the decoded tiles
+/// fill; or, once the maps are gone, the video twice (the tiles and the blended whole).
+/// Measured on an H100 in bf16 (bench/RESULTS.md session 48): 3.64, 3.65, 3.70 GiB at 17, 33
+/// and 65 frames of 320x512 (planned 3.66, 3.69, 3.75), 8.97 at 33x480x848 (9.18) and 21.01 at
+/// 129x720x1280 (21.76).
 pub fn vae_decode_activations(
     cfg: &HunyuanVideoVaeConfig,
     latent: [usize; 5],
@@ -127,9 +130,9 @@ pub fn vae_decode_activations(
     let pixels = h as u64 * w as u64;
     let (upsampled, last) = cfg.full_resolution_channels();
     let (upsampled, last) = (upsampled as u64, last as u64);
-    let widest = frames * pixels * upsampled.max(last);
-    let run = (vae::RUN_ELEMENTS as u64).min(widest / vae::MIN_RUNS as u64);
-    frames * pixels * (2 * upsampled + last) * d
-        + 3 * run * 4
-        + num_frames as u64 * height as u64 * width as u64 * 3 * 4 * 2
+    let frame = pixels * upsampled.max(last);
+    let run =
+        vae::frames_per_run(frames as usize, frame as usize, vae::RUN_ELEMENTS) as u64 * frame;
+    let video = num_frames as u64 * height as u64 * width as u64 * 3 * 4;
+    (frames * pixels * (2 * upsampled + last) * d + 2 * run * 4 + video).max(2 * video)
 }

@@ -297,7 +297,7 @@ pub const RUN_ELEMENTS: usize = 1 << 26;
 pub const MIN_RUNS: usize = 8;
 
 /// Frames per run of `frames` frames of `frame_elements` elements each.
-fn frames_per_run(frames: usize, frame_elements: usize, run_elements: usize) -> usize {
+pub(crate) fn frames_per_run(frames: usize, frame_elements: usize, run_elements: usize) -> usize {
     (run_elements / frame_elements.max(1)).clamp(1, frames.div_ceil(MIN_RUNS).max(1))
 }
 
