@@ -6,7 +6,15 @@
 #      image against the resident one.
 #   2 (carry .device51: attn_bench and vae_decode at 6ced4c2) HunyuanVideo's decode peaks at five sizes (its
 #      plan is 13% over at 33x320x512, within 5% at 720p), and Nsight Compute on the exact and the 8-bit Hopper
-#      attention kernels at the 1.3B self-attention shape (issue 36: 8-bit at 1.11-1.13x against 1.6x).
+#      attention kernels at the 1.3B self-attention shape (issue 36: 8-bit at 1.11-1.13x against 1.6x), and both
+#      kernels with keys and values loaded by two producer threads (split), and with deeper stages (deep).
+#   Run as: call 1 = `calls.sh 2` (its HunyuanVideo decode lines were lost: only 8 files come back from $OUT), call 2 =
+#   `calls.sh 1`. Calls 3 and 4 ran inline on the same builds:
+#   3 (H100, warm after call 2): `vae_decode --family hunyuanvideo` at the five latent shapes of `calls.sh 2`, to
+#      stdout; `attn_bench_split sage "1.3B"` and `"14B self"`; session 47's `calls.sh 3`.
+#   4 (H200; .device52/lib_tests.xz: the library's CUDA tests with the polynomial build): `lib_tests sage_attn::cuda_tests
+#      attention::cuda_tests`, then `attn_bench{,_ilp,_poly} sage "14B self"` and `"1.3B"`, interleaved, twice for 14B.
+#      (The first filter matched nothing: the 8-bit kernel's test is `models::sage_kernels::cuda_tests`.)
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
 case $1 in
@@ -51,12 +59,22 @@ PY
      for s in 1,16,5,40,64 1,16,9,40,64 1,16,17,40,64 1,16,9,60,106 1,16,33,90,160; do
        timeout 100 /tmp/vae_decode --family hunyuanvideo $s 2>> $OUT/hunyuan-decode.err | tee -a $OUT/hunyuan-decode.jsonl
      done
-     echo "== Nsight Compute: exact and 8-bit Hopper attention, 1.3B self"
-     timeout 240 ncu --set full --import-source no -k regex:sm90 --launch-count 2 -o $OUT/attn /tmp/attn_bench sage 1.3B \
-       > $OUT/ncu-attn.log 2>&1
-     echo "ncu exit $?"; tail -3 $OUT/ncu-attn.log
-     ncu --import $OUT/attn.ncu-rep --page details > $OUT/attn-details.txt 2>&1
-     ncu --import $OUT/attn.ncu-rep --page source --csv --print-source sass > $OUT/attn-source.csv 2> $OUT/attn-source.err
-     grep -E "Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Th" $OUT/attn-details.txt
+     for v in split deep; do xz -dc .device51/attn_bench_$v.xz > /tmp/attn_bench_$v && chmod +x /tmp/attn_bench_$v; done
+     echo "== Hopper attention kernels: base (6ced4c2), split (keys and values loaded by two producer threads), deep"
+     echo "   (split, and 4 stages of 8-bit tiles, 3 of bf16 tiles); interleaved, base twice"
+     for v in "" _split _deep "" _split _deep; do
+       for c in 1.3B "14B self"; do
+         echo "-- attn_bench$v $c"; timeout 60 /tmp/attn_bench$v sage "$c" 2>&1 | grep -E "exact|sage sm90" | tee -a $OUT/attn$v.txt
+       done
+     done
+     for v in "" _deep; do
+       echo "== Nsight Compute: attn_bench$v exact and 8-bit Hopper kernels, 1.3B self"
+       timeout 150 ncu --set full --import-source no -k regex:sm90 --launch-count 2 -o $OUT/attn$v /tmp/attn_bench$v sage 1.3B \
+         > $OUT/ncu-attn$v.log 2>&1
+       echo "ncu exit $?"; tail -2 $OUT/ncu-attn$v.log
+       ncu --import $OUT/attn$v.ncu-rep --page details > $OUT/attn$v-details.txt 2>&1
+       ncu --import $OUT/attn$v.ncu-rep --page source --csv --print-source sass > $OUT/attn$v-source.csv 2> $OUT/attn$v-source.err
+       grep -E "sm90|Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Th" $OUT/attn$v-details.txt
+     done
      ls -la $OUT/attn*;;
 esac

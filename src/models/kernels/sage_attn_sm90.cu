@@ -4,9 +4,11 @@
 //
 // One block takes 128 query rows of one (batch, head) at head_dim 128: a producer warpgroup loads
 // the query codes once and each 128-key tile of key codes and of transposed value codes with TMA
-// (one 128-byte swizzled box of 128 x 128 bytes each) into two stages; two consumer warpgroups of
-// 64 rows each compute S = Q K^T on wgmma m64n128k32 s8 (exact int32 sums), scale it by both tokens'
-// scales, run the online softmax in f32, and add P V on wgmma m64n128k32 e4m3 with P from registers
+// (one 128-byte swizzled box of 128 x 128 bytes each) into four stages, keys and values by threads
+// of two warps (two stages from one thread ran 3% slower on an H100, bench/RESULTS.md session 48);
+// two consumer warpgroups of 64 rows each compute S = Q K^T on wgmma m64n128k32 s8 (exact int32
+// sums), scale it by both tokens' scales, run the online softmax in f32, and add P V on wgmma
+// m64n128k32 e4m3 with P from registers
 // (times 448, in the value codes' permuted key order, see sage_attn.cu), each tile's product summed
 // apart and then added to the f32 accumulators. The P V of tile j-1 runs while tile j's softmax is
 // computed, and the two warpgroups take turns issuing their products.
@@ -29,7 +31,7 @@ namespace {
 constexpr int D = 128;                 // head_dim, bytes per code row
 constexpr int BM = 128;                // query rows per block
 constexpr int BN = 128;                // keys per tile
-constexpr int STAGES = 2;              // key and value tiles in flight
+constexpr int STAGES = 4;              // key and value tiles in flight
 constexpr int TILE = 128 * 128;        // one tile of codes: a 128 x 128-byte TMA box
 constexpr int CONSUMER_WARPS = 8;      // arrivals that free a stage
 // S (64 x 128, s32) (+)= A (64 x 32 int8, shared) * B (32 x 128 int8, shared, K-major).
@@ -73,16 +75,21 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    // Keys and values are loaded by threads of two warps, so a key tile never waits behind a
+    // value stage still in use (values are consumed a tile later than keys).
     if (threadIdx.x == 0) {
       mbar_expect_tx(bars.q(), TILE);
       tma_load(sq, &q_map, bars.q(), 0, q_tile * BM, bh, 0);
       for (int j = 0; j < tiles; ++j) {
         const int s = j % STAGES;
-        const uint32_t phase = (j / STAGES) & 1;
-        mbar_wait(bars.empty_k(s), phase ^ 1);
+        mbar_wait(bars.empty_k(s), ((j / STAGES) & 1) ^ 1);
         mbar_expect_tx(bars.full_k(s), TILE);
         tma_load(sk + s * TILE, &k_map, bars.full_k(s), 0, j * BN, bh, 0);
-        mbar_wait(bars.empty_v(s), phase ^ 1);
+      }
+    } else if (threadIdx.x == 32) {
+      for (int j = 0; j < tiles; ++j) {
+        const int s = j % STAGES;
+        mbar_wait(bars.empty_v(s), ((j / STAGES) & 1) ^ 1);
         mbar_expect_tx(bars.full_v(s), TILE);
         tma_load(sv + s * TILE, &v_map, bars.full_v(s), j * BN, 0, bh, 0);
       }
@@ -143,34 +150,54 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
       s[i] = __float_as_uint(__int_as_float(static_cast<int>(s[i]) + MAGIC_INT));
       if (partial && masked(i)) s[i] = __float_as_uint(-INFINITY);
     }
+    // Both rows at once, each reduced over four partial maxima and two partial sums (a chain of
+    // 16 or 32 dependent operations per row kept the two warps per scheduler waiting).
+    float m[2][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float pair =
+            fmaxf(__uint_as_float(s[4 * i + 2 * r]), __uint_as_float(s[4 * i + 2 * r + 1]));
+        m[r][i % 4] = i < 4 ? pair : fmaxf(m[r][i % 4], pair);
+      }
+    }
+    float mx[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(fmaxf(m[r][0], m[r][1]), fmaxf(m[r][2], m[r][3]));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+    float a[2], bias[2], sums[2][2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        mx = fmaxf(mx, fmaxf(__uint_as_float(s[4 * i + 2 * r]), __uint_as_float(s[4 * i + 2 * r + 1])));
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float a = q_scale[r] * ks;
-      const float m_new = fmaxf(row_max[r], (mx - MAGIC_FLOAT) * a);
+      a[r] = q_scale[r] * ks;
+      const float m_new = fmaxf(row_max[r], (mx[r] - MAGIC_FLOAT) * a[r]);
       correction[r] = exp2_approx(row_max[r] - m_new);
       row_max[r] = m_new;
-      const float bias = fmaf(MAGIC_FLOAT, a, m_new - LOG2_E4M3_MAX);
-      float sum = 0.f;
+      bias[r] = fmaf(MAGIC_FLOAT, a[r], m_new - LOG2_E4M3_MAX);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int q = 0; q < 2; ++q) sums[r][q] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int k = 4 * i + 2 * r + e;
-          float y = exp2_approx(fmaf(__uint_as_float(s[k]), a, -bias));
+          float y = exp2_approx(fmaf(__uint_as_float(s[k]), a[r], -bias[r]));
           // -inf times a zero scale is NaN: masked keys get 0 outright.
           if (partial && masked(k)) y = 0.f;
           s[k] = __float_as_uint(y);
-          sum += y;
+          sums[r][i % 2] += y;
         }
       }
-      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] = row_sum[r] * correction[r] + (sums[r][0] + sums[r][1]);
     }
   };
   auto softmax = [&](int j, float ks) {
