@@ -50,18 +50,7 @@ case $1 in
        timeout 150 /tmp/vidgen generate $common $flags --output-type safetensors --output-path $OUT/$label \
          --stats-json $OUT/$label-stats.json > $OUT/$label.log 2>&1
        echo "== $label exit $?"; grep -E "transformer:|kept|forwards" $OUT/$label.log | head -4
-       python3 - $OUT/$label-stats.json $OUT/$label-plan.json <<'PY'
-import json, sys
-stats, plan = (json.load(open(p)) for p in sys.argv[1:3])
-job = stats["jobs"][0]
-planned = {s["name"]: s["memory"]["peak_bytes"] for s in plan["stages"]}
-for name, m in job["metrics"]["stages"].items():
-    print(f"  {name}: used {m['device_used_peak'] / 2**30:.3f} GiB, planned {planned.get(name, 0) / 2**30:.3f}")
-off = job["metrics"].get("offload")
-if off:
-    print(f"  offload: kept {off['kept_groups']} groups, {off['kept_bytes'] / 2**30:.2f} GiB; {off['groups_copied']} groups, {off['bytes_copied'] / 1e9:.1f} GB copied")
-print(f"  stages {[(s['name'], round(s['seconds'], 3)) for s in job['stages']]}; forwards {[round(t, 4) for t in job['metrics']['forward_seconds']]}")
-PY
+       python3 bench/cli_stage_summary.py $OUT/$label-stats.json $OUT/$label-plan.json
      done
      python3 - $OUT <<'PY'
 import sys

@@ -37,20 +37,11 @@ PY
      timeout 200 /tmp/vidgen generate $common --output-type safetensors --output-path $OUT/pressure \
        --stats-json $OUT/pressure-stats.json > $OUT/pressure.log 2>&1
      echo "== pressure exit $?"; grep -E "transformer:|kept|forwards" $OUT/pressure.log | head -4
+     python3 bench/cli_stage_summary.py $OUT/pressure-stats.json $OUT/pressure-plan.json
      python3 - $OUT <<'PY'
-import glob, json, sys
+import glob, sys
 from safetensors.numpy import load_file
-out = sys.argv[1]
-stats, plan = json.load(open(f"{out}/pressure-stats.json")), json.load(open(f"{out}/pressure-plan.json"))
-job = stats["jobs"][0]
-planned = {s["name"]: s["memory"]["peak_bytes"] for s in plan["stages"]}
-for name, m in job["metrics"]["stages"].items():
-    print(f"  {name}: used {m['device_used_peak'] / 2**30:.3f} GiB, planned {planned.get(name, 0) / 2**30:.3f}")
-off = job["metrics"].get("offload")
-if off:
-    print(f"  offload: kept {off['kept_groups']} groups, {off['kept_bytes'] / 2**30:.2f} GiB; {off['groups_copied']} groups, {off['bytes_copied'] / 1e9:.1f} GB copied")
-print(f"  stages {[(s['name'], round(s['seconds'], 3)) for s in job['stages']]}; forwards {[round(t, 4) for t in job['metrics']['forward_seconds']]}")
-frames = lambda label: load_file(glob.glob(f"{out}/{label}/*.safetensors")[0])["frames"]
+frames = lambda label: load_file(glob.glob(f"{sys.argv[1]}/{label}/*.safetensors")[0])["frames"]
 print("pressure max abs diff vs resident", float(abs(frames("pressure") - frames("resident")).max()))
 PY
      kill $holder; wait;;
