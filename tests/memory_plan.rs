@@ -1197,3 +1197,61 @@ fn the_dit_is_held_on_the_device_where_it_fits() {
         }
     }
 }
+
+/// The decode plans against the decode peaks a GPU measured (an H100 in bf16, bench/RESULTS.md
+/// session 48): FLUX.1's whole decode stage at 768x768 (its VAE's weights and maps, the device
+/// pool's used peak through `--stats-json`), and HunyuanVideo's decode above its weights and
+/// latents (`examples/vae_decode`) at five sizes. Each plan is within a tenth of its measurement.
+#[test]
+fn decode_plans_are_within_a_tenth_of_the_measured_peaks() {
+    let hf_home = std::env::temp_dir().join(format!("vidgen-decode-hf-{}", std::process::id()));
+    let gib = |bytes: &Value| bytes.as_u64().unwrap() as f64 / (1u64 << 30) as f64;
+    let decode = |model: &str, (frames, height, width): (u32, u32, u32)| -> Value {
+        let (frames, height, width) = (frames.to_string(), height.to_string(), width.to_string());
+        let mut args = vec![
+            "--model",
+            model,
+            "--memory-model",
+            "discrete",
+            "--dtype",
+            "bf16",
+        ];
+        args.extend([
+            "--lazy-module-load",
+            "--height",
+            &height,
+            "--width",
+            &width,
+            "--json",
+        ]);
+        if frames != "1" {
+            args.extend(["--num-frames", &frames]);
+        }
+        let json: Value = serde_json::from_str(&dry_run(&args, &hf_home)).unwrap();
+        let stages = json["stages"].as_array().unwrap();
+        let stage = stages.iter().find(|s| s["name"] == "decode").unwrap();
+        stage["memory"].clone()
+    };
+    let within = |planned: f64, measured: f64, what: &str| {
+        assert!(
+            (planned - measured).abs() <= measured / 10.0,
+            "{what}: planned {planned:.3} GiB against {measured:.3} measured"
+        );
+    };
+    let flux = decode("synthetic:flux.1-dev", (1, 768, 768));
+    within(gib(&flux["peak_bytes"]), 1.250, "FLUX.1 768x768");
+    for (size, measured) in [
+        ((17, 320, 512), 3.64),
+        ((33, 320, 512), 3.65),
+        ((65, 320, 512), 3.70),
+        ((33, 480, 848), 8.97),
+        ((129, 720, 1280), 21.01),
+    ] {
+        let hunyuan = decode("synthetic:hunyuanvideo", size);
+        within(
+            gib(&hunyuan["activation_bytes"]),
+            measured,
+            &format!("HunyuanVideo {size:?}"),
+        );
+    }
+}
