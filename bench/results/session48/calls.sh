@@ -15,6 +15,9 @@
 #   4 (H200; .device52/lib_tests.xz: the library's CUDA tests with the polynomial build): `lib_tests sage_attn::cuda_tests
 #      attention::cuda_tests`, then `attn_bench{,_ilp,_poly} sage "14B self"` and `"1.3B"`, interleaved, twice for 14B.
 #      (The first filter matched nothing: the 8-bit kernel's test is `models::sage_kernels::cuda_tests`.)
+#   3 (not run: no device time left; carry .device53: the library's CUDA tests and attn_bench at 8333249, and
+#      .device51/attn_bench.xz at 6ced4c2): the committed 8-bit kernel (four stages from two producer threads, the
+#      shorter row reductions) against the host definition, then timed against the base build.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
 case $1 in
@@ -68,4 +71,14 @@ PY
        grep -E "sm90|Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Th" $OUT/attn$v-details.txt
      done
      ls -la $OUT/attn*;;
+  3) xz -dc .device53/lib_tests.xz > /tmp/lt && chmod +x /tmp/lt
+     timeout 150 /tmp/lt --test-threads=1 sage_kernels attention::cuda_tests 2>&1 | grep -E "^test |panicked|result:"
+     xz -dc .device51/attn_bench.xz > /tmp/ab_base && xz -dc .device53/attn_bench.xz > /tmp/ab_now
+     chmod +x /tmp/ab_base /tmp/ab_now
+     for c in "14B self" 1.3B "14B self"; do
+       for v in base now; do
+         echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
+           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
+       done
+     done;;
 esac
