@@ -1198,35 +1198,25 @@ fn the_dit_is_held_on_the_device_where_it_fits() {
     }
 }
 
-/// The decode plans against the decode peaks a GPU measured (an H100 in bf16, bench/RESULTS.md
-/// session 48): FLUX.1's whole decode stage at 768x768 (its VAE's weights and maps, the device
-/// pool's used peak through `--stats-json`), and HunyuanVideo's decode above its weights and
-/// latents (`examples/vae_decode`) at five sizes. Each plan is within a tenth of its measurement.
+/// The decode plans against the decode peaks a GPU measured (bf16, bench/RESULTS.md): FLUX.1's
+/// whole decode stage at 768x768 (its VAE's weights and maps, the device pool's used peak
+/// through `--stats-json`; an H100, session 48), HunyuanVideo's decode above its weights and
+/// latents (`examples/vae_decode`) at five sizes (an H100, session 48), and LTX-Video's tiled
+/// decode at 161x512x704 (`vae_decode --tiled`; an H200, session 39). Each plan is within a
+/// tenth of its measurement.
 #[test]
 fn decode_plans_are_within_a_tenth_of_the_measured_peaks() {
     let hf_home = std::env::temp_dir().join(format!("vidgen-decode-hf-{}", std::process::id()));
     let gib = |bytes: &Value| bytes.as_u64().unwrap() as f64 / (1u64 << 30) as f64;
-    let decode = |model: &str, (frames, height, width): (u32, u32, u32)| -> Value {
+    let decode = |model: &str, (frames, height, width): (u32, u32, u32), extra: &[&str]| {
         let (frames, height, width) = (frames.to_string(), height.to_string(), width.to_string());
-        let mut args = vec![
-            "--model",
-            model,
-            "--memory-model",
-            "discrete",
-            "--dtype",
-            "bf16",
-        ];
-        args.extend([
-            "--lazy-module-load",
-            "--height",
-            &height,
-            "--width",
-            &width,
-            "--json",
-        ]);
+        let mut args = vec!["--model", model, "--memory-model", "discrete"];
+        args.extend(["--dtype", "bf16", "--lazy-module-load", "--json"]);
+        args.extend(["--height", &height, "--width", &width]);
         if frames != "1" {
             args.extend(["--num-frames", &frames]);
         }
+        args.extend(extra);
         let json: Value = serde_json::from_str(&dry_run(&args, &hf_home)).unwrap();
         let stages = json["stages"].as_array().unwrap();
         let stage = stages.iter().find(|s| s["name"] == "decode").unwrap();
@@ -1238,7 +1228,7 @@ fn decode_plans_are_within_a_tenth_of_the_measured_peaks() {
             "{what}: planned {planned:.3} GiB against {measured:.3} measured"
         );
     };
-    let flux = decode("synthetic:flux.1-dev", (1, 768, 768));
+    let flux = decode("synthetic:flux.1-dev", (1, 768, 768), &[]);
     within(gib(&flux["peak_bytes"]), 1.250, "FLUX.1 768x768");
     for (size, measured) in [
         ((17, 320, 512), 3.64),
@@ -1247,11 +1237,13 @@ fn decode_plans_are_within_a_tenth_of_the_measured_peaks() {
         ((33, 480, 848), 8.97),
         ((129, 720, 1280), 21.01),
     ] {
-        let hunyuan = decode("synthetic:hunyuanvideo", size);
+        let hunyuan = decode("synthetic:hunyuanvideo", size, &[]);
         within(
             gib(&hunyuan["activation_bytes"]),
             measured,
             &format!("HunyuanVideo {size:?}"),
         );
     }
+    let ltx = decode("synthetic:ltx-video", (161, 512, 704), &["--vae-tiling"]);
+    within(gib(&ltx["activation_bytes"]), 3.30, "LTX-Video tiled");
 }

@@ -159,6 +159,37 @@ pub fn spatial_tiles(
         .narrow(wd, 0, out.1.min(rw))
 }
 
+/// A tiled decode's decoder calls for the memory plan, in video pixels: the largest call (the
+/// first, a whole tile), and for each call in order its pixels and the decoded pixels held
+/// while it runs (the row above and this row's tiles, whole, the kept rows before them, its own
+/// output); at the end the kept rows and their concatenation. The largest call's maps beside
+/// the fewest held pixels, or a smaller call's beside more, whichever is larger: LTX-Video's
+/// 161x512x704 tiled decode used 3.30 GiB above the weights where two rows and the result twice
+/// beside the largest call's maps counted 4.50 (an H100, bench/RESULTS.md sessions 39 and 48).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TileWalk {
+    pub tile: (usize, usize),
+    pub calls: Vec<(u64, u64)>,
+    pub end: u64,
+}
+
+impl TileWalk {
+    /// The peak over the calls of the feature maps, `maps` at the largest call and in
+    /// proportion to its pixels at the others, and `per_pixel` bytes of every held pixel.
+    pub fn peak(&self, maps: u64, per_pixel: u64) -> u64 {
+        let largest = (self.tile.0 * self.tile.1).max(1) as u128;
+        self.calls
+            .iter()
+            .map(|&(pixels, held)| {
+                let maps = (maps as u128 * pixels as u128 / largest) as u64;
+                maps.saturating_add(held.saturating_mul(per_pixel))
+            })
+            .chain([self.end.saturating_mul(per_pixel)])
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// What a decode of latents `(h, w)` in `(tile, stride)` latent pixels works on, in video
 /// pixels of `ratio` per latent pixel, for the memory plan: the (height, width) of one decoder
 /// call (the largest tile; the frame where it fits in one tile, decoded whole) and the pixels
@@ -235,11 +266,35 @@ impl SampleTiles {
         w > min_w || h > min_h
     }
 
-    /// What a decode of latents `(h, w)` in these tiles works on: the (height, width) of one
-    /// decoder call and the pixels held besides.
-    pub fn footprint(&self, (h, w): (usize, usize), ratio: usize) -> ((usize, usize), usize) {
-        let stride = (self.stride_height / ratio, self.stride_width / ratio);
-        tile_footprint((h, w), (self.latent_tile(ratio), stride), ratio)
+    /// The decoder calls of a decode of latents `(h, w)` in these tiles, in the order
+    /// [`spatial_tiles`] makes them, with what each finds held; `None` where the latents fit in
+    /// one tile and are decoded whole.
+    pub fn walk(&self, (h, w): (usize, usize), ratio: usize) -> Option<TileWalk> {
+        if !self.splits((h, w), ratio) {
+            return None;
+        }
+        let (tile_h, tile_w) = self.latent_tile(ratio);
+        let (stride_h, stride_w) = (self.stride_height / ratio, self.stride_width / ratio);
+        let size = |at: usize, tile: usize, len: usize| tile.min(len - at) * ratio;
+        let (mut calls, mut above, mut kept_rows) = (Vec::new(), 0u64, 0u64);
+        for i in (0..h).step_by(stride_h.max(1)) {
+            let rows = size(i, tile_h, h);
+            let (mut row, mut kept_row) = (0u64, 0u64);
+            for j in (0..w).step_by(stride_w.max(1)) {
+                let pixels = (rows * size(j, tile_w, w)) as u64;
+                row += pixels;
+                calls.push((pixels, above + kept_rows + row));
+                let kept = rows.min(self.stride_height) * size(j, tile_w, w).min(self.stride_width);
+                kept_row += kept as u64;
+            }
+            kept_rows += kept_row;
+            above = row;
+        }
+        Some(TileWalk {
+            tile: (tile_h.min(h) * ratio, tile_w.min(w) * ratio),
+            calls,
+            end: 2 * kept_rows,
+        })
     }
 
     /// diffusers' `tiled_decode` of latents `z` (height and width last) with `ratio` video
@@ -362,6 +417,38 @@ impl OverlapTiles {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// The walk the memory plan takes is the decode's: the same decoder calls in the same order,
+    /// the first the largest, and at the end the whole frame twice (LTX-Video's tiles over
+    /// 161x512x704, whose last row and column are narrow ones, and a square frame).
+    #[test]
+    fn the_walk_makes_the_decoder_calls_of_the_decode() -> Result<()> {
+        for (tiles, ratio, (h, w)) in [
+            (SampleTiles::square(512, 448), 32, (16, 22)),
+            (SampleTiles::square(16, 12), 2, (20, 20)),
+        ] {
+            assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
+            let z = Tensor::zeros((1, 1, h, w), DType::F32, &Device::Cpu)?;
+            let mut calls = Vec::new();
+            let out = tiles.decode(&z, ratio, |part| {
+                let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
+                calls.push((ph * pw) as u64);
+                Tensor::zeros((1, 1, ph, pw), DType::F32, &Device::Cpu)
+            })?;
+            let walk = tiles.walk((h, w), ratio).expect("latents over one tile");
+            let pixels: Vec<u64> = walk.calls.iter().map(|&(p, _)| p).collect();
+            assert_eq!(pixels, calls, "{tiles:?}");
+            assert_eq!(calls[0], (walk.tile.0 * walk.tile.1) as u64);
+            let frame = (out.dim(2)? * out.dim(3)?) as u64;
+            assert_eq!(walk.end, 2 * frame);
+            // Each call finds at least its own output held, and no more than every call's
+            // output and the kept rows, at most a frame.
+            for &(pixels, held) in &walk.calls {
+                assert!(held >= pixels && held <= calls.iter().sum::<u64>() + frame);
+            }
+        }
+        Ok(())
+    }
 
     /// diffusers' loop `b[y] = a[-extent + y] · (1 − y/extent) + b[y] · y/extent`.
     #[test]

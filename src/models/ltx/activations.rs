@@ -47,8 +47,8 @@ pub fn transformer_activations(
 /// three f32 maps of its largest level and a video of temporaries, the maps counted at each
 /// level's widths (each level doubles frames, height and width and takes the next of the
 /// decoder's widths, from the widest at the latent grid). With `tiled` (diffusers'
-/// `enable_tiling()` tiles) the feature maps are one tile's, and the decoded tiles are held
-/// until they are blended.
+/// `enable_tiling()` tiles) the feature maps are each tile's, beside the decoded tiles held
+/// until they are blended ([`crate::models::vae_tiling::TileWalk`]).
 pub fn vae_decode_activations(
     cfg: &LtxVaeConfig,
     grid: [usize; 3],
@@ -62,16 +62,14 @@ pub fn vae_decode_activations(
     let frames = (grid[0] as u64 - 1) * r_t + 1;
     let (h, w) = (grid[1] as u64 * r_s, grid[2] as u64 * r_s);
     let s = r_s as usize;
-    let ((tile_h, tile_w), held) = match tiled {
-        true => LtxVaeTiling::default()
-            .spatial
-            .footprint((grid[1], grid[2]), s),
-        false => ((grid[1] * s, grid[2] * s), 0),
-    };
+    let walk = tiled
+        .then(|| LtxVaeTiling::default().spatial.walk((grid[1], grid[2]), s))
+        .flatten();
+    let (tile_h, tile_w) = walk
+        .as_ref()
+        .map_or((grid[1] * s, grid[2] * s), |walk| walk.tile);
     let d = dtype.size_in_bytes() as u64;
     let video = 3 * frames * h * w;
-    // The decoded tiles and their blend, at least the decoder's output (one tile, or untiled).
-    let held = (3 * frames * held as u64).max(video);
     let grid = [grid[0], tile_h / s, tile_w / s];
     let tokens: u64 = grid.iter().map(|&g| g as u64).product();
     let widths: Vec<u64> = cfg
@@ -99,5 +97,10 @@ pub fn vae_decode_activations(
         // The composed path's temporaries hold about one video besides (the CPU heap test).
         _ => 3 * largest * 4 + video * 4,
     };
-    (maps + held * d).max(video * (d + 4))
+    // The decoder's output beside its maps: the video, or each tile in the walk.
+    let decoded = match &walk {
+        Some(walk) => walk.peak(maps, 3 * frames * d),
+        None => maps + video * d,
+    };
+    decoded.max(video * (d + 4))
 }

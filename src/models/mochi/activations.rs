@@ -70,9 +70,9 @@ pub fn transformer_activations(
 /// stores its depth-to-space in place, and a resnet holds its input, a norm and one
 /// convolution's output (the second convolution adds the residual as it stores). Measured on
 /// an H200 at 85x480x848: 26.59 GiB used above the weights, planned 27.0 (bench/RESULTS.md
-/// session 35). Plus the frames in f32 twice (the decoded video and its conversion). With `tiled` (diffusers' `enable_tiling()`
-/// tiles) the activations are one tile's, and every decoded tile and their blended whole are
-/// held besides.
+/// session 35). Plus the frames in f32 twice (the decoded video and its conversion). With
+/// `tiled` (diffusers' `enable_tiling()` tiles) the activations are each tile's, beside the
+/// decoded tiles held until they are blended ([`crate::models::vae_tiling::TileWalk`]).
 pub fn vae_decode_activations(
     vae: &MochiVaeConfig,
     grid: [usize; 3],
@@ -84,10 +84,12 @@ pub fn vae_decode_activations(
     let t = vae.temporal_compression_ratio() as u64;
     let frames = grid[0] as u64 * t;
     let full_pixels = (grid[1] * s * grid[2] * s) as u64;
-    let ((tile_h, tile_w), held) = match tiled {
-        true => super::vae::DEFAULT_TILING.footprint((grid[1], grid[2]), s),
-        false => ((grid[1] * s, grid[2] * s), 0),
-    };
+    let walk = tiled
+        .then(|| super::vae::DEFAULT_TILING.walk((grid[1], grid[2]), s))
+        .flatten();
+    let (tile_h, tile_w) = walk
+        .as_ref()
+        .map_or((grid[1] * s, grid[2] * s), |walk| walk.tile);
     let tile_pixels = (tile_h * tile_w) as u64;
     let channels = vae
         .decoder_block_out_channels
@@ -103,5 +105,9 @@ pub fn vae_decode_activations(
             frames.min(super::vae::NORM_CHUNK_FRAMES as u64) * tile_pixels * channels * 4;
         4 * activation + 3 * norm_run
     };
-    working + frames * held as u64 * out * bytes + frames * full_pixels * out * 4 * 2
+    let decoded = match &walk {
+        Some(walk) => walk.peak(working, frames * out * bytes),
+        None => working,
+    };
+    decoded + frames * full_pixels * out * 4 * 2
 }
