@@ -105,11 +105,11 @@ pub fn modulations_activations(t: &HunyuanVideoTransformerConfig, dtype: DType) 
 /// peak is at full resolution: the last upsampler's output and the first conv's input of the
 /// last up block at the upsampled channels, that block's output at its own, plus one run of
 /// frames' f32 temporaries (two, a layer working in runs of whole frames, `vae::RUN_ELEMENTS`
-/// and at least `vae::MIN_RUNS` of them), beside the whole video in f32 that the decoded tiles
-/// fill; or, once the maps are gone, the video twice (the tiles and the blended whole).
-/// Measured on an H100 in bf16 (bench/RESULTS.md session 48): 3.64, 3.65, 3.70 GiB at 17, 33
-/// and 65 frames of 320x512 (planned 3.66, 3.69, 3.75), 8.97 at 33x480x848 (9.18) and 21.01 at
-/// 129x720x1280 (21.76).
+/// and at least `vae::MIN_RUNS` of them), beside the decoded video in `dtype` that the tiles
+/// fill; or, once the maps are gone, that video beside its f32 copy. Measured on an H100 in
+/// bf16 (bench/RESULTS.md session 48): 3.64, 3.65, 3.70 GiB at 17, 33 and 65 frames of 320x512
+/// (planned 3.65, 3.66, 3.69), 8.97 at 33x480x848 (9.10) and 21.01 at 129x720x1280 (21.09);
+/// tiled at 129x720x1280, 2.44 (an H200, session 35; planned 2.37).
 pub fn vae_decode_activations(
     cfg: &HunyuanVideoVaeConfig,
     latent: [usize; 5],
@@ -133,6 +133,6 @@ pub fn vae_decode_activations(
     let frame = pixels * upsampled.max(last);
     let run =
         vae::frames_per_run(frames as usize, frame as usize, vae::RUN_ELEMENTS) as u64 * frame;
-    let video = num_frames as u64 * height as u64 * width as u64 * 3 * 4;
-    (frames * pixels * (2 * upsampled + last) * d + 2 * run * 4 + video).max(2 * video)
+    let video = num_frames as u64 * height as u64 * width as u64 * 3;
+    (frames * pixels * (2 * upsampled + last) * d + 2 * run * 4 + video * d).max(video * (d + 4))
 }
