@@ -606,7 +606,9 @@ pub fn dit_kept_on_device(
     }
     let room = free - free / 10;
     let streamed = plan_for(request).ok()?;
-    streamed.fits_free(room).then_some(())?;
+    if !streamed.fits_free(room) {
+        return None;
+    }
     let keeping = |budget: u64| {
         let mut kept = request.clone();
         kept.options.dit_resident_memory = budget;

@@ -281,11 +281,10 @@ impl SampleTiles {
             let rows = size(i, tile_h, h);
             let (mut row, mut kept_row) = (0u64, 0u64);
             for j in (0..w).step_by(stride_w.max(1)) {
-                let pixels = (rows * size(j, tile_w, w)) as u64;
-                row += pixels;
-                calls.push((pixels, above + kept_rows + row));
-                let kept = rows.min(self.stride_height) * size(j, tile_w, w).min(self.stride_width);
-                kept_row += kept as u64;
+                let cols = size(j, tile_w, w);
+                row += (rows * cols) as u64;
+                calls.push(((rows * cols) as u64, above + kept_rows + row));
+                kept_row += (rows.min(self.stride_height) * cols.min(self.stride_width)) as u64;
             }
             kept_rows += kept_row;
             above = row;
