@@ -13,7 +13,8 @@
 //!
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
-//! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
+//! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles), `flux.1-dev` (one image:
+//! latents `1,16,1,h,w`): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
 //! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
 //! which `bench/peer_vae_decode.py` reports for diffusers), and `reserved_peak_gib`; `--save`
@@ -227,6 +228,14 @@ fn family_decode(
             // 16x512x512, decoded as the pipeline does: frames in chunks of 14.
             let decode = move |z: &Tensor| vidgen::models::latte::decode_latents(&vae, z);
             (Box::new(decode), [1, 4, 16, 64, 64])
+        }
+        "flux.1-dev" => {
+            let cfg = source.json("vae/config.json")?;
+            let vae = vidgen::models::autoencoder_kl::AutoencoderKL::new_decoder_only(&cfg, vb)?;
+            let vae = vae.with_tiling(tiled.then(|| vae.config().tiling()))?;
+            // One 1024x1024 image (its frame axis of one dropped), as FluxPipeline decodes it.
+            let decode = move |z: &Tensor| vae.decode(&vae.unscale(&z.squeeze(2)?)?);
+            (Box::new(decode), [1, 16, 1, 128, 128])
         }
         "allegro" => {
             let cfg: allegro::vae::AllegroVaeConfig = source.json("vae/config.json")?;

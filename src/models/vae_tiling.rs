@@ -188,29 +188,39 @@ impl TileWalk {
             .max()
             .unwrap_or(0)
     }
-}
 
-/// What a decode of latents `(h, w)` in `(tile, stride)` latent pixels works on, in video
-/// pixels of `ratio` per latent pixel, for the memory plan: the (height, width) of one decoder
-/// call (the largest tile; the frame where it fits in one tile, decoded whole) and the pixels
-/// held besides (two rows of decoded tiles, the cropped pieces and their concatenation).
-fn tile_footprint(
-    (h, w): (usize, usize),
-    (tile, stride): ((usize, usize), (usize, usize)),
-    ratio: usize,
-) -> ((usize, usize), usize) {
-    if h <= tile.0 && w <= tile.1 {
-        return ((h * ratio, w * ratio), 0);
+    /// The calls [`spatial_tiles`] makes over latents `(h, w)` with tiles of `tile` latent
+    /// pixels every `stride`, each keeping `kept` video pixels of its output, `ratio` video
+    /// pixels per latent pixel: one walk for both tilings, since both run [`spatial_tiles`].
+    fn of_spatial_tiles(
+        (h, w): (usize, usize),
+        (tile, stride): ((usize, usize), (usize, usize)),
+        kept: (usize, usize),
+        ratio: usize,
+    ) -> Self {
+        let size = |at: usize, tile: usize, len: usize| tile.min(len - at) * ratio;
+        let columns: Vec<usize> = (0..w)
+            .step_by(stride.1.max(1))
+            .map(|j| size(j, tile.1, w))
+            .collect();
+        let (mut calls, mut above, mut kept_rows) = (Vec::new(), 0u64, 0u64);
+        for i in (0..h).step_by(stride.0.max(1)) {
+            let rows = size(i, tile.0, h);
+            let (mut row, mut kept_row) = (0u64, 0u64);
+            for &cols in &columns {
+                row += (rows * cols) as u64;
+                calls.push(((rows * cols) as u64, above + kept_rows + row));
+                kept_row += (rows.min(kept.0) * cols.min(kept.1)) as u64;
+            }
+            kept_rows += kept_row;
+            above = row;
+        }
+        Self {
+            tile: (tile.0.min(h) * ratio, tile.1.min(w) * ratio),
+            calls,
+            end: 2 * kept_rows,
+        }
     }
-    let row_width: usize = (0..w)
-        .step_by(stride.1.max(1))
-        .map(|j| tile.1.min(w - j) * ratio)
-        .sum();
-    let tile_height = tile.0.min(h) * ratio;
-    (
-        (tile_height, tile.1.min(w) * ratio),
-        2 * tile_height * row_width + 2 * h * w * ratio * ratio,
-    )
 }
 
 /// Spatial tiles in video pixels, as `enable_tiling(tile_sample_min_*, tile_sample_stride_*)`
@@ -266,34 +276,19 @@ impl SampleTiles {
         w > min_w || h > min_h
     }
 
+    /// The distance between tile starts, in latent pixels (diffusers' `tile_latent_stride_*`).
+    fn latent_stride(&self, ratio: usize) -> (usize, usize) {
+        (self.stride_height / ratio, self.stride_width / ratio)
+    }
+
     /// The decoder calls of a decode of latents `(h, w)` in these tiles, in the order
     /// [`spatial_tiles`] makes them, with what each finds held; `None` where the latents fit in
     /// one tile and are decoded whole.
     pub fn walk(&self, (h, w): (usize, usize), ratio: usize) -> Option<TileWalk> {
-        if !self.splits((h, w), ratio) {
-            return None;
-        }
-        let (tile_h, tile_w) = self.latent_tile(ratio);
-        let (stride_h, stride_w) = (self.stride_height / ratio, self.stride_width / ratio);
-        let size = |at: usize, tile: usize, len: usize| tile.min(len - at) * ratio;
-        let (mut calls, mut above, mut kept_rows) = (Vec::new(), 0u64, 0u64);
-        for i in (0..h).step_by(stride_h.max(1)) {
-            let rows = size(i, tile_h, h);
-            let (mut row, mut kept_row) = (0u64, 0u64);
-            for j in (0..w).step_by(stride_w.max(1)) {
-                let cols = size(j, tile_w, w);
-                row += (rows * cols) as u64;
-                calls.push(((rows * cols) as u64, above + kept_rows + row));
-                kept_row += (rows.min(self.stride_height) * cols.min(self.stride_width)) as u64;
-            }
-            kept_rows += kept_row;
-            above = row;
-        }
-        Some(TileWalk {
-            tile: (tile_h.min(h) * ratio, tile_w.min(w) * ratio),
-            calls,
-            end: 2 * kept_rows,
-        })
+        let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
+        let kept = (self.stride_height, self.stride_width);
+        self.splits((h, w), ratio)
+            .then(|| TileWalk::of_spatial_tiles((h, w), tiles, kept, ratio))
     }
 
     /// diffusers' `tiled_decode` of latents `z` (height and width last) with `ratio` video
@@ -307,10 +302,7 @@ impl SampleTiles {
         let (h, w) = (z.dim(z.rank() - 2)?, z.dim(z.rank() - 1)?);
         spatial_tiles(
             z,
-            (
-                self.latent_tile(ratio),
-                (self.stride_height / ratio, self.stride_width / ratio),
-            ),
+            (self.latent_tile(ratio), self.latent_stride(ratio)),
             (
                 (
                     self.min_height - self.stride_height,
@@ -360,11 +352,11 @@ impl OverlapTiles {
         )
     }
 
-    /// What a decode of latents `(h, w)` in these tiles works on: the (height, width) of one
-    /// decoder call and the pixels held besides.
-    pub fn footprint(&self, (h, w): (usize, usize), ratio: usize) -> ((usize, usize), usize) {
-        let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
-        tile_footprint((h, w), tiles, ratio)
+    /// The video pixels each tile keeps, the rest blended into the next (diffusers'
+    /// `row_limit_*`).
+    fn kept(&self) -> (usize, usize) {
+        let blend = self.blend_extent();
+        (self.min_height - blend.0, self.min_width - blend.1)
     }
 
     /// Factors in [0, 1) that leave tiles of at least one latent pixel a step apart.
@@ -390,6 +382,15 @@ impl OverlapTiles {
         w > min_w || h > min_h
     }
 
+    /// The decoder calls of a decode of latents `(h, w)` in these tiles, in the order
+    /// [`spatial_tiles`] makes them, with what each finds held; `None` where the latents fit in
+    /// one tile and are decoded whole.
+    pub fn walk(&self, (h, w): (usize, usize), ratio: usize) -> Option<TileWalk> {
+        let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
+        self.splits((h, w), ratio)
+            .then(|| TileWalk::of_spatial_tiles((h, w), tiles, self.kept(), ratio))
+    }
+
     /// diffusers' `tiled_decode` of latents `z` (height and width last) with `ratio` video
     /// pixels per latent pixel: each tile through `decode`, blended in video pixels.
     pub fn decode(
@@ -398,15 +399,10 @@ impl OverlapTiles {
         ratio: usize,
         decode: impl FnMut(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let blend = self.blend_extent();
         spatial_tiles(
             z,
             (self.latent_tile(ratio), self.latent_stride(ratio)),
-            (
-                blend,
-                (self.min_height - blend.0, self.min_width - blend.1),
-                (usize::MAX, usize::MAX),
-            ),
+            (self.blend_extent(), self.kept(), (usize::MAX, usize::MAX)),
             decode,
         )
     }
@@ -417,9 +413,39 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// The walk the memory plan takes is the decode's: the same decoder calls in the same order,
-    /// the first the largest, and at the end the whole frame twice (LTX-Video's tiles over
-    /// 161x512x704, whose last row and column are narrow ones, and a square frame).
+    /// Decodes zero latents of `(h, w)` with `decode`, whose decoder makes zeros of `ratio`
+    /// video pixels per latent pixel, and checks `walk` against its calls: the same calls in
+    /// the same order, the first the largest, and at the end the whole frame twice.
+    fn assert_walk_is_the_decode(
+        tiles: &dyn std::fmt::Debug,
+        walk: TileWalk,
+        (h, w): (usize, usize),
+        ratio: usize,
+        decode: impl FnOnce(&Tensor, &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
+    ) -> Result<()> {
+        let z = Tensor::zeros((1, 1, h, w), DType::F32, &Device::Cpu)?;
+        let mut calls = Vec::new();
+        let out = decode(&z, &mut |part| {
+            let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
+            calls.push((ph * pw) as u64);
+            Tensor::zeros((1, 1, ph, pw), DType::F32, &Device::Cpu)
+        })?;
+        let pixels: Vec<u64> = walk.calls.iter().map(|&(p, _)| p).collect();
+        assert_eq!(pixels, calls, "{tiles:?}");
+        assert_eq!(calls[0], (walk.tile.0 * walk.tile.1) as u64);
+        let frame = (out.dim(2)? * out.dim(3)?) as u64;
+        assert_eq!(walk.end, 2 * frame);
+        // Each call finds at least its own output held, and no more than every call's output
+        // and the kept rows, at most a frame.
+        for &(pixels, held) in &walk.calls {
+            assert!(held >= pixels && held <= calls.iter().sum::<u64>() + frame);
+        }
+        Ok(())
+    }
+
+    /// The walk the memory plan takes is the decode's, for both tilings: LTX-Video's tiles
+    /// over 161x512x704 and CogVideoX's over 49x480x720, whose last row and column are narrow
+    /// ones, and square frames.
     #[test]
     fn the_walk_makes_the_decoder_calls_of_the_decode() -> Result<()> {
         for (tiles, ratio, (h, w)) in [
@@ -427,24 +453,29 @@ mod tests {
             (SampleTiles::square(16, 12), 2, (20, 20)),
         ] {
             assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
-            let z = Tensor::zeros((1, 1, h, w), DType::F32, &Device::Cpu)?;
-            let mut calls = Vec::new();
-            let out = tiles.decode(&z, ratio, |part| {
-                let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
-                calls.push((ph * pw) as u64);
-                Tensor::zeros((1, 1, ph, pw), DType::F32, &Device::Cpu)
-            })?;
             let walk = tiles.walk((h, w), ratio).expect("latents over one tile");
-            let pixels: Vec<u64> = walk.calls.iter().map(|&(p, _)| p).collect();
-            assert_eq!(pixels, calls, "{tiles:?}");
-            assert_eq!(calls[0], (walk.tile.0 * walk.tile.1) as u64);
-            let frame = (out.dim(2)? * out.dim(3)?) as u64;
-            assert_eq!(walk.end, 2 * frame);
-            // Each call finds at least its own output held, and no more than every call's
-            // output and the kept rows, at most a frame.
-            for &(pixels, held) in &walk.calls {
-                assert!(held >= pixels && held <= calls.iter().sum::<u64>() + frame);
-            }
+            assert_walk_is_the_decode(&tiles, walk, (h, w), ratio, |z, f| {
+                tiles.decode(z, ratio, f)
+            })?;
+        }
+        let cogvideox = OverlapTiles {
+            min_height: 240,
+            min_width: 360,
+            overlap_factor_height: 1.0 / 6.0,
+            overlap_factor_width: 1.0 / 5.0,
+        };
+        let square = OverlapTiles {
+            min_height: 16,
+            min_width: 16,
+            overlap_factor_height: 0.25,
+            overlap_factor_width: 0.25,
+        };
+        for (tiles, ratio, (h, w)) in [(cogvideox, 8, (60, 90)), (square, 2, (21, 21))] {
+            assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
+            let walk = tiles.walk((h, w), ratio).expect("latents over one tile");
+            assert_walk_is_the_decode(&tiles, walk, (h, w), ratio, |z, f| {
+                tiles.decode(z, ratio, f)
+            })?;
         }
         Ok(())
     }

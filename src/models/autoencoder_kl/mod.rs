@@ -115,9 +115,11 @@ impl AutoencoderKLConfig {
     /// either its normalized copy and the first convolution's output (at the first level's
     /// channels), or, at the second convolution, that convolution's input, the shortcut's output
     /// and its own output. The mid block's chunked attention scores peak at another time: the
-    /// largest of the three counts. With `tiled`, the decoded tiles held for blending. (Latte-1,
-    /// 14 frames of 512x512 in bf16 on an H100: 5.38 GiB used above the weights, planned 5.47;
-    /// bench/RESULTS.md session 43.)
+    /// largest of the three counts. With `tiled`, each tile's maps beside the decoded tiles held
+    /// until they are blended ([`crate::models::vae_tiling::TileWalk`]). (Latte-1, 14 frames of
+    /// 512x512 in bf16 on an H100: 5.38 GiB used above the weights, planned 5.47;
+    /// bench/RESULTS.md session 43. Tiled: 1.37 GiB used, its decode stage planned 1.47;
+    /// session 44.)
     pub fn decode_activations(
         &self,
         images: usize,
@@ -127,13 +129,10 @@ impl AutoencoderKLConfig {
     ) -> u64 {
         let bytes = dtype.size_in_bytes() as u64;
         let s = self.scale_factor();
-        let ((th, tw), held) = match tiled {
-            true => self.tiling().footprint((h, w), s),
-            false => ((h * s, w * s), 0),
-        };
+        let walk = tiled.then(|| self.tiling().walk((h, w), s)).flatten();
+        let (th, tw) = walk.as_ref().map_or((h * s, w * s), |walk| walk.tile);
         let images = images.max(1) as u64;
         let pixels = images * (th * tw) as u64;
-        let held = images * held as u64 * self.out_channels as u64 * bytes;
         let boc = &self.block_out_channels;
         let last = boc.first().copied().unwrap_or(128) as u64;
         let upsampled = boc.get(1).copied().unwrap_or(last as usize) as u64;
@@ -153,7 +152,11 @@ impl AutoencoderKLConfig {
         // probabilities, chunked.
         let tokens = ((th / s) * (tw / s)) as u64;
         let scores = (images * tokens * tokens).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2;
-        first.max(second).max(scores) + held
+        let maps = first.max(second).max(scores);
+        match &walk {
+            Some(walk) => walk.peak(maps, images * self.out_channels as u64 * bytes),
+            None => maps,
+        }
     }
 
     /// The config's `sample_size`, or the first of a pair.

@@ -90,8 +90,10 @@ pub fn transformer_activations(
 
 /// Device bytes of the frame-batched decode: the widest level at full resolution over one
 /// chunk (up to 3 latent frames), with the conv caches; with `tiled` (diffusers'
-/// `enable_tiling()` sizes) over one tile instead of the frame, plus every decoded tile and
-/// their blended whole in the VAE dtype, which diffusers holds until the tiles are blended.
+/// `enable_tiling()` sizes) over each tile instead of the frame, beside the decoded tiles in the
+/// VAE dtype that diffusers holds until they are blended ([`crate::models::vae_tiling::TileWalk`]:
+/// an H200 at 49x480x720 in bf16 used 2.28 GiB above the weights, planned 2.33; bench/RESULTS.md
+/// session 39).
 pub fn vae_decode_activations(
     vae: &CogVideoXVaeConfig,
     latent: [usize; 5],
@@ -103,11 +105,10 @@ pub fn vae_decode_activations(
     let t = vae.scale_factor_temporal() as u64;
     let video_frames = latent[1] as u64 * t;
     let (full_h, full_w) = (latent[3] * s, latent[4] * s);
-    let ((h, w), held) = match tiled {
-        true => vae.tiling().footprint((latent[3], latent[4]), s),
-        false => ((full_h, full_w), 0),
-    };
-    let tiles_held = video_frames * held as u64 * 3 * bytes;
+    let walk = tiled
+        .then(|| vae.tiling().walk((latent[3], latent[4]), s))
+        .flatten();
+    let (h, w) = walk.as_ref().map_or((full_h, full_w), |walk| walk.tile);
     let (h, w) = (h as u64, w as u64);
     let frames = latent[1].min(3) as u64 * t;
     // At full resolution: the last upsampler's output, which the last up block's first
@@ -119,8 +120,14 @@ pub fn vae_decode_activations(
     let boc = &vae.block_out_channels;
     let last = boc.first().copied().unwrap_or(128) as u64;
     let upsampled = boc.get(1).copied().unwrap_or(128) as u64;
-    let output = video_frames * full_h as u64 * full_w as u64 * 3 * 4;
-    frames * h * w * (2 * upsampled + 4 * last) * bytes + output + tiles_held
+    let channels = vae.out_channels as u64;
+    let output = video_frames * full_h as u64 * full_w as u64 * channels * 4;
+    let maps = frames * h * w * (2 * upsampled + 4 * last) * bytes;
+    let decoded = match &walk {
+        Some(walk) => walk.peak(maps, video_frames * channels * bytes),
+        None => maps,
+    };
+    decoded + output
 }
 
 #[cfg(test)]

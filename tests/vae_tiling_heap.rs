@@ -1,0 +1,81 @@
+//! The memory plan's tile walk (`vae_tiling::TileWalk`) against the heap: as each decoder call of
+//! a tiled decode begins, `spatial_tiles` holds the decoded pixels the walk counts for it (less
+//! the call's own output, not made yet), for both tilings. The decoder allocates only its
+//! output. One test in the file, so no other test's allocations mix in.
+
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor};
+use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles, TileWalk};
+
+#[global_allocator]
+static ALLOCATOR: common::heap::Counting = common::heap::Counting;
+
+/// Channels of the decoded tiles (f32): enough bytes a pixel that the tensors' own bookkeeping,
+/// a few hundred bytes each, stays under [`SLACK`].
+const CHANNELS: usize = 16;
+const SLACK: usize = 16 << 10;
+
+/// Checks `walk` against the heap bytes held, above what was held before, as each decoder call
+/// of `decode` over zero latents of `(h, w)` begins (its decoder makes zeros of `ratio` video
+/// pixels per latent pixel).
+fn assert_walk_holds_what_the_decode_holds(
+    tiles: &dyn std::fmt::Debug,
+    walk: TileWalk,
+    (h, w): (usize, usize),
+    ratio: usize,
+    decode: impl FnOnce(&Tensor, &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
+) {
+    let z = Tensor::zeros((1, 1, h, w), DType::F32, &Device::Cpu).unwrap();
+    let mut held = Vec::with_capacity(walk.calls.len());
+    let before = common::heap::start();
+    let out = decode(&z, &mut |part| {
+        held.push(common::heap::held_above(before));
+        let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
+        Tensor::zeros((1, CHANNELS, ph, pw), DType::F32, &Device::Cpu)
+    })
+    .unwrap();
+    drop(out);
+    assert_eq!(held.len(), walk.calls.len());
+    let pixel = (CHANNELS * 4) as u64;
+    for (call, (&(pixels, planned), &held)) in walk.calls.iter().zip(&held).enumerate() {
+        let planned = ((planned - pixels) * pixel) as usize;
+        assert!(
+            held >= planned && held <= planned + SLACK,
+            "{tiles:?}, call {call}: {held} bytes held, the walk counts {planned}"
+        );
+    }
+}
+
+#[test]
+fn each_decoder_call_finds_held_what_the_walk_counts() {
+    // LTX-Video's tiles over 161x512x704 and a square frame.
+    for (tiles, ratio, (h, w)) in [
+        (SampleTiles::square(512, 448), 32, (16, 22)),
+        (SampleTiles::square(16, 12), 2, (20, 20)),
+    ] {
+        let walk = tiles.walk((h, w), ratio).unwrap();
+        assert_walk_holds_what_the_decode_holds(&tiles, walk, (h, w), ratio, |z, f| {
+            tiles.decode(z, ratio, f)
+        });
+    }
+    // CogVideoX's tiles over 49x480x720 and a square frame.
+    let cogvideox = OverlapTiles {
+        min_height: 240,
+        min_width: 360,
+        overlap_factor_height: 1.0 / 6.0,
+        overlap_factor_width: 1.0 / 5.0,
+    };
+    let square = OverlapTiles {
+        min_height: 16,
+        min_width: 16,
+        overlap_factor_height: 0.25,
+        overlap_factor_width: 0.25,
+    };
+    for (tiles, ratio, (h, w)) in [(cogvideox, 8, (60, 90)), (square, 2, (21, 21))] {
+        let walk = tiles.walk((h, w), ratio).unwrap();
+        assert_walk_holds_what_the_decode_holds(&tiles, walk, (h, w), ratio, |z, f| {
+            tiles.decode(z, ratio, f)
+        });
+    }
+}
