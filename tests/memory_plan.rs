@@ -1203,8 +1203,8 @@ fn the_dit_is_held_on_the_device_where_it_fits() {
 /// through `--stats-json`; an H100, session 48), HunyuanVideo's decode above its weights and
 /// latents (`examples/vae_decode`) at five sizes (an H100, session 48) and tiled at 720p (an
 /// H200, session 35), and the tiled decodes above the weights and latents (`vae_decode --tiled`)
-/// of LTX-Video, CogVideoX-5b and Latte-1 (AutoencoderKL). Each plan is within a tenth of its
-/// measurement.
+/// of LTX-Video, CogVideoX-5b, Latte-1 and FLUX.1 (AutoencoderKL). Each plan is within a tenth
+/// of its measurement.
 #[test]
 fn decode_plans_are_within_a_tenth_of_the_measured_peaks() {
     let hf_home = std::env::temp_dir().join(format!("vidgen-decode-hf-{}", std::process::id()));
@@ -1268,4 +1268,13 @@ fn decode_plans_are_within_a_tenth_of_the_measured_peaks() {
     // An H100, session 44 (call 6), with the image convolutions' runs of 2^26 elements.
     let latte = decode("synthetic:latte-1", (16, 512, 512), &["--vae-tiling"]);
     within(gib(&latte["activation_bytes"]), 1.37, "Latte-1 tiled");
+    // An H100, session 49 (call 1): 2x2 and 3x3 tiles of 1024 px.
+    for (size, measured) in [(1536, 2.00), (2048, 2.03)] {
+        let flux = decode("synthetic:flux.1-dev", (1, size, size), &["--vae-tiling"]);
+        within(
+            gib(&flux["activation_bytes"]),
+            measured,
+            &format!("FLUX.1 {size}x{size} tiled"),
+        );
+    }
 }

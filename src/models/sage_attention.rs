@@ -11,8 +11,9 @@
 //!    codes 0);
 //! 3. each channel of v - v̄ over its scale s_v = max |v - v̄| / 448 as e4m3 codes;
 //! 4. scores t = (c_q · c_k) · (s_q · scale · log2 e) · s_k: the code products are exact sums;
-//! 5. p = 2^(t - max t) and l = Σ p in f32; P's codes e4m3(448 p);
-//! 6. out = (Σ e4m3(448 p) · codes(v)) · s_v / (448 l) + v̄ (the probabilities sum to one, so
+//! 5. p = 2^(t - max t); P's codes e4m3(448 p) and their sum l = Σ e4m3(448 p) in f32 (the
+//!    kernels take l from the tensor cores beside P V);
+//! 6. out = (Σ e4m3(448 p) · codes(v)) · s_v / l + v̄ (the rounded probabilities sum to one, so
 //!    the mean comes back exactly).
 //!
 //! The kernel takes the softmax's max tile by tile (FlashAttention's online softmax), so its
@@ -254,12 +255,11 @@ impl Head {
         let mut sum = 0f32;
         let mut acc = vec![0f32; self.d];
         for (t, values) in scores.iter().zip(self.value_codes.chunks_exact(self.d)) {
-            let p = (t - max).exp2();
-            sum += p;
-            let code = e4m3.round(p * E4M3_MAX);
+            let code = e4m3.round((t - max).exp2() * E4M3_MAX);
+            sum += code;
             acc.iter_mut().zip(values).for_each(|(a, v)| *a += code * v);
         }
-        let inv = 1.0 / (sum * E4M3_MAX);
+        let inv = 1.0 / sum;
         for (c, o) in out.iter_mut().enumerate() {
             *o = acc[c] * inv * self.value_scale[c] + self.value_mean[c];
         }

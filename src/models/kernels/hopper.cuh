@@ -111,6 +111,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
   ACCUMULATORS8(C, d, 0), ACCUMULATORS8(C, d, 8), ACCUMULATORS8(C, d, 16), ACCUMULATORS8(C, d, 24), \
       ACCUMULATORS8(C, d, 32), ACCUMULATORS8(C, d, 40), ACCUMULATORS8(C, d, 48),                   \
       ACCUMULATORS8(C, d, 56)
+// The same for the 68 accumulators of an n136 product (operands from %68).
+#define ACCUMULATOR_REGISTERS_68                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "               \
+  "%64, %65, %66, %67}, "
+#define ACCUMULATORS_68(C, d) ACCUMULATORS(C, d), C(d[64]), C(d[65]), C(d[66]), C(d[67])
 // The same for the 48 and 32 accumulators of an n96 or n64 product (operands from %48 or %32).
 #define ACCUMULATOR_REGISTERS_48                                                                   \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \

@@ -20,11 +20,18 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
   return *reinterpret_cast<uint32_t *>(&v);
 }
 
-// Four floats as e4m3 codes (round to nearest even, saturating), a in the lowest byte.
+// Four floats as e4m3 codes (round to nearest even, saturating), a in the lowest byte: two
+// conversions of a pair each, merged into one register (the intrinsic's 16-bit results cost a mask
+// each and a byte permute: 48 more instructions per 128-key tile in sage_attn_sm90.cu).
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return __byte_perm(lo, hi, 0x5410);
+  uint32_t codes;
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(codes)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+  return codes;
 }
 
 // Channel c's mean and scale of v from the statistics [4][D] of its (batch, head) over `len` keys.

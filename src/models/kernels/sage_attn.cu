@@ -16,7 +16,9 @@
 //    flash_attn.cu with S = Q K^T on int8 mma.sync (m16n8k32, exact int32 sums) times both tokens'
 //    scales, the online softmax in f32 (448 p = 2^(s - max + log2 448)), and P·V on e4m3 mma.sync
 //    (m16n8k32); each tile's P·V is summed apart and then added to the f32 accumulators (the fp8
-//    mma's own accumulation is narrower than f32). The output is acc * scale_v / Σ(448 p) + mean_v.
+//    mma's own accumulation is narrower than f32). The rows' sums of P's codes come from the same
+//    mma against a column of e4m3 ones, summed the same way. The output is
+//    acc * scale_v / Σ e4m3(448 p) + mean_v.
 //
 // The probabilities' registers: for a 32-key step, the score accumulators of a thread hold keys
 // {2t, 2t+1} of each 8-key n-tile (t = lane % 4), while the mma's A operand wants 4 consecutive
@@ -25,7 +27,6 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace {
@@ -424,7 +425,6 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
           alpha[mt][hf] = ex2(m_run[mt][hf] - m_new);
           m_run[mt][hf] = m_new;
           const float bias = fmaf(MAGIC_FLOAT, a, m_new - LOG2_E4M3_MAX);
-          float sum = 0.f;
 #pragma unroll
           for (int n = 0; n < BC / 8; ++n) {
 #pragma unroll
@@ -433,10 +433,8 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
               // -inf times a zero scale is NaN: masked keys get 0 outright.
               if (partial && masked(n, e)) p = 0.f;
               s[mt][n][e] = p;
-              sum += p;
             }
           }
-          l_run[mt][hf] = l_run[mt][hf] * alpha[mt][hf] + sum;
         }
       }
     };
@@ -493,6 +491,20 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
         }
       }
     }
+    // The rows' sums of P's codes: P times e4m3 ones (0x38) in every column of the B operand.
+    float ones[MT][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BC / 32; ++kk) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma_e4m3(ones[mt], pa[mt][kk], 0x38383838u, 0x38383838u);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        l_run[mt][hf] = fmaf(l_run[mt][hf], alpha[mt][hf], ones[mt][2 * hf]);
+      }
+    }
     __syncthreads();
   }
 
@@ -501,10 +513,7 @@ __device__ __forceinline__ void fwd_kernel(const int8_t *__restrict__ qc,
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float l = l_run[mt][hf];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = 1.f / l;  // l sums 448 p
+      const float inv = 1.f / l_run[mt][hf];  // l sums the codes of 448 p
       const int row = q0 + wrow + mt * 16 + lane / 4 + hf * 8;
       if (row < q_len) {
 #pragma unroll

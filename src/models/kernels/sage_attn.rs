@@ -23,10 +23,11 @@ const KEYS_PER_TILE: usize = 64;
 const KEY_BLOCK: usize = crate::models::sage_attention::KEY_BLOCK;
 /// The Hopper kernel: query rows per block, threads (a producer and two consumer warpgroups), and
 /// shared memory (the query codes and four stages of key and value codes, 128 x 128 bytes each,
-/// plus 1024 bytes to align the swizzled tiles; `STAGES` of sage_attn_sm90.cu).
+/// 1024 bytes of e4m3 ones after each value stage, and 1024 bytes to align the swizzled tiles;
+/// `STAGES` and `V_STAGE` of sage_attn_sm90.cu).
 const SM90_ROWS: usize = 128;
 const SM90_THREADS: usize = 384;
-const SM90_SHARED: usize = (1 + 2 * 4) * 128 * 128 + 1024;
+const SM90_SHARED: usize = (1 + 2 * 4) * 128 * 128 + 4 * 1024 + 1024;
 /// Bytes added to each shared-memory row (`ROW_PAD`).
 const ROW_PAD: usize = 16;
 /// Key rows per block of the statistics (`STAT_ROWS`).

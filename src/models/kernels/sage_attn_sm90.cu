@@ -8,9 +8,11 @@
 // of two warps (two stages from one thread ran 3% slower on an H100, bench/RESULTS.md session 48);
 // two consumer warpgroups of 64 rows each compute S = Q K^T on wgmma m64n128k32 s8 (exact int32
 // sums), scale it by both tokens' scales, run the online softmax in f32, and add P V on wgmma
-// m64n128k32 e4m3 with P from registers
+// m64n136k32 e4m3 with P from registers
 // (times 448, in the value codes' permuted key order, see sage_attn.cu), each tile's product summed
-// apart and then added to the f32 accumulators. The P V of tile j-1 runs while tile j's softmax is
+// apart and then added to the f32 accumulators. Eight rows of e4m3 ones after each stage of value
+// codes make columns 128-135 of P V the rows' sums of P's codes, the softmax's denominator, on the
+// tensor core rather than in 64 adds per thread and tile. The P V of tile j-1 runs while tile j's softmax is
 // computed, and the two warpgroups take turns issuing their products.
 // Inputs: int8 codes of q [bh][q_len][128] and k [bh][kv_len][128], e4m3 value codes
 // [bh][128][pad] (pad a multiple of 128), f32 scales of q's rows [bh][q_len] and of k's blocks of
@@ -20,7 +22,6 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace {
@@ -33,6 +34,7 @@ constexpr int BM = 128;                // query rows per block
 constexpr int BN = 128;                // keys per tile
 constexpr int STAGES = 4;              // key and value tiles in flight
 constexpr int TILE = 128 * 128;        // one tile of codes: a 128 x 128-byte TMA box
+constexpr int V_STAGE = TILE + 1024;   // a stage of value codes and the 8 rows of ones after it
 constexpr int CONSUMER_WARPS = 8;      // arrivals that free a stage
 // S (64 x 128, s32) (+)= A (64 x 32 int8, shared) * B (32 x 128 int8, shared, K-major).
 __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t a, uint64_t b, int scale_d) {
@@ -45,15 +47,15 @@ __device__ __forceinline__ void wgmma_s8(uint32_t (&d)[64], uint64_t a, uint64_t
       : "l"(a), "l"(b), "r"(scale_d));
 }
 
-// D (64 x 128, f32) (+)= A (64 x 32 e4m3, registers) * B (32 x 128 e4m3, shared, K-major).
-__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+// D (64 x 136, f32) (+)= A (64 x 32 e4m3, registers) * B (32 x 136 e4m3, shared, K-major).
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[68], const uint32_t (&a)[4], uint64_t b,
                                            int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      ACCUMULATOR_REGISTERS
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : ACCUMULATORS("+f", d)
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 "
+      ACCUMULATOR_REGISTERS_68
+      "{%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
+      : ACCUMULATORS_68("+f", d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
@@ -70,7 +72,19 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
   const uint32_t sq = base, sk = base + TILE, sv = base + TILE * (1 + STAGES);
   const int q_tile = blockIdx.x, bh = blockIdx.y;
   const int tiles = (kv_len + BN - 1) / BN;
-  const int wg = threadIdx.x / 128;
+  // Broadcast from lane 0, so the compiler knows it is warp-uniform and keeps what derives from
+  // it (the descriptors) in uniform registers: 17 fewer instructions per tile.
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  if (wg == 0) {
+    // The ones after each value stage (e4m3 1.0 is 0x38), then made visible to the tensor cores.
+    for (int i = threadIdx.x; i < STAGES * 64; i += 128) {
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(
+                       sv + (i / 64) * V_STAGE + TILE + (i % 64) * 16),
+                   "r"(0x38383838u)
+                   : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
   bars.init(CONSUMER_WARPS);
 
   if (wg == 0) {
@@ -91,7 +105,7 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
         const int s = j % STAGES;
         mbar_wait(bars.empty_v(s), ((j / STAGES) & 1) ^ 1);
         mbar_expect_tx(bars.full_v(s), TILE);
-        tma_load(sv + s * TILE, &v_map, bars.full_v(s), j * BN, 0, bh, 0);
+        tma_load(sv + s * V_STAGE, &v_map, bars.full_v(s), j * BN, 0, bh, 0);
       }
     }
     return;
@@ -102,9 +116,10 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const bool warp_leader = lane == 0;
-  // Scores: int32 sums from the product, then f32 (their bits) in place.
+  // Scores: int32 sums from the product, then f32 (their bits) in place. `part` holds a tile's
+  // P V and, in 64-67, its rows' sums of P's codes.
   uint32_t s[64], p[16];
-  float o[64], part[64];
+  float o[64], part[68];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   const int row0 = q_tile * BM + consumer * 64 + warp * 16 + g;
@@ -118,22 +133,24 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
   }
   const float *k_scale = k_scales + static_cast<long long>(bh) * (pad / BN);
 
+  // Descriptors count shared memory in 16 bytes: a stage or a 32-byte step is an add to the
+  // first (rebuilding each one per tile took ~60 instructions per tile and thread).
+  const uint64_t q_desc = smem_desc(sq + consumer * 64 * 128, 16, 1024);
+  const uint64_t k_desc = smem_desc(sk, 16, 1024), v_desc = smem_desc(sv, 16, 1024);
   // S = Q K^T over head_dim in 4 steps of 32 bytes within the 128-byte swizzled rows.
   auto scores = [&](int stage) {
+    const uint64_t b = k_desc + stage * (TILE / 16);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t a = smem_desc(sq + consumer * 64 * 128 + kk * 32, 16, 1024);
-      const uint64_t b = smem_desc(sk + stage * TILE + kk * 32, 16, 1024);
-      wgmma_s8(s, a, b, kk > 0);
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_s8(s, q_desc + 2 * kk, b + 2 * kk, kk > 0);
     wgmma_commit();
   };
   // part = P V over the tile's keys in 4 steps of 32 (value codes K-major: keys contiguous).
   auto values = [&](int stage) {
+    const uint64_t b = v_desc + stage * (V_STAGE / 16);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-      wgmma_e4m3(part, a, smem_desc(sv + stage * TILE + kk * 32, 16, 1024), kk > 0);
+      wgmma_e4m3(part, a, b + 2 * kk, kk > 0);
     }
     wgmma_commit();
   };
@@ -150,8 +167,8 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
       s[i] = __float_as_uint(__int_as_float(static_cast<int>(s[i]) + MAGIC_INT));
       if (partial && masked(i)) s[i] = __float_as_uint(-INFINITY);
     }
-    // Both rows at once, each reduced over four partial maxima and two partial sums (a chain of
-    // 16 or 32 dependent operations per row kept the two warps per scheduler waiting).
+    // Both rows at once, each reduced over four partial maxima (a chain of 32 dependent
+    // operations per row kept the two warps per scheduler waiting).
     float m[2][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -169,7 +186,7 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
     for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
 #pragma unroll
     for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-    float a[2], bias[2], sums[2][2];
+    float a[2], bias[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       a[r] = q_scale[r] * ks;
@@ -177,8 +194,6 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
       correction[r] = exp2_approx(row_max[r] - m_new);
       row_max[r] = m_new;
       bias[r] = fmaf(MAGIC_FLOAT, a[r], m_new - LOG2_E4M3_MAX);
-#pragma unroll
-      for (int q = 0; q < 2; ++q) sums[r][q] = 0.f;
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -191,13 +206,8 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
           // -inf times a zero scale is NaN: masked keys get 0 outright.
           if (partial && masked(k)) y = 0.f;
           s[k] = __float_as_uint(y);
-          sums[r][i % 2] += y;
         }
       }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      row_sum[r] = row_sum[r] * correction[r] + (sums[r][0] + sums[r][1]);
     }
   };
   auto softmax = [&](int j, float ks) {
@@ -207,10 +217,12 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
       softmax_tile(j, ks, false);
     }
   };
-  // O = O * c + P V of the last tile, c its maxima's correction.
+  // O = O * c + P V of the last tile, c its maxima's correction; the same for the row sums.
   auto accumulate = [&](const float (&c)[2]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], c[(i / 2) % 2], part[i]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_sum[r] = fmaf(row_sum[r], c[r], part[64 + 2 * r]);
   };
   // P as e4m3 A operands: step kk's registers hold n-tiles 4kk..4kk+3 in the value codes' order.
   auto to_p = [&]() {
@@ -278,10 +290,7 @@ __device__ __forceinline__ void sage_sm90(const CUtensorMap &q_map, const CUtens
   const int batch = bh / heads, head = bh % heads;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const float inv = 1.f / sum;
+    const float inv = 1.f / row_sum[r];
     const int row = row0 + 8 * r;
     if (row >= q_len) continue;
     T *dst = out + batch * out_batch + row * out_row + head * out_head + 2 * t;
