@@ -1,7 +1,8 @@
-//! The memory plan's tile walk (`vae_tiling::TileWalk`) against the heap: as each decoder call of
-//! a tiled decode begins, `spatial_tiles` holds the decoded pixels the walk counts for it (less
-//! the call's own output, not made yet), for both tilings. The decoder allocates only its
-//! output. One test in the file, so no other test's allocations mix in.
+//! The memory plan's tile walk (`vae_tiling::TileWalk`) against the decode it plans, for both
+//! tilings: the same decoder calls in the same order, the first the largest, the whole frame
+//! twice at the end, and as each call begins `spatial_tiles` holds on the heap the decoded
+//! pixels the walk counts for it (less the call's own output, not made yet). The decoder
+//! allocates only its output. One test in the file, so no other test's allocations mix in.
 
 mod common;
 
@@ -16,9 +17,9 @@ static ALLOCATOR: common::heap::Counting = common::heap::Counting;
 const CHANNELS: usize = 16;
 const SLACK: usize = 16 << 10;
 
-/// Checks `walk` against the heap bytes held, above what was held before, as each decoder call
-/// of `decode` over zero latents of `(h, w)` begins (its decoder makes zeros of `ratio` video
-/// pixels per latent pixel).
+/// Checks `walk` against the decoder calls of `decode` over zero latents of `(h, w)` (its
+/// decoder makes zeros of `ratio` video pixels per latent pixel) and the heap bytes held, above
+/// what was held before, as each begins.
 fn assert_walk_holds_what_the_decode_holds(
     tiles: &dyn std::fmt::Debug,
     walk: TileWalk,
@@ -27,16 +28,21 @@ fn assert_walk_holds_what_the_decode_holds(
     decode: impl FnOnce(&Tensor, &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) {
     let z = Tensor::zeros((1, 1, h, w), DType::F32, &Device::Cpu).unwrap();
-    let mut held = Vec::with_capacity(walk.calls.len());
+    let (mut held, mut pixels) = (Vec::with_capacity(walk.calls.len()), Vec::new());
     let before = common::heap::start();
     let out = decode(&z, &mut |part| {
         held.push(common::heap::held_above(before));
         let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
+        pixels.push((ph * pw) as u64);
         Tensor::zeros((1, CHANNELS, ph, pw), DType::F32, &Device::Cpu)
     })
     .unwrap();
+    let frame = (out.dim(2).unwrap() * out.dim(3).unwrap()) as u64;
     drop(out);
-    assert_eq!(held.len(), walk.calls.len());
+    let planned: Vec<u64> = walk.calls.iter().map(|&(p, _)| p).collect();
+    assert_eq!(planned, pixels, "{tiles:?}");
+    assert_eq!(pixels[0], (walk.tile.0 * walk.tile.1) as u64, "{tiles:?}");
+    assert_eq!(walk.end, 2 * frame, "{tiles:?}");
     let pixel = (CHANNELS * 4) as u64;
     for (call, (&(pixels, planned), &held)) in walk.calls.iter().zip(&held).enumerate() {
         let planned = ((planned - pixels) * pixel) as usize;
@@ -54,6 +60,7 @@ fn each_decoder_call_finds_held_what_the_walk_counts() {
         (SampleTiles::square(512, 448), 32, (16, 22)),
         (SampleTiles::square(16, 12), 2, (20, 20)),
     ] {
+        assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
         let walk = tiles.walk((h, w), ratio).unwrap();
         assert_walk_holds_what_the_decode_holds(&tiles, walk, (h, w), ratio, |z, f| {
             tiles.decode(z, ratio, f)
@@ -73,6 +80,7 @@ fn each_decoder_call_finds_held_what_the_walk_counts() {
         overlap_factor_width: 0.25,
     };
     for (tiles, ratio, (h, w)) in [(cogvideox, 8, (60, 90)), (square, 2, (21, 21))] {
+        assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
         let walk = tiles.walk((h, w), ratio).unwrap();
         assert_walk_holds_what_the_decode_holds(&tiles, walk, (h, w), ratio, |z, f| {
             tiles.decode(z, ratio, f)
