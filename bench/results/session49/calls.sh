@@ -14,6 +14,8 @@
 #      mean 0.00023 of diffusers' f32): diffusers' bf16 and vidgen's bf16 each against vidgen's f32. Then the 8-bit
 #      Hopper kernel with the last tile's P V waited for before the exponentials (c; ptxas hoists the wait to the
 #      tile's start), and d: c with P's packing in the exponentials' basic block, against 767fd08's, interleaved.
+#   4 (carry .device55/attn_bench_p4.xz, .device54/attn_bench.xz): one exponential in four of each tile on the FMA
+#      pipe (a degree-3 fit; ptxas then interleaves the rest of the MUFUs with it), against 767fd08's, interleaved.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
 case $1 in
@@ -101,6 +103,13 @@ PY
      chmod +x /tmp/ab_*
      for c in "14B self" 1.3B "14B self"; do
        for v in now c d; do
+         echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
+           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
+       done
+     done;;
+  4) xz -dc .device54/attn_bench.xz > /tmp/ab_now && xz -dc .device55/attn_bench_p4.xz > /tmp/ab_p4; chmod +x /tmp/ab_*
+     for c in "14B self" 1.3B "14B self"; do
+       for v in now p4; do
          echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
            | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
        done
