@@ -70,19 +70,12 @@ pub fn product_workspace(dtype: DType) -> u64 {
     }
 }
 
-/// Copies of the joint sequence a fused (device) joint attention holds beyond the block's own
-/// tensors: an H200 measured HunyuanVideo's forward at 720x1280x129 at 5.50 GiB above its
-/// weights, eight copies of the 0.68 GiB sequence and the tables, where the block's code holds
-/// six (and the CPU's chunked path measures six: `tests/hunyuan_activations.rs`); the same
-/// before and after its single-stream blocks let their joined copy go (bench/RESULTS.md
-/// session 47), so the peak is a dual-stream block's attention.
-const FUSED_JOINT_ATTENTION_COPIES: u64 = 2;
-
 /// Device bytes of a joint-sequence DiT's blocks at their peak: the larger of an attention over
 /// one sequence of `tokens` rows (`heads` heads `inner` wide in all) holding `copies` copies of
-/// it at once (streams, norms, q/k/v, outputs; [`FUSED_JOINT_ATTENTION_COPIES`] more where it
-/// [`runs_fused`]) with its [`attention_workspace`], and the block's largest other step (`step`
-/// bytes); plus the products' workspace ([`product_workspace`]).
+/// it at once (streams, norms, q/k/v, outputs: the same on the device, where HunyuanVideo's
+/// blocks peaked at six copies at 720x1280x129, bench/RESULTS.md session 49) with its
+/// [`attention_workspace`], and the block's largest other step (`step` bytes); plus the
+/// products' workspace ([`product_workspace`]).
 pub fn joint_block_activations(
     copies: u64,
     heads: usize,
@@ -91,10 +84,6 @@ pub fn joint_block_activations(
     step: u64,
     dtype: DType,
 ) -> u64 {
-    let copies = match runs_fused(dtype) {
-        true => copies + FUSED_JOINT_ATTENTION_COPIES,
-        false => copies,
-    };
     let held = copies * (tokens * inner) as u64 * dtype.size_in_bytes() as u64;
     let attention = held + attention_workspace(1, heads, tokens, inner, dtype);
     attention.max(step) + product_workspace(dtype)

@@ -16,6 +16,9 @@
 #      tile's start), and d: c with P's packing in the exponentials' basic block, against 767fd08's, interleaved.
 #   4 (carry .device55/attn_bench_p4.xz, .device54/attn_bench.xz): one exponential in four of each tile on the FMA
 #      pipe (a degree-3 fit; ptxas then interleaves the rest of the MUFUs with it), against 767fd08's, interleaved.
+#   5 (carry .device55/offload_bench_trace.xz: offload_bench with a temporary trace of the pool's use inside
+#      HunyuanVideo's joint attention, not committed): which tensors hold the dual-stream block's attention peak on
+#      CUDA (the plan counts eight copies of the joint sequence there, the CPU's chunked path six), at 33x320x512.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
 case $1 in
@@ -107,6 +110,9 @@ PY
            | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
        done
      done;;
+  5) xz -dc .device55/offload_bench_trace.xz > /tmp/ob && chmod +x /tmp/ob
+     VIDGEN_TRACE_MEM=1 timeout 300 /tmp/ob synthetic:hunyuanvideo 1 33x320x512 \
+       "none: --dit-layerwise-offload=false --dit-cpu-offload=false" 2>&1 | grep -E "trace|rror|peak" | head -40;;
   4) xz -dc .device54/attn_bench.xz > /tmp/ab_now && xz -dc .device55/attn_bench_p4.xz > /tmp/ab_p4; chmod +x /tmp/ab_*
      for c in "14B self" 1.3B "14B self"; do
        for v in now p4; do

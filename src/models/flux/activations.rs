@@ -26,8 +26,7 @@ pub fn text_encoder_activations(
 
 /// Copies of the joint sequence a block's attention holds at once: the streams, the modulated
 /// norm, q/k/v and one projection's product in flight (the attention's output comes once the
-/// products are gone; q/k/v go before its heads are merged). The fused path holds more
-/// ([`joint_block_activations`]).
+/// products are gone; q/k/v go before its heads are merged).
 const ATTENTION_COPIES: u64 = 6;
 
 /// Device bytes of one transformer forward over `image_tokens` packed tokens and `text_len`

@@ -33,7 +33,7 @@ pub fn text_encoder_activations(
 /// Copies of the joint sequence `[tokens, inner]` a block's attention holds at once: the
 /// streams, the modulated norm, q/k/v and the attention's output (the joined streams go once
 /// normed, q/k/v before the heads are merged; a dual-stream block's joined q/k/v replace its
-/// streams' one at a time). The fused path holds more ([`joint_block_activations`]).
+/// streams' one at a time), on the device as on the host (bench/RESULTS.md session 49).
 const ATTENTION_COPIES: u64 = 6;
 
 /// Copies of the joint sequence the single-stream MLP step holds beside its chunks: the streams,

@@ -1801,7 +1801,10 @@ impl HunyuanVideoTransformer3DModel {
                 ),
             },
         };
-        let h = modulate(&layer_norm(hidden, NORM_EPS)?, &m[1], &m[0])?;
+        // The blocks' fused norm (on CUDA): the composite's f32 temporaries over the video tokens
+        // were the forward's peak, 1.35 GiB above the blocks' at 720x1280x129 (bench/RESULTS.md
+        // session 49).
+        let h = norm_modulate(hidden, &m[1], &m[0])?;
         let h = project(&mut || self.proj_out.forward(&h))?;
         let (pt, p) = (self.cfg.patch_size_t, self.cfg.patch_size);
         unpatchify(&h, inputs.grid, [pt, p, p])
