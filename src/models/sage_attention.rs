@@ -312,6 +312,24 @@ pub(crate) mod tests {
         Ok(())
     }
 
+    /// The values are weighted by the probabilities' e4m3 codes over the codes' sum, so the
+    /// weights sum to one: two keys at probabilities 1 and 0.6 carry codes 448 and 256 (448 x 0.6
+    /// = 268.8 rounds to e4m3's 256), and values +1 and -1 give (448 - 256) / 704, not the
+    /// (448 - 256) / 716.8 a sum of the unrounded probabilities would.
+    #[test]
+    fn values_are_weighted_by_the_codes_over_their_sum() -> Result<()> {
+        let dev = Device::Cpu;
+        // Smoothed keys +-a score +-a log2(e) against the query: p = e^(-2a) for the second.
+        let a = -(0.6f32.ln()) / 2.0;
+        let q = Tensor::new(&[1f32, 0.0], &dev)?.reshape((1, 1, 1, 2))?;
+        let k = Tensor::new(&[a, 0.0, -a, 0.0], &dev)?.reshape((1, 1, 2, 2))?;
+        let v = Tensor::new(&[1f32, 0.0, -1.0, 0.0], &dev)?.reshape((1, 1, 2, 2))?;
+        let out: Vec<f32> = attend_host(&q, &k, &v, 1.0)?.flatten_all()?.to_vec1()?;
+        assert!((out[0] - 192.0 / 704.0).abs() < 1e-6, "{out:?}");
+        assert_eq!(out[1], 0.0);
+        Ok(())
+    }
+
     /// Adding one vector to every key shifts each query's scores by a constant, which the
     /// smoothing removes before quantizing: the output stays (to rounding of the mean).
     #[test]
