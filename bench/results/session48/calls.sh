@@ -75,10 +75,5 @@ PY
      timeout 150 /tmp/lt --test-threads=1 sage_kernels attention::cuda_tests 2>&1 | grep -E "^test |panicked|result:"
      xz -dc .device51/attn_bench.xz > /tmp/ab_base && xz -dc .device53/attn_bench.xz > /tmp/ab_now
      chmod +x /tmp/ab_base /tmp/ab_now
-     for c in "14B self" 1.3B "14B self"; do
-       for v in base now; do
-         echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
-           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
-       done
-     done;;
+     bash bench/sage_ab.sh base=/tmp/ab_base now=/tmp/ab_now;;
 esac

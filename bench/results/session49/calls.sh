@@ -27,12 +27,7 @@ case $1 in
      nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
      timeout 150 /tmp/lib_tests --test-threads=1 --nocapture sage_kernels attention::cuda_tests 2>&1 \
        | grep -E "^test |panicked|result:|to host"
-     for c in "14B self" 1.3B "14B self"; do
-       for v in _base ""; do
-         echo "-- attn_bench$v $c"; timeout 60 /tmp/attn_bench$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
-           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
-       done
-     done
+     bash bench/sage_ab.sh attn_bench_base=/tmp/attn_bench_base attn_bench=/tmp/attn_bench
      echo "== tiled decodes (used_peak_gib above weights and latents)"
      for s in "flux.1-dev 1,16,1,192,192" "flux.1-dev 1,16,1,256,256" "cogvideox-5b 1,16,13,60,90"; do
        set -- $s
@@ -66,12 +61,7 @@ for h, v in zip(head, vals):
      e2e 280 --family mochi-1 --out $OUT/bf16 --diffusers-frames /dev/shm/mochi-f32.npy; date
      xz -dc .device54/attn_bench.xz > /tmp/ab_now && xz -dc .device55/attn_bench_prefetch.xz > /tmp/ab_prefetch
      chmod +x /tmp/ab_now /tmp/ab_prefetch
-     for c in "14B self" 1.3B "14B self"; do
-       for v in now prefetch; do
-         echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "round" \
-           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
-       done
-     done
+     bash bench/sage_ab.sh now=/tmp/ab_now prefetch=/tmp/ab_prefetch
      echo "== stall samples by instruction, 8-bit Hopper kernel (767fd08), 1.3B self"
      timeout 120 ncu --set full --import-source no -k regex:sage_fwd_sm90 --launch-count 1 -o $OUT/sage /tmp/ab_now sage 1.3B \
        > $OUT/ncu.log 2>&1; echo "ncu exit $?"
@@ -104,20 +94,10 @@ for name, x, ref in [("vidgen bf16 vs vidgen f32", bf16, f32), ("diffusers bf16 
 PY
      xz -dc .device54/attn_bench.xz > /tmp/ab_now; for v in c d; do xz -dc .device55/attn_bench_$v.xz > /tmp/ab_$v; done
      chmod +x /tmp/ab_*
-     for c in "14B self" 1.3B "14B self"; do
-       for v in now c d; do
-         echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
-           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
-       done
-     done;;
+     bash bench/sage_ab.sh now=/tmp/ab_now c=/tmp/ab_c d=/tmp/ab_d;;
   5) xz -dc .device55/offload_bench_trace.xz > /tmp/ob && chmod +x /tmp/ob
      VIDGEN_TRACE_MEM=1 timeout 300 /tmp/ob synthetic:hunyuanvideo 1 33x320x512 \
        "none: --dit-layerwise-offload=false --dit-cpu-offload=false" 2>&1 | grep -E "trace|rror|peak" | head -40;;
   4) xz -dc .device54/attn_bench.xz > /tmp/ab_now && xz -dc .device55/attn_bench_p4.xz > /tmp/ab_p4; chmod +x /tmp/ab_*
-     for c in "14B self" 1.3B "14B self"; do
-       for v in now p4; do
-         echo "-- $v $c"; timeout 60 /tmp/ab_$v sage "$c" 2>&1 | grep -E "sage sm90 vs|round" \
-           | sed -E 's/, portable.*sage m1 [^,]*//; s/, sage gb10.*//; s/ vs f32//'
-       done
-     done;;
+     bash bench/sage_ab.sh now=/tmp/ab_now p4=/tmp/ab_p4;;
 esac
