@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
-use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles, TileWalk};
+use vidgen::models::vae_tiling::{OverlapTiles, SampleTiles, SpatialTiling};
 
 #[global_allocator]
 static ALLOCATOR: common::heap::Counting = common::heap::Counting;
@@ -17,26 +17,27 @@ static ALLOCATOR: common::heap::Counting = common::heap::Counting;
 const CHANNELS: usize = 16;
 const SLACK: usize = 16 << 10;
 
-/// Checks `walk` against the decoder calls of `decode` over zero latents of `(h, w)` (its
-/// decoder makes zeros of `ratio` video pixels per latent pixel) and the heap bytes held, above
-/// what was held before, as each begins.
+/// Checks the walk of `tiles` over latents of `(h, w)` against the decoder calls of their decode
+/// of zero latents (its decoder makes zeros of `ratio` video pixels per latent pixel) and the
+/// heap bytes held, above what was held before, as each begins.
 fn assert_walk_holds_what_the_decode_holds(
-    tiles: &dyn std::fmt::Debug,
-    walk: TileWalk,
+    tiles: &(impl SpatialTiling + std::fmt::Debug),
     (h, w): (usize, usize),
     ratio: usize,
-    decode: impl FnOnce(&Tensor, &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) {
+    assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
+    let walk = tiles.walk((h, w), ratio).unwrap();
     let z = Tensor::zeros((1, 1, h, w), DType::F32, &Device::Cpu).unwrap();
     let (mut held, mut pixels) = (Vec::with_capacity(walk.calls.len()), Vec::new());
     let before = common::heap::start();
-    let out = decode(&z, &mut |part| {
-        held.push(common::heap::held_above(before));
-        let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
-        pixels.push((ph * pw) as u64);
-        Tensor::zeros((1, CHANNELS, ph, pw), DType::F32, &Device::Cpu)
-    })
-    .unwrap();
+    let out = tiles
+        .decode(&z, ratio, |part: &Tensor| -> Result<Tensor> {
+            held.push(common::heap::held_above(before));
+            let (ph, pw) = (part.dim(2)? * ratio, part.dim(3)? * ratio);
+            pixels.push((ph * pw) as u64);
+            Tensor::zeros((1, CHANNELS, ph, pw), DType::F32, &Device::Cpu)
+        })
+        .unwrap();
     let frame = (out.dim(2).unwrap() * out.dim(3).unwrap()) as u64;
     drop(out);
     let planned: Vec<u64> = walk.calls.iter().map(|&(p, _)| p).collect();
@@ -60,11 +61,7 @@ fn each_decoder_call_finds_held_what_the_walk_counts() {
         (SampleTiles::square(512, 448), 32, (16, 22)),
         (SampleTiles::square(16, 12), 2, (20, 20)),
     ] {
-        assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
-        let walk = tiles.walk((h, w), ratio).unwrap();
-        assert_walk_holds_what_the_decode_holds(&tiles, walk, (h, w), ratio, |z, f| {
-            tiles.decode(z, ratio, f)
-        });
+        assert_walk_holds_what_the_decode_holds(&tiles, (h, w), ratio);
     }
     // CogVideoX's tiles over 49x480x720 and a square frame.
     let cogvideox = OverlapTiles {
@@ -80,10 +77,6 @@ fn each_decoder_call_finds_held_what_the_walk_counts() {
         overlap_factor_width: 0.25,
     };
     for (tiles, ratio, (h, w)) in [(cogvideox, 8, (60, 90)), (square, 2, (21, 21))] {
-        assert_eq!(tiles.walk((4, 4), ratio), None, "one tile is decoded whole");
-        let walk = tiles.walk((h, w), ratio).unwrap();
-        assert_walk_holds_what_the_decode_holds(&tiles, walk, (h, w), ratio, |z, f| {
-            tiles.decode(z, ratio, f)
-        });
+        assert_walk_holds_what_the_decode_holds(&tiles, (h, w), ratio);
     }
 }

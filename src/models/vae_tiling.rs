@@ -223,6 +223,61 @@ impl TileWalk {
     }
 }
 
+/// What the two tilings share: tiles of a size in video pixels starting a stride apart in latent
+/// pixels, each keeping part of its decoded pixels and blending the rest into the next; the
+/// memory plan's walk and the decode both follow from them ([`spatial_tiles`]).
+pub trait SpatialTiling {
+    /// The tile in video pixels (height, width).
+    fn min_size(&self) -> (usize, usize);
+    /// The distance between tile starts, in latent pixels of `ratio` video pixels.
+    fn latent_stride(&self, ratio: usize) -> (usize, usize);
+    /// The overlap blended into the next tile, in video pixels.
+    fn blend(&self) -> (usize, usize);
+    /// The video pixels each tile keeps.
+    fn kept(&self) -> (usize, usize);
+    /// The size the blended `frame` (the latents' size in video pixels) is cropped to.
+    fn crop(&self, frame: (usize, usize)) -> (usize, usize);
+
+    /// The tile in latent pixels (diffusers' `tile_latent_min_*`).
+    fn latent_tile(&self, ratio: usize) -> (usize, usize) {
+        let (h, w) = self.min_size();
+        (h / ratio, w / ratio)
+    }
+
+    /// Whether latents of `h` x `w` are larger than one tile (diffusers' condition for
+    /// `tiled_decode`).
+    fn splits(&self, (h, w): (usize, usize), ratio: usize) -> bool {
+        let (min_h, min_w) = self.latent_tile(ratio);
+        w > min_w || h > min_h
+    }
+
+    /// The decoder calls of a decode of latents `(h, w)` in these tiles, in the order
+    /// [`spatial_tiles`] makes them, with what each finds held; `None` where the latents fit in
+    /// one tile and are decoded whole.
+    fn walk(&self, (h, w): (usize, usize), ratio: usize) -> Option<TileWalk> {
+        let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
+        self.splits((h, w), ratio)
+            .then(|| TileWalk::of_spatial_tiles((h, w), tiles, self.kept(), ratio))
+    }
+
+    /// diffusers' `tiled_decode` of latents `z` (height and width last) with `ratio` video
+    /// pixels per latent pixel: each tile through `decode`, blended in video pixels.
+    fn decode(
+        &self,
+        z: &Tensor,
+        ratio: usize,
+        decode: impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let (h, w) = (z.dim(z.rank() - 2)?, z.dim(z.rank() - 1)?);
+        spatial_tiles(
+            z,
+            (self.latent_tile(ratio), self.latent_stride(ratio)),
+            (self.blend(), self.kept(), self.crop((h * ratio, w * ratio))),
+            decode,
+        )
+    }
+}
+
 /// Spatial tiles in video pixels, as `enable_tiling(tile_sample_min_*, tile_sample_stride_*)`
 /// of HunyuanVideo's, LTX-Video's and Mochi-1's VAEs takes them: tiles of `min` pixels start
 /// every `stride` pixels and the `min - stride` overlap is blended.
@@ -263,56 +318,32 @@ impl SampleTiles {
         }
         Ok(())
     }
+}
 
-    /// The tile in latent pixels (diffusers' `tile_latent_min_*`).
-    pub fn latent_tile(&self, ratio: usize) -> (usize, usize) {
-        (self.min_height / ratio, self.min_width / ratio)
+impl SpatialTiling for SampleTiles {
+    fn min_size(&self) -> (usize, usize) {
+        (self.min_height, self.min_width)
     }
 
-    /// Whether latents of `h` x `w` are larger than one tile (diffusers' condition for
-    /// `tiled_decode`).
-    pub fn splits(&self, (h, w): (usize, usize), ratio: usize) -> bool {
-        let (min_h, min_w) = self.latent_tile(ratio);
-        w > min_w || h > min_h
-    }
-
-    /// The distance between tile starts, in latent pixels (diffusers' `tile_latent_stride_*`).
+    /// diffusers' `tile_latent_stride_*`.
     fn latent_stride(&self, ratio: usize) -> (usize, usize) {
         (self.stride_height / ratio, self.stride_width / ratio)
     }
 
-    /// The decoder calls of a decode of latents `(h, w)` in these tiles, in the order
-    /// [`spatial_tiles`] makes them, with what each finds held; `None` where the latents fit in
-    /// one tile and are decoded whole.
-    pub fn walk(&self, (h, w): (usize, usize), ratio: usize) -> Option<TileWalk> {
-        let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
-        let kept = (self.stride_height, self.stride_width);
-        self.splits((h, w), ratio)
-            .then(|| TileWalk::of_spatial_tiles((h, w), tiles, kept, ratio))
+    fn blend(&self) -> (usize, usize) {
+        (
+            self.min_height - self.stride_height,
+            self.min_width - self.stride_width,
+        )
     }
 
-    /// diffusers' `tiled_decode` of latents `z` (height and width last) with `ratio` video
-    /// pixels per latent pixel: each tile through `decode`, blended in video pixels.
-    pub fn decode(
-        &self,
-        z: &Tensor,
-        ratio: usize,
-        decode: impl FnMut(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        let (h, w) = (z.dim(z.rank() - 2)?, z.dim(z.rank() - 1)?);
-        spatial_tiles(
-            z,
-            (self.latent_tile(ratio), self.latent_stride(ratio)),
-            (
-                (
-                    self.min_height - self.stride_height,
-                    self.min_width - self.stride_width,
-                ),
-                (self.stride_height, self.stride_width),
-                (h * ratio, w * ratio),
-            ),
-            decode,
-        )
+    fn kept(&self) -> (usize, usize) {
+        (self.stride_height, self.stride_width)
+    }
+
+    /// The frame, cropped to the latents' size.
+    fn crop(&self, frame: (usize, usize)) -> (usize, usize) {
+        frame
     }
 }
 
@@ -330,35 +361,6 @@ pub struct OverlapTiles {
 }
 
 impl OverlapTiles {
-    /// The tile in latent pixels (diffusers' `tile_latent_min_*`).
-    pub fn latent_tile(&self, ratio: usize) -> (usize, usize) {
-        (self.min_height / ratio, self.min_width / ratio)
-    }
-
-    /// The distance between tile starts, in latent pixels (diffusers' `overlap_*`).
-    fn latent_stride(&self, ratio: usize) -> (usize, usize) {
-        let (h, w) = self.latent_tile(ratio);
-        (
-            (h as f64 * (1.0 - self.overlap_factor_height)) as usize,
-            (w as f64 * (1.0 - self.overlap_factor_width)) as usize,
-        )
-    }
-
-    /// The blended overlap, in video pixels (diffusers' `blend_extent_*`).
-    fn blend_extent(&self) -> (usize, usize) {
-        (
-            (self.min_height as f64 * self.overlap_factor_height) as usize,
-            (self.min_width as f64 * self.overlap_factor_width) as usize,
-        )
-    }
-
-    /// The video pixels each tile keeps, the rest blended into the next (diffusers'
-    /// `row_limit_*`).
-    fn kept(&self) -> (usize, usize) {
-        let blend = self.blend_extent();
-        (self.min_height - blend.0, self.min_width - blend.1)
-    }
-
     /// Factors in [0, 1) that leave tiles of at least one latent pixel a step apart.
     pub fn validate(&self, ratio: usize) -> Result<()> {
         let factors = [self.overlap_factor_height, self.overlap_factor_width];
@@ -374,37 +376,39 @@ impl OverlapTiles {
         }
         Ok(())
     }
+}
 
-    /// Whether latents of `h` x `w` are larger than one tile (diffusers' condition for
-    /// `tiled_decode`).
-    pub fn splits(&self, (h, w): (usize, usize), ratio: usize) -> bool {
-        let (min_h, min_w) = self.latent_tile(ratio);
-        w > min_w || h > min_h
+impl SpatialTiling for OverlapTiles {
+    fn min_size(&self) -> (usize, usize) {
+        (self.min_height, self.min_width)
     }
 
-    /// The decoder calls of a decode of latents `(h, w)` in these tiles, in the order
-    /// [`spatial_tiles`] makes them, with what each finds held; `None` where the latents fit in
-    /// one tile and are decoded whole.
-    pub fn walk(&self, (h, w): (usize, usize), ratio: usize) -> Option<TileWalk> {
-        let tiles = (self.latent_tile(ratio), self.latent_stride(ratio));
-        self.splits((h, w), ratio)
-            .then(|| TileWalk::of_spatial_tiles((h, w), tiles, self.kept(), ratio))
-    }
-
-    /// diffusers' `tiled_decode` of latents `z` (height and width last) with `ratio` video
-    /// pixels per latent pixel: each tile through `decode`, blended in video pixels.
-    pub fn decode(
-        &self,
-        z: &Tensor,
-        ratio: usize,
-        decode: impl FnMut(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        spatial_tiles(
-            z,
-            (self.latent_tile(ratio), self.latent_stride(ratio)),
-            (self.blend_extent(), self.kept(), (usize::MAX, usize::MAX)),
-            decode,
+    /// diffusers' `overlap_*`.
+    fn latent_stride(&self, ratio: usize) -> (usize, usize) {
+        let (h, w) = self.latent_tile(ratio);
+        (
+            (h as f64 * (1.0 - self.overlap_factor_height)) as usize,
+            (w as f64 * (1.0 - self.overlap_factor_width)) as usize,
         )
+    }
+
+    /// diffusers' `blend_extent_*`.
+    fn blend(&self) -> (usize, usize) {
+        (
+            (self.min_height as f64 * self.overlap_factor_height) as usize,
+            (self.min_width as f64 * self.overlap_factor_width) as usize,
+        )
+    }
+
+    /// diffusers' `row_limit_*`.
+    fn kept(&self) -> (usize, usize) {
+        let blend = self.blend();
+        (self.min_height - blend.0, self.min_width - blend.1)
+    }
+
+    /// The frame as the tiles leave it: not cropped.
+    fn crop(&self, _frame: (usize, usize)) -> (usize, usize) {
+        (usize::MAX, usize::MAX)
     }
 }
 

@@ -15,7 +15,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::models::attention::MAX_SCORE_ELEMENTS;
-use crate::models::vae_tiling::OverlapTiles;
+use crate::models::vae_tiling::{OverlapTiles, SpatialTiling};
 use crate::models::video::VideoVae;
 
 use blocks::{Conv2d, Decoder, Encoder};

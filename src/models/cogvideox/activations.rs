@@ -6,6 +6,7 @@ use super::vae::CogVideoXVaeConfig;
 use crate::models::attention::{attention_workspace, product_workspace, runs_fused};
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::t5::encoder::T5Config;
+use crate::models::vae_tiling::SpatialTiling;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 

@@ -16,7 +16,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::models::conv3d::{self, Kernel3d};
-use crate::models::vae_tiling::OverlapTiles;
+use crate::models::vae_tiling::{OverlapTiles, SpatialTiling};
 use crate::models::video::VideoVae;
 
 /// GroupNorm epsilon that diffusers fixes whatever the config says: the decoder's spatial norms

@@ -28,7 +28,7 @@ use crate::models::attention::sdpa;
 use crate::models::conv3d::{self, Kernel3d};
 use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
 use crate::models::vae_tiling::{
-    decode_frame_tiles, spatial_tiles, temporal_tiles, Dropped, SampleTiles,
+    decode_frame_tiles, spatial_tiles, temporal_tiles, Dropped, SampleTiles, SpatialTiling,
 };
 
 /// Epsilon of every GroupNorm of the decoder (hard-coded in diffusers).

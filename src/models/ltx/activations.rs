@@ -5,6 +5,7 @@
 use super::transformer::LtxTransformerConfig;
 use super::vae::{LtxVaeConfig, LtxVaeTiling};
 use crate::models::t5::encoder::T5Config;
+use crate::models::vae_tiling::SpatialTiling;
 use candle_core::DType;
 
 /// Device bytes of one T5 forward over `batch` prompts of `len` tokens: a few hidden-state

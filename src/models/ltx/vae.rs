@@ -15,7 +15,7 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::conv3d;
-use crate::models::vae_tiling::{decode_frame_tiles, Dropped, SampleTiles};
+use crate::models::vae_tiling::{decode_frame_tiles, Dropped, SampleTiles, SpatialTiling};
 use crate::models::video::VideoVae;
 use crate::models::wan::transformer::timestep_embedding;
 use crate::rng::TorchGenerator;

@@ -4,6 +4,7 @@
 use super::transformer::MochiTransformerConfig;
 use super::vae::MochiVaeConfig;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
+use crate::models::vae_tiling::SpatialTiling;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
 

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use crate::models::hunyuan_video::vae::CausalConv3d;
 use crate::models::runs::{fused_group_norm, in_runs, GroupNormSpec, Rounding};
-use crate::models::vae_tiling::SampleTiles;
+use crate::models::vae_tiling::{SampleTiles, SpatialTiling};
 use crate::models::video::VideoVae;
 
 /// Groups of every GroupNorm (hard-coded in `MochiChunkedGroupNorm3D`).
