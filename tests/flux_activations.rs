@@ -76,16 +76,12 @@ fn measured_mlp_step(model: &FluxTransformer2DModel, image: usize, text: usize) 
     .unwrap();
     let streams = prepared.take_streams().unwrap();
     let single = cfg.num_layers;
-    let step = |s| {
-        FluxBlock::with_steps(
-            cfg,
-            single,
-            VarBuilder::zeros(DType::F32, &Device::Cpu),
-            &[s],
-        )
-        .unwrap()
+    let steps = |s: &[BlockStep]| {
+        FluxBlock::with_steps(cfg, single, VarBuilder::zeros(DType::F32, &Device::Cpu), s)
+            .unwrap()
     };
-    let (attention, mlp) = (step(BlockStep::SingleAttention), step(BlockStep::SingleMlp));
+    let attention = steps(&[BlockStep::SingleModulation, BlockStep::SingleAttention]);
+    let mlp = steps(&[BlockStep::SingleMlp]);
     let (carry, peak) = common::heap::handed_on_and_peak(
         || attention.forward(&streams, &prepared).unwrap(),
         |carried| mlp.forward(carried, &prepared).unwrap(),

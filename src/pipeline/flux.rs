@@ -461,7 +461,7 @@ mod tests {
         assert_eq!(kinds, want);
         // Leaf level: every step its own group, none above the single-stream MLP step.
         let leaf = layout(streamed(1, true))?;
-        assert_eq!(leaf.len(), 5 * cfg.num_layers + 2 * cfg.num_single_layers);
+        assert_eq!(leaf.len(), 8 * cfg.num_layers + 3 * cfg.num_single_layers);
         assert_within_mlp_step(&leaf, cfg.inner_dim(), cfg.mlp_dim());
         let outer = built_names(|vb| FluxTransformer2DModel::new_without_blocks(&cfg, vb))?;
         let mut split: Vec<String> = leaf.iter().flat_map(names).chain(outer).collect();

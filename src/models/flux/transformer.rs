@@ -26,7 +26,7 @@ use crate::models::step_cache::{
 };
 // The AdaLN-Zero pieces FLUX shares with HunyuanVideo's dual/single-stream DiT (fused on CUDA).
 use crate::models::hunyuan_video::transformer::{
-    gated, gated_joint_attention, merge_heads, norm_modulate, Act, Mlp, Modulation, QkvProjection,
+    gated, gated_joint_attention, merge_heads, norm_modulate, Mlp, Modulation, QkvProjection,
 };
 use crate::models::projection::{project, project_gelu_tanh};
 use crate::models::wan::transformer::timestep_embedding;
@@ -181,33 +181,48 @@ impl BlockKind {
                 BlockStep::ImageModulation,
                 BlockStep::TextModulation,
                 BlockStep::JointAttention,
-                BlockStep::ImageFeedForward,
-                BlockStep::TextFeedForward,
+                BlockStep::AttentionOutput,
+                BlockStep::ImageFeedForwardIn,
+                BlockStep::ImageFeedForwardOut,
+                BlockStep::TextFeedForwardIn,
+                BlockStep::TextFeedForwardOut,
             ],
-            BlockKind::SingleStream => &[BlockStep::SingleAttention, BlockStep::SingleMlp],
+            BlockKind::SingleStream => &[
+                BlockStep::SingleModulation,
+                BlockStep::SingleAttention,
+                BlockStep::SingleMlp,
+            ],
         }
     }
 }
 
 /// The steps of a block, in execution order, each holding a disjoint part of the block's
-/// weights (at most ~170 MB in bf16 at the published size, the single-stream MLP). A block
-/// built with only some of them runs just those, with exactly the arithmetic of the whole
-/// block, and hands what later steps need on in [`Streams`].
+/// weights (at most ~170 MB in bf16 at the published size, the single-stream MLP, whose two
+/// products run by halves of the rows). A block built with only some of them runs just those,
+/// with exactly the arithmetic of the whole block, and hands what later steps need on in
+/// [`Streams`]. Steps this fine keep leaf level's weights in flight small where the
+/// activations peak: beside the single-stream MLP only a modulation is copied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockStep {
     /// Dual-stream: `norm1.linear`, the image stream's six modulations.
     ImageModulation,
     /// Dual-stream: `norm1_context.linear`, the text stream's six modulations.
     TextModulation,
-    /// Dual-stream: both streams' modulated norms, q/k/v, joint attention, `to_out` and
-    /// `to_add_out`, the gated residuals.
+    /// Dual-stream: both streams' modulated norms, q/k/v and the joint attention.
     JointAttention,
-    /// Dual-stream: the image stream's modulated norm, `ff`, gated residual.
-    ImageFeedForward,
-    /// Dual-stream: the text stream's modulated norm, `ff_context`, gated residual.
-    TextFeedForward,
-    /// Single-stream: the modulation (`norm`), the modulated norm of [text; image], q/k/v and
-    /// attention.
+    /// Dual-stream: `to_out` and `to_add_out` over the attention, the gated residuals.
+    AttentionOutput,
+    /// Dual-stream: the image stream's modulated norm, `ff.net.0.proj` and its GELU.
+    ImageFeedForwardIn,
+    /// Dual-stream: `ff.net.2`, the image stream's gated residual.
+    ImageFeedForwardOut,
+    /// Dual-stream: the text stream's modulated norm, `ff_context.net.0.proj` and its GELU.
+    TextFeedForwardIn,
+    /// Dual-stream: `ff_context.net.2`, the text stream's gated residual.
+    TextFeedForwardOut,
+    /// Single-stream: the modulation (`norm.linear`).
+    SingleModulation,
+    /// Single-stream: the modulated norm of [text; image], q/k/v and attention.
     SingleAttention,
     /// Single-stream: `proj_mlp`, `proj_out` over [attention; MLP], gated residual.
     SingleMlp,
@@ -256,17 +271,26 @@ impl Streams {
     }
 }
 
+/// What a dual-stream block's earlier steps hand its later ones: each stream's six modulation
+/// chunks, the joint attention's output before its projections, and each stream's
+/// feed-forward hidden layer, as far as computed.
+#[derive(Debug, Clone, Default)]
+struct DualCarry {
+    image: Option<Vec<Tensor>>,
+    text: Option<Vec<Tensor>>,
+    attended: Option<Tensor>,
+    image_hidden: Option<Tensor>,
+    text_hidden: Option<Tensor>,
+}
+
 /// What a block's earlier steps hand its later ones.
 #[derive(Debug, Clone)]
 enum Carry {
     /// Between blocks.
     None,
-    /// Dual-stream: the six modulation chunks of the image and of the text stream, once
-    /// computed.
-    DualStream {
-        image: Option<Vec<Tensor>>,
-        text: Option<Vec<Tensor>>,
-    },
+    DualStream(Box<DualCarry>),
+    /// Single-stream: the modulation's three chunks (shift, scale, gate).
+    SingleModulated(Vec<Tensor>),
     /// Single-stream: the modulated norm of [text; image], the attention's output and the
     /// gate.
     SingleStream {
@@ -281,6 +305,11 @@ fn out_of_order(step: BlockStep) -> candle_core::Error {
     candle_core::Error::Msg(format!(
         "FLUX block step {step:?} run without its block's earlier steps (steps must run in order)"
     ))
+}
+
+/// What `step` needs from an earlier step of its block.
+fn needed<T: Clone>(value: &Option<T>, step: BlockStep) -> Result<T> {
+    value.clone().ok_or_else(|| out_of_order(step))
 }
 
 /// The rows `start..start + len` of the RoPE table: the positions of one stream in the joint
@@ -301,87 +330,92 @@ fn attention(q: Tensor, k: Tensor, v: Tensor) -> Result<Tensor> {
     merge_heads(&out)
 }
 
-/// The joint attention of a dual-stream block with both streams' modulations.
-#[derive(Debug, Clone)]
-struct JointAttention {
-    image_qkv: QkvProjection,
-    text_qkv: QkvProjection,
-    to_out: Linear,
-    to_add_out: Linear,
+/// Both streams' modulated norms with their modulations `m` and `c` (chunks: shift_msa,
+/// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp), each projected to q/k/v and rotated
+/// at its positions, and the joint attention over [text; image]: `[B, L + N, inner]`.
+fn attend(
+    (image_qkv, text_qkv): &(QkvProjection, QkvProjection),
+    (image, text): (&Tensor, &Tensor),
+    m: &[Tensor],
+    c: &[Tensor],
+    inputs: &BlockInputs,
+) -> Result<Tensor> {
+    let (text_len, image_len) = (text.dim(1)?, image.dim(1)?);
+    // Each modulated norm goes once projected.
+    let (cos, sin) = rope_rows(inputs, text_len, image_len)?;
+    let (q, k, v) = image_qkv.forward(&norm_modulate(image, &m[0], &m[1])?, Some((&cos, &sin)))?;
+    let (cos, sin) = rope_rows(inputs, 0, text_len)?;
+    let (tq, tk, tv) = text_qkv.forward(&norm_modulate(text, &c[0], &c[1])?, Some((&cos, &sin)))?;
+    let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
+    attention(cat(tq, q)?, cat(tk, k)?, cat(tv, v)?)
 }
 
-impl JointAttention {
-    fn new(cfg: &FluxTransformerConfig, vb: &VarBuilder) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        let attn = vb.pp("attn");
-        let (image_qkv, text_qkv) =
-            QkvProjection::joint((cfg.num_attention_heads, cfg.attention_head_dim), &attn)?;
+/// `to_out` and `to_add_out` over the joint attention's output `[B, L + N, inner]` of a text
+/// of `text_len` tokens: `attn`'s image and text outputs.
+fn project_attended(
+    (to_out, to_add_out): &(Linear, Linear),
+    attended: &Tensor,
+    text_len: usize,
+) -> Result<(Tensor, Tensor)> {
+    let image_len = attended.dim(1)? - text_len;
+    let attn_image = project(to_out, &attended.narrow(1, text_len, image_len)?)?;
+    let attn_text = project(to_add_out, &attended.narrow(1, 0, text_len)?)?;
+    Ok((attn_image, attn_text))
+}
+
+/// A stream's feed-forward (diffusers `FeedForward`, GELU-tanh), or one of its two steps:
+/// `net.0.proj` with its GELU, and `net.2`.
+#[derive(Debug, Clone)]
+struct FeedForward {
+    proj: Option<Linear>,
+    out: Option<Linear>,
+}
+
+impl FeedForward {
+    /// The halves of the feed-forward at `vb` that `(proj, out)` ask for.
+    fn new(cfg: &FluxTransformerConfig, vb: VarBuilder, (proj, out): (bool, bool)) -> Result<Self> {
+        let (dim, hidden) = (cfg.inner_dim(), cfg.mlp_dim());
         Ok(Self {
-            image_qkv,
-            text_qkv,
-            to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
-            to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+            proj: proj
+                .then(|| candle_nn::linear(dim, hidden, vb.pp("net.0.proj")))
+                .transpose()?,
+            out: out
+                .then(|| candle_nn::linear(hidden, dim, vb.pp("net.2")))
+                .transpose()?,
         })
     }
 
-    /// Both streams' modulated norms with their modulations `m` and `c` (chunks: shift_msa,
-    /// scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp), joint attention over
-    /// [text; image] and the gated residuals: the new image and text streams.
-    /// The module's outputs (`attn`'s image and text outputs after `to_out` / `to_add_out`)
-    /// go through `hooks`.
+    /// The stream `x` after the steps this holds, with its modulation `m` (chunks 3, 4, 5:
+    /// the modulated norm's shift and scale, the residual's gate): the modulated norm through
+    /// `net.0.proj` and GELU becomes `hidden`; `net.2` of `hidden` (the module's output, which
+    /// goes through `hooks` as `module`) is added to `x` gated. Whole, the module runs at once
+    /// inside `hooks`, so a step cache that stands in for it skips all of it.
     fn forward(
         &self,
-        (image, text): (&Tensor, &Tensor),
+        module: Submodule,
+        x: Tensor,
         m: &[Tensor],
-        c: &[Tensor],
-        inputs: &BlockInputs,
+        hidden: &mut Option<Tensor>,
         hooks: &mut dyn BlockHooks,
-    ) -> Result<(Tensor, Tensor)> {
-        gated_joint_attention(hooks, (image, text), (m, c), || {
-            self.attend((image, text), m, c, inputs)
-        })
-    }
-
-    /// `attn` itself: both streams' modulated norms, the joint attention over [text; image],
-    /// and its output projections.
-    fn attend(
-        &self,
-        (image, text): (&Tensor, &Tensor),
-        m: &[Tensor],
-        c: &[Tensor],
-        inputs: &BlockInputs,
-    ) -> Result<(Tensor, Tensor)> {
-        let (text_len, image_len) = (text.dim(1)?, image.dim(1)?);
-        let out = {
-            // Each stream rotated at its own positions of [text; image]; each modulated norm
-            // goes once projected.
-            let (cos, sin) = rope_rows(inputs, text_len, image_len)?;
-            let (q, k, v) = self
-                .image_qkv
-                .forward(&norm_modulate(image, &m[0], &m[1])?, Some((&cos, &sin)))?;
-            let (cos, sin) = rope_rows(inputs, 0, text_len)?;
-            let (tq, tk, tv) = self
-                .text_qkv
-                .forward(&norm_modulate(text, &c[0], &c[1])?, Some((&cos, &sin)))?;
-            let cat = |a: Tensor, b: Tensor| Tensor::cat(&[a, b], 2);
-            attention(cat(tq, q)?, cat(tk, k)?, cat(tv, v)?)?
+        out_step: BlockStep,
+    ) -> Result<Tensor> {
+        let expand = |proj: &Linear| project_gelu_tanh(proj, &norm_modulate(&x, &m[3], &m[4])?);
+        let out = match (&self.proj, &self.out) {
+            (Some(proj), Some(out)) => {
+                hooks.output(module, &mut || project(out, &expand(proj)?))?
+            }
+            (Some(proj), None) => {
+                *hidden = Some(expand(proj)?);
+                return Ok(x);
+            }
+            (None, Some(out)) => {
+                let h = hidden.take().ok_or_else(|| out_of_order(out_step))?;
+                hooks.output(module, &mut || project(out, &h))?
+            }
+            (None, None) => return Ok(x),
         };
-        let attn_image = project(&self.to_out, &out.narrow(1, text_len, image_len)?)?;
-        let attn_text = project(&self.to_add_out, &out.narrow(1, 0, text_len)?)?;
-        Ok((attn_image, attn_text))
+        gated(&x, out, &m[5])
     }
-}
-
-/// A stream's modulated feed-forward (`module`, whose output goes through `hooks`) with its
-/// gated residual (chunks 3, 4, 5 of `m`).
-fn feed_forward(
-    (ff, module): (&Mlp, Submodule),
-    x: &Tensor,
-    m: &[Tensor],
-    hooks: &mut dyn BlockHooks,
-) -> Result<Tensor> {
-    let out = hooks.output(module, &mut || ff.forward(&norm_modulate(x, &m[3], &m[4])?))?;
-    gated(x, out, &m[5])
 }
 
 /// One dual-stream block (diffusers `FluxTransformerBlock`), or some of its steps.
@@ -389,9 +423,12 @@ fn feed_forward(
 pub struct FluxTransformerBlock {
     norm1: Option<Modulation>,
     norm1_context: Option<Modulation>,
-    attn: Option<JointAttention>,
-    ff: Option<Mlp>,
-    ff_context: Option<Mlp>,
+    /// `attn`'s q/k/v of the image and of the text stream.
+    qkv: Option<(QkvProjection, QkvProjection)>,
+    /// `attn.to_out.0` and `attn.to_add_out`.
+    projections: Option<(Linear, Linear)>,
+    ff: FeedForward,
+    ff_context: FeedForward,
 }
 
 impl FluxTransformerBlock {
@@ -403,7 +440,8 @@ impl FluxTransformerBlock {
     ) -> Result<Self> {
         let dim = cfg.inner_dim();
         let has = |s| steps.contains(&s);
-        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp(name));
+        let attn = vb.pp("attn");
+        let heads = (cfg.num_attention_heads, cfg.attention_head_dim);
         Ok(Self {
             norm1: has(BlockStep::ImageModulation)
                 .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
@@ -411,57 +449,101 @@ impl FluxTransformerBlock {
             norm1_context: has(BlockStep::TextModulation)
                 .then(|| Modulation::new(dim, 6, vb.pp("norm1_context")))
                 .transpose()?,
-            attn: has(BlockStep::JointAttention)
-                .then(|| JointAttention::new(cfg, &vb))
+            qkv: has(BlockStep::JointAttention)
+                .then(|| QkvProjection::joint(heads, &attn))
                 .transpose()?,
-            ff: has(BlockStep::ImageFeedForward)
-                .then(|| ff("ff"))
+            projections: has(BlockStep::AttentionOutput)
+                .then(|| -> Result<_> {
+                    Ok((
+                        candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
+                        candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+                    ))
+                })
                 .transpose()?,
-            ff_context: has(BlockStep::TextFeedForward)
-                .then(|| ff("ff_context"))
-                .transpose()?,
+            ff: FeedForward::new(
+                cfg,
+                vb.pp("ff"),
+                (
+                    has(BlockStep::ImageFeedForwardIn),
+                    has(BlockStep::ImageFeedForwardOut),
+                ),
+            )?,
+            ff_context: FeedForward::new(
+                cfg,
+                vb.pp("ff_context"),
+                (
+                    has(BlockStep::TextFeedForwardIn),
+                    has(BlockStep::TextFeedForwardOut),
+                ),
+            )?,
         })
     }
 
-    /// Runs the block's steps on the streams; returns them with what later steps need.
+    /// Runs the block's steps on the streams; returns them with what later steps need. The
+    /// attention (`attn`'s image and text outputs after `to_out` / `to_add_out`) and each
+    /// feed-forward go through `hooks`, whole where the block holds both of their steps.
     fn forward(
         &self,
         streams: &Streams,
         inputs: &BlockInputs,
         hooks: &mut dyn BlockHooks,
     ) -> Result<Streams> {
-        let (mut m, mut c) = match &streams.carry {
-            Carry::DualStream { image, text } => (image.clone(), text.clone()),
-            _ => (None, None),
+        let mut carry = match &streams.carry {
+            Carry::DualStream(carry) => (**carry).clone(),
+            _ => DualCarry::default(),
         };
         if let Some(norm1) = &self.norm1 {
-            m = Some(norm1.forward(&inputs.temb)?);
+            carry.image = Some(norm1.forward(&inputs.temb)?);
         }
         if let Some(norm1_context) = &self.norm1_context {
-            c = Some(norm1_context.forward(&inputs.temb)?);
+            carry.text = Some(norm1_context.forward(&inputs.temb)?);
         }
-        // What a step needs from the modulation steps before it.
-        let modulation =
-            |m: &Option<Vec<Tensor>>, step| m.clone().ok_or_else(|| out_of_order(step));
         let (mut image, mut text) = (streams.image.clone(), streams.text.clone());
-        if let Some(attn) = &self.attn {
+        let text_len = text.dim(1)?;
+        if self.qkv.is_some() || self.projections.is_some() {
             let step = BlockStep::JointAttention;
-            let (mi, ci) = (modulation(&m, step)?, modulation(&c, step)?);
-            (image, text) = attn.forward((&image, &text), &mi, &ci, inputs, hooks)?;
+            let (m, c) = (needed(&carry.image, step)?, needed(&carry.text, step)?);
+            let streams = (&image, &text);
+            let attended = match &self.qkv {
+                Some(qkv) if self.projections.is_none() => {
+                    carry.attended = Some(attend(qkv, streams, &m, &c, inputs)?);
+                    None
+                }
+                Some(_) => None,
+                None => Some(needed(&carry.attended, BlockStep::AttentionOutput)?),
+            };
+            if let Some(out) = &self.projections {
+                (image, text) = gated_joint_attention(hooks, streams, (&m, &c), || {
+                    let attended = match (&self.qkv, &attended) {
+                        (Some(qkv), _) => attend(qkv, streams, &m, &c, inputs)?,
+                        (None, Some(attended)) => attended.clone(),
+                        (None, None) => return Err(out_of_order(BlockStep::AttentionOutput)),
+                    };
+                    project_attended(out, &attended, text_len)
+                })?;
+                carry.attended = None;
+            }
         }
-        if let Some(ff) = &self.ff {
-            let m = modulation(&m, BlockStep::ImageFeedForward)?;
-            image = feed_forward((ff, Submodule::FeedForward), &image, &m, hooks)?;
+        if self.ff.proj.is_some() || self.ff.out.is_some() {
+            let m = needed(&carry.image, BlockStep::ImageFeedForwardIn)?;
+            let hidden = &mut carry.image_hidden;
+            let out = BlockStep::ImageFeedForwardOut;
+            image = self
+                .ff
+                .forward(Submodule::FeedForward, image, &m, hidden, hooks, out)?;
         }
-        if let Some(ff_context) = &self.ff_context {
-            let c = modulation(&c, BlockStep::TextFeedForward)?;
-            let module = (ff_context, Submodule::ContextFeedForward);
-            text = feed_forward(module, &text, &c, hooks)?;
+        if self.ff_context.proj.is_some() || self.ff_context.out.is_some() {
+            let c = needed(&carry.text, BlockStep::TextFeedForwardIn)?;
+            let hidden = &mut carry.text_hidden;
+            let (module, out) = (Submodule::ContextFeedForward, BlockStep::TextFeedForwardOut);
+            text = self
+                .ff_context
+                .forward(module, text, &c, hidden, hooks, out)?;
         }
-        // The text feed-forward is the block's last step.
-        let carry = match self.ff_context {
+        // The text feed-forward's output projection is the block's last step.
+        let carry = match self.ff_context.out {
             Some(_) => Carry::None,
-            None => Carry::DualStream { image: m, text: c },
+            None => Carry::DualStream(Box::new(carry)),
         };
         Ok(Streams { image, text, carry })
     }
@@ -471,8 +553,10 @@ impl FluxTransformerBlock {
 /// parallel over the joint [text; image] sequence, one output projection; or some of its steps.
 #[derive(Debug, Clone)]
 pub struct FluxSingleTransformerBlock {
-    /// `norm` (shift, scale, gate) and the attention's q/k/v.
-    attn: Option<(Modulation, QkvProjection)>,
+    /// `norm` (shift, scale, gate).
+    norm: Option<Modulation>,
+    /// The attention's q/k/v.
+    qkv: Option<QkvProjection>,
     /// `proj_mlp` and `proj_out`.
     mlp: Option<(Linear, Linear)>,
 }
@@ -487,16 +571,16 @@ impl FluxSingleTransformerBlock {
         let (dim, mlp) = (cfg.inner_dim(), cfg.mlp_dim());
         let has = |s| steps.contains(&s);
         Ok(Self {
-            attn: has(BlockStep::SingleAttention)
-                .then(|| -> Result<_> {
-                    Ok((
-                        Modulation::new(dim, 3, vb.pp("norm"))?,
-                        QkvProjection::new(
-                            (cfg.num_attention_heads, cfg.attention_head_dim),
-                            &vb.pp("attn"),
-                            ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-                        )?,
-                    ))
+            norm: has(BlockStep::SingleModulation)
+                .then(|| Modulation::new(dim, 3, vb.pp("norm")))
+                .transpose()?,
+            qkv: has(BlockStep::SingleAttention)
+                .then(|| {
+                    QkvProjection::new(
+                        (cfg.num_attention_heads, cfg.attention_head_dim),
+                        &vb.pp("attn"),
+                        ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                    )
                 })
                 .transpose()?,
             mlp: has(BlockStep::SingleMlp)
@@ -510,9 +594,9 @@ impl FluxSingleTransformerBlock {
         })
     }
 
-    /// The modulated norm (shift, scale, gate) of [text; image] and the attention (`attn`,
-    /// whose output goes through `hooks`), then the GELU-tanh MLP beside it, `proj_out` over
-    /// both and the gated residual.
+    /// The modulation (shift, scale, gate), the modulated norm of [text; image] and the
+    /// attention (`attn`, whose output goes through `hooks`), then the GELU-tanh MLP beside it,
+    /// `proj_out` over both and the gated residual.
     fn forward(
         &self,
         streams: &Streams,
@@ -520,8 +604,14 @@ impl FluxSingleTransformerBlock {
         hooks: &mut dyn BlockHooks,
     ) -> Result<Streams> {
         let mut streams = streams.clone();
-        if let Some((norm, qkv)) = &self.attn {
-            let m = norm.forward(&inputs.temb)?;
+        if let Some(norm) = &self.norm {
+            streams.carry = Carry::SingleModulated(norm.forward(&inputs.temb)?);
+        }
+        if let Some(qkv) = &self.qkv {
+            let Carry::SingleModulated(m) = std::mem::replace(&mut streams.carry, Carry::None)
+            else {
+                return Err(out_of_order(BlockStep::SingleAttention));
+            };
             let normed = norm_modulate(
                 &Tensor::cat(&[&streams.text, &streams.image], 1)?,
                 &m[0],
