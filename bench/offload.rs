@@ -145,8 +145,7 @@ fn main() -> Result<()> {
                     ))
                 },
                 |held: &Held<'_, LtxTransformer3DModel>, (latents, text, t, mask)| {
-                    let model = held.model();
-                    let inputs = model.prepare(latents, text, t, Some(mask), grid, rope_scale)?;
+                    let inputs = held.model()?.prepare(latents, text, t, Some(mask), grid, rope_scale)?;
                     Ok(held.forward(inputs)?)
                 },
             )
@@ -166,7 +165,8 @@ fn main() -> Result<()> {
                     latents_timestep_text(&shape, t, [text_len, text_dim], device)
                 },
                 |held: &Held<'_, CogVideoXTransformer3DModel>, (latents, t, text)| {
-                    Ok(held.forward(held.model().prepare(latents, t, text)?)?)
+                    let inputs = held.model()?.prepare(latents, t, text)?;
+                    Ok(held.forward(inputs)?)
                 },
             )
         }
@@ -235,7 +235,7 @@ fn main() -> Result<()> {
                  (latents, t, text, guidance, modulations, _)| {
                     let (embeds, mask, pooled) = (&text.embeds, &text.mask, &text.pooled);
                     let mut inputs =
-                        held.model()
+                        held.model()?
                             .prepare(latents, t, embeds, mask, pooled, Some(guidance))?;
                     inputs.modulations = Some(modulations.clone());
                     Ok(held.forward(inputs)?)
@@ -260,7 +260,8 @@ fn main() -> Result<()> {
                     Ok((latents, t, text, prompt_mask(text_len, DType::U32, device)?))
                 },
                 |held: &Held<'_, MochiTransformer3DModel>, (latents, t, text, mask)| {
-                    Ok(held.forward(held.model().prepare(latents, t, text, mask)?)?)
+                    let inputs = held.model()?.prepare(latents, t, text, mask)?;
+                    Ok(held.forward(inputs)?)
                 },
             )
         }
@@ -281,7 +282,8 @@ fn main() -> Result<()> {
                     Ok((latents, t, text, prompt_mask(text_len, DType::U32, device)?))
                 },
                 |held: &Held<'_, AllegroTransformer3DModel>, (latents, t, text, mask)| {
-                    Ok(held.forward(held.model().prepare(latents, t, text, mask)?)?)
+                    let inputs = held.model()?.prepare(latents, t, text, mask)?;
+                    Ok(held.forward(inputs)?)
                 },
             )
         }
@@ -301,7 +303,8 @@ fn main() -> Result<()> {
                     latents_timestep_text(&shape, t, [text_len, text_dim], device)
                 },
                 |held: &Held<'_, LatteTransformer3DModel>, (latents, t, text)| {
-                    Ok(held.forward(held.model().prepare(latents, t, text)?)?)
+                    let inputs = held.model()?.prepare(latents, t, text)?;
+                    Ok(held.forward(inputs)?)
                 },
             )
         }
@@ -337,7 +340,7 @@ fn main() -> Result<()> {
                 },
                 |held: &Held<'_, FluxTransformer2DModel>,
                  (latents, t, text, pooled, guidance, text_ids, image_ids)| {
-                    let inputs = held.model().prepare(
+                    let inputs = held.model()?.prepare(
                         latents,
                         t,
                         text,
@@ -439,7 +442,7 @@ impl Bench {
                         DType::F32,
                         false,
                         z,
-                        |held, z| Ok(held.model().decode(z)?),
+                        |held, z| Ok(held.model()?.decode(z)?),
                     )?
                 }
                 None => {

@@ -77,8 +77,7 @@ fn measured_mlp_step(model: &FluxTransformer2DModel, image: usize, text: usize) 
     let streams = prepared.take_streams().unwrap();
     let single = cfg.num_layers;
     let steps = |s: &[BlockStep]| {
-        FluxBlock::with_steps(cfg, single, VarBuilder::zeros(DType::F32, &Device::Cpu), s)
-            .unwrap()
+        FluxBlock::with_steps(cfg, single, VarBuilder::zeros(DType::F32, &Device::Cpu), s).unwrap()
     };
     let attention = steps(&[BlockStep::SingleModulation, BlockStep::SingleAttention]);
     let mlp = steps(&[BlockStep::SingleMlp]);

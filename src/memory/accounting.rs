@@ -87,7 +87,7 @@ fn host_rss_peak() -> u64 {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+pub(crate) mod cuda {
     use super::MemoryPeaks;
     use candle_core::cuda::cudarc::driver::{sys, CudaContext};
     use std::sync::Arc;
@@ -162,6 +162,17 @@ mod cuda {
                     sys::cuMemPoolSetAttribute(self.pool, attr, &mut zero as *mut u64 as *mut _)
                 };
             }
+        }
+
+        /// Bytes the pool's allocations hold now, and at most since [`Pool::reset`] (after the
+        /// work queued so far).
+        #[cfg(test)]
+        pub fn used(&self) -> (u64, u64) {
+            let _ = self.ctx.synchronize();
+            (
+                self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+                self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH),
+            )
         }
 
         pub fn free(&self) -> Option<u64> {

@@ -406,12 +406,30 @@ macro_rules! block_forward {
     };
 }
 
+/// A placed model (its outer part when its blocks are apart) for one use: borrowed where it
+/// stays on the device, or moved in for this use alone, its device memory freed on drop.
+pub enum OuterUse<'a, M> {
+    Borrowed(&'a M),
+    Moved(M),
+}
+
+impl<M> std::ops::Deref for OuterUse<'_, M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        match self {
+            OuterUse::Borrowed(m) => m,
+            OuterUse::Moved(m) => m,
+        }
+    }
+}
+
 /// A placed model's blocks, wherever they are (resident, streamed through the device or
 /// gathered from shards), run in order: how model-side code runs a placed model without
 /// knowing how it is placed.
 pub trait PlacedBlocks<M: Blockwise> {
-    /// The model (its outer part when its blocks are apart).
-    fn model(&self) -> &M;
+    /// The model (its outer part when its blocks are apart) for one use: hold it no longer
+    /// than the use, since it may be moved in for it alone (leaf level's outer part).
+    fn model(&self) -> candle_core::Result<OuterUse<'_, M>>;
 
     /// Threads `state` through every block in order, streamed, gathered or resident
     /// (`resident` lists them): each block maps the state to the next. Errors come back as the
@@ -433,7 +451,7 @@ pub trait PlacedBlocks<M: Blockwise> {
         let state = self.fold_blocks(M::resident_blocks, state, |block, state| {
             M::through(block, state, &inputs)
         })?;
-        self.model().finish_forward(state, &inputs)
+        self.model()?.finish_forward(state, &inputs)
     }
 
     /// [`Self::forward`] through a step cache where `cache` gives one (the forward's pass and
@@ -451,15 +469,16 @@ pub trait PlacedBlocks<M: Blockwise> {
         };
         let state = M::first_state(&mut inputs)?;
         let streams = StreamsOf::<M>(&inputs);
+        let hooked = self.model()?.hooked_blocks();
         let state = cache.through_blocks(
             step,
             state,
-            self.model().hooked_blocks(),
+            hooked,
             &streams,
             |state, f| self.fold_blocks(M::resident_blocks, state, |block, s| f(block, s)),
             |block, state, hooks| block.forward_hooked(state, &inputs, hooks),
         )?;
-        self.model()
+        self.model()?
             .finish_hooked(state, &inputs, &mut |compute| cache.project(step, compute))
     }
 

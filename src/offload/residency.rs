@@ -195,6 +195,35 @@ impl SlotRuns {
         SlotRuns { runs, offsets }
     }
 
+    /// One group per fill, each section at its offset among its group's sections of its
+    /// dtype: for fills in memory of their own size ([`StreamOptions::exact_fills`]).
+    pub fn each(groups: &[GroupLayout]) -> Self {
+        let offsets = groups
+            .iter()
+            .map(|group| {
+                let mut filled: ByDtype = Vec::new();
+                let mut place = |s: &super::group::Section| {
+                    let used = entry(&mut filled, s.dtype);
+                    *used += s.bytes;
+                    *used - s.bytes
+                };
+                group.sections.iter().map(&mut place).collect()
+            })
+            .collect();
+        SlotRuns {
+            runs: (0..groups.len()).map(|i| i..i + 1).collect(),
+            offsets,
+        }
+    }
+
+    /// The runs `options` fill: one group each in exact fills, else groups sharing a slot.
+    pub fn under(groups: &[GroupLayout], options: StreamOptions) -> Self {
+        match options.exact_fills {
+            true => Self::each(groups),
+            false => Self::of(groups),
+        }
+    }
+
     /// Whether group `index` is the last of its run (its slot is free once it has computed).
     pub fn ends_run(&self, index: usize) -> bool {
         self.runs.iter().any(|r| r.end == index + 1)
@@ -235,7 +264,7 @@ fn entry(list: &mut ByDtype, dtype: candle_core::DType) -> &mut usize {
 }
 
 /// A group's section bytes summed by dtype.
-fn dtype_bytes(group: &GroupLayout) -> ByDtype {
+pub(super) fn dtype_bytes(group: &GroupLayout) -> ByDtype {
     let mut sums: ByDtype = Vec::new();
     for section in &group.sections {
         *entry(&mut sums, section.dtype) += section.bytes;
@@ -285,18 +314,50 @@ pub fn kept_groups(groups: &[GroupLayout], budget: u64) -> Vec<bool> {
         .collect()
 }
 
-/// Device bytes of moved `groups` while their stage runs (see [`streamed_bytes`]).
+/// Device bytes of moved `groups` while their stage runs (see [`streamed_bytes`]): the slots,
+/// each the size of the largest fill; or, in exact fills, the most any [`slot_count`]
+/// consecutive fills of a pass take (the next pass's first are copied once it is done); and
+/// the expanded copy of the computing group's packed tensors.
 fn moving_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
     let slot: u64 = slot_sections(groups)
         .iter()
         .fold(0u64, |sum, &(_, b)| sum.saturating_add(b as u64));
     let expanded = groups.iter().map(|g| g.expanded_bytes() as u64).max();
-    match slot_count(SlotRuns::of(groups).runs.len(), options) as u64 {
-        0 => groups.iter().map(landed_bytes).max().unwrap_or(0),
-        slots => slots
-            .saturating_mul(slot)
-            .saturating_add(expanded.unwrap_or(0)),
-    }
+    let slots = slot_count(SlotRuns::under(groups, options).runs.len(), options);
+    let in_flight = match (slots, options.exact_fills) {
+        (0, _) => return groups.iter().map(landed_bytes).max().unwrap_or(0),
+        (slots, true) => groups
+            .windows(slots.min(groups.len()))
+            .map(|fills| {
+                fills
+                    .iter()
+                    .fold(0u64, |sum, g| sum.saturating_add(g.bytes as u64))
+            })
+            .max()
+            .unwrap_or(0),
+        (slots, false) => (slots as u64).saturating_mul(slot),
+    };
+    in_flight.saturating_add(expanded.unwrap_or(0))
+}
+
+/// Device bytes a streamed part's groups hold between two passes of a stage: the kept groups,
+/// and the slots; in exact fills, only the first fills of the next pass, prefetched.
+pub fn between_passes_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
+    let kept = kept_groups(groups, options.kept_bytes);
+    let (held, moved): (Vec<_>, Vec<_>) = groups.iter().zip(kept).partition(|(_, k)| *k);
+    let held = held
+        .into_iter()
+        .fold(0u64, |sum, (g, _)| sum.saturating_add(landed_bytes(g)));
+    let moved: Vec<GroupLayout> = moved.into_iter().map(|(g, _)| g.clone()).collect();
+    let runs = SlotRuns::under(&moved, options).runs.len();
+    let moving = match (slot_count(runs, options), options.exact_fills) {
+        (0, _) => 0,
+        (_, true) => moved[..prefetch_depth(runs, options)]
+            .iter()
+            .fold(0u64, |sum, g| sum.saturating_add(g.bytes as u64)),
+        (_, false) => moving_bytes(&moved, options),
+    };
+    held.saturating_add(moving)
 }
 
 /// Device bytes of a group moved in fresh memory, while it computes: its image and the
@@ -338,6 +399,7 @@ mod tests {
             stream,
             depth,
             kept_bytes: 0,
+            exact_fills: false,
         }
     }
 
@@ -422,6 +484,39 @@ mod tests {
         assert_eq!(kept_groups(&mixed, 500), [true, true, false, false]);
         assert_eq!(streamed_bytes(&mixed, keeping(0)), 2 * 400);
         assert_eq!(streamed_bytes(&mixed, keeping(500)), 500 + 2 * 100);
+    }
+
+    /// Exact fills take one group each, every section at its offset among its group's sections
+    /// of its dtype. The device holds the most that `depth + 1` consecutive groups of a pass
+    /// take, where slots would hold `depth + 1` of the largest; between passes only the next
+    /// pass's first `depth` groups; kept groups beside both.
+    #[test]
+    fn exact_fills_hold_the_groups_in_flight() {
+        use candle_core::DType::{BF16, F32};
+        let exact = |depth, kept_bytes| StreamOptions {
+            exact_fills: true,
+            kept_bytes,
+            ..streamed(depth, true)
+        };
+        let mixed = group(&[(BF16, 256), (F32, 128), (BF16, 64)]);
+        let runs = SlotRuns::under(&[mixed.clone(), mixed.clone()], exact(1, 0));
+        assert_eq!(runs.runs, [0..1, 1..2]);
+        assert_eq!(runs.offsets, [vec![0, 0, 256], vec![0, 0, 256]]);
+        let sizes = [100, 400, 50, 50, 300];
+        let groups: Vec<GroupLayout> = sizes.iter().map(|&b| group(&[(BF16, b)])).collect();
+        assert_eq!(streamed_bytes(&groups, streamed(1, true)), 2 * 400);
+        assert_eq!(streamed_bytes(&groups, exact(1, 0)), 500);
+        assert_eq!(streamed_bytes(&groups, exact(2, 0)), 550);
+        // Not 300 with the next pass's 100, 400.
+        assert_eq!(streamed_bytes(&groups, exact(3, 0)), 800);
+        assert_eq!(between_passes_bytes(&groups, exact(1, 0)), 100);
+        assert_eq!(between_passes_bytes(&groups, exact(2, 0)), 500);
+        assert_eq!(between_passes_bytes(&groups, streamed(1, true)), 2 * 400);
+        assert_eq!(between_passes_bytes(&groups, streamed(1, false)), 0);
+        // 100, 50, 50 kept (spread through the pass); 400 and 300 move.
+        assert_eq!(kept_groups(&groups, 450), [true, false, true, true, false]);
+        assert_eq!(streamed_bytes(&groups, exact(1, 450)), 200 + 700);
+        assert_eq!(between_passes_bytes(&groups, exact(1, 450)), 200 + 400);
     }
 
     /// Consecutive groups share a slot while every dtype's sections fit in it, each section

@@ -51,6 +51,11 @@ pub struct StreamOptions {
     /// Up to this many bytes of groups stay on the device from their first pass in a stage to
     /// its end ([`kept_groups`]), copied once; the rest move every pass.
     pub kept_bytes: u64,
+    /// Each slot fill in device memory of its own size, given back once its group has
+    /// computed, where slots otherwise take the largest fill's size for the whole stage: the
+    /// device holds the fills in flight and no more, at an allocation per fill (leaf level,
+    /// where memory is what counts). One group per fill ([`SlotRuns::each`]).
+    pub exact_fills: bool,
 }
 
 /// An offloaded model part: groups held on the host, moved to the device around their use.
@@ -130,7 +135,7 @@ impl<B> Offloaded<B> {
             position[index] = at;
         }
         Offloaded {
-            runs: SlotRuns::of(&picked(&layouts, &moved)),
+            runs: SlotRuns::under(&picked(&layouts, &moved), options),
             kept: Mutex::new((0..layouts.len()).map(|_| None).collect()),
             is_kept,
             moved,
@@ -239,7 +244,11 @@ impl<B> Offloaded<B> {
                 Some(slots) => slots.clone(),
                 None => {
                     let count = slot_count(runs.len(), self.options);
-                    let moved = picked(&self.layouts(), &self.moved);
+                    // Exact fills allocate their own buffers: the slots start empty.
+                    let moved = match self.options.exact_fills {
+                        true => Vec::new(),
+                        false => picked(&self.layouts(), &self.moved),
+                    };
                     let made = Arc::new(self.transfer.slots(&moved, count)?);
                     *kept = Some(made.clone());
                     made
@@ -252,7 +261,10 @@ impl<B> Offloaded<B> {
         // Whole runs are prefetched: the ready groups are the first runs of the pass.
         let first_missing = ready.iter().filter(|u| ends_run(u.index)).count();
         // A copy thread fills slots in order: the rest of this pass, then the first `depth`
-        // runs of the next one. It takes a permit per fill; a retired run returns one.
+        // runs of the next one. It takes a permit per fill; a retired run returns one. Exact
+        // fills copy the next pass's first runs only once this pass is done, so that they are
+        // not in flight beside its last ones.
+        let ahead = if self.options.exact_fills { 0 } else { depth };
         let (uploads, received) = sync_channel::<Result<Uploaded>>(2 * n);
         let (permits, permit) = sync_channel::<()>(runs.len() + depth);
         for _ in first_missing..=depth {
@@ -260,25 +272,16 @@ impl<B> Offloaded<B> {
         }
         std::thread::scope(|scope| -> Result<()> {
             let copier = scope.spawn(move || {
-                for run in first_missing..runs.len() + depth {
+                for run in first_missing..runs.len() + ahead {
                     if permit.recv().is_err() {
                         break;
                     }
-                    let k = self.fills.fetch_add(1, Ordering::Relaxed) % slots.len();
-                    let groups = runs[run % runs.len()].clone();
-                    for at in groups.clone() {
-                        let index = self.moved[at];
-                        let place = SlotPlace {
-                            index: k,
-                            slot: &slots[k],
-                            offsets: &self.runs.offsets[at],
-                            first: at == groups.start,
-                        };
-                        let uploaded = self.transfer.upload(&self.store, index, Some(place));
+                    let sent = self.fill(slots, run % runs.len(), |uploaded| {
                         let failed = uploaded.is_err();
-                        if uploads.send(uploaded).is_err() || failed {
-                            return;
-                        }
+                        uploads.send(uploaded).is_ok() && !failed
+                    });
+                    if !sent {
+                        return;
                     }
                 }
             });
@@ -304,7 +307,7 @@ impl<B> Offloaded<B> {
                         permits.send(()).ok();
                     }
                 }
-                for run in &runs[..depth] {
+                for run in &runs[..ahead] {
                     for _ in run.clone() {
                         ready.push_back(received.recv().map_err(|_| stopped())??);
                     }
@@ -323,6 +326,32 @@ impl<B> Offloaded<B> {
                 }
             }
             copied.map_err(|_| anyhow::anyhow!("offload copy thread panicked"))?;
+            // Exact fills hold only what the next pass starts with between passes: the slots
+            // are freed once their work is done, and the next pass's first runs copied.
+            if self.options.exact_fills {
+                for slot in slots {
+                    self.transfer.free_fill(slot)?;
+                }
+                if result.is_ok() {
+                    for run in 0..depth {
+                        let mut failed = None;
+                        self.fill(slots, run, |uploaded| match uploaded {
+                            Ok(u) => {
+                                ready.push_back(u);
+                                true
+                            }
+                            Err(e) => {
+                                failed = Some(e);
+                                false
+                            }
+                        });
+                        if let Some(e) = failed {
+                            ready.clear();
+                            return Err(e);
+                        }
+                    }
+                }
+            }
             result
         })?;
         *self.pending.lock().map_err(|_| poisoned())? = ready;
@@ -331,6 +360,31 @@ impl<B> Offloaded<B> {
 }
 
 impl<B> Offloaded<B> {
+    /// Copies the groups of run `run` into the next slot, handing each upload to `each`, which
+    /// says whether to go on; false when it stopped.
+    fn fill(
+        &self,
+        slots: &[DeviceSlot],
+        run: usize,
+        mut each: impl FnMut(Result<Uploaded>) -> bool,
+    ) -> bool {
+        let k = self.fills.fetch_add(1, Ordering::Relaxed) % slots.len();
+        let groups = self.runs.runs[run].clone();
+        groups.clone().all(|at| {
+            let place = SlotPlace {
+                index: k,
+                slot: &slots[k],
+                offsets: &self.runs.offsets[at],
+                first: at == groups.start,
+                exact: self.options.exact_fills,
+            };
+            each(
+                self.transfer
+                    .upload(&self.store, self.moved[at], Some(place)),
+            )
+        })
+    }
+
     /// Gives the device slots back, with the next pass's groups prefetched into them, and the
     /// kept groups: between its stages the part holds no device memory (the next pass makes
     /// slots and keeps groups again).
@@ -393,7 +447,7 @@ pub(super) mod tests {
 
     /// A group as built on the device: group i's f32 weight holds i, its bf16 scale i + 0.5.
     pub(super) struct Group {
-        index: usize,
+        pub(super) index: usize,
         weight: Tensor,
         scale: Tensor,
     }
@@ -410,6 +464,7 @@ pub(super) mod tests {
             stream: true,
             depth,
             kept_bytes: 0,
+            exact_fills: false,
         }
     }
 
@@ -526,6 +581,49 @@ pub(super) mod tests {
         Ok(())
     }
 
+    /// Streaming on a copy stream in exact fills ([`StreamOptions::exact_fills`]) `depth` fills
+    /// ahead.
+    pub(super) fn exact(depth: usize) -> StreamOptions {
+        StreamOptions {
+            exact_fills: true,
+            ..ahead(depth)
+        }
+    }
+
+    /// Exact fills take one group each: every pass visits each group in order with its own
+    /// tensors, copies each once, and prefetches the next pass's first `depth` groups; a pass
+    /// that stops early keeps nothing and retires every slot.
+    #[test]
+    fn exact_fills_visit_every_group_once_per_pass() -> Result<()> {
+        let all: Vec<usize> = (0..UNEVEN.len()).collect();
+        for depth in [1, 2] {
+            let part = part_on(
+                &format!("exact-{depth}"),
+                exact(depth),
+                &UNEVEN,
+                &Device::Cpu,
+            )?;
+            assert_eq!(part.runs.runs, [0..1, 1..2, 2..3, 3..4, 4..5]);
+            let prefetched: Vec<usize> = (0..depth).collect();
+            assert_eq!(visit_all(&part)?, all);
+            assert_eq!(slots(&part).expect("slots made").len(), depth + 1);
+            for pass in 1..4 {
+                assert_eq!(pending(&part), prefetched, "depth {depth}, pass {pass}");
+                let before = copies(&part);
+                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
+                assert_eq!(copies(&part) - before, UNEVEN.len());
+            }
+            let stopped = part.for_each(|group| match group.index {
+                2 => anyhow::bail!("stopped"),
+                _ => Ok(()),
+            });
+            assert_eq!(stopped.expect_err("stopped").to_string(), "stopped");
+            assert_eq!((pending(&part), in_use(&part)), (vec![], vec![]));
+            assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
+        }
+        Ok(())
+    }
+
     /// Groups kept within two groups' bytes (the second and fourth of five equal ones) land on a
     /// stage's first pass and stay: later passes copy only the three moved groups (and, on a
     /// copy stream, the next pass's first), into slots sized by those, and visit every group in
@@ -542,6 +640,7 @@ pub(super) mod tests {
                 stream,
                 depth: 1,
                 kept_bytes: 2 * group_bytes,
+                exact_fills: false,
             };
             let part = part_on(&format!("kept-{stream}"), options, &lens, &Device::Cpu)?;
             assert_eq!(part.is_kept, [false, true, false, true, false]);
@@ -805,6 +904,7 @@ pub(super) mod tests {
                 stream: true,
                 depth: 1,
                 kept_bytes: 0,
+                exact_fills: false,
             },
         )
     }
@@ -979,6 +1079,56 @@ mod cuda_tests {
             for pass in 0..3 {
                 assert_eq!(visit_all(&part)?, all, "kept, stage {stage}, pass {pass}");
             }
+            part.release()?;
+        }
+        Ok(())
+    }
+
+    /// On the GPU, exact fills land each group in memory of its own size: every pass visits
+    /// each group with its own tensors, one and two fills ahead, after a pass stopped early
+    /// too; between passes the device holds the next pass's first fills and no more, and while
+    /// a pass runs no more than the plan's fills in flight.
+    #[test]
+    fn exact_fills_hold_only_the_groups_in_flight() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: exact-fill test skipped");
+            return Ok(());
+        };
+        let Device::Cuda(cuda) = &gpu else {
+            unreachable!()
+        };
+        let pool = crate::memory::accounting::cuda::Pool::of(cuda).expect("a memory pool");
+        let all: Vec<usize> = (0..UNEVEN.len()).collect();
+        // Large enough that the groups, not the pool's granularity, decide.
+        let lens: Vec<(usize, usize)> = UNEVEN.iter().map(|&(w, s)| (w << 12, s << 12)).collect();
+        for depth in [1, 2] {
+            let part = part_on(
+                &format!("exact-gpu-{depth}"),
+                super::tests::exact(depth),
+                &lens,
+                &gpu,
+            )?;
+            let (before, _) = pool.used();
+            pool.reset();
+            for pass in 0..4 {
+                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
+            }
+            let (now, high) = pool.used();
+            let (peak, between) = (high - before, now - before);
+            let planned = crate::offload::residency::streamed_bytes(&part.layouts(), part.options);
+            let next =
+                crate::offload::residency::between_passes_bytes(&part.layouts(), part.options);
+            // The visits' own copies of the values come and go beside the fills.
+            let slack = 2 * (lens[0].0 * 4 + lens[0].1 * 2) as u64;
+            assert!(peak <= planned + slack, "depth {depth}: {peak} > {planned}");
+            assert!(planned < (depth as u64 + 1) * part.layouts()[0].bytes as u64);
+            assert_eq!(between, next, "depth {depth}: held between passes");
+            let stopped = part.for_each(|group| match group.index {
+                2 => anyhow::bail!("stopped"),
+                _ => Ok(()),
+            });
+            assert!(stopped.is_err());
+            assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
             part.release()?;
         }
         Ok(())

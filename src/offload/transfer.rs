@@ -56,13 +56,15 @@ pub struct Uploaded {
 
 /// Device buffers that streamed groups are copied into, reused round-robin: no allocation or
 /// free per group, so nothing on the copy stream waits for the allocator, and the pool holds
-/// exactly what is used.
+/// exactly what is used. In exact fills ([`super::StreamOptions::exact_fills`]) each fill
+/// allocates the slot's buffers at its own size on the copy stream, where the last fill's
+/// are freed once its work is done.
 #[derive(Default)]
 pub struct DeviceSlot {
     /// One flat buffer per dtype (holding the sections of that dtype of the groups it carries),
     /// with its address.
     #[cfg(feature = "cuda")]
-    buffers: Vec<(candle_core::DType, Tensor, u64)>,
+    buffers: Mutex<Vec<(candle_core::DType, Tensor, u64)>>,
     /// Recorded on the compute stream once the slot's last group was used: the next copy into
     /// the slot waits for it.
     #[cfg(feature = "cuda")]
@@ -84,13 +86,14 @@ impl DeviceSlot {
 
 /// Where a streamed group lands: slot `index`, each of its sections at its byte offset in
 /// the slot's buffer of that dtype ([`super::residency::SlotRuns`]); `first`: the first group
-/// of this fill of the slot.
+/// of this fill of the slot; `exact`: the fill allocates the slot's buffers at its own size.
 #[derive(Clone, Copy)]
 pub struct SlotPlace<'a> {
     pub index: usize,
     pub slot: &'a DeviceSlot,
     pub offsets: &'a [usize],
     pub first: bool,
+    pub exact: bool,
 }
 
 /// Moves groups from a `HostStore` to a device.
@@ -235,6 +238,17 @@ impl Transfer {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.cuda {
             cuda.retire(slot)?;
+        }
+        let _ = slot;
+        Ok(())
+    }
+
+    /// Frees `slot`'s buffers (exact fills) once the work of its last fill is done, ordered on
+    /// the copy stream: call on the computing thread when no copy is being issued.
+    pub fn free_fill(&self, slot: &DeviceSlot) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            cuda.free_fill(slot)?;
         }
         let _ = slot;
         Ok(())
@@ -418,7 +432,7 @@ mod cuda {
                         })
                         .collect::<Result<Vec<_>>>()?;
                     Ok(DeviceSlot {
-                        buffers,
+                        buffers: Mutex::new(buffers),
                         done: Mutex::new(None),
                         #[cfg(test)]
                         in_use: Default::default(),
@@ -448,38 +462,48 @@ mod cuda {
                 Vec::with_capacity(layout.sections.len()),
                 Vec::with_capacity(layout.sections.len()),
             );
+            let poisoned = || anyhow::anyhow!("slot poisoned");
+            // The fill's first group waits for the slot's last use; the others follow it on the
+            // copy stream (a group of this fill retired meanwhile must not hold them back). An
+            // exact fill then frees the slot's last buffers, ordered after that wait, and
+            // allocates its own.
+            if let Some(place) = place.filter(|p| p.first) {
+                let done = place.slot.done.lock().map_err(|_| poisoned())?.take();
+                if let Some(done) = done {
+                    stream.wait(&done)?;
+                }
+                if place.exact {
+                    let mut buffers = place.slot.buffers.lock().map_err(|_| poisoned())?;
+                    buffers.clear();
+                    for (dtype, bytes) in crate::offload::residency::dtype_bytes(layout) {
+                        let (t, ptr) =
+                            alloc(&self.device, &stream, dtype, bytes / dtype.size_in_bytes())?;
+                        buffers.push((dtype, t, ptr));
+                    }
+                }
+            }
+            let buffers = match place {
+                Some(place) => Some(place.slot.buffers.lock().map_err(|_| poisoned())?),
+                None => None,
+            };
             for (k, s) in layout.sections.iter().enumerate() {
                 let size = s.dtype.size_in_bytes();
                 let elems = s.bytes / size;
-                let (tensor, ptr) = match place {
-                    Some(place) => {
-                        let (_, base, ptr) = place
-                            .slot
-                            .buffers
+                let (tensor, ptr) = match (place, &buffers) {
+                    (Some(place), Some(buffers)) => {
+                        let (_, base, ptr) = buffers
                             .iter()
                             .find(|(d, _, _)| *d == s.dtype)
                             .context("device slot lacks a dtype")?;
                         let at = place.offsets[k];
                         (base.narrow(0, at / size, elems)?, *ptr + at as u64)
                     }
-                    None => alloc(&self.device, &stream, s.dtype, elems)?,
+                    _ => alloc(&self.device, &stream, s.dtype, elems)?,
                 };
                 sections.push(tensor);
                 targets.push((s.offset..s.offset + s.bytes, ptr));
             }
-            // The fill's first group waits for the slot's last use; the others follow it on the
-            // copy stream (a group of this fill retired meanwhile must not hold them back).
-            if let Some(place) = place.filter(|p| p.first) {
-                let done = place
-                    .slot
-                    .done
-                    .lock()
-                    .map_err(|_| anyhow::anyhow!("slot poisoned"))?
-                    .take();
-                if let Some(done) = done {
-                    stream.wait(&done)?;
-                }
-            }
+            drop(buffers);
             let begin = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             match (store.image(index), &self.staging) {
                 (Some(image), None) => {
@@ -568,6 +592,17 @@ mod cuda {
                 .done
                 .lock()
                 .map_err(|_| anyhow::anyhow!("slot poisoned"))? = Some(event);
+            Ok(())
+        }
+
+        /// Frees `slot`'s buffers on the copy stream once the work its last fill retired is
+        /// done (exact fills; the buffers were allocated there).
+        pub fn free_fill(&self, slot: &DeviceSlot) -> Result<()> {
+            let poisoned = || anyhow::anyhow!("slot poisoned");
+            if let Some(done) = slot.done.lock().map_err(|_| poisoned())?.take() {
+                self.copy.wait(&done)?;
+            }
+            slot.buffers.lock().map_err(|_| poisoned())?.clear();
             Ok(())
         }
 
@@ -911,6 +946,7 @@ mod cuda_tests {
             slot: &slots[0],
             offsets: &offsets,
             first: true,
+            exact: false,
         };
         let uploaded = transfer.upload(&store, 0, Some(place))?;
         transfer.ready(&uploaded)?;

@@ -158,7 +158,9 @@ impl Forwards<'_> {
         prepare: impl FnOnce(&M) -> candle_core::Result<M::Inputs>,
     ) -> Result<M::Output> {
         self.run_cached(pass, timestep, |cache| {
-            model.forward_cached(prepare(model.model())?, cache)
+            // The outer part is let go before the blocks run (it may be held per use).
+            let inputs = prepare(&*model.model()?)?;
+            model.forward_cached(inputs, cache)
         })
     }
 

@@ -208,7 +208,7 @@ impl Frame {
         let held = self.hold(slot)?;
         let latents = job.latents.take().context("nothing denoised")?;
         let tiled = self.config.memory().vae_tiling;
-        let video = decode(held.model(), latents.to_device(&self.device)?, tiled)?;
+        let video = decode(&*held.model()?, latents.to_device(&self.device)?, tiled)?;
         job.frames = Some(stages::video_frames(video)?);
         Ok(())
     }

@@ -6,7 +6,7 @@
 use super::placement::Blockwise;
 use super::spec::Role;
 use crate::memory::MemoryOptions;
-use crate::offload::residency::{landed_bytes, streamed_bytes};
+use crate::offload::residency::{between_passes_bytes, landed_bytes, streamed_bytes};
 use crate::offload::{
     ComponentLayout, DeviceWeights, GroupLayout, HostMemory, Packing, Recording, Residency,
     StreamOptions,
@@ -54,6 +54,10 @@ pub enum Outer {
     /// In host memory, moved in for each stage: between stages the component holds nothing on
     /// the device.
     Parked,
+    /// In host memory, moved in around each use of it (the embedders before the blocks, the
+    /// output head after them): while the blocks run it holds nothing on the device. Where
+    /// blocks stream step by step (leaf level, sequential offload), memory is what counts.
+    PerUse,
 }
 
 /// A DiT's FSDP membership (`--use-fsdp-inference`): rank `rank` of the `ranks` of its
@@ -114,6 +118,7 @@ impl Holding {
             } => Holding::Streamed {
                 outer: match outer_keeps_host_tensors::<M>(cfg, dtype)? {
                     true => Outer::Resident,
+                    false if by_step => Outer::PerUse,
                     false => Outer::Parked,
                 },
                 groups: Grouping {
@@ -182,7 +187,8 @@ impl Holding {
     /// Device weight bytes of `layout` (this holding's) while its stage runs and while it waits
     /// loaded: resident weights stay; a parked component comes in whole for its stage; streamed
     /// groups pass through the engine's slots ([`streamed_bytes`]) beside the outer part, which
-    /// stays between stages unless parked; FSDP keeps the outer part and this rank's shards (in
+    /// stays between stages unless parked, or, moved in per use, only beside what the groups
+    /// hold between passes ([`between_passes_bytes`]); FSDP keeps the outer part and this rank's shards (in
     /// host memory when `on_host`) and gathers [`Fsdp::gathered`] whole blocks at once.
     pub fn device_weights(self, layout: &ComponentLayout) -> DeviceWeights {
         let direct = layout.direct_bytes as u64;
@@ -197,11 +203,20 @@ impl Holding {
                 active: layout.groups.iter().map(landed_bytes).max().unwrap_or(0),
                 idle: 0,
             },
+            Holding::Streamed {
+                outer: Outer::PerUse,
+                options,
+                ..
+            } => DeviceWeights {
+                active: streamed_bytes(&layout.groups, options)
+                    .max(direct.saturating_add(between_passes_bytes(&layout.groups, options))),
+                idle: 0,
+            },
             Holding::Streamed { outer, options, .. } => DeviceWeights {
                 active: direct.saturating_add(streamed_bytes(&layout.groups, options)),
                 idle: match outer {
                     Outer::Resident => direct,
-                    Outer::Parked => 0,
+                    Outer::Parked | Outer::PerUse => 0,
                 },
             },
             Holding::Sharded { fsdp, .. } => {
@@ -243,7 +258,7 @@ impl Holding {
                 ..
             } => groups,
             Holding::Streamed {
-                outer: Outer::Parked,
+                outer: Outer::Parked | Outer::PerUse,
                 ..
             } => groups.saturating_add(direct),
             Holding::Sharded { fsdp, .. } if fsdp.on_host => {
@@ -395,6 +410,7 @@ pub(crate) mod testing {
                 stream: true,
                 depth: 1,
                 kept_bytes: 0,
+                exact_fills: false,
             },
         }
     }
@@ -439,6 +455,7 @@ mod tests {
                 stream: true,
                 depth: 1,
                 kept_bytes: 0,
+                exact_fills: false,
             },
         }
     }
@@ -516,6 +533,7 @@ mod tests {
                 stream: true,
                 depth: 1,
                 kept_bytes: 0,
+                exact_fills: false,
             };
             let residency = Residency::Streamed {
                 blocks_per_group: 1,

@@ -297,7 +297,7 @@ impl HunyuanVideo {
         texts: &[&str],
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let device = frame.device_of(self.parts.encoders.text_encoder);
-        let model = encoder.model();
+        let model = encoder.model()?;
         let max_len = frame.config.generation().max_sequence_length;
         encoder.each_through_blocks(
             LlamaTextEncoder::blocks,
@@ -435,7 +435,7 @@ impl HunyuanVideo {
         let timesteps = self.sampler(frame, job)?.timesteps().to_vec();
         let guidance = guidance_input(job.guidance_scale, 1, frame.dtype(), device)?;
         let held = frame.hold(self.parts.modulations)?;
-        let model = held.model();
+        let model = held.model()?;
         let conditionings = timesteps
             .iter()
             .flat_map(|&t| conds.iter().map(move |c| (t, c)))

@@ -252,7 +252,7 @@ impl TextToVideoStages for Ltx {
         let held = frame.hold(self.parts.vae)?;
         let tiling = frame.config.memory().vae_tiling;
         let vae = held
-            .model()
+            .model()?
             .with_tiling(tiling.then(LtxVaeTiling::default))?;
         let grid = self.configs.grid(job.num_frames, job.height, job.width);
         let token_grid = self.configs.token_grid(grid);

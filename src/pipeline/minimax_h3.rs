@@ -408,7 +408,7 @@ impl MiniMaxH3 {
         }
         let device = frame.device_of(self.parts.text_encoder);
         let encoder = frame.hold(self.parts.text_encoder)?;
-        let model = encoder.model();
+        let model = encoder.model()?;
         // The token table may wait in host memory (streamed layers): the rows looked up move.
         let ids = Tensor::new(ids.as_slice(), &model.table_device())?.unsqueeze(0)?;
         let h = model.embed(&ids)?.0.to_device(&device)?;
@@ -502,7 +502,7 @@ impl MiniMaxH3 {
     fn adaln_tables_for(&self, frame: &Frame, steps: usize) -> Result<Vec<StepTables>> {
         let (video_schedule, audio_schedule) = self.schedules(steps)?;
         let held = frame.hold(self.parts.modulations)?;
-        let model = held.model();
+        let model = held.model()?;
         let tembs = video_schedule
             .timesteps
             .iter()
@@ -597,7 +597,7 @@ impl MiniMaxH3 {
     /// diffusers decodes by default; frames `[T, H, W, 3]` in [0, 1].
     fn decode_video(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let held = frame.hold(self.parts.vae)?;
-        let vae = held.model();
+        let vae = held.model()?;
         let dtype = frame.dtype_of(self.parts.vae);
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_device(&frame.device)?.to_dtype(dtype)?)?;
@@ -636,7 +636,7 @@ impl MiniMaxH3 {
         let mut carried: Carried = job.carry.take();
         let rows = carried.audio_latents.take().context("nothing denoised")?;
         let held = frame.hold(self.parts.audio_vae)?;
-        let audio_vae = held.model();
+        let audio_vae = held.model()?;
         let dtype = frame.dtype_of(self.parts.audio_vae);
         let z = unpack_audio(&rows.to_device(&frame.device)?, AUDIO_CHANNELS)?.to_dtype(dtype)?;
         let waveform = audio_vae.decode(&audio_vae.denormalize(&z)?)?;
@@ -672,12 +672,14 @@ fn dit_forward(
     (timestep, timestep_indices, adaln_tables): (&Tensor, &Tensor, Arc<Vec<Tensor>>),
     layout: &PackedLayout,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let model = dit.model();
-    let mut inputs = model.prepare(video, audio, text, timestep, timestep_indices, layout)?;
+    // The outer part only around its uses: it may be moved in for each.
+    let mut inputs =
+        dit.model()?
+            .prepare(video, audio, text, timestep, timestep_indices, layout)?;
     inputs.adaln_tables = Some(adaln_tables);
     let x = inputs.take_hidden_states()?;
     let x = dit.fold_blocks(MiniMaxH3Transformer3DModel::blocks, x, |block, x| {
         block.forward(x, &inputs)
     })?;
-    model.finish(&x, &inputs)
+    dit.model()?.finish(&x, &inputs)
 }

@@ -7,7 +7,7 @@ use super::spec::{PipelineSpec, Role};
 use crate::memory::MemoryOptions;
 /// What a model declares to be placed (the block protocol, beside the models).
 pub use crate::models::blocks::Blockwise;
-use crate::models::blocks::{BlockForward, PlacedBlocks};
+use crate::models::blocks::{BlockForward, OuterUse, PlacedBlocks};
 use crate::offload::{
     build_resident, record, HostMemory, Offloaded, Packing, Residency, StreamOptions, Usage,
 };
@@ -119,6 +119,7 @@ fn role_residency(o: &MemoryOptions, role: Role) -> Residency {
             stream,
             depth,
             kept_bytes: 0,
+            exact_fills: by_step,
         },
     };
     let parked_if = |offload: bool| {
@@ -173,6 +174,7 @@ pub enum Placed<M: Blockwise> {
 pub enum OuterPart<M> {
     Resident(M),
     Parked(Box<Offloaded<M>>),
+    PerUse(Box<Offloaded<M>>),
 }
 
 /// What `build` makes, held in host memory as one group and moved in whole when fetched.
@@ -187,6 +189,7 @@ fn parked<B>(
         stream: false,
         depth: 1,
         kept_bytes: 0,
+        exact_fills: false,
     };
     Offloaded::from_weights(
         weights,
@@ -253,17 +256,17 @@ impl<M: Blockwise> Placed<M> {
             } => {
                 let outer = match outer {
                     Outer::Resident => OuterPart::Resident(resident_outer()?),
-                    Outer::Parked => {
+                    Outer::Parked | Outer::PerUse => {
                         let cfg = cfg.clone();
                         // The outer part asks nothing of host memory: an empty `VarBuilder` there.
                         let nothing = VarBuilder::zeros(dtype, &Device::Cpu);
-                        OuterPart::Parked(Box::new(parked(
-                            weights,
-                            dtype,
-                            device,
-                            memory,
-                            move |vb| M::outer(&cfg, vb, nothing.clone()),
-                        )?))
+                        let part = Box::new(parked(weights, dtype, device, memory, move |vb| {
+                            M::outer(&cfg, vb, nothing.clone())
+                        })?);
+                        match outer {
+                            Outer::PerUse => OuterPart::PerUse(part),
+                            _ => OuterPart::Parked(part),
+                        }
                     }
                 };
                 let groups = GroupPlan::<M>::new(cfg, groups);
@@ -327,6 +330,7 @@ impl<M: Blockwise> Placed<M> {
                 outer: match outer {
                     OuterPart::Resident(m) => HeldOuter::Borrowed(m),
                     OuterPart::Parked(parked) => HeldOuter::Moved(parked.fetch(0)?),
+                    OuterPart::PerUse(parked) => HeldOuter::PerUse(parked),
                 },
                 blocks,
             },
@@ -342,7 +346,7 @@ impl<M: Blockwise> Placed<M> {
             Placed::Parked(o) => Some(o.usage()),
             Placed::Streamed { outer, blocks } => {
                 let mut usage = blocks.usage();
-                if let OuterPart::Parked(parked) = outer {
+                if let OuterPart::Parked(parked) | OuterPart::PerUse(parked) = outer {
                     let outer = parked.usage();
                     usage.pinned_bytes += outer.pinned_bytes;
                     usage.host_bytes += outer.host_bytes;
@@ -373,6 +377,8 @@ pub enum HeldOuter<'a, M> {
     Borrowed(&'a M),
     /// Moved in for this stage.
     Moved(M),
+    /// Moved in for each use ([`Held::model`]).
+    PerUse(&'a Offloaded<M>),
 }
 
 impl<M: Blockwise> Drop for Held<'_, M> {
@@ -386,20 +392,44 @@ impl<M: Blockwise> Drop for Held<'_, M> {
 }
 
 impl<M: Blockwise> Held<'_, M> {
-    /// The model (its outer part when streamed).
-    pub fn model(&self) -> &M {
+    /// The model (its outer part when streamed) for one use: an outer part held per use is
+    /// moved in now and out again when the returned value drops.
+    pub fn model(&self) -> candle_core::Result<OuterUse<'_, M>> {
+        Ok(match (self.stays(), self) {
+            (Some(m), _) => OuterUse::Borrowed(m),
+            (
+                None,
+                Held::Streamed {
+                    outer: HeldOuter::PerUse(parked),
+                    ..
+                },
+            ) => OuterUse::Moved(
+                parked
+                    .fetch(0)
+                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?,
+            ),
+            (None, _) => candle_core::bail!("a held component without its outer part"),
+        })
+    }
+
+    /// The model (its outer part when streamed) where it stays on the device for the stage.
+    fn stays(&self) -> Option<&M> {
         match self {
-            Held::Borrowed(m) => m,
-            Held::Moved(m) => m,
+            Held::Borrowed(m) => Some(m),
+            Held::Moved(m) => Some(m),
             Held::Streamed {
                 outer: HeldOuter::Borrowed(m),
                 ..
-            } => m,
+            } => Some(m),
             Held::Streamed {
                 outer: HeldOuter::Moved(m),
                 ..
-            } => m,
-            Held::Sharded(s) => &s.outer,
+            } => Some(m),
+            Held::Streamed {
+                outer: HeldOuter::PerUse(_),
+                ..
+            } => None,
+            Held::Sharded(s) => Some(&s.outer),
         }
     }
 
@@ -486,7 +516,10 @@ impl<M: Blockwise> Held<'_, M> {
                 })?)
             }
             _ => {
-                for block in resident(self.model()) {
+                let model = self
+                    .stays()
+                    .context("resident blocks without their model")?;
+                for block in resident(model) {
                     f(block)?;
                 }
                 Ok(())
@@ -498,7 +531,7 @@ impl<M: Blockwise> Held<'_, M> {
 /// Model-side code runs a held component's blocks through this (models know nothing of
 /// placement).
 impl<M: Blockwise> PlacedBlocks<M> for Held<'_, M> {
-    fn model(&self) -> &M {
+    fn model(&self) -> candle_core::Result<OuterUse<'_, M>> {
         Held::model(self)
     }
 
@@ -570,14 +603,23 @@ mod tests {
                 let built = match part {
                     OuterPart::Resident(_) => Outer::Resident,
                     OuterPart::Parked(_) => Outer::Parked,
+                    OuterPart::PerUse(_) => Outer::PerUse,
                 };
                 assert_eq!(built, outer, "{what}");
                 let usage = placed.offload_usage().unwrap();
-                assert_eq!(
+                let (active, direct) = (
                     holding.device_weights(&planned).active,
-                    (planned.direct_bytes + usage.device_bytes) as u64,
-                    "{what}"
+                    planned.direct_bytes as u64,
                 );
+                let streamed = usage.device_bytes as u64;
+                match outer {
+                    // The outer part only beside what the groups hold between passes.
+                    Outer::PerUse => assert!(
+                        (streamed..direct + streamed).contains(&active),
+                        "{what}: {active}"
+                    ),
+                    _ => assert_eq!(active, direct + streamed, "{what}"),
+                }
             }
             (Holding::Sharded { .. }, Placed::Sharded(sharded)) => {
                 assert_eq!(sharded.shards.len(), planned.groups.len(), "{what}");
@@ -616,6 +658,7 @@ mod tests {
                         stream,
                         depth,
                         kept_bytes: 0,
+                        exact_fills: by_step,
                     },
                 });
             }

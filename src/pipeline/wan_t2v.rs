@@ -512,7 +512,7 @@ impl WanT2V {
         texts: &[&str],
     ) -> Result<Vec<Tensor>> {
         let max_len = frame.config.generation().max_sequence_length;
-        let model = encoder.model();
+        let model = encoder.model()?;
         let device = model.device();
         encoder.each_through_blocks(
             UMT5EncoderModel::blocks,
@@ -595,7 +595,7 @@ impl WanT2V {
         let image_embeds = match self.parts.image_encoder {
             Some(slot) => {
                 let held = frame.hold(slot)?;
-                let model = held.model();
+                let model = held.model()?;
                 let processor = self.configs.image_processor.clone().unwrap_or_default();
                 let pixels = ClipImageProcessor::new(&processor)?.preprocess(&img, device)?;
                 let embeds = model.last_hidden_state(&pixels)?.to_dtype(dtype)?;
@@ -607,7 +607,7 @@ impl WanT2V {
         };
         let start = Instant::now();
         let held = frame.hold(self.parts.vae)?;
-        let vae = held.model();
+        let vae = held.model()?;
         let image = preprocess_image(
             &img,
             job.height as usize,
@@ -616,9 +616,9 @@ impl WanT2V {
             device,
         )?;
         let condition = if self.configs.expand_timesteps {
-            first_frame_condition(vae, &image, 1, dtype)?
+            first_frame_condition(&vae, &image, 1, dtype)?
         } else {
-            image_condition(vae, &image, job.num_frames as usize, 1, dtype)?
+            image_condition(&vae, &image, job.num_frames as usize, 1, dtype)?
         };
         device.synchronize()?;
         seconds.insert("vae_encode".into(), start.elapsed().as_secs_f64().into());
@@ -855,7 +855,7 @@ impl WanT2V {
 
     fn decode(&self, frame: &Frame, job: &mut Job) -> Result<()> {
         let held = frame.hold(self.parts.vae)?;
-        let vae = held.model();
+        let vae = held.model()?;
         let latents = job.latents.take().context("nothing denoised")?;
         let z = vae.denormalize(&latents.to_dtype(DType::F32)?.to_device(&frame.device)?)?;
         // [1, 3, T, H, W] in [-1, 1]
@@ -885,8 +885,12 @@ pub fn dit_forward(
     cache: Option<(&mut StepCache, Forward)>,
     low_activation: bool,
 ) -> candle_core::Result<Tensor> {
-    let model = dit.model();
-    let mut inputs = model.prepare_with_image(latents, timestep, text, image)?;
+    // The outer part only around its uses: it may be moved in for each (leaf level).
+    let (mut inputs, hooked) = {
+        let model = dit.model()?;
+        let inputs = model.prepare_with_image(latents, timestep, text, image)?;
+        (inputs, model.config().hooked_blocks())
+    };
     inputs.low_activation = low_activation;
     let mut share = sequence
         .map(|sp| inputs.split_sequence(sp.clone()))
@@ -902,7 +906,7 @@ pub fn dit_forward(
         Some((cache, step)) => cache.through_blocks(
             *step,
             x,
-            model.config().hooked_blocks(),
+            hooked,
             &HiddenStates,
             |x, f| dit.fold_blocks(blocks, x, |block, x| f(block, x)),
             |block, x, hooks| block.forward_hooked(x, at, hooks),
@@ -911,6 +915,7 @@ pub fn dit_forward(
         None => dit.fold_blocks(blocks, x, |block, x| block.forward_owned(x.clone(), at))?,
     };
     let x = at.gather_sequence(&x)?;
+    let model = dit.model()?;
     match cache {
         Some((cache, step)) => {
             model.finish_projecting(&x, &inputs, &mut |compute| cache.project(step, compute))

@@ -53,7 +53,7 @@ pub fn pooled(
     dtype: DType,
     texts: &[&str],
 ) -> Result<Vec<Tensor>> {
-    let model = encoder.model();
+    let model = encoder.model()?;
     let (mut hidden, mut ids) = (Vec::new(), Vec::new());
     for text in texts {
         let encoding = tokenizer

@@ -26,7 +26,7 @@ pub fn encode(
     encoder: &impl PlacedBlocks<T5EncoderModel>,
     texts: &[(Vec<u32>, usize)],
 ) -> Result<Vec<Tensor>> {
-    let model = encoder.model();
+    let model = encoder.model()?;
     let device = model.device();
     let (mut states, mut masks) = (Vec::new(), Vec::new());
     for (ids, len) in texts {

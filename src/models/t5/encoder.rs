@@ -704,7 +704,7 @@ pub(crate) fn encode_masked(
     texts: &[&[u32]],
     seq_lens: &[usize],
 ) -> anyhow::Result<Vec<Tensor>> {
-    let model = encoder.model();
+    let model = encoder.model()?;
     let device = model.device();
     let (mut states, mut masks) = (Vec::new(), Vec::new());
     for (ids, &len) in texts.iter().zip(seq_lens) {

@@ -1,0 +1,32 @@
+# Session 50's calls. Build vidgen, offload_bench and the library's CUDA tests at HEAD into .device56/ (strip,
+# xz -9e; the carry with .whl stays under 64 MiB), copy ../shared/peer/seed_table_bench.py there, then
+#   run(carry: [".device56", ".whl"], command: "bash bench/results/session50/calls.sh 1")
+#   1: the offload engine's CUDA tests (exact fills among them); HunyuanVideo's 720p forward with the fused output
+#      head (expected peak ~28.08 GiB, was 29.43); FLUX.1-dev's seed-table rows with leaf level in exact fills, its
+#      outer part per use and finer block steps (planned 0.39 GiB), beside diffusers' resident and leaf rows.
+set -u
+export PATH=/opt/torch/.venv/bin:$PATH
+OUT=${OUT:-$PWD/out}; mkdir -p $OUT
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+for b in vidgen vidgen-lib-tests offload_bench; do
+  [ -f .device56/$b.xz ] && xz -dc .device56/$b.xz > /tmp/$b && chmod +x /tmp/$b
+done
+mkdir -p .device && cp /tmp/offload_bench .device/offload_bench && cp .device56/seed_table_bench.py .device/
+export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
+case $1 in
+  1) el "the offload engine's CUDA tests"
+     timeout 150 /tmp/vidgen-lib-tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:|left|right" | tail -30
+     el "HunyuanVideo 129x720x1280, resident, one forward"
+     timeout 170 /tmp/offload_bench synthetic:hunyuanvideo 1 129x720x1280 \
+       "none: --dit-layerwise-offload=false --dit-cpu-offload=false" > $OUT/hunyuan-720p.jsonl 2> $OUT/hunyuan-720p.log
+     echo "exit $?"; python3 bench/offload_summary.py $OUT/hunyuan-720p.jsonl; tail -2 $OUT/hunyuan-720p.log
+     rm -rf /dev/shm/vidgen-bench
+     el "FLUX.1-dev's leaf-level plan (dry run on the GPU)"
+     /tmp/vidgen generate --model synthetic:flux.1-dev --prompt x --dtype bf16 --height 768 --width 768 \
+       --dit-layerwise-offload --offload-type leaf-level --dry-run 2>&1 | grep -E "^denoise|transformer" | head -4
+     el "FLUX.1-dev's seed-table rows, vidgen then diffusers"
+     PEER_MODES=none,leaf_level_stream PEER_BUDGET_S=200 OUT=$OUT/seed \
+       timeout 420 bash bench/seed_table.sh flux 2>&1 | tail -24;;
+esac
