@@ -4,6 +4,8 @@
 #   1: the offload engine's CUDA tests (exact fills among them); HunyuanVideo's 720p forward with the fused output
 #      head (expected peak ~28.08 GiB, was 29.43); FLUX.1-dev's seed-table rows with leaf level in exact fills, its
 #      outer part per use and finer block steps (planned 0.39 GiB), beside diffusers' resident and leaf rows.
+#   2: the other seed-table families' leaf-level rows with exact fills (and the outer part per use where blocks
+#      have steps), each beside its resident run: Latte-1, Mochi-1, Allegro, HunyuanVideo at the table's sizes.
 set -u
 export PATH=/opt/torch/.venv/bin:$PATH
 OUT=${OUT:-$PWD/out}; mkdir -p $OUT
@@ -29,4 +31,15 @@ case $1 in
      el "FLUX.1-dev's seed-table rows, vidgen then diffusers"
      PEER_MODES=none,leaf_level_stream PEER_BUDGET_S=200 OUT=$OUT/seed \
        timeout 420 bash bench/seed_table.sh flux 2>&1 | tail -24;;
+  2) for f in "latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848"; do
+       set -- $f
+       el "$1 $2: resident and leaf level"
+       timeout 170 /tmp/offload_bench synthetic:$1 2 $2 "none: --dit-layerwise-offload=false --dit-cpu-offload=false" \
+         "leaf_level_stream: --offload-type leaf-level" > $OUT/$1.jsonl 2> $OUT/$1.log
+       echo "exit $?"; python3 bench/offload_summary.py $OUT/$1.jsonl; tail -1 $OUT/$1.log
+       /tmp/vidgen generate --model synthetic:$1 --prompt x --dtype bf16 --num-frames ${2%%x*} \
+         --height $(echo $2 | cut -dx -f2) --width $(echo $2 | cut -dx -f3) --dit-layerwise-offload \
+         --offload-type leaf-level --lazy-module-load --dry-run 2>&1 | grep -E "^denoise" | head -1
+       rm -rf /dev/shm/vidgen-bench
+     done;;
 esac
