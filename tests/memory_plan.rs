@@ -1225,8 +1225,9 @@ fn the_dit_is_held_on_the_device_where_it_fits() {
 /// H200, session 35), and the tiled decodes above the weights and latents (`vae_decode --tiled`)
 /// of LTX-Video, CogVideoX-5b, Latte-1 and FLUX.1 (AutoencoderKL); and HunyuanVideo's denoise at
 /// 720p, its blocks' peak above the weights (`examples/offload_bench`, resident; an H100,
-/// session 49: six copies of the joint sequence, where the plan had counted eight). Each plan is
-/// within a tenth of its measurement.
+/// session 49: six copies of the joint sequence, where the plan had counted eight); and FLUX.1's
+/// leaf-level denoise, its steps in exact fills and its outer part moved in per use (the pool's
+/// peak, `offload_bench`; an H100, session 50). Each plan is within a tenth of its measurement.
 #[test]
 fn plans_are_within_a_tenth_of_the_measured_peaks() {
     let hf_home = std::env::temp_dir().join(format!("vidgen-decode-hf-{}", std::process::id()));
@@ -1302,6 +1303,14 @@ fn plans_are_within_a_tenth_of_the_measured_peaks() {
         gib(&hunyuan["activation_bytes"]),
         4.145,
         "HunyuanVideo 720p denoise",
+    );
+    // An H100, session 50 (call 1): the seed table's leaf-level row, weights and activations.
+    let leaf = ["--dit-layerwise-offload", "--offload-type", "leaf-level"];
+    let flux = plan("synthetic:flux.1-dev", (1, 768, 768), &leaf, "denoise");
+    within(
+        gib(&flux["peak_bytes"]),
+        0.377,
+        "FLUX.1 768x768 leaf-level denoise",
     );
     // An H100, session 49 (call 1): 2x2 and 3x3 tiles of 1024 px.
     for (size, measured) in [(1536, 2.00), (2048, 2.03)] {
