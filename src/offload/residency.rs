@@ -279,13 +279,19 @@ pub(super) fn dtype_bytes(group: &GroupLayout) -> ByDtype {
 /// Saturating: a layout beyond 2^64 bytes reads as u64::MAX, which the memory plan's checked
 /// sums refuse.
 pub fn streamed_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
+    let (held, moved) = kept_and_moved(groups, options);
+    held.saturating_add(moving_bytes(&moved, options))
+}
+
+/// The bytes of the groups kept on the device through a stage ([`kept_groups`]), and the
+/// groups that move.
+fn kept_and_moved(groups: &[GroupLayout], options: StreamOptions) -> (u64, Vec<GroupLayout>) {
     let kept = kept_groups(groups, options.kept_bytes);
     let (held, moved): (Vec<_>, Vec<_>) = groups.iter().zip(kept).partition(|(_, k)| *k);
     let held = held
         .into_iter()
         .fold(0u64, |sum, (g, _)| sum.saturating_add(landed_bytes(g)));
-    let moved: Vec<GroupLayout> = moved.into_iter().map(|(g, _)| g.clone()).collect();
-    held.saturating_add(moving_bytes(&moved, options))
+    (held, moved.into_iter().map(|(g, _)| g.clone()).collect())
 }
 
 /// Which of `groups` stay on the device through a stage within `budget` bytes (each counted by
@@ -343,12 +349,7 @@ fn moving_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
 /// Device bytes a streamed part's groups hold between two passes of a stage: the kept groups,
 /// and the slots; in exact fills, only the first fills of the next pass, prefetched.
 pub fn between_passes_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
-    let kept = kept_groups(groups, options.kept_bytes);
-    let (held, moved): (Vec<_>, Vec<_>) = groups.iter().zip(kept).partition(|(_, k)| *k);
-    let held = held
-        .into_iter()
-        .fold(0u64, |sum, (g, _)| sum.saturating_add(landed_bytes(g)));
-    let moved: Vec<GroupLayout> = moved.into_iter().map(|(g, _)| g.clone()).collect();
+    let (held, moved) = kept_and_moved(groups, options);
     let runs = SlotRuns::under(&moved, options).runs.len();
     let moving = match (slot_count(runs, options), options.exact_fills) {
         (0, _) => 0,

@@ -558,22 +558,9 @@ pub(super) mod tests {
             assert_eq!(part.runs.runs, [0..1, 1..4, 4..5]);
             assert_eq!(visit_all(&part)?, all);
             assert_eq!(copies(&part), UNEVEN.len() + prefetched.len());
-            assert_eq!(slots(&part).expect("slots made").len(), depth + 1);
-            for pass in 1..4 {
-                assert_eq!(pending(&part), prefetched, "depth {depth}, pass {pass}");
-                let before = copies(&part);
-                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
-                assert_eq!(copies(&part) - before, UNEVEN.len());
-            }
             // A pass that stops inside the shared slot keeps nothing and retires every slot;
             // the next one copies and visits every group again.
-            let stopped = part.for_each(|group| match group.index {
-                2 => anyhow::bail!("stopped"),
-                _ => Ok(()),
-            });
-            assert_eq!(stopped.expect_err("stopped").to_string(), "stopped");
-            assert_eq!(pending(&part), [0; 0]);
-            assert_eq!(in_use(&part), [0; 0]);
+            passes_visit_each_group_once(&part, depth, &prefetched)?;
             let before = copies(&part);
             assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
             assert_eq!(copies(&part) - before, UNEVEN.len() + prefetched.len());
@@ -604,23 +591,37 @@ pub(super) mod tests {
                 &Device::Cpu,
             )?;
             assert_eq!(part.runs.runs, [0..1, 1..2, 2..3, 3..4, 4..5]);
-            let prefetched: Vec<usize> = (0..depth).collect();
             assert_eq!(visit_all(&part)?, all);
-            assert_eq!(slots(&part).expect("slots made").len(), depth + 1);
-            for pass in 1..4 {
-                assert_eq!(pending(&part), prefetched, "depth {depth}, pass {pass}");
-                let before = copies(&part);
-                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
-                assert_eq!(copies(&part) - before, UNEVEN.len());
-            }
-            let stopped = part.for_each(|group| match group.index {
-                2 => anyhow::bail!("stopped"),
-                _ => Ok(()),
-            });
-            assert_eq!(stopped.expect_err("stopped").to_string(), "stopped");
-            assert_eq!((pending(&part), in_use(&part)), (vec![], vec![]));
+            let prefetched: Vec<usize> = (0..depth).collect();
+            passes_visit_each_group_once(&part, depth, &prefetched)?;
             assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
         }
+        Ok(())
+    }
+
+    /// After a first pass of `part` (of the [`UNEVEN`] groups, `depth` fills ahead): its
+    /// slots, then three passes, each finding `prefetched` copied ahead by the one before,
+    /// visiting every group in order and copying each once; then a pass that stops at group
+    /// 2, which keeps nothing and retires every slot.
+    fn passes_visit_each_group_once(
+        part: &Offloaded<Group>,
+        depth: usize,
+        prefetched: &[usize],
+    ) -> Result<()> {
+        let all: Vec<usize> = (0..UNEVEN.len()).collect();
+        assert_eq!(slots(part).expect("slots made").len(), depth + 1);
+        for pass in 1..4 {
+            assert_eq!(pending(part), prefetched, "depth {depth}, pass {pass}");
+            let before = copies(part);
+            assert_eq!(visit_all(part)?, all, "depth {depth}, pass {pass}");
+            assert_eq!(copies(part) - before, UNEVEN.len());
+        }
+        let stopped = part.for_each(|group| match group.index {
+            2 => anyhow::bail!("stopped"),
+            _ => Ok(()),
+        });
+        assert_eq!(stopped.expect_err("stopped").to_string(), "stopped");
+        assert_eq!((pending(part), in_use(part)), (vec![], vec![]));
         Ok(())
     }
 

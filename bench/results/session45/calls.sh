@@ -9,17 +9,7 @@
 #   2 (carry .device46/{offload_bench.xz,seed_table_bench.py}, .whl): HunyuanVideo 61x320x512, vidgen's default
 #      (one slot ahead, two single-stream blocks a slot) against two slots ahead (the old default's look-ahead)
 #      and resident, beside diffusers' stream row: the default must keep the old +1.2% overhead at 2 slots.
-set -u
-export PATH=/opt/torch/.venv/bin:$PATH
-OUT=${OUT:-$PWD/out}; mkdir -p $OUT
-T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-for b in vidgen vidgen-lib-tests offload_bench; do
-  [ -f .device46/$b.xz ] && xz -dc .device46/$b.xz > /tmp/$b && chmod +x /tmp/$b
-done
-mkdir -p .device && cp /tmp/offload_bench .device/offload_bench && cp .device46/seed_table_bench.py .device/
-export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
+DEV=.device46 source bench/device_setup.sh
 case $1 in
   1) el "the offload engine's CUDA tests"
      timeout 120 /tmp/vidgen-lib-tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:" | tail -20

@@ -6,17 +6,7 @@
 #      outer part per use and finer block steps (planned 0.39 GiB), beside diffusers' resident and leaf rows.
 #   2: the other seed-table families' leaf-level rows with exact fills (and the outer part per use where blocks
 #      have steps), each beside its resident run: Latte-1, Mochi-1, Allegro, HunyuanVideo at the table's sizes.
-set -u
-export PATH=/opt/torch/.venv/bin:$PATH
-OUT=${OUT:-$PWD/out}; mkdir -p $OUT
-T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-for b in vidgen vidgen-lib-tests offload_bench; do
-  [ -f .device56/$b.xz ] && xz -dc .device56/$b.xz > /tmp/$b && chmod +x /tmp/$b
-done
-mkdir -p .device && cp /tmp/offload_bench .device/offload_bench && cp .device56/seed_table_bench.py .device/
-export VIDGEN_BENCH_FILES=/dev/shm/vidgen-bench
+DEV=.device56 source bench/device_setup.sh
 case $1 in
   1) el "the offload engine's CUDA tests"
      timeout 150 /tmp/vidgen-lib-tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:|left|right" | tail -30
