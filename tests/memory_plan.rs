@@ -693,11 +693,12 @@ fn the_first_candidate_that_fits_is_chosen() {
     let flags: Vec<String> = found.iter().map(|c| c.flags.join(" ")).collect();
     assert_eq!(
         flags[..5],
-        // (Leaf level alone lowers no stage's peak here: the streamed DiT already holds nothing
-        // outside its stage, and the peak is the resident text encoder's.)
+        // (Leaf level lowers no stage's peak here until the tiles: the streamed DiT already
+        // holds nothing outside its stage, and the peak is the resident text encoder's, then
+        // the decode's. A candidate leaves out what it does not need.)
         [
             "--dit-layerwise-offload",
-            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload",
+            "--dit-layerwise-offload --text-encoder-cpu-offload",
             // (Lazy loading alone lowers no peak: the one prompt releases each component after
             // its last stage already; offered with the tiles.)
             "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling",

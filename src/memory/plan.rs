@@ -441,15 +441,20 @@ pub fn candidates(
     let mut next = request.clone();
     let mut current = plan_for(request).ok();
     let mut least = current.as_ref().map_or(u64::MAX, |p| p.required_bytes());
-    // Offers `candidate` with `plan` if it needs less than the last offer.
+    // Offers `candidate` with `plan` if it needs less than the last offer, without the savings
+    // it does not need for that.
     let mut offer = |candidate: &Request, plan: MemoryPlan| {
-        let flags = changed_flags(request, candidate);
-        if !flags.is_empty() && plan.required_bytes() < least {
+        if plan.required_bytes() >= least {
+            return;
+        }
+        let (candidate, plan) = needed_savings(request, candidate, plan, device, plan_for);
+        let flags = changed_flags(request, &candidate);
+        if !flags.is_empty() {
             least = plan.required_bytes();
             out.push(Candidate {
                 flags,
                 plan,
-                request: candidate.clone(),
+                request: candidate,
             });
         }
     };
@@ -483,6 +488,44 @@ pub fn candidates(
         }
     }
     out
+}
+
+/// `candidate` (`request` with some savings turned on, `plan` its plan) without those of its
+/// savings it needs no more: from the costliest (the last in [`SAVINGS`]) on, each is left out
+/// where the plan without it needs no more device memory. A saving that lowered a stage which a
+/// later one left below the peak then costs the run nothing (e.g. low activation where the
+/// peak moved to the decode).
+fn needed_savings(
+    request: &Request,
+    candidate: &Request,
+    plan: MemoryPlan,
+    device: &DeviceInfo,
+    plan_for: PlanFor,
+) -> (Request, MemoryPlan) {
+    let mut added: Vec<&Saving> = SAVINGS
+        .iter()
+        .filter(|s| (s.is_on)(&candidate.options) && !(s.is_on)(&request.options))
+        .collect();
+    let (mut kept, mut plan) = (candidate.clone(), plan);
+    for k in (0..added.len()).rev() {
+        let mut without = Request {
+            options: request.options.clone(),
+            ..candidate.clone()
+        };
+        for (i, saving) in added.iter().enumerate() {
+            if i != k {
+                (saving.turn_on)(&mut without.options);
+            }
+        }
+        apply_memory_rules(&mut without.options, device);
+        if let Ok(lighter) = plan_for(&without) {
+            if lighter.required_bytes() <= plan.required_bytes() {
+                added.remove(k);
+                (kept, plan) = (without, lighter);
+            }
+        }
+    }
+    (kept, plan)
 }
 
 /// What the savings that turn the options `from` into `to` change in the output beside the
