@@ -881,11 +881,13 @@ pub(super) mod tests {
     }
 
     /// The first two blocks of `weights` (every stored tensor of each, in bf16), one group per
-    /// block, held as `memory` says and streamed to `device` one group ahead.
+    /// block, held as `memory` says and streamed to `device` one group ahead (in exact fills
+    /// where `exact_fills`).
     pub(super) fn stream_blocks(
         weights: &WeightSet,
         device: &Device,
         memory: HostMemory,
+        exact_fills: bool,
     ) -> Result<Offloaded<Named>> {
         let blocks: Vec<_> = (0..2).map(|b| block_tensors(weights, b)).collect();
         Offloaded::from_weights(
@@ -905,13 +907,14 @@ pub(super) mod tests {
                 stream: true,
                 depth: 1,
                 kept_bytes: 0,
-                exact_fills: false,
+                exact_fills,
             },
         )
     }
 
-    /// Checks that every tensor of every group of `part` is, bit for bit, what the
-    /// `VarBuilder` reads on the CPU; returns how many there were.
+    /// Checks, over two passes (the second takes what the first prefetched), that every tensor
+    /// of every group of `part` is, bit for bit, what the `VarBuilder` reads on the CPU;
+    /// returns how many a pass saw.
     pub(super) fn lands_as_read(part: &Offloaded<Named>, weights: &WeightSet) -> Result<usize> {
         let reference = weights.var_builder(DType::BF16, &Device::Cpu);
         let bits = |t: &Tensor| -> Result<Vec<u32>> {
@@ -925,21 +928,24 @@ pub(super) mod tests {
                 .map(|v| v.to_bits())
                 .collect())
         };
-        let mut seen = 0;
-        part.for_each(|group| {
-            for (name, tensor) in group {
-                let want = reference.get(tensor.dims(), name)?;
-                anyhow::ensure!(
-                    tensor.dtype() == DType::BF16,
-                    "{name} in {:?}",
-                    tensor.dtype()
-                );
-                anyhow::ensure!(bits(tensor)? == bits(&want)?, "{name} differs");
-                seen += 1;
-            }
-            Ok(())
-        })?;
-        Ok(seen)
+        let mut seen = [0; 2];
+        for pass in &mut seen {
+            part.for_each(|group| {
+                for (name, tensor) in group {
+                    let want = reference.get(tensor.dims(), name)?;
+                    anyhow::ensure!(
+                        tensor.dtype() == DType::BF16,
+                        "{name} in {:?}",
+                        tensor.dtype()
+                    );
+                    anyhow::ensure!(bits(tensor)? == bits(&want)?, "{name} differs");
+                    *pass += 1;
+                }
+                Ok(())
+            })?;
+        }
+        anyhow::ensure!(seen[0] == seen[1], "passes saw {seen:?} tensors");
+        Ok(seen[0])
     }
 
     /// Packed weights are held and moved as stored: a Q8_0 tensor's image is its bytes in the
@@ -948,7 +954,7 @@ pub(super) mod tests {
     #[test]
     fn packed_weights_are_held_as_stored_and_land_as_read() -> Result<()> {
         for weights in packed_weight_sets()? {
-            let part = stream_blocks(&weights, &Device::Cpu, HostMemory::Pageable)?;
+            let part = stream_blocks(&weights, &Device::Cpu, HostMemory::Pageable, false)?;
             let layouts = part.layouts();
             let slots: Vec<&super::super::group::Slot> =
                 layouts.iter().flat_map(|l| &l.slots).collect();
@@ -1025,8 +1031,8 @@ mod cuda_tests {
     use candle_core::Tensor;
 
     /// On the GPU, packed weights (Q8_0 blocks, fp8 bytes) streamed from pinned arenas or the
-    /// locked map, pageable memory or through the staging ring, and loaded resident through the
-    /// staging ring, expand to what the host reads, bit for bit.
+    /// locked map, pageable memory or through the staging ring, in slots or exact fills, and
+    /// loaded resident through the staging ring, expand to what the host reads, bit for bit.
     #[test]
     fn packed_weights_land_on_the_gpu_as_the_host_reads_them() -> Result<()> {
         let Ok(gpu) = Device::new_cuda(0) else {
@@ -1041,8 +1047,10 @@ mod cuda_tests {
                     max_pinned: 1 << 16,
                 },
             ] {
-                let part = stream_blocks(&weights, &gpu, memory)?;
-                assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
+                for exact in [false, true] {
+                    let part = stream_blocks(&weights, &gpu, memory, exact)?;
+                    assert!(lands_as_read(&part, &weights)? > 0, "{memory} {exact}");
+                }
             }
             lands_resident_as_read(&weights, &gpu)?;
         }
@@ -1169,9 +1177,12 @@ mod cuda_tests {
             changed(0) > 1 && changed(1) > 1,
             "the LoRA changes the streamed blocks"
         );
-        for memory in [HostMemory::Pinned, HostMemory::Pageable] {
-            let part = stream_blocks(&weights, &gpu, memory)?;
-            assert!(lands_as_read(&part, &weights)? > 0, "{memory}");
+        for (memory, exact) in [HostMemory::Pinned, HostMemory::Pageable]
+            .into_iter()
+            .flat_map(|m| [(m, false), (m, true)])
+        {
+            let part = stream_blocks(&weights, &gpu, memory, exact)?;
+            assert!(lands_as_read(&part, &weights)? > 0, "{memory} {exact}");
         }
         lands_resident_as_read(&weights, &gpu)
     }
