@@ -6,7 +6,9 @@
 #      outer part per use and finer block steps (planned 0.39 GiB), beside diffusers' resident and leaf rows.
 #   2: the other seed-table families' leaf-level rows with exact fills (and the outer part per use where blocks
 #      have steps), each beside its resident run: Latte-1, Mochi-1, Allegro, HunyuanVideo at the table's sizes.
-DEV=.device56 source bench/device_setup.sh
+#   3 (carry .device57, where 6505bbf's library CUDA tests are, and tests/fixtures/{wan-tiny-a,ecosystem-a,weights-a}
+#      out of the index): every CUDA test of the library, the packed and LoRA streaming ones in exact fills too.
+DEV=${DEV:-.device56} source bench/device_setup.sh
 case $1 in
   1) el "the offload engine's CUDA tests"
      timeout 150 /tmp/vidgen-lib-tests --test-threads=1 offload:: 2>&1 | grep -E "^test |panicked|result:|left|right" | tail -30
@@ -21,6 +23,9 @@ case $1 in
      el "FLUX.1-dev's seed-table rows, vidgen then diffusers"
      PEER_MODES=none,leaf_level_stream PEER_BUDGET_S=200 OUT=$OUT/seed \
        timeout 420 bash bench/seed_table.sh flux 2>&1 | tail -24;;
+  3) el "every CUDA test of the library"
+     timeout 500 /tmp/vidgen-lib-tests --test-threads=1 2>&1 | grep -E "^test .*(FAILED|ok)$|panicked|result:" \
+       | grep -E "cuda|gpu|FAILED|panicked|result:" | tail -60;;
   2) for f in "latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848"; do
        set -- $f
        el "$1 $2: resident and leaf level"
