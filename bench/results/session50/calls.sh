@@ -8,6 +8,7 @@
 #      have steps), each beside its resident run: Latte-1, Mochi-1, Allegro, HunyuanVideo at the table's sizes.
 #   3 (carry .device57, where 6505bbf's library CUDA tests are, and tests/fixtures/{wan-tiny-a,ecosystem-a,weights-a}
 #      out of the index): every CUDA test of the library, the packed and LoRA streaming ones in exact fills too.
+#   4: Wan2.1 14B and 1.3B at 81x480x832, leaf level (its outer part now per use) beside the default stream.
 DEV=${DEV:-.device56} source bench/device_setup.sh
 case $1 in
   1) el "the offload engine's CUDA tests"
@@ -26,6 +27,13 @@ case $1 in
   3) el "every CUDA test of the library"
      timeout 500 /tmp/vidgen-lib-tests --test-threads=1 2>&1 | grep -E "^test .*(FAILED|ok)$|panicked|result:" \
        | grep -E "cuda|gpu|FAILED|panicked|result:" | tail -60;;
+  4) for m in wan2.1-t2v-1.3b wan2.1-t2v-14b; do
+       el "$m 81x480x832: default stream and leaf level"
+       timeout 200 /tmp/offload_bench synthetic:$m 2 81x480x832 "default: " \
+         "leaf_level_stream: --offload-type leaf-level" > $OUT/$m.jsonl 2> $OUT/$m.log
+       echo "exit $?"; python3 bench/offload_summary.py $OUT/$m.jsonl; tail -1 $OUT/$m.log
+       rm -rf /dev/shm/vidgen-bench
+     done;;
   2) for f in "latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848"; do
        set -- $f
        el "$1 $2: resident and leaf level"
