@@ -322,8 +322,9 @@ pub fn kept_groups(groups: &[GroupLayout], budget: u64) -> Vec<bool> {
 
 /// Device bytes of moved `groups` while their stage runs (see [`streamed_bytes`]): the slots,
 /// each the size of the largest fill; or, in exact fills, the most any [`slot_count`]
-/// consecutive fills of a pass take (the next pass's first are copied once it is done); and
-/// the expanded copy of the computing group's packed tensors.
+/// consecutive fills of a pass take (the next pass's first are copied beside its last ones only
+/// where that takes no more, [`prefetches_across_passes`]); and the expanded copy of the
+/// computing group's packed tensors.
 fn moving_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
     let slot: u64 = slot_sections(groups)
         .iter()
@@ -332,18 +333,40 @@ fn moving_bytes(groups: &[GroupLayout], options: StreamOptions) -> u64 {
     let slots = slot_count(SlotRuns::under(groups, options).runs.len(), options);
     let in_flight = match (slots, options.exact_fills) {
         (0, _) => return groups.iter().map(landed_bytes).max().unwrap_or(0),
-        (slots, true) => groups
-            .windows(slots.min(groups.len()))
-            .map(|fills| {
-                fills
-                    .iter()
-                    .fold(0u64, |sum, g| sum.saturating_add(g.bytes as u64))
-            })
-            .max()
-            .unwrap_or(0),
+        (slots, true) => exact_fills_in_flight(groups, slots).0,
         (slots, false) => (slots as u64).saturating_mul(slot),
     };
     in_flight.saturating_add(expanded.unwrap_or(0))
+}
+
+/// The most bytes `slots` consecutive exact fills (one group each) take within a pass, and
+/// across the end of one pass into the next.
+fn exact_fills_in_flight(groups: &[GroupLayout], slots: usize) -> (u64, u64) {
+    let n = groups.len();
+    let window = |first: usize| {
+        (first..first + slots.min(n)).fold(0u64, |sum, i| {
+            sum.saturating_add(groups[i % n].bytes as u64)
+        })
+    };
+    let within = (0..=n.saturating_sub(slots)).map(window).max().unwrap_or(0);
+    let across = (n.saturating_sub(slots) + 1..n)
+        .map(window)
+        .max()
+        .unwrap_or(0);
+    (within, across)
+}
+
+/// Whether the copy stream copies the next pass's first fills while a pass's last ones
+/// compute. Slots always do. Exact fills do where that holds no more than the pass's own fills
+/// in flight; elsewhere (FLUX.1's last single-stream MLP beside its first modulation) they are
+/// copied once the pass is done, as the outer part computes.
+pub fn prefetches_across_passes(groups: &[GroupLayout], options: StreamOptions) -> bool {
+    let slots = slot_count(SlotRuns::under(groups, options).runs.len(), options);
+    if !options.exact_fills || slots == 0 {
+        return true;
+    }
+    let (within, across) = exact_fills_in_flight(groups, slots);
+    across <= within
 }
 
 /// Device bytes a streamed part's groups hold between two passes of a stage: the kept groups,
@@ -508,8 +531,12 @@ mod tests {
         assert_eq!(streamed_bytes(&groups, streamed(1, true)), 2 * 400);
         assert_eq!(streamed_bytes(&groups, exact(1, 0)), 500);
         assert_eq!(streamed_bytes(&groups, exact(2, 0)), 550);
-        // Not 300 with the next pass's 100, 400.
+        // Not 300 with the next pass's 100, 400, which are copied once the pass is done.
         assert_eq!(streamed_bytes(&groups, exact(3, 0)), 800);
+        assert!(!prefetches_across_passes(&groups, exact(3, 0)));
+        // 300 beside the next pass's 100 is no more than 100, 400.
+        assert!(prefetches_across_passes(&groups, exact(1, 0)));
+        assert!(prefetches_across_passes(&groups, streamed(3, true)));
         assert_eq!(between_passes_bytes(&groups, exact(1, 0)), 100);
         assert_eq!(between_passes_bytes(&groups, exact(2, 0)), 500);
         assert_eq!(between_passes_bytes(&groups, streamed(1, true)), 2 * 400);

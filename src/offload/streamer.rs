@@ -3,7 +3,9 @@
 use super::group::GroupLayout;
 use super::group::{record, Packing};
 use super::host::{HostMemory, HostSetup, HostStore};
-use super::residency::{kept_groups, prefetch_depth, slot_count, streamed_bytes, SlotRuns};
+use super::residency::{
+    kept_groups, prefetch_depth, prefetches_across_passes, slot_count, streamed_bytes, SlotRuns,
+};
 use super::transfer::{CopyStats, DeviceSlot, SlotPlace, Transfer, Uploaded};
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
@@ -79,6 +81,9 @@ pub struct Offloaded<B> {
     position: Vec<usize>,
     /// Which moved groups share a slot, and where in it each lands.
     runs: SlotRuns,
+    /// Whether the next pass's first fills are copied while a pass's last ones compute
+    /// ([`prefetches_across_passes`]); else once the pass is done.
+    across_passes: bool,
     /// Device slots for streamed groups ([`slot_count`]), made on the first pass after each
     /// [`Self::release`].
     slots: Mutex<Option<Arc<Vec<DeviceSlot>>>>,
@@ -134,8 +139,10 @@ impl<B> Offloaded<B> {
         for (at, &index) in moved.iter().enumerate() {
             position[index] = at;
         }
+        let moved_layouts = picked(&layouts, &moved);
         Offloaded {
-            runs: SlotRuns::under(&picked(&layouts, &moved), options),
+            runs: SlotRuns::under(&moved_layouts, options),
+            across_passes: prefetches_across_passes(&moved_layouts, options),
             kept: Mutex::new((0..layouts.len()).map(|_| None).collect()),
             is_kept,
             moved,
@@ -261,10 +268,9 @@ impl<B> Offloaded<B> {
         // Whole runs are prefetched: the ready groups are the first runs of the pass.
         let first_missing = ready.iter().filter(|u| ends_run(u.index)).count();
         // A copy thread fills slots in order: the rest of this pass, then the first `depth`
-        // runs of the next one. It takes a permit per fill; a retired run returns one. Exact
-        // fills copy the next pass's first runs only once this pass is done, so that they are
-        // not in flight beside its last ones.
-        let ahead = if self.options.exact_fills { 0 } else { depth };
+        // runs of the next one (unless they are copied once this pass is done, so as not to be
+        // in flight beside its last ones). It takes a permit per fill; a retired run returns one.
+        let ahead = if self.across_passes { depth } else { 0 };
         let (uploads, received) = sync_channel::<Result<Uploaded>>(2 * n);
         let (permits, permit) = sync_channel::<()>(runs.len() + depth);
         for _ in first_missing..=depth {
@@ -326,13 +332,16 @@ impl<B> Offloaded<B> {
                 }
             }
             copied.map_err(|_| anyhow::anyhow!("offload copy thread panicked"))?;
-            // Exact fills hold only what the next pass starts with between passes: the slots
-            // are freed once their work is done, and the next pass's first runs copied.
+            // Exact fills hold only what the next pass starts with between passes: the other
+            // slots are freed once their work is done, and the next pass's first runs copied
+            // where the copy thread did not.
             if self.options.exact_fills {
-                for slot in slots {
-                    self.transfer.free_fill(slot)?;
+                for (k, slot) in slots.iter().enumerate() {
+                    if !ready.iter().any(|u| u.slot == Some(k)) {
+                        self.transfer.free_fill(slot)?;
+                    }
                 }
-                if result.is_ok() {
+                if result.is_ok() && ahead == 0 {
                     for run in 0..depth {
                         let mut failed = None;
                         self.fill(slots, run, |uploaded| match uploaded {

@@ -9,6 +9,11 @@
 #   3 (carry .device57, where 6505bbf's library CUDA tests are, and tests/fixtures/{wan-tiny-a,ecosystem-a,weights-a}
 #      out of the index): every CUDA test of the library, the packed and LoRA streaming ones in exact fills too.
 #   4: Wan2.1 14B and 1.3B at 81x480x832, leaf level (its outer part now per use) beside the default stream.
+#   5: LTX-Video and CogVideoX-5b at the seed table's sizes, resident and leaf level (their steps in exact fills,
+#      the outer part per use): the rows must stay below diffusers' (0.562 and 1.377 GiB).
+#   6 (DEV=.device58: offload_bench and the library's CUDA tests with exact fills prefetching across passes where
+#      that holds no more): the offload CUDA tests; LTX-Video, Wan2.1 1.3B and FLUX.1-dev, resident, default stream
+#      and leaf level.
 DEV=${DEV:-.device56} source bench/device_setup.sh
 case $1 in
   1) el "the offload engine's CUDA tests"
@@ -34,7 +39,19 @@ case $1 in
        echo "exit $?"; python3 bench/offload_summary.py $OUT/$m.jsonl; tail -1 $OUT/$m.log
        rm -rf /dev/shm/vidgen-bench
      done;;
-  2) for f in "latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848"; do
+  6) el "the offload engine's CUDA tests"
+     timeout 150 /tmp/vidgen-lib-tests --test-threads=1 offload:: 2>&1 | grep -E "^test .*FAILED|panicked|result:" | tail -8
+     for f in "ltx-video 161x512x768" "wan2.1-t2v-1.3b 81x480x832" "flux.1-dev 1x768x768"; do
+       set -- $f
+       el "$1 $2: resident, default stream, leaf level"
+       timeout 170 /tmp/offload_bench synthetic:$1 3 $2 "none: --dit-layerwise-offload=false --dit-cpu-offload=false" \
+         "default: --num-blocks-per-group 1" "leaf_level_stream: --offload-type leaf-level" > $OUT/$1.jsonl 2> $OUT/$1.log
+       echo "exit $?"; python3 bench/offload_summary.py $OUT/$1.jsonl
+       rm -rf /dev/shm/vidgen-bench
+     done;;
+  2|5) FAMILIES=("latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848")
+     [ $1 = 5 ] && FAMILIES=("ltx-video 161x512x768" "cogvideox-5b 49x480x720")
+     for f in "${FAMILIES[@]}"; do
        set -- $f
        el "$1 $2: resident and leaf level"
        timeout 170 /tmp/offload_bench synthetic:$1 2 $2 "none: --dit-layerwise-offload=false --dit-cpu-offload=false" \
