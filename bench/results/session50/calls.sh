@@ -14,6 +14,8 @@
 #   6 (DEV=.device58: offload_bench and the library's CUDA tests with exact fills prefetching across passes where
 #      that holds no more): the offload CUDA tests; LTX-Video, Wan2.1 1.3B and FLUX.1-dev, resident, default stream
 #      and leaf level.
+#   7 (DEV=.device59, carrying .device58 too): LTX-Video's head through the fused LayerNorm and modulation, against
+#      the build before (.device58), resident and leaf level, twice each, at 161x512x768.
 DEV=${DEV:-.device56} source bench/device_setup.sh
 case $1 in
   1) el "the offload engine's CUDA tests"
@@ -49,6 +51,13 @@ case $1 in
        echo "exit $?"; python3 bench/offload_summary.py $OUT/$1.jsonl
        rm -rf /dev/shm/vidgen-bench
      done;;
+  7) xz -dc .device58/offload_bench.xz > /tmp/offload_bench_before && chmod +x /tmp/offload_bench_before
+     for round in 1 2; do for b in offload_bench_before offload_bench; do
+       el "$b, round $round: LTX-Video 161x512x768, resident and leaf level"
+       timeout 100 /tmp/$b synthetic:ltx-video 3 161x512x768 "none: --dit-layerwise-offload=false --dit-cpu-offload=false" \
+         "leaf_level_stream: --offload-type leaf-level" > $OUT/ltx-$b-$round.jsonl 2> $OUT/ltx-$b-$round.log
+       echo "exit $?"; python3 bench/offload_summary.py $OUT/ltx-$b-$round.jsonl
+     done; done;;
   2|5) FAMILIES=("latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848")
      [ $1 = 5 ] && FAMILIES=("ltx-video 161x512x768" "cogvideox-5b 49x480x720")
      for f in "${FAMILIES[@]}"; do

@@ -599,6 +599,16 @@ fn modulate(normed: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 /// `modulate(&layer_norm(x, NORM_EPS)?, shift, scale)` for `x` `[B, S, dim]`: one fused kernel
 /// on CUDA bf16 (same ops, same order).
 pub(crate) fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    norm_modulate_eps(x, shift, scale, NORM_EPS)
+}
+
+/// [`norm_modulate`] with the LayerNorm's `eps`.
+pub(crate) fn norm_modulate_eps(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if row_ops::rows_supported(x) && shift.dtype() == DType::BF16 {
         let (b, s, dim) = x.dims3()?;
@@ -616,11 +626,11 @@ pub(crate) fn norm_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Resul
             row_ops::LayerNorm::TwoPass,
             Some(modulation),
             Rows { row0: 0, seq: s },
-            NORM_EPS,
+            eps,
         )?
         .reshape((b, s, dim));
     }
-    modulate(&layer_norm(x, NORM_EPS)?, shift, scale)
+    modulate(&layer_norm(x, eps)?, shift, scale)
 }
 
 /// `x + delta * gate` with a per-batch `[B, dim]` gate; on CUDA bf16 one kernel that writes

@@ -22,6 +22,7 @@ use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::HookedBlock;
+use crate::models::hunyuan_video::transformer::norm_modulate_eps;
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
 use crate::models::step_cache::{
@@ -1034,16 +1035,11 @@ impl LtxTransformer3DModel {
             .embedded_timestep
             .reshape((b, 1, 1, dim))?
             .broadcast_add(&self.scale_shift_table.unsqueeze(0)?.unsqueeze(0)?)?;
-        let shift = ss.narrow(2, 0, 1)?.squeeze(2)?;
-        let scale = ss.narrow(2, 1, 1)?.squeeze(2)?;
-        let xf = x.to_dtype(DType::F32)?;
-        let mean = xf.mean_keepdim(D::Minus1)?;
-        let xc = xf.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = xc
-            .broadcast_div(&(var + NORM_OUT_EPS)?.sqrt()?)?
-            .to_dtype(x.dtype())?;
-        project(&mut || self.proj_out.forward(&modulate(&normed, &shift, &scale)?))
+        let row = |i| ss.narrow(2, i, 1)?.squeeze(2)?.squeeze(1);
+        // The LayerNorm (no affine) and modulation, fused on CUDA as HunyuanVideo's head: one
+        // bf16 output where the composite held f32 copies of every token.
+        let normed = norm_modulate_eps(x, &row(0)?, &row(1)?, NORM_OUT_EPS)?;
+        project(&mut || self.proj_out.forward(&normed))
     }
 
     /// The whole forward: [`Self::prepare`], the blocks in order, [`Self::finish`].
