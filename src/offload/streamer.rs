@@ -587,19 +587,20 @@ pub(super) mod tests {
     }
 
     /// Exact fills take one group each: every pass visits each group in order with its own
-    /// tensors, copies each once, and prefetches the next pass's first `depth` groups; a pass
-    /// that stops early keeps nothing and retires every slot.
+    /// tensors, copies each once, and prefetches the next pass's first `depth` groups (beside
+    /// its last ones or after them); a pass that stops early keeps nothing and retires every
+    /// slot.
     #[test]
     fn exact_fills_visit_every_group_once_per_pass() -> Result<()> {
         let all: Vec<usize> = (0..UNEVEN.len()).collect();
-        for depth in [1, 2] {
-            let part = part_on(
-                &format!("exact-{depth}"),
-                exact(depth),
-                &UNEVEN,
-                &Device::Cpu,
-            )?;
+        // The next pass's first fill copied once a pass is done, and beside its last one.
+        let mut second = UNEVEN;
+        second.swap(0, 1);
+        for (depth, groups, across) in [(1, UNEVEN, false), (2, UNEVEN, false), (1, second, true)] {
+            let name = format!("exact-{depth}-{across}");
+            let part = part_on(&name, exact(depth), &groups, &Device::Cpu)?;
             assert_eq!(part.runs.runs, [0..1, 1..2, 2..3, 3..4, 4..5]);
+            assert_eq!(part.across_passes, across);
             assert_eq!(visit_all(&part)?, all);
             let prefetched: Vec<usize> = (0..depth).collect();
             passes_visit_each_group_once(&part, depth, &prefetched)?;
@@ -608,7 +609,7 @@ pub(super) mod tests {
         Ok(())
     }
 
-    /// After a first pass of `part` (of the [`UNEVEN`] groups, `depth` fills ahead): its
+    /// After a first pass of `part` (five groups, `depth` fills ahead): its
     /// slots, then three passes, each finding `prefetched` copied ahead by the one before,
     /// visiting every group in order and copying each once; then a pass that stops at group
     /// 2, which keeps nothing and retires every slot.
@@ -1117,37 +1118,44 @@ mod cuda_tests {
         };
         let pool = crate::memory::accounting::cuda::Pool::of(cuda).expect("a memory pool");
         let all: Vec<usize> = (0..UNEVEN.len()).collect();
-        // Large enough that the groups, not the pool's granularity, decide.
-        let lens: Vec<(usize, usize)> = UNEVEN.iter().map(|&(w, s)| (w << 12, s << 12)).collect();
-        for depth in [1, 2] {
-            let part = part_on(
-                &format!("exact-gpu-{depth}"),
-                super::tests::exact(depth),
-                &lens,
-                &gpu,
-            )?;
-            let (before, _) = pool.used();
-            pool.reset();
-            for pass in 0..4 {
-                assert_eq!(visit_all(&part)?, all, "depth {depth}, pass {pass}");
+        // The large groups last and first: the next pass's first fill is copied once a pass is
+        // done. The large group second: one fill ahead, beside the pass's last one, by the copy
+        // thread (two ahead would hold both large groups at once).
+        let mut second = UNEVEN;
+        second.swap(0, 1);
+        for (groups, across) in [(UNEVEN, [false, false]), (second, [true, false])] {
+            // Large enough that the groups, not the pool's granularity, decide.
+            let lens: Vec<(usize, usize)> =
+                groups.iter().map(|&(w, s)| (w << 12, s << 12)).collect();
+            for (depth, across) in [1, 2].into_iter().zip(across) {
+                let what = format!("depth {depth}, across passes {across}");
+                let name = format!("exact-gpu-{depth}-{across}");
+                let part = part_on(&name, super::tests::exact(depth), &lens, &gpu)?;
+                assert_eq!(part.across_passes, across, "{what}");
+                let (before, _) = pool.used();
+                pool.reset();
+                for pass in 0..4 {
+                    assert_eq!(visit_all(&part)?, all, "{what}, pass {pass}");
+                }
+                let (now, high) = pool.used();
+                let (peak, between) = (high - before, now - before);
+                let layouts = part.layouts();
+                let planned = crate::offload::residency::streamed_bytes(&layouts, part.options);
+                let next = crate::offload::residency::between_passes_bytes(&layouts, part.options);
+                // The visits' own copies of the values come and go beside the fills.
+                let slack = 2 * (lens[0].0.max(lens[1].0) * 4 + lens[0].1.max(lens[1].1) * 2);
+                assert!(peak <= planned + slack as u64, "{what}: {peak} > {planned}");
+                let largest = layouts.iter().map(|l| l.bytes).max().unwrap_or(0) as u64;
+                assert!(planned < (depth as u64 + 1) * largest, "{what}");
+                assert_eq!(between, next, "{what}: held between passes");
+                let stopped = part.for_each(|group| match group.index {
+                    2 => anyhow::bail!("stopped"),
+                    _ => Ok(()),
+                });
+                assert!(stopped.is_err());
+                assert_eq!(visit_all(&part)?, all, "{what}, after stopping");
+                part.release()?;
             }
-            let (now, high) = pool.used();
-            let (peak, between) = (high - before, now - before);
-            let planned = crate::offload::residency::streamed_bytes(&part.layouts(), part.options);
-            let next =
-                crate::offload::residency::between_passes_bytes(&part.layouts(), part.options);
-            // The visits' own copies of the values come and go beside the fills.
-            let slack = 2 * (lens[0].0 * 4 + lens[0].1 * 2) as u64;
-            assert!(peak <= planned + slack, "depth {depth}: {peak} > {planned}");
-            assert!(planned < (depth as u64 + 1) * part.layouts()[0].bytes as u64);
-            assert_eq!(between, next, "depth {depth}: held between passes");
-            let stopped = part.for_each(|group| match group.index {
-                2 => anyhow::bail!("stopped"),
-                _ => Ok(()),
-            });
-            assert!(stopped.is_err());
-            assert_eq!(visit_all(&part)?, all, "depth {depth}, after stopping");
-            part.release()?;
         }
         Ok(())
     }
