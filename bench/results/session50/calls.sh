@@ -8,6 +8,7 @@
 #      have steps), each beside its resident run: Latte-1, Mochi-1, Allegro, HunyuanVideo at the table's sizes.
 #   3 (carry .device57, where 6505bbf's library CUDA tests are, and tests/fixtures/{wan-tiny-a,ecosystem-a,weights-a}
 #      out of the index): every CUDA test of the library, the packed and LoRA streaming ones in exact fills too.
+#      Call 8 is the same with DEV=.device60 (the library's CUDA tests after the exact fills' copies across passes).
 #   4: Wan2.1 14B and 1.3B at 81x480x832, leaf level (its outer part now per use) beside the default stream.
 #   5: LTX-Video and CogVideoX-5b at the seed table's sizes, resident and leaf level (their steps in exact fills,
 #      the outer part per use): the rows must stay below diffusers' (0.562 and 1.377 GiB).
