@@ -19,6 +19,7 @@ DEFAULT = {
     "mochi-1": [1, 12, 15, 60, 106],
     "latte-1": [1, 4, 16, 64, 64],
     "allegro": [1, 4, 22, 90, 160],
+    "flux.1-dev": [1, 16, 1, 128, 128],
 }
 
 family = sys.argv[1]
@@ -41,6 +42,8 @@ def decode(x):
         if family == "latte-1":  # LattePipeline.decode_latents: the frames as images, 14 at a time
             x = x.permute(0, 2, 1, 3, 4).flatten(0, 1)
             return torch.cat([vae.decode(x[i:i + 14]).sample for i in range(0, x.shape[0], 14)])
+        if family == "flux.1-dev":  # FluxPipeline: one image, its frame axis dropped
+            return vae.decode(x[:, :, 0], return_dict=False)[0]
         return vae.decode(x, return_dict=False, **kwargs)[0]
 
 

@@ -15,6 +15,8 @@
 #   6 (DEV=.device58: offload_bench and the library's CUDA tests with exact fills prefetching across passes where
 #      that holds no more): the offload CUDA tests; LTX-Video, Wan2.1 1.3B and FLUX.1-dev, resident, default stream
 #      and leaf level.
+#   9 (carry .device61 with the vae_decode example, and .whl): FLUX.1-dev's 1024x1024 decode, untiled and tiled,
+#      beside diffusers' (bench/peer_vae_decode.py), and where its kernels' time goes (ncu).
 #   7 (DEV=.device59, carrying .device58 too): LTX-Video's head through the fused LayerNorm and modulation, against
 #      the build before (.device58), resident and leaf level, twice each, at 161x512x768.
 DEV=${DEV:-.device56} source bench/device_setup.sh
@@ -59,6 +61,9 @@ case $1 in
          "leaf_level_stream: --offload-type leaf-level" > $OUT/ltx-$b-$round.jsonl 2> $OUT/ltx-$b-$round.log
        echo "exit $?"; python3 bench/offload_summary.py $OUT/ltx-$b-$round.jsonl
      done; done;;
+  9) xz -dc .device61/vae_decode.xz > /tmp/vae_decode && chmod +x /tmp/vae_decode
+     VAE_DECODE=/tmp/vae_decode FAMILIES=flux.1-dev SMALL=0 UNFUSED=0 NCU=1 NCU_SHAPE=1,16,1,128,128 OUT=$OUT/vae \
+       timeout 500 bash bench/vae_family.sh 2>&1 | grep -v "^==PROF" | tail -45;;
   2|5) FAMILIES=("latte-1 16x512x512" "hunyuanvideo 61x320x512" "allegro 88x720x1280" "mochi-1 85x480x848")
      [ $1 = 5 ] && FAMILIES=("ltx-video 161x512x768" "cogvideox-5b 49x480x720")
      for f in "${FAMILIES[@]}"; do
