@@ -442,6 +442,8 @@ impl FluxTransformerBlock {
         let has = |s| steps.contains(&s);
         let attn = vb.pp("attn");
         let heads = (cfg.num_attention_heads, cfg.attention_head_dim);
+        let feed_forward =
+            |name: &str, proj, out| FeedForward::new(cfg, vb.pp(name), (has(proj), has(out)));
         Ok(Self {
             norm1: has(BlockStep::ImageModulation)
                 .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
@@ -460,21 +462,15 @@ impl FluxTransformerBlock {
                     ))
                 })
                 .transpose()?,
-            ff: FeedForward::new(
-                cfg,
-                vb.pp("ff"),
-                (
-                    has(BlockStep::ImageFeedForwardIn),
-                    has(BlockStep::ImageFeedForwardOut),
-                ),
+            ff: feed_forward(
+                "ff",
+                BlockStep::ImageFeedForwardIn,
+                BlockStep::ImageFeedForwardOut,
             )?,
-            ff_context: FeedForward::new(
-                cfg,
-                vb.pp("ff_context"),
-                (
-                    has(BlockStep::TextFeedForwardIn),
-                    has(BlockStep::TextFeedForwardOut),
-                ),
+            ff_context: feed_forward(
+                "ff_context",
+                BlockStep::TextFeedForwardIn,
+                BlockStep::TextFeedForwardOut,
             )?,
         })
     }
