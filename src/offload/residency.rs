@@ -185,12 +185,7 @@ impl SlotRuns {
                     filled.clear();
                 }
             }
-            let place = |s: &super::group::Section| {
-                let used = entry(&mut filled, s.dtype);
-                *used += s.bytes;
-                *used - s.bytes
-            };
-            offsets.push(group.sections.iter().map(place).collect());
+            offsets.push(place_sections(group, &mut filled));
         }
         SlotRuns { runs, offsets }
     }
@@ -200,15 +195,7 @@ impl SlotRuns {
     pub fn each(groups: &[GroupLayout]) -> Self {
         let offsets = groups
             .iter()
-            .map(|group| {
-                let mut filled: ByDtype = Vec::new();
-                let mut place = |s: &super::group::Section| {
-                    let used = entry(&mut filled, s.dtype);
-                    *used += s.bytes;
-                    *used - s.bytes
-                };
-                group.sections.iter().map(&mut place).collect()
-            })
+            .map(|group| place_sections(group, &mut Vec::new()))
             .collect();
         SlotRuns {
             runs: (0..groups.len()).map(|i| i..i + 1).collect(),
@@ -228,6 +215,20 @@ impl SlotRuns {
     pub fn ends_run(&self, index: usize) -> bool {
         self.runs.iter().any(|r| r.end == index + 1)
     }
+}
+
+/// Each of `group`'s sections at the next offset of its dtype's buffer, `filled` the bytes each
+/// buffer holds so far (and after them).
+fn place_sections(group: &GroupLayout, filled: &mut ByDtype) -> Vec<usize> {
+    group
+        .sections
+        .iter()
+        .map(|s| {
+            let used = entry(filled, s.dtype);
+            *used += s.bytes;
+            *used - s.bytes
+        })
+        .collect()
 }
 
 /// Bytes of one device slot: for each dtype, the most any group holds in it (a slot holds any

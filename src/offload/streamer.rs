@@ -282,12 +282,11 @@ impl<B> Offloaded<B> {
                     if permit.recv().is_err() {
                         break;
                     }
-                    let sent = self.fill(slots, run % runs.len(), |uploaded| {
+                    for uploaded in self.fill(slots, run % runs.len()) {
                         let failed = uploaded.is_err();
-                        uploads.send(uploaded).is_ok() && !failed
-                    });
-                    if !sent {
-                        return;
+                        if uploads.send(uploaded).is_err() || failed {
+                            return;
+                        }
                     }
                 }
             });
@@ -343,20 +342,8 @@ impl<B> Offloaded<B> {
                 }
                 if result.is_ok() && ahead == 0 {
                     for run in 0..depth {
-                        let mut failed = None;
-                        self.fill(slots, run, |uploaded| match uploaded {
-                            Ok(u) => {
-                                ready.push_back(u);
-                                true
-                            }
-                            Err(e) => {
-                                failed = Some(e);
-                                false
-                            }
-                        });
-                        if let Some(e) = failed {
-                            ready.clear();
-                            return Err(e);
+                        for uploaded in self.fill(slots, run) {
+                            ready.push_back(uploaded?);
                         }
                     }
                 }
@@ -369,28 +356,26 @@ impl<B> Offloaded<B> {
 }
 
 impl<B> Offloaded<B> {
-    /// Copies the groups of run `run` into the next slot, handing each upload to `each`, which
-    /// says whether to go on; false when it stopped.
-    fn fill(
-        &self,
-        slots: &[DeviceSlot],
+    /// The next slot's fill with run `run`: each of its groups' uploads, started as the
+    /// iterator comes to it.
+    fn fill<'a>(
+        &'a self,
+        slots: &'a [DeviceSlot],
         run: usize,
-        mut each: impl FnMut(Result<Uploaded>) -> bool,
-    ) -> bool {
+    ) -> impl Iterator<Item = Result<Uploaded>> + 'a {
         let k = self.fills.fetch_add(1, Ordering::Relaxed) % slots.len();
         let groups = self.runs.runs[run].clone();
-        groups.clone().all(|at| {
+        let first = groups.start;
+        groups.map(move |at| {
             let place = SlotPlace {
                 index: k,
                 slot: &slots[k],
                 offsets: &self.runs.offsets[at],
-                first: at == groups.start,
+                first: at == first,
                 exact: self.options.exact_fills,
             };
-            each(
-                self.transfer
-                    .upload(&self.store, self.moved[at], Some(place)),
-            )
+            self.transfer
+                .upload(&self.store, self.moved[at], Some(place))
         })
     }
 

@@ -188,8 +188,8 @@ impl Holding {
     /// loaded: resident weights stay; a parked component comes in whole for its stage; streamed
     /// groups pass through the engine's slots ([`streamed_bytes`]) beside the outer part, which
     /// stays between stages unless parked, or, moved in per use, only beside what the groups
-    /// hold between passes ([`between_passes_bytes`]); FSDP keeps the outer part and this rank's shards (in
-    /// host memory when `on_host`) and gathers [`Fsdp::gathered`] whole blocks at once.
+    /// hold between passes ([`between_passes_bytes`]); FSDP keeps the outer part and this rank's
+    /// shards (in host memory when `on_host`) and gathers [`Fsdp::gathered`] whole blocks at once.
     pub fn device_weights(self, layout: &ComponentLayout) -> DeviceWeights {
         let direct = layout.direct_bytes as u64;
         let largest = layout.groups.iter().map(|g| g.bytes as u64).max();

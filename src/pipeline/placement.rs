@@ -395,21 +395,19 @@ impl<M: Blockwise> Held<'_, M> {
     /// The model (its outer part when streamed) for one use: an outer part held per use is
     /// moved in now and out again when the returned value drops.
     pub fn model(&self) -> candle_core::Result<OuterUse<'_, M>> {
-        Ok(match (self.stays(), self) {
-            (Some(m), _) => OuterUse::Borrowed(m),
-            (
-                None,
-                Held::Streamed {
-                    outer: HeldOuter::PerUse(parked),
-                    ..
-                },
-            ) => OuterUse::Moved(
-                parked
-                    .fetch(0)
-                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?,
-            ),
-            (None, _) => candle_core::bail!("a held component without its outer part"),
-        })
+        if let Held::Streamed {
+            outer: HeldOuter::PerUse(parked),
+            ..
+        } = self
+        {
+            let moved = parked.fetch(0);
+            return Ok(OuterUse::Moved(
+                moved.map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?,
+            ));
+        }
+        self.stays()
+            .map(OuterUse::Borrowed)
+            .ok_or_else(|| candle_core::Error::Msg("a held component without its model".into()))
     }
 
     /// The model (its outer part when streamed) where it stays on the device for the stage.
