@@ -4,8 +4,7 @@
 //! of 8,192), in interleaved rounds. Also timed: the input's quantization alone, and the path
 //! taken where cuBLASLt cannot apply the scales itself (the bare product, then a scale pass).
 //! Then a whole block's Linears as Wan's forward runs them, where self-attention's q, k and v
-//! share one quantization of their input and the feed-forward's hidden activations pass between
-//! its fp8 Linears as codes.
+//! share one quantization of their input.
 //!
 //! `cargo run --release --no-default-features --features cuda --example linear_bench`
 
@@ -164,9 +163,9 @@ impl BlockLinears {
         }
         let linear = Linear::new(layer.weight().clone(), layer.bias().cloned());
         Ok(if gelu {
-            project_gelu_tanh(&linear, x.tensor()?)?
+            project_gelu_tanh(&linear, x.tensor())?
         } else {
-            project(&linear, x.tensor()?)?
+            project(&linear, x.tensor())?
         })
     }
 
@@ -181,14 +180,8 @@ impl BlockLinears {
         let mut row0 = 0;
         for rows in FFN_CHUNKS {
             let chunk = self.x.narrow(0, row0, rows)?;
-            let chunk = Input::new(&chunk);
-            // In fp8 the hidden activations reach the second Linear as codes, as in Wan's forward.
-            if let Some(hidden) = self.up.fp8_gelu_codes(&chunk)? {
-                Self::apply(&self.down, &hidden, false)?;
-            } else {
-                let h = Self::apply(&self.up, &chunk, true)?;
-                Self::apply(&self.down, &Input::new(&h), false)?;
-            }
+            let h = Self::apply(&self.up, &Input::new(&chunk), true)?;
+            Self::apply(&self.down, &Input::new(&h), false)?;
             row0 += rows;
         }
         Ok(())

@@ -146,10 +146,12 @@ pub fn linear_sharing(
             weight.cols
         )
     }
-    check_dtype(x.dtype())?;
+    let dtype = x.dtype();
+    check_dtype(dtype)?;
     if rows == 0 {
-        return Tensor::zeros((0, weight.rows), x.dtype(), x.device());
+        return Tensor::zeros((0, weight.rows), dtype, x.device());
     }
+    PRODUCTS.fetch_add(1, Ordering::Relaxed);
     let input = match codes.get() {
         Some(input) if input.rows == rows && input.cols == inner => input,
         Some(_) => candle_core::bail!("fp8 Linear: codes of another input"),
@@ -158,32 +160,9 @@ pub fn linear_sharing(
             codes.get().unwrap_or_else(|| unreachable!("set above"))
         }
     };
-    linear_codes(input, x.dtype(), weight, bias, gelu)
-}
-
-/// [`linear`] of an input given by its codes, in `dtype`.
-pub fn linear_codes(
-    input: &Fp8Rows,
-    dtype: DType,
-    weight: &Fp8Rows,
-    bias: Option<&Tensor>,
-    gelu: bool,
-) -> Result<Tensor> {
-    if input.cols != weight.cols {
-        candle_core::bail!(
-            "fp8 Linear: codes of {} columns against a weight of {} inputs",
-            input.cols,
-            weight.cols
-        )
-    }
-    check_dtype(dtype)?;
-    if input.rows == 0 {
-        return Tensor::zeros((0, weight.rows), dtype, input.q.device());
-    }
-    PRODUCTS.fetch_add(1, Ordering::Relaxed);
     let scale_w = weight.scale.narrow(0, 0, weight.rows)?;
     #[cfg(feature = "cuda")]
-    if input.q.device().is_cuda() {
+    if x.device().is_cuda() {
         use crate::models::fp8_kernels::{product, scale_rows, scaled_product};
         if dtype == DType::BF16 {
             if let Some(y) = scaled_product(input, weight, bias, gelu)? {
@@ -197,10 +176,9 @@ pub fn linear_codes(
     let codes = |t: &Tensor| t.to_dtype(DType::F32);
     let acc = codes(&input.q)?
         .matmul(&codes(&weight.q)?.t()?)?
-        .narrow(1, 0, weight.rows)?
-        .narrow(0, 0, input.rows)?;
+        .narrow(1, 0, weight.rows)?;
     let y = acc
-        .broadcast_mul(&input.scale.narrow(0, 0, input.rows)?.unsqueeze(1)?)?
+        .broadcast_mul(&input.scale.unsqueeze(1)?)?
         .broadcast_mul(&scale_w.unsqueeze(0)?)?;
     let y = match bias {
         Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?)?,
@@ -208,59 +186,6 @@ pub fn linear_codes(
     };
     let y = if gelu { y.gelu()? } else { y };
     y.to_dtype(dtype)
-}
-
-/// The codes of a feed-forward's hidden activations GELU(tanh)(`x @ W^T + bias`), for its second
-/// fp8 Linear, which alone reads them:
-/// 1. y = the scaled product rounded to `x`'s dtype ([`linear`] without a bias);
-/// 2. v = y + bias rounded to the dtype; in f32, h = v / (1 + exp(-2 sqrt(2 / pi) (v + 0.044715
-///    v^3))) (GELU's tanh form, as 1 + tanh(u) = 2 / (1 + exp(-2u))), rounded to the dtype;
-/// 3. h's rows quantized.
-///
-/// On CUDA in bf16 steps 2 and 3 are one pass over the product (`fp8.cu`'s held quantizers with
-/// a bias, on the fast exponential), and the product has no epilogue: cuBLASLt's
-/// outer-vector-scaled kernel runs ~15% slower with a bias in it (bench/RESULTS.md session 51),
-/// and the activations are never stored.
-pub fn gelu_codes(
-    x: &Tensor,
-    codes: &OnceCell<Fp8Rows>,
-    weight: &Fp8Rows,
-    bias: &Tensor,
-) -> Result<Fp8Rows> {
-    let y = linear_sharing(x, codes, weight, None, false)?;
-    #[cfg(feature = "cuda")]
-    if y.device().is_cuda() && y.dtype() == DType::BF16 {
-        let (rows, cols) = y.dims2()?;
-        let fused = crate::models::fp8_kernels::quantize_rows_bias_gelu;
-        if let Some((q, scale)) = fused(
-            &y,
-            &bias.to_dtype(DType::BF16)?,
-            rows,
-            cols.next_multiple_of(ALIGN),
-        )? {
-            return Ok(Fp8Rows {
-                q,
-                scale,
-                rows,
-                cols,
-            });
-        }
-    }
-    Fp8Rows::quantize(&bias_gelu(&y, bias)?, false)
-}
-
-/// Step 2 of [`gelu_codes`]: GELU(tanh) of `y + bias` in `y`'s dtype.
-pub(crate) fn bias_gelu(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    const TWICE_SQRT_2_OVER_PI: f64 = 1.595_769_121_605_730_8;
-    let v = y
-        .broadcast_add(&bias.to_dtype(y.dtype())?)?
-        .to_dtype(DType::F32)?;
-    let inner = (&v + (v.sqr()? * &v)?.affine(0.044715, 0.0)?)?;
-    let denominator = inner
-        .affine(-TWICE_SQRT_2_OVER_PI, 0.0)?
-        .exp()?
-        .affine(1.0, 1.0)?;
-    (v / denominator)?.to_dtype(y.dtype())
 }
 
 #[cfg(test)]

@@ -12,11 +12,6 @@ __device__ __forceinline__ float gelu_tanh(float v) {
   return __fmul_rn(__fmul_rn(v, 0.5f), __fadd_rn(tanhf(__fmul_rn(inner, k)), 1.f));
 }
 
-// bf16(a + b) in f32: what candle's bf16 `broadcast_add` of a Linear bias gives.
-__device__ __forceinline__ float add_rounded(float a, float b) {
-  return __bfloat162float(__float2bfloat16_rn(__fadd_rn(a, b)));
-}
-
 // The activation `act` (0: none, 1: GELU tanh, 2: exact GELU) of a bf16 value, in f32.
 __device__ __forceinline__ float activate(float v, int act) {
   if (act == 1) return gelu_tanh(v);

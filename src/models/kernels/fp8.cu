@@ -145,27 +145,6 @@ __device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *
   }
 }
 
-// GELU(tanh) of the bf16 sum v = bf16(x + b), written v * sigmoid(2 u) with u = sqrt(2 / pi)
-// (v + 0.044715 v^3) (the same function: 1 + tanh(u) = 2 sigmoid(2 u)) on the fast exponential
-// and division, rounded to bf16: a few instructions where tanhf takes ~25, which made the held
-// quantizer issue-bound (bench/RESULTS.md session 51). models/fp8.rs's host definition computes
-// the same formula.
-__device__ __forceinline__ __nv_bfloat16 bias_gelu(__nv_bfloat16 x, __nv_bfloat16 b) {
-  const float v = add_rounded(to_f32(x), to_f32(b));
-  const float inner = __fmaf_rn(v, __fmul_rn(v, __fmul_rn(v, 0.044715f)), v);
-  return __float2bfloat16_rn(__fdividef(v, 1.f + __expf(-1.5957691216057308f * inner)));
-}
-
-// 8 bias values at `b` (16-byte aligned where `vec`).
-__device__ __forceinline__ void load_bias8(const __nv_bfloat16 *b, bool vec, __nv_bfloat16 (&out)[8]) {
-  if (vec) {
-    *reinterpret_cast<uint4 *>(out) = *reinterpret_cast<const uint4 *>(b);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = b[e];
-  }
-}
-
 // 8 consecutive values of T, one 16-byte aligned load (two for f32).
 template <typename T> struct alignas(16) Vec8 {
   T e[8];
@@ -186,12 +165,11 @@ __device__ __forceinline__ void store_codes(uint8_t *q, const float (&v)[8], flo
 // k_pad <= 8 THREADS CHUNKS): a block per row (grid-stride) holds the row while it finds the
 // absmax, so x is read once (the warp-per-row kernel reads each row twice). The same codes and
 // scales: the absmax does not depend on the order of the fmaxf's.
-template <typename T, int CHUNKS, bool BIAS_GELU>
+template <typename T, int CHUNKS>
 __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
                                                    uint8_t *__restrict__ q,
                                                    float *__restrict__ scale, int k, int k_pad,
-                                                   long rows, long rows_pad,
-                                                   const T *__restrict__ bias) {
+                                                   long rows, long rows_pad) {
   __shared__ float warp_maxima[THREADS / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (long row = blockIdx.x; row < rows_pad; row += gridDim.x) {
@@ -202,19 +180,6 @@ __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
     for (int i = 0; i < CHUNKS; ++i) {
       const int c = 8 * (threadIdx.x + i * THREADS);
       if (real && c < k) held[i] = *reinterpret_cast<const Vec8<T> *>(xr + c);
-    }
-    if constexpr (BIAS_GELU) {
-      const bool vec = aligned16(bias);
-#pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) {
-        const int c = 8 * (threadIdx.x + i * THREADS);
-        if (real && c < k) {
-          __nv_bfloat16 b[8];
-          load_bias8(bias + c, vec, b);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) held[i].e[e] = bias_gelu(held[i].e[e], b[e]);
-        }
-      }
     }
     float m = 0.f;
 #pragma unroll
@@ -251,12 +216,11 @@ __device__ __forceinline__ void quantize_rows_held(const T *__restrict__ x,
 // k_pad <= 256 CHUNKS): a warp per row (grid-stride) holds its row as loaded, all its loads in
 // flight at once, and takes the absmax in bf16 pairs (the largest |x| of bf16 values is one of
 // them: the same value as in f32); no block-wide reduction, so nothing waits for other warps.
-template <int CHUNKS, bool BIAS_GELU>
+template <int CHUNKS>
 __device__ __forceinline__ void quantize_rows_warp_held(const __nv_bfloat16 *__restrict__ x,
                                                         uint8_t *__restrict__ q,
                                                         float *__restrict__ scale, int k,
-                                                        int k_pad, long rows, long rows_pad,
-                                                        const __nv_bfloat16 *__restrict__ bias) {
+                                                        int k_pad, long rows, long rows_pad) {
   const int lane = threadIdx.x % 32;
   const long warps = (long)gridDim.x * blockDim.x / 32;
   for (long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows_pad;
@@ -268,20 +232,6 @@ __device__ __forceinline__ void quantize_rows_warp_held(const __nv_bfloat16 *__r
     for (int i = 0; i < CHUNKS; ++i) {
       const int c = 8 * (lane + 32 * i);
       held[i] = real && c < k ? *reinterpret_cast<const uint4 *>(xr + c) : make_uint4(0, 0, 0, 0);
-    }
-    if constexpr (BIAS_GELU) {
-      const bool vec = aligned16(bias);
-#pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) {
-        const int c = 8 * (lane + 32 * i);
-        __nv_bfloat16 *h = reinterpret_cast<__nv_bfloat16 *>(&held[i]);
-        if (real && c < k) {
-          __nv_bfloat16 b[8];
-          load_bias8(bias + c, vec, b);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) h[e] = bias_gelu(h[e], b[e]);
-        }
-      }
     }
     __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);
 #pragma unroll
@@ -350,18 +300,11 @@ __device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
 } // namespace
 
 // quantize_rows_held<T, CHUNKS> as its own kernel (each its own register budget).
-// quantize_rows_held<T, CHUNKS> as its own kernel (each its own register budget); for bf16 also
-// with a bias (`_gelu`): GELU(x + bias) is quantized instead of x (`bias_gelu`), so a
-// feed-forward's hidden activations go from the first Linear's product to the second's codes in
-// one pass. A kernel of its own, as the bias's registers made the plain one spill.
-#define QUANTIZE_HELD(NAME, T, CHUNKS, BIAS_GELU, SUFFIX)                                         \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                          \
-      quantize_rows_held##CHUNKS##SUFFIX##_##NAME(const T *__restrict__ x,                        \
-                                                  uint8_t *__restrict__ q,                        \
-                                                  float *__restrict__ scale, int k, int k_pad,    \
-                                                  long rows, long rows_pad,                       \
-                                                  const T *__restrict__ bias) {                   \
-    quantize_rows_held<T, CHUNKS, BIAS_GELU>(x, q, scale, k, k_pad, rows, rows_pad, bias);       \
+#define QUANTIZE_HELD(NAME, T, CHUNKS)                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_held##CHUNKS##_##NAME(     \
+      const T *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale, int k,        \
+      int k_pad, long rows, long rows_pad) {                                                    \
+    quantize_rows_held<T, CHUNKS>(x, q, scale, k, k_pad, rows, rows_pad);                        \
   }
 #define FP8_KERNELS(NAME, T)                                                                       \
   extern "C" __global__ void quantize_rows_##NAME(const T *__restrict__ x, uint8_t *__restrict__ q, \
@@ -378,25 +321,19 @@ __device__ __forceinline__ void scale_row(const T *acc, long ld, T *out,
 
 FP8_KERNELS(bf16, __nv_bfloat16)
 FP8_KERNELS(f32, float)
-QUANTIZE_HELD(bf16, __nv_bfloat16, 4, false, )
-QUANTIZE_HELD(bf16, __nv_bfloat16, 8, false, )
-QUANTIZE_HELD(bf16, __nv_bfloat16, 4, true, _gelu)
-QUANTIZE_HELD(bf16, __nv_bfloat16, 8, true, _gelu)
-QUANTIZE_HELD(f32, float, 1, false, )
-QUANTIZE_HELD(f32, float, 2, false, )
-QUANTIZE_HELD(f32, float, 4, false, )
-QUANTIZE_HELD(f32, float, 8, false, )
+QUANTIZE_HELD(bf16, __nv_bfloat16, 4)
+QUANTIZE_HELD(bf16, __nv_bfloat16, 8)
+QUANTIZE_HELD(f32, float, 1)
+QUANTIZE_HELD(f32, float, 2)
+QUANTIZE_HELD(f32, float, 4)
+QUANTIZE_HELD(f32, float, 8)
 
-// quantize_rows_warp_held<CHUNKS> (bf16) as its own kernel, and with a bias (`_gelu`).
-#define QUANTIZE_WARP_HELD(CHUNKS, BIAS_GELU, SUFFIX)                                            \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                          \
-      quantize_rows_warp_held##CHUNKS##SUFFIX##_bf16(                                             \
-          const __nv_bfloat16 *__restrict__ x, uint8_t *__restrict__ q,                           \
-          float *__restrict__ scale, int k, int k_pad, long rows, long rows_pad,                 \
-          const __nv_bfloat16 *__restrict__ bias) {                                               \
-    quantize_rows_warp_held<CHUNKS, BIAS_GELU>(x, q, scale, k, k_pad, rows, rows_pad, bias);     \
+// quantize_rows_warp_held<CHUNKS> (bf16) as its own kernel.
+#define QUANTIZE_WARP_HELD(CHUNKS)                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_warp_held##CHUNKS##_bf16(  \
+      const __nv_bfloat16 *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale,   \
+      int k, int k_pad, long rows, long rows_pad) {                                              \
+    quantize_rows_warp_held<CHUNKS>(x, q, scale, k, k_pad, rows, rows_pad);                      \
   }
-QUANTIZE_WARP_HELD(8, false, )
-QUANTIZE_WARP_HELD(24, false, )
-QUANTIZE_WARP_HELD(8, true, _gelu)
-QUANTIZE_WARP_HELD(24, true, _gelu)
+QUANTIZE_WARP_HELD(8)
+QUANTIZE_WARP_HELD(24)

@@ -65,62 +65,23 @@ fn check_device(dev: &CudaDevice) -> Result<()> {
 /// `x` `[rows, k]` (bf16 or f32 on CUDA) as e4m3 codes `[rows_pad, k_pad]` and f32 scales
 /// `[rows_pad]`, zero past `rows` and `k` (`fp8.cu`'s `quantize_rows`).
 pub(crate) fn quantize_rows(x: &Tensor, rows_pad: usize, k_pad: usize) -> Result<(Tensor, Tensor)> {
-    let x = x.contiguous()?;
-    match held_kernel(&x, x.dim(1)?, k_pad) {
-        Some(held) => quantize_with(&x, Some(held), held.name, None, rows_pad, k_pad),
-        None => {
-            let name = kernel(x.dtype(), ["quantize_rows_bf16", "quantize_rows_f32"]);
-            quantize_with(&x, None, name, None, rows_pad, k_pad)
-        }
-    }
-}
-
-/// [`quantize_rows`] of GELU(tanh)(`x + bias`) as [`fp8::gelu_codes`] defines it, in the same
-/// pass: the codes of a feed-forward's hidden activations straight from the first Linear's
-/// product. `None` where no held-row kernel takes `x` (bf16 rows a multiple of 8 long, 16-byte
-/// aligned).
-pub(crate) fn quantize_rows_bias_gelu(
-    x: &Tensor,
-    bias: &Tensor,
-    rows_pad: usize,
-    k_pad: usize,
-) -> Result<Option<(Tensor, Tensor)>> {
-    let x = x.contiguous()?;
-    let (_, k) = x.dims2()?;
-    let Some((held, name)) = held_kernel(&x, k, k_pad).and_then(|h| Some((h, h.gelu?))) else {
-        return Ok(None);
-    };
-    if bias.dims1()? != k || bias.dtype() != DType::BF16 {
-        candle_core::bail!(
-            "fp8 quantizer: a bias of {:?} for rows of {k}",
-            bias.shape()
-        )
-    }
-    let bias = bias.contiguous()?;
-    quantize_with(&x, Some(held), name, Some(&bias), rows_pad, k_pad).map(Some)
-}
-
-/// Runs the quantizer `kernel` (of `held`, or the warp-per-row one) over contiguous `x`, with
-/// the bias of a held kernel's GELU twin where given.
-fn quantize_with(
-    x: &Tensor,
-    held: Option<HeldKernel>,
-    kernel: &'static str,
-    bias: Option<&Tensor>,
-    rows_pad: usize,
-    k_pad: usize,
-) -> Result<(Tensor, Tensor)> {
     check_device(x.device().as_cuda_device()?)?;
     let (rows, k) = x.dims2()?;
     output(x.dtype())?;
+    let x = x.contiguous()?;
     // SAFETY: the kernel writes every code and every scale.
     let q = unsafe { Tensor::empty((rows_pad, k_pad), DType::F8E4M3, x.device()) }?;
     let scale = unsafe { Tensor::empty(rows_pad, DType::F32, x.device()) }?;
     if rows_pad == 0 {
         return Ok((q, scale));
     }
-    let mut args = vec![
-        Arg::Tensor(Some(x)),
+    let held = held_kernel(&x, k, k_pad);
+    let func = match held {
+        Some(HeldKernel { name, .. }) => name,
+        None => kernel(x.dtype(), ["quantize_rows_bf16", "quantize_rows_f32"]),
+    };
+    let args = vec![
+        Arg::Tensor(Some(&x)),
         Arg::Out(&q),
         Arg::Dst,
         Arg::Int(i32::try_from(k).map_err(candle_core::Error::wrap)?),
@@ -128,15 +89,12 @@ fn quantize_with(
         Arg::Long(rows as i64),
         Arg::Long(rows_pad as i64),
     ];
-    if held.is_some() {
-        args.push(Arg::Tensor(bias));
-    }
     scale.inplace_op1(&match held {
         Some(HeldKernel { block: true, .. }) => {
-            row_launch(&FP8, kernel, rows_pad.min(MAX_ROW_BLOCKS), args)
+            row_launch(&FP8, func, rows_pad.min(MAX_ROW_BLOCKS), args)
         }
         // A warp per row.
-        _ => item_launch(&FP8, kernel, rows_pad * 32, args),
+        _ => item_launch(&FP8, func, rows_pad * 32, args),
     })?;
     Ok((q, scale))
 }
@@ -154,68 +112,28 @@ struct HeldKernel {
     /// The padded row length it holds at most: 8 values a chunk, its chunks per thread.
     values: usize,
     name: &'static str,
-    /// Its twin quantizing GELU(x + bias) (bf16 only).
-    gelu: Option<&'static str>,
 }
 
 /// The held-row kernels `fp8.cu` builds, the smallest of each dtype first.
 const HELD_KERNELS: [HeldKernel; 8] = {
-    const fn held(
-        dtype: DType,
-        block: bool,
-        chunks: usize,
-        (name, gelu): (&'static str, Option<&'static str>),
-    ) -> HeldKernel {
+    const fn held(dtype: DType, block: bool, chunks: usize, name: &'static str) -> HeldKernel {
         let threads = if block { ROW_THREADS } else { 32 };
         HeldKernel {
             dtype,
             block,
             values: 8 * threads * chunks,
             name,
-            gelu,
         }
     }
-    const fn bf16(name: &'static str, gelu: &'static str) -> (&'static str, Option<&'static str>) {
-        (name, Some(gelu))
-    }
-    const fn f32(name: &'static str) -> (&'static str, Option<&'static str>) {
-        (name, None)
-    }
     [
-        held(
-            DType::BF16,
-            false,
-            8,
-            bf16(
-                "quantize_rows_warp_held8_bf16",
-                "quantize_rows_warp_held8_gelu_bf16",
-            ),
-        ),
-        held(
-            DType::BF16,
-            false,
-            24,
-            bf16(
-                "quantize_rows_warp_held24_bf16",
-                "quantize_rows_warp_held24_gelu_bf16",
-            ),
-        ),
-        held(
-            DType::BF16,
-            true,
-            4,
-            bf16("quantize_rows_held4_bf16", "quantize_rows_held4_gelu_bf16"),
-        ),
-        held(
-            DType::BF16,
-            true,
-            8,
-            bf16("quantize_rows_held8_bf16", "quantize_rows_held8_gelu_bf16"),
-        ),
-        held(DType::F32, true, 1, f32("quantize_rows_held1_f32")),
-        held(DType::F32, true, 2, f32("quantize_rows_held2_f32")),
-        held(DType::F32, true, 4, f32("quantize_rows_held4_f32")),
-        held(DType::F32, true, 8, f32("quantize_rows_held8_f32")),
+        held(DType::BF16, false, 8, "quantize_rows_warp_held8_bf16"),
+        held(DType::BF16, false, 24, "quantize_rows_warp_held24_bf16"),
+        held(DType::BF16, true, 4, "quantize_rows_held4_bf16"),
+        held(DType::BF16, true, 8, "quantize_rows_held8_bf16"),
+        held(DType::F32, true, 1, "quantize_rows_held1_f32"),
+        held(DType::F32, true, 2, "quantize_rows_held2_f32"),
+        held(DType::F32, true, 4, "quantize_rows_held4_f32"),
+        held(DType::F32, true, 8, "quantize_rows_held8_f32"),
     ]
 };
 
@@ -652,106 +570,6 @@ mod cuda_tests {
                 );
                 assert_eq!(bits(&gpu.q)?, bits(&cpu.q)?, "{dtype:?} {rows}x{cols}");
             }
-        }
-        Ok(())
-    }
-
-    /// The held quantizers with a bias quantize GELU(x + bias) as the definition computes it
-    /// (`fp8::gelu_codes`' steps 2-3, here by candle's ops on the GPU: the fast exponential and
-    /// division make the only differences), for each held-row kernel (a warp's rows of 1,536 and
-    /// 6,144 values, a block's of 8,960 and 13,824, rows padded past 24 and 1,000): the same
-    /// scales within 1e-5 and the dequantized rows within 0.3% (relative L2; a code one step
-    /// off is 6% of its value). Rows no held kernel takes (not a multiple of 8) are refused.
-    #[test]
-    fn bias_gelu_quantizer_matches_the_definition() -> Result<()> {
-        let Some(dev) = device("fp8 bias and GELU quantizer") else {
-            return Ok(());
-        };
-        let host =
-            |t: &Tensor| -> Result<Tensor> { t.to_device(&Device::Cpu)?.to_dtype(DType::F32) };
-        let rel = |a: &Tensor, b: &Tensor| -> Result<f32> {
-            let d = (a - b)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
-            Ok(d / b
-                .sqr()?
-                .sum_all()?
-                .sqrt()?
-                .to_scalar::<f32>()?
-                .max(f32::MIN_POSITIVE))
-        };
-        for (rows, cols) in [
-            (33, 1536),
-            (5, 6144),
-            (17, 8960),
-            (9, 13824),
-            (4, 24),
-            (3, 1000),
-        ] {
-            let x = values(rows, cols, 5, DType::BF16, &dev)?;
-            let bias = (Tensor::randn(0f32, 2.0, cols, &Device::Cpu)?.to_dtype(DType::BF16)?)
-                .to_device(&dev)?;
-            let cols_pad = cols.next_multiple_of(16);
-            let (q, scale) = quantize_rows_bias_gelu(&x, &bias, rows, cols_pad)?
-                .expect("a held kernel takes rows of a multiple of 8");
-            let want = Fp8Rows::quantize(&fp8::bias_gelu(&x, &bias)?, false)?;
-            let (scale, want_scale) = (host(&scale)?, host(&want.scale)?);
-            assert!(rel(&scale, &want_scale)? < 1e-5, "{rows}x{cols} scales");
-            let dequantized = |q: &Tensor, s: &Tensor| host(q)?.broadcast_mul(&s.unsqueeze(1)?);
-            let err = rel(
-                &dequantized(&q, &scale)?,
-                &dequantized(&want.q, &want_scale)?,
-            )?;
-            assert!(err < 3e-3, "{rows}x{cols}: {err}");
-        }
-        let odd = values(3, 1001, 5, DType::BF16, &dev)?;
-        let bias = Tensor::zeros(1001, DType::BF16, &dev)?;
-        assert!(quantize_rows_bias_gelu(&odd, &bias, 3, 1008)?.is_none());
-        Ok(())
-    }
-
-    /// A feed-forward's hidden codes on the GPU ([`fp8::gelu_codes`]: the product without an
-    /// epilogue, then the fused bias, GELU and quantizer) against the host's: the same
-    /// definition, so only the product's f32 accumulation order and the two sides' `tanh` differ;
-    /// the dequantized activations within 1% (relative L2), and within 8% of the exact f32
-    /// GELU(x W^T + b).
-    #[test]
-    fn gelu_codes_match_the_host_definition() -> Result<()> {
-        let Some(dev) = device("fp8 GELU codes") else {
-            return Ok(());
-        };
-        let dequantized = |c: &Fp8Rows| -> Result<Tensor> {
-            let q = c.q.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-            let q = q.narrow(0, 0, c.rows)?.narrow(1, 0, c.cols)?;
-            let s = c.scale.to_device(&Device::Cpu)?.narrow(0, 0, c.rows)?;
-            q.broadcast_mul(&s.unsqueeze(1)?)
-        };
-        let rel = |a: &Tensor, b: &Tensor| -> Result<f32> {
-            let d = (a - b)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
-            Ok(d / b.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?)
-        };
-        for (rows, k, n) in [(300, 256, 1536), (77, 512, 8960), (20, 1536, 1000)] {
-            let x = values(rows, k, 21, DType::BF16, &dev)?;
-            let w = Tensor::randn(0f32, 0.05, (n, k), &Device::Cpu)?.to_dtype(DType::BF16)?;
-            let b = Tensor::randn(0f32, 0.5, n, &Device::Cpu)?.to_dtype(DType::BF16)?;
-            let cells = || std::cell::OnceCell::new();
-            let gpu = fp8::gelu_codes(
-                &x,
-                &cells(),
-                &Fp8Rows::quantize(&w.to_device(&dev)?, true)?,
-                &b.to_device(&dev)?,
-            )?;
-            let host_x = x.to_device(&Device::Cpu)?;
-            let cpu = fp8::gelu_codes(&host_x, &cells(), &Fp8Rows::quantize(&w, true)?, &b)?;
-            assert_eq!((gpu.rows, gpu.cols), (rows, n));
-            let (got, want) = (dequantized(&gpu)?, dequantized(&cpu)?);
-            let err = rel(&got, &want)?;
-            assert!(err < 0.01, "{rows}x{k}x{n}: {err}");
-            let f = |t: &Tensor| t.to_dtype(DType::F32);
-            let exact = f(&host_x)?
-                .matmul(&f(&w)?.t()?)?
-                .broadcast_add(&f(&b)?)?
-                .gelu()?;
-            let err = rel(&got, &exact)?;
-            assert!(err < 0.08, "{rows}x{k}x{n} against the exact GELU: {err}");
         }
         Ok(())
     }

@@ -91,6 +91,8 @@ __device__ __forceinline__ float round_bf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
 
+// bf16(a + b): what candle's bf16 `broadcast_add` of a Linear bias gives.
+__device__ __forceinline__ float add_rounded(float a, float b) { return round_bf16(__fadd_rn(a, b)); }
 
 // The RMS scale of a row whose squares sum to `sum_sq`: rsqrtf(sum / dim + eps) as candle's
 // fused `rms_norm` (F32), or 1 / sqrt(mean + eps) as the composite computes it, from the sum

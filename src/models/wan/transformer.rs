@@ -659,7 +659,7 @@ fn row_chunks(batch: usize, seq: usize, chunk: usize) -> impl Iterator<Item = (u
 fn matmul_t(x: &Input, linear: &Projection) -> Result<Tensor> {
     match linear.fp8_product(x, None, false)? {
         Some(y) => Ok(y),
-        None => x.tensor()?.matmul(&linear.weight().t()?),
+        None => x.tensor().matmul(&linear.weight().t()?),
     }
 }
 
@@ -672,7 +672,7 @@ fn linear_act(input: &Input, linear: &Projection, gelu: bool) -> Result<Tensor> 
     }
     #[cfg(feature = "cuda")]
     if let Some(bias) = linear.bias() {
-        let (x, weight) = (input.tensor()?, linear.weight());
+        let (x, weight) = (input.tensor(), linear.weight());
         if let Some(y) = crate::models::linear::linear_bias_act(x, weight, bias, gelu)? {
             return Ok(y);
         }
@@ -727,13 +727,8 @@ impl GeluMlp {
     }
 
     /// `fc2(gelu(fc1(x)))` for `x` `[rows, in]`, leaving out `fc2`'s bias (the residual adds it).
-    /// In fp8 the hidden activations pass from `fc1` to `fc2` as codes alone.
     fn forward_without_out_bias(&self, x: &Tensor) -> Result<Tensor> {
-        let input = Input::new(x);
-        if let Some(hidden) = self.fc1.fp8_gelu_codes(&input)? {
-            return matmul_t(&hidden, &self.fc2);
-        }
-        let h = linear_act(&input, &self.fc1, true)?;
+        let h = linear_act(&Input::new(x), &self.fc1, true)?;
         matmul_t(&Input::new(&h), &self.fc2)
     }
 }
