@@ -1,8 +1,9 @@
 //! Times a DiT Linear exact (bf16, bias and GELU in cuBLASLt's epilogue) against `--fp8-matmul`'s
 //! (the input quantized per row, the e4m3 product with its scales and bias applied by cuBLASLt),
 //! at Wan2.1 14B's and 1.3B's shapes (480x832x81: 32,760 tokens; the feed-forward runs in chunks
-//! of 8,192), in interleaved rounds. Also timed: the input's quantization alone, and the path
-//! taken where cuBLASLt cannot apply the scales itself (the bare product, then a scale pass).
+//! of 8,192), in interleaved rounds. Also timed: the input's quantization alone, the path taken
+//! where cuBLASLt cannot apply the scales itself (the bare product, then a scale pass), and that
+//! bare product alone.
 //! Then a whole block's Linears as Wan's forward runs them, where self-attention's q, k and v
 //! share one quantization of their input.
 //!
@@ -38,8 +39,8 @@ fn main() -> Result<()> {
     // Freed memory stays in the pool across synchronizations, as in a run (else every timed call
     // maps its outputs anew).
     let _pool = MemoryMeter::new(&dev);
-    println!("| shape | bf16 ms | fp8 ms | of which the input's quantization ms | two-pass fp8 ms | bf16 / fp8 | TFLOP/s bf16, fp8 |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| shape | bf16 ms | fp8 ms | of which the input's quantization ms | two-pass fp8 ms | of which the bare product ms | bf16 / fp8 | TFLOP/s bf16, fp8 |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (name, rows, inner, out, gelu) in SHAPES {
         let randn = |shape: (usize, usize), std: f32| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, std, shape, &dev)?.to_dtype(DType::BF16)?)
@@ -68,8 +69,12 @@ fn main() -> Result<()> {
                 i32::from(gelu),
             )
         };
-        let (mut bf16, mut fp8, mut quant, mut unfused) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // The e4m3 product alone, no scales (cuBLASLt's plain fp8 kernels, which the scaled
+        // product cannot use: bench/RESULTS.md session 51).
+        let input = Fp8Rows::quantize(&x, false)?;
+        let bare = || product(&input.q, &weight.q, DType::BF16);
+        let (mut bf16, mut fp8, mut quant, mut unfused, mut bare_product) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             bf16.push(time(&dev, REPS, exact)?);
             fp8.push(time(&dev, REPS, || {
@@ -77,6 +82,7 @@ fn main() -> Result<()> {
             })?);
             quant.push(time(&dev, REPS, || Fp8Rows::quantize(&x, false))?);
             unfused.push(time(&dev, REPS, two_pass)?);
+            bare_product.push(time(&dev, REPS, bare)?);
         }
         let flop = 2.0 * (rows * inner * out) as f64;
         let ms = |v: &[f64]| {
@@ -87,12 +93,13 @@ fn main() -> Result<()> {
         };
         let best = |v: &[f64]| v.iter().copied().fold(f64::MAX, f64::min);
         println!(
-            "| {name} [{rows}, {inner}] x [{inner}, {out}]{} | {} | {} | {} | {} | {:.2}x | {:.0}, {:.0} |",
+            "| {name} [{rows}, {inner}] x [{inner}, {out}]{} | {} | {} | {} | {} | {} | {:.2}x | {:.0}, {:.0} |",
             if gelu { " + GELU" } else { "" },
             ms(&bf16),
             ms(&fp8),
             ms(&quant),
             ms(&unfused),
+            ms(&bare_product),
             best(&bf16) / best(&fp8),
             flop / best(&bf16) / 1e12,
             flop / best(&fp8) / 1e12,
