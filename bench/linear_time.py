@@ -10,25 +10,11 @@ forward cancel). Kinds: the Linear layers (cuBLAS/cuBLASLt products, and fp8's i
 attention, everything else.
 """
 import collections
-import csv
+import os
 import sys
 
-
-def kernels(path):
-    rows = [r for r in csv.reader(open(path)) if len(r) > 5]
-    rows = rows[next(i for i, r in enumerate(rows) if "Kernel Name" in r):]
-    head, units = rows[0], rows[1]
-    name_i, t_i = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
-    scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "nsecond": 1e-6, "ms": 1.0, "msecond": 1.0}[units[t_i]]
-    tot, cnt = collections.Counter(), collections.Counter()
-    for r in rows[2:]:
-        try:
-            t = float(r[t_i].replace(",", "")) * scale
-        except ValueError:
-            continue
-        tot[r[name_i]] += t
-        cnt[r[name_i]] += 1
-    return tot, cnt
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_kernels import kernels  # noqa: E402
 
 
 def kind(name):

@@ -25,20 +25,5 @@ for F in "$@"; do
   $B $M 1 $S "none: $OFF" 2>/dev/null | grep -o '"s_per_forward":[0-9.]*' | sed "s/^/$F cudnn /"
   VIDGEN_CUDNN=off $B $M 1 $S "none: $OFF" 2>/dev/null | grep -o '"s_per_forward":[0-9.]*' | sed "s/^/$F no-cudnn /"
   $NCU --csv --page raw --metrics gpu__time_duration.sum $B $M 1 $S "none: $OFF" > "$OUT/ncu-$F.csv" 2> "$OUT/ncu-$F.log"
-  python3 - "$OUT/ncu-$F.csv" "$F" <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-# The profiled program's own output lines come first.
-rows = rows[next(i for i, r in enumerate(rows) if "Kernel Name" in r):]
-head = rows[0]; name_i = head.index("Kernel Name"); t_i = head.index("gpu__time_duration.sum")
-tot, cnt = collections.Counter(), collections.Counter()
-for r in rows[2:]:
-    try: t = float(r[t_i].replace(",", ""))
-    except ValueError: continue
-    k = r[name_i][:110]; tot[k] += t; cnt[k] += 1
-all_t = sum(tot.values())
-print(f"== {sys.argv[2]}: {sum(cnt.values())} kernels, {all_t/1e6:.1f} ms in all (ns units assumed)")
-for k, t in tot.most_common(25):
-    print(f"{t/1e6:9.2f} ms {100*t/all_t:5.1f}% x{cnt[k]:5d}  {k}")
-PY
+  python3 bench/ncu_kernels.py "$OUT/ncu-$F.csv" "$F"
 done
