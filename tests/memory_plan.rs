@@ -699,9 +699,9 @@ fn the_first_candidate_that_fits_is_chosen() {
         [
             "--dit-layerwise-offload",
             "--dit-layerwise-offload --text-encoder-cpu-offload",
-            // (Lazy loading alone lowers no peak: the one prompt releases each component after
-            // its last stage already; offered with the tiles.)
-            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling",
+            // (Lazy loading lowers no peak yet: the one prompt releases each component after
+            // its last stage already; offered with low activation.)
+            "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --vae-tiling",
             // (Low activation and synchronous copies lower the denoise, no longer the peak, since
             // leaf level moves the DiT's outer part in per use: offered with the tiles.)
             "--dit-layerwise-offload --offload-type leaf-level --text-encoder-cpu-offload --lazy-module-load --vae-tiling --low-activation --no-offload-stream --vae-tile-size 128",
@@ -1082,8 +1082,8 @@ fn the_14b_default_run_fits_2_8_gib_free_with_the_low_activation_dit() {
 
 /// The low-activation DiT holds the hidden states, keys and values whole and one chunk of
 /// 1024 tokens' intermediates: at 14B and 81x480x832 (32,760 tokens of 5120 in bf16, 0.31 GiB
-/// each) 1.08 GiB where the normal forward holds 1.97; the estimate is the same with the
-/// option off.
+/// each) 1.08 GiB where the normal forward holds five hidden states (1.65); the estimate is the
+/// same with the option off.
 #[test]
 fn the_low_activation_estimate_holds_three_hidden_states_and_a_chunk() {
     let configs = shipped("wan2.1-t2v-14b");
@@ -1102,7 +1102,7 @@ fn the_low_activation_estimate_holds_three_hidden_states_and_a_chunk() {
         gib(low)
     );
     assert!(
-        normal > low + (800 << 20),
+        normal >= 5 * hidden && normal > low + hidden,
         "{} vs {}",
         gib(normal),
         gib(low)

@@ -12,8 +12,11 @@
 //! | 33 x 240 x 416 | | 0.65 / 0.65 | 2.02 / 2.05 |
 //! | 21 x 720 x 1280 | | 1.46 / 1.42 | tiled 1.82 / 1.67 |
 //!
+//! (The denoise column is of an older forward that batched both guidance passes; the present
+//! one's check is at [`ATTENTION_HIDDEN_COPIES`].)
+//!
 //! The low-activation DiT (`--low-activation`) is predicted at 1.08 GiB for the 14B at 81 x 480 x
-//! 832 (1.97 without it) and its 128 px tiled decode at 1.09 GiB, the video's copies (neither
+//! 832 (1.65 without it) and its 128 px tiled decode at 1.09 GiB, the video's copies (neither
 //! measured yet).
 
 use super::text_encoder::UMT5Config;
@@ -30,9 +33,11 @@ const FP8_WORKSPACE: u64 = crate::models::fp8::PRODUCT_WORKSPACE as u64;
 
 /// Copies of the block's hidden states `[tokens, dim]` (run dtype) alive at the
 /// self-attention's peak: the block input, q, k, v (heads are strided views, RoPE and the
-/// q/k norms run in place), the attention output and its projection (measured on the H200:
-/// 1.3B 0.59 GiB, 14B 1.90 GiB of activations in all).
-const ATTENTION_HIDDEN_COPIES: u64 = 6;
+/// q/k norms run in place) and the attention output; the normed input is gone before the
+/// attention runs, and q, k and v before `to_out` allocates its projection. Measured on an
+/// H100 (bench/RESULTS.md session 50, `offload_bench`, the default stream at 81 x 480 x 832):
+/// peaks of 3.416 GiB (14B) and 0.751 GiB (1.3B) against 3.447 and 0.782 planned.
+const ATTENTION_HIDDEN_COPIES: u64 = 5;
 /// Copies alive in the feed-forward, besides one token chunk's intermediate: the block's
 /// hidden states (chunks are written back into them) and one chunk's norm and output.
 const FFN_HIDDEN_COPIES: u64 = 2;
