@@ -22,7 +22,7 @@ fn main() {
     // One fat binary per file: machine code for sm_80 (also run by sm_86/87/89), sm_90, sm_100
     // and sm_120 (also sm_121, GB10), so those GPUs load the kernels without compiling them, and
     // compute_80 PTX (mma.sync bf16 and cp.async need sm_80) that the driver compiles for any
-    // other. `flash_attn_sm90` and `sage_attn_sm90` are Hopper's extras: wgmma and TMA exist on
+    // other. `flash_attn_sm90`, `sage_attn_sm90` and `fp8_sm90` are Hopper's extras: wgmma and TMA exist on
     // sm_90a alone, so they hold that machine code only and load on compute capability 9.0 alone.
     // The DiT block kernels keep IEEE division and square roots (no fast math): they stand in for
     // candle's f32 ops. `fp8`
@@ -45,6 +45,7 @@ fn main() {
         ("dequant", PORTABLE, false),
         ("lora_merge", PORTABLE, false),
         ("fp8", FP8, false),
+        ("fp8_sm90", "-gencode=arch=compute_90a,code=sm_90a", false),
         ("sage_attn", FP8, false),
         (
             "sage_attn_sm90",

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """One DiT forward's GPU time by kind, from Nsight Compute kernel durations (issue 36: "the DiT's Linear time").
 
-    python3 bench/linear_time.py EXACT_1.csv EXACT_2.csv FAST_1.csv FAST_2.csv
+    python3 bench/linear_time.py exact=EXACT_1.csv,EXACT_2.csv fp8=FAST_1.csv,FAST_2.csv [NAME=ONE.csv,TWO.csv ...]
 
-Each CSV is `ncu --csv --page raw --metrics gpu__time_duration.sum` over a `vidgen generate` run; the two files of
+Each NAME is a column; the first is the baseline the others' ratios are against. Each CSV is `ncu --csv --page raw --metrics gpu__time_duration.sum` over a `vidgen generate` run; the two files of
 a pair differ by one denoising step (one forward without CFG), so subtracting the first's kernels from the second's
 leaves that forward's (the text stage, the decode and, with --fp8-matmul, the weights' quantization at the first
 forward cancel). Kinds: the Linear layers (cuBLAS/cuBLASLt products, and fp8's input quantization and scale pass),
@@ -21,7 +21,7 @@ def kind(name):
     n = name.lower()
     if "quantize" in n or "scale_rows" in n:
         return "linear: fp8 input quantization"
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk")):
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk", "fp8_linear")):
         return "linear: products"
     if any(s in n for s in ("flash", "sage", "attn", "fmha")):
         return "attention"
@@ -40,8 +40,11 @@ def forward(one, two):
 
 
 def main():
-    a = sys.argv[1:]
-    runs = {"exact": forward(a[0], a[1]), "fp8": forward(a[2], a[3])}
+    runs = {}
+    for arg in sys.argv[1:]:
+        name, files = arg.split("=", 1)
+        runs[name] = forward(*files.split(","))
+    base = next(iter(runs))
     kinds = sorted({k for r in runs.values() for k in r[0]})
     print("| one forward, ms of kernel time | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))
@@ -52,8 +55,9 @@ def main():
     print("| **the Linear layers** | " + " | ".join(f"**{linear[m]:.1f}**" for m in runs) + " |")
     print("| all kernels | " + " | ".join(f"{total[m]:.1f}" for m in runs) + " |")
     print("| launches | " + " | ".join(str(r[2]) for r in runs.values()) + " |")
-    print(f"\nLinear time exact / fp8: {linear['exact'] / linear['fp8']:.3f}x; "
-          f"all kernels: {total['exact'] / total['fp8']:.3f}x")
+    for m in list(runs)[1:]:
+        print(f"\nLinear time {base} / {m}: {linear[base] / linear[m]:.3f}x; "
+              f"all kernels: {total[base] / total[m]:.3f}x")
     for m, r in runs.items():
         print(f"\n{m}: largest kernels of one forward")
         for name, t in r[1].most_common(14):

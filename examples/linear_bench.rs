@@ -1,11 +1,12 @@
 //! Times a DiT Linear exact (bf16, bias and GELU in cuBLASLt's epilogue) against `--fp8-matmul`'s
-//! (the input quantized per row, the e4m3 product with its scales and bias applied by cuBLASLt),
-//! at Wan2.1 14B's and 1.3B's shapes (480x832x81: 32,760 tokens; the feed-forward runs in chunks
-//! of 8,192), in interleaved rounds. Also timed: the input's quantization alone, the path taken
-//! where cuBLASLt cannot apply the scales itself (the bare product, then a scale pass), and that
-//! bare product alone.
+//! (the input quantized per row, then the e4m3 product with its scales and bias: on Hopper
+//! vidgen's own kernel, elsewhere cuBLASLt's), at Wan2.1 14B's and 1.3B's shapes (480x832x81:
+//! 32,760 tokens; the feed-forward runs in chunks of 8,192), in interleaved rounds. Also timed:
+//! the input's quantization alone, cuBLASLt's scaled product (what GPUs other than Hopper run) and
+//! cuBLASLt's bare e4m3 product, no scales.
 //! Then a whole block's Linears as Wan's forward runs them, where self-attention's q, k and v
-//! share one quantization of their input.
+//! share one quantization of their input (`VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK=180000` keeps the
+//! Hopper kernel out: the block then runs cuBLASLt's products).
 //!
 //! `cargo run --release --no-default-features --features cuda --example linear_bench`
 
@@ -14,7 +15,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 use vidgen::memory::accounting::MemoryMeter;
 use vidgen::models::fp8::{self, Fp8Rows};
-use vidgen::models::fp8_kernels::{product, scale_rows};
+use vidgen::models::fp8_kernels::{product, scaled_product};
+use vidgen::models::fp8_sm90;
 use vidgen::models::projection::{project, project_gelu_tanh, Input, Projection};
 
 #[path = "support/median.rs"]
@@ -39,8 +41,8 @@ fn main() -> Result<()> {
     // Freed memory stays in the pool across synchronizations, as in a run (else every timed call
     // maps its outputs anew).
     let _pool = MemoryMeter::new(&dev);
-    println!("| shape | bf16 ms | fp8 ms | of which the input's quantization ms | two-pass fp8 ms | of which the bare product ms | bf16 / fp8 | TFLOP/s bf16, fp8 |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| shape | bf16 ms | fp8 ms | of which the input's quantization ms | the Hopper kernel ms | cuBLASLt's scaled product ms | cuBLASLt's bare product ms | bf16 / fp8 | TFLOP/s bf16, fp8 |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (name, rows, inner, out, gelu) in SHAPES {
         let randn = |shape: (usize, usize), std: f32| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, std, shape, &dev)?.to_dtype(DType::BF16)?)
@@ -57,31 +59,25 @@ fn main() -> Result<()> {
                 project(&linear, &x)
             }
         };
-        let two_pass = || {
-            let input = Fp8Rows::quantize(&x, false)?;
-            let acc = product(&input.q, &weight.q, DType::BF16)?;
-            let scale_w = weight.scale.narrow(0, 0, weight.rows)?;
-            scale_rows(
-                acc,
-                out,
-                (&input.scale, &scale_w),
-                Some(&b),
-                i32::from(gelu),
-            )
-        };
-        // The e4m3 product alone, no scales (cuBLASLt's plain fp8 kernels, which the scaled
-        // product cannot use: bench/RESULTS.md session 51).
         let input = Fp8Rows::quantize(&x, false)?;
+        // The e4m3 product alone, no scales (cuBLASLt's plain fp8 kernels, which its scaled
+        // product cannot use: bench/RESULTS.md session 51).
         let bare = || product(&input.q, &weight.q, DType::BF16);
-        let (mut bf16, mut fp8, mut quant, mut unfused, mut bare_product) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut bf16, mut fp8, mut quant, mut hopper) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut cublaslt_scaled, mut bare_product) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             bf16.push(time(&dev, REPS, exact)?);
             fp8.push(time(&dev, REPS, || {
                 fp8::linear(&x, &weight, Some(&b), gelu)
             })?);
             quant.push(time(&dev, REPS, || Fp8Rows::quantize(&x, false))?);
-            unfused.push(time(&dev, REPS, two_pass)?);
+            hopper.push(time(&dev, REPS, || {
+                fp8_sm90::linear(&input, &weight, Some(&b), gelu)
+            })?);
+            cublaslt_scaled.push(time(&dev, REPS, || {
+                scaled_product(&input, &weight, Some(&b), gelu)
+            })?);
             bare_product.push(time(&dev, REPS, bare)?);
         }
         let flop = 2.0 * (rows * inner * out) as f64;
@@ -93,12 +89,13 @@ fn main() -> Result<()> {
         };
         let best = |v: &[f64]| v.iter().copied().fold(f64::MAX, f64::min);
         println!(
-            "| {name} [{rows}, {inner}] x [{inner}, {out}]{} | {} | {} | {} | {} | {} | {:.2}x | {:.0}, {:.0} |",
+            "| {name} [{rows}, {inner}] x [{inner}, {out}]{} | {} | {} | {} | {} | {} | {} | {:.2}x | {:.0}, {:.0} |",
             if gelu { " + GELU" } else { "" },
             ms(&bf16),
             ms(&fp8),
             ms(&quant),
-            ms(&unfused),
+            ms(&hopper),
+            ms(&cublaslt_scaled),
             ms(&bare_product),
             best(&bf16) / best(&fp8),
             flop / best(&bf16) / 1e12,

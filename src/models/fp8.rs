@@ -12,10 +12,11 @@
 //! 2. acc = codes(x) @ codes(W)^T summed in f32 (each product of two codes is exact);
 //! 3. y = act(acc * s_x[r] * s_w[c] + bias[c]) in f32, rounded to T once.
 //!
-//! On CUDA in bf16, cuBLASLt computes all three steps' products in one call, the scales and the
-//! bias applied in its epilogue (outer-vector scaling). Where its library or the GPU cannot
-//! (before cuBLAS 12.9; in f32), the product is stored as T and a second pass scales it: in
-//! bf16, one more rounding than the definition.
+//! On CUDA in bf16, steps 2 and 3 run in one kernel: on Hopper vidgen's own wgmma kernel
+//! (`kernels/fp8_sm90.cu`), elsewhere cuBLASLt with the scales and the bias in its epilogue
+//! (outer-vector scaling). Where cuBLASLt's library or the GPU cannot (before cuBLAS 12.9; in
+//! f32), the product is stored as T and a second pass scales it: in bf16, one more rounding than
+//! the definition.
 //!
 //! cuBLASLt's fp8 kernels want K and N in multiples of 16: the codes are padded with zeros
 //! there (zero codes add nothing; padded weight rows have scale 0 and are cut off), on the host
@@ -165,6 +166,9 @@ pub fn linear_sharing(
     if x.device().is_cuda() {
         use crate::models::fp8_kernels::{product, scale_rows, scaled_product};
         if dtype == DType::BF16 {
+            if let Some(y) = crate::models::fp8_sm90::linear(input, weight, bias, gelu)? {
+                return Ok(y);
+            }
             if let Some(y) = scaled_product(input, weight, bias, gelu)? {
                 return Ok(y);
             }

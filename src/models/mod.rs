@@ -22,6 +22,9 @@ pub mod fp8;
 #[cfg(feature = "cuda")]
 #[path = "kernels/fp8.rs"]
 pub mod fp8_kernels;
+#[cfg(feature = "cuda")]
+#[path = "kernels/fp8_sm90.rs"]
+pub mod fp8_sm90;
 pub mod guidance;
 pub mod hunyuan_video;
 #[cfg(feature = "cuda")]

@@ -19,7 +19,7 @@ case $1 in
        echo "exit $?"; tail -2 $OUT/ncu-$mode-$steps.log
      done; done
      for n in 1 2; do [ -f $OUT/ncu-bf16-$n.csv ] || xz -dc $DEV/ncu-bf16-$n.csv.xz > $OUT/ncu-bf16-$n.csv; done
-     python3 bench/linear_time.py $OUT/ncu-bf16-{1,2}.csv $OUT/ncu-fp8-{1,2}.csv
+     python3 bench/linear_time.py exact=$OUT/ncu-bf16-1.csv,$OUT/ncu-bf16-2.csv fp8=$OUT/ncu-fp8-1.csv,$OUT/ncu-fp8-2.csv
      [ "${NO_BENCH:-0}" = 1 ] && exit 0
      el "linear_bench"
      xz -dc $DEV/linear_bench.xz > /tmp/linear_bench && chmod +x /tmp/linear_bench

@@ -91,17 +91,39 @@ impl TensorMap {
         )
     }
 
-    /// Boxes of 128 x 128 bytes, 128-byte swizzled, over `planes` contiguous planes of `rows` x
-    /// `cols` bytes at `ptr` (`cols` a multiple of 16); rows and columns past the ends read as
-    /// zeros. The 8-bit attention's codes (`sage_attn_sm90.cu`).
-    pub(crate) fn byte_tiles(ptr: u64, cols: usize, rows: usize, planes: usize) -> Result<Self> {
+    /// Boxes of `box_rows` rows x 128 bytes, 128-byte swizzled, over `planes` contiguous planes of
+    /// `rows` x `cols` bytes at `ptr` (`cols` a multiple of 16); rows and columns past the ends read
+    /// as zeros. The 8-bit attention's codes (`sage_attn_sm90.cu`, 128 rows) and the fp8 Linear's
+    /// (`fp8_sm90.cu`).
+    pub(crate) fn byte_tiles(
+        ptr: u64,
+        cols: usize,
+        rows: usize,
+        planes: usize,
+        box_rows: u32,
+    ) -> Result<Self> {
         let (cols, rows, planes) = (cols as u64, rows as u64, planes as u64);
         Self::encode(
             ptr,
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
             [cols, rows, planes, 1],
             [cols, cols * rows, cols * rows * planes],
-            [128, 128, 1, 1],
+            [128, box_rows, 1, 1],
+        )
+    }
+
+    /// Boxes of `box_rows` rows x 64 columns, 128-byte swizzled, over a `[rows, cols]` bf16
+    /// matrix at `ptr` (`cols` a multiple of 8): the fp8 Linear's output (`fp8_sm90.cu` stores
+    /// through it; what falls past the ends is not written).
+    pub(crate) fn bf16_tiles(ptr: u64, cols: usize, rows: usize, box_rows: u32) -> Result<Self> {
+        let (cols, rows) = (cols as u64, rows as u64);
+        let row = cols * 2;
+        Self::encode(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            [cols, rows, 1, 1],
+            [row, row * rows, row * rows],
+            [64, box_rows, 1, 1],
         )
     }
 
@@ -135,7 +157,7 @@ impl TensorMap {
         };
         if status != sys::CUresult::CUDA_SUCCESS {
             candle_core::bail!(
-                "attention (sm_90): TMA descriptor of {global_dim:?} / {global_strides:?} bytes: {status:?}"
+                "sm_90 kernel: TMA descriptor of {global_dim:?} / {global_strides:?} bytes: {status:?}"
             )
         }
         // SAFETY: initialised by the successful call above.

@@ -259,9 +259,9 @@ impl SageAttn {
                 let (k_ptr, _k_guard) = k_codes.device_ptr(&stream);
                 let (v_ptr, _v_guard) = v_codes.device_ptr(&stream);
                 let maps = [
-                    TensorMap::byte_tiles(q_ptr, d, n, bh)?,
-                    TensorMap::byte_tiles(k_ptr, d, m, bh)?,
-                    TensorMap::byte_tiles(v_ptr, pad, d, bh)?,
+                    TensorMap::byte_tiles(q_ptr, d, n, bh, 128)?,
+                    TensorMap::byte_tiles(k_ptr, d, m, bh, 128)?,
+                    TensorMap::byte_tiles(v_ptr, pad, d, bh, 128)?,
                 ];
                 let mut builder = func.builder();
                 builder.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]);
