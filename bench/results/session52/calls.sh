@@ -8,6 +8,8 @@
 #      attention's 161 KiB), then one 14B forward's kernels under Nsight Compute (session 51's `calls.sh 1`
 #      method, bench/linear_time.py) with the kernel.
 #   2: the same forward exact, and fp8 with cuBLASLt's products (the cap), for the ratios in one call.
+#   3: the same forward exact and fp8 with the kept kernel (.device67's build: the kept kernel, whose
+#      4,096-input rule changes none of the 14B's Linears), in one call.
 DEV=${DEV:-.device68} source bench/device_setup.sh
 CAP=VIDGEN_MAX_SHARED_MEMORY_PER_BLOCK=180000
 forward() {  # forward NAME STEPS [ENV...] [-- vidgen flags]
@@ -22,7 +24,10 @@ forward() {  # forward NAME STEPS [ENV...] [-- vidgen flags]
   echo "exit $?"; tail -2 $OUT/ncu-$name-$steps.log
 }
 case $1 in
-  1) el "CUDA tests: the fp8 Linears (the Hopper kernel among them), the 8-bit attention (its TMA maps)"
+  1) el "the Hopper kernel's test first (a hang or failure stops the call)"
+     timeout 60 /tmp/vidgen-lib-tests --test-threads=1 hopper_kernel 2>&1 | grep -E "^test |panicked|result:" \
+       | tee /dev/stderr | grep -q " 0 failed" || exit 1
+     el "CUDA tests: the fp8 Linears (the Hopper kernel among them), the 8-bit attention (its TMA maps)"
      timeout 200 /tmp/vidgen-lib-tests --test-threads=1 fp8 sage_kernels 2>&1 \
        | grep -E "^test |panicked|result:" | tail -30
      xz -dc $DEV/linear_bench.xz > /tmp/linear_bench && chmod +x /tmp/linear_bench
@@ -38,4 +43,8 @@ case $1 in
      for steps in 1 2; do FLAGS=--fp8-matmul forward fp8-cublaslt $steps $CAP; done
      python3 bench/linear_time.py exact=$OUT/ncu-bf16-1.csv,$OUT/ncu-bf16-2.csv \
        fp8-cublaslt=$OUT/ncu-fp8-cublaslt-1.csv,$OUT/ncu-fp8-cublaslt-2.csv;;
+  3) for steps in 1 2; do forward bf16 $steps; done
+     for steps in 1 2; do FLAGS=--fp8-matmul forward fp8 $steps; done
+     python3 bench/linear_time.py exact=$OUT/ncu-bf16-1.csv,$OUT/ncu-bf16-2.csv \
+       fp8=$OUT/ncu-fp8-1.csv,$OUT/ncu-fp8-2.csv;;
 esac
