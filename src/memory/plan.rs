@@ -50,6 +50,9 @@ pub struct PlanStage<'a> {
     pub release_after: &'a [usize],
     /// Activations and scratch of the stage's computation.
     pub activation_bytes: u64,
+    /// Activations while a used component's outer part computes apart from its blocks (the
+    /// moment of [`DeviceWeights::apart`]); `None`: `activation_bytes` then too.
+    pub apart_activation_bytes: Option<u64>,
     /// Host bytes the stage holds beyond the components' weights: what it computes on the CPU,
     /// the decoded video.
     pub host_activation_bytes: u64,
@@ -69,9 +72,10 @@ pub struct HostSide<'a> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StagePlan {
     pub name: &'static str,
-    /// Weights of every component alive in the stage (those computing and those waiting).
+    /// Weights of every component alive in the stage (those computing and those waiting), at
+    /// its peak moment (a streamed DiT's blocks running, or its outer part computing).
     pub weight_bytes: u64,
-    /// Activations and scratch of the components computing.
+    /// Activations and scratch of the components computing, at that moment.
     pub activation_bytes: u64,
     /// Weights plus activations.
     pub peak_bytes: u64,
@@ -135,21 +139,37 @@ impl MemoryPlan {
                     stage.name
                 )
             };
-            let weight_bytes = alive
-                .iter()
-                .map(|&c| {
-                    if stage.uses.contains(&c) {
-                        weights[c].active
-                    } else {
-                        weights[c].idle
-                    }
-                })
-                .try_fold(0u64, u64::checked_add)
-                .ok_or_else(overflow)?;
+            // The weights held while the used components' blocks run, or (`apart`) while their
+            // outer parts compute.
+            let held = |apart: bool| {
+                alive
+                    .iter()
+                    .map(|&c| match (stage.uses.contains(&c), weights[c].apart) {
+                        (true, Some(w)) if apart => w,
+                        (true, _) => weights[c].active,
+                        (false, _) => weights[c].idle,
+                    })
+                    .try_fold(0u64, u64::checked_add)
+                    .ok_or_else(overflow)
+            };
+            let mut moment = (held(false)?, stage.activation_bytes);
+            if stage.uses.iter().any(|&c| weights[c].apart.is_some()) {
+                let apart = (
+                    held(true)?,
+                    stage
+                        .apart_activation_bytes
+                        .unwrap_or(stage.activation_bytes),
+                );
+                let bytes = |(w, a): (u64, u64)| w.checked_add(a).ok_or_else(overflow);
+                if bytes(apart)? > bytes(moment)? {
+                    moment = apart;
+                }
+            }
+            let (weight_bytes, activation_bytes) = moment;
             let peak_bytes = weight_bytes
-                .checked_add(stage.activation_bytes)
+                .checked_add(activation_bytes)
                 .ok_or_else(overflow)?;
-            StagePlan::required(peak_bytes, stage.activation_bytes).ok_or_else(overflow)?;
+            StagePlan::required(peak_bytes, activation_bytes).ok_or_else(overflow)?;
             let host_bytes = alive
                 .iter()
                 .map(|&c| host.weights[c])
@@ -163,7 +183,7 @@ impl MemoryPlan {
             planned.push(StagePlan {
                 name: stage.name,
                 weight_bytes,
-                activation_bytes: stage.activation_bytes,
+                activation_bytes,
                 peak_bytes,
                 host_bytes,
             });
@@ -915,10 +935,12 @@ mod tests {
             DeviceWeights {
                 active: 1000,
                 idle: 100,
+                apart: None,
             },
             DeviceWeights {
                 active: 20_000,
                 idle: 2_000,
+                apart: None,
             },
         ];
         let stage =
@@ -928,6 +950,7 @@ mod tests {
                 load_before,
                 release_after,
                 activation_bytes: activations,
+                apart_activation_bytes: None,
                 host_activation_bytes: 0,
             };
         let eager = [
@@ -957,6 +980,7 @@ mod tests {
         let huge = DeviceWeights {
             active: u64::MAX / 2 + 1,
             idle: u64::MAX / 2 + 1,
+            apart: None,
         };
         let stage = |activations| PlanStage {
             name: "denoise",
@@ -964,6 +988,7 @@ mod tests {
             load_before: &[0, 1],
             release_after: &[],
             activation_bytes: activations,
+            apart_activation_bytes: None,
             host_activation_bytes: 0,
         };
         for (weights, activations) in [
@@ -974,6 +999,7 @@ mod tests {
                     DeviceWeights {
                         active: u64::MAX,
                         idle: u64::MAX,
+                        apart: None,
                     },
                     DeviceWeights::default(),
                 ],
@@ -992,5 +1018,43 @@ mod tests {
             plan.required_bytes(),
             u64::MAX / 2 + 1 + 5 + 2 + CONTEXT_BYTES
         );
+    }
+    /// A component whose outer part computes apart from its blocks: the stage's peak is the
+    /// larger moment, each with its own weights and activations, and without an estimate of the
+    /// apart moment's activations the stage's own count there too.
+    #[test]
+    fn a_stage_peaks_at_the_larger_of_its_two_moments() {
+        let weights = [
+            DeviceWeights {
+                active: 500,
+                idle: 0,
+                apart: Some(800),
+            },
+            DeviceWeights {
+                active: 40,
+                idle: 40,
+                apart: None,
+            },
+        ];
+        let stage = |activations, apart| PlanStage {
+            name: "denoise",
+            uses: &[0],
+            load_before: &[0, 1],
+            release_after: &[],
+            activation_bytes: activations,
+            apart_activation_bytes: apart,
+            host_activation_bytes: 0,
+        };
+        let plan = |activations, apart| {
+            let s = MemoryPlan::new(&[stage(activations, apart)], &weights).unwrap();
+            let s = &s.stages[0];
+            (s.weight_bytes, s.activation_bytes, s.peak_bytes)
+        };
+        // Blocks: 500 + 40 + 1000; apart: 800 + 40 + 300.
+        assert_eq!(plan(1000, Some(300)), (540, 1000, 1540));
+        // Apart: 800 + 40 + 900 beats the blocks' 1540.
+        assert_eq!(plan(1000, Some(900)), (840, 900, 1740));
+        // No estimate: the larger weights with the stage's activations.
+        assert_eq!(plan(1000, None), (840, 1000, 1840));
     }
 }

@@ -411,8 +411,13 @@ pub struct ComponentLayout {
 /// Device weight bytes of a component while its stage runs and while it waits loaded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceWeights {
+    /// While its stage runs (where `apart` is set: while its blocks run).
     pub active: u64,
     pub idle: u64,
+    /// While its outer part computes apart from its blocks, where that moment holds other
+    /// weights than the blocks' (an outer part moved in per use, beside the next pass's first
+    /// fills): the plan takes the larger of the two moments, each with its own activations.
+    pub apart: Option<u64>,
 }
 
 #[cfg(test)]

@@ -197,20 +197,22 @@ impl Holding {
             Holding::Resident => DeviceWeights {
                 active: direct,
                 idle: direct,
+                apart: None,
             },
             Holding::OnCpu => DeviceWeights::default(),
             Holding::Parked => DeviceWeights {
                 active: layout.groups.iter().map(landed_bytes).max().unwrap_or(0),
                 idle: 0,
+                apart: None,
             },
             Holding::Streamed {
                 outer: Outer::PerUse,
                 options,
                 ..
             } => DeviceWeights {
-                active: streamed_bytes(&layout.groups, options)
-                    .max(direct.saturating_add(between_passes_bytes(&layout.groups, options))),
+                active: streamed_bytes(&layout.groups, options),
                 idle: 0,
+                apart: Some(direct.saturating_add(between_passes_bytes(&layout.groups, options))),
             },
             Holding::Streamed { outer, options, .. } => DeviceWeights {
                 active: direct.saturating_add(streamed_bytes(&layout.groups, options)),
@@ -218,6 +220,7 @@ impl Holding {
                     Outer::Resident => direct,
                     Outer::Parked | Outer::PerUse => 0,
                 },
+                apart: None,
             },
             Holding::Sharded { fsdp, .. } => {
                 let blocks: Vec<usize> = layout.groups.iter().map(|g| g.bytes).collect();
@@ -230,6 +233,7 @@ impl Holding {
                 DeviceWeights {
                     active: direct + shards + gathered,
                     idle: direct + shards,
+                    apart: None,
                 }
             }
         }

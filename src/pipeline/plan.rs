@@ -180,43 +180,48 @@ impl<'a> Planner<'a> {
             .stages
             .iter()
             .enumerate()
-            .map(|(i, s)| PlanStage {
-                name: s.name,
-                uses: &s.uses,
-                load_before: &schedule.load_before[i],
-                release_after: &schedule.release_after[i],
-                activation_bytes: if !on_device(&s.uses) {
-                    0
-                } else if s.uses.iter().any(|&c| is_dit(c)) {
-                    let (per_block, blocks) = s.block_bytes;
-                    let held = s
-                        .uses
-                        .iter()
-                        .filter(|&&c| is_dit(c))
-                        .map(|&c| match placement.residencies[c] {
-                            Residency::Resident | Residency::Parked => blocks,
-                            Residency::Streamed {
-                                blocks_per_group,
-                                by_step: false,
-                                ..
-                            } => blocks_per_group.min(blocks),
-                            _ => 1,
-                        })
-                        .max()
-                        .unwrap_or(1);
-                    // Sequence parallelism: each rank holds its share of the tokens (and its
-                    // blocks' own bytes whole).
-                    s.activation_bytes.div_ceil(groups.sp as u64)
+            .map(|(i, s)| {
+                let dit = on_device(&s.uses) && s.uses.iter().any(|&c| is_dit(c));
+                // Each rank holds its share of the tokens (sequence parallelism), and every
+                // block built on the device its own bytes.
+                let (per_block, blocks) = s.block_bytes;
+                let held = s
+                    .uses
+                    .iter()
+                    .filter(|&&c| is_dit(c))
+                    .map(|&c| match placement.residencies[c] {
+                        Residency::Resident | Residency::Parked => blocks,
+                        Residency::Streamed {
+                            blocks_per_group,
+                            by_step: false,
+                            ..
+                        } => blocks_per_group.min(blocks),
+                        _ => 1,
+                    })
+                    .max()
+                    .unwrap_or(1);
+                let dit_bytes = |activations: u64| {
+                    activations.div_ceil(groups.sp as u64)
                         + per_block * held.saturating_sub(1) as u64
-                } else {
-                    s.activation_bytes
-                },
-                host_activation_bytes: match () {
-                    // A stage computing on the CPU holds its activations there.
-                    _ if !s.uses.is_empty() && !on_device(&s.uses) => s.activation_bytes,
-                    _ if shape.decode && last_dit.is_some_and(|d| i > d) => video_bytes,
-                    _ => 0,
-                },
+                };
+                PlanStage {
+                    name: s.name,
+                    uses: &s.uses,
+                    load_before: &schedule.load_before[i],
+                    release_after: &schedule.release_after[i],
+                    activation_bytes: match () {
+                        _ if !on_device(&s.uses) => 0,
+                        _ if dit => dit_bytes(s.activation_bytes),
+                        _ => s.activation_bytes,
+                    },
+                    apart_activation_bytes: s.apart_activation_bytes.filter(|_| dit).map(dit_bytes),
+                    host_activation_bytes: match () {
+                        // A stage computing on the CPU holds its activations there.
+                        _ if !s.uses.is_empty() && !on_device(&s.uses) => s.activation_bytes,
+                        _ if shape.decode && last_dit.is_some_and(|d| i > d) => video_bytes,
+                        _ => 0,
+                    },
+                }
             })
             .collect();
         let host = HostSide {

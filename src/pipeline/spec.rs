@@ -373,6 +373,11 @@ pub struct StageSpec {
     /// weights (0 on the CPU is still an estimate of host bytes).
     #[serde(skip)]
     pub activation_bytes: u64,
+    /// Device bytes of activations while its DiT's outer part computes apart from the blocks
+    /// (an outer part moved in per use), where the family estimates them; `None`: as many as
+    /// `activation_bytes` (the plan's safe side).
+    #[serde(skip)]
+    pub apart_activation_bytes: Option<u64>,
     /// Device bytes each block of its DiT makes at its first use and keeps while it is built on
     /// the device (`--fp8-matmul`'s weight codes), and how many blocks the DiT has: the
     /// activations count one block's; the plan adds those of the others held at once (every
@@ -390,6 +395,7 @@ impl StageSpec {
             name,
             uses: uses.to_vec(),
             activation_bytes,
+            apart_activation_bytes: None,
             block_bytes: (0, 0),
             body: None,
         }
@@ -399,6 +405,13 @@ impl StageSpec {
     /// ([`Self::block_bytes`]).
     pub fn holding_per_block(mut self, (bytes, blocks): (u64, usize)) -> Self {
         self.block_bytes = (bytes, blocks);
+        self
+    }
+
+    /// Its DiT's outer part, computing apart from the blocks, holds `bytes` of activations
+    /// ([`Self::apart_activation_bytes`]).
+    pub fn apart_activations(mut self, bytes: u64) -> Self {
+        self.apart_activation_bytes = Some(bytes);
         self
     }
 

@@ -390,6 +390,17 @@ impl WanConfigs {
                 + fp8
                 + sage
         };
+        // While the outer part computes: its activations and the step caches' hidden states.
+        let apart_activations = |cfg: &WanTransformerConfig| {
+            let attentions = AttentionModules {
+                spatial: cfg.num_layers,
+                temporal: 0,
+                cross: cfg.num_layers,
+            };
+            let cached = shape.cache_states(&cfg.hooked_blocks()) + shape.pab_outputs(attentions);
+            activations::outer_activations(cfg, latent, shape.text_len, shape.dtype)
+                + cached as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+        };
         // Each block built on the device keeps its fp8 weight codes.
         let block_codes = |cfg: &WanTransformerConfig| {
             let codes = u64::from(shape.fp8_matmul) * activations::fp8_block_codes(cfg);
@@ -428,6 +439,7 @@ impl WanConfigs {
                     &[transformer.index()],
                     dit_activations(&self.transformer),
                 )
+                .apart_activations(apart_activations(&self.transformer))
                 .holding_per_block(block_codes(&self.transformer))
                 .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, false)),
                 Step::DenoiseLow => {
@@ -437,6 +449,7 @@ impl WanConfigs {
                         &index(transformer_2.map(Slot::index)),
                         dit_activations(cfg),
                     )
+                    .apart_activations(apart_activations(cfg))
                     .holding_per_block(block_codes(cfg))
                     .runs(|wan: &WanT2V, frame, job| wan.denoise(frame, job, true))
                 }

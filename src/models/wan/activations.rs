@@ -123,7 +123,6 @@ pub fn transformer_activations(
     low_activation: bool,
 ) -> u64 {
     let s = dtype.size_in_bytes() as u64;
-    let [_, c, f, h, w] = latent;
     let tokens = tokens(cfg, latent);
     let (d, heads) = (cfg.inner_dim() as u64, cfg.num_attention_heads as u64);
     let text_len = text_len as u64;
@@ -151,10 +150,36 @@ pub fn transformer_activations(
             FFN_HIDDEN_COPIES * hidden + ffn_chunk(tokens.min(FFN_CHUNK as u64)),
         )
     };
-    let rope = 2 * tokens * (cfg.attention_head_dim / 2) as u64 * F32;
+    attention.max(ffn) + forward_inputs(cfg, latent, text_len, dtype)
+}
+
+/// What lives through a whole forward on `latent`: the RoPE tables, the latents' f32 copies and
+/// the text context.
+fn forward_inputs(
+    cfg: &WanTransformerConfig,
+    latent: [usize; 5],
+    text_len: u64,
+    dtype: DType,
+) -> u64 {
+    let s = dtype.size_in_bytes() as u64;
+    let [_, c, f, h, w] = latent;
+    let rope = 2 * tokens(cfg, latent) * (cfg.attention_head_dim / 2) as u64 * F32;
     let latents = LATENT_COPIES * (c * f * h * w) as u64 * F32;
-    let text = 2 * text_len * cfg.text_dim as u64 * s + text_len * d * s;
-    attention.max(ffn) + rope + latents + text
+    let text = 2 * text_len * cfg.text_dim as u64 * s + text_len * cfg.inner_dim() as u64 * s;
+    rope + latents + text
+}
+
+/// Peak activation bytes while the DiT's outer part computes apart from the blocks (an outer
+/// part moved in per use): the hidden states and the output norm's modulated copy of them
+/// (`proj_out`'s output is `out_channels` wide), beside what lives through the forward. The
+/// patch embedding before the blocks holds less: its patches and one hidden state.
+pub fn outer_activations(
+    cfg: &WanTransformerConfig,
+    latent: [usize; 5],
+    text_len: usize,
+    dtype: DType,
+) -> u64 {
+    2 * hidden_state_bytes(cfg, latent, dtype) + forward_inputs(cfg, latent, text_len as u64, dtype)
 }
 
 /// Device bytes of the e4m3 codes of one block's Linear weights under `--fp8-matmul` (made where
