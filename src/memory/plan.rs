@@ -1019,6 +1019,7 @@ mod tests {
             u64::MAX / 2 + 1 + 5 + 2 + CONTEXT_BYTES
         );
     }
+
     /// A component whose outer part computes apart from its blocks: the stage's peak is the
     /// larger moment, each with its own weights and activations, and without an estimate of the
     /// apart moment's activations the stage's own count there too.

@@ -364,16 +364,22 @@ impl WanConfigs {
         } else {
             latent
         };
-        // A step cache holds hidden states, and (in low-activation mode) each block's input
-        // beside the output it writes.
-        let dit_activations = |cfg: &WanTransformerConfig| {
-            let low = shape.low_activation;
+        // The hidden states a step cache (or PAB) holds through the forward.
+        let cached_states = |cfg: &WanTransformerConfig| {
             let attentions = AttentionModules {
                 spatial: cfg.num_layers,
                 temporal: 0,
                 cross: cfg.num_layers,
             };
-            let cached = shape.cache_states(&cfg.hooked_blocks()) + shape.pab_outputs(attentions);
+            shape.cache_states(&cfg.hooked_blocks()) + shape.pab_outputs(attentions)
+        };
+        let hidden =
+            |cfg: &WanTransformerConfig| activations::hidden_state_bytes(cfg, latent, shape.dtype);
+        // The cached states, and (in low-activation mode) each block's input beside the output
+        // it writes.
+        let dit_activations = |cfg: &WanTransformerConfig| {
+            let low = shape.low_activation;
+            let cached = cached_states(cfg);
             let copies = cached + usize::from(low && cached > 0);
             let fp8 = if shape.fp8_matmul {
                 activations::fp8_matmul_activations(cfg, latent, low)
@@ -386,20 +392,14 @@ impl WanConfigs {
                 0
             };
             activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
-                + copies as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+                + copies as u64 * hidden(cfg)
                 + fp8
                 + sage
         };
-        // While the outer part computes: its activations and the step caches' hidden states.
+        // While the outer part computes: its activations and the cached states.
         let apart_activations = |cfg: &WanTransformerConfig| {
-            let attentions = AttentionModules {
-                spatial: cfg.num_layers,
-                temporal: 0,
-                cross: cfg.num_layers,
-            };
-            let cached = shape.cache_states(&cfg.hooked_blocks()) + shape.pab_outputs(attentions);
             activations::outer_activations(cfg, latent, shape.text_len, shape.dtype)
-                + cached as u64 * activations::hidden_state_bytes(cfg, latent, shape.dtype)
+                + cached_states(cfg) as u64 * hidden(cfg)
         };
         // Each block built on the device keeps its fp8 weight codes.
         let block_codes = |cfg: &WanTransformerConfig| {
