@@ -8,6 +8,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/models/kernels/tensor_core.cuh");
     println!("cargo:rerun-if-changed=src/models/kernels/activation.cuh");
+    println!("cargo:rerun-if-changed=src/models/kernels/e4m3.cuh");
     println!("cargo:rerun-if-changed=src/models/kernels/hopper.cuh");
     println!("cargo:rerun-if-changed=src/models/kernels/sage.cuh");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -167,9 +167,9 @@ impl BlockLinears {
         }
         let linear = Linear::new(layer.weight().clone(), layer.bias().cloned());
         Ok(if gelu {
-            project_gelu_tanh(&linear, x.tensor())?
+            project_gelu_tanh(&linear, x.tensor()?)?
         } else {
-            project(&linear, x.tensor())?
+            project(&linear, x.tensor()?)?
         })
     }
 

@@ -140,19 +140,7 @@ pub fn linear_sharing(
     gelu: bool,
 ) -> Result<Tensor> {
     let (rows, inner) = x.dims2()?;
-    if inner != weight.cols {
-        candle_core::bail!(
-            "fp8 Linear: input {:?} against a weight of {} inputs",
-            x.dims(),
-            weight.cols
-        )
-    }
-    let dtype = x.dtype();
-    check_dtype(dtype)?;
-    if rows == 0 {
-        return Tensor::zeros((0, weight.rows), dtype, x.device());
-    }
-    PRODUCTS.fetch_add(1, Ordering::Relaxed);
+    check_dtype(x.dtype())?;
     let input = match codes.get() {
         Some(input) if input.rows == rows && input.cols == inner => input,
         Some(_) => candle_core::bail!("fp8 Linear: codes of another input"),
@@ -161,9 +149,33 @@ pub fn linear_sharing(
             codes.get().unwrap_or_else(|| unreachable!("set above"))
         }
     };
+    linear_codes(input, x.dtype(), weight, bias, gelu)
+}
+
+/// [`linear`] of an input given as its codes alone (`[rows, in]`, see
+/// [`Fp8Rows::quantize`]), the product in `dtype`.
+pub fn linear_codes(
+    input: &Fp8Rows,
+    dtype: DType,
+    weight: &Fp8Rows,
+    bias: Option<&Tensor>,
+    gelu: bool,
+) -> Result<Tensor> {
+    if input.cols != weight.cols {
+        candle_core::bail!(
+            "fp8 Linear: an input of {} columns against a weight of {} inputs",
+            input.cols,
+            weight.cols
+        )
+    }
+    check_dtype(dtype)?;
+    if input.rows == 0 {
+        return Tensor::zeros((0, weight.rows), dtype, input.q.device());
+    }
+    PRODUCTS.fetch_add(1, Ordering::Relaxed);
     let scale_w = weight.scale.narrow(0, 0, weight.rows)?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if input.q.device().is_cuda() {
         use crate::models::fp8_kernels::{product, scale_rows, scaled_product};
         if dtype == DType::BF16 {
             if let Some(y) = crate::models::fp8_sm90::linear(input, weight, bias, gelu)? {

@@ -13,7 +13,7 @@
 use std::cell::OnceCell;
 use std::sync::{Arc, OnceLock};
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Linear;
 
 use crate::models::fp8::{self, Fp8Rows};
@@ -46,6 +46,12 @@ impl Projection {
         self.linear.bias()
     }
 
+    /// Whether the product is an fp8 one: a norm in front of only such layers can hand them its
+    /// rows as codes ([`Input::quantized`]).
+    pub fn is_fp8(&self) -> bool {
+        self.fp8.is_some()
+    }
+
     /// The fp8 product of `x` `[..., in]`, plus `bias` and then GELU(tanh) where `gelu`; `None`
     /// for an exact layer (the caller computes it its own way).
     pub fn fp8_product(
@@ -65,36 +71,74 @@ impl Projection {
                 cell.get().unwrap_or_else(|| unreachable!("set above"))
             }
         };
-        let dims = x.x.dims();
+        let Some(rows) = &x.rows else {
+            let codes = x
+                .codes
+                .get()
+                .unwrap_or_else(|| unreachable!("made with codes"));
+            return fp8::linear_codes(codes, x.dtype, weight, bias, gelu).map(Some);
+        };
+        let dims = rows.dims();
         let Some((&inner, outer)) = dims.split_last() else {
             candle_core::bail!("a Linear layer's input needs at least one dimension")
         };
         let mut shape = outer.to_vec();
         shape.push(weight.rows);
-        let rows = x.x.reshape(((), inner))?;
-        fp8::linear_sharing(&rows, &x.codes, weight, bias, gelu)?
+        let flat = rows.reshape(((), inner))?;
+        fp8::linear_sharing(&flat, &x.codes, weight, bias, gelu)?
             .reshape(shape)
             .map(Some)
     }
 }
 
 /// A Linear's input `[..., in]`, with the e4m3 codes of its rows made by the first fp8 layer
-/// that reads it and kept for the others that read it too.
-pub struct Input<'a> {
-    x: &'a Tensor,
+/// that reads it and kept for the others that read it too; or ([`Self::quantized`]) the codes
+/// alone, of `[rows, in]` rows that were never stored.
+pub struct Input {
+    rows: Option<Tensor>,
     codes: OnceCell<Fp8Rows>,
+    /// The products' dtype.
+    dtype: DType,
 }
 
-impl<'a> Input<'a> {
-    pub fn new(x: &'a Tensor) -> Self {
+impl Input {
+    pub fn new(x: &Tensor) -> Self {
         Self {
-            x,
+            rows: Some(x.clone()),
             codes: OnceCell::new(),
+            dtype: x.dtype(),
         }
     }
 
-    pub fn tensor(&self) -> &'a Tensor {
-        self.x
+    /// Rows that exist only as their codes, for fp8 layers alone, whose products come out in
+    /// `dtype`.
+    pub fn quantized(codes: Fp8Rows, dtype: DType) -> Self {
+        Self {
+            rows: None,
+            codes: OnceCell::from(codes),
+            dtype,
+        }
+    }
+
+    /// The rows, which an exact layer reads; an error for codes alone.
+    pub fn tensor(&self) -> Result<&Tensor> {
+        match &self.rows {
+            Some(rows) => Ok(rows),
+            None => candle_core::bail!("an exact Linear given an input that exists as fp8 codes"),
+        }
+    }
+
+    /// `[rows, in]` of the rows as a Linear reads them.
+    pub fn dims2(&self) -> Result<(usize, usize)> {
+        match (&self.rows, self.codes.get()) {
+            (Some(rows), _) => {
+                let dims = rows.dims();
+                let inner = *dims.last().unwrap_or(&0);
+                Ok((rows.elem_count() / inner.max(1), inner))
+            }
+            (None, Some(codes)) => Ok((codes.rows, codes.cols)),
+            (None, None) => unreachable!("an input has rows or codes"),
+        }
     }
 }
 

@@ -8,15 +8,14 @@
 // definition computes it.
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace {
 
 #include "activation.cuh"
+#include "e4m3.cuh"
 
 constexpr int THREADS = 256; // threads per block of the scale pass: one block per row
-constexpr float E4M3_MAX = 448.f;
 
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -60,25 +59,6 @@ __device__ __forceinline__ void store8(float *p, const float (&v)[8]) {
   reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
   reinterpret_cast<float4 *>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
-
-__device__ __forceinline__ uint8_t e4m3(float v) {
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-}
-// Two codes in one conversion: a's in the low byte, b's in the high one.
-__device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-
-// A row's scale, absmax / 448, where it is a normal float; 0 below (the row quantizes as a zero
-// row: its 1 / scale would overflow).
-__device__ __forceinline__ float row_scale(float absmax) {
-  const float s = __fdiv_rn(absmax, E4M3_MAX);
-  return s < 1.17549435e-38f ? 0.f : s;
-}
-
-// The factor a row's values are multiplied by before rounding to e4m3: 1 / scale, correctly
-// rounded (the host's 1.0 / scale).
-__device__ __forceinline__ float inverse(float scale) { return __frcp_rn(scale); }
 
 // Largest of `v` over the warp (NaN ignored, as fmaxf and the host's f32::max do); every lane
 // gets it.
@@ -149,17 +129,6 @@ __device__ __forceinline__ void quantize_rows(const T *__restrict__ x, uint8_t *
 template <typename T> struct alignas(16) Vec8 {
   T e[8];
 };
-
-// 8 e4m3 codes of v * inv (zeros where `zero`), converted in pairs, one 8-byte store to `q`.
-__device__ __forceinline__ void store_codes(uint8_t *q, const float (&v)[8], float inv,
-                                            bool zero) {
-  uint2 out;
-  uint16_t *pair = reinterpret_cast<uint16_t *>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    pair[i] = zero ? 0 : e4m3x2(__fmul_rn(v[2 * i], inv), __fmul_rn(v[2 * i + 1], inv));
-  *reinterpret_cast<uint2 *>(q) = out;
-}
 
 // quantize_rows for rows that fit a block's registers (k % 8 == 0, x and q 16-byte aligned,
 // k_pad <= 8 THREADS CHUNKS): a block per row (grid-stride) holds the row while it finds the

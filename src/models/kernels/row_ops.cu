@@ -36,6 +36,7 @@
 namespace {
 
 #include "activation.cuh"
+#include "e4m3.cuh"
 
 constexpr int THREADS = 256;  // threads per block of the row kernels
 constexpr int MAX_PAIRS = 16; // block-per-row kernels: bf16 pairs per thread, dim <= 2 * 16 * 256
@@ -70,8 +71,9 @@ __device__ __forceinline__ float block_sum(float v, float *scratch) {
 // the same total (a xor butterfly, then the group's warp partials added in one fixed order). For
 // G > 32, `scratch` (one float per warp of the block) must not be used by another call of this
 // kernel invocation, and every thread of the block must call this.
-template <int G> __device__ __forceinline__ float group_sum(float v, float *scratch) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+template <int G, typename Op>
+__device__ __forceinline__ float group_reduce(float v, float *scratch, Op op) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   if constexpr (G == 32) {
     return v;
   } else {
@@ -82,9 +84,16 @@ template <int G> __device__ __forceinline__ float group_sum(float v, float *scra
     const float *s = scratch + warp / W * W;
     float t = s[0];
 #pragma unroll
-    for (int i = 1; i < W; ++i) t += s[i];
+    for (int i = 1; i < W; ++i) t = op(t, s[i]);
     return t;
   }
+}
+template <int G> __device__ __forceinline__ float group_sum(float v, float *scratch) {
+  return group_reduce<G>(v, scratch, [](float a, float b) { return a + b; });
+}
+// The largest over the group (fmaxf: NaN ignored, as the quantizers take it), as group_sum.
+template <int G> __device__ __forceinline__ float group_max(float v, float *scratch) {
+  return group_reduce<G>(v, scratch, [](float a, float b) { return fmaxf(a, b); });
 }
 
 __device__ __forceinline__ float round_bf16(float v) {
@@ -328,12 +337,19 @@ __device__ __forceinline__ uint4 rms_rope_vec(uint4 v, uint4 wv, float scale, bo
 // thread holding up to MAX_VECS 8-element vectors of its row (vector k of the row at thread
 // k % G) ----
 
-template <int G>
+// `CODES`: the rows as an fp8 Linear's input instead (`out` unused): each output row, rounded to
+// bf16 as the bf16 rows are stored, becomes e4m3 codes in `q` [rows, dim] with its scale in
+// `q_scale` [rows] (e4m3.cuh), the bytes the quantizer makes of the stored bf16 rows; the bf16
+// rows are never stored.
+template <int G, bool CODES = false>
 __device__ __forceinline__ void layer_norm_rows(const bf16 *__restrict__ x, bf16 *__restrict__ out,
                                                 const float *__restrict__ w,
                                                 const float *__restrict__ b, int rows, int dim,
                                                 int row0, int seq, int wb_stride, float eps,
-                                                float *s_mean, float *s_var) {
+                                                float *s_mean, float *s_var,
+                                                uint8_t *__restrict__ q = nullptr,
+                                                float *__restrict__ q_scale = nullptr,
+                                                float *s_max = nullptr) {
   const int lane = threadIdx.x % G;
   const int row = blockIdx.x * (THREADS / G) + threadIdx.x / G;
   const bool active = row < rows;
@@ -358,18 +374,55 @@ __device__ __forceinline__ void layer_norm_rows(const bf16 *__restrict__ x, bf16
     if (active && k < vecs) add_centered_sq(v[i], mean, sq);
   }
   const float std = sqrtf(group_sum<G>(sq, s_var) / dim + eps);
-  if (!active) return;
   const long batch = (row0 + row) / seq;
   const float *wr = w + batch * wb_stride;
   const float *br = b + batch * wb_stride;
+  if constexpr (CODES) {
+    // The outputs held while the row's absmax is found (every thread of the block reduces).
+    float m = 0.f;
 #pragma unroll
-  for (int i = 0; i < MAX_VECS; ++i) {
-    const int k = lane + i * G;
-    if (k < vecs) {
-      float wv[8], bv[8];
-      load_f32<true, 8>(wr + 8 * k, wv);
-      load_f32<true, 8>(br + 8 * k, bv);
-      store8<true>(out + base + 8 * k, layer_norm_vec(v[i], mean, std, wv, bv));
+    for (int i = 0; i < MAX_VECS; ++i) {
+      const int k = lane + i * G;
+      if (active && k < vecs) {
+        float wv[8], bv[8];
+        load_f32<true, 8>(wr + 8 * k, wv);
+        load_f32<true, 8>(br + 8 * k, bv);
+        v[i] = layer_norm_vec(v[i], mean, std, wv, bv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = unpack(word(v[i], j));
+          m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+      }
+    }
+    const float s = row_scale(group_max<G>(m, s_max)), inv = inverse(s);
+    if (!active) return;
+    if (lane == 0) q_scale[row] = s;
+#pragma unroll
+    for (int i = 0; i < MAX_VECS; ++i) {
+      const int k = lane + i * G;
+      if (k < vecs) {
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 p = unpack(word(v[i], j));
+          f[2 * j] = p.x;
+          f[2 * j + 1] = p.y;
+        }
+        store_codes(q + base + 8 * k, f, inv, s == 0.f);
+      }
+    }
+  } else {
+    if (!active) return;
+#pragma unroll
+    for (int i = 0; i < MAX_VECS; ++i) {
+      const int k = lane + i * G;
+      if (k < vecs) {
+        float wv[8], bv[8];
+        load_f32<true, 8>(wr + 8 * k, wv);
+        load_f32<true, 8>(br + 8 * k, bv);
+        store8<true>(out + base + 8 * k, layer_norm_vec(v[i], mean, std, wv, bv));
+      }
     }
   }
 }
@@ -985,6 +1038,22 @@ NORM_MOD_GROUPED(256, false, norm_mod_g256_unaligned_bf16)
 LAYER_NORM_GROUPED(32)
 LAYER_NORM_GROUPED(64)
 LAYER_NORM_GROUPED(128)
+
+// LAYER_NORM_GROUPED's rows as an fp8 Linear's input (layer_norm_rows<G, true>): e4m3 codes `q`
+// [rows, dim] and their scales [rows]. Every pointer 16-byte aligned, dim % 16 == 0 (the caller
+// checks).
+#define LAYER_NORM_CODES_GROUPED(G)                                                              \
+  extern "C" __global__ void __launch_bounds__(THREADS, 4) layer_norm_mod_codes_g##G##_f32(      \
+      const bf16 *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ q_scale,          \
+      const float *__restrict__ shift, const float *__restrict__ scale, int rows, int dim,       \
+      int row0, int seq, int mod_stride, float eps) {                                            \
+    __shared__ float s_mean[THREADS / 32], s_var[THREADS / 32], s_max[THREADS / 32];             \
+    layer_norm_rows<G, true>(x, nullptr, scale, shift, rows, dim, row0, seq, mod_stride, eps,    \
+                             s_mean, s_var, q, q_scale, s_max);                                  \
+  }
+LAYER_NORM_CODES_GROUPED(32)
+LAYER_NORM_CODES_GROUPED(64)
+LAYER_NORM_CODES_GROUPED(128)
 
 // `rms_mul_rows`: dim % 8 == 0, dim <= 8 * MAX_VECS * G; blocks of THREADS threads, THREADS / G
 // rows each (`rows` rows in all).

@@ -328,6 +328,65 @@ pub(crate) fn layer_norm_affine_f32(
     Ok(out)
 }
 
+/// [`layer_norm_affine_f32`] of `x` as an fp8 Linear's input: e4m3 codes `[rows, dim]` and their
+/// f32 scales `[rows]`, the bytes [`crate::models::fp8::Fp8Rows::quantize`] makes of the bf16 rows,
+/// which are never stored (one pass over `x` instead of the norm's store and the quantizer's
+/// read). `None` where the fused kernel does not take the rows: `dim` not a multiple of 16 or
+/// wider than the grouped kernels, an operand not contiguous or not 16-byte aligned, or indices
+/// past 32 bits; the caller then stores the rows and quantizes them.
+pub(crate) fn layer_norm_affine_codes(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    at: Rows,
+    eps: f64,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (rows, dim) = x.dims2()?;
+    let stride = if w.dim(0)? == 1 { 0 } else { dim };
+    let aligned = |t: &Tensor| {
+        t.is_contiguous()
+            && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+    };
+    let Some(g) = row_group(dim) else {
+        return Ok(None);
+    };
+    if !rows_supported(x)
+        || !dim.is_multiple_of(16)
+        || rows == 0
+        || ![x, w, b].into_iter().all(aligned)
+        || !fits_i32(&[rows, dim, at.row0 + rows, at.seq, stride])
+    {
+        return Ok(None);
+    }
+    // SAFETY: the kernel writes every code and every scale.
+    let q = unsafe { Tensor::empty((rows, dim), DType::F8E4M3, x.device()) }?;
+    let scale = unsafe { Tensor::empty(rows, DType::F32, x.device()) }?;
+    let names = [
+        "layer_norm_mod_codes_g32_f32",
+        "layer_norm_mod_codes_g64_f32",
+        "layer_norm_mod_codes_g128_f32",
+    ];
+    scale.inplace_op1(&row_launch(
+        &ROWS,
+        grouped(names, g),
+        rows.div_ceil(ROW_THREADS / g),
+        vec![
+            Arg::Tensor(Some(x)),
+            Arg::Out(&q),
+            Arg::Dst,
+            Arg::Tensor(Some(b)),
+            Arg::Tensor(Some(w)),
+            Arg::Int(rows as i32),
+            Arg::Int(dim as i32),
+            Arg::Int(at.row0 as i32),
+            Arg::Int(at.seq as i32),
+            Arg::Int(stride as i32),
+            Arg::Float(eps as f32),
+        ],
+    ))?;
+    Ok(Some((q, scale)))
+}
+
 /// `RMSNorm(x) * w` of `x` `[rows, dim]` (rows of [`grouped_rows_supported`]): candle's fused
 /// f32 `rms_norm` without a weight, times `w` f32 `[1 or batch, dim]` (a modulation's `1 + scale`,
 /// a gate) unrounded, rounded once: `rms_norm` on an f32 copy, an f32 `broadcast_mul`, the cast
@@ -1142,6 +1201,79 @@ mod cuda_tests {
         }
         Ok(())
     }
+    /// The modulated LayerNorm's rows as an fp8 Linear's input are the codes and scales that
+    /// quantizing its stored bf16 rows gives, bit for bit: at 32, 64 and 128 threads a row, with
+    /// a modulation row per batch entry (a slab starting inside the first) and one shared, and a
+    /// row that normalizes to zeros (scale 0, zero codes). Declined: rows whose width is not a
+    /// multiple of 16, and rows not 16-byte aligned.
+    #[test]
+    fn layer_norm_codes_are_the_quantized_rows() -> Result<()> {
+        use crate::models::fp8::Fp8Rows;
+        let Some(dev) = device("row kernels") else {
+            return Ok(());
+        };
+        let (rows, eps) = (37, 1e-6);
+        let at = Rows { row0: 3, seq: 20 };
+        // On the host: candle has no CUDA cast from e4m3.
+        let floats = |t: &Tensor| -> Result<Vec<u32>> {
+            let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+            let v = t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok(v.into_iter().map(f32::to_bits).collect())
+        };
+        for (dim, entries, zero_shift) in [
+            (256, 2, true),
+            (1536, 2, false),
+            (3072, 1, false),
+            (5120, 1, false),
+        ] {
+            let x = ((randn(&[rows, dim], 1.0, &dev)? * 3.0)? + 0.5)?;
+            // Row 5 is constant: it normalizes to zeros, then takes the shift.
+            let x = x.slice_assign(
+                &[5..6, 0..dim],
+                &(Tensor::ones((1, dim), DType::BF16, &dev)? * 0.7)?,
+            )?;
+            let w = (randn(&[entries, dim], 0.5, &dev)?.to_dtype(DType::F32)? + 1.0)?;
+            let b = randn(&[entries, dim], 0.5, &dev)?.to_dtype(DType::F32)?;
+            let b = if zero_shift { b.zeros_like()? } else { b };
+            let want = Fp8Rows::quantize(&layer_norm_affine_f32(&x, &w, &b, at, eps)?, false)?;
+            let (q, scale) = layer_norm_affine_codes(&x, &w, &b, at, eps)?
+                .unwrap_or_else(|| panic!("dim {dim}: declined"));
+            assert_eq!(q.dims(), want.q.dims(), "dim {dim}");
+            assert!(floats(&q)? == floats(&want.q)?, "dim {dim}: codes differ");
+            assert!(
+                floats(&scale)? == floats(&want.scale)?,
+                "dim {dim}: scales differ"
+            );
+            let scales = scale.to_vec1::<f32>()?;
+            assert_eq!(
+                scales[5] == 0.0,
+                zero_shift,
+                "dim {dim}: the constant row's scale"
+            );
+        }
+        let (w, b) = (
+            Tensor::ones((1, 1544), DType::F32, &dev)?,
+            Tensor::zeros((1, 1544), DType::F32, &dev)?,
+        );
+        let x = randn(&[rows, 1544], 1.0, &dev)?;
+        assert!(
+            layer_norm_affine_codes(&x, &w, &b, at, eps)?.is_none(),
+            "1544 columns"
+        );
+        let (w, b) = (
+            w.narrow(1, 0, 1536)?.contiguous()?,
+            b.narrow(1, 0, 1536)?.contiguous()?,
+        );
+        let x = randn(&[rows * 1536 + 4], 1.0, &dev)?
+            .narrow(0, 4, rows * 1536)?
+            .reshape((rows, 1536))?;
+        assert!(
+            layer_norm_affine_codes(&x, &w, &b, at, eps)?.is_none(),
+            "unaligned rows"
+        );
+        Ok(())
+    }
+
     #[test]
     fn grouped_norms_agree_with_block_norms() -> Result<()> {
         let Some(dev) = device("row kernels") else {

@@ -405,6 +405,27 @@ impl BlockInputs {
         joined(parts)
     }
 
+    /// [`Self::modulated_norm`] as the input of `layers`: where there is one slab, through
+    /// [`norm_input`] (codes straight from the norm when every layer is fp8).
+    fn modulated_input(
+        &self,
+        x: &Tensor,
+        (scale, shift): (&Tensor, &Tensor),
+        (row0, seq): (usize, usize),
+        eps: f64,
+        layers: &[&Projection],
+    ) -> Result<Input> {
+        match self.slabs(row0, x.dim(0)?, seq).as_slice() {
+            [s] => norm_input(&s.rows(x)?, &s.of(scale)?, &s.of(shift)?, s.at, eps, layers),
+            _ => Ok(Input::new(&self.modulated_norm(
+                x,
+                (scale, shift),
+                (row0, seq),
+                eps,
+            )?)),
+        }
+    }
+
     /// [`residual`] with a gate `[entries, inner]` for the slab at `row0`, each row with its
     /// entry's gate.
     fn modulated_residual(
@@ -600,6 +621,35 @@ fn norm_affine(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result
         .to_dtype(x.dtype())
 }
 
+/// [`norm_affine`] as the input of `layers` (at least one): where every one is fp8 and the fused
+/// kernel takes the rows, their e4m3 codes straight from the norm, the bytes quantizing the
+/// stored rows would give (the rows themselves are never stored); else the rows.
+fn norm_input(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    at: Rows,
+    eps: f64,
+    layers: &[&Projection],
+) -> Result<Input> {
+    #[cfg(feature = "cuda")]
+    if layers.iter().all(|l| l.is_fp8()) {
+        if let Some((q, scale)) = row_ops::layer_norm_affine_codes(x, w, b, at.kernel(), eps)? {
+            let (rows, cols) = x.dims2()?;
+            let codes = crate::models::fp8::Fp8Rows {
+                q,
+                scale,
+                rows,
+                cols,
+            };
+            return Ok(Input::quantized(codes, x.dtype()));
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = layers;
+    Ok(Input::new(&norm_affine(x, w, b, at, eps)?))
+}
+
 /// `res + (delta + bias) * gate` with the gate product and sum in f32 (diffusers' gated
 /// residual); without a gate, `res + (delta + bias)` in the model dtype. `delta` is consumed:
 /// the CUDA kernel writes the result into its storage.
@@ -659,7 +709,7 @@ fn row_chunks(batch: usize, seq: usize, chunk: usize) -> impl Iterator<Item = (u
 fn matmul_t(x: &Input, linear: &Projection) -> Result<Tensor> {
     match linear.fp8_product(x, None, false)? {
         Some(y) => Ok(y),
-        None => x.tensor().matmul(&linear.weight().t()?),
+        None => x.tensor()?.matmul(&linear.weight().t()?),
     }
 }
 
@@ -672,7 +722,7 @@ fn linear_act(input: &Input, linear: &Projection, gelu: bool) -> Result<Tensor> 
     }
     #[cfg(feature = "cuda")]
     if let Some(bias) = linear.bias() {
-        let (x, weight) = (input.tensor(), linear.weight());
+        let (x, weight) = (input.tensor()?, linear.weight());
         if let Some(y) = crate::models::linear::linear_bias_act(x, weight, bias, gelu)? {
             return Ok(y);
         }
@@ -727,8 +777,8 @@ impl GeluMlp {
     }
 
     /// `fc2(gelu(fc1(x)))` for `x` `[rows, in]`, leaving out `fc2`'s bias (the residual adds it).
-    fn forward_without_out_bias(&self, x: &Tensor) -> Result<Tensor> {
-        let h = linear_act(&Input::new(x), &self.fc1, true)?;
+    fn forward_without_out_bias(&self, x: &Input) -> Result<Tensor> {
+        let h = linear_act(x, &self.fc1, true)?;
         matmul_t(&Input::new(&h), &self.fc2)
     }
 }
@@ -879,22 +929,21 @@ impl WanAttention {
         Ok((k, linear_act(&context, v_proj, false)?, len))
     }
 
-    /// Attention of `x` `[batch * seq, inner]` (consumed, so it is freed once projected) over
+    /// Attention of `input` `[batch * seq, inner]` (consumed, so it is freed once projected) over
     /// itself (`context` `None`, with `rope` (cos, sin)) or over a cross context; an image
     /// branch's attention output is added to the text one before `to_out`, as diffusers does.
     /// Returns `[batch * seq, inner]` before `to_out`'s bias, which the residual adds.
     fn forward(
         &self,
-        x: Tensor,
+        input: Input,
         batch: usize,
         context: Option<CrossContext>,
         rope: Option<(&Tensor, &Tensor)>,
         sequence: Option<(&dyn SequenceParallel, usize)>,
     ) -> Result<Tensor> {
-        let (rows, dim) = x.dims2()?;
+        let (rows, dim) = input.dims2()?;
         let seq = rows / batch;
         // One input for q, k and v: quantized once under `--fp8-matmul`.
-        let input = Input::new(&x);
         let q = matmul_t(&input, &self.to_q)?;
         let q = self.norm_rope(q, &self.to_q, &self.norm_q, rope, Rows { row0: 0, seq })?;
         let (k, v, kv_len) = match context {
@@ -908,7 +957,6 @@ impl WanAttention {
             }
         };
         drop(input);
-        drop(x);
         // [batch * n, inner] -> [batch, heads, n, head_dim] views: the fused attention reads
         // strided heads, the chunked path copies what it needs.
         let split = |t: Tensor, n: usize| {
@@ -971,7 +1019,7 @@ impl WanAttention {
         &self,
         x: &Tensor,
         batch: usize,
-        norm: &dyn Fn(&Tensor, Rows) -> Result<Tensor>,
+        norm: &dyn Fn(&Tensor, Rows) -> Result<Input>,
         (context, rope): (Option<CrossContext>, Option<(&Tensor, &Tensor)>),
         write: &mut dyn FnMut(Tensor, Rows) -> Result<()>,
     ) -> Result<()> {
@@ -989,7 +1037,6 @@ impl WanAttention {
                 for (row0, len) in chunks() {
                     let at = Rows { row0, seq };
                     let h = norm(&x.narrow(0, row0, len)?, at)?;
-                    let h = Input::new(&h);
                     let kc = matmul_t(&h, &self.to_k)?;
                     let kc = self.norm_rope(kc, &self.to_k, &self.norm_k, rope, at)?;
                     k.slice_set(&kc, 0, row0)?;
@@ -1011,7 +1058,7 @@ impl WanAttention {
             let at = Rows { row0, seq };
             let entry = |t: &Tensor| t.narrow(0, row0 / seq, 1);
             let rows_x = x.narrow(0, row0, len)?;
-            let q = matmul_t(&Input::new(&norm(&rows_x, at)?), &self.to_q)?;
+            let q = matmul_t(&norm(&rows_x, at)?, &self.to_q)?;
             let q = split(self.norm_rope(q, &self.to_q, &self.norm_q, rope, at)?, len)?;
             let mut out = sdpa(&q, &entry(&k)?, &entry(&v)?, scale)?;
             if let Some((k, v)) = &image {
@@ -1178,8 +1225,10 @@ impl WanTransformerBlock {
             let rope = (&inputs.rope_cos, &inputs.rope_sin);
             if low && !hooks.wants(Submodule::SelfAttention) {
                 own_x(&mut x, &mut own)?;
+                let qkv = [&attn1.to_q, &attn1.to_k, &attn1.to_v];
                 let norm = |rows: &Tensor, at: Rows| {
-                    inputs.modulated_norm(rows, (&scale, &shift), (at.row0, seq), self.eps)
+                    let place = (at.row0, seq);
+                    inputs.modulated_input(rows, (&scale, &shift), place, self.eps, &qkv)
                 };
                 let bias = attn1.to_out.bias();
                 attn1.forward_rows(&x, batch, &norm, (None, Some(rope)), &mut |out, at| {
@@ -1189,7 +1238,9 @@ impl WanTransformerBlock {
                 let whole = inputs.grid.iter().product();
                 let sp = inputs.sequence.as_deref().map(|sp| (sp, whole));
                 let compute = || {
-                    let h = inputs.modulated_norm(&x, (&scale, &shift), (0, seq), self.eps)?;
+                    let qkv = [&attn1.to_q, &attn1.to_k, &attn1.to_v];
+                    let h =
+                        inputs.modulated_input(&x, (&scale, &shift), (0, seq), self.eps, &qkv)?;
                     attn1.forward(h, batch, None, Some(rope), sp)
                 };
                 let (attn, bias) = whole_output(
@@ -1206,8 +1257,11 @@ impl WanTransformerBlock {
         // 2. Cross-attention (no gate, residual in the model dtype).
         if let Some((attn2, norm2)) = &self.attn2 {
             let norm = |rows: &Tensor, at: Rows| match norm2 {
-                Some((w, b)) => norm_affine(rows, &w.unsqueeze(0)?, &b.unsqueeze(0)?, at, self.eps),
-                None => Ok(rows.clone()),
+                Some((w, b)) => {
+                    let (w, b) = (w.unsqueeze(0)?, b.unsqueeze(0)?);
+                    norm_input(rows, &w, &b, at, self.eps, &[&attn2.to_q])
+                }
+                None => Ok(Input::new(rows)),
             };
             let context = CrossContext {
                 text: &inputs.encoder_hidden_states,
@@ -1240,7 +1294,9 @@ impl WanTransformerBlock {
             if hooks.wants(Submodule::FeedForward) {
                 // A step cache stands in for the whole output: computed unchunked.
                 let compute = || {
-                    let h = inputs.modulated_norm(&x, (&c_scale, &c_shift), (0, seq), self.eps)?;
+                    let mod_shift = (&c_scale, &c_shift);
+                    let fc1 = [&ffn.fc1];
+                    let h = inputs.modulated_input(&x, mod_shift, (0, seq), self.eps, &fc1)?;
                     ffn.forward_without_out_bias(&h)
                 };
                 let (ff, bias) =
@@ -1253,7 +1309,9 @@ impl WanTransformerBlock {
             for (row0, len) in row_chunks(batch, seq, chunk) {
                 let rows = x.narrow(0, row0, len)?;
                 let place = (row0, seq);
-                let h = inputs.modulated_norm(&rows, (&c_scale, &c_shift), place, self.eps)?;
+                let fc1 = [&ffn.fc1];
+                let h =
+                    inputs.modulated_input(&rows, (&c_scale, &c_shift), place, self.eps, &fc1)?;
                 let ff = ffn.forward_without_out_bias(&h)?;
                 let bias_gate = (ffn.fc2.bias(), &c_gate);
                 inputs.modulated_residual_over(&x, ff, bias_gate, place)?;
@@ -1913,8 +1971,12 @@ mod cuda_tests {
 
         // Bias + GELU inside the feed-forward.
         let mlp = |a: &WanAttention| GeluMlp::new(a.to_q.clone(), a.to_k.clone());
-        let got = mlp(&gpu_attn).forward_without_out_bias(&x).unwrap();
-        let want = mlp(&cpu_attn).forward_without_out_bias(&x_ref).unwrap();
+        let got = mlp(&gpu_attn)
+            .forward_without_out_bias(&Input::new(&x))
+            .unwrap();
+        let want = mlp(&cpu_attn)
+            .forward_without_out_bias(&Input::new(&x_ref))
+            .unwrap();
         check("ffn", &got, &want);
 
         // The bias (+ GELU) kernel itself (linear_act may fuse it into the matmul), also on a
