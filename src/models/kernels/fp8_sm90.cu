@@ -8,10 +8,12 @@
 // A persistent block per SM walks output tiles of 128 rows x 256 columns, in groups of 8 row tiles
 // (the blocks running at once share their operands in L2). One producer thread loads 128-byte
 // slices of K of both operands with TMA (128-byte swizzled boxes: 128 rows of x, 256 of w) into
-// three stages; two consumer warpgroups of 64 rows each run wgmma m64n256k32 e4m3 from shared
-// memory, then the epilogue from their accumulators into shared memory, which TMA stores while
-// the next tile's products run (the producer fills its stages meanwhile). Rows, columns and K past
-// the ends read as zeros and are not stored (TMA).
+// four stages; two consumer warpgroups of 64 rows each run wgmma m64n256k32 e4m3 from shared
+// memory, then the epilogue from their accumulators into shared memory, half a tile's columns at
+// a time, which TMA stores while the rest and the next tile's products run (the producer fills
+// its stages meanwhile). A fourth stage in place of staging the whole tile at once ran 6-16%
+// faster (bench/RESULTS.md, session 53). Rows, columns and K past the ends read as zeros and are
+// not stored (TMA).
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -24,13 +26,14 @@ namespace {
 constexpr int BM = 128;                         // output rows per tile (64 per consumer)
 constexpr int BN = 256;                         // output columns per tile
 constexpr int BK = 128;                         // bytes of K per stage: one swizzled box row
-constexpr int STAGES = 3;
+constexpr int STAGES = 4;
 constexpr int A_BYTES = BM * BK;                // a stage's slice of x
 constexpr int STAGE_BYTES = A_BYTES + BN * BK;  // and of w after it
 constexpr int GROUP_M = 8;                      // row tiles walked together
 constexpr int CONSUMER_WARPS = 8;               // arrivals that free a stage
 constexpr int OUT_BOX = 64 * 128;               // a 64 x 64 box of the output, 128-byte swizzled
-constexpr int OUT_BYTES = 4 * OUT_BOX;          // a consumer's 64 x 256 outputs
+constexpr int OUT_BOXES = 2;                    // boxes a consumer stages at once
+constexpr int OUT_BYTES = OUT_BOXES * OUT_BOX;  // a consumer's 64 x 128 outputs
 
 // One box of the output from shared memory at `src` to (column, row) of `map`.
 __device__ __forceinline__ void tma_store(const CUtensorMap *map, uint32_t src, int col, int row) {
@@ -165,47 +168,55 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_linear_sm90_bf16(
     if (lane == 0) mbar_arrive(smem_addr(&empty[(it - 1) % STAGES]));
 
     // The thread holds rows g and g + 8 of its warp's 16, columns 8i + 2t and 8i + 2t + 1. They
-    // go to this warpgroup's four 64 x 64 boxes in shared memory (16-byte chunks XORed by the row
-    // mod 8: no bank conflicts), and TMA stores the boxes (rows and columns past the ends are
-    // not written) while the next tile's products run.
+    // go to this warpgroup's 64 x 64 boxes in shared memory, two at a time (16-byte chunks XORed
+    // by the row mod 8: no bank conflicts), and TMA stores the boxes (rows and columns past the
+    // ends are not written) while the next ones and the next tile's products run.
     const int row0 = m0 + consumer * 64 + warp * 16 + g;
     float sx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) sx[r] = row0 + 8 * r < rows ? scale_x[row0 + 8 * r] : 0.f;
     const uint32_t staging = base + STAGES * STAGE_BYTES + consumer * OUT_BYTES;
-    // The boxes' last stores have read them.
-    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int col = n0 + 8 * i + 2 * t;
-      const bool inside = col < n;  // n is a multiple of 8: a pair is whole or past the end
-      const float2 sw = inside ? *reinterpret_cast<const float2 *>(scale_w + col) : make_float2(0.f, 0.f);
-      const float2 b = bias && inside
-                           ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(bias + col))
-                           : make_float2(0.f, 0.f);
+    for (int part = 0; part < 4 / OUT_BOXES; ++part) {
+      // The boxes' last stores have read them.
+      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float y0 = fmaf(acc[4 * i + 2 * r] * sx[r], sw.x, b.x);
-        float y1 = fmaf(acc[4 * i + 2 * r + 1] * sx[r], sw.y, b.y);
-        if (gelu) {
-          y0 = gelu_tanh_approx(y0);
-          y1 = gelu_tanh_approx(y1);
+      for (int j = 0; j < 8 * OUT_BOXES; ++j) {
+        const int i = part * 8 * OUT_BOXES + j;
+        const int col = n0 + 8 * i + 2 * t;
+        const bool inside = col < n;  // n is a multiple of 8: a pair is whole or past the end
+        const float2 sw =
+            inside ? *reinterpret_cast<const float2 *>(scale_w + col) : make_float2(0.f, 0.f);
+        const float2 b =
+            bias && inside
+                ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(bias + col))
+                : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float y0 = fmaf(acc[4 * i + 2 * r] * sx[r], sw.x, b.x);
+          float y1 = fmaf(acc[4 * i + 2 * r + 1] * sx[r], sw.y, b.y);
+          if (gelu) {
+            y0 = gelu_tanh_approx(y0);
+            y1 = gelu_tanh_approx(y1);
+          }
+          const __nv_bfloat162 v = __floats2bfloat162_rn(y0, y1);
+          const int row = warp * 16 + g + 8 * r;  // within the warpgroup's 64
+          const int chunk = (i % 8) ^ (row % 8);
+          const uint32_t at = staging + (j / 8) * OUT_BOX + row * 128 + chunk * 16 + t * 4;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                       "r"(*reinterpret_cast<const uint32_t *>(&v)));
         }
-        const __nv_bfloat162 v = __floats2bfloat162_rn(y0, y1);
-        const int row = warp * 16 + g + 8 * r;  // within the warpgroup's 64
-        const int chunk = (i % 8) ^ (row % 8);
-        const uint32_t at = staging + (i / 8) * OUT_BOX + row * 128 + chunk * 16 + t * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(*reinterpret_cast<const uint32_t *>(&v)));
       }
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
-    if (tid == 0) {
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
+      if (tid == 0) {
 #pragma unroll
-      for (int box = 0; box < 4; ++box)
-        tma_store(&out_map, staging + box * OUT_BOX, n0 + 64 * box, m0 + consumer * 64);
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        for (int box = 0; box < OUT_BOXES; ++box)
+          tma_store(&out_map, staging + box * OUT_BOX, n0 + 64 * (part * OUT_BOXES + box),
+                    m0 + consumer * 64);
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
     }
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");

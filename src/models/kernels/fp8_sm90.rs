@@ -17,7 +17,7 @@ static FP8_SM90: Module = kernel_module!("fp8_sm90");
 const TILE_ROWS: usize = 128;
 const TILE_COLUMNS: usize = 256;
 const K_BYTES: usize = 128;
-const STAGES: usize = 3;
+const STAGES: usize = 4;
 /// Rows of the output boxes each consumer warpgroup stores (its half of a tile).
 const STORE_ROWS: u32 = 64;
 /// The fewest inputs (K) it takes: below, a tile's few K steps leave its epilogue exposed and
@@ -25,10 +25,11 @@ const STORE_ROWS: u32 = 64;
 const MIN_K: usize = 4096;
 /// One producer and two consumer warpgroups.
 const THREADS: u32 = 384;
-/// The stages of both operands' codes, a tile of bf16 outputs on their way out, and 1024 bytes
-/// to align the swizzled boxes.
+/// The stages of both operands' codes, half a tile of bf16 outputs on their way out (each
+/// consumer stages two 64 x 64 boxes at a time), and 1024 bytes to align the swizzled boxes:
+/// 230,400 bytes, under Hopper's 232,448 a block.
 const SHARED_BYTES: usize =
-    STAGES * (TILE_ROWS + TILE_COLUMNS) * K_BYTES + TILE_ROWS * TILE_COLUMNS * 2 + 1024;
+    STAGES * (TILE_ROWS + TILE_COLUMNS) * K_BYTES + TILE_ROWS * TILE_COLUMNS + 1024;
 
 /// `act(x @ W^T * scales + bias)` of [`crate::models::fp8::linear`] in bf16 by the Hopper kernel,
 /// or `None` where it does not run: not compute capability 9.0, less shared memory than it needs
