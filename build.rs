@@ -63,7 +63,9 @@ fn main() {
         let src = format!("src/models/kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let mut cmd = Command::new(&nvcc);
-        cmd.arg("--fatbin").args(gencode.split_whitespace()).arg("-O3");
+        cmd.arg("--fatbin")
+            .args(gencode.split_whitespace())
+            .arg("-O3");
         if fast_math {
             cmd.arg("--use_fast_math");
         }
