@@ -2,7 +2,7 @@
 # Session 53's calls. .deviceNN holds, stripped and xz'd: vidgen and the library's CUDA tests
 # (vidgen-lib-tests) and tests/fp8_matmul.rs (fp8-matmul-tests) built at the working tree (the norms
 # that hand an fp8 Linear its codes), and examples/linear_bench built with experimental variants of the
-# Hopper fp8 kernel (linear_bench_variants; the kept kernel `fp8_linear_sm90_bf16`, `_s4_`: four stages with
+# Hopper fp8 kernel (linear_bench_variants: exp/variants.patch on 747e0dc, with the variant columns in linear_bench; the kept kernel `fp8_linear_sm90_bf16`, `_s4_`: four stages with
 # the epilogue staged two boxes at a time; `_p3_`, `_p4_`: session 52's pairs of blocks multicasting the
 # weight tile, three or four stages).
 #   run(carry: [".deviceNN"], command: "DEV=.deviceNN bash bench/results/session53/calls.sh N")

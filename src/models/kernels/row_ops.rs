@@ -283,30 +283,14 @@ pub(crate) fn layer_norm_affine_f32(
         return Ok(out);
     }
     let launch = match row_group(dim) {
-        Some(g) if fits_i32(&[rows, dim, at.row0 + rows, at.seq, stride]) => row_launch(
-            &ROWS,
-            grouped(
-                [
-                    "layer_norm_mod_g32_f32",
-                    "layer_norm_mod_g64_f32",
-                    "layer_norm_mod_g128_f32",
-                ],
-                g,
-            ),
-            rows.div_ceil(ROW_THREADS / g),
-            vec![
-                Arg::Tensor(Some(x)),
-                Arg::Dst,
-                Arg::Tensor(Some(b)),
-                Arg::Tensor(Some(w)),
-                Arg::Int(rows as i32),
-                Arg::Int(dim as i32),
-                Arg::Int(at.row0 as i32),
-                Arg::Int(at.seq as i32),
-                Arg::Int(stride as i32),
-                Arg::Float(eps as f32),
-            ],
-        ),
+        Some(g) if fits_i32(&[rows, dim, at.row0 + rows, at.seq, stride]) => {
+            let names = [
+                "layer_norm_mod_g32_f32",
+                "layer_norm_mod_g64_f32",
+                "layer_norm_mod_g128_f32",
+            ];
+            grouped_layer_norm(names, g, vec![Arg::Dst], (x, w, b), at, eps)?
+        }
         _ => row_launch(
             &ROWS,
             "layer_norm_mod_f32",
@@ -366,25 +350,41 @@ pub(crate) fn layer_norm_affine_codes(
         "layer_norm_mod_codes_g64_f32",
         "layer_norm_mod_codes_g128_f32",
     ];
-    scale.inplace_op1(&row_launch(
+    let outputs = vec![Arg::Out(&q), Arg::Dst];
+    scale.inplace_op1(&grouped_layer_norm(names, g, outputs, (x, w, b), at, eps)?)?;
+    Ok(Some((q, scale)))
+}
+
+/// The grouped kernel of `names` (`g` threads a row) for `LayerNorm(x) * w + b`, `outputs` its
+/// arguments after `x` (the bf16 rows, or the codes and the scales); the indices fit 32 bits.
+fn grouped_layer_norm<'a>(
+    names: [&'static str; 3],
+    g: usize,
+    outputs: Vec<Arg<'a>>,
+    (x, w, b): (&'a Tensor, &'a Tensor, &'a Tensor),
+    at: Rows,
+    eps: f64,
+) -> Result<Launch<'a>> {
+    let (rows, dim) = x.dims2()?;
+    let stride = if w.dim(0)? == 1 { 0 } else { dim };
+    let mut args = vec![Arg::Tensor(Some(x))];
+    args.extend(outputs);
+    args.extend([
+        Arg::Tensor(Some(b)),
+        Arg::Tensor(Some(w)),
+        Arg::Int(rows as i32),
+        Arg::Int(dim as i32),
+        Arg::Int(at.row0 as i32),
+        Arg::Int(at.seq as i32),
+        Arg::Int(stride as i32),
+        Arg::Float(eps as f32),
+    ]);
+    Ok(row_launch(
         &ROWS,
         grouped(names, g),
         rows.div_ceil(ROW_THREADS / g),
-        vec![
-            Arg::Tensor(Some(x)),
-            Arg::Out(&q),
-            Arg::Dst,
-            Arg::Tensor(Some(b)),
-            Arg::Tensor(Some(w)),
-            Arg::Int(rows as i32),
-            Arg::Int(dim as i32),
-            Arg::Int(at.row0 as i32),
-            Arg::Int(at.seq as i32),
-            Arg::Int(stride as i32),
-            Arg::Float(eps as f32),
-        ],
-    ))?;
-    Ok(Some((q, scale)))
+        args,
+    ))
 }
 
 /// `RMSNorm(x) * w` of `x` `[rows, dim]` (rows of [`grouped_rows_supported`]): candle's fused
