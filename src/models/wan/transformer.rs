@@ -29,6 +29,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 use crate::models::attention::sdpa;
+use crate::models::fp8::Fp8Rows;
 use crate::models::patches::{text_len, token_grid, unpatchify_channels_last, whole_patches};
 use crate::models::projection::{Input, Projection};
 use crate::models::sequence_parallel::SequenceParallel;
@@ -632,22 +633,30 @@ fn norm_input(
     eps: f64,
     layers: &[&Projection],
 ) -> Result<Input> {
-    #[cfg(feature = "cuda")]
     if layers.iter().all(|l| l.is_fp8()) {
-        if let Some((q, scale)) = row_ops::layer_norm_affine_codes(x, w, b, at.kernel(), eps)? {
-            let (rows, cols) = x.dims2()?;
-            let codes = crate::models::fp8::Fp8Rows {
-                q,
-                scale,
-                rows,
-                cols,
-            };
+        if let Some(codes) = norm_codes(x, w, b, at, eps)? {
             return Ok(Input::quantized(codes, x.dtype()));
         }
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = layers;
     Ok(Input::new(&norm_affine(x, w, b, at, eps)?))
+}
+
+/// [`norm_affine`]'s rows as e4m3 codes by the fused CUDA kernel; `None` where it does not run
+/// (the host, or rows it does not take).
+fn norm_codes(x: &Tensor, w: &Tensor, b: &Tensor, at: Rows, eps: f64) -> Result<Option<Fp8Rows>> {
+    #[cfg(feature = "cuda")]
+    if let Some((q, scale)) = row_ops::layer_norm_affine_codes(x, w, b, at.kernel(), eps)? {
+        let (rows, cols) = x.dims2()?;
+        return Ok(Some(Fp8Rows {
+            q,
+            scale,
+            rows,
+            cols,
+        }));
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (x, w, b, at, eps);
+    Ok(None)
 }
 
 /// `res + (delta + bias) * gate` with the gate product and sum in f32 (diffusers' gated
