@@ -47,6 +47,7 @@ RESIDENT = ["--dit-layerwise-offload=false", "--dit-cpu-offload=false",
             "--text-encoder-cpu-offload=false", "--vae-cpu-offload=false"]
 FAST = ["--fp8-matmul", "--attention", "sage"]  # issue 36's opt-in kernels
 VIDGEN_MODES = {"default": [], "resident": RESIDENT, "fast": FAST, "fast-resident": RESIDENT + FAST,
+                "fp8": ["--fp8-matmul"], "fp8-resident": RESIDENT + ["--fp8-matmul"],
                 "fast-mp4": FAST + ["--output-type", "mp4"], "fast-stream": FAST + ["--dit-layerwise-offload"],
                 # Issue 36's step cache: every attention PAB reaches reused every other call, at every timestep.
                 "pab": ["--cache", "pab:spatial_attention_block_skip_range=2,spatial_attention_timestep_skip_range=0;1000,"

@@ -37,6 +37,21 @@ pub const E4M3_MAX: f32 = 448.0;
 /// the plan counts the larger.
 pub const PRODUCT_WORKSPACE: usize = 32 << 20;
 
+/// Device bytes `--fp8-matmul` adds to a forward whose largest Linear input is `rows` x `cols`:
+/// that input's codes and row scales, and one product's workspace (the blocks' weight codes are
+/// counted apart, [`weight_codes`]).
+pub fn forward_bytes((rows, cols): (u64, u64)) -> u64 {
+    rows * cols + rows * 4 + PRODUCT_WORKSPACE as u64
+}
+
+/// Device bytes of the e4m3 codes and channel scales of Linear weights `(in, out)`.
+pub fn weight_codes(linears: &[(usize, usize)]) -> u64 {
+    linears
+        .iter()
+        .map(|&(inner, out)| (inner * out + 4 * out) as u64)
+        .sum()
+}
+
 /// What cuBLASLt's fp8 kernels want K and N to be multiples of.
 const ALIGN: usize = 16;
 

@@ -38,6 +38,11 @@ impl Projection {
         }
     }
 
+    /// The Linear `(in, out)` with bias under `vb`, in fp8 where `fp8`.
+    pub fn load(in_out: (usize, usize), vb: candle_nn::VarBuilder, fp8: bool) -> Result<Self> {
+        Ok(Self::new(candle_nn::linear(in_out.0, in_out.1, vb)?, fp8))
+    }
+
     pub fn weight(&self) -> &Tensor {
         self.linear.weight()
     }
@@ -147,6 +152,26 @@ impl Module for Projection {
         match self.fp8_product(&Input::new(x), self.bias(), false)? {
             Some(y) => Ok(y),
             None => self.linear.forward(x),
+        }
+    }
+}
+
+impl Projection {
+    /// `x @ W^T` without the bias, for `x` `[rows, in]`: a fused op after it adds the bias.
+    pub fn product(&self, x: &Input) -> Result<Tensor> {
+        match self.fp8_product(x, None, false)? {
+            Some(y) => Ok(y),
+            None => x.tensor()?.matmul(&self.weight().t()?),
+        }
+    }
+
+    /// The layer of `x` `[..., in]`, then GELU(tanh) where `gelu`: the bias (and GELU) in the
+    /// product's epilogue on CUDA, in bf16 as in fp8 ([`project`]'s arithmetic for an exact
+    /// layer).
+    pub fn apply(&self, x: &Input, gelu: bool) -> Result<Tensor> {
+        match self.fp8_product(x, self.bias(), gelu)? {
+            Some(y) => Ok(y),
+            None => rows_through(&self.linear, x.tensor()?, gelu),
         }
     }
 }

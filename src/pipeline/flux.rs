@@ -10,7 +10,8 @@ use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, GuidanceScale, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
+    Cache, Fp8Matmul, GuidanceScale, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale,
+    VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -118,8 +119,24 @@ impl FluxConfigs {
             dtype,
         );
         let [_, tokens, _] = self.packed_shape(shape.height, shape.width);
+        let transformer = FluxTransformerConfig {
+            fp8_matmul: shape.fp8_matmul,
+            ..self.transformer.clone()
+        };
+        let fp8 = if shape.fp8_matmul {
+            activations::fp8_matmul_activations(&transformer, tokens, shape.text_len)
+        } else {
+            0
+        };
+        // Each block built on the device keeps its fp8 weight codes.
+        let block_codes = if shape.fp8_matmul {
+            activations::fp8_block_codes(&transformer)
+        } else {
+            Vec::new()
+        };
         let denoise =
-            activations::transformer_activations(&self.transformer, tokens, shape.text_len, dtype)
+            activations::transformer_activations(&transformer, tokens, shape.text_len, dtype)
+                + fp8
                 + shape.cache_bytes(
                     (tokens + shape.text_len, self.transformer.inner_dim()),
                     // Every block's `attn`: the dual blocks' image and text outputs, the single
@@ -139,7 +156,7 @@ impl FluxConfigs {
         let parts = Parts {
             encoders: TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2)),
             transformer: spec.add(
-                Component::new("transformer", Role::Dit, self.transformer.clone())
+                Component::new("transformer", Role::Dit, transformer)
                     .with_original_layout(crate::weights::original::Model::Flux),
             ),
             vae: spec.add_model("vae", Role::Vae, &self.vae),
@@ -149,7 +166,9 @@ impl FluxConfigs {
             Some(crate::lora::Target::ClipText);
         spec.stages = vec![
             parts.encoders.stage(text, Flux::encode_text),
-            StageSpec::new("denoise", &[parts.transformer.index()], denoise).runs(Flux::denoise),
+            StageSpec::new("denoise", &[parts.transformer.index()], denoise)
+                .holding_per_block(block_codes)
+                .runs(Flux::denoise),
             StageSpec::new("decode", &[parts.vae.index()], decode).runs(Flux::decode),
             StageSpec::write(),
         ];
@@ -176,6 +195,7 @@ impl Family for FluxConfigs {
                 Cache,
                 Pab,
                 TaylorSeer,
+                Fp8Matmul,
             ],
         );
         let embeds_guidance = self.transformer.guidance_embeds;

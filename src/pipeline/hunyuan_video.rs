@@ -10,7 +10,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
+    Cache, FlowShift, Fp8Matmul, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale,
+    VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -109,26 +110,42 @@ impl HunyuanConfigs {
         let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
         let (t, p) = (self.transformer.patch_size_t, self.transformer.patch_size);
         let tokens = latent[2] / t * (latent[3] / p) * (latent[4] / p) + shape.text_len;
+        let cfg = HunyuanVideoTransformerConfig {
+            fp8_matmul: shape.fp8_matmul,
+            ..self.transformer.clone()
+        };
+        let fp8 = if shape.fp8_matmul {
+            activations::fp8_matmul_activations(&cfg, latent, shape.text_len)
+        } else {
+            0
+        };
+        // Each block built on the device keeps its fp8 weight codes.
+        let block_codes = if shape.fp8_matmul {
+            activations::fp8_block_codes(&cfg)
+        } else {
+            Vec::new()
+        };
         let denoise = activations::transformer_activations(
             &self.transformer,
             latent,
             shape.text_len,
             shape.dtype,
-        ) + shape.cache_bytes(
-            (tokens, self.transformer.inner_dim()),
-            // Every block's `attn`, the token refiner's too (its text-wide outputs counted as
-            // block states): one prompt's each, the passes of guidance running apart.
-            (
-                AttentionModules {
-                    spatial: self.transformer.num_refiner_layers
-                        + self.transformer.num_layers
-                        + self.transformer.num_single_layers,
-                    ..Default::default()
-                },
-                &self.transformer.hooked_blocks(),
-            ),
-            1,
-        );
+        ) + fp8
+            + shape.cache_bytes(
+                (tokens, self.transformer.inner_dim()),
+                // Every block's `attn`, the token refiner's too (its text-wide outputs counted as
+                // block states): one prompt's each, the passes of guidance running apart.
+                (
+                    AttentionModules {
+                        spatial: self.transformer.num_refiner_layers
+                            + self.transformer.num_layers
+                            + self.transformer.num_single_layers,
+                        ..Default::default()
+                    },
+                    &self.transformer.hooked_blocks(),
+                ),
+                1,
+            );
         let modulate = activations::modulations_activations(&self.transformer, shape.dtype);
         let decode = activations::vae_decode_activations(
             &self.vae,
@@ -140,7 +157,7 @@ impl HunyuanConfigs {
         let mut spec = PipelineSpec::titled(self.title());
         let encoders = TextEncoders::add(&mut spec, (&self.text_encoder, &self.text_encoder_2));
         let transformer = spec.add(
-            Component::new("transformer", Role::Dit, self.transformer.clone())
+            Component::new("transformer", Role::Dit, cfg)
                 .with_original_layout(crate::weights::original::Model::HunyuanVideo),
         );
         let parts = Parts {
@@ -154,6 +171,7 @@ impl HunyuanConfigs {
             StageSpec::new("modulate", &[parts.modulations.index()], modulate)
                 .runs(HunyuanVideo::modulate),
             StageSpec::new("denoise", &[parts.transformer.index()], denoise)
+                .holding_per_block(block_codes)
                 .runs(HunyuanVideo::denoise),
             StageSpec::new("decode", &[parts.vae.index()], decode).runs(HunyuanVideo::decode),
             StageSpec::write(),
@@ -188,6 +206,7 @@ impl Family for HunyuanConfigs {
                     Cache,
                     Pab,
                     TaylorSeer,
+                    Fp8Matmul,
                 ],
             )
         }

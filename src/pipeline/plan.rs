@@ -184,7 +184,9 @@ impl<'a> Planner<'a> {
                 let dit = on_device(&s.uses) && s.uses.iter().any(|&c| is_dit(c));
                 // Each rank holds its share of the tokens (sequence parallelism), and every
                 // block built on the device its own bytes.
-                let (per_block, blocks) = s.block_bytes;
+                let mut per_block = s.block_bytes.clone();
+                per_block.sort_unstable_by(|a, b| b.cmp(a));
+                let blocks = per_block.len();
                 let held = s
                     .uses
                     .iter()
@@ -200,10 +202,9 @@ impl<'a> Planner<'a> {
                     })
                     .max()
                     .unwrap_or(1);
-                let dit_bytes = |activations: u64| {
-                    activations.div_ceil(groups.sp as u64)
-                        + per_block * held.saturating_sub(1) as u64
-                };
+                let held_bytes: u64 = per_block.iter().take(held).sum();
+                let dit_bytes =
+                    |activations: u64| activations.div_ceil(groups.sp as u64) + held_bytes;
                 PlanStage {
                     name: s.name,
                     uses: &s.uses,

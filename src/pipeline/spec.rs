@@ -379,11 +379,11 @@ pub struct StageSpec {
     #[serde(skip)]
     pub apart_activation_bytes: Option<u64>,
     /// Device bytes each block of its DiT makes at its first use and keeps while it is built on
-    /// the device (`--fp8-matmul`'s weight codes), and how many blocks the DiT has: the
-    /// activations count one block's; the plan adds those of the others held at once (every
-    /// block of a DiT whole on the device, a streamed group's).
+    /// the device (`--fp8-matmul`'s weight codes), in block order; empty where none. The plan
+    /// adds those of the blocks held at once (every block of a DiT whole on the device, a
+    /// streamed group's), the largest where it cannot tell which.
     #[serde(skip)]
-    pub block_bytes: (u64, usize),
+    pub block_bytes: Vec<u64>,
     /// What it does; a stage without one (a plan's stand-in) fails when run.
     #[serde(skip)]
     pub body: Option<StageBody>,
@@ -396,15 +396,15 @@ impl StageSpec {
             uses: uses.to_vec(),
             activation_bytes,
             apart_activation_bytes: None,
-            block_bytes: (0, 0),
+            block_bytes: Vec::new(),
             body: None,
         }
     }
 
-    /// Each block of the stage's DiT holds `bytes` while built, of `blocks` blocks
+    /// Each block of the stage's DiT holds its entry of `bytes` while built
     /// ([`Self::block_bytes`]).
-    pub fn holding_per_block(mut self, (bytes, blocks): (u64, usize)) -> Self {
-        self.block_bytes = (bytes, blocks);
+    pub fn holding_per_block(mut self, bytes: Vec<u64>) -> Self {
+        self.block_bytes = bytes;
         self
     }
 

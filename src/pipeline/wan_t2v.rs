@@ -403,8 +403,8 @@ impl WanConfigs {
         };
         // Each block built on the device keeps its fp8 weight codes.
         let block_codes = |cfg: &WanTransformerConfig| {
-            let codes = u64::from(shape.fp8_matmul) * activations::fp8_block_codes(cfg);
-            (codes, cfg.num_layers)
+            let blocks = if shape.fp8_matmul { cfg.num_layers } else { 0 };
+            vec![activations::fp8_block_codes(cfg); blocks]
         };
         let index = |slot: Option<usize>| slot.into_iter().collect::<Vec<_>>();
         spec.stages = self

@@ -6,6 +6,7 @@ use crate::models::attention::{joint_block_activations, runs_fused};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
 use crate::models::clip::ClipTextConfig;
 use crate::models::cogvideox::activations::text_encoder_activations as t5_activations;
+use crate::models::hunyuan_video::activations::stream_block_codes;
 use crate::models::t5::encoder::T5Config;
 use candle_core::DType;
 
@@ -51,6 +52,39 @@ pub fn transformer_activations(
     let rope = 2 * tokens * t.attention_head_dim as u64 * 4;
     let latents = image_tokens as u64 * t.in_channels as u64 * 4 * 4;
     blocks + rope + latents
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward besides the blocks' weight codes
+/// ([`fp8_block_codes`]): the codes of its largest Linear input (a stream's feed-forward hidden
+/// state, the joint sequence, or a single-stream half's [attention; MLP]) and a product's
+/// workspace.
+pub fn fp8_matmul_activations(
+    t: &FluxTransformerConfig,
+    image_tokens: usize,
+    text_len: usize,
+) -> u64 {
+    let (d, mlp) = (t.inner_dim() as u64, t.mlp_dim() as u64);
+    let (image, text) = (image_tokens as u64, text_len as u64);
+    let tokens = image + text;
+    let largest = [
+        (image, mlp),
+        (text, mlp),
+        (tokens, d),
+        (tokens.div_ceil(2), d + mlp),
+    ]
+    .into_iter()
+    .max_by_key(|(rows, cols)| rows * cols)
+    .unwrap_or_default();
+    crate::models::fp8::forward_bytes(largest)
+}
+
+/// Device bytes of each block's weight codes under `--fp8-matmul`, in execution order
+/// ([`stream_block_codes`]).
+pub fn fp8_block_codes(t: &FluxTransformerConfig) -> Vec<u64> {
+    let (dual, single) = stream_block_codes(t.inner_dim(), t.mlp_dim());
+    let mut codes = vec![dual; t.num_layers];
+    codes.extend(vec![single; t.num_single_layers]);
+    codes
 }
 
 /// Device bytes of a single-stream block's MLP step over `tokens` joint tokens: the block's

@@ -28,7 +28,7 @@ use crate::models::step_cache::{
 use crate::models::hunyuan_video::transformer::{
     gated, gated_joint_attention, merge_heads, norm_modulate, Mlp, Modulation, QkvProjection,
 };
-use crate::models::projection::{project, project_gelu_tanh};
+use crate::models::projection::{project, Input, Projection};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Width of the sinusoidal timestep/guidance projection (diffusers' `Timesteps(256, ...)`).
@@ -67,6 +67,10 @@ pub struct FluxTransformerConfig {
     pub guidance_embeds: bool,
     /// RoPE split of a head over the three id axes.
     pub axes_dims_rope: Vec<usize>,
+    /// Not in the file: the blocks' Linears run in fp8 (`--fp8-matmul`, set by the pipeline);
+    /// the modulations' stay exact.
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for FluxTransformerConfig {
@@ -83,6 +87,7 @@ impl Default for FluxTransformerConfig {
             pooled_projection_dim: 768,
             guidance_embeds: false,
             axes_dims_rope: vec![16, 56, 56],
+            fp8_matmul: false,
         }
     }
 }
@@ -353,13 +358,14 @@ fn attend(
 /// `to_out` and `to_add_out` over the joint attention's output `[B, L + N, inner]` of a text
 /// of `text_len` tokens: `attn`'s image and text outputs.
 fn project_attended(
-    (to_out, to_add_out): &(Linear, Linear),
+    (to_out, to_add_out): &(Projection, Projection),
     attended: &Tensor,
     text_len: usize,
 ) -> Result<(Tensor, Tensor)> {
     let image_len = attended.dim(1)? - text_len;
-    let attn_image = project(to_out, &attended.narrow(1, text_len, image_len)?)?;
-    let attn_text = project(to_add_out, &attended.narrow(1, 0, text_len)?)?;
+    let project = |linear: &Projection, x: Tensor| linear.apply(&Input::new(&x), false);
+    let attn_image = project(to_out, attended.narrow(1, text_len, image_len)?)?;
+    let attn_text = project(to_add_out, attended.narrow(1, 0, text_len)?)?;
     Ok((attn_image, attn_text))
 }
 
@@ -367,20 +373,20 @@ fn project_attended(
 /// `net.0.proj` with its GELU, and `net.2`.
 #[derive(Debug, Clone)]
 struct FeedForward {
-    proj: Option<Linear>,
-    out: Option<Linear>,
+    proj: Option<Projection>,
+    out: Option<Projection>,
 }
 
 impl FeedForward {
     /// The halves of the feed-forward at `vb` that `(proj, out)` ask for.
     fn new(cfg: &FluxTransformerConfig, vb: VarBuilder, (proj, out): (bool, bool)) -> Result<Self> {
-        let (dim, hidden) = (cfg.inner_dim(), cfg.mlp_dim());
+        let (dim, hidden, fp8) = (cfg.inner_dim(), cfg.mlp_dim(), cfg.fp8_matmul);
         Ok(Self {
             proj: proj
-                .then(|| candle_nn::linear(dim, hidden, vb.pp("net.0.proj")))
+                .then(|| Projection::load((dim, hidden), vb.pp("net.0.proj"), fp8))
                 .transpose()?,
             out: out
-                .then(|| candle_nn::linear(hidden, dim, vb.pp("net.2")))
+                .then(|| Projection::load((hidden, dim), vb.pp("net.2"), fp8))
                 .transpose()?,
         })
     }
@@ -399,7 +405,9 @@ impl FeedForward {
         hooks: &mut dyn BlockHooks,
         out_step: BlockStep,
     ) -> Result<Tensor> {
-        let expand = |proj: &Linear| project_gelu_tanh(proj, &norm_modulate(&x, &m[3], &m[4])?);
+        let expand =
+            |proj: &Projection| proj.apply(&Input::new(&norm_modulate(&x, &m[3], &m[4])?), true);
+        let project = |out: &Projection, h: &Tensor| out.apply(&Input::new(h), false);
         let out = match (&self.proj, &self.out) {
             (Some(proj), Some(out)) => {
                 hooks.output(module, &mut || project(out, &expand(proj)?))?
@@ -426,7 +434,7 @@ pub struct FluxTransformerBlock {
     /// `attn`'s q/k/v of the image and of the text stream.
     qkv: Option<(QkvProjection, QkvProjection)>,
     /// `attn.to_out.0` and `attn.to_add_out`.
-    projections: Option<(Linear, Linear)>,
+    projections: Option<(Projection, Projection)>,
     ff: FeedForward,
     ff_context: FeedForward,
 }
@@ -452,13 +460,13 @@ impl FluxTransformerBlock {
                 .then(|| Modulation::new(dim, 6, vb.pp("norm1_context")))
                 .transpose()?,
             qkv: has(BlockStep::JointAttention)
-                .then(|| QkvProjection::joint(heads, &attn))
+                .then(|| QkvProjection::joint(heads, &attn, cfg.fp8_matmul))
                 .transpose()?,
             projections: has(BlockStep::AttentionOutput)
                 .then(|| -> Result<_> {
                     Ok((
-                        candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
-                        candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+                        Projection::load((dim, dim), attn.pp("to_out.0"), cfg.fp8_matmul)?,
+                        Projection::load((dim, dim), attn.pp("to_add_out"), cfg.fp8_matmul)?,
                     ))
                 })
                 .transpose()?,
@@ -554,7 +562,7 @@ pub struct FluxSingleTransformerBlock {
     /// The attention's q/k/v.
     qkv: Option<QkvProjection>,
     /// `proj_mlp` and `proj_out`.
-    mlp: Option<(Linear, Linear)>,
+    mlp: Option<(Projection, Projection)>,
 }
 
 impl FluxSingleTransformerBlock {
@@ -576,14 +584,16 @@ impl FluxSingleTransformerBlock {
                         (cfg.num_attention_heads, cfg.attention_head_dim),
                         &vb.pp("attn"),
                         ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                        cfg.fp8_matmul,
                     )
                 })
                 .transpose()?,
             mlp: has(BlockStep::SingleMlp)
                 .then(|| -> Result<_> {
+                    let fp8 = cfg.fp8_matmul;
                     Ok((
-                        candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
-                        candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+                        Projection::load((dim, mlp), vb.pp("proj_mlp"), fp8)?,
+                        Projection::load((dim + mlp, dim), vb.pp("proj_out"), fp8)?,
                     ))
                 })
                 .transpose()?,
@@ -642,10 +652,10 @@ impl FluxSingleTransformerBlock {
                 if len == 0 {
                     continue;
                 }
-                let mlp = project_gelu_tanh(proj_mlp, &normed.narrow(1, start, len)?)?;
+                let mlp = proj_mlp.apply(&Input::new(&normed.narrow(1, start, len)?), true)?;
                 let joined = Tensor::cat(&[&attention.narrow(1, start, len)?, &mlp], 2)?;
                 drop(mlp);
-                halves.push(project(proj_out, &joined)?);
+                halves.push(proj_out.apply(&Input::new(&joined), false)?);
             }
             drop((normed, attention));
             let out = Tensor::cat(&halves, 1)?;
@@ -666,7 +676,7 @@ impl FluxSingleTransformerBlock {
 /// A block of either kind, as the engine streams them.
 #[derive(Debug, Clone)]
 pub enum FluxBlock {
-    Dual(FluxTransformerBlock),
+    Dual(Box<FluxTransformerBlock>),
     Single(FluxSingleTransformerBlock),
 }
 
@@ -685,11 +695,13 @@ impl FluxBlock {
     ) -> Result<Self> {
         cfg.validate()?;
         Ok(match cfg.block_kind(index)? {
-            (BlockKind::DualStream, i) => FluxBlock::Dual(FluxTransformerBlock::with_steps(
-                cfg,
-                vb.pp(format!("transformer_blocks.{i}")),
-                steps,
-            )?),
+            (BlockKind::DualStream, i) => {
+                FluxBlock::Dual(Box::new(FluxTransformerBlock::with_steps(
+                    cfg,
+                    vb.pp(format!("transformer_blocks.{i}")),
+                    steps,
+                )?))
+            }
             (BlockKind::SingleStream, i) => {
                 FluxBlock::Single(FluxSingleTransformerBlock::with_steps(
                     cfg,

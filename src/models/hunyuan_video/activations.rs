@@ -6,6 +6,7 @@ use super::transformer::{HunyuanVideoTransformerConfig, MLP_CHUNK_TOKENS};
 use super::vae::{self, HunyuanVideoVaeConfig, HunyuanVideoVaeTiling};
 use crate::models::attention::joint_block_activations;
 use crate::models::clip::ClipTextConfig;
+use crate::models::fp8::weight_codes;
 use candle_core::DType;
 
 /// Bytes of one element of `dtype`.
@@ -52,8 +53,7 @@ pub fn transformer_activations(
     text_len: usize,
     dtype: DType,
 ) -> u64 {
-    let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
-    let video = (latent[2] * latent[3] * latent[4] / patch) as u64;
+    let video = video_tokens(t, latent);
     let tokens = video + text_len as u64;
     let blocks = joint_block_activations(
         ATTENTION_COPIES,
@@ -90,6 +90,53 @@ pub fn single_mlp_activations(
     let tokens = tokens as u64;
     let held = MLP_STEP_COPIES * tokens * inner + SINGLE_MODULATIONS * inner;
     (held + chunk.max(2 * tokens * inner)) * size(dtype)
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward besides the blocks' weight codes
+/// ([`fp8_block_codes`]): the codes of its largest Linear input (the joint sequence for q, k and
+/// v, or a chunk of [attention; MLP] rows) and a product's workspace.
+pub fn fp8_matmul_activations(
+    t: &HunyuanVideoTransformerConfig,
+    latent: [usize; 5],
+    text_len: usize,
+) -> u64 {
+    let (d, mlp) = (t.inner_dim() as u64, t.mlp_dim() as u64);
+    let tokens = video_tokens(t, latent) + text_len as u64;
+    let chunk = tokens.min(MLP_CHUNK_TOKENS as u64);
+    let largest = if tokens * d >= chunk * (d + mlp) {
+        (tokens, d)
+    } else {
+        (chunk, d + mlp)
+    };
+    crate::models::fp8::forward_bytes(largest)
+}
+
+/// Device bytes of each block's weight codes under `--fp8-matmul`, in execution order: none for
+/// the token refiner's (exact: 256 text tokens), then the dual- and single-stream blocks'
+/// ([`stream_block_codes`]).
+pub fn fp8_block_codes(t: &HunyuanVideoTransformerConfig) -> Vec<u64> {
+    let (dual, single) = stream_block_codes(t.inner_dim(), t.mlp_dim());
+    let mut codes = vec![0; t.num_refiner_layers];
+    codes.extend(vec![dual; t.num_layers]);
+    codes.extend(vec![single; t.num_single_layers]);
+    codes
+}
+
+/// Device bytes of the weight codes of a dual-stream block and of a single-stream block of width
+/// `d` and MLP width `mlp` under `--fp8-matmul` (HunyuanVideo's and FLUX.1's blocks alike): q, k,
+/// v and out of both streams and their feed-forwards; q, k, v, `proj_mlp` and `proj_out`. The
+/// modulations stay exact.
+pub(crate) fn stream_block_codes(d: usize, mlp: usize) -> (u64, u64) {
+    let mut dual = vec![(d, d); 8];
+    dual.extend([(d, mlp), (mlp, d), (d, mlp), (mlp, d)]);
+    let single = [(d, d), (d, d), (d, d), (d, mlp), (d + mlp, d)];
+    (weight_codes(&dual), weight_codes(&single))
+}
+
+/// Video tokens of `latent` after patching.
+fn video_tokens(t: &HunyuanVideoTransformerConfig, latent: [usize; 5]) -> u64 {
+    let patch = (t.patch_size_t * t.patch_size * t.patch_size).max(1);
+    (latent[2] * latent[3] * latent[4] / patch) as u64
 }
 
 /// Device bytes of the modulations' pass: one block's modulations (at most 12 chunks, a

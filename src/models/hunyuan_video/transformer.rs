@@ -34,7 +34,7 @@ use serde::Deserialize;
 use crate::models::attention::{sdpa, sdpa_key_prefix};
 use crate::models::blocks::{Blockwise, HookedBlock};
 use crate::models::patches::{text_len, token_grid, unpatchify, whole_patches};
-use crate::models::projection::{project, project_gelu_tanh};
+use crate::models::projection::{project, Input, Projection};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, BatchRow, Gate, Rows};
 use crate::models::step_cache::{
@@ -188,6 +188,10 @@ pub struct HunyuanVideoTransformerConfig {
     /// DiT then moves 27% fewer bytes per forward.
     #[serde(skip)]
     pub modulations_apart: bool,
+    /// Not in the file: the dual- and single-stream blocks' Linears run in fp8
+    /// (`--fp8-matmul`, set by the pipeline); the refiner's and the modulations' stay exact.
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for HunyuanVideoTransformerConfig {
@@ -684,8 +688,8 @@ impl Modulation {
 /// `TimestepEmbedding` and `PixArtAlphaTextProjection` `linear_1` / `linear_2`).
 #[derive(Debug, Clone)]
 pub(crate) struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
+    fc1: Projection,
+    fc2: Projection,
     act: Act,
 }
 
@@ -696,15 +700,16 @@ pub(crate) enum Act {
 }
 
 impl Mlp {
+    /// A block's feed-forward, its Linears in fp8 where `fp8` (`--fp8-matmul`).
     pub(crate) fn feed_forward(
-        dim: usize,
-        hidden: usize,
+        (dim, hidden): (usize, usize),
         act: Act,
         vb: VarBuilder,
+        fp8: bool,
     ) -> Result<Self> {
         Ok(Self {
-            fc1: candle_nn::linear(dim, hidden, vb.pp("net.0.proj"))?,
-            fc2: candle_nn::linear(hidden, dim, vb.pp("net.2"))?,
+            fc1: Projection::load((dim, hidden), vb.pp("net.0.proj"), fp8)?,
+            fc2: Projection::load((hidden, dim), vb.pp("net.2"), fp8)?,
             act,
         })
     }
@@ -712,18 +717,19 @@ impl Mlp {
     /// `linear_1` -> SiLU -> `linear_2`.
     pub(crate) fn embedder(input: usize, dim: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            fc1: candle_nn::linear(input, dim, vb.pp("linear_1"))?,
-            fc2: candle_nn::linear(dim, dim, vb.pp("linear_2"))?,
+            fc1: Projection::load((input, dim), vb.pp("linear_1"), false)?,
+            fc2: Projection::load((dim, dim), vb.pp("linear_2"), false)?,
             act: Act::Silu,
         })
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = Input::new(x);
         let h = match self.act {
-            Act::GeluTanh => project_gelu_tanh(&self.fc1, x)?,
-            Act::Silu => candle_nn::ops::silu(&project(&self.fc1, x)?)?,
+            Act::GeluTanh => self.fc1.apply(&x, true)?,
+            Act::Silu => candle_nn::ops::silu(&self.fc1.apply(&x, false)?)?,
         };
-        project(&self.fc2, &h)
+        self.fc2.apply(&Input::new(&h), false)
     }
 }
 
@@ -767,9 +773,9 @@ fn attention_key_prefix(q: &Tensor, k: &Tensor, v: &Tensor, kv_lens: &[usize]) -
 /// FLUX.1's attentions).
 #[derive(Debug, Clone)]
 pub(crate) struct QkvProjection {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
     norm_q: Tensor,
     norm_k: Tensor,
     heads: usize,
@@ -777,17 +783,19 @@ pub(crate) struct QkvProjection {
 
 impl QkvProjection {
     /// The projections of `heads` heads of `head_dim` named `names` (q, k, v, q norm, k norm)
-    /// under `vb`.
+    /// under `vb`, in fp8 where `fp8`.
     pub(crate) fn new(
         (heads, head_dim): (usize, usize),
         vb: &VarBuilder,
         names: [&str; 5],
+        fp8: bool,
     ) -> Result<Self> {
         let dim = heads * head_dim;
+        let linear = |name: &str| Projection::load((dim, dim), vb.pp(name), fp8);
         Ok(Self {
-            to_q: candle_nn::linear(dim, dim, vb.pp(names[0]))?,
-            to_k: candle_nn::linear(dim, dim, vb.pp(names[1]))?,
-            to_v: candle_nn::linear(dim, dim, vb.pp(names[2]))?,
+            to_q: linear(names[0])?,
+            to_k: linear(names[1])?,
+            to_v: linear(names[2])?,
             norm_q: vb.get(head_dim, &format!("{}.weight", names[3]))?,
             norm_k: vb.get(head_dim, &format!("{}.weight", names[4]))?,
             heads,
@@ -796,9 +804,18 @@ impl QkvProjection {
 
     /// A joint attention's two sets under `attn`, as diffusers names them: the main stream's
     /// (`to_q`, ..., `norm_k`) and the text stream's (`add_q_proj`, ..., `norm_added_k`).
-    pub(crate) fn joint(heads: (usize, usize), attn: &VarBuilder) -> Result<(Self, Self)> {
+    pub(crate) fn joint(
+        heads: (usize, usize),
+        attn: &VarBuilder,
+        fp8: bool,
+    ) -> Result<(Self, Self)> {
         Ok((
-            Self::new(heads, attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"])?,
+            Self::new(
+                heads,
+                attn,
+                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                fp8,
+            )?,
             Self::new(
                 heads,
                 attn,
@@ -809,6 +826,7 @@ impl QkvProjection {
                     "norm_added_q",
                     "norm_added_k",
                 ],
+                fp8,
             )?,
         ))
     }
@@ -821,15 +839,19 @@ impl QkvProjection {
         x: &Tensor,
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let v = split_heads(&project(&self.to_v, x)?, self.heads)?;
+        let (b, s, dim) = x.dims3()?;
+        // One input for q, k and v: quantized once under `--fp8-matmul`.
+        let rows = Input::new(&x.reshape((b * s, dim))?);
+        let v = split_heads(
+            &self.to_v.apply(&rows, false)?.reshape((b, s, dim))?,
+            self.heads,
+        )?;
         #[cfg(feature = "cuda")]
         if row_ops::supported(x) && self.norm_q.dim(0)? <= row_ops::MAX_HEAD_DIM {
-            let (b, s, dim) = x.dims3()?;
             let head_dim = dim / self.heads;
-            let x = x.reshape((b * s, dim))?;
-            let norm_rope = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
+            let norm_rope = |linear: &Projection, w: &Tensor| -> Result<Tensor> {
                 row_ops::head_norm_rope(
-                    x.matmul(&linear.weight().t()?)?,
+                    linear.product(&rows)?,
                     linear.bias(),
                     w,
                     None,
@@ -846,8 +868,11 @@ impl QkvProjection {
             let k = norm_rope(&self.to_k, &self.norm_k)?;
             return Ok((q, k, v));
         }
-        let norm_rope = |linear: &Linear, w: &Tensor| -> Result<Tensor> {
-            let t = split_heads(&project(linear, x)?, self.heads)?;
+        let norm_rope = |linear: &Projection, w: &Tensor| -> Result<Tensor> {
+            let t = split_heads(
+                &linear.apply(&rows, false)?.reshape((b, s, dim))?,
+                self.heads,
+            )?;
             let t = candle_nn::ops::rms_norm(&t, w, NORM_EPS as f32)?;
             match rope {
                 Some((cos, sin)) => rope_prefix(&t, cos, sin),
@@ -889,8 +914,8 @@ pub(crate) fn gated_joint_attention(
 struct JointAttention {
     video_qkv: QkvProjection,
     text_qkv: QkvProjection,
-    to_out: Linear,
-    to_add_out: Linear,
+    to_out: Projection,
+    to_add_out: Projection,
 }
 
 impl JointAttention {
@@ -933,8 +958,9 @@ impl JointAttention {
             merge_heads(&out)?
         };
         let total = out.dim(1)?;
-        let attn_video = project(&self.to_out, &out.narrow(1, 0, n_video)?)?;
-        let attn_text = project(&self.to_add_out, &out.narrow(1, n_video, total - n_video)?)?;
+        let project = |linear: &Projection, x: Tensor| linear.apply(&Input::new(&x), false);
+        let attn_video = project(&self.to_out, out.narrow(1, 0, n_video)?)?;
+        let attn_text = project(&self.to_add_out, out.narrow(1, n_video, total - n_video)?)?;
         Ok((attn_video, attn_text))
     }
 }
@@ -961,7 +987,9 @@ impl HunyuanVideoTransformerBlock {
         let dim = cfg.inner_dim();
         let has = |s| steps.contains(&s);
         let attn = vb.pp("attn");
-        let ff = |name: &str| Mlp::feed_forward(dim, cfg.mlp_dim(), Act::GeluTanh, vb.pp(name));
+        let fp8 = cfg.fp8_matmul;
+        let ff =
+            |name: &str| Mlp::feed_forward((dim, cfg.mlp_dim()), Act::GeluTanh, vb.pp(name), fp8);
         Ok(Self {
             norm1: has(BlockStep::VideoModulation)
                 .then(|| Modulation::new(dim, 6, vb.pp("norm1")))
@@ -974,12 +1002,13 @@ impl HunyuanVideoTransformerBlock {
                     let (video_qkv, text_qkv) = QkvProjection::joint(
                         (cfg.num_attention_heads, cfg.attention_head_dim),
                         &attn,
+                        fp8,
                     )?;
                     Ok(JointAttention {
                         video_qkv,
                         text_qkv,
-                        to_out: candle_nn::linear(dim, dim, attn.pp("to_out.0"))?,
-                        to_add_out: candle_nn::linear(dim, dim, attn.pp("to_add_out"))?,
+                        to_out: Projection::load((dim, dim), attn.pp("to_out.0"), fp8)?,
+                        to_add_out: Projection::load((dim, dim), attn.pp("to_add_out"), fp8)?,
                     })
                 })
                 .transpose()?,
@@ -1068,7 +1097,7 @@ pub struct HunyuanVideoSingleTransformerBlock {
     /// The attention's q/k/v.
     attn: Option<QkvProjection>,
     /// `proj_mlp` and `proj_out`.
-    mlp: Option<(Linear, Linear)>,
+    mlp: Option<(Projection, Projection)>,
 }
 
 impl HunyuanVideoSingleTransformerBlock {
@@ -1093,15 +1122,17 @@ impl HunyuanVideoSingleTransformerBlock {
                         (cfg.num_attention_heads, cfg.attention_head_dim),
                         &vb.pp("attn"),
                         ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                        cfg.fp8_matmul,
                     )
                 })
                 .transpose()?,
             mlp: steps
                 .contains(&BlockStep::SingleMlp)
                 .then(|| -> Result<_> {
+                    let fp8 = cfg.fp8_matmul;
                     Ok((
-                        candle_nn::linear(dim, mlp, vb.pp("proj_mlp"))?,
-                        candle_nn::linear(dim + mlp, dim, vb.pp("proj_out"))?,
+                        Projection::load((dim, mlp), vb.pp("proj_mlp"), fp8)?,
+                        Projection::load((dim + mlp, dim), vb.pp("proj_out"), fp8)?,
                     ))
                 })
                 .transpose()?,
@@ -1169,9 +1200,9 @@ impl HunyuanVideoSingleTransformerBlock {
         // residual, by token chunks.
         let x = by_token_chunks(&normed, |start, normed| {
             let len = normed.dim(1)?;
-            let mlp = project_gelu_tanh(proj_mlp, normed)?;
+            let mlp = proj_mlp.apply(&Input::new(normed), true)?;
             let both = Tensor::cat(&[attn.narrow(1, start, len)?, mlp], 2)?;
-            let out = project(proj_out, &both)?;
+            let out = proj_out.apply(&Input::new(&both), false)?;
             drop(both);
             gated(&joint_rows(streams, start, len)?, out, &gate)
         })?;
@@ -1194,7 +1225,7 @@ pub struct HunyuanVideoBlock {
 #[derive(Debug, Clone)]
 enum BlockPart {
     Refiner(RefinerBlock),
-    DualStream(HunyuanVideoTransformerBlock),
+    DualStream(Box<HunyuanVideoTransformerBlock>),
     SingleStream(HunyuanVideoSingleTransformerBlock),
 }
 
@@ -1223,9 +1254,9 @@ impl HunyuanVideoBlock {
             BlockKind::Refiner => {
                 BlockPart::Refiner(RefinerBlock::with_steps(cfg, block_vb, steps)?)
             }
-            BlockKind::DualStream => BlockPart::DualStream(
+            BlockKind::DualStream => BlockPart::DualStream(Box::new(
                 HunyuanVideoTransformerBlock::with_steps(cfg, block_vb, steps)?,
-            ),
+            )),
             BlockKind::SingleStream => BlockPart::SingleStream(
                 HunyuanVideoSingleTransformerBlock::with_steps(cfg, block_vb, steps)?,
             ),
@@ -1445,7 +1476,12 @@ impl RefinerBlock {
                 .then(|| -> Result<_> {
                     Ok((
                         AffineLayerNorm::new(dim, vb.pp("norm2"))?,
-                        Mlp::feed_forward(dim, cfg.refiner_mlp_dim(), Act::Silu, vb.pp("ff"))?,
+                        Mlp::feed_forward(
+                            (dim, cfg.refiner_mlp_dim()),
+                            Act::Silu,
+                            vb.pp("ff"),
+                            false,
+                        )?,
                     ))
                 })
                 .transpose()?,

@@ -29,7 +29,6 @@ use candle_core::DType;
 
 /// Bytes of an f32 element (the VAE, RoPE tables, latents and f32 scratch).
 const F32: u64 = 4;
-const FP8_WORKSPACE: u64 = crate::models::fp8::PRODUCT_WORKSPACE as u64;
 
 /// Copies of the block's hidden states `[tokens, dim]` (run dtype) alive at the
 /// self-attention's peak: the block input, q, k, v (heads are strided views, RoPE and the
@@ -183,18 +182,21 @@ pub fn outer_activations(
 }
 
 /// Device bytes of the e4m3 codes of one block's Linear weights under `--fp8-matmul` (made where
-/// the block lands, held while it stays).
+/// the block lands, held while it stays): self- and cross-attention's q, k, v and out, the
+/// feed-forward's two, and an I2V block's image keys and values.
 pub fn fp8_block_codes(cfg: &WanTransformerConfig) -> u64 {
-    let (d, ffn) = (cfg.inner_dim() as u64, cfg.ffn_dim as u64);
-    let image = cfg.added_kv_proj_dim.map_or(0, |kv| 2 * kv as u64 * d);
-    8 * d * d + 2 * d * ffn + image
+    let (d, ffn) = (cfg.inner_dim(), cfg.ffn_dim);
+    let mut linears = vec![(d, d); 8];
+    linears.extend([(d, ffn), (ffn, d)]);
+    if let Some(kv) = cfg.added_kv_proj_dim {
+        linears.extend([(kv, d), (kv, d)]);
+    }
+    crate::models::fp8::weight_codes(&linears)
 }
 
-/// Device bytes `--fp8-matmul` adds to a forward on `latent`: one block's weight codes
-/// ([`fp8_block_codes`]; the plan adds those of the other blocks held at once, see
-/// `StageSpec::block_bytes`), the codes of the largest Linear input (all
-/// tokens, or a low-activation chunk, by the model width; a feed-forward chunk by its width) and
-/// one product's cuBLASLt workspace.
+/// Device bytes `--fp8-matmul` adds to a forward on `latent` besides the blocks' weight codes
+/// ([`fp8_block_codes`]): the codes of the largest Linear input (all tokens, or a low-activation
+/// chunk, by the model width; a feed-forward chunk by its width) and one product's workspace.
 pub fn fp8_matmul_activations(
     cfg: &WanTransformerConfig,
     latent: [usize; 5],
@@ -202,14 +204,18 @@ pub fn fp8_matmul_activations(
 ) -> u64 {
     let tokens = tokens(cfg, latent);
     let (d, ffn) = (cfg.inner_dim() as u64, cfg.ffn_dim as u64);
-    let weights = fp8_block_codes(cfg);
     let rows = if low_activation {
         tokens.min(LOW_ACTIVATION_ROWS as u64)
     } else {
         tokens
     };
     let chunk = rows.min(FFN_CHUNK as u64);
-    weights + (rows * d).max(chunk * ffn) + FP8_WORKSPACE
+    let largest = if rows * d >= chunk * ffn {
+        (rows, d)
+    } else {
+        (chunk, ffn)
+    };
+    crate::models::fp8::forward_bytes(largest)
 }
 
 /// Device bytes `--attention sage` adds to a forward on `latent`: the self-attention's int8 codes

@@ -714,59 +714,13 @@ fn row_chunks(batch: usize, seq: usize, chunk: usize) -> impl Iterator<Item = (u
     })
 }
 
-/// `x @ W^T` of a Linear without its bias, for `x` `[rows, in]`: the fused ops add the bias.
-fn matmul_t(x: &Input, linear: &Projection) -> Result<Tensor> {
-    match linear.fp8_product(x, None, false)? {
-        Some(y) => Ok(y),
-        None => x.tensor()?.matmul(&linear.weight().t()?),
-    }
-}
-
-/// `linear(x)` for `x` `[rows, in]`, then GELU(tanh) when `gelu`; on CUDA in bf16 the bias (and
-/// GELU) are the matmul's epilogue, as PyTorch adds a Linear's bias (no second pass over the
-/// product), elsewhere on CUDA they are applied in place; an fp8 layer's epilogue adds them.
-fn linear_act(input: &Input, linear: &Projection, gelu: bool) -> Result<Tensor> {
-    if let Some(y) = linear.fp8_product(input, linear.bias(), gelu)? {
-        return Ok(y);
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(bias) = linear.bias() {
-        let (x, weight) = (input.tensor()?, linear.weight());
-        if let Some(y) = crate::models::linear::linear_bias_act(x, weight, bias, gelu)? {
-            return Ok(y);
-        }
-    }
-    let y = matmul_t(input, linear)?;
-    let y = match linear.bias() {
-        #[cfg(feature = "cuda")]
-        Some(bias) if row_ops::supported(&y) => {
-            let act = if gelu {
-                row_ops::Act::GeluTanh
-            } else {
-                row_ops::Act::None
-            };
-            return row_ops::bias_act(y, bias, act);
-        }
-        Some(bias) => y.broadcast_add(bias)?,
-        None => y,
-    };
-    if gelu {
-        y.gelu()
-    } else {
-        Ok(y)
-    }
-}
-
 /// A block's Linear `(in, out)` under `vb`: in fp8 where the config asks (`--fp8-matmul`).
 fn block_linear(
     cfg: &WanTransformerConfig,
     (inner, out): (usize, usize),
     vb: VarBuilder,
 ) -> Result<Projection> {
-    Ok(Projection::new(
-        candle_nn::linear(inner, out, vb)?,
-        cfg.fp8_matmul,
-    ))
+    Projection::load((inner, out), vb, cfg.fp8_matmul)
 }
 
 /// Linear -> GELU(tanh) -> Linear (diffusers `FeedForward` / `PixArtAlphaTextProjection`).
@@ -787,8 +741,8 @@ impl GeluMlp {
 
     /// `fc2(gelu(fc1(x)))` for `x` `[rows, in]`, leaving out `fc2`'s bias (the residual adds it).
     fn forward_without_out_bias(&self, x: &Input) -> Result<Tensor> {
-        let h = linear_act(x, &self.fc1, true)?;
-        matmul_t(&Input::new(&h), &self.fc2)
+        let h = self.fc1.apply(x, true)?;
+        self.fc2.product(&Input::new(&h))
     }
 }
 
@@ -933,9 +887,9 @@ impl WanAttention {
         let (batch, len, dim) = context.dims3()?;
         let context = context.reshape((batch * len, dim))?;
         let context = Input::new(&context);
-        let k = matmul_t(&context, k_proj)?;
+        let k = k_proj.product(&context)?;
         let k = self.norm_rope(k, k_proj, k_norm, None, Rows { row0: 0, seq: len })?;
-        Ok((k, linear_act(&context, v_proj, false)?, len))
+        Ok((k, v_proj.apply(&context, false)?, len))
     }
 
     /// Attention of `input` `[batch * seq, inner]` (consumed, so it is freed once projected) over
@@ -953,13 +907,13 @@ impl WanAttention {
         let (rows, dim) = input.dims2()?;
         let seq = rows / batch;
         // One input for q, k and v: quantized once under `--fp8-matmul`.
-        let q = matmul_t(&input, &self.to_q)?;
+        let q = self.to_q.product(&input)?;
         let q = self.norm_rope(q, &self.to_q, &self.norm_q, rope, Rows { row0: 0, seq })?;
         let (k, v, kv_len) = match context {
             None => {
-                let k = matmul_t(&input, &self.to_k)?;
+                let k = self.to_k.product(&input)?;
                 let k = self.norm_rope(k, &self.to_k, &self.norm_k, rope, Rows { row0: 0, seq })?;
-                (k, linear_act(&input, &self.to_v, false)?, seq)
+                (k, self.to_v.apply(&input, false)?, seq)
             }
             Some(context) => {
                 self.context_kv(context.text, (&self.to_k, &self.norm_k, &self.to_v))?
@@ -993,7 +947,7 @@ impl WanAttention {
             let heads = out;
             heads.transpose(1, 2)?.reshape((rows, dim))?
         };
-        matmul_t(&Input::new(&out), &self.to_out)
+        self.to_out.product(&Input::new(&out))
     }
 
     /// Keys and values `[batch * n, inner]` of the image tokens of a cross `context` through the
@@ -1046,10 +1000,10 @@ impl WanAttention {
                 for (row0, len) in chunks() {
                     let at = Rows { row0, seq };
                     let h = norm(&x.narrow(0, row0, len)?, at)?;
-                    let kc = matmul_t(&h, &self.to_k)?;
+                    let kc = self.to_k.product(&h)?;
                     let kc = self.norm_rope(kc, &self.to_k, &self.norm_k, rope, at)?;
                     k.slice_set(&kc, 0, row0)?;
-                    v.slice_set(&linear_act(&h, &self.to_v, false)?, 0, row0)?;
+                    v.slice_set(&self.to_v.apply(&h, false)?, 0, row0)?;
                 }
                 (k, v, seq)
             }
@@ -1067,7 +1021,7 @@ impl WanAttention {
             let at = Rows { row0, seq };
             let entry = |t: &Tensor| t.narrow(0, row0 / seq, 1);
             let rows_x = x.narrow(0, row0, len)?;
-            let q = matmul_t(&norm(&rows_x, at)?, &self.to_q)?;
+            let q = self.to_q.product(&norm(&rows_x, at)?)?;
             let q = split(self.norm_rope(q, &self.to_q, &self.norm_q, rope, at)?, len)?;
             let mut out = sdpa(&q, &entry(&k)?, &entry(&v)?, scale)?;
             if let Some((k, v)) = &image {
@@ -1075,7 +1029,7 @@ impl WanAttention {
             }
             drop(q);
             let out = out.transpose(1, 2)?.reshape((len, dim))?;
-            write(matmul_t(&Input::new(&out), &self.to_out)?, at)?;
+            write(self.to_out.product(&Input::new(&out))?, at)?;
         }
         Ok(())
     }
@@ -1974,8 +1928,8 @@ mod cuda_tests {
         check("rms", &got, &cpu_q(d_ref.clone(), all, false));
 
         // Bias in place (the v projection).
-        let got = linear_act(&Input::new(&x), &gpu_attn.to_v, false).unwrap();
-        let want = linear_act(&Input::new(&x_ref), &cpu_attn.to_v, false).unwrap();
+        let got = gpu_attn.to_v.apply(&Input::new(&x), false).unwrap();
+        let want = cpu_attn.to_v.apply(&Input::new(&x_ref), false).unwrap();
         check("linear", &got, &want);
 
         // Bias + GELU inside the feed-forward.
@@ -1988,7 +1942,7 @@ mod cuda_tests {
             .unwrap();
         check("ffn", &got, &want);
 
-        // The bias (+ GELU) kernel itself (linear_act may fuse it into the matmul), also on a
+        // The bias (+ GELU) kernel itself (`Projection::apply` may fuse it into the matmul), also on a
         // misaligned view.
         for gelu in [false, true] {
             let want = x_ref.broadcast_add(&bias_ref).unwrap();
