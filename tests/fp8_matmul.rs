@@ -252,6 +252,21 @@ mod cuda_tests {
         dev
     }
 
+    /// Seeded bf16 weights on `device`: the same for an exact model and an fp8 one.
+    fn seeded(device: &Device) -> candle_nn::VarBuilder<'static> {
+        WeightSet::open(&Weights::Synthetic { seed: 7 })
+            .unwrap()
+            .var_builder(DType::BF16, device)
+    }
+
+    /// Asserts the fp8 forward `got` within 6% (relative L2, printed) of the exact `want`, and
+    /// not equal to it.
+    fn assert_near(what: &str, got: &Tensor, want: &Tensor) {
+        let err = relative_l2(got, want);
+        eprintln!("CUDA {what}: fp8 forward relative L2 {err:.3e}");
+        assert!(err > 0.0 && err <= 0.06, "{what}: {err}");
+    }
+
     /// Seeded weights of 8 heads of 128, 4,680 tokens: each bf16 forward with fp8 matmuls is
     /// within 6% (relative L2) of the exact bf16 forward (twice the tiny checkpoint's error on
     /// the host; the value is printed: the target for Wan2.1 14B is 1.5%).
@@ -268,9 +283,7 @@ mod cuda_tests {
             ..WanTransformerConfig::default()
         };
         let model = |fp8_matmul| {
-            let vb = WeightSet::open(&Weights::Synthetic { seed: 7 })
-                .unwrap()
-                .var_builder(DType::BF16, &device);
+            let vb = seeded(&device);
             let cfg = WanTransformerConfig {
                 fp8_matmul,
                 ..cfg.clone()
@@ -285,9 +298,7 @@ mod cuda_tests {
             let timestep = Tensor::new(&[t], &device).unwrap();
             let want = exact.forward(&latents, &timestep, &text).unwrap();
             let got = fp8.forward(&latents, &timestep, &text).unwrap();
-            let err = relative_l2(&got, &want);
-            eprintln!("CUDA t = {t}: fp8 forward relative L2 {err:.3e}");
-            assert!(err > 0.0 && err <= 0.06, "t = {t}: {err}");
+            assert_near(&format!("Wan t = {t}"), &got, &want);
         }
     }
 
@@ -310,9 +321,7 @@ mod cuda_tests {
             ..FluxTransformerConfig::default()
         };
         let model = |fp8_matmul| {
-            let vb = WeightSet::open(&Weights::Synthetic { seed: 7 })
-                .unwrap()
-                .var_builder(DType::BF16, &device);
+            let vb = seeded(&device);
             let cfg = FluxTransformerConfig {
                 fp8_matmul,
                 ..cfg.clone()
@@ -334,9 +343,7 @@ mod cuda_tests {
                 m.forward(&latents, &timestep, &text, &pooled, g, &txt_ids, &img_ids)
                     .unwrap()
             };
-            let err = relative_l2(&run(&fp8), &run(&exact));
-            eprintln!("CUDA FLUX.1 t = {t}: fp8 forward relative L2 {err:.3e}");
-            assert!(err > 0.0 && err <= 0.06, "t = {t}: {err}");
+            assert_near(&format!("FLUX.1 t = {t}"), &run(&fp8), &run(&exact));
         }
     }
 
@@ -357,9 +364,7 @@ mod cuda_tests {
             ..HunyuanVideoTransformerConfig::default()
         };
         let model = |fp8_matmul| {
-            let vb = WeightSet::open(&Weights::Synthetic { seed: 7 })
-                .unwrap()
-                .var_builder(DType::BF16, &device);
+            let vb = seeded(&device);
             let cfg = HunyuanVideoTransformerConfig {
                 fp8_matmul,
                 ..cfg.clone()
@@ -379,9 +384,7 @@ mod cuda_tests {
                 m.forward(&latents, &timestep, &text, &mask, &pooled, Some(&guidance))
                     .unwrap()
             };
-            let err = relative_l2(&run(&fp8), &run(&exact));
-            eprintln!("CUDA HunyuanVideo t = {t}: fp8 forward relative L2 {err:.3e}");
-            assert!(err > 0.0 && err <= 0.06, "t = {t}: {err}");
+            assert_near(&format!("HunyuanVideo t = {t}"), &run(&fp8), &run(&exact));
         }
     }
 

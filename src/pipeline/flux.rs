@@ -123,17 +123,11 @@ impl FluxConfigs {
             fp8_matmul: shape.fp8_matmul,
             ..self.transformer.clone()
         };
-        let fp8 = if shape.fp8_matmul {
-            activations::fp8_matmul_activations(&transformer, tokens, shape.text_len)
-        } else {
-            0
-        };
         // Each block built on the device keeps its fp8 weight codes.
-        let block_codes = if shape.fp8_matmul {
-            activations::fp8_block_codes(&transformer)
-        } else {
-            Vec::new()
-        };
+        let (fp8, block_codes) = shape.fp8_bytes(
+            || activations::fp8_matmul_activations(&transformer, tokens, shape.text_len),
+            || activations::fp8_block_codes(&transformer),
+        );
         let denoise =
             activations::transformer_activations(&transformer, tokens, shape.text_len, dtype)
                 + fp8

@@ -114,17 +114,11 @@ impl HunyuanConfigs {
             fp8_matmul: shape.fp8_matmul,
             ..self.transformer.clone()
         };
-        let fp8 = if shape.fp8_matmul {
-            activations::fp8_matmul_activations(&cfg, latent, shape.text_len)
-        } else {
-            0
-        };
         // Each block built on the device keeps its fp8 weight codes.
-        let block_codes = if shape.fp8_matmul {
-            activations::fp8_block_codes(&cfg)
-        } else {
-            Vec::new()
-        };
+        let (fp8, block_codes) = shape.fp8_bytes(
+            || activations::fp8_matmul_activations(&cfg, latent, shape.text_len),
+            || activations::fp8_block_codes(&cfg),
+        );
         let denoise = activations::transformer_activations(
             &self.transformer,
             latent,

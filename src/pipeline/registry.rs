@@ -53,6 +53,21 @@ pub struct RunShape {
 }
 
 impl RunShape {
+    /// What `--fp8-matmul` adds to a denoise stage where it is on: `inputs()`, the bytes it adds
+    /// to a forward's activations, and `codes()`, each block's weight codes
+    /// ([`super::spec::StageSpec::holding_per_block`]); nothing where it is off.
+    pub fn fp8_bytes(
+        &self,
+        inputs: impl FnOnce() -> u64,
+        codes: impl FnOnce() -> Vec<u64>,
+    ) -> (u64, Vec<u64>) {
+        if self.fp8_matmul {
+            (inputs(), codes())
+        } else {
+            (0, Vec::new())
+        }
+    }
+
     /// Device bytes the run's step cache holds through the denoising loop in a transformer
     /// whose blocks it sees as `hooked`: its hidden states, each one prompt's block state of
     /// `tokens` tokens of width `dim`, and PAB's attention outputs of a transformer of

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 54's calls: `--fp8-matmul` for FLUX.1 and HunyuanVideo. DEV holds, stripped and xz'd, vidgen and
+# tests/fp8_matmul.rs (fp8-matmul-tests) built with `--features cuda` at the working tree; .whl the diffusers
+# 0.42.1 wheel.
+#   run(carry: [".deviceNN", ".whl"], command: "DEV=.deviceNN bash bench/results/session54/calls.sh N")
+#   1: the CUDA tests of the fp8 forwards (Wan, FLUX.1, HunyuanVideo against their bf16 forwards); FLUX.1-dev's
+#      whole image at 1024x1024, 4 steps, beside diffusers in the same call (bench/family_e2e.py: vidgen
+#      resident exact, resident with --fp8-matmul, and --fp8-matmul with the default flags).
+#   2: HunyuanVideo's whole video at 61x544x960 (4 steps), the same three vidgen runs beside diffusers.
+DEV=${DEV:-.device1} source bench/device_setup.sh
+e2e() {  # e2e FAMILY [ARGS...]: bench/family_e2e.py with the three runs
+  local family=$1; shift
+  el "$family: vidgen resident, fp8-resident, fp8 (default flags) beside diffusers"
+  python3 bench/family_e2e.py --family $family --vidgen /tmp/vidgen --out $OUT/$family --steps 4 \
+    --ckpt-root /tmp/vidgen-e2e --vidgen-modes resident,fp8-resident,fp8 "$@" > $OUT/$family.log 2>&1
+  echo "exit $?"; tail -25 $OUT/$family.log
+  python3 bench/family_e2e.py --table $OUT/$family
+}
+case $1 in
+  1) el "CUDA tests: the fp8 forwards against bf16"
+     xz -dc $DEV/fp8-matmul-tests.xz > /tmp/fp8-matmul-tests && chmod +x /tmp/fp8-matmul-tests
+     timeout 150 /tmp/fp8-matmul-tests --test-threads=1 --nocapture cuda_tests 2>&1 \
+       | grep -E "^test |relative|bf16 .* ms|panicked|result:"
+     e2e flux.1-dev ;;
+  2) e2e hunyuanvideo --size 61,544,960 ;;
+esac
+el done
