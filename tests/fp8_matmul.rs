@@ -151,9 +151,9 @@ fn the_command_line_runs_fp8_matmuls() {
 /// Families whose transformer has no fp8 path, and f16 runs, are refused before any work.
 #[test]
 fn other_families_and_f16_are_refused() {
-    let mut args = cpu_prompt_args("ltx-video-tiny-a");
+    let mut args = cpu_prompt_args("minimax-h3-tiny-a");
     args.extend(["--fp8-matmul", "--dry-run"].map(String::from));
-    let line = usage_error(&run_vidgen(&args), "LTX-Video");
+    let line = usage_error(&run_vidgen(&args), "MiniMax H3");
     assert!(line.contains("--fp8-matmul does not apply to"), "{line}");
     let mut args = cpu_prompt_args(FIXTURE);
     args.extend(["--fp8-matmul", "--dtype", "f16", "--dry-run"].map(String::from));
@@ -232,6 +232,30 @@ fn flux_plans_its_blocks_codes_by_kind() {
     assert_eq!(inputs, 4096 * (cfg.mlp_dim() as u64 + 4) + (32 << 20));
     assert_eq!(added, inputs + codes.iter().sum::<u64>(), "resident");
     assert!(codes[0] > codes[cfg.num_layers], "{codes:?}");
+}
+
+/// A T5 video family's plan (Latte-1's, the generic text-to-video pipeline) adds its blocks'
+/// weight codes (spatial blocks, which attend to the caption, hold more than temporal ones) and
+/// the largest Linear input's codes.
+#[test]
+fn latte_plans_its_blocks_codes() {
+    use vidgen::models::autoencoder_kl::AutoencoderKLConfig;
+    use vidgen::models::latte::transformer::LatteTransformerConfig;
+    use vidgen::models::video::{DenoiseActivations, VideoVae};
+    const LATTE: &str = "latte-tiny-a";
+    let placement = ["--height", "512", "--width", "512", "--num-frames", "5"];
+    let fp8 = [&placement[..], &["--fp8-matmul"]].concat();
+    let added = common::planned_denoise_activations(LATTE, &fp8)
+        - common::planned_denoise_activations(LATTE, &placement);
+    let cfg: LatteTransformerConfig = common::config_in(LATTE, "transformer/config.json");
+    let vae: AutoencoderKLConfig = common::config_in(LATTE, "vae/config.json");
+    let cfg = cfg.in_fp8(true);
+    let codes = cfg.fp8_block_codes();
+    assert_eq!(codes.len(), 2 * cfg.num_layers);
+    assert!(codes[0] > codes[1], "{codes:?}");
+    let inputs = cfg.fp8_activations(vae.latent_grid(5, 512, 512), 0);
+    assert!(inputs > 32 << 20, "{inputs}");
+    assert_eq!(added, inputs + codes.iter().sum::<u64>(), "resident");
 }
 
 /// On a GPU (compute capability 8.9+), in bf16: the fp8 forward against the exact one, and the

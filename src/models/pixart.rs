@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, LayerNormConfig, Linear, VarBuilder};
 
 use crate::models::attention::sdpa;
-use crate::models::projection::project;
+use crate::models::projection::{Input, Projection};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
@@ -47,28 +47,32 @@ pub fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Lin
 /// themselves, or the caption), heads as `[B, H, S, head_dim]`, then `to_out.0`.
 #[derive(Debug, Clone)]
 pub struct Attention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
+    to_out: Projection,
     heads: usize,
     head_dim: usize,
 }
 
 impl Attention {
-    /// The attention under `vb` (`attn1`, `attn2`); `bias`: the q/k/v projections' biases.
+    /// The attention under `vb` (`attn1`, `attn2`); `bias`: the q/k/v projections' biases;
+    /// its Linears in fp8 where `fp8` (`--fp8-matmul`).
     pub fn new(
-        dim: usize,
-        context_dim: usize,
+        (dim, context_dim): (usize, usize),
         (heads, head_dim): (usize, usize),
         bias: bool,
         vb: VarBuilder,
+        fp8: bool,
     ) -> Result<Self> {
+        let qkv = |cin, name: &str| -> Result<Projection> {
+            Ok(Projection::new(linear(cin, dim, bias, vb.pp(name))?, fp8))
+        };
         Ok(Self {
-            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
-            to_k: linear(context_dim, dim, bias, vb.pp("to_k"))?,
-            to_v: linear(context_dim, dim, bias, vb.pp("to_v"))?,
-            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            to_q: qkv(dim, "to_q")?,
+            to_k: qkv(context_dim, "to_k")?,
+            to_v: qkv(context_dim, "to_v")?,
+            to_out: Projection::load((dim, dim), vb.pp("to_out.0"), fp8)?,
             heads,
             head_dim,
         })
@@ -82,10 +86,14 @@ impl Attention {
             t.reshape((b, s, self.heads, self.head_dim))?
                 .transpose(1, 2)
         };
+        // A self-attention's one input is quantized once for q, k and v under `--fp8-matmul`.
+        let x_rows = Input::new(x);
+        let context_rows = (context.id() != x.id()).then(|| Input::new(context));
+        let context_rows = context_rows.as_ref().unwrap_or(&x_rows);
         Ok((
-            split(project(&self.to_q, x)?)?,
-            split(project(&self.to_k, context)?)?,
-            split(project(&self.to_v, context)?)?,
+            split(self.to_q.apply(&x_rows, false)?)?,
+            split(self.to_k.apply(context_rows, false)?)?,
+            split(self.to_v.apply(context_rows, false)?)?,
         ))
     }
 
@@ -122,6 +130,8 @@ pub struct BlockShape {
     norm: (f64, bool),
     /// The caption width of the cross-attention `attn2`, where the block has one.
     cross_attention_dim: Option<usize>,
+    /// The attentions' and the feed-forward's Linears in fp8 (`--fp8-matmul`).
+    fp8: bool,
 }
 
 impl BlockShape {
@@ -138,7 +148,25 @@ impl BlockShape {
             attention_bias,
             norm,
             cross_attention_dim,
+            fp8: false,
         }
+    }
+
+    /// The block with its attentions' and feed-forward's Linears in fp8 where `fp8`.
+    pub fn in_fp8(self, fp8: bool) -> Self {
+        Self { fp8, ..self }
+    }
+
+    /// Device bytes of the block's weight codes under `--fp8-matmul`: `attn1`'s q, k, v and out,
+    /// `attn2`'s where it has one (k and v from the caption), the feed-forward's two.
+    pub fn fp8_codes(&self) -> u64 {
+        let d = self.dim;
+        let mut linears = vec![(d, d); 4];
+        if let Some(context) = self.cross_attention_dim {
+            linears.extend([(d, d), (context, d), (context, d), (d, d)]);
+        }
+        linears.extend([(d, 4 * d), (4 * d, d)]);
+        crate::models::fp8::weight_codes(&linears)
     }
 }
 
@@ -163,8 +191,8 @@ pub struct Block {
     attn1: Attention,
     attn2: Option<Attention>,
     norm2: LayerNorm,
-    ff_in: Linear,
-    ff_out: Linear,
+    ff_in: Projection,
+    ff_out: Projection,
     /// `[6, D]`: shift, scale, gate of the attention, then of the feed-forward.
     scale_shift_table: Tensor,
     /// The norms' epsilon, for the fused kernels (candle's `LayerNorm` keeps its own private).
@@ -192,9 +220,10 @@ impl Block {
             attention_bias,
             norm: (norm_eps, norm_affine),
             cross_attention_dim,
+            fp8,
         } = shape;
         let attention = |context: usize, vb: VarBuilder| {
-            Attention::new(dim, context, heads, attention_bias, vb)
+            Attention::new((dim, context), heads, attention_bias, vb, fp8)
         };
         Ok(Self {
             norm1: layer_norm(dim, norm_eps, norm_affine, vb.pp("norm1"))?,
@@ -203,8 +232,8 @@ impl Block {
                 .map(|context| attention(context, vb.pp("attn2")))
                 .transpose()?,
             norm2: layer_norm(dim, norm_eps, norm_affine, vb.pp("norm2"))?,
-            ff_in: candle_nn::linear(dim, 4 * dim, vb.pp("ff.net.0.proj"))?,
-            ff_out: candle_nn::linear(4 * dim, dim, vb.pp("ff.net.2"))?,
+            ff_in: Projection::load((dim, 4 * dim), vb.pp("ff.net.0.proj"), fp8)?,
+            ff_out: Projection::load((4 * dim, dim), vb.pp("ff.net.2"), fp8)?,
             scale_shift_table: vb.get((6, dim), "scale_shift_table")?,
             norm_eps,
         })
@@ -256,16 +285,17 @@ impl Block {
                 .broadcast_add(&row(shift)?)
         };
         let normed = modulate(&self.norm1.forward(x)?, Row::ScaleMsa, Row::ShiftMsa)?;
+        let project = |linear: &Projection, x: Tensor| linear.apply(&Input::new(&x), false);
         let attn = hooks.output(Submodule::SelfAttention, &mut || {
             project(
                 &self.attn1.to_out,
-                &attention.self_attention(&self.attn1, &normed)?,
+                attention.self_attention(&self.attn1, &normed)?,
             )
         })?;
         let mut h = (attn.broadcast_mul(&row(Row::GateMsa)?)? + x)?;
         if let Some(attn2) = &self.attn2 {
             let attn = hooks.output(Submodule::CrossAttention, &mut || {
-                project(&attn2.to_out, &attention.cross_attention(attn2, &h)?)
+                project(&attn2.to_out, attention.cross_attention(attn2, &h)?)
             })?;
             h = (attn + h)?;
         }
@@ -316,8 +346,9 @@ impl Block {
         };
         // `res + (out @ to_out^T + bias) * gate`, the product's bias added by the residual (or
         // first, where a step cache hooks the output: `whole_output`).
-        let project_rows =
-            |linear: &Linear, out: &Tensor| out.reshape((b * s, ()))?.matmul(&linear.weight().t()?);
+        let project_rows = |linear: &Projection, out: &Tensor| {
+            linear.product(&Input::new(&out.reshape((b * s, ()))?))
+        };
         let residual = |res: &Tensor, (out, bias): (Tensor, Option<&Tensor>), gate| {
             row_ops::residual_into_delta(res, out, bias, gate, at)
         };
@@ -340,8 +371,13 @@ impl Block {
         let Some(ff_bias) = self.ff_in.bias() else {
             candle_core::bail!("a PixArt feed-forward without a bias")
         };
-        let hidden =
-            row_ops::matmul_bias_act(&normed, self.ff_in.weight(), ff_bias, Act::GeluTanh)?;
+        let hidden = match self
+            .ff_in
+            .fp8_product(&Input::new(&normed), Some(ff_bias), true)?
+        {
+            Some(hidden) => hidden,
+            None => row_ops::matmul_bias_act(&normed, self.ff_in.weight(), ff_bias, Act::GeluTanh)?,
+        };
         let ff = (project_rows(&self.ff_out, &hidden)?, self.ff_out.bias());
         residual(&h, ff, Some(gate(Row::GateMlp)))?.reshape((b, s, d))
     }

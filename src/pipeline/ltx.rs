@@ -86,6 +86,7 @@ impl LtxConfigs {
                 dit,
                 activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype),
             ],
+            Vec::new(),
         );
         // Its LoRAs may come under ComfyUI's `diffusion_model.` prefix.
         spec.components[parts.transformer.index()].lora = Some(crate::lora::Target::Transformer(

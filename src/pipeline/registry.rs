@@ -533,7 +533,7 @@ pub type T5VideoPipeline<C, D, V> = T5Pipeline<C, T5Parts<D, V>>;
 
 impl<D, V, S, DM, VM> T5VideoPipeline<T5VideoConfigs<D, V, S>, DM, VM>
 where
-    D: VideoDit + DenoiseActivations,
+    D: VideoDit + DenoiseActivations + Clone,
     V: VideoVae + DecodeActivations,
     DM: Blockwise<Config = D>,
     VM: Blockwise<Config = V>,
@@ -555,12 +555,19 @@ where
             text_encoder,
             ..
         } = configs;
+        let transformer = &transformer.in_fp8(shape.fp8_matmul);
+        // Each block built on the device keeps its fp8 weight codes.
+        let (fp8, block_codes) = shape.fp8_bytes(
+            || transformer.fp8_activations(grid, text_len),
+            || transformer.fp8_block_codes(),
+        );
         T5Parts::pipeline::<Self>(
             configs.title(),
             (text_encoder, transformer, vae),
             [
                 text_encoder_activations(text_encoder, text_len, dtype),
                 transformer.denoise_activations(grid, text_len, dtype)
+                    + fp8
                     + shape.cache_bytes(
                         transformer.block_state(grid, text_len),
                         (
@@ -571,6 +578,7 @@ where
                     ),
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],
+            block_codes,
         )
     }
 }

@@ -277,6 +277,7 @@ impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
         title: &'static str,
         configs: (&T::Config, &D::Config, &V::Config),
         activations: [u64; 3],
+        dit_block_bytes: Vec<u64>,
     ) -> (PipelineSpec, Self) {
         let mut spec = PipelineSpec::titled(title);
         let parts = TextToVideo {
@@ -291,9 +292,13 @@ impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
         ];
         let names = ["encode_text", "denoise", "decode"];
         let bodies: [Body<P>; 3] = [P::encode_text, P::denoise, P::decode];
+        let block_bytes = [Vec::new(), dit_block_bytes, Vec::new()];
         spec.stages = (names.into_iter().zip(uses).zip(activations).zip(bodies))
-            .map(|(((name, uses), activations), body)| {
-                StageSpec::new(name, &[uses], activations).runs(body)
+            .zip(block_bytes)
+            .map(|((((name, uses), activations), body), block_bytes)| {
+                StageSpec::new(name, &[uses], activations)
+                    .holding_per_block(block_bytes)
+                    .runs(body)
             })
             .chain([StageSpec::write()])
             .collect();

@@ -5,6 +5,7 @@
 use super::transformer::AllegroTransformerConfig;
 use super::vae::AllegroVaeConfig;
 use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::fp8::forward_bytes;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
@@ -16,6 +17,23 @@ impl DenoiseActivations for AllegroTransformerConfig {
 
     fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
+    }
+
+    fn in_fp8(&self, on: bool) -> Self {
+        Self {
+            fp8_matmul: on,
+            ..self.clone()
+        }
+    }
+
+    /// The largest Linear input: the guided pair's feed-forward hidden states.
+    fn fp8_activations(&self, grid: [usize; 3], _text_len: usize) -> u64 {
+        let rows = 2 * self.video_tokens(grid) as u64;
+        forward_bytes((rows, 4 * self.inner_dim() as u64))
+    }
+
+    fn fp8_block_codes(&self) -> Vec<u64> {
+        vec![self.block_shape().fp8_codes(); self.num_layers]
     }
 
     /// The blocks thread the video tokens alone (the caption is an input of each).

@@ -76,6 +76,10 @@ pub struct AllegroTransformerConfig {
     pub interpolation_scale_h: f64,
     pub interpolation_scale_w: f64,
     pub interpolation_scale_t: f64,
+    /// Not in the file: the blocks' attention and feed-forward Linears run in fp8
+    /// (`--fp8-matmul`, set by the pipeline).
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for AllegroTransformerConfig {
@@ -102,11 +106,23 @@ impl Default for AllegroTransformerConfig {
             interpolation_scale_h: 2.0,
             interpolation_scale_w: 2.0,
             interpolation_scale_t: 2.2,
+            fp8_matmul: false,
         }
     }
 }
 
 impl AllegroTransformerConfig {
+    /// The sizes of every block (all alike).
+    pub fn block_shape(&self) -> BlockShape {
+        BlockShape::new(
+            (self.num_attention_heads, self.attention_head_dim),
+            self.attention_bias,
+            (self.norm_eps, self.norm_elementwise_affine),
+            Some(self.cross_attention_dim),
+        )
+        .in_fp8(self.fp8_matmul)
+    }
+
     /// Video tokens of a latent grid `[F, h, w]`: every frame patched.
     pub fn video_tokens(&self, grid: [usize; 3]) -> usize {
         let p = self.patch_size.max(1);
@@ -312,14 +328,8 @@ pub struct AllegroBlock {
 impl AllegroBlock {
     /// The block under `vb` (`transformer_blocks.{i}`).
     pub fn new(cfg: &AllegroTransformerConfig, vb: VarBuilder) -> Result<Self> {
-        let shape = BlockShape::new(
-            (cfg.num_attention_heads, cfg.attention_head_dim),
-            cfg.attention_bias,
-            (cfg.norm_eps, cfg.norm_elementwise_affine),
-            Some(cfg.cross_attention_dim),
-        );
         Ok(Self {
-            block: Block::new(shape, vb)?,
+            block: Block::new(cfg.block_shape(), vb)?,
         })
     }
 

@@ -2,9 +2,10 @@
 //! at their peak (the weights are counted apart, from the constructors). The text encoder is
 //! the T5 v1.1 one CogVideoX estimates ([`crate::models::cogvideox::activations`]).
 
-use super::transformer::LatteTransformerConfig;
+use super::transformer::{BlockKind, LatteTransformerConfig};
 use crate::models::attention::{product_workspace, runs_fused, MAX_SCORE_ELEMENTS};
 use crate::models::autoencoder_kl::AutoencoderKLConfig;
+use crate::models::fp8::forward_bytes;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
 use candle_core::DType;
@@ -21,6 +22,29 @@ impl DenoiseActivations for LatteTransformerConfig {
 
     fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
         transformer_activations(self, [1, self.in_channels(), f, h, w], text_len, dtype)
+    }
+
+    fn in_fp8(&self, on: bool) -> Self {
+        Self {
+            fp8_matmul: on,
+            ..self.clone()
+        }
+    }
+
+    /// The largest Linear input: the guided pair's feed-forward hidden states, every token of
+    /// every frame (spatial and temporal blocks group the same rows).
+    fn fp8_activations(&self, grid: [usize; 3], text_len: usize) -> u64 {
+        let (tokens, dim) = self.block_state(grid, text_len);
+        forward_bytes((2 * tokens as u64, 4 * dim as u64))
+    }
+
+    /// Spatial and temporal blocks in turn.
+    fn fp8_block_codes(&self) -> Vec<u64> {
+        let [spatial, temporal] = [BlockKind::Spatial, BlockKind::Temporal]
+            .map(|kind| self.block_shape(kind).fp8_codes());
+        (0..self.num_layers)
+            .flat_map(|_| [spatial, temporal])
+            .collect()
     }
 
     /// The blocks thread the video tokens alone (the caption is an input of each).

@@ -67,6 +67,10 @@ pub struct LatteTransformerConfig {
     pub caption_channels: Option<usize>,
     /// Frames of the 1-D temporal sin-cos table: a video must have this many frames (or one).
     pub video_length: usize,
+    /// Not in the file: the blocks' attention and feed-forward Linears run in fp8
+    /// (`--fp8-matmul`, set by the pipeline).
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for LatteTransformerConfig {
@@ -90,11 +94,27 @@ impl Default for LatteTransformerConfig {
             norm_eps: 1e-5,
             caption_channels: None,
             video_length: 16,
+            fp8_matmul: false,
         }
     }
 }
 
 impl LatteTransformerConfig {
+    /// The sizes of a block of `kind`: a spatial one attends to the caption too.
+    pub fn block_shape(&self, kind: BlockKind) -> BlockShape {
+        let cross_attention_dim = match kind {
+            BlockKind::Spatial => Some(self.cross_attention_dim.unwrap_or(self.inner_dim())),
+            BlockKind::Temporal => None,
+        };
+        BlockShape::new(
+            (self.num_attention_heads, self.attention_head_dim),
+            self.attention_bias,
+            (self.norm_eps, self.norm_elementwise_affine),
+            cross_attention_dim,
+        )
+        .in_fp8(self.fp8_matmul)
+    }
+
     /// Width of the hidden states.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim
@@ -265,7 +285,7 @@ pub fn temporal_pos_embed(dim: usize, frames: usize, device: &Device) -> Result<
 
 /// Which of the two block lists a block belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BlockKind {
+pub enum BlockKind {
     /// `transformer_blocks.{i}`: within each frame, with cross-attention to the caption.
     Spatial,
     /// `temporal_transformer_blocks.{i}`: within each token position, across the frames.
@@ -287,23 +307,14 @@ impl LatteBlock {
     /// from the model's root `vb`.
     pub fn new(cfg: &LatteTransformerConfig, i: usize, vb: VarBuilder) -> Result<Self> {
         let (kind, layer) = block_at(cfg, i)?;
-        let (vb, cross_attention_dim) = match kind {
-            BlockKind::Spatial => (
-                vb.pp(format!("transformer_blocks.{layer}")),
-                Some(cfg.cross_attention_dim.unwrap_or(cfg.inner_dim())),
-            ),
-            BlockKind::Temporal => (vb.pp(format!("temporal_transformer_blocks.{layer}")), None),
+        let vb = match kind {
+            BlockKind::Spatial => vb.pp(format!("transformer_blocks.{layer}")),
+            BlockKind::Temporal => vb.pp(format!("temporal_transformer_blocks.{layer}")),
         };
-        let shape = BlockShape::new(
-            (cfg.num_attention_heads, cfg.attention_head_dim),
-            cfg.attention_bias,
-            (cfg.norm_eps, cfg.norm_elementwise_affine),
-            cross_attention_dim,
-        );
         Ok(Self {
             kind,
             layer,
-            block: Block::new(shape, vb)?,
+            block: Block::new(cfg.block_shape(kind), vb)?,
         })
     }
 
