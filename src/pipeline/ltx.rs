@@ -6,7 +6,8 @@ use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
+    Cache, DecodeNoiseScale, DecodeTimestep, Fp8Matmul, Lora, Pab, StorageDtype, TaylorSeer,
+    VaeTiling,
 };
 use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
@@ -65,6 +66,17 @@ impl LtxConfigs {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
         let (dtype, text_len) = (shape.dtype, shape.text_len);
+        // One forward runs the CFG batch [negative; positive].
+        let batch = 2;
+        let transformer = LtxTransformerConfig {
+            fp8_matmul: shape.fp8_matmul,
+            ..self.transformer.clone()
+        };
+        // Each block built on the device keeps its fp8 weight codes.
+        let (fp8, block_codes) = shape.fp8_bytes(
+            || activations::fp8_matmul_activations(&transformer, tokens, text_len, batch),
+            || activations::fp8_block_codes(&transformer),
+        );
         // PAB holds `attn1`'s and `attn2`'s outputs, both of the spatial kind (diffusers'
         // `LTXAttention` is not flagged as cross-attention).
         let attentions = AttentionModules {
@@ -72,15 +84,16 @@ impl LtxConfigs {
             ..Default::default()
         };
         let dit =
-            activations::transformer_activations(&self.transformer, tokens, text_len, 2, dtype)
+            activations::transformer_activations(&transformer, tokens, text_len, batch, dtype)
+                + fp8
                 + shape.cache_bytes(
-                    (tokens, self.transformer.inner_dim()),
-                    (attentions, &self.transformer.hooked_blocks()),
-                    2,
+                    (tokens, transformer.inner_dim()),
+                    (attentions, &transformer.hooked_blocks()),
+                    batch,
                 );
         let (mut spec, parts) = Parts::pipeline::<Ltx>(
             self.title(),
-            (&self.text_encoder, &self.transformer, &self.vae),
+            (&self.text_encoder, &transformer, &self.vae),
             [
                 activations::text_encoder_activations(&self.text_encoder, 1, text_len, dtype),
                 dit,
@@ -92,6 +105,11 @@ impl LtxConfigs {
         spec.components[parts.transformer.index()].lora = Some(crate::lora::Target::Transformer(
             Some(crate::weights::original::Model::LtxVideo),
         ));
+        // On the stage `Parts::pipeline` built, as [`super::spec::StageSpec::holding_per_block`]
+        // sets them.
+        if let Some(denoise) = spec.stages.iter_mut().find(|s| s.name == "denoise") {
+            denoise.block_bytes = block_codes;
+        }
         (spec, parts)
     }
 }
@@ -137,6 +155,7 @@ impl Family for LtxConfigs {
                     Cache,
                     Pab,
                     TaylorSeer,
+                    Fp8Matmul,
                 ],
             )
         }

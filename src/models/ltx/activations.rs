@@ -38,6 +38,45 @@ pub fn transformer_activations(
     8 * hidden + mlp + rope + text + latents
 }
 
+/// Device bytes `--fp8-matmul` adds to a forward over the CFG batch besides the blocks' weight
+/// codes ([`fp8_block_codes`]): the codes of its largest Linear input (the feed-forward's hidden
+/// state over the video tokens, or the text under cross-attention's k and v) and a product's
+/// workspace.
+pub fn fp8_matmul_activations(
+    cfg: &LtxTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+) -> u64 {
+    let b = batch as u64;
+    let video = (b * tokens as u64, cfg.ff_inner_dim() as u64);
+    let text = (b * text_len as u64, cfg.cross_attention_dim as u64);
+    let largest = [video, text]
+        .into_iter()
+        .max_by_key(|(rows, cols)| rows * cols)
+        .unwrap_or_default();
+    crate::models::fp8::forward_bytes(largest)
+}
+
+/// Device bytes of each block's weight codes under `--fp8-matmul`, in execution order: the self-
+/// and cross-attention's q, k, v and out and the feed-forward's two Linears.
+pub fn fp8_block_codes(cfg: &LtxTransformerConfig) -> Vec<u64> {
+    let (d, text, ff) = (cfg.inner_dim(), cfg.cross_attention_dim, cfg.ff_inner_dim());
+    let codes = crate::models::fp8::weight_codes(&[
+        (d, d),
+        (d, d),
+        (d, d),
+        (d, d),
+        (d, d),
+        (text, d),
+        (text, d),
+        (d, d),
+        (d, ff),
+        (ff, d),
+    ]);
+    vec![codes; cfg.num_layers]
+}
+
 /// Device bytes of the decode stage: the decoder in `dtype`, then (its maps gone) the video in
 /// `dtype` beside its f32 frames (`stages::video_frames`). Half precision runs the fused path
 /// (CUDA): five maps of the full-resolution level (a resnet there holds its input, a norm, the

@@ -23,6 +23,7 @@ use serde::Deserialize;
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::HookedBlock;
 use crate::models::hunyuan_video::transformer::norm_modulate_eps;
+use crate::models::projection::{Input, Projection};
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rounding, Rows};
 use crate::models::step_cache::{
@@ -78,6 +79,10 @@ pub struct LtxTransformerConfig {
     pub attention_bias: bool,
     /// Whether the attention output projection has a bias.
     pub attention_out_bias: bool,
+    /// Not in the file: the blocks' Linears run in fp8 (`--fp8-matmul`, set by the pipeline);
+    /// the embeddings' and projections' in and out stay exact.
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for LtxTransformerConfig {
@@ -98,6 +103,7 @@ impl Default for LtxTransformerConfig {
             caption_channels: 4096,
             attention_bias: true,
             attention_out_bias: true,
+            fp8_matmul: false,
         }
     }
 }
@@ -106,6 +112,11 @@ impl LtxTransformerConfig {
     /// Model width: heads x head dim.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// The feed-forward's inner width (diffusers' `FeedForward` multiplies by 4).
+    pub fn ff_inner_dim(&self) -> usize {
+        4 * self.inner_dim()
     }
 
     /// Output channels (`out_channels or in_channels`).
@@ -332,12 +343,19 @@ fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
 }
 
-fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        candle_nn::linear(in_dim, out_dim, vb)
+/// A block's Linear `(in, out)` under `vb`, with a bias where `bias`, in fp8 where `fp8`.
+fn projection(
+    (in_dim, out_dim): (usize, usize),
+    bias: bool,
+    vb: VarBuilder,
+    fp8: bool,
+) -> Result<Projection> {
+    let linear = if bias {
+        candle_nn::linear(in_dim, out_dim, vb)?
     } else {
-        candle_nn::linear_no_bias(in_dim, out_dim, vb)
-    }
+        candle_nn::linear_no_bias(in_dim, out_dim, vb)?
+    };
+    Ok(Projection::new(linear, fp8))
 }
 
 /// Linear -> GELU (tanh) -> Linear: the caption projection (`linear_1`, `linear_2`).
@@ -357,10 +375,10 @@ impl GeluMlp {
 /// dim for self-attention, the masked text keys for cross-attention.
 #[derive(Debug, Clone)]
 struct LtxAttention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
+    to_out: Projection,
     norm_q: Tensor,
     norm_k: Tensor,
     heads: usize,
@@ -370,12 +388,12 @@ struct LtxAttention {
 impl LtxAttention {
     fn new(cfg: &LtxTransformerConfig, kv_dim: usize, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
-        let bias = cfg.attention_bias;
+        let (bias, fp8) = (cfg.attention_bias, cfg.fp8_matmul);
         Ok(Self {
-            to_q: linear(dim, dim, bias, vb.pp("to_q"))?,
-            to_k: linear(kv_dim, dim, bias, vb.pp("to_k"))?,
-            to_v: linear(kv_dim, dim, bias, vb.pp("to_v"))?,
-            to_out: linear(dim, dim, cfg.attention_out_bias, vb.pp("to_out.0"))?,
+            to_q: projection((dim, dim), bias, vb.pp("to_q"), fp8)?,
+            to_k: projection((kv_dim, dim), bias, vb.pp("to_k"), fp8)?,
+            to_v: projection((kv_dim, dim), bias, vb.pp("to_v"), fp8)?,
+            to_out: projection((dim, dim), cfg.attention_out_bias, vb.pp("to_out.0"), fp8)?,
             norm_q: vb.get(dim, "norm_q.weight")?,
             norm_k: vb.get(dim, "norm_k.weight")?,
             heads: cfg.num_attention_heads,
@@ -396,13 +414,17 @@ impl LtxAttention {
     ) -> Result<Tensor> {
         let (rows, dim) = x.dims2()?;
         let s = rows / b;
-        let kv = match context {
-            Some(c) => c.reshape((c.dim(0)? * c.dim(1)?, c.dim(2)?))?,
-            None => x.clone(),
+        // One input for q, k and v (k and v over the text): quantized once under
+        // `--fp8-matmul`.
+        let x = Input::new(x);
+        let text = match context {
+            Some(c) => Some(Input::new(&c.reshape(((), c.dim(2)?))?)),
+            None => None,
         };
-        let kv_len = kv.dim(0)? / b;
+        let kv = text.as_ref().unwrap_or(&x);
+        let kv_len = kv.dims2()?.0 / b;
         let q = row_ops::rms_rope(
-            x.matmul(&self.to_q.weight().t()?)?,
+            self.to_q.product(&x)?,
             self.to_q.bias(),
             &self.norm_q,
             rope,
@@ -412,7 +434,7 @@ impl LtxAttention {
             Rounding::Bf16,
         )?;
         let k = row_ops::rms_rope(
-            kv.matmul(&self.to_k.weight().t()?)?,
+            self.to_k.product(kv)?,
             self.to_k.bias(),
             &self.norm_k,
             rope,
@@ -424,10 +446,7 @@ impl LtxAttention {
             QK_NORM_EPS,
             Rounding::Bf16,
         )?;
-        let v = match self.to_v.bias() {
-            Some(bias) => row_ops::matmul_bias_act(&kv, self.to_v.weight(), bias, Act::None)?,
-            None => kv.matmul(&self.to_v.weight().t()?)?,
-        };
+        let v = self.to_v.apply(kv, false)?;
         let split = |t: Tensor, n: usize| {
             t.reshape((b, n, self.heads, self.head_dim))?
                 .transpose(1, 2)
@@ -435,9 +454,8 @@ impl LtxAttention {
         let (q, k, v) = (split(q, s)?, split(k, kv_len)?, split(v, kv_len)?);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let out = keys.attend(&q, &k, &v, scale)?;
-        out.transpose(1, 2)?
-            .reshape((rows, dim))?
-            .matmul(&self.to_out.weight().t()?)
+        self.to_out
+            .product(&Input::new(&out.transpose(1, 2)?.reshape((rows, dim))?))
     }
 
     /// `x` `[B, S, dim]` attending to itself (`context` `None`, RoPE from `rope`) or to
@@ -450,11 +468,23 @@ impl LtxAttention {
         keys: &TextKeys,
     ) -> Result<Tensor> {
         let (b, s, dim) = x.dims3()?;
-        let kv = context.unwrap_or(x);
-        let kv_len = kv.dim(1)?;
-        let mut q = rms_norm(&self.to_q.forward(x)?, Some(&self.norm_q), QK_NORM_EPS)?;
-        let mut k = rms_norm(&self.to_k.forward(kv)?, Some(&self.norm_k), QK_NORM_EPS)?;
-        let v = self.to_v.forward(kv)?;
+        let kv_len = context.map_or(Ok(s), |c| c.dim(1))?;
+        // One input for q, k and v (k and v over the text): quantized once under
+        // `--fp8-matmul`.
+        let x = Input::new(x);
+        let text = context.map(Input::new);
+        let kv = text.as_ref().unwrap_or(&x);
+        let mut q = rms_norm(
+            &self.to_q.apply(&x, false)?,
+            Some(&self.norm_q),
+            QK_NORM_EPS,
+        )?;
+        let mut k = rms_norm(
+            &self.to_k.apply(kv, false)?,
+            Some(&self.norm_k),
+            QK_NORM_EPS,
+        )?;
+        let v = self.to_v.apply(kv, false)?;
         if let Some((cos, sin)) = rope {
             q = apply_rope(&q, cos, sin)?;
             k = apply_rope(&k, cos, sin)?;
@@ -466,8 +496,10 @@ impl LtxAttention {
         let (q, k, v) = (split(q, s)?, split(k, kv_len)?, split(v, kv_len)?);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let out = keys.attend(&q, &k, &v, scale)?;
-        self.to_out
-            .forward(&out.transpose(1, 2)?.reshape((b, s, dim))?)
+        self.to_out.apply(
+            &Input::new(&out.transpose(1, 2)?.reshape((b, s, dim))?),
+            false,
+        )
     }
 }
 
@@ -614,9 +646,9 @@ pub struct LtxTransformerBlock {
     attn1: Option<(Option<Tensor>, LtxAttention)>,
     attn2: Option<LtxAttention>,
     /// `norm2`'s weight (when affine) and `ff.net.0.proj`.
-    ff_in: Option<(Option<Tensor>, Linear)>,
+    ff_in: Option<(Option<Tensor>, Projection)>,
     /// `ff.net.2`.
-    ff_out: Option<Linear>,
+    ff_out: Option<Projection>,
     /// The block's `[6, inner]` modulation table, held by each modulated step.
     scale_shift_table: Option<Tensor>,
     /// GELU's tanh approximation (else exact).
@@ -637,8 +669,7 @@ impl LtxTransformerBlock {
         steps: &[BlockStep],
     ) -> Result<Self> {
         cfg.validate()?;
-        let dim = cfg.inner_dim();
-        let ff_inner = 4 * dim;
+        let (dim, ff_inner, fp8) = (cfg.inner_dim(), cfg.ff_inner_dim(), cfg.fp8_matmul);
         let has = |s| steps.contains(&s);
         let norm = |name: &str| -> Result<Option<Tensor>> {
             if cfg.norm_elementwise_affine {
@@ -664,13 +695,13 @@ impl LtxTransformerBlock {
         let ff_in = if has(BlockStep::FeedForwardIn) {
             Some((
                 norm("norm2")?,
-                candle_nn::linear(dim, ff_inner, vb.pp("ff.net.0.proj"))?,
+                Projection::load((dim, ff_inner), vb.pp("ff.net.0.proj"), fp8)?,
             ))
         } else {
             None
         };
         let ff_out = if has(BlockStep::FeedForwardOut) {
-            Some(candle_nn::linear(ff_inner, dim, vb.pp("ff.net.2"))?)
+            Some(Projection::load((ff_inner, dim), vb.pp("ff.net.2"), fp8)?)
         } else {
             None
         };
@@ -721,16 +752,6 @@ impl LtxTransformerBlock {
             return self.forward_fused(stream, inputs, ada.as_ref(), hooks);
         }
         self.forward_composite(stream, inputs, ada.as_ref(), hooks)
-    }
-
-    /// The GELU of this block's feed-forward.
-    #[cfg(feature = "cuda")]
-    fn act(&self) -> Act {
-        if self.tanh {
-            Act::GeluTanh
-        } else {
-            Act::GeluErf
-        }
     }
 
     /// [`Self::forward`] as fused kernels: each norm + modulation, q/k bias + norm + RoPE,
@@ -794,18 +815,23 @@ impl LtxTransformerBlock {
             x = row_ops::residual_into_delta(&x, attn, bias, None, at)?;
         }
         // The feed-forward's input step: norm2 with modulation, the first Linear and GELU.
-        let ff_hidden = |x: &Tensor, (norm2, fc1): &(Option<Tensor>, Linear)| -> Result<Tensor> {
-            let h = row_ops::rms_modulate(x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
-            match fc1.bias() {
-                Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, self.act()),
-                None if self.tanh => h.matmul(&fc1.weight().t()?)?.gelu(),
-                None => h.matmul(&fc1.weight().t()?)?.gelu_erf(),
-            }
-        };
+        let ff_hidden =
+            |x: &Tensor, (norm2, fc1): &(Option<Tensor>, Projection)| -> Result<Tensor> {
+                let h = row_ops::rms_modulate(x, norm2.as_ref(), modulation(3, 4), at, self.eps)?;
+                let h = Input::new(&h);
+                if self.tanh {
+                    return fc1.apply(&h, true);
+                }
+                // GELU (erf) has no product epilogue: one pass adds the bias and applies it.
+                match fc1.bias() {
+                    Some(bias) => row_ops::bias_act(fc1.product(&h)?, bias, Act::GeluErf),
+                    None => fc1.product(&h)?.gelu_erf(),
+                }
+            };
         match (&self.ff_in, &self.ff_out) {
             // A whole feed-forward: the module `ff` a step cache hooks.
             (Some(ff_in), Some(fc2)) => {
-                let compute = || ff_hidden(&x, ff_in)?.matmul(&fc2.weight().t()?);
+                let compute = || fc2.product(&Input::new(&ff_hidden(&x, ff_in)?));
                 let module = Submodule::FeedForward;
                 let (out, bias) =
                     crate::models::step_cache::whole_output(hooks, module, compute, fc2.bias())?;
@@ -816,7 +842,7 @@ impl LtxTransformerBlock {
                     stream.ff_hidden = Some(ff_hidden(&x, ff_in)?);
                 }
                 if let Some(fc2) = ff_out {
-                    let out = stream.take_ff_hidden()?.matmul(&fc2.weight().t()?)?;
+                    let out = fc2.product(&Input::new(&stream.take_ff_hidden()?))?;
                     x = row_ops::residual_into_delta(&x, out, fc2.bias(), gate(5), at)?;
                 }
             }
@@ -856,20 +882,21 @@ impl LtxTransformerBlock {
             x = (x + attn)?;
         }
         // The feed-forward's input step: norm2 with modulation, the first Linear and GELU.
-        let ff_hidden = |x: &Tensor, (norm2, fc1): &(Option<Tensor>, Linear)| -> Result<Tensor> {
-            let h = modulate(&rms_norm(x, norm2.as_ref(), self.eps)?, &row(3)?, &row(4)?)?;
-            let h = fc1.forward(&h)?;
-            if self.tanh {
-                h.gelu()
-            } else {
-                h.gelu_erf()
-            }
-        };
+        let ff_hidden =
+            |x: &Tensor, (norm2, fc1): &(Option<Tensor>, Projection)| -> Result<Tensor> {
+                let h = modulate(&rms_norm(x, norm2.as_ref(), self.eps)?, &row(3)?, &row(4)?)?;
+                let h = fc1.apply(&Input::new(&h), self.tanh)?;
+                if self.tanh {
+                    Ok(h)
+                } else {
+                    h.gelu_erf()
+                }
+            };
         match (&self.ff_in, &self.ff_out) {
             // A whole feed-forward: the module `ff` a step cache hooks.
             (Some(ff_in), Some(fc2)) => {
                 let out = hooks.output(Submodule::FeedForward, &mut || {
-                    fc2.forward(&ff_hidden(&x, ff_in)?)
+                    fc2.apply(&Input::new(&ff_hidden(&x, ff_in)?), false)
                 })?;
                 x = (&x + out.broadcast_mul(&row(5)?)?)?;
             }
@@ -878,7 +905,7 @@ impl LtxTransformerBlock {
                     stream.ff_hidden = Some(ff_hidden(&x, ff_in)?);
                 }
                 if let Some(fc2) = ff_out {
-                    let out = fc2.forward(&stream.take_ff_hidden()?)?;
+                    let out = fc2.apply(&Input::new(&stream.take_ff_hidden()?), false)?;
                     x = (&x + out.broadcast_mul(&row(5)?)?)?;
                 }
             }
