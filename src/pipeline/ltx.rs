@@ -99,17 +99,12 @@ impl LtxConfigs {
                 dit,
                 activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype),
             ],
-            Vec::new(),
+            block_codes,
         );
         // Its LoRAs may come under ComfyUI's `diffusion_model.` prefix.
         spec.components[parts.transformer.index()].lora = Some(crate::lora::Target::Transformer(
             Some(crate::weights::original::Model::LtxVideo),
         ));
-        // On the stage `Parts::pipeline` built, as [`super::spec::StageSpec::holding_per_block`]
-        // sets them.
-        if let Some(denoise) = spec.stages.iter_mut().find(|s| s.name == "denoise") {
-            denoise.block_bytes = block_codes;
-        }
         (spec, parts)
     }
 }
