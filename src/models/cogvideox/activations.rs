@@ -4,6 +4,7 @@
 use super::transformer::CogVideoXTransformerConfig;
 use super::vae::CogVideoXVaeConfig;
 use crate::models::attention::{attention_workspace, product_workspace, runs_fused};
+use crate::models::fp8::{forward_bytes, weight_codes};
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::t5::encoder::T5Config;
 use crate::models::vae_tiling::SpatialTiling;
@@ -63,6 +64,15 @@ const FUSED_COPIES: u64 = 9;
 /// and norm temporaries, and the FFN's 4x hidden with its GELU.
 const COMPOSITE_COPIES: u64 = 18;
 
+/// Entries of a forward's batch: the guided `[negative; positive]` pair.
+const BATCH: usize = 2;
+
+/// Tokens of the joint sequence of `latent` `[1, F, C, H, W]`: the text's, then the patches'.
+fn joint_tokens(c: &CogVideoXTransformerConfig, latent: [usize; 5], text_len: usize) -> usize {
+    let p = c.patch_size;
+    text_len + latent[1] * (latent[3] / p) * (latent[4] / p)
+}
+
 /// Device bytes of one transformer forward over the batched `[negative; positive]` pair: the
 /// block's copies of the joint sequence, the RoPE tables, and with the fused kernels the
 /// products' cuBLASLt workspace, else the chunked attention's ([`attention_workspace`]).
@@ -73,20 +83,39 @@ pub fn transformer_activations(
     dtype: DType,
 ) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
-    let p = c.patch_size;
-    let batch = 2;
-    let seq = text_len + latent[1] * (latent[3] / p) * (latent[4] / p);
-    let hidden = (batch * seq * c.inner_dim()) as u64 * bytes;
+    let seq = joint_tokens(c, latent, text_len);
+    let hidden = (BATCH * seq * c.inner_dim()) as u64 * bytes;
     // The RoPE tables, f32, per token and head dim.
     let rope = 2 * seq as u64 * c.attention_head_dim as u64 * 4;
     let blocks = match runs_fused(dtype) {
         true => FUSED_COPIES * hidden + product_workspace(dtype),
         false => {
             let heads = c.num_attention_heads;
-            COMPOSITE_COPIES * hidden + attention_workspace(batch, heads, seq, c.inner_dim(), dtype)
+            COMPOSITE_COPIES * hidden + attention_workspace(BATCH, heads, seq, c.inner_dim(), dtype)
         }
     };
     blocks + rope
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward besides the blocks' weight codes
+/// ([`fp8_block_codes`]): the codes of its largest Linear input, the feed-forward's hidden
+/// state (`ff.net.2` reads the whole batched joint sequence at 4x the width, unchunked), and a
+/// product's workspace.
+pub fn fp8_matmul_activations(
+    c: &CogVideoXTransformerConfig,
+    latent: [usize; 5],
+    text_len: usize,
+) -> u64 {
+    let rows = BATCH * joint_tokens(c, latent, text_len);
+    forward_bytes((rows as u64, c.ff_dim() as u64))
+}
+
+/// Device bytes of each block's weight codes under `--fp8-matmul`, in execution order: its
+/// attention's q, k, v and out and its feed-forward's two Linears (the modulations stay exact).
+pub fn fp8_block_codes(c: &CogVideoXTransformerConfig) -> Vec<u64> {
+    let (d, ff) = (c.inner_dim(), c.ff_dim());
+    let codes = weight_codes(&[(d, d), (d, d), (d, d), (d, d), (d, ff), (ff, d)]);
+    vec![codes; c.num_layers]
 }
 
 /// Device bytes of the frame-batched decode: the widest level at full resolution over one

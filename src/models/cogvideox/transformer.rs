@@ -22,8 +22,9 @@ use serde::Deserialize;
 use crate::models::attention::sdpa;
 use crate::models::blocks::HookedBlock;
 use crate::models::patches::{text_len, token_grid, whole_patches};
+use crate::models::projection::{Input, Projection};
 #[cfg(feature = "cuda")]
-use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
+use crate::models::row_ops::{self, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
 use crate::models::step_cache::whole_output;
 use crate::models::step_cache::{
@@ -99,6 +100,10 @@ pub struct CogVideoXTransformerConfig {
     pub patch_bias: bool,
     /// Dropout (inference ignores it).
     pub dropout: f64,
+    /// Not in the file: the blocks' attention and feed-forward Linears run in fp8
+    /// (`--fp8-matmul`, set by the pipeline); the modulations' and embedders' stay exact.
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for CogVideoXTransformerConfig {
@@ -132,6 +137,7 @@ impl Default for CogVideoXTransformerConfig {
             use_learned_positional_embeddings: false,
             patch_bias: true,
             dropout: 0.0,
+            fp8_matmul: false,
         }
     }
 }
@@ -140,6 +146,11 @@ impl CogVideoXTransformerConfig {
     /// Model width: heads x head dim.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Width of a block's feed-forward hidden layer (diffusers' `FeedForward`, mult 4).
+    pub fn ff_dim(&self) -> usize {
+        4 * self.inner_dim()
     }
 
     /// Output channels (`out_channels or in_channels`).
@@ -385,10 +396,10 @@ fn gated_residual(x: &Tensor, delta: &Tensor, mods: &Modulated, text_len: usize)
 /// the video part (diffusers' `Attention` + `CogVideoXAttnProcessor2_0`).
 #[derive(Debug, Clone)]
 struct JointAttention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
+    to_out: Projection,
     norm_q: LayerNorm,
     norm_k: LayerNorm,
     heads: usize,
@@ -399,12 +410,16 @@ impl JointAttention {
     fn new(cfg: &CogVideoXTransformerConfig, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.inner_dim();
         let head_dim = cfg.attention_head_dim;
-        let bias = cfg.attention_bias;
+        let fp8 = cfg.fp8_matmul;
+        let qkv = |name: &str| -> Result<Projection> {
+            let linear = candle_nn::linear_b(dim, dim, cfg.attention_bias, vb.pp(name))?;
+            Ok(Projection::new(linear, fp8))
+        };
         Ok(Self {
-            to_q: candle_nn::linear_b(dim, dim, bias, vb.pp("to_q"))?,
-            to_k: candle_nn::linear_b(dim, dim, bias, vb.pp("to_k"))?,
-            to_v: candle_nn::linear_b(dim, dim, bias, vb.pp("to_v"))?,
-            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            to_q: qkv("to_q")?,
+            to_k: qkv("to_k")?,
+            to_v: qkv("to_v")?,
+            to_out: Projection::load((dim, dim), vb.pp("to_out.0"), fp8)?,
             norm_q: layer_norm(head_dim, QK_NORM_EPS, true, vb.pp("norm_q"))?,
             norm_k: layer_norm(head_dim, QK_NORM_EPS, true, vb.pp("norm_k"))?,
             heads: cfg.num_attention_heads,
@@ -446,12 +461,14 @@ impl JointAttention {
         let s = rows / b;
         let at = Rows { row0: 0, seq: s };
         let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
-        let norm_rope = |linear: &Linear, norm: &LayerNorm| -> Result<Tensor> {
+        // One input for q, k and v: quantized once under `--fp8-matmul`.
+        let x = Input::new(x);
+        let norm_rope = |linear: &Projection, norm: &LayerNorm| -> Result<Tensor> {
             let Some(norm_bias) = norm.bias() else {
                 candle_core::bail!("cogvideox q/k LayerNorm without a bias")
             };
             row_ops::head_norm_rope(
-                x.matmul(&linear.weight().t()?)?,
+                linear.product(&x)?,
                 linear.bias(),
                 norm.weight(),
                 Some(norm_bias),
@@ -464,10 +481,7 @@ impl JointAttention {
         };
         let q = norm_rope(&self.to_q, &self.norm_q)?;
         let k = norm_rope(&self.to_k, &self.norm_k)?;
-        let v = match self.to_v.bias() {
-            Some(bias) => row_ops::matmul_bias_act(x, self.to_v.weight(), bias, Act::None)?,
-            None => x.matmul(&self.to_v.weight().t()?)?,
-        };
+        let v = self.to_v.apply(&x, false)?;
         let split = |t: Tensor| {
             t.reshape((b, s, self.heads, self.head_dim))?
                 .transpose(1, 2)
@@ -478,20 +492,21 @@ impl JointAttention {
             &split(v)?,
             1.0 / (self.head_dim as f64).sqrt(),
         )?;
-        out.transpose(1, 2)?
-            .reshape((rows, dim))?
-            .matmul(&self.to_out.weight().t()?)
+        let out = out.transpose(1, 2)?.reshape((rows, dim))?;
+        self.to_out.product(&Input::new(&out))
     }
 
     /// `x` `[B, S, inner]` -> attention output after `to_out`, same shape.
     fn forward(&self, x: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
         let (b, s, dim) = x.dims3()?;
-        let q = self.norm_rope(self.to_q.forward(x)?, &self.norm_q, inputs)?;
-        let k = self.norm_rope(self.to_k.forward(x)?, &self.norm_k, inputs)?;
-        let v = self.split_heads(self.to_v.forward(x)?)?;
+        // One input for q, k and v: quantized once under `--fp8-matmul`.
+        let x = Input::new(x);
+        let q = self.norm_rope(self.to_q.apply(&x, false)?, &self.norm_q, inputs)?;
+        let k = self.norm_rope(self.to_k.apply(&x, false)?, &self.norm_k, inputs)?;
+        let v = self.split_heads(self.to_v.apply(&x, false)?)?;
         let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
-        self.to_out
-            .forward(&out.transpose(1, 2)?.reshape((b, s, dim))?)
+        let out = out.transpose(1, 2)?.reshape((b, s, dim))?;
+        self.to_out.apply(&Input::new(&out), false)
     }
 }
 
@@ -516,7 +531,7 @@ impl BlockStep {
 pub struct CogVideoXBlock {
     attention: Option<(LayerNormZero, JointAttention)>,
     /// `norm2` and the feed-forward Linear -> GELU(tanh) -> Linear.
-    feed_forward: Option<(LayerNormZero, Linear, Linear)>,
+    feed_forward: Option<(LayerNormZero, Projection, Projection)>,
 }
 
 impl CogVideoXBlock {
@@ -532,8 +547,7 @@ impl CogVideoXBlock {
         steps: &[BlockStep],
     ) -> Result<Self> {
         cfg.validate()?;
-        let dim = cfg.inner_dim();
-        let ff_dim = 4 * dim;
+        let (dim, ff_dim, fp8) = (cfg.inner_dim(), cfg.ff_dim(), cfg.fp8_matmul);
         let attention = if steps.contains(&BlockStep::Attention) {
             Some((
                 LayerNormZero::new(cfg, vb.pp("norm1"))?,
@@ -545,8 +559,8 @@ impl CogVideoXBlock {
         let feed_forward = if steps.contains(&BlockStep::FeedForward) {
             Some((
                 LayerNormZero::new(cfg, vb.pp("norm2"))?,
-                candle_nn::linear(dim, ff_dim, vb.pp("ff.net.0.proj"))?,
-                candle_nn::linear(ff_dim, dim, vb.pp("ff.net.2"))?,
+                Projection::load((dim, ff_dim), vb.pp("ff.net.0.proj"), fp8)?,
+                Projection::load((ff_dim, dim), vb.pp("ff.net.2"), fp8)?,
             ))
         } else {
             None
@@ -604,13 +618,7 @@ impl CogVideoXBlock {
         if let Some((norm2, fc1, fc2)) = &self.feed_forward {
             let emb = norm2.embedding(&inputs.temb)?;
             let h = norm2.forward_fused(&x, &emb, at, text_len)?;
-            let compute = || {
-                let h = match fc1.bias() {
-                    Some(bias) => row_ops::matmul_bias_act(&h, fc1.weight(), bias, Act::GeluTanh)?,
-                    None => h.matmul(&fc1.weight().t()?)?.gelu()?,
-                };
-                h.matmul(&fc2.weight().t()?)
-            };
+            let compute = || fc2.product(&Input::new(&fc1.apply(&Input::new(&h), true)?));
             let (ff, bias) = whole_output(hooks, Submodule::FeedForward, compute, fc2.bias())?;
             x = row_ops::residual_into_delta(
                 &x,
@@ -642,7 +650,8 @@ impl CogVideoXBlock {
         if let Some((norm2, fc1, fc2)) = &self.feed_forward {
             let mods = norm2.forward(&x, &inputs.temb, text_len)?;
             let ff = hooks.output(Submodule::FeedForward, &mut || {
-                fc2.forward(&fc1.forward(&mods.hidden_states)?.gelu()?)
+                let h = fc1.apply(&Input::new(&mods.hidden_states), true)?;
+                fc2.apply(&Input::new(&h), false)
             })?;
             x = gated_residual(&x, &ff, &mods, text_len)?;
         }
