@@ -9,16 +9,16 @@ use super::registry::FamilyOption::{
     Cache, Fp8Matmul, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
 };
 use super::registry::{
-    declared_by, latents_draw, About, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
+    declared_by, About, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
 };
-use super::spec::{PipelineSpec, TextToVideoStages};
+use super::spec::TextToVideoStages;
 use super::stages;
 use crate::config::ModelDefaults;
+use crate::models::cogvideox::guidance;
 use crate::models::cogvideox::transformer::{
     CogVideoXTransformer3DModel, CogVideoXTransformerConfig,
 };
 use crate::models::cogvideox::vae::{AutoencoderKLCogVideoX, CogVideoXVaeConfig};
-use crate::models::cogvideox::{activations, guidance};
 use crate::models::guidance::batch_input;
 use crate::models::step_cache::Pass;
 use crate::models::video::DenoiseActivations;
@@ -34,42 +34,8 @@ pub type CogVideoXConfigs =
 type CogVideoX =
     T5VideoPipeline<CogVideoXConfigs, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
 
-/// The components of a CogVideoX pipeline.
-type Parts = T5Parts<CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>;
-
-impl CogVideoXConfigs {
-    /// The plain T5 video pipeline ([`CogVideoX::declare`]), its DiT's block Linears in fp8
-    /// under `--fp8-matmul`: the DiT's config says so, and the denoise stage holds the codes of
-    /// the largest Linear input and each block's weight codes.
-    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let configs = Self {
-            transformer: CogVideoXTransformerConfig {
-                fp8_matmul: shape.fp8_matmul,
-                ..self.transformer.clone()
-            },
-            ..self.clone()
-        };
-        let latent = self.latent_shape(shape.num_frames, shape.height, shape.width);
-        // Each block built on the device keeps its fp8 weight codes.
-        let (fp8, block_codes) = shape.fp8_bytes(
-            || activations::fp8_matmul_activations(&configs.transformer, latent, shape.text_len),
-            || activations::fp8_block_codes(&configs.transformer),
-        );
-        let (mut spec, parts) = CogVideoX::declare(&configs, shape);
-        if let Some(denoise) = spec.stages.iter_mut().find(|s| s.name == "denoise") {
-            denoise.activation_bytes += fp8;
-            denoise.block_bytes = block_codes;
-        }
-        (spec, parts)
-    }
-}
-
 impl Family for CogVideoXConfigs {
-    declared_by!(CogVideoX::new);
-
-    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(num_frames, height, width))
-    }
+    declared_by!(CogVideoX::new, stages CogVideoX);
 
     /// Text-to-video with classifier-free guidance; the DDIM or DPM sampler its checkpoint names, its VAE decodes
     /// frame-batched, in spatial tiles with `--vae-tiling`. The published pipeline's call
@@ -108,7 +74,11 @@ impl CogVideoX {
     /// Reads the tokenizer and checks the draws file against the run's sizes; loads no weights.
     /// (The sampler the scheduler config names was checked with every config as the model was
     /// read.)
-    fn new(configs: CogVideoXConfigs, parts: Parts, frame: &Frame) -> Result<Self> {
+    fn new(
+        configs: CogVideoXConfigs,
+        parts: T5Parts<CogVideoXTransformer3DModel, AutoencoderKLCogVideoX>,
+        frame: &Frame,
+    ) -> Result<Self> {
         let pipeline = Self::read(configs, parts, frame, Some("CogVideoX"))?;
         pipeline.checking_draws(frame, Self::take_draws)
     }

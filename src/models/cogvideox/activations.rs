@@ -20,6 +20,21 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
         transformer_activations(self, [1, f, self.in_channels, h, w], text_len, dtype)
     }
 
+    fn in_fp8(&self, on: bool) -> Self {
+        Self {
+            fp8_matmul: on,
+            ..self.clone()
+        }
+    }
+
+    fn fp8_activations(&self, [f, h, w]: [usize; 3], text_len: usize) -> u64 {
+        fp8_matmul_activations(self, [1, f, self.in_channels, h, w], text_len)
+    }
+
+    fn fp8_block_codes(&self) -> Vec<u64> {
+        fp8_block_codes(self)
+    }
+
     fn block_state(&self, [f, h, w]: [usize; 3], text_len: usize) -> (usize, usize) {
         let p = self.patch_size;
         (text_len + f * (h / p) * (w / p), self.inner_dim())
