@@ -3,6 +3,7 @@
 
 use super::transformer::MochiTransformerConfig;
 use super::vae::MochiVaeConfig;
+use crate::models::fp8::weight_codes;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::vae_tiling::SpatialTiling;
 use crate::models::video::{DecodeActivations, DenoiseActivations};
@@ -62,6 +63,50 @@ pub fn transformer_activations(
     let scores = heads * seq.min(1024) * seq * 4 * 2;
     let rope = 2 * n * dim / 2 * 4;
     video + text + scores + rope
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward over a batch of `batch` on `tokens` video
+/// tokens and `text_len` text tokens besides the blocks' weight codes ([`fp8_block_codes`]): the
+/// codes of its largest Linear input, every sample's rows at once (a SwiGLU's gated hidden state,
+/// wider than its stream, or the text attention's output into `to_add_out`, as wide as the
+/// video), and a product's workspace.
+pub fn fp8_matmul_activations(
+    c: &MochiTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+) -> u64 {
+    let (video, text) = ((batch * tokens) as u64, (batch * text_len) as u64);
+    let (d, t) = (c.inner_dim(), c.pooled_projection_dim);
+    let ff = MochiTransformerConfig::ff_inner_dim;
+    let largest = [(video, ff(d)), (text, d), (text, ff(t))]
+        .into_iter()
+        .map(|(rows, cols)| (rows, cols as u64))
+        .max_by_key(|(rows, cols)| rows * cols)
+        .unwrap_or_default();
+    crate::models::fp8::forward_bytes(largest)
+}
+
+/// Device bytes of each block's weight codes under `--fp8-matmul`, in execution order: every
+/// block's video q, k, v and `to_out`, text `add_k_proj` and `add_v_proj` and video SwiGLU; and,
+/// but for a `context_pre_only` block, `add_q_proj`, `to_add_out` and the text SwiGLU. The
+/// modulations stay exact.
+pub fn fp8_block_codes(c: &MochiTransformerConfig) -> Vec<u64> {
+    let (d, t) = (c.inner_dim(), c.pooled_projection_dim);
+    let ff = MochiTransformerConfig::ff_inner_dim;
+    let mut reads_text = vec![(d, d); 4];
+    reads_text.extend([(t, d), (t, d), (d, 2 * ff(d)), (ff(d), d)]);
+    let mut updates_text = reads_text.clone();
+    updates_text.extend([(t, d), (d, t), (t, 2 * ff(t)), (ff(t), t)]);
+    (0..c.num_layers)
+        .map(|i| {
+            if c.context_pre_only(i) {
+                weight_codes(&reads_text)
+            } else {
+                weight_codes(&updates_text)
+            }
+        })
+        .collect()
 }
 
 /// Device bytes of the decode: at full resolution, activations at the first stage's channels.

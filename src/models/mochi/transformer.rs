@@ -17,7 +17,8 @@
 //! `MochiRMSNormZero` / `MochiModulatedRMSNorm` do; the rotation of q and k runs in f32. On CUDA
 //! bf16 the blocks' norms with their modulation, gated residuals, q/k norms with RoPE, Linear
 //! biases and SwiGLU run as the fused row kernels every DiT shares (`kernels/row_ops.cu`), with
-//! the same roundings ([`Ops`]).
+//! the same roundings ([`Ops`]). With `--fp8-matmul` the blocks' attention and feed-forward
+//! Linears run in e4m3 ([`Projection`]); the modulations and embedders stay exact.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
@@ -27,8 +28,9 @@ use crate::models::attention::{sdpa, sdpa_with_bias};
 use crate::models::blocks::{HookedBlock, RepeatedBlocks};
 use crate::models::cogvideox::transformer::linspace_f32;
 use crate::models::patches::{patchify, unpatchify_channels_last};
+use crate::models::projection::{Input, Projection};
 #[cfg(feature = "cuda")]
-use crate::models::row_ops::{self, Act, Rows};
+use crate::models::row_ops::{self, Rows};
 use crate::models::step_cache::{
     joint_output, Absent, BlockHooks, ComputeAll, HookedBlocks, ModuleNames, Output, Submodule,
     Through,
@@ -74,6 +76,10 @@ pub struct MochiTransformerConfig {
     pub activation_fn: String,
     /// Informational: the text length the model was trained with.
     pub max_sequence_length: usize,
+    /// Not in the file: the blocks' attention and feed-forward Linears run in fp8
+    /// (`--fp8-matmul`, set by the pipeline); the modulations' stay exact.
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for MochiTransformerConfig {
@@ -91,6 +97,7 @@ impl Default for MochiTransformerConfig {
             time_embed_dim: 256,
             activation_fn: "swiglu".into(),
             max_sequence_length: 256,
+            fp8_matmul: false,
         }
     }
 }
@@ -105,6 +112,12 @@ impl MochiTransformerConfig {
     /// Video stream width: heads x head dim.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Whether block `i` is `context_pre_only` (the last): it reads the text but does not
+    /// update it.
+    pub fn context_pre_only(&self, i: usize) -> bool {
+        i + 1 == self.num_layers
     }
 
     /// Output channels (`out_channels or in_channels`).
@@ -275,23 +288,16 @@ impl Ops {
         }
     }
 
-    /// `linear` over `x` `[B, S, in]`; fused, one GEMM over the rows with the bias in its
-    /// epilogue.
-    fn linear(self, linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    /// `linear` over `x` `[B, S, in]`: an fp8 layer's product of the shared `x`; else composed,
+    /// candle's Linear; fused, one GEMM over the rows with the bias in its epilogue.
+    fn linear(self, linear: &Projection, x: &Input) -> Result<Tensor> {
         match self {
-            Ops::Composite => linear.forward(x),
+            Ops::Composite => match linear.fp8_product(x, linear.bias(), false)? {
+                Some(y) => Ok(y),
+                None => linear.forward(x.tensor()?),
+            },
             #[cfg(feature = "cuda")]
-            Ops::Fused => {
-                let (b, s, d) = x.dims3()?;
-                let rows = x.reshape((b * s, d))?;
-                match linear.bias() {
-                    Some(bias) => {
-                        row_ops::matmul_bias_act(&rows, linear.weight(), bias, Act::None)?
-                    }
-                    None => rows.matmul(&linear.weight().t()?)?,
-                }
-                .reshape((b, s, ()))
-            }
+            Ops::Fused => linear.apply(x, false),
         }
     }
 
@@ -388,21 +394,22 @@ impl Modulation {
 /// The SwiGLU feed-forward (`FeedForward(activation_fn="swiglu", bias=False)`).
 #[derive(Debug, Clone)]
 struct SwiGlu {
-    proj: Linear,
-    out: Linear,
+    proj: Projection,
+    out: Projection,
 }
 
 impl SwiGlu {
-    fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+    /// The feed-forward of a stream of width `dim`, its Linears in fp8 where `fp8`.
+    fn new(dim: usize, vb: VarBuilder, fp8: bool) -> Result<Self> {
         let inner = MochiTransformerConfig::ff_inner_dim(dim);
         Ok(Self {
-            proj: candle_nn::linear_no_bias(dim, 2 * inner, vb.pp("net.0.proj"))?,
-            out: candle_nn::linear_no_bias(inner, dim, vb.pp("net.2"))?,
+            proj: no_bias((dim, 2 * inner), vb.pp("net.0.proj"), fp8)?,
+            out: no_bias((inner, dim), vb.pp("net.2"), fp8)?,
         })
     }
 
     fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
-        let h = ops.linear(&self.proj, x)?;
+        let h = ops.linear(&self.proj, &Input::new(x))?;
         let inner = h.dim(2)? / 2;
         let gated = match ops {
             // The same SiLU (f32, rounded once) and rounded product as candle's bf16 ops.
@@ -413,8 +420,16 @@ impl SwiGlu {
             }
             _ => (h.narrow(2, 0, inner)? * candle_nn::ops::silu(&h.narrow(2, inner, inner)?)?)?,
         };
-        ops.linear(&self.out, &gated)
+        ops.linear(&self.out, &Input::new(&gated))
     }
+}
+
+/// The Linear `(in, out)` without bias under `vb`, in fp8 where `fp8`.
+fn no_bias((inner, out): (usize, usize), vb: VarBuilder, fp8: bool) -> Result<Projection> {
+    Ok(Projection::new(
+        candle_nn::linear_no_bias(inner, out, vb)?,
+        fp8,
+    ))
 }
 
 /// A per-head RMSNorm with weight (`MochiRMSNorm`), in f32, back in the input dtype.
@@ -432,18 +447,18 @@ fn head_rms(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
 /// keeps]; the text outputs of masked tokens are zero before `to_add_out`.
 #[derive(Debug, Clone)]
 struct JointAttention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
     norm_q: Tensor,
     norm_k: Tensor,
-    add_k_proj: Linear,
-    add_v_proj: Linear,
+    add_k_proj: Projection,
+    add_v_proj: Projection,
     norm_added_k: Tensor,
     /// The text queries and the text output (absent in a `context_pre_only` block, whose text
     /// outputs are discarded).
     text_out: Option<TextOut>,
-    to_out: Linear,
+    to_out: Projection,
     heads: usize,
     head_dim: usize,
 }
@@ -452,38 +467,39 @@ struct JointAttention {
 /// block that updates the text stream.
 #[derive(Debug, Clone)]
 struct TextOut {
-    add_q_proj: Linear,
+    add_q_proj: Projection,
     norm_added_q: Tensor,
-    to_add_out: Linear,
+    to_add_out: Projection,
 }
 
 impl JointAttention {
     fn new(cfg: &MochiTransformerConfig, context_pre_only: bool, vb: VarBuilder) -> Result<Self> {
-        let (dim, text_dim, hd) = (
+        let (dim, text_dim, hd, fp8) = (
             cfg.inner_dim(),
             cfg.pooled_projection_dim,
             cfg.attention_head_dim,
+            cfg.fp8_matmul,
         );
         let text_out = if context_pre_only {
             None
         } else {
             Some(TextOut {
-                add_q_proj: candle_nn::linear_no_bias(text_dim, dim, vb.pp("add_q_proj"))?,
+                add_q_proj: no_bias((text_dim, dim), vb.pp("add_q_proj"), fp8)?,
                 norm_added_q: vb.get(hd, "norm_added_q.weight")?,
-                to_add_out: candle_nn::linear(dim, text_dim, vb.pp("to_add_out"))?,
+                to_add_out: Projection::load((dim, text_dim), vb.pp("to_add_out"), fp8)?,
             })
         };
         Ok(Self {
-            to_q: candle_nn::linear_no_bias(dim, dim, vb.pp("to_q"))?,
-            to_k: candle_nn::linear_no_bias(dim, dim, vb.pp("to_k"))?,
-            to_v: candle_nn::linear_no_bias(dim, dim, vb.pp("to_v"))?,
+            to_q: no_bias((dim, dim), vb.pp("to_q"), fp8)?,
+            to_k: no_bias((dim, dim), vb.pp("to_k"), fp8)?,
+            to_v: no_bias((dim, dim), vb.pp("to_v"), fp8)?,
             norm_q: vb.get(hd, "norm_q.weight")?,
             norm_k: vb.get(hd, "norm_k.weight")?,
-            add_k_proj: candle_nn::linear_no_bias(text_dim, dim, vb.pp("add_k_proj"))?,
-            add_v_proj: candle_nn::linear_no_bias(text_dim, dim, vb.pp("add_v_proj"))?,
+            add_k_proj: no_bias((text_dim, dim), vb.pp("add_k_proj"), fp8)?,
+            add_v_proj: no_bias((text_dim, dim), vb.pp("add_v_proj"), fp8)?,
             norm_added_k: vb.get(hd, "norm_added_k.weight")?,
             text_out,
-            to_out: candle_nn::linear(dim, dim, vb.pp("to_out.0"))?,
+            to_out: Projection::load((dim, dim), vb.pp("to_out.0"), fp8)?,
             heads: cfg.num_attention_heads,
             head_dim: hd,
         })
@@ -501,8 +517,8 @@ impl JointAttention {
     /// and, with `rope`, rotated.
     fn project_heads(
         &self,
-        x: &Tensor,
-        linear: &Linear,
+        x: &Input,
+        linear: &Projection,
         norm: Option<&Tensor>,
         rope: Option<(&Tensor, &Tensor)>,
         ops: Ops,
@@ -527,16 +543,28 @@ impl JointAttention {
         let (b, n, dim) = x.dims3()?;
         let l = c.dim(1)?;
         let rope = Some((&inputs.rope_cos, &inputs.rope_sin));
-        let q = self.project_heads(x, &self.to_q, Some(&self.norm_q), rope, ops)?;
-        let k = self.project_heads(x, &self.to_k, Some(&self.norm_k), rope, ops)?;
-        let v = self.project_heads(x, &self.to_v, None, None, ops)?;
-        let tk = self.project_heads(c, &self.add_k_proj, Some(&self.norm_added_k), None, ops)?;
-        let tv = self.project_heads(c, &self.add_v_proj, None, None, ops)?;
-        let tq = match &self.text_out {
-            Some(t) => {
-                Some(self.project_heads(c, &t.add_q_proj, Some(&t.norm_added_q), None, ops)?)
-            }
-            None => None,
+        // One input per stream for its q, k and v: quantized once under `--fp8-matmul`, each
+        // stream's codes dropped once its heads are made.
+        let (q, k, v) = {
+            let x = Input::new(x);
+            (
+                self.project_heads(&x, &self.to_q, Some(&self.norm_q), rope, ops)?,
+                self.project_heads(&x, &self.to_k, Some(&self.norm_k), rope, ops)?,
+                self.project_heads(&x, &self.to_v, None, None, ops)?,
+            )
+        };
+        let (tk, tv, tq) = {
+            let c = Input::new(c);
+            (
+                self.project_heads(&c, &self.add_k_proj, Some(&self.norm_added_k), None, ops)?,
+                self.project_heads(&c, &self.add_v_proj, None, None, ops)?,
+                self.text_out
+                    .as_ref()
+                    .map(|t| {
+                        self.project_heads(&c, &t.add_q_proj, Some(&t.norm_added_q), None, ops)
+                    })
+                    .transpose()?,
+            )
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let (mut video_out, mut text_out) = (Vec::with_capacity(b), Vec::with_capacity(b));
@@ -561,9 +589,9 @@ impl JointAttention {
                 text_out.push(Tensor::cat(&[kept, pad], 1)?);
             }
         }
-        let video = ops.linear(&self.to_out, &Tensor::cat(&video_out, 0)?)?;
+        let video = ops.linear(&self.to_out, &Input::new(&Tensor::cat(&video_out, 0)?))?;
         let text = match &self.text_out {
-            Some(t) => Some(ops.linear(&t.to_add_out, &Tensor::cat(&text_out, 0)?)?),
+            Some(t) => Some(ops.linear(&t.to_add_out, &Input::new(&Tensor::cat(&text_out, 0)?))?),
             None => None,
         };
         Ok((video, text))
@@ -622,7 +650,7 @@ impl MochiBlock {
         steps: &[BlockStep],
     ) -> Result<Self> {
         cfg.validate()?;
-        let context_pre_only = i + 1 == cfg.num_layers;
+        let context_pre_only = cfg.context_pre_only(i);
         let (dim, text_dim) = (cfg.inner_dim(), cfg.pooled_projection_dim);
         let attention = if steps.contains(&BlockStep::Attention) {
             let norm1_context = if context_pre_only {
@@ -644,10 +672,10 @@ impl MochiBlock {
             let ff_context = if context_pre_only {
                 None
             } else {
-                Some(SwiGlu::new(text_dim, vb.pp("ff_context"))?)
+                Some(SwiGlu::new(text_dim, vb.pp("ff_context"), cfg.fp8_matmul)?)
             };
             Some(FeedForwardStep {
-                ff: SwiGlu::new(dim, vb.pp("ff"))?,
+                ff: SwiGlu::new(dim, vb.pp("ff"), cfg.fp8_matmul)?,
                 ff_context,
             })
         } else {
