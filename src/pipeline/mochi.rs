@@ -9,17 +9,16 @@ use super::registry::FamilyOption::{
     Cache, Fp8Matmul, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
 };
 use super::registry::{
-    declared_by, latents_draw, About, Configs, Family, RunShape, T5Parts, T5VideoConfigs,
-    T5VideoPipeline,
+    declared_by, About, Configs, Family, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
-use super::spec::{PipelineSpec, TextToVideoStages};
+use super::spec::TextToVideoStages;
 use super::stages;
 use crate::config::video::FrameRule;
 use crate::config::ModelDefaults;
 use crate::models::guidance::{batch_input, guide_if_batched};
+use crate::models::mochi::defaults;
 use crate::models::mochi::transformer::{MochiTransformer3DModel, MochiTransformerConfig};
 use crate::models::mochi::vae::{AutoencoderKLMochi, MochiVaeConfig};
-use crate::models::mochi::{activations, defaults};
 use crate::models::step_cache::Pass;
 use crate::models::video::DenoiseActivations;
 use crate::schedulers::euler::{FlowMatchEuler, FlowMatchEulerConfig};
@@ -59,45 +58,8 @@ pub type MochiConfigs =
 /// Mochi's own part of its pipeline (the frame holds the rest).
 type Mochi = T5VideoPipeline<MochiConfigs, MochiTransformer3DModel, AutoencoderKLMochi>;
 
-/// The components of a Mochi pipeline.
-type Parts = T5Parts<MochiTransformer3DModel, AutoencoderKLMochi>;
-
-impl MochiConfigs {
-    /// The T5 video pipeline ([`T5VideoPipeline::declare`]) with its DiT's Linears in fp8 under
-    /// `--fp8-matmul`, and what they add to the denoise stage.
-    fn declare(&self, shape: &RunShape) -> (PipelineSpec, Parts) {
-        let transformer = MochiTransformerConfig {
-            fp8_matmul: shape.fp8_matmul,
-            ..self.transformer.clone()
-        };
-        let tokens =
-            transformer.video_tokens(self.grid(shape.num_frames, shape.height, shape.width));
-        // Guidance batched into one forward, as the denoise activations count it; each block
-        // built on the device keeps its fp8 weight codes.
-        let (fp8, block_codes) = shape.fp8_bytes(
-            || activations::fp8_matmul_activations(&transformer, tokens, shape.text_len, 2),
-            || activations::fp8_block_codes(&transformer),
-        );
-        let configs = MochiConfigs {
-            transformer,
-            ..self.clone()
-        };
-        let (mut spec, parts) = Mochi::declare(&configs, shape);
-        let denoise = spec.stages.iter_mut().find(|s| s.name == "denoise");
-        if let Some(denoise) = denoise {
-            denoise.activation_bytes += fp8;
-            denoise.block_bytes = block_codes;
-        }
-        (spec, parts)
-    }
-}
-
 impl Family for MochiConfigs {
-    declared_by!(Mochi::opener(None, Mochi::take_latents));
-
-    fn draws(&self, num_frames: u32, height: u32, width: u32) -> Vec<(&'static str, Vec<usize>)> {
-        latents_draw(&self.latent_shape(num_frames, height, width))
-    }
+    declared_by!(Mochi::opener(None, Mochi::take_latents), stages Mochi);
 
     /// Text-to-video with classifier-free guidance; its own linear-quadratic flow-match
     /// schedule, the VAE decoding whole (in spatial tiles with `--vae-tiling`).

@@ -268,7 +268,7 @@ impl FamilyOption {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
             }
             FamilyOption::Fp8Matmul => {
-                "vidgen runs the transformer Linears of the Wan family, FLUX.1 and HunyuanVideo as fp8 matmuls so far"
+                "vidgen runs the transformer Linears of the diffusers families as fp8 matmuls so far (MiniMax H3's transformer is not diffusers')"
             }
         }
     }

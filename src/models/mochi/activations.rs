@@ -18,6 +18,22 @@ impl DenoiseActivations for MochiTransformerConfig {
         transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
     }
 
+    fn in_fp8(&self, on: bool) -> Self {
+        Self {
+            fp8_matmul: on,
+            ..self.clone()
+        }
+    }
+
+    /// The guided pair batched into one forward, as [`Self::denoise_activations`] counts it.
+    fn fp8_activations(&self, grid: [usize; 3], text_len: usize) -> u64 {
+        fp8_matmul_activations(self, self.video_tokens(grid), text_len, 2)
+    }
+
+    fn fp8_block_codes(&self) -> Vec<u64> {
+        fp8_block_codes(self)
+    }
+
     fn block_state(&self, grid: [usize; 3], text_len: usize) -> (usize, usize) {
         (self.video_tokens(grid) + text_len, self.inner_dim())
     }
