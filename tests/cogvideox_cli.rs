@@ -155,15 +155,7 @@ fn offload_modes_are_bit_identical_to_resident() {
 #[test]
 fn fp8_matmuls_run_in_every_offload_mode() {
     let dir = scratch("fp8");
-    let (exact, _) = generate(&dir, "cfg6", &[]);
-    let (fp8, log) = generate(&dir, "cfg6", &["--fp8-matmul"]);
-    let err = common::relative_l2(&fp8, &exact);
-    eprintln!("fp8 frames: relative L2 {err:.3e}");
-    assert!(err > 0.0 && err <= 0.032, "relative L2 {err}");
-    assert!(log.contains("fp8 matmuls"), "{log}");
-    common::assert_offload_modes_bit_identical(&[], |flags| {
-        generate(&dir, "cfg6", &[flags, &["--fp8-matmul"]].concat())
-    });
+    common::assert_fp8_runs(0.032, |flags| generate(&dir, "cfg6", flags));
 }
 
 #[test]

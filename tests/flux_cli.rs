@@ -175,15 +175,7 @@ fn offload_modes_are_bit_identical_to_resident() {
 #[test]
 fn fp8_matmuls_run_in_every_offload_mode() {
     let dir = scratch("fp8");
-    let (exact, _) = generate(&dir, "truecfg4", &[]);
-    let (fp8, log) = generate(&dir, "truecfg4", &["--fp8-matmul"]);
-    let err = common::relative_l2(&fp8, &exact);
-    eprintln!("fp8 image: relative L2 {err:.3e}");
-    assert!(err > 0.0 && err <= 0.025, "relative L2 {err}");
-    assert!(log.contains("fp8 matmuls"), "{log}");
-    common::assert_offload_modes_bit_identical(&[], |flags| {
-        generate(&dir, "truecfg4", &[flags, &["--fp8-matmul"]].concat())
-    });
+    common::assert_fp8_runs(0.025, |flags| generate(&dir, "truecfg4", flags));
 }
 
 /// The published call defaults (1024x1024, one image as PNG, 28 steps, guidance 3.5, 512

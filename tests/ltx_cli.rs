@@ -171,15 +171,7 @@ fn offload_modes_are_bit_identical_to_resident() {
 fn fp8_matmuls_run_in_every_offload_mode() {
     let dir = scratch("fp8");
     let draws = draws_file("cfg3", &dir);
-    let (exact, _) = guided_run(&dir, &draws, &[]);
-    let (fp8, log) = guided_run(&dir, &draws, &["--fp8-matmul"]);
-    let err = common::relative_l2(&fp8, &exact);
-    eprintln!("fp8 frames: relative L2 {err:.3e}");
-    assert!(err > 0.0 && err <= 0.018, "relative L2 {err}");
-    assert!(log.contains("fp8 matmuls"), "{log}");
-    common::assert_offload_modes_bit_identical(&[], |flags| {
-        guided_run(&dir, &draws, &[flags, &["--fp8-matmul"]].concat())
-    });
+    common::assert_fp8_runs(0.018, |flags| guided_run(&dir, &draws, flags));
 }
 
 /// `--dry-run --json` of `model` with `extra` flags.

@@ -318,6 +318,20 @@ pub fn assert_offload_modes_bit_identical(
     }
 }
 
+/// `--fp8-matmul` through `generate` (a run of a family's fixture with extra flags: its frames
+/// and log): the frames move from the exact run's, by at most `bound` (relative L2, printed), the
+/// log counts the fp8 products, and every offload mode gives the resident fp8 run's frames bit
+/// for bit (each block's weight codes are made where it lands).
+pub fn assert_fp8_runs(bound: f32, generate: impl Fn(&[&str]) -> (Tensor, String)) {
+    let (exact, _) = generate(&[]);
+    let (fp8, log) = generate(&["--fp8-matmul"]);
+    let err = relative_l2(&fp8, &exact);
+    eprintln!("fp8 frames: relative L2 {err:.3e}");
+    assert!(err > 0.0 && err <= bound, "relative L2 {err}");
+    assert!(log.contains("fp8 matmuls"), "{log}");
+    assert_offload_modes_bit_identical(&[], |flags| generate(&[flags, &["--fp8-matmul"]].concat()));
+}
+
 /// Asserts that `plan` (a `--dry-run --json` plan) calls the pipeline with each `config` value
 /// of `expected` (a JSON object) and plans every stage of a run without an error.
 pub fn assert_planned_call(plan: &serde_json::Value, expected: &serde_json::Value) {
