@@ -34,15 +34,6 @@ pub fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<
     Ok(LayerNorm::new(ones, zeros, eps))
 }
 
-/// A linear layer with or without its bias (the blocks' `attention_bias`).
-pub fn linear(cin: usize, cout: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        candle_nn::linear(cin, cout, vb)
-    } else {
-        candle_nn::linear_no_bias(cin, cout, vb)
-    }
-}
-
 /// The blocks' multi-head `Attention`: q from the tokens, k and v from a context (the tokens
 /// themselves, or the caption), heads as `[B, H, S, head_dim]`, then `to_out.0`.
 #[derive(Debug, Clone)]
@@ -65,9 +56,7 @@ impl Attention {
         vb: VarBuilder,
         fp8: bool,
     ) -> Result<Self> {
-        let qkv = |cin, name: &str| -> Result<Projection> {
-            Ok(Projection::new(linear(cin, dim, bias, vb.pp(name))?, fp8))
-        };
+        let qkv = |cin, name: &str| Projection::load_with((cin, dim), bias, vb.pp(name), fp8);
         Ok(Self {
             to_q: qkv(dim, "to_q")?,
             to_k: qkv(context_dim, "to_k")?,

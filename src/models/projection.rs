@@ -40,7 +40,22 @@ impl Projection {
 
     /// The Linear `(in, out)` with bias under `vb`, in fp8 where `fp8`.
     pub fn load(in_out: (usize, usize), vb: candle_nn::VarBuilder, fp8: bool) -> Result<Self> {
-        Ok(Self::new(candle_nn::linear(in_out.0, in_out.1, vb)?, fp8))
+        Self::load_with(in_out, true, vb, fp8)
+    }
+
+    /// The Linear `(in, out)` under `vb`, with its bias where `bias`, in fp8 where `fp8`.
+    pub fn load_with(
+        (inner, out): (usize, usize),
+        bias: bool,
+        vb: candle_nn::VarBuilder,
+        fp8: bool,
+    ) -> Result<Self> {
+        let linear = if bias {
+            candle_nn::linear(inner, out, vb)?
+        } else {
+            candle_nn::linear_no_bias(inner, out, vb)?
+        };
+        Ok(Self::new(linear, fp8))
     }
 
     pub fn weight(&self) -> &Tensor {

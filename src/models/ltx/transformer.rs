@@ -343,21 +343,6 @@ fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
 }
 
-/// A block's Linear `(in, out)` under `vb`, with a bias where `bias`, in fp8 where `fp8`.
-fn projection(
-    (in_dim, out_dim): (usize, usize),
-    bias: bool,
-    vb: VarBuilder,
-    fp8: bool,
-) -> Result<Projection> {
-    let linear = if bias {
-        candle_nn::linear(in_dim, out_dim, vb)?
-    } else {
-        candle_nn::linear_no_bias(in_dim, out_dim, vb)?
-    };
-    Ok(Projection::new(linear, fp8))
-}
-
 /// Linear -> GELU (tanh) -> Linear: the caption projection (`linear_1`, `linear_2`).
 #[derive(Debug, Clone)]
 struct GeluMlp {
@@ -390,10 +375,15 @@ impl LtxAttention {
         let dim = cfg.inner_dim();
         let (bias, fp8) = (cfg.attention_bias, cfg.fp8_matmul);
         Ok(Self {
-            to_q: projection((dim, dim), bias, vb.pp("to_q"), fp8)?,
-            to_k: projection((kv_dim, dim), bias, vb.pp("to_k"), fp8)?,
-            to_v: projection((kv_dim, dim), bias, vb.pp("to_v"), fp8)?,
-            to_out: projection((dim, dim), cfg.attention_out_bias, vb.pp("to_out.0"), fp8)?,
+            to_q: Projection::load_with((dim, dim), bias, vb.pp("to_q"), fp8)?,
+            to_k: Projection::load_with((kv_dim, dim), bias, vb.pp("to_k"), fp8)?,
+            to_v: Projection::load_with((kv_dim, dim), bias, vb.pp("to_v"), fp8)?,
+            to_out: Projection::load_with(
+                (dim, dim),
+                cfg.attention_out_bias,
+                vb.pp("to_out.0"),
+                fp8,
+            )?,
             norm_q: vb.get(dim, "norm_q.weight")?,
             norm_k: vb.get(dim, "norm_k.weight")?,
             heads: cfg.num_attention_heads,

@@ -403,8 +403,8 @@ impl SwiGlu {
     fn new(dim: usize, vb: VarBuilder, fp8: bool) -> Result<Self> {
         let inner = MochiTransformerConfig::ff_inner_dim(dim);
         Ok(Self {
-            proj: no_bias((dim, 2 * inner), vb.pp("net.0.proj"), fp8)?,
-            out: no_bias((inner, dim), vb.pp("net.2"), fp8)?,
+            proj: Projection::load_with((dim, 2 * inner), false, vb.pp("net.0.proj"), fp8)?,
+            out: Projection::load_with((inner, dim), false, vb.pp("net.2"), fp8)?,
         })
     }
 
@@ -422,14 +422,6 @@ impl SwiGlu {
         };
         ops.linear(&self.out, &Input::new(&gated))
     }
-}
-
-/// The Linear `(in, out)` without bias under `vb`, in fp8 where `fp8`.
-fn no_bias((inner, out): (usize, usize), vb: VarBuilder, fp8: bool) -> Result<Projection> {
-    Ok(Projection::new(
-        candle_nn::linear_no_bias(inner, out, vb)?,
-        fp8,
-    ))
 }
 
 /// A per-head RMSNorm with weight (`MochiRMSNorm`), in f32, back in the input dtype.
@@ -484,19 +476,24 @@ impl JointAttention {
             None
         } else {
             Some(TextOut {
-                add_q_proj: no_bias((text_dim, dim), vb.pp("add_q_proj"), fp8)?,
+                add_q_proj: Projection::load_with(
+                    (text_dim, dim),
+                    false,
+                    vb.pp("add_q_proj"),
+                    fp8,
+                )?,
                 norm_added_q: vb.get(hd, "norm_added_q.weight")?,
                 to_add_out: Projection::load((dim, text_dim), vb.pp("to_add_out"), fp8)?,
             })
         };
         Ok(Self {
-            to_q: no_bias((dim, dim), vb.pp("to_q"), fp8)?,
-            to_k: no_bias((dim, dim), vb.pp("to_k"), fp8)?,
-            to_v: no_bias((dim, dim), vb.pp("to_v"), fp8)?,
+            to_q: Projection::load_with((dim, dim), false, vb.pp("to_q"), fp8)?,
+            to_k: Projection::load_with((dim, dim), false, vb.pp("to_k"), fp8)?,
+            to_v: Projection::load_with((dim, dim), false, vb.pp("to_v"), fp8)?,
             norm_q: vb.get(hd, "norm_q.weight")?,
             norm_k: vb.get(hd, "norm_k.weight")?,
-            add_k_proj: no_bias((text_dim, dim), vb.pp("add_k_proj"), fp8)?,
-            add_v_proj: no_bias((text_dim, dim), vb.pp("add_v_proj"), fp8)?,
+            add_k_proj: Projection::load_with((text_dim, dim), false, vb.pp("add_k_proj"), fp8)?,
+            add_v_proj: Projection::load_with((text_dim, dim), false, vb.pp("add_v_proj"), fp8)?,
             norm_added_k: vb.get(hd, "norm_added_k.weight")?,
             text_out,
             to_out: Projection::load((dim, dim), vb.pp("to_out.0"), fp8)?,
