@@ -410,6 +410,8 @@ impl Bench {
             cache: None,
             fp8_matmul: false,
             sage_attention: false,
+            // One CFG branch a forward, as the inputs are made.
+            guided: false,
         };
         let spec = family.spec(&run);
         let mut first_output: Option<Vec<f32>> = None;

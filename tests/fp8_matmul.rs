@@ -253,7 +253,8 @@ fn latte_plans_its_blocks_codes() {
     let codes = cfg.fp8_block_codes();
     assert_eq!(codes.len(), 2 * cfg.num_layers);
     assert!(codes[0] > codes[1], "{codes:?}");
-    let inputs = cfg.fp8_activations(vae.latent_grid(5, 512, 512), 0);
+    // The guided pair (the pipeline's default scale, 7.5) in one forward.
+    let inputs = cfg.fp8_activations(vae.latent_grid(5, 512, 512), 0, 2);
     assert!(inputs > 32 << 20, "{inputs}");
     assert_eq!(added, inputs + codes.iter().sum::<u64>(), "resident");
 }

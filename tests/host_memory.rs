@@ -343,7 +343,8 @@ fn the_run_fits_itself_to_the_host_or_stops_before_loading() {
         "{json}"
     );
     assert_eq!(json["jobs"][0]["status"], "written");
-    // Each stage's metrics carry the plan's host bytes beside the measured resident set.
+    // Each stage's metrics carry the plan's host bytes beside the measured resident set, and
+    // its device bytes (every stage but the write computes on the device).
     let stages = json["jobs"][0]["metrics"]["stages"].as_object().unwrap();
     assert_eq!(stages.len(), 4, "{stages:?}");
     for (name, stage) in stages {
@@ -353,6 +354,11 @@ fn the_run_fits_itself_to_the_host_or_stops_before_loading() {
             "{name}: {stage}"
         );
         assert!(stage["host_rss_peak"].as_u64().is_some(), "{name}: {stage}");
+        let device = stage["device_planned_bytes"].as_u64();
+        assert!(
+            device.is_some_and(|d| (d > 0) == (name != "write")),
+            "{name}: {stage}"
+        );
     }
 
     std::fs::remove_file(&stats).unwrap();

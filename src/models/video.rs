@@ -84,10 +84,27 @@ pub trait VideoDit {
 
 /// A video DiT's activation estimate, for planning.
 pub trait DenoiseActivations {
-    /// Device bytes one denoising forward over the guided `[negative; positive]` pair keeps
-    /// alive at its peak (the weights counted apart), for a latent grid `[F', H', W']` and
-    /// prompts of `text_len` tokens.
-    fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64;
+    /// Device bytes one denoising forward over `batch` prompts (2: the guided `[negative;
+    /// positive]` pair, 1 without guidance) keeps alive at its peak (the weights counted
+    /// apart), for a latent grid `[F', H', W']` and prompts of `text_len` tokens.
+    fn denoise_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64;
+
+    /// Device bytes of the same forward while its outer part (embedders, output head) computes
+    /// apart from the blocks, an outer part moved in per use: the stream entering the blocks
+    /// and the head's normed copy beside what the forward holds throughout (tables, text).
+    fn outer_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64;
 
     /// The tokens (video and text) and width of one prompt's block state, of which a step
     /// cache (`--cache`) holds copies through the loop; none where the DiT takes no cache.
@@ -115,11 +132,11 @@ pub trait DenoiseActivations {
         self.clone()
     }
 
-    /// What `--fp8-matmul` adds to a forward over `grid` besides the blocks' weight codes: its
-    /// largest Linear input's codes and a product's workspace
+    /// What `--fp8-matmul` adds to a forward of `batch` prompts over `grid` besides the blocks'
+    /// weight codes: its largest Linear input's codes and a product's workspace
     /// ([`crate::models::fp8::forward_bytes`]); nothing without an fp8 path.
-    fn fp8_activations(&self, grid: [usize; 3], text_len: usize) -> u64 {
-        let _ = (grid, text_len);
+    fn fp8_activations(&self, grid: [usize; 3], text_len: usize, batch: usize) -> u64 {
+        let _ = (grid, text_len, batch);
         0
     }
 

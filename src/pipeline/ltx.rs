@@ -66,8 +66,8 @@ impl LtxConfigs {
         let grid = self.grid(shape.num_frames, shape.height, shape.width);
         let tokens: usize = self.token_grid(grid).iter().product();
         let (dtype, text_len) = (shape.dtype, shape.text_len);
-        // One forward runs the CFG batch [negative; positive].
-        let batch = 2;
+        // One forward runs the CFG batch [negative; positive] where guidance is on.
+        let batch = shape.guidance_batch();
         let transformer = LtxTransformerConfig {
             fp8_matmul: shape.fp8_matmul,
             ..self.transformer.clone()
@@ -83,14 +83,18 @@ impl LtxConfigs {
             spatial: 2 * self.transformer.num_layers,
             ..Default::default()
         };
+        // A step cache's states are held through the loop.
+        let cache = shape.cache_bytes(
+            (tokens, transformer.inner_dim()),
+            (attentions, &transformer.hooked_blocks()),
+            batch,
+        );
         let dit =
             activations::transformer_activations(&transformer, tokens, text_len, batch, dtype)
                 + fp8
-                + shape.cache_bytes(
-                    (tokens, transformer.inner_dim()),
-                    (attentions, &transformer.hooked_blocks()),
-                    batch,
-                );
+                + cache;
+        let outer =
+            activations::outer_activations(&transformer, tokens, text_len, batch, dtype) + cache;
         let (mut spec, parts) = Parts::pipeline::<Ltx>(
             self.title(),
             (&self.text_encoder, &transformer, &self.vae),
@@ -99,7 +103,7 @@ impl LtxConfigs {
                 dit,
                 activations::vae_decode_activations(&self.vae, grid, shape.vae_tiling, dtype),
             ],
-            block_codes,
+            (outer, block_codes),
         );
         // Its LoRAs may come under ComfyUI's `diffusion_model.` prefix.
         spec.components[parts.transformer.index()].lora = Some(crate::lora::Target::Transformer(

@@ -26,7 +26,7 @@ pub mod wan_t2v;
 
 use crate::config::{BatchOrderChoice, ModelDefaults, ResolvedConfig, UsageError};
 use crate::memory::accounting::MemoryMeter;
-use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request};
+use crate::memory::plan::{self as memory_plan, gib, MemoryPlan, Request, StagePlan};
 use crate::memory::{DeviceKind, MemoryModel, MemoryOptions};
 use crate::models::sage_attention::AttentionKind;
 use crate::models::source::ModelSource;
@@ -860,7 +860,7 @@ fn generate(
         loaded: Vec::new(),
         evicted: Vec::new(),
         injected: 0,
-        host_plans: Default::default(),
+        plans_by_size: Default::default(),
     };
     // Jobs whose first stage began before any Ctrl-C; the others never started (`not_run`).
     let mut begun: std::collections::HashSet<usize> = std::collections::HashSet::new();
@@ -916,7 +916,7 @@ struct Guarded<'a> {
     injected: usize,
     /// The memory plan of each prompt size under the options in force, as planned (`None`:
     /// none could be made).
-    host_plans: std::collections::HashMap<(u32, u32, u32), Option<MemoryPlan>>,
+    plans_by_size: std::collections::HashMap<(u32, u32, u32), Option<MemoryPlan>>,
 }
 
 impl Guarded<'_> {
@@ -1041,7 +1041,7 @@ impl Guarded<'_> {
         }
         let reason = format!("out of device memory {when}");
         self.current = self.current.clone().with_memory_options(options, &reason);
-        self.host_plans.clear();
+        self.plans_by_size.clear();
         self.progress.note(&format!(
             "out of device memory {when}; retrying once with {} (predicted peak {})",
             candidate.flags.join(" "),
@@ -1060,7 +1060,7 @@ impl Guarded<'_> {
         if self.config.device().memory_model == MemoryModel::Unified {
             return None;
         }
-        let need = self.planned_host(stage, job)?;
+        let need = self.planned(stage, job)?.host_bytes;
         let sharers = self.config.device().host_sharers;
         // What the components released before this stage give back is counted free.
         let room = crate::teardown::room_for(need, || crate::memory::probe::host_room(sharers))?;
@@ -1076,11 +1076,10 @@ impl Guarded<'_> {
         })
     }
 
-    /// The host bytes the memory plan of `job`'s size predicts for `stage` under the options
-    /// in force.
-    fn planned_host(&mut self, stage: &str, job: &Job) -> Option<u64> {
+    /// What the memory plan of `job`'s size predicts for `stage` under the options in force.
+    fn planned(&mut self, stage: &str, job: &Job) -> Option<StagePlan> {
         let size = (job.num_frames, job.height, job.width);
-        if !self.host_plans.contains_key(&size) {
+        if !self.plans_by_size.contains_key(&size) {
             // After a retry's leaner set, that set's plan.
             let leaner;
             let planner = match self.current.memory() == self.config.memory() {
@@ -1091,9 +1090,9 @@ impl Guarded<'_> {
                 }
             };
             let plan = planner.plan_size(size.0, size.1, size.2).ok();
-            self.host_plans.insert(size, plan);
+            self.plans_by_size.insert(size, plan);
         }
-        Some(self.host_plans[&size].as_ref()?.stage(stage)?.host_bytes)
+        self.plans_by_size[&size].as_ref()?.stage(stage).cloned()
     }
 }
 
@@ -1235,7 +1234,9 @@ impl Guarded<'_> {
                 .note(&format!("  {stage}: {}", progress::describe_peaks(&peaks)));
             let mut measured = serde_json::to_value(peaks)?;
             // Beside what was measured, what the plan predicted.
-            measured["host_planned_bytes"] = json!(self.planned_host(stage, job));
+            let planned = self.planned(stage, job);
+            measured["host_planned_bytes"] = json!(planned.as_ref().map(|p| p.host_bytes));
+            measured["device_planned_bytes"] = json!(planned.map(|p| p.peak_bytes));
             let stages = job.metrics.entry("stages").or_insert_with(|| json!({}));
             stages[stage] = measured;
         }

@@ -6,7 +6,7 @@
 use super::frame::{Frame, T5Pipeline};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
 use super::{allegro, cogvideox, flux, hunyuan_video, latte, ltx, minimax_h3, mochi, wan_t2v};
-use crate::config::{ModelDefaults, ResolvedConfig};
+use crate::config::{ModelDefaults, Prompts, ResolvedConfig};
 use crate::models::blocks::Blockwise;
 use crate::models::cogvideox::activations::text_encoder_activations;
 use crate::models::source::ModelSource;
@@ -50,9 +50,22 @@ pub struct RunShape {
     pub fp8_matmul: bool,
     /// The DiTs' attention computes in 8 bits (`--attention sage`).
     pub sage_attention: bool,
+    /// Classifier-free guidance may run (a guidance scale above 1, or a prompt file, whose
+    /// lines may set one): a family that batches its passes forwards two prompts at once.
+    pub guided: bool,
 }
 
 impl RunShape {
+    /// Prompts in one forward of a DiT that batches the guided `[negative; positive]` pair:
+    /// two with guidance, one without.
+    pub fn guidance_batch(&self) -> usize {
+        if self.guided {
+            2
+        } else {
+            1
+        }
+    }
+
     /// What `--fp8-matmul` adds to a denoise stage where it is on: `inputs()`, the bytes it adds
     /// to a forward's activations, and `codes()`, each block's weight codes
     /// ([`super::spec::StageSpec::holding_per_block`]); nothing where it is off.
@@ -114,6 +127,7 @@ impl RunShape {
             cache: g.cache.clone(),
             fp8_matmul: g.fp8_matmul,
             sage_attention: g.attention == crate::models::sage_attention::AttentionKind::Sage,
+            guided: v.guidance_scale > 1.0 || matches!(g.prompts, Some(Prompts::File(_))),
         }
     }
 }
@@ -548,7 +562,8 @@ where
         shape: &RunShape,
     ) -> (PipelineSpec, T5Parts<DM, VM>) {
         let grid = configs.grid(shape.num_frames, shape.height, shape.width);
-        let (dtype, text_len) = (shape.dtype, shape.text_len);
+        // One forward runs the guided pair where guidance is on.
+        let (dtype, text_len, batch) = (shape.dtype, shape.text_len, shape.guidance_batch());
         let T5VideoConfigs {
             transformer,
             vae,
@@ -558,27 +573,30 @@ where
         let transformer = &transformer.in_fp8(shape.fp8_matmul);
         // Each block built on the device keeps its fp8 weight codes.
         let (fp8, block_codes) = shape.fp8_bytes(
-            || transformer.fp8_activations(grid, text_len),
+            || transformer.fp8_activations(grid, text_len, batch),
             || transformer.fp8_block_codes(),
+        );
+        // A step cache's states are held through the loop.
+        let cache = shape.cache_bytes(
+            transformer.block_state(grid, text_len),
+            (
+                transformer.attention_modules(),
+                &transformer.hooked_blocks(),
+            ),
+            batch,
         );
         T5Parts::pipeline::<Self>(
             configs.title(),
             (text_encoder, transformer, vae),
             [
                 text_encoder_activations(text_encoder, text_len, dtype),
-                transformer.denoise_activations(grid, text_len, dtype)
-                    + fp8
-                    + shape.cache_bytes(
-                        transformer.block_state(grid, text_len),
-                        (
-                            transformer.attention_modules(),
-                            &transformer.hooked_blocks(),
-                        ),
-                        2,
-                    ),
+                transformer.denoise_activations(grid, text_len, batch, dtype) + fp8 + cache,
                 vae.decode_activations(grid, shape.vae_tiling, dtype),
             ],
-            block_codes,
+            (
+                transformer.outer_activations(grid, text_len, batch, dtype) + cache,
+                block_codes,
+            ),
         )
     }
 }

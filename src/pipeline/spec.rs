@@ -272,12 +272,14 @@ impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
     /// The plain text-to-video pipeline `title` with its components' slots: the three
     /// components, configured by `configs`, then one stage for each in turn (`encode_text`,
     /// `denoise`, `decode`: the activations it holds and its body of the family's pipeline
-    /// `P`) and `write`.
+    /// `P`) and `write`. The denoise stage also holds `dit.0`, the activations while the DiT's
+    /// outer part computes apart ([`StageSpec::apart_activations`]), and `dit.1`, its blocks'
+    /// bytes ([`StageSpec::holding_per_block`]).
     pub fn pipeline<P: TextToVideoStages>(
         title: &'static str,
         configs: (&T::Config, &D::Config, &V::Config),
         activations: [u64; 3],
-        dit_block_bytes: Vec<u64>,
+        dit: (u64, Vec<u64>),
     ) -> (PipelineSpec, Self) {
         let mut spec = PipelineSpec::titled(title);
         let parts = TextToVideo {
@@ -292,13 +294,17 @@ impl<T: Blockwise, D: Blockwise, V: Blockwise> TextToVideo<T, D, V> {
         ];
         let names = ["encode_text", "denoise", "decode"];
         let bodies: [Body<P>; 3] = [P::encode_text, P::denoise, P::decode];
-        let block_bytes = [Vec::new(), dit_block_bytes, Vec::new()];
+        let (dit_apart, dit_block_bytes) = dit;
         spec.stages = (names.into_iter().zip(uses).zip(activations).zip(bodies))
-            .zip(block_bytes)
-            .map(|((((name, uses), activations), body), block_bytes)| {
-                StageSpec::new(name, &[uses], activations)
-                    .holding_per_block(block_bytes)
-                    .runs(body)
+            .map(|(((name, uses), activations), body)| {
+                let stage = StageSpec::new(name, &[uses], activations);
+                match name {
+                    "denoise" => stage
+                        .apart_activations(dit_apart)
+                        .holding_per_block(dit_block_bytes.clone()),
+                    _ => stage,
+                }
+                .runs(body)
             })
             .chain([StageSpec::write()])
             .collect();

@@ -4,7 +4,7 @@
 
 use super::transformer::AllegroTransformerConfig;
 use super::vae::AllegroVaeConfig;
-use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::attention::{runs_fused, MAX_SCORE_ELEMENTS};
 use crate::models::fp8::forward_bytes;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::video::{DecodeActivations, DenoiseActivations};
@@ -15,8 +15,26 @@ impl DenoiseActivations for AllegroTransformerConfig {
         HookedBlocks::one_list(self.num_layers, super::transformer::CACHE_NAMES)
     }
 
-    fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
-        transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
+    fn denoise_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        transformer_activations(self, self.video_tokens(grid), text_len, batch, dtype)
+    }
+
+    fn outer_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        let (n, b) = (self.video_tokens(grid) as u64, batch as u64);
+        2 * b * n * self.inner_dim() as u64 * dtype.size_in_bytes() as u64
+            + forward_held(self, n, text_len as u64, b, dtype)
     }
 
     fn in_fp8(&self, on: bool) -> Self {
@@ -26,9 +44,9 @@ impl DenoiseActivations for AllegroTransformerConfig {
         }
     }
 
-    /// The largest Linear input: the guided pair's feed-forward hidden states.
-    fn fp8_activations(&self, grid: [usize; 3], _text_len: usize) -> u64 {
-        let rows = 2 * self.video_tokens(grid) as u64;
+    /// The largest Linear input: the batch's feed-forward hidden states.
+    fn fp8_activations(&self, grid: [usize; 3], _text_len: usize, batch: usize) -> u64 {
+        let rows = (batch * self.video_tokens(grid)) as u64;
         forward_bytes((rows, 4 * self.inner_dim() as u64))
     }
 
@@ -71,13 +89,17 @@ pub fn transformer_activations(
     let (n, l, b) = (tokens as u64, text_len as u64, batch as u64);
     let dim = c.inner_dim() as u64;
     let heads = c.num_attention_heads as u64;
-    // Hidden states, the modulated norm, q/k/v, the attention output and its projection; q and
-    // k rotated in f32 (two copies each) where the rotary embedding is composed (bf16 rotates
-    // them in place, in one kernel on CUDA); the feed-forward's 4x hidden, with its GELU a copy
-    // more where it is not fused into the product (bf16); the rotary tables in f32; the caption
-    // and its projection. (bf16 on an H200 at 88x720x1280 with guidance, the DiT held: 12.07
-    // GiB measured in denoise against 12.72 planned, bench/RESULTS.md session 33.)
+    // Hidden states, the modulated norm, q/k/v, the attention output and its projection (one
+    // copy fewer with the fused kernels, whose peak is in the feed-forward: the block's input,
+    // the stream after the attention, its norm, the output and its gated sum); q and k rotated
+    // in f32 (two copies each) where the rotary embedding is composed (bf16 rotates them in
+    // place, in one kernel on CUDA); the feed-forward's 4x hidden, with its GELU a copy more
+    // where it is not fused into the product (bf16); the rotary tables in f32; the caption and
+    // its projection. (bf16 at 88x720x1280, above the held DiT: an H200 measured 6.90 GiB in
+    // denoise with guidance, session 33, and an H100 3.15 in one forward without, session 50;
+    // planned 6.88 and 3.47.)
     let hidden = b * n * dim * bytes;
+    let streams = if runs_fused(dtype) { 6 } else { 7 };
     let feed_forward = if dtype == DType::BF16 {
         hidden * 4
     } else {
@@ -88,7 +110,6 @@ pub fn transformer_activations(
     } else {
         b * n * dim * 4 * 4
     };
-    let tables = 2 * n * c.attention_head_dim as u64 * 4;
     // The chunked attention's f32 scores (every token attends to every token), bounded by the
     // chunking; the fused CUDA attention (bf16, f16) keeps none.
     let scores = if matches!(dtype, DType::BF16 | DType::F16) {
@@ -96,8 +117,15 @@ pub fn transformer_activations(
     } else {
         (b * heads * n * n).min(MAX_SCORE_ELEMENTS as u64) * 4 * 2
     };
-    let text = b * l * (c.caption_channels as u64 + 4 * dim) * bytes;
-    hidden * 7 + feed_forward + rotated + tables + scores + text
+    hidden * streams + feed_forward + rotated + scores + forward_held(c, n, l, b, dtype)
+}
+
+/// What a forward on `n` video tokens of `b` prompts of `l` tokens holds beside its stream: the
+/// rotary tables in f32, the caption and its projection.
+fn forward_held(c: &AllegroTransformerConfig, n: u64, l: u64, b: u64, dtype: DType) -> u64 {
+    let tables = 2 * n * c.attention_head_dim as u64 * 4;
+    let text = b * l * (c.caption_channels as u64 + 4 * c.inner_dim() as u64);
+    tables + text * dtype.size_in_bytes() as u64
 }
 
 /// Device bytes of the tiled decode of latents `[F, h, w]`: one tile through the decoder at

@@ -16,8 +16,27 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
         HookedBlocks::one_list(self.num_layers, super::transformer::CACHE_NAMES)
     }
 
-    fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
-        transformer_activations(self, [1, f, self.in_channels, h, w], text_len, dtype)
+    fn denoise_activations(
+        &self,
+        [f, h, w]: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        transformer_activations(self, [batch, f, self.in_channels, h, w], text_len, dtype)
+    }
+
+    /// The batch's joint sequence and the head's normed copy, beside the RoPE tables.
+    fn outer_activations(
+        &self,
+        [f, h, w]: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        let latent = [batch, f, self.in_channels, h, w];
+        let seq = joint_tokens(self, latent, text_len);
+        (2 * batch * seq * self.inner_dim() * dtype.size_in_bytes()) as u64 + rope_tables(self, seq)
     }
 
     fn in_fp8(&self, on: bool) -> Self {
@@ -27,8 +46,8 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
         }
     }
 
-    fn fp8_activations(&self, [f, h, w]: [usize; 3], text_len: usize) -> u64 {
-        fp8_matmul_activations(self, [1, f, self.in_channels, h, w], text_len)
+    fn fp8_activations(&self, [f, h, w]: [usize; 3], text_len: usize, batch: usize) -> u64 {
+        fp8_matmul_activations(self, [batch, f, self.in_channels, h, w], text_len)
     }
 
     fn fp8_block_codes(&self) -> Vec<u64> {
@@ -79,18 +98,22 @@ const FUSED_COPIES: u64 = 9;
 /// and norm temporaries, and the FFN's 4x hidden with its GELU.
 const COMPOSITE_COPIES: u64 = 18;
 
-/// Entries of a forward's batch: the guided `[negative; positive]` pair.
-const BATCH: usize = 2;
-
-/// Tokens of the joint sequence of `latent` `[1, F, C, H, W]`: the text's, then the patches'.
+/// Tokens of one prompt's joint sequence of `latent` `[B, F, C, H, W]`: the text's, then the
+/// patches'.
 fn joint_tokens(c: &CogVideoXTransformerConfig, latent: [usize; 5], text_len: usize) -> usize {
     let p = c.patch_size;
     text_len + latent[1] * (latent[3] / p) * (latent[4] / p)
 }
 
-/// Device bytes of one transformer forward over the batched `[negative; positive]` pair: the
-/// block's copies of the joint sequence, the RoPE tables, and with the fused kernels the
-/// products' cuBLASLt workspace, else the chunked attention's ([`attention_workspace`]).
+/// The RoPE tables, f32, per token of a `seq`-token sequence and head dim.
+fn rope_tables(c: &CogVideoXTransformerConfig, seq: usize) -> u64 {
+    2 * seq as u64 * c.attention_head_dim as u64 * 4
+}
+
+/// Device bytes of one transformer forward over the batch of `latent` `[B, F, C, H, W]` (2: the
+/// guided `[negative; positive]` pair, 1 without guidance): the block's copies of the joint
+/// sequence, the RoPE tables, and with the fused kernels the products' cuBLASLt workspace, else
+/// the chunked attention's ([`attention_workspace`]).
 pub fn transformer_activations(
     c: &CogVideoXTransformerConfig,
     latent: [usize; 5],
@@ -99,14 +122,14 @@ pub fn transformer_activations(
 ) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
     let seq = joint_tokens(c, latent, text_len);
-    let hidden = (BATCH * seq * c.inner_dim()) as u64 * bytes;
-    // The RoPE tables, f32, per token and head dim.
-    let rope = 2 * seq as u64 * c.attention_head_dim as u64 * 4;
+    let batch = latent[0];
+    let hidden = (batch * seq * c.inner_dim()) as u64 * bytes;
+    let rope = rope_tables(c, seq);
     let blocks = match runs_fused(dtype) {
         true => FUSED_COPIES * hidden + product_workspace(dtype),
         false => {
             let heads = c.num_attention_heads;
-            COMPOSITE_COPIES * hidden + attention_workspace(BATCH, heads, seq, c.inner_dim(), dtype)
+            COMPOSITE_COPIES * hidden + attention_workspace(batch, heads, seq, c.inner_dim(), dtype)
         }
     };
     blocks + rope
@@ -121,7 +144,7 @@ pub fn fp8_matmul_activations(
     latent: [usize; 5],
     text_len: usize,
 ) -> u64 {
-    let rows = BATCH * joint_tokens(c, latent, text_len);
+    let rows = latent[0] * joint_tokens(c, latent, text_len);
     forward_bytes((rows as u64, c.ff_dim() as u64))
 }
 

@@ -20,8 +20,27 @@ impl DenoiseActivations for LatteTransformerConfig {
         }
     }
 
-    fn denoise_activations(&self, [f, h, w]: [usize; 3], text_len: usize, dtype: DType) -> u64 {
-        transformer_activations(self, [1, self.in_channels(), f, h, w], text_len, dtype)
+    fn denoise_activations(
+        &self,
+        [f, h, w]: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        transformer_activations(self, [batch, self.in_channels(), f, h, w], text_len, dtype)
+    }
+
+    /// The batch's stream and the head's normed copy, beside the caption's copies.
+    fn outer_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        let (tokens, dim) = self.block_state(grid, text_len);
+        let bytes = (batch * dim * dtype.size_in_bytes()) as u64;
+        (2 * tokens as u64 + 4 * text_len as u64) * bytes
     }
 
     fn in_fp8(&self, on: bool) -> Self {
@@ -31,11 +50,11 @@ impl DenoiseActivations for LatteTransformerConfig {
         }
     }
 
-    /// The largest Linear input: the guided pair's feed-forward hidden states, every token of
-    /// every frame (spatial and temporal blocks group the same rows).
-    fn fp8_activations(&self, grid: [usize; 3], text_len: usize) -> u64 {
+    /// The largest Linear input: the batch's feed-forward hidden states, every token of every
+    /// frame (spatial and temporal blocks group the same rows).
+    fn fp8_activations(&self, grid: [usize; 3], text_len: usize, batch: usize) -> u64 {
         let (tokens, dim) = self.block_state(grid, text_len);
-        forward_bytes((2 * tokens as u64, 4 * dim as u64))
+        forward_bytes(((batch * tokens) as u64, 4 * dim as u64))
     }
 
     /// Spatial and temporal blocks in turn.
@@ -78,8 +97,8 @@ impl DecodeActivations for AutoencoderKLConfig {
 /// holds one fewer).
 const FUSED_COPIES: u64 = 10;
 
-/// Device bytes of one transformer forward over the batched `[negative; positive]` pair on
-/// latents `[1, C, F, h, w]`.
+/// Device bytes of one transformer forward over the batch of latents `[B, C, F, h, w]` (2: the
+/// guided `[negative; positive]` pair, 1 without guidance).
 pub fn transformer_activations(
     c: &LatteTransformerConfig,
     latent: [usize; 5],
@@ -88,7 +107,7 @@ pub fn transformer_activations(
 ) -> u64 {
     let bytes = dtype.size_in_bytes() as u64;
     let p = c.patch_size().max(1);
-    let batch = 2u64;
+    let batch = latent[0] as u64;
     let frames = latent[2] as u64;
     let tokens = ((latent[3] / p) * (latent[4] / p)) as u64;
     let dim = c.inner_dim() as u64;

@@ -4,6 +4,7 @@
 
 use super::transformer::LtxTransformerConfig;
 use super::vae::{LtxVaeConfig, LtxVaeTiling};
+use crate::models::attention::runs_fused;
 use crate::models::t5::encoder::T5Config;
 use crate::models::vae_tiling::SpatialTiling;
 use candle_core::DType;
@@ -19,8 +20,13 @@ pub fn text_encoder_activations(cfg: &T5Config, batch: usize, len: usize, dtype:
     6 * hidden + ffn + scores
 }
 
-/// Device bytes of one transformer forward over the CFG batch: hidden states and their copies,
-/// the MLP's 4x widening, the RoPE tables and the packed latents in f32.
+/// Device bytes of one transformer forward over `batch` prompts (2: the CFG batch, 1 without
+/// guidance): hidden states and their copies, the MLP's 4x widening, the RoPE tables and the
+/// packed latents in f32. With the fused kernels the block peaks in its feed-forward, holding
+/// four copies beside the 4x hidden: its input (the loop holds it), the stream after the
+/// attentions, the modulated norm and the output (an H100 measured 0.309 GiB above the weights
+/// in one forward at 161x512x768 without guidance, planned 0.325; bench/RESULTS.md session 55);
+/// the candle composition eight.
 pub fn transformer_activations(
     cfg: &LtxTransformerConfig,
     tokens: usize,
@@ -28,14 +34,45 @@ pub fn transformer_activations(
     batch: usize,
     dtype: DType,
 ) -> u64 {
-    let e = dtype.size_in_bytes() as u64;
-    let (b, s, d) = (batch as u64, tokens as u64, cfg.inner_dim() as u64);
-    let hidden = b * s * d * e;
+    let hidden = hidden_bytes(cfg, tokens, batch, dtype);
     let mlp = 4 * hidden;
+    let copies = if runs_fused(dtype) { 4 } else { 8 };
+    copies * hidden + mlp + forward_held(cfg, tokens, text_len, batch, dtype)
+}
+
+/// Device bytes of the same forward while its outer part (embedders, output head) computes
+/// apart from the blocks: the stream entering the blocks and the head's normed copy, beside
+/// what the forward holds throughout.
+pub fn outer_activations(
+    cfg: &LtxTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+    dtype: DType,
+) -> u64 {
+    2 * hidden_bytes(cfg, tokens, batch, dtype) + forward_held(cfg, tokens, text_len, batch, dtype)
+}
+
+/// One copy of the hidden states of `batch` prompts.
+fn hidden_bytes(cfg: &LtxTransformerConfig, tokens: usize, batch: usize, dtype: DType) -> u64 {
+    (batch * tokens * cfg.inner_dim() * dtype.size_in_bytes()) as u64
+}
+
+/// What a forward holds throughout: the RoPE tables, the caption and its projection, and the
+/// packed latents in f32.
+fn forward_held(
+    cfg: &LtxTransformerConfig,
+    tokens: usize,
+    text_len: usize,
+    batch: usize,
+    dtype: DType,
+) -> u64 {
+    let (b, s, d) = (batch as u64, tokens as u64, cfg.inner_dim() as u64);
     let rope = 2 * s * (d / 2) * 4;
-    let text = b * text_len as u64 * (d + cfg.caption_channels as u64) * e;
+    let text =
+        b * text_len as u64 * (d + cfg.caption_channels as u64) * dtype.size_in_bytes() as u64;
     let latents = 4 * b * s * cfg.in_channels as u64 * 4;
-    8 * hidden + mlp + rope + text + latents
+    rope + text + latents
 }
 
 /// Device bytes `--fp8-matmul` adds to a forward over the CFG batch besides the blocks' weight

@@ -3,6 +3,7 @@
 
 use super::transformer::MochiTransformerConfig;
 use super::vae::MochiVaeConfig;
+use crate::models::attention::runs_fused;
 use crate::models::fp8::weight_codes;
 use crate::models::step_cache::{AttentionModules, HookedBlocks};
 use crate::models::vae_tiling::SpatialTiling;
@@ -14,8 +15,26 @@ impl DenoiseActivations for MochiTransformerConfig {
         HookedBlocks::one_list(self.num_layers, super::transformer::CACHE_NAMES)
     }
 
-    fn denoise_activations(&self, grid: [usize; 3], text_len: usize, dtype: DType) -> u64 {
-        transformer_activations(self, self.video_tokens(grid), text_len, 2, dtype)
+    fn denoise_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        transformer_activations(self, self.video_tokens(grid), text_len, batch, dtype)
+    }
+
+    fn outer_activations(
+        &self,
+        grid: [usize; 3],
+        text_len: usize,
+        batch: usize,
+        dtype: DType,
+    ) -> u64 {
+        let (n, b) = (self.video_tokens(grid) as u64, batch as u64);
+        2 * b * n * self.inner_dim() as u64 * dtype.size_in_bytes() as u64
+            + forward_held(self, n, text_len as u64, b, dtype)
     }
 
     fn in_fp8(&self, on: bool) -> Self {
@@ -25,9 +44,8 @@ impl DenoiseActivations for MochiTransformerConfig {
         }
     }
 
-    /// The guided pair batched into one forward, as [`Self::denoise_activations`] counts it.
-    fn fp8_activations(&self, grid: [usize; 3], text_len: usize) -> u64 {
-        fp8_matmul_activations(self, self.video_tokens(grid), text_len, 2)
+    fn fp8_activations(&self, grid: [usize; 3], text_len: usize, batch: usize) -> u64 {
+        fp8_matmul_activations(self, self.video_tokens(grid), text_len, batch)
     }
 
     fn fp8_block_codes(&self) -> Vec<u64> {
@@ -66,19 +84,34 @@ pub fn transformer_activations(
     let bytes = dtype.size_in_bytes() as u64;
     let (n, l, b) = (tokens as u64, text_len as u64, batch as u64);
     let dim = c.inner_dim() as u64;
-    let text_dim = c.pooled_projection_dim as u64;
     let heads = c.num_attention_heads as u64;
     let ff = MochiTransformerConfig::ff_inner_dim(c.inner_dim()) as u64;
-    // The video stream, its q/k/v and attention output, f32 norm temporaries (two hidden-sized
-    // f32 copies), the SwiGLU's 2x and 1x inner widths; the same for the text stream; the
-    // chunked attention's f32 scores (one sample at a time, up to 1024 queries); the per-head
-    // RoPE tables in f32.
     let seq = n + l;
-    let video = b * n * (dim * (6 * bytes + 2 * 4) + 3 * ff * bytes);
-    let text = b * l * (text_dim * 6 + 3 * dim) * bytes;
-    let scores = heads * seq.min(1024) * seq * 4 * 2;
+    let (video, scores) = match runs_fused(dtype) {
+        // The fused kernels (their attention keeps no scores) peak in the feed-forward: the
+        // block's input, which the loop holds, the stream after the attention, its modulated
+        // norm and the SwiGLU's output, beside its 2x inner width and gated product (an H100
+        // measured 1.94 GiB above the weights at 85x480x848 without guidance, planned 1.92;
+        // bench/RESULTS.md session 55).
+        true => (b * n * (4 * dim + 3 * ff) * bytes, 0),
+        // The candle composition: the video stream, its q/k/v and attention output, f32 norm
+        // temporaries (two hidden-sized f32 copies), the SwiGLU's 2x and 1x inner widths; the
+        // chunked attention's f32 scores (one sample at a time, up to 1024 queries).
+        false => (
+            b * n * (dim * (6 * bytes + 2 * 4) + 3 * ff * bytes),
+            heads * seq.min(1024) * seq * 4 * 2,
+        ),
+    };
+    video + scores + forward_held(c, n, l, b, dtype)
+}
+
+/// What a forward on `n` video tokens and `l` text tokens of `b` prompts holds beside its video
+/// stream: the text stream's copies and the per-head RoPE tables in f32.
+fn forward_held(c: &MochiTransformerConfig, n: u64, l: u64, b: u64, dtype: DType) -> u64 {
+    let (dim, text_dim) = (c.inner_dim() as u64, c.pooled_projection_dim as u64);
+    let text = b * l * (text_dim * 6 + 3 * dim) * dtype.size_in_bytes() as u64;
     let rope = 2 * n * dim / 2 * 4;
-    video + text + scores + rope
+    text + rope
 }
 
 /// Device bytes `--fp8-matmul` adds to a forward over a batch of `batch` on `tokens` video

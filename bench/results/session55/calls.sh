@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Session 55's calls. DEV holds, stripped and xz'd, vidgen, examples/attn_bench and examples/linear_bench built
+# with `--features cuda` at the working tree (the plan's guidance batch and outer moments, `device_planned_bytes`
+# in --stats-json); .whl the diffusers 0.42.1 wheel (family_e2e.py writes its random checkpoints with it).
+#   run(carry: [".deviceNN", ".whl"], command: "DEV=.deviceNN bash bench/results/session55/calls.sh N")
+#   1: issue 36 on the card its targets name: the 8-bit attention against the exact kernel (attn_bench sage, 14B
+#      and 1.3B self-attention), the fp8 Linear against bf16 (linear_bench), and the whole 4-step videos of the
+#      fast recipe (--fp8-matmul --attention sage, CFG off; bench/family_e2e.py --fewstep, vidgen only): the 1.3B
+#      (target <= 5 s) and the 14B (<= 15 s), default flags and resident.
+#   2: issue 34's plan against the measured peak, through the command line (--stats-json's device_planned_bytes
+#      beside device_used_peak, every stage): LTX-Video, CogVideoX-5b and Mochi-1 at their default sizes, 1 step,
+#      guided with the default flags, and unguided (--guidance-scale 1) at leaf level.
+DEV=${DEV:-.device3} source bench/device_setup.sh
+export PYTHONPATH=/tmp/site
+for b in attn_bench linear_bench; do xz -dc $DEV/$b.xz > /tmp/$b && chmod +x /tmp/$b; done
+fewstep() {  # fewstep FAMILY MODES: the 4-step recipe's whole video, vidgen only
+  el "$1 fewstep: $2"
+  timeout 400 python3 bench/family_e2e.py --family $1 --vidgen /tmp/vidgen --out $OUT/e2e --steps 4 --fewstep \
+    --skip-diffusers --ckpt-root /dev/shm/vidgen-e2e --vidgen-modes $2 > $OUT/$1.log 2>&1
+  echo "exit $?"; tail -12 $OUT/$1.log
+  python3 bench/family_e2e.py --table $OUT/e2e
+  rm -rf /dev/shm/vidgen-e2e
+}
+planned() {  # planned NAME MODEL [FLAGS...]: one step through the command line, planned against measured
+  local name=$1 model=$2; shift 2
+  el "$name"
+  timeout 200 /tmp/vidgen generate --model synthetic:$model --prompt "a red fox runs through fresh snow" \
+    --seed 1 --num-inference-steps 1 --dtype bf16 --output-type latent --output-path /tmp/v \
+    --output-video-name $name --overwrite --stats-json $OUT/plan/$name.json "$@" > $OUT/plan/$name.log 2>&1
+  echo "exit $?"
+  python3 -c "
+import json,sys; d=json.load(open(sys.argv[1])); j=d['jobs'][0]
+for s,v in j['metrics']['stages'].items():
+    p=v.get('device_planned_bytes'); m=v['device_used_peak']
+    print('  %-12s used %7.3f GiB, planned %7.3f (%s)' % (s, m/2**30, (p or 0)/2**30, '%+.1f%%' % (100*(p/m-1)) if p and m else '-'))
+" $OUT/plan/$name.json
+}
+case $1 in
+  1) el "attn_bench sage: 14B and 1.3B self-attention, twice"
+     for c in "14B self" 1.3B "14B self"; do timeout 90 /tmp/attn_bench sage "$c" 2>&1 | grep -vE "^$" | tail -8; done
+     el "linear_bench"
+     timeout 150 /tmp/linear_bench 2>&1 | grep -E "^\||bf16|fp8" | head -30
+     fewstep wan2.1-t2v-1.3b fast,fast-resident,fast
+     fewstep wan2.1-t2v-14b fast,fast-resident ;;
+  2) mkdir -p $OUT/plan
+     for m in ltx-video cogvideox-5b mochi-1; do
+       planned $m-default $m
+       planned $m-leaf-unguided $m --guidance-scale 1 --dit-layerwise-offload --offload-type leaf-level
+     done ;;
+esac
+el done
