@@ -52,9 +52,9 @@ fn the_plan_counts_the_fp8_codes() {
     let cfg = config();
     let codes = fp8_block_codes(&cfg);
     assert_eq!(codes.len(), cfg.num_layers);
-    // 13 latent frames of 60x90: both prompts' 226 + 13·30·45 tokens by the feed-forward's width
-    // 128, with their row scales; 32 MiB.
-    let inputs = fp8_matmul_activations(&cfg, [1, 13, 16, 60, 90], 226);
+    // 13 latent frames of 60x90, the guided batch of two: both prompts' 226 + 13·30·45 tokens by
+    // the feed-forward's width 128, with their row scales; 32 MiB.
+    let inputs = fp8_matmul_activations(&cfg, [2, 13, 16, 60, 90], 226);
     assert_eq!(inputs, 2 * 17776 * (128 + 4) + (32 << 20));
     assert_eq!(added, inputs + codes.iter().sum::<u64>(), "resident");
     // q, k, v and out (32 by 32) and the feed-forward's 32 by 128 and 128 by 32, with an f32

@@ -25,7 +25,7 @@ pub fn text_encoder_activations(cfg: &T5Config, batch: usize, len: usize, dtype:
 /// packed latents in f32. With the fused kernels the block peaks in its feed-forward, holding
 /// four copies beside the 4x hidden: its input (the loop holds it), the stream after the
 /// attentions, the modulated norm and the output (an H100 measured 0.309 GiB above the weights
-/// in one forward at 161x512x768 without guidance, planned 0.325; bench/RESULTS.md session 55);
+/// in one forward at 161x512x768 without guidance, planned 0.325; bench/RESULTS.md session 50);
 /// the candle composition eight.
 pub fn transformer_activations(
     cfg: &LtxTransformerConfig,

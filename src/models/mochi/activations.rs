@@ -92,7 +92,7 @@ pub fn transformer_activations(
         // block's input, which the loop holds, the stream after the attention, its modulated
         // norm and the SwiGLU's output, beside its 2x inner width and gated product (an H100
         // measured 1.94 GiB above the weights at 85x480x848 without guidance, planned 1.92;
-        // bench/RESULTS.md session 55).
+        // bench/RESULTS.md session 50).
         true => (b * n * (4 * dim + 3 * ff) * bytes, 0),
         // The candle composition: the video stream, its q/k/v and attention output, f32 norm
         // temporaries (two hidden-sized f32 copies), the SwiGLU's 2x and 1x inner widths; the
