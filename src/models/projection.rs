@@ -164,14 +164,20 @@ impl Input {
 
 impl Module for Projection {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self.fp8_product(&Input::new(x), self.bias(), false)? {
-            Some(y) => Ok(y),
-            None => self.linear.forward(x),
-        }
+        self.forward_input(&Input::new(x))
     }
 }
 
 impl Projection {
+    /// The layer of `x` `[..., in]` with its bias: the fp8 product, or candle's `Linear` (a
+    /// model whose exact path is candle's arithmetic keeps it bit for bit).
+    pub fn forward_input(&self, x: &Input) -> Result<Tensor> {
+        match self.fp8_product(x, self.bias(), false)? {
+            Some(y) => Ok(y),
+            None => self.linear.forward(x.tensor()?),
+        }
+    }
+
     /// `x @ W^T` without the bias, for `x` `[rows, in]`: a fused op after it adds the bias.
     pub fn product(&self, x: &Input) -> Result<Tensor> {
         match self.fp8_product(x, None, false)? {

@@ -9,7 +9,7 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{declared_by, About, Configs, Family, RunShape};
+use super::registry::{declared_by, About, Configs, Family, FamilyOption, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -183,9 +183,18 @@ impl MiniMaxH3Configs {
         // the prompt length when planning.
         let text = shape.text_len;
         let rows = text + 2 * g.num_audio_latents + self.video_rows(&g);
+        let dit = MiniMaxH3TransformerConfig {
+            fp8_matmul: shape.fp8_matmul,
+            ..self.transformer.clone()
+        };
+        // Each block built on the device keeps its fp8 weight codes.
+        let (fp8, block_codes) = shape.fp8_bytes(
+            || activations::fp8_matmul_activations(&dit, rows),
+            || activations::fp8_block_codes(&dit),
+        );
         let mut spec = PipelineSpec::titled(self.title());
         let text_encoder = spec.add_model("text_encoder", Role::TextEncoder, &self.text_encoder);
-        let transformer = spec.add_model("transformer", Role::Dit, &self.transformer);
+        let transformer = spec.add_model("transformer", Role::Dit, &dit);
         let parts = Parts {
             text_encoder,
             modulations: spec.add_modulations(&self.transformer, &transformer),
@@ -216,8 +225,10 @@ impl MiniMaxH3Configs {
             StageSpec::new(
                 "denoise",
                 &[parts.transformer.index()],
-                activations::transformer_activations(&self.transformer, rows, text, shape.dtype),
+                activations::transformer_activations(&self.transformer, rows, text, shape.dtype)
+                    + fp8,
             )
+            .holding_per_block(block_codes)
             .runs(MiniMaxH3::denoise),
             StageSpec::new(
                 "decode_video",
@@ -239,9 +250,9 @@ impl MiniMaxH3Configs {
 
 impl Family for MiniMaxH3Configs {
     /// Guidance-distilled (no guidance scale, no negative prompt), the prompt encoded whole,
-    /// its own two flow schedules (video and audio): none of the family options. The published
-    /// pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768 within
-    /// `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
+    /// its own two flow schedules (video and audio): of the family options, `--fp8-matmul`
+    /// alone. The published pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768
+    /// within `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
     fn about(&self) -> About {
         About {
             title: "MiniMax H3 text-to-video+audio",
@@ -262,6 +273,7 @@ impl Family for MiniMaxH3Configs {
                 )),
                 ..ModelDefaults::default()
             },
+            options: vec![FamilyOption::Fp8Matmul],
             ..About::default()
         }
     }

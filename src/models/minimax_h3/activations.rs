@@ -7,6 +7,7 @@ use super::text_encoder::Qwen3VLTextConfig;
 use super::transformer::MiniMaxH3TransformerConfig;
 use super::vae::{MiniMaxH3VaeConfig, Tiling};
 use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::fp8::weight_codes;
 use candle_core::DType;
 
 /// Bytes of an f32 element.
@@ -104,6 +105,38 @@ pub fn transformer_activations(
         LATENT_COPIES * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * F32_BYTES;
     let text = text_len as u64 * cfg.text_dim as u64 * e;
     blocks.max(prepare) + rope + latents + text
+}
+
+/// Device bytes `--fp8-matmul` adds to a forward over the packed sequence of `rows` besides the
+/// blocks' weight codes ([`fp8_block_codes`]): the codes of its largest Linear input, one chunk's
+/// (a query chunk's attention input or output, or a chunk's gated SwiGLU state; K and V read
+/// chunks of fewer rows), and a product's workspace.
+pub fn fp8_matmul_activations(cfg: &MiniMaxH3TransformerConfig, rows: usize) -> u64 {
+    let s = rows as u64;
+    let chunk = s.min(cfg.rows_per_chunk() as u64);
+    let query_chunk = s.min(cfg.query_rows_per_chunk() as u64);
+    let widest = cfg.hidden_size.max(cfg.inner_dim()) as u64;
+    let largest = [(query_chunk, widest), (chunk, cfg.ffn_dim as u64)]
+        .into_iter()
+        .max_by_key(|(rows, cols)| rows * cols)
+        .unwrap_or_default();
+    crate::models::fp8::forward_bytes(largest)
+}
+
+/// Device bytes of each main block's weight codes under `--fp8-matmul`, in execution order: its
+/// q, k, v and `to_out` and its SwiGLU (the AdaLN projection, computed apart, stays exact; the
+/// token refiner is not a block).
+pub fn fp8_block_codes(cfg: &MiniMaxH3TransformerConfig) -> Vec<u64> {
+    let (d, inner, ffn) = (cfg.hidden_size, cfg.inner_dim(), cfg.ffn_dim);
+    let codes = weight_codes(&[
+        (d, inner),
+        (d, inner),
+        (d, inner),
+        (inner, d),
+        (d, 2 * ffn),
+        (ffn, d),
+    ]);
+    vec![codes; cfg.num_layers]
 }
 
 /// Decoded clips alive on the device at once: the previous one (its tail is cross-faded into

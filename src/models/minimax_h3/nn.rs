@@ -1,7 +1,9 @@
 //! Building blocks shared by MiniMax H3's transformer, text encoder and video VAE decoder.
 
 use candle_core::{Module, Result, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
+
+use crate::models::projection::Projection;
 
 /// RMSNorm over the last axis, with a learned scale or without one.
 #[derive(Debug, Clone)]
@@ -36,15 +38,22 @@ impl RmsNorm {
 /// `net.2(value * silu(gate))` — the value is the *first* half.
 #[derive(Debug, Clone)]
 pub(crate) struct SwiGlu {
-    proj: Linear,
-    out: Linear,
+    proj: Projection,
+    out: Projection,
 }
 
 impl SwiGlu {
-    pub(crate) fn new(dim: usize, inner: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
+    /// Its Linears in fp8 where `fp8` (`--fp8-matmul`: the transformer's main blocks).
+    pub(crate) fn new(
+        dim: usize,
+        inner: usize,
+        bias: bool,
+        vb: VarBuilder,
+        fp8: bool,
+    ) -> Result<Self> {
         Ok(Self {
-            proj: candle_nn::linear_b(dim, 2 * inner, bias, vb.pp("net.0.proj"))?,
-            out: candle_nn::linear_b(inner, dim, bias, vb.pp("net.2"))?,
+            proj: Projection::load_with((dim, 2 * inner), bias, vb.pp("net.0.proj"), fp8)?,
+            out: Projection::load_with((inner, dim), bias, vb.pp("net.2"), fp8)?,
         })
     }
 

@@ -14,6 +14,10 @@
 //!
 //! The token refiner (`num_refiner_layers` plain blocks over the text rows) belongs to the
 //! non-block part: it runs once in `prepare`.
+//!
+//! With `--fp8-matmul` the main blocks' attention and feed-forward Linears run in e4m3
+//! ([`Projection`]); the token refiner (text rows only), the AdaLN projections, embedders and
+//! output heads stay exact.
 
 use std::sync::Arc;
 
@@ -23,6 +27,7 @@ use serde::Deserialize;
 
 use crate::models::attention::sdpa;
 use crate::models::blocks::{Blockwise, RepeatedBlocks};
+use crate::models::projection::{Input, Projection};
 use crate::models::wan::transformer::timestep_embedding;
 
 use super::nn::{cos_sin, partial_rope, RmsNorm, SwiGlu};
@@ -93,6 +98,10 @@ pub struct MiniMaxH3TransformerConfig {
     /// then moves 43% fewer bytes per forward.
     #[serde(skip)]
     pub modulations_apart: bool,
+    /// Not in the file: the main blocks' attention and feed-forward Linears run in fp8
+    /// (`--fp8-matmul`, set by the pipeline).
+    #[serde(skip)]
+    pub fp8_matmul: bool,
 }
 
 impl Default for MiniMaxH3TransformerConfig {
@@ -117,6 +126,7 @@ impl Default for MiniMaxH3TransformerConfig {
             qk_norm_eps: 1e-5,
             final_norm_eps: 1e-5,
             modulations_apart: false,
+            fp8_matmul: false,
         }
     }
 }
@@ -282,10 +292,10 @@ fn host_indices(what: &str, t: &Tensor, bound: usize) -> Result<Vec<u32>> {
 /// Attention with per-head RMSNorm on q and k and partial rotate-half RoPE, no biases.
 #[derive(Debug, Clone)]
 struct Attention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    to_out: Linear,
+    to_q: Projection,
+    to_k: Projection,
+    to_v: Projection,
+    to_out: Projection,
     norm_q: RmsNorm,
     norm_k: RmsNorm,
     heads: usize,
@@ -293,13 +303,15 @@ struct Attention {
 }
 
 impl Attention {
-    fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
+    /// Its Linears in fp8 where `fp8`.
+    fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder, fp8: bool) -> Result<Self> {
         let (dim, inner) = (cfg.hidden_size, cfg.inner_dim());
+        let linear = |in_out, name| Projection::load_with(in_out, false, vb.pp(name), fp8);
         Ok(Self {
-            to_q: candle_nn::linear_no_bias(dim, inner, vb.pp("to_q"))?,
-            to_k: candle_nn::linear_no_bias(dim, inner, vb.pp("to_k"))?,
-            to_v: candle_nn::linear_no_bias(dim, inner, vb.pp("to_v"))?,
-            to_out: candle_nn::linear_no_bias(inner, dim, vb.pp("to_out.0"))?,
+            to_q: linear((dim, inner), "to_q")?,
+            to_k: linear((dim, inner), "to_k")?,
+            to_v: linear((dim, inner), "to_v")?,
+            to_out: linear((inner, dim), "to_out.0")?,
             norm_q: RmsNorm::new(cfg.attention_head_dim, cfg.qk_norm_eps, vb.pp("norm_q"))?,
             norm_k: RmsNorm::new(cfg.attention_head_dim, cfg.qk_norm_eps, vb.pp("norm_k"))?,
             heads: cfg.num_attention_heads,
@@ -364,9 +376,10 @@ impl Attention {
 
     /// Full self-attention of `x` `[B, S, hidden]` over itself.
     fn forward(&self, x: &Tensor, rope: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
-        let q = self.heads_normed(self.to_q.forward(x)?, &self.norm_q, rope, None)?;
-        let k = self.heads_normed(self.to_k.forward(x)?, &self.norm_k, rope, None)?;
-        let v = self.split_heads(&self.to_v.forward(x)?)?;
+        let x = Input::new(x);
+        let q = self.heads_normed(self.to_q.forward_input(&x)?, &self.norm_q, rope, None)?;
+        let k = self.heads_normed(self.to_k.forward_input(&x)?, &self.norm_k, rope, None)?;
+        let v = self.split_heads(&self.to_v.forward_input(&x)?)?;
         self.attend(&q, &k, &v)
     }
 
@@ -399,13 +412,14 @@ impl Attention {
             }
         };
         for &c in chunks {
-            let h = input(c)?;
+            // One input for K and V: quantized once under `--fp8-matmul`.
+            let h = Input::new(&input(c)?);
             k.slice_set(
-                &stored(key_heads(self.to_k.forward(&h)?, c)?)?,
+                &stored(key_heads(self.to_k.forward_input(&h)?, c)?)?,
                 seq_axis,
                 c.0,
             )?;
-            let vc = self.split_heads(&self.to_v.forward(&h)?)?;
+            let vc = self.split_heads(&self.to_v.forward_input(&h)?)?;
             v.slice_set(&stored(vc)?, seq_axis, c.0)?;
         }
         if token_major {
@@ -416,7 +430,8 @@ impl Attention {
     }
 }
 
-/// Plain pre-norm block of the token refiner (no AdaLN, no RoPE).
+/// Plain pre-norm block of the token refiner (no AdaLN, no RoPE); exact under `--fp8-matmul`:
+/// it runs once per forward, over the text rows alone.
 #[derive(Debug, Clone)]
 struct RefinerBlock {
     norm1: RmsNorm,
@@ -429,9 +444,9 @@ impl RefinerBlock {
     fn new(cfg: &MiniMaxH3TransformerConfig, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             norm1: RmsNorm::new(cfg.hidden_size, cfg.norm_eps, vb.pp("norm1"))?,
-            attn: Attention::new(cfg, vb.pp("attn"))?,
+            attn: Attention::new(cfg, vb.pp("attn"), false)?,
             norm2: RmsNorm::new(cfg.hidden_size, cfg.norm_eps, vb.pp("norm2"))?,
-            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"))?,
+            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, vb.pp("ff"), false)?,
         })
     }
 
@@ -615,9 +630,15 @@ impl MiniMaxH3TransformerBlock {
         Ok(Self {
             index,
             norm1: RmsNorm::new(dim, cfg.norm_eps, bvb.pp("norm1"))?,
-            attn: Attention::new(cfg, bvb.pp("attn"))?,
+            attn: Attention::new(cfg, bvb.pp("attn"), cfg.fp8_matmul)?,
             norm2: RmsNorm::new(dim, cfg.norm_eps, bvb.pp("norm2"))?,
-            ff: SwiGlu::new(cfg.hidden_size, cfg.ffn_dim, false, bvb.pp("ff"))?,
+            ff: SwiGlu::new(
+                cfg.hidden_size,
+                cfg.ffn_dim,
+                false,
+                bvb.pp("ff"),
+                cfg.fp8_matmul,
+            )?,
             adaln: (!cfg.modulations_apart)
                 .then(|| AdalnProjection::in_block(cfg, bvb))
                 .transpose()?,

@@ -322,7 +322,7 @@ impl MiniMaxH3VaeDecoderBlock {
             attn: DecoderAttention::new(cfg, vb.pp("attn"))?,
             scale1: vb.get(dim, "scale1")?,
             norm2: RmsNorm::new(dim, cfg.decoder_norm_eps, vb.pp("norm2"))?,
-            ff: SwiGlu::new(dim, dim * cfg.decoder_ffn_mult, true, vb.pp("ff"))?,
+            ff: SwiGlu::new(dim, dim * cfg.decoder_ffn_mult, true, vb.pp("ff"), false)?,
             scale2: vb.get(dim, "scale2")?,
         })
     }

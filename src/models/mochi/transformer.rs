@@ -292,10 +292,7 @@ impl Ops {
     /// candle's Linear; fused, one GEMM over the rows with the bias in its epilogue.
     fn linear(self, linear: &Projection, x: &Input) -> Result<Tensor> {
         match self {
-            Ops::Composite => match linear.fp8_product(x, linear.bias(), false)? {
-                Some(y) => Ok(y),
-                None => linear.forward(x.tensor()?),
-            },
+            Ops::Composite => linear.forward_input(x),
             #[cfg(feature = "cuda")]
             Ops::Fused => linear.apply(x, false),
         }
