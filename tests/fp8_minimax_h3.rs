@@ -66,11 +66,14 @@ fn forwards_stay_close_to_the_exact_ones() {
 }
 
 /// A resident CPU run's plan adds, with `--fp8-matmul`, every block's weight codes and the
-/// largest Linear input's codes with a product's workspace.
+/// largest Linear input's codes with a product's workspace; a streamed one, one block's.
 #[test]
 fn the_plan_counts_each_blocks_codes() {
-    let added = common::planned_denoise_activations(FIXTURE, &["--fp8-matmul"])
-        - common::planned_denoise_activations(FIXTURE, &[]);
+    let added_by = |placement: &[&str]| {
+        let fp8 = [placement, &["--fp8-matmul"]].concat();
+        common::planned_denoise_activations(FIXTURE, &fp8)
+            - common::planned_denoise_activations(FIXTURE, placement)
+    };
     let cfg = config();
     let codes = fp8_block_codes(&cfg);
     // A block's q, k and v (24 to 32), `to_out` and SwiGLU (24 to 2 x 48, 48 to 24), with an
@@ -83,5 +86,15 @@ fn the_plan_counts_each_blocks_codes() {
     let rows = 37 * 96 * 168 + 414 + 512;
     let inputs = fp8_matmul_activations(&cfg, rows);
     assert_eq!(inputs, rows as u64 * (48 + 4) + (32 << 20));
-    assert_eq!(added, inputs + codes.iter().sum::<u64>(), "resident");
+    assert_eq!(
+        added_by(&[]),
+        inputs + codes.iter().sum::<u64>(),
+        "resident"
+    );
+    let streamed = ["--memory-model", "discrete"];
+    assert_eq!(
+        added_by(&streamed),
+        inputs + block,
+        "streamed block by block"
+    );
 }

@@ -220,8 +220,7 @@ pub struct GenerateOptions {
     pub cache: Option<crate::models::step_cache::CacheSpec>,
     /// Run the transformer blocks' Linear layers as fp8 matmuls: weights and inputs in e4m3
     /// with one scale per output channel and per token, f32 accumulation (GPUs of compute
-    /// capability 8.9 or newer, or the CPU). Faster; trades exactness for speed (every family but
-    /// MiniMax H3).
+    /// capability 8.9 or newer, or the CPU). Faster; trades exactness for speed (every family).
     #[arg(long = "[no-]fp8-matmul", alias = "fp8-matmul", help_heading = "Generation", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub fp8_matmul: bool,
     /// How the transformer's attention computes: exact (diffusers' arithmetic) or sage (8-bit

@@ -122,29 +122,16 @@ pub trait DenoiseActivations {
     /// The blocks diffusers' cache hooks see, by their names.
     fn hooked_blocks(&self) -> HookedBlocks;
 
-    /// This config with its blocks' Linears in fp8 where `on` (`--fp8-matmul`); itself where
-    /// the DiT has no fp8 path (its family refuses the flag).
-    fn in_fp8(&self, on: bool) -> Self
-    where
-        Self: Clone,
-    {
-        let _ = on;
-        self.clone()
-    }
+    /// This config with its blocks' Linears in fp8 where `on` (`--fp8-matmul`).
+    fn in_fp8(&self, on: bool) -> Self;
 
     /// What `--fp8-matmul` adds to a forward of `batch` prompts over `grid` besides the blocks'
     /// weight codes: its largest Linear input's codes and a product's workspace
-    /// ([`crate::models::fp8::forward_bytes`]); nothing without an fp8 path.
-    fn fp8_activations(&self, grid: [usize; 3], text_len: usize, batch: usize) -> u64 {
-        let _ = (grid, text_len, batch);
-        0
-    }
+    /// ([`crate::models::fp8::forward_bytes`]).
+    fn fp8_activations(&self, grid: [usize; 3], text_len: usize, batch: usize) -> u64;
 
-    /// Each block's weight codes under `--fp8-matmul`, in execution order; none without an fp8
-    /// path.
-    fn fp8_block_codes(&self) -> Vec<u64> {
-        Vec::new()
-    }
+    /// Each block's weight codes under `--fp8-matmul`, in execution order.
+    fn fp8_block_codes(&self) -> Vec<u64>;
 }
 
 /// A video VAE's activation estimate, for planning.

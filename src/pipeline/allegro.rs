@@ -6,7 +6,7 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{Fp8Matmul, Pab, StorageDtype, VaeTiling};
+use super::registry::FamilyOption::{Pab, StorageDtype, VaeTiling};
 use super::registry::{declared_by, About, Family, RunShape, T5VideoConfigs, T5VideoPipeline};
 use super::spec::TextToVideoStages;
 use super::stages;
@@ -61,10 +61,7 @@ impl Family for AllegroConfigs {
                 )),
                 ..ModelDefaults::default()
             },
-            ..About::guided(
-                "Allegro text-to-video",
-                &[StorageDtype, VaeTiling, Pab, Fp8Matmul],
-            )
+            ..About::guided("Allegro text-to-video", &[StorageDtype, VaeTiling, Pab])
         }
     }
 

@@ -5,9 +5,7 @@ use super::denoise::Denoise;
 use super::draws::{RunDraws, Sizes};
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{
-    Cache, Fp8Matmul, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
-};
+use super::registry::FamilyOption::{Cache, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling};
 use super::registry::{
     declared_by, About, Family, RunShape, T5Parts, T5VideoConfigs, T5VideoPipeline,
 };
@@ -47,15 +45,7 @@ impl Family for CogVideoXConfigs {
             cache_blocks: Some(DenoiseActivations::hooked_blocks(&self.transformer)),
             ..About::guided(
                 "CogVideoX text-to-video",
-                &[
-                    Lora,
-                    StorageDtype,
-                    VaeTiling,
-                    Cache,
-                    Pab,
-                    TaylorSeer,
-                    Fp8Matmul,
-                ],
+                &[Lora, StorageDtype, VaeTiling, Cache, Pab, TaylorSeer],
             )
         }
     }

@@ -10,8 +10,7 @@ use super::draws::{Draws, RunDraws};
 use super::frame::Frame;
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, Fp8Matmul, GuidanceScale, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale,
-    VaeTiling,
+    Cache, GuidanceScale, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -189,7 +188,6 @@ impl Family for FluxConfigs {
                 Cache,
                 Pab,
                 TaylorSeer,
-                Fp8Matmul,
             ],
         );
         let embeds_guidance = self.transformer.guidance_embeds;

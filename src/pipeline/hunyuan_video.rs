@@ -10,8 +10,7 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, Fp8Matmul, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale,
-    VaeTiling,
+    Cache, FlowShift, Lora, Pab, Sigmas, StorageDtype, TaylorSeer, TrueCfgScale, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec, TextEncoders};
@@ -200,7 +199,6 @@ impl Family for HunyuanConfigs {
                     Cache,
                     Pab,
                     TaylorSeer,
-                    Fp8Matmul,
                 ],
             )
         }

@@ -5,9 +5,7 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{
-    Fp8Matmul, GuidanceScale, NegativePrompt, Pab, StorageDtype, VaeTiling,
-};
+use super::registry::FamilyOption::{GuidanceScale, NegativePrompt, Pab, StorageDtype, VaeTiling};
 use super::registry::{declared_by, About, Family, RunShape, T5VideoConfigs, T5VideoPipeline};
 use super::spec::TextToVideoStages;
 use crate::config::video::FrameRule;
@@ -50,14 +48,7 @@ impl Family for LatteConfigs {
         let side = u32::try_from(side).unwrap_or(u32::MAX);
         About {
             title: "Latte text-to-video",
-            options: vec![
-                GuidanceScale,
-                NegativePrompt,
-                StorageDtype,
-                VaeTiling,
-                Pab,
-                Fp8Matmul,
-            ],
+            options: vec![GuidanceScale, NegativePrompt, StorageDtype, VaeTiling, Pab],
             defaults: ModelDefaults {
                 height: Some(side),
                 width: Some(side),

@@ -6,8 +6,7 @@ use super::draws::Draws;
 use super::frame::{Frame, T5Pipeline};
 use super::jobs::Job;
 use super::registry::FamilyOption::{
-    Cache, DecodeNoiseScale, DecodeTimestep, Fp8Matmul, Lora, Pab, StorageDtype, TaylorSeer,
-    VaeTiling,
+    Cache, DecodeNoiseScale, DecodeTimestep, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
 };
 use super::registry::{declared_by, About, Configs, Family, RunShape, T5VideoConfigs};
 use super::spec::{PipelineSpec, TextToVideo, TextToVideoStages};
@@ -154,7 +153,6 @@ impl Family for LtxConfigs {
                     Cache,
                     Pab,
                     TaylorSeer,
-                    Fp8Matmul,
                 ],
             )
         }

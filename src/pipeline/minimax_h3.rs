@@ -9,7 +9,7 @@ use super::draws::Draws;
 use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
-use super::registry::{declared_by, About, Configs, Family, FamilyOption, RunShape};
+use super::registry::{declared_by, About, Configs, Family, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
 use super::stages;
 use crate::config::video::FrameRule;
@@ -250,9 +250,9 @@ impl MiniMaxH3Configs {
 
 impl Family for MiniMaxH3Configs {
     /// Guidance-distilled (no guidance scale, no negative prompt), the prompt encoded whole,
-    /// its own two flow schedules (video and audio): of the family options, `--fp8-matmul`
-    /// alone. The published pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768
-    /// within `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
+    /// its own two flow schedules (video and audio): none of the family options. The published
+    /// pipeline's defaults: the 16:9 canvas of `canvas_short_edge` 768 within
+    /// `canvas_max_pixels` (768x1344), 124 frames (5 s), 24 fps, 50 steps, no guidance.
     fn about(&self) -> About {
         About {
             title: "MiniMax H3 text-to-video+audio",
@@ -273,7 +273,6 @@ impl Family for MiniMaxH3Configs {
                 )),
                 ..ModelDefaults::default()
             },
-            options: vec![FamilyOption::Fp8Matmul],
             ..About::default()
         }
     }

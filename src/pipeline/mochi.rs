@@ -5,9 +5,7 @@ use super::denoise::Denoise;
 use super::draws::RunDraws;
 use super::frame::Frame;
 use super::jobs::Job;
-use super::registry::FamilyOption::{
-    Cache, Fp8Matmul, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling,
-};
+use super::registry::FamilyOption::{Cache, Lora, Pab, StorageDtype, TaylorSeer, VaeTiling};
 use super::registry::{
     declared_by, About, Configs, Family, RunShape, T5VideoConfigs, T5VideoPipeline,
 };
@@ -86,15 +84,7 @@ impl Family for MochiConfigs {
             },
             ..About::guided(
                 "Mochi-1 text-to-video",
-                &[
-                    Lora,
-                    StorageDtype,
-                    VaeTiling,
-                    Cache,
-                    Pab,
-                    TaylorSeer,
-                    Fp8Matmul,
-                ],
+                &[Lora, StorageDtype, VaeTiling, Cache, Pab, TaylorSeer],
             )
         }
     }

@@ -167,12 +167,11 @@ pub enum FamilyOption {
     Pab,
     TaylorSeer,
     LowActivation,
-    Fp8Matmul,
 }
 
 impl FamilyOption {
     /// Every option, in the order refusals check them.
-    pub const ALL: [FamilyOption; 21] = [
+    pub const ALL: [FamilyOption; 20] = [
         FamilyOption::Image,
         FamilyOption::GuidanceScale,
         FamilyOption::GuidanceScale2,
@@ -193,7 +192,6 @@ impl FamilyOption {
         FamilyOption::Pab,
         FamilyOption::TaylorSeer,
         FamilyOption::LowActivation,
-        FamilyOption::Fp8Matmul,
     ];
 
     /// The options every text-to-video family with classifier-free guidance takes.
@@ -226,7 +224,6 @@ impl FamilyOption {
             FamilyOption::Pab => "--cache pab",
             FamilyOption::TaylorSeer => "--cache taylorseer",
             FamilyOption::LowActivation => "--low-activation",
-            FamilyOption::Fp8Matmul => "--fp8-matmul",
         }
     }
 
@@ -281,9 +278,6 @@ impl FamilyOption {
             FamilyOption::LowActivation => {
                 "vidgen runs the Wan family's transformer by chunks of tokens so far"
             }
-            FamilyOption::Fp8Matmul => {
-                "vidgen runs the transformer Linears of the diffusers families as fp8 matmuls so far (MiniMax H3's transformer is not diffusers')"
-            }
         }
     }
 
@@ -315,7 +309,6 @@ impl FamilyOption {
             FamilyOption::Pab => matches!(g.cache, Some(CacheSpec::Pab(_))),
             FamilyOption::TaylorSeer => matches!(g.cache, Some(CacheSpec::TaylorSeer(_))),
             FamilyOption::LowActivation => config.memory().low_activation,
-            FamilyOption::Fp8Matmul => g.fp8_matmul,
         }
     }
 }

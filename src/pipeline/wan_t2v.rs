@@ -9,8 +9,8 @@ use super::frame::Frame;
 use super::jobs::Job;
 use super::placement::Held;
 use super::registry::FamilyOption::{
-    Cache, FlowShift, Fp8Matmul, GuidanceScale2, Image, Lora, Lora2, LowActivation, Pab, Sigmas,
-    StorageDtype, TaylorSeer, Transformer2, VaeTileSize, VaeTiling,
+    Cache, FlowShift, GuidanceScale2, Image, Lora, Lora2, LowActivation, Pab, Sigmas, StorageDtype,
+    TaylorSeer, Transformer2, VaeTileSize, VaeTiling,
 };
 use super::registry::{declared_by, latents_draw, About, Configs, Family, ImageInput, RunShape};
 use super::spec::{Component, PipelineSpec, Role, Slot, StageSpec};
@@ -102,7 +102,6 @@ impl Family for WanConfigs {
             Pab,
             TaylorSeer,
             LowActivation,
-            Fp8Matmul,
         ];
         if self.image_input() != ImageInput::None {
             options.push(Image);
