@@ -50,14 +50,15 @@ pub struct RunShape {
     pub fp8_matmul: bool,
     /// The DiTs' attention computes in 8 bits (`--attention sage`).
     pub sage_attention: bool,
-    /// Classifier-free guidance may run (a guidance scale above 1, or a prompt file, whose
-    /// lines may set one): a family that batches its passes forwards two prompts at once.
+    /// Classifier-free guidance may run (a guidance scale above 1, the low-noise expert's
+    /// included, or a prompt file, whose lines may set one): a family that batches its passes
+    /// forwards two prompts at once.
     pub guided: bool,
 }
 
 impl RunShape {
-    /// Prompts in one forward of a DiT that batches the guided `[negative; positive]` pair:
-    /// two with guidance, one without.
+    /// Prompts in one forward of a DiT that batches the guided `[negative; positive]` pair
+    /// (where its passes run apart, the passes of a step): two with guidance, one without.
     pub fn guidance_batch(&self) -> usize {
         if self.guided {
             2
@@ -127,7 +128,9 @@ impl RunShape {
             cache: g.cache.clone(),
             fp8_matmul: g.fp8_matmul,
             sage_attention: g.attention == crate::models::sage_attention::AttentionKind::Sage,
-            guided: v.guidance_scale > 1.0 || matches!(g.prompts, Some(Prompts::File(_))),
+            guided: v.guidance_scale > 1.0
+                || g.guidance_scale_2.is_some_and(|s| s > 1.0)
+                || matches!(g.prompts, Some(Prompts::File(_))),
         }
     }
 }

@@ -374,6 +374,8 @@ impl WanConfigs {
         };
         let hidden =
             |cfg: &WanTransformerConfig| activations::hidden_state_bytes(cfg, latent, shape.dtype);
+        // The prompts' text and each guidance pass's (a forward of its own) prediction.
+        let text = (shape.text_len, shape.guidance_batch());
         // The cached states, and (in low-activation mode) each block's input beside the output
         // it writes.
         let dit_activations = |cfg: &WanTransformerConfig| {
@@ -390,14 +392,14 @@ impl WanConfigs {
             } else {
                 0
             };
-            activations::transformer_activations(cfg, latent, shape.text_len, shape.dtype, low)
+            activations::transformer_activations(cfg, latent, text, shape.dtype, low)
                 + copies as u64 * hidden(cfg)
                 + fp8
                 + sage
         };
         // While the outer part computes: its activations and the cached states.
         let apart_activations = |cfg: &WanTransformerConfig| {
-            activations::outer_activations(cfg, latent, shape.text_len, shape.dtype)
+            activations::outer_activations(cfg, latent, text, shape.dtype)
                 + cached_states(cfg) as u64 * hidden(cfg)
         };
         // Each block built on the device keeps its fp8 weight codes.

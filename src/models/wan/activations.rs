@@ -47,9 +47,9 @@ const LOW_ACTIVATION_HIDDEN_COPIES: u64 = 3;
 /// `[chunk, inner]` tensors of one chunk of a low-activation attention alive at once: its
 /// norm, queries, attention output and that output token-major, and the projection.
 const LOW_ACTIVATION_CHUNK_COPIES: u64 = 5;
-/// f32 copies of the latents alive while denoising: latents, model input, both noise
-/// predictions and the scheduler's history.
-const LATENT_COPIES: u64 = 8;
+/// f32 copies of the latents alive while denoising besides a noise prediction per guidance
+/// pass: latents, model input, the guided prediction and the scheduler's history.
+const LATENT_COPIES: u64 = 6;
 /// Copies of the VAE decoder's largest chunk feature map alive at once: input, norm and
 /// SiLU outputs, the conv's cached frames, per-frame outputs and their stacking.
 const DECODE_FEATURE_MAPS: u64 = 6;
@@ -111,20 +111,21 @@ pub fn hidden_state_bytes(cfg: &WanTransformerConfig, latent: [usize; 5], dtype:
 }
 
 /// Peak activation bytes of one DiT forward on `latent` `[1, C, F, H, W]` with `text_len`
-/// text tokens, in low-activation mode where `low_activation`: the larger of the
+/// text tokens in a step of `passes` guidance passes (2 with classifier-free guidance, each a
+/// forward of its own), in low-activation mode where `low_activation`: the larger of the
 /// self-attention and feed-forward peaks of a block, plus the RoPE tables, latents and text
-/// context that live through the whole forward.
+/// contexts that live through the whole forward.
 pub fn transformer_activations(
     cfg: &WanTransformerConfig,
     latent: [usize; 5],
-    text_len: usize,
+    text: (usize, usize),
     dtype: DType,
     low_activation: bool,
 ) -> u64 {
     let s = dtype.size_in_bytes() as u64;
     let tokens = tokens(cfg, latent);
     let (d, heads) = (cfg.inner_dim() as u64, cfg.num_attention_heads as u64);
-    let text_len = text_len as u64;
+    let text_len = text.0 as u64;
     let hidden = tokens * d * s;
     // The fused CUDA attention (bf16/f16) materialises no scores; f32 takes the chunked path.
     let scores = |queries: u64| {
@@ -149,36 +150,39 @@ pub fn transformer_activations(
             FFN_HIDDEN_COPIES * hidden + ffn_chunk(tokens.min(FFN_CHUNK as u64)),
         )
     };
-    attention.max(ffn) + forward_inputs(cfg, latent, text_len, dtype)
+    attention.max(ffn) + forward_inputs(cfg, latent, text, dtype)
 }
 
-/// What lives through a whole forward on `latent`: the RoPE tables, the latents' f32 copies and
-/// the text context.
+/// What lives through a whole forward on `latent` in a step of `passes` guidance passes: the
+/// RoPE tables, the latents' f32 copies (a noise prediction per pass) and each pass's text
+/// context beside the projected one.
 fn forward_inputs(
     cfg: &WanTransformerConfig,
     latent: [usize; 5],
-    text_len: u64,
+    (text_len, passes): (usize, usize),
     dtype: DType,
 ) -> u64 {
     let s = dtype.size_in_bytes() as u64;
     let [_, c, f, h, w] = latent;
+    let (text_len, passes) = (text_len as u64, passes as u64);
     let rope = 2 * tokens(cfg, latent) * (cfg.attention_head_dim / 2) as u64 * F32;
-    let latents = LATENT_COPIES * (c * f * h * w) as u64 * F32;
-    let text = 2 * text_len * cfg.text_dim as u64 * s + text_len * cfg.inner_dim() as u64 * s;
+    let latents = (LATENT_COPIES + passes) * (c * f * h * w) as u64 * F32;
+    let text = passes * text_len * cfg.text_dim as u64 * s + text_len * cfg.inner_dim() as u64 * s;
     rope + latents + text
 }
 
 /// Peak activation bytes while the DiT's outer part computes apart from the blocks (an outer
-/// part moved in per use): the hidden states and the output norm's modulated copy of them
+/// part moved in per use), `text` as [`transformer_activations`] takes it: the hidden states and
+/// the output norm's modulated copy of them
 /// (`proj_out`'s output is `out_channels` wide), beside what lives through the forward. The
 /// patch embedding before the blocks holds less: its patches and one hidden state.
 pub fn outer_activations(
     cfg: &WanTransformerConfig,
     latent: [usize; 5],
-    text_len: usize,
+    text: (usize, usize),
     dtype: DType,
 ) -> u64 {
-    2 * hidden_state_bytes(cfg, latent, dtype) + forward_inputs(cfg, latent, text_len as u64, dtype)
+    2 * hidden_state_bytes(cfg, latent, dtype) + forward_inputs(cfg, latent, text, dtype)
 }
 
 /// Device bytes of the e4m3 codes of one block's Linear weights under `--fp8-matmul` (made where
