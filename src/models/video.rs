@@ -95,23 +95,27 @@ pub trait DenoiseActivations {
         dtype: DType,
     ) -> u64;
 
+    /// Device bytes the same forward holds throughout beside its streams: tables, text.
+    fn forward_held(&self, grid: [usize; 3], text_len: usize, batch: usize, dtype: DType) -> u64;
+
     /// Device bytes of the same forward while its outer part (embedders, output head) computes
-    /// apart from the blocks, an outer part moved in per use: the stream entering the blocks
-    /// and the head's normed copy beside what the forward holds throughout (tables, text).
+    /// apart from the blocks, an outer part moved in per use: the batch's block state entering
+    /// the blocks and the head's normed copy of it, beside what the forward holds throughout.
     fn outer_activations(
         &self,
         grid: [usize; 3],
         text_len: usize,
         batch: usize,
         dtype: DType,
-    ) -> u64;
-
-    /// The tokens (video and text) and width of one prompt's block state, of which a step
-    /// cache (`--cache`) holds copies through the loop; none where the DiT takes no cache.
-    fn block_state(&self, grid: [usize; 3], text_len: usize) -> (usize, usize) {
-        let _ = (grid, text_len);
-        (0, 0)
+    ) -> u64 {
+        let (tokens, dim) = self.block_state(grid, text_len);
+        (2 * batch * tokens * dim * dtype.size_in_bytes()) as u64
+            + self.forward_held(grid, text_len, batch, dtype)
     }
+
+    /// The tokens (video and text) and width of one prompt's block state: what its blocks
+    /// thread, of which a step cache (`--cache`) holds copies through the loop.
+    fn block_state(&self, grid: [usize; 3], text_len: usize) -> (usize, usize);
 
     /// The attention modules, by PAB's kinds, whose outputs the DiT hands a step cache that
     /// reaches inside its blocks (a block state each): none where it hands none.

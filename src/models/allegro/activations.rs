@@ -25,16 +25,9 @@ impl DenoiseActivations for AllegroTransformerConfig {
         transformer_activations(self, self.video_tokens(grid), text_len, batch, dtype)
     }
 
-    fn outer_activations(
-        &self,
-        grid: [usize; 3],
-        text_len: usize,
-        batch: usize,
-        dtype: DType,
-    ) -> u64 {
-        let (n, b) = (self.video_tokens(grid) as u64, batch as u64);
-        2 * b * n * self.inner_dim() as u64 * dtype.size_in_bytes() as u64
-            + forward_held(self, n, text_len as u64, b, dtype)
+    fn forward_held(&self, grid: [usize; 3], text_len: usize, batch: usize, dtype: DType) -> u64 {
+        let (n, l, b) = (self.video_tokens(grid), text_len, batch);
+        forward_held(self, n as u64, l as u64, b as u64, dtype)
     }
 
     fn in_fp8(&self, on: bool) -> Self {

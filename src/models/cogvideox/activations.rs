@@ -26,17 +26,9 @@ impl DenoiseActivations for CogVideoXTransformerConfig {
         transformer_activations(self, [batch, f, self.in_channels, h, w], text_len, dtype)
     }
 
-    /// The batch's joint sequence and the head's normed copy, beside the RoPE tables.
-    fn outer_activations(
-        &self,
-        [f, h, w]: [usize; 3],
-        text_len: usize,
-        batch: usize,
-        dtype: DType,
-    ) -> u64 {
-        let latent = [batch, f, self.in_channels, h, w];
-        let seq = joint_tokens(self, latent, text_len);
-        (2 * batch * seq * self.inner_dim() * dtype.size_in_bytes()) as u64 + rope_tables(self, seq)
+    /// The RoPE tables.
+    fn forward_held(&self, grid: [usize; 3], text_len: usize, _batch: usize, _dtype: DType) -> u64 {
+        rope_tables(self, self.block_state(grid, text_len).0)
     }
 
     fn in_fp8(&self, on: bool) -> Self {

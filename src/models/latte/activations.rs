@@ -30,17 +30,9 @@ impl DenoiseActivations for LatteTransformerConfig {
         transformer_activations(self, [batch, self.in_channels(), f, h, w], text_len, dtype)
     }
 
-    /// The batch's stream and the head's normed copy, beside the caption's copies.
-    fn outer_activations(
-        &self,
-        grid: [usize; 3],
-        text_len: usize,
-        batch: usize,
-        dtype: DType,
-    ) -> u64 {
-        let (tokens, dim) = self.block_state(grid, text_len);
-        let bytes = (batch * dim * dtype.size_in_bytes()) as u64;
-        (2 * tokens as u64 + 4 * text_len as u64) * bytes
+    /// The caption's copies.
+    fn forward_held(&self, _grid: [usize; 3], text_len: usize, batch: usize, dtype: DType) -> u64 {
+        caption_bytes(self, text_len, batch as u64, dtype)
     }
 
     fn in_fp8(&self, on: bool) -> Self {
@@ -97,6 +89,11 @@ impl DecodeActivations for AutoencoderKLConfig {
 /// holds one fewer).
 const FUSED_COPIES: u64 = 10;
 
+/// The caption's four copies at the model width, for `batch` prompts of `text_len` tokens.
+fn caption_bytes(c: &LatteTransformerConfig, text_len: usize, batch: u64, dtype: DType) -> u64 {
+    4 * batch * text_len as u64 * c.inner_dim() as u64 * dtype.size_in_bytes() as u64
+}
+
 /// Device bytes of one transformer forward over the batch of latents `[B, C, F, h, w]` (2: the
 /// guided `[negative; positive]` pair, 1 without guidance).
 pub fn transformer_activations(
@@ -113,7 +110,7 @@ pub fn transformer_activations(
     let dim = c.inner_dim() as u64;
     let heads = c.num_attention_heads as u64;
     let hidden = batch * frames * tokens * dim * bytes;
-    let text = batch * text_len as u64 * dim * bytes * 4;
+    let text = caption_bytes(c, text_len, batch, dtype);
     if runs_fused(dtype) {
         return FUSED_COPIES * hidden + product_workspace(dtype) + text;
     }
