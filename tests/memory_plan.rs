@@ -1224,6 +1224,42 @@ fn the_dit_is_held_on_the_device_where_it_fits() {
     }
 }
 
+/// Where only the defaults stream the text encoder and the run with it loaded whole fits what is
+/// free with a tenth to spare, it loads whole for its stage (a streamed one copies all its weights
+/// for every prompt); not where that does not fit, and never over a placement the user set.
+#[test]
+fn the_text_encoder_loads_whole_where_it_fits() {
+    let configs = shipped("wan2.1-t2v-14b");
+    let args = ["--memory-model", "discrete", "--dtype", "bf16"];
+    let config = resolve(&args);
+    assert!(config.memory().text_encoder_cpu_offload);
+    let planner = Planner::new(&configs, &config);
+    let streamed = planner.plan(&planner.request()).unwrap();
+    let (whole, plan) = planner.text_encoders_on_device(100 << 30).unwrap();
+    assert!(!whole.options.text_encoder_cpu_offload);
+    // UMT5's 10.6 GiB are on the device in its stage now, where its slots were.
+    let text_weights = |p: &MemoryPlan| p.stage("encode_text").unwrap().weight_bytes;
+    assert!(text_weights(&plan) > text_weights(&streamed) + (8 << 30));
+    // A tenth of what is free stays spare.
+    let need = plan.required_free_bytes();
+    assert!(planner.text_encoders_on_device(need).is_none());
+    assert!(planner
+        .text_encoders_on_device(need + need / 9 + 10)
+        .is_some());
+    for placement in [
+        &["--text-encoder-cpu-offload"][..],
+        &["--text-encoder-compute", "gpu"],
+    ] {
+        let asked = resolve(&[&args[..], placement].concat());
+        assert!(
+            Planner::new(&configs, &asked)
+                .text_encoders_on_device(100 << 30)
+                .is_none(),
+            "{placement:?}"
+        );
+    }
+}
+
 /// The decode plans against the decode peaks a GPU measured (bf16, bench/RESULTS.md): FLUX.1's
 /// whole decode stage at 768x768 (its VAE's weights and maps, the device pool's used peak
 /// through `--stats-json`; an H100, session 48), HunyuanVideo's decode above its weights and

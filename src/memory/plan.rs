@@ -692,6 +692,32 @@ pub fn dit_kept_on_device(
     found.filter(|(_, plan)| *plan != streamed)
 }
 
+/// The options that say where a text encoder's weights wait and where it computes.
+const TEXT_ENCODER_PLACEMENT: [&str; 2] = ["text_encoder_cpu_offload", "text_encoder_compute"];
+
+/// `request` with its text encoders loaded whole on the device for their stage instead of
+/// streamed from host memory, with that set's plan, where `request` offloads them by default
+/// only (`given` names none of [`TEXT_ENCODER_PLACEMENT`]) and the set is predicted to fit
+/// `free` bytes with a tenth of them to spare; else `None`. A streamed encoder copies all its
+/// weights through its pinned slots for every prompt's encode: Wan2.1 1.3B's UMT5 stage took
+/// 1.09 s streamed against 0.78 s loaded whole (an H200, bench/RESULTS.md session 55), and a
+/// prompt file's next prompts copy them again.
+pub fn text_encoders_on_device(
+    request: &Request,
+    plan_for: PlanFor,
+    free: u64,
+    given: &dyn Fn(&str) -> bool,
+) -> Option<(Request, MemoryPlan)> {
+    let o = &request.options;
+    if !o.text_encoder_cpu_offload || TEXT_ENCODER_PLACEMENT.iter().any(|k| given(k)) {
+        return None;
+    }
+    let mut whole = request.clone();
+    whole.options.text_encoder_cpu_offload = false;
+    let plan = plan_for(&whole).ok()?;
+    plan.fits_free(free - free / 10).then_some((whole, plan))
+}
+
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's
 /// memory rules, with their plans, in order.
 fn host_candidates<'a>(

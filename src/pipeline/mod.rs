@@ -208,7 +208,8 @@ fn for_family(
     check_shards(&spec, source)?;
     check_weight_files(&spec, &config, source)?;
     check_cache_modules(&family.about(), &config, source)?;
-    let config = dit_on_device_where_free(family, config);
+    let config =
+        text_encoders_on_device_where_free(family, dit_on_device_where_free(family, config));
     fit_to_host(family, fit_to_device(family, config)?, stop_on_host)
 }
 
@@ -248,6 +249,30 @@ fn dit_on_device_where_free(family: &dyn Family, config: ResolvedConfig) -> Reso
     };
     drop(planner);
     config.with_memory_options(options, &reason)
+}
+
+/// The configuration with its text encoders loaded whole on the device for their stage, where
+/// only the defaults stream them and the memory plan predicts it fits the device memory free
+/// when the run starts with room to spare (see [`memory_plan::text_encoders_on_device`]), the
+/// change recorded as an override with why; else as it is.
+fn text_encoders_on_device_where_free(
+    family: &dyn Family,
+    config: ResolvedConfig,
+) -> ResolvedConfig {
+    let Some(free) = config.device().free_memory else {
+        return config;
+    };
+    let planner = Planner::new(family, &config);
+    let Some((whole, plan)) = planner.text_encoders_on_device(free) else {
+        return config;
+    };
+    drop(planner);
+    let reason = format!(
+        "the memory plan predicts a peak of {} with the text encoders loaded whole ({:.2} GiB free): not streamed from host memory for each prompt",
+        plan.describe_peak(),
+        gib(free)
+    );
+    config.with_memory_options(whole.options, &reason)
 }
 
 /// The configuration fitted to the device memory free when the run starts (where the probe knows

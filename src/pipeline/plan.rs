@@ -352,6 +352,14 @@ impl<'a> Planner<'a> {
         )
     }
 
+    /// The run's options with its text encoders loaded whole on the device, where its defaults
+    /// stream them and that is predicted to fit `free` bytes with room to spare (see
+    /// [`memory_plan::text_encoders_on_device`]).
+    pub fn text_encoders_on_device(&self, free: u64) -> Option<(Request, MemoryPlan)> {
+        let given = |option: &str| self.config.given(option);
+        memory_plan::text_encoders_on_device(&self.request(), &|r| self.plan(r), free, &given)
+    }
+
     /// The run's options with as many of its streamed DiT's blocks kept on the device as `free`
     /// bytes hold with room to spare, where its defaults stream the DiT (see
     /// [`memory_plan::dit_kept_on_device`]).
