@@ -15,15 +15,6 @@ const FIXTURE: &str = "wan-tiny-a";
 /// 32: sums of few terms average little of e4m3's rounding away).
 const FAMILY_BOUND: f32 = 0.035;
 
-/// Deterministic values in [-1, 1] of `shape` (`sin` of a ramp, `seed` its phase).
-fn values(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| ((i as f64 * 0.618_034 + seed as f64).sin()) as f32)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
 /// The fixture's transformer, its blocks' Linears in fp8 where `fp8`.
 fn transformer(fp8: bool) -> WanTransformer3DModel {
     let cfg = WanTransformerConfig {
@@ -41,8 +32,8 @@ fn transformer(fp8: bool) -> WanTransformer3DModel {
 #[test]
 fn each_forward_stays_close_to_the_exact_one() {
     let (exact, fp8) = (transformer(false), transformer(true));
-    let latents = values(&[1, 16, 2, 16, 16], 1);
-    let text = values(&[1, 20, 32], 2);
+    let latents = common::values(&[1, 16, 2, 16, 16], 1);
+    let text = common::values(&[1, 20, 32], 2);
     for t in [999f32, 500.0, 20.0] {
         let timestep = Tensor::new(&[t], &Device::Cpu).unwrap();
         let want = exact.forward(&latents, &timestep, &text).unwrap();
@@ -312,8 +303,8 @@ mod cuda_tests {
         };
         let (exact, fp8) = (model(false), model(true));
         let on_gpu = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_device(&device).unwrap();
-        let latents = on_gpu(values(&[1, 16, 3, 60, 104], 1));
-        let text = on_gpu(values(&[1, 512, 256], 2));
+        let latents = on_gpu(common::values(&[1, 16, 3, 60, 104], 1));
+        let text = on_gpu(common::values(&[1, 512, 256], 2));
         for t in [999f32, 500.0, 20.0] {
             let timestep = Tensor::new(&[t], &device).unwrap();
             let want = exact.forward(&latents, &timestep, &text).unwrap();
@@ -351,9 +342,9 @@ mod cuda_tests {
         };
         let (exact, fp8) = (model(false), model(true));
         let on_gpu = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_device(&device).unwrap();
-        let latents = on_gpu(values(&[1, 1024, 64], 1));
-        let text = on_gpu(values(&[1, 128, 256], 2));
-        let pooled = on_gpu(values(&[1, 768], 3));
+        let latents = on_gpu(common::values(&[1, 1024, 64], 1));
+        let text = on_gpu(common::values(&[1, 128, 256], 2));
+        let pooled = on_gpu(common::values(&[1, 768], 3));
         let img_ids = image_ids(32, 32, &device).unwrap();
         let txt_ids = Tensor::zeros((128, 3), DType::F32, &device).unwrap();
         let guidance = Tensor::new(&[3.5f32], &device).unwrap();
@@ -395,9 +386,9 @@ mod cuda_tests {
         };
         let (exact, fp8) = (model(false), model(true));
         let on_gpu = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_device(&device).unwrap();
-        let latents = on_gpu(values(&[1, 16, 6, 32, 32], 1));
-        let text = on_gpu(values(&[1, 64, 256], 2));
-        let pooled = on_gpu(values(&[1, 768], 3));
+        let latents = on_gpu(common::values(&[1, 16, 6, 32, 32], 1));
+        let text = on_gpu(common::values(&[1, 64, 256], 2));
+        let pooled = on_gpu(common::values(&[1, 768], 3));
         let mask = Tensor::ones((1, 64), DType::F32, &device).unwrap();
         let guidance = Tensor::new(&[6000f32], &device).unwrap();
         for t in [999f32, 500.0] {

@@ -98,3 +98,82 @@ fn the_plan_counts_each_blocks_codes() {
         "streamed block by block"
     );
 }
+
+/// On a GPU (compute capability 8.9+), in bf16: the fp8 forward against the exact one. Skipped
+/// without a CUDA device.
+#[cfg(feature = "cuda")]
+mod cuda_tests {
+    use super::*;
+    use candle_core::DType;
+    use vidgen::models::minimax_h3::layout::{row_timesteps, t2va_layout, LayoutSizes};
+    use vidgen::weights::{WeightSet, Weights};
+
+    /// MiniMax H3 with seeded weights (8 heads of 128, one refiner and two main blocks) on a
+    /// packed sequence of 64 text, 80 audio and 4 x 8 x 8 video rows, at an early and a late
+    /// step, on CUDA in bf16: each video and audio velocity with fp8 matmuls within 8% (relative
+    /// L2, printed; the same forwards on the host in f32 measured 1.6-1.8%, FLUX.1's and
+    /// HunyuanVideo's bf16 ones on an H100 about 6%) of the exact bf16 one and not equal to it;
+    /// the fused kernels (each row's modulation by its AdaLN index, q and k normed and rotated in
+    /// place) run on this path.
+    #[test]
+    fn fp8_forward_on_cuda_stays_close_to_bf16() {
+        let Ok(device) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let cfg = MiniMaxH3TransformerConfig {
+            num_attention_heads: 8,
+            hidden_size: 1024,
+            num_layers: 2,
+            num_refiner_layers: 1,
+            ffn_dim: 2048,
+            text_dim: 256,
+            time_embed_hidden_dim: 1024,
+            time_embed_dim: 512,
+            ..MiniMaxH3TransformerConfig::default()
+        };
+        let model = |fp8_matmul| {
+            let vb = WeightSet::open(&Weights::Synthetic { seed: 7 })
+                .unwrap()
+                .var_builder(DType::BF16, &device);
+            let cfg = MiniMaxH3TransformerConfig {
+                fp8_matmul,
+                ..cfg.clone()
+            };
+            MiniMaxH3Transformer3DModel::new(&cfg, vb).unwrap()
+        };
+        let (exact, fp8) = (model(false), model(true));
+        let sizes = LayoutSizes {
+            num_text_tokens: 64,
+            num_latent_frames: 4,
+            latent_height: 16,
+            latent_width: 16,
+            num_audio_latents: 40,
+            audio_channels: 2,
+        };
+        let layout = t2va_layout(&sizes, cfg.patch_size, &device).unwrap();
+        let rows = |n: usize, width: usize, seed: u64| {
+            common::values(&[1, n, width], seed)
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_device(&device)
+                .unwrap()
+        };
+        let video = rows(4 * 8 * 8, cfg.video_patch_dim(), 1);
+        let audio = rows(80, cfg.audio_in_channels, 2);
+        let text = rows(64, cfg.text_dim, 3);
+        for (video_t, audio_t) in [(0.9f32, 0.8f32), (0.3, 0.2)] {
+            let (timestep, indices) = row_timesteps(&layout, video_t, audio_t).unwrap();
+            let run = |m: &MiniMaxH3Transformer3DModel| {
+                m.forward(&video, &audio, &text, &timestep, &indices, &layout)
+                    .unwrap()
+            };
+            let ((v, a), (v_exact, a_exact)) = (run(&fp8), run(&exact));
+            for (what, got, want) in [("video", v, v_exact), ("audio", a, a_exact)] {
+                let err = common::relative_l2(&got, &want);
+                eprintln!("CUDA MiniMax H3 t = {video_t} {what}: fp8 relative L2 {err:.3e}");
+                assert!(err > 0.0 && err <= 0.08, "t = {video_t} {what}: {err}");
+            }
+        }
+    }
+}

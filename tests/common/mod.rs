@@ -465,6 +465,15 @@ pub fn interleave_pairs(t: &Tensor) -> Tensor {
         .unwrap()
 }
 
+/// Deterministic values in [-1, 1] of `shape` on the CPU (`sin` of a ramp, `seed` its phase).
+pub fn values(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i as f64 * 0.618_034 + seed as f64).sin()) as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
 /// ‖a − b‖ / ‖b‖ over all elements, in f32.
 pub fn relative_l2(a: &Tensor, b: &Tensor) -> f32 {
     let f = |t: &Tensor| {
