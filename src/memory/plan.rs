@@ -607,6 +607,12 @@ pub fn fit(
         .map_or(Fit::Nothing, Fit::Leaner)
 }
 
+/// What a placement that moves weights onto the device may plan to use of `free` bytes: all but a
+/// tenth (the plan's margin: it is within 10% of the measured peaks).
+fn room(free: u64) -> u64 {
+    free - free / 10
+}
+
 /// The options that say where a DiT's weights wait and how they stream (config-file keys).
 const DIT_PLACEMENT: [&str; 10] = [
     "dit_cpu_offload",
@@ -646,7 +652,7 @@ pub fn dit_on_device(
     resident.options.dit_layerwise_offload = false;
     apply_memory_rules(&mut resident.options, device);
     let plan = plan_for(&resident).ok()?;
-    plan.fits_free(free - free / 10).then_some((resident, plan))
+    plan.fits_free(room(free)).then_some((resident, plan))
 }
 
 /// `request` with as many of its streamed DiT's blocks kept on the device
@@ -667,7 +673,7 @@ pub fn dit_kept_on_device(
     if !request.options.dit_layerwise_offload || DIT_PLACEMENT.iter().any(|k| given(k)) {
         return None;
     }
-    let room = free - free / 10;
+    let room = room(free);
     let streamed = plan_for(request).ok()?;
     if !streamed.fits_free(room) {
         return None;
@@ -715,7 +721,7 @@ pub fn text_encoders_on_device(
     let mut whole = request.clone();
     whole.options.text_encoder_cpu_offload = false;
     let plan = plan_for(&whole).ok()?;
-    plan.fits_free(free - free / 10).then_some((whole, plan))
+    plan.fits_free(room(free)).then_some((whole, plan))
 }
 
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's

@@ -213,6 +213,25 @@ fn for_family(
     fit_to_host(family, fit_to_device(family, config)?, stop_on_host)
 }
 
+/// `config` with the memory options `place` picks for the device memory free when the run
+/// starts, recorded as overrides with the reason it gives; as it is where the probe does not
+/// know what is free or `place` picks nothing.
+fn placed_where_free(
+    family: &dyn Family,
+    config: ResolvedConfig,
+    place: impl FnOnce(&Planner, u64) -> Option<(MemoryOptions, String)>,
+) -> ResolvedConfig {
+    let Some(free) = config.device().free_memory else {
+        return config;
+    };
+    let planner = Planner::new(family, &config);
+    let Some((options, reason)) = place(&planner, free) else {
+        return config;
+    };
+    drop(planner);
+    config.with_memory_options(options, &reason)
+}
+
 /// The configuration with its DiT held on the device, where only the defaults offload it and
 /// the memory plan predicts it fits the device memory free when the run starts with room to
 /// spare (see [`memory_plan::dit_on_device`]: a streamed DiT copies its weights every forward,
@@ -220,35 +239,29 @@ fn for_family(
 /// as many of its streamed blocks kept there as fit (see [`memory_plan::dit_kept_on_device`]);
 /// the change recorded as overrides with why; else as asked.
 fn dit_on_device_where_free(family: &dyn Family, config: ResolvedConfig) -> ResolvedConfig {
-    let Some(free) = config.device().free_memory else {
-        return config;
+    let merged = if config.generation().loras.iter().any(|l| !l.is_empty()) {
+        "; the LoRAs are merged as it lands, not into copies in page-locked host memory"
+    } else {
+        ""
     };
-    let planner = Planner::new(family, &config);
-    let (options, reason) = if let Some((resident, plan)) = planner.dit_on_device(free) {
-        let merged = if config.generation().loras.iter().any(|l| !l.is_empty()) {
-            "; the LoRAs are merged as it lands, not into copies in page-locked host memory"
-        } else {
-            ""
-        };
-        let reason = format!(
-            "the memory plan predicts a peak of {} with the DiT on the device ({:.2} GiB free): held there, not streamed from host memory every step{merged}",
-            plan.describe_peak(),
-            gib(free)
-        );
-        (resident.options, reason)
-    } else if let Some((kept, plan)) = planner.dit_kept_on_device(free) {
+    placed_where_free(family, config, |planner, free| {
+        if let Some((resident, plan)) = planner.dit_on_device(free) {
+            let reason = format!(
+                "the memory plan predicts a peak of {} with the DiT on the device ({:.2} GiB free): held there, not streamed from host memory every step{merged}",
+                plan.describe_peak(),
+                gib(free)
+            );
+            return Some((resident.options, reason));
+        }
+        let (kept, plan) = planner.dit_kept_on_device(free)?;
         let reason = format!(
             "the memory plan predicts a peak of {} with up to {:.2} GiB of the streamed DiT's blocks kept on the device ({:.2} GiB free; the whole DiT does not fit): those are copied once per stage, the rest every step",
             plan.describe_peak(),
             gib(kept.options.dit_resident_memory),
             gib(free)
         );
-        (kept.options, reason)
-    } else {
-        return config;
-    };
-    drop(planner);
-    config.with_memory_options(options, &reason)
+        Some((kept.options, reason))
+    })
 }
 
 /// The configuration with its text encoders loaded whole on the device for their stage, where
@@ -259,20 +272,15 @@ fn text_encoders_on_device_where_free(
     family: &dyn Family,
     config: ResolvedConfig,
 ) -> ResolvedConfig {
-    let Some(free) = config.device().free_memory else {
-        return config;
-    };
-    let planner = Planner::new(family, &config);
-    let Some((whole, plan)) = planner.text_encoders_on_device(free) else {
-        return config;
-    };
-    drop(planner);
-    let reason = format!(
-        "the memory plan predicts a peak of {} with the text encoders loaded whole ({:.2} GiB free): not streamed from host memory for each prompt",
-        plan.describe_peak(),
-        gib(free)
-    );
-    config.with_memory_options(whole.options, &reason)
+    placed_where_free(family, config, |planner, free| {
+        let (whole, plan) = planner.text_encoders_on_device(free)?;
+        let reason = format!(
+            "the memory plan predicts a peak of {} with the text encoders loaded whole ({:.2} GiB free): not streamed from host memory for each prompt",
+            plan.describe_peak(),
+            gib(free)
+        );
+        Some((whole.options, reason))
+    })
 }
 
 /// The configuration fitted to the device memory free when the run starts (where the probe knows
