@@ -1360,8 +1360,6 @@ fn plans_are_within_a_tenth_of_the_measured_peaks() {
     // An H100, session 50 (calls 2, 5 and 7; `offload_bench`): one forward of one CFG branch
     // (a run without guidance), the pool's peak above the model's memory resident, and in all
     // at leaf level, its steps in exact fills and its outer part moved in per use.
-    // (CogVideoX-5b's leaf level, 0.998 GiB, is planned at 1.20: its estimate keeps the guided
-    // batch's nine copies per prompt where one branch held 8.4.)
     let unguided = ["--guidance-scale", "1"];
     let leaf_unguided = [&leaf[..], &unguided].concat();
     let resident_unguided = [&resident[..], &unguided].concat();
@@ -1390,6 +1388,16 @@ fn plans_are_within_a_tenth_of_the_measured_peaks() {
         0.568,
         "Wan2.1 1.3B leaf-level denoise without guidance",
     );
+    // An H200, session 56 (`calls.sh 1`), the same way: CogVideoX-5b at leaf level without
+    // guidance, and resident with its guided pair (the weights and both prompts' activations).
+    let cogvideox = |flags: &[&str]| {
+        let denoise = plan("synthetic:cogvideox-5b", (49, 480, 720), flags, "denoise");
+        gib(&denoise["peak_bytes"])
+    };
+    let what = "CogVideoX-5b leaf-level denoise without guidance";
+    within(cogvideox(&leaf_unguided), 1.002, what);
+    let what = "CogVideoX-5b resident denoise with guidance";
+    within(cogvideox(&resident), 12.235, what);
     for (model, size, activations) in [
         ("latte-1", (16, 512, 512), 0.383),
         ("mochi-1", (85, 480, 848), 1.944),

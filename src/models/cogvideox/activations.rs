@@ -82,9 +82,10 @@ pub fn text_encoder_activations(c: &T5Config, len: usize, dtype: DType) -> u64 {
 
 /// Copies of the batched joint sequence a block holds at its peak with the fused kernels
 /// ([`runs_fused`]): its feed-forward step holds eight as it runs (the block's input, the
-/// sequence after the attention, the modulated norm, the 4x hidden and its product); an H100
-/// measured 9.1 copies' worth at 49x480x720 (bench/RESULTS.md, session 46), so nine.
-const FUSED_COPIES: u64 = 9;
+/// sequence after the attention, the modulated norm, the 4x hidden and its product). At
+/// 49x480x720 on an H200 (bench/RESULTS.md, session 56) the guided pair held 9.1 a prompt
+/// resident and one prompt at leaf level about 8; nine for both planned the latter 20% over.
+const FUSED_COPIES: u64 = 8;
 
 /// Copies the candle composition holds (CPU, f32): hidden states, q/k/v, the attention output
 /// and norm temporaries, and the FFN's 4x hidden with its GELU.
