@@ -121,3 +121,32 @@ fn strided_copies_match_the_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// `cat` along every dim (2-D copies: whole 16-byte vectors as such where pointers, rows and
+/// strides allow, elementwise elsewhere), into offsets that break the vectors' alignment too.
+#[test]
+fn concatenations_match_the_cpu() -> Result<()> {
+    let Some(dev) = device("2-D copies") else {
+        return Ok(());
+    };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (first, last) in [(24, 64), (5, 36), (3, 8)] {
+            let dims = [2, first, 4, last];
+            let (a, ag) = both(&dims, dtype, &dev)?;
+            for dim in 0..4 {
+                // b as a but 3 long on `dim`.
+                let mut b_dims = dims;
+                b_dims[dim] = 3;
+                let (b, bg) = both(&b_dims, dtype, &dev)?;
+                let want = Tensor::cat(&[&a, &b, &a], dim)?;
+                let got = Tensor::cat(&[&ag, &bg, &ag], dim)?;
+                assert_same(
+                    &got,
+                    &want,
+                    &format!("{dtype:?} cat on dim {dim}, {dims:?}"),
+                )?;
+            }
+        }
+    }
+    Ok(())
+}

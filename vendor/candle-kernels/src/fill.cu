@@ -31,6 +31,22 @@ void FNNAME(const TYPENAME *src, TYPENAME *dst, uint32_t d1, uint32_t d2, uint32
   copy2d(src, dst, d1, d2, src_s, dst_s); \
 } \
 
+// vidgen's patch: a 2-D copy whose pointers, row length and strides are whole 16-byte vectors
+// (counted in them here), for every dtype: a thread per vector, each row's vectors along x and
+// the rows along y. The per-element copy above took 31 us for a [4608, 3072] bf16 `cat` input on
+// an H200 (a thread and a 32-bit division per 2 bytes; FLUX.1's forward spent 12% of its time
+// in it, bench/RESULTS.md session 56).
+extern "C" __global__ void copy2d_v16(const uint4 *src, uint4 *dst, uint32_t d1, uint32_t d2,
+                                      uint32_t src_s, uint32_t dst_s) {
+  for (uint32_t row = blockIdx.y; row < d1; row += gridDim.y) {
+    const uint4 *s = src + static_cast<size_t>(row) * src_s;
+    uint4 *d = dst + static_cast<size_t>(row) * dst_s;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < d2; i += blockDim.x * gridDim.x) {
+      d[i] = s[i];
+    }
+  }
+}
+
 COPY2D_OP(float, copy2d_f32)
 COPY2D_OP(double, copy2d_f64)
 COPY2D_OP(uint8_t, copy2d_u8)
