@@ -30,20 +30,6 @@ fewstep() {  # fewstep FAMILY MODES: the 4-step recipe's whole video, vidgen onl
   python3 bench/family_e2e.py --table $OUT/e2e
   rm -rf /dev/shm/vidgen-e2e
 }
-planned() {  # planned NAME MODEL [FLAGS...]: one step through the command line, planned against measured
-  local name=$1 model=$2; shift 2
-  el "$name"
-  timeout 200 /tmp/vidgen generate --model synthetic:$model --prompt "a red fox runs through fresh snow" \
-    --seed 1 --num-inference-steps 2 --dtype bf16 --output-type safetensors --output-path /tmp/v \
-    --output-video-name $name --overwrite --stats-json $OUT/plan/$name.json "$@" > $OUT/plan/$name.log 2>&1
-  echo "exit $?"; grep -E "^error" $OUT/plan/$name.log
-  python3 -c "
-import json,sys; d=json.load(open(sys.argv[1])); j=d['jobs'][0]
-for s,v in j['metrics']['stages'].items():
-    p=v.get('device_planned_bytes'); m=v['device_used_peak']
-    print('  %-12s used %7.3f GiB, planned %7.3f (%s)' % (s, m/2**30, (p or 0)/2**30, '%+.1f%%' % (100*(p/m-1)) if p and m else '-'))
-" $OUT/plan/$name.json
-}
 case $1 in
   1) el "attn_bench sage: 14B and 1.3B self-attention, twice"
      for c in "14B self" 1.3B "14B self"; do timeout 90 /tmp/attn_bench sage "$c" 2>&1 | grep -vE "^$" | tail -8; done
