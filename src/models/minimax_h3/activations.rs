@@ -168,24 +168,30 @@ pub fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype:
     decoder + DECODED_CLIP_COPIES * clip
 }
 
-/// Device bytes of the audio decode: twelve copies of the stereo batch at its widest stage (f32):
-/// the stage's input, the AMP blocks' running sum with its next value, a block's input and
-/// residual; a convolution's padded input, output and biased copy with one run's im2col
-/// scratch (the layers work in runs, `audio_vae`); the activation's input and output with one
-/// run of channels' resampling scratch. Plus the largest weight-normed kernel, folded while its
-/// layer runs (the stored `weight_v`, `weight_g` are the VAE's weights).
+/// Copies of the stereo batch at a stage's width that the audio decode holds at once (f32): ten
+/// whole tensors (the stage's input, the AMP blocks' running sum with its next value, a block's
+/// input and residual, a convolution's padded input, output and biased copy, the activation's
+/// input and output) and, within one more, the runs' scratch (one convolution's im2col, one
+/// activation's resampling; the layers work in runs, `audio_vae`). The CPU heap test on the
+/// fixture measured ten; an H200 held fewer at full size (bench/RESULTS.md, session 56).
+const AUDIO_DECODE_COPIES: u64 = 11;
+
+/// Device bytes of the audio decode at its peak moment: at each upsampling stage,
+/// [`AUDIO_DECODE_COPIES`] copies at the stage's width beside the stage's largest weight-normed
+/// kernel, folded while its layer runs (the stored `weight_v`, `weight_g` are the VAE's
+/// weights); at `conv_pre`, its kernel (the decoder's largest) beside its input and output.
 pub fn audio_decode_activations(cfg: &MiniMaxH3AudioVaeConfig, latents: usize) -> u64 {
-    let mut channels = cfg.decoder_dim as u64;
+    let stereo = AUDIO_CHANNELS as u64;
+    let (latent_dim, mut channels) = (cfg.latent_dim as u64, cfg.decoder_dim as u64);
     let mut length = latents as u64;
-    let mut largest = cfg.latent_dim as u64 * length;
     let resblock_kernel = cfg.resblock_kernel_sizes.iter().max().copied().unwrap_or(0) as u64;
-    let mut kernel = channels * cfg.latent_dim as u64 * 7;
+    let mut peak = channels * latent_dim * 7 + stereo * (latent_dim + channels) * length;
     for (&rate, &up_kernel) in cfg.decoder_rates.iter().zip(&cfg.decoder_kernel_sizes) {
-        kernel = kernel.max(channels * (channels / 2) * up_kernel as u64);
+        let upsample = channels * (channels / 2) * up_kernel as u64;
         channels /= 2;
-        kernel = kernel.max(channels * channels * resblock_kernel);
         length *= rate as u64;
-        largest = largest.max(channels * length);
+        let kernel = upsample.max(channels * channels * resblock_kernel);
+        peak = peak.max(stereo * channels * length * AUDIO_DECODE_COPIES + kernel);
     }
-    (AUDIO_CHANNELS as u64 * largest * 12 + kernel) * 4
+    peak * 4
 }
