@@ -19,7 +19,10 @@
 #      steps, beside diffusers (bench/family_e2e.py, resident and default flags), for issue 34's "denoise per step
 #      <= 0.85x"; the 1.3B's 4-step fast recipe with the default flags (bench/family_e2e.py --fewstep; issue 36's
 #      target <= 5 s on an H200); MiniMax H3 per block beside diffusers' MiniMaxH3Transformer3DModel at the 5 s
-#      request's 38,222 packed rows (examples/minimax_blocks, bench/peer_minimax_blocks.py).
+#      request's 38,222 packed rows (examples/minimax_blocks, bench/peer_minimax_blocks.py). The peer script reads
+#      tests/fixtures/minimax-h3-configs.json, which call 3 did not carry; it ran again on the warm machine with
+#      that file tracked for the call: `python3 bench/peer_minimax_blocks.py --out $OUT/peer` (carry [".whl"], the
+#      wheel installed as above; call3/peer-minimax-blocks.json).
 DEV=${DEV:-.device4} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
 case $1 in
