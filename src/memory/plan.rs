@@ -651,8 +651,17 @@ pub fn dit_on_device(
     resident.options.dit_cpu_offload = false;
     resident.options.dit_layerwise_offload = false;
     apply_memory_rules(&mut resident.options, device);
-    let plan = plan_for(&resident).ok()?;
-    plan.fits_free(room(free)).then_some((resident, plan))
+    with_plan_within(resident, plan_for, room(free))
+}
+
+/// `request` with its plan, where that plan fits `room` bytes; else `None`.
+fn with_plan_within(
+    request: Request,
+    plan_for: PlanFor,
+    room: u64,
+) -> Option<(Request, MemoryPlan)> {
+    let plan = plan_for(&request).ok()?;
+    plan.fits_free(room).then_some((request, plan))
 }
 
 /// `request` with as many of its streamed DiT's blocks kept on the device
@@ -681,8 +690,7 @@ pub fn dit_kept_on_device(
     let keeping = |budget: u64| {
         let mut kept = request.clone();
         kept.options.dit_resident_memory = budget;
-        let plan = plan_for(&kept).ok()?;
-        plan.fits_free(room).then_some((kept, plan))
+        with_plan_within(kept, plan_for, room)
     };
     // The largest budget that fits, to a MiB: kept bytes count only in the stages that hold
     // the DiT, which need not be the run's peak, and in each of two experts' own stages.
@@ -720,8 +728,7 @@ pub fn text_encoders_on_device(
     }
     let mut whole = request.clone();
     whole.options.text_encoder_cpu_offload = false;
-    let plan = plan_for(&whole).ok()?;
-    plan.fits_free(room(free)).then_some((whole, plan))
+    with_plan_within(whole, plan_for, room(free))
 }
 
 /// The sets of [`HOST_SAVINGS`] that change no option `kept` names, each through the device's
