@@ -2,9 +2,10 @@
 //! at the same sizes): the published transformer config with 2 and 6 blocks, seeded synthetic
 //! weights, bf16, the packed sequence of a 5 s 768x1344 request (512 text rows); the per-block
 //! time is the difference of the two forwards over 4, as the peer computes it. Each forward runs
-//! with the blocks' default row chunks and with the whole sequence as one chunk; then attention
-//! alone (cuDNN where present) over the whole sequence against the same in the blocks' query
-//! chunks.
+//! with the blocks' default row chunks and with the whole sequence as one chunk (or the chunk
+//! sizes `CHUNKS` lists), two interleaved rounds; then attention alone over the whole sequence
+//! against the same in the blocks' query chunks. `PROFILE=1` runs one forward of the smaller
+//! model at the default chunks and stops, for a profiler.
 //!
 //! `cargo build --release --no-default-features --features cuda --example minimax_blocks`
 
@@ -44,42 +45,61 @@ fn main() -> Result<()> {
     let video = randn(video_rows, base.video_patch_dim())?;
     let audio = randn(2 * SIZES.num_audio_latents, base.audio_in_channels)?;
     let text = randn(SIZES.num_text_tokens, base.text_dim)?;
-    let mut forwards = Vec::new();
-    for blocks in [2usize, 6] {
-        let cfg = MiniMaxH3TransformerConfig {
-            num_layers: blocks,
-            ..base.clone()
-        };
-        let vb = WeightSet::open(&Weights::Synthetic { seed: 1 })?.var_builder(DType::BF16, &dev);
-        let model = MiniMaxH3Transformer3DModel::new(&cfg, vb)?;
-        let mut row = Vec::new();
-        for whole in [false, true] {
-            let s = time(&dev, 3, || -> Result<()> {
-                let mut inputs =
-                    model.prepare(&video, &audio, &text, &timestep, &timestep_indices, &layout)?;
-                if whole {
-                    inputs.rows_per_chunk = usize::MAX;
-                    inputs.query_rows_per_chunk = usize::MAX;
-                }
-                let mut x = inputs.take_hidden_states()?;
-                for block in model.blocks() {
-                    x = block.forward(&x, &inputs)?;
-                }
-                model.finish(&x, &inputs)?;
-                Ok(())
-            })?;
-            println!(
-                "{blocks} blocks, {}: {s:.4} s/forward",
-                if whole { "one chunk" } else { "default chunks" }
-            );
-            row.push(s);
+    let default_chunks = (base.rows_per_chunk(), base.query_rows_per_chunk());
+    let variants = chunk_variants(default_chunks)?;
+    let models = [2usize, 6]
+        .iter()
+        .map(|&blocks| {
+            let cfg = MiniMaxH3TransformerConfig {
+                num_layers: blocks,
+                ..base.clone()
+            };
+            let vb =
+                WeightSet::open(&Weights::Synthetic { seed: 1 })?.var_builder(DType::BF16, &dev);
+            Ok(MiniMaxH3Transformer3DModel::new(&cfg, vb)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let forward = |model: &MiniMaxH3Transformer3DModel, (rows, queries): (usize, usize)| {
+        let mut inputs =
+            model.prepare(&video, &audio, &text, &timestep, &timestep_indices, &layout)?;
+        inputs.rows_per_chunk = rows;
+        inputs.query_rows_per_chunk = queries;
+        let mut x = inputs.take_hidden_states()?;
+        for block in model.blocks() {
+            x = block.forward(&x, &inputs)?;
         }
-        forwards.push(row);
+        model.finish(&x, &inputs)?;
+        anyhow::Ok(())
+    };
+    if std::env::var_os("PROFILE").is_some() {
+        // One forward of the smaller model at the default chunks, for a profiler to read.
+        forward(&models[0], default_chunks)?;
+        dev.synchronize()?;
+        return Ok(());
     }
-    for (i, what) in ["default chunks", "one chunk"].iter().enumerate() {
+    // Rounds of every variant in turn, so clock drift spreads over all of them.
+    let mut per_block = vec![Vec::new(); variants.len()];
+    for _round in 0..2 {
+        for (i, &chunks) in variants.iter().enumerate() {
+            let small = time(&dev, 3, || forward(&models[0], chunks))?;
+            let large = time(&dev, 3, || forward(&models[1], chunks))?;
+            per_block[i].push((large - small) / 4.0);
+        }
+    }
+    for (&(rows, queries), times) in variants.iter().zip(&per_block) {
+        let shown = |n: usize| {
+            if n == usize::MAX {
+                "all".to_string()
+            } else {
+                n.to_string()
+            }
+        };
+        let times: Vec<String> = times.iter().map(|t| format!("{t:.4}")).collect();
         println!(
-            "per block, {what}: {:.4} s",
-            (forwards[1][i] - forwards[0][i]) / 4.0
+            "per block, chunks of {} rows, queries {}: {} s",
+            shown(rows),
+            shown(queries),
+            times.join(" ")
         );
     }
     let seq = layout.token_tags.dim(0)?;
@@ -98,4 +118,21 @@ fn main() -> Result<()> {
     })?;
     println!("attention over {seq} rows, {heads} heads: whole {whole:.4} s, in chunks of {rows} rows {chunked:.4} s");
     Ok(())
+}
+
+/// The (feed-forward rows, query rows) each timed: `CHUNKS` as `ROWS:QUERIES,...` (`all` for the
+/// whole sequence), else the config's defaults and the whole sequence as one chunk.
+fn chunk_variants(default: (usize, usize)) -> Result<Vec<(usize, usize)>> {
+    let Ok(list) = std::env::var("CHUNKS") else {
+        return Ok(vec![default, (usize::MAX, usize::MAX)]);
+    };
+    let rows = |n: &str| -> Result<usize> { Ok(if n == "all" { usize::MAX } else { n.parse()? }) };
+    list.split(',')
+        .map(|pair| {
+            let (r, q) = pair
+                .split_once(':')
+                .ok_or_else(|| anyhow::anyhow!("CHUNKS: `{pair}` is not ROWS:QUERIES"))?;
+            Ok((rows(r)?, rows(q)?))
+        })
+        .collect()
 }
