@@ -17,10 +17,10 @@ case $1 in
      timeout 90 /tmp/vidgen-lib-tests --test-threads=1 minimax_h3::transformer linear:: 2>&1 \
        | grep -E "^test |relative|panicked|result:"
      el "MiniMax H3 per block by chunking (K and V written in place)"
-     CHUNKS=2340:9362,9362:9362,7645:7645,all:all timeout 150 /tmp/minimax_blocks 2>&1 \
+     CHUNKS=2340:9362,9362:9362,7645:7645,all:all timeout 120 /tmp/minimax_blocks 2>&1 \
        | grep -v "^\s*$" | tail -8
      el "diffusers' block"
-     timeout 120 python3 bench/peer_minimax_blocks.py --out $OUT/peer 2>&1 | grep -v "kept in float32" | tail -4
+     timeout 100 python3 bench/peer_minimax_blocks.py --out $OUT/peer 2>&1 | grep -v "kept in float32" | tail -4
      el "old and new build in turn"
      for b in minimax_blocks_old minimax_blocks; do
        echo "$b"; CHUNKS=2340:9362 timeout 60 /tmp/$b 2>&1 | grep "per block"
