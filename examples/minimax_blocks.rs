@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use vidgen::models::attention::sdpa;
 use vidgen::models::minimax_h3::layout::{row_timesteps, t2va_layout, LayoutSizes};
 use vidgen::models::minimax_h3::transformer::{
-    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
+    chunk_rows, MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
 };
 use vidgen::weights::{WeightSet, Weights};
 
@@ -45,7 +45,7 @@ fn main() -> Result<()> {
     let video = randn(video_rows, base.video_patch_dim())?;
     let audio = randn(2 * SIZES.num_audio_latents, base.audio_in_channels)?;
     let text = randn(SIZES.num_text_tokens, base.text_dim)?;
-    let default_chunks = (base.rows_per_chunk(), base.query_rows_per_chunk());
+    let default_chunks = (base.rows_per_chunk(), base.rows_per_chunk());
     let variants = chunk_variants(default_chunks)?;
     let models = [2usize, 6]
         .iter()
@@ -108,7 +108,7 @@ fn main() -> Result<()> {
     let (q, k, v) = (qkv()?, qkv()?, qkv()?);
     let scale = 1.0 / (d as f64).sqrt();
     let whole = time(&dev, 5, || sdpa(&q, &k, &v, scale))?;
-    let rows = base.query_rows_per_chunk();
+    let rows = chunk_rows(seq, base.rows_per_chunk());
     let chunked = time(&dev, 5, || -> Result<()> {
         for start in (0..seq).step_by(rows) {
             let q = q.narrow(2, start, rows.min(seq - start))?.contiguous()?;

@@ -13,7 +13,7 @@ use vidgen::models::minimax_h3::layout::{
     pack_audio, row_timesteps, t2va_layout, T2vaGeometry, AUDIO_CHANNELS,
 };
 use vidgen::models::minimax_h3::transformer::{
-    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig,
+    MiniMaxH3Transformer3DModel, MiniMaxH3TransformerConfig, CHUNK_ELEMENTS,
 };
 use vidgen::models::minimax_h3::vae::{MiniMaxH3VaeConfig, MiniMaxH3VaeDecoder};
 use vidgen::models::patches::patchify;
@@ -87,9 +87,10 @@ fn one_forward_allocates_no_more_than_the_plan_predicts() {
     let fixture = common::named_fixture_dir(FIXTURE);
     let vae: MiniMaxH3VaeConfig = common::config_in(FIXTURE, "vae/config.json");
     let tiny: MiniMaxH3TransformerConfig = common::config_in(FIXTURE, "transformer/config.json");
-    // One block and no refiner keep the wide matmuls few (the CPU test build is slow at them).
+    // One block and no refiner keep the wide matmuls few (the CPU test build is slow at them);
+    // chunks of at most 1024 rows.
     let wide = MiniMaxH3TransformerConfig {
-        ffn_dim: 32 << 10,
+        ffn_dim: CHUNK_ELEMENTS / (2 * 1024),
         num_layers: 1,
         num_refiner_layers: 0,
         ..tiny.clone()

@@ -186,6 +186,26 @@ impl Projection {
         }
     }
 
+    /// The exact product of `x` `[..., in]` (a layer without bias) written into `dst`, a contiguous
+    /// `[rows, out]` view of a larger buffer; `false` (nothing written) where it cannot be: an fp8
+    /// or biased layer, or anything but bf16 on CUDA.
+    pub fn product_into(&self, x: &Input, dst: &Tensor) -> Result<bool> {
+        if self.is_fp8() || self.bias().is_some() {
+            return Ok(false);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let x = x.tensor()?;
+            let inner = x.dim(candle_core::D::Minus1)?;
+            crate::models::linear::product_into(dst, &x.reshape(((), inner))?, self.weight())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (x, dst);
+            Ok(false)
+        }
+    }
+
     /// The layer of `x` `[..., in]`, then GELU(tanh) where `gelu`: the bias (and GELU) in the
     /// product's epilogue on CUDA, in bf16 as in fp8 ([`project`]'s arithmetic for an exact
     /// layer).

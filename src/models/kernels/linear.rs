@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
-use candle_core::{CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 /// `x @ weight^T + bias`, then GELU(tanh) when `gelu`, for `x` `[rows, in]` and `weight`
@@ -119,6 +119,88 @@ impl CustomOp3 for BiasEpilogue {
     }
 }
 
+/// `x @ weight^T` written into `dst`'s storage, for `dst` a contiguous `[rows, out]` view (rows of
+/// a larger buffer: a block's keys or values), `x` `[rows, in]` and `weight` `[out, in]` bf16 on
+/// CUDA: the product lands where it is kept instead of being copied there. `false` (nothing
+/// written) for any other input.
+pub(crate) fn product_into(dst: &Tensor, x: &Tensor, weight: &Tensor) -> Result<bool> {
+    let takes = |t: &Tensor| t.device().is_cuda() && t.dtype() == DType::BF16 && t.rank() == 2;
+    if !(takes(dst) && takes(x) && takes(weight) && dst.is_contiguous()) {
+        return Ok(false);
+    }
+    dst.inplace_op3(&x.contiguous()?, &weight.contiguous()?, &ProductInto)?;
+    Ok(true)
+}
+
+/// The cuBLASLt product of [`product_into`].
+struct ProductInto;
+
+impl InplaceOp3 for ProductInto {
+    fn name(&self) -> &'static str {
+        "linear-product-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        candle_core::bail!("linear product into: CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dst_l: &Layout,
+        x: &CudaStorage,
+        x_l: &Layout,
+        w: &CudaStorage,
+        w_l: &Layout,
+    ) -> Result<()> {
+        let (rows, k) = x_l.shape().dims2()?;
+        let (out, k_w) = w_l.shape().dims2()?;
+        if k != k_w || dst_l.shape().dims2()? != (rows, out) {
+            candle_core::bail!(
+                "linear product into: x {:?}, weight {:?}, destination {:?}",
+                x_l.dims(),
+                w_l.dims(),
+                dst_l.dims()
+            )
+        }
+        let dev = x.device().clone();
+        let range = |l: &Layout| l.start_offset()..l.start_offset() + l.shape().elem_count();
+        let xs = x.as_cuda_slice::<bf16>()?.slice(range(x_l));
+        let ws = w.as_cuda_slice::<bf16>()?.slice(range(w_l));
+        let mut ys = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(range(dst_l));
+        // Column-major, as in the bias epilogue: y^T [out, rows] = W x^T.
+        let cfg = MatmulConfig {
+            transa: true,
+            transb: false,
+            transc: false,
+            m: out as u64,
+            n: rows as u64,
+            k: k as u64,
+            alpha: 1.0,
+            lda: k as i64,
+            ldb: k as i64,
+            beta: 0.0,
+            ldc: out as i64,
+            stride_a: None,
+            stride_b: None,
+            stride_c: None,
+            stride_bias: None,
+            batch_size: None,
+        };
+        let lt = handle(&dev)?;
+        // SAFETY: the shapes above match the buffers; all three are on the handle's stream.
+        unsafe { lt.matmul(cfg, &ws, &xs, &mut ys, None, None) }.map_err(lt_error)
+    }
+}
+
 #[cfg(test)]
 mod cuda_tests {
     use super::*;
@@ -151,6 +233,34 @@ mod cuda_tests {
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert!(excess <= 0.0, "gelu {gelu}: {excess} over the bound");
+        }
+        Ok(())
+    }
+
+    /// The product written into rows 7.. of a larger buffer: those rows within two bf16 ulps of
+    /// the f32 product, the rows around them untouched.
+    #[test]
+    fn product_into_writes_only_its_rows() -> Result<()> {
+        let Some(dev) = device("cuBLASLt product into a buffer") else {
+            return Ok(());
+        };
+        let (rows, k, out, first) = (300, 256, 520, 7);
+        let x = Tensor::randn(0f32, 1.0, (rows, k), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(0f32, 0.05, (out, k), &dev)?.to_dtype(DType::BF16)?;
+        let buffer = Tensor::ones((rows + 2 * first, out), DType::BF16, &dev)?;
+        assert!(product_into(&buffer.narrow(0, first, rows)?, &x, &w)?);
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let want = f(&x)?.matmul(&f(&w)?.t()?)?;
+        let got = f(&buffer.narrow(0, first, rows)?)?;
+        let bound = ((want.abs()? * (2.0 / 128.0))? + 1e-3)?;
+        let excess = ((got - &want)?.abs()? - bound)?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(excess <= 0.0, "{excess} over the bound");
+        for start in [0, first + rows] {
+            let around = f(&buffer.narrow(0, start, first)?)?;
+            assert_eq!(around.min_all()?.to_scalar::<f32>()?, 1.0);
+            assert_eq!(around.max_all()?.to_scalar::<f32>()?, 1.0);
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 use super::audio_vae::MiniMaxH3AudioVaeConfig;
 use super::layout::{T2vaGeometry, AUDIO_CHANNELS};
 use super::text_encoder::Qwen3VLTextConfig;
-use super::transformer::MiniMaxH3TransformerConfig;
+use super::transformer::{chunk_rows, MiniMaxH3TransformerConfig};
 use super::vae::{MiniMaxH3VaeConfig, Tiling};
 use crate::models::attention::MAX_SCORE_ELEMENTS;
 use crate::models::fp8::weight_codes;
@@ -67,8 +67,8 @@ const LATENT_COPIES: u64 = 4;
 /// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
 /// them text), as [`MiniMaxH3TransformerBlock::forward`](super::transformer::MiniMaxH3TransformerBlock::forward) computes it: the residual stream
 /// (updated in place), K and V of every row, and one chunk's attention temporaries
-/// ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`] rows) or feed-forward temporaries
-/// ([`MiniMaxH3TransformerConfig::rows_per_chunk`] rows);
+/// or feed-forward temporaries (one chunk's rows, [`chunk_rows`] of
+/// [`MiniMaxH3TransformerConfig::rows_per_chunk`]);
 /// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
 /// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
 /// Plus the RoPE tables, the latents and the prompt embeddings.
@@ -80,8 +80,7 @@ pub fn transformer_activations(
 ) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let s = rows as u64;
-    let chunk = s.min(cfg.rows_per_chunk() as u64);
-    let query_chunk = s.min(cfg.query_rows_per_chunk() as u64);
+    let chunk = chunk_rows(rows, cfg.rows_per_chunk()) as u64;
     let (hidden, inner, ffn) = (
         cfg.hidden_size as u64,
         cfg.inner_dim() as u64,
@@ -91,15 +90,16 @@ pub fn transformer_activations(
     let scores = unfused_attention_scratch(
         cfg.num_attention_heads,
         cfg.attention_head_dim,
-        query_chunk,
+        chunk,
         s,
         dtype,
     );
-    let chunk_hidden = CHUNK_HIDDEN_COPIES * query_chunk * hidden * e;
-    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * query_chunk * inner * e;
+    let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
+    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
     let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
     let blocks = stream + chunk_hidden + attention.max(feed_forward);
-    let prepare = 2 * stream + chunk * hidden * F32_BYTES;
+    // The video rows alone may split into fewer, longer chunks than the whole sequence.
+    let prepare = 2 * stream + s.min(cfg.rows_per_chunk() as u64) * hidden * F32_BYTES;
     let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * F32_BYTES;
     let latents =
         LATENT_COPIES * s * cfg.video_patch_dim().max(cfg.audio_in_channels) as u64 * F32_BYTES;
@@ -108,19 +108,13 @@ pub fn transformer_activations(
 }
 
 /// Device bytes `--fp8-matmul` adds to a forward over the packed sequence of `rows` besides the
-/// blocks' weight codes ([`fp8_block_codes`]): the codes of its largest Linear input, one chunk's
-/// (a query chunk's attention input or output, or a chunk's gated SwiGLU state; K and V read
-/// chunks of fewer rows), and a product's workspace.
+/// blocks' weight codes ([`fp8_block_codes`]): the codes of its largest Linear input, one
+/// chunk's widest (its attention input or output, or its gated SwiGLU state), and a product's
+/// workspace.
 pub fn fp8_matmul_activations(cfg: &MiniMaxH3TransformerConfig, rows: usize) -> u64 {
-    let s = rows as u64;
-    let chunk = s.min(cfg.rows_per_chunk() as u64);
-    let query_chunk = s.min(cfg.query_rows_per_chunk() as u64);
-    let widest = cfg.hidden_size.max(cfg.inner_dim()) as u64;
-    let largest = [(query_chunk, widest), (chunk, cfg.ffn_dim as u64)]
-        .into_iter()
-        .max_by_key(|(rows, cols)| rows * cols)
-        .unwrap_or_default();
-    crate::models::fp8::forward_bytes(largest)
+    let chunk = chunk_rows(rows, cfg.rows_per_chunk()) as u64;
+    let widest = cfg.hidden_size.max(cfg.inner_dim()).max(cfg.ffn_dim) as u64;
+    crate::models::fp8::forward_bytes((chunk, widest))
 }
 
 /// Device bytes of each main block's weight codes under `--fp8-matmul`, in execution order: its

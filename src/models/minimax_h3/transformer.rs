@@ -41,12 +41,20 @@ pub const TAG_TEXT: u32 = 1;
 /// Modality tag of audio rows.
 pub const TAG_AUDIO: u32 = 2;
 
-/// Elements of the widest per-chunk temporary (the SwiGLU input): 64 Mi, 128 MiB in bf16.
-pub const CHUNK_ELEMENTS: usize = 1 << 26;
+/// Elements of the widest per-chunk temporary (the SwiGLU input): 512 Mi, 1 GiB in bf16.
+pub const CHUNK_ELEMENTS: usize = 1 << 29;
 
-/// `(start, len)` of consecutive chunks of at most `rows` rows covering `0..total`.
+/// Rows of each of the fewest chunks of at most `most` rows that cover `total` rows, as equal as
+/// can be: `ceil(total / n)` for the fewest such `n` (the last chunk the remainder).
+pub fn chunk_rows(total: usize, most: usize) -> usize {
+    total.div_ceil(total.div_ceil(most.max(1)).max(1)).max(1)
+}
+
+/// `(start, len)` of consecutive chunks of [`chunk_rows`] rows covering `0..total`: every matmul
+/// of a step runs at one size, never at a short remainder's (which wastes most of a wave of
+/// tiles on the GPU).
 fn row_chunks(total: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
-    let rows = rows.max(1);
+    let rows = chunk_rows(total, rows);
     (0..total)
         .step_by(rows)
         .map(move |start| (start, rows.min(total - start)))
@@ -142,21 +150,15 @@ impl MiniMaxH3TransformerConfig {
         self.in_channels * self.patch_size.iter().product::<usize>()
     }
 
-    /// Rows of the packed sequence one step of a block or of the output head computes at once:
-    /// the SwiGLU input of a chunk (rows x `2 * ffn_dim`) holds at most [`CHUNK_ELEMENTS`]. The
-    /// full-width temporaries of a block (FFN widening, q, attention output, modulation) then
-    /// stay far below the K and V that full attention must hold for every row, and chunks of a
-    /// few thousand rows (2340 at the published width) keep the GPU's matmuls large.
+    /// Most rows of the packed sequence one step of a block or of the output head computes at
+    /// once, queries of attention included: the SwiGLU input of a chunk (rows x `2 * ffn_dim`)
+    /// holds at most [`CHUNK_ELEMENTS`] (18,724 rows at the published width: three chunks of
+    /// 12,741 rows for a 5 s request). The full-width temporaries of a block then stay near the
+    /// K and V that full attention must hold for every row, and the GPU's matmuls run at full
+    /// waves: on an H100 the published block took 0.1132 s in those chunks (its queries whole)
+    /// against 0.1183 s in 2340-row ones (bench/RESULTS.md, session 57).
     pub fn rows_per_chunk(&self) -> usize {
         (CHUNK_ELEMENTS / (2 * self.ffn_dim).max(1)).max(1)
-    }
-
-    /// Rows one attention step takes queries for: as many elements per chunk in the attention
-    /// width as [`Self::rows_per_chunk`] puts in the SwiGLU input (9362 rows at the published
-    /// width, 4 steps over a 5 s request's sequence: cuDNN's attention over 2340-row query
-    /// chunks took 15% longer on an H200 than over the whole sequence at once).
-    pub fn query_rows_per_chunk(&self) -> usize {
-        self.rows_per_chunk() * (2 * self.ffn_dim / self.inner_dim().max(1)).max(1)
     }
 
     /// Channels of each head that RoPE rotates (`2 * 3 * rope_freq_dim`).
@@ -242,9 +244,9 @@ pub struct BlockInputs {
     /// [`MiniMaxH3TransformerConfig::rows_per_chunk`] whatever the offload mode; another value
     /// changes results only by rounding, where a matmul of fewer rows sums differently).
     pub rows_per_chunk: usize,
-    /// Rows whose queries one attention step takes
-    /// ([`MiniMaxH3TransformerConfig::query_rows_per_chunk`]; another value changes results
-    /// only by rounding).
+    /// Most rows whose queries one attention step takes (`prepare` sets
+    /// [`MiniMaxH3TransformerConfig::rows_per_chunk`]; another value changes results only by
+    /// rounding).
     pub query_rows_per_chunk: usize,
     /// `[Nv]` u32 positions of the video rows.
     pub video_indices: Tensor,
@@ -385,8 +387,10 @@ impl Attention {
 
     /// K and V `[B, heads, S, head_dim]` of all `S` rows, projected chunk by chunk into buffers
     /// allocated once (`input(c)` gives chunk `c`'s attention input, `key_heads(k, c)` its keys'
-    /// norm and RoPE). `token_major` buffers (`[B, S, heads, head_dim]`, the fused kernels'
-    /// layout, which attention reads through strides) give views of them.
+    /// norm and RoPE). `token_major` buffers (`[1, S, heads, head_dim]`, the fused kernels'
+    /// layout, which attention reads through strides) give views of them, and an exact product
+    /// is written straight into its chunk's rows there (the keys then normed and rotated in
+    /// place) instead of being copied in.
     fn keys_values(
         &self,
         like: &Tensor,
@@ -396,6 +400,7 @@ impl Attention {
         token_major: bool,
     ) -> Result<(Tensor, Tensor)> {
         let (b, s, _) = like.dims3()?;
+        let inner = self.heads * self.head_dim;
         let (dims, seq_axis) = if token_major {
             ((b, s, self.heads, self.head_dim), 1)
         } else {
@@ -414,13 +419,19 @@ impl Attention {
         for &c in chunks {
             // One input for K and V: quantized once under `--fp8-matmul`.
             let h = Input::new(&input(c)?);
-            k.slice_set(
-                &stored(key_heads(self.to_k.forward_input(&h)?, c)?)?,
-                seq_axis,
-                c.0,
-            )?;
-            let vc = self.split_heads(&self.to_v.forward_input(&h)?)?;
-            v.slice_set(&stored(vc)?, seq_axis, c.0)?;
+            // Rows `c` of `buf` from `proj`, `finish` applied (in place where written there).
+            let project =
+                |proj: &Projection, buf: &Tensor, finish: &dyn Fn(Tensor) -> Result<Tensor>| {
+                    if token_major {
+                        let rows = buf.narrow(1, c.0, c.1)?;
+                        if proj.product_into(&h, &rows.reshape((b * c.1, inner))?)? {
+                            return finish(rows.reshape((b, c.1, inner))?).map(drop);
+                        }
+                    }
+                    buf.slice_set(&stored(finish(proj.forward_input(&h)?)?)?, seq_axis, c.0)
+                };
+            project(&self.to_k, &k, &|t| key_heads(t, c))?;
+            project(&self.to_v, &v, &|t| self.split_heads(&t))?;
         }
         if token_major {
             Ok((k.transpose(1, 2)?, v.transpose(1, 2)?))
@@ -1078,7 +1089,7 @@ impl MiniMaxH3Transformer3DModel {
             rope_cos,
             rope_sin,
             rows_per_chunk,
-            query_rows_per_chunk: cfg.query_rows_per_chunk(),
+            query_rows_per_chunk: rows_per_chunk,
             video_indices: u32_tensor(video_idx)?,
             audio_indices: u32_tensor(audio_idx)?,
             adaln_tables: None,
