@@ -1,7 +1,8 @@
 """diffusers 0.42.1's VAE decode of one family, bf16, random weights from vidgen's synthetic config
 (assets/<family>/vae/config.json), at the shape `examples/vae_decode.rs --family` uses: one JSON
 line per run (untiled, then tiled with `enable_tiling()`), after a warm-up on two latent frames. Allegro's VAE
-decodes in tiles only (untiled it raises), warmed up on the whole latents.
+decodes in tiles only (untiled it raises), warmed up on the whole latents; MiniMax H3's decodes in clips and
+256 px tiles by default (`use_tiling` is on from the start), its one run that default.
 
 python3 bench/peer_vae_decode.py FAMILY [B,C,F,h,w]
 """
@@ -20,7 +21,10 @@ DEFAULT = {
     "latte-1": [1, 4, 16, 64, 64],
     "allegro": [1, 4, 22, 90, 160],
     "flux.1-dev": [1, 16, 1, 128, 128],
+    "minimax-h3": [1, 24, 37, 48, 84],
 }
+# The VAEs whose only decode (or default one) is tiled.
+TILED_ONLY = ("allegro", "minimax-h3")
 
 family = sys.argv[1]
 shape = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else DEFAULT[family]
@@ -47,7 +51,7 @@ def decode(x):
         return vae.decode(x, return_dict=False, **kwargs)[0]
 
 
-for tiled in (True,) if family == "allegro" else (False, True):
+for tiled in (True,) if family in TILED_ONLY else (False, True):
     if tiled:
         vae.enable_tiling()
     try:

@@ -14,7 +14,8 @@
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles), `flux.1-dev` (one image:
-//! latents `1,16,1,h,w`): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
+//! latents `1,16,1,h,w`), `minimax-h3` (the video VAE, in clips and 256 px tiles as diffusers
+//! decodes by default): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
 //! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
 //! which `bench/peer_vae_decode.py` reports for diffusers), and `reserved_peak_gib`; `--save`
@@ -182,7 +183,7 @@ fn family_decode(
     dtype: DType,
     dev: &Device,
 ) -> Result<()> {
-    use vidgen::models::{allegro, cogvideox, hunyuan_video, ltx, mochi};
+    use vidgen::models::{allegro, cogvideox, hunyuan_video, ltx, minimax_h3, mochi};
     let source = ModelSource::parse(&format!("synthetic:{family}"))?;
     let weights = WeightSet::open(&component_weights(&source, "vae")?)?;
     let vb = weights.var_builder(dtype, dev);
@@ -251,6 +252,12 @@ fn family_decode(
             let vae = mochi::vae::AutoencoderKLMochi::new(&source.json("vae/config.json")?, vb)?
                 .with_tiling(tiled.then_some(mochi::vae::DEFAULT_TILING))?;
             (Box::new(move |z| vae.decode(z)), [1, 12, 15, 60, 106])
+        }
+        "minimax-h3" => {
+            let cfg = source.json("vae/config.json")?;
+            let vae = minimax_h3::vae::MiniMaxH3VaeDecoder::new(&cfg, vb)?;
+            // 124x768x1344 (5 s): 37 latent frames of 48x84.
+            (Box::new(move |z| vae.decode(z)), [1, 24, 37, 48, 84])
         }
         other => anyhow::bail!("no decode for family {other:?}"),
     };
