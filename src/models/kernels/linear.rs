@@ -35,6 +35,30 @@ struct BiasEpilogue {
     gelu: bool,
 }
 
+/// The cuBLASLt product `y = x W^T` of `rows` x `k` inputs and `out` x `k` weights, both
+/// row-major, into a row-major `[rows, out]`: column-major, y^T [out, rows] = W [out, in] (stored
+/// [in, out]: transposed) x x^T [in, rows].
+fn linear_product(rows: usize, k: usize, out: usize) -> MatmulConfig {
+    MatmulConfig {
+        transa: true,
+        transb: false,
+        transc: false,
+        m: out as u64,
+        n: rows as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda: k as i64,
+        ldb: k as i64,
+        beta: 0.0,
+        ldc: out as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    }
+}
+
 /// One cuBLASLt handle (and its workspace) per device stream, made on first use.
 pub(crate) fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
     static HANDLES: Mutex<Vec<(usize, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
@@ -88,26 +112,8 @@ impl CustomOp3 for BiasEpilogue {
         let bs = b.as_cuda_slice::<bf16>()?.slice(range(b_l));
         // SAFETY: the matmul writes every element.
         let mut y = unsafe { dev.alloc::<bf16>(rows * out)? };
-        // Column-major view: y^T [out, rows] = W [out, in] (stored [in, out]: transposed) x
-        // x^T [in, rows]; the bias runs along y^T's rows, one per output feature.
-        let cfg = MatmulConfig {
-            transa: true,
-            transb: false,
-            transc: false,
-            m: out as u64,
-            n: rows as u64,
-            k: k as u64,
-            alpha: 1.0,
-            lda: k as i64,
-            ldb: k as i64,
-            beta: 0.0,
-            ldc: out as i64,
-            stride_a: None,
-            stride_b: None,
-            stride_c: None,
-            stride_bias: None,
-            batch_size: None,
-        };
+        // The bias runs along y^T's rows, one per output feature.
+        let cfg = linear_product(rows, k, out);
         let act = self.gelu.then_some(Activation::Gelu);
         let lt = handle(&dev)?;
         // SAFETY: the shapes above match the buffers; all three are on the handle's stream.
@@ -176,25 +182,7 @@ impl InplaceOp3 for ProductInto {
         let xs = x.as_cuda_slice::<bf16>()?.slice(range(x_l));
         let ws = w.as_cuda_slice::<bf16>()?.slice(range(w_l));
         let mut ys = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(range(dst_l));
-        // Column-major, as in the bias epilogue: y^T [out, rows] = W x^T.
-        let cfg = MatmulConfig {
-            transa: true,
-            transb: false,
-            transc: false,
-            m: out as u64,
-            n: rows as u64,
-            k: k as u64,
-            alpha: 1.0,
-            lda: k as i64,
-            ldb: k as i64,
-            beta: 0.0,
-            ldc: out as i64,
-            stride_a: None,
-            stride_b: None,
-            stride_c: None,
-            stride_bias: None,
-            batch_size: None,
-        };
+        let cfg = linear_product(rows, k, out);
         let lt = handle(&dev)?;
         // SAFETY: the shapes above match the buffers; all three are on the handle's stream.
         unsafe { lt.matmul(cfg, &ws, &xs, &mut ys, None, None) }.map_err(lt_error)
