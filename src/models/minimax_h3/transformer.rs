@@ -422,13 +422,14 @@ impl Attention {
             // Rows `c` of `buf` from `proj`, `finish` applied (in place where written there).
             let project =
                 |proj: &Projection, buf: &Tensor, finish: &dyn Fn(Tensor) -> Result<Tensor>| {
-                    let rows = buf.narrow(1, c.0, c.1)?;
-                    // Contiguous (one batch entry): the reshapes are views of the buffer.
-                    if token_major
-                        && rows.is_contiguous()
-                        && proj.product_into(&h, &rows.reshape((b * c.1, inner))?)?
-                    {
-                        return finish(rows.reshape((b, c.1, inner))?).map(drop);
+                    if token_major {
+                        let rows = buf.narrow(1, c.0, c.1)?;
+                        // Contiguous (one batch entry): the reshapes are views of the buffer.
+                        if rows.is_contiguous()
+                            && proj.product_into(&h, &rows.reshape((b * c.1, inner))?)?
+                        {
+                            return finish(rows.reshape((b, c.1, inner))?).map(drop);
+                        }
                     }
                     buf.slice_set(&stored(finish(proj.forward_input(&h)?)?)?, seq_axis, c.0)
                 };
