@@ -59,6 +59,19 @@ fn linear_product(rows: usize, k: usize, out: usize) -> MatmulConfig {
     }
 }
 
+/// The element range a contiguous `layout` covers in its storage.
+fn layout_range(layout: &Layout) -> std::ops::Range<usize> {
+    layout.start_offset()..layout.start_offset() + layout.shape().elem_count()
+}
+
+/// The bf16 elements of a contiguous operand.
+fn elements<'a>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+) -> Result<candle_core::cuda::cudarc::driver::CudaView<'a, bf16>> {
+    Ok(storage.as_cuda_slice::<bf16>()?.slice(layout_range(layout)))
+}
+
 /// One cuBLASLt handle (and its workspace) per device stream, made on first use.
 pub(crate) fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
     static HANDLES: Mutex<Vec<(usize, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
@@ -106,10 +119,7 @@ impl CustomOp3 for BiasEpilogue {
             )
         }
         let dev = x.device().clone();
-        let range = |l: &Layout| l.start_offset()..l.start_offset() + l.shape().elem_count();
-        let xs = x.as_cuda_slice::<bf16>()?.slice(range(x_l));
-        let ws = w.as_cuda_slice::<bf16>()?.slice(range(w_l));
-        let bs = b.as_cuda_slice::<bf16>()?.slice(range(b_l));
+        let (xs, ws, bs) = (elements(x, x_l)?, elements(w, w_l)?, elements(b, b_l)?);
         // SAFETY: the matmul writes every element.
         let mut y = unsafe { dev.alloc::<bf16>(rows * out)? };
         // The bias runs along y^T's rows, one per output feature.
@@ -178,10 +188,10 @@ impl InplaceOp3 for ProductInto {
             )
         }
         let dev = x.device().clone();
-        let range = |l: &Layout| l.start_offset()..l.start_offset() + l.shape().elem_count();
-        let xs = x.as_cuda_slice::<bf16>()?.slice(range(x_l));
-        let ws = w.as_cuda_slice::<bf16>()?.slice(range(w_l));
-        let mut ys = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(range(dst_l));
+        let (xs, ws) = (elements(x, x_l)?, elements(w, w_l)?);
+        let mut ys = dst
+            .as_cuda_slice_mut::<bf16>()?
+            .slice_mut(layout_range(dst_l));
         let cfg = linear_product(rows, k, out);
         let lt = handle(&dev)?;
         // SAFETY: the shapes above match the buffers; all three are on the handle's stream.
