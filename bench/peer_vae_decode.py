@@ -2,7 +2,8 @@
 (assets/<family>/vae/config.json), at the shape `examples/vae_decode.rs --family` uses: one JSON
 line per run (untiled, then tiled with `enable_tiling()`), after a warm-up on two latent frames. Allegro's VAE
 decodes in tiles only (untiled it raises), warmed up on the whole latents; MiniMax H3's decodes in clips and
-256 px tiles by default (`use_tiling` is on from the start), its one run that default.
+256 px tiles by default (`use_tiling` is on from the start), its one run that default; `minimax-h3-audio` is
+MiniMax H3's audio VAE (f32, untiled) on the 5 s request's stereo latents.
 
 python3 bench/peer_vae_decode.py FAMILY [B,C,F,h,w]
 """
@@ -22,20 +23,24 @@ DEFAULT = {
     "allegro": [1, 4, 22, 90, 160],
     "flux.1-dev": [1, 16, 1, 128, 128],
     "minimax-h3": [1, 24, 37, 48, 84],
+    "minimax-h3-audio": [2, 32, 207],
 }
 # The VAEs whose only decode (or default one) is tiled.
 TILED_ONLY = ("allegro", "minimax-h3")
 
 family = sys.argv[1]
 shape = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else DEFAULT[family]
-cfg = json.load(open(f"assets/{family}/vae/config.json"))
+# MiniMax H3's audio VAE stays in f32 (`_keep_in_fp32_modules`, as the pipeline loads it) and has no tiling.
+AUDIO = family == "minimax-h3-audio"
+dtype = torch.float32 if AUDIO else torch.bfloat16
+cfg = json.load(open("assets/minimax-h3/audio_vae/config.json" if AUDIO else f"assets/{family}/vae/config.json"))
 cls = getattr(diffusers, cfg["_class_name"])
 torch.manual_seed(0)
 with torch.device("cuda"):
-    vae = cls.from_config(cfg).to(torch.bfloat16).eval()
+    vae = cls.from_config(cfg).to(dtype).eval()
 torch.cuda.synchronize()
 weights = torch.cuda.memory_allocated()
-z = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+z = torch.randn(shape, device="cuda", dtype=dtype)
 kwargs = {}
 if getattr(vae.config, "timestep_conditioning", False):
     kwargs["temb"] = torch.tensor([0.05], device="cuda", dtype=torch.bfloat16)
@@ -46,12 +51,17 @@ def decode(x):
         if family == "latte-1":  # LattePipeline.decode_latents: the frames as images, 14 at a time
             x = x.permute(0, 2, 1, 3, 4).flatten(0, 1)
             return torch.cat([vae.decode(x[i:i + 14]).sample for i in range(0, x.shape[0], 14)])
+        if AUDIO:  # the pipeline's decode: z * latents_std + latents_mean, then audio_vae.decode
+            for key, op in (("latents_std", torch.mul), ("latents_mean", torch.add)):
+                if getattr(vae.config, key, None) is not None:
+                    x = op(x, torch.tensor(getattr(vae.config, key), device="cuda").view(1, -1, 1))
+            return vae.decode(x, return_dict=False)[0]
         if family == "flux.1-dev":  # FluxPipeline: one image, its frame axis dropped
             return vae.decode(x[:, :, 0], return_dict=False)[0]
         return vae.decode(x, return_dict=False, **kwargs)[0]
 
 
-for tiled in (True,) if family in TILED_ONLY else (False, True):
+for tiled in (True,) if family in TILED_ONLY else (False,) if AUDIO else (False, True):
     if tiled:
         vae.enable_tiling()
     try:

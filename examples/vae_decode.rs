@@ -15,7 +15,8 @@
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles), `flux.1-dev` (one image:
 //! latents `1,16,1,h,w`), `minimax-h3` (the video VAE, in clips and 256 px tiles as diffusers
-//! decodes by default): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
+//! decodes by default), `minimax-h3-audio` (the audio VAE, f32 whatever the flags say, on the 5 s
+//! request's stereo latents `2,32,207`): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
 //! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
 //! which `bench/peer_vae_decode.py` reports for diffusers), and `reserved_peak_gib`; `--save`
@@ -184,14 +185,20 @@ fn family_decode(
     dev: &Device,
 ) -> Result<()> {
     use vidgen::models::{allegro, cogvideox, hunyuan_video, ltx, minimax_h3, mochi};
-    let source = ModelSource::parse(&format!("synthetic:{family}"))?;
-    let weights = WeightSet::open(&component_weights(&source, "vae")?)?;
+    // MiniMax H3's audio VAE is a component of the minimax-h3 checkpoint; it decodes in f32, as
+    // diffusers keeps it (`_keep_in_fp32_modules`) and the pipeline runs it.
+    let (model, component, dtype) = match family {
+        "minimax-h3-audio" => ("minimax-h3", "audio_vae", DType::F32),
+        _ => (family, "vae", dtype),
+    };
+    let source = ModelSource::parse(&format!("synthetic:{model}"))?;
+    let weights = WeightSet::open(&component_weights(&source, component)?)?;
     let vb = weights.var_builder(dtype, dev);
     let used_before = used_bytes(dev)?;
     // The warm-up decodes the first two latent frames, or (`Some`) this many frames, rows and
     // columns: one tile of a VAE that decodes whole tiles only.
     let mut warm_up: Option<[usize; 3]> = None;
-    let (decode, default): (Decode, [usize; 5]) = match family {
+    let (decode, default): (Decode, Vec<usize>) = match family {
         "ltx-video" => {
             let vae = ltx::vae::AutoencoderKLLTXVideo::new(&source.json("vae/config.json")?, vb)?
                 .with_tiling(tiled.then(ltx::vae::LtxVaeTiling::default))?;
@@ -201,7 +208,7 @@ fn family_decode(
                 let t = vae.timestep_conditioning().then_some(&t);
                 vae.decode(z, t, &mut TorchGenerator::new(0))
             };
-            (Box::new(decode), [1, 128, 21, 16, 22])
+            (Box::new(decode), vec![1, 128, 21, 16, 22])
         }
         "cogvideox-5b" => {
             let cfg = source.json("vae/config.json")?;
@@ -210,7 +217,7 @@ fn family_decode(
                 true => vae.decode_tiled(z, &vae.config().tiling()),
                 false => vae.decode(z),
             };
-            (Box::new(decode), [1, 16, 13, 60, 90])
+            (Box::new(decode), vec![1, 16, 13, 60, 90])
         }
         "hunyuanvideo" => {
             let cfg = source.json("vae/config.json")?;
@@ -220,7 +227,7 @@ fn family_decode(
                 t.spatial = true;
                 vae.set_tiling(t)?;
             }
-            (Box::new(move |z| vae.decode(z)), [1, 16, 33, 90, 160])
+            (Box::new(move |z| vae.decode(z)), vec![1, 16, 33, 90, 160])
         }
         "latte-1" => {
             let cfg = source.json("vae/config.json")?;
@@ -228,7 +235,7 @@ fn family_decode(
             let vae = vae.with_tiling(tiled.then(|| vae.config().tiling()))?;
             // 16x512x512, decoded as the pipeline does: frames in chunks of 14.
             let decode = move |z: &Tensor| vidgen::models::latte::decode_latents(&vae, z);
-            (Box::new(decode), [1, 4, 16, 64, 64])
+            (Box::new(decode), vec![1, 4, 16, 64, 64])
         }
         "flux.1-dev" => {
             let cfg = source.json("vae/config.json")?;
@@ -236,7 +243,7 @@ fn family_decode(
             let vae = vae.with_tiling(tiled.then(|| vae.config().tiling()))?;
             // One 1024x1024 image (its frame axis of one dropped), as FluxPipeline decodes it.
             let decode = move |z: &Tensor| vae.decode(&vae.unscale(&z.squeeze(2)?)?);
-            (Box::new(decode), [1, 16, 1, 128, 128])
+            (Box::new(decode), vec![1, 16, 1, 128, 128])
         }
         "allegro" => {
             let cfg: allegro::vae::AllegroVaeConfig = source.json("vae/config.json")?;
@@ -245,19 +252,27 @@ fn family_decode(
             // 88x720x1280, in tiles whatever `--tiled` says (the VAE has no other decode).
             (
                 Box::new(move |z| vae.decode(&vae.unscale(z)?)),
-                [1, 4, 22, 90, 160],
+                vec![1, 4, 22, 90, 160],
             )
         }
         "mochi-1" => {
             let vae = mochi::vae::AutoencoderKLMochi::new(&source.json("vae/config.json")?, vb)?
                 .with_tiling(tiled.then_some(mochi::vae::DEFAULT_TILING))?;
-            (Box::new(move |z| vae.decode(z)), [1, 12, 15, 60, 106])
+            (Box::new(move |z| vae.decode(z)), vec![1, 12, 15, 60, 106])
         }
         "minimax-h3" => {
             let cfg = source.json("vae/config.json")?;
             let vae = minimax_h3::vae::MiniMaxH3VaeDecoder::new(&cfg, vb)?;
             // 124x768x1344 (5 s): 37 latent frames of 48x84.
-            (Box::new(move |z| vae.decode(z)), [1, 24, 37, 48, 84])
+            (Box::new(move |z| vae.decode(z)), vec![1, 24, 37, 48, 84])
+        }
+        "minimax-h3-audio" => {
+            let cfg = source.json("audio_vae/config.json")?;
+            let vae = minimax_h3::audio_vae::MiniMaxH3AudioVaeDecoder::new(&cfg, vb)?;
+            // The 5 s request's stereo latents (a batch of two, 207 latents: 165,600 samples),
+            // denormalized and decoded as the pipeline does.
+            let decode = move |z: &Tensor| vae.decode(&vae.denormalize(z)?);
+            (Box::new(decode), vec![2, 32, 207])
         }
         other => anyhow::bail!("no decode for family {other:?}"),
     };

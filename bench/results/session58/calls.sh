@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 58's calls. DEV holds, stripped and xz'd, the builds each call names; .whl the diffusers 0.42.1 wheel.
+#   run(carry: [".deviceNN", ".whl"], command: "DEV=.deviceNN bash bench/results/session58/calls.sh N")
+#   1: (.device8: examples/minimax_blocks and examples/vae_decode at 3bd5404's library; the library's CUDA test
+#      binary; the fixtures' MiniMax H3 configs for the peer) issue 34's MiniMax H3 rows: the per-block time at
+#      the committed chunking (three 12,741-row chunks, queries in the same chunks) beside diffusers'
+#      MiniMaxH3Transformer3DModel in the same call; the video VAE's decode of the 5 s request (diffusers'
+#      default: clips and 256 px tiles) and the audio VAE's (f32), each beside diffusers' in the same call;
+#      then every CUDA test of the library.
+DEV=${DEV:-.device8} source bench/device_setup.sh
+export PYTHONPATH=/tmp/site
+case $1 in
+  1) for b in minimax_blocks vae_decode; do xz -dc $DEV/$b.xz > /tmp/$b && chmod +x /tmp/$b; done
+     mkdir -p tests/fixtures && cp $DEV/minimax-h3-configs.json tests/fixtures/
+     el "MiniMax H3 per block, committed chunking, two rounds"
+     timeout 120 /tmp/minimax_blocks 2>&1 | grep -v "^\s*$" | tail -6
+     el "diffusers' block"
+     timeout 100 python3 bench/peer_minimax_blocks.py --out $OUT/peer 2>&1 | grep -v "kept in float32" | tail -4
+     el "vidgen block again"
+     timeout 60 /tmp/minimax_blocks 2>&1 | grep "per block"
+     for f in minimax-h3 minimax-h3-audio; do
+       el "decode $f: vidgen"
+       timeout 120 /tmp/vae_decode --family $f 2>&1 | tail -3
+       el "decode $f: diffusers"
+       timeout 150 python3 bench/peer_vae_decode.py $f 2>&1 | grep -v "Warning\|warn" | tail -3
+     done
+     el "CUDA tests of the library"
+     mkdir -p .device && cp /tmp/vidgen-lib-tests .device/
+     timeout 200 bash bench/cuda_tests.sh 2>&1 | grep -E "^test .*(FAILED|ok)$|panicked|result:|relative" | grep -v " ok$" | tail -30
+     timeout 10 true; el "done" ;;
+esac
