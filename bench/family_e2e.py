@@ -409,9 +409,10 @@ def run_vidgen(binary, ckpt, run, label, flags, out):
     name = f"{run['family']}-{label}"
     cmd = [binary, "generate", "--model", ckpt, "--prompt", PROMPT, "--seed", str(SEED),
            "--num-inference-steps", str(run["steps"]), "--height", str(height), "--width", str(width),
-           "--num-frames", str(frames), "--guidance-scale", str(run["guidance"]),
-           "--device", run["device"], "--dtype", run["vidgen_dtype"], "--output-path", run["videos"],
+           "--num-frames", str(frames), "--device", run["device"], "--dtype", run["vidgen_dtype"], "--output-path", run["videos"],
            "--output-video-name", name, "--output-type", run["output_type"], "--overwrite", "--stats-json", stats]
+    if run["guidance"] is not None:  # None: a guidance-distilled pipeline, which refuses the flag
+        cmd += ["--guidance-scale", str(run["guidance"])]
     if run["max_seq"] is not None:
         cmd += ["--max-sequence-length", str(run["max_seq"])]
     if run["vae_tiling"]:

@@ -7,6 +7,10 @@
 #      MiniMaxH3Transformer3DModel in the same call; the video VAE's decode of the 5 s request (diffusers'
 #      default: clips and 256 px tiles) and the audio VAE's (f32), each beside diffusers' in the same call;
 #      then every CUDA test of the library.
+#   2: (.device9: the vidgen binary at 3bd5404's library) MiniMax H3's text stage (issue 34 item 4) beside
+#      diffusers' in the same call: bench/minimax_text_stage.py (the published Qwen3-VL-32B encoder with random
+#      weights in /dev/shm; diffusers' load straight to the device + the pipeline's text step against vidgen's
+#      `encode_text` stage, everything resident), two interleaved rounds.
 DEV=${DEV:-.device8} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
 case $1 in
@@ -27,5 +31,9 @@ case $1 in
      el "CUDA tests of the library"
      mkdir -p .device && cp /tmp/vidgen-lib-tests .device/
      timeout 200 bash bench/cuda_tests.sh 2>&1 | grep -E "^test .*(FAILED|ok)$|panicked|result:|relative" | grep -v " ok$" | tail -30
-     timeout 10 true; el "done" ;;
+     el "done" ;;
+  2) el "MiniMax H3's text stage"
+     timeout 560 python3 bench/minimax_text_stage.py --vidgen /tmp/vidgen --out $OUT/text 2>&1 \
+       | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-900 | tail -12
+     el "done" ;;
 esac
