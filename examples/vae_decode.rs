@@ -15,7 +15,7 @@
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles), `flux.1-dev` (one image:
 //! latents `1,16,1,h,w`), `minimax-h3` (the video VAE, in clips and 256 px tiles as diffusers
-//! decodes by default), `minimax-h3-audio` (the audio VAE, f32 whatever the flags say, on the 5 s
+//! decodes by default; `TILES_PER_CALL=N` decodes N tiles of a clip per decoder call), `minimax-h3-audio` (the audio VAE, f32 whatever the flags say, on the 5 s
 //! request's stereo latents `2,32,207`): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
 //! held before (weights and latents): `used_peak_gib`, what tensors used (as torch's allocated,
@@ -262,7 +262,10 @@ fn family_decode(
         }
         "minimax-h3" => {
             let cfg = source.json("vae/config.json")?;
-            let vae = minimax_h3::vae::MiniMaxH3VaeDecoder::new(&cfg, vb)?;
+            let mut vae = minimax_h3::vae::MiniMaxH3VaeDecoder::new(&cfg, vb)?;
+            if let Ok(n) = std::env::var("TILES_PER_CALL") {
+                vae.tiles_per_call = n.parse().context("TILES_PER_CALL is a count")?;
+            }
             // 124x768x1344 (5 s): 37 latent frames of 48x84.
             (Box::new(move |z| vae.decode(z)), vec![1, 24, 37, 48, 84])
         }

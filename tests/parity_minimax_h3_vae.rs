@@ -70,8 +70,13 @@ fn tiled_decode_matches_diffusers() {
         min_overlap_width: 8,
     });
     let r = common::reference_in(&dir(), "vae");
-    let video = vae.decode(&r["tiled.latents_denormalized"]).unwrap();
-    common::assert_close("tiled.video", &video, &r["tiled.video"], ATOL, RTOL);
+    // Four tiles a clip: one per decoder call, three and one, all four in one call.
+    for tiles in [1, 3, 64] {
+        vae.tiles_per_call = tiles;
+        let video = vae.decode(&r["tiled.latents_denormalized"]).unwrap();
+        let what = format!("tiled.video, {tiles} tiles per call");
+        common::assert_close(&what, &video, &r["tiled.video"], ATOL, RTOL);
+    }
 }
 
 #[test]

@@ -6,8 +6,10 @@
 #      the committed chunking (three 12,741-row chunks, queries in the same chunks) beside diffusers'
 #      MiniMaxH3Transformer3DModel in the same call; the video VAE's decode of the 5 s request (diffusers'
 #      default: clips and 256 px tiles) and the audio VAE's (f32), each beside diffusers' in the same call;
-#      then every CUDA test of the library.
-#   2: (.device9: the vidgen binary at 3bd5404's library) MiniMax H3's text stage (issue 34 item 4) beside
+#      the video decode with 4, 28 (a whole clip's) and 1 tiles per decoder call; one decoder call under
+#      Nsight Compute.
+#   2: (.device9: the vidgen binary at 3bd5404's library; the library's CUDA test binary) every CUDA test of the
+#      library; MiniMax H3's text stage (issue 34 item 4) beside
 #      diffusers' in the same call: bench/minimax_text_stage.py (the published Qwen3-VL-32B encoder with random
 #      weights in /dev/shm; diffusers' load straight to the device + the pipeline's text step against vidgen's
 #      `encode_text` stage, everything resident), two interleaved rounds.
@@ -28,11 +30,21 @@ case $1 in
        el "decode $f: diffusers"
        timeout 150 python3 bench/peer_vae_decode.py $f 2>&1 | grep -v "Warning\|warn" | tail -3
      done
-     el "CUDA tests of the library"
+     for n in 4 28 1; do
+       el "decode minimax-h3, $n tiles per decoder call"
+       TILES_PER_CALL=$n timeout 120 /tmp/vae_decode --family minimax-h3 2>&1 | tail -1
+     done
+     el "MiniMax H3's video decoder, one 7-frame 256 px tile (one decoder call) under Nsight Compute"
+     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+     timeout 150 $NCU --clock-control none --csv --page raw --metrics gpu__time_duration.sum,launch__grid_size \
+       /tmp/vae_decode --family minimax-h3 1,24,7,16,16 > $OUT/ncu-vae.csv 2> $OUT/ncu-vae.log
+     echo "ncu exit $?"; python3 bench/ncu_kernels.py $OUT/ncu-vae.csv minimax-vae | head -30
+     xz -T4 $OUT/ncu-vae.csv
+     el "done" ;;
+  2) el "CUDA tests of the library"
      mkdir -p .device && cp /tmp/vidgen-lib-tests .device/
      timeout 200 bash bench/cuda_tests.sh 2>&1 | grep -E "^test .*(FAILED|ok)$|panicked|result:|relative" | grep -v " ok$" | tail -30
-     el "done" ;;
-  2) el "MiniMax H3's text stage"
+     el "MiniMax H3's text stage"
      timeout 560 python3 bench/minimax_text_stage.py --vidgen /tmp/vidgen --out $OUT/text 2>&1 \
        | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-900 | tail -12
      el "done" ;;

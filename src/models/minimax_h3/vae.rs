@@ -350,6 +350,8 @@ pub struct MiniMaxH3VaeDecoder {
     proj_out: Linear,
     /// Spatial tiling of each clip; `None` decodes whole frames.
     pub tiling: Option<Tiling>,
+    /// How many tiles of a clip one decoder call takes as a batch.
+    pub tiles_per_call: usize,
 }
 
 impl MiniMaxH3VaeDecoder {
@@ -377,6 +379,7 @@ impl MiniMaxH3VaeDecoder {
             norm_out: candle_nn::layer_norm(dim, cfg.decoder_norm_eps, dvb.pp("norm_out"))?,
             proj_out: candle_nn::linear(dim, pixels_per_token, dvb.pp("proj_out"))?,
             tiling: Some(Tiling::default()),
+            tiles_per_call: 1,
             cfg: cfg.clone(),
         })
     }
@@ -479,17 +482,26 @@ impl MiniMaxH3VaeDecoder {
         let (xs, x_overlaps) =
             split_tiles(width, tiling.tile_width, tiling.min_overlap_width, ratio)?;
         let (tile_h, tile_w) = (tiling.tile_height.min(height), tiling.tile_width.min(width));
-        let mut tiles: Vec<Vec<Tensor>> = Vec::with_capacity(ys.len());
+        let mut inputs = Vec::with_capacity(ys.len() * xs.len());
         for &y in &ys {
-            let mut row = Vec::with_capacity(xs.len());
             for &x in &xs {
-                let tile =
+                inputs.push(
                     z.narrow(3, y / ratio, tile_h / ratio)?
-                        .narrow(4, x / ratio, tile_w / ratio)?;
-                row.push(self.decode_clip_untiled(&tile)?);
+                        .narrow(4, x / ratio, tile_w / ratio)?,
+                );
             }
-            tiles.push(row);
         }
+        // Tiles are equal in size and decoded independently: `tiles_per_call` of them share
+        // each decoder call as one batch (wider matmuls, the same math per tile).
+        let b = z.dim(0)?;
+        let mut decoded = Vec::with_capacity(inputs.len());
+        for group in inputs.chunks(self.tiles_per_call.max(1)) {
+            let out = self.decode_clip_untiled(&Tensor::cat(group, 0)?)?;
+            for i in 0..group.len() {
+                decoded.push(out.narrow(0, i * b, b)?);
+            }
+        }
+        let tiles: Vec<Vec<Tensor>> = decoded.chunks(xs.len()).map(<[Tensor]>::to_vec).collect();
         stitch_tiles(&tiles, &y_overlaps, &x_overlaps)
     }
 
