@@ -485,10 +485,8 @@ impl MiniMaxH3VaeDecoder {
         let mut inputs = Vec::with_capacity(ys.len() * xs.len());
         for &y in &ys {
             for &x in &xs {
-                inputs.push(
-                    z.narrow(3, y / ratio, tile_h / ratio)?
-                        .narrow(4, x / ratio, tile_w / ratio)?,
-                );
+                let rows = z.narrow(3, y / ratio, tile_h / ratio)?;
+                inputs.push(rows.narrow(4, x / ratio, tile_w / ratio)?);
             }
         }
         // Tiles are equal in size and decoded independently: `tiles_per_call` of them share
