@@ -38,6 +38,12 @@ cls = getattr(diffusers, cfg["_class_name"])
 torch.manual_seed(0)
 with torch.device("cuda"):
     vae = cls.from_config(cfg).to(dtype).eval()
+# What from_pretrained(torch_dtype=...) keeps in f32 (MiniMax H3's VAEs: its norms and residual scales, so the
+# video decoder's residual stream runs in f32): each parameter one of whose path parts is named there.
+keep = getattr(cls, "_keep_in_fp32_modules", None) or []
+for name, p in vae.named_parameters():
+    if any(k in name.split(".") for k in keep):
+        p.data = p.data.float()
 torch.cuda.synchronize()
 weights = torch.cuda.memory_allocated()
 z = torch.randn(shape, device="cuda", dtype=dtype)
