@@ -6,8 +6,9 @@
 #      the committed chunking (three 12,741-row chunks, queries in the same chunks) beside diffusers'
 #      MiniMaxH3Transformer3DModel in the same call; the video VAE's decode of the 5 s request (diffusers'
 #      default: clips and 256 px tiles) and the audio VAE's (f32), each beside diffusers' in the same call;
-#      the video decode with 4, 28 (a whole clip's) and 1 tiles per decoder call; one decoder call under
-#      Nsight Compute.
+#      the video decode with 4 and 28 (a whole clip's) tiles per decoder call; the decoder with its residual
+#      stream, norms and scales in f32 as diffusers' bf16 load keeps them (vae_decode_mixed), 1 and 28 tiles
+#      per call; one decoder call under Nsight Compute.
 #   2: (.device9: the vidgen binary at 3bd5404's library; the library's CUDA test binary) every CUDA test of the
 #      library; MiniMax H3's text stage (issue 34 item 4) beside
 #      diffusers' in the same call: bench/minimax_text_stage.py (the published Qwen3-VL-32B encoder with random
@@ -16,30 +17,32 @@
 DEV=${DEV:-.device8} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
 case $1 in
-  1) for b in minimax_blocks vae_decode; do xz -dc $DEV/$b.xz > /tmp/$b && chmod +x /tmp/$b; done
+  1) for b in minimax_blocks vae_decode vae_decode_mixed; do xz -dc $DEV/$b.xz > /tmp/$b && chmod +x /tmp/$b; done
      mkdir -p tests/fixtures && cp $DEV/minimax-h3-configs.json tests/fixtures/
-     el "MiniMax H3 per block, committed chunking, two rounds"
-     timeout 120 /tmp/minimax_blocks 2>&1 | grep -v "^\s*$" | tail -6
-     el "diffusers' block"
-     timeout 100 python3 bench/peer_minimax_blocks.py --out $OUT/peer 2>&1 | grep -v "kept in float32" | tail -4
-     el "vidgen block again"
-     timeout 60 /tmp/minimax_blocks 2>&1 | grep "per block"
      for f in minimax-h3 minimax-h3-audio; do
        el "decode $f: vidgen"
        timeout 120 /tmp/vae_decode --family $f 2>&1 | tail -3
        el "decode $f: diffusers"
        timeout 150 python3 bench/peer_vae_decode.py $f 2>&1 | grep -v "Warning\|warn" | tail -3
      done
-     for n in 4 28 1; do
+     for n in 4 28; do
        el "decode minimax-h3, $n tiles per decoder call"
        TILES_PER_CALL=$n timeout 120 /tmp/vae_decode --family minimax-h3 2>&1 | tail -1
+     done
+     for n in 1 28; do
+       el "decode minimax-h3, f32 residual stream as diffusers keeps it, $n tiles per decoder call"
+       TILES_PER_CALL=$n timeout 120 /tmp/vae_decode_mixed --family minimax-h3 2>&1 | tail -1
      done
      el "MiniMax H3's video decoder, one 7-frame 256 px tile (one decoder call) under Nsight Compute"
      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
      timeout 150 $NCU --clock-control none --csv --page raw --metrics gpu__time_duration.sum,launch__grid_size \
-       /tmp/vae_decode --family minimax-h3 1,24,7,16,16 > $OUT/ncu-vae.csv 2> $OUT/ncu-vae.log
+       /tmp/vae_decode_mixed --family minimax-h3 1,24,7,16,16 > $OUT/ncu-vae.csv 2> $OUT/ncu-vae.log
      echo "ncu exit $?"; python3 bench/ncu_kernels.py $OUT/ncu-vae.csv minimax-vae | head -30
      xz -T4 $OUT/ncu-vae.csv
+     el "MiniMax H3 per block, committed chunking, two rounds"
+     timeout 120 /tmp/minimax_blocks 2>&1 | grep -v "^\s*$" | tail -6
+     el "diffusers' block"
+     timeout 100 python3 bench/peer_minimax_blocks.py --out $OUT/peer 2>&1 | grep -v "kept in float32" | tail -4
      el "done" ;;
   2) el "CUDA tests of the library"
      mkdir -p .device && cp /tmp/vidgen-lib-tests .device/

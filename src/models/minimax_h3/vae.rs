@@ -7,6 +7,12 @@
 //! pixel frames overlap and are cross-faded, and each clip is spatially tiled (256 px tiles with
 //! at least 64 px overlap, linear blends) when larger than a tile. The encoder (used by the
 //! image/video-conditioned workflows only) is not implemented; its weights are never read.
+//!
+//! Dtypes follow diffusers' reduced-precision runs: what `AutoencoderKLMiniMaxH3` keeps in
+//! float32 (`_keep_in_fp32_modules`: the blocks' `norm1`/`norm2` and `scale1`/`scale2`, `norm_out`)
+//! is loaded and computed in f32, so the residual stream of the block stack is f32 (a bf16
+//! product times an f32 scale promotes); the projections, attention and feed-forward compute in
+//! the `VarBuilder` dtype, their inputs cast to it after each f32 norm.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
@@ -302,7 +308,8 @@ impl DecoderAttention {
     }
 }
 
-/// One ViT decoder block: `x += attn(norm1(x)) * scale1; x += ffn(norm2(x)) * scale2`.
+/// One ViT decoder block: `x += attn(norm1(x)) * scale1; x += ffn(norm2(x)) * scale2`, the
+/// residual stream, norms and scales in f32.
 #[derive(Debug, Clone)]
 pub struct MiniMaxH3VaeDecoderBlock {
     norm1: RmsNorm,
@@ -317,21 +324,25 @@ impl MiniMaxH3VaeDecoderBlock {
     /// Loads one block from `vb` = `decoder.transformer_blocks.{i}`.
     pub fn new(cfg: &MiniMaxH3VaeConfig, vb: VarBuilder) -> Result<Self> {
         let dim = cfg.decoder_dim();
+        let f32_vb = vb.clone().set_dtype(DType::F32);
         Ok(Self {
-            norm1: RmsNorm::new(dim, cfg.decoder_norm_eps, vb.pp("norm1"))?,
+            norm1: RmsNorm::new(dim, cfg.decoder_norm_eps, f32_vb.pp("norm1"))?,
             attn: DecoderAttention::new(cfg, vb.pp("attn"))?,
-            scale1: vb.get(dim, "scale1")?,
-            norm2: RmsNorm::new(dim, cfg.decoder_norm_eps, vb.pp("norm2"))?,
+            scale1: f32_vb.get(dim, "scale1")?,
+            norm2: RmsNorm::new(dim, cfg.decoder_norm_eps, f32_vb.pp("norm2"))?,
             ff: SwiGlu::new(dim, dim * cfg.decoder_ffn_mult, true, vb.pp("ff"), false)?,
-            scale2: vb.get(dim, "scale2")?,
+            scale2: f32_vb.get(dim, "scale2")?,
         })
     }
 
-    /// `x` `[B, tokens, dim]`; `cos`/`sin` the half RoPE tables `[tokens, rotary / 2]`.
+    /// `x` f32 `[B, tokens, dim]`; `cos`/`sin` the half RoPE tables `[tokens, rotary / 2]`.
     pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let attn = self.attn.forward(&self.norm1.forward(x)?, cos, sin)?;
+        let dtype = self.attn.to_q.weight().dtype();
+        let h = self.norm1.forward(x)?.to_dtype(dtype)?;
+        let attn = self.attn.forward(&h, cos, sin)?.to_dtype(DType::F32)?;
         let x = (x + attn.broadcast_mul(&self.scale1)?)?;
-        let ff = self.ff.forward(&self.norm2.forward(&x)?)?;
+        let h = self.norm2.forward(&x)?.to_dtype(dtype)?;
+        let ff = self.ff.forward(&h)?.to_dtype(DType::F32)?;
         &x + ff.broadcast_mul(&self.scale2)?
     }
 }
@@ -376,7 +387,11 @@ impl MiniMaxH3VaeDecoder {
             register_tokens: dvb
                 .get((1, cfg.decoder_num_register_tokens, dim), "register_tokens")?,
             blocks,
-            norm_out: candle_nn::layer_norm(dim, cfg.decoder_norm_eps, dvb.pp("norm_out"))?,
+            norm_out: candle_nn::layer_norm(
+                dim,
+                cfg.decoder_norm_eps,
+                dvb.clone().set_dtype(DType::F32).pp("norm_out"),
+            )?,
             proj_out: candle_nn::linear(dim, pixels_per_token, dvb.pp("proj_out"))?,
             tiling: Some(Tiling::default()),
             tiles_per_call: 1,
@@ -457,14 +472,16 @@ impl MiniMaxH3VaeDecoder {
             dim,
         ))?;
         let zero = Tensor::zeros((b, 1, dim), x.dtype(), x.device())?;
-        let mut x = Tensor::cat(&[&x, &registers, &zero], 1)?;
+        // The residual stream in f32 from the first block on (exact: a bf16 value is an f32).
+        let mut x = Tensor::cat(&[&x, &registers, &zero], 1)?.to_dtype(DType::F32)?;
         let (cos, sin) = self.rope([f, h, w], x.device())?;
         for block in &self.blocks {
             x = block.forward(&x, &cos, &sin)?;
         }
+        let normed = self.norm_out.forward(&x)?;
         let x = self
             .proj_out
-            .forward(&self.norm_out.forward(&x)?)?
+            .forward(&normed.to_dtype(self.proj_out.weight().dtype())?)?
             .narrow(1, 0, tokens)?;
         let (rt, rs) = (self.cfg.temporal_ratio(), self.cfg.spatial_ratio());
         crate::models::patches::unpatchify(&x, [f, h, w], [rt, rs, rs])
