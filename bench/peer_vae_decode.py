@@ -72,7 +72,7 @@ for tiled in (True,) if family in TILED_ONLY else (False,) if AUDIO else (False,
         vae.enable_tiling()
     try:
         start = time.perf_counter()
-        decode(z if family == "allegro" else z[:, :, : min(2, shape[2])])
+        decode(z if family == "allegro" else z[:, :, : min(7 if family == "minimax-h3" else 2, shape[2])])
         torch.cuda.synchronize()
         warm = time.perf_counter() - start
         torch.cuda.empty_cache()

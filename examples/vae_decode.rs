@@ -195,8 +195,9 @@ fn family_decode(
     let weights = WeightSet::open(&component_weights(&source, component)?)?;
     let vb = weights.var_builder(dtype, dev);
     let used_before = used_bytes(dev)?;
-    // The warm-up decodes the first two latent frames, or (`Some`) this many frames, rows and
-    // columns: one tile of a VAE that decodes whole tiles only.
+    // The warm-up decodes the first two latent frames, or (`Some`) at most this many frames,
+    // rows and columns: one tile of a VAE that decodes whole tiles only, one clip of one that
+    // decodes whole clips only.
     let mut warm_up: Option<[usize; 3]> = None;
     let (decode, default): (Decode, Vec<usize>) = match family {
         "ltx-video" => {
@@ -261,7 +262,13 @@ fn family_decode(
             (Box::new(move |z| vae.decode(z)), vec![1, 12, 15, 60, 106])
         }
         "minimax-h3" => {
-            let cfg = source.json("vae/config.json")?;
+            let cfg: minimax_h3::vae::MiniMaxH3VaeConfig = source.json("vae/config.json")?;
+            // One clip: the decoder takes no fewer latent frames.
+            warm_up = Some([
+                cfg.tokens_chunk_size() + cfg.token_overlap(),
+                usize::MAX,
+                usize::MAX,
+            ]);
             let mut vae = minimax_h3::vae::MiniMaxH3VaeDecoder::new(&cfg, vb)?;
             if let Ok(n) = std::env::var("TILES_PER_CALL") {
                 vae.tiles_per_call = n.parse().context("TILES_PER_CALL is a count")?;
@@ -287,7 +294,10 @@ fn family_decode(
         .to_dtype(dtype)?
         .to_device(dev)?;
     let first = match warm_up {
-        Some([f, h, w]) => z.narrow(2, 0, f)?.narrow(3, 0, h)?.narrow(4, 0, w)?,
+        Some([f, h, w]) => z
+            .narrow(2, 0, f.min(shape[2]))?
+            .narrow(3, 0, h.min(shape[3]))?
+            .narrow(4, 0, w.min(shape[4]))?,
         None => z.narrow(2, 0, shape[2].min(2))?,
     };
     let start = Instant::now();

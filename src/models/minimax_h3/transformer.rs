@@ -406,8 +406,20 @@ impl Attention {
         } else {
             ((b, self.heads, s, self.head_dim), 2)
         };
-        let k = Tensor::zeros(dims, like.dtype(), like.device())?;
-        let v = Tensor::zeros(dims, like.dtype(), like.device())?;
+        let end = chunks.iter().try_fold(0, |next, &(start, len)| {
+            (start == next).then_some(next + len)
+        });
+        if end != Some(s) {
+            candle_core::bail!("key chunks {chunks:?} do not tile the {s} rows in order");
+        }
+        // SAFETY: the chunks tile the rows, and each chunk's rows of both are written below
+        // before anything reads them.
+        let (k, v) = unsafe {
+            (
+                Tensor::empty(dims, like.dtype(), like.device())?,
+                Tensor::empty(dims, like.dtype(), like.device())?,
+            )
+        };
         // A chunk's `[B, heads, n, head_dim]` in the buffers' layout.
         let stored = |t: Tensor| {
             if token_major {
