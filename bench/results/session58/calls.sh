@@ -15,6 +15,9 @@
 #      diffusers' in the same call: bench/minimax_text_stage.py (the published Qwen3-VL-32B encoder with random
 #      weights in /dev/shm; diffusers' load straight to the device + the pipeline's text step against vidgen's
 #      `encode_text` stage, everything resident), two interleaved rounds.
+#   4: (.device10: examples/vae_decode and the library's CUDA tests with the VAE's f32 stream fused: its norms
+#      with their casts and its scaled residual updates one kernel each, its Linears' biases in their epilogues)
+#      the VAE's CUDA tests; MiniMax H3's video and audio decodes beside diffusers' again.
 DEV=${DEV:-.device8} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
 case $1 in
@@ -52,5 +55,14 @@ print('gpu vs cpu: max', d.max().item(), 'mean', d.mean().item(), 'mean |x|', b.
      el "MiniMax H3's text stage"
      timeout 560 python3 bench/minimax_text_stage.py --vidgen /tmp/vidgen --out $OUT/text 2>&1 \
        | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-900 | tail -12
+     el "done" ;;
+  4) xz -dc $DEV/vae_decode.xz > /tmp/vae_decode && chmod +x /tmp/vae_decode
+     el "CUDA tests: MiniMax H3's VAE kernels and blocks"
+     timeout 60 /tmp/vidgen-lib-tests --test-threads=1 minimax_h3::vae 2>&1 | grep -E "^test |relative|panicked|result:"
+     for f in minimax-h3 minimax-h3-audio; do
+       el "decode $f: vidgen"; timeout 60 /tmp/vae_decode --family $f 2>&1 | tail -1
+       el "decode $f: diffusers"
+       timeout 60 python3 bench/peer_vae_decode.py $f 2>&1 | grep -v "Warning\|warn\|kept in float32" | tail -1
+     done
      el "done" ;;
 esac

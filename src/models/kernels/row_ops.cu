@@ -1314,3 +1314,31 @@ extern "C" __global__ void swiglu_bf16(const bf16 *__restrict__ h, bf16 *__restr
     reinterpret_cast<bf162 *>(out)[p] = __floats2bfloat162_rn(v.x * s0, v.y * s1);
   }
 }
+
+// ---- an f32 residual stream beside bf16 layers (MiniMax H3's video decoder) ----
+
+// Row blockIdx.x of x [rows, dim] f32: bf16(x * rsqrtf(sum(x^2) / dim + eps) * w), w f32 [dim]:
+// candle's fused f32 `rms_norm`, then the cast to bf16 (torch's `RMSNorm(x.float()).to(bf16)`),
+// in one pass. One block per row.
+extern "C" __global__ void rms_norm_f32_to_bf16(const float *__restrict__ x,
+                                                const float *__restrict__ w,
+                                                bf16 *__restrict__ out, int dim, float eps) {
+  __shared__ float scratch[THREADS / 32];
+  const long base = (long)blockIdx.x * dim;
+  float sq = 0.f;
+  for (int c = threadIdx.x; c < dim; c += THREADS) {
+    const float v = x[base + c];
+    sq += v * v;
+  }
+  const float inv = rms_scale<Rounding::F32>(block_sum(sq, scratch), dim, 0.f, eps);
+  for (int c = threadIdx.x; c < dim; c += THREADS)
+    out[base + c] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(x[base + c], inv), w[c]));
+}
+
+// In place on x [n / dim, dim] f32: x + f32(delta) * scale[c], delta bf16, scale f32 [dim]; the
+// product and the sum each rounded to f32 (torch's `x + delta * scale`, the product promoted).
+extern "C" __global__ void residual_scaled_f32(float *x, const bf16 *__restrict__ delta,
+                                               const float *__restrict__ scale, int n, int dim) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    x[i] = __fadd_rn(x[i], __fmul_rn(__bfloat162float(delta[i]), scale[i % dim]));
+}

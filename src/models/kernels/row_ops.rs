@@ -964,6 +964,76 @@ pub(crate) fn matmul_bias_act(
     bias_act(x.matmul(&weight.t()?)?, bias, act)
 }
 
+/// `bf16(RMSNorm(x) * w)` of an f32 residual stream `x` `[rows, dim]` with an f32 weight `w`
+/// `[dim]` (candle's fused f32 `rms_norm`, then the cast): the bf16 input of the layers after an
+/// f32 norm, in one pass.
+pub(crate) fn rms_norm_f32_to_bf16(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let (rows, dim) = x.dims2()?;
+    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || w.dims1()? != dim {
+        candle_core::bail!(
+            "rms_norm_f32_to_bf16: x {:?} {:?}, w {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        )
+    }
+    // SAFETY: the kernel writes every element of `out`.
+    let out = unsafe { Tensor::empty((rows, dim), DType::BF16, x.device()) }?;
+    if rows > 0 {
+        out.inplace_op1(&row_launch(
+            &ROWS,
+            "rms_norm_f32_to_bf16",
+            rows,
+            vec![
+                Arg::Tensor(Some(x)),
+                Arg::Tensor(Some(w)),
+                Arg::Dst,
+                Arg::Int(dim as i32),
+                Arg::Float(eps as f32),
+            ],
+        ))?;
+    }
+    Ok(out)
+}
+
+/// In place on the f32 residual stream `x` `[rows, dim]`: `x + f32(delta) * scale` of a bf16
+/// layer output `delta` `[rows, dim]` and an f32 `scale` `[dim]`, the product and the sum each
+/// rounded to f32, as torch promotes them.
+pub(crate) fn residual_scaled_f32(x: &Tensor, delta: &Tensor, scale: &Tensor) -> Result<()> {
+    let (rows, dim) = x.dims2()?;
+    if x.dtype() != DType::F32
+        || delta.dtype() != DType::BF16
+        || scale.dtype() != DType::F32
+        || delta.dims2()? != (rows, dim)
+        || scale.dims1()? != dim
+        || !fits_i32(&[rows * dim])
+    {
+        candle_core::bail!(
+            "residual_scaled_f32: x {:?} {:?}, delta {:?} {:?}, scale {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            delta.dims(),
+            delta.dtype(),
+            scale.dims(),
+            scale.dtype()
+        )
+    }
+    let n = rows * dim;
+    x.inplace_op1(&item_launch(
+        &ROWS,
+        "residual_scaled_f32",
+        n,
+        vec![
+            Arg::Dst,
+            Arg::Tensor(Some(delta)),
+            Arg::Tensor(Some(scale)),
+            Arg::Int(n as i32),
+            Arg::Int(dim as i32),
+        ],
+    ))
+}
+
 /// `value * silu(gate)` of `h` `[rows, 2 * inner]` = `[value | gate]`: SiLU in f32 rounded once
 /// (as torch's bf16 `silu`), then the rounded product; `[rows, inner]`.
 pub(crate) fn swiglu(h: &Tensor) -> Result<Tensor> {

@@ -1,9 +1,9 @@
 //! Building blocks shared by MiniMax H3's transformer, text encoder and video VAE decoder.
 
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use crate::models::projection::Projection;
+use crate::models::projection::{Input, Projection};
 
 /// RMSNorm over the last axis, with a learned scale or without one.
 #[derive(Debug, Clone)]
@@ -57,8 +57,10 @@ impl SwiGlu {
         })
     }
 
+    /// The projections through [`Projection::apply`]: a bias (the video VAE's) in the matmul's
+    /// epilogue on CUDA bf16, as torch's Linear adds it.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.proj.forward(x)?;
+        let h = self.proj.apply(&Input::new(x), false)?;
         let half = h.dim(D::Minus1)? / 2;
         // On CUDA bf16 one kernel (SiLU in f32 rounded once, as torch computes it) instead of a
         // SiLU and a product over strided halves.
@@ -68,11 +70,11 @@ impl SwiGlu {
             let rows = h.elem_count() / (2 * half);
             let product = crate::models::row_ops::swiglu(&h.reshape((rows, 2 * half))?)?;
             *dims.last_mut().expect("a Linear's output has a last axis") = half;
-            return self.out.forward(&product.reshape(dims)?);
+            return self.out.apply(&Input::new(&product.reshape(dims)?), false);
         }
         let value = h.narrow(D::Minus1, 0, half)?;
         let gate = candle_nn::ops::silu(&h.narrow(D::Minus1, half, half)?)?;
-        self.out.forward(&(value * gate)?)
+        self.out.apply(&Input::new(&(value * gate)?), false)
     }
 }
 

@@ -20,6 +20,7 @@ use serde::Deserialize;
 
 use super::nn::{cos_sin, partial_rope, RmsNorm, SwiGlu};
 use crate::models::attention::sdpa;
+use crate::models::projection::project;
 
 /// ImageNet statistics the decoder's RGB output is normalised with.
 pub const PIXEL_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
@@ -308,12 +309,11 @@ impl DecoderAttention {
             let t = if norm { self.norm.forward(&t)? } else { t };
             t.transpose(1, 2)?.contiguous()
         };
-        let q = partial_rope(&split(self.to_q.forward(x)?, true)?, cos, sin)?;
-        let k = partial_rope(&split(self.to_k.forward(x)?, true)?, cos, sin)?;
-        let v = split(self.to_v.forward(x)?, false)?;
+        let q = partial_rope(&split(project(&self.to_q, x)?, true)?, cos, sin)?;
+        let k = partial_rope(&split(project(&self.to_k, x)?, true)?, cos, sin)?;
+        let v = split(project(&self.to_v, x)?, false)?;
         let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
-        self.to_out
-            .forward(&out.transpose(1, 2)?.reshape((b, n, dim))?)
+        project(&self.to_out, &out.transpose(1, 2)?.reshape((b, n, dim))?)
     }
 
     /// [`forward`](Self::forward) on CUDA in bf16: each projection's bias in its matmul's
@@ -323,15 +323,6 @@ impl DecoderAttention {
     fn forward_fused(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         use crate::models::row_ops::{self, Rows};
         let (b, n, dim) = x.dims3()?;
-        let linear = |layer: &Linear, x: &Tensor| -> Result<Tensor> {
-            let biased = match layer.bias() {
-                Some(bias) => {
-                    crate::models::linear::linear_bias_act(x, layer.weight(), bias, false)?
-                }
-                None => None,
-            };
-            biased.map_or_else(|| layer.forward(x), Ok)
-        };
         let at = Rows { row0: 0, seq: n };
         let rotary = 2 * cos.dim(1)?;
         let eps = self.norm.eps as f64;
@@ -349,15 +340,15 @@ impl DecoderAttention {
                 .transpose(1, 2)
         };
         let rows = x.reshape((b * n, dim))?;
-        let q = heads(linear(&self.to_q, &rows)?)?;
-        let k = heads(linear(&self.to_k, &rows)?)?;
-        let v = linear(&self.to_v, &rows)?
+        let q = heads(project(&self.to_q, &rows)?)?;
+        let k = heads(project(&self.to_k, &rows)?)?;
+        let v = project(&self.to_v, &rows)?
             .reshape((b, n, self.heads, self.head_dim))?
             .transpose(1, 2)?;
         let out = sdpa(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?
             .transpose(1, 2)?
             .reshape((b * n, dim))?;
-        linear(&self.to_out, &out)?.reshape((b, n, dim))
+        project(&self.to_out, &out)?.reshape((b, n, dim))
     }
 }
 
@@ -388,8 +379,21 @@ impl MiniMaxH3VaeDecoderBlock {
         })
     }
 
-    /// `x` f32 `[B, tokens, dim]`; `cos`/`sin` the half RoPE tables `[tokens, rotary / 2]`.
-    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    /// `x` f32 `[B, tokens, dim]`, the residual stream (on CUDA with bf16 layers updated in
+    /// place); `cos`/`sin` the half RoPE tables `[tokens, rotary / 2]`.
+    pub fn forward(&self, x: Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda()
+            && x.dtype() == DType::F32
+            && self.attn.to_q.weight().dtype() == DType::BF16
+        {
+            return self.forward_fused(x, cos, sin);
+        }
+        self.forward_composed(&x, cos, sin)
+    }
+
+    /// [`forward`](Self::forward) in candle's operations, on any device and dtype.
+    fn forward_composed(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let dtype = self.attn.to_q.weight().dtype();
         let h = self.norm1.forward(x)?.to_dtype(dtype)?;
         let attn = self.attn.forward(&h, cos, sin)?.to_dtype(DType::F32)?;
@@ -397,6 +401,25 @@ impl MiniMaxH3VaeDecoderBlock {
         let h = self.norm2.forward(&x)?.to_dtype(dtype)?;
         let ff = self.ff.forward(&h)?.to_dtype(DType::F32)?;
         &x + ff.broadcast_mul(&self.scale2)?
+    }
+
+    /// [`forward`](Self::forward) on CUDA with bf16 layers: each f32 norm and the cast of its
+    /// output one kernel, each scaled residual update one kernel in place on the stream.
+    #[cfg(feature = "cuda")]
+    fn forward_fused(&self, x: Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        use crate::models::row_ops;
+        let (b, n, dim) = x.dims3()?;
+        let x = x.contiguous()?;
+        let rows = x.reshape((b * n, dim))?;
+        let normed = |norm: &RmsNorm| {
+            row_ops::rms_norm_f32_to_bf16(&rows, &norm.weight, norm.eps as f64)?
+                .reshape((b, n, dim))
+        };
+        let attn = self.attn.forward(&normed(&self.norm1)?, cos, sin)?;
+        row_ops::residual_scaled_f32(&rows, &attn.reshape((b * n, dim))?, &self.scale1)?;
+        let ff = self.ff.forward(&normed(&self.norm2)?)?;
+        row_ops::residual_scaled_f32(&rows, &ff.reshape((b * n, dim))?, &self.scale2)?;
+        Ok(x)
     }
 }
 
@@ -517,7 +540,7 @@ impl MiniMaxH3VaeDecoder {
         }
         let tokens = f * h * w;
         let x = z.permute((0, 2, 3, 4, 1))?.reshape((b, tokens, c))?;
-        let x = self.proj_in.forward(&self.post_quant_conv.forward(&x)?)?;
+        let x = project(&self.proj_in, &project(&self.post_quant_conv, &x)?)?;
         let dim = x.dim(D::Minus1)?;
         let registers = self.register_tokens.to_dtype(x.dtype())?.broadcast_as((
             b,
@@ -529,13 +552,14 @@ impl MiniMaxH3VaeDecoder {
         let mut x = Tensor::cat(&[&x, &registers, &zero], 1)?.to_dtype(DType::F32)?;
         let (cos, sin) = self.rope([f, h, w], x.device())?;
         for block in &self.blocks {
-            x = block.forward(&x, &cos, &sin)?;
+            x = block.forward(x, &cos, &sin)?;
         }
         let normed = self.norm_out.forward(&x)?;
-        let x = self
-            .proj_out
-            .forward(&normed.to_dtype(self.proj_out.weight().dtype())?)?
-            .narrow(1, 0, tokens)?;
+        let x = project(
+            &self.proj_out,
+            &normed.to_dtype(self.proj_out.weight().dtype())?,
+        )?
+        .narrow(1, 0, tokens)?;
         let (rt, rs) = (self.cfg.temporal_ratio(), self.cfg.spatial_ratio());
         crate::models::patches::unpatchify(&x, [f, h, w], [rt, rs, rs])
     }
@@ -752,11 +776,93 @@ mod cuda_tests {
         let composed = attn
             .forward_composed(&x, &cos, &sin)?
             .to_dtype(DType::F32)?;
-        let rel = ((&fused - &composed)?.sqr()?.sum_all()?.sqrt()?
-            / composed.sqr()?.sum_all()?.sqrt()?)?
-        .to_scalar::<f32>()?;
+        let rel = relative_l2(&fused, &composed)?;
         println!("fused vs composed attention: relative L2 {rel:.2e}");
         assert!(rel < 1e-2, "relative L2 {rel}");
+        Ok(())
+    }
+
+    fn relative_l2(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+        ((&a - &b)?.sqr()?.sum_all()?.sqrt()? / b.sqr()?.sum_all()?.sqrt()?)?.to_scalar::<f32>()
+    }
+
+    /// The f32-stream kernels against candle's operations: the scaled residual update bit for
+    /// bit, the norm and its cast within a bf16 unit in the last place, a whole block (its
+    /// attention fused too) close to the composed one.
+    #[test]
+    fn fused_block_matches_composition() -> Result<()> {
+        let Some(dev) = device("MiniMax H3 VAE block") else {
+            return Ok(());
+        };
+        let cfg = MiniMaxH3VaeConfig::default();
+        let (dim, n) = (cfg.decoder_dim(), 300);
+        let rows = 2 * n;
+        let x = Tensor::randn(0f32, 2.0, (rows, dim), &dev)?;
+        let delta = randn(&[rows, dim], 1.0, &dev)?;
+        let scale = Tensor::randn(0.5f32, 0.1, dim, &dev)?;
+        let want = (&x + delta.to_dtype(DType::F32)?.broadcast_mul(&scale)?)?;
+        let got = x.copy()?;
+        crate::models::row_ops::residual_scaled_f32(&got, &delta, &scale)?;
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "scaled residual update");
+
+        let w = Tensor::randn(1f32, 0.1, dim, &dev)?;
+        let norm = RmsNorm {
+            weight: w,
+            eps: 1e-5,
+        };
+        let want = norm
+            .forward(&x)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?;
+        let got = crate::models::row_ops::rms_norm_f32_to_bf16(&x, &norm.weight, 1e-5)?
+            .to_dtype(DType::F32)?;
+        // One bf16 unit in the last place at each value: 2^(floor(log2 |v|) - 7).
+        let ulp = want.abs()?.log()?.affine(1.0 / 2f64.ln(), 0.0)?.floor()?;
+        let ulp = (ulp.affine(1.0, -7.0)? * 2f64.ln())?.exp()?;
+        let over = (((&got - &want)?.abs()? - ulp)?.max_all()?).to_scalar::<f32>()?;
+        assert!(
+            over <= 0.0,
+            "norm to bf16 beyond a unit in the last place by {over}"
+        );
+
+        let mut weights = std::collections::HashMap::new();
+        let std = 1.0 / (dim as f64).sqrt();
+        for name in ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"] {
+            weights.insert(format!("{name}.weight"), randn(&[dim, dim], std, &dev)?);
+            weights.insert(format!("{name}.bias"), randn(&[dim], 0.1, &dev)?);
+        }
+        let inner = dim * cfg.decoder_ffn_mult;
+        weights.insert(
+            "ff.net.0.proj.weight".into(),
+            randn(&[2 * inner, dim], std, &dev)?,
+        );
+        weights.insert("ff.net.0.proj.bias".into(), randn(&[2 * inner], 0.1, &dev)?);
+        let std_out = 1.0 / (inner as f64).sqrt();
+        weights.insert(
+            "ff.net.2.weight".into(),
+            randn(&[dim, inner], std_out, &dev)?,
+        );
+        weights.insert("ff.net.2.bias".into(), randn(&[dim], 0.1, &dev)?);
+        for name in ["norm1.weight", "norm2.weight"] {
+            weights.insert(name.into(), Tensor::randn(1f32, 0.1, dim, &dev)?);
+        }
+        for name in ["scale1", "scale2"] {
+            weights.insert(name.into(), Tensor::randn(0.5f32, 0.1, dim, &dev)?);
+        }
+        let vb = VarBuilder::from_tensors(weights, DType::BF16, &dev);
+        let block = MiniMaxH3VaeDecoderBlock::new(&cfg, vb)?;
+        let half = cfg.decoder_rotary_dim() / 2;
+        let angles: Vec<f32> = (0..n * half).map(|i| (i % 97) as f32 * 0.37).collect();
+        let (cos, sin) = cos_sin(&angles, n, half, &dev)?;
+        let x = x.reshape((2, n, dim))?;
+        let composed = block.forward_composed(&x, &cos, &sin)?;
+        let fused = block.forward_fused(x.copy()?, &cos, &sin)?;
+        assert_eq!(fused.dtype(), DType::F32);
+        let rel = relative_l2(&fused, &composed)?;
+        println!("fused vs composed block: relative L2 {rel:.2e}");
+        assert!(rel < 5e-3, "relative L2 {rel}");
         Ok(())
     }
 }
