@@ -752,6 +752,7 @@ mod cuda_tests {
     //! the published width (32 heads of 64, 48 rotary channels), two batch entries.
     use super::*;
     use crate::models::row_ops::test_util::{device, randn};
+    use std::collections::HashMap;
 
     #[test]
     fn fused_attention_matches_composition() -> Result<()> {
@@ -760,17 +761,11 @@ mod cuda_tests {
         };
         let cfg = MiniMaxH3VaeConfig::default();
         let (dim, n) = (cfg.decoder_dim(), 300);
-        let mut weights = std::collections::HashMap::new();
-        for name in ["to_q", "to_k", "to_v", "to_out.0"] {
-            let std = 1.0 / (dim as f64).sqrt();
-            weights.insert(format!("{name}.weight"), randn(&[dim, dim], std, &dev)?);
-            weights.insert(format!("{name}.bias"), randn(&[dim], 0.1, &dev)?);
-        }
+        let mut weights = HashMap::new();
+        attention_weights(&mut weights, "", dim, &dev)?;
         let vb = VarBuilder::from_tensors(weights, DType::BF16, &dev);
         let attn = DecoderAttention::new(&cfg, vb)?;
-        let half = cfg.decoder_rotary_dim() / 2;
-        let angles: Vec<f32> = (0..n * half).map(|i| (i % 97) as f32 * 0.37).collect();
-        let (cos, sin) = cos_sin(&angles, n, half, &dev)?;
+        let (cos, sin) = rope_tables(&cfg, n, &dev)?;
         let x = randn(&[2, n, dim], 1.0, &dev)?;
         let fused = attn.forward_fused(&x, &cos, &sin)?.to_dtype(DType::F32)?;
         let composed = attn
@@ -780,6 +775,31 @@ mod cuda_tests {
         println!("fused vs composed attention: relative L2 {rel:.2e}");
         assert!(rel < 1e-2, "relative L2 {rel}");
         Ok(())
+    }
+
+    /// Random bf16 weights and biases of the attention's four Linears under `prefix`.
+    fn attention_weights(
+        weights: &mut HashMap<String, Tensor>,
+        prefix: &str,
+        dim: usize,
+        dev: &Device,
+    ) -> Result<()> {
+        let std = 1.0 / (dim as f64).sqrt();
+        for name in ["to_q", "to_k", "to_v", "to_out.0"] {
+            weights.insert(
+                format!("{prefix}{name}.weight"),
+                randn(&[dim, dim], std, dev)?,
+            );
+            weights.insert(format!("{prefix}{name}.bias"), randn(&[dim], 0.1, dev)?);
+        }
+        Ok(())
+    }
+
+    /// Half RoPE tables of `n` positions at arbitrary angles.
+    fn rope_tables(cfg: &MiniMaxH3VaeConfig, n: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let half = cfg.decoder_rotary_dim() / 2;
+        let angles: Vec<f32> = (0..n * half).map(|i| (i % 97) as f32 * 0.37).collect();
+        cos_sin(&angles, n, half, dev)
     }
 
     fn relative_l2(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -827,12 +847,9 @@ mod cuda_tests {
             "norm to bf16 beyond a unit in the last place by {over}"
         );
 
-        let mut weights = std::collections::HashMap::new();
+        let mut weights = HashMap::new();
+        attention_weights(&mut weights, "attn.", dim, &dev)?;
         let std = 1.0 / (dim as f64).sqrt();
-        for name in ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"] {
-            weights.insert(format!("{name}.weight"), randn(&[dim, dim], std, &dev)?);
-            weights.insert(format!("{name}.bias"), randn(&[dim], 0.1, &dev)?);
-        }
         let inner = dim * cfg.decoder_ffn_mult;
         weights.insert(
             "ff.net.0.proj.weight".into(),
@@ -853,9 +870,7 @@ mod cuda_tests {
         }
         let vb = VarBuilder::from_tensors(weights, DType::BF16, &dev);
         let block = MiniMaxH3VaeDecoderBlock::new(&cfg, vb)?;
-        let half = cfg.decoder_rotary_dim() / 2;
-        let angles: Vec<f32> = (0..n * half).map(|i| (i % 97) as f32 * 0.37).collect();
-        let (cos, sin) = cos_sin(&angles, n, half, &dev)?;
+        let (cos, sin) = rope_tables(&cfg, n, &dev)?;
         let x = x.reshape((2, n, dim))?;
         let composed = block.forward_composed(&x, &cos, &sin)?;
         let fused = block.forward_fused(x.copy()?, &cos, &sin)?;
