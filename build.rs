@@ -49,6 +49,7 @@ fn main() {
         ("conv3d", PORTABLE, false),
         ("norms", PORTABLE, false),
         ("channel_ops", PORTABLE, false),
+        ("audio_ops", PORTABLE, false),
         ("dequant", PORTABLE, false),
         ("lora_merge", PORTABLE, false),
         ("fp8", FP8, false),

@@ -3,6 +3,9 @@
 
 pub mod allegro;
 pub mod attention;
+#[cfg(feature = "cuda")]
+#[path = "kernels/audio_ops.rs"]
+pub(crate) mod audio_ops;
 pub mod autoencoder_kl;
 pub mod blocks;
 #[cfg(all(test, feature = "cuda"))]

@@ -3,8 +3,9 @@
 //! mono; the pipeline decodes stereo as a batch of two. The encoder (reference-audio workflows
 //! only) is not implemented.
 
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 use serde::Deserialize;
 
 /// `audio_vae/config.json`; missing keys take diffusers' defaults.
@@ -225,106 +226,172 @@ impl Conv1d {
     }
 }
 
-/// Runs a single-channel kernel `[1, 1, k]` over every channel of `[B, C, L]` (a depthwise
-/// convolution with one shared filter) by folding the channels into the batch.
-fn depthwise<F: Fn(&Tensor) -> Result<Tensor>>(x: &Tensor, op: F) -> Result<Tensor> {
-    let (b, c, l) = x.dims3()?;
-    let y = op(&x.reshape((b * c, 1, l))?)?;
-    let out = y.dim(2)?;
-    y.reshape((b, c, out))
+/// The resampling around BigVGAN's activations (diffusers' `MiniMaxH3AudioActivation1d`
+/// defaults): `ratio`x upsampling by a replicate-padded transposed convolution with a `taps`
+/// Kaiser-sinc filter, cropped; the activation; a replicate-padded low-pass of `taps` with stride
+/// `ratio`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Resampling {
+    pub ratio: usize,
+    pub taps: usize,
+}
+
+impl Resampling {
+    const BIGVGAN: Self = Self { ratio: 2, taps: 12 };
+
+    /// Input samples replicated on each side before the transposed convolution.
+    pub fn pad_up(self) -> usize {
+        self.taps / self.ratio - 1
+    }
+
+    /// Samples of the transposed convolution's output cropped on the left.
+    pub fn crop_left(self) -> usize {
+        self.pad_up() * self.ratio + (self.taps - self.ratio) / 2
+    }
+
+    /// Upsampled samples replicated on the left before the low-pass.
+    pub fn down_left(self) -> usize {
+        self.taps / 2 - usize::from(self.taps.is_multiple_of(2))
+    }
 }
 
 /// BigVGAN's alias-free SnakeBeta: 2x Kaiser-sinc upsampling, `x + sin²(e^α x) / (e^β + 1e-9)`,
-/// low-pass 2x downsampling. The filters are the checkpoint's stored buffers.
+/// low-pass 2x downsampling. The filters are the checkpoint's stored buffers. One pass over the
+/// input, each output sample from the few input samples its filters reach (one kernel on CUDA):
+/// composed of tensor ops it was ~200 launches per activation.
 #[derive(Debug, Clone)]
 struct AliasFreeSnakeBeta {
+    /// `exp(α)` per channel.
     alpha: Tensor,
+    /// `1 / (exp(β) + 1e-9)` per channel.
     inv_beta: Tensor,
     up_filter: Tensor,
     down_filter: Tensor,
 }
 
-/// The resampling ratio and filter length of diffusers' `MiniMaxH3AudioActivation1d` defaults.
-const RESAMPLE_RATIO: usize = 2;
-const RESAMPLE_KERNEL: usize = 12;
-/// Runs of channels an activation works in (at most).
-const ACTIVATION_RUNS: usize = 16;
-
 impl AliasFreeSnakeBeta {
     fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
-        let alpha = vb
-            .get(channels, "act.alpha")?
-            .exp()?
-            .reshape((1, channels, 1))?;
-        let beta = vb
-            .get(channels, "act.beta")?
-            .exp()?
-            .reshape((1, channels, 1))?;
+        let taps = Resampling::BIGVGAN.taps;
+        let alpha = vb.get(channels, "act.alpha")?.exp()?;
+        let beta = vb.get(channels, "act.beta")?.exp()?;
         Ok(Self {
             alpha,
             inv_beta: (beta + 1e-9)?.recip()?,
-            up_filter: vb.get((1, 1, RESAMPLE_KERNEL), "upsample.filter")?,
-            down_filter: vb.get((1, 1, RESAMPLE_KERNEL), "downsample.lowpass.filter")?,
+            up_filter: vb.get((1, 1, taps), "upsample.filter")?.flatten_all()?,
+            down_filter: vb
+                .get((1, 1, taps), "downsample.lowpass.filter")?
+                .flatten_all()?,
         })
     }
 
-    /// Over runs of channels (each channel's computation is its own), written into one
-    /// output: the resampling's scratch (filter taps per sample, at twice the length) stays a
-    /// small share of the input's size.
+    /// `[B, C, L]` -> `[B, C, L]`, computed in f32 (the audio VAE's dtype) and returned in `x`'s.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let c = x.dim(1)?;
-        let per_run = c.div_ceil(ACTIVATION_RUNS);
-        if per_run >= c {
-            return self.forward_channels(x, 0);
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let [alpha, inv_beta, up, down] = [
+            &self.alpha,
+            &self.inv_beta,
+            &self.up_filter,
+            &self.down_filter,
+        ]
+        .map(|t| t.to_dtype(DType::F32));
+        let (alpha, inv_beta, up, down) = (alpha?, inv_beta?, up?, down?);
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::models::audio_ops::snake_beta_resample(
+                &x,
+                &alpha,
+                &inv_beta,
+                (&up, &down),
+                Resampling::BIGVGAN,
+            )?
+            .to_dtype(dtype);
         }
-        crate::models::runs::in_runs(c, per_run, 1, |first, n| {
-            self.forward_channels(&x.narrow(1, first, n)?.contiguous()?, first)
-        })
+        let host = HostSnakeBeta {
+            alpha: alpha.to_device(&Device::Cpu)?.to_vec1()?,
+            inv_beta: inv_beta.to_device(&Device::Cpu)?.to_vec1()?,
+            up: up.to_device(&Device::Cpu)?.to_vec1()?,
+            down: down.to_device(&Device::Cpu)?.to_vec1()?,
+            resampling: Resampling::BIGVGAN,
+        };
+        x.apply_op1_no_bwd(&host)?.to_dtype(dtype)
+    }
+}
+
+/// [`AliasFreeSnakeBeta`] on the host: per row, the activation of the upsampled signal, then its
+/// low-pass; the same sums in the same order as `snake_beta_resample_f32`.
+struct HostSnakeBeta {
+    alpha: Vec<f32>,
+    inv_beta: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    resampling: Resampling,
+}
+
+impl HostSnakeBeta {
+    /// One row (`channel`'s) of `x` into `y`.
+    fn row(&self, channel: usize, x: &[f32], y: &mut [f32]) {
+        let Resampling { ratio, taps } = self.resampling;
+        let (length, pad_up, crop_left) = (
+            x.len(),
+            self.resampling.pad_up(),
+            self.resampling.crop_left(),
+        );
+        let padded = length + 2 * pad_up;
+        let (a, ib) = (self.alpha[channel], self.inv_beta[channel]);
+        let activation: Vec<f32> = (0..length * ratio)
+            .map(|t| {
+                let top = t + crop_left;
+                let lo = (top + 1).saturating_sub(taps).div_ceil(ratio);
+                let hi = (top / ratio).min(padded - 1);
+                let mut u = 0f32;
+                for j in lo..=hi {
+                    u += self.up[top - ratio * j] * x[j.saturating_sub(pad_up).min(length - 1)];
+                }
+                u *= ratio as f32;
+                let s = (a * u).sin();
+                u + s * s * ib
+            })
+            .collect();
+        let down_left = self.resampling.down_left();
+        for (n, out) in y.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (m, g) in self.down.iter().enumerate() {
+                let t = (n * ratio + m)
+                    .saturating_sub(down_left)
+                    .min(activation.len() - 1);
+                acc += g * activation[t];
+            }
+            *out = acc;
+        }
+    }
+}
+
+impl CustomOp1 for HostSnakeBeta {
+    fn name(&self) -> &'static str {
+        "alias-free-snake-beta"
     }
 
-    /// The activation of `x`'s channels, which start at channel `first` of the layer's.
-    fn forward_channels(&self, x: &Tensor, first: usize) -> Result<Tensor> {
-        let n = x.dim(1)?;
-        let (alpha, inv_beta) = (
-            self.alpha.narrow(1, first, n)?,
-            self.inv_beta.narrow(1, first, n)?,
-        );
-        let (ratio, k) = (RESAMPLE_RATIO, RESAMPLE_KERNEL);
-        // Upsample: replicate pad, transposed conv with stride `ratio`, x ratio, crop.
-        let pad = k / ratio - 1;
-        let crop_left = pad * ratio + (k - ratio) / 2;
-        let crop_right = pad * ratio + (k - ratio).div_ceil(2);
-        let up = depthwise(x, |x| {
-            let y = x.pad_with_same(D::Minus1, pad, pad)?.conv_transpose1d(
-                &self.up_filter,
-                0,
-                0,
-                ratio,
-                1,
-                1,
-            )?;
-            let len = y.dim(2)?;
-            (y * ratio as f64)?.narrow(2, crop_left, len - crop_left - crop_right)
-        })?;
-        // One statement per op, so each temporary goes as the next exists.
-        let mut snake = alpha.broadcast_mul(&up)?;
-        snake = snake.sin()?;
-        snake = snake.sqr()?;
-        snake = snake.broadcast_mul(&inv_beta)?;
-        let act = (&up + snake)?;
-        drop(up);
-        // Downsample: replicate pad, low-pass conv with stride `ratio`.
-        let pad_left = k / 2 - usize::from(k % 2 == 0);
-        let pad_right = k / 2;
-        depthwise(&act, |x| {
-            x.pad_with_same(D::Minus1, pad_left, pad_right)?.conv1d(
-                &self.down_filter,
-                0,
-                ratio,
-                1,
-                1,
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(values), Some((start, end))) = (storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("alias-free SnakeBeta: contiguous f32 input")
+        };
+        let (_, channels, length) = layout.shape().dims3()?;
+        if channels != self.alpha.len() || length == 0 {
+            candle_core::bail!(
+                "alias-free SnakeBeta: {:?} against {} channels",
+                layout.shape(),
+                self.alpha.len()
             )
-        })
+        }
+        let x = &values[start..end];
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(length)
+            .zip(x.par_chunks(length))
+            .enumerate()
+            .for_each(|(row, (y, x))| self.row(row % channels, x, y));
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 }
 
@@ -385,8 +452,17 @@ struct Upsample {
 }
 
 impl Upsample {
+    /// The unpadded transposed convolution, cropped by `padding` on each side: the same sums,
+    /// and candle takes its matmul path (one GEMM and a col2im) without padding, its direct
+    /// kernel (slow on CUDA) with it. That GEMM reads the input channels last: stored so, as
+    /// candle 0.11's CPU batched matmul returns wrong values for the transposed view of a
+    /// channels-first input with a batch > 1 (huggingface/candle#3758).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.conv_transpose1d(&self.weight.kernel()?, self.padding, 0, self.stride, 1, 1)?
+        let channels_last = x.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+        let full =
+            channels_last.conv_transpose1d(&self.weight.kernel()?, 0, 0, self.stride, 1, 1)?;
+        let length = full.dim(2)? - 2 * self.padding;
+        full.narrow(2, self.padding, length)?
             .broadcast_add(&self.bias.reshape((1, (), 1))?)
     }
 }
@@ -534,3 +610,94 @@ crate::placed_whole!(
     MiniMaxH3AudioVaeConfig,
     MiniMaxH3AudioVaeDecoder::new
 );
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    //! The audio VAE's CUDA paths against the host's, f32, at a stage's shape of the published
+    //! decoder (two batch entries).
+    use super::*;
+    use crate::models::row_ops::test_util::device;
+    use std::collections::HashMap;
+
+    fn randn(shape: &[usize], std: f32, dev: &Device) -> Result<Tensor> {
+        Tensor::randn(0f32, std, shape, dev)
+    }
+
+    /// Largest difference of `got` from `want`, over `want`'s largest magnitude.
+    fn relative_max(got: &Tensor, want: &Tensor) -> Result<f32> {
+        let got = got.to_device(&Device::Cpu)?;
+        let diff = (&got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok(diff / want.abs()?.max_all()?.to_scalar::<f32>()?)
+    }
+
+    #[test]
+    fn snake_beta_kernel_matches_the_host() -> Result<()> {
+        let Some(dev) = device("audio VAE SnakeBeta") else {
+            return Ok(());
+        };
+        let (channels, length) = (64, 5175);
+        let taps = Resampling::BIGVGAN.taps;
+        let mut weights = HashMap::new();
+        weights.insert("act.alpha".to_string(), randn(&[channels], 0.5, &dev)?);
+        weights.insert("act.beta".to_string(), randn(&[channels], 0.5, &dev)?);
+        for name in ["upsample.filter", "downsample.lowpass.filter"] {
+            weights.insert(name.to_string(), randn(&[1, 1, taps], 0.3, &dev)?);
+        }
+        let host_weights = weights
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        let gpu = AliasFreeSnakeBeta::new(
+            channels,
+            VarBuilder::from_tensors(weights, DType::F32, &dev),
+        )?;
+        let host = AliasFreeSnakeBeta::new(
+            channels,
+            VarBuilder::from_tensors(host_weights, DType::F32, &Device::Cpu),
+        )?;
+        let x = randn(&[2, channels, length], 2.0, &Device::Cpu)?;
+        let want = host.forward(&x)?;
+        let got = gpu.forward(&x.to_device(&dev)?)?;
+        assert_eq!(got.dims(), [2, channels, length]);
+        let err = relative_max(&got, &want)?;
+        assert!(err < 1e-5, "SnakeBeta on the GPU off the host's by {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn upsample_matches_the_host() -> Result<()> {
+        let Some(dev) = device("audio VAE upsampling") else {
+            return Ok(());
+        };
+        // The published first stage: 1024 -> 512 channels, rate 5, kernel 9 (padding 2).
+        let (cin, cout, kernel, rate, length) = (1024, 512, 9, 5, 207);
+        let host = Upsample {
+            weight: WeightNormed {
+                v: randn(&[cin, cout, kernel], 1.0, &Device::Cpu)?,
+                g: randn(&[cin, 1, 1], 1.0, &Device::Cpu)?,
+            },
+            bias: randn(&[cout], 1.0, &Device::Cpu)?,
+            stride: rate,
+            padding: (kernel - rate) / 2,
+        };
+        let gpu = Upsample {
+            weight: WeightNormed {
+                v: host.weight.v.to_device(&dev)?,
+                g: host.weight.g.to_device(&dev)?,
+            },
+            bias: host.bias.to_device(&dev)?,
+            ..host.clone()
+        };
+        let x = randn(&[2, cin, length], 1.0, &Device::Cpu)?;
+        let want = host.forward(&x)?;
+        assert_eq!(want.dims(), [2, cout, length * rate]);
+        // Against the padded transposed convolution (candle's direct kernel) on the host.
+        let direct = x
+            .conv_transpose1d(&host.weight.kernel()?, host.padding, 0, rate, 1, 1)?
+            .broadcast_add(&host.bias.reshape((1, (), 1))?)?;
+        assert!(relative_max(&want, &direct)? < 1e-5);
+        let err = relative_max(&gpu.forward(&x.to_device(&dev)?)?, &want)?;
+        assert!(err < 1e-4, "upsampling on the GPU off the host's by {err}");
+        Ok(())
+    }
+}
