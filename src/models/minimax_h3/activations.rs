@@ -165,9 +165,11 @@ pub fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype:
 /// Copies of the stereo batch at a stage's width that the audio decode holds at once (f32): ten
 /// whole tensors (the stage's input, the AMP blocks' running sum with its next value, a block's
 /// input and residual, a convolution's padded input, output and biased copy, the activation's
-/// input and output) and, within one more, the runs' scratch (one convolution's im2col, one
-/// activation's resampling; the layers work in runs, `audio_vae`). The CPU heap test on the
-/// fixture measured ten; an H200 held fewer at full size (bench/RESULTS.md, session 56).
+/// input and output) and, within one more, one convolution's im2col (convolutions work in runs
+/// of output samples, `audio_vae`; the activations need no scratch). The CPU heap test on the
+/// fixture measured ten before the activation was one pass (465,680 of the 587,008 bytes predicted
+/// since); an H200 held fewer
+/// at full size (bench/RESULTS.md, session 56).
 const AUDIO_DECODE_COPIES: u64 = 11;
 
 /// Device bytes of the audio decode at its peak moment: at each upsampling stage,

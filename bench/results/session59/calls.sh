@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 59's calls. DEV holds, stripped and xz'd, the builds each call names; .whl the diffusers 0.42.1 wheel.
+#   run(carry: [".deviceNN", ".whl"], command: "DEV=.deviceNN bash bench/results/session59/calls.sh N")
+#   1: (.device11: examples/vae_decode and the library's CUDA tests at de2de19: session 58's f32 stream
+#      of the video VAE fused (af117da, never run before), the audio VAE's SnakeBeta one kernel and its
+#      upsampling through the GEMM path) the VAEs' CUDA tests; MiniMax H3's video and audio decodes of the
+#      5 s request beside diffusers' in the same call; the audio decode on the GPU against the host's.
+DEV=${DEV:-.device11} source bench/device_setup.sh
+export PYTHONPATH=/tmp/site
+case $1 in
+  1) xz -dc $DEV/vae_decode.xz > /tmp/vae_decode && chmod +x /tmp/vae_decode
+     el "CUDA tests: MiniMax H3's VAE and audio VAE kernels"
+     timeout 90 /tmp/vidgen-lib-tests --test-threads=1 minimax_h3::vae minimax_h3::audio_vae 2>&1 \
+       | grep -E "^test |relative|panicked|off the|result:"
+     for round in 1 2; do
+       for f in minimax-h3 minimax-h3-audio; do
+         el "round $round, decode $f: vidgen"; timeout 60 /tmp/vae_decode --family $f 2>&1 | tail -1
+         el "round $round, decode $f: diffusers"
+         timeout 60 python3 bench/peer_vae_decode.py $f 2>&1 | grep -v "Warning\|warn\|kept in float32" | tail -1
+       done
+     done
+     el "the audio decode on the GPU against the host's"
+     /tmp/vae_decode --family minimax-h3-audio --save $OUT/gpu.safetensors | tail -1
+     timeout 120 /tmp/vae_decode --family minimax-h3-audio --cpu --save $OUT/cpu.safetensors | tail -1
+     python3 -c "
+from safetensors.torch import load_file; import sys
+a, b = (load_file(sys.argv[i])['video'] for i in (1, 2)); d = (a - b).abs()
+print('gpu vs cpu: max', d.max().item(), 'mean', d.mean().item(), 'mean |x|', b.abs().mean().item())" \
+       $OUT/gpu.safetensors $OUT/cpu.safetensors
+     el "done" ;;
+esac
