@@ -168,8 +168,7 @@ pub fn vae_decode_activations(cfg: &MiniMaxH3VaeConfig, g: &T2vaGeometry, dtype:
 /// input and output) and, within one more, one convolution's im2col (convolutions work in runs
 /// of output samples, `audio_vae`; the activations need no scratch). The CPU heap test on the
 /// fixture measured ten before the activation was one pass (465,680 of the 587,008 bytes predicted
-/// since); an H200 held fewer
-/// at full size (bench/RESULTS.md, session 56).
+/// since); an H200 held fewer at full size (bench/RESULTS.md, session 56).
 const AUDIO_DECODE_COPIES: u64 = 11;
 
 /// Device bytes of the audio decode at its peak moment: at each upsampling stage,
