@@ -34,7 +34,7 @@ PNG's uint8 rounding).
 The ratio in the table is vidgen's whole process (start-up, CUDA context, loads, stages, writing the file) over
 diffusers' from_pretrained + .to(cuda) + its call (its interpreter, imports and CUDA context are not counted).
 """
-import argparse, gc, importlib, json, os, re, shutil, subprocess, time
+import argparse, functools, gc, importlib, json, os, re, shutil, subprocess, time
 from dataclasses import dataclass, field
 
 import torch
@@ -254,7 +254,9 @@ def peak_rss_gib():
 
 
 def timed(fn, record):
-    """`fn`, appending the (start, end) of each call, the device idle at both ends."""
+    """`fn`, appending the (start, end) of each call, the device idle at both ends; `fn`'s signature kept (a
+    caller may read it, as MiniMax H3's denoise step does to pick the keyword arguments it passes)."""
+    @functools.wraps(fn)
     def wrapper(*a, **k):
         sync()
         start = time.perf_counter()

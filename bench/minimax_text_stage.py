@@ -31,9 +31,9 @@ ASSETS = os.path.join(e2e.ROOT, "assets", "minimax-h3")
 LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
 
 
-def write(src, dest, device, dtype):
-    """The checkpoint: `src`'s configs, a one-block transformer, random weights in `dtype` (the audio VAE in
-    f32, as diffusers keeps it); unless `dest` holds one."""
+def write(src, dest, device, dtype, layers=1):
+    """The checkpoint: `src`'s configs, a transformer of `layers` blocks, random weights in `dtype` (the audio VAE
+    in f32, as diffusers keeps it); unless `dest` holds one."""
     if os.path.exists(os.path.join(dest, "done")):
         e2e.log(f"checkpoint {dest} exists: reused")
         return {"reused": True}
@@ -41,7 +41,7 @@ def write(src, dest, device, dtype):
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors*", "reference"))
     cfg_path = os.path.join(dest, "transformer", "config.json")
     cfg = json.load(open(cfg_path))
-    cfg["num_layers"] = 1
+    cfg["num_layers"] = layers
     json.dump(cfg, open(cfg_path, "w"), indent=1)
     index = json.load(open(os.path.join(dest, "modular_model_index.json")))
     t0, written = time.perf_counter(), {}

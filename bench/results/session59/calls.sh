@@ -5,6 +5,10 @@
 #      of the video VAE fused (af117da, never run before), the audio VAE's SnakeBeta one kernel and its
 #      upsampling through the GEMM path) the VAEs' CUDA tests; MiniMax H3's video and audio decodes of the
 #      5 s request beside diffusers' in the same call; the audio decode on the GPU against the host's.
+#   2: (.device12: the vidgen binary at this call's commit) MiniMax H3's whole video (issue 34 item 5), 4 steps at
+#      the published 124x768x1344, vidgen (default flags, then resident) beside diffusers' modular pipeline in
+#      the same call, both from one checkpoint in /dev/shm: the published configs with the DiT cut to one block
+#      (bench/minimax_e2e.py: the published 133 GB fit neither the host's memory nor its disk).
 DEV=${DEV:-.device11} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
 case $1 in
@@ -27,5 +31,9 @@ from safetensors.torch import load_file; import sys
 a, b = (load_file(sys.argv[i])['video'] for i in (1, 2)); d = (a - b).abs()
 print('gpu vs cpu: max', d.max().item(), 'mean', d.mean().item(), 'mean |x|', b.abs().mean().item())" \
        $OUT/gpu.safetensors $OUT/cpu.safetensors
+     el "done" ;;
+  2) el "MiniMax H3's whole video, 4 steps, 124x768x1344, the DiT cut to one block"
+     timeout 570 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/e2e --layers 1 2>&1 \
+       | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-2500 | tail -14
      el "done" ;;
 esac
