@@ -34,6 +34,7 @@ use crate::models::minimax_h3::vae::{
 };
 use crate::models::patches::{patchify, unpatchify};
 use crate::models::source::{message, FileRef};
+use crate::offload::transfer::to_host;
 use crate::output::Audio;
 use crate::rng::TorchGenerator;
 use crate::schedulers::minimax_h3::{
@@ -47,6 +48,10 @@ use std::sync::Arc;
 
 /// Bytes of an f32 element (RoPE tables, latents, the patch projections).
 const F32_BYTES: u64 = 4;
+
+/// Decoded frames converted to [0, 1] f32 on the device and handed to host memory at once: a few,
+/// so the conversion's f32 copies stay small beside the decoded clips the plan counts.
+const HANDOFF_FRAMES: usize = 4;
 
 /// `modular_model_index.json`'s `_class_name` for this pipeline.
 pub const CLASS_NAME: &str = "MiniMaxH3ModularPipeline";
@@ -614,24 +619,31 @@ impl MiniMaxH3 {
         let z = vae.denormalize(&latents.to_device(&frame.device)?.to_dtype(dtype)?)?;
         // Each cross-faded stretch of frames leaves the device as it is finished (the whole
         // video never waits there) and is appended to the frames in host memory as [0, 1] f32
-        // frames `[n, H, W, 3]`: host memory holds the video once, plus one stretch.
+        // frames `[n, H, W, 3]`: host memory holds the video once, plus a few frames. The
+        // conversion runs on the device, HANDOFF_FRAMES frames at a time: done on the host, the
+        // 5 s request's stage took 13.8 s on an H100 where the decoder takes 4.2 s
+        // (bench/RESULTS.md, session 59).
         let mut values: Vec<f32> = Vec::new();
         let mut frame_shape = None;
         let frames = vae.decode_into(&z, |piece| {
-            let piece = piece.contiguous()?.to_device(&Device::Cpu)?;
             // Before the clamp, which would turn an infinity into a blank frame.
             if !stages::all_finite(&piece)? {
                 return Err(candle_core::Error::Msg(stages::non_finite(
                     "the decoded video",
                 )));
             }
-            let piece = decoded_to_unit_range(&piece)?
-                .squeeze(0)?
-                .permute((1, 2, 3, 0))?
-                .contiguous()?;
-            let (_, h, w, c) = piece.dims4()?;
-            frame_shape = Some((h, w, c));
-            values.extend_from_slice(&piece.flatten_all()?.to_vec1::<f32>()?);
+            let n = piece.dim(2)?;
+            for first in (0..n).step_by(HANDOFF_FRAMES) {
+                let part = piece.narrow(2, first, HANDOFF_FRAMES.min(n - first))?;
+                let part = decoded_to_unit_range(&part)?
+                    .squeeze(0)?
+                    .permute((1, 2, 3, 0))?
+                    .contiguous()?;
+                let (_, h, w, c) = part.dims4()?;
+                frame_shape = Some((h, w, c));
+                let host = to_host(&part).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+                values.extend_from_slice(&host.flatten_all()?.to_vec1::<f32>()?);
+            }
             Ok(())
         })?;
         let (h, w, c) = frame_shape.context("the VAE decoded no frames")?;

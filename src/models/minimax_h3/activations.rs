@@ -135,7 +135,8 @@ pub fn fp8_block_codes(cfg: &MiniMaxH3TransformerConfig) -> Vec<u64> {
 
 /// Decoded clips alive on the device at once: the previous one (its tail is cross-faded into
 /// this one), this one's tiles, their stitched rows and the stitched clip, and the finished
-/// stretch's contiguous copy on its way to host memory.
+/// stretch on its way to host memory (a few frames at a time in f32, the pipeline's
+/// `HANDOFF_FRAMES`).
 const DECODED_CLIP_COPIES: u64 = 5;
 
 /// Device bytes of the video decode: one decoder call over a clip (or a tile of it) with its
