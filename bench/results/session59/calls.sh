@@ -9,6 +9,9 @@
 #      the published 124x768x1344, vidgen (default flags, then resident) beside diffusers' modular pipeline in
 #      the same call, both from one checkpoint in /dev/shm: the published configs with the DiT cut to one block
 #      (bench/minimax_e2e.py: the published 133 GB fit neither the host's memory nor its disk).
+#   3: (.device12: the vidgen binary at e468995: the decoded frames converted on the device) call 2 again;
+#      diffusers only where the GPU holds more than 100 GB (on an H100 it ran out of memory in call 2), vidgen's
+#      resident mode only there too (refused on an H100: the 62 GiB encoder beside the rest).
 DEV=${DEV:-.device11} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
 case $1 in
@@ -34,6 +37,12 @@ print('gpu vs cpu: max', d.max().item(), 'mean', d.mean().item(), 'mean |x|', b.
      el "done" ;;
   2) el "MiniMax H3's whole video, 4 steps, 124x768x1344, the DiT cut to one block"
      timeout 570 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/e2e --layers 1 2>&1 \
+       | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-2500 | tail -14
+     el "done" ;;
+  3) mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+     if [ "$mib" -gt 100000 ]; then extra="--modes default,resident"; else extra="--skip-diffusers --modes default"; fi
+     el "MiniMax H3's whole video, 4 steps, 124x768x1344, the DiT cut to one block ($extra)"
+     timeout 570 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/e2e --layers 1 $extra 2>&1 \
        | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-2500 | tail -14
      el "done" ;;
 esac
