@@ -626,24 +626,9 @@ impl MiniMaxH3 {
         let mut values: Vec<f32> = Vec::new();
         let mut frame_shape = None;
         let frames = vae.decode_into(&z, |piece| {
-            // Before the clamp, which would turn an infinity into a blank frame.
-            if !stages::all_finite(&piece)? {
-                return Err(candle_core::Error::Msg(stages::non_finite(
-                    "the decoded video",
-                )));
-            }
-            let n = piece.dim(2)?;
-            for first in (0..n).step_by(HANDOFF_FRAMES) {
-                let part = piece.narrow(2, first, HANDOFF_FRAMES.min(n - first))?;
-                let part = decoded_to_unit_range(&part)?
-                    .squeeze(0)?
-                    .permute((1, 2, 3, 0))?
-                    .contiguous()?;
-                let (_, h, w, c) = part.dims4()?;
-                frame_shape = Some((h, w, c));
-                let host = to_host(&part).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
-                values.extend_from_slice(&host.flatten_all()?.to_vec1::<f32>()?);
-            }
+            let shape = append_frames(&piece, &mut values)
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+            frame_shape = shape.or(frame_shape);
             Ok(())
         })?;
         let (h, w, c) = frame_shape.context("the VAE decoded no frames")?;
@@ -705,4 +690,31 @@ fn dit_forward(
         block.forward(x, &inputs)
     })?;
     dit.model()?.finish(&x, &inputs)
+}
+
+/// Appends a decoded stretch `[1, 3, n, H, W]` to `values` as [0, 1] f32 frames `[n, H, W, 3]`,
+/// converted on the stretch's device HANDOFF_FRAMES frames at a time and read straight from the
+/// downloaded storage; `(H, W, 3)`, or `None` for a stretch without frames.
+fn append_frames(piece: &Tensor, values: &mut Vec<f32>) -> Result<Option<(usize, usize, usize)>> {
+    // Before the clamp, which would turn an infinity into a blank frame.
+    stages::ensure_finite(piece, "the decoded video")?;
+    let n = piece.dim(2)?;
+    let mut shape = None;
+    for first in (0..n).step_by(HANDOFF_FRAMES) {
+        let part = piece.narrow(2, first, HANDOFF_FRAMES.min(n - first))?;
+        let part = decoded_to_unit_range(&part)?
+            .squeeze(0)?
+            .permute((1, 2, 3, 0))?
+            .contiguous()?;
+        let (_, h, w, c) = part.dims4()?;
+        shape = Some((h, w, c));
+        let host = to_host(&part)?;
+        let (storage, layout) = host.storage_and_layout();
+        values.extend_from_slice(crate::output::host_f32(
+            &storage,
+            layout.start_offset(),
+            host.elem_count(),
+        )?);
+    }
+    Ok(shape)
 }
