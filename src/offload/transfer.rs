@@ -285,6 +285,48 @@ pub fn to_host(tensor: &Tensor) -> Result<Tensor> {
     Ok(tensor.to_device(&Device::Cpu)?)
 }
 
+/// Tensors appended to host memory piece by piece (a video decoded clip by clip): on CUDA
+/// through two pinned buffers made at the first piece and kept for the rest, straight into the
+/// values' spare capacity (a 5 s MiniMax H3 video leaves the device in 31 pieces; making and
+/// locking the buffers costs more than a piece's copy).
+#[derive(Default)]
+pub struct Download {
+    #[cfg(feature = "cuda")]
+    pinned: Option<cuda::PinnedPair>,
+}
+
+impl Download {
+    /// Appends `tensor`'s values, in row-major order, to `values` (of the tensor's dtype).
+    pub fn append<T: candle_core::WithDType>(
+        &mut self,
+        tensor: &Tensor,
+        values: &mut Vec<T>,
+    ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = tensor.device() {
+            let pinned = match &mut self.pinned {
+                Some(pinned) => pinned,
+                none => none.insert(cuda::PinnedPair::new(dev)?),
+            };
+            return cuda::append(tensor, dev, pinned, values);
+        }
+        anyhow::ensure!(
+            tensor.dtype() == T::DTYPE,
+            "cannot append {:?} values to {:?} ones",
+            tensor.dtype(),
+            T::DTYPE
+        );
+        let host = tensor.to_device(&Device::Cpu)?.contiguous()?;
+        let (storage, layout) = host.storage_and_layout();
+        let candle_core::Storage::Cpu(storage) = &*storage else {
+            anyhow::bail!("a host tensor without host storage")
+        };
+        let start = layout.start_offset();
+        values.extend_from_slice(&storage.as_slice::<T>()?[start..start + host.elem_count()]);
+        Ok(())
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::super::group::Slot;
@@ -298,6 +340,7 @@ mod cuda {
     use cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
     use rayon::prelude::*;
     use std::borrow::Cow;
+    use std::mem::MaybeUninit;
     use std::sync::{Arc, Mutex};
 
     /// `$each!(T)` for the Rust type `T` of `$dtype` (a dtype the engine moves); any other is
@@ -743,20 +786,44 @@ mod cuda {
         Ok(())
     }
 
-    /// Bytes of each of [`download`]'s two pinned buffers: a 32 MiB copy takes ~0.6 ms at the
-    /// link's speed, and copying it out splits into 1 MiB pieces for every core.
+    /// Bytes of each of [`PinnedPair`]'s buffers: a 32 MiB copy takes ~0.6 ms at the link's
+    /// speed, and copying it out splits into 1 MiB pieces for every core.
     const DOWNLOAD_CHUNK: usize = 32 << 20;
 
-    /// [`super::to_host`] on CUDA: copies on candle's stream (after the work that made
-    /// `tensor`) into two pinned buffers in turn, each copied out into the host tensor by every
-    /// core while the device fills the other.
+    /// [`super::to_host`] on CUDA: what fits one buffer through the driver's copy, the rest
+    /// through a [`PinnedPair`] of its own.
     pub fn download(tensor: &Tensor, dev: &CudaDevice) -> Result<Tensor> {
-        let tensor = tensor.contiguous()?;
-        let (dtype, elems) = (tensor.dtype(), tensor.elem_count());
-        let bytes = elems * dtype.size_in_bytes();
-        if bytes <= DOWNLOAD_CHUNK {
+        let (dtype, shape) = (tensor.dtype(), tensor.shape().clone());
+        if tensor.elem_count() * dtype.size_in_bytes() <= DOWNLOAD_CHUNK {
             return Ok(tensor.to_device(&Device::Cpu)?);
         }
+        let mut pinned = PinnedPair::new(dev)?;
+        macro_rules! host_tensor {
+            ($t:ty) => {{
+                let mut values = Vec::<$t>::new();
+                append(tensor, dev, &mut pinned, &mut values)?;
+                Tensor::from_vec(values, shape, &Device::Cpu)?
+            }};
+        }
+        Ok(by_dtype!(dtype, "copy to the host", host_tensor))
+    }
+
+    /// Appends `tensor`'s values (in row-major order) to `values`, copied on candle's stream
+    /// after the work that made `tensor`, through `pinned`, straight into `values`' spare
+    /// capacity.
+    pub fn append<T: WithDType>(
+        tensor: &Tensor,
+        dev: &CudaDevice,
+        pinned: &mut PinnedPair,
+        values: &mut Vec<T>,
+    ) -> Result<()> {
+        let tensor = tensor.contiguous()?;
+        let (dtype, elems) = (tensor.dtype(), tensor.elem_count());
+        anyhow::ensure!(
+            dtype == T::DTYPE,
+            "cannot append {dtype:?} values to {:?} ones",
+            T::DTYPE
+        );
         let stream = dev.cuda_stream();
         let src = {
             let (storage, layout) = tensor.storage_and_layout();
@@ -771,31 +838,34 @@ mod cuda {
             let base = by_dtype!(dtype, "copy to the host", address);
             base + (layout.start_offset() * dtype.size_in_bytes()) as u64
         };
-        let shape = tensor.shape().clone();
-        macro_rules! host_tensor {
-            ($t:ty) => {{
-                let mut values = vec![<$t as WithDType>::from_f64(0.0); elems];
-                // SAFETY: plain numbers, any byte pattern valid; the view covers `values` alone.
-                let view = unsafe {
-                    std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), bytes)
-                };
-                download_into(view, src, &stream, &Device::Cuda(dev.clone()))?;
-                Tensor::from_vec(values, shape, &Device::Cpu)?
-            }};
-        }
-        Ok(by_dtype!(dtype, "copy to the host", host_tensor))
+        values.reserve(elems);
+        let spare = &mut values.spare_capacity_mut()[..elems];
+        // SAFETY: the view covers the reserved elements alone, written as bytes before any
+        // is read (plain numbers: any byte pattern is a value).
+        let view = unsafe {
+            std::slice::from_raw_parts_mut(
+                spare.as_mut_ptr().cast::<MaybeUninit<u8>>(),
+                std::mem::size_of_val(spare),
+            )
+        };
+        pinned.download_into(view, src, &stream)?;
+        // SAFETY: `download_into` wrote every byte of the `elems` reserved values.
+        unsafe { values.set_len(values.len() + elems) };
+        Ok(())
     }
 
-    /// Fills `host` with the bytes at device address `src`, through two pinned buffers.
-    fn download_into(
-        host: &mut [u8],
-        src: u64,
-        stream: &Arc<CudaStream>,
-        device: &Device,
-    ) -> Result<()> {
-        let mut buffers = (0..2)
-            .map(|_| {
-                let mut buffer = Arena::new(DOWNLOAD_CHUNK, true, device)?;
+    /// Two pinned buffers that the device fills in turn while every core copies the other out;
+    /// kept across the pieces of one download (allocating and locking them costs more than
+    /// a 32 MiB copy).
+    pub struct PinnedPair {
+        buffers: [Arena; 2],
+    }
+
+    impl PinnedPair {
+        pub fn new(dev: &CudaDevice) -> Result<Self> {
+            let device = Device::Cuda(dev.clone());
+            let buffer = || -> Result<Arena> {
+                let mut buffer = Arena::new(DOWNLOAD_CHUNK, true, &device)?;
                 // Touched by every core first: locking pages already there is ~10x faster.
                 buffer
                     .bytes_mut()
@@ -803,42 +873,67 @@ mod cuda {
                     .for_each(|page| page.fill(0));
                 buffer.lock()?;
                 Ok(buffer)
+            };
+            Ok(PinnedPair {
+                buffers: [buffer()?, buffer()?],
             })
-            .collect::<Result<Vec<_>>>()?;
-        let chunks: Vec<std::ops::Range<usize>> = (0..host.len())
-            .step_by(DOWNLOAD_CHUNK)
-            .map(|at| at..(at + DOWNLOAD_CHUNK).min(host.len()))
-            .collect();
-        let start = |i: usize, buffers: &mut [Arena]| -> Result<CudaEvent> {
-            let range = chunks[i].clone();
-            let dst = &mut buffers[i % 2].bytes_mut()[..range.len()];
-            // SAFETY: `src` holds `host.len()` bytes that nothing writes before this returns
-            // (it waits for every copy); the pinned buffer is read only once the event completed.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(
-                    dst,
-                    src + range.start as u64,
-                    stream.cu_stream(),
-                )
-            }?;
-            Ok(stream.record_event(None)?)
-        };
-        let mut pending = Some(start(0, &mut buffers)?);
-        for (i, range) in chunks.iter().enumerate() {
-            let landed = pending
-                .take()
-                .context("a download chunk was never started")?;
-            // The other buffer was copied out in the previous turn: the device may fill it.
-            if i + 1 < chunks.len() {
-                pending = Some(start(i + 1, &mut buffers)?);
-            }
-            landed.synchronize()?;
-            host[range.clone()]
-                .par_chunks_mut(1 << 20)
-                .zip(buffers[i % 2].bytes()[..range.len()].par_chunks(1 << 20))
-                .for_each(|(dst, src)| dst.copy_from_slice(src));
         }
-        Ok(())
+
+        /// Fills `host` with the bytes at device address `src`.
+        fn download_into(
+            &mut self,
+            host: &mut [MaybeUninit<u8>],
+            src: u64,
+            stream: &Arc<CudaStream>,
+        ) -> Result<()> {
+            let buffers = &mut self.buffers;
+            let chunks: Vec<std::ops::Range<usize>> = (0..host.len())
+                .step_by(DOWNLOAD_CHUNK)
+                .map(|at| at..(at + DOWNLOAD_CHUNK).min(host.len()))
+                .collect();
+            let start = |i: usize, buffers: &mut [Arena; 2]| -> Result<CudaEvent> {
+                let range = chunks[i].clone();
+                let dst = &mut buffers[i % 2].bytes_mut()[..range.len()];
+                // SAFETY: `src` holds `host.len()` bytes that nothing writes before this returns
+                // (it waits for every copy); the pinned buffer is read only once the event
+                // completed.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        src + range.start as u64,
+                        stream.cu_stream(),
+                    )
+                }?;
+                Ok(stream.record_event(None)?)
+            };
+            let mut pending = if chunks.is_empty() {
+                None
+            } else {
+                Some(start(0, buffers)?)
+            };
+            for (i, range) in chunks.iter().enumerate() {
+                let landed = pending
+                    .take()
+                    .context("a download chunk was never started")?;
+                // The other buffer was copied out in the previous turn: the device may fill it.
+                if i + 1 < chunks.len() {
+                    pending = Some(start(i + 1, buffers)?);
+                }
+                landed.synchronize()?;
+                host[range.clone()]
+                    .par_chunks_mut(1 << 20)
+                    .zip(buffers[i % 2].bytes()[..range.len()].par_chunks(1 << 20))
+                    // SAFETY: equal lengths (zipped 1 MiB pieces of equal ranges), no overlap.
+                    .for_each(|(dst, src)| unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr(),
+                            dst.as_mut_ptr().cast::<u8>(),
+                            src.len(),
+                        )
+                    });
+            }
+            Ok(())
+        }
     }
 }
 
@@ -885,6 +980,36 @@ mod cuda_tests {
                 tensor.dims()
             );
         }
+        Ok(())
+    }
+
+    /// Pieces appended through one [`super::Download`] (larger than a buffer, smaller, empty,
+    /// a view inside its storage) come out in order, bit for bit as the driver copies them.
+    #[test]
+    fn pieces_append_bit_for_bit_through_kept_buffers() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let whole = Tensor::randn(0f32, 1f32, (3 * (32 << 20) / 4 + 777,), &dev)?;
+        let pieces = [
+            whole.clone(),
+            whole.narrow(0, 5, 1000)?,
+            whole.narrow(0, 0, 0)?,
+            whole.narrow(0, 12_345, (32 << 20) / 4)?,
+        ];
+        let mut download = super::Download::default();
+        let mut ours: Vec<f32> = Vec::new();
+        let mut theirs: Vec<f32> = Vec::new();
+        for piece in &pieces {
+            download.append(piece, &mut ours)?;
+            theirs.extend(piece.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
+        }
+        assert_eq!(ours.len(), theirs.len());
+        assert!(ours
+            .iter()
+            .zip(&theirs)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(download
+            .append(&whole.to_dtype(DType::BF16)?, &mut ours)
+            .is_err());
         Ok(())
     }
 

@@ -301,7 +301,7 @@ impl Clip {
 }
 
 /// `len` values of host f32 `storage` from element `start`.
-pub(crate) fn host_f32(storage: &candle_core::Storage, start: usize, len: usize) -> Result<&[f32]> {
+fn host_f32(storage: &candle_core::Storage, start: usize, len: usize) -> Result<&[f32]> {
     match storage {
         candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) => {
             Ok(&all[start..start + len])

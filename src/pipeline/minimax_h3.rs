@@ -34,7 +34,7 @@ use crate::models::minimax_h3::vae::{
 };
 use crate::models::patches::{patchify, unpatchify};
 use crate::models::source::{message, FileRef};
-use crate::offload::transfer::to_host;
+use crate::offload::transfer::Download;
 use crate::output::Audio;
 use crate::rng::TorchGenerator;
 use crate::schedulers::minimax_h3::{
@@ -624,9 +624,10 @@ impl MiniMaxH3 {
         // 5 s request's stage took 13.8 s on an H100 where the decoder takes 4.2 s
         // (bench/RESULTS.md, session 59).
         let mut values: Vec<f32> = Vec::new();
+        let mut download = Download::default();
         let mut frame_shape = None;
         let frames = vae.decode_into(&z, |piece| {
-            let shape = append_frames(&piece, &mut values)
+            let shape = append_frames(&piece, &mut download, &mut values)
                 .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
             frame_shape = shape.or(frame_shape);
             Ok(())
@@ -693,9 +694,13 @@ fn dit_forward(
 }
 
 /// Appends a decoded stretch `[1, 3, n, H, W]` to `values` as [0, 1] f32 frames `[n, H, W, 3]`,
-/// converted on the stretch's device HANDOFF_FRAMES frames at a time and read straight from the
-/// downloaded storage; `(H, W, 3)`, or `None` for a stretch without frames.
-fn append_frames(piece: &Tensor, values: &mut Vec<f32>) -> Result<Option<(usize, usize, usize)>> {
+/// converted on the stretch's device HANDOFF_FRAMES frames at a time; `(H, W, 3)`, or `None` for
+/// a stretch without frames.
+fn append_frames(
+    piece: &Tensor,
+    download: &mut Download,
+    values: &mut Vec<f32>,
+) -> Result<Option<(usize, usize, usize)>> {
     // Before the clamp, which would turn an infinity into a blank frame.
     stages::ensure_finite(piece, "the decoded video")?;
     let n = piece.dim(2)?;
@@ -708,13 +713,7 @@ fn append_frames(piece: &Tensor, values: &mut Vec<f32>) -> Result<Option<(usize,
             .contiguous()?;
         let (_, h, w, c) = part.dims4()?;
         shape = Some((h, w, c));
-        let host = to_host(&part)?;
-        let (storage, layout) = host.storage_and_layout();
-        values.extend_from_slice(crate::output::host_f32(
-            &storage,
-            layout.start_offset(),
-            host.elem_count(),
-        )?);
+        download.append(&part, values)?;
     }
     Ok(shape)
 }
