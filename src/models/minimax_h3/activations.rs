@@ -6,7 +6,7 @@ use super::layout::{T2vaGeometry, AUDIO_CHANNELS};
 use super::text_encoder::Qwen3VLTextConfig;
 use super::transformer::{chunk_rows, MiniMaxH3TransformerConfig};
 use super::vae::{MiniMaxH3VaeConfig, Tiling};
-use crate::models::attention::MAX_SCORE_ELEMENTS;
+use crate::models::attention::{product_workspace, MAX_SCORE_ELEMENTS};
 use crate::models::fp8::weight_codes;
 use candle_core::DType;
 
@@ -67,7 +67,7 @@ const LATENT_COPIES: u64 = 4;
 /// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
 /// them text), as [`MiniMaxH3TransformerBlock::forward`](super::transformer::MiniMaxH3TransformerBlock::forward) computes it: the residual stream
 /// (updated in place), K and V of every row, and one chunk's attention temporaries
-/// or feed-forward temporaries (one chunk's rows, [`chunk_rows`] of
+/// or feed-forward temporaries (fewer in bf16, which takes the fused kernels) (one chunk's rows, [`chunk_rows`] of
 /// [`MiniMaxH3TransformerConfig::rows_per_chunk`]);
 /// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
 /// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
@@ -87,17 +87,30 @@ pub fn transformer_activations(
         cfg.ffn_dim as u64,
     );
     let stream = s * hidden * e;
-    let scores = unfused_attention_scratch(
-        cfg.num_attention_heads,
-        cfg.attention_head_dim,
-        chunk,
-        s,
-        dtype,
-    );
-    let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
-    let attention = 2 * s * inner * e + scores + CHUNK_INNER_COPIES * chunk * inner * e;
-    let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
-    let blocks = stream + chunk_hidden + attention.max(feed_forward);
+    let keys_values = 2 * s * inner * e;
+    let blocks = if dtype == DType::BF16 {
+        // The fused CUDA block (bf16): the modulated norms read the stream in place, q and k are
+        // normed and rotated in place and attention's output is token-major, so a query chunk
+        // holds q, the attention output and its projection; a feed-forward chunk its input,
+        // the SwiGLU's two-wide projection, its product and its output. Counted so, the 5 s
+        // request's one-block DiT plans 4.19 GiB for the 4.12 measured on an H100, where the
+        // composed count below planned 5.30 (bench/RESULTS.md, session 60).
+        let attention = keys_values + chunk * (2 * inner + hidden) * e;
+        let feed_forward = chunk * (2 * hidden + 3 * ffn) * e;
+        stream + attention.max(feed_forward) + product_workspace(dtype)
+    } else {
+        let scores = unfused_attention_scratch(
+            cfg.num_attention_heads,
+            cfg.attention_head_dim,
+            chunk,
+            s,
+            dtype,
+        );
+        let chunk_hidden = CHUNK_HIDDEN_COPIES * chunk * hidden * e;
+        let attention = keys_values + scores + CHUNK_INNER_COPIES * chunk * inner * e;
+        let feed_forward = CHUNK_FFN_COPIES * chunk * ffn * e;
+        stream + chunk_hidden + attention.max(feed_forward)
+    };
     // The video rows alone may split into fewer, longer chunks than the whole sequence.
     let prepare = 2 * stream + s.min(cfg.rows_per_chunk() as u64) * hidden * F32_BYTES;
     let rope = 2 * s * 3 * cfg.rope_freq_dim as u64 * F32_BYTES;
