@@ -98,7 +98,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vidgen", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=2, help="the DiT's blocks (published: 64)")
+    ap.add_argument("--layers", type=int, default=2, help="the DiT's blocks (published: 50)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--size", default="124,768,1344", help="frames,height,width (the published default)")
     ap.add_argument("--modes", default="default,resident", help=f"vidgen modes, of {sorted(e2e.VIDGEN_MODES)}")
