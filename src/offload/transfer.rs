@@ -287,8 +287,9 @@ pub fn to_host(tensor: &Tensor) -> Result<Tensor> {
 
 /// Tensors appended to host memory piece by piece (a video decoded clip by clip): on CUDA
 /// through two pinned buffers made at the first piece and kept for the rest, straight into the
-/// values' spare capacity (a 5 s MiniMax H3 video leaves the device in 31 pieces; making and
-/// locking the buffers costs more than a piece's copy).
+/// values' spare capacity. A 5 s MiniMax H3 video leaves the device in 31 pieces: with buffers
+/// made and locked for each and a second host copy, its handoff cost 2.1-2.4 s of the decode
+/// stage on an H100, about 0.3 s so (`bench/RESULTS.md`, session 60).
 #[derive(Default)]
 pub struct Download {
     #[cfg(feature = "cuda")]
