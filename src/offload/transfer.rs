@@ -303,6 +303,12 @@ impl Download {
         tensor: &Tensor,
         values: &mut Vec<T>,
     ) -> Result<()> {
+        anyhow::ensure!(
+            tensor.dtype() == T::DTYPE,
+            "cannot append {:?} values to {:?} ones",
+            tensor.dtype(),
+            T::DTYPE
+        );
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = tensor.device() {
             let pinned = match &mut self.pinned {
@@ -311,12 +317,6 @@ impl Download {
             };
             return cuda::append(tensor, dev, pinned, values);
         }
-        anyhow::ensure!(
-            tensor.dtype() == T::DTYPE,
-            "cannot append {:?} values to {:?} ones",
-            tensor.dtype(),
-            T::DTYPE
-        );
         let host = tensor.to_device(&Device::Cpu)?.contiguous()?;
         let (storage, layout) = host.storage_and_layout();
         let candle_core::Storage::Cpu(storage) = &*storage else {
@@ -792,26 +792,28 @@ mod cuda {
     const DOWNLOAD_CHUNK: usize = 32 << 20;
 
     /// [`super::to_host`] on CUDA: what fits one buffer through the driver's copy, the rest
-    /// through a [`PinnedPair`] of its own.
+    /// through a [`super::Download`] of its own.
     pub fn download(tensor: &Tensor, dev: &CudaDevice) -> Result<Tensor> {
         let (dtype, shape) = (tensor.dtype(), tensor.shape().clone());
         if tensor.elem_count() * dtype.size_in_bytes() <= DOWNLOAD_CHUNK {
             return Ok(tensor.to_device(&Device::Cpu)?);
         }
-        let mut pinned = PinnedPair::new(dev)?;
+        let mut download = super::Download {
+            pinned: Some(PinnedPair::new(dev)?),
+        };
         macro_rules! host_tensor {
             ($t:ty) => {{
                 let mut values = Vec::<$t>::new();
-                append(tensor, dev, &mut pinned, &mut values)?;
+                download.append(tensor, &mut values)?;
                 Tensor::from_vec(values, shape, &Device::Cpu)?
             }};
         }
         Ok(by_dtype!(dtype, "copy to the host", host_tensor))
     }
 
-    /// Appends `tensor`'s values (in row-major order) to `values`, copied on candle's stream
-    /// after the work that made `tensor`, through `pinned`, straight into `values`' spare
-    /// capacity.
+    /// [`super::Download::append`] on CUDA (which checked that `T` is the tensor's dtype):
+    /// copies on candle's stream after the work that made `tensor`, through `pinned`, straight
+    /// into `values`' spare capacity.
     pub fn append<T: WithDType>(
         tensor: &Tensor,
         dev: &CudaDevice,
@@ -820,11 +822,6 @@ mod cuda {
     ) -> Result<()> {
         let tensor = tensor.contiguous()?;
         let (dtype, elems) = (tensor.dtype(), tensor.elem_count());
-        anyhow::ensure!(
-            dtype == T::DTYPE,
-            "cannot append {dtype:?} values to {:?} ones",
-            T::DTYPE
-        );
         let stream = dev.cuda_stream();
         let src = {
             let (storage, layout) = tensor.storage_and_layout();
@@ -841,8 +838,9 @@ mod cuda {
         };
         values.reserve(elems);
         let spare = &mut values.spare_capacity_mut()[..elems];
-        // SAFETY: the view covers the reserved elements alone, written as bytes before any
-        // is read (plain numbers: any byte pattern is a value).
+        // SAFETY: the view covers the reserved elements alone (`T` is the tensor's dtype, so as
+        // many bytes as the device holds), written as bytes before any is read (plain numbers:
+        // any byte pattern is a value).
         let view = unsafe {
             std::slice::from_raw_parts_mut(
                 spare.as_mut_ptr().cast::<MaybeUninit<u8>>(),

@@ -67,8 +67,9 @@ const LATENT_COPIES: u64 = 4;
 /// Device bytes of one transformer forward over the packed sequence of `rows` (`text_len` of
 /// them text), as [`MiniMaxH3TransformerBlock::forward`](super::transformer::MiniMaxH3TransformerBlock::forward) computes it: the residual stream
 /// (updated in place), K and V of every row, and one chunk's attention temporaries
-/// or feed-forward temporaries (fewer in bf16, which takes the fused kernels) (one chunk's rows, [`chunk_rows`] of
-/// [`MiniMaxH3TransformerConfig::rows_per_chunk`]);
+/// or feed-forward temporaries (one chunk's rows, [`chunk_rows`] of
+/// [`MiniMaxH3TransformerConfig::rows_per_chunk`]; fewer temporaries in bf16, which takes the
+/// fused kernels);
 /// before the blocks, the unpacked rows and the packed sequence (and an f32 chunk of the video
 /// projection); attention's own scratch where it is not fused ([`unfused_attention_scratch`]).
 /// Plus the RoPE tables, the latents and the prompt embeddings.
