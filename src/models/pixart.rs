@@ -14,11 +14,13 @@ use crate::models::projection::{Input, Projection};
 use crate::models::row_ops::{self, Act, BatchRow, Gate, Modulation, Rows};
 #[cfg(feature = "cuda")]
 use crate::models::step_cache::whole_output;
-use crate::models::step_cache::{BlockHooks, ComputeAll, Submodule};
+use crate::models::step_cache::{BlockHooks, ComputeAll, Submodule, Through};
 use crate::models::wan::transformer::timestep_embedding;
 
 /// Channels of the sinusoidal timestep embedding (`Timesteps(256, ...)` of PixArt-α).
 const TIME_PROJ_DIM: usize = 256;
+/// `norm_out`'s epsilon (PixArt-α's output head, in Latte and Allegro alike).
+const NORM_OUT_EPS: f64 = 1e-6;
 
 /// A LayerNorm over the last dim; without `affine` the checkpoint holds no weight or bias.
 pub fn layer_norm(dim: usize, eps: f64, affine: bool, vb: VarBuilder) -> Result<LayerNorm> {
@@ -436,6 +438,53 @@ impl CaptionProjection {
     pub fn forward(&self, text: &Tensor) -> Result<Tensor> {
         let h = self.linear_1.forward(&text.to_dtype(self.dtype)?)?.gelu()?;
         self.linear_2.forward(&h)
+    }
+}
+
+/// PixArt-α's output head: `norm_out` (a LayerNorm without weights) shifted and scaled by
+/// `scale_shift_table` plus the embedded timestep, then `proj_out`.
+#[derive(Debug, Clone)]
+pub struct OutputHead {
+    /// `[2, D]`: shift and scale.
+    scale_shift_table: Tensor,
+    norm_out: LayerNorm,
+    proj_out: Linear,
+}
+
+impl OutputHead {
+    /// The weights `scale_shift_table` and `proj_out` (`dim` in, `out` out) under `vb`.
+    pub fn new(dim: usize, out: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
+            norm_out: layer_norm(dim, NORM_OUT_EPS, false, vb.pp("norm_out"))?,
+            proj_out: candle_nn::linear(dim, out, vb.pp("proj_out"))?,
+        })
+    }
+
+    /// `proj_out(norm_out(x) · (1 + scale) + shift)` of tokens `x` `[B, .., D]` under the
+    /// embedded timestep `[B, D]`, the projection's output through `project` (a step cache's,
+    /// which may stand in for it).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        embedded_timestep: &Tensor,
+        project: &mut Through,
+    ) -> Result<Tensor> {
+        let mut modulation_shape = vec![1; x.rank()];
+        modulation_shape[0] = x.dim(0)?;
+        modulation_shape[x.rank() - 1] = x.dim(candle_core::D::Minus1)?;
+        let table = self
+            .scale_shift_table
+            .unsqueeze(0)?
+            .broadcast_add(&embedded_timestep.unsqueeze(1)?)?;
+        let shift = table.narrow(1, 0, 1)?.reshape(modulation_shape.clone())?;
+        let scale = table.narrow(1, 1, 1)?.reshape(modulation_shape)?;
+        let h = self
+            .norm_out
+            .forward(x)?
+            .broadcast_mul(&(scale + 1.0)?)?
+            .broadcast_add(&shift)?;
+        project(&mut || self.proj_out.forward(&h))
     }
 }
 

@@ -9,14 +9,14 @@
 //! the `VarBuilder` dtype; the rotary tables are f32 as diffusers computes them.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
 use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
 use crate::models::patches::{text_len, token_grid, unpatchify_channels_last, whole_patches};
 use crate::models::pixart::{
-    layer_norm, AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
+    AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection, OutputHead,
 };
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Rows};
@@ -24,9 +24,6 @@ use crate::models::step_cache::{
     BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
-
-/// Epsilon of the output LayerNorm (fixed in diffusers).
-const NORM_OUT_EPS: f64 = 1e-6;
 
 /// θ of the rotary embedding (`get_3d_rotary_pos_embed_allegro`'s default).
 const ROPE_THETA: f32 = 10000.0;
@@ -386,10 +383,7 @@ pub struct AllegroTransformer3DModel {
     adaln_single: AdaLayerNormSingle,
     caption_projection: CaptionProjection,
     blocks: Vec<AllegroBlock>,
-    /// `[2, D]`: shift and scale of the output head.
-    scale_shift_table: Tensor,
-    norm_out: LayerNorm,
-    proj_out: Linear,
+    head: OutputHead,
     dtype: DType,
 }
 
@@ -421,9 +415,7 @@ impl AllegroTransformer3DModel {
                 vb.pp("caption_projection"),
             )?,
             blocks: Vec::new(),
-            scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
-            norm_out: layer_norm(dim, NORM_OUT_EPS, false, vb.pp("norm_out"))?,
-            proj_out: candle_nn::linear(dim, p * p * cfg.out_channels, vb.pp("proj_out"))?,
+            head: OutputHead::new(dim, p * p * cfg.out_channels, vb.clone())?,
             dtype: vb.dtype(),
         })
     }
@@ -494,19 +486,7 @@ impl AllegroTransformer3DModel {
         inputs: &BlockInputs,
         project: &mut Through,
     ) -> Result<Tensor> {
-        let (b, _, d) = x.dims3()?;
-        let table = self
-            .scale_shift_table
-            .unsqueeze(0)?
-            .broadcast_add(&inputs.embedded_timestep.unsqueeze(1)?)?;
-        let shift = table.narrow(1, 0, 1)?.reshape((b, 1, d))?;
-        let scale = table.narrow(1, 1, 1)?.reshape((b, 1, d))?;
-        let h = self
-            .norm_out
-            .forward(x)?
-            .broadcast_mul(&(scale + 1.0)?)?
-            .broadcast_add(&shift)?;
-        let out = project(&mut || self.proj_out.forward(&h))?;
+        let out = self.head.forward(x, &inputs.embedded_timestep, project)?;
         let p = self.cfg.patch_size;
         unpatchify_channels_last(&out, inputs.grid, [1, p, p])
     }

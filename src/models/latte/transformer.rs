@@ -11,22 +11,19 @@
 //! keeps none of this model in f32; the sin-cos tables are computed in f64 and rounded to f32.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
 use crate::models::patches::{text_len, unpatchify_channels_last, whole_patches};
 use crate::models::pixart::{
-    AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection,
+    AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection, OutputHead,
 };
 use crate::models::step_cache::{
     Absent, BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output,
     Reclassified, Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
-
-/// Epsilon of the output LayerNorm (fixed in diffusers).
-const NORM_OUT_EPS: f64 = 1e-6;
 
 /// `transformer/config.json` of a `LatteTransformer3DModel`; missing keys take diffusers'
 /// defaults (keys that must be given are options).
@@ -396,10 +393,7 @@ pub struct LatteTransformer3DModel {
     adaln_single: AdaLayerNormSingle,
     caption_projection: CaptionProjection,
     blocks: Vec<LatteBlock>,
-    /// `[2, D]`: shift and scale of the output head.
-    scale_shift_table: Tensor,
-    norm_out: LayerNorm,
-    proj_out: Linear,
+    head: OutputHead,
     dtype: DType,
 }
 
@@ -421,8 +415,6 @@ impl LatteTransformer3DModel {
         let patch_w = pvb
             .get((dim, c, p, p), "weight")?
             .reshape((dim, c * p * p))?;
-        let ones = Tensor::ones(dim, vb.dtype(), vb.device())?;
-        let zeros = Tensor::zeros(dim, vb.dtype(), vb.device())?;
         Ok(Self {
             cfg: cfg.clone(),
             patch_proj: Linear::new(patch_w, Some(pvb.get(dim, "bias")?)),
@@ -433,9 +425,7 @@ impl LatteTransformer3DModel {
                 vb.pp("caption_projection"),
             )?,
             blocks: Vec::new(),
-            scale_shift_table: vb.get((2, dim), "scale_shift_table")?,
-            norm_out: LayerNorm::new(ones, zeros, NORM_OUT_EPS),
-            proj_out: candle_nn::linear(dim, p * p * cfg.out_channels(), vb.pp("proj_out"))?,
+            head: OutputHead::new(dim, p * p * cfg.out_channels(), vb.clone())?,
             dtype: vb.dtype(),
         })
     }
@@ -541,19 +531,8 @@ impl LatteTransformer3DModel {
         inputs: &BlockInputs,
         project: &mut Through,
     ) -> Result<Tensor> {
-        let (b, f, n, d) = x.dims4()?;
-        let table = self
-            .scale_shift_table
-            .unsqueeze(0)?
-            .broadcast_add(&inputs.embedded_timestep.unsqueeze(1)?)?;
-        let shift = table.narrow(1, 0, 1)?.reshape((b, 1, 1, d))?;
-        let scale = table.narrow(1, 1, 1)?.reshape((b, 1, 1, d))?;
-        let h = self
-            .norm_out
-            .forward(x)?
-            .broadcast_mul(&(scale + 1.0)?)?
-            .broadcast_add(&shift)?;
-        let out = project(&mut || self.proj_out.forward(&h))?;
+        let (b, f, n, _) = x.dims4()?;
+        let out = self.head.forward(x, &inputs.embedded_timestep, project)?;
         let p = self.cfg.patch_size();
         let [gh, gw] = inputs.grid;
         debug_assert_eq!(n, gh * gw);
