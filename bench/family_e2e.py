@@ -120,6 +120,9 @@ FAMILIES = {
     "flux.1-dev": Family("flux-tiny-a", (1, 1024, 1024), (1, 48, 64), 3.5, 512, frames_kwarg=None),
     "wan2.1-t2v-1.3b": Family("wan-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
     "wan2.1-t2v-14b": Family("wan-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
+    # Its model card's size, vidgen's default (WanPipeline's call defaults are Wan2.1's 81x480x832).
+    "wan2.2-ti2v-5b": Family("wan22-ti2v-tiny-a", (121, 704, 1280), (5, 64, 64), 5.0, 512, vae_dtype=torch.float32),
+    "wan2.2-t2v-a14b": Family("wan22-a14b-tiny-a", (81, 480, 832), (9, 32, 32), 5.0, 512, vae_dtype=torch.float32),
 }
 QUICK_MAX_SEQ = 16
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}  # vidgen's --dtype names
