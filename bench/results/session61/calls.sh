@@ -1,19 +1,51 @@
 #!/usr/bin/env bash
-# Session 61's call. DEV holds, stripped and xz'd, the vidgen binary and the library's CUDA tests at b032979; .whl
-# the diffusers 0.42.1 wheel.
-#   run(carry: [".device15", ".whl"], needs_h200: true, command: "DEV=.device15 bash bench/results/session61/calls.sh")
-# The download's CUDA tests (b032979 tidied `Download`); then, on a card of more than 100 GB, MiniMax H3's whole
-# video (issue 34 item 5), 4 steps at the published 124x768x1344, vidgen (default flags, then resident) beside
-# diffusers' modular pipeline in the same call, both from one checkpoint in /dev/shm: the published configs with
-# the DiT cut to one block (bench/minimax_e2e.py).
+# Session 61's calls. DEV holds, stripped and xz'd, the vidgen binary, examples/vae_decode and the library's CUDA
+# tests at 7f0e9d4 (b032979 + Latte's and Allegro's shared output head); .whl the diffusers 0.42.1 wheel.
+#   run(carry: [".device15", ".whl"], kind: nvidia-h200, command: "DEV=.device15 bash bench/results/session61/calls.sh N")
+# Every call first runs the CUDA tests of the download to host memory (b032979 tidied `Download`) and of Latte's
+# and Allegro's fused blocks. Then, on a card of more than 100 GB, MiniMax H3's whole video (issue 34 item 5),
+# 4 steps at the published 124x768x1344, vidgen (default flags, then resident) beside diffusers' modular pipeline,
+# both from one checkpoint in /dev/shm: the published configs with the DiT cut to one block (bench/minimax_e2e.py).
+# On a smaller card, N picks what issue 34's table lacks (bench/family_e2e.py: vidgen as a first run with the
+# driver's compile cache empty, then default flags, then resident, beside diffusers in the same call):
+#   1: Mochi-1's decode at its pipeline's 19 frames (latents 1,12,4,60,106), vidgen and diffusers in turn, twice;
+#      Wan2.2 TI2V-5B's whole video at 121x704x1280;
+#   2: Wan2.2 T2V-A14B's whole video at 81x480x832.
 DEV=${DEV:-.device15} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
-el "CUDA tests: the download to host memory"
-timeout 60 /tmp/vidgen-lib-tests --test-threads=1 offload::transfer::cuda_tests 2>&1 | grep -E "^test |panicked|result:"
+xz -dc $DEV/vae_decode.xz > /tmp/vae_decode && chmod +x /tmp/vae_decode
+el "CUDA tests: the download to host memory, Latte's and Allegro's blocks"
+timeout 120 /tmp/vidgen-lib-tests --test-threads=1 offload::transfer::cuda_tests pixart::cuda_tests \
+  latte::transformer::cuda_tests allegro::transformer::cuda_tests 2>&1 | grep -E "^test |panicked|result:"
+family() {  # family NAME: the whole video beside diffusers, then the table and vidgen's peak per stage
+  el "$1's whole video, 4 steps, beside diffusers"
+  timeout ${2:-400} python3 bench/family_e2e.py --family $1 --vidgen /tmp/vidgen --out $OUT/e2e \
+    --vidgen-modes first,default,resident 2>&1 | grep -E "^\[.*(diffusers|vidgen (first|default|resident) \{|checkpoint)" \
+    | cut -c1-1500
+  python3 bench/family_e2e.py --table $OUT/e2e | grep -E "^\| ($1|family)"
+  for m in first default resident; do
+    python3 -c "
+import json,sys; d=json.load(open(sys.argv[1])); j=d['jobs'][0]
+print('  $m:', ', '.join('%s %.2f' % (s['name'], s['seconds']) for s in j['stages']), '| wall %.2f' % d['wall_seconds'])
+for s, v in j['metrics']['stages'].items():
+    print('    %-14s used %7.3f GiB, planned %7.3f' % (s, v['device_used_peak'] / 2**30, (v.get('device_planned_bytes') or 0) / 2**30))" \
+      $OUT/e2e/$1-$m.stats.json 2>&1 | tail -8
+  done
+}
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mib" -gt 100000 ]; then
   el "MiniMax H3's whole video, 4 steps, 124x768x1344, the DiT cut to one block, beside diffusers"
-  timeout 540 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/e2e --layers 1 --modes default,resident 2>&1 \
+  timeout 520 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/minimax --layers 1 --modes default,resident 2>&1 \
     | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-2500 | tail -14
+else
+  case ${1:-1} in
+    1) for round in 1 2; do
+         el "round $round: Mochi-1's decode at 19 frames, vidgen then diffusers"
+         timeout 60 /tmp/vae_decode --family mochi-1 1,12,4,60,106 2>&1 | grep "^{"
+         timeout 60 python3 bench/peer_vae_decode.py mochi-1 1,12,4,60,106 2>&1 | grep "^{"
+       done
+       family wan2.2-ti2v-5b 420 ;;
+    2) family wan2.2-t2v-a14b 540 ;;
+  esac
 fi
 el "done"
