@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 61's calls. DEV holds, stripped and xz'd, the vidgen binary, examples/vae_decode and the library's CUDA
-# tests at 7f0e9d4 (b032979 + Latte's and Allegro's shared output head); .whl the diffusers 0.42.1 wheel.
+# tests at 73d2590 (b032979 + Latte's and Allegro's shared output head); .whl the diffusers 0.42.1 wheel.
 #   run(carry: [".device15", ".whl"], kind: nvidia-h200, command: "DEV=.device15 bash bench/results/session61/calls.sh N")
 # Every call first runs the CUDA tests of the download to host memory (b032979 tidied `Download`) and of Latte's
 # and Allegro's fused blocks. Then, on a card of more than 100 GB, MiniMax H3's whole video (issue 34 item 5),
