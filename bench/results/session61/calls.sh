@@ -9,7 +9,7 @@
 # On a smaller card, N picks what issue 34's table lacks (bench/family_e2e.py: vidgen as a first run with the
 # driver's compile cache empty, then default flags, then resident, beside diffusers in the same call):
 #   1: Mochi-1's decode at its pipeline's 19 frames (latents 1,12,4,60,106), vidgen and diffusers in turn, twice;
-#      Wan2.2 TI2V-5B's whole video at 121x704x1280;
+#      Wan2.2 TI2V-5B's whole video at 121x704x1280; Wan2.1 1.3B's with both programs decoding in tiles;
 #   2: Wan2.2 T2V-A14B's whole video at 81x480x832.
 DEV=${DEV:-.device15} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
@@ -44,7 +44,11 @@ else
          timeout 60 /tmp/vae_decode --family mochi-1 1,12,4,60,106 2>&1 | grep "^{"
          timeout 60 python3 bench/peer_vae_decode.py mochi-1 1,12,4,60,106 2>&1 | grep "^{"
        done
-       family wan2.2-ti2v-5b 420 ;;
+       family wan2.2-ti2v-5b 380
+       el "Wan2.1 1.3B's whole video, both programs decoding in spatial tiles (--vae-tiling)"
+       timeout 130 python3 bench/family_e2e.py --family wan2.1-t2v-1.3b --vidgen /tmp/vidgen --out $OUT/e2e-tiled \
+         --vae-tiling --vidgen-modes default 2>&1 | grep -E "^\[.*(diffusers|vidgen default \{)" | cut -c1-1200
+       python3 bench/family_e2e.py --table $OUT/e2e-tiled | grep -E "^\| (wan|family)" ;;
     2) family wan2.2-t2v-a14b 540 ;;
   esac
 fi
