@@ -406,6 +406,49 @@ macro_rules! block_forward {
     };
 }
 
+/// [`CachedForward`] for a DiT whose blocks thread the video tokens alone (one `Tensor`
+/// stream), whose `finish_projecting(x, inputs, project)` is its output head and whose config
+/// names the hooked blocks ([`crate::models::video::DenoiseActivations::hooked_blocks`]).
+#[macro_export]
+macro_rules! video_tokens_cached_forward {
+    ($model:ty, $inputs:ty) => {
+        impl $crate::models::blocks::CachedForward for $model {
+            fn finish_hooked(
+                &self,
+                x: candle_core::Tensor,
+                inputs: &$inputs,
+                project: &mut $crate::models::step_cache::Through,
+            ) -> candle_core::Result<candle_core::Tensor> {
+                self.finish_projecting(&x, inputs, project)
+            }
+
+            fn hooked_blocks(&self) -> $crate::models::step_cache::HookedBlocks {
+                $crate::models::video::DenoiseActivations::hooked_blocks(self.config())
+            }
+
+            fn streams(
+                x: &candle_core::Tensor,
+                _: &$inputs,
+            ) -> candle_core::Result<Vec<candle_core::Tensor>> {
+                $crate::models::step_cache::BlockStreams::streams(
+                    &$crate::models::step_cache::HiddenStates,
+                    x,
+                )
+            }
+
+            fn state(
+                streams: Vec<candle_core::Tensor>,
+                _: &$inputs,
+            ) -> candle_core::Result<candle_core::Tensor> {
+                $crate::models::step_cache::BlockStreams::state(
+                    &$crate::models::step_cache::HiddenStates,
+                    streams,
+                )
+            }
+        }
+    };
+}
+
 /// A placed model (its outer part when its blocks are apart) for one use: borrowed where it
 /// stays on the device, or moved in for this use alone, its device memory freed on drop.
 pub enum OuterUse<'a, M> {

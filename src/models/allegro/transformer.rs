@@ -13,16 +13,14 @@ use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
 use crate::models::attention::{mask_prefix_lens, sdpa, sdpa_key_prefix, sdpa_with_bias};
-use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
+use crate::models::blocks::{Blockwise, HookedBlock};
 use crate::models::patches::{text_len, token_grid, unpatchify_channels_last, whole_patches};
 use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection, OutputHead,
 };
 #[cfg(feature = "cuda")]
 use crate::models::row_ops::{self, Rows};
-use crate::models::step_cache::{
-    BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output, Through,
-};
+use crate::models::step_cache::{BlockHooks, ComputeAll, ModuleNames, Output, Through};
 use crate::models::video::{DitShape, VideoDit};
 
 /// θ of the rotary embedding (`get_3d_rotary_pos_embed_allegro`'s default).
@@ -559,29 +557,7 @@ pub(super) const CACHE_NAMES: ModuleNames = ModuleNames::transformer_blocks(&[
     (Output::CrossAttention, "attn2"),
 ]);
 
-/// The blocks thread the video tokens alone.
-impl CachedForward for AllegroTransformer3DModel {
-    fn finish_hooked(
-        &self,
-        x: Tensor,
-        inputs: &BlockInputs,
-        project: &mut Through,
-    ) -> Result<Tensor> {
-        self.finish_projecting(&x, inputs, project)
-    }
-
-    fn hooked_blocks(&self) -> HookedBlocks {
-        crate::models::video::DenoiseActivations::hooked_blocks(&self.cfg)
-    }
-
-    fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {
-        HiddenStates.streams(x)
-    }
-
-    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
-        HiddenStates.state(streams)
-    }
-}
+crate::video_tokens_cached_forward!(AllegroTransformer3DModel, BlockInputs);
 
 #[cfg(test)]
 mod tests {

@@ -14,14 +14,13 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
 
-use crate::models::blocks::{Blockwise, CachedForward, HookedBlock};
+use crate::models::blocks::{Blockwise, HookedBlock};
 use crate::models::patches::{text_len, unpatchify_channels_last, whole_patches};
 use crate::models::pixart::{
     AdaLayerNormSingle, Attention, Block, BlockAttention, BlockShape, CaptionProjection, OutputHead,
 };
 use crate::models::step_cache::{
-    Absent, BlockHooks, BlockStreams, ComputeAll, HiddenStates, HookedBlocks, ModuleNames, Output,
-    Reclassified, Submodule, Through,
+    Absent, BlockHooks, ComputeAll, ModuleNames, Output, Reclassified, Submodule, Through,
 };
 use crate::models::video::{DitShape, VideoDit};
 
@@ -650,29 +649,7 @@ pub(super) const CACHE_NAMES: ModuleNames = ModuleNames {
     proj_out: "proj_out",
 };
 
-/// The blocks thread the video tokens alone.
-impl CachedForward for LatteTransformer3DModel {
-    fn finish_hooked(
-        &self,
-        x: Tensor,
-        inputs: &BlockInputs,
-        project: &mut Through,
-    ) -> Result<Tensor> {
-        self.finish_projecting(&x, inputs, project)
-    }
-
-    fn hooked_blocks(&self) -> HookedBlocks {
-        crate::models::video::DenoiseActivations::hooked_blocks(&self.cfg)
-    }
-
-    fn streams(x: &Tensor, _: &BlockInputs) -> Result<Vec<Tensor>> {
-        HiddenStates.streams(x)
-    }
-
-    fn state(streams: Vec<Tensor>, _: &BlockInputs) -> Result<Tensor> {
-        HiddenStates.state(streams)
-    }
-}
+crate::video_tokens_cached_forward!(LatteTransformer3DModel, BlockInputs);
 
 #[cfg(test)]
 mod tests {
