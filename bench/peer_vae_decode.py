@@ -3,7 +3,8 @@
 line per run (untiled, then tiled with `enable_tiling()`), after a warm-up on two latent frames. Allegro's VAE
 decodes in tiles only (untiled it raises), warmed up on the whole latents; MiniMax H3's decodes in clips and
 256 px tiles by default (`use_tiling` is on from the start), its one run that default; `minimax-h3-audio` is
-MiniMax H3's audio VAE (f32, untiled) on the 5 s request's stereo latents.
+MiniMax H3's audio VAE (f32, untiled) on the 5 s request's stereo latents; the Wan VAEs decode in f32, as the
+Wan pipelines load them.
 
 python3 bench/peer_vae_decode.py FAMILY [B,C,F,h,w]
 """
@@ -24,6 +25,8 @@ DEFAULT = {
     "flux.1-dev": [1, 16, 1, 128, 128],
     "minimax-h3": [1, 24, 37, 48, 84],
     "minimax-h3-audio": [2, 32, 207],
+    "wan2.1-t2v-1.3b": [1, 16, 21, 60, 104],
+    "wan2.2-ti2v-5b": [1, 48, 31, 44, 80],
 }
 # The VAEs whose only decode (or default one) is tiled.
 TILED_ONLY = ("allegro", "minimax-h3")
@@ -32,7 +35,8 @@ family = sys.argv[1]
 shape = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else DEFAULT[family]
 # MiniMax H3's audio VAE stays in f32 (`_keep_in_fp32_modules`, as the pipeline loads it) and has no tiling.
 AUDIO = family == "minimax-h3-audio"
-dtype = torch.float32 if AUDIO else torch.bfloat16
+# The Wan pipelines load their VAE in f32 too.
+dtype = torch.float32 if AUDIO or family.startswith("wan") else torch.bfloat16
 cfg = json.load(open("assets/minimax-h3/audio_vae/config.json" if AUDIO else f"assets/{family}/vae/config.json"))
 cls = getattr(diffusers, cfg["_class_name"])
 torch.manual_seed(0)

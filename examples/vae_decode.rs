@@ -14,7 +14,8 @@
 //! `vae_decode --family NAME [B,C,F,h,w] [--tiled] [--save FILE]` times another family's VAE instead, bf16, at
 //! its pipeline's default size unless a shape is given (`ltx-video`, `cogvideox-5b`,
 //! `hunyuanvideo`, `mochi-1`, `latte-1`, `allegro` (always in tiles), `flux.1-dev` (one image:
-//! latents `1,16,1,h,w`), `minimax-h3` (the video VAE, in clips and 256 px tiles as diffusers
+//! latents `1,16,1,h,w`), `wan2.1-t2v-1.3b` and `wan2.2-ti2v-5b` (the Wan VAEs, f32 as the pipelines load them;
+//! `--tiled`: diffusers' default tiles), `minimax-h3` (the video VAE, in clips and 256 px tiles as diffusers
 //! decodes by default; `TILES_PER_CALL=N` decodes N tiles of a clip per decoder call), `minimax-h3-audio` (the audio VAE, f32 whatever the flags say, on the 5 s
 //! request's stereo latents `2,32,207`): their `synthetic:` configs), as its pipeline calls it (`--tiled`:
 //! the tiles of the pipeline's `--vae-tiling`), with the memory pool's peaks above what it
@@ -32,7 +33,7 @@ use candle_nn::VarBuilder;
 use vidgen::memory::accounting::MemoryMeter;
 use vidgen::models::conv3d;
 use vidgen::models::source::{component_weights, ModelSource};
-use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig};
+use vidgen::models::wan::vae::{AutoencoderKLWan, WanVaeConfig, WanVaeTiling};
 use vidgen::pipeline::wan_t2v::WanConfigs;
 use vidgen::rng::TorchGenerator;
 use vidgen::weights::WeightSet;
@@ -189,6 +190,8 @@ fn family_decode(
     // diffusers keeps it (`_keep_in_fp32_modules`) and the pipeline runs it.
     let (model, component, dtype) = match family {
         "minimax-h3-audio" => ("minimax-h3", "audio_vae", DType::F32),
+        // The Wan pipelines load their VAE in f32.
+        wan if wan.starts_with("wan") => (wan, "vae", DType::F32),
         _ => (family, "vae", dtype),
     };
     let source = ModelSource::parse(&format!("synthetic:{model}"))?;
@@ -283,6 +286,19 @@ fn family_decode(
             // denormalized and decoded as the pipeline does.
             let decode = move |z: &Tensor| vae.decode(&vae.denormalize(z)?);
             (Box::new(decode), vec![2, 32, 207])
+        }
+        "wan2.1-t2v-1.3b" | "wan2.2-ti2v-5b" => {
+            let vae = AutoencoderKLWan::new(&WanConfigs::read(&source)?.vae, vb)?;
+            let decode = move |z: &Tensor| match tiled {
+                true => vae.decode_tiled(z, &WanVaeTiling::default()),
+                false => vae.decode(z),
+            };
+            // 81x480x832 and TI2V-5B's 121x704x1280 (16x in space into 48 channels).
+            let shape = match family {
+                "wan2.1-t2v-1.3b" => vec![1, 16, 21, 60, 104],
+                _ => vec![1, 48, 31, 44, 80],
+            };
+            (Box::new(decode), shape)
         }
         other => anyhow::bail!("no decode for family {other:?}"),
     };

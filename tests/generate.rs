@@ -161,8 +161,31 @@ fn components_load_beside_the_first_stage_and_change_nothing() {
             log,
         )
     };
-    let eager = ["--lazy-module-load=false", "--h3-sequential-load=false"];
+    let stats = out.join("eager.stats.json");
+    let stats_flag = stats.to_str().unwrap();
+    let eager = [
+        "--lazy-module-load=false",
+        "--h3-sequential-load=false",
+        "--stats-json",
+        stats_flag,
+    ];
     let (beside, log) = run("eager", &eager);
+    // The stage's wait for those loads after its own work, within the stage's time.
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let job = &stats["jobs"][0];
+    let waited = job["metrics"]["waited_for_loads_beside"]["encode_text"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no wait for the loads beside encode_text: {stats}"));
+    let stage = job["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "encode_text")
+        .unwrap()["seconds"]
+        .as_f64()
+        .unwrap();
+    assert!((0.0..=stage).contains(&waited), "{waited} of {stage} s");
     for name in ["transformer", "vae"] {
         assert!(
             log.contains(&format!("loading {name} beside encode_text")),

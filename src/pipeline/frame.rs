@@ -25,6 +25,7 @@ use crate::parallel::collective::Collective;
 use crate::weights::WeightSet;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
+use serde_json::json;
 use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
@@ -396,10 +397,19 @@ impl Pipeline for FramePipeline {
                     .collect::<Vec<_>>()
             });
             let result = run_stage(frame, family, index, job);
+            let work_done = Instant::now();
             let built = loader.join().unwrap_or_else(|_| {
                 let failed = || Err(anyhow::anyhow!("its load beside the stage panicked"));
                 ahead.iter().map(|&c| (c, failed())).collect()
             });
+            // The stage's time counts its wait for the loads beside it; its own work is the
+            // rest (a text stage's against diffusers' `encode_prompt`, which loads nothing).
+            let waited = work_done.elapsed().as_secs_f64();
+            let waits = job
+                .metrics
+                .entry("waited_for_loads_beside")
+                .or_insert_with(|| json!({}));
+            waits[frame.spec.stages[index].name] = json!(waited);
             (result, built)
         });
         let landed = built
