@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel times from Nsight Compute's raw CSV (`ncu --csv --page raw --metrics gpu__time_duration.sum PROGRAM`),
+"""Kernel times from Nsight Compute's CSV (`ncu --csv [--page raw] --metrics gpu__time_duration.sum PROGRAM`),
 summed per kernel name, in ms.
 
     python3 bench/ncu_kernels.py FILE.csv LABEL     (the 25 largest kernels; bench/profile_dit.sh)
@@ -17,13 +17,18 @@ def kernels(path, name_len=None):
     rows = [r for r in csv.reader(open(path)) if len(r) > 5]
     # The profiled program's own output lines come first.
     rows = rows[next(i for i, r in enumerate(rows) if "Kernel Name" in r):]
-    head, units = rows[0], rows[1]
-    name_i, t_i = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
-    scale = UNIT_MS[units[t_i]]
+    head = rows[0]
+    name_i = head.index("Kernel Name")
+    if "Metric Value" in head:  # without `--page raw`: one row per kernel and metric, its unit beside it
+        unit_i, t_i = head.index("Metric Unit"), head.index("Metric Value")
+        data = [r for r in rows[1:] if r[head.index("Metric Name")] == "gpu__time_duration.sum"]
+    else:  # `--page raw`: a column per metric, its unit in the row under the header
+        t_i = head.index("gpu__time_duration.sum")
+        unit_i, data = None, rows[2:]
     total, count = collections.Counter(), collections.Counter()
-    for r in rows[2:]:
+    for r in data:
         try:
-            t = float(r[t_i].replace(",", "")) * scale
+            t = float(r[t_i].replace(",", "")) * UNIT_MS[r[unit_i] if unit_i is not None else rows[1][t_i]]
         except ValueError:
             continue
         name = r[name_i][:name_len]
