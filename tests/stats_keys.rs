@@ -89,8 +89,19 @@ fn every_family_reports_the_same_keys() {
         );
         let metrics = keys(&job["metrics"]);
         assert!(metrics.is_superset(&shared), "{fixture}: {metrics:?}");
-        // The rest is what moved for the family's other components.
+        // The rest is what moved for the family's other components, and where components
+        // loaded beside a stage, the seconds each such stage waited for them.
         for key in metrics.difference(&shared) {
+            if key == "waited_for_loads_beside" {
+                for (stage, waited) in job["metrics"][key].as_object().unwrap() {
+                    assert!(
+                        job["metrics"]["stages"].get(stage).is_some(),
+                        "{fixture}: {stage}"
+                    );
+                    assert!(waited.as_f64() >= Some(0.0), "{fixture}: {stage} {waited}");
+                }
+                continue;
+            }
             assert!(key.starts_with("offload_"), "{fixture}: {key}");
             let moved = &job["metrics"][key];
             assert_eq!(keys(moved), keys(&job["metrics"]["offload"]), "{fixture}");
