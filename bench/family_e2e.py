@@ -444,14 +444,17 @@ def run_vidgen(binary, ckpt, run, label, flags, out):
     start = time.perf_counter()
     # Each stderr line is kept as written and, in <label>.stamped.log, after the seconds since start.
     with open(logfile, "w") as err, open(logfile[:-4] + ".stamped.log", "w") as stamped:
-        env = dict(os.environ, CUDA_CACHE_PATH=tempfile.mkdtemp(prefix="vidgen-cuda-cache-")) \
-            if label == "first" else None
+        # Removed once the process ends, as a fresh machine's would never have been.
+        cache = tempfile.TemporaryDirectory(prefix="vidgen-cuda-cache-") if label == "first" else None
+        env = dict(os.environ, CUDA_CACHE_PATH=cache.name) if cache else None
         p = subprocess.Popen(timer + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for line in p.stderr:
             err.write(line)
             stamped.write(f"{time.perf_counter() - start:8.3f} {line}")
         stdout = p.stdout.read()
         p.wait()
+        if cache:
+            cache.cleanup()
     wall = time.perf_counter() - start
     stamped_end = f"{wall:8.3f} (exit {p.returncode})\n"
     open(logfile[:-4] + ".stamped.log", "a").write(stamped_end)
