@@ -312,3 +312,31 @@ extern "C" __global__ void wan_vae_subpixel_cl_f32(const float *__restrict__ src
     dst[i] = __fadd_rn(src[at], bias[c]);
   }
 }
+
+// dst [B, T', H * fs, W * fs, Cout] = h (the same shape) + DupUp3D(src) channels last, src
+// [B, T, H, W, Cin]: output channel o of cell (ti, j, k) (frame t' + skip = ft * t + ti, row
+// fs * y + j, column fs * x + k) reads input channel ((o * ft + ti) * fs + j) * fs + k) / repeats
+// of pixel (t, y, x); `skip` is the frames a first chunk drops (ft - 1), else 0. The same bits as
+// the channels-first rearrangement and the add.
+extern "C" __global__ void wan_vae_dup_up_add_cl_f32(const float *__restrict__ h,
+                                                     const float *__restrict__ src,
+                                                     float *__restrict__ dst, int c_in, int c_out,
+                                                     int ft, int fs, int repeats, int skip,
+                                                     long t_in, long t_out, long height,
+                                                     long width, long n) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+       i += (long)gridDim.x * blockDim.x) {
+    long r = i / c_out;
+    const int o = (int)(i - r * c_out);
+    const long xo = r % (width * fs);
+    r /= width * fs;
+    const long yo = r % (height * fs);
+    r /= height * fs;
+    const long to = r % t_out + skip;
+    const long b = r / t_out;
+    const long t = to / ft;
+    const long cell = (((long)o * ft + to % ft) * fs + yo % fs) * fs + xo % fs;
+    const long at = (((b * t_in + t) * height + yo / fs) * width + xo / fs) * c_in + cell / repeats;
+    dst[i] = __fadd_rn(h[i], src[at]);
+  }
+}

@@ -228,6 +228,56 @@ pub(crate) fn vae_time_interleave_cl(y: &Tensor, bias: &Tensor) -> Result<Tensor
     Ok(out)
 }
 
+/// `h + DupUp3D(x)` channels last (a Wan2.2 residual up block's output and its shortcut) in
+/// one pass: `x` `[B, T, H, W, Cin]`, `h` `[B, T', H * fs, W * fs, Cout]` with `T' = T * ft -
+/// skip` (`skip`: the frames a first chunk drops), f32; each output channel's cell reads input
+/// channel `cell / repeats` (`Cout * ft * fs² = Cin * repeats`).
+pub(crate) fn vae_dup_up_add_cl(
+    h: &Tensor,
+    x: &Tensor,
+    (factor_t, factor_s, repeats): (usize, usize, usize),
+    skip: usize,
+) -> Result<Tensor> {
+    let (b, t, height, width, c_in) = x.dims5()?;
+    let (hb, t_out, hh, hw, c_out) = h.dims5()?;
+    let fits = hb == b
+        && t * factor_t == t_out + skip
+        && (hh, hw) == (height * factor_s, width * factor_s)
+        && c_out * factor_t * factor_s * factor_s == c_in * repeats;
+    if !fits || h.dtype() != DType::F32 || x.dtype() != DType::F32 {
+        candle_core::bail!(
+            "vae dup-up shortcut: h {:?}, x {:?}, factors ({factor_t}, {factor_s}), {repeats} repeats, skip {skip}",
+            h.shape(),
+            x.shape()
+        )
+    }
+    let (h, x) = (h.contiguous()?, x.contiguous()?);
+    // SAFETY: the kernel writes every element.
+    let out = unsafe { Tensor::empty(h.shape(), DType::F32, h.device()) }?;
+    let n = out.elem_count();
+    out.inplace_op1(&vae_launch(
+        "wan_vae_dup_up_add_cl_f32",
+        n,
+        vec![
+            Arg::Tensor(Some(&h)),
+            Arg::Tensor(Some(&x)),
+            Arg::Dst,
+            Arg::Int(c_in as i32),
+            Arg::Int(c_out as i32),
+            Arg::Int(factor_t as i32),
+            Arg::Int(factor_s as i32),
+            Arg::Int(repeats as i32),
+            Arg::Int(skip as i32),
+            Arg::Long(t as i64),
+            Arg::Long(t_out as i64),
+            Arg::Long(height as i64),
+            Arg::Long(width as i64),
+            Arg::Long(n as i64),
+        ],
+    ))?;
+    Ok(out)
+}
+
 /// [`vae_subpixel`] channels last: `[B, T, H + 1, W + 1, 4C]` parities interleaved into
 /// `[B, T, 2H, 2W, C]` plus `bias` `[C]` (f32).
 pub(crate) fn vae_subpixel_cl(y: &Tensor, bias: &Tensor) -> Result<Tensor> {

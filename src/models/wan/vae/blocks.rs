@@ -1115,6 +1115,26 @@ impl DupUp3D {
         })
     }
 
+    /// `h + self.forward(x)` with `h` and `x` in `layout`: on CUDA f32 channels last in one
+    /// pass (the shortcut's rearrangement was a fifth of the TI2V-5B decode's kernel time,
+    /// bench/RESULTS.md session 61), elsewhere through the channels-first rearrangement.
+    pub(super) fn add_to(
+        &self,
+        h: &Tensor,
+        x: &Tensor,
+        first_chunk: bool,
+        layout: Layout,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if layout == Layout::ChannelsLast && crate::models::wan::vae_ops::vae_supported(x) {
+            let skip = if first_chunk { self.factor_t - 1 } else { 0 };
+            let factors = (self.factor_t, self.factor_s, self.repeats);
+            return crate::models::wan::vae_ops::vae_dup_up_add_cl(h, x, factors, skip);
+        }
+        let x = layout.to_channels_first(x)?;
+        h + layout.from_channels_first(&self.forward(&x, first_chunk)?)?
+    }
+
     /// `[B, C, T, H, W]` -> `[B, out, T * f_t (- (f_t - 1) on the first chunk), H * f_s,
     /// W * f_s]`.
     pub(super) fn forward(&self, x: &Tensor, first_chunk: bool) -> Result<Tensor> {
@@ -1202,6 +1222,36 @@ mod cuda_tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// Wan2.2's shortcut added channels last in one pass against the channels-first
+    /// rearrangement and add on the CPU, bit for bit: with and without the first chunk's
+    /// dropped frames, with and without temporal doubling, channels repeated 2 and 4 times.
+    #[test]
+    fn dup_up_add_channels_last_matches_composition() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: VAE kernel test skipped");
+            return Ok(());
+        };
+        let last = Layout::ChannelsLast;
+        for (c_in, out, ft, first) in [
+            (8, 4, 2, true),
+            (8, 4, 2, false),
+            (16, 8, 1, false),
+            (6, 3, 2, true),
+        ] {
+            let shortcut = DupUp3D::new(c_in, out, ft, 2)?;
+            let x = Tensor::randn(0f32, 1.0, (2, c_in, 3, 3, 5), &Device::Cpu)?;
+            let frames = 3 * ft - if first { ft - 1 } else { 0 };
+            let h = Tensor::randn(0f32, 1.0, (2, out, frames, 6, 10), &Device::Cpu)?;
+            let want = shortcut.add_to(&h, &x, first, Layout::ChannelsFirst)?;
+            let on_device = |t: &Tensor| last.from_channels_first(&t.to_device(&dev)?);
+            let got = shortcut.add_to(&on_device(&h)?, &on_device(&x)?, first, last)?;
+            let got = last.to_channels_first(&got)?.to_device(&Device::Cpu)?;
+            let case = format!("{c_in} -> {out} channels, ft {ft}, first chunk {first}");
+            assert_eq!(max_diff(&got, &want)?, 0.0, "{case}");
+        }
+        Ok(())
     }
 
     /// The fused norm + SiLU kernels (each layout, with and without an input bias) against the

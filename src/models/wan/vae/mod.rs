@@ -507,13 +507,10 @@ impl UpBlock {
         if let Some(upsampler) = &self.upsampler {
             h = upsampler.forward(&h, cache)?;
         }
-        let Some(shortcut) = &self.shortcut else {
-            return Ok(h);
-        };
-        // The shortcut rearranges channels first (a small fraction of the block's work).
-        let layout = self.layout;
-        let x = layout.to_channels_first(x)?;
-        h + layout.from_channels_first(&shortcut.forward(&x, first_chunk)?)?
+        match &self.shortcut {
+            Some(shortcut) => shortcut.add_to(&h, x, first_chunk, self.layout),
+            None => Ok(h),
+        }
     }
 }
 
