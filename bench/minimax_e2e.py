@@ -13,13 +13,15 @@ one; the full DiT's time follows from the per-block time (examples/minimax_block
               `output_type="np"`. The processor's only use in t2va is the text-only token types, all 0:
               transformers' Qwen3VLProcessor needs torchvision to construct, so a stand-in gives those zeros.
               Timed apart: the load, the text encoder, the transformer's forwards, each VAE's decode.
+              With `--free-encoder` (a card of 80 GB, where holding every component runs out of memory in the
+              DiT's feed-forward) the text encoder's weights are dropped at the first forward.
   vidgen:     the command line on the same checkpoint, each mode in its own process (`--stats-json`: stages
               and loads), output as safetensors; its frames compared with diffusers'.
 
 Usage (GPU machine, repository root, diffusers' wheel on PYTHONPATH):
   python3 bench/minimax_e2e.py --vidgen BIN --out DIR [--layers 2] [--steps 4] [--modes default,resident]
 """
-import argparse, json, os, shutil, sys, time
+import argparse, functools, json, os, shutil, sys, time
 
 # The index names MiniMaxAI/MiniMax-H3; every component with files in the folder loads from it, offline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,8 +40,12 @@ class TextOnlyTokenTypes:
         return [[0] * len(row) for row in ids]
 
 
-def run_diffusers(ckpt, size, steps, dtype, device):
-    """Load + one call; the spans of each part, the peaks and the frames [F, H, W, 3] in [0, 1]."""
+def run_diffusers(ckpt, size, steps, dtype, device, free_encoder=False):
+    """Load + one call; the spans of each part, the peaks and the frames [F, H, W, 3] in [0, 1].
+
+    free_encoder: the text encoder's weights are dropped (emptied in place) at the transformer's first
+    forward, as a user of an 80 GB card must: diffusers otherwise holds every component on the device through the
+    call and runs out of memory there. Less work for diffusers than any offloading; its load is unchanged."""
     from diffusers import ModularPipeline
     frames, height, width = size
     r, spans = {}, {"text": [], "forward": [], "decode_video": [], "decode_audio": []}
@@ -59,6 +65,9 @@ def run_diffusers(ckpt, size, steps, dtype, device):
         encoder.forward = e2e.timed(encoder.forward, spans["text"])
         del encoder  # a local would keep the encoder's 62 GiB after the pipeline is gone
         pipe.transformer.forward = e2e.timed(pipe.transformer.forward, spans["forward"])
+        if free_encoder:
+            pipe.transformer.forward = free_before(pipe.transformer.forward, pipe.text_encoder)
+        r["encoder_freed_after_text"] = free_encoder
         pipe.vae.decode = e2e.timed(pipe.vae.decode, spans["decode_video"])
         pipe.audio_vae.decode = e2e.timed(pipe.audio_vae.decode, spans["decode_audio"])
         if cuda:
@@ -94,6 +103,16 @@ def run_diffusers(ckpt, size, steps, dtype, device):
         e2e.free_memory()
 
 
+def free_before(forward, encoder):
+    """`forward` that first drops `encoder`'s weights, once; its signature kept (the denoise step reads it)."""
+    @functools.wraps(forward)
+    def call(*args, **kwargs):
+        for t in [*encoder.parameters(), *encoder.buffers()]:  # empty on its device: the pipeline's execution
+            t.data = t.data.new_empty(0)                       # device is the first component's
+        return forward(*args, **kwargs)
+    return call
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vidgen", required=True)
@@ -108,6 +127,8 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--skip-diffusers", action="store_true", help="vidgen's runs only (diffusers holds every "
                     "component on the device: about 76 GiB with one DiT block, more than an H100 has)")
+    ap.add_argument("--free-encoder", action="store_true", help="diffusers drops its text encoder's weights once "
+                    "the prompt is encoded (run_diffusers), so that it fits an 80 GB card")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test (with --configs of the tiny fixture)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(e2e.DTYPES))
     a = ap.parse_args()
@@ -127,7 +148,7 @@ def main():
         json.dump(res, open(os.path.join(a.out, "minimax_e2e.json"), "w"), indent=1, default=str)
     reference = None
     if not a.skip_diffusers:
-        res["diffusers"], reference = run_diffusers(ckpt, size, a.steps, dtype, a.device)
+        res["diffusers"], reference = run_diffusers(ckpt, size, a.steps, dtype, a.device, a.free_encoder)
         e2e.free_memory()  # torch's cache would keep the device's memory from vidgen's plan
     save()
     run = {"family": "minimax-h3", "size": size, "steps": a.steps, "guidance": None, "device": a.device,
