@@ -39,6 +39,13 @@ def write(src, dest, device, dtype, layers=1):
         return {"reused": True}
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors*", "reference"))
+    for name in ("vae", "audio_vae"):  # the published normalisation is unknown; the audio VAE's class default
+        path = os.path.join(dest, name, "config.json")  # (None) fails diffusers' decode step: the identity, as the
+        vae = json.load(open(path))                     # video VAE's class defaults, where the config has none
+        for key, value in (("latents_mean", 0.0), ("latents_std", 1.0)):
+            if vae.get(key) is None:
+                vae[key] = [value] * vae["latent_channels"]
+        json.dump(vae, open(path, "w"), indent=1)
     cfg_path = os.path.join(dest, "transformer", "config.json")
     cfg = json.load(open(cfg_path))
     cfg["num_layers"] = layers

@@ -60,8 +60,16 @@ fn main() -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let forward = |model: &MiniMaxH3Transformer3DModel, (rows, queries): (usize, usize)| {
-        let mut inputs =
-            model.prepare(&video, &audio, &text, &timestep, &timestep_indices, &layout)?;
+        let rope = model.rope(&layout)?;
+        let mut inputs = model.prepare(
+            &video,
+            &audio,
+            &text,
+            &timestep,
+            &timestep_indices,
+            &layout,
+            &rope,
+        )?;
         inputs.rows_per_chunk = rows;
         inputs.query_rows_per_chunk = queries;
         let mut x = inputs.take_hidden_states()?;

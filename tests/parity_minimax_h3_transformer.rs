@@ -96,6 +96,7 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
     let temb = model.time_embedding(&r["timestep"]).unwrap();
     common::assert_close("temb", &temb, &r["debug.temb"], ATOL, RTOL);
 
+    let layout = layout(&r);
     let mut inputs = model
         .prepare(
             &r["hidden_states"],
@@ -103,7 +104,8 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
             &r["encoder_hidden_states"],
             &r["timestep"],
             &r["timestep_indices"],
-            &layout(&r),
+            &layout,
+            &model.rope(&layout).unwrap(),
         )
         .unwrap();
     let mut x = inputs.take_hidden_states().unwrap();
@@ -181,6 +183,7 @@ fn chunked_rows_give_the_same_forward() {
     let model = MiniMaxH3Transformer3DModel::new(&cfg, var_builder()).unwrap();
     let r = common::reference_in(&dir(), "transformer");
     let run = |rows: Option<usize>| {
+        let layout = layout(&r);
         let mut inputs = model
             .prepare(
                 &r["hidden_states"],
@@ -188,7 +191,8 @@ fn chunked_rows_give_the_same_forward() {
                 &r["encoder_hidden_states"],
                 &r["timestep"],
                 &r["timestep_indices"],
-                &layout(&r),
+                &layout,
+                &model.rope(&layout).unwrap(),
             )
             .unwrap();
         let mut x = inputs.take_hidden_states().unwrap();

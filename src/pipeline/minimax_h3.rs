@@ -579,6 +579,7 @@ impl MiniMaxH3 {
             bail!("{} steps modulated for {forwards} forwards", tables.len());
         }
         let blocks = cfg.num_layers;
+        let rope = model.model()?.rope(&layout)?;
         let denoise = Denoise::all(frame, forwards, |dit, i| {
             let (t, t_idx) = row_timesteps(
                 &layout,
@@ -593,7 +594,7 @@ impl MiniMaxH3 {
                     &audio,
                     &text,
                     (&t, &t_idx, per_block),
-                    &layout,
+                    (&layout, &rope),
                 )
             })?;
             video = video_schedule.step(i, &v, &video)?;
@@ -669,22 +670,23 @@ impl MiniMaxH3 {
     }
 }
 
-/// One transformer forward: prepare (projections, token refiner, packing, time embedding,
-/// RoPE), the blocks (resident or streamed), the output norm and both velocity heads. The
-/// tuple holds the step's distinct timesteps, each row's index into them and the blocks' AdaLN tables
-/// computed apart ([`MiniMaxH3Modulations`]).
+/// One transformer forward: prepare (projections, token refiner, packing, time embedding),
+/// the blocks (resident or streamed), the output norm and both velocity heads. The first
+/// tuple holds the step's distinct timesteps, each row's index into them and the blocks' AdaLN
+/// tables computed apart ([`MiniMaxH3Modulations`]); the second the rows' layout and its
+/// rotary tables, made once per video.
 fn dit_forward(
     dit: &Held<'_, MiniMaxH3Transformer3DModel>,
     video: &Tensor,
     audio: &Tensor,
     text: &Tensor,
     (timestep, timestep_indices, adaln_tables): (&Tensor, &Tensor, Arc<Vec<Tensor>>),
-    layout: &PackedLayout,
+    (layout, rope): (&PackedLayout, &(Tensor, Tensor)),
 ) -> candle_core::Result<(Tensor, Tensor)> {
     // The outer part only around its uses: it may be moved in for each.
     let mut inputs =
         dit.model()?
-            .prepare(video, audio, text, timestep, timestep_indices, layout)?;
+            .prepare(video, audio, text, timestep, timestep_indices, layout, rope)?;
     inputs.adaln_tables = Some(adaln_tables);
     let x = inputs.take_hidden_states()?;
     let x = dit.fold_blocks(MiniMaxH3Transformer3DModel::blocks, x, |block, x| {

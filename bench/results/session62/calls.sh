@@ -14,6 +14,9 @@
 #   first:   the first run on a fresh machine of each family not yet measured: the same command twice, the driver's
 #            compile cache empty before the first (CUDA_CACHE_PATH a new folder), `synthetic:` weights, 2 steps;
 #            the cache's size after each run says what the driver compiled.
+#   wanpeer: the same decode (vae_decode only) beside diffusers' (bench/peer_vae_decode.py, f32), in turn, twice.
+#   rope:    MiniMax H3's one-block video, default flags, vidgen (its rotary tables made once per video, not per
+#            forward) against vidgen_old (7a79890) in turn, twice; the outputs compared.
 # N is a comma-separated list of those.
 DEV=${DEV:-.device} source bench/device_setup.sh
 export PYTHONPATH=/tmp/site
@@ -66,6 +69,35 @@ for what in ${1//,/ }; do case $what in
 from safetensors.numpy import load_file; import numpy as np
 a = load_file('/tmp/vae_decode_old.safetensors')['video']; b = load_file('/tmp/vae_decode.safetensors')['video']
 print('frames old vs new: shape', a.shape, 'max |diff|', float(np.abs(a - b).max()))" ;;
+  wanpeer)  # DEV holds vae_decode (and vae_decode_old): the new decode beside diffusers', in turn, twice
+    for round in 1 2; do
+      for tiled in "" --tiled; do
+        el "round $round: Wan2.2 TI2V-5B's VAE decode at 121x704x1280 $tiled, vidgen"
+        timeout 60 /tmp/vae_decode --family wan2.2-ti2v-5b $tiled 2>&1 | grep "^{"
+      done
+      el "round $round: diffusers, untiled then tiled"
+      timeout 150 python3 bench/peer_vae_decode.py wan2.2-ti2v-5b 2>&1 | grep "^{"
+    done ;;
+  rope)  # DEV holds vidgen (this tree: MiniMax H3's rotary tables made once per video) and vidgen_old (7a79890)
+    el "MiniMax H3's one-block checkpoint"
+    timeout 200 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/ckpt --layers 1 --modes "" --skip-diffusers \
+      --keep 2>&1 | grep checkpoint
+    xz -dc $DEV/vidgen_old.xz > /tmp/vidgen_old && chmod +x /tmp/vidgen_old
+    for round in 1 2; do
+      for b in vidgen_old vidgen; do
+        el "round $round: $b, 4 steps at 124x768x1344, default flags"
+        timeout 60 /tmp/$b generate --model /dev/shm/vidgen-minimax-e2e-1 --prompt "a red fox runs through fresh snow at dawn, cinematic" \
+          --seed 1 --num-inference-steps 4 --height 768 --width 1344 --num-frames 124 --dtype bf16 --output-type safetensors \
+          --output-path /tmp/rope --output-video-name $b-$round --overwrite --stats-json $OUT/rope-$b-$round.json > $OUT/rope-$b-$round.log 2>&1
+        echo "    exit $?"; stages $OUT/rope-$b-$round.json
+        python3 -c "import json,sys; print('    forwards', json.load(open(sys.argv[1]))['jobs'][0]['metrics']['forward_seconds'])" $OUT/rope-$b-$round.json
+      done
+    done
+    python3 -c "
+from safetensors.numpy import load_file; import numpy as np
+a = load_file('/tmp/rope/vidgen_old-1.safetensors'); b = load_file('/tmp/rope/vidgen-1.safetensors')
+for k in a: print('old vs new', k, a[k].shape, 'max |diff|', float(np.abs(a[k].astype(np.float64) - b[k]).max()))"
+    rm -rf /dev/shm/vidgen-minimax-e2e-1 /tmp/rope ;;
   first)
     firstrun cogvideox-5b
     firstrun ltx-video
@@ -76,3 +108,5 @@ print('frames old vs new: shape', a.shape, 'max |diff|', float(np.abs(a - b).max
     firstrun hunyuanvideo --num-frames 33 --height 320 --width 512 ;;
 esac; done
 el "done"
+# The files that come back are few: one archive of OUT.
+tar czf /tmp/out.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/out.tgz $OUT/

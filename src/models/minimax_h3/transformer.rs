@@ -996,10 +996,21 @@ impl MiniMaxH3Transformer3DModel {
         }
     }
 
+    /// The rotary tables (cos, sin) of `layout`'s rows, for [`Self::prepare`]: made once per
+    /// video, not per forward (on the host they take ~75 ms at the published size).
+    pub fn rope(&self, layout: &PackedLayout) -> Result<(Tensor, Tensor)> {
+        rope_tables(
+            &layout.position_ids,
+            self.cfg.rope_freq_dim,
+            self.cfg.rope_theta,
+        )
+    }
+
     /// Projects each modality, refines the text and packs the rows of `layout` into one sequence.
     /// `video` `[B, Nv, C·pt·ph·pw]` (patchified rows), `audio` `[B, 2Na, Ca]`, `text`
     /// `[B, L, text_dim]`, `timestep` `[T]` the distinct timesteps, `timestep_indices` `[S]`
-    /// each row's index into them.
+    /// each row's index into them, `rope` the layout's [`Self::rope`].
+    #[allow(clippy::too_many_arguments)]
     pub fn prepare(
         &self,
         video: &Tensor,
@@ -1008,6 +1019,7 @@ impl MiniMaxH3Transformer3DModel {
         timestep: &Tensor,
         timestep_indices: &Tensor,
         layout: &PackedLayout,
+        (rope_cos, rope_sin): &(Tensor, Tensor),
     ) -> Result<BlockInputs> {
         let cfg = &self.cfg;
         let (seq, _) = layout.position_ids.dims2()?;
@@ -1094,15 +1106,13 @@ impl MiniMaxH3Transformer3DModel {
             .zip(&tags)
             .map(|(&t, &tag)| t * MODALITY_COUNT as u32 + tag)
             .collect();
-        let (rope_cos, rope_sin) =
-            rope_tables(&layout.position_ids, cfg.rope_freq_dim, cfg.rope_theta)?;
         Ok(BlockInputs {
             hidden_states: Some(hidden_states),
             temb,
             adaln_indices: u32_tensor(adaln)?,
             timestep_indices: u32_tensor(t_idx)?,
-            rope_cos,
-            rope_sin,
+            rope_cos: rope_cos.clone(),
+            rope_sin: rope_sin.clone(),
             rows_per_chunk,
             query_rows_per_chunk: rows_per_chunk,
             video_indices: u32_tensor(video_idx)?,
@@ -1169,7 +1179,16 @@ impl MiniMaxH3Transformer3DModel {
         timestep_indices: &Tensor,
         layout: &PackedLayout,
     ) -> Result<(Tensor, Tensor)> {
-        let inputs = self.prepare(video, audio, text, timestep, timestep_indices, layout)?;
+        let rope = self.rope(layout)?;
+        let inputs = self.prepare(
+            video,
+            audio,
+            text,
+            timestep,
+            timestep_indices,
+            layout,
+            &rope,
+        )?;
         crate::models::blocks::BlockForward::forward_resident(self, inputs)
     }
 }
