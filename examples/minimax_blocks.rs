@@ -60,7 +60,7 @@ fn main() -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let forward = |model: &MiniMaxH3Transformer3DModel, (rows, queries): (usize, usize)| {
-        let rope = model.rope(&layout)?;
+        let rope = base.rope(&layout)?;
         let mut inputs = model.prepare(
             &video,
             &audio,

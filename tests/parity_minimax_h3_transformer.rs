@@ -105,7 +105,7 @@ fn streamed_blocks_and_intermediates_match_diffusers() {
             &r["timestep"],
             &r["timestep_indices"],
             &layout,
-            &model.rope(&layout).unwrap(),
+            &cfg.rope(&layout).unwrap(),
         )
         .unwrap();
     let mut x = inputs.take_hidden_states().unwrap();
@@ -192,7 +192,7 @@ fn chunked_rows_give_the_same_forward() {
                 &r["timestep"],
                 &r["timestep_indices"],
                 &layout,
-                &model.rope(&layout).unwrap(),
+                &cfg.rope(&layout).unwrap(),
             )
             .unwrap();
         let mut x = inputs.take_hidden_states().unwrap();

@@ -579,7 +579,7 @@ impl MiniMaxH3 {
             bail!("{} steps modulated for {forwards} forwards", tables.len());
         }
         let blocks = cfg.num_layers;
-        let rope = model.model()?.rope(&layout)?;
+        let rope = cfg.rope(&layout)?;
         let denoise = Denoise::all(frame, forwards, |dit, i| {
             let (t, t_idx) = row_timesteps(
                 &layout,

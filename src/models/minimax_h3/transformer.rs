@@ -140,6 +140,13 @@ impl Default for MiniMaxH3TransformerConfig {
 }
 
 impl MiniMaxH3TransformerConfig {
+    /// The rotary tables (cos, sin) of `layout`'s rows, for
+    /// [`MiniMaxH3Transformer3DModel::prepare`]: made once per video, not per forward (on the
+    /// host they take ~75 ms at the published size).
+    pub fn rope(&self, layout: &PackedLayout) -> Result<(Tensor, Tensor)> {
+        rope_tables(&layout.position_ids, self.rope_freq_dim, self.rope_theta)
+    }
+
     /// Attention width: heads x head dim.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim
@@ -996,20 +1003,10 @@ impl MiniMaxH3Transformer3DModel {
         }
     }
 
-    /// The rotary tables (cos, sin) of `layout`'s rows, for [`Self::prepare`]: made once per
-    /// video, not per forward (on the host they take ~75 ms at the published size).
-    pub fn rope(&self, layout: &PackedLayout) -> Result<(Tensor, Tensor)> {
-        rope_tables(
-            &layout.position_ids,
-            self.cfg.rope_freq_dim,
-            self.cfg.rope_theta,
-        )
-    }
-
     /// Projects each modality, refines the text and packs the rows of `layout` into one sequence.
     /// `video` `[B, Nv, C·pt·ph·pw]` (patchified rows), `audio` `[B, 2Na, Ca]`, `text`
     /// `[B, L, text_dim]`, `timestep` `[T]` the distinct timesteps, `timestep_indices` `[S]`
-    /// each row's index into them, `rope` the layout's [`Self::rope`].
+    /// each row's index into them, `rope` the layout's [`MiniMaxH3TransformerConfig::rope`].
     #[allow(clippy::too_many_arguments)]
     pub fn prepare(
         &self,
@@ -1179,7 +1176,7 @@ impl MiniMaxH3Transformer3DModel {
         timestep_indices: &Tensor,
         layout: &PackedLayout,
     ) -> Result<(Tensor, Tensor)> {
-        let rope = self.rope(layout)?;
+        let rope = self.cfg.rope(layout)?;
         let inputs = self.prepare(
             video,
             audio,
