@@ -38,13 +38,12 @@ for s, v in j['metrics']['stages'].items():
   done
 }
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-if [ "$mib" -gt 100000 ] && [ "${1:-1}" != 4 ]; then
+if [ "$mib" -gt 100000 ]; then
   el "MiniMax H3's whole video, 4 steps, 124x768x1344, the DiT cut to one block, beside diffusers"
   timeout 520 python3 bench/minimax_e2e.py --vidgen /tmp/vidgen --out $OUT/minimax --layers 1 --modes default,resident 2>&1 \
     | grep -v "Warning\|warn\|it/s\]\|float32" | cut -c1-2500 | tail -14
 else
   case ${1:-1} in
-    4) ;;
     1) for round in 1 2; do
          el "round $round: Mochi-1's decode at 19 frames, vidgen then diffusers"
          timeout 60 /tmp/vae_decode --family mochi-1 1,12,4,60,106 2>&1 | grep "^{"
@@ -79,25 +78,3 @@ print('  stages', v['stages'], 'waited for loads beside', v['waited_for_loads_be
   esac
 fi
 el "done"
-# Call 4 (DEV=.device16 bash bench/results/session61/calls.sh 4; no .whl): the Wan VAE's CUDA tests, then Wan2.2
-# TI2V-5B's decode with DupUp3D's shortcut added channels last in one pass (vae_decode at this commit's parent's
-# tree) against the build before it (vae_decode_old, 4c89266), in turn, untiled and tiled; the frames of both compared.
-if [ "${1:-}" = 4 ]; then
-  el "CUDA tests: the Wan VAE's kernels"
-  timeout 120 /tmp/vidgen-lib-tests --test-threads=1 wan::vae::blocks::cuda_tests 2>&1 | grep -E "^test |panicked|result:"
-  xz -dc $DEV/vae_decode_old.xz > /tmp/vae_decode_old && chmod +x /tmp/vae_decode_old
-  for round in 1 2; do
-    for b in vae_decode_old vae_decode; do
-      for tiled in "" --tiled; do
-        save=""; [ "$round$tiled" = 1 ] && save="--save /tmp/$b.safetensors"
-        el "round $round: $b $tiled"
-        timeout 60 /tmp/$b --family wan2.2-ti2v-5b $tiled $save 2>&1 | grep "^{"
-      done
-    done
-  done
-  python3 -c "
-from safetensors.numpy import load_file; import numpy as np
-a = load_file('/tmp/vae_decode_old.safetensors')['video']; b = load_file('/tmp/vae_decode.safetensors')['video']
-print('frames old vs new: shape', a.shape, 'max |diff|', float(np.abs(a - b).max()))"
-  el "done"
-fi
