@@ -126,7 +126,7 @@ def main():
                                                                  "CPU smoke test of the writer)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--skip-diffusers", action="store_true", help="vidgen's runs only (diffusers holds every "
-                    "component on the device: about 76 GiB with one DiT block, more than an H100 has)")
+                    "component on the device: about 76 GiB with one DiT block, more than an H100 has, unless --free-encoder)")
     ap.add_argument("--free-encoder", action="store_true", help="diffusers drops its text encoder's weights once "
                     "the prompt is encoded (run_diffusers), so that it fits an 80 GB card")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test (with --configs of the tiny fixture)")
